@@ -1,0 +1,159 @@
+/* aioxfer native engine: registered memory, endpoints, one completion ring.
+ *
+ * Threading: every function may be called from the Python loop thread. Bulk
+ * copies, socket I/O and keepalives run on engine-owned threads that sleep in
+ * blocking syscalls or condition waits; nothing spins. Completions from every
+ * transport land in one ring; the engine writes axf_engine_fd() (an eventfd)
+ * when the ring goes from empty to non-empty.
+ */
+#ifndef AIOXFER_H
+#define AIOXFER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes: the one table Python maps to exception classes. */
+#define AXF_STATUS_TABLE(X)                                             \
+    X(AXF_OK, 0, "ok")                                                  \
+    X(AXF_E_INVALID, -1, "invalid argument")                            \
+    X(AXF_E_NOMEM, -2, "out of memory")                                 \
+    X(AXF_E_ACCESS, -3, "access denied (bad key, bounds or permission)") \
+    X(AXF_E_PEER_LOST, -4, "peer lost")                                 \
+    X(AXF_E_TIMEOUT, -5, "timed out")                                   \
+    X(AXF_E_TRANSPORT, -6, "transport error")                           \
+    X(AXF_E_REGISTRATION, -7, "registration error")                     \
+    X(AXF_E_PROTOCOL, -8, "protocol error")                             \
+    X(AXF_E_CLOSED, -9, "closed")                                       \
+    X(AXF_E_CANCELLED, -10, "cancelled")                                \
+    X(AXF_E_NOTFOUND, -11, "not found")
+
+enum axf_status {
+#define AXF_ENUM_ENTRY(name, value, text) name = value,
+    AXF_STATUS_TABLE(AXF_ENUM_ENTRY)
+#undef AXF_ENUM_ENTRY
+};
+
+const char *axf_strerror(int status);
+
+/* Access bits of a region. */
+#define AXF_ACCESS_READ 1u  /* peers may READ from it */
+#define AXF_ACCESS_WRITE 2u /* peers may WRITE into it */
+
+/* Endpoint kinds (transports). */
+#define AXF_EP_TCP 1
+#define AXF_EP_SHM 2
+
+/* Ops. */
+#define AXF_OP_WRITE 1
+#define AXF_OP_READ 2
+#define AXF_OP_NOTIFY 3 /* zero descriptors, payload only */
+
+/* Flags for axf_post. */
+#define AXF_POST_DEFER 1u /* queue only; axf_doorbell() releases the batch */
+
+/* Completion kinds. */
+#define AXF_CQ_XFER 1         /* id = request id; status, nbytes, fail_index */
+#define AXF_CQ_NOTIFY 2       /* tag = connection tag; payload */
+#define AXF_CQ_PEER_LOST 3    /* id = endpoint id; tag; status = reason */
+#define AXF_CQ_REGION_FREED 4 /* id = region id: its memory is no longer touched */
+#define AXF_CQ_LOG 5          /* tag = connection tag; payload = reason text */
+#define AXF_CQ_CONN_CLOSED 6  /* tag = connection tag (accepted side) */
+
+#define AXF_MAX_NOTIFY 4096u
+
+typedef struct axf_engine axf_engine;
+
+typedef struct axf_config {
+    uint32_t copy_workers;    /* shm copy threads (0: default 2) */
+    uint64_t chunk_bytes;     /* tcp chunk size (0: default 1 MiB) */
+    uint64_t inline_bytes;    /* shm copies up to this size run at submit (0: default 64 KiB; UINT64_MAX never) */
+    uint32_t keepalive_ms;    /* idle ping interval (0: default 1000) */
+    uint32_t peer_timeout_ms; /* silence after which a connection is lost (0: default 5000) */
+} axf_config;
+
+/* One descriptor: local (region, offset) <-> remote (region, key, offset), len. */
+typedef struct axf_desc {
+    uint64_t lrid;
+    uint64_t loff;
+    uint64_t rrid;
+    uint64_t rkey;
+    uint64_t roff;
+    uint64_t len;
+} axf_desc;
+
+typedef struct axf_completion {
+    uint32_t kind;
+    int32_t status;
+    uint64_t id;
+    uint64_t tag;
+    uint64_t nbytes;
+    uint64_t fail_index;
+    uint32_t payload_len;
+    uint8_t *payload; /* malloc'd; released by axf_completion_free */
+} axf_completion;
+
+typedef struct axf_stats {
+    uint64_t regions;       /* registered and not yet freed */
+    uint64_t ops;           /* posted and not yet completed */
+    uint64_t endpoints;
+    uint64_t conns;         /* live connections (both directions) */
+    uint64_t ops_posted;
+    uint64_t ops_completed;
+    uint64_t ops_failed;
+    uint64_t bytes;         /* bytes moved by completed ops */
+    uint64_t frames_rejected; /* malformed frames that closed a connection */
+} axf_stats;
+
+axf_engine *axf_engine_create(const axf_config *cfg);
+int axf_engine_fd(axf_engine *e);
+/* Stops every connection and worker, fails pending ops with AXF_E_CLOSED and
+ * frees every region (their completions go to the ring). Idempotent. */
+void axf_engine_shutdown(axf_engine *e);
+void axf_engine_destroy(axf_engine *e); /* after shutdown and a final poll */
+void axf_engine_stats(axf_engine *e, axf_stats *out);
+
+/* Registration. access: AXF_ACCESS_* bits. memfd >= 0 when the memory is a
+ * shared mapping of that fd at offset 0 (same-host peers may map it). */
+int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access,
+                        int memfd, uint64_t *id_out, uint64_t *key_out);
+/* Revokes a region: new accesses fail with AXF_E_ACCESS; ops already holding it
+ * finish. AXF_CQ_REGION_FREED is pushed once nothing touches it any more. */
+int axf_region_deregister(axf_engine *e, uint64_t id);
+
+/* Endpoints (the initiator side of a peer). */
+int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out);
+/* fd: a connected, authenticated stream socket; the engine owns it from now on. */
+int axf_endpoint_add_conn(axf_engine *e, uint64_t ep, int fd);
+/* Makes a peer's region known: bounds and key checks use it; for shm also its
+ * address in the peer (cross-memory attach) or its memfd number in the peer. */
+int axf_endpoint_import(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key, uint64_t len,
+                        uint32_t access, uint64_t addr, int32_t memfd);
+int axf_endpoint_forget(axf_engine *e, uint64_t ep, uint64_t rid);
+/* Fails its pending ops with AXF_E_CLOSED and closes its connections. */
+int axf_endpoint_close(axf_engine *e, uint64_t ep);
+
+/* The target side: a connected, authenticated socket accepted for a peer. */
+int axf_accept_conn(axf_engine *e, int fd, uint64_t tag);
+
+/* Posts one request. Returns AXF_OK when queued; an error when rejected at once
+ * (nothing queued, no completion will come). Checks local bounds, imported
+ * remote bounds and keys before anything moves. */
+int axf_post(axf_engine *e, uint64_t ep, int op, const axf_desc *descs, size_t n,
+             const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags);
+void axf_doorbell(axf_engine *e);
+/* Returns AXF_OK when found; the completion (AXF_E_CANCELLED) follows once the
+ * engine no longer touches the op's memory. */
+int axf_cancel(axf_engine *e, uint64_t req_id);
+
+/* Drains up to max completions; never blocks; also clears the eventfd. */
+size_t axf_poll(axf_engine *e, axf_completion *out, size_t max);
+void axf_completion_free(axf_completion *c);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,906 @@
+/* Engine core: region registry, ops table, posting, the completion ring. */
+#include "internal.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+const char *axf_strerror(int status)
+{
+    switch (status) {
+#define AXF_STR_ENTRY(name, value, text) \
+    case value:                          \
+        return text;
+        AXF_STATUS_TABLE(AXF_STR_ENTRY)
+#undef AXF_STR_ENTRY
+    default:
+        return "unknown status";
+    }
+}
+
+uint64_t axf_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static uint64_t random_u64(void)
+{
+    uint64_t v = 0;
+    while (v == 0) {
+        if (getrandom(&v, sizeof v, 0) != (ssize_t)sizeof v)
+            v = 0x9e3779b97f4a7c15ull ^ axf_now_ms() ^ (uint64_t)getpid();
+    }
+    return v;
+}
+
+/* ---------------------------------------------------------------- ring */
+
+void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
+             uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
+{
+    uint8_t *copy = NULL;
+    if (plen) {
+        copy = malloc(plen);
+        if (copy)
+            memcpy(copy, payload, plen);
+        else
+            plen = 0;
+    }
+    pthread_mutex_lock(&e->cq_mu);
+    if (e->cq_count == e->cq_cap) {
+        size_t ncap = e->cq_cap ? e->cq_cap * 2 : 1024;
+        axf_completion *n = malloc(ncap * sizeof *n);
+        if (!n) { /* cannot happen in practice; drop the payload, keep the record */
+            pthread_mutex_unlock(&e->cq_mu);
+            free(copy);
+            return;
+        }
+        for (size_t i = 0; i < e->cq_count; i++)
+            n[i] = e->cq[(e->cq_head + i) % e->cq_cap];
+        free(e->cq);
+        e->cq = n;
+        e->cq_cap = ncap;
+        e->cq_head = 0;
+    }
+    bool was_empty = e->cq_count == 0;
+    axf_completion *c = &e->cq[(e->cq_head + e->cq_count) % e->cq_cap];
+    c->kind = kind;
+    c->status = status;
+    c->id = id;
+    c->tag = tag;
+    c->nbytes = nbytes;
+    c->fail_index = fail_index;
+    c->payload_len = (uint32_t)plen;
+    c->payload = copy;
+    e->cq_count++;
+    pthread_mutex_unlock(&e->cq_mu);
+    if (was_empty) {
+        uint64_t one = 1;
+        ssize_t r = write(e->efd, &one, sizeof one);
+        (void)r; /* EAGAIN means the counter is already non-zero: still signalled */
+    }
+}
+
+void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...)
+{
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    size_t len = (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1;
+    cq_push(e, AXF_CQ_LOG, 0, 0, tag, 0, 0, buf, len);
+}
+
+size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
+{
+    uint64_t v;
+    /* Clear the eventfd before taking records: a push that races with us
+     * either lands in this batch or re-arms the fd. */
+    ssize_t r = read(e->efd, &v, sizeof v);
+    (void)r;
+    pthread_mutex_lock(&e->cq_mu);
+    size_t n = e->cq_count < max ? e->cq_count : max;
+    for (size_t i = 0; i < n; i++)
+        out[i] = e->cq[(e->cq_head + i) % e->cq_cap];
+    if (n) {
+        e->cq_head = (e->cq_head + n) % e->cq_cap;
+        e->cq_count -= n;
+    }
+    bool more = e->cq_count > 0;
+    pthread_mutex_unlock(&e->cq_mu);
+    if (more) {
+        uint64_t one = 1;
+        r = write(e->efd, &one, sizeof one);
+        (void)r;
+    }
+    return n;
+}
+
+void axf_completion_free(axf_completion *c)
+{
+    free(c->payload);
+    c->payload = NULL;
+    c->payload_len = 0;
+}
+
+/* ---------------------------------------------------------------- engine */
+
+axf_engine *axf_engine_create(const axf_config *cfg)
+{
+    axf_engine *e = calloc(1, sizeof *e);
+    if (!e)
+        return NULL;
+    if (cfg)
+        e->cfg = *cfg;
+    if (!e->cfg.copy_workers)
+        e->cfg.copy_workers = 2;
+    if (!e->cfg.chunk_bytes)
+        e->cfg.chunk_bytes = 1u << 20;
+    if (!e->cfg.inline_bytes)
+        e->cfg.inline_bytes = 64u << 10;
+    if (!e->cfg.keepalive_ms)
+        e->cfg.keepalive_ms = 1000;
+    if (!e->cfg.peer_timeout_ms)
+        e->cfg.peer_timeout_ms = 5000;
+    if (e->cfg.keepalive_ms * 2 > e->cfg.peer_timeout_ms)
+        e->cfg.keepalive_ms = e->cfg.peer_timeout_ms / 3 ? e->cfg.peer_timeout_ms / 3 : 1;
+    e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (e->efd < 0) {
+        free(e);
+        return NULL;
+    }
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->cq_mu, NULL);
+    pthread_mutex_init(&e->wq_mu, NULL);
+    pthread_cond_init(&e->wq_cv, NULL);
+    pthread_mutex_init(&e->th_mu, NULL);
+    pthread_cond_init(&e->th_cv, NULL);
+    e->next_rid = 1;
+    e->next_ep = 1;
+    if (shm_start(e) != AXF_OK) {
+        close(e->efd);
+        free(e);
+        return NULL;
+    }
+    return e;
+}
+
+int axf_engine_fd(axf_engine *e) { return e->efd; }
+
+void axf_engine_stats(axf_engine *e, axf_stats *s)
+{
+    memset(s, 0, sizeof *s);
+    s->regions = atomic_load(&e->n_regions);
+    s->ops = atomic_load(&e->n_ops);
+    s->conns = atomic_load(&e->n_conns);
+    s->ops_posted = atomic_load(&e->posted);
+    s->ops_completed = atomic_load(&e->completed);
+    s->ops_failed = atomic_load(&e->failed);
+    s->bytes = atomic_load(&e->bytes);
+    s->frames_rejected = atomic_load(&e->rejected);
+    pthread_mutex_lock(&e->mu);
+    for (endpoint *ep = e->eps; ep; ep = ep->next)
+        if (!ep->dead)
+            s->endpoints++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---------------------------------------------------------------- regions */
+
+region *region_get(axf_engine *e, uint64_t id)
+{
+    for (region *r = e->regions[id % AXF_REGION_BUCKETS]; r; r = r->next)
+        if (r->id == id) {
+            atomic_fetch_add(&r->refs, 1);
+            return r;
+        }
+    return NULL;
+}
+
+void region_unref(axf_engine *e, region *r)
+{
+    if (atomic_fetch_sub(&r->refs, 1) == 1) {
+        cq_push(e, AXF_CQ_REGION_FREED, AXF_OK, r->id, 0, r->len, 0, NULL, 0);
+        atomic_fetch_sub(&e->n_regions, 1);
+        free(r);
+    }
+}
+
+int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access, int memfd,
+                        uint64_t *id_out, uint64_t *key_out)
+{
+    if (!addr || !len || (access & ~(AXF_ACCESS_READ | AXF_ACCESS_WRITE)))
+        return AXF_E_INVALID;
+    if ((uintptr_t)addr + len < (uintptr_t)addr)
+        return AXF_E_INVALID;
+    region *r = calloc(1, sizeof *r);
+    if (!r)
+        return AXF_E_NOMEM;
+    r->addr = addr;
+    r->len = len;
+    r->access = access;
+    r->memfd = memfd;
+    r->key = random_u64();
+    atomic_init(&r->refs, 1);
+    pthread_mutex_lock(&e->mu);
+    if (e->shut) {
+        pthread_mutex_unlock(&e->mu);
+        free(r);
+        return AXF_E_CLOSED;
+    }
+    r->id = e->next_rid++;
+    region **b = &e->regions[r->id % AXF_REGION_BUCKETS];
+    r->next = *b;
+    *b = r;
+    pthread_mutex_unlock(&e->mu);
+    atomic_fetch_add(&e->n_regions, 1);
+    *id_out = r->id;
+    *key_out = r->key;
+    return AXF_OK;
+}
+
+int axf_region_deregister(axf_engine *e, uint64_t id)
+{
+    pthread_mutex_lock(&e->mu);
+    region **p = &e->regions[id % AXF_REGION_BUCKETS];
+    while (*p && (*p)->id != id)
+        p = &(*p)->next;
+    region *r = *p;
+    if (r)
+        *p = r->next; /* unreachable from now on: new accesses fail */
+    pthread_mutex_unlock(&e->mu);
+    if (!r)
+        return AXF_E_NOTFOUND;
+    region_unref(e, r);
+    return AXF_OK;
+}
+
+/* ---------------------------------------------------------------- ops */
+
+op *op_find(axf_engine *e, uint64_t req_id)
+{
+    for (op *o = e->ops[req_id % AXF_OP_BUCKETS]; o; o = o->hnext)
+        if (o->req_id == req_id)
+            return o;
+    return NULL;
+}
+
+static void op_unlink(axf_engine *e, op *o) /* e->mu held */
+{
+    op **p = &e->ops[o->req_id % AXF_OP_BUCKETS];
+    while (*p && *p != o)
+        p = &(*p)->hnext;
+    if (*p)
+        *p = o->hnext;
+    if (o->prev)
+        o->prev->next = o->next;
+    else
+        o->ep->ops = o->next;
+    if (o->next)
+        o->next->prev = o->prev;
+}
+
+static void op_free(axf_engine *e, op *o)
+{
+    for (size_t i = 0; i < o->nlregs; i++)
+        region_unref(e, o->lregs[i]);
+    free(o->d);
+    free(o->laddr);
+    free(o->rr);
+    free(o->lregs);
+    free(o->notify);
+    free(o);
+}
+
+/* Pushes the completion and frees an op already unlinked by its owner. */
+static void op_finish_unlinked(axf_engine *e, op *o)
+{
+    int st = atomic_load(&o->status);
+    cq_push(e, AXF_CQ_XFER, st, o->req_id, o->ep->tag, atomic_load(&o->nbytes), o->fail_index,
+            NULL, 0);
+    atomic_fetch_add(st == AXF_OK ? &e->completed : &e->failed, 1);
+    if (st == AXF_OK)
+        atomic_fetch_add(&e->bytes, atomic_load(&o->nbytes));
+    atomic_fetch_sub(&e->n_ops, 1);
+    op_free(e, o);
+}
+
+static void op_complete(axf_engine *e, op *o)
+{
+    pthread_mutex_lock(&e->mu);
+    if (o->claimed) {
+        pthread_mutex_unlock(&e->mu);
+        return;
+    }
+    o->claimed = true;
+    op_unlink(e, o);
+    pthread_mutex_unlock(&e->mu);
+    op_finish_unlinked(e, o);
+}
+
+void op_set_status(op *o, int status, uint64_t index)
+{
+    int expected = AXF_OK;
+    if (status != AXF_OK && atomic_compare_exchange_strong(&o->status, &expected, status))
+        o->fail_index = index;
+}
+
+/* The data phase is over: send the bound notification, or complete. */
+static void op_data_done(axf_engine *e, op *o)
+{
+    pthread_mutex_lock(&e->mu);
+    if (o->ep->dead)
+        op_set_status(o, o->ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, 0);
+    if (o->notify && atomic_load(&o->status) == AXF_OK && !atomic_load(&o->cancelled) &&
+        o->ep->nconns > 0) {
+        o->phase = 1;
+        atomic_store(&o->remaining, 1);
+        sq_item *it = sq_new(FR_NOTIFY, o->req_id);
+        if (it) {
+            it->h.len = o->notify_len;
+            it->payload = o->notify;
+            it->plen = o->notify_len;
+            it->op = o;
+            conn_enqueue(o->ep->conns[0], it, true);
+            pthread_mutex_unlock(&e->mu);
+            return;
+        }
+        op_set_status(o, AXF_E_NOMEM, 0);
+    } else if (o->notify && atomic_load(&o->status) == AXF_OK && o->ep->nconns == 0) {
+        op_set_status(o, AXF_E_TRANSPORT, 0);
+    }
+    o->claimed = true;
+    op_unlink(e, o);
+    pthread_mutex_unlock(&e->mu);
+    op_finish_unlinked(e, o);
+}
+
+void op_unit_done(axf_engine *e, op *o)
+{
+    if (atomic_fetch_sub(&o->remaining, 1) != 1)
+        return;
+    if (o->phase == 0)
+        op_data_done(e, o);
+    else
+        op_complete(e, o);
+}
+
+/* Called when the last connection thread of an endpoint's connection exits.
+ * Ops whose remaining work sits only on connections are failed here; shm data
+ * copies in worker threads finish on their own and then see ep->dead. */
+void endpoint_conn_finished(axf_engine *e, endpoint *ep)
+{
+    op *claimed = NULL;
+    pthread_mutex_lock(&e->mu);
+    ep->live_conns--;
+    bool report = false;
+    if (ep->live_conns == 0) {
+        ep->dead = true;
+        int st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
+        for (op *o = ep->ops, *next; o; o = next) {
+            next = o->next;
+            if (ep->kind == AXF_EP_SHM && o->phase == 0)
+                continue;
+            o->claimed = true;
+            op_set_status(o, st, 0);
+            op_unlink(e, o);
+            o->next = claimed;
+            claimed = o;
+        }
+        if (!ep->lost_reported) {
+            ep->lost_reported = true;
+            report = true;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    for (op *o = claimed, *next; o; o = next) {
+        next = o->next;
+        op_finish_unlinked(e, o);
+    }
+    if (report)
+        cq_push(e, AXF_CQ_PEER_LOST, ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, ep->id, ep->tag,
+                0, 0, NULL, 0);
+}
+
+static endpoint *ep_find(axf_engine *e, uint64_t id) /* e->mu held */
+{
+    for (endpoint *ep = e->eps; ep; ep = ep->next)
+        if (ep->id == id)
+            return ep;
+    return NULL;
+}
+
+static rregion *rr_find(endpoint *ep, uint64_t rid)
+{
+    for (rregion *rr = ep->rregions; rr; rr = rr->next)
+        if (rr->rid == rid && !rr->gone)
+            return rr;
+    return NULL;
+}
+
+/* Checks every descriptor and takes refs on local regions; e->mu held. */
+static int op_resolve(axf_engine *e, op *o)
+{
+    uint32_t need_remote = o->opcode == AXF_OP_WRITE ? AXF_ACCESS_WRITE : AXF_ACCESS_READ;
+    uint64_t last_lrid = 0;
+    region *last = NULL;
+    for (size_t i = 0; i < o->n; i++) {
+        const axf_desc *d = &o->d[i];
+        if (!d->len) {
+            o->fail_index = i;
+            return AXF_E_INVALID;
+        }
+        if (!last || d->lrid != last_lrid) {
+            region *r = NULL;
+            for (size_t k = 0; k < o->nlregs; k++)
+                if (o->lregs[k]->id == d->lrid)
+                    r = o->lregs[k];
+            if (!r) {
+                r = region_get(e, d->lrid);
+                if (!r) {
+                    o->fail_index = i;
+                    return AXF_E_ACCESS;
+                }
+                o->lregs[o->nlregs++] = r;
+            }
+            last = r;
+            last_lrid = d->lrid;
+        }
+        if (d->loff > last->len || d->len > last->len - d->loff) {
+            o->fail_index = i;
+            return AXF_E_ACCESS;
+        }
+        /* READ lands in local memory: the local buffer must be writable. */
+        if (o->opcode == AXF_OP_READ && !(last->access & AXF_ACCESS_WRITE)) {
+            o->fail_index = i;
+            return AXF_E_ACCESS;
+        }
+        o->laddr[i] = last->addr + d->loff;
+        rregion *rr = rr_find(o->ep, d->rrid);
+        if (!rr || rr->key != d->rkey || !(rr->access & need_remote) || d->roff > rr->len ||
+            d->len > rr->len - d->roff) {
+            o->fail_index = i;
+            return AXF_E_ACCESS;
+        }
+        o->rr[i] = rr;
+    }
+    return AXF_OK;
+}
+
+static void tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
+{
+    endpoint *ep = o->ep;
+    sq_item *lastp[AXF_MAX_CONNS] = {0};
+    int type = o->opcode == AXF_OP_WRITE ? FR_WRITE : FR_READ_REQ;
+    uint64_t chunk = e->cfg.chunk_bytes;
+    int used = 0;
+    for (size_t i = 0; i < o->n; i++) {
+        const axf_desc *d = &o->d[i];
+        for (uint64_t off = 0; off < d->len; off += chunk) {
+            uint64_t len = d->len - off < chunk ? d->len - off : chunk;
+            int ci = ep->rr_next;
+            ep->rr_next = (ep->rr_next + 1) % ep->nconns;
+            sq_item *it = sq_new(type, o->req_id);
+            if (!it) {
+                op_set_status(o, AXF_E_NOMEM, i);
+                goto out;
+            }
+            it->h.index = i;
+            it->h.rid = d->rrid;
+            it->h.key = d->rkey;
+            it->h.off = d->roff + off;
+            it->h.len = len;
+            it->op = o;
+            if (type == FR_WRITE) {
+                it->payload = o->laddr[i] + off;
+                it->plen = len;
+            }
+            if (!lastp[ci])
+                used++;
+            else
+                conn_enqueue(ep->conns[ci], lastp[ci], false);
+            lastp[ci] = it;
+        }
+    }
+out:
+    /* One unit per connection used: its LAST frame is acknowledged once. */
+    atomic_store(&o->remaining, used ? used : 1);
+    if (!used) {
+        atomic_store(&o->remaining, 0);
+        return; /* caller completes */
+    }
+    for (int ci = 0; ci < ep->nconns; ci++) {
+        if (!lastp[ci])
+            continue;
+        lastp[ci]->h.flags |= FL_LAST;
+        conn_enqueue(ep->conns[ci], lastp[ci], signal);
+        if (!signal) {
+            bool seen = false;
+            for (int k = 0; k < e->ndirty; k++)
+                seen |= e->dirty[k] == ep->conns[ci];
+            if (!seen && e->ndirty < 64)
+                e->dirty[e->ndirty++] = ep->conns[ci];
+            else if (!seen)
+                conn_signal(ep->conns[ci]);
+        }
+    }
+}
+
+int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, size_t n,
+             const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags)
+{
+    if (opcode != AXF_OP_WRITE && opcode != AXF_OP_READ && opcode != AXF_OP_NOTIFY)
+        return AXF_E_INVALID;
+    if (notify_len > AXF_MAX_NOTIFY || (opcode == AXF_OP_NOTIFY && (n || !notify_len)) ||
+        (opcode != AXF_OP_NOTIFY && !n) || (opcode == AXF_OP_READ && notify_len))
+        return AXF_E_INVALID;
+    op *o = calloc(1, sizeof *o);
+    if (!o)
+        return AXF_E_NOMEM;
+    o->req_id = req_id;
+    o->opcode = opcode;
+    o->n = n;
+    if (n) {
+        o->d = malloc(n * sizeof *o->d);
+        o->laddr = malloc(n * sizeof *o->laddr);
+        o->rr = malloc(n * sizeof *o->rr);
+        o->lregs = malloc(n * sizeof *o->lregs);
+        if (!o->d || !o->laddr || !o->rr || !o->lregs) {
+            op_free(e, o);
+            return AXF_E_NOMEM;
+        }
+        memcpy(o->d, descs, n * sizeof *descs);
+    }
+    if (notify_len) {
+        o->notify = malloc(notify_len);
+        if (!o->notify) {
+            op_free(e, o);
+            return AXF_E_NOMEM;
+        }
+        memcpy(o->notify, notify, notify_len);
+        o->notify_len = notify_len;
+    }
+    pthread_mutex_lock(&e->mu);
+    int st = AXF_OK;
+    endpoint *ep = ep_find(e, ep_id);
+    if (e->shut)
+        st = AXF_E_CLOSED;
+    else if (!ep)
+        st = AXF_E_NOTFOUND;
+    else if (ep->dead)
+        st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
+    else if (op_find(e, req_id))
+        st = AXF_E_INVALID;
+    else if ((ep->kind == AXF_EP_TCP || opcode == AXF_OP_NOTIFY) && ep->nconns == 0)
+        st = AXF_E_TRANSPORT;
+    if (st == AXF_OK) {
+        o->ep = ep;
+        st = op_resolve(e, o);
+    }
+    if (st != AXF_OK) {
+        pthread_mutex_unlock(&e->mu);
+        op_free(e, o);
+        return st;
+    }
+    /* Registered: from here on exactly one completion follows. */
+    op **b = &e->ops[req_id % AXF_OP_BUCKETS];
+    o->hnext = *b;
+    *b = o;
+    o->next = ep->ops;
+    if (ep->ops)
+        ep->ops->prev = o;
+    ep->ops = o;
+    atomic_fetch_add(&e->n_ops, 1);
+    atomic_fetch_add(&e->posted, 1);
+    bool signal = !(flags & AXF_POST_DEFER);
+    bool finish_now = false;
+    if (opcode == AXF_OP_NOTIFY) {
+        atomic_store(&o->remaining, 1);
+        pthread_mutex_unlock(&e->mu);
+        op_unit_done(e, o); /* straight to the notification phase */
+        return AXF_OK;
+    }
+    if (ep->kind == AXF_EP_TCP) {
+        tcp_submit(e, o, signal);
+        finish_now = atomic_load(&o->remaining) == 0;
+        pthread_mutex_unlock(&e->mu);
+    } else {
+        uint64_t total = 0;
+        for (size_t i = 0; i < n; i++)
+            total += o->d[i].len;
+        pthread_mutex_unlock(&e->mu);
+        if (!notify_len && total <= e->cfg.inline_bytes) {
+            /* Small same-host copy: done now, completion known at submit. */
+            atomic_store(&o->remaining, 1);
+            int cst = shm_copy_inline(e, o);
+            op_set_status(o, cst, 0);
+            op_unit_done(e, o);
+            return AXF_OK;
+        }
+        if (!signal) {
+            pthread_mutex_lock(&e->mu);
+            e->dirty_workers = true;
+            pthread_mutex_unlock(&e->mu);
+        }
+        shm_submit(e, o, signal);
+    }
+    if (finish_now)
+        op_complete(e, o);
+    return AXF_OK;
+}
+
+void axf_doorbell(axf_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < e->ndirty; i++)
+        conn_signal(e->dirty[i]);
+    e->ndirty = 0;
+    bool w = e->dirty_workers;
+    e->dirty_workers = false;
+    pthread_mutex_unlock(&e->mu);
+    if (w) {
+        pthread_mutex_lock(&e->wq_mu);
+        pthread_cond_broadcast(&e->wq_cv);
+        pthread_mutex_unlock(&e->wq_mu);
+    }
+}
+
+int axf_cancel(axf_engine *e, uint64_t req_id)
+{
+    pthread_mutex_lock(&e->mu);
+    op *o = op_find(e, req_id);
+    if (o) {
+        atomic_store(&o->cancelled, 1);
+        op_set_status(o, AXF_E_CANCELLED, 0);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return o ? AXF_OK : AXF_E_NOTFOUND;
+}
+
+/* ---------------------------------------------------------------- endpoints */
+
+int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out)
+{
+    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM)
+        return AXF_E_INVALID;
+    endpoint *ep = calloc(1, sizeof *ep);
+    if (!ep)
+        return AXF_E_NOMEM;
+    ep->kind = kind;
+    ep->tag = tag;
+    ep->pid = pid;
+    pthread_mutex_lock(&e->mu);
+    if (e->shut) {
+        pthread_mutex_unlock(&e->mu);
+        free(ep);
+        return AXF_E_CLOSED;
+    }
+    ep->id = e->next_ep++;
+    ep->next = e->eps;
+    e->eps = ep;
+    pthread_mutex_unlock(&e->mu);
+    *ep_out = ep->id;
+    return AXF_OK;
+}
+
+int axf_endpoint_add_conn(axf_engine *e, uint64_t ep_id, int fd)
+{
+    pthread_mutex_lock(&e->mu);
+    endpoint *ep = ep_find(e, ep_id);
+    int st = AXF_OK;
+    if (e->shut)
+        st = AXF_E_CLOSED;
+    else if (!ep)
+        st = AXF_E_NOTFOUND;
+    else if (ep->dead || ep->closing)
+        st = AXF_E_CLOSED;
+    else if (ep->nconns >= AXF_MAX_CONNS)
+        st = AXF_E_INVALID;
+    if (st != AXF_OK) {
+        pthread_mutex_unlock(&e->mu);
+        close(fd);
+        return st;
+    }
+    /* Counted before the threads start so an early death is accounted. */
+    ep->live_conns++;
+    conn *c = conn_start(e, ep, ep->tag, fd, &st);
+    if (!c) {
+        ep->live_conns--;
+        pthread_mutex_unlock(&e->mu);
+        return st;
+    }
+    ep->conns[ep->nconns++] = c;
+    pthread_mutex_unlock(&e->mu);
+    return AXF_OK;
+}
+
+int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t key, uint64_t len,
+                        uint32_t access, uint64_t addr, int32_t memfd)
+{
+    rregion *rr = calloc(1, sizeof *rr);
+    if (!rr)
+        return AXF_E_NOMEM;
+    rr->rid = rid;
+    rr->key = key;
+    rr->len = len;
+    rr->access = access;
+    rr->addr = addr;
+    pthread_mutex_lock(&e->mu);
+    endpoint *ep = ep_find(e, ep_id);
+    int st = !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED : AXF_OK;
+    if (st == AXF_OK && ep->kind == AXF_EP_SHM && memfd >= 0)
+        st = shm_map(ep, rr, memfd);
+    if (st != AXF_OK) {
+        pthread_mutex_unlock(&e->mu);
+        free(rr);
+        return st;
+    }
+    rregion *old = rr_find(ep, rid);
+    if (old)
+        old->gone = true;
+    rr->next = ep->rregions;
+    ep->rregions = rr;
+    pthread_mutex_unlock(&e->mu);
+    return AXF_OK;
+}
+
+int axf_endpoint_forget(axf_engine *e, uint64_t ep_id, uint64_t rid)
+{
+    pthread_mutex_lock(&e->mu);
+    endpoint *ep = ep_find(e, ep_id);
+    rregion *rr = ep ? rr_find(ep, rid) : NULL;
+    if (rr)
+        rr->gone = true; /* in-flight ops keep using it; freed with the endpoint */
+    pthread_mutex_unlock(&e->mu);
+    return rr ? AXF_OK : AXF_E_NOTFOUND;
+}
+
+int axf_endpoint_close(axf_engine *e, uint64_t ep_id)
+{
+    pthread_mutex_lock(&e->mu);
+    endpoint *ep = ep_find(e, ep_id);
+    if (!ep) {
+        pthread_mutex_unlock(&e->mu);
+        return AXF_E_NOTFOUND;
+    }
+    ep->closing = true;
+    int n = ep->nconns;
+    bool none = ep->live_conns == 0;
+    if (none)
+        ep->dead = true;
+    for (int i = 0; i < n; i++)
+        conn_kill(ep->conns[i]);
+    pthread_mutex_unlock(&e->mu);
+    if (none) {
+        /* No connection thread will come by: fail what is left here. */
+        pthread_mutex_lock(&e->mu);
+        ep->live_conns++;
+        pthread_mutex_unlock(&e->mu);
+        endpoint_conn_finished(e, ep);
+    }
+    return AXF_OK;
+}
+
+int axf_accept_conn(axf_engine *e, int fd, uint64_t tag)
+{
+    pthread_mutex_lock(&e->mu);
+    int st = AXF_OK;
+    if (e->shut) {
+        pthread_mutex_unlock(&e->mu);
+        close(fd);
+        return AXF_E_CLOSED;
+    }
+    conn *c = conn_start(e, NULL, tag, fd, &st);
+    pthread_mutex_unlock(&e->mu);
+    return c ? AXF_OK : st;
+}
+
+/* ---------------------------------------------------------------- shutdown */
+
+void axf_engine_shutdown(axf_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    if (e->shut) {
+        pthread_mutex_unlock(&e->mu);
+        return;
+    }
+    e->shut = true;
+    for (endpoint *ep = e->eps; ep; ep = ep->next)
+        ep->closing = true;
+    for (conn *c = e->conns; c; c = c->next_all)
+        conn_kill(c);
+    pthread_mutex_unlock(&e->mu);
+
+    /* Connection threads are detached: wait for them to leave. */
+    pthread_mutex_lock(&e->th_mu);
+    while (e->conn_threads > 0)
+        pthread_cond_wait(&e->th_cv, &e->th_mu);
+    pthread_mutex_unlock(&e->th_mu);
+
+    shm_stop(e); /* finishes or fails queued copies */
+
+    /* Whatever is left (endpoints that never had a connection). */
+    for (;;) {
+        op *o = NULL;
+        pthread_mutex_lock(&e->mu);
+        for (endpoint *ep = e->eps; ep && !o; ep = ep->next)
+            o = ep->ops;
+        if (o) {
+            o->claimed = true;
+            op_set_status(o, AXF_E_CLOSED, 0);
+            op_unlink(e, o);
+        }
+        pthread_mutex_unlock(&e->mu);
+        if (!o)
+            break;
+        op_finish_unlinked(e, o);
+    }
+    for (endpoint *ep = e->eps; ep; ep = ep->next)
+        if (!ep->lost_reported) {
+            ep->lost_reported = true;
+            ep->dead = true;
+            cq_push(e, AXF_CQ_PEER_LOST, AXF_E_CLOSED, ep->id, ep->tag, 0, 0, NULL, 0);
+        }
+    for (size_t b = 0; b < AXF_REGION_BUCKETS; b++) {
+        for (;;) {
+            pthread_mutex_lock(&e->mu);
+            region *r = e->regions[b];
+            if (r)
+                e->regions[b] = r->next;
+            pthread_mutex_unlock(&e->mu);
+            if (!r)
+                break;
+            region_unref(e, r);
+        }
+    }
+}
+
+void axf_engine_destroy(axf_engine *e)
+{
+    if (!e)
+        return;
+    axf_engine_shutdown(e);
+    for (endpoint *ep = e->eps, *n; ep; ep = n) {
+        n = ep->next;
+        for (rregion *rr = ep->rregions, *rn; rr; rr = rn) {
+            rn = rr->next;
+            shm_unmap(rr);
+            free(rr);
+        }
+        free(ep);
+    }
+    for (conn *c = e->conns, *n; c; c = n) {
+        n = c->next_all;
+        for (sq_item *it = c->head, *in; it; it = in) {
+            in = it->next;
+            free(it->owned);
+            free(it);
+        }
+        pthread_mutex_destroy(&c->mu);
+        pthread_cond_destroy(&c->cv);
+        free(c);
+    }
+    for (size_t i = 0; i < e->cq_count; i++)
+        free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
+    free(e->cq);
+    close(e->efd);
+    pthread_mutex_destroy(&e->mu);
+    pthread_mutex_destroy(&e->cq_mu);
+    pthread_mutex_destroy(&e->wq_mu);
+    pthread_cond_destroy(&e->wq_cv);
+    pthread_mutex_destroy(&e->th_mu);
+    pthread_cond_destroy(&e->th_cv);
+    free(e);
+}

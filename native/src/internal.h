@@ -1,0 +1,191 @@
+/* Engine internals shared by engine.c (registry, ops, ring), conn.c (framed
+ * socket transport) and shm.c (same-host copy workers). */
+#ifndef AXF_INTERNAL_H
+#define AXF_INTERNAL_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "aioxfer.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <sys/types.h>
+
+#define AXF_MAX_CONNS 16
+#define AXF_MAX_FRAME (256ull << 20) /* largest payload one frame may carry */
+#define AXF_REGION_BUCKETS 1024
+#define AXF_OP_BUCKETS 4096
+
+/* Wire frame: fixed 64-byte header, little-endian hosts only (checked at
+ * handshake by the Python layer's host metadata). */
+enum { FR_WRITE = 1, FR_WRITE_ACK, FR_READ_REQ, FR_READ_RESP, FR_NOTIFY, FR_NOTIFY_ACK, FR_PING };
+enum { FL_LAST = 1, FL_ABORT = 2 };
+#define AXF_MAGIC 0x31465841u /* "AXF1" */
+
+typedef struct wire_hdr {
+    uint32_t magic;
+    uint16_t type;
+    uint16_t flags;
+    int32_t status;
+    uint32_t reserved;
+    uint64_t op;
+    uint64_t index;
+    uint64_t rid;
+    uint64_t key;
+    uint64_t off;
+    uint64_t len;
+} wire_hdr;
+_Static_assert(sizeof(wire_hdr) == 64, "wire header is 64 bytes");
+
+typedef struct region {
+    uint64_t id, key, len;
+    uint8_t *addr;
+    uint32_t access;
+    int memfd;
+    atomic_int refs; /* one for the registry while registered, one per user */
+    struct region *next;
+} region;
+
+/* A peer's region as imported into an endpoint. Freed with the endpoint. */
+typedef struct rregion {
+    uint64_t rid, key, len, addr;
+    uint32_t access;
+    bool gone;
+    uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
+    struct rregion *next;
+} rregion;
+
+struct conn;
+
+typedef struct endpoint {
+    uint64_t id, tag;
+    int kind;
+    pid_t pid;
+    struct conn *conns[AXF_MAX_CONNS];
+    int nconns, live_conns, rr_next;
+    rregion *rregions;
+    bool dead, closing, lost_reported;
+    struct op *ops; /* pending ops, doubly linked */
+    struct endpoint *next;
+} endpoint;
+
+typedef struct op {
+    uint64_t req_id;
+    endpoint *ep;
+    int opcode;
+    size_t n;
+    axf_desc *d;
+    uint8_t **laddr;  /* resolved local address per descriptor */
+    rregion **rr;     /* resolved remote region per descriptor */
+    region **lregs;   /* distinct local regions referenced */
+    size_t nlregs;
+    uint8_t *notify;
+    size_t notify_len;
+    atomic_long remaining;
+    atomic_int status;
+    atomic_int cancelled;
+    atomic_ullong nbytes;
+    uint64_t fail_index;
+    int phase; /* 0: data, 1: notification sent */
+    bool claimed;
+    struct op *hnext, *prev, *next;
+} op;
+
+typedef struct sq_item {
+    wire_hdr h;
+    const uint8_t *payload;
+    uint64_t plen;
+    op *op;          /* initiator frames: the op (never dereferenced once dropped) */
+    region *reg;     /* target READ_RESP: region ref released after sending */
+    uint8_t *owned;  /* freed after sending */
+    struct sq_item *next;
+} sq_item;
+
+typedef struct conn {
+    axf_engine *e;
+    endpoint *ep; /* NULL on the accepting side */
+    uint64_t tag;
+    int fd;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    sq_item *head, *tail;
+    bool dead;
+    atomic_int threads;
+    /* accepting side: state of the current write group */
+    uint64_t grp_op;
+    int32_t grp_status;
+    uint64_t grp_fail, grp_bytes;
+    bool in_grp;
+    struct conn *next_all;
+} conn;
+
+typedef struct job {
+    op *op;
+    size_t i0, i1;      /* whole descriptors [i0, i1) ... */
+    uint64_t off, len;  /* ... or, when len != 0, bytes [off, off+len) of descriptor i0 */
+    struct job *next;
+} job;
+
+struct axf_engine {
+    axf_config cfg;
+    int efd;
+    pthread_mutex_t mu; /* registry, ops, endpoints, conns. Order: mu, then conn->mu */
+    region *regions[AXF_REGION_BUCKETS];
+    op *ops[AXF_OP_BUCKETS];
+    endpoint *eps;
+    conn *conns;
+    uint64_t next_rid, next_ep;
+    bool shut;
+
+    pthread_mutex_t cq_mu;
+    axf_completion *cq;
+    size_t cq_head, cq_count, cq_cap;
+
+    pthread_mutex_t wq_mu;
+    pthread_cond_t wq_cv;
+    job *wq_head, *wq_tail;
+    bool wq_stop;
+    pthread_t *workers;
+    uint32_t nworkers;
+
+    pthread_mutex_t th_mu;
+    pthread_cond_t th_cv;
+    int conn_threads; /* detached connection threads still running */
+
+    conn *dirty[64]; /* connections with deferred, unsignalled frames */
+    int ndirty;
+    bool dirty_workers;
+
+    atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
+};
+
+/* engine.c */
+uint64_t axf_now_ms(void);
+void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
+             uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);
+void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+region *region_get(axf_engine *e, uint64_t id); /* with e->mu held; takes a ref */
+void region_unref(axf_engine *e, region *r);
+op *op_find(axf_engine *e, uint64_t req_id);     /* with e->mu held */
+void op_set_status(op *o, int status, uint64_t index);
+void op_unit_done(axf_engine *e, op *o);
+void endpoint_conn_finished(axf_engine *e, endpoint *ep);
+
+/* conn.c */
+conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
+void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
+void conn_signal(conn *c);
+void conn_kill(conn *c);
+sq_item *sq_new(int type, uint64_t op_id);
+
+/* shm.c */
+int shm_start(axf_engine *e);
+void shm_stop(axf_engine *e);
+int shm_map(endpoint *ep, rregion *rr, int32_t memfd);
+void shm_unmap(rregion *rr);
+void shm_submit(axf_engine *e, op *o, bool signal);
+int shm_copy_inline(axf_engine *e, op *o);
+
+#endif

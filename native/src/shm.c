@@ -1,0 +1,286 @@
+/* Same-host transport: copies straight into (or out of) a peer's memory.
+ * Regions the peer allocated in a memfd are mapped here once, so a transfer is
+ * a memcpy; other peer memory is reached by cross-memory attach
+ * (process_vm_readv/writev). Copies run on the engine's worker threads; a small
+ * copy runs inline at submit so its completion is known at once. */
+#include "internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define RUN_BYTES (1u << 20)   /* small descriptors are batched up to this size per job */
+#define RUN_DESCS 1024u        /* ... and this many (IOV_MAX) */
+#define MIN_PIECE (1u << 20)   /* a large descriptor is split into pieces no smaller */
+
+int shm_map(endpoint *ep, rregion *rr, int32_t memfd)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)ep->pid, (int)memfd);
+    bool rw = rr->access & AXF_ACCESS_WRITE;
+    int fd = open(path, (rw ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0)
+        return AXF_E_TRANSPORT;
+    void *m = mmap(NULL, rr->len, PROT_READ | (rw ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED)
+        return AXF_E_TRANSPORT;
+    rr->map = m;
+    return AXF_OK;
+}
+
+void shm_unmap(rregion *rr)
+{
+    if (rr->map)
+        munmap(rr->map, rr->len);
+    rr->map = NULL;
+}
+
+static int cma_status(int err)
+{
+    return err == ESRCH ? AXF_E_PEER_LOST : err == EFAULT ? AXF_E_ACCESS : AXF_E_TRANSPORT;
+}
+
+/* Copies bytes [off, off+len) of descriptor i. */
+static int copy_piece(op *o, size_t i, uint64_t off, uint64_t len)
+{
+    const axf_desc *d = &o->d[i];
+    rregion *rr = o->rr[i];
+    uint8_t *local = o->laddr[i] + off;
+    if (rr->map) {
+        uint8_t *remote = rr->map + d->roff + off;
+        if (o->opcode == AXF_OP_WRITE)
+            memcpy(remote, local, len);
+        else
+            memcpy(local, remote, len);
+        return AXF_OK;
+    }
+    struct iovec l = {.iov_base = local, .iov_len = len};
+    struct iovec r = {.iov_base = (void *)(uintptr_t)(rr->addr + d->roff + off), .iov_len = len};
+    ssize_t n = o->opcode == AXF_OP_WRITE ? process_vm_writev(o->ep->pid, &l, 1, &r, 1, 0)
+                                          : process_vm_readv(o->ep->pid, &l, 1, &r, 1, 0);
+    if (n < 0)
+        return cma_status(errno);
+    return (uint64_t)n == len ? AXF_OK : AXF_E_ACCESS;
+}
+
+/* Copies whole descriptors [i0, i1): mapped ones by memcpy, the others
+ * gathered into as few cross-memory-attach calls as possible. */
+static int copy_run(op *o, size_t i0, size_t i1, uint64_t *fail)
+{
+    struct iovec lv[RUN_DESCS], rv[RUN_DESCS];
+    size_t nv = 0, first = i0;
+    uint64_t want = 0;
+    for (size_t i = i0; i <= i1; i++) {
+        bool flush = i == i1 || nv == RUN_DESCS || (i < i1 && o->rr[i]->map);
+        if (flush && nv) {
+            ssize_t n = o->opcode == AXF_OP_WRITE
+                            ? process_vm_writev(o->ep->pid, lv, nv, rv, nv, 0)
+                            : process_vm_readv(o->ep->pid, lv, nv, rv, nv, 0);
+            if (n < 0 || (uint64_t)n != want) {
+                *fail = first;
+                return n < 0 ? cma_status(errno) : AXF_E_ACCESS;
+            }
+            nv = 0;
+            want = 0;
+        }
+        if (i == i1)
+            break;
+        if (o->rr[i]->map) {
+            copy_piece(o, i, 0, o->d[i].len);
+            continue;
+        }
+        if (!nv)
+            first = i;
+        lv[nv].iov_base = o->laddr[i];
+        lv[nv].iov_len = o->d[i].len;
+        rv[nv].iov_base = (void *)(uintptr_t)(o->rr[i]->addr + o->d[i].roff);
+        rv[nv].iov_len = o->d[i].len;
+        want += o->d[i].len;
+        nv++;
+    }
+    return AXF_OK;
+}
+
+static void run_job(axf_engine *e, job *j)
+{
+    op *o = j->op;
+    if (!atomic_load(&o->cancelled) && atomic_load(&o->status) == AXF_OK) {
+        if (j->len) {
+            int st = copy_piece(o, j->i0, j->off, j->len);
+            if (st == AXF_OK)
+                atomic_fetch_add(&o->nbytes, j->len);
+            else
+                op_set_status(o, st, j->i0);
+        } else {
+            uint64_t fail = 0, bytes = 0;
+            int st = copy_run(o, j->i0, j->i1, &fail);
+            if (st == AXF_OK) {
+                for (size_t i = j->i0; i < j->i1; i++)
+                    bytes += o->d[i].len;
+                atomic_fetch_add(&o->nbytes, bytes);
+            } else {
+                op_set_status(o, st, fail);
+            }
+        }
+    }
+    free(j);
+    op_unit_done(e, o);
+}
+
+static void *worker_main(void *arg)
+{
+    axf_engine *e = arg;
+    pthread_mutex_lock(&e->wq_mu);
+    for (;;) {
+        while (!e->wq_head && !e->wq_stop)
+            pthread_cond_wait(&e->wq_cv, &e->wq_mu);
+        job *j = e->wq_head;
+        if (!j)
+            break; /* stopping and nothing queued */
+        e->wq_head = j->next;
+        if (!e->wq_head)
+            e->wq_tail = NULL;
+        bool stopping = e->wq_stop;
+        pthread_mutex_unlock(&e->wq_mu);
+        if (stopping)
+            op_set_status(j->op, AXF_E_CLOSED, j->i0);
+        run_job(e, j);
+        pthread_mutex_lock(&e->wq_mu);
+    }
+    pthread_mutex_unlock(&e->wq_mu);
+    return NULL;
+}
+
+int shm_start(axf_engine *e)
+{
+    e->workers = calloc(e->cfg.copy_workers, sizeof *e->workers);
+    if (!e->workers)
+        return AXF_E_NOMEM;
+    for (uint32_t i = 0; i < e->cfg.copy_workers; i++) {
+        if (pthread_create(&e->workers[i], NULL, worker_main, e) != 0)
+            break;
+        e->nworkers++;
+    }
+    return e->nworkers ? AXF_OK : AXF_E_NOMEM;
+}
+
+void shm_stop(axf_engine *e)
+{
+    pthread_mutex_lock(&e->wq_mu);
+    e->wq_stop = true;
+    pthread_cond_broadcast(&e->wq_cv);
+    pthread_mutex_unlock(&e->wq_mu);
+    for (uint32_t i = 0; i < e->nworkers; i++)
+        pthread_join(e->workers[i], NULL);
+    e->nworkers = 0;
+    free(e->workers);
+    e->workers = NULL;
+}
+
+int shm_copy_inline(axf_engine *e, op *o)
+{
+    (void)e;
+    uint64_t fail = 0;
+    int st = copy_run(o, 0, o->n, &fail);
+    if (st != AXF_OK)
+        op_set_status(o, st, fail);
+    else
+        for (size_t i = 0; i < o->n; i++)
+            atomic_fetch_add(&o->nbytes, o->d[i].len);
+    return st;
+}
+
+static job *job_new(op *o, size_t i0, size_t i1, uint64_t off, uint64_t len)
+{
+    job *j = calloc(1, sizeof *j);
+    if (j) {
+        j->op = o;
+        j->i0 = i0;
+        j->i1 = i1;
+        j->off = off;
+        j->len = len;
+    }
+    return j;
+}
+
+void shm_submit(axf_engine *e, op *o, bool signal)
+{
+    /* Build every job before queueing any: a worker may finish the op as soon
+     * as its last job is queued. */
+    job *head = NULL, *tail = NULL;
+    long count = 0;
+    uint64_t split = (uint64_t)e->nworkers * 2;
+    size_t run_start = 0;
+    uint64_t run_bytes = 0;
+    bool oom = false;
+#define PUSH(j)                     \
+    do {                            \
+        job *j_ = (j);              \
+        if (!j_) {                  \
+            oom = true;             \
+            break;                  \
+        }                           \
+        if (tail)                   \
+            tail->next = j_;        \
+        else                        \
+            head = j_;              \
+        tail = j_;                  \
+        count++;                    \
+    } while (0)
+    for (size_t i = 0; i < o->n && !oom; i++) {
+        uint64_t len = o->d[i].len;
+        if (len >= 2 * MIN_PIECE && split > 1) {
+            if (i > run_start)
+                PUSH(job_new(o, run_start, i, 0, 0));
+            uint64_t piece = (len + split - 1) / split;
+            if (piece < MIN_PIECE)
+                piece = MIN_PIECE;
+            for (uint64_t off = 0; off < len && !oom; off += piece)
+                PUSH(job_new(o, i, i + 1, off, len - off < piece ? len - off : piece));
+            run_start = i + 1;
+            run_bytes = 0;
+            continue;
+        }
+        run_bytes += len;
+        if (run_bytes >= RUN_BYTES || i + 1 - run_start >= RUN_DESCS) {
+            PUSH(job_new(o, run_start, i + 1, 0, 0));
+            run_start = i + 1;
+            run_bytes = 0;
+        }
+    }
+    if (!oom && run_start < o->n)
+        PUSH(job_new(o, run_start, o->n, 0, 0));
+#undef PUSH
+    if (oom) {
+        while (head) {
+            job *n = head->next;
+            free(head);
+            head = n;
+        }
+        atomic_store(&o->remaining, 1);
+        op_set_status(o, AXF_E_NOMEM, 0);
+        op_unit_done(e, o);
+        return;
+    }
+    atomic_store(&o->remaining, count);
+    pthread_mutex_lock(&e->wq_mu);
+    if (e->wq_tail)
+        e->wq_tail->next = head;
+    else
+        e->wq_head = head;
+    e->wq_tail = tail;
+    if (signal) {
+        if (count > 1)
+            pthread_cond_broadcast(&e->wq_cv);
+        else
+            pthread_cond_signal(&e->wq_cv);
+    }
+    pthread_mutex_unlock(&e->wq_mu);
+}
