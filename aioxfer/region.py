@@ -1,0 +1,345 @@
+"""Registered memory (Region, Segment, SegmentList) and peers' memory
+(RemoteRegion, RemoteSegment).
+
+A Region is made by ``Agent.register`` / ``Agent.alloc``; a RemoteRegion by
+``Peer.region``. Slicing either with ``[a:b]`` gives a segment: one contiguous
+byte range, checked against the region's bounds here (the engine checks again,
+natively, before memory is touched). A SegmentList is many ranges of one region
+as two numpy arrays, so a large batch never becomes one Python object per
+descriptor.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from aioxfer.errors import ClosedResourceError
+
+if TYPE_CHECKING:
+    from aioxfer.agent import Agent
+    from aioxfer.peer import Peer
+
+__all__ = ["Region", "RemoteRegion", "RemoteSegment", "Segment", "SegmentList"]
+
+U64 = npt.NDArray[np.uint64]
+
+
+def _bounds(key: object, nbytes: int, what: str) -> tuple[int, int]:
+    """[a:b] of a region of nbytes as (offset, length); negative indices count
+    from the end as usual, but out-of-range bounds raise instead of clipping."""
+    if not isinstance(key, slice):
+        raise TypeError(f"{what} is sliced with [start:stop] (byte offsets), not {key!r}")
+    if key.step is not None:
+        raise ValueError(f"{what} slices take no step")
+    start = 0 if key.start is None else key.start.__index__()
+    stop = nbytes if key.stop is None else key.stop.__index__()
+    if start < 0:
+        start += nbytes
+    if stop < 0:
+        stop += nbytes
+    if not 0 <= start <= stop <= nbytes:
+        raise IndexError(
+            f"[{key.start}:{key.stop}] is out of bounds for {what} of {nbytes} bytes"
+        )
+    return start, stop - start
+
+
+class Region:
+    """Memory registered with an agent: peers may read it, and write it when the
+    buffer is writable (``access`` has ACCESS_WRITE).
+
+    The buffer stays pinned (a bytearray cannot be resized) while registered and
+    until the engine confirms nothing touches it any more.
+    """
+
+    __slots__ = (
+        "_agent",
+        "name",
+        "rid",
+        "key",
+        "nbytes",
+        "access",
+        "addr",
+        "_obj",
+        "_memfd",
+        "_memfd_ino",
+        "_mmap",
+        "_closed",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        agent: Agent,
+        name: str,
+        rid: int,
+        key: int,
+        nbytes: int,
+        access: int,
+        addr: int,
+        obj: Any,
+        memfd: int = -1,
+        memfd_ino: int = 0,
+        mm: mmap.mmap | None = None,
+    ) -> None:
+        self._agent = agent
+        self.name = name
+        self.rid = rid
+        self.key = key
+        self.nbytes = nbytes
+        self.access = access
+        self.addr = addr
+        self._obj = obj
+        self._memfd = memfd
+        self._memfd_ino = memfd_ino
+        self._mmap = mm
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def agent(self) -> Agent:
+        return self._agent
+
+    @property
+    def obj(self) -> Any:
+        """The registered object (for ``alloc``'d regions, the shared mmap)."""
+        return self._obj
+
+    @property
+    def writable(self) -> bool:
+        from aioxfer import _cyx
+
+        return bool(self.access & _cyx.ACCESS_WRITE)
+
+    @property
+    def memoryview(self) -> memoryview:
+        """A byte view of the whole region (format "B", length nbytes)."""
+        self._check()
+        mv = memoryview(self._obj)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        return mv
+
+    def numpy(self, dtype: npt.DTypeLike = np.uint8) -> npt.NDArray[Any]:
+        """A 1-D numpy view of the region's memory (no copy)."""
+        return np.frombuffer(self.memoryview, dtype=dtype)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __getitem__(self, key: slice) -> Segment:
+        self._check()
+        off, length = _bounds(key, self.nbytes, f"region {self.name!r}")
+        return Segment(self, off, length)
+
+    def segments(self, offsets: npt.ArrayLike, lengths: npt.ArrayLike) -> SegmentList:
+        """``SegmentList(self, offsets, lengths)``."""
+        return SegmentList(self, offsets, lengths)
+
+    def close(self) -> None:
+        """Deregisters the region (same as ``agent.deregister(region)``)."""
+        self._agent.deregister(self)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedResourceError(f"region {self.name!r} is closed")
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<Region {self.name!r} rid={self.rid} nbytes={self.nbytes}{state}>"
+
+
+class RemoteRegion:
+    """A region registered by a peer, as its metadata describes it."""
+
+    __slots__ = (
+        "peer",
+        "name",
+        "rid",
+        "key",
+        "nbytes",
+        "access",
+        "addr",
+        "memfd",
+        "_gone",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        peer: Peer,
+        name: str,
+        rid: int,
+        key: int,
+        nbytes: int,
+        access: int,
+        addr: int = 0,
+        memfd: int = -1,
+    ) -> None:
+        self.peer = peer
+        self.name = name
+        self.rid = rid
+        self.key = key
+        self.nbytes = nbytes
+        self.access = access
+        self.addr = addr
+        self.memfd = memfd
+        self._gone = False
+
+    @property
+    def gone(self) -> bool:
+        """True once a ``peer.refresh()`` found the peer deregistered it."""
+        return self._gone
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __getitem__(self, key: slice) -> RemoteSegment:
+        off, length = _bounds(key, self.nbytes, f"remote region {self.name!r}")
+        return RemoteSegment(self, off, length)
+
+    def segments(self, offsets: npt.ArrayLike, lengths: npt.ArrayLike) -> SegmentList:
+        """``SegmentList(self, offsets, lengths)``."""
+        return SegmentList(self, offsets, lengths)
+
+    def __repr__(self) -> str:
+        state = " gone" if self._gone else ""
+        return (
+            f"<RemoteRegion {self.name!r} of {self.peer.name!r} rid={self.rid} "
+            f"nbytes={self.nbytes}{state}>"
+        )
+
+
+class Segment:
+    """``region[a:b]``: bytes [offset, offset + length) of a local region."""
+
+    __slots__ = ("region", "offset", "length")
+
+    def __init__(self, region: Region, offset: int, length: int) -> None:
+        self.region = region
+        self.offset = offset
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return self.length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> Segment:
+        off, length = _bounds(key, self.length, "segment")
+        return Segment(self.region, self.offset + off, length)
+
+    @property
+    def memoryview(self) -> memoryview:
+        return self.region.memoryview[self.offset : self.offset + self.length]
+
+    def numpy(self, dtype: npt.DTypeLike = np.uint8) -> npt.NDArray[Any]:
+        return np.frombuffer(self.memoryview, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"<Segment {self.region.name!r}[{self.offset}:{self.offset + self.length}]>"
+
+
+class RemoteSegment:
+    """``remote[a:b]``: bytes [offset, offset + length) of a peer's region."""
+
+    __slots__ = ("region", "offset", "length")
+
+    def __init__(self, region: RemoteRegion, offset: int, length: int) -> None:
+        self.region = region
+        self.offset = offset
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return self.length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> RemoteSegment:
+        off, length = _bounds(key, self.length, "remote segment")
+        return RemoteSegment(self.region, self.offset + off, length)
+
+    def __repr__(self) -> str:
+        return (
+            f"<RemoteSegment {self.region.peer.name}:{self.region.name!r}"
+            f"[{self.offset}:{self.offset + self.length}]>"
+        )
+
+
+class SegmentList:
+    """Many byte ranges of one region (local or remote), as numpy arrays.
+
+    ``offsets`` and ``lengths`` are 1-D, equal-length, non-negative integer
+    arrays (copied to uint64 once, here); every range must lie inside the region.
+    Checked with whole-array operations: no per-descriptor Python work.
+    """
+
+    __slots__ = ("region", "offsets", "lengths", "nbytes")
+
+    region: Region | RemoteRegion
+    offsets: U64
+    lengths: U64
+    nbytes: int
+
+    def __init__(
+        self,
+        region: Region | RemoteRegion,
+        offsets: npt.ArrayLike,
+        lengths: npt.ArrayLike,
+    ) -> None:
+        if not isinstance(region, Region | RemoteRegion):
+            raise TypeError(f"SegmentList needs a Region or RemoteRegion, not {type(region)}")
+        if isinstance(region, Region):
+            region._check()
+        offs = _u64(offsets, "offsets")
+        lens = _u64(lengths, "lengths")
+        if offs.shape != lens.shape:
+            raise ValueError(
+                f"offsets and lengths differ in length ({offs.shape[0]} != {lens.shape[0]})"
+            )
+        n = offs.shape[0]
+        if n:
+            ends = offs + lens  # uint64: an overflowing sum wraps below its offset
+            if bool((ends < offs).any()) or int(ends.max()) > region.nbytes:
+                bad = int(np.flatnonzero((ends < offs) | (ends > region.nbytes))[0])
+                raise IndexError(
+                    f"segment {bad} [{int(offs[bad])}:+{int(lens[bad])}] is out of bounds "
+                    f"for region {region.name!r} of {region.nbytes} bytes"
+                )
+            total = int(lens.sum(dtype=np.uint64))
+        else:
+            total = 0
+        self.region = region
+        self.offsets = offs
+        self.lengths = lens
+        self.nbytes = total
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0])
+
+    def __repr__(self) -> str:
+        return f"<SegmentList {self.region.name!r} n={len(self)} nbytes={self.nbytes}>"
+
+
+def _u64(a: npt.ArrayLike, what: str) -> U64:
+    arr = np.asarray(a)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, not of shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.uint64)
+        raise TypeError(f"{what} must be integers, not {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+        raise ValueError(f"{what} must not be negative")
+    return np.ascontiguousarray(arr, dtype=np.uint64)

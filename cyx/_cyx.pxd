@@ -1,0 +1,109 @@
+# The native engine's header, line for line (native/include/aioxfer.h).
+# Every function is declared nogil: _cyx decides where the GIL is released.
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+
+
+cdef extern from "aioxfer.h" nogil:
+    enum axf_status:
+        AXF_OK
+        AXF_E_INVALID
+        AXF_E_NOMEM
+        AXF_E_ACCESS
+        AXF_E_PEER_LOST
+        AXF_E_TIMEOUT
+        AXF_E_TRANSPORT
+        AXF_E_REGISTRATION
+        AXF_E_PROTOCOL
+        AXF_E_CLOSED
+        AXF_E_CANCELLED
+        AXF_E_NOTFOUND
+
+    const char *axf_strerror(int status)
+
+    uint32_t AXF_ACCESS_READ
+    uint32_t AXF_ACCESS_WRITE
+
+    int AXF_EP_TCP
+    int AXF_EP_SHM
+
+    int AXF_OP_WRITE
+    int AXF_OP_READ
+    int AXF_OP_NOTIFY
+
+    uint32_t AXF_POST_DEFER
+
+    uint32_t AXF_CQ_XFER
+    uint32_t AXF_CQ_NOTIFY
+    uint32_t AXF_CQ_PEER_LOST
+    uint32_t AXF_CQ_REGION_FREED
+    uint32_t AXF_CQ_LOG
+    uint32_t AXF_CQ_CONN_CLOSED
+
+    uint32_t AXF_MAX_NOTIFY
+
+    ctypedef struct axf_engine:
+        pass
+
+    ctypedef struct axf_config:
+        uint32_t copy_workers
+        uint64_t chunk_bytes
+        uint64_t inline_bytes
+        uint32_t keepalive_ms
+        uint32_t peer_timeout_ms
+
+    ctypedef struct axf_desc:
+        uint64_t lrid
+        uint64_t loff
+        uint64_t rrid
+        uint64_t rkey
+        uint64_t roff
+        uint64_t len
+
+    ctypedef struct axf_completion:
+        uint32_t kind
+        int32_t status
+        uint64_t id
+        uint64_t tag
+        uint64_t nbytes
+        uint64_t fail_index
+        uint32_t payload_len
+        uint8_t *payload
+
+    ctypedef struct axf_stats:
+        uint64_t regions
+        uint64_t ops
+        uint64_t endpoints
+        uint64_t conns
+        uint64_t ops_posted
+        uint64_t ops_completed
+        uint64_t ops_failed
+        uint64_t bytes
+        uint64_t frames_rejected
+
+    axf_engine *axf_engine_create(const axf_config *cfg)
+    int axf_engine_fd(axf_engine *e)
+    void axf_engine_shutdown(axf_engine *e)
+    void axf_engine_destroy(axf_engine *e)
+    void axf_engine_stats(axf_engine *e, axf_stats *out)
+
+    int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access,
+                            int memfd, uint64_t *id_out, uint64_t *key_out)
+    int axf_region_deregister(axf_engine *e, uint64_t id)
+
+    int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid,
+                            uint64_t *ep_out)
+    int axf_endpoint_add_conn(axf_engine *e, uint64_t ep, int fd)
+    int axf_endpoint_import(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key,
+                            uint64_t len, uint32_t access, uint64_t addr, int32_t memfd)
+    int axf_endpoint_forget(axf_engine *e, uint64_t ep, uint64_t rid)
+    int axf_endpoint_close(axf_engine *e, uint64_t ep)
+
+    int axf_accept_conn(axf_engine *e, int fd, uint64_t tag)
+
+    int axf_post(axf_engine *e, uint64_t ep, int op, const axf_desc *descs, size_t n,
+                 const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags)
+    void axf_doorbell(axf_engine *e)
+    int axf_cancel(axf_engine *e, uint64_t req_id)
+
+    size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
+    void axf_completion_free(axf_completion *c)

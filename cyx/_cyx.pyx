@@ -1,0 +1,566 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: embedsignature=True, initializedcheck=False
+"""aioxfer._cyx: the Cython edge of the native engine (cyx/README.md).
+
+No policy lives here. This module pins buffer exports for as long as the
+engine may touch them, hands packed descriptor arrays to the engine without a
+Python object per descriptor, and turns completion records into tuples.
+Everything is meant to be called from one thread (the event loop's); calls
+that can wait release the GIL.
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.buffer cimport (
+    PyBUF_SIMPLE,
+    PyBUF_WRITABLE,
+    PyBuffer_Release,
+    PyObject_GetBuffer,
+)
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memset
+
+cnp.import_array()
+
+# ------------------------------------------------------------------ constants
+# Same names as the C header, without the AXF_ prefix.
+
+OK = AXF_OK
+E_INVALID = AXF_E_INVALID
+E_NOMEM = AXF_E_NOMEM
+E_ACCESS = AXF_E_ACCESS
+E_PEER_LOST = AXF_E_PEER_LOST
+E_TIMEOUT = AXF_E_TIMEOUT
+E_TRANSPORT = AXF_E_TRANSPORT
+E_REGISTRATION = AXF_E_REGISTRATION
+E_PROTOCOL = AXF_E_PROTOCOL
+E_CLOSED = AXF_E_CLOSED
+E_CANCELLED = AXF_E_CANCELLED
+E_NOTFOUND = AXF_E_NOTFOUND
+
+ACCESS_READ = AXF_ACCESS_READ
+ACCESS_WRITE = AXF_ACCESS_WRITE
+EP_TCP = AXF_EP_TCP
+EP_SHM = AXF_EP_SHM
+OP_WRITE = AXF_OP_WRITE
+OP_READ = AXF_OP_READ
+OP_NOTIFY = AXF_OP_NOTIFY
+
+CQ_XFER = AXF_CQ_XFER
+CQ_NOTIFY = AXF_CQ_NOTIFY
+CQ_PEER_LOST = AXF_CQ_PEER_LOST
+CQ_REGION_FREED = AXF_CQ_REGION_FREED
+CQ_LOG = AXF_CQ_LOG
+CQ_CONN_CLOSED = AXF_CQ_CONN_CLOSED
+
+MAX_NOTIFY = AXF_MAX_NOTIFY
+DESC_FIELDS = 6  # columns of a descriptor array: lrid, loff, rrid, rkey, roff, len
+
+# post() hands (n, 6) uint64 rows to the engine as axf_desc records.
+if sizeof(axf_desc) != DESC_FIELDS * sizeof(uint64_t):
+    raise ImportError("axf_desc is not six packed uint64 fields")
+
+cdef enum:
+    POLL_DEFAULT = 4096
+
+
+def strerror(int status):
+    """The header's text for a status code."""
+    return axf_strerror(status).decode("utf-8", "replace")
+
+
+class NativeError(Exception):
+    """A native call refused; ``status`` is the engine's status code.
+
+    The public layer (aioxfer.errors) maps the code to its exception classes.
+    """
+
+    def __init__(self, status, what):
+        super().__init__(status, what)
+        self.status = status
+        self.what = what
+
+    def __str__(self):
+        return f"{self.what}: {strerror(self.status)}"
+
+
+cdef inline int _check(int status, what) except -1:
+    if status != AXF_OK:
+        raise NativeError(status, what)
+    return 0
+
+
+# ------------------------------------------------------------------ pins
+
+@cython.final
+@cython.freelist(16)
+cdef class _Pin:
+    """One acquired buffer export; released once the engine is done with it."""
+
+    cdef Py_buffer view
+    cdef bint held
+
+    cdef void release(self) noexcept:
+        if self.held:
+            self.held = False
+            PyBuffer_Release(&self.view)
+
+    def __dealloc__(self):
+        self.release()
+
+
+# ------------------------------------------------------------------ descriptors
+
+cdef int _descs_view(object descs, const axf_desc **out, size_t *n) except -1:
+    """Checks a descriptor array and points at its rows; no copy, no per-row work."""
+    cdef cnp.ndarray a
+    if descs is None:
+        out[0] = NULL
+        n[0] = 0
+        return 0
+    if not cnp.PyArray_Check(descs):
+        raise ValueError(
+            f"descs must be a numpy uint64 array of shape (n, {DESC_FIELDS}), "
+            f"not {type(descs).__name__}"
+        )
+    a = <cnp.ndarray>descs
+    if cnp.PyArray_NDIM(a) != 2 or cnp.PyArray_DIM(a, 1) != DESC_FIELDS:
+        raise ValueError(
+            f"descs must have shape (n, {DESC_FIELDS}), not {tuple(descs.shape)}"
+        )
+    if not cnp.PyArray_EquivTypenums(cnp.PyArray_TYPE(a), cnp.NPY_UINT64) \
+            or not cnp.PyArray_ISNOTSWAPPED(a):
+        raise ValueError(f"descs must have dtype uint64 (native byte order), not {descs.dtype}")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a):
+        raise ValueError("descs must be C-contiguous and aligned")
+    out[0] = <const axf_desc *>cnp.PyArray_DATA(a)
+    n[0] = <size_t>cnp.PyArray_DIM(a, 0)
+    return 0
+
+
+cdef inline bytes _notify_bytes(object notify):
+    if notify is None or type(notify) is bytes:
+        return notify
+    # bytearray / memoryview / array: a copy (MAX_NOTIFY bytes at most are
+    # accepted); memoryview() refuses ints, which bytes() would not.
+    return bytes(memoryview(notify))
+
+
+ctypedef struct _slot:
+    uint64_t ep
+    int op
+    const axf_desc *descs
+    size_t n
+    const char *notify
+    size_t notify_len
+    uint64_t req_id
+    int status
+
+
+# ------------------------------------------------------------------ engine
+
+@cython.final
+@cython.no_gc_clear  # pins must outlive the native engine, never be cleared first
+cdef class Engine:
+    """One native engine: registry, endpoints, one completion ring and eventfd."""
+
+    cdef axf_engine *_e
+    cdef int _fd
+    cdef dict _pins  # rid -> _Pin, until CQ_REGION_FREED for rid is polled
+    cdef axf_completion *_cq
+    cdef size_t _cq_cap
+    cdef _slot *_slots
+    cdef size_t _slots_cap
+    cdef int _busy  # native calls in progress without the GIL (close() must wait)
+    cdef bint _polling  # self._cq in use
+    cdef bint _posting  # self._slots in use
+
+    def __cinit__(self, uint32_t copy_workers=0, uint64_t chunk_bytes=0,
+                  uint64_t inline_bytes=0, uint32_t keepalive_ms=0,
+                  uint32_t peer_timeout_ms=0):
+        cdef axf_config cfg
+        memset(&cfg, 0, sizeof(cfg))
+        cfg.copy_workers = copy_workers
+        cfg.chunk_bytes = chunk_bytes
+        cfg.inline_bytes = inline_bytes
+        cfg.keepalive_ms = keepalive_ms
+        cfg.peer_timeout_ms = peer_timeout_ms
+        self._pins = {}
+        self._fd = -1
+        self._cq = <axf_completion *>PyMem_Malloc(POLL_DEFAULT * sizeof(axf_completion))
+        if self._cq == NULL:
+            raise MemoryError()
+        self._cq_cap = POLL_DEFAULT
+        with nogil:
+            self._e = axf_engine_create(&cfg)
+        if self._e == NULL:
+            raise NativeError(AXF_E_NOMEM, "cannot create the native engine")
+        self._fd = axf_engine_fd(self._e)
+
+    def __dealloc__(self):
+        # Normally close() or __del__ ran already; this is the last resort and
+        # must not touch Python beyond our own attributes.
+        if self._e != NULL:
+            self._close_native()
+        PyMem_Free(self._cq)
+        self._cq = NULL
+        PyMem_Free(self._slots)
+        self._slots = NULL
+
+    def __del__(self):
+        if self._e != NULL:
+            import warnings
+            warnings.warn(
+                f"unclosed native engine (fd {self._fd}, {len(self._pins)} pinned regions)",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            self._close_native()
+
+    def __repr__(self):
+        state = "closed" if self._e == NULL else f"fd={self._fd} pinned={len(self._pins)}"
+        return f"<aioxfer._cyx.Engine {state}>"
+
+    # -------------------------------------------------------------- internals
+
+    cdef inline int _open(self) except -1:
+        if self._e == NULL:
+            raise NativeError(AXF_E_CLOSED, "engine is closed")
+        return 0
+
+    cdef int _ensure_cq(self, size_t want) except -1:
+        cdef axf_completion *p
+        if want > self._cq_cap:
+            p = <axf_completion *>PyMem_Realloc(self._cq, want * sizeof(axf_completion))
+            if p == NULL:
+                raise MemoryError()
+            self._cq = p
+            self._cq_cap = want
+        return 0
+
+    cdef int _ensure_slots(self, size_t want) except -1:
+        cdef _slot *p
+        cdef size_t cap
+        if want > self._slots_cap:
+            cap = want if want > 64 else 64
+            p = <_slot *>PyMem_Realloc(self._slots, cap * sizeof(_slot))
+            if p == NULL:
+                raise MemoryError()
+            self._slots = p
+            self._slots_cap = cap
+        return 0
+
+    cdef void _release_freed(self, size_t n) noexcept:
+        """Releases pins of regions the engine reported freed among n records."""
+        cdef size_t i
+        cdef _Pin pin
+        for i in range(n):
+            if self._cq[i].kind == AXF_CQ_REGION_FREED:
+                pin = self._pins.pop(self._cq[i].id, None)
+                if pin is not None:
+                    pin.release()
+
+    cdef void _close_native(self) noexcept:
+        """shutdown, drain (releasing pins, dropping records), destroy."""
+        cdef axf_engine *e = self._e
+        cdef size_t n, i
+        if e == NULL:
+            return
+        with nogil:
+            axf_engine_shutdown(e)
+        while True:
+            with nogil:
+                n = axf_poll(e, self._cq, self._cq_cap)
+            if n == 0:
+                break
+            self._release_freed(n)
+            for i in range(n):
+                axf_completion_free(&self._cq[i])
+        with nogil:
+            axf_engine_destroy(e)
+        self._e = NULL
+        self._fd = -1
+        # Nothing native touches memory any more: whatever is left goes too.
+        for pin in self._pins.values():
+            (<_Pin>pin).release()
+        self._pins.clear()
+
+    # -------------------------------------------------------------- lifecycle
+
+    def fileno(self):
+        """The completion eventfd: readable while completions are waiting."""
+        self._open()
+        return self._fd
+
+    @property
+    def closed(self):
+        return self._e == NULL
+
+    def shutdown(self):
+        """Fails everything pending with E_CLOSED and frees every region; the
+        records still have to be polled. Idempotent; no-op once closed."""
+        cdef axf_engine *e = self._e
+        if e == NULL:
+            return
+        self._busy += 1
+        try:
+            with nogil:
+                axf_engine_shutdown(e)
+        finally:
+            self._busy -= 1
+
+    def close(self):
+        """shutdown() + a final drain + destroy. Idempotent.
+
+        Records drained here are dropped: call shutdown() and poll() first to
+        see them. Every pinned buffer is released.
+        """
+        if self._e == NULL:
+            return
+        if self._busy or self._polling or self._posting:
+            raise RuntimeError("Engine.close() while another thread is inside a native call")
+        self._close_native()
+
+    # -------------------------------------------------------------- regions
+
+    def register(self, obj, int memfd=-1):
+        """Registers obj's buffer; returns (rid, key, addr, nbytes, access).
+
+        A writable export gives READ|WRITE access, a read-only one READ. The
+        export stays acquired until poll() returns CQ_REGION_FREED for rid.
+        """
+        cdef _Pin pin = _Pin.__new__(_Pin)
+        cdef uint32_t access = AXF_ACCESS_READ | AXF_ACCESS_WRITE
+        cdef uint64_t rid = 0, key = 0
+        cdef int st
+        cdef bint writable = True
+        self._open()
+        try:
+            PyObject_GetBuffer(obj, &pin.view, PyBUF_WRITABLE)
+        except (BufferError, TypeError, ValueError):
+            writable = False
+        if not writable:
+            # Read-only exporters (bytes, read-only arrays) refuse a writable
+            # export; a plain one can still be READ by peers.
+            PyObject_GetBuffer(obj, &pin.view, PyBUF_SIMPLE)
+            access = AXF_ACCESS_READ
+        pin.held = True
+        if pin.view.len <= 0:
+            pin.release()
+            raise ValueError("cannot register an empty buffer")
+        st = axf_region_register(self._e, pin.view.buf, <uint64_t>pin.view.len, access, memfd,
+                                 &rid, &key)
+        if st != AXF_OK:
+            pin.release()
+            raise NativeError(st, f"cannot register {pin.view.len} bytes")
+        self._pins[rid] = pin
+        return (rid, key, <uintptr_t>pin.view.buf, <uint64_t>pin.view.len, access)
+
+    def deregister(self, uint64_t rid):
+        """Revokes a region; its buffer is released when CQ_REGION_FREED is polled."""
+        self._open()
+        cdef int st = axf_region_deregister(self._e, rid)
+        if st == AXF_E_NOTFOUND:
+            raise ValueError(f"unknown region {rid}")
+        _check(st, f"cannot deregister region {rid}")
+
+    def pinned_regions(self):
+        """Buffers still held by _cyx (for leak checks)."""
+        return len(self._pins)
+
+    # -------------------------------------------------------------- endpoints
+
+    def endpoint_create(self, int kind, uint64_t tag, int32_t pid):
+        cdef uint64_t ep = 0
+        self._open()
+        _check(axf_endpoint_create(self._e, kind, tag, pid, &ep), "cannot create endpoint")
+        return ep
+
+    def endpoint_add_conn(self, uint64_t ep, int fd):
+        """The engine owns fd from now on, also when this raises."""
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_endpoint_add_conn(self._e, ep, fd)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot add a connection to endpoint {ep}")
+
+    def endpoint_import(self, uint64_t ep, uint64_t rid, uint64_t key, uint64_t nbytes,
+                        uint32_t access, uint64_t addr, int32_t memfd):
+        self._open()
+        _check(axf_endpoint_import(self._e, ep, rid, key, nbytes, access, addr, memfd),
+               f"cannot import region {rid} into endpoint {ep}")
+
+    def endpoint_forget(self, uint64_t ep, uint64_t rid):
+        self._open()
+        _check(axf_endpoint_forget(self._e, ep, rid),
+               f"cannot forget region {rid} of endpoint {ep}")
+
+    def endpoint_close(self, uint64_t ep):
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_endpoint_close(self._e, ep)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot close endpoint {ep}")
+
+    def accept_conn(self, int fd, uint64_t tag):
+        """Target side; the engine owns fd from now on, also when this raises."""
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_accept_conn(self._e, fd, tag)
+        finally:
+            self._busy -= 1
+        _check(st, "cannot accept a connection")
+
+    # -------------------------------------------------------------- data path
+
+    def post(self, uint64_t ep, int op, descs, notify, uint64_t req_id, bint defer=False):
+        """Posts one request. Returns OK when queued, else the rejecting status
+        (nothing queued, no completion follows)."""
+        cdef const axf_desc *d = NULL
+        cdef size_t n = 0
+        cdef const char *np = NULL
+        cdef size_t nl = 0
+        cdef uint32_t flags = AXF_POST_DEFER if defer else 0
+        cdef int st
+        cdef bytes nb
+        self._open()
+        _descs_view(descs, &d, &n)
+        nb = _notify_bytes(notify)
+        if nb is not None:
+            np = PyBytes_AS_STRING(nb)
+            nl = <size_t>PyBytes_GET_SIZE(nb)
+        self._busy += 1
+        with nogil:
+            st = axf_post(self._e, ep, op, d, n, np, nl, req_id, flags)
+        self._busy -= 1
+        return st
+
+    def post_many(self, items):
+        """Posts (ep, op, descs, notify, req_id) items deferred, then rings one
+        doorbell: one native call for a loop iteration's submissions. Every item
+        is checked before any is posted. Returns the statuses, in order."""
+        cdef Py_ssize_t count, i
+        cdef _slot *s
+        cdef list keep
+        cdef bytes nb
+        self._open()
+        items = list(items)  # our own references while the GIL is released
+        count = len(items)
+        if count == 0:
+            return []
+        if self._posting:
+            raise RuntimeError("Engine.post_many() is not reentrant")
+        self._posting = True
+        try:
+            self._ensure_slots(<size_t>count)
+            keep = []
+            for i in range(count):
+                ep, op, descs, notify, req_id = items[i]
+                s = &self._slots[i]
+                s.ep = ep
+                s.op = op
+                s.req_id = req_id
+                s.notify = NULL
+                s.notify_len = 0
+                _descs_view(descs, &s.descs, &s.n)
+                nb = _notify_bytes(notify)
+                if nb is not None:
+                    s.notify = PyBytes_AS_STRING(nb)
+                    s.notify_len = <size_t>PyBytes_GET_SIZE(nb)
+                keep.append(descs)
+                keep.append(nb)
+            s = self._slots
+            self._busy += 1
+            with nogil:
+                for i in range(count):
+                    s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
+                                           s[i].notify, s[i].notify_len, s[i].req_id,
+                                           AXF_POST_DEFER)
+                axf_doorbell(self._e)
+            self._busy -= 1
+            return [s[i].status for i in range(count)]
+        finally:
+            self._posting = False
+
+    def doorbell(self):
+        self._open()
+        axf_doorbell(self._e)
+
+    def cancel(self, uint64_t req_id):
+        """OK (the E_CANCELLED completion follows once memory is untouched) or E_NOTFOUND."""
+        self._open()
+        return axf_cancel(self._e, req_id)
+
+    def poll(self, Py_ssize_t max=POLL_DEFAULT):
+        """Drains up to max records without blocking; [] once closed.
+
+        Each record: (kind, status, id, tag, nbytes, fail_index, payload), payload
+        bytes or None. CQ_REGION_FREED also releases that region's buffer.
+        """
+        cdef size_t n, i
+        cdef axf_completion *c
+        cdef list out
+        if self._e == NULL:
+            return []
+        if max <= 0:
+            raise ValueError("max must be positive")
+        if self._polling:
+            raise RuntimeError("Engine.poll() is not reentrant")
+        self._ensure_cq(<size_t>max)
+        self._busy += 1
+        self._polling = True
+        with nogil:
+            n = axf_poll(self._e, self._cq, <size_t>max)
+        self._busy -= 1
+        if n == 0:
+            self._polling = False
+            return []
+        try:
+            self._release_freed(n)
+            out = [None] * n
+            for i in range(n):
+                c = &self._cq[i]
+                out[i] = (
+                    c.kind,
+                    c.status,
+                    c.id,
+                    c.tag,
+                    c.nbytes,
+                    c.fail_index,
+                    PyBytes_FromStringAndSize(<char *>c.payload, c.payload_len)
+                    if c.payload != NULL else None,
+                )
+        finally:
+            for i in range(n):
+                axf_completion_free(&self._cq[i])
+            self._polling = False
+        return out
+
+    def stats(self):
+        cdef axf_stats s
+        self._open()
+        axf_engine_stats(self._e, &s)
+        return {
+            "regions": s.regions,
+            "ops": s.ops,
+            "endpoints": s.endpoints,
+            "conns": s.conns,
+            "ops_posted": s.ops_posted,
+            "ops_completed": s.ops_completed,
+            "ops_failed": s.ops_failed,
+            "bytes": s.bytes,
+            "frames_rejected": s.frames_rejected,
+        }

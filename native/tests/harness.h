@@ -1,0 +1,200 @@
+/* A small harness for the native tests: checks that report and fail, and a
+ * completion waiter that sleeps in poll(2) on the engine's eventfd with a
+ * deadline, so a missing completion fails the test instead of hanging it. */
+#ifndef AXF_TEST_HARNESS_H
+#define AXF_TEST_HARNESS_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "aioxfer.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CHECK(cond)                                                              \
+    do {                                                                         \
+        if (!(cond)) {                                                           \
+            fprintf(stderr, "%s:%d: %s: check failed: %s\n", __FILE__, __LINE__, \
+                    __func__, #cond);                                            \
+            return 1;                                                            \
+        }                                                                        \
+    } while (0)
+
+#define CHECK_EQ(a, b)                                                                    \
+    do {                                                                                  \
+        long long a_ = (long long)(a), b_ = (long long)(b);                               \
+        if (a_ != b_) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: check failed: %s == %s (%lld != %lld)\n", __FILE__, \
+                    __LINE__, __func__, #a, #b, a_, b_);                                  \
+            return 1;                                                                     \
+        }                                                                                 \
+    } while (0)
+
+#define T_TIMEOUT_MS 10000
+
+static inline uint64_t t_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* An engine plus the completions drained from it and not yet consumed. */
+#define T_BACKLOG 4096
+typedef struct tengine {
+    axf_engine *e;
+    axf_completion q[T_BACKLOG];
+    size_t n;
+} tengine;
+
+static inline tengine *t_engine(const axf_config *cfg)
+{
+    tengine *t = calloc(1, sizeof *t);
+    if (!t)
+        return NULL;
+    t->e = axf_engine_create(cfg);
+    if (!t->e) {
+        free(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* Drains what is there now (non-blocking). */
+static inline void t_drain(tengine *t)
+{
+    if (t->n < T_BACKLOG)
+        t->n += axf_poll(t->e, t->q + t->n, T_BACKLOG - t->n);
+}
+
+static inline bool t_match(const axf_completion *c, uint32_t kind, bool any_id, uint64_t id)
+{
+    return c->kind == kind && (any_id || c->id == id);
+}
+
+/* Waits up to timeout_ms for a completion of this kind (and id unless any_id).
+ * Returns 0 and moves it into *out (the caller frees its payload), or -1. */
+static inline int t_wait_ex(tengine *t, uint32_t kind, bool any_id, uint64_t id,
+                            axf_completion *out, int timeout_ms)
+{
+    uint64_t deadline = t_now_ms() + (uint64_t)timeout_ms;
+    for (;;) {
+        for (size_t i = 0; i < t->n; i++) {
+            if (t_match(&t->q[i], kind, any_id, id)) {
+                *out = t->q[i];
+                memmove(&t->q[i], &t->q[i + 1], (t->n - i - 1) * sizeof t->q[0]);
+                t->n--;
+                return 0;
+            }
+        }
+        uint64_t now = t_now_ms();
+        if (now >= deadline)
+            return -1;
+        struct pollfd p = {.fd = axf_engine_fd(t->e), .events = POLLIN};
+        int r = poll(&p, 1, (int)(deadline - now));
+        if (r < 0 && errno != EINTR)
+            return -1;
+        t_drain(t);
+    }
+}
+
+static inline int t_wait(tengine *t, uint32_t kind, uint64_t id, axf_completion *out)
+{
+    return t_wait_ex(t, kind, false, id, out, T_TIMEOUT_MS);
+}
+
+static inline int t_wait_any(tengine *t, uint32_t kind, axf_completion *out)
+{
+    return t_wait_ex(t, kind, true, 0, out, T_TIMEOUT_MS);
+}
+
+/* True when no completion of this kind/id shows up within ms. */
+static inline bool t_quiet(tengine *t, uint32_t kind, uint64_t id, int ms)
+{
+    axf_completion c;
+    if (t_wait_ex(t, kind, false, id, &c, ms) != 0)
+        return true;
+    axf_completion_free(&c);
+    return false;
+}
+
+/* Shutdown, final poll, destroy; frees every undelivered payload. */
+static inline void t_close(tengine *t)
+{
+    if (!t)
+        return;
+    axf_engine_shutdown(t->e);
+    for (;;) {
+        t_drain(t);
+        for (size_t i = 0; i < t->n; i++)
+            axf_completion_free(&t->q[i]);
+        bool empty = t->n == 0;
+        t->n = 0;
+        if (empty)
+            break;
+    }
+    axf_engine_destroy(t->e);
+    free(t);
+}
+
+static inline void t_fill(uint8_t *p, size_t n, uint32_t seed)
+{
+    uint32_t x = seed * 2654435761u + 1;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        p[i] = (uint8_t)x;
+    }
+}
+
+static inline bool t_all(const uint8_t *p, size_t n, uint8_t v)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != v)
+            return false;
+    return true;
+}
+
+typedef int (*t_fn)(void);
+typedef struct t_case {
+    const char *name;
+    t_fn fn;
+} t_case;
+
+/* Runs every case (or only the one named in argv[1]); non-zero on failure. */
+static inline int t_main(int argc, char **argv, const t_case *cases, size_t n)
+{
+    signal(SIGPIPE, SIG_IGN); /* raw-socket tests write into closed sockets */
+    setvbuf(stdout, NULL, _IONBF, 0);
+    int failed = 0, ran = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (argc > 1 && strcmp(argv[1], cases[i].name) != 0)
+            continue;
+        ran++;
+        uint64_t t0 = t_now_ms();
+        int r = cases[i].fn();
+        printf("%s %s (%" PRIu64 " ms)\n", r ? "FAIL" : "ok  ", cases[i].name, t_now_ms() - t0);
+        failed += r != 0;
+    }
+    if (!ran) {
+        fprintf(stderr, "no test case ran\n");
+        return 2;
+    }
+    printf("%d of %d failed\n", failed, ran);
+    return failed ? 1 : 0;
+}
+
+#define T_CASE(fn) {#fn, fn}
+#define T_RUN(argc, argv, cases) t_main(argc, argv, cases, sizeof cases / sizeof cases[0])
+
+#endif

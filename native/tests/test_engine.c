@@ -1,0 +1,218 @@
+/* Engine core without a transport: status table, registration and its
+ * REGION_FREED completion, argument checks at post, shutdown semantics. */
+#include "harness.h"
+
+static int test_strerror(void)
+{
+#define T_STR(name, value, text) CHECK(strcmp(axf_strerror(value), text) == 0);
+    AXF_STATUS_TABLE(T_STR)
+#undef T_STR
+    CHECK(axf_strerror(12345) != NULL);
+    CHECK(axf_strerror(-12345) != NULL);
+    return 0;
+}
+
+static int test_fd_idle(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    int fd = axf_engine_fd(t->e);
+    CHECK(fd >= 0);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    CHECK_EQ(poll(&p, 1, 50), 0); /* nothing happened: not readable */
+    axf_completion c[4];
+    CHECK_EQ(axf_poll(t->e, c, 4), 0);
+    t_close(t);
+    return 0;
+}
+
+static int test_register_deregister(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    static uint8_t buf[8192];
+    uint64_t id = 0, key = 0, id2 = 0, key2 = 0;
+    CHECK_EQ(axf_region_register(t->e, buf, sizeof buf, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1,
+                                 &id, &key),
+             AXF_OK);
+    CHECK(id != 0);
+    CHECK_EQ(axf_region_register(t->e, buf, 100, AXF_ACCESS_READ, -1, &id2, &key2), AXF_OK);
+    CHECK(id2 != id);
+    CHECK(key != key2); /* random 64-bit keys: equal only by a 2^-64 accident */
+
+    axf_stats s;
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.regions, 2);
+
+    CHECK_EQ(axf_region_deregister(t->e, id), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(t, AXF_CQ_REGION_FREED, id, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, sizeof buf);
+    CHECK(c.payload == NULL);
+    axf_completion_free(&c);
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.regions, 1);
+
+    /* Once only. */
+    CHECK_EQ(axf_region_deregister(t->e, id), AXF_E_NOTFOUND);
+    CHECK(t_quiet(t, AXF_CQ_REGION_FREED, id, 50));
+    CHECK_EQ(axf_region_deregister(t->e, 999999), AXF_E_NOTFOUND);
+
+    CHECK_EQ(axf_region_deregister(t->e, id2), AXF_OK);
+    CHECK_EQ(t_wait(t, AXF_CQ_REGION_FREED, id2, &c), 0);
+    axf_completion_free(&c);
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.regions, 0);
+    t_close(t);
+    return 0;
+}
+
+static int test_register_invalid(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    uint8_t buf[64];
+    uint64_t id, key;
+    CHECK_EQ(axf_region_register(t->e, NULL, 64, AXF_ACCESS_READ, -1, &id, &key), AXF_E_INVALID);
+    CHECK_EQ(axf_region_register(t->e, buf, 0, AXF_ACCESS_READ, -1, &id, &key), AXF_E_INVALID);
+    CHECK_EQ(axf_region_register(t->e, buf, sizeof buf, 0x80, -1, &id, &key), AXF_E_INVALID);
+    CHECK_EQ(axf_region_register(t->e, (void *)(uintptr_t)(UINTPTR_MAX - 8), 64, AXF_ACCESS_READ,
+                                 -1, &id, &key),
+             AXF_E_INVALID);
+    axf_stats s;
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.regions, 0);
+    t_close(t);
+    return 0;
+}
+
+static int test_post_invalid(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    static uint8_t buf[4096];
+    uint64_t rid, key, ep, ep_shm;
+    CHECK_EQ(axf_region_register(t->e, buf, sizeof buf, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1,
+                                 &rid, &key),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 7, 0, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 8, getpid(), &ep_shm), AXF_OK);
+    uint64_t dummy;
+    CHECK_EQ(axf_endpoint_create(t->e, 99, 9, 0, &dummy), AXF_E_INVALID);
+
+    axf_desc d = {.lrid = rid, .loff = 0, .rrid = 5, .rkey = 6, .roff = 0, .len = 16};
+    char big[AXF_MAX_NOTIFY + 1];
+    memset(big, 'x', sizeof big);
+
+    CHECK_EQ(axf_post(t->e, 424242, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_NOTFOUND);
+    CHECK_EQ(axf_post(t->e, ep, 77, &d, 1, NULL, 0, 1, 0), AXF_E_INVALID);
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_WRITE, &d, 0, NULL, 0, 1, 0), AXF_E_INVALID);
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_NOTIFY, &d, 1, "hi", 2, 1, 0), AXF_E_INVALID);
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_NOTIFY, NULL, 0, NULL, 0, 1, 0), AXF_E_INVALID);
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_READ, &d, 1, "hi", 2, 1, 0), AXF_E_INVALID);
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, big, sizeof big, 1, 0), AXF_E_INVALID);
+    /* TCP endpoint without a connection. */
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_TRANSPORT);
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_NOTIFY, NULL, 0, "hi", 2, 1, 0), AXF_E_TRANSPORT);
+    /* Remote region never imported: refused before anything moves. */
+    CHECK_EQ(axf_post(t->e, ep_shm, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_ACCESS);
+    /* Zero-length descriptor. */
+    d.len = 0;
+    CHECK_EQ(axf_post(t->e, ep_shm, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_INVALID);
+
+    /* Rejected posts leave nothing behind and produce no completion. */
+    axf_stats s;
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.ops, 0);
+    CHECK_EQ(s.ops_posted, 0);
+    CHECK(t_quiet(t, AXF_CQ_XFER, 1, 50));
+    CHECK_EQ(axf_cancel(t->e, 1), AXF_E_NOTFOUND);
+    t_close(t);
+    return 0;
+}
+
+static int test_endpoint_close_unconnected(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    uint64_t ep;
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 31, 0, &ep), AXF_OK);
+    axf_stats s;
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.endpoints, 1);
+    CHECK_EQ(axf_endpoint_close(t->e, 4711), AXF_E_NOTFOUND);
+    CHECK_EQ(axf_endpoint_close(t->e, ep), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(t, AXF_CQ_PEER_LOST, ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_CLOSED);
+    CHECK_EQ(c.tag, 31);
+    axf_completion_free(&c);
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.endpoints, 0);
+    axf_desc d = {.lrid = 1, .len = 1};
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_CLOSED);
+    t_close(t);
+    return 0;
+}
+
+static int test_shutdown_frees_regions(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    static uint8_t buf[3][256];
+    uint64_t ids[3], key;
+    for (int i = 0; i < 3; i++)
+        CHECK_EQ(axf_region_register(t->e, buf[i], sizeof buf[i], AXF_ACCESS_READ, -1, &ids[i],
+                                     &key),
+                 AXF_OK);
+    uint64_t ep;
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 5, 0, &ep), AXF_OK);
+    axf_engine_shutdown(t->e);
+    axf_engine_shutdown(t->e); /* idempotent */
+    axf_completion c;
+    for (int i = 0; i < 3; i++) {
+        CHECK_EQ(t_wait(t, AXF_CQ_REGION_FREED, ids[i], &c), 0);
+        axf_completion_free(&c);
+    }
+    CHECK(t_quiet(t, AXF_CQ_REGION_FREED, ids[0], 20));
+    axf_stats s;
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.regions, 0);
+    /* After shutdown everything is refused. */
+    uint64_t id;
+    CHECK_EQ(axf_region_register(t->e, buf[0], 16, AXF_ACCESS_READ, -1, &id, &key), AXF_E_CLOSED);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 6, 0, &id), AXF_E_CLOSED);
+    axf_desc d = {.lrid = ids[0], .len = 1};
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_CLOSED);
+    t_close(t);
+    return 0;
+}
+
+static int test_config_defaults(void)
+{
+    axf_config cfg = {.copy_workers = 1, .chunk_bytes = 4096, .inline_bytes = UINT64_MAX,
+                      .keepalive_ms = 50, .peer_timeout_ms = 100};
+    tengine *t = t_engine(&cfg);
+    CHECK(t);
+    t_close(t);
+    t = t_engine(NULL);
+    CHECK(t);
+    t_close(t);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static const t_case cases[] = {
+        T_CASE(test_strerror),
+        T_CASE(test_fd_idle),
+        T_CASE(test_register_deregister),
+        T_CASE(test_register_invalid),
+        T_CASE(test_post_invalid),
+        T_CASE(test_endpoint_close_unconnected),
+        T_CASE(test_shutdown_frees_regions),
+        T_CASE(test_config_defaults),
+    };
+    return T_RUN(argc, argv, cases);
+}

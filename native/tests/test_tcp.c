@@ -1,0 +1,632 @@
+/* The framed socket transport between two engines in one process, joined by
+ * socketpair(AF_UNIX, SOCK_STREAM): WRITE, READ, notifications, access checks
+ * on the target, malformed frames, cancellation, peer loss and shutdown with
+ * ops in flight. Raw-socket peers stand in for misbehaving or silent agents. */
+#include "harness.h"
+
+/* Wire layout, for the malformed-frame cases only. */
+#include "internal.h"
+
+#include <sys/socket.h>
+
+#define A_TAG 77  /* A's tag for its endpoint to B */
+#define B_TAG 99  /* B's tag for the connection accepted from A */
+#define REG (1u << 20)
+
+typedef struct pair {
+    tengine *a, *b;
+    uint64_t ep;          /* A's endpoint to B */
+    uint8_t *asrc, *bdst; /* A's and B's registered buffers */
+    uint64_t arid, akey, brid, bkey;
+} pair;
+
+static int pair_open(pair *p, const axf_config *cfg, int nconns)
+{
+    memset(p, 0, sizeof *p);
+    p->a = t_engine(cfg);
+    p->b = t_engine(cfg);
+    CHECK(p->a && p->b);
+    CHECK_EQ(axf_endpoint_create(p->a->e, AXF_EP_TCP, A_TAG, 0, &p->ep), AXF_OK);
+    for (int i = 0; i < nconns; i++) {
+        int sv[2];
+        CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+        CHECK_EQ(axf_endpoint_add_conn(p->a->e, p->ep, sv[0]), AXF_OK);
+        CHECK_EQ(axf_accept_conn(p->b->e, sv[1], B_TAG), AXF_OK);
+    }
+    p->asrc = calloc(1, REG);
+    p->bdst = calloc(1, REG);
+    CHECK(p->asrc && p->bdst);
+    CHECK_EQ(axf_region_register(p->a->e, p->asrc, REG, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1,
+                                 &p->arid, &p->akey),
+             AXF_OK);
+    CHECK_EQ(axf_region_register(p->b->e, p->bdst, REG, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1,
+                                 &p->brid, &p->bkey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_import(p->a->e, p->ep, p->brid, p->bkey, REG,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, -1),
+             AXF_OK);
+    return 0;
+}
+
+static void pair_close(pair *p)
+{
+    t_close(p->a); /* engines first: they may still touch the buffers */
+    t_close(p->b);
+    free(p->asrc);
+    free(p->bdst);
+}
+
+/* Scattered descriptors, one larger than the chunk size so it is split. */
+static const struct { uint64_t loff, roff, len; } SCATTER[] = {
+    {0, 4096, 100},
+    {8192, 65536, 16384},
+    {300000, 131072, 200000}, /* several 64 KiB chunks, striped over connections */
+    {700000, 900000, 1},
+    {20000, 0, 4096},
+};
+#define NSCATTER (sizeof SCATTER / sizeof SCATTER[0])
+
+static uint64_t scatter_descs(const pair *p, axf_desc *d)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < NSCATTER; i++) {
+        d[i] = (axf_desc){.lrid = p->arid, .loff = SCATTER[i].loff, .rrid = p->brid,
+                          .rkey = p->bkey, .roff = SCATTER[i].roff, .len = SCATTER[i].len};
+        total += SCATTER[i].len;
+    }
+    return total;
+}
+
+static int test_write(void)
+{
+    axf_config cfg = {.chunk_bytes = 64 << 10};
+    pair p;
+    if (pair_open(&p, &cfg, 3))
+        return 1;
+    t_fill(p.asrc, REG, 1);
+    axf_desc d[NSCATTER];
+    uint64_t total = scatter_descs(&p, d);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, NSCATTER, NULL, 0, 1001, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 1001, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, total);
+    CHECK_EQ(c.tag, A_TAG);
+    /* Data in place, nothing else touched. */
+    uint8_t *expect = calloc(1, REG);
+    CHECK(expect);
+    for (size_t i = 0; i < NSCATTER; i++)
+        memcpy(expect + SCATTER[i].roff, p.asrc + SCATTER[i].loff, SCATTER[i].len);
+    CHECK(memcmp(expect, p.bdst, REG) == 0);
+    free(expect);
+
+    axf_stats s;
+    axf_engine_stats(p.a->e, &s);
+    CHECK_EQ(s.ops, 0);
+    CHECK_EQ(s.ops_posted, 1);
+    CHECK_EQ(s.ops_completed, 1);
+    CHECK_EQ(s.ops_failed, 0);
+    CHECK_EQ(s.bytes, total);
+    CHECK_EQ(s.endpoints, 1);
+    CHECK_EQ(s.conns, 3);
+    pair_close(&p);
+    return 0;
+}
+
+static int test_read(void)
+{
+    axf_config cfg = {.chunk_bytes = 64 << 10};
+    pair p;
+    if (pair_open(&p, &cfg, 2))
+        return 1;
+    t_fill(p.bdst, REG, 2);
+    axf_desc d[NSCATTER];
+    uint64_t total = scatter_descs(&p, d);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_READ, d, NSCATTER, NULL, 0, 2002, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 2002, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, total);
+    uint8_t *expect = calloc(1, REG);
+    CHECK(expect);
+    for (size_t i = 0; i < NSCATTER; i++)
+        memcpy(expect + SCATTER[i].loff, p.bdst + SCATTER[i].roff, SCATTER[i].len);
+    CHECK(memcmp(expect, p.asrc, REG) == 0);
+    free(expect);
+    pair_close(&p);
+    return 0;
+}
+
+static int test_deferred_batch(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 2))
+        return 1;
+    t_fill(p.asrc, REG, 3);
+    enum { N = 50 };
+    for (uint64_t i = 0; i < N; i++) {
+        axf_desc d = {.lrid = p.arid, .loff = i * 1000, .rrid = p.brid, .rkey = p.bkey,
+                      .roff = i * 2000, .len = 1000};
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 100 + i, AXF_POST_DEFER),
+                 AXF_OK);
+    }
+    /* Same request id twice while the first is in flight: refused. */
+    axf_desc d0 = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = 1};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d0, 1, NULL, 0, 100, AXF_POST_DEFER),
+             AXF_E_INVALID);
+    axf_doorbell(p.a->e);
+    for (uint64_t i = 0; i < N; i++) {
+        axf_completion c;
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 100 + i, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+        CHECK_EQ(c.nbytes, 1000);
+    }
+    for (uint64_t i = 0; i < N; i++)
+        CHECK(memcmp(p.bdst + i * 2000, p.asrc + i * 1000, 1000) == 0);
+    pair_close(&p);
+    return 0;
+}
+
+static int test_notify(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 2))
+        return 1;
+    /* Standalone notification. */
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_NOTIFY, NULL, 0, "hello", 5, 3003, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait_any(p.b, AXF_CQ_NOTIFY, &c), 0);
+    CHECK_EQ(c.tag, B_TAG);
+    CHECK_EQ(c.payload_len, 5);
+    CHECK(memcmp(c.payload, "hello", 5) == 0);
+    axf_completion_free(&c);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 3003, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+
+    /* Bound to a WRITE: seen only once all of the data is in B's memory. */
+    t_fill(p.asrc, REG, 4);
+    axf_desc d[NSCATTER];
+    scatter_descs(&p, d);
+    uint8_t big[AXF_MAX_NOTIFY];
+    t_fill(big, sizeof big, 5);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, NSCATTER, big, sizeof big, 3004, 0), AXF_OK);
+    CHECK_EQ(t_wait_any(p.b, AXF_CQ_NOTIFY, &c), 0);
+    for (size_t i = 0; i < NSCATTER; i++)
+        CHECK(memcmp(p.bdst + SCATTER[i].roff, p.asrc + SCATTER[i].loff, SCATTER[i].len) == 0);
+    CHECK_EQ(c.payload_len, sizeof big);
+    CHECK(memcmp(c.payload, big, sizeof big) == 0);
+    axf_completion_free(&c);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 3004, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    pair_close(&p);
+    return 0;
+}
+
+/* A second region on B, for mixed good/bad batches. */
+static int add_b_region(pair *p, uint8_t *buf, uint64_t len, uint32_t access, uint64_t *rid,
+                        uint64_t *key)
+{
+    CHECK_EQ(axf_region_register(p->b->e, buf, len, access, -1, rid, key), AXF_OK);
+    return 0;
+}
+
+static int test_bad_key(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 1))
+        return 1;
+    t_fill(p.asrc, REG, 6);
+    static uint8_t other[65536];
+    memset(other, 0, sizeof other);
+    uint64_t orid, okey;
+    if (add_b_region(&p, other, sizeof other, AXF_ACCESS_READ | AXF_ACCESS_WRITE, &orid, &okey))
+        return 1;
+    /* A believes in a wrong key: only B's check can refuse it. */
+    CHECK_EQ(axf_endpoint_import(p.a->e, p.ep, orid, okey ^ 0x5a5a, sizeof other,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, -1),
+             AXF_OK);
+    axf_desc d[2] = {
+        {.lrid = p.arid, .loff = 0, .rrid = p.brid, .rkey = p.bkey, .roff = 0, .len = 512},
+        {.lrid = p.arid, .loff = 0, .rrid = orid, .rkey = okey ^ 0x5a5a, .roff = 0, .len = 4096},
+    };
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, 2, NULL, 0, 4004, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 4004, &c), 0);
+    CHECK_EQ(c.status, AXF_E_ACCESS);
+    CHECK_EQ(c.fail_index, 1);
+    CHECK(t_all(other, sizeof other, 0));
+
+    /* READ with the wrong key: refused, A's memory untouched. */
+    memset(p.asrc, 0, REG);
+    t_fill(other, sizeof other, 7);
+    axf_desc r = {.lrid = p.arid, .rrid = orid, .rkey = okey ^ 0x5a5a, .len = 4096};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_READ, &r, 1, NULL, 0, 4005, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 4005, &c), 0);
+    CHECK_EQ(c.status, AXF_E_ACCESS);
+    CHECK(t_all(p.asrc, REG, 0));
+
+    /* A key that does not match what A imported: refused at post. */
+    axf_desc k = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey + 1, .len = 16};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &k, 1, NULL, 0, 4006, 0), AXF_E_ACCESS);
+
+    /* A deregistered target region: later accesses fail. */
+    memset(other, 0, sizeof other);
+    CHECK_EQ(axf_endpoint_import(p.a->e, p.ep, orid, okey, sizeof other,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, -1),
+             AXF_OK);
+    CHECK_EQ(axf_region_deregister(p.b->e, orid), AXF_OK);
+    CHECK_EQ(t_wait(p.b, AXF_CQ_REGION_FREED, orid, &c), 0);
+    axf_desc g = {.lrid = p.arid, .rrid = orid, .rkey = okey, .len = 64};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &g, 1, NULL, 0, 4007, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 4007, &c), 0);
+    CHECK_EQ(c.status, AXF_E_ACCESS);
+    CHECK(t_all(other, sizeof other, 0));
+
+    /* The connection survives refused accesses. */
+    axf_desc ok = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = 64};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &ok, 1, NULL, 0, 4008, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 4008, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    pair_close(&p);
+    return 0;
+}
+
+static int test_out_of_bounds(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 1))
+        return 1;
+    t_fill(p.asrc, REG, 8);
+    static uint8_t small[4096], ro[4096];
+    memset(small, 0, sizeof small);
+    memset(ro, 0, sizeof ro);
+    uint64_t srid, skey, rorid, rokey;
+    if (add_b_region(&p, small, sizeof small, AXF_ACCESS_READ | AXF_ACCESS_WRITE, &srid, &skey) ||
+        add_b_region(&p, ro, sizeof ro, AXF_ACCESS_READ, &rorid, &rokey))
+        return 1;
+    /* A believes the regions are larger / writable than they are. */
+    CHECK_EQ(axf_endpoint_import(p.a->e, p.ep, srid, skey, 1 << 20,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, -1),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_import(p.a->e, p.ep, rorid, rokey, sizeof ro,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, -1),
+             AXF_OK);
+    axf_completion c;
+    /* Past the end, and straddling the end. */
+    axf_desc d1 = {.lrid = p.arid, .rrid = srid, .rkey = skey, .roff = 8192, .len = 100};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d1, 1, NULL, 0, 5001, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 5001, &c), 0);
+    CHECK_EQ(c.status, AXF_E_ACCESS);
+    axf_desc d2 = {.lrid = p.arid, .rrid = srid, .rkey = skey, .roff = 4000, .len = 200};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d2, 1, NULL, 0, 5002, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 5002, &c), 0);
+    CHECK_EQ(c.status, AXF_E_ACCESS);
+    CHECK(t_all(small, sizeof small, 0));
+    /* READ past the end. */
+    memset(p.asrc, 0, REG);
+    axf_desc d3 = {.lrid = p.arid, .rrid = srid, .rkey = skey, .roff = 4000, .len = 200};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_READ, &d3, 1, NULL, 0, 5003, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 5003, &c), 0);
+    CHECK_EQ(c.status, AXF_E_ACCESS);
+    CHECK(t_all(p.asrc, REG, 0));
+    /* Offset overflow. */
+    axf_desc d4 = {.lrid = p.arid, .rrid = srid, .rkey = skey, .roff = UINT64_MAX - 10, .len = 20};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d4, 1, NULL, 0, 5004, 0), AXF_E_ACCESS);
+    /* WRITE into a region B registered read-only. */
+    t_fill(p.asrc, REG, 9);
+    axf_desc d5 = {.lrid = p.arid, .rrid = rorid, .rkey = rokey, .len = 128};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d5, 1, NULL, 0, 5005, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 5005, &c), 0);
+    CHECK_EQ(c.status, AXF_E_ACCESS);
+    CHECK(t_all(ro, sizeof ro, 0));
+    /* Past A's own view of the remote region: refused at post. */
+    axf_desc d6 = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .roff = REG - 10, .len = 11};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d6, 1, NULL, 0, 5006, 0), AXF_E_ACCESS);
+    /* Past the local region, or an unknown local region: refused at post. */
+    axf_desc d7 = {.lrid = p.arid, .loff = REG - 1, .rrid = p.brid, .rkey = p.bkey, .len = 2};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d7, 1, NULL, 0, 5007, 0), AXF_E_ACCESS);
+    axf_desc d8 = {.lrid = 12345, .rrid = p.brid, .rkey = p.bkey, .len = 2};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d8, 1, NULL, 0, 5008, 0), AXF_E_ACCESS);
+    /* Rejected descriptors report their index. */
+    axf_desc d9[3] = {
+        {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = 2},
+        {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = 2},
+        {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .roff = REG, .len = 2},
+    };
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d9, 3, NULL, 0, 5009, 0), AXF_E_ACCESS);
+    axf_stats s;
+    axf_engine_stats(p.a->e, &s);
+    CHECK_EQ(s.ops, 0);
+    CHECK_EQ(s.ops_failed, 4);
+    pair_close(&p);
+    return 0;
+}
+
+/* A raw frame written into a socket the engine accepted: that connection is
+ * closed, counted, logged; the engine keeps serving its other connections. */
+static int malformed_case(pair *p, const void *frame, size_t len, uint64_t tag,
+                          uint64_t rejected_before)
+{
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_accept_conn(p->b->e, sv[1], tag), AXF_OK);
+    CHECK_EQ(write(sv[0], frame, len), (ssize_t)len);
+    axf_completion c;
+    CHECK_EQ(t_wait_any(p->b, AXF_CQ_CONN_CLOSED, &c), 0);
+    CHECK_EQ(c.tag, tag);
+    CHECK_EQ(t_wait_any(p->b, AXF_CQ_LOG, &c), 0);
+    CHECK_EQ(c.tag, tag);
+    CHECK(c.payload_len > 0 && c.payload);
+    CHECK(memmem(c.payload, c.payload_len, "malformed", 9) != NULL);
+    axf_completion_free(&c);
+    axf_stats s;
+    axf_engine_stats(p->b->e, &s);
+    CHECK_EQ(s.frames_rejected, rejected_before + 1);
+    /* The engine closed its end: we read EOF (after any pings it sent). */
+    uint8_t buf[4096];
+    ssize_t r;
+    struct pollfd pf = {.fd = sv[0], .events = POLLIN};
+    do {
+        CHECK_EQ(poll(&pf, 1, T_TIMEOUT_MS), 1);
+        r = read(sv[0], buf, sizeof buf);
+    } while (r > 0);
+    CHECK_EQ(r, 0);
+    close(sv[0]);
+    return 0;
+}
+
+static int test_malformed_frames(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 1))
+        return 1;
+    uint8_t junk[64];
+    t_fill(junk, sizeof junk, 10);
+    if (malformed_case(&p, junk, sizeof junk, 501, 0))
+        return 1;
+
+    wire_hdr h = {.magic = AXF_MAGIC, .type = FR_WRITE, .flags = FL_LAST, .op = 1, .rid = p.brid,
+                  .key = p.bkey, .len = AXF_MAX_FRAME + 1};
+    if (malformed_case(&p, &h, sizeof h, 502, 1))
+        return 1;
+    h = (wire_hdr){.magic = AXF_MAGIC, .type = FR_READ_RESP, .op = 1};
+    if (malformed_case(&p, &h, sizeof h, 503, 2))
+        return 1;
+    h = (wire_hdr){.magic = AXF_MAGIC, .type = 0x7777, .op = 1};
+    if (malformed_case(&p, &h, sizeof h, 504, 3))
+        return 1;
+    h = (wire_hdr){.magic = AXF_MAGIC, .type = FR_NOTIFY, .op = 1, .len = 0};
+    if (malformed_case(&p, &h, sizeof h, 505, 4))
+        return 1;
+    h = (wire_hdr){.magic = AXF_MAGIC, .type = FR_NOTIFY, .op = 1, .len = AXF_MAX_NOTIFY + 1};
+    if (malformed_case(&p, &h, sizeof h, 506, 5))
+        return 1;
+    /* Nothing of it reached B's memory, and A's connection still works. */
+    CHECK(t_all(p.bdst, REG, 0));
+    t_fill(p.asrc, REG, 11);
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = 4096};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 6001, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 6001, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(p.bdst, p.asrc, 4096) == 0);
+    pair_close(&p);
+    return 0;
+}
+
+/* An initiator-side connection to a raw socket we drive by hand. */
+typedef struct raw_peer {
+    tengine *a;
+    uint64_t ep, rid, key;
+    uint8_t *buf;
+    int fd; /* our end */
+} raw_peer;
+
+static int raw_open(raw_peer *r, const axf_config *cfg, uint64_t tag)
+{
+    memset(r, 0, sizeof *r);
+    r->a = t_engine(cfg);
+    CHECK(r->a);
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_create(r->a->e, AXF_EP_TCP, tag, 0, &r->ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_add_conn(r->a->e, r->ep, sv[0]), AXF_OK);
+    r->fd = sv[1];
+    r->buf = calloc(1, 65536);
+    CHECK(r->buf);
+    CHECK_EQ(axf_region_register(r->a->e, r->buf, 65536, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1,
+                                 &r->rid, &r->key),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_import(r->a->e, r->ep, 1, 0x1234, 65536,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, -1),
+             AXF_OK);
+    return 0;
+}
+
+static void raw_close(raw_peer *r)
+{
+    t_close(r->a);
+    if (r->fd >= 0)
+        close(r->fd);
+    free(r->buf);
+}
+
+/* Posts a READ the raw peer will never answer; waits until its request frame
+ * is on our socket, so the op is truly in flight. */
+static int raw_read_inflight(raw_peer *r, uint64_t req)
+{
+    axf_desc d = {.lrid = r->rid, .rrid = 1, .rkey = 0x1234, .len = 4096};
+    CHECK_EQ(axf_post(r->a->e, r->ep, AXF_OP_READ, &d, 1, NULL, 0, req, 0), AXF_OK);
+    for (;;) {
+        wire_hdr h;
+        struct pollfd pf = {.fd = r->fd, .events = POLLIN};
+        CHECK_EQ(poll(&pf, 1, T_TIMEOUT_MS), 1);
+        CHECK_EQ(recv(r->fd, &h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
+        CHECK_EQ(h.magic, AXF_MAGIC);
+        if (h.type == FR_PING)
+            continue;
+        CHECK_EQ(h.type, FR_READ_REQ);
+        CHECK_EQ(h.op, req);
+        break;
+    }
+    CHECK(t_quiet(r->a, AXF_CQ_XFER, req, 50));
+    return 0;
+}
+
+static int test_shutdown_inflight(void)
+{
+    raw_peer r;
+    if (raw_open(&r, NULL, 40))
+        return 1;
+    if (raw_read_inflight(&r, 7001))
+        return 1;
+    /* The op holds the region: deregistering does not free it yet. */
+    CHECK_EQ(axf_region_deregister(r.a->e, r.rid), AXF_OK);
+    CHECK(t_quiet(r.a, AXF_CQ_REGION_FREED, r.rid, 100));
+    axf_stats s;
+    axf_engine_stats(r.a->e, &s);
+    CHECK_EQ(s.ops, 1);
+
+    axf_engine_shutdown(r.a->e);
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 7001, &c), 0);
+    CHECK_EQ(c.status, AXF_E_CLOSED);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_REGION_FREED, r.rid, &c), 0);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_CLOSED);
+    axf_engine_stats(r.a->e, &s);
+    CHECK_EQ(s.ops, 0);
+    CHECK_EQ(s.regions, 0);
+    CHECK_EQ(s.conns, 0);
+    raw_close(&r);
+    return 0;
+}
+
+static int test_endpoint_close_inflight(void)
+{
+    raw_peer r;
+    if (raw_open(&r, NULL, 41))
+        return 1;
+    if (raw_read_inflight(&r, 7101))
+        return 1;
+    CHECK_EQ(axf_endpoint_close(r.a->e, r.ep), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 7101, &c), 0);
+    CHECK_EQ(c.status, AXF_E_CLOSED);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_CLOSED);
+    CHECK_EQ(c.tag, 41);
+    axf_desc d = {.lrid = r.rid, .rrid = 1, .rkey = 0x1234, .len = 1};
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 7102, 0), AXF_E_CLOSED);
+    raw_close(&r);
+    return 0;
+}
+
+static int test_peer_lost(void)
+{
+    raw_peer r;
+    if (raw_open(&r, NULL, 42))
+        return 1;
+    if (raw_read_inflight(&r, 7201))
+        return 1;
+    close(r.fd); /* the peer dies */
+    r.fd = -1;
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 7201, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    CHECK_EQ(c.tag, 42);
+    CHECK(t_all(r.buf, 65536, 0));
+    axf_desc d = {.lrid = r.rid, .rrid = 1, .rkey = 0x1234, .len = 1};
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 7202, 0), AXF_E_PEER_LOST);
+    raw_close(&r);
+    return 0;
+}
+
+static int test_peer_silent(void)
+{
+    axf_config cfg = {.keepalive_ms = 50, .peer_timeout_ms = 300};
+    raw_peer r;
+    if (raw_open(&r, &cfg, 43))
+        return 1;
+    uint64_t t0 = t_now_ms();
+    if (raw_read_inflight(&r, 7301))
+        return 1;
+    /* We read its pings but never answer anything. */
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 7301, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    uint64_t took = t_now_ms() - t0;
+    CHECK(took < 3000);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    raw_close(&r);
+    return 0;
+}
+
+static int test_bad_reply(void)
+{
+    raw_peer r;
+    if (raw_open(&r, NULL, 44))
+        return 1;
+    /* A reply to a request that was never made. */
+    wire_hdr h = {.magic = AXF_MAGIC, .type = FR_WRITE_ACK, .op = 999};
+    CHECK_EQ(write(r.fd, &h, sizeof h), (ssize_t)sizeof h);
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    axf_stats s;
+    axf_engine_stats(r.a->e, &s);
+    CHECK_EQ(s.frames_rejected, 1);
+    CHECK_EQ(t_wait_any(r.a, AXF_CQ_LOG, &c), 0);
+    CHECK_EQ(c.tag, 44);
+    axf_completion_free(&c);
+    raw_close(&r);
+    return 0;
+}
+
+static int test_cancel_before_send(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 1))
+        return 1;
+    t_fill(p.asrc, REG, 12);
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = 4096};
+    /* Deferred: queued, not yet released to the connection thread. */
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 8001, AXF_POST_DEFER), AXF_OK);
+    CHECK_EQ(axf_cancel(p.a->e, 8001), AXF_OK);
+    axf_doorbell(p.a->e);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 8001, &c), 0);
+    CHECK_EQ(c.status, AXF_E_CANCELLED);
+    CHECK(t_all(p.bdst, REG, 0));
+    CHECK_EQ(axf_cancel(p.a->e, 8001), AXF_E_NOTFOUND);
+    /* The connection is fine afterwards. */
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 8002, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 8002, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(p.bdst, p.asrc, 4096) == 0);
+    pair_close(&p);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static const t_case cases[] = {
+        T_CASE(test_write),
+        T_CASE(test_read),
+        T_CASE(test_deferred_batch),
+        T_CASE(test_notify),
+        T_CASE(test_bad_key),
+        T_CASE(test_out_of_bounds),
+        T_CASE(test_malformed_frames),
+        T_CASE(test_shutdown_inflight),
+        T_CASE(test_endpoint_close_inflight),
+        T_CASE(test_peer_lost),
+        T_CASE(test_peer_silent),
+        T_CASE(test_bad_reply),
+        T_CASE(test_cancel_before_send),
+    };
+    return T_RUN(argc, argv, cases);
+}

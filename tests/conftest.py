@@ -1,0 +1,335 @@
+"""Shared helpers for the aioxfer test suite.
+
+- ``transport`` parametrizes a test over every transport of the conformance
+  suite ("shm": automatic selection between same-host agents, which must pick
+  shm; "tcp": forced with ``transports=("tcp",)`` on both agents).
+- ``make_agent`` starts agents on the running loop; at teardown it closes them
+  and fails the test if any loop exception handler call happened, or if an
+  agent leaks a native op, a native region or a pinned buffer.
+- ``RemoteAgent`` runs an agent in a separate process (multiprocessing spawn)
+  and drives it through a pipe.
+- Every wait is bounded: ``within()`` and ``wait_until()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+T = TypeVar("T")
+
+TRANSPORTS = ["shm", "tcp"]
+
+# Bounds for waits; generous so a slow 2-core CI box passes, small enough that
+# a hang fails the test rather than the whole suite.
+STEP = 10.0
+
+
+def transport_kwargs(transport: str) -> dict[str, Any]:
+    if transport == "tcp":
+        return {"transports": ("tcp",)}
+    if transport == "shm":
+        return {}  # automatic selection: two same-host agents must pick shm
+    raise ValueError(transport)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """Deterministic, seed-dependent bytes (uint8 array)."""
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8).copy()
+
+
+def digest(buf: Any) -> str:
+    return hashlib.blake2b(memoryview(buf).cast("B"), digest_size=16).hexdigest()
+
+
+async def within(aw: Awaitable[T], seconds: float = STEP) -> T:
+    """Awaits ``aw`` under a deadline, so a hang fails instead of blocking the suite."""
+    async with asyncio.timeout(seconds):
+        return await aw
+
+
+async def wait_until(
+    pred: Callable[[], bool], seconds: float = STEP, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + seconds
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {seconds} s")
+        await asyncio.sleep(0.01)
+
+
+def stats_dict(agent: Any) -> dict[str, Any]:
+    s = agent.statistics()
+    return dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(vars(s))
+
+
+def assert_no_leaks(agent: Any) -> None:
+    s = agent.statistics()
+    leaks = {k: getattr(s, k) for k in ("in_flight", "native_ops", "native_regions",
+                                        "pinned_regions")}
+    assert all(v == 0 for v in leaks.values()), f"{agent.name} leaks after close: {leaks}"
+
+
+class LoopErrors:
+    """Collects calls of the loop's exception handler (they fail the test)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        self.calls.append(context)
+        loop.default_exception_handler(context)
+
+
+@pytest.fixture
+async def make_agent() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    import aioxfer
+
+    loop = asyncio.get_running_loop()
+    errors = LoopErrors()
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(errors)
+    agents: list[Any] = []
+
+    async def factory(name: str = "agent", **kwargs: Any) -> Any:
+        agent = aioxfer.Agent(f"{name}-{len(agents)}", **kwargs)
+        await within(agent.__aenter__())
+        agents.append(agent)
+        return agent
+
+    try:
+        yield factory
+    finally:
+        for agent in reversed(agents):
+            await within(agent.aclose(), 30)
+        # Closing callbacks may still be queued: let them run before judging.
+        await asyncio.sleep(0.05)
+        loop.set_exception_handler(old)
+    for agent in agents:
+        assert_no_leaks(agent)
+    assert not errors.calls, f"loop exception handler called: {errors.calls!r}"
+
+
+@dataclasses.dataclass
+class Pair:
+    transport: str
+    init: Any  # initiator agent
+    target: Any  # target agent
+    peer: Any  # init's Peer for target
+
+
+@pytest.fixture
+async def pair(make_agent: Callable[..., Awaitable[Any]], transport: str) -> Pair:
+    """Two agents in this process, the first connected to the second."""
+    kw = transport_kwargs(transport)
+    target = await make_agent("target", **kw)
+    init = await make_agent("init", **kw)
+    peer = await within(init.connect(target.address))
+    assert peer.path == transport, f"expected path {transport}, got {peer.path}"
+    return Pair(transport, init, target, peer)
+
+
+# --------------------------------------------------------------- remote agents
+
+
+def _region_bytes(regions: dict[str, Any], name: str) -> memoryview:
+    return regions[name].memoryview.cast("B")
+
+
+async def _serve(conn: Any, opts: dict[str, Any]) -> None:
+    import aioxfer
+
+    loop = asyncio.get_running_loop()
+    size = opts.get("size", 1 << 20)
+    kwargs = {k: opts[k] for k in ("transports", "token", "peer_timeout", "keepalive",
+                                   "tcp_connections") if k in opts}
+    agent = aioxfer.Agent(opts.get("name", "remote"), **kwargs)
+    async with agent:
+        regions: dict[str, Any] = {
+            "pool": agent.alloc(size, name="pool"),  # memfd-backed
+            "user": agent.register(bytearray(size), name="user"),  # plain user memory
+        }
+        peers: dict[str, Any] = {}
+        conn.send({"address": agent.address, "pid": os.getpid()})
+        while True:
+            cmd, args = await loop.run_in_executor(None, conn.recv)
+            if cmd == "quit":
+                break
+            try:
+                result = await _command(agent, regions, peers, cmd, args)
+                conn.send(("ok", result))
+            except Exception as exc:
+                conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    conn.send(("ok", stats_dict(agent)))
+
+
+async def _command(agent: Any, regions: dict[str, Any], peers: dict[str, Any],
+                   cmd: str, args: tuple[Any, ...]) -> Any:
+    import aioxfer
+
+    if cmd == "fill":
+        name, off, n, seed = args
+        _region_bytes(regions, name)[off:off + n] = pattern(n, seed).tobytes()
+        return None
+    if cmd == "zero":
+        (name,) = args
+        mv = _region_bytes(regions, name)
+        mv[:] = bytes(len(mv))
+        return None
+    if cmd == "get":
+        name, off, n = args
+        return bytes(_region_bytes(regions, name)[off:off + n])
+    if cmd == "digest":
+        name, off, n = args
+        return digest(_region_bytes(regions, name)[off:off + n])
+    if cmd == "stats":
+        return stats_dict(agent)
+    if cmd == "notes":
+        # Receives n notifications; for each whose payload names a check, the
+        # bytes are hashed at once: data bound to a notification must be in
+        # memory when the notification is received.
+        n, seconds, checks = args
+        out = []
+        async with asyncio.timeout(seconds):
+            for _ in range(n):
+                note = await agent.notifications.receive()
+                ok = None
+                if note.payload in checks:
+                    name, off, length, want = checks[note.payload]
+                    ok = digest(_region_bytes(regions, name)[off:off + length]) == want
+                out.append((note.peer_name, note.payload, ok))
+        return out
+    if cmd == "connect":
+        (address,) = args
+        async with asyncio.timeout(STEP):
+            peer = await agent.connect(address)
+        peers[address] = peer
+        return peer.path
+    if cmd == "write":
+        # This process as initiator: write local [loff, loff+n) to the peer's region.
+        address, local, loff, remote, roff, n, notify = args
+        peer = peers[address]
+        src = regions[local][loff:loff + n]
+        dst = peer.region(remote)[roff:roff + n]
+        async with asyncio.timeout(STEP * 3):
+            res = await agent.write(src, dst, notify=notify)
+        return res.nbytes
+    if cmd == "sleep":
+        await asyncio.sleep(args[0])
+        return None
+    if cmd == "raise":
+        raise aioxfer.XferError("requested")
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+def remote_agent_main(conn: Any, opts: dict[str, Any]) -> None:
+    try:
+        asyncio.run(_serve(conn, opts))
+    except BaseException as exc:
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        except Exception:
+            pass
+        raise
+
+
+class RemoteError(AssertionError):
+    pass
+
+
+class RemoteAgent:
+    """An agent in a spawned process with two regions, "pool" (agent.alloc) and
+    "user" (a registered bytearray), each ``size`` bytes."""
+
+    def __init__(self, **opts: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=remote_agent_main, args=(child, opts), daemon=True)
+        self.proc.start()
+        child.close()
+        hello = self._recv(60.0)
+        if not isinstance(hello, dict):
+            raise RemoteError(f"remote agent failed to start: {hello!r}")
+        self.address: str = hello["address"]
+        self.pid: int = hello["pid"]
+        self.closed = False
+
+    def _recv(self, seconds: float) -> Any:
+        if not self._conn.poll(seconds):
+            raise RemoteError(f"remote agent did not answer within {seconds} s")
+        return self._conn.recv()
+
+    async def call(self, cmd: str, *args: Any, seconds: float = STEP * 3) -> Any:
+        """Runs one command in the remote agent without blocking this loop."""
+        loop = asyncio.get_running_loop()
+        self._conn.send((cmd, args))
+        reply = await loop.run_in_executor(None, self._recv, seconds)
+        if reply[0] != "ok":
+            raise RemoteError(f"remote {cmd} failed: {reply[1]}\n{reply[2]}")
+        return reply[1]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.pid, sig)
+
+    async def close(self) -> dict[str, Any] | None:
+        """Closes the remote agent and returns its final statistics."""
+        if self.closed:
+            return None
+        self.closed = True
+        stats = None
+        if self.proc.is_alive():
+            try:
+                stats = await self.call("quit")
+            except (RemoteError, OSError, EOFError):
+                stats = None
+        await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 10)
+        self.terminate()
+        return stats
+
+    def terminate(self) -> None:
+        self.closed = True
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self._conn.close()
+
+
+@pytest.fixture
+async def remote_agent() -> AsyncIterator[Callable[..., Awaitable[RemoteAgent]]]:
+    """Factory: ``await remote_agent(size=..., transports=...)``; closed at teardown,
+    where a remote agent that still runs must close without leaks."""
+    started: list[RemoteAgent] = []
+
+    async def factory(**opts: Any) -> RemoteAgent:
+        loop = asyncio.get_running_loop()
+        ra = await loop.run_in_executor(None, lambda: RemoteAgent(**opts))
+        started.append(ra)
+        return ra
+
+    try:
+        yield factory
+    finally:
+        finals = []
+        for ra in started:
+            finals.append(await ra.close())
+    for stats in finals:
+        if stats is not None:
+            leaks = {k: stats.get(k) for k in ("in_flight", "native_ops", "native_regions",
+                                               "pinned_regions")}
+            assert all(v == 0 for v in leaks.values()), f"remote agent leaks: {leaks}"
