@@ -281,7 +281,7 @@ class SegmentList:
     """Many byte ranges of one region (local or remote), as numpy arrays.
 
     ``offsets`` and ``lengths`` are 1-D, equal-length, non-negative integer
-    arrays (copied to uint64 once, here); every range must lie inside the region.
+    arrays (converted to uint64 once, here); every range must lie inside the region.
     Checked with whole-array operations: no per-descriptor Python work.
     """
 

@@ -621,7 +621,7 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         for (size_t i = 0; i < n; i++)
             total += o->d[i].len;
         pthread_mutex_unlock(&e->mu);
-        if (!notify_len && total <= e->cfg.inline_bytes) {
+        if (!notify_len && e->cfg.inline_bytes != UINT64_MAX && total <= e->cfg.inline_bytes) {
             /* Small same-host copy: done now, completion known at submit. */
             atomic_store(&o->remaining, 1);
             int cst = shm_copy_inline(e, o);
