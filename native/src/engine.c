@@ -308,13 +308,14 @@ static void op_free(axf_engine *e, op *o)
 static void op_finish_unlinked(axf_engine *e, op *o)
 {
     int st = atomic_load(&o->status);
-    cq_push(e, AXF_CQ_XFER, st, o->req_id, o->ep->tag, atomic_load(&o->nbytes), o->fail_index,
-            NULL, 0);
+    uint64_t nbytes = atomic_load(&o->nbytes), req_id = o->req_id, tag = o->ep->tag;
+    uint64_t fail_index = o->fail_index;
+    op_free(e, o); /* before the completion: its regions are released first */
     atomic_fetch_add(st == AXF_OK ? &e->completed : &e->failed, 1);
     if (st == AXF_OK)
-        atomic_fetch_add(&e->bytes, atomic_load(&o->nbytes));
+        atomic_fetch_add(&e->bytes, nbytes);
     atomic_fetch_sub(&e->n_ops, 1);
-    op_free(e, o);
+    cq_push(e, AXF_CQ_XFER, st, req_id, tag, nbytes, fail_index, NULL, 0);
 }
 
 static void op_complete(axf_engine *e, op *o)
