@@ -480,7 +480,8 @@ static int op_resolve(axf_engine *e, op *o)
     return AXF_OK;
 }
 
-static void tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
+/* Returns false when nothing could be queued (the caller completes the op). */
+static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
 {
     endpoint *ep = o->ep;
     sq_item *lastp[AXF_MAX_CONNS] = {0};
@@ -518,10 +519,8 @@ static void tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
 out:
     /* One unit per connection used: its LAST frame is acknowledged once. */
     atomic_store(&o->remaining, used ? used : 1);
-    if (!used) {
-        atomic_store(&o->remaining, 0);
-        return; /* caller completes */
-    }
+    if (!used)
+        return false;
     for (int ci = 0; ci < ep->nconns; ci++) {
         if (!lastp[ci])
             continue;
@@ -537,6 +536,7 @@ out:
                 conn_signal(ep->conns[ci]);
         }
     }
+    return true;
 }
 
 int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, size_t n,
@@ -614,8 +614,8 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         return AXF_OK;
     }
     if (ep->kind == AXF_EP_TCP) {
-        tcp_submit(e, o, signal);
-        finish_now = atomic_load(&o->remaining) == 0;
+        /* Not read back from o->remaining: replies may already be decrementing it. */
+        finish_now = !tcp_submit(e, o, signal);
         pthread_mutex_unlock(&e->mu);
     } else {
         uint64_t total = 0;
