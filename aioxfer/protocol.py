@@ -29,7 +29,7 @@ import sys
 
 import msgspec
 
-from aioxfer.errors import AccessDenied, ProtocolError
+from aioxfer.errors import AccessDenied, ProtocolError, XferError
 from aioxfer.metadata import (
     PROTOCOL_VERSION,
     Accept,
@@ -136,7 +136,7 @@ def _unexpected(got: Frame, want: str) -> ProtocolError:
     return ProtocolError(f"expected {want}, got {type(got).__name__}")
 
 
-async def client_handshake(
+async def _client_handshake(
     loop: asyncio.AbstractEventLoop,
     sock: socket.socket,
     *,
@@ -145,12 +145,7 @@ async def client_handshake(
     purpose: Purpose,
     token: bytes | None,
 ) -> Accept:
-    """Runs the client half; returns the server's Accept.
-
-    Raises AccessDenied when the server rejects us, when its proof is wrong, when
-    it wants a token we do not have, or when we have a token and it does not
-    authenticate (a server that skips the challenge cannot prove who it is).
-    """
+    """See client_handshake."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     hello = Hello(
         version=PROTOCOL_VERSION,
@@ -180,18 +175,14 @@ async def client_handshake(
     return msg
 
 
-async def server_handshake(
+async def _server_handshake(
     loop: asyncio.AbstractEventLoop,
     sock: socket.socket,
     *,
     token: bytes | None,
     accept: Accept,
 ) -> Hello:
-    """Runs the server half up to and including sending ``accept``.
-
-    Raises HandshakeRejected (after sending Reject) when authentication fails,
-    ProtocolError on anything malformed (nothing is sent back then).
-    """
+    """See server_handshake."""
     hello = await recv_frame(loop, sock)
     if not isinstance(hello, Hello):
         raise _unexpected(hello, "Hello")
@@ -210,7 +201,12 @@ async def server_handshake(
     if token is not None:
         nonce = secrets.token_bytes(NONCE_BYTES)
         await send_frame(loop, sock, Challenge(nonce=nonce, proof=server_proof(token, hello.nonce)))
-        answer = await recv_frame(loop, sock)
+        try:
+            answer = await recv_frame(loop, sock)
+        except ProtocolError as exc:
+            raise HandshakeRejected(
+                f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
+            ) from None
         if not isinstance(answer, Proof):
             raise _unexpected(answer, "Proof")
         if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.name)):
@@ -218,6 +214,58 @@ async def server_handshake(
             raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
     await send_frame(loop, sock, accept)
     return hello
+
+
+async def client_handshake(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    *,
+    name: str,
+    incarnation: int,
+    purpose: Purpose,
+    token: bytes | None,
+) -> Accept:
+    """Runs the client half; returns the server's Accept.
+
+    Raises AccessDenied when the server rejects us, when its proof is wrong, when
+    it wants a token we do not have, or when we have a token and it does not
+    authenticate (a server that skips the challenge cannot prove who it is).
+    On failure the socket is shut down (the caller still owns and closes it), so
+    the other side sees the end at once instead of waiting for its timeout.
+    """
+    try:
+        return await _client_handshake(
+            loop, sock, name=name, incarnation=incarnation, purpose=purpose, token=token
+        )
+    except XferError:
+        _shutdown(sock)
+        raise
+
+
+async def server_handshake(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    *,
+    token: bytes | None,
+    accept: Accept,
+) -> Hello:
+    """Runs the server half up to and including sending ``accept``.
+
+    Raises HandshakeRejected (after sending Reject) when authentication fails,
+    ProtocolError on anything malformed; either way the socket is shut down.
+    """
+    try:
+        return await _server_handshake(loop, sock, token=token, accept=accept)
+    except XferError:
+        _shutdown(sock)
+        raise
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 async def _reject(loop: asyncio.AbstractEventLoop, sock: socket.socket, reason: str) -> None:

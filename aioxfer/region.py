@@ -42,9 +42,7 @@ def _bounds(key: object, nbytes: int, what: str) -> tuple[int, int]:
     if stop < 0:
         stop += nbytes
     if not 0 <= start <= stop <= nbytes:
-        raise IndexError(
-            f"[{key.start}:{key.stop}] is out of bounds for {what} of {nbytes} bytes"
-        )
+        raise IndexError(f"[{key.start}:{key.stop}] is out of bounds for {what} of {nbytes} bytes")
     return start, stop - start
 
 

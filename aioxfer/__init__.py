@@ -1,0 +1,63 @@
+"""aioxfer: asyncio-first one-sided READ/WRITE into registered memory.
+
+```python
+async with aioxfer.Agent("decode-0") as agent:
+    pool = agent.register(bytearray(1 << 20), name="kv")
+    peer = await agent.connect("127.0.0.1:5555")
+    await agent.write(pool[0:4096], peer.region("kv")[8192:12288], notify=b"req-17")
+    msg = await agent.notifications.receive()
+```
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from aioxfer.agent import Agent
+from aioxfer.errors import (
+    AccessDenied,
+    ClosedResourceError,
+    PeerLost,
+    ProtocolError,
+    RegistrationError,
+    StalePeer,
+    TransferTimeout,
+    TransportError,
+    XferError,
+)
+from aioxfer.notifications import Notification, Notifications
+from aioxfer.peer import Peer
+from aioxfer.region import Region, RemoteRegion, RemoteSegment, Segment, SegmentList
+from aioxfer.stats import AgentStatistics, PeerStatistics
+from aioxfer.transfer import Transfer, TransferResult
+
+try:
+    __version__ = version("aioxfer")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "AccessDenied",
+    "Agent",
+    "AgentStatistics",
+    "ClosedResourceError",
+    "Notification",
+    "Notifications",
+    "Peer",
+    "PeerLost",
+    "PeerStatistics",
+    "ProtocolError",
+    "Region",
+    "RegistrationError",
+    "RemoteRegion",
+    "RemoteSegment",
+    "Segment",
+    "SegmentList",
+    "StalePeer",
+    "Transfer",
+    "TransferResult",
+    "TransferTimeout",
+    "TransportError",
+    "XferError",
+    "__version__",
+]

@@ -1,0 +1,1310 @@
+"""Agent: registered memory, peers, and the asyncio side of the native engine.
+
+Threading: an Agent lives on one event loop. The loop thread only validates,
+submits and drains; copies, socket I/O and keepalives run on engine threads.
+Submissions made in one loop iteration go to the engine in one native call
+(``post_many``, one doorbell); completions come back through one eventfd watched
+with ``loop.add_reader`` and are drained in batches.
+
+Lifetime: the agent owns its peers and regions. ``aclose()`` fails whatever is
+in flight with ClosedResourceError, and releases every buffer once the engine
+confirms nothing touches it any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import itertools
+import mmap
+import os
+import secrets
+import socket
+import sys
+import warnings
+from collections.abc import Sequence
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from aioxfer import _cyx
+from aioxfer.errors import (
+    AccessDenied,
+    ClosedResourceError,
+    PeerLost,
+    ProtocolError,
+    RegistrationError,
+    StalePeer,
+    TransportError,
+    XferError,
+    error_class,
+)
+from aioxfer.log import get_logger
+from aioxfer.metadata import PROTOCOL_VERSION, Accept, AgentMeta, RegionMeta
+from aioxfer.notifications import Notification, Notifications
+from aioxfer.peer import Peer
+from aioxfer.protocol import (
+    HandshakeRejected,
+    client_handshake,
+    fetch_meta,
+    send_frame,
+    server_handshake,
+    token_bytes,
+)
+from aioxfer.region import Region, RemoteRegion, RemoteSegment, Segment, SegmentList
+from aioxfer.stats import AgentStatistics
+from aioxfer.transfer import Transfer, TransferResult
+
+__all__ = ["Agent"]
+
+_log = get_logger("aioxfer")
+
+TRANSPORTS = ("shm", "tcp")
+MAX_CONNS = 16  # AXF_MAX_CONNS: connections one endpoint may have
+_POLL_MAX = 4096
+_POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
+
+_OK = _cyx.OK
+_CQ_XFER = _cyx.CQ_XFER
+_CQ_NOTIFY = _cyx.CQ_NOTIFY
+_E_CANCELLED = _cyx.E_CANCELLED
+_E_CLOSED = _cyx.E_CLOSED
+_E_PEER_LOST = _cyx.E_PEER_LOST
+_DESC_STATUSES = frozenset({_cyx.E_ACCESS, _cyx.E_INVALID, _cyx.E_TRANSPORT, _cyx.E_PROTOCOL})
+
+Local = Segment | Sequence[Segment] | SegmentList
+Remote = RemoteSegment | Sequence[RemoteSegment] | SegmentList
+
+
+class Agent:
+    """One participant: registers memory, serves its metadata, connects to peers,
+    posts transfers.
+
+    ``listen``: "host:port" of the control port (port 0 picks one; read
+    ``address``). ``transports``: which of "shm", "tcp" this agent may use (all by
+    default; ``("tcp",)`` forces TCP even on one host). ``token``: a shared
+    secret; when set, connections both ways authenticate with an HMAC challenge.
+    ``peer_timeout``: seconds of silence after which a peer is lost (its transfers
+    fail with PeerLost); ``keepalive``: idle ping interval. ``tcp_connections``:
+    connections per TCP peer (large transfers are split across them).
+    ``copy_workers``: engine threads doing same-host copies.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        listen: str = "127.0.0.1:0",
+        transports: Sequence[str] | None = None,
+        token: str | bytes | None = None,
+        peer_timeout: float = 5.0,
+        keepalive: float = 1.0,
+        tcp_connections: int = 4,
+        copy_workers: int = 2,
+    ) -> None:
+        if not isinstance(name, str) or not 0 < len(name) <= 256:
+            raise ValueError("agent name must be a string of 1..256 characters")
+        if transports is None:
+            transports = TRANSPORTS
+        elif isinstance(transports, str):
+            raise TypeError('transports is a sequence of names, e.g. ("tcp",)')
+        transports = tuple(dict.fromkeys(transports))
+        unknown = [t for t in transports if t not in TRANSPORTS]
+        if unknown or not transports:
+            raise ValueError(
+                f"transports must be a non-empty subset of {TRANSPORTS}, not {transports}"
+            )
+        if not peer_timeout > 0 or not keepalive > 0:
+            raise ValueError("peer_timeout and keepalive must be positive (seconds)")
+        if not 1 <= tcp_connections <= MAX_CONNS:
+            raise ValueError(f"tcp_connections must be in 1..{MAX_CONNS}")
+        if copy_workers < 1:
+            raise ValueError("copy_workers must be at least 1")
+
+        self.name = name
+        self.incarnation = secrets.randbits(64)
+        self.transports: tuple[str, ...] = transports
+        self._token = token_bytes(token)
+        self._peer_timeout = float(peer_timeout)
+        self._tcp_connections = int(tcp_connections)
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine = _cyx.Engine(
+            copy_workers=int(copy_workers),
+            keepalive_ms=max(1, round(keepalive * 1000)),
+            peer_timeout_ms=max(1, round(peer_timeout * 1000)),
+        )
+        self._fd = self._engine.fileno()
+        try:
+            self._lsock, self.address = _listen(listen)
+        except BaseException:
+            self._engine.close()
+            raise
+        self._host_id = host_id()
+
+        self._accept_task: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+        self.notifications = Notifications()
+
+        # memory
+        self._regions: dict[str, Region] = {}
+        self._freeing: dict[int, Region] = {}  # deregistered, memory still ours to release
+
+        # peers
+        self._peers_by_addr: dict[str, Peer] = {}
+        self._peers_by_ep: dict[int, Peer] = {}
+        self._peers_by_inc: dict[tuple[str, int], Peer] = {}
+        self._connecting: dict[str, asyncio.Task[Peer]] = {}
+        self._tags: dict[tuple[str, int], int] = {}
+        self._tag_names: dict[int, str] = {}
+        self._next_tag = itertools.count(1).__next__
+
+        # data path
+        self._next_req = itertools.count(1).__next__
+        self._inflight: dict[int, Transfer] = {}
+        self._pending: list[tuple[int, int, Any, bytes | None, int]] = []
+        self._pending_t: list[Transfer] = []
+        self._flush_scheduled = False
+        self._pending_cancelled = False
+        self._posted = 0
+        self._completed = 0
+        self._failed = 0
+        self._bytes = 0
+        self._final_native: dict[str, int] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> Agent:
+        """Starts serving (also done by ``async with`` and, lazily, by the first
+        connect, write or read). Idempotent."""
+        self._start()
+        return self
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is not None:
+            if self._loop is not loop:
+                raise RuntimeError(f"agent {self.name!r} is bound to another event loop")
+            return loop
+        self._check_open()
+        loop.add_reader(self._fd, self._drain)
+        self._loop = loop
+        self._accept_task = loop.create_task(
+            self._accept_loop(), name=f"aioxfer-accept-{self.name}"
+        )
+        _log.debug("agent.started", agent=self.name, address=self.address)
+        return loop
+
+    async def __aenter__(self) -> Agent:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def aclose(self) -> None:
+        """Stops serving, fails in-flight transfers with ClosedResourceError,
+        closes peers, releases every region. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks: list[asyncio.Task[Any]] = [
+            task
+            for task in (self._accept_task, *self._serving, *self._connecting.values())
+            if task is not None
+        ]
+        for task in tasks:
+            task.cancel()
+        try:
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        # Not yet handed to the engine: fail here.
+        pending, self._pending_t, self._pending = self._pending_t, [], []
+        for t in pending:
+            self._inflight.pop(t.req_id, None)
+            self._finish_failed(t, self._closed_error(t))
+
+        self._engine.shutdown()  # fails what is pending (E_CLOSED), frees regions
+        while self._drain_once():
+            pass
+        try:
+            self._final_native = self._engine.stats()
+        except _cyx.NativeError:
+            self._final_native = None
+        if self._loop is not None:
+            self._loop.remove_reader(self._fd)
+        self._engine.close()
+
+        for t in list(self._inflight.values()):  # no completion came: should not happen
+            self._inflight.pop(t.req_id, None)
+            self._finish_failed(t, self._closed_error(t))
+        for region in list(self._regions.values()):
+            region._closed = True
+            self._release_memory(region)
+        self._regions.clear()
+        for region in list(self._freeing.values()):
+            self._release_memory(region)
+        self._freeing.clear()
+        for peer in list(self._peers_by_ep.values()):
+            self._mark_lost(peer, _E_CLOSED, log=False)
+        self._peers_by_addr.clear()
+        self._peers_by_inc.clear()
+        self.notifications._close()
+        self._lsock.close()
+        _log.debug("agent.closed", agent=self.name)
+
+    def __del__(self, _warn: Any = warnings.warn) -> None:
+        if getattr(self, "_closed", True):
+            return
+        _warn(f"unclosed aioxfer agent {self.name!r}", ResourceWarning, source=self, stacklevel=1)
+        lsock = getattr(self, "_lsock", None)
+        if lsock is not None:
+            lsock.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError(f"agent {self.name!r} is closed")
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<Agent {self.name!r} at {self.address}{state}>"
+
+    # ------------------------------------------------------------ memory
+
+    def register(self, obj: Any, *, name: str | None = None) -> Region:
+        """Registers any buffer-protocol object (bytearray, memoryview, numpy
+        array, mmap, bytes). Writable buffers may be read and written by peers,
+        read-only ones only read. The export stays pinned while registered."""
+        return self._register(obj, name)
+
+    def alloc(self, nbytes: int, *, name: str | None = None) -> Region:
+        """A new zeroed region in shared memory (memfd) that same-host peers map
+        directly, so a transfer into it is a single memcpy."""
+        self._check_open()
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise RegistrationError(f"cannot allocate {nbytes} bytes: size must be positive")
+        if name is not None:
+            self._check_name(name)
+        label = f"aioxfer:{self.name}:{name or 'alloc'}"[:200]
+        try:
+            fd = os.memfd_create(label, os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise RegistrationError(f"cannot create a memfd of {nbytes} bytes: {exc}") from exc
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            raise RegistrationError(f"cannot map a memfd of {nbytes} bytes: {exc}") from exc
+        try:
+            return self._register(mm, name, memfd=fd, ino=os.fstat(fd).st_ino, mm=mm)
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            raise
+
+    def _check_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise RegistrationError("a region name must be a non-empty string")
+        if name in self._regions:
+            raise RegistrationError(
+                f"agent {self.name!r} already has a region named {name!r}; "
+                f"deregister it first or choose another name"
+            )
+
+    def _register(
+        self,
+        obj: Any,
+        name: str | None,
+        *,
+        memfd: int = -1,
+        ino: int = 0,
+        mm: mmap.mmap | None = None,
+    ) -> Region:
+        self._check_open()
+        if name is not None:
+            self._check_name(name)
+        try:
+            rid, key, addr, nbytes, access = self._engine.register(obj, memfd)
+        except ValueError as exc:
+            raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
+        except (TypeError, BufferError) as exc:
+            raise RegistrationError(
+                f"cannot register {type(obj).__name__}: not a contiguous buffer ({exc})"
+            ) from None
+        except _cyx.NativeError as exc:
+            raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
+        if name is None:
+            name = f"region-{rid}"
+            k = 1
+            while name in self._regions:
+                name = f"region-{rid}-{k}"
+                k += 1
+        region = Region(self, name, rid, key, nbytes, access, addr, obj, memfd, ino, mm)
+        self._regions[name] = region
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Revokes a region: peers' new accesses fail with AccessDenied; transfers
+        already using it finish first. Its buffer is released (and, for alloc'd
+        regions, its memory unmapped) once the engine confirms nothing touches
+        it. Idempotent."""
+        if region._agent is not self:
+            raise ValueError(
+                f"{region!r} belongs to agent {region._agent.name!r}, not {self.name!r}"
+            )
+        if region._closed:
+            return
+        region._closed = True
+        if self._regions.get(region.name) is region:
+            del self._regions[region.name]
+        if self._closed:
+            return
+        if region._mmap is not None or region._memfd >= 0:
+            self._freeing[region.rid] = region
+        try:
+            self._engine.deregister(region.rid)
+        except (ValueError, _cyx.NativeError) as exc:
+            self._freeing.pop(region.rid, None)
+            raise RegistrationError(f"cannot deregister region {region.name!r}: {exc}") from None
+
+    @property
+    def regions(self) -> list[Region]:
+        return list(self._regions.values())
+
+    def region(self, name: str) -> Region:
+        try:
+            return self._regions[name]
+        except KeyError:
+            raise KeyError(f"agent {self.name!r} has no region {name!r}") from None
+
+    def _release_memory(self, region: Region) -> None:
+        mm, fd = region._mmap, region._memfd
+        region._mmap = None
+        region._memfd = -1
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # The caller still holds views of it: it is unmapped when they go.
+                _log.debug("region.views_alive", agent=self.name, region=region.name)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------ metadata server
+
+    def _meta(self) -> AgentMeta:
+        return AgentMeta(
+            version=PROTOCOL_VERSION,
+            name=self.name,
+            incarnation=self.incarnation,
+            host_id=self._host_id,
+            pid=os.getpid(),
+            address=self.address,
+            transports=list(self.transports),
+            regions=[
+                RegionMeta(
+                    name=r.name,
+                    rid=r.rid,
+                    key=r.key,
+                    nbytes=r.nbytes,
+                    access=r.access,
+                    addr=r.addr,
+                    memfd=r._memfd,
+                    memfd_ino=r._memfd_ino,
+                )
+                for r in self._regions.values()
+            ],
+            uid=os.geteuid(),
+            byteorder=sys.byteorder,
+        )
+
+    async def _accept_loop(self) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(self._lsock)
+            except OSError as exc:
+                if self._closed:
+                    return
+                _log.warning("accept.failed", agent=self.name, error=str(exc))
+                await asyncio.sleep(0.1)  # e.g. EMFILE: do not spin
+                continue
+            task = loop.create_task(self._serve(sock, addr))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, sock: socket.socket, addr: Any) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        remote = _fmt_sockaddr(addr)
+        handed = False
+        try:
+            sock.setblocking(False)
+            _nodelay(sock)
+            async with asyncio.timeout(self._peer_timeout):
+                hello = await server_handshake(
+                    loop,
+                    sock,
+                    token=self._token,
+                    accept=Accept(name=self.name, incarnation=self.incarnation),
+                )
+                if hello.purpose == "meta":
+                    await send_frame(loop, sock, self._meta())
+                    return
+            tag = self._tag_for(hello.name, hello.incarnation)
+            fd = sock.detach()
+            handed = True
+            self._engine.accept_conn(fd, tag)  # the engine owns fd, also if this raises
+            _log.debug("conn.accepted", agent=self.name, peer=hello.name, remote=remote, tag=tag)
+        except HandshakeRejected as exc:
+            _log.warning("conn.rejected", agent=self.name, remote=remote, reason=str(exc))
+        except ProtocolError as exc:
+            _log.warning("conn.rejected", agent=self.name, remote=remote, reason=str(exc))
+        except TimeoutError:
+            _log.warning(
+                "conn.rejected", agent=self.name, remote=remote, reason="handshake timed out"
+            )
+        except OSError as exc:
+            _log.info("conn.failed", agent=self.name, remote=remote, reason=str(exc))
+        except _cyx.NativeError as exc:
+            _log.warning("conn.failed", agent=self.name, remote=remote, reason=str(exc))
+        finally:
+            if not handed:
+                sock.close()
+
+    def _tag_for(self, name: str, incarnation: int) -> int:
+        key = (name, incarnation)
+        tag = self._tags.get(key)
+        if tag is None:
+            tag = self._tags[key] = self._next_tag()
+            self._tag_names[tag] = name
+        return tag
+
+    # ------------------------------------------------------------ peers
+
+    @property
+    def peers(self) -> list[Peer]:
+        """Connected peers (not lost)."""
+        return list(self._peers_by_ep.values())
+
+    async def connect(self, address: str) -> Peer:
+        """Connects to the agent at "host:port": fetches its metadata, chooses
+        the transport (logged once as ``peer.connected``), opens the data
+        connections and imports its regions. Cached: connecting again to a live
+        peer returns the same Peer; concurrent calls share one attempt."""
+        self._check_open()
+        loop = self._start()
+        peer = self._peers_by_addr.get(address)
+        if peer is not None and not peer._lost:
+            return peer
+        task = self._connecting.get(address)
+        if task is None:
+            task = loop.create_task(self._connect(address), name=f"aioxfer-connect-{address}")
+            self._connecting[address] = task
+            task.add_done_callback(lambda t: self._connect_done(address, t))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if self._closed and task.cancelled():
+                raise ClosedResourceError(
+                    f"agent {self.name!r} was closed while connecting to {address}"
+                ) from None
+            raise
+
+    def _connect_done(self, address: str, task: asyncio.Task[Peer]) -> None:
+        if self._connecting.get(address) is task:
+            del self._connecting[address]
+        if not task.cancelled():
+            task.exception()  # retrieved: every awaiter may have been cancelled
+
+    async def _connect(self, address: str) -> Peer:
+        host, port = _parse_address(address)
+        meta = await self._fetch_meta(host, port, address)
+        self._check_open()
+        known = self._peers_by_inc.get((meta.name, meta.incarnation))
+        if known is not None and not known._lost:
+            self._peers_by_addr[address] = known
+            return known
+        if meta.version != PROTOCOL_VERSION:
+            raise ProtocolError(f"peer at {address} speaks protocol version {meta.version}")
+        if meta.byteorder != sys.byteorder:
+            raise ProtocolError(f"peer at {address} is {meta.byteorder}-endian")
+        path = self._choose_path(meta)
+        if path is None:
+            raise TransportError(
+                f"no transport in common with peer {meta.name!r} at {address} "
+                f"(ours: {self.transports}, theirs: {tuple(meta.transports)}, "
+                f"same host: {meta.host_id == self._host_id})"
+            )
+        shm = path == "shm"
+        tag = self._tag_for(meta.name, meta.incarnation)
+        ep = self._engine.endpoint_create(
+            _cyx.EP_SHM if shm else _cyx.EP_TCP, tag, meta.pid if shm else 0
+        )
+        nconns = 1 if shm else self._tcp_connections
+        try:
+            for _ in range(nconns):
+                sock = await self._open(host, port, address, "data")
+                # The handshake read exactly its frames: what follows is the engine's.
+                self._engine.endpoint_add_conn(ep, sock.detach())
+            self._check_open()
+            peer = Peer(
+                self,
+                name=meta.name,
+                address=address,
+                incarnation=meta.incarnation,
+                path=path,
+                host_id=meta.host_id,
+                pid=meta.pid,
+                ep=ep,
+            )
+            self._apply_regions(peer, meta.regions)
+        except BaseException as exc:
+            if not self._closed:
+                try:
+                    self._engine.endpoint_close(ep)
+                except _cyx.NativeError:
+                    pass
+            if isinstance(exc, _cyx.NativeError):
+                raise error_class(exc.status)(
+                    f"cannot connect to peer {meta.name!r} at {address}: {exc}", status=exc.status
+                ) from None
+            raise
+        self._peers_by_addr[address] = peer
+        self._peers_by_ep[ep] = peer
+        self._peers_by_inc[(meta.name, meta.incarnation)] = peer
+        _log.info(
+            "peer.connected",
+            agent=self.name,
+            peer=peer.name,
+            address=address,
+            path=path,
+            conns=nconns,
+            regions=len(peer._regions),
+        )
+        return peer
+
+    def _choose_path(self, meta: AgentMeta) -> str | None:
+        if (
+            "shm" in self.transports
+            and "shm" in meta.transports
+            and self._host_id
+            and meta.host_id == self._host_id
+            and _cma_allowed(meta.uid)
+        ):
+            return "shm"
+        if "tcp" in self.transports and "tcp" in meta.transports:
+            return "tcp"
+        return None
+
+    async def _open(self, host: str, port: int, address: str, purpose: str) -> socket.socket:
+        """A connected, handshaken control or data socket (non-blocking)."""
+        assert self._loop is not None
+        loop = self._loop
+        try:
+            async with asyncio.timeout(self._peer_timeout):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                sock: socket.socket | None = None
+                error: OSError | None = None
+                for family, type_, proto, _, sockaddr in infos:
+                    s = socket.socket(family, type_, proto)
+                    try:
+                        s.setblocking(False)
+                        _nodelay(s)
+                        await loop.sock_connect(s, sockaddr)
+                    except BaseException as exc:
+                        s.close()
+                        if not isinstance(exc, OSError):
+                            raise
+                        error = exc
+                        continue
+                    sock = s
+                    break
+                if sock is None:
+                    raise error or OSError(f"no address for {host!r}")
+                try:
+                    await client_handshake(
+                        loop,
+                        sock,
+                        name=self.name,
+                        incarnation=self.incarnation,
+                        purpose="data" if purpose == "data" else "meta",
+                        token=self._token,
+                    )
+                except BaseException:
+                    sock.close()
+                    raise
+                return sock
+        except TimeoutError:
+            raise TransportError(
+                f"connecting to {address} timed out after {self._peer_timeout} s"
+            ) from None
+        except OSError as exc:
+            raise TransportError(f"cannot connect to {address}: {exc}") from exc
+        except AccessDenied as exc:
+            raise type(exc)(f"connecting to {address}: {exc}") from None
+
+    async def _fetch_meta(self, host: str, port: int, address: str) -> AgentMeta:
+        assert self._loop is not None
+        loop = self._loop
+        try:
+            async with asyncio.timeout(self._peer_timeout):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, type_, proto, _, sockaddr = infos[0]
+                sock = socket.socket(family, type_, proto)
+                try:
+                    sock.setblocking(False)
+                    _nodelay(sock)
+                    await loop.sock_connect(sock, sockaddr)
+                    return await fetch_meta(
+                        loop, sock, name=self.name, incarnation=self.incarnation, token=self._token
+                    )
+                finally:
+                    sock.close()
+        except TimeoutError:
+            raise TransportError(
+                f"fetching metadata from {address} timed out after {self._peer_timeout} s"
+            ) from None
+        except OSError as exc:
+            raise TransportError(f"cannot fetch metadata from {address}: {exc}") from exc
+        except AccessDenied as exc:
+            raise type(exc)(f"connecting to {address}: {exc}") from None
+
+    def _apply_regions(self, peer: Peer, regions: list[RegionMeta]) -> None:
+        """Imports regions new to us and forgets the ones the peer dropped."""
+        eng = self._engine
+        ep = peer._ep
+        wanted = {(m.rid, m.key): m for m in regions}
+        for (rid, key), rr in _keyed(peer):
+            if (rid, key) not in wanted:
+                rr._gone = True
+                del peer._by_rid[rid]
+                if peer._regions.get(rr.name) is rr:
+                    del peer._regions[rr.name]
+                try:
+                    eng.endpoint_forget(ep, rid)
+                except _cyx.NativeError:
+                    pass
+        shm = peer.path == "shm"
+        for m in regions:
+            old = peer._by_rid.get(m.rid)
+            if old is not None:
+                if old.name != m.name:  # renamed cannot happen today; keep names in sync
+                    peer._regions.pop(old.name, None)
+                    old.name = m.name
+                    peer._regions[m.name] = old
+                continue
+            memfd = m.memfd if shm and m.memfd >= 0 and _memfd_ok(peer.pid, m) else -1
+            try:
+                eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
+            except _cyx.NativeError:
+                if memfd < 0:
+                    raise
+                # Could not map it: cross-memory attach reaches it too.
+                eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, -1)
+                memfd = -1
+            rr = RemoteRegion(peer, m.name, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
+            stale = peer._regions.get(m.name)
+            if stale is not None:
+                stale._gone = True
+            peer._by_rid[m.rid] = rr
+            peer._regions[m.name] = rr
+
+    async def _refresh_peer(self, peer: Peer) -> None:
+        self._check_open()
+        if peer._lost:
+            raise peer._lost_error()
+        host, port = _parse_address(peer.address)
+        meta = await self._fetch_meta(host, port, peer.address)
+        if peer._lost:
+            raise peer._lost_error()
+        if meta.name != peer.name or meta.incarnation != peer.incarnation:
+            peer._stale = True
+            self._mark_lost(peer, _E_PEER_LOST)
+            try:
+                self._engine.endpoint_close(peer._ep)
+            except _cyx.NativeError:
+                pass
+            raise StalePeer(
+                f"peer {peer.name!r} at {peer.address} restarted (now {meta.name!r}, incarnation "
+                f"{meta.incarnation:#x}, was {peer.incarnation:#x}): its old regions are fenced; "
+                f"connect again"
+            )
+        try:
+            self._apply_regions(peer, meta.regions)
+        except _cyx.NativeError as exc:
+            raise error_class(exc.status)(
+                f"cannot refresh peer {peer.name!r}: {exc}", status=exc.status, peer=peer.name
+            ) from None
+
+    def _close_peer(self, peer: Peer) -> None:
+        if peer._lost or self._closed:
+            return
+        peer._closed = True
+        self._mark_lost(peer, _E_CLOSED, log=False)
+        try:
+            self._engine.endpoint_close(peer._ep)
+        except _cyx.NativeError:
+            pass
+        _log.info("peer.closed", agent=self.name, peer=peer.name, address=peer.address)
+
+    def _mark_lost(self, peer: Peer, status: int, *, log: bool = True) -> None:
+        if peer._lost:
+            return
+        peer._lost = True
+        peer._lost_status = status
+        if self._peers_by_ep.get(peer._ep) is peer:
+            del self._peers_by_ep[peer._ep]
+        key = (peer.name, peer.incarnation)
+        if self._peers_by_inc.get(key) is peer:
+            del self._peers_by_inc[key]
+        for addr in [a for a, p in self._peers_by_addr.items() if p is peer]:
+            del self._peers_by_addr[addr]
+        if log:
+            _log.warning(
+                "peer.stale" if peer._stale else "peer.lost",
+                agent=self.name,
+                peer=peer.name,
+                address=peer.address,
+                path=peer.path,
+                reason=_cyx.strerror(status),
+                in_flight=peer._inflight,
+            )
+
+    def _peer_error(self, peer: Peer) -> XferError:
+        where = f"peer {peer.name!r} at {peer.address}"
+        if peer._stale:
+            return StalePeer(f"{where} restarted: connect again", peer=peer.name)
+        if peer._closed or (self._closed and peer._lost_status == _E_CLOSED):
+            return ClosedResourceError(f"{where} was closed", peer=peer.name)
+        return PeerLost(
+            f"{where} is lost ({_cyx.strerror(peer._lost_status)}): connect again",
+            status=peer._lost_status,
+            peer=peer.name,
+        )
+
+    # ------------------------------------------------------------ data path
+
+    def write(self, src: Local, dst: Remote, *, notify: bytes | None = None) -> Transfer:
+        """Posts a WRITE of local ``src`` into the peer's ``dst``; returns its
+        Transfer. With ``notify``, the peer receives that payload (1..4096
+        bytes) only after all the data is in its memory.
+
+        ``src``/``dst``: a Segment and a RemoteSegment, equal-length lists of
+        them, or two SegmentLists; lengths must match pair by pair."""
+        peer, descs, nbytes = self._descs(src, dst, "write")
+        payload = None if notify is None else _payload(notify)
+        return self._submit(peer, _cyx.OP_WRITE, descs, payload, nbytes, "write")
+
+    def read(self, dst: Local, src: Remote) -> Transfer:
+        """Posts a READ of the peer's ``src`` into local ``dst``; returns its
+        Transfer. Same shapes as ``write``."""
+        peer, descs, nbytes = self._descs(dst, src, "read")
+        return self._submit(peer, _cyx.OP_READ, descs, None, nbytes, "read")
+
+    async def _notify_peer(self, peer: Peer, payload: bytes | bytearray | memoryview) -> None:
+        self._check_open()
+        if peer._agent is not self:
+            raise ValueError(f"{peer!r} is a peer of another agent")
+        await self._submit(peer, _cyx.OP_NOTIFY, None, _payload(payload), 0, "notify")
+
+    def _descs(self, local: Any, remote: Any, op: str) -> tuple[Peer, npt.NDArray[np.uint64], int]:
+        """The (n, 6) uint64 descriptor array [lrid, loff, rrid, rkey, roff, len]."""
+        self._check_open()
+        if type(local) is Segment and type(remote) is RemoteSegment:
+            lr = local.region
+            rr = remote.region
+            n = local.length
+            if lr._agent is not self or lr._closed or rr._gone or n != remote.length or not n:
+                self._check_pair(local, remote, 0)
+            return (
+                rr.peer,
+                np.array(
+                    [[lr.rid, local.offset, rr.rid, rr.key, remote.offset, n]], dtype=np.uint64
+                ),
+                n,
+            )
+        if isinstance(local, SegmentList) and isinstance(remote, SegmentList):
+            return self._descs_vector(local, remote)
+        if (
+            isinstance(local, Sequence)
+            and isinstance(remote, Sequence)
+            and not isinstance(local, str | bytes | bytearray)
+            and not isinstance(remote, str | bytes | bytearray)
+        ):
+            return self._descs_lists(local, remote)
+        raise TypeError(
+            f"{op} takes a Segment and a RemoteSegment, equal-length lists of them, or two "
+            f"SegmentLists; not {type(local).__name__} and {type(remote).__name__}"
+        )
+
+    def _check_pair(self, local: Any, remote: Any, i: int) -> None:
+        if not isinstance(local, Segment):
+            raise TypeError(f"local segment {i} is a {type(local).__name__}, not a Segment")
+        if not isinstance(remote, RemoteSegment):
+            raise TypeError(f"remote segment {i} is a {type(remote).__name__}, not a RemoteSegment")
+        lr = local.region
+        if lr._agent is not self:
+            raise ValueError(f"local segment {i} is in a region of agent {lr._agent.name!r}")
+        lr._check()
+        rr = remote.region
+        if rr._gone:
+            raise AccessDenied(
+                f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
+                peer=rr.peer.name,
+            )
+        if rr.peer._agent is not self:
+            raise ValueError(f"remote segment {i} belongs to a peer of another agent")
+        if local.length != remote.length:
+            raise ValueError(
+                f"segment {i}: local length {local.length} != remote length {remote.length}"
+            )
+        if not local.length:
+            raise ValueError(f"segment {i} is empty")
+
+    def _descs_lists(
+        self, local: Sequence[Any], remote: Sequence[Any]
+    ) -> tuple[Peer, npt.NDArray[np.uint64], int]:
+        n = len(local)
+        if n != len(remote):
+            raise ValueError(f"{n} local segments but {len(remote)} remote segments")
+        if not n:
+            raise ValueError("no segments to transfer")
+        rows: list[tuple[int, int, int, int, int, int]] = []
+        append = rows.append
+        last_l: Any = None
+        last_r: Any = None
+        peer: Peer | None = None
+        total = 0
+        for i in range(n):
+            ls = local[i]
+            rs = remote[i]
+            try:
+                lr = ls.region
+                rr = rs.region
+                length = ls.length
+                ok = (
+                    type(ls) is Segment
+                    and type(rs) is RemoteSegment
+                    and length == rs.length
+                    and length > 0
+                )
+            except AttributeError:
+                ok = False
+            if not ok or lr is not last_l or rr is not last_r:
+                self._check_pair(ls, rs, i)
+                if peer is None:
+                    peer = rr.peer
+                elif rr.peer is not peer:
+                    raise ValueError(
+                        f"remote segment {i} is on peer {rr.peer.name!r}, not {peer.name!r}: "
+                        f"one transfer goes to one peer"
+                    )
+                last_l, last_r = lr, rr
+            append((lr.rid, ls.offset, rr.rid, rr.key, rs.offset, length))
+            total += length
+        assert peer is not None
+        return peer, np.array(rows, dtype=np.uint64), total
+
+    def _descs_vector(
+        self, local: SegmentList, remote: SegmentList
+    ) -> tuple[Peer, npt.NDArray[np.uint64], int]:
+        lr = local.region
+        rr = remote.region
+        if not isinstance(lr, Region) or not isinstance(rr, RemoteRegion):
+            raise TypeError("the first SegmentList must be of a local Region, the second remote")
+        if lr._agent is not self:
+            raise ValueError(f"local segments are in a region of agent {lr._agent.name!r}")
+        lr._check()
+        if rr._gone:
+            raise AccessDenied(
+                f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
+                peer=rr.peer.name,
+            )
+        n = len(local)
+        if n != len(remote):
+            raise ValueError(f"{n} local segments but {len(remote)} remote segments")
+        if not n:
+            raise ValueError("no segments to transfer")
+        lens = local.lengths
+        if not np.array_equal(lens, remote.lengths):
+            bad = int(np.flatnonzero(lens != remote.lengths)[0])
+            raise ValueError(
+                f"segment {bad}: local length {int(lens[bad])} != remote length "
+                f"{int(remote.lengths[bad])}"
+            )
+        if not lens.all():
+            raise ValueError(f"segment {int(np.flatnonzero(lens == 0)[0])} is empty")
+        descs = np.empty((n, 6), dtype=np.uint64)
+        descs[:, 0] = lr.rid
+        descs[:, 1] = local.offsets
+        descs[:, 2] = rr.rid
+        descs[:, 3] = rr.key
+        descs[:, 4] = remote.offsets
+        descs[:, 5] = lens
+        return rr.peer, descs, local.nbytes
+
+    def _submit(
+        self,
+        peer: Peer,
+        opcode: int,
+        descs: npt.NDArray[np.uint64] | None,
+        notify: bytes | None,
+        nbytes: int,
+        op: str,
+    ) -> Transfer:
+        loop = self._loop if self._loop is not None else self._start()
+        req_id = self._next_req()
+        t = Transfer(self, loop, req_id, op, peer, nbytes, perf_counter())
+        peer._posted += 1
+        self._posted += 1
+        peer._inflight += 1
+        if peer._lost:
+            self._finish_failed(t, peer._lost_error())
+            return t
+        self._inflight[req_id] = t
+        self._pending.append((peer._ep, opcode, descs, notify, req_id))
+        self._pending_t.append(t)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return t
+
+    def _flush(self) -> None:
+        """One native call for everything submitted this loop iteration."""
+        self._flush_scheduled = False
+        items = self._pending
+        ts = self._pending_t
+        if not items or self._closed:
+            return
+        self._pending = []
+        self._pending_t = []
+        if self._pending_cancelled:
+            self._pending_cancelled = False
+            keep = [i for i, t in enumerate(ts) if not t._cancel_requested]
+            for t in ts:
+                if t._cancel_requested:
+                    self._inflight.pop(t.req_id, None)
+                    self._finish_failed(t, None)
+            items = [items[i] for i in keep]
+            ts = [ts[i] for i in keep]
+            if not items:
+                return
+        try:
+            statuses = self._engine.post_many(items)
+        except Exception as exc:  # bad item or closed engine: nothing was posted
+            for t in ts:
+                self._inflight.pop(t.req_id, None)
+                self._finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
+            return
+        for t, st in zip(ts, statuses, strict=True):
+            if st:
+                self._inflight.pop(t.req_id, None)
+                self._finish_failed(t, self._error(t, st, None, "rejected"))
+            else:
+                t._posted = True
+        self._drain()  # completions known at submit (small same-host copies)
+
+    def _cancel_transfer(self, t: Transfer) -> None:
+        if self._closed or t.req_id not in self._inflight:
+            return
+        if t._posted:
+            self._engine.cancel(t.req_id)
+        else:
+            self._pending_cancelled = True  # the flush drops it unposted
+
+    # ------------------------------------------------------------ completions
+
+    def _drain(self) -> None:
+        """Reader callback on the engine's eventfd; also called after a flush."""
+        for _ in range(_POLL_ROUNDS):
+            if self._drain_once() < _POLL_MAX:
+                return
+        assert self._loop is not None
+        self._loop.call_soon(self._drain)  # more remain: let the loop breathe first
+
+    def _drain_once(self) -> int:
+        recs = self._engine.poll(_POLL_MAX)
+        if not recs:
+            return 0
+        inflight = self._inflight
+        for kind, status, rid, tag, nbytes, fail_index, payload in recs:
+            if kind == _CQ_XFER:
+                t = inflight.pop(rid, None)
+                if t is None:
+                    continue
+                peer = t.peer
+                if status == _OK:
+                    peer._inflight -= 1
+                    peer._completed += 1
+                    peer._bytes += nbytes
+                    self._completed += 1
+                    self._bytes += nbytes
+                    if not t.done():
+                        t.set_result(TransferResult(nbytes, perf_counter() - t._t0, peer.path))
+                else:
+                    if status == _E_CANCELLED and t._cancel_requested:
+                        self._finish_failed(t, None)
+                    else:
+                        self._finish_failed(t, self._error(t, status, fail_index, "failed"))
+            elif kind == _CQ_NOTIFY:
+                self.notifications._put(
+                    Notification(self._tag_names.get(tag, f"tag-{tag}"), payload or b"")
+                )
+            else:
+                self._on_event(kind, status, rid, tag, payload)
+        return len(recs)
+
+    def _on_event(self, kind: int, status: int, id_: int, tag: int, payload: bytes | None) -> None:
+        if kind == _cyx.CQ_PEER_LOST:
+            peer = self._peers_by_ep.get(id_)
+            if peer is not None:
+                self._mark_lost(peer, status, log=status != _E_CLOSED)
+        elif kind == _cyx.CQ_REGION_FREED:
+            region = self._freeing.pop(id_, None)
+            if region is not None:
+                self._release_memory(region)
+        elif kind == _cyx.CQ_LOG:
+            _log.warning(
+                "engine.log",
+                agent=self.name,
+                peer=self._tag_names.get(tag),
+                tag=tag,
+                reason=(payload or b"").decode("utf-8", "replace"),
+            )
+        elif kind == _cyx.CQ_CONN_CLOSED:
+            _log.debug("conn.closed", agent=self.name, peer=self._tag_names.get(tag), tag=tag)
+
+    def _finish_failed(self, t: Transfer, exc: BaseException | None) -> None:
+        """Counts t as failed and fails (exc) or cancels (None) its future."""
+        peer = t.peer
+        peer._inflight -= 1
+        peer._failed += 1
+        self._failed += 1
+        if t.done():
+            return
+        if exc is None:
+            t._cancel_local()
+        else:
+            t.set_exception(exc)
+
+    def _error(self, t: Transfer, status: int, fail_index: int | None, how: str) -> XferError:
+        peer = t.peer
+        if status in (_E_CLOSED, _E_PEER_LOST):
+            if self._closed and status == _E_CLOSED:
+                return self._closed_error(t)
+            if peer._stale or peer._closed:
+                return peer._lost_error()
+        prep = "from" if t.op == "read" else "to"
+        what = f"{t.op} of {t.nbytes} bytes {prep} peer {peer.name!r} ({peer.path}) {how}"
+        if fail_index is not None and status in _DESC_STATUSES and t.op != "notify":
+            what += f" at descriptor {fail_index}"
+        if status == _E_CANCELLED:
+            what += " by the engine"
+        return error_class(status)(
+            f"{what}: {_cyx.strerror(status)}",
+            status=status,
+            peer=peer.name,
+            op=t.op,
+            fail_index=fail_index,
+        )
+
+    def _closed_error(self, t: Transfer) -> ClosedResourceError:
+        prep = "from" if t.op == "read" else "to"
+        return ClosedResourceError(
+            f"agent {self.name!r} was closed with the {t.op} {prep} peer {t.peer.name!r} in flight",
+            status=_E_CLOSED,
+            peer=t.peer.name,
+            op=t.op,
+        )
+
+    # ------------------------------------------------------------ statistics
+
+    def statistics(self) -> AgentStatistics:
+        if self._closed:
+            native = self._final_native or {}
+        else:
+            native = self._engine.stats()
+        return AgentStatistics(
+            name=self.name,
+            address=self.address,
+            regions=len(self._regions),
+            peers=len(self._peers_by_ep),
+            transfers_posted=self._posted,
+            transfers_completed=self._completed,
+            transfers_failed=self._failed,
+            bytes=self._bytes,
+            in_flight=self._posted - self._completed - self._failed,
+            native_ops=native.get("ops", 0),
+            native_regions=native.get("regions", 0),
+            native_endpoints=native.get("endpoints", 0),
+            native_conns=native.get("conns", 0),
+            native_bytes=native.get("bytes", 0),
+            frames_rejected=native.get("frames_rejected", 0),
+            pinned_regions=self._engine.pinned_regions(),
+        )
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _keyed(peer: Peer) -> list[tuple[tuple[int, int], RemoteRegion]]:
+    return [((rr.rid, rr.key), rr) for rr in peer._by_rid.values()]
+
+
+def _payload(payload: bytes | bytearray | memoryview) -> bytes:
+    data = bytes(payload)
+    if not 0 < len(data) <= _cyx.MAX_NOTIFY:
+        raise ValueError(f"a notification payload is 1..{_cyx.MAX_NOTIFY} bytes, not {len(data)}")
+    return data
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+    if not isinstance(address, str):
+        raise TypeError(f'an address is a "host:port" string, not {type(address).__name__}')
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f'address {address!r} is not "host:port"')
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        portnum = int(port)
+    except ValueError:
+        raise ValueError(f"address {address!r} has no valid port") from None
+    if not 0 <= portnum <= 65535:
+        raise ValueError(f"address {address!r} has no valid port")
+    return host, portnum
+
+
+def _listen(listen: str) -> tuple[socket.socket, str]:
+    host, port = _parse_address(listen)
+    infos = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
+    )
+    family, type_, proto, _, sockaddr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(512)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    bound = sock.getsockname()
+    h = bound[0]
+    address = f"[{h}]:{bound[1]}" if ":" in h else f"{h}:{bound[1]}"
+    return sock, address
+
+
+def _fmt_sockaddr(addr: Any) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        h = str(addr[0])
+        return f"[{h}]:{addr[1]}" if ":" in h else f"{h}:{addr[1]}"
+    return str(addr)
+
+
+def _nodelay(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+
+
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """Equal for two processes iff they share a kernel boot and a pid namespace
+    (so pids name the same processes and cross-memory attach can reach them);
+    "" where that cannot be known (then shm is never chosen)."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+            ns = os.stat("/proc/self/ns/pid").st_ino
+            _HOST_ID = f"{boot}:{ns}" if boot else ""
+        except OSError:
+            _HOST_ID = ""
+    return _HOST_ID
+
+
+_CMA: bool | None = None
+
+
+def _cma_works() -> bool:
+    """Whether process_vm_readv works here at all (seccomp profiles of some
+    container runtimes refuse it); probed once on our own memory."""
+    global _CMA
+    if _CMA is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+            class IoVec(ctypes.Structure):
+                _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+            src = ctypes.create_string_buffer(b"aioxfer", 8)
+            dst = ctypes.create_string_buffer(8)
+            liov = IoVec(ctypes.cast(dst, ctypes.c_void_p), 8)
+            riov = IoVec(ctypes.cast(src, ctypes.c_void_p), 8)
+            fn = libc.process_vm_readv
+            fn.restype = ctypes.c_ssize_t
+            fn.argtypes = [
+                ctypes.c_int,
+                ctypes.POINTER(IoVec),
+                ctypes.c_ulong,
+                ctypes.POINTER(IoVec),
+                ctypes.c_ulong,
+                ctypes.c_ulong,
+            ]
+            n = fn(os.getpid(), ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+            _CMA = n == 8 and dst.raw == src.raw
+        except (OSError, AttributeError):
+            _CMA = False
+    return _CMA
+
+
+def _ptrace_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _cma_allowed(peer_uid: int) -> bool:
+    """Whether we may reach a same-host peer's memory: same user, and Yama (if
+    present) does not restrict ptrace-style access to descendants."""
+    if peer_uid != os.geteuid():
+        return False
+    scope = _ptrace_scope()
+    if scope >= 2 or (scope == 1 and os.geteuid() != 0):
+        return False
+    return _cma_works()
+
+
+def _memfd_ok(pid: int, m: RegionMeta) -> bool:
+    """Checks that the peer's fd number still names the memfd it advertised
+    (fd numbers are reused), before the engine maps it."""
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{m.memfd}")
+    except OSError:
+        return False
+    return (not m.memfd_ino or st.st_ino == m.memfd_ino) and st.st_size >= m.nbytes
