@@ -158,6 +158,7 @@ class Agent:
         self._peers_by_ep: dict[int, Peer] = {}
         self._peers_by_inc: dict[tuple[str, int], Peer] = {}
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
+        self._connecting_eps: dict[int, int] = {}  # endpoint -> status if lost meanwhile
         self._tags: dict[tuple[str, int], int] = {}
         self._tag_names: dict[int, str] = {}
         self._next_tag = itertools.count(1).__next__
@@ -558,12 +559,21 @@ class Agent:
             _cyx.EP_SHM if shm else _cyx.EP_TCP, tag, meta.pid if shm else 0
         )
         nconns = 1 if shm else self._tcp_connections
+        self._connecting_eps[ep] = 0
         try:
             for _ in range(nconns):
                 sock = await self._open(host, port, address, "data")
                 # The handshake read exactly its frames: what follows is the engine's.
                 self._engine.endpoint_add_conn(ep, sock.detach())
             self._check_open()
+            lost = self._connecting_eps.pop(ep)
+            if lost:
+                raise PeerLost(
+                    f"peer {meta.name!r} at {address} was lost while connecting: "
+                    f"{_cyx.strerror(lost)}",
+                    status=lost,
+                    peer=meta.name,
+                )
             peer = Peer(
                 self,
                 name=meta.name,
@@ -576,6 +586,7 @@ class Agent:
             )
             self._apply_regions(peer, meta.regions)
         except BaseException as exc:
+            self._connecting_eps.pop(ep, None)
             if not self._closed:
                 try:
                     self._engine.endpoint_close(ep)
@@ -831,7 +842,14 @@ class Agent:
             lr = local.region
             rr = remote.region
             n = local.length
-            if lr._agent is not self or lr._closed or rr._gone or n != remote.length or not n:
+            if (
+                lr._agent is not self
+                or lr._closed
+                or rr._gone
+                or n != remote.length
+                or not n
+                or rr.peer._agent is not self
+            ):
                 self._check_pair(local, remote, 0)
             return (
                 rr.peer,
@@ -1076,6 +1094,8 @@ class Agent:
             peer = self._peers_by_ep.get(id_)
             if peer is not None:
                 self._mark_lost(peer, status, log=status != _E_CLOSED)
+            elif id_ in self._connecting_eps:
+                self._connecting_eps[id_] = status
         elif kind == _cyx.CQ_REGION_FREED:
             region = self._freeing.pop(id_, None)
             if region is not None:
@@ -1111,8 +1131,7 @@ class Agent:
                 return self._closed_error(t)
             if peer._stale or peer._closed:
                 return peer._lost_error()
-        prep = "from" if t.op == "read" else "to"
-        what = f"{t.op} of {t.nbytes} bytes {prep} peer {peer.name!r} ({peer.path}) {how}"
+        what = f"{_describe(t)} ({peer.path}) {how}"
         if fail_index is not None and status in _DESC_STATUSES and t.op != "notify":
             what += f" at descriptor {fail_index}"
         if status == _E_CANCELLED:
@@ -1126,9 +1145,8 @@ class Agent:
         )
 
     def _closed_error(self, t: Transfer) -> ClosedResourceError:
-        prep = "from" if t.op == "read" else "to"
         return ClosedResourceError(
-            f"agent {self.name!r} was closed with the {t.op} {prep} peer {t.peer.name!r} in flight",
+            f"agent {self.name!r} was closed with the {_describe(t)} in flight",
             status=_E_CLOSED,
             peer=t.peer.name,
             op=t.op,
@@ -1162,6 +1180,13 @@ class Agent:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _describe(t: Transfer) -> str:
+    if t.op == "notify":
+        return f"notification to peer {t.peer.name!r}"
+    prep = "from" if t.op == "read" else "to"
+    return f"{t.op} of {t.nbytes} bytes {prep} peer {t.peer.name!r}"
 
 
 def _keyed(peer: Peer) -> list[tuple[tuple[int, int], RemoteRegion]]:

@@ -401,9 +401,10 @@ def test_peer_lost_fails_pending() -> None:
         assert a.post(ep, _cyx.OP_WRITE, descs([(rid, 0, 1, 2, 0, 8 << 20)]), None, 1) == _cyx.OK
         s1.recv(1000)  # the frames start to arrive ...
         s1.close()  # ... and the peer dies
-        recs = wait_xfer(a, 1, seconds=5)
-        assert recs[1] == _cyx.E_PEER_LOST
-        recs = wait_records(a, lambda rs: any(r[0] == _cyx.CQ_PEER_LOST for r in rs))
+        seen: list[RECORD] = []
+        rec = wait_xfer(a, 1, seconds=5, into=seen)
+        assert rec[1] == _cyx.E_PEER_LOST
+        recs = wait_records(a, lambda rs: any(r[0] == _cyx.CQ_PEER_LOST for r in rs), into=seen)
         lost = next(r for r in recs if r[0] == _cyx.CQ_PEER_LOST)
         assert lost[2] == ep and lost[3] == 5
         assert a.post(ep, _cyx.OP_WRITE, descs([(rid, 0, 1, 2, 0, 1)]), None, 2) == \

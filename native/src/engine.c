@@ -406,13 +406,14 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
         }
     }
     pthread_mutex_unlock(&e->mu);
+    /* The loss first, so a caller woken by a failed transfer sees the peer lost. */
+    if (report)
+        cq_push(e, AXF_CQ_PEER_LOST, ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, ep->id, ep->tag,
+                0, 0, NULL, 0);
     for (op *o = claimed, *next; o; o = next) {
         next = o->next;
         op_finish_unlinked(e, o);
     }
-    if (report)
-        cq_push(e, AXF_CQ_PEER_LOST, ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, ep->id, ep->tag,
-                0, 0, NULL, 0);
 }
 
 static endpoint *ep_find(axf_engine *e, uint64_t id) /* e->mu held */
