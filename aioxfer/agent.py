@@ -812,7 +812,9 @@ class Agent:
 
     # ------------------------------------------------------------ data path
 
-    def write(self, src: Local, dst: Remote, *, notify: bytes | None = None) -> Transfer:
+    def write(
+        self, src: Local, dst: Remote, *, notify: bytes | bytearray | memoryview | None = None
+    ) -> Transfer:
         """Posts a WRITE of local ``src`` into the peer's ``dst``; returns its
         Transfer. With ``notify``, the peer receives that payload (1..4096
         bytes) only after all the data is in its memory.
@@ -1082,9 +1084,10 @@ class Agent:
                     else:
                         self._finish_failed(t, self._error(t, status, fail_index, "failed"))
             elif kind == _CQ_NOTIFY:
-                self.notifications._put(
-                    Notification(self._tag_names.get(tag, f"tag-{tag}"), payload or b"")
-                )
+                name = self._tag_names.get(tag)
+                if name is None:
+                    name = f"tag-{tag}"  # a tag we never saw: should not happen
+                self.notifications._put(Notification(name, payload or b""))
             else:
                 self._on_event(kind, status, rid, tag, payload)
         return len(recs)

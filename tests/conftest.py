@@ -133,6 +133,12 @@ class Pair:
     target: Any  # target agent
     peer: Any  # init's Peer for target
 
+    async def remote(self, name: str) -> Any:
+        """The target's region ``name`` as init sees it (metadata refreshed first:
+        the region may have been registered after the connect)."""
+        await within(self.peer.refresh())
+        return self.peer.region(name)
+
 
 @pytest.fixture
 async def pair(make_agent: Callable[..., Awaitable[Any]], transport: str) -> Pair:

@@ -308,3 +308,35 @@ async def test_notifications_stream() -> None:
         await within(n.receive())
     with pytest.raises(errors.ClosedResourceError):
         n.receive_nowait()
+
+
+async def test_connect_failures_are_bounded(make_agent) -> None:
+    agent = await make_agent("a", peer_timeout=1.0)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()  # nothing listens there
+    with pytest.raises(errors.TransportError):
+        await within(agent.connect(f"127.0.0.1:{port}"))
+    mute = socket.socket()  # listens, accepts (backlog), never answers
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)
+    with mute:
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(errors.TransportError):
+            await within(agent.connect(f"127.0.0.1:{mute.getsockname()[1]}"))
+        assert asyncio.get_running_loop().time() - t0 < 1.0 + 3.0
+    for bad in ("no-port", "127.0.0.1:notaport", "127.0.0.1:70000"):
+        with pytest.raises(ValueError):
+            await within(agent.connect(bad))
+    assert agent.peers == []
+
+
+def test_agent_argument_checks() -> None:
+    for kwargs in ({"transports": ("carrier-pigeon",)}, {"transports": ()},
+                   {"transports": "tcp"}, {"peer_timeout": 0}, {"tcp_connections": 0},
+                   {"copy_workers": 0}):
+        with pytest.raises((ValueError, TypeError)):
+            aioxfer.Agent("x", **kwargs)
+    with pytest.raises(ValueError):
+        aioxfer.Agent("")

@@ -257,15 +257,20 @@ def test_post_rejections(tcp_pair: TcpPair) -> None:
     assert p.dst == bytearray(len(p.dst))
 
 
-def test_duplicate_request_id_rejected(tcp_pair: TcpPair) -> None:
-    p = tcp_pair
-    d = descs([(p.arid, 0, p.brid, p.bkey, 0, 1 << 20)])
-    assert p.a.post(p.ep, _cyx.OP_WRITE, d, None, 5) == _cyx.OK
-    # Still in flight (its acknowledgement needs a round trip): the id is taken.
-    assert p.a.post(p.ep, _cyx.OP_WRITE, d, None, 5) == _cyx.E_INVALID
-    recs = wait_xfer(p.a, 5)
-    assert recs[1] == _cyx.OK
-    assert p.a.stats()["ops"] == 0
+def test_duplicate_request_id_rejected() -> None:
+    p = TcpPair(size=64 << 20)
+    try:
+        d = descs([(p.arid, 0, p.brid, p.bkey, 0, 64 << 20)])
+        assert p.a.post(p.ep, _cyx.OP_WRITE, d, None, 5) == _cyx.OK
+        # Still in flight (64 MiB and an acknowledgement): the id is taken.
+        assert p.a.post(p.ep, _cyx.OP_WRITE, d, None, 5) == _cyx.E_INVALID
+        seen: list[RECORD] = []
+        assert wait_xfer(p.a, 5, into=seen)[1] == _cyx.OK
+        assert sum(r[0] == _cyx.CQ_XFER for r in seen) == 1
+        assert p.a.stats()["ops"] == 0
+        assert p.dst == p.src
+    finally:
+        p.close()
 
 
 # --------------------------------------------------------------- tcp data path
