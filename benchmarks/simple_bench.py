@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in sizes:
         print(f"{fmt_size(s):>8} | {memcpy[s]:8.2f} | {sock[s]:8.2f} | {shm[s]:8.2f} "
               f"{shm[s] / memcpy[s]:10.2f} | {tcp[s]:8.2f} {tcp[s] / sock[s]:10.2f}")
+    print("memcpy of sizes that fit in the CPU caches runs from cache; socket: one "
+          "connection, single-threaded; tcp: the agent's default connections per peer")
     if ns.json:
         print(json.dumps({
             "unit": "GB/s",

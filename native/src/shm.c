@@ -27,7 +27,8 @@ int shm_map(endpoint *ep, rregion *rr, int32_t memfd)
     int fd = open(path, (rw ? O_RDWR : O_RDONLY) | O_CLOEXEC);
     if (fd < 0)
         return AXF_E_TRANSPORT;
-    void *m = mmap(NULL, rr->len, PROT_READ | (rw ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+    /* Populated now: first-touch faults would otherwise dominate the first writes. */
+    void *m = mmap(NULL, rr->len, PROT_READ | (rw ? PROT_WRITE : 0), MAP_SHARED | MAP_POPULATE, fd, 0);
     close(fd);
     if (m == MAP_FAILED)
         return AXF_E_TRANSPORT;
