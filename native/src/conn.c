@@ -413,11 +413,14 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
             return "connection lost inside a NOTIFY payload";
         /* Everything sent before this frame on every connection of the request
          * was acknowledged before the initiator sent it: data is in memory. */
-        cq_push(e, AXF_CQ_NOTIFY, AXF_OK, h->op, c->tag, 0, 0, scratch, h->len);
+        /* The acknowledgement is queued before the application can see the
+         * notification, so a receiver that closes right after receive() does
+         * not usually leave it unsent. */
         sq_item *ack = sq_new(FR_NOTIFY_ACK, h->op);
         if (!ack)
             return "out of memory";
         conn_enqueue(c, ack, true);
+        cq_push(e, AXF_CQ_NOTIFY, AXF_OK, h->op, c->tag, 0, 0, scratch, h->len);
         return NULL;
     }
     default:
