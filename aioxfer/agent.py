@@ -14,6 +14,7 @@ confirms nothing touches it any more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import itertools
@@ -23,7 +24,7 @@ import secrets
 import socket
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -624,78 +625,74 @@ class Agent:
             return "tcp"
         return None
 
-    async def _open(self, host: str, port: int, address: str, purpose: str) -> socket.socket:
-        """A connected, handshaken control or data socket (non-blocking)."""
+    async def _dial(self, host: str, port: int) -> socket.socket:
+        """A connected, non-blocking socket: every address of host is tried in turn."""
         assert self._loop is not None
         loop = self._loop
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        error: OSError | None = None
+        for family, type_, proto, _, sockaddr in infos:
+            s = socket.socket(family, type_, proto)
+            try:
+                s.setblocking(False)
+                _nodelay(s)
+                await loop.sock_connect(s, sockaddr)
+            except BaseException as exc:
+                s.close()
+                if not isinstance(exc, OSError):
+                    raise
+                error = exc
+                continue
+            return s
+        raise error or OSError(f"no address for {host!r}")
+
+    @contextlib.asynccontextmanager
+    async def _control_errors(self, address: str, doing: str, what: str) -> AsyncIterator[None]:
+        """Bounds a control-plane exchange by peer_timeout and names the peer in its errors."""
         try:
             async with asyncio.timeout(self._peer_timeout):
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-                sock: socket.socket | None = None
-                error: OSError | None = None
-                for family, type_, proto, _, sockaddr in infos:
-                    s = socket.socket(family, type_, proto)
-                    try:
-                        s.setblocking(False)
-                        _nodelay(s)
-                        await loop.sock_connect(s, sockaddr)
-                    except BaseException as exc:
-                        s.close()
-                        if not isinstance(exc, OSError):
-                            raise
-                        error = exc
-                        continue
-                    sock = s
-                    break
-                if sock is None:
-                    raise error or OSError(f"no address for {host!r}")
-                try:
-                    await client_handshake(
-                        loop,
-                        sock,
-                        name=self.name,
-                        incarnation=self.incarnation,
-                        purpose="data" if purpose == "data" else "meta",
-                        token=self._token,
-                    )
-                except BaseException:
-                    sock.close()
-                    raise
-                return sock
+                yield
         except TimeoutError:
             raise TransportError(
-                f"connecting to {address} timed out after {self._peer_timeout} s"
+                f"{doing} {address} timed out after {self._peer_timeout} s"
             ) from None
         except OSError as exc:
-            raise TransportError(f"cannot connect to {address}: {exc}") from exc
+            raise TransportError(f"cannot {what} {address}: {exc}") from exc
         except AccessDenied as exc:
             raise type(exc)(f"connecting to {address}: {exc}") from None
 
+    async def _open(self, host: str, port: int, address: str, purpose: str) -> socket.socket:
+        """A connected, handshaken control or data socket (non-blocking)."""
+        assert self._loop is not None
+        async with self._control_errors(address, "connecting to", "connect to"):
+            sock = await self._dial(host, port)
+            try:
+                await client_handshake(
+                    self._loop,
+                    sock,
+                    name=self.name,
+                    incarnation=self.incarnation,
+                    purpose="data" if purpose == "data" else "meta",
+                    token=self._token,
+                )
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        raise AssertionError("unreachable")  # for type checkers: the block returns or raises
+
     async def _fetch_meta(self, host: str, port: int, address: str) -> AgentMeta:
         assert self._loop is not None
-        loop = self._loop
-        try:
-            async with asyncio.timeout(self._peer_timeout):
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-                family, type_, proto, _, sockaddr = infos[0]
-                sock = socket.socket(family, type_, proto)
-                try:
-                    sock.setblocking(False)
-                    _nodelay(sock)
-                    await loop.sock_connect(sock, sockaddr)
-                    return await fetch_meta(
-                        loop, sock, name=self.name, incarnation=self.incarnation, token=self._token
-                    )
-                finally:
-                    sock.close()
-        except TimeoutError:
-            raise TransportError(
-                f"fetching metadata from {address} timed out after {self._peer_timeout} s"
-            ) from None
-        except OSError as exc:
-            raise TransportError(f"cannot fetch metadata from {address}: {exc}") from exc
-        except AccessDenied as exc:
-            raise type(exc)(f"connecting to {address}: {exc}") from None
+        async with self._control_errors(address, "fetching metadata from", "fetch metadata from"):
+            sock = await self._dial(host, port)
+            try:
+                return await fetch_meta(
+                    self._loop, sock, name=self.name, incarnation=self.incarnation,
+                    token=self._token,
+                )
+            finally:
+                sock.close()
+        raise AssertionError("unreachable")  # for type checkers: the block returns or raises
 
     def _apply_regions(self, peer: Peer, regions: list[RegionMeta]) -> None:
         """Imports regions new to us and forgets the ones the peer dropped."""
