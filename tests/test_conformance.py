@@ -434,12 +434,6 @@ async def test_stale_handle_after_target_deregistered(
 ) -> None:
     """A peer's handle to a region the target has since deregistered must be
     refused, never write into memory that is no longer registered."""
-    if transport == "shm":
-        # Known gap (issue #2 closing note): the shm path checks only the
-        # initiator's copy of the region table; the target's deregistration is
-        # not propagated to peers yet, so a stale handle still writes. Remove
-        # this once revocation reaches peers.
-        pytest.xfail("shm: target-side revocation not propagated to peers yet")
     size = MiB
     dst = target_region(pair.target, kind, size, name="dst")
     mem = dst.obj  # the target keeps the memory alive (worst case: it is reused)

@@ -369,9 +369,13 @@ def test_deregistered_target_region_refuses(tcp_pair: TcpPair) -> None:
     p = tcp_pair
     p.b.deregister(p.brid)
     wait_records(p.b, lambda rs: any(r[0] == _cyx.CQ_REGION_FREED for r in rs))
+    # B told A before freeing it: A refuses at post.
     d = descs([(p.arid, 0, p.brid, p.bkey, 0, 4096)])
-    assert p.a.post(p.ep, _cyx.OP_WRITE, d, None, 1) == _cyx.OK
-    assert wait_xfer(p.a, 1)[1] == _cyx.E_ACCESS
+    assert p.a.post(p.ep, _cyx.OP_WRITE, d, None, 1) == _cyx.E_ACCESS
+    # A handle imported again (stale metadata): B's own check refuses it.
+    p.a.endpoint_import(p.ep, p.brid, p.bkey, p.blen, p.bacc, 0, -1)
+    assert p.a.post(p.ep, _cyx.OP_WRITE, d, None, 2) == _cyx.OK
+    assert wait_xfer(p.a, 2)[1] == _cyx.E_ACCESS
     assert p.dst == bytearray(len(p.dst))
 
 

@@ -121,7 +121,10 @@ void axf_engine_stats(axf_engine *e, axf_stats *out);
 int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access,
                         int memfd, uint64_t *id_out, uint64_t *key_out);
 /* Revokes a region: new accesses fail with AXF_E_ACCESS; ops already holding it
- * finish. AXF_CQ_REGION_FREED is pushed once nothing touches it any more. */
+ * finish; every connected peer is told to forget it. AXF_CQ_REGION_FREED is
+ * pushed once nothing touches it any more: our own ops are done and each peer
+ * has acknowledged (same-host peers copy into our memory directly, so their
+ * word is the only proof) or lost its connection. */
 int axf_region_deregister(axf_engine *e, uint64_t id);
 
 /* Endpoints (the initiator side of a peer). */

@@ -187,6 +187,8 @@ static void thread_exit(conn *c)
         }
         close(c->fd);
         atomic_fetch_sub(&e->n_conns, 1);
+        if (!c->ep)
+            revokes_drop(e, c); /* a dead peer touches nothing of ours any more */
         if (c->ep)
             endpoint_conn_finished(e, c->ep);
         else
@@ -423,6 +425,12 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
         cq_push(e, AXF_CQ_NOTIFY, AXF_OK, h->op, c->tag, 0, 0, scratch, h->len);
         return NULL;
     }
+    case FR_REVOKE_ACK:
+        if (h->len || revoke_acked(e, c, h->rid) != AXF_OK) {
+            *proto = true;
+            return "REVOKE_ACK for no revocation";
+        }
+        return NULL;
     default:
         *proto = true;
         return "frame type not valid towards a target";
@@ -432,6 +440,14 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
 static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io)
 {
     conn_priv *p = (conn_priv *)c;
+    if (h->type == FR_REVOKE) { /* unsolicited: the target deregistered a region */
+        if (h->len) {
+            *proto = true;
+            return "REVOKE frame with payload";
+        }
+        revoke_received(c->e, c, h->rid, h->key);
+        return NULL;
+    }
     pthread_mutex_lock(&c->mu);
     expect *x = p->ex_head;
     pthread_mutex_unlock(&c->mu);

@@ -258,13 +258,157 @@ int axf_region_deregister(axf_engine *e, uint64_t id)
     while (*p && (*p)->id != id)
         p = &(*p)->next;
     region *r = *p;
-    if (r)
-        *p = r->next; /* unreachable from now on: new accesses fail */
-    pthread_mutex_unlock(&e->mu);
-    if (!r)
+    if (!r) {
+        pthread_mutex_unlock(&e->mu);
         return AXF_E_NOTFOUND;
-    region_unref(e, r);
+    }
+    *p = r->next; /* unreachable from now on: new accesses fail */
+    /* Same-host peers copy into our memory without asking us: tell every
+     * connected peer to forget the region, and keep our registry reference
+     * until each has acknowledged (or its connection is gone). */
+    revocation *rv = calloc(1, sizeof *rv);
+    if (rv) {
+        rv->r = r;
+        for (conn *c = e->conns; c; c = c->next_all) {
+            if (c->ep || c->exited)
+                continue;
+            rv_wait *w = calloc(1, sizeof *w);
+            sq_item *it = sq_new(FR_REVOKE, 0);
+            if (!w || !it) {
+                /* It could not be told: cut it off instead. */
+                free(w);
+                free(it);
+                conn_kill(c);
+                continue;
+            }
+            it->h.rid = r->id;
+            it->h.key = r->key;
+            w->rv = rv;
+            w->next = c->revokes;
+            c->revokes = w;
+            rv->waiting++;
+            conn_enqueue(c, it, true);
+        }
+        if (!rv->waiting) {
+            free(rv);
+            rv = NULL;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (!rv)
+        region_unref(e, r);
     return AXF_OK;
+}
+
+/* Target side: one of the region's revocations is over. e->mu held. */
+static void revoke_settled(axf_engine *e, revocation *rv)
+{
+    if (--rv->waiting == 0) {
+        region_unref(e, rv->r); /* only the ring lock inside: fine under e->mu */
+        free(rv);
+    }
+}
+
+int revoke_acked(axf_engine *e, conn *c, uint64_t rid)
+{
+    pthread_mutex_lock(&e->mu);
+    rv_wait **p = &c->revokes;
+    while (*p && (*p)->rv->r->id != rid)
+        p = &(*p)->next;
+    rv_wait *w = *p;
+    if (w) {
+        *p = w->next;
+        revoke_settled(e, w->rv);
+        free(w);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return w ? AXF_OK : AXF_E_PROTOCOL;
+}
+
+void revokes_drop(axf_engine *e, conn *c)
+{
+    pthread_mutex_lock(&e->mu);
+    c->exited = true;
+    rv_wait *w = c->revokes;
+    c->revokes = NULL;
+    while (w) {
+        rv_wait *n = w->next;
+        revoke_settled(e, w->rv);
+        free(w);
+        w = n;
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Initiator side: acknowledges every revocation of ep whose region no op uses
+ * any more, and unmaps what it had mapped of it. e->mu held. */
+static void rv_acks_flush(axf_engine *e, endpoint *ep)
+{
+    for (rv_ack **p = &e->rv_acks; *p;) {
+        rv_ack *a = *p;
+        bool busy = false;
+        if (a->ep == ep)
+            for (rregion *rr = ep->rregions; rr && !busy; rr = rr->next)
+                busy = rr->rid == a->rid && rr->key == a->key && atomic_load(&rr->users);
+        if (a->ep != ep || busy) {
+            p = &a->next;
+            continue;
+        }
+        for (rregion *rr = ep->rregions; rr; rr = rr->next)
+            if (rr->rid == a->rid && rr->key == a->key)
+                shm_unmap(rr);
+        sq_item *it = sq_new(FR_REVOKE_ACK, 0);
+        if (it) {
+            it->h.rid = a->rid;
+            it->h.key = a->key;
+            conn_enqueue(a->c, it, true);
+        } else {
+            conn_kill(a->c); /* the target then stops waiting for us */
+        }
+        *p = a->next;
+        free(a);
+    }
+}
+
+void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
+{
+    endpoint *ep = c->ep;
+    pthread_mutex_lock(&e->mu);
+    for (rregion *rr = ep->rregions; rr; rr = rr->next)
+        if (rr->rid == rid && rr->key == key) {
+            rr->gone = true; /* no new op resolves it */
+            atomic_store(&rr->revoked, true);
+        }
+    rv_ack *a = calloc(1, sizeof *a);
+    if (a) {
+        a->c = c;
+        a->ep = ep;
+        a->rid = rid;
+        a->key = key;
+        a->next = e->rv_acks;
+        e->rv_acks = a;
+        rv_acks_flush(e, ep);
+    } else {
+        conn_kill(c);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* An op no longer touches its remote regions; a revoked one may now be
+ * acknowledged. Paired with revoke_received: one of the two sees the other. */
+static void op_release_remote(axf_engine *e, op *o)
+{
+    bool flush = false;
+    for (size_t i = 0; i < o->nrregs; i++) {
+        rregion *rr = o->rregs[i];
+        if (atomic_fetch_sub(&rr->users, 1) == 1 && atomic_load(&rr->revoked))
+            flush = true;
+    }
+    if (flush) {
+        pthread_mutex_lock(&e->mu);
+        rv_acks_flush(e, o->ep);
+        pthread_mutex_unlock(&e->mu);
+    }
 }
 
 /* ---------------------------------------------------------------- ops */
@@ -296,9 +440,11 @@ static void op_free(axf_engine *e, op *o)
 {
     for (size_t i = 0; i < o->nlregs; i++)
         region_unref(e, o->lregs[i]);
+    op_release_remote(e, o);
     free(o->d);
     free(o->laddr);
     free(o->rr);
+    free(o->rregs);
     free(o->lregs);
     free(o->notify);
     free(o);
@@ -350,10 +496,13 @@ static void op_data_done(axf_engine *e, op *o)
         atomic_store(&o->remaining, 1);
         sq_item *it = sq_new(FR_NOTIFY, o->req_id);
         if (it) {
+            /* The frame owns the payload: the acknowledgement (and the op's
+             * end) can come before the sending thread is back from sendmsg. */
             it->h.len = o->notify_len;
-            it->payload = o->notify;
+            it->payload = it->owned = o->notify;
             it->plen = o->notify_len;
             it->op = o;
+            o->notify = NULL;
             conn_enqueue(o->ep->conns[0], it, true);
             pthread_mutex_unlock(&e->mu);
             return;
@@ -438,6 +587,7 @@ static int op_resolve(axf_engine *e, op *o)
     uint32_t need_remote = o->opcode == AXF_OP_WRITE ? AXF_ACCESS_WRITE : AXF_ACCESS_READ;
     uint64_t last_lrid = 0;
     region *last = NULL;
+    rregion *last_rr = NULL;
     for (size_t i = 0; i < o->n; i++) {
         const axf_desc *d = &o->d[i];
         if (!d->len) {
@@ -470,11 +620,21 @@ static int op_resolve(axf_engine *e, op *o)
             return AXF_E_ACCESS;
         }
         o->laddr[i] = last->addr + d->loff;
-        rregion *rr = rr_find(o->ep, d->rrid);
+        rregion *rr = last_rr && last_rr->rid == d->rrid ? last_rr : rr_find(o->ep, d->rrid);
         if (!rr || rr->key != d->rkey || !(rr->access & need_remote) || d->roff > rr->len ||
             d->len > rr->len - d->roff) {
             o->fail_index = i;
             return AXF_E_ACCESS;
+        }
+        if (rr != last_rr) {
+            bool seen = false;
+            for (size_t k = 0; k < o->nrregs && !seen; k++)
+                seen = o->rregs[k] == rr;
+            if (!seen) { /* a use: a revocation waits for it */
+                atomic_fetch_add(&rr->users, 1);
+                o->rregs[o->nrregs++] = rr;
+            }
+            last_rr = rr;
         }
         o->rr[i] = rr;
     }
@@ -559,7 +719,8 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         o->laddr = malloc(n * sizeof *o->laddr);
         o->rr = malloc(n * sizeof *o->rr);
         o->lregs = malloc(n * sizeof *o->lregs);
-        if (!o->d || !o->laddr || !o->rr || !o->lregs) {
+        o->rregs = malloc(n * sizeof *o->rregs);
+        if (!o->d || !o->laddr || !o->rr || !o->lregs || !o->rregs) {
             op_free(e, o);
             return AXF_E_NOMEM;
         }
@@ -739,6 +900,8 @@ int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t ke
     rr->len = len;
     rr->access = access;
     rr->addr = addr;
+    atomic_init(&rr->revoked, false);
+    atomic_init(&rr->users, 0);
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
     int st = !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED : AXF_OK;
@@ -882,6 +1045,10 @@ void axf_engine_destroy(axf_engine *e)
             free(rr);
         }
         free(ep);
+    }
+    for (rv_ack *a = e->rv_acks, *n; a; a = n) {
+        n = a->next;
+        free(a);
     }
     for (conn *c = e->conns, *n; c; c = n) {
         n = c->next_all;

@@ -20,7 +20,17 @@
 
 /* Wire frame: fixed 64-byte header, little-endian hosts only (checked at
  * handshake by the Python layer's host metadata). */
-enum { FR_WRITE = 1, FR_WRITE_ACK, FR_READ_REQ, FR_READ_RESP, FR_NOTIFY, FR_NOTIFY_ACK, FR_PING };
+enum {
+    FR_WRITE = 1,
+    FR_WRITE_ACK,
+    FR_READ_REQ,
+    FR_READ_RESP,
+    FR_NOTIFY,
+    FR_NOTIFY_ACK,
+    FR_PING,
+    FR_REVOKE,     /* target -> initiator: forget region rid/key, then acknowledge */
+    FR_REVOKE_ACK, /* initiator -> target: nothing of ours touches that region any more */
+};
 enum { FL_LAST = 1, FL_ABORT = 2 };
 #define AXF_MAGIC 0x31465841u /* "AXF1" */
 
@@ -48,14 +58,40 @@ typedef struct region {
     struct region *next;
 } region;
 
-/* A peer's region as imported into an endpoint. Freed with the endpoint. */
+/* A peer's region as imported into an endpoint. Freed with the endpoint.
+ * users counts ops that resolved it and are not freed yet; a revocation by the
+ * owner is acknowledged only once it drops to zero, because same-host copies
+ * reach the owner's memory directly, past any check on its side. */
 typedef struct rregion {
     uint64_t rid, key, len, addr;
     uint32_t access;
-    bool gone;
+    bool gone;             /* e->mu: no new op may resolve it */
+    atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
+    atomic_uint users;
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
     struct rregion *next;
 } rregion;
+
+/* Initiator side: a revocation received on conn c, acknowledged once no op of
+ * endpoint ep uses region rid/key any more. e->mu guards the list. */
+typedef struct rv_ack {
+    struct conn *c;
+    struct endpoint *ep;
+    uint64_t rid, key;
+    struct rv_ack *next;
+} rv_ack;
+
+/* Target side: a deregistered region waiting for every connection it was
+ * revoked on to acknowledge (or die). e->mu guards it. */
+typedef struct revocation {
+    struct region *r;
+    int waiting;
+} revocation;
+
+typedef struct rv_wait {
+    revocation *rv;
+    struct rv_wait *next;
+} rv_wait;
 
 struct conn;
 
@@ -81,6 +117,8 @@ typedef struct op {
     rregion **rr;     /* resolved remote region per descriptor */
     region **lregs;   /* distinct local regions referenced */
     size_t nlregs;
+    rregion **rregs;  /* distinct remote regions referenced (one use each) */
+    size_t nrregs;
     uint8_t *notify;
     size_t notify_len;
     atomic_long remaining;
@@ -118,6 +156,9 @@ typedef struct conn {
     int32_t grp_status;
     uint64_t grp_fail, grp_bytes;
     bool in_grp;
+    /* accepting side, e->mu: revocations this connection has to acknowledge */
+    rv_wait *revokes;
+    bool exited;
     struct conn *next_all;
 } conn;
 
@@ -158,6 +199,8 @@ struct axf_engine {
     int ndirty;
     bool dirty_workers;
 
+    rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
+
     atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
 };
 
@@ -172,6 +215,9 @@ op *op_find(axf_engine *e, uint64_t req_id);     /* with e->mu held */
 void op_set_status(op *o, int status, uint64_t index);
 void op_unit_done(axf_engine *e, op *o);
 void endpoint_conn_finished(axf_engine *e, endpoint *ep);
+void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key);
+int revoke_acked(axf_engine *e, conn *c, uint64_t rid); /* AXF_OK or AXF_E_PROTOCOL */
+void revokes_drop(axf_engine *e, conn *c); /* the connection is gone */
 
 /* conn.c */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);

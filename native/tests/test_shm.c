@@ -286,6 +286,60 @@ static int test_shutdown_with_queued_copies(void)
     return 0;
 }
 
+/* The owner deregisters its region while our copies into it are in flight:
+ * it is told over the connection, and frees the region only once we
+ * acknowledge, which we do only after our copies are done. From then on our
+ * handle is refused at post: nothing lands in memory that is no longer
+ * registered. */
+static int test_revocation_waits_for_copies(void)
+{
+    axf_config cfg = {.copy_workers = 1, .inline_bytes = UINT64_MAX};
+    shm_pair p;
+    if (sp_open(&p, &cfg, true))
+        return 1;
+    t_fill(p.asrc, REG, 9);
+    enum { N = 8 };
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
+    for (uint64_t i = 0; i < N; i++)
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 40 + i, 0), AXF_OK);
+    CHECK_EQ(axf_region_deregister(p.b->e, p.brid), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.b, AXF_CQ_REGION_FREED, p.brid, &c), 0);
+    /* Every copy posted before the revocation finished before the region was freed. */
+    t_drain(p.a);
+    int done = 0;
+    for (size_t i = 0; i < p.a->n; i++)
+        done += p.a->q[i].kind == AXF_CQ_XFER;
+    CHECK_EQ(done, N);
+    for (uint64_t i = 0; i < N; i++) {
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 40 + i, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+    }
+    memset(p.bdst, 0, REG);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 50, 0), AXF_E_ACCESS);
+    CHECK(t_all(p.bdst, REG, 0));
+    /* The connection is fine. */
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_NOTIFY, NULL, 0, "x", 1, 51, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 51, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    sp_close(&p);
+    return 0;
+}
+
+/* A peer whose connection dies does not hold the owner's region forever. */
+static int test_revocation_settled_by_lost_conn(void)
+{
+    shm_pair p;
+    if (sp_open(&p, NULL, true))
+        return 1;
+    CHECK_EQ(axf_endpoint_close(p.a->e, p.ep), AXF_OK);
+    CHECK_EQ(axf_region_deregister(p.b->e, p.brid), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.b, AXF_CQ_REGION_FREED, p.brid, &c), 0);
+    sp_close(&p);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -296,6 +350,8 @@ int main(int argc, char **argv)
         T_CASE(test_write_with_notify),
         T_CASE(test_defer_holds_until_doorbell),
         T_CASE(test_shutdown_with_queued_copies),
+        T_CASE(test_revocation_waits_for_copies),
+        T_CASE(test_revocation_settled_by_lost_conn),
     };
     return T_RUN(argc, argv, cases);
 }

@@ -249,7 +249,8 @@ static int test_bad_key(void)
     axf_desc k = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey + 1, .len = 16};
     CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &k, 1, NULL, 0, 4006, 0), AXF_E_ACCESS);
 
-    /* A deregistered target region: later accesses fail. */
+    /* A deregistered target region: B tells A, and frees it once A has
+     * acknowledged; A's later accesses are refused at post. */
     memset(other, 0, sizeof other);
     CHECK_EQ(axf_endpoint_import(p.a->e, p.ep, orid, okey, sizeof other,
                                  AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, -1),
@@ -257,8 +258,13 @@ static int test_bad_key(void)
     CHECK_EQ(axf_region_deregister(p.b->e, orid), AXF_OK);
     CHECK_EQ(t_wait(p.b, AXF_CQ_REGION_FREED, orid, &c), 0);
     axf_desc g = {.lrid = p.arid, .rrid = orid, .rkey = okey, .len = 64};
-    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &g, 1, NULL, 0, 4007, 0), AXF_OK);
-    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 4007, &c), 0);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &g, 1, NULL, 0, 4007, 0), AXF_E_ACCESS);
+    /* A stale handle that slipped past A's table (imported again): B refuses it. */
+    CHECK_EQ(axf_endpoint_import(p.a->e, p.ep, orid, okey, sizeof other,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, -1),
+             AXF_OK);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &g, 1, NULL, 0, 4009, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 4009, &c), 0);
     CHECK_EQ(c.status, AXF_E_ACCESS);
     CHECK(t_all(other, sizeof other, 0));
 
