@@ -47,6 +47,8 @@ static void sq_release(axf_engine *e, sq_item *it)
 {
     if (it->reg)
         region_unref(e, it->reg);
+    if (it->op)
+        op_unpin(e, it->op);
     free(it->owned);
     free(it);
 }

@@ -450,8 +450,8 @@ static void op_free(axf_engine *e, op *o)
     free(o);
 }
 
-/* Pushes the completion and frees an op already unlinked by its owner. */
-static void op_finish_unlinked(axf_engine *e, op *o)
+/* Pushes the completion and frees an op: nothing refers to it any more. */
+static void op_finish_now(axf_engine *e, op *o)
 {
     int st = atomic_load(&o->status);
     uint64_t nbytes = atomic_load(&o->nbytes), req_id = o->req_id, tag = o->ep->tag;
@@ -462,6 +462,21 @@ static void op_finish_unlinked(axf_engine *e, op *o)
         atomic_fetch_add(&e->bytes, nbytes);
     atomic_fetch_sub(&e->n_ops, 1);
     cq_push(e, AXF_CQ_XFER, st, req_id, tag, nbytes, fail_index, NULL, 0);
+}
+
+void op_unpin(axf_engine *e, op *o)
+{
+    if (atomic_fetch_sub(&o->pins, 1) == 1)
+        op_finish_now(e, o);
+}
+
+/* An op already unlinked by its owner is over. Frames of it may still sit in
+ * a send queue (a hostile peer can acknowledge what was never sent): the
+ * completion, which lets the caller release the memory those frames point
+ * into, waits for the last of them to leave. */
+static void op_finish_unlinked(axf_engine *e, op *o)
+{
+    op_unpin(e, o);
 }
 
 static void op_complete(axf_engine *e, op *o)
@@ -496,6 +511,7 @@ static void op_data_done(axf_engine *e, op *o)
         atomic_store(&o->remaining, 1);
         sq_item *it = sq_new(FR_NOTIFY, o->req_id);
         if (it) {
+            atomic_fetch_add(&o->pins, 1);
             /* The frame owns the payload: the acknowledgement (and the op's
              * end) can come before the sending thread is back from sendmsg. */
             it->h.len = o->notify_len;
@@ -660,6 +676,7 @@ static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
                 op_set_status(o, AXF_E_NOMEM, i);
                 goto out;
             }
+            atomic_fetch_add(&o->pins, 1);
             it->h.index = i;
             it->h.rid = d->rrid;
             it->h.key = d->rkey;
@@ -711,6 +728,7 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     op *o = calloc(1, sizeof *o);
     if (!o)
         return AXF_E_NOMEM;
+    atomic_init(&o->pins, 1);
     o->req_id = req_id;
     o->opcode = opcode;
     o->n = n;

@@ -125,6 +125,7 @@ typedef struct op {
     atomic_int status;
     atomic_int cancelled;
     atomic_ullong nbytes;
+    atomic_int pins; /* 1 until the op is over, +1 per frame of it in a send queue */
     uint64_t fail_index;
     int phase; /* 0: data, 1: notification sent */
     bool claimed;
@@ -135,7 +136,7 @@ typedef struct sq_item {
     wire_hdr h;
     const uint8_t *payload;
     uint64_t plen;
-    op *op;          /* initiator frames: the op (never dereferenced once dropped) */
+    op *op;          /* initiator frames: the op, pinned until the frame is released */
     region *reg;     /* target READ_RESP: region ref released after sending */
     uint8_t *owned;  /* freed after sending */
     struct sq_item *next;
@@ -214,6 +215,7 @@ void region_unref(axf_engine *e, region *r);
 op *op_find(axf_engine *e, uint64_t req_id);     /* with e->mu held */
 void op_set_status(op *o, int status, uint64_t index);
 void op_unit_done(axf_engine *e, op *o);
+void op_unpin(axf_engine *e, op *o); /* a queued frame of it is gone */
 void endpoint_conn_finished(axf_engine *e, endpoint *ep);
 void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key);
 int revoke_acked(axf_engine *e, conn *c, uint64_t rid); /* AXF_OK or AXF_E_PROTOCOL */
