@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from aioxfer import discovery
 from aioxfer.agent import Agent
+from aioxfer.discovery import Etcd, Membership, PeerJoined, PeerLeft, PeerUpdated
 from aioxfer.errors import (
     AccessDenied,
     ClosedResourceError,
@@ -41,11 +43,16 @@ __all__ = [
     "Agent",
     "AgentStatistics",
     "ClosedResourceError",
+    "Etcd",
+    "Membership",
     "Notification",
     "Notifications",
     "Peer",
+    "PeerJoined",
+    "PeerLeft",
     "PeerLost",
     "PeerStatistics",
+    "PeerUpdated",
     "ProtocolError",
     "Region",
     "RegistrationError",
@@ -60,4 +67,5 @@ __all__ = [
     "TransportError",
     "XferError",
     "__version__",
+    "discovery",
 ]

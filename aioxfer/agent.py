@@ -24,14 +24,28 @@ import secrets
 import socket
 import sys
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from time import perf_counter
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from aioxfer import _cyx
+from aioxfer.discovery import (
+    Etcd,
+    EtcdSession,
+    Membership,
+    MembershipEvent,
+    PeerJoined,
+    PeerLeft,
+    PeerUpdated,
+    diff_regions,
+    encode_meta,
+    region_names,
+)
 from aioxfer.errors import (
     AccessDenied,
     ClosedResourceError,
@@ -92,6 +106,10 @@ class Agent:
     fail with PeerLost); ``keepalive``: idle ping interval. ``tcp_connections``:
     connections per TCP peer (large transfers are split across them).
     ``copy_workers``: engine threads doing same-host copies.
+    ``discovery``: ``aioxfer.discovery.Etcd(...)`` to publish this agent under
+    its name (from ``start()``/``async with`` until ``aclose()``), connect to
+    others by name and follow membership through etcd; None (the default):
+    embedded, connect by address.
     """
 
     def __init__(
@@ -105,6 +123,7 @@ class Agent:
         keepalive: float = 1.0,
         tcp_connections: int = 4,
         copy_workers: int = 2,
+        discovery: Etcd | None = None,
     ) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= 256:
             raise ValueError("agent name must be a string of 1..256 characters")
@@ -124,6 +143,10 @@ class Agent:
             raise ValueError(f"tcp_connections must be in 1..{MAX_CONNS}")
         if copy_workers < 1:
             raise ValueError("copy_workers must be at least 1")
+        if discovery is not None and not isinstance(discovery, Etcd):
+            raise TypeError(
+                f"discovery is an aioxfer.discovery.Etcd or None, not {type(discovery).__name__}"
+            )
 
         self.name = name
         self.incarnation = secrets.randbits(64)
@@ -163,6 +186,15 @@ class Agent:
         self._tags: dict[tuple[str, int], int] = {}
         self._tag_names: dict[int, str] = {}
         self._next_tag = itertools.count(1).__next__
+        # every Peer made per name, lost ones too: a new incarnation fences them all
+        self._peers_by_name: dict[str, weakref.WeakSet[Peer]] = {}
+
+        # membership
+        self._discovery = discovery
+        self._session: EtcdSession | None = None
+        self._session_start: asyncio.Task[None] | None = None
+        self._members: dict[str, AgentMeta] = {}  # etcd's view, all but us
+        self._subscribers: weakref.WeakSet[Membership] = weakref.WeakSet()
 
         # data path
         self._next_req = itertools.count(1).__next__
@@ -181,8 +213,17 @@ class Agent:
 
     async def start(self) -> Agent:
         """Starts serving (also done by ``async with`` and, lazily, by the first
-        connect, write or read). Idempotent."""
-        self._start()
+        connect, write or read). With discovery, also joins: publishes this
+        agent and starts following the members (raises TransportError if etcd
+        cannot be reached). Idempotent."""
+        loop = self._start()
+        if self._discovery is not None and self._session is None:
+            if self._session_start is None:
+                self._session_start = loop.create_task(
+                    self._start_discovery(), name=f"aioxfer-join-{self.name}"
+                )
+                self._session_start.add_done_callback(_retrieve)
+            await asyncio.shield(self._session_start)
         return self
 
     def _start(self) -> asyncio.AbstractEventLoop:
@@ -201,7 +242,11 @@ class Agent:
         return loop
 
     async def __aenter__(self) -> Agent:
-        return await self.start()
+        try:
+            return await self.start()
+        except BaseException:
+            await self.aclose()  # __aexit__ will not run
+            raise
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
@@ -218,7 +263,12 @@ class Agent:
         self._closed = True
         tasks: list[asyncio.Task[Any]] = [
             task
-            for task in (self._accept_task, *self._serving, *self._connecting.values())
+            for task in (
+                self._accept_task,
+                *self._serving,
+                *self._connecting.values(),
+                self._session_start,
+            )
             if task is not None
         ]
         for task in tasks:
@@ -226,6 +276,10 @@ class Agent:
         try:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if self._session is not None:
+                # Leave first, so that the others see PeerLeft now rather than
+                # when our lease would expire.
+                await self._session.aclose()
         finally:
             self._shutdown()
 
@@ -261,6 +315,11 @@ class Agent:
             self._mark_lost(peer, _E_CLOSED, log=False)
         self._peers_by_addr.clear()
         self._peers_by_inc.clear()
+        self._peers_by_name.clear()
+        self._members.clear()
+        for sub in list(self._subscribers):
+            sub._end()
+        self._subscribers.clear()
         self.notifications._close()
         self._lsock.close()
         _log.debug("agent.closed", agent=self.name)
@@ -355,6 +414,7 @@ class Agent:
                 k += 1
         region = Region(self, name, rid, key, nbytes, access, addr, obj, memfd, ino, mm)
         self._regions[name] = region
+        self._meta_changed()
         return region
 
     def deregister(self, region: Region) -> None:
@@ -380,6 +440,8 @@ class Agent:
         except (ValueError, _cyx.NativeError) as exc:
             self._freeing.pop(region.rid, None)
             raise RegistrationError(f"cannot deregister region {region.name!r}: {exc}") from None
+        finally:
+            self._meta_changed()  # it is gone from our metadata either way
 
     @property
     def regions(self) -> list[Region]:
@@ -498,6 +560,152 @@ class Agent:
             self._tag_names[tag] = name
         return tag
 
+    # ------------------------------------------------------------ membership
+
+    def membership(self) -> Membership:
+        """An async iterator of PeerJoined, PeerUpdated and PeerLeft events: a
+        PeerJoined for every current member first, then changes as they happen,
+        until the agent closes (or the iterator's ``aclose()``).
+
+        With discovery the members are etcd's (everyone under the prefix but
+        this agent); embedded, they are the peers this agent connected to
+        (connect: PeerJoined; a refresh that finds new or deregistered regions:
+        PeerUpdated; lost, restarted or closed: PeerLeft). Several consumers
+        may iterate at once; each gets every event."""
+        self._check_open()
+        if self._discovery is not None:
+            initial = [
+                PeerJoined(m.name, m.incarnation, m.address, region_names(m))
+                for m in self._members.values()
+            ]
+        else:
+            initial = [
+                PeerJoined(p.name, p.incarnation, p.address, tuple(sorted(p._regions)))
+                for p in self._peers_by_ep.values()
+            ]
+        sub = Membership(initial, self._subscribers.discard)
+        self._subscribers.add(sub)
+        return sub
+
+    def _emit(self, event: MembershipEvent) -> None:
+        for sub in list(self._subscribers):
+            sub._put(event)
+        _log.debug("membership." + type(event).__name__, agent=self.name, peer=event.name,
+                   incarnation=f"{event.incarnation:#x}", address=event.address)
+
+    def _published_meta(self) -> bytes:
+        """Our metadata as published in etcd: no access keys, no memory
+        addresses, no memfd numbers; peers fetch those from us over our control
+        connection (authenticated when we have a token)."""
+        meta = self._meta()
+        regions = [
+            RegionMeta(name=r.name, rid=r.rid, key=0, nbytes=r.nbytes, access=r.access, addr=0)
+            for r in meta.regions
+        ]
+        return encode_meta(msgspec.structs.replace(meta, regions=regions))
+
+    def _meta_changed(self) -> None:
+        if self._session is not None and not self._closed:
+            self._session.publish(self._published_meta())
+
+    async def _start_discovery(self) -> None:
+        assert self._discovery is not None
+        session = EtcdSession(self._discovery, self.name, self.incarnation, self)
+        try:
+            members = await session.open(self._published_meta())
+            self._check_open()
+        except BaseException as exc:
+            await session.aclose()
+            if isinstance(exc, Exception) and not isinstance(exc, XferError):
+                raise TransportError(
+                    f"agent {self.name!r} cannot join through etcd at "
+                    f"{', '.join(self._discovery.endpoints)}: {exc}"
+                ) from exc
+            raise
+        self._session = session
+        await self._members_reset(members)
+        session.start()
+        self._meta_changed()  # regions registered while we were joining
+
+    async def _members_reset(self, members: dict[str, AgentMeta]) -> None:
+        """etcd's full list (at join, and after a watch had to restart): what
+        we knew is brought in line with it."""
+        for name in [n for n in self._members if n not in members]:
+            await self._member_deleted(name)
+        for meta in members.values():
+            await self._member_put(meta)
+
+    async def _member_put(self, meta: AgentMeta) -> None:
+        if self._closed:
+            return
+        old = self._members.get(meta.name)
+        self._members[meta.name] = meta
+        if old is not None and old.incarnation == meta.incarnation:
+            added, removed = diff_regions(old, meta)
+            moved = old.address != meta.address
+            if not (added or removed or moved):
+                return
+            # Connected peers learn the new regions from the peer itself (keys
+            # never come from etcd) before anyone hears of them.
+            for peer in self._live_peers(meta.name, meta.incarnation):
+                try:
+                    await self._refresh_peer(peer)
+                except XferError as exc:
+                    _log.info("peer.refresh_failed", agent=self.name, peer=peer.name,
+                              reason=str(exc))
+            self._emit(
+                PeerUpdated(meta.name, meta.incarnation, meta.address, added, removed,
+                            old.address if moved else None)
+            )
+            return
+        # A new member, or a new incarnation of one: whatever we hold of any
+        # other incarnation of that name is fenced.
+        self._fence(meta.name, meta.incarnation, None)
+        if old is not None:
+            self._emit(PeerLeft(old.name, old.incarnation, old.address, "restarted"))
+        self._emit(PeerJoined(meta.name, meta.incarnation, meta.address, region_names(meta)))
+
+    async def _member_deleted(self, name: str) -> None:
+        old = self._members.pop(name, None)
+        if old is None or self._closed:
+            return
+        for peer in self._live_peers(name, old.incarnation):
+            self._drop_peer(peer, "its etcd key was deleted (it left, or its lease expired)")
+        self._emit(PeerLeft(old.name, old.incarnation, old.address, "left"))
+
+    def _live_peers(self, name: str, incarnation: int) -> list[Peer]:
+        return [
+            p
+            for p in self._peers_by_name.get(name, ())
+            if not p._lost and p.incarnation == incarnation
+        ]
+
+    def _fence(self, name: str, incarnation: int, address: str | None) -> None:
+        """Peer ``name`` is now ``incarnation``: every Peer we made for another
+        incarnation of it (at ``address`` only, when given) becomes stale, so
+        transfers from its handles fail with StalePeer, and never reach the new
+        process."""
+        for p in list(self._peers_by_name.get(name, ())):
+            if p.incarnation == incarnation or p._closed:
+                continue
+            if address is not None and p.address != address:
+                continue
+            p._stale = True
+            self._drop_peer(p, "it restarted")
+
+    def _drop_peer(self, peer: Peer, reason: str) -> None:
+        """Marks peer lost and closes its endpoint, which fails its pending
+        transfers (PeerLost, or StalePeer once fenced) now."""
+        if peer._lost:
+            return
+        peer._lost_reason = reason
+        self._mark_lost(peer, _E_PEER_LOST)
+        if not self._closed:
+            try:
+                self._engine.endpoint_close(peer._ep)
+            except _cyx.NativeError:
+                pass
+
     # ------------------------------------------------------------ peers
 
     @property
@@ -509,8 +717,15 @@ class Agent:
         """Connects to the agent at "host:port": fetches its metadata, chooses
         the transport (logged once as ``peer.connected``), opens the data
         connections and imports its regions. Cached: connecting again to a live
-        peer returns the same Peer; concurrent calls share one attempt."""
+        peer returns the same Peer; concurrent calls share one attempt.
+
+        With discovery, ``address`` may also be an agent's name (no ":port"):
+        it is resolved through etcd, and the Peer returned is the incarnation
+        etcd holds now (a Peer of an older one is fenced: StalePeer). A name
+        etcd does not hold raises PeerLost."""
         self._check_open()
+        if not _is_address(address):
+            return await self._connect_name(address)
         loop = self._start()
         peer = self._peers_by_addr.get(address)
         if peer is not None and not peer._lost:
@@ -529,6 +744,42 @@ class Agent:
                 ) from None
             raise
 
+    async def _connect_name(self, name: str) -> Peer:
+        if self._discovery is None:
+            raise ValueError(
+                f'{name!r} is not a "host:port" address, and agent {self.name!r} has no '
+                f"discovery to resolve names with (Agent(..., discovery=Etcd(...)))"
+            )
+        await self.start()
+        session = self._session
+        assert session is not None
+        try:
+            meta = await session.resolve(name)
+        except (Exception, TimeoutError) as exc:
+            if isinstance(exc, XferError):
+                raise
+            raise TransportError(
+                f"cannot look up agent {name!r} in etcd at {session._endpoint}: "
+                f"{str(exc) or type(exc).__name__}"
+            ) from exc
+        if meta is None:
+            raise PeerLost(
+                f"no agent named {name!r} in etcd (key {self._discovery.key(name)!r}): "
+                f"not started yet, left, or its lease expired",
+                peer=name,
+            )
+        known = self._peers_by_inc.get((name, meta.incarnation))
+        if known is not None and not known._lost:
+            return known
+        self._fence(name, meta.incarnation, None)
+        peer = await self.connect(meta.address)
+        if peer.name != name:
+            raise TransportError(
+                f"etcd says agent {name!r} is at {meta.address}, but the agent there is "
+                f"{peer.name!r}"
+            )
+        return peer
+
     def _connect_done(self, address: str, task: asyncio.Task[Peer]) -> None:
         if self._connecting.get(address) is task:
             del self._connecting[address]
@@ -539,6 +790,10 @@ class Agent:
         host, port = _parse_address(address)
         meta = await self._fetch_meta(host, port, address)
         self._check_open()
+        if self._discovery is None:
+            # Embedded, names need not be unique: only the same name at the same
+            # address with another incarnation is a restart of a peer we had.
+            self._fence(meta.name, meta.incarnation, address)
         known = self._peers_by_inc.get((meta.name, meta.incarnation))
         if known is not None and not known._lost:
             self._peers_by_addr[address] = known
@@ -601,6 +856,10 @@ class Agent:
         self._peers_by_addr[address] = peer
         self._peers_by_ep[ep] = peer
         self._peers_by_inc[(meta.name, meta.incarnation)] = peer
+        self._peers_by_name.setdefault(meta.name, weakref.WeakSet()).add(peer)
+        if self._discovery is None:
+            self._emit(PeerJoined(peer.name, peer.incarnation, address,
+                                  tuple(sorted(peer._regions))))
         _log.info(
             "peer.connected",
             agent=self.name,
@@ -744,22 +1003,27 @@ class Agent:
             raise peer._lost_error()
         if meta.name != peer.name or meta.incarnation != peer.incarnation:
             peer._stale = True
-            self._mark_lost(peer, _E_PEER_LOST)
-            try:
-                self._engine.endpoint_close(peer._ep)
-            except _cyx.NativeError:
-                pass
+            self._drop_peer(peer, "it restarted")
             raise StalePeer(
                 f"peer {peer.name!r} at {peer.address} restarted (now {meta.name!r}, incarnation "
                 f"{meta.incarnation:#x}, was {peer.incarnation:#x}): its old regions are fenced; "
                 f"connect again"
             )
+        before = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
         try:
             self._apply_regions(peer, meta.regions)
         except _cyx.NativeError as exc:
             raise error_class(exc.status)(
                 f"cannot refresh peer {peer.name!r}: {exc}", status=exc.status, peer=peer.name
             ) from None
+        if self._discovery is None:
+            after = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
+            if before != after:
+                self._emit(PeerUpdated(
+                    peer.name, peer.incarnation, peer.address,
+                    tuple(sorted(n for n, _ in after - before)),
+                    tuple(sorted(n for n, _ in before - after)),
+                ))
 
     def _close_peer(self, peer: Peer) -> None:
         if peer._lost or self._closed:
@@ -791,9 +1055,12 @@ class Agent:
                 peer=peer.name,
                 address=peer.address,
                 path=peer.path,
-                reason=_cyx.strerror(status),
+                reason=peer._lost_reason or _cyx.strerror(status),
                 in_flight=peer._inflight,
             )
+        if self._discovery is None and not self._closed:
+            reason = "restarted" if peer._stale else "closed" if peer._closed else "lost"
+            self._emit(PeerLeft(peer.name, peer.incarnation, peer.address, reason))
 
     def _peer_error(self, peer: Peer) -> XferError:
         where = f"peer {peer.name!r} at {peer.address}"
@@ -801,8 +1068,9 @@ class Agent:
             return StalePeer(f"{where} restarted: connect again", peer=peer.name)
         if peer._closed or (self._closed and peer._lost_status == _E_CLOSED):
             return ClosedResourceError(f"{where} was closed", peer=peer.name)
+        why = peer._lost_reason or _cyx.strerror(peer._lost_status)
         return PeerLost(
-            f"{where} is lost ({_cyx.strerror(peer._lost_status)}): connect again",
+            f"{where} is lost ({why}): connect again",
             status=peer._lost_status,
             peer=peer.name,
         )
@@ -1131,6 +1399,15 @@ class Agent:
                 return self._closed_error(t)
             if peer._stale or peer._closed:
                 return peer._lost_error()
+            if peer._lost_reason:
+                # We closed the endpoint because the peer is gone (discovery):
+                # its transfers fail as lost, not as closed by us.
+                return PeerLost(
+                    f"{_describe(t)} ({peer.path}) {how}: peer lost: {peer._lost_reason}",
+                    status=_E_PEER_LOST,
+                    peer=peer.name,
+                    op=t.op,
+                )
         what = f"{_describe(t)} ({peer.path}) {how}"
         if fail_index is not None and status in _DESC_STATUSES and t.op != "notify":
             what += f" at descriptor {fail_index}"
@@ -1198,6 +1475,21 @@ def _payload(payload: bytes | bytearray | memoryview) -> bytes:
     if not 0 < len(data) <= _cyx.MAX_NOTIFY:
         raise ValueError(f"a notification payload is 1..{_cyx.MAX_NOTIFY} bytes, not {len(data)}")
     return data
+
+
+def _is_address(target: str) -> bool:
+    """"host:port" (or "[v6]:port"), as opposed to an agent's name."""
+    if not isinstance(target, str):
+        return True  # let _parse_address say what is wrong with it
+    host, sep, port = target.rpartition(":")
+    return bool(sep and host and port.isdigit())
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    # The exception is re-raised to whoever awaits start(); retrieving it here
+    # keeps asyncio from logging it when nobody did.
+    if not task.cancelled():
+        task.exception()
 
 
 def _parse_address(address: str) -> tuple[str, int]:

@@ -17,11 +17,13 @@ __all__ = ["Peer"]
 class Peer:
     """A connected peer agent: its metadata, its regions, the transport chosen.
 
-    Made by ``await agent.connect(address)``. ``path`` is "shm" (same host: one
-    memcpy or cross-memory attach) or "tcp". A peer that dies, stops answering
-    within the agent's ``peer_timeout``, or restarts becomes ``lost``: its
-    pending transfers fail with PeerLost (StalePeer after a restart), later ones
-    too, and ``agent.connect(address)`` connects afresh.
+    Made by ``await agent.connect(address)`` (or ``connect(name)`` with
+    discovery). ``path`` is "shm" (same host: one memcpy or cross-memory attach)
+    or "tcp". A peer that dies, stops answering within the agent's
+    ``peer_timeout``, leaves (discovery: its etcd key is deleted or its lease
+    expires), or restarts becomes ``lost``: its pending transfers fail with
+    PeerLost (StalePeer once a new incarnation of it is known), later ones too,
+    and ``agent.connect(...)`` connects afresh.
     """
 
     __slots__ = (
@@ -37,6 +39,7 @@ class Peer:
         "_by_rid",
         "_lost",
         "_lost_status",
+        "_lost_reason",
         "_stale",
         "_closed",
         "_posted",
@@ -71,6 +74,7 @@ class Peer:
         self._by_rid: dict[int, RemoteRegion] = {}
         self._lost = False
         self._lost_status = 0
+        self._lost_reason = ""  # why we dropped it, when we did (discovery, restart)
         self._stale = False
         self._closed = False
         self._posted = 0

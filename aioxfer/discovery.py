@@ -1,0 +1,636 @@
+"""Discovery and membership: find agents by name, follow who joins, changes, leaves.
+
+Embedded default (no discovery): agents connect by "host:port" and each serves
+its own metadata on its port; ``agent.membership()`` reports the agent's own
+connections (connect -> PeerJoined, peer lost or closed -> PeerLeft).
+
+With ``Agent(..., discovery=Etcd([...]))`` the agent also publishes its
+metadata (an :class:`~aioxfer.metadata.AgentMeta`, msgspec JSON) in etcd under
+``{prefix}/agents/{name}``, bound to a lease it keeps alive, watches
+``{prefix}/agents/`` for everyone else, and resolves ``connect("decode-3")``
+through it.
+
+Trust: what etcd holds decides whom we connect to and whom we fence, nothing
+more. The published copy carries no access keys and no addresses of memory
+(those travel only over the agent's own, possibly authenticated, control
+connection), so whoever can write etcd can make us drop a peer, never aim our
+writes at memory a peer did not advertise to us itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import importlib.util
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+
+from aioxfer.errors import XferError
+from aioxfer.log import get_logger
+from aioxfer.metadata import AgentMeta
+
+__all__ = [
+    "Etcd",
+    "Membership",
+    "MembershipEvent",
+    "PeerJoined",
+    "PeerLeft",
+    "PeerUpdated",
+]
+
+_log = get_logger("aioxfer.discovery")
+
+# Events a consumer may fall behind by before its iterator fails (and a new
+# iterator, which starts from a fresh snapshot, must be taken).
+MAX_BACKLOG = 10_000
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class PeerJoined:
+    """An agent joined (etcd: its key appeared; embedded: we connected to it).
+    Also reported, once per member, at the start of every ``membership()``."""
+
+    name: str
+    incarnation: int
+    address: str
+    regions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PeerUpdated:
+    """A member's metadata changed: regions registered (``added``) or
+    deregistered (``removed``), or a new ``address`` (``old_address`` is then the
+    previous one). A connected peer is refreshed before this is reported, so
+    ``peer.region(name)`` already knows the added regions."""
+
+    name: str
+    incarnation: int
+    address: str
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    old_address: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLeft:
+    """A member left. ``reason``: "left" (etcd: its key was deleted, by its
+    ``aclose()`` or by its lease expiring), "restarted" (a new incarnation took
+    its name), "lost" (embedded: its connection died or went silent), "closed"
+    (embedded: we closed the peer)."""
+
+    name: str
+    incarnation: int
+    address: str
+    reason: str
+
+
+MembershipEvent = PeerJoined | PeerUpdated | PeerLeft
+
+
+class Membership:
+    """The async iterator ``agent.membership()`` returns: a PeerJoined for every
+    current member first, then each change as it happens. Any number may be
+    iterated at once; each gets every event. Ends when the agent closes or on
+    ``aclose()`` (also ``async with``). A consumer that falls more than
+    ``MAX_BACKLOG`` events behind gets an XferError and should iterate a new
+    ``agent.membership()``."""
+
+    __slots__ = ("_events", "_waiter", "_ended", "_overflow", "_unsubscribe", "__weakref__")
+
+    def __init__(
+        self, initial: Sequence[MembershipEvent], unsubscribe: Callable[[Membership], None]
+    ) -> None:
+        self._events: collections.deque[MembershipEvent] = collections.deque(initial)
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False
+        self._overflow = False
+        self._unsubscribe = unsubscribe
+
+    def __aiter__(self) -> Membership:
+        return self
+
+    async def __anext__(self) -> MembershipEvent:
+        while not self._events:
+            if self._overflow:
+                raise XferError(
+                    f"membership consumer fell more than {MAX_BACKLOG} events behind; "
+                    f"iterate agent.membership() again for a fresh snapshot"
+                )
+            if self._ended:
+                raise StopAsyncIteration
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiter = waiter
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        return self._events.popleft()
+
+    def _put(self, event: MembershipEvent) -> None:
+        if self._ended:
+            return
+        if len(self._events) >= MAX_BACKLOG:
+            # Dropping events silently would leave the consumer with a wrong
+            # view; failing it makes it resynchronise from a snapshot.
+            self._events.clear()
+            self._overflow = True
+            self._end()
+            return
+        self._events.append(event)
+        self._wake()
+
+    def _end(self) -> None:
+        self._ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def aclose(self) -> None:
+        """Stops this iterator (others go on). Idempotent."""
+        self._events.clear()
+        self._end()
+        self._unsubscribe(self)
+
+    async def __aenter__(self) -> Membership:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def region_names(meta: AgentMeta) -> tuple[str, ...]:
+    return tuple(sorted(r.name for r in meta.regions))
+
+
+def diff_regions(old: AgentMeta, new: AgentMeta) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(added, removed) region names; a name re-registered as a new region is in both."""
+    before = {(r.name, r.rid) for r in old.regions}
+    after = {(r.name, r.rid) for r in new.regions}
+    added = tuple(sorted(n for n, _ in after - before))
+    removed = tuple(sorted(n for n, _ in before - after))
+    return added, removed
+
+
+# ---------------------------------------------------------------- etcd
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+    if not isinstance(endpoint, str):
+        raise TypeError(f'an etcd endpoint is a "host:port" string, not {type(endpoint).__name__}')
+    ep = endpoint
+    if ep.startswith("https://"):
+        raise ValueError(f"etcd endpoint {endpoint!r}: TLS is not supported yet; use http://")
+    ep = ep.removeprefix("http://").rstrip("/")
+    host, sep, port = ep.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f'etcd endpoint {endpoint!r} is not "host:port" or "http://host:port"')
+    return host.strip("[]"), int(port)
+
+
+class Etcd:
+    """Discovery through a real etcd (v3 API; e.g. Debian's ``etcd-server``).
+
+    ``endpoints``: "host:port" or "http://host:port" (one or several of the
+    cluster: tried in turn). ``prefix``: where agents live
+    (``{prefix}/agents/{name}``). ``ttl``: lease seconds (whole, at least 1):
+    an agent that stops refreshing its lease (killed, frozen, cut off) is
+    removed that long after its last refresh, and its peers fail their
+    transfers to it with PeerLost. ``timeout``: bound on each etcd request.
+
+    Needs the ``aetcd`` package: ``pip install 'aioxfer[etcd]'``.
+    """
+
+    __slots__ = ("endpoints", "prefix", "ttl", "timeout")
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        prefix: str = "/aioxfer",
+        ttl: int = 5,
+        timeout: float = 5.0,
+    ) -> None:
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        eps = tuple(endpoints)
+        if not eps:
+            raise ValueError("Etcd needs at least one endpoint")
+        for ep in eps:
+            _parse_endpoint(ep)
+        if not isinstance(prefix, str) or not prefix.startswith("/"):
+            raise ValueError(f"etcd prefix {prefix!r} must be a string starting with '/'")
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl < 1:
+            raise ValueError(f"ttl must be at least 1 second (etcd leases are whole seconds), "
+                             f"not {ttl!r}")
+        if not timeout > 0:
+            raise ValueError("timeout must be positive (seconds)")
+        if importlib.util.find_spec("aetcd") is None:
+            raise ImportError(
+                "aioxfer.discovery.Etcd needs the aetcd package: pip install 'aioxfer[etcd]'"
+            )
+        self.endpoints: tuple[str, ...] = eps
+        self.prefix: str = prefix.rstrip("/")
+        self.ttl: int = math.ceil(ttl)
+        self.timeout: float = float(timeout)
+
+    def key(self, name: str) -> str:
+        """The etcd key an agent called ``name`` publishes under."""
+        return f"{self.prefix}/agents/{name}"
+
+    def __repr__(self) -> str:
+        return f"Etcd({list(self.endpoints)!r}, prefix={self.prefix!r}, ttl={self.ttl})"
+
+
+class MemberListener(Protocol):
+    """What a session reports to (the agent)."""
+
+    async def _members_reset(self, members: dict[str, AgentMeta]) -> None: ...
+
+    async def _member_put(self, meta: AgentMeta) -> None: ...
+
+    async def _member_deleted(self, name: str) -> None: ...
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder(AgentMeta).decode
+
+
+def encode_meta(meta: AgentMeta) -> bytes:
+    return _encode(meta)
+
+
+class EtcdSession:
+    """One agent's connection to etcd: its lease, its key, the watch.
+
+    Ownership of the key: the first put is unconditional (a restart under the
+    same name takes the name over); every later put only succeeds while the key
+    is still the one we wrote (its mod revision), so an old incarnation that
+    wakes up never overwrites its successor. Our key deleted while our lease
+    lives means an operator evicted us: we stay out. Our lease expired (we were
+    frozen or cut off): we rejoin with a new lease if the name is still free.
+    """
+
+    def __init__(
+        self, config: Etcd, name: str, incarnation: int, listener: MemberListener
+    ) -> None:
+        self.config = config
+        self.name = name
+        self.incarnation = incarnation
+        self._listener = listener
+        self._key = config.key(name).encode()
+        self._agents = f"{config.prefix}/agents/".encode()
+        self._client: Any = None
+        self._endpoint = ""
+        self._lease_id = 0
+        self._mod_rev = 0
+        self._value = b""
+        self._published = b""
+        self._state = "new"  # joined | evicted | superseded | closing
+        self._revision = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._publisher: asyncio.Task[None] | None = None
+        self._dirty = False
+        self._warned = ""
+        # One key operation at a time: a rejoin racing a put would leave us
+        # refreshing a lease our key is not on.
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------ setup
+
+    async def open(self, value: bytes) -> dict[str, AgentMeta]:
+        """Connects, takes a lease, publishes ``value``, lists the members (all
+        but us). Bounded by the config's timeout per endpoint tried."""
+        import aetcd  # type: ignore[import-untyped]
+
+        errors: list[str] = []
+        for ep in self.config.endpoints:
+            host, port = _parse_endpoint(ep)
+            client = aetcd.Client(host=host, port=port, timeout=self.config.timeout)
+            try:
+                async with asyncio.timeout(self.config.timeout):
+                    await client.connect()
+                    lease = await client.lease(self.config.ttl)
+                    put = await client.put(self._key, value, lease=lease.id)
+                    members, revision = await self._list(client)
+            except BaseException as exc:
+                with contextlib.suppress(Exception, TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await client.close()
+                if not isinstance(exc, Exception):
+                    raise  # cancelled: the agent closes
+                errors.append(f"{ep}: {_why(exc)}")
+                continue
+            self._client = client
+            self._endpoint = ep
+            self._lease_id = int(lease.id)
+            self._mod_rev = int(put.header.revision)
+            self._value = self._published = value
+            self._revision = revision
+            self._state = "joined"
+            _log.info("discovery.joined", agent=self.name, etcd=ep, key=self._key.decode(),
+                      lease=f"{self._lease_id:#x}", ttl=self.config.ttl, members=len(members))
+            return members
+        raise ConnectionError("; ".join(errors))
+
+    def start(self) -> None:
+        """Starts the lease keepalive and the watch (after ``open``)."""
+        loop = asyncio.get_running_loop()
+        for coro, what in ((self._keepalive_loop(), "keepalive"), (self._watch_loop(), "watch")):
+            task = loop.create_task(coro, name=f"aioxfer-etcd-{what}-{self.name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        """Revokes the lease (which deletes our key, if it is still ours) and
+        disconnects; bounded, since etcd may be gone. Idempotent."""
+        if self._state == "closing":
+            return
+        was_joined = self._state == "joined"
+        self._state = "closing"
+        tasks = list(self._tasks)
+        if self._publisher is not None:
+            tasks.append(self._publisher)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        client = self._client
+        if client is None:
+            return
+        bound = min(self.config.timeout, 2.0)
+        if was_joined and self._lease_id:
+            try:
+                async with asyncio.timeout(bound):
+                    await client.revoke_lease(self._lease_id)
+            except (Exception, TimeoutError) as exc:
+                _log.warning("discovery.leave_failed", agent=self.name, etcd=self._endpoint,
+                             reason=f"cannot revoke the lease: {_why(exc)}; "
+                                    f"the key goes when it expires")
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(bound):
+                await client.close()
+        self._client = None
+        _log.info("discovery.left", agent=self.name, key=self._key.decode())
+
+    # ------------------------------------------------------------ queries
+
+    async def resolve(self, name: str) -> AgentMeta | None:
+        """The current metadata etcd holds for ``name`` (None: no such member)."""
+        async with asyncio.timeout(self.config.timeout):
+            kv = await self._client.get(self.config.key(name).encode())
+        if kv is None:
+            return None
+        return self._decode(kv.key, kv.value)
+
+    async def delete(self, name: str) -> bool:
+        """Deletes a member's key (an eviction); True if it existed."""
+        async with asyncio.timeout(self.config.timeout):
+            res = await self._client.delete(self.config.key(name).encode())
+        return bool(res)
+
+    async def _list(self, client: Any) -> tuple[dict[str, AgentMeta], int]:
+        res = await client.get_prefix(self._agents)
+        members: dict[str, AgentMeta] = {}
+        for kv in res:
+            meta = self._decode(kv.key, kv.value)
+            if meta is not None and meta.name != self.name:
+                members[meta.name] = meta
+        return members, int(res.header.revision)
+
+    def _decode(self, key: bytes, value: bytes) -> AgentMeta | None:
+        name = key[len(self._agents):].decode("utf-8", "replace")
+        try:
+            meta = _decode(value)
+        except msgspec.ValidationError as exc:
+            _log.warning("discovery.bad_value", key=key.decode("utf-8", "replace"),
+                         reason=f"not an aioxfer AgentMeta: {exc}")
+            return None
+        except msgspec.DecodeError as exc:
+            _log.warning("discovery.bad_value", key=key.decode("utf-8", "replace"),
+                         reason=f"not msgspec JSON: {exc}")
+            return None
+        if meta.name != name:
+            _log.warning("discovery.bad_value", key=key.decode("utf-8", "replace"),
+                         reason=f"the value names agent {meta.name!r}, not {name!r}")
+            return None
+        return meta
+
+    # ------------------------------------------------------------ publishing
+
+    def publish(self, value: bytes) -> None:
+        """Re-publishes our metadata (coalesced: one put in flight at a time,
+        the latest value wins). Failures are retried by the keepalive loop."""
+        self._value = value
+        if self._state != "joined":
+            return
+        if self._publisher is not None and not self._publisher.done():
+            self._dirty = True
+            return
+        self._publisher = asyncio.get_running_loop().create_task(
+            self._publish_loop(), name=f"aioxfer-etcd-publish-{self.name}"
+        )
+
+    async def _publish_loop(self) -> None:
+        while True:
+            self._dirty = False
+            try:
+                async with self._lock:
+                    await self._put_owned()
+            except asyncio.CancelledError:
+                raise
+            except (Exception, TimeoutError) as exc:
+                self._warn("discovery.publish_failed", f"{_why(exc)}; retrying")
+                return
+            if not self._dirty:
+                return
+
+    async def _put_owned(self) -> None:
+        """Puts our value, only while the key is still the one we last wrote."""
+        if self._state != "joined" or self._value == self._published:
+            return
+        c = self._client
+        value = self._value
+        async with asyncio.timeout(self.config.timeout):
+            ok, resp = await c.transaction(
+                compare=[c.transactions.mod(self._key) == self._mod_rev],
+                success=[c.transactions.put(self._key, value, lease=self._lease_id),
+                         c.transactions.get(self._key)],
+                failure=[c.transactions.get(self._key)],
+            )
+        current = _txn_kv(resp)
+        if ok and current is not None:
+            self._mod_rev = int(current.mod_revision)
+            self._published = value
+            return
+        await self._key_taken(current)
+
+    async def _key_taken(self, current: Any) -> None:
+        """Our key is not the one we wrote: find out why and act."""
+        if current is not None:
+            meta = self._decode(current.key, current.value)
+            if meta is not None and meta.incarnation == self.incarnation:
+                # Ours after all (an earlier rejoin): keep alive the lease it is on.
+                self._mod_rev = int(current.mod_revision)
+                self._lease_id = int(current.lease)
+                return
+            self._superseded(meta)
+            return
+        if await self._lease_alive():
+            self._state = "evicted"
+            _log.warning("discovery.evicted", agent=self.name, key=self._key.decode(),
+                         reason="our key was deleted while our lease lives: staying out")
+        else:
+            await self._rejoin()
+
+    def _superseded(self, meta: AgentMeta | None) -> None:
+        self._state = "superseded"
+        other = f"incarnation {meta.incarnation:#x}" if meta is not None else "something else"
+        _log.warning("discovery.superseded", agent=self.name, key=self._key.decode(),
+                     reason=f"the name is now held by {other}: no longer publishing")
+
+    async def _lease_alive(self) -> bool:
+        async with asyncio.timeout(self.config.timeout):
+            reply = await self._client.refresh_lease(self._lease_id)
+        return reply is not None and int(reply.TTL) > 0
+
+    async def _rejoin(self) -> None:
+        """Our lease expired (we were frozen or cut off longer than ttl): a new
+        lease, and our key again if nobody took the name meanwhile."""
+        c = self._client
+        async with asyncio.timeout(self.config.timeout):
+            lease = await c.lease(self.config.ttl)
+            value = self._value
+            ok, resp = await c.transaction(
+                compare=[c.transactions.version(self._key) == 0],
+                success=[c.transactions.put(self._key, value, lease=lease.id),
+                         c.transactions.get(self._key)],
+                failure=[c.transactions.get(self._key)],
+            )
+        self._lease_id = int(lease.id)
+        current = _txn_kv(resp)
+        if ok and current is not None:
+            self._mod_rev = int(current.mod_revision)
+            self._published = value
+            _log.warning("discovery.rejoined", agent=self.name, key=self._key.decode(),
+                         reason="our lease had expired (peers saw us leave)")
+            return
+        await self._key_taken(current)
+
+    async def _keepalive_loop(self) -> None:
+        # A third of the ttl: two refreshes may be lost or late before the lease goes.
+        interval = self.config.ttl / 3
+        while True:
+            await asyncio.sleep(interval)
+            if self._state != "joined":
+                continue
+            try:
+                async with self._lock:
+                    if self._state != "joined":
+                        continue
+                    if not await self._lease_alive():
+                        await self._rejoin()
+                    elif self._value != self._published:
+                        await self._put_owned()
+                if self._warned:
+                    _log.info("discovery.recovered", agent=self.name, etcd=self._endpoint)
+                    self._warned = ""
+            except asyncio.CancelledError:
+                raise
+            except (Exception, TimeoutError) as exc:
+                self._warn("discovery.keepalive_failed", _why(exc))
+
+    def _warn(self, event: str, reason: str) -> None:
+        # Once per kind of trouble, not once per retry.
+        if self._warned != event:
+            self._warned = event
+            _log.warning(event, agent=self.name, etcd=self._endpoint, reason=reason)
+
+    # ------------------------------------------------------------ watching
+
+    async def _watch_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self._watch_from(self._revision + 1)
+                raise ConnectionError("the watch stream ended")
+            except asyncio.CancelledError:
+                raise
+            except (Exception, TimeoutError) as exc:
+                if self._state == "closing":
+                    return
+                self._warn("discovery.watch_failed", f"{_why(exc)}; listing again")
+            # Whatever was missed (events, compaction): list afresh and let the
+            # listener diff it against what it knew.
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.config.ttl / 2)
+            try:
+                async with asyncio.timeout(self.config.timeout):
+                    members, self._revision = await self._list(self._client)
+                await self._listener._members_reset(members)
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except (Exception, TimeoutError) as exc:
+                self._warn("discovery.watch_failed", _why(exc))
+
+    async def _watch_from(self, revision: int) -> None:
+        async with asyncio.timeout(self.config.timeout):
+            watch = await self._client.watch_prefix(self._agents, start_revision=revision)
+        try:
+            async for ev in watch:
+                self._revision = max(self._revision, int(ev.kv.mod_revision))
+                await self._on_event(ev)
+        finally:
+            with contextlib.suppress(Exception, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await watch.cancel()
+
+    async def _on_event(self, ev: Any) -> None:
+        key: bytes = ev.kv.key
+        name = key[len(self._agents):].decode("utf-8", "replace")
+        if ev.kind == "PUT":
+            meta = self._decode(key, ev.kv.value)
+            if meta is None:
+                return
+            if name == self.name:
+                if meta.incarnation != self.incarnation and self._state == "joined":
+                    self._superseded(meta)
+                return
+            await self._listener._member_put(meta)
+        else:
+            if name == self.name:
+                try:
+                    async with self._lock:
+                        if self._state == "joined" and int(ev.kv.mod_revision) > self._mod_rev:
+                            await self._key_taken(None)
+                except (Exception, TimeoutError) as exc:
+                    self._warn("discovery.keepalive_failed", _why(exc))
+                return
+            await self._listener._member_deleted(name)
+
+
+def _txn_kv(responses: list[Any]) -> Any:
+    """The key-value of the txn's trailing get (None: no such key)."""
+    for r in reversed(responses):
+        if isinstance(r, list):
+            return r[0][1] if r else None
+    return None
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return "timed out"
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0][:300]
+
