@@ -1,0 +1,362 @@
+"""One markdown table of a side-by-side run (results/<run>/run_*.jsonl), then
+issue 3's targets, each marked met or missed and by how much.
+
+Every ratio is taken within one round (the system and the limit or peer it is
+divided by were measured in the same round), then the median over rounds is
+shown; figures are medians over rounds too.
+
+    python summarize.py results/<run>          (run.py calls it and saves summary.md)
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
+BATCH = 256 * 16 * KiB
+PATHS = {"same": "same host", "tcp": "tcp"}
+PEERS = ("nixl", "mooncake")
+NAMES = {"nixl": "NIXL", "mooncake": "Mooncake", "aioxfer": "aioxfer"}
+# Which measurement stands for each system on each path: (peer, transport) in the records.
+SYSTEMS = {
+    "same": {"nixl": ("nixl", "ucx"), "mooncake": ("mooncake", "tcp"),
+             "aioxfer": ("aioxfer", "shm")},
+    "tcp": {"nixl": ("nixl", "ucx-tcp"), "mooncake": ("mooncake", "tcp"),
+            "aioxfer": ("aioxfer", "tcp")},
+}
+
+
+def size_label(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+# Workloads: key -> (label, record op ("{op}" = WRITE/READ), size, field, unit, higher is better)
+WORKLOADS: dict[Any, tuple[str, str, int, str, str, bool]] = {
+    **{s: (f"{size_label(s)}, one at a time", "{op}", s, "gbps", "GB/s", True) for s in SIZES},
+    "lat": ("4 KiB latency p50, awaited one at a time", "{op}", 4 * KiB, "lat_us_med", "µs", False),
+    "qd16": ("4 KiB, 16 in flight", "{op}_qd16", 4 * KiB, "req_per_s", "ops/s", True),
+    "qd64": ("4 KiB, 64 in flight", "{op}_qd64", 4 * KiB, "req_per_s", "ops/s", True),
+    "batch": ("256 × 16 KiB scattered, one request", "{op}_batch256x16KiB", BATCH, "gbps", "GB/s",
+              True),
+    "batch_rps": ("256 × 16 KiB scattered, requests/s", "{op}_batch256x16KiB", BATCH, "req_per_s",
+                  "req/s", True),
+    "connect": ("connect + first 4 KiB write", "first_write_incl_connect", 4 * KiB, "lat_us_med",
+                "µs", False),
+    # aioxfer's own targets (no peer figure)
+    "qd256": ("4 KiB writes, 256 in flight (asyncio)", "WRITE_qd256", 4 * KiB, "req_per_s", "ops/s",
+              True),
+    "qd256_uvloop": ("4 KiB writes, 256 in flight (uvloop)", "WRITE_qd256_uvloop", 4 * KiB,
+                     "req_per_s", "ops/s", True),
+    "post100k": ("post one 100 000-descriptor request", "WRITE_post_100000_descs", 100_000 * 256,
+                 "desc_per_s", "desc/s", True),
+    "register": ("register a 1 GiB host region", "register_1GiB", 1 << 30, "lat_us_med", "µs",
+                 False),
+}
+PER_OP = [*SIZES, "lat", "qd16", "qd64", "batch", "batch_rps"]
+ONCE = ["connect"]
+AIOXFER_ONLY = {"same": ["qd256", "qd256_uvloop", "post100k", "register"], "tcp": ["post100k"]}
+
+# Issue 3's targets, as data. vs: "limit" (the limit in the limit column), a peer, or
+# None (aioxfer's own figure against an absolute threshold). The value compared is
+# aioxfer's figure divided by vs's, taken per round, median over rounds.
+TARGETS: list[dict[str, Any]] = [
+    dict(text="shm, writes and reads ≥ 64 KiB: ≥ 0.9× single-thread memcpy", path="same",
+         ops=("WRITE", "READ"), work=(64 * KiB, MiB, 16 * MiB, 64 * MiB), vs="limit", cmp=">=",
+         thr=0.9),
+    dict(text="shm, 16 and 64 MiB: ≥ 1.5× NIXL", path="same", ops=("WRITE", "READ"),
+         work=(16 * MiB, 64 * MiB), vs="nixl", cmp=">=", thr=1.5),
+    dict(text="shm, 256 × 16 KiB batch: ≥ 0.8× a plain memcpy loop over the same segments",
+         path="same", ops=("WRITE", "READ"), work=("batch",), vs="limit", cmp=">=", thr=0.8),
+    dict(text="shm, 256 × 16 KiB batch: ≥ 2× NIXL", path="same", ops=("WRITE", "READ"),
+         work=("batch",), vs="nixl", cmp=">=", thr=2.0),
+    dict(text="shm, 4 KiB awaited one at a time: p50 ≤ NIXL's polled per-op latency",
+         path="same", ops=("WRITE", "READ"), work=("lat",), vs="nixl", cmp="<=", thr=1.0),
+    dict(text="shm, 4 KiB at 64 in flight: ≥ 1.5× NIXL's ops/s", path="same",
+         ops=("WRITE", "READ"), work=("qd64",), vs="nixl", cmp=">=", thr=1.5),
+    dict(text="tcp, ≥ 1 MiB: ≥ 0.9× iperf3 one stream", path="tcp", ops=("WRITE", "READ"),
+         work=(MiB, 16 * MiB, 64 * MiB), vs="limit", cmp=">=", thr=0.9),
+    dict(text="tcp, ≥ 1 MiB: ≥ 1.2× NIXL-over-TCP", path="tcp", ops=("WRITE", "READ"),
+         work=(MiB, 16 * MiB, 64 * MiB), vs="nixl", cmp=">=", thr=1.2),
+    dict(text="tcp, ≥ 1 MiB: ≥ 2× Mooncake", path="tcp", ops=("WRITE", "READ"),
+         work=(MiB, 16 * MiB, 64 * MiB), vs="mooncake", cmp=">=", thr=2.0),
+    dict(text="tcp, 256 × 16 KiB batch: ≥ 1.5× NIXL-over-TCP", path="tcp", ops=("WRITE", "READ"),
+         work=("batch",), vs="nixl", cmp=">=", thr=1.5),
+    dict(text="tcp, 4 KiB round trip p50 ≤ 0.8× NIXL-over-TCP", path="tcp", ops=("WRITE", "READ"),
+         work=("lat",), vs="nixl", cmp="<=", thr=0.8),
+    dict(text="a 100 000-descriptor request posts at ≥ 5 M descriptors/s (SegmentList)",
+         path="same", ops=("-",), work=("post100k",), vs=None, cmp=">=", thr=5e6),
+    dict(text="≥ 400 k completed 4 KiB shm transfers/s to awaiting coroutines, many in flight "
+         "(uvloop shown too)", path="same", ops=("-",), work=("qd256", "qd256_uvloop"), vs=None,
+         cmp=">=", thr=400e3),
+    dict(text="connect + first 4 KiB write to a new peer ≤ 5 ms", path="same", ops=("-",),
+         work=("connect",), vs=None, cmp="<=", thr=5000),
+    dict(text="registering a 1 GiB host region ≤ 1 ms", path="same", ops=("-",),
+         work=("register",), vs=None, cmp="<=", thr=1000),
+    dict(text="engine memory flat over a 10-minute soak (RSS at start and end)", path=None,
+         ops=(), work=(), vs=None, cmp=None, thr=None,
+         note="not measured by this harness (a 10-minute soak; see `aioxfer bench`)"),
+]
+
+
+class Results:
+    def __init__(self, recs: list[dict[str, Any]]) -> None:
+        self.meta = [r for r in recs if r.get("peer") == "meta"]
+        recs = [r for r in recs if r.get("peer") != "meta"]
+        self.runs = sorted({r["run"] for r in recs}, key=lambda x: (len(str(x)), str(x)))
+        self.idx: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.errors: list[dict[str, Any]] = []
+        self.checks: list[tuple[dict[str, Any], bool]] = []
+        for r in recs:
+            self.idx[(r["run"], r["peer"], r.get("transport"), r.get("op"), r.get("size"))] = r
+            if "error" in r:
+                self.errors.append(r)
+            if "verified" in r:
+                self.checks.append((r, r["verified"] is True))
+
+    def value(self, run: str, peer: str, transport: str, op: str, size: int,
+              field: str) -> float | None:
+        r = self.idx.get((run, peer, transport, op, size))
+        v = None if r is None else r.get(field)
+        return float(v) if isinstance(v, int | float) else None
+
+    def verified_ok(self, peer: str, transport: str, op: str, size: int) -> bool:
+        return all(
+            self.idx[k].get("verified", True) is True
+            for k in self.idx if k[1:] == (peer, transport, op, size)
+        )
+
+    # -------------------------------------------------------------- per round
+
+    def fig(self, run: str, path: str, system: str, op: str, key: Any) -> float | None:
+        _, rop, size, field, _, _ = WORKLOADS[key]
+        peer, transport = SYSTEMS[path][system]
+        return self.value(run, peer, transport, rop.format(op=op), size, field)
+
+    def limit(self, run: str, path: str, op: str, key: Any,
+              which: str = "main") -> tuple[float | None, str]:
+        """The limit a workload is divided by (which="main"), or the CMA reference
+        shown beside it on the same-host rows (which="cma")."""
+        v = self.value
+        ops_per_s = 1e9 / (4 * KiB)  # GB/s of 4 KiB copies -> copies/s
+        if path == "same":
+            if which == "cma":
+                name = "process_vm_writev" if op == "WRITE" else "process_vm_readv"
+                tr, label = "cma", "CMA"
+            else:
+                name, tr, label = "ctypes.memmove", "memcpy", "memcpy"
+            if key in SIZES:
+                return v(run, "limit", tr, name, key, "gbps"), label
+            if key == "lat":
+                return v(run, "limit", tr, name, 4 * KiB, "lat_us_med"), label
+            if key in ("qd16", "qd64"):
+                g = v(run, "limit", tr, name, 4 * KiB, "gbps")
+                return (None if g is None else g * ops_per_s), label
+            if key in ("batch", "batch_rps"):
+                field = "gbps" if key == "batch" else "req_per_s"
+                if which == "main":
+                    label += " loop"
+                return v(run, "limit", tr, f"{name}_batch256x16KiB", BATCH, field), label
+            return None, ""
+        if which == "cma":
+            return None, ""
+        if key in SIZES:
+            lsize = min(key, MiB)
+            label = "iperf3" if key <= MiB else "iperf3 (1 MiB writes)"
+            return v(run, "limit", "tcp-loopback", "iperf3", lsize, "gbps"), label
+        if key in ("qd16", "qd64"):
+            g = v(run, "limit", "tcp-loopback", "iperf3", 4 * KiB, "gbps")
+            return (None if g is None else g * ops_per_s), "iperf3 4 KiB writes"
+        if key in ("batch", "batch_rps"):
+            g = v(run, "limit", "tcp-loopback", "iperf3", MiB, "gbps")
+            if g is not None and key == "batch_rps":
+                g = g * 1e9 / BATCH
+            return g, "iperf3 (1 MiB writes)"
+        return None, ""
+
+    # -------------------------------------------------------------- medians over rounds
+
+    def med(self, per_round: list[float | None]) -> float | None:
+        xs = [x for x in per_round if x is not None]
+        return statistics.median(xs) if xs else None
+
+    def fig_med(self, path: str, system: str, op: str, key: Any) -> float | None:
+        return self.med([self.fig(r, path, system, op, key) for r in self.runs])
+
+    def ratio_med(self, path: str, system: str, op: str, key: Any, vs: str | None) -> float | None:
+        """system's figure / vs's figure (vs: "limit", a peer, or None: the figure itself),
+        within each round, median over rounds."""
+        out: list[float | None] = []
+        for r in self.runs:
+            a = self.fig(r, path, system, op, key)
+            if vs is None:
+                out.append(a)
+                continue
+            b = self.limit(r, path, op, key)[0] if vs == "limit" else self.fig(r, path, vs, op, key)
+            out.append(a / b if a is not None and b else None)
+        return self.med(out)
+
+
+def fmt(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "–"
+    if unit in ("ops/s", "desc/s", "req/s") and x >= 10_000:
+        return f"{x / 1e6:.2f} M" if x >= 1e6 else f"{x / 1e3:.0f} k"
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    if abs(x) >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3f}" if abs(x) >= 0.01 else f"{x:.2g}"
+
+
+def fmt_ratio(x: float | None) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.2f}×" if x >= 0.1 else f"{x:.2g}×"
+
+
+def table(res: Results) -> list[str]:
+    out = [
+        "| path | op | workload | unit | limit | NIXL | Mooncake | aioxfer "
+        "| aioxfer ÷ NIXL | aioxfer ÷ Mooncake |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for path in ("same", "tcp"):
+        rows: list[tuple[str, Any]] = [(op, k) for op in ("WRITE", "READ") for k in PER_OP]
+        rows += [("-", k) for k in ONCE] + [("-", k) for k in AIOXFER_ONLY[path]]
+        for op, key in rows:
+            label, rop, size, _, unit, _ = WORKLOADS[key]
+            lim = res.med([res.limit(r, path, op, key)[0] for r in res.runs])
+            lname = next((res.limit(r, path, op, key)[1] for r in res.runs), "")
+            cma = res.med([res.limit(r, path, op, key, "cma")[0] for r in res.runs])
+            lcell = "–" if lim is None else f"{fmt(lim, unit)} {lname}"
+            if cma is not None:
+                lcell += f"; {fmt(cma, unit)} CMA"
+            cells = []
+            systems = ("aioxfer",) if key in AIOXFER_ONLY[path] else ("nixl", "mooncake", "aioxfer")
+            for system in ("nixl", "mooncake", "aioxfer"):
+                f = res.fig_med(path, system, op, key) if system in systems else None
+                if f is None:
+                    cells.append("–")
+                    continue
+                c = fmt(f, unit)
+                rl = res.ratio_med(path, system, op, key, "limit")
+                if rl is not None:
+                    c += f" ({fmt_ratio(rl)})"
+                peer, tr = SYSTEMS[path][system]
+                if not res.verified_ok(peer, tr, rop.format(op=op), size):
+                    c += " **NOT VERIFIED**"
+                cells.append(c)
+            vs = [fmt_ratio(res.ratio_med(path, "aioxfer", op, key, p)) for p in PEERS]
+            opcell = op if op != "-" else ""
+            out.append(f"| {PATHS[path]} | {opcell} | {label} | {unit} | {lcell} | "
+                       + " | ".join(cells + vs) + " |")
+    return out
+
+
+def targets(res: Results) -> list[str]:
+    out = ["| target | measured (aioxfer ÷ reference, median of rounds) | status |",
+           "|---|---|---|"]
+    met = missed = 0
+    for t in TARGETS:
+        if t["cmp"] is None:
+            out.append(f"| {t['text']} | {t['note']} | not measured |")
+            continue
+        parts: list[str] = []
+        worst: tuple[float, str, float] | None = None  # (v / thr, instance, v)
+        missing = False
+        for op in t["ops"]:
+            for key in t["work"]:
+                v = res.ratio_med(t["path"], "aioxfer", op, key, t["vs"])
+                unit = WORKLOADS[key][4]
+                what = size_label(key) if isinstance(key, int) else WORKLOADS[key][0]
+                if t["vs"] is not None and not isinstance(key, int):
+                    what = what.split(",")[0]
+                name = f"{op} {what}" if op != "-" else what
+                if v is None:
+                    missing = True
+                    parts.append(f"{name}: n/a")
+                    continue
+                shown = fmt_ratio(v) if t["vs"] else f"{fmt(v, unit)} {unit}"
+                parts.append(f"{name}: {shown}")
+                q = v / t["thr"]
+                # the worst instance: the smallest q for a floor, the largest for a ceiling
+                if worst is None or (q < worst[0] if t["cmp"] == ">=" else q > worst[0]):
+                    worst = (q, name, v)
+        if worst is None or missing:
+            status = "not measured (figures missing)"
+        else:
+            q, name = worst[0], worst[1]
+            if t["cmp"] == ">=":
+                ok = q >= 1
+                how = (f"{(q - 1) * 100:+.0f}% over the floor" if ok
+                       else f"short by {(1 - q) * 100:.0f}%")
+            else:
+                ok = q <= 1
+                how = f"{(1 - q) * 100:.0f}% under the ceiling" if ok else f"{q:.2f}× the ceiling"
+            met, missed = met + ok, missed + (not ok)
+            status = f"**{'met' if ok else 'missed'}**: {how}"
+            if len(parts) > 1:
+                status += f" (worst: {name})"
+        out.append(f"| {t['text']} | {'; '.join(parts)} | {status} |")
+    out.append("")
+    out.append(f"Targets met: {met}, missed: {missed}, of {len(TARGETS)}.")
+    return out
+
+
+def summarize(directory: str) -> str:
+    recs = []
+    for f in sorted(glob.glob(os.path.join(directory, "run_*.jsonl"))):
+        with open(f) as fh:
+            recs += [json.loads(line) for line in fh if line.strip()]
+    if not recs:
+        return f"no records under {directory}\n"
+    res = Results(recs)
+    meta = res.meta[0] if res.meta else {}
+    lines = [
+        f"## aioxfer side by side with NIXL and Mooncake ({meta.get('when', '?')})",
+        "",
+        f"{meta.get('machine', '')}; rounds: {len(res.runs)}"
+        + (f" ({meta['mode']})" if meta.get("mode") else "")
+        + ". Figures are medians over rounds; (×) is the figure ÷ the limit in the limit "
+        "column, and aioxfer ÷ peer is aioxfer's figure ÷ the peer's, each taken within one "
+        "round, then the median. For µs, lower is better (so below 1× is better). Same host: "
+        "NIXL is UCX (CMA), progress thread on the target; Mooncake has no same-host transport, "
+        "so its figures there are its TCP ones. tcp: NIXL with UCX_TLS=tcp, aioxfer with "
+        'transports=("tcp",) on both agents.',
+        "",
+        *table(res),
+        "",
+    ]
+    bad = [r for r, ok in res.checks if not ok]
+    lines.append(f"Data verified (CRC32 of the destination): {len(res.checks) - len(bad)} of "
+                 f"{len(res.checks)} checks passed"
+                 + ("." if not bad else ": FAILED " + ", ".join(
+                     f"{r['peer']}/{r.get('transport')} {r['op']} {r['size']}" for r in bad)))
+    for r in res.errors:
+        lines.append(f"- error, round {r['run']}, {r['peer']} {r.get('transport', '')} "
+                     f"{r.get('op', '')}: {str(r['error'])[:200]}")
+    lines += ["", "### Targets (issue 3)", "", *targets(res), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    d = sys.argv[1] if len(sys.argv) > 1 else None
+    if d is None:  # the latest run
+        runs = sorted(glob.glob(os.path.join(here, "results", "*", "")))
+        if not runs:
+            sys.exit("no results yet: run run.py first")
+        d = runs[-1]
+    sys.stdout.write(summarize(d))
+
+
+if __name__ == "__main__":
+    main()
