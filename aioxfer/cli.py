@@ -1,4 +1,4 @@
-"""The ``aioxfer`` command: ``demo`` and ``info`` (``bench`` comes later)."""
+"""The ``aioxfer`` command: ``info``, ``demo`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,12 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return demo.run_demo(demo.config_from_args(ns))
 
 
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from aioxfer import bench
+
+    return bench.run_bench(bench.config_from_args(ns))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="aioxfer", description="asyncio-first transfer framework: tools"
@@ -85,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo_mod.add_arguments(demo)
     demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser(
+        "bench",
+        help="sweeps of READ/WRITE (op, transport, size, descriptors, in flight), verified: "
+        "table, JSON, plot",
+    )
+    from aioxfer import bench as bench_mod
+
+    bench_mod.add_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return p
 
 
