@@ -62,6 +62,9 @@ const char *axf_strerror(int status);
 #define AXF_CQ_REGION_FREED 4 /* id = region id: its memory is no longer touched */
 #define AXF_CQ_LOG 5          /* tag = connection tag; payload = reason text */
 #define AXF_CQ_CONN_CLOSED 6  /* tag = connection tag (accepted side) */
+#define AXF_CQ_RAIL_DOWN 7    /* id = endpoint id; tag; fail_index = rail; nbytes = request
+                                 groups moved to other connections; status = why
+                                 (AXF_E_PEER_LOST: broken or silent, AXF_E_TIMEOUT: stalled) */
 
 #define AXF_MAX_NOTIFY 4096u
 
@@ -73,6 +76,8 @@ typedef struct axf_config {
     uint64_t inline_bytes;    /* shm copies up to this size run at submit (0: default 64 KiB; UINT64_MAX never) */
     uint32_t keepalive_ms;    /* idle ping interval (0: default 1000) */
     uint32_t peer_timeout_ms; /* silence after which a connection is lost (0: default 5000) */
+    uint32_t stall_ms;        /* a connection with replies outstanding and no progress for
+                                 this long fails its requests with AXF_E_TIMEOUT (0: off) */
 } axf_config;
 
 /* One descriptor: local (region, offset) <-> remote (region, key, offset), len. */
@@ -84,6 +89,15 @@ typedef struct axf_desc {
     uint64_t roff;
     uint64_t len;
 } axf_desc;
+
+/* One connection of an endpoint, as axf_endpoint_rails reports it. */
+typedef struct axf_rail_stats {
+    uint32_t rail;     /* as given to axf_endpoint_add_rail_conn */
+    uint32_t live;     /* 0 once the connection failed */
+    uint64_t bytes;    /* data acknowledged (WRITE) or received (READ) on it */
+    uint64_t rate;     /* measured bytes per millisecond (0: not measured yet) */
+    uint64_t reroutes; /* request groups moved off it when it failed */
+} axf_rail_stats;
 
 typedef struct axf_completion {
     uint32_t kind;
@@ -129,8 +143,16 @@ int axf_region_deregister(axf_engine *e, uint64_t id);
 
 /* Endpoints (the initiator side of a peer). */
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out);
-/* fd: a connected, authenticated stream socket; the engine owns it from now on. */
+/* fd: a connected, authenticated stream socket; the engine owns it from now on.
+ * A TCP endpoint stripes large requests over all its live connections in
+ * proportion to their measured rates. When one fails and others live, its
+ * unfinished chunks move to them (AXF_CQ_RAIL_DOWN reports it); the
+ * endpoint is lost only with its last connection. A new connection may be
+ * added at any time (a rail that came back). add_conn is rail 0. */
 int axf_endpoint_add_conn(axf_engine *e, uint64_t ep, int fd);
+int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep, int fd, uint32_t rail);
+/* Fills up to max entries, one per connection ever added; returns how many. */
+size_t axf_endpoint_rails(axf_engine *e, uint64_t ep, axf_rail_stats *out, size_t max);
 /* Makes a peer's region known: bounds and key checks use it; for shm also its
  * address in the peer (cross-memory attach) or its memfd number in the peer. */
 int axf_endpoint_import(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key, uint64_t len,

@@ -19,18 +19,32 @@
 #define TX_BATCH 64
 #define DISCARD_BYTES (64u << 10)
 
-/* What the initiator expects back on one connection, in order. */
+/* What the initiator expects back on one connection, in order: one entry
+ * per request group (or notification) queued on it, which says how to send
+ * the group again elsewhere should the connection fail first. */
 typedef struct expect {
     op *op;
     uint64_t op_id;
-    uint16_t type; /* FR_WRITE_ACK, FR_READ_RESP or FR_NOTIFY_ACK */
+    uint16_t type;     /* FR_WRITE_ACK, FR_READ_RESP or FR_NOTIFY_ACK */
+    int slot;          /* the group: chunks of this connection in the op's schedule ... */
+    chunk_ref *chunks; /* ... or these (a rerouted group) */
+    size_t nchunks;
+    uint64_t bytes;    /* READ: received so far; counted only once the group is whole */
+    uint64_t t_enq;    /* queued at (us): for the rate measurement */
     struct expect *next;
 } expect;
 
 typedef struct conn_priv {
     conn c;
     expect *ex_head, *ex_tail; /* guarded by c.mu */
+    bool ex_lost;              /* c.mu: an expectation could not be recorded */
 } conn_priv;
+
+static void expect_free(expect *x)
+{
+    free(x->chunks);
+    free(x);
+}
 
 sq_item *sq_new(int type, uint64_t op_id)
 {
@@ -50,7 +64,25 @@ static void sq_release(axf_engine *e, sq_item *it)
     if (it->op)
         op_unpin(e, it->op);
     free(it->owned);
+    free(it->chunks);
     free(it);
+}
+
+void sq_drop(axf_engine *e, sq_item *it)
+{
+    sq_release(e, it);
+}
+
+/* c->mu held. */
+static void conn_mark_dead(conn *c)
+{
+    if (c->dead)
+        return;
+    c->dead = true;
+    atomic_store(&c->down, true);
+    if (c->ep)
+        atomic_store(&c->ep->sched_stale, true);
+    shutdown(c->fd, SHUT_RDWR); /* wakes both threads out of their syscalls */
 }
 
 void conn_signal(conn *c)
@@ -64,22 +96,19 @@ void conn_enqueue(conn *c, sq_item *it, bool signal)
 {
     conn_priv *p = (conn_priv *)c;
     pthread_mutex_lock(&c->mu);
-    if (c->dead) {
-        /* Initiator frames: the endpoint's failure path completes the op. */
-        pthread_mutex_unlock(&c->mu);
-        sq_release(c->e, it);
-        return;
-    }
     uint16_t want = 0;
     if (it->op && it->h.type == FR_NOTIFY)
         want = FR_NOTIFY_ACK;
     else if (it->op && (it->h.flags & FL_LAST))
         want = it->h.type == FR_WRITE ? FR_WRITE_ACK : FR_READ_RESP;
     if (want) {
+        /* Recorded even on a dead connection: its failure path (which runs
+         * after, under e->mu like every enqueue of an initiator frame) then
+         * moves or fails the group. */
         expect *x = calloc(1, sizeof *x);
-        if (!x) { /* without an expectation the reply would be rejected: fail the conn */
-            c->dead = true;
-            shutdown(c->fd, SHUT_RDWR);
+        if (!x) { /* without an expectation the group would be forgotten */
+            p->ex_lost = true;
+            conn_mark_dead(c);
             pthread_cond_signal(&c->cv);
             pthread_mutex_unlock(&c->mu);
             sq_release(c->e, it);
@@ -88,11 +117,21 @@ void conn_enqueue(conn *c, sq_item *it, bool signal)
         x->op = it->op;
         x->op_id = it->h.op;
         x->type = want;
+        x->slot = it->slot;
+        x->chunks = it->chunks;
+        x->nchunks = it->nchunks;
+        x->t_enq = axf_now_us();
+        it->chunks = NULL;
         if (p->ex_tail)
             p->ex_tail->next = x;
         else
             p->ex_head = x;
         p->ex_tail = x;
+    }
+    if (c->dead) {
+        pthread_mutex_unlock(&c->mu);
+        sq_release(c->e, it);
+        return;
     }
     if (c->tail)
         c->tail->next = it;
@@ -107,10 +146,7 @@ void conn_enqueue(conn *c, sq_item *it, bool signal)
 void conn_kill(conn *c)
 {
     pthread_mutex_lock(&c->mu);
-    if (!c->dead) {
-        c->dead = true;
-        shutdown(c->fd, SHUT_RDWR); /* wakes both threads out of their syscalls */
-    }
+    conn_mark_dead(c);
     pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
 }
@@ -184,7 +220,7 @@ static void thread_exit(conn *c)
         pthread_mutex_unlock(&c->mu);
         while (x) {
             expect *n = x->next;
-            free(x);
+            expect_free(x);
             x = n;
         }
         close(c->fd);
@@ -209,6 +245,7 @@ static void *tx_main(void *arg)
     sq_item *batch[TX_BATCH];
     struct iovec iov[2 * TX_BATCH];
     uint64_t keepalive = e->cfg.keepalive_ms;
+    uint64_t stall_us = (uint64_t)e->cfg.stall_ms * 1000u;
     uint64_t last_send = axf_now_ms();
 
     pthread_mutex_lock(&c->mu);
@@ -223,17 +260,24 @@ static void *tx_main(void *arg)
                 last_send = axf_now_ms();
                 pthread_mutex_lock(&c->mu);
                 if (r) {
-                    if (!c->dead) {
-                        c->dead = true;
-                        shutdown(c->fd, SHUT_RDWR);
-                    }
+                    conn_mark_dead(c);
                     break;
                 }
                 continue;
             }
+            if (stall_us && c->ep && ((conn_priv *)c)->ex_head &&
+                axf_now_us() - atomic_load(&c->progress_us) > stall_us) {
+                /* Replies are owed and nothing moved either way: the peer is
+                 * alive (it pings) but does not serve us. */
+                atomic_store(&c->stalled, true);
+                conn_mark_dead(c);
+                break;
+            }
             struct timespec ts;
             clock_gettime(CLOCK_MONOTONIC, &ts);
             uint64_t wait_ms = keepalive - (now - last_send);
+            if (stall_us && wait_ms > stall_us / 4000 + 1)
+                wait_ms = stall_us / 4000 + 1;
             ts.tv_sec += (time_t)(wait_ms / 1000);
             ts.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
             if (ts.tv_nsec >= 1000000000L) {
@@ -279,14 +323,15 @@ static void *tx_main(void *arg)
         }
         int r = niov ? send_all(c->fd, iov, niov) : 0;
         last_send = axf_now_ms();
+        atomic_store(&c->progress_us, axf_now_us());
         for (int i = 0; i < keep; i++)
             sq_release(e, batch[i]);
         pthread_mutex_lock(&c->mu);
         if (r) {
-            if (!c->dead) {
-                c->dead = true;
-                shutdown(c->fd, SHUT_RDWR);
-            }
+            if ((r == -EAGAIN || r == -EWOULDBLOCK) && stall_us && c->ep &&
+                e->cfg.stall_ms < e->cfg.peer_timeout_ms)
+                atomic_store(&c->stalled, true);
+            conn_mark_dead(c);
             break;
         }
     }
@@ -439,6 +484,26 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
     }
 }
 
+/* A group is whole: its bytes over the time the connection spent on it
+ * (from when it was queued, or from the previous group's end if that came
+ * later: groups queue behind one another) is a sample of the connection's
+ * rate. Small groups measure latency, not rate: skipped. */
+static void measure_rate(conn *c, const expect *x)
+{
+    uint64_t now = axf_now_us();
+    uint64_t since = x->t_enq > c->last_ack_us ? x->t_enq : c->last_ack_us;
+    c->last_ack_us = now;
+    atomic_fetch_add(&c->bytes, x->bytes);
+    if (x->bytes < (256u << 10) || now <= since)
+        return;
+    uint64_t sample = x->bytes * 1000u / (now - since);
+    uint64_t old = atomic_load(&c->rate);
+    uint64_t rate = old ? (3 * old + sample) / 4 : sample;
+    atomic_store(&c->rate, rate ? rate : 1);
+    if (!old || rate > old + old / 4 || rate < old - old / 4)
+        atomic_store(&c->ep->sched_stale, true);
+}
+
 static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io)
 {
     conn_priv *p = (conn_priv *)c;
@@ -450,6 +515,7 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
         revoke_received(c->e, c, h->rid, h->key);
         return NULL;
     }
+    atomic_store(&c->progress_us, axf_now_us());
     pthread_mutex_lock(&c->mu);
     expect *x = p->ex_head;
     pthread_mutex_unlock(&c->mu);
@@ -480,13 +546,13 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
             *io = read_full(c->fd, o->laddr[h->index] + (h->off - d->roff), h->len);
             if (*io)
                 return "connection lost inside a READ payload";
-            atomic_fetch_add(&o->nbytes, h->len);
+            x->bytes += h->len;
         }
     } else if (h->type == FR_WRITE_ACK) {
         if (h->status != AXF_OK)
             op_set_status(o, h->status, h->index < o->n ? h->index : 0);
         else
-            atomic_fetch_add(&o->nbytes, h->len);
+            x->bytes = h->len;
     }
     if (last) {
         pthread_mutex_lock(&c->mu);
@@ -494,10 +560,99 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
         if (!p->ex_head)
             p->ex_tail = NULL;
         pthread_mutex_unlock(&c->mu);
-        free(x);
+        atomic_fetch_add(&o->nbytes, x->bytes);
+        if (x->type != FR_NOTIFY_ACK)
+            measure_rate(c, x);
+        expect_free(x);
         op_unit_done(c->e, o);
     }
     return NULL;
+}
+
+/* An initiator connection failed (its receiver is done with it). With other
+ * live connections to the same peer (rails), its unfinished groups move to
+ * them; a stalled connection's requests fail with AXF_E_TIMEOUT instead. The
+ * last connection, a protocol violation (the peer is broken, not the link),
+ * or a closing endpoint fail the whole endpoint, promptly. */
+static void initiator_conn_lost(conn *c, bool proto)
+{
+    axf_engine *e = c->e;
+    endpoint *ep = c->ep;
+    conn_priv *p = (conn_priv *)c;
+    bool stalled = atomic_load(&c->stalled);
+    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&c->mu);
+    bool lost_expect = p->ex_lost;
+    pthread_mutex_unlock(&c->mu);
+    bool others = false;
+    for (int i = 0; i < ep->nconns; i++)
+        others |= ep->conns[i] != c && !atomic_load(&ep->conns[i]->down);
+    if (proto || lost_expect || !others || ep->closing || e->shut || ep->kind != AXF_EP_TCP) {
+        if (stalled) { /* its requests time out; the endpoint's others are lost with it */
+            pthread_mutex_lock(&c->mu);
+            for (expect *x = p->ex_head; x; x = x->next)
+                op_set_status(x->op, AXF_E_TIMEOUT, 0);
+            pthread_mutex_unlock(&c->mu);
+        }
+        ep->dead = true;
+        for (int i = 0; i < ep->nconns; i++)
+            conn_kill(ep->conns[i]);
+        pthread_mutex_unlock(&e->mu);
+        if (stalled)
+            cq_log(e, c->tag, "closing connection: no progress for %u ms", e->cfg.stall_ms);
+        return;
+    }
+    /* Unsent data must not reach the peer later, should the link come back. */
+    struct linger lg = {.l_onoff = 1, .l_linger = 0};
+    (void)setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+    ep->nsched = 0;
+    pthread_mutex_lock(&c->mu);
+    expect *list = p->ex_head;
+    p->ex_head = p->ex_tail = NULL;
+    pthread_mutex_unlock(&c->mu);
+    expect *finished = NULL, *moved = NULL;
+    uint64_t nmoved = 0;
+    for (expect *x = list, *next; x; x = next) {
+        next = x->next;
+        op *o = x->op;
+        bool ok = false;
+        if (stalled)
+            op_set_status(o, AXF_E_TIMEOUT, 0);
+        else if (!atomic_load(&o->cancelled) && atomic_load(&o->status) == AXF_OK)
+            ok = x->type == FR_NOTIFY_ACK ? notify_enqueue(e, o)
+                                          : tcp_reroute(e, o, x->slot, x->chunks, x->nchunks);
+        if (ok) {
+            nmoved++;
+            x->next = moved;
+            moved = x;
+        } else {
+            op_set_status(o, AXF_E_PEER_LOST, 0);
+            x->next = finished;
+            finished = x;
+        }
+    }
+    atomic_fetch_add(&c->reroutes, nmoved);
+    ep->reroutes += nmoved;
+    uint64_t ep_id = ep->id, tag = ep->tag;
+    uint32_t rail = c->rail;
+    pthread_mutex_unlock(&e->mu);
+    if (stalled)
+        cq_log(e, c->tag, "closing connection: no progress for %u ms", e->cfg.stall_ms);
+    /* The rail first, so a caller woken by a failed transfer sees it down. */
+    cq_push(e, AXF_CQ_RAIL_DOWN, stalled ? AXF_E_TIMEOUT : AXF_E_PEER_LOST, ep_id, tag, nmoved,
+            rail, NULL, 0);
+    while (moved) {
+        expect *n = moved->next;
+        expect_free(moved);
+        moved = n;
+    }
+    while (finished) {
+        expect *n = finished->next;
+        op *o = finished->op;
+        expect_free(finished);
+        op_unit_done(e, o);
+        finished = n;
+    }
 }
 
 static void *rx_main(void *arg)
@@ -541,14 +696,8 @@ static void *rx_main(void *arg)
         cq_log(e, c->tag, "closing connection: %s: %s", reason, strerror(-io));
     }
     conn_kill(c);
-    if (c->ep) {
-        /* One lost connection fails the whole endpoint, promptly. */
-        pthread_mutex_lock(&e->mu);
-        c->ep->dead = true;
-        for (int i = 0; i < c->ep->nconns; i++)
-            conn_kill(c->ep->conns[i]);
-        pthread_mutex_unlock(&e->mu);
-    }
+    if (c->ep)
+        initiator_conn_lost(c, proto);
     thread_exit(c);
     return NULL;
 }
@@ -583,8 +732,15 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     struct timeval tv = {.tv_sec = e->cfg.peer_timeout_ms / 1000,
                          .tv_usec = (e->cfg.peer_timeout_ms % 1000) * 1000};
     (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    /* A send that moves nothing for the stall time is a stall too (a peer that
+     * pings but does not read). */
+    uint32_t snd_ms = e->cfg.stall_ms && e->cfg.stall_ms < e->cfg.peer_timeout_ms
+                          ? e->cfg.stall_ms
+                          : e->cfg.peer_timeout_ms;
+    struct timeval stv = {.tv_sec = snd_ms / 1000, .tv_usec = (snd_ms % 1000) * 1000};
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &stv, sizeof stv);
 
+    atomic_init(&c->progress_us, axf_now_us());
     atomic_init(&c->threads, 2);
     pthread_mutex_lock(&e->th_mu);
     e->conn_threads += 2;

@@ -32,6 +32,13 @@ uint64_t axf_now_ms(void)
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+uint64_t axf_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
 static uint64_t random_u64(void)
 {
     uint64_t v = 0;
@@ -505,27 +512,14 @@ static void op_data_done(axf_engine *e, op *o)
     pthread_mutex_lock(&e->mu);
     if (o->ep->dead)
         op_set_status(o, o->ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, 0);
-    if (o->notify && atomic_load(&o->status) == AXF_OK && !atomic_load(&o->cancelled) &&
-        o->ep->nconns > 0) {
+    if (o->notify && atomic_load(&o->status) == AXF_OK && !atomic_load(&o->cancelled)) {
         o->phase = 1;
         atomic_store(&o->remaining, 1);
-        sq_item *it = sq_new(FR_NOTIFY, o->req_id);
-        if (it) {
-            atomic_fetch_add(&o->pins, 1);
-            /* The frame owns the payload: the acknowledgement (and the op's
-             * end) can come before the sending thread is back from sendmsg. */
-            it->h.len = o->notify_len;
-            it->payload = it->owned = o->notify;
-            it->plen = o->notify_len;
-            it->op = o;
-            o->notify = NULL;
-            conn_enqueue(o->ep->conns[0], it, true);
+        if (notify_enqueue(e, o)) {
             pthread_mutex_unlock(&e->mu);
             return;
         }
-        op_set_status(o, AXF_E_NOMEM, 0);
-    } else if (o->notify && atomic_load(&o->status) == AXF_OK && o->ep->nconns == 0) {
-        op_set_status(o, AXF_E_TRANSPORT, 0);
+        op_set_status(o, o->ep->nconns ? AXF_E_PEER_LOST : AXF_E_TRANSPORT, 0);
     }
     o->claimed = true;
     op_unlink(e, o);
@@ -657,45 +651,201 @@ static int op_resolve(axf_engine *e, op *o)
     return AXF_OK;
 }
 
-/* Returns false when nothing could be queued (the caller completes the op). */
+conn *endpoint_live_conn(endpoint *ep)
+{
+    for (int i = 0; i < ep->nconns; i++)
+        if (!atomic_load(&ep->conns[i]->down))
+            return ep->conns[i];
+    return NULL;
+}
+
+bool notify_enqueue(axf_engine *e, op *o)
+{
+    (void)e;
+    conn *c = endpoint_live_conn(o->ep);
+    if (!c)
+        return false;
+    sq_item *it = sq_new(FR_NOTIFY, o->req_id);
+    uint8_t *copy = malloc(o->notify_len);
+    if (!it || !copy) {
+        free(it);
+        free(copy);
+        op_set_status(o, AXF_E_NOMEM, 0);
+        return false;
+    }
+    /* The frame owns a copy: the acknowledgement (and the op's end) can come
+     * before the sending thread is back from sendmsg, and a rerouted
+     * notification is sent again from the op's own. */
+    memcpy(copy, o->notify, o->notify_len);
+    it->h.len = o->notify_len;
+    it->payload = it->owned = copy;
+    it->plen = o->notify_len;
+    it->op = o;
+    atomic_fetch_add(&o->pins, 1);
+    conn_enqueue(c, it, true);
+    return true;
+}
+
+/* Smooth weighted round robin over the live connections, weighted by their
+ * measured rates (unmeasured ones count as the average), every live one
+ * keeping at least a slot so that its rate keeps being measured. */
+static void sched_build(endpoint *ep)
+{
+    uint64_t w[AXF_MAX_CONNS] = {0}, known = 0, nknown = 0, total = 0;
+    bool live[AXF_MAX_CONNS] = {0};
+    int nlive = 0;
+    for (int i = 0; i < ep->nconns; i++) {
+        if (atomic_load(&ep->conns[i]->down))
+            continue;
+        live[i] = true;
+        nlive++;
+        w[i] = atomic_load(&ep->conns[i]->rate);
+        if (w[i]) {
+            known += w[i];
+            nknown++;
+        }
+    }
+    ep->nsched = 0;
+    if (!nlive)
+        return;
+    uint64_t avg = nknown ? known / nknown : 1;
+    for (int i = 0; i < ep->nconns; i++)
+        if (live[i]) {
+            if (!w[i])
+                w[i] = avg;
+            total += w[i];
+        }
+    uint64_t floor = total / AXF_SCHED + 1;
+    total = 0;
+    for (int i = 0; i < ep->nconns; i++)
+        if (live[i]) {
+            if (w[i] < floor)
+                w[i] = floor;
+            total += w[i];
+        }
+    int64_t cur[AXF_MAX_CONNS] = {0};
+    for (int k = 0; k < AXF_SCHED; k++) {
+        int best = -1;
+        for (int i = 0; i < ep->nconns; i++) {
+            if (!live[i])
+                continue;
+            cur[i] += (int64_t)w[i];
+            if (best < 0 || cur[i] > cur[best])
+                best = i;
+        }
+        cur[best] -= (int64_t)total;
+        ep->sched[k] = (uint8_t)best;
+    }
+    ep->nsched = AXF_SCHED;
+}
+
+static bool sched_ready(endpoint *ep)
+{
+    if (!ep->nsched || atomic_exchange(&ep->sched_stale, false))
+        sched_build(ep);
+    return ep->nsched > 0;
+}
+
+/* Walks the chunks of an op: a given list, or every chunk in order (those of
+ * one connection of the op's schedule only, when slot >= 0). */
+typedef struct chunk_iter {
+    const op *o;
+    const chunk_ref *list;
+    size_t n, pos;
+    int slot;
+    uint64_t k, i, off, chunk;
+} chunk_iter;
+
+static bool chunk_next(chunk_iter *it, uint64_t *i, uint64_t *off)
+{
+    if (it->list) {
+        if (it->pos == it->n)
+            return false;
+        *i = it->list[it->pos].i;
+        *off = it->list[it->pos].off;
+        it->pos++;
+        return true;
+    }
+    while (it->i < it->o->n) {
+        uint64_t ci = it->i, coff = it->off, k = it->k++;
+        it->off += it->chunk;
+        if (it->off >= it->o->d[ci].len) {
+            it->i++;
+            it->off = 0;
+        }
+        if (it->slot < 0 || it->o->sched[(it->o->sched0 + k) % AXF_SCHED] == it->slot) {
+            *i = ci;
+            *off = coff;
+            return true;
+        }
+    }
+    return false;
+}
+
+static sq_item *chunk_item(const op *o, uint64_t i, uint64_t off, uint64_t chunk)
+{
+    sq_item *it = sq_new(o->opcode == AXF_OP_WRITE ? FR_WRITE : FR_READ_REQ, o->req_id);
+    if (!it)
+        return NULL;
+    const axf_desc *d = &o->d[i];
+    uint64_t len = d->len - off < chunk ? d->len - off : chunk;
+    it->h.index = i;
+    it->h.rid = d->rrid;
+    it->h.key = d->rkey;
+    it->h.off = d->roff + off;
+    it->h.len = len;
+    it->op = (op *)o;
+    if (o->opcode == AXF_OP_WRITE) {
+        it->payload = o->laddr[i] + off;
+        it->plen = len;
+    }
+    atomic_fetch_add(&((op *)o)->pins, 1);
+    return it;
+}
+
+static void mark_dirty(axf_engine *e, conn *c)
+{
+    for (int k = 0; k < e->ndirty; k++)
+        if (e->dirty[k] == c)
+            return;
+    if (e->ndirty < 64)
+        e->dirty[e->ndirty++] = c;
+    else
+        conn_signal(c);
+}
+
+/* Stripes a new op's chunks over the live connections by the endpoint's
+ * schedule: one group per connection used, its LAST frame acknowledged once.
+ * Returns false when nothing could be queued (the caller completes the op). */
 static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
 {
     endpoint *ep = o->ep;
-    sq_item *lastp[AXF_MAX_CONNS] = {0};
-    int type = o->opcode == AXF_OP_WRITE ? FR_WRITE : FR_READ_REQ;
-    uint64_t chunk = e->cfg.chunk_bytes;
-    int used = 0;
-    for (size_t i = 0; i < o->n; i++) {
-        const axf_desc *d = &o->d[i];
-        for (uint64_t off = 0; off < d->len; off += chunk) {
-            uint64_t len = d->len - off < chunk ? d->len - off : chunk;
-            int ci = ep->rr_next;
-            ep->rr_next = (ep->rr_next + 1) % ep->nconns;
-            sq_item *it = sq_new(type, o->req_id);
-            if (!it) {
-                op_set_status(o, AXF_E_NOMEM, i);
-                goto out;
-            }
-            atomic_fetch_add(&o->pins, 1);
-            it->h.index = i;
-            it->h.rid = d->rrid;
-            it->h.key = d->rkey;
-            it->h.off = d->roff + off;
-            it->h.len = len;
-            it->op = o;
-            if (type == FR_WRITE) {
-                it->payload = o->laddr[i] + off;
-                it->plen = len;
-            }
-            if (!lastp[ci])
-                used++;
-            else
-                conn_enqueue(ep->conns[ci], lastp[ci], false);
-            lastp[ci] = it;
-        }
+    if (!sched_ready(ep)) {
+        op_set_status(o, AXF_E_PEER_LOST, 0);
+        atomic_store(&o->remaining, 1);
+        return false;
     }
-out:
-    /* One unit per connection used: its LAST frame is acknowledged once. */
+    memcpy(o->sched, ep->sched, AXF_SCHED);
+    o->sched0 = (uint32_t)ep->rr_next;
+    sq_item *lastp[AXF_MAX_CONNS] = {0};
+    chunk_iter ci_ = {.o = o, .slot = -1, .chunk = e->cfg.chunk_bytes};
+    uint64_t i, off, k = 0;
+    int used = 0;
+    while (chunk_next(&ci_, &i, &off)) {
+        int ci = o->sched[(o->sched0 + k++) % AXF_SCHED];
+        sq_item *it = chunk_item(o, i, off, e->cfg.chunk_bytes);
+        if (!it) {
+            op_set_status(o, AXF_E_NOMEM, i);
+            break;
+        }
+        if (!lastp[ci])
+            used++;
+        else
+            conn_enqueue(ep->conns[ci], lastp[ci], false);
+        lastp[ci] = it;
+    }
+    ep->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
+    /* Set before any LAST frame goes: replies may come at once. */
     atomic_store(&o->remaining, used ? used : 1);
     if (!used)
         return false;
@@ -703,17 +853,72 @@ out:
         if (!lastp[ci])
             continue;
         lastp[ci]->h.flags |= FL_LAST;
+        lastp[ci]->slot = ci;
         conn_enqueue(ep->conns[ci], lastp[ci], signal);
-        if (!signal) {
-            bool seen = false;
-            for (int k = 0; k < e->ndirty; k++)
-                seen |= e->dirty[k] == ep->conns[ci];
-            if (!seen && e->ndirty < 64)
-                e->dirty[e->ndirty++] = ep->conns[ci];
-            else if (!seen)
-                conn_signal(ep->conns[ci]);
-        }
+        if (!signal)
+            mark_dirty(e, ep->conns[ci]);
     }
+    return true;
+}
+
+bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n)
+{
+    endpoint *ep = o->ep;
+    if (!sched_ready(ep))
+        return false;
+    uint64_t chunk = e->cfg.chunk_bytes, i, off;
+    uint32_t start = (uint32_t)ep->rr_next;
+    size_t cnt[AXF_MAX_CONNS] = {0}, fill[AXF_MAX_CONNS] = {0}, total = 0;
+    chunk_iter it = {.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
+    while (chunk_next(&it, &i, &off))
+        cnt[ep->sched[(start + total++) % AXF_SCHED]]++;
+    if (!total)
+        return false;
+    chunk_ref *lists[AXF_MAX_CONNS] = {0};
+    sq_item **items = calloc(total, sizeof *items);
+    bool ok = items != NULL;
+    int groups = 0;
+    for (int ci = 0; ci < ep->nconns && ok; ci++)
+        if (cnt[ci]) {
+            groups++;
+            ok = (lists[ci] = malloc(cnt[ci] * sizeof *lists[ci])) != NULL;
+        }
+    it = (chunk_iter){.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
+    for (size_t j = 0; ok && chunk_next(&it, &i, &off); j++) {
+        int ci = ep->sched[(start + j) % AXF_SCHED];
+        lists[ci][fill[ci]++] = (chunk_ref){.i = i, .off = off};
+        ok = (items[j] = chunk_item(o, i, off, chunk)) != NULL;
+    }
+    if (!ok) {
+        for (size_t j = 0; items && j < total; j++)
+            if (items[j])
+                sq_drop(e, items[j]);
+        for (int ci = 0; ci < AXF_MAX_CONNS; ci++)
+            free(lists[ci]);
+        free(items);
+        op_set_status(o, AXF_E_NOMEM, 0);
+        return false;
+    }
+    /* The failed group's unit becomes these groups' units. */
+    atomic_fetch_add(&o->remaining, groups - 1);
+    sq_item *lastp[AXF_MAX_CONNS] = {0};
+    for (size_t j = 0; j < total; j++) {
+        int ci = ep->sched[(start + j) % AXF_SCHED];
+        if (lastp[ci])
+            conn_enqueue(ep->conns[ci], lastp[ci], false);
+        lastp[ci] = items[j];
+    }
+    for (int ci = 0; ci < ep->nconns; ci++) {
+        if (!lastp[ci])
+            continue;
+        lastp[ci]->h.flags |= FL_LAST;
+        lastp[ci]->slot = ci;
+        lastp[ci]->chunks = lists[ci];
+        lastp[ci]->nchunks = cnt[ci];
+        conn_enqueue(ep->conns[ci], lastp[ci], true);
+    }
+    ep->rr_next = (int)((start + total) % AXF_SCHED);
+    free(items);
     return true;
 }
 
@@ -878,6 +1083,11 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint
 
 int axf_endpoint_add_conn(axf_engine *e, uint64_t ep_id, int fd)
 {
+    return axf_endpoint_add_rail_conn(e, ep_id, fd, 0);
+}
+
+int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep_id, int fd, uint32_t rail)
+{
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
     int st = AXF_OK;
@@ -887,7 +1097,14 @@ int axf_endpoint_add_conn(axf_engine *e, uint64_t ep_id, int fd)
         st = AXF_E_NOTFOUND;
     else if (ep->dead || ep->closing)
         st = AXF_E_CLOSED;
-    else if (ep->nconns >= AXF_MAX_CONNS)
+    int slot = ep ? ep->nconns : 0;
+    if (st == AXF_OK) /* a failed connection's slot is taken over by a new one */
+        for (int i = 0; i < ep->nconns; i++)
+            if (atomic_load(&ep->conns[i]->down)) {
+                slot = i;
+                break;
+            }
+    if (st == AXF_OK && slot >= AXF_MAX_CONNS)
         st = AXF_E_INVALID;
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
@@ -902,9 +1119,33 @@ int axf_endpoint_add_conn(axf_engine *e, uint64_t ep_id, int fd)
         pthread_mutex_unlock(&e->mu);
         return st;
     }
-    ep->conns[ep->nconns++] = c;
+    c->slot = slot;
+    c->rail = rail;
+    ep->conns[slot] = c;
+    if (slot == ep->nconns)
+        ep->nconns++;
+    ep->nsched = 0; /* stripe over it too from now on */
     pthread_mutex_unlock(&e->mu);
     return AXF_OK;
+}
+
+size_t axf_endpoint_rails(axf_engine *e, uint64_t ep_id, axf_rail_stats *out, size_t max)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&e->mu);
+    endpoint *ep = ep_find(e, ep_id);
+    for (int i = 0; ep && i < ep->nconns && n < max; i++, n++) {
+        conn *c = ep->conns[i];
+        out[n] = (axf_rail_stats){
+            .rail = c->rail,
+            .live = !atomic_load(&c->down),
+            .bytes = atomic_load(&c->bytes),
+            .rate = atomic_load(&c->rate),
+            .reroutes = atomic_load(&c->reroutes),
+        };
+    }
+    pthread_mutex_unlock(&e->mu);
+    return n;
 }
 
 int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t key, uint64_t len,

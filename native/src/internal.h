@@ -17,6 +17,7 @@
 #define AXF_MAX_FRAME (256ull << 20) /* largest payload one frame may carry */
 #define AXF_REGION_BUCKETS 1024
 #define AXF_OP_BUCKETS 4096
+#define AXF_SCHED 64 /* slots of a striping schedule over an endpoint's connections */
 
 /* Wire frame: fixed 64-byte header, little-endian hosts only (checked at
  * handshake by the Python layer's host metadata). */
@@ -95,12 +96,25 @@ typedef struct rv_wait {
 
 struct conn;
 
+/* One chunk of an op: bytes [off, off + chunk) of descriptor i. */
+typedef struct chunk_ref {
+    uint64_t i, off;
+} chunk_ref;
+
 typedef struct endpoint {
     uint64_t id, tag;
     int kind;
     pid_t pid;
     struct conn *conns[AXF_MAX_CONNS];
     int nconns, live_conns, rr_next;
+    /* Chunks are striped over live connections by this schedule (slot ->
+     * connection index), weighted by each one's measured rate; rebuilt when
+     * nsched is 0 or sched_stale is set (a rate moved, a connection came or
+     * went). e->mu. */
+    uint8_t sched[AXF_SCHED];
+    int nsched;
+    atomic_bool sched_stale;
+    uint64_t reroutes;
     rregion *rregions;
     bool dead, closing, lost_reported;
     struct op *ops; /* pending ops, doubly linked */
@@ -128,6 +142,8 @@ typedef struct op {
     atomic_int pins; /* 1 until the op is over, +1 per frame of it in a send queue */
     uint64_t fail_index;
     int phase; /* 0: data, 1: notification sent */
+    uint8_t sched[AXF_SCHED]; /* tcp: the endpoint's schedule when posted ... */
+    uint32_t sched0;          /* ... and where chunk 0 went in it */
     bool claimed;
     struct op *hnext, *prev, *next;
 } op;
@@ -139,6 +155,12 @@ typedef struct sq_item {
     op *op;          /* initiator frames: the op, pinned until the frame is released */
     region *reg;     /* target READ_RESP: region ref released after sending */
     uint8_t *owned;  /* freed after sending */
+    /* initiator LAST frames: what its group is, for a reroute if the
+     * connection fails: a schedule slot, or (rerouted groups) a chunk list
+     * whose ownership passes to the connection with the frame */
+    int slot;
+    chunk_ref *chunks;
+    size_t nchunks;
     struct sq_item *next;
 } sq_item;
 
@@ -150,7 +172,14 @@ typedef struct conn {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     sq_item *head, *tail;
-    bool dead;
+    bool dead;               /* c->mu */
+    atomic_bool down;        /* dead, as others see it without c->mu */
+    atomic_bool stalled;     /* killed by stall detection */
+    int slot;                /* initiator: index in ep->conns */
+    uint32_t rail;           /* initiator: the caller's rail number */
+    atomic_ullong progress_us; /* last frame sent, or reply received */
+    atomic_ullong bytes, reroutes, rate; /* rate: bytes per ms, a moving average */
+    uint64_t last_ack_us;    /* receiver thread only */
     atomic_int threads;
     /* accepting side: state of the current write group */
     uint64_t grp_op;
@@ -207,6 +236,7 @@ struct axf_engine {
 
 /* engine.c */
 uint64_t axf_now_ms(void);
+uint64_t axf_now_us(void);
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);
 void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -217,6 +247,11 @@ void op_set_status(op *o, int status, uint64_t index);
 void op_unit_done(axf_engine *e, op *o);
 void op_unpin(axf_engine *e, op *o); /* a queued frame of it is gone */
 void endpoint_conn_finished(axf_engine *e, endpoint *ep);
+conn *endpoint_live_conn(endpoint *ep); /* e->mu held; NULL when none */
+/* Queues a rerouted group's chunks (list, or the chunks of schedule slot
+ * `slot`) on the live connections; false when none is left. e->mu held. */
+bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n);
+bool notify_enqueue(axf_engine *e, op *o); /* e->mu held; false: no live connection */
 void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key);
 int revoke_acked(axf_engine *e, conn *c, uint64_t rid); /* AXF_OK or AXF_E_PROTOCOL */
 void revokes_drop(axf_engine *e, conn *c); /* the connection is gone */
@@ -227,6 +262,7 @@ void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu 
 void conn_signal(conn *c);
 void conn_kill(conn *c);
 sq_item *sq_new(int type, uint64_t op_id);
+void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
 
 /* shm.c */
 int shm_start(axf_engine *e);

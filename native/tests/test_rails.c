@@ -1,0 +1,261 @@
+/* Several connections (rails) per TCP endpoint: requests striped over them,
+ * a failed connection's unfinished chunks moved to the others with the data
+ * intact, the endpoint lost only with its last connection, a connection added
+ * back, and stall detection. A "dark" rail is a socketpair whose far end the
+ * test holds and never serves: what goes there is stuck until the test
+ * breaks it, so a reroute is certain, not a matter of timing. */
+#include "harness.h"
+
+#include "internal.h"
+
+#include <sys/socket.h>
+
+#define REG (8u << 20)
+
+typedef struct rails {
+    tengine *a, *b;
+    uint64_t ep;
+    uint8_t *src, *dst;
+    uint64_t arid, akey, brid, bkey;
+    int dark[4]; /* the test's ends of dark rails */
+    int ndark;
+} rails;
+
+/* nlive rails served by B, then ndark dark rails. */
+static int rails_open(rails *r, const axf_config *cfg, int nlive, int ndark)
+{
+    memset(r, 0, sizeof *r);
+    r->a = t_engine(cfg);
+    r->b = t_engine(cfg);
+    CHECK(r->a && r->b);
+    CHECK_EQ(axf_endpoint_create(r->a->e, AXF_EP_TCP, 5, 0, &r->ep), AXF_OK);
+    for (int i = 0; i < nlive + ndark; i++) {
+        int sv[2];
+        CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+        CHECK_EQ(axf_endpoint_add_rail_conn(r->a->e, r->ep, sv[0], 10 + (uint32_t)i), AXF_OK);
+        if (i < nlive)
+            CHECK_EQ(axf_accept_conn(r->b->e, sv[1], 6), AXF_OK);
+        else
+            r->dark[r->ndark++] = sv[1];
+    }
+    r->src = malloc(REG);
+    r->dst = calloc(1, REG);
+    CHECK(r->src && r->dst);
+    t_fill(r->src, REG, 77);
+    CHECK_EQ(axf_region_register(r->a->e, r->src, REG, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1,
+                                 &r->arid, &r->akey),
+             AXF_OK);
+    CHECK_EQ(axf_region_register(r->b->e, r->dst, REG, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1,
+                                 &r->brid, &r->bkey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_import(r->a->e, r->ep, r->brid, r->bkey, REG,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, -1),
+             AXF_OK);
+    return 0;
+}
+
+static void rails_close(rails *r)
+{
+    t_close(r->a);
+    t_close(r->b);
+    for (int i = 0; i < r->ndark; i++)
+        if (r->dark[i] >= 0)
+            close(r->dark[i]);
+    free(r->src);
+    free(r->dst);
+}
+
+static int test_write_rerouted_off_a_failed_rail(void)
+{
+    axf_config cfg = {.chunk_bytes = 64u << 10};
+    rails r;
+    if (rails_open(&r, &cfg, 2, 1))
+        return 1;
+    axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG};
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, "done", 4, 1, 0), AXF_OK);
+    /* A third of the chunks sit on the dark rail: not done. */
+    CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 200));
+    close(r.dark[0]); /* the rail breaks */
+    r.dark[0] = -1;
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_RAIL_DOWN, r.ep, &c), 0);
+    CHECK_EQ(c.fail_index, 12); /* the dark rail's number */
+    CHECK_EQ(c.nbytes, 1);      /* one group moved */
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, REG);
+    CHECK(memcmp(r.dst, r.src, REG) == 0);
+    /* Its notification came after all of it. */
+    CHECK_EQ(t_wait_any(r.b, AXF_CQ_NOTIFY, &c), 0);
+    axf_completion_free(&c);
+    axf_rail_stats st[4];
+    CHECK_EQ(axf_endpoint_rails(r.a->e, r.ep, st, 4), 3);
+    CHECK(st[0].live && st[1].live && !st[2].live);
+    CHECK_EQ(st[2].reroutes, 1);
+    CHECK_EQ(st[0].bytes + st[1].bytes, REG);
+    printf("  rail bytes %llu + %llu, rates %llu %llu B/ms\n", (unsigned long long)st[0].bytes,
+           (unsigned long long)st[1].bytes, (unsigned long long)st[0].rate,
+           (unsigned long long)st[1].rate);
+    /* Later requests use the live rails only. */
+    memset(r.dst, 0, REG);
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 2, 0), AXF_OK);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 2, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(r.dst, r.src, REG) == 0);
+    rails_close(&r);
+    return 0;
+}
+
+static int test_read_rerouted_and_rail_added_back(void)
+{
+    axf_config cfg = {.chunk_bytes = 64u << 10};
+    rails r;
+    if (rails_open(&r, &cfg, 1, 2))
+        return 1;
+    t_fill(r.dst, REG, 78);
+    memset(r.src, 0, REG);
+    axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG};
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_READ, &d, 1, NULL, 0, 1, 0), AXF_OK);
+    CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 200));
+    /* One dark rail answers part of what it was asked, then breaks. */
+    wire_hdr h;
+    CHECK_EQ(recv(r.dark[0], &h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
+    CHECK_EQ(h.type, FR_READ_REQ);
+    wire_hdr resp = {.magic = AXF_MAGIC, .type = FR_READ_RESP, .op = h.op, .index = h.index,
+                     .rid = h.rid, .off = h.off, .len = h.len};
+    CHECK_EQ(send(r.dark[0], &resp, sizeof resp, 0), (ssize_t)sizeof resp);
+    CHECK_EQ(send(r.dark[0], r.dst + h.off, h.len, 0), (ssize_t)h.len);
+    close(r.dark[0]);
+    r.dark[0] = -1;
+    close(r.dark[1]);
+    r.dark[1] = -1;
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, REG); /* bytes read twice are counted once */
+    CHECK(memcmp(r.src, r.dst, REG) == 0);
+    int downs = 0;
+    while (downs < 2 && t_wait(r.a, AXF_CQ_RAIL_DOWN, r.ep, &c) == 0)
+        downs++;
+    CHECK_EQ(downs, 2);
+    /* The rail comes back: a new connection takes a failed one's slot. */
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_add_rail_conn(r.a->e, r.ep, sv[0], 11), AXF_OK);
+    CHECK_EQ(axf_accept_conn(r.b->e, sv[1], 6), AXF_OK);
+    memset(r.src, 0, REG);
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_READ, &d, 1, NULL, 0, 2, 0), AXF_OK);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 2, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(r.src, r.dst, REG) == 0);
+    axf_rail_stats st[4];
+    CHECK_EQ(axf_endpoint_rails(r.a->e, r.ep, st, 4), 3);
+    int live = 0, back = 0;
+    for (int i = 0; i < 3; i++) {
+        live += (int)st[i].live;
+        back += st[i].live && st[i].rail == 11 && st[i].bytes > 0;
+    }
+    CHECK_EQ(live, 2);
+    CHECK_EQ(back, 1); /* the new rail carried part of the second READ */
+    rails_close(&r);
+    return 0;
+}
+
+static int test_last_rail_lost_fails_the_endpoint(void)
+{
+    axf_config cfg = {.chunk_bytes = 64u << 10};
+    rails r;
+    if (rails_open(&r, &cfg, 0, 2))
+        return 1;
+    axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG};
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_OK);
+    close(r.dark[0]);
+    r.dark[0] = -1;
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_RAIL_DOWN, r.ep, &c), 0);
+    CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 100)); /* moved to the other rail, still dark */
+    close(r.dark[1]);
+    r.dark[1] = -1;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 2, 0), AXF_E_PEER_LOST);
+    rails_close(&r);
+    return 0;
+}
+
+/* The dark rail's peer keeps pinging (it is alive) but never serves: the
+ * stall detector fails its requests with AXF_E_TIMEOUT and takes it out. */
+static int test_stalled_rail_times_out(void)
+{
+    axf_config cfg = {.chunk_bytes = 64u << 10, .keepalive_ms = 50, .peer_timeout_ms = 5000,
+                      .stall_ms = 300};
+    rails r;
+    if (rails_open(&r, &cfg, 1, 1))
+        return 1;
+    axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG};
+    uint64_t t0 = t_now_ms();
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_OK);
+    wire_hdr ping = {.magic = AXF_MAGIC, .type = FR_PING};
+    axf_completion c = {0};
+    for (int i = 0; i < 100; i++) {
+        send(r.dark[0], &ping, sizeof ping, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (t_wait_ex(r.a, AXF_CQ_XFER, false, 1, &c, 20) == 0)
+            break;
+    }
+    uint64_t took = t_now_ms() - t0;
+    CHECK_EQ(c.id, 1);
+    CHECK_EQ(c.status, AXF_E_TIMEOUT);
+    printf("  stalled request failed after %llu ms (stall_ms 300)\n", (unsigned long long)took);
+    CHECK(took >= 300 && took < 3000);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_RAIL_DOWN, r.ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_TIMEOUT);
+    /* The served rail goes on. */
+    memset(r.dst, 0, REG);
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 2, 0), AXF_OK);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 2, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(r.dst, r.src, REG) == 0);
+    rails_close(&r);
+    return 0;
+}
+
+/* Rates are measured per connection and weight the striping. */
+static int test_rates_measured(void)
+{
+    axf_config cfg = {.chunk_bytes = 256u << 10};
+    rails r;
+    if (rails_open(&r, &cfg, 3, 0))
+        return 1;
+    axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG};
+    for (uint64_t i = 1; i <= 8; i++) {
+        CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, i, 0), AXF_OK);
+        axf_completion c;
+        CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, i, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+    }
+    axf_rail_stats st[4];
+    CHECK_EQ(axf_endpoint_rails(r.a->e, r.ep, st, 4), 3);
+    uint64_t total = 0;
+    for (int i = 0; i < 3; i++) {
+        CHECK(st[i].live);
+        CHECK(st[i].bytes > 0);
+        CHECK(st[i].rate > 0);
+        total += st[i].bytes;
+    }
+    CHECK_EQ(total, 8ull * REG);
+    rails_close(&r);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static const t_case cases[] = {
+        T_CASE(test_write_rerouted_off_a_failed_rail),
+        T_CASE(test_read_rerouted_and_rail_added_back),
+        T_CASE(test_last_rail_lost_fails_the_endpoint),
+        T_CASE(test_stalled_rail_times_out),
+        T_CASE(test_rates_measured),
+    };
+    return T_RUN(argc, argv, cases);
+}
