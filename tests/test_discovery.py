@@ -250,6 +250,22 @@ async def member(etcd: Etcd) -> AsyncIterator[Callable[..., Awaitable[Member]]]:
             assert all(v == 0 for v in leaks.values()), f"member leaks: {leaks}"
 
 
+def sigstop(pid: int) -> None:
+    """SIGSTOP, and wait until every thread of pid is stopped (kill() returns
+    before that; a thread on another core may still run for a moment)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        if all(st in "Tt" for st in states):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} not stopped: {states}"
+        time.sleep(0.001)
+
+
 class Stream:
     """Keeps ``depth`` writes in flight from ``src`` into ``dst`` until stopped
     or until one fails; records when each failure happened."""
@@ -260,6 +276,7 @@ class Stream:
         self.failures: list[tuple[float, BaseException]] = []
         self.stop = asyncio.Event()
         self.started = asyncio.Event()
+        self.failed = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def _done(self, t: asyncio.Future[Any]) -> None:
@@ -271,6 +288,7 @@ class Stream:
             self.started.set()
         else:
             self.failures.append((time.monotonic(), exc))
+            self.failed.set()
 
     async def _run(self) -> None:
         n = self.src.nbytes // self.chunk
@@ -495,6 +513,7 @@ async def test_kill9_member_lease_expires_then_restart(
     await within(stream.started.wait())
     t_kill = time.monotonic()
     old.kill(signal.SIGKILL)
+    await within(stream.failed.wait())  # the stream goes on until the loss shows
     await stream.finish()
     t_fail, exc = _first_failure(stream)
     assert all(isinstance(e, aioxfer.PeerLost) for _, e in stream.failures), stream.failures
@@ -534,12 +553,12 @@ async def test_lease_expiry_fails_pending_transfers(
     src = a.register(bytearray(1 << 20))
     await within(a.write(src[0:4096], peer.region("pool")[0:4096]))
     try:
-        m.kill(signal.SIGSTOP)
+        sigstop(m.pid)
         t_stop = time.monotonic()
         pending = [a.write(src[0:65536], peer.region("pool")[0:65536]) for _ in range(4)]
         results = await within(asyncio.gather(*pending, return_exceptions=True), TTL + 5)
         t_fail = time.monotonic()
-        assert all(isinstance(r, aioxfer.PeerLost) for r in results), results
+        assert all(isinstance(r, aioxfer.PeerLost) for r in results), [repr(r) for r in results]
         assert "lease expired" in str(results[0])
         await next_event(events, is_(PeerLeft, "frozen"), what="PeerLeft")
         print(f"\nSIGSTOP'd member: lease expiry (ttl {TTL} s) failed its pending transfers "

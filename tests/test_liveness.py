@@ -12,6 +12,7 @@ interval of granularity and scheduling slack for a busy CI box).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,22 @@ import aioxfer
 PEER_TIMEOUT = 1.0
 KEEPALIVE = 0.2
 SLACK = 1.0  # scheduling on a loaded 2-core machine; not a speed claim
+
+
+def stop(ra: RemoteAgent) -> None:
+    """SIGSTOP, and wait until the kernel has actually stopped every thread
+    (kill() returns before that; a thread on another core may still run)."""
+    ra.kill(signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{ra.pid}/task"):
+            with open(f"/proc/{ra.pid}/task/{tid}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        if all(s in "Tt" for s in states):
+            return
+        assert time.monotonic() < deadline, f"pid {ra.pid} not stopped: {states}"
+        time.sleep(0.001)
 
 
 @pytest.fixture
@@ -52,7 +69,7 @@ async def test_sigstopped_peer_is_lost_within_peer_timeout(
     await within(a.write(src[0:4096], dst[0:4096]))  # healthy before
 
     frozen.append(ra)
-    ra.kill(signal.SIGSTOP)
+    stop(ra)
     t_stop = time.monotonic()
     pending = [a.write(src[i << 16:(i + 1) << 16], dst[i << 16:(i + 1) << 16]) for i in range(8)]
     pending.append(a.write(src[0:16], dst[0:16], notify=b"are you there"))
@@ -62,7 +79,7 @@ async def test_sigstopped_peer_is_lost_within_peer_timeout(
     elapsed = time.monotonic() - t_stop
     print(f"\nSIGSTOP'd peer: lost after {elapsed:.3f} s "
           f"(peer_timeout {PEER_TIMEOUT} s, keepalive {KEEPALIVE} s)")
-    assert all(isinstance(r, aioxfer.PeerLost) for r in results), results
+    assert all(isinstance(r, aioxfer.PeerLost) for r in results), [repr(r) for r in results]
     assert elapsed <= PEER_TIMEOUT + KEEPALIVE + SLACK
     assert peer.lost
     with pytest.raises(aioxfer.PeerLost):
@@ -89,7 +106,7 @@ async def test_sigstop_within_bound_loses_nothing(
     await within(a.write(src[0:4096], dst[0:4096]))
 
     frozen.append(ra)
-    ra.kill(signal.SIGSTOP)
+    stop(ra)
     t_stop = time.monotonic()
     chunk = size // 16
     # Posted while it is frozen: they wait for it, they do not fail.
