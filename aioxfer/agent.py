@@ -216,13 +216,8 @@ class Agent:
         connect, write or read). With discovery, also joins: publishes this
         agent and starts following the members (raises TransportError if etcd
         cannot be reached). Idempotent."""
-        loop = self._start()
-        if self._discovery is not None and self._session is None:
-            if self._session_start is None:
-                self._session_start = loop.create_task(
-                    self._start_discovery(), name=f"aioxfer-join-{self.name}"
-                )
-                self._session_start.add_done_callback(_retrieve)
+        self._start()
+        if self._session_start is not None:
             await asyncio.shield(self._session_start)
         return self
 
@@ -238,6 +233,13 @@ class Agent:
         self._accept_task = loop.create_task(
             self._accept_loop(), name=f"aioxfer-accept-{self.name}"
         )
+        if self._discovery is not None:
+            # Joining needs etcd round trips: start() awaits it; a lazy start
+            # (first connect, write or read) lets it run in the background.
+            self._session_start = loop.create_task(
+                self._start_discovery(), name=f"aioxfer-join-{self.name}"
+            )
+            self._session_start.add_done_callback(_retrieve)
         _log.debug("agent.started", agent=self.name, address=self.address)
         return loop
 
@@ -617,10 +619,12 @@ class Agent:
         except BaseException as exc:
             await session.aclose()
             if isinstance(exc, Exception) and not isinstance(exc, XferError):
-                raise TransportError(
+                error = TransportError(
                     f"agent {self.name!r} cannot join through etcd at "
                     f"{', '.join(self._discovery.endpoints)}: {exc}"
-                ) from exc
+                )
+                _log.warning("discovery.join_failed", agent=self.name, reason=str(error))
+                raise error from exc
             raise
         self._session = session
         await self._members_reset(members)

@@ -335,6 +335,16 @@ def test_etcd_arguments() -> None:
         aioxfer.Agent("a", discovery="127.0.0.1:2379")  # type: ignore[arg-type]
 
 
+async def test_membership_consumer_that_falls_behind_fails_loudly() -> None:
+    from aioxfer.discovery import MAX_BACKLOG
+
+    it = Membership([], lambda _: None)
+    for i in range(MAX_BACKLOG + 1):
+        it._put(PeerJoined(f"p{i}", i, "127.0.0.1:1"))
+    with pytest.raises(aioxfer.XferError, match="fell more than"):
+        await within(it.__anext__())
+
+
 async def test_names_need_discovery(make_agent: Any) -> None:
     a = await make_agent("a")
     with pytest.raises(ValueError, match="no discovery"):
@@ -463,6 +473,21 @@ async def test_join_update_leave(make_agent: Any, etcd: Etcd) -> None:
     assert await _etcd_get(etcd, a.name) is None  # aclose deregistered it
     with pytest.raises(StopAsyncIteration):
         await within(events.__anext__())
+
+
+async def test_lazy_start_joins_in_background(make_agent: Any, etcd: Etcd) -> None:
+    """An agent first used without start() (a connect by address) still joins."""
+    b = await make_agent("b", discovery=etcd)
+    events = b.membership()
+    lazy = aioxfer.Agent("lazy", discovery=etcd)
+    try:
+        await within(lazy.connect(b.address))
+        ev = await next_event(events, is_(PeerJoined, "lazy", lazy.incarnation), what="join")
+        assert ev.address == lazy.address
+        assert (await within(lazy.connect(b.name))).incarnation == b.incarnation
+    finally:
+        await lazy.aclose()
+    await next_event(events, is_(PeerLeft, "lazy"), what="leave")
 
 
 async def test_deleted_key_drops_peer_and_evicts(make_agent: Any, etcd: Etcd) -> None:
