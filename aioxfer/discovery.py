@@ -201,8 +201,9 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
 class Etcd:
     """Discovery through a real etcd (v3 API; e.g. Debian's ``etcd-server``).
 
-    ``endpoints``: "host:port" or "http://host:port" (one or several of the
-    cluster: tried in turn). ``prefix``: where agents live
+    ``endpoints``: "host:port" or "http://host:port" of the cluster's members,
+    tried in order when joining (the agent then stays with the first that
+    answered, retrying it while it is down). ``prefix``: where agents live
     (``{prefix}/agents/{name}``). ``ttl``: lease seconds (whole, at least 1):
     an agent that stops refreshing its lease (killed, frozen, cut off) is
     removed that long after its last refresh, and its peers fail their
@@ -301,7 +302,7 @@ class EtcdSession:
         self._tasks: set[asyncio.Task[None]] = set()
         self._publisher: asyncio.Task[None] | None = None
         self._dirty = False
-        self._warned = ""
+        self._warned: set[str] = set()
         # One key operation at a time: a rejoin racing a put would leave us
         # refreshing a lease our key is not on.
         self._lock = asyncio.Lock()
@@ -392,12 +393,6 @@ class EtcdSession:
         if kv is None:
             return None
         return self._decode(kv.key, kv.value)
-
-    async def delete(self, name: str) -> bool:
-        """Deletes a member's key (an eviction); True if it existed."""
-        async with asyncio.timeout(self.config.timeout):
-            res = await self._client.delete(self.config.key(name).encode())
-        return bool(res)
 
     async def _list(self, client: Any) -> tuple[dict[str, AgentMeta], int]:
         res = await client.get_prefix(self._agents)
@@ -542,19 +537,24 @@ class EtcdSession:
                         await self._rejoin()
                     elif self._value != self._published:
                         await self._put_owned()
-                if self._warned:
-                    _log.info("discovery.recovered", agent=self.name, etcd=self._endpoint)
-                    self._warned = ""
+                self._recovered("discovery.keepalive_failed")
+                self._recovered("discovery.publish_failed")
             except asyncio.CancelledError:
                 raise
             except (Exception, TimeoutError) as exc:
                 self._warn("discovery.keepalive_failed", _why(exc))
 
     def _warn(self, event: str, reason: str) -> None:
-        # Once per kind of trouble, not once per retry.
-        if self._warned != event:
-            self._warned = event
+        # Once per kind of trouble until it clears, not once per retry.
+        if event not in self._warned:
+            self._warned.add(event)
             _log.warning(event, agent=self.name, etcd=self._endpoint, reason=reason)
+
+    def _recovered(self, event: str) -> None:
+        if event in self._warned:
+            self._warned.discard(event)
+            _log.info("discovery.recovered", agent=self.name, etcd=self._endpoint,
+                      after=event)
 
     # ------------------------------------------------------------ watching
 
@@ -579,6 +579,7 @@ class EtcdSession:
                     members, self._revision = await self._list(self._client)
                 await self._listener._members_reset(members)
                 backoff = 0.1
+                self._recovered("discovery.watch_failed")
             except asyncio.CancelledError:
                 raise
             except (Exception, TimeoutError) as exc:
