@@ -38,6 +38,7 @@ cdef extern from "aioxfer.h" nogil:
     uint32_t AXF_CQ_REGION_FREED
     uint32_t AXF_CQ_LOG
     uint32_t AXF_CQ_CONN_CLOSED
+    uint32_t AXF_CQ_RAIL_DOWN
 
     uint32_t AXF_MAX_NOTIFY
 
@@ -50,6 +51,7 @@ cdef extern from "aioxfer.h" nogil:
         uint64_t inline_bytes
         uint32_t keepalive_ms
         uint32_t peer_timeout_ms
+        uint32_t stall_ms
 
     ctypedef struct axf_desc:
         uint64_t lrid
@@ -58,6 +60,13 @@ cdef extern from "aioxfer.h" nogil:
         uint64_t rkey
         uint64_t roff
         uint64_t len
+
+    ctypedef struct axf_rail_stats:
+        uint32_t rail
+        uint32_t live
+        uint64_t bytes
+        uint64_t rate
+        uint64_t reroutes
 
     ctypedef struct axf_completion:
         uint32_t kind
@@ -93,6 +102,8 @@ cdef extern from "aioxfer.h" nogil:
     int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid,
                             uint64_t *ep_out)
     int axf_endpoint_add_conn(axf_engine *e, uint64_t ep, int fd)
+    int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep, int fd, uint32_t rail)
+    size_t axf_endpoint_rails(axf_engine *e, uint64_t ep, axf_rail_stats *out, size_t max)
     int axf_endpoint_import(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key,
                             uint64_t len, uint32_t access, uint64_t addr, int32_t memfd)
     int axf_endpoint_forget(axf_engine *e, uint64_t ep, uint64_t rid)

@@ -54,6 +54,7 @@ CQ_PEER_LOST = AXF_CQ_PEER_LOST
 CQ_REGION_FREED = AXF_CQ_REGION_FREED
 CQ_LOG = AXF_CQ_LOG
 CQ_CONN_CLOSED = AXF_CQ_CONN_CLOSED
+CQ_RAIL_DOWN = AXF_CQ_RAIL_DOWN
 
 MAX_NOTIFY = AXF_MAX_NOTIFY
 DESC_FIELDS = 6  # columns of a descriptor array: lrid, loff, rrid, rkey, roff, len
@@ -179,7 +180,7 @@ cdef class Engine:
 
     def __cinit__(self, uint32_t copy_workers=0, uint64_t chunk_bytes=0,
                   uint64_t inline_bytes=0, uint32_t keepalive_ms=0,
-                  uint32_t peer_timeout_ms=0):
+                  uint32_t peer_timeout_ms=0, uint32_t stall_ms=0):
         cdef axf_config cfg
         memset(&cfg, 0, sizeof(cfg))
         cfg.copy_workers = copy_workers
@@ -187,6 +188,7 @@ cdef class Engine:
         cfg.inline_bytes = inline_bytes
         cfg.keepalive_ms = keepalive_ms
         cfg.peer_timeout_ms = peer_timeout_ms
+        cfg.stall_ms = stall_ms
         self._pins = {}
         self._fd = -1
         self._cq = <axf_completion *>PyMem_Malloc(POLL_DEFAULT * sizeof(axf_completion))
@@ -378,17 +380,29 @@ cdef class Engine:
         _check(axf_endpoint_create(self._e, kind, tag, pid, &ep), "cannot create endpoint")
         return ep
 
-    def endpoint_add_conn(self, uint64_t ep, int fd):
-        """The engine owns fd from now on, also when this raises."""
+    def endpoint_add_conn(self, uint64_t ep, int fd, uint32_t rail=0):
+        """The engine owns fd from now on, also when this raises. rail: the
+        caller's number for the path it runs on (reported back by
+        endpoint_rails and CQ_RAIL_DOWN records)."""
         cdef int st
         self._open()
         self._busy += 1
         try:
             with nogil:
-                st = axf_endpoint_add_conn(self._e, ep, fd)
+                st = axf_endpoint_add_rail_conn(self._e, ep, fd, rail)
         finally:
             self._busy -= 1
         _check(st, f"cannot add a connection to endpoint {ep}")
+
+    def endpoint_rails(self, uint64_t ep):
+        """One (rail, live, bytes, rate in bytes/ms, reroutes) per connection
+        the endpoint ever had, in slot order; [] for an unknown endpoint."""
+        cdef axf_rail_stats st[16]
+        cdef size_t n, i
+        self._open()
+        n = axf_endpoint_rails(self._e, ep, st, 16)
+        return [(st[i].rail, bool(st[i].live), st[i].bytes, st[i].rate, st[i].reroutes)
+                for i in range(n)]
 
     def endpoint_import(self, uint64_t ep, uint64_t rid, uint64_t key, uint64_t nbytes,
                         uint32_t access, uint64_t addr, int32_t memfd):
