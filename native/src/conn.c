@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #define TX_BATCH 64
+#define INLINE_SEND (64u << 10) /* frames sent on the caller's thread, at most */
 #define DISCARD_BYTES (64u << 10)
 
 /* What the initiator expects back on one connection, in order: one entry
@@ -183,16 +184,21 @@ static int discard(int fd, uint8_t *scratch, uint64_t len)
     return 0;
 }
 
-static int send_all(int fd, struct iovec *iov, int cnt)
+/* Sends the iovecs whole (blocking, up to SO_SNDTIMEO) or, nowait, as much
+ * as the socket takes now. *sent: bytes sent. 0, or -errno. */
+static int send_iov(int fd, struct iovec *iov, int cnt, bool nowait, uint64_t *sent)
 {
     while (cnt > 0) {
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
-        ssize_t r = sendmsg(fd, &m, MSG_NOSIGNAL);
+        ssize_t r = sendmsg(fd, &m, MSG_NOSIGNAL | (nowait ? MSG_DONTWAIT : 0));
         if (r < 0) {
             if (errno == EINTR)
                 continue;
+            if (nowait && (errno == EAGAIN || errno == EWOULDBLOCK))
+                return 0;
             return -errno;
         }
+        *sent += (uint64_t)r;
         size_t done = (size_t)r;
         while (cnt > 0 && done >= iov->iov_len) {
             done -= iov->iov_len;
@@ -202,6 +208,8 @@ static int send_all(int fd, struct iovec *iov, int cnt)
         if (cnt > 0) {
             iov->iov_base = (uint8_t *)iov->iov_base + done;
             iov->iov_len -= done;
+            if (nowait)
+                return 0;
         }
     }
     return 0;
@@ -238,111 +246,196 @@ static void thread_exit(conn *c)
     pthread_mutex_unlock(&e->th_mu);
 }
 
+/* Releases a list of items (linked by next) with no lock held: releasing
+ * may finish an op. */
+static void release_list(axf_engine *e, sq_item *it)
+{
+    while (it) {
+        sq_item *n = it->next;
+        sq_release(e, it);
+        it = n;
+    }
+}
+
+/* Sends a batch of queued frames, c->mu held on entry and on return (released
+ * while sending), c->sending claimed for the duration. Sent (or dropped)
+ * items go to *done for the caller to release once unlocked.
+ * nowait: on a caller's own thread (the loop's doorbell, a receiver's reply):
+ * only frames up to INLINE_SEND in all, MSG_DONTWAIT, and whatever did not
+ * fit goes back to the head of the queue for the sending thread. Returns 0,
+ * or -errno (the connection is then marked dead). */
+static int send_batch(conn *c, bool nowait, sq_item **done)
+{
+    sq_item *batch[TX_BATCH];
+    struct iovec iov[2 * TX_BATCH];
+    int n = 0;
+    uint64_t bytes = 0;
+    while (c->head && n < TX_BATCH) {
+        sq_item *it = c->head;
+        uint64_t size = sizeof it->h + it->plen - it->sent;
+        if (nowait && bytes + size > INLINE_SEND)
+            break;
+        c->head = it->next;
+        if (!c->head)
+            c->tail = NULL;
+        it->next = NULL;
+        batch[n++] = it;
+        bytes += size;
+    }
+    if (!n)
+        return 0;
+    c->sending = true;
+    pthread_mutex_unlock(&c->mu);
+
+    int niov = 0, keep = 0;
+    for (int i = 0; i < n; i++) {
+        sq_item *it = batch[i];
+        bool data = it->op && (it->h.type == FR_WRITE || it->h.type == FR_READ_REQ);
+        if (!it->sent && data && atomic_load(&it->op->cancelled)) {
+            if (!(it->h.flags & FL_LAST)) {
+                it->next = *done;
+                *done = it;
+                continue;
+            }
+            /* The group's last frame still goes, empty, so it is acknowledged. */
+            it->h.flags |= FL_ABORT;
+            it->h.len = 0;
+            it->payload = NULL;
+            it->plen = 0;
+        }
+        batch[keep++] = it;
+        if (it->sent < sizeof it->h) {
+            iov[niov].iov_base = (uint8_t *)&it->h + it->sent;
+            iov[niov++].iov_len = sizeof it->h - it->sent;
+        }
+        uint64_t psent = it->sent > sizeof it->h ? it->sent - sizeof it->h : 0;
+        if (it->plen > psent) {
+            iov[niov].iov_base = (uint8_t *)it->payload + psent;
+            iov[niov++].iov_len = it->plen - psent;
+        }
+    }
+    uint64_t sent = 0;
+    int r = niov ? send_iov(c->fd, iov, niov, nowait, &sent) : 0;
+    uint64_t now = axf_now_us();
+    atomic_store(&c->progress_us, now);
+
+    pthread_mutex_lock(&c->mu);
+    c->sending = false;
+    c->last_send_ms = now / 1000;
+    /* Sent items are done; on a short nowait send the rest goes back. */
+    int i = 0;
+    for (; i < keep; i++) {
+        sq_item *it = batch[i];
+        uint64_t left = sizeof it->h + it->plen - it->sent;
+        if (r == 0 && sent < left) {
+            it->sent += sent;
+            break;
+        }
+        sent -= r == 0 ? left : 0;
+        it->next = *done;
+        *done = it;
+    }
+    if (i < keep) {
+        sq_item *head = c->head;
+        for (int k = keep - 1; k >= i; k--) {
+            batch[k]->next = head;
+            head = batch[k];
+        }
+        if (!c->head)
+            c->tail = batch[keep - 1];
+        c->head = head;
+        pthread_cond_signal(&c->cv); /* the sending thread takes it from here */
+    }
+    if (r)
+        conn_mark_dead(c);
+    if (c->dead) /* the sending thread may be waiting for us to leave */
+        pthread_cond_broadcast(&c->cv);
+    return r;
+}
+
+void conn_kick(conn *c)
+{
+    sq_item *done = NULL;
+    pthread_mutex_lock(&c->mu);
+    if (!c->dead && !c->sending && c->head)
+        (void)send_batch(c, true, &done);
+    if (c->head && !c->sending)
+        pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    release_list(c->e, done);
+}
+
 static void *tx_main(void *arg)
 {
     conn *c = arg;
     axf_engine *e = c->e;
-    sq_item *batch[TX_BATCH];
-    struct iovec iov[2 * TX_BATCH];
     uint64_t keepalive = e->cfg.keepalive_ms;
     uint64_t stall_us = (uint64_t)e->cfg.stall_ms * 1000u;
-    uint64_t last_send = axf_now_ms();
 
     pthread_mutex_lock(&c->mu);
+    c->last_send_ms = axf_now_ms();
     while (!c->dead) {
-        if (!c->head) {
-            uint64_t now = axf_now_ms();
-            if (now - last_send >= keepalive) {
-                pthread_mutex_unlock(&c->mu);
-                wire_hdr ping = {.magic = AXF_MAGIC, .type = FR_PING};
-                struct iovec pv = {.iov_base = &ping, .iov_len = sizeof ping};
-                int r = send_all(c->fd, &pv, 1);
-                last_send = axf_now_ms();
-                pthread_mutex_lock(&c->mu);
-                if (r) {
-                    conn_mark_dead(c);
-                    break;
-                }
-                continue;
+        if (c->head && !c->sending) {
+            sq_item *done = NULL;
+            int r = send_batch(c, false, &done);
+            pthread_mutex_unlock(&c->mu);
+            release_list(e, done);
+            pthread_mutex_lock(&c->mu);
+            if (r) {
+                if ((r == -EAGAIN || r == -EWOULDBLOCK) && stall_us && c->ep &&
+                    e->cfg.stall_ms < e->cfg.peer_timeout_ms)
+                    atomic_store(&c->stalled, true);
+                break;
             }
-            if (stall_us && c->ep && ((conn_priv *)c)->ex_head &&
-                axf_now_us() - atomic_load(&c->progress_us) > stall_us) {
-                /* Replies are owed and nothing moved either way: the peer is
-                 * alive (it pings) but does not serve us. */
-                atomic_store(&c->stalled, true);
+            continue;
+        }
+        uint64_t now = axf_now_ms();
+        if (!c->sending && now - c->last_send_ms >= keepalive) {
+            c->sending = true;
+            pthread_mutex_unlock(&c->mu);
+            wire_hdr ping = {.magic = AXF_MAGIC, .type = FR_PING};
+            struct iovec pv = {.iov_base = &ping, .iov_len = sizeof ping};
+            uint64_t sent = 0;
+            int r = send_iov(c->fd, &pv, 1, false, &sent);
+            pthread_mutex_lock(&c->mu);
+            c->sending = false;
+            c->last_send_ms = axf_now_ms();
+            if (r) {
                 conn_mark_dead(c);
                 break;
             }
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            uint64_t wait_ms = keepalive - (now - last_send);
-            if (stall_us && wait_ms > stall_us / 4000 + 1)
-                wait_ms = stall_us / 4000 + 1;
-            ts.tv_sec += (time_t)(wait_ms / 1000);
-            ts.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
-            pthread_cond_timedwait(&c->cv, &c->mu, &ts);
             continue;
         }
-        int n = 0;
-        while (c->head && n < TX_BATCH) {
-            sq_item *it = c->head;
-            c->head = it->next;
-            if (!c->head)
-                c->tail = NULL;
-            it->next = NULL;
-            batch[n++] = it;
-        }
-        pthread_mutex_unlock(&c->mu);
-
-        int niov = 0, keep = 0;
-        for (int i = 0; i < n; i++) {
-            sq_item *it = batch[i];
-            bool data = it->op && (it->h.type == FR_WRITE || it->h.type == FR_READ_REQ);
-            if (data && atomic_load(&it->op->cancelled)) {
-                if (!(it->h.flags & FL_LAST)) {
-                    sq_release(e, it);
-                    continue;
-                }
-                /* The group's last frame still goes, empty, so it is acknowledged. */
-                it->h.flags |= FL_ABORT;
-                it->h.len = 0;
-                it->payload = NULL;
-                it->plen = 0;
-            }
-            batch[keep++] = it;
-            iov[niov].iov_base = &it->h;
-            iov[niov++].iov_len = sizeof it->h;
-            if (it->plen) {
-                iov[niov].iov_base = (void *)it->payload;
-                iov[niov++].iov_len = it->plen;
-            }
-        }
-        int r = niov ? send_all(c->fd, iov, niov) : 0;
-        last_send = axf_now_ms();
-        atomic_store(&c->progress_us, axf_now_us());
-        for (int i = 0; i < keep; i++)
-            sq_release(e, batch[i]);
-        pthread_mutex_lock(&c->mu);
-        if (r) {
-            if ((r == -EAGAIN || r == -EWOULDBLOCK) && stall_us && c->ep &&
-                e->cfg.stall_ms < e->cfg.peer_timeout_ms)
-                atomic_store(&c->stalled, true);
+        if (stall_us && c->ep && ((conn_priv *)c)->ex_head && !c->sending &&
+            axf_now_us() - atomic_load(&c->progress_us) > stall_us) {
+            /* Replies are owed and nothing moved either way: the peer is
+             * alive (it pings) but does not serve us. */
+            atomic_store(&c->stalled, true);
             conn_mark_dead(c);
             break;
         }
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t since = now - c->last_send_ms;
+        uint64_t wait_ms = since < keepalive ? keepalive - since : 1;
+        if (stall_us && wait_ms > stall_us / 4000 + 1)
+            wait_ms = stall_us / 4000 + 1;
+        ts.tv_sec += (time_t)(wait_ms / 1000);
+        ts.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
     }
+    /* An inline sender may still be in send_batch: it puts back or releases
+     * its own items. */
+    while (c->sending)
+        pthread_cond_wait(&c->cv, &c->mu);
     sq_item *rest = c->head;
     c->head = c->tail = NULL;
     pthread_mutex_unlock(&c->mu);
-    while (rest) {
-        sq_item *n = rest->next;
-        sq_release(e, rest);
-        rest = n;
-    }
+    release_list(e, rest);
     thread_exit(c);
     return NULL;
 }
@@ -420,7 +513,8 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
             ack->h.index = c->grp_fail;
             ack->h.len = c->grp_bytes;
             c->in_grp = false;
-            conn_enqueue(c, ack, true);
+            conn_enqueue(c, ack, false);
+            conn_kick(c); /* replies go out from here: no handoff */
         }
         return NULL;
     }
@@ -449,7 +543,8 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                 resp->h.status = AXF_E_ACCESS;
             }
         }
-        conn_enqueue(c, resp, true);
+        conn_enqueue(c, resp, false);
+        conn_kick(c);
         return NULL;
     }
     case FR_NOTIFY: {
@@ -468,7 +563,8 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
         sq_item *ack = sq_new(FR_NOTIFY_ACK, h->op);
         if (!ack)
             return "out of memory";
-        conn_enqueue(c, ack, true);
+        conn_enqueue(c, ack, false);
+        conn_kick(c);
         cq_push(e, AXF_CQ_NOTIFY, AXF_OK, h->op, c->tag, 0, 0, scratch, h->len);
         return NULL;
     }
@@ -618,9 +714,16 @@ static void initiator_conn_lost(conn *c, bool proto)
         bool ok = false;
         if (stalled)
             op_set_status(o, AXF_E_TIMEOUT, 0);
-        else if (!atomic_load(&o->cancelled) && atomic_load(&o->status) == AXF_OK)
-            ok = x->type == FR_NOTIFY_ACK ? notify_enqueue(e, o)
-                                          : tcp_reroute(e, o, x->slot, x->chunks, x->nchunks);
+        else if (!atomic_load(&o->cancelled) && atomic_load(&o->status) == AXF_OK) {
+            if (x->type == FR_NOTIFY_ACK) {
+                conn *to = notify_enqueue(e, o);
+                if (to)
+                    conn_signal(to);
+                ok = to != NULL;
+            } else {
+                ok = tcp_reroute(e, o, x->slot, x->chunks, x->nchunks);
+            }
+        }
         if (ok) {
             nmoved++;
             x->next = moved;

@@ -515,8 +515,10 @@ static void op_data_done(axf_engine *e, op *o)
     if (o->notify && atomic_load(&o->status) == AXF_OK && !atomic_load(&o->cancelled)) {
         o->phase = 1;
         atomic_store(&o->remaining, 1);
-        if (notify_enqueue(e, o)) {
+        conn *c = notify_enqueue(e, o);
+        if (c) {
             pthread_mutex_unlock(&e->mu);
+            conn_kick(c);
             return;
         }
         op_set_status(o, o->ep->nconns ? AXF_E_PEER_LOST : AXF_E_TRANSPORT, 0);
@@ -659,19 +661,19 @@ conn *endpoint_live_conn(endpoint *ep)
     return NULL;
 }
 
-bool notify_enqueue(axf_engine *e, op *o)
+conn *notify_enqueue(axf_engine *e, op *o)
 {
     (void)e;
     conn *c = endpoint_live_conn(o->ep);
     if (!c)
-        return false;
+        return NULL;
     sq_item *it = sq_new(FR_NOTIFY, o->req_id);
     uint8_t *copy = malloc(o->notify_len);
     if (!it || !copy) {
         free(it);
         free(copy);
         op_set_status(o, AXF_E_NOMEM, 0);
-        return false;
+        return NULL;
     }
     /* The frame owns a copy: the acknowledgement (and the op's end) can come
      * before the sending thread is back from sendmsg, and a rerouted
@@ -682,8 +684,8 @@ bool notify_enqueue(axf_engine *e, op *o)
     it->plen = o->notify_len;
     it->op = o;
     atomic_fetch_add(&o->pins, 1);
-    conn_enqueue(c, it, true);
-    return true;
+    conn_enqueue(c, it, false);
+    return c;
 }
 
 /* Smooth weighted round robin over the live connections, weighted by their
@@ -861,6 +863,7 @@ static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
     return true;
 }
 
+
 bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n)
 {
     endpoint *ep = o->ep;
@@ -1000,8 +1003,12 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     }
     if (ep->kind == AXF_EP_TCP) {
         /* Not read back from o->remaining: replies may already be decrementing it. */
-        finish_now = !tcp_submit(e, o, signal);
+        /* Queued unsignalled; the doorbell below (or the caller's) sends
+         * small frames on this thread, without a handoff. */
+        finish_now = !tcp_submit(e, o, false);
         pthread_mutex_unlock(&e->mu);
+        if (signal && !finish_now)
+            axf_doorbell(e);
     } else {
         uint64_t total = 0;
         for (size_t i = 0; i < n; i++)
@@ -1029,13 +1036,17 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
 
 void axf_doorbell(axf_engine *e)
 {
+    conn *dirty[64];
     pthread_mutex_lock(&e->mu);
-    for (int i = 0; i < e->ndirty; i++)
-        conn_signal(e->dirty[i]);
+    int ndirty = e->ndirty;
+    memcpy(dirty, e->dirty, (size_t)ndirty * sizeof *dirty);
     e->ndirty = 0;
     bool w = e->dirty_workers;
     e->dirty_workers = false;
     pthread_mutex_unlock(&e->mu);
+    /* Connections live until the engine is destroyed: safe once unlocked. */
+    for (int i = 0; i < ndirty; i++)
+        conn_kick(dirty[i]);
     if (w) {
         pthread_mutex_lock(&e->wq_mu);
         pthread_cond_broadcast(&e->wq_cv);

@@ -155,6 +155,7 @@ typedef struct sq_item {
     op *op;          /* initiator frames: the op, pinned until the frame is released */
     region *reg;     /* target READ_RESP: region ref released after sending */
     uint8_t *owned;  /* freed after sending */
+    uint64_t sent;   /* bytes of header + payload already sent (a short inline send) */
     /* initiator LAST frames: what its group is, for a reroute if the
      * connection fails: a schedule slot, or (rerouted groups) a chunk list
      * whose ownership passes to the connection with the frame */
@@ -173,6 +174,8 @@ typedef struct conn {
     pthread_cond_t cv;
     sq_item *head, *tail;
     bool dead;               /* c->mu */
+    bool sending;            /* c->mu: a thread is sending from this queue */
+    uint64_t last_send_ms;   /* c->mu */
     atomic_bool down;        /* dead, as others see it without c->mu */
     atomic_bool stalled;     /* killed by stall detection */
     int slot;                /* initiator: index in ep->conns */
@@ -251,7 +254,9 @@ conn *endpoint_live_conn(endpoint *ep); /* e->mu held; NULL when none */
 /* Queues a rerouted group's chunks (list, or the chunks of schedule slot
  * `slot`) on the live connections; false when none is left. e->mu held. */
 bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n);
-bool notify_enqueue(axf_engine *e, op *o); /* e->mu held; false: no live connection */
+/* e->mu held. Returns the connection it was queued on (kick it once
+ * unlocked), or NULL: no live connection. */
+conn *notify_enqueue(axf_engine *e, op *o);
 void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key);
 int revoke_acked(axf_engine *e, conn *c, uint64_t rid); /* AXF_OK or AXF_E_PROTOCOL */
 void revokes_drop(axf_engine *e, conn *c); /* the connection is gone */
@@ -260,6 +265,10 @@ void revokes_drop(axf_engine *e, conn *c); /* the connection is gone */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
 void conn_signal(conn *c);
+/* Sends what is queued now on the calling thread when that is small and the
+ * socket takes it (no handoff to the sending thread), else wakes that
+ * thread. No engine lock may be held. */
+void conn_kick(conn *c);
 void conn_kill(conn *c);
 sq_item *sq_new(int type, uint64_t op_id);
 void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
