@@ -58,6 +58,19 @@ class Transfer(asyncio.Future[TransferResult]):
         self._posted = False  # handed to the engine (a completion record will come)
         self._cancel_requested = False
 
+    def __await__(self):  # type: ignore[no-untyped-def]
+        # Awaited with nothing else of the agent's in the engine: latency is all
+        # that matters, so what this loop iteration posted goes to the engine
+        # now rather than at the end of the iteration (a small same-host copy
+        # then completes inside this call and the await does not suspend).
+        # With others in flight, batching them into one native call wins.
+        agent = self._agent
+        if not self._posted and not self.done() and len(agent._inflight) == len(agent._pending):
+            agent._flush()
+        return super().__await__()
+
+    __iter__ = __await__
+
     def cancel(self, msg: object = None) -> bool:
         """Cancels the transfer; False if it had already finished. Task.cancel()
         of a task awaiting this transfer comes here too."""
