@@ -260,10 +260,31 @@ class Rails:
         self._created.clear()
 
 
+def reap_stale() -> list[str]:
+    """Deletes namespaces of this naming scheme (``axf-<pid>-...``) whose
+    process is gone: left by a run that was killed before its teardown."""
+    out = _run("ip", "netns", "list", check=False).stdout.split("\n")
+    gone = []
+    for line in out:
+        name = line.split()[0] if line.split() else ""
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "axf" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+            continue
+        if _run("ip", "netns", "pids", name, check=False).stdout.strip():
+            continue  # something still runs in it: not ours to kill
+        _run("ip", "netns", "del", name, check=False)
+        gone.append(name)
+    return gone
+
+
 @contextlib.contextmanager
 def rails(nrails: int = 2, prefix: str = "10.77") -> Iterator[Rails]:
     """Two fresh namespaces joined by ``nrails`` rails, removed at exit
     (also on failure)."""
+    reap_stale()
     r = Rails(nrails, prefix)
     try:
         r.setup()
