@@ -97,7 +97,11 @@ def unavailable() -> str | None:
 
 
 def firewall() -> str | None:
-    """"nft" or "iptables" (whichever can blackhole a rail), or None."""
+    """"nft" or "iptables" (whichever can blackhole a rail; nft first, or
+    as AXF_FIREWALL says), or None."""
+    forced = os.environ.get("AXF_FIREWALL")
+    if forced:
+        return forced if shutil.which(forced) else None
     if shutil.which("nft"):
         return "nft"
     if shutil.which("iptables"):

@@ -225,6 +225,8 @@ async def test_link_down_mid_stream_reroutes_and_recovers(net: Rails, stream: St
 async def test_blackholed_rail_mid_stream_reroutes_and_recovers(
     net: Rails, stream: Stream
 ) -> None:
+    if netns.firewall() is None:
+        pytest.skip("blackholing a rail needs nft or iptables (packages nftables, iptables)")
     await _fail_and_recover(net, stream, 2, "blackhole")
 
 
@@ -234,7 +236,10 @@ async def test_all_rails_down_fails_pending_with_peer_lost(net: Rails, stream: S
     await s.wait_bytes(REGION // 2)
     t_fail = time.monotonic()
     net.link_down(1)
-    net.blackhole(2)
+    if netns.firewall():
+        net.blackhole(2)
+    else:
+        net.link_down(2)
     bound = PEER_TIMEOUT + KEEPALIVE + SLACK
     rec = await s.stop(wait=bound + 10)  # stops posting, awaits what is in flight
     assert not rec["hung"], "transfers hung with every rail down"
