@@ -145,17 +145,31 @@ class LowestExpectedCompletion:
     joined receives traffic (and so gets measured) instead of being avoided
     for looking slow, or flooded for looking infinitely fast.
 
-    Ties (an idle pool of equal peers): fewer requests outstanding, then fewer
-    transfers posted so far, then name.
+    The measurements are moving averages of noisy samples (a transfer's time
+    includes the event loop's delay in seeing it complete), and a peer is only
+    measured when it is chosen. Taking the strict minimum would send an idle
+    pool's traffic to whichever peer measured fastest last, and a peer that
+    measured slow once would never be chosen, so never measured, again. Hence:
+
+    - ``tolerance``: peers expected within ``(1 + tolerance)`` times the best
+      time count as equally good; among them the one with fewer requests
+      outstanding, then fewer transfers posted so far, then the first name
+      wins (an idle pool of equal peers is used in turn);
+    - ``explore_every``: every so many choices go to the live candidate that
+      has been posted the fewest transfers, whatever its estimate, so a stale
+      estimate is refreshed (``None``: never). A peer that really is slow then
+      gets that share of the traffic and no more.
     """
 
-    __slots__ = ("default_bandwidth", "default_latency")
+    __slots__ = ("default_bandwidth", "default_latency", "tolerance", "explore_every", "_calls")
 
     def __init__(
         self,
         *,
         default_bandwidth: float = DEFAULT_BANDWIDTH,
         default_latency: float = DEFAULT_LATENCY,
+        tolerance: float = 0.25,
+        explore_every: int | None = 16,
     ) -> None:
         if not (default_bandwidth > 0 and math.isfinite(default_bandwidth)):
             raise ValueError(f"default_bandwidth must be a positive number of bytes/s, "
@@ -163,8 +177,15 @@ class LowestExpectedCompletion:
         if not (default_latency >= 0 and math.isfinite(default_latency)):
             raise ValueError(f"default_latency must be a non-negative number of seconds, "
                              f"not {default_latency!r}")
+        if not (tolerance >= 0 and math.isfinite(tolerance)):
+            raise ValueError(f"tolerance must be a non-negative fraction, not {tolerance!r}")
+        if explore_every is not None and explore_every < 2:
+            raise ValueError(f"explore_every must be at least 2 (or None), not {explore_every!r}")
         self.default_bandwidth = float(default_bandwidth)
         self.default_latency = float(default_latency)
+        self.tolerance = float(tolerance)
+        self.explore_every = explore_every
+        self._calls = 0
 
     def expected(self, candidates: Sequence[P], nbytes: int) -> list[tuple[float, P]]:
         """Every live candidate with its expected completion time (seconds),
@@ -175,9 +196,14 @@ class LowestExpectedCompletion:
     def choose(self, candidates: Sequence[P], nbytes: int) -> P:
         _check_nbytes(nbytes)
         live = _live(candidates)
+        self._calls += 1
+        if self.explore_every is not None and self._calls % self.explore_every == 0:
+            return min(live, key=lambda pl: (pl[1].posted, pl[0].name))[0]
+        estimates = self._estimates(live, nbytes)
+        limit = min(e[0] for e in estimates) * (1.0 + self.tolerance)
         best = min(
-            self._estimates(live, nbytes),
-            key=lambda e: (e[0], e[1].outstanding, e[1].posted, e[2].name),
+            (e for e in estimates if e[0] <= limit),
+            key=lambda e: (e[1].outstanding, e[1].posted, e[2].name),
         )
         return best[2]
 

@@ -142,8 +142,8 @@ def test_expected_completion_rejects_bad_defaults() -> None:
 
 def test_spreads_a_stream_of_requests() -> None:
     # Requests that stay in flight: the router balances by what it sees, and
-    # sends a faster peer proportionally more.
-    r = LowestExpectedCompletion()
+    # sends a faster peer proportionally more (exactly so with no tolerance).
+    r = LowestExpectedCompletion(tolerance=0.0, explore_every=None)
     peers = {n: StubPeer(n, bandwidth=bw, latency=1e-4)
              for n, bw in [("a", 1e9), ("b", 1e9), ("c", 2e9)]}
     counts = dict.fromkeys(peers, 0)
@@ -155,3 +155,41 @@ def test_spreads_a_stream_of_requests() -> None:
     assert counts["a"] + counts["b"] + counts["c"] == 400
     assert abs(counts["a"] - counts["b"]) <= 1
     assert abs(counts["c"] - 2 * counts["a"]) <= 2
+
+
+def test_tolerance_spreads_over_nearly_equal_peers() -> None:
+    # Noisy estimates of equal idle peers: the strict minimum would send all
+    # to "a"; within the tolerance they are used in turn.
+    peers = [StubPeer("a", bandwidth=5.0e9, latency=1e-4),
+             StubPeer("b", bandwidth=4.2e9, latency=1e-4),
+             StubPeer("c", bandwidth=1.0e9, latency=1e-4)]  # really slower: not used
+    strict = LowestExpectedCompletion(tolerance=0.0, explore_every=None)
+    loose = LowestExpectedCompletion(tolerance=0.25, explore_every=None)
+    counts = dict.fromkeys("abc", 0)
+    for _ in range(10):
+        assert choose(strict, peers, 1 << 20) == "a"
+        name = choose(loose, peers, 1 << 20)
+        counts[name] += 1
+        next(p for p in peers if p.name == name).stats["transfers_posted"] = counts[name]
+    assert counts == {"a": 5, "b": 5, "c": 0}
+
+
+def test_exploration_remeasures_a_starved_peer() -> None:
+    # "c" measured slow once; without exploration it is never chosen again,
+    # so its estimate never improves. Every 4th choice goes to the least used.
+    peers = [StubPeer("a", bandwidth=5e9), StubPeer("b", bandwidth=5e9),
+             StubPeer("c", bandwidth=1e8)]
+    r = LowestExpectedCompletion(explore_every=4)
+    picks = []
+    for _ in range(12):
+        p = r.choose(peers, 1 << 20)
+        picks.append(p.name)
+        p.stats["transfers_posted"] = p.stats.get("transfers_posted", 0) + 1
+    assert [picks[i] for i in (3, 7, 11)] == ["c", "c", "c"]
+    assert picks.count("c") == 3
+    never = LowestExpectedCompletion(explore_every=None)
+    assert all(never.choose(peers, 1 << 20).name != "c" for _ in range(50))
+    with pytest.raises(ValueError):
+        LowestExpectedCompletion(explore_every=1)
+    with pytest.raises(ValueError):
+        LowestExpectedCompletion(tolerance=-0.1)
