@@ -360,6 +360,7 @@ class Soak:
         except aioxfer.XferError as exc:  # typed (TransferTimeout too: the engine's verdict)
             self.failures[f"{stage}: {type(exc).__name__}"] += 1
             self.fail_seconds.append(time.monotonic() - t0)
+            await asyncio.sleep(0.01)  # as a client would: no busy loop on a dead target
         except TimeoutError:
             self.hung.append(f"{stage} to {target} after {deadline} s")
             print(f"HUNG: {self.hung[-1]}", file=sys.stderr)
