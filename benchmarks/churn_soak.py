@@ -231,7 +231,7 @@ class Soak:
     async def kill(self, m: Member) -> None:
         m.state = "killed"
         self.left(m)
-        os.kill(m.proc.pid, signal.SIGKILL)
+        m.proc.kill()  # SIGKILL
         self.events["SIGKILLed"] += 1
         await self.reap(m)
 
@@ -332,6 +332,10 @@ class Soak:
             member = self.by_incarnation.get((peer.name, peer.incarnation))
             pool = peer.region("pool")
             base = k * SLOT
+            w_src: Any
+            w_dst: Any
+            r_src: Any
+            r_dst: Any
             if scattered:  # n / PIECE descriptors, remote order shuffled
                 count = n // PIECE
                 local = np.arange(count, dtype=np.uint64) * PIECE + base

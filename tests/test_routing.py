@@ -46,7 +46,7 @@ class StubPeer:
 
 
 def choose(router: Router | Any, peers: Sequence[StubPeer], nbytes: int) -> str:
-    return str(router.choose(peers, nbytes).name)
+    return str(router.choose(peers, nbytes).name)  # type: ignore[arg-type]
 
 
 ROUTERS = [LeastLoaded(), LowestExpectedCompletion()]
@@ -134,8 +134,11 @@ def test_unmeasured_peer_assumed_typical() -> None:
 
 
 def test_expected_completion_rejects_bad_defaults() -> None:
-    for kw in ({"default_bandwidth": 0.0}, {"default_bandwidth": float("inf")},
-               {"default_latency": -1.0}, {"default_latency": float("nan")}):
+    bad: list[dict[str, Any]] = [
+        {"default_bandwidth": 0.0}, {"default_bandwidth": float("inf")},
+        {"default_latency": -1.0}, {"default_latency": float("nan")},
+    ]
+    for kw in bad:
         with pytest.raises(ValueError):
             LowestExpectedCompletion(**kw)
 
