@@ -81,6 +81,7 @@ TRANSPORTS = ("shm", "tcp")
 MAX_CONNS = 16  # AXF_MAX_CONNS: connections one endpoint may have
 _POLL_MAX = 4096
 _POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
+_BANDWIDTH_MIN = 64 << 10  # transfers from this size on measure bandwidth, smaller latency
 
 _OK = _cyx.OK
 _CQ_XFER = _cyx.CQ_XFER
@@ -99,13 +100,21 @@ class Agent:
     posts transfers.
 
     ``listen``: "host:port" of the control port (port 0 picks one; read
-    ``address``). ``transports``: which of "shm", "tcp" this agent may use (all by
-    default; ``("tcp",)`` forces TCP even on one host). ``token``: a shared
+    ``address``), or several: one per NIC. Each is a rail: TCP peers open
+    connections to every one (``tcp_connections`` per rail, 16 in all at most)
+    and stripe large transfers over them by measured rate; when a rail fails,
+    its unfinished chunks move to the others, and it is re-dialled every
+    ``rail_probe`` seconds until it is back. ``addresses`` lists them.
+    ``transports``: which of "shm", "tcp" this agent may use (all by default;
+    ``("tcp",)`` forces TCP even on one host). ``token``: a shared
     secret; when set, connections both ways authenticate with an HMAC challenge.
     ``peer_timeout``: seconds of silence after which a peer is lost (its transfers
     fail with PeerLost); ``keepalive``: idle ping interval. ``tcp_connections``:
-    connections per TCP peer (large transfers are split across them).
+    connections per TCP peer and rail (large transfers are split across them).
     ``copy_workers``: engine threads doing same-host copies.
+    ``stall_timeout``: seconds a connection may owe replies with nothing moving
+    before its transfers fail with TransferTimeout (None: off; a silent peer is
+    still lost after ``peer_timeout``).
     ``discovery``: ``aioxfer.discovery.Etcd(...)`` to publish this agent under
     its name (from ``start()``/``async with`` until ``aclose()``), connect to
     others by name and follow membership through etcd; None (the default):
@@ -116,7 +125,7 @@ class Agent:
         self,
         name: str,
         *,
-        listen: str = "127.0.0.1:0",
+        listen: str | Sequence[str] = "127.0.0.1:0",
         transports: Sequence[str] | None = None,
         token: str | bytes | None = None,
         peer_timeout: float = 5.0,
@@ -124,6 +133,8 @@ class Agent:
         tcp_connections: int = 4,
         copy_workers: int = 2,
         discovery: Etcd | None = None,
+        rail_probe: float = 1.0,
+        stall_timeout: float | None = None,
     ) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= 256:
             raise ValueError("agent name must be a string of 1..256 characters")
@@ -143,6 +154,11 @@ class Agent:
             raise ValueError(f"tcp_connections must be in 1..{MAX_CONNS}")
         if copy_workers < 1:
             raise ValueError("copy_workers must be at least 1")
+        if not rail_probe > 0 or (stall_timeout is not None and not stall_timeout > 0):
+            raise ValueError("rail_probe and stall_timeout must be positive (seconds)")
+        listens = [listen] if isinstance(listen, str) else list(listen)
+        if not listens or len(listens) > MAX_CONNS:
+            raise ValueError(f"listen is one address or a list of 1..{MAX_CONNS} addresses")
         if discovery is not None and not isinstance(discovery, Etcd):
             raise TypeError(
                 f"discovery is an aioxfer.discovery.Etcd or None, not {type(discovery).__name__}"
@@ -154,22 +170,33 @@ class Agent:
         self._token = token_bytes(token)
         self._peer_timeout = float(peer_timeout)
         self._tcp_connections = int(tcp_connections)
+        self._rail_probe = float(rail_probe)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine = _cyx.Engine(
             copy_workers=int(copy_workers),
             keepalive_ms=max(1, round(keepalive * 1000)),
             peer_timeout_ms=max(1, round(peer_timeout * 1000)),
+            stall_ms=0 if stall_timeout is None else max(1, round(stall_timeout * 1000)),
         )
         self._fd = self._engine.fileno()
+        self._lsocks: list[socket.socket] = []
+        self.addresses: list[str] = []  # the rails; the first is ``address``
         try:
-            self._lsock, self.address = _listen(listen)
+            for where in listens:
+                lsock, bound = _listen(where)
+                self._lsocks.append(lsock)
+                self.addresses.append(bound)
         except BaseException:
+            for lsock in self._lsocks:
+                lsock.close()
             self._engine.close()
             raise
+        self.address = self.addresses[0]
         self._host_id = host_id()
 
-        self._accept_task: asyncio.Task[None] | None = None
+        self._accept_tasks: list[asyncio.Task[None]] = []
+        self._probes: set[asyncio.Task[None]] = set()
         self._serving: set[asyncio.Task[None]] = set()
         self.notifications = Notifications()
 
@@ -230,9 +257,10 @@ class Agent:
         self._check_open()
         loop.add_reader(self._fd, self._drain)
         self._loop = loop
-        self._accept_task = loop.create_task(
-            self._accept_loop(), name=f"aioxfer-accept-{self.name}"
-        )
+        self._accept_tasks = [
+            loop.create_task(self._accept_loop(lsock), name=f"aioxfer-accept-{self.name}")
+            for lsock in self._lsocks
+        ]
         if self._discovery is not None:
             # Joining needs etcd round trips: start() awaits it; a lazy start
             # (first connect, write or read) lets it run in the background.
@@ -266,7 +294,8 @@ class Agent:
         tasks: list[asyncio.Task[Any]] = [
             task
             for task in (
-                self._accept_task,
+                *self._accept_tasks,
+                *self._probes,
                 *self._serving,
                 *self._connecting.values(),
                 self._session_start,
@@ -323,15 +352,15 @@ class Agent:
             sub._end()
         self._subscribers.clear()
         self.notifications._close()
-        self._lsock.close()
+        for lsock in self._lsocks:
+            lsock.close()
         _log.debug("agent.closed", agent=self.name)
 
     def __del__(self, _warn: Any = warnings.warn) -> None:
         if getattr(self, "_closed", True):
             return
         _warn(f"unclosed aioxfer agent {self.name!r}", ResourceWarning, source=self, stacklevel=1)
-        lsock = getattr(self, "_lsock", None)
-        if lsock is not None:
+        for lsock in getattr(self, "_lsocks", ()):
             lsock.close()
 
     def _check_open(self) -> None:
@@ -497,14 +526,15 @@ class Agent:
             ],
             uid=os.geteuid(),
             byteorder=sys.byteorder,
+            rails=list(self.addresses),
         )
 
-    async def _accept_loop(self) -> None:
+    async def _accept_loop(self, lsock: socket.socket) -> None:
         assert self._loop is not None
         loop = self._loop
         while True:
             try:
-                sock, addr = await loop.sock_accept(self._lsock)
+                sock, addr = await loop.sock_accept(lsock)
             except OSError as exc:
                 if self._closed:
                     return
@@ -792,8 +822,30 @@ class Agent:
 
     async def _connect(self, address: str) -> Peer:
         host, port = _parse_address(address)
-        meta = await self._fetch_meta(host, port, address)
-        self._check_open()
+        # One data connection first, so that the peer's engine holds it before
+        # the peer takes the metadata snapshot: a region deregistered after the
+        # snapshot is then revoked on this connection, and since its regions are
+        # imported before the engine reads from it, no stale handle slips by.
+        sock0, accept0 = await self._open(address)
+        try:
+            meta = await self._fetch_meta(host, port, address)
+            self._check_open()
+        except BaseException:
+            sock0.close()
+            raise
+        if accept0.incarnation != meta.incarnation:
+            sock0.close()
+            raise TransportError(
+                f"peer at {address} restarted while we connected (incarnation "
+                f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
+            )
+        try:
+            return await self._connect_meta(address, meta, sock0)
+        finally:
+            if sock0.fileno() >= 0:
+                sock0.close()
+
+    async def _connect_meta(self, address: str, meta: AgentMeta, sock0: socket.socket) -> Peer:
         if self._discovery is None:
             # Embedded, names need not be unique: only the same name at the same
             # address with another incarnation is a restart of a peer we had.
@@ -814,26 +866,18 @@ class Agent:
                 f"same host: {meta.host_id == self._host_id})"
             )
         shm = path == "shm"
+        # tcp: every advertised listen address is a rail; the one we came by
+        # may be a name or another spelling of one of them.
+        rails = [address] if shm or len(meta.rails) < 2 else list(meta.rails)
+        first = rails.index(address) if address in rails else 0
+        per = 1 if shm else max(1, min(self._tcp_connections, MAX_CONNS // len(rails)))
         tag = self._tag_for(meta.name, meta.incarnation)
         ep = self._engine.endpoint_create(
             _cyx.EP_SHM if shm else _cyx.EP_TCP, tag, meta.pid if shm else 0
         )
-        nconns = 1 if shm else self._tcp_connections
         self._connecting_eps[ep] = 0
+        opened: list[socket.socket] = []
         try:
-            for _ in range(nconns):
-                sock = await self._open(host, port, address, "data")
-                # The handshake read exactly its frames: what follows is the engine's.
-                self._engine.endpoint_add_conn(ep, sock.detach())
-            self._check_open()
-            lost = self._connecting_eps.pop(ep)
-            if lost:
-                raise PeerLost(
-                    f"peer {meta.name!r} at {address} was lost while connecting: "
-                    f"{_cyx.strerror(lost)}",
-                    status=lost,
-                    peer=meta.name,
-                )
             peer = Peer(
                 self,
                 name=meta.name,
@@ -844,7 +888,40 @@ class Agent:
                 pid=meta.pid,
                 ep=ep,
             )
-            self._apply_regions(peer, meta.regions)
+            peer._rails = rails
+            peer._rail_conns = per
+            self._apply_regions(peer, meta.regions)  # before the engine reads revocations
+            self._engine.endpoint_add_conn(ep, sock0.detach(), first)
+            wanted = [
+                i for i in range(len(rails)) for _ in range(per - (1 if i == first else 0))
+            ]
+            results = await asyncio.gather(
+                *(self._open(rails[i]) for i in wanted), return_exceptions=True
+            )
+            for r in results:
+                if isinstance(r, tuple):
+                    opened.append(r[0])
+            reached: set[int] = {first}
+            for i, r in zip(wanted, results, strict=True):
+                if isinstance(r, BaseException):
+                    if not isinstance(r, XferError | OSError):
+                        raise r
+                    continue
+                sock, accept = r
+                if accept.incarnation != meta.incarnation:
+                    continue  # another process behind that address: not a rail of this peer
+                # The handshake read exactly its frames: what follows is the engine's.
+                self._engine.endpoint_add_conn(ep, sock.detach(), i)
+                reached.add(i)
+            self._check_open()
+            lost = self._connecting_eps.pop(ep)
+            if lost:
+                raise PeerLost(
+                    f"peer {meta.name!r} at {address} was lost while connecting: "
+                    f"{_cyx.strerror(lost)}",
+                    status=lost,
+                    peer=meta.name,
+                )
         except BaseException as exc:
             self._connecting_eps.pop(ep, None)
             if not self._closed:
@@ -857,10 +934,20 @@ class Agent:
                     f"cannot connect to peer {meta.name!r} at {address}: {exc}", status=exc.status
                 ) from None
             raise
+        finally:
+            for sock in opened:
+                if sock.fileno() >= 0:
+                    sock.close()
         self._peers_by_addr[address] = peer
         self._peers_by_ep[ep] = peer
         self._peers_by_inc[(meta.name, meta.incarnation)] = peer
         self._peers_by_name.setdefault(meta.name, weakref.WeakSet()).add(peer)
+        for i in range(len(rails)):
+            if i not in reached:  # unreachable now: probed until it answers
+                peer._rails_down.add(i)
+                _log.warning("rail.down", agent=self.name, peer=peer.name, address=rails[i],
+                             reason="unreachable at connect", moved=0)
+                self._start_probe(peer, i)
         if self._discovery is None:
             self._emit(PeerJoined(peer.name, peer.incarnation, address,
                                   tuple(sorted(peer._regions))))
@@ -870,10 +957,86 @@ class Agent:
             peer=peer.name,
             address=address,
             path=path,
-            conns=nconns,
+            conns=1 + sum(1 for r in results if isinstance(r, tuple)) if not shm else 1,
+            rails=len(rails),
             regions=len(peer._regions),
         )
         return peer
+
+    # ------------------------------------------------------------ rails
+
+    def _rail_live(self, peer: Peer) -> dict[int, int]:
+        """Live connections per rail index, as the engine sees them."""
+        live: dict[int, int] = {}
+        for rail, up, *_ in self._engine.endpoint_rails(peer._ep):
+            if up:
+                live[rail] = live.get(rail, 0) + 1
+        return live
+
+    def _on_rail_down(self, peer: Peer, rail: int, moved: int, status: int) -> None:
+        peer._reroutes += moved
+        if not 0 <= rail < len(peer._rails):
+            return
+        address = peer._rails[rail]
+        reason = "stalled" if status == _cyx.E_TIMEOUT else "broken or silent"
+        if moved:
+            _log.warning("rail.rerouted", agent=self.name, peer=peer.name, address=address,
+                         reason=reason, moved=moved)
+        if peer._lost or rail in peer._rails_down:
+            return
+        if self._rail_live(peer).get(rail, 0) == 0:
+            peer._rails_down.add(rail)
+            _log.warning("rail.down", agent=self.name, peer=peer.name, address=address,
+                         reason=reason, moved=moved)
+        # Also a rail that kept some connections is topped up again.
+        self._start_probe(peer, rail)
+
+    def _start_probe(self, peer: Peer, rail: int) -> None:
+        if self._closed or self._loop is None or rail in peer._probing:
+            return
+        peer._probing.add(rail)
+        task = self._loop.create_task(self._probe_rail(peer, rail),
+                                      name=f"aioxfer-probe-{peer.name}-{rail}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe_rail(self, peer: Peer, rail: int) -> None:
+        """Re-dials a failed rail every rail_probe seconds until the peer's
+        engine takes connections on it again (or the peer is gone)."""
+        address = peer._rails[rail]
+        try:
+            while not (peer._lost or self._closed):
+                await asyncio.sleep(self._rail_probe)
+                if peer._lost or self._closed:
+                    return
+                need = peer._rail_conns - self._rail_live(peer).get(rail, 0)
+                if need <= 0:
+                    break
+                results = await asyncio.gather(
+                    *(self._open(address) for _ in range(need)), return_exceptions=True
+                )
+                added = 0
+                for r in results:
+                    if isinstance(r, BaseException):
+                        if not isinstance(r, XferError | OSError):
+                            raise r
+                        continue
+                    sock, accept = r
+                    if peer._lost or self._closed or accept.incarnation != peer.incarnation:
+                        sock.close()
+                        continue
+                    try:
+                        self._engine.endpoint_add_conn(peer._ep, sock.detach(), rail)
+                        added += 1
+                    except _cyx.NativeError:
+                        break
+                if added and self._rail_live(peer).get(rail, 0) >= peer._rail_conns:
+                    break
+            if rail in peer._rails_down and not (peer._lost or self._closed):
+                peer._rails_down.discard(rail)
+                _log.info("rail.up", agent=self.name, peer=peer.name, address=address)
+        finally:
+            peer._probing.discard(rail)
 
     def _choose_path(self, meta: AgentMeta) -> str | None:
         if (
@@ -924,24 +1087,26 @@ class Agent:
         except AccessDenied as exc:
             raise type(exc)(f"connecting to {address}: {exc}") from None
 
-    async def _open(self, host: str, port: int, address: str, purpose: str) -> socket.socket:
-        """A connected, handshaken control or data socket (non-blocking)."""
+    async def _open(self, address: str) -> tuple[socket.socket, Accept]:
+        """A connected, handshaken data socket (non-blocking), and the peer's
+        Accept (who answered: name and incarnation)."""
         assert self._loop is not None
+        host, port = _parse_address(address)
         async with self._control_errors(address, "connecting to", "connect to"):
             sock = await self._dial(host, port)
             try:
-                await client_handshake(
+                accept = await client_handshake(
                     self._loop,
                     sock,
                     name=self.name,
                     incarnation=self.incarnation,
-                    purpose="data" if purpose == "data" else "meta",
+                    purpose="data",
                     token=self._token,
                 )
             except BaseException:
                 sock.close()
                 raise
-            return sock
+            return sock, accept
         raise AssertionError("unreachable")  # for type checkers: the block returns or raises
 
     async def _fetch_meta(self, host: str, port: int, address: str) -> AgentMeta:
@@ -1264,6 +1429,7 @@ class Agent:
         peer._posted += 1
         self._posted += 1
         peer._inflight += 1
+        peer._inflight_bytes += nbytes
         if peer._lost:
             self._finish_failed(t, peer._lost_error())
             return t
@@ -1341,12 +1507,22 @@ class Agent:
                 peer = t.peer
                 if status == _OK:
                     peer._inflight -= 1
+                    peer._inflight_bytes -= t.nbytes
                     peer._completed += 1
                     peer._bytes += nbytes
                     self._completed += 1
                     self._bytes += nbytes
+                    seconds = perf_counter() - t._t0
+                    # Moving averages routers estimate completion times from.
+                    if nbytes >= _BANDWIDTH_MIN:
+                        bw = nbytes / seconds if seconds > 0 else 0.0
+                        peer._bandwidth = bw if not peer._bandwidth else (
+                            0.8 * peer._bandwidth + 0.2 * bw)
+                    else:
+                        peer._latency = seconds if not peer._latency else (
+                            0.8 * peer._latency + 0.2 * seconds)
                     if not t.done():
-                        t.set_result(TransferResult(nbytes, perf_counter() - t._t0, peer.path))
+                        t.set_result(TransferResult(nbytes, seconds, peer.path))
                 else:
                     if status == _E_CANCELLED and t._cancel_requested:
                         self._finish_failed(t, None)
@@ -1358,10 +1534,24 @@ class Agent:
                     name = f"tag-{tag}"  # a tag we never saw: should not happen
                 self.notifications._put(Notification(name, payload or b""))
             else:
-                self._on_event(kind, status, rid, tag, payload)
+                self._on_event(kind, status, rid, tag, payload, nbytes, fail_index)
         return len(recs)
 
-    def _on_event(self, kind: int, status: int, id_: int, tag: int, payload: bytes | None) -> None:
+    def _on_event(
+        self,
+        kind: int,
+        status: int,
+        id_: int,
+        tag: int,
+        payload: bytes | None,
+        nbytes: int = 0,
+        fail_index: int = 0,
+    ) -> None:
+        if kind == _cyx.CQ_RAIL_DOWN:
+            rpeer = self._peers_by_ep.get(id_)
+            if rpeer is not None:
+                self._on_rail_down(rpeer, fail_index, nbytes, status)
+            return
         if kind == _cyx.CQ_PEER_LOST:
             peer = self._peers_by_ep.get(id_)
             if peer is not None:
@@ -1387,6 +1577,7 @@ class Agent:
         """Counts t as failed and fails (exc) or cancels (None) its future."""
         peer = t.peer
         peer._inflight -= 1
+        peer._inflight_bytes -= t.nbytes
         peer._failed += 1
         self._failed += 1
         if t.done():

@@ -96,6 +96,9 @@ class AgentMeta(msgspec.Struct, tag="meta", frozen=True):
     regions: list[RegionMeta]
     uid: int = -1
     byteorder: str = "little"
+    # Every listen address (the first is ``address``): the paths (rails) a TCP
+    # peer stripes its connections over. Empty from older agents: ``address``.
+    rails: list[str] = []
 
 
 Frame = Hello | Challenge | Proof | Accept | Reject | AgentMeta

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from aioxfer.region import RemoteRegion
-from aioxfer.stats import PeerStatistics
+from aioxfer.stats import PeerStatistics, RailStatistics
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
@@ -47,6 +47,16 @@ class Peer:
         "_failed",
         "_bytes",
         "_inflight",
+        "_inflight_bytes",
+        "_queued",
+        "_queued_bytes",
+        "_bandwidth",
+        "_latency",
+        "_rails",
+        "_rail_conns",
+        "_rails_down",
+        "_probing",
+        "_reroutes",
         "__weakref__",
     )
 
@@ -82,6 +92,16 @@ class Peer:
         self._failed = 0
         self._bytes = 0
         self._inflight = 0
+        self._inflight_bytes = 0
+        self._queued = 0
+        self._queued_bytes = 0
+        self._bandwidth = 0.0  # bytes/s, moving average of transfers >= 64 KiB
+        self._latency = 0.0  # seconds, moving average of transfers < 64 KiB
+        self._rails: list[str] = [address]  # tcp: the peer's listen addresses
+        self._rail_conns = 1  # connections wanted per rail
+        self._rails_down: set[int] = set()
+        self._probing: set[int] = set()
+        self._reroutes = 0
 
     @property
     def lost(self) -> bool:
@@ -128,7 +148,42 @@ class Peer:
             transfers_failed=self._failed,
             bytes=self._bytes,
             in_flight=self._inflight,
+            in_flight_bytes=self._inflight_bytes,
+            queued=self._queued,
+            queued_bytes=self._queued_bytes,
+            bandwidth=self._bandwidth,
+            latency=self._latency,
+            rails=self._rail_statistics(),
+            reroutes=self._reroutes,
         )
+
+    @property
+    def rails(self) -> list[str]:
+        """The addresses this peer is reached by (tcp: one per rail)."""
+        return list(self._rails)
+
+    def _rail_statistics(self) -> tuple[RailStatistics, ...]:
+        per: dict[int, list[int]] = {}  # rail -> [connections, live, bytes, rate, reroutes]
+        if not self._lost and not self._agent.closed:
+            for rail, live, nbytes, rate, reroutes in self._agent._engine.endpoint_rails(self._ep):
+                acc = per.setdefault(rail, [0, 0, 0, 0, 0])
+                acc[0] += 1
+                acc[1] += int(live)
+                acc[2] += nbytes
+                acc[3] += rate if live else 0
+                acc[4] += reroutes
+        out = []
+        for i, address in enumerate(self._rails):
+            conns, live, nbytes, rate, reroutes = per.get(i, [0, 0, 0, 0, 0])
+            out.append(RailStatistics(
+                address=address,
+                up=bool(live) and not self._lost,
+                connections=live,
+                bytes=nbytes,
+                rate=rate * 1000.0,  # the engine measures bytes per millisecond
+                reroutes=reroutes,
+            ))
+        return tuple(out)
 
     def _lost_error(self) -> XferError:
         return self._agent._peer_error(self)

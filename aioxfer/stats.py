@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AgentStatistics", "PeerStatistics"]
+__all__ = ["AgentStatistics", "PeerStatistics", "RailStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class RailStatistics:
+    """One path to a peer (one of its listen addresses), over its connections:
+    ``up`` while at least one of them lives; ``bytes`` moved on it; ``rate``
+    its measured bytes/s (0.0 until measured); ``reroutes``: request groups
+    moved off it to other rails when its connections failed."""
+
+    address: str
+    up: bool
+    connections: int
+    bytes: int
+    rate: float
+    reroutes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,7 +28,13 @@ class PeerStatistics:
 
     ``in_flight`` counts transfers posted and not yet confirmed finished by the
     engine (a cancelled transfer stays in flight until the engine confirms it no
-    longer touches its memory).
+    longer touches its memory); ``in_flight_bytes`` their bytes. ``queued``
+    and ``queued_bytes``: transfers waiting in this agent's scheduler for the
+    peer's limits. ``bandwidth`` (bytes/s) and ``latency`` (s) are moving
+    averages over completed transfers (from 64 KiB on, and below 64 KiB), 0.0
+    until one completed: what routers estimate completion times from.
+    ``rails``: one entry per path (tcp); ``reroutes``: request groups moved
+    to other rails.
     """
 
     name: str
@@ -25,6 +46,13 @@ class PeerStatistics:
     transfers_failed: int
     bytes: int
     in_flight: int
+    in_flight_bytes: int = 0
+    queued: int = 0
+    queued_bytes: int = 0
+    bandwidth: float = 0.0
+    latency: float = 0.0
+    rails: tuple[RailStatistics, ...] = ()
+    reroutes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Transfer", "TransferResult"]
 
+_EAGER_MAX = 64 << 10  # awaited requests up to this size may be flushed at once
+
 
 @dataclass(frozen=True, slots=True)
 class TransferResult:
@@ -59,13 +61,19 @@ class Transfer(asyncio.Future[TransferResult]):
         self._cancel_requested = False
 
     def __await__(self):  # type: ignore[no-untyped-def]
-        # Awaited with nothing else of the agent's in the engine: latency is all
-        # that matters, so what this loop iteration posted goes to the engine
-        # now rather than at the end of the iteration (a small same-host copy
-        # then completes inside this call and the await does not suspend).
-        # With others in flight, batching them into one native call wins.
+        # A small request awaited with nothing else of the agent's in the
+        # engine: latency is all that matters, so what this loop iteration
+        # posted goes to the engine now rather than at the end of the iteration
+        # (a small same-host copy then completes inside this call and the await
+        # does not suspend). With others in flight, batching them into one
+        # native call wins; a large one gains nothing measurable.
         agent = self._agent
-        if not self._posted and not self.done() and len(agent._inflight) == len(agent._pending):
+        if (
+            self.nbytes <= _EAGER_MAX
+            and not self._posted
+            and not self.done()
+            and len(agent._inflight) == len(agent._pending)
+        ):
             agent._flush()
         return super().__await__()
 
