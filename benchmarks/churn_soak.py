@@ -103,7 +103,8 @@ async def agent_serve(name: str, conn: Connection, opts: dict[str, Any]) -> None
         await quit.wait()
         loop.remove_reader(conn.fileno())
         task.cancel()
-        notes += len(agent.notifications)  # received, not yet consumed
+    # Closing drains what the engine already received: those count too.
+    notes += len(agent.notifications)
     stats = agent.statistics()
     try:
         conn.send(("closed", notes, {k: getattr(stats, k) for k in LEAK_KEYS}))
@@ -437,7 +438,11 @@ class Soak:
                 "max": fails[-1] if fails else None,
             },
             "notifications": {"agents_counted": len(counted), "expected": expected,
-                              "received": received, "missing": missing},
+                              "received": received, "missing": missing,
+                              "missing_at": {f"{m.name}#{m.incarnation:x}": [m.notified_writes,
+                                                                            m.notes]
+                                             for m in counted
+                                             if m.notified_writes > (m.notes or 0)}},
             "leaks": leaks,
             "ok": not self.hung and not self.corrupt and not self.untyped and not missing
             and not leaks,
