@@ -207,10 +207,10 @@ async def _fail_and_recover(net: Rails, s: Stream, index: int, how: str) -> None
     # Per-rail figures are counters over the peer's life: the connections a
     # recovered rail replaced keep counting (bytes grow *again*).
     assert final["reroutes"] > 0, final
-    assert rail_of(final, addr)["reroutes"] >= rail_of(during, addr)["reroutes"] > 0, \
-        (during["rails"], final["rails"])
-    assert rail_of(final, addr)["bytes"] > rail_of(during, addr)["bytes"], \
-        (during["rails"], final["rails"])
+    back = (f"rail {index}'s counters went back after it was re-dialled "
+            f"(while down: {rail_of(during, addr)}, at the end: {rail_of(final, addr)})")
+    assert rail_of(final, addr)["reroutes"] >= rail_of(during, addr)["reroutes"] > 0, back
+    assert rail_of(final, addr)["bytes"] > rail_of(during, addr)["bytes"], back
     assert not final["lost"]
     assert all(r["up"] and r["connections"] == CONNS for r in final["rails"]), final["rails"]
     downs = [e for e in await s.init.call("events", "rail.down") if e.get("address") == addr]
