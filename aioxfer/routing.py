@@ -76,17 +76,14 @@ class _Load:
 
 
 def _load(stats: PeerStatistics) -> _Load:
-    # getattr: the scheduler's and the estimators' fields (in_flight_bytes,
-    # queued, queued_bytes, bandwidth, latency) are being added to
-    # PeerStatistics; until then they read as 0 (idle, not measured).
     return _Load(
         in_flight=stats.in_flight,
-        in_flight_bytes=int(getattr(stats, "in_flight_bytes", 0)),
-        queued=int(getattr(stats, "queued", 0)),
-        queued_bytes=int(getattr(stats, "queued_bytes", 0)),
+        in_flight_bytes=stats.in_flight_bytes,
+        queued=stats.queued,
+        queued_bytes=stats.queued_bytes,
         posted=stats.transfers_posted,
-        bandwidth=float(getattr(stats, "bandwidth", 0.0)),
-        latency=float(getattr(stats, "latency", 0.0)),
+        bandwidth=stats.bandwidth,
+        latency=stats.latency,
     )
 
 

@@ -3,7 +3,6 @@ PeerStatistics snapshot: load, measured speed, ties, lost peers."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,22 +13,14 @@ from aioxfer.routing import LeastLoaded, LowestExpectedCompletion, Router
 from aioxfer.stats import PeerStatistics
 
 MiB = 1 << 20
-_FIELDS = {f.name for f in dataclasses.fields(PeerStatistics)}
 
 
-def make_stats(name: str, **kw: Any) -> Any:
+def make_stats(name: str, **kw: Any) -> PeerStatistics:
     base: dict[str, Any] = dict(
         name=name, address="127.0.0.1:1", path="tcp", lost=False, transfers_posted=0,
         transfers_completed=0, transfers_failed=0, bytes=0, in_flight=0,
     )
-    base.update(kw)
-    if set(base) <= _FIELDS:
-        return PeerStatistics(**base)
-    # The load and speed fields are not in this PeerStatistics yet: a stand-in
-    # with the same attribute names.
-    extra = {k: v for k, v in base.items() if k not in _FIELDS}
-    stats = PeerStatistics(**{k: v for k, v in base.items() if k in _FIELDS})
-    return type("Stats", (), {**{f: getattr(stats, f) for f in _FIELDS}, **extra})()
+    return PeerStatistics(**{**base, **kw})
 
 
 class StubPeer:
@@ -38,7 +29,7 @@ class StubPeer:
         self.lost = lost
         self.stats = stats
 
-    def statistics(self) -> Any:
+    def statistics(self) -> PeerStatistics:
         return make_stats(self.name, **self.stats)
 
     def __repr__(self) -> str:
