@@ -151,7 +151,9 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint
  * added at any time (a rail that came back). add_conn is rail 0. */
 int axf_endpoint_add_conn(axf_engine *e, uint64_t ep, int fd);
 int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep, int fd, uint32_t rail);
-/* Fills up to max entries, one per connection ever added; returns how many. */
+/* Fills up to max entries, one per connection slot, then (live 0, rate 0) the
+ * totals of connections that failed and gave up their slot, one per rail;
+ * returns how many. Summed per rail, bytes and reroutes never go backwards. */
 size_t axf_endpoint_rails(axf_engine *e, uint64_t ep, axf_rail_stats *out, size_t max);
 /* Makes a peer's region known: bounds and key checks use it; for shm also its
  * address in the peer (cross-memory attach) or its memfd number in the peer. */

@@ -18,6 +18,7 @@
 
 #define TX_BATCH 64
 #define INLINE_SEND (64u << 10) /* frames sent on the caller's thread, at most */
+#define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
 #define DISCARD_BYTES (64u << 10)
 
 /* What the initiator expects back on one connection, in order: one entry
@@ -123,6 +124,8 @@ void conn_enqueue(conn *c, sq_item *it, bool signal)
         x->nchunks = it->nchunks;
         x->t_enq = axf_now_us();
         it->chunks = NULL;
+        if (!p->ex_head)
+            c->busy_since_us = x->t_enq;
         if (p->ex_tail)
             p->ex_tail->next = x;
         else
@@ -580,19 +583,28 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
     }
 }
 
-/* A group is whole: its bytes over the time the connection spent on it
- * (from when it was queued, or from the previous group's end if that came
- * later: groups queue behind one another) is a sample of the connection's
- * rate. Small groups measure latency, not rate: skipped. */
+/* A group is whole (c->mu held, its expectation already off the list). The
+ * connection's rate is the bytes of whole groups over the time it had replies
+ * owed, taken over windows of RATE_WINDOW_US at least: single acknowledgements
+ * arrive in bursts, and per-group intervals would measure the bursts. */
 static void measure_rate(conn *c, const expect *x)
 {
+    conn_priv *p = (conn_priv *)c;
     uint64_t now = axf_now_us();
-    uint64_t since = x->t_enq > c->last_ack_us ? x->t_enq : c->last_ack_us;
-    c->last_ack_us = now;
     atomic_fetch_add(&c->bytes, x->bytes);
-    if (x->bytes < (256u << 10) || now <= since)
+    c->win_bytes += x->bytes;
+    uint64_t busy = c->win_busy_us + (c->busy_since_us ? now - c->busy_since_us : 0);
+    if (!p->ex_head && c->busy_since_us) { /* nothing owed any more: idle from now */
+        c->win_busy_us += now - c->busy_since_us;
+        c->busy_since_us = 0;
+    }
+    if (busy < RATE_WINDOW_US || c->win_bytes < (256u << 10))
         return;
-    uint64_t sample = x->bytes * 1000u / (now - since);
+    uint64_t sample = c->win_bytes * 1000u / busy;
+    c->win_bytes = 0;
+    c->win_busy_us = 0;
+    if (c->busy_since_us)
+        c->busy_since_us = now;
     uint64_t old = atomic_load(&c->rate);
     uint64_t rate = old ? (3 * old + sample) / 4 : sample;
     atomic_store(&c->rate, rate ? rate : 1);
@@ -655,10 +667,14 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
         p->ex_head = x->next;
         if (!p->ex_head)
             p->ex_tail = NULL;
-        pthread_mutex_unlock(&c->mu);
-        atomic_fetch_add(&o->nbytes, x->bytes);
         if (x->type != FR_NOTIFY_ACK)
             measure_rate(c, x);
+        else if (!p->ex_head && c->busy_since_us) {
+            c->win_busy_us += axf_now_us() - c->busy_since_us;
+            c->busy_since_us = 0;
+        }
+        pthread_mutex_unlock(&c->mu);
+        atomic_fetch_add(&o->nbytes, x->bytes);
         expect_free(x);
         op_unit_done(c->e, o);
     }

@@ -1132,6 +1132,18 @@ int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep_id, int fd, uint32_t r
     }
     c->slot = slot;
     c->rail = rail;
+    if (slot < ep->nconns) { /* retire the failed connection's counters into its rail's */
+        conn *old = ep->conns[slot];
+        int k = 0;
+        while (k < ep->nretired && ep->retired[k].rail != old->rail)
+            k++;
+        if (k == ep->nretired && ep->nretired < AXF_MAX_CONNS)
+            ep->retired[ep->nretired++] = (axf_rail_stats){.rail = old->rail};
+        if (k < ep->nretired) {
+            ep->retired[k].bytes += atomic_load(&old->bytes);
+            ep->retired[k].reroutes += atomic_load(&old->reroutes);
+        }
+    }
     ep->conns[slot] = c;
     if (slot == ep->nconns)
         ep->nconns++;
@@ -1155,6 +1167,8 @@ size_t axf_endpoint_rails(axf_engine *e, uint64_t ep_id, axf_rail_stats *out, si
             .reroutes = atomic_load(&c->reroutes),
         };
     }
+    for (int i = 0; ep && i < ep->nretired && n < max; i++, n++)
+        out[n] = ep->retired[i]; /* live 0, rate 0: counters only */
     pthread_mutex_unlock(&e->mu);
     return n;
 }

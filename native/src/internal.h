@@ -115,6 +115,10 @@ typedef struct endpoint {
     int nsched;
     atomic_bool sched_stale;
     uint64_t reroutes;
+    /* What connections that gave up their slot had carried, per rail: a
+     * rail's counters never go backwards when it is re-dialled. e->mu. */
+    axf_rail_stats retired[AXF_MAX_CONNS];
+    int nretired;
     rregion *rregions;
     bool dead, closing, lost_reported;
     struct op *ops; /* pending ops, doubly linked */
@@ -182,7 +186,10 @@ typedef struct conn {
     uint32_t rail;           /* initiator: the caller's rail number */
     atomic_ullong progress_us; /* last frame sent, or reply received */
     atomic_ullong bytes, reroutes, rate; /* rate: bytes per ms, a moving average */
-    uint64_t last_ack_us;    /* receiver thread only */
+    /* Rate measurement (c->mu): bytes of whole groups over the time the
+     * connection had replies owed, in windows of RATE_WINDOW_US at least. */
+    uint64_t busy_since_us;  /* 0 while nothing is owed */
+    uint64_t win_busy_us, win_bytes;
     atomic_int threads;
     /* accepting side: state of the current write group */
     uint64_t grp_op;
