@@ -70,6 +70,7 @@ from aioxfer.protocol import (
     token_bytes,
 )
 from aioxfer.region import Region, RemoteRegion, RemoteSegment, Segment, SegmentList
+from aioxfer.scheduling import PeerScheduler
 from aioxfer.stats import AgentStatistics
 from aioxfer.transfer import Transfer, TransferResult
 
@@ -112,6 +113,11 @@ class Agent:
     fail with PeerLost); ``keepalive``: idle ping interval. ``tcp_connections``:
     connections per TCP peer and rail (large transfers are split across them).
     ``copy_workers``: engine threads doing same-host copies.
+    ``peer_max_bytes`` / ``peer_max_requests``: per-peer limits on what is in
+    the engine at once (None: unlimited). Over them, ``write``/``read`` still
+    return a Transfer at once; it waits in this agent's scheduler, by
+    ``priority`` (higher first, FIFO within one), so a latency-critical request
+    overtakes queued bulk traffic to the same peer.
     ``stall_timeout``: seconds a connection may owe replies with nothing moving
     before its transfers fail with TransferTimeout (None: off; a silent peer is
     still lost after ``peer_timeout``).
@@ -135,6 +141,8 @@ class Agent:
         discovery: Etcd | None = None,
         rail_probe: float = 1.0,
         stall_timeout: float | None = None,
+        peer_max_bytes: int | None = None,
+        peer_max_requests: int | None = None,
     ) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= 256:
             raise ValueError("agent name must be a string of 1..256 characters")
@@ -154,6 +162,9 @@ class Agent:
             raise ValueError(f"tcp_connections must be in 1..{MAX_CONNS}")
         if copy_workers < 1:
             raise ValueError("copy_workers must be at least 1")
+        for limit in (peer_max_bytes, peer_max_requests):
+            if limit is not None and (not isinstance(limit, int) or limit < 1):
+                raise ValueError("peer_max_bytes and peer_max_requests are positive ints or None")
         if not rail_probe > 0 or (stall_timeout is not None and not stall_timeout > 0):
             raise ValueError("rail_probe and stall_timeout must be positive (seconds)")
         listens = [listen] if isinstance(listen, str) else list(listen)
@@ -171,6 +182,7 @@ class Agent:
         self._peer_timeout = float(peer_timeout)
         self._tcp_connections = int(tcp_connections)
         self._rail_probe = float(rail_probe)
+        self._limits = (peer_max_bytes, peer_max_requests)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine = _cyx.Engine(
@@ -321,6 +333,9 @@ class Agent:
             self._inflight.pop(t.req_id, None)
             self._finish_failed(t, self._closed_error(t))
 
+        for peer in list(self._peers_by_ep.values()):
+            for q in self._unqueue_all(peer):  # failed below with the rest
+                q._admitted = False
         self._engine.shutdown()  # fails what is pending (E_CLOSED), frees regions
         while self._drain_once():
             pass
@@ -890,6 +905,9 @@ class Agent:
             )
             peer._rails = rails
             peer._rail_conns = per
+            if self._limits != (None, None):
+                peer._sched = PeerScheduler(max_bytes=self._limits[0],
+                                            max_requests=self._limits[1])
             self._apply_regions(peer, meta.regions)  # before the engine reads revocations
             self._engine.endpoint_add_conn(ep, sock0.detach(), first)
             wanted = [
@@ -1210,6 +1228,9 @@ class Agent:
             return
         peer._lost = True
         peer._lost_status = status
+        for q in self._unqueue_all(peer):  # never reached the engine: fail them here
+            self._inflight.pop(q.req_id, None)
+            self._finish_failed(q, peer._lost_error())
         if self._peers_by_ep.get(peer._ep) is peer:
             del self._peers_by_ep[peer._ep]
         key = (peer.name, peer.incarnation)
@@ -1247,23 +1268,35 @@ class Agent:
     # ------------------------------------------------------------ data path
 
     def write(
-        self, src: Local, dst: Remote, *, notify: bytes | bytearray | memoryview | None = None
+        self,
+        src: Local,
+        dst: Remote,
+        *,
+        notify: bytes | bytearray | memoryview | None = None,
+        priority: int = 0,
     ) -> Transfer:
         """Posts a WRITE of local ``src`` into the peer's ``dst``; returns its
         Transfer. With ``notify``, the peer receives that payload (1..4096
         bytes) only after all the data is in its memory.
 
         ``src``/``dst``: a Segment and a RemoteSegment, equal-length lists of
-        them, or two SegmentLists; lengths must match pair by pair."""
+        them, or two SegmentLists; lengths must match pair by pair.
+        ``priority``: matters when the peer's limits are reached (see Agent)."""
         peer, descs, nbytes = self._descs(src, dst, "write")
         payload = None if notify is None else _payload(notify)
-        return self._submit(peer, _cyx.OP_WRITE, descs, payload, nbytes, "write")
+        descs, starts = _coalesce(descs)
+        t = self._submit(peer, _cyx.OP_WRITE, descs, payload, nbytes, "write", priority)
+        t._starts = starts
+        return t
 
-    def read(self, dst: Local, src: Remote) -> Transfer:
+    def read(self, dst: Local, src: Remote, *, priority: int = 0) -> Transfer:
         """Posts a READ of the peer's ``src`` into local ``dst``; returns its
-        Transfer. Same shapes as ``write``."""
+        Transfer. Same shapes and ``priority`` as ``write``."""
         peer, descs, nbytes = self._descs(dst, src, "read")
-        return self._submit(peer, _cyx.OP_READ, descs, None, nbytes, "read")
+        descs, starts = _coalesce(descs)
+        t = self._submit(peer, _cyx.OP_READ, descs, None, nbytes, "read", priority)
+        t._starts = starts
+        return t
 
     async def _notify_peer(self, peer: Peer, payload: bytes | bytearray | memoryview) -> None:
         self._check_open()
@@ -1422,6 +1455,7 @@ class Agent:
         notify: bytes | None,
         nbytes: int,
         op: str,
+        priority: int = 0,
     ) -> Transfer:
         loop = self._loop if self._loop is not None else self._start()
         req_id = self._next_req()
@@ -1434,12 +1468,52 @@ class Agent:
             self._finish_failed(t, peer._lost_error())
             return t
         self._inflight[req_id] = t
-        self._pending.append((peer._ep, opcode, descs, notify, req_id))
+        item = (peer._ep, opcode, descs, notify, req_id)
+        sched = peer._sched
+        if sched is not None:
+            if not sched.admit(t, nbytes, priority):
+                # Over the peer's limits: it waits here, not in the caller.
+                t._queued_item = item
+                peer._queued += 1
+                peer._queued_bytes += nbytes
+                return t
+            t._admitted = True
+        self._enqueue(t, item)
+        return t
+
+    def _enqueue(self, t: Transfer, item: tuple[int, int, Any, bytes | None, int]) -> None:
+        """Into this loop iteration's batch (one native call at its end)."""
+        self._pending.append(item)
         self._pending_t.append(t)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return t
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+
+    def _release(self, t: Transfer) -> None:
+        """An admitted transfer is over: what its peer's scheduler admits now
+        goes to the engine (or fails, if the peer was lost meanwhile)."""
+        t._admitted = False
+        peer = t.peer
+        assert peer._sched is not None
+        for q in peer._sched.release(t.nbytes):
+            item, q._queued_item = q._queued_item, None
+            q._admitted = True
+            peer._queued -= 1
+            peer._queued_bytes -= q.nbytes
+            assert item is not None
+            self._enqueue(q, item)
+
+    def _unqueue_all(self, peer: Peer) -> list[Transfer]:
+        """Empties the peer's scheduler queue (peer lost, agent closing)."""
+        if peer._sched is None:
+            return []
+        queued = peer._sched.drain()
+        for q in queued:
+            q._queued_item = None
+        peer._queued = 0
+        peer._queued_bytes = 0
+        return queued
 
     def _flush(self) -> None:
         """One native call for everything submitted this loop iteration."""
@@ -1479,6 +1553,20 @@ class Agent:
     def _cancel_transfer(self, t: Transfer) -> None:
         if self._closed or t.req_id not in self._inflight:
             return
+        if t._queued_item is not None:  # never left the scheduler: over at once
+            peer = t.peer
+            assert peer._sched is not None
+            peer._sched.discard(t)
+            t._queued_item = None
+            peer._queued -= 1
+            peer._queued_bytes -= t.nbytes
+            del self._inflight[t.req_id]
+            # Counted as _finish_failed does; Transfer.cancel cancels the future.
+            peer._inflight -= 1
+            peer._inflight_bytes -= t.nbytes
+            peer._failed += 1
+            self._failed += 1
+            return
         if t._posted:
             self._engine.cancel(t.req_id)
         else:
@@ -1506,6 +1594,8 @@ class Agent:
                     continue
                 peer = t.peer
                 if status == _OK:
+                    if t._admitted:
+                        self._release(t)
                     peer._inflight -= 1
                     peer._inflight_bytes -= t.nbytes
                     peer._completed += 1
@@ -1576,6 +1666,8 @@ class Agent:
     def _finish_failed(self, t: Transfer, exc: BaseException | None) -> None:
         """Counts t as failed and fails (exc) or cancels (None) its future."""
         peer = t.peer
+        if t._admitted:
+            self._release(t)
         peer._inflight -= 1
         peer._inflight_bytes -= t.nbytes
         peer._failed += 1
@@ -1604,6 +1696,8 @@ class Agent:
                     op=t.op,
                 )
         what = f"{_describe(t)} ({peer.path}) {how}"
+        if fail_index is not None and t._starts is not None and fail_index < len(t._starts):
+            fail_index = int(t._starts[fail_index])  # the caller's index, not the merged one
         if fail_index is not None and status in _DESC_STATUSES and t.op != "notify":
             what += f" at descriptor {fail_index}"
         if status == _E_CANCELLED:
@@ -1652,6 +1746,32 @@ class Agent:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _coalesce(
+    descs: npt.NDArray[np.uint64],
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp] | None]:
+    """Merges runs of descriptors contiguous on both sides (same regions) into
+    one each: fewer copies, frames and syscalls for a KV block split in pages.
+    Returns the merged array and, when anything merged, each merged
+    descriptor's first original index (to report failures by the caller's
+    index)."""
+    if len(descs) < 2:
+        return descs, None
+    a, b = descs[:-1], descs[1:]
+    joins = (
+        (b[:, 0] == a[:, 0])
+        & (b[:, 2] == a[:, 2])
+        & (b[:, 3] == a[:, 3])
+        & (b[:, 1] == a[:, 1] + a[:, 5])
+        & (b[:, 4] == a[:, 4] + a[:, 5])
+    )
+    if not joins.any():
+        return descs, None
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = descs[starts]
+    merged[:, 5] = np.add.reduceat(descs[:, 5], starts)
+    return merged, starts
 
 
 def _describe(t: Transfer) -> str:

@@ -10,6 +10,8 @@ from aioxfer.stats import PeerStatistics, RailStatistics
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
     from aioxfer.errors import XferError
+    from aioxfer.scheduling import PeerScheduler
+    from aioxfer.transfer import Transfer
 
 __all__ = ["Peer"]
 
@@ -57,6 +59,7 @@ class Peer:
         "_rails_down",
         "_probing",
         "_reroutes",
+        "_sched",
         "__weakref__",
     )
 
@@ -102,6 +105,7 @@ class Peer:
         self._rails_down: set[int] = set()
         self._probing: set[int] = set()
         self._reroutes = 0
+        self._sched: PeerScheduler[Transfer] | None = None  # the agent's per-peer limits
 
     @property
     def lost(self) -> bool:

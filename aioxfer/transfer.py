@@ -38,7 +38,19 @@ class Transfer(asyncio.Future[TransferResult]):
     in flight, until the engine confirms it no longer touches it.
     """
 
-    __slots__ = ("_agent", "req_id", "op", "peer", "nbytes", "_t0", "_posted", "_cancel_requested")
+    __slots__ = (
+        "_agent",
+        "req_id",
+        "op",
+        "peer",
+        "nbytes",
+        "_t0",
+        "_posted",
+        "_cancel_requested",
+        "_admitted",
+        "_queued_item",
+        "_starts",
+    )
 
     def __init__(
         self,
@@ -59,6 +71,9 @@ class Transfer(asyncio.Future[TransferResult]):
         self._t0 = t0
         self._posted = False  # handed to the engine (a completion record will come)
         self._cancel_requested = False
+        self._admitted = False  # counted in its peer's scheduler budget
+        self._queued_item: tuple[int, int, object, bytes | None, int] | None = None
+        self._starts: object = None  # merged descriptors' first original indexes
 
     def __await__(self):  # type: ignore[no-untyped-def]
         # A small request awaited with nothing else of the agent's in the
