@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from aioxfer import discovery
+from aioxfer import discovery, routing
 from aioxfer.agent import Agent
 from aioxfer.discovery import Etcd, Membership, PeerJoined, PeerLeft, PeerUpdated
 from aioxfer.errors import (
@@ -30,7 +30,9 @@ from aioxfer.errors import (
 from aioxfer.notifications import Notification, Notifications
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, RemoteSegment, Segment, SegmentList
-from aioxfer.stats import AgentStatistics, PeerStatistics
+from aioxfer.routing import LeastLoaded, LowestExpectedCompletion, Router
+from aioxfer.scheduling import PeerScheduler
+from aioxfer.stats import AgentStatistics, PeerStatistics, RailStatistics
 from aioxfer.transfer import Transfer, TransferResult
 
 try:
@@ -43,6 +45,8 @@ __all__ = [
     "Agent",
     "AgentStatistics",
     "ClosedResourceError",
+    "LeastLoaded",
+    "LowestExpectedCompletion",
     "Etcd",
     "Membership",
     "Notification",
@@ -51,13 +55,16 @@ __all__ = [
     "PeerJoined",
     "PeerLeft",
     "PeerLost",
+    "PeerScheduler",
     "PeerStatistics",
     "PeerUpdated",
     "ProtocolError",
+    "RailStatistics",
     "Region",
     "RegistrationError",
     "RemoteRegion",
     "RemoteSegment",
+    "Router",
     "Segment",
     "SegmentList",
     "StalePeer",
@@ -68,4 +75,5 @@ __all__ = [
     "XferError",
     "__version__",
     "discovery",
+    "routing",
 ]
