@@ -1472,8 +1472,11 @@ class Agent:
         sched = peer._sched
         if sched is not None:
             if not sched.admit(t, nbytes, priority):
-                # Over the peer's limits: it waits here, not in the caller.
+                # Over the peer's limits: it waits here, not in the caller
+                # (counted as queued, not in flight, until admitted).
                 t._queued_item = item
+                peer._inflight -= 1
+                peer._inflight_bytes -= nbytes
                 peer._queued += 1
                 peer._queued_bytes += nbytes
                 return t
@@ -1501,6 +1504,8 @@ class Agent:
             q._admitted = True
             peer._queued -= 1
             peer._queued_bytes -= q.nbytes
+            peer._inflight += 1
+            peer._inflight_bytes += q.nbytes
             assert item is not None
             self._enqueue(q, item)
 
@@ -1511,6 +1516,9 @@ class Agent:
         queued = peer._sched.drain()
         for q in queued:
             q._queued_item = None
+            # Back into the in-flight counts, which failing it takes them from.
+            peer._inflight += 1
+            peer._inflight_bytes += q.nbytes
         peer._queued = 0
         peer._queued_bytes = 0
         return queued
@@ -1561,9 +1569,8 @@ class Agent:
             peer._queued -= 1
             peer._queued_bytes -= t.nbytes
             del self._inflight[t.req_id]
-            # Counted as _finish_failed does; Transfer.cancel cancels the future.
-            peer._inflight -= 1
-            peer._inflight_bytes -= t.nbytes
+            # Counted as failed (it was never in flight); Transfer.cancel
+            # cancels the future.
             peer._failed += 1
             self._failed += 1
             return

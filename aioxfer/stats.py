@@ -29,10 +29,11 @@ class PeerStatistics:
     ``in_flight`` counts transfers posted and not yet confirmed finished by the
     engine (a cancelled transfer stays in flight until the engine confirms it no
     longer touches its memory); ``in_flight_bytes`` their bytes. ``queued``
-    and ``queued_bytes``: transfers waiting in this agent's scheduler for the
-    peer's limits. ``bandwidth`` (bytes/s) and ``latency`` (s) are moving
-    averages over completed transfers (from 64 KiB on, and below 64 KiB), 0.0
-    until one completed: what routers estimate completion times from.
+    and ``queued_bytes``: transfers posted but still waiting in this agent's
+    scheduler for the peer's limits (not counted in flight until admitted).
+    ``bandwidth`` (bytes/s) and ``latency`` (s) are moving averages over
+    completed transfers (from 64 KiB on, and below 64 KiB), 0.0 until one
+    completed: what routers estimate completion times from.
     ``rails``: one entry per path (tcp); ``reroutes``: request groups moved
     to other rails.
     """

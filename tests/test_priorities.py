@@ -30,7 +30,7 @@ async def test_latency_critical_overtakes_bulk(make_agent, remote_agent, transpo
     chunk = 16 * MiB
     bulk = [init.write(src[(i % 4) * chunk:(i % 4 + 1) * chunk],
                        pool[(i % 4) * chunk:(i % 4 + 1) * chunk]) for i in range(64)]
-    assert peer.statistics().queued == 63
+    assert peer.statistics().queued == 63 and peer.statistics().in_flight == 1
     urgent = init.write(src[0:4096], peer.region("user")[0:4096], priority=10)
     await within(urgent, 30)
     done_bulk = sum(t.done() for t in bulk)
