@@ -339,3 +339,19 @@ async def remote_agent() -> AsyncIterator[Callable[..., Awaitable[RemoteAgent]]]
             leaks = {k: stats.get(k) for k in ("in_flight", "native_ops", "native_regions",
                                                "pinned_regions")}
             assert all(v == 0 for v in leaks.values()), f"remote agent leaks: {leaks}"
+
+
+def sigstop(pid: int) -> None:
+    """SIGSTOP, and wait until every thread of pid is stopped (kill() returns
+    before that; a thread on another core may still run for a moment)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        if all(st in "Tt" for st in states):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} not stopped: {states}"
+        time.sleep(0.001)

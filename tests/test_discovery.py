@@ -33,6 +33,7 @@ from conftest import (
     _command,
     digest,
     pattern,
+    sigstop,
     stats_dict,
     wait_until,
     within,
@@ -248,22 +249,6 @@ async def member(etcd: Etcd) -> AsyncIterator[Callable[..., Awaitable[Member]]]:
             leaks = {k: stats[k] for k in ("in_flight", "native_ops", "native_regions",
                                            "pinned_regions")}
             assert all(v == 0 for v in leaks.values()), f"member leaks: {leaks}"
-
-
-def sigstop(pid: int) -> None:
-    """SIGSTOP, and wait until every thread of pid is stopped (kill() returns
-    before that; a thread on another core may still run for a moment)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rpartition(")")[2].split()[0])
-        if all(st in "Tt" for st in states):
-            return
-        assert time.monotonic() < deadline, f"pid {pid} not stopped: {states}"
-        time.sleep(0.001)
 
 
 class Stream:

@@ -12,14 +12,13 @@ interval of granularity and scheduling slack for a busy CI box).
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from conftest import RemoteAgent, digest, pattern, within
+from conftest import RemoteAgent, digest, pattern, sigstop, within
 
 import aioxfer
 
@@ -29,19 +28,7 @@ SLACK = 1.0  # scheduling on a loaded 2-core machine; not a speed claim
 
 
 def stop(ra: RemoteAgent) -> None:
-    """SIGSTOP, and wait until the kernel has actually stopped every thread
-    (kill() returns before that; a thread on another core may still run)."""
-    ra.kill(signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{ra.pid}/task"):
-            with open(f"/proc/{ra.pid}/task/{tid}/stat") as f:
-                states.append(f.read().rpartition(")")[2].split()[0])
-        if all(s in "Tt" for s in states):
-            return
-        assert time.monotonic() < deadline, f"pid {ra.pid} not stopped: {states}"
-        time.sleep(0.001)
+    sigstop(ra.pid)
 
 
 @pytest.fixture
