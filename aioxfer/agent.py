@@ -1618,8 +1618,8 @@ class Agent:
                     else:
                         peer._latency = seconds if not peer._latency else (
                             0.8 * peer._latency + 0.2 * seconds)
-                    if not t.done():
-                        t.set_result(TransferResult(nbytes, seconds, peer.path))
+                    if not t.done():  # on success fail_index counts reroutes
+                        t.set_result(TransferResult(nbytes, seconds, peer.path, fail_index))
                 else:
                     if status == _E_CANCELLED and t._cancel_requested:
                         self._finish_failed(t, None)

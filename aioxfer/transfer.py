@@ -18,11 +18,13 @@ _EAGER_MAX = 64 << 10  # awaited requests up to this size may be flushed at once
 @dataclass(frozen=True, slots=True)
 class TransferResult:
     """What a finished transfer moved: bytes, seconds from post to completion,
-    and the transport that carried it ("shm" or "tcp")."""
+    the transport that carried it ("shm" or "tcp"), and how many of its parts
+    were moved to another rail when theirs failed (tcp)."""
 
     nbytes: int
     seconds: float
     path: str
+    reroutes: int = 0
 
 
 class Transfer(asyncio.Future[TransferResult]):

@@ -56,7 +56,8 @@ const char *axf_strerror(int status);
 #define AXF_POST_DEFER 1u /* queue only; axf_doorbell() releases the batch */
 
 /* Completion kinds. */
-#define AXF_CQ_XFER 1         /* id = request id; status, nbytes, fail_index */
+#define AXF_CQ_XFER 1         /* id = request id; status, nbytes, fail_index (on
+                                 success: how many of its groups were rerouted) */
 #define AXF_CQ_NOTIFY 2       /* tag = connection tag; payload */
 #define AXF_CQ_PEER_LOST 3    /* id = endpoint id; tag; status = reason */
 #define AXF_CQ_REGION_FREED 4 /* id = region id: its memory is no longer touched */

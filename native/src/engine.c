@@ -462,7 +462,7 @@ static void op_finish_now(axf_engine *e, op *o)
 {
     int st = atomic_load(&o->status);
     uint64_t nbytes = atomic_load(&o->nbytes), req_id = o->req_id, tag = o->ep->tag;
-    uint64_t fail_index = o->fail_index;
+    uint64_t fail_index = st == AXF_OK ? o->reroutes : o->fail_index;
     op_free(e, o); /* before the completion: its regions are released first */
     atomic_fetch_add(st == AXF_OK ? &e->completed : &e->failed, 1);
     if (st == AXF_OK)
@@ -904,6 +904,7 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
     }
     /* The failed group's unit becomes these groups' units. */
     atomic_fetch_add(&o->remaining, groups - 1);
+    o->reroutes++;
     sq_item *lastp[AXF_MAX_CONNS] = {0};
     for (size_t j = 0; j < total; j++) {
         int ci = ep->sched[(start + j) % AXF_SCHED];

@@ -148,6 +148,7 @@ typedef struct op {
     int phase; /* 0: data, 1: notification sent */
     uint8_t sched[AXF_SCHED]; /* tcp: the endpoint's schedule when posted ... */
     uint32_t sched0;          /* ... and where chunk 0 went in it */
+    uint32_t reroutes;        /* groups moved off failed connections (e->mu) */
     bool claimed;
     struct op *hnext, *prev, *next;
 } op;

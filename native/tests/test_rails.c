@@ -84,6 +84,7 @@ static int test_write_rerouted_off_a_failed_rail(void)
     CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
     CHECK_EQ(c.status, AXF_OK);
     CHECK_EQ(c.nbytes, REG);
+    CHECK_EQ(c.fail_index, 1); /* on success: the groups it had rerouted */
     CHECK(memcmp(r.dst, r.src, REG) == 0);
     /* Its notification came after all of it. */
     CHECK_EQ(t_wait_any(r.b, AXF_CQ_NOTIFY, &c), 0);
