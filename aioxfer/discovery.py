@@ -365,7 +365,11 @@ class EtcdSession:
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Bounded: a task stuck in the etcd client must not hang aclose().
+            _, stuck = await asyncio.wait(tasks, timeout=min(self.config.timeout, 2.0))
+            if stuck:
+                _log.warning("discovery.close_slow", agent=self.name,
+                             tasks=sorted(t.get_name() for t in stuck))
         client = self._client
         if client is None:
             return
@@ -588,14 +592,32 @@ class EtcdSession:
     async def _watch_from(self, revision: int) -> None:
         async with asyncio.timeout(self.config.timeout):
             watch = await self._client.watch_prefix(self._agents, start_revision=revision)
+        task = asyncio.current_task()
+        if self._state == "closing" or (task is not None and task.cancelling()):
+            # aetcd waits for the watch with asyncio.wait_for, which on Python
+            # 3.11 can swallow a cancellation that arrives as it completes: we
+            # would then wait on the new watch forever. Closing ends it.
+            raise asyncio.CancelledError
         try:
             async for ev in watch:
                 self._revision = max(self._revision, int(ev.kv.mod_revision))
                 await self._on_event(ev)
-        finally:
-            with contextlib.suppress(Exception, TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await watch.cancel()
+        except asyncio.CancelledError:
+            # We are closing: closing the client ends the watch. Awaiting
+            # aetcd's watch.cancel() here can swallow this very cancellation
+            # (its stream teardown catches CancelledError), and aclose() then
+            # waited forever for this task (seen in CI).
+            raise
+        except BaseException:
+            await self._cancel_watch(watch)
+            raise
+        await self._cancel_watch(watch)
+
+    @staticmethod
+    async def _cancel_watch(watch: Any) -> None:
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(1.0):
+                await watch.cancel()
 
     async def _on_event(self, ev: Any) -> None:
         key: bytes = ev.kv.key
