@@ -628,6 +628,14 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
     expect *x = p->ex_head;
     pthread_mutex_unlock(&c->mu);
     if (!x || x->type != h->type || x->op_id != h->op || !valid_status(h->status)) {
+        /* Said in detail: from a peer of ours this is a bug worth chasing. */
+        cq_log(c->e, c->tag,
+               "unexpected reply: type %u op %llu index %llu flags %u status %d len %llu; "
+               "expected %s type %u op %llu",
+               (unsigned)h->type, (unsigned long long)h->op, (unsigned long long)h->index,
+               (unsigned)h->flags, (int)h->status, (unsigned long long)h->len,
+               x ? "head" : "nothing:", x ? (unsigned)x->type : 0u,
+               x ? (unsigned long long)x->op_id : 0ull);
         *proto = true;
         return "reply that matches no outstanding request";
     }
