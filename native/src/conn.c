@@ -75,6 +75,17 @@ void sq_drop(axf_engine *e, sq_item *it)
     sq_release(e, it);
 }
 
+/* Releases a list of items (linked by next) with no lock held: releasing
+ * may finish an op. */
+static void release_list(axf_engine *e, sq_item *it)
+{
+    while (it) {
+        sq_item *n = it->next;
+        sq_release(e, it);
+        it = n;
+    }
+}
+
 /* c->mu held. */
 static void conn_mark_dead(conn *c)
 {
@@ -96,7 +107,14 @@ void conn_signal(conn *c)
 
 void conn_enqueue(conn *c, sq_item *it, bool signal)
 {
+    it->next = NULL;
+    conn_enqueue_chain(c, it, it, signal);
+}
+
+void conn_enqueue_chain(conn *c, sq_item *first, sq_item *last, bool signal)
+{
     conn_priv *p = (conn_priv *)c;
+    sq_item *it = last; /* the frame a reply answers: a LAST frame or a notification */
     pthread_mutex_lock(&c->mu);
     uint16_t want = 0;
     if (it->op && it->h.type == FR_NOTIFY)
@@ -106,14 +124,16 @@ void conn_enqueue(conn *c, sq_item *it, bool signal)
     if (want) {
         /* Recorded even on a dead connection: its failure path (which runs
          * after, under e->mu like every enqueue of an initiator frame) then
-         * moves or fails the group. */
+         * moves or fails the group. And recorded with the whole group in the
+         * same hold of c->mu: the target answers every READ chunk at once, so
+         * no frame of the group may leave before its expectation exists. */
         expect *x = calloc(1, sizeof *x);
         if (!x) { /* without an expectation the group would be forgotten */
             p->ex_lost = true;
             conn_mark_dead(c);
             pthread_cond_signal(&c->cv);
             pthread_mutex_unlock(&c->mu);
-            sq_release(c->e, it);
+            release_list(c->e, first);
             return;
         }
         x->op = it->op;
@@ -134,14 +154,15 @@ void conn_enqueue(conn *c, sq_item *it, bool signal)
     }
     if (c->dead) {
         pthread_mutex_unlock(&c->mu);
-        sq_release(c->e, it);
+        release_list(c->e, first);
         return;
     }
+    last->next = NULL;
     if (c->tail)
-        c->tail->next = it;
+        c->tail->next = first;
     else
-        c->head = it;
-    c->tail = it;
+        c->head = first;
+    c->tail = last;
     if (signal)
         pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
@@ -247,17 +268,6 @@ static void thread_exit(conn *c)
     e->conn_threads--;
     pthread_cond_broadcast(&e->th_cv);
     pthread_mutex_unlock(&e->th_mu);
-}
-
-/* Releases a list of items (linked by next) with no lock held: releasing
- * may finish an op. */
-static void release_list(axf_engine *e, sq_item *it)
-{
-    while (it) {
-        sq_item *n = it->next;
-        sq_release(e, it);
-        it = n;
-    }
 }
 
 /* Sends a batch of queued frames, c->mu held on entry and on return (released

@@ -829,7 +829,9 @@ static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
     }
     memcpy(o->sched, ep->sched, AXF_SCHED);
     o->sched0 = (uint32_t)ep->rr_next;
-    sq_item *lastp[AXF_MAX_CONNS] = {0};
+    /* Each connection's frames are chained here and queued as one group with
+     * its expectation (a READ's chunks are answered one by one). */
+    sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
     chunk_iter ci_ = {.o = o, .slot = -1, .chunk = e->cfg.chunk_bytes};
     uint64_t i, off, k = 0;
     int used = 0;
@@ -840,14 +842,16 @@ static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
             op_set_status(o, AXF_E_NOMEM, i);
             break;
         }
-        if (!lastp[ci])
+        if (!lastp[ci]) {
             used++;
-        else
-            conn_enqueue(ep->conns[ci], lastp[ci], false);
+            first[ci] = it;
+        } else {
+            lastp[ci]->next = it;
+        }
         lastp[ci] = it;
     }
     ep->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
-    /* Set before any LAST frame goes: replies may come at once. */
+    /* Set before any group is queued: replies may come at once. */
     atomic_store(&o->remaining, used ? used : 1);
     if (!used)
         return false;
@@ -856,7 +860,7 @@ static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
             continue;
         lastp[ci]->h.flags |= FL_LAST;
         lastp[ci]->slot = ci;
-        conn_enqueue(ep->conns[ci], lastp[ci], signal);
+        conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], signal);
         if (!signal)
             mark_dirty(e, ep->conns[ci]);
     }
@@ -905,11 +909,13 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
     /* The failed group's unit becomes these groups' units. */
     atomic_fetch_add(&o->remaining, groups - 1);
     o->reroutes++;
-    sq_item *lastp[AXF_MAX_CONNS] = {0};
+    sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
     for (size_t j = 0; j < total; j++) {
         int ci = ep->sched[(start + j) % AXF_SCHED];
         if (lastp[ci])
-            conn_enqueue(ep->conns[ci], lastp[ci], false);
+            lastp[ci]->next = items[j];
+        else
+            first[ci] = items[j];
         lastp[ci] = items[j];
     }
     for (int ci = 0; ci < ep->nconns; ci++) {
@@ -919,7 +925,7 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
         lastp[ci]->slot = ci;
         lastp[ci]->chunks = lists[ci];
         lastp[ci]->nchunks = cnt[ci];
-        conn_enqueue(ep->conns[ci], lastp[ci], true);
+        conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], true);
     }
     ep->rr_next = (int)((start + total) % AXF_SCHED);
     free(items);

@@ -272,6 +272,9 @@ void revokes_drop(axf_engine *e, conn *c); /* the connection is gone */
 /* conn.c */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
+/* Queues first..last (linked by next) at once; last is the frame the group's
+ * reply answers. */
+void conn_enqueue_chain(conn *c, sq_item *first, sq_item *last, bool signal);
 void conn_signal(conn *c);
 /* Sends what is queued now on the calling thread when that is small and the
  * socket takes it (no handoff to the sending thread), else wakes that

@@ -252,6 +252,39 @@ static int test_rates_measured(void)
     return 0;
 }
 
+/* A READ's chunks are answered one by one: no chunk of a group may leave
+ * before the group's expectation exists, or an early answer matches nothing
+ * and the connection is closed as broken (seen with many chunks per group). */
+static int test_many_chunk_reads_in_flight(void)
+{
+    axf_config cfg = {.chunk_bytes = 4096};
+    rails r;
+    if (rails_open(&r, &cfg, 4, 0))
+        return 1;
+    enum { READS = 200, INFLIGHT = 16, SIZE = 2u << 20 };
+    uint64_t posted = 0, done = 0;
+    axf_completion c;
+    while (done < READS) {
+        while (posted < READS && posted - done < INFLIGHT) {
+            uint64_t off = (posted % (REG / SIZE)) * SIZE;
+            axf_desc d = {.lrid = r.arid, .loff = off, .rrid = r.brid, .rkey = r.bkey,
+                          .roff = off, .len = SIZE};
+            CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_READ, &d, 1, NULL, 0, ++posted,
+                              AXF_POST_DEFER),
+                     AXF_OK);
+        }
+        axf_doorbell(r.a->e);
+        CHECK_EQ(t_wait_any(r.a, AXF_CQ_XFER, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+        done++;
+    }
+    axf_stats st;
+    axf_engine_stats(r.a->e, &st);
+    CHECK_EQ(st.frames_rejected, 0);
+    rails_close(&r);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -260,6 +293,7 @@ int main(int argc, char **argv)
         T_CASE(test_last_rail_lost_fails_the_endpoint),
         T_CASE(test_stalled_rail_times_out),
         T_CASE(test_rates_measured),
+        T_CASE(test_many_chunk_reads_in_flight),
     };
     return T_RUN(argc, argv, cases);
 }
