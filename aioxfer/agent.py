@@ -891,7 +891,6 @@ class Agent:
             _cyx.EP_SHM if shm else _cyx.EP_TCP, tag, meta.pid if shm else 0
         )
         self._connecting_eps[ep] = 0
-        opened: list[socket.socket] = []
         try:
             peer = Peer(
                 self,
@@ -910,27 +909,12 @@ class Agent:
                                             max_requests=self._limits[1])
             self._apply_regions(peer, meta.regions)  # before the engine reads revocations
             self._engine.endpoint_add_conn(ep, sock0.detach(), first)
-            wanted = [
-                i for i in range(len(rails)) for _ in range(per - (1 if i == first else 0))
-            ]
-            results = await asyncio.gather(
-                *(self._open(rails[i]) for i in wanted), return_exceptions=True
+            # The rest of the connections, every rail at once: (rail, how many).
+            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first))]
+            added = await asyncio.gather(
+                *(self._dial_rail(ep, i, rails[i], n, meta.incarnation) for i, n in dial)
             )
-            for r in results:
-                if isinstance(r, tuple):
-                    opened.append(r[0])
-            reached: set[int] = {first}
-            for i, r in zip(wanted, results, strict=True):
-                if isinstance(r, BaseException):
-                    if not isinstance(r, XferError | OSError):
-                        raise r
-                    continue
-                sock, accept = r
-                if accept.incarnation != meta.incarnation:
-                    continue  # another process behind that address: not a rail of this peer
-                # The handshake read exactly its frames: what follows is the engine's.
-                self._engine.endpoint_add_conn(ep, sock.detach(), i)
-                reached.add(i)
+            reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
             self._check_open()
             lost = self._connecting_eps.pop(ep)
             if lost:
@@ -952,10 +936,6 @@ class Agent:
                     f"cannot connect to peer {meta.name!r} at {address}: {exc}", status=exc.status
                 ) from None
             raise
-        finally:
-            for sock in opened:
-                if sock.fileno() >= 0:
-                    sock.close()
         self._peers_by_addr[address] = peer
         self._peers_by_ep[ep] = peer
         self._peers_by_inc[(meta.name, meta.incarnation)] = peer
@@ -975,7 +955,7 @@ class Agent:
             peer=peer.name,
             address=address,
             path=path,
-            conns=1 + sum(1 for r in results if isinstance(r, tuple)) if not shm else 1,
+            conns=1 + sum(added),
             rails=len(rails),
             regions=len(peer._regions),
         )
@@ -1018,6 +998,36 @@ class Agent:
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
+    async def _dial_rail(
+        self, ep: int, rail: int, address: str, n: int, incarnation: int
+    ) -> int:
+        """Opens n data connections to address at once and hands those the
+        peer's incarnation answered (not another process behind that address)
+        to endpoint ep as rail; closes the rest. Returns how many it added:
+        network failures only make it fewer; the engine refusing raises."""
+        results = await asyncio.gather(
+            *(self._open(address) for _ in range(n)), return_exceptions=True
+        )
+        socks = [r[0] for r in results if isinstance(r, tuple)]
+        added = 0
+        try:
+            for r in results:
+                if isinstance(r, BaseException):
+                    if not isinstance(r, XferError | OSError):
+                        raise r
+                    continue
+                sock, accept = r
+                if self._closed or accept.incarnation != incarnation:
+                    continue
+                # The handshake read exactly its frames: what follows is the engine's.
+                self._engine.endpoint_add_conn(ep, sock.detach(), rail)
+                added += 1
+        finally:
+            for sock in socks:
+                if sock.fileno() >= 0:
+                    sock.close()
+        return added
+
     async def _probe_rail(self, peer: Peer, rail: int) -> None:
         """Re-dials a failed rail every rail_probe seconds until the peer's
         engine takes connections on it again (or the peer is gone)."""
@@ -1030,24 +1040,11 @@ class Agent:
                 need = peer._rail_conns - self._rail_live(peer).get(rail, 0)
                 if need <= 0:
                     break
-                results = await asyncio.gather(
-                    *(self._open(address) for _ in range(need)), return_exceptions=True
-                )
-                added = 0
-                for r in results:
-                    if isinstance(r, BaseException):
-                        if not isinstance(r, XferError | OSError):
-                            raise r
-                        continue
-                    sock, accept = r
-                    if peer._lost or self._closed or accept.incarnation != peer.incarnation:
-                        sock.close()
-                        continue
-                    try:
-                        self._engine.endpoint_add_conn(peer._ep, sock.detach(), rail)
-                        added += 1
-                    except _cyx.NativeError:
-                        break
+                try:
+                    added = await self._dial_rail(peer._ep, rail, address, need,
+                                                  peer.incarnation)
+                except _cyx.NativeError:
+                    return  # the endpoint is gone: the peer is lost
                 if added and self._rail_live(peer).get(rail, 0) >= peer._rail_conns:
                     break
             if rail in peer._rails_down and not (peer._lost or self._closed):
