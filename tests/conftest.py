@@ -245,8 +245,15 @@ async def _command(agent: Any, regions: dict[str, Any], peers: dict[str, Any],
 
 
 def remote_agent_main(conn: Any, opts: dict[str, Any]) -> None:
+    run_child(_serve, conn, opts)
+
+
+def run_child(serve: Callable[[Any, dict[str, Any]], Awaitable[None]], conn: Any,
+              opts: dict[str, Any]) -> None:
+    """A spawned child's body: runs serve(conn, opts); a failure is sent to the
+    parent (which raises it as RemoteError) before the child dies of it."""
     try:
-        asyncio.run(_serve(conn, opts))
+        asyncio.run(serve(conn, opts))  # type: ignore[arg-type]
     except BaseException as exc:
         try:
             conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))

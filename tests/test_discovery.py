@@ -33,6 +33,7 @@ from conftest import (
     _command,
     digest,
     pattern,
+    run_child,
     sigstop,
     stats_dict,
     wait_until,
@@ -197,14 +198,7 @@ async def _member_serve(conn: Any, opts: dict[str, Any]) -> None:
 
 
 def member_main(conn: Any, opts: dict[str, Any]) -> None:
-    try:
-        asyncio.run(_member_serve(conn, opts))
-    except BaseException as exc:
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        except Exception:
-            pass
-        raise
+    run_child(_member_serve, conn, opts)
 
 
 class Member(RemoteAgent):
