@@ -18,6 +18,7 @@ from conftest import (
     Pair,
     digest,
     pattern,
+    sigstop,
     stats_dict,
     transport_kwargs,
     wait_until,
@@ -559,7 +560,9 @@ async def test_silent_peer_detected(make_agent, remote_agent, transport) -> None
     src, _ = src_region(init, 4 * MiB, seed=21)
     remote = peer.region("pool")
     await within(init.write(src[0:MiB], remote[0:MiB], notify=b"warm-up"))
-    ra.kill(signal.SIGSTOP)
+    # Stopped for sure: kill() returns before every thread is (one still
+    # running could acknowledge the notification; seen in CI over shm).
+    sigstop(ra.pid)
     try:
         t0 = time.monotonic()
         with pytest.raises(PeerLost):
