@@ -359,8 +359,16 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         c->head = head;
         pthread_cond_signal(&c->cv); /* the sending thread takes it from here */
     }
-    if (r)
+    if (r) {
+        /* A blocking send that moved nothing for SO_SNDTIMEO (the stall time)
+         * is a stall. Flagged before the connection is marked dead: its
+         * receiver decides from the flag whether requests move or time out. */
+        axf_engine *e = c->e;
+        if ((r == -EAGAIN || r == -EWOULDBLOCK) && e->cfg.stall_ms && c->ep &&
+            e->cfg.stall_ms < e->cfg.peer_timeout_ms)
+            atomic_store(&c->stalled, true);
         conn_mark_dead(c);
+    }
     if (c->dead) /* the sending thread may be waiting for us to leave */
         pthread_cond_broadcast(&c->cv);
     return r;
@@ -394,12 +402,8 @@ static void *tx_main(void *arg)
             pthread_mutex_unlock(&c->mu);
             release_list(e, done);
             pthread_mutex_lock(&c->mu);
-            if (r) {
-                if ((r == -EAGAIN || r == -EWOULDBLOCK) && stall_us && c->ep &&
-                    e->cfg.stall_ms < e->cfg.peer_timeout_ms)
-                    atomic_store(&c->stalled, true);
+            if (r) /* marked dead (and stalled, if it was one) by send_batch */
                 break;
-            }
             continue;
         }
         uint64_t now = axf_now_ms();
