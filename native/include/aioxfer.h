@@ -46,6 +46,15 @@ const char *axf_strerror(int status);
 /* Endpoint kinds (transports). */
 #define AXF_EP_TCP 1
 #define AXF_EP_SHM 2
+#define AXF_EP_FILE 3  /* this engine's own file regions (local storage) */
+#define AXF_EP_VERBS 4 /* RDMA verbs queue pairs, a stream connection for control */
+#define AXF_EP_CUDA 5  /* same-host GPU copies (CUDA IPC, streams, events) */
+
+/* Memory kinds of a region. Host memory is what every transport can touch;
+ * the others only the transports that know them. */
+#define AXF_MEM_HOST 0
+#define AXF_MEM_CUDA 1 /* addr: a device pointer */
+#define AXF_MEM_FILE 2 /* fd: an open file; addr: the region's offset in it */
 
 /* Ops. */
 #define AXF_OP_WRITE 1
@@ -135,6 +144,10 @@ void axf_engine_stats(axf_engine *e, axf_stats *out);
  * shared mapping of that fd at offset 0 (same-host peers may map it). */
 int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access,
                         int memfd, uint64_t *id_out, uint64_t *key_out);
+/* A region of another memory kind (AXF_MEM_CUDA, AXF_MEM_FILE). fd: the
+ * file of a file region (the engine keeps its own duplicate), else -1. */
+int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64_t len,
+                             uint32_t access, int fd, uint64_t *id_out, uint64_t *key_out);
 /* Revokes a region: new accesses fail with AXF_E_ACCESS; ops already holding it
  * finish; every connected peer is told to forget it. AXF_CQ_REGION_FREED is
  * pushed once nothing touches it any more: our own ops are done and each peer

@@ -465,7 +465,10 @@ static region *target_region(axf_engine *e, const wire_hdr *h, uint32_t need)
     pthread_mutex_unlock(&e->mu);
     if (!r)
         return NULL;
-    if (r->key != h->key || !(r->access & need) || h->off > r->len || h->len > r->len - h->off) {
+    /* The socket path reads and writes host memory only: a GPU or file
+     * region is never a target of its frames. */
+    if (r->key != h->key || !(r->access & need) || h->off > r->len || h->len > r->len - h->off ||
+        r->kind != AXF_MEM_HOST) {
         region_unref(e, r);
         return NULL;
     }

@@ -2,6 +2,7 @@
 #include "internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -221,24 +222,14 @@ void region_unref(axf_engine *e, region *r)
     if (atomic_fetch_sub(&r->refs, 1) == 1) {
         cq_push(e, AXF_CQ_REGION_FREED, AXF_OK, r->id, 0, r->len, 0, NULL, 0);
         atomic_fetch_sub(&e->n_regions, 1);
+        if (r->fd >= 0)
+            close(r->fd);
         free(r);
     }
 }
 
-int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access, int memfd,
-                        uint64_t *id_out, uint64_t *key_out)
+static int region_add(axf_engine *e, region *r, uint64_t *id_out, uint64_t *key_out)
 {
-    if (!addr || !len || (access & ~(AXF_ACCESS_READ | AXF_ACCESS_WRITE)))
-        return AXF_E_INVALID;
-    if ((uintptr_t)addr + len < (uintptr_t)addr)
-        return AXF_E_INVALID;
-    region *r = calloc(1, sizeof *r);
-    if (!r)
-        return AXF_E_NOMEM;
-    r->addr = addr;
-    r->len = len;
-    r->access = access;
-    r->memfd = memfd;
     r->key = random_u64();
     atomic_init(&r->refs, 1);
     pthread_mutex_lock(&e->mu);
@@ -256,6 +247,56 @@ int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access
     *id_out = r->id;
     *key_out = r->key;
     return AXF_OK;
+}
+
+int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access, int memfd,
+                        uint64_t *id_out, uint64_t *key_out)
+{
+    if (!addr || !len || (access & ~(AXF_ACCESS_READ | AXF_ACCESS_WRITE)))
+        return AXF_E_INVALID;
+    if ((uintptr_t)addr + len < (uintptr_t)addr)
+        return AXF_E_INVALID;
+    region *r = calloc(1, sizeof *r);
+    if (!r)
+        return AXF_E_NOMEM;
+    r->addr = addr;
+    r->len = len;
+    r->access = access;
+    r->kind = AXF_MEM_HOST;
+    r->memfd = memfd;
+    r->fd = -1;
+    return region_add(e, r, id_out, key_out);
+}
+
+int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64_t len,
+                             uint32_t access, int fd, uint64_t *id_out, uint64_t *key_out)
+{
+    if (!len || (access & ~(AXF_ACCESS_READ | AXF_ACCESS_WRITE)) || addr + len < addr)
+        return AXF_E_INVALID;
+    if (kind == AXF_MEM_HOST)
+        return axf_region_register(e, (void *)(uintptr_t)addr, len, access, -1, id_out, key_out);
+    if ((kind == AXF_MEM_CUDA && (!addr || fd >= 0)) || (kind == AXF_MEM_FILE && fd < 0) ||
+        (kind != AXF_MEM_CUDA && kind != AXF_MEM_FILE))
+        return AXF_E_INVALID;
+    region *r = calloc(1, sizeof *r);
+    if (!r)
+        return AXF_E_NOMEM;
+    r->kind = kind;
+    r->len = len;
+    r->access = access;
+    r->memfd = -1;
+    r->fd = -1;
+    if (kind == AXF_MEM_CUDA) {
+        r->addr = (uint8_t *)(uintptr_t)addr;
+    } else {
+        r->foff = addr;
+        r->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (r->fd < 0) {
+            free(r);
+            return AXF_E_REGISTRATION;
+        }
+    }
+    return region_add(e, r, id_out, key_out);
 }
 
 int axf_region_deregister(axf_engine *e, uint64_t id)
@@ -625,6 +666,11 @@ static int op_resolve(axf_engine *e, op *o)
         if (d->loff > last->len || d->len > last->len - d->loff) {
             o->fail_index = i;
             return AXF_E_ACCESS;
+        }
+        /* The socket and same-host copy paths touch host memory only. */
+        if (last->kind != AXF_MEM_HOST && (o->ep->kind == AXF_EP_TCP || o->ep->kind == AXF_EP_SHM)) {
+            o->fail_index = i;
+            return AXF_E_INVALID;
         }
         /* READ lands in local memory: the local buffer must be writable. */
         if (o->opcode == AXF_OP_READ && !(last->access & AXF_ACCESS_WRITE)) {

@@ -52,9 +52,12 @@ _Static_assert(sizeof(wire_hdr) == 64, "wire header is 64 bytes");
 
 typedef struct region {
     uint64_t id, key, len;
-    uint8_t *addr;
+    uint8_t *addr;   /* host memory; a device pointer for AXF_MEM_CUDA; NULL for files */
     uint32_t access;
-    int memfd;
+    uint32_t kind;   /* AXF_MEM_* */
+    int memfd;       /* host: a memfd same-host peers may map, else -1 */
+    int fd;          /* AXF_MEM_FILE: our duplicate of the file, else -1 */
+    uint64_t foff;   /* AXF_MEM_FILE: where the region starts in the file */
     atomic_int refs; /* one for the registry while registered, one per user */
     struct region *next;
 } region;
