@@ -190,6 +190,11 @@ void axf_doorbell(axf_engine *e);
  * engine no longer touches the op's memory. */
 int axf_cancel(axf_engine *e, uint64_t req_id);
 
+/* The file transport's I/O backend: with e, the one that engine chose (1:
+ * io_uring, 0: thread pool, -1: no FILE endpoint yet); with e NULL, the one an
+ * engine would choose now. buf (may be NULL) gets one line saying what and why. */
+int axf_file_info(axf_engine *e, char *buf, size_t cap);
+
 /* Drains up to max completions; never blocks; also clears the eventfd. */
 size_t axf_poll(axf_engine *e, axf_completion *out, size_t max);
 void axf_completion_free(axf_completion *c);
