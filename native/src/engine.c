@@ -319,7 +319,7 @@ int axf_region_deregister(axf_engine *e, uint64_t id)
     if (rv) {
         rv->r = r;
         for (conn *c = e->conns; c; c = c->next_all) {
-            if (c->ep || c->exited)
+            if (c->ep || c->exited || r->kind == AXF_MEM_FILE) /* peers never reach files */
                 continue;
             rv_wait *w = calloc(1, sizeof *w);
             sq_item *it = sq_new(FR_REVOKE, 0);

@@ -86,12 +86,12 @@ static bool forced_threads(void)
 /* Tries a ring; on success it is left initialised in *ring (when non-NULL). */
 static bool uring_try(void *ring_out, char *why, size_t cap)
 {
-#ifdef AXF_HAVE_URING
-    struct io_uring tmp, *ring = ring_out ? ring_out : &tmp;
     if (forced_threads()) {
         snprintf(why, cap, "thread pool: forced by AIOXFER_FILE_IO=threads");
         return false;
     }
+#ifdef AXF_HAVE_URING
+    struct io_uring tmp, *ring = ring_out ? ring_out : &tmp;
     int r = io_uring_queue_init(QDEPTH * 2, ring, 0);
     if (r < 0) {
         snprintf(why, cap, "thread pool: io_uring unavailable (%s)",
