@@ -187,7 +187,8 @@ int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need)
 
 /* ------------------------------------------------------------ work queue */
 
-/* Takes the next chunk of the first job (f->mu held). The chunk is counted as
+/* Takes the next chunk of the first job, which then goes to the back of the
+ * queue (f->mu held). The chunk is counted as
  * a unit of its op before the job's own unit may go. Returns the op whose
  * job ended (its unit to release once unlocked) in *ended. */
 static bool take_chunk(file_xport *f, fchunk *c, op **ended)
@@ -208,8 +209,15 @@ static bool take_chunk(file_xport *f, fchunk *c, op **ended)
                 j->i++;
                 j->off = 0;
             }
-            if (j->i < o->n)
+            if (j->i < o->n) {
+                if (j->next) { /* round robin: a small op is not stuck behind a bulk one */
+                    f->head = j->next;
+                    j->next = NULL;
+                    f->tail->next = j;
+                    f->tail = j;
+                }
                 return true;
+            }
         }
         f->head = j->next;
         if (!f->head)

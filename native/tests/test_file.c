@@ -152,6 +152,31 @@ static int test_many_descriptors_deferred(void)
     return 0;
 }
 
+/* Chunks of queued ops are issued in turn: a small op posted behind a bulk
+ * one (2048 descriptors) finishes first. */
+static int test_small_op_not_stuck_behind_bulk(void)
+{
+    ffix f;
+    CHECK_EQ(ff_open(&f, "/tmp", 0, RW), 0);
+    enum { N = FSIZE / 4096 };
+    axf_desc *d = calloc(N, sizeof *d);
+    CHECK(d);
+    for (uint64_t i = 0; i < N; i++)
+        d[i] = fd_(f.srid, i * 4096, &f, (N - 1 - i) * 4096, 4096);
+    CHECK_EQ(axf_post(f.t->e, f.ep, AXF_OP_WRITE, d, N, NULL, 0, 1, AXF_POST_DEFER), AXF_OK);
+    axf_desc small = fd_(f.drid, 0, &f, 0, 4096);
+    CHECK_EQ(axf_post(f.t->e, f.ep, AXF_OP_READ, &small, 1, NULL, 0, 2, AXF_POST_DEFER), AXF_OK);
+    axf_doorbell(f.t->e);
+    axf_completion c;
+    CHECK_EQ(t_wait_any(f.t, AXF_CQ_XFER, &c), 0);
+    CHECK_EQ(c.id, 2);
+    if (wait_ok(f.t, 1, FSIZE))
+        return 1;
+    free(d);
+    ff_close(&f);
+    return 0;
+}
+
 static int post_status(ffix *f, int op, axf_desc d, uint64_t id)
 {
     return axf_post(f->t->e, f->ep, op, &d, 1, NULL, 0, id, 0);
@@ -352,6 +377,7 @@ int main(int argc, char **argv)
         T_CASE(test_backend_reported),
         T_CASE(test_round_trip),
         T_CASE(test_many_descriptors_deferred),
+        T_CASE(test_small_op_not_stuck_behind_bulk),
         T_CASE(test_access_checks),
         T_CASE(test_io_errors),
         T_CASE(test_deregister_in_flight),
