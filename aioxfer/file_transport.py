@@ -227,10 +227,10 @@ def descs(agent: Agent, local: Any, target: Any) -> tuple[Peer, npt.NDArray[np.u
         row = [[lr.rid, local.offset, fr.rid, fr.key, target.offset, n]]
         return file_peer(agent), np.array(row, dtype=np.uint64), n
     if isinstance(local, SegmentList) and isinstance(target, SegmentList):
-        lr, fr = local.region, target.region
-        if not isinstance(lr, Region) or not isinstance(fr, Region):
+        lreg, freg = local.region, target.region
+        if not isinstance(lreg, Region) or not isinstance(freg, Region):
             raise TypeError("file transfers take two SegmentLists of local regions")
-        _check_regions(agent, lr, fr, None)
+        _check_regions(agent, lreg, freg, None)
         m = len(local)
         if m != len(target):
             raise ValueError(f"{m} local segments but {len(target)} file segments")
@@ -246,18 +246,18 @@ def descs(agent: Agent, local: Any, target: Any) -> tuple[Peer, npt.NDArray[np.u
         if not lens.all():
             raise ValueError(f"segment {int(np.flatnonzero(lens == 0)[0])} is empty")
         out = np.empty((m, 6), dtype=np.uint64)
-        out[:, 0] = lr.rid
+        out[:, 0] = lreg.rid
         out[:, 1] = local.offsets
-        out[:, 2] = fr.rid
-        out[:, 3] = fr.key
+        out[:, 2] = freg.rid
+        out[:, 3] = freg.key
         out[:, 4] = target.offsets
         out[:, 5] = lens
-        if fr.direct:
-            mask = DIRECT_ALIGN - 1
-            bad = ((local.offsets + np.uint64(lr.addr)) | target.offsets | lens) & np.uint64(mask)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                _check_aligned(lr.addr + int(local.offsets[i]), int(target.offsets[i]),
+        if freg.direct:
+            mask = np.uint64(DIRECT_ALIGN - 1)
+            unaligned = ((local.offsets + np.uint64(lreg.addr)) | target.offsets | lens) & mask
+            if unaligned.any():
+                i = int(np.flatnonzero(unaligned)[0])
+                _check_aligned(lreg.addr + int(local.offsets[i]), int(target.offsets[i]),
                                int(lens[i]), i)
         return file_peer(agent), out, local.nbytes
     if (
