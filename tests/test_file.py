@@ -356,3 +356,39 @@ async def test_io_error_is_typed(agent: Any, backend: str, small_tmpfs: Path,
     g = agent.register_file(tmp_path / "ok.bin", size=MiB)
     await within(agent.write(src[0:MiB], g[0:MiB]))
     await within(agent.read(src[0:4096], f[0:4096]))
+
+
+@pytest.fixture
+def loop_device(tmp_path: Path) -> Iterator[str]:
+    """A 4 MiB loop block device over a file (root only)."""
+    if os.geteuid() != 0 or not shutil.which("losetup"):
+        pytest.skip("loop devices need root and losetup")
+    img = tmp_path / "disk.img"
+    with open(img, "wb") as f:
+        f.truncate(4 * MiB)
+    r = subprocess.run(["losetup", "-f", "--show", str(img)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot attach a loop device here: {r.stderr.strip()}")
+    dev = r.stdout.strip()
+    try:
+        yield dev
+    finally:
+        subprocess.run(["losetup", "-d", dev], capture_output=True)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+async def test_block_device(agent: Any, loop_device: str, direct: bool) -> None:
+    with pytest.raises(aioxfer.RegistrationError, match="the device has"):
+        agent.register_file(loop_device, size=8 * MiB)
+    dev = agent.register_file(loop_device, direct=direct)
+    assert (dev.nbytes, dev.kind, dev.direct) == (4 * MiB, "file", direct)
+    src = agent.alloc(MiB)
+    src.numpy()[:] = pattern(MiB, 6)
+    dst = agent.alloc(MiB)
+    on_dev = [dev[0:4096], dev[3 * MiB:4 * MiB - 8192]]
+    await within(agent.write([src[0:4096], src[8192:MiB]], on_dev))
+    await within(agent.read([dst[0:4096], dst[8192:MiB]], on_dev))
+    want = src.memoryview.tobytes()
+    assert dst.memoryview == want[0:4096] + bytes(4096) + want[8192:MiB]
+    agent.deregister(dev)
+    await wait_until(lambda: agent.statistics().native_regions == 2, what="device region freed")
