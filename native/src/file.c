@@ -188,9 +188,9 @@ int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need)
 /* ------------------------------------------------------------ work queue */
 
 /* Takes the next chunk of the first job, which then goes to the back of the
- * queue (f->mu held). The chunk is counted as
- * a unit of its op before the job's own unit may go. Returns the op whose
- * job ended (its unit to release once unlocked) in *ended. */
+ * queue (f->mu held). The chunk is counted as a unit of its op before the
+ * job's own unit may go. Returns the op whose job ended (its unit to release
+ * once unlocked) in *ended. */
 static bool take_chunk(file_xport *f, fchunk *c, op **ended)
 {
     *ended = NULL;
