@@ -98,6 +98,18 @@ static bool uring_try(void *ring_out, char *why, size_t cap)
                  -r == ENOSYS ? "ENOSYS" : -r == EPERM ? "EPERM" : strerror(-r));
         return false;
     }
+    /* Kernels before 5.6 have rings but not these opcodes. */
+    struct io_uring_probe *probe = io_uring_get_probe_ring(ring);
+    bool ops = probe && io_uring_opcode_supported(probe, IORING_OP_READ) &&
+               io_uring_opcode_supported(probe, IORING_OP_WRITE) &&
+               io_uring_opcode_supported(probe, IORING_OP_POLL_ADD);
+    if (probe)
+        io_uring_free_probe(probe);
+    if (!ops) {
+        io_uring_queue_exit(ring);
+        snprintf(why, cap, "thread pool: io_uring lacks IORING_OP_READ/WRITE (kernel < 5.6)");
+        return false;
+    }
     if (!ring_out)
         io_uring_queue_exit(ring);
     snprintf(why, cap, "io_uring (liburing %s)", AXF_URING_VERSION);
