@@ -1297,7 +1297,9 @@ class Agent:
         bytes) only after all the data is in its memory.
 
         ``src``/``dst``: a Segment and a RemoteSegment, equal-length lists of
-        them, or two SegmentLists; lengths must match pair by pair.
+        them, or two SegmentLists; lengths must match pair by pair. ``dst``
+        may also be this agent's file region (``register_file``): its
+        Segments, or a SegmentList of it (no ``notify`` then).
         ``priority``: matters when the peer's limits are reached (see Agent)."""
         peer, descs, nbytes = self._descs(src, dst, "write")
         payload = None if notify is None else _payload(notify)
