@@ -139,8 +139,13 @@ async def test_round_trip_scattered(agent: Any, backend: str, tmp_path: Path) ->
     await within(agent.write(src[0:MiB], f[5 * MiB:6 * MiB]))
     await within(agent.read(dst[MiB:2 * MiB], f[5 * MiB:6 * MiB]))
     assert got[MiB:2 * MiB] == want[0:MiB]
+    # One transfer over two files.
+    g = agent.register_file(tmp_path / "other.bin", size=MiB)
+    await within(agent.write([src[0:4096], src[4096:8192]], [g[0:4096], f[0:4096]]))
+    assert file_bytes(g.obj, 0, 4096) == want[0:4096]
+    assert file_bytes(path, 0, 4096) == want[4096:8192]
     s = agent.statistics()
-    assert s.peers == 0 and s.transfers_completed == 4  # the file endpoint is not a peer
+    assert s.peers == 0 and s.transfers_completed == 5  # the file endpoint is not a peer
 
 
 async def test_segment_list_batch(agent: Any, backend: str, tmp_path: Path) -> None:
