@@ -25,14 +25,17 @@ from aioxfer.region import Segment
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["auto", "threads"])
+@pytest.fixture(params=["auto", "threads", "uring"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The I/O backend agents made in this test use (read when an engine makes
-    its first file endpoint)."""
-    if request.param == "threads":
-        monkeypatch.setenv("AIOXFER_FILE_IO", "threads")
-    else:
+    """The I/O backends agents made in this test use (read when an engine makes
+    its first file endpoint): by default io_uring for O_DIRECT regions and the
+    thread pool for buffered ones; "threads" or "uring" for everything."""
+    if request.param == "auto":
         monkeypatch.delenv("AIOXFER_FILE_IO", raising=False)
+    else:
+        if request.param == "uring" and not _cyx.file_backend()[0]:
+            pytest.skip(f"no io_uring here: {_cyx.file_backend()[1]}")
+        monkeypatch.setenv("AIOXFER_FILE_IO", str(request.param))
     return str(request.param)
 
 
@@ -43,8 +46,12 @@ async def agent(make_agent: Callable[..., Awaitable[Any]], backend: str) -> Asyn
 
 def check_backend(agent: Any, backend: str) -> None:
     used, line = agent._engine.file_backend()
-    uring_here, _ = _cyx.file_backend()
-    assert used == (0 if backend == "threads" or not uring_here else 1), line
+    if backend == "threads":
+        assert (used, line) == (0, "thread pool: forced by AIOXFER_FILE_IO=threads")
+    elif backend == "uring":
+        assert used == 1 and line.endswith("for all file I/O (AIOXFER_FILE_IO=uring)"), line
+    else:
+        assert used == int(_cyx.file_backend()[0]), line
 
 
 def file_bytes(path: Path | str, off: int, n: int) -> bytes:
