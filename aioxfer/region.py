@@ -67,6 +67,8 @@ class Region:
         "_memfd_ino",
         "_mmap",
         "_closed",
+        "kind",
+        "direct",
         "__weakref__",
     )
 
@@ -83,6 +85,7 @@ class Region:
         memfd: int = -1,
         memfd_ino: int = 0,
         mm: mmap.mmap | None = None,
+        kind: str = "host",
     ) -> None:
         self._agent = agent
         self.name = name
@@ -96,6 +99,8 @@ class Region:
         self._memfd_ino = memfd_ino
         self._mmap = mm
         self._closed = False
+        self.kind = kind  # memory kind: "host", or "file" (Agent.register_file; obj: the path)
+        self.direct = False  # a file region opened with O_DIRECT
 
     @property
     def closed(self) -> bool:
@@ -120,6 +125,8 @@ class Region:
     def memoryview(self) -> memoryview:
         """A byte view of the whole region (format "B", length nbytes)."""
         self._check()
+        if self.kind != "host":
+            raise TypeError(f"region {self.name!r} is {self.kind} memory: no host bytes to view")
         mv = memoryview(self._obj)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
@@ -151,7 +158,8 @@ class Region:
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
-        return f"<Region {self.name!r} rid={self.rid} nbytes={self.nbytes}{state}>"
+        kind = "" if self.kind == "host" else f" kind={self.kind}"
+        return f"<Region {self.name!r} rid={self.rid} nbytes={self.nbytes}{kind}{state}>"
 
 
 class RemoteRegion:

@@ -25,6 +25,11 @@ cdef extern from "aioxfer.h" nogil:
 
     int AXF_EP_TCP
     int AXF_EP_SHM
+    int AXF_EP_FILE
+
+    uint32_t AXF_MEM_HOST
+    uint32_t AXF_MEM_CUDA
+    uint32_t AXF_MEM_FILE
 
     int AXF_OP_WRITE
     int AXF_OP_READ
@@ -97,6 +102,8 @@ cdef extern from "aioxfer.h" nogil:
 
     int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access,
                             int memfd, uint64_t *id_out, uint64_t *key_out)
+    int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64_t len,
+                                 uint32_t access, int fd, uint64_t *id_out, uint64_t *key_out)
     int axf_region_deregister(axf_engine *e, uint64_t id)
 
     int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid,
@@ -115,6 +122,8 @@ cdef extern from "aioxfer.h" nogil:
                  const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags)
     void axf_doorbell(axf_engine *e)
     int axf_cancel(axf_engine *e, uint64_t req_id)
+
+    int axf_file_info(axf_engine *e, char *buf, size_t cap)
 
     size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
     void axf_completion_free(axf_completion *c)
