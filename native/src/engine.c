@@ -222,6 +222,7 @@ void region_unref(axf_engine *e, region *r)
     if (atomic_fetch_sub(&r->refs, 1) == 1) {
         cq_push(e, AXF_CQ_REGION_FREED, AXF_OK, r->id, 0, r->len, 0, NULL, 0);
         atomic_fetch_sub(&e->n_regions, 1);
+        verbs_region_free(e, r); /* after every peer acknowledged: nothing in flight */
         if (r->fd >= 0)
             close(r->fd);
         free(r);
@@ -232,9 +233,19 @@ static int region_add(axf_engine *e, region *r, uint64_t *id_out, uint64_t *key_
 {
     r->key = random_u64();
     atomic_init(&r->refs, 1);
+    int vst = verbs_region_add(e, r); /* before anyone can reach it */
+    if (vst != AXF_OK) {
+        if (r->fd >= 0)
+            close(r->fd);
+        free(r);
+        return vst;
+    }
     pthread_mutex_lock(&e->mu);
     if (e->shut) {
         pthread_mutex_unlock(&e->mu);
+        verbs_region_free(e, r);
+        if (r->fd >= 0)
+            close(r->fd);
         free(r);
         return AXF_E_CLOSED;
     }
@@ -527,7 +538,7 @@ static void op_finish_unlinked(axf_engine *e, op *o)
     op_unpin(e, o);
 }
 
-static void op_complete(axf_engine *e, op *o)
+void op_complete(axf_engine *e, op *o)
 {
     pthread_mutex_lock(&e->mu);
     if (o->claimed) {
@@ -592,9 +603,11 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
     if (ep->live_conns == 0) {
         ep->dead = true;
         int st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
+        /* Posted RDMA requests flush before their ops finish (verbs.c). */
+        verbs_ep_dead(e, ep);
         for (op *o = ep->ops, *next; o; o = next) {
             next = o->next;
-            if (ep->kind == AXF_EP_SHM && o->phase == 0)
+            if ((ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_VERBS) && o->phase == 0)
                 continue;
             o->claimed = true;
             op_set_status(o, st, 0);
@@ -618,7 +631,7 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
     }
 }
 
-static endpoint *ep_find(axf_engine *e, uint64_t id) /* e->mu held */
+endpoint *ep_find(axf_engine *e, uint64_t id) /* e->mu held */
 {
     for (endpoint *ep = e->eps; ep; ep = ep->next)
         if (ep->id == id)
@@ -626,7 +639,7 @@ static endpoint *ep_find(axf_engine *e, uint64_t id) /* e->mu held */
     return NULL;
 }
 
-static rregion *rr_find(endpoint *ep, uint64_t rid)
+rregion *rr_find(endpoint *ep, uint64_t rid)
 {
     for (rregion *rr = ep->rregions; rr; rr = rr->next)
         if (rr->rid == rid && !rr->gone)
@@ -669,6 +682,12 @@ static int op_resolve(axf_engine *e, op *o)
         }
         /* The socket and same-host copy paths touch host memory only. */
         if (last->kind != AXF_MEM_HOST && (o->ep->kind == AXF_EP_TCP || o->ep->kind == AXF_EP_SHM)) {
+            o->fail_index = i;
+            return AXF_E_INVALID;
+        }
+        /* RDMA reaches what is registered with the devices (host memory, GPU
+         * memory registered for GPUDirect), never a file. */
+        if (o->ep->kind == AXF_EP_VERBS && !verbs_region_usable(last)) {
             o->fail_index = i;
             return AXF_E_INVALID;
         }
@@ -1025,7 +1044,8 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
     else if (op_find(e, req_id))
         st = AXF_E_INVALID;
-    else if ((ep->kind == AXF_EP_TCP || opcode == AXF_OP_NOTIFY) && ep->nconns == 0)
+    else if ((ep->kind == AXF_EP_TCP || ep->kind == AXF_EP_VERBS || opcode == AXF_OP_NOTIFY) &&
+             ep->nconns == 0)
         st = AXF_E_TRANSPORT;
     if (st == AXF_OK) {
         o->ep = ep;
@@ -1062,6 +1082,10 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         pthread_mutex_unlock(&e->mu);
         if (signal && !finish_now)
             axf_doorbell(e);
+    } else if (ep->kind == AXF_EP_VERBS) {
+        /* Posted to the queue pairs at once: one post per chain is the batch. */
+        finish_now = !verbs_submit(e, o);
+        pthread_mutex_unlock(&e->mu);
     } else {
         uint64_t total = 0;
         for (size_t i = 0; i < n; i++)
@@ -1123,8 +1147,8 @@ int axf_cancel(axf_engine *e, uint64_t req_id)
 
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out)
 {
-    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM)
-        return AXF_E_INVALID;
+    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && !(kind == AXF_EP_VERBS && e->verbs))
+        return kind == AXF_EP_VERBS ? AXF_E_TRANSPORT : AXF_E_INVALID;
     endpoint *ep = calloc(1, sizeof *ep);
     if (!ep)
         return AXF_E_NOMEM;
@@ -1332,6 +1356,7 @@ void axf_engine_shutdown(axf_engine *e)
     pthread_mutex_unlock(&e->th_mu);
 
     shm_stop(e); /* finishes or fails queued copies */
+    verbs_stop(e); /* flushes posted RDMA requests; their ops finish */
 
     /* Whatever is left (endpoints that never had a connection). */
     for (;;) {
@@ -1379,8 +1404,10 @@ void axf_engine_destroy(axf_engine *e)
         for (rregion *rr = ep->rregions, *rn; rr; rr = rn) {
             rn = rr->next;
             shm_unmap(rr);
+            verbs_rr_free(rr);
             free(rr);
         }
+        verbs_ep_free(ep);
         free(ep);
     }
     for (rv_ack *a = e->rv_acks, *n; a; a = n) {
@@ -1398,6 +1425,7 @@ void axf_engine_destroy(axf_engine *e)
         pthread_cond_destroy(&c->cv);
         free(c);
     }
+    verbs_free(e);
     for (size_t i = 0; i < e->cq_count; i++)
         free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
     free(e->cq);

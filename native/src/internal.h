@@ -59,6 +59,7 @@ typedef struct region {
     int fd;          /* AXF_MEM_FILE: our duplicate of the file, else -1 */
     uint64_t foff;   /* AXF_MEM_FILE: where the region starts in the file */
     atomic_int refs; /* one for the registry while registered, one per user */
+    struct verbs_reg *verbs; /* verbs.c: its memory registrations, one per device */
     struct region *next;
 } region;
 
@@ -73,6 +74,7 @@ typedef struct rregion {
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
+    struct verbs_rkeys *verbs; /* verbs: the owner's (addr, rkey) per its device */
     struct rregion *next;
 } rregion;
 
@@ -125,6 +127,7 @@ typedef struct endpoint {
     rregion *rregions;
     bool dead, closing, lost_reported;
     struct op *ops; /* pending ops, doubly linked */
+    struct verbs_ep *verbs; /* AXF_EP_VERBS: its queue pairs (rails) */
     struct endpoint *next;
 } endpoint;
 
@@ -203,6 +206,7 @@ typedef struct conn {
     /* accepting side, e->mu: revocations this connection has to acknowledge */
     rv_wait *revokes;
     bool exited;
+    struct verbs_qp *verbs; /* accepting side, e->mu: queue pairs that live as long as it */
     struct conn *next_all;
 } conn;
 
@@ -244,6 +248,7 @@ struct axf_engine {
     bool dirty_workers;
 
     rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
+    struct verbs_state *verbs; /* verbs.c: devices and their poller, NULL while off */
 
     atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
 };
@@ -272,6 +277,10 @@ void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key);
 int revoke_acked(axf_engine *e, conn *c, uint64_t rid); /* AXF_OK or AXF_E_PROTOCOL */
 void revokes_drop(axf_engine *e, conn *c); /* the connection is gone */
 
+endpoint *ep_find(axf_engine *e, uint64_t id); /* e->mu held */
+rregion *rr_find(endpoint *ep, uint64_t rid);   /* e->mu held; not gone */
+void op_complete(axf_engine *e, op *o);         /* fails an op that queued nothing */
+
 /* conn.c */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
@@ -294,5 +303,19 @@ int shm_map(endpoint *ep, rregion *rr, int32_t memfd);
 void shm_unmap(rregion *rr);
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);
+
+/* verbs.c (stubs where the libibverbs headers were absent at build time) */
+int verbs_region_add(axf_engine *e, region *r); /* before it is reachable */
+void verbs_region_free(axf_engine *e, region *r); /* its last reference is gone */
+bool verbs_region_usable(const region *r); /* registered on every device */
+/* Queues a new op's work requests on the endpoint's queue pairs; false when
+ * nothing could be queued (the caller completes the op). e->mu held. */
+bool verbs_submit(axf_engine *e, op *o);
+void verbs_ep_dead(axf_engine *e, endpoint *ep); /* e->mu held: flush its queue pairs */
+void verbs_conn_closed(axf_engine *e, conn *c);  /* accepting side: its queue pairs go */
+void verbs_stop(axf_engine *e);  /* shutdown: flush, stop the poller, destroy queue pairs */
+void verbs_free(axf_engine *e);  /* destroy: devices */
+void verbs_ep_free(endpoint *ep);
+void verbs_rr_free(rregion *rr);
 
 #endif
