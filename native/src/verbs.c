@@ -1157,11 +1157,11 @@ static vchain *drain_pending(vqp *q)
     pthread_mutex_lock(&q->mu);
     pthread_mutex_lock(&vs->mu);
     while (q->pend_head) {
-        vchain *c = q->pend_head;
+        vchain *c = q->pend_head, *next = c->next; /* chain_post relinks c */
         bool drop = q->err || atomic_load(&c->o->cancelled);
         if (!drop && !chain_post(q, c))
             break;
-        q->pend_head = c->next;
+        q->pend_head = next;
         if (!q->pend_head)
             q->pend_tail = NULL;
         if (drop) {
