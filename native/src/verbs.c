@@ -1115,11 +1115,13 @@ bool verbs_submit(axf_engine *e, op *o)
 
 static int wc_status(axf_engine *e, const op *o, enum ibv_wc_status s)
 {
+    /* While we close, the peer's end goes too: whatever fails, we did it. */
+    if (s != IBV_WC_REM_ACCESS_ERR && (e->shut || o->ep->closing))
+        return AXF_E_CLOSED;
     switch (s) {
     case IBV_WC_REM_ACCESS_ERR:
         return AXF_E_ACCESS;
     case IBV_WC_WR_FLUSH_ERR:
-        return e->shut || o->ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
     case IBV_WC_RETRY_EXC_ERR:
     case IBV_WC_RNR_RETRY_EXC_ERR:
     case IBV_WC_FATAL_ERR:
