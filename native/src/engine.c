@@ -603,8 +603,6 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
     if (ep->live_conns == 0) {
         ep->dead = true;
         int st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
-        /* Posted RDMA requests flush before their ops finish (verbs.c). */
-        verbs_ep_dead(e, ep);
         for (op *o = ep->ops, *next; o; o = next) {
             next = o->next;
             if ((ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_VERBS) && o->phase == 0)
@@ -620,11 +618,17 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
             report = true;
         }
     }
+    bool flush = ep->live_conns == 0 && ep->kind == AXF_EP_VERBS;
     pthread_mutex_unlock(&e->mu);
     /* The loss first, so a caller woken by a failed transfer sees the peer lost. */
     if (report)
         cq_push(e, AXF_CQ_PEER_LOST, ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, ep->id, ep->tag,
                 0, 0, NULL, 0);
+    if (flush) { /* posted RDMA requests flush, then their ops finish (verbs.c) */
+        pthread_mutex_lock(&e->mu);
+        verbs_ep_dead(e, ep);
+        pthread_mutex_unlock(&e->mu);
+    }
     for (op *o = claimed, *next; o; o = next) {
         next = o->next;
         op_finish_unlinked(e, o);

@@ -1141,6 +1141,11 @@ static void qp_failed(axf_engine *e, vqp *q, const char *what)
         return;
     pthread_mutex_lock(&e->mu);
     bool first = !ep->dead && !ep->closing;
+    /* Reported here, before the op that met the error finishes: a caller
+     * woken by it sees the peer lost (the connections' end reports no more). */
+    bool report = first && !ep->lost_reported;
+    if (report)
+        ep->lost_reported = true;
     for (int i = 0; i < ep->nconns; i++)
         conn_kill(ep->conns[i]);
     verbs_ep_dead(e, ep);
@@ -1148,6 +1153,8 @@ static void qp_failed(axf_engine *e, vqp *q, const char *what)
     if (first)
         cq_log(e, ep->tag, "verbs: queue pair on %s failed (%s): peer lost",
                q->vs->dev[q->devi].name, what);
+    if (report)
+        cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, 0, NULL, 0);
 }
 
 /* Posts what waits on q as far as there is room; cancelled ops' chains are
