@@ -5,13 +5,16 @@
  * depth, peer death. The peer runs a small command loop over a socketpair. */
 #include "harness.h"
 
+#include "softverbs/softverbs_wire.h"
 #include "verbs_table.h"
 
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 
 static axf_verbs_table V;
@@ -977,6 +980,236 @@ static int test_link_down(void)
     return pair_close(&p);
 }
 
+/* Both ends in this process: two devices, and two contexts of one device.
+ * A zero-length WRITE_WITH_IMM (the usual notification) needs no rkey. */
+static int test_loopback(void)
+{
+    for (int same_dev = 0; same_dev < 2; same_dev++) {
+        node a, b;
+        if (node_open(&a, 0, SQ_DEPTH) || node_open(&b, same_dev ? 0 : 1, SQ_DEPTH))
+            return 1;
+        info ia, ib;
+        node_info(&a, &ia);
+        node_info(&b, &ib);
+        if (qp_rtr_rts(a.qp, &ib, 7) || qp_rtr_rts(b.qp, &ia, 7))
+            return 1;
+        t_fill(a.buf, 100000, 31);
+        CHECK_EQ(post_rdma(&a, IBV_WR_RDMA_WRITE, 0, 100000, ib.addr + 8, ib.rkey,
+                           IBV_SEND_SIGNALED, 1),
+                 0);
+        CHECK_EQ(expect_wc(&a, 1, IBV_WC_SUCCESS), 0);
+        CHECK(same(b.buf + 8, 100000, 31));
+        t_fill(b.buf + 200000, 5000, 32);
+        CHECK_EQ(post_rdma(&a, IBV_WR_RDMA_READ, 300000, 5000, ib.addr + 200000, ib.rkey,
+                           IBV_SEND_SIGNALED, 2),
+                 0);
+        CHECK_EQ(expect_wc(&a, 2, IBV_WC_SUCCESS), 0);
+        CHECK(same(a.buf + 300000, 5000, 32));
+
+        struct ibv_recv_wr rw = {.wr_id = 40}, *rbad;
+        CHECK_EQ(V.post_recv(b.qp, &rw, &rbad), 0);
+        struct ibv_send_wr wr = {0}, *bad;
+        wr.wr_id = 3;
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        wr.send_flags = IBV_SEND_SIGNALED;
+        wr.imm_data = htonl(0x1234);
+        CHECK_EQ(V.post_send(a.qp, &wr, &bad), 0);
+        CHECK_EQ(expect_wc(&a, 3, IBV_WC_SUCCESS), 0);
+        struct ibv_wc wc;
+        CHECK_EQ(wait_wc(&b, &wc), 0);
+        CHECK_EQ(wc.wr_id, 40);
+        CHECK_EQ(wc.status, IBV_WC_SUCCESS);
+        CHECK_EQ(wc.opcode, IBV_WC_RECV_RDMA_WITH_IMM);
+        CHECK_EQ(wc.byte_len, 0);
+        CHECK_EQ(wc.imm_data, htonl(0x1234));
+        CHECK_EQ(wc.src_qp, a.qp->qp_num);
+        node_close(&a);
+        node_close(&b);
+    }
+    return 0;
+}
+
+/* The peer's process is gone before we connect: RTR still succeeds (as on
+ * RoCE, nothing is sent then); the first WR fails RETRY_EXC_ERR. */
+static int test_peer_gone_before_connect(void)
+{
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        node n;
+        info i;
+        if (node_open(&n, 0, SQ_DEPTH))
+            exit(1);
+        node_info(&n, &i);
+        int rc = wr_all(sv[1], &i, sizeof i);
+        node_close(&n);
+        exit(rc ? 1 : 0);
+    }
+    close(sv[1]);
+    info peer;
+    CHECK_EQ(rd_all(sv[0], &peer, sizeof peer), 0);
+    close(sv[0]);
+    int st;
+    CHECK_EQ(waitpid(pid, &st, 0), pid);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    node n;
+    if (node_open(&n, 0, SQ_DEPTH) || qp_rtr_rts(n.qp, &peer, 7))
+        return 1;
+    CHECK_EQ(post_rdma(&n, IBV_WR_RDMA_WRITE, 0, 64, peer.addr, peer.rkey, 0, 1), 0);
+    CHECK_EQ(post_rdma(&n, IBV_WR_RDMA_WRITE, 0, 64, peer.addr, peer.rkey, 0, 2), 0);
+    CHECK_EQ(expect_wc(&n, 1, IBV_WC_RETRY_EXC_ERR), 0);
+    CHECK_EQ(expect_wc(&n, 2, IBV_WC_WR_FLUSH_ERR), 0);
+    node_close(&n);
+    return 0;
+}
+
+/* modify_qp(ERR) flushes posted receives; RESET -> RTS makes the QP usable
+ * again (here towards the same peer QP, which accepts the new connection). */
+static int test_modify_err_and_reset(void)
+{
+    pair p;
+    if (pair_open(&p))
+        return 1;
+    struct ibv_recv_wr rw[3], *rbad;
+    memset(rw, 0, sizeof rw);
+    for (int i = 0; i < 3; i++) {
+        rw[i].wr_id = 70 + (uint64_t)i;
+        rw[i].next = i < 2 ? &rw[i + 1] : NULL;
+    }
+    CHECK_EQ(V.post_recv(p.n.qp, &rw[0], &rbad), 0);
+    struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
+    CHECK_EQ(V.modify_qp(p.n.qp, &a, IBV_QP_STATE), 0);
+    for (int i = 0; i < 3; i++)
+        CHECK_EQ(expect_wc(&p.n, 70 + (uint64_t)i, IBV_WC_WR_FLUSH_ERR), 0);
+    CHECK_EQ(post_rdma(&p.n, IBV_WR_RDMA_WRITE, 0, 64, p.peer.addr, p.peer.rkey, 0, 80), 0);
+    CHECK_EQ(expect_wc(&p.n, 80, IBV_WC_WR_FLUSH_ERR), 0);
+
+    a.qp_state = IBV_QPS_RESET;
+    CHECK_EQ(V.modify_qp(p.n.qp, &a, IBV_QP_STATE), 0);
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = 1;
+    a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+    CHECK_EQ(V.modify_qp(p.n.qp, &a,
+                         IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS),
+             0);
+    if (qp_rtr_rts(p.n.qp, &p.peer, 7))
+        return 1;
+    t_fill(p.n.buf, 4096, 81);
+    CHECK_EQ(post_rdma(&p.n, IBV_WR_RDMA_WRITE, 0, 4096, p.peer.addr, p.peer.rkey,
+                       IBV_SEND_SIGNALED, 81),
+             0);
+    CHECK_EQ(expect_wc(&p.n, 81, IBV_WC_SUCCESS), 0);
+    CHECK_EQ(peer_do(&p, C_CHECK, 0, 4096, 81, NULL), 0);
+    return pair_close(&p);
+}
+
+/* A raw connection to the peer's device, as a hostile or broken process. */
+static int raw_connect(pid_t pid, int dev)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    int n = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "axf-softverbs/%u/%u",
+                     (unsigned)pid, (unsigned)dev);
+    if (connect(fd, (struct sockaddr *)&a,
+                (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n)) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* True when the other side closes the connection without answering. */
+static bool closed_silently(int fd)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, T_TIMEOUT_MS) != 1)
+        return false;
+    uint8_t b;
+    ssize_t r = recv(fd, &b, 1, 0);
+    close(fd);
+    return r == 0 || (r < 0 && errno == ECONNRESET);
+}
+
+/* Malformed frames close that connection and nothing else; a well-formed
+ * request with a bad rkey is refused before memory is touched. */
+static int test_malformed_frames(void)
+{
+    pair p;
+    if (pair_open(&p))
+        return 1;
+    sv_hello good = {.magic = SV_MAGIC, .src_dev = 0, .src_qpn = p.n.qp->qp_num,
+                     .dst_qpn = p.peer.qpn};
+    sv_hello bad[] = {good, good, good, good};
+    bad[0].magic ^= 1;
+    bad[1].dst_qpn ^= 0x777; /* no such QP */
+    bad[2].src_qpn ^= 1; /* not the QP the peer's QP is connected to */
+    bad[3].src_dev = 1; /* our GID on another device: not the peer's dest */
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int fd = raw_connect(p.pid, 0);
+        CHECK(fd >= 0);
+        CHECK_EQ(wr_all(fd, &bad[i], sizeof bad[i]), 0);
+        if (!closed_silently(fd)) {
+            fprintf(stderr, "hello %zu\n", i);
+            return 1;
+        }
+    }
+    int fd = raw_connect(p.pid, 0); /* half a hello, then gone */
+    CHECK(fd >= 0);
+    CHECK_EQ(wr_all(fd, &good, 7), 0);
+    close(fd);
+
+    sv_req reqs[3] = {{.op = 99}, {.op = SV_OP_WRITE, .len = SV_MAX_MSG + 1},
+                      {.op = SV_OP_READ, .zero = 1, .len = 8}};
+    for (size_t i = 0; i < 3; i++) {
+        reqs[i].rkey = p.peer.rkey;
+        reqs[i].raddr = p.peer.addr;
+        fd = raw_connect(p.pid, 0);
+        CHECK(fd >= 0);
+        CHECK_EQ(wr_all(fd, &good, sizeof good), 0);
+        CHECK_EQ(wr_all(fd, &reqs[i], sizeof reqs[i]), 0);
+        if (!closed_silently(fd)) {
+            fprintf(stderr, "request %zu\n", i);
+            return 1;
+        }
+    }
+
+    /* The pair still works. */
+    t_fill(p.n.buf, 4096, 91);
+    CHECK_EQ(post_rdma(&p.n, IBV_WR_RDMA_WRITE, 0, 4096, p.peer.addr, p.peer.rkey,
+                       IBV_SEND_SIGNALED, 1),
+             0);
+    CHECK_EQ(expect_wc(&p.n, 1, IBV_WC_SUCCESS), 0);
+    CHECK_EQ(peer_do(&p, C_CHECK, 0, 4096, 91, NULL), 0);
+
+    /* A well-formed WRITE with a wrong rkey: refused with a NAK, the bytes
+     * land nowhere, and the peer's QP is in error (our next WR cannot reach
+     * it). */
+    fd = raw_connect(p.pid, 0);
+    CHECK(fd >= 0);
+    struct {
+        sv_req r;
+        uint8_t data[16];
+    } w = {.r = {.seq = 5, .op = SV_OP_WRITE, .rkey = p.peer.rkey + 0x100, .raddr = p.peer.addr,
+                 .len = 16}};
+    memset(w.data, 0xab, sizeof w.data);
+    CHECK_EQ(wr_all(fd, &good, sizeof good), 0);
+    CHECK_EQ(wr_all(fd, &w, sizeof w), 0);
+    sv_resp resp;
+    CHECK_EQ(rd_all(fd, &resp, sizeof resp), 0);
+    CHECK_EQ(resp.seq, 5);
+    CHECK_EQ(resp.status, SV_REM_ACCESS);
+    CHECK(closed_silently(fd));
+    CHECK_EQ(peer_do(&p, C_CHECK, 0, 4096, 91, NULL), 0);
+    CHECK_EQ(post_rdma(&p.n, IBV_WR_RDMA_WRITE, 0, 64, p.peer.addr, p.peer.rkey, 0, 2), 0);
+    CHECK_EQ(expect_wc(&p.n, 2, IBV_WC_RETRY_EXC_ERR), 0);
+    return pair_close(&p);
+}
+
 int main(int argc, char **argv)
 {
     const char *path = getenv("AXF_SOFTVERBS");
@@ -1015,6 +1248,10 @@ int main(int argc, char **argv)
         T_CASE(test_threads),
         T_CASE(test_rnr),
         T_CASE(test_link_down),
+        T_CASE(test_loopback),
+        T_CASE(test_peer_gone_before_connect),
+        T_CASE(test_modify_err_and_reset),
+        T_CASE(test_malformed_frames),
     };
     return T_RUN(argc, argv, cases);
 }

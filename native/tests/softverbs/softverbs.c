@@ -83,43 +83,10 @@ enum {
     SV_QP_BUCKETS = 256,
     SV_MR_BUCKETS = 1024,
 };
-#define SV_MAX_MSG (1ull << 31)
 
 /* ------------------------------------------------------------------ wire */
 
-#define SV_MAGIC 0x53567231u /* "SVr1" */
-
-enum { SV_OP_WRITE = 1, SV_OP_WRITE_IMM, SV_OP_SEND, SV_OP_SEND_IMM, SV_OP_READ };
-enum { SV_OK = 0, SV_REM_ACCESS, SV_REM_INV_REQ, SV_REM_OP, SV_RNR };
-
-/* First frame on a connection, requester -> responder. */
-typedef struct sv_hello {
-    uint32_t magic;
-    uint32_t src_dev; /* the requester's device index (with its pid: its GID) */
-    uint32_t src_qpn;
-    uint32_t dst_qpn;
-} sv_hello;
-
-/* A request; WRITE and SEND payloads follow it (len bytes). */
-typedef struct sv_req {
-    uint32_t seq; /* echoed in the response */
-    uint8_t op;
-    uint8_t rnr_retry; /* the requester's: 7 waits for a receive forever */
-    uint16_t zero;
-    uint32_t imm;
-    uint32_t rkey;
-    uint64_t raddr;
-    uint64_t len;
-} sv_req;
-
-/* A response; a successful READ's data follows it (len bytes). */
-typedef struct sv_resp {
-    uint32_t seq;
-    uint8_t op;
-    uint8_t status;
-    uint16_t zero;
-    uint64_t len;
-} sv_resp;
+#include "softverbs_wire.h"
 
 /* ------------------------------------------------------------------ objects */
 
@@ -230,7 +197,8 @@ struct sv_qp {
     struct ibv_sge *rq_sge;
     uint64_t rq_posted, rq_done, rq_released;
     int fd; /* our requester connection, -1 when none */
-    bool link_dead, halted, stop, io, destroying;
+    bool link_dead, halted, stop, destroying;
+    bool has_sender, has_receiver; /* threads to join */
     pthread_t sender, receiver;
     sv_conn *in; /* responder connections bound to us */
     sv_qp *next; /* hub->qps bucket */
@@ -783,6 +751,13 @@ static void *receiver_main(void *arg)
 
 /* ------------------------------------------------------------------ responder */
 
+/* Whether requests to this QP are served (RTR or RTS, not stopping). */
+static bool qp_serving(const sv_qp *q)
+{
+    return !q->destroying && !q->stop &&
+           (q->qp.state == IBV_QPS_RTR || q->qp.state == IBV_QPS_RTS);
+}
+
 /* Waits for a posted receive (RNR: the requester's rnr_retry 7 waits forever,
  * otherwise about 100 ms per retry). Returns its sequence, or -1. Caller holds
  * q->lock. */
@@ -798,7 +773,7 @@ static int64_t rq_take(sv_qp *q, uint8_t rnr_retry)
         until.tv_nsec -= 1000000000L;
     }
     while (q->rq_done == q->rq_posted) {
-        if (q->destroying || (q->qp.state != IBV_QPS_RTR && q->qp.state != IBV_QPS_RTS))
+        if (!qp_serving(q))
             return -1;
         if (rnr_retry >= 7)
             pthread_cond_wait(&q->cond, &q->lock);
@@ -806,11 +781,6 @@ static int64_t rq_take(sv_qp *q, uint8_t rnr_retry)
             return q->rq_done < q->rq_posted ? (int64_t)q->rq_done++ : -1;
     }
     return (int64_t)q->rq_done++;
-}
-
-static bool qp_serving(const sv_qp *q)
-{
-    return !q->destroying && (q->qp.state == IBV_QPS_RTR || q->qp.state == IBV_QPS_RTS);
 }
 
 /* Receives len payload bytes; places them at raddr (rkey, WRITE) or into the
@@ -1700,13 +1670,13 @@ static void qp_stop_io(sv_qp *q)
     for (sv_conn *c = q->in; c; c = c->qp_next)
         shutdown(c->fd, SHUT_RDWR);
     pthread_cond_broadcast(&q->cond);
-    bool io = q->io;
-    q->io = false;
+    bool js = q->has_sender, jr = q->has_receiver;
+    q->has_sender = q->has_receiver = false;
     pthread_mutex_unlock(&q->lock);
-    if (io) {
+    if (js)
         pthread_join(q->sender, NULL);
+    if (jr)
         pthread_join(q->receiver, NULL);
-    }
     pthread_mutex_lock(&q->lock);
     while (q->in) /* responder threads unbind themselves on their way out */
         pthread_cond_wait(&q->cond, &q->lock);
@@ -1806,25 +1776,25 @@ static int sv_modify_qp(struct ibv_qp *ibqp, struct ibv_qp_attr *attr, int mask)
         q->fd = fd;
         q->link_dead = fd < 0;
         q->halted = false;
-        int err = 0;
-        if (fd >= 0) {
-            if ((err = pthread_create(&q->sender, NULL, sender_main, q)) == 0 &&
-                (err = pthread_create(&q->receiver, NULL, receiver_main, q)) != 0) {
-                q->stop = true;
-                pthread_cond_broadcast(&q->cond);
-                pthread_mutex_unlock(&q->lock);
-                pthread_join(q->sender, NULL);
-                pthread_mutex_lock(&q->lock);
-                q->stop = false;
-            }
-            if (err) {
-                close(fd);
-                q->fd = -1;
-                pthread_mutex_unlock(&q->lock);
-                return err;
-            }
-            q->io = true;
+        /* The sender runs even without a connection: it fails the WRs. */
+        int err = pthread_create(&q->sender, NULL, sender_main, q);
+        if (!err && fd >= 0 && (err = pthread_create(&q->receiver, NULL, receiver_main, q)) != 0) {
+            q->stop = true;
+            pthread_cond_broadcast(&q->cond);
+            pthread_mutex_unlock(&q->lock);
+            pthread_join(q->sender, NULL);
+            pthread_mutex_lock(&q->lock);
+            q->stop = false;
         }
+        if (err) {
+            if (fd >= 0)
+                close(fd);
+            q->fd = -1;
+            pthread_mutex_unlock(&q->lock);
+            return err;
+        }
+        q->has_sender = true;
+        q->has_receiver = fd >= 0;
         q->qp.state = IBV_QPS_RTR;
         pthread_cond_broadcast(&q->cond); /* responder connections waiting for RTR */
         pthread_mutex_unlock(&q->lock);
