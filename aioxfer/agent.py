@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aioxfer import _cyx
+from aioxfer import verbs as _verbs
 from aioxfer.discovery import (
     Etcd,
     EtcdSession,
@@ -58,7 +59,6 @@ from aioxfer.errors import (
     error_class,
 )
 from aioxfer.log import get_logger
-from aioxfer import verbs as _verbs
 from aioxfer.metadata import (
     PROTOCOL_VERSION,
     Accept,
@@ -648,7 +648,9 @@ class Agent:
             if not handed:
                 sock.close()
 
-    async def _accept_verbs(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> list[int]:
+    async def _accept_verbs(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket
+    ) -> list[int]:
         """Server side of a "verbs" connection: a queue pair per rail the
         client asks for, connected to the client's; returns their handles
         (bound to the connection once the engine takes it)."""
@@ -658,7 +660,9 @@ class Agent:
         if not self._verbs_devices:
             raise ProtocolError("verbs connection to an agent without RDMA devices")
         if not 0 < len(msg.qps) <= len(self._verbs_devices):
-            raise ProtocolError(f"{len(msg.qps)} queue pairs asked of {len(self._verbs_devices)} devices")
+            raise ProtocolError(
+                f"{len(msg.qps)} queue pairs asked of {len(self._verbs_devices)} devices"
+            )
         handles: list[int] = []
         try:
             ours = []
