@@ -819,6 +819,19 @@ static int place(sv_conn *c, sv_qp *q, uint8_t *buf, const sv_req *rq, bool to_r
     return st;
 }
 
+/* Copies [addr, addr+n) of the MR behind rkey into buf if REMOTE_READ allows
+ * it. Caller holds q->lock. */
+static bool mr_read(sv_qp *q, uint32_t rkey, uint64_t addr, uint8_t *buf, size_t n)
+{
+    sv_hub *h = q->hub;
+    pthread_rwlock_rdlock(&h->mr_lock);
+    bool ok = mr_check(h, q->qp.pd, rkey, addr, n, IBV_ACCESS_REMOTE_READ) != NULL;
+    if (ok)
+        memcpy(buf, (const void *)(uintptr_t)addr, n);
+    pthread_rwlock_unlock(&h->mr_lock);
+    return ok;
+}
+
 /* Checks a WRITE/READ target before any byte moves. Caller holds q->lock. */
 static bool remote_ok(sv_qp *q, const sv_req *rq, int access)
 {
@@ -841,7 +854,6 @@ static int respond(sv_conn *c, const sv_req *rq, int status, uint64_t len)
 /* Serves one request. Returns 0 to go on, -1 to close the connection. */
 static int serve(sv_conn *c, sv_qp *q, uint8_t *buf, const sv_req *rq)
 {
-    sv_hub *h = c->hub;
     struct ibv_sge sg[SV_MAX_SGE];
     if (rq->zero != 0 || rq->op < SV_OP_WRITE || rq->op > SV_OP_READ || rq->len > SV_MAX_MSG)
         return -1;
@@ -890,16 +902,8 @@ static int serve(sv_conn *c, sv_qp *q, uint8_t *buf, const sv_req *rq)
             return -1;
         for (uint64_t off = 0; off < rq->len;) {
             size_t n = rq->len - off < SV_CHUNK ? (size_t)(rq->len - off) : SV_CHUNK;
-            bool ok;
             pthread_mutex_lock(&q->lock);
-            ok = qp_serving(q);
-            if (ok) {
-                pthread_rwlock_rdlock(&h->mr_lock);
-                ok = mr_check(h, q->qp.pd, rq->rkey, rq->raddr + off, n, IBV_ACCESS_REMOTE_READ);
-                if (ok)
-                    memcpy(buf, (const void *)(uintptr_t)(rq->raddr + off), n);
-                pthread_rwlock_unlock(&h->mr_lock);
-            }
+            bool ok = qp_serving(q) && mr_read(q, rq->rkey, rq->raddr + off, buf, n);
             pthread_mutex_unlock(&q->lock);
             /* Deregistered mid-READ: the response is promised, so the link dies. */
             if (!ok || send_all(c->fd, buf, n) != 0)
