@@ -1210,6 +1210,61 @@ static int test_malformed_frames(void)
     return pair_close(&p);
 }
 
+/* Two peers through one device (one hub in this process): killing one fails
+ * only its queue pair. */
+static int test_one_peer_killed_other_fine(void)
+{
+    pair a, b;
+    if (pair_open(&a) || pair_open(&b))
+        return 1;
+    kill(a.pid, SIGKILL);
+    waitpid(a.pid, NULL, 0);
+    a.pid = 0;
+    CHECK_EQ(post_rdma(&a.n, IBV_WR_RDMA_WRITE, 0, 64, a.peer.addr, a.peer.rkey, 0, 1), 0);
+    CHECK_EQ(expect_wc(&a.n, 1, IBV_WC_RETRY_EXC_ERR), 0);
+    t_fill(b.n.buf, 8192, 61);
+    CHECK_EQ(post_rdma(&b.n, IBV_WR_RDMA_WRITE, 0, 8192, b.peer.addr, b.peer.rkey,
+                       IBV_SEND_SIGNALED, 2),
+             0);
+    CHECK_EQ(expect_wc(&b.n, 2, IBV_WC_SUCCESS), 0);
+    CHECK_EQ(peer_do(&b, C_CHECK, 0, 8192, 61, NULL), 0);
+    CHECK_EQ(pair_close(&a), 0);
+    return pair_close(&b);
+}
+
+/* A CQ too small for what completes: the overflow is reported, not hidden
+ * (poll_cq returns what it holds, then -EOVERFLOW). */
+static int test_cq_overflow(void)
+{
+    pair p;
+    if (pair_open(&p))
+        return 1;
+    struct ibv_cq *small = V.create_cq(p.n.ctx, 2, NULL, NULL, 0);
+    CHECK(small);
+    struct ibv_qp_init_attr qa = {.send_cq = small, .recv_cq = small, .qp_type = IBV_QPT_RC};
+    qa.cap.max_send_wr = qa.cap.max_recv_wr = 8;
+    qa.cap.max_send_sge = qa.cap.max_recv_sge = 1;
+    struct ibv_qp *qp = V.create_qp(p.n.pd, &qa);
+    CHECK(qp);
+    struct ibv_recv_wr rw[4], *rbad;
+    memset(rw, 0, sizeof rw);
+    for (int i = 0; i < 4; i++)
+        rw[i].next = i < 3 ? &rw[i + 1] : NULL;
+    struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .port_num = 1};
+    CHECK_EQ(V.modify_qp(qp, &a,
+                         IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS),
+             0);
+    CHECK_EQ(V.post_recv(qp, &rw[0], &rbad), 0);
+    a.qp_state = IBV_QPS_ERR; /* four flush completions into a CQ of two */
+    CHECK_EQ(V.modify_qp(qp, &a, IBV_QP_STATE), 0);
+    struct ibv_wc wc[4];
+    CHECK_EQ(V.poll_cq(small, 4, wc), 2);
+    CHECK_EQ(V.poll_cq(small, 4, wc), -EOVERFLOW);
+    CHECK_EQ(V.destroy_qp(qp), 0);
+    CHECK_EQ(V.destroy_cq(small), 0);
+    return pair_close(&p);
+}
+
 int main(int argc, char **argv)
 {
     const char *path = getenv("AXF_SOFTVERBS");
@@ -1252,6 +1307,8 @@ int main(int argc, char **argv)
         T_CASE(test_peer_gone_before_connect),
         T_CASE(test_modify_err_and_reset),
         T_CASE(test_malformed_frames),
+        T_CASE(test_one_peer_killed_other_fine),
+        T_CASE(test_cq_overflow),
     };
     return T_RUN(argc, argv, cases);
 }
