@@ -657,6 +657,17 @@ static void qp_to_error(vqp *q) /* q->mu held */
     }
 }
 
+/* An initiator's queue pair in the error state with nothing posted or
+ * waiting is of no further use: its device resources go now rather than at
+ * shutdown (the struct stays with its endpoint). q->mu held. */
+static void qp_retire(vqp *q)
+{
+    if (q->err && q->ep && q->qp && !q->posted_head && !q->pend_head) {
+        q->vs->t.destroy_qp(q->qp);
+        q->qp = NULL;
+    }
+}
+
 /* Unlinks q from vs->qps, destroys its queue pair and frees it. Nothing may
  * be posted on it. */
 static void qp_free(verbs_state *vs, vqp *q)
@@ -1179,6 +1190,7 @@ static vchain *drain_pending(vqp *q)
         }
     }
     pthread_mutex_unlock(&vs->mu);
+    qp_retire(q);
     pthread_mutex_unlock(&q->mu);
     return dropped;
 }
@@ -1250,6 +1262,7 @@ static void handle_wc(verbs_state *vs, const struct ibv_wc *wc)
     q->sq_used -= c->took;
     vs->dev[q->devi].cq_room += (uint32_t)c->took;
     pthread_mutex_unlock(&vs->mu);
+    qp_retire(q);
     pthread_mutex_unlock(&q->mu);
     chain_finish(e, c);
 }
@@ -1351,6 +1364,7 @@ void verbs_ep_dead(axf_engine *e, endpoint *ep)
             continue;
         pthread_mutex_lock(&q->mu);
         qp_to_error(q); /* posted requests flush; pending ones fail on the poller */
+        qp_retire(q);
         pthread_mutex_unlock(&q->mu);
     }
     wake(vs);
