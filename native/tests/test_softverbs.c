@@ -992,7 +992,8 @@ static int test_link_down(void)
     return pair_close(&p);
 }
 
-/* Both ends in this process: two devices, and two contexts of one device.
+/* Both ends in this process: two devices, and two contexts of one device;
+ * then the two ends of a pair on different devices.
  * A zero-length WRITE_WITH_IMM (the usual notification) needs no rkey. */
 static int test_loopback(void)
 {
@@ -1038,7 +1039,17 @@ static int test_loopback(void)
         node_close(&a);
         node_close(&b);
     }
-    return 0;
+    /* Across processes and devices: our softverbs1 to the peer's softverbs0. */
+    pair p;
+    if (pair_spawn(&p, 0) || pair_connect(&p, 1, SQ_DEPTH, 7))
+        return 1;
+    t_fill(p.n.buf, 70000, 33);
+    CHECK_EQ(post_rdma(&p.n, IBV_WR_RDMA_WRITE, 0, 70000, p.peer.addr, p.peer.rkey,
+                       IBV_SEND_SIGNALED, 1),
+             0);
+    CHECK_EQ(expect_wc(&p.n, 1, IBV_WC_SUCCESS), 0);
+    CHECK_EQ(peer_do(&p, C_CHECK, 0, 70000, 33, NULL), 0);
+    return pair_close(&p);
 }
 
 /* The peer's process is gone before we connect: RTR still succeeds (as on

@@ -295,7 +295,9 @@ static bool sv_gid_parse(const union ibv_gid *g, uint32_t *pid, uint32_t *dev)
     memcpy(&d, g->raw + 12, 4);
     *pid = ntohl(p);
     *dev = ntohl(d);
-    return *pid > 0 && *pid <= INT32_MAX && *dev < (uint32_t)g_ndev;
+    /* The remote's device count may differ from ours (AXF_SOFTVERBS_DEVICES
+     * is per process): bound the index by the most any process has. */
+    return *pid > 0 && *pid <= INT32_MAX && *dev < SV_MAX_DEVICES;
 }
 
 static socklen_t sv_addr(struct sockaddr_un *a, uint32_t pid, uint32_t dev)
@@ -964,7 +966,7 @@ static sv_qp *conn_bind(sv_conn *c)
     struct ucred cred;
     socklen_t cl = sizeof cred;
     if (recv_all(c->fd, &hello, sizeof hello) != 0 || hello.magic != SV_MAGIC ||
-        hello.src_dev >= (uint32_t)g_ndev ||
+        hello.src_dev >= SV_MAX_DEVICES ||
         getsockopt(c->fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0 || cred.pid <= 0)
         return NULL;
     pthread_mutex_lock(&h->lock);
