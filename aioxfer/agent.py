@@ -223,7 +223,8 @@ class Agent:
         self._verbs_devices: list[str] = []
         if "verbs" in transports:
             try:
-                self._verbs_devices = self._enable_verbs(explicit=transports != TRANSPORTS)
+                # Only verbs asked for: its absence is an error, else a fallback.
+                self._verbs_devices = self._enable_verbs(explicit=transports == ("verbs",))
             except BaseException:
                 for lsock in self._lsocks:
                     lsock.close()
@@ -276,8 +277,7 @@ class Agent:
 
     def _enable_verbs(self, *, explicit: bool) -> list[str]:
         """Opens the RDMA devices (verbs.provider() overrides libibverbs); their
-        descriptions, [] when there are none. Asked for explicitly and
-        absent: TransportError."""
+        descriptions, [] when there are none (explicit: TransportError)."""
         n, why = self._engine.verbs_enable(_verbs.provider())
         if n <= 0:
             if explicit:

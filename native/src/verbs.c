@@ -914,8 +914,8 @@ static bool chain_post(vqp *q, vchain *c)
     int r = vs->t.post_send(q->qp, c->wr, &bad);
     int took = c->nwr;
     if (r) {
-        took = 0;
-        for (struct ibv_send_wr *w = c->wr; w && w != bad; w = w->next)
+        took = 0; /* the requests before bad_wr were taken (none if it is unset) */
+        for (struct ibv_send_wr *w = c->wr; bad && w && w != bad; w = w->next)
             took++;
         c->failed = true;
         op_set_status(c->o, AXF_E_TRANSPORT, c->wi[took < c->nwr ? took : 0].index);
