@@ -1373,6 +1373,80 @@ static int test_random_ops(void)
     return pair_close(&p);
 }
 
+/* A responder that breaks the protocol (a wrong sequence, a READ answered
+ * with more bytes than asked, an unknown status, data cut short): our QP
+ * treats it as a dead link (RETRY_EXC_ERR) and writes none of it to memory. */
+static int test_hostile_responder(void)
+{
+    /* A name no process has: a pid above any real one. */
+    uint32_t fake_pid = 0x40000000u + (uint32_t)getpid();
+    int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(lfd >= 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    int nl = snprintf(sa.sun_path + 1, sizeof sa.sun_path - 1, "axf-softverbs/%u/0", fake_pid);
+    CHECK_EQ(bind(lfd, (struct sockaddr *)&sa,
+                  (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)nl)),
+             0);
+    CHECK_EQ(listen(lfd, 4), 0);
+    for (int variant = 0; variant < 4; variant++) {
+        node n;
+        if (node_open(&n, 0, SQ_DEPTH))
+            return 1;
+        info fake = {.qpn = 77};
+        CHECK_EQ(V.query_gid(n.ctx, 1, 0, &fake.gid), 0);
+        uint32_t be = htonl(fake_pid);
+        memcpy(fake.gid.raw + 8, &be, 4);
+        if (qp_rtr_rts(n.qp, &fake, 7))
+            return 1;
+        int fd = accept(lfd, NULL, NULL);
+        CHECK(fd >= 0);
+        sv_hello h;
+        CHECK_EQ(rd_all(fd, &h, sizeof h), 0);
+        CHECK_EQ(h.magic, SV_MAGIC);
+        CHECK_EQ(h.src_qpn, n.qp->qp_num);
+        CHECK_EQ(h.dst_qpn, 77);
+        memset(n.buf, 0x5c, 4096);
+        bool rd = variant != 0;
+        CHECK_EQ(post_rdma(&n, rd ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE, 0, 100, 0x1000, 9,
+                           IBV_SEND_SIGNALED, 1),
+                 0);
+        CHECK_EQ(post_rdma(&n, IBV_WR_RDMA_WRITE, 0, 10, 0x1000, 9, 0, 2), 0);
+        sv_req rq;
+        CHECK_EQ(rd_all(fd, &rq, sizeof rq), 0);
+        CHECK_EQ(rq.op, rd ? SV_OP_READ : SV_OP_WRITE);
+        CHECK_EQ(rq.len, 100);
+        uint8_t junk[300];
+        memset(junk, 0xee, sizeof junk);
+        if (!rd)
+            CHECK_EQ(rd_all(fd, junk, 100), 0);
+        sv_resp r = {.seq = rq.seq, .op = rq.op, .status = SV_OK};
+        if (variant == 0)
+            r.seq++;
+        else if (variant == 1)
+            r.len = 200;
+        else if (variant == 2)
+            r.status = 77;
+        else
+            r.len = 100;
+        CHECK_EQ(wr_all(fd, &r, sizeof r), 0);
+        if (variant == 1)
+            CHECK_EQ(wr_all(fd, junk, 200), 0);
+        if (variant == 3) {
+            CHECK_EQ(wr_all(fd, junk, 40), 0); /* then gone */
+            close(fd);
+            fd = -1;
+        }
+        CHECK_EQ(expect_wc(&n, 1, IBV_WC_RETRY_EXC_ERR), 0);
+        CHECK_EQ(expect_wc(&n, 2, IBV_WC_WR_FLUSH_ERR), 0);
+        CHECK(t_all(n.buf, 4096, 0x5c)); /* not one byte of it landed */
+        if (fd >= 0)
+            close(fd);
+        node_close(&n);
+    }
+    close(lfd);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *path = getenv("AXF_SOFTVERBS");
@@ -1418,6 +1492,7 @@ int main(int argc, char **argv)
         T_CASE(test_one_peer_killed_other_fine),
         T_CASE(test_cq_overflow),
         T_CASE(test_random_ops),
+        T_CASE(test_hostile_responder),
     };
     return T_RUN(argc, argv, cases);
 }

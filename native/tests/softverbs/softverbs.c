@@ -707,6 +707,7 @@ static void *receiver_main(void *arg)
         sv_swqe *w = &q->sq[seq % q->cap.max_send_wr];
         bool valid = !q->stop && q->qp.state != IBV_QPS_ERR && seq < q->sq_sent && !w->final &&
                      resp.seq == (uint32_t)seq && resp.op == wire_op(w->op) && resp.zero == 0 &&
+                     resp.status <= SV_RNR &&
                      (resp.status == SV_OK
                           ? resp.len == (w->op == IBV_WR_RDMA_READ ? w->len : 0)
                           : resp.len == 0);
