@@ -1430,9 +1430,9 @@ static int test_hostile_responder(void)
             r.len = 100;
         CHECK_EQ(wr_all(fd, &r, sizeof r), 0);
         if (variant == 1)
-            CHECK_EQ(wr_all(fd, junk, 200), 0);
+            (void)wr_all(fd, junk, 200); /* may find the connection closed already */
         if (variant == 3) {
-            CHECK_EQ(wr_all(fd, junk, 40), 0); /* then gone */
+            (void)wr_all(fd, junk, 40); /* then gone */
             close(fd);
             fd = -1;
         }
