@@ -213,8 +213,16 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static sv_hub *g_hubs[SV_MAX_DEVICES];
 static pid_t g_hubs_pid;
 
+/* A child forked while another thread held g_lock would find it locked
+ * forever; the parent's hubs (and their threads) do not exist in the child. */
+static void sv_atfork_child(void)
+{
+    pthread_mutex_init(&g_lock, NULL);
+}
+
 static void sv_init(void)
 {
+    pthread_atfork(NULL, NULL, sv_atfork_child);
     int n = 2;
     const char *e = getenv("AXF_SOFTVERBS_DEVICES");
     if (e && *e) {
