@@ -37,6 +37,12 @@
  *   completes with WR_FLUSH_ERR, signalled or not. A responder-side access
  *   violation moves the responder QP to ERR too (as mlx5 does). A QP in ERR
  *   closes its connections, so its peer's next WRs fail RETRY_EXC_ERR.
+ *   A SEND longer than the posted receive: REM_INV_REQ_ERR at the sender,
+ *   LOC_LEN_ERR on the receive. No receive posted for a SEND or WRITE_WITH_IMM:
+ *   the responder waits (rnr_retry 7) or fails it RNR_RETRY_EXC_ERR after
+ *   about 100 ms per retry. Zero-length RDMA does not check the rkey (IB
+ *   spec). An MR deregistered while a remote READ streams out of it cuts the
+ *   link (the requester sees RETRY_EXC_ERR).
  * - Send queue slots are released when a completion at or after them is
  *   POLLED (as mlx5): a requester that never signals fills its SQ and gets
  *   ENOMEM, as on hardware.
@@ -48,7 +54,12 @@
  *   table's read lock after a fresh key lookup, so dereg_mr waits for in-flight
  *   copies and no copy touches memory after dereg_mr returns.
  * - Threads block in poll/recv/send or on condition variables; none spins.
+ *   Per process: one listener thread per open device, one responder thread
+ *   per incoming connection, a sender and a receiver thread per connected QP.
  *   Do not use objects across fork(): a child opens its own devices.
+ * - Measured on the 2-core CI-like machine, two processes, 32 WRs in flight:
+ *   ~45k 4 KiB WRITEs/s, 2.8-3.8 GB/s for 256 KiB-16 MiB WRITEs, 1.8-2.9
+ *   GB/s READs.
  */
 #define _GNU_SOURCE
 #include "../../src/verbs_table.h"
