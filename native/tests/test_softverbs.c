@@ -9,6 +9,7 @@
 #include "verbs_table.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -1486,6 +1487,45 @@ static int test_fork_after_open(void)
     return 0;
 }
 
+static int count_entries(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return -1;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+/* Everything the provider opens or starts goes away with the objects: no fd,
+ * no thread outlives close_device (errors, kills and resets included). */
+static int test_nothing_left_behind(void)
+{
+    int fds = count_entries("/proc/self/fd"), threads = count_entries("/proc/self/task");
+    CHECK(fds > 0 && threads > 0);
+    for (int round = 0; round < 2; round++) {
+        pair p;
+        if (pair_open(&p))
+            return 1;
+        CHECK_EQ(post_rdma(&p.n, IBV_WR_RDMA_WRITE, 0, 300000, p.peer.addr, p.peer.rkey,
+                           IBV_SEND_SIGNALED, 1),
+                 0);
+        CHECK_EQ(expect_wc(&p.n, 1, IBV_WC_SUCCESS), 0);
+        if (round == 1) { /* the error paths too */
+            CHECK_EQ(post_rdma(&p.n, IBV_WR_RDMA_WRITE, 0, 64, p.peer.addr, p.peer.rkey + 1,
+                               IBV_SEND_SIGNALED, 2),
+                     0);
+            CHECK_EQ(expect_wc(&p.n, 2, IBV_WC_REM_ACCESS_ERR), 0);
+        }
+        CHECK_EQ(pair_close(&p), 0);
+    }
+    CHECK_EQ(count_entries("/proc/self/fd"), fds);
+    CHECK_EQ(count_entries("/proc/self/task"), threads);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *path = getenv("AXF_SOFTVERBS");
@@ -1533,6 +1573,7 @@ int main(int argc, char **argv)
         T_CASE(test_random_ops),
         T_CASE(test_hostile_responder),
         T_CASE(test_fork_after_open),
+        T_CASE(test_nothing_left_behind),
     };
     return T_RUN(argc, argv, cases);
 }
