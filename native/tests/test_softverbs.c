@@ -255,11 +255,11 @@ static int peer_main(int sock, int dev)
                 t_fill(n.buf + c.off, c.len, c.seed);
             r.rc = in ? 0 : -1;
             break;
-        case C_CHECK: /* seed 0: all zero */
-            r.rc = in && (c.seed ? same(n.buf + c.off, c.len, c.seed) : t_all(n.buf + c.off, c.len, 0))
-                       ? 0
-                       : -1;
+        case C_CHECK: { /* seed 0: all zero */
+            const uint8_t *at = n.buf + c.off;
+            r.rc = in && (c.seed ? same(at, c.len, c.seed) : t_all(at, c.len, 0)) ? 0 : -1;
             break;
+        }
         case C_ZERO:
             if (in)
                 memset(n.buf + c.off, 0, c.len);
@@ -724,24 +724,25 @@ static int test_bad_rkey_flushes(void)
 static int test_bounds_and_permission(void)
 {
     struct {
-        uint64_t off;
+        uint64_t off; /* from the region's start; an address when abs */
         uint32_t len;
-        bool ro;
+        bool ro, abs;
         enum ibv_wr_opcode op;
         enum ibv_wc_status want;
     } cases[] = {
-        {REG - 100, 101, false, IBV_WR_RDMA_WRITE, IBV_WC_REM_ACCESS_ERR},
-        {REG - 100, 100, false, IBV_WR_RDMA_WRITE, IBV_WC_SUCCESS},
-        {REG + 10, 10, false, IBV_WR_RDMA_READ, IBV_WC_REM_ACCESS_ERR},
-        {(uint64_t)-4096, 100, false, IBV_WR_RDMA_WRITE, IBV_WC_REM_ACCESS_ERR},
-        {0, 100, true, IBV_WR_RDMA_WRITE, IBV_WC_REM_ACCESS_ERR},
-        {0, 100, true, IBV_WR_RDMA_READ, IBV_WC_SUCCESS},
+        {REG - 100, 101, false, false, IBV_WR_RDMA_WRITE, IBV_WC_REM_ACCESS_ERR},
+        {REG - 100, 100, false, false, IBV_WR_RDMA_WRITE, IBV_WC_SUCCESS},
+        {REG + 10, 10, false, false, IBV_WR_RDMA_READ, IBV_WC_REM_ACCESS_ERR},
+        {(uint64_t)-4096, 100, false, false, IBV_WR_RDMA_WRITE, IBV_WC_REM_ACCESS_ERR},
+        {UINT64_MAX - 50, 100, false, true, IBV_WR_RDMA_WRITE, IBV_WC_REM_ACCESS_ERR},
+        {0, 100, true, false, IBV_WR_RDMA_WRITE, IBV_WC_REM_ACCESS_ERR},
+        {0, 100, true, false, IBV_WR_RDMA_READ, IBV_WC_SUCCESS},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         pair p;
         if (pair_open(&p))
             return 1;
-        uint64_t base = cases[i].ro ? p.peer.ro_addr : p.peer.addr;
+        uint64_t base = cases[i].abs ? 0 : cases[i].ro ? p.peer.ro_addr : p.peer.addr;
         uint32_t rkey = cases[i].ro ? p.peer.ro_rkey : p.peer.rkey;
         memset(p.n.buf, 0x77, 4096);
         CHECK_EQ(post_rdma(&p.n, cases[i].op, 0, cases[i].len, base + cases[i].off, rkey,
@@ -755,8 +756,8 @@ static int test_bounds_and_permission(void)
         bool ok = cases[i].want == IBV_WC_SUCCESS;
         if (cases[i].op == IBV_WR_RDMA_READ)
             CHECK(ok ? same(p.n.buf, cases[i].len, 98) : t_all(p.n.buf, 4096, 0x77));
-        else if (!cases[i].ro && cases[i].off <= REG - 100)
-            CHECK_EQ(peer_do(&p, C_CHECK, REG - 100, 100, 0, NULL) == 0, !ok); /* zero unless written */
+        else if (!cases[i].ro && !cases[i].abs && cases[i].off <= REG - 100)
+            CHECK_EQ(peer_do(&p, C_CHECK, REG - 100, 100, 0, NULL) == 0, !ok); /* 0 unless hit */
         CHECK_EQ(pair_close(&p), 0);
     }
 
