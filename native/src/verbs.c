@@ -1126,8 +1126,12 @@ bool verbs_submit(axf_engine *e, op *o)
 
 static int wc_status(axf_engine *e, const op *o, enum ibv_wc_status s)
 {
-    /* While we close, the peer's end goes too: whatever fails, we did it. */
-    if (s != IBV_WC_REM_ACCESS_ERR && (e->shut || o->ep->closing))
+    /* While we close, the peer's end goes too: whatever fails, we did it.
+     * (Error paths only: the lock costs nothing that matters.) */
+    pthread_mutex_lock(&e->mu);
+    bool closing = e->shut || o->ep->closing;
+    pthread_mutex_unlock(&e->mu);
+    if (s != IBV_WC_REM_ACCESS_ERR && closing)
         return AXF_E_CLOSED;
     switch (s) {
     case IBV_WC_REM_ACCESS_ERR:
