@@ -436,6 +436,31 @@ static int test_deregister_waits(void)
     return 0;
 }
 
+/* Regions registered before verbs was enabled are registered by the enable;
+ * a second enable is refused. */
+static int test_enable_after_register(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    uint8_t *buf = calloc(1, 65536);
+    CHECK(buf);
+    uint64_t rid, key, addrs[8];
+    uint32_t rkeys[8];
+    CHECK_EQ(axf_region_register(t->e, buf, 65536, RW, -1, &rid, &key), AXF_OK);
+    CHECK_EQ(axf_verbs_region_keys(t->e, rid, addrs, rkeys, 8), 0); /* off: none */
+    char why[256];
+    int n = axf_verbs_enable(t->e, provider, why, sizeof why);
+    CHECK(n > 0);
+    CHECK_EQ(axf_verbs_enable(t->e, provider, why, sizeof why), AXF_E_INVALID);
+    CHECK_EQ(axf_verbs_region_keys(t->e, rid, addrs, rkeys, 8), n);
+    for (int i = 0; i < n; i++)
+        CHECK_EQ(addrs[i], (uint64_t)(uintptr_t)buf);
+    CHECK_EQ(axf_verbs_region_keys(t->e, rid + 100, addrs, rkeys, 8), AXF_E_NOTFOUND);
+    t_close(t);
+    free(buf);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     provider = getenv("AXF_SOFTVERBS_PROVIDER");
@@ -458,6 +483,7 @@ int main(int argc, char **argv)
         T_CASE(test_shutdown_in_flight),
         T_CASE(test_registration_cache),
         T_CASE(test_deregister_waits),
+        T_CASE(test_enable_after_register),
     };
     if (!provider || !*provider) {
         printf("SKIP: AXF_SOFTVERBS_PROVIDER is not set (the software verbs provider)\n");
