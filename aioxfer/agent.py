@@ -1283,9 +1283,7 @@ class Agent:
                 eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, -1)
                 memfd = -1
             if peer.path == "verbs":
-                if not m.verbs:
-                    raise ProtocolError(f"peer {peer.name!r} sent region {m.name!r} without rkeys")
-                eng.endpoint_import_verbs(ep, m.rid, m.verbs)
+                eng.endpoint_import_verbs(ep, m.rid, _verbs_keys(peer, m))
             rr = RemoteRegion(peer, m.name, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
             stale = peer._regions.get(m.name)
             if stale is not None:
@@ -1898,7 +1896,27 @@ def _coalesce(
 
 
 def _qp_tuple(qp: VerbsQP) -> tuple[int, int, int, int, int, int, bytes]:
+    """A peer's queue pair parameters, range-checked (they are untrusted)."""
+    if not (
+        0 <= qp.qpn < 1 << 24
+        and 0 <= qp.psn < 1 << 24
+        and 1 <= qp.mtu <= 5
+        and 0 <= qp.lid < 1 << 16
+        and 0 <= qp.port < 256
+        and 0 <= qp.gid_index < 256
+        and len(qp.gid) == 16
+    ):
+        raise ProtocolError(f"queue pair parameters out of range: {qp!r}")
     return (qp.qpn, qp.psn, qp.mtu, qp.lid, qp.port, qp.gid_index, qp.gid)
+
+
+def _verbs_keys(peer: Peer, m: RegionMeta) -> list[tuple[int, int]]:
+    """A peer region's (addr, rkey) per device, range-checked."""
+    if not 0 < len(m.verbs) <= _cyx.VERBS_MAX_DEVICES or not all(
+        0 <= addr < 1 << 64 and 0 <= rkey < 1 << 32 for addr, rkey in m.verbs
+    ):
+        raise ProtocolError(f"peer {peer.name!r} sent region {m.name!r} without valid rkeys")
+    return m.verbs
 
 
 def _describe(t: Transfer) -> str:

@@ -6,7 +6,11 @@ devices where there are some (skipped elsewhere)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import socket
+from typing import Any
 
 import numpy as np
 import pytest
@@ -142,3 +146,42 @@ async def test_real_devices_write_read(libibverbs: None, make_agent) -> None:
     await within(init.read(back[0:size], peer.region("dst")[0:size]), 30)
     assert bytes(back.memoryview) == data.tobytes()
     assert os.environ.get(axverbs.PROVIDER_ENV) is None
+
+
+@pytest.mark.parametrize("qps", [
+    [],  # none
+    [(1, 1, 5, 0, 1, 0, bytes(16))] * 3,  # more than the server's devices
+    [(1, 1, 9, 0, 1, 0, bytes(16))],  # MTU out of range
+    [(1 << 30, 1, 5, 0, 1, 0, bytes(16))],  # QPN out of range
+    [(1, 1, 5, 0, 1, 0, bytes(4))],  # a short GID
+    [(1, 1, 5, 0, 1, 0, bytes(16))],  # well formed, but no such queue pair anywhere
+])
+async def test_bad_queue_pair_exchange_is_refused(verbs_provider: str, make_agent,
+                                                  qps: list[tuple[Any, ...]]) -> None:
+    """Queue pair parameters come from the network: whatever a client sends,
+    the server refuses or accepts it without harm (the fixture fails the test
+    on any loop exception), and serves well-behaved peers afterwards."""
+    from aioxfer.metadata import VerbsConnect, VerbsQP
+    from aioxfer.protocol import client_handshake, send_frame
+
+    target = await make_agent("target", transports=("verbs",))
+    loop = asyncio.get_running_loop()
+    host, port = target.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.setblocking(False)
+    try:
+        await within(client_handshake(loop, sock, name="rogue", incarnation=1, purpose="verbs",
+                                      token=None))
+        await send_frame(loop, sock, VerbsConnect(qps=[VerbsQP(*q) for q in qps]))
+        # Refused: the server closes; accepted (the last case): nothing moves.
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(0.5):
+                await loop.sock_recv(sock, 1 << 16)
+    finally:
+        sock.close()
+    init = await make_agent("init", transports=("verbs",))
+    dst = target.register(bytearray(MiB), name="dst")
+    peer = await within(init.connect(target.address))
+    data = pattern(MiB, 5)
+    await within(init.write(init.register(data)[0:MiB], peer.region("dst")[0:MiB]))
+    assert bytes(dst.memoryview) == data.tobytes()
