@@ -165,7 +165,7 @@ struct verbs_state {
 /* ------------------------------------------------------------ loading */
 
 /* One table per provider path for the life of the process: a loaded library
- * is never unloaded (see verbs_table.c). */
+ * is never unloaded (see verbs_table.c). A failed load is tried again. */
 static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct loaded {
     char path[512];
@@ -196,6 +196,8 @@ static int load_table(const char *provider, axf_verbs_table *out, char *why, siz
     if (l) {
         *out = l->t;
         snprintf(why, why_len, "%s", l->why);
+        if (st && l == &loaded[nloaded - 1])
+            nloaded--; /* a failure is not remembered: the library may appear later */
     } else {
         snprintf(why, why_len, "too many verbs providers loaded");
     }
