@@ -431,6 +431,13 @@ int verbs_region_add(axf_engine *e, region *r)
     verbs_state *vs = e->verbs;
     if (!vs || r->kind == AXF_MEM_FILE)
         return AXF_OK;
+    if (r->kind == AXF_MEM_CUDA && strcmp(vs->t.provider, "libibverbs") != 0) {
+        /* A software provider copies with the CPU: GPU memory is beyond it. */
+        cq_log(e, 0, "verbs: GPU region of %llu bytes not registered: provider %s reaches host "
+               "memory only; slow path: unreachable over verbs (no host staging)",
+               (unsigned long long)r->len, vs->t.provider);
+        return AXF_OK;
+    }
     char why[200] = "";
     pthread_mutex_lock(&vs->mu);
     int st = region_register_all(vs, r, -1, 0, why, sizeof why);

@@ -461,6 +461,33 @@ static int test_enable_after_register(void)
     return 0;
 }
 
+/* GPU memory the provider cannot register (a software provider copies with
+ * the CPU): the region registers, the slow path is logged loudly, verbs
+ * refuses to move it (no host staging), and the dmabuf hook is refused for a
+ * host region. The device pointer is never touched. */
+static int test_gpu_region_unreachable(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    uint64_t rid, key, addrs[8];
+    uint32_t rkeys[8];
+    CHECK_EQ(axf_region_register_kind(p.a->e, AXF_MEM_CUDA, 0x7f0000000000ull, 1 << 20, RW, -1,
+                                      &rid, &key),
+             AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait_any(p.a, AXF_CQ_LOG, &c), 0);
+    CHECK(c.payload_len && strstr((const char *)c.payload, "GPU region") != NULL);
+    axf_completion_free(&c);
+    CHECK_EQ(axf_verbs_region_keys(p.a->e, rid, addrs, rkeys, 8), p.ndev);
+    CHECK_EQ(addrs[0], 0);
+    axf_desc d = {.lrid = rid, .rrid = p.brid, .rkey = p.bkey, .len = 4096};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_INVALID);
+    CHECK_EQ(axf_verbs_region_dmabuf(p.a->e, p.arid, 0, 0), AXF_E_INVALID);
+    vpair_close(&p);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     provider = getenv("AXF_SOFTVERBS_PROVIDER");
@@ -484,6 +511,7 @@ int main(int argc, char **argv)
         T_CASE(test_registration_cache),
         T_CASE(test_deregister_waits),
         T_CASE(test_enable_after_register),
+        T_CASE(test_gpu_region_unreachable),
     };
     if (!provider || !*provider) {
         printf("SKIP: AXF_SOFTVERBS_PROVIDER is not set (the software verbs provider)\n");
