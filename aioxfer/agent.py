@@ -27,13 +27,14 @@ import warnings
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from time import perf_counter
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from aioxfer import _cyx, file_transport
+from aioxfer import verbs as _verbs
 from aioxfer.discovery import (
     Etcd,
     EtcdSession,
@@ -58,13 +59,22 @@ from aioxfer.errors import (
     error_class,
 )
 from aioxfer.log import get_logger
-from aioxfer.metadata import PROTOCOL_VERSION, Accept, AgentMeta, RegionMeta
+from aioxfer.metadata import (
+    PROTOCOL_VERSION,
+    Accept,
+    AgentMeta,
+    RegionMeta,
+    VerbsAccept,
+    VerbsConnect,
+    VerbsQP,
+)
 from aioxfer.notifications import Notification, Notifications
 from aioxfer.peer import Peer
 from aioxfer.protocol import (
     HandshakeRejected,
     client_handshake,
     fetch_meta,
+    recv_frame,
     send_frame,
     server_handshake,
     token_bytes,
@@ -78,7 +88,7 @@ __all__ = ["Agent"]
 
 _log = get_logger("aioxfer")
 
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "verbs")
 MAX_CONNS = 16  # AXF_MAX_CONNS: connections one endpoint may have
 _POLL_MAX = 4096
 _POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
@@ -107,8 +117,12 @@ class Agent:
     and stripe large transfers over them by measured rate; when a rail fails,
     its unfinished chunks move to the others, and it is re-dialled every
     ``rail_probe`` seconds until it is back. ``addresses`` lists them.
-    ``transports``: which of "shm", "tcp" this agent may use (all by default;
-    ``("tcp",)`` forces TCP even on one host). ``token``: a shared
+    ``transports``: which of "shm", "tcp", "verbs" this agent may use (all by
+    default, verbs where RDMA devices exist; ``("tcp",)`` forces TCP even on
+    one host, ``("verbs",)`` RDMA, raising TransportError without devices).
+    Between hosts with RDMA devices the path is "verbs" (one reliable-connected
+    queue pair per device pair, a stream connection for control); on one host
+    shm stays the default. ``token``: a shared
     secret; when set, connections both ways authenticate with an HMAC challenge.
     ``peer_timeout``: seconds of silence after which a peer is lost (its transfers
     fail with PeerLost); ``keepalive``: idle ping interval. ``tcp_connections``:
@@ -207,6 +221,19 @@ class Agent:
             raise
         self.address = self.addresses[0]
         self._host_id = host_id()
+        self._verbs_devices: list[str] = []
+        if "verbs" in transports:
+            try:
+                # Only verbs asked for: its absence is an error, else a fallback.
+                self._verbs_devices = self._enable_verbs(explicit=transports == ("verbs",))
+            except BaseException:
+                for lsock in self._lsocks:
+                    lsock.close()
+                self._engine.close()
+                raise
+            if not self._verbs_devices:
+                transports = tuple(t for t in transports if t != "verbs")
+                self.transports = transports
 
         self._accept_tasks: list[asyncio.Task[None]] = []
         self._probes: set[asyncio.Task[None]] = set()
@@ -249,6 +276,19 @@ class Agent:
         self._failed = 0
         self._bytes = 0
         self._final_native: dict[str, int] | None = None
+
+    def _enable_verbs(self, *, explicit: bool) -> list[str]:
+        """Opens the RDMA devices (verbs.provider() overrides libibverbs); their
+        descriptions, [] when there are none (explicit: TransportError)."""
+        n, why = self._engine.verbs_enable(_verbs.provider())
+        if n <= 0:
+            if explicit:
+                raise TransportError(f"agent {self.name!r}: transport verbs unavailable: {why}")
+            _log.debug("verbs.off", agent=self.name, reason=why)
+            return []
+        names = _verbs.devices()
+        _log.debug("verbs.on", agent=self.name, devices=n, detail=why)
+        return names[:n] if len(names) >= n else [f"dev{i}" for i in range(n)]
 
     # ------------------------------------------------------------ lifecycle
 
@@ -555,6 +595,7 @@ class Agent:
                     addr=r.addr,
                     memfd=r._memfd,
                     memfd_ino=r._memfd_ino,
+                    verbs=self._engine.verbs_region_keys(r.rid) if self._verbs_devices else [],
                 )
                 for r in self._regions.values()
                 if r.kind == "host"  # file regions are ours alone
@@ -562,6 +603,7 @@ class Agent:
             uid=os.geteuid(),
             byteorder=sys.byteorder,
             rails=list(self.addresses),
+            verbs_devices=list(self._verbs_devices),
         )
 
     async def _accept_loop(self, lsock: socket.socket) -> None:
@@ -598,10 +640,17 @@ class Agent:
                 if hello.purpose == "meta":
                     await send_frame(loop, sock, self._meta())
                     return
+                handles: list[int] = []
+                if hello.purpose == "verbs":
+                    handles = await self._accept_verbs(loop, sock)
             tag = self._tag_for(hello.name, hello.incarnation)
             fd = sock.detach()
             handed = True
-            self._engine.accept_conn(fd, tag)  # the engine owns fd, also if this raises
+            # The engine owns fd (and the queue pairs), also if this raises.
+            if hello.purpose == "verbs":
+                self._engine.verbs_accept_conn(fd, tag, handles)
+            else:
+                self._engine.accept_conn(fd, tag)
             _log.debug("conn.accepted", agent=self.name, peer=hello.name, remote=remote, tag=tag)
         except HandshakeRejected as exc:
             _log.warning("conn.rejected", agent=self.name, remote=remote, reason=str(exc))
@@ -618,6 +667,36 @@ class Agent:
         finally:
             if not handed:
                 sock.close()
+
+    async def _accept_verbs(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket
+    ) -> list[int]:
+        """Server side of a "verbs" connection: a queue pair per rail the
+        client asks for, connected to the client's; returns their handles
+        (bound to the connection once the engine takes it)."""
+        msg = await recv_frame(loop, sock)
+        if not isinstance(msg, VerbsConnect):
+            raise ProtocolError(f"expected VerbsConnect, got {type(msg).__name__}")
+        if not self._verbs_devices:
+            raise ProtocolError("verbs connection to an agent without RDMA devices")
+        if not 0 < len(msg.qps) <= len(self._verbs_devices):
+            raise ProtocolError(
+                f"{len(msg.qps)} queue pairs asked of {len(self._verbs_devices)} devices"
+            )
+        handles: list[int] = []
+        try:
+            ours = []
+            for dev, qp in enumerate(msg.qps):
+                handle, info = self._engine.verbs_accept_qp(dev, _qp_tuple(qp))
+                handles.append(handle)
+                ours.append(VerbsQP(*info))
+            await send_frame(loop, sock, VerbsAccept(qps=ours))
+        except BaseException:
+            for handle in handles:
+                with contextlib.suppress(_cyx.NativeError):
+                    self._engine.verbs_qp_destroy(handle)
+            raise
+        return handles
 
     def _tag_for(self, name: str, incarnation: int) -> int:
         key = (name, incarnation)
@@ -901,15 +980,16 @@ class Agent:
                 f"same host: {meta.host_id == self._host_id})"
             )
         shm = path == "shm"
+        verbs = path == "verbs"
         # tcp: every advertised listen address is a rail; the one we came by
-        # may be a name or another spelling of one of them.
-        rails = [address] if shm or len(meta.rails) < 2 else list(meta.rails)
+        # may be a name or another spelling of one of them. shm and verbs:
+        # one control connection (verbs: its rails are queue pairs).
+        rails = [address] if shm or verbs or len(meta.rails) < 2 else list(meta.rails)
         first = rails.index(address) if address in rails else 0
-        per = 1 if shm else max(1, min(self._tcp_connections, MAX_CONNS // len(rails)))
+        per = 1 if shm or verbs else max(1, min(self._tcp_connections, MAX_CONNS // len(rails)))
         tag = self._tag_for(meta.name, meta.incarnation)
-        ep = self._engine.endpoint_create(
-            _cyx.EP_SHM if shm else _cyx.EP_TCP, tag, meta.pid if shm else 0
-        )
+        kind = _cyx.EP_SHM if shm else _cyx.EP_VERBS if verbs else _cyx.EP_TCP
+        ep = self._engine.endpoint_create(kind, tag, meta.pid if shm else 0)
         self._connecting_eps[ep] = 0
         try:
             peer = Peer(
@@ -935,6 +1015,8 @@ class Agent:
                 *(self._dial_rail(ep, i, rails[i], n, meta.incarnation) for i, n in dial)
             )
             reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
+            if verbs:
+                await self._connect_verbs(ep, address, meta)
             self._check_open()
             lost = self._connecting_eps.pop(ep)
             if lost:
@@ -1082,9 +1164,37 @@ class Agent:
             and _cma_allowed(meta.uid)
         ):
             return "shm"
+        if "verbs" in self.transports and "verbs" in meta.transports and meta.verbs_devices:
+            return "verbs"
         if "tcp" in self.transports and "tcp" in meta.transports:
             return "tcp"
         return None
+
+    async def _connect_verbs(self, ep: int, address: str, meta: AgentMeta) -> None:
+        """A queue pair per device pair (rail i: our device i, the peer's i),
+        exchanged on a "verbs" control connection that then joins endpoint
+        ep; ready to post once this returns."""
+        assert self._loop is not None
+        n = min(len(self._verbs_devices), len(meta.verbs_devices))
+        ours = [self._engine.verbs_qp_create(ep, dev) for dev in range(n)]
+        sock, accept = await self._open(address, purpose="verbs")
+        try:
+            if accept.incarnation != meta.incarnation:
+                raise TransportError(
+                    f"peer at {address} restarted while we connected: connect again"
+                )
+            async with self._control_errors(address, "exchanging queue pairs with", "reach"):
+                await send_frame(self._loop, sock, VerbsConnect(qps=[VerbsQP(*q) for q in ours]))
+                reply = await recv_frame(self._loop, sock)
+            if not isinstance(reply, VerbsAccept) or len(reply.qps) != n:
+                raise ProtocolError(f"peer at {address} answered the queue pairs with {reply!r}")
+            for dev, qp in enumerate(reply.qps):
+                self._engine.verbs_qp_connect(ep, dev, dev, _qp_tuple(qp))
+            # The handshake and exchange read exactly their frames: the rest is the engine's.
+            self._engine.endpoint_add_conn(ep, sock.detach(), 0)
+        finally:
+            if sock.fileno() >= 0:
+                sock.close()
 
     async def _dial(self, host: str, port: int) -> socket.socket:
         """A connected, non-blocking socket: every address of host is tried in turn."""
@@ -1124,7 +1234,9 @@ class Agent:
         except AccessDenied as exc:
             raise type(exc)(f"connecting to {address}: {exc}") from None
 
-    async def _open(self, address: str) -> tuple[socket.socket, Accept]:
+    async def _open(
+        self, address: str, purpose: Literal["data", "verbs"] = "data"
+    ) -> tuple[socket.socket, Accept]:
         """A connected, handshaken data socket (non-blocking), and the peer's
         Accept (who answered: name and incarnation)."""
         assert self._loop is not None
@@ -1137,7 +1249,7 @@ class Agent:
                     sock,
                     name=self.name,
                     incarnation=self.incarnation,
-                    purpose="data",
+                    purpose=purpose,
                     token=self._token,
                 )
             except BaseException:
@@ -1192,6 +1304,8 @@ class Agent:
                 # Could not map it: cross-memory attach reaches it too.
                 eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, -1)
                 memfd = -1
+            if peer.path == "verbs":
+                eng.endpoint_import_verbs(ep, m.rid, _verbs_keys(peer, m))
             rr = RemoteRegion(peer, m.name, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
             stale = peer._regions.get(m.name)
             if stale is not None:
@@ -1685,6 +1799,9 @@ class Agent:
             if region is not None:
                 self._release_memory(region)
         elif kind == _cyx.CQ_LOG:
+            if payload is not None and payload.startswith(b"verbs: GPU region"):
+                # GPUDirect registration failed: said loudly, it is a slow path.
+                warnings.warn(payload.decode("utf-8", "replace"), RuntimeWarning, stacklevel=1)
             _log.warning(
                 "engine.log",
                 agent=self.name,
@@ -1804,6 +1921,30 @@ def _coalesce(
     merged = descs[starts]
     merged[:, 5] = np.add.reduceat(descs[:, 5], starts)
     return merged, starts
+
+
+def _qp_tuple(qp: VerbsQP) -> tuple[int, int, int, int, int, int, bytes]:
+    """A peer's queue pair parameters, range-checked (they are untrusted)."""
+    if not (
+        0 <= qp.qpn < 1 << 24
+        and 0 <= qp.psn < 1 << 24
+        and 1 <= qp.mtu <= 5
+        and 0 <= qp.lid < 1 << 16
+        and 0 <= qp.port < 256
+        and 0 <= qp.gid_index < 256
+        and len(qp.gid) == 16
+    ):
+        raise ProtocolError(f"queue pair parameters out of range: {qp!r}")
+    return (qp.qpn, qp.psn, qp.mtu, qp.lid, qp.port, qp.gid_index, qp.gid)
+
+
+def _verbs_keys(peer: Peer, m: RegionMeta) -> list[tuple[int, int]]:
+    """A peer region's (addr, rkey) per device, range-checked."""
+    if not 0 < len(m.verbs) <= _cyx.VERBS_MAX_DEVICES or not all(
+        0 <= addr < 1 << 64 and 0 <= rkey < 1 << 32 for addr, rkey in m.verbs
+    ):
+        raise ProtocolError(f"peer {peer.name!r} sent region {m.name!r} without valid rkeys")
+    return m.verbs
 
 
 def _describe(t: Transfer) -> str:

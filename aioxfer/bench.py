@@ -64,7 +64,7 @@ __all__ = [
 T = TypeVar("T")
 
 OPS = ("write", "read")
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "verbs")
 MAX_DESCS = 100_000
 MAX_INFLIGHT = 256
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
@@ -289,8 +289,9 @@ class Layout:
 
 def _agent_kwargs(transport: str) -> dict[str, Any]:
     # "shm" is what automatic selection picks between same-host agents;
-    # "tcp" is forced on both sides, as a user would.
-    return {"transports": ("tcp",)} if transport == "tcp" else {}
+    # "tcp" and "verbs" are forced on both sides, as a user would (verbs over
+    # the devices there, or AIOXFER_VERBS_PROVIDER's, which the target inherits).
+    return {"transports": (transport,)} if transport in ("tcp", "verbs") else {}
 
 
 def _run_loop(coro: Coroutine[Any, Any, T], use_uvloop: bool) -> T:
@@ -500,7 +501,7 @@ class _LocalTarget:
 @dataclass(frozen=True)
 class BenchConfig:
     ops: tuple[str, ...] = ("write",)
-    transports: tuple[str, ...] = TRANSPORTS
+    transports: tuple[str, ...] = ("shm", "tcp")
     sizes: tuple[int, ...] = tuple(parse_sizes(DEFAULT_SIZES))
     descs: tuple[int, ...] = (1,)
     inflight: tuple[int, ...] = (1,)
@@ -1117,8 +1118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--transport",
         default="shm,tcp",
-        help="transports to sweep: shm (automatic same-host selection), tcp (forced on both "
-        "agents); default shm,tcp",
+        help="transports to sweep: shm (automatic same-host selection), tcp, verbs (forced on "
+        "both agents); default shm,tcp",
     )
     p.add_argument(
         "--sizes",

@@ -22,11 +22,14 @@ __all__ = [
     "Proof",
     "RegionMeta",
     "Reject",
+    "VerbsAccept",
+    "VerbsConnect",
+    "VerbsQP",
 ]
 
 PROTOCOL_VERSION = 1
 
-Purpose = Literal["meta", "data"]
+Purpose = Literal["meta", "data", "verbs"]
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
@@ -81,6 +84,9 @@ class RegionMeta(msgspec.Struct, frozen=True):
     addr: int  # the region's address in the owner process (cross-memory attach)
     memfd: int = -1  # fd number in the owner process for alloc'd regions, else -1
     memfd_ino: int = 0  # inode of that memfd: lets a peer check it maps the right file
+    # RDMA: (address, rkey) of its memory registration on each of the owner's
+    # verbs devices, in device order; empty without verbs.
+    verbs: list[tuple[int, int]] = []
 
 
 class AgentMeta(msgspec.Struct, tag="meta", frozen=True):
@@ -99,6 +105,35 @@ class AgentMeta(msgspec.Struct, tag="meta", frozen=True):
     # Every listen address (the first is ``address``): the paths (rails) a TCP
     # peer stripes its connections over. Empty from older agents: ``address``.
     rails: list[str] = []
+    # RDMA verbs devices (name and GID), in device order: peers pair theirs
+    # with ours by index, one queue pair per pair (a rail). Empty: no verbs.
+    verbs_devices: list[str] = []
 
 
-Frame = Hello | Challenge | Proof | Accept | Reject | AgentMeta
+class VerbsQP(msgspec.Struct, frozen=True):
+    """What a peer needs to connect a reliable-connected queue pair to ours."""
+
+    qpn: int
+    psn: int
+    mtu: int
+    lid: int
+    port: int
+    gid_index: int
+    gid: bytes
+
+
+class VerbsConnect(msgspec.Struct, tag="verbs_connect", frozen=True):
+    """Client to server on a "verbs" connection after Accept: the client's
+    queue pairs, one per rail (rail i joins the client's device i and the
+    server's device i)."""
+
+    qps: list[VerbsQP]
+
+
+class VerbsAccept(msgspec.Struct, tag="verbs_accept", frozen=True):
+    """The server's queue pairs for them; the native engine frames follow."""
+
+    qps: list[VerbsQP]
+
+
+Frame = Hello | Challenge | Proof | Accept | Reject | AgentMeta | VerbsConnect | VerbsAccept

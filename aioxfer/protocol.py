@@ -16,6 +16,8 @@ Handshake (client left, server right)::
                    <- Accept{name, incarnation}  |  Reject{reason}, close
     "meta":        <- AgentMeta, close
     "data":        native engine frames both ways from here on
+    "verbs":       VerbsConnect{client's queue pairs}  ->
+                   <- VerbsAccept{server's queue pairs}, then as "data"
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ async def _server_handshake(
         raise ProtocolError(f"hello nonce must be {NONCE_BYTES} bytes, not {len(hello.nonce)}")
     if not 0 <= hello.incarnation < 1 << 64:
         raise ProtocolError("incarnation must be an unsigned 64-bit integer")
-    if hello.purpose == "data" and hello.byteorder != sys.byteorder:
+    if hello.purpose in ("data", "verbs") and hello.byteorder != sys.byteorder:
         await _reject(loop, sock, f"byte order {hello.byteorder} is not {sys.byteorder}")
         raise ProtocolError(f"client byte order {hello.byteorder} is not {sys.byteorder}")
     if token is not None:

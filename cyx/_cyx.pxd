@@ -1,6 +1,6 @@
 # The native engine's header, line for line (native/include/aioxfer.h).
 # Every function is declared nogil: _cyx decides where the GIL is released.
-from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 
 cdef extern from "aioxfer.h" nogil:
@@ -30,6 +30,7 @@ cdef extern from "aioxfer.h" nogil:
     uint32_t AXF_MEM_HOST
     uint32_t AXF_MEM_CUDA
     uint32_t AXF_MEM_FILE
+    int AXF_EP_VERBS
 
     int AXF_OP_WRITE
     int AXF_OP_READ
@@ -127,3 +128,32 @@ cdef extern from "aioxfer.h" nogil:
 
     size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
     void axf_completion_free(axf_completion *c)
+
+    # RDMA verbs
+    int AXF_VERBS_MAX_DEVICES
+
+    ctypedef struct axf_verbs_qp_info:
+        uint32_t qpn
+        uint32_t psn
+        uint32_t mtu
+        uint16_t lid
+        uint8_t port
+        uint8_t gid_index
+        uint8_t gid[16]
+
+    int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *why,
+                        size_t why_len)
+    int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_len)
+    int axf_verbs_device_count(axf_engine *e)
+    int axf_verbs_region_keys(axf_engine *e, uint64_t rid, uint64_t *addrs, uint32_t *rkeys,
+                              size_t max)
+    int axf_verbs_region_dmabuf(axf_engine *e, uint64_t rid, int fd, uint64_t offset)
+    int axf_verbs_qp_create(axf_engine *e, uint64_t ep, uint32_t dev, axf_verbs_qp_info *out)
+    int axf_verbs_qp_connect(axf_engine *e, uint64_t ep, uint32_t dev, uint32_t remote_dev,
+                             const axf_verbs_qp_info *remote)
+    int axf_verbs_accept_qp(axf_engine *e, uint32_t dev, const axf_verbs_qp_info *remote,
+                            axf_verbs_qp_info *out, uint64_t *qp_out)
+    int axf_verbs_qp_destroy(axf_engine *e, uint64_t qp)
+    int axf_verbs_accept_conn(axf_engine *e, int fd, uint64_t tag, const uint64_t *qps, size_t n)
+    int axf_endpoint_import_verbs(axf_engine *e, uint64_t ep, uint64_t rid, const uint64_t *addrs,
+                                  const uint32_t *rkeys, size_t n)

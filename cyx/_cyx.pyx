@@ -47,6 +47,8 @@ EP_SHM = AXF_EP_SHM
 EP_FILE = AXF_EP_FILE
 MEM_HOST = AXF_MEM_HOST
 MEM_FILE = AXF_MEM_FILE
+EP_VERBS = AXF_EP_VERBS
+VERBS_MAX_DEVICES = AXF_VERBS_MAX_DEVICES
 OP_WRITE = AXF_OP_WRITE
 OP_READ = AXF_OP_READ
 OP_NOTIFY = AXF_OP_NOTIFY
@@ -103,6 +105,55 @@ cdef inline int _check(int status, what) except -1:
     if status != AXF_OK:
         raise NativeError(status, what)
     return 0
+
+
+# ------------------------------------------------------------------ verbs
+
+cdef bytes _c_path(object provider):
+    if provider is None or provider == "":
+        return None
+    return str(provider).encode()
+
+
+def verbs_probe(provider=None):
+    """(devices, names, why): loads the verbs (a software provider library at
+    ``provider``, else libibverbs.so.1) and lists the devices. devices is 0
+    for none (a kernel without InfiniBand: ENOSYS), negative when verbs cannot
+    be used at all (not built, library missing); why says which."""
+    cdef char names[4096]
+    cdef char why[512]
+    cdef bytes p = _c_path(provider)
+    cdef const char *cp = NULL if p is None else <const char *>p
+    cdef int n
+    names[0] = 0
+    why[0] = 0
+    with nogil:
+        n = axf_verbs_probe(cp, names, sizeof(names), why, sizeof(why))
+    text = names.decode("utf-8", "replace")
+    return n, [line for line in text.split("\n") if line], why.decode("utf-8", "replace")
+
+
+cdef axf_verbs_qp_info _qp_info_in(object info) except *:
+    cdef axf_verbs_qp_info q
+    cdef bytes gid
+    memset(&q, 0, sizeof(q))
+    qpn, psn, mtu, lid, port, gid_index, gid = info
+    if len(gid) != 16:
+        raise ValueError("a GID is 16 bytes")
+    q.qpn = qpn
+    q.psn = psn
+    q.mtu = mtu
+    q.lid = lid
+    q.port = port
+    q.gid_index = gid_index
+    for i in range(16):
+        q.gid[i] = gid[i]
+    return q
+
+
+cdef tuple _qp_info_out(const axf_verbs_qp_info *q):
+    return (q.qpn, q.psn, q.mtu, q.lid, q.port, q.gid_index,
+            PyBytes_FromStringAndSize(<const char *>q.gid, 16))
 
 
 # ------------------------------------------------------------------ pins
@@ -593,6 +644,122 @@ cdef class Engine:
                 axf_completion_free(&self._cq[i])
             self._polling = False
         return out
+
+    # -------------------------------------------------------------- verbs
+
+    def verbs_enable(self, provider=None):
+        """(devices, why): opens every RDMA device for this engine (0: none,
+        verbs stays off; negative: cannot be used). Once only."""
+        cdef char why[512]
+        cdef bytes p = _c_path(provider)
+        cdef const char *cp = NULL if p is None else <const char *>p
+        cdef int n
+        self._open()
+        why[0] = 0
+        self._busy += 1
+        try:
+            with nogil:
+                n = axf_verbs_enable(self._e, cp, why, sizeof(why))
+        finally:
+            self._busy -= 1
+        return n, why.decode("utf-8", "replace")
+
+    def verbs_device_count(self):
+        self._open()
+        return axf_verbs_device_count(self._e)
+
+    def verbs_region_keys(self, uint64_t rid):
+        """[(addr, rkey)] of region rid, one per device ([] while verbs is off)."""
+        cdef uint64_t addrs[16]
+        cdef uint32_t rkeys[16]
+        cdef int n, i
+        self._open()
+        n = axf_verbs_region_keys(self._e, rid, addrs, rkeys, 16)
+        if n < 0:
+            raise NativeError(n, f"no verbs keys for region {rid}")
+        return [(addrs[i], rkeys[i]) for i in range(n)]
+
+    def verbs_region_dmabuf(self, uint64_t rid, int fd, uint64_t offset=0):
+        """GPUDirect: registers CUDA region rid through a dmabuf on every device."""
+        self._open()
+        _check(axf_verbs_region_dmabuf(self._e, rid, fd, offset),
+               f"cannot register region {rid} through a dmabuf")
+
+    def verbs_qp_create(self, uint64_t ep, uint32_t dev):
+        """Initiator: a queue pair of ep on device dev; returns its info tuple
+        (qpn, psn, mtu, lid, port, gid_index, gid)."""
+        cdef axf_verbs_qp_info out
+        self._open()
+        _check(axf_verbs_qp_create(self._e, ep, dev, &out),
+               f"cannot create a queue pair on device {dev}")
+        return _qp_info_out(&out)
+
+    def verbs_qp_connect(self, uint64_t ep, uint32_t dev, uint32_t remote_dev, remote):
+        cdef axf_verbs_qp_info r = _qp_info_in(remote)
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_verbs_qp_connect(self._e, ep, dev, remote_dev, &r)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot connect the queue pair on device {dev}")
+
+    def verbs_accept_qp(self, uint32_t dev, remote):
+        """Target: (handle, info) of a queue pair on dev connected to remote."""
+        cdef axf_verbs_qp_info r = _qp_info_in(remote)
+        cdef axf_verbs_qp_info out
+        cdef uint64_t h = 0
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_verbs_accept_qp(self._e, dev, &r, &out, &h)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot accept a queue pair on device {dev}")
+        return h, _qp_info_out(&out)
+
+    def verbs_qp_destroy(self, uint64_t handle):
+        self._open()
+        _check(axf_verbs_qp_destroy(self._e, handle), f"cannot destroy queue pair {handle}")
+
+    def verbs_accept_conn(self, int fd, uint64_t tag, handles):
+        """Target: accepts fd; the queue pairs live as long as it. The engine
+        owns fd (and the handles) from now on, also when this raises."""
+        cdef uint64_t hs[16]
+        cdef size_t n = 0
+        cdef int st
+        self._open()
+        for h in handles:
+            if n == 16:
+                raise ValueError("at most 16 queue pairs per connection")
+            hs[n] = h
+            n += 1
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_verbs_accept_conn(self._e, fd, tag, hs, n)
+        finally:
+            self._busy -= 1
+        _check(st, "cannot accept a verbs connection")
+
+    def endpoint_import_verbs(self, uint64_t ep, uint64_t rid, keys):
+        """keys: [(addr, rkey)] per device of the region's owner."""
+        cdef uint64_t addrs[16]
+        cdef uint32_t rkeys[16]
+        cdef size_t n = 0
+        self._open()
+        for addr, rkey in keys:
+            if n == 16:
+                raise ValueError("at most 16 devices")
+            addrs[n] = addr
+            rkeys[n] = rkey
+            n += 1
+        _check(axf_endpoint_import_verbs(self._e, ep, rid, addrs, rkeys, n),
+               f"cannot import the verbs keys of region {rid}")
 
     def stats(self):
         cdef axf_stats s

@@ -2,7 +2,10 @@
 
 - ``transport`` parametrizes a test over every transport of the conformance
   suite ("shm": automatic selection between same-host agents, which must pick
-  shm; "tcp": forced with ``transports=("tcp",)`` on both agents).
+  shm; "tcp": forced with ``transports=("tcp",)`` on both agents; "verbs":
+  forced with ``transports=("verbs",)``, over the software verbs provider
+  (native/tests/softverbs/, compiled once per session, loaded through
+  AIOXFER_VERBS_PROVIDER, which spawned agents inherit)).
 - ``make_agent`` starts agents on the running loop; at teardown it closes them
   and fails the test if any loop exception handler call happened, or if an
   agent leaks a native op, a native region or a pinned buffer.
@@ -18,7 +21,9 @@ import dataclasses
 import hashlib
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import subprocess
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,7 +34,9 @@ import pytest
 
 T = TypeVar("T")
 
-TRANSPORTS = ["shm", "tcp"]
+TRANSPORTS = ["shm", "tcp", "verbs"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOFTVERBS_SRC = os.path.join(REPO, "native", "tests", "softverbs", "softverbs.c")
 
 # Bounds for waits; generous so a slow 2-core CI box passes, small enough that
 # a hang fails the test rather than the whole suite.
@@ -41,11 +48,42 @@ def transport_kwargs(transport: str) -> dict[str, Any]:
         return {"transports": ("tcp",)}
     if transport == "shm":
         return {}  # automatic selection: two same-host agents must pick shm
+    if transport == "verbs":
+        return {"transports": ("verbs",)}
     raise ValueError(transport)
+
+
+@pytest.fixture(scope="session")
+def softverbs_provider(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The software verbs provider, compiled once (the command is the one at
+    the top of softverbs.c). Skips where verbs was not built (no libibverbs
+    headers at build time) or no C compiler is there."""
+    from aioxfer import _cyx
+
+    n, _, why = _cyx.verbs_probe(None)
+    if n < 0 and "not built" in why:
+        pytest.skip(f"verbs: {why}")
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None or not os.path.exists(SOFTVERBS_SRC):
+        pytest.skip("verbs: no C compiler or no softverbs source to build the software provider")
+    out = str(tmp_path_factory.mktemp("softverbs") / "libaxf_softverbs.so")
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-pthread", SOFTVERBS_SRC, "-o", out],
+                   check=True, capture_output=True, timeout=120)
+    return out
+
+
+@pytest.fixture
+def verbs_provider(softverbs_provider: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Agents made while this is active (and processes spawned meanwhile) load
+    the software verbs provider instead of libibverbs."""
+    monkeypatch.setenv("AIOXFER_VERBS_PROVIDER", softverbs_provider)
+    return softverbs_provider
 
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
+    if request.param == "verbs":
+        request.getfixturevalue("verbs_provider")
     return str(request.param)
 
 

@@ -233,7 +233,7 @@ def test_parse_size() -> None:
 
 @pytest.mark.parametrize("args", [
     ["--descs", "0"], ["--descs", "100001"], ["--inflight", "257"], ["--inflight", "x"],
-    ["--sizes", "4X"], ["--op", "copy"], ["--transport", "verbs"], ["--rounds", "0"],
+    ["--sizes", "4X"], ["--op", "copy"], ["--transport", "carrier-pigeon"], ["--rounds", "0"],
     ["--reps", "0"], ["--duration", "0"], ["--reps", "3", "--duration", "1"],
 ])
 def test_bad_arguments(args: list[str]) -> None:

@@ -201,6 +201,69 @@ int axf_file_info(axf_engine *e, char *buf, size_t cap);
 size_t axf_poll(axf_engine *e, axf_completion *out, size_t max);
 void axf_completion_free(axf_completion *c);
 
+/* ---------------------------------------------------------------- RDMA verbs
+ * Built where the libibverbs headers were found at build time (libibverbs is
+ * then loaded at run time); elsewhere every call answers AXF_E_TRANSPORT with
+ * "not built". An AXF_EP_VERBS endpoint has ordinary stream connections for
+ * control (keepalives, notifications, revocations) and one reliable-connected
+ * queue pair per device pair (a rail). */
+#define AXF_VERBS_MAX_DEVICES 8
+
+/* What a peer needs to connect a queue pair to ours. */
+typedef struct axf_verbs_qp_info {
+    uint32_t qpn;
+    uint32_t psn;
+    uint32_t mtu; /* enum ibv_mtu */
+    uint16_t lid;
+    uint8_t port;
+    uint8_t gid_index;
+    uint8_t gid[16];
+} axf_verbs_qp_info;
+
+/* Loads the verbs (provider: a software provider library, or NULL for
+ * libibverbs.so.1) and lists the devices: names separated by newlines. Returns
+ * how many (0: none, which includes a kernel without InfiniBand, ENOSYS) or a
+ * negative status; why says what was found. Needs no engine. */
+int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *why,
+                    size_t why_len);
+/* Opens every device with an active port for engine e: one protection domain,
+ * one completion queue and channel per device, one poller thread that sleeps
+ * on the channels. Regions registered from then on (and those registered
+ * before) get a memory registration per device, cached by range. Returns the
+ * number of devices (0: verbs stays off) or a negative status. Once only. */
+int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_len);
+int axf_verbs_device_count(axf_engine *e); /* 0 while off */
+/* A region's registration per device: addresses (as peers address it) and
+ * rkeys. Returns the device count, or a negative status. */
+int axf_verbs_region_keys(axf_engine *e, uint64_t rid, uint64_t *addrs, uint32_t *rkeys,
+                          size_t max);
+/* GPUDirect hook: registers a CUDA region through a dmabuf (fd and offset of
+ * its memory, from the CUDA driver) on every device where it has no
+ * registration yet. AXF_OK, or AXF_E_REGISTRATION (then the region stays
+ * unreachable over verbs: no host staging). */
+int axf_verbs_region_dmabuf(axf_engine *e, uint64_t rid, int fd, uint64_t offset);
+/* Initiator: a queue pair on local device dev for endpoint ep (kind
+ * AXF_EP_VERBS), initialised; out: what the peer connects to. */
+int axf_verbs_qp_create(axf_engine *e, uint64_t ep, uint32_t dev, axf_verbs_qp_info *out);
+/* Initiator: connects ep's queue pair on dev to the peer's queue pair on its
+ * device remote_dev (whose rkeys its regions were imported with); ready to
+ * send once this returns. */
+int axf_verbs_qp_connect(axf_engine *e, uint64_t ep, uint32_t dev, uint32_t remote_dev,
+                         const axf_verbs_qp_info *remote);
+/* Target: a queue pair on dev connected to the initiator's remote; out: ours
+ * for it; qp_out: a handle until axf_verbs_accept_conn binds it (or
+ * axf_verbs_qp_destroy drops it). */
+int axf_verbs_accept_qp(axf_engine *e, uint32_t dev, const axf_verbs_qp_info *remote,
+                        axf_verbs_qp_info *out, uint64_t *qp_out);
+int axf_verbs_qp_destroy(axf_engine *e, uint64_t qp);
+/* Target: axf_accept_conn, and the queue pairs live as long as that
+ * connection (destroyed when it closes). The engine owns fd from now on; the
+ * handles are consumed, also on failure. */
+int axf_verbs_accept_conn(axf_engine *e, int fd, uint64_t tag, const uint64_t *qps, size_t n);
+/* The owner's (addr, rkey) per its device for imported region rid. */
+int axf_endpoint_import_verbs(axf_engine *e, uint64_t ep, uint64_t rid, const uint64_t *addrs,
+                              const uint32_t *rkeys, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -257,8 +257,10 @@ static void thread_exit(conn *c)
         }
         close(c->fd);
         atomic_fetch_sub(&e->n_conns, 1);
-        if (!c->ep)
+        if (!c->ep) {
+            verbs_conn_closed(e, c); /* its queue pairs first: then nothing reaches us */
             revokes_drop(e, c); /* a dead peer touches nothing of ours any more */
+        }
         if (c->ep)
             endpoint_conn_finished(e, c->ep);
         else

@@ -220,6 +220,9 @@ region *region_get(axf_engine *e, uint64_t id)
 void region_unref(axf_engine *e, region *r)
 {
     if (atomic_fetch_sub(&r->refs, 1) == 1) {
+        /* After every peer acknowledged (nothing in flight), and before the
+         * owner hears it may release the memory. */
+        verbs_region_free(e, r);
         cq_push(e, AXF_CQ_REGION_FREED, AXF_OK, r->id, 0, r->len, 0, NULL, 0);
         atomic_fetch_sub(&e->n_regions, 1);
         if (r->fd >= 0)
@@ -232,9 +235,19 @@ static int region_add(axf_engine *e, region *r, uint64_t *id_out, uint64_t *key_
 {
     r->key = random_u64();
     atomic_init(&r->refs, 1);
+    int vst = verbs_region_add(e, r); /* before anyone can reach it */
+    if (vst != AXF_OK) {
+        if (r->fd >= 0)
+            close(r->fd);
+        free(r);
+        return vst;
+    }
     pthread_mutex_lock(&e->mu);
     if (e->shut) {
         pthread_mutex_unlock(&e->mu);
+        verbs_region_free(e, r);
+        if (r->fd >= 0)
+            close(r->fd);
         free(r);
         return AXF_E_CLOSED;
     }
@@ -532,7 +545,7 @@ static void op_finish_unlinked(axf_engine *e, op *o)
     op_unpin(e, o);
 }
 
-static void op_complete(axf_engine *e, op *o)
+void op_complete(axf_engine *e, op *o)
 {
     pthread_mutex_lock(&e->mu);
     if (o->claimed) {
@@ -599,7 +612,7 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
         int st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
         for (op *o = ep->ops, *next; o; o = next) {
             next = o->next;
-            if (ep->kind == AXF_EP_SHM && o->phase == 0)
+            if ((ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_VERBS) && o->phase == 0)
                 continue;
             if (ep->kind == AXF_EP_FILE) { /* its chunks finish in file.c and then see this */
                 op_set_status(o, st, 0);
@@ -616,18 +629,24 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
             report = true;
         }
     }
+    bool flush = ep->live_conns == 0 && ep->kind == AXF_EP_VERBS;
     pthread_mutex_unlock(&e->mu);
     /* The loss first, so a caller woken by a failed transfer sees the peer lost. */
     if (report)
         cq_push(e, AXF_CQ_PEER_LOST, ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, ep->id, ep->tag,
                 0, 0, NULL, 0);
+    if (flush) { /* posted RDMA requests flush, then their ops finish (verbs.c) */
+        pthread_mutex_lock(&e->mu);
+        verbs_ep_dead(e, ep);
+        pthread_mutex_unlock(&e->mu);
+    }
     for (op *o = claimed, *next; o; o = next) {
         next = o->next;
         op_finish_unlinked(e, o);
     }
 }
 
-static endpoint *ep_find(axf_engine *e, uint64_t id) /* e->mu held */
+endpoint *ep_find(axf_engine *e, uint64_t id) /* e->mu held */
 {
     for (endpoint *ep = e->eps; ep; ep = ep->next)
         if (ep->id == id)
@@ -635,7 +654,7 @@ static endpoint *ep_find(axf_engine *e, uint64_t id) /* e->mu held */
     return NULL;
 }
 
-static rregion *rr_find(endpoint *ep, uint64_t rid)
+rregion *rr_find(endpoint *ep, uint64_t rid)
 {
     for (rregion *rr = ep->rregions; rr; rr = rr->next)
         if (rr->rid == rid && !rr->gone)
@@ -679,6 +698,12 @@ static int op_resolve(axf_engine *e, op *o)
         /* The socket, same-host copy and file paths touch host memory only. */
         if (last->kind != AXF_MEM_HOST && (o->ep->kind == AXF_EP_TCP || o->ep->kind == AXF_EP_SHM ||
                                            o->ep->kind == AXF_EP_FILE)) {
+            o->fail_index = i;
+            return AXF_E_INVALID;
+        }
+        /* RDMA reaches what is registered with the devices (host memory, GPU
+         * memory registered for GPUDirect), never a file. */
+        if (o->ep->kind == AXF_EP_VERBS && !verbs_region_usable(last)) {
             o->fail_index = i;
             return AXF_E_INVALID;
         }
@@ -1045,7 +1070,8 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         st = AXF_E_INVALID;
     else if (ep->kind == AXF_EP_FILE && (opcode == AXF_OP_NOTIFY || notify_len))
         st = AXF_E_INVALID; /* nobody to notify */
-    else if ((ep->kind == AXF_EP_TCP || opcode == AXF_OP_NOTIFY) && ep->nconns == 0)
+    else if ((ep->kind == AXF_EP_TCP || ep->kind == AXF_EP_VERBS || opcode == AXF_OP_NOTIFY) &&
+             ep->nconns == 0)
         st = AXF_E_TRANSPORT;
     if (st == AXF_OK) {
         o->ep = ep;
@@ -1085,6 +1111,10 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     } else if (ep->kind == AXF_EP_FILE) {
         pthread_mutex_unlock(&e->mu);
         file_submit(e, o, signal);
+    } else if (ep->kind == AXF_EP_VERBS) {
+        /* Posted to the queue pairs at once: one post per chain is the batch. */
+        finish_now = !verbs_submit(e, o);
+        pthread_mutex_unlock(&e->mu);
     } else {
         uint64_t total = 0;
         for (size_t i = 0; i < n; i++)
@@ -1147,8 +1177,9 @@ int axf_cancel(axf_engine *e, uint64_t req_id)
 
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out)
 {
-    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && kind != AXF_EP_FILE)
-        return AXF_E_INVALID;
+    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && kind != AXF_EP_FILE &&
+        !(kind == AXF_EP_VERBS && e->verbs))
+        return kind == AXF_EP_VERBS ? AXF_E_TRANSPORT : AXF_E_INVALID;
     endpoint *ep = calloc(1, sizeof *ep);
     if (!ep)
         return AXF_E_NOMEM;
@@ -1363,6 +1394,7 @@ void axf_engine_shutdown(axf_engine *e)
 
     shm_stop(e); /* finishes or fails queued copies */
     file_stop(e); /* fails queued file I/O, waits for what is in flight */
+    verbs_stop(e); /* flushes posted RDMA requests; their ops finish */
 
     /* Whatever is left (endpoints that never had a connection). */
     for (;;) {
@@ -1410,8 +1442,10 @@ void axf_engine_destroy(axf_engine *e)
         for (rregion *rr = ep->rregions, *rn; rr; rr = rn) {
             rn = rr->next;
             shm_unmap(rr);
+            verbs_rr_free(rr);
             free(rr);
         }
+        verbs_ep_free(ep);
         free(ep);
     }
     file_free(e);
@@ -1430,6 +1464,7 @@ void axf_engine_destroy(axf_engine *e)
         pthread_cond_destroy(&c->cv);
         free(c);
     }
+    verbs_free(e);
     for (size_t i = 0; i < e->cq_count; i++)
         free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
     free(e->cq);

@@ -61,6 +61,7 @@ typedef struct region {
     uint32_t dio_align; /* AXF_MEM_FILE opened O_DIRECT: offsets, lengths and
                            host addresses must be multiples of it; else 0 */
     atomic_int refs; /* one for the registry while registered, one per user */
+    struct verbs_reg *verbs; /* verbs.c: its memory registrations, one per device */
     struct region *next;
 } region;
 
@@ -76,6 +77,7 @@ typedef struct rregion {
     atomic_uint users;
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
     struct shm_mapping *mapping; /* ... and what keeps it alive while it is prefaulted */
+    struct verbs_rkeys *verbs; /* verbs: the owner's (addr, rkey) per its device */
     struct rregion *next;
 } rregion;
 
@@ -128,6 +130,7 @@ typedef struct endpoint {
     rregion *rregions;
     bool dead, closing, lost_reported;
     struct op *ops; /* pending ops, doubly linked */
+    struct verbs_ep *verbs; /* AXF_EP_VERBS: its queue pairs (rails) */
     struct endpoint *next;
 } endpoint;
 
@@ -209,6 +212,7 @@ typedef struct conn {
     /* accepting side, e->mu: revocations this connection has to acknowledge */
     rv_wait *revokes;
     bool exited;
+    struct verbs_qp *verbs; /* accepting side, e->mu: queue pairs that live as long as it */
     struct conn *next_all;
 } conn;
 
@@ -253,6 +257,7 @@ struct axf_engine {
     bool dirty_workers;
 
     rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
+    struct verbs_state *verbs; /* verbs.c: devices and their poller, NULL while off */
 
     struct file_xport *file; /* file transport, started by the first FILE endpoint (e->mu) */
 
@@ -282,6 +287,10 @@ conn *notify_enqueue(axf_engine *e, op *o);
 void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key);
 int revoke_acked(axf_engine *e, conn *c, uint64_t rid); /* AXF_OK or AXF_E_PROTOCOL */
 void revokes_drop(axf_engine *e, conn *c); /* the connection is gone */
+
+endpoint *ep_find(axf_engine *e, uint64_t id); /* e->mu held */
+rregion *rr_find(endpoint *ep, uint64_t rid);   /* e->mu held; not gone */
+void op_complete(axf_engine *e, op *o);         /* fails an op that queued nothing */
 
 /* conn.c */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
@@ -316,5 +325,18 @@ uint32_t file_dio_align(int fd); /* 0 unless the file is open with O_DIRECT */
 /* Resolves descriptor i's file side (rrid/rkey/roff: one of our file
  * regions), taking a ref; e->mu held, o->laddr[i] set. */
 int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need);
+/* verbs.c (stubs where the libibverbs headers were absent at build time) */
+int verbs_region_add(axf_engine *e, region *r); /* before it is reachable */
+void verbs_region_free(axf_engine *e, region *r); /* its last reference is gone */
+bool verbs_region_usable(const region *r); /* registered on every device */
+/* Queues a new op's work requests on the endpoint's queue pairs; false when
+ * nothing could be queued (the caller completes the op). e->mu held. */
+bool verbs_submit(axf_engine *e, op *o);
+void verbs_ep_dead(axf_engine *e, endpoint *ep); /* e->mu held: flush its queue pairs */
+void verbs_conn_closed(axf_engine *e, conn *c);  /* accepting side: its queue pairs go */
+void verbs_stop(axf_engine *e);  /* shutdown: flush, stop the poller, destroy queue pairs */
+void verbs_free(axf_engine *e);  /* destroy: devices */
+void verbs_ep_free(endpoint *ep);
+void verbs_rr_free(rregion *rr);
 
 #endif

@@ -1,0 +1,137 @@
+/* Fills the verbs table: from libibverbs.so.1 loaded at run time (so one build
+ * runs where rdma-core is absent), or from a software provider library.
+ *
+ * Never linked against libibverbs: only its header is used, for the types and
+ * for the static-inline verbs (post_send, poll_cq, req_notify_cq), which
+ * dispatch through ctx->ops and are wrapped here as plain functions. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "verbs_table.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+static int w_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
+{
+    return ibv_post_send(qp, wr, bad);
+}
+
+static int w_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+{
+    return ibv_post_recv(qp, wr, bad);
+}
+
+static int w_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc)
+{
+    return ibv_poll_cq(cq, n, wc);
+}
+
+static int w_req_notify_cq(struct ibv_cq *cq, int solicited_only)
+{
+    return ibv_req_notify_cq(cq, solicited_only);
+}
+
+static void say(char *why, size_t n, const char *fmt, const char *a, const char *b)
+{
+    if (why && n)
+        snprintf(why, n, fmt, a, b ? b : "");
+}
+
+/* dlsym into a function pointer without a cast warning. */
+#define SYM(field, name, required)                                       \
+    do {                                                                 \
+        void *p_ = dlsym(h, name);                                       \
+        if (!p_ && (required)) {                                         \
+            say(why, why_len, "libibverbs.so.1 has no %s%s", name, NULL); \
+            return -ENOSYS;                                              \
+        }                                                                \
+        memcpy(&t->field, &p_, sizeof p_);                               \
+    } while (0)
+
+static int load_libibverbs(axf_verbs_table *t, char *why, size_t why_len)
+{
+    /* Kept loaded for the life of the process: its providers register global
+     * state that does not survive an unload. */
+    void *h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        const char *err = dlerror();
+        say(why, why_len, "cannot load libibverbs.so.1 (rdma-core not installed?): %s%s",
+            err ? err : "unknown error", NULL);
+        return -ENOENT;
+    }
+    memset(t, 0, sizeof *t);
+    t->version = AXF_VERBS_TABLE_VERSION;
+    t->provider = "libibverbs";
+    SYM(get_device_list, "ibv_get_device_list", 1);
+    SYM(free_device_list, "ibv_free_device_list", 1);
+    SYM(get_device_name, "ibv_get_device_name", 1);
+    SYM(open_device, "ibv_open_device", 1);
+    SYM(close_device, "ibv_close_device", 1);
+    SYM(query_device, "ibv_query_device", 1);
+    SYM(query_port, "ibv_query_port", 1); /* the real symbol behind the macro */
+    SYM(query_gid, "ibv_query_gid", 1);
+    SYM(alloc_pd, "ibv_alloc_pd", 1);
+    SYM(dealloc_pd, "ibv_dealloc_pd", 1);
+    SYM(reg_mr, "ibv_reg_mr", 1); /* ditto */
+    SYM(reg_dmabuf_mr, "ibv_reg_dmabuf_mr", 0); /* rdma-core >= 34 */
+    SYM(dereg_mr, "ibv_dereg_mr", 1);
+    SYM(create_comp_channel, "ibv_create_comp_channel", 1);
+    SYM(destroy_comp_channel, "ibv_destroy_comp_channel", 1);
+    SYM(create_cq, "ibv_create_cq", 1);
+    SYM(destroy_cq, "ibv_destroy_cq", 1);
+    SYM(get_cq_event, "ibv_get_cq_event", 1);
+    SYM(ack_cq_events, "ibv_ack_cq_events", 1);
+    SYM(create_qp, "ibv_create_qp", 1);
+    SYM(modify_qp, "ibv_modify_qp", 1);
+    SYM(destroy_qp, "ibv_destroy_qp", 1);
+    t->post_send = w_post_send;
+    t->post_recv = w_post_recv;
+    t->poll_cq = w_poll_cq;
+    t->req_notify_cq = w_req_notify_cq;
+    return 0;
+}
+
+static int load_provider(const char *path, axf_verbs_table *t, char *why, size_t why_len)
+{
+    /* Kept loaded: the table points into it for the life of the process. */
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        const char *err = dlerror();
+        say(why, why_len, "cannot load verbs provider: %s%s", err ? err : path, NULL);
+        return -ENOENT;
+    }
+    void *sym = dlsym(h, AXF_VERBS_PROVIDER_SYMBOL);
+    if (!sym) {
+        say(why, why_len, "%s exports no " AXF_VERBS_PROVIDER_SYMBOL "%s", path, NULL);
+        return -ENOSYS;
+    }
+    axf_verbs_provider_fn fill;
+    memcpy(&fill, &sym, sizeof sym);
+    memset(t, 0, sizeof *t);
+    int r = fill(t);
+    if (r) {
+        say(why, why_len, "verbs provider %s failed: %s", path, strerror(r < 0 ? -r : r));
+        return r < 0 ? r : -r;
+    }
+    if (t->version != AXF_VERBS_TABLE_VERSION || !t->get_device_list || !t->open_device ||
+        !t->alloc_pd || !t->reg_mr || !t->create_cq || !t->create_qp || !t->modify_qp ||
+        !t->post_send || !t->poll_cq || !t->req_notify_cq || !t->get_cq_event ||
+        !t->create_comp_channel) {
+        say(why, why_len, "verbs provider %s: table version or entries missing%s", path, NULL);
+        return -ENOSYS;
+    }
+    if (!t->provider)
+        t->provider = "software";
+    return 0;
+}
+
+int axf_verbs_load(const char *path, axf_verbs_table *table, char *why, size_t why_len)
+{
+    if (why && why_len)
+        why[0] = 0;
+    return path && *path ? load_provider(path, table, why, why_len)
+                         : load_libibverbs(table, why, why_len);
+}

@@ -1,0 +1,521 @@
+/* The RDMA verbs transport between two engines in one process, through the
+ * software verbs provider (native/tests/softverbs/, path in
+ * AXF_SOFTVERBS_PROVIDER; meson sets it): queue pairs per device rail, WRITE
+ * and READ with the data checked, chains longer than the send queue,
+ * notifications after data, access checks, remote access errors, peer loss,
+ * cancellation, shutdown with requests in flight, the registration cache.
+ * Also: the real libibverbs on a machine without RDMA devices is "no devices". */
+#include "harness.h"
+
+#include <sys/socket.h>
+
+#define A_TAG 41
+#define B_TAG 42
+#define REG (4u << 20)
+#define RW (AXF_ACCESS_READ | AXF_ACCESS_WRITE)
+
+static const char *provider;
+
+typedef struct vpair {
+    tengine *a, *b;
+    uint64_t ep;
+    int ndev;
+    uint8_t *asrc, *bdst;
+    uint64_t arid, akey, brid, bkey;
+} vpair;
+
+static int import_verbs(vpair *p, uint64_t rid, uint64_t key, uint64_t len, uint32_t access)
+{
+    uint64_t addrs[AXF_VERBS_MAX_DEVICES];
+    uint32_t rkeys[AXF_VERBS_MAX_DEVICES];
+    int n = axf_verbs_region_keys(p->b->e, rid, addrs, rkeys, AXF_VERBS_MAX_DEVICES);
+    CHECK_EQ(n, p->ndev);
+    CHECK_EQ(axf_endpoint_import(p->a->e, p->ep, rid, key, len, access, 0, -1), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_verbs(p->a->e, p->ep, rid, addrs, rkeys, (size_t)n), AXF_OK);
+    return 0;
+}
+
+static int vpair_open(vpair *p, const axf_config *cfg)
+{
+    memset(p, 0, sizeof *p);
+    p->a = t_engine(cfg);
+    p->b = t_engine(cfg);
+    CHECK(p->a && p->b);
+    char why[256];
+    p->ndev = axf_verbs_enable(p->a->e, provider, why, sizeof why);
+    if (p->ndev <= 0)
+        fprintf(stderr, "verbs: %s\n", why);
+    CHECK(p->ndev > 0);
+    CHECK_EQ(axf_verbs_enable(p->b->e, provider, why, sizeof why), p->ndev);
+    CHECK_EQ(axf_verbs_device_count(p->a->e), p->ndev);
+    CHECK_EQ(axf_endpoint_create(p->a->e, AXF_EP_VERBS, A_TAG, 0, &p->ep), AXF_OK);
+    uint64_t handles[AXF_VERBS_MAX_DEVICES];
+    for (int d = 0; d < p->ndev; d++) {
+        axf_verbs_qp_info ia, ib;
+        CHECK_EQ(axf_verbs_qp_create(p->a->e, p->ep, (uint32_t)d, &ia), AXF_OK);
+        CHECK_EQ(axf_verbs_accept_qp(p->b->e, (uint32_t)d, &ia, &ib, &handles[d]), AXF_OK);
+        CHECK_EQ(axf_verbs_qp_connect(p->a->e, p->ep, (uint32_t)d, (uint32_t)d, &ib), AXF_OK);
+    }
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_add_conn(p->a->e, p->ep, sv[0]), AXF_OK);
+    CHECK_EQ(axf_verbs_accept_conn(p->b->e, sv[1], B_TAG, handles, (size_t)p->ndev), AXF_OK);
+    p->asrc = calloc(1, REG);
+    p->bdst = calloc(1, REG);
+    CHECK(p->asrc && p->bdst);
+    CHECK_EQ(axf_region_register(p->a->e, p->asrc, REG, RW, -1, &p->arid, &p->akey), AXF_OK);
+    CHECK_EQ(axf_region_register(p->b->e, p->bdst, REG, RW, -1, &p->brid, &p->bkey), AXF_OK);
+    return import_verbs(p, p->brid, p->bkey, REG, RW);
+}
+
+static void vpair_close(vpair *p)
+{
+    t_close(p->a); /* engines first: they may still touch the buffers */
+    t_close(p->b);
+    free(p->asrc);
+    free(p->bdst);
+}
+
+static int test_no_devices_is_not_an_error(void)
+{
+    /* The real libibverbs: on a kernel without InfiniBand (CI, this machine)
+     * that is "no devices"; where devices exist they are listed. */
+    char names[1024], why[256];
+    int n = axf_verbs_probe(NULL, names, sizeof names, why, sizeof why);
+    printf("    libibverbs: %d (%s)\n", n, why);
+    if (n == AXF_E_TRANSPORT && strstr(why, "cannot load"))
+        return 0; /* rdma-core not installed: also not an error of ours */
+    CHECK(n >= 0);
+    if (n == 0)
+        CHECK(strstr(why, "no RDMA devices") != NULL);
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    CHECK_EQ(axf_verbs_enable(t->e, NULL, why, sizeof why), n);
+    uint64_t ep;
+    if (n == 0) /* verbs stays off */
+        CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_VERBS, 1, 0, &ep), AXF_E_TRANSPORT);
+    t_close(t);
+    return 0;
+}
+
+static int test_probe_provider(void)
+{
+    char names[1024], why[256];
+    int n = axf_verbs_probe(provider, names, sizeof names, why, sizeof why);
+    printf("    provider: %d (%s)\n%s\n", n, why, names);
+    CHECK(n > 0);
+    CHECK(strchr(names, '(') != NULL);
+    return 0;
+}
+
+/* Scattered descriptors; one larger than the chunk size, so it is striped. */
+static const struct { uint64_t loff, roff, len; } SCATTER[] = {
+    {0, 4096, 100}, /* inline */
+    {8192, 65536, 16384},
+    {300000, 1000000, 2000000}, /* striped over the rails in 256 KiB chunks */
+    {3000000, 3900000, 1},
+    {40000, 0, 4096}, /* local ranges never overlap: READs land in them at once */
+};
+#define NSCATTER (sizeof SCATTER / sizeof SCATTER[0])
+
+static int test_write_read(void)
+{
+    axf_config cfg = {.chunk_bytes = 256 << 10};
+    vpair p;
+    if (vpair_open(&p, &cfg))
+        return 1;
+    t_fill(p.asrc, REG, 1);
+    axf_desc d[NSCATTER];
+    uint64_t total = 0;
+    for (size_t i = 0; i < NSCATTER; i++) {
+        d[i] = (axf_desc){.lrid = p.arid, .loff = SCATTER[i].loff, .rrid = p.brid,
+                          .rkey = p.bkey, .roff = SCATTER[i].roff, .len = SCATTER[i].len};
+        total += SCATTER[i].len;
+    }
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, NSCATTER, NULL, 0, 1, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, total);
+    uint8_t *expect = calloc(1, REG);
+    CHECK(expect);
+    for (size_t i = 0; i < NSCATTER; i++)
+        memcpy(expect + SCATTER[i].roff, p.asrc + SCATTER[i].loff, SCATTER[i].len);
+    CHECK(memcmp(expect, p.bdst, REG) == 0);
+    /* READ it back into zeroed memory, at the same local offsets. */
+    memset(p.asrc, 0, REG);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_READ, d, NSCATTER, NULL, 0, 2, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 2, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, total);
+    for (size_t i = 0; i < NSCATTER; i++)
+        CHECK(memcmp(p.asrc + SCATTER[i].loff, expect + SCATTER[i].roff, SCATTER[i].len) == 0);
+    free(expect);
+    axf_stats s;
+    axf_engine_stats(p.a->e, &s);
+    CHECK_EQ(s.ops, 0);
+    CHECK_EQ(s.ops_completed, 2);
+    vpair_close(&p);
+    return 0;
+}
+
+/* More work requests than a send queue holds: chains wait and are posted by
+ * the poller as completions free room. Several ops in flight at once. */
+static int test_many_small(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    t_fill(p.asrc, REG, 2);
+    enum { N = 2048, SZ = 1024, OPS = 4 };
+    axf_desc *d = calloc(N, sizeof *d);
+    CHECK(d);
+    for (int k = 0; k < OPS; k++) {
+        for (size_t i = 0; i < N / OPS; i++) {
+            size_t j = (size_t)k * (N / OPS) + i;
+            /* reversed order on the target: every descriptor lands elsewhere */
+            d[i] = (axf_desc){.lrid = p.arid, .loff = j * SZ, .rrid = p.brid, .rkey = p.bkey,
+                              .roff = (N - 1 - j) * SZ, .len = SZ};
+        }
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, N / OPS, NULL, 0, 10 + (uint64_t)k,
+                          AXF_POST_DEFER),
+                 AXF_OK);
+    }
+    axf_doorbell(p.a->e);
+    for (int k = 0; k < OPS; k++) {
+        axf_completion c;
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 10 + (uint64_t)k, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+        CHECK_EQ(c.nbytes, (uint64_t)(N / OPS) * SZ);
+    }
+    for (size_t j = 0; j < N; j++)
+        CHECK(memcmp(p.bdst + (N - 1 - j) * SZ, p.asrc + j * SZ, SZ) == 0);
+    free(d);
+    vpair_close(&p);
+    return 0;
+}
+
+/* The notification arrives after every RDMA write of its op completed: the
+ * target finds the data in memory when it sees the notification. */
+static int test_notify_after_data(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    t_fill(p.asrc, REG, 3);
+    for (uint64_t k = 0; k < 8; k++) {
+        uint64_t off = k * (REG / 8);
+        axf_desc d = {.lrid = p.arid, .loff = off, .rrid = p.brid, .rkey = p.bkey, .roff = off,
+                      .len = REG / 8};
+        char note[16];
+        int nl = snprintf(note, sizeof note, "n%llu", (unsigned long long)k);
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, note, (size_t)nl, 100 + k, 0),
+                 AXF_OK);
+    }
+    for (uint64_t k = 0; k < 8; k++) {
+        axf_completion n;
+        CHECK_EQ(t_wait_any(p.b, AXF_CQ_NOTIFY, &n), 0);
+        CHECK_EQ(n.tag, B_TAG);
+        CHECK(n.payload_len >= 2 && n.payload[0] == 'n');
+        uint64_t j = (uint64_t)(n.payload[1] - '0');
+        CHECK(j < 8);
+        CHECK(memcmp(p.bdst + j * (REG / 8), p.asrc + j * (REG / 8), REG / 8) == 0);
+        axf_completion_free(&n);
+    }
+    for (uint64_t k = 0; k < 8; k++) {
+        axf_completion c;
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 100 + k, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+    }
+    vpair_close(&p);
+    return 0;
+}
+
+/* Keys and bounds are checked in native code before anything is posted; a
+ * read-only region is refused as a WRITE target. */
+static int test_access_checked_at_post(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    axf_desc d = {.lrid = p.arid, .loff = 0, .rrid = p.brid, .rkey = p.bkey ^ 1, .roff = 0,
+                  .len = 4096};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_ACCESS);
+    d.rkey = p.bkey;
+    d.roff = REG - 100;
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 2, 0), AXF_E_ACCESS);
+    uint8_t *ro = calloc(1, 8192);
+    CHECK(ro);
+    uint64_t rid, key;
+    CHECK_EQ(axf_region_register(p.b->e, ro, 8192, AXF_ACCESS_READ, -1, &rid, &key), AXF_OK);
+    if (import_verbs(&p, rid, key, 8192, AXF_ACCESS_READ))
+        return 1;
+    d = (axf_desc){.lrid = p.arid, .rrid = rid, .rkey = key, .len = 8192};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 3, 0), AXF_E_ACCESS);
+    memset(ro, 7, 8192);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_READ, &d, 1, NULL, 0, 4, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 4, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(t_all(p.asrc, 8192, 7));
+    vpair_close(&p);
+    free(ro);
+    return 0;
+}
+
+/* An rkey the target never issued (a broken or hostile peer's metadata):
+ * the device refuses it, the op fails with AXF_E_ACCESS, and since the queue
+ * pair is then in the error state the endpoint is lost, promptly. */
+static int test_remote_access_error(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    uint64_t addrs[AXF_VERBS_MAX_DEVICES];
+    uint32_t rkeys[AXF_VERBS_MAX_DEVICES];
+    int n = axf_verbs_region_keys(p.b->e, p.brid, addrs, rkeys, AXF_VERBS_MAX_DEVICES);
+    for (int i = 0; i < n; i++)
+        rkeys[i] ^= 0x5a5a00;
+    CHECK_EQ(axf_endpoint_import_verbs(p.a->e, p.ep, p.brid, addrs, rkeys, (size_t)n), AXF_OK);
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = 4096};
+    memset(p.asrc, 9, 4096);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 5, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 5, &c), 0);
+    CHECK_EQ(c.status, AXF_E_ACCESS);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_PEER_LOST, p.ep, &c), 0);
+    CHECK(t_all(p.bdst, REG, 0));
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 6, 0), AXF_E_PEER_LOST);
+    vpair_close(&p);
+    return 0;
+}
+
+/* The target engine goes away with requests in flight: they fail with
+ * AXF_E_PEER_LOST (flushed), the endpoint is reported lost, nothing hangs. */
+static int test_peer_lost(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
+    for (uint64_t k = 0; k < 8; k++)
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, "x", 1, 200 + k, 0), AXF_OK);
+    t_close(p.b); /* its connection closes, its queue pairs are destroyed */
+    p.b = NULL;
+    int ok = 0, lost = 0;
+    for (uint64_t k = 0; k < 8; k++) {
+        axf_completion c;
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 200 + k, &c), 0);
+        CHECK(c.status == AXF_OK || c.status == AXF_E_PEER_LOST);
+        ok += c.status == AXF_OK;
+        lost += c.status == AXF_E_PEER_LOST;
+    }
+    CHECK(lost > 0);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_PEER_LOST, p.ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 300, 0), AXF_E_PEER_LOST);
+    t_close(p.a);
+    free(p.asrc);
+    free(p.bdst);
+    return 0;
+}
+
+/* Cancel: what was not posted is dropped, what was posted finishes first;
+ * the completion says AXF_E_CANCELLED and the endpoint stays usable. */
+static int test_cancel(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    enum { N = 4096 };
+    axf_desc *d = calloc(N, sizeof *d);
+    CHECK(d);
+    for (size_t i = 0; i < N; i++)
+        d[i] = (axf_desc){.lrid = p.arid, .loff = i * 1024, .rrid = p.brid, .rkey = p.bkey,
+                          .roff = i * 1024, .len = 1024};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, N, NULL, 0, 7, 0), AXF_OK);
+    CHECK_EQ(axf_cancel(p.a->e, 7), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 7, &c), 0);
+    CHECK_EQ(c.status, AXF_E_CANCELLED);
+    t_fill(p.asrc, REG, 4);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, N, NULL, 0, 8, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 8, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(p.asrc, p.bdst, REG) == 0);
+    free(d);
+    vpair_close(&p);
+    return 0;
+}
+
+/* Shutdown with requests in flight: they fail with AXF_E_CLOSED after their
+ * requests flushed; nothing leaks (ASan build). */
+static int test_shutdown_in_flight(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
+    for (uint64_t k = 0; k < 8; k++)
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 400 + k, 0), AXF_OK);
+    axf_engine_shutdown(p.a->e);
+    for (uint64_t k = 0; k < 8; k++) {
+        axf_completion c;
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 400 + k, &c), 0);
+        CHECK(c.status == AXF_OK || c.status == AXF_E_CLOSED);
+    }
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_REGION_FREED, p.arid, &c), 0);
+    vpair_close(&p);
+    return 0;
+}
+
+/* The same range registered twice shares its registrations (same rkeys);
+ * they stay until the last of the regions is freed. */
+static int test_registration_cache(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    uint64_t rid2, key2, a1[8], a2[8];
+    uint32_t k1[8], k2[8];
+    CHECK_EQ(axf_region_register(p.b->e, p.bdst, REG, RW, -1, &rid2, &key2), AXF_OK);
+    CHECK_EQ(axf_verbs_region_keys(p.b->e, p.brid, a1, k1, 8), p.ndev);
+    CHECK_EQ(axf_verbs_region_keys(p.b->e, rid2, a2, k2, 8), p.ndev);
+    for (int i = 0; i < p.ndev; i++) {
+        CHECK_EQ(k1[i], k2[i]);
+        CHECK_EQ(a1[i], (uint64_t)(uintptr_t)p.bdst);
+    }
+    /* Another access is another registration. */
+    uint64_t rid3, key3;
+    CHECK_EQ(axf_region_register(p.b->e, p.bdst, REG, AXF_ACCESS_READ, -1, &rid3, &key3), AXF_OK);
+    CHECK_EQ(axf_verbs_region_keys(p.b->e, rid3, a2, k2, 8), p.ndev);
+    CHECK(k2[0] != k1[0]);
+    /* The first region goes; writes through the second still land. */
+    CHECK_EQ(axf_region_deregister(p.b->e, p.brid), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.b, AXF_CQ_REGION_FREED, p.brid, &c), 0); /* the peer acknowledged */
+    if (import_verbs(&p, rid2, key2, REG, RW))
+        return 1;
+    t_fill(p.asrc, 65536, 5);
+    axf_desc d = {.lrid = p.arid, .rrid = rid2, .rkey = key2, .len = 65536};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 9, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 9, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(p.asrc, p.bdst, 65536) == 0);
+    /* The stale handle to the first is refused in native code. */
+    d.rrid = p.brid;
+    d.rkey = p.bkey;
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 10, 0), AXF_E_ACCESS);
+    vpair_close(&p);
+    return 0;
+}
+
+/* Deregistration on the target waits for the initiator's in-flight writes:
+ * the region is freed only after they are over. */
+static int test_deregister_waits(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    t_fill(p.asrc, REG, 6);
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
+    for (uint64_t k = 0; k < 4; k++)
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 500 + k, 0), AXF_OK);
+    CHECK_EQ(axf_region_deregister(p.b->e, p.brid), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.b, AXF_CQ_REGION_FREED, p.brid, &c), 0);
+    /* Had the registration gone with writes in flight, they would have
+     * failed with a remote access error: they all completed. */
+    for (uint64_t k = 0; k < 4; k++) {
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 500 + k, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+    }
+    vpair_close(&p);
+    return 0;
+}
+
+/* Regions registered before verbs was enabled are registered by the enable;
+ * a second enable is refused. */
+static int test_enable_after_register(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    uint8_t *buf = calloc(1, 65536);
+    CHECK(buf);
+    uint64_t rid, key, addrs[8];
+    uint32_t rkeys[8];
+    CHECK_EQ(axf_region_register(t->e, buf, 65536, RW, -1, &rid, &key), AXF_OK);
+    CHECK_EQ(axf_verbs_region_keys(t->e, rid, addrs, rkeys, 8), 0); /* off: none */
+    char why[256];
+    int n = axf_verbs_enable(t->e, provider, why, sizeof why);
+    CHECK(n > 0);
+    CHECK_EQ(axf_verbs_enable(t->e, provider, why, sizeof why), AXF_E_INVALID);
+    CHECK_EQ(axf_verbs_region_keys(t->e, rid, addrs, rkeys, 8), n);
+    for (int i = 0; i < n; i++)
+        CHECK_EQ(addrs[i], (uint64_t)(uintptr_t)buf);
+    CHECK_EQ(axf_verbs_region_keys(t->e, rid + 100, addrs, rkeys, 8), AXF_E_NOTFOUND);
+    t_close(t);
+    free(buf);
+    return 0;
+}
+
+/* GPU memory the provider cannot register (a software provider copies with
+ * the CPU): the region registers, the slow path is logged loudly, verbs
+ * refuses to move it (no host staging), and the dmabuf hook is refused for a
+ * host region. The device pointer is never touched. */
+static int test_gpu_region_unreachable(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    uint64_t rid, key, addrs[8];
+    uint32_t rkeys[8];
+    CHECK_EQ(axf_region_register_kind(p.a->e, AXF_MEM_CUDA, 0x7f0000000000ull, 1 << 20, RW, -1,
+                                      &rid, &key),
+             AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait_any(p.a, AXF_CQ_LOG, &c), 0);
+    CHECK(c.payload_len && strstr((const char *)c.payload, "GPU region") != NULL);
+    axf_completion_free(&c);
+    CHECK_EQ(axf_verbs_region_keys(p.a->e, rid, addrs, rkeys, 8), p.ndev);
+    CHECK_EQ(addrs[0], 0);
+    axf_desc d = {.lrid = rid, .rrid = p.brid, .rkey = p.bkey, .len = 4096};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_INVALID);
+    CHECK_EQ(axf_verbs_region_dmabuf(p.a->e, p.arid, 0, 0), AXF_E_INVALID);
+    vpair_close(&p);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    provider = getenv("AXF_SOFTVERBS_PROVIDER");
+    char why[256];
+    if (axf_verbs_probe(NULL, NULL, 0, why, sizeof why) == AXF_E_TRANSPORT &&
+        strstr(why, "not built")) {
+        printf("SKIP: verbs %s\n", why);
+        return 77;
+    }
+    static const t_case all[] = {
+        T_CASE(test_no_devices_is_not_an_error),
+        T_CASE(test_probe_provider),
+        T_CASE(test_write_read),
+        T_CASE(test_many_small),
+        T_CASE(test_notify_after_data),
+        T_CASE(test_access_checked_at_post),
+        T_CASE(test_remote_access_error),
+        T_CASE(test_peer_lost),
+        T_CASE(test_cancel),
+        T_CASE(test_shutdown_in_flight),
+        T_CASE(test_registration_cache),
+        T_CASE(test_deregister_waits),
+        T_CASE(test_enable_after_register),
+        T_CASE(test_gpu_region_unreachable),
+    };
+    if (!provider || !*provider) {
+        printf("SKIP: AXF_SOFTVERBS_PROVIDER is not set (the software verbs provider)\n");
+        return 77;
+    }
+    return T_RUN(argc, argv, all);
+}
