@@ -403,8 +403,10 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
             continue;
         }
         for (rregion *rr = ep->rregions; rr; rr = rr->next)
-            if (rr->rid == a->rid && rr->key == a->key)
+            if (rr->rid == a->rid && rr->key == a->key) {
                 shm_unmap(rr);
+                cuda_unmap(rr);
+            }
         sq_item *it = sq_new(FR_REVOKE_ACK, 0);
         if (it) {
             it->h.rid = a->rid;
@@ -446,15 +448,20 @@ void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
  * acknowledged. Paired with revoke_received: one of the two sees the other. */
 static void op_release_remote(axf_engine *e, op *o)
 {
-    bool flush = false;
+    bool flush = false, gpu = false;
     for (size_t i = 0; i < o->nrregs; i++) {
         rregion *rr = o->rregs[i];
-        if (atomic_fetch_sub(&rr->users, 1) == 1 && atomic_load(&rr->revoked))
-            flush = true;
+        if (atomic_fetch_sub(&rr->users, 1) == 1) {
+            flush |= atomic_load(&rr->revoked);
+            gpu |= o->ep->kind == AXF_EP_CUDA; /* rr->cuda is read under e->mu only */
+        }
     }
-    if (flush) {
+    if (flush || gpu) {
         pthread_mutex_lock(&e->mu);
-        rv_acks_flush(e, o->ep);
+        if (flush)
+            rv_acks_flush(e, o->ep);
+        if (gpu)
+            cuda_unmap_idle(o->ep);
         pthread_mutex_unlock(&e->mu);
     }
 }
@@ -594,7 +601,8 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
         int st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
         for (op *o = ep->ops, *next; o; o = next) {
             next = o->next;
-            if (ep->kind == AXF_EP_SHM && o->phase == 0)
+            /* Same-host copies in flight (CPU or GPU) finish on their own. */
+            if ((ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_CUDA) && o->phase == 0)
                 continue;
             o->claimed = true;
             op_set_status(o, st, 0);
@@ -606,6 +614,7 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
             ep->lost_reported = true;
             report = true;
         }
+        cuda_unmap_idle(ep);
     }
     pthread_mutex_unlock(&e->mu);
     /* The loss first, so a caller woken by a failed transfer sees the peer lost. */
@@ -669,6 +678,11 @@ static int op_resolve(axf_engine *e, op *o)
         }
         /* The socket and same-host copy paths touch host memory only. */
         if (last->kind != AXF_MEM_HOST && (o->ep->kind == AXF_EP_TCP || o->ep->kind == AXF_EP_SHM)) {
+            o->fail_index = i;
+            return AXF_E_INVALID;
+        }
+        /* The GPU copy path reaches host and GPU memory, not files. */
+        if (o->ep->kind == AXF_EP_CUDA && last->kind == AXF_MEM_FILE) {
             o->fail_index = i;
             return AXF_E_INVALID;
         }
@@ -1031,6 +1045,8 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         o->ep = ep;
         st = op_resolve(e, o);
     }
+    if (st == AXF_OK && ep->kind == AXF_EP_CUDA)
+        st = cuda_op_check(o);
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
         op_free(e, o);
@@ -1062,6 +1078,9 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         pthread_mutex_unlock(&e->mu);
         if (signal && !finish_now)
             axf_doorbell(e);
+    } else if (ep->kind == AXF_EP_CUDA && cuda_op_is_gpu(o)) {
+        pthread_mutex_unlock(&e->mu);
+        cuda_submit(e, o); /* the CUDA threads enqueue and complete it */
     } else {
         uint64_t total = 0;
         for (size_t i = 0; i < n; i++)
@@ -1123,8 +1142,10 @@ int axf_cancel(axf_engine *e, uint64_t req_id)
 
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out)
 {
-    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM)
+    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && kind != AXF_EP_CUDA)
         return AXF_E_INVALID;
+    if (kind == AXF_EP_CUDA && !cuda_ready(e))
+        return AXF_E_TRANSPORT; /* axf_cuda_enable first */
     endpoint *ep = calloc(1, sizeof *ep);
     if (!ep)
         return AXF_E_NOMEM;
@@ -1242,7 +1263,7 @@ int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t ke
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
     int st = !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED : AXF_OK;
-    if (st == AXF_OK && ep->kind == AXF_EP_SHM && memfd >= 0)
+    if (st == AXF_OK && (ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_CUDA) && memfd >= 0)
         st = shm_map(ep, rr, memfd);
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
@@ -1263,10 +1284,59 @@ int axf_endpoint_forget(axf_engine *e, uint64_t ep_id, uint64_t rid)
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
     rregion *rr = ep ? rr_find(ep, rid) : NULL;
-    if (rr)
+    if (rr) {
         rr->gone = true; /* in-flight ops keep using it; freed with the endpoint */
+        cuda_unmap_idle(ep);
+    }
     pthread_mutex_unlock(&e->mu);
     return rr ? AXF_OK : AXF_E_NOTFOUND;
+}
+
+int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t key,
+                             uint64_t len, uint32_t access, uint64_t addr, const uint8_t *handle,
+                             uint64_t offset, const uint8_t uuid[16])
+{
+    static const uint8_t no_uuid[16];
+    if (!len)
+        return AXF_E_INVALID;
+    rregion *rr = calloc(1, sizeof *rr);
+    if (!rr)
+        return AXF_E_NOMEM;
+    rr->rid = rid;
+    rr->key = key;
+    rr->len = len;
+    rr->access = access;
+    rr->addr = addr;
+    atomic_init(&rr->revoked, false);
+    atomic_init(&rr->users, 0);
+    pthread_mutex_lock(&e->mu);
+    endpoint *ep = ep_find(e, ep_id);
+    int st = !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED
+             : ep->kind != AXF_EP_CUDA ? AXF_E_INVALID : AXF_OK;
+    pthread_mutex_unlock(&e->mu);
+    /* Opening the handle may take a while: not under the engine lock (an
+     * endpoint lives as long as the engine). */
+    if (st == AXF_OK)
+        st = cuda_import(ep, rr, handle, offset, uuid ? uuid : no_uuid);
+    if (st != AXF_OK) {
+        free(rr);
+        return st;
+    }
+    pthread_mutex_lock(&e->mu);
+    if (ep->dead) {
+        pthread_mutex_unlock(&e->mu);
+        cuda_unmap(rr);
+        free(rr);
+        return AXF_E_CLOSED;
+    }
+    rregion *old = rr_find(ep, rid);
+    if (old)
+        old->gone = true;
+    rr->next = ep->rregions;
+    ep->rregions = rr;
+    cuda_unmap_idle(ep);
+    pthread_mutex_unlock(&e->mu);
+    return AXF_OK;
 }
 
 int axf_endpoint_close(axf_engine *e, uint64_t ep_id)
@@ -1332,6 +1402,7 @@ void axf_engine_shutdown(axf_engine *e)
     pthread_mutex_unlock(&e->th_mu);
 
     shm_stop(e); /* finishes or fails queued copies */
+    cuda_stop(e); /* waits for enqueued GPU copies, fails the rest */
 
     /* Whatever is left (endpoints that never had a connection). */
     for (;;) {
@@ -1379,6 +1450,7 @@ void axf_engine_destroy(axf_engine *e)
         for (rregion *rr = ep->rregions, *rn; rr; rr = rn) {
             rn = rr->next;
             shm_unmap(rr);
+            cuda_unmap(rr);
             free(rr);
         }
         free(ep);
@@ -1398,6 +1470,7 @@ void axf_engine_destroy(axf_engine *e)
         pthread_cond_destroy(&c->cv);
         free(c);
     }
+    cuda_free(e);
     for (size_t i = 0; i < e->cq_count; i++)
         free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
     free(e->cq);

@@ -73,6 +73,7 @@ typedef struct rregion {
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
+    struct cuda_rmap *cuda; /* cuda: our IPC mapping of the peer's GPU memory, else NULL */
     struct rregion *next;
 } rregion;
 
@@ -245,6 +246,8 @@ struct axf_engine {
 
     rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
 
+    struct axf_cuda *cuda; /* CUDA copy threads, once axf_cuda_enable succeeded */
+
     atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
 };
 
@@ -294,5 +297,21 @@ int shm_map(endpoint *ep, rregion *rr, int32_t memfd);
 void shm_unmap(rregion *rr);
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);
+
+
+/* cuda.c */
+typedef struct cuda_rmap cuda_rmap;
+bool cuda_ready(axf_engine *e);
+int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offset,
+                const uint8_t uuid[16]);
+void cuda_unmap(rregion *rr);
+/* e->mu held: closes the GPU mappings of ep's regions that no op uses and
+ * none can resolve any more (forgotten, or the endpoint is dead). */
+void cuda_unmap_idle(endpoint *ep);
+bool cuda_op_is_gpu(const op *o);
+int cuda_op_check(op *o); /* e->mu held, after op_resolve */
+void cuda_submit(axf_engine *e, op *o);
+void cuda_stop(axf_engine *e); /* finishes what was enqueued, fails the rest */
+void cuda_free(axf_engine *e);
 
 #endif
