@@ -17,6 +17,7 @@ __all__ = [
     "Accept",
     "AgentMeta",
     "Challenge",
+    "CudaExport",
     "Frame",
     "Hello",
     "Proof",
@@ -70,6 +71,16 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
     reason: str
 
 
+class CudaExport(msgspec.Struct, frozen=True):
+    """How a same-host peer maps a GPU region: the CUDA IPC handle of its
+    allocation, the region's offset in it, and the device's UUID."""
+
+    handle: bytes  # CUipcMemHandle, 64 bytes
+    offset: int
+    device: bytes  # CUuuid, 16 bytes
+    version: int = 1
+
+
 class RegionMeta(msgspec.Struct, frozen=True):
     """What a peer needs to address one registered region."""
 
@@ -81,6 +92,8 @@ class RegionMeta(msgspec.Struct, frozen=True):
     addr: int  # the region's address in the owner process (cross-memory attach)
     memfd: int = -1  # fd number in the owner process for alloc'd regions, else -1
     memfd_ino: int = 0  # inode of that memfd: lets a peer check it maps the right file
+    kind: str = "host"  # memory kind: "host" or "cuda" (addr is then a device pointer)
+    cuda: CudaExport | None = None  # cuda regions that can be shared by CUDA IPC
 
 
 class AgentMeta(msgspec.Struct, tag="meta", frozen=True):

@@ -21,6 +21,7 @@ from aioxfer.errors import ClosedResourceError
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
+    from aioxfer.metadata import CudaExport
     from aioxfer.peer import Peer
 
 __all__ = ["Region", "RemoteRegion", "RemoteSegment", "Segment", "SegmentList"]
@@ -67,6 +68,8 @@ class Region:
         "_memfd_ino",
         "_mmap",
         "_closed",
+        "kind",
+        "_cuda",
         "__weakref__",
     )
 
@@ -96,6 +99,8 @@ class Region:
         self._memfd_ino = memfd_ino
         self._mmap = mm
         self._closed = False
+        self.kind = "host"  # or "cuda": addr is a device pointer, no host view
+        self._cuda: CudaExport | None = None  # what same-host peers map it by
 
     @property
     def closed(self) -> bool:
@@ -120,6 +125,8 @@ class Region:
     def memoryview(self) -> memoryview:
         """A byte view of the whole region (format "B", length nbytes)."""
         self._check()
+        if self.kind != "host":
+            raise TypeError(f"region {self.name!r} is {self.kind} memory: it has no host view")
         mv = memoryview(self._obj)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
@@ -167,6 +174,7 @@ class RemoteRegion:
         "addr",
         "memfd",
         "_gone",
+        "kind",
         "__weakref__",
     )
 
@@ -190,6 +198,7 @@ class RemoteRegion:
         self.addr = addr
         self.memfd = memfd
         self._gone = False
+        self.kind = "host"  # or "cuda": reachable only over the "cuda" path
 
     @property
     def gone(self) -> bool:
