@@ -52,6 +52,7 @@ enum {
     CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
     CU_MEMORYTYPE_DEVICE = 2,
     CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 0x1,
+    CU_MEMHOSTREGISTER_PORTABLE = 0x1,
 };
 
 /* X(field, symbol, required, return, params) */
@@ -88,6 +89,8 @@ enum {
     X(PointerGetAttribute, "cuPointerGetAttribute", 1, CUresult, (void *, int, CUdeviceptr))       \
     X(MemGetAddressRange, "cuMemGetAddressRange_v2", 1, CUresult,                                  \
       (CUdeviceptr *, size_t *, CUdeviceptr))                                                      \
+    X(MemHostRegister, "cuMemHostRegister_v2", 0, CUresult, (void *, size_t, unsigned int))        \
+    X(MemHostUnregister, "cuMemHostUnregister", 0, CUresult, (void *))                             \
     /* CUDA >= 11.7: a dmabuf fd of device memory (GPUDirect RDMA through verbs) */                \
     X(MemGetHandleForAddressRange, "cuMemGetHandleForAddressRange", 0, CUresult,                   \
       (void *, CUdeviceptr, size_t, int, unsigned long long))
@@ -529,6 +532,31 @@ static void wq_push(struct axf_cuda *c, cuda_job *j)
     pthread_mutex_unlock(&c->mu);
 }
 
+/* Page-locks the op's local host regions on their first GPU copy: copies
+ * from pageable memory go through the driver's bounce buffers (and block the
+ * calling thread), pinned memory is read by DMA. Best effort: memory already
+ * pinned by someone else (or a refusal) stays as it is. Submit thread only. */
+static void pin_local(const op *o)
+{
+    if (!drv.MemHostRegister || !drv.MemHostUnregister)
+        return;
+    for (size_t i = 0; i < o->nlregs; i++) {
+        region *r = o->lregs[i];
+        if (r->kind != AXF_MEM_HOST || r->cuda_pinned || r->cuda_pin_tried)
+            continue;
+        r->cuda_pin_tried = true;
+        if (drv.MemHostRegister(r->addr, r->len, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS)
+            r->cuda_pinned = true;
+    }
+}
+
+void cuda_unpin(region *r)
+{
+    if (r->cuda_pinned && drv.MemHostUnregister && (tl_bound || ctx_bind(0) == AXF_OK))
+        drv.MemHostUnregister(r->addr);
+    r->cuda_pinned = false;
+}
+
 /* Enqueues one op's copies and hands it to the waiter. */
 static void submit_one(struct axf_cuda *c, cuda_job *j)
 {
@@ -551,6 +579,7 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
         return;
     }
     CUstream s = c->stream[dev];
+    pin_local(o);
     size_t done = 0;
     uint64_t bytes = 0;
     for (; done < o->n; done++) {

@@ -220,6 +220,8 @@ region *region_get(axf_engine *e, uint64_t id)
 void region_unref(axf_engine *e, region *r)
 {
     if (atomic_fetch_sub(&r->refs, 1) == 1) {
+        if (r->cuda_pinned)
+            cuda_unpin(r);
         cq_push(e, AXF_CQ_REGION_FREED, AXF_OK, r->id, 0, r->len, 0, NULL, 0);
         atomic_fetch_sub(&e->n_regions, 1);
         if (r->fd >= 0)

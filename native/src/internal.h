@@ -59,6 +59,7 @@ typedef struct region {
     int fd;          /* AXF_MEM_FILE: our duplicate of the file, else -1 */
     uint64_t foff;   /* AXF_MEM_FILE: where the region starts in the file */
     atomic_int refs; /* one for the registry while registered, one per user */
+    bool cuda_pinned, cuda_pin_tried; /* host memory page-locked for GPU copies (cuda.c) */
     struct region *next;
 } region;
 
@@ -313,5 +314,6 @@ int cuda_op_check(op *o); /* e->mu held, after op_resolve */
 void cuda_submit(axf_engine *e, op *o);
 void cuda_stop(axf_engine *e); /* finishes what was enqueued, fails the rest */
 void cuda_free(axf_engine *e);
+void cuda_unpin(region *r); /* before the region's memory is given back */
 
 #endif

@@ -274,6 +274,64 @@ EXPORT CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
     return OK;
 }
 
+/* Page-locked host ranges: registering one twice, or unregistering one that
+ * is not, fails as in the driver (712 / 713). */
+typedef struct pinned {
+    void *p;
+    size_t n;
+    struct pinned *next;
+} pinned;
+static pinned *pins;
+
+EXPORT CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags)
+{
+    CHECK_INIT();
+    (void)flags;
+    if (!p || !n)
+        return E_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    for (pinned *q = pins; q; q = q->next)
+        if ((char *)p < (char *)q->p + q->n && (char *)q->p < (char *)p + n) {
+            pthread_mutex_unlock(&mu);
+            return 712; /* CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED */
+        }
+    pinned *q = calloc(1, sizeof *q);
+    if (q) {
+        q->p = p;
+        q->n = n;
+        q->next = pins;
+        pins = q;
+    }
+    pthread_mutex_unlock(&mu);
+    return q ? OK : E_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuMemHostUnregister(void *p)
+{
+    CHECK_INIT();
+    pthread_mutex_lock(&mu);
+    pinned **pp = &pins;
+    while (*pp && (*pp)->p != p)
+        pp = &(*pp)->next;
+    pinned *q = *pp;
+    if (q)
+        *pp = q->next;
+    pthread_mutex_unlock(&mu);
+    free(q);
+    return q ? OK : 713; /* CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED */
+}
+
+/* Test hook: how many host ranges are page-locked now. */
+EXPORT int fakecuda_pinned_count(void)
+{
+    int n = 0;
+    pthread_mutex_lock(&mu);
+    for (pinned *q = pins; q; q = q->next)
+        n++;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
 /* ---------------------------------------------------------------- IPC */
 
 typedef struct {

@@ -6,6 +6,7 @@
  * through a loopback AXF_EP_CUDA endpoint and checks bounds and keys. */
 #include "harness.h"
 
+#include <dlfcn.h>
 #include <sys/socket.h>
 
 #define MISSING "/nonexistent/aioxfer-test/libcuda.so.1"
@@ -86,6 +87,21 @@ static int test_enable_without_driver(void)
 
 #define GPU_LEN (4u << 20)
 
+/* With the software driver: how many host ranges it has page-locked (-1 with
+ * the real one, which has no such hook). */
+static int pinned_now(void)
+{
+    const char *path = getenv("AIOXFER_CUDA_DRIVER");
+    void *h = path ? dlopen(path, RTLD_NOW | RTLD_NOLOAD) : NULL;
+    int (*count)(void) = NULL;
+    if (h)
+        *(void **)&count = dlsym(h, "fakecuda_pinned_count");
+    int n = count ? count() : -1;
+    if (h)
+        dlclose(h);
+    return n;
+}
+
 static int post_wait(tengine *t, uint64_t ep, int op, axf_desc *d, size_t n, uint64_t id,
                      int want)
 {
@@ -145,6 +161,8 @@ static int test_gpu_loopback(void)
                           .len = GPU_LEN / 64};
     if (post_wait(a, ep, AXF_OP_WRITE, d, 64, 1, AXF_OK))
         return 1;
+    /* the local host region was page-locked for it (and stays so while registered) */
+    CHECK(pinned_now() == -1 || pinned_now() == 1);
     /* GPU (g1) -> GPU (g2): local g2 READs remote g1 */
     axf_desc g = {.lrid = g2rid, .rrid = g1rid, .rkey = g1key, .len = GPU_LEN};
     if (post_wait(a, ep, AXF_OP_READ, &g, 1, 2, AXF_OK))
@@ -169,6 +187,7 @@ static int test_gpu_loopback(void)
     CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, d, 1, NULL, 0, 6, 0), AXF_E_ACCESS);
     t_close(a);
     t_close(b);
+    CHECK(pinned_now() <= 0); /* unpinned before the regions were reported freed */
     CHECK_EQ(axf_cuda_free(g1), AXF_OK);
     CHECK_EQ(axf_cuda_free(g2), AXF_OK);
     free(src);
