@@ -29,7 +29,17 @@ import pytest
 
 T = TypeVar("T")
 
-TRANSPORTS = ["shm", "tcp"]
+def _cuda_available() -> bool:
+    from aioxfer import cuda
+
+    return cuda.status()[0]
+
+
+# "cuda" (same-host peers, both with CUDA: host memory moves as shm over the
+# CUDA endpoint) where a CUDA driver is found, e.g. the software one of
+# native/tests/fakecuda.c through AIOXFER_CUDA_DRIVER.
+CUDA = _cuda_available()
+TRANSPORTS = ["shm", "tcp"] + (["cuda"] if CUDA else [])
 
 # Bounds for waits; generous so a slow 2-core CI box passes, small enough that
 # a hang fails the test rather than the whole suite.
@@ -40,7 +50,11 @@ def transport_kwargs(transport: str) -> dict[str, Any]:
     if transport == "tcp":
         return {"transports": ("tcp",)}
     if transport == "shm":
-        return {}  # automatic selection: two same-host agents must pick shm
+        # automatic selection: two same-host agents must pick shm (cuda when
+        # both have CUDA, so it is left out then)
+        return {"transports": ("shm", "tcp")} if CUDA else {}
+    if transport == "cuda":
+        return {}  # automatic selection: same host, both with CUDA
     raise ValueError(transport)
 
 

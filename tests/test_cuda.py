@@ -413,7 +413,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_gpu_tests_on_the_software_driver(tmp_path: Any) -> None:
-    """Runs the ``gpu`` tests above in a fresh process whose driver is
+    """Runs the ``gpu`` tests above, and the conformance suite over "cuda", in
+    fresh processes whose driver is
     native/tests/fakecuda.c (device memory = shared memfd mappings, streams =
     threads, IPC through /proc): the engine's CUDA path, IPC import cache,
     event waits, revocation and peer death run on machines without a GPU."""
@@ -425,13 +426,16 @@ def test_gpu_tests_on_the_software_driver(tmp_path: Any) -> None:
                     os.path.join(REPO, "native", "tests", "fakecuda.c"), "-lpthread"],
                    check=True, timeout=120)
     env = dict(os.environ, AIOXFER_CUDA_DRIVER=str(lib))
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-         os.path.abspath(__file__)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
+    here = os.path.dirname(os.path.abspath(__file__))
+    # the GPU tests, then the conformance suite over the "cuda" path
+    for selection in (["-m", "gpu", os.path.join(here, "test_cuda.py")],
+                      ["-k", "cuda", os.path.join(here, "test_conformance.py")]):
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
+            env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+        )
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+        assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
 
 
 def _which(cmd: str) -> bool:
