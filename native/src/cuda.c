@@ -376,6 +376,9 @@ static int dev_by_uuid(const uint8_t uuid[16])
 
 static void ipc_release(ipc_map *m)
 {
+    /* Bound before drv_mu (ctx_bind takes it); closed under it, so that an
+     * import of the same handle never races with its close. */
+    bool bound = ctx_bind(m->dev) == AXF_OK;
     pthread_mutex_lock(&drv_mu);
     if (--m->refs == 0) {
         for (ipc_map **p = &ipc_maps; *p; p = &(*p)->next)
@@ -383,11 +386,9 @@ static void ipc_release(ipc_map *m)
                 *p = m->next;
                 break;
             }
-        pthread_mutex_unlock(&drv_mu);
-        if (ctx_bind(m->dev) == AXF_OK)
+        if (bound)
             drv.IpcCloseMemHandle(m->base);
         free(m);
-        return;
     }
     pthread_mutex_unlock(&drv_mu);
 }
@@ -418,41 +419,47 @@ int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offse
     }
     CUipcMemHandle h;
     memcpy(h.reserved, handle, sizeof h.reserved);
+    int dev = dev_by_uuid(uuid);
+    if (ctx_bind(dev) != AXF_OK) {
+        free(cm);
+        return AXF_E_TRANSPORT;
+    }
+    /* Looked up and opened under one lock: a handle may be opened only once
+     * per process, also by two engines importing it at the same time. */
+    int st = AXF_OK;
     pthread_mutex_lock(&drv_mu);
     ipc_map *m = ipc_maps;
     while (m && memcmp(m->h.reserved, h.reserved, sizeof h.reserved) != 0)
         m = m->next;
-    if (m)
+    if (m) {
         m->refs++;
-    pthread_mutex_unlock(&drv_mu);
-    if (!m) {
-        m = calloc(1, sizeof *m);
-        int dev = dev_by_uuid(uuid);
-        if (!m || ctx_bind(dev) != AXF_OK) {
-            free(m);
-            free(cm);
-            return m ? AXF_E_TRANSPORT : AXF_E_NOMEM;
-        }
+    } else if (!(m = calloc(1, sizeof *m))) {
+        st = AXF_E_NOMEM;
+    } else {
+        CUdeviceptr b2 = 0;
         m->h = h;
         m->dev = dev;
         m->refs = 1;
-        CUdeviceptr b2 = 0;
         if (drv.IpcOpenMemHandle(&m->base, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) != CUDA_SUCCESS) {
-            free(m);
-            free(cm);
-            return AXF_E_TRANSPORT;
-        }
-        /* The allocation's true size bounds what the peer's metadata claims. */
-        if (drv.MemGetAddressRange(&b2, &m->size, m->base) != CUDA_SUCCESS || b2 != m->base) {
+            st = AXF_E_TRANSPORT;
+        } else if (drv.MemGetAddressRange(&b2, &m->size, m->base) != CUDA_SUCCESS ||
+                   b2 != m->base) {
+            /* The allocation's true size bounds what the peer's metadata claims. */
             drv.IpcCloseMemHandle(m->base);
-            free(m);
-            free(cm);
-            return AXF_E_TRANSPORT;
+            st = AXF_E_TRANSPORT;
         }
-        pthread_mutex_lock(&drv_mu);
-        m->next = ipc_maps;
-        ipc_maps = m;
-        pthread_mutex_unlock(&drv_mu);
+        if (st == AXF_OK) {
+            m->next = ipc_maps;
+            ipc_maps = m;
+        } else {
+            free(m);
+            m = NULL;
+        }
+    }
+    pthread_mutex_unlock(&drv_mu);
+    if (st != AXF_OK) {
+        free(cm);
+        return st;
     }
     if (offset > m->size || rr->len > m->size - offset) {
         ipc_release(m);
