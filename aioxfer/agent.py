@@ -1411,6 +1411,7 @@ class Agent:
                 or n != remote.length
                 or not n
                 or rr.peer._agent is not self
+                or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
             ):
                 self._check_pair(local, remote, 0)
             return (
@@ -1524,6 +1525,13 @@ class Agent:
         if lr._agent is not self:
             raise ValueError(f"local segments are in a region of agent {lr._agent.name!r}")
         lr._check()
+        for region, where in ((lr, "local"), (rr, "remote")):
+            if region.kind != "host" and rr.peer.path != region.kind:
+                raise TransportError(
+                    f"{where} region {region.name!r} is {region.kind} memory, which path "
+                    f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
+                    peer=rr.peer.name,
+                )
         if rr._gone:
             raise AccessDenied(
                 f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",

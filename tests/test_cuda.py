@@ -332,6 +332,13 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
         await child.call("upload", 0, size, 11)
         await within(agent.read(local[:], rgpu[:]))
         assert digest(mine.download()) == digest(pattern(size, 11))
+        # a cancelled GPU transfer ends (cancelled, or done if it was quicker)
+        t = agent.write(local[:], rgpu[:])
+        t.cancel()
+        try:
+            await within(t)
+        except asyncio.CancelledError:
+            pass
         agent.deregister(local)
         # deregistration waits for what is in flight (it completes), and what
         # comes after it fails
@@ -348,6 +355,35 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
         await asyncio.sleep(0.2)
         agent._drain()
         mine.close()
+
+
+@gpu
+@pytest.mark.gpu
+async def test_gpu_memory_never_offered_to_host_paths(make_agent: Any) -> None:
+    a = await make_agent("a")
+    b = await make_agent("b", transports=("tcp",))
+    buf_a, buf_b = cuda.DeviceBuffer(1 << 16), cuda.DeviceBuffer(1 << 16)
+    try:
+        ga = a.register(buf_a, name="ga")
+        b.register(buf_b, name="gb")
+        ha = a.register(bytearray(1 << 16), name="ha")
+        b.alloc(1 << 16, name="hb")
+        peer = await within(a.connect(b.address))
+        assert peer.path == "tcp"
+        gb, hb = peer.region("gb"), peer.region("hb")
+        assert gb.kind == "cuda" and hb.kind == "host"
+        for src, dst in ((ha[:], gb[:]), (ga[:], hb[:]), ([ha[:]], [gb[:]]),
+                         (ha.segments([0], [16]), gb.segments([0], [16]))):
+            with pytest.raises(aioxfer.TransportError, match="is cuda memory, which path 'tcp'"):
+                a.write(src, dst)  # type: ignore[arg-type]
+        # host memory still moves on that path
+        await within(a.write(ha[:], hb[:]))
+        a.deregister(ga)
+    finally:
+        await asyncio.sleep(0.1)
+        a._drain()
+        b._drain()
+        buf_a.close()
 
 
 @gpu
