@@ -95,7 +95,8 @@ def test_absent_driver_reports_why_in_any_process() -> None:
     # A fresh process pointed at a driver that does not exist: absent, with the
     # reason naming it, on any machine (also one with a GPU).
     code = ("import aioxfer, aioxfer.cuda as c; print(c.status()); print(c.devices()); "
-            "a = aioxfer.Agent('x'); print(a.transports); a._engine.close()")
+            "a = aioxfer.Agent('x'); print(a.transports); print(a._engine.cuda_enable()); "
+            "a._engine.close()")
     env = dict(os.environ, AIOXFER_CUDA_DRIVER="/nonexistent/libcuda.so.1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, cwd="/")
@@ -104,6 +105,8 @@ def test_absent_driver_reports_why_in_any_process() -> None:
     assert lines[0].startswith("(False, 'no CUDA driver: cannot load /nonexistent/libcuda.so.1")
     assert lines[1] == "[]"
     assert lines[2] == "('shm', 'tcp')"  # "cuda" is dropped, not advertised
+    # the engine's own enable call answers with the status and the same reason
+    assert lines[3].startswith(f"({_cyx.E_TRANSPORT}, 'no CUDA driver: cannot load /nonexistent/")
 
 
 @pytest.mark.skipif(CUDA_OK, reason="a CUDA driver is present")
