@@ -1142,7 +1142,9 @@ class Agent:
         """A connected, non-blocking socket: every address of host is tried in turn."""
         assert self._loop is not None
         loop = self._loop
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = _numeric_addrinfo(host, port)
+        if infos is None:  # a name: the resolver runs on an executor thread
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         error: OSError | None = None
         for family, type_, proto, _, sockaddr in infos:
             s = socket.socket(family, type_, proto)
@@ -1970,6 +1972,21 @@ def _fmt_sockaddr(addr: Any) -> str:
         h = str(addr[0])
         return f"[{h}]:{addr[1]}" if ":" in h else f"{h}:{addr[1]}"
     return str(addr)
+
+
+def _numeric_addrinfo(
+    host: str, port: int
+) -> list[tuple[int, int, int, str, tuple[Any, ...]]] | None:
+    """getaddrinfo's answer for an IP literal, without the resolver (whose
+    executor thread costs ~10 ms to start on a first connect); None for a name."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        sockaddr: tuple[Any, ...] = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
+    return None
 
 
 def _nodelay(sock: socket.socket) -> None:

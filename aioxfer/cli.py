@@ -41,6 +41,28 @@ def _shm_status() -> tuple[bool, str]:
     return True, ", ".join(notes)
 
 
+# The transports that depend on what this machine has: (name, module). Each
+# module answers status() -> (available, why) and, where it applies,
+# devices() -> names; neither may raise on a machine without the hardware.
+OPTIONAL_TRANSPORTS = (
+    ("verbs", "aioxfer.verbs"),
+    ("cuda", "aioxfer.cuda"),
+    ("file", "aioxfer.file_transport"),
+)
+
+
+def _optional_status(module: str) -> tuple[bool, str, list[str]]:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        return False, f"not built ({exc})", []
+    ok, why = mod.status()
+    devices = list(mod.devices()) if ok and hasattr(mod, "devices") else []
+    return bool(ok), str(why), devices
+
+
 def cmd_info(ns: argparse.Namespace) -> int:
     print(f"aioxfer {_version()}")
     print(f"python {platform.python_version()} ({sys.executable})")
@@ -56,8 +78,11 @@ def cmd_info(ns: argparse.Namespace) -> int:
     ok, why = _shm_status()
     print(f"  shm     {'available' if ok else 'unavailable'}: {why}")
     print("  tcp     available: framed one-sided protocol, several connections per peer")
-    for name in ("verbs", "cuda", "file"):
-        print(f"  {name:<7} not built yet (a later issue adds it)")
+    for name, module in OPTIONAL_TRANSPORTS:
+        ok, why, devices = _optional_status(module)
+        print(f"  {name:<7} {'available' if ok else 'unavailable'}: {why}")
+        for dev in devices:
+            print(f"          device {dev}")
     max_notify = getattr(_cyx, "MAX_NOTIFY", None)
     if max_notify is not None:
         print(f"limits: notification payload <= {max_notify} bytes")

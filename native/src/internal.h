@@ -74,6 +74,7 @@ typedef struct rregion {
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
+    struct shm_mapping *mapping; /* ... and what keeps it alive while it is prefaulted */
     struct cuda_rmap *cuda; /* cuda: our IPC mapping of the peer's GPU memory, else NULL */
     struct rregion *next;
 } rregion;
@@ -208,8 +209,11 @@ typedef struct conn {
     struct conn *next_all;
 } conn;
 
+struct shm_mapping;
+
 typedef struct job {
-    op *op;
+    op *op;                      /* NULL: a prefault job for `populate` */
+    struct shm_mapping *populate;
     size_t i0, i1;      /* whole descriptors [i0, i1) ... */
     uint64_t off, len;  /* ... or, when len != 0, bytes [off, off+len) of descriptor i0 */
     struct job *next;
@@ -294,7 +298,7 @@ void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
 /* shm.c */
 int shm_start(axf_engine *e);
 void shm_stop(axf_engine *e);
-int shm_map(endpoint *ep, rregion *rr, int32_t memfd);
+int shm_map(axf_engine *e, endpoint *ep, rregion *rr, int32_t memfd);
 void shm_unmap(rregion *rr);
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);
