@@ -18,11 +18,13 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = fetch ]; then
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    exclude="$(git rev-parse --git-path info/exclude)"  # also right in a git worktree
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
     exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d .whl \
-        msgspec structlog meson-python pyproject-metadata pytest-asyncio
+        msgspec structlog meson meson-python pyproject-metadata pytest-asyncio
 fi
 
 OUT="${OUT:-/tmp/gpu_check_out}"
