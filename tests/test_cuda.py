@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from conftest import STEP, digest, pattern, run_child, within
+from conftest import STEP, digest, pattern, run_child, wait_until, within
 
 import aioxfer
 from aioxfer import _cyx, cuda
@@ -185,6 +185,20 @@ def test_metadata_carries_the_ipc_export() -> None:
 # ------------------------------------------------------------ with a GPU
 
 
+def ipc_open_count() -> int | None:
+    """Peer allocations this process has open by CUDA IPC, where the driver is
+    the software one (it counts them); None with a real driver."""
+    path = os.environ.get("AIOXFER_CUDA_DRIVER")
+    if not path:
+        return None
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+        count = lib.fakecuda_ipc_open_count
+    except (OSError, AttributeError):
+        return None
+    return int(count())
+
+
 async def _gpu_serve(conn: Any, opts: dict[str, Any]) -> None:
     size = opts["size"]
     loop = asyncio.get_running_loop()
@@ -308,6 +322,7 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
     assert peer.path == "cuda"
     rgpu = peer.region("gpu")
     assert rgpu.kind == "cuda"
+    assert ipc_open_count() in (None, 1)  # "gpu" and "gpu_half": one allocation, opened once
     host = agent.register(pattern(size, 5), name="host")
     back = agent.alloc(size, name="back")
     # host -> remote GPU, many descriptors
@@ -354,6 +369,10 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
         assert rgpu.gone
         with pytest.raises(aioxfer.AccessDenied):
             await within(agent.write(host[0:4096], rgpu[0:4096]))
+        assert ipc_open_count() in (None, 1)  # "gpu_half" still holds the allocation
+        # the peer closed: its allocation is closed here once nothing uses it
+        await within(peer.aclose())
+        await wait_until(lambda: ipc_open_count() in (None, 0), what="IPC mapping closed")
     finally:
         await asyncio.sleep(0.2)
         agent._drain()
@@ -443,6 +462,8 @@ async def test_gpu_peer_killed(make_agent: Any, gpu_child: Any) -> None:
     with pytest.raises(aioxfer.PeerLost):
         await within(agent.write(host[:], rgpu[:]))
     assert peer.lost
+    # the dead peer's memory is unmapped here once the copies into it are over
+    await wait_until(lambda: ipc_open_count() in (None, 0), what="IPC mapping closed")
 
 
 # ------------------------------------------------------------ the GPU tests, here

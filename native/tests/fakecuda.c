@@ -332,6 +332,17 @@ EXPORT int fakecuda_pinned_count(void)
     return n;
 }
 
+/* Test hook: how many peer allocations are open here by IPC now. */
+EXPORT int fakecuda_ipc_open_count(void)
+{
+    int n = 0;
+    pthread_mutex_lock(&mu);
+    for (alloc *a = allocs; a; a = a->next)
+        n += a->imported;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
 /* ---------------------------------------------------------------- IPC */
 
 typedef struct {
