@@ -1382,6 +1382,8 @@ class Agent:
         descs, starts = _coalesce(descs)
         t = self._submit(peer, _cyx.OP_WRITE, descs, payload, nbytes, "write", priority)
         t._starts = starts
+        if peer.path == "cuda":
+            t._path = _cuda_path(src, dst)
         return t
 
     def read(self, dst: Local, src: Remote, *, priority: int = 0) -> Transfer:
@@ -1391,6 +1393,8 @@ class Agent:
         descs, starts = _coalesce(descs)
         t = self._submit(peer, _cyx.OP_READ, descs, None, nbytes, "read", priority)
         t._starts = starts
+        if peer.path == "cuda":
+            t._path = _cuda_path(dst, src)
         return t
 
     async def _notify_peer(self, peer: Peer, payload: bytes | bytearray | memoryview) -> None:
@@ -1734,7 +1738,9 @@ class Agent:
                         peer._latency = seconds if not peer._latency else (
                             0.8 * peer._latency + 0.2 * seconds)
                     if not t.done():  # on success fail_index counts reroutes
-                        t.set_result(TransferResult(nbytes, seconds, peer.path, fail_index))
+                        t.set_result(
+                            TransferResult(nbytes, seconds, t._path or peer.path, fail_index)
+                        )
                 else:
                     if status == _E_CANCELLED and t._cancel_requested:
                         self._finish_failed(t, None)
@@ -1894,6 +1900,16 @@ def _coalesce(
     merged = descs[starts]
     merged[:, 5] = np.add.reduceat(descs[:, 5], starts)
     return merged, starts
+
+
+def _cuda_path(local: Any, remote: Any) -> str:
+    """What a transfer to a "cuda" peer is: "cuda" when it touches GPU memory
+    (CUDA copies), else "shm" (host memory moves as shm copies)."""
+    for side in (local, remote):
+        segs = side if isinstance(side, Sequence) else (side,)
+        if any(s.region.kind != "host" for s in segs):
+            return "cuda"
+    return "shm"
 
 
 def _describe(t: Transfer) -> str:

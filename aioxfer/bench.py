@@ -290,7 +290,10 @@ class Layout:
 def _agent_kwargs(transport: str) -> dict[str, Any]:
     # "shm" is what automatic selection picks between same-host agents;
     # "tcp" is forced on both sides, as a user would.
-    return {"transports": ("tcp",)} if transport == "tcp" else {}
+    if transport == "tcp":
+        return {"transports": ("tcp",)}
+    # shm: on a CUDA machine same-host peers would pick "cuda" by default
+    return {"transports": ("shm", "tcp")}
 
 
 def _run_loop(coro: Coroutine[Any, Any, T], use_uvloop: bool) -> T:

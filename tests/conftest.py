@@ -147,6 +147,12 @@ class Pair:
     target: Any  # target agent
     peer: Any  # init's Peer for target
 
+    @property
+    def result_path(self) -> str:
+        """The path a transfer of host memory reports: the transport's, except
+        over "cuda", where host memory moves as shm copies (and says so)."""
+        return "shm" if self.transport == "cuda" else self.transport
+
     async def remote(self, name: str) -> Any:
         """The target's region ``name`` as init sees it (metadata refreshed first:
         the region may have been registered after the connect)."""

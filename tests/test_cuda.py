@@ -331,8 +331,12 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
     r = await within(agent.write(pages, rpages))
     assert r.path == "cuda" and r.nbytes == size
     assert await child.call("digest", 0, size) == digest(host.memoryview)
+    # host memory to the same peer moves as shm (and says so)
+    r = await within(agent.write(host[0:4096], peer.region("pool")[0:4096]))
+    assert r.path == "shm"
     # remote GPU -> host
-    await within(agent.read(back[:], rgpu[:]))
+    r = await within(agent.read(back.segments([0], [size]), rgpu.segments([0], [size])))
+    assert r.path == "cuda"
     assert digest(back.memoryview) == digest(host.memoryview)
     # a second region of the same allocation (the peer's IPC handle is opened once)
     half = peer.region("gpu_half")
