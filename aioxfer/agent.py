@@ -33,7 +33,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from aioxfer import _cyx
+from aioxfer import _cyx, file_transport
 from aioxfer import cuda as _cuda
 from aioxfer.discovery import (
     Etcd,
@@ -94,7 +94,8 @@ _E_PEER_LOST = _cyx.E_PEER_LOST
 _DESC_STATUSES = frozenset({_cyx.E_ACCESS, _cyx.E_INVALID, _cyx.E_TRANSPORT, _cyx.E_PROTOCOL})
 
 Local = Segment | Sequence[Segment] | SegmentList
-Remote = RemoteSegment | Sequence[RemoteSegment] | SegmentList
+# A Segment (or list of them) of a file region: Agent.register_file.
+Remote = RemoteSegment | Segment | Sequence[RemoteSegment] | Sequence[Segment] | SegmentList
 
 
 class Agent:
@@ -228,6 +229,7 @@ class Agent:
         # memory
         self._regions: dict[str, Region] = {}
         self._freeing: dict[int, Region] = {}  # deregistered, memory still ours to release
+        self._file_peer: Peer | None = None  # the FILE endpoint, made by the first file transfer
 
         # peers
         self._peers_by_addr: dict[str, Peer] = {}
@@ -484,6 +486,23 @@ class Agent:
             os.close(fd)
             raise
 
+    def register_file(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        size: int | None = None,
+        direct: bool = False,
+        name: str | None = None,
+    ) -> Region:
+        """Registers a file (created if missing and grown to ``size``; None: its
+        current size) or a block device (its size, or its first ``size`` bytes)
+        as a region of memory kind "file". ``write(host_seg, region[a:b])``
+        writes host memory into it, ``read(host_seg, region[a:b])`` reads it
+        into host memory (TransferResult.path "file"). ``direct``: O_DIRECT;
+        offsets, lengths and host addresses must then be block aligned. Never
+        advertised to peers. See aioxfer.file_transport."""
+        return file_transport.register_file(self, path, size, direct, name)
+
     def _check_name(self, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise RegistrationError("a region name must be a non-empty string")
@@ -603,6 +622,7 @@ class Agent:
                     cuda=r._cuda,
                 )
                 for r in self._regions.values()
+                if r.kind != "file"  # file regions are ours alone
             ],
             uid=os.geteuid(),
             byteorder=sys.byteorder,
@@ -1375,10 +1395,14 @@ class Agent:
         bytes) only after all the data is in its memory.
 
         ``src``/``dst``: a Segment and a RemoteSegment, equal-length lists of
-        them, or two SegmentLists; lengths must match pair by pair.
+        them, or two SegmentLists; lengths must match pair by pair. ``dst``
+        may also be this agent's file region (``register_file``): its
+        Segments, or a SegmentList of it (no ``notify`` then).
         ``priority``: matters when the peer's limits are reached (see Agent)."""
         peer, descs, nbytes = self._descs(src, dst, "write")
         payload = None if notify is None else _payload(notify)
+        if payload is not None and peer is self._file_peer:
+            raise ValueError("a write into a file region takes no notify (nobody to tell)")
         descs, starts = _coalesce(descs)
         t = self._submit(peer, _cyx.OP_WRITE, descs, payload, nbytes, "write", priority)
         t._starts = starts
@@ -1427,6 +1451,8 @@ class Agent:
                 ),
                 n,
             )
+        if file_transport.is_file_target(remote):
+            return file_transport.descs(self, local, remote)
         if isinstance(local, SegmentList) and isinstance(remote, SegmentList):
             return self._descs_vector(local, remote)
         if (
@@ -1916,6 +1942,8 @@ def _describe(t: Transfer) -> str:
     if t.op == "notify":
         return f"notification to peer {t.peer.name!r}"
     prep = "from" if t.op == "read" else "to"
+    if t.peer.path == file_transport.PATH:
+        return f"{t.op} of {t.nbytes} bytes {prep} a file region"
     return f"{t.op} of {t.nbytes} bytes {prep} peer {t.peer.name!r}"
 
 

@@ -69,6 +69,7 @@ class Region:
         "_mmap",
         "_closed",
         "kind",
+        "direct",
         "_cuda",
         "__weakref__",
     )
@@ -86,6 +87,7 @@ class Region:
         memfd: int = -1,
         memfd_ino: int = 0,
         mm: mmap.mmap | None = None,
+        kind: str = "host",
     ) -> None:
         self._agent = agent
         self.name = name
@@ -99,8 +101,9 @@ class Region:
         self._memfd_ino = memfd_ino
         self._mmap = mm
         self._closed = False
-        self.kind = "host"  # or "cuda": addr is a device pointer, no host view
-        self._cuda: CudaExport | None = None  # what same-host peers map it by
+        self.kind = kind  # "host", "file" (Agent.register_file; obj: the path) or "cuda"
+        self.direct = False  # a file region opened with O_DIRECT
+        self._cuda: CudaExport | None = None  # cuda: what same-host peers map it by
 
     @property
     def closed(self) -> bool:
@@ -126,7 +129,7 @@ class Region:
         """A byte view of the whole region (format "B", length nbytes)."""
         self._check()
         if self.kind != "host":
-            raise TypeError(f"region {self.name!r} is {self.kind} memory: it has no host view")
+            raise TypeError(f"region {self.name!r} is {self.kind} memory: no host bytes to view")
         mv = memoryview(self._obj)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
@@ -158,7 +161,8 @@ class Region:
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
-        return f"<Region {self.name!r} rid={self.rid} nbytes={self.nbytes}{state}>"
+        kind = "" if self.kind == "host" else f" kind={self.kind}"
+        return f"<Region {self.name!r} rid={self.rid} nbytes={self.nbytes}{kind}{state}>"
 
 
 class RemoteRegion:

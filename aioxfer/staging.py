@@ -12,10 +12,11 @@ GPUDirect Storage (cuFile) is not used: it must only be opened once the CUDA
 driver is known to load (its driver_open spins forever without one), and it is
 not implemented yet; this module is the fallback it would sit in front of.
 
-``FileSide`` is the interface the file half needs; ``PosixFile`` implements it
-with pread/pwrite in worker threads. The file transport (``agent.register_file``)
-implements it by one ``agent.write``/``agent.read`` between the bounce segment
-and the file region.
+``FileSide`` is the interface the file half needs. ``FileRegion`` implements
+it over a file region of the agent (``agent.register_file``: the engine's file
+transport, io_uring or its I/O threads); ``PosixFile`` with pread/pwrite on
+Python worker threads, for files the agent does not own. A file region may be
+passed to ``GpuFileStager`` as it is.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from aioxfer.peer import Peer
     from aioxfer.region import Region, RemoteRegion, Segment
 
-__all__ = ["PATH", "FileSide", "GpuFileStager", "PosixFile", "StagedResult"]
+__all__ = ["PATH", "FileRegion", "FileSide", "GpuFileStager", "PosixFile", "StagedResult"]
 
 PATH = "cuda+file (host staging)"
 
@@ -55,6 +56,23 @@ class FileSide(Protocol):
     async def read_into(self, dst: Segment, offset: int) -> None:
         """Fills dst from the file at offset (all of it, or raises)."""
         ...
+
+
+class FileRegion:
+    """The file half through the agent's file transport: one ``agent.write`` /
+    ``agent.read`` between the bounce segment and ``region`` (a file region,
+    ``agent.register_file``). Offsets are the region's."""
+
+    def __init__(self, region: Region) -> None:
+        if region.kind != "file":
+            raise ValueError(f"{region!r} is not a file region (kind {region.kind!r})")
+        self.region = region
+
+    async def write_from(self, src: Segment, offset: int) -> None:
+        await self.region.agent.write(src, self.region[offset : offset + src.length])
+
+    async def read_into(self, dst: Segment, offset: int) -> None:
+        await self.region.agent.read(dst, self.region[offset : offset + dst.length])
 
 
 class PosixFile:
@@ -114,12 +132,19 @@ class GpuFileStager:
     over "cuda", which needs CUDA in this process."""
 
     def __init__(
-        self, agent: Agent, file: FileSide, *, slot_bytes: int = 4 << 20, slots: int = 2
+        self,
+        agent: Agent,
+        file: FileSide | Region,
+        *,
+        slot_bytes: int = 4 << 20,
+        slots: int = 2,
     ) -> None:
         if slot_bytes <= 0 or slots <= 0:
             raise ValueError("slot_bytes and slots must be positive")
+        from aioxfer.region import Region
+
         self._agent = agent
-        self._file = file
+        self._file: FileSide = FileRegion(file) if isinstance(file, Region) else file
         self._slot_bytes = int(slot_bytes)
         self._nslots = int(slots)
         self._bounce: Region | None = None

@@ -25,10 +25,12 @@ cdef extern from "aioxfer.h" nogil:
 
     int AXF_EP_TCP
     int AXF_EP_SHM
+    int AXF_EP_FILE
     int AXF_EP_CUDA
 
     uint32_t AXF_MEM_HOST
     uint32_t AXF_MEM_CUDA
+    uint32_t AXF_MEM_FILE
 
     int AXF_OP_WRITE
     int AXF_OP_READ
@@ -121,6 +123,8 @@ cdef extern from "aioxfer.h" nogil:
                  const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags)
     void axf_doorbell(axf_engine *e)
     int axf_cancel(axf_engine *e, uint64_t req_id)
+
+    int axf_file_info(axf_engine *e, char *buf, size_t cap)
 
     size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
     void axf_completion_free(axf_completion *c)

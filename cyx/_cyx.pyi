@@ -22,9 +22,11 @@ ACCESS_READ: int
 ACCESS_WRITE: int
 EP_TCP: int
 EP_SHM: int
+EP_FILE: int
 EP_CUDA: int
 MEM_HOST: int
 MEM_CUDA: int
+MEM_FILE: int
 CUDA_IPC_HANDLE: int
 OP_WRITE: int
 OP_READ: int
@@ -47,6 +49,7 @@ Record = tuple[int, int, int, int, int, int, bytes | None]
 PostItem = tuple[int, int, Descs | None, Buffer | None, int]
 
 def strerror(status: int) -> str: ...
+def file_backend() -> tuple[bool, str]: ...
 
 class NativeError(Exception):
     status: int
@@ -69,6 +72,8 @@ class Engine:
     def shutdown(self) -> None: ...
     def close(self) -> None: ...
     def register(self, obj: Buffer, memfd: int = -1) -> tuple[int, int, int, int, int]: ...
+    def register_file(self, fd: int, offset: int, nbytes: int, access: int) -> tuple[int, int]: ...
+    def file_backend(self) -> tuple[int, str]: ...
     def register_kind(
         self, kind: int, addr: int, nbytes: int, access: int, owner: object
     ) -> tuple[int, int]: ...

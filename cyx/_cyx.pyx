@@ -44,9 +44,11 @@ ACCESS_READ = AXF_ACCESS_READ
 ACCESS_WRITE = AXF_ACCESS_WRITE
 EP_TCP = AXF_EP_TCP
 EP_SHM = AXF_EP_SHM
+EP_FILE = AXF_EP_FILE
 EP_CUDA = AXF_EP_CUDA
 MEM_HOST = AXF_MEM_HOST
 MEM_CUDA = AXF_MEM_CUDA
+MEM_FILE = AXF_MEM_FILE
 CUDA_IPC_HANDLE = AXF_CUDA_IPC_HANDLE
 OP_WRITE = AXF_OP_WRITE
 OP_READ = AXF_OP_READ
@@ -74,6 +76,15 @@ cdef enum:
 def strerror(int status):
     """The header's text for a status code."""
     return axf_strerror(status).decode("utf-8", "replace")
+
+
+def file_backend():
+    """(io_uring?, one line): the file I/O backend a new engine would choose now."""
+    cdef char buf[160]
+    cdef int r
+    with nogil:
+        r = axf_file_info(NULL, buf, sizeof(buf))
+    return r == 1, buf.decode("utf-8", "replace")
 
 
 class NativeError(Exception):
@@ -365,6 +376,25 @@ cdef class Engine:
             raise NativeError(st, f"cannot register {pin.view.len} bytes")
         self._pins[rid] = pin
         return (rid, key, <uintptr_t>pin.view.buf, <uint64_t>pin.view.len, access)
+
+    def register_file(self, int fd, uint64_t offset, uint64_t nbytes, uint32_t access):
+        """Registers bytes [offset, offset + nbytes) of an open file as a file
+        region; the engine keeps its own duplicate of fd. Returns (rid, key)."""
+        cdef uint64_t rid = 0, key = 0
+        cdef int st
+        self._open()
+        st = axf_region_register_kind(self._e, AXF_MEM_FILE, offset, nbytes, access, fd,
+                                      &rid, &key)
+        _check(st, f"cannot register {nbytes} bytes of file descriptor {fd}")
+        return (rid, key)
+
+    def file_backend(self):
+        """(1 io_uring, 0 thread pool, -1 not started yet; one line) for this engine."""
+        cdef char buf[160]
+        cdef int r
+        self._open()
+        r = axf_file_info(self._e, buf, sizeof(buf))
+        return r, buf.decode("utf-8", "replace")
 
     def register_kind(self, uint32_t kind, uint64_t addr, uint64_t nbytes, uint32_t access,
                       owner):

@@ -190,6 +190,13 @@ void axf_doorbell(axf_engine *e);
  * engine no longer touches the op's memory. */
 int axf_cancel(axf_engine *e, uint64_t req_id);
 
+/* The file transport's I/O backends: with e, what that engine runs (1: an
+ * io_uring for O_DIRECT files, or for all with AIOXFER_FILE_IO=uring, beside
+ * a thread pool; 0: the thread pool only; -1: no FILE endpoint yet); with e
+ * NULL, what an engine would run now. buf (may be NULL) gets one line saying
+ * what and why. AIOXFER_FILE_IO=threads forces the pool alone. */
+int axf_file_info(axf_engine *e, char *buf, size_t cap);
+
 /* Drains up to max completions; never blocks; also clears the eventfd. */
 size_t axf_poll(axf_engine *e, axf_completion *out, size_t max);
 void axf_completion_free(axf_completion *c);

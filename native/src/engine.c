@@ -297,6 +297,7 @@ int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64
             free(r);
             return AXF_E_REGISTRATION;
         }
+        r->dio_align = file_dio_align(r->fd);
     }
     return region_add(e, r, id_out, key_out);
 }
@@ -320,7 +321,7 @@ int axf_region_deregister(axf_engine *e, uint64_t id)
     if (rv) {
         rv->r = r;
         for (conn *c = e->conns; c; c = c->next_all) {
-            if (c->ep || c->exited)
+            if (c->ep || c->exited || r->kind == AXF_MEM_FILE) /* peers never reach files */
                 continue;
             rv_wait *w = calloc(1, sizeof *w);
             sq_item *it = sq_new(FR_REVOKE, 0);
@@ -497,6 +498,10 @@ static void op_free(axf_engine *e, op *o)
 {
     for (size_t i = 0; i < o->nlregs; i++)
         region_unref(e, o->lregs[i]);
+    for (size_t i = 0; i < o->nfregs; i++)
+        region_unref(e, o->fregs[i]);
+    free(o->fr);
+    free(o->fregs);
     op_release_remote(e, o);
     free(o->d);
     free(o->laddr);
@@ -606,6 +611,10 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
             /* Same-host copies in flight (CPU or GPU) finish on their own. */
             if ((ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_CUDA) && o->phase == 0)
                 continue;
+            if (ep->kind == AXF_EP_FILE) { /* its chunks finish in file.c and then see this */
+                op_set_status(o, st, 0);
+                continue;
+            }
             o->claimed = true;
             op_set_status(o, st, 0);
             op_unlink(e, o);
@@ -678,8 +687,9 @@ static int op_resolve(axf_engine *e, op *o)
             o->fail_index = i;
             return AXF_E_ACCESS;
         }
-        /* The socket and same-host copy paths touch host memory only. */
-        if (last->kind != AXF_MEM_HOST && (o->ep->kind == AXF_EP_TCP || o->ep->kind == AXF_EP_SHM)) {
+        /* The socket, same-host copy and file paths touch host memory only. */
+        if (last->kind != AXF_MEM_HOST && (o->ep->kind == AXF_EP_TCP || o->ep->kind == AXF_EP_SHM ||
+                                           o->ep->kind == AXF_EP_FILE)) {
             o->fail_index = i;
             return AXF_E_INVALID;
         }
@@ -694,6 +704,14 @@ static int op_resolve(axf_engine *e, op *o)
             return AXF_E_ACCESS;
         }
         o->laddr[i] = last->addr + d->loff;
+        if (o->ep->kind == AXF_EP_FILE) { /* the far side is one of our own file regions */
+            int st = file_resolve(e, o, i, need_remote);
+            if (st != AXF_OK) {
+                o->fail_index = i;
+                return st;
+            }
+            continue;
+        }
         rregion *rr = last_rr && last_rr->rid == d->rrid ? last_rr : rr_find(o->ep, d->rrid);
         if (!rr || rr->key != d->rkey || !(rr->access & need_remote) || d->roff > rr->len ||
             d->len > rr->len - d->roff) {
@@ -1041,6 +1059,8 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
     else if (op_find(e, req_id))
         st = AXF_E_INVALID;
+    else if (ep->kind == AXF_EP_FILE && (opcode == AXF_OP_NOTIFY || notify_len))
+        st = AXF_E_INVALID; /* nobody to notify */
     else if ((ep->kind == AXF_EP_TCP || opcode == AXF_OP_NOTIFY) && ep->nconns == 0)
         st = AXF_E_TRANSPORT;
     if (st == AXF_OK) {
@@ -1080,6 +1100,9 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         pthread_mutex_unlock(&e->mu);
         if (signal && !finish_now)
             axf_doorbell(e);
+    } else if (ep->kind == AXF_EP_FILE) {
+        pthread_mutex_unlock(&e->mu);
+        file_submit(e, o, signal);
     } else if (ep->kind == AXF_EP_CUDA && cuda_op_is_gpu(o)) {
         pthread_mutex_unlock(&e->mu);
         cuda_submit(e, o); /* the CUDA threads enqueue and complete it */
@@ -1126,6 +1149,7 @@ void axf_doorbell(axf_engine *e)
         pthread_cond_broadcast(&e->wq_cv);
         pthread_mutex_unlock(&e->wq_mu);
     }
+    file_doorbell(e);
 }
 
 int axf_cancel(axf_engine *e, uint64_t req_id)
@@ -1144,7 +1168,7 @@ int axf_cancel(axf_engine *e, uint64_t req_id)
 
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out)
 {
-    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && kind != AXF_EP_CUDA)
+    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && kind != AXF_EP_FILE && kind != AXF_EP_CUDA)
         return AXF_E_INVALID;
     if (kind == AXF_EP_CUDA && !cuda_ready(e))
         return AXF_E_TRANSPORT; /* axf_cuda_enable first */
@@ -1159,6 +1183,12 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint
         pthread_mutex_unlock(&e->mu);
         free(ep);
         return AXF_E_CLOSED;
+    }
+    int fst = kind == AXF_EP_FILE ? file_start(e) : AXF_OK;
+    if (fst != AXF_OK) {
+        pthread_mutex_unlock(&e->mu);
+        free(ep);
+        return fst;
     }
     ep->id = e->next_ep++;
     ep->next = e->eps;
@@ -1404,6 +1434,7 @@ void axf_engine_shutdown(axf_engine *e)
     pthread_mutex_unlock(&e->th_mu);
 
     shm_stop(e); /* finishes or fails queued copies */
+    file_stop(e); /* fails queued file I/O, waits for what is in flight */
     cuda_stop(e); /* waits for enqueued GPU copies, fails the rest */
 
     /* Whatever is left (endpoints that never had a connection). */
@@ -1457,6 +1488,7 @@ void axf_engine_destroy(axf_engine *e)
         }
         free(ep);
     }
+    file_free(e);
     for (rv_ack *a = e->rv_acks, *n; a; a = n) {
         n = a->next;
         free(a);

@@ -58,6 +58,8 @@ typedef struct region {
     int memfd;       /* host: a memfd same-host peers may map, else -1 */
     int fd;          /* AXF_MEM_FILE: our duplicate of the file, else -1 */
     uint64_t foff;   /* AXF_MEM_FILE: where the region starts in the file */
+    uint32_t dio_align; /* AXF_MEM_FILE opened O_DIRECT: offsets, lengths and
+                           host addresses must be multiples of it; else 0 */
     atomic_int refs; /* one for the registry while registered, one per user */
     bool cuda_pinned, cuda_pin_tried; /* host memory page-locked for GPU copies (cuda.c) */
     struct region *next;
@@ -143,6 +145,9 @@ typedef struct op {
     size_t nlregs;
     rregion **rregs;  /* distinct remote regions referenced (one use each) */
     size_t nrregs;
+    region **fr;      /* FILE endpoint: our file region per descriptor ... */
+    region **fregs;   /* ... and the distinct ones (one ref each) */
+    size_t nfregs;
     uint8_t *notify;
     size_t notify_len;
     atomic_long remaining;
@@ -251,6 +256,7 @@ struct axf_engine {
 
     rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
 
+    struct file_xport *file; /* file transport, started by the first FILE endpoint (e->mu) */
     struct axf_cuda *cuda; /* CUDA copy threads, once axf_cuda_enable succeeded */
 
     atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
@@ -303,6 +309,16 @@ void shm_unmap(rregion *rr);
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);
 
+/* file.c */
+int file_start(axf_engine *e); /* e->mu held; idempotent */
+void file_stop(axf_engine *e); /* fails what is queued, waits for what is in flight */
+void file_free(axf_engine *e);
+void file_submit(axf_engine *e, op *o, bool signal);
+void file_doorbell(axf_engine *e);
+uint32_t file_dio_align(int fd); /* 0 unless the file is open with O_DIRECT */
+/* Resolves descriptor i's file side (rrid/rkey/roff: one of our file
+ * regions), taking a ref; e->mu held, o->laddr[i] set. */
+int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need);
 
 /* cuda.c */
 typedef struct cuda_rmap cuda_rmap;

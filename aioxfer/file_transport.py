@@ -1,0 +1,305 @@
+"""The file transport: local files and block devices as regions of memory kind
+"file" (``Agent.register_file``), moved to and from host memory by the engine.
+
+A file region is a local transfer target: ``agent.write(host_seg, file_region[a:b])``
+writes host memory into the file, ``agent.read(host_seg, file_region[a:b])``
+reads the file into host memory. The engine does the I/O off the loop thread:
+through io_uring (liburing, where the kernel allows it) for O_DIRECT regions,
+where it keeps the device's queue full, and a pread/pwrite thread pool for
+buffered ones, where page-cache copies are CPU work the pool spreads over cores
+(``AIOXFER_FILE_IO=threads`` or ``=uring`` forces one for all). With
+``direct=True`` the file is opened with O_DIRECT: file offsets, lengths and
+host addresses must be aligned to the device's block size (``Agent.alloc``
+buffers are page aligned).
+
+File regions are never advertised to peers: only this agent reaches them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from aioxfer import _cyx
+from aioxfer.errors import RegistrationError, XferError
+from aioxfer.peer import Peer
+from aioxfer.region import Region, Segment, SegmentList
+
+if TYPE_CHECKING:
+    from aioxfer.agent import Agent
+
+__all__ = ["DIRECT_ALIGN", "devices", "status"]
+
+PATH = "file"  # TransferResult.path of file transfers
+# O_DIRECT alignment checked here, with the segment's index, before posting:
+# every logical block size we know of divides it (the engine checks the
+# device's own, which may be smaller, again).
+DIRECT_ALIGN = 4096
+
+
+def status() -> tuple[bool, str]:
+    """(available, one line): the file transport is always available; the line
+    says which I/O backends a new agent uses and why, e.g. "io_uring (liburing
+    2.3) for O_DIRECT, thread pool for buffered I/O" or "thread pool: io_uring
+    unavailable (EPERM)"."""
+    _uring, line = _cyx.file_backend()
+    return True, line
+
+
+def devices() -> list[str]:
+    """No devices to list: any local file or block device can be registered."""
+    return []
+
+
+# ---------------------------------------------------------------- registration
+
+
+def open_region_file(
+    path: str | os.PathLike[str], size: int | None, direct: bool
+) -> tuple[int, int, int]:
+    """Opens (creating a regular file if missing, growing it to ``size``) and
+    returns (fd, nbytes, access). Raises RegistrationError."""
+    where = os.fspath(path)
+    if size is not None and (not isinstance(size, int) or size <= 0):
+        raise RegistrationError(f"cannot register {where!r}: size must be a positive int or None")
+    flags = os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    access = _cyx.ACCESS_READ | _cyx.ACCESS_WRITE
+    try:
+        fd = os.open(where, flags | os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if direct and exc.errno == errno.EINVAL:
+            raise RegistrationError(
+                f"cannot register {where!r}: its filesystem refuses O_DIRECT (direct=True)"
+            ) from None
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or size is not None:
+            raise RegistrationError(f"cannot open {where!r}: {exc.strerror}") from None
+        try:  # an existing read-only file: agents may read it, not write it
+            fd = os.open(where, flags | os.O_RDONLY)
+        except OSError as exc2:
+            raise RegistrationError(f"cannot open {where!r}: {exc2.strerror}") from None
+        access = _cyx.ACCESS_READ
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            if size is None:
+                if not st.st_size:
+                    raise RegistrationError(
+                        f"cannot register {where!r}: the file is empty; pass size= to grow it"
+                    )
+                size = st.st_size
+            elif size > st.st_size:
+                os.ftruncate(fd, size)  # grows it (sparse); never shrinks what is there
+        elif stat.S_ISBLK(st.st_mode):
+            devsize = os.lseek(fd, 0, os.SEEK_END)
+            if size is None:
+                size = devsize
+            elif size > devsize:
+                raise RegistrationError(
+                    f"cannot register {size} bytes of {where!r}: the device has {devsize}"
+                )
+            if not size:
+                raise RegistrationError(f"cannot register {where!r}: the device is empty")
+        else:
+            raise RegistrationError(
+                f"cannot register {where!r}: not a regular file or block device"
+            )
+    except OSError as exc:
+        os.close(fd)
+        raise RegistrationError(f"cannot size {where!r}: {exc.strerror}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size, access
+
+
+def register_file(
+    agent: Agent,
+    path: str | os.PathLike[str],
+    size: int | None,
+    direct: bool,
+    name: str | None,
+) -> Region:
+    agent._check_open()
+    if name is not None:
+        agent._check_name(name)
+    fd, nbytes, access = open_region_file(path, size, direct)
+    try:
+        rid, key = agent._engine.register_file(fd, 0, nbytes, access)
+    except _cyx.NativeError as exc:
+        raise RegistrationError(f"cannot register {os.fspath(path)!r}: {exc}") from None
+    finally:
+        os.close(fd)  # the engine keeps its own duplicate
+    if name is None:
+        name = f"file-{rid}"
+        k = 1
+        while name in agent._regions:
+            name = f"file-{rid}-{k}"
+            k += 1
+    region = Region(agent, name, rid, key, nbytes, access, 0, os.fspath(path), kind="file")
+    region.direct = bool(direct)
+    agent._regions[name] = region
+    return region
+
+
+# ---------------------------------------------------------------- descriptors
+
+
+def is_file_target(remote: Any) -> bool:
+    """True when the far side of a write/read is this agent's own memory (a
+    Segment, a list of them, or a SegmentList of a local Region)."""
+    if type(remote) is Segment:
+        return True
+    if isinstance(remote, SegmentList):
+        return isinstance(remote.region, Region)
+    return (
+        isinstance(remote, Sequence)
+        and not isinstance(remote, str | bytes | bytearray)
+        and len(remote) > 0
+        and type(remote[0]) is Segment
+    )
+
+
+def file_peer(agent: Agent) -> Peer:
+    """The agent's one FILE endpoint, as the Peer its transfers are counted on."""
+    peer: Peer | None = agent._file_peer
+    if peer is None:
+        tag = agent._next_tag()
+        ep = agent._engine.endpoint_create(_cyx.EP_FILE, tag, 0)
+        agent._tag_names[tag] = PATH
+        peer = Peer(
+            agent,
+            name=PATH,
+            address=PATH,
+            incarnation=agent.incarnation,
+            path=PATH,
+            host_id=agent._host_id,
+            pid=os.getpid(),
+            ep=ep,
+        )
+        agent._file_peer = peer
+    return peer
+
+
+def _check_regions(agent: Agent, local: Region, target: Region, i: int | None) -> None:
+    at = "" if i is None else f" {i}"
+    if local._agent is not agent or target._agent is not agent:
+        raise ValueError(f"segment{at} is in a region of another agent")
+    local._check()
+    target._check()
+    if local.kind != "host":
+        raise TypeError(
+            f"local segment{at} is in {local.kind} region {local.name!r}: file transfers move "
+            f"between host memory and a file region"
+        )
+    if target.kind != "file":
+        raise TypeError(
+            f"segment{at} of region {target.name!r} is local host memory, not a file region or "
+            f"a peer's region: nothing to transfer to"
+        )
+
+
+def _check_aligned(addr: int, foff: int, length: int, i: int) -> None:
+    if (addr | foff | length) & (DIRECT_ALIGN - 1):
+        raise XferError(
+            f"segment {i} (host address {addr:#x}, file offset {foff}, length {length}) is not "
+            f"aligned to {DIRECT_ALIGN} bytes, as O_DIRECT (direct=True) needs: invalid argument",
+            status=_cyx.E_INVALID,
+            op=None,
+            fail_index=i,
+        )
+
+
+def descs(agent: Agent, local: Any, target: Any) -> tuple[Peer, npt.NDArray[np.uint64], int]:
+    """The (n, 6) descriptor array of a transfer between host memory and this
+    agent's file regions (rrid/rkey/roff name the file region)."""
+    if type(local) is Segment and type(target) is Segment:
+        _check_regions(agent, local.region, target.region, None)
+        n = local.length
+        if n != target.length:
+            raise ValueError(f"local length {n} != file length {target.length}")
+        if not n:
+            raise ValueError("segment is empty")
+        lr, fr = local.region, target.region
+        if fr.direct:
+            _check_aligned(lr.addr + local.offset, target.offset, n, 0)
+        row = [[lr.rid, local.offset, fr.rid, fr.key, target.offset, n]]
+        return file_peer(agent), np.array(row, dtype=np.uint64), n
+    if isinstance(local, SegmentList) and isinstance(target, SegmentList):
+        lreg, freg = local.region, target.region
+        if not isinstance(lreg, Region) or not isinstance(freg, Region):
+            raise TypeError("file transfers take two SegmentLists of local regions")
+        _check_regions(agent, lreg, freg, None)
+        m = len(local)
+        if m != len(target):
+            raise ValueError(f"{m} local segments but {len(target)} file segments")
+        if not m:
+            raise ValueError("no segments to transfer")
+        lens = local.lengths
+        if not np.array_equal(lens, target.lengths):
+            bad = int(np.flatnonzero(lens != target.lengths)[0])
+            raise ValueError(
+                f"segment {bad}: local length {int(lens[bad])} != file length "
+                f"{int(target.lengths[bad])}"
+            )
+        if not lens.all():
+            raise ValueError(f"segment {int(np.flatnonzero(lens == 0)[0])} is empty")
+        out = np.empty((m, 6), dtype=np.uint64)
+        out[:, 0] = lreg.rid
+        out[:, 1] = local.offsets
+        out[:, 2] = freg.rid
+        out[:, 3] = freg.key
+        out[:, 4] = target.offsets
+        out[:, 5] = lens
+        if freg.direct:
+            mask = np.uint64(DIRECT_ALIGN - 1)
+            unaligned = ((local.offsets + np.uint64(lreg.addr)) | target.offsets | lens) & mask
+            if unaligned.any():
+                i = int(np.flatnonzero(unaligned)[0])
+                _check_aligned(lreg.addr + int(local.offsets[i]), int(target.offsets[i]),
+                               int(lens[i]), i)
+        return file_peer(agent), out, local.nbytes
+    if (
+        isinstance(local, Sequence)
+        and isinstance(target, Sequence)
+        and not isinstance(local, str | bytes | bytearray)
+    ):
+        m = len(local)
+        if m != len(target):
+            raise ValueError(f"{m} local segments but {len(target)} file segments")
+        if not m:
+            raise ValueError("no segments to transfer")
+        rows: list[tuple[int, int, int, int, int, int]] = []
+        last: tuple[Any, Any] = (None, None)
+        total = 0
+        for i in range(m):
+            ls, fs = local[i], target[i]
+            if type(ls) is not Segment or type(fs) is not Segment:
+                raise TypeError(
+                    f"segment {i}: a file transfer pairs Segments, not "
+                    f"{type(ls).__name__} and {type(fs).__name__}"
+                )
+            if (ls.region, fs.region) != last:
+                _check_regions(agent, ls.region, fs.region, i)
+                last = (ls.region, fs.region)
+            if ls.length != fs.length:
+                raise ValueError(
+                    f"segment {i}: local length {ls.length} != file length {fs.length}"
+                )
+            if not ls.length:
+                raise ValueError(f"segment {i} is empty")
+            if fs.region.direct:
+                _check_aligned(ls.region.addr + ls.offset, fs.offset, ls.length, i)
+            fr = fs.region
+            rows.append((ls.region.rid, ls.offset, fr.rid, fr.key, fs.offset, ls.length))
+            total += ls.length
+        return file_peer(agent), np.array(rows, dtype=np.uint64), total
+    raise TypeError(
+        f"a file transfer takes a Segment and a file Segment, equal-length lists of them, or two "
+        f"SegmentLists; not {type(local).__name__} and {type(target).__name__}"
+    )
