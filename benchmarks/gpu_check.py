@@ -13,7 +13,8 @@ JSON line (``GPU_CHECK {...}``) with every figure and every failure.
    and reports GB/s (best of a few) against torch ``copy_`` of the same size in
    one process (pageable host memory, as ours).
 4. A KV batch: many 64 KiB pages host -> GPU in one transfer.
-5. GPU -> file -> GPU through host staging (aioxfer.staging), verified.
+5. GPU -> file -> GPU through host staging (aioxfer.staging) and the engine's
+   file transport (a file region), verified.
 6. The child killed with SIGKILL while transfers are in flight: they end
    (done or PeerLost), later ones fail with PeerLost, nothing hangs.
 
@@ -39,7 +40,7 @@ import numpy as np
 
 import aioxfer
 from aioxfer import cuda
-from aioxfer.staging import GpuFileStager, PosixFile
+from aioxfer.staging import GpuFileStager
 
 try:
     import torch
@@ -258,20 +259,20 @@ async def run(ns: argparse.Namespace, summary: dict[str, Any]) -> None:
                 if torch is not None:
                     torch.cuda.synchronize()
                 with tempfile.TemporaryDirectory() as tmp:
-                    f = PosixFile(os.path.join(tmp, "kv.bin"))
-                    try:
-                        async with GpuFileStager(agent, f, slot_bytes=8 << 20, slots=4) as st:
-                            r1 = await st.gpu_to_file(mine[0:kv], 0)
-                            fill(10)  # overwritten, then read back from the file
-                            if torch is not None:
-                                torch.cuda.synchronize()
-                            r2 = await st.file_to_gpu(0, mine[0:kv])
-                            assert digest(read_mine()[:kv]) == digest(pattern(size, 9)[:kv])
-                    finally:
-                        f.close()
+                    # the engine's file transport: a file region of the agent
+                    f = agent.register_file(os.path.join(tmp, "kv.bin"), size=kv)
+                    async with GpuFileStager(agent, f, slot_bytes=8 << 20, slots=4) as st:
+                        r1 = await st.gpu_to_file(mine[0:kv], 0)
+                        fill(10)  # overwritten, then read back from the file
+                        if torch is not None:
+                            torch.cuda.synchronize()
+                        r2 = await st.file_to_gpu(0, mine[0:kv])
+                        assert digest(read_mine()[:kv]) == digest(pattern(size, 9)[:kv])
+                    agent.deregister(f)
                 res["gpu_file"] = {"path": r1.path, "bytes": kv,
                                    "to_file_gbps": gbps(kv, r1.seconds),
-                                   "from_file_gbps": gbps(kv, r2.seconds)}
+                                   "from_file_gbps": gbps(kv, r2.seconds),
+                                   "file_io": agent._engine.file_backend()[1]}
             except Exception:
                 step_failed("GPU <-> file")
 
