@@ -15,6 +15,9 @@ What ``Agent.register`` accepts as GPU memory (region kind "cuda"):
 - ``DeviceBuffer(nbytes)``: memory allocated here through the driver (for
   tools and tests without a CUDA library of their own).
 
+The driver is ``libcuda.so.1``; ``AIOXFER_CUDA_DRIVER`` names another library
+(the tests load native/tests/fakecuda.c, a software stand-in, through it).
+
 The registered object is held until the engine confirms nothing touches its
 memory any more. aioxfer copies on its own CUDA streams: memory your kernels
 write must be complete (``torch.cuda.synchronize()`` or an event) before a
