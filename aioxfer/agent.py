@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aioxfer import _cyx, file_transport
+from aioxfer import cuda as _cuda
 from aioxfer import verbs as _verbs
 from aioxfer.discovery import (
     Etcd,
@@ -63,6 +64,7 @@ from aioxfer.metadata import (
     PROTOCOL_VERSION,
     Accept,
     AgentMeta,
+    CudaExport,
     RegionMeta,
     VerbsAccept,
     VerbsConnect,
@@ -88,7 +90,7 @@ __all__ = ["Agent"]
 
 _log = get_logger("aioxfer")
 
-TRANSPORTS = ("shm", "tcp", "verbs")
+TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
 MAX_CONNS = 16  # AXF_MAX_CONNS: connections one endpoint may have
 _POLL_MAX = 4096
 _POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
@@ -117,12 +119,15 @@ class Agent:
     and stripe large transfers over them by measured rate; when a rail fails,
     its unfinished chunks move to the others, and it is re-dialled every
     ``rail_probe`` seconds until it is back. ``addresses`` lists them.
-    ``transports``: which of "shm", "tcp", "verbs" this agent may use (all by
-    default, verbs where RDMA devices exist; ``("tcp",)`` forces TCP even on
-    one host, ``("verbs",)`` RDMA, raising TransportError without devices).
-    Between hosts with RDMA devices the path is "verbs" (one reliable-connected
-    queue pair per device pair, a stream connection for control); on one host
-    shm stays the default. ``token``: a shared
+    ``transports``: which of "shm", "tcp", "verbs", "cuda" this agent may use
+    (all by default where available; ``("tcp",)`` forces TCP even on one host,
+    ``("verbs",)`` RDMA). "verbs" needs RDMA devices and "cuda" (same-host GPU
+    copies by CUDA IPC, host memory as shm) the CUDA driver: by default each is
+    dropped where absent (``aioxfer.verbs.status()`` / ``aioxfer.cuda.status()``
+    say why); asked for explicitly, its absence raises TransportError. Between
+    hosts with RDMA devices the path is "verbs" (one reliable-connected queue
+    pair per device pair, a stream connection for control); on one host shm
+    stays the default (cuda when both have CUDA). ``token``: a shared
     secret; when set, connections both ways authenticate with an HMAC challenge.
     ``peer_timeout``: seconds of silence after which a peer is lost (its transfers
     fail with PeerLost); ``keepalive``: idle ping interval. ``tcp_connections``:
@@ -207,6 +212,15 @@ class Agent:
             stall_ms=0 if stall_timeout is None else max(1, round(stall_timeout * 1000)),
         )
         self._fd = self._engine.fileno()
+        self._cuda_why = "not asked for"
+        if "cuda" in transports:
+            st, self._cuda_why = self._engine.cuda_enable()
+            if st != _OK:
+                if transports != TRANSPORTS:  # asked for by name
+                    self._engine.close()
+                    raise TransportError(f"transport 'cuda' is not available: {self._cuda_why}")
+                transports = tuple(t for t in transports if t != "cuda")
+                self.transports = transports
         self._lsocks: list[socket.socket] = []
         self.addresses: list[str] = []  # the rails; the first is ``address``
         try:
@@ -433,8 +447,58 @@ class Agent:
     def register(self, obj: Any, *, name: str | None = None) -> Region:
         """Registers any buffer-protocol object (bytearray, memoryview, numpy
         array, mmap, bytes). Writable buffers may be read and written by peers,
-        read-only ones only read. The export stays pinned while registered."""
+        read-only ones only read. The export stays pinned while registered.
+
+        GPU memory (region kind "cuda"): objects with ``__cuda_array_interface__``
+        or CUDA DLPack (PyTorch, CuPy tensors), and ``aioxfer.cuda.DevicePointer``
+        (see aioxfer.cuda); the object is held while registered. Without a CUDA
+        driver those raise RegistrationError saying why."""
+        try:
+            mem = _cuda.inspect(obj)
+        except ValueError as exc:
+            raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
+        if mem is not None:
+            return self._register_pointer(obj, mem, name)
         return self._register(obj, name)
+
+    def _register_pointer(self, obj: Any, mem: _cuda.GpuMemory, name: str | None) -> Region:
+        self._check_open()
+        if name is not None:
+            self._check_name(name)
+        what = f"cannot register {type(obj).__name__} ({mem.kind} memory, {mem.nbytes} bytes)"
+        export = None
+        if mem.kind == "cuda":
+            ok, why = _cuda.status()
+            if not ok:
+                raise RegistrationError(f"{what}: CUDA is not available: {why}")
+            try:
+                _cyx.cuda_pointer(mem.ptr, mem.nbytes)
+            except _cyx.NativeError as exc:
+                raise RegistrationError(f"{what}: {exc}") from None
+            try:
+                handle, offset, device = _cyx.cuda_export(mem.ptr)
+                export = CudaExport(handle=handle, offset=offset, device=device)
+            except _cyx.NativeError as exc:
+                # Still usable locally (and by RDMA); same-host peers cannot map it.
+                _log.warning("region.no_cuda_ipc", agent=self.name, error=str(exc))
+        access = _cyx.ACCESS_READ | (0 if mem.readonly else _cyx.ACCESS_WRITE)
+        kind = _cyx.MEM_CUDA if mem.kind == "cuda" else _cyx.MEM_HOST
+        try:
+            rid, key = self._engine.register_kind(kind, mem.ptr, mem.nbytes, access, obj)
+        except _cyx.NativeError as exc:
+            raise RegistrationError(f"{what}: {exc}") from None
+        if name is None:
+            name = f"region-{rid}"
+            k = 1
+            while name in self._regions:
+                name = f"region-{rid}-{k}"
+                k += 1
+        region = Region(self, name, rid, key, mem.nbytes, access, mem.ptr, obj)
+        region.kind = mem.kind
+        region._cuda = export
+        self._regions[name] = region
+        self._meta_changed()
+        return region
 
     def alloc(self, nbytes: int, *, name: str | None = None) -> Region:
         """A new zeroed region in shared memory (memfd) that same-host peers map
@@ -596,9 +660,11 @@ class Agent:
                     memfd=r._memfd,
                     memfd_ino=r._memfd_ino,
                     verbs=self._engine.verbs_region_keys(r.rid) if self._verbs_devices else [],
+                    kind=r.kind,
+                    cuda=r._cuda,
                 )
                 for r in self._regions.values()
-                if r.kind == "host"  # file regions are ours alone
+                if r.kind != "file"  # file regions are ours alone
             ],
             uid=os.geteuid(),
             byteorder=sys.byteorder,
@@ -979,7 +1045,7 @@ class Agent:
                 f"(ours: {self.transports}, theirs: {tuple(meta.transports)}, "
                 f"same host: {meta.host_id == self._host_id})"
             )
-        shm = path == "shm"
+        shm = path in ("shm", "cuda")  # same host: one connection, copies by this engine
         verbs = path == "verbs"
         # tcp: every advertised listen address is a rail; the one we came by
         # may be a name or another spelling of one of them. shm and verbs:
@@ -988,7 +1054,9 @@ class Agent:
         first = rails.index(address) if address in rails else 0
         per = 1 if shm or verbs else max(1, min(self._tcp_connections, MAX_CONNS // len(rails)))
         tag = self._tag_for(meta.name, meta.incarnation)
-        kind = _cyx.EP_SHM if shm else _cyx.EP_VERBS if verbs else _cyx.EP_TCP
+        kind = {"shm": _cyx.EP_SHM, "cuda": _cyx.EP_CUDA, "verbs": _cyx.EP_VERBS}.get(
+            path, _cyx.EP_TCP
+        )
         ep = self._engine.endpoint_create(kind, tag, meta.pid if shm else 0)
         self._connecting_eps[ep] = 0
         try:
@@ -1157,6 +1225,14 @@ class Agent:
 
     def _choose_path(self, meta: AgentMeta) -> str | None:
         if (
+            "cuda" in self.transports
+            and "cuda" in meta.transports
+            and self._host_id
+            and meta.host_id == self._host_id
+            and _cma_allowed(meta.uid)
+        ):
+            return "cuda"  # GPU memory by CUDA IPC, host memory as shm
+        if (
             "shm" in self.transports
             and "shm" in meta.transports
             and self._host_id
@@ -1286,7 +1362,7 @@ class Agent:
                     eng.endpoint_forget(ep, rid)
                 except _cyx.NativeError:
                     pass
-        shm = peer.path == "shm"
+        shm = peer.path in ("shm", "cuda")
         for m in regions:
             old = peer._by_rid.get(m.rid)
             if old is not None:
@@ -1294,6 +1370,9 @@ class Agent:
                     peer._regions.pop(old.name, None)
                     old.name = m.name
                     peer._regions[m.name] = old
+                continue
+            if m.kind != "host":
+                self._import_device_region(peer, m)
                 continue
             memfd = m.memfd if shm and m.memfd >= 0 and _memfd_ok(peer.pid, m) else -1
             try:
@@ -1312,6 +1391,27 @@ class Agent:
                 stale._gone = True
             peer._by_rid[m.rid] = rr
             peer._regions[m.name] = rr
+
+    def _import_device_region(self, peer: Peer, m: RegionMeta) -> None:
+        """A peer's GPU region: imported where the path reaches GPU memory; known
+        (so that transfers to it fail saying why) everywhere."""
+        rr = RemoteRegion(peer, m.name, m.rid, m.key, m.nbytes, m.access, m.addr)
+        rr.kind = m.kind
+        if peer.path == "cuda" and m.kind == "cuda" and m.cuda is not None:
+            own = peer.pid == os.getpid()  # a loopback peer: our own memory, no IPC
+            try:
+                self._engine.endpoint_import_cuda(
+                    peer._ep, m.rid, m.key, m.nbytes, m.access, m.addr,
+                    None if own else m.cuda.handle, m.cuda.offset, m.cuda.device,
+                )
+            except (_cyx.NativeError, ValueError) as exc:
+                _log.warning("region.cuda_import_failed", agent=self.name, peer=peer.name,
+                             region=m.name, error=str(exc))
+        stale = peer._regions.get(m.name)
+        if stale is not None:
+            stale._gone = True
+        peer._by_rid[m.rid] = rr
+        peer._regions[m.name] = rr
 
     async def _refresh_peer(self, peer: Peer) -> None:
         self._check_open()
@@ -1424,6 +1524,8 @@ class Agent:
         descs, starts = _coalesce(descs)
         t = self._submit(peer, _cyx.OP_WRITE, descs, payload, nbytes, "write", priority)
         t._starts = starts
+        if peer.path == "cuda":
+            t._path = _cuda_path(src, dst)
         return t
 
     def read(self, dst: Local, src: Remote, *, priority: int = 0) -> Transfer:
@@ -1433,6 +1535,8 @@ class Agent:
         descs, starts = _coalesce(descs)
         t = self._submit(peer, _cyx.OP_READ, descs, None, nbytes, "read", priority)
         t._starts = starts
+        if peer.path == "cuda":
+            t._path = _cuda_path(dst, src)
         return t
 
     async def _notify_peer(self, peer: Peer, payload: bytes | bytearray | memoryview) -> None:
@@ -1455,6 +1559,7 @@ class Agent:
                 or n != remote.length
                 or not n
                 or rr.peer._agent is not self
+                or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
             ):
                 self._check_pair(local, remote, 0)
             return (
@@ -1497,6 +1602,18 @@ class Agent:
             )
         if rr.peer._agent is not self:
             raise ValueError(f"remote segment {i} belongs to a peer of another agent")
+        if lr.kind != "host" and rr.peer.path != lr.kind:
+            raise TransportError(
+                f"local region {lr.name!r} is {lr.kind} memory, which path "
+                f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
+                peer=rr.peer.name,
+            )
+        if rr.kind != "host" and rr.peer.path != rr.kind:
+            raise TransportError(
+                f"remote region {rr.name!r} of peer {rr.peer.name!r} is {rr.kind} memory, "
+                f"which path {rr.peer.path!r} cannot reach",
+                peer=rr.peer.name,
+            )
         if local.length != remote.length:
             raise ValueError(
                 f"segment {i}: local length {local.length} != remote length {remote.length}"
@@ -1558,6 +1675,13 @@ class Agent:
         if lr._agent is not self:
             raise ValueError(f"local segments are in a region of agent {lr._agent.name!r}")
         lr._check()
+        for region, where in ((lr, "local"), (rr, "remote")):
+            if region.kind != "host" and rr.peer.path != region.kind:
+                raise TransportError(
+                    f"{where} region {region.name!r} is {region.kind} memory, which path "
+                    f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
+                    peer=rr.peer.name,
+                )
         if rr._gone:
             raise AccessDenied(
                 f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
@@ -1758,7 +1882,9 @@ class Agent:
                         peer._latency = seconds if not peer._latency else (
                             0.8 * peer._latency + 0.2 * seconds)
                     if not t.done():  # on success fail_index counts reroutes
-                        t.set_result(TransferResult(nbytes, seconds, peer.path, fail_index))
+                        t.set_result(
+                            TransferResult(nbytes, seconds, t._path or peer.path, fail_index)
+                        )
                 else:
                     if status == _E_CANCELLED and t._cancel_requested:
                         self._finish_failed(t, None)
@@ -1945,6 +2071,16 @@ def _verbs_keys(peer: Peer, m: RegionMeta) -> list[tuple[int, int]]:
     ):
         raise ProtocolError(f"peer {peer.name!r} sent region {m.name!r} without valid rkeys")
     return m.verbs
+
+
+def _cuda_path(local: Any, remote: Any) -> str:
+    """What a transfer to a "cuda" peer is: "cuda" when it touches GPU memory
+    (CUDA copies), else "shm" (host memory moves as shm copies)."""
+    for side in (local, remote):
+        segs = side if isinstance(side, Sequence) else (side,)
+        if any(s.region.kind != "host" for s in segs):
+            return "cuda"
+    return "shm"
 
 
 def _describe(t: Transfer) -> str:

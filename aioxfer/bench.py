@@ -291,7 +291,10 @@ def _agent_kwargs(transport: str) -> dict[str, Any]:
     # "shm" is what automatic selection picks between same-host agents;
     # "tcp" and "verbs" are forced on both sides, as a user would (verbs over
     # the devices there, or AIOXFER_VERBS_PROVIDER's, which the target inherits).
-    return {"transports": (transport,)} if transport in ("tcp", "verbs") else {}
+    if transport in ("tcp", "verbs"):
+        return {"transports": (transport,)}
+    # shm: on a CUDA machine same-host peers would pick "cuda" by default
+    return {"transports": ("shm", "tcp")}
 
 
 def _run_loop(coro: Coroutine[Any, Any, T], use_uvloop: bool) -> T:

@@ -17,6 +17,7 @@ __all__ = [
     "Accept",
     "AgentMeta",
     "Challenge",
+    "CudaExport",
     "Frame",
     "Hello",
     "Proof",
@@ -73,6 +74,16 @@ class Reject(msgspec.Struct, tag="reject", frozen=True):
     reason: str
 
 
+class CudaExport(msgspec.Struct, frozen=True):
+    """How a same-host peer maps a GPU region: the CUDA IPC handle of its
+    allocation, the region's offset in it, and the device's UUID."""
+
+    handle: bytes  # CUipcMemHandle, 64 bytes
+    offset: int
+    device: bytes  # CUuuid, 16 bytes
+    version: int = 1
+
+
 class RegionMeta(msgspec.Struct, frozen=True):
     """What a peer needs to address one registered region."""
 
@@ -87,6 +98,8 @@ class RegionMeta(msgspec.Struct, frozen=True):
     # RDMA: (address, rkey) of its memory registration on each of the owner's
     # verbs devices, in device order; empty without verbs.
     verbs: list[tuple[int, int]] = []
+    kind: str = "host"  # memory kind: "host" or "cuda" (addr is then a device pointer)
+    cuda: CudaExport | None = None  # cuda regions that can be shared by CUDA IPC
 
 
 class AgentMeta(msgspec.Struct, tag="meta", frozen=True):

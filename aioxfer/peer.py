@@ -21,12 +21,13 @@ class Peer:
 
     Made by ``await agent.connect(address)`` (or ``connect(name)`` with
     discovery). ``path`` is "shm" (same host: one memcpy or cross-memory attach),
-    "verbs" (RDMA: one-sided WRITE and READ over queue pairs) or "tcp". A peer
-    that dies, stops answering within the agent's ``peer_timeout``, leaves
-    (discovery: its etcd key is deleted or its lease expires), or restarts
-    becomes ``lost``: its pending transfers fail with PeerLost (StalePeer once
-    a new incarnation of it is known), later ones too, and
-    ``agent.connect(...)`` connects afresh.
+    "verbs" (RDMA: one-sided WRITE and READ over queue pairs), "cuda" (same
+    host, both with CUDA: GPU memory by CUDA IPC copies on CUDA streams, host
+    memory as shm) or "tcp". A peer that dies, stops answering within the
+    agent's ``peer_timeout``, leaves (discovery: its etcd key is deleted or its
+    lease expires), or restarts becomes ``lost``: its pending transfers fail
+    with PeerLost (StalePeer once a new incarnation of it is known), later ones
+    too, and ``agent.connect(...)`` connects afresh.
     """
 
     __slots__ = (

@@ -21,6 +21,7 @@ from aioxfer.errors import ClosedResourceError
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
+    from aioxfer.metadata import CudaExport
     from aioxfer.peer import Peer
 
 __all__ = ["Region", "RemoteRegion", "RemoteSegment", "Segment", "SegmentList"]
@@ -69,6 +70,7 @@ class Region:
         "_closed",
         "kind",
         "direct",
+        "_cuda",
         "__weakref__",
     )
 
@@ -99,8 +101,9 @@ class Region:
         self._memfd_ino = memfd_ino
         self._mmap = mm
         self._closed = False
-        self.kind = kind  # memory kind: "host", or "file" (Agent.register_file; obj: the path)
+        self.kind = kind  # "host", "file" (Agent.register_file; obj: the path) or "cuda"
         self.direct = False  # a file region opened with O_DIRECT
+        self._cuda: CudaExport | None = None  # cuda: what same-host peers map it by
 
     @property
     def closed(self) -> bool:
@@ -175,6 +178,7 @@ class RemoteRegion:
         "addr",
         "memfd",
         "_gone",
+        "kind",
         "__weakref__",
     )
 
@@ -198,6 +202,7 @@ class RemoteRegion:
         self.addr = addr
         self.memfd = memfd
         self._gone = False
+        self.kind = "host"  # or "cuda": reachable only over the "cuda" path
 
     @property
     def gone(self) -> bool:

@@ -52,6 +52,7 @@ class Transfer(asyncio.Future[TransferResult]):
         "_admitted",
         "_queued_item",
         "_starts",
+        "_path",
     )
 
     def __init__(
@@ -76,6 +77,7 @@ class Transfer(asyncio.Future[TransferResult]):
         self._admitted = False  # counted in its peer's scheduler budget
         self._queued_item: tuple[int, int, object, bytes | None, int] | None = None
         self._starts: object = None  # merged descriptors' first original indexes
+        self._path: str | None = None  # the path it took, where not peer.path
 
     def __await__(self):  # type: ignore[no-untyped-def]
         # A small request awaited with nothing else of the agent's in the

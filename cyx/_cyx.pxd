@@ -26,6 +26,7 @@ cdef extern from "aioxfer.h" nogil:
     int AXF_EP_TCP
     int AXF_EP_SHM
     int AXF_EP_FILE
+    int AXF_EP_CUDA
 
     uint32_t AXF_MEM_HOST
     uint32_t AXF_MEM_CUDA
@@ -157,3 +158,16 @@ cdef extern from "aioxfer.h" nogil:
     int axf_verbs_accept_conn(axf_engine *e, int fd, uint64_t tag, const uint64_t *qps, size_t n)
     int axf_endpoint_import_verbs(axf_engine *e, uint64_t ep, uint64_t rid, const uint64_t *addrs,
                                   const uint32_t *rkeys, size_t n)
+    int AXF_CUDA_IPC_HANDLE
+    int axf_cuda_probe(char *why, size_t why_len, int *ndevices)
+    int axf_cuda_device_name(int ordinal, char *name, size_t len)
+    int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
+    int axf_cuda_pointer(uint64_t ptr, uint64_t len, int *device, uint64_t *base, uint64_t *size)
+    int axf_cuda_export(uint64_t ptr, uint8_t *handle, uint64_t *offset, uint8_t *uuid)
+    int axf_cuda_dmabuf(uint64_t ptr, uint64_t len, int *fd)
+    int axf_cuda_alloc(int device, uint64_t len, uint64_t *ptr)
+    int axf_cuda_free(uint64_t ptr)
+    int axf_cuda_copy(uint64_t dst, uint64_t src, uint64_t len)
+    int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key,
+                                 uint64_t len, uint32_t access, uint64_t addr,
+                                 const uint8_t *handle, uint64_t offset, const uint8_t *uuid)

@@ -45,10 +45,13 @@ ACCESS_WRITE = AXF_ACCESS_WRITE
 EP_TCP = AXF_EP_TCP
 EP_SHM = AXF_EP_SHM
 EP_FILE = AXF_EP_FILE
+EP_CUDA = AXF_EP_CUDA
 MEM_HOST = AXF_MEM_HOST
+MEM_CUDA = AXF_MEM_CUDA
 MEM_FILE = AXF_MEM_FILE
 EP_VERBS = AXF_EP_VERBS
 VERBS_MAX_DEVICES = AXF_VERBS_MAX_DEVICES
+CUDA_IPC_HANDLE = AXF_CUDA_IPC_HANDLE
 OP_WRITE = AXF_OP_WRITE
 OP_READ = AXF_OP_READ
 OP_NOTIFY = AXF_OP_NOTIFY
@@ -165,11 +168,13 @@ cdef class _Pin:
 
     cdef Py_buffer view
     cdef bint held
+    cdef object owner  # memory without a buffer export (GPU): the object that owns it
 
     cdef void release(self) noexcept:
         if self.held:
             self.held = False
             PyBuffer_Release(&self.view)
+        self.owner = None
 
     def __dealloc__(self):
         self.release()
@@ -441,6 +446,61 @@ cdef class Engine:
         self._open()
         r = axf_file_info(self._e, buf, sizeof(buf))
         return r, buf.decode("utf-8", "replace")
+
+    def register_kind(self, uint32_t kind, uint64_t addr, uint64_t nbytes, uint32_t access,
+                      owner):
+        """Registers memory given by address (MEM_CUDA: a device pointer, MEM_HOST:
+        a host pointer without a buffer export); returns (rid, key). ``owner``
+        (the object that keeps the memory alive) is held until poll() returns
+        CQ_REGION_FREED for rid."""
+        cdef _Pin pin = _Pin.__new__(_Pin)
+        cdef uint64_t rid = 0, key = 0
+        cdef int st
+        self._open()
+        st = axf_region_register_kind(self._e, kind, addr, nbytes, access, -1, &rid, &key)
+        if st != AXF_OK:
+            raise NativeError(st, f"cannot register {nbytes} bytes at {addr:#x}")
+        pin.owner = owner
+        self._pins[rid] = pin
+        return (rid, key)
+
+    def cuda_enable(self):
+        """(status, reason): OK once CUDA endpoints may be created on this engine."""
+        cdef char why[256]
+        cdef int st
+        self._open()
+        why[0] = 0
+        with nogil:
+            st = axf_cuda_enable(self._e, why, sizeof(why))
+        return st, why.decode("utf-8", "replace")
+
+    def endpoint_import_cuda(self, uint64_t ep, uint64_t rid, uint64_t key, uint64_t nbytes,
+                             uint32_t access, uint64_t addr, handle, uint64_t offset, uuid):
+        """A peer's GPU region (handle: its IPC handle, None for our own memory)."""
+        cdef const uint8_t *h = NULL
+        cdef const uint8_t *u = NULL
+        cdef bytes hb = None
+        cdef bytes ub = None
+        cdef int st
+        self._open()
+        if handle is not None:
+            hb = bytes(handle)
+            if len(hb) != AXF_CUDA_IPC_HANDLE:
+                raise ValueError(f"a CUDA IPC handle is {AXF_CUDA_IPC_HANDLE} bytes, not {len(hb)}")
+            h = <const uint8_t *>PyBytes_AS_STRING(hb)
+        if uuid is not None:
+            ub = bytes(uuid)
+            if len(ub) != 16:
+                raise ValueError(f"a device UUID is 16 bytes, not {len(ub)}")
+            u = <const uint8_t *>PyBytes_AS_STRING(ub)
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_endpoint_import_cuda(self._e, ep, rid, key, nbytes, access, addr, h,
+                                              offset, u)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot import GPU region {rid} into endpoint {ep}")
 
     def deregister(self, uint64_t rid):
         """Revokes a region; its buffer is released when CQ_REGION_FREED is polled."""
@@ -776,3 +836,72 @@ cdef class Engine:
             "bytes": s.bytes,
             "frames_rejected": s.frames_rejected,
         }
+
+
+# ------------------------------------------------------------------ CUDA (process-wide)
+
+def cuda_probe():
+    """(status, reason, devices): OK when the CUDA driver loaded and sees devices.
+    Never raises: without a driver the status says why."""
+    cdef char why[256]
+    cdef int n = 0
+    cdef int st
+    why[0] = 0
+    with nogil:
+        st = axf_cuda_probe(why, sizeof(why), &n)
+    return st, why.decode("utf-8", "replace"), n
+
+
+def cuda_device_name(int ordinal):
+    cdef char name[256]
+    name[0] = 0
+    _check(axf_cuda_device_name(ordinal, name, sizeof(name)), f"cannot name CUDA device {ordinal}")
+    return name.decode("utf-8", "replace")
+
+
+def cuda_pointer(uint64_t ptr, uint64_t nbytes):
+    """(device, allocation base, allocation size) of device memory [ptr, ptr+nbytes)."""
+    cdef int dev = -1
+    cdef uint64_t base = 0, size = 0
+    cdef int st
+    with nogil:
+        st = axf_cuda_pointer(ptr, nbytes, &dev, &base, &size)
+    _check(st, f"{nbytes} bytes at {ptr:#x} are not inside one CUDA allocation")
+    return dev, base, size
+
+
+def cuda_export(uint64_t ptr):
+    """(IPC handle, offset of ptr in its allocation, device UUID)."""
+    cdef uint8_t handle[64]
+    cdef uint8_t uuid[16]
+    cdef uint64_t off = 0
+    cdef int st
+    with nogil:
+        st = axf_cuda_export(ptr, handle, &off, uuid)
+    _check(st, f"cannot export GPU memory at {ptr:#x} by CUDA IPC")
+    return (PyBytes_FromStringAndSize(<char *>handle, 64), off,
+            PyBytes_FromStringAndSize(<char *>uuid, 16))
+
+
+def cuda_alloc(int device, uint64_t nbytes):
+    cdef uint64_t ptr = 0
+    cdef int st
+    with nogil:
+        st = axf_cuda_alloc(device, nbytes, &ptr)
+    _check(st, f"cannot allocate {nbytes} bytes on CUDA device {device}")
+    return ptr
+
+
+def cuda_free(uint64_t ptr):
+    cdef int st
+    with nogil:
+        st = axf_cuda_free(ptr)
+    _check(st, f"cannot free GPU memory at {ptr:#x}")
+
+
+def cuda_copy(uint64_t dst, uint64_t src, uint64_t nbytes):
+    """A synchronous copy between host and/or device pointers (unified addressing)."""
+    cdef int st
+    with nogil:
+        st = axf_cuda_copy(dst, src, nbytes)
+    _check(st, f"cannot copy {nbytes} bytes from {src:#x} to {dst:#x}")

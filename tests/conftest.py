@@ -34,9 +34,21 @@ import pytest
 
 T = TypeVar("T")
 
-TRANSPORTS = ["shm", "tcp", "verbs"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOFTVERBS_SRC = os.path.join(REPO, "native", "tests", "softverbs", "softverbs.c")
+
+
+def _cuda_available() -> bool:
+    from aioxfer import cuda
+
+    return cuda.status()[0]
+
+
+# "cuda" (same-host peers, both with CUDA: host memory moves as shm over the
+# CUDA endpoint) where a CUDA driver is found, e.g. the software one of
+# native/tests/fakecuda.c through AIOXFER_CUDA_DRIVER.
+CUDA = _cuda_available()
+TRANSPORTS = ["shm", "tcp", "verbs"] + (["cuda"] if CUDA else [])
 
 # Bounds for waits; generous so a slow 2-core CI box passes, small enough that
 # a hang fails the test rather than the whole suite.
@@ -47,9 +59,13 @@ def transport_kwargs(transport: str) -> dict[str, Any]:
     if transport == "tcp":
         return {"transports": ("tcp",)}
     if transport == "shm":
-        return {}  # automatic selection: two same-host agents must pick shm
+        # automatic selection: two same-host agents must pick shm (cuda when
+        # both have CUDA, so it is left out then)
+        return {"transports": ("shm", "tcp")} if CUDA else {}
     if transport == "verbs":
         return {"transports": ("verbs",)}
+    if transport == "cuda":
+        return {}  # automatic selection: same host, both with CUDA
     raise ValueError(transport)
 
 
@@ -170,6 +186,12 @@ class Pair:
     init: Any  # initiator agent
     target: Any  # target agent
     peer: Any  # init's Peer for target
+
+    @property
+    def result_path(self) -> str:
+        """The path a transfer of host memory reports: the transport's, except
+        over "cuda", where host memory moves as shm copies (and says so)."""
+        return "shm" if self.transport == "cuda" else self.transport
 
     async def remote(self, name: str) -> Any:
         """The target's region ``name`` as init sees it (metadata refreshed first:

@@ -63,7 +63,7 @@ async def test_write_one_segment(pair: Pair, kind: str) -> None:
         assert isinstance(t, aioxfer.Transfer)
         res = await within(t)
         assert t.done()
-        assert res.nbytes == n and res.path == pair.transport and res.seconds >= 0
+        assert res.nbytes == n and res.path == pair.result_path and res.seconds >= 0
         assert bytes(dst.memoryview[off:off + n]) == data[:n].tobytes()
     # Nothing outside the written ranges changed.
     assert not dst.numpy()[:4 * MiB - 2 * MiB - 3].any()
@@ -79,7 +79,7 @@ async def test_read_one_segment(pair: Pair, kind: str) -> None:
     remote = await pair.remote("src")
     for n in (1, 4096, 3 * MiB):
         res = await within(pair.init.read(local[0:n], remote[MiB - 1:MiB - 1 + n]))
-        assert res.nbytes == n and res.path == pair.transport
+        assert res.nbytes == n and res.path == pair.result_path
         assert bytes(local.memoryview[:n]) == data[MiB - 1:MiB - 1 + n].tobytes()
 
 

@@ -264,6 +264,40 @@ int axf_verbs_accept_conn(axf_engine *e, int fd, uint64_t tag, const uint64_t *q
 int axf_endpoint_import_verbs(axf_engine *e, uint64_t ep, uint64_t rid, const uint64_t *addrs,
                               const uint32_t *rkeys, size_t n);
 
+/* CUDA (native/src/cuda.c): the driver (libcuda.so.1, or the library named by
+ * the AIOXFER_CUDA_DRIVER environment variable) is loaded at run time on first
+ * use; without it these return AXF_E_TRANSPORT and a reason, never fail to load.
+ * Process-level status: AXF_OK with the device count, or a reason. */
+#define AXF_CUDA_IPC_HANDLE 64
+int axf_cuda_probe(char *why, size_t why_len, int *ndevices);
+int axf_cuda_device_name(int ordinal, char *name, size_t len);
+/* Enables AXF_EP_CUDA endpoints on this engine (its copy threads start). */
+int axf_cuda_enable(axf_engine *e, char *why, size_t why_len);
+/* [ptr, ptr+len) must be device memory inside one allocation: its device,
+ * and the allocation's base and size. AXF_E_INVALID: not device memory;
+ * AXF_E_ACCESS: the range runs past its allocation. */
+int axf_cuda_pointer(uint64_t ptr, uint64_t len, int *device, uint64_t *base, uint64_t *size);
+/* What a same-host peer needs to map ptr's allocation: its legacy IPC handle,
+ * ptr's offset in it, and the device's UUID. AXF_E_REGISTRATION: the memory
+ * cannot be shared by IPC (e.g. cuMemCreate memory). */
+int axf_cuda_export(uint64_t ptr, uint8_t handle[AXF_CUDA_IPC_HANDLE], uint64_t *offset,
+                    uint8_t uuid[16]);
+/* A dmabuf fd of [ptr, ptr+len) for GPUDirect RDMA (CUDA >= 11.7); the caller closes it. */
+int axf_cuda_dmabuf(uint64_t ptr, uint64_t len, int *fd);
+/* Plain driver allocations and synchronous copies (unified addressing: host
+ * or device pointers), for tests and tools that have no CUDA library of their own. */
+int axf_cuda_alloc(int device, uint64_t len, uint64_t *ptr);
+int axf_cuda_free(uint64_t ptr);
+int axf_cuda_copy(uint64_t dst, uint64_t src, uint64_t len);
+/* Imports a peer's GPU region into an AXF_EP_CUDA endpoint: its IPC handle
+ * is opened once per allocation (per process) and closed once the region is
+ * forgotten after its last op, revoked, or the endpoint destroyed. The
+ * allocation's real size bounds offset + len. A loopback endpoint (pid is our
+ * own) uses addr as is and needs no handle. */
+int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key, uint64_t len,
+                             uint32_t access, uint64_t addr, const uint8_t *handle,
+                             uint64_t offset, const uint8_t uuid[16]);
+
 #ifdef __cplusplus
 }
 #endif

@@ -223,6 +223,8 @@ void region_unref(axf_engine *e, region *r)
         /* After every peer acknowledged (nothing in flight), and before the
          * owner hears it may release the memory. */
         verbs_region_free(e, r);
+        if (r->cuda_pinned)
+            cuda_unpin(r);
         cq_push(e, AXF_CQ_REGION_FREED, AXF_OK, r->id, 0, r->len, 0, NULL, 0);
         atomic_fetch_sub(&e->n_regions, 1);
         if (r->fd >= 0)
@@ -417,8 +419,10 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
             continue;
         }
         for (rregion *rr = ep->rregions; rr; rr = rr->next)
-            if (rr->rid == a->rid && rr->key == a->key)
+            if (rr->rid == a->rid && rr->key == a->key) {
                 shm_unmap(rr);
+                cuda_unmap(rr);
+            }
         sq_item *it = sq_new(FR_REVOKE_ACK, 0);
         if (it) {
             it->h.rid = a->rid;
@@ -460,15 +464,20 @@ void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
  * acknowledged. Paired with revoke_received: one of the two sees the other. */
 static void op_release_remote(axf_engine *e, op *o)
 {
-    bool flush = false;
+    bool flush = false, gpu = false;
     for (size_t i = 0; i < o->nrregs; i++) {
         rregion *rr = o->rregs[i];
-        if (atomic_fetch_sub(&rr->users, 1) == 1 && atomic_load(&rr->revoked))
-            flush = true;
+        if (atomic_fetch_sub(&rr->users, 1) == 1) {
+            flush |= atomic_load(&rr->revoked);
+            gpu |= o->ep->kind == AXF_EP_CUDA; /* rr->cuda is read under e->mu only */
+        }
     }
-    if (flush) {
+    if (flush || gpu) {
         pthread_mutex_lock(&e->mu);
-        rv_acks_flush(e, o->ep);
+        if (flush)
+            rv_acks_flush(e, o->ep);
+        if (gpu)
+            cuda_unmap_idle(o->ep);
         pthread_mutex_unlock(&e->mu);
     }
 }
@@ -612,7 +621,10 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
         int st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
         for (op *o = ep->ops, *next; o; o = next) {
             next = o->next;
-            if ((ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_VERBS) && o->phase == 0)
+            /* Copies in flight (CPU or GPU) and posted RDMA requests finish
+             * (or flush) on their own. */
+            if ((ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_CUDA || ep->kind == AXF_EP_VERBS) &&
+                o->phase == 0)
                 continue;
             if (ep->kind == AXF_EP_FILE) { /* its chunks finish in file.c and then see this */
                 op_set_status(o, st, 0);
@@ -628,6 +640,7 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
             ep->lost_reported = true;
             report = true;
         }
+        cuda_unmap_idle(ep);
     }
     bool flush = ep->live_conns == 0 && ep->kind == AXF_EP_VERBS;
     pthread_mutex_unlock(&e->mu);
@@ -702,8 +715,10 @@ static int op_resolve(axf_engine *e, op *o)
             return AXF_E_INVALID;
         }
         /* RDMA reaches what is registered with the devices (host memory, GPU
-         * memory registered for GPUDirect), never a file. */
-        if (o->ep->kind == AXF_EP_VERBS && !verbs_region_usable(last)) {
+         * memory registered for GPUDirect), never a file; the GPU copy path
+         * reaches host and GPU memory, not files. */
+        if ((o->ep->kind == AXF_EP_VERBS && !verbs_region_usable(last)) ||
+            (o->ep->kind == AXF_EP_CUDA && last->kind == AXF_MEM_FILE)) {
             o->fail_index = i;
             return AXF_E_INVALID;
         }
@@ -1077,6 +1092,8 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         o->ep = ep;
         st = op_resolve(e, o);
     }
+    if (st == AXF_OK && ep->kind == AXF_EP_CUDA)
+        st = cuda_op_check(o);
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
         op_free(e, o);
@@ -1115,6 +1132,9 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         /* Posted to the queue pairs at once: one post per chain is the batch. */
         finish_now = !verbs_submit(e, o);
         pthread_mutex_unlock(&e->mu);
+    } else if (ep->kind == AXF_EP_CUDA && cuda_op_is_gpu(o)) {
+        pthread_mutex_unlock(&e->mu);
+        cuda_submit(e, o); /* the CUDA threads enqueue and complete it */
     } else {
         uint64_t total = 0;
         for (size_t i = 0; i < n; i++)
@@ -1177,9 +1197,13 @@ int axf_cancel(axf_engine *e, uint64_t req_id)
 
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out)
 {
-    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && kind != AXF_EP_FILE &&
-        !(kind == AXF_EP_VERBS && e->verbs))
-        return kind == AXF_EP_VERBS ? AXF_E_TRANSPORT : AXF_E_INVALID;
+    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && kind != AXF_EP_FILE && kind != AXF_EP_CUDA &&
+        kind != AXF_EP_VERBS)
+        return AXF_E_INVALID;
+    if (kind == AXF_EP_VERBS && !e->verbs)
+        return AXF_E_TRANSPORT; /* axf_verbs_enable first */
+    if (kind == AXF_EP_CUDA && !cuda_ready(e))
+        return AXF_E_TRANSPORT; /* axf_cuda_enable first */
     endpoint *ep = calloc(1, sizeof *ep);
     if (!ep)
         return AXF_E_NOMEM;
@@ -1303,7 +1327,7 @@ int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t ke
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
     int st = e->shut ? AXF_E_CLOSED : !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED : AXF_OK;
-    if (st == AXF_OK && ep->kind == AXF_EP_SHM && memfd >= 0)
+    if (st == AXF_OK && (ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_CUDA) && memfd >= 0)
         st = shm_map(e, ep, rr, memfd);
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
@@ -1324,10 +1348,59 @@ int axf_endpoint_forget(axf_engine *e, uint64_t ep_id, uint64_t rid)
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
     rregion *rr = ep ? rr_find(ep, rid) : NULL;
-    if (rr)
+    if (rr) {
         rr->gone = true; /* in-flight ops keep using it; freed with the endpoint */
+        cuda_unmap_idle(ep);
+    }
     pthread_mutex_unlock(&e->mu);
     return rr ? AXF_OK : AXF_E_NOTFOUND;
+}
+
+int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t key,
+                             uint64_t len, uint32_t access, uint64_t addr, const uint8_t *handle,
+                             uint64_t offset, const uint8_t uuid[16])
+{
+    static const uint8_t no_uuid[16];
+    if (!len)
+        return AXF_E_INVALID;
+    rregion *rr = calloc(1, sizeof *rr);
+    if (!rr)
+        return AXF_E_NOMEM;
+    rr->rid = rid;
+    rr->key = key;
+    rr->len = len;
+    rr->access = access;
+    rr->addr = addr;
+    atomic_init(&rr->revoked, false);
+    atomic_init(&rr->users, 0);
+    pthread_mutex_lock(&e->mu);
+    endpoint *ep = ep_find(e, ep_id);
+    int st = !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED
+             : ep->kind != AXF_EP_CUDA ? AXF_E_INVALID : AXF_OK;
+    pthread_mutex_unlock(&e->mu);
+    /* Opening the handle may take a while: not under the engine lock (an
+     * endpoint lives as long as the engine). */
+    if (st == AXF_OK)
+        st = cuda_import(ep, rr, handle, offset, uuid ? uuid : no_uuid);
+    if (st != AXF_OK) {
+        free(rr);
+        return st;
+    }
+    pthread_mutex_lock(&e->mu);
+    if (ep->dead) {
+        pthread_mutex_unlock(&e->mu);
+        cuda_unmap(rr);
+        free(rr);
+        return AXF_E_CLOSED;
+    }
+    rregion *old = rr_find(ep, rid);
+    if (old)
+        old->gone = true;
+    rr->next = ep->rregions;
+    ep->rregions = rr;
+    cuda_unmap_idle(ep);
+    pthread_mutex_unlock(&e->mu);
+    return AXF_OK;
 }
 
 int axf_endpoint_close(axf_engine *e, uint64_t ep_id)
@@ -1395,6 +1468,7 @@ void axf_engine_shutdown(axf_engine *e)
     shm_stop(e); /* finishes or fails queued copies */
     file_stop(e); /* fails queued file I/O, waits for what is in flight */
     verbs_stop(e); /* flushes posted RDMA requests; their ops finish */
+    cuda_stop(e); /* waits for enqueued GPU copies, fails the rest */
 
     /* Whatever is left (endpoints that never had a connection). */
     for (;;) {
@@ -1443,6 +1517,7 @@ void axf_engine_destroy(axf_engine *e)
             rn = rr->next;
             shm_unmap(rr);
             verbs_rr_free(rr);
+            cuda_unmap(rr);
             free(rr);
         }
         verbs_ep_free(ep);
@@ -1465,6 +1540,7 @@ void axf_engine_destroy(axf_engine *e)
         free(c);
     }
     verbs_free(e);
+    cuda_free(e);
     for (size_t i = 0; i < e->cq_count; i++)
         free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
     free(e->cq);

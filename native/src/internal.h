@@ -62,6 +62,7 @@ typedef struct region {
                            host addresses must be multiples of it; else 0 */
     atomic_int refs; /* one for the registry while registered, one per user */
     struct verbs_reg *verbs; /* verbs.c: its memory registrations, one per device */
+    bool cuda_pinned, cuda_pin_tried; /* host memory page-locked for GPU copies (cuda.c) */
     struct region *next;
 } region;
 
@@ -78,6 +79,7 @@ typedef struct rregion {
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
     struct shm_mapping *mapping; /* ... and what keeps it alive while it is prefaulted */
     struct verbs_rkeys *verbs; /* verbs: the owner's (addr, rkey) per its device */
+    struct cuda_rmap *cuda; /* cuda: our IPC mapping of the peer's GPU memory, else NULL */
     struct rregion *next;
 } rregion;
 
@@ -260,6 +262,7 @@ struct axf_engine {
     struct verbs_state *verbs; /* verbs.c: devices and their poller, NULL while off */
 
     struct file_xport *file; /* file transport, started by the first FILE endpoint (e->mu) */
+    struct axf_cuda *cuda; /* CUDA copy threads, once axf_cuda_enable succeeded */
 
     atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
 };
@@ -338,5 +341,21 @@ void verbs_stop(axf_engine *e);  /* shutdown: flush, stop the poller, destroy qu
 void verbs_free(axf_engine *e);  /* destroy: devices */
 void verbs_ep_free(endpoint *ep);
 void verbs_rr_free(rregion *rr);
+
+/* cuda.c */
+typedef struct cuda_rmap cuda_rmap;
+bool cuda_ready(axf_engine *e);
+int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offset,
+                const uint8_t uuid[16]);
+void cuda_unmap(rregion *rr);
+/* e->mu held: closes the GPU mappings of ep's regions that no op uses and
+ * none can resolve any more (forgotten, or the endpoint is dead). */
+void cuda_unmap_idle(endpoint *ep);
+bool cuda_op_is_gpu(const op *o);
+int cuda_op_check(op *o); /* e->mu held, after op_resolve */
+void cuda_submit(axf_engine *e, op *o);
+void cuda_stop(axf_engine *e); /* finishes what was enqueued, fails the rest */
+void cuda_free(axf_engine *e);
+void cuda_unpin(region *r); /* before the region's memory is given back */
 
 #endif

@@ -1,0 +1,246 @@
+"""CUDA memory: is CUDA here, and what GPU memory an object describes.
+
+aioxfer talks to the CUDA driver itself (loaded at run time by the native
+engine), so it never imports torch or cupy and never fails to import where
+there is no driver: ``status()`` then says why CUDA is absent.
+
+What ``Agent.register`` accepts as GPU memory (region kind "cuda"):
+
+- objects with ``__cuda_array_interface__`` (versions 2 and 3: PyTorch and
+  CuPy tensors, Numba arrays), C-contiguous;
+- DLPack producers (``__dlpack__`` / ``__dlpack_device__``) whose device is
+  CUDA (kDLCUDA); DLPack host tensors (kDLCPU, kDLCUDAHost) are host memory;
+- ``DevicePointer(ptr, nbytes)``: a raw device pointer with its size, and an
+  optional ``owner`` object that keeps the memory alive;
+- ``DeviceBuffer(nbytes)``: memory allocated here through the driver (for
+  tools and tests without a CUDA library of their own).
+
+The driver is ``libcuda.so.1``; ``AIOXFER_CUDA_DRIVER`` names another library
+(the tests load native/tests/fakecuda.c, a software stand-in, through it).
+
+The registered object is held until the engine confirms nothing touches its
+memory any more. aioxfer copies on its own CUDA streams: memory your kernels
+write must be complete (``torch.cuda.synchronize()`` or an event) before a
+transfer reads it, as with any other consumer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from aioxfer import _cyx
+
+__all__ = ["DeviceBuffer", "DevicePointer", "GpuMemory", "devices", "inspect", "status"]
+
+KDL_CPU = 1
+KDL_CUDA = 2
+KDL_CUDA_HOST = 3
+
+
+def status() -> tuple[bool, str]:
+    """(available, one line): the driver and device count, or why CUDA is absent."""
+    st, why, _ = _cyx.cuda_probe()
+    return st == _cyx.OK, why
+
+
+def devices() -> list[str]:
+    """The CUDA devices this process sees, by name ("0: NVIDIA H200"); [] without CUDA."""
+    st, _, n = _cyx.cuda_probe()
+    if st != _cyx.OK:
+        return []
+    return [f"{i}: {_cyx.cuda_device_name(i)}" for i in range(n)]
+
+
+@dataclass(frozen=True)
+class DevicePointer:
+    """A raw CUDA device pointer and its size, registered as GPU memory.
+
+    ``owner``: any object that keeps the memory alive (held while registered).
+    The range must lie inside one CUDA allocation (checked at registration).
+    """
+
+    ptr: int
+    nbytes: int
+    owner: Any = None
+    readonly: bool = False
+
+
+class DeviceBuffer:
+    """GPU memory allocated through the driver (cuMemAlloc): for tools and tests
+    that have no CUDA library. Register it like any CUDA array; ``close()``
+    frees it (after deregistering it and waiting for the region to be freed)."""
+
+    def __init__(self, nbytes: int, device: int = 0) -> None:
+        if nbytes <= 0:
+            raise ValueError("a DeviceBuffer needs a positive size")
+        self.nbytes = int(nbytes)
+        self.device = int(device)
+        self.ptr = _cyx.cuda_alloc(self.device, self.nbytes)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+    def upload(self, data: Any, offset: int = 0) -> None:
+        """Copies a host buffer into the device memory at offset (synchronous)."""
+        mv = memoryview(data).cast("B")
+        self._check(offset, mv.nbytes)
+        holder = (ctypes.c_char * mv.nbytes).from_buffer_copy(mv) if mv.readonly else None
+        addr = (
+            ctypes.addressof(holder)
+            if holder is not None
+            else ctypes.addressof(ctypes.c_char.from_buffer(mv))
+        )
+        _cyx.cuda_copy(self.ptr + offset, addr, mv.nbytes)
+
+    def download(self, offset: int = 0, nbytes: int | None = None) -> bytes:
+        """A host copy of nbytes of device memory from offset (synchronous)."""
+        n = self.nbytes - offset if nbytes is None else nbytes
+        self._check(offset, n)
+        out = ctypes.create_string_buffer(n)
+        _cyx.cuda_copy(ctypes.addressof(out), self.ptr + offset, n)
+        return out.raw
+
+    def _check(self, offset: int, n: int) -> None:
+        if self.ptr == 0:
+            raise ValueError("DeviceBuffer is closed")
+        if offset < 0 or n < 0 or offset + n > self.nbytes:
+            raise IndexError(f"[{offset}:+{n}] is out of bounds for {self.nbytes} bytes")
+
+    def close(self) -> None:
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            _cyx.cuda_free(ptr)
+
+    def __repr__(self) -> str:
+        return f"<DeviceBuffer {self.nbytes} bytes on device {self.device} at {self.ptr:#x}>"
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """What ``inspect`` found: memory at ``ptr`` of ``nbytes``, ``kind`` "cuda"
+    (a device pointer) or "host" (a host pointer from DLPack)."""
+
+    kind: str
+    ptr: int
+    nbytes: int
+    readonly: bool
+
+
+class NotContiguous(ValueError):
+    pass
+
+
+def inspect(obj: Any) -> GpuMemory | None:
+    """The memory an object describes by pointer (CUDA array interface, DLPack,
+    DevicePointer), or None for objects registered through the buffer protocol.
+
+    Raises ValueError (NotContiguous for strided arrays) when the description is
+    unusable. Nothing here touches the memory or needs a driver."""
+    if isinstance(obj, DevicePointer):
+        if obj.ptr <= 0 or obj.nbytes <= 0:
+            raise ValueError("a DevicePointer needs a non-null pointer and a positive size")
+        return GpuMemory("cuda", int(obj.ptr), int(obj.nbytes), bool(obj.readonly))
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _from_cai(cai)
+    if hasattr(obj, "__dlpack_device__"):
+        dev_type, _ = obj.__dlpack_device__()
+        if int(dev_type) == KDL_CUDA:
+            return _from_dlpack(obj, "cuda")
+        if int(dev_type) in (KDL_CPU, KDL_CUDA_HOST):
+            try:
+                memoryview(obj).release()
+                return None  # a buffer export: the usual host path pins it
+            except TypeError:
+                return _from_dlpack(obj, "host")
+        raise ValueError(f"DLPack device type {dev_type} is neither CUDA nor host memory")
+    return None
+
+
+def _from_cai(cai: dict[str, Any]) -> GpuMemory:
+    version = int(cai.get("version", 0))
+    if version < 2:
+        raise ValueError(f"__cuda_array_interface__ version {version} (2 or 3 needed)")
+    if cai.get("mask") is not None:
+        raise ValueError("masked CUDA arrays cannot be registered")
+    shape = tuple(int(n) for n in cai["shape"])
+    itemsize = int(str(cai["typestr"])[2:])
+    ptr, readonly = cai["data"]
+    count = math.prod(shape)
+    strides = cai.get("strides")
+    if strides is not None and count > 1 and tuple(strides) != _c_strides(shape, itemsize):
+        raise NotContiguous(f"strides {tuple(strides)} are not C-contiguous for shape {shape}")
+    nbytes = count * itemsize
+    if nbytes <= 0 or not ptr:
+        raise ValueError("cannot register an empty CUDA array")
+    return GpuMemory("cuda", int(ptr), nbytes, bool(readonly))
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    out = []
+    step = itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    """dlpack.h DLTensor, the first member of DLManagedTensor ("dltensor" capsules)."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _from_dlpack(obj: Any, kind: str) -> GpuMemory:
+    # The capsule is read and dropped unconsumed (its destructor calls the
+    # producer's deleter); the registered object itself keeps the memory alive.
+    capsule = obj.__dlpack__()
+    addr = _capsule_pointer(capsule, b"dltensor")
+    if not addr:
+        raise ValueError("__dlpack__ returned no tensor")
+    t = _DLTensor.from_address(addr)
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    itemsize = (t.dtype.bits * t.dtype.lanes + 7) // 8
+    count = math.prod(shape)
+    if t.strides and count > 1:
+        strides = tuple(t.strides[i] * itemsize for i in range(t.ndim))
+        if strides != _c_strides(shape, itemsize):
+            raise NotContiguous(f"DLPack strides are not C-contiguous for shape {shape}")
+    nbytes = count * itemsize
+    ptr = (t.data or 0) + t.byte_offset
+    del capsule
+    if nbytes <= 0 or not ptr:
+        raise ValueError("cannot register an empty DLPack tensor")
+    return GpuMemory(kind, ptr, nbytes, False)

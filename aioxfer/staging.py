@@ -1,0 +1,233 @@
+"""GPU <-> file through host staging: a KV page moves GPU -> file and back with
+one awaitable each.
+
+Path (reported on every result): ``"cuda+file (host staging)"``. The GPU half
+is a CUDA copy between the GPU region and a bounce buffer in shared host memory
+(``agent.alloc``), posted through the agent's own "cuda" path (a loopback peer:
+the agent connected to itself, so the engine's bounds, keys and revocation
+rules apply as for any peer); the file half reads or writes the bounce buffer
+through a ``FileSide``. No thread of the event loop copies or blocks.
+
+GPUDirect Storage (cuFile) is not used: it must only be opened once the CUDA
+driver is known to load (its driver_open spins forever without one), and it is
+not implemented yet; this module is the fallback it would sit in front of.
+
+``FileSide`` is the interface the file half needs. ``FileRegion`` implements
+it over a file region of the agent (``agent.register_file``: the engine's file
+transport, io_uring or its I/O threads); ``PosixFile`` with pread/pwrite on
+Python worker threads, for files the agent does not own. A file region may be
+passed to ``GpuFileStager`` as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from time import perf_counter
+from typing import TYPE_CHECKING, Protocol
+
+from aioxfer.errors import ClosedResourceError, TransportError
+
+if TYPE_CHECKING:
+    from aioxfer.agent import Agent
+    from aioxfer.peer import Peer
+    from aioxfer.region import Region, RemoteRegion, Segment
+
+__all__ = ["PATH", "FileRegion", "FileSide", "GpuFileStager", "PosixFile", "StagedResult"]
+
+PATH = "cuda+file (host staging)"
+
+
+@dataclass(frozen=True)
+class StagedResult:
+    nbytes: int
+    seconds: float
+    path: str = PATH
+
+
+class FileSide(Protocol):
+    """The file half of a staged move: host memory <-> a byte range of a file."""
+
+    async def write_from(self, src: Segment, offset: int) -> None:
+        """Writes src's bytes to the file at offset."""
+        ...
+
+    async def read_into(self, dst: Segment, offset: int) -> None:
+        """Fills dst from the file at offset (all of it, or raises)."""
+        ...
+
+
+class FileRegion:
+    """The file half through the agent's file transport: one ``agent.write`` /
+    ``agent.read`` between the bounce segment and ``region`` (a file region,
+    ``agent.register_file``). Offsets are the region's."""
+
+    def __init__(self, region: Region) -> None:
+        if region.kind != "file":
+            raise ValueError(f"{region!r} is not a file region (kind {region.kind!r})")
+        self.region = region
+
+    async def write_from(self, src: Segment, offset: int) -> None:
+        await self.region.agent.write(src, self.region[offset : offset + src.length])
+
+    async def read_into(self, dst: Segment, offset: int) -> None:
+        await self.region.agent.read(dst, self.region[offset : offset + dst.length])
+
+
+class PosixFile:
+    """A file read and written with pread/pwrite on worker threads."""
+
+    def __init__(self, path: str | os.PathLike[str], *, size: int | None = None) -> None:
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if size is not None:
+            os.ftruncate(self._fd, size)
+
+    def _check(self) -> int:
+        if self._fd < 0:
+            raise ClosedResourceError(f"file {self.path!r} is closed")
+        return self._fd
+
+    async def write_from(self, src: Segment, offset: int) -> None:
+        fd = self._check()
+        view = src.memoryview
+
+        def run() -> None:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+
+        await asyncio.get_running_loop().run_in_executor(None, run)
+
+    async def read_into(self, dst: Segment, offset: int) -> None:
+        fd = self._check()
+        view = dst.memoryview
+
+        def run() -> None:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise TransportError(
+                        f"file {self.path!r} ends at {offset + done}, "
+                        f"{len(view) - done} bytes short of the page"
+                    )
+                done += n
+
+        await asyncio.get_running_loop().run_in_executor(None, run)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+class GpuFileStager:
+    """Moves byte ranges of GPU regions to and from a file through ``slots``
+    bounce buffers of ``slot_bytes`` each (moves run concurrently up to
+    ``slots``; a larger page goes through its slot in pieces).
+
+    ``await stager.start()`` (or ``async with``) connects the agent to itself
+    over "cuda", which needs CUDA in this process."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        file: FileSide | Region,
+        *,
+        slot_bytes: int = 4 << 20,
+        slots: int = 2,
+    ) -> None:
+        if slot_bytes <= 0 or slots <= 0:
+            raise ValueError("slot_bytes and slots must be positive")
+        from aioxfer.region import Region
+
+        self._agent = agent
+        self._file: FileSide = FileRegion(file) if isinstance(file, Region) else file
+        self._slot_bytes = int(slot_bytes)
+        self._nslots = int(slots)
+        self._bounce: Region | None = None
+        self._remote: RemoteRegion | None = None
+        self._peer: Peer | None = None
+        self._free: asyncio.Queue[int] = asyncio.Queue()
+        self._closed = False
+
+    async def start(self) -> GpuFileStager:
+        if self._bounce is not None:
+            return self
+        agent = self._agent
+        if "cuda" not in agent.transports:
+            raise TransportError(f"GPU <-> file staging needs CUDA: {agent._cuda_why}")
+        name = f"aioxfer-staging-{id(self):x}"
+        self._bounce = agent.alloc(self._slot_bytes * self._nslots, name=name)
+        try:
+            self._peer = await agent.connect(agent.address)
+            if self._peer.path != "cuda":
+                raise TransportError(
+                    f"the loopback path is {self._peer.path!r}, not 'cuda': "
+                    f"cannot reach GPU memory"
+                )
+            await self._peer.refresh()
+            self._remote = self._peer.region(name)
+        except BaseException:
+            agent.deregister(self._bounce)
+            self._bounce = None
+            raise
+        for i in range(self._nslots):
+            self._free.put_nowait(i)
+        return self
+
+    async def __aenter__(self) -> GpuFileStager:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._bounce is not None and not self._agent.closed:
+            self._agent.deregister(self._bounce)
+
+    def _ready(self) -> tuple[Region, RemoteRegion]:
+        if self._closed:
+            raise ClosedResourceError("GPU <-> file stager is closed")
+        if self._bounce is None or self._remote is None:
+            raise RuntimeError("GpuFileStager.start() first")
+        return self._bounce, self._remote
+
+    async def gpu_to_file(self, src: Segment, offset: int) -> StagedResult:
+        """Writes a GPU segment to the file at offset."""
+        return await self._move(src, offset, to_file=True)
+
+    async def file_to_gpu(self, offset: int, dst: Segment) -> StagedResult:
+        """Reads the file at offset into a GPU segment."""
+        return await self._move(dst, offset, to_file=False)
+
+    async def _move(self, seg: Segment, offset: int, *, to_file: bool) -> StagedResult:
+        bounce, remote = self._ready()
+        if seg.region.kind != "cuda":
+            raise ValueError(f"{seg!r} is not GPU memory (region kind {seg.region.kind!r})")
+        if offset < 0:
+            raise ValueError("file offset must not be negative")
+        t0 = perf_counter()
+        slot = await self._free.get()
+        try:
+            base = slot * self._slot_bytes
+            done = 0
+            while done < seg.length:
+                n = min(self._slot_bytes, seg.length - done)
+                local = bounce[base : base + n]
+                staged = remote[base : base + n]
+                if to_file:
+                    await self._agent.write(seg[done : done + n], staged)
+                    await self._file.write_from(local, offset + done)
+                else:
+                    await self._file.read_into(local, offset + done)
+                    await self._agent.read(seg[done : done + n], staged)
+                done += n
+        finally:
+            self._free.put_nowait(slot)
+        return StagedResult(seg.length, perf_counter() - t0)
