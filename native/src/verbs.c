@@ -439,21 +439,39 @@ int verbs_region_add(axf_engine *e, region *r)
         return AXF_OK;
     }
     char why[200] = "";
+    /* GPUDirect RDMA: GPU memory through a dmabuf of it from the CUDA driver
+     * first (CUDA >= 11.7, a kernel with dmabuf MRs); else plain registration,
+     * which works where the peer-memory module (nvidia-peermem) is loaded. */
+    int dmabuf = -1;
+    if (r->kind == AXF_MEM_CUDA && vs->t.reg_dmabuf_mr &&
+        axf_cuda_dmabuf((uint64_t)(uintptr_t)r->addr, r->len, &dmabuf) != AXF_OK)
+        dmabuf = -1;
     pthread_mutex_lock(&vs->mu);
-    int st = region_register_all(vs, r, -1, 0, why, sizeof why);
-    if (st != AXF_OK)
-        region_release_all(vs, r);
+    int st = AXF_E_REGISTRATION;
+    if (dmabuf >= 0) {
+        st = region_register_all(vs, r, dmabuf, 0, why, sizeof why);
+        if (st != AXF_OK)
+            region_release_all(vs, r);
+    }
+    if (st != AXF_OK) {
+        st = region_register_all(vs, r, -1, 0, why, sizeof why);
+        if (st != AXF_OK)
+            region_release_all(vs, r);
+    }
     pthread_mutex_unlock(&vs->mu);
+    if (dmabuf >= 0)
+        close(dmabuf); /* the registrations hold their own reference */
     if (st == AXF_OK || st == AXF_E_NOMEM)
         return st;
     if (r->kind == AXF_MEM_CUDA) {
-        /* No peer-memory registration (nvidia-peermem): the dmabuf hook may
-         * still register it; until then verbs cannot reach it. */
+        /* Neither a dmabuf nor peer memory (nvidia-peermem): the
+         * axf_verbs_region_dmabuf hook may still register it; until then
+         * verbs cannot reach it. */
         cq_log(e, 0,
-               "verbs: GPU region of %llu bytes not registered for GPUDirect RDMA (%s); "
-               "slow path: it is unreachable over verbs until registered through a dmabuf, "
-               "and there is no host staging",
-               (unsigned long long)r->len, why);
+               "verbs: GPU region of %llu bytes not registered for GPUDirect RDMA (dmabuf %s, "
+               "peer memory: %s); slow path: it is unreachable over verbs, and there is no "
+               "host staging",
+               (unsigned long long)r->len, dmabuf >= 0 ? "refused" : "unavailable", why);
         return AXF_OK;
     }
     cq_log(e, 0, "verbs: cannot register %llu bytes: %s", (unsigned long long)r->len, why);
