@@ -47,3 +47,15 @@ def test_kv_router_survives_a_killed_worker(transport: str, tmp_path: Path) -> N
     assert len(rows) == 3, out
     assert sorted(state for _, _, state in rows) == ["exit 0", "exit 0", "killed"], out
     assert sum(int(n) for _, n, _ in rows) == requests, out
+
+
+def test_kv_offload_to_file_and_back(tmp_path: Path) -> None:
+    out = run_example("kv_offload.py", "--requests", "12", "--pages-per-request", "16",
+                      "--pool-pages", "64", "--file", str(tmp_path / "kv.bin"), cwd=tmp_path)
+    offloaded = re.search(r"offloaded: (\d+) requests", out)
+    restored = re.search(r"restored: (\d+) requests", out)
+    assert offloaded and restored, out
+    # A pool of 4 requests for 12: 8 go to the file while prefill runs, and
+    # resuming all 12 in random order reads back every one not in the pool.
+    assert int(offloaded.group(1)) >= 8 and int(restored.group(1)) >= 8, out
+    assert "resumed: 12  corrupt pages: 0" in out, out
