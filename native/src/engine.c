@@ -1311,12 +1311,12 @@ size_t axf_endpoint_rails(axf_engine *e, uint64_t ep_id, axf_rail_stats *out, si
     return n;
 }
 
-int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t key, uint64_t len,
-                        uint32_t access, uint64_t addr, int32_t memfd)
+static rregion *rregion_new(uint64_t rid, uint64_t key, uint64_t len, uint32_t access,
+                           uint64_t addr)
 {
     rregion *rr = calloc(1, sizeof *rr);
     if (!rr)
-        return AXF_E_NOMEM;
+        return NULL;
     rr->rid = rid;
     rr->key = key;
     rr->len = len;
@@ -1324,6 +1324,25 @@ int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t ke
     rr->addr = addr;
     atomic_init(&rr->revoked, false);
     atomic_init(&rr->users, 0);
+    return rr;
+}
+
+/* Makes rr the endpoint's region rid; an older import of rid takes no new ops. e->mu held. */
+static void rregion_publish(endpoint *ep, rregion *rr)
+{
+    rregion *old = rr_find(ep, rr->rid);
+    if (old)
+        old->gone = true;
+    rr->next = ep->rregions;
+    ep->rregions = rr;
+}
+
+int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t key, uint64_t len,
+                        uint32_t access, uint64_t addr, int32_t memfd)
+{
+    rregion *rr = rregion_new(rid, key, len, access, addr);
+    if (!rr)
+        return AXF_E_NOMEM;
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
     int st = e->shut ? AXF_E_CLOSED : !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED : AXF_OK;
@@ -1334,11 +1353,7 @@ int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t ke
         free(rr);
         return st;
     }
-    rregion *old = rr_find(ep, rid);
-    if (old)
-        old->gone = true;
-    rr->next = ep->rregions;
-    ep->rregions = rr;
+    rregion_publish(ep, rr);
     pthread_mutex_unlock(&e->mu);
     return AXF_OK;
 }
@@ -1363,16 +1378,9 @@ int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64
     static const uint8_t no_uuid[16];
     if (!len)
         return AXF_E_INVALID;
-    rregion *rr = calloc(1, sizeof *rr);
+    rregion *rr = rregion_new(rid, key, len, access, addr);
     if (!rr)
         return AXF_E_NOMEM;
-    rr->rid = rid;
-    rr->key = key;
-    rr->len = len;
-    rr->access = access;
-    rr->addr = addr;
-    atomic_init(&rr->revoked, false);
-    atomic_init(&rr->users, 0);
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
     int st = !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED
@@ -1393,11 +1401,7 @@ int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64
         free(rr);
         return AXF_E_CLOSED;
     }
-    rregion *old = rr_find(ep, rid);
-    if (old)
-        old->gone = true;
-    rr->next = ep->rregions;
-    ep->rregions = rr;
+    rregion_publish(ep, rr);
     cuda_unmap_idle(ep);
     pthread_mutex_unlock(&e->mu);
     return AXF_OK;

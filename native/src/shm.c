@@ -42,7 +42,8 @@ static void mapping_unref(shm_mapping *m)
     }
 }
 
-static void queue_jobs(axf_engine *e, job *head, job *tail, bool broadcast)
+/* wake: 0 none (a doorbell follows), 1 one worker, 2 all. */
+static void queue_jobs(axf_engine *e, job *head, job *tail, int wake)
 {
     pthread_mutex_lock(&e->wq_mu);
     if (e->wq_tail)
@@ -50,9 +51,9 @@ static void queue_jobs(axf_engine *e, job *head, job *tail, bool broadcast)
     else
         e->wq_head = head;
     e->wq_tail = tail;
-    if (broadcast)
+    if (wake == 2)
         pthread_cond_broadcast(&e->wq_cv);
-    else
+    else if (wake == 1)
         pthread_cond_signal(&e->wq_cv);
     pthread_mutex_unlock(&e->wq_mu);
 }
@@ -70,7 +71,7 @@ static void run_prefault(axf_engine *e, job *j, bool stopping)
         m->done += step;
     if (m->done < m->len) {
         j->next = NULL;
-        queue_jobs(e, j, j, false);
+        queue_jobs(e, j, j, 1);
         return;
     }
     free(j);
@@ -104,7 +105,7 @@ int shm_map(axf_engine *e, endpoint *ep, rregion *rr, int32_t memfd)
     rr->map = a;
     rr->mapping = m;
     j->populate = m;
-    queue_jobs(e, j, j, false);
+    queue_jobs(e, j, j, 1);
     return AXF_OK;
 }
 
@@ -351,15 +352,6 @@ void shm_submit(axf_engine *e, op *o, bool signal)
         return;
     }
     atomic_store(&o->remaining, count);
-    if (signal) {
-        queue_jobs(e, head, tail, count > 1);
-        return;
-    }
-    pthread_mutex_lock(&e->wq_mu);
-    if (e->wq_tail)
-        e->wq_tail->next = head;
-    else
-        e->wq_head = head;
-    e->wq_tail = tail;
-    pthread_mutex_unlock(&e->wq_mu);
+    /* Unsignalled (deferred): the doorbell wakes the workers. */
+    queue_jobs(e, head, tail, signal ? (count > 1 ? 2 : 1) : 0);
 }
