@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import itertools
 import mmap
 import os
@@ -2213,7 +2212,9 @@ def _cma_works() -> bool:
     global _CMA
     if _CMA is None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            # The symbols already in this process (libc among them): find_library
+            # would run ldconfig in a subprocess, ~2 ms on the first connect.
+            libc = ctypes.CDLL(None, use_errno=True)
 
             class IoVec(ctypes.Structure):
                 _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
