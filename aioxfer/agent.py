@@ -94,7 +94,8 @@ TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
 MAX_CONNS = 16  # AXF_MAX_CONNS: connections one endpoint may have
 _POLL_MAX = 4096
 _POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
-_BANDWIDTH_MIN = 64 << 10  # transfers from this size on measure bandwidth, smaller latency
+# A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
+_Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
 
 _OK = _cyx.OK
 _CQ_XFER = _cyx.CQ_XFER
@@ -1545,8 +1546,9 @@ class Agent:
             raise ValueError(f"{peer!r} is a peer of another agent")
         await self._submit(peer, _cyx.OP_NOTIFY, None, _payload(payload), 0, "notify")
 
-    def _descs(self, local: Any, remote: Any, op: str) -> tuple[Peer, npt.NDArray[np.uint64], int]:
-        """The (n, 6) uint64 descriptor array [lrid, loff, rrid, rkey, roff, len]."""
+    def _descs(self, local: Any, remote: Any, op: str) -> tuple[Peer, _Descs, int]:
+        """The (n, 6) uint64 descriptor array [lrid, loff, rrid, rkey, roff, len],
+        or for one segment that row as a tuple."""
         self._check_open()
         if type(local) is Segment and type(remote) is RemoteSegment:
             lr = local.region
@@ -1562,13 +1564,8 @@ class Agent:
                 or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
             ):
                 self._check_pair(local, remote, 0)
-            return (
-                rr.peer,
-                np.array(
-                    [[lr.rid, local.offset, rr.rid, rr.key, remote.offset, n]], dtype=np.uint64
-                ),
-                n,
-            )
+            # One descriptor as a tuple: _cyx packs it without a numpy array.
+            return rr.peer, (lr.rid, local.offset, rr.rid, rr.key, remote.offset, n), n
         if file_transport.is_file_target(remote):
             return file_transport.descs(self, local, remote)
         if isinstance(local, SegmentList) and isinstance(remote, SegmentList):
@@ -1714,7 +1711,7 @@ class Agent:
         self,
         peer: Peer,
         opcode: int,
-        descs: npt.NDArray[np.uint64] | None,
+        descs: _Descs | None,
         notify: bytes | None,
         nbytes: int,
         op: str,
@@ -1853,51 +1850,43 @@ class Agent:
         self._loop.call_soon(self._drain)  # more remain: let the loop breathe first
 
     def _drain_once(self) -> int:
-        recs = self._engine.poll(_POLL_MAX)
-        if not recs:
-            return 0
-        inflight = self._inflight
-        for kind, status, rid, tag, nbytes, fail_index, payload in recs:
-            if kind == _CQ_XFER:
-                t = inflight.pop(rid, None)
-                if t is None:
-                    continue
-                peer = t.peer
-                if status == _OK:
-                    if t._admitted:
-                        self._release(t)
-                    peer._inflight -= 1
-                    peer._inflight_bytes -= t.nbytes
-                    peer._completed += 1
-                    peer._bytes += nbytes
-                    self._completed += 1
-                    self._bytes += nbytes
-                    seconds = perf_counter() - t._t0
-                    # Moving averages routers estimate completion times from.
-                    if nbytes >= _BANDWIDTH_MIN:
-                        bw = nbytes / seconds if seconds > 0 else 0.0
-                        peer._bandwidth = bw if not peer._bandwidth else (
-                            0.8 * peer._bandwidth + 0.2 * bw)
-                    else:
-                        peer._latency = seconds if not peer._latency else (
-                            0.8 * peer._latency + 0.2 * seconds)
-                    if not t.done():  # on success fail_index counts reroutes
-                        t.set_result(
-                            TransferResult(nbytes, seconds, t._path or peer.path, fail_index)
-                        )
-                else:
-                    if status == _E_CANCELLED and t._cancel_requested:
-                        self._finish_failed(t, None)
-                    else:
-                        self._finish_failed(t, self._error(t, status, fail_index, "failed"))
-            elif kind == _CQ_NOTIFY:
-                name = self._tag_names.get(tag)
-                if name is None:
-                    name = f"tag-{tag}"  # a tag we never saw: should not happen
-                self.notifications._put(Notification(name, payload or b""))
+        # Successful transfers are completed inside _cyx (no Python call per
+        # record: the bulk of a small transfer's cost otherwise); the rest
+        # comes to _on_record, in ring order.
+        n, completed, nbytes = self._engine.drain(
+            self._inflight, self._on_record, self._release, TransferResult, _POLL_MAX
+        )
+        self._completed += completed
+        self._bytes += nbytes
+        return n
+
+    def _on_record(
+        self,
+        kind: int,
+        status: int,
+        rid: int,
+        tag: int,
+        nbytes: int,
+        fail_index: int,
+        payload: bytes | None,
+    ) -> None:
+        """A completion record Engine.drain does not settle itself: a failed
+        or cancelled transfer, a notification, or an engine event."""
+        if kind == _CQ_XFER:
+            t = self._inflight.pop(rid, None)
+            if t is None:
+                return
+            if status == _E_CANCELLED and t._cancel_requested:
+                self._finish_failed(t, None)
             else:
-                self._on_event(kind, status, rid, tag, payload, nbytes, fail_index)
-        return len(recs)
+                self._finish_failed(t, self._error(t, status, fail_index, "failed"))
+        elif kind == _CQ_NOTIFY:
+            name = self._tag_names.get(tag)
+            if name is None:
+                name = f"tag-{tag}"  # a tag we never saw: should not happen
+            self.notifications._put(Notification(name, payload or b""))
+        else:
+            self._on_event(kind, status, rid, tag, payload, nbytes, fail_index)
 
     def _on_event(
         self,
@@ -2023,15 +2012,13 @@ class Agent:
 # ---------------------------------------------------------------- helpers
 
 
-def _coalesce(
-    descs: npt.NDArray[np.uint64],
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp] | None]:
+def _coalesce(descs: _Descs) -> tuple[_Descs, npt.NDArray[np.intp] | None]:
     """Merges runs of descriptors contiguous on both sides (same regions) into
     one each: fewer copies, frames and syscalls for a KV block split in pages.
     Returns the merged array and, when anything merged, each merged
     descriptor's first original index (to report failures by the caller's
     index)."""
-    if len(descs) < 2:
+    if type(descs) is tuple or len(descs) < 2:
         return descs, None
     a, b = descs[:-1], descs[1:]
     joins = (

@@ -21,6 +21,8 @@ class TransferResult:
     the transport that carried it ("shm" or "tcp"), and how many of its parts
     were moved to another rail when theirs failed (tcp)."""
 
+    # _cyx.Engine.drain builds these without calling __init__ (it sets the
+    # four fields as the generated __init__ would): no __post_init__ here.
     nbytes: int
     seconds: float
     path: str
