@@ -98,6 +98,8 @@ _POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
 _Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
 
 _OK = _cyx.OK
+_OP_WRITE = _cyx.OP_WRITE
+_OP_READ = _cyx.OP_READ
 _CQ_XFER = _cyx.CQ_XFER
 _CQ_NOTIFY = _cyx.CQ_NOTIFY
 _E_CANCELLED = _cyx.E_CANCELLED
@@ -1518,13 +1520,18 @@ class Agent:
         may also be this agent's file region (``register_file``): its
         Segments, or a SegmentList of it (no ``notify`` then).
         ``priority``: matters when the peer's limits are reached (see Agent)."""
-        peer, descs, nbytes = self._descs(src, dst, "write")
+        if type(src) is Segment and type(dst) is RemoteSegment:
+            peer, descs, nbytes = self._descs_one(src, dst)  # nothing to merge
+            starts = None
+        else:
+            peer, descs, nbytes = self._descs(src, dst, "write")
+            descs, starts = _coalesce(descs)
         payload = None if notify is None else _payload(notify)
         if payload is not None and peer is self._file_peer:
             raise ValueError("a write into a file region takes no notify (nobody to tell)")
-        descs, starts = _coalesce(descs)
-        t = self._submit(peer, _cyx.OP_WRITE, descs, payload, nbytes, "write", priority)
-        t._starts = starts
+        t = self._submit(peer, _OP_WRITE, descs, payload, nbytes, "write", priority)
+        if starts is not None:
+            t._starts = starts
         if peer.path == "cuda":
             t._path = _cuda_path(src, dst)
         return t
@@ -1532,10 +1539,15 @@ class Agent:
     def read(self, dst: Local, src: Remote, *, priority: int = 0) -> Transfer:
         """Posts a READ of the peer's ``src`` into local ``dst``; returns its
         Transfer. Same shapes and ``priority`` as ``write``."""
-        peer, descs, nbytes = self._descs(dst, src, "read")
-        descs, starts = _coalesce(descs)
-        t = self._submit(peer, _cyx.OP_READ, descs, None, nbytes, "read", priority)
-        t._starts = starts
+        if type(dst) is Segment and type(src) is RemoteSegment:
+            peer, descs, nbytes = self._descs_one(dst, src)  # nothing to merge
+            starts = None
+        else:
+            peer, descs, nbytes = self._descs(dst, src, "read")
+            descs, starts = _coalesce(descs)
+        t = self._submit(peer, _OP_READ, descs, None, nbytes, "read", priority)
+        if starts is not None:
+            t._starts = starts
         if peer.path == "cuda":
             t._path = _cuda_path(dst, src)
         return t
@@ -1549,23 +1561,9 @@ class Agent:
     def _descs(self, local: Any, remote: Any, op: str) -> tuple[Peer, _Descs, int]:
         """The (n, 6) uint64 descriptor array [lrid, loff, rrid, rkey, roff, len],
         or for one segment that row as a tuple."""
-        self._check_open()
         if type(local) is Segment and type(remote) is RemoteSegment:
-            lr = local.region
-            rr = remote.region
-            n = local.length
-            if (
-                lr._agent is not self
-                or lr._closed
-                or rr._gone
-                or n != remote.length
-                or not n
-                or rr.peer._agent is not self
-                or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
-            ):
-                self._check_pair(local, remote, 0)
-            # One descriptor as a tuple: _cyx packs it without a numpy array.
-            return rr.peer, (lr.rid, local.offset, rr.rid, rr.key, remote.offset, n), n
+            return self._descs_one(local, remote)
+        self._check_open()
         if file_transport.is_file_target(remote):
             return file_transport.descs(self, local, remote)
         if isinstance(local, SegmentList) and isinstance(remote, SegmentList):
@@ -1581,6 +1579,29 @@ class Agent:
             f"{op} takes a Segment and a RemoteSegment, equal-length lists of them, or two "
             f"SegmentLists; not {type(local).__name__} and {type(remote).__name__}"
         )
+
+    def _descs_one(
+        self, local: Segment, remote: RemoteSegment
+    ) -> tuple[Peer, tuple[int, int, int, int, int, int], int]:
+        """One Segment and one RemoteSegment: the most frequent request, so
+        checked on the shortest path; its descriptor as a tuple (_cyx packs it
+        without a numpy array)."""
+        if self._closed:
+            self._check_open()
+        lr = local.region
+        rr = remote.region
+        n = local.length
+        if (
+            lr._agent is not self
+            or lr._closed
+            or rr._gone
+            or n != remote.length
+            or not n
+            or rr.peer._agent is not self
+            or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
+        ):
+            self._check_pair(local, remote, 0)
+        return rr.peer, (lr.rid, local.offset, rr.rid, rr.key, remote.offset, n), n
 
     def _check_pair(self, local: Any, remote: Any, i: int) -> None:
         if not isinstance(local, Segment):
@@ -1741,7 +1762,12 @@ class Agent:
                 peer._queued_bytes += nbytes
                 return t
             t._admitted = True
-        self._enqueue(t, item)
+        # _enqueue, inlined: this runs once per transfer.
+        self._pending.append(item)
+        self._pending_t.append(t)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
         return t
 
     def _enqueue(self, t: Transfer, item: tuple[int, int, Any, bytes | None, int]) -> None:
