@@ -1810,8 +1810,16 @@ class Agent:
         return queued
 
     def _flush(self) -> None:
-        """One native call for everything submitted this loop iteration."""
+        """One native call for everything submitted this loop iteration (the
+        callback _submit schedules)."""
         self._flush_scheduled = False
+        self._post_pending()
+
+    def _post_pending(self) -> None:
+        """Posts what is pending now. Transfer.__await__ calls it directly for
+        an eager post: the scheduled _flush stays scheduled (and finds nothing
+        or what came since), so a coroutine awaiting one small transfer after
+        another without suspending schedules one callback, not one per transfer."""
         items = self._pending
         ts = self._pending_t
         if not items or self._closed:

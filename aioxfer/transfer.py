@@ -99,7 +99,7 @@ class Transfer(asyncio.Future[TransferResult]):
             and not self.done()
             and len(self._agent._inflight) == len(self._agent._pending)
         ):
-            self._agent._flush()
+            self._agent._post_pending()
         return _future_await(self)
 
     __iter__ = __await__
