@@ -1844,12 +1844,16 @@ class Agent:
                 self._inflight.pop(t.req_id, None)
                 self._finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
             return
-        for t, st in zip(ts, statuses, strict=True):
-            if st:
-                self._inflight.pop(t.req_id, None)
-                self._finish_failed(t, self._error(t, st, None, "rejected"))
-            else:
+        if not any(statuses):  # the usual case, without a test per transfer
+            for t in ts:
                 t._posted = True
+        else:
+            for t, st in zip(ts, statuses, strict=True):
+                if st:
+                    self._inflight.pop(t.req_id, None)
+                    self._finish_failed(t, self._error(t, st, None, "rejected"))
+                else:
+                    t._posted = True
         self._drain()  # completions known at submit (small same-host copies)
 
     def _cancel_transfer(self, t: Transfer) -> None:
