@@ -516,11 +516,13 @@ static void op_free(axf_engine *e, op *o)
     free(o->fr);
     free(o->fregs);
     op_release_remote(e, o);
-    free(o->d);
-    free(o->laddr);
-    free(o->rr);
-    free(o->rregs);
-    free(o->lregs);
+    if (o->d != &o->d1) { /* else the op's own one-descriptor storage */
+        free(o->d);
+        free(o->laddr);
+        free(o->rr);
+        free(o->rregs);
+        free(o->lregs);
+    }
     free(o->notify);
     free(o);
 }
@@ -1051,7 +1053,14 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     o->req_id = req_id;
     o->opcode = opcode;
     o->n = n;
-    if (n) {
+    if (n == 1) {
+        o->d = &o->d1;
+        o->laddr = &o->laddr1;
+        o->rr = &o->rr1;
+        o->lregs = &o->lreg1;
+        o->rregs = &o->rreg1;
+        o->d1 = descs[0];
+    } else if (n) {
         o->d = malloc(n * sizeof *o->d);
         o->laddr = malloc(n * sizeof *o->laddr);
         o->rr = malloc(n * sizeof *o->rr);
