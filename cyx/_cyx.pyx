@@ -654,10 +654,15 @@ cdef class Engine:
         self._busy -= 1
         return st
 
-    def post_many(self, items):
+    def post_many(self, items, bint polls=False):
         """Posts (ep, op, descs, notify, req_id) items deferred, then rings one
         doorbell: one native call for a loop iteration's submissions. Every item
-        is checked before any is posted. Returns the statuses, in order."""
+        is checked before any is posted. Returns the statuses, in order.
+
+        polls: the caller polls (or drains) right after this call, so the
+        completions known at submit (small same-host copies) are queued
+        without signalling the eventfd (AXF_POST_POLL)."""
+        cdef uint32_t flags = AXF_POST_DEFER | (AXF_POST_POLL if polls else 0)
         cdef Py_ssize_t count, i
         cdef _slot *s
         cdef list keep
@@ -694,7 +699,7 @@ cdef class Engine:
                 for i in range(count):
                     s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
                                            s[i].notify, s[i].notify_len, s[i].req_id,
-                                           AXF_POST_DEFER)
+                                           flags)
                 axf_doorbell(self._e)
             self._busy -= 1
             return [s[i].status for i in range(count)]

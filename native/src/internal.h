@@ -247,6 +247,7 @@ struct axf_engine {
     bool shut;
 
     pthread_mutex_t cq_mu;
+    bool cq_signalled; /* efd written (or about to be) since axf_poll last cleared it */
     axf_completion *cq;
     size_t cq_head, cq_count, cq_cap;
 
