@@ -93,9 +93,12 @@ TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
 MAX_CONNS = 16  # AXF_MAX_CONNS: connections one endpoint may have
 _POLL_MAX = 4096
 _POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
-_BANDWIDTH_MIN = 64 << 10  # transfers from this size on measure bandwidth, smaller latency
+# A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
+_Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
 
 _OK = _cyx.OK
+_OP_WRITE = _cyx.OP_WRITE
+_OP_READ = _cyx.OP_READ
 _CQ_XFER = _cyx.CQ_XFER
 _CQ_NOTIFY = _cyx.CQ_NOTIFY
 _E_CANCELLED = _cyx.E_CANCELLED
@@ -1516,13 +1519,18 @@ class Agent:
         may also be this agent's file region (``register_file``): its
         Segments, or a SegmentList of it (no ``notify`` then).
         ``priority``: matters when the peer's limits are reached (see Agent)."""
-        peer, descs, nbytes = self._descs(src, dst, "write")
+        if type(src) is Segment and type(dst) is RemoteSegment:
+            peer, descs, nbytes = self._descs_one(src, dst)  # nothing to merge
+            starts = None
+        else:
+            peer, descs, nbytes = self._descs(src, dst, "write")
+            descs, starts = _coalesce(descs)
         payload = None if notify is None else _payload(notify)
         if payload is not None and peer is self._file_peer:
             raise ValueError("a write into a file region takes no notify (nobody to tell)")
-        descs, starts = _coalesce(descs)
-        t = self._submit(peer, _cyx.OP_WRITE, descs, payload, nbytes, "write", priority)
-        t._starts = starts
+        t = self._submit(peer, _OP_WRITE, descs, payload, nbytes, "write", priority)
+        if starts is not None:
+            t._starts = starts
         if peer.path == "cuda":
             t._path = _cuda_path(src, dst)
         return t
@@ -1530,10 +1538,15 @@ class Agent:
     def read(self, dst: Local, src: Remote, *, priority: int = 0) -> Transfer:
         """Posts a READ of the peer's ``src`` into local ``dst``; returns its
         Transfer. Same shapes and ``priority`` as ``write``."""
-        peer, descs, nbytes = self._descs(dst, src, "read")
-        descs, starts = _coalesce(descs)
-        t = self._submit(peer, _cyx.OP_READ, descs, None, nbytes, "read", priority)
-        t._starts = starts
+        if type(dst) is Segment and type(src) is RemoteSegment:
+            peer, descs, nbytes = self._descs_one(dst, src)  # nothing to merge
+            starts = None
+        else:
+            peer, descs, nbytes = self._descs(dst, src, "read")
+            descs, starts = _coalesce(descs)
+        t = self._submit(peer, _OP_READ, descs, None, nbytes, "read", priority)
+        if starts is not None:
+            t._starts = starts
         if peer.path == "cuda":
             t._path = _cuda_path(dst, src)
         return t
@@ -1544,30 +1557,12 @@ class Agent:
             raise ValueError(f"{peer!r} is a peer of another agent")
         await self._submit(peer, _cyx.OP_NOTIFY, None, _payload(payload), 0, "notify")
 
-    def _descs(self, local: Any, remote: Any, op: str) -> tuple[Peer, npt.NDArray[np.uint64], int]:
-        """The (n, 6) uint64 descriptor array [lrid, loff, rrid, rkey, roff, len]."""
-        self._check_open()
+    def _descs(self, local: Any, remote: Any, op: str) -> tuple[Peer, _Descs, int]:
+        """The (n, 6) uint64 descriptor array [lrid, loff, rrid, rkey, roff, len],
+        or for one segment that row as a tuple."""
         if type(local) is Segment and type(remote) is RemoteSegment:
-            lr = local.region
-            rr = remote.region
-            n = local.length
-            if (
-                lr._agent is not self
-                or lr._closed
-                or rr._gone
-                or n != remote.length
-                or not n
-                or rr.peer._agent is not self
-                or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
-            ):
-                self._check_pair(local, remote, 0)
-            return (
-                rr.peer,
-                np.array(
-                    [[lr.rid, local.offset, rr.rid, rr.key, remote.offset, n]], dtype=np.uint64
-                ),
-                n,
-            )
+            return self._descs_one(local, remote)
+        self._check_open()
         if file_transport.is_file_target(remote):
             return file_transport.descs(self, local, remote)
         if isinstance(local, SegmentList) and isinstance(remote, SegmentList):
@@ -1583,6 +1578,29 @@ class Agent:
             f"{op} takes a Segment and a RemoteSegment, equal-length lists of them, or two "
             f"SegmentLists; not {type(local).__name__} and {type(remote).__name__}"
         )
+
+    def _descs_one(
+        self, local: Segment, remote: RemoteSegment
+    ) -> tuple[Peer, tuple[int, int, int, int, int, int], int]:
+        """One Segment and one RemoteSegment: the most frequent request, so
+        checked on the shortest path; its descriptor as a tuple (_cyx packs it
+        without a numpy array)."""
+        if self._closed:
+            self._check_open()
+        lr = local.region
+        rr = remote.region
+        n = local.length
+        if (
+            lr._agent is not self
+            or lr._closed
+            or rr._gone
+            or n != remote.length
+            or not n
+            or rr.peer._agent is not self
+            or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
+        ):
+            self._check_pair(local, remote, 0)
+        return rr.peer, (lr.rid, local.offset, rr.rid, rr.key, remote.offset, n), n
 
     def _check_pair(self, local: Any, remote: Any, i: int) -> None:
         if not isinstance(local, Segment):
@@ -1713,7 +1731,7 @@ class Agent:
         self,
         peer: Peer,
         opcode: int,
-        descs: npt.NDArray[np.uint64] | None,
+        descs: _Descs | None,
         notify: bytes | None,
         nbytes: int,
         op: str,
@@ -1743,7 +1761,12 @@ class Agent:
                 peer._queued_bytes += nbytes
                 return t
             t._admitted = True
-        self._enqueue(t, item)
+        # _enqueue, inlined: this runs once per transfer.
+        self._pending.append(item)
+        self._pending_t.append(t)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
         return t
 
     def _enqueue(self, t: Transfer, item: tuple[int, int, Any, bytes | None, int]) -> None:
@@ -1786,8 +1809,16 @@ class Agent:
         return queued
 
     def _flush(self) -> None:
-        """One native call for everything submitted this loop iteration."""
+        """One native call for everything submitted this loop iteration (the
+        callback _submit schedules)."""
         self._flush_scheduled = False
+        self._post_pending()
+
+    def _post_pending(self) -> None:
+        """Posts what is pending now. Transfer.__await__ calls it directly for
+        an eager post: the scheduled _flush stays scheduled (and finds nothing
+        or what came since), so a coroutine awaiting one small transfer after
+        another without suspending schedules one callback, not one per transfer."""
         items = self._pending
         ts = self._pending_t
         if not items or self._closed:
@@ -1806,18 +1837,24 @@ class Agent:
             if not items:
                 return
         try:
-            statuses = self._engine.post_many(items)
+            # polls: the _drain below takes the completions known at submit,
+            # so they need no eventfd wake-up (nor its two syscalls).
+            statuses = self._engine.post_many(items, polls=True)
         except Exception as exc:  # bad item or closed engine: nothing was posted
             for t in ts:
                 self._inflight.pop(t.req_id, None)
                 self._finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
             return
-        for t, st in zip(ts, statuses, strict=True):
-            if st:
-                self._inflight.pop(t.req_id, None)
-                self._finish_failed(t, self._error(t, st, None, "rejected"))
-            else:
+        if not any(statuses):  # the usual case, without a test per transfer
+            for t in ts:
                 t._posted = True
+        else:
+            for t, st in zip(ts, statuses, strict=True):
+                if st:
+                    self._inflight.pop(t.req_id, None)
+                    self._finish_failed(t, self._error(t, st, None, "rejected"))
+                else:
+                    t._posted = True
         self._drain()  # completions known at submit (small same-host copies)
 
     def _cancel_transfer(self, t: Transfer) -> None:
@@ -1852,51 +1889,43 @@ class Agent:
         self._loop.call_soon(self._drain)  # more remain: let the loop breathe first
 
     def _drain_once(self) -> int:
-        recs = self._engine.poll(_POLL_MAX)
-        if not recs:
-            return 0
-        inflight = self._inflight
-        for kind, status, rid, tag, nbytes, fail_index, payload in recs:
-            if kind == _CQ_XFER:
-                t = inflight.pop(rid, None)
-                if t is None:
-                    continue
-                peer = t.peer
-                if status == _OK:
-                    if t._admitted:
-                        self._release(t)
-                    peer._inflight -= 1
-                    peer._inflight_bytes -= t.nbytes
-                    peer._completed += 1
-                    peer._bytes += nbytes
-                    self._completed += 1
-                    self._bytes += nbytes
-                    seconds = perf_counter() - t._t0
-                    # Moving averages routers estimate completion times from.
-                    if nbytes >= _BANDWIDTH_MIN:
-                        bw = nbytes / seconds if seconds > 0 else 0.0
-                        peer._bandwidth = bw if not peer._bandwidth else (
-                            0.8 * peer._bandwidth + 0.2 * bw)
-                    else:
-                        peer._latency = seconds if not peer._latency else (
-                            0.8 * peer._latency + 0.2 * seconds)
-                    if not t.done():  # on success fail_index counts reroutes
-                        t.set_result(
-                            TransferResult(nbytes, seconds, t._path or peer.path, fail_index)
-                        )
-                else:
-                    if status == _E_CANCELLED and t._cancel_requested:
-                        self._finish_failed(t, None)
-                    else:
-                        self._finish_failed(t, self._error(t, status, fail_index, "failed"))
-            elif kind == _CQ_NOTIFY:
-                name = self._tag_names.get(tag)
-                if name is None:
-                    name = f"tag-{tag}"  # a tag we never saw: should not happen
-                self.notifications._put(Notification(name, payload or b""))
+        # Successful transfers are completed inside _cyx (no Python call per
+        # record: the bulk of a small transfer's cost otherwise); the rest
+        # comes to _on_record, in ring order.
+        n, completed, nbytes = self._engine.drain(
+            self._inflight, self._on_record, self._release, TransferResult, _POLL_MAX
+        )
+        self._completed += completed
+        self._bytes += nbytes
+        return n
+
+    def _on_record(
+        self,
+        kind: int,
+        status: int,
+        rid: int,
+        tag: int,
+        nbytes: int,
+        fail_index: int,
+        payload: bytes | None,
+    ) -> None:
+        """A completion record Engine.drain does not settle itself: a failed
+        or cancelled transfer, a notification, or an engine event."""
+        if kind == _CQ_XFER:
+            t = self._inflight.pop(rid, None)
+            if t is None:
+                return
+            if status == _E_CANCELLED and t._cancel_requested:
+                self._finish_failed(t, None)
             else:
-                self._on_event(kind, status, rid, tag, payload, nbytes, fail_index)
-        return len(recs)
+                self._finish_failed(t, self._error(t, status, fail_index, "failed"))
+        elif kind == _CQ_NOTIFY:
+            name = self._tag_names.get(tag)
+            if name is None:
+                name = f"tag-{tag}"  # a tag we never saw: should not happen
+            self.notifications._put(Notification(name, payload or b""))
+        else:
+            self._on_event(kind, status, rid, tag, payload, nbytes, fail_index)
 
     def _on_event(
         self,
@@ -2022,15 +2051,13 @@ class Agent:
 # ---------------------------------------------------------------- helpers
 
 
-def _coalesce(
-    descs: npt.NDArray[np.uint64],
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp] | None]:
+def _coalesce(descs: _Descs) -> tuple[_Descs, npt.NDArray[np.intp] | None]:
     """Merges runs of descriptors contiguous on both sides (same regions) into
     one each: fewer copies, frames and syscalls for a KV block split in pages.
     Returns the merged array and, when anything merged, each merged
     descriptor's first original index (to report failures by the caller's
     index)."""
-    if len(descs) < 2:
+    if type(descs) is tuple or len(descs) < 2:
         return descs, None
     a, b = descs[:-1], descs[1:]
     joins = (

@@ -14,6 +14,10 @@ __all__ = ["Transfer", "TransferResult"]
 
 _EAGER_MAX = 64 << 10  # awaited requests up to this size may be flushed at once
 
+# Called unbound: cheaper than super() on a path taken once per transfer.
+_future_init = asyncio.Future.__init__
+_future_await = asyncio.Future.__await__
+
 
 @dataclass(frozen=True, slots=True)
 class TransferResult:
@@ -21,6 +25,8 @@ class TransferResult:
     the transport that carried it ("shm" or "tcp"), and how many of its parts
     were moved to another rail when theirs failed (tcp)."""
 
+    # _cyx.Engine.drain builds these without calling __init__ (it sets the
+    # four fields as the generated __init__ would): no __post_init__ here.
     nbytes: int
     seconds: float
     path: str
@@ -65,7 +71,7 @@ class Transfer(asyncio.Future[TransferResult]):
         nbytes: int,
         t0: float,
     ) -> None:
-        super().__init__(loop=loop)
+        _future_init(self, loop=loop)
         self._agent = agent
         self.req_id = req_id
         self.op = op
@@ -86,15 +92,15 @@ class Transfer(asyncio.Future[TransferResult]):
         # (a small same-host copy then completes inside this call and the await
         # does not suspend). With others in flight, batching them into one
         # native call wins; a large one gains nothing measurable.
-        agent = self._agent
+        # (_posted first: with many in flight, the first await posted the rest.)
         if (
-            self.nbytes <= _EAGER_MAX
-            and not self._posted
+            not self._posted
+            and self.nbytes <= _EAGER_MAX
             and not self.done()
-            and len(agent._inflight) == len(agent._pending)
+            and len(self._agent._inflight) == len(self._agent._pending)
         ):
-            agent._flush()
-        return super().__await__()
+            self._agent._post_pending()
+        return _future_await(self)
 
     __iter__ = __await__
 

@@ -38,6 +38,7 @@ cdef extern from "aioxfer.h" nogil:
     int AXF_OP_NOTIFY
 
     uint32_t AXF_POST_DEFER
+    uint32_t AXF_POST_POLL
 
     uint32_t AXF_CQ_XFER
     uint32_t AXF_CQ_NOTIFY

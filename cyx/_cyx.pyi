@@ -1,6 +1,7 @@
 """Type stub for aioxfer._cyx (cyx/_cyx.pyx); see cyx/README.md."""
 
-from collections.abc import Buffer, Iterable
+from collections.abc import Buffer, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -45,7 +46,7 @@ CQ_RAIL_DOWN: int
 MAX_NOTIFY: int
 DESC_FIELDS: int
 
-Descs = npt.NDArray[np.uint64]
+Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]  # array, or one row
 # (kind, status, id, tag, nbytes, fail_index, payload)
 Record = tuple[int, int, int, int, int, int, bytes | None]
 PostItem = tuple[int, int, Descs | None, Buffer | None, int]
@@ -116,10 +117,18 @@ class Engine:
         req_id: int,
         defer: bool = False,
     ) -> int: ...
-    def post_many(self, items: Iterable[PostItem]) -> list[int]: ...
+    def post_many(self, items: Iterable[PostItem], polls: bool = False) -> list[int]: ...
     def doorbell(self) -> None: ...
     def cancel(self, req_id: int) -> int: ...
     def poll(self, max: int = 4096) -> list[Record]: ...
+    def drain(
+        self,
+        inflight: dict[int, Any],
+        slow: Callable[[int, int, int, int, int, int, bytes | None], object],
+        release: Callable[[Any], object],
+        result_type: type,
+        max: int = 4096,
+    ) -> tuple[int, int, int]: ...
     def stats(self) -> dict[str, int]: ...
     def verbs_enable(self, provider: str | None = None) -> tuple[int, str]: ...
     def verbs_device_count(self) -> int: ...

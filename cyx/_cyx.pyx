@@ -22,7 +22,17 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
 
+from time import perf_counter as _perf_counter
+
 cnp.import_array()
+
+
+cdef extern from "Python.h":
+    # object.__setattr__: sets a slot through its descriptor, past a frozen
+    # dataclass's __setattr__ (which is what the dataclass's __init__ does).
+    int PyObject_GenericSetAttr(object o, object name, object value) except -1
+
+_object_new = object.__new__
 
 # ------------------------------------------------------------------ constants
 # Same names as the C header, without the AXF_ prefix.
@@ -73,6 +83,9 @@ if sizeof(axf_desc) != DESC_FIELDS * sizeof(uint64_t):
 
 cdef enum:
     POLL_DEFAULT = 4096
+    # Engine.drain: transfers from this size on update the peer's bandwidth
+    # average, smaller ones its latency average.
+    BANDWIDTH_MIN = 64 << 10
 
 
 def strerror(int status):
@@ -209,6 +222,27 @@ cdef int _descs_view(object descs, const axf_desc **out, size_t *n) except -1:
     return 0
 
 
+cdef int _descs_in(object descs, axf_desc *one, const axf_desc **out, size_t *n) except -1:
+    """A descriptor array (_descs_view), or one descriptor as a 6-tuple
+    (lrid, loff, rrid, rkey, roff, len) copied into *one: a single-segment
+    request then costs no numpy array (most of its post cost otherwise)."""
+    cdef tuple d
+    if type(descs) is not tuple:
+        return _descs_view(descs, out, n)
+    d = <tuple>descs
+    if len(d) != DESC_FIELDS:
+        raise ValueError(f"a descriptor tuple has {DESC_FIELDS} fields, not {len(d)}")
+    one.lrid = d[0]
+    one.loff = d[1]
+    one.rrid = d[2]
+    one.rkey = d[3]
+    one.roff = d[4]
+    one.len = d[5]
+    out[0] = one
+    n[0] = 1
+    return 0
+
+
 cdef inline bytes _notify_bytes(object notify):
     if notify is None or type(notify) is bytes:
         return notify
@@ -218,6 +252,7 @@ cdef inline bytes _notify_bytes(object notify):
 
 
 ctypedef struct _slot:
+    axf_desc one  # storage of a single descriptor given as a tuple
     uint64_t ep
     int op
     const axf_desc *descs
@@ -226,6 +261,20 @@ ctypedef struct _slot:
     size_t notify_len
     uint64_t req_id
     int status
+
+
+# ------------------------------------------------------------------ completions
+
+cdef int _settle(object peer, Py_ssize_t done, uint64_t req_bytes, uint64_t moved,
+                 double latency, double bandwidth) except -1:
+    """Engine.drain's per-peer tally of completed transfers, onto the peer."""
+    peer._inflight -= done
+    peer._inflight_bytes -= req_bytes
+    peer._completed += done
+    peer._bytes += moved
+    peer._latency = latency
+    peer._bandwidth = bandwidth
+    return 0
 
 
 # ------------------------------------------------------------------ engine
@@ -590,10 +639,11 @@ cdef class Engine:
         cdef const char *np = NULL
         cdef size_t nl = 0
         cdef uint32_t flags = AXF_POST_DEFER if defer else 0
+        cdef axf_desc one
         cdef int st
         cdef bytes nb
         self._open()
-        _descs_view(descs, &d, &n)
+        _descs_in(descs, &one, &d, &n)
         nb = _notify_bytes(notify)
         if nb is not None:
             np = PyBytes_AS_STRING(nb)
@@ -604,10 +654,15 @@ cdef class Engine:
         self._busy -= 1
         return st
 
-    def post_many(self, items):
+    def post_many(self, items, bint polls=False):
         """Posts (ep, op, descs, notify, req_id) items deferred, then rings one
         doorbell: one native call for a loop iteration's submissions. Every item
-        is checked before any is posted. Returns the statuses, in order."""
+        is checked before any is posted. Returns the statuses, in order.
+
+        polls: the caller polls (or drains) right after this call, so the
+        completions known at submit (small same-host copies) are queued
+        without signalling the eventfd (AXF_POST_POLL)."""
+        cdef uint32_t flags = AXF_POST_DEFER | (AXF_POST_POLL if polls else 0)
         cdef Py_ssize_t count, i
         cdef _slot *s
         cdef list keep
@@ -631,7 +686,7 @@ cdef class Engine:
                 s.req_id = req_id
                 s.notify = NULL
                 s.notify_len = 0
-                _descs_view(descs, &s.descs, &s.n)
+                _descs_in(descs, &s.one, &s.descs, &s.n)
                 nb = _notify_bytes(notify)
                 if nb is not None:
                     s.notify = PyBytes_AS_STRING(nb)
@@ -644,7 +699,7 @@ cdef class Engine:
                 for i in range(count):
                     s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
                                            s[i].notify, s[i].notify_len, s[i].req_id,
-                                           AXF_POST_DEFER)
+                                           flags)
                 axf_doorbell(self._e)
             self._busy -= 1
             return [s[i].status for i in range(count)]
@@ -704,6 +759,115 @@ cdef class Engine:
                 axf_completion_free(&self._cq[i])
             self._polling = False
         return out
+
+    def drain(self, dict inflight, object slow, object release, object result_type,
+              Py_ssize_t max=POLL_DEFAULT):
+        """Drains up to max records and dispatches each, in ring order; returns
+        (records, completed, bytes): the records drained, and the transfers
+        completed here with their bytes (the agent's totals).
+
+        A successful CQ_XFER record whose id is in ``inflight`` (id -> Transfer)
+        is completed here, without a Python call: the transfer leaves
+        ``inflight``; if it holds a scheduler budget (``_admitted``),
+        ``release(transfer)`` is called first; its peer's counters and moving
+        averages are updated (``_inflight``, ``_inflight_bytes``, ``_completed``,
+        ``_bytes``, ``_latency``, ``_bandwidth``); and unless the future is done
+        (cancelled) it gets ``result_type(nbytes, seconds, path, reroutes)``,
+        path being ``transfer._path`` or else ``peer.path``. A successful record
+        with an unknown id is dropped. Every other record goes to
+        ``slow(kind, status, id, tag, nbytes, fail_index, payload)``.
+
+        A peer's counters are settled before every call into Python, so
+        ``slow`` and ``release`` always see them up to date. Not reentrant:
+        neither callback may poll or drain.
+        """
+        cdef size_t n, i
+        cdef axf_completion *c
+        cdef object t, peer = None, path, r
+        cdef Py_ssize_t completed = 0, done = 0
+        cdef uint64_t total = 0, moved = 0, req_bytes = 0
+        cdef double now, seconds, bw, latency = 0.0, bandwidth = 0.0
+        if self._e == NULL:
+            return 0, 0, 0
+        if max <= 0:
+            raise ValueError("max must be positive")
+        if self._polling:
+            raise RuntimeError("Engine.drain() is not reentrant")
+        self._ensure_cq(<size_t>max)
+        self._busy += 1
+        self._polling = True
+        with nogil:
+            n = axf_poll(self._e, self._cq, <size_t>max)
+        self._busy -= 1
+        if n == 0:
+            self._polling = False
+            return 0, 0, 0
+        # One clock reading for the batch: every record in it was complete
+        # before the poll, and what is measured is post -> seen by the loop.
+        now = _perf_counter()
+        try:
+            self._release_freed(n)
+            for i in range(n):
+                c = &self._cq[i]
+                t = inflight.get(c.id) if c.kind == AXF_CQ_XFER else None
+                if t is None or c.status != AXF_OK:
+                    if c.kind == AXF_CQ_XFER and c.status == AXF_OK:
+                        continue  # not ours (any more): nothing to complete
+                    if peer is not None:
+                        _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                        peer = None
+                    slow(c.kind, c.status, c.id, c.tag, c.nbytes, c.fail_index,
+                         PyBytes_FromStringAndSize(<char *>c.payload, c.payload_len)
+                         if c.payload != NULL else None)
+                    continue
+                del inflight[c.id]
+                if t._admitted:
+                    if peer is not None:
+                        _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                        peer = None
+                    release(t)
+                if t.peer is not peer:
+                    if peer is not None:
+                        _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                    peer = t.peer
+                    done = 0
+                    req_bytes = moved = 0
+                    latency = peer._latency
+                    bandwidth = peer._bandwidth
+                done += 1
+                req_bytes += <uint64_t>t.nbytes
+                moved += c.nbytes
+                completed += 1
+                total += c.nbytes
+                seconds = now - <double>t._t0
+                # Moving averages routers estimate completion times from:
+                # bandwidth of large transfers, latency of small ones.
+                if c.nbytes >= BANDWIDTH_MIN:
+                    bw = c.nbytes / seconds if seconds > 0 else 0.0
+                    bandwidth = bw if bandwidth == 0.0 else 0.8 * bandwidth + 0.2 * bw
+                else:
+                    latency = seconds if latency == 0.0 else 0.8 * latency + 0.2 * seconds
+                if not t.done():
+                    path = t._path
+                    if path is None:
+                        path = peer.path
+                    # result_type(nbytes, seconds, path, reroutes) without the
+                    # Python-level __init__ (a frozen dataclass's costs as
+                    # much as the rest of the completion). On success
+                    # fail_index counts the reroutes.
+                    r = _object_new(result_type)
+                    PyObject_GenericSetAttr(r, "nbytes", c.nbytes)
+                    PyObject_GenericSetAttr(r, "seconds", seconds)
+                    PyObject_GenericSetAttr(r, "path", path)
+                    PyObject_GenericSetAttr(r, "reroutes", c.fail_index)
+                    t.set_result(r)
+        finally:
+            if peer is not None:
+                _settle(peer, done, req_bytes, moved, latency, bandwidth)
+            for i in range(n):
+                axf_completion_free(&self._cq[i])
+            self._polling = False
+        return n, completed, total
 
     # -------------------------------------------------------------- verbs
 

@@ -6,6 +6,7 @@ raw sockets stand in for misbehaving peers. Every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import select
@@ -13,10 +14,12 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+import aioxfer
 from aioxfer import _cyx
 
 RECORD = tuple[int, int, int, int, int, int, bytes | None]
@@ -612,5 +615,120 @@ def test_small_shm_completion_is_ready_at_once() -> None:
         recs = a.poll()
         assert xfer(recs, 1) is not None and xfer(recs, 1)[1] == _cyx.OK
         assert dst == src
+    finally:
+        close_engine(a)
+
+
+class _Peer:
+    """The attributes Engine.drain settles on a transfer's peer."""
+
+    def __init__(self) -> None:
+        self.path = "shm"
+        self._inflight = 3
+        self._inflight_bytes = 3 * 4096
+        self._completed = 0
+        self._bytes = 0
+        self._latency = 0.0
+        self._bandwidth = 0.0
+
+
+class _Transfer(asyncio.Future[Any]):
+    """What Engine.drain reads of a transfer (aioxfer.Transfer has these)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, peer: _Peer, admitted: bool) -> None:
+        super().__init__(loop=loop)
+        self.peer = peer
+        self.nbytes = 4096
+        self._t0 = time.perf_counter()
+        self._admitted = admitted
+        self._path: str | None = None
+
+
+def test_one_descriptor_tuple_and_drain_dispatch() -> None:
+    """A descriptor given as a 6-tuple posts like a one-row array; drain
+    finishes successful transfers it knows, in ring order with the records it
+    hands to slow, and settles the peer's counters before each callback."""
+    a = _cyx.Engine()
+    loop = asyncio.new_event_loop()
+    try:
+        dst = bytearray(3 * 4096)
+        src = bytearray(os.urandom(3 * 4096))
+        drid, dkey, daddr, dlen, dacc = a.register(dst)
+        srid = a.register(src)[0]
+        spare = a.register(bytearray(16))[0]
+        ep = a.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
+        a.endpoint_import(ep, drid, dkey, dlen, dacc, daddr, -1)
+        with pytest.raises(ValueError, match="6 fields"):
+            a.post_many([(ep, _cyx.OP_WRITE, (srid, 0, drid, dkey, 0), None, 9)])
+        peer = _Peer()
+        inflight = {1: _Transfer(loop, peer, False), 2: _Transfer(loop, peer, True),
+                    3: _Transfer(loop, peer, False)}
+        inflight[3].cancel()  # cancelled meanwhile: counted, never resolved
+        items = [(ep, _cyx.OP_WRITE, (srid, i * 4096, drid, dkey, i * 4096, 4096), None, i + 1)
+                 for i in range(3)]
+        items.append((ep, _cyx.OP_WRITE, (srid, 0, drid, dkey, 0, 1), None, 77))  # not ours
+        assert a.post_many(items[:1]) == [_cyx.OK]
+        a.deregister(spare)  # its CQ_REGION_FREED goes to slow, between 1 and 2
+        assert a.post_many(items[1:]) == [_cyx.OK] * 3
+        assert dst == src
+        t1, t2, t3 = inflight[1], inflight[2], inflight[3]
+        calls: list[tuple[str, Any]] = []
+
+        def slow(*rec: Any) -> None:
+            calls.append(("slow", (rec[0], t1.done(), t2.done(), peer._completed)))
+
+        def release(t: Any) -> None:
+            calls.append(("release", (t is t2, t2.done(), peer._completed)))
+
+        n, completed, nbytes = a.drain(inflight, slow, release, aioxfer.TransferResult)
+        assert (n, completed, nbytes) == (5, 3, 3 * 4096)
+        assert calls == [("slow", (_cyx.CQ_REGION_FREED, True, False, 1)),
+                         ("release", (True, False, 1))]
+        assert inflight == {}
+        r = t1.result()
+        assert type(r) is aioxfer.TransferResult
+        assert (r.nbytes, r.path, r.reroutes) == (4096, "shm", 0) and r.seconds > 0
+        assert r == aioxfer.TransferResult(4096, r.seconds, "shm", 0)
+        assert t2.result().nbytes == 4096 and t3.cancelled()
+        assert (peer._inflight, peer._inflight_bytes, peer._completed, peer._bytes) == \
+            (0, 0, 3, 3 * 4096)
+        assert 0 < peer._latency < 10 and peer._bandwidth == 0.0
+        assert a.drain(inflight, slow, release, aioxfer.TransferResult) == (0, 0, 0)
+    finally:
+        loop.close()
+        close_engine(a)
+
+
+def test_post_poll_skips_only_the_wakeup_of_completions_known_at_submit() -> None:
+    """post_many(polls=True): a small same-host copy's record is in the ring
+    without the eventfd becoming readable (the caller polls next); a copy the
+    workers finish later still signals; a drained ring leaves the fd clear."""
+    a = _cyx.Engine()
+    try:
+        size = 1 << 20
+        dst = bytearray(size)
+        src = bytearray(os.urandom(size))
+        drid, dkey, daddr, dlen, dacc = a.register(dst)
+        srid = a.register(src)[0]
+        ep = a.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
+        a.endpoint_import(ep, drid, dkey, dlen, dacc, daddr, -1)
+
+        def readable() -> bool:
+            return bool(select.select([a.fileno()], [], [], 0)[0])
+
+        small = [(ep, _cyx.OP_WRITE, (srid, 0, drid, dkey, 0, 4096), None, 1)]
+        assert a.post_many(small, polls=True) == [_cyx.OK]
+        assert not readable()
+        assert xfer(a.poll(), 1) is not None and not readable()
+        small = [(ep, _cyx.OP_WRITE, (srid, 0, drid, dkey, 0, 4096), None, 2)]
+        assert a.post_many(small) == [_cyx.OK]
+        assert readable()
+        assert xfer(a.poll(), 2) is not None and not readable()
+        big = [(ep, _cyx.OP_WRITE, (srid, 0, drid, dkey, 0, size), None, 3)]
+        assert a.post_many(big, polls=True) == [_cyx.OK]
+        assert wait_xfer(a, 3)[1] == _cyx.OK  # waits on the eventfd
+        assert dst == src
+        a.poll()
+        assert not readable()
     finally:
         close_engine(a)

@@ -63,6 +63,10 @@ const char *axf_strerror(int status);
 
 /* Flags for axf_post. */
 #define AXF_POST_DEFER 1u /* queue only; axf_doorbell() releases the batch */
+#define AXF_POST_POLL 2u  /* the caller polls right after this call: a completion
+                             known at submit (small same-host copy) is queued
+                             without signalling the eventfd (no wake-up, no
+                             syscall for it) */
 
 /* Completion kinds. */
 #define AXF_CQ_XFER 1         /* id = request id; status, nbytes, fail_index (on

@@ -52,6 +52,10 @@ static uint64_t random_u64(void)
 
 /* ---------------------------------------------------------------- ring */
 
+/* Set by axf_post (AXF_POST_POLL) around a completion it makes itself: the
+ * thread that posted polls next, so its record needs no wake-up. */
+static _Thread_local bool cq_quiet;
+
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
 {
@@ -79,7 +83,11 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
         e->cq_cap = ncap;
         e->cq_head = 0;
     }
-    bool was_empty = e->cq_count == 0;
+    /* One eventfd write per drain: none while one is pending, none for a
+     * record the posting thread is about to poll itself. */
+    bool signal = !e->cq_signalled && !cq_quiet;
+    if (signal)
+        e->cq_signalled = true;
     axf_completion *c = &e->cq[(e->cq_head + e->cq_count) % e->cq_cap];
     c->kind = kind;
     c->status = status;
@@ -91,7 +99,7 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
     c->payload = copy;
     e->cq_count++;
     pthread_mutex_unlock(&e->cq_mu);
-    if (was_empty) {
+    if (signal) {
         uint64_t one = 1;
         ssize_t r = write(e->efd, &one, sizeof one);
         (void)r; /* EAGAIN means the counter is already non-zero: still signalled */
@@ -113,11 +121,6 @@ void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...)
 
 size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
 {
-    uint64_t v;
-    /* Clear the eventfd before taking records: a push that races with us
-     * either lands in this batch or re-arms the fd. */
-    ssize_t r = read(e->efd, &v, sizeof v);
-    (void)r;
     pthread_mutex_lock(&e->cq_mu);
     size_t n = e->cq_count < max ? e->cq_count : max;
     for (size_t i = 0; i < n; i++)
@@ -126,11 +129,27 @@ size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
         e->cq_head = (e->cq_head + n) % e->cq_cap;
         e->cq_count -= n;
     }
-    bool more = e->cq_count > 0;
+    bool signal = false;
+    if (e->cq_count == 0) {
+        /* Drained: clear the eventfd. Under cq_mu, so that it cannot eat the
+         * signal of a record pushed after the ones taken here. Only when a
+         * push signalled, or when this poll found nothing: a wake-up whose
+         * records an earlier poll took (their pusher wrote after that poll
+         * cleared) is cleared by the empty poll it causes. */
+        if (e->cq_signalled || n == 0) {
+            uint64_t v;
+            ssize_t r = read(e->efd, &v, sizeof v);
+            (void)r;
+        }
+        e->cq_signalled = false;
+    } else if (!e->cq_signalled) {
+        e->cq_signalled = true; /* records remain (max reached, or quiet ones) */
+        signal = true;
+    }
     pthread_mutex_unlock(&e->cq_mu);
-    if (more) {
+    if (signal) {
         uint64_t one = 1;
-        r = write(e->efd, &one, sizeof one);
+        ssize_t r = write(e->efd, &one, sizeof one);
         (void)r;
     }
     return n;
@@ -516,11 +535,13 @@ static void op_free(axf_engine *e, op *o)
     free(o->fr);
     free(o->fregs);
     op_release_remote(e, o);
-    free(o->d);
-    free(o->laddr);
-    free(o->rr);
-    free(o->rregs);
-    free(o->lregs);
+    if (o->d != &o->d1) { /* else the op's own one-descriptor storage */
+        free(o->d);
+        free(o->laddr);
+        free(o->rr);
+        free(o->rregs);
+        free(o->lregs);
+    }
     free(o->notify);
     free(o);
 }
@@ -1051,7 +1072,14 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     o->req_id = req_id;
     o->opcode = opcode;
     o->n = n;
-    if (n) {
+    if (n == 1) {
+        o->d = &o->d1;
+        o->laddr = &o->laddr1;
+        o->rr = &o->rr1;
+        o->lregs = &o->lreg1;
+        o->rregs = &o->rreg1;
+        o->d1 = descs[0];
+    } else if (n) {
         o->d = malloc(n * sizeof *o->d);
         o->laddr = malloc(n * sizeof *o->laddr);
         o->rr = malloc(n * sizeof *o->rr);
@@ -1145,7 +1173,9 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
             atomic_store(&o->remaining, 1);
             int cst = shm_copy_inline(e, o);
             op_set_status(o, cst, 0);
+            cq_quiet = (flags & AXF_POST_POLL) != 0;
             op_unit_done(e, o);
+            cq_quiet = false;
             return AXF_OK;
         }
         if (!signal) {

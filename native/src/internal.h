@@ -164,6 +164,13 @@ typedef struct op {
     uint32_t sched0;          /* ... and where chunk 0 went in it */
     uint32_t reroutes;        /* groups moved off failed connections (e->mu) */
     bool claimed;
+    /* One descriptor (the frequent small request): d, laddr, rr, lregs and
+     * rregs point at these instead of at five allocations of one element. */
+    axf_desc d1;
+    uint8_t *laddr1;
+    rregion *rr1;
+    region *lreg1;
+    rregion *rreg1;
     struct op *hnext, *prev, *next;
 } op;
 
@@ -240,6 +247,7 @@ struct axf_engine {
     bool shut;
 
     pthread_mutex_t cq_mu;
+    bool cq_signalled; /* efd written (or about to be) since axf_poll last cleared it */
     axf_completion *cq;
     size_t cq_head, cq_count, cq_cap;
 
