@@ -1853,6 +1853,10 @@ class Agent:
                 if st:
                     self._inflight.pop(t.req_id, None)
                     self._finish_failed(t, self._error(t, st, None, "rejected"))
+                    if st == _E_PEER_LOST and not t.peer._lost:
+                        # The engine found the peer dead before its loss record
+                        # reached us: say so now, so a retry never picks it again.
+                        self._mark_lost(t.peer, st)
                 else:
                     t._posted = True
         self._drain()  # completions known at submit (small same-host copies)

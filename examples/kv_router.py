@@ -173,6 +173,8 @@ class KvRouter:
             if ack.done() and not ack.cancelled():
                 ack.exception()  # failed by departures() as well: retrieved here
             ack.cancel()
+            if not w.peer.lost:  # e.g. cancelled: the worker lives, its slots are reusable
+                w.free.update(slots.tolist())
             raise
         w.free.update(slots.tolist())  # decoded: the slots are free again
         w.served += ok
