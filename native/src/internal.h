@@ -77,7 +77,6 @@ typedef struct rregion {
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
-    struct shm_mapping *mapping; /* ... and what keeps it alive while it is prefaulted */
     struct verbs_rkeys *verbs; /* verbs: the owner's (addr, rkey) per its device */
     struct cuda_rmap *cuda; /* cuda: our IPC mapping of the peer's GPU memory, else NULL */
     struct rregion *next;
@@ -225,11 +224,8 @@ typedef struct conn {
     struct conn *next_all;
 } conn;
 
-struct shm_mapping;
-
 typedef struct job {
-    op *op;                      /* NULL: a prefault job for `populate` */
-    struct shm_mapping *populate;
+    op *op;
     size_t i0, i1;      /* whole descriptors [i0, i1) ... */
     uint64_t off, len;  /* ... or, when len != 0, bytes [off, off+len) of descriptor i0 */
     struct job *next;
