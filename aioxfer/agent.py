@@ -80,7 +80,14 @@ from aioxfer.protocol import (
     server_handshake,
     token_bytes,
 )
-from aioxfer.region import Region, RemoteRegion, RemoteSegment, Segment, SegmentList
+from aioxfer.region import (
+    Region,
+    RemoteRegion,
+    RemoteSegment,
+    Segment,
+    SegmentList,
+    pair_descs,
+)
 from aioxfer.scheduling import PeerScheduler
 from aioxfer.stats import AgentStatistics
 from aioxfer.transfer import Transfer, TransferResult
@@ -490,11 +497,7 @@ class Agent:
         except _cyx.NativeError as exc:
             raise RegistrationError(f"{what}: {exc}") from None
         if name is None:
-            name = f"region-{rid}"
-            k = 1
-            while name in self._regions:
-                name = f"region-{rid}-{k}"
-                k += 1
+            name = self._default_name(rid)
         region = Region(self, name, rid, key, mem.nbytes, access, mem.ptr, obj)
         region.kind = mem.kind
         region._cuda = export
@@ -546,6 +549,13 @@ class Agent:
         advertised to peers. See aioxfer.file_transport."""
         return file_transport.register_file(self, path, size, direct, name)
 
+    def _default_name(self, rid: int, prefix: str = "region") -> str:
+        """A name for an unnamed region: prefix-rid, made unique among ours."""
+        name, k = f"{prefix}-{rid}", 1
+        while name in self._regions:
+            name, k = f"{prefix}-{rid}-{k}", k + 1
+        return name
+
     def _check_name(self, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise RegistrationError("a region name must be a non-empty string")
@@ -578,11 +588,7 @@ class Agent:
         except _cyx.NativeError as exc:
             raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
         if name is None:
-            name = f"region-{rid}"
-            k = 1
-            while name in self._regions:
-                name = f"region-{rid}-{k}"
-                k += 1
+            name = self._default_name(rid)
         region = Region(self, name, rid, key, nbytes, access, addr, obj, memfd, ino, mm)
         self._regions[name] = region
         self._meta_changed()
@@ -1704,27 +1710,7 @@ class Agent:
                 f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
                 peer=rr.peer.name,
             )
-        n = len(local)
-        if n != len(remote):
-            raise ValueError(f"{n} local segments but {len(remote)} remote segments")
-        if not n:
-            raise ValueError("no segments to transfer")
-        lens = local.lengths
-        if not np.array_equal(lens, remote.lengths):
-            bad = int(np.flatnonzero(lens != remote.lengths)[0])
-            raise ValueError(
-                f"segment {bad}: local length {int(lens[bad])} != remote length "
-                f"{int(remote.lengths[bad])}"
-            )
-        if not lens.all():
-            raise ValueError(f"segment {int(np.flatnonzero(lens == 0)[0])} is empty")
-        descs = np.empty((n, 6), dtype=np.uint64)
-        descs[:, 0] = lr.rid
-        descs[:, 1] = local.offsets
-        descs[:, 2] = rr.rid
-        descs[:, 3] = rr.key
-        descs[:, 4] = remote.offsets
-        descs[:, 5] = lens
+        descs = pair_descs(local, lr.rid, remote, rr.rid, rr.key, "remote")
         return rr.peer, descs, local.nbytes
 
     def _submit(

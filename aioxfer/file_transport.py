@@ -29,7 +29,7 @@ import numpy.typing as npt
 from aioxfer import _cyx
 from aioxfer.errors import RegistrationError, XferError
 from aioxfer.peer import Peer
-from aioxfer.region import Region, Segment, SegmentList
+from aioxfer.region import Region, Segment, SegmentList, pair_descs
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
@@ -136,11 +136,7 @@ def register_file(
     finally:
         os.close(fd)  # the engine keeps its own duplicate
     if name is None:
-        name = f"file-{rid}"
-        k = 1
-        while name in agent._regions:
-            name = f"file-{rid}-{k}"
-            k += 1
+        name = agent._default_name(rid, "file")
     region = Region(agent, name, rid, key, nbytes, access, 0, os.fspath(path), kind="file")
     region.direct = bool(direct)
     agent._regions[name] = region
@@ -235,27 +231,8 @@ def descs(agent: Agent, local: Any, target: Any) -> tuple[Peer, npt.NDArray[np.u
         if not isinstance(lreg, Region) or not isinstance(freg, Region):
             raise TypeError("file transfers take two SegmentLists of local regions")
         _check_regions(agent, lreg, freg, None)
-        m = len(local)
-        if m != len(target):
-            raise ValueError(f"{m} local segments but {len(target)} file segments")
-        if not m:
-            raise ValueError("no segments to transfer")
-        lens = local.lengths
-        if not np.array_equal(lens, target.lengths):
-            bad = int(np.flatnonzero(lens != target.lengths)[0])
-            raise ValueError(
-                f"segment {bad}: local length {int(lens[bad])} != file length "
-                f"{int(target.lengths[bad])}"
-            )
-        if not lens.all():
-            raise ValueError(f"segment {int(np.flatnonzero(lens == 0)[0])} is empty")
-        out = np.empty((m, 6), dtype=np.uint64)
-        out[:, 0] = lreg.rid
-        out[:, 1] = local.offsets
-        out[:, 2] = freg.rid
-        out[:, 3] = freg.key
-        out[:, 4] = target.offsets
-        out[:, 5] = lens
+        out = pair_descs(local, lreg.rid, target, freg.rid, freg.key, "file")
+        lens = out[:, 5]
         if freg.direct:
             mask = np.uint64(DIRECT_ALIGN - 1)
             unaligned = ((local.offsets + np.uint64(lreg.addr)) | target.offsets | lens) & mask

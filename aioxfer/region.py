@@ -343,6 +343,36 @@ class SegmentList:
         return f"<SegmentList {self.region.name!r} n={len(self)} nbytes={self.nbytes}>"
 
 
+
+def pair_descs(local: SegmentList, lrid: int, far: SegmentList, frid: int, fkey: int,
+               far_name: str) -> U64:
+    """The (n, 6) descriptor array of two equal SegmentLists, local and far
+    (remote, or a file region), with their checks: as many segments on both
+    sides, none empty, lengths pairwise equal. ``far_name`` names the far side
+    in the errors ("remote", "file")."""
+    n = len(local)
+    if n != len(far):
+        raise ValueError(f"{n} local segments but {len(far)} {far_name} segments")
+    if not n:
+        raise ValueError("no segments to transfer")
+    lens = local.lengths
+    if not np.array_equal(lens, far.lengths):
+        bad = int(np.flatnonzero(lens != far.lengths)[0])
+        raise ValueError(
+            f"segment {bad}: local length {int(lens[bad])} != {far_name} length "
+            f"{int(far.lengths[bad])}"
+        )
+    if not lens.all():
+        raise ValueError(f"segment {int(np.flatnonzero(lens == 0)[0])} is empty")
+    descs = np.empty((n, 6), dtype=np.uint64)
+    descs[:, 0] = lrid
+    descs[:, 1] = local.offsets
+    descs[:, 2] = frid
+    descs[:, 3] = fkey
+    descs[:, 4] = far.offsets
+    descs[:, 5] = lens
+    return descs
+
 def _u64(a: npt.ArrayLike, what: str) -> U64:
     arr = np.asarray(a)
     if arr.ndim != 1:

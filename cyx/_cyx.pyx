@@ -371,6 +371,24 @@ cdef class Engine:
             self._slots_cap = cap
         return 0
 
+    cdef size_t _poll_batch(self, Py_ssize_t max, str who) except? 0:
+        """Polls up to max records into self._cq. With records, self._polling
+        stays set: the caller frees them and clears it. poll() and drain()."""
+        cdef size_t n
+        if max <= 0:
+            raise ValueError("max must be positive")
+        if self._polling:
+            raise RuntimeError(f"Engine.{who}() is not reentrant")
+        self._ensure_cq(<size_t>max)
+        self._busy += 1
+        self._polling = True
+        with nogil:
+            n = axf_poll(self._e, self._cq, <size_t>max)
+        self._busy -= 1
+        if n == 0:
+            self._polling = False
+        return n
+
     cdef void _release_freed(self, size_t n) noexcept:
         """Releases pins of regions the engine reported freed among n records."""
         cdef size_t i
@@ -726,18 +744,8 @@ cdef class Engine:
         cdef list out
         if self._e == NULL:
             return []
-        if max <= 0:
-            raise ValueError("max must be positive")
-        if self._polling:
-            raise RuntimeError("Engine.poll() is not reentrant")
-        self._ensure_cq(<size_t>max)
-        self._busy += 1
-        self._polling = True
-        with nogil:
-            n = axf_poll(self._e, self._cq, <size_t>max)
-        self._busy -= 1
+        n = self._poll_batch(max, "poll")
         if n == 0:
-            self._polling = False
             return []
         try:
             self._release_freed(n)
@@ -789,18 +797,8 @@ cdef class Engine:
         cdef double now, seconds, bw, latency = 0.0, bandwidth = 0.0
         if self._e == NULL:
             return 0, 0, 0
-        if max <= 0:
-            raise ValueError("max must be positive")
-        if self._polling:
-            raise RuntimeError("Engine.drain() is not reentrant")
-        self._ensure_cq(<size_t>max)
-        self._busy += 1
-        self._polling = True
-        with nogil:
-            n = axf_poll(self._e, self._cq, <size_t>max)
-        self._busy -= 1
+        n = self._poll_batch(max, "drain")
         if n == 0:
-            self._polling = False
             return 0, 0, 0
         # One clock reading for the batch: every record in it was complete
         # before the poll, and what is measured is post -> seen by the loop.
