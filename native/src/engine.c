@@ -1377,7 +1377,7 @@ int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t ke
     endpoint *ep = ep_find(e, ep_id);
     int st = e->shut ? AXF_E_CLOSED : !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED : AXF_OK;
     if (st == AXF_OK && (ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_CUDA) && memfd >= 0)
-        st = shm_map(e, ep, rr, memfd);
+        st = shm_map(ep, rr, memfd);
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
         free(rr);

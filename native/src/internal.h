@@ -317,7 +317,7 @@ void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
 /* shm.c */
 int shm_start(axf_engine *e);
 void shm_stop(axf_engine *e);
-int shm_map(axf_engine *e, endpoint *ep, rregion *rr, int32_t memfd);
+int shm_map(endpoint *ep, rregion *rr, int32_t memfd);
 void shm_unmap(rregion *rr);
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);

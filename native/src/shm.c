@@ -19,24 +19,8 @@
 #define RUN_DESCS 1024u        /* ... and this many (IOV_MAX) */
 #define MIN_PIECE (1u << 20)   /* a large descriptor is split into pieces no smaller */
 
-static void queue_jobs(axf_engine *e, job *head, job *tail, int wake)
+int shm_map(endpoint *ep, rregion *rr, int32_t memfd)
 {
-    pthread_mutex_lock(&e->wq_mu);
-    if (e->wq_tail)
-        e->wq_tail->next = head;
-    else
-        e->wq_head = head;
-    e->wq_tail = tail;
-    if (wake == 2)
-        pthread_cond_broadcast(&e->wq_cv);
-    else if (wake == 1)
-        pthread_cond_signal(&e->wq_cv);
-    pthread_mutex_unlock(&e->wq_mu);
-}
-
-int shm_map(axf_engine *e, endpoint *ep, rregion *rr, int32_t memfd)
-{
-    (void)e;
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)ep->pid, (int)memfd);
     bool rw = rr->access & AXF_ACCESS_WRITE;
@@ -290,6 +274,17 @@ void shm_submit(axf_engine *e, op *o, bool signal)
         return;
     }
     atomic_store(&o->remaining, count);
-    /* Unsignalled (deferred): the doorbell wakes the workers. */
-    queue_jobs(e, head, tail, signal ? (count > 1 ? 2 : 1) : 0);
+    pthread_mutex_lock(&e->wq_mu);
+    if (e->wq_tail)
+        e->wq_tail->next = head;
+    else
+        e->wq_head = head;
+    e->wq_tail = tail;
+    if (signal) {
+        if (count > 1)
+            pthread_cond_broadcast(&e->wq_cv);
+        else
+            pthread_cond_signal(&e->wq_cv);
+    }
+    pthread_mutex_unlock(&e->wq_mu);
 }
