@@ -1,0 +1,186 @@
+"""atheris (libFuzzer for Python) harness: the connection handshake
+(aioxfer/protocol.py: length-prefixed frames, Hello / Challenge / Proof /
+Accept / Reject, the HMAC proofs) from either side, over a real socketpair.
+
+Byte 0 of an input picks the side and its settings, the rest is the byte
+stream the other side sends (then it hangs up):
+  bit 0: 0 = we are the server (server_handshake; the input is a client),
+         1 = we are the client (client_handshake; the input is a server);
+  bit 1: we have a token (b"fuzz-token"), else none;
+  bits 2-3 (client): purpose meta / data / verbs, or 3 = fetch_meta (the
+         handshake, then the AgentMeta frame).
+Contract: the handshake returns what it promises (a Hello that passed every
+check, an Accept, an AgentMeta) or raises an XferError (AccessDenied,
+ProtocolError); it never authenticates a peer that did not prove the token
+(with a token, no input can succeed: the nonces are random, the input cannot
+know them); it never hangs once the peer hung up (5 s). Anything else raises
+out of check(), unless it is a known, reported issue (fuzz/known_issues.py)
+and AXF_FUZZ_TOLERATE_KNOWN=1.
+
+Run: python fuzz/fuzz_handshake.py [libFuzzer flags] CORPUS_DIR   (see benchmarks/fuzz.sh)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import known_issues  # noqa: E402
+
+TOKEN = b"fuzz-token"
+PURPOSES = ("meta", "data", "verbs")
+MAX_INPUT = 64 << 10  # what one socketpair buffers without a reader
+_m: Any = None
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def load() -> None:
+    global _m, _loop
+    if _m is not None:
+        return
+    import types
+
+    import aioxfer.errors as errors
+    import aioxfer.metadata as metadata
+    import aioxfer.protocol as protocol
+
+    _m = types.SimpleNamespace(errors=errors, metadata=metadata, protocol=protocol)
+    _loop = asyncio.new_event_loop()
+
+
+async def _server(sock: socket.socket, token: bytes | None) -> None:
+    p, md = _m.protocol, _m.metadata
+    hello = await p.server_handshake(
+        _loop, sock, token=token, accept=md.Accept(name="server", incarnation=1)
+    )
+    if token is not None:
+        raise AssertionError(f"a client without the token got in: {hello!r}")
+    if not isinstance(hello, md.Hello):
+        raise AssertionError(f"server_handshake returned {hello!r}")
+    if hello.version != md.PROTOCOL_VERSION or not 1 <= len(hello.name) <= p.MAX_NAME:
+        raise AssertionError(f"accepted a Hello that fails its checks: {hello!r}")
+    if len(hello.nonce) != p.NONCE_BYTES or not 0 <= hello.incarnation < 1 << 64:
+        raise AssertionError(f"accepted a Hello that fails its checks: {hello!r}")
+
+
+async def _client(sock: socket.socket, token: bytes | None, mode: int) -> None:
+    p, md = _m.protocol, _m.metadata
+    if mode == 3:
+        got = await p.fetch_meta(_loop, sock, name="client", incarnation=1, token=token)
+        want = md.AgentMeta
+    else:
+        got = await p.client_handshake(
+            _loop, sock, name="client", incarnation=1, purpose=PURPOSES[mode], token=token
+        )
+        want = md.Accept
+    if token is not None:
+        raise AssertionError(f"a server without the token was trusted: {got!r}")
+    if not isinstance(got, want):
+        raise AssertionError(f"expected {want.__name__}, got {got!r}")
+
+
+def _run(data: bytes) -> None:
+    assert _loop is not None
+    opts, stream = data[0], data[1:MAX_INPUT]
+    token = TOKEN if opts & 2 else None
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(stream)
+        theirs.shutdown(socket.SHUT_WR)
+        ours.setblocking(False)
+        coro = _client(ours, token, (opts >> 2) & 3) if opts & 1 else _server(ours, token)
+        try:
+            _loop.run_until_complete(asyncio.wait_for(coro, 5))
+        except _m.errors.XferError:
+            pass  # refused: what a hostile peer should get
+        except TimeoutError:
+            raise AssertionError("handshake still waiting 5 s after the peer hung up") from None
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def check(data: bytes) -> str | None:
+    """Runs one input. None: it held; a KNOWN name: a known issue (tolerated
+    only when the caller allows); raises on a new finding."""
+    load()
+    if not data:
+        return None
+    try:
+        _run(data)
+    except Exception as exc:
+        known = known_issues.classify(exc)
+        if known is None:
+            raise
+        return known
+    return None
+
+
+def seeds() -> dict[str, bytes]:
+    """Both sides of real handshakes: with and without a token, every purpose."""
+    from aioxfer.metadata import Accept, AgentMeta, Challenge, Hello, Proof, Reject
+    from aioxfer.protocol import encode_frame
+
+    def hello(purpose: str) -> bytes:
+        return encode_frame(
+            Hello(version=1, name="peer", incarnation=7, purpose=purpose, nonce=b"n" * 16)
+        )
+
+    meta = AgentMeta(
+        version=1, name="server", incarnation=1, host_id="h", pid=1, address="127.0.0.1:1",
+        transports=["tcp"], regions=[],
+    )
+    accept = encode_frame(Accept(name="server", incarnation=1))
+    out = {
+        "server-meta": b"\0" + hello("meta"),
+        "server-data": b"\0" + hello("data"),
+        "server-verbs": b"\0" + hello("verbs"),
+        "server-token": b"\2" + hello("data") + encode_frame(Proof(proof=b"p" * 32)),
+        "server-big-endian": b"\0"
+        + encode_frame(
+            Hello(version=1, name="peer", incarnation=7, purpose="data", nonce=b"n" * 16,
+                  byteorder="big")
+        ),
+        "client-meta": b"\1" + accept,
+        "client-data": bytes([1 | 1 << 2]) + accept,
+        "client-verbs": bytes([1 | 2 << 2]) + accept,
+        "client-fetch-meta": bytes([1 | 3 << 2]) + accept + encode_frame(meta),
+        "client-reject": b"\1" + encode_frame(Reject(reason="no")),
+        "client-token": b"\3"
+        + encode_frame(Challenge(nonce=b"s" * 16, proof=b"p" * 32))
+        + accept,
+    }
+    return out
+
+
+def main() -> None:
+    import atheris
+    from instrument import instrument_modules
+
+    load()
+    n = instrument_modules(_m.protocol, _m.metadata, _m.errors)
+    print(f"instrumented {n} functions", file=sys.stderr)
+    tolerate = known_issues.tolerate()
+    seen: set[str] = set()
+
+    def one(data: bytes) -> None:
+        known = check(data)
+        if known is None:
+            return
+        if not tolerate:
+            raise AssertionError(f"known issue {known}: {known_issues.KNOWN[known]}")
+        if known not in seen:  # said once, so the log shows the run went past it
+            seen.add(known)
+            print(f"known issue hit (tolerated): {known}: {known_issues.KNOWN[known]}",
+                  file=sys.stderr, flush=True)
+
+    atheris.Setup(sys.argv, one)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()

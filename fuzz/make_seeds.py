@@ -1,0 +1,154 @@
+"""Writes the hand-made seed inputs of every fuzz harness into fuzz/seeds/<harness>/.
+
+Seeds are well-formed conversations (a WRITE that lands, a READ answered in
+chunks, a handshake with and without a token, the metadata of a real agent),
+so the fuzzer starts from the accepted paths and mutates from there. The
+committed corpora under fuzz/corpus/ are what fuzzing grew from them
+(minimized with -merge=1); benchmarks/fuzz.sh regenerates the seeds each run.
+
+Run: python fuzz/make_seeds.py [OUTDIR]
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+
+# The native wire header (native/src/internal.h, wire_hdr): 64 bytes, little-endian.
+_HDR = struct.Struct("<IHHiIQQQQQQ")
+MAGIC = 0x31465841
+FR_WRITE, FR_WRITE_ACK, FR_READ_REQ, FR_READ_RESP, FR_NOTIFY = 1, 2, 3, 4, 5
+FR_NOTIFY_ACK, FR_PING, FR_REVOKE, FR_REVOKE_ACK = 6, 7, 8, 9
+FL_LAST, FL_ABORT = 1, 2
+
+
+def hdr(
+    type_: int,
+    *,
+    flags: int = 0,
+    status: int = 0,
+    op: int = 1,
+    index: int = 0,
+    rid: int = 0,
+    key: int = 0,
+    off: int = 0,
+    length: int = 0,
+) -> bytes:
+    assert _HDR.size == 64
+    return _HDR.pack(MAGIC, type_, flags, status, 0, op, index, rid, key, off, length)
+
+
+def target_seeds() -> dict[str, bytes]:
+    """fuzz_target_frames: option byte, then what an initiator sends.
+    rid 1 read-write (4096 B), rid 2 read-only (1024 B), rid 3 the revoked
+    region (option bit 0); key 0 = the region's real key."""
+    pay = bytes(range(64))
+    return {
+        "write": b"\0" + hdr(FR_WRITE, flags=FL_LAST, rid=1, off=0, length=16) + pay[:16],
+        "write-group": b"\0"
+        + hdr(FR_WRITE, op=5, rid=1, off=100, length=32)
+        + pay[:32]
+        + hdr(FR_WRITE, op=5, flags=FL_LAST, index=1, rid=1, off=132, length=8)
+        + pay[:8],
+        "write-readonly": b"\0" + hdr(FR_WRITE, flags=FL_LAST, rid=2, length=8) + pay[:8],
+        "write-aborted": b"\0"
+        + hdr(FR_PING)
+        + hdr(FR_WRITE, flags=FL_LAST | FL_ABORT, rid=1),
+        "read": b"\0" + hdr(FR_READ_REQ, flags=FL_LAST, rid=1, off=8, length=32),
+        "read-readonly": b"\0"
+        + hdr(FR_READ_REQ, rid=2, off=0, length=512)
+        + hdr(FR_READ_REQ, flags=FL_LAST, rid=2, off=512, length=512),
+        "read-aborted": b"\0" + hdr(FR_READ_REQ, flags=FL_LAST | FL_ABORT, rid=1),
+        "notify": b"\0" + hdr(FR_NOTIFY, op=9, length=5) + b"hello",
+        "revoke-ack": b"\1" + hdr(FR_REVOKE_ACK, rid=3),
+        "revoked-write": b"\1"
+        + hdr(FR_WRITE, flags=FL_LAST, rid=3, length=4)
+        + b"boom"
+        + hdr(FR_REVOKE_ACK, rid=3),
+    }
+
+
+def _plan(*ops: tuple[int, list[tuple[int, int, int]]]) -> bytes:
+    """fuzz_initiator_frames' plan: op count, then per op its kind byte
+    (0 READ, 1 WRITE, 2 WRITE + notification, 3 NOTIFY; +4: two descriptors)
+    and per descriptor (local offset, remote offset, length - 1) as u16."""
+    out = bytes([len(ops) - 1])
+    for kind, descs in ops:
+        out += bytes([kind | (4 if len(descs) == 2 else 0)])
+        for loff, roff, len_1 in descs:
+            out += struct.pack("<HHH", loff, roff, len_1)
+    return out
+
+
+def initiator_seeds() -> dict[str, bytes]:
+    """fuzz_initiator_frames: the plan, then what the fake target answers.
+    The remote region is rid 7, key 0x1234; requests are ops 1..n; chunks are
+    512 bytes."""
+    data = bytes(i % 251 for i in range(2048))
+    return {
+        "read": _plan((0, [(0, 0, 99)]))
+        + hdr(FR_READ_RESP, flags=FL_LAST, rid=7, off=0, length=100)
+        + data[:100],
+        "read-chunks": _plan((0, [(10, 20, 1499)]))
+        + hdr(FR_READ_RESP, rid=7, off=20, length=512)
+        + data[:512]
+        + hdr(FR_READ_RESP, rid=7, off=532, length=512)
+        + data[:512]
+        + hdr(FR_READ_RESP, flags=FL_LAST, rid=7, off=1044, length=476)
+        + data[:476],
+        "read-two-desc": _plan((0, [(0, 0, 9), (100, 200, 9)]))
+        + hdr(FR_READ_RESP, rid=7, off=0, length=10)
+        + data[:10]
+        + hdr(FR_READ_RESP, flags=FL_LAST, index=1, rid=7, off=200, length=10)
+        + data[:10],
+        "read-denied": _plan((0, [(0, 0, 15)]))
+        + hdr(FR_READ_RESP, flags=FL_LAST, status=-3, rid=7),
+        "write": _plan((1, [(0, 0, 99)])) + hdr(FR_WRITE_ACK, length=100),
+        "write-notify": _plan((2, [(0, 0, 99)]))
+        + hdr(FR_WRITE_ACK, length=100)
+        + hdr(FR_NOTIFY_ACK),
+        "notify": _plan((3, [])) + hdr(FR_NOTIFY_ACK),
+        "mixed": _plan((1, [(0, 0, 9)]), (0, [(64, 0, 9)]), (3, []))
+        + hdr(FR_WRITE_ACK, op=1, length=10)
+        + hdr(FR_READ_RESP, op=2, flags=FL_LAST, rid=7, off=0, length=10)
+        + data[:10]
+        + hdr(FR_NOTIFY_ACK, op=3),
+        "revoke": _plan((0, [(0, 0, 9)]))
+        + hdr(FR_REVOKE, op=0, rid=7, key=0x1234)
+        + hdr(FR_READ_RESP, flags=FL_LAST, rid=7, off=0, length=10)
+        + data[:10],
+        "ping": _plan((1, [(0, 0, 0)])) + hdr(FR_PING, op=0) + hdr(FR_WRITE_ACK, length=1),
+    }
+
+
+def handshake_seeds() -> dict[str, bytes]:
+    from fuzz_handshake import seeds
+
+    return seeds()
+
+
+def metadata_seeds() -> dict[str, bytes]:
+    from fuzz_metadata import seeds
+
+    return seeds()
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "seeds")
+    sys.path.insert(0, str(Path(__file__).parent))
+    for harness, make in [
+        ("target_frames", target_seeds),
+        ("initiator_frames", initiator_seeds),
+        ("handshake", handshake_seeds),
+        ("metadata", metadata_seeds),
+    ]:
+        d = out / harness
+        d.mkdir(parents=True, exist_ok=True)
+        for name, blob in make().items():
+            (d / f"seed-{name}").write_bytes(blob)
+        print(f"{d}: {len(list(d.iterdir()))} seeds")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Builds the native frame-parser fuzz harnesses, against the engine's own
+# sources (native/src/*.c), outside meson (the project's build stays as it is).
+#
+#   native/fuzz/build.sh [OUTDIR]           libFuzzer binaries (Debian clang:
+#                                           -fsanitize=fuzzer,address,undefined;
+#                                           needs libclang-rt-14-dev)
+#   native/fuzz/build.sh --replay [OUTDIR]  the same harnesses with a plain
+#                                           main() that replays files/dirs once,
+#                                           under ASan/UBSan ($CC, else clang,
+#                                           else cc): what CI runs on the corpus
+#
+# OUTDIR defaults to build-fuzz (or build-fuzz-replay). Prints the binaries.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+mode=fuzz
+if [ "${1:-}" = "--replay" ]; then
+    mode=replay
+    shift
+fi
+out=${1:-build-fuzz$([ $mode = replay ] && echo -replay || true)}
+mkdir -p "$out/obj"
+
+if [ $mode = fuzz ]; then
+    cc=${CC:-clang}
+    # The engine gets coverage counters and comparison tracing; the harness
+    # links libFuzzer's main.
+    eng_san=(-fsanitize=fuzzer-no-link,address,undefined)
+    exe_san=(-fsanitize=fuzzer,address,undefined)
+else
+    cc=${CC:-$(command -v clang || command -v cc)}
+    eng_san=(-fsanitize=address,undefined)
+    exe_san=(-fsanitize=address,undefined)
+fi
+common=(-std=c11 -g -O1 -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+        -Inative/include -Inative/src -pthread)
+
+# Every engine source but the verbs table (it needs the libibverbs headers;
+# without AXF_HAVE_VERBS verbs.c builds its "not built" stubs instead). Not our
+# code to hold to -Werror under another compiler: warnings only.
+objs=()
+for src in native/src/*.c; do
+    base=$(basename "$src" .c)
+    [ "$base" = verbs_table ] && continue
+    obj="$out/obj/$base.o"
+    if [ ! -e "$obj" ] || [ "$src" -nt "$obj" ] || [ native/src/internal.h -nt "$obj" ] ||
+        [ native/include/aioxfer.h -nt "$obj" ] || [ "$0" -nt "$obj" ]; then
+        "$cc" "${common[@]}" "${eng_san[@]}" -c "$src" -o "$obj"
+    fi
+    objs+=("$obj")
+done
+
+# Our harness code is held to the project's standard.
+strict=(-Wall -Wextra -Werror)
+for h in native/fuzz/fuzz_*_frames.c; do
+    name=$(basename "$h" .c)
+    extra=()
+    [ $mode = replay ] && extra=(native/fuzz/replay_main.c)
+    "$cc" "${common[@]}" "${strict[@]}" "${exe_san[@]}" "$h" "${extra[@]}" "${objs[@]}" \
+        -ldl -o "$out/$name"
+    echo "$out/$name"
+done
