@@ -93,6 +93,28 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=0:allocator_ma
 export AXF_FUZZ_TOLERATE_KNOWN=${AXF_FUZZ_TOLERATE_KNOWN:-1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
 
+# Source-level coverage of the parser functions a native harness drives,
+# from a replay of its work corpus through an llvm-cov build.
+declare -a PARSER_COV=()
+parser_cov() { # parser_cov HARNESS CORPUS FUNCTION...
+    local h=$1 corpus=$2
+    shift 2
+    command -v llvm-profdata >/dev/null && command -v llvm-cov >/dev/null || return 0
+    [ -x "$OUT/cov/fuzz_$h" ] || nice -n 10 native/fuzz/build.sh --coverage "$OUT/cov" >/dev/null
+    rm -f "$OUT/cov/$h.profraw"
+    LLVM_PROFILE_FILE="$OUT/cov/$h.profraw" nice -n 10 "$OUT/cov/fuzz_$h" "$corpus" >/dev/null
+    llvm-profdata merge -o "$OUT/cov/$h.profdata" "$OUT/cov/$h.profraw"
+    local report f
+    report=$(llvm-cov report -show-functions "$OUT/cov/fuzz_$h" \
+        -instr-profile="$OUT/cov/$h.profdata" native/src/conn.c)
+    for f in "$@"; do
+        # columns: name, regions, miss, cover, lines, miss, cover, branches, miss, cover
+        PARSER_COV+=("$(awk -v f="conn.c:$f" -v h="$h" '$1 == f {
+            printf "%-17s %-22s lines %s/%s (%s)  branches %s/%s (%s)", h, f, $5 - $6, $5, $7,
+                $8 - $9, $8, $10 }' <<<"$report")")
+    done
+}
+
 declare -a ROWS=()
 for h in "${HARNESSES[@]}"; do
     corpus="$OUT/corpus/$h"
@@ -130,6 +152,10 @@ for h in "${HARNESSES[@]}"; do
     tail -n 3 "$log" | sed 's/^/    /'
     ROWS+=("$(printf '%-17s %12s %8s %7s %7s %6s %9s %7s %4ss %s' "$h" "${execs:-?}" \
         "${rate:-?}" "${cov:-?}" "${ft:-?}" "$files" "$bytes" "$crashes" "$secs" "$status")")
+    case $h in
+    target_frames) parser_cov "$h" "$corpus" rx_main rx_target target_region || true ;;
+    initiator_frames) parser_cov "$h" "$corpus" rx_main rx_initiator initiator_conn_lost || true ;;
+    esac
     if [ "$MERGE" = 1 ] && [ $rc -eq 0 ]; then
         # Minimize into a fresh dir, then replace the committed corpus with it.
         rm -rf "$OUT/merged/$h"
@@ -148,8 +174,14 @@ echo "==================== fuzz summary ($(date -u +%FT%TZ), $(uname -m), $(npro
 printf '%-17s %12s %8s %7s %7s %6s %9s %7s %5s %s\n' harness executions exec/s cov ft \
     files bytes crashes time status
 printf '%s\n' "${ROWS[@]}"
-echo "cov: edges (libFuzzer's coverage counters; Python harnesses: atheris' line and"
-echo "branch counters); ft: features; files/bytes: the work corpus in $ROOT/$OUT/corpus"
+echo "cov: edges (libFuzzer's coverage counters; Python harnesses: atheris' bytecode"
+echo "counters plus msgspec's C code where instrumented); ft: features; files/bytes: the"
+echo "work corpus in $OUT/corpus"
+if [ ${#PARSER_COV[@]} -gt 0 ]; then
+    echo
+    echo "parser coverage (llvm-cov, native/src/conn.c, replay of the work corpus):"
+    printf '%s\n' "${PARSER_COV[@]}"
+fi
 for r in "${ROWS[@]}"; do
     [[ $r == *" ok"* ]] || exit 1
 done

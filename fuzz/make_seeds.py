@@ -119,6 +119,11 @@ def initiator_seeds() -> dict[str, bytes]:
         + hdr(FR_READ_RESP, flags=FL_LAST, rid=7, off=0, length=10)
         + data[:10],
         "ping": _plan((1, [(0, 0, 0)])) + hdr(FR_PING, op=0) + hdr(FR_WRITE_ACK, length=1),
+        # Two rails: chunks alternate between them; rail 0 (ours) answers its
+        # first chunk, then hangs up, and the rest moves to rail 1.
+        "two-rails": bytes([0x80]) + _plan((1, [(0, 0, 2047)]))[1:]
+        + hdr(FR_WRITE_ACK, length=512),
+        "two-rails-silent": bytes([0x81]) + _plan((0, [(0, 0, 2047)]), (2, [(0, 0, 99)]))[1:],
     }
 
 

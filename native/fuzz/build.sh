@@ -9,17 +9,19 @@
 #                                           main() that replays files/dirs once,
 #                                           under ASan/UBSan ($CC, else clang,
 #                                           else cc): what CI runs on the corpus
+#   native/fuzz/build.sh --coverage [OUTDIR] the replay build with clang's
+#                                           source-based coverage (llvm-cov)
 #
 # OUTDIR defaults to build-fuzz (or build-fuzz-replay). Prints the binaries.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 mode=fuzz
-if [ "${1:-}" = "--replay" ]; then
-    mode=replay
-    shift
-fi
-out=${1:-build-fuzz$([ $mode = replay ] && echo -replay || true)}
+case ${1:-} in
+--replay) mode=replay; shift ;;
+--coverage) mode=coverage; shift ;;
+esac
+out=${1:-build-fuzz$([ $mode != fuzz ] && echo "-$mode" || true)}
 mkdir -p "$out/obj"
 
 if [ $mode = fuzz ]; then
@@ -28,6 +30,12 @@ if [ $mode = fuzz ]; then
     # links libFuzzer's main.
     eng_san=(-fsanitize=fuzzer-no-link,address,undefined)
     exe_san=(-fsanitize=fuzzer,address,undefined)
+elif [ $mode = coverage ]; then
+    # Source-based coverage (llvm-cov) of a corpus replay: which lines and
+    # branches of the parsers the corpus reaches.
+    cc=${CC:-clang}
+    eng_san=(-fprofile-instr-generate -fcoverage-mapping)
+    exe_san=(-fprofile-instr-generate -fcoverage-mapping)
 else
     cc=${CC:-$(command -v clang || command -v cc)}
     eng_san=(-fsanitize=address,undefined)
@@ -56,7 +64,7 @@ strict=(-Wall -Wextra -Werror)
 for h in native/fuzz/fuzz_*_frames.c; do
     name=$(basename "$h" .c)
     extra=()
-    [ $mode = replay ] && extra=(native/fuzz/replay_main.c)
+    [ $mode != fuzz ] && extra=(native/fuzz/replay_main.c)
     "$cc" "${common[@]}" "${strict[@]}" "${exe_san[@]}" "$h" "${extra[@]}" "${objs[@]}" \
         -ldl -o "$out/$name"
     echo "$out/$name"

@@ -2,7 +2,10 @@
  * i.e. whatever a remote target may send back on a connection we dialled.
  *
  * One input = one endpoint with one connection. The first bytes are the plan:
- *   byte 0: number of requests (1..4);
+ *   byte 0: number of requests (1..4, low bits); bit 7: a second connection
+ *   (rail 1) to the same peer, which never answers: when the fuzzed one
+ *   fails cleanly its unfinished groups are rerouted there, then it hangs up
+ *   too;
  *   per request: a byte for its kind (READ, WRITE, WRITE + notification,
  *   NOTIFY) and its descriptor count (1..2), then per descriptor three
  *   little-endian u16: local offset, remote offset, length (folded into the
@@ -89,6 +92,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 }
 
 typedef struct plan {
+    bool two_rails;
     int nops;
     int opcode[MAX_OPS];
     bool notify[MAX_OPS];
@@ -140,7 +144,9 @@ static uint16_t get_u16(const uint8_t **p, size_t *n)
 
 static void read_plan(plan *pl, const uint8_t **p, size_t *n)
 {
-    pl->nops = 1 + fz_get_u8(p, n) % MAX_OPS;
+    uint8_t b0 = fz_get_u8(p, n);
+    pl->two_rails = b0 & 0x80;
+    pl->nops = 1 + (b0 & 0x7f) % MAX_OPS;
     for (int i = 0; i < pl->nops; i++) {
         uint8_t kind = fz_get_u8(p, n);
         pl->ndesc[i] = 1 + (kind >> 2) % MAX_DESC;
@@ -181,6 +187,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fz_socketpair(sv);
     if (axf_endpoint_add_conn(S.e, w.ep, sv[1]) != AXF_OK)
         FZ_FAIL("axf_endpoint_add_conn failed");
+    int rail1[2] = {-1, -1};
+    if (pl.two_rails) {
+        fz_socketpair(rail1);
+        if (axf_endpoint_add_rail_conn(S.e, w.ep, rail1[1], 1) != AXF_OK)
+            FZ_FAIL("axf_endpoint_add_rail_conn failed");
+    }
     if (axf_endpoint_import(S.e, w.ep, RRID, RKEY, RREG, AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0,
                             -1) != AXF_OK)
         FZ_FAIL("axf_endpoint_import failed");
@@ -196,6 +208,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
      * answers with the fuzzer's bytes, then hangs up. */
     fz_exchange(sv[0], data, size, true, "initiator connection");
     close(sv[0]);
+    if (pl.two_rails) { /* it took what was rerouted (drained here); now it goes too */
+        fz_exchange(rail1[0], NULL, 0, true, "second rail");
+        close(rail1[0]);
+    }
     fz_wait(S.e, on_completion, finished, &w, "requests completed / endpoint lost");
     (void)axf_endpoint_close(S.e, w.ep);
 
