@@ -146,20 +146,17 @@ static inline void fz_wait(axf_engine *e, fz_on_completion on_completion,
 /* Writes data into fd (non-blocking) while reading and discarding whatever
  * the engine sends back, so neither side can block the other; then half-closes
  * and reads until the engine closes its end. Aborts at the deadline. */
-static inline void fz_exchange(int fd, const uint8_t *data, size_t n, bool close_write,
-                               const char *what)
+static inline void fz_exchange(int fd, const uint8_t *data, size_t n, const char *what)
 {
     uint8_t sink[16384];
     uint64_t deadline = fz_now_ms() + FZ_DEADLINE_MS;
     size_t off = 0;
     bool shut = false;
     for (;;) {
-        if (off == n && close_write && !shut) {
+        if (off == n && !shut) {
             shutdown(fd, SHUT_WR);
             shut = true;
         }
-        if (off == n && !close_write)
-            return;
         struct pollfd p = {.fd = fd, .events = POLLIN | (off < n ? POLLOUT : 0)};
         uint64_t now = fz_now_ms();
         if (now >= deadline)

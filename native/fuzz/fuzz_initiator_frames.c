@@ -206,10 +206,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     /* The fake target reads our requests (fz_exchange drains them) and
      * answers with the fuzzer's bytes, then hangs up. */
-    fz_exchange(sv[0], data, size, true, "initiator connection");
+    fz_exchange(sv[0], data, size, "initiator connection");
     close(sv[0]);
     if (pl.two_rails) { /* it took what was rerouted (drained here); now it goes too */
-        fz_exchange(rail1[0], NULL, 0, true, "second rail");
+        fz_exchange(rail1[0], NULL, 0, "second rail");
         close(rail1[0]);
     }
     fz_wait(S.e, on_completion, finished, &w, "requests completed / endpoint lost");

@@ -167,7 +167,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             FZ_FAIL("axf_region_deregister failed");
     }
     fix_up(stream, size, w.rv_rid, rv_key);
-    fz_exchange(sv[0], stream, size, true, "target connection");
+    fz_exchange(sv[0], stream, size, "target connection");
     close(sv[0]);
     fz_wait(S.e, on_completion, finished, &w, "target connection closed / revoked region freed");
     free(stream);
