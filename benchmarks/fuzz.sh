@@ -100,7 +100,7 @@ parser_cov() { # parser_cov HARNESS CORPUS FUNCTION...
     local h=$1 corpus=$2
     shift 2
     command -v llvm-profdata >/dev/null && command -v llvm-cov >/dev/null || return 0
-    [ -x "$OUT/cov/fuzz_$h" ] || nice -n 10 native/fuzz/build.sh --coverage "$OUT/cov" >/dev/null
+    nice -n 10 native/fuzz/build.sh --coverage "$OUT/cov" >/dev/null # incremental
     rm -f "$OUT/cov/$h.profraw"
     LLVM_PROFILE_FILE="$OUT/cov/$h.profraw" nice -n 10 "$OUT/cov/fuzz_$h" "$corpus" >/dev/null
     llvm-profdata merge -o "$OUT/cov/$h.profdata" "$OUT/cov/$h.profraw"
