@@ -1,4 +1,5 @@
-"""Writes the hand-made seed inputs of every fuzz harness into fuzz/seeds/<harness>/.
+"""Writes the hand-made seed inputs of every fuzz harness into OUTDIR/<harness>/
+(default build-fuzz/seeds, next to the work corpora: seeds are made, not committed).
 
 Seeds are well-formed conversations (a WRITE that lands, a READ answered in
 chunks, a handshake with and without a token, the metadata of a real agent),
@@ -14,6 +15,8 @@ from __future__ import annotations
 import struct
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # The native wire header (native/src/internal.h, wire_hdr): 64 bytes, little-endian.
 _HDR = struct.Struct("<IHHiIQQQQQQ")
@@ -140,7 +143,7 @@ def metadata_seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "seeds")
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build-fuzz" / "seeds"
     sys.path.insert(0, str(Path(__file__).parent))
     for harness, make in [
         ("target_frames", target_seeds),
