@@ -161,10 +161,17 @@ for h in "${HARNESSES[@]}"; do
     esac
     if [ "$MERGE" = 1 ] && [ $rc -eq 0 ]; then
         # Minimize into a fresh dir, then replace the committed corpus with it.
+        # libFuzzer's merge runs argv[0] again: for the Python harnesses that
+        # is the script, whose shebang must find this Python.
         rm -rf "$OUT/merged/$h"
         mkdir -p "$OUT/merged/$h" "fuzz/corpus/$h"
-        nice -n 10 "${cmd[@]}" -merge=1 -detect_leaks=0 -max_len=4096 -timeout=30 \
-            -rss_limit_mb=$rss "$OUT/merged/$h" "$corpus" >"$OUT/logs/$h.merge.log" 2>&1
+        if ! PATH="$(dirname "$(command -v "$PY")"):$PATH" nice -n 10 "${cmd[@]}" -merge=1 \
+            -detect_leaks=0 -max_len=4096 -timeout=30 -rss_limit_mb=$rss "$OUT/merged/$h" \
+            "$corpus" >"$OUT/logs/$h.merge.log" 2>&1 || [ -z "$(ls -A "$OUT/merged/$h")" ]; then
+            echo "merge failed (see $OUT/logs/$h.merge.log): fuzz/corpus/$h left as it was"
+            ROWS[-1]="${ROWS[-1]}, merge failed"
+            continue
+        fi
         rm -f "fuzz/corpus/$h"/*
         cp "$OUT/merged/$h"/* "fuzz/corpus/$h"/
         echo "    corpus minimized: $(find "fuzz/corpus/$h" -type f | wc -l) files," \

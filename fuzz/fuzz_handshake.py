@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """atheris (libFuzzer for Python) harness: the connection handshake
 (aioxfer/protocol.py: length-prefixed frames, Hello / Challenge / Proof /
 Accept / Reject, the HMAC proofs) from either side, over a real socketpair.

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """atheris (libFuzzer for Python) harness: the control-plane metadata decoders.
 
 Byte 0 of an input picks the decoder, the rest is what a peer controls:
