@@ -288,6 +288,8 @@ class Agent:
                 self._local_sock, self._local_name = listen_local(os.geteuid())
             except OSError as exc:
                 _log.warning("local.unavailable", agent=self.name, reason=str(exc))
+        self._accept_msg = Accept(name=self.name, incarnation=self.incarnation,
+                                  host_id=self._host_id, local=self._local_name)
         self._verbs_devices: list[str] = []
         if "verbs" in transports:
             try:
@@ -870,7 +872,7 @@ class Agent:
                     loop,
                     sock,
                     token=self._token,
-                    accept=Accept(name=self.name, incarnation=self.incarnation),
+                    accept=self._accept_msg,
                 )
                 if hello.purpose == "meta":
                     if local:
@@ -1222,25 +1224,38 @@ class Agent:
         # snapshot is then revoked on this connection, and since its regions are
         # imported before the engine reads from it, no stale handle slips by.
         sock0, accept0 = await self._open(address)
+        local: _LocalLink | None = None
         try:
-            meta = await self._fetch_meta(host, port, address)
+            if (
+                self._local_sock is not None
+                and accept0.local
+                and accept0.host_id == self._host_id
+                and _cma_allowed()
+            ):
+                # Same host, says the peer: the kernel confirms it on the peer's
+                # unix socket, whose metadata then replaces a tcp fetch.
+                local = await self._open_local(address, accept0)
+            if local is not None:
+                assert local.meta is not None
+                meta = local.meta
+            else:
+                meta = await self._fetch_meta(host, port, address)
             self._check_open()
-        except BaseException:
-            sock0.close()
-            raise
-        if accept0.incarnation != meta.incarnation:
-            sock0.close()
-            raise TransportError(
-                f"peer at {address} restarted while we connected (incarnation "
-                f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
-            )
-        try:
-            return await self._connect_meta(address, meta, sock0)
+            if accept0.incarnation != meta.incarnation:
+                raise TransportError(
+                    f"peer at {address} restarted while we connected (incarnation "
+                    f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
+                )
+            return await self._connect_meta(address, meta, sock0, local)
         finally:
             if sock0.fileno() >= 0:
                 sock0.close()
+            if local is not None:
+                local.close()
 
-    async def _connect_meta(self, address: str, meta: AgentMeta, sock0: socket.socket) -> Peer:
+    async def _connect_meta(
+        self, address: str, meta: AgentMeta, sock0: socket.socket, local: _LocalLink | None
+    ) -> Peer:
         if self._discovery is None:
             # Embedded, names need not be unique: only the same name at the same
             # address with another incarnation is a restart of a peer we had.
@@ -1253,27 +1268,17 @@ class Agent:
             raise ProtocolError(f"peer at {address} speaks protocol version {meta.version}")
         if meta.byteorder != sys.byteorder:
             raise ProtocolError(f"peer at {address} is {meta.byteorder}-endian")
-        path = self._choose_path(meta)
-        local: _LocalLink | None = None
-        if path in ("shm", "cuda"):
-            # The same-host path only once the kernel vouched for the peer.
-            local = await self._open_local(address, meta)
-            if local is None:
-                path = self._choose_path(meta, same_host=False)
-            else:
-                assert local.meta is not None
-                meta = local.meta  # a snapshot taken after its data connection
+        # The same-host path only once the kernel vouched for the peer.
+        path = self._choose_path(meta, same_host=local is not None)
         if path is None:
             raise TransportError(
                 f"no transport in common with peer {meta.name!r} at {address} "
                 f"(ours: {self.transports}, theirs: {tuple(meta.transports)}, "
                 f"same host: {meta.host_id == self._host_id})"
             )
-        try:
-            return await self._connect_path(address, meta, sock0, path, local)
-        finally:
-            if local is not None:
-                local.close()
+        return await self._connect_path(
+            address, meta, sock0, path, local if path in ("shm", "cuda") else None
+        )
 
     async def _connect_path(
         self,
@@ -1488,16 +1493,8 @@ class Agent:
         finally:
             peer._probing.discard(rail)
 
-    def _choose_path(self, meta: AgentMeta, *, same_host: bool = True) -> str | None:
-        """The path to try, from what the peer says; a same-host path is then
-        confirmed (or refused) by the kernel in _open_local."""
-        same_host = bool(
-            same_host
-            and self._local_sock is not None
-            and meta.local
-            and meta.host_id == self._host_id
-            and _cma_allowed()
-        )
+    def _choose_path(self, meta: AgentMeta, *, same_host: bool) -> str | None:
+        """same_host: the kernel vouched for the peer (_open_local)."""
         if same_host and "cuda" in self.transports and "cuda" in meta.transports:
             return "cuda"  # GPU memory by CUDA IPC, host memory as shm
         if same_host and "shm" in self.transports and "shm" in meta.transports:
@@ -1508,12 +1505,13 @@ class Agent:
             return "tcp"
         return None
 
-    async def _open_local(self, address: str, meta: AgentMeta) -> _LocalLink | None:
-        """The same-host link to the peer whose metadata is meta, over its
-        unix socket: a handshaken data connection, the peer's kernel-reported
-        credentials and pidfd, and its metadata with its memfds (passed by the
-        kernel). None, logged, when the kernel does not vouch for it (another
-        user, another agent behind that name): the caller falls back to tcp."""
+    async def _open_local(self, address: str, meta: Accept) -> _LocalLink | None:
+        """The same-host link to the peer that answered meta (its Accept), over
+        its unix socket: a handshaken data connection, the peer's
+        kernel-reported credentials and pidfd, and its metadata with its memfds
+        (passed by the kernel). None, logged, when the kernel does not vouch
+        for it (another user, another agent behind that name): the caller
+        falls back to tcp."""
         assert self._loop is not None
         link = _LocalLink()
         result: _LocalLink | None = None

@@ -94,6 +94,10 @@ class Accept(msgspec.Struct, tag="accept", frozen=True):
 
     name: Name = ""
     incarnation: U64 = 0
+    # Sent only after authentication: where a same-host client may go next
+    # (the server's unix socket, see AgentMeta.local) without a tcp metadata fetch.
+    host_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    local: Address = ""
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
