@@ -224,6 +224,13 @@ async def _serve(conn: Any, opts: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     size = opts.get("size", 1 << 20)
     if "as_uid" in opts:  # another user on this host (root drops to it, e.g. nobody)
+        # What this process will need from a Python installation the other
+        # user may not be able to read (e.g. under /root): loaded first.
+        import concurrent.futures.thread  # noqa: F401
+        import encodings.idna  # noqa: F401
+        import socket
+
+        socket.getaddrinfo("127.0.0.1", 0)
         os.setgroups([])
         os.setresgid(opts["as_uid"], opts["as_uid"], opts["as_uid"])
         os.setresuid(opts["as_uid"], opts["as_uid"], opts["as_uid"])
