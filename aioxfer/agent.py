@@ -254,6 +254,10 @@ class Agent:
             keepalive_ms=max(1, round(keepalive * 1000)),
             peer_timeout_ms=max(1, round(peer_timeout * 1000)),
             stall_ms=0 if stall_timeout is None else max(1, round(stall_timeout * 1000)),
+            max_conns=limits.max_conns,
+            max_notify_per_conn=limits.max_notify_per_conn,
+            revoke_timeout_ms=max(1, round(limits.revoke_timeout * 1000)),
+            reply_queue_bytes=limits.reply_queue_bytes,
         )
         self._fd = self._engine.fileno()
         self._cuda_why = "not asked for"
