@@ -592,8 +592,10 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
 /* Initiator side: the target revoked rid/key. Bounded whatever the target
  * sends: a region nothing uses is acknowledged at once (a reply, counted
  * against reply_queue_bytes like any other); one an op still uses waits in
- * one entry per imported region, and a second revocation of it while the
- * first waits is a protocol error. */
+ * one entry per connection and imported region (the target revokes on each
+ * of its connections to us and waits for each one's ack), and a second
+ * revocation of it on the same connection while the first waits is a
+ * protocol error. */
 int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
 {
     endpoint *ep = c->ep;
@@ -603,11 +605,11 @@ int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
         if (rr->rid == rid && rr->key == key) {
             rr->gone = true; /* no new op resolves it */
             atomic_store(&rr->revoked, true);
-            if (atomic_load(&rr->users)) {
-                dup |= rr->rv_pending;
+            if (atomic_load(&rr->users))
                 busy = true;
-            }
         }
+    for (rv_ack *a = e->rv_acks; a && busy && !dup; a = a->next)
+        dup = a->c == c && a->rid == rid && a->key == key;
     if (dup) {
         pthread_mutex_unlock(&e->mu);
         return AXF_E_PROTOCOL;
