@@ -230,6 +230,41 @@ async def test_deregister_completes_when_peers_acknowledge(make_agent, remote_ag
     assert target.deregister(pool).done()  # idempotent
 
 
+async def test_unacknowledging_tcp_peer_is_cut_off(make_agent) -> None:
+    """A tcp peer that never acknowledges a revocation is disconnected after
+    revoke_timeout; then the memory is released."""
+    target = await make_agent("target", limits=aioxfer.Limits(revoke_timeout=1.0))
+    region = target.register(bytearray(MiB), name="dst")
+    sock = await _data_connection(target.address)  # reads nothing, acknowledges nothing
+    with sock:
+        await wait_until(lambda: target.statistics().native_conns == 1, 5)
+        released = target.deregister(region)
+        await asyncio.sleep(0.3)
+        assert not released.done()
+        await within(released, 10)
+    assert target.statistics().native_conns == 0
+
+
+async def test_aclose_names_the_peer_it_gave_up_on(remote_agent, capsys) -> None:
+    target = aioxfer.Agent("target", peer_timeout=0.5, keepalive=0.1,
+                           limits=aioxfer.Limits(close_timeout=1.0))
+    await target.start()
+    target.alloc(MiB, name="dst")
+    ra = await remote_agent(size=MiB, name="sleeper", peer_timeout=0.5, keepalive=0.1)
+    try:
+        assert await ra.call("connect", target.address) == "shm"
+        await ra.call("flood", target.address, "pool", "dst", MiB)
+        sigstop(ra.pid)
+        await asyncio.sleep(1.0)
+        t0 = asyncio.get_running_loop().time()
+        await within(target.aclose(), 10)
+        assert asyncio.get_running_loop().time() - t0 < 5
+        err = capsys.readouterr().err
+        assert "agent.close_gave_up" in err and "sleeper" in err
+    finally:
+        ra.kill()
+
+
 # --------------------------------------------------------------- bounded queues
 
 
