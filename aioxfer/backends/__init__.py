@@ -19,6 +19,7 @@ from aioxfer.backends.base import (
 from aioxfer.backends.registry import (
     BUILTIN,
     GROUP,
+    add_backend,
     available,
     backend_class,
     backends_of,
@@ -35,6 +36,7 @@ __all__ = [
     "BackendStatistics",
     "BackendTransfer",
     "LocalBackend",
+    "add_backend",
     "available",
     "backend_class",
     "backends_of",

@@ -35,10 +35,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
 
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.region import Region, Segment, SegmentList
@@ -59,6 +59,7 @@ __all__ = [
 API_VERSION = 1  # of this interface; a backend declares the one it was written for
 
 Op = Literal["write", "read"]
+T = TypeVar("T")
 _next_id = itertools.count(1).__next__
 
 
@@ -125,9 +126,10 @@ class BackendTransfer(Transfer):
     """A Transfer run by a local backend (``peer`` is the backend: it has
     ``name``, ``path`` and ``statistics()``)."""
 
-    __slots__ = ("_task",)
+    __slots__ = ("_task", "_settled")
 
     _task: asyncio.Task[None] | None
+    _settled: bool  # counted out of flight
 
     def cancel(self, msg: object = None) -> bool:
         # Prompt for the caller: the future is cancelled now; the runner task
@@ -155,10 +157,10 @@ class LocalBackend:
     """Base class of local backends (see the module docstring).
 
     One instance per agent and backend name, made by the registry on first
-    use; ``name`` is the name it is registered under (also the
+    use; ``name`` is the name it is registered under (also ``path``, the
     ``TransferResult.path`` of its transfers)."""
 
-    name: ClassVar[str] = ""
+    name: str = ""  # the registry sets the name it was found under
     kind: ClassVar[str] = ""
     api_version: ClassVar[int] = API_VERSION
     max_concurrency: int = 16  # pairs in progress at once, over all requests
@@ -212,6 +214,21 @@ class LocalBackend:
             )
         self._regions[region.name] = region
 
+    @staticmethod
+    async def run_blocking(fn: Callable[..., T], /, *args: Any) -> T:
+        """``fn(*args)`` in a worker thread, for blocking I/O in ``put``/``get``.
+        Cancelled, it still waits until the thread is done before raising
+        CancelledError: a thread cannot be stopped, and the transfer must stay
+        in flight while something may touch its memory."""
+        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([fut])
+            raise
+
     def note_retry(self) -> None:
         """Counts one retry of a transient failure (backends call it)."""
         self._retries += 1
@@ -241,14 +258,21 @@ class LocalBackend:
             agent, loop, _next_id(), op, cast("Peer", self), nbytes, perf_counter()
         )
         t._posted = True  # nothing for the engine to flush: Transfer.__await__ skips it
+        t._settled = False
         self._posted += 1
         self._inflight += 1
         self._inflight_bytes += nbytes
         task = loop.create_task(self._run(t, op, views, fars), name=f"aioxfer-{self.name}-{op}")
         t._task = task
         self._runners.add(task)
-        task.add_done_callback(self._runners.discard)
+        task.add_done_callback(lambda task: self._runner_done(task, t))
         return t
+
+    def _runner_done(self, task: asyncio.Task[None], t: BackendTransfer) -> None:
+        self._runners.discard(task)
+        if not t._settled:  # cancelled before it started: no I/O was begun
+            self._settle(t, False)
+            self._cancelled(t)
 
     def _local_views(
         self, agent: Agent, local: Any, n: int, op: Op
@@ -357,13 +381,7 @@ class LocalBackend:
                 except asyncio.CancelledError:  # cancelled again (aclose): still wait
                     continue
             self._settle(t, False)
-            if self.agent.closed and not t._cancel_requested:
-                self._fail(t, ClosedResourceError(
-                    f"agent {self.agent.name!r} was closed with the {op} of {t.nbytes} bytes "
-                    f"to {self.kind} storage in flight", op=op,
-                ))
-            else:
-                t._cancel_local()
+            self._cancelled(t)
             return
         finally:
             for v in views:
@@ -391,7 +409,17 @@ class LocalBackend:
         self._errors[type(err).__name__] = self._errors.get(type(err).__name__, 0) + 1
         self._fail(t, err)
 
+    def _cancelled(self, t: BackendTransfer) -> None:
+        if self.agent.closed and not t._cancel_requested:
+            self._fail(t, ClosedResourceError(
+                f"agent {self.agent.name!r} was closed with the {t.op} of {t.nbytes} bytes "
+                f"to {self.kind} storage in flight", op=t.op,
+            ))
+        else:
+            t._cancel_local()
+
     def _settle(self, t: BackendTransfer, ok: bool) -> None:
+        t._settled = True
         self._inflight -= 1
         self._inflight_bytes -= t.nbytes
         if ok:

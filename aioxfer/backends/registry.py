@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN",
+    "add_backend",
     "GROUP",
     "available",
     "backend_class",
@@ -42,6 +43,7 @@ BUILTIN: dict[str, str] = {
 }
 
 _classes: dict[str, type[LocalBackend]] = {}
+_added: dict[str, str] = {}
 
 
 class _AgentState:
@@ -69,10 +71,26 @@ def _load(spec: str) -> Any:
 def available() -> dict[str, str]:
     """Backend names and where each comes from ("module:Class"), built-ins
     first, then plugins (a plugin cannot shadow a built-in)."""
-    out = dict(BUILTIN)
+    out = {**BUILTIN, **_added}
     for ep in entry_points(group=GROUP):
         out.setdefault(ep.name, ep.value)
     return out
+
+
+def add_backend(name: str, cls: type[LocalBackend] | str) -> None:
+    """Registers a backend in this process (a class, or "module:Class"
+    imported on first use), as built-ins are: for applications that bring
+    their own backend without packaging it. Raises ValueError if the name is
+    taken by a built-in or an earlier add_backend."""
+    if name in BUILTIN or name in _added:
+        raise ValueError(f"a backend named {name!r} exists already")
+    if isinstance(cls, str):
+        _added[name] = cls
+        return
+    where = f"{cls.__module__}:{cls.__qualname__}"
+    _check_class(name, cls, where)
+    _added[name] = where
+    _classes[name] = cls
 
 
 def backend_class(name: str) -> type[LocalBackend]:
@@ -90,6 +108,12 @@ def backend_class(name: str) -> type[LocalBackend]:
             f"the entry-point group {GROUP!r}"
         )
     loaded = _load(where)
+    _check_class(name, loaded, where)
+    _classes[name] = loaded
+    return loaded  # type: ignore[no-any-return]
+
+
+def _check_class(name: str, loaded: Any, where: str) -> None:
     if not (isinstance(loaded, type) and issubclass(loaded, LocalBackend)):
         raise TypeError(f"backend {name!r} ({where}) is not a LocalBackend subclass")
     if loaded.api_version != API_VERSION:
@@ -99,8 +123,6 @@ def backend_class(name: str) -> type[LocalBackend]:
         )
     if not loaded.kind:
         raise TypeError(f"backend {name!r} ({where}) declares no region kind")
-    _classes[name] = loaded
-    return loaded
 
 
 def _state(agent: Agent) -> _AgentState:
@@ -118,7 +140,7 @@ def instance(agent: Agent, name: str) -> LocalBackend:
     if be is None:
         cls = backend_class(name)
         be = cls(agent)
-        be.path = name
+        be.name = be.path = name  # the name it is registered under
         state.backends[name] = be
     return be
 
