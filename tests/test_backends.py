@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -45,9 +46,12 @@ def plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """examples/plugin installed (pip, into a directory of its own put on
     sys.path, as site-packages would be): its entry point is then visible."""
     target = tmp_path_factory.mktemp("plugin-site")
+    # Built from a copy: a build leaves build/ and *.egg-info beside its sources.
+    source = tmp_path_factory.mktemp("plugin-src") / "plugin"
+    shutil.copytree(Path(REPO) / "examples" / "plugin", source)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-         "--target", str(target), str(Path(REPO) / "examples" / "plugin")],
+         "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
