@@ -294,3 +294,26 @@ async def test_bounded_concurrency_and_foreign_errors(make_agent: MakeAgent) -> 
         other.write(other.register(bytearray(4))[:], region["a"])
     with pytest.raises(aioxfer.RegistrationError, match="already has"):
         register_region(agent, "mem-test")
+
+
+async def test_file_regions_are_the_file_backend(make_agent: MakeAgent, tmp_path: Path) -> None:
+    """The file transport is the registry's built-in local backend "file":
+    write/read reach it through the registry, its counters are its own."""
+    agent = await make_agent("files")
+    assert available()["file"] == "aioxfer.file_transport:FileBackend"
+    region = register_region(agent, "file", tmp_path / "f.bin", size=1 << 20)
+    assert isinstance(region, aioxfer.Region) and region.kind == "file"
+    src = agent.register(bytearray(pattern(1 << 16, 13).tobytes()))
+    res = await within(agent.write([src[0:4096], src[4096:8192]],
+                                   [region[0:4096], region[4096:8192]]))
+    assert res.path == "file"
+    dst = agent.register(bytearray(1 << 16))
+    await within(agent.read(dst[0:8192], region[0:8192]))
+    assert bytes(dst.obj[0:8192]) == bytes(src.obj[0:8192])
+    (backend,) = [b for b in backends_of(agent) if b.name == "file"]
+    st = backend.statistics()
+    assert (st.kind, st.regions, st.transfers_posted, st.transfers_completed) == ("file", 1, 2, 2)
+    assert st.bytes == 2 * 8192 and st.in_flight == 0
+    assert not agent.peers  # no peer for it
+    with pytest.raises(ValueError, match="notify"):
+        agent.write(src[0:4096], region[0:4096], notify=b"x")

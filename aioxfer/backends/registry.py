@@ -21,6 +21,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 from aioxfer.backends.base import API_VERSION, BackendRegion, LocalBackend
+from aioxfer.region import Region
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
@@ -39,8 +40,12 @@ __all__ = [
 
 GROUP = "aioxfer.backends"
 BUILTIN: dict[str, str] = {
+    "file": "aioxfer.file_transport:FileBackend",
     "object": "aioxfer.backends.objects:ObjectBackend",
 }
+# Kinds of the agent's own Regions (engine-registered) that a built-in local
+# backend serves: their segments are plain Segments, not a BackendRegion's.
+_REGION_KINDS = {"file": "file"}
 
 _classes: dict[str, type[LocalBackend]] = {}
 _added: dict[str, str] = {}
@@ -151,29 +156,36 @@ def backends_of(agent: Agent) -> list[LocalBackend]:
     return [] if state is None else list(state.backends.values())
 
 
-def register_region(agent: Agent, backend: str, *args: Any, **kwargs: Any) -> BackendRegion:
+def register_region(
+    agent: Agent, backend: str, *args: Any, **kwargs: Any
+) -> BackendRegion | Region:
     """A new region of ``backend`` on ``agent``: ``instance(agent,
-    backend).register(*args, **kwargs)``."""
+    backend).register(*args, **kwargs)`` (the "file" backend's are the
+    agent's own Regions of kind "file")."""
     be = instance(agent, backend)
     register = getattr(be, "register", None)
     if register is None:
         raise TypeError(f"backend {backend!r} has no register()")
     region = register(*args, **kwargs)
-    if not isinstance(region, BackendRegion):
+    if not isinstance(region, BackendRegion | Region):
         raise TypeError(f"backend {backend!r}.register() returned {type(region).__name__}")
     return region
 
 
 def local_target(far: Any) -> LocalBackend | None:
-    """The backend whose region the far side of a write/read is in (a segment,
-    a list of them, or a backend's segment list), else None (a peer's memory,
-    or this agent's file region)."""
+    """The local backend whose region the far side of a write/read is in (a
+    segment, a list of them, or a segment list): a backend's region, or one
+    of this agent's file regions. None for a peer's memory (or host memory:
+    the caller's checks say what is wrong then)."""
     region = getattr(far, "region", None)
     if region is None and isinstance(far, Sequence) and not isinstance(far, str | bytes):
         if len(far):
             region = getattr(far[0], "region", None)
     if isinstance(region, BackendRegion):
         return region.backend
+    kind = getattr(region, "kind", "host")
+    if kind in _REGION_KINDS and isinstance(region, Region):
+        return instance(region._agent, _REGION_KINDS[kind])
     return None
 
 
