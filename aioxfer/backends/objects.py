@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = ["ObjectBackend", "ObjectRegion", "ObjectSegment", "ObjectSegmentList", "ObjectStat"]
 
 PART_SIZE = 8 << 20  # multipart part size (S3 minimum 5 MiB); larger objects go multipart
+_READ_BUFSIZE = 1 << 20
 _SIGN_TTL = timedelta(minutes=15)
 _SIGN_REUSE = 5 * 60.0  # a signed URL is reused while it has this long left
 _SIGNED_MAX = 4096  # cached signed URLs per region
@@ -345,7 +346,13 @@ class ObjectRegion(BackendRegion):
                 limit=self.backend.max_concurrency, enable_cleanup_closed=True
             )
             session = self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, auto_decompress=False
+                connector=connector,
+                timeout=self._timeout,
+                auto_decompress=False,
+                # aiohttp pauses the socket once 2 x read_bufsize are buffered
+                # (default 64 KiB): large GETs then stall on flow control
+                # while we copy chunks out at once anyway.
+                read_bufsize=_READ_BUFSIZE,
             )
         return session
 
