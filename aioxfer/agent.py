@@ -36,6 +36,7 @@ from aioxfer import _cyx, file_transport
 from aioxfer import cuda as _cuda
 from aioxfer import verbs as _verbs
 from aioxfer.auth import default_token
+from aioxfer.backends import registry as _backends
 from aioxfer.discovery import (
     Etcd,
     EtcdSession,
@@ -448,6 +449,8 @@ class Agent:
         for task in tasks:
             task.cancel()
         try:
+            # local backends (object storage, plugins): fail in flight, close clients
+            await _backends.aclose_agent(self)
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             if self._session is not None:
@@ -658,6 +661,22 @@ class Agent:
         offsets, lengths and host addresses must then be block aligned. Never
         advertised to peers. See aioxfer.file_transport."""
         return file_transport.register_file(self, path, size, direct, name)
+
+    def register_objects(self, url: str, **kwargs: Any) -> Any:
+        """Registers S3-compatible object storage ("s3://bucket/prefix"; keyword
+        arguments endpoint, access_key_id, secret_access_key, region, ...; the
+        AWS environment variables otherwise) as a region of kind "object": see
+        aioxfer.backends.objects (needs the "objects" extra: obstore, aiohttp)."""
+        from aioxfer.backends.objects import register_objects
+
+        return register_objects(self, url, **kwargs)
+
+    async def serve_metrics(self, port: int, host: str = "127.0.0.1") -> Any:
+        """Serves this agent's counters to Prometheus on http://host:port/metrics
+        until aclose(): see aioxfer.metrics (needs prometheus_client)."""
+        from aioxfer.metrics import serve_metrics
+
+        return await serve_metrics(self, port, host)
 
     def _default_name(self, rid: int, prefix: str = "region") -> str:
         """A name for an unnamed region: prefix-rid, made unique among ours."""
@@ -1882,6 +1901,9 @@ class Agent:
             peer, descs, nbytes = self._descs_one(src, dst)  # nothing to merge
             starts = None
         else:
+            backend = _backends.local_target(dst)  # a local backend's region (object storage)
+            if backend is not None:
+                return backend.post(self, "write", src, dst, notify, priority)
             peer, descs, nbytes = self._descs(src, dst, "write")
             descs, starts = _coalesce(descs)
         payload = None if notify is None else _payload(notify)
@@ -1901,6 +1923,9 @@ class Agent:
             peer, descs, nbytes = self._descs_one(dst, src)  # nothing to merge
             starts = None
         else:
+            backend = _backends.local_target(src)  # a local backend's region (object storage)
+            if backend is not None:
+                return backend.post(self, "read", dst, src, None, priority)
             peer, descs, nbytes = self._descs(dst, src, "read")
             descs, starts = _coalesce(descs)
         t = self._submit(peer, _OP_READ, descs, None, nbytes, "read", priority)
