@@ -123,16 +123,26 @@ def check(data: bytes) -> str | None:
 
 def seeds() -> dict[str, bytes]:
     """Both sides of real handshakes: with and without a token, every purpose."""
-    from aioxfer.metadata import Accept, AgentMeta, Challenge, Hello, Proof, Reject
+    from aioxfer.metadata import (
+        PROTOCOL_VERSION,
+        Accept,
+        AgentMeta,
+        Challenge,
+        Hello,
+        Proof,
+        Reject,
+    )
     from aioxfer.protocol import encode_frame
+
+    v = PROTOCOL_VERSION
 
     def hello(purpose: str) -> bytes:
         return encode_frame(
-            Hello(version=1, name="peer", incarnation=7, purpose=purpose, nonce=b"n" * 16)
+            Hello(version=v, name="peer", incarnation=7, purpose=purpose, nonce=b"n" * 16)
         )
 
     meta = AgentMeta(
-        version=1, name="server", incarnation=1, host_id="h", pid=1, address="127.0.0.1:1",
+        version=v, name="server", incarnation=1, host_id="h", pid=1, address="127.0.0.1:1",
         transports=["tcp"], regions=[],
     )
     accept = encode_frame(Accept(name="server", incarnation=1))
@@ -143,7 +153,7 @@ def seeds() -> dict[str, bytes]:
         "server-token": b"\2" + hello("data") + encode_frame(Proof(proof=b"p" * 32)),
         "server-big-endian": b"\0"
         + encode_frame(
-            Hello(version=1, name="peer", incarnation=7, purpose="data", nonce=b"n" * 16,
+            Hello(version=v, name="peer", incarnation=7, purpose="data", nonce=b"n" * 16,
                   byteorder="big")
         ),
         "client-meta": b"\1" + accept,

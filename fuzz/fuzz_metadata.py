@@ -107,6 +107,7 @@ def seeds() -> dict[str, bytes]:
     import msgspec
 
     from aioxfer.metadata import (
+        PROTOCOL_VERSION,
         Accept,
         AgentMeta,
         Challenge,
@@ -122,23 +123,26 @@ def seeds() -> dict[str, bytes]:
 
     region = RegionMeta(
         name="kv", rid=3, key=0xDEADBEEF, nbytes=1 << 20, access=3, addr=0x7F0000000000,
-        memfd=7, memfd_ino=1234, verbs=[(0x7F0000000000, 42)],
+        memfd=0, verbs=[(0x7F0000000000, 42)],
     )
     gpu = RegionMeta(
         name="gpu", rid=4, key=1, nbytes=4096, access=1, addr=0x10000, kind="cuda",
         cuda=CudaExport(handle=b"h" * 64, offset=0, device=b"u" * 16),
     )
     meta = AgentMeta(
-        version=1, name="worker-0", incarnation=5, host_id="h", pid=1234,
+        version=PROTOCOL_VERSION, name="worker-0", incarnation=5, host_id="h", pid=1234,
         address="127.0.0.1:5000", transports=["tcp", "shm"], regions=[region, gpu], uid=0,
         rails=["127.0.0.1:5000", "127.0.0.2:5000"], verbs_devices=["mlx5_0 fe80::1"],
+        local="aioxfer-worker-0",
     )
     qp = VerbsQP(qpn=1, psn=2, mtu=4096, lid=0, port=1, gid_index=0, gid=b"g" * 16)
     frames = {
-        "hello": Hello(version=1, name="a", incarnation=1, purpose="data", nonce=b"n" * 16),
+        "hello": Hello(
+            version=PROTOCOL_VERSION, name="a", incarnation=1, purpose="data", nonce=b"n" * 16
+        ),
         "challenge": Challenge(nonce=b"n" * 16, proof=b"p" * 32),
         "proof": Proof(proof=b"p" * 32),
-        "accept": Accept(name="b", incarnation=2),
+        "accept": Accept(name="b", incarnation=2, host_id="h", local="aioxfer-b"),
         "reject": Reject(reason="bad token"),
         "meta": meta,
         "verbs-connect": VerbsConnect(qps=[qp]),

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 
 KNOWN = {
+    # decode_body() (msgpack, pre-auth) turns it into a ProtocolError since the
+    # hardening of issue 9; discovery's JSON decoder of etcd values does not.
     "deep-nesting": (
-        "issue 9 (9): msgpack or JSON nested ~1000 levels deep makes msgspec raise "
-        "RecursionError, which escapes decode_body() (pre-auth, out of the accept task) "
-        "and discovery's JSON decoder (a hostile etcd value ends the watch)"
+        "JSON nested ~1000 levels deep makes msgspec raise RecursionError, which "
+        "escapes aioxfer/discovery.py Discovery._decode (it catches only "
+        "ValidationError/DecodeError): any writer to the etcd prefix ends the watch"
     ),
 }
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _HDR = struct.Struct("<IHHiIQQQQQQ")
 MAGIC = 0x31465841
 FR_WRITE, FR_WRITE_ACK, FR_READ_REQ, FR_READ_RESP, FR_NOTIFY = 1, 2, 3, 4, 5
-FR_NOTIFY_ACK, FR_PING, FR_REVOKE, FR_REVOKE_ACK = 6, 7, 8, 9
+FR_NOTIFY_ACK, FR_PING, FR_REVOKE, FR_REVOKE_ACK, FR_BYE = 6, 7, 8, 9, 10
 FL_LAST, FL_ABORT = 1, 2
 
 
@@ -65,6 +65,7 @@ def target_seeds() -> dict[str, bytes]:
         "read-aborted": b"\0" + hdr(FR_READ_REQ, flags=FL_LAST | FL_ABORT, rid=1),
         "notify": b"\0" + hdr(FR_NOTIFY, op=9, length=5) + b"hello",
         "revoke-ack": b"\1" + hdr(FR_REVOKE_ACK, rid=3),
+        "bye": b"\1" + hdr(FR_WRITE, flags=FL_LAST, rid=1, length=2) + b"hi" + hdr(FR_BYE),
         "revoked-write": b"\1"
         + hdr(FR_WRITE, flags=FL_LAST, rid=3, length=4)
         + b"boom"

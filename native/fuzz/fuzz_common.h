@@ -32,6 +32,19 @@
  * engine keeps a small record per connection it ever had, which over tens of
  * millions of inputs would be gigabytes. */
 #define FZ_RECYCLE 256
+/* AXF_FUZZ_RECYCLE=N: a fresh engine every N inputs instead (1: each input
+ * gets its own engine and ends with its shutdown, which then runs against
+ * whatever that one input left behind). */
+static inline uint64_t fz_recycle(void)
+{
+    static uint64_t n;
+    if (!n) {
+        const char *s = getenv("AXF_FUZZ_RECYCLE");
+        n = s && atoi(s) > 0 ? (uint64_t)atoi(s) : FZ_RECYCLE;
+    }
+    return n;
+}
+
 /* Longest the engine may take to finish with one input's connection. Far
  * above anything a healthy engine needs (microseconds), far below libFuzzer's
  * own -timeout, so a hang is reported with our message. */

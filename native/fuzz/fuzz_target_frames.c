@@ -8,8 +8,8 @@
  *   rid 2: 1024 bytes, read-only (nothing may ever change it),
  *   rid 3: option bit 0 only: 512 bytes registered and deregistered right
  *          after the connection is accepted, so a REVOKE is owed to the peer
- *          and REVOKE_ACK frames have something to answer; nothing may
- *          change it either, and the engine must report it freed.
+ *          and REVOKE_ACK (or BYE) frames have something to answer; nothing
+ *          may change it either, and the engine must report it freed.
  * Keys are random per registration, so a header's key field is taken as an
  * XOR with the real key of the region its rid names (0 = the right key): the
  * fuzzer can reach the accepted paths and still send any wrong key. rid 3 in
@@ -101,6 +101,10 @@ typedef struct wait_ctx {
 static void on_completion(void *ctx, const axf_completion *c)
 {
     wait_ctx *w = ctx;
+    /* Consumed, as an application does: the connection's notification
+     * credit comes back (max_notify_per_conn). */
+    if (c->kind == AXF_CQ_NOTIFY)
+        axf_notify_release(S.e, c->tag, 1);
     if (c->kind == AXF_CQ_CONN_CLOSED && c->tag == w->tag)
         w->closed = true;
     if (c->kind == AXF_CQ_REGION_FREED && w->rv_rid && c->id == w->rv_rid)
@@ -141,7 +145,7 @@ static void fix_up(uint8_t *p, size_t n, uint64_t rv_rid, uint64_t rv_key)
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    if (S.execs && S.execs % FZ_RECYCLE == 0) {
+    if (S.execs && S.execs % fz_recycle() == 0) {
         engine_free();
         engine_new();
     }
@@ -155,7 +159,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int sv[2];
     fz_socketpair(sv);
     wait_ctx w = {.tag = S.execs};
-    if (axf_accept_conn(S.e, sv[1], w.tag) != AXF_OK)
+    if (axf_accept_conn(S.e, sv[1], w.tag, -1) != AXF_OK)
         FZ_FAIL("axf_accept_conn failed");
     uint64_t rv_key = 0;
     if (opts & OPT_REVOKE) {
