@@ -402,16 +402,18 @@ static void thread_exit(conn *c)
             verbs_conn_closed(e, c); /* its queue pairs first: then nothing reaches us */
             revokes_drop(e, c); /* tcp: a dead peer touches nothing of ours any more */
         }
-        if (c->ep)
-            endpoint_conn_finished(e, c->ep);
-        else
-            cq_push(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
         /* Off the registry unless held (a same-host peer still alive, which
-         * the watcher drops once its process exits). */
+         * the watcher drops once its process exits). An initiator's before
+         * its endpoint hears of it: the endpoint may be freed from then on,
+         * and nothing in the registry may point at a freed one. */
         pthread_mutex_lock(&e->mu);
         if (c->ep || c->gone)
             conn_registry_drop(e, c);
         pthread_mutex_unlock(&e->mu);
+        if (c->ep)
+            endpoint_conn_finished(e, c->ep);
+        else
+            cq_push(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
         conn_unref(c); /* the threads' reference */
     }
     pthread_mutex_lock(&e->th_mu);

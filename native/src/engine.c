@@ -722,8 +722,10 @@ static void op_free(axf_engine *e, op *o)
     free(o->notify);
     endpoint *ep = o->counted ? o->ep : NULL;
     free(o);
-    /* The op's last touch of its endpoint: a closed one may be freed now. */
-    if (ep && atomic_fetch_sub(&ep->ops_alive, 1) == 1 && ep->closing)
+    /* The op's last touch of its endpoint (read first: once the count is
+     * down, the watcher may free a finished endpoint). */
+    bool ending = ep && atomic_load(&ep->halt);
+    if (ep && atomic_fetch_sub(&ep->ops_alive, 1) == 1 && ending)
         watch_wake(e);
 }
 
@@ -855,7 +857,7 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
     /* Read now: once unlocked, a closed endpoint with nothing left may be freed. */
     int lost_st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
     uint64_t ep_id = ep->id, ep_tag = ep->tag;
-    bool reap = ep->live_conns == 0 && ep->closing;
+    bool reap = ep->live_conns == 0;
     pthread_mutex_unlock(&e->mu);
     /* The loss first, so a caller woken by a failed transfer sees the peer lost. */
     if (report)
