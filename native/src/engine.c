@@ -1450,16 +1450,17 @@ int axf_cancel(axf_engine *e, uint64_t req_id)
 
 /* ---------------------------------------------------------------- endpoints */
 
-/* The process a pidfd refers to, as the kernel says (/proc/self/fdinfo);
- * -1 when it is not a pidfd. */
+/* The process a pidfd refers to, as the kernel says (/proc/self/fdinfo):
+ * its pid, -1 once it exited and was reaped, 0 outside our pid namespace;
+ * -2 when fd is not a pidfd. */
 static pid_t pidfd_pid(int pidfd)
 {
     char path[64], line[128];
     snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
     FILE *f = fopen(path, "re");
     if (!f)
-        return -1;
-    pid_t pid = -1;
+        return -2;
+    pid_t pid = -2;
     while (fgets(line, sizeof line, f))
         if (strncmp(line, "Pid:", 4) == 0) {
             pid = (pid_t)strtol(line + 4, NULL, 10);
@@ -1498,10 +1499,10 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
         st = AXF_E_INVALID;
     else if (ep_same_host(kind) && pidfd < 0 && pid != getpid())
         st = AXF_E_ACCESS; /* another process, and the kernel did not vouch for it */
+    else if (pidfd >= 0 && (pidfd_pid(pidfd) == -1 || (pidfd_pid(pidfd) > 0 && pidfd_exited(pidfd))))
+        st = AXF_E_PEER_LOST; /* gone already */
     else if (pidfd >= 0 && pidfd_pid(pidfd) != pid)
-        st = AXF_E_ACCESS; /* the pidfd names another process (or none) */
-    else if (pidfd >= 0 && pidfd_exited(pidfd))
-        st = AXF_E_PEER_LOST;
+        st = AXF_E_ACCESS; /* the pidfd names another process (or none, or it was reaped) */
     endpoint *ep = st == AXF_OK ? calloc(1, sizeof *ep) : NULL;
     if (st == AXF_OK && !ep)
         st = AXF_E_NOMEM;
@@ -1793,8 +1794,8 @@ void ep_maybe_bye(axf_engine *e, endpoint *ep)
 int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
 {
     int st = AXF_OK;
-    if (pidfd >= 0 && pidfd_pid(pidfd) <= 0)
-        st = AXF_E_INVALID; /* not a pidfd */
+    if (pidfd >= 0 && pidfd_pid(pidfd) == -2)
+        st = AXF_E_INVALID; /* not a pidfd (one whose process is gone is fine: the watcher sees it) */
     pthread_mutex_lock(&e->mu);
     if (st == AXF_OK && e->shut)
         st = AXF_E_CLOSED;
