@@ -302,7 +302,7 @@ void conn_kill(conn *c)
 void conn_close_after_flush(conn *c)
 {
     pthread_mutex_lock(&c->mu);
-    c->flush_close = true;
+    atomic_store(&c->flush_close, true);
     pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
 }
@@ -357,7 +357,7 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
             if (nowait && (errno == EAGAIN || errno == EWOULDBLOCK))
                 return 0;
             if ((errno == EAGAIN || errno == EWOULDBLOCK) && !e->cfg.stall_ms &&
-                !atomic_load(&c->down) &&
+                !atomic_load(&c->down) && !atomic_load(&c->flush_close) &&
                 axf_now_us() - atomic_load(&c->last_rx_us) <
                     (uint64_t)e->cfg.peer_timeout_ms * 1000u)
                 continue;
@@ -550,7 +550,7 @@ static void *tx_main(void *arg)
     pthread_mutex_lock(&c->mu);
     c->last_send_ms = axf_now_ms();
     while (!c->dead) {
-        if (c->flush_close && !c->head && !c->sending) {
+        if (atomic_load(&c->flush_close) && !c->head && !c->sending) {
             conn_mark_dead(c); /* the goodbye is out: nothing follows it */
             break;
         }

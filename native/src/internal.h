@@ -252,7 +252,8 @@ typedef struct conn {
     atomic_ullong notify_out;
     bool rx_paused;
     pthread_cond_t room_cv;
-    bool flush_close;       /* c->mu: close once the queue is sent (after a goodbye) */
+    atomic_bool flush_close; /* set under c->mu: close once the queue is sent (after a
+                                goodbye); a send it waits for is bounded then */
     uint32_t rv_pending;    /* initiator, e->mu: revocations not acknowledged yet */
     atomic_int refs;        /* threads, registry, endpoint slot, transient holders */
     atomic_ullong last_rx_us; /* last frame received (pings included) */
