@@ -977,6 +977,28 @@ const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *pr
     return c->ep ? rx_initiator(c, h, proto, io) : rx_target(c, h, scratch, proto, io);
 }
 
+/* Reads and serves frames until one ends the connection: why. */
+static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, int *io)
+{
+    for (;;) {
+        if (!c->replay)
+            rx_wait_room(c);
+        *io = read_full(c->fd, h, sizeof *h);
+        if (*io)
+            return "connection lost";
+        atomic_store(&c->last_rx_us, axf_now_us());
+        if (h->magic != AXF_MAGIC) {
+            *proto = true;
+            return "bad frame magic";
+        }
+        if (h->type == FR_PING)
+            continue;
+        const char *reason = conn_rx_frame(c, h, scratch, proto, io);
+        if (reason)
+            return reason;
+    }
+}
+
 static void *rx_main(void *arg)
 {
     conn *c = arg;
@@ -985,24 +1007,9 @@ static void *rx_main(void *arg)
     const char *reason = scratch ? NULL : "out of memory";
     bool proto = false;
     int io = 0;
-    wire_hdr h;
-    while (!reason) {
-        rx_wait_room(c);
-        io = read_full(c->fd, &h, sizeof h);
-        if (io) {
-            reason = "connection lost";
-            break;
-        }
-        atomic_store(&c->last_rx_us, axf_now_us());
-        if (h.magic != AXF_MAGIC) {
-            proto = true;
-            reason = "bad frame magic";
-            break;
-        }
-        if (h.type == FR_PING)
-            continue;
-        reason = conn_rx_frame(c, &h, scratch, &proto, &io);
-    }
+    wire_hdr h = {0};
+    if (!reason)
+        reason = rx_loop(c, scratch, &h, &proto, &io);
     free(scratch);
     pthread_mutex_lock(&c->mu);
     bool by_us = c->dead; /* closed locally (shutdown, endpoint close) */
@@ -1023,12 +1030,87 @@ static void *rx_main(void *arg)
     return NULL;
 }
 
+int conn_replay(axf_engine *e, uint64_t tag, const uint8_t *buf, size_t len)
+{
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
+        return AXF_E_TRANSPORT;
+    int big = 4 << 20;
+    (void)setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+    (void)setsockopt(sv[1], SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+    size_t off = 0;
+    while (off < len) { /* what the socket takes; the rest is cut off */
+        ssize_t r = send(sv[0], buf + off, len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r <= 0)
+            break;
+        off += (size_t)r;
+    }
+    shutdown(sv[0], SHUT_WR); /* the peer closed after these bytes */
+    /* Replies are sent without waiting (conn_kick) into sv[0]'s receive
+     * side, where nobody reads them; what does not fit stays queued and is
+     * released at the end. */
+    conn_priv *p = calloc(1, sizeof *p);
+    uint8_t *scratch = malloc(DISCARD_BYTES);
+    if (!p || !scratch) {
+        free(p);
+        free(scratch);
+        close(sv[0]);
+        close(sv[1]);
+        return AXF_E_NOMEM;
+    }
+    conn *c = &p->c;
+    c->e = e;
+    c->tag = tag;
+    c->fd = sv[1];
+    c->pidfd = -1;
+    c->replay = true;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    pthread_cond_init(&c->room_cv, NULL);
+    atomic_init(&c->refs, 1); /* the registry's */
+    pthread_mutex_lock(&e->mu);
+    bool shut = e->shut;
+    if (!shut) { /* in the registry: revocations reach it like any peer's */
+        c->next_all = e->conns;
+        e->conns = c;
+        atomic_fetch_add(&e->n_conns, 1);
+    }
+    pthread_mutex_unlock(&e->mu);
+    bool proto = false;
+    int io = 0;
+    wire_hdr h;
+    if (!shut)
+        (void)rx_loop(c, scratch, &h, &proto, &io);
+    free(scratch);
+    if (proto)
+        atomic_fetch_add(&e->rejected, 1);
+    pthread_mutex_lock(&c->mu);
+    c->dead = true;
+    atomic_store(&c->down, true);
+    sq_item *rest = c->head;
+    c->head = c->tail = NULL;
+    pthread_mutex_unlock(&c->mu);
+    release_list(e, rest);
+    close(sv[0]);
+    close(sv[1]);
+    if (!shut) {
+        atomic_fetch_sub(&e->n_conns, 1);
+        revokes_drop(e, c); /* no pidfd: gone */
+        pthread_mutex_lock(&e->mu);
+        conn_registry_drop(e, c);
+        pthread_mutex_unlock(&e->mu);
+    } else {
+        conn_unref(c);
+    }
+    return proto ? AXF_E_PROTOCOL : AXF_OK;
+}
+
 /* e->mu held. */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 {
-    /* Each connection costs two threads and its buffers: a peer (or many)
-     * cannot make us hold more than max_conns. */
-    if (atomic_load(&e->n_conns) >= e->cfg.max_conns) {
+    /* Each connection costs two threads and its buffers (a held one, a
+     * pidfd): a peer (or many) cannot make us hold more than max_conns. */
+    if (atomic_load(&e->n_conns) + atomic_load(&e->held_conns) >= e->cfg.max_conns) {
         atomic_fetch_add(&e->conns_refused, 1);
         close(fd);
         *status = AXF_E_LIMIT;

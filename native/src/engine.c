@@ -520,7 +520,22 @@ void revokes_drop(axf_engine *e, conn *c)
     c->exited = true;
     if (c->pidfd >= 0 && !c->released && !atomic_load(&c->peer_exited)) {
         /* Same host: a stopped process keeps its mappings and its right to
-         * copy into us; only its exit (the watcher) or a goodbye ends it. */
+         * copy into us; only its exit (the watcher) or a goodbye ends it.
+         * One held connection per process is enough to wait for it: a
+         * process that connects and disconnects again and again adds to
+         * the one already held, not a pidfd each. */
+        for (conn *h = e->conns; h; h = h->next_all)
+            if (h != c && !h->ep && h->exited && !h->gone && h->pidfd >= 0 &&
+                h->peer_pid == c->peer_pid && !atomic_load(&h->peer_exited)) {
+                rv_wait **tail = &h->revokes;
+                while (*tail)
+                    tail = &(*tail)->next;
+                *tail = c->revokes;
+                c->revokes = NULL;
+                c->gone = true; /* its waits are h's now */
+                pthread_mutex_unlock(&e->mu);
+                return;
+            }
         atomic_fetch_add(&e->held_conns, 1);
         pthread_mutex_unlock(&e->mu);
         watch_wake(e);
@@ -1810,6 +1825,7 @@ int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
     if (c && pidfd >= 0) { /* before its threads can leave: they read it under e->mu */
         (void)fcntl(pidfd, F_SETFD, FD_CLOEXEC);
         c->pidfd = pidfd;
+        c->peer_pid = pidfd_pid(pidfd);
     } else if (pidfd >= 0) {
         close(pidfd);
     }

@@ -622,6 +622,15 @@ static int test_closed_socket_does_not_release(void)
     h.fd = -1;
     axf_completion c;
     CHECK_EQ(t_wait_any(h.b, AXF_CQ_CONN_CLOSED, &c), 0);
+    /* The same process connects and leaves again and again: one held
+     * connection waits for it, not one (and a pidfd) each. */
+    for (int i = 0; i < 20; i++) {
+        int sv[2];
+        CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+        CHECK_EQ(axf_accept_conn(h.b->e, sv[1], 61, pidfd_of(h.child)), AXF_OK);
+        close(sv[0]);
+        CHECK_EQ(t_wait_any(h.b, AXF_CQ_CONN_CLOSED, &c), 0);
+    }
     kill(h.child, SIGSTOP);
     CHECK_EQ(axf_region_deregister(h.b->e, h.rid), AXF_OK);
     CHECK(t_quiet(h.b, AXF_CQ_REGION_FREED, h.rid, 300));
