@@ -197,7 +197,7 @@ int axf_region_holders(axf_engine *e, uint64_t rid, uint64_t *tags_out, size_t m
  * process exited the endpoint is lost (its copies stop between chunks). pid
  * may be our own with pidfd -1 (an endpoint into this process). Other kinds:
  * pid 0 and pidfd -1. The engine owns pidfd from the call on, also when it
- * fails. */
+ * fails: give each call a pidfd of its own (dup one to pass it twice). */
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int pidfd,
                         uint64_t *ep_out);
 /* fd: a connected, authenticated stream socket; the engine owns it from now on.

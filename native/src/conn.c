@@ -905,6 +905,7 @@ static void initiator_conn_lost(conn *c, bool proto)
             pthread_mutex_unlock(&c->mu);
         }
         ep->dead = true;
+        atomic_store(&ep->halt, true); /* same-host copies stop at their next chunk */
         for (int i = 0; i < ep->nconns; i++)
             conn_kill(ep->conns[i]);
         pthread_mutex_unlock(&e->mu);

@@ -585,7 +585,6 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
         }
         for (rregion *rr = ep->rregions; rr; rr = rr->next)
             if (rr->rid == a->rid && rr->key == a->key) {
-                rr->rv_pending = false;
                 shm_unmap(rr);
                 cuda_unmap(rr);
             }
@@ -604,11 +603,12 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
     }
 }
 
-/* Initiator side: the target revoked rid/key. Bounded whatever the target
- * sends: a region nothing uses is acknowledged at once (a reply, counted
- * against reply_queue_bytes like any other); one an op still uses waits in
- * one entry per imported region, and a second revocation of it while the
- * first waits is a protocol error. */
+/* Initiator side: the target revoked rid/key (on each of its connections
+ * to us). Bounded whatever the target sends: a region nothing uses is
+ * acknowledged at once (a reply, counted against reply_queue_bytes like any
+ * other); one an op still uses waits in one entry per connection and
+ * imported region, and a second revocation of it on the same connection
+ * while the first waits is a protocol error. */
 int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
 {
     endpoint *ep = c->ep;
@@ -618,11 +618,10 @@ int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
         if (rr->rid == rid && rr->key == key) {
             rr->gone = true; /* no new op resolves it */
             atomic_store(&rr->revoked, true);
-            if (atomic_load(&rr->users)) {
-                dup |= rr->rv_pending;
-                busy = true;
-            }
+            busy |= atomic_load(&rr->users) != 0;
         }
+    for (rv_ack *a = busy ? e->rv_acks : NULL; a && !dup; a = a->next)
+        dup = a->c == c && a->rid == rid && a->key == key;
     if (dup) {
         pthread_mutex_unlock(&e->mu);
         return AXF_E_PROTOCOL;
@@ -634,9 +633,6 @@ int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
             pthread_mutex_unlock(&e->mu);
             return AXF_E_NOMEM;
         }
-        for (rregion *rr = ep->rregions; rr; rr = rr->next)
-            if (rr->rid == rid && rr->key == key)
-                rr->rv_pending = true;
         a->c = c;
         conn_ref(c);
         c->rv_pending++;

@@ -81,7 +81,6 @@ typedef struct rregion {
     bool gone;             /* e->mu: no new op may resolve it */
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
-    bool rv_pending;       /* e->mu: a revocation of it waits for its users */
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
     struct verbs_rkeys *verbs; /* verbs: the owner's (addr, rkey) per its device */
     struct cuda_rmap *cuda; /* cuda: our IPC mapping of the peer's GPU memory, else NULL */
