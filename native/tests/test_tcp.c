@@ -617,6 +617,40 @@ static int test_cancel_before_send(void)
     return 0;
 }
 
+/* A target revokes a region on each of its connections to us while our
+ * writes into it are in flight: each connection acknowledges once they are
+ * done, the region is freed, and the peer stays usable (a revocation per
+ * connection is not a duplicate). */
+static int test_revoke_on_every_rail(void)
+{
+    axf_config cfg = {.chunk_bytes = 64 << 10};
+    pair p;
+    if (pair_open(&p, &cfg, 3))
+        return 1;
+    t_fill(p.asrc, REG, 40);
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
+    for (uint64_t i = 0; i < 4; i++)
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 8000 + i, 0), AXF_OK);
+    CHECK_EQ(axf_region_deregister(p.b->e, p.brid), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.b, AXF_CQ_REGION_FREED, p.brid, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    for (uint64_t i = 0; i < 4; i++) {
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 8000 + i, &c), 0);
+        CHECK(c.status == AXF_OK || c.status == AXF_E_ACCESS);
+    }
+    CHECK(t_quiet(p.a, AXF_CQ_PEER_LOST, p.ep, 50));
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_NOTIFY, NULL, 0, "k", 1, 8100, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 8100, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    axf_stats s;
+    axf_engine_stats(p.a->e, &s);
+    CHECK_EQ(s.conns, 3);
+    CHECK_EQ(s.frames_rejected, 0);
+    pair_close(&p);
+    return 0;
+}
+
 /* The fuzz harnesses' entry point: bytes in, the target's parser run on
  * this thread; valid frames served as on a real connection, malformed ones
  * refused, nothing outside the region touched, nothing left behind. */
@@ -694,6 +728,7 @@ int main(int argc, char **argv)
         T_CASE(test_peer_silent),
         T_CASE(test_bad_reply),
         T_CASE(test_cancel_before_send),
+        T_CASE(test_revoke_on_every_rail),
         T_CASE(test_replay_entry_point),
     };
     return T_RUN(argc, argv, cases);
