@@ -742,6 +742,137 @@ static int test_endpoint_close_says_goodbye(void)
     return 0;
 }
 
+/* The child of test_stopped_initiator: an initiator engine in its own
+ * process, keeping 16 worker copies into the parent's buffer queued (cross-
+ * memory attach at the parent's pid, verified by pidfd) until its endpoint
+ * is lost; then, once every op of it completed, it says so ('L') and waits
+ * to be killed. */
+static void stopped_child(int conn_fd, int report, uint8_t *target, size_t len)
+{
+    axf_config cfg = {.copy_workers = 1, .inline_bytes = UINT64_MAX, .chunk_bytes = 64 << 10,
+                      .keepalive_ms = 100, .peer_timeout_ms = 60000};
+    tengine *t = t_engine(&cfg);
+    pid_t parent = getppid();
+    uint64_t ep, rid, key;
+    uint8_t *src = malloc(len);
+    if (!t || !src ||
+        axf_endpoint_create(t->e, AXF_EP_SHM, 1, parent, pidfd_of(parent), &ep) != AXF_OK ||
+        axf_endpoint_add_conn(t->e, ep, conn_fd) != AXF_OK)
+        _exit(2);
+    memset(src, 0xcd, len);
+    if (axf_region_register(t->e, src, len, AXF_ACCESS_READ, -1, &rid, &key) != AXF_OK ||
+        axf_endpoint_import(t->e, ep, 9, 9, len, AXF_ACCESS_WRITE, (uint64_t)(uintptr_t)target,
+                            -1) != AXF_OK)
+        _exit(3);
+    axf_desc d = {.lrid = rid, .rrid = 9, .rkey = 9, .len = len};
+    uint64_t next = 1, done = 0;
+    bool lost = false;
+    for (;;) {
+        while (!lost && next - done <= 16) {
+            if (axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, next, 0) != AXF_OK)
+                lost = true; /* refused: lost already */
+            else
+                next++;
+        }
+        struct pollfd p = {.fd = axf_engine_fd(t->e), .events = POLLIN};
+        poll(&p, 1, 100);
+        t_drain(t);
+        for (size_t k = 0; k < t->n; k++) {
+            done += t->q[k].kind == AXF_CQ_XFER;
+            lost |= t->q[k].kind == AXF_CQ_PEER_LOST;
+            axf_completion_free(&t->q[k]);
+        }
+        t->n = 0;
+        if (lost && done == next - 1)
+            break;
+    }
+    if (write(report, "L", 1) != 1)
+        _exit(4);
+    for (;;)
+        pause();
+}
+
+/* The issue's scenario, end to end: a same-host initiator process is
+ * stopped for longer than our peer timeout with copies into our buffer
+ * queued. We close its connection (silent) and deregister the buffer: it
+ * stays quarantined, since the stopped process keeps its right to copy into
+ * us. When it continues, it finds its endpoint lost and its queued copies
+ * never run (the one in progress stops at its chunk): memory we clear then
+ * stays clear. Only its exit frees the region. */
+static int stopped_parent(pid_t child, int conn_fd, int report, uint8_t *buf, size_t LEN,
+                          bool *reaped);
+
+static int test_stopped_initiator(void)
+{
+    enum { LEN = 1 << 20 };
+    uint8_t *buf = mmap(NULL, LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(buf != MAP_FAILED);
+    int sv[2], rep[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(pipe(rep), 0);
+    pid_t child = fork(); /* before any engine thread exists here */
+    CHECK(child >= 0);
+    if (child == 0) {
+        close(sv[1]);
+        close(rep[0]);
+        stopped_child(sv[0], rep[1], buf, LEN);
+    }
+    close(sv[0]);
+    close(rep[1]);
+    bool reaped = false;
+    int r = stopped_parent(child, sv[1], rep[0], buf, LEN, &reaped);
+    if (!reaped) { /* a check failed on the way: no orphan */
+        kill(child, SIGKILL);
+        waitpid(child, NULL, 0);
+    }
+    close(rep[0]);
+    munmap(buf, LEN);
+    return r;
+}
+
+static int stopped_parent(pid_t child, int conn_fd, int report, uint8_t *buf, size_t LEN,
+                          bool *reaped)
+{
+    axf_config cfg = {.keepalive_ms = 100, .peer_timeout_ms = 300};
+    tengine *b = t_engine(&cfg);
+    CHECK(b);
+    uint64_t rid, key;
+    CHECK_EQ(axf_region_register(b->e, buf, LEN, AXF_ACCESS_WRITE, -1, &rid, &key), AXF_OK);
+    CHECK_EQ(axf_accept_conn(b->e, conn_fd, 77, pidfd_of(child)), AXF_OK);
+    /* Copies are landing. */
+    uint64_t end = t_now_ms() + T_TIMEOUT_MS;
+    while (!((volatile uint8_t *)buf)[LEN - 1] && t_now_ms() < end)
+        usleep(1000);
+    CHECK(buf[LEN - 1] == 0xcd);
+    kill(child, SIGSTOP);
+    axf_completion c;
+    CHECK_EQ(t_wait_any(b, AXF_CQ_CONN_CLOSED, &c), 0); /* silent: closed by us */
+    CHECK_EQ(axf_region_deregister(b->e, rid), AXF_OK);
+    CHECK(t_quiet(b, AXF_CQ_REGION_FREED, rid, 200));
+    axf_stats s;
+    axf_engine_stats(b->e, &s);
+    CHECK_EQ(s.quarantined, 1);
+    CHECK_EQ(s.held_conns, 1);
+    kill(child, SIGCONT);
+    char ch = 0;
+    struct pollfd p = {.fd = report, .events = POLLIN};
+    CHECK_EQ(poll(&p, 1, T_TIMEOUT_MS), 1);
+    CHECK_EQ(read(report, &ch, 1), 1);
+    CHECK_EQ(ch, 'L');
+    /* Every op of the child is over: nothing of it runs any more. */
+    memset(buf, 0, LEN);
+    usleep(200 * 1000);
+    CHECK(t_all(buf, LEN, 0));
+    CHECK(t_quiet(b, AXF_CQ_REGION_FREED, rid, 10)); /* still alive: still held */
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    *reaped = true;
+    CHECK_EQ(t_wait(b, AXF_CQ_REGION_FREED, rid, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    t_close(b);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -760,6 +891,7 @@ int main(int argc, char **argv)
         T_CASE(test_closed_socket_does_not_release),
         T_CASE(test_ack_and_goodbye_release),
         T_CASE(test_endpoint_close_says_goodbye),
+        T_CASE(test_stopped_initiator),
     };
     return T_RUN(argc, argv, cases);
 }
