@@ -1933,6 +1933,17 @@ static int watch_scan(axf_engine *e, endpoint **finish, int *nfinish, int max_fi
         }
         if (c->exited || atomic_load(&c->down))
             continue;
+        pthread_mutex_lock(&c->mu);
+        bool paused = c->rx_paused;
+        pthread_mutex_unlock(&c->mu);
+        if (paused && c->revokes) {
+            /* We are not reading it (backpressure): its acknowledgement may
+             * be waiting in the socket. Its time runs while we read only. */
+            for (rv_wait *w = c->revokes; w; w = w->next)
+                w->since_ms = now;
+            next = next < now + 100 ? next : now + 100;
+            continue;
+        }
         for (rv_wait *w = c->revokes; w; w = w->next) {
             uint64_t due = w->since_ms + e->cfg.revoke_timeout_ms;
             if (due <= now) {

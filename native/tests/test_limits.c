@@ -358,6 +358,54 @@ static int test_revoke_timeout_tcp(void)
     return 0;
 }
 
+/* Our own pause (notification credit) keeps a tcp peer's acknowledgement of
+ * a revocation unread: its revocation time does not run meanwhile, nobody
+ * is disconnected, and the region is freed once we read again. */
+static int test_revoke_timeout_waits_for_our_pause(void)
+{
+    axf_config cfg = {.revoke_timeout_ms = 200, .max_notify_per_conn = 2, .keepalive_ms = 50,
+                      .peer_timeout_ms = 20000};
+    tengine *a = t_engine(&cfg), *b = t_engine(&cfg);
+    CHECK(a && b);
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    uint64_t ep;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, 1, 0, -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, sv[0]), AXF_OK);
+    CHECK_EQ(axf_accept_conn(b->e, sv[1], 2, -1), AXF_OK);
+    static uint8_t mem[4096];
+    uint64_t rid, key;
+    CHECK_EQ(axf_region_register(b->e, mem, sizeof mem, AXF_ACCESS_WRITE, -1, &rid, &key), AXF_OK);
+    for (uint64_t i = 0; i < 4; i++)
+        CHECK_EQ(axf_post(a->e, ep, AXF_OP_NOTIFY, NULL, 0, "x", 1, 10 + i, 0), AXF_OK);
+    axf_completion c;
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(t_wait_any(b, AXF_CQ_NOTIFY, &c), 0);
+        axf_completion_free(&c);
+    }
+    usleep(100 * 1000); /* b's receiver is paused now */
+    CHECK_EQ(axf_region_deregister(b->e, rid), AXF_OK);
+    CHECK(t_quiet(b, AXF_CQ_REGION_FREED, rid, 800)); /* 4 revocation timeouts */
+    CHECK(t_quiet(b, AXF_CQ_CONN_CLOSED, 0, 1));
+    axf_stats s;
+    axf_engine_stats(b->e, &s);
+    CHECK_EQ(s.conns, 1);
+    CHECK_EQ(s.quarantined, 1);
+    axf_notify_release(b->e, 2, 2); /* the two behind: read, then paused again */
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(t_wait_any(b, AXF_CQ_NOTIFY, &c), 0);
+        axf_completion_free(&c);
+    }
+    axf_notify_release(b->e, 2, 2); /* now the acknowledgement behind them */
+    CHECK_EQ(t_wait(b, AXF_CQ_REGION_FREED, rid, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    axf_engine_stats(b->e, &s);
+    CHECK_EQ(s.conns, 1);
+    t_close(a);
+    t_close(b);
+    return 0;
+}
+
 /* A WRITE_ACK claiming a terabyte for a 16-byte write: the completion, the
  * engine's byte count (and so every rate estimate) say 16. */
 static int test_nbytes_are_ours(void)
@@ -485,6 +533,7 @@ int main(int argc, char **argv)
         T_CASE(test_notify_credit),
         T_CASE(test_max_conns),
         T_CASE(test_revoke_timeout_tcp),
+        T_CASE(test_revoke_timeout_waits_for_our_pause),
         T_CASE(test_nbytes_are_ours),
         T_CASE(test_churn_leaves_nothing),
     };
