@@ -2063,10 +2063,9 @@ void axf_engine_shutdown(axf_engine *e)
     shm_stop(e); /* finishes or fails queued copies */
     cuda_stop(e); /* waits for enqueued GPU copies, fails the rest */
 
-    /* Goodbye, sent now if the socket takes it (a peer that does not read
-     * waits for our exit instead: shutdown does not wait for it). */
-    conn *bye[64];
-    int nbye = 0;
+    /* Goodbye on each live same-host connection; they close once it is
+     * sent. Waited for a little (a peer that does not read waits for our
+     * exit instead, shutdown does not wait for it), then closed anyway. */
     pthread_mutex_lock(&e->mu);
     for (endpoint *ep = e->eps; ep; ep = ep->next) {
         if (!ep_same_host(ep->kind) || ep->bye_sent)
@@ -2076,18 +2075,37 @@ void axf_engine_shutdown(axf_engine *e)
             conn *c = ep->conns[i];
             if (atomic_load(&c->down))
                 continue;
-            sq_item *it = nbye < 64 ? sq_new(FR_BYE, 0) : NULL;
+            sq_item *it = sq_new(FR_BYE, 0);
             if (it) {
-                conn_enqueue(c, it, false);
-                conn_ref(c);
-                bye[nbye++] = c;
+                conn_enqueue(c, it, true);
+                conn_close_after_flush(c);
             }
         }
     }
     pthread_mutex_unlock(&e->mu);
-    for (int i = 0; i < nbye; i++) {
-        conn_kick(bye[i]);
-        conn_unref(bye[i]);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until); /* th_cv's clock */
+    uint32_t grace_ms = e->cfg.peer_timeout_ms < 1000 ? e->cfg.peer_timeout_ms : 1000;
+    until.tv_sec += grace_ms / 1000;
+    until.tv_nsec += (long)(grace_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    for (;;) {
+        bool all_down = true;
+        pthread_mutex_lock(&e->mu);
+        for (endpoint *ep = e->eps; ep && all_down; ep = ep->next)
+            for (int i = 0; ep_same_host(ep->kind) && i < ep->nconns && all_down; i++)
+                all_down = atomic_load(&ep->conns[i]->down);
+        pthread_mutex_unlock(&e->mu);
+        if (all_down)
+            break;
+        pthread_mutex_lock(&e->th_mu);
+        int r = pthread_cond_timedwait(&e->th_cv, &e->th_mu, &until); /* a thread left */
+        pthread_mutex_unlock(&e->th_mu);
+        if (r == ETIMEDOUT)
+            break;
     }
     pthread_mutex_lock(&e->mu);
     for (conn *c = e->conns; c; c = c->next_all)

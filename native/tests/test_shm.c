@@ -742,6 +742,46 @@ static int test_endpoint_close_says_goodbye(void)
     return 0;
 }
 
+/* An initiator engine shut down (not its endpoints closed first) says
+ * goodbye too, after its copies stopped: the target, holding the
+ * initiator's pidfd (this process, which lives on), frees what it
+ * deregisters at once. */
+static int test_shutdown_says_goodbye(void)
+{
+    axf_config cfg = {.inline_bytes = UINT64_MAX};
+    tengine *a = t_engine(&cfg), *b = t_engine(&cfg);
+    CHECK(a && b);
+    uint8_t *src = calloc(1, REG), *dst = calloc(1, REG);
+    CHECK(src && dst);
+    uint64_t ep, arid, akey, brid, bkey;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), pidfd_of(getpid()), &ep), AXF_OK);
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, sv[0]), AXF_OK);
+    CHECK_EQ(axf_accept_conn(b->e, sv[1], 5, pidfd_of(getpid())), AXF_OK);
+    CHECK_EQ(axf_region_register(a->e, src, REG, AXF_ACCESS_READ, -1, &arid, &akey), AXF_OK);
+    CHECK_EQ(axf_region_register(b->e, dst, REG, AXF_ACCESS_WRITE, -1, &brid, &bkey), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep, brid, bkey, REG, AXF_ACCESS_WRITE,
+                                 (uint64_t)(uintptr_t)dst, -1),
+             AXF_OK);
+    axf_desc d = {.lrid = arid, .rrid = brid, .rkey = bkey, .len = REG};
+    for (uint64_t i = 0; i < 8; i++)
+        CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1 + i, 0), AXF_OK);
+    t_close(a);
+    axf_completion c;
+    CHECK_EQ(t_wait_any(b, AXF_CQ_CONN_CLOSED, &c), 0);
+    axf_stats s;
+    axf_engine_stats(b->e, &s);
+    CHECK_EQ(s.held_conns, 0);
+    CHECK_EQ(axf_region_deregister(b->e, brid), AXF_OK);
+    CHECK_EQ(t_wait(b, AXF_CQ_REGION_FREED, brid, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    t_close(b);
+    free(src);
+    free(dst);
+    return 0;
+}
+
 /* The child of test_stopped_initiator: an initiator engine in its own
  * process, keeping 16 worker copies into the parent's buffer queued (cross-
  * memory attach at the parent's pid, verified by pidfd) until its endpoint
@@ -891,6 +931,7 @@ int main(int argc, char **argv)
         T_CASE(test_closed_socket_does_not_release),
         T_CASE(test_ack_and_goodbye_release),
         T_CASE(test_endpoint_close_says_goodbye),
+        T_CASE(test_shutdown_says_goodbye),
         T_CASE(test_stopped_initiator),
     };
     return T_RUN(argc, argv, cases);
