@@ -13,6 +13,8 @@ import os
 import select
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -739,4 +741,108 @@ def test_post_poll_skips_only_the_wakeup_of_completions_known_at_submit() -> Non
         a.poll()
         assert not readable()
     finally:
+        close_engine(a)
+
+
+# --------------------------------------------------------------- limits and same-host trust
+
+
+def test_max_conns_refuses_typed() -> None:
+    b = _cyx.Engine(max_conns=2)
+    peers = []
+    try:
+        for tag in (1, 2):
+            s0, s1 = socket.socketpair()
+            b.accept_conn(s1.detach(), tag)
+            peers.append(s0)
+        s0, s1 = socket.socketpair()
+        with pytest.raises(_cyx.NativeError) as err:
+            b.accept_conn(s1.detach(), 3)
+        assert err.value.status == _cyx.E_LIMIT
+        assert s0.recv(1) == b""  # refused means closed, fd and all
+        s0.close()
+        assert b.stats()["conns"] == 2 and b.stats()["conns_refused"] == 1
+    finally:
+        close_engine(b)
+        for s in peers:
+            s.close()
+
+
+def test_notifications_stop_at_the_credit_until_released() -> None:
+    p = TcpPair(max_notify_per_conn=3)
+    try:
+        for i in range(7):
+            assert p.a.post(p.ep, _cyx.OP_NOTIFY, None, b"m%d" % i, 100 + i) == _cyx.OK
+
+        def notes(recs: list[RECORD]) -> list[bytes]:
+            return [r[6] for r in recs if r[0] == _cyx.CQ_NOTIFY and r[6] is not None]
+
+        wait_records(p.b, lambda rs: len(notes(rs)) >= 3, into=p.brecs)
+        time.sleep(0.3)
+        p.brecs.extend(p.b.poll())
+        assert notes(p.brecs) == [b"m0", b"m1", b"m2"]  # no more read until released
+        p.b.notify_release(TcpPair.B_TAG, 3)
+        wait_records(p.b, lambda rs: len(notes(rs)) >= 6, into=p.brecs)
+        p.b.notify_release(TcpPair.B_TAG, 3)
+        wait_records(p.b, lambda rs: len(notes(rs)) >= 7, into=p.brecs)
+        assert notes(p.brecs) == [b"m%d" % i for i in range(7)]
+        for i in range(7):
+            assert wait_xfer(p.a, 100 + i, into=p.arecs)[1] == _cyx.OK
+    finally:
+        p.close()
+
+
+def test_same_host_holder_keeps_region_quarantined_until_its_process_exits() -> None:
+    """A same-host connection (accepted with its process's pidfd) that closed
+    its socket does not release what it may still map or copy into: the
+    region stays quarantined, its holder named, until the process exits."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    b = _cyx.Engine()
+    try:
+        buf = bytearray(8192)
+        rid = b.register(buf)[0]
+        s0, s1 = socket.socketpair()
+        b.accept_conn(s1.detach(), 41, os.pidfd_open(child.pid))
+        s0.close()
+        wait_records(b, lambda rs: any(r[0] == _cyx.CQ_CONN_CLOSED for r in rs))
+        b.deregister(rid)
+        assert b.region_holders(rid) == [41]
+        st = b.stats()
+        assert st["quarantined"] == 1 and st["quarantined_bytes"] == 8192
+        assert st["held_conns"] == 1
+        time.sleep(0.2)
+        assert not any(r[0] == _cyx.CQ_REGION_FREED for r in b.poll())
+        assert b.pinned_regions() == 1
+        child.kill()
+        child.wait()
+        recs = wait_records(b, lambda rs: any(r[0] == _cyx.CQ_REGION_FREED for r in rs))
+        assert [r[1] for r in recs if r[0] == _cyx.CQ_REGION_FREED] == [_cyx.OK]
+        assert b.region_holders(rid) is None
+        assert b.pinned_regions() == 0
+        assert b.stats()["quarantined"] == 0
+    finally:
+        child.kill()
+        child.wait()
+        close_engine(b)
+
+
+def test_same_host_endpoint_needs_the_kernels_word() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    a = _cyx.Engine()
+    try:
+        with pytest.raises(_cyx.NativeError) as err:  # a claimed pid alone
+            a.endpoint_create(_cyx.EP_SHM, 1, child.pid)
+        assert err.value.status == _cyx.E_ACCESS
+        with pytest.raises(_cyx.NativeError) as err:  # a pidfd of someone else
+            a.endpoint_create(_cyx.EP_SHM, 1, child.pid, os.pidfd_open(os.getpid()))
+        assert err.value.status == _cyx.E_ACCESS
+        ep = a.endpoint_create(_cyx.EP_SHM, 1, child.pid, os.pidfd_open(child.pid))
+        child.kill()
+        child.wait()
+        recs = wait_records(a, lambda rs: any(r[0] == _cyx.CQ_PEER_LOST for r in rs))
+        assert [r[1] for r in recs if r[0] == _cyx.CQ_PEER_LOST and r[2] == ep] == [
+            _cyx.E_PEER_LOST]
+    finally:
+        child.kill()
+        child.wait()
         close_engine(a)

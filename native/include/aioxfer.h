@@ -97,15 +97,17 @@ typedef struct axf_config {
     uint32_t stall_ms;        /* a connection with replies outstanding and no progress for
                                  this long fails its requests with AXF_E_TIMEOUT (0: off) */
     /* Limits on what peers can make us hold (0: the default given). */
-    uint32_t max_conns;       /* live connections (accepted and dialled) per engine; each
-                                 costs two threads. Beyond it: AXF_E_LIMIT (default 256) */
+    uint32_t max_conns;       /* live connections (accepted and dialled) per engine, each
+                                 two threads, plus closed same-host ones still held (one
+                                 per live peer process). Beyond it: AXF_E_LIMIT (default 256) */
     uint32_t max_notify_per_conn; /* notifications of one connection pushed to the ring and
                                  not yet released by axf_notify_release: at this many its
                                  receiver stops reading (TCP flow control pushes back).
                                  Default 1024; UINT32_MAX: no bound */
     uint32_t revoke_timeout_ms; /* a connection without a pidfd (tcp) that has not
-                                 acknowledged a revocation within this is disconnected,
-                                 and then counts as gone (default 10000) */
+                                 acknowledged a revocation within this (counted while we
+                                 read it) is disconnected, and then counts as gone
+                                 (default 10000) */
     uint64_t reply_queue_bytes; /* replies (READ responses, acknowledgements) queued on one
                                  connection, counting their payload: at this much its
                                  receiver stops reading until they drain (default 64 MiB) */
@@ -197,7 +199,7 @@ int axf_region_holders(axf_engine *e, uint64_t rid, uint64_t *tags_out, size_t m
  * process exited the endpoint is lost (its copies stop between chunks). pid
  * may be our own with pidfd -1 (an endpoint into this process). Other kinds:
  * pid 0 and pidfd -1. The engine owns pidfd from the call on, also when it
- * fails. */
+ * fails: give each call a pidfd of its own (dup one to pass it twice). */
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int pidfd,
                         uint64_t *ep_out);
 /* fd: a connected, authenticated stream socket; the engine owns it from now on.

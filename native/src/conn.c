@@ -302,7 +302,7 @@ void conn_kill(conn *c)
 void conn_close_after_flush(conn *c)
 {
     pthread_mutex_lock(&c->mu);
-    c->flush_close = true;
+    atomic_store(&c->flush_close, true);
     pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
 }
@@ -357,7 +357,7 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
             if (nowait && (errno == EAGAIN || errno == EWOULDBLOCK))
                 return 0;
             if ((errno == EAGAIN || errno == EWOULDBLOCK) && !e->cfg.stall_ms &&
-                !atomic_load(&c->down) &&
+                !atomic_load(&c->down) && !atomic_load(&c->flush_close) &&
                 axf_now_us() - atomic_load(&c->last_rx_us) <
                     (uint64_t)e->cfg.peer_timeout_ms * 1000u)
                 continue;
@@ -402,16 +402,18 @@ static void thread_exit(conn *c)
             verbs_conn_closed(e, c); /* its queue pairs first: then nothing reaches us */
             revokes_drop(e, c); /* tcp: a dead peer touches nothing of ours any more */
         }
-        if (c->ep)
-            endpoint_conn_finished(e, c->ep);
-        else
-            cq_push(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
         /* Off the registry unless held (a same-host peer still alive, which
-         * the watcher drops once its process exits). */
+         * the watcher drops once its process exits). An initiator's before
+         * its endpoint hears of it: the endpoint may be freed from then on,
+         * and nothing in the registry may point at a freed one. */
         pthread_mutex_lock(&e->mu);
         if (c->ep || c->gone)
             conn_registry_drop(e, c);
         pthread_mutex_unlock(&e->mu);
+        if (c->ep)
+            endpoint_conn_finished(e, c->ep);
+        else
+            cq_push(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
         conn_unref(c); /* the threads' reference */
     }
     pthread_mutex_lock(&e->th_mu);
@@ -548,7 +550,7 @@ static void *tx_main(void *arg)
     pthread_mutex_lock(&c->mu);
     c->last_send_ms = axf_now_ms();
     while (!c->dead) {
-        if (c->flush_close && !c->head && !c->sending) {
+        if (atomic_load(&c->flush_close) && !c->head && !c->sending) {
             conn_mark_dead(c); /* the goodbye is out: nothing follows it */
             break;
         }
@@ -903,6 +905,7 @@ static void initiator_conn_lost(conn *c, bool proto)
             pthread_mutex_unlock(&c->mu);
         }
         ep->dead = true;
+        atomic_store(&ep->halt, true); /* same-host copies stop at their next chunk */
         for (int i = 0; i < ep->nconns; i++)
             conn_kill(ep->conns[i]);
         pthread_mutex_unlock(&e->mu);
@@ -975,6 +978,28 @@ const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *pr
     return c->ep ? rx_initiator(c, h, proto, io) : rx_target(c, h, scratch, proto, io);
 }
 
+/* Reads and serves frames until one ends the connection: why. */
+static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, int *io)
+{
+    for (;;) {
+        if (!c->replay)
+            rx_wait_room(c);
+        *io = read_full(c->fd, h, sizeof *h);
+        if (*io)
+            return "connection lost";
+        atomic_store(&c->last_rx_us, axf_now_us());
+        if (h->magic != AXF_MAGIC) {
+            *proto = true;
+            return "bad frame magic";
+        }
+        if (h->type == FR_PING)
+            continue;
+        const char *reason = conn_rx_frame(c, h, scratch, proto, io);
+        if (reason)
+            return reason;
+    }
+}
+
 static void *rx_main(void *arg)
 {
     conn *c = arg;
@@ -983,24 +1008,9 @@ static void *rx_main(void *arg)
     const char *reason = scratch ? NULL : "out of memory";
     bool proto = false;
     int io = 0;
-    wire_hdr h;
-    while (!reason) {
-        rx_wait_room(c);
-        io = read_full(c->fd, &h, sizeof h);
-        if (io) {
-            reason = "connection lost";
-            break;
-        }
-        atomic_store(&c->last_rx_us, axf_now_us());
-        if (h.magic != AXF_MAGIC) {
-            proto = true;
-            reason = "bad frame magic";
-            break;
-        }
-        if (h.type == FR_PING)
-            continue;
-        reason = conn_rx_frame(c, &h, scratch, &proto, &io);
-    }
+    wire_hdr h = {0};
+    if (!reason)
+        reason = rx_loop(c, scratch, &h, &proto, &io);
     free(scratch);
     pthread_mutex_lock(&c->mu);
     bool by_us = c->dead; /* closed locally (shutdown, endpoint close) */
@@ -1021,12 +1031,87 @@ static void *rx_main(void *arg)
     return NULL;
 }
 
+int conn_replay(axf_engine *e, uint64_t tag, const uint8_t *buf, size_t len)
+{
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
+        return AXF_E_TRANSPORT;
+    int big = 4 << 20;
+    (void)setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+    (void)setsockopt(sv[1], SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+    size_t off = 0;
+    while (off < len) { /* what the socket takes; the rest is cut off */
+        ssize_t r = send(sv[0], buf + off, len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r <= 0)
+            break;
+        off += (size_t)r;
+    }
+    shutdown(sv[0], SHUT_WR); /* the peer closed after these bytes */
+    /* Replies are sent without waiting (conn_kick) into sv[0]'s receive
+     * side, where nobody reads them; what does not fit stays queued and is
+     * released at the end. */
+    conn_priv *p = calloc(1, sizeof *p);
+    uint8_t *scratch = malloc(DISCARD_BYTES);
+    if (!p || !scratch) {
+        free(p);
+        free(scratch);
+        close(sv[0]);
+        close(sv[1]);
+        return AXF_E_NOMEM;
+    }
+    conn *c = &p->c;
+    c->e = e;
+    c->tag = tag;
+    c->fd = sv[1];
+    c->pidfd = -1;
+    c->replay = true;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    pthread_cond_init(&c->room_cv, NULL);
+    atomic_init(&c->refs, 1); /* the registry's */
+    pthread_mutex_lock(&e->mu);
+    bool shut = e->shut;
+    if (!shut) { /* in the registry: revocations reach it like any peer's */
+        c->next_all = e->conns;
+        e->conns = c;
+        atomic_fetch_add(&e->n_conns, 1);
+    }
+    pthread_mutex_unlock(&e->mu);
+    bool proto = false;
+    int io = 0;
+    wire_hdr h;
+    if (!shut)
+        (void)rx_loop(c, scratch, &h, &proto, &io);
+    free(scratch);
+    if (proto)
+        atomic_fetch_add(&e->rejected, 1);
+    pthread_mutex_lock(&c->mu);
+    c->dead = true;
+    atomic_store(&c->down, true);
+    sq_item *rest = c->head;
+    c->head = c->tail = NULL;
+    pthread_mutex_unlock(&c->mu);
+    release_list(e, rest);
+    close(sv[0]);
+    close(sv[1]);
+    if (!shut) {
+        atomic_fetch_sub(&e->n_conns, 1);
+        revokes_drop(e, c); /* no pidfd: gone */
+        pthread_mutex_lock(&e->mu);
+        conn_registry_drop(e, c);
+        pthread_mutex_unlock(&e->mu);
+    } else {
+        conn_unref(c);
+    }
+    return proto ? AXF_E_PROTOCOL : AXF_OK;
+}
+
 /* e->mu held. */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 {
-    /* Each connection costs two threads and its buffers: a peer (or many)
-     * cannot make us hold more than max_conns. */
-    if (atomic_load(&e->n_conns) >= e->cfg.max_conns) {
+    /* Each connection costs two threads and its buffers (a held one, a
+     * pidfd): a peer (or many) cannot make us hold more than max_conns. */
+    if (atomic_load(&e->n_conns) + atomic_load(&e->held_conns) >= e->cfg.max_conns) {
         atomic_fetch_add(&e->conns_refused, 1);
         close(fd);
         *status = AXF_E_LIMIT;

@@ -520,7 +520,22 @@ void revokes_drop(axf_engine *e, conn *c)
     c->exited = true;
     if (c->pidfd >= 0 && !c->released && !atomic_load(&c->peer_exited)) {
         /* Same host: a stopped process keeps its mappings and its right to
-         * copy into us; only its exit (the watcher) or a goodbye ends it. */
+         * copy into us; only its exit (the watcher) or a goodbye ends it.
+         * One held connection per process is enough to wait for it: a
+         * process that connects and disconnects again and again adds to
+         * the one already held, not a pidfd each. */
+        for (conn *h = e->conns; h; h = h->next_all)
+            if (h != c && !h->ep && h->exited && !h->gone && h->pidfd >= 0 &&
+                h->peer_pid == c->peer_pid && !atomic_load(&h->peer_exited)) {
+                rv_wait **tail = &h->revokes;
+                while (*tail)
+                    tail = &(*tail)->next;
+                *tail = c->revokes;
+                c->revokes = NULL;
+                c->gone = true; /* its waits are h's now */
+                pthread_mutex_unlock(&e->mu);
+                return;
+            }
         atomic_fetch_add(&e->held_conns, 1);
         pthread_mutex_unlock(&e->mu);
         watch_wake(e);
@@ -570,7 +585,6 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
         }
         for (rregion *rr = ep->rregions; rr; rr = rr->next)
             if (rr->rid == a->rid && rr->key == a->key) {
-                rr->rv_pending = false;
                 shm_unmap(rr);
                 cuda_unmap(rr);
             }
@@ -589,13 +603,12 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
     }
 }
 
-/* Initiator side: the target revoked rid/key. Bounded whatever the target
- * sends: a region nothing uses is acknowledged at once (a reply, counted
- * against reply_queue_bytes like any other); one an op still uses waits in
- * one entry per connection and imported region (the target revokes on each
- * of its connections to us and waits for each one's ack), and a second
- * revocation of it on the same connection while the first waits is a
- * protocol error. */
+/* Initiator side: the target revoked rid/key (on each of its connections
+ * to us). Bounded whatever the target sends: a region nothing uses is
+ * acknowledged at once (a reply, counted against reply_queue_bytes like any
+ * other); one an op still uses waits in one entry per connection and
+ * imported region, and a second revocation of it on the same connection
+ * while the first waits is a protocol error. */
 int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
 {
     endpoint *ep = c->ep;
@@ -605,10 +618,9 @@ int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
         if (rr->rid == rid && rr->key == key) {
             rr->gone = true; /* no new op resolves it */
             atomic_store(&rr->revoked, true);
-            if (atomic_load(&rr->users))
-                busy = true;
+            busy |= atomic_load(&rr->users) != 0;
         }
-    for (rv_ack *a = e->rv_acks; a && busy && !dup; a = a->next)
+    for (rv_ack *a = busy ? e->rv_acks : NULL; a && !dup; a = a->next)
         dup = a->c == c && a->rid == rid && a->key == key;
     if (dup) {
         pthread_mutex_unlock(&e->mu);
@@ -621,9 +633,6 @@ int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
             pthread_mutex_unlock(&e->mu);
             return AXF_E_NOMEM;
         }
-        for (rregion *rr = ep->rregions; rr; rr = rr->next)
-            if (rr->rid == rid && rr->key == key)
-                rr->rv_pending = true;
         a->c = c;
         conn_ref(c);
         c->rv_pending++;
@@ -724,8 +733,10 @@ static void op_free(axf_engine *e, op *o)
     free(o->notify);
     endpoint *ep = o->counted ? o->ep : NULL;
     free(o);
-    /* The op's last touch of its endpoint: a closed one may be freed now. */
-    if (ep && atomic_fetch_sub(&ep->ops_alive, 1) == 1 && ep->closing)
+    /* The op's last touch of its endpoint (read first: once the count is
+     * down, the watcher may free a finished endpoint). */
+    bool ending = ep && atomic_load(&ep->halt);
+    if (ep && atomic_fetch_sub(&ep->ops_alive, 1) == 1 && ending)
         watch_wake(e);
 }
 
@@ -857,7 +868,7 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
     /* Read now: once unlocked, a closed endpoint with nothing left may be freed. */
     int lost_st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
     uint64_t ep_id = ep->id, ep_tag = ep->tag;
-    bool reap = ep->live_conns == 0 && ep->closing;
+    bool reap = ep->live_conns == 0;
     pthread_mutex_unlock(&e->mu);
     /* The loss first, so a caller woken by a failed transfer sees the peer lost. */
     if (report)
@@ -1450,16 +1461,17 @@ int axf_cancel(axf_engine *e, uint64_t req_id)
 
 /* ---------------------------------------------------------------- endpoints */
 
-/* The process a pidfd refers to, as the kernel says (/proc/self/fdinfo);
- * -1 when it is not a pidfd. */
+/* The process a pidfd refers to, as the kernel says (/proc/self/fdinfo):
+ * its pid, -1 once it exited and was reaped, 0 outside our pid namespace;
+ * -2 when fd is not a pidfd. */
 static pid_t pidfd_pid(int pidfd)
 {
     char path[64], line[128];
     snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
     FILE *f = fopen(path, "re");
     if (!f)
-        return -1;
-    pid_t pid = -1;
+        return -2;
+    pid_t pid = -2;
     while (fgets(line, sizeof line, f))
         if (strncmp(line, "Pid:", 4) == 0) {
             pid = (pid_t)strtol(line + 4, NULL, 10);
@@ -1498,10 +1510,10 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
         st = AXF_E_INVALID;
     else if (ep_same_host(kind) && pidfd < 0 && pid != getpid())
         st = AXF_E_ACCESS; /* another process, and the kernel did not vouch for it */
+    else if (pidfd >= 0 && (pidfd_pid(pidfd) == -1 || (pidfd_pid(pidfd) > 0 && pidfd_exited(pidfd))))
+        st = AXF_E_PEER_LOST; /* gone already */
     else if (pidfd >= 0 && pidfd_pid(pidfd) != pid)
-        st = AXF_E_ACCESS; /* the pidfd names another process (or none) */
-    else if (pidfd >= 0 && pidfd_exited(pidfd))
-        st = AXF_E_PEER_LOST;
+        st = AXF_E_ACCESS; /* the pidfd names another process (or none, or it was reaped) */
     endpoint *ep = st == AXF_OK ? calloc(1, sizeof *ep) : NULL;
     if (st == AXF_OK && !ep)
         st = AXF_E_NOMEM;
@@ -1793,8 +1805,8 @@ void ep_maybe_bye(axf_engine *e, endpoint *ep)
 int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
 {
     int st = AXF_OK;
-    if (pidfd >= 0 && pidfd_pid(pidfd) <= 0)
-        st = AXF_E_INVALID; /* not a pidfd */
+    if (pidfd >= 0 && pidfd_pid(pidfd) == -2)
+        st = AXF_E_INVALID; /* not a pidfd (one whose process is gone is fine: the watcher sees it) */
     pthread_mutex_lock(&e->mu);
     if (st == AXF_OK && e->shut)
         st = AXF_E_CLOSED;
@@ -1809,6 +1821,7 @@ int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
     if (c && pidfd >= 0) { /* before its threads can leave: they read it under e->mu */
         (void)fcntl(pidfd, F_SETFD, FD_CLOEXEC);
         c->pidfd = pidfd;
+        c->peer_pid = pidfd_pid(pidfd);
     } else if (pidfd >= 0) {
         close(pidfd);
     }
@@ -1920,6 +1933,17 @@ static int watch_scan(axf_engine *e, endpoint **finish, int *nfinish, int max_fi
         }
         if (c->exited || atomic_load(&c->down))
             continue;
+        pthread_mutex_lock(&c->mu);
+        bool paused = c->rx_paused;
+        pthread_mutex_unlock(&c->mu);
+        if (paused && c->revokes) {
+            /* We are not reading it (backpressure): its acknowledgement may
+             * be waiting in the socket. Its time runs while we read only. */
+            for (rv_wait *w = c->revokes; w; w = w->next)
+                w->since_ms = now;
+            next = next < now + 100 ? next : now + 100;
+            continue;
+        }
         for (rv_wait *w = c->revokes; w; w = w->next) {
             uint64_t due = w->since_ms + e->cfg.revoke_timeout_ms;
             if (due <= now) {
@@ -2039,10 +2063,9 @@ void axf_engine_shutdown(axf_engine *e)
     shm_stop(e); /* finishes or fails queued copies */
     cuda_stop(e); /* waits for enqueued GPU copies, fails the rest */
 
-    /* Goodbye, sent now if the socket takes it (a peer that does not read
-     * waits for our exit instead: shutdown does not wait for it). */
-    conn *bye[64];
-    int nbye = 0;
+    /* Goodbye on each live same-host connection; they close once it is
+     * sent. Waited for a little (a peer that does not read waits for our
+     * exit instead, shutdown does not wait for it), then closed anyway. */
     pthread_mutex_lock(&e->mu);
     for (endpoint *ep = e->eps; ep; ep = ep->next) {
         if (!ep_same_host(ep->kind) || ep->bye_sent)
@@ -2052,18 +2075,37 @@ void axf_engine_shutdown(axf_engine *e)
             conn *c = ep->conns[i];
             if (atomic_load(&c->down))
                 continue;
-            sq_item *it = nbye < 64 ? sq_new(FR_BYE, 0) : NULL;
+            sq_item *it = sq_new(FR_BYE, 0);
             if (it) {
-                conn_enqueue(c, it, false);
-                conn_ref(c);
-                bye[nbye++] = c;
+                conn_enqueue(c, it, true);
+                conn_close_after_flush(c);
             }
         }
     }
     pthread_mutex_unlock(&e->mu);
-    for (int i = 0; i < nbye; i++) {
-        conn_kick(bye[i]);
-        conn_unref(bye[i]);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until); /* th_cv's clock */
+    uint32_t grace_ms = e->cfg.peer_timeout_ms < 1000 ? e->cfg.peer_timeout_ms : 1000;
+    until.tv_sec += grace_ms / 1000;
+    until.tv_nsec += (long)(grace_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    for (;;) {
+        bool all_down = true;
+        pthread_mutex_lock(&e->mu);
+        for (endpoint *ep = e->eps; ep && all_down; ep = ep->next)
+            for (int i = 0; ep_same_host(ep->kind) && i < ep->nconns && all_down; i++)
+                all_down = atomic_load(&ep->conns[i]->down);
+        pthread_mutex_unlock(&e->mu);
+        if (all_down)
+            break;
+        pthread_mutex_lock(&e->th_mu);
+        int r = pthread_cond_timedwait(&e->th_cv, &e->th_mu, &until); /* a thread left */
+        pthread_mutex_unlock(&e->th_mu);
+        if (r == ETIMEDOUT)
+            break;
     }
     pthread_mutex_lock(&e->mu);
     for (conn *c = e->conns; c; c = c->next_all)

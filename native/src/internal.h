@@ -81,7 +81,6 @@ typedef struct rregion {
     bool gone;             /* e->mu: no new op may resolve it */
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
-    bool rv_pending;       /* e->mu: a revocation of it waits for its users */
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
     struct verbs_rkeys *verbs; /* verbs: the owner's (addr, rkey) per its device */
     struct cuda_rmap *cuda; /* cuda: our IPC mapping of the peer's GPU memory, else NULL */
@@ -244,6 +243,7 @@ typedef struct conn {
                       same host: said goodbye, or its process exited) */
     bool released; /* e->mu: said goodbye (FR_BYE) */
     int pidfd;     /* accepting side: the same-host peer's process (owned), else -1 */
+    pid_t peer_pid; /* ... and its pid, as the pidfd names it */
     atomic_bool peer_exited; /* that process is gone (the watcher saw its pidfd) */
     /* Backpressure (c->mu): bytes of replies queued and not sent, and
      * notifications pushed to the ring and not yet released. The receiver
@@ -252,9 +252,11 @@ typedef struct conn {
     atomic_ullong notify_out;
     bool rx_paused;
     pthread_cond_t room_cv;
-    bool flush_close;       /* c->mu: close once the queue is sent (after a goodbye) */
+    atomic_bool flush_close; /* set under c->mu: close once the queue is sent (after a
+                                goodbye); a send it waits for is bounded then */
     uint32_t rv_pending;    /* initiator, e->mu: revocations not acknowledged yet */
     atomic_int refs;        /* threads, registry, endpoint slot, transient holders */
+    bool replay;            /* conn_replay's: no threads, the caller runs the parser */
     atomic_ullong last_rx_us; /* last frame received (pings included) */
     struct verbs_qp *verbs; /* accepting side, e->mu: queue pairs that live as long as it */
     struct conn *next_all;
@@ -378,9 +380,18 @@ void conn_close_after_flush(conn *c);
 /* The receiver may read again (credits released, replies sent). */
 void conn_room(conn *c);
 /* Parses and serves one frame that arrived on c, its payload (if any) still
- * in the socket: the entry point the fuzz harnesses drive. NULL, or why the
- * connection must close (*proto: a malformed frame). */
+ * in the socket. NULL, or why the connection must close (*proto: a
+ * malformed frame). */
 const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *proto, int *io);
+/* The fuzz harnesses' entry point (a byte buffer in, no threads): the
+ * target-side parser of a fresh connection tagged tag runs on the calling
+ * thread over buf (what fits in a socket buffer, 4 MiB), as if a peer had
+ * sent it and closed. Frames are checked and served exactly as on a real
+ * connection (regions written, READ responses and acknowledgements queued
+ * and sent without waiting into a socket nobody reads, notifications and
+ * logs pushed to the ring: poll them). AXF_OK, AXF_E_PROTOCOL when a frame
+ * was malformed (a real connection would have been closed there). */
+int conn_replay(axf_engine *e, uint64_t tag, const uint8_t *buf, size_t len);
 sq_item *sq_new(int type, uint64_t op_id);
 void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
 

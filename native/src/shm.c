@@ -117,13 +117,14 @@ static int copy_piece(op *o, size_t i, uint64_t off, uint64_t len, uint64_t chun
 
 /* Copies whole descriptors [i0, i1): mapped ones by memcpy, the others
  * gathered into as few cross-memory-attach calls as possible, each call at
- * most a chunk (checks between them). */
+ * most a chunk. The checks run when the region changes and after each chunk's
+ * worth of bytes, not per descriptor: a batch of small ones costs them once. */
 static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
 {
     struct iovec lv[RUN_DESCS], rv[RUN_DESCS];
     size_t nv = 0, first = i0;
-    uint64_t want = 0;
-    rregion *last_rr = NULL;
+    uint64_t want = 0, unchecked = 0;
+    rregion *checked_rr = NULL;
     for (size_t i = i0; i <= i1; i++) {
         bool flush = i == i1 || nv == RUN_DESCS || (i < i1 && o->rr[i]->map) ||
                      (i < i1 && want && want + o->d[i].len > chunk);
@@ -140,31 +141,44 @@ static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
         }
         if (i == i1)
             break;
-        if (o->rr[i]->map || o->d[i].len > chunk) {
-            int st = copy_piece(o, i, 0, o->d[i].len, chunk);
+        const axf_desc *d = &o->d[i];
+        rregion *rr = o->rr[i];
+        if (d->len > chunk) { /* chunk by chunk, checked in between */
+            int st = copy_piece(o, i, 0, d->len, chunk);
             if (st != AXF_OK) {
                 *fail = i;
                 return st;
             }
+            checked_rr = NULL;
             continue;
         }
-        if (!nv || o->rr[i] != last_rr) { /* a new call, or another region in it */
+        if (rr != checked_rr || unchecked + d->len > chunk) {
             int st = copy_may_go(o);
-            if (st == AXF_OK && atomic_load(&o->rr[i]->revoked))
+            if (st == AXF_OK && atomic_load(&rr->revoked))
                 st = AXF_E_ACCESS;
             if (st != AXF_OK) {
                 *fail = i;
                 return st;
             }
-            last_rr = o->rr[i];
+            checked_rr = rr;
+            unchecked = 0;
+        }
+        unchecked += d->len;
+        if (rr->map) {
+            uint8_t *remote = rr->map + d->roff;
+            if (o->opcode == AXF_OP_WRITE)
+                memcpy(remote, o->laddr[i], d->len);
+            else
+                memcpy(o->laddr[i], remote, d->len);
+            continue;
         }
         if (!nv)
             first = i;
         lv[nv].iov_base = o->laddr[i];
-        lv[nv].iov_len = o->d[i].len;
-        rv[nv].iov_base = (void *)(uintptr_t)(o->rr[i]->addr + o->d[i].roff);
-        rv[nv].iov_len = o->d[i].len;
-        want += o->d[i].len;
+        lv[nv].iov_len = d->len;
+        rv[nv].iov_base = (void *)(uintptr_t)(rr->addr + d->roff);
+        rv[nv].iov_len = d->len;
+        want += d->len;
         nv++;
     }
     return AXF_OK;

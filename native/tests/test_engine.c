@@ -189,10 +189,37 @@ static int test_shutdown_frees_regions(void)
     return 0;
 }
 
+/* Quarantine bookkeeping without peers: a region nobody can touch is freed
+ * at once, is never listed as quarantined, and has no holders. */
+static int test_quarantine_without_peers(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    static uint8_t buf[4096];
+    uint64_t id, key, tags[4];
+    CHECK_EQ(axf_region_register(t->e, buf, sizeof buf, AXF_ACCESS_READ, -1, &id, &key), AXF_OK);
+    CHECK_EQ(axf_region_holders(t->e, id, tags, 4), AXF_E_NOTFOUND); /* registered, not revoked */
+    CHECK_EQ(axf_region_deregister(t->e, id), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(t, AXF_CQ_REGION_FREED, id, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(axf_region_holders(t->e, id, tags, 4), AXF_E_NOTFOUND);
+    axf_stats s;
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.quarantined, 0);
+    CHECK_EQ(s.quarantined_bytes, 0);
+    CHECK_EQ(s.held_conns, 0);
+    axf_notify_release(t->e, 12345, 10); /* no such connection: nothing happens */
+    t_close(t);
+    return 0;
+}
+
 static int test_config_defaults(void)
 {
     axf_config cfg = {.copy_workers = 1, .chunk_bytes = 4096, .inline_bytes = UINT64_MAX,
-                      .keepalive_ms = 50, .peer_timeout_ms = 100};
+                      .keepalive_ms = 50, .peer_timeout_ms = 100, .max_conns = 3,
+                      .max_notify_per_conn = UINT32_MAX, .revoke_timeout_ms = 10,
+                      .reply_queue_bytes = 1};
     tengine *t = t_engine(&cfg);
     CHECK(t);
     t_close(t);
@@ -212,6 +239,7 @@ int main(int argc, char **argv)
         T_CASE(test_post_invalid),
         T_CASE(test_endpoint_close_unconnected),
         T_CASE(test_shutdown_frees_regions),
+        T_CASE(test_quarantine_without_peers),
         T_CASE(test_config_defaults),
     };
     return T_RUN(argc, argv, cases);

@@ -5,9 +5,13 @@
  * over a socketpair connection. */
 #include "harness.h"
 
+#include "internal.h" /* wire layout, for the raw peers */
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 
 #define REG (8u << 20)
 
@@ -362,6 +366,553 @@ static int test_revocation_settled_by_lost_conn(void)
     return 0;
 }
 
+static int pidfd_of(pid_t pid)
+{
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+}
+
+/* A child that sleeps until killed (or told through its pipe). */
+static pid_t sleeper(int *pidfd)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        for (;;)
+            pause();
+    }
+    *pidfd = pid > 0 ? pidfd_of(pid) : -1;
+    return pid;
+}
+
+/* Who a same-host endpoint aims at comes from the caller's kernel-verified
+ * pid and pidfd, and they must agree. */
+static int test_endpoint_identity(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    int fa, fb;
+    pid_t a = sleeper(&fa), b = sleeper(&fb);
+    CHECK(a > 0 && b > 0 && fa >= 0 && fb >= 0);
+    uint64_t ep;
+    /* Another process without a pidfd: nothing vouches for it. */
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 1, a, -1, &ep), AXF_E_ACCESS);
+    /* A pid the pidfd does not name (a claimed pid): refused. (The engine
+     * owns every pidfd given to it, refused or not.) */
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 1, b, fa, &ep), AXF_E_ACCESS);
+    /* Not a pidfd at all. */
+    int pp[2];
+    CHECK_EQ(pipe(pp), 0);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 1, a, pp[0], &ep), AXF_E_ACCESS);
+    close(pp[1]);
+    /* No process to hold for tcp. */
+    int fc = pidfd_of(a);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 1, a, fc, &ep), AXF_E_INVALID);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 1, b, fb, &ep), AXF_OK);
+    axf_stats s;
+    axf_engine_stats(t->e, &s);
+    CHECK_EQ(s.endpoints, 1);
+    /* Its process exits: the endpoint is lost, posts are refused (its pid
+     * may be reused from now on). */
+    kill(b, SIGKILL);
+    waitpid(b, NULL, 0);
+    axf_completion c;
+    CHECK_EQ(t_wait(t, AXF_CQ_PEER_LOST, ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    axf_desc d = {.lrid = 1, .rrid = 1, .len = 1};
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_PEER_LOST);
+    /* An already-exited process: refused at create. */
+    int fa2 = pidfd_of(a);
+    kill(a, SIGKILL);
+    waitpid(a, NULL, 0);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 1, a, fa2, &ep), AXF_E_PEER_LOST);
+    t_close(t);
+    return 0;
+}
+
+/* Cross-memory attach goes to the pid the caller verified, not to us: a
+ * child holds a buffer at the same address as ours (copied at fork); a
+ * WRITE through an endpoint for the child changes the child's copy only. */
+static int test_cma_aims_at_verified_pid(void)
+{
+    enum { LEN = 256 << 10 };
+    uint8_t *buf = calloc(1, LEN), *src = malloc(LEN);
+    CHECK(buf && src);
+    t_fill(src, LEN, 12);
+    int go[2], done[2];
+    CHECK_EQ(pipe(go), 0);
+    CHECK_EQ(pipe(done), 0);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) { /* the peer: waits, then checks its own buffer */
+        char ch;
+        if (read(go[0], &ch, 1) != 1)
+            _exit(3);
+        _exit(memcmp(buf, src, LEN) == 0 ? 0 : 1);
+    }
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    uint64_t ep, lrid, lkey;
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 1, child, pidfd_of(child), &ep), AXF_OK);
+    CHECK_EQ(axf_region_register(t->e, src, LEN, AXF_ACCESS_READ, -1, &lrid, &lkey), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(t->e, ep, 9, 10, LEN, AXF_ACCESS_WRITE, (uint64_t)(uintptr_t)buf,
+                                 -1),
+             AXF_OK);
+    axf_desc d = {.lrid = lrid, .rrid = 9, .rkey = 10, .len = LEN};
+    CHECK_EQ(axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 5, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(t, AXF_CQ_XFER, 5, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(t_all(buf, LEN, 0)); /* ours: untouched */
+    CHECK_EQ(write(go[1], "x", 1), 1);
+    int st = 0;
+    CHECK_EQ(waitpid(child, &st, 0), child);
+    CHECK(WIFEXITED(st));
+    CHECK_EQ(WEXITSTATUS(st), 0); /* the child's: written */
+    CHECK_EQ(t_wait(t, AXF_CQ_PEER_LOST, ep, &c), 0);
+    t_close(t);
+    free(buf);
+    free(src);
+    close(go[0]);
+    close(go[1]);
+    close(done[0]);
+    close(done[1]);
+    return 0;
+}
+
+/* Copies queued for a peer that is then lost never run; one in progress
+ * stops at the next chunk boundary instead of running to its end. */
+static int test_copies_stop_after_loss(void)
+{
+    axf_config cfg = {.copy_workers = 1, .inline_bytes = UINT64_MAX, .chunk_bytes = 64 << 10};
+    enum { BIG = 64 << 20, TRIES = 5 };
+    uint8_t *src = malloc(BIG), *dst = malloc(BIG);
+    CHECK(src && dst);
+    memset(src, 0xab, BIG);
+    long stopped_at = -1, observed = -1;
+    for (int attempt = 0; attempt < TRIES && stopped_at < 0; attempt++) {
+        memset(dst, 0, BIG);
+        tengine *a = t_engine(&cfg);
+        CHECK(a);
+        uint64_t ep, lrid, lkey;
+        CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
+        CHECK_EQ(axf_region_register(a->e, src, BIG, AXF_ACCESS_READ, -1, &lrid, &lkey), AXF_OK);
+        CHECK_EQ(axf_endpoint_import(a->e, ep, 3, 4, BIG, AXF_ACCESS_WRITE,
+                                     (uint64_t)(uintptr_t)dst, -1),
+                 AXF_OK);
+        axf_desc d = {.lrid = lrid, .rrid = 3, .rkey = 4, .len = BIG};
+        CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_OK);
+        while (!*(volatile uint8_t *)dst) /* the copy is under way */
+            ;
+        CHECK_EQ(axf_endpoint_close(a->e, ep), AXF_OK);
+        /* Written so far (one worker: a prefix): binary search its end. */
+        size_t lo = 0, hi = BIG;
+        while (lo < hi) {
+            size_t mid = lo + (hi - lo) / 2;
+            if (((volatile uint8_t *)dst)[mid])
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        size_t seen = lo;
+        axf_completion c;
+        CHECK_EQ(t_wait(a, AXF_CQ_XFER, 1, &c), 0);
+        size_t written = 0;
+        for (size_t i = 0; i < BIG; i++)
+            written += dst[i] != 0;
+        if (c.status == AXF_E_CLOSED && written < BIG) {
+            stopped_at = (long)written;
+            observed = (long)seen;
+        }
+        CHECK(c.status == AXF_OK || c.status == AXF_E_CLOSED);
+        t_close(a);
+    }
+    printf("  stopped after %ld of %d bytes (%ld seen at close; chunk 64 KiB)\n", stopped_at,
+           (int)BIG, observed);
+    CHECK(stopped_at >= 0); /* it stopped early at least once in TRIES */
+
+    /* Queued and never started: nothing lands at all. */
+    memset(dst, 0, BIG);
+    tengine *a = t_engine(&cfg);
+    CHECK(a);
+    uint64_t ep, lrid, lkey;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
+    CHECK_EQ(axf_region_register(a->e, src, BIG, AXF_ACCESS_READ, -1, &lrid, &lkey), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep, 3, 4, BIG, AXF_ACCESS_WRITE, (uint64_t)(uintptr_t)dst,
+                                 -1),
+             AXF_OK);
+    usleep(20000); /* the worker parks */
+    axf_desc d = {.lrid = lrid, .rrid = 3, .rkey = 4, .len = 1 << 20};
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 2, AXF_POST_DEFER), AXF_OK);
+    CHECK_EQ(axf_endpoint_close(a->e, ep), AXF_OK);
+    axf_doorbell(a->e);
+    axf_completion c;
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 2, &c), 0);
+    CHECK_EQ(c.status, AXF_E_CLOSED);
+    CHECK(t_all(dst, 1 << 20, 0));
+    t_close(a);
+    free(src);
+    free(dst);
+    return 0;
+}
+
+/* The target side of a same-host peer: a raw socket we drive plays its data
+ * connection, a child process plays the peer process (its pidfd given at
+ * accept). */
+typedef struct held {
+    tengine *b;
+    uint8_t *mem;
+    uint64_t rid, key;
+    int fd; /* the peer's end */
+    pid_t child;
+} held;
+
+static int held_open(held *h, uint64_t tag)
+{
+    memset(h, 0, sizeof *h);
+    h->b = t_engine(NULL);
+    CHECK(h->b);
+    h->mem = calloc(1, 4096);
+    CHECK(h->mem);
+    CHECK_EQ(axf_region_register(h->b->e, h->mem, 4096, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1,
+                                 &h->rid, &h->key),
+             AXF_OK);
+    int pidfd;
+    h->child = sleeper(&pidfd);
+    CHECK(h->child > 0 && pidfd >= 0);
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_accept_conn(h->b->e, sv[1], tag, pidfd), AXF_OK);
+    h->fd = sv[0];
+    return 0;
+}
+
+static void held_close(held *h)
+{
+    if (h->child > 0) {
+        kill(h->child, SIGKILL);
+        waitpid(h->child, NULL, 0);
+    }
+    if (h->fd >= 0)
+        close(h->fd);
+    t_close(h->b);
+    free(h->mem);
+}
+
+/* Reads frames from the engine until one of this type (pings skipped). */
+static int read_frame(int fd, uint16_t type, wire_hdr *out)
+{
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        CHECK_EQ(poll(&p, 1, T_TIMEOUT_MS), 1);
+        CHECK_EQ(read(fd, out, sizeof *out), (ssize_t)sizeof *out);
+        if (out->type == type)
+            return 0;
+        CHECK_EQ(out->type, FR_PING);
+    }
+}
+
+/* The peer's socket closes but its process lives (stopped, say): it keeps
+ * its mappings and its right to copy into us, so the region stays
+ * quarantined (counted, holder named) until the process exits. */
+static int test_closed_socket_does_not_release(void)
+{
+    held h;
+    if (held_open(&h, 61))
+        return 1;
+    close(h.fd);
+    h.fd = -1;
+    axf_completion c;
+    CHECK_EQ(t_wait_any(h.b, AXF_CQ_CONN_CLOSED, &c), 0);
+    /* The same process connects and leaves again and again: one held
+     * connection waits for it, not one (and a pidfd) each. */
+    for (int i = 0; i < 20; i++) {
+        int sv[2];
+        CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+        CHECK_EQ(axf_accept_conn(h.b->e, sv[1], 61, pidfd_of(h.child)), AXF_OK);
+        close(sv[0]);
+        CHECK_EQ(t_wait_any(h.b, AXF_CQ_CONN_CLOSED, &c), 0);
+    }
+    kill(h.child, SIGSTOP);
+    CHECK_EQ(axf_region_deregister(h.b->e, h.rid), AXF_OK);
+    CHECK(t_quiet(h.b, AXF_CQ_REGION_FREED, h.rid, 300));
+    axf_stats s;
+    axf_engine_stats(h.b->e, &s);
+    CHECK_EQ(s.quarantined, 1);
+    CHECK_EQ(s.quarantined_bytes, 4096);
+    CHECK_EQ(s.held_conns, 1);
+    uint64_t tags[2];
+    CHECK_EQ(axf_region_holders(h.b->e, h.rid, tags, 2), 1);
+    CHECK_EQ(tags[0], 61);
+    kill(h.child, SIGKILL);
+    waitpid(h.child, NULL, 0);
+    h.child = 0;
+    CHECK_EQ(t_wait(h.b, AXF_CQ_REGION_FREED, h.rid, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    axf_engine_stats(h.b->e, &s);
+    CHECK_EQ(s.quarantined, 0);
+    CHECK_EQ(s.held_conns, 0);
+    CHECK_EQ(axf_region_holders(h.b->e, h.rid, tags, 2), AXF_E_NOTFOUND);
+    held_close(&h);
+    return 0;
+}
+
+/* Live peer: its acknowledgement settles the revocation; its goodbye
+ * settles this one and any later one, even with its process alive. */
+static int test_ack_and_goodbye_release(void)
+{
+    held h;
+    if (held_open(&h, 62))
+        return 1;
+    uint8_t *mem2 = calloc(1, 8192);
+    CHECK(mem2);
+    uint64_t rid2, key2;
+    CHECK_EQ(axf_region_register(h.b->e, mem2, 8192, AXF_ACCESS_READ, -1, &rid2, &key2), AXF_OK);
+    CHECK_EQ(axf_region_deregister(h.b->e, h.rid), AXF_OK);
+    wire_hdr f;
+    if (read_frame(h.fd, FR_REVOKE, &f))
+        return 1;
+    CHECK_EQ(f.rid, h.rid);
+    CHECK_EQ(f.key, h.key);
+    CHECK(t_quiet(h.b, AXF_CQ_REGION_FREED, h.rid, 100));
+    wire_hdr ack = {.magic = AXF_MAGIC, .type = FR_REVOKE_ACK, .rid = h.rid, .key = h.key};
+    CHECK_EQ(write(h.fd, &ack, sizeof ack), (ssize_t)sizeof ack);
+    axf_completion c;
+    CHECK_EQ(t_wait(h.b, AXF_CQ_REGION_FREED, h.rid, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    wire_hdr bye = {.magic = AXF_MAGIC, .type = FR_BYE};
+    CHECK_EQ(write(h.fd, &bye, sizeof bye), (ssize_t)sizeof bye);
+    CHECK_EQ(t_wait_any(h.b, AXF_CQ_CONN_CLOSED, &c), 0);
+    CHECK_EQ(axf_region_deregister(h.b->e, rid2), AXF_OK);
+    CHECK_EQ(t_wait(h.b, AXF_CQ_REGION_FREED, rid2, &c), 0);
+    axf_stats s;
+    axf_engine_stats(h.b->e, &s);
+    CHECK_EQ(s.held_conns, 0);
+    CHECK_EQ(s.quarantined, 0);
+    held_close(&h);
+    free(mem2);
+    return 0;
+}
+
+/* Two engines: the initiator's endpoint close lets its copies stop, then says
+ * goodbye; the target (which holds the initiator's pidfd: this process, which
+ * does not exit) frees a region deregistered afterwards at once. */
+static int test_endpoint_close_says_goodbye(void)
+{
+    axf_config cfg = {.inline_bytes = UINT64_MAX};
+    shm_pair p;
+    memset(&p, 0, sizeof p);
+    p.a = t_engine(&cfg);
+    p.b = t_engine(&cfg);
+    CHECK(p.a && p.b);
+    CHECK_EQ(axf_endpoint_create(p.a->e, AXF_EP_SHM, 21, getpid(), pidfd_of(getpid()), &p.ep),
+             AXF_OK);
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_add_conn(p.a->e, p.ep, sv[0]), AXF_OK);
+    CHECK_EQ(axf_accept_conn(p.b->e, sv[1], 22, pidfd_of(getpid())), AXF_OK);
+    p.asrc = calloc(1, REG);
+    p.bdst = calloc(1, REG);
+    CHECK(p.asrc && p.bdst);
+    CHECK_EQ(axf_region_register(p.a->e, p.asrc, REG, AXF_ACCESS_READ, -1, &p.arid, &p.akey),
+             AXF_OK);
+    CHECK_EQ(axf_region_register(p.b->e, p.bdst, REG, AXF_ACCESS_WRITE, -1, &p.brid, &p.bkey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_import(p.a->e, p.ep, p.brid, p.bkey, REG, AXF_ACCESS_WRITE,
+                                 (uint64_t)(uintptr_t)p.bdst, -1),
+             AXF_OK);
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
+    for (uint64_t i = 0; i < 8; i++)
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 70 + i, 0), AXF_OK);
+    CHECK_EQ(axf_endpoint_close(p.a->e, p.ep), AXF_OK);
+    axf_completion c;
+    for (uint64_t i = 0; i < 8; i++) {
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 70 + i, &c), 0);
+        CHECK(c.status == AXF_OK || c.status == AXF_E_CLOSED);
+    }
+    CHECK_EQ(t_wait_any(p.b, AXF_CQ_CONN_CLOSED, &c), 0);
+    CHECK_EQ(axf_region_deregister(p.b->e, p.brid), AXF_OK);
+    CHECK_EQ(t_wait(p.b, AXF_CQ_REGION_FREED, p.brid, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    memset(p.bdst, 0, REG);
+    usleep(20000);
+    CHECK(t_all(p.bdst, REG, 0));
+    axf_stats s;
+    axf_engine_stats(p.b->e, &s);
+    CHECK_EQ(s.held_conns, 0);
+    sp_close(&p);
+    return 0;
+}
+
+/* An initiator engine shut down (not its endpoints closed first) says
+ * goodbye too, after its copies stopped: the target, holding the
+ * initiator's pidfd (this process, which lives on), frees what it
+ * deregisters at once. */
+static int test_shutdown_says_goodbye(void)
+{
+    axf_config cfg = {.inline_bytes = UINT64_MAX};
+    tengine *a = t_engine(&cfg), *b = t_engine(&cfg);
+    CHECK(a && b);
+    uint8_t *src = calloc(1, REG), *dst = calloc(1, REG);
+    CHECK(src && dst);
+    uint64_t ep, arid, akey, brid, bkey;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), pidfd_of(getpid()), &ep), AXF_OK);
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, sv[0]), AXF_OK);
+    CHECK_EQ(axf_accept_conn(b->e, sv[1], 5, pidfd_of(getpid())), AXF_OK);
+    CHECK_EQ(axf_region_register(a->e, src, REG, AXF_ACCESS_READ, -1, &arid, &akey), AXF_OK);
+    CHECK_EQ(axf_region_register(b->e, dst, REG, AXF_ACCESS_WRITE, -1, &brid, &bkey), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep, brid, bkey, REG, AXF_ACCESS_WRITE,
+                                 (uint64_t)(uintptr_t)dst, -1),
+             AXF_OK);
+    axf_desc d = {.lrid = arid, .rrid = brid, .rkey = bkey, .len = REG};
+    for (uint64_t i = 0; i < 8; i++)
+        CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1 + i, 0), AXF_OK);
+    t_close(a);
+    axf_completion c;
+    CHECK_EQ(t_wait_any(b, AXF_CQ_CONN_CLOSED, &c), 0);
+    axf_stats s;
+    axf_engine_stats(b->e, &s);
+    CHECK_EQ(s.held_conns, 0);
+    CHECK_EQ(axf_region_deregister(b->e, brid), AXF_OK);
+    CHECK_EQ(t_wait(b, AXF_CQ_REGION_FREED, brid, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    t_close(b);
+    free(src);
+    free(dst);
+    return 0;
+}
+
+/* The child of test_stopped_initiator: an initiator engine in its own
+ * process, keeping 16 worker copies into the parent's buffer queued (cross-
+ * memory attach at the parent's pid, verified by pidfd) until its endpoint
+ * is lost; then, once every op of it completed, it says so ('L') and waits
+ * to be killed. */
+static void stopped_child(int conn_fd, int report, uint8_t *target, size_t len)
+{
+    axf_config cfg = {.copy_workers = 1, .inline_bytes = UINT64_MAX, .chunk_bytes = 64 << 10,
+                      .keepalive_ms = 100, .peer_timeout_ms = 60000};
+    tengine *t = t_engine(&cfg);
+    pid_t parent = getppid();
+    uint64_t ep, rid, key;
+    uint8_t *src = malloc(len);
+    if (!t || !src ||
+        axf_endpoint_create(t->e, AXF_EP_SHM, 1, parent, pidfd_of(parent), &ep) != AXF_OK ||
+        axf_endpoint_add_conn(t->e, ep, conn_fd) != AXF_OK)
+        _exit(2);
+    memset(src, 0xcd, len);
+    if (axf_region_register(t->e, src, len, AXF_ACCESS_READ, -1, &rid, &key) != AXF_OK ||
+        axf_endpoint_import(t->e, ep, 9, 9, len, AXF_ACCESS_WRITE, (uint64_t)(uintptr_t)target,
+                            -1) != AXF_OK)
+        _exit(3);
+    axf_desc d = {.lrid = rid, .rrid = 9, .rkey = 9, .len = len};
+    uint64_t next = 1, done = 0;
+    bool lost = false;
+    for (;;) {
+        while (!lost && next - done <= 16) {
+            if (axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, next, 0) != AXF_OK)
+                lost = true; /* refused: lost already */
+            else
+                next++;
+        }
+        struct pollfd p = {.fd = axf_engine_fd(t->e), .events = POLLIN};
+        poll(&p, 1, 100);
+        t_drain(t);
+        for (size_t k = 0; k < t->n; k++) {
+            done += t->q[k].kind == AXF_CQ_XFER;
+            lost |= t->q[k].kind == AXF_CQ_PEER_LOST;
+            axf_completion_free(&t->q[k]);
+        }
+        t->n = 0;
+        if (lost && done == next - 1)
+            break;
+    }
+    if (write(report, "L", 1) != 1)
+        _exit(4);
+    for (;;)
+        pause();
+}
+
+/* The issue's scenario, end to end: a same-host initiator process is
+ * stopped for longer than our peer timeout with copies into our buffer
+ * queued. We close its connection (silent) and deregister the buffer: it
+ * stays quarantined, since the stopped process keeps its right to copy into
+ * us. When it continues, it finds its endpoint lost and its queued copies
+ * never run (the one in progress stops at its chunk): memory we clear then
+ * stays clear. Only its exit frees the region. */
+static int stopped_parent(pid_t child, int conn_fd, int report, uint8_t *buf, size_t LEN,
+                          bool *reaped);
+
+static int test_stopped_initiator(void)
+{
+    enum { LEN = 1 << 20 };
+    uint8_t *buf = mmap(NULL, LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(buf != MAP_FAILED);
+    int sv[2], rep[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(pipe(rep), 0);
+    pid_t child = fork(); /* before any engine thread exists here */
+    CHECK(child >= 0);
+    if (child == 0) {
+        close(sv[1]);
+        close(rep[0]);
+        stopped_child(sv[0], rep[1], buf, LEN);
+    }
+    close(sv[0]);
+    close(rep[1]);
+    bool reaped = false;
+    int r = stopped_parent(child, sv[1], rep[0], buf, LEN, &reaped);
+    if (!reaped) { /* a check failed on the way: no orphan */
+        kill(child, SIGKILL);
+        waitpid(child, NULL, 0);
+    }
+    close(rep[0]);
+    munmap(buf, LEN);
+    return r;
+}
+
+static int stopped_parent(pid_t child, int conn_fd, int report, uint8_t *buf, size_t LEN,
+                          bool *reaped)
+{
+    axf_config cfg = {.keepalive_ms = 100, .peer_timeout_ms = 300};
+    tengine *b = t_engine(&cfg);
+    CHECK(b);
+    uint64_t rid, key;
+    CHECK_EQ(axf_region_register(b->e, buf, LEN, AXF_ACCESS_WRITE, -1, &rid, &key), AXF_OK);
+    CHECK_EQ(axf_accept_conn(b->e, conn_fd, 77, pidfd_of(child)), AXF_OK);
+    /* Copies are landing. */
+    uint64_t end = t_now_ms() + T_TIMEOUT_MS;
+    while (!((volatile uint8_t *)buf)[LEN - 1] && t_now_ms() < end)
+        usleep(1000);
+    CHECK(buf[LEN - 1] == 0xcd);
+    kill(child, SIGSTOP);
+    axf_completion c;
+    CHECK_EQ(t_wait_any(b, AXF_CQ_CONN_CLOSED, &c), 0); /* silent: closed by us */
+    CHECK_EQ(axf_region_deregister(b->e, rid), AXF_OK);
+    CHECK(t_quiet(b, AXF_CQ_REGION_FREED, rid, 200));
+    axf_stats s;
+    axf_engine_stats(b->e, &s);
+    CHECK_EQ(s.quarantined, 1);
+    CHECK_EQ(s.held_conns, 1);
+    kill(child, SIGCONT);
+    char ch = 0;
+    struct pollfd p = {.fd = report, .events = POLLIN};
+    CHECK_EQ(poll(&p, 1, T_TIMEOUT_MS), 1);
+    CHECK_EQ(read(report, &ch, 1), 1);
+    CHECK_EQ(ch, 'L');
+    /* Every op of the child is over: nothing of it runs any more. */
+    memset(buf, 0, LEN);
+    usleep(200 * 1000);
+    CHECK(t_all(buf, LEN, 0));
+    CHECK(t_quiet(b, AXF_CQ_REGION_FREED, rid, 10)); /* still alive: still held */
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    *reaped = true;
+    CHECK_EQ(t_wait(b, AXF_CQ_REGION_FREED, rid, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    t_close(b);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -374,6 +925,14 @@ int main(int argc, char **argv)
         T_CASE(test_shutdown_with_queued_copies),
         T_CASE(test_revocation_waits_for_copies),
         T_CASE(test_revocation_settled_by_lost_conn),
+        T_CASE(test_endpoint_identity),
+        T_CASE(test_cma_aims_at_verified_pid),
+        T_CASE(test_copies_stop_after_loss),
+        T_CASE(test_closed_socket_does_not_release),
+        T_CASE(test_ack_and_goodbye_release),
+        T_CASE(test_endpoint_close_says_goodbye),
+        T_CASE(test_shutdown_says_goodbye),
+        T_CASE(test_stopped_initiator),
     };
     return T_RUN(argc, argv, cases);
 }
