@@ -222,6 +222,11 @@ typedef struct axf_verbs_qp_info {
     uint8_t port;
     uint8_t gid_index;
     uint8_t gid[16];
+    /* Appended; 0 = not said (a peer from before they existed). */
+    uint8_t link_layer;         /* IBV_LINK_LAYER_*: 1 InfiniBand, 2 Ethernet */
+    uint8_t gid_type;           /* 1 + enum ibv_gid_type: 1 IB, 2 RoCE v1, 3 RoCE v2 */
+    uint8_t max_dest_rd_atomic; /* READs this queue pair serves in flight */
+    uint8_t reserved;
 } axf_verbs_qp_info;
 
 /* Loads the verbs (provider: a software provider library, or NULL for

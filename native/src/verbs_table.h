@@ -62,6 +62,13 @@ typedef struct axf_verbs_table {
     int (*destroy_qp)(struct ibv_qp *qp);
     int (*post_send)(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad_wr);
     int (*post_recv)(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad_wr);
+
+    /* Optional, appended (NULL where absent; the table's version stays 1). */
+    /* The type of GID entry `index` (enum ibv_gid_type); 0 or an errno. */
+    int (*query_gid_type)(struct ibv_context *context, uint8_t port, int index, int *type);
+    /* Asynchronous events (device fatal, port changes, QP errors). */
+    int (*get_async_event)(struct ibv_context *context, struct ibv_async_event *event);
+    void (*ack_async_event)(struct ibv_async_event *event);
 } axf_verbs_table;
 
 /* What a software provider's shared library exports: fills the table and
