@@ -58,6 +58,7 @@
 #define MAX_INLINE 256    /* asked of a queue pair; small WRITEs from host memory go inline */
 #define MR_BUCKETS 256
 #define WAKE_ID UINT32_MAX
+#define ASYNC_ID 0x10000u /* + device: its asynchronous event fd */
 
 typedef struct verbs_state verbs_state;
 typedef struct verbs_qp vqp;
@@ -76,6 +77,7 @@ typedef struct vdev {
     bool eth; /* RoCE: addressed by GID (GRH) */
     uint8_t rd_atom, rd_init_atom;
     uint32_t cq_room; /* requests it may still have posted (vs->mu) */
+    bool dead;        /* IBV_EVENT_DEVICE_FATAL: poller thread only */
     char name[64];
 } vdev;
 
@@ -1554,13 +1556,109 @@ static void drain_all_pending(verbs_state *vs)
     finish_list(e, dropped);
 }
 
+/* The device died (IBV_EVENT_DEVICE_FATAL): it will complete nothing ever
+ * again, flushes included, and touches no memory any more. Every queue pair
+ * on it is failed here, its chains finished without waiting, its endpoints
+ * lost. Poller thread. */
+static void dev_fatal(verbs_state *vs, int devi)
+{
+    axf_engine *e = vs->e;
+    vdev *d = &vs->dev[devi];
+    if (d->dead)
+        return;
+    d->dead = true;
+    cq_log(e, 0, "verbs: device %s failed (IBV_EVENT_DEVICE_FATAL): its endpoints are lost; "
+           "restart the process once the device is back", d->name);
+    vchain *left = NULL;
+    /* Initiator queue pairs (the only ones with chains) live until
+     * verbs_free: collected under the lock, handled after. */
+    size_t nq = 0, cap = 0;
+    pthread_mutex_lock(&vs->mu);
+    for (vqp *q = vs->qps; q; q = q->next_all)
+        cap += q->devi == devi && q->ep;
+    vqp **lost = cap ? calloc(cap, sizeof *lost) : NULL;
+    for (vqp *q = vs->qps; lost && q; q = q->next_all)
+        if (q->devi == devi && q->ep && nq < cap)
+            lost[nq++] = q;
+    pthread_mutex_unlock(&vs->mu);
+    for (size_t i = 0; i < nq; i++) {
+        vqp *q = lost[i];
+        pthread_mutex_lock(&q->mu);
+        pthread_mutex_lock(&vs->mu);
+        q->err = true; /* no modify_qp: the device answers nothing */
+        while (q->posted_head) {
+            vchain *c = q->posted_head;
+            q->posted_head = c->next;
+            q->sq_used -= c->took;
+            d->cq_room += (uint32_t)c->took;
+            c->next = left;
+            left = c;
+        }
+        while (q->pend_head) {
+            vchain *c = q->pend_head;
+            q->pend_head = c->next;
+            c->next = left;
+            left = c;
+        }
+        q->posted_tail = q->pend_tail = NULL;
+        pthread_mutex_unlock(&vs->mu);
+        pthread_mutex_unlock(&q->mu);
+    }
+    for (size_t i = 0; i < nq; i++)
+        qp_failed(e, lost[i], "device fatal");
+    free(lost);
+    for (vchain *c = left; c; c = c->next)
+        if (!c->failed) {
+            c->failed = true;
+            op_set_status(c->o, AXF_E_TRANSPORT, c->wi[0].index);
+        }
+    finish_list(e, left);
+}
+
+/* Asynchronous events of device devi. Poller thread. */
+static void handle_async(verbs_state *vs, int devi)
+{
+    vdev *d = &vs->dev[devi];
+    struct ibv_async_event ev;
+    while (vs->t.get_async_event(d->ctx, &ev) == 0) {
+        enum ibv_event_type type = ev.event_type;
+        struct ibv_qp *bad_qp = type == IBV_EVENT_QP_FATAL || type == IBV_EVENT_QP_REQ_ERR ||
+                                        type == IBV_EVENT_QP_ACCESS_ERR
+                                    ? ev.element.qp
+                                    : NULL;
+        if (vs->t.ack_async_event)
+            vs->t.ack_async_event(&ev);
+        if (type == IBV_EVENT_DEVICE_FATAL) {
+            dev_fatal(vs, devi);
+        } else if (bad_qp) {
+            /* The queue pair went to the error state on its own: its
+             * requests flush; its endpoint is lost. */
+            vqp *hit = NULL;
+            pthread_mutex_lock(&vs->mu);
+            for (vqp *q = vs->qps; q && !hit; q = q->next_all)
+                if (q->qp == bad_qp)
+                    hit = q;
+            pthread_mutex_unlock(&vs->mu);
+            if (hit) {
+                pthread_mutex_lock(&hit->mu);
+                qp_to_error(hit);
+                pthread_mutex_unlock(&hit->mu);
+                qp_failed(vs->e, hit, "asynchronous queue pair error");
+            }
+        } else if (type == IBV_EVENT_PORT_ERR) {
+            cq_log(vs->e, 0, "verbs: %s port %u went down: transfers on it fail until it is back",
+                   d->name, d->port);
+        }
+    }
+}
+
 static void *poller_main(void *arg)
 {
     verbs_state *vs = arg;
     axf_engine *e = vs->e;
-    struct epoll_event ev[AXF_VERBS_MAX_DEVICES + 1];
+    struct epoll_event ev[2 * AXF_VERBS_MAX_DEVICES + 1];
     for (;;) {
-        int n = epoll_wait(vs->epfd, ev, AXF_VERBS_MAX_DEVICES + 1, -1);
+        int n = epoll_wait(vs->epfd, ev, 2 * AXF_VERBS_MAX_DEVICES + 1, -1);
         if (n < 0 && errno != EINTR)
             break;
         for (int i = 0; i < n; i++) {
@@ -1570,7 +1668,13 @@ static void *poller_main(void *arg)
                 (void)r;
                 continue;
             }
+            if (ev[i].data.u32 >= ASYNC_ID) {
+                handle_async(vs, (int)(ev[i].data.u32 - ASYNC_ID));
+                continue;
+            }
             vdev *d = &vs->dev[ev[i].data.u32];
+            if (d->dead)
+                continue;
             struct ibv_cq *cq;
             void *ctx;
             while (vs->t.get_cq_event(d->ch, &cq, &ctx) == 0)
@@ -1694,6 +1798,15 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
             ev.data.u32 = (uint32_t)d;
             if (epoll_ctl(vs->epfd, EPOLL_CTL_ADD, vs->dev[d].ch->fd, &ev))
                 st = AXF_E_NOMEM;
+            /* Device-fatal and queue pair errors arrive here, not as
+             * completions: without them a dead device hangs every op. */
+            int afd = vs->dev[d].ctx->async_fd;
+            if (st == AXF_OK && vs->t.get_async_event && afd >= 0) {
+                (void)fcntl(afd, F_SETFL, fcntl(afd, F_GETFL) | O_NONBLOCK);
+                ev.data.u32 = ASYNC_ID + (uint32_t)d;
+                if (epoll_ctl(vs->epfd, EPOLL_CTL_ADD, afd, &ev))
+                    st = AXF_E_NOMEM;
+            }
         }
         if (st == AXF_OK && pthread_create(&vs->poller, NULL, poller_main, vs) == 0)
             vs->poller_started = true;

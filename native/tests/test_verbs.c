@@ -578,7 +578,7 @@ static int test_read_depth(void)
  * is lost. */
 static int test_partial_post(void)
 {
-    void *lib = dlopen(provider, RTLD_NOW | RTLD_NOLOAD);
+    void *lib = dlopen(provider, RTLD_NOW); /* the library the engines load too */
     void (*fail_next)(int) = NULL;
     if (lib)
         *(void **)&fail_next = dlsym(lib, "axf_softverbs_fail_next_post");
@@ -630,6 +630,37 @@ static int test_qp_mismatch_refused(void)
     return 0;
 }
 
+
+/* Rule: a device that dies says so only through its asynchronous events; it
+ * completes nothing afterwards, not even flushes. Ops in flight on it must
+ * still finish (failed), and the endpoint be lost. Last: the device stays
+ * dead for the rest of the process. */
+static int test_device_fatal(void)
+{
+    void *lib = dlopen(provider, RTLD_NOW); /* the library the engines load too */
+    int (*fatal)(const char *) = NULL;
+    if (lib)
+        *(void **)&fatal = dlsym(lib, "axf_softverbs_device_fatal");
+    CHECK(fatal);
+    axf_config cfg = {.chunk_bytes = 64 << 10};
+    vpair p;
+    if (vpair_open(&p, &cfg))
+        return 1;
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
+    for (uint64_t k = 0; k < 4; k++)
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1 + k, 0), AXF_OK);
+    CHECK_EQ(fatal("softverbs0"), 0);
+    for (uint64_t k = 0; k < 4; k++) {
+        axf_completion c;
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 1 + k, &c), 0); /* finishes: no hang */
+    }
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_PEER_LOST, p.ep, &c), 0);
+    dlclose(lib);
+    vpair_close(&p);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     provider = getenv("AXF_SOFTVERBS_PROVIDER");
@@ -661,6 +692,7 @@ int main(int argc, char **argv)
         T_CASE(test_read_depth),
         T_CASE(test_partial_post),
         T_CASE(test_qp_mismatch_refused),
+        T_CASE(test_device_fatal), /* last: the device stays dead */
     };
     if (!provider || !*provider) {
         printf("SKIP: AXF_SOFTVERBS_PROVIDER is not set (the software verbs provider)\n");

@@ -131,6 +131,7 @@ typedef struct sv_device {
     struct ibv_device dev; /* first: the public object */
     int index;
     int link_down; /* __atomic; axf_softverbs_set_link */
+    int fatal;     /* __atomic; axf_softverbs_device_fatal: no completion ever again */
 } sv_device;
 
 typedef struct sv_mr {
@@ -163,6 +164,10 @@ typedef struct sv_ctx {
     struct ibv_context ctx;
     sv_hub *hub;
     int nobj; /* __atomic: PDs, MRs, CQs, channels, QPs not yet destroyed */
+    /* Asynchronous events (async_fd: an eventfd counting them), g_lock. */
+    enum ibv_event_type events[16];
+    int nevents;
+    struct sv_ctx *next_ctx; /* g_ctxs */
 } sv_ctx;
 
 typedef struct sv_cq sv_cq;
@@ -257,6 +262,7 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static bool g_routed;                  /* AXF_SOFTVERBS_ROUTED=1 */
 static int g_rd_resp = 16, g_rd_init = 16; /* AXF_SOFTVERBS_RD_ATOM="resp,init" */
 static int g_fail_post_after = -1;     /* axf_softverbs_fail_next_post; g_lock */
+static struct sv_ctx *g_ctxs;          /* open contexts, for async events; g_lock */
 static sv_hub *g_hubs[SV_MAX_DEVICES];
 static pid_t g_hubs_pid;
 
@@ -454,6 +460,8 @@ static uint8_t *mr_at(const sv_mr *m, uint64_t addr)
 static void cq_push(sv_cq *cq, const struct ibv_wc *wc, uint64_t seq, bool recv)
 {
     bool notify = false;
+    if (__atomic_load_n(&((sv_device *)cq->cq.context->device)->fatal, __ATOMIC_ACQUIRE))
+        return; /* a dead device completes nothing, not even flushes */
     pthread_mutex_lock(&cq->lock);
     if (cq->count == cq->cap) {
         if (!cq->overflow)
@@ -1350,6 +1358,7 @@ static const char *sv_get_device_name(struct ibv_device *d)
 }
 
 static int sv_post_send(struct ibv_qp *, struct ibv_send_wr *, struct ibv_send_wr **);
+SV_EXPORT int axf_softverbs_set_link(const char *dev, int up);
 static int sv_post_recv(struct ibv_qp *, struct ibv_recv_wr *, struct ibv_recv_wr **);
 static int sv_poll_cq(struct ibv_cq *, int, struct ibv_wc *);
 static int sv_req_notify_cq(struct ibv_cq *, int);
@@ -1376,7 +1385,18 @@ static struct ibv_context *sv_open_device(struct ibv_device *dev)
     }
     c->ctx.device = dev;
     c->ctx.cmd_fd = -1;
-    c->ctx.async_fd = -1;
+    c->ctx.async_fd = eventfd(0, EFD_CLOEXEC | EFD_SEMAPHORE);
+    if (c->ctx.async_fd < 0) {
+        int e = errno;
+        hub_put(c->hub);
+        free(c);
+        errno = e;
+        return NULL;
+    }
+    pthread_mutex_lock(&g_lock);
+    c->next_ctx = g_ctxs;
+    g_ctxs = c;
+    pthread_mutex_unlock(&g_lock);
     c->ctx.num_comp_vectors = 1;
     /* The fast-path inlines of <infiniband/verbs.h> (ibv_poll_cq, ...) go
      * through these: code that calls them directly works too. */
@@ -1396,10 +1416,39 @@ static int sv_close_device(struct ibv_context *ctx)
         fprintf(stderr, "softverbs: close_device with %d objects not destroyed\n", n);
         return EBUSY;
     }
+    pthread_mutex_lock(&g_lock);
+    for (sv_ctx **p = &g_ctxs; *p; p = &(*p)->next_ctx)
+        if (*p == c) {
+            *p = c->next_ctx;
+            break;
+        }
+    pthread_mutex_unlock(&g_lock);
+    close(c->ctx.async_fd);
     hub_put(c->hub);
     pthread_mutex_destroy(&c->ctx.mutex);
     free(c);
     return 0;
+}
+
+static int sv_get_async_event(struct ibv_context *ctx, struct ibv_async_event *ev)
+{
+    sv_ctx *c = (sv_ctx *)ctx;
+    uint64_t v;
+    if (read(ctx->async_fd, &v, sizeof v) != (ssize_t)sizeof v)
+        return -1; /* EAGAIN on a nonblocking fd */
+    pthread_mutex_lock(&g_lock);
+    memset(ev, 0, sizeof *ev);
+    ev->event_type = c->nevents ? c->events[0] : IBV_EVENT_DEVICE_FATAL;
+    if (c->nevents)
+        memmove(c->events, c->events + 1, (size_t)--c->nevents * sizeof c->events[0]);
+    pthread_mutex_unlock(&g_lock);
+    ev->element.port_num = 1;
+    return 0;
+}
+
+static void sv_ack_async_event(struct ibv_async_event *ev)
+{
+    (void)ev;
 }
 
 static int sv_query_device(struct ibv_context *ctx, struct ibv_device_attr *a)
@@ -2227,6 +2276,32 @@ SV_EXPORT void axf_softverbs_fail_next_post(int after)
     pthread_mutex_unlock(&g_lock);
 }
 
+/* Test hook: device `dev` dies (as on a firmware crash or a pulled card):
+ * its links are cut, it never completes anything again (no flushes either),
+ * and every context open on it gets IBV_EVENT_DEVICE_FATAL. */
+SV_EXPORT int axf_softverbs_device_fatal(const char *dev)
+{
+    pthread_once(&g_once, sv_init);
+    sv_device *d = NULL;
+    for (int i = 0; i < g_ndev; i++)
+        if (dev && strcmp(g_devs[i].dev.name, dev) == 0)
+            d = &g_devs[i];
+    if (!d)
+        return -ENODEV;
+    __atomic_store_n(&d->fatal, 1, __ATOMIC_RELEASE);
+    axf_softverbs_set_link(dev, 0);
+    pthread_mutex_lock(&g_lock);
+    for (sv_ctx *c = g_ctxs; c; c = c->next_ctx)
+        if (c->ctx.device == &d->dev && c->nevents < 16) {
+            c->events[c->nevents++] = IBV_EVENT_DEVICE_FATAL;
+            uint64_t one = 1;
+            ssize_t r = write(c->ctx.async_fd, &one, sizeof one);
+            (void)r;
+        }
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
 SV_EXPORT int axf_verbs_provider(axf_verbs_table *t)
 {
     if (!t)
@@ -2248,6 +2323,8 @@ SV_EXPORT int axf_verbs_provider(axf_verbs_table *t)
     t->reg_mr = sv_reg_mr;
     t->reg_dmabuf_mr = sv_reg_dmabuf_mr;
     t->query_gid_type = sv_query_gid_type;
+    t->get_async_event = sv_get_async_event;
+    t->ack_async_event = sv_ack_async_event;
     t->dereg_mr = sv_dereg_mr;
     t->create_comp_channel = sv_create_comp_channel;
     t->destroy_comp_channel = sv_destroy_comp_channel;
