@@ -1026,10 +1026,39 @@ def cuda_pointer(uint64_t ptr, uint64_t nbytes):
     cdef int dev = -1
     cdef uint64_t base = 0, size = 0
     cdef int st
+    cdef char why[256]
     with nogil:
         st = axf_cuda_pointer(ptr, nbytes, &dev, &base, &size)
-    _check(st, f"{nbytes} bytes at {ptr:#x} are not inside one CUDA allocation")
+    if st != 0:
+        # Say what the memory is (managed, past its mapping, host memory):
+        # "not inside one allocation" alone misled for managed memory.
+        why[0] = 0
+        axf_cuda_describe(ptr, nbytes, why, sizeof(why))
+        _check(st, why.decode("utf-8", "replace") or
+               f"{nbytes} bytes at {ptr:#x} are not inside one CUDA allocation")
     return dev, base, size
+
+
+def cuda_device_info(int ordinal):
+    """(dmabuf export supported, PCI address, bitmask of devices reachable peer-to-peer)."""
+    cdef axf_cuda_device d
+    _check(axf_cuda_device_info(ordinal, &d), f"cannot query CUDA device {ordinal}")
+    return bool(d.dmabuf), d.pci.decode("ascii", "replace"), d.peers
+
+
+def cuda_describe(uint64_t ptr, uint64_t nbytes):
+    """(status, one line): what [ptr, ptr+nbytes) is, and why it cannot be registered."""
+    cdef char why[256]
+    cdef int st
+    why[0] = 0
+    with nogil:
+        st = axf_cuda_describe(ptr, nbytes, why, sizeof(why))
+    return st, why.decode("utf-8", "replace")
+
+
+def cuda_ipc_open_count():
+    """Peer GPU allocations this process has open by CUDA IPC (per allocation and device)."""
+    return axf_cuda_ipc_open_count()
 
 
 def cuda_export(uint64_t ptr):
