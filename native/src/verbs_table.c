@@ -1,9 +1,10 @@
 /* Fills the verbs table: from libibverbs.so.1 loaded at run time (so one build
  * runs where rdma-core is absent), or from a software provider library.
  *
- * Never linked against libibverbs: only its header is used, for the types and
- * for the static-inline verbs (post_send, poll_cq, req_notify_cq), which
- * dispatch through ctx->ops and are wrapped here as plain functions. */
+ * Never linked against libibverbs, and built without its header: the ABI is
+ * declared in verbs_abi.h, with the static-inline verbs (post_send, poll_cq,
+ * req_notify_cq), which dispatch through ctx->ops and are wrapped here as
+ * plain functions. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
