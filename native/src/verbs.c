@@ -1836,7 +1836,7 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
                                (unsigned long long)r->len, rwhy);
                         st = AXF_OK;
                     } else if (st != AXF_OK) {
-                        snprintf(buf, sizeof buf, "%s", rwhy);
+                        snprintf(buf, sizeof buf, "%.200s", rwhy);
                     }
                 }
             if (st != AXF_OK) {
