@@ -176,6 +176,7 @@ cdef extern from "aioxfer.h" nogil:
     int axf_cuda_device_info(int ordinal, axf_cuda_device *out)
     int axf_cuda_describe(uint64_t ptr, uint64_t len, char *why, size_t why_len)
     int axf_cuda_ipc_open_count()
+    int axf_cuda_pin_region(axf_engine *e, uint64_t rid)
     int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key,
                                  uint64_t len, uint32_t access, uint64_t addr,
                                  const uint8_t *handle, uint64_t offset, const uint8_t *uuid)

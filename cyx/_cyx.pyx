@@ -541,6 +541,12 @@ cdef class Engine:
             st = axf_cuda_enable(self._e, why, sizeof(why))
         return st, why.decode("utf-8", "replace")
 
+    def cuda_pin_region(self, uint64_t rid):
+        """Page-locks host region rid for GPU copies on the engine's CUDA thread,
+        ahead of its first copy; returns at once (status; best effort)."""
+        self._open()
+        return axf_cuda_pin_region(self._e, rid)
+
     def endpoint_import_cuda(self, uint64_t ep, uint64_t rid, uint64_t key, uint64_t nbytes,
                              uint32_t access, uint64_t addr, handle, uint64_t offset, uuid):
         """A peer's GPU region (handle: its IPC handle, None for our own memory)."""

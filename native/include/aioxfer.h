@@ -319,6 +319,10 @@ int axf_cuda_dmabuf_range(uint64_t ptr, uint64_t len, int *fd, uint64_t *offset,
                           size_t why_len);
 /* Peer allocations this process has open by CUDA IPC (one per allocation and device). */
 int axf_cuda_ipc_open_count(void);
+/* Page-locks host region rid for GPU copies now, on the engine's CUDA thread
+ * (pinning GBs takes a while: off the caller's thread, and before the first
+ * copy rather than in its way). Returns at once; best effort. */
+int axf_cuda_pin_region(axf_engine *e, uint64_t rid);
 /* Imports a peer's GPU region into an AXF_EP_CUDA endpoint: its IPC handle
  * is opened once per allocation (per process) and closed once the region is
  * forgotten after its last op, revoked, or the endpoint destroyed. The

@@ -410,6 +410,12 @@ int axf_cuda_pointer(uint64_t ptr, uint64_t len, int *device, uint64_t *base, ui
     int st = span_check(ptr, len, &a);
     if (st != AXF_OK)
         return st;
+    /* The application's context on that device: what our threads will use
+     * there (no primary context of ours needed). */
+    pthread_mutex_lock(&drv_mu);
+    if (!drv.dev_ctx[a.dev])
+        drv.dev_ctx[a.dev] = a.ctx;
+    pthread_mutex_unlock(&drv_mu);
     if (device)
         *device = a.dev;
     if (base)
@@ -880,7 +886,8 @@ int axf_cuda_ipc_open_count(void)
 /* ---------------------------------------------------------------- engine state */
 
 typedef struct cuda_job {
-    op *o;
+    op *o;          /* NULL: a pin job (pin) */
+    region *pin;    /* a host region to page-lock ahead of its first copy (ref held) */
     CUevent ev;     /* NULL: nothing to wait for (or the stream was synchronised) */
     CUcontext ctx;  /* the stream's */
     struct cuda_job *next;
@@ -1143,6 +1150,53 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
     wq_push(c, j);
 }
 
+/* A pin job: page-locks a host region now, off the caller's thread, rather
+ * than at its first GPU copy (pinning a pool of many GB takes a while: the
+ * first copy would wait for it). In a context of ours when one is known;
+ * else left to the first copy, which then has one. Submit thread. */
+static void pin_ahead(struct axf_cuda *c, region *r, bool stopping)
+{
+    CUcontext ctx = NULL;
+    pthread_mutex_lock(&drv_mu);
+    for (int d = 0; d < drv.ndev && !ctx; d++)
+        ctx = drv.dev_ctx[d];
+    pthread_mutex_unlock(&drv_mu);
+    if (!stopping && ctx && !r->cuda_pin_tried && drv.CtxSetCurrent(ctx) == CUDA_SUCCESS) {
+        r->cuda_pin_tried = true;
+        pin_range(r, r->addr, r->len, false, ctx);
+        r->cuda_pinned = true;
+    }
+    region_unref(c->e, r);
+}
+
+int axf_cuda_pin_region(axf_engine *e, uint64_t rid)
+{
+    pthread_mutex_lock(&e->mu);
+    struct axf_cuda *c = e->cuda;
+    region *r = c && !e->shut ? region_get(e, rid) : NULL;
+    pthread_mutex_unlock(&e->mu);
+    if (!c)
+        return AXF_E_TRANSPORT;
+    if (!r)
+        return AXF_E_NOTFOUND;
+    cuda_job *j = r->kind == AXF_MEM_HOST ? calloc(1, sizeof *j) : NULL;
+    if (!j) {
+        int st = r->kind == AXF_MEM_HOST ? AXF_E_NOMEM : AXF_E_INVALID;
+        region_unref(e, r);
+        return st;
+    }
+    j->pin = r;
+    pthread_mutex_lock(&c->mu);
+    if (c->sq_tail)
+        c->sq_tail->next = j;
+    else
+        c->sq_head = j;
+    c->sq_tail = j;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    return AXF_OK;
+}
+
 static void *submit_main(void *arg)
 {
     struct axf_cuda *c = arg;
@@ -1158,6 +1212,12 @@ static void *submit_main(void *arg)
             c->sq_tail = NULL;
         bool stopping = c->stop;
         pthread_mutex_unlock(&c->mu);
+        if (!j->o) {
+            pin_ahead(c, j->pin, stopping);
+            free(j);
+            pthread_mutex_lock(&c->mu);
+            continue;
+        }
         if (stopping)
             op_set_status(j->o, AXF_E_CLOSED, 0);
         submit_one(c, j);

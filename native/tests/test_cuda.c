@@ -560,6 +560,75 @@ static int test_ipc_cross_device(void)
     return 0;
 }
 
+
+
+/* A host pool is page-locked ahead of its first GPU copy, on the engine's
+ * CUDA thread (not the caller's, not in the first copy's way); unpinned when
+ * the region is freed. */
+static int test_pin_ahead(void)
+{
+    if (pinned_now() < 0)
+        return 0; /* the real driver has no hook to count pins */
+    enum { LEN = 4 << 20 };
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, LEN, &g), AXF_OK);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    uint64_t grid, gkey, hrid, hkey, ep;
+    /* registering GPU memory tells the engine the application's context */
+    CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, g, LEN, rw, -1, &grid, &gkey), AXF_OK);
+    CHECK_EQ(axf_cuda_pointer(g, LEN, NULL, NULL, NULL), AXF_OK);
+    uint8_t *pool = malloc(LEN);
+    CHECK(pool);
+    t_fill(pool, LEN, 88);
+    int before = pinned_now();
+    CHECK_EQ(axf_region_register(a->e, pool, LEN, rw, -1, &hrid, &hkey), AXF_OK);
+    CHECK_EQ(axf_cuda_pin_region(a->e, hrid), AXF_OK);
+    uint64_t until = t_now_ms() + T_TIMEOUT_MS;
+    while (pinned_now() == before && t_now_ms() < until)
+        usleep(1000);
+    CHECK_EQ(pinned_now(), before + 1);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, grid, gkey, LEN, rw, g, NULL, 0, NULL), AXF_OK);
+    int sync0 = sync_copies();
+    axf_desc d = {.lrid = hrid, .rrid = grid, .rkey = gkey, .len = LEN};
+    if (post_wait(a, ep, AXF_OP_WRITE, &d, 1, 1, AXF_OK))
+        return 1;
+    CHECK_EQ(sync_copies(), sync0); /* pinned: asynchronous */
+    CHECK_EQ(axf_cuda_pin_region(a->e, 999999), AXF_E_NOTFOUND);
+    t_close(a);
+    t_close(b);
+    CHECK_EQ(pinned_now(), before); /* unpinned with the region */
+    CHECK_EQ(axf_cuda_free(g), AXF_OK);
+    free(pool);
+    return 0;
+}
+
+/* Rule: a sticky error (an illegal address on the device) poisons every
+ * context of the process, the application's too: latched, reported with its
+ * name, and no GPU op is attempted after it. Last: it stays for the process. */
+static int test_sticky_error_latched(void)
+{
+    if (!drv_sym("fakecuda_sync_copies"))
+        return 0; /* not something to provoke on a real GPU */
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, 4096, &g), AXF_OK);
+    uint8_t host[8192];
+    CHECK(axf_cuda_copy(g, (uint64_t)(uintptr_t)host, sizeof host) != AXF_OK); /* past the end */
+    char why[256] = "";
+    int n = -1;
+    CHECK_EQ(axf_cuda_probe(why, sizeof why, &n), AXF_E_TRANSPORT);
+    CHECK(strstr(why, "sticky") != NULL && strstr(why, "ILLEGAL_ADDRESS") != NULL);
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    CHECK_EQ(axf_cuda_enable(t->e, why, sizeof why), AXF_E_TRANSPORT);
+    t_close(t);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--driver") == 0) {
@@ -578,6 +647,8 @@ int main(int argc, char **argv)
             T_CASE(test_vmm_span),
             T_CASE(test_managed_refused),
             T_CASE(test_ipc_cross_device),
+            T_CASE(test_pin_ahead),
+            T_CASE(test_sticky_error_latched), /* last: the process stays poisoned */
         };
         return T_RUN(argc - 1, argv + 1, gpu);
     }
