@@ -142,6 +142,9 @@ cdef extern from "aioxfer.h" nogil:
         uint8_t port
         uint8_t gid_index
         uint8_t gid[16]
+        uint8_t link_layer
+        uint8_t gid_type
+        uint8_t max_dest_rd_atomic
 
     int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *why,
                         size_t why_len)

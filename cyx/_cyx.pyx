@@ -153,7 +153,11 @@ cdef axf_verbs_qp_info _qp_info_in(object info) except *:
     cdef axf_verbs_qp_info q
     cdef bytes gid
     memset(&q, 0, sizeof(q))
-    qpn, psn, mtu, lid, port, gid_index, gid = info
+    # 7 fields, or 10 with (link layer, GID type, READ depth served) from a
+    # peer that says them (0: not said; the engine then assumes a peer like us)
+    extra = tuple(info[7:10]) if len(info) == 10 else (0, 0, 0)
+    qpn, psn, mtu, lid, port, gid_index, gid = info[:7]
+    q.link_layer, q.gid_type, q.max_dest_rd_atomic = extra
     if len(gid) != 16:
         raise ValueError("a GID is 16 bytes")
     q.qpn = qpn
