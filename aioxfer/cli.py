@@ -83,10 +83,51 @@ def cmd_info(ns: argparse.Namespace) -> int:
         print(f"  {name:<7} {'available' if ok else 'unavailable'}: {why}")
         for dev in devices:
             print(f"          device {dev}")
+    _hardware()
     max_notify = getattr(_cyx, "MAX_NOTIFY", None)
     if max_notify is not None:
         print(f"limits: notification payload <= {max_notify} bytes")
     return 0
+
+
+def _hardware() -> None:
+    """What the GPU and RDMA transports will find: GPUs (dmabuf, peer access),
+    NICs (ports, link layer, GID table with types, the GID chosen), GPU-NIC
+    PCIe affinity, the locked-memory limit, the peer-memory module. Each part
+    says plainly when there is nothing."""
+    from aioxfer import cuda, verbs
+
+    print("hardware:")
+    gpus = cuda.device_info()
+    if not gpus:
+        print(f"  GPUs:   none ({cuda.status()[1]})")
+    for g in gpus:
+        peers = ",".join(str(p) for p in g.peers) or "none"
+        print(f"  GPU {g.ordinal}:  {g.name} at {g.pci or '?'}, dmabuf "
+              f"{'yes' if g.dmabuf else 'no'}, peer access to: {peers}")
+    nics = verbs.nics()
+    if not nics:
+        print("  NICs:   none (no RDMA devices in /sys/class/infiniband)")
+    chosen = {line.split(" ", 1)[0]: line for line in verbs.devices()}
+    for n in nics:
+        ports = ", ".join(f"port {p} {st or '?'} {ll or '?'}" for p, (st, ll) in n.ports.items())
+        print(f"  NIC {n.name}: at {n.pci or '(no PCI device)'}, {ports or 'no ports'}")
+        for port, table in n.gids.items():
+            for gid in table:
+                print(f"          port {port} gid[{gid.index}] {gid.gid} {gid.type or '(type ?)'}")
+        if n.name in chosen:
+            print(f"          used: {chosen[n.name]}")
+    if gpus and nics:
+        for gpu, order in verbs.gpu_nic_affinity([g.pci for g in gpus], nics).items():
+            print(f"  GPU {gpu} -> NICs by PCIe distance: {', '.join(order)}")
+    limit = verbs.memlock_limit()
+    print(f"  RLIMIT_MEMLOCK: {'unlimited' if limit is None else f'{limit // 1024} KiB'}"
+          + ("" if limit is None or limit >= 1 << 30 else
+             " (RDMA registration pins memory against it, per device: raise it, "
+             "ulimit -l unlimited)"))
+    peermem = verbs.peermem_loaded()
+    print(f"  nvidia-peermem: {'loaded (' + peermem + ')' if peermem else 'not loaded'}"
+          + ("" if peermem or not gpus else " (GPU memory reaches RDMA through dmabuf only)"))
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:

@@ -33,7 +33,17 @@ from typing import Any
 
 from aioxfer import _cyx
 
-__all__ = ["DeviceBuffer", "DevicePointer", "GpuMemory", "devices", "inspect", "status"]
+__all__ = [
+    "DeviceBuffer",
+    "DeviceInfo",
+    "DevicePointer",
+    "GpuMemory",
+    "describe",
+    "device_info",
+    "devices",
+    "inspect",
+    "status",
+]
 
 KDL_CPU = 1
 KDL_CUDA = 2
@@ -52,6 +62,39 @@ def devices() -> list[str]:
     if st != _cyx.OK:
         return []
     return [f"{i}: {_cyx.cuda_device_name(i)}" for i in range(n)]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a CUDA device offers the transports: ``dmabuf`` (GPUDirect RDMA
+    without nvidia-peermem), its PCI address (for GPU-NIC affinity) and the
+    devices it reaches peer-to-peer (NVLink / PCIe P2P)."""
+
+    ordinal: int
+    name: str
+    dmabuf: bool
+    pci: str
+    peers: tuple[int, ...]
+
+
+def device_info() -> list[DeviceInfo]:
+    """One entry per visible CUDA device; [] without CUDA."""
+    st, _, n = _cyx.cuda_probe()
+    if st != _cyx.OK:
+        return []
+    out = []
+    for i in range(n):
+        dmabuf, pci, mask = _cyx.cuda_device_info(i)
+        peers = tuple(j for j in range(n) if mask >> j & 1)
+        out.append(DeviceInfo(i, _cyx.cuda_device_name(i), dmabuf, pci, peers))
+    return out
+
+
+def describe(ptr: int, nbytes: int) -> tuple[bool, str]:
+    """(registrable as GPU memory, one line saying what [ptr, ptr+nbytes) is):
+    managed memory, a range past its mapping and host memory say so."""
+    st, why = _cyx.cuda_describe(ptr, nbytes)
+    return st == _cyx.OK, why
 
 
 @dataclass(frozen=True)

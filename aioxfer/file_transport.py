@@ -4,7 +4,8 @@
 A file region is a local transfer target: ``agent.write(host_seg, file_region[a:b])``
 writes host memory into the file, ``agent.read(host_seg, file_region[a:b])``
 reads the file into host memory. The engine does the I/O off the loop thread:
-through io_uring (liburing, where the kernel allows it) for O_DIRECT regions,
+through io_uring (the kernel interface, no liburing needed; where the kernel
+allows it) for O_DIRECT regions,
 where it keeps the device's queue full, and a pread/pwrite thread pool for
 buffered ones, where page-cache copies are CPU work the pool spreads over cores
 (``AIOXFER_FILE_IO=threads`` or ``=uring`` forces one for all). With
@@ -56,8 +57,8 @@ DIRECT_ALIGN = 4096
 
 def status() -> tuple[bool, str]:
     """(available, one line): the file transport is always available; the line
-    says which I/O backends a new agent uses and why, e.g. "io_uring (liburing
-    2.3) for O_DIRECT, thread pool for buffered I/O" or "thread pool: io_uring
+    says which I/O backends a new agent uses and why, e.g. "io_uring (kernel
+    interface) for O_DIRECT, thread pool for buffered I/O" or "thread pool: io_uring
     unavailable (EPERM)"."""
     _uring, line = _cyx.file_backend()
     return True, line

@@ -1,22 +1,25 @@
 """The GPU check: one run on a machine with an NVIDIA GPU (benchmarks/gpu_check.sh
-runs it on the device machine; it finishes in well under 4 minutes).
+runs it on the device machine), in the bring-up order, each step verified and
+timed; at the end one JSON line (``GPU_CHECK {...}``) with every figure and
+every failure. Under 2 minutes on one GPU.
 
-What it does, each step verified and timed, and what it prints at the end: one
-JSON line (``GPU_CHECK {...}``) with every figure and every failure.
-
-1. CUDA status and devices as aioxfer sees them (its own driver table).
-2. Registers a torch CUDA tensor (when torch is importable; else memory from
-   aioxfer.cuda.DeviceBuffer) and checks the region is kind "cuda".
-3. Two processes (spawned): the child registers GPU memory and shared host
-   memory; over the "cuda" path the parent moves host -> GPU, GPU -> host and
-   GPU -> GPU (its torch tensor into the child's GPU memory), checks the bytes,
-   and reports GB/s (best of a few) against torch ``copy_`` of the same size in
-   one process (pageable host memory, as ours).
-4. A KV batch: many 64 KiB pages host -> GPU in one transfer.
-5. GPU -> file -> GPU through host staging (aioxfer.staging) and the engine's
-   file transport (a file region), verified.
-6. The child killed with SIGKILL while transfers are in flight: they end
-   (done or PeerLost), later ones fail with PeerLost, nothing hangs.
+1. Driver: the symbols aioxfer looks up resolve (else CUDA reports which is
+   missing), per device its dmabuf support, PCI address and peer access.
+2. Context hygiene: with the application on its last GPU, registering,
+   exporting and moving its memory leaves the thread's current context as it
+   was and never activates device 0's primary context.
+3. A torch tensor (else aioxfer.cuda.DeviceBuffer) registered as a "cuda"
+   region; a peer process's GPU region at an odd 512-byte offset in its
+   allocation (as caching allocators place tensors), moved both ways.
+4. Bandwidth between processes over the "cuda" path, verified, next to torch
+   ``copy_`` in one process: GPU <-> local host, GPU <-> the peer's memfd host
+   memory (registered with CUDA: asynchronous DMA), GPU <-> GPU (and, with two
+   GPUs, across them: IPC with peer access).
+5. A KV batch (64 KiB pages), GPU -> file -> GPU through host staging.
+6. The peer killed with SIGKILL mid-transfer: nothing hangs, PeerLost.
+7. With an RDMA NIC: GID tables and the GID chosen, GPU WRITE of 100 bytes
+   (below the inline limit) and of the whole buffer over verbs to another
+   process, verified.
 
 Usage: python benchmarks/gpu_check.py [--size-mib 256] [--iters 5]
 """
@@ -63,11 +66,15 @@ def gbps(nbytes: int, seconds: float) -> float:
 # ------------------------------------------------------------------ child
 
 
-async def child_main_async(conn: Any, size: int) -> None:
+async def child_main_async(conn: Any, size: int, device: int,
+                           transports: tuple[str, ...] | None) -> None:
     loop = asyncio.get_running_loop()
-    async with aioxfer.Agent("gpu-check-child") as agent:
-        buf = cuda.DeviceBuffer(size)
+    async with aioxfer.Agent("gpu-check-child", transports=transports) as agent:
+        buf = cuda.DeviceBuffer(size, device=device)
         agent.register(buf, name="gpu")
+        # at an odd 512-byte offset in its allocation, as a caching allocator
+        # places tensors: IPC exports the allocation and the offset
+        agent.register(cuda.DevicePointer(buf.ptr + 512, size - 4096, owner=buf), name="gpu_odd")
         agent.alloc(size, name="host")
         conn.send({"address": agent.address, "pid": os.getpid()})
         while True:
@@ -79,6 +86,9 @@ async def child_main_async(conn: Any, size: int) -> None:
                 if cmd == "digest":
                     off, n = args
                     conn.send(("ok", digest(buf.download(off, n))))
+                elif cmd == "host_digest":
+                    off, n = args
+                    conn.send(("ok", digest(agent.region("host").memoryview[off : off + n])))
                 elif cmd == "upload":
                     off, n, seed = args
                     buf.upload(pattern(n, seed), off)
@@ -89,15 +99,17 @@ async def child_main_async(conn: Any, size: int) -> None:
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def child_main(conn: Any, size: int) -> None:
-    asyncio.run(child_main_async(conn, size))
+def child_main(conn: Any, size: int, device: int, transports: tuple[str, ...] | None) -> None:
+    asyncio.run(child_main_async(conn, size, device, transports))
 
 
 class Child:
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, device: int = 0,
+                 transports: tuple[str, ...] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=child_main, args=(theirs, size), daemon=True)
+        self.proc = ctx.Process(target=child_main, args=(theirs, size, device, transports),
+                                daemon=True)
         self.proc.start()
         theirs.close()
         if not self.conn.poll(120):
@@ -166,6 +178,105 @@ def torch_copy_baselines(size: int, iters: int) -> dict[str, float]:
     return out
 
 
+def driver_step(res: dict[str, Any]) -> None:
+    """1. What the driver offers, device by device."""
+    res["driver"] = [
+        {"ordinal": d.ordinal, "name": d.name, "dmabuf": d.dmabuf, "pci": d.pci,
+         "peers": list(d.peers)}
+        for d in cuda.device_info()
+    ]
+
+
+class CudaCtx:
+    """The application's view of its CUDA context, through libcuda itself."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.lib = ctypes.CDLL(os.environ.get("AIOXFER_CUDA_DRIVER") or "libcuda.so.1")
+        self.ct = ctypes
+
+    def current(self) -> int:
+        c = self.ct.c_void_p(0)
+        self.lib.cuCtxGetCurrent(self.ct.byref(c))
+        return int(c.value or 0)
+
+    def primary_active(self, dev: int) -> bool:
+        flags, active = self.ct.c_uint(0), self.ct.c_int(0)
+        self.lib.cuDevicePrimaryCtxGetState(dev, self.ct.byref(flags), self.ct.byref(active))
+        return bool(active.value)
+
+
+async def hygiene_step(res: dict[str, Any], size: int) -> None:
+    """2. The application works on its last GPU: our calls leave its current
+    context alone and never activate device 0's primary context."""
+    if torch is None:
+        res["context"] = "skipped (no torch)"
+        return
+    n = torch.cuda.device_count()
+    last = n - 1
+    torch.cuda.set_device(last)
+    t = torch.empty(size, dtype=torch.uint8, device=f"cuda:{last}")
+    cc = CudaCtx()
+    before = cc.current()
+    dev0_before = cc.primary_active(0)
+    async with aioxfer.Agent("gpu-check-hygiene") as agent:
+        r = agent.register(t, name="t")
+        host = agent.alloc(1 << 20, name="h")
+        peer = await agent.connect(agent.address)  # loopback: same-process copies
+        rt = peer.region("t")
+        await agent.write(host[:], rt[0 : 1 << 20])
+        await agent.read(host[:], rt[0 : 1 << 20])
+        after = cc.current()
+        agent.deregister(r)
+    res["context"] = {
+        "gpu": last,
+        "current_unchanged": after == before,
+        "device0_primary_untouched": n == 1 or cc.primary_active(0) == dev0_before,
+    }
+    torch.cuda.set_device(0)  # the rest of the check works on device 0
+    assert after == before, "the application's current context changed"
+    assert n == 1 or cc.primary_active(0) == dev0_before, "device 0's primary context activated"
+
+
+async def nic_step(res: dict[str, Any], size: int, iters: int) -> None:
+    """7. With an RDMA NIC: GID tables, and GPU memory over verbs to another
+    process (a 100-byte WRITE: never inline from GPU memory)."""
+    from aioxfer import verbs
+
+    nics = verbs.nics()
+    ok, why = verbs.status()
+    res["nic"] = {"status": why, "devices": verbs.devices(),
+                  "gids": {n.name: {p: [(g.index, g.gid, g.type) for g in t]
+                                    for p, t in n.gids.items()} for n in nics},
+                  "memlock": verbs.memlock_limit(), "peermem": verbs.peermem_loaded()}
+    if not ok:
+        res["nic"]["gpu_write"] = "skipped (no RDMA device)"
+        return
+    child = Child(size, transports=("verbs",))
+    try:
+        async with aioxfer.Agent("gpu-check-verbs", transports=("verbs",)) as agent:
+            src = torch.empty(size, dtype=torch.uint8, device="cuda") if torch else None
+            if src is None:
+                buf = cuda.DeviceBuffer(size)
+                mine = agent.register(buf, name="src")
+                buf.upload(pattern(size, 21))
+            else:
+                src.copy_(torch.from_numpy(pattern(size, 21)))
+                torch.cuda.synchronize()
+                mine = agent.register(src, name="src")
+            peer = await agent.connect(child.address)
+            rhost = peer.region("host")
+            await agent.write(mine[0:100], rhost[0:100])
+            assert await child.call("host_digest", 0, 100) == digest(pattern(size, 21)[:100])
+            dt = await timed(lambda: agent.write(mine[:], rhost[:]), iters)
+            assert await child.call("host_digest", 0, size) == digest(pattern(size, 21))
+            res["nic"]["gpu_write"] = {"path": peer.path, "small_ok": True,
+                                       "gbps": gbps(size, dt)}
+    finally:
+        child.close()
+
+
 async def run(ns: argparse.Namespace, summary: dict[str, Any]) -> None:
     size = ns.size_mib << 20
     res: dict[str, Any] = summary["results"]
@@ -184,6 +295,14 @@ async def run(ns: argparse.Namespace, summary: dict[str, Any]) -> None:
         errors.append(f"CUDA not available: {why}")
         return
 
+    try:
+        driver_step(res)
+    except Exception:
+        step_failed("driver")
+    try:
+        await hygiene_step(res, 1 << 22)
+    except Exception:
+        step_failed("context hygiene")
     try:
         summary["torch_baseline_gbps"] = torch_copy_baselines(size, ns.iters)
     except Exception:
@@ -236,6 +355,30 @@ async def run(ns: argparse.Namespace, summary: dict[str, Any]) -> None:
                 res["d2d_read_gbps"] = gbps(size, dt)
             except Exception:
                 step_failed("GPU <-> GPU")
+
+            # 3. the peer's region at an odd offset in its allocation
+            try:
+                odd = peer.region("gpu_odd")
+                n = odd.nbytes
+                await agent.write(host[0:n], odd[:])
+                assert await child.call("digest", 512, n) == digest(host.memoryview[0:n])
+                res["ipc_odd_offset"] = {"offset": 512, "bytes": n, "ok": True}
+            except Exception:
+                step_failed("IPC at an odd offset")
+
+            # 4. GPU <-> the peer's memfd host memory (pinned by us: async DMA)
+            try:
+                rhost = peer.region("host")
+                fill(11)
+                if torch is not None:
+                    torch.cuda.synchronize()
+                dt = await timed(lambda: agent.write(mine[:], rhost[:]), ns.iters)
+                assert await child.call("host_digest", 0, size) == digest(pattern(size, 11))
+                res["gpu_to_peer_host_gbps"] = gbps(size, dt)
+                dt = await timed(lambda: agent.read(mine[:], rhost[:]), ns.iters)
+                res["peer_host_to_gpu_gbps"] = gbps(size, dt)
+            except Exception:
+                step_failed("GPU <-> peer memfd")
 
             # 4. a KV batch: 64 KiB pages, one transfer
             try:
@@ -300,12 +443,35 @@ async def run(ns: argparse.Namespace, summary: dict[str, Any]) -> None:
         finally:
             child.close()
 
+        # 4. across GPUs: a peer process on device 1, our tensor on device 0
+        if torch is not None and torch.cuda.device_count() > 1:
+            try:
+                other = Child(size, device=1)
+                try:
+                    peer1 = await agent.connect(other.address)
+                    fill(12)
+                    torch.cuda.synchronize()
+                    dt = await timed(lambda: agent.write(mine[:], peer1.region("gpu")[:]),
+                                     ns.iters)
+                    assert await other.call("digest", 0, size) == digest(pattern(size, 12))
+                    res["cross_gpu_write_gbps"] = gbps(size, dt)
+                finally:
+                    other.close()
+            except Exception:
+                step_failed("GPU 0 -> GPU 1")
+
+    try:
+        await nic_step(res, min(size, 64 << 20), ns.iters)
+    except Exception:
+        step_failed("RDMA NIC")
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size-mib", type=int, default=256)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--deadline", type=float, default=200.0, help="seconds for the whole run")
+    p.add_argument("--deadline", type=float, default=150.0, help="seconds for the whole run")
+    p.add_argument("--json", help="also write the summary to this file")
     ns = p.parse_args()
     summary: dict[str, Any] = {"results": {}, "errors": []}
     t0 = time.perf_counter()
@@ -321,6 +487,9 @@ def main() -> int:
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     summary["ok"] = not summary["errors"]
     print("GPU_CHECK " + json.dumps(summary, sort_keys=True), flush=True)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(summary, f, sort_keys=True)
     return 0 if summary["ok"] else 1
 
 

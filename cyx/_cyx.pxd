@@ -153,6 +153,9 @@ cdef extern from "aioxfer.h" nogil:
         uint8_t port
         uint8_t gid_index
         uint8_t gid[16]
+        uint8_t link_layer
+        uint8_t gid_type
+        uint8_t max_dest_rd_atomic
 
     int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *why,
                         size_t why_len)
@@ -180,6 +183,14 @@ cdef extern from "aioxfer.h" nogil:
     int axf_cuda_alloc(int device, uint64_t len, uint64_t *ptr)
     int axf_cuda_free(uint64_t ptr)
     int axf_cuda_copy(uint64_t dst, uint64_t src, uint64_t len)
+    ctypedef struct axf_cuda_device:
+        uint32_t dmabuf
+        char pci[16]
+        uint64_t peers
+    int axf_cuda_device_info(int ordinal, axf_cuda_device *out)
+    int axf_cuda_describe(uint64_t ptr, uint64_t len, char *why, size_t why_len)
+    int axf_cuda_ipc_open_count()
+    int axf_cuda_pin_region(axf_engine *e, uint64_t rid)
     int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key,
                                  uint64_t len, uint32_t access, uint64_t addr,
                                  const uint8_t *handle, uint64_t offset, const uint8_t *uuid)

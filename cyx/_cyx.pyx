@@ -158,7 +158,11 @@ cdef axf_verbs_qp_info _qp_info_in(object info) except *:
     cdef axf_verbs_qp_info q
     cdef bytes gid
     memset(&q, 0, sizeof(q))
-    qpn, psn, mtu, lid, port, gid_index, gid = info
+    # 7 fields, or 10 with (link layer, GID type, READ depth served) from a
+    # peer that says them (0: not said; the engine then assumes a peer like us)
+    extra = tuple(info[7:10]) if len(info) == 10 else (0, 0, 0)
+    qpn, psn, mtu, lid, port, gid_index, gid = info[:7]
+    q.link_layer, q.gid_type, q.max_dest_rd_atomic = extra
     if len(gid) != 16:
         raise ValueError("a GID is 16 bytes")
     q.qpn = qpn
@@ -558,6 +562,12 @@ cdef class Engine:
         with nogil:
             st = axf_cuda_enable(self._e, why, sizeof(why))
         return st, why.decode("utf-8", "replace")
+
+    def cuda_pin_region(self, uint64_t rid):
+        """Page-locks host region rid for GPU copies on the engine's CUDA thread,
+        ahead of its first copy; returns at once (status; best effort)."""
+        self._open()
+        return axf_cuda_pin_region(self._e, rid)
 
     def endpoint_import_cuda(self, uint64_t ep, uint64_t rid, uint64_t key, uint64_t nbytes,
                              uint32_t access, uint64_t addr, handle, uint64_t offset, uuid):
@@ -1096,10 +1106,39 @@ def cuda_pointer(uint64_t ptr, uint64_t nbytes):
     cdef int dev = -1
     cdef uint64_t base = 0, size = 0
     cdef int st
+    cdef char why[256]
     with nogil:
         st = axf_cuda_pointer(ptr, nbytes, &dev, &base, &size)
-    _check(st, f"{nbytes} bytes at {ptr:#x} are not inside one CUDA allocation")
+    if st != 0:
+        # Say what the memory is (managed, past its mapping, host memory):
+        # "not inside one allocation" alone misled for managed memory.
+        why[0] = 0
+        axf_cuda_describe(ptr, nbytes, why, sizeof(why))
+        _check(st, why.decode("utf-8", "replace") or
+               f"{nbytes} bytes at {ptr:#x} are not inside one CUDA allocation")
     return dev, base, size
+
+
+def cuda_device_info(int ordinal):
+    """(dmabuf export supported, PCI address, bitmask of devices reachable peer-to-peer)."""
+    cdef axf_cuda_device d
+    _check(axf_cuda_device_info(ordinal, &d), f"cannot query CUDA device {ordinal}")
+    return bool(d.dmabuf), d.pci.decode("ascii", "replace"), d.peers
+
+
+def cuda_describe(uint64_t ptr, uint64_t nbytes):
+    """(status, one line): what [ptr, ptr+nbytes) is, and why it cannot be registered."""
+    cdef char why[256]
+    cdef int st
+    why[0] = 0
+    with nogil:
+        st = axf_cuda_describe(ptr, nbytes, why, sizeof(why))
+    return st, why.decode("utf-8", "replace")
+
+
+def cuda_ipc_open_count():
+    """Peer GPU allocations this process has open by CUDA IPC (per allocation and device)."""
+    return axf_cuda_ipc_open_count()
 
 
 def cuda_export(uint64_t ptr):

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -36,6 +37,53 @@ def test_info() -> None:
         q = subprocess.run([exe, "info"], capture_output=True, text=True, timeout=60)
         assert q.returncode == 0
         assert q.stdout[q.stdout.index("transports:"):] == out[out.index("transports:"):]
+
+
+def test_info_hardware_section() -> None:
+    """GPUs, NICs, RLIMIT_MEMLOCK and nvidia-peermem are reported; on a machine
+    without them (CI, this one) it says so plainly."""
+    from aioxfer import cuda, verbs
+
+    p = run("info", timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "hardware:" in lines
+    if not cuda.device_info():
+        assert any(line.startswith("  GPUs:   none (") for line in lines), p.stdout
+    if not verbs.nics():
+        assert "  NICs:   none (no RDMA devices in /sys/class/infiniband)" in lines
+    limit = verbs.memlock_limit()
+    want = "unlimited" if limit is None else f"{limit // 1024} KiB"
+    assert any(line.startswith(f"  RLIMIT_MEMLOCK: {want}") for line in lines), p.stdout
+    assert any(line.startswith("  nvidia-peermem: ") for line in lines)
+
+
+def test_sysfs_topology_parsed(tmp_path: Any) -> None:
+    """NIC ports, link layers and GID tables (with types) from a sysfs tree;
+    rails pair by link layer, never InfiniBand with Ethernet."""
+    from aioxfer import verbs
+
+    port = tmp_path / "mlx5_0" / "ports" / "1"
+    (port / "gids").mkdir(parents=True)
+    (port / "gid_attrs" / "types").mkdir(parents=True)
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "link_layer").write_text("Ethernet\n")
+    for i, (g, t) in enumerate([("fe80:0000:0000:0000:0000:0000:0000:0001", "IB/RoCE v1"),
+                                ("fe80:0000:0000:0000:0000:0000:0000:0001", "RoCE v2"),
+                                ("0000:0000:0000:0000:0000:ffff:0a00:0001", "RoCE v2"),
+                                ("0000:0000:0000:0000:0000:0000:0000:0000", "")]):
+        (port / "gids" / str(i)).write_text(g + "\n")
+        (port / "gid_attrs" / "types" / str(i)).write_text(t + "\n")
+    (nics,) = verbs.nics(str(tmp_path))
+    assert nics.name == "mlx5_0" and nics.ports == {1: ("ACTIVE", "Ethernet")}
+    assert [(g.index, g.type) for g in nics.gids[1]] == [(0, "IB/RoCE v1"), (1, "RoCE v2"),
+                                                         (2, "RoCE v2")]
+    ours = ["mlx5_0 (port 1, InfiniBand, mtu 4096, gid[0] ...)",
+            "mlx5_1 (port 1, Ethernet, mtu 4096, gid[3] ...)"]
+    theirs = ["mlx5_0 (port 1, Ethernet, mtu 4096, gid[3] ...)",
+              "mlx5_1 (port 1, InfiniBand, mtu 4096, gid[0] ...)"]
+    assert verbs.pair_rails(ours, theirs) == [(0, 1), (1, 0)]
+    assert verbs.pair_rails(ours[:1], theirs[:1]) == []
 
 
 def test_main_in_process(capsys: pytest.CaptureFixture[str]) -> None:

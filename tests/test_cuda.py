@@ -303,7 +303,7 @@ async def test_gpu_register_local(make_agent: Any) -> None:
         assert sub._cuda is not None and sub._cuda.offset == 4096
         _, base, alloc_size = _cyx.cuda_pointer(buf.ptr, 1)  # the driver may round up
         assert base == buf.ptr and alloc_size >= 1 << 20
-        with pytest.raises(aioxfer.RegistrationError, match="not inside one CUDA allocation"):
+        with pytest.raises(aioxfer.RegistrationError, match="runs past the device memory"):
             agent.register(cuda.DevicePointer(base + alloc_size - 4096, 8192), name="past")
         agent.deregister(region)
         agent.deregister(sub)
@@ -324,7 +324,8 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
     assert peer.path == "cuda"
     rgpu = peer.region("gpu")
     assert rgpu.kind == "cuda"
-    assert ipc_open_count() in (None, 1)  # "gpu" and "gpu_half": one allocation, opened once
+    # opened at first use, in the context of the device that copies it
+    assert ipc_open_count() in (None, 0)
     host = agent.register(pattern(size, 5), name="host")
     back = agent.alloc(size, name="back")
     # host -> remote GPU, many descriptors
@@ -343,6 +344,7 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
     # a second region of the same allocation (the peer's IPC handle is opened once)
     half = peer.region("gpu_half")
     await within(agent.write(host[0 : size // 2], half[:]))
+    assert ipc_open_count() in (None, 1)  # "gpu" and "gpu_half": one allocation, opened once
     assert await child.call("digest", size // 2, size // 2) == digest(
         host.memoryview[0 : size // 2])
     # local GPU -> remote GPU

@@ -185,3 +185,26 @@ async def test_bad_queue_pair_exchange_is_refused(verbs_provider: str, make_agen
     data = pattern(MiB, 5)
     await within(init.write(init.register(data)[0:MiB], peer.region("dst")[0:MiB]))
     assert bytes(dst.memoryview) == data.tobytes()
+
+
+def test_qp_parameters_checked_both_ways(verbs_provider: str) -> None:
+    """The queue pair parameters a peer sends may say its link layer, GID type
+    and READ depth (10 fields; 7 from a peer that does not): a peer on another
+    link layer or GID type is refused at connect, not left to time out."""
+    a, b = _cyx.Engine(), _cyx.Engine()
+    try:
+        assert a.verbs_enable(verbs_provider)[0] > 0 and b.verbs_enable(verbs_provider)[0] > 0
+        ep = a.endpoint_create(_cyx.EP_VERBS, 1, 0)
+        mine = a.verbs_qp_create(ep, 0)
+        assert len(mine) == 7
+        handle, _ = b.verbs_accept_qp(0, mine)  # 7 fields: not said, accepted
+        b.verbs_qp_destroy(handle)
+        handle, _ = b.verbs_accept_qp(0, (*mine, 2, 3, 16))  # RoCE v2, as softverbs picks
+        b.verbs_qp_destroy(handle)
+        for bad in ((*mine, 1, 3, 16), (*mine, 2, 2, 16)):  # InfiniBand; RoCE v1
+            with pytest.raises(_cyx.NativeError) as err:
+                b.verbs_accept_qp(0, bad)
+            assert err.value.status == _cyx.E_TRANSPORT
+    finally:
+        a.close()
+        b.close()

@@ -283,6 +283,11 @@ typedef struct axf_verbs_qp_info {
     uint8_t port;
     uint8_t gid_index;
     uint8_t gid[16];
+    /* Appended; 0 = not said (a peer from before they existed). */
+    uint8_t link_layer;         /* IBV_LINK_LAYER_*: 1 InfiniBand, 2 Ethernet */
+    uint8_t gid_type;           /* 1 + enum ibv_gid_type: 1 IB, 2 RoCE v1, 3 RoCE v2 */
+    uint8_t max_dest_rd_atomic; /* READs this queue pair serves in flight */
+    uint8_t reserved;
 } axf_verbs_qp_info;
 
 /* Loads the verbs (provider: a software provider library, or NULL for
@@ -347,13 +352,38 @@ int axf_cuda_pointer(uint64_t ptr, uint64_t len, int *device, uint64_t *base, ui
  * cannot be shared by IPC (e.g. cuMemCreate memory). */
 int axf_cuda_export(uint64_t ptr, uint8_t handle[AXF_CUDA_IPC_HANDLE], uint64_t *offset,
                     uint8_t uuid[16]);
-/* A dmabuf fd of [ptr, ptr+len) for GPUDirect RDMA (CUDA >= 11.7); the caller closes it. */
+/* A dmabuf fd of [ptr, ptr+len) for GPUDirect RDMA (CUDA >= 11.7); the caller
+ * closes it. Page-aligned ranges only (else AXF_E_INVALID): see axf_cuda_dmabuf_range. */
 int axf_cuda_dmabuf(uint64_t ptr, uint64_t len, int *fd);
 /* Plain driver allocations and synchronous copies (unified addressing: host
  * or device pointers), for tests and tools that have no CUDA library of their own. */
 int axf_cuda_alloc(int device, uint64_t len, uint64_t *ptr);
 int axf_cuda_free(uint64_t ptr);
 int axf_cuda_copy(uint64_t dst, uint64_t src, uint64_t len);
+/* What device `ordinal` offers: dmabuf export (GPUDirect RDMA without
+ * nvidia-peermem), its PCI address ("dddd:bb:dd.0") and the devices it can
+ * reach peer-to-peer (bit i: device i). */
+typedef struct axf_cuda_device {
+    uint32_t dmabuf; /* 1: supported */
+    char pci[16];
+    uint64_t peers;
+} axf_cuda_device;
+int axf_cuda_device_info(int ordinal, axf_cuda_device *out);
+/* One line on what [ptr, ptr+len) is and why it cannot be registered as GPU
+ * memory (managed memory, past its mapping, not device memory): AXF_OK with
+ * a description when it can. */
+int axf_cuda_describe(uint64_t ptr, uint64_t len, char *why, size_t why_len);
+/* A dmabuf fd of the host pages around [ptr, ptr+len) and where ptr lies in
+ * it (the driver exports page-aligned ranges only): for ibv_reg_dmabuf_mr's
+ * offset. why: the reason on failure (may be NULL). The caller closes fd. */
+int axf_cuda_dmabuf_range(uint64_t ptr, uint64_t len, int *fd, uint64_t *offset, char *why,
+                          size_t why_len);
+/* Peer allocations this process has open by CUDA IPC (one per allocation and device). */
+int axf_cuda_ipc_open_count(void);
+/* Page-locks host region rid for GPU copies now, on the engine's CUDA thread
+ * (pinning GBs takes a while: off the caller's thread, and before the first
+ * copy rather than in its way). Returns at once; best effort. */
+int axf_cuda_pin_region(axf_engine *e, uint64_t rid);
 /* Imports a peer's GPU region into an AXF_EP_CUDA endpoint: its IPC handle
  * is opened once per allocation (per process) and closed once the region is
  * forgotten after its last op, revoked, or the endpoint destroyed. The

@@ -8,15 +8,40 @@
  * cuda.h maps to a versioned name (#define cuMemAlloc cuMemAlloc_v2, ...) are
  * looked up by that name.
  *
+ * Contexts (the rule every function here keeps): a thread of the application
+ * leaves as it came. Pointer queries use cuPointerGetAttribute, which needs
+ * no context (unified addressing); a call that needs one pushes the context
+ * the memory belongs to (CU_POINTER_ATTRIBUTE_CONTEXT) and pops it after, as
+ * UCX does. A device's primary context is retained (activated: hundreds of
+ * MB of device memory) only to allocate on it (axf_cuda_alloc) or when this
+ * process moves bytes on that device with no memory of its own there (host
+ * memory <-> a peer's GPU memory). Only the engine's own CUDA threads keep a
+ * context current.
+ *
  * The copy path: an AXF_EP_CUDA endpoint is a same-host endpoint (host-only
  * ops run as shm copies) that also reaches a peer's GPU memory through CUDA IPC
  * handles. An op that touches GPU memory goes to this engine's CUDA submit
- * thread, which enqueues one cuMemcpyAsync per descriptor on a dedicated
- * non-blocking stream and records one event per op; a second thread waits on
+ * thread, which enqueues one cuMemcpyAsync per descriptor (split where host
+ * memory changes between page-locked and pageable) on a dedicated
+ * non-blocking stream of the op's device (the device of its local GPU memory,
+ * else of the peer's) and records one event per op; a second thread waits on
  * those events in order with cuEventSynchronize (blocking-sync events: the
  * thread sleeps in the driver, it never spins) and completes the op through
  * op_unit_done, into the one completion ring. Posting never calls the driver,
- * so the caller's thread never blocks on a pageable copy.
+ * so the caller's thread never blocks on a copy.
+ *
+ * A peer's allocation is opened by IPC at its first use, in the context of the
+ * device whose stream copies it (with lazy peer access, so GPU A <-> GPU B
+ * runs over NVLink/PCIe peer-to-peer rather than through host memory), once
+ * per (allocation, device) per process, as UCX caches them. Host memory a GPU
+ * copy touches is page-locked (cuMemHostRegister): our own regions and our
+ * mappings of peers' memfd regions (read-only ones with the read-only flag),
+ * so copies are asynchronous DMA rather than synchronous staging through the
+ * driver's bounce buffers.
+ *
+ * A sticky CUDA error (an illegal address, a device-side fault) poisons every
+ * context of the process, the application's primary contexts included: it is
+ * latched, logged with its name, and every later GPU op fails at once.
  */
 #include "internal.h"
 
@@ -44,15 +69,24 @@ typedef struct {
 enum {
     CUDA_SUCCESS = 0,
     CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704,
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
     CU_STREAM_NON_BLOCKING = 0x1,
     CU_EVENT_BLOCKING_SYNC = 0x1,
     CU_EVENT_DISABLE_TIMING = 0x2,
     CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1,
+    CU_POINTER_ATTRIBUTE_CONTEXT = 1,
     CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
+    CU_POINTER_ATTRIBUTE_IS_MANAGED = 8,
     CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
+    CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10,
+    CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11,
+    CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12,
     CU_MEMORYTYPE_DEVICE = 2,
+    CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124,
     CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 0x1,
     CU_MEMHOSTREGISTER_PORTABLE = 0x1,
+    CU_MEMHOSTREGISTER_READ_ONLY = 0x8,
 };
 
 /* X(field, symbol, required, return, params) */
@@ -60,14 +94,20 @@ enum {
     X(Init, "cuInit", 1, CUresult, (unsigned int))                                                 \
     X(DriverGetVersion, "cuDriverGetVersion", 1, CUresult, (int *))                                \
     X(GetErrorString, "cuGetErrorString", 1, CUresult, (CUresult, const char **))                  \
+    X(GetErrorName, "cuGetErrorName", 0, CUresult, (CUresult, const char **))                      \
     X(DeviceGetCount, "cuDeviceGetCount", 1, CUresult, (int *))                                    \
     X(DeviceGet, "cuDeviceGet", 1, CUresult, (CUdevice *, int))                                    \
     X(DeviceGetName, "cuDeviceGetName", 1, CUresult, (char *, int, CUdevice))                      \
+    X(DeviceGetAttribute, "cuDeviceGetAttribute", 1, CUresult, (int *, int, CUdevice))             \
+    X(DeviceCanAccessPeer, "cuDeviceCanAccessPeer", 1, CUresult, (int *, CUdevice, CUdevice))      \
     X(DeviceGetUuid, "cuDeviceGetUuid_v2", 0, CUresult, (CUuuid *, CUdevice))                      \
     X(DeviceGetUuidV1, "cuDeviceGetUuid", 0, CUresult, (CUuuid *, CUdevice))                       \
     X(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 1, CUresult, (CUcontext *, CUdevice))    \
     X(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", 1, CUresult, (CUdevice))            \
     X(CtxSetCurrent, "cuCtxSetCurrent", 1, CUresult, (CUcontext))                                  \
+    X(CtxPushCurrent, "cuCtxPushCurrent_v2", 1, CUresult, (CUcontext))                             \
+    X(CtxPopCurrent, "cuCtxPopCurrent_v2", 1, CUresult, (CUcontext *))                             \
+    X(CtxEnablePeerAccess, "cuCtxEnablePeerAccess", 1, CUresult, (CUcontext, unsigned int))        \
     X(StreamCreate, "cuStreamCreate", 1, CUresult, (CUstream *, unsigned int))                     \
     X(StreamDestroy, "cuStreamDestroy_v2", 1, CUresult, (CUstream))                                \
     X(StreamSynchronize, "cuStreamSynchronize", 1, CUresult, (CUstream))                           \
@@ -105,20 +145,51 @@ typedef struct cu_driver {
     int status; /* AXF_OK once loaded and initialised */
     char why[256];
     int ndev, version;
-    CUcontext ctx[AXF_CUDA_MAX_DEVICES]; /* primary contexts, retained on first use */
+    /* The context our own threads use per device: the context of the first
+     * memory of ours seen there, else its primary context, retained by us
+     * (retained[]) for the life of the process. drv_mu. */
+    CUcontext dev_ctx[AXF_CUDA_MAX_DEVICES];
+    bool retained[AXF_CUDA_MAX_DEVICES];
+    _Atomic int poisoned; /* a sticky error: the CUresult */
+    char poison_why[160];
 } cu_driver;
 
 static cu_driver drv;
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
-static pthread_mutex_t drv_mu = PTHREAD_MUTEX_INITIALIZER; /* ctx[], the IPC map cache */
-static _Thread_local bool tl_bound; /* this thread has a current context */
+static pthread_mutex_t drv_mu = PTHREAD_MUTEX_INITIALIZER; /* dev_ctx, IPC maps, pins */
 
-static const char *cu_err(CUresult r)
+/* "CUDA_ERROR_X (text)": names on every log line, so a report says which. */
+static const char *cu_err(CUresult r, char *buf, size_t len)
 {
-    const char *s = NULL;
-    if (drv.GetErrorString && drv.GetErrorString(r, &s) == CUDA_SUCCESS && s)
-        return s;
-    return "unknown CUDA error";
+    const char *s = NULL, *n = NULL;
+    if (!drv.GetErrorString || drv.GetErrorString(r, &s) != CUDA_SUCCESS || !s)
+        s = "unknown CUDA error";
+    if (!drv.GetErrorName || drv.GetErrorName(r, &n) != CUDA_SUCCESS || !n)
+        n = "CUresult";
+    snprintf(buf, len, "%s %d (%s)", n, r, s);
+    return buf;
+}
+
+/* Errors after which the process's contexts are unusable (cuda.h: "the
+ * process must be terminated and relaunched"). */
+static bool cu_sticky(CUresult r)
+{
+    return r == 700 || (r >= 714 && r <= 720) || r == 710 || r == 999;
+}
+
+/* Latches a sticky error; returns r. */
+static CUresult cu_check(CUresult r)
+{
+    if (r != CUDA_SUCCESS && cu_sticky(r)) {
+        int zero = 0;
+        if (atomic_compare_exchange_strong(&drv.poisoned, &zero, r)) {
+            char b[120];
+            snprintf(drv.poison_why, sizeof drv.poison_why,
+                     "CUDA contexts poisoned by a sticky error: %s; restart the process",
+                     cu_err(r, b, sizeof b));
+        }
+    }
+    return r;
 }
 
 static void drv_load(void)
@@ -155,8 +226,9 @@ static void drv_load(void)
     }
     CUresult r = drv.Init(0);
     if (r != CUDA_SUCCESS) {
-        snprintf(drv.why, sizeof drv.why, "CUDA driver present but cuInit failed: %s (%d)",
-                 cu_err(r), r);
+        char b[120];
+        snprintf(drv.why, sizeof drv.why, "CUDA driver present but cuInit failed: %s",
+                 cu_err(r, b, sizeof b));
         return;
     }
     drv.DriverGetVersion(&drv.version);
@@ -177,42 +249,80 @@ static void drv_load(void)
 static int drv_ready(void)
 {
     pthread_once(&drv_once, drv_load);
+    if (drv.status == AXF_OK && atomic_load(&drv.poisoned))
+        return AXF_E_TRANSPORT;
     return drv.status;
 }
 
-/* Makes device dev's primary context current on the calling thread. */
-static int ctx_bind(int dev)
+/* ---------------------------------------------------------------- pointers */
+
+/* What a pointer is, from attributes that need no current context. */
+typedef struct ptr_attr {
+    int dev;
+    CUcontext ctx;
+    uint64_t base, size; /* the allocation (a VMM mapping: the one chunk) */
+    bool managed, legacy_ipc;
+} ptr_attr;
+
+/* false when p is not device memory (host memory, or unknown). */
+static bool ptr_query(uint64_t p, ptr_attr *a)
 {
-    if (dev < 0 || dev >= drv.ndev)
-        return AXF_E_INVALID;
-    pthread_mutex_lock(&drv_mu);
-    CUresult r = CUDA_SUCCESS;
-    if (!drv.ctx[dev]) {
-        CUdevice d;
-        r = drv.DeviceGet(&d, dev);
-        if (r == CUDA_SUCCESS)
-            r = drv.DevicePrimaryCtxRetain(&drv.ctx[dev], d);
-    }
-    CUcontext c = drv.ctx[dev];
-    pthread_mutex_unlock(&drv_mu);
-    if (r != CUDA_SUCCESS || drv.CtxSetCurrent(c) != CUDA_SUCCESS)
-        return AXF_E_TRANSPORT;
-    tl_bound = true;
-    return AXF_OK;
+    int type = 0, managed = 0, legacy = 0;
+    memset(a, 0, sizeof *a);
+    a->dev = -1;
+    if (drv.PointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p) != CUDA_SUCCESS ||
+        type != CU_MEMORYTYPE_DEVICE)
+        return false;
+    if (drv.PointerGetAttribute(&a->dev, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p) != CUDA_SUCCESS ||
+        drv.PointerGetAttribute(&a->ctx, CU_POINTER_ATTRIBUTE_CONTEXT, p) != CUDA_SUCCESS ||
+        drv.PointerGetAttribute(&a->base, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p) !=
+            CUDA_SUCCESS ||
+        drv.PointerGetAttribute(&a->size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p) != CUDA_SUCCESS ||
+        a->dev < 0 || a->dev >= drv.ndev)
+        return false;
+    if (drv.PointerGetAttribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, p) == CUDA_SUCCESS)
+        a->managed = managed != 0;
+    if (drv.PointerGetAttribute(&legacy, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p) ==
+        CUDA_SUCCESS)
+        a->legacy_ipc = legacy != 0;
+    else
+        a->legacy_ipc = true; /* drivers before 11.0 have only legacy allocations */
+    return true;
 }
 
-/* The device a pointer's memory lives on; -1 when it is not device memory. */
-static int ptr_device(uint64_t ptr)
+/* Pushes ctx on the calling thread; ctx_pop undoes it. */
+static int ctx_push(CUcontext ctx)
 {
-    int type = 0, ord = -1;
-    if (!tl_bound && ctx_bind(0) != AXF_OK) /* attribute queries want a current context */
-        return -1;
-    if (drv.PointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) != CUDA_SUCCESS ||
-        type != CU_MEMORYTYPE_DEVICE)
-        return -1;
-    if (drv.PointerGetAttribute(&ord, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr) != CUDA_SUCCESS)
-        return -1;
-    return ord;
+    return ctx && drv.CtxPushCurrent(ctx) == CUDA_SUCCESS ? AXF_OK : AXF_E_TRANSPORT;
+}
+
+static void ctx_pop(void)
+{
+    CUcontext c;
+    drv.CtxPopCurrent(&c);
+}
+
+/* The context the engine's threads use on dev (see cu_driver.dev_ctx);
+ * `hint`: a context of memory of ours on dev, preferred. NULL on failure. */
+static CUcontext dev_context(int dev, CUcontext hint)
+{
+    if (dev < 0 || dev >= drv.ndev)
+        return NULL;
+    pthread_mutex_lock(&drv_mu);
+    if (!drv.dev_ctx[dev] && hint)
+        drv.dev_ctx[dev] = hint;
+    if (!drv.dev_ctx[dev]) {
+        CUdevice d;
+        CUcontext c = NULL;
+        if (drv.DeviceGet(&d, dev) == CUDA_SUCCESS &&
+            drv.DevicePrimaryCtxRetain(&c, d) == CUDA_SUCCESS) {
+            drv.dev_ctx[dev] = c;
+            drv.retained[dev] = true;
+        }
+    }
+    CUcontext c = drv.dev_ctx[dev];
+    pthread_mutex_unlock(&drv_mu);
+    return c;
 }
 
 /* ---------------------------------------------------------------- process-level */
@@ -221,7 +331,7 @@ int axf_cuda_probe(char *why, size_t why_len, int *ndevices)
 {
     int st = drv_ready();
     if (why && why_len)
-        snprintf(why, why_len, "%s", drv.why);
+        snprintf(why, why_len, "%s", atomic_load(&drv.poisoned) ? drv.poison_why : drv.why);
     if (ndevices)
         *ndevices = st == AXF_OK ? drv.ndev : 0;
     return st;
@@ -241,80 +351,221 @@ int axf_cuda_device_name(int ordinal, char *name, size_t len)
     return AXF_OK;
 }
 
+int axf_cuda_device_info(int ordinal, axf_cuda_device *out)
+{
+    if (drv_ready() != AXF_OK)
+        return AXF_E_TRANSPORT;
+    if (ordinal < 0 || ordinal >= drv.ndev || !out)
+        return AXF_E_INVALID;
+    memset(out, 0, sizeof *out);
+    CUdevice d;
+    if (drv.DeviceGet(&d, ordinal) != CUDA_SUCCESS)
+        return AXF_E_TRANSPORT;
+    int v = 0;
+    if (drv.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, d) == CUDA_SUCCESS)
+        out->dmabuf = v != 0;
+    int bus = 0, devid = 0, dom = 0;
+    drv.DeviceGetAttribute(&bus, 33 /* PCI_BUS_ID */, d);
+    drv.DeviceGetAttribute(&devid, 34 /* PCI_DEVICE_ID */, d);
+    drv.DeviceGetAttribute(&dom, 50 /* PCI_DOMAIN_ID */, d);
+    snprintf(out->pci, sizeof out->pci, "%04x:%02x:%02x.0", (unsigned)dom & 0xffff,
+             (unsigned)bus & 0xff, (unsigned)devid & 0xff);
+    for (int p = 0; p < drv.ndev && p < 64; p++) {
+        int can = 0;
+        CUdevice pd;
+        if (p != ordinal && drv.DeviceGet(&pd, p) == CUDA_SUCCESS &&
+            drv.DeviceCanAccessPeer(&can, d, pd) == CUDA_SUCCESS && can)
+            out->peers |= 1ull << p;
+    }
+    return AXF_OK;
+}
+
+/* Checks [ptr, ptr+len) is device memory on one device and one contiguous
+ * span of mappings: one allocation, or (VMM, expandable segments) several
+ * chunks mapped back to back, each of which the driver reports on its own. */
+static int span_check(uint64_t ptr, uint64_t len, ptr_attr *first)
+{
+    if (!ptr_query(ptr, first))
+        return AXF_E_INVALID;
+    if (first->managed)
+        return AXF_E_INVALID; /* CPU-accessible: register it as host memory */
+    uint64_t end = first->base + first->size;
+    while (ptr + len > end) {
+        ptr_attr next;
+        if (!ptr_query(end, &next) || next.base != end || next.dev != first->dev ||
+            next.managed || !next.size)
+            return AXF_E_ACCESS; /* past the mapped span: a copy would fault the GPU */
+        end = next.base + next.size;
+    }
+    return AXF_OK;
+}
+
 int axf_cuda_pointer(uint64_t ptr, uint64_t len, int *device, uint64_t *base, uint64_t *size)
 {
     if (drv_ready() != AXF_OK)
         return AXF_E_TRANSPORT;
     if (!ptr || !len || ptr + len < ptr)
         return AXF_E_INVALID;
-    int dev = ptr_device(ptr);
-    if (dev < 0)
-        return AXF_E_INVALID;
-    if (ctx_bind(dev) != AXF_OK)
-        return AXF_E_TRANSPORT;
-    CUdeviceptr b = 0;
-    size_t sz = 0;
-    if (drv.MemGetAddressRange(&b, &sz, ptr) != CUDA_SUCCESS)
-        return AXF_E_INVALID;
-    /* The whole range inside one allocation: a copy past it would fault the
-     * GPU and poison the context for every later op. */
-    if (ptr + len > b + sz)
-        return AXF_E_ACCESS;
+    ptr_attr a;
+    int st = span_check(ptr, len, &a);
+    if (st != AXF_OK)
+        return st;
+    /* The application's context on that device: what our threads will use
+     * there (no primary context of ours needed). */
+    pthread_mutex_lock(&drv_mu);
+    if (!drv.dev_ctx[a.dev])
+        drv.dev_ctx[a.dev] = a.ctx;
+    pthread_mutex_unlock(&drv_mu);
     if (device)
-        *device = dev;
+        *device = a.dev;
     if (base)
-        *base = b;
+        *base = a.base;
     if (size)
-        *size = sz;
+        *size = a.size;
+    return AXF_OK;
+}
+
+int axf_cuda_describe(uint64_t ptr, uint64_t len, char *why, size_t why_len)
+{
+    int st = drv_ready();
+    if (st != AXF_OK) {
+        snprintf(why, why_len, "%s", atomic_load(&drv.poisoned) ? drv.poison_why : drv.why);
+        return st;
+    }
+    ptr_attr a;
+    if (!ptr_query(ptr, &a)) {
+        snprintf(why, why_len, "%#llx is not CUDA device memory (host memory: register it "
+                 "through the buffer protocol)", (unsigned long long)ptr);
+        return AXF_E_INVALID;
+    }
+    if (a.managed) {
+        snprintf(why, why_len, "%#llx is CUDA managed (unified) memory: it is CPU-accessible, "
+                 "register it as host memory", (unsigned long long)ptr);
+        return AXF_E_INVALID;
+    }
+    st = span_check(ptr, len ? len : 1, &a);
+    if (st != AXF_OK) {
+        snprintf(why, why_len, "[%#llx, +%llu) runs past the device memory mapped there "
+                 "(allocation or mapping at %#llx of %llu bytes)", (unsigned long long)ptr,
+                 (unsigned long long)len, (unsigned long long)a.base, (unsigned long long)a.size);
+        return st;
+    }
+    snprintf(why, why_len, "device %d, %s at %#llx of %llu bytes%s", a.dev,
+             a.legacy_ipc ? "allocation" : "VMM mapping", (unsigned long long)a.base,
+             (unsigned long long)a.size,
+             a.legacy_ipc ? "" : " (no legacy CUDA IPC: same-host peers cannot map it)");
     return AXF_OK;
 }
 
 int axf_cuda_export(uint64_t ptr, uint8_t handle[AXF_CUDA_IPC_HANDLE], uint64_t *offset,
                     uint8_t uuid[16])
 {
-    int dev = -1;
-    uint64_t base = 0;
-    int st = axf_cuda_pointer(ptr, 1, &dev, &base, NULL);
+    if (drv_ready() != AXF_OK)
+        return AXF_E_TRANSPORT;
+    ptr_attr a;
+    int st = span_check(ptr, 1, &a);
     if (st != AXF_OK)
         return st;
+    if (!a.legacy_ipc)
+        return AXF_E_REGISTRATION; /* VMM (cuMemCreate) memory: not legacy-IPC capable */
     CUipcMemHandle h;
     CUuuid u;
     CUdevice d;
-    if (drv.IpcGetMemHandle(&h, base) != CUDA_SUCCESS)
-        return AXF_E_REGISTRATION; /* e.g. VMM (cuMemCreate) memory: not legacy-IPC capable */
-    if (drv.DeviceGet(&d, dev) != CUDA_SUCCESS || drv.DeviceGetUuid(&u, d) != CUDA_SUCCESS)
+    if (ctx_push(a.ctx) != AXF_OK)
+        return AXF_E_TRANSPORT;
+    CUresult r = cu_check(drv.IpcGetMemHandle(&h, a.base));
+    ctx_pop();
+    if (r != CUDA_SUCCESS)
+        return AXF_E_REGISTRATION;
+    if (drv.DeviceGet(&d, a.dev) != CUDA_SUCCESS || drv.DeviceGetUuid(&u, d) != CUDA_SUCCESS)
         return AXF_E_TRANSPORT;
     memcpy(handle, h.reserved, sizeof h.reserved);
     memcpy(uuid, u.bytes, sizeof u.bytes);
-    *offset = ptr - base;
+    *offset = ptr - a.base;
+    return AXF_OK;
+}
+
+int axf_cuda_dmabuf_range(uint64_t ptr, uint64_t len, int *fd, uint64_t *offset, char *why,
+                          size_t why_len)
+{
+    char b[120];
+    if (why && why_len)
+        why[0] = 0;
+    if (drv_ready() != AXF_OK || !drv.MemGetHandleForAddressRange) {
+        if (why && why_len)
+            snprintf(why, why_len, "%s", drv.status != AXF_OK ? drv.why
+                                         : "the CUDA driver has no dmabuf export (before 11.7)");
+        return AXF_E_TRANSPORT;
+    }
+    ptr_attr a;
+    if (!len || span_check(ptr, len, &a) != AXF_OK || ptr + len > a.base + a.size) {
+        if (why && why_len)
+            snprintf(why, why_len, "not inside one device allocation");
+        return AXF_E_INVALID;
+    }
+    CUdevice d;
+    int ok = 0;
+    if (drv.DeviceGet(&d, a.dev) != CUDA_SUCCESS ||
+        drv.DeviceGetAttribute(&ok, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, d) != CUDA_SUCCESS ||
+        !ok) {
+        if (why && why_len)
+            snprintf(why, why_len, "device %d does not support dmabuf (kernel or driver too old, "
+                     "or open kernel modules missing)", a.dev);
+        return AXF_E_TRANSPORT;
+    }
+    /* The driver exports host-page-aligned ranges only; caching allocators
+     * hand out 512-byte-aligned tensors. Export the pages around the range
+     * (inside the allocation, which is page-granular) and say where the range
+     * starts in them, for ibv_reg_dmabuf_mr's offset. */
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t lo = ptr & ~(pg - 1), hi = (ptr + len + pg - 1) & ~(pg - 1);
+    if (lo < a.base)
+        lo = a.base;
+    if (hi > a.base + a.size)
+        hi = a.base + a.size;
+    if (ctx_push(a.ctx) != AXF_OK)
+        return AXF_E_TRANSPORT;
+    int out = -1;
+    CUresult r = cu_check(
+        drv.MemGetHandleForAddressRange(&out, lo, hi - lo, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0));
+    ctx_pop();
+    if (r != CUDA_SUCCESS) {
+        if (why && why_len)
+            snprintf(why, why_len, "cuMemGetHandleForAddressRange: %s", cu_err(r, b, sizeof b));
+        return AXF_E_TRANSPORT;
+    }
+    *fd = out;
+    *offset = ptr - lo;
     return AXF_OK;
 }
 
 int axf_cuda_dmabuf(uint64_t ptr, uint64_t len, int *fd)
 {
-    if (drv_ready() != AXF_OK)
-        return AXF_E_TRANSPORT;
-    if (!drv.MemGetHandleForAddressRange)
-        return AXF_E_TRANSPORT;
-    int dev = ptr_device(ptr);
-    if (dev < 0 || ctx_bind(dev) != AXF_OK)
+    uint64_t off = 0;
+    int st = axf_cuda_dmabuf_range(ptr, len, fd, &off, NULL, 0);
+    if (st == AXF_OK && off) { /* the caller has nowhere to put the offset */
+        close(*fd);
+        *fd = -1;
         return AXF_E_INVALID;
-    int out = -1;
-    if (drv.MemGetHandleForAddressRange(&out, ptr, len, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0) !=
-        CUDA_SUCCESS)
-        return AXF_E_TRANSPORT;
-    *fd = out;
-    return AXF_OK;
+    }
+    return st;
 }
 
 int axf_cuda_alloc(int device, uint64_t len, uint64_t *ptr)
 {
     if (drv_ready() != AXF_OK)
         return AXF_E_TRANSPORT;
-    if (!len || ctx_bind(device) != AXF_OK)
+    if (!len || device < 0 || device >= drv.ndev)
         return AXF_E_INVALID;
+    /* Allocating on a device needs a context there: its primary context
+     * (what the runtime API and PyTorch use), retained once. */
+    CUcontext c = dev_context(device, NULL);
+    if (ctx_push(c) != AXF_OK)
+        return AXF_E_TRANSPORT;
     CUdeviceptr p = 0;
-    if (drv.MemAlloc(&p, len) != CUDA_SUCCESS)
+    CUresult r = cu_check(drv.MemAlloc(&p, len));
+    ctx_pop();
+    if (r != CUDA_SUCCESS)
         return AXF_E_NOMEM;
     *ptr = p;
     return AXF_OK;
@@ -324,42 +575,143 @@ int axf_cuda_free(uint64_t ptr)
 {
     if (drv_ready() != AXF_OK)
         return AXF_E_TRANSPORT;
-    int dev = ptr_device(ptr);
-    if (dev < 0 || ctx_bind(dev) != AXF_OK)
+    ptr_attr a;
+    if (!ptr_query(ptr, &a) || ctx_push(a.ctx) != AXF_OK)
         return AXF_E_INVALID;
-    return drv.MemFree(ptr) == CUDA_SUCCESS ? AXF_OK : AXF_E_INVALID;
+    CUresult r = cu_check(drv.MemFree(ptr));
+    ctx_pop();
+    return r == CUDA_SUCCESS ? AXF_OK : AXF_E_INVALID;
 }
 
 int axf_cuda_copy(uint64_t dst, uint64_t src, uint64_t len)
 {
     if (drv_ready() != AXF_OK)
         return AXF_E_TRANSPORT;
-    int dev = ptr_device(dst);
-    if (dev < 0)
-        dev = ptr_device(src);
-    if (ctx_bind(dev < 0 ? 0 : dev) != AXF_OK)
+    ptr_attr a;
+    if (!ptr_query(dst, &a) && !ptr_query(src, &a))
+        return AXF_E_INVALID; /* host to host: not the driver's job */
+    if (ctx_push(a.ctx) != AXF_OK)
         return AXF_E_TRANSPORT;
-    return drv.Memcpy(dst, src, len) == CUDA_SUCCESS ? AXF_OK : AXF_E_TRANSPORT;
+    CUresult r = cu_check(drv.Memcpy(dst, src, len));
+    ctx_pop();
+    return r == CUDA_SUCCESS ? AXF_OK : AXF_E_TRANSPORT;
+}
+
+/* ---------------------------------------------------------------- host pins */
+
+/* Host ranges we page-locked, with the context that did it (unregistered in
+ * it). owner: the region or imported region they were pinned for. drv_mu. */
+typedef struct pin {
+    uint64_t lo, hi;
+    CUcontext ctx;
+    const void *owner;
+    struct pin *next;
+} pin;
+
+static pin *pins;
+
+/* Page-locks [p, p+n) for owner, in ctx (current on the calling thread, one
+ * of ours). Best effort: memory pinned already by someone else, or a
+ * refusal (RLIMIT_MEMLOCK), leaves it pageable and copies split around it. */
+static void pin_range(const void *owner, void *p, uint64_t n, bool readonly, CUcontext ctx)
+{
+    if (!drv.MemHostRegister || !drv.MemHostUnregister || !p || !n)
+        return;
+    pthread_mutex_lock(&drv_mu);
+    for (pin *q = pins; q; q = q->next)
+        if (q->owner == owner) {
+            pthread_mutex_unlock(&drv_mu);
+            return;
+        }
+    pthread_mutex_unlock(&drv_mu);
+    unsigned flags = CU_MEMHOSTREGISTER_PORTABLE | (readonly ? CU_MEMHOSTREGISTER_READ_ONLY : 0);
+    if (cu_check(drv.MemHostRegister(p, n, flags)) != CUDA_SUCCESS)
+        return;
+    pin *q = calloc(1, sizeof *q);
+    if (!q) {
+        drv.MemHostUnregister(p);
+        return;
+    }
+    q->lo = (uint64_t)(uintptr_t)p;
+    q->hi = q->lo + n;
+    q->ctx = ctx;
+    q->owner = owner;
+    pthread_mutex_lock(&drv_mu);
+    q->next = pins;
+    pins = q;
+    pthread_mutex_unlock(&drv_mu);
+}
+
+/* Unpins what was pinned for owner, on any thread (its context pushed). */
+static void unpin_owner(const void *owner)
+{
+    pthread_mutex_lock(&drv_mu);
+    pin *q = NULL;
+    for (pin **pp = &pins; *pp; pp = &(*pp)->next)
+        if ((*pp)->owner == owner) {
+            q = *pp;
+            *pp = q->next;
+            break;
+        }
+    pthread_mutex_unlock(&drv_mu);
+    if (!q)
+        return;
+    if (ctx_push(q->ctx) == AXF_OK) {
+        drv.MemHostUnregister((void *)(uintptr_t)q->lo);
+        ctx_pop();
+    }
+    free(q);
+}
+
+/* How far from host address p (at most n bytes) memory stays on the same
+ * side of our pins: copies are split there, because one copy over page-locked
+ * and pageable memory at once is refused by the driver. */
+static uint64_t pin_run(uint64_t p, uint64_t n)
+{
+    uint64_t run = n;
+    pthread_mutex_lock(&drv_mu);
+    for (pin *q = pins; q; q = q->next) {
+        if (p >= q->lo && p < q->hi && q->hi - p < run)
+            run = q->hi - p; /* inside: up to its end */
+        else if (p < q->lo && q->lo - p < run)
+            run = q->lo - p; /* before: up to its start */
+    }
+    pthread_mutex_unlock(&drv_mu);
+    return run;
+}
+
+void cuda_unpin(region *r)
+{
+    unpin_owner(r);
+    r->cuda_pinned = false;
 }
 
 /* ---------------------------------------------------------------- IPC mappings */
 
-/* A peer allocation opened in this process. A handle may be opened only once
- * per process, and several regions (several agents' endpoints) may sit in one
- * allocation: one entry per allocation, counted. drv_mu guards the list. */
+/* A peer allocation opened in this process in one device's context. A
+ * handle may be opened once per (device, exporter) in a process, and several
+ * regions (several agents' endpoints) may sit in one allocation: one entry
+ * per (allocation, device), counted. drv_mu guards the list. */
 typedef struct ipc_map {
     CUipcMemHandle h;
+    int dev;
+    CUcontext ctx;
     CUdeviceptr base;
     size_t size;
-    int dev, refs;
+    int refs;
     struct ipc_map *next;
 } ipc_map;
 
 static ipc_map *ipc_maps;
 
 struct cuda_rmap {
-    ipc_map *m;   /* NULL: our own process's memory, used as is */
-    uint64_t ptr; /* the region's first byte in our address space */
+    bool own;          /* our own process's memory, used as is */
+    uint64_t own_ptr;
+    CUipcMemHandle h;  /* else: the peer's handle, opened per device at first use */
+    uint64_t offset, len;
+    int home;          /* the memory's device here (by UUID), -1 if not visible */
+    pid_t pid;         /* the exporter */
+    ipc_map *m[AXF_CUDA_MAX_DEVICES]; /* submit thread; freed at unmap */
 };
 
 static int dev_by_uuid(const uint8_t uuid[16])
@@ -371,26 +723,104 @@ static int dev_by_uuid(const uint8_t uuid[16])
             memcmp(u.bytes, uuid, 16) == 0)
             return i;
     }
-    return 0; /* not visible here: opened on device 0 with peer access */
+    return -1;
 }
 
 static void ipc_release(ipc_map *m)
 {
-    /* Bound before drv_mu (ctx_bind takes it); closed under it, so that an
-     * import of the same handle never races with its close. */
-    bool bound = ctx_bind(m->dev) == AXF_OK;
     pthread_mutex_lock(&drv_mu);
-    if (--m->refs == 0) {
+    bool last = --m->refs == 0;
+    if (last)
         for (ipc_map **p = &ipc_maps; *p; p = &(*p)->next)
             if (*p == m) {
                 *p = m->next;
                 break;
             }
-        if (bound)
+    pthread_mutex_unlock(&drv_mu);
+    if (!last)
+        return;
+    if (ctx_push(m->ctx) == AXF_OK) {
+        drv.IpcCloseMemHandle(m->base);
+        ctx_pop();
+    }
+    free(m);
+}
+
+/* Whether process pid still runs (a zombie's memory is gone). */
+static bool process_alive(pid_t pid)
+{
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return false;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *rp = strrchr(buf, ')'); /* "pid (comm) S ...": comm may hold anything */
+    return rp && rp[1] == ' ' && rp[2] != 'Z' && rp[2] != 'X';
+}
+
+/* The peer's allocation opened in dev's context (current on the calling
+ * thread, ctx): cached per (handle, device). Returns AXF_OK with cm->m[dev]. */
+static int rmap_open(cuda_rmap *cm, int dev, CUcontext ctx, char *why, size_t why_len)
+{
+    if (cm->m[dev])
+        return AXF_OK;
+    int st = AXF_OK;
+    /* Looked up and opened under one lock: a handle may be opened only once
+     * per (device, exporter), also by two engines at the same time. */
+    pthread_mutex_lock(&drv_mu);
+    ipc_map *m = ipc_maps;
+    while (m && !(m->dev == dev && memcmp(m->h.reserved, cm->h.reserved, sizeof m->h) == 0))
+        m = m->next;
+    if (m) {
+        m->refs++;
+    } else if (!(m = calloc(1, sizeof *m))) {
+        st = AXF_E_NOMEM;
+    } else {
+        m->h = cm->h;
+        m->dev = dev;
+        m->ctx = ctx;
+        m->refs = 1;
+        /* Lazy peer access: the mapping is reachable from this device even
+         * when the memory is on another one (peer-to-peer, not via host). */
+        CUresult r = cu_check(drv.IpcOpenMemHandle(&m->base, cm->h,
+                                                   CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+        CUdeviceptr b2 = 0;
+        char b[120];
+        if (r != CUDA_SUCCESS) {
+            snprintf(why, why_len, "cuIpcOpenMemHandle on device %d: %s", dev,
+                     cu_err(r, b, sizeof b));
+            st = AXF_E_TRANSPORT;
+        } else if ((r = drv.MemGetAddressRange(&b2, &m->size, m->base)) != CUDA_SUCCESS ||
+                   b2 != m->base) {
+            snprintf(why, why_len, "cuMemGetAddressRange of an IPC mapping: %s",
+                     cu_err(r, b, sizeof b));
             drv.IpcCloseMemHandle(m->base);
-        free(m);
+            st = AXF_E_TRANSPORT;
+        }
+        if (st == AXF_OK) {
+            m->next = ipc_maps;
+            ipc_maps = m;
+        } else {
+            free(m);
+            m = NULL;
+        }
     }
     pthread_mutex_unlock(&drv_mu);
+    if (st == AXF_E_TRANSPORT && !process_alive(cm->pid))
+        st = AXF_E_PEER_LOST; /* its memory went with it */
+    if (st != AXF_OK)
+        return st;
+    /* The allocation's true size bounds what the peer's metadata claims. */
+    if (cm->offset > m->size || cm->len > m->size - cm->offset) {
+        ipc_release(m);
+        snprintf(why, why_len, "the peer's region runs past its allocation");
+        return AXF_E_ACCESS;
+    }
+    cm->m[dev] = m;
+    return AXF_OK;
 }
 
 int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offset,
@@ -409,7 +839,8 @@ int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offse
             free(cm);
             return st == AXF_E_TRANSPORT ? st : AXF_E_ACCESS;
         }
-        cm->ptr = rr->addr;
+        cm->own = true;
+        cm->own_ptr = rr->addr;
         rr->cuda = cm;
         return AXF_OK;
     }
@@ -417,114 +848,166 @@ int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offse
         free(cm);
         return AXF_E_INVALID;
     }
-    CUipcMemHandle h;
-    memcpy(h.reserved, handle, sizeof h.reserved);
-    int dev = dev_by_uuid(uuid);
-    if (ctx_bind(dev) != AXF_OK) {
-        free(cm);
-        return AXF_E_TRANSPORT;
-    }
-    /* Looked up and opened under one lock: a handle may be opened only once
-     * per process, also by two engines importing it at the same time. */
-    int st = AXF_OK;
-    pthread_mutex_lock(&drv_mu);
-    ipc_map *m = ipc_maps;
-    while (m && memcmp(m->h.reserved, h.reserved, sizeof h.reserved) != 0)
-        m = m->next;
-    if (m) {
-        m->refs++;
-    } else if (!(m = calloc(1, sizeof *m))) {
-        st = AXF_E_NOMEM;
-    } else {
-        CUdeviceptr b2 = 0;
-        m->h = h;
-        m->dev = dev;
-        m->refs = 1;
-        if (drv.IpcOpenMemHandle(&m->base, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) != CUDA_SUCCESS) {
-            st = AXF_E_TRANSPORT;
-        } else if (drv.MemGetAddressRange(&b2, &m->size, m->base) != CUDA_SUCCESS ||
-                   b2 != m->base) {
-            /* The allocation's true size bounds what the peer's metadata claims. */
-            drv.IpcCloseMemHandle(m->base);
-            st = AXF_E_TRANSPORT;
-        }
-        if (st == AXF_OK) {
-            m->next = ipc_maps;
-            ipc_maps = m;
-        } else {
-            free(m);
-            m = NULL;
-        }
-    }
-    pthread_mutex_unlock(&drv_mu);
-    if (st != AXF_OK) {
-        free(cm);
-        return st;
-    }
-    if (offset > m->size || rr->len > m->size - offset) {
-        ipc_release(m);
-        free(cm);
-        return AXF_E_ACCESS;
-    }
-    cm->m = m;
-    cm->ptr = m->base + offset;
+    /* Opened at first use, in the context of the device that copies it
+     * (which this process may not even have a context on yet). */
+    memcpy(cm->h.reserved, handle, sizeof cm->h.reserved);
+    cm->offset = offset;
+    cm->len = rr->len;
+    cm->home = dev_by_uuid(uuid);
+    cm->pid = ep->pid;
     rr->cuda = cm;
     return AXF_OK;
 }
 
 void cuda_unmap(rregion *rr)
 {
+    unpin_owner(rr); /* our mapping of a peer's host memory, if pinned */
     cuda_rmap *cm = rr->cuda;
     if (!cm)
         return;
     rr->cuda = NULL;
-    if (cm->m)
-        ipc_release(cm->m);
+    for (int d = 0; d < AXF_CUDA_MAX_DEVICES; d++)
+        if (cm->m[d])
+            ipc_release(cm->m[d]);
     free(cm);
+}
+
+/* Test and tool hook: how many peer allocations this process has open. */
+int axf_cuda_ipc_open_count(void)
+{
+    int n = 0;
+    pthread_mutex_lock(&drv_mu);
+    for (ipc_map *m = ipc_maps; m; m = m->next)
+        n++;
+    pthread_mutex_unlock(&drv_mu);
+    return n;
 }
 
 /* ---------------------------------------------------------------- engine state */
 
 typedef struct cuda_job {
-    op *o;
-    CUevent ev;   /* NULL: nothing to wait for (or the stream was synchronised) */
+    op *o;          /* NULL: a pin job (pin) */
+    region *pin;    /* a host region to page-lock ahead of its first copy (ref held) */
+    CUevent ev;     /* NULL: nothing to wait for (or the stream was synchronised) */
+    CUcontext ctx;  /* the stream's */
     struct cuda_job *next;
 } cuda_job;
 
 struct axf_cuda {
+    axf_engine *e;
     pthread_mutex_t mu;
     pthread_cond_t cv;  /* submit queue */
     pthread_cond_t wcv; /* wait queue */
     cuda_job *sq_head, *sq_tail; /* posted, not yet enqueued on a stream */
     cuda_job *wq_head, *wq_tail; /* enqueued, waiting for their event */
-    bool stop, started;
+    bool stop, started, poison_logged;
     pthread_t submitter, waiter;
     CUstream stream[AXF_CUDA_MAX_DEVICES]; /* submit thread only */
+    CUcontext sctx[AXF_CUDA_MAX_DEVICES];  /* the context each stream lives in */
 };
 
-static uint64_t rptr(const op *o, size_t i)
+static region *op_lregion(const op *o, size_t i)
+{
+    for (size_t j = 0; j < o->nlregs; j++)
+        if (o->lregs[j]->id == o->d[i].lrid)
+            return o->lregs[j];
+    return NULL;
+}
+
+static bool desc_local_gpu(const op *o, size_t i)
+{
+    region *r = op_lregion(o, i);
+    return r && r->kind == AXF_MEM_CUDA;
+}
+
+/* The peer-side address of descriptor i as seen from device dev. */
+static uint64_t rptr(const op *o, size_t i, int dev)
 {
     rregion *rr = o->rr[i];
     uint64_t off = o->d[i].roff;
-    if (rr->cuda)
-        return rr->cuda->ptr + off;
+    cuda_rmap *cm = rr->cuda;
+    if (cm)
+        return (cm->own ? cm->own_ptr : cm->m[dev]->base + cm->offset) + off;
     return (uint64_t)(uintptr_t)(rr->map + off); /* host memfd mapping (cuda_op_check) */
 }
 
-/* The op's device: where its first GPU pointer lives. */
-static int op_device(const op *o)
+/* The device whose stream copies op o: where its local GPU memory is, else
+ * where the peer's is; *hint: the context of our memory there, if any. */
+static int op_device(const op *o, CUcontext *hint)
+{
+    *hint = NULL;
+    ptr_attr a;
+    for (size_t i = 0; i < o->n; i++)
+        if (desc_local_gpu(o, i) && ptr_query((uint64_t)(uintptr_t)o->laddr[i], &a)) {
+            *hint = a.ctx;
+            return a.dev;
+        }
+    for (size_t i = 0; i < o->n; i++) {
+        cuda_rmap *cm = o->rr[i]->cuda;
+        if (cm && cm->own && ptr_query(cm->own_ptr, &a)) {
+            *hint = a.ctx;
+            return a.dev;
+        }
+        if (cm && !cm->own && cm->home >= 0)
+            return cm->home;
+    }
+    return 0; /* the peer's device is not visible here: any device maps it */
+}
+
+/* GPU memory of ours on another device than the stream's: reachable once
+ * peer access is enabled (NVLink / PCIe P2P). Current context: dev's. */
+static int enable_peers(struct axf_cuda *c, const op *o, int dev, char *why, size_t why_len)
 {
     for (size_t i = 0; i < o->n; i++) {
-        int dev = ptr_device((uint64_t)(uintptr_t)o->laddr[i]);
-        if (dev >= 0)
-            return dev;
-        if (o->rr[i]->cuda) {
-            dev = ptr_device(rptr(o, i));
-            if (dev >= 0)
-                return dev;
+        uint64_t p[2] = {desc_local_gpu(o, i) ? (uint64_t)(uintptr_t)o->laddr[i] : 0,
+                         o->rr[i]->cuda && o->rr[i]->cuda->own ? o->rr[i]->cuda->own_ptr : 0};
+        for (int k = 0; k < 2; k++) {
+            ptr_attr a;
+            if (!p[k] || !ptr_query(p[k], &a) || a.dev == dev)
+                continue;
+            CUdevice d1, d2;
+            int can = 0;
+            if (drv.DeviceGet(&d1, dev) != CUDA_SUCCESS ||
+                drv.DeviceGet(&d2, a.dev) != CUDA_SUCCESS ||
+                drv.DeviceCanAccessPeer(&can, d1, d2) != CUDA_SUCCESS || !can) {
+                snprintf(why, why_len, "device %d cannot access device %d's memory (no peer "
+                         "access between them)", dev, a.dev);
+                return AXF_E_TRANSPORT;
+            }
+            CUresult r = drv.CtxEnablePeerAccess(a.ctx, 0);
+            if (r != CUDA_SUCCESS && r != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+                char b[120];
+                snprintf(why, why_len, "cuCtxEnablePeerAccess %d -> %d: %s", dev, a.dev,
+                         cu_err(r, b, sizeof b));
+                return AXF_E_TRANSPORT;
+            }
         }
     }
-    return 0;
+    (void)c;
+    return AXF_OK;
+}
+
+/* Page-locks the host memory the op's copies touch, once: our regions, and
+ * our mappings of a peer's memfd regions. Copies from pageable memory go
+ * through the driver's bounce buffers and block the calling thread; pinned
+ * memory is read by DMA, asynchronously. */
+static void pin_op(const op *o, CUcontext ctx)
+{
+    for (size_t i = 0; i < o->nlregs; i++) {
+        region *r = o->lregs[i];
+        if (r->kind != AXF_MEM_HOST || r->cuda_pin_tried)
+            continue;
+        r->cuda_pin_tried = true;
+        /* Our region's own mapping is writable (its access bits say what
+         * peers may do, not how it is mapped). */
+        pin_range(r, r->addr, r->len, false, ctx);
+        r->cuda_pinned = true; /* cuda_unpin looks it up (nothing if refused) */
+    }
+    for (size_t i = 0; i < o->nrregs; i++) {
+        rregion *rr = o->rregs[i];
+        if (!rr->cuda && rr->map) /* mapped read-only when the peer grants no write */
+            pin_range(rr, rr->map, rr->len, !(rr->access & AXF_ACCESS_WRITE), ctx);
+    }
 }
 
 static void wq_push(struct axf_cuda *c, cuda_job *j)
@@ -539,68 +1022,119 @@ static void wq_push(struct axf_cuda *c, cuda_job *j)
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Page-locks the op's local host regions on their first GPU copy: copies
- * from pageable memory go through the driver's bounce buffers (and block the
- * calling thread), pinned memory is read by DMA. Best effort: memory already
- * pinned by someone else (or a refusal) stays as it is. Submit thread only. */
-static void pin_local(const op *o)
+static void op_fail(struct axf_cuda *c, op *o, int st, uint64_t index, const char *why)
 {
-    if (!drv.MemHostRegister || !drv.MemHostUnregister)
-        return;
-    for (size_t i = 0; i < o->nlregs; i++) {
-        region *r = o->lregs[i];
-        if (r->kind != AXF_MEM_HOST || r->cuda_pinned || r->cuda_pin_tried)
-            continue;
-        r->cuda_pin_tried = true;
-        if (drv.MemHostRegister(r->addr, r->len, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS)
-            r->cuda_pinned = true;
-    }
+    op_set_status(o, st, index);
+    if (why && *why)
+        cq_log(c->e, o->ep ? o->ep->tag : 0, "cuda: %s", why);
 }
 
-void cuda_unpin(region *r)
+/* The exporting process is gone (found opening its memory): the endpoint is
+ * lost, reported before the op that found it completes, so that a caller
+ * woken by that op sees the peer lost (as verbs does for a dead queue pair). */
+static void peer_gone(struct axf_cuda *c, endpoint *ep)
 {
-    if (r->cuda_pinned && drv.MemHostUnregister && (tl_bound || ctx_bind(0) == AXF_OK))
-        drv.MemHostUnregister(r->addr);
-    r->cuda_pinned = false;
+    axf_engine *e = c->e;
+    pthread_mutex_lock(&e->mu);
+    bool report = !ep->dead && !ep->closing && !ep->lost_reported;
+    if (report)
+        ep->lost_reported = true;
+    for (int i = 0; i < ep->nconns; i++)
+        conn_kill(ep->conns[i]);
+    pthread_mutex_unlock(&e->mu);
+    if (report)
+        cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, 0, NULL, 0);
 }
 
 /* Enqueues one op's copies and hands it to the waiter. */
 static void submit_one(struct axf_cuda *c, cuda_job *j)
 {
     op *o = j->o;
+    char why[200] = "", b[120];
     j->next = NULL;
     if (atomic_load(&o->cancelled) || atomic_load(&o->status) != AXF_OK) {
         wq_push(c, j);
         return;
     }
-    int dev = op_device(o);
-    if (ctx_bind(dev) != AXF_OK) {
-        op_set_status(o, AXF_E_TRANSPORT, 0);
+    if (atomic_load(&drv.poisoned)) {
+        if (!c->poison_logged) /* once per engine: every later op fails alike */
+            snprintf(why, sizeof why, "%s", drv.poison_why);
+        c->poison_logged = true;
+        op_fail(c, o, AXF_E_TRANSPORT, 0, why);
         wq_push(c, j);
         return;
     }
-    if (!c->stream[dev] && drv.StreamCreate(&c->stream[dev], CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
-        c->stream[dev] = NULL;
-        op_set_status(o, AXF_E_TRANSPORT, 0);
+    CUcontext hint;
+    int dev = op_device(o, &hint);
+    CUcontext ctx = dev_context(dev, hint);
+    if (!ctx || drv.CtxSetCurrent(ctx) != CUDA_SUCCESS) { /* our own thread */
+        snprintf(why, sizeof why, "no usable context on device %d", dev);
+        op_fail(c, o, AXF_E_TRANSPORT, 0, why);
         wq_push(c, j);
         return;
+    }
+    if (!c->stream[dev]) {
+        CUresult r = drv.StreamCreate(&c->stream[dev], CU_STREAM_NON_BLOCKING);
+        if (r != CUDA_SUCCESS) {
+            c->stream[dev] = NULL;
+            snprintf(why, sizeof why, "cuStreamCreate on device %d: %s", dev,
+                     cu_err(r, b, sizeof b));
+            op_fail(c, o, AXF_E_TRANSPORT, 0, why);
+            wq_push(c, j);
+            return;
+        }
+        c->sctx[dev] = ctx;
     }
     CUstream s = c->stream[dev];
-    pin_local(o);
+    j->ctx = c->sctx[dev];
+    for (size_t i = 0; i < o->n; i++) {
+        cuda_rmap *cm = o->rr[i]->cuda;
+        int st = cm && !cm->own ? rmap_open(cm, dev, ctx, why, sizeof why) : AXF_OK;
+        if (st == AXF_E_PEER_LOST)
+            peer_gone(c, o->ep);
+        if (st != AXF_OK) {
+            op_fail(c, o, st, i, why);
+            wq_push(c, j);
+            return;
+        }
+    }
+    int st = enable_peers(c, o, dev, why, sizeof why);
+    if (st != AXF_OK) {
+        op_fail(c, o, st, 0, why);
+        wq_push(c, j);
+        return;
+    }
+    pin_op(o, ctx);
     size_t done = 0;
     uint64_t bytes = 0;
-    for (; done < o->n; done++) {
-        uint64_t l = (uint64_t)(uintptr_t)o->laddr[done], r = rptr(o, done), len = o->d[done].len;
-        CUresult rc = o->opcode == AXF_OP_WRITE ? drv.MemcpyAsync(r, l, len, s)
-                                                : drv.MemcpyAsync(l, r, len, s);
-        if (rc != CUDA_SUCCESS) {
-            op_set_status(o, AXF_E_TRANSPORT, done);
-            break;
+    bool failed = false;
+    for (; done < o->n && !failed; done++) {
+        uint64_t l = (uint64_t)(uintptr_t)o->laddr[done], r = rptr(o, done, dev);
+        uint64_t len = o->d[done].len;
+        bool lhost = !desc_local_gpu(o, done), rhost = !o->rr[done]->cuda;
+        uint64_t dst = o->opcode == AXF_OP_WRITE ? r : l, src = o->opcode == AXF_OP_WRITE ? l : r;
+        bool dhost = o->opcode == AXF_OP_WRITE ? rhost : lhost;
+        bool shost = o->opcode == AXF_OP_WRITE ? lhost : rhost;
+        for (uint64_t off = 0; off < len;) {
+            uint64_t n = len - off;
+            if (dhost)
+                n = pin_run(dst + off, n);
+            if (shost)
+                n = pin_run(src + off, n);
+            CUresult rc = cu_check(drv.MemcpyAsync(dst + off, src + off, n, s));
+            if (rc != CUDA_SUCCESS) {
+                snprintf(why, sizeof why, "cuMemcpyAsync of %llu bytes on device %d: %s",
+                         (unsigned long long)n, dev, cu_err(rc, b, sizeof b));
+                op_fail(c, o, AXF_E_TRANSPORT, done, why);
+                failed = true;
+                break;
+            }
+            off += n;
+            bytes += n;
         }
-        bytes += len;
     }
     atomic_fetch_add(&o->nbytes, bytes);
-    if (done == 0) {
+    if (!bytes) {
         wq_push(c, j);
         return;
     }
@@ -610,16 +1144,62 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
         if (j->ev)
             drv.EventDestroy(j->ev);
         j->ev = NULL;
-        if (drv.StreamSynchronize(s) != CUDA_SUCCESS)
+        if (cu_check(drv.StreamSynchronize(s)) != CUDA_SUCCESS)
             op_set_status(o, AXF_E_TRANSPORT, 0);
     }
     wq_push(c, j);
 }
 
+/* A pin job: page-locks a host region now, off the caller's thread, rather
+ * than at its first GPU copy (pinning a pool of many GB takes a while: the
+ * first copy would wait for it). In a context of ours when one is known;
+ * else left to the first copy, which then has one. Submit thread. */
+static void pin_ahead(struct axf_cuda *c, region *r, bool stopping)
+{
+    CUcontext ctx = NULL;
+    pthread_mutex_lock(&drv_mu);
+    for (int d = 0; d < drv.ndev && !ctx; d++)
+        ctx = drv.dev_ctx[d];
+    pthread_mutex_unlock(&drv_mu);
+    if (!stopping && ctx && !r->cuda_pin_tried && drv.CtxSetCurrent(ctx) == CUDA_SUCCESS) {
+        r->cuda_pin_tried = true;
+        pin_range(r, r->addr, r->len, false, ctx);
+        r->cuda_pinned = true;
+    }
+    region_unref(c->e, r);
+}
+
+int axf_cuda_pin_region(axf_engine *e, uint64_t rid)
+{
+    pthread_mutex_lock(&e->mu);
+    struct axf_cuda *c = e->cuda;
+    region *r = c && !e->shut ? region_get(e, rid) : NULL;
+    pthread_mutex_unlock(&e->mu);
+    if (!c)
+        return AXF_E_TRANSPORT;
+    if (!r)
+        return AXF_E_NOTFOUND;
+    cuda_job *j = r->kind == AXF_MEM_HOST ? calloc(1, sizeof *j) : NULL;
+    if (!j) {
+        int st = r->kind == AXF_MEM_HOST ? AXF_E_NOMEM : AXF_E_INVALID;
+        region_unref(e, r);
+        return st;
+    }
+    j->pin = r;
+    pthread_mutex_lock(&c->mu);
+    if (c->sq_tail)
+        c->sq_tail->next = j;
+    else
+        c->sq_head = j;
+    c->sq_tail = j;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    return AXF_OK;
+}
+
 static void *submit_main(void *arg)
 {
-    axf_engine *e = arg;
-    struct axf_cuda *c = e->cuda;
+    struct axf_cuda *c = arg;
     pthread_mutex_lock(&c->mu);
     for (;;) {
         while (!c->sq_head && !c->stop)
@@ -632,6 +1212,12 @@ static void *submit_main(void *arg)
             c->sq_tail = NULL;
         bool stopping = c->stop;
         pthread_mutex_unlock(&c->mu);
+        if (!j->o) {
+            pin_ahead(c, j->pin, stopping);
+            free(j);
+            pthread_mutex_lock(&c->mu);
+            continue;
+        }
         if (stopping)
             op_set_status(j->o, AXF_E_CLOSED, 0);
         submit_one(c, j);
@@ -643,9 +1229,9 @@ static void *submit_main(void *arg)
 
 static void *wait_main(void *arg)
 {
-    axf_engine *e = arg;
-    struct axf_cuda *c = e->cuda;
-    bool bound = false;
+    struct axf_cuda *c = arg;
+    axf_engine *e = c->e;
+    CUcontext bound = NULL;
     pthread_mutex_lock(&c->mu);
     for (;;) {
         /* Stops only once the submitter is gone and nothing waits: every
@@ -660,10 +1246,13 @@ static void *wait_main(void *arg)
             c->wq_tail = NULL;
         pthread_mutex_unlock(&c->mu);
         if (j->ev) {
-            if (!bound)
-                bound = ctx_bind(0) == AXF_OK; /* events sync from any context */
-            if (drv.EventSynchronize(j->ev) != CUDA_SUCCESS)
-                op_set_status(j->o, AXF_E_TRANSPORT, 0);
+            if (bound != j->ctx && drv.CtxSetCurrent(j->ctx) == CUDA_SUCCESS) /* our thread */
+                bound = j->ctx;
+            CUresult r = cu_check(drv.EventSynchronize(j->ev));
+            if (r != CUDA_SUCCESS) {
+                char b[120];
+                op_fail(c, j->o, AXF_E_TRANSPORT, 0, cu_err(r, b, sizeof b));
+            }
             drv.EventDestroy(j->ev);
         }
         op *o = j->o;
@@ -679,7 +1268,7 @@ int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
 {
     int st = drv_ready();
     if (why && why_len)
-        snprintf(why, why_len, "%s", drv.why);
+        snprintf(why, why_len, "%s", atomic_load(&drv.poisoned) ? drv.poison_why : drv.why);
     if (st != AXF_OK)
         return st;
     pthread_mutex_lock(&e->mu);
@@ -693,18 +1282,19 @@ int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
         pthread_mutex_unlock(&e->mu);
         return AXF_E_NOMEM;
     }
+    c->e = e;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     pthread_cond_init(&c->wcv, NULL);
     e->cuda = c;
     c->started = true;
-    if (pthread_create(&c->submitter, NULL, submit_main, e) != 0) {
+    if (pthread_create(&c->submitter, NULL, submit_main, c) != 0) {
         e->cuda = NULL;
         pthread_mutex_unlock(&e->mu);
         free(c);
         return AXF_E_NOMEM;
     }
-    if (pthread_create(&c->waiter, NULL, wait_main, e) != 0) {
+    if (pthread_create(&c->waiter, NULL, wait_main, c) != 0) {
         pthread_mutex_lock(&c->mu);
         c->stop = true;
         pthread_cond_broadcast(&c->cv);
@@ -793,8 +1383,10 @@ void cuda_free(axf_engine *e)
         return;
     cuda_stop(e);
     for (int d = 0; d < AXF_CUDA_MAX_DEVICES; d++)
-        if (c->stream[d] && ctx_bind(d) == AXF_OK)
+        if (c->stream[d] && ctx_push(c->sctx[d]) == AXF_OK) { /* the caller's thread */
             drv.StreamDestroy(c->stream[d]);
+            ctx_pop();
+        }
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->wcv);

@@ -5,12 +5,13 @@
  * host -> file, a READ file -> host. Descriptors are cut into chunks of at most
  * CHUNK bytes so that many are in flight at once. Two backends, each with
  * its own queue of ops (see file_mode for which op goes where):
- *  - io_uring (liburing, when built with it and the kernel allows it): one
- *    thread owns the ring, submits up to QDEPTH chunks and sleeps in
- *    io_uring_submit_and_wait; a poll on an eventfd wakes it for new work.
+ *  - io_uring (uring.h: the kernel interface itself, no liburing needed;
+ *    where the kernel allows it): one thread owns the ring, submits up to
+ *    QDEPTH chunks and sleeps in io_uring_enter until one completes; a poll
+ *    on an eventfd wakes it for new work.
  *  - a small pread/pwrite thread pool: buffered I/O, and everything where
- *    there is no ring (no liburing, ENOSYS/EPERM from io_uring_queue_init,
- *    kernel < 5.6, or AIOXFER_FILE_IO=threads).
+ *    there is no ring (built with -Dliburing=disabled, ENOSYS/EPERM from
+ *    io_uring_setup, kernel < 5.6, or AIOXFER_FILE_IO=threads).
  * Nothing spins. Every op holds one unit while chunks remain to be issued,
  * plus one per chunk in flight; completions go through op_unit_done. Short
  * transfers are resubmitted for the rest; a read that meets the end of the
@@ -31,11 +32,7 @@
 #include <unistd.h>
 
 #ifdef AXF_HAVE_URING
-#include <liburing.h>
-#endif
-
-#ifndef AXF_URING_VERSION
-#define AXF_URING_VERSION "unknown"
+#include "uring.h"
 #endif
 
 #define CHUNK (1u << 20) /* a multiple of every O_DIRECT block size */
@@ -78,7 +75,7 @@ typedef struct file_xport {
     uint32_t nthreads;
     int wake_fd;           /* io_uring: written when work arrives */
 #ifdef AXF_HAVE_URING
-    struct io_uring ring;
+    axf_uring ring;
     fchunk slots[QDEPTH];
     uint32_t free_slots[QDEPTH];
     uint32_t nfree;
@@ -113,34 +110,29 @@ static bool uring_try(void *ring_out, char *why, size_t cap)
         return false;
     }
 #ifdef AXF_HAVE_URING
-    struct io_uring tmp, *ring = ring_out ? ring_out : &tmp;
-    int r = io_uring_queue_init(QDEPTH * 2, ring, 0);
+    axf_uring tmp, *ring = ring_out ? ring_out : &tmp;
+    int r = axf_uring_init(QDEPTH * 2, ring);
     if (r < 0) {
         snprintf(why, cap, "thread pool: io_uring unavailable (%s)",
                  -r == ENOSYS ? "ENOSYS" : -r == EPERM ? "EPERM" : strerror(-r));
         return false;
     }
     /* Kernels before 5.6 have rings but not these opcodes. */
-    struct io_uring_probe *probe = io_uring_get_probe_ring(ring);
-    bool ops = probe && io_uring_opcode_supported(probe, IORING_OP_READ) &&
-               io_uring_opcode_supported(probe, IORING_OP_WRITE) &&
-               io_uring_opcode_supported(probe, IORING_OP_POLL_ADD);
-    if (probe)
-        io_uring_free_probe(probe);
-    if (!ops) {
-        io_uring_queue_exit(ring);
+    static const int need[] = {IORING_OP_READ, IORING_OP_WRITE, IORING_OP_POLL_ADD};
+    if (!axf_uring_supports(ring, need, 3)) {
+        axf_uring_exit(ring);
         snprintf(why, cap, "thread pool: io_uring lacks IORING_OP_READ/WRITE (kernel < 5.6)");
         return false;
     }
     if (!ring_out)
-        io_uring_queue_exit(ring);
-    snprintf(why, cap, "io_uring (liburing %s) %s", AXF_URING_VERSION,
+        axf_uring_exit(ring);
+    snprintf(why, cap, "io_uring (kernel interface) %s",
              mode == MODE_URING ? "for all file I/O (AIOXFER_FILE_IO=uring)"
                                 : "for O_DIRECT, thread pool for buffered I/O");
     return true;
 #else
     (void)ring_out;
-    snprintf(why, cap, "thread pool: built without liburing");
+    snprintf(why, cap, "thread pool: built without io_uring (-Dliburing=disabled)");
     return false;
 #endif
 }
@@ -344,17 +336,14 @@ static void *pool_main(void *arg)
 static void uring_prep(file_xport *f, uint32_t slot)
 {
     fchunk *c = &f->slots[slot];
-    struct io_uring_sqe *sqe = io_uring_get_sqe(&f->ring);
+    struct io_uring_sqe *sqe = axf_uring_get_sqe(&f->ring);
     /* Never NULL: the ring has twice QDEPTH entries and at most QDEPTH + 1 are
      * ever outstanding, all submitted before the next batch is prepared. */
     uint8_t *mem = c->o->laddr[c->i] + c->off + c->done;
     uint64_t at = c->o->fr[c->i]->foff + c->o->d[c->i].roff + c->off + c->done;
     unsigned len = (unsigned)(c->len - c->done);
-    if (c->o->opcode == AXF_OP_WRITE)
-        io_uring_prep_write(sqe, c->o->fr[c->i]->fd, mem, len, at);
-    else
-        io_uring_prep_read(sqe, c->o->fr[c->i]->fd, mem, len, at);
-    io_uring_sqe_set_data64(sqe, slot);
+    axf_uring_prep_rw(sqe, c->o->opcode == AXF_OP_WRITE ? IORING_OP_WRITE : IORING_OP_READ,
+                      c->o->fr[c->i]->fd, mem, len, at, slot);
 }
 
 static void *uring_main(void *arg)
@@ -365,9 +354,7 @@ static void *uring_main(void *arg)
     uint32_t inflight = 0;
     for (;;) {
         if (!armed && !stopping) {
-            struct io_uring_sqe *sqe = io_uring_get_sqe(&f->ring);
-            io_uring_prep_poll_add(sqe, f->wake_fd, POLLIN);
-            io_uring_sqe_set_data64(sqe, WAKE_TAG);
+            axf_uring_prep_poll_in(axf_uring_get_sqe(&f->ring), f->wake_fd, WAKE_TAG);
             armed = true;
         }
         /* Issue what fits; ops whose last chunk was issued release their unit. */
@@ -394,22 +381,21 @@ static void *uring_main(void *arg)
         pthread_mutex_unlock(&f->mu);
         if (stopping && inflight == 0)
             break;
-        int r = io_uring_submit_and_wait(&f->ring, 1);
+        int r = axf_uring_submit_and_wait(&f->ring, 1);
         if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY && r != -ETIME) {
             /* Not seen in practice. What the kernel took still completes into
              * the mapped CQ ring: keep reaping, slowly, and say so once. */
             if (!ring_error)
-                cq_log(e, 0, "file: io_uring_submit_and_wait failed: %s", strerror(-r));
+                cq_log(e, 0, "file: io_uring_enter failed: %s", strerror(-r));
             ring_error = true;
             struct timespec ts = {0, 1000000};
             nanosleep(&ts, NULL);
         }
         struct io_uring_cqe *cqe;
-        unsigned head, seen = 0;
-        io_uring_for_each_cqe(&f->ring, head, cqe)
-        {
+        unsigned head = *f->ring.cq_head, seen = 0;
+        for (; (cqe = axf_uring_cqe_at(&f->ring, head)) != NULL; head++) {
             seen++;
-            uint64_t tag = io_uring_cqe_get_data64(cqe);
+            uint64_t tag = cqe->user_data;
             int res = cqe->res;
             if (tag == WAKE_TAG) {
                 uint64_t v;
@@ -443,7 +429,7 @@ static void *uring_main(void *arg)
             pthread_mutex_unlock(&f->mu);
             op_unit_done(e, o);
         }
-        io_uring_cq_advance(&f->ring, seen);
+        axf_uring_cq_advance(&f->ring, seen);
     }
     return NULL;
 }
@@ -467,7 +453,7 @@ int file_start(axf_engine *e) /* e->mu held */
     if (f->uring) {
         f->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         if (f->wake_fd < 0) {
-            io_uring_queue_exit(&f->ring);
+            axf_uring_exit(&f->ring);
             f->uring = false;
             snprintf(f->why, sizeof f->why, "thread pool: no eventfd for io_uring");
         }
@@ -490,7 +476,7 @@ int file_start(axf_engine *e) /* e->mu held */
         if (pthread_create(&f->threads[f->nthreads], NULL, uring_main, e) == 0) {
             f->nthreads++;
         } else {
-            io_uring_queue_exit(&f->ring);
+            axf_uring_exit(&f->ring);
             f->uring = false;
             snprintf(f->why, sizeof f->why, "thread pool: no thread for io_uring");
         }
@@ -500,7 +486,7 @@ int file_start(axf_engine *e) /* e->mu held */
         e->file = NULL;
 #ifdef AXF_HAVE_URING
         if (f->uring)
-            io_uring_queue_exit(&f->ring);
+            axf_uring_exit(&f->ring);
 #endif
         if (f->wake_fd >= 0)
             close(f->wake_fd);
@@ -609,7 +595,7 @@ void file_free(axf_engine *e)
     e->file = NULL;
 #ifdef AXF_HAVE_URING
     if (f->uring)
-        io_uring_queue_exit(&f->ring);
+        axf_uring_exit(&f->ring);
 #endif
     if (f->wake_fd >= 0)
         close(f->wake_fd);

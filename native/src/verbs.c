@@ -48,15 +48,17 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
 #define SQ_DEPTH 256      /* send queue entries per queue pair */
 #define CHAIN_WRS 32      /* work requests per chain (one signalled) */
 #define CQ_ENTRIES 8192   /* per device; also the bound on requests posted on it */
-#define MAX_INLINE 256    /* asked of a queue pair; small WRITEs are sent inline */
+#define MAX_INLINE 256    /* asked of a queue pair; small WRITEs from host memory go inline */
 #define MR_BUCKETS 256
 #define WAKE_ID UINT32_MAX
+#define ASYNC_ID 0x10000u /* + device: its asynchronous event fd */
 
 typedef struct verbs_state verbs_state;
 typedef struct verbs_qp vqp;
@@ -68,12 +70,14 @@ typedef struct vdev {
     struct ibv_cq *cq;
     uint8_t port;
     uint8_t gid_index;
+    uint8_t gid_type; /* 1 + enum ibv_gid_type; 0 unknown */
     union ibv_gid gid;
     uint16_t lid;
     enum ibv_mtu mtu;
     bool eth; /* RoCE: addressed by GID (GRH) */
     uint8_t rd_atom, rd_init_atom;
     uint32_t cq_room; /* requests it may still have posted (vs->mu) */
+    bool dead;        /* IBV_EVENT_DEVICE_FATAL: poller thread only */
     char name[64];
 } vdev;
 
@@ -111,8 +115,9 @@ struct vchain {
     vqp *q;
     int nwr;
     int took;      /* work requests the send queue took (all, but after a failed post) */
-    bool partial;  /* a failed post_send: each request it took completes (flushed) */
-    int left;      /* ... and this many have not yet */
+    bool partial;  /* a failed post_send took part of the chain */
+    bool drained;  /* ... and a signalled drain request went after it */
+    int left;      /* no drain: completions still expected (may never come) */
     uint64_t bytes;
     bool failed;
     struct ibv_send_wr *wr;
@@ -144,9 +149,60 @@ struct verbs_ep {
     int next; /* striping position */
 };
 
+/* What hardware decides, as settings with safe defaults (environment, read
+ * when verbs is enabled; see README "RDMA settings"). */
+typedef struct verbs_settings {
+    uint8_t timeout;   /* AIOXFER_VERBS_TIMEOUT: 4.096 us * 2^n per try; 20 (~4.3 s), as NCCL */
+    uint8_t retry_cnt; /* AIOXFER_VERBS_RETRY_CNT: 7 */
+    uint8_t tc;        /* AIOXFER_VERBS_TC: GRH traffic class (DSCP << 2); 0 */
+    uint8_t sl;        /* AIOXFER_VERBS_SL: service level; 0 */
+    int gid_index;     /* AIOXFER_VERBS_GID_INDEX: -1 picks by type (RoCE v2, routable) */
+    bool relaxed;      /* AIOXFER_VERBS_RELAXED_ORDERING: 1 (tried, dropped if refused) */
+    char devices[256]; /* AIOXFER_VERBS_DEVICES: comma-separated allow-list; empty: all */
+} verbs_settings;
+
+static int env_int(const char *name, int dflt, int lo, int hi)
+{
+    const char *v = getenv(name);
+    if (!v || !*v)
+        return dflt;
+    char *end;
+    long n = strtol(v, &end, 10);
+    return *end || n < lo || n > hi ? dflt : (int)n;
+}
+
+static void settings_read(verbs_settings *s)
+{
+    s->timeout = (uint8_t)env_int("AIOXFER_VERBS_TIMEOUT", 20, 1, 31);
+    s->retry_cnt = (uint8_t)env_int("AIOXFER_VERBS_RETRY_CNT", 7, 0, 7);
+    s->tc = (uint8_t)env_int("AIOXFER_VERBS_TC", 0, 0, 255);
+    s->sl = (uint8_t)env_int("AIOXFER_VERBS_SL", 0, 0, 15);
+    s->gid_index = env_int("AIOXFER_VERBS_GID_INDEX", -1, 0, 255);
+    s->relaxed = env_int("AIOXFER_VERBS_RELAXED_ORDERING", 1, 0, 1) == 1;
+    const char *d = getenv("AIOXFER_VERBS_DEVICES");
+    snprintf(s->devices, sizeof s->devices, "%s", d ? d : "");
+}
+
+/* Whether device `name` is in the allow-list (empty: every device). */
+static bool device_allowed(const verbs_settings *s, const char *name)
+{
+    if (!s->devices[0])
+        return true;
+    size_t n = strlen(name);
+    for (const char *p = s->devices; *p;) {
+        const char *e = strchr(p, ',');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        if (len == n && strncmp(p, name, n) == 0)
+            return true;
+        p += len + (e ? 1 : 0);
+    }
+    return false;
+}
+
 struct verbs_state {
     axf_engine *e;
     axf_verbs_table t;
+    verbs_settings set;
     int ndev;
     vdev dev[AXF_VERBS_MAX_DEVICES];
     int epfd, wakefd;
@@ -230,12 +286,84 @@ static struct ibv_device **device_list(const axf_verbs_table *t, int *n)
     return list;
 }
 
+/* The type of GID entry `index` (1 + enum ibv_gid_type), 0 if unknown: from
+ * the library (ibv_query_gid_ex), else sysfs, as rdma-core itself reads it. */
+static int gid_type_of(const axf_verbs_table *t, struct ibv_context *ctx, const char *dev,
+                       uint8_t port, int index)
+{
+    int type = -1;
+    if (t->query_gid_type && t->query_gid_type(ctx, port, index, &type) == 0 && type >= 0)
+        return 1 + type;
+    char path[256], buf[32] = "";
+    snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports/%u/gid_attrs/types/%d", dev,
+             port, index);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return 0;
+    bool got = fgets(buf, sizeof buf, f) != NULL;
+    fclose(f);
+    if (!got)
+        return 0;
+    if (strstr(buf, "v2"))
+        return 1 + IBV_GID_TYPE_ROCE_V2;
+    if (strstr(buf, "v1") || strstr(buf, "IB"))
+        return 1 + IBV_GID_TYPE_ROCE_V1;
+    return 0;
+}
+
+/* How good a RoCE GID is to address peers by (NCCL's order): RoCE v2 first
+ * (routable, carries DSCP/ECN), a non-link-local address first (fe80::/10
+ * does not cross a router), IPv4-mapped first. -1: an empty entry. */
+static int gid_score(const union ibv_gid *g, int type)
+{
+    static const uint8_t zero[16];
+    if (!memcmp(g->raw, zero, 16))
+        return -1;
+    bool link_local = g->raw[0] == 0xfe && (g->raw[1] & 0xc0) == 0x80;
+    bool v4mapped = !memcmp(g->raw, zero, 10) && g->raw[10] == 0xff && g->raw[11] == 0xff;
+    return (type == 1 + IBV_GID_TYPE_ROCE_V2 ? 4 : 0) + (link_local ? 0 : 2) + (v4mapped ? 1 : 0);
+}
+
+/* Picks the port's GID: the override, index 0 on InfiniBand, else the best
+ * scored entry (lowest index among equals). false when none is usable. */
+static bool gid_pick(const axf_verbs_table *t, vdev *v, const verbs_settings *set, int tbl_len,
+                     char *why, size_t why_len)
+{
+    int best = -1, best_score = -1;
+    if (set->gid_index >= 0 || !v->eth) {
+        best = set->gid_index >= 0 ? set->gid_index : 0;
+    } else {
+        for (int i = 0; i < tbl_len && i < 256; i++) {
+            union ibv_gid g;
+            if (t->query_gid(v->ctx, v->port, i, &g))
+                continue;
+            int sc = gid_score(&g, gid_type_of(t, v->ctx, v->name, v->port, i));
+            if (sc > best_score) {
+                best = i;
+                best_score = sc;
+            }
+        }
+    }
+    if (best < 0 || t->query_gid(v->ctx, v->port, best, &v->gid)) {
+        snprintf(why, why_len, "%s: no usable GID on port %u", v->name, v->port);
+        return false;
+    }
+    v->gid_index = (uint8_t)best;
+    v->gid_type = v->eth ? (uint8_t)gid_type_of(t, v->ctx, v->name, v->port, best)
+                         : (uint8_t)(1 + IBV_GID_TYPE_IB);
+    return true;
+}
+
 /* Opens a device and finds its first active port; false when unusable. */
-static bool dev_open(const axf_verbs_table *t, struct ibv_device *d, vdev *v, char *why,
-                     size_t why_len)
+static bool dev_open(const axf_verbs_table *t, struct ibv_device *d, vdev *v,
+                     const verbs_settings *set, char *why, size_t why_len)
 {
     memset(v, 0, sizeof *v);
     snprintf(v->name, sizeof v->name, "%s", t->get_device_name(d));
+    if (!device_allowed(set, v->name)) {
+        snprintf(why, why_len, "%s: not in AIOXFER_VERBS_DEVICES", v->name);
+        return false;
+    }
     v->ctx = t->open_device(d);
     if (!v->ctx) {
         snprintf(why, why_len, "%s: cannot open: %s", v->name, strerror(errno));
@@ -258,12 +386,8 @@ static bool dev_open(const axf_verbs_table *t, struct ibv_device *d, vdev *v, ch
         v->lid = pa.lid;
         v->mtu = pa.active_mtu;
         v->eth = pa.link_layer == IBV_LINK_LAYER_ETHERNET;
-        const char *gi = getenv("AIOXFER_VERBS_GID_INDEX");
-        v->gid_index = (uint8_t)(gi ? atoi(gi) : 0);
-        if (t->query_gid(v->ctx, v->port, v->gid_index, &v->gid)) {
-            snprintf(why, why_len, "%s: cannot query GID %u", v->name, v->gid_index);
+        if (!gid_pick(t, v, set, pa.gid_tbl_len, why, why_len))
             goto fail;
-        }
         return true;
     }
     snprintf(why, why_len, "%s: no active port", v->name);
@@ -271,6 +395,14 @@ fail:
     t->close_device(v->ctx);
     v->ctx = NULL;
     return false;
+}
+
+static const char *gid_type_text(int t)
+{
+    return t == 1 + IBV_GID_TYPE_ROCE_V2 ? "RoCE v2"
+           : t == 1 + IBV_GID_TYPE_ROCE_V1 ? "RoCE v1"
+           : t == 1 + IBV_GID_TYPE_IB      ? "IB"
+                                           : "type unknown";
 }
 
 int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *why,
@@ -298,10 +430,12 @@ int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *w
     int usable = 0;
     size_t used = 0;
     char reason[160] = "";
+    verbs_settings set;
+    settings_read(&set);
     for (int i = 0; i < n; i++) {
         vdev v;
         char r[160];
-        if (!dev_open(&t, list[i], &v, r, sizeof r)) {
+        if (!dev_open(&t, list[i], &v, &set, r, sizeof r)) {
             snprintf(reason, sizeof reason, "%s", r);
             continue;
         }
@@ -310,8 +444,9 @@ int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *w
                  v.gid.raw[1], v.gid.raw[2], v.gid.raw[3], v.gid.raw[12], v.gid.raw[13],
                  v.gid.raw[14], v.gid.raw[15]);
         int k = snprintf(names + used, names_len > used ? names_len - used : 0,
-                         "%s%s (port %u, %s, mtu %s, gid %s)", usable ? "\n" : "", v.name,
-                         v.port, v.eth ? "Ethernet" : "InfiniBand", mtu_text(v.mtu), gid);
+                         "%s%s (port %u, %s, mtu %s, gid[%u] %s %s)", usable ? "\n" : "",
+                         v.name, v.port, v.eth ? "Ethernet" : "InfiniBand", mtu_text(v.mtu),
+                         v.gid_index, gid, gid_type_text(v.gid_type));
         if (k > 0 && used + (size_t)k < names_len)
             used += (size_t)k;
         t.close_device(v.ctx);
@@ -359,12 +494,21 @@ static vmr *mr_get(verbs_state *vs, int dev, uint64_t addr, uint64_t len, int ac
     vmr *m = calloc(1, sizeof *m);
     if (!m)
         return NULL;
-    if (dmabuf_fd >= 0)
-        m->mr = vs->t.reg_dmabuf_mr ? vs->t.reg_dmabuf_mr(vs->dev[dev].pd, offset, len, addr,
-                                                        dmabuf_fd, access)
-                                    : NULL;
-    else
-        m->mr = vs->t.reg_mr(vs->dev[dev].pd, (void *)(uintptr_t)addr, len, access);
+    /* Relaxed ordering (PCIe) lets the NIC's writes pass each other: much
+     * faster to GPU memory and on some CPUs. An optional access flag: a
+     * library or kernel that does not know it refuses it, so try without. */
+    int ro = vs->set.relaxed ? IBV_ACCESS_RELAXED_ORDERING : 0;
+    for (int pass = ro ? 0 : 1; pass < 2 && !m->mr; pass++) {
+        int acc = access | (pass ? 0 : ro);
+        if (dmabuf_fd >= 0)
+            m->mr = vs->t.reg_dmabuf_mr ? vs->t.reg_dmabuf_mr(vs->dev[dev].pd, offset, len, addr,
+                                                            dmabuf_fd, acc)
+                                        : NULL;
+        else
+            m->mr = vs->t.reg_mr(vs->dev[dev].pd, (void *)(uintptr_t)addr, len, acc);
+        if (!m->mr && errno != EINVAL && errno != EOPNOTSUPP)
+            break; /* not about the flag */
+    }
     if (!m->mr) {
         free(m);
         return NULL;
@@ -408,7 +552,17 @@ static int region_register_all(verbs_state *vs, region *r, int dmabuf_fd, uint64
         r->verbs->mr[d] = mr_get(vs, d, (uint64_t)(uintptr_t)r->addr, r->len, access, dmabuf_fd,
                                  offset);
         if (!r->verbs->mr[d]) {
-            snprintf(why, why_len, "%s: %s", vs->dev[d].name, strerror(errno));
+            int err = errno;
+            struct rlimit rl;
+            if ((err == ENOMEM || err == EPERM || err == EAGAIN) && dmabuf_fd < 0 &&
+                getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+                /* Pinning counts against the locked-memory limit, per device. */
+                snprintf(why, why_len, "%s: %s (RLIMIT_MEMLOCK is %llu KiB: raise it, e.g. "
+                         "ulimit -l unlimited or LimitMEMLOCK=infinity, or name fewer devices "
+                         "in AIOXFER_VERBS_DEVICES)", vs->dev[d].name, strerror(err),
+                         (unsigned long long)rl.rlim_cur / 1024);
+            else
+                snprintf(why, why_len, "%s: %s", vs->dev[d].name, strerror(err));
             return AXF_E_REGISTRATION;
         }
     }
@@ -426,52 +580,62 @@ static void region_release_all(verbs_state *vs, region *r) /* vs->mu held */
     r->verbs = NULL;
 }
 
-int verbs_region_add(axf_engine *e, region *r)
+/* Registers r on every device (vs->mu NOT held). GPU memory: through a
+ * dmabuf of the pages around it (GPUDirect RDMA, CUDA >= 11.7 and a kernel
+ * with dmabuf MRs), else plainly, which works where the peer-memory module
+ * (nvidia-peermem) is loaded. why: what failed (GPU: both ways). */
+static int region_register(verbs_state *vs, region *r, char *why, size_t why_len)
 {
-    verbs_state *vs = e->verbs;
-    if (!vs || r->kind == AXF_MEM_FILE)
-        return AXF_OK;
-    if (r->kind == AXF_MEM_CUDA && strcmp(vs->t.provider, "libibverbs") != 0) {
-        /* A software provider copies with the CPU: GPU memory is beyond it. */
-        cq_log(e, 0, "verbs: GPU region of %llu bytes not registered: provider %s reaches host "
-               "memory only; slow path: unreachable over verbs (no host staging)",
-               (unsigned long long)r->len, vs->t.provider);
-        return AXF_OK;
-    }
-    char why[200] = "";
-    /* GPUDirect RDMA: GPU memory through a dmabuf of it from the CUDA driver
-     * first (CUDA >= 11.7, a kernel with dmabuf MRs); else plain registration,
-     * which works where the peer-memory module (nvidia-peermem) is loaded. */
+    char dm_why[160] = "";
     int dmabuf = -1;
-    if (r->kind == AXF_MEM_CUDA && vs->t.reg_dmabuf_mr &&
-        axf_cuda_dmabuf((uint64_t)(uintptr_t)r->addr, r->len, &dmabuf) != AXF_OK)
-        dmabuf = -1;
+    uint64_t dm_off = 0;
+    if (r->kind == AXF_MEM_CUDA) {
+        if (!vs->t.reg_dmabuf_mr)
+            snprintf(dm_why, sizeof dm_why, "this libibverbs has no ibv_reg_dmabuf_mr");
+        else if (axf_cuda_dmabuf_range((uint64_t)(uintptr_t)r->addr, r->len, &dmabuf, &dm_off,
+                                       dm_why, sizeof dm_why) != AXF_OK)
+            dmabuf = -1;
+    }
     pthread_mutex_lock(&vs->mu);
     int st = AXF_E_REGISTRATION;
     if (dmabuf >= 0) {
-        st = region_register_all(vs, r, dmabuf, 0, why, sizeof why);
+        st = region_register_all(vs, r, dmabuf, dm_off, dm_why, sizeof dm_why);
         if (st != AXF_OK)
             region_release_all(vs, r);
     }
     if (st != AXF_OK) {
-        st = region_register_all(vs, r, -1, 0, why, sizeof why);
+        st = region_register_all(vs, r, -1, 0, why, why_len);
         if (st != AXF_OK)
             region_release_all(vs, r);
     }
     pthread_mutex_unlock(&vs->mu);
     if (dmabuf >= 0)
         close(dmabuf); /* the registrations hold their own reference */
+    if (st != AXF_OK && r->kind == AXF_MEM_CUDA) {
+        char plain[200];
+        snprintf(plain, sizeof plain, "%s", why);
+        snprintf(why, why_len, "dmabuf: %s; peer memory (nvidia-peermem): %s",
+                 dm_why[0] ? dm_why : "refused", plain);
+    }
+    return st;
+}
+
+int verbs_region_add(axf_engine *e, region *r)
+{
+    verbs_state *vs = e->verbs;
+    if (!vs || r->kind == AXF_MEM_FILE)
+        return AXF_OK;
+    char why[400] = "";
+    int st = region_register(vs, r, why, sizeof why);
     if (st == AXF_OK || st == AXF_E_NOMEM)
         return st;
     if (r->kind == AXF_MEM_CUDA) {
-        /* Neither a dmabuf nor peer memory (nvidia-peermem): the
-         * axf_verbs_region_dmabuf hook may still register it; until then
-         * verbs cannot reach it. */
+        /* Neither way: verbs cannot reach it (the axf_verbs_region_dmabuf hook
+         * may still register it). Loud, because the fallback is slow. */
         cq_log(e, 0,
-               "verbs: GPU region of %llu bytes not registered for GPUDirect RDMA (dmabuf %s, "
-               "peer memory: %s); slow path: it is unreachable over verbs, and there is no "
-               "host staging",
-               (unsigned long long)r->len, dmabuf >= 0 ? "refused" : "unavailable", why);
+               "verbs: GPU region of %llu bytes not registered for GPUDirect RDMA (%s); slow "
+               "path: it is unreachable over verbs, and there is no host staging",
+               (unsigned long long)r->len, why);
         return AXF_OK;
     }
     cq_log(e, 0, "verbs: cannot register %llu bytes: %s", (unsigned long long)r->len, why);
@@ -620,6 +784,9 @@ static void qp_info(const vqp *q, axf_verbs_qp_info *out)
     out->port = d->port;
     out->gid_index = d->gid_index;
     memcpy(out->gid, d->gid.raw, 16);
+    out->link_layer = d->eth ? IBV_LINK_LAYER_ETHERNET : IBV_LINK_LAYER_INFINIBAND;
+    out->gid_type = d->gid_type;
+    out->max_dest_rd_atomic = d->rd_atom ? d->rd_atom : 1;
 }
 
 /* INIT -> RTR -> RTS towards the peer's queue pair. */
@@ -632,6 +799,22 @@ static int qp_connect(vqp *q, const axf_verbs_qp_info *r, char *why, size_t why_
         snprintf(why, why_len, "peer's queue pair parameters out of range");
         return AXF_E_PROTOCOL;
     }
+    /* Both ends must speak the same link and GID type: InfiniBand frames never
+     * reach a RoCE port, RoCE v1 never reaches a v2 GID. Refused now rather
+     * than left to time out on the first transfer. (0: the peer did not say.) */
+    uint8_t ll = d->eth ? IBV_LINK_LAYER_ETHERNET : IBV_LINK_LAYER_INFINIBAND;
+    if (r->link_layer && r->link_layer != ll) {
+        snprintf(why, why_len, "%s: link layer %s, the peer's %s: not connectable", d->name,
+                 d->eth ? "Ethernet" : "InfiniBand",
+                 r->link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet" : "InfiniBand");
+        return AXF_E_TRANSPORT;
+    }
+    if (r->gid_type && d->gid_type && r->gid_type != d->gid_type) {
+        snprintf(why, why_len, "%s: GID[%u] is %s, the peer's %s: set AIOXFER_VERBS_GID_INDEX "
+                 "to entries of one type on both", d->name, d->gid_index,
+                 gid_type_text(d->gid_type), gid_type_text(r->gid_type));
+        return AXF_E_TRANSPORT;
+    }
     struct ibv_qp_attr a;
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_RTR;
@@ -642,12 +825,14 @@ static int qp_connect(vqp *q, const axf_verbs_qp_info *r, char *why, size_t why_
     a.min_rnr_timer = 12;
     a.ah_attr.dlid = r->lid;
     a.ah_attr.port_num = d->port;
+    a.ah_attr.sl = vs->set.sl;
     static const uint8_t zero[16];
     if (d->eth || memcmp(r->gid, zero, 16)) {
         a.ah_attr.is_global = 1;
         memcpy(a.ah_attr.grh.dgid.raw, r->gid, 16);
         a.ah_attr.grh.sgid_index = d->gid_index;
         a.ah_attr.grh.hop_limit = 64;
+        a.ah_attr.grh.traffic_class = vs->set.tc;
     }
     if (vs->t.modify_qp(q->qp, &a,
                         IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
@@ -657,11 +842,19 @@ static int qp_connect(vqp *q, const axf_verbs_qp_info *r, char *why, size_t why_
     }
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_RTS;
-    a.timeout = 14; /* 4.096 us * 2^14 = 67 ms per try */
-    a.retry_cnt = 7;
+    /* 4.096 us * 2^timeout per try, retry_cnt tries: 20 and 7 (~30 s to
+     * declare a peer gone) ride out a switch reboot or congestion pause,
+     * where 14 (67 ms) turned every hiccup into a lost peer. */
+    a.timeout = vs->set.timeout;
+    a.retry_cnt = vs->set.retry_cnt;
     a.rnr_retry = 7;
     a.sq_psn = q->psn;
-    a.max_rd_atomic = d->rd_init_atom ? d->rd_init_atom : 1;
+    /* READs in flight: no more than the peer's queue pair serves
+     * (max_dest_rd_atomic), else the peer's NIC NAKs them under load. A peer
+     * that did not say is taken to be like us. */
+    uint8_t depth = d->rd_init_atom ? d->rd_init_atom : 1;
+    uint8_t peer = r->max_dest_rd_atomic ? r->max_dest_rd_atomic : (d->rd_atom ? d->rd_atom : 1);
+    a.max_rd_atomic = depth < peer ? depth : peer;
     if (vs->t.modify_qp(q->qp, &a,
                         IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                             IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC)) {
@@ -950,6 +1143,23 @@ static bool chain_post(vqp *q, vchain *c)
         c->left = took;
         qp_to_error(q); /* what it took flushes; the endpoint is lost */
         q->post_failed = true;
+        if (took) {
+            /* The requests it took are unsignalled: those that completed
+             * before the error produce no completion at all, so counting
+             * them could wait forever. A signalled request posted now (on a
+             * queue pair in the error state it is flushed at once) completes
+             * after every one before it: it ends the chain. */
+            struct ibv_send_wr *w = &c->wr[c->nwr], *bad2 = NULL;
+            memset(w, 0, sizeof *w);
+            c->wi[c->nwr] = (wr_info){.c = c, .index = c->wi[0].index, .last = true};
+            w->wr_id = (uint64_t)(uintptr_t)&c->wi[c->nwr];
+            w->opcode = IBV_WR_RDMA_WRITE;
+            w->send_flags = IBV_SEND_SIGNALED;
+            if (vs->t.post_send(q->qp, w, &bad2) == 0) {
+                c->drained = true;
+                took++;
+            }
+        }
     }
     c->took = took;
     q->sq_used += took;
@@ -997,16 +1207,17 @@ static void chain_queue(vqp *q, vchain *c)
 
 static vchain *chain_new(op *o, vqp *q)
 {
-    size_t sz = sizeof(vchain) + CHAIN_WRS * (sizeof(struct ibv_send_wr) + sizeof(struct ibv_sge) +
-                                              sizeof(wr_info));
+    /* One slot more than a chain holds: the drain request of a partial post. */
+    size_t sz = sizeof(vchain) + (CHAIN_WRS + 1) * (sizeof(struct ibv_send_wr) +
+                                                    sizeof(struct ibv_sge) + sizeof(wr_info));
     vchain *c = calloc(1, sz);
     if (!c)
         return NULL;
     c->o = o;
     c->q = q;
     c->wr = (struct ibv_send_wr *)(c + 1);
-    c->sge = (struct ibv_sge *)(c->wr + CHAIN_WRS);
-    c->wi = (wr_info *)(c->sge + CHAIN_WRS);
+    c->sge = (struct ibv_sge *)(c->wr + CHAIN_WRS + 1);
+    c->wi = (wr_info *)(c->sge + CHAIN_WRS + 1);
     return c;
 }
 
@@ -1032,7 +1243,10 @@ static void chain_add(vchain *c, const op *o, size_t i, uint64_t off, uint64_t l
     w->sg_list = s;
     w->num_sge = 1;
     w->opcode = o->opcode == AXF_OP_WRITE ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
-    if (o->opcode == AXF_OP_WRITE && len <= q->max_inline)
+    /* Inline: the CPU copies the payload into the request in post_send. Host
+     * memory only: a GPU's memory is not CPU-readable (the posting thread
+     * would fault), and a dmabuf registration has no CPU mapping to read. */
+    if (o->opcode == AXF_OP_WRITE && len <= q->max_inline && lr->kind == AXF_MEM_HOST)
         w->send_flags = IBV_SEND_INLINE;
     w->wr.rdma.remote_addr = k->addr[q->rdev] + d->roff + off;
     w->wr.rdma.rkey = k->rkey[q->rdev];
@@ -1274,7 +1488,7 @@ static void handle_wc(verbs_state *vs, const struct ibv_wc *wc)
                                                                : "work request error");
         }
     }
-    bool over = c->partial ? --c->left == 0 : wi->last;
+    bool over = c->partial && !c->drained ? --c->left == 0 : wi->last;
     if (!over)
         return;
     pthread_mutex_lock(&q->mu);
@@ -1342,13 +1556,109 @@ static void drain_all_pending(verbs_state *vs)
     finish_list(e, dropped);
 }
 
+/* The device died (IBV_EVENT_DEVICE_FATAL): it will complete nothing ever
+ * again, flushes included, and touches no memory any more. Every queue pair
+ * on it is failed here, its chains finished without waiting, its endpoints
+ * lost. Poller thread. */
+static void dev_fatal(verbs_state *vs, int devi)
+{
+    axf_engine *e = vs->e;
+    vdev *d = &vs->dev[devi];
+    if (d->dead)
+        return;
+    d->dead = true;
+    cq_log(e, 0, "verbs: device %s failed (IBV_EVENT_DEVICE_FATAL): its endpoints are lost; "
+           "restart the process once the device is back", d->name);
+    vchain *left = NULL;
+    /* Initiator queue pairs (the only ones with chains) live until
+     * verbs_free: collected under the lock, handled after. */
+    size_t nq = 0, cap = 0;
+    pthread_mutex_lock(&vs->mu);
+    for (vqp *q = vs->qps; q; q = q->next_all)
+        cap += q->devi == devi && q->ep;
+    vqp **lost = cap ? calloc(cap, sizeof *lost) : NULL;
+    for (vqp *q = vs->qps; lost && q; q = q->next_all)
+        if (q->devi == devi && q->ep && nq < cap)
+            lost[nq++] = q;
+    pthread_mutex_unlock(&vs->mu);
+    for (size_t i = 0; i < nq; i++) {
+        vqp *q = lost[i];
+        pthread_mutex_lock(&q->mu);
+        pthread_mutex_lock(&vs->mu);
+        q->err = true; /* no modify_qp: the device answers nothing */
+        while (q->posted_head) {
+            vchain *c = q->posted_head;
+            q->posted_head = c->next;
+            q->sq_used -= c->took;
+            d->cq_room += (uint32_t)c->took;
+            c->next = left;
+            left = c;
+        }
+        while (q->pend_head) {
+            vchain *c = q->pend_head;
+            q->pend_head = c->next;
+            c->next = left;
+            left = c;
+        }
+        q->posted_tail = q->pend_tail = NULL;
+        pthread_mutex_unlock(&vs->mu);
+        pthread_mutex_unlock(&q->mu);
+    }
+    for (size_t i = 0; i < nq; i++)
+        qp_failed(e, lost[i], "device fatal");
+    free(lost);
+    for (vchain *c = left; c; c = c->next)
+        if (!c->failed) {
+            c->failed = true;
+            op_set_status(c->o, AXF_E_TRANSPORT, c->wi[0].index);
+        }
+    finish_list(e, left);
+}
+
+/* Asynchronous events of device devi. Poller thread. */
+static void handle_async(verbs_state *vs, int devi)
+{
+    vdev *d = &vs->dev[devi];
+    struct ibv_async_event ev;
+    while (vs->t.get_async_event(d->ctx, &ev) == 0) {
+        enum ibv_event_type type = ev.event_type;
+        struct ibv_qp *bad_qp = type == IBV_EVENT_QP_FATAL || type == IBV_EVENT_QP_REQ_ERR ||
+                                        type == IBV_EVENT_QP_ACCESS_ERR
+                                    ? ev.element.qp
+                                    : NULL;
+        if (vs->t.ack_async_event)
+            vs->t.ack_async_event(&ev);
+        if (type == IBV_EVENT_DEVICE_FATAL) {
+            dev_fatal(vs, devi);
+        } else if (bad_qp) {
+            /* The queue pair went to the error state on its own: its
+             * requests flush; its endpoint is lost. */
+            vqp *hit = NULL;
+            pthread_mutex_lock(&vs->mu);
+            for (vqp *q = vs->qps; q && !hit; q = q->next_all)
+                if (q->qp == bad_qp)
+                    hit = q;
+            pthread_mutex_unlock(&vs->mu);
+            if (hit) {
+                pthread_mutex_lock(&hit->mu);
+                qp_to_error(hit);
+                pthread_mutex_unlock(&hit->mu);
+                qp_failed(vs->e, hit, "asynchronous queue pair error");
+            }
+        } else if (type == IBV_EVENT_PORT_ERR) {
+            cq_log(vs->e, 0, "verbs: %s port %u went down: transfers on it fail until it is back",
+                   d->name, d->port);
+        }
+    }
+}
+
 static void *poller_main(void *arg)
 {
     verbs_state *vs = arg;
     axf_engine *e = vs->e;
-    struct epoll_event ev[AXF_VERBS_MAX_DEVICES + 1];
+    struct epoll_event ev[2 * AXF_VERBS_MAX_DEVICES + 1];
     for (;;) {
-        int n = epoll_wait(vs->epfd, ev, AXF_VERBS_MAX_DEVICES + 1, -1);
+        int n = epoll_wait(vs->epfd, ev, 2 * AXF_VERBS_MAX_DEVICES + 1, -1);
         if (n < 0 && errno != EINTR)
             break;
         for (int i = 0; i < n; i++) {
@@ -1358,7 +1668,13 @@ static void *poller_main(void *arg)
                 (void)r;
                 continue;
             }
+            if (ev[i].data.u32 >= ASYNC_ID) {
+                handle_async(vs, (int)(ev[i].data.u32 - ASYNC_ID));
+                continue;
+            }
             vdev *d = &vs->dev[ev[i].data.u32];
+            if (d->dead)
+                continue;
             struct ibv_cq *cq;
             void *ctx;
             while (vs->t.get_cq_event(d->ch, &cq, &ctx) == 0)
@@ -1434,6 +1750,7 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
         return AXF_E_NOMEM;
     vs->e = e;
     vs->epfd = vs->wakefd = -1;
+    settings_read(&vs->set);
     pthread_mutex_init(&vs->mu, NULL);
     pthread_cond_init(&vs->cv, NULL);
     int st = load_table(provider, &vs->t, buf, sizeof buf);
@@ -1451,7 +1768,7 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
     char reason[160] = "";
     for (int i = 0; list && i < n && vs->ndev < AXF_VERBS_MAX_DEVICES; i++) {
         vdev *v = &vs->dev[vs->ndev];
-        if (!dev_open(&vs->t, list[i], v, reason, sizeof reason))
+        if (!dev_open(&vs->t, list[i], v, &vs->set, reason, sizeof reason))
             continue;
         vs->ndev++;
         v->pd = vs->t.alloc_pd(v->ctx);
@@ -1481,6 +1798,15 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
             ev.data.u32 = (uint32_t)d;
             if (epoll_ctl(vs->epfd, EPOLL_CTL_ADD, vs->dev[d].ch->fd, &ev))
                 st = AXF_E_NOMEM;
+            /* Device-fatal and queue pair errors arrive here, not as
+             * completions: without them a dead device hangs every op. */
+            int afd = vs->dev[d].ctx->async_fd;
+            if (st == AXF_OK && vs->t.get_async_event && afd >= 0) {
+                (void)fcntl(afd, F_SETFL, fcntl(afd, F_GETFL) | O_NONBLOCK);
+                ev.data.u32 = ASYNC_ID + (uint32_t)d;
+                if (epoll_ctl(vs->epfd, EPOLL_CTL_ADD, afd, &ev))
+                    st = AXF_E_NOMEM;
+            }
         }
         if (st == AXF_OK && pthread_create(&vs->poller, NULL, poller_main, vs) == 0)
             vs->poller_started = true;
@@ -1502,9 +1828,16 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
                 for (region *r = e->regions[b]; r && st == AXF_OK; r = r->next) {
                     if (r->kind == AXF_MEM_FILE)
                         continue;
-                    pthread_mutex_lock(&vs->mu);
-                    st = region_register_all(vs, r, -1, 0, buf, sizeof buf);
-                    pthread_mutex_unlock(&vs->mu);
+                    char rwhy[400] = "";
+                    st = region_register(vs, r, rwhy, sizeof rwhy);
+                    if (st != AXF_OK && r->kind == AXF_MEM_CUDA) {
+                        cq_log(e, 0, "verbs: GPU region of %llu bytes not registered for "
+                               "GPUDirect RDMA (%s); unreachable over verbs",
+                               (unsigned long long)r->len, rwhy);
+                        st = AXF_OK;
+                    } else if (st != AXF_OK) {
+                        snprintf(buf, sizeof buf, "%.200s", rwhy);
+                    }
                 }
             if (st != AXF_OK) {
                 for (size_t b = 0; b < AXF_REGION_BUCKETS; b++)

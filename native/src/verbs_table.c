@@ -1,9 +1,10 @@
 /* Fills the verbs table: from libibverbs.so.1 loaded at run time (so one build
  * runs where rdma-core is absent), or from a software provider library.
  *
- * Never linked against libibverbs: only its header is used, for the types and
- * for the static-inline verbs (post_send, poll_cq, req_notify_cq), which
- * dispatch through ctx->ops and are wrapped here as plain functions. */
+ * Never linked against libibverbs, and built without its header: the ABI is
+ * declared in verbs_abi.h, with the static-inline verbs (post_send, poll_cq,
+ * req_notify_cq), which dispatch through ctx->ops and are wrapped here as
+ * plain functions. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -32,6 +33,21 @@ static int w_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc)
 static int w_req_notify_cq(struct ibv_cq *cq, int solicited_only)
 {
     return ibv_req_notify_cq(cq, solicited_only);
+}
+
+/* ibv_query_gid_ex (rdma-core >= 32) is an inline over _ibv_query_gid_ex. */
+static int (*p_query_gid_ex)(struct ibv_context *, uint32_t, uint32_t, struct ibv_gid_entry *,
+                             uint32_t, size_t);
+
+static int w_query_gid_type(struct ibv_context *ctx, uint8_t port, int index, int *type)
+{
+    struct ibv_gid_entry ent;
+    memset(&ent, 0, sizeof ent);
+    int r = p_query_gid_ex ? p_query_gid_ex(ctx, port, (uint32_t)index, &ent, 0, sizeof ent)
+                           : ENOSYS;
+    if (r == 0)
+        *type = (int)ent.gid_type;
+    return r;
 }
 
 static void say(char *why, size_t n, const char *fmt, const char *a, const char *b)
@@ -87,6 +103,22 @@ static int load_libibverbs(axf_verbs_table *t, char *why, size_t why_len)
     SYM(create_qp, "ibv_create_qp", 1);
     SYM(modify_qp, "ibv_modify_qp", 1);
     SYM(destroy_qp, "ibv_destroy_qp", 1);
+    SYM(get_async_event, "ibv_get_async_event", 0);
+    SYM(ack_async_event, "ibv_ack_async_event", 0);
+    void *gx = dlsym(h, "_ibv_query_gid_ex");
+    memcpy(&p_query_gid_ex, &gx, sizeof gx);
+    if (p_query_gid_ex)
+        t->query_gid_type = w_query_gid_type; /* else verbs.c reads sysfs */
+    /* Registered memory and fork(): with a kernel and rdma-core that cannot
+     * keep a child from taking the registered pages (copy-on-write breaks the
+     * DMA mapping), fork support must be turned on before any registration.
+     * Newer stacks answer "unneeded" (kernel >= 5.13 with rdma-core >= 35). */
+    int (*is_fork)(void) = NULL, (*fork_init)(void) = NULL;
+    void *fi = dlsym(h, "ibv_is_fork_initialized"), *fn = dlsym(h, "ibv_fork_init");
+    memcpy(&is_fork, &fi, sizeof fi);
+    memcpy(&fork_init, &fn, sizeof fn);
+    if (fork_init && (!is_fork || is_fork() == IBV_FORK_DISABLED))
+        (void)fork_init(); /* refused once a device is open: then nothing changes */
     t->post_send = w_post_send;
     t->post_recv = w_post_recv;
     t->poll_cq = w_poll_cq;

@@ -5,10 +5,11 @@
  * provider of our own (native/tests/softverbs/) through the same table, which
  * moves real bytes between processes without an RDMA NIC.
  *
- * The types are rdma-core's own (<infiniband/verbs.h>, from libibverbs-dev at
- * build time). A provider allocates real struct ibv_* objects; the transport
- * reads only their public fields (context->device, cq->context, qp->qp_num,
- * mr->lkey / rkey / addr / length, comp_channel->fd, wc fields).
+ * The types are libibverbs' ABI, declared in-tree (verbs_abi.h: no rdma-core
+ * headers needed to build; checked against them by test_verbs_abi). A
+ * provider allocates real struct ibv_* objects; the transport reads only
+ * their public fields (context->device, context->async_fd, cq->context,
+ * qp->qp_num, mr->lkey / rkey / addr / length, comp_channel->fd, wc fields).
  *
  * Semantics are those of the verbs of the same name (man ibv_post_send etc.),
  * including: RC QPs move RESET -> INIT -> RTR -> RTS through modify_qp; a
@@ -22,7 +23,7 @@
 #ifndef AXF_VERBS_TABLE_H
 #define AXF_VERBS_TABLE_H
 
-#include <infiniband/verbs.h>
+#include "verbs_abi.h"
 
 #define AXF_VERBS_TABLE_VERSION 1
 
@@ -62,6 +63,13 @@ typedef struct axf_verbs_table {
     int (*destroy_qp)(struct ibv_qp *qp);
     int (*post_send)(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad_wr);
     int (*post_recv)(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad_wr);
+
+    /* Optional, appended (NULL where absent; the table's version stays 1). */
+    /* The type of GID entry `index` (enum ibv_gid_type); 0 or an errno. */
+    int (*query_gid_type)(struct ibv_context *context, uint8_t port, int index, int *type);
+    /* Asynchronous events (device fatal, port changes, QP errors). */
+    int (*get_async_event)(struct ibv_context *context, struct ibv_async_event *event);
+    void (*ack_async_event)(struct ibv_async_event *event);
 } axf_verbs_table;
 
 /* What a software provider's shared library exports: fills the table and

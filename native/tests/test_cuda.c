@@ -7,7 +7,9 @@
 #include "harness.h"
 
 #include <dlfcn.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 
 #define MISSING "/nonexistent/aioxfer-test/libcuda.so.1"
 
@@ -195,6 +197,438 @@ static int test_gpu_loopback(void)
     return 0;
 }
 
+
+/* ---------------------------------------------------------------- driver rules */
+
+/* A symbol of the loaded driver (the real one has the cu* calls too; the
+ * fakecuda_* hooks only the software one: NULL with a real driver). */
+static void *drv_sym(const char *name)
+{
+    const char *path = getenv("AIOXFER_CUDA_DRIVER");
+    void *h = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    void *s = h ? dlsym(h, name) : NULL;
+    if (h)
+        dlclose(h);
+    return s;
+}
+
+typedef int (*cu_ctx_fn)(void **);
+typedef int (*cu_ctx_in_fn)(void *);
+typedef int (*cu_retain_fn)(void **, int);
+typedef int (*cu_release_fn)(int);
+typedef int (*fake_int_fn)(int);
+typedef int (*fake_void_fn)(void);
+
+static void *cur_ctx(void)
+{
+    cu_ctx_fn get = (cu_ctx_fn)(uintptr_t)drv_sym("cuCtxGetCurrent");
+    void *c = (void *)1;
+    if (get)
+        get(&c);
+    return c;
+}
+
+static int primary_refs(int dev)
+{
+    fake_int_fn f = (fake_int_fn)(uintptr_t)drv_sym("fakecuda_primary_refs");
+    return f ? f(dev) : -1;
+}
+
+static int sync_copies(void)
+{
+    fake_void_fn f = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_sync_copies");
+    return f ? f() : 0;
+}
+
+static int ndevices(void)
+{
+    char why[256];
+    int n = 0;
+    axf_cuda_probe(why, sizeof why, &n);
+    return n;
+}
+
+#define CTX_SAME(c) CHECK(cur_ctx() == (c))
+
+/* Rule: every call we make leaves the caller's current context as it was,
+ * and a device the process does not use never gets its primary context
+ * activated (hundreds of MB of HBM, and an exclusive-process GPU refused). */
+static int test_context_untouched(void)
+{
+    int n = ndevices();
+    int dev = n - 1; /* the application's GPU: the last one, not device 0 */
+    cu_retain_fn retain = (cu_retain_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRetain");
+    cu_release_fn release = (cu_release_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRelease_v2");
+    cu_ctx_in_fn push = (cu_ctx_in_fn)(uintptr_t)drv_sym("cuCtxPushCurrent_v2");
+    cu_ctx_fn pop = (cu_ctx_fn)(uintptr_t)drv_sym("cuCtxPopCurrent_v2");
+    CHECK(retain && release && push && pop);
+    int refs0 = primary_refs(0);
+    /* First on a thread with no context at all: pointer queries need none. */
+    void *none = cur_ctx();
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(dev, 1 << 20, &g), AXF_OK);
+    CTX_SAME(none);
+    CHECK_EQ(axf_cuda_pointer(g, 4096, NULL, NULL, NULL), AXF_OK);
+    CTX_SAME(none);
+    /* Then as an application that made its device's primary context current. */
+    void *app = NULL;
+    CHECK_EQ(retain(&app, dev), 0);
+    CHECK_EQ(push(app), 0);
+    CTX_SAME(app);
+    int dv = -1;
+    CHECK_EQ(axf_cuda_pointer(g + 64, 4096, &dv, NULL, NULL), AXF_OK);
+    CHECK_EQ(dv, dev);
+    CTX_SAME(app);
+    uint8_t handle[AXF_CUDA_IPC_HANDLE], uuid[16];
+    uint64_t off = 0;
+    CHECK_EQ(axf_cuda_export(g + 4096, handle, &off, uuid), AXF_OK);
+    CTX_SAME(app);
+    uint8_t *host = malloc(1 << 20), *back = calloc(1, 1 << 20);
+    CHECK(host && back);
+    t_fill(host, 1 << 20, 21);
+    CHECK_EQ(axf_cuda_copy(g, (uint64_t)(uintptr_t)host, 1 << 20), AXF_OK);
+    CTX_SAME(app);
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+    uint64_t hrid, hkey, grid, gkey, ep;
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    CHECK_EQ(axf_region_register(a->e, back, 1 << 20, rw, -1, &hrid, &hkey), AXF_OK);
+    CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, g, 1 << 20, rw, -1, &grid, &gkey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, grid, gkey, 1 << 20, rw, g, NULL, 0, NULL), AXF_OK);
+    CTX_SAME(app);
+    axf_desc d = {.lrid = hrid, .rrid = grid, .rkey = gkey, .len = 1 << 20};
+    if (post_wait(a, ep, AXF_OP_READ, &d, 1, 1, AXF_OK))
+        return 1;
+    CHECK(memcmp(host, back, 1 << 20) == 0);
+    CTX_SAME(app);
+    CHECK_EQ(axf_endpoint_forget(a->e, ep, grid), AXF_OK);
+    t_close(a);
+    t_close(b);
+    CTX_SAME(app);
+    CHECK_EQ(axf_cuda_free(g), AXF_OK);
+    CTX_SAME(app);
+    void *popped = NULL;
+    CHECK_EQ(pop(&popped), 0);
+    CHECK(popped == app);
+    CHECK_EQ(release(dev), 0);
+    if (n > 1 && refs0 >= 0)
+        CHECK_EQ(primary_refs(0), refs0); /* device 0 was never activated */
+    free(host);
+    free(back);
+    return 0;
+}
+
+/* Rule: a GPU copy to or from host memory is asynchronous only when that
+ * memory is page-locked; our mapping of a peer's memfd region (read-only
+ * ones too) must be, or every such copy runs synchronously on the submit
+ * thread (GpuFileStager's whole path). */
+static int test_peer_host_memory_pinned(void)
+{
+    enum { LEN = 1 << 20 };
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, LEN, &g), AXF_OK);
+    int mfd = memfd_create("peer-pool", MFD_CLOEXEC);
+    CHECK(mfd >= 0 && ftruncate(mfd, 2 * LEN) == 0);
+    uint8_t *pool = mmap(NULL, 2 * LEN, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+    CHECK(pool != MAP_FAILED);
+    t_fill(pool, 2 * LEN, 33);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    uint64_t prid, pkey, grid, gkey, ep;
+    CHECK_EQ(axf_region_register(b->e, pool, 2 * LEN, rw, mfd, &prid, &pkey), AXF_OK);
+    CHECK_EQ(axf_region_register_kind(a->e, AXF_MEM_CUDA, g, LEN, rw, -1, &grid, &gkey), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    /* read-only: the peer grants READ only, so our mapping is PROT_READ */
+    CHECK_EQ(axf_endpoint_import(a->e, ep, prid, pkey, 2 * LEN, AXF_ACCESS_READ,
+                                 (uint64_t)(uintptr_t)pool, mfd),
+             AXF_OK);
+    int before = sync_copies();
+    axf_desc d = {.lrid = grid, .rrid = prid, .rkey = pkey, .roff = LEN, .len = LEN};
+    if (post_wait(a, ep, AXF_OP_READ, &d, 1, 1, AXF_OK)) /* peer host -> GPU */
+        return 1;
+    CHECK_EQ(sync_copies(), before); /* asynchronous: the mapping was page-locked */
+    uint8_t *back = calloc(1, LEN);
+    CHECK(back);
+    CHECK_EQ(axf_cuda_copy((uint64_t)(uintptr_t)back, g, LEN), AXF_OK);
+    CHECK(memcmp(back, pool + LEN, LEN) == 0);
+    t_close(a);
+    t_close(b);
+    CHECK_EQ(axf_cuda_free(g), AXF_OK);
+    munmap(pool, 2 * LEN);
+    close(mfd);
+    free(back);
+    return 0;
+}
+
+/* Rule: one copy may not span page-locked and pageable host memory. Two
+ * overlapping local regions: the first is pinned whole at its first GPU
+ * copy, the second can then not be pinned (overlap) and its copies run
+ * partly over pinned memory. */
+static int test_mixed_pinned_span(void)
+{
+    enum { LEN = 1 << 20 };
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, 2 * LEN, &g), AXF_OK);
+    uint8_t *buf = malloc(2 * LEN);
+    CHECK(buf);
+    t_fill(buf, 2 * LEN, 44);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    uint64_t arid, akey, brid, bkey, grid, gkey, ep;
+    CHECK_EQ(axf_region_register(a->e, buf, LEN, rw, -1, &arid, &akey), AXF_OK);
+    CHECK_EQ(axf_region_register(a->e, buf + LEN / 2, LEN, rw, -1, &brid, &bkey), AXF_OK);
+    CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, g, 2 * LEN, rw, -1, &grid, &gkey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, grid, gkey, 2 * LEN, rw, g, NULL, 0, NULL),
+             AXF_OK);
+    axf_desc d = {.lrid = arid, .rrid = grid, .rkey = gkey, .len = LEN};
+    if (post_wait(a, ep, AXF_OP_WRITE, &d, 1, 1, AXF_OK))
+        return 1;
+    d = (axf_desc){.lrid = brid, .rrid = grid, .rkey = gkey, .roff = LEN, .len = LEN};
+    if (post_wait(a, ep, AXF_OP_WRITE, &d, 1, 2, AXF_OK))
+        return 1;
+    uint8_t *back = calloc(1, LEN);
+    CHECK(back);
+    CHECK_EQ(axf_cuda_copy((uint64_t)(uintptr_t)back, g + LEN, LEN), AXF_OK);
+    CHECK(memcmp(back, buf + LEN / 2, LEN) == 0);
+    t_close(a);
+    t_close(b);
+    CHECK_EQ(axf_cuda_free(g), AXF_OK);
+    free(buf);
+    free(back);
+    return 0;
+}
+
+/* Rule (VMM, PyTorch expandable segments): the driver reports each mapped
+ * chunk as its own range; a tensor spanning chunks is still one contiguous
+ * span of device memory and registers. Legacy IPC refuses such memory. */
+static int test_vmm_span(void)
+{
+    typedef int (*vmm_fn)(int, size_t, int, uint64_t *);
+    typedef int (*vmm_free_fn)(uint64_t, size_t, int);
+    vmm_fn vmm = (vmm_fn)(uintptr_t)drv_sym("fakecuda_alloc_vmm");
+    vmm_free_fn vmm_free = (vmm_free_fn)(uintptr_t)drv_sym("fakecuda_free_vmm");
+    if (!vmm || !vmm_free)
+        return 0; /* the real driver: gpu_check.sh covers it with PyTorch */
+    enum { CHUNK = 2 << 20 };
+    uint64_t p = 0;
+    CHECK_EQ(vmm(0, CHUNK, 3, &p), 0);
+    uint64_t base = 0, size = 0;
+    CHECK_EQ(axf_cuda_pointer(p + CHUNK / 2, 2 * CHUNK, NULL, &base, &size), AXF_OK);
+    CHECK_EQ(axf_cuda_pointer(p + CHUNK, 2 * CHUNK + 1, NULL, NULL, NULL), AXF_E_ACCESS);
+    uint8_t handle[AXF_CUDA_IPC_HANDLE], uuid[16];
+    uint64_t off;
+    CHECK_EQ(axf_cuda_export(p, handle, &off, uuid), AXF_E_REGISTRATION);
+    /* bytes across the chunk boundary, through a loopback endpoint */
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+    uint8_t *src = malloc(2 * CHUNK), *dst = calloc(1, 2 * CHUNK);
+    CHECK(src && dst);
+    t_fill(src, 2 * CHUNK, 55);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    uint64_t srid, skey, drid, dkey, vrid, vkey, ep;
+    CHECK_EQ(axf_region_register(a->e, src, 2 * CHUNK, rw, -1, &srid, &skey), AXF_OK);
+    CHECK_EQ(axf_region_register(a->e, dst, 2 * CHUNK, rw, -1, &drid, &dkey), AXF_OK);
+    CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, p + CHUNK / 2, 2 * CHUNK, rw, -1, &vrid,
+                                      &vkey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, vrid, vkey, 2 * CHUNK, rw, p + CHUNK / 2, NULL, 0,
+                                      NULL),
+             AXF_OK);
+    axf_desc d = {.lrid = srid, .rrid = vrid, .rkey = vkey, .len = 2 * CHUNK};
+    if (post_wait(a, ep, AXF_OP_WRITE, &d, 1, 1, AXF_OK))
+        return 1;
+    d.lrid = drid;
+    if (post_wait(a, ep, AXF_OP_READ, &d, 1, 2, AXF_OK))
+        return 1;
+    CHECK(memcmp(src, dst, 2 * CHUNK) == 0);
+    t_close(a);
+    t_close(b);
+    vmm_free(p, CHUNK, 3);
+    free(src);
+    free(dst);
+    return 0;
+}
+
+/* Rule: managed memory reports memory type DEVICE but is CPU-accessible and
+ * has no IPC handle: refused as GPU memory, with the reason. */
+static int test_managed_refused(void)
+{
+    typedef int (*managed_fn)(uint64_t *, size_t, unsigned);
+    managed_fn managed = (managed_fn)(uintptr_t)drv_sym("cuMemAllocManaged");
+    cu_retain_fn retain = (cu_retain_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRetain");
+    cu_release_fn release = (cu_release_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRelease_v2");
+    cu_ctx_in_fn push = (cu_ctx_in_fn)(uintptr_t)drv_sym("cuCtxPushCurrent_v2");
+    cu_ctx_fn pop = (cu_ctx_fn)(uintptr_t)drv_sym("cuCtxPopCurrent_v2");
+    CHECK(managed && retain && release && push && pop);
+    void *ctx = NULL, *popped = NULL;
+    CHECK_EQ(retain(&ctx, 0), 0);
+    CHECK_EQ(push(ctx), 0);
+    uint64_t m = 0;
+    CHECK_EQ(managed(&m, 1 << 16, 1), 0);
+    CHECK_EQ(axf_cuda_pointer(m, 4096, NULL, NULL, NULL), AXF_E_INVALID);
+    CHECK_EQ(pop(&popped), 0);
+    CHECK_EQ(release(0), 0);
+    return 0;
+}
+
+/* Rule: an IPC mapping is reachable from the context it was opened in; a
+ * copy on another device's stream needs peer access. GPU 1 reads a peer
+ * process's GPU 0 memory (prefill on one GPU, decode on another). */
+static int test_ipc_cross_device(void)
+{
+    if (ndevices() < 2) {
+        printf("    (one device: nothing to cross)\n");
+        return 0;
+    }
+    enum { LEN = 1 << 20 };
+    int up[2], down[2];
+    CHECK_EQ(pipe(up), 0);
+    CHECK_EQ(pipe(down), 0);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) { /* the exporter: GPU 0 */
+        close(up[0]);
+        close(down[1]);
+        uint64_t g = 0;
+        uint8_t *h = malloc(LEN);
+        struct { uint8_t handle[AXF_CUDA_IPC_HANDLE], uuid[16]; uint64_t off; } msg;
+        t_fill(h, LEN, 66);
+        int ok = h && axf_cuda_alloc(0, LEN, &g) == AXF_OK &&
+                 axf_cuda_copy(g, (uint64_t)(uintptr_t)h, LEN) == AXF_OK &&
+                 axf_cuda_export(g, msg.handle, &msg.off, msg.uuid) == AXF_OK;
+        if (!ok)
+            memset(&msg, 0, sizeof msg);
+        if (write(up[1], &msg, sizeof msg) != (ssize_t)sizeof msg)
+            _exit(2);
+        char c;
+        if (read(down[0], &c, 1) < 0)
+            _exit(3);
+        _exit(ok ? 0 : 1);
+    }
+    close(up[1]);
+    close(down[0]);
+    struct { uint8_t handle[AXF_CUDA_IPC_HANDLE], uuid[16]; uint64_t off; } msg;
+    CHECK_EQ(read(up[0], &msg, sizeof msg), (ssize_t)sizeof msg);
+    tengine *a = t_engine(NULL);
+    CHECK(a);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+    uint64_t g1 = 0;
+    CHECK_EQ(axf_cuda_alloc(1, LEN, &g1), AXF_OK);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    uint64_t lrid, lkey, ep;
+    CHECK_EQ(axf_region_register_kind(a->e, AXF_MEM_CUDA, g1, LEN, rw, -1, &lrid, &lkey), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, child, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, 7, 8, LEN, rw, 0x1000, msg.handle, msg.off,
+                                      msg.uuid),
+             AXF_OK);
+    axf_desc d = {.lrid = lrid, .rrid = 7, .rkey = 8, .len = LEN};
+    int bad = post_wait(a, ep, AXF_OP_READ, &d, 1, 1, AXF_OK); /* GPU 1 <- peer's GPU 0 */
+    uint8_t *back = calloc(1, LEN), *want = malloc(LEN);
+    CHECK(back && want);
+    t_fill(want, LEN, 66);
+    if (!bad) {
+        CHECK_EQ(axf_cuda_copy((uint64_t)(uintptr_t)back, g1, LEN), AXF_OK);
+        bad = memcmp(back, want, LEN) != 0;
+    }
+    t_close(a);
+    CHECK_EQ(axf_cuda_free(g1), AXF_OK);
+    CHECK_EQ(write(down[1], "x", 1), 1);
+    int wst = 0;
+    CHECK_EQ(waitpid(child, &wst, 0), child);
+    CHECK(WIFEXITED(wst) && WEXITSTATUS(wst) == 0);
+    close(up[0]);
+    close(down[1]);
+    free(back);
+    free(want);
+    CHECK(!bad);
+    return 0;
+}
+
+
+
+/* A host pool is page-locked ahead of its first GPU copy, on the engine's
+ * CUDA thread (not the caller's, not in the first copy's way); unpinned when
+ * the region is freed. */
+static int test_pin_ahead(void)
+{
+    if (pinned_now() < 0)
+        return 0; /* the real driver has no hook to count pins */
+    enum { LEN = 4 << 20 };
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, LEN, &g), AXF_OK);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    uint64_t grid, gkey, hrid, hkey, ep;
+    /* registering GPU memory tells the engine the application's context */
+    CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, g, LEN, rw, -1, &grid, &gkey), AXF_OK);
+    CHECK_EQ(axf_cuda_pointer(g, LEN, NULL, NULL, NULL), AXF_OK);
+    uint8_t *pool = malloc(LEN);
+    CHECK(pool);
+    t_fill(pool, LEN, 88);
+    int before = pinned_now();
+    CHECK_EQ(axf_region_register(a->e, pool, LEN, rw, -1, &hrid, &hkey), AXF_OK);
+    CHECK_EQ(axf_cuda_pin_region(a->e, hrid), AXF_OK);
+    uint64_t until = t_now_ms() + T_TIMEOUT_MS;
+    while (pinned_now() == before && t_now_ms() < until)
+        usleep(1000);
+    CHECK_EQ(pinned_now(), before + 1);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, grid, gkey, LEN, rw, g, NULL, 0, NULL), AXF_OK);
+    int sync0 = sync_copies();
+    axf_desc d = {.lrid = hrid, .rrid = grid, .rkey = gkey, .len = LEN};
+    if (post_wait(a, ep, AXF_OP_WRITE, &d, 1, 1, AXF_OK))
+        return 1;
+    CHECK_EQ(sync_copies(), sync0); /* pinned: asynchronous */
+    CHECK_EQ(axf_cuda_pin_region(a->e, 999999), AXF_E_NOTFOUND);
+    t_close(a);
+    t_close(b);
+    CHECK_EQ(pinned_now(), before); /* unpinned with the region */
+    CHECK_EQ(axf_cuda_free(g), AXF_OK);
+    free(pool);
+    return 0;
+}
+
+/* Rule: a sticky error (an illegal address on the device) poisons every
+ * context of the process, the application's too: latched, reported with its
+ * name, and no GPU op is attempted after it. Last: it stays for the process. */
+static int test_sticky_error_latched(void)
+{
+    if (!drv_sym("fakecuda_sync_copies"))
+        return 0; /* not something to provoke on a real GPU */
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, 4096, &g), AXF_OK);
+    uint8_t host[8192];
+    CHECK(axf_cuda_copy(g, (uint64_t)(uintptr_t)host, sizeof host) != AXF_OK); /* past the end */
+    char why[256] = "";
+    int n = -1;
+    CHECK_EQ(axf_cuda_probe(why, sizeof why, &n), AXF_E_TRANSPORT);
+    CHECK(strstr(why, "sticky") != NULL && strstr(why, "ILLEGAL_ADDRESS") != NULL);
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    CHECK_EQ(axf_cuda_enable(t->e, why, sizeof why), AXF_E_TRANSPORT);
+    t_close(t);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--driver") == 0) {
@@ -205,7 +639,17 @@ int main(int argc, char **argv)
             return 77;
         }
         printf("%s\n", why);
-        static const t_case gpu[] = {T_CASE(test_gpu_loopback)};
+        static const t_case gpu[] = {
+            T_CASE(test_gpu_loopback),
+            T_CASE(test_context_untouched),
+            T_CASE(test_peer_host_memory_pinned),
+            T_CASE(test_mixed_pinned_span),
+            T_CASE(test_vmm_span),
+            T_CASE(test_managed_refused),
+            T_CASE(test_ipc_cross_device),
+            T_CASE(test_pin_ahead),
+            T_CASE(test_sticky_error_latched), /* last: the process stays poisoned */
+        };
         return T_RUN(argc - 1, argv + 1, gpu);
     }
     setenv("AIOXFER_CUDA_DRIVER", MISSING, 1);

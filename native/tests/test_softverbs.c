@@ -14,6 +14,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -427,7 +428,7 @@ static int test_devices(void)
     CHECK(V.query_port(ctx, 2, &pa) != 0);
     union ibv_gid g;
     CHECK_EQ(V.query_gid(ctx, 1, 0, &g), 0);
-    CHECK(V.query_gid(ctx, 1, 1, &g) != 0);
+    CHECK(V.query_gid(ctx, 1, 4, &g) != 0); /* four entries: v1 and v2, link-local and routable */
 
     /* A GID that is not ours, or no GRH: RTR refuses. */
     struct ibv_pd *pd = V.alloc_pd(ctx);
@@ -1535,6 +1536,195 @@ static int test_nothing_left_behind(void)
     return 0;
 }
 
+
+/* ------------------------------------------------------------------ hardware rules */
+
+/* Connects a to b with a's source GID entry sgid_a and b's sgid_b (RoCE v1
+ * entries are even, v2 odd), b's responder resources b_dest_rd and a's READ
+ * depth a_rd. */
+static int connect_gids(node *a, node *b, int sgid_a, int sgid_b, int a_rd, int b_dest_rd)
+{
+    node *n[2] = {a, b};
+    int sg[2] = {sgid_a, sgid_b};
+    for (int k = 0; k < 2; k++) {
+        node *me = n[k], *peer = n[1 - k];
+        struct ibv_qp_attr at = {0};
+        at.qp_state = IBV_QPS_RTR;
+        at.path_mtu = IBV_MTU_4096;
+        at.dest_qp_num = peer->qp->qp_num;
+        at.max_dest_rd_atomic = (uint8_t)(k ? b_dest_rd : 16);
+        at.min_rnr_timer = 12;
+        at.ah_attr.is_global = 1;
+        CHECK_EQ(V.query_gid(peer->ctx, 1, sg[1 - k], &at.ah_attr.grh.dgid), 0);
+        at.ah_attr.grh.sgid_index = (uint8_t)sg[k];
+        at.ah_attr.grh.hop_limit = 64;
+        at.ah_attr.port_num = 1;
+        CHECK_EQ(V.modify_qp(me->qp, &at,
+                             IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                 IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
+                                 IBV_QP_MIN_RNR_TIMER),
+                 0);
+        memset(&at, 0, sizeof at);
+        at.qp_state = IBV_QPS_RTS;
+        at.timeout = 14;
+        at.retry_cnt = 7;
+        at.rnr_retry = 7;
+        at.max_rd_atomic = (uint8_t)(k ? 16 : a_rd);
+        CHECK_EQ(V.modify_qp(me->qp, &at,
+                             IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                                 IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC),
+                 0);
+    }
+    return 0;
+}
+
+/* Rule: a RoCE GID table has v1 and v2 entries for each address, link-local
+ * and routable; QPs whose source GID types differ never hear each other
+ * (the first WR times out: RETRY_EXC_ERR). */
+static int test_gid_types(void)
+{
+    CHECK(V.query_gid_type != NULL);
+    node a, b;
+    if (node_open(&a, 0, SQ_DEPTH) || node_open(&b, 1, SQ_DEPTH))
+        return 1;
+    int types[4];
+    for (int i = 0; i < 4; i++) {
+        union ibv_gid g;
+        CHECK_EQ(V.query_gid(a.ctx, 1, i, &g), 0);
+        CHECK_EQ(V.query_gid_type(a.ctx, 1, i, &types[i]), 0);
+        CHECK_EQ(g.raw[0], i < 2 ? 0xfe : 0x20); /* link-local, then routable */
+    }
+    CHECK_EQ(types[0], IBV_GID_TYPE_ROCE_V1);
+    CHECK_EQ(types[3], IBV_GID_TYPE_ROCE_V2);
+    if (connect_gids(&a, &b, 0, 3, 16, 16)) /* v1 towards v2 */
+        return 1;
+    CHECK_EQ(post_rdma(&a, IBV_WR_RDMA_WRITE, 0, 64, (uint64_t)(uintptr_t)b.buf, b.mr->rkey,
+                       IBV_SEND_SIGNALED, 1),
+             0);
+    CHECK_EQ(expect_wc(&a, 1, IBV_WC_RETRY_EXC_ERR), 0);
+    node_close(&a);
+    node_close(&b);
+    if (node_open(&a, 0, SQ_DEPTH) || node_open(&b, 1, SQ_DEPTH))
+        return 1;
+    if (connect_gids(&a, &b, 3, 3, 16, 16)) /* v2 both ways */
+        return 1;
+    t_fill(a.buf, 64, 7);
+    CHECK_EQ(post_rdma(&a, IBV_WR_RDMA_WRITE, 0, 64, (uint64_t)(uintptr_t)b.buf, b.mr->rkey,
+                       IBV_SEND_SIGNALED, 2),
+             0);
+    CHECK_EQ(expect_wc(&a, 2, IBV_WC_SUCCESS), 0);
+    CHECK(same(b.buf, 64, 7));
+    node_close(&a);
+    node_close(&b);
+    return 0;
+}
+
+/* Rule: a requester with more READs outstanding than the responder QP's
+ * max_dest_rd_atomic is refused (REM_INV_REQ_ERR): the two must agree. */
+static int test_rd_atomic_enforced(void)
+{
+    for (int agree = 0; agree < 2; agree++) {
+        node a, b;
+        if (node_open(&a, 0, SQ_DEPTH) || node_open(&b, 1, SQ_DEPTH))
+            return 1;
+        if (connect_gids(&a, &b, 0, 0, agree ? 2 : 16, 2))
+            return 1;
+        enum { N = 16 };
+        struct ibv_sge sge[N];
+        struct ibv_send_wr wr[N], *bad;
+        memset(wr, 0, sizeof wr);
+        for (int i = 0; i < N; i++) {
+            sge[i] = (struct ibv_sge){.addr = (uint64_t)(uintptr_t)(a.buf + i * 4096),
+                                      .length = 4096, .lkey = a.mr->lkey};
+            wr[i].wr_id = 100 + (uint64_t)i;
+            wr[i].sg_list = &sge[i];
+            wr[i].num_sge = 1;
+            wr[i].opcode = IBV_WR_RDMA_READ;
+            wr[i].send_flags = i == N - 1 ? IBV_SEND_SIGNALED : 0;
+            wr[i].wr.rdma.remote_addr = (uint64_t)(uintptr_t)(b.buf + i * 4096);
+            wr[i].wr.rdma.rkey = b.mr->rkey;
+            wr[i].next = i + 1 < N ? &wr[i + 1] : NULL;
+        }
+        CHECK_EQ(V.post_send(a.qp, wr, &bad), 0);
+        struct ibv_wc wc;
+        CHECK_EQ(wait_wc(&a, &wc), 0);
+        if (agree) {
+            CHECK_EQ(wc.status, IBV_WC_SUCCESS);
+            CHECK_EQ(wc.wr_id, 100 + N - 1);
+        } else {
+            CHECK_EQ(wc.status, IBV_WC_REM_INV_REQ_ERR);
+        }
+        node_close(&a);
+        node_close(&b);
+    }
+    return 0;
+}
+
+/* Rule: memory the CPU cannot read (device addresses) is refused by reg_mr
+ * (EFAULT); through a dmabuf it registers, and bytes move through the
+ * dmabuf's pages, never through the address; an inline WR from it faults
+ * (SIGSEGV) in the posting thread. */
+static int test_device_memory(void)
+{
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE), len = 4 * pg;
+    int fd = memfd_create("fake-device-memory", MFD_CLOEXEC);
+    CHECK(fd >= 0 && ftruncate(fd, (off_t)(2 * len)) == 0);
+    uint8_t *va = mmap(NULL, len, PROT_NONE, MAP_SHARED, fd, (off_t)len); /* 2nd half */
+    uint8_t *view = mmap(NULL, 2 * len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    CHECK(va != MAP_FAILED && view != MAP_FAILED);
+    node a, b;
+    if (node_open(&a, 0, SQ_DEPTH) || node_open(&b, 1, SQ_DEPTH))
+        return 1;
+    int acc = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+    errno = 0;
+    CHECK(V.reg_mr(a.pd, va, len, acc) == NULL);
+    CHECK_EQ(errno, EFAULT);
+    /* the exported range starts at the fd's position; register 1000 bytes at
+     * offset 512 of it, at iova va + 512 */
+    CHECK_EQ(lseek(fd, (off_t)len, SEEK_SET), (off_t)len);
+    struct ibv_mr *dm = V.reg_dmabuf_mr(a.pd, 512, 1000, (uint64_t)(uintptr_t)va + 512, fd, acc);
+    CHECK(dm != NULL);
+    if (connect_gids(&a, &b, 0, 0, 16, 16))
+        return 1;
+    t_fill(view + len + 512, 1000, 9);
+    struct ibv_sge sge = {.addr = (uint64_t)(uintptr_t)va + 512, .length = 1000, .lkey = dm->lkey};
+    struct ibv_send_wr wr = {0}, *bad;
+    wr.wr_id = 1;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr = (uint64_t)(uintptr_t)b.buf;
+    wr.wr.rdma.rkey = b.mr->rkey;
+    CHECK_EQ(V.post_send(a.qp, &wr, &bad), 0);
+    CHECK_EQ(expect_wc(&a, 1, IBV_WC_SUCCESS), 0);
+    CHECK(same(b.buf, 1000, 9));
+    /* inline from it: the posting thread faults (in a child, to watch it die) */
+    fflush(NULL);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        alarm(10); /* never a hang: a lock held at fork would show as SIGALRM */
+        signal(SIGSEGV, SIG_DFL); /* the plain fault, also under a sanitizer's handler */
+        wr.send_flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE;
+        sge.length = 100;
+        V.post_send(a.qp, &wr, &bad);
+        _exit(0);
+    }
+    int st = 0;
+    pid_t w = waitpid(pid, &st, 0);
+    int dereg = V.dereg_mr(dm);
+    node_close(&a);
+    node_close(&b);
+    munmap(va, len);
+    munmap(view, 2 * len);
+    close(fd);
+    CHECK_EQ(w, pid);
+    CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV);
+    CHECK_EQ(dereg, 0);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *path = getenv("AXF_SOFTVERBS");
@@ -1559,6 +1749,9 @@ int main(int argc, char **argv)
         return 1;
     }
     static const t_case cases[] = {
+        T_CASE(test_gid_types),
+        T_CASE(test_rd_atomic_enforced),
+        T_CASE(test_device_memory),
         T_CASE(test_devices),
         T_CASE(test_write_read_sizes),
         T_CASE(test_inline_and_sges),

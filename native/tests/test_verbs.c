@@ -7,6 +7,7 @@
  * Also: the real libibverbs on a machine without RDMA devices is "no devices". */
 #include "harness.h"
 
+#include <dlfcn.h>
 #include <sys/socket.h>
 
 #define A_TAG 41
@@ -488,9 +489,187 @@ static int test_gpu_region_unreachable(void)
     return 0;
 }
 
+
+/* ------------------------------------------------------------ hardware rules */
+
+/* Rules 1 and 3: GPU memory (the software CUDA driver's: not CPU-readable)
+ * at a 512-byte offset in its allocation, as a caching allocator hands out
+ * tensors. It must register through a dmabuf of the pages around it (the
+ * driver exports page-aligned ranges only), and a small WRITE from it must
+ * not be posted inline (the CPU would read device memory: SIGSEGV). */
+static int test_gpu_dmabuf_small_write(void)
+{
+    char why[256];
+    int ndev = 0;
+    if (axf_cuda_probe(why, sizeof why, &ndev) != AXF_OK) {
+        printf("    (no CUDA driver: %s)\n", why);
+        return 0;
+    }
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    enum { ALLOC = 1 << 20, OFF = 512, LEN = 8192 };
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, ALLOC, &g), AXF_OK);
+    uint8_t *host = malloc(LEN), *back = calloc(1, LEN);
+    CHECK(host && back);
+    t_fill(host, LEN, 77);
+    CHECK_EQ(axf_cuda_copy(g + OFF, (uint64_t)(uintptr_t)host, LEN), AXF_OK);
+    uint64_t grid, gkey, addrs[AXF_VERBS_MAX_DEVICES];
+    uint32_t rkeys[AXF_VERBS_MAX_DEVICES];
+    CHECK_EQ(axf_region_register_kind(p.a->e, AXF_MEM_CUDA, g + OFF, LEN, RW, -1, &grid, &gkey),
+             AXF_OK);
+    CHECK_EQ(axf_verbs_region_keys(p.a->e, grid, addrs, rkeys, AXF_VERBS_MAX_DEVICES), p.ndev);
+    CHECK_EQ(addrs[0], g + OFF); /* registered (through the dmabuf) at the tensor's address */
+    /* 100 bytes (a tail piece): below the inline limit, from GPU memory */
+    axf_desc d = {.lrid = grid, .loff = 0, .rrid = p.brid, .rkey = p.bkey, .roff = 0, .len = 100};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(p.bdst, host, 100) == 0);
+    /* the whole tensor both ways */
+    d.len = LEN;
+    d.roff = 65536;
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 2, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 2, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(p.bdst + 65536, host, LEN) == 0);
+    memset(p.bdst + 65536, 0x5c, LEN);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_READ, &d, 1, NULL, 0, 3, 0), AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 3, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(axf_cuda_copy((uint64_t)(uintptr_t)back, g + OFF, LEN), AXF_OK);
+    CHECK(t_all(back, LEN, 0x5c));
+    CHECK_EQ(axf_region_deregister(p.a->e, grid), AXF_OK);
+    vpair_close(&p);
+    CHECK_EQ(axf_cuda_free(g), AXF_OK);
+    free(host);
+    free(back);
+    return 0;
+}
+
+/* Rule: READ depth is negotiated. The provider's devices take 4 READs in
+ * flight as responders but issue 16 (AXF_SOFTVERBS_RD_ATOM=4,16, set in
+ * main): a requester that keeps its own 16 overruns the peer. */
+static int test_read_depth(void)
+{
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    enum { N = 64, SZ = 4096 };
+    axf_desc d[N];
+    t_fill(p.bdst, N * SZ, 12);
+    for (int i = 0; i < N; i++)
+        d[i] = (axf_desc){.lrid = p.arid, .loff = (uint64_t)i * SZ, .rrid = p.brid,
+                          .rkey = p.bkey, .roff = (uint64_t)i * SZ, .len = SZ};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_READ, d, N, NULL, 0, 1, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(p.asrc, p.bdst, N * SZ) == 0);
+    vpair_close(&p);
+    return 0;
+}
+
+/* Rule: a post_send refused part way: the requests it took that completed
+ * before the queue pair failed produce no completion (unsignalled), so the
+ * op must not wait for one per request. It fails, promptly, and the endpoint
+ * is lost. */
+static int test_partial_post(void)
+{
+    void *lib = dlopen(provider, RTLD_NOW); /* the library the engines load too */
+    void (*fail_next)(int) = NULL;
+    if (lib)
+        *(void **)&fail_next = dlsym(lib, "axf_softverbs_fail_next_post");
+    CHECK(fail_next);
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    enum { N = 8 };
+    axf_desc d[N];
+    for (int i = 0; i < N; i++)
+        d[i] = (axf_desc){.lrid = p.arid, .loff = (uint64_t)i * 4096, .rrid = p.brid,
+                          .rkey = p.bkey, .roff = (uint64_t)i * 4096, .len = 4096};
+    fail_next(3);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, N, NULL, 0, 1, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK(c.status != AXF_OK);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_PEER_LOST, p.ep, &c), 0);
+    dlclose(lib);
+    vpair_close(&p);
+    return 0;
+}
+
+/* Rule: the two ends of a queue pair must agree on link layer and GID type;
+ * a peer that says otherwise is refused at connect, not left to time out. */
+static int test_qp_mismatch_refused(void)
+{
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    char why[256];
+    CHECK(axf_verbs_enable(a->e, provider, why, sizeof why) > 0);
+    CHECK(axf_verbs_enable(b->e, provider, why, sizeof why) > 0);
+    uint64_t ep;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_VERBS, A_TAG, 0, &ep), AXF_OK);
+    axf_verbs_qp_info ia, ib;
+    CHECK_EQ(axf_verbs_qp_create(a->e, ep, 0, &ia), AXF_OK);
+    if (provider) { /* softverbs: RoCE, and its routable v2 entry is the one to pick */
+        CHECK_EQ(ia.link_layer, 2);
+        CHECK(ia.gid_type == 1 + 2 && ia.gid_index == 3);
+    }
+    CHECK(ia.link_layer == 1 || ia.link_layer == 2);
+    CHECK(ia.max_dest_rd_atomic >= 1);
+    axf_verbs_qp_info bad = ia;
+    bad.link_layer = ia.link_layer == 1 ? 2 : 1; /* the other one */
+    uint64_t h;
+    CHECK_EQ(axf_verbs_accept_qp(b->e, 0, &bad, &ib, &h), AXF_E_TRANSPORT);
+    bad = ia;
+    bad.gid_type = ia.gid_type == 1 + 1 ? 1 + 2 : 1 + 1; /* another type */
+    CHECK_EQ(axf_verbs_accept_qp(b->e, 0, &bad, &ib, &h), AXF_E_TRANSPORT);
+    t_close(a);
+    t_close(b);
+    return 0;
+}
+
+
+/* Rule: a device that dies says so only through its asynchronous events; it
+ * completes nothing afterwards, not even flushes. Ops in flight on it must
+ * still finish (failed), and the endpoint be lost. Last: the device stays
+ * dead for the rest of the process. */
+static int test_device_fatal(void)
+{
+    void *lib = dlopen(provider, RTLD_NOW); /* the library the engines load too */
+    int (*fatal)(const char *) = NULL;
+    if (lib)
+        *(void **)&fatal = dlsym(lib, "axf_softverbs_device_fatal");
+    CHECK(fatal);
+    axf_config cfg = {.chunk_bytes = 64 << 10};
+    vpair p;
+    if (vpair_open(&p, &cfg))
+        return 1;
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
+    for (uint64_t k = 0; k < 4; k++)
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1 + k, 0), AXF_OK);
+    CHECK_EQ(fatal("softverbs0"), 0);
+    for (uint64_t k = 0; k < 4; k++) {
+        axf_completion c;
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 1 + k, &c), 0); /* finishes: no hang */
+    }
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_PEER_LOST, p.ep, &c), 0);
+    dlclose(lib);
+    vpair_close(&p);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     provider = getenv("AXF_SOFTVERBS_PROVIDER");
+    /* Devices that serve fewer READs than they issue: the depth must be
+     * negotiated (test_read_depth; every READ of the suite depends on it). */
+    setenv("AXF_SOFTVERBS_RD_ATOM", "4,16", 0);
     char why[256];
     if (axf_verbs_probe(NULL, NULL, 0, why, sizeof why) == AXF_E_TRANSPORT &&
         strstr(why, "not built")) {
@@ -512,7 +691,30 @@ int main(int argc, char **argv)
         T_CASE(test_deregister_waits),
         T_CASE(test_enable_after_register),
         T_CASE(test_gpu_region_unreachable),
+        T_CASE(test_gpu_dmabuf_small_write),
+        T_CASE(test_read_depth),
+        T_CASE(test_partial_post),
+        T_CASE(test_qp_mismatch_refused),
+        T_CASE(test_device_fatal), /* last: the device stays dead */
     };
+    /* AXF_VERBS_REAL=1: the same cases on the real libibverbs and NIC (both
+     * engines in this process, queue pairs looped back through the port), but
+     * those that need the software provider's hooks (benchmarks/gpu_check.sh). */
+    const char *real = getenv("AXF_VERBS_REAL");
+    if (real && *real == '1') {
+        provider = NULL;
+        static const t_case hw[] = {
+            T_CASE(test_probe_provider),          T_CASE(test_write_read),
+            T_CASE(test_many_small),              T_CASE(test_notify_after_data),
+            T_CASE(test_access_checked_at_post),  T_CASE(test_remote_access_error),
+            T_CASE(test_peer_lost),               T_CASE(test_cancel),
+            T_CASE(test_shutdown_in_flight),      T_CASE(test_registration_cache),
+            T_CASE(test_deregister_waits),        T_CASE(test_enable_after_register),
+            T_CASE(test_gpu_dmabuf_small_write),  T_CASE(test_read_depth),
+            T_CASE(test_qp_mismatch_refused),
+        };
+        return T_RUN(argc, argv, hw);
+    }
     if (!provider || !*provider) {
         printf("SKIP: AXF_SOFTVERBS_PROVIDER is not set (the software verbs provider)\n");
         return 77;

@@ -15,9 +15,32 @@
  *
  * Model, as close to a RoCE NIC with RC queue pairs as a test needs:
  * - Devices softverbs0..N-1, one port each, ACTIVE, link layer Ethernet, lid 0,
- *   addressing by GID (ah_attr.is_global = 1). GID index 0 encodes (pid,
- *   device index): that is how a QP's RTR finds the remote process. A GID that
- *   is not a softverbs GID makes modify_qp(RTR) fail with EINVAL.
+ *   addressing by GID (ah_attr.is_global = 1). A GID encodes (pid, device
+ *   index): that is how a QP's RTR finds the remote process. A GID that is not
+ *   a softverbs GID makes modify_qp(RTR) fail with EINVAL.
+ * - The GID table is a RoCE NIC's: index 0 link-local (fe80::) RoCE v1, 1 the
+ *   same address RoCE v2, 2 a routable address (2001:db8::) RoCE v1, 3 that
+ *   address RoCE v2 (query_gid_type). Two QPs whose source GID types differ
+ *   never hear each other (v1 is IB-over-Ethernet frames, v2 UDP/IP): the
+ *   connection is refused and the first WR fails RETRY_EXC_ERR, as it would by
+ *   timeout. With AXF_SOFTVERBS_ROUTED=1 the peers are in different IP subnets:
+ *   only a RoCE v2 source GID towards a routable destination GID reaches the
+ *   peer; link-local or v1 traffic is not routed (RETRY_EXC_ERR).
+ * - RDMA READ depth: a device accepts at most max_qp_rd_atom READs in flight
+ *   as a responder and issues at most max_qp_init_rd_atom
+ *   (AXF_SOFTVERBS_RD_ATOM="resp,init", default "16,16"); modify_qp refuses
+ *   more, the requester never has more than its QP's max_rd_atomic
+ *   outstanding, and a requester whose max_rd_atomic exceeds the responder
+ *   QP's max_dest_rd_atomic gets REM_INV_REQ_ERR on its first READ (hardware
+ *   fails once the load overruns the responder's resources), so the two must
+ *   be negotiated.
+ * - Memory a CPU cannot read (a GPU's device addresses: fakecuda maps them
+ *   PROT_NONE) cannot be registered with reg_mr (EFAULT, as without
+ *   nvidia-peermem); reg_dmabuf_mr registers it through its dmabuf fd, which
+ *   the "NIC" reads and writes through its own mapping of the fd (the fd's
+ *   file position is where the exported range starts, fakecuda's convention).
+ *   An inline WR copies its payload with the CPU in post_send: from such memory
+ *   it faults (SIGSEGV) in the posting thread, exactly as on hardware.
  * - Per process and device, a "hub": an abstract unix socket listener named
  *   from (pid, device), the MR table (keys are per device, as on a NIC) and the
  *   QP table. Each accepted connection gets a responder thread that checks the
@@ -77,6 +100,9 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <sys/mman.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -105,11 +131,15 @@ typedef struct sv_device {
     struct ibv_device dev; /* first: the public object */
     int index;
     int link_down; /* __atomic; axf_softverbs_set_link */
+    int fatal;     /* __atomic; axf_softverbs_device_fatal: no completion ever again */
 } sv_device;
 
 typedef struct sv_mr {
     struct ibv_mr mr;
     int access;
+    uint8_t *dma;      /* reg_dmabuf_mr: our mapping of the dmabuf, else NULL */
+    size_t dma_len;
+    size_t dma_delta;  /* where mr.addr (the iova) lies in that mapping */
     struct sv_mr *next;
 } sv_mr;
 
@@ -134,6 +164,10 @@ typedef struct sv_ctx {
     struct ibv_context ctx;
     sv_hub *hub;
     int nobj; /* __atomic: PDs, MRs, CQs, channels, QPs not yet destroyed */
+    /* Asynchronous events (async_fd: an eventfd counting them), g_lock. */
+    enum ibv_event_type events[16];
+    int nevents;
+    struct sv_ctx *next_ctx; /* g_ctxs */
 } sv_ctx;
 
 typedef struct sv_cq sv_cq;
@@ -197,6 +231,10 @@ struct sv_qp {
     uint32_t dest_qpn;
     union ibv_gid dgid;
     uint8_t rnr_retry;
+    uint32_t sgid_index;   /* RTR: our source GID entry */
+    uint8_t max_dest_rd;   /* RTR: READs we serve in flight */
+    uint8_t max_rd;        /* RTS: READs we may have outstanding */
+    uint8_t reads_out;     /* READs sent and not answered yet */
     /* Send queue: a ring of cap.max_send_wr slots indexed by sequence.
      * released <= done <= resp <= sent <= posted: released slots are free;
      * done ones completed; resp ones answered; sent ones on the wire. */
@@ -221,6 +259,10 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static sv_device g_devs[SV_MAX_DEVICES];
 static int g_ndev;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static bool g_routed;                  /* AXF_SOFTVERBS_ROUTED=1 */
+static int g_rd_resp = 16, g_rd_init = 16; /* AXF_SOFTVERBS_RD_ATOM="resp,init" */
+static int g_fail_post_after = -1;     /* axf_softverbs_fail_next_post; g_lock */
+static struct sv_ctx *g_ctxs;          /* open contexts, for async events; g_lock */
 static sv_hub *g_hubs[SV_MAX_DEVICES];
 static pid_t g_hubs_pid;
 
@@ -244,6 +286,15 @@ static void sv_init(void)
         else
             fprintf(stderr, "softverbs: AXF_SOFTVERBS_DEVICES=%s is not 0..%d; using 2\n", e,
                     SV_MAX_DEVICES);
+    }
+    const char *r = getenv("AXF_SOFTVERBS_ROUTED");
+    g_routed = r && *r == '1';
+    const char *ra = getenv("AXF_SOFTVERBS_RD_ATOM");
+    int resp, init;
+    if (ra && sscanf(ra, "%d,%d", &resp, &init) == 2 && resp >= 1 && resp <= SV_MAX_RD_ATOM &&
+        init >= 1 && init <= SV_MAX_RD_ATOM) {
+        g_rd_resp = resp;
+        g_rd_init = init;
     }
     for (int i = 0; i < n; i++) {
         sv_device *d = &g_devs[i];
@@ -292,22 +343,44 @@ static int recv_all(int fd, void *buf, size_t n)
     return 0;
 }
 
-static void sv_gid(union ibv_gid *g, uint32_t pid, uint32_t dev)
+enum { SV_GIDS = 4 };
+
+/* GID entry i's type (see the table at the top). */
+static int sv_gid_type(uint32_t index)
+{
+    return index % 2 ? IBV_GID_TYPE_ROCE_V2 : IBV_GID_TYPE_ROCE_V1;
+}
+
+/* A link-local (fe80::) or routable (2001:db8::) GID naming (pid, dev). */
+static void sv_gid_at(union ibv_gid *g, uint32_t pid, uint32_t dev, bool routable)
 {
     memset(g, 0, sizeof *g);
-    g->raw[0] = 0xfe;
-    g->raw[1] = 0x80;
+    g->raw[0] = routable ? 0x20 : 0xfe;
+    g->raw[1] = routable ? 0x01 : 0x80;
+    g->raw[2] = routable ? 0x0d : 0;
+    g->raw[3] = routable ? 0xb8 : 0;
     memcpy(g->raw + 4, "axsv", 4);
     uint32_t p = htonl(pid), d = htonl(dev);
     memcpy(g->raw + 8, &p, 4);
     memcpy(g->raw + 12, &d, 4);
 }
 
+static void sv_gid(union ibv_gid *g, uint32_t pid, uint32_t dev)
+{
+    sv_gid_at(g, pid, dev, false);
+}
+
+static bool sv_gid_routable(const union ibv_gid *g)
+{
+    return g->raw[0] == 0x20 && g->raw[1] == 0x01;
+}
+
 static bool sv_gid_parse(const union ibv_gid *g, uint32_t *pid, uint32_t *dev)
 {
-    union ibv_gid ref;
-    sv_gid(&ref, 0, 0);
-    if (memcmp(g->raw, ref.raw, 8) != 0)
+    union ibv_gid ll, rt;
+    sv_gid_at(&ll, 0, 0, false);
+    sv_gid_at(&rt, 0, 0, true);
+    if (memcmp(g->raw, ll.raw, 8) != 0 && memcmp(g->raw, rt.raw, 8) != 0)
         return false;
     uint32_t p, d;
     memcpy(&p, g->raw + 8, 4);
@@ -373,11 +446,22 @@ static sv_mr *mr_check(sv_hub *h, struct ibv_pd *pd, uint32_t key, uint64_t addr
     return m;
 }
 
+/* Where the bytes at addr of MR m are for our copies: the address itself,
+ * or (dmabuf MR) our mapping of the dmabuf. Caller holds mr_lock. */
+static uint8_t *mr_at(const sv_mr *m, uint64_t addr)
+{
+    if (m->dma)
+        return m->dma + m->dma_delta + (addr - (uint64_t)(uintptr_t)m->mr.addr);
+    return (uint8_t *)(uintptr_t)addr;
+}
+
 /* ------------------------------------------------------------------ CQ */
 
 static void cq_push(sv_cq *cq, const struct ibv_wc *wc, uint64_t seq, bool recv)
 {
     bool notify = false;
+    if (__atomic_load_n(&((sv_device *)cq->cq.context->device)->fatal, __ATOMIC_ACQUIRE))
+        return; /* a dead device completes nothing, not even flushes */
     pthread_mutex_lock(&cq->lock);
     if (cq->count == cq->cap) {
         if (!cq->overflow)
@@ -513,6 +597,7 @@ static void sq_progress(sv_qp *q)
             break;
         }
     }
+    pthread_cond_broadcast(&q->cond); /* a poster may wait for completions (test hook) */
 }
 
 /* The requester link is gone: the oldest WR on the wire fails RETRY_EXC_ERR
@@ -550,11 +635,12 @@ static bool gather(sv_qp *q, const struct ibv_sge *sg, int nsge, uint64_t off, u
             continue;
         }
         size_t take = sg[i].length - off < n ? (size_t)(sg[i].length - off) : n;
-        if (!mr_check(h, q->qp.pd, sg[i].lkey, sg[i].addr + off, take, 0)) {
+        sv_mr *m = mr_check(h, q->qp.pd, sg[i].lkey, sg[i].addr + off, take, 0);
+        if (!m) {
             ok = false;
             break;
         }
-        memcpy(buf, (const void *)(uintptr_t)(sg[i].addr + off), take);
+        memcpy(buf, mr_at(m, sg[i].addr + off), take);
         buf += take;
         n -= take;
         off = 0;
@@ -577,11 +663,13 @@ static bool scatter(sv_qp *q, const struct ibv_sge *sg, int nsge, uint64_t off,
             continue;
         }
         size_t take = sg[i].length - off < n ? (size_t)(sg[i].length - off) : n;
-        if (!mr_check(h, q->qp.pd, sg[i].lkey, sg[i].addr + off, take, IBV_ACCESS_LOCAL_WRITE)) {
+        sv_mr *m = mr_check(h, q->qp.pd, sg[i].lkey, sg[i].addr + off, take,
+                            IBV_ACCESS_LOCAL_WRITE);
+        if (!m) {
             ok = false;
             break;
         }
-        memcpy((void *)(uintptr_t)(sg[i].addr + off), buf, take);
+        memcpy(mr_at(m, sg[i].addr + off), buf, take);
         buf += take;
         n -= take;
         off = 0;
@@ -621,6 +709,13 @@ static void *sender_main(void *arg)
             break;
         uint64_t seq = q->sq_sent;
         sv_swqe *w = &q->sq[seq % q->cap.max_send_wr];
+        if (w->op == IBV_WR_RDMA_READ && w->local == IBV_WC_SUCCESS && !q->link_dead &&
+            q->reads_out >= (q->max_rd ? q->max_rd : 1)) {
+            /* The requester never has more READs outstanding than its QP's
+             * max_rd_atomic: the next one waits for a response. */
+            pthread_cond_wait(&q->cond, &q->lock);
+            continue;
+        }
         enum ibv_wc_status bad = w->local;
         if (bad == IBV_WC_SUCCESS && (q->link_dead || q->fd < 0 || link_down(q->hub)))
             bad = IBV_WC_RETRY_EXC_ERR;
@@ -641,6 +736,10 @@ static void *sender_main(void *arg)
         req.seq = (uint32_t)seq;
         req.op = wire_op(w->op);
         req.rnr_retry = q->rnr_retry;
+        if (w->op == IBV_WR_RDMA_READ) {
+            q->reads_out++;
+            req.rd_depth = q->max_rd ? q->max_rd : 1;
+        }
         req.imm = w->imm;
         req.rkey = w->rkey;
         req.raddr = w->raddr;
@@ -755,6 +854,10 @@ static void *receiver_main(void *arg)
         if (!io_ok)
             break;
         pthread_mutex_lock(&q->lock);
+        if (w->op == IBV_WR_RDMA_READ && q->reads_out) {
+            q->reads_out--;
+            pthread_cond_broadcast(&q->cond); /* a READ may wait for this */
+        }
         if (seq >= q->sq_done && seq == q->sq_resp) {
             w->final = true;
             w->status = w->local != IBV_WC_SUCCESS ? w->local : st;
@@ -828,8 +931,10 @@ static int place(sv_conn *c, sv_qp *q, uint8_t *buf, const sv_req *rq, bool to_r
                     st = SV_REM_OP;
             } else {
                 pthread_rwlock_rdlock(&h->mr_lock);
-                if (mr_check(h, q->qp.pd, rq->rkey, rq->raddr + off, n, IBV_ACCESS_REMOTE_WRITE))
-                    memcpy((void *)(uintptr_t)(rq->raddr + off), buf, n);
+                sv_mr *m = mr_check(h, q->qp.pd, rq->rkey, rq->raddr + off, n,
+                                    IBV_ACCESS_REMOTE_WRITE);
+                if (m)
+                    memcpy(mr_at(m, rq->raddr + off), buf, n);
                 else
                     st = SV_REM_ACCESS; /* deregistered mid-WR */
                 pthread_rwlock_unlock(&h->mr_lock);
@@ -847,9 +952,10 @@ static bool mr_read(sv_qp *q, uint32_t rkey, uint64_t addr, uint8_t *buf, size_t
 {
     sv_hub *h = q->hub;
     pthread_rwlock_rdlock(&h->mr_lock);
-    bool ok = mr_check(h, q->qp.pd, rkey, addr, n, IBV_ACCESS_REMOTE_READ) != NULL;
+    sv_mr *m = mr_check(h, q->qp.pd, rkey, addr, n, IBV_ACCESS_REMOTE_READ);
+    bool ok = m != NULL;
     if (ok)
-        memcpy(buf, (const void *)(uintptr_t)addr, n);
+        memcpy(buf, mr_at(m, addr), n);
     pthread_rwlock_unlock(&h->mr_lock);
     return ok;
 }
@@ -886,6 +992,19 @@ static int serve(sv_conn *c, sv_qp *q, uint8_t *buf, const sv_req *rq)
 
     pthread_mutex_lock(&q->lock);
     if (!qp_serving(q)) {
+        pthread_mutex_unlock(&q->lock);
+        return -1;
+    }
+    if (rq->op == SV_OP_READ && rq->rd_depth > q->max_dest_rd) {
+        /* A requester that may have more READs in flight than this responder
+         * QP has resources for (max_dest_rd_atomic) overruns it as soon as
+         * the load is there; the NIC then NAKs an invalid request. Refused at
+         * the first READ, so the mismatch shows in every test, not only
+         * under load. */
+        pthread_mutex_unlock(&q->lock);
+        respond(c, rq, SV_REM_INV_REQ, 0);
+        pthread_mutex_lock(&q->lock);
+        qp_error(q);
         pthread_mutex_unlock(&q->lock);
         return -1;
     }
@@ -1011,8 +1130,13 @@ static sv_qp *conn_bind(sv_conn *c)
         pthread_cond_wait(&q->cond, &q->lock);
     union ibv_gid want;
     sv_gid(&want, (uint32_t)cred.pid, hello.src_dev);
+    union ibv_gid want_rt;
+    sv_gid_at(&want_rt, (uint32_t)cred.pid, hello.src_dev, true);
     bool ok = qp_serving(q) && !q->stop && q->dest_qpn == hello.src_qpn &&
-              memcmp(&q->dgid, &want, sizeof want) == 0;
+              (memcmp(&q->dgid, &want, sizeof want) == 0 ||
+               memcmp(&q->dgid, &want_rt, sizeof want_rt) == 0) &&
+              hello.sgid_index < SV_GIDS &&
+              sv_gid_type(hello.sgid_index) == sv_gid_type(q->sgid_index); /* v1 != v2 */
     pthread_mutex_unlock(&q->lock);
     return ok ? q : NULL;
 }
@@ -1234,6 +1358,7 @@ static const char *sv_get_device_name(struct ibv_device *d)
 }
 
 static int sv_post_send(struct ibv_qp *, struct ibv_send_wr *, struct ibv_send_wr **);
+SV_EXPORT int axf_softverbs_set_link(const char *dev, int up);
 static int sv_post_recv(struct ibv_qp *, struct ibv_recv_wr *, struct ibv_recv_wr **);
 static int sv_poll_cq(struct ibv_cq *, int, struct ibv_wc *);
 static int sv_req_notify_cq(struct ibv_cq *, int);
@@ -1260,7 +1385,18 @@ static struct ibv_context *sv_open_device(struct ibv_device *dev)
     }
     c->ctx.device = dev;
     c->ctx.cmd_fd = -1;
-    c->ctx.async_fd = -1;
+    c->ctx.async_fd = eventfd(0, EFD_CLOEXEC | EFD_SEMAPHORE);
+    if (c->ctx.async_fd < 0) {
+        int e = errno;
+        hub_put(c->hub);
+        free(c);
+        errno = e;
+        return NULL;
+    }
+    pthread_mutex_lock(&g_lock);
+    c->next_ctx = g_ctxs;
+    g_ctxs = c;
+    pthread_mutex_unlock(&g_lock);
     c->ctx.num_comp_vectors = 1;
     /* The fast-path inlines of <infiniband/verbs.h> (ibv_poll_cq, ...) go
      * through these: code that calls them directly works too. */
@@ -1280,10 +1416,39 @@ static int sv_close_device(struct ibv_context *ctx)
         fprintf(stderr, "softverbs: close_device with %d objects not destroyed\n", n);
         return EBUSY;
     }
+    pthread_mutex_lock(&g_lock);
+    for (sv_ctx **p = &g_ctxs; *p; p = &(*p)->next_ctx)
+        if (*p == c) {
+            *p = c->next_ctx;
+            break;
+        }
+    pthread_mutex_unlock(&g_lock);
+    close(c->ctx.async_fd);
     hub_put(c->hub);
     pthread_mutex_destroy(&c->ctx.mutex);
     free(c);
     return 0;
+}
+
+static int sv_get_async_event(struct ibv_context *ctx, struct ibv_async_event *ev)
+{
+    sv_ctx *c = (sv_ctx *)ctx;
+    uint64_t v;
+    if (read(ctx->async_fd, &v, sizeof v) != (ssize_t)sizeof v)
+        return -1; /* EAGAIN on a nonblocking fd */
+    pthread_mutex_lock(&g_lock);
+    memset(ev, 0, sizeof *ev);
+    ev->event_type = c->nevents ? c->events[0] : IBV_EVENT_DEVICE_FATAL;
+    if (c->nevents)
+        memmove(c->events, c->events + 1, (size_t)--c->nevents * sizeof c->events[0]);
+    pthread_mutex_unlock(&g_lock);
+    ev->element.port_num = 1;
+    return 0;
+}
+
+static void sv_ack_async_event(struct ibv_async_event *ev)
+{
+    (void)ev;
 }
 
 static int sv_query_device(struct ibv_context *ctx, struct ibv_device_attr *a)
@@ -1305,8 +1470,8 @@ static int sv_query_device(struct ibv_context *ctx, struct ibv_device_attr *a)
     a->max_cqe = SV_MAX_CQE;
     a->max_mr = 1 << 20;
     a->max_pd = 1 << 16;
-    a->max_qp_rd_atom = SV_MAX_RD_ATOM;
-    a->max_qp_init_rd_atom = SV_MAX_RD_ATOM;
+    a->max_qp_rd_atom = g_rd_resp;
+    a->max_qp_init_rd_atom = g_rd_init;
     a->max_res_rd_atom = SV_MAX_RD_ATOM << 16;
     a->atomic_cap = IBV_ATOMIC_NONE;
     a->max_pkeys = 1;
@@ -1324,7 +1489,7 @@ static int sv_query_port(struct ibv_context *ctx, uint8_t port, struct ibv_port_
     a->state = down ? IBV_PORT_DOWN : IBV_PORT_ACTIVE;
     a->max_mtu = IBV_MTU_4096;
     a->active_mtu = IBV_MTU_4096;
-    a->gid_tbl_len = 1;
+    a->gid_tbl_len = SV_GIDS;
     a->max_msg_sz = (uint32_t)SV_MAX_MSG;
     a->pkey_tbl_len = 1;
     a->lid = 0;
@@ -1337,11 +1502,20 @@ static int sv_query_port(struct ibv_context *ctx, uint8_t port, struct ibv_port_
 
 static int sv_query_gid(struct ibv_context *ctx, uint8_t port, int index, union ibv_gid *gid)
 {
-    if (port != 1 || index != 0) {
+    if (port != 1 || index < 0 || index >= SV_GIDS) {
         errno = EINVAL;
         return -1;
     }
-    sv_gid(gid, (uint32_t)getpid(), (uint32_t)((sv_device *)ctx->device)->index);
+    sv_gid_at(gid, (uint32_t)getpid(), (uint32_t)((sv_device *)ctx->device)->index, index >= 2);
+    return 0;
+}
+
+static int sv_query_gid_type(struct ibv_context *ctx, uint8_t port, int index, int *type)
+{
+    (void)ctx;
+    if (port != 1 || index < 0 || index >= SV_GIDS)
+        return EINVAL;
+    *type = sv_gid_type((uint32_t)index);
     return 0;
 }
 
@@ -1366,18 +1540,8 @@ static int sv_dealloc_pd(struct ibv_pd *pd)
     return 0;
 }
 
-static struct ibv_mr *sv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, int access)
+static struct ibv_mr *mr_new(struct ibv_pd *pd, void *addr, size_t length, int access)
 {
-    /* Remote write (and atomics) require local write, as on every NIC. */
-    if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
-        !(access & IBV_ACCESS_LOCAL_WRITE)) {
-        errno = EINVAL;
-        return NULL;
-    }
-    if (!addr && length) {
-        errno = EFAULT;
-        return NULL;
-    }
     sv_hub *h = hub_of(pd->context);
     sv_mr *m = calloc(1, sizeof *m);
     if (!m) {
@@ -1404,6 +1568,72 @@ static struct ibv_mr *sv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, in
     return &m->mr;
 }
 
+static struct ibv_mr *sv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, int access)
+{
+    /* Remote write (and atomics) require local write, as on every NIC. */
+    if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+        !(access & IBV_ACCESS_LOCAL_WRITE)) {
+        errno = EINVAL;
+        return NULL;
+    }
+    if (!addr && length) {
+        errno = EFAULT;
+        return NULL;
+    }
+    /* The kernel pins the pages through the CPU's page tables: memory the CPU
+     * cannot read (a GPU's device addresses) fails, as it does without a
+     * peer-memory module. Probed at both ends (a syscall copies, never faults). */
+    if (length) {
+        uint8_t probe;
+        struct iovec li = {&probe, 1}, r1 = {addr, 1}, r2 = {(uint8_t *)addr + length - 1, 1};
+        if (process_vm_readv(getpid(), &li, 1, &r1, 1, 0) != 1 ||
+            process_vm_readv(getpid(), &li, 1, &r2, 1, 0) != 1) {
+            errno = EFAULT;
+            return NULL;
+        }
+    }
+    return mr_new(pd, addr, length, access);
+}
+
+/* Registers [iova, iova+length) backed by bytes [offset, offset+length) of a
+ * dmabuf: the "NIC" maps the fd itself and never touches iova with the CPU. */
+static struct ibv_mr *sv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t length,
+                                       uint64_t iova, int fd, int access)
+{
+    if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+        !(access & IBV_ACCESS_LOCAL_WRITE)) {
+        errno = EINVAL;
+        return NULL;
+    }
+    off_t start = lseek(fd, 0, SEEK_CUR); /* the exported range's start in its memory */
+    struct stat st;
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    if (start < 0 || fstat(fd, &st) != 0 || !length ||
+        (uint64_t)start + offset + length > (uint64_t)st.st_size) {
+        errno = EINVAL;
+        return NULL;
+    }
+    uint64_t at = (uint64_t)start + offset;
+    uint64_t lo = at & ~(uint64_t)(pg - 1);
+    size_t len = (size_t)(at + length - lo);
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)lo);
+    if (m == MAP_FAILED)
+        return NULL;
+    struct ibv_mr *mr = mr_new(pd, (void *)(uintptr_t)iova, length, access);
+    if (!mr) {
+        munmap(m, len);
+        return NULL;
+    }
+    sv_hub *h = hub_of(pd->context);
+    sv_mr *sm = (sv_mr *)mr;
+    pthread_rwlock_wrlock(&h->mr_lock);
+    sm->dma = m;
+    sm->dma_len = len;
+    sm->dma_delta = (size_t)(at - lo);
+    pthread_rwlock_unlock(&h->mr_lock);
+    return mr;
+}
+
 static int sv_dereg_mr(struct ibv_mr *mr)
 {
     sv_hub *h = hub_of(mr->context);
@@ -1418,6 +1648,8 @@ static int sv_dereg_mr(struct ibv_mr *mr)
     }
     pthread_rwlock_unlock(&h->mr_lock);
     obj_add(mr->context, -1);
+    if (m->dma)
+        munmap(m->dma, m->dma_len);
     free(m);
     return 0;
 }
@@ -1715,7 +1947,7 @@ static void qp_stop_io(sv_qp *q)
 
 /* Connects to the remote hub and introduces the QP; -1 when it is not there
  * (that shows later as RETRY_EXC_ERR, as a silent peer would). */
-static int qp_connect(sv_qp *q, uint32_t pid, uint32_t dev, uint32_t dest_qpn)
+static int qp_connect(sv_qp *q, uint32_t pid, uint32_t dev, uint32_t dest_qpn, uint32_t sgid)
 {
     if (link_down(q->hub))
         return -1;
@@ -1727,7 +1959,8 @@ static int qp_connect(sv_qp *q, uint32_t pid, uint32_t dev, uint32_t dest_qpn)
     sv_hello hello = {.magic = SV_MAGIC,
                       .src_dev = (uint32_t)q->hub->dev->index,
                       .src_qpn = q->qp.qp_num,
-                      .dst_qpn = dest_qpn};
+                      .dst_qpn = dest_qpn,
+                      .sgid_index = sgid};
     int r;
     do
         r = connect(fd, (struct sockaddr *)&a, al);
@@ -1755,6 +1988,7 @@ static int sv_modify_qp(struct ibv_qp *ibqp, struct ibv_qp_attr *attr, int mask)
         q->sq_done = q->sq_resp = q->sq_sent = q->sq_released = q->sq_posted;
         q->rq_done = q->rq_released = q->rq_posted;
         q->link_dead = q->halted = false;
+        q->reads_out = 0;
         q->qp.state = IBV_QPS_RESET;
         pthread_mutex_unlock(&q->lock);
         return 0;
@@ -1784,10 +2018,16 @@ static int sv_modify_qp(struct ibv_qp *ibqp, struct ibv_qp_attr *attr, int mask)
         uint32_t pid, dev;
         if ((mask & need) != need || !attr->ah_attr.is_global || attr->ah_attr.port_num > 1 ||
             attr->path_mtu < IBV_MTU_256 || attr->path_mtu > IBV_MTU_4096 ||
-            attr->max_dest_rd_atomic > SV_MAX_RD_ATOM || attr->dest_qp_num > 0xffffff ||
+            attr->max_dest_rd_atomic > g_rd_resp || attr->dest_qp_num > 0xffffff ||
+            attr->ah_attr.grh.sgid_index >= SV_GIDS ||
             !sv_gid_parse(&attr->ah_attr.grh.dgid, &pid, &dev))
             return EINVAL;
-        int fd = qp_connect(q, pid, dev, attr->dest_qp_num);
+        uint32_t sgid = attr->ah_attr.grh.sgid_index;
+        /* Across IP subnets only RoCE v2 towards a routable address arrives;
+         * the rest is dropped on the way (the first WR times out). */
+        bool routed_ok = !g_routed || (sv_gid_type(sgid) == IBV_GID_TYPE_ROCE_V2 &&
+                                       sv_gid_routable(&attr->ah_attr.grh.dgid));
+        int fd = routed_ok ? qp_connect(q, pid, dev, attr->dest_qp_num, sgid) : -1;
         pthread_mutex_lock(&q->lock);
         if (q->qp.state != IBV_QPS_INIT) { /* raced with another modify */
             pthread_mutex_unlock(&q->lock);
@@ -1799,6 +2039,8 @@ static int sv_modify_qp(struct ibv_qp *ibqp, struct ibv_qp_attr *attr, int mask)
             q->access = attr->qp_access_flags;
         q->dest_qpn = attr->dest_qp_num;
         q->dgid = attr->ah_attr.grh.dgid;
+        q->sgid_index = sgid;
+        q->max_dest_rd = attr->max_dest_rd_atomic;
         q->fd = fd;
         q->link_dead = fd < 0;
         q->halted = false;
@@ -1828,7 +2070,7 @@ static int sv_modify_qp(struct ibv_qp *ibqp, struct ibv_qp_attr *attr, int mask)
     } else if (cur == IBV_QPS_RTR && to == IBV_QPS_RTS) {
         int need = IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
                    IBV_QP_MAX_QP_RD_ATOMIC;
-        if ((mask & need) != need || attr->max_rd_atomic > SV_MAX_RD_ATOM)
+        if ((mask & need) != need || attr->max_rd_atomic > g_rd_init)
             return EINVAL;
     } else if (cur == IBV_QPS_RTS && to == IBV_QPS_RTS) {
         /* attribute change only */
@@ -1844,6 +2086,8 @@ static int sv_modify_qp(struct ibv_qp *ibqp, struct ibv_qp_attr *attr, int mask)
         q->access = attr->qp_access_flags;
     if (mask & IBV_QP_RNR_RETRY)
         q->rnr_retry = attr->rnr_retry > 7 ? 7 : attr->rnr_retry;
+    if (mask & IBV_QP_MAX_QP_RD_ATOMIC)
+        q->max_rd = attr->max_rd_atomic;
     q->qp.state = to;
     pthread_cond_broadcast(&q->cond);
     pthread_mutex_unlock(&q->lock);
@@ -1914,8 +2158,22 @@ static int sv_post_send(struct ibv_qp *ibqp, struct ibv_send_wr *wr, struct ibv_
 {
     sv_qp *q = (sv_qp *)ibqp;
     int err = 0;
+    pthread_mutex_lock(&g_lock);
+    int fail_after = g_fail_post_after;
+    g_fail_post_after = -1;
+    pthread_mutex_unlock(&g_lock);
     pthread_mutex_lock(&q->lock);
-    for (; wr; wr = wr->next) {
+    uint64_t first = q->sq_posted;
+    for (int taken = 0; wr; wr = wr->next, taken++) {
+        if (taken == fail_after) {
+            /* The hook: the WRs taken so far complete (unsignalled ones
+             * silently) before the refusal is returned. */
+            pthread_cond_broadcast(&q->cond);
+            while (q->sq_done < first + (uint64_t)taken && q->qp.state != IBV_QPS_ERR)
+                pthread_cond_wait(&q->cond, &q->lock);
+            err = ENOMEM;
+            break;
+        }
         bool inl = (wr->send_flags & IBV_SEND_INLINE) != 0;
         if (q->qp.state != IBV_QPS_RTS && q->qp.state != IBV_QPS_ERR)
             err = EINVAL;
@@ -2007,6 +2265,43 @@ static int sv_post_recv(struct ibv_qp *ibqp, struct ibv_recv_wr *wr, struct ibv_
 
 /* ------------------------------------------------------------------ exports */
 
+/* Test hook: the next post_send on any QP takes `after` WRs, waits until
+ * they completed, then refuses the rest with ENOMEM (a provider whose queue
+ * accounting differs from ours; the worst case of a partial post). */
+SV_EXPORT void axf_softverbs_fail_next_post(int after)
+{
+    pthread_once(&g_once, sv_init);
+    pthread_mutex_lock(&g_lock);
+    g_fail_post_after = after;
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* Test hook: device `dev` dies (as on a firmware crash or a pulled card):
+ * its links are cut, it never completes anything again (no flushes either),
+ * and every context open on it gets IBV_EVENT_DEVICE_FATAL. */
+SV_EXPORT int axf_softverbs_device_fatal(const char *dev)
+{
+    pthread_once(&g_once, sv_init);
+    sv_device *d = NULL;
+    for (int i = 0; i < g_ndev; i++)
+        if (dev && strcmp(g_devs[i].dev.name, dev) == 0)
+            d = &g_devs[i];
+    if (!d)
+        return -ENODEV;
+    __atomic_store_n(&d->fatal, 1, __ATOMIC_RELEASE);
+    axf_softverbs_set_link(dev, 0);
+    pthread_mutex_lock(&g_lock);
+    for (sv_ctx *c = g_ctxs; c; c = c->next_ctx)
+        if (c->ctx.device == &d->dev && c->nevents < 16) {
+            c->events[c->nevents++] = IBV_EVENT_DEVICE_FATAL;
+            uint64_t one = 1;
+            ssize_t r = write(c->ctx.async_fd, &one, sizeof one);
+            (void)r;
+        }
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
 SV_EXPORT int axf_verbs_provider(axf_verbs_table *t)
 {
     if (!t)
@@ -2026,7 +2321,10 @@ SV_EXPORT int axf_verbs_provider(axf_verbs_table *t)
     t->alloc_pd = sv_alloc_pd;
     t->dealloc_pd = sv_dealloc_pd;
     t->reg_mr = sv_reg_mr;
-    t->reg_dmabuf_mr = NULL;
+    t->reg_dmabuf_mr = sv_reg_dmabuf_mr;
+    t->query_gid_type = sv_query_gid_type;
+    t->get_async_event = sv_get_async_event;
+    t->ack_async_event = sv_ack_async_event;
     t->dereg_mr = sv_dereg_mr;
     t->create_comp_channel = sv_create_comp_channel;
     t->destroy_comp_channel = sv_destroy_comp_channel;

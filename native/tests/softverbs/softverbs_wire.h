@@ -23,6 +23,7 @@ typedef struct sv_hello {
     uint32_t src_dev; /* the requester's device index (with its pid: its GID) */
     uint32_t src_qpn;
     uint32_t dst_qpn;
+    uint32_t sgid_index; /* the requester's source GID entry: its type must match ours */
 } sv_hello;
 
 /* A request; WRITE and SEND payloads follow it (len bytes). */
@@ -30,7 +31,8 @@ typedef struct sv_req {
     uint32_t seq; /* echoed in the response */
     uint8_t op;
     uint8_t rnr_retry; /* the requester's: 7 waits for a receive forever */
-    uint16_t zero;
+    uint8_t rd_depth; /* READ: the requester QP's max_rd_atomic (READs it may have in flight) */
+    uint8_t zero;
     uint32_t imm;
     uint32_t rkey;
     uint64_t raddr;
