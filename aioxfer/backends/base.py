@@ -38,7 +38,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, cast
 
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.region import Region, Segment, SegmentList
@@ -53,6 +53,7 @@ __all__ = [
     "BackendRegion",
     "BackendStatistics",
     "BackendTransfer",
+    "FarSegment",
     "LocalBackend",
 ]
 
@@ -83,6 +84,14 @@ class BackendStatistics:
     in_flight_bytes: int
     retries: int
     errors: dict[str, int] = field(default_factory=dict)
+
+
+class FarSegment(Protocol):
+    """What a local backend's segments have in common: their region (the far
+    side of ``agent.write``/``agent.read``, for typing)."""
+
+    @property
+    def region(self) -> BackendRegion: ...
 
 
 class BackendRegion:
