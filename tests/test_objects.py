@@ -346,3 +346,60 @@ async def test_region_names(make_agent: MakeAgent, s3: S3Server) -> None:
         agent.register_objects("http://x", **s3.kwargs())
     await a.aclose()
     assert a.closed and registry.instance(agent, "object").statistics().regions == 1
+
+
+# ---------------------------------------------------------------- a server answering 206
+
+
+@pytest.fixture(scope="module")
+def moto_s3() -> Any:
+    """moto's S3 server (moto[server], in a thread on loopback): it answers
+    ranged GETs with 206, as AWS, MinIO and Ceph do (rclone answers 200), and
+    implements conditional PUTs (If-None-Match)."""
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    boto3 = pytest.importorskip("boto3")
+    srv = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    creds = {"access_key_id": "motokey", "secret_access_key": "motosecret",
+             "region": "us-east-1"}
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="motokey",
+                 aws_secret_access_key="motosecret", region_name="us-east-1",
+                 ).create_bucket(Bucket="aioxfer-moto")
+    yield {"endpoint": endpoint, **creds}
+    srv.stop()
+
+
+async def test_ranged_reads_with_206_and_conditional_create(
+    make_agent: MakeAgent, moto_s3: dict[str, str]
+) -> None:
+    import aiohttp
+
+    agent = await make_agent("moto")
+    objs = agent.register_objects("s3://aioxfer-moto/p", **moto_s3)
+    data = pattern(2 * MiB + 7, 21).tobytes()
+    src = agent.register(bytearray(data))
+    await within(agent.write(src[:], objs["k"]))
+    # The server answers ranges with 206 (what this test is about).
+    url = await objs._sign("k")
+    async with aiohttp.ClientSession() as http, http.get(url, headers={"Range": "bytes=5-9"}) as r:
+        assert (r.status, r.headers["Content-Range"]) == (206, f"bytes 5-9/{len(data)}")
+    dst = agent.register(bytearray(len(data)))
+    await within(agent.read(dst[100:1100], objs["k"][MiB : MiB + 1000]))
+    assert bytes(dst.obj[100:1100]) == data[MiB : MiB + 1000]
+    await within(agent.read(dst[0:16], objs["k"][len(data) - 16 :]))
+    assert bytes(dst.obj[0:16]) == data[-16:]
+    await within(agent.read(dst[:], objs["k"]))
+    assert dst.obj == src.obj
+    with pytest.raises(aioxfer.XferError, match="past"):
+        await within(agent.read(dst[0:100], objs["k"][len(data) - 10 : len(data) + 90]))
+    with pytest.raises(ObjectNotFound):
+        await within(agent.read(dst[0:10], objs["nope"]))
+    # Conditional create: a new key is written, an existing one refused.
+    await within(agent.write(src[0:10], objs.create("fresh")))
+    with pytest.raises(ObjectExists) as exc:
+        await within(agent.write(src[0:10], objs.create("k")))
+    assert isinstance(exc.value, FileExistsError)
+    st = await objs.stat(["k", "fresh"])
+    assert [s.size for s in st] == [len(data), 10]  # "k" was not overwritten
