@@ -403,3 +403,23 @@ async def test_ranged_reads_with_206_and_conditional_create(
     assert isinstance(exc.value, FileExistsError)
     st = await objs.stat(["k", "fresh"])
     assert [s.size for s in st] == [len(data), 10]  # "k" was not overwritten
+
+
+async def test_region_closed_with_reads_in_flight(make_agent: MakeAgent, s3: S3Server) -> None:
+    agent, objs = await objects(make_agent, s3)
+    n, size = 96, MiB
+    src = agent.register(bytearray(pattern(n * size, 22).tobytes()))
+    keys = [f"r/{i}" for i in range(n)]
+    offs = np.arange(n, dtype=np.uint64) * size
+    lens = np.full(n, size, dtype=np.uint64)
+    await within(agent.write(src.segments(offs, lens), objs.segments(keys)), 60)
+    dst = agent.register(bytearray(n * size))
+    t = agent.read(dst.segments(offs, lens), objs.segments(keys))
+    backend = registry.instance(agent, "object")
+    await wait_until(lambda: backend.statistics().ops >= 2, what="first GETs done")
+    await objs.aclose()
+    with pytest.raises(aioxfer.ClosedResourceError):
+        await within(t, 30)
+    assert backend.statistics().in_flight == 0
+    with pytest.raises(aioxfer.ClosedResourceError):
+        agent.read(dst[0:10], objs["r/0"])

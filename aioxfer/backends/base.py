@@ -7,9 +7,10 @@ database...): the far side of ``agent.write(host_seg, far)`` /
 A backend implements three things:
 
 - ``kind`` (class attribute): the region kind it serves, e.g. "object";
-- ``far_segments(far)``: the far side of a request as a list of its own
+- ``far_segments(far, op)``: the far side of a request as a list of its own
   segment objects (each with a ``region`` attribute, a :class:`BackendRegion`
-  of this backend), checking what needs no I/O;
+  of this backend), and ``check_pair(seg, local_length, op, i)``: what can be
+  checked without I/O (raise ValueError/TypeError: the call raises at once);
 - ``async put(src, far)`` / ``async get(dst, far)``: move one pair, ``src``/
   ``dst`` a memoryview of registered host memory. Raise an :class:`XferError`
   subclass on failure; anything else is reported as a bug of the backend.
@@ -120,8 +121,8 @@ class BackendRegion:
             raise ClosedResourceError(f"agent {self.backend.agent.name!r} is closed")
 
     async def aclose(self) -> None:
-        """Forgets the region; its transfers in flight are not affected.
-        Idempotent."""
+        """Forgets the region (new segments of it raise ClosedResourceError);
+        subclasses say what happens to its transfers in flight. Idempotent."""
         if not self._closed:
             self._closed = True
             self.backend._regions.pop(self.name, None)
@@ -196,9 +197,9 @@ class LocalBackend:
         """The far side of a request as a list of this backend's segments."""
         raise NotImplementedError
 
-    def far_length(self, seg: Any, local_length: int, op: Op, i: int) -> None:
-        """Checks pair i (no I/O): raise ValueError/TypeError if ``seg`` cannot
-        pair with ``local_length`` bytes of host memory."""
+    def check_pair(self, seg: Any, local_length: int, op: Op, i: int) -> None:
+        """Checks pair i without I/O: raise ValueError/TypeError if ``seg``
+        cannot pair with ``local_length`` bytes of host memory for ``op``."""
 
     async def put(self, src: memoryview, far: Any) -> None:
         """Writes ``src`` into ``far``."""
@@ -261,7 +262,7 @@ class LocalBackend:
                 if not isinstance(region, BackendRegion) or region.backend is not self:
                     raise TypeError(f"far segment {i} is not of a {self.kind} region")
                 region._check()
-            self.far_length(seg, len(view), op, i)
+            self.check_pair(seg, len(view), op, i)
         loop = asyncio.get_running_loop()
         t = BackendTransfer(
             agent, loop, _next_id(), op, cast("Peer", self), nbytes, perf_counter()
