@@ -31,6 +31,7 @@ from aioxfer.backends import (
     instance,
     register_region,
 )
+from aioxfer.backends.testing import check_local_backend
 from aioxfer.errors import ObjectNotFound
 
 s3 = s3server.s3
@@ -264,6 +265,14 @@ async def test_cancel_deadline_and_close(store: tuple[Any, Any]) -> None:
     assert st.in_flight == 0 and st.regions == 0 and region.closed
     with pytest.raises(aioxfer.ClosedResourceError):
         region["x"]
+
+
+async def test_conformance_checker(store: tuple[Any, Any]) -> None:
+    """aioxfer.backends.testing, the check third-party backends run, passes
+    on each backend here."""
+    agent, region = store
+    await check_local_backend(agent, region, close_agent=True)
+    assert agent.closed
 
 
 # ---------------------------------------------------------------- the machinery
