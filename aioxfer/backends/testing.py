@@ -35,6 +35,11 @@ __all__ = ["check_local_backend"]
 _STEP = 30.0  # seconds any one request may take before the check calls it a hang
 
 
+def _keyed(region: BackendRegion) -> Any:
+    """The region as what the check uses it for: region[key], region.segments(keys)."""
+    return region
+
+
 async def _wait_idle(region: BackendRegion, what: str) -> None:
     deadline = time.monotonic() + _STEP
     while region.backend.statistics().in_flight:
@@ -50,6 +55,7 @@ async def check_local_backend(
     if not isinstance(region, BackendRegion):
         raise TypeError(f"{region!r} is not a local backend's region")
     backend = region.backend
+    region = _keyed(region)
     before = backend.statistics()
     data = np.frombuffer(np.random.default_rng(7).bytes(n * size), dtype=np.uint8)
     src = agent.register(bytearray(data.tobytes()))
