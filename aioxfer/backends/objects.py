@@ -278,7 +278,7 @@ class ObjectRegion(BackendRegion):
         return list(await asyncio.gather(*(self._stat_one(k) for k in ks)))
 
     async def _stat_one(self, key: str) -> ObjectStat:
-        async with self.backend._slots:
+        async with self.backend._slots.held():
             try:
                 meta = await self._obstore("stat", key, obstore.head_async(self._store, key))
             except ObjectNotFound:
@@ -293,7 +293,7 @@ class ObjectRegion(BackendRegion):
         ks = [_check_key(keys)] if isinstance(keys, str) else [_check_key(k) for k in keys]
         if not ks:
             return
-        async with self.backend._slots:
+        async with self.backend._slots.held():
             what = ks[0] if len(ks) == 1 else f"{len(ks)} keys"
             await self._obstore("delete", what, obstore.delete_async(self._store, ks))
 
