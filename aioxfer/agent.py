@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from time import perf_counter
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import numpy as np
@@ -105,6 +105,11 @@ from aioxfer.region import (
 from aioxfer.scheduling import PeerScheduler
 from aioxfer.stats import AgentStatistics
 from aioxfer.transfer import Transfer, TransferResult
+
+if TYPE_CHECKING:  # optional extras, imported where used
+    from aioxfer.backends.base import FarSegment
+    from aioxfer.backends.objects import ObjectRegion
+    from aioxfer.metrics import MetricsServer
 
 __all__ = ["Agent"]
 
@@ -662,7 +667,7 @@ class Agent:
         advertised to peers. See aioxfer.file_transport."""
         return file_transport.register_file(self, path, size, direct, name)
 
-    def register_objects(self, url: str, **kwargs: Any) -> Any:
+    def register_objects(self, url: str, **kwargs: Any) -> ObjectRegion:
         """Registers S3-compatible object storage ("s3://bucket/prefix"; keyword
         arguments endpoint, access_key_id, secret_access_key, region, ...; the
         AWS environment variables otherwise) as a region of kind "object": see
@@ -671,7 +676,7 @@ class Agent:
 
         return register_objects(self, url, **kwargs)
 
-    async def serve_metrics(self, port: int, host: str = "127.0.0.1") -> Any:
+    async def serve_metrics(self, port: int, host: str = "127.0.0.1") -> MetricsServer:
         """Serves this agent's counters to Prometheus on http://host:port/metrics
         until aclose(): see aioxfer.metrics (needs prometheus_client)."""
         from aioxfer.metrics import serve_metrics
@@ -1883,7 +1888,7 @@ class Agent:
     def write(
         self,
         src: Local,
-        dst: Remote,
+        dst: Remote | FarSegment | Sequence[FarSegment],
         *,
         notify: bytes | bytearray | memoryview | None = None,
         priority: int = 0,
@@ -1916,7 +1921,9 @@ class Agent:
             t._path = _cuda_path(src, dst)
         return t
 
-    def read(self, dst: Local, src: Remote, *, priority: int = 0) -> Transfer:
+    def read(
+        self, dst: Local, src: Remote | FarSegment | Sequence[FarSegment], *, priority: int = 0
+    ) -> Transfer:
         """Posts a READ of the peer's ``src`` into local ``dst``; returns its
         Transfer. Same shapes and ``priority`` as ``write``."""
         if type(dst) is Segment and type(src) is RemoteSegment:

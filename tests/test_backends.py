@@ -31,6 +31,7 @@ from aioxfer.backends import (
     instance,
     register_region,
 )
+from aioxfer.backends.testing import check_local_backend
 from aioxfer.errors import ObjectNotFound
 
 s3 = s3server.s3
@@ -131,6 +132,7 @@ class MemBackend(LocalBackend):
         super().__init__(agent)
         self.now = 0
         self.peak = 0
+        self.done: list[str] = []  # keys, in the order their puts finished
 
     def register(self, name: str = "mem") -> MemRegion:
         region = MemRegion(self, name)
@@ -154,6 +156,7 @@ class MemBackend(LocalBackend):
         if far.key == "boom":
             raise KeyError("boom")
         far.region.blobs[far.key] = bytes(src)
+        self.done.append(far.key)
 
     async def get(self, dst: memoryview, far: MemSegment) -> None:
         await self._step()
@@ -266,6 +269,14 @@ async def test_cancel_deadline_and_close(store: tuple[Any, Any]) -> None:
         region["x"]
 
 
+async def test_conformance_checker(store: tuple[Any, Any]) -> None:
+    """aioxfer.backends.testing, the check third-party backends run, passes
+    on each backend here."""
+    agent, region = store
+    await check_local_backend(agent, region, close_agent=True)
+    assert agent.closed
+
+
 # ---------------------------------------------------------------- the machinery
 
 
@@ -317,3 +328,21 @@ async def test_file_regions_are_the_file_backend(make_agent: MakeAgent, tmp_path
     assert not agent.peers  # no peer for it
     with pytest.raises(ValueError, match="notify"):
         agent.write(src[0:4096], region[0:4096], notify=b"x")
+
+
+async def test_priority_overtakes_queued_bulk(make_agent: MakeAgent) -> None:
+    """Pairs wait for the backend's slots by priority: an urgent request posted
+    after five bulk ones (15 workers waiting for 3 slots) is served next."""
+    agent = await make_agent("prio")
+    region = register_region(agent, "mem-test")
+    backend = region.backend
+    src = agent.register(bytearray(64))
+    bulk = [agent.write([src[0:64]] * 10, region.segments([f"b{j}-{i}" for i in range(10)]))
+            for j in range(5)]
+    await asyncio.sleep(0)  # the bulk workers are queued for the slots
+    urgent = agent.write(src[0:64], region["urgent"], priority=5)
+    await within(asyncio.gather(urgent, *bulk))
+    assert len(backend.done) == 51
+    # Served at the first free slot: after at most the 3 bulk pairs in progress
+    # and those that had their slots at that moment.
+    assert backend.done.index("urgent") <= 2 * MemBackend.max_concurrency

@@ -125,3 +125,33 @@ async def test_collector_in_an_application_registry(make_agent: MakeAgent) -> No
     collector.remove(b)
     got = samples(prometheus_client.generate_latest(registry).decode())
     assert ("aioxfer_peers", (("agent", b.name),)) not in got
+
+
+def test_unused_metrics_are_not_loaded() -> None:
+    """No per-transfer cost when unused, by construction: an agent moving data
+    (peers, files, object storage) never imports the metrics module nor
+    prometheus_client; the collector only reads counters when scraped."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import asyncio, sys, tempfile, os
+        import aioxfer
+        async def main():
+            async with aioxfer.Agent("a") as a, aioxfer.Agent("b") as b:
+                b.register(bytearray(65536), name="pool")
+                src = a.register(bytearray(65536))
+                peer = await a.connect(b.address)
+                for _ in range(100):
+                    await a.write(src[0:4096], peer.region("pool")[0:4096])
+                f = a.register_file(os.path.join(tempfile.mkdtemp(), "f"), size=65536)
+                await a.write([src[0:4096]], [f[0:4096]])
+        asyncio.run(main())
+        assert "aioxfer.metrics" not in sys.modules
+        assert "prometheus_client" not in sys.modules
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -14,6 +14,7 @@ from aioxfer.backends.base import (
     BackendRegion,
     BackendStatistics,
     BackendTransfer,
+    FarSegment,
     LocalBackend,
 )
 from aioxfer.backends.registry import (
@@ -35,6 +36,7 @@ __all__ = [
     "BackendRegion",
     "BackendStatistics",
     "BackendTransfer",
+    "FarSegment",
     "LocalBackend",
     "add_backend",
     "available",

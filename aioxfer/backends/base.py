@@ -7,9 +7,10 @@ database...): the far side of ``agent.write(host_seg, far)`` /
 A backend implements three things:
 
 - ``kind`` (class attribute): the region kind it serves, e.g. "object";
-- ``far_segments(far)``: the far side of a request as a list of its own
+- ``far_segments(far, op)``: the far side of a request as a list of its own
   segment objects (each with a ``region`` attribute, a :class:`BackendRegion`
-  of this backend), checking what needs no I/O;
+  of this backend), and ``check_pair(seg, local_length, op, i)``: what can be
+  checked without I/O (raise ValueError/TypeError: the call raises at once);
 - ``async put(src, far)`` / ``async get(dst, far)``: move one pair, ``src``/
   ``dst`` a memoryview of registered host memory. Raise an :class:`XferError`
   subclass on failure; anything else is reported as a bug of the backend.
@@ -18,10 +19,10 @@ Everything else is done here, the same way for every backend: one
 :class:`~aioxfer.transfer.Transfer` per request (posted at once, an asyncio
 Future: ``await``, ``cancel()``, ``asyncio.timeout()`` all work), pairs of a
 batch run with bounded concurrency (``max_concurrency`` per backend
-instance, over all its requests), the first failure cancels the rest and fails
-the transfer with its ``fail_index``, cancellation is prompt for the caller
-while the transfer stays in flight until its I/O has stopped touching the
-memory, ``agent.aclose()`` fails what is in flight with ClosedResourceError,
+instance, over all its requests, served by ``priority``), the first failure
+cancels the rest and fails the transfer with its ``fail_index``, cancellation
+is prompt for the caller while the transfer stays in flight until its I/O has
+stopped touching the memory, ``agent.aclose()`` fails what is in flight with ClosedResourceError,
 and counters (:class:`BackendStatistics`) are kept per backend.
 Notifications do not apply (nobody to tell): ``notify=`` raises ValueError.
 
@@ -34,11 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, cast
 
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.region import Region, Segment, SegmentList
@@ -53,6 +55,7 @@ __all__ = [
     "BackendRegion",
     "BackendStatistics",
     "BackendTransfer",
+    "FarSegment",
     "LocalBackend",
 ]
 
@@ -85,6 +88,14 @@ class BackendStatistics:
     errors: dict[str, int] = field(default_factory=dict)
 
 
+class FarSegment(Protocol):
+    """What a local backend's segments have in common: their region (the far
+    side of ``agent.write``/``agent.read``, for typing)."""
+
+    @property
+    def region(self) -> BackendRegion: ...
+
+
 class BackendRegion:
     """A region of a local backend (``objs = agent.register_objects(...)``).
     Never advertised to peers. Subclasses make the segments (``region[...]``)."""
@@ -111,8 +122,8 @@ class BackendRegion:
             raise ClosedResourceError(f"agent {self.backend.agent.name!r} is closed")
 
     async def aclose(self) -> None:
-        """Forgets the region; its transfers in flight are not affected.
-        Idempotent."""
+        """Forgets the region (new segments of it raise ClosedResourceError);
+        subclasses say what happens to its transfers in flight. Idempotent."""
         if not self._closed:
             self._closed = True
             self.backend._regions.pop(self.name, None)
@@ -153,6 +164,55 @@ class BackendTransfer(Transfer):
         )
 
 
+class Slots:
+    """A semaphore whose waiters are served by priority (higher first, FIFO
+    within one): a backend's ``max_concurrency`` pairs in progress, shared by
+    all its requests, so a latency-critical read overtakes queued bulk
+    traffic (``agent.read(..., priority=1)``) as it does towards peers."""
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count().__next__
+
+    def acquire_nowait(self) -> bool:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return True
+        return False
+
+    async def acquire(self, priority: int = 0) -> None:
+        if self.acquire_nowait():
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (-priority, self._seq(), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # granted and cancelled at once: pass it on
+            else:
+                self._waiters = [w for w in self._waiters if w[2] is not fut]
+                heapq.heapify(self._waiters)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            _, _, fut = heapq.heappop(self._waiters)
+            if not fut.done():
+                fut.set_result(None)  # the slot goes straight to it
+                return
+        self._free += 1
+
+    @contextlib.asynccontextmanager
+    async def held(self, priority: int = 0) -> AsyncIterator[None]:
+        await self.acquire(priority)
+        try:
+            yield
+        finally:
+            self.release()
+
+
 class LocalBackend:
     """Base class of local backends (see the module docstring).
 
@@ -169,7 +229,7 @@ class LocalBackend:
         self.agent = agent
         self.path = self.name
         self._regions: dict[str, BackendRegion] = {}
-        self._slots = asyncio.Semaphore(self.max_concurrency)
+        self._slots = Slots(self.max_concurrency)
         self._runners: set[asyncio.Task[None]] = set()
         self._posted = 0
         self._completed = 0
@@ -187,9 +247,9 @@ class LocalBackend:
         """The far side of a request as a list of this backend's segments."""
         raise NotImplementedError
 
-    def far_length(self, seg: Any, local_length: int, op: Op, i: int) -> None:
-        """Checks pair i (no I/O): raise ValueError/TypeError if ``seg`` cannot
-        pair with ``local_length`` bytes of host memory."""
+    def check_pair(self, seg: Any, local_length: int, op: Op, i: int) -> None:
+        """Checks pair i without I/O: raise ValueError/TypeError if ``seg``
+        cannot pair with ``local_length`` bytes of host memory for ``op``."""
 
     async def put(self, src: memoryview, far: Any) -> None:
         """Writes ``src`` into ``far``."""
@@ -238,7 +298,6 @@ class LocalBackend:
         """``agent.write``/``agent.read`` with a far side of this backend:
         checks everything that needs no I/O (raising at once), then returns the
         posted Transfer."""
-        del priority  # one queue per backend: the semaphore is FIFO
         if agent is not self.agent:
             raise ValueError(f"{self.kind} region belongs to agent {self.agent.name!r}")
         agent._check_open()
@@ -252,7 +311,7 @@ class LocalBackend:
                 if not isinstance(region, BackendRegion) or region.backend is not self:
                     raise TypeError(f"far segment {i} is not of a {self.kind} region")
                 region._check()
-            self.far_length(seg, len(view), op, i)
+            self.check_pair(seg, len(view), op, i)
         loop = asyncio.get_running_loop()
         t = BackendTransfer(
             agent, loop, _next_id(), op, cast("Peer", self), nbytes, perf_counter()
@@ -262,7 +321,9 @@ class LocalBackend:
         self._posted += 1
         self._inflight += 1
         self._inflight_bytes += nbytes
-        task = loop.create_task(self._run(t, op, views, fars), name=f"aioxfer-{self.name}-{op}")
+        task = loop.create_task(
+            self._run(t, op, views, fars, priority), name=f"aioxfer-{self.name}-{op}"
+        )
         t._task = task
         self._runners.add(task)
         task.add_done_callback(lambda task: self._runner_done(task, t))
@@ -332,7 +393,12 @@ class LocalBackend:
         return views, total
 
     async def _run(
-        self, t: BackendTransfer, op: Op, views: list[memoryview], fars: Sequence[Any]
+        self,
+        t: BackendTransfer,
+        op: Op,
+        views: list[memoryview],
+        fars: Sequence[Any],
+        priority: int,
     ) -> None:
         move = self.put if op == "write" else self.get
         failure: tuple[int, BaseException] | None = None
@@ -343,7 +409,7 @@ class LocalBackend:
         async def worker() -> None:
             nonlocal failure
             for i in cursor:
-                async with self._slots:
+                async with self._slots.held(priority):
                     if failure is not None:
                         return
                     try:

@@ -278,7 +278,7 @@ class ObjectRegion(BackendRegion):
         return list(await asyncio.gather(*(self._stat_one(k) for k in ks)))
 
     async def _stat_one(self, key: str) -> ObjectStat:
-        async with self.backend._slots:
+        async with self.backend._slots.held():
             try:
                 meta = await self._obstore("stat", key, obstore.head_async(self._store, key))
             except ObjectNotFound:
@@ -293,12 +293,14 @@ class ObjectRegion(BackendRegion):
         ks = [_check_key(keys)] if isinstance(keys, str) else [_check_key(k) for k in keys]
         if not ks:
             return
-        async with self.backend._slots:
+        async with self.backend._slots.held():
             what = ks[0] if len(ks) == 1 else f"{len(ks)} keys"
             await self._obstore("delete", what, obstore.delete_async(self._store, ks))
 
     async def aclose(self) -> None:
-        """Forgets the region and closes its HTTP connections. Idempotent."""
+        """Forgets the region and closes its HTTP connections: its reads in
+        flight fail with ClosedResourceError, its writes in flight finish.
+        Idempotent."""
         await super().aclose()
         session, self._session = self._session, None
         if session is not None:
@@ -342,6 +344,7 @@ class ObjectRegion(BackendRegion):
     def _http(self) -> aiohttp.ClientSession:
         session = self._session
         if session is None or session.closed:
+            self._check()  # closed: no new session (nobody would close it)
             connector = aiohttp.TCPConnector(
                 limit=self.backend.max_concurrency, enable_cleanup_closed=True
             )
@@ -502,7 +505,7 @@ class ObjectBackend(LocalBackend):
             return far
         raise TypeError(f"not object segments: {type(far).__name__}")
 
-    def far_length(self, seg: ObjectSegment, local_length: int, op: Op, i: int) -> None:
+    def check_pair(self, seg: ObjectSegment, local_length: int, op: Op, i: int) -> None:
         if op == "write":
             if not seg.whole:
                 raise ValueError(

@@ -1,7 +1,7 @@
 """A directory of blobs as an aioxfer local backend (an example plugin).
 
 What a backend writes: a region class (its segments are what ``agent.write``
-and ``agent.read`` take as the far side), ``far_segments``/``far_length`` (the
+and ``agent.read`` take as the far side), ``far_segments``/``check_pair`` (the
 checks that need no I/O) and ``put``/``get`` (one pair each). aioxfer's
 LocalBackend does the rest: Transfers, batching with bounded concurrency,
 cancellation, closing with the agent, statistics.
@@ -116,7 +116,7 @@ class DirStoreBackend(LocalBackend):
             return far
         raise TypeError(f"not dirstore segments: {type(far).__name__}")
 
-    def far_length(self, seg: DirSegment, local_length: int, op: str, i: int) -> None:
+    def check_pair(self, seg: DirSegment, local_length: int, op: str, i: int) -> None:
         if op == "write" and (seg.offset or seg.length is not None):
             raise ValueError(f"segment {i}: a write replaces a whole blob")
         if seg.length is not None and seg.length != local_length:
