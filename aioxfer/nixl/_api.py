@@ -336,19 +336,11 @@ class nixl_agent:
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes | str = b"") -> str:
         status = self.agent.postXferReq(handle._handle, notif_msg)
-        if status == nixlBind.NIXL_SUCCESS:
-            return "DONE"
-        if status == nixlBind.NIXL_IN_PROG:
-            return "PROC"
-        return "ERR"
+        return "DONE" if status == 0 else "PROC" if status == 1 else "ERR"
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         status = self.agent.getXferStatus(handle._handle)
-        if status == nixlBind.NIXL_SUCCESS:
-            return "DONE"
-        if status == nixlBind.NIXL_IN_PROG:
-            return "PROC"
-        return "ERR"
+        return "DONE" if status == 0 else "PROC" if status == 1 else "ERR"
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlBind.nixlXferTelemetry:
         return self.agent.getXferTelemetry(handle._handle)

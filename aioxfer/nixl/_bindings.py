@@ -704,6 +704,19 @@ _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
 # A poller asking again within this many seconds is in a tight loop: it yields
 # to the loop thread (see Runtime.yield_to_loop).
 _TIGHT_POLL = 0.0002
+_TIGHT_WAIT = 0.001
+
+
+def _flusher(agent: Any) -> Any:
+    """What posts the agent's pending requests now: ``Agent.flush()`` once
+    aioxfer has it; until then the agent's own end-of-iteration flush."""
+    return getattr(agent, "flush", None) or agent._post_pending
+
+
+def _poller(agent: Any) -> Any:
+    """What takes the completions the engine has for the agent now (the work
+    of its eventfd reader): ``Agent.poll()`` once aioxfer has it."""
+    return getattr(agent, "poll", None) or agent._drain
 
 
 def _name(value: Any) -> str:
@@ -856,7 +869,7 @@ class _Xfer:
 
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "simple", "t0", "tsub", "start_us", "post_s", "xfer_s", "last_poll", "backend",
-                 "file")
+                 "file", "one", "write")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -879,6 +892,9 @@ class _Xfer:
         self.last_poll = 0.0
         self.backend = backend
         self.file = file
+        # One region pair: posted by one aioxfer call (the common case).
+        self.one = groups[0] if len(groups) == 1 else None
+        self.write = op == NIXL_WRITE
 
 
 def _indices(value: Any, what: str) -> npt.NDArray[np.int64]:
@@ -906,6 +922,8 @@ class nixlAgent:
         self._config = config
         self._telemetry = _telemetry_on(bool(config.captureTelemetry))
         self._agent: aioxfer.Agent | None = None
+        self._flush_fn: Any = None
+        self._poll_fn: Any = None
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
         self._handle_seq = itertools.count(0x1000)
@@ -979,6 +997,8 @@ class nixlAgent:
             self._rt.run(agent.aclose(), timeout=_CONNECT_TIMEOUT)
             raise
         self._agent = agent
+        self._flush_fn = _flusher(agent)
+        self._poll_fn = _poller(agent)
         self._transports = agent.transports
         return {"transports": ",".join(agent.transports), "listen": agent.address,
                 "num_threads": str(threads)}
@@ -1551,12 +1571,14 @@ class nixlAgent:
         return out
 
     def postXferReq(self, reqh: int, notif_msg: Any = "") -> int:
-        x = self._xfers.get(int(reqh))
+        x = self._xfers.get(reqh)
         if x is None:
             raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}")
         msg = _payload(notif_msg) if notif_msg else x.notif
         rt = self._rt
-        with rt.locked():
+        # The hot path: the lock taken and left by hand (no context manager).
+        rt.lock.acquire()
+        try:
             fut = x.fut
             if fut is not None and not fut.done():
                 raise _error(-7, "postXferReq: the transfer is still in flight")
@@ -1571,24 +1593,42 @@ class nixlAgent:
                                                      f"'{peer.name}' was disconnected after "
                                                      f"transfer request creation")
             x.xfer_s = -1.0
-            x.start_us = time.time_ns() // 1000
-            x.t0 = time.perf_counter()
-            try:
-                fut = self._post(x, msg)
-            except (XferError, ValueError, TypeError) as exc:
-                x.fut = None
-                raise _from_xfer_error(exc, "postXferReq") from None
-            x.fut = fut
-            if x.simple:
-                # Awaiting a small request with nothing else in flight posts it
-                # at once (and a same-host copy completes inside): what this
-                # thread would get from a coroutine awaiting it.
-                fut.__await__()
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    rt.forget_foreign()  # only the agent's no-op flush is scheduled
-                else:
-                    rt._foreign = True
-            x.post_s = time.perf_counter() - x.t0
+            if self._telemetry:
+                x.start_us = time.time_ns() // 1000
+            x.t0 = x.tsub = t0 = time.perf_counter()
+            one = x.one
+            if one is not None and (not msg or x.file or (
+                    x.write and len(msg) <= _wire.NOTIF_MAX
+                    and not msg.startswith(_wire.NOTIF_MAGIC))):
+                # One aioxfer call, posted now, from this thread (a same-host
+                # copy may complete inside): what a coroutine awaiting it gets,
+                # without a wake-up of the loop thread. The flush the agent
+                # scheduled for the end of its loop iteration finds nothing to do.
+                x.simple = True
+                agent = self._agent
+                try:
+                    if x.write:
+                        fut = agent.write(one[0], one[1],
+                                          notify=msg if (msg and not x.file) else None)
+                    else:
+                        fut = agent.read(one[0], one[1])
+                except (XferError, ValueError, TypeError) as exc:
+                    x.fut = None
+                    raise _from_xfer_error(exc, "postXferReq") from None
+                x.fut = fut
+                self._flush_fn()
+                rt._foreign = False
+            else:
+                try:
+                    fut = self._post(x, msg)
+                except (XferError, ValueError, TypeError) as exc:
+                    x.fut = None
+                    raise _from_xfer_error(exc, "postXferReq") from None
+                x.fut = fut
+            x.post_s = time.perf_counter() - t0
+            x.last_poll = 0.0
+        finally:
+            rt.leave()
         if fut.done():
             return self._finish(x, fut, "postXferReq")
         return int(NIXL_IN_PROG)
@@ -1638,7 +1678,7 @@ class nixlAgent:
         exc = fut.exception()
         if exc is not None:
             raise _from_xfer_error(exc, what)
-        if x.xfer_s < 0:
+        if x.xfer_s < 0 and self._telemetry:
             res = fut.result()
             if isinstance(res, float):
                 x.xfer_s = res - x.t0
@@ -1647,20 +1687,37 @@ class nixlAgent:
         return int(NIXL_SUCCESS)
 
     def getXferStatus(self, reqh: int) -> int:
-        x = self._xfers.get(int(reqh))
+        x = self._xfers.get(reqh)
         if x is None:
             raise _error(-2, f"getXferStatus: unknown transfer handle {int(reqh):#x}")
         fut = x.fut
         if fut is None:
             raise _error(-1, "getXferStatus: the transfer was not posted")
-        if not fut.done():
+        if fut.done():
+            return self._finish(x, fut, "getXferStatus")
+        rt = self._rt
+        # Like NIXL's check, which progresses its backend: take the completions
+        # the engine has now, rather than wait for the loop thread to wake up
+        # and do it (skipped while the loop thread is at it).
+        if x.simple and rt.lock.acquire(blocking=False):
+            try:
+                self._poll_fn()
+            finally:
+                rt.leave()
+            if fut.done():
+                return self._finish(x, fut, "getXferStatus")
+        now = time.perf_counter()
+        if now - x.last_poll < _TIGHT_POLL:
+            # Polled in a tight loop: sleep until the loop thread has handled
+            # what woke it (a completion, typically), at most _TIGHT_WAIT.
+            # Spinning instead would hold the interpreter the loop thread
+            # needs, and take a core the engine's copy threads need.
+            rt.yield_to_loop(_TIGHT_WAIT)
             now = time.perf_counter()
-            if now - x.last_poll < _TIGHT_POLL:
-                self._rt.yield_to_loop()
-            x.last_poll = time.perf_counter()
-            if not fut.done():
-                return int(NIXL_IN_PROG)
-        return self._finish(x, fut, "getXferStatus")
+        x.last_poll = now
+        if fut.done():
+            return self._finish(x, fut, "getXferStatus")
+        return int(NIXL_IN_PROG)
 
     def getXferTelemetry(self, reqh: int) -> nixlXferTelemetry:
         if not self._telemetry:

@@ -150,6 +150,17 @@ class Runtime:
             if wake:
                 self.wake()
 
+    def leave(self) -> None:
+        """Releases a lock taken by hand (``lock.acquire()``), waking the loop
+        if the section scheduled callbacks on it: the hot paths' cheaper
+        ``locked()``."""
+        wake = self._foreign and threading.get_ident() != self.loop_ident
+        if wake:
+            self._foreign = False
+        self.lock.release()
+        if wake:
+            self.wake()
+
     def forget_foreign(self) -> None:
         """What this section scheduled needs no prompt run (a transfer it
         already posted and completed leaves only the agent's no-op flush)."""
