@@ -13,7 +13,8 @@ or, unchanged, through the opt-in shim that makes ``import nixl`` resolve here
     import aioxfer.nixl; aioxfer.nixl.install()
 
 Like NIXL's ``nixl`` package, this one re-exports every public name of its
-submodules ``_api``, ``_bindings``, ``_utils`` and ``logging``. The wire
+submodules ``_api``, ``_bindings``, ``_utils`` and ``logging`` (as in NIXL,
+``_bindings``' ``nixl_thread_sync_t`` shadows ``_api``'s here). The wire
 formats are aioxfer's: compat agents talk to compat agents (and their
 notifications reach plain aioxfer agents), not to real NIXL.
 """
@@ -24,7 +25,7 @@ import sys
 
 from aioxfer.nixl import _api, _bindings, _utils, logging
 from aioxfer.nixl._api import *  # noqa: F403
-from aioxfer.nixl._bindings import *  # noqa: F403
+from aioxfer.nixl._bindings import *  # type: ignore[assignment]  # noqa: F403
 from aioxfer.nixl._utils import *  # noqa: F403
 from aioxfer.nixl.logging import *  # noqa: F403
 

@@ -266,9 +266,10 @@ class nixl_agent:
     # ------------------------------------------------------------ memory
 
     def register_memory(self, reg_list: Any, mem_type: str | None = None,
-                        backends: list[str] | None = None) -> nixlBind.nixlRegDList:
+                        backends: list[str] | None = None) -> nixlBind.nixlRegDList | None:
         descs = self.get_reg_descs(reg_list, mem_type)
-        self.agent.registerMem(descs, self._handles(backends))
+        # None (malformed input, logged) raises TypeError here, as in NIXL.
+        self.agent.registerMem(descs, self._handles(backends))  # type: ignore[arg-type]
         return descs
 
     def deregister_memory(self, dereg_list: nixlBind.nixlRegDList,
@@ -282,7 +283,7 @@ class nixl_agent:
             raise ValueError(
                 f"Backend '{backend}' not found. Available backends: {list(self.backends)}"
             )
-        return self.agent.queryMem(descs, self.backends[backend])
+        return self.agent.queryMem(descs, self.backends[backend])  # type: ignore[arg-type]
 
     def make_connection(self, remote_agent: str | bytes, backends: list[str] | None = None
                         ) -> None:

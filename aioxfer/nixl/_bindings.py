@@ -370,7 +370,7 @@ class _DList:
         return int(self._a.shape[0])
 
     def isEmpty(self) -> bool:
-        return self._a.shape[0] == 0
+        return bool(self._a.shape[0] == 0)
 
     def _check_index(self, i: int) -> int:
         i = int(i)
@@ -439,8 +439,8 @@ class nixlXferDList(_DList):
     def __eq__(self, other: object) -> bool:
         return (
             type(other) is type(self)
-            and self._type == other._type  # type: ignore[attr-defined]
-            and np.array_equal(self._a, other._a)  # type: ignore[attr-defined]
+            and self._type == other._type
+            and np.array_equal(self._a, other._a)
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -539,9 +539,9 @@ class nixlRegDList(_DList):
     def __eq__(self, other: object) -> bool:
         return (
             type(other) is type(self)
-            and self._type == other._type  # type: ignore[attr-defined]
-            and np.array_equal(self._a, other._a)  # type: ignore[attr-defined]
-            and self._metas == other._metas  # type: ignore[attr-defined]
+            and self._type == other._type
+            and np.array_equal(self._a, other._a)
+            and self._metas == other._metas
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -611,8 +611,8 @@ class nixlRemoteDList:
         self._descs = []
 
     def __eq__(self, other: object) -> bool:
-        return (type(other) is type(self) and self._type == other._type  # type: ignore[attr-defined]
-                and self._descs == other._descs)  # type: ignore[attr-defined]
+        return (type(other) is type(self) and self._type == other._type
+                and self._descs == other._descs)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -1606,6 +1606,7 @@ class nixlAgent:
                 # scheduled for the end of its loop iteration finds nothing to do.
                 x.simple = True
                 agent = self._agent
+                assert agent is not None
                 try:
                     if x.write:
                         fut = agent.write(one[0], one[1],

@@ -30,7 +30,7 @@ import selectors
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -80,17 +80,15 @@ class _Loop(asyncio.SelectorEventLoop):
 
     _rt: Runtime
 
-    def call_soon(self, callback: Callable[..., Any], *args: Any, context: Any = None
-                  ) -> asyncio.Handle:
+    def call_soon(self, *args: Any, **kwargs: Any) -> asyncio.Handle:  # type: ignore[override]
         if threading.get_ident() != self._rt.loop_ident:
             self._rt._foreign = True
-        return super().call_soon(callback, *args, context=context)
+        return super().call_soon(*args, **kwargs)
 
-    def call_at(self, when: float, callback: Callable[..., Any], *args: Any, context: Any = None
-                ) -> asyncio.TimerHandle:
+    def call_at(self, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:  # type: ignore[override]
         if threading.get_ident() != self._rt.loop_ident:
             self._rt._foreign = True
-        return super().call_at(when, callback, *args, context=context)
+        return super().call_at(*args, **kwargs)
 
 
 class Runtime:

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+from typing import TextIO
 
 __all__ = ["get_logger", "set_log_level_by_env", "setup_logging"]
 
@@ -34,19 +35,15 @@ _configured = False
 _configure_lock = threading.Lock()
 
 
-class _StdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _StdoutHandler(logging.StreamHandler[TextIO]):
     """Writes to whatever sys.stdout is at the time (pytest swaps it)."""
 
     def __init__(self) -> None:
         super().__init__(sys.stdout)
 
-    @property  # type: ignore[override]
-    def stream(self):  # type: ignore[no-untyped-def]
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value) -> None:  # type: ignore[no-untyped-def]
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout
+        super().emit(record)
 
 
 def set_log_level_by_env(nixl_logger: logging.Logger) -> None:
