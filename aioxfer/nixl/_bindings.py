@@ -701,6 +701,7 @@ def _telemetry_on(captured: bool) -> bool:
 # ---------------------------------------------------------------- the agent
 
 _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
+_RELEASE_TIMEOUT = 60.0
 # A poller asking again within this many seconds is in a tight loop: it yields
 # to the loop thread (see Runtime.yield_to_loop).
 _TIGHT_POLL = 0.0002
@@ -1066,10 +1067,19 @@ class nixlAgent:
                                      f"'{mem.name}' ({addr:#x}+{nbytes} is not registered)")
             self._regs = [r for k, r in enumerate(self._regs) if k not in taken]
             self._table = None
-            pending = [self._drop_region(reg.region) for reg in gone]
-        waits = [p for p in pending if inspect.isawaitable(p)]
-        if waits:
-            self._rt.run(_gather(waits), timeout=_CONNECT_TIMEOUT)
+        # On the loop thread, where deregister's awaitable is the real release:
+        # NIXL callers free the memory as soon as this returns, so it returns
+        # only once no peer can touch it any more.
+        regions = [reg.region for reg in gone]
+
+        async def release() -> None:
+            pending = [self._drop_region(r) for r in regions]
+            await asyncio.gather(*(p for p in pending if inspect.isawaitable(p)))
+
+        try:
+            self._rt.run(release(), timeout=_RELEASE_TIMEOUT)
+        except TimeoutError:
+            raise _error(-3, "deregisterMem: peers did not release the memory in time") from None
         return int(NIXL_SUCCESS)
 
     def queryMem(self, descs: nixlRegDList, backend: int) -> list[dict[str, str] | None]:
@@ -1859,10 +1869,6 @@ async def _send_notifs(peer: aioxfer.Peer, frames: list[bytes]) -> None:
         await asyncio.gather(*(peer.notify(f) for f in frames))
     except Exception as exc:
         _log("E", f"genNotif to {peer.name!r} failed: {exc}")
-
-
-async def _gather(waits: list[Any]) -> None:
-    await asyncio.gather(*waits)
 
 
 def _op(operation: Any) -> nixl_xfer_op_t:
