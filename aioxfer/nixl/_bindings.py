@@ -714,6 +714,12 @@ def _flusher(agent: Any) -> Any:
     return getattr(agent, "flush", None) or agent._post_pending
 
 
+def _completion_fd(agent: Any) -> int:
+    """The engine's completion eventfd: ``Agent.fileno()`` once aioxfer has it."""
+    fileno = getattr(agent, "fileno", None)
+    return int(fileno()) if fileno is not None else int(agent._fd)
+
+
 def _poller(agent: Any) -> Any:
     """What takes the completions the engine has for the agent now (the work
     of its eventfd reader): ``Agent.poll()`` once aioxfer has it."""
@@ -925,6 +931,7 @@ class nixlAgent:
         self._agent: aioxfer.Agent | None = None
         self._flush_fn: Any = None
         self._poll_fn: Any = None
+        self._fd = -1
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
         self._handle_seq = itertools.count(0x1000)
@@ -1000,6 +1007,7 @@ class nixlAgent:
         self._agent = agent
         self._flush_fn = _flusher(agent)
         self._poll_fn = _poller(agent)
+        self._fd = _completion_fd(agent)
         self._transports = agent.transports
         return {"transports": ",".join(agent.transports), "listen": agent.address,
                 "num_threads": str(threads)}
@@ -1645,42 +1653,40 @@ class nixlAgent:
         return int(NIXL_IN_PROG)
 
     def _post(self, x: _Xfer, msg: bytes) -> asyncio.Future[Any]:
+        """A request aioxfer does not post in one call (called with the lock
+        held): several region pairs, a READ with a notification, or a
+        notification that must be framed. The data goes now, from this
+        thread; a task on the loop sends the notification once all of it has
+        moved, and the request is done when that task is."""
         agent = self._agent
         assert agent is not None
         frames = _wire.notif_frames(msg) if (msg and not x.file) else []
-        x.tsub = time.perf_counter()
-        if len(x.groups) == 1 and len(frames) <= 1 and (x.op == NIXL_WRITE or not frames):
-            x.simple = True
-            local, far = x.groups[0]
-            if x.op == NIXL_WRITE:
-                return agent.write(local, far, notify=frames[0] if frames else None)
-            return agent.read(local, far)
         x.simple = False
-        return self._rt.spawn(self._compound(x, frames))
+        if x.write and len(x.groups) == 1 and frames:
+            # A WRITE carries its notification (the last frame): the frames
+            # before it go first, in order, then the WRITE.
+            return self._rt.spawn(self._framed_write(x, frames))
+        post = agent.write if x.write else agent.read
+        parts = [post(local, far) for local, far in x.groups]
+        self._flush_fn()
+        return self._rt.spawn(self._then_notify(x, parts, frames))
 
-    async def _compound(self, x: _Xfer, frames: list[bytes]) -> float:
-        """A request aioxfer does not post in one call: several region pairs,
-        a READ with a notification, or a notification over 4 KiB. The
-        notification goes only after all the data has moved."""
-        agent = self._agent
-        assert agent is not None
-        peer = x.peer
-        if x.op == NIXL_WRITE and len(x.groups) == 1 and frames:
-            assert peer is not None
-            for f in frames[:-1]:
-                await peer.notify(f)
-            local, far = x.groups[0]
-            await agent.write(local, far, notify=frames[-1])
-            return time.perf_counter()
-        post = agent.write if x.op == NIXL_WRITE else agent.read
-        results = await asyncio.gather(*(post(lo, fa) for lo, fa in x.groups),
-                                       return_exceptions=True)
+    async def _framed_write(self, x: _Xfer, frames: list[bytes]) -> float:
+        agent, peer = self._agent, x.peer
+        assert agent is not None and peer is not None
+        await asyncio.gather(*(peer.notify(f) for f in frames[:-1]))
+        local, far = x.groups[0]
+        await agent.write(local, far, notify=frames[-1])
+        return time.perf_counter()
+
+    async def _then_notify(self, x: _Xfer, parts: list[Any], frames: list[bytes]) -> float:
+        results = await asyncio.gather(*parts, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         if frames:
-            assert peer is not None
-            await asyncio.gather(*(peer.notify(f) for f in frames))
+            assert x.peer is not None
+            await asyncio.gather(*(x.peer.notify(f) for f in frames))
         return time.perf_counter()
 
     def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str) -> int:
@@ -1710,7 +1716,7 @@ class nixlAgent:
         # Like NIXL's check, which progresses its backend: take the completions
         # the engine has now, rather than wait for the loop thread to wake up
         # and do it (skipped while the loop thread is at it).
-        if x.simple and rt.lock.acquire(blocking=False):
+        if rt.lock.acquire(blocking=False):
             try:
                 self._poll_fn()
             finally:
@@ -1719,16 +1725,30 @@ class nixlAgent:
                 return self._finish(x, fut, "getXferStatus")
         now = time.perf_counter()
         if now - x.last_poll < _TIGHT_POLL:
-            # Polled in a tight loop: sleep until the loop thread has handled
-            # what woke it (a completion, typically), at most _TIGHT_WAIT.
-            # Spinning instead would hold the interpreter the loop thread
-            # needs, and take a core the engine's copy threads need.
-            rt.yield_to_loop(_TIGHT_WAIT)
+            # Polled in a tight loop: sleep until the engine signals a
+            # completion (at most _TIGHT_WAIT), then take it here. Spinning
+            # instead would hold the interpreter the loop thread needs, and
+            # take a core the engine's copy threads need.
+            self._wait_completion(_TIGHT_WAIT)
             now = time.perf_counter()
         x.last_poll = now
         if fut.done():
             return self._finish(x, fut, "getXferStatus")
         return int(NIXL_IN_PROG)
+
+    def _wait_completion(self, timeout: float) -> None:
+        """Sleeps until the engine signals a completion or the loop thread has
+        handled one (at most ``timeout``), then takes what the engine has from
+        this thread. Usually one wake-up per completion, as for a coroutine
+        awaiting it on the loop: this thread's, not the loop thread's and then
+        this one's."""
+        rt = self._rt
+        rt.yield_to_loop(timeout, self._fd)
+        if self._poll_fn is not None and rt.lock.acquire(blocking=False):
+            try:
+                self._poll_fn()
+            finally:
+                rt.leave()
 
     def getXferTelemetry(self, reqh: int) -> nixlXferTelemetry:
         if not self._telemetry:
@@ -1785,7 +1805,7 @@ class nixlAgent:
         if not len(queue):
             now = time.perf_counter()
             if now - self._last_empty_notif < _TIGHT_POLL:
-                self._rt.yield_to_loop()
+                self._wait_completion(_TIGHT_WAIT)
             self._last_empty_notif = time.perf_counter()
             if not len(queue):
                 return notif_map

@@ -26,6 +26,8 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import os
+import select
 import selectors
 import threading
 import time
@@ -99,7 +101,10 @@ class Runtime:
         self._local = threading.local()
         self._foreign = False
         self._round = 0
-        self._round_cond = threading.Condition(threading.Lock())
+        # Written by the loop thread after a round of callbacks while a poller
+        # waits (see yield_to_loop).
+        self._round_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._waiters_lock = threading.Lock()
         self._round_waiters = 0
         self.loop_ident = -1
         self._closers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -197,24 +202,32 @@ class Runtime:
         # Called by the loop thread (lock held) before each select.
         self._round += 1
         if self._round_waiters:
-            with self._round_cond:
-                self._round_cond.notify_all()
+            os.eventfd_write(self._round_fd, 1)
 
-    def yield_to_loop(self, timeout: float = 0.001) -> None:
-        """A caller polling in a tight loop lets the loop thread run: sleeps
-        until the loop finishes its current round of callbacks (completions,
-        notifications drained), at most ``timeout`` seconds. Releases the GIL,
-        so a loop thread woken by a completion takes it at once rather than
-        after the interpreter's switch interval."""
+    def yield_to_loop(self, timeout: float = 0.001, fd: int = -1) -> None:
+        """A caller polling in a tight loop sleeps (without the GIL, so a loop
+        thread woken by a completion takes it at once rather than after the
+        interpreter's switch interval) until the loop thread finishes its
+        current round of callbacks, or ``fd`` (an agent's completion fd)
+        becomes readable, at most ``timeout`` seconds."""
         if self._holds_lock():
             return
         start = self._round
-        cond = self._round_cond
-        with cond:
+        with self._waiters_lock:
             self._round_waiters += 1
+        try:
+            if self._round != start:
+                return
+            fds = [self._round_fd] if fd < 0 else [self._round_fd, fd]
             try:
-                cond.wait_for(lambda: self._round != start, timeout)
-            finally:
+                ready, _, _ = select.select(fds, [], [], timeout)
+            except (OSError, ValueError):  # fd closed meanwhile
+                return
+            if self._round_fd in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._round_fd)
+        finally:
+            with self._waiters_lock:
                 self._round_waiters -= 1
 
     # ------------------------------------------------------------ exit
