@@ -875,7 +875,7 @@ class _Xfer:
     """A transfer request: its pairs of segment lists, reposted on each post."""
 
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
-                 "simple", "t0", "tsub", "start_us", "post_s", "xfer_s", "last_poll", "backend",
+                 "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
@@ -890,9 +890,7 @@ class _Xfer:
         self.ndesc = ndesc
         self.nbytes = nbytes
         self.fut: asyncio.Future[Any] | None = None
-        self.simple = False
         self.t0 = 0.0
-        self.tsub = 0.0
         self.start_us = 0
         self.post_s = 0.0
         self.xfer_s = -1.0
@@ -1613,7 +1611,7 @@ class nixlAgent:
             x.xfer_s = -1.0
             if self._telemetry:
                 x.start_us = time.time_ns() // 1000
-            x.t0 = x.tsub = t0 = time.perf_counter()
+            x.t0 = t0 = time.perf_counter()
             one = x.one
             if one is not None and (not msg or x.file or (
                     x.write and len(msg) <= _wire.NOTIF_MAX
@@ -1622,7 +1620,6 @@ class nixlAgent:
                 # copy may complete inside): what a coroutine awaiting it gets,
                 # without a wake-up of the loop thread. The flush the agent
                 # scheduled for the end of its loop iteration finds nothing to do.
-                x.simple = True
                 agent = self._agent
                 assert agent is not None
                 try:
@@ -1661,7 +1658,6 @@ class nixlAgent:
         agent = self._agent
         assert agent is not None
         frames = _wire.notif_frames(msg) if (msg and not x.file) else []
-        x.simple = False
         if x.write and len(x.groups) == 1 and frames:
             # A WRITE carries its notification (the last frame): the frames
             # before it go first, in order, then the WRITE.
@@ -1700,7 +1696,7 @@ class nixlAgent:
             if isinstance(res, float):
                 x.xfer_s = res - x.t0
             else:
-                x.xfer_s = (x.tsub - x.t0) + res.seconds
+                x.xfer_s = res.seconds  # from its post, by the engine's clock
         return int(NIXL_SUCCESS)
 
     def getXferStatus(self, reqh: int) -> int:
