@@ -23,6 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+# The real etcd of the discovery tests (skips where the binary is absent).
+from test_discovery import etcd_server  # noqa: F401
+
 import aioxfer.nixl as nixl
 from aioxfer.nixl import _api, _bindings, _utils, nixl_agent, nixl_agent_config
 from aioxfer.nixl import logging as nixl_logging
@@ -438,3 +441,55 @@ def test_utils_buffers() -> None:
     finally:
         _utils.free_passthru(a)
         _utils.free_passthru(b)
+
+
+def test_central_store_partial_metadata_by_label(
+    etcd_server: str,  # noqa: F811 (the fixture imported above)
+    monkeypatch: pytest.MonkeyPatch,
+    agents: Any,
+) -> None:
+    """NIXL_ETCD_ENDPOINTS: metadata through etcd under labels (partial_md_example --etcd)."""
+    monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", f"http://{etcd_server}")
+    t, i = agents(), agents()
+    b1, b2, mine = Buf(256, 3), Buf(256, 4), Buf(256, 0)
+    d1 = t.get_reg_descs([(b1.addr, 256, 0, "")], "DRAM")
+    d2 = t.get_reg_descs([(b2.addr, 256, 0, "")], "DRAM")
+    t.register_memory(d1)
+    t.register_memory(d2)
+    i.register_memory([(mine.addr, 256, 0, "")], "DRAM")
+    local = i.get_xfer_descs([(mine.addr, 256, 0)], "DRAM")
+    t.send_partial_agent_metadata(d1, True, ["UCX"], label="label_1")
+    i.fetch_remote_metadata(t.name, label="label_1")
+    deadline = time.monotonic() + STEP
+    while not i.check_remote_metadata(t.name, d1.trim()):
+        assert time.monotonic() < deadline
+    with pytest.raises(nixl.nixlNotFoundError):
+        i.initialize_xfer("READ", local, d2.trim(), t.name)
+    t.send_partial_agent_metadata(d2, True, ["UCX"], label="label_2")
+    i.fetch_remote_metadata(t.name, label="label_2")
+    deadline = time.monotonic() + STEP
+    while True:
+        try:
+            h = i.initialize_xfer("READ", local, d2.trim(), t.name, b"UUID1")
+            break
+        except nixl.nixlNotFoundError:
+            assert time.monotonic() < deadline
+    assert i.transfer(h) in ("DONE", "PROC") and _wait(i, h) == "DONE"
+    assert (mine.np == 4).all()
+    deadline = time.monotonic() + STEP
+    while not t.check_remote_xfer_done(i.name, b"UUID1"):
+        assert time.monotonic() < deadline
+    t.invalidate_local_metadata()
+    t.send_local_metadata()
+    i.fetch_remote_metadata(t.name)  # the whole, under "metadata"
+    deadline = time.monotonic() + STEP
+    while not i.check_remote_metadata(t.name, t.get_xfer_descs(
+            [(b1.addr, 256, 0), (b2.addr, 256, 0)], "DRAM")):
+        assert time.monotonic() < deadline
+    t.invalidate_local_metadata()
+
+
+def test_no_central_store_without_endpoints(monkeypatch: pytest.MonkeyPatch, agents: Any) -> None:
+    monkeypatch.delenv("NIXL_ETCD_ENDPOINTS", raising=False)
+    with pytest.raises(nixl.nixlNotSupportedError):
+        agents().send_local_metadata()

@@ -945,6 +945,8 @@ class nixlAgent:
         self._last_md_poll = 0.0
         self._server: asyncio.AbstractServer | None = None
         self.listen_port = 0
+        endpoints = os.environ.get("NIXL_ETCD_ENDPOINTS", "")
+        self._store = _CentralStore(endpoints) if endpoints else None
         self._closed = False
         if config.useListenThread:
             self._rt.run(self._start_listener(int(config.listenPort)), timeout=_CONNECT_TIMEOUT)
@@ -1343,40 +1345,74 @@ class nixlAgent:
         with self._rt.locked():
             self._rt.spawn(run())
 
-    def _peer_address(self, ip_addr: str, port: int, what: str) -> tuple[str, int]:
-        if not ip_addr:
-            raise _error(-9, f"{what}: no central metadata store in aioxfer.nixl: give the "
-                             f"peer's ip_addr and port")
-        return ip_addr, int(port) if port else DEFAULT_COMM_PORT
+    def _store_or_raise(self, what: str) -> _CentralStore:
+        if self._store is None:
+            raise _error(-9, f"{what}: no peer address given and no central metadata store "
+                             f"(NIXL_ETCD_ENDPOINTS) configured")
+        return self._store
+
+    def _key(self, name: str, label: str) -> str:
+        return f"{_ETCD_NAMESPACE}/{name}/{label or _FULL_LABEL}"
 
     def sendLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
-        ip, p = self._peer_address(ip_addr, port, "sendLocalMD")
+        md = self.getLocalMD()
+        if not ip_addr:
+            store = self._store_or_raise("sendLocalMD")
+            self._background("sendLocalMD", store.put(self._key(self._name, ""), md))
+            return
         self._background("sendLocalMD",
-                         self._request(ip, p, _wire.Push(md=self.getLocalMD())))
+                         self._request(ip_addr, _port(port), _wire.Push(md=md)))
 
     def sendLocalPartialMD(self, descs: nixlRegDList, inc_conn_info: bool = False,
                            backends: Any = (), ip_addr: str = "", port: int = 0,
                            label: str = "") -> None:
-        ip, p = self._peer_address(ip_addr, port, "sendLocalPartialMD")
         md = self.getLocalPartialMD(descs, inc_conn_info, backends)
-        self._background("sendLocalPartialMD", self._request(ip, p, _wire.Push(md=md)))
+        if not ip_addr:
+            store = self._store_or_raise("sendLocalPartialMD")
+            if not label:
+                raise _error(-2, "sendLocalPartialMD: a label is needed for the central store")
+            self._background("sendLocalPartialMD", store.put(self._key(self._name, label), md))
+            return
+        self._background("sendLocalPartialMD",
+                         self._request(ip_addr, _port(port), _wire.Push(md=md)))
 
     def fetchRemoteMD(self, remote_agent: Any, ip_addr: str = "", port: int = 0,
                       label: str = "") -> None:
         name = _name(remote_agent)
-        ip, p = self._peer_address(ip_addr, port, "fetchRemoteMD")
+        if not ip_addr:
+            store = self._store_or_raise("fetchRemoteMD")
+            key = self._key(name, label)
+            wait = self._config.etcdWatchTimeout / 1e6
+
+            async def fetch_stored() -> None:
+                # Polled, not watched: a key put before or after the call is
+                # found alike, within etcdWatchTimeout.
+                deadline = time.monotonic() + wait
+                while (md := await store.get(key)) is None:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"no metadata under {key} within {wait:g} s")
+                    await asyncio.sleep(0.02)
+                await self._load(_wire.decode_md(md))
+
+            self._background("fetchRemoteMD", fetch_stored())
+            return
 
         async def fetch() -> None:
-            reply = await self._request(ip, p, _wire.Fetch(name=name, label=label))
+            reply = await self._request(ip_addr, _port(port), _wire.Fetch(name=name, label=label))
             await self._load(_wire.decode_md(reply.md))
 
         self._background("fetchRemoteMD", fetch())
 
     def invalidateLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
-        ip, p = self._peer_address(ip_addr, port, "invalidateLocalMD")
+        if not ip_addr:
+            store = self._store_or_raise("invalidateLocalMD")
+            self._background("invalidateLocalMD",
+                             store.delete_prefix(f"{_ETCD_NAMESPACE}/{self._name}/"))
+            return
         # The peer may be gone already (it has what it needed): not an error.
         self._background("invalidateLocalMD",
-                         self._request(ip, p, _wire.Invalidate(name=self._name)), level="I")
+                         self._request(ip_addr, _port(port), _wire.Invalidate(name=self._name)),
+                         level="I")
 
     # ------------------------------------------------------------ descriptor preparation
 
@@ -1856,6 +1892,8 @@ class nixlAgent:
         if self._server is not None:
             self._server.close()
         agent, self._agent = self._agent, None
+        if self._store is not None:
+            await self._store.close()
         self._xfers.clear()
         self._dlists.clear()
         self._remotes.clear()
@@ -1873,6 +1911,53 @@ class nixlAgent:
             rt.loop.call_soon_threadsafe(_close_later, self._close_at_exit())
         except RuntimeError:
             pass
+
+
+_ETCD_NAMESPACE = os.environ.get("NIXL_ETCD_NAMESPACE", "/nixl/agents").rstrip("/")
+_FULL_LABEL = "metadata"
+
+
+def _port(port: int) -> int:
+    return int(port) if port else DEFAULT_COMM_PORT
+
+
+class _CentralStore:
+    """NIXL's central metadata store: etcd at NIXL_ETCD_ENDPOINTS (the first
+    endpoint), keys ``{NIXL_ETCD_NAMESPACE}/{agent}/{label}`` ("metadata" for
+    the whole). Used from the loop thread only. Needs the aetcd package."""
+
+    def __init__(self, endpoints: str) -> None:
+        first = endpoints.split(",")[0].strip()
+        hostport = first.split("://", 1)[-1].rstrip("/")
+        host, _, port = hostport.rpartition(":")
+        self.host = host or "127.0.0.1"
+        self.port = int(port or 2379)
+        self._client: Any = None
+
+    async def _get_client(self) -> Any:
+        if self._client is None:
+            try:
+                import aetcd  # type: ignore[import-untyped]
+            except ImportError:
+                raise RuntimeError("the central metadata store needs the aetcd package "
+                                   "(pip install 'aioxfer[etcd]')") from None
+            self._client = aetcd.Client(host=self.host, port=self.port, timeout=5.0)
+        return self._client
+
+    async def put(self, key: str, value: bytes) -> None:
+        await (await self._get_client()).put(key.encode(), value)
+
+    async def get(self, key: str) -> bytes | None:
+        got = await (await self._get_client()).get(key.encode())
+        return None if got is None else bytes(got.value)
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await (await self._get_client()).delete_prefix(prefix.encode())
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
 
 
 def _close_later(coro: Any) -> None:
