@@ -1761,21 +1761,21 @@ class nixlAgent:
             # completion (at most _TIGHT_WAIT), then take it here. Spinning
             # instead would hold the interpreter the loop thread needs, and
             # take a core the engine's copy threads need.
-            self._wait_completion(_TIGHT_WAIT)
+            self._wait_completion(_TIGHT_WAIT, fut.done)
             now = time.perf_counter()
         x.last_poll = now
         if fut.done():
             return self._finish(x, fut, "getXferStatus")
         return int(NIXL_IN_PROG)
 
-    def _wait_completion(self, timeout: float) -> None:
+    def _wait_completion(self, timeout: float, ready: Any = None) -> None:
         """Sleeps until the engine signals a completion or the loop thread has
         handled one (at most ``timeout``), then takes what the engine has from
         this thread. Usually one wake-up per completion, as for a coroutine
         awaiting it on the loop: this thread's, not the loop thread's and then
         this one's."""
         rt = self._rt
-        rt.yield_to_loop(timeout, self._fd)
+        rt.yield_to_loop(timeout, self._fd, ready)
         if self._poll_fn is not None and rt.lock.acquire(blocking=False):
             try:
                 self._poll_fn()
@@ -1837,7 +1837,7 @@ class nixlAgent:
         if not len(queue):
             now = time.perf_counter()
             if now - self._last_empty_notif < _TIGHT_POLL:
-                self._wait_completion(_TIGHT_WAIT)
+                self._wait_completion(_TIGHT_WAIT, queue.__len__)
             self._last_empty_notif = time.perf_counter()
             if not len(queue):
                 return notif_map

@@ -32,7 +32,7 @@ import selectors
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -204,26 +204,29 @@ class Runtime:
         if self._round_waiters:
             os.eventfd_write(self._round_fd, 1)
 
-    def yield_to_loop(self, timeout: float = 0.001, fd: int = -1) -> None:
+    def yield_to_loop(self, timeout: float = 0.001, fd: int = -1,
+                      ready: Callable[[], bool] | None = None) -> None:
         """A caller polling in a tight loop sleeps (without the GIL, so a loop
         thread woken by a completion takes it at once rather than after the
-        interpreter's switch interval) until the loop thread finishes its
-        current round of callbacks, or ``fd`` (an agent's completion fd)
-        becomes readable, at most ``timeout`` seconds."""
+        interpreter's switch interval) until the loop thread finishes a round
+        of callbacks, or ``fd`` (an agent's completion fd) becomes readable,
+        at most ``timeout`` seconds; at once if ``ready()`` (what the caller
+        waits for) is already true once it is registered as waiting, so that
+        a round that finished just before is not waited for."""
         if self._holds_lock():
             return
         start = self._round
         with self._waiters_lock:
             self._round_waiters += 1
         try:
-            if self._round != start:
+            if self._round != start or (ready is not None and ready()):
                 return
             fds = [self._round_fd] if fd < 0 else [self._round_fd, fd]
             try:
-                ready, _, _ = select.select(fds, [], [], timeout)
+                got, _, _ = select.select(fds, [], [], timeout)
             except (OSError, ValueError):  # fd closed meanwhile
                 return
-            if self._round_fd in ready:
+            if self._round_fd in got:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._round_fd)
         finally:

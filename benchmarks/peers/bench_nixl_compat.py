@@ -16,12 +16,16 @@ repost it, polling ``check_xfer_state`` until DONE (what vLLM and NIXL's own
 benchmark do). ``native`` awaits ``agent.read``/``agent.write`` of the same
 Segment pair or SegmentList pair. Paths: ``shm`` (same host: NIXL's UCX picks
 CMA; aioxfer shm) and ``tcp`` (UCX_TLS=tcp; aioxfer transports=("tcp",)).
-Systems run one after another, in an order rotated every round; figures are
-medians over rounds. Every workload's data is checked once (CRC32 of both
-sides) before it is timed.
 
-    python benchmarks/peers/bench_nixl_compat.py                     # 3 rounds
-    python benchmarks/peers/bench_nixl_compat.py --rounds 1 --min-secs 0.1   # quick
+All three systems' process pairs are started first and kept stopped
+(SIGSTOP); for each point they take turns of ``--slice`` seconds, one pair
+running at a time, ``--reps`` times in a rotating order: on a shared, busy
+machine the systems then see the same conditions, and each ratio compares
+turns taken back to back. Every workload's data is checked once (CRC32 of
+both sides) before it is timed.
+
+    python benchmarks/peers/bench_nixl_compat.py                          # about 3 minutes
+    python benchmarks/peers/bench_nixl_compat.py --reps 2 --slice 0.05    # quick: proves it runs
 
 ``--nixl-python`` (default: $PEERS_VENVS/venv-nixl/bin/python, made by
 install.sh) runs the real NIXL side; this script must also be importable by
@@ -32,9 +36,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -162,45 +168,43 @@ class Target:
             self.proc.wait(5)
 
 
-# ---------------------------------------------------------------- timing
+# ---------------------------------------------------------------- initiators
+#
+# An initiator prepares every workload (and checks its data once), reports
+# them on its control fd, then serves commands from stdin: {"w": i, "secs": s}
+# runs workload i for s seconds and answers {"n": requests, "dt": seconds}.
+# The driver keeps all three systems' process pairs alive and stopped
+# (SIGSTOP), and lets one pair run at a time, so that the systems alternate
+# every fraction of a second on the same, shared, CPUs.
 
 
-def timed(once: Callable[[], None], min_secs: float) -> tuple[int, float]:
-    for _ in range(3):
-        once()
-    n = 0
-    t0 = time.perf_counter()
-    while True:
-        once()
-        n += 1
-        dt = time.perf_counter() - t0
-        if dt >= min_secs:
-            return n, dt
+class Workload:
+    def __init__(self, op: str, label: str, nbytes: int, once: Callable[[], Any],
+                 verified: bool) -> None:
+        self.op = op
+        self.label = label
+        self.nbytes = nbytes
+        self.once = once
+        self.verified = verified
 
 
-def emit(args: argparse.Namespace, op: str, workload: str, nbytes: int, n: int, dt: float,
-         verified: bool) -> None:
-    rec = {"system": args.system, "transport": args.transport, "op": op, "workload": workload,
-           "gbps": nbytes * n / dt / 1e9, "us": dt / n * 1e6, "verified": verified}
-    print("RESULT " + json.dumps(rec), flush=True)
-
-
-def check(target: Target, buf: np.ndarray, op: str, seed: int, kind: str, *, size: int = 0,
-          li: np.ndarray | None = None, ri: np.ndarray | None = None,
-          once: Callable[[], None]) -> bool:
+def check(target: Target, buf: np.ndarray, op: str, seed: int, kind: str,
+          run: Callable[[], None], *, size: int = 0, li: np.ndarray | None = None,
+          ri: np.ndarray | None = None) -> bool:
     """One request with fresh local contents, then both sides' CRCs compared."""
     if op == "WRITE":
         fill(buf, seed)
     else:
         buf[:] = 0
-    once()
+    run()
     if kind == "single":
         return zlib.crc32(buf[:size]) == target.ask(cmd="crc", off=0, len=size)
     assert li is not None and ri is not None
     return gathered_crc(buf, li) == target.ask(cmd="crcs", idx=ri.tolist())
 
 
-def initiator_nixl_like(args: argparse.Namespace, target: Target) -> None:
+def nixl_like_workloads(args: argparse.Namespace, target: Target, keep: list[Any]
+                        ) -> list[Workload]:
     if args.system == "nixl":
         from nixl._api import nixl_agent, nixl_agent_config
     else:
@@ -209,6 +213,7 @@ def initiator_nixl_like(args: argparse.Namespace, target: Target) -> None:
                                                       backends=["UCX"]))
     buf = np.empty(BUF, dtype=np.uint8)
     fill(buf, 5)
+    keep += [agent, buf]
     laddr, raddr = buf.ctypes.data, target.hello["addr"]
     agent.register_memory([(laddr, BUF, 0, "")], "DRAM")
     name = agent.add_remote_agent(bytes.fromhex(target.hello["md"]))
@@ -230,105 +235,120 @@ def initiator_nixl_like(args: argparse.Namespace, target: Target) -> None:
 
     lblocks = agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks(laddr), "DRAM")
     rblocks = agent.prep_xfer_dlist(name, blocks(raddr), "DRAM")
+    out: list[Workload] = []
     seed = 11
     for op in args.ops:
         for size in SIZES:
             lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(laddr, size, 0)], "DRAM")
             rh = agent.prep_xfer_dlist(name, [(raddr, size, 0)], "DRAM")
-            h = agent.make_prepped_xfer(op, lh, [0], rh, [0])
-            once = once_of(h)
+            once = once_of(agent.make_prepped_xfer(op, lh, [0], rh, [0]))
             seed += 1
-            ok = check(target, buf, op, seed, "single", size=size, once=once)
-            n, dt = timed(once, args.min_secs)
-            emit(args, op, size_name(size), size, n, dt, ok)
-            h.release()
-            lh.release()
-            rh.release()
+            ok = check(target, buf, op, seed, "single", once, size=size)
+            out.append(Workload(op, size_name(size), size, once, ok))
         li, ri = batch_indices(seed)
-        h = agent.make_prepped_xfer(op, lblocks, li, rblocks, ri)
-        once = once_of(h)
+        once = once_of(agent.make_prepped_xfer(op, lblocks, li, rblocks, ri))
         seed += 1
-        ok = check(target, buf, op, seed, "batch", li=li, ri=ri, once=once)
-        n, dt = timed(once, args.min_secs)
-        emit(args, op, f"{BATCH} x 16 KiB by index", BATCH * BLOCK, n, dt, ok)
-        h.release()
-    agent.remove_remote_agent(name)
+        ok = check(target, buf, op, seed, "batch", once, li=li, ri=ri)
+        out.append(Workload(op, f"{BATCH} x 16 KiB by index", BATCH * BLOCK, once, ok))
+    return out
 
 
-def initiator_native(args: argparse.Namespace, target: Target) -> None:
+def native_workloads(args: argparse.Namespace, target: Target, loop: asyncio.AbstractEventLoop,
+                     keep: list[Any]) -> list[Workload]:
     import aioxfer
 
-    async def main() -> None:
-        kwargs = {"transports": ("tcp",)} if args.transport == "tcp" else {}
-        async with aioxfer.Agent("initiator", **kwargs) as agent:
-            buf = np.empty(BUF, dtype=np.uint8)
-            fill(buf, 5)
-            region = agent.register(buf, name="kv")
-            peer = await agent.connect(target.hello["address"])
-            remote = peer.region("kv")
-            loop = asyncio.get_running_loop()
-            async def run(op: str, seed: int, kind: str, make: Callable[[], Any],
-                          **kw: Any) -> bool:
-                if op == "WRITE":
-                    fill(buf, seed)
-                else:
-                    buf[:] = 0
-                await make()
-                if kind == "single":
-                    want = await loop.run_in_executor(None, lambda: target.ask(
-                        cmd="crc", off=0, len=kw["size"]))
-                    return zlib.crc32(buf[:kw["size"]]) == want
-                want = await loop.run_in_executor(None, lambda: target.ask(
-                    cmd="crcs", idx=kw["ri"].tolist()))
-                return gathered_crc(buf, kw["li"]) == want
+    kwargs = {"transports": ("tcp",)} if args.transport == "tcp" else {}
+    agent = aioxfer.Agent("initiator", **kwargs)
+    buf = np.empty(BUF, dtype=np.uint8)
+    fill(buf, 5)
+    keep += [agent, buf]
+    region = agent.register(buf, name="kv")
+    peer = loop.run_until_complete(agent.connect(target.hello["address"]))
+    remote = peer.region("kv")
+    out: list[Workload] = []
+    seed = 11
+    for op in args.ops:
+        post = agent.write if op == "WRITE" else agent.read
+        pairs: list[tuple[str, int, Any, Any, Any]] = []
+        for size in SIZES:
+            pairs.append((size_name(size), size, region[0:size], remote[0:size], None))
+        li, ri = batch_indices(seed + len(SIZES))
+        lens = np.full(BATCH, BLOCK, dtype=np.uint64)
+        pairs.append((f"{BATCH} x 16 KiB by index", BATCH * BLOCK,
+                      aioxfer.SegmentList(region, li.astype(np.uint64) * BLOCK, lens),
+                      aioxfer.SegmentList(remote, ri.astype(np.uint64) * BLOCK, lens), (li, ri)))
+        for label, nbytes, local, far, idx in pairs:
+            one = functools.partial(post, local, far)
+            seed += 1
+            def run(one: Callable[[], Any] = one) -> None:
+                loop.run_until_complete(_awaited(one))
 
-            async def atimed(make: Callable[[], Any]) -> tuple[int, float]:
-                for _ in range(3):
-                    await make()
-                n = 0
-                t0 = time.perf_counter()
-                while True:
-                    await make()
-                    n += 1
-                    dt = time.perf_counter() - t0
-                    if dt >= args.min_secs:
-                        return n, dt
+            if idx is None:
+                ok = check(target, buf, op, seed, "single", run, size=nbytes)
+            else:
+                ok = check(target, buf, op, seed, "batch", run, li=idx[0], ri=idx[1])
+            out.append(Workload(op, label, nbytes, one, ok))
+    return out
 
-            seed = 11
-            for op in args.ops:
-                post = agent.write if op == "WRITE" else agent.read
-                for size in SIZES:
-                    seg, rseg = region[0:size], remote[0:size]
-                    seed += 1
-                    one = functools.partial(post, seg, rseg)
-                    ok = await run(op, seed, "single", one, size=size)
-                    n, dt = await atimed(one)
-                    emit(args, op, size_name(size), size, n, dt, ok)
-                li, ri = batch_indices(seed)
-                lens = np.full(BATCH, BLOCK, dtype=np.uint64)
-                lsl = aioxfer.SegmentList(region, li.astype(np.uint64) * BLOCK, lens)
-                rsl = aioxfer.SegmentList(remote, ri.astype(np.uint64) * BLOCK, lens)
-                seed += 1
-                one = functools.partial(post, lsl, rsl)
-                ok = await run(op, seed, "batch", one, li=li, ri=ri)
-                n, dt = await atimed(one)
-                emit(args, op, f"{BATCH} x 16 KiB by index", BATCH * BLOCK, n, dt, ok)
 
-    asyncio.run(main())
+async def _awaited(make: Callable[[], Any]) -> None:
+    await make()
+
+
+def timed(once: Callable[[], None], secs: float) -> tuple[int, float]:
+    once()  # warm: the first request after a pause
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        once()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= secs:
+            return n, dt
+
+
+async def atimed(make: Callable[[], Any], secs: float) -> tuple[int, float]:
+    await make()
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        await make()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= secs:
+            return n, dt
 
 
 def initiator_main(args: argparse.Namespace) -> None:
+    ctl = os.fdopen(args.ctl_fd, "w")
     target = Target(args)
+    keep: list[Any] = []
+    loop = asyncio.new_event_loop() if args.system == "native" else None
     try:
-        if args.system == "native":
-            initiator_native(args, target)
+        if loop is not None:
+            works = native_workloads(args, target, loop, keep)
         else:
-            initiator_nixl_like(args, target)
+            works = nixl_like_workloads(args, target, keep)
+        ctl.write(json.dumps({"target_pid": target.proc.pid,
+                              "workloads": [[w.op, w.label, w.nbytes, w.verified]
+                                            for w in works]}) + "\n")
+        ctl.flush()
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if "w" not in cmd:
+                break
+            w = works[cmd["w"]]
+            if loop is not None:
+                n, dt = loop.run_until_complete(atimed(w.once, cmd["secs"]))
+            else:
+                n, dt = timed(w.once, cmd["secs"])
+            ctl.write(json.dumps({"n": n, "dt": dt}) + "\n")
+            ctl.flush()
     finally:
         target.close()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0)  # NIXL's wheel may crash in exit-time destructors
 
 
 # ---------------------------------------------------------------- driver
@@ -347,71 +367,139 @@ def system_env(system: str, transport: str) -> dict[str, str]:
     return env
 
 
-def run_one(python: str, system: str, transport: str, args: argparse.Namespace
+class Pair:
+    """One system's initiator (and, through it, its target), stopped between turns."""
+
+    def __init__(self, python: str, system: str, transport: str,
+                 args: argparse.Namespace) -> None:
+        self.system = system
+        rfd, wfd = os.pipe()
+        argv = [python, os.path.abspath(__file__), "--role", "initiator", "--system", system,
+                "--transport", transport, "--ops", ",".join(args.ops), "--ctl-fd", str(wfd)]
+        self.proc = subprocess.Popen(argv, env=system_env(system, transport),
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     pass_fds=(wfd,), text=True)
+        os.close(wfd)
+        self.ctl = os.fdopen(rfd)
+        line = self.ctl.readline()
+        if not line:
+            raise RuntimeError(f"{system}/{transport}: the initiator failed to start")
+        hello = json.loads(line)
+        self.target_pid = int(hello["target_pid"])
+        self.workloads = hello["workloads"]
+        self.stop()
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        os.kill(self.target_pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        os.kill(self.target_pid, signal.SIGCONT)
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def run(self, w: int, secs: float) -> tuple[int, float]:
+        self.cont()
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"w": w, "secs": secs}) + "\n")
+            self.proc.stdin.flush()
+            line = self.ctl.readline()
+            if not line:
+                raise RuntimeError(f"{self.system}: the initiator died")
+            ans = json.loads(line)
+            return int(ans["n"]), float(ans["dt"])
+        finally:
+            if self.proc.poll() is None:
+                self.stop()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.cont()
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"exit": True}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.target_pid, signal.SIGCONT)
+
+
+def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_python: str
             ) -> list[dict[str, Any]]:
-    argv = [python, os.path.abspath(__file__), "--role", "initiator", "--system", system,
-            "--transport", transport, "--min-secs", str(args.min_secs), "--ops",
-            ",".join(args.ops)]
+    pairs: list[Pair] = []
+    records: list[dict[str, Any]] = []
     try:
-        out = subprocess.run(argv, env=system_env(system, transport), capture_output=True,
-                             text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        print(f"  {system}/{transport}: timed out", file=sys.stderr)
-        return []
-    recs = [json.loads(line[7:]) for line in out.stdout.splitlines()
-            if line.startswith("RESULT ")]
-    if out.returncode != 0 or not recs:
-        tail = "\n".join((out.stderr or out.stdout).splitlines()[-15:])
-        print(f"  {system}/{transport}: rc={out.returncode}, {len(recs)} records\n{tail}",
-              file=sys.stderr)
-    return recs
+        for system in systems:
+            t0 = time.perf_counter()
+            python = nixl_python if system == "nixl" else sys.executable
+            try:
+                pairs.append(Pair(python, system, transport, args))
+            except (RuntimeError, OSError) as exc:
+                print(f"  {system}/{transport}: {exc}", file=sys.stderr)
+                continue
+            print(f"{system}/{transport}: ready in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr)
+        if not pairs:
+            return records
+        for w, (op, label, nbytes, _) in enumerate(pairs[0].workloads):
+            for rep in range(args.reps):
+                shift = rep % len(pairs)
+                for pair in pairs[shift:] + pairs[:shift]:
+                    n, dt = pair.run(w, args.slice)
+                    records.append({"system": pair.system, "transport": transport, "op": op,
+                                    "workload": label, "round": rep, "gbps": nbytes * n / dt / 1e9,
+                                    "verified": bool(pair.workloads[w][3])})
+            print(f"  {transport} {op} {label}: done", file=sys.stderr)
+    finally:
+        for pair in pairs:
+            pair.close()
+    return records
 
 
 def table(records: list[dict[str, Any]], systems: list[str]) -> str:
-    by: dict[tuple[str, str, str, str], list[float]] = {}
-    ratio: dict[tuple[str, str, str, str], list[float]] = {}
-    bad: set[tuple[str, str, str, str]] = set()
+    sums: dict[tuple[str, ...], list[float]] = {}
     rows: list[tuple[str, str, str]] = []
+    bad: set[tuple[str, ...]] = set()
     for r in records:
         key = (r["transport"], r["op"], r["workload"])
         if key not in rows:
             rows.append(key)
-        by.setdefault((*key, r["system"]), []).append(r["gbps"])
+        sums.setdefault((*key, r["system"]), []).append(r["gbps"])
         if not r["verified"]:
             bad.add((*key, r["system"]))
-    # Ratios within each round (records carry the round).
-    per_round: dict[tuple[Any, ...], float] = {(r["round"], r["transport"], r["op"],
-                                                r["workload"], r["system"]): r["gbps"]
-                                               for r in records}
-    for (rnd, tr, op, wl, sysname), v in per_round.items():
+    per: dict[tuple[Any, ...], float] = {(r["round"], r["transport"], r["op"], r["workload"],
+                                          r["system"]): r["gbps"] for r in records}
+    ratio: dict[tuple[str, ...], list[float]] = {}
+    for (rnd, tr, op, wl, sysname), v in per.items():
         if sysname != "compat":
             continue
         for other in ("nixl", "native"):
-            o = per_round.get((rnd, tr, op, wl, other))
+            o = per.get((rnd, tr, op, wl, other))
             if o:
                 ratio.setdefault((tr, op, wl, other), []).append(v / o)
     head = ["path", "op", "workload"] + [f"{s} GB/s" for s in systems]
-    if "compat" in systems and "nixl" in systems:
-        head.append("compat ÷ NIXL")
-    if "compat" in systems and "native" in systems:
-        head.append("compat ÷ native")
+    checks = [(o, need) for o, need in (("nixl", 1.0), ("native", 0.9))
+              if "compat" in systems and o in systems]
+    head += [f"compat ÷ {'NIXL' if o == 'nixl' else o}" for o, _ in checks]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for tr, op, wl in rows:
         cells = [tr, op, wl]
         for s in systems:
-            vals = by.get((tr, op, wl, s))
+            vals = sums.get((tr, op, wl, s))
             cell = f"{statistics.median(vals):.3f}" if vals else "—"
             if (tr, op, wl, s) in bad:
                 cell += " NOT VERIFIED"
             cells.append(cell)
-        for other, need in (("nixl", 1.0), ("native", 0.9)):
-            if "compat" in systems and other in systems:
-                rs = ratio.get((tr, op, wl, other))
-                if rs:
-                    m = statistics.median(rs)
-                    cells.append(f"{m:.2f}× {'met' if m >= need else 'MISSED'}")
-                else:
-                    cells.append("—")
+        for other, need in checks:
+            rs = ratio.get((tr, op, wl, other))
+            if rs:
+                m = statistics.median(rs)
+                cells.append(f"{m:.2f}× {'met' if m >= need else 'MISSED'}")
+            else:
+                cells.append("—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -426,24 +514,17 @@ def driver(args: argparse.Namespace) -> None:
               file=sys.stderr)
         systems.remove("nixl")
     records: list[dict[str, Any]] = []
-    for rnd in range(args.rounds):
-        order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
-        for transport in args.transports:
-            for system in order:
-                python = nixl_python if system == "nixl" else sys.executable
-                t0 = time.perf_counter()
-                recs = run_one(python, system, transport, args)
-                for r in recs:
-                    r["round"] = rnd
-                records += recs
-                print(f"round {rnd + 1}/{args.rounds} {system}/{transport}: {len(recs)} "
-                      f"records in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    print(f"\n{args.rounds} round(s), {args.min_secs} s per point, medians; "
-          f"ratios are compat's figure over the other's within a round (median); targets: "
-          f"compat ≥ 1× NIXL and ≥ 0.9× native\n")
+    for transport in args.transports:
+        records += measure(args, systems, transport, nixl_python)
+    print(f"\n{args.reps} turns of {args.slice} s per system and point, the systems taking "
+          f"turns (the others stopped); GB/s: medians of the turns; ratios: compat's figure "
+          f"over the other's in the same rep, median. Targets: compat ≥ 1× NIXL and ≥ 0.9× "
+          f"native.\n")
     print(table(records, systems))
-    failed = sum(1 for r in records if not r["verified"])
-    print(f"\ndata checks: {len(records) - failed} passed, {failed} failed")
+    failed = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records
+              if not r["verified"]}
+    checked = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records}
+    print(f"\ndata checks: {len(checked) - len(failed)} passed, {len(failed)} failed")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
@@ -455,13 +536,12 @@ def main() -> None:
     ap.add_argument("--system", default="compat", choices=SYSTEMS)
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     ap.add_argument("--ctl-fd", type=int, default=-1)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--min-secs", type=float, default=0.5)
+    ap.add_argument("--reps", type=int, default=7, help="turns per system and point")
+    ap.add_argument("--slice", type=float, default=0.25, help="seconds per turn")
     ap.add_argument("--ops", default="WRITE,READ")
     ap.add_argument("--only", default=",".join(SYSTEMS))
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--nixl-python", default="")
-    ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", default="", help="also write every record to this file")
     args = ap.parse_args()
     args.ops = args.ops.split(",")
