@@ -1645,9 +1645,10 @@ class nixlAgent:
                                                      f"'{peer.name}' was disconnected after "
                                                      f"transfer request creation")
             x.xfer_s = -1.0
-            if self._telemetry:
+            telemetry = self._telemetry
+            if telemetry:
                 x.start_us = time.time_ns() // 1000
-            x.t0 = t0 = time.perf_counter()
+                x.t0 = time.perf_counter()
             one = x.one
             if one is not None and (not msg or x.file or (
                     x.write and len(msg) <= _wire.NOTIF_MAX
@@ -1677,7 +1678,8 @@ class nixlAgent:
                     x.fut = None
                     raise _from_xfer_error(exc, "postXferReq") from None
                 x.fut = fut
-            x.post_s = time.perf_counter() - t0
+            if telemetry:
+                x.post_s = time.perf_counter() - x.t0
             x.last_poll = 0.0
         finally:
             rt.leave()
