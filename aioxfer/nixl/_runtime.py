@@ -204,15 +204,14 @@ class Runtime:
         if self._round_waiters:
             os.eventfd_write(self._round_fd, 1)
 
-    def yield_to_loop(self, timeout: float = 0.001, fd: int = -1,
+    def yield_to_loop(self, timeout: float = 0.001,
                       ready: Callable[[], bool] | None = None) -> None:
         """A caller polling in a tight loop sleeps (without the GIL, so a loop
         thread woken by a completion takes it at once rather than after the
         interpreter's switch interval) until the loop thread finishes a round
-        of callbacks, or ``fd`` (an agent's completion fd) becomes readable,
-        at most ``timeout`` seconds; at once if ``ready()`` (what the caller
-        waits for) is already true once it is registered as waiting, so that
-        a round that finished just before is not waited for."""
+        of callbacks, at most ``timeout`` seconds; at once if ``ready()`` (what
+        the caller waits for) is already true once it is registered as
+        waiting, so that a round that finished just before is not waited for."""
         if self._holds_lock():
             return
         start = self._round
@@ -221,12 +220,8 @@ class Runtime:
         try:
             if self._round != start or (ready is not None and ready()):
                 return
-            fds = [self._round_fd] if fd < 0 else [self._round_fd, fd]
-            try:
-                got, _, _ = select.select(fds, [], [], timeout)
-            except (OSError, ValueError):  # fd closed meanwhile
-                return
-            if self._round_fd in got:
+            got, _, _ = select.select([self._round_fd], [], [], timeout)
+            if got:
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._round_fd)
         finally:
