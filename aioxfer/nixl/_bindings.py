@@ -26,6 +26,7 @@ import enum
 import inspect
 import itertools
 import os
+import select
 import sys
 import threading
 import time
@@ -714,6 +715,12 @@ def _flusher(agent: Any) -> Any:
     return getattr(agent, "flush", None) or agent._post_pending
 
 
+def _completion_fd(agent: Any) -> int:
+    """The engine's completion eventfd: ``Agent.fileno()`` once aioxfer has it."""
+    fileno = getattr(agent, "fileno", None)
+    return int(fileno()) if fileno is not None else int(agent._fd)
+
+
 def _poller(agent: Any) -> Any:
     """What takes the completions the engine has for the agent now (the work
     of its eventfd reader): ``Agent.poll()`` once aioxfer has it."""
@@ -923,6 +930,7 @@ class nixlAgent:
         self._agent: aioxfer.Agent | None = None
         self._flush_fn: Any = None
         self._poll_fn: Any = None
+        self._fd = -1
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
         self._handle_seq = itertools.count(0x1000)
@@ -1000,6 +1008,7 @@ class nixlAgent:
         self._agent = agent
         self._flush_fn = _flusher(agent)
         self._poll_fn = _poller(agent)
+        self._fd = _completion_fd(agent)
         self._transports = agent.transports
         return {"transports": ",".join(agent.transports), "listen": agent.address,
                 "num_threads": str(threads)}
@@ -1763,18 +1772,35 @@ class nixlAgent:
         return int(NIXL_IN_PROG)
 
     def _wait_completion(self, timeout: float, ready: Any = None) -> None:
-        """Sleeps until the loop thread has handled an event (a completion,
-        typically), at most ``timeout``, or not at all if ``ready()``; then
-        takes what the engine may still have from this thread. (Waiting on
-        the engine's completion fd as well, to be woken directly, measured
-        slower here: both threads then wake for each completion.)"""
+        """Sleeps until the engine signals a completion (at most ``timeout``;
+        not at all if ``ready()``), then takes it here. Meanwhile the loop
+        thread does not watch the engine's fd (Runtime.claim), so a completion
+        wakes this thread only: one wake-up, as for a coroutine awaiting it on
+        the loop, rather than the loop thread's and then this one's."""
         rt = self._rt
-        rt.yield_to_loop(timeout, ready=ready)
-        if self._poll_fn is not None and rt.lock.acquire(blocking=False):
-            try:
-                self._poll_fn()
-            finally:
-                rt.leave()
+        agent = self._agent
+        if agent is None or not rt.lock.acquire(blocking=False):
+            rt.yield_to_loop(timeout, ready=ready)
+            return
+        fd = self._fd
+        try:
+            if ready is not None and ready():
+                return
+            claimed = rt.claim(fd)
+        finally:
+            rt.leave()
+        try:
+            select.select([fd], [], [], timeout)
+        except (OSError, ValueError):  # closed meanwhile
+            pass
+        rt.lock.acquire()
+        try:
+            if self._agent is agent and not agent.closed:
+                self._poll_fn()  # before the loop thread watches the fd again
+            if claimed:
+                rt.unclaim(fd)
+        finally:
+            rt.leave()
 
     def getXferTelemetry(self, reqh: int) -> nixlXferTelemetry:
         if not self._telemetry:

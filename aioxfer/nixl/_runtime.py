@@ -46,7 +46,8 @@ class _LockedSelector(selectors.BaseSelector):
 
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
-        self._inner = selectors.DefaultSelector()
+        self._inner = selectors.EpollSelector()
+        self._claims: dict[int, int] = {}
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         return self._inner.register(fileobj, events, data)
@@ -65,6 +66,38 @@ class _LockedSelector(selectors.BaseSelector):
 
     def close(self) -> None:
         self._inner.close()
+
+    def claim(self, fd: int) -> bool:
+        """Stops the loop thread from waking for ``fd`` (a caller waits on it
+        itself) until ``unclaim``; nestable. Runtime lock held. The
+        registration asyncio knows stays as it is: only the kernel's interest
+        set changes, so no stale handle can outlive it."""
+        try:
+            self._inner.get_key(fd)
+        except (KeyError, ValueError):
+            return False
+        n = self._claims.get(fd, 0)
+        self._claims[fd] = n + 1
+        if n == 0:
+            self._epoll().modify(fd, 0)
+        return True
+
+    def unclaim(self, fd: int) -> None:
+        n = self._claims.get(fd, 0) - 1
+        if n > 0:
+            self._claims[fd] = n
+            return
+        self._claims.pop(fd, None)
+        try:
+            key = self._inner.get_key(fd)
+        except (KeyError, ValueError):
+            return  # unregistered meanwhile (the agent closed)
+        mask = (select.EPOLLIN if key.events & selectors.EVENT_READ else 0) | (
+            select.EPOLLOUT if key.events & selectors.EVENT_WRITE else 0)
+        self._epoll().modify(fd, mask)
+
+    def _epoll(self) -> Any:
+        return self._inner._selector  # type: ignore[attr-defined]
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         rt = self._rt
@@ -108,7 +141,8 @@ class Runtime:
         self._round_waiters = 0
         self.loop_ident = -1
         self._closers: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.loop = _Loop(_LockedSelector(self))
+        self._selector = _LockedSelector(self)
+        self.loop = _Loop(self._selector)
         self.loop._rt = self
         self.loop.set_debug(False)  # debug mode forbids what the lock makes safe
         started = threading.Event()
@@ -152,6 +186,13 @@ class Runtime:
             self.lock.release()
             if wake:
                 self.wake()
+
+    def claim(self, fd: int) -> bool:
+        """See _LockedSelector.claim (lock held)."""
+        return self._selector.claim(fd)
+
+    def unclaim(self, fd: int) -> None:
+        self._selector.unclaim(fd)
 
     def leave(self) -> None:
         """Releases a lock taken by hand (``lock.acquire()``), waking the loop
