@@ -1793,14 +1793,15 @@ class nixlAgent:
             select.select([fd], [], [], timeout)
         except (OSError, ValueError):  # closed meanwhile
             pass
-        rt.lock.acquire()
-        try:
-            if self._agent is agent and not agent.closed:
-                self._poll_fn()  # before the loop thread watches the fd again
-            if claimed:
-                rt.unclaim(fd)
-        finally:
-            rt.leave()
+        finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
+            rt.lock.acquire()
+            try:
+                if self._agent is agent and not agent.closed:
+                    self._poll_fn()  # before the loop thread watches the fd again
+            finally:
+                if claimed:
+                    rt.unclaim(fd)
+                rt.leave()
 
     def getXferTelemetry(self, reqh: int) -> nixlXferTelemetry:
         if not self._telemetry:
