@@ -1,0 +1,587 @@
+"""``nixl._api``: NIXL's Python agent API (``nixl_agent``) over aioxfer.
+
+Behaviour follows NIXL 1.5.1 call for call (see README "Coming from NIXL"):
+descriptor inputs that are the wrong shape give None after logging an error;
+unknown memory types, operations and backend names raise KeyError; failures
+raise the ``nixl._bindings`` exceptions. The agent is built through
+``_bindings.nixlAgent`` looked up at call time, as NIXL's own tests expect.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from aioxfer.nixl import _bindings as nixlBind
+from aioxfer.nixl import _wire
+from aioxfer.nixl.logging import get_logger
+
+__all__ = [
+    "DEFAULT_COMM_PORT",
+    "nixl_agent",
+    "nixl_agent_config",
+    "nixl_backend_handle",
+    "nixl_prepped_dlist_handle",
+    "nixl_thread_sync_t",
+    "nixl_xfer_handle",
+]
+
+logger = get_logger(__name__)
+
+DEFAULT_COMM_PORT = nixlBind.DEFAULT_COMM_PORT
+
+# Backend handles never reach the user: plain ints.
+nixl_backend_handle = int
+
+
+def _is_tensor(obj: object) -> bool:
+    # Only if torch is already imported: importing it here would cost ~1 s.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+class nixl_prepped_dlist_handle:
+    """A prepared descriptor list. ``release()`` frees it (idempotent);
+    dropping the last reference does so too."""
+
+    __slots__ = ("_handle", "_agent", "_released")
+
+    def __init__(self, agent: nixlBind.nixlAgent, value: int) -> None:
+        self._handle = int(value)
+        self._agent = agent
+        self._released = False
+
+    def __repr__(self) -> str:
+        return f"nixl_prepped_dlist_handle(0x{self._handle:x}, released={self._released})"
+
+    def release(self) -> None:
+        if not self._released:
+            self._agent.releasedDlistH(self._handle)
+            self._released = True
+
+    def __del__(self) -> None:
+        if not getattr(self, "_released", True):
+            try:
+                self._agent.releasedDlistH(self._handle)
+            except Exception:
+                pass
+
+
+class nixl_xfer_handle:
+    """A transfer request. ``release()`` frees it (cancelling it if it is in
+    flight; idempotent); dropping the last reference does so too."""
+
+    __slots__ = ("_handle", "_agent", "_released")
+
+    def __init__(self, agent: nixlBind.nixlAgent, value: int) -> None:
+        self._handle = int(value)
+        self._agent = agent
+        self._released = False
+
+    def __repr__(self) -> str:
+        return f"nixl_xfer_handle(0x{self._handle:x}, released={self._released})"
+
+    def release(self) -> None:
+        if not self._released:
+            self._agent.releaseXferReq(self._handle)
+            self._released = True
+
+    def __del__(self) -> None:
+        if not getattr(self, "_released", True):
+            try:
+                self._agent.releaseXferReq(self._handle)
+            except Exception:
+                pass
+
+
+class nixl_thread_sync_t(Enum):
+    """Thread synchronisation modes (accepted; aioxfer.nixl is always thread-safe)."""
+
+    NIXL_THREAD_SYNC_NONE = nixlBind.NIXL_THREAD_SYNC_NONE
+    NIXL_THREAD_SYNC_STRICT = nixlBind.NIXL_THREAD_SYNC_STRICT
+    NIXL_THREAD_SYNC_RW = nixlBind.NIXL_THREAD_SYNC_RW
+    NIXL_THREAD_SYNC_DEFAULT = nixlBind.NIXL_THREAD_SYNC_DEFAULT
+
+
+class nixl_agent_config:
+    """``nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+    listen_port=DEFAULT_COMM_PORT, capture_telemetry=False, num_threads=0,
+    backends=["UCX"], sync_mode=None)``.
+
+    aioxfer's engine always progresses off the Python thread, so
+    ``enable_prog_thread`` changes nothing; ``num_threads`` sets the engine's
+    copy workers; ``enable_listen_thread`` starts the metadata listener on
+    ``listen_port`` (0: any free port)."""
+
+    def __init__(
+        self,
+        enable_prog_thread: bool = True,
+        enable_listen_thread: bool = False,
+        listen_port: int = DEFAULT_COMM_PORT,
+        capture_telemetry: bool = False,
+        num_threads: int = 0,
+        backends: list[str] | None = None,
+        sync_mode: nixl_thread_sync_t | None = None,
+    ) -> None:
+        if sync_mode is not None and not isinstance(sync_mode, nixl_thread_sync_t):
+            raise TypeError(
+                f"sync_mode must be a nixl_thread_sync_t (got {type(sync_mode).__name__!r})"
+            )
+        self.backends = ["UCX"] if backends is None else backends
+        self.enable_pthread = enable_prog_thread
+        self.enable_listen = enable_listen_thread
+        self.port = listen_port
+        self.capture_telemetry = capture_telemetry
+        self.num_threads = num_threads
+        self.sync_mode = sync_mode
+
+
+class nixl_agent:
+    """``nixl_agent(agent_name, nixl_conf=None, instantiate_all=False)``: one
+    agent; registers memory, exchanges metadata, transfers, notifies. Safe to
+    use from several threads at once."""
+
+    def __init__(
+        self,
+        agent_name: str,
+        nixl_conf: nixl_agent_config | None = None,
+        instantiate_all: bool = False,
+    ) -> None:
+        if nixl_conf and instantiate_all:
+            instantiate_all = False
+            logger.warning(
+                "Ignoring instantiate_all based on the provided config in agent creation."
+            )
+        if not nixl_conf:
+            nixl_conf = nixl_agent_config()
+        default_sync = (
+            nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            if nixl_conf.enable_listen
+            else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+        )
+        cfg = nixlBind.nixlAgentConfig()
+        cfg.useProgThread = nixl_conf.enable_pthread
+        cfg.useListenThread = nixl_conf.enable_listen
+        cfg.listenPort = nixl_conf.port
+        cfg.syncMode = (nixl_conf.sync_mode or default_sync).value
+        cfg.pthrDelay = 0
+        cfg.lthrDelay = 100000
+        cfg.captureTelemetry = nixl_conf.capture_telemetry
+        # Looked up at call time: NIXL's tests replace it to inspect the config.
+        self.agent = nixlBind.nixlAgent(agent_name, cfg)
+
+        self.name = agent_name
+        self.notifs: dict[str, list[bytes]] = {}
+        self.backends: dict[str, int] = {}
+        self.backend_mems: dict[str, list[str]] = {}
+        self.backend_options: dict[str, dict[str, str]] = {}
+        self.plugin_list: list[str] = self.agent.getAvailPlugins()
+        if not self.plugin_list:
+            logger.error("No plugins available, cannot start transfers!")
+            raise RuntimeError("No plugins available for NIXL, cannot start transfers!")
+        self.plugin_b_options: dict[str, dict[str, str]] = {}
+        self.plugin_mem_types: dict[str, list[str]] = {}
+
+        backends = list(self.plugin_list) if instantiate_all else nixl_conf.backends
+        for name in backends:
+            if name not in self.plugin_list:
+                logger.warning("Skipping backend registration %s due to the missing plugin.",
+                               name)
+                continue
+            init: dict[str, str] = {}
+            if nixl_conf.num_threads > 0 and name == "UCX":
+                init["num_threads"] = str(nixl_conf.num_threads)
+            self.create_backend(name, init)
+
+        self.nixl_mems = {
+            "DRAM": nixlBind.DRAM_SEG,
+            "VRAM": nixlBind.VRAM_SEG,
+            "FILE": nixlBind.FILE_SEG,
+            "BLOCK": nixlBind.BLK_SEG,
+            "OBJ": nixlBind.OBJ_SEG,
+            "cpu": nixlBind.DRAM_SEG,  # deprecated
+            "cuda": nixlBind.VRAM_SEG,  # deprecated
+        }
+        self.nixl_ops = {"WRITE": nixlBind.NIXL_WRITE, "READ": nixlBind.NIXL_READ}
+        logger.info("Initialized NIXL agent: %s", agent_name)
+
+    # ------------------------------------------------------------ plugins and backends
+
+    def _load_plugin_params(self, plugin: str) -> None:
+        if plugin not in self.plugin_list:
+            return
+        try:
+            options, mems = self.agent.getPluginParams(plugin)
+        except Exception:
+            logger.warning("Failed to load params for plugin %s", plugin, exc_info=True)
+            return
+        self.plugin_b_options[plugin] = options
+        self.plugin_mem_types[plugin] = mems
+
+    def get_plugin_list(self) -> list[str]:
+        return self.plugin_list
+
+    def get_plugin_mem_types(self, backend: str) -> list[str]:
+        if backend not in self.plugin_mem_types:
+            self._load_plugin_params(backend)
+        if backend not in self.plugin_mem_types:
+            logger.warning("Plugin %s is not available to get its supported mem types.", backend)
+            return []
+        return self.plugin_mem_types[backend]
+
+    def get_plugin_params(self, backend: str) -> dict[str, str]:
+        if backend not in self.plugin_b_options:
+            self._load_plugin_params(backend)
+        if backend not in self.plugin_b_options:
+            logger.warning("Plugin %s is not available to get its parameters.", backend)
+            return {}
+        return self.plugin_b_options[backend]
+
+    def get_backend_mem_types(self, backend: str) -> list[str]:
+        if backend in self.backend_mems:
+            return self.backend_mems[backend]
+        logger.warning("Backend %s not instantiated to get its supported mem types.", backend)
+        return []
+
+    def get_backend_params(self, backend: str) -> dict[str, str]:
+        if backend in self.backend_options:
+            return self.backend_options[backend]
+        logger.warning("Backend %s not instantiated to get its parameters.", backend)
+        return {}
+
+    def create_backend(self, backend: str, initParams: dict[str, str] | None = None) -> None:
+        self.backends[backend] = self.agent.createBackend(backend, dict(initParams or {}))
+        options, mems = self.agent.getBackendParams(self.backends[backend])
+        self.backend_mems[backend] = mems
+        self.backend_options[backend] = options
+        logger.info("Backend %s was instantiated", backend)
+
+    def _handles(self, backends: list[str] | None) -> list[int]:
+        return [self.backends[b] for b in backends or []]
+
+    # ------------------------------------------------------------ memory
+
+    def register_memory(self, reg_list: Any, mem_type: str | None = None,
+                        backends: list[str] | None = None) -> nixlBind.nixlRegDList | None:
+        descs = self.get_reg_descs(reg_list, mem_type)
+        # None (malformed input, logged) raises TypeError here, as in NIXL.
+        self.agent.registerMem(descs, self._handles(backends))  # type: ignore[arg-type]
+        return descs
+
+    def deregister_memory(self, dereg_list: nixlBind.nixlRegDList,
+                          backends: list[str] | None = None) -> None:
+        self.agent.deregisterMem(dereg_list, self._handles(backends))
+
+    def query_memory(self, reg_list: Any, backend: str, mem_type: str | None = None
+                     ) -> list[dict[str, str] | None]:
+        descs = self.get_reg_descs(reg_list, mem_type)
+        if backend not in self.backends:
+            raise ValueError(
+                f"Backend '{backend}' not found. Available backends: {list(self.backends)}"
+            )
+        return self.agent.queryMem(descs, self.backends[backend])  # type: ignore[arg-type]
+
+    def make_connection(self, remote_agent: str | bytes, backends: list[str] | None = None
+                        ) -> None:
+        self.agent.makeConnection(remote_agent, self._handles(backends))
+
+    # ------------------------------------------------------------ transfers
+
+    def prep_xfer_dlist(self, agent_name: str | bytes, xfer_list: Any,
+                        mem_type: str | None = None, backends: list[str] | None = None
+                        ) -> nixl_prepped_dlist_handle:
+        descs = self.get_xfer_descs(xfer_list, mem_type)
+        handles = self._handles(backends)
+        if agent_name in ("NIXL_INIT_AGENT", ""):
+            handle = self.agent.prepXferDlist(descs, handles)
+        else:
+            handle = self.agent.prepXferDlist(agent_name, descs, handles)
+        return nixl_prepped_dlist_handle(self.agent, handle)
+
+    def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> tuple[int, int, str]:
+        duration, err_margin, method = self.agent.estimateXferCost(req_handle._handle)
+        name = ("ANALYTICAL_BACKEND" if method == nixlBind.NIXL_COST_ANALYTICAL_BACKEND
+                else "UNKNOWN")
+        return duration, err_margin, name
+
+    def make_prepped_xfer(self, operation: str, local_xfer_side: nixl_prepped_dlist_handle,
+                          local_indices: Any, remote_xfer_side: nixl_prepped_dlist_handle,
+                          remote_indices: Any, notif_msg: bytes | str = b"",
+                          backends: list[str] | None = None, skip_desc_merge: bool = False
+                          ) -> nixl_xfer_handle:
+        op = self.nixl_ops[operation]
+        handle = self.agent.makeXferReq(
+            op,
+            local_xfer_side._handle,
+            local_indices,
+            remote_xfer_side._handle,
+            remote_indices,
+            notif_msg,
+            self._handles(backends),
+            skip_desc_merge,
+        )
+        return nixl_xfer_handle(self.agent, handle)
+
+    def initialize_xfer(self, operation: str, local_descs: nixlBind.nixlXferDList,
+                        remote_descs: nixlBind.nixlXferDList, remote_agent: str | bytes,
+                        notif_msg: bytes | str = b"", backends: list[str] | None = None
+                        ) -> nixl_xfer_handle:
+        op = self.nixl_ops[operation]
+        handle = self.agent.createXferReq(op, local_descs, remote_descs, remote_agent,
+                                          notif_msg, self._handles(backends))
+        return nixl_xfer_handle(self.agent, handle)
+
+    def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes | str = b"") -> str:
+        status = self.agent.postXferReq(handle._handle, notif_msg)
+        return "DONE" if status == 0 else "PROC" if status == 1 else "ERR"
+
+    def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
+        status = self.agent.getXferStatus(handle._handle)
+        return "DONE" if status == 0 else "PROC" if status == 1 else "ERR"
+
+    def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlBind.nixlXferTelemetry:
+        return self.agent.getXferTelemetry(handle._handle)
+
+    def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
+        b_handle = self.agent.queryXferBackend(handle._handle)
+        return next(name for name, h in self.backends.items() if h == b_handle)
+
+    def release_xfer_handle(self, handle: nixl_xfer_handle) -> None:
+        handle.release()
+
+    def release_dlist_handle(self, handle: nixl_prepped_dlist_handle) -> None:
+        handle.release()
+
+    def prep_mem_view(self, dlist: Any, *, backends: list[str] | None = None) -> int:
+        return self.agent.prepMemView(dlist, self._handles(backends))
+
+    def release_mem_view(self, mvh: int) -> None:
+        self.agent.releaseMemView(mvh)
+
+    # ------------------------------------------------------------ notifications
+
+    def get_new_notifs(self, backends: list[str] | None = None) -> dict[str, list[bytes]]:
+        return self.agent.getNotifs({}, self._handles(backends))
+
+    def update_notifs(self, backends: list[str] | None = None) -> dict[str, list[bytes]]:
+        self.notifs = self.agent.getNotifs(self.notifs, self._handles(backends))
+        return self.notifs
+
+    def check_remote_xfer_done(self, remote_agent_name: str, lookup_tag: bytes,
+                               backends: list[str] | None = None, tag_is_prefix: bool = True
+                               ) -> bool:
+        self.notifs = self.agent.getNotifs(self.notifs, self._handles(backends))
+        messages = self.notifs.get(remote_agent_name)
+        if not messages:
+            return False
+        for i, msg in enumerate(messages):
+            if (msg.startswith(lookup_tag) if tag_is_prefix else lookup_tag in msg):
+                del messages[i]
+                return True
+        return False
+
+    def send_notif(self, remote_agent_name: str | bytes, notif_msg: bytes | str,
+                   backend: str | None = None) -> None:
+        if backend is None:
+            self.agent.genNotif(remote_agent_name, notif_msg)
+        else:
+            self.agent.genNotif(remote_agent_name, notif_msg, self.backends[backend])
+
+    # ------------------------------------------------------------ metadata
+
+    def get_agent_metadata(self) -> bytes:
+        return self.agent.getLocalMD()
+
+    def get_partial_agent_metadata(self, descs: nixlBind.nixlRegDList,
+                                   inc_conn_info: bool = False,
+                                   backends: list[str] | None = None) -> bytes:
+        return self.agent.getLocalPartialMD(descs, inc_conn_info, self._handles(backends))
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        return self.agent.loadRemoteMD(metadata)
+
+    def remove_remote_agent(self, agent: str | bytes) -> None:
+        self.agent.invalidateRemoteMD(agent)
+
+    def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        self.agent.sendLocalMD(ip_addr, port)
+
+    def send_partial_agent_metadata(self, descs: nixlBind.nixlRegDList,
+                                    inc_conn_info: bool = False,
+                                    backends: list[str] | None = None, ip_addr: str = "",
+                                    port: int = DEFAULT_COMM_PORT, label: str = "") -> None:
+        self.agent.sendLocalPartialMD(descs, inc_conn_info, self._handles(backends), ip_addr,
+                                      port, label)
+
+    def fetch_remote_metadata(self, remote_agent: str | bytes, ip_addr: str = "",
+                              port: int = DEFAULT_COMM_PORT, label: str = "") -> None:
+        self.agent.fetchRemoteMD(remote_agent, ip_addr, port, label)
+
+    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT
+                                  ) -> None:
+        self.agent.invalidateLocalMD(ip_addr, port)
+
+    def check_remote_metadata(self, agent: str | bytes,
+                              descs: nixlBind.nixlXferDList | None = None) -> bool:
+        if descs is None:
+            descs = nixlBind.nixlXferDList(nixlBind.DRAM_SEG)
+        return self.agent.checkRemoteMD(agent, descs) == nixlBind.NIXL_SUCCESS
+
+    # ------------------------------------------------------------ descriptor lists
+
+    @staticmethod
+    def _tensor_mem_type(tensor: Any) -> str:
+        return "DRAM" if tensor.get_device() == -1 else "VRAM"
+
+    def _tensor_rows(self, tensors: list[Any]) -> np.ndarray | None:
+        device = tensors[0].device
+        rows = np.zeros((len(tensors), 3), dtype=np.uint64)
+        for i, t in enumerate(tensors):
+            if t.device != device:
+                return None
+            if not t.is_contiguous():
+                logger.error("Please use a list of contiguous Tensors")
+                return None
+            dev = t.get_device()
+            rows[i, :] = (t.data_ptr(), t.numel() * t.element_size(), 0 if dev == -1 else dev)
+        return rows
+
+    def get_xfer_descs(self, descs: Any, mem_type: str | None = None
+                       ) -> nixlBind.nixlXferDList | None:
+        """A nixlXferDList from: (addr, len, devId) tuples with a mem type, an
+        Nx3 numpy array with a mem type, a tensor, a list of tensors, or a
+        nixlXferDList (returned as it is). Other shapes: None, after logging."""
+        if isinstance(descs, nixlBind.nixlXferDList):
+            return descs
+        if isinstance(descs, nixlBind.nixlRegDList):
+            logger.error("RegList type detected for transfer, please use XferList")
+            return None
+        if isinstance(descs, np.ndarray):
+            if mem_type is not None and descs.ndim == 2 and descs.shape[1] == 3:
+                return nixlBind.nixlXferDList(self.nixl_mems[mem_type], descs)
+            if mem_type is None:
+                logger.error("Please specify a mem type if not using Tensors")
+            else:
+                logger.error("Nx3 shape required for transfer descriptor list from numpy array")
+            return None
+        if _is_tensor(descs):
+            if not descs.is_contiguous():
+                logger.error("Please use a list of contiguous Tensors")
+                return None
+            dev = descs.get_device()
+            return nixlBind.nixlXferDList(
+                self.nixl_mems[self._tensor_mem_type(descs)],
+                [(descs.data_ptr(), descs.numel() * descs.element_size(), 0 if dev == -1 else dev)],
+            )
+        if isinstance(descs[0], tuple):
+            if mem_type is not None and len(descs[0]) == 3:
+                return nixlBind.nixlXferDList(self.nixl_mems[mem_type], descs)
+            if mem_type is None:
+                logger.error("Please specify a mem type if not using Tensors")
+            else:
+                logger.error("3-tuple list needed for transfer")
+            return None
+        if _is_tensor(descs[0]):
+            rows = self._tensor_rows(descs)
+            if rows is None:
+                return None
+            return nixlBind.nixlXferDList(self.nixl_mems[self._tensor_mem_type(descs[0])], rows)
+        return None
+
+    def get_remote_descs(self, descs: Any, mem_type: str | None = None
+                         ) -> nixlBind.nixlRemoteDList | None:
+        if isinstance(descs, nixlBind.nixlRemoteDList):
+            return descs
+        if isinstance(descs[0], tuple):
+            if mem_type is not None and len(descs[0]) == 4:
+                return nixlBind.nixlRemoteDList(self.nixl_mems[mem_type], descs)
+            if mem_type is None:
+                logger.error("Please specify a mem type")
+            else:
+                logger.error("4-tuple list (addr, len, dev_id, agent_name) needed for remote "
+                             "descriptors")
+        return None
+
+    def get_reg_descs(self, descs: Any, mem_type: str | None = None
+                      ) -> nixlBind.nixlRegDList | None:
+        """A nixlRegDList from: (addr, len, devId, meta) tuples with a mem type,
+        an Nx3 numpy array with a mem type (empty meta), a tensor, a list of
+        tensors, or a nixlRegDList (returned as it is). Other shapes: None,
+        after logging."""
+        if isinstance(descs, nixlBind.nixlRegDList):
+            return descs
+        if isinstance(descs, nixlBind.nixlXferDList):
+            logger.error("XferList type detected for registration, please use RegList")
+            return None
+        if isinstance(descs, np.ndarray):
+            if mem_type is not None and descs.ndim == 2 and descs.shape[1] == 3:
+                return nixlBind.nixlRegDList(self.nixl_mems[mem_type], descs)
+            if mem_type is None:
+                logger.error("Please specify a mem type if not using Tensors")
+            else:
+                logger.error("Nx3 shape required for transfer descriptor list from numpy array")
+            return None
+        if _is_tensor(descs):
+            if not descs.is_contiguous():
+                logger.error("Please use a list of contiguous Tensors")
+                return None
+            dev = descs.get_device()
+            return nixlBind.nixlRegDList(
+                self.nixl_mems[self._tensor_mem_type(descs)],
+                [(descs.data_ptr(), descs.numel() * descs.element_size(), 0 if dev == -1 else dev,
+                  "")],
+            )
+        if isinstance(descs[0], tuple):
+            if mem_type is not None and len(descs[0]) == 4:
+                return nixlBind.nixlRegDList(self.nixl_mems[mem_type], descs)
+            if mem_type is None:
+                logger.error("Please specify a mem type if not using Tensors")
+            else:
+                logger.error("4-tuple list needed for registration")
+            return None
+        if _is_tensor(descs[0]):
+            rows = self._tensor_rows(descs)
+            if rows is None:
+                return None
+            return nixlBind.nixlRegDList(self.nixl_mems[self._tensor_mem_type(descs[0])], rows)
+        return None
+
+    def get_serialized_descs(self, descs: Any) -> bytes:
+        """A descriptor list as bytes for a peer (msgspec, not pickle: the
+        peer's deserialize_descs runs no code from the wire)."""
+        if isinstance(descs, nixlBind.nixlRegDList):
+            blob = _wire.DListBlob("reg", int(descs.getType()), descs._a.tobytes(),
+                                   list(descs._metas))
+        elif isinstance(descs, nixlBind.nixlXferDList):
+            blob = _wire.DListBlob("xfer", int(descs.getType()), descs._a.tobytes())
+        else:
+            raise TypeError(f"cannot serialize {type(descs).__name__}: a NIXL descriptor list")
+        return _wire.encode_dlist(blob)
+
+    def deserialize_descs(self, serialized_descs: bytes) -> Any:
+        try:
+            blob = _wire.decode_dlist(serialized_descs)
+            if len(blob.descs) % 24:
+                raise ValueError("descriptor array of a wrong size")
+            arr = np.frombuffer(blob.descs, dtype=np.uint64).reshape(-1, 3).copy()
+            mem = nixlBind.nixl_mem_t(blob.mem)
+        except (ValueError, msgspec.DecodeError) as exc:
+            raise nixlBind.nixlInvalidParamError(f"NIXL_ERR_INVALID_PARAM: {exc}") from None
+        if blob.kind == "xfer":
+            return nixlBind.nixlXferDList(mem, arr)
+        if blob.kind == "reg" and len(blob.metas) == arr.shape[0]:
+            out = nixlBind.nixlRegDList(mem, arr)
+            out._metas = list(blob.metas)
+            return out
+        raise nixlBind.nixlInvalidParamError("NIXL_ERR_INVALID_PARAM: unknown descriptor list")
+
+    # ------------------------------------------------------------ aioxfer extension
+
+    def close(self) -> None:
+        """Closes the agent now rather than at exit (NIXL closes when the
+        agent is destroyed): peers see it leave, its memory is released."""
+        self.agent.close()

@@ -1,0 +1,2036 @@
+"""``nixl._bindings``: NIXL's raw agent API, on aioxfer.
+
+The names, argument forms, return values and exceptions are NIXL's (its
+pybind11 module); behind them each ``nixlAgent`` is one ``aioxfer.Agent`` on
+the runtime's loop (see ``_runtime``). How NIXL's objects map:
+
+- a registered descriptor is one aioxfer Region over that address range
+  (DRAM through a ctypes view, VRAM as ``aioxfer.cuda.DevicePointer``);
+- agent metadata names the aioxfer agent's control address and the regions
+  behind each registered descriptor; loading it connects (``Agent.connect``),
+  which fetches the access keys over the authenticated connection;
+- a prepared descriptor list is three numpy arrays (region, offset, length
+  per descriptor); a transfer request is one READ/WRITE of SegmentLists (or of
+  one Segment pair), posted again on each ``postXferReq``;
+- notifications are aioxfer notifications (framed when empty or over 4 KiB).
+
+The "UCX" backend is aioxfer's transports (shm on one host, tcp, verbs, cuda,
+chosen per peer); "POSIX" answers ``queryMem`` for files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+import inspect
+import itertools
+import os
+import select
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import aioxfer
+from aioxfer import (
+    AccessDenied,
+    ClosedResourceError,
+    PeerLost,
+    RegistrationError,
+    SegmentList,
+    XferError,
+)
+from aioxfer.nixl import _wire
+from aioxfer.nixl._runtime import runtime
+
+__all__ = [
+    "BLK_SEG",
+    "DEFAULT_COMM_PORT",
+    "DRAM_SEG",
+    "FILE_SEG",
+    "HAVE_UCX_GPU_DEVICE_API",
+    "NIXL_COST_ANALYTICAL_BACKEND",
+    "NIXL_ERR_BACKEND",
+    "NIXL_ERR_INVALID_PARAM",
+    "NIXL_ERR_MISMATCH",
+    "NIXL_ERR_NOT_ALLOWED",
+    "NIXL_ERR_NOT_FOUND",
+    "NIXL_ERR_NOT_POSTED",
+    "NIXL_ERR_NOT_SUPPORTED",
+    "NIXL_ERR_REPOST_ACTIVE",
+    "NIXL_ERR_UNKNOWN",
+    "NIXL_INIT_AGENT",
+    "NIXL_IN_PROG",
+    "NIXL_READ",
+    "NIXL_SUCCESS",
+    "NIXL_THREAD_SYNC_DEFAULT",
+    "NIXL_THREAD_SYNC_NONE",
+    "NIXL_THREAD_SYNC_RW",
+    "NIXL_THREAD_SYNC_STRICT",
+    "NIXL_WRITE",
+    "OBJ_SEG",
+    "VRAM_SEG",
+    "nixlAgent",
+    "nixlAgentConfig",
+    "nixlBackendError",
+    "nixlCancelledError",
+    "nixlInvalidParamError",
+    "nixlMismatchError",
+    "nixlNoTelemetryError",
+    "nixlNotAllowedError",
+    "nixlNotFoundError",
+    "nixlNotPostedError",
+    "nixlNotSupportedError",
+    "nixlRegDList",
+    "nixlRemoteDList",
+    "nixlRemoteDisconnectError",
+    "nixlRepostActiveError",
+    "nixlUnknownError",
+    "nixlXferDList",
+    "nixlXferTelemetry",
+    "nixl_cost_t",
+    "nixl_mem_t",
+    "nixl_status_t",
+    "nixl_thread_sync_t",
+    "nixl_xfer_op_t",
+]
+
+# ---------------------------------------------------------------- constants
+
+
+class nixl_mem_t(enum.IntEnum):
+    DRAM_SEG = 0
+    VRAM_SEG = 1
+    BLK_SEG = 2
+    OBJ_SEG = 3
+    FILE_SEG = 4
+
+
+DRAM_SEG = nixl_mem_t.DRAM_SEG
+VRAM_SEG = nixl_mem_t.VRAM_SEG
+BLK_SEG = nixl_mem_t.BLK_SEG
+OBJ_SEG = nixl_mem_t.OBJ_SEG
+FILE_SEG = nixl_mem_t.FILE_SEG
+
+
+class nixl_xfer_op_t(enum.IntEnum):
+    NIXL_READ = 0
+    NIXL_WRITE = 1
+
+
+NIXL_READ = nixl_xfer_op_t.NIXL_READ
+NIXL_WRITE = nixl_xfer_op_t.NIXL_WRITE
+
+
+class nixl_status_t(enum.IntEnum):
+    NIXL_IN_PROG = 1
+    NIXL_SUCCESS = 0
+    NIXL_ERR_NOT_POSTED = -1
+    NIXL_ERR_INVALID_PARAM = -2
+    NIXL_ERR_BACKEND = -3
+    NIXL_ERR_NOT_FOUND = -4
+    NIXL_ERR_MISMATCH = -5
+    NIXL_ERR_NOT_ALLOWED = -6
+    NIXL_ERR_REPOST_ACTIVE = -7
+    NIXL_ERR_UNKNOWN = -8
+    NIXL_ERR_NOT_SUPPORTED = -9
+
+
+NIXL_IN_PROG = nixl_status_t.NIXL_IN_PROG
+NIXL_SUCCESS = nixl_status_t.NIXL_SUCCESS
+NIXL_ERR_NOT_POSTED = nixl_status_t.NIXL_ERR_NOT_POSTED
+NIXL_ERR_INVALID_PARAM = nixl_status_t.NIXL_ERR_INVALID_PARAM
+NIXL_ERR_BACKEND = nixl_status_t.NIXL_ERR_BACKEND
+NIXL_ERR_NOT_FOUND = nixl_status_t.NIXL_ERR_NOT_FOUND
+NIXL_ERR_MISMATCH = nixl_status_t.NIXL_ERR_MISMATCH
+NIXL_ERR_NOT_ALLOWED = nixl_status_t.NIXL_ERR_NOT_ALLOWED
+NIXL_ERR_REPOST_ACTIVE = nixl_status_t.NIXL_ERR_REPOST_ACTIVE
+NIXL_ERR_UNKNOWN = nixl_status_t.NIXL_ERR_UNKNOWN
+NIXL_ERR_NOT_SUPPORTED = nixl_status_t.NIXL_ERR_NOT_SUPPORTED
+# NIXL has these statuses in C++ but not in its Python enum.
+_ERR_REMOTE_DISCONNECT = -10
+_ERR_CANCELED = -11
+_ERR_NO_TELEMETRY = -12
+
+
+class nixl_thread_sync_t(enum.IntEnum):
+    NIXL_THREAD_SYNC_NONE = 0
+    NIXL_THREAD_SYNC_STRICT = 1
+    NIXL_THREAD_SYNC_RW = 2
+    NIXL_THREAD_SYNC_DEFAULT = 0  # an alias of NONE, as in NIXL
+
+
+NIXL_THREAD_SYNC_NONE = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+NIXL_THREAD_SYNC_STRICT = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+NIXL_THREAD_SYNC_RW = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+NIXL_THREAD_SYNC_DEFAULT = nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT
+
+
+class nixl_cost_t(enum.IntEnum):
+    NIXL_COST_ANALYTICAL_BACKEND = 0
+
+
+NIXL_COST_ANALYTICAL_BACKEND = nixl_cost_t.NIXL_COST_ANALYTICAL_BACKEND
+_COST_UNKNOWN = -1
+
+NIXL_INIT_AGENT = ""
+DEFAULT_COMM_PORT = 8888
+# No GPU device API: the tests that need it skip, as on NIXL builds without it.
+HAVE_UCX_GPU_DEVICE_API = False
+
+_PLUGINS: dict[str, tuple[dict[str, str], list[str]]] = {
+    "POSIX": ({}, ["DRAM_SEG", "FILE_SEG"]),
+    "UCX": (
+        {
+            "transports": "",  # "" = every aioxfer transport available (shm, tcp, verbs, cuda)
+            "listen": "127.0.0.1:0",
+            "num_threads": "0",
+        },
+        ["DRAM_SEG", "VRAM_SEG"],
+    ),
+}
+
+# ---------------------------------------------------------------- errors
+
+
+class nixlNotPostedError(Exception):
+    pass
+
+
+class nixlInvalidParamError(Exception):
+    pass
+
+
+class nixlBackendError(Exception):
+    pass
+
+
+class nixlNotFoundError(Exception):
+    pass
+
+
+class nixlMismatchError(Exception):
+    pass
+
+
+class nixlNotAllowedError(Exception):
+    pass
+
+
+class nixlRepostActiveError(Exception):
+    pass
+
+
+class nixlUnknownError(Exception):
+    pass
+
+
+class nixlNotSupportedError(Exception):
+    pass
+
+
+class nixlRemoteDisconnectError(Exception):
+    pass
+
+
+class nixlCancelledError(Exception):
+    pass
+
+
+class nixlNoTelemetryError(Exception):
+    pass
+
+
+_ERRORS: dict[int, tuple[type[Exception], str]] = {
+    -1: (nixlNotPostedError, "NIXL_ERR_NOT_POSTED"),
+    -2: (nixlInvalidParamError, "NIXL_ERR_INVALID_PARAM"),
+    -3: (nixlBackendError, "NIXL_ERR_BACKEND"),
+    -4: (nixlNotFoundError, "NIXL_ERR_NOT_FOUND"),
+    -5: (nixlMismatchError, "NIXL_ERR_MISMATCH"),
+    -6: (nixlNotAllowedError, "NIXL_ERR_NOT_ALLOWED"),
+    -7: (nixlRepostActiveError, "NIXL_ERR_REPOST_ACTIVE"),
+    -8: (nixlUnknownError, "NIXL_ERR_UNKNOWN"),
+    -9: (nixlNotSupportedError, "NIXL_ERR_NOT_SUPPORTED"),
+    -10: (nixlRemoteDisconnectError, "NIXL_ERR_REMOTE_DISCONNECT"),
+    -11: (nixlCancelledError, "NIXL_ERR_CANCELED"),
+    -12: (nixlNoTelemetryError, "NIXL_ERR_NO_TELEMETRY"),
+}
+
+
+def _error(status: int, detail: str = "") -> Exception:
+    """The exception NIXL raises for ``status``; its message starts with the
+    status name, as NIXL's, followed by what went wrong."""
+    cls, name = _ERRORS[status]
+    _log("E", detail or name)
+    return cls(f"{name}: {detail}" if detail else name)
+
+
+def _from_xfer_error(exc: BaseException, what: str) -> Exception:
+    """An aioxfer failure as the NIXL exception a caller expects."""
+    if isinstance(exc, PeerLost):
+        return _error(_ERR_REMOTE_DISCONNECT, f"{what}: remote agent disconnected: {exc}")
+    if isinstance(exc, ClosedResourceError) and exc.peer is not None:
+        return _error(_ERR_REMOTE_DISCONNECT, f"{what}: connection closed: {exc}")
+    if isinstance(exc, asyncio.CancelledError):
+        return _error(_ERR_CANCELED, f"{what}: cancelled")
+    if isinstance(exc, ValueError | TypeError | IndexError):
+        return _error(-2, f"{what}: {exc}")
+    if isinstance(exc, AccessDenied):
+        return _error(-3, f"{what}: access denied (memory deregistered by its owner?): {exc}")
+    return _error(-3, f"{what}: {exc}")
+
+
+# NIXL's C++ core logs to stderr, glog style, at NIXL_LOG_LEVEL (default WARN);
+# scripts grep it (NIXL's CI reads "MD listener is listening on port N").
+_LOG_ORDER = {"TRACE": 0, "DEBUG": 0, "INFO": 1, "WARN": 2, "ERROR": 3, "FATAL": 4}
+_LETTER_ORDER = {"I": 1, "W": 2, "E": 3}
+
+
+def _log(letter: str, message: str) -> None:
+    threshold = _LOG_ORDER.get(os.environ.get("NIXL_LOG_LEVEL", "WARN").upper(), 2)
+    if _LETTER_ORDER.get(letter, 3) < threshold:
+        return
+    now = time.time()
+    stamp = time.strftime("%m%d %H:%M:%S", time.localtime(now))
+    micros = int((now % 1) * 1e6)
+    line = (f"{letter}{stamp}.{micros:06d} {threading.get_native_id():>7} "
+            f"aioxfer_nixl] {message}\n")
+    try:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+# ---------------------------------------------------------------- descriptor lists
+
+
+def _mem(value: Any) -> nixl_mem_t:
+    try:
+        return nixl_mem_t(int(value))
+    except (TypeError, ValueError):
+        raise TypeError(f"incompatible memory type: {value!r} (a nixl_mem_t)") from None
+
+
+def _descs_array(descs: Any, width: int = 3) -> npt.NDArray[np.uint64]:
+    """An (n, 3) uint64 array from an Nx3 uint64/int64 C-contiguous array."""
+    if descs.ndim != 2 or descs.shape[1] != width:
+        raise ValueError("descs must be a Nx3 numpy array")
+    if descs.dtype != np.uint64 and descs.dtype != np.int64:
+        raise ValueError("descs must be a Nx3 numpy array of uint64 or int64")
+    if not descs.flags.c_contiguous:
+        raise ValueError("descs must be a C-contiguous numpy array")
+    return np.array(descs, dtype=np.uint64, copy=True) if descs.dtype == np.uint64 else (
+        descs.astype(np.uint64))
+
+
+def _tuple_row(desc: Any, n: int) -> tuple[Any, ...]:
+    if not isinstance(desc, tuple):
+        raise TypeError("Each descriptor must be a tuple when provided as a list")
+    if len(desc) != n:
+        raise ValueError(f"Each descriptor tuple must have exactly {n} elements")
+    return desc
+
+
+def _meta_bytes(meta: Any) -> bytes:
+    if isinstance(meta, bytes):
+        return meta
+    if isinstance(meta, bytearray | memoryview):
+        return bytes(meta)
+    if isinstance(meta, str):
+        return meta.encode()
+    raise TypeError(f"descriptor meta info must be str or bytes, not {type(meta).__name__}")
+
+
+def _u(v: Any) -> int:
+    i = int(v)
+    if i < 0:
+        raise TypeError(f"descriptor field {v!r} is negative")
+    return i
+
+
+class _DList:
+    """Shared parts of the descriptor lists: a memory type and an (n, 3)
+    uint64 array (addr, len, devId). No ``__len__``: a list is always truthy,
+    as NIXL's are."""
+
+    __slots__ = ("_type", "_a")
+    _type: nixl_mem_t
+    _a: npt.NDArray[np.uint64]
+
+    def getType(self) -> nixl_mem_t:
+        return self._type
+
+    def descCount(self) -> int:
+        return int(self._a.shape[0])
+
+    def isEmpty(self) -> bool:
+        return bool(self._a.shape[0] == 0)
+
+    def _check_index(self, i: int) -> int:
+        i = int(i)
+        if not 0 <= i < self._a.shape[0]:
+            raise IndexError(f"descriptor index {i} out of range ({self._a.shape[0]} descriptors)")
+        return i
+
+    def remDesc(self, i: int) -> None:
+        i = self._check_index(i)
+        self._a = np.delete(self._a, i, axis=0)
+
+    def clear(self) -> None:
+        self._a = np.zeros((0, 3), dtype=np.uint64)
+
+
+class nixlXferDList(_DList):
+    """Transfer descriptors: (addr, len, devId) of one memory type."""
+
+    __slots__ = ()
+
+    def __init__(self, type: Any, *args: Any, **kwargs: Any) -> None:  # noqa: A002 (NIXL's name)
+        self._type = _mem(type)
+        descs = kwargs.pop("descs", None)
+        init_size = kwargs.pop("init_size", None)
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        if args:
+            if len(args) > 1:
+                raise TypeError("nixlXferDList(type, descs) or nixlXferDList(type, init_size)")
+            if isinstance(args[0], np.ndarray | list):
+                descs = args[0]
+            else:
+                init_size = args[0]
+        if descs is not None:
+            if isinstance(descs, np.ndarray):
+                self._a = _descs_array(descs)
+            elif isinstance(descs, list):
+                rows = [_tuple_row(d, 3) for d in descs]
+                self._a = np.array([(_u(a), _u(b), _u(c)) for a, b, c in rows],
+                                   dtype=np.uint64).reshape(-1, 3)
+            else:
+                raise TypeError("descs is a list of (addr, len, devId) tuples or an Nx3 array")
+        else:
+            self._a = np.zeros((int(init_size or 0), 3), dtype=np.uint64)
+
+    def __getitem__(self, i: int) -> tuple[int, int, int]:
+        row = self._a[self._check_index(i)]
+        return int(row[0]), int(row[1]), int(row[2])
+
+    def __setitem__(self, i: int, desc: tuple[int, int, int]) -> None:
+        self._a[self._check_index(i)] = (_u(desc[0]), _u(desc[1]), _u(desc[2]))
+
+    def addDesc(self, desc: tuple[int, int, int]) -> None:
+        row = np.array([[_u(desc[0]), _u(desc[1]), _u(desc[2])]], dtype=np.uint64)
+        self._a = np.concatenate([self._a, row])
+
+    append = addDesc
+
+    def index(self, desc: tuple[int, int, int]) -> int:
+        row = np.array([_u(desc[0]), _u(desc[1]), _u(desc[2])], dtype=np.uint64)
+        hits = np.flatnonzero((self._a == row).all(axis=1))
+        if not hits.size:
+            raise _error(-4, f"descriptor {desc} is not in the list")
+        return int(hits[0])
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is type(self)
+            and self._type == other._type
+            and np.array_equal(self._a, other._a)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def print(self) -> None:
+        print(f"DescList of mem type {self._type.name}")
+        for a, n, d in self._a.tolist():
+            print(f"    Desc (addr: {a:#x}, len: {n}, devID: {d})")
+
+    def __repr__(self) -> str:
+        return f"<nixlXferDList {self._type.name} n={self._a.shape[0]}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_xfer, (int(self._type), self._a.tobytes()))
+
+
+def _rebuild_xfer(mem: int, data: bytes) -> nixlXferDList:
+    arr = np.frombuffer(data, dtype=np.uint64).reshape(-1, 3)
+    return nixlXferDList(nixl_mem_t(mem), np.ascontiguousarray(arr))
+
+
+class nixlRegDList(_DList):
+    """Registration descriptors: (addr, len, devId, metaInfo) of one memory type."""
+
+    __slots__ = ("_metas",)
+    _metas: list[bytes]
+
+    def __init__(self, type: Any, *args: Any, **kwargs: Any) -> None:  # noqa: A002
+        self._type = _mem(type)
+        descs = kwargs.pop("descs", None)
+        init_size = kwargs.pop("init_size", None)
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        if args:
+            if len(args) > 1:
+                raise TypeError("nixlRegDList(type, descs) or nixlRegDList(type, init_size)")
+            if isinstance(args[0], np.ndarray | list):
+                descs = args[0]
+            else:
+                init_size = args[0]
+        if descs is not None:
+            if isinstance(descs, np.ndarray):
+                self._a = _descs_array(descs)
+                self._metas = [b""] * self._a.shape[0]
+            elif isinstance(descs, list):
+                rows = [_tuple_row(d, 4) for d in descs]
+                self._a = np.array([(_u(a), _u(b), _u(c)) for a, b, c, _ in rows],
+                                   dtype=np.uint64).reshape(-1, 3)
+                self._metas = [_meta_bytes(m) for _, _, _, m in rows]
+            else:
+                raise TypeError("descs: a list of (addr, len, devId, meta) tuples or an Nx3 array")
+        else:
+            n = int(init_size or 0)
+            self._a = np.zeros((n, 3), dtype=np.uint64)
+            self._metas = [b""] * n
+
+    def __getitem__(self, i: int) -> tuple[int, int, int, bytes]:
+        i = self._check_index(i)
+        row = self._a[i]
+        return int(row[0]), int(row[1]), int(row[2]), self._metas[i]
+
+    def __setitem__(self, i: int, desc: tuple[int, int, int, Any]) -> None:
+        i = self._check_index(i)
+        self._a[i] = (_u(desc[0]), _u(desc[1]), _u(desc[2]))
+        self._metas[i] = _meta_bytes(desc[3])
+
+    def addDesc(self, desc: tuple[int, int, int, Any]) -> None:
+        row = np.array([[_u(desc[0]), _u(desc[1]), _u(desc[2])]], dtype=np.uint64)
+        meta = _meta_bytes(desc[3])
+        self._a = np.concatenate([self._a, row])
+        self._metas.append(meta)
+
+    append = addDesc
+
+    def index(self, desc: tuple[int, int, int, Any]) -> int:
+        row = np.array([_u(desc[0]), _u(desc[1]), _u(desc[2])], dtype=np.uint64)
+        meta = _meta_bytes(desc[3])
+        for i in np.flatnonzero((self._a == row).all(axis=1)).tolist():
+            if self._metas[i] == meta:
+                return int(i)
+        raise _error(-4, f"descriptor {desc} is not in the list")
+
+    def remDesc(self, i: int) -> None:
+        i = self._check_index(i)
+        self._a = np.delete(self._a, i, axis=0)
+        del self._metas[i]
+
+    def clear(self) -> None:
+        super().clear()
+        self._metas = []
+
+    def trim(self) -> nixlXferDList:
+        """The same descriptors without their meta info, as a transfer list."""
+        return nixlXferDList(self._type, np.ascontiguousarray(self._a))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is type(self)
+            and self._type == other._type
+            and np.array_equal(self._a, other._a)
+            and self._metas == other._metas
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def print(self) -> None:
+        print(f"DescList of mem type {self._type.name}")
+        for (a, n, d), m in zip(self._a.tolist(), self._metas, strict=True):
+            print(f"    Desc (addr: {a:#x}, len: {n}, devID: {d}, metaInfo: {m!r})")
+
+    def __repr__(self) -> str:
+        return f"<nixlRegDList {self._type.name} n={self._a.shape[0]}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_reg, (int(self._type), self._a.tobytes(), list(self._metas)))
+
+
+def _rebuild_reg(mem: int, data: bytes, metas: list[bytes]) -> nixlRegDList:
+    arr = np.frombuffer(data, dtype=np.uint64).reshape(-1, 3)
+    out = nixlRegDList(nixl_mem_t(mem), np.ascontiguousarray(arr))
+    out._metas = list(metas)
+    return out
+
+
+class nixlRemoteDList:
+    """Remote descriptors (addr, len, devId, agent name) for NIXL's GPU
+    device API, which aioxfer does not offer: the list exists, prep_mem_view
+    refuses it."""
+
+    __slots__ = ("_type", "_descs")
+
+    def __init__(self, type: Any, *args: Any, **kwargs: Any) -> None:  # noqa: A002
+        self._type = _mem(type)
+        descs = kwargs.pop("descs", args[0] if args and isinstance(args[0], list) else None)
+        init_size = kwargs.pop("init_size", args[0] if args and not isinstance(args[0], list)
+                               else 0)
+        if descs is not None:
+            self._descs = [
+                (_u(a), _u(b), _u(c), str(n)) for a, b, c, n in (_tuple_row(d, 4) for d in descs)
+            ]
+        else:
+            self._descs = [(0, 0, 0, "")] * int(init_size or 0)
+
+    def getType(self) -> nixl_mem_t:
+        return self._type
+
+    def descCount(self) -> int:
+        return len(self._descs)
+
+    def isEmpty(self) -> bool:
+        return not self._descs
+
+    def __getitem__(self, i: int) -> tuple[int, int, int, str]:
+        return self._descs[int(i)]
+
+    def __setitem__(self, i: int, desc: tuple[int, int, int, str]) -> None:
+        self._descs[int(i)] = (_u(desc[0]), _u(desc[1]), _u(desc[2]), str(desc[3]))
+
+    def addDesc(self, desc: tuple[int, int, int, str]) -> None:
+        self._descs.append((_u(desc[0]), _u(desc[1]), _u(desc[2]), str(desc[3])))
+
+    append = addDesc
+
+    def remDesc(self, i: int) -> None:
+        del self._descs[int(i)]
+
+    def clear(self) -> None:
+        self._descs = []
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is type(self) and self._type == other._type
+                and self._descs == other._descs)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def print(self) -> None:
+        print(f"DescList of mem type {self._type.name}")
+        for a, n, d, name in self._descs:
+            print(f"    Desc (addr: {a:#x}, len: {n}, devID: {d}, agent: {name})")
+
+
+# ---------------------------------------------------------------- config, telemetry
+
+
+class nixlAgentConfig:
+    """NIXL's agent configuration (the fields ``nixl_agent`` sets)."""
+
+    def __init__(
+        self,
+        useProgThread: bool = False,
+        useListenThread: bool = False,
+        listenPort: int = 0,
+        syncMode: nixl_thread_sync_t = NIXL_THREAD_SYNC_DEFAULT,
+        num_workers: int = 1,
+        pthrDelay: int = 0,
+        lthrDelay: int = 100000,
+        captureTelemetry: bool = False,
+    ) -> None:
+        self.useProgThread = bool(useProgThread)
+        self.useListenThread = bool(useListenThread)
+        self.listenPort = int(listenPort)
+        self.syncMode = syncMode
+        self.pthrDelay = int(pthrDelay)
+        self.lthrDelay = int(lthrDelay)
+        self.captureTelemetry = bool(captureTelemetry)
+        self.etcdWatchTimeout = 5000000
+        self._num_workers = int(num_workers)
+
+
+class nixlXferTelemetry:
+    """What a finished transfer request took: ``startTime`` (µs since the
+    epoch, at the post), ``postDuration`` and ``xferDuration`` (µs, from the
+    post; a post under 1 µs counts 1), ``totalBytes``, ``descCount``
+    (descriptors requested, before any merging)."""
+
+    __slots__ = ("_start", "_post", "_xfer", "_bytes", "_count")
+
+    def __init__(self, startTime: int = 0, postDuration: int = 0, xferDuration: int = 0,
+                 totalBytes: int = 0, descCount: int = 0) -> None:
+        self._start = startTime
+        self._post = postDuration
+        self._xfer = xferDuration
+        self._bytes = totalBytes
+        self._count = descCount
+
+    @property
+    def startTime(self) -> int:
+        return self._start
+
+    @property
+    def postDuration(self) -> int:
+        return self._post
+
+    @property
+    def xferDuration(self) -> int:
+        return self._xfer
+
+    @property
+    def totalBytes(self) -> int:
+        return self._bytes
+
+    @property
+    def descCount(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        return (f"nixlXferTelemetry(startTime={self._start}, postDuration={self._post}, "
+                f"xferDuration={self._xfer}, totalBytes={self._bytes}, descCount={self._count})")
+
+
+def _telemetry_on(captured: bool) -> bool:
+    env = os.environ.get("NIXL_TELEMETRY_ENABLE")
+    if env is not None and env != "":
+        return env.strip().lower() in ("y", "yes", "1", "true", "on")
+    return captured
+
+
+# ---------------------------------------------------------------- the agent
+
+_CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
+_RELEASE_TIMEOUT = 60.0
+# A poller asking again within this many seconds is in a tight loop: it yields
+# to the loop thread (see Runtime.yield_to_loop).
+_TIGHT_POLL = 0.0002
+_TIGHT_WAIT = 0.001
+
+
+def _flusher(agent: Any) -> Any:
+    """What posts the agent's pending requests now: ``Agent.flush()`` once
+    aioxfer has it; until then the agent's own end-of-iteration flush."""
+    return getattr(agent, "flush", None) or agent._post_pending
+
+
+def _completion_fd(agent: Any) -> int:
+    """The engine's completion eventfd: ``Agent.fileno()`` once aioxfer has it."""
+    fileno = getattr(agent, "fileno", None)
+    return int(fileno()) if fileno is not None else int(agent._fd)
+
+
+def _poller(agent: Any) -> Any:
+    """What takes the completions the engine has for the agent now (the work
+    of its eventfd reader): ``Agent.poll()`` once aioxfer has it."""
+    return getattr(agent, "poll", None) or agent._drain
+
+
+def _name(value: Any) -> str:
+    """Agent names come as str or bytes (add_remote_agent returns bytes)."""
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode()
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"an agent name is str or bytes, not {type(value).__name__}")
+
+
+def _payload(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"a notification is bytes or str, not {type(value).__name__}")
+
+
+def _handles(backends: Any) -> list[int]:
+    if backends is None:
+        return []
+    if isinstance(backends, int):
+        return [backends]
+    return [int(b) for b in backends]
+
+
+class _Backend:
+    __slots__ = ("handle", "type", "params", "mems")
+
+    def __init__(self, handle: int, type_: str, params: dict[str, str], mems: list[str]) -> None:
+        self.handle = handle
+        self.type = type_
+        self.params = params
+        self.mems = mems
+
+
+class _Reg:
+    """One registered descriptor and the aioxfer region behind it."""
+
+    __slots__ = ("mem", "addr", "nbytes", "dev", "meta", "region", "name", "backends")
+
+    def __init__(self, mem: nixl_mem_t, addr: int, nbytes: int, dev: int, meta: bytes,
+                 region: aioxfer.Region, backends: list[int]) -> None:
+        self.mem = mem
+        self.addr = addr
+        self.nbytes = nbytes
+        self.dev = dev
+        self.meta = meta
+        self.region = region
+        self.name = region.name
+        self.backends = backends
+
+
+class _Table:
+    """Registered ranges of one agent (ours or a peer's), searchable by
+    address: what a descriptor list is checked and mapped against."""
+
+    __slots__ = ("starts", "ends", "devs", "mems", "order", "objs")
+
+    def __init__(self, rows: list[tuple[int, int, int, int, Any]]) -> None:
+        # rows: (mem, addr, nbytes, dev, obj)
+        rows = sorted(rows, key=lambda r: r[1])
+        self.mems = np.array([r[0] for r in rows], dtype=np.int64)
+        self.starts = np.array([r[1] for r in rows], dtype=np.uint64)
+        self.ends = np.array([r[1] + r[2] for r in rows], dtype=np.uint64)
+        self.devs = np.array([r[3] for r in rows], dtype=np.uint64)
+        self.objs = [r[4] for r in rows]
+
+    def locate(self, mem: int, descs: npt.NDArray[np.uint64]) -> npt.NDArray[np.intp] | None:
+        """For each descriptor the index (into ``objs``) of a registered range
+        of type ``mem`` and the same devId that contains it; None if any has none."""
+        n = descs.shape[0]
+        if not n:
+            return np.zeros(0, dtype=np.intp)
+        if not len(self.objs):
+            return None
+        addr = descs[:, 0]
+        end = addr + descs[:, 1]
+        dev = descs[:, 2]
+        pos = np.searchsorted(self.starts, addr, side="right").astype(np.intp) - 1
+        safe = np.maximum(pos, 0)
+        ok = (pos >= 0) & (self.ends[safe] >= end) & (self.devs[safe] == dev) & (
+            self.mems[safe] == mem) & (end >= addr)
+        if bool(ok.all()):
+            return safe
+        # Overlapping registrations: the nearest start may not be the one that
+        # holds it; look at every range for the rest.
+        out = safe.copy()
+        for i in np.flatnonzero(~ok).tolist():
+            a, e, d = int(addr[i]), int(end[i]), int(dev[i])
+            hits = np.flatnonzero((self.starts <= a) & (self.ends >= e) & (self.devs == d)
+                                  & (self.mems == mem))
+            if not hits.size or e < a:
+                return None
+            out[i] = hits[0]
+        return out
+
+
+class _Remote:
+    """A peer agent whose metadata was loaded."""
+
+    __slots__ = ("name", "address", "incarnation", "peer", "ranges", "table", "gen", "removed")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.address = ""
+        self.incarnation = 0
+        self.peer: aioxfer.Peer | None = None
+        self.ranges: dict[str, _wire.RegionMD] = {}
+        self.table: _Table | None = None
+        self.gen = 0  # bumped when removed or reconnected: prepared lists go stale
+        self.removed = False
+
+    def get_table(self) -> _Table:
+        if self.table is None:
+            self.table = _Table([(r.mem, r.addr, r.nbytes, r.dev, r.name)
+                                 for r in self.ranges.values()])
+        return self.table
+
+
+class _Prepped:
+    """A prepared descriptor list: per descriptor the index of its region in
+    ``objs`` (local: _Reg; remote: region names), its offset and length."""
+
+    __slots__ = ("remote", "loopback", "mem", "objs", "ridx", "offs", "lens", "gen", "resolved")
+
+    def __init__(self, remote: _Remote | None, loopback: bool, mem: nixl_mem_t, objs: list[Any],
+                 ridx: npt.NDArray[np.intp], offs: npt.NDArray[np.uint64],
+                 lens: npt.NDArray[np.uint64], gen: int) -> None:
+        self.remote = remote
+        self.loopback = loopback
+        self.mem = mem
+        self.objs = objs
+        self.ridx = ridx
+        self.offs = offs
+        self.lens = lens
+        self.gen = gen
+        self.resolved: dict[int, Any] = {}
+
+    @property
+    def is_local(self) -> bool:
+        return self.remote is None and not self.loopback
+
+
+class _Xfer:
+    """A transfer request: its pairs of segment lists, reposted on each post."""
+
+    __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
+                 "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
+                 "file", "one", "write")
+
+    def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
+                 groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
+                 backend: int, file: bool) -> None:
+        self.op = op
+        self.peer = peer
+        self.remote = remote
+        self.gen = gen
+        self.groups = groups
+        self.notif = notif
+        self.ndesc = ndesc
+        self.nbytes = nbytes
+        self.fut: asyncio.Future[Any] | None = None
+        self.t0 = 0.0
+        self.start_us = 0
+        self.post_s = 0.0
+        self.xfer_s = -1.0
+        self.last_poll = 0.0
+        self.backend = backend
+        self.file = file
+        # One region pair: posted by one aioxfer call (the common case).
+        self.one = groups[0] if len(groups) == 1 else None
+        self.write = op == NIXL_WRITE
+
+
+def _indices(value: Any, what: str) -> npt.NDArray[np.int64]:
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise ValueError("indices numpy array must be 1D")
+        # NIXL's binding casts any numeric array to 32-bit indices.
+        return value.astype(np.int32, copy=False).astype(np.int64)
+    try:
+        return np.fromiter((int(v) for v in value), dtype=np.int64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} indices are a list of int or a 1-D numpy array") from None
+
+
+class nixlAgent:
+    """NIXL's agent (the raw binding API), over one aioxfer.Agent."""
+
+    def __init__(self, name: str, config: nixlAgentConfig) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"agent name must be str, not {type(name).__name__}")
+        if not name:
+            raise ValueError("agent name must not be empty")
+        self._name = name
+        self._rt = runtime()
+        self._config = config
+        self._telemetry = _telemetry_on(bool(config.captureTelemetry))
+        self._agent: aioxfer.Agent | None = None
+        self._flush_fn: Any = None
+        self._poll_fn: Any = None
+        self._fd = -1
+        self._transports: tuple[str, ...] | None = None
+        self._backends: dict[int, _Backend] = {}
+        self._handle_seq = itertools.count(0x1000)
+        self._regs: list[_Reg] = []
+        self._reg_seq = itertools.count(1)
+        self._table: _Table | None = None
+        self._remotes: dict[str, _Remote] = {}
+        self._self_peer: aioxfer.Peer | None = None
+        self._dlists: dict[int, _Prepped] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._assembler = _wire.NotifAssembler()
+        self._last_empty_notif = 0.0
+        self._last_md_poll = 0.0
+        self._server: asyncio.AbstractServer | None = None
+        self.listen_port = 0
+        endpoints = os.environ.get("NIXL_ETCD_ENDPOINTS", "")
+        self._store = _CentralStore(endpoints) if endpoints else None
+        self._closed = False
+        if config.useListenThread:
+            self._rt.run(self._start_listener(int(config.listenPort)), timeout=_CONNECT_TIMEOUT)
+        self._rt.add_closer(self)
+
+    def __repr__(self) -> str:
+        return f"<nixlAgent {self._name!r} (aioxfer)>"
+
+    # ------------------------------------------------------------ plugins and backends
+
+    def getAvailPlugins(self) -> list[str]:
+        return sorted(_PLUGINS)
+
+    def getPluginParams(self, type_: str) -> tuple[dict[str, str], list[str]]:
+        if type_ not in _PLUGINS:
+            raise _error(-4, f"getPluginParams: plugin {type_!r} not found")
+        params, mems = _PLUGINS[type_]
+        return dict(params), list(mems)
+
+    def getBackendParams(self, backend: int) -> tuple[dict[str, str], list[str]]:
+        b = self._backends.get(int(backend))
+        if b is None:
+            raise _error(-4, f"getBackendParams: no backend handle {backend}")
+        return dict(b.params), list(b.mems)
+
+    def createBackend(self, type_: str, params: dict[str, str] | None = None) -> int:
+        params = dict(params or {})
+        if type_ not in _PLUGINS:
+            raise _error(-4, f"createBackend: plugin {type_!r} not found")
+        if any(b.type == type_ for b in self._backends.values()):
+            raise _error(-2, f"createBackend: backend {type_} already created")
+        effective = dict(_PLUGINS[type_][0])
+        if type_ == "UCX":
+            effective.update(self._start_agent(params))
+        handle = next(self._handle_seq)
+        self._backends[handle] = _Backend(handle, type_, effective, list(_PLUGINS[type_][1]))
+        return handle
+
+    def _start_agent(self, params: dict[str, str]) -> dict[str, str]:
+        """The aioxfer agent behind the "UCX" backend, started on the loop."""
+        transports = _transports(params)
+        listen = params.get("listen") or os.environ.get("AIOXFER_NIXL_LISTEN", "127.0.0.1:0")
+        kwargs: dict[str, Any] = {"listen": listen}
+        if transports:
+            kwargs["transports"] = transports
+        threads = int(params.get("num_threads", "0") or 0)
+        if threads > 0:
+            kwargs["copy_workers"] = min(threads, 16)
+        try:
+            agent = aioxfer.Agent(self._name, **kwargs)
+        except (XferError, ValueError, OSError) as exc:
+            raise _error(-3, f"createBackend UCX: {exc}") from None
+        try:
+            self._rt.run(agent.start(), timeout=_CONNECT_TIMEOUT)
+        except BaseException:
+            self._rt.run(agent.aclose(), timeout=_CONNECT_TIMEOUT)
+            raise
+        self._agent = agent
+        self._flush_fn = _flusher(agent)
+        self._poll_fn = _poller(agent)
+        self._fd = _completion_fd(agent)
+        self._transports = agent.transports
+        return {"transports": ",".join(agent.transports), "listen": agent.address,
+                "num_threads": str(threads)}
+
+    def _backends_for(self, backends: Any, mem: nixl_mem_t, what: str) -> list[_Backend]:
+        chosen = [self._backends[h] for h in _handles(backends) if h in self._backends]
+        if not chosen:
+            chosen = list(self._backends.values())
+        usable = [b for b in chosen if mem.name in b.mems]
+        if not usable:
+            raise _error(-4, f"{what}: no available backends for mem type '{mem.name}'")
+        return usable
+
+    # ------------------------------------------------------------ memory
+
+    def registerMem(self, descs: nixlRegDList, backends: Any = ()) -> int:
+        if not isinstance(descs, nixlRegDList):
+            raise TypeError(f"registerMem takes a nixlRegDList, not {type(descs).__name__}")
+        mem = descs.getType()
+        usable = self._backends_for(backends, mem, "registerMem")
+        if mem not in (DRAM_SEG, VRAM_SEG) or not any(b.type == "UCX" for b in usable):
+            raise _error(-9, f"registerMem: aioxfer registers DRAM and VRAM through UCX only, "
+                             f"not {mem.name}")
+        agent = self._agent
+        assert agent is not None
+        new: list[_Reg] = []
+        with self._rt.locked():
+            try:
+                for i in range(descs.descCount()):
+                    addr, nbytes, dev, meta = descs[i]
+                    obj = _memory(mem, addr, nbytes)
+                    region = agent.register(obj, name=f"nixl{next(self._reg_seq)}")
+                    new.append(_Reg(mem, addr, nbytes, dev, meta, region,
+                                    [b.handle for b in usable]))
+            except (RegistrationError, XferError, ValueError) as exc:
+                for reg in new:
+                    self._drop_region(reg.region)
+                raise _error(-3, f"registerMem: {exc}") from None
+            self._regs.extend(new)
+            self._table = None
+        return int(NIXL_SUCCESS)
+
+    def _drop_region(self, region: aioxfer.Region) -> Any:
+        agent = self._agent
+        assert agent is not None
+        return agent.deregister(region)
+
+    def deregisterMem(self, descs: nixlRegDList, backends: Any = ()) -> int:
+        if not isinstance(descs, nixlRegDList):
+            raise TypeError(f"deregisterMem takes a nixlRegDList, not {type(descs).__name__}")
+        mem = descs.getType()
+        gone: list[_Reg] = []
+        with self._rt.locked():
+            taken: set[int] = set()
+            for i in range(descs.descCount()):
+                addr, nbytes, dev, _meta = descs[i]
+                for k, reg in enumerate(self._regs):
+                    if (k not in taken and reg.mem == mem and reg.addr == addr
+                            and reg.nbytes == nbytes and reg.dev == dev):
+                        taken.add(k)
+                        gone.append(reg)
+                        break
+                else:
+                    raise _error(-4, f"deregisterMem: no available backends for mem type "
+                                     f"'{mem.name}' ({addr:#x}+{nbytes} is not registered)")
+            self._regs = [r for k, r in enumerate(self._regs) if k not in taken]
+            self._table = None
+        # On the loop thread, where deregister's awaitable is the real release:
+        # NIXL callers free the memory as soon as this returns, so it returns
+        # only once no peer can touch it any more.
+        regions = [reg.region for reg in gone]
+
+        async def release() -> None:
+            pending = [self._drop_region(r) for r in regions]
+            await asyncio.gather(*(p for p in pending if inspect.isawaitable(p)))
+
+        try:
+            self._rt.run(release(), timeout=_RELEASE_TIMEOUT)
+        except TimeoutError:
+            raise _error(-3, "deregisterMem: peers did not release the memory in time") from None
+        return int(NIXL_SUCCESS)
+
+    def queryMem(self, descs: nixlRegDList, backend: int) -> list[dict[str, str] | None]:
+        b = self._backends.get(int(backend))
+        if b is None:
+            raise _error(-4, f"queryMem: no backend handle {backend}")
+        out: list[dict[str, str] | None] = []
+        if descs.getType() != FILE_SEG or b.type != "POSIX":
+            raise _error(-9, f"queryMem: {b.type} answers for FILE_SEG through POSIX only")
+        for i in range(descs.descCount()):
+            path = descs[i][3].decode(errors="surrogateescape")
+            try:
+                st = os.stat(path)
+            except OSError:
+                out.append(None)
+                continue
+            out.append({"size": str(st.st_size), "mode": str(st.st_mode),
+                        "mtime": str(int(st.st_mtime))})
+        return out
+
+    def _local_table(self) -> _Table:
+        if self._table is None:
+            self._table = _Table([(int(r.mem), r.addr, r.nbytes, r.dev, r) for r in self._regs])
+        return self._table
+
+    # ------------------------------------------------------------ metadata
+
+    def _md(self, regs: Sequence[_Reg], conn: bool, partial: bool) -> bytes:
+        agent = self._agent
+        address = agent.address if (conn and agent is not None) else ""
+        incarnation = agent.incarnation if (conn and agent is not None) else 0
+        regions = [_wire.RegionMD(r.name, int(r.mem), r.addr, r.nbytes, r.dev) for r in regs]
+        return _wire.encode_md(_wire.AgentMD(self._name, address, incarnation, regions, partial))
+
+    def getLocalMD(self) -> bytes:
+        with self._rt.locked():
+            regs = list(self._regs)
+        return self._md(regs, True, False)
+
+    def _partial_regs(self, descs: nixlRegDList) -> list[_Reg]:
+        out: list[_Reg] = []
+        with self._rt.locked():
+            for i in range(descs.descCount()):
+                addr, nbytes, dev, _ = descs[i]
+                for reg in self._regs:
+                    if (reg.mem == descs.getType() and reg.addr == addr and reg.nbytes == nbytes
+                            and reg.dev == dev):
+                        out.append(reg)
+                        break
+                else:
+                    raise _error(-4, f"partial metadata: {addr:#x}+{nbytes} is not registered")
+        return out
+
+    def getLocalPartialMD(self, descs: nixlRegDList, inc_conn_info: bool = False,
+                          backends: Any = ()) -> bytes:
+        return self._md(self._partial_regs(descs), bool(inc_conn_info), True)
+
+    def loadRemoteMD(self, metadata: bytes) -> bytes:
+        try:
+            md = _wire.decode_md(metadata)
+        except ValueError as exc:
+            raise _error(-2, f"loadRemoteMD: {exc}") from None
+        if md.name == self._name:
+            raise _error(-2, "loadRemoteMD: remote agent name same as local agent, "
+                             "no need to load metadata")
+        try:
+            return self._rt.run(self._load(md), timeout=_CONNECT_TIMEOUT + 5)
+        except TimeoutError:
+            raise _error(-3, f"loadRemoteMD: agent {md.name!r} did not answer") from None
+
+    async def _load(self, md: _wire.AgentMD) -> bytes:
+        """Loads metadata (on the loop thread): connects when it carries the
+        connection info, imports the peer's new regions, records the ranges."""
+        rem = self._remotes.get(md.name)
+        fresh = rem is None
+        if rem is None:
+            rem = _Remote(md.name)
+        agent = self._agent
+        if md.address and agent is not None:
+            peer = rem.peer
+            if (peer is None or peer.lost or rem.incarnation != md.incarnation
+                    or rem.address != md.address):
+                try:
+                    peer = await asyncio.wait_for(agent.connect(md.address), _CONNECT_TIMEOUT)
+                except (XferError, OSError, TimeoutError) as exc:
+                    raise _error(-3, f"loadRemoteMD: cannot connect to agent {md.name!r} at "
+                                     f"{md.address}: {exc}") from None
+                if peer.name != md.name or peer.incarnation != md.incarnation:
+                    raise _error(-5, f"loadRemoteMD: the agent at {md.address} is {peer.name!r} "
+                                     f"(incarnation {peer.incarnation:#x}), not {md.name!r} "
+                                     f"({md.incarnation:#x}): stale metadata")
+                if rem.peer is not None and rem.peer is not peer:
+                    rem.gen += 1
+                rem.peer = peer
+                rem.address = md.address
+                rem.incarnation = md.incarnation
+        elif md.address:
+            rem.address = md.address
+            rem.incarnation = md.incarnation
+        if rem.peer is not None and any(r.name not in rem.peer.regions for r in md.regions):
+            try:
+                await asyncio.wait_for(rem.peer.refresh(), _CONNECT_TIMEOUT)
+            except (XferError, OSError, TimeoutError) as exc:
+                raise _error(-3, f"loadRemoteMD: cannot refresh agent {md.name!r}: {exc}") from None
+        if md.partial:
+            rem.ranges.update((r.name, r) for r in md.regions)
+        else:
+            rem.ranges = {r.name: r for r in md.regions}
+        rem.table = None
+        rem.removed = False
+        if fresh:
+            self._remotes[md.name] = rem
+        return md.name.encode()
+
+    def invalidateRemoteMD(self, remote_agent: Any) -> int:
+        name = _name(remote_agent)
+        with self._rt.locked():
+            rem = self._remotes.pop(name, None)
+            if rem is None:
+                _log("I", f"invalidateRemoteMD: remote metadata for agent '{name}' not found.")
+                return int(NIXL_ERR_NOT_FOUND)
+            rem.removed = True
+            rem.gen += 1
+            peer, rem.peer = rem.peer, None
+        if peer is not None:
+            if self._rt.on_loop():
+                self._rt.spawn(peer.aclose())
+            else:
+                self._rt.run(peer.aclose(), timeout=_CONNECT_TIMEOUT)
+        return int(NIXL_SUCCESS)
+
+    def checkRemoteMD(self, remote_agent: Any, descs: nixlXferDList | None = None) -> int:
+        name = _name(remote_agent)
+        rem = self._remotes.get(name)
+        ok = rem is not None and rem.peer is not None and not rem.removed
+        if ok and descs is not None and not descs.isEmpty():
+            assert rem is not None
+            with self._rt.locked():
+                ok = rem.get_table().locate(int(descs.getType()), descs._a) is not None
+        if ok:
+            return int(NIXL_SUCCESS)
+        now = time.perf_counter()
+        if now - self._last_md_poll < _TIGHT_POLL:
+            self._rt.yield_to_loop()
+        self._last_md_poll = time.perf_counter()
+        return int(NIXL_ERR_NOT_FOUND)
+
+    def makeConnection(self, remote_agent: Any, backends: Any = ()) -> int:
+        self._peer_of(_name(remote_agent), "makeConnection")
+        return int(NIXL_SUCCESS)
+
+    def _peer_of(self, name: str, what: str, lost_ok: bool = False) -> aioxfer.Peer:
+        """The live peer for agent ``name`` (ourselves: a loopback connection);
+        ``lost_ok``: a lost one too (a request made now fails when posted)."""
+        if name == self._name:
+            return self._loopback(what)
+        rem = self._remotes.get(name)
+        if rem is None or rem.removed or rem.peer is None:
+            raise _error(-4, f"{what}: remote agent {name!r} is not known (metadata not loaded, "
+                             f"or removed)")
+        if rem.peer.lost and not lost_ok:
+            raise _error(_ERR_REMOTE_DISCONNECT, f"{what}: remote agent {name!r} was "
+                                                 f"disconnected")
+        return rem.peer
+
+    def _loopback(self, what: str) -> aioxfer.Peer:
+        agent = self._agent
+        if agent is None:
+            raise _error(-4, f"{what}: no UCX backend for loopback transfers")
+        peer = self._self_peer
+        if peer is None or peer.lost:
+            try:
+                peer = self._rt.run(agent.connect(agent.address), timeout=_CONNECT_TIMEOUT)
+            except (XferError, OSError, TimeoutError) as exc:
+                raise _error(-3, f"{what}: loopback connection failed: {exc}") from None
+            self._self_peer = peer
+        return peer
+
+    # ------------------------------------------------------------ listener (metadata exchange)
+
+    async def _start_listener(self, port: int) -> None:
+        host = os.environ.get("AIOXFER_NIXL_LISTEN_HOST", "127.0.0.1")
+        ref = weakref.ref(self)
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            me = ref()
+            try:
+                if me is not None:
+                    await me._serve_md(reader, writer)
+            finally:
+                writer.close()
+
+        try:
+            self._server = await asyncio.start_server(serve, host, port)
+        except OSError as exc:
+            raise _error(-3, f"metadata listener cannot listen on {host}:{port}: {exc}") from None
+        self.listen_port = self._server.sockets[0].getsockname()[1]
+        _log("I", f"MD listener is listening on port {self.listen_port}")
+
+    async def _serve_md(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(_CONNECT_TIMEOUT):
+                req = _wire.request_decoder.decode(await _read_frame(reader))
+                if isinstance(req, _wire.Push):
+                    md = _wire.decode_md(req.md)
+                    if md.name == self._name:
+                        raise ValueError("metadata of this very agent")
+                    await self._load(md)
+                    reply = _wire.Reply(ok=True)
+                elif isinstance(req, _wire.Fetch):
+                    if req.name != self._name:
+                        reply = _wire.Reply(ok=False, error=f"this is agent {self._name!r}, "
+                                                            f"not {req.name!r}")
+                    else:
+                        reply = _wire.Reply(ok=True, md=self.getLocalMD())
+                else:
+                    self._forget(req.name)
+                    reply = _wire.Reply(ok=True)
+                _write_frame(writer, _wire.encoder.encode(reply))
+                await writer.drain()
+        except Exception as exc:  # one bad request: log it, keep serving
+            _log("W", f"metadata listener: request failed: {exc}")
+
+    def _forget(self, name: str) -> None:
+        """A peer invalidated its metadata: drop it (on the loop thread)."""
+        rem = self._remotes.pop(name, None)
+        if rem is None:
+            return
+        rem.removed = True
+        rem.gen += 1
+        peer, rem.peer = rem.peer, None
+        if peer is not None:
+            self._rt.spawn(peer.aclose())
+
+    async def _request(self, ip: str, port: int, req: Any) -> _wire.Reply:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port),
+                                                _CONNECT_TIMEOUT)
+        try:
+            _write_frame(writer, _wire.encoder.encode(req))
+            await writer.drain()
+            reply = _wire.reply_decoder.decode(await _read_frame(reader))
+        finally:
+            writer.close()
+        if not reply.ok:
+            raise RuntimeError(reply.error)
+        return reply
+
+    def _background(self, what: str, coro: Any, level: str = "E") -> None:
+        async def run() -> None:
+            try:
+                await coro
+            except Exception as exc:
+                _log(level, f"{what} failed: {exc}")
+
+        with self._rt.locked():
+            self._rt.spawn(run())
+
+    def _store_or_raise(self, what: str) -> _CentralStore:
+        if self._store is None:
+            raise _error(-9, f"{what}: no peer address given and no central metadata store "
+                             f"(NIXL_ETCD_ENDPOINTS) configured")
+        return self._store
+
+    def _key(self, name: str, label: str) -> str:
+        return f"{_ETCD_NAMESPACE}/{name}/{label or _FULL_LABEL}"
+
+    def sendLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
+        md = self.getLocalMD()
+        if not ip_addr:
+            store = self._store_or_raise("sendLocalMD")
+            self._background("sendLocalMD", store.put(self._key(self._name, ""), md))
+            return
+        self._background("sendLocalMD",
+                         self._request(ip_addr, _port(port), _wire.Push(md=md)))
+
+    def sendLocalPartialMD(self, descs: nixlRegDList, inc_conn_info: bool = False,
+                           backends: Any = (), ip_addr: str = "", port: int = 0,
+                           label: str = "") -> None:
+        md = self.getLocalPartialMD(descs, inc_conn_info, backends)
+        if not ip_addr:
+            store = self._store_or_raise("sendLocalPartialMD")
+            if not label:
+                raise _error(-2, "sendLocalPartialMD: a label is needed for the central store")
+            self._background("sendLocalPartialMD", store.put(self._key(self._name, label), md))
+            return
+        self._background("sendLocalPartialMD",
+                         self._request(ip_addr, _port(port), _wire.Push(md=md)))
+
+    def fetchRemoteMD(self, remote_agent: Any, ip_addr: str = "", port: int = 0,
+                      label: str = "") -> None:
+        name = _name(remote_agent)
+        if not ip_addr:
+            store = self._store_or_raise("fetchRemoteMD")
+            key = self._key(name, label)
+            wait = self._config.etcdWatchTimeout / 1e6
+
+            async def fetch_stored() -> None:
+                # Polled, not watched: a key put before or after the call is
+                # found alike, within etcdWatchTimeout.
+                deadline = time.monotonic() + wait
+                while (md := await store.get(key)) is None:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"no metadata under {key} within {wait:g} s")
+                    await asyncio.sleep(0.02)
+                await self._load(_wire.decode_md(md))
+
+            self._background("fetchRemoteMD", fetch_stored())
+            return
+
+        async def fetch() -> None:
+            reply = await self._request(ip_addr, _port(port), _wire.Fetch(name=name, label=label))
+            await self._load(_wire.decode_md(reply.md))
+
+        self._background("fetchRemoteMD", fetch())
+
+    def invalidateLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
+        if not ip_addr:
+            store = self._store_or_raise("invalidateLocalMD")
+            self._background("invalidateLocalMD",
+                             store.delete_prefix(f"{_ETCD_NAMESPACE}/{self._name}/"))
+            return
+        # The peer may be gone already (it has what it needed): not an error.
+        self._background("invalidateLocalMD",
+                         self._request(ip_addr, _port(port), _wire.Invalidate(name=self._name)),
+                         level="I")
+
+    # ------------------------------------------------------------ descriptor preparation
+
+    def prepXferDlist(self, *args: Any, **kwargs: Any) -> int:
+        """prepXferDlist(agent_name, descs, backends=[]) or prepXferDlist(descs, backends=[])."""
+        agent_name: Any = kwargs.pop("agent_name", None)
+        if args and isinstance(args[0], str | bytes):
+            agent_name, args = args[0], args[1:]
+        descs = kwargs.pop("descs", args[0] if args else None)
+        if not isinstance(descs, nixlXferDList):
+            raise TypeError(f"prepXferDlist takes a nixlXferDList, not {type(descs).__name__}")
+        name = NIXL_INIT_AGENT if agent_name is None else _name(agent_name)
+        mem = descs.getType()
+        arr = descs._a
+        try:
+            return self._prep(name, mem, arr)
+        except nixlNotFoundError:
+            # Callers retry until (partial) metadata arrives: let it arrive.
+            now = time.perf_counter()
+            if now - self._last_md_poll < _TIGHT_POLL:
+                self._rt.yield_to_loop()
+            self._last_md_poll = time.perf_counter()
+            raise
+
+    def _prep(self, name: str, mem: nixl_mem_t, arr: npt.NDArray[np.uint64]) -> int:
+        with self._rt.locked():
+            if name in (NIXL_INIT_AGENT, "NIXL_INIT_AGENT"):
+                table = self._local_table()
+                prepped = self._prepped(None, False, mem, arr, table, "local")
+            elif name == self._name:
+                if self._agent is None and mem != FILE_SEG:
+                    raise _error(-4, "prepXferDlist: no UCX backend for loopback")
+                prepped = self._prepped(None, True, mem, arr, self._local_table(), "loopback")
+            else:
+                rem = self._remotes.get(name)
+                if rem is None or rem.removed:
+                    raise _error(-4, f"prepXferDlist: remote agent {name!r} not found (metadata "
+                                     f"not loaded, or removed)")
+                prepped = self._prepped(rem, False, mem, arr, rem.get_table(),
+                                        f"agent '{name}'")
+            handle = next(self._handle_seq)
+            self._dlists[handle] = prepped
+        return handle
+
+    def _prepped(self, rem: _Remote | None, loopback: bool, mem: nixl_mem_t,
+                 arr: npt.NDArray[np.uint64], table: _Table, whose: str) -> _Prepped:
+        idx = table.locate(int(mem), arr)
+        if idx is None:
+            raise _error(-4, f"prepXferDlist: failed to prepare the descriptors for any of the "
+                             f"specified or potential backends for {whose}: not inside memory "
+                             f"it registered (or its metadata was not loaded yet)")
+        starts = table.starts[idx] if idx.size else np.zeros(0, dtype=np.uint64)
+        offs = arr[:, 0] - starts
+        return _Prepped(rem, loopback, mem, table.objs, idx, offs, arr[:, 1].copy(),
+                        rem.gen if rem is not None else 0)
+
+    def releasedDlistH(self, handle: int) -> int:
+        with self._rt.locked():
+            if self._dlists.pop(int(handle), None) is None and not self._closed:
+                raise _error(-2, f"releasedDlistH: unknown descriptor list handle {handle:#x}")
+        return int(NIXL_SUCCESS)
+
+    # ------------------------------------------------------------ transfer requests
+
+    def makeXferReq(self, operation: Any, local_side: int, local_indices: Any, remote_side: int,
+                    remote_indices: Any, notif_msg: Any = "", backend: Any = (),
+                    skip_desc_merge: bool = False, **kwargs: Any) -> int:
+        op = _op(operation)
+        ld = self._dlists.get(int(local_side))
+        rd = self._dlists.get(int(remote_side))
+        if ld is None or rd is None:
+            raise _error(-2, "makeXferReq: unknown prepared descriptor list handle")
+        if not ld.is_local:
+            raise _error(-2, "makeXferReq: the local side was prepared for a remote agent")
+        if rd.is_local:
+            raise _error(-2, "makeXferReq: the remote side was prepared as local "
+                             "(NIXL_INIT_AGENT); prepare it with the remote (or own) agent name")
+        li = _indices(local_indices, "local")
+        ri = _indices(remote_indices, "remote")
+        if li.size != ri.size or not li.size:
+            raise _error(-2, f"makeXferReq: different number of indices for local ({li.size}), "
+                             f"remote ({ri.size})")
+        for side, idx, d in (("local", li, ld), ("remote", ri, rd)):
+            bad = np.flatnonzero((idx < 0) | (idx >= d.ridx.size))
+            if bad.size:
+                i = int(bad[0])
+                raise _error(-2, f"makeXferReq: {side} index out of range at index {i} with "
+                                 f"value {int(idx[i])}")
+        lens = ld.lens[li]
+        if not np.array_equal(lens, rd.lens[ri]):
+            i = int(np.flatnonzero(lens != rd.lens[ri])[0])
+            raise _error(-2, f"makeXferReq: length mismatch at index {i} with local index "
+                             f"{int(li[i])} and remote index {int(ri[i])}")
+        return self._new_xfer(op, ld, li, rd, ri, lens, _payload(notif_msg) if notif_msg else b"",
+                              "makeXferReq")
+
+    def createXferReq(self, operation: Any, local_descs: nixlXferDList,
+                      remote_descs: nixlXferDList, remote_agent: Any, notif_msg: Any = "",
+                      backend: Any = ()) -> int:
+        op = _op(operation)
+        if not isinstance(local_descs, nixlXferDList) or not isinstance(remote_descs,
+                                                                         nixlXferDList):
+            raise TypeError("createXferReq takes two nixlXferDList")
+        n = local_descs.descCount()
+        if n != remote_descs.descCount() or not n:
+            raise _error(-2, f"createXferReq: {n} local and {remote_descs.descCount()} remote "
+                             f"descriptors")
+        if not np.array_equal(local_descs._a[:, 1], remote_descs._a[:, 1]):
+            raise _error(-2, "createXferReq: local and remote descriptor lengths differ")
+        lh = self.prepXferDlist(local_descs, backend)
+        try:
+            rh = self.prepXferDlist(_name(remote_agent), remote_descs, backend)
+        except BaseException:
+            self._dlists.pop(lh, None)
+            raise
+        try:
+            idx = np.arange(n, dtype=np.int64)
+            ld, rd = self._dlists[lh], self._dlists[rh]
+            return self._new_xfer(op, ld, idx, rd, idx, ld.lens,
+                                  _payload(notif_msg) if notif_msg else b"", "createXferReq")
+        finally:
+            with self._rt.locked():
+                self._dlists.pop(lh, None)
+                self._dlists.pop(rh, None)
+
+    def _new_xfer(self, op: int, ld: _Prepped, li: npt.NDArray[np.int64], rd: _Prepped,
+                  ri: npt.NDArray[np.int64], lens: npt.NDArray[np.uint64], notif: bytes,
+                  what: str) -> int:
+        rem = rd.remote
+        if rem is not None and (rem.removed or rem.gen != rd.gen):
+            raise _error(-4, f"{what}: remote agent '{rem.name}' was invalidated or re-registered "
+                             f"after the descriptor list was prepared; prepare it again")
+        file = rd.mem == FILE_SEG
+        peer: aioxfer.Peer | None = None
+        if not file:
+            if rd.loopback:
+                peer = self._loopback(what)
+            else:
+                assert rem is not None
+                peer = self._peer_of(rem.name, what, lost_ok=True)
+        # Remote regions by name, as the peer knows them (refreshed once if
+        # the peer registered them after we connected).
+        needed = np.unique(rd.ridx[ri]).tolist()
+        remote_objs = self._resolve(rd, needed, peer, what)
+        lridx = ld.ridx[li]
+        rridx = rd.ridx[ri]
+        loffs = ld.offs[li]
+        roffs = rd.offs[ri]
+        groups: list[tuple[Any, Any]] = []
+        with self._rt.locked():
+            try:
+                lregs = {k: ld.objs[k].region for k in np.unique(lridx).tolist()}
+                if li.size == 1:
+                    a, b, n = int(loffs[0]), int(roffs[0]), int(lens[0])
+                    groups.append((lregs[int(lridx[0])][a:a + n],
+                                   remote_objs[int(rridx[0])][b:b + n]))
+                elif len(lregs) == 1 and len(remote_objs) == 1:
+                    groups.append((SegmentList(next(iter(lregs.values())), loffs, lens),
+                                   SegmentList(next(iter(remote_objs.values())), roffs, lens)))
+                else:
+                    key = lridx.astype(np.int64) * (int(rridx.max()) + 1) + rridx
+                    for k in np.unique(key).tolist():
+                        sel = np.flatnonzero(key == k)
+                        groups.append((
+                            SegmentList(lregs[int(lridx[sel[0]])], loffs[sel], lens[sel]),
+                            SegmentList(remote_objs[int(rridx[sel[0]])], roffs[sel], lens[sel]),
+                        ))
+            except (XferError, ValueError, IndexError, TypeError) as exc:
+                raise _from_xfer_error(exc, what) from None
+            backend = next((h for h, b in self._backends.items()
+                            if b.type == ("POSIX" if file else "UCX")), 0)
+            x = _Xfer(op, peer, rem, rd.gen, groups, notif, int(li.size), int(lens.sum()),
+                      backend, file)
+            handle = next(self._handle_seq)
+            self._xfers[handle] = x
+        return handle
+
+    def _resolve(self, rd: _Prepped, needed: list[int], peer: aioxfer.Peer | None,
+                 what: str) -> dict[int, Any]:
+        """Region objects for the remote side's regions ``needed``: the peer's
+        RemoteRegions (ours, as seen through the loopback peer)."""
+        out: dict[int, Any] = {}
+        missing: list[int] = []
+        for k in needed:
+            obj = rd.resolved.get(k)
+            if obj is None or getattr(obj, "gone", False) or (
+                    peer is not None and getattr(obj, "peer", peer) is not peer):
+                missing.append(k)
+            else:
+                out[k] = obj
+        if not missing:
+            return out
+        if peer is None:
+            raise _error(-9, f"{what}: FILE transfers are not offered by aioxfer.nixl")
+        names = [rd.objs[k].name if rd.loopback else rd.objs[k] for k in missing]
+        known = peer.regions
+        if any(n not in known for n in names):
+            try:
+                self._rt.run(peer.refresh(), timeout=_CONNECT_TIMEOUT)
+            except (XferError, OSError, TimeoutError) as exc:
+                raise _from_xfer_error(exc, what) from None
+            known = peer.regions
+        for k, n in zip(missing, names, strict=True):
+            region = known.get(n)
+            if region is None:
+                raise _error(-4, f"{what}: remote memory {n!r} is no longer registered")
+            rd.resolved[k] = out[k] = region
+        return out
+
+    def postXferReq(self, reqh: int, notif_msg: Any = "") -> int:
+        x = self._xfers.get(reqh)
+        if x is None:
+            raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}")
+        msg = _payload(notif_msg) if notif_msg else x.notif
+        rt = self._rt
+        # The hot path: the lock taken and left by hand (no context manager).
+        rt.lock.acquire()
+        try:
+            fut = x.fut
+            if fut is not None and not fut.done():
+                raise _error(-7, "postXferReq: the transfer is still in flight")
+            if x.remote is not None and (x.remote.removed or x.remote.gen != x.gen):
+                x.fut = None
+                raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
+                                                     f"'{x.remote.name}' was removed")
+            peer = x.peer
+            if peer is not None and peer.lost:
+                x.fut = None
+                raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
+                                                     f"'{peer.name}' was disconnected after "
+                                                     f"transfer request creation")
+            x.xfer_s = -1.0
+            telemetry = self._telemetry
+            if telemetry:
+                x.start_us = time.time_ns() // 1000
+                x.t0 = time.perf_counter()
+            one = x.one
+            if one is not None and (not msg or x.file or (
+                    x.write and len(msg) <= _wire.NOTIF_MAX
+                    and not msg.startswith(_wire.NOTIF_MAGIC))):
+                # One aioxfer call, posted now, from this thread (a same-host
+                # copy may complete inside): what a coroutine awaiting it gets,
+                # without a wake-up of the loop thread. The flush the agent
+                # scheduled for the end of its loop iteration finds nothing to do.
+                agent = self._agent
+                assert agent is not None
+                try:
+                    if x.write:
+                        fut = agent.write(one[0], one[1],
+                                          notify=msg if (msg and not x.file) else None)
+                    else:
+                        fut = agent.read(one[0], one[1])
+                except (XferError, ValueError, TypeError) as exc:
+                    x.fut = None
+                    raise _from_xfer_error(exc, "postXferReq") from None
+                x.fut = fut
+                self._flush_fn()
+                rt._foreign = False
+            else:
+                try:
+                    fut = self._post(x, msg)
+                except (XferError, ValueError, TypeError) as exc:
+                    x.fut = None
+                    raise _from_xfer_error(exc, "postXferReq") from None
+                x.fut = fut
+            if telemetry:
+                x.post_s = time.perf_counter() - x.t0
+            x.last_poll = 0.0
+        finally:
+            rt.leave()
+        if fut.done():
+            return self._finish(x, fut, "postXferReq")
+        return int(NIXL_IN_PROG)
+
+    def _post(self, x: _Xfer, msg: bytes) -> asyncio.Future[Any]:
+        """A request aioxfer does not post in one call (called with the lock
+        held): several region pairs, a READ with a notification, or a
+        notification that must be framed. The data goes now, from this
+        thread; a task on the loop sends the notification once all of it has
+        moved, and the request is done when that task is."""
+        agent = self._agent
+        assert agent is not None
+        frames = _wire.notif_frames(msg) if (msg and not x.file) else []
+        if x.write and len(x.groups) == 1 and frames:
+            # A WRITE carries its notification (the last frame): the frames
+            # before it go first, in order, then the WRITE.
+            return self._rt.spawn(self._framed_write(x, frames))
+        post = agent.write if x.write else agent.read
+        parts = [post(local, far) for local, far in x.groups]
+        self._flush_fn()
+        return self._rt.spawn(self._then_notify(x, parts, frames))
+
+    async def _framed_write(self, x: _Xfer, frames: list[bytes]) -> float:
+        agent, peer = self._agent, x.peer
+        assert agent is not None and peer is not None
+        await asyncio.gather(*(peer.notify(f) for f in frames[:-1]))
+        local, far = x.groups[0]
+        await agent.write(local, far, notify=frames[-1])
+        return time.perf_counter()
+
+    async def _then_notify(self, x: _Xfer, parts: list[Any], frames: list[bytes]) -> float:
+        results = await asyncio.gather(*parts, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        if frames:
+            assert x.peer is not None
+            await asyncio.gather(*(x.peer.notify(f) for f in frames))
+        return time.perf_counter()
+
+    def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str) -> int:
+        if fut.cancelled():
+            raise _error(_ERR_CANCELED, f"{what}: the transfer was cancelled")
+        exc = fut.exception()
+        if exc is not None:
+            raise _from_xfer_error(exc, what)
+        if x.xfer_s < 0 and self._telemetry:
+            res = fut.result()
+            if isinstance(res, float):
+                x.xfer_s = res - x.t0
+            else:
+                x.xfer_s = res.seconds  # from its post, by the engine's clock
+        return int(NIXL_SUCCESS)
+
+    def getXferStatus(self, reqh: int) -> int:
+        x = self._xfers.get(reqh)
+        if x is None:
+            raise _error(-2, f"getXferStatus: unknown transfer handle {int(reqh):#x}")
+        fut = x.fut
+        if fut is None:
+            raise _error(-1, "getXferStatus: the transfer was not posted")
+        if fut.done():
+            return self._finish(x, fut, "getXferStatus")
+        rt = self._rt
+        # Like NIXL's check, which progresses its backend: take the completions
+        # the engine has now, rather than wait for the loop thread to wake up
+        # and do it (skipped while the loop thread is at it).
+        if rt.lock.acquire(blocking=False):
+            try:
+                self._poll_fn()
+            finally:
+                rt.leave()
+            if fut.done():
+                return self._finish(x, fut, "getXferStatus")
+        now = time.perf_counter()
+        if now - x.last_poll < _TIGHT_POLL:
+            # Polled in a tight loop: sleep until the engine signals a
+            # completion (at most _TIGHT_WAIT), then take it here. Spinning
+            # instead would hold the interpreter the loop thread needs, and
+            # take a core the engine's copy threads need.
+            self._wait_completion(_TIGHT_WAIT, fut.done)
+            now = time.perf_counter()
+        x.last_poll = now
+        if fut.done():
+            return self._finish(x, fut, "getXferStatus")
+        return int(NIXL_IN_PROG)
+
+    def _wait_completion(self, timeout: float, ready: Any = None) -> None:
+        """Sleeps until the engine signals a completion (at most ``timeout``;
+        not at all if ``ready()``), then takes it here. Meanwhile the loop
+        thread does not watch the engine's fd (Runtime.claim), so a completion
+        wakes this thread only: one wake-up, as for a coroutine awaiting it on
+        the loop, rather than the loop thread's and then this one's."""
+        rt = self._rt
+        agent = self._agent
+        if agent is None or not rt.lock.acquire(blocking=False):
+            rt.yield_to_loop(timeout, ready=ready)
+            return
+        fd = self._fd
+        try:
+            if ready is not None and ready():
+                return
+            claimed = rt.claim(fd)
+        finally:
+            rt.leave()
+        try:
+            select.select([fd], [], [], timeout)
+        except (OSError, ValueError):  # closed meanwhile
+            pass
+        finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
+            rt.lock.acquire()
+            try:
+                if self._agent is agent and not agent.closed:
+                    self._poll_fn()  # before the loop thread watches the fd again
+            finally:
+                if claimed:
+                    rt.unclaim(fd)
+                rt.leave()
+
+    def getXferTelemetry(self, reqh: int) -> nixlXferTelemetry:
+        if not self._telemetry:
+            raise _error(_ERR_NO_TELEMETRY, "getXferTelemetry: cannot return values when "
+                                            "telemetry is not enabled.")
+        x = self._xfers.get(int(reqh))
+        if x is None:
+            raise _error(-2, f"getXferTelemetry: unknown transfer handle {int(reqh):#x}")
+        post_us = max(1, round(x.post_s * 1e6)) if x.start_us else 0
+        xfer_us = max(post_us, round(x.xfer_s * 1e6)) if x.xfer_s >= 0 else 0
+        return nixlXferTelemetry(x.start_us, post_us, xfer_us, x.nbytes, x.ndesc)
+
+    def estimateXferCost(self, req_handle: int) -> tuple[int, int, int]:
+        x = self._xfers.get(int(req_handle))
+        if x is None:
+            raise _error(-2, f"estimateXferCost: unknown transfer handle {int(req_handle):#x}")
+        if x.peer is None:
+            return 0, 0, _COST_UNKNOWN
+        st = x.peer.statistics()
+        if not st.bandwidth and not st.latency:
+            return 0, 0, _COST_UNKNOWN
+        secs = st.latency + (x.nbytes / st.bandwidth if st.bandwidth else 0.0)
+        us = round(secs * 1e6)
+        return us, us // 2, _COST_UNKNOWN
+
+    def queryXferBackend(self, reqh: int) -> int:
+        x = self._xfers.get(int(reqh))
+        if x is None:
+            raise _error(-2, f"queryXferBackend: unknown transfer handle {int(reqh):#x}")
+        return x.backend
+
+    def releaseXferReq(self, reqh: int) -> int:
+        with self._rt.locked():
+            x = self._xfers.pop(int(reqh), None)
+            if x is None:
+                if self._closed:  # everything was released with the agent
+                    return int(NIXL_SUCCESS)
+                raise _error(-2, f"releaseXferReq: unknown transfer handle {int(reqh):#x}")
+            fut = x.fut
+            if fut is not None and not fut.done():
+                # aioxfer can always cancel: memory stays pinned until the
+                # engine confirms nothing touches it any more.
+                fut.cancel()
+        return int(NIXL_SUCCESS)
+
+    # ------------------------------------------------------------ notifications
+
+    def getNotifs(self, notif_map: dict[str, list[bytes]], backends: Any = ()
+                  ) -> dict[str, list[bytes]]:
+        agent = self._agent
+        if agent is None:
+            return notif_map
+        queue = agent.notifications
+        if not len(queue):
+            now = time.perf_counter()
+            if now - self._last_empty_notif < _TIGHT_POLL:
+                self._wait_completion(_TIGHT_WAIT, queue.__len__)
+            self._last_empty_notif = time.perf_counter()
+            if not len(queue):
+                return notif_map
+        with self._rt.locked():
+            while True:
+                try:
+                    n = queue.receive_nowait()
+                except (asyncio.QueueEmpty, ClosedResourceError):
+                    break
+                msg = self._assembler.feed(n.peer_name, n.payload)
+                if msg is not None:
+                    notif_map.setdefault(n.peer_name, []).append(msg)
+        return notif_map
+
+    def genNotif(self, remote_agent: Any, msg: Any, backends: Any = ()) -> int:
+        name = _name(remote_agent)
+        payload = _payload(msg)
+        try:
+            peer = self._peer_of(name, "genNotif")
+        except nixlNotFoundError:
+            raise _error(-4, "genNotif: no specified or potential backend could send the "
+                             "inter-agent notifications") from None
+        frames = _wire.notif_frames(payload)
+        with self._rt.locked():
+            self._rt.spawn(_send_notifs(peer, frames))
+        return int(NIXL_SUCCESS)
+
+    # ------------------------------------------------------------ GPU device API
+
+    def prepMemView(self, dlist: Any, backends: Any = ()) -> int:
+        raise _error(-9, "prepMemView: the UCX GPU device API is not offered by aioxfer.nixl")
+
+    def releaseMemView(self, mvh: int) -> None:
+        raise _error(-9, "releaseMemView: the UCX GPU device API is not offered by aioxfer.nixl")
+
+    # ------------------------------------------------------------ closing (aioxfer extension)
+
+    def close(self) -> None:
+        """Closes the agent now (NIXL does it when the agent is destroyed):
+        peers see it leave, its regions are released. Idempotent."""
+        if self._closed:
+            return
+        if self._rt.on_loop():
+            self._rt.spawn(self._close_at_exit())
+        else:
+            self._rt.run(self._close_at_exit(), timeout=_CONNECT_TIMEOUT)
+
+    async def _close_at_exit(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        agent, self._agent = self._agent, None
+        if self._store is not None:
+            await self._store.close()
+        self._xfers.clear()
+        self._dlists.clear()
+        self._remotes.clear()
+        self._regs.clear()
+        if agent is not None:
+            await agent.aclose()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or not hasattr(self, "_rt"):
+            return
+        rt = self._rt
+        if not rt.thread.is_alive():
+            return
+        try:
+            rt.loop.call_soon_threadsafe(_close_later, self._close_at_exit())
+        except RuntimeError:
+            pass
+
+
+_ETCD_NAMESPACE = os.environ.get("NIXL_ETCD_NAMESPACE", "/nixl/agents").rstrip("/")
+_FULL_LABEL = "metadata"
+
+
+def _port(port: int) -> int:
+    return int(port) if port else DEFAULT_COMM_PORT
+
+
+class _CentralStore:
+    """NIXL's central metadata store: etcd at NIXL_ETCD_ENDPOINTS (the first
+    endpoint), keys ``{NIXL_ETCD_NAMESPACE}/{agent}/{label}`` ("metadata" for
+    the whole). Used from the loop thread only. Needs the aetcd package."""
+
+    def __init__(self, endpoints: str) -> None:
+        first = endpoints.split(",")[0].strip()
+        hostport = first.split("://", 1)[-1].rstrip("/")
+        host, _, port = hostport.rpartition(":")
+        self.host = host or "127.0.0.1"
+        self.port = int(port or 2379)
+        self._client: Any = None
+
+    async def _get_client(self) -> Any:
+        if self._client is None:
+            try:
+                import aetcd  # type: ignore[import-untyped]
+            except ImportError:
+                raise RuntimeError("the central metadata store needs the aetcd package "
+                                   "(pip install 'aioxfer[etcd]')") from None
+            self._client = aetcd.Client(host=self.host, port=self.port, timeout=5.0)
+        return self._client
+
+    async def put(self, key: str, value: bytes) -> None:
+        await (await self._get_client()).put(key.encode(), value)
+
+    async def get(self, key: str) -> bytes | None:
+        got = await (await self._get_client()).get(key.encode())
+        return None if got is None else bytes(got.value)
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await (await self._get_client()).delete_prefix(prefix.encode())
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+
+def _close_later(coro: Any) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+async def _send_notifs(peer: aioxfer.Peer, frames: list[bytes]) -> None:
+    try:
+        await asyncio.gather(*(peer.notify(f) for f in frames))
+    except Exception as exc:
+        _log("E", f"genNotif to {peer.name!r} failed: {exc}")
+
+
+def _op(operation: Any) -> nixl_xfer_op_t:
+    try:
+        return nixl_xfer_op_t(int(operation))
+    except (TypeError, ValueError):
+        raise TypeError(f"operation is NIXL_READ or NIXL_WRITE, not {operation!r}") from None
+
+
+def _transports(params: dict[str, str]) -> tuple[str, ...] | None:
+    """aioxfer transports from the backend parameter "transports", else
+    AIOXFER_NIXL_TRANSPORTS, else UCX_TLS when it names TCP only (what
+    NIXL users set to force TCP)."""
+    spec = params.get("transports") or os.environ.get("AIOXFER_NIXL_TRANSPORTS", "")
+    if spec:
+        return tuple(t.strip() for t in spec.split(",") if t.strip())
+    tls = [t.strip() for t in os.environ.get("UCX_TLS", "").split(",") if t.strip()]
+    if tls and all(t == "tcp" for t in tls):
+        return ("tcp",)
+    return None
+
+
+def _memory(mem: nixl_mem_t, addr: int, nbytes: int) -> Any:
+    """What aioxfer registers for a NIXL descriptor."""
+    if nbytes <= 0:
+        raise ValueError(f"cannot register {nbytes} bytes at {addr:#x}")
+    if mem == VRAM_SEG:
+        from aioxfer.cuda import DevicePointer
+
+        return DevicePointer(addr, nbytes)
+    return (ctypes.c_char * nbytes).from_address(addr)
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readexactly(4)
+    n = int.from_bytes(head, "big")
+    if n > _wire.MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes is over the limit")
+    return await reader.readexactly(n)
+
+
+def _write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(len(data).to_bytes(4, "big") + data)

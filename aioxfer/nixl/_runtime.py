@@ -1,0 +1,317 @@
+"""The event loop the NIXL layer runs its aioxfer agents on.
+
+NIXL's API is synchronous and is called from any thread (vLLM drives one agent
+from its engine thread, a handshake executor and a writer thread). aioxfer's
+agents live on one asyncio loop. This module owns that loop, on a daemon
+thread, and one re-entrant lock, ``Runtime.lock``, that makes the agents
+single-threaded again:
+
+- the loop thread holds the lock whenever it runs anything; it lets go only
+  while it sleeps in ``select`` (the selector below wraps the real one);
+- a caller's thread takes the lock and then calls the agents directly (post a
+  transfer, read notifications, register memory) as if it were the loop
+  thread. A small transfer is then posted, copied and completed inside the
+  caller's own call: no thread hop, no wake-up of the loop thread.
+
+Only awaiting (connect, refresh, a notification round trip) runs on the loop
+thread, through ``run`` / ``spawn``, and never with the lock held by the caller.
+Callbacks that a caller's critical section scheduled on the loop (``call_soon``
+from a foreign thread does not wake the loop) are noticed by the loop class
+below and the loop is woken when the section ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import os
+import select
+import selectors
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["Runtime", "runtime"]
+
+
+class _LockedSelector(selectors.BaseSelector):
+    """The loop's selector: releases the runtime lock while it waits, and tells
+    waiting pollers that a round of callbacks has finished."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+        self._inner = selectors.EpollSelector()
+        self._claims: dict[int, int] = {}
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._inner.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._inner.unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._inner.modify(fileobj, events, data)
+
+    def get_key(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._inner.get_key(fileobj)
+
+    def get_map(self) -> Any:
+        return self._inner.get_map()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def claim(self, fd: int) -> bool:
+        """Stops the loop thread from waking for ``fd`` (a caller waits on it
+        itself) until ``unclaim``; nestable. Runtime lock held. The
+        registration asyncio knows stays as it is: only the kernel's interest
+        set changes, so no stale handle can outlive it."""
+        try:
+            self._inner.get_key(fd)
+        except (KeyError, ValueError):
+            return False
+        n = self._claims.get(fd, 0)
+        self._claims[fd] = n + 1
+        if n == 0:
+            self._epoll().modify(fd, 0)
+        return True
+
+    def unclaim(self, fd: int) -> None:
+        n = self._claims.get(fd, 0) - 1
+        if n > 0:
+            self._claims[fd] = n
+            return
+        self._claims.pop(fd, None)
+        try:
+            key = self._inner.get_key(fd)
+        except (KeyError, ValueError):
+            return  # unregistered meanwhile (the agent closed)
+        mask = (select.EPOLLIN if key.events & selectors.EVENT_READ else 0) | (
+            select.EPOLLOUT if key.events & selectors.EVENT_WRITE else 0)
+        self._epoll().modify(fd, mask)
+
+    def _epoll(self) -> Any:
+        return self._inner._selector  # type: ignore[attr-defined]
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        rt = self._rt
+        rt._round_done()
+        rt.lock.release()
+        try:
+            return self._inner.select(timeout)
+        finally:
+            rt.lock.acquire()
+
+
+class _Loop(asyncio.SelectorEventLoop):
+    """Notes callbacks scheduled from another thread (a caller holding the
+    runtime lock), so that the runtime wakes the loop for them."""
+
+    _rt: Runtime
+
+    def call_soon(self, *args: Any, **kwargs: Any) -> asyncio.Handle:  # type: ignore[override]
+        if threading.get_ident() != self._rt.loop_ident:
+            self._rt._foreign = True
+        return super().call_soon(*args, **kwargs)
+
+    def call_at(self, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:  # type: ignore[override]
+        if threading.get_ident() != self._rt.loop_ident:
+            self._rt._foreign = True
+        return super().call_at(*args, **kwargs)
+
+
+class Runtime:
+    """One loop thread per process, started on first use."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._local = threading.local()
+        self._foreign = False
+        self._round = 0
+        # Written by the loop thread after a round of callbacks while a poller
+        # waits (see yield_to_loop).
+        self._round_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._waiters_lock = threading.Lock()
+        self._round_waiters = 0
+        self.loop_ident = -1
+        self._closers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._selector = _LockedSelector(self)
+        self.loop = _Loop(self._selector)
+        self.loop._rt = self
+        self.loop.set_debug(False)  # debug mode forbids what the lock makes safe
+        started = threading.Event()
+        self.thread = threading.Thread(
+            target=self._main, args=(started,), name="aioxfer-nixl-loop", daemon=True
+        )
+        self.thread.start()
+        started.wait()
+        atexit.register(self._at_exit)
+
+    def _main(self, started: threading.Event) -> None:
+        self.lock.acquire()
+        self.loop_ident = threading.get_ident()
+        asyncio.set_event_loop(self.loop)
+        started.set()
+        try:
+            self.loop.run_forever()
+        finally:
+            self.lock.release()
+
+    # ------------------------------------------------------------ callers' side
+
+    def on_loop(self) -> bool:
+        return threading.get_ident() == self.loop_ident
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Holds the lock: the agents may be used directly. Wakes the loop on
+        exit if the section scheduled callbacks on it."""
+        local = self._local
+        self.lock.acquire()
+        depth = getattr(local, "depth", 0)
+        local.depth = depth + 1
+        try:
+            yield
+        finally:
+            local.depth = depth
+            wake = self._foreign and depth == 0 and not self.on_loop()
+            if wake:
+                self._foreign = False
+            self.lock.release()
+            if wake:
+                self.wake()
+
+    def claim(self, fd: int) -> bool:
+        """See _LockedSelector.claim (lock held)."""
+        return self._selector.claim(fd)
+
+    def unclaim(self, fd: int) -> None:
+        self._selector.unclaim(fd)
+
+    def leave(self) -> None:
+        """Releases a lock taken by hand (``lock.acquire()``), waking the loop
+        if the section scheduled callbacks on it: the hot paths' cheaper
+        ``locked()``."""
+        wake = self._foreign and threading.get_ident() != self.loop_ident
+        if wake:
+            self._foreign = False
+        self.lock.release()
+        if wake:
+            self.wake()
+
+    def forget_foreign(self) -> None:
+        """What this section scheduled needs no prompt run (a transfer it
+        already posted and completed leaves only the agent's no-op flush)."""
+        self._foreign = False
+
+    def wake(self) -> None:
+        self.loop.call_soon_threadsafe(_nothing)
+
+    def _holds_lock(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0 or self.on_loop()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Runs ``coro`` on the loop and waits for its result (from a caller's
+        thread that does not hold the lock)."""
+        if self._holds_lock():
+            coro.close()
+            raise RuntimeError(
+                "aioxfer.nixl: a blocking call from the loop thread or with the runtime lock held"
+            )
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"no answer within {timeout} s") from None
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Starts ``coro`` as a task on the loop; call with the lock held."""
+        task = self.loop.create_task(coro)
+        self._foreign = not self.on_loop() or self._foreign
+        return task
+
+    # ------------------------------------------------------------ polling
+
+    def _round_done(self) -> None:
+        # Called by the loop thread (lock held) before each select.
+        self._round += 1
+        if self._round_waiters:
+            os.eventfd_write(self._round_fd, 1)
+
+    def yield_to_loop(self, timeout: float = 0.001,
+                      ready: Callable[[], bool] | None = None) -> None:
+        """A caller polling in a tight loop sleeps (without the GIL, so a loop
+        thread woken by a completion takes it at once rather than after the
+        interpreter's switch interval) until the loop thread finishes a round
+        of callbacks, at most ``timeout`` seconds; at once if ``ready()`` (what
+        the caller waits for) is already true once it is registered as
+        waiting, so that a round that finished just before is not waited for."""
+        if self._holds_lock():
+            return
+        start = self._round
+        with self._waiters_lock:
+            self._round_waiters += 1
+        try:
+            if self._round != start or (ready is not None and ready()):
+                return
+            got, _, _ = select.select([self._round_fd], [], [], timeout)
+            if got:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._round_fd)
+        finally:
+            with self._waiters_lock:
+                self._round_waiters -= 1
+
+    # ------------------------------------------------------------ exit
+
+    def add_closer(self, obj: Any) -> None:
+        """``obj._close_at_exit()`` (a coroutine function) runs at interpreter
+        exit if obj is still alive, so peers see a clean leave."""
+        self._closers.add(obj)
+
+    def _at_exit(self) -> None:
+        closers = list(self._closers)
+
+        async def close_all() -> None:
+            await asyncio.gather(*(c._close_at_exit() for c in closers), return_exceptions=True)
+
+        if closers and self.thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.run(close_all(), timeout=10.0)
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5.0)
+
+
+def _nothing() -> None:
+    pass
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime() -> Runtime:
+    global _runtime
+    rt = _runtime
+    if rt is None:
+        with _runtime_lock:
+            if _runtime is None:
+                _runtime = Runtime()
+            rt = _runtime
+    return rt
+
+
+async def wait_bounded(aw: Awaitable[T], timeout: float) -> T:
+    return await asyncio.wait_for(aw, timeout)
+
+
+def monotonic_us() -> int:
+    return time.perf_counter_ns() // 1000

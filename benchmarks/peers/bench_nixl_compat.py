@@ -1,0 +1,559 @@
+#!/usr/bin/env python3
+"""The vLLM-shaped transfer path through aioxfer.nixl, real NIXL and aioxfer's
+own API, side by side in one run.
+
+Each system moves data between two processes (the initiator starts its target
+as a child) over 127.0.0.1, between 16 MiB registered host buffers (user
+memory: numpy arrays, as vLLM's KV caches are), for READ and WRITE:
+
+- one request of 4 KiB, 64 KiB, 1 MiB, 16 MiB, repeated one at a time;
+- 256 x 16 KiB by index: both pools prepared as 1024 16 KiB blocks, one
+  request of 256 scattered block indices per side (vLLM's make_prepped_xfer).
+
+NIXL-shaped systems (``nixl``: real NIXL 1.5.1 with UCX from its venv,
+``compat``: aioxfer.nixl) prepare descriptor lists, make the request once and
+repost it, polling ``check_xfer_state`` until DONE (what vLLM and NIXL's own
+benchmark do). ``native`` awaits ``agent.read``/``agent.write`` of the same
+Segment pair or SegmentList pair. Paths: ``shm`` (same host: NIXL's UCX picks
+CMA; aioxfer shm) and ``tcp`` (UCX_TLS=tcp; aioxfer transports=("tcp",)).
+
+All three systems' process pairs are started first and kept stopped
+(SIGSTOP); for each point they take turns of ``--slice`` seconds, one pair
+running at a time, ``--reps`` times in a rotating order: on a shared, busy
+machine the systems then see the same conditions, and each ratio compares
+turns taken back to back. Every workload's data is checked once (CRC32 of
+both sides) before it is timed.
+
+    python benchmarks/peers/bench_nixl_compat.py                          # about 3 minutes
+    python benchmarks/peers/bench_nixl_compat.py --reps 2 --slice 0.05    # quick: proves it runs
+
+``--nixl-python`` (default: $PEERS_VENVS/venv-nixl/bin/python, made by
+install.sh) runs the real NIXL side; this script must also be importable by
+it (it imports aioxfer only in the aioxfer systems).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+BUF = 16 << 20
+BLOCK = 16 << 10
+NBLOCKS = BUF // BLOCK
+BATCH = 256
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+SYSTEMS = ["nixl", "compat", "native"]
+
+
+def size_name(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def fill(buf: np.ndarray, seed: int) -> None:
+    buf[:] = (np.arange(buf.size, dtype=np.uint32) * seed % 251).astype(np.uint8)
+
+
+def batch_indices(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.choice(NBLOCKS, BATCH, replace=False).astype(np.int64),
+            rng.choice(NBLOCKS, BATCH, replace=False).astype(np.int64))
+
+
+def gathered_crc(buf: np.ndarray, idx: np.ndarray) -> int:
+    crc = 0
+    for i in idx.tolist():
+        crc = zlib.crc32(buf[i * BLOCK:(i + 1) * BLOCK], crc)
+    return crc
+
+
+# ---------------------------------------------------------------- target side
+
+
+def target_main(args: argparse.Namespace) -> None:
+    """Registers a 16 MiB buffer, sends its metadata and address on the
+    control fd, then answers CRC requests from stdin until "exit"."""
+    ctl = os.fdopen(args.ctl_fd, "w")
+    buf = np.empty(BUF, dtype=np.uint8)
+    fill(buf, 3)
+    keep: Any = None
+    if args.system == "native":
+        import aioxfer
+
+        async def serve() -> None:
+            kwargs = {"transports": ("tcp",)} if args.transport == "tcp" else {}
+            async with aioxfer.Agent("target", **kwargs) as agent:
+                agent.register(buf, name="kv")
+                ctl.write(json.dumps({"address": agent.address, "addr": buf.ctypes.data}) + "\n")
+                ctl.flush()
+                loop = asyncio.get_running_loop()
+                while True:
+                    line = await loop.run_in_executor(None, sys.stdin.readline)
+                    if not answer(line, buf, ctl):
+                        return
+
+        asyncio.run(serve())
+        return
+    if args.system == "nixl":
+        from nixl._api import nixl_agent, nixl_agent_config
+    else:
+        from aioxfer.nixl import nixl_agent, nixl_agent_config
+    agent = nixl_agent("target", nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    keep = agent.register_memory([(buf.ctypes.data, BUF, 0, "")], "DRAM")
+    ctl.write(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data})
+              + "\n")
+    ctl.flush()
+    for line in sys.stdin:
+        if not answer(line, buf, ctl):
+            break
+    del keep
+    sys.stdout.flush()
+    os._exit(0)  # NIXL's wheel may crash in exit-time destructors
+
+
+def answer(line: str, buf: np.ndarray, ctl: Any) -> bool:
+    cmd = json.loads(line) if line.strip() else {"cmd": "exit"}
+    if cmd["cmd"] == "exit":
+        return False
+    if cmd["cmd"] == "crc":
+        crc = zlib.crc32(buf[cmd["off"]:cmd["off"] + cmd["len"]])
+    else:
+        crc = gathered_crc(buf, np.array(cmd["idx"], dtype=np.int64))
+    ctl.write(json.dumps({"crc": crc}) + "\n")
+    ctl.flush()
+    return True
+
+
+class Target:
+    def __init__(self, args: argparse.Namespace) -> None:
+        rfd, wfd = os.pipe()
+        argv = [sys.executable, os.path.abspath(__file__), "--role", "target", "--system",
+                args.system, "--transport", args.transport, "--ctl-fd", str(wfd)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     pass_fds=(wfd,), text=True)
+        os.close(wfd)
+        self.ctl = os.fdopen(rfd)
+        line = self.ctl.readline()
+        if not line:
+            raise RuntimeError("target failed to start")
+        self.hello = json.loads(line)
+
+    def ask(self, **cmd: Any) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return int(json.loads(self.ctl.readline())["crc"])
+
+    def close(self) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(20)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+# ---------------------------------------------------------------- initiators
+#
+# An initiator prepares every workload (and checks its data once), reports
+# them on its control fd, then serves commands from stdin: {"w": i, "secs": s}
+# runs workload i for s seconds and answers {"n": requests, "dt": seconds}.
+# The driver keeps all three systems' process pairs alive and stopped
+# (SIGSTOP), and lets one pair run at a time, so that the systems alternate
+# every fraction of a second on the same, shared, CPUs.
+
+
+class Workload:
+    def __init__(self, op: str, label: str, nbytes: int, once: Callable[[], Any],
+                 verified: bool) -> None:
+        self.op = op
+        self.label = label
+        self.nbytes = nbytes
+        self.once = once
+        self.verified = verified
+
+
+def check(target: Target, buf: np.ndarray, op: str, seed: int, kind: str,
+          run: Callable[[], None], *, size: int = 0, li: np.ndarray | None = None,
+          ri: np.ndarray | None = None) -> bool:
+    """One request with fresh local contents, then both sides' CRCs compared."""
+    if op == "WRITE":
+        fill(buf, seed)
+    else:
+        buf[:] = 0
+    run()
+    if kind == "single":
+        return zlib.crc32(buf[:size]) == target.ask(cmd="crc", off=0, len=size)
+    assert li is not None and ri is not None
+    return gathered_crc(buf, li) == target.ask(cmd="crcs", idx=ri.tolist())
+
+
+def nixl_like_workloads(args: argparse.Namespace, target: Target, keep: list[Any]
+                        ) -> list[Workload]:
+    if args.system == "nixl":
+        from nixl._api import nixl_agent, nixl_agent_config
+    else:
+        from aioxfer.nixl import nixl_agent, nixl_agent_config
+    agent = nixl_agent("initiator", nixl_agent_config(enable_prog_thread=False,
+                                                      backends=["UCX"]))
+    buf = np.empty(BUF, dtype=np.uint8)
+    fill(buf, 5)
+    keep += [agent, buf]
+    laddr, raddr = buf.ctypes.data, target.hello["addr"]
+    agent.register_memory([(laddr, BUF, 0, "")], "DRAM")
+    name = agent.add_remote_agent(bytes.fromhex(target.hello["md"]))
+
+    def once_of(h: Any) -> Callable[[], None]:
+        def once() -> None:
+            st = agent.transfer(h)
+            while st == "PROC":
+                st = agent.check_xfer_state(h)
+            if st != "DONE":
+                raise RuntimeError(f"transfer state {st}")
+        return once
+
+    def blocks(base: int) -> np.ndarray:
+        rows = np.zeros((NBLOCKS, 3), dtype=np.uint64)
+        rows[:, 0] = base + np.arange(NBLOCKS, dtype=np.uint64) * BLOCK
+        rows[:, 1] = BLOCK
+        return rows
+
+    lblocks = agent.prep_xfer_dlist("NIXL_INIT_AGENT", blocks(laddr), "DRAM")
+    rblocks = agent.prep_xfer_dlist(name, blocks(raddr), "DRAM")
+    out: list[Workload] = []
+    seed = 11
+    for op in args.ops:
+        for size in SIZES:
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(laddr, size, 0)], "DRAM")
+            rh = agent.prep_xfer_dlist(name, [(raddr, size, 0)], "DRAM")
+            once = once_of(agent.make_prepped_xfer(op, lh, [0], rh, [0]))
+            seed += 1
+            ok = check(target, buf, op, seed, "single", once, size=size)
+            out.append(Workload(op, size_name(size), size, once, ok))
+        li, ri = batch_indices(seed)
+        once = once_of(agent.make_prepped_xfer(op, lblocks, li, rblocks, ri))
+        seed += 1
+        ok = check(target, buf, op, seed, "batch", once, li=li, ri=ri)
+        out.append(Workload(op, f"{BATCH} x 16 KiB by index", BATCH * BLOCK, once, ok))
+    return out
+
+
+def native_workloads(args: argparse.Namespace, target: Target, loop: asyncio.AbstractEventLoop,
+                     keep: list[Any]) -> list[Workload]:
+    import aioxfer
+
+    kwargs = {"transports": ("tcp",)} if args.transport == "tcp" else {}
+    agent = aioxfer.Agent("initiator", **kwargs)
+    buf = np.empty(BUF, dtype=np.uint8)
+    fill(buf, 5)
+    keep += [agent, buf]
+    region = agent.register(buf, name="kv")
+    peer = loop.run_until_complete(agent.connect(target.hello["address"]))
+    remote = peer.region("kv")
+    out: list[Workload] = []
+    seed = 11
+    for op in args.ops:
+        post = agent.write if op == "WRITE" else agent.read
+        pairs: list[tuple[str, int, Any, Any, Any]] = []
+        for size in SIZES:
+            pairs.append((size_name(size), size, region[0:size], remote[0:size], None))
+        li, ri = batch_indices(seed + len(SIZES))
+        lens = np.full(BATCH, BLOCK, dtype=np.uint64)
+        pairs.append((f"{BATCH} x 16 KiB by index", BATCH * BLOCK,
+                      aioxfer.SegmentList(region, li.astype(np.uint64) * BLOCK, lens),
+                      aioxfer.SegmentList(remote, ri.astype(np.uint64) * BLOCK, lens), (li, ri)))
+        for label, nbytes, local, far, idx in pairs:
+            one = functools.partial(post, local, far)
+            seed += 1
+            def run(one: Callable[[], Any] = one) -> None:
+                loop.run_until_complete(_awaited(one))
+
+            if idx is None:
+                ok = check(target, buf, op, seed, "single", run, size=nbytes)
+            else:
+                ok = check(target, buf, op, seed, "batch", run, li=idx[0], ri=idx[1])
+            out.append(Workload(op, label, nbytes, one, ok))
+    return out
+
+
+async def _awaited(make: Callable[[], Any]) -> None:
+    await make()
+
+
+def timed(once: Callable[[], None], secs: float) -> tuple[int, float]:
+    once()  # warm: the first request after a pause
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        once()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= secs:
+            return n, dt
+
+
+async def atimed(make: Callable[[], Any], secs: float) -> tuple[int, float]:
+    await make()
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        await make()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= secs:
+            return n, dt
+
+
+def initiator_main(args: argparse.Namespace) -> None:
+    ctl = os.fdopen(args.ctl_fd, "w")
+    target = Target(args)
+    keep: list[Any] = []
+    loop = asyncio.new_event_loop() if args.system == "native" else None
+    try:
+        if loop is not None:
+            works = native_workloads(args, target, loop, keep)
+        else:
+            works = nixl_like_workloads(args, target, keep)
+        ctl.write(json.dumps({"target_pid": target.proc.pid,
+                              "workloads": [[w.op, w.label, w.nbytes, w.verified]
+                                            for w in works]}) + "\n")
+        ctl.flush()
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if "w" not in cmd:
+                break
+            w = works[cmd["w"]]
+            if loop is not None:
+                n, dt = loop.run_until_complete(atimed(w.once, cmd["secs"]))
+            else:
+                n, dt = timed(w.once, cmd["secs"])
+            ctl.write(json.dumps({"n": n, "dt": dt}) + "\n")
+            ctl.flush()
+    finally:
+        target.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # NIXL's wheel may crash in exit-time destructors
+
+
+# ---------------------------------------------------------------- driver
+
+
+def system_env(system: str, transport: str) -> dict[str, str]:
+    env = dict(os.environ, UCX_NET_DEVICES="lo", UCX_MODULES="^ib", NIXL_LOG_LEVEL="WARN",
+               AIOXFER_LOG_LEVEL="warning")
+    env.pop("UCX_TLS", None)
+    env.pop("AIOXFER_NIXL_TRANSPORTS", None)
+    if transport == "tcp":
+        if system == "nixl":
+            env["UCX_TLS"] = "tcp"
+        else:
+            env["AIOXFER_NIXL_TRANSPORTS"] = "tcp"
+    return env
+
+
+class Pair:
+    """One system's initiator (and, through it, its target), stopped between turns."""
+
+    def __init__(self, python: str, system: str, transport: str,
+                 args: argparse.Namespace) -> None:
+        self.system = system
+        rfd, wfd = os.pipe()
+        argv = [python, os.path.abspath(__file__), "--role", "initiator", "--system", system,
+                "--transport", transport, "--ops", ",".join(args.ops), "--ctl-fd", str(wfd)]
+        self.proc = subprocess.Popen(argv, env=system_env(system, transport),
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     pass_fds=(wfd,), text=True)
+        os.close(wfd)
+        self.ctl = os.fdopen(rfd)
+        line = self.ctl.readline()
+        if not line:
+            raise RuntimeError(f"{system}/{transport}: the initiator failed to start")
+        hello = json.loads(line)
+        self.target_pid = int(hello["target_pid"])
+        self.workloads = hello["workloads"]
+        self.stop()
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        os.kill(self.target_pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        os.kill(self.target_pid, signal.SIGCONT)
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def run(self, w: int, secs: float) -> tuple[int, float]:
+        self.cont()
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"w": w, "secs": secs}) + "\n")
+            self.proc.stdin.flush()
+            line = self.ctl.readline()
+            if not line:
+                raise RuntimeError(f"{self.system}: the initiator died")
+            ans = json.loads(line)
+            return int(ans["n"]), float(ans["dt"])
+        finally:
+            if self.proc.poll() is None:
+                self.stop()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.cont()
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"exit": True}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.target_pid, signal.SIGCONT)
+
+
+def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_python: str
+            ) -> list[dict[str, Any]]:
+    pairs: list[Pair] = []
+    records: list[dict[str, Any]] = []
+    try:
+        for system in systems:
+            t0 = time.perf_counter()
+            python = nixl_python if system == "nixl" else sys.executable
+            try:
+                pairs.append(Pair(python, system, transport, args))
+            except (RuntimeError, OSError) as exc:
+                print(f"  {system}/{transport}: {exc}", file=sys.stderr)
+                continue
+            print(f"{system}/{transport}: ready in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr)
+        if not pairs:
+            return records
+        for w, (op, label, nbytes, _) in enumerate(pairs[0].workloads):
+            for rep in range(args.reps):
+                shift = rep % len(pairs)
+                for pair in pairs[shift:] + pairs[:shift]:
+                    n, dt = pair.run(w, args.slice)
+                    records.append({"system": pair.system, "transport": transport, "op": op,
+                                    "workload": label, "round": rep, "gbps": nbytes * n / dt / 1e9,
+                                    "verified": bool(pair.workloads[w][3])})
+            print(f"  {transport} {op} {label}: done", file=sys.stderr)
+    finally:
+        for pair in pairs:
+            pair.close()
+    return records
+
+
+def table(records: list[dict[str, Any]], systems: list[str]) -> str:
+    sums: dict[tuple[str, ...], list[float]] = {}
+    rows: list[tuple[str, str, str]] = []
+    bad: set[tuple[str, ...]] = set()
+    for r in records:
+        key = (r["transport"], r["op"], r["workload"])
+        if key not in rows:
+            rows.append(key)
+        sums.setdefault((*key, r["system"]), []).append(r["gbps"])
+        if not r["verified"]:
+            bad.add((*key, r["system"]))
+    per: dict[tuple[Any, ...], float] = {(r["round"], r["transport"], r["op"], r["workload"],
+                                          r["system"]): r["gbps"] for r in records}
+    ratio: dict[tuple[str, ...], list[float]] = {}
+    for (rnd, tr, op, wl, sysname), v in per.items():
+        if sysname != "compat":
+            continue
+        for other in ("nixl", "native"):
+            o = per.get((rnd, tr, op, wl, other))
+            if o:
+                ratio.setdefault((tr, op, wl, other), []).append(v / o)
+    head = ["path", "op", "workload"] + [f"{s} GB/s" for s in systems]
+    checks = [(o, need) for o, need in (("nixl", 1.0), ("native", 0.9))
+              if "compat" in systems and o in systems]
+    head += [f"compat ÷ {'NIXL' if o == 'nixl' else o}" for o, _ in checks]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for tr, op, wl in rows:
+        cells = [tr, op, wl]
+        for s in systems:
+            vals = sums.get((tr, op, wl, s))
+            cell = f"{statistics.median(vals):.3f}" if vals else "—"
+            if (tr, op, wl, s) in bad:
+                cell += " NOT VERIFIED"
+            cells.append(cell)
+        for other, need in checks:
+            rs = ratio.get((tr, op, wl, other))
+            if rs:
+                m = statistics.median(rs)
+                cells.append(f"{m:.2f}× {'met' if m >= need else 'MISSED'}")
+            else:
+                cells.append("—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def driver(args: argparse.Namespace) -> None:
+    nixl_python = args.nixl_python or os.path.join(
+        os.environ.get("PEERS_VENVS", os.path.expanduser("~/.cache/aioxfer-peers")),
+        "venv-nixl", "bin", "python")
+    systems = [s for s in SYSTEMS if s in args.only]
+    if "nixl" in systems and not os.path.exists(nixl_python):
+        print(f"no NIXL venv at {nixl_python} (benchmarks/peers/install.sh): skipping nixl",
+              file=sys.stderr)
+        systems.remove("nixl")
+    records: list[dict[str, Any]] = []
+    for transport in args.transports:
+        records += measure(args, systems, transport, nixl_python)
+    print(f"\n{args.reps} turns of {args.slice} s per system and point, the systems taking "
+          f"turns (the others stopped); GB/s: medians of the turns; ratios: compat's figure "
+          f"over the other's in the same rep, median. Targets: compat ≥ 1× NIXL and ≥ 0.9× "
+          f"native.\n")
+    print(table(records, systems))
+    failed = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records
+              if not r["verified"]}
+    checked = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records}
+    print(f"\ndata checks: {len(checked) - len(failed)} passed, {len(failed)} failed")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", default="driver", choices=["driver", "initiator", "target"])
+    ap.add_argument("--system", default="compat", choices=SYSTEMS)
+    ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
+    ap.add_argument("--ctl-fd", type=int, default=-1)
+    ap.add_argument("--reps", type=int, default=7, help="turns per system and point")
+    ap.add_argument("--slice", type=float, default=0.25, help="seconds per turn")
+    ap.add_argument("--ops", default="WRITE,READ")
+    ap.add_argument("--only", default=",".join(SYSTEMS))
+    ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--nixl-python", default="")
+    ap.add_argument("--json", default="", help="also write every record to this file")
+    args = ap.parse_args()
+    args.ops = args.ops.split(",")
+    args.only = args.only.split(",")
+    args.transports = args.transports.split(",")
+    if args.role == "target":
+        target_main(args)
+    elif args.role == "initiator":
+        initiator_main(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,495 @@
+"""aioxfer.nixl: NIXL's Python API on aioxfer, in one process.
+
+Each behaviour here is one NIXL 1.5.1 shows (see the shared NIXL API notes):
+names and exceptions, descriptor-list shapes, errors of preparation and of
+requests, notifications (once each, after the data, empty and large),
+telemetry switches, loopback, the metadata listener with partial metadata,
+several threads on one agent, the opt-in ``import nixl`` shim.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+# The real etcd of the discovery tests (skips where the binary is absent).
+from test_discovery import etcd_server  # noqa: F401
+
+import aioxfer.nixl as nixl
+from aioxfer.nixl import _api, _bindings, _utils, nixl_agent, nixl_agent_config
+from aioxfer.nixl import logging as nixl_logging
+
+STEP = 20.0
+
+
+def _name() -> str:
+    return str(uuid.uuid4())
+
+
+@pytest.fixture
+def agents() -> Iterator[Any]:
+    made: list[nixl_agent] = []
+
+    def make(**conf: Any) -> nixl_agent:
+        a = nixl_agent(_name(), nixl_agent_config(**conf))
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.close()
+
+
+class Buf:
+    """A host buffer at a fixed address, with a numpy view."""
+
+    def __init__(self, n: int, fill: int = 0) -> None:
+        self.raw = (ctypes.c_char * n)()
+        self.addr = ctypes.addressof(self.raw)
+        self.np = np.frombuffer(self.raw, dtype=np.uint8)
+        self.np[:] = fill
+        self.n = n
+
+
+def _wait(agent: nixl_agent, handle: Any) -> str:
+    deadline = time.monotonic() + STEP
+    while (st := agent.check_xfer_state(handle)) == "PROC":
+        assert time.monotonic() < deadline, "transfer did not finish"
+    return st
+
+
+def _pair(agents: Any, n: int = 1 << 16, **conf: Any) -> tuple[Any, Any, Buf, Buf, Any, Any]:
+    a, b = agents(**conf), agents(**conf)
+    x, y = Buf(n, 1), Buf(n, 2)
+    ra = a.register_memory([(x.addr, n, 0, "")], "DRAM")
+    rb = b.register_memory([(y.addr, n, 0, "")], "DRAM")
+    assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
+    return a, b, x, y, ra, rb
+
+
+# ---------------------------------------------------------------- names
+
+
+def test_package_reexports_every_public_name_of_its_submodules() -> None:
+    for mod in (_api, _bindings, _utils, nixl_logging):
+        for name in mod.__all__:
+            assert hasattr(nixl, name), name
+    assert nixl.nixlNotFoundError is _bindings.nixlNotFoundError
+    assert nixl.DRAM_SEG == 0 and nixl.FILE_SEG == 4 and nixl.NIXL_WRITE == 1
+    assert nixl.NIXL_INIT_AGENT == "" and nixl.DEFAULT_COMM_PORT == 8888
+    assert nixl.HAVE_UCX_GPU_DEVICE_API is False
+
+
+def test_errors_are_plain_exceptions_named_by_status() -> None:
+    classes = [getattr(_bindings, n) for n in _bindings.__all__ if n.endswith("Error")]
+    assert len(classes) == 12
+    for cls in classes:
+        assert cls.__bases__ == (Exception,)
+    with pytest.raises(nixl.nixlNotFoundError, match="^NIXL_ERR_NOT_FOUND"):
+        nixl_agent(_name(), nixl_agent_config(backends=[])).create_backend("UVX")
+
+
+def test_shim_makes_import_nixl_this_package() -> None:
+    code = (
+        "import nixl, nixl._api, nixl._bindings as b, nixl._utils, nixl.logging\n"
+        "import aioxfer.nixl as impl\n"
+        "assert nixl is impl and nixl._bindings is impl._bindings\n"
+        "from nixl._api import nixl_agent\n"
+        "assert nixl_agent is impl.nixl_agent and nixl.nixlNotFoundError is b.nixlNotFoundError\n"
+        "print('shim ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=nixl.shim_path())
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "shim ok" in out.stdout
+    # In-process opt-in; a real nixl imported first is refused.
+    code2 = ("import aioxfer.nixl as n; n.install(); import nixl._api as a; "
+             "assert a is n._api; print('install ok')")
+    out = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "install ok" in out.stdout, out.stderr
+    path = subprocess.run([sys.executable, "-m", "aioxfer.nixl"], capture_output=True, text=True,
+                          timeout=60).stdout.strip()
+    assert path == nixl.shim_path() and os.path.isfile(os.path.join(path, "nixl", "__init__.py"))
+
+
+def test_logger_writes_nixl_lines_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    log = nixl_logging.get_logger("__example")
+    assert log.name == "nixl.example"
+    log.info("hello %d", 5)
+    out = capsys.readouterr().out
+    assert " NIXL INFO    test_nixl.py:" in out and out.rstrip().endswith("hello 5")
+
+
+# ---------------------------------------------------------------- descriptor lists
+
+
+def test_descriptor_lists() -> None:
+    descs = [(1000, 105, 0), (2000, 30, 0), (1010, 20, 0)]
+    xl = _bindings.nixlXferDList(nixl.DRAM_SEG, descs)
+    assert xl.descCount() == 3 and xl[0] == descs[0] and xl.getType() == nixl.DRAM_SEG
+    assert pickle.loads(pickle.dumps(xl)) == xl
+    xl.remDesc(1)
+    assert xl.descCount() == 2 and xl[1] == descs[2]
+    assert xl.index(descs[2]) == 1
+    with pytest.raises(nixl.nixlNotFoundError):
+        xl.index((5, 5, 5))
+    xl.clear()
+    assert xl.isEmpty() and bool(xl)  # no __len__: always truthy, as NIXL's
+    xl.addDesc((2000, 100, 0))
+    assert xl[0] == (2000, 100, 0)
+
+    arr = np.array([[1, 2, 0], [3, 4, 0]], dtype=np.int64)
+    assert _bindings.nixlXferDList(nixl.VRAM_SEG, arr)[1] == (3, 4, 0)
+    with pytest.raises(ValueError):
+        _bindings.nixlXferDList(nixl.DRAM_SEG, arr.astype(np.float64))
+    with pytest.raises(ValueError):
+        _bindings.nixlXferDList(nixl.DRAM_SEG, np.zeros((4, 3), np.uint64)[::2])
+    with pytest.raises(ValueError):
+        _bindings.nixlXferDList(nixl.DRAM_SEG, [(1, 2)])
+
+    rl = _bindings.nixlRegDList(nixl.DRAM_SEG, [(10, 20, 0, "meta"), (40, 8, 1, b"\x00b")])
+    assert rl[0] == (10, 20, 0, b"meta") and rl[1][3] == b"\x00b"
+    assert rl.trim() == _bindings.nixlXferDList(nixl.DRAM_SEG, [(10, 20, 0), (40, 8, 1)])
+    assert pickle.loads(pickle.dumps(rl)) == rl
+    assert _bindings.nixlRegDList(nixl.DRAM_SEG, np.array([[1, 2, 3]], np.uint64))[0] == (
+        1, 2, 3, b"")
+
+
+def test_get_descs_shapes(agents: Any) -> None:
+    a = agents(backends=[])
+    assert a.get_xfer_descs([(1, 2, 3, 4)], "DRAM") is None
+    assert a.get_xfer_descs([(1, 2, 3)]) is None
+    with pytest.raises(KeyError):
+        a.get_xfer_descs([(1, 2, 3)], mem_type="V-RAM")
+    assert a.get_xfer_descs(_bindings.nixlRegDList(nixl.DRAM_SEG)) is None
+    assert a.get_reg_descs([(1, 2, 3)], "DRAM") is None
+    assert a.get_reg_descs([(1, 2, 3, 4)]) is None
+    assert a.get_reg_descs(_bindings.nixlXferDList(nixl.DRAM_SEG)) is None
+    with pytest.raises(IndexError):
+        a.get_reg_descs([], "DRAM")
+    rows = np.array([[5, 6, 0]], dtype=np.uint64)
+    assert a.get_xfer_descs(rows, "cpu")[0] == (5, 6, 0)  # deprecated alias of DRAM
+    blob = a.get_serialized_descs(a.get_reg_descs([(1, 2, 0, "m")], "DRAM"))
+    assert not blob.startswith(b"\x80")  # not a pickle
+    assert a.deserialize_descs(blob)[0] == (1, 2, 0, b"m")
+    with pytest.raises(nixl.nixlInvalidParamError):
+        a.deserialize_descs(pickle.dumps([1]))
+
+
+def test_config_and_agent_arguments() -> None:
+    with pytest.raises(TypeError, match="sync_mode must be a nixl_thread_sync_t"):
+        nixl_agent_config(sync_mode=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        nixl_agent("")
+    a = nixl_agent(_name(), nixl_agent_config(backends=["UCX", "NOPE"]))
+    try:
+        assert list(a.backends) == ["UCX"]
+        assert a.get_plugin_list() == ["POSIX", "UCX"]
+        assert a.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
+        assert a.get_plugin_params("UVX") == {} and a.get_backend_mem_types("UVX") == []
+        with pytest.raises(nixl.nixlInvalidParamError):
+            a.create_backend("UCX")
+        with pytest.raises(KeyError):  # the operation is checked first
+            a.make_prepped_xfer("RD", 0, [], 0, [])  # type: ignore[arg-type]
+        with pytest.raises(KeyError):
+            a.register_memory([(1, 2, 0, "")], "DRAM", backends=["GDS"])
+    finally:
+        a.close()
+
+
+# ---------------------------------------------------------------- transfers
+
+
+def test_write_with_notification_after_data(agents: Any) -> None:
+    a, b, x, y, _, _ = _pair(agents, capture_telemetry=True)
+    x.np[:4096] = np.arange(4096, dtype=np.uint64).astype(np.uint8)
+    local = a.get_xfer_descs([(x.addr, 2048, 0), (x.addr + 2048, 2048, 0)], "DRAM")
+    remote = a.get_xfer_descs([(y.addr + 8192, 2048, 0), (y.addr + 10240, 2048, 0)], "DRAM")
+    h = a.initialize_xfer("WRITE", local, remote, b.name, b"w-1")
+    assert repr(h).startswith("nixl_xfer_handle(0x") and h
+    assert a.transfer(h) in ("DONE", "PROC")
+    # The target looks at its memory the moment the notification is there.
+    deadline = time.monotonic() + STEP
+    while not b.check_remote_xfer_done(a.name, b"w-"):
+        assert time.monotonic() < deadline
+    assert np.array_equal(y.np[8192:12288], x.np[:4096])
+    assert _wait(a, h) == "DONE" and a.check_xfer_state(h) == "DONE"
+    t = a.get_xfer_telemetry(h)
+    assert (t.descCount, t.totalBytes) == (2, 4096)
+    assert t.startTime > 0 and 0 < t.postDuration <= t.xferDuration
+    assert a.query_xfer_backend(h) == "UCX"
+    assert a.estimate_xfer_cost(h)[2] == "UNKNOWN"
+    h.release()
+    h.release()  # idempotent
+
+
+def test_notifications_once_each_empty_and_large(agents: Any) -> None:
+    a, b, *_ = _pair(agents)
+    big = bytes(range(256)) * 100  # 25.6 KB: more than one aioxfer notification
+    a.send_notif(b.name, b"")
+    a.send_notif(b.name.encode(), "text")  # str message, bytes name
+    a.send_notif(b.name, big)
+    got: list[bytes] = []
+    deadline = time.monotonic() + STEP
+    while len(got) < 3:
+        assert time.monotonic() < deadline
+        for name, msgs in b.get_new_notifs().items():
+            assert isinstance(name, str) and name == a.name
+            got += msgs
+    assert got == [b"", b"text", big]
+    assert b.get_new_notifs() == {}
+    # check_remote_xfer_done consumes only the first match; b"" matches anything.
+    for m in (b"tag-1 x", b"other", b"tag-2"):
+        a.send_notif(b.name, m)
+    deadline = time.monotonic() + STEP
+    while len(b.update_notifs().get(a.name, [])) < 3:
+        assert time.monotonic() < deadline
+    assert not b.check_remote_xfer_done(a.name, b"x")  # prefix match by default
+    assert b.check_remote_xfer_done(a.name, b"x", tag_is_prefix=False)
+    assert b.check_remote_xfer_done(a.name, b"tag-")
+    assert b.notifs[a.name] == [b"other"]
+    assert b.check_remote_xfer_done(a.name, b"")
+    assert not b.check_remote_xfer_done(a.name, b"")
+    with pytest.raises(nixl.nixlNotFoundError):
+        b.send_notif("nobody", b"x")
+
+
+def test_prepped_requests_errors(agents: Any) -> None:
+    a, b, x, y, _, _ = _pair(agents)
+    remote = a.prep_xfer_dlist(b.name, [(y.addr, 64, 0), (y.addr + 64, 64, 0)], "DRAM")
+    local = a.prep_xfer_dlist("", [(x.addr, 64, 0), (x.addr + 64, 128, 0)], "DRAM")
+    for li, ri in (([0], [0, 1]), ([5], [0]), ([], []), ([1], [1]), ([-1], [0])):
+        with pytest.raises(nixl.nixlInvalidParamError):
+            a.make_prepped_xfer("READ", local, li, remote, ri)
+    with pytest.raises(nixl.nixlNotFoundError):
+        a.prep_xfer_dlist(b.name, [(y.addr + y.n - 8, 64, 0)], "DRAM")  # past the region
+    with pytest.raises(nixl.nixlNotFoundError):
+        a.prep_xfer_dlist("nobody", [(y.addr, 64, 0)], "DRAM")
+    with pytest.raises(nixl.nixlInvalidParamError):
+        a.add_remote_agent(a.get_agent_metadata())  # our own
+    with pytest.raises(nixl.nixlInvalidParamError):
+        a.add_remote_agent(b"garbage")
+    # int64 numpy indices (vLLM) and int lists alike.
+    h = a.make_prepped_xfer("READ", local, np.array([0], np.int64), remote, [1], b"r")
+    assert a.transfer(h) in ("DONE", "PROC") and _wait(a, h) == "DONE"
+    assert np.array_equal(x.np[:64], y.np[64:128])
+    a.remove_remote_agent(b.name)
+    with pytest.raises(nixl.nixlNotFoundError):
+        a.make_prepped_xfer("READ", local, [0], remote, [0])
+    with pytest.raises(nixl.nixlRemoteDisconnectError):
+        a.transfer(h)
+    remote.release()
+    remote.release()
+    # Re-adding after removal works.
+    assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
+    h2 = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, 16, 0)], "DRAM"),
+                           a.get_xfer_descs([(y.addr, 16, 0)], "DRAM"), b.name)
+    assert a.transfer(h2) in ("DONE", "PROC") and _wait(a, h2) == "DONE"
+
+
+def test_repost_while_in_flight_is_refused(agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
+    n = 64 << 20
+    a, b, x, y, _, _ = _pair(agents, n=n)
+    h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, n, 0)], "DRAM"), b.name)
+    assert a.transfer(h) == "PROC"  # 64 MiB over TCP cannot finish inside the call
+    with pytest.raises(nixl.nixlRepostActiveError):
+        a.transfer(h)
+    assert _wait(a, h) == "DONE"
+    assert x.np[n - 1] == 2
+
+
+def test_telemetry_switches(agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, x, y, _, _ = _pair(agents)
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, 64, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, 64, 0)], "DRAM"), b.name)
+    a.transfer(h)
+    _wait(a, h)
+    with pytest.raises(nixl.nixlNoTelemetryError):
+        a.get_xfer_telemetry(h)
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "no")  # wins over capture_telemetry=True
+    c = agents(capture_telemetry=True)
+    assert c.agent._telemetry is False
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "y")
+    assert agents().agent._telemetry is True
+
+
+def test_loopback_and_descriptors_across_regions(agents: Any) -> None:
+    a = agents()
+    x1, x2, y = Buf(4096, 5), Buf(4096, 6), Buf(8192, 0)
+    a.register_memory([(x1.addr, 4096, 0, ""), (x2.addr, 4096, 0, "")], "DRAM")
+    a.register_memory([(y.addr, 8192, 0, "")], "DRAM")
+    # Own name: a loopback target, as NIXL's prep_xfer_perf uses it.
+    local = a.prep_xfer_dlist("", [(x1.addr, 4096, 0), (x2.addr, 4096, 0)], "DRAM")
+    far = a.prep_xfer_dlist(a.name, [(y.addr + 4096, 4096, 0), (y.addr, 4096, 0)], "DRAM")
+    h = a.make_prepped_xfer("WRITE", local, [0, 1], far, [0, 1], b"loop")
+    assert a.transfer(h) in ("DONE", "PROC") and _wait(a, h) == "DONE"
+    assert (y.np[4096:] == 5).all() and (y.np[:4096] == 6).all()
+    deadline = time.monotonic() + STEP
+    while not a.check_remote_xfer_done(a.name, b"loop"):
+        assert time.monotonic() < deadline
+
+
+def test_dead_peer_metadata_and_deregistration(agents: Any) -> None:
+    a, b, x, y, ra, rb = _pair(agents)
+    md = b.get_agent_metadata()
+    a.remove_remote_agent(b.name)
+    b.deregister_memory(rb)
+    with pytest.raises(nixl.nixlNotFoundError):
+        b.deregister_memory(rb)  # twice
+    b.close()
+    with pytest.raises(nixl.nixlBackendError):
+        a.add_remote_agent(md)  # nobody at that address any more
+    a.deregister_memory(ra)
+
+
+def test_listener_exchange_and_partial_metadata(agents: Any) -> None:
+    t = agents(enable_listen_thread=True, listen_port=0)
+    i = agents(enable_listen_thread=True, listen_port=0)
+    tport, iport = t.agent.listen_port, i.agent.listen_port
+    b1, b2, mine = Buf(256, 7), Buf(256, 8), Buf(512, 0)
+    d1 = t.get_reg_descs([(b1.addr, 256, 0, "")], "DRAM")
+    d2 = t.get_reg_descs([(b2.addr, 256, 0, "")], "DRAM")
+    t.register_memory(d1)
+    t.register_memory(d2)
+    i.register_memory([(mine.addr, 512, 0, "")], "DRAM")
+    t.send_partial_agent_metadata(d1, True, ["UCX"], "127.0.0.1", iport)
+    deadline = time.monotonic() + STEP
+    while not i.check_remote_metadata(t.name, d1.trim()):
+        assert time.monotonic() < deadline
+    assert not i.check_remote_metadata(t.name, d2.trim())
+    with pytest.raises(nixl.nixlNotFoundError):  # not sent yet
+        i.initialize_xfer("READ", i.get_xfer_descs([(mine.addr, 256, 0)], "DRAM"), d2.trim(),
+                          t.name)
+    h = i.initialize_xfer("READ", i.get_xfer_descs([(mine.addr, 256, 0)], "DRAM"), d1.trim(),
+                          t.name, b"UUID1")
+    assert i.transfer(h) in ("DONE", "PROC") and _wait(i, h) == "DONE"
+    assert (mine.np[:256] == 7).all()
+    # Full metadata by fetch and push; then invalidation removes us at the peer.
+    i.fetch_remote_metadata(t.name, "127.0.0.1", tport)
+    i.send_local_metadata("127.0.0.1", tport)
+    deadline = time.monotonic() + STEP
+    while not (i.check_remote_metadata(t.name, d2.trim())
+               and t.check_remote_metadata(i.name)):
+        assert time.monotonic() < deadline
+    i.invalidate_local_metadata("127.0.0.1", tport)
+    deadline = time.monotonic() + STEP
+    while t.check_remote_metadata(i.name):
+        assert time.monotonic() < deadline
+
+
+def test_one_agent_from_many_threads(agents: Any) -> None:
+    a, b, x, y, _, _ = _pair(agents, n=1 << 20)
+    y.np[:] = np.arange(y.n, dtype=np.uint64).astype(np.uint8)
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            off = k * (128 << 10)
+            h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr + off, 64 << 10, 0)], "DRAM"),
+                                  a.get_xfer_descs([(y.addr + off, 64 << 10, 0)], "DRAM"),
+                                  b.name, f"t{k}".encode())
+            for _ in range(50):
+                a.transfer(h)
+                assert _wait(a, h) == "DONE"
+                a.get_new_notifs()
+            h.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(STEP * 3)
+    assert not errors, errors
+    for k in range(4):
+        off = k * (128 << 10)
+        assert np.array_equal(x.np[off:off + (64 << 10)], y.np[off:off + (64 << 10)])
+    seen: set[bytes] = set()
+    deadline = time.monotonic() + STEP
+    while len(seen) < 4:
+        assert time.monotonic() < deadline
+        seen.update(b.get_new_notifs().get(a.name, []))
+    assert seen == {b"t0", b"t1", b"t2", b"t3"}
+
+
+def test_utils_buffers() -> None:
+    a, b = _utils.malloc_passthru(1000), _utils.malloc_passthru(1000)
+    try:
+        assert a % 4096 == 0
+        _utils.ba_buf(a, 1000)
+        ctypes.memmove(b, a, 1000)
+        _utils.verify_transfer(a, b, 1000)
+        ctypes.memset(b + 999, 0, 1)
+        with pytest.raises(AssertionError):
+            _utils.verify_transfer(a, b, 1000)
+    finally:
+        _utils.free_passthru(a)
+        _utils.free_passthru(b)
+
+
+def test_central_store_partial_metadata_by_label(
+    etcd_server: str,  # noqa: F811 (the fixture imported above)
+    monkeypatch: pytest.MonkeyPatch,
+    agents: Any,
+) -> None:
+    """NIXL_ETCD_ENDPOINTS: metadata through etcd under labels (partial_md_example --etcd)."""
+    monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", f"http://{etcd_server}")
+    t, i = agents(), agents()
+    b1, b2, mine = Buf(256, 3), Buf(256, 4), Buf(256, 0)
+    d1 = t.get_reg_descs([(b1.addr, 256, 0, "")], "DRAM")
+    d2 = t.get_reg_descs([(b2.addr, 256, 0, "")], "DRAM")
+    t.register_memory(d1)
+    t.register_memory(d2)
+    i.register_memory([(mine.addr, 256, 0, "")], "DRAM")
+    local = i.get_xfer_descs([(mine.addr, 256, 0)], "DRAM")
+    t.send_partial_agent_metadata(d1, True, ["UCX"], label="label_1")
+    i.fetch_remote_metadata(t.name, label="label_1")
+    deadline = time.monotonic() + STEP
+    while not i.check_remote_metadata(t.name, d1.trim()):
+        assert time.monotonic() < deadline
+    with pytest.raises(nixl.nixlNotFoundError):
+        i.initialize_xfer("READ", local, d2.trim(), t.name)
+    t.send_partial_agent_metadata(d2, True, ["UCX"], label="label_2")
+    i.fetch_remote_metadata(t.name, label="label_2")
+    deadline = time.monotonic() + STEP
+    while True:
+        try:
+            h = i.initialize_xfer("READ", local, d2.trim(), t.name, b"UUID1")
+            break
+        except nixl.nixlNotFoundError:
+            assert time.monotonic() < deadline
+    assert i.transfer(h) in ("DONE", "PROC") and _wait(i, h) == "DONE"
+    assert (mine.np == 4).all()
+    deadline = time.monotonic() + STEP
+    while not t.check_remote_xfer_done(i.name, b"UUID1"):
+        assert time.monotonic() < deadline
+    t.invalidate_local_metadata()
+    t.send_local_metadata()
+    i.fetch_remote_metadata(t.name)  # the whole, under "metadata"
+    deadline = time.monotonic() + STEP
+    while not i.check_remote_metadata(t.name, t.get_xfer_descs(
+            [(b1.addr, 256, 0), (b2.addr, 256, 0)], "DRAM")):
+        assert time.monotonic() < deadline
+    t.invalidate_local_metadata()
+
+
+def test_no_central_store_without_endpoints(monkeypatch: pytest.MonkeyPatch, agents: Any) -> None:
+    monkeypatch.delenv("NIXL_ETCD_ENDPOINTS", raising=False)
+    with pytest.raises(nixl.nixlNotSupportedError):
+        agents().send_local_metadata()
