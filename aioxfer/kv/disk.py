@@ -44,12 +44,15 @@ from aioxfer.errors import XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
 from aioxfer.kv.tier import Tier
+from aioxfer.log import get_logger
 from aioxfer.region import Region, SegmentList
 
 if TYPE_CHECKING:
     from aioxfer.kv.store import Store
 
 __all__ = ["DiskTier"]
+
+_log = get_logger("aioxfer.kv")
 
 SECTOR = 4096
 ENTRY = 64
@@ -58,6 +61,7 @@ ENTRY_MAGIC = 0x4B56
 ENTRY_VERSION = 1
 F_LIVE = 0x01
 F_REMOVED = 0x02
+_NOT_LIVE = 0xFF & ~F_LIVE
 _ALGO_SHIFT = 4
 _SEG_RE = re.compile(r"^seg-(\d{8})\.axkv$")
 _STAGE_SECTORS = 64
@@ -155,6 +159,16 @@ def _parse_superblock(raw: bytes) -> dict[str, int] | None:
     return {"version": u32(8), "block_bytes": u32(12), "slot_bytes": u32(16), "slots": u32(20),
             "hdr_off": int.from_bytes(raw[24:32], "little"),
             "data_off": int.from_bytes(raw[32:40], "little"), "ns": u32(40)}
+
+
+def _mark_entry_removed(entry: npt.NDArray[np.uint8]) -> None:
+    """Flags one 64-byte entry (a view) removed and re-checks it, so a restart
+    reads it as intact and removed (not as torn)."""
+    if not entry.any():
+        return
+    entry[59] = (int(entry[59]) & _NOT_LIVE) | F_REMOVED
+    entry[60:64] = np.frombuffer(
+        int(entry_check(entry.reshape(1, ENTRY))[0]).to_bytes(4, "little"), dtype=np.uint8)
 
 
 def _fdatasync(path: str) -> None:
@@ -275,15 +289,16 @@ class DiskTier(Tier):
             n_entries = table.size // ENTRY
             raw = table[: n_entries * ENTRY].reshape(n_entries, ENTRY)
             ent = raw.view(ENTRY_DTYPE).ravel()
-            ok = ((ent["magic"] == ENTRY_MAGIC) & (ent["version"] == ENTRY_VERSION)
-                  & (ent["ns"] == self.ns) & (ent["length"] == block_bytes))
-            live = ok & ((ent["flags"] & (F_LIVE | F_REMOVED)) == F_LIVE)
-            good = live & (entry_check(raw) == ent["check"])
+            intact = ((ent["magic"] == ENTRY_MAGIC) & (ent["version"] == ENTRY_VERSION)
+                      & (entry_check(raw) == ent["check"]))
+            live = intact & ((ent["flags"] & (F_LIVE | F_REMOVED)) == F_LIVE) \
+                & (ent["ns"] == self.ns) & (ent["length"] == block_bytes)
             # Slots past the file's end (a truncated file) hold nothing.
             fits = (seg.data_off + (np.arange(n_entries, dtype=np.int64) + 1)
                     * seg.slot_bytes) <= size
-            good &= fits
-            self.dropped_on_open += int((live & ~good).sum())
+            good = live & fits
+            written = raw.view("<u8").any(axis=1)  # an all-zero entry was never written
+            self.dropped_on_open += int((written & ~intact).sum() + (live & ~fits).sum())
             idx = np.flatnonzero(good)
             seg.keys[:n_entries] = ent["key"]
             seg.crc[:n_entries] = ent["crc"]
@@ -347,7 +362,15 @@ class DiskTier(Tier):
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Background bookkeeping (a quarantine's on-disk mark, a segment
+            # drop): the in-memory index is already right; say what failed.
+            _log.warning("kv.disk_background_failed", tier=self.name,
+                         error=repr(task.exception()))
 
     # ------------------------------------------------------------ segments
 
@@ -668,9 +691,7 @@ class DiskTier(Tier):
                     seg.nlive -= 1
             if seg.image is not None:  # the active segment: its image is the truth
                 for s in slots:
-                    off = s * ENTRY + 59  # flags byte
-                    seg.image[off] = (seg.image[off] & ~F_LIVE) | F_REMOVED
-                    # the check no longer matches either: dropped on open twice over
+                    _mark_entry_removed(seg.image[s * ENTRY:(s + 1) * ENTRY])
                     seg.dirty.add(s * ENTRY // SECTOR)
                 await self._flush(seg, durable=False)
             else:
@@ -699,6 +720,6 @@ class DiskTier(Tier):
                 for s in slots:
                     sec = s * ENTRY // SECTOR
                     if sec in pos:
-                        off = pos[sec] * SECTOR + (s * ENTRY) % SECTOR + 59
-                        stage[off] = (stage[off] & ~F_LIVE) | F_REMOVED
+                        off = pos[sec] * SECTOR + (s * ENTRY) % SECTOR
+                        _mark_entry_removed(stage[off:off + ENTRY])
                 await agent.write(local, remote)
