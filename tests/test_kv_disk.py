@@ -285,8 +285,9 @@ async def direct_roundtrip(agent: Any, path: Path) -> None:
         assert res.prefix == 32 and np.array_equal(dst.numpy(), src.numpy())
     # unaligned caller memory is refused for an O_DIRECT tier, not silently bounced
     async with kv.Store.open(agent, block_bytes=BB, tiers=[disk(path, direct=True)]) as store:
-        odd = agent.register(bytearray(BB + 512))
-        res = await store.get(keys[:1], odd[512:512 + BB])
+        odd = agent.register(bytearray(BB + 1024))
+        off = 512 if (odd.addr + 512) % SECTOR else 1024  # an address O_DIRECT refuses
+        res = await store.get(keys[:1], odd[off:off + BB])
         assert res.prefix == 0 and isinstance(res.failed[0].error, kv.BlockUnavailable)
 
 
