@@ -18,8 +18,17 @@ from aioxfer.kv.disk import DiskTier
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable, KVError, PinLimitExceeded
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES, ROOT, chain, import_key
+from aioxfer.kv.pipeline import Channel, Pipeline
 from aioxfer.kv.stats import StoreStatistics, TierStatistics
-from aioxfer.kv.store import BlockFailure, GetResult, LookupResult, PutResult, Store
+from aioxfer.kv.store import (
+    BlockFailure,
+    GetResult,
+    LayerResult,
+    LayerStream,
+    LookupResult,
+    PutResult,
+    Store,
+)
 from aioxfer.kv.tier import Tier
 
 __all__ = [
@@ -28,12 +37,16 @@ __all__ = [
     "BlockCorrupt",
     "BlockFailure",
     "BlockUnavailable",
+    "Channel",
     "DiskTier",
     "GetResult",
     "HostTier",
     "KVError",
+    "LayerResult",
+    "LayerStream",
     "LookupResult",
     "PinLimitExceeded",
+    "Pipeline",
     "PutResult",
     "Store",
     "StoreStatistics",

@@ -45,7 +45,8 @@ from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, Segment, SegmentList
 from aioxfer.transfer import Transfer
 
-__all__ = ["BlockFailure", "GetResult", "LookupResult", "PutResult", "Store"]
+__all__ = ["BlockFailure", "GetResult", "LayerResult", "LayerStream", "LookupResult",
+           "PutResult", "Store"]
 
 
 # ---------------------------------------------------------------- results
@@ -98,6 +99,15 @@ class GetResult:
     failed: tuple[BlockFailure, ...]
     nbytes: int
     coalesced: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerResult:
+    """One layer of the stream's leading ``prefix`` blocks has landed."""
+
+    layer: int
+    prefix: int
+    nbytes: int
 
 
 # ---------------------------------------------------------------- blocks
@@ -1125,6 +1135,23 @@ class Store:
             op.finish()
         return done
 
+    # ------------------------------------------------------------ stream
+
+    def stream(self, keys: Sequence[bytes], dst: Any, *, layers: int) -> LayerStream:
+        """Delivers the leading blocks the store holds layer by layer: ``async
+        for layer in store.stream(keys, dst, layers=32)`` yields a
+        LayerResult as soon as that layer of every block has landed (layer
+        ``l`` of a block is its bytes ``[l * block_bytes // layers, ...)``).
+        ``dst``: block memory as for ``get`` (each layer lands inside its
+        block), or one target per layer (a SegmentList or list of Segments of
+        ``block_bytes // layers`` bytes per key: a layer-major KV cache).
+        Blocks below the host tier are first brought into host memory whole
+        and verified (no layer of a block is delivered unverified); layers
+        are then copied from there, all posted at once. Leave the loop early
+        and the rest is cancelled (``aclose()``, or ``async with``)."""
+        self._check_open()
+        return LayerStream(self, self._keys(keys), dst, layers)
+
     # ------------------------------------------------------------ remove
 
     async def remove(self, keys: Sequence[bytes]) -> int:
@@ -1160,6 +1187,127 @@ class Store:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open" if self._opened else "new"
         return f"<Store {self.name!r} {state} tiers={[t.name for t in self.tiers]}>"
+
+
+class LayerStream:
+    """The async iterator ``Store.stream`` returns (also an async context
+    manager: leaving it cancels what has not landed and releases pins)."""
+
+    def __init__(self, store: Store, keys: list[bytes], dst: Any, layers: int) -> None:
+        if layers < 1 or store.block_bytes % layers:
+            raise ValueError(f"layers must divide block_bytes ({store.block_bytes})")
+        self.store = store
+        self.keys = keys
+        self.layers = layers
+        self.layer_bytes = store.block_bytes // layers
+        self.prefix: int | None = None  # known once the first layer is awaited
+        self._targets = self._layer_targets(dst)
+        self._op = _Op(store)
+        self._pending: list[list[Transfer]] = []
+        self._next = 0
+        self._closed = False
+
+    def _layer_targets(self, dst: Any) -> list[tuple[list[Region], list[int]]]:
+        """Per layer: (regions, offsets) of each key's layer bytes."""
+        n, lb, store = len(self.keys), self.layer_bytes, self.store
+        per_layer = (isinstance(dst, Sequence) and not isinstance(dst, Segment | SegmentList)
+                     and len(dst) == self.layers
+                     and all(isinstance(d, SegmentList) or (isinstance(d, Sequence)
+                                                            and not isinstance(d, Segment))
+                             for d in dst))
+        out: list[tuple[list[Region], list[int]]] = []
+        if per_layer:
+            for d in dst:
+                blk = _Blocks.of(d, n, lb, "layer dst")
+                blk.check(store.agent, "dst")
+                out.append((blk.regions, blk.offsets))
+        else:
+            blk = _Blocks.of(dst, n, store.block_bytes, "dst")
+            blk.check(store.agent, "dst")
+            for layer in range(self.layers):
+                out.append((blk.regions, [o + layer * lb for o in blk.offsets]))
+        return out
+
+    async def _start(self) -> None:
+        store = self.store
+        host = store._host
+        if host is None:
+            raise ValueError("stream delivers from host memory: the store needs a HostTier")
+        await store.prefetch(self.keys)
+        slots: list[int] = []
+        for key in self.keys:
+            slot = host.index.get(key)
+            if slot is None:
+                break
+            self._op.pin(host, slot)
+            host.touch(key)
+            slots.append(slot)
+        self.prefix = len(slots)
+        host.counters.hits += len(slots)
+        host.counters.hit_bytes += len(slots) * store.block_bytes
+        if not slots:
+            return
+        bb, lb = store.block_bytes, self.layer_bytes
+        assert host.remote is not None
+        idx = list(range(len(slots)))
+        for layer in range(self.layers):
+            regions, offsets = self._targets[layer]
+            posted = []
+            for region, group in _groups(regions, idx):
+                posted.append(store.agent.read(
+                    _seglist(region, [offsets[i] for i in group], lb),
+                    _seglist(host.remote, [slots[i] * bb + layer * lb for i in group], lb)))
+            self._pending.append(posted)
+
+    def __aiter__(self) -> LayerStream:
+        return self
+
+    async def __anext__(self) -> LayerResult:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            if self.prefix is None:
+                await self._start()
+            if self._next >= len(self._pending):
+                self._finish()
+                raise StopAsyncIteration
+            layer = self._next
+            for t in self._pending[layer]:
+                try:
+                    await t
+                except XferError as exc:
+                    raise BlockUnavailable(f"layer {layer} copy failed: {exc}") from exc
+            self._next += 1
+            assert self.prefix is not None
+            if self._next == len(self._pending):
+                self._finish()
+            return LayerResult(layer, self.prefix, self.prefix * self.layer_bytes)
+        except BaseException:
+            self._finish()
+            raise
+
+    def _finish(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for posted in self._pending[self._next:]:
+            for t in posted:
+                t.cancel()  # the caller's memory: cancelling is the caller's choice
+        self._op.finish()
+
+    async def aclose(self) -> None:
+        self._finish()
+
+    async def __aenter__(self) -> LayerStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._finish()
+
+    def __del__(self) -> None:
+        # A loop left with `break` and no aclose(): the pins still go.
+        if not getattr(self, "_closed", True):
+            self._finish()
 
 
 class _Replan(Exception):
