@@ -65,6 +65,7 @@ _NOT_LIVE = 0xFF & ~F_LIVE
 _ALGO_SHIFT = 4
 _SEG_RE = re.compile(r"^seg-(\d{8})\.axkv$")
 _STAGE_SECTORS = 64
+_VERIFY_CHUNK = 128  # blocks per read chunk at least (see _read)
 
 ENTRY_DTYPE = np.dtype([
     ("key", "V32"), ("seq", "<u8"), ("ns", "<u4"), ("length", "<u4"), ("crc", "<u4"),
@@ -222,6 +223,8 @@ class DiskTier(Tier):
         self.dropped_on_open = 0
         self.foreign_segments = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending_flush: set[_Seg] = set()
+        self._flusher: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------ open / close
 
@@ -246,6 +249,8 @@ class DiskTier(Tier):
     async def _aclose(self) -> None:
         for task in list(self._tasks):
             await asyncio.gather(task, return_exceptions=True)
+        if self._flusher is not None:
+            await asyncio.gather(self._flusher, return_exceptions=True)
         if self.lock is not None:
             for seg in list(self.segs.values()):
                 if seg.image is not None:
@@ -480,10 +485,17 @@ class DiskTier(Tier):
                 seg.writing -= 1
         for i in written:
             ok[i] = True
-        for seg in {p[0] for p in places}:
-            await self._flush(seg, durable=durable)
-            if seg.cursor >= seg.slots and not seg.writing and not seg.dirty:
-                seg.image = None  # sealed: its whole table is on disk
+        segs = {p[0] for p in places}
+        if durable:
+            for seg in segs:
+                await self._flush(seg, durable=True)
+                self._maybe_seal(seg)
+        else:
+            # Not promised durable: the headers follow in the background (still
+            # only after their data, which is complete by now).
+            self._pending_flush.update(segs)
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.ensure_future(self._flush_pending())
         self.counters.puts += len(written)
         self.counters.put_bytes += len(written) * bb
         return ok
@@ -494,7 +506,6 @@ class DiskTier(Tier):
         """Writes blocks ``todo`` into their slots, then publishes them;
         returns the indexes (into keys) written."""
         bb = self.store.block_bytes
-        crcs = [ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb]) for i in todo]
         # One transfer per (source region, segment).
         groups: dict[tuple[int, int], list[int]] = {}
         for j, i in enumerate(todo):
@@ -515,6 +526,8 @@ class DiskTier(Tier):
                             np.full(len(js), bb, dtype=np.uint64))))
         self.counters.writes += len(transfers)
         self.counters.in_flight += len(todo)
+        # Checksums while the engine writes: both only read the source.
+        crcs = [ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb]) for i in todo]
         try:
             results = await asyncio.gather(*transfers, return_exceptions=True)
         finally:
@@ -576,6 +589,20 @@ class DiskTier(Tier):
             seg.nlive += 1
             index[key] = (seg.no << 32) | slot
 
+    def _maybe_seal(self, seg: _Seg) -> None:
+        if seg.cursor >= seg.slots and not seg.writing and not seg.dirty:
+            seg.image = None  # sealed: its whole table is on disk
+
+    async def _flush_pending(self) -> None:
+        while self._pending_flush:
+            seg = self._pending_flush.pop()
+            try:
+                await self._flush(seg, durable=False)
+            except Exception as exc:  # the next flush retries (dirty kept)
+                _log.warning("kv.disk_flush_failed", tier=self.name, error=repr(exc))
+                return
+            self._maybe_seal(seg)
+
     async def _flush(self, seg: _Seg, *, durable: bool) -> None:
         """Writes the segment's dirty header sectors (one writer at a time)."""
         assert self.lock is not None and self.stage is not None
@@ -611,46 +638,60 @@ class DiskTier(Tier):
         groups: dict[tuple[int, int], list[int]] = {}
         for i, loc in enumerate(locs):
             groups.setdefault((loc >> 32, id(regions[i])), []).append(i)
-        transfers = []
+        # Each group is posted in a few chunks at once: the device queue stays
+        # as full as with one transfer, and chunk k is verified while the
+        # chunks after it are still being read (the checksum pass overlaps
+        # the I/O instead of following it).
+        chunks: list[tuple[int, list[int], Any]] = []
         self.tick += 1
+        agent = self.store.agent
         for (no, _r), idx in groups.items():
             seg = self.segs[no]
             seg.last_access = self.tick
             assert seg.region is not None
-            slots = np.array([locs[i] & 0xFFFFFFFF for i in idx], dtype=np.uint64)
-            transfers.append(self.store.agent.read(
-                SegmentList(regions[idx[0]], np.array([offsets[i] for i in idx], dtype=np.uint64),
-                            np.full(len(idx), bb, dtype=np.uint64)),
-                SegmentList(seg.region, seg.data_off + slots * np.uint64(seg.slot_bytes),
-                            np.full(len(idx), bb, dtype=np.uint64))))
-        self.counters.reads += len(transfers)
-        results = await asyncio.gather(*transfers, return_exceptions=True)
+            step = max(_VERIFY_CHUNK, -(-len(idx) // 2))
+            for k in range(0, len(idx), step):
+                part = idx[k:k + step]
+                slots = np.array([locs[i] & 0xFFFFFFFF for i in part], dtype=np.uint64)
+                lens = np.full(len(part), bb, dtype=np.uint64)
+                chunks.append((no, part, agent.read(
+                    SegmentList(regions[part[0]],
+                                np.array([offsets[i] for i in part], dtype=np.uint64), lens),
+                    SegmentList(seg.region, seg.data_off + slots * np.uint64(seg.slot_bytes),
+                                lens))))
+        self.counters.reads += len(chunks)
         bad: list[int] = []
-        for ((no, _r), idx), r in zip(groups.items(), results, strict=True):
-            if isinstance(r, BaseException):
-                if isinstance(r, asyncio.CancelledError):
-                    raise r
-                self.counters.errors += 1
-                e = BlockUnavailable(f"disk tier {self.name!r}: reading segment {no} failed: {r}")
-                e.__cause__ = r
-                for i in idx:
-                    errs[i] = e
-                continue
-            held = self.segs.get(no)
-            for i in idx:
-                slot = locs[i] & 0xFFFFFFFF
-                want = int(held.crc[slot]) if held is not None else -1
-                got = ck.checksum_with(int(held.algo[slot]) if held is not None else 0,
-                                       regions[i].memoryview[offsets[i]:offsets[i] + bb])
-                if got is None:
-                    errs[i] = BlockUnavailable(f"block of segment {no} slot {slot} has a "
-                                               f"checksum this process cannot compute")
-                elif got != want:
-                    self.counters.checksum_failures += 1
-                    errs[i] = BlockCorrupt(f"disk tier {self.name!r}: segment {no} slot {slot}: "
-                                           f"checksum {got:#010x} != recorded {want:#010x}; "
-                                           f"quarantined")
-                    bad.append(i)
+        try:
+            for no, part, t in chunks:
+                try:
+                    await t
+                except XferError as r:
+                    self.counters.errors += 1
+                    e = BlockUnavailable(f"disk tier {self.name!r}: reading segment {no} "
+                                         f"failed: {r}")
+                    e.__cause__ = r
+                    for i in part:
+                        errs[i] = e
+                    continue
+                held = self.segs.get(no)
+                for i in part:
+                    slot = locs[i] & 0xFFFFFFFF
+                    want = int(held.crc[slot]) if held is not None else -1
+                    got = ck.checksum_with(int(held.algo[slot]) if held is not None else 0,
+                                           regions[i].memoryview[offsets[i]:offsets[i] + bb])
+                    if got is None:
+                        errs[i] = BlockUnavailable(f"block of segment {no} slot {slot} has a "
+                                                   f"checksum this process cannot compute")
+                    elif got != want:
+                        self.counters.checksum_failures += 1
+                        errs[i] = BlockCorrupt(f"disk tier {self.name!r}: segment {no} slot "
+                                               f"{slot}: checksum {got:#010x} != recorded "
+                                               f"{want:#010x}; quarantined")
+                        bad.append(i)
+        except BaseException:
+            for _no, _part, t in chunks:
+                t.cancel()  # the caller's memory: cancelled with the caller
+            raise
         if bad:
             self._quarantine([locs[i] for i in bad])
         return errs

@@ -176,7 +176,7 @@ def _groups(regions: list[Region], idx: list[int]) -> list[tuple[Region, list[in
     if not idx:
         return []
     first = regions[idx[0]]
-    if all(regions[i] is first for i in idx):
+    if regions.count(first) == len(regions) or all(regions[i] is first for i in idx):
         return [(first, idx)]
     out: dict[int, tuple[Region, list[int]]] = {}
     for i in idx:
@@ -200,11 +200,13 @@ def _seglist(region: Region | RemoteRegion, offsets: list[int], block_bytes: int
 class _Op:
     """The owner of an operation's pins."""
 
-    __slots__ = ("store", "pins", "nbytes", "pending", "done")
+    __slots__ = ("store", "pins", "host", "host_slots", "nbytes", "pending", "done")
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.pins: list[tuple[Tier, Any]] = []
+        self.host: HostTier | None = None  # the host tier's slots, pinned in bulk
+        self.host_slots: list[int] = []
         self.nbytes = 0
         self.pending = 0  # store-owned transfers still running after a cancel
         self.done = False
@@ -219,17 +221,47 @@ class _Op:
         self.store._pinned_bytes += bb
         self.store._pins += 1
 
+    def pin_host(self, host: HostTier, slots: list[int]) -> None:
+        """Pins host slots (the hit path's bulk form of ``pin``)."""
+        pins = host.pins
+        newly = 0
+        for s in slots:
+            if not pins[s]:
+                newly += 1
+            pins[s] += 1
+        host.pinned += newly
+        self.host = host
+        self.host_slots.extend(slots)
+        nb = len(slots) * self.store.block_bytes
+        self.nbytes += nb
+        self.store._pinned_bytes += nb
+        self.store._pins += len(slots)
+
     def unpin_all(self) -> None:
         pins, self.pins = self.pins, []
         for tier, loc in pins:
             tier_unpin = getattr(tier, "unpin", None)
             if tier_unpin is not None:
                 tier_unpin(loc)
+        count = len(pins)
+        if self.host_slots:
+            host, slots = self.host, self.host_slots
+            self.host_slots = []
+            assert host is not None
+            hp = host.pins
+            for s in slots:
+                if hp[s] == 1 and s in host.doomed:
+                    host.unpin(s)
+                else:
+                    hp[s] -= 1
+                    if not hp[s]:
+                        host.pinned -= 1
+            count += len(slots)
         store = self.store
         store._pinned_bytes -= self.nbytes
-        store._pins -= len(pins)
+        store._pins -= count
         self.nbytes = 0
-        if store._pin_space is not None and pins:
+        if store._pin_space is not None and count:
             store._pin_space.set()
 
     def finish(self) -> None:
@@ -625,18 +657,20 @@ class Store:
         follows: list[tuple[int, _Fetch, _Waiter]] = []
         loop = asyncio.get_running_loop()
         end = n
+        no_index: dict[bytes, int] = {}
+        index_get = (host.index if host is not None else no_index).get
+        regions, offsets = blk.regions, blk.offsets
+        touch = host.order.move_to_end if host is not None and host._lru else None
         # Planning takes its pins without awaiting, so nothing it found can be
         # evicted before it is pinned.
         for i, key in enumerate(keys):
-            if host is not None:
-                slot = host.index.get(key)
-                if slot is not None:
-                    op.pin(host, slot)
-                    host.touch(key)
-                    host_i.append(i)
-                    host_slots.append(slot)
-                    tiers_out[i] = host.name
-                    continue
+            slot = index_get(key)
+            if slot is not None:
+                if touch is not None:
+                    touch(key)
+                host_i.append(i)
+                host_slots.append(slot)
+                continue
             f = self._fetches.get(key)
             if f is not None:
                 w = _Waiter(blk.regions[i], blk.offsets[i], loop.create_future())
@@ -652,10 +686,16 @@ class Store:
                 end = i
                 break
             op.pin(tier, loc)
-            f = _Fetch(key, tier, loc, blk.regions[i], blk.offsets[i])
+            f = _Fetch(key, tier, loc, regions[i], offsets[i])
             self._fetches[key] = f
             leads.setdefault(tier, []).append((i, f))
             tiers_out[i] = tier.name
+        if host_slots:
+            assert host is not None
+            op.pin_host(host, host_slots)
+            name = host.name
+            for i in host_i:
+                tiers_out[i] = name
         try:
             if op.nbytes:
                 await self._pin_budget(op)
@@ -793,6 +833,14 @@ class Store:
             f.error = e
             if e is not None:
                 self._note_error(e)
+        host = self._host
+        if not (host is not None and host.promote) and not any(f.followers for f in fetches):
+            # Nothing to copy anywhere: retire the fetches now (no task).
+            fetches_d = self._fetches
+            for f in fetches:
+                if fetches_d.get(f.key) is f:
+                    del fetches_d[f.key]
+            return
         # Promotion and the followers' copies read the leader's memory: the
         # leader may not return (cancelled or not) before they are done, a
         # memcpy's time at most.
