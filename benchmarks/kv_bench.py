@@ -312,22 +312,20 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
         return (i * 2654435761) & 0xFF  # every block filled with one byte value
 
     async with aioxfer.Agent("soak") as agent:
-        src = agent.alloc(64 * bb)
         dst_pool = [agent.alloc(16 * bb) for _ in range(32)]
         tiers = [kv.HostTier(256 * bb), kv.DiskTier(root, 64 << 20, segment_bytes=256 * bb,
                                                      direct=direct)]
-        done = cancelled = errors = verified = bad = 0
+        done = cancelled = errors = verified = bad = retired = 0
         rss: list[tuple[int, float]] = []
         async with kv.Store.open(agent, block_bytes=bb, tiers=tiers,
                                  max_pinned_bytes=128 * bb, pin_wait=5.0) as store:
-            sv = src.numpy().reshape(64, bb)
-
-            async def op_put(dst: Any) -> None:
+            async def op_put(buf: Any) -> None:
                 start = rng.randrange(universe - 16)
                 k = rng.randint(1, 16)
+                sv = buf.numpy().reshape(16, bb)
                 for j in range(k):
                     sv[j, :] = expected(start + j)
-                await store.put(keys[start:start + k], src[0:k * bb])
+                await store.put(keys[start:start + k], buf[0:k * bb])
 
             async def op_get(dst: Any) -> None:
                 nonlocal verified, bad
@@ -376,8 +374,10 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
             free = list(dst_pool)
             t0 = time.perf_counter()
 
+            writes_caller_memory = {op_get, op_hot_get, op_stream}
+
             async def one(fn: Callable[[Any], Awaitable[None]], cancel_after: float | None) -> None:
-                nonlocal done, cancelled, errors
+                nonlocal done, cancelled, errors, retired
                 dst = free.pop()
                 try:
                     task = asyncio.ensure_future(fn(dst))
@@ -392,13 +392,17 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                         done += 1
                     except asyncio.CancelledError:
                         cancelled += 1
+                        if fn in writes_caller_memory:
+                            # A cancelled get's copy may still be landing in
+                            # dst (the agent's contract): the buffer is retired
+                            # (deregistered: released once the engine is done
+                            # with it) and a fresh one takes its place.
+                            dst.close()
+                            dst = agent.alloc(16 * bb)
+                            retired += 1
                     except aioxfer.XferError:
                         errors += 1
                 finally:
-                    # A cancelled get may still be landing in dst: the block
-                    # goes back only after a pass of the loop, like a caller
-                    # that waits for its transfer's cancellation to settle.
-                    await asyncio.sleep(0)
                     free.append(dst)
                     sem.release()
 
@@ -437,6 +441,7 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
         "rss_mib": [r for _i, r in rss], "rss_growth_after_warmup_mib":
             (rss[-1][1] - warm) if rss else 0.0,
         "coalesced": s.coalesced, "handoffs": s.handoffs, "pin_waits": s.pin_waits,
+        "retired_buffers": retired,
     }
     return result
 

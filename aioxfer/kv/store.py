@@ -319,7 +319,8 @@ class _Waiter:
 class _Fetch:
     """One block in flight from a lower tier; others wait on it."""
 
-    __slots__ = ("key", "tier", "loc", "region", "offset", "followers", "error", "task")
+    __slots__ = ("key", "tier", "loc", "region", "offset", "followers", "error", "task",
+                 "reading")
 
     def __init__(self, key: bytes, tier: Tier, loc: Any, region: Region, offset: int) -> None:
         self.key = key
@@ -330,6 +331,7 @@ class _Fetch:
         self.followers: list[_Waiter] = []
         self.error: XferError | None = None
         self.task: asyncio.Task[None] | None = None  # a handed-over refetch
+        self.reading = False  # its read was started (by the leader or a refetch)
 
 
 class _Staging:
@@ -750,6 +752,12 @@ class Store:
                 results = []
         except asyncio.CancelledError:
             self._detach(follows)
+            # A fetch whose read never started (its task was cancelled before
+            # its first step) is handed over or dropped here, by its leader.
+            for tier, items in leads.items():
+                idle = [f for _i, f in items if not f.reading]
+                if idle:
+                    self._hand_over(tier, idle)
             raise
         if host_groups:
             assert host is not None
@@ -797,7 +805,7 @@ class Store:
 
     def _detach(self, follows: list[tuple[int, _Fetch, _Waiter]]) -> None:
         """Cancelled followers leave their fetches; a handed-over fetch with
-        nobody left waiting is cancelled."""
+        nobody left waiting is cancelled (the last waiter cancels the fetch)."""
         for _i, f, w in follows:
             if w.future.done():
                 continue
@@ -806,15 +814,21 @@ class Store:
                 f.followers.remove(w)
             except ValueError:
                 pass
-            if not f.followers and f.task is not None:
-                task = f.task
-                if all(not g.followers for g in getattr(task, "fetches", [])):
+            task = f.task
+            if task is not None and not task.done():
+                fetches: list[_Fetch] = getattr(task, "fetches", [])
+                if all(not any(not x.future.done() for x in g.followers) for g in fetches):
+                    for g in fetches:
+                        if self._fetches.get(g.key) is g:
+                            del self._fetches[g.key]
                     task.cancel()
 
     async def _run_fetches(self, tier: Tier, fetches: list[_Fetch], blk: _Blocks,
                            op: _Op) -> None:
         """Leader: fetches blocks from ``tier`` straight into the caller's
         memory, then serves whoever attached meanwhile."""
+        for f in fetches:
+            f.reading = True
         tier.counters.in_flight += len(fetches)
         t0 = time.perf_counter()
         try:
