@@ -664,7 +664,11 @@ class DiskTier(Tier):
         try:
             for no, part, t in chunks:
                 try:
-                    await t
+                    # Through gather, not `await t`: a transfer awaited alone
+                    # may be posted (and a small one finished) inside the
+                    # await, before other gets of this loop pass could find
+                    # it in flight and coalesce with it.
+                    await asyncio.gather(t)
                 except XferError as r:
                     self.counters.errors += 1
                     e = BlockUnavailable(f"disk tier {self.name!r}: reading segment {no} "
