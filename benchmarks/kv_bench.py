@@ -316,6 +316,7 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
         tiers = [kv.HostTier(256 * bb), kv.DiskTier(root, 64 << 20, segment_bytes=256 * bb,
                                                      direct=direct)]
         done = cancelled = errors = verified = bad = retired = 0
+        unexpected: list[str] = []
         rss: list[tuple[int, float]] = []
         async with kv.Store.open(agent, block_bytes=bb, tiers=tiers,
                                  max_pinned_bytes=128 * bb, pin_wait=5.0) as store:
@@ -402,6 +403,8 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                             retired += 1
                     except aioxfer.XferError:
                         errors += 1
+                    except Exception as exc:  # a bug: counted, reported, fails the run
+                        unexpected.append(f"{fn.__name__}: {exc!r}")
                 finally:
                     free.append(dst)
                     sem.release()
@@ -441,7 +444,8 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
         "rss_mib": [r for _i, r in rss], "rss_growth_after_warmup_mib":
             (rss[-1][1] - warm) if rss else 0.0,
         "coalesced": s.coalesced, "handoffs": s.handoffs, "pin_waits": s.pin_waits,
-        "retired_buffers": retired,
+        "retired_buffers": retired, "unexpected": unexpected[:10],
+        "unexpected_count": len(unexpected),
     }
     return result
 
@@ -457,7 +461,8 @@ async def bench_soak(args: argparse.Namespace, out: dict[str, Any]) -> None:
           f"{r['seconds']:.1f} s: pins left {r['pins']}, fetches left {r['fetches_in_flight']}, "
           f"corrupt {r['corrupt_blocks']} of {r['verified_blocks']} verified blocks; RSS "
           f"{r['rss_mib'][0]:.0f} -> {r['rss_mib'][-1]:.0f} MiB "
-          f"(+{r['rss_growth_after_warmup_mib']:.1f} MiB after warm-up)")
+          f"(+{r['rss_growth_after_warmup_mib']:.1f} MiB after warm-up); unexpected "
+          f"exceptions: {r['unexpected_count']} {r['unexpected'][:3]}")
 
 
 # ---------------------------------------------------------------- main
@@ -483,7 +488,7 @@ async def main(args: argparse.Namespace) -> int:
             json.dump(out, fh, indent=2)
     soak_r = out.get("soak")
     if soak_r is not None and (soak_r["pins"] or soak_r["fetches_in_flight"]
-                               or soak_r["corrupt_blocks"]):
+                               or soak_r["corrupt_blocks"] or soak_r["unexpected_count"]):
         return 1
     return 0
 

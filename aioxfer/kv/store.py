@@ -962,18 +962,19 @@ class Store:
         if not keep:
             return
         self._handoffs += len(keep)
-        task = self._spawn(self._refetch(tier, keep), f"aioxfer-kv-refetch-{tier.name}")
+        op = _Op(self)
+        for f in keep:
+            op.pin(tier, f.loc)  # now: the leader's pins go with it
+        task = self._spawn(self._refetch(tier, keep, op), f"aioxfer-kv-refetch-{tier.name}")
+        task.add_done_callback(lambda _t: op.finish())  # also if cancelled before it ran
         task.fetches = keep  # type: ignore[attr-defined]
         for f in keep:
             f.task = task
 
-    async def _refetch(self, tier: Tier, fetches: list[_Fetch]) -> None:
+    async def _refetch(self, tier: Tier, fetches: list[_Fetch], op: _Op) -> None:
         staging = self._staging
         assert staging is not None
         bb = self.block_bytes
-        op = _Op(self)
-        for f in fetches:
-            op.pin(tier, f.loc)  # the leader's pins went with it
         slots: list[int] = []
         try:
             slots = await staging.take(len(fetches), self.pin_wait)
@@ -1153,16 +1154,26 @@ class Store:
             want.append((key, found[0], found[1]))
         if not want:
             return have
-        slots = await host.reserve(len(want), host.put_wait)
-        want = want[: len(slots)]
         op = _Op(self)
+        for _key, t, loc in want:
+            op.pin(t, loc)  # before any await: the block cannot go away meanwhile
+        try:
+            slots = await host.reserve(len(want), host.put_wait)
+        except BaseException:
+            op.finish()
+            raise
+        want = want[: len(slots)]  # the rest had no room (their pins go with op)
         bb = self.block_bytes
         assert host.region is not None
         by_tier: dict[Tier, list[_Fetch]] = {}
         slot_of: dict[bytes, int] = {}
         for (key, t, loc), s in zip(want, slots, strict=True):
+            if key in self._fetches or key in host.index:
+                # Another get or prefetch took it up while we waited for room.
+                host.give_back([s])
+                have += 1
+                continue
             op.pin(host, s)
-            op.pin(t, loc)
             f = _Fetch(key, t, loc, host.region, s * bb)
             self._fetches[key] = f
             by_tier.setdefault(t, []).append(f)
