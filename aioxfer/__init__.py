@@ -27,6 +27,7 @@ from aioxfer.errors import (
     TransportError,
     XferError,
 )
+from aioxfer.limits import Limits
 from aioxfer.notifications import Notification, Notifications
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, RemoteSegment, Segment, SegmentList
@@ -46,6 +47,7 @@ __all__ = [
     "AgentStatistics",
     "ClosedResourceError",
     "LeastLoaded",
+    "Limits",
     "LowestExpectedCompletion",
     "Etcd",
     "Membership",

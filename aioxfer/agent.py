@@ -24,7 +24,7 @@ import socket
 import sys
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from time import perf_counter
 from typing import Any, Literal
 
@@ -35,6 +35,8 @@ import numpy.typing as npt
 from aioxfer import _cyx, file_transport
 from aioxfer import cuda as _cuda
 from aioxfer import verbs as _verbs
+from aioxfer.auth import default_token
+from aioxfer.backends import registry as _backends
 from aioxfer.discovery import (
     Etcd,
     EtcdSession,
@@ -57,6 +59,18 @@ from aioxfer.errors import (
     TransportError,
     XferError,
     error_class,
+)
+from aioxfer.limits import Limits
+from aioxfer.local import (
+    PeerCred,
+    check_sealed,
+    listen_local,
+    local_address,
+    peer_cred,
+    peer_pidfd,
+    recv_fds,
+    seal,
+    send_fds,
 )
 from aioxfer.log import get_logger
 from aioxfer.metadata import (
@@ -136,8 +150,13 @@ class Agent:
     say why); asked for explicitly, its absence raises TransportError. Between
     hosts with RDMA devices the path is "verbs" (one reliable-connected queue
     pair per device pair, a stream connection for control); on one host shm
-    stays the default (cuda when both have CUDA). ``token``: a shared
-    secret; when set, connections both ways authenticate with an HMAC challenge.
+    stays the default (cuda when both have CUDA). ``token``: the shared
+    secret every connection authenticates with (an HMAC challenge, both ways).
+    None (the default): ``$AIOXFER_TOKEN``, else this user's own secret
+    (``aioxfer.auth``), so agents of one user on one host connect with no
+    configuration and other users' processes cannot; across hosts give every
+    agent the same token. ``insecure_no_auth=True`` turns authentication off
+    (anyone who can reach the port gets the metadata and the memory).
     ``peer_timeout``: seconds of silence after which a peer is lost (its transfers
     fail with PeerLost); ``keepalive``: idle ping interval. ``tcp_connections``:
     connections per TCP peer and rail (large transfers are split across them).
@@ -148,8 +167,11 @@ class Agent:
     ``priority`` (higher first, FIFO within one), so a latency-critical request
     overtakes queued bulk traffic to the same peer.
     ``stall_timeout``: seconds a connection may owe replies with nothing moving
-    before its transfers fail with TransferTimeout (None: off; a silent peer is
-    still lost after ``peer_timeout``).
+    before its transfers fail with TransferTimeout (default 30; None: off, then
+    a peer that keeps pinging but never answers pins the op and its memory).
+    ``limits``: every bound on what peers can make this agent hold
+    (``aioxfer.Limits``: handshakes, rails, metadata, connections, queued
+    notifications and replies, revocation and close timeouts).
     ``discovery``: ``aioxfer.discovery.Etcd(...)`` to publish this agent under
     its name (from ``start()``/``async with`` until ``aclose()``), connect to
     others by name and follow membership through etcd; None (the default):
@@ -163,15 +185,17 @@ class Agent:
         listen: str | Sequence[str] = "127.0.0.1:0",
         transports: Sequence[str] | None = None,
         token: str | bytes | None = None,
+        insecure_no_auth: bool = False,
         peer_timeout: float = 5.0,
         keepalive: float = 1.0,
         tcp_connections: int = 4,
         copy_workers: int = 2,
         discovery: Etcd | None = None,
         rail_probe: float = 1.0,
-        stall_timeout: float | None = None,
+        stall_timeout: float | None = 30.0,
         peer_max_bytes: int | None = None,
         peer_max_requests: int | None = None,
+        limits: Limits | None = None,
     ) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= 256:
             raise ValueError("agent name must be a string of 1..256 characters")
@@ -204,10 +228,22 @@ class Agent:
                 f"discovery is an aioxfer.discovery.Etcd or None, not {type(discovery).__name__}"
             )
 
+        limits = Limits() if limits is None else limits
+        if not isinstance(limits, Limits):
+            raise TypeError(f"limits is an aioxfer.Limits, not {type(limits).__name__}")
+        self.limits = limits
+        self._max_handshakes = limits.max_handshakes
+        self._max_rails = limits.max_rails
+        self._max_meta_bytes = limits.max_meta_bytes
         self.name = name
         self.incarnation = secrets.randbits(64)
         self.transports: tuple[str, ...] = transports
-        self._token = token_bytes(token)
+        if insecure_no_auth:
+            if token is not None:
+                raise ValueError("give either token= or insecure_no_auth=True, not both")
+            self._token: bytes | None = None
+        else:
+            self._token = token_bytes(token) if token is not None else default_token()
         self._peer_timeout = float(peer_timeout)
         self._tcp_connections = int(tcp_connections)
         self._rail_probe = float(rail_probe)
@@ -219,6 +255,10 @@ class Agent:
             keepalive_ms=max(1, round(keepalive * 1000)),
             peer_timeout_ms=max(1, round(peer_timeout * 1000)),
             stall_ms=0 if stall_timeout is None else max(1, round(stall_timeout * 1000)),
+            max_conns=limits.max_conns,
+            max_notify_per_conn=limits.max_notify_per_conn,
+            revoke_timeout_ms=max(1, round(limits.revoke_timeout * 1000)),
+            reply_queue_bytes=limits.reply_queue_bytes,
         )
         self._fd = self._engine.fileno()
         self._cuda_why = "not asked for"
@@ -244,6 +284,17 @@ class Agent:
             raise
         self.address = self.addresses[0]
         self._host_id = host_id()
+        # Same host: an abstract unix socket too, where the kernel vouches for
+        # who connects (aioxfer.local). Without it no peer gets the shm path.
+        self._local_sock: socket.socket | None = None
+        self._local_name = ""
+        if self._host_id and ("shm" in transports or "cuda" in transports):
+            try:
+                self._local_sock, self._local_name = listen_local(os.geteuid())
+            except OSError as exc:
+                _log.warning("local.unavailable", agent=self.name, reason=str(exc))
+        self._accept_msg = Accept(name=self.name, incarnation=self.incarnation,
+                                  host_id=self._host_id, local=self._local_name)
         self._verbs_devices: list[str] = []
         if "verbs" in transports:
             try:
@@ -261,11 +312,12 @@ class Agent:
         self._accept_tasks: list[asyncio.Task[None]] = []
         self._probes: set[asyncio.Task[None]] = set()
         self._serving: set[asyncio.Task[None]] = set()
-        self.notifications = Notifications()
+        self.notifications = Notifications(self._notify_release)
 
         # memory
         self._regions: dict[str, Region] = {}
         self._freeing: dict[int, Region] = {}  # deregistered, memory still ours to release
+        self._settled: asyncio.Event | None = None  # aclose: set on each freed region
         self._file_peer: Peer | None = None  # the FILE endpoint, made by the first file transfer
 
         # peers
@@ -276,6 +328,8 @@ class Agent:
         self._connecting_eps: dict[int, int] = {}  # endpoint -> status if lost meanwhile
         self._tags: dict[tuple[str, int], int] = {}
         self._tag_names: dict[int, str] = {}
+        self._tag_keys: dict[int, tuple[str, int]] = {}
+        self._tag_refs: dict[int, int] = {}
         self._next_tag = itertools.count(1).__next__
         # every Peer made per name, lost ones too: a new incarnation fences them all
         self._peers_by_name: dict[str, weakref.WeakSet[Peer]] = {}
@@ -338,6 +392,11 @@ class Agent:
             loop.create_task(self._accept_loop(lsock), name=f"aioxfer-accept-{self.name}")
             for lsock in self._lsocks
         ]
+        if self._local_sock is not None:
+            self._accept_tasks.append(loop.create_task(
+                self._accept_loop(self._local_sock, local=True),
+                name=f"aioxfer-accept-local-{self.name}",
+            ))
         if self._discovery is not None:
             # Joining needs etcd round trips: start() awaits it; a lazy start
             # (first connect, write or read) lets it run in the background.
@@ -364,9 +423,17 @@ class Agent:
 
     async def aclose(self) -> None:
         """Stops serving, fails in-flight transfers with ClosedResourceError,
-        closes peers, releases every region. Idempotent."""
+        closes peers, releases every region. Idempotent.
+
+        Like ``deregister``, it first waits (up to ``limits.close_timeout``)
+        until no peer can touch our memory any more; a peer that still could
+        then (a stopped same-host process) is named in a warning, and the
+        memory it could touch stays quarantined (pinned, never released) for
+        the rest of this process."""
         if self._closed:
             return
+        if self._loop is not None and (self._regions or self._freeing):
+            await self._release_all()
         self._closed = True
         tasks: list[asyncio.Task[Any]] = [
             task
@@ -382,6 +449,8 @@ class Agent:
         for task in tasks:
             task.cancel()
         try:
+            # local backends (object storage, plugins): fail in flight, close clients
+            await _backends.aclose_agent(self)
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             if self._session is not None:
@@ -390,6 +459,42 @@ class Agent:
                 await self._session.aclose()
         finally:
             self._shutdown()
+
+    async def _release_all(self) -> None:
+        """Deregisters every region and waits, bounded, until peers released them."""
+        for region in list(self._regions.values()):
+            with contextlib.suppress(RegistrationError):
+                self.deregister(region)
+        self._settled = asyncio.Event()
+        try:
+            async with asyncio.timeout(self.limits.close_timeout):
+                while self._held_regions():
+                    self._settled.clear()
+                    await self._settled.wait()
+        except TimeoutError:
+            pass
+        finally:
+            self._settled = None
+        held = self._held_regions()
+        if held:
+            names = sorted({self._tag_names.get(t, f"tag-{t}") for tags in held.values()
+                            for t in tags})
+            for rid in held:
+                region = self._freeing.pop(rid, None)
+                if region is not None:
+                    _QUARANTINE.append(region)  # its buffer is never released
+            _log.warning("agent.close_gave_up", agent=self.name, peers=names,
+                         regions=len(held), timeout=self.limits.close_timeout,
+                         reason="peers that could still touch our memory did not release it")
+
+    def _held_regions(self) -> dict[int, list[int]]:
+        """Deregistered regions some connection still holds: rid -> tags."""
+        held: dict[int, list[int]] = {}
+        for rid in self._freeing:
+            tags = self._engine.region_holders(rid)
+            if tags:
+                held[rid] = tags
+        return held
 
     def _shutdown(self) -> None:
         # Not yet handed to the engine: fail here.
@@ -434,6 +539,8 @@ class Agent:
         self.notifications._close()
         for lsock in self._lsocks:
             lsock.close()
+        if self._local_sock is not None:
+            self._local_sock.close()
         _log.debug("agent.closed", agent=self.name)
 
     def __del__(self, _warn: Any = warnings.warn) -> None:
@@ -442,6 +549,9 @@ class Agent:
         _warn(f"unclosed aioxfer agent {self.name!r}", ResourceWarning, source=self, stacklevel=1)
         for lsock in getattr(self, "_lsocks", ()):
             lsock.close()
+        local = getattr(self, "_local_sock", None)
+        if local is not None:
+            local.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -516,11 +626,14 @@ class Agent:
             self._check_name(name)
         label = f"aioxfer:{self.name}:{name or 'alloc'}"[:200]
         try:
-            fd = os.memfd_create(label, os.MFD_CLOEXEC)
+            fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
             raise RegistrationError(f"cannot create a memfd of {nbytes} bytes: {exc}") from exc
         try:
             os.ftruncate(fd, nbytes)
+            # Its size is fixed for good, so a peer mapping it can never take
+            # SIGBUS (peers refuse memfds without these seals).
+            seal(fd)
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             os.close(fd)
@@ -548,6 +661,22 @@ class Agent:
         offsets, lengths and host addresses must then be block aligned. Never
         advertised to peers. See aioxfer.file_transport."""
         return file_transport.register_file(self, path, size, direct, name)
+
+    def register_objects(self, url: str, **kwargs: Any) -> Any:
+        """Registers S3-compatible object storage ("s3://bucket/prefix"; keyword
+        arguments endpoint, access_key_id, secret_access_key, region, ...; the
+        AWS environment variables otherwise) as a region of kind "object": see
+        aioxfer.backends.objects (needs the "objects" extra: obstore, aiohttp)."""
+        from aioxfer.backends.objects import register_objects
+
+        return register_objects(self, url, **kwargs)
+
+    async def serve_metrics(self, port: int, host: str = "127.0.0.1") -> Any:
+        """Serves this agent's counters to Prometheus on http://host:port/metrics
+        until aclose(): see aioxfer.metrics (needs prometheus_client)."""
+        from aioxfer.metrics import serve_metrics
+
+        return await serve_metrics(self, port, host)
 
     def _default_name(self, rid: int, prefix: str = "region") -> str:
         """A name for an unnamed region: prefix-rid, made unique among ours."""
@@ -594,31 +723,47 @@ class Agent:
         self._meta_changed()
         return region
 
-    def deregister(self, region: Region) -> None:
+    def deregister(self, region: Region) -> Awaitable[None]:
         """Revokes a region: peers' new accesses fail with AccessDenied; transfers
-        already using it finish first. Its buffer is released (and, for alloc'd
-        regions, its memory unmapped) once the engine confirms nothing touches
-        it. Idempotent."""
+        already using it finish first. Returns an awaitable (a Future when an
+        event loop runs; ignoring it is fine) that completes only when no peer
+        can touch the memory any more: every peer acknowledged the revocation,
+        or is verifiably gone (a same-host peer's process exited: a closed
+        socket is not enough, a stopped process keeps its mappings; a tcp peer
+        that does not acknowledge within ``limits.revoke_timeout`` is
+        disconnected). Until then the region is quarantined: its buffer stays
+        pinned and, for alloc'd regions, mapped. Idempotent (the same awaitable)."""
         if region._agent is not self:
             raise ValueError(
                 f"{region!r} belongs to agent {region._agent.name!r}, not {self.name!r}"
             )
-        if region._closed:
-            return
+        if region._released is not None:
+            return region._released
         region._closed = True
         if self._regions.get(region.name) is region:
             del self._regions[region.name]
+        released = region._released = self._release_future()
         if self._closed:
-            return
-        if region._mmap is not None or region._memfd >= 0:
-            self._freeing[region.rid] = region
+            _resolve(released)
+            return released
+        self._freeing[region.rid] = region
         try:
             self._engine.deregister(region.rid)
         except (ValueError, _cyx.NativeError) as exc:
             self._freeing.pop(region.rid, None)
+            _resolve(released)
             raise RegistrationError(f"cannot deregister region {region.name!r}: {exc}") from None
         finally:
             self._meta_changed()  # it is gone from our metadata either way
+        if self._loop is None:
+            self._drain_once()  # not serving yet: no peer; the engine freed it already
+        return released
+
+    def _release_future(self) -> Awaitable[None]:
+        try:
+            return asyncio.get_running_loop().create_future()
+        except RuntimeError:  # no loop: nothing can be waiting for it
+            return _Released()
 
     @property
     def regions(self) -> list[Region]:
@@ -649,6 +794,24 @@ class Agent:
     # ------------------------------------------------------------ metadata server
 
     def _meta(self) -> AgentMeta:
+        """Our metadata as served over tcp (and etcd): no memfds."""
+        return self._meta_with(lambda r: -1)
+
+    def _local_meta(self) -> tuple[AgentMeta, list[int]]:
+        """Our metadata as served on the unix socket to a peer the kernel
+        vouched for: each alloc'd region names its memfd's index among the fds
+        that follow (SCM_RIGHTS)."""
+        fds: list[int] = []
+
+        def index(r: Region) -> int:
+            if r._memfd < 0:
+                return -1
+            fds.append(r._memfd)
+            return len(fds) - 1
+
+        return self._meta_with(index), fds
+
+    def _meta_with(self, memfd: Callable[[Region], int]) -> AgentMeta:
         return AgentMeta(
             version=PROTOCOL_VERSION,
             name=self.name,
@@ -665,8 +828,7 @@ class Agent:
                     nbytes=r.nbytes,
                     access=r.access,
                     addr=r.addr,
-                    memfd=r._memfd,
-                    memfd_ino=r._memfd_ino,
+                    memfd=memfd(r),
                     verbs=self._engine.verbs_region_keys(r.rid) if self._verbs_devices else [],
                     kind=r.kind,
                     cuda=r._cuda,
@@ -678,11 +840,13 @@ class Agent:
             byteorder=sys.byteorder,
             rails=list(self.addresses),
             verbs_devices=list(self._verbs_devices),
+            local=self._local_name,
         )
 
-    async def _accept_loop(self, lsock: socket.socket) -> None:
+    async def _accept_loop(self, lsock: socket.socket, *, local: bool = False) -> None:
         assert self._loop is not None
         loop = self._loop
+        refused = 0
         while True:
             try:
                 sock, addr = await loop.sock_accept(lsock)
@@ -692,39 +856,78 @@ class Agent:
                 _log.warning("accept.failed", agent=self.name, error=str(exc))
                 await asyncio.sleep(0.1)  # e.g. EMFILE: do not spin
                 continue
-            task = loop.create_task(self._serve(sock, addr))
+            if len(self._serving) >= self._max_handshakes:
+                # Each handshake holds a socket and a task until peer_timeout:
+                # over the cap a connection is closed at once (said once per burst).
+                sock.close()
+                refused += 1
+                if refused == 1:
+                    _log.warning("conn.refused", agent=self.name, remote=_fmt_sockaddr(addr),
+                                 reason=f"{self._max_handshakes} handshakes already running")
+                continue
+            refused = 0
+            task = loop.create_task(self._serve(sock, addr, local=local))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
 
-    async def _serve(self, sock: socket.socket, addr: Any) -> None:
+    async def _serve(self, sock: socket.socket, addr: Any, *, local: bool = False) -> None:
         assert self._loop is not None
         loop = self._loop
         remote = _fmt_sockaddr(addr)
         handed = False
+        pidfd = -1
         try:
             sock.setblocking(False)
-            _nodelay(sock)
+            cred = None
+            if local:
+                # Who connected, as the kernel says: only our own user gets the
+                # same-host path (another user's agents connect over tcp).
+                cred = peer_cred(sock)
+                remote = f"local pid {cred.pid} uid {cred.uid}"
+                if cred.uid != os.geteuid():
+                    raise HandshakeRejected(
+                        f"uid {cred.uid} is not this agent's user: same-host access refused"
+                    )
+            else:
+                _nodelay(sock)
             async with asyncio.timeout(self._peer_timeout):
                 hello = await server_handshake(
                     loop,
                     sock,
                     token=self._token,
-                    accept=Accept(name=self.name, incarnation=self.incarnation),
+                    accept=self._accept_msg,
                 )
                 if hello.purpose == "meta":
-                    await send_frame(loop, sock, self._meta())
+                    if local:
+                        meta, fds = self._local_meta()
+                        await send_frame(loop, sock, meta)
+                        await send_fds(loop, sock, fds)
+                    else:
+                        await send_frame(loop, sock, self._meta())
                     return
                 handles: list[int] = []
                 if hello.purpose == "verbs":
+                    if local:
+                        raise ProtocolError("verbs connections are not made on the unix socket")
                     handles = await self._accept_verbs(loop, sock)
+            if cred is not None:
+                # Held by the engine for this connection's life: a revocation
+                # it owes is settled by its ack or by its process's exit, never
+                # by a closed socket alone (a stopped process keeps its maps).
+                pidfd = peer_pidfd(sock, cred)
             tag = self._tag_for(hello.name, hello.incarnation)
             fd = sock.detach()
             handed = True
-            # The engine owns fd (and the queue pairs), also if this raises.
-            if hello.purpose == "verbs":
-                self._engine.verbs_accept_conn(fd, tag, handles)
-            else:
-                self._engine.accept_conn(fd, tag)
+            # The engine owns fd and pidfd (and the queue pairs), also if this raises.
+            owned, pidfd = pidfd, -1
+            try:
+                if hello.purpose == "verbs":
+                    self._engine.verbs_accept_conn(fd, tag, handles)
+                else:
+                    self._engine.accept_conn(fd, tag, owned)
+            except BaseException:
+                self._tag_unref(tag)
+                raise
             _log.debug("conn.accepted", agent=self.name, peer=hello.name, remote=remote, tag=tag)
         except HandshakeRejected as exc:
             _log.warning("conn.rejected", agent=self.name, remote=remote, reason=str(exc))
@@ -738,7 +941,14 @@ class Agent:
             _log.info("conn.failed", agent=self.name, remote=remote, reason=str(exc))
         except _cyx.NativeError as exc:
             _log.warning("conn.failed", agent=self.name, remote=remote, reason=str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # hostile input must never end in an unretrieved task error
+            _log.warning("conn.rejected", agent=self.name, remote=remote,
+                         reason=f"{type(exc).__name__}: {exc}")
         finally:
+            if pidfd >= 0:
+                os.close(pidfd)
             if not handed:
                 sock.close()
 
@@ -773,12 +983,34 @@ class Agent:
         return handles
 
     def _tag_for(self, name: str, incarnation: int) -> int:
+        """The tag of (name, incarnation)'s connections, one reference more:
+        each accepted connection and each endpoint holds one until it is
+        gone (_tag_unref), so that churn leaves no tags behind."""
         key = (name, incarnation)
         tag = self._tags.get(key)
         if tag is None:
             tag = self._tags[key] = self._next_tag()
             self._tag_names[tag] = name
+            self._tag_keys[tag] = key
+        self._tag_refs[tag] = self._tag_refs.get(tag, 0) + 1
         return tag
+
+    def _notify_release(self, tag: int) -> None:
+        """The application took a notification that came on tag's connection:
+        the engine may read that connection again if it had paused it."""
+        if not self._closed:
+            self._engine.notify_release(tag, 1)
+
+    def _tag_unref(self, tag: int) -> None:
+        n = self._tag_refs.get(tag, 0) - 1
+        if n > 0:
+            self._tag_refs[tag] = n
+            return
+        self._tag_refs.pop(tag, None)
+        key = self._tag_keys.pop(tag, None)
+        if key is not None:
+            self._tags.pop(key, None)
+        self._tag_names.pop(tag, None)
 
     # ------------------------------------------------------------ membership
 
@@ -1015,25 +1247,38 @@ class Agent:
         # snapshot is then revoked on this connection, and since its regions are
         # imported before the engine reads from it, no stale handle slips by.
         sock0, accept0 = await self._open(address)
+        local: _LocalLink | None = None
         try:
-            meta = await self._fetch_meta(host, port, address)
+            if (
+                self._local_sock is not None
+                and accept0.local
+                and accept0.host_id == self._host_id
+                and _cma_allowed()
+            ):
+                # Same host, says the peer: the kernel confirms it on the peer's
+                # unix socket, whose metadata then replaces a tcp fetch.
+                local = await self._open_local(address, accept0)
+            if local is not None:
+                assert local.meta is not None
+                meta = local.meta
+            else:
+                meta = await self._fetch_meta(host, port, address)
             self._check_open()
-        except BaseException:
-            sock0.close()
-            raise
-        if accept0.incarnation != meta.incarnation:
-            sock0.close()
-            raise TransportError(
-                f"peer at {address} restarted while we connected (incarnation "
-                f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
-            )
-        try:
-            return await self._connect_meta(address, meta, sock0)
+            if accept0.incarnation != meta.incarnation:
+                raise TransportError(
+                    f"peer at {address} restarted while we connected (incarnation "
+                    f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
+                )
+            return await self._connect_meta(address, meta, sock0, local)
         finally:
             if sock0.fileno() >= 0:
                 sock0.close()
+            if local is not None:
+                local.close()
 
-    async def _connect_meta(self, address: str, meta: AgentMeta, sock0: socket.socket) -> Peer:
+    async def _connect_meta(
+        self, address: str, meta: AgentMeta, sock0: socket.socket, local: _LocalLink | None
+    ) -> Peer:
         if self._discovery is None:
             # Embedded, names need not be unique: only the same name at the same
             # address with another incarnation is a restart of a peer we had.
@@ -1046,26 +1291,54 @@ class Agent:
             raise ProtocolError(f"peer at {address} speaks protocol version {meta.version}")
         if meta.byteorder != sys.byteorder:
             raise ProtocolError(f"peer at {address} is {meta.byteorder}-endian")
-        path = self._choose_path(meta)
+        # The same-host path only once the kernel vouched for the peer.
+        path = self._choose_path(meta, same_host=local is not None)
         if path is None:
             raise TransportError(
                 f"no transport in common with peer {meta.name!r} at {address} "
                 f"(ours: {self.transports}, theirs: {tuple(meta.transports)}, "
                 f"same host: {meta.host_id == self._host_id})"
             )
-        shm = path in ("shm", "cuda")  # same host: one connection, copies by this engine
+        return await self._connect_path(
+            address, meta, sock0, path, local if path in ("shm", "cuda") else None
+        )
+
+    async def _connect_path(
+        self,
+        address: str,
+        meta: AgentMeta,
+        sock0: socket.socket,
+        path: str,
+        local: _LocalLink | None,
+    ) -> Peer:
+        shm = local is not None  # same host: one connection, copies by this engine
         verbs = path == "verbs"
         # tcp: every advertised listen address is a rail; the one we came by
         # may be a name or another spelling of one of them. shm and verbs:
         # one control connection (verbs: its rails are queue pairs).
-        rails = [address] if shm or verbs or len(meta.rails) < 2 else list(meta.rails)
+        # At most max_rails of what the peer advertises are dialled: its
+        # metadata must not make us open connections to anyone else en masse.
+        rails = (
+            [address] if shm or verbs or len(meta.rails) < 2
+            else list(meta.rails)[: self._max_rails]
+        )
         first = rails.index(address) if address in rails else 0
         per = 1 if shm or verbs else max(1, min(self._tcp_connections, MAX_CONNS // len(rails)))
         tag = self._tag_for(meta.name, meta.incarnation)
         kind = {"shm": _cyx.EP_SHM, "cuda": _cyx.EP_CUDA, "verbs": _cyx.EP_VERBS}.get(
             path, _cyx.EP_TCP
         )
-        ep = self._engine.endpoint_create(kind, tag, meta.pid if shm else 0)
+        if local is not None:
+            # The engine aims cross-memory attach only at the pid the kernel
+            # reported, and owns the pidfd from here on.
+            pid, pidfd = local.cred.pid, local.take_pidfd()
+        else:
+            pid, pidfd = 0, -1
+        try:
+            ep = self._engine.endpoint_create(kind, tag, pid, pidfd)
+        except BaseException:
+            self._tag_unref(tag)
+            raise
         self._connecting_eps[ep] = 0
         try:
             peer = Peer(
@@ -1075,16 +1348,23 @@ class Agent:
                 incarnation=meta.incarnation,
                 path=path,
                 host_id=meta.host_id,
-                pid=meta.pid,
+                pid=pid,
                 ep=ep,
             )
+            if local is not None:
+                peer._local = meta.local
+            peer._tag = tag
             peer._rails = rails
             peer._rail_conns = per
             if self._limits != (None, None):
                 peer._sched = PeerScheduler(max_bytes=self._limits[0],
                                             max_requests=self._limits[1])
-            self._apply_regions(peer, meta.regions)  # before the engine reads revocations
-            self._engine.endpoint_add_conn(ep, sock0.detach(), first)
+            # Regions first: before the engine reads revocations on the connection.
+            self._apply_regions(peer, meta.regions, local.fds if local is not None else None)
+            if local is not None:
+                self._engine.endpoint_add_conn(ep, local.take_data(), first)
+            else:
+                self._engine.endpoint_add_conn(ep, sock0.detach(), first)
             # The rest of the connections, every rail at once: (rail, how many).
             dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first))]
             added = await asyncio.gather(
@@ -1104,6 +1384,7 @@ class Agent:
                 )
         except BaseException as exc:
             self._connecting_eps.pop(ep, None)
+            self._tag_unref(tag)
             if not self._closed:
                 try:
                     self._engine.endpoint_close(ep)
@@ -1207,12 +1488,15 @@ class Agent:
         return added
 
     async def _probe_rail(self, peer: Peer, rail: int) -> None:
-        """Re-dials a failed rail every rail_probe seconds until the peer's
-        engine takes connections on it again (or the peer is gone)."""
+        """Re-dials a failed rail until the peer's engine takes connections on
+        it again (or the peer is gone): after rail_probe seconds, then twice as
+        long after each attempt that added nothing, up to limits.rail_probe_max
+        (an address that never answers is not hammered)."""
         address = peer._rails[rail]
+        delay = self._rail_probe
         try:
             while not (peer._lost or self._closed):
-                await asyncio.sleep(self._rail_probe)
+                await asyncio.sleep(delay)
                 if peer._lost or self._closed:
                     return
                 need = peer._rail_conns - self._rail_live(peer).get(rail, 0)
@@ -1225,34 +1509,93 @@ class Agent:
                     return  # the endpoint is gone: the peer is lost
                 if added and self._rail_live(peer).get(rail, 0) >= peer._rail_conns:
                     break
+                delay = self._rail_probe if added else min(2 * delay, self.limits.rail_probe_max)
             if rail in peer._rails_down and not (peer._lost or self._closed):
                 peer._rails_down.discard(rail)
                 _log.info("rail.up", agent=self.name, peer=peer.name, address=address)
         finally:
             peer._probing.discard(rail)
 
-    def _choose_path(self, meta: AgentMeta) -> str | None:
-        if (
-            "cuda" in self.transports
-            and "cuda" in meta.transports
-            and self._host_id
-            and meta.host_id == self._host_id
-            and _cma_allowed(meta.uid)
-        ):
+    def _choose_path(self, meta: AgentMeta, *, same_host: bool) -> str | None:
+        """same_host: the kernel vouched for the peer (_open_local)."""
+        if same_host and "cuda" in self.transports and "cuda" in meta.transports:
             return "cuda"  # GPU memory by CUDA IPC, host memory as shm
-        if (
-            "shm" in self.transports
-            and "shm" in meta.transports
-            and self._host_id
-            and meta.host_id == self._host_id
-            and _cma_allowed(meta.uid)
-        ):
+        if same_host and "shm" in self.transports and "shm" in meta.transports:
             return "shm"
         if "verbs" in self.transports and "verbs" in meta.transports and meta.verbs_devices:
             return "verbs"
         if "tcp" in self.transports and "tcp" in meta.transports:
             return "tcp"
         return None
+
+    async def _open_local(self, address: str, meta: Accept) -> _LocalLink | None:
+        """The same-host link to the peer that answered meta (its Accept), over
+        its unix socket: a handshaken data connection, the peer's
+        kernel-reported credentials and pidfd, and its metadata with its memfds
+        (passed by the kernel). None, logged, when the kernel does not vouch
+        for it (another user, another agent behind that name): the caller
+        falls back to tcp."""
+        assert self._loop is not None
+        link = _LocalLink()
+        result: _LocalLink | None = None
+        why = ""
+        try:
+            async with self._control_errors(address, "connecting locally to", "connect to"):
+                link.data = await self._dial_local(meta.local)
+                link.cred = peer_cred(link.data)
+                if link.cred.uid != os.geteuid():
+                    why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
+                    return None
+                accept = await client_handshake(
+                    self._loop, link.data, name=self.name, incarnation=self.incarnation,
+                    purpose="data", token=self._token,
+                )
+                if (accept.name, accept.incarnation) != (meta.name, meta.incarnation):
+                    why = f"its unix socket is served by another agent ({accept.name!r})"
+                    return None
+                link.pidfd = peer_pidfd(link.data, link.cred)
+                link.meta, link.fds = await self._fetch_local_meta(meta.local, link.cred.pid)
+            if (link.meta.name, link.meta.incarnation) != (meta.name, meta.incarnation):
+                why = "it restarted while we connected"
+                return None
+            result = link
+            return result
+        finally:
+            if result is None:
+                link.close()
+                if why:
+                    _log.warning("local.refused", agent=self.name, peer=meta.name,
+                                 address=address, reason=why, fallback="tcp")
+
+    async def _dial_local(self, name: str) -> socket.socket:
+        assert self._loop is not None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setblocking(False)
+            await self._loop.sock_connect(sock, local_address(name))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _fetch_local_meta(self, name: str, pid: int) -> tuple[AgentMeta, list[int]]:
+        """A same-host peer's metadata and its memfds (index i of the list is
+        the fd a RegionMeta with memfd=i names), from its unix socket, checked
+        to be served by process pid."""
+        assert self._loop is not None
+        sock = await self._dial_local(name)
+        try:
+            if peer_cred(sock).pid != pid:
+                raise ProtocolError(f"unix socket {name!r} is now served by another process")
+            meta = await fetch_meta(self._loop, sock, name=self.name,
+                                    incarnation=self.incarnation, token=self._token,
+                                    max_meta=self._max_meta_bytes)
+            indexes = sorted(m.memfd for m in meta.regions if m.memfd >= 0)
+            if indexes != list(range(len(indexes))):
+                raise ProtocolError("metadata names memfds out of order or twice")
+            return meta, await recv_fds(self._loop, sock, len(indexes))
+        finally:
+            sock.close()
 
     async def _connect_verbs(self, ep: int, address: str, meta: AgentMeta) -> None:
         """A queue pair per device pair (rail i: our device i, the peer's i),
@@ -1355,8 +1698,12 @@ class Agent:
                 sock.close()
         raise AssertionError("unreachable")  # for type checkers: the block returns or raises
 
-    def _apply_regions(self, peer: Peer, regions: list[RegionMeta]) -> None:
-        """Imports regions new to us and forgets the ones the peer dropped."""
+    def _apply_regions(
+        self, peer: Peer, regions: list[RegionMeta], fds: list[int] | None = None
+    ) -> None:
+        """Imports regions new to us and forgets the ones the peer dropped.
+        fds: a same-host peer's memfds as the kernel passed them (the caller
+        closes them; the engine keeps its own mapping)."""
         eng = self._engine
         ep = peer._ep
         wanted = {(m.rid, m.key): m for m in regions}
@@ -1370,7 +1717,6 @@ class Agent:
                     eng.endpoint_forget(ep, rid)
                 except _cyx.NativeError:
                     pass
-        shm = peer.path in ("shm", "cuda")
         for m in regions:
             old = peer._by_rid.get(m.rid)
             if old is not None:
@@ -1382,7 +1728,14 @@ class Agent:
             if m.kind != "host":
                 self._import_device_region(peer, m)
                 continue
-            memfd = m.memfd if shm and m.memfd >= 0 and _memfd_ok(peer.pid, m) else -1
+            memfd = -1
+            if fds is not None and 0 <= m.memfd < len(fds):
+                why = check_sealed(fds[m.memfd], m.nbytes)
+                if why is None:
+                    memfd = fds[m.memfd]
+                else:  # never mapped: cross-memory attach reaches it without SIGBUS
+                    _log.warning("region.memfd_refused", agent=self.name, peer=peer.name,
+                                 region=m.name, reason=why)
             try:
                 eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
             except _cyx.NativeError:
@@ -1425,8 +1778,26 @@ class Agent:
         self._check_open()
         if peer._lost:
             raise peer._lost_error()
-        host, port = _parse_address(peer.address)
-        meta = await self._fetch_meta(host, port, peer.address)
+        fds: list[int] | None = None
+        if peer._local:
+            try:
+                async with self._control_errors(peer.address, "fetching metadata from",
+                                                "fetch metadata from"):
+                    meta, fds = await self._fetch_local_meta(peer._local, peer.pid)
+            except (OSError, ProtocolError, TransportError) as exc:
+                if not peer._lost:
+                    raise
+                raise peer._lost_error() from exc
+        else:
+            host, port = _parse_address(peer.address)
+            meta = await self._fetch_meta(host, port, peer.address)
+        try:
+            await self._refresh_with(peer, meta, fds)
+        finally:
+            for fd in fds or ():
+                os.close(fd)
+
+    async def _refresh_with(self, peer: Peer, meta: AgentMeta, fds: list[int] | None) -> None:
         if peer._lost:
             raise peer._lost_error()
         if meta.name != peer.name or meta.incarnation != peer.incarnation:
@@ -1439,7 +1810,7 @@ class Agent:
             )
         before = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
         try:
-            self._apply_regions(peer, meta.regions)
+            self._apply_regions(peer, meta.regions, fds)
         except _cyx.NativeError as exc:
             raise error_class(exc.status)(
                 f"cannot refresh peer {peer.name!r}: {exc}", status=exc.status, peer=peer.name
@@ -1474,6 +1845,7 @@ class Agent:
             self._finish_failed(q, peer._lost_error())
         if self._peers_by_ep.get(peer._ep) is peer:
             del self._peers_by_ep[peer._ep]
+            self._tag_unref(peer._tag)
         key = (peer.name, peer.incarnation)
         if self._peers_by_inc.get(key) is peer:
             del self._peers_by_inc[key]
@@ -1529,6 +1901,9 @@ class Agent:
             peer, descs, nbytes = self._descs_one(src, dst)  # nothing to merge
             starts = None
         else:
+            backend = _backends.local_target(dst)  # a local backend's region (object storage)
+            if backend is not None:
+                return backend.post(self, "write", src, dst, notify, priority)
             peer, descs, nbytes = self._descs(src, dst, "write")
             descs, starts = _coalesce(descs)
         payload = None if notify is None else _payload(notify)
@@ -1548,6 +1923,9 @@ class Agent:
             peer, descs, nbytes = self._descs_one(dst, src)  # nothing to merge
             starts = None
         else:
+            backend = _backends.local_target(src)  # a local backend's region (object storage)
+            if backend is not None:
+                return backend.post(self, "read", dst, src, None, priority)
             peer, descs, nbytes = self._descs(dst, src, "read")
             descs, starts = _coalesce(descs)
         t = self._submit(peer, _OP_READ, descs, None, nbytes, "read", priority)
@@ -1913,7 +2291,7 @@ class Agent:
             name = self._tag_names.get(tag)
             if name is None:
                 name = f"tag-{tag}"  # a tag we never saw: should not happen
-            self.notifications._put(Notification(name, payload or b""))
+            self.notifications._put(Notification(name, payload or b""), tag)
         else:
             self._on_event(kind, status, rid, tag, payload, nbytes, fail_index)
 
@@ -1942,6 +2320,10 @@ class Agent:
             region = self._freeing.pop(id_, None)
             if region is not None:
                 self._release_memory(region)
+                if region._released is not None:
+                    _resolve(region._released)
+            if self._settled is not None:
+                self._settled.set()
         elif kind == _cyx.CQ_LOG:
             if payload is not None and payload.startswith(b"verbs: GPU region"):
                 # GPUDirect registration failed: said loudly, it is a slow path.
@@ -1955,6 +2337,7 @@ class Agent:
             )
         elif kind == _cyx.CQ_CONN_CLOSED:
             _log.debug("conn.closed", agent=self.name, peer=self._tag_names.get(tag), tag=tag)
+            self._tag_unref(tag)
 
     def _finish_failed(self, t: Transfer, exc: BaseException | None) -> None:
         """Counts t as failed and fails (exc) or cancels (None) its future."""
@@ -2127,6 +2510,29 @@ def _is_address(target: str) -> bool:
     return bool(sep and host and port.isdigit())
 
 
+# Regions a peer could still touch when their agent closed: kept referenced (so
+# their buffers are never freed and reused under a stopped peer's copies).
+_QUARANTINE: list[Region] = []
+
+
+class _Released:
+    """deregister()'s answer where no event loop runs: already complete."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return
+        yield
+
+    def done(self) -> bool:
+        return True
+
+
+def _resolve(released: Awaitable[None]) -> None:
+    if isinstance(released, asyncio.Future) and not released.done():
+        released.set_result(None)
+
+
 def _retrieve(task: asyncio.Task[Any]) -> None:
     # The exception is re-raised to whoever awaits start(); retrieving it here
     # keeps asyncio from logging it when nobody did.
@@ -2265,22 +2671,42 @@ def _ptrace_scope() -> int:
         return 0
 
 
-def _cma_allowed(peer_uid: int) -> bool:
-    """Whether we may reach a same-host peer's memory: same user, and Yama (if
-    present) does not restrict ptrace-style access to descendants."""
-    if peer_uid != os.geteuid():
-        return False
+def _cma_allowed() -> bool:
+    """Whether we may reach a same-host peer's memory (of our own uid: the
+    kernel checks that per connection): Yama (if present) must not restrict
+    ptrace-style access to descendants, and process_vm_readv must work."""
     scope = _ptrace_scope()
     if scope >= 2 or (scope == 1 and os.geteuid() != 0):
         return False
     return _cma_works()
 
 
-def _memfd_ok(pid: int, m: RegionMeta) -> bool:
-    """Checks that the peer's fd number still names the memfd it advertised
-    (fd numbers are reused), before the engine maps it."""
-    try:
-        st = os.stat(f"/proc/{pid}/fd/{m.memfd}")
-    except OSError:
-        return False
-    return (not m.memfd_ino or st.st_ino == m.memfd_ino) and st.st_size >= m.nbytes
+class _LocalLink:
+    """What _open_local gathered about a same-host peer; closes what nobody took."""
+
+    __slots__ = ("cred", "data", "fds", "meta", "pidfd")
+
+    def __init__(self) -> None:
+        self.data: socket.socket | None = None
+        self.cred = PeerCred(0, -1, -1)
+        self.pidfd = -1
+        self.meta: AgentMeta | None = None
+        self.fds: list[int] = []
+
+    def take_pidfd(self) -> int:
+        fd, self.pidfd = self.pidfd, -1
+        return fd
+
+    def take_data(self) -> int:
+        assert self.data is not None
+        return self.data.detach()
+
+    def close(self) -> None:
+        if self.data is not None and self.data.fileno() >= 0:
+            self.data.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []

@@ -13,6 +13,8 @@ import anyio
 __all__ = [
     "AccessDenied",
     "ClosedResourceError",
+    "ObjectExists",
+    "ObjectNotFound",
     "PeerLost",
     "ProtocolError",
     "RegistrationError",
@@ -86,6 +88,14 @@ class ProtocolError(XferError):
 
 class ClosedResourceError(XferError, anyio.ClosedResourceError):
     """The agent, region or peer was closed by us."""
+
+
+class ObjectNotFound(XferError, FileNotFoundError):
+    """A key (or its bucket) does not exist in object storage."""
+
+
+class ObjectExists(XferError, FileExistsError):
+    """A conditional create found the key already there."""
 
 
 _TABLE: dict[int, type[XferError]] | None = None

@@ -13,6 +13,15 @@ host addresses must be aligned to the device's block size (``Agent.alloc``
 buffers are page aligned).
 
 File regions are never advertised to peers: only this agent reaches them.
+
+The file transport is the built-in local backend "file" of the registry
+(aioxfer.backends): ``agent.write``/``agent.read`` hand it the pairs whose far
+side is a file region, as they hand object storage's to the object backend.
+Its I/O is native, so ``post`` submits to the engine rather than running
+``put``/``get`` coroutines; its counters (``statistics()``) are those of the
+engine's FILE endpoint. That endpoint's counters still sit on a Peer-shaped
+record (``file_peer``), the one type the engine's drain settles counters on:
+an implementation detail, never listed in ``agent.peers``.
 """
 
 from __future__ import annotations
@@ -27,14 +36,16 @@ import numpy as np
 import numpy.typing as npt
 
 from aioxfer import _cyx
+from aioxfer.backends.base import BackendStatistics, LocalBackend, Op
 from aioxfer.errors import RegistrationError, XferError
 from aioxfer.peer import Peer
 from aioxfer.region import Region, Segment, SegmentList, pair_descs
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
+    from aioxfer.transfer import Transfer
 
-__all__ = ["DIRECT_ALIGN", "devices", "status"]
+__all__ = ["DIRECT_ALIGN", "FileBackend", "devices", "status"]
 
 PATH = "file"  # TransferResult.path of file transfers
 # O_DIRECT alignment checked here, with the segment's index, before posting:
@@ -280,3 +291,58 @@ def descs(agent: Agent, local: Any, target: Any) -> tuple[Peer, npt.NDArray[np.u
         f"a file transfer takes a Segment and a file Segment, equal-length lists of them, or two "
         f"SegmentLists; not {type(local).__name__} and {type(target).__name__}"
     )
+
+
+# ---------------------------------------------------------------- the backend
+
+
+class FileBackend(LocalBackend):
+    """The built-in local backend "file": file regions (``agent.register_file``
+    or ``aioxfer.backends.register_region(agent, "file", path, ...)``) moved
+    by the engine."""
+
+    name = "file"
+    kind = "file"
+
+    def register(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        size: int | None = None,
+        direct: bool = False,
+        name: str | None = None,
+    ) -> Region:
+        return register_file(self.agent, path, size, direct, name)
+
+    def post(self, agent: Agent, op: Op, local: Any, far: Any, notify: object,
+             priority: int) -> Transfer:
+        from aioxfer.agent import _coalesce
+
+        if notify is not None:
+            raise ValueError(f"a {op} into a file region takes no notify (nobody to tell)")
+        peer, rows, nbytes = descs(agent, local, far)
+        merged, starts = _coalesce(rows)
+        opcode = _cyx.OP_WRITE if op == "write" else _cyx.OP_READ
+        t = agent._submit(peer, opcode, merged, None, nbytes, op, priority)
+        if starts is not None:
+            t._starts = starts
+        return t
+
+    def statistics(self) -> BackendStatistics:
+        peer = self.agent._file_peer
+        regions = sum(1 for r in self.agent.regions if r.kind == "file")
+        if peer is None:
+            return BackendStatistics(self.name, self.kind, regions, 0, 0, 0, 0, 0, 0, 0, 0)
+        return BackendStatistics(
+            name=self.name,
+            kind=self.kind,
+            regions=regions,
+            transfers_posted=peer._posted,
+            transfers_completed=peer._completed,
+            transfers_failed=peer._failed,
+            ops=peer._completed,
+            bytes=peer._bytes,
+            in_flight=peer._inflight,
+            in_flight_bytes=peer._inflight_bytes,
+            retries=0,
+        )

@@ -8,7 +8,7 @@ reads what an older or newer agent of the same major ``version`` sends
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -28,7 +28,32 @@ __all__ = [
     "VerbsQP",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: same-host peers meet on a unix socket (kernel-verified pid/uid, memfds by
+# SCM_RIGHTS); every connection authenticates by default.
+PROTOCOL_VERSION = 2
+
+# Bounds a peer's messages are validated against while decoding (a violation is
+# a ProtocolError, never an OverflowError or a huge allocation later on).
+MAX_REGIONS = 1 << 20  # regions in one agent's metadata
+MAX_RAILS = 16  # listen addresses an agent may advertise (Agent(max_rails=) dials fewer)
+MAX_NAME = 256
+MAX_ADDRESS = 300
+
+# msgspec bounds must fit an int64: the upper bound of a u64 is checked in
+# __post_init__ (msgpack cannot carry more anyway; JSON from etcd can).
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+_U64_MAX = (1 << 64) - 1
+
+
+def _check_u64(*values: int) -> None:
+    for v in values:
+        if v > _U64_MAX:
+            raise ValueError(f"{v} does not fit in an unsigned 64-bit integer")
+
+I32 = Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Address = Annotated[str, msgspec.Meta(max_length=MAX_ADDRESS)]
+Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 Purpose = Literal["meta", "data", "verbs"]
 
@@ -36,12 +61,15 @@ Purpose = Literal["meta", "data", "verbs"]
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     """First frame of every connection, client to server."""
 
-    version: int
-    name: str
-    incarnation: int
+    version: I32
+    name: Name
+    incarnation: U64
     purpose: Purpose
-    nonce: bytes
-    byteorder: str = "little"
+    nonce: Nonce
+    byteorder: Literal["little", "big"] = "little"
+
+    def __post_init__(self) -> None:
+        _check_u64(self.incarnation)
 
 
 class Challenge(msgspec.Struct, tag="challenge", frozen=True):
@@ -51,88 +79,113 @@ class Challenge(msgspec.Struct, tag="challenge", frozen=True):
     knows the token too; ``nonce`` is what the client must answer.
     """
 
-    nonce: bytes
-    proof: bytes
+    nonce: Nonce
+    proof: Nonce
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):
     """Client's answer: HMAC(token, client context + server nonce + client name)."""
 
-    proof: bytes
+    proof: Nonce
 
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):
     """The server accepts the connection; for "data" the native bytes follow."""
 
-    name: str = ""
-    incarnation: int = 0
+    name: Name = ""
+    incarnation: U64 = 0
+    # Sent only after authentication: where a same-host client may go next
+    # (the server's unix socket, see AgentMeta.local) without a tcp metadata fetch.
+    host_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    local: Address = ""
+
+    def __post_init__(self) -> None:
+        _check_u64(self.incarnation)
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
     """The server refuses the connection and closes it."""
 
-    reason: str
+    reason: Annotated[str, msgspec.Meta(max_length=1024)]
 
 
 class CudaExport(msgspec.Struct, frozen=True):
     """How a same-host peer maps a GPU region: the CUDA IPC handle of its
     allocation, the region's offset in it, and the device's UUID."""
 
-    handle: bytes  # CUipcMemHandle, 64 bytes
-    offset: int
-    device: bytes  # CUuuid, 16 bytes
-    version: int = 1
+    handle: Annotated[bytes, msgspec.Meta(max_length=64)]  # CUipcMemHandle, 64 bytes
+    offset: U64
+    device: Annotated[bytes, msgspec.Meta(max_length=16)]  # CUuuid, 16 bytes
+    version: I32 = 1
 
 
 class RegionMeta(msgspec.Struct, frozen=True):
     """What a peer needs to address one registered region."""
 
-    name: str
-    rid: int
-    key: int
-    nbytes: int
-    access: int
-    addr: int  # the region's address in the owner process (cross-memory attach)
-    memfd: int = -1  # fd number in the owner process for alloc'd regions, else -1
-    memfd_ino: int = 0  # inode of that memfd: lets a peer check it maps the right file
+    name: Name
+    rid: U64
+    key: U64
+    nbytes: U64
+    access: Annotated[int, msgspec.Meta(ge=0, le=3)]
+    addr: U64  # the region's address in the owner process (cross-memory attach)
+    # Alloc'd regions served on a same-host (unix) connection: the index of its
+    # memfd among the fds that follow the metadata (SCM_RIGHTS); else -1. A
+    # number is never opened through /proc: only an fd the kernel passed us.
+    memfd: I32 = -1
     # RDMA: (address, rkey) of its memory registration on each of the owner's
     # verbs devices, in device order; empty without verbs.
-    verbs: list[tuple[int, int]] = []
-    kind: str = "host"  # memory kind: "host" or "cuda" (addr is then a device pointer)
+    verbs: Annotated[list[tuple[U64, U64]], msgspec.Meta(max_length=MAX_RAILS)] = []
+    kind: Literal["host", "cuda"] = "host"  # "cuda": addr is a device pointer
     cuda: CudaExport | None = None  # cuda regions that can be shared by CUDA IPC
+
+    def __post_init__(self) -> None:
+        _check_u64(self.rid, self.key, self.nbytes, self.addr)
+        if self.addr + self.nbytes > _U64_MAX + 1:
+            raise ValueError("region wraps around the address space")
+        for addr, rkey in self.verbs:
+            _check_u64(addr)
+            if rkey >= 1 << 32:
+                raise ValueError("an rkey is 32 bits")
 
 
 class AgentMeta(msgspec.Struct, tag="meta", frozen=True):
     """An agent's metadata, served on its own port to "meta" connections."""
 
-    version: int
-    name: str
-    incarnation: int
-    host_id: str
-    pid: int
-    address: str
-    transports: list[str]
-    regions: list[RegionMeta]
-    uid: int = -1
-    byteorder: str = "little"
+    version: I32
+    name: Name
+    incarnation: U64
+    host_id: Annotated[str, msgspec.Meta(max_length=128)]
+    pid: I32  # informational: same-host peers use the pid the kernel reports
+    address: Address
+    transports: Annotated[list[Name], msgspec.Meta(max_length=16)]
+    regions: Annotated[list[RegionMeta], msgspec.Meta(max_length=MAX_REGIONS)]
+    uid: I32 = -1  # informational, as pid
+    byteorder: Literal["little", "big"] = "little"
     # Every listen address (the first is ``address``): the paths (rails) a TCP
     # peer stripes its connections over. Empty from older agents: ``address``.
-    rails: list[str] = []
+    rails: Annotated[list[Address], msgspec.Meta(max_length=MAX_RAILS)] = []
     # RDMA verbs devices (name and GID), in device order: peers pair theirs
     # with ours by index, one queue pair per pair (a rail). Empty: no verbs.
-    verbs_devices: list[str] = []
+    verbs_devices: Annotated[list[Name], msgspec.Meta(max_length=MAX_RAILS)] = []
+    # Same host: the abstract unix socket name this agent also listens on. A
+    # same-host peer connects there, learns our pid and uid from the kernel
+    # (SO_PEERCRED) and receives our memfds with SCM_RIGHTS. "": none.
+    local: Address = ""
+
+    def __post_init__(self) -> None:
+        _check_u64(self.incarnation)
 
 
 class VerbsQP(msgspec.Struct, frozen=True):
     """What a peer needs to connect a reliable-connected queue pair to ours."""
 
-    qpn: int
-    psn: int
-    mtu: int
-    lid: int
-    port: int
-    gid_index: int
-    gid: bytes
+    qpn: U64
+    psn: U64
+    mtu: U64
+    lid: U64
+    port: U64
+    gid_index: U64
+    gid: Annotated[bytes, msgspec.Meta(max_length=16)]
 
 
 class VerbsConnect(msgspec.Struct, tag="verbs_connect", frozen=True):
@@ -140,13 +193,13 @@ class VerbsConnect(msgspec.Struct, tag="verbs_connect", frozen=True):
     queue pairs, one per rail (rail i joins the client's device i and the
     server's device i)."""
 
-    qps: list[VerbsQP]
+    qps: Annotated[list[VerbsQP], msgspec.Meta(max_length=MAX_RAILS)]
 
 
 class VerbsAccept(msgspec.Struct, tag="verbs_accept", frozen=True):
     """The server's queue pairs for them; the native engine frames follow."""
 
-    qps: list[VerbsQP]
+    qps: Annotated[list[VerbsQP], msgspec.Meta(max_length=MAX_RAILS)]
 
 
 Frame = Hello | Challenge | Proof | Accept | Reject | AgentMeta | VerbsConnect | VerbsAccept

@@ -1,9 +1,10 @@
-"""Notifications received from peers, as an unbounded async stream."""
+"""Notifications received from peers, as an async stream with backpressure."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aioxfer.errors import ClosedResourceError
@@ -23,17 +24,22 @@ class Notification:
 class Notifications:
     """``await receive()`` or ``async for n in notifications``.
 
-    Unbounded, in arrival order. When the agent closes, what was already received
-    is still handed out; after that ``receive()`` raises ClosedResourceError and
-    ``async for`` ends.
+    In arrival order. Bounded per connection (``Limits.max_notify_per_conn``):
+    once that many from one connection wait here, the engine stops reading
+    that connection until the application takes some, so TCP flow control
+    slows the sender; nothing is dropped. When the agent closes, what was
+    already received is still handed out; after that ``receive()`` raises
+    ClosedResourceError and ``async for`` ends.
     """
 
-    __slots__ = ("_items", "_waiters", "_closed")
+    __slots__ = ("_items", "_waiters", "_closed", "_release")
 
-    def __init__(self) -> None:
-        self._items: deque[Notification] = deque()
+    def __init__(self, release: Callable[[int], None] | None = None) -> None:
+        # (notification, the tag of the connection it came on)
+        self._items: deque[tuple[Notification, int]] = deque()
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
+        self._release = release  # gives one notification's credit back to its connection
 
     def __len__(self) -> int:
         return len(self._items)
@@ -46,10 +52,16 @@ class Notifications:
         """The next notification; raises asyncio.QueueEmpty when there is none
         yet, ClosedResourceError when there is none and the agent is closed."""
         if self._items:
-            return self._items.popleft()
+            return self._take()
         if self._closed:
             raise ClosedResourceError("the agent is closed: no more notifications")
         raise asyncio.QueueEmpty
+
+    def _take(self) -> Notification:
+        item, tag = self._items.popleft()
+        if self._release is not None and not self._closed:
+            self._release(tag)
+        return item
 
     async def receive(self) -> Notification:
         while not self._items:
@@ -68,7 +80,7 @@ class Notifications:
                 if self._items:
                     self._wake_one()  # pass on a wake-up this cancelled receiver got
                 raise
-        return self._items.popleft()
+        return self._take()
 
     def __aiter__(self) -> Notifications:
         return self
@@ -81,8 +93,8 @@ class Notifications:
 
     # -------------------------------------------------------------- agent side
 
-    def _put(self, item: Notification) -> None:
-        self._items.append(item)
+    def _put(self, item: Notification, tag: int = 0) -> None:
+        self._items.append((item, tag))
         if self._waiters:
             self._wake_one()
 

@@ -38,6 +38,8 @@ class Peer:
         "path",
         "host_id",
         "pid",
+        "_local",
+        "_tag",
         "_ep",
         "_regions",
         "_by_rid",
@@ -78,6 +80,8 @@ class Peer:
         ep: int,
     ) -> None:
         self._agent = agent
+        self._local = ""  # same host: the peer's unix socket name (metadata refreshes)
+        self._tag = 0  # its connections' tag in the engine
         self.name = name
         self.address = address
         self.incarnation = incarnation

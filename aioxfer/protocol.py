@@ -46,6 +46,8 @@ from aioxfer.metadata import (
 
 __all__ = [
     "MAX_FRAME",
+    "MAX_HANDSHAKE_FRAME",
+    "MAX_META_FRAME",
     "NONCE_BYTES",
     "FrameTooLarge",
     "HandshakeRejected",
@@ -59,6 +61,13 @@ __all__ = [
 ]
 
 MAX_FRAME = 1 << 20
+# Before the peer proved it knows the token, a frame is one of the handshake's
+# (Hello, Challenge, Proof, Accept, Reject): a few hundred bytes. Nothing larger
+# is read (or allocated) for an unauthenticated peer.
+MAX_HANDSHAKE_FRAME = 4096
+# An agent's metadata, read only from an authenticated peer: big enough for
+# ~700 k regions, and a configurable bound (Agent(max_meta_bytes=...)).
+MAX_META_FRAME = 64 << 20
 NONCE_BYTES = 16
 MAX_NAME = 256
 _SERVER_CTX = b"aioxfer-server-v1\x00"
@@ -78,8 +87,9 @@ class HandshakeRejected(AccessDenied):
 
 def encode_frame(msg: Frame) -> bytes:
     body = _encoder.encode(msg)
-    if len(body) > MAX_FRAME:
-        raise FrameTooLarge(f"frame of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
+    limit = MAX_META_FRAME if isinstance(msg, AgentMeta) else MAX_FRAME
+    if len(body) > limit:
+        raise FrameTooLarge(f"frame of {len(body)} bytes is over the {limit}-byte limit")
     return len(body).to_bytes(4, "big") + body
 
 
@@ -88,6 +98,8 @@ def decode_body(body: bytes | bytearray | memoryview) -> Frame:
         return _decoder.decode(body)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise ProtocolError(f"malformed frame: {exc}") from None
+    except RecursionError:  # msgpack nested deeper than the interpreter allows
+        raise ProtocolError("malformed frame: nested too deeply") from None
 
 
 async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytearray:
@@ -158,7 +170,7 @@ async def _client_handshake(
         byteorder=sys.byteorder,
     )
     await send_frame(loop, sock, hello)
-    msg = await recv_frame(loop, sock)
+    msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     if isinstance(msg, Challenge):
         if token is None:
             raise AccessDenied("peer requires a token and this agent has none")
@@ -167,7 +179,7 @@ async def _client_handshake(
         if len(msg.nonce) != NONCE_BYTES:
             raise ProtocolError(f"challenge nonce must be {NONCE_BYTES} bytes")
         await send_frame(loop, sock, Proof(proof=client_proof(token, msg.nonce, name)))
-        msg = await recv_frame(loop, sock)
+        msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     elif isinstance(msg, Accept) and token is not None:
         raise AccessDenied("peer does not authenticate with a token, but this agent requires one")
     if isinstance(msg, Reject):
@@ -185,7 +197,7 @@ async def _server_handshake(
     accept: Accept,
 ) -> Hello:
     """See server_handshake."""
-    hello = await recv_frame(loop, sock)
+    hello = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     if not isinstance(hello, Hello):
         raise _unexpected(hello, "Hello")
     if hello.version != PROTOCOL_VERSION:
@@ -204,7 +216,7 @@ async def _server_handshake(
         nonce = secrets.token_bytes(NONCE_BYTES)
         await send_frame(loop, sock, Challenge(nonce=nonce, proof=server_proof(token, hello.nonce)))
         try:
-            answer = await recv_frame(loop, sock)
+            answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
         except ProtocolError as exc:
             raise HandshakeRejected(
                 f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
@@ -284,12 +296,13 @@ async def fetch_meta(
     name: str,
     incarnation: int,
     token: bytes | None,
+    max_meta: int = MAX_META_FRAME,
 ) -> AgentMeta:
     """Client side of a "meta" connection: handshake, then the AgentMeta."""
     await client_handshake(
         loop, sock, name=name, incarnation=incarnation, purpose="meta", token=token
     )
-    msg = await recv_frame(loop, sock)
+    msg = await recv_frame(loop, sock, max_meta)
     if not isinstance(msg, AgentMeta):
         raise _unexpected(msg, "AgentMeta")
     return msg

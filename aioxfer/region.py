@@ -12,6 +12,7 @@ descriptor.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,6 +67,7 @@ class Region:
         "_obj",
         "_memfd",
         "_memfd_ino",
+        "_released",
         "_mmap",
         "_closed",
         "kind",
@@ -99,6 +101,7 @@ class Region:
         self._obj = obj
         self._memfd = memfd
         self._memfd_ino = memfd_ino
+        self._released: Awaitable[None] | None = None  # deregister()'s answer
         self._mmap = mm
         self._closed = False
         self.kind = kind  # "host", "file" (Agent.register_file; obj: the path) or "cuda"
@@ -151,9 +154,9 @@ class Region:
         """``SegmentList(self, offsets, lengths)``."""
         return SegmentList(self, offsets, lengths)
 
-    def close(self) -> None:
+    def close(self) -> Awaitable[None]:
         """Deregisters the region (same as ``agent.deregister(region)``)."""
-        self._agent.deregister(self)
+        return self._agent.deregister(self)
 
     def _check(self) -> None:
         if self._closed:

@@ -17,6 +17,7 @@ cdef extern from "aioxfer.h" nogil:
         AXF_E_CLOSED
         AXF_E_CANCELLED
         AXF_E_NOTFOUND
+        AXF_E_LIMIT
 
     const char *axf_strerror(int status)
 
@@ -60,6 +61,10 @@ cdef extern from "aioxfer.h" nogil:
         uint32_t keepalive_ms
         uint32_t peer_timeout_ms
         uint32_t stall_ms
+        uint32_t max_conns
+        uint32_t max_notify_per_conn
+        uint32_t revoke_timeout_ms
+        uint64_t reply_queue_bytes
 
     ctypedef struct axf_desc:
         uint64_t lrid
@@ -96,6 +101,10 @@ cdef extern from "aioxfer.h" nogil:
         uint64_t ops_failed
         uint64_t bytes
         uint64_t frames_rejected
+        uint64_t quarantined
+        uint64_t quarantined_bytes
+        uint64_t held_conns
+        uint64_t conns_refused
 
     axf_engine *axf_engine_create(const axf_config *cfg)
     int axf_engine_fd(axf_engine *e)
@@ -108,18 +117,20 @@ cdef extern from "aioxfer.h" nogil:
     int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64_t len,
                                  uint32_t access, int fd, uint64_t *id_out, uint64_t *key_out)
     int axf_region_deregister(axf_engine *e, uint64_t id)
+    int axf_region_holders(axf_engine *e, uint64_t rid, uint64_t *tags_out, size_t max)
 
-    int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid,
+    int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int pidfd,
                             uint64_t *ep_out)
     int axf_endpoint_add_conn(axf_engine *e, uint64_t ep, int fd)
     int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep, int fd, uint32_t rail)
     size_t axf_endpoint_rails(axf_engine *e, uint64_t ep, axf_rail_stats *out, size_t max)
     int axf_endpoint_import(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key,
-                            uint64_t len, uint32_t access, uint64_t addr, int32_t memfd)
+                            uint64_t len, uint32_t access, uint64_t addr, int memfd)
     int axf_endpoint_forget(axf_engine *e, uint64_t ep, uint64_t rid)
     int axf_endpoint_close(axf_engine *e, uint64_t ep)
 
-    int axf_accept_conn(axf_engine *e, int fd, uint64_t tag)
+    int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
+    void axf_notify_release(axf_engine *e, uint64_t tag, uint64_t n)
 
     int axf_post(axf_engine *e, uint64_t ep, int op, const axf_desc *descs, size_t n,
                  const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags)

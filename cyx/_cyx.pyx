@@ -34,6 +34,10 @@ cdef extern from "Python.h":
 
 _object_new = object.__new__
 
+# Pins of regions an engine gave up on at shutdown (a peer could still write
+# them): held for the life of the process, so that memory is never reused.
+_abandoned = []
+
 # ------------------------------------------------------------------ constants
 # Same names as the C header, without the AXF_ prefix.
 
@@ -49,6 +53,7 @@ E_PROTOCOL = AXF_E_PROTOCOL
 E_CLOSED = AXF_E_CLOSED
 E_CANCELLED = AXF_E_CANCELLED
 E_NOTFOUND = AXF_E_NOTFOUND
+E_LIMIT = AXF_E_LIMIT
 
 ACCESS_READ = AXF_ACCESS_READ
 ACCESS_WRITE = AXF_ACCESS_WRITE
@@ -297,7 +302,10 @@ cdef class Engine:
 
     def __cinit__(self, uint32_t copy_workers=0, uint64_t chunk_bytes=0,
                   uint64_t inline_bytes=0, uint32_t keepalive_ms=0,
-                  uint32_t peer_timeout_ms=0, uint32_t stall_ms=0):
+                  uint32_t peer_timeout_ms=0, uint32_t stall_ms=0, uint32_t max_conns=0,
+                  uint32_t max_notify_per_conn=0, uint32_t revoke_timeout_ms=0,
+                  uint64_t reply_queue_bytes=0):
+        # 0 everywhere: the engine's documented default (native/include/aioxfer.h).
         cdef axf_config cfg
         memset(&cfg, 0, sizeof(cfg))
         cfg.copy_workers = copy_workers
@@ -306,6 +314,10 @@ cdef class Engine:
         cfg.keepalive_ms = keepalive_ms
         cfg.peer_timeout_ms = peer_timeout_ms
         cfg.stall_ms = stall_ms
+        cfg.max_conns = max_conns
+        cfg.max_notify_per_conn = max_notify_per_conn
+        cfg.revoke_timeout_ms = revoke_timeout_ms
+        cfg.reply_queue_bytes = reply_queue_bytes
         self._pins = {}
         self._fd = -1
         self._cq = <axf_completion *>PyMem_Malloc(POLL_DEFAULT * sizeof(axf_completion))
@@ -390,14 +402,20 @@ cdef class Engine:
         return n
 
     cdef void _release_freed(self, size_t n) noexcept:
-        """Releases pins of regions the engine reported freed among n records."""
+        """Releases pins of regions the engine reported freed among n records.
+        A region given up on (status E_CLOSED: a peer may still write it) keeps
+        its buffer pinned for the life of the process: that memory must never
+        be reused."""
         cdef size_t i
         cdef _Pin pin
         for i in range(n):
             if self._cq[i].kind == AXF_CQ_REGION_FREED:
                 pin = self._pins.pop(self._cq[i].id, None)
                 if pin is not None:
-                    pin.release()
+                    if self._cq[i].status == AXF_OK:
+                        pin.release()
+                    else:
+                        _abandoned.append(pin)
 
     cdef void _close_native(self) noexcept:
         """shutdown, drain (releasing pins, dropping records), destroy."""
@@ -583,10 +601,14 @@ cdef class Engine:
 
     # -------------------------------------------------------------- endpoints
 
-    def endpoint_create(self, int kind, uint64_t tag, int32_t pid):
+    def endpoint_create(self, int kind, uint64_t tag, int32_t pid=0, int pidfd=-1):
+        """Same-host kinds (EP_SHM, EP_CUDA): pid and pidfd from the kernel
+        (SO_PEERCRED, pidfd_open), never from metadata; pidfd may be -1 only
+        for our own pid. Other kinds: pid 0, pidfd -1. The engine owns pidfd
+        from now on, also when this raises."""
         cdef uint64_t ep = 0
         self._open()
-        _check(axf_endpoint_create(self._e, kind, tag, pid, &ep), "cannot create endpoint")
+        _check(axf_endpoint_create(self._e, kind, tag, pid, pidfd, &ep), "cannot create endpoint")
         return ep
 
     def endpoint_add_conn(self, uint64_t ep, int fd, uint32_t rail=0):
@@ -614,10 +636,20 @@ cdef class Engine:
                 for i in range(n)]
 
     def endpoint_import(self, uint64_t ep, uint64_t rid, uint64_t key, uint64_t nbytes,
-                        uint32_t access, uint64_t addr, int32_t memfd):
+                        uint32_t access, uint64_t addr, int memfd=-1):
+        """memfd: -1, or an fd of the peer's memory received over its unix
+        socket (SCM_RIGHTS), sealed (F_SEAL_SHRINK|GROW|SEAL) and at least
+        nbytes long (else E_ACCESS); mapped during the call. The caller keeps
+        and closes it."""
+        cdef int st
         self._open()
-        _check(axf_endpoint_import(self._e, ep, rid, key, nbytes, access, addr, memfd),
-               f"cannot import region {rid} into endpoint {ep}")
+        self._busy += 1
+        try:
+            with nogil:  # maps (and populates) the peer's memory
+                st = axf_endpoint_import(self._e, ep, rid, key, nbytes, access, addr, memfd)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot import region {rid} into endpoint {ep}")
 
     def endpoint_forget(self, uint64_t ep, uint64_t rid):
         self._open()
@@ -635,17 +667,51 @@ cdef class Engine:
             self._busy -= 1
         _check(st, f"cannot close endpoint {ep}")
 
-    def accept_conn(self, int fd, uint64_t tag):
-        """Target side; the engine owns fd from now on, also when this raises."""
+    def accept_conn(self, int fd, uint64_t tag, int pidfd=-1):
+        """Target side; the engine owns fd (and pidfd) from now on, also when
+        this raises. pidfd: the same-host peer's process (kernel-verified):
+        revocations on this connection then settle only when acknowledged,
+        on its goodbye, or when that process exits, not when the socket
+        closes. -1 for tcp. E_LIMIT beyond max_conns."""
         cdef int st
         self._open()
         self._busy += 1
         try:
             with nogil:
-                st = axf_accept_conn(self._e, fd, tag)
+                st = axf_accept_conn(self._e, fd, tag, pidfd)
         finally:
             self._busy -= 1
         _check(st, "cannot accept a connection")
+
+    def notify_release(self, uint64_t tag, uint64_t n):
+        """The application consumed n notifications of connections tagged tag
+        (see max_notify_per_conn): their receivers may read again."""
+        self._open()
+        axf_notify_release(self._e, tag, n)
+
+    def region_holders(self, uint64_t rid):
+        """Tags of the connections a quarantined (deregistered, not yet freed)
+        region still waits for; None when rid is not quarantined."""
+        cdef uint64_t tags[64]
+        cdef uint64_t *buf = tags
+        cdef int n
+        cdef list out
+        self._open()
+        n = axf_region_holders(self._e, rid, tags, 64)
+        if n == AXF_E_NOTFOUND:
+            return None
+        _check(n if n < 0 else AXF_OK, f"cannot list the holders of region {rid}")
+        if n > 64:
+            buf = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
+            if buf == NULL:
+                raise MemoryError()
+            try:
+                n = min(n, axf_region_holders(self._e, rid, buf, n))
+                out = [buf[i] for i in range(n)]
+            finally:
+                PyMem_Free(buf)
+            return out
+        return [tags[i] for i in range(n)]
 
     # -------------------------------------------------------------- data path
 
@@ -997,6 +1063,10 @@ cdef class Engine:
             "ops_failed": s.ops_failed,
             "bytes": s.bytes,
             "frames_rejected": s.frames_rejected,
+            "quarantined": s.quarantined,
+            "quarantined_bytes": s.quarantined_bytes,
+            "held_conns": s.held_conns,
+            "conns_refused": s.conns_refused,
         }
 
 

@@ -223,15 +223,28 @@ async def _serve(conn: Any, opts: dict[str, Any]) -> None:
 
     loop = asyncio.get_running_loop()
     size = opts.get("size", 1 << 20)
+    if "as_uid" in opts:  # another user on this host (root drops to it, e.g. nobody)
+        # What this process will need from a Python installation the other
+        # user may not be able to read (e.g. under /root): loaded first.
+        import concurrent.futures.thread  # noqa: F401
+        import encodings.idna  # noqa: F401
+        import socket
+
+        socket.getaddrinfo("127.0.0.1", 0)
+        os.setgroups([])
+        os.setresgid(opts["as_uid"], opts["as_uid"], opts["as_uid"])
+        os.setresuid(opts["as_uid"], opts["as_uid"], opts["as_uid"])
     kwargs = {k: opts[k] for k in ("transports", "token", "peer_timeout", "keepalive",
-                                   "tcp_connections") if k in opts}
+                                   "tcp_connections", "insecure_no_auth") if k in opts}
     agent = aioxfer.Agent(opts.get("name", "remote"), **kwargs)
+    if "lie" in opts:
+        _lie(agent, opts["lie"])
     async with agent:
         regions: dict[str, Any] = {
             "pool": agent.alloc(size, name="pool"),  # memfd-backed
             "user": agent.register(bytearray(size), name="user"),  # plain user memory
         }
-        peers: dict[str, Any] = {}
+        peers: dict[str, Any] = {"floods": {}}
         conn.send({"address": agent.address, "pid": os.getpid()})
         while True:
             cmd, args = await loop.run_in_executor(None, conn.recv)
@@ -296,12 +309,58 @@ async def _command(agent: Any, regions: dict[str, Any], peers: dict[str, Any],
         async with asyncio.timeout(STEP * 3):
             res = await agent.write(src, dst, notify=notify)
         return res.nbytes
+    if cmd == "flood":
+        # Writes local -> the peer's region in a loop in the background until
+        # "flood_stop"; counts what completed and what failed (by type).
+        address, local, remote, n = args
+        peer = peers[address]
+        src = regions[local][0:n]
+        dst = peer.region(remote)[0:n]
+        counts: dict[str, int] = {"ok": 0}
+
+        async def loop_writes() -> None:
+            while True:
+                try:
+                    await agent.write(src, dst)
+                    counts["ok"] += 1
+                except aioxfer.XferError as exc:
+                    counts[type(exc).__name__] = counts.get(type(exc).__name__, 0) + 1
+                    await asyncio.sleep(0.01)
+
+        peers["floods"][address] = (asyncio.get_running_loop().create_task(loop_writes()),
+                                    counts)
+        await asyncio.sleep(0.05)
+        return counts["ok"]
+    if cmd == "flood_stop":
+        (address,) = args
+        task, counts = peers["floods"].pop(address)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return counts
     if cmd == "sleep":
         await asyncio.sleep(args[0])
         return None
     if cmd == "raise":
         raise aioxfer.XferError("requested")
     raise ValueError(f"unknown command {cmd!r}")
+
+
+def _lie(agent: Any, lie: dict[str, Any]) -> None:
+    """Makes agent a hostile peer: the metadata it serves claims another
+    process's pid and uid, and regions at another process's addresses (what a
+    confused-deputy attack would advertise)."""
+    import msgspec
+
+    real = agent._meta_with
+
+    def lying(memfd: Any) -> Any:
+        meta = real(memfd)
+        regions = [msgspec.structs.replace(r, addr=lie["addr"], nbytes=lie["nbytes"])
+                   for r in meta.regions]
+        return msgspec.structs.replace(meta, pid=lie["pid"], uid=lie.get("uid", meta.uid),
+                                       regions=regions)
+
+    agent._meta_with = lying
 
 
 def remote_agent_main(conn: Any, opts: dict[str, Any]) -> None:

@@ -82,7 +82,7 @@ def _meta() -> metadata.AgentMeta:
         version=metadata.PROTOCOL_VERSION, name="a", incarnation=2**63 + 5, host_id="h",
         pid=123, address="127.0.0.1:1", transports=["shm", "tcp"],
         regions=[metadata.RegionMeta(name="kv", rid=1, key=2**64 - 1, nbytes=10, access=3,
-                                     addr=0x7F0000000000, memfd=7, memfd_ino=99)],
+                                     addr=0x7F0000000000, memfd=7)],
     )
 
 

@@ -7,6 +7,7 @@ raw sockets stand in for misbehaving peers. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import mmap
 import os
 import select
@@ -126,7 +127,8 @@ def tcp_pair() -> Iterator[TcpPair]:
 def test_status_codes_match_header() -> None:
     assert (_cyx.OK, _cyx.E_INVALID, _cyx.E_NOMEM, _cyx.E_ACCESS, _cyx.E_PEER_LOST,
             _cyx.E_TIMEOUT, _cyx.E_TRANSPORT, _cyx.E_REGISTRATION, _cyx.E_PROTOCOL,
-            _cyx.E_CLOSED, _cyx.E_CANCELLED, _cyx.E_NOTFOUND) == tuple(range(0, -12, -1))
+            _cyx.E_CLOSED, _cyx.E_CANCELLED, _cyx.E_NOTFOUND,
+            _cyx.E_LIMIT) == tuple(range(0, -13, -1))
     assert _cyx.strerror(_cyx.OK) == "ok"
     assert "access denied" in _cyx.strerror(_cyx.E_ACCESS)
     assert _cyx.strerror(_cyx.E_PEER_LOST) == "peer lost"
@@ -555,13 +557,19 @@ def test_shm_memfd_and_cross_memory_attach() -> None:
     b = _cyx.Engine()
     try:
         size = 4 << 20
-        fd = os.memfd_create("axf-test", os.MFD_CLOEXEC)
+        fd = os.memfd_create("axf-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
         pool = mmap.mmap(fd, size)  # b's memfd-backed pool
         user = bytearray(size)  # b's plain memory (cross-memory attach)
         prid, pkey, paddr, plen, pacc = b.register(pool, memfd=fd)
         urid, ukey, uaddr, ulen, uacc = b.register(user)
         ep = a.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
+        # An unsealed memfd could be truncated under our copies: refused.
+        with pytest.raises(_cyx.NativeError) as err:
+            a.endpoint_import(ep, prid, pkey, plen, pacc, paddr, fd)
+        assert err.value.status == _cyx.E_ACCESS
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_SEAL)
         a.endpoint_import(ep, prid, pkey, plen, pacc, paddr, fd)
         a.endpoint_import(ep, urid, ukey, ulen, uacc, uaddr, -1)
         src = bytearray(os.urandom(size))

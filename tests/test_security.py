@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import digest, pattern, wait_until, within
 
-from aioxfer import AccessDenied, _cyx, metadata, protocol
+from aioxfer import AccessDenied, _cyx, auth, metadata, protocol
 
 MiB = 1 << 20
 HDR = struct.Struct("<IHHiIQQQQQQ")
@@ -64,6 +64,7 @@ async def recv_native(sock: socket.socket) -> tuple:
 
 
 async def data_connection(address: str, name: str = "raw", token: bytes | None = None):
+    token = token or auth.default_token()  # this user's: what a default agent expects
     loop = asyncio.get_running_loop()
     sock = await raw_connect(address)
     await within(protocol.client_handshake(loop, sock, name=name, incarnation=7,
@@ -72,6 +73,7 @@ async def data_connection(address: str, name: str = "raw", token: bytes | None =
 
 
 async def region_meta(address: str, name: str, token: bytes | None = None):
+    token = token or auth.default_token()
     loop = asyncio.get_running_loop()
     sock = await raw_connect(address)
     with sock:
@@ -283,7 +285,7 @@ async def test_token_auth(make_agent, capsys) -> None:
     wrote = await still_serves(make_agent, target.address, "dst", token="s3cret")
     assert bytes(dst.memoryview) == wrote
     # A client with a token refuses a server that has none (it cannot prove it).
-    open_server = await make_agent("open")
+    open_server = await make_agent("open", insecure_no_auth=True)
     with_token = await make_agent("careful", token="s3cret")
     with pytest.raises(AccessDenied):
         await within(with_token.connect(open_server.address))

@@ -17,7 +17,7 @@ import pytest
 from conftest import digest, pattern, within
 
 import aioxfer
-from aioxfer import TransportError, _cyx
+from aioxfer import TransportError, _cyx, auth
 from aioxfer import verbs as axverbs
 
 MiB = 1 << 20
@@ -171,7 +171,7 @@ async def test_bad_queue_pair_exchange_is_refused(verbs_provider: str, make_agen
     sock.setblocking(False)
     try:
         await within(client_handshake(loop, sock, name="rogue", incarnation=1, purpose="verbs",
-                                      token=None))
+                                      token=auth.default_token()))
         await send_frame(loop, sock, VerbsConnect(qps=[VerbsQP(*q) for q in qps]))
         # Refused: the server closes; accepted (the last case): nothing moves.
         with contextlib.suppress(OSError, TimeoutError):

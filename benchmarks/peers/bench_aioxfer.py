@@ -74,7 +74,7 @@ async def target(args: argparse.Namespace) -> None:
 async def initiator(args: argparse.Namespace, ctl: C.Ctl) -> str:
     kind, address = ctl.recv()
     assert kind == "meta"
-    base = dict(peer="aioxfer", transport=args.transport,
+    base = dict(peer=args.label, transport=args.transport,
                 config=f"{args.transport},memory={args.memory},loop=asyncio")
     async with aioxfer.Agent("bench-initiator", **agent_kwargs(args)) as agent:
         local = region_of(agent, args)
@@ -210,7 +210,7 @@ async def uvloop_pass(args: argparse.Namespace, address: str) -> None:
     async with aioxfer.Agent("bench-initiator-uvloop", **agent_kwargs(args)) as agent:
         local = region_of(agent, args)
         peer = await agent.connect(address)
-        base = dict(peer="aioxfer", transport=args.transport, path=peer.path,
+        base = dict(peer=args.label, transport=args.transport, path=peer.path,
                     config=f"{args.transport},memory={args.memory},loop=uvloop")
         await python_path(agent, local, peer.region("buf"), base, "WRITE_qd256_uvloop")
 
@@ -222,6 +222,8 @@ def main() -> None:
     ap.add_argument("--memory", default="alloc", choices=["alloc", "register"],
                     help="alloc: agent.alloc regions (memfd); register: agent.register(numpy)")
     ap.add_argument("--ops", default="WRITE,READ")
+    ap.add_argument("--label", default="aioxfer",
+                    help="the records' peer name (aioxfer-before: an earlier build, run.py)")
     args = ap.parse_args()
     if args.role == "target":
         asyncio.run(target(args))

@@ -45,6 +45,13 @@ def commands(ns: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str
         "mooncake": ([mooncake, s("bench_mooncake.py")], {}, mooncake),
         "aioxfer_shm": ([aio, s("bench_aioxfer.py"), "--transport", "shm"], {}, aio),
         "aioxfer_tcp": ([aio, s("bench_aioxfer.py"), "--transport", "tcp"], {}, aio),
+        # An earlier build (its own venv) through today's workload script: the
+        # before/after of a change, in the same run.
+        **({
+            f"before_{tr}": ([ns.aioxfer_before_python, s("bench_aioxfer.py"), "--transport", tr,
+                              "--label", "aioxfer-before"], {}, ns.aioxfer_before_python)
+            for tr in ("shm", "tcp")
+        } if ns.aioxfer_before_python else {}),
     }
 
 
@@ -103,6 +110,9 @@ def main() -> int:
     ap.add_argument("--aioxfer-python", default=os.environ.get("AIOXFER_PYTHON", sys.executable),
                     help="python of the environment where aioxfer is installed "
                     "(default: $AIOXFER_PYTHON, else this python)")
+    ap.add_argument("--aioxfer-before-python",
+                    help="python of a venv with an earlier aioxfer: adds systems before_shm and "
+                    "before_tcp, shown as a column 'aioxfer before' with aioxfer ÷ it")
     ap.add_argument("--venvs", default=os.environ.get(
         "PEERS_VENVS", os.path.expanduser("~/.cache/aioxfer-peers")),
         help="where install.sh put the peers' venvs (default: $PEERS_VENVS or "
@@ -114,7 +124,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, help="seconds per system run (default 600; quick 180)")
     ns = ap.parse_args()
     only = [s for s in ns.only.split(",") if s]
-    unknown = set(only) - set(SYSTEMS)
+    if ns.aioxfer_before_python and ns.only == ",".join(SYSTEMS):
+        only += ["before_shm", "before_tcp"]
+    unknown = set(only) - set(SYSTEMS) - {"before_shm", "before_tcp"}
     if unknown or ns.rounds < 1:
         ap.error(f"unknown systems {sorted(unknown)} (choose from {SYSTEMS})" if unknown
                  else "--rounds must be at least 1")

@@ -22,13 +22,13 @@ SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
 BATCH = 256 * 16 * KiB
 PATHS = {"same": "same host", "tcp": "tcp"}
 PEERS = ("nixl", "mooncake")
-NAMES = {"nixl": "NIXL", "mooncake": "Mooncake", "aioxfer": "aioxfer"}
+NAMES = {"nixl": "NIXL", "mooncake": "Mooncake", "aioxfer": "aioxfer", "before": "aioxfer before"}
 # Which measurement stands for each system on each path: (peer, transport) in the records.
 SYSTEMS = {
     "same": {"nixl": ("nixl", "ucx"), "mooncake": ("mooncake", "tcp"),
-             "aioxfer": ("aioxfer", "shm")},
+             "aioxfer": ("aioxfer", "shm"), "before": ("aioxfer-before", "shm")},
     "tcp": {"nixl": ("nixl", "ucx-tcp"), "mooncake": ("mooncake", "tcp"),
-            "aioxfer": ("aioxfer", "tcp")},
+            "aioxfer": ("aioxfer", "tcp"), "before": ("aioxfer-before", "tcp")},
 }
 
 
@@ -223,10 +223,15 @@ def fmt_ratio(x: float | None) -> str:
 
 
 def table(res: Results) -> list[str]:
+    # An earlier build of aioxfer run beside this one (run.py --aioxfer-before-python)
+    # is one more peer: its column and aioxfer ÷ it.
+    peers = (*PEERS, "before") if any(k[1] == "aioxfer-before" for k in res.idx) else PEERS
+    shown = (*peers[:2], "aioxfer", *peers[2:])
     out = [
-        "| path | op | workload | unit | limit | NIXL | Mooncake | aioxfer "
-        "| aioxfer ÷ NIXL | aioxfer ÷ Mooncake |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| path | op | workload | unit | limit | "
+        + " | ".join(NAMES[p] for p in shown) + " | "
+        + " | ".join(f"aioxfer ÷ {NAMES[p]}" for p in peers) + " |",
+        "|---|---|---|---|---|" + "---:|" * (len(shown) + len(peers)),
     ]
     for path in ("same", "tcp"):
         rows: list[tuple[str, Any]] = [(op, k) for op in ("WRITE", "READ") for k in PER_OP]
@@ -240,8 +245,9 @@ def table(res: Results) -> list[str]:
             if cma is not None:
                 lcell += f"; {fmt(cma, unit)} CMA"
             cells = []
-            systems = ("aioxfer",) if key in AIOXFER_ONLY[path] else ("nixl", "mooncake", "aioxfer")
-            for system in ("nixl", "mooncake", "aioxfer"):
+            systems = (("aioxfer", "before") if key in AIOXFER_ONLY[path]
+                       else ("nixl", "mooncake", "aioxfer", "before"))
+            for system in shown:
                 f = res.fig_med(path, system, op, key) if system in systems else None
                 if f is None:
                     cells.append("–")
@@ -254,7 +260,7 @@ def table(res: Results) -> list[str]:
                 if not res.verified_ok(peer, tr, rop.format(op=op), size):
                     c += " **NOT VERIFIED**"
                 cells.append(c)
-            vs = [fmt_ratio(res.ratio_med(path, "aioxfer", op, key, p)) for p in PEERS]
+            vs = [fmt_ratio(res.ratio_med(path, "aioxfer", op, key, p)) for p in peers]
             opcell = op if op != "-" else ""
             out.append(f"| {PATHS[path]} | {opcell} | {label} | {unit} | {lcell} | "
                        + " | ".join(cells + vs) + " |")

@@ -29,7 +29,8 @@ extern "C" {
     X(AXF_E_PROTOCOL, -8, "protocol error")                             \
     X(AXF_E_CLOSED, -9, "closed")                                       \
     X(AXF_E_CANCELLED, -10, "cancelled")                                \
-    X(AXF_E_NOTFOUND, -11, "not found")
+    X(AXF_E_NOTFOUND, -11, "not found")                                 \
+    X(AXF_E_LIMIT, -12, "resource limit reached")
 
 enum axf_status {
 #define AXF_ENUM_ENTRY(name, value, text) name = value,
@@ -73,7 +74,10 @@ const char *axf_strerror(int status);
                                  success: how many of its groups were rerouted) */
 #define AXF_CQ_NOTIFY 2       /* tag = connection tag; payload */
 #define AXF_CQ_PEER_LOST 3    /* id = endpoint id; tag; status = reason */
-#define AXF_CQ_REGION_FREED 4 /* id = region id: its memory is no longer touched */
+#define AXF_CQ_REGION_FREED 4 /* id = region id; status AXF_OK: its memory is no longer
+                                 touched; AXF_E_CLOSED: the engine shut down while peers
+                                 could still touch it (quarantined, given up: never reuse
+                                 that memory) */
 #define AXF_CQ_LOG 5          /* tag = connection tag; payload = reason text */
 #define AXF_CQ_CONN_CLOSED 6  /* tag = connection tag (accepted side) */
 #define AXF_CQ_RAIL_DOWN 7    /* id = endpoint id; tag; fail_index = rail; nbytes = request
@@ -92,6 +96,19 @@ typedef struct axf_config {
     uint32_t peer_timeout_ms; /* silence after which a connection is lost (0: default 5000) */
     uint32_t stall_ms;        /* a connection with replies outstanding and no progress for
                                  this long fails its requests with AXF_E_TIMEOUT (0: off) */
+    /* Limits on what peers can make us hold (0: the default given). */
+    uint32_t max_conns;       /* live connections (accepted and dialled) per engine; each
+                                 costs two threads. Beyond it: AXF_E_LIMIT (default 256) */
+    uint32_t max_notify_per_conn; /* notifications of one connection pushed to the ring and
+                                 not yet released by axf_notify_release: at this many its
+                                 receiver stops reading (TCP flow control pushes back).
+                                 Default 1024; UINT32_MAX: no bound */
+    uint32_t revoke_timeout_ms; /* a connection without a pidfd (tcp) that has not
+                                 acknowledged a revocation within this is disconnected,
+                                 and then counts as gone (default 10000) */
+    uint64_t reply_queue_bytes; /* replies (READ responses, acknowledgements) queued on one
+                                 connection, counting their payload: at this much its
+                                 receiver stops reading until they drain (default 64 MiB) */
 } axf_config;
 
 /* One descriptor: local (region, offset) <-> remote (region, key, offset), len. */
@@ -134,6 +151,11 @@ typedef struct axf_stats {
     uint64_t ops_failed;
     uint64_t bytes;         /* bytes moved by completed ops */
     uint64_t frames_rejected; /* malformed frames that closed a connection */
+    uint64_t quarantined;       /* deregistered regions some peer may still touch */
+    uint64_t quarantined_bytes; /* ... and their bytes */
+    uint64_t held_conns;        /* closed same-host connections whose process lives and
+                                   still holds a revocation (or may: no goodbye) */
+    uint64_t conns_refused;     /* connections refused at max_conns */
 } axf_stats;
 
 axf_engine *axf_engine_create(const axf_config *cfg);
@@ -155,12 +177,29 @@ int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64
 /* Revokes a region: new accesses fail with AXF_E_ACCESS; ops already holding it
  * finish; every connected peer is told to forget it. AXF_CQ_REGION_FREED is
  * pushed once nothing touches it any more: our own ops are done and each peer
- * has acknowledged (same-host peers copy into our memory directly, so their
- * word is the only proof) or lost its connection. */
+ * has acknowledged, said goodbye, or is verifiably gone. Gone means: for a
+ * connection accepted with a pidfd (same host), that process exited; a closed
+ * socket is not enough (a stopped process keeps its mappings and its
+ * cross-memory-attach rights). For one without (tcp), its connection closed;
+ * a tcp peer that does not acknowledge within revoke_timeout_ms is
+ * disconnected. Until then the region is quarantined (axf_stats). */
 int axf_region_deregister(axf_engine *e, uint64_t id);
+/* Which connections (their tags) a quarantined region still waits for:
+ * fills up to max, returns how many there are (may exceed max), or
+ * AXF_E_NOTFOUND when rid is not quarantined. */
+int axf_region_holders(axf_engine *e, uint64_t rid, uint64_t *tags_out, size_t max);
 
-/* Endpoints (the initiator side of a peer). */
-int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out);
+/* Endpoints (the initiator side of a peer).
+ * Same-host kinds (AXF_EP_SHM, AXF_EP_CUDA): pid and pidfd must come from the
+ * kernel (SO_PEERCRED of the peer's unix socket, pidfd_open of that pid),
+ * never from a peer's metadata; cross-memory attach is aimed at that pid only,
+ * the engine checks that pidfd names it, and once the pidfd reports the
+ * process exited the endpoint is lost (its copies stop between chunks). pid
+ * may be our own with pidfd -1 (an endpoint into this process). Other kinds:
+ * pid 0 and pidfd -1. The engine owns pidfd from the call on, also when it
+ * fails. */
+int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int pidfd,
+                        uint64_t *ep_out);
 /* fd: a connected, authenticated stream socket; the engine owns it from now on.
  * A TCP endpoint stripes large requests over all its live connections in
  * proportion to their measured rates. When one fails and others live, its
@@ -174,15 +213,35 @@ int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep, int fd, uint32_t rail
  * returns how many. Summed per rail, bytes and reroutes never go backwards. */
 size_t axf_endpoint_rails(axf_engine *e, uint64_t ep, axf_rail_stats *out, size_t max);
 /* Makes a peer's region known: bounds and key checks use it; for shm also its
- * address in the peer (cross-memory attach) or its memfd number in the peer. */
+ * address in the peer (cross-memory attach), or memfd: an fd of its memory
+ * received from the peer with SCM_RIGHTS (same-host kinds only), mapped here
+ * during the call. The caller keeps ownership of memfd (the mapping holds
+ * the file; close it when you like). Refused with AXF_E_ACCESS unless its
+ * seals include F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_SEAL (a peer could
+ * otherwise truncate it under our copies: SIGBUS) and it is at least len
+ * bytes; AXF_E_ACCESS too when it cannot be mapped with the access asked. */
 int axf_endpoint_import(axf_engine *e, uint64_t ep, uint64_t rid, uint64_t key, uint64_t len,
-                        uint32_t access, uint64_t addr, int32_t memfd);
+                        uint32_t access, uint64_t addr, int memfd);
 int axf_endpoint_forget(axf_engine *e, uint64_t ep, uint64_t rid);
-/* Fails its pending ops with AXF_E_CLOSED and closes its connections. */
+/* Fails its pending ops with AXF_E_CLOSED and closes its connections. A
+ * same-host endpoint first lets its copies stop (at most one chunk each),
+ * unmaps the peer's memory and says goodbye on each live connection: the
+ * peer then stops waiting for our acknowledgements. The endpoint is freed
+ * once nothing uses it; later calls with its id answer AXF_E_CLOSED (posts,
+ * imports), AXF_OK (close) or AXF_E_NOTFOUND. */
 int axf_endpoint_close(axf_engine *e, uint64_t ep);
 
-/* The target side: a connected, authenticated socket accepted for a peer. */
-int axf_accept_conn(axf_engine *e, int fd, uint64_t tag);
+/* The target side: a connected, authenticated stream socket (tcp or unix)
+ * accepted for a peer; the engine owns fd from now on. pidfd: for a same-host
+ * peer (kernel-verified, as for axf_endpoint_create), its process; owned by
+ * the engine from the call on. With it, revocations sent on this connection
+ * settle only when acknowledged, when the peer says goodbye, or when that
+ * process exits: not when the socket closes. -1 for tcp. AXF_E_LIMIT beyond
+ * max_conns. */
+int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd);
+/* The application consumed n notifications that arrived on connections
+ * tagged tag: their receivers may read again (see max_notify_per_conn). */
+void axf_notify_release(axf_engine *e, uint64_t tag, uint64_t n);
 
 /* Posts one request. Returns AXF_OK when queued; an error when rejected at once
  * (nothing queued, no completion will come). Checks local bounds, imported

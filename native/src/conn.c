@@ -21,6 +21,9 @@
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
 #define DISCARD_BYTES (64u << 10)
 
+/* rx reason for a goodbye: the connection ends, nothing went wrong. */
+static const char BYE_REASON[] = "goodbye";
+
 /* What the initiator expects back on one connection, in order: one entry
  * per request group (or notification) queued on it, which says how to send
  * the group again elsewhere should the connection fail first. */
@@ -32,6 +35,8 @@ typedef struct expect {
     chunk_ref *chunks; /* ... or these (a rerouted group) */
     size_t nchunks;
     uint64_t bytes;    /* READ: received so far; counted only once the group is whole */
+    uint64_t req_bytes; /* what the group asks for: all it ever reports (never the
+                           peer's word) */
     uint64_t t_enq;    /* queued at (us): for the rate measurement */
     struct expect *next;
 } expect;
@@ -96,6 +101,98 @@ static void conn_mark_dead(conn *c)
     if (c->ep)
         atomic_store(&c->ep->sched_stale, true);
     shutdown(c->fd, SHUT_RDWR); /* wakes both threads out of their syscalls */
+    pthread_cond_broadcast(&c->room_cv); /* and a receiver paused for room */
+}
+
+void conn_ref(conn *c)
+{
+    atomic_fetch_add(&c->refs, 1);
+}
+
+void conn_unref(conn *c)
+{
+    if (atomic_fetch_sub(&c->refs, 1) != 1)
+        return;
+    /* Nothing queues on it any more: its sender released its queue, and a
+     * frame queued on a dead connection is released at once. */
+    conn_priv *p = (conn_priv *)c;
+    for (sq_item *it = c->head, *in; it; it = in) {
+        in = it->next;
+        free(it->owned);
+        free(it->chunks);
+        free(it);
+    }
+    for (expect *x = p->ex_head, *xn; x; x = xn) {
+        xn = x->next;
+        expect_free(x);
+    }
+    if (c->pidfd >= 0)
+        close(c->pidfd);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    pthread_cond_destroy(&c->room_cv);
+    free(p);
+}
+
+void conn_registry_drop(axf_engine *e, conn *c)
+{
+    conn **pp = &e->conns;
+    while (*pp && *pp != c)
+        pp = &(*pp)->next_all;
+    if (!*pp)
+        return;
+    *pp = c->next_all;
+    c->next_all = NULL;
+    conn_unref(c);
+}
+
+/* May the receiver read the next frame? (Exact under c->mu.) */
+static bool rx_has_room(const conn *c)
+{
+    const axf_config *cfg = &c->e->cfg;
+    return atomic_load(&c->reply_bytes) < cfg->reply_queue_bytes &&
+           (cfg->max_notify_per_conn == UINT32_MAX ||
+            atomic_load(&c->notify_out) < cfg->max_notify_per_conn);
+}
+
+void conn_room(conn *c)
+{
+    if (c->rx_paused && rx_has_room(c))
+        pthread_cond_broadcast(&c->room_cv);
+}
+
+/* The receiver stops reading (TCP flow control pushes back on the peer)
+ * while this connection's replies or undelivered notifications are at their
+ * bound. Our liveness check is a receive timeout, so a paused receiver is
+ * never declared silent; our sender keeps sending keepalives meanwhile. */
+static void rx_wait_room(conn *c)
+{
+    if (rx_has_room(c)) /* the usual case: no lock */
+        return;
+    pthread_mutex_lock(&c->mu);
+    while (!c->dead && !rx_has_room(c)) {
+        c->rx_paused = true;
+        pthread_cond_wait(&c->room_cv, &c->mu);
+    }
+    c->rx_paused = false;
+    pthread_mutex_unlock(&c->mu);
+}
+
+void axf_notify_release(axf_engine *e, uint64_t tag, uint64_t n)
+{
+    pthread_mutex_lock(&e->mu);
+    for (conn *c = e->conns; c && n; c = c->next_all) {
+        if (c->ep || c->tag != tag)
+            continue;
+        pthread_mutex_lock(&c->mu);
+        uint64_t out = atomic_load(&c->notify_out);
+        uint64_t k = out < n ? out : n;
+        atomic_fetch_sub(&c->notify_out, k);
+        n -= k;
+        conn_room(c);
+        pthread_mutex_unlock(&c->mu);
+    }
+    pthread_mutex_unlock(&e->mu);
 }
 
 void conn_signal(conn *c)
@@ -109,6 +206,31 @@ void conn_enqueue(conn *c, sq_item *it, bool signal)
 {
     it->next = NULL;
     conn_enqueue_chain(c, it, it, signal);
+}
+
+void conn_enqueue_reply(conn *c, sq_item *it, bool signal)
+{
+    /* What it holds: the item, its header, its payload (a READ response's
+     * points into registered memory, but the bound is on what a peer can
+     * make us keep queued, whatever it costs). */
+    uint64_t cost = sizeof *it + sizeof it->h + it->plen;
+    it->reply_cost = cost > UINT32_MAX ? UINT32_MAX : (uint32_t)cost;
+    it->next = NULL;
+    pthread_mutex_lock(&c->mu);
+    if (c->dead) {
+        pthread_mutex_unlock(&c->mu);
+        release_list(c->e, it);
+        return;
+    }
+    atomic_fetch_add(&c->reply_bytes, it->reply_cost);
+    if (c->tail)
+        c->tail->next = it;
+    else
+        c->head = it;
+    c->tail = it;
+    if (signal)
+        pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
 }
 
 void conn_enqueue_chain(conn *c, sq_item *first, sq_item *last, bool signal)
@@ -140,6 +262,7 @@ void conn_enqueue_chain(conn *c, sq_item *first, sq_item *last, bool signal)
         x->op_id = it->h.op;
         x->type = want;
         x->slot = it->slot;
+        x->req_bytes = it->group_bytes;
         x->chunks = it->chunks;
         x->nchunks = it->nchunks;
         x->t_enq = axf_now_us();
@@ -172,6 +295,14 @@ void conn_kill(conn *c)
 {
     pthread_mutex_lock(&c->mu);
     conn_mark_dead(c);
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+void conn_close_after_flush(conn *c)
+{
+    pthread_mutex_lock(&c->mu);
+    c->flush_close = true;
     pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
 }
@@ -209,17 +340,27 @@ static int discard(int fd, uint8_t *scratch, uint64_t len)
 }
 
 /* Sends the iovecs whole (blocking, up to SO_SNDTIMEO) or, nowait, as much
- * as the socket takes now. *sent: bytes sent. 0, or -errno. */
-static int send_iov(int fd, struct iovec *iov, int cnt, bool nowait, uint64_t *sent)
+ * as the socket takes now. *sent: bytes sent. 0, or -errno.
+ * A blocking send that the socket refused for SO_SNDTIMEO goes on waiting
+ * while c's peer is heard from (its keepalives arrive): it is alive and
+ * pushing back (its receiver paused for room), not gone. With stall
+ * detection on, that is a stall instead (the caller's choice). */
+static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *sent)
 {
+    axf_engine *e = c->e;
     while (cnt > 0) {
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
-        ssize_t r = sendmsg(fd, &m, MSG_NOSIGNAL | (nowait ? MSG_DONTWAIT : 0));
+        ssize_t r = sendmsg(c->fd, &m, MSG_NOSIGNAL | (nowait ? MSG_DONTWAIT : 0));
         if (r < 0) {
             if (errno == EINTR)
                 continue;
             if (nowait && (errno == EAGAIN || errno == EWOULDBLOCK))
                 return 0;
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && !e->cfg.stall_ms &&
+                !atomic_load(&c->down) &&
+                axf_now_us() - atomic_load(&c->last_rx_us) <
+                    (uint64_t)e->cfg.peer_timeout_ms * 1000u)
+                continue;
             return -errno;
         }
         *sent += (uint64_t)r;
@@ -259,12 +400,19 @@ static void thread_exit(conn *c)
         atomic_fetch_sub(&e->n_conns, 1);
         if (!c->ep) {
             verbs_conn_closed(e, c); /* its queue pairs first: then nothing reaches us */
-            revokes_drop(e, c); /* a dead peer touches nothing of ours any more */
+            revokes_drop(e, c); /* tcp: a dead peer touches nothing of ours any more */
         }
         if (c->ep)
             endpoint_conn_finished(e, c->ep);
         else
             cq_push(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
+        /* Off the registry unless held (a same-host peer still alive, which
+         * the watcher drops once its process exits). */
+        pthread_mutex_lock(&e->mu);
+        if (c->ep || c->gone)
+            conn_registry_drop(e, c);
+        pthread_mutex_unlock(&e->mu);
+        conn_unref(c); /* the threads' reference */
     }
     pthread_mutex_lock(&e->th_mu);
     e->conn_threads--;
@@ -330,7 +478,7 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         }
     }
     uint64_t sent = 0;
-    int r = niov ? send_iov(c->fd, iov, niov, nowait, &sent) : 0;
+    int r = niov ? send_iov(c, iov, niov, nowait, &sent) : 0;
     uint64_t now = axf_now_us();
     atomic_store(&c->progress_us, now);
 
@@ -347,9 +495,11 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
             break;
         }
         sent -= r == 0 ? left : 0;
+        atomic_fetch_sub(&c->reply_bytes, it->reply_cost);
         it->next = *done;
         *done = it;
     }
+    conn_room(c);
     if (i < keep) {
         sq_item *head = c->head;
         for (int k = keep - 1; k >= i; k--) {
@@ -398,6 +548,10 @@ static void *tx_main(void *arg)
     pthread_mutex_lock(&c->mu);
     c->last_send_ms = axf_now_ms();
     while (!c->dead) {
+        if (c->flush_close && !c->head && !c->sending) {
+            conn_mark_dead(c); /* the goodbye is out: nothing follows it */
+            break;
+        }
         if (c->head && !c->sending) {
             sq_item *done = NULL;
             int r = send_batch(c, false, &done);
@@ -415,7 +569,7 @@ static void *tx_main(void *arg)
             wire_hdr ping = {.magic = AXF_MAGIC, .type = FR_PING};
             struct iovec pv = {.iov_base = &ping, .iov_len = sizeof ping};
             uint64_t sent = 0;
-            int r = send_iov(c->fd, &pv, 1, false, &sent);
+            int r = send_iov(c, &pv, 1, false, &sent);
             pthread_mutex_lock(&c->mu);
             c->sending = false;
             c->last_send_ms = axf_now_ms();
@@ -535,7 +689,7 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
             ack->h.index = c->grp_fail;
             ack->h.len = c->grp_bytes;
             c->in_grp = false;
-            conn_enqueue(c, ack, false);
+            conn_enqueue_reply(c, ack, false);
             conn_kick(c); /* replies go out from here: no handoff */
         }
         return NULL;
@@ -565,7 +719,7 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                 resp->h.status = AXF_E_ACCESS;
             }
         }
-        conn_enqueue(c, resp, false);
+        conn_enqueue_reply(c, resp, false);
         conn_kick(c);
         return NULL;
     }
@@ -585,8 +739,10 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
         sq_item *ack = sq_new(FR_NOTIFY_ACK, h->op);
         if (!ack)
             return "out of memory";
-        conn_enqueue(c, ack, false);
+        conn_enqueue_reply(c, ack, false);
         conn_kick(c);
+        /* One credit, until the application consumed it (axf_notify_release). */
+        atomic_fetch_add(&c->notify_out, 1);
         cq_push(e, AXF_CQ_NOTIFY, AXF_OK, h->op, c->tag, 0, 0, scratch, h->len);
         return NULL;
     }
@@ -596,6 +752,13 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
             return "REVOKE_ACK for no revocation";
         }
         return NULL;
+    case FR_BYE:
+        if (h->len) {
+            *proto = true;
+            return "BYE frame with payload";
+        }
+        bye_received(e, c);
+        return BYE_REASON;
     default:
         *proto = true;
         return "frame type not valid towards a target";
@@ -639,7 +802,10 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
             *proto = true;
             return "REVOKE frame with payload";
         }
-        revoke_received(c->e, c, h->rid, h->key);
+        if (revoke_received(c->e, c, h->rid, h->key) == AXF_E_PROTOCOL) {
+            *proto = true;
+            return "REVOKE repeated while the first waits";
+        }
         return NULL;
     }
     atomic_store(&c->progress_us, axf_now_us());
@@ -684,11 +850,14 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
             x->bytes += h->len;
         }
     } else if (h->type == FR_WRITE_ACK) {
+        /* Its byte count is the peer's word: ours is what the group asked. */
         if (h->status != AXF_OK)
             op_set_status(o, h->status, h->index < o->n ? h->index : 0);
         else
-            x->bytes = h->len;
+            x->bytes = x->req_bytes;
     }
+    if (last && x->bytes > x->req_bytes)
+        x->bytes = x->req_bytes; /* a READ answered twice counts once */
     if (last) {
         pthread_mutex_lock(&c->mu);
         p->ex_head = x->next;
@@ -801,6 +970,11 @@ static void initiator_conn_lost(conn *c, bool proto)
     }
 }
 
+const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *proto, int *io)
+{
+    return c->ep ? rx_initiator(c, h, proto, io) : rx_target(c, h, scratch, proto, io);
+}
+
 static void *rx_main(void *arg)
 {
     conn *c = arg;
@@ -811,11 +985,13 @@ static void *rx_main(void *arg)
     int io = 0;
     wire_hdr h;
     while (!reason) {
+        rx_wait_room(c);
         io = read_full(c->fd, &h, sizeof h);
         if (io) {
             reason = "connection lost";
             break;
         }
+        atomic_store(&c->last_rx_us, axf_now_us());
         if (h.magic != AXF_MAGIC) {
             proto = true;
             reason = "bad frame magic";
@@ -823,10 +999,7 @@ static void *rx_main(void *arg)
         }
         if (h.type == FR_PING)
             continue;
-        if (c->ep)
-            reason = rx_initiator(c, &h, &proto, &io);
-        else
-            reason = rx_target(c, &h, scratch, &proto, &io);
+        reason = conn_rx_frame(c, &h, scratch, &proto, &io);
     }
     free(scratch);
     pthread_mutex_lock(&c->mu);
@@ -851,6 +1024,14 @@ static void *rx_main(void *arg)
 /* e->mu held. */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 {
+    /* Each connection costs two threads and its buffers: a peer (or many)
+     * cannot make us hold more than max_conns. */
+    if (atomic_load(&e->n_conns) >= e->cfg.max_conns) {
+        atomic_fetch_add(&e->conns_refused, 1);
+        close(fd);
+        *status = AXF_E_LIMIT;
+        return NULL;
+    }
     conn_priv *p = calloc(1, sizeof *p);
     if (!p) {
         close(fd);
@@ -862,19 +1043,25 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     c->ep = ep;
     c->tag = tag;
     c->fd = fd;
+    c->pidfd = -1;
     pthread_mutex_init(&c->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&c->cv, &ca);
     pthread_condattr_destroy(&ca);
+    pthread_cond_init(&c->room_cv, NULL);
 
     int fl = fcntl(fd, F_GETFL);
     if (fl >= 0)
         (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
     (void)fcntl(fd, F_SETFD, FD_CLOEXEC);
-    int one = 1;
-    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* fails on unix sockets */
+    int one = 1, domain = 0;
+    socklen_t dlen = sizeof domain;
+    /* Unix-domain stream sockets (same-host peers) have no TCP options. */
+    if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 &&
+        (domain == AF_INET || domain == AF_INET6))
+        (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     struct timeval tv = {.tv_sec = e->cfg.peer_timeout_ms / 1000,
                          .tv_usec = (e->cfg.peer_timeout_ms % 1000) * 1000};
     (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -887,7 +1074,9 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &stv, sizeof stv);
 
     atomic_init(&c->progress_us, axf_now_us());
+    atomic_init(&c->last_rx_us, axf_now_us());
     atomic_init(&c->threads, 2);
+    atomic_init(&c->refs, 2); /* the registry's, the threads' */
     pthread_mutex_lock(&e->th_mu);
     e->conn_threads += 2;
     pthread_mutex_unlock(&e->th_mu);
@@ -915,6 +1104,7 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
         close(fd);
         pthread_mutex_destroy(&c->mu);
         pthread_cond_destroy(&c->cv);
+        pthread_cond_destroy(&c->room_cv);
         free(p);
         *status = AXF_E_NOMEM;
         return NULL;

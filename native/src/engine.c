@@ -7,9 +7,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -49,6 +51,9 @@ static uint64_t random_u64(void)
     }
     return v;
 }
+
+static void *watch_main(void *arg);
+static int ep_ended_status(axf_engine *e, uint64_t id);
 
 /* ---------------------------------------------------------------- ring */
 
@@ -183,8 +188,22 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         e->cfg.peer_timeout_ms = 5000;
     if (e->cfg.keepalive_ms * 2 > e->cfg.peer_timeout_ms)
         e->cfg.keepalive_ms = e->cfg.peer_timeout_ms / 3 ? e->cfg.peer_timeout_ms / 3 : 1;
+    if (!e->cfg.max_conns)
+        e->cfg.max_conns = 256;
+    if (!e->cfg.max_notify_per_conn)
+        e->cfg.max_notify_per_conn = 1024;
+    if (!e->cfg.revoke_timeout_ms)
+        e->cfg.revoke_timeout_ms = 10000;
+    if (!e->cfg.reply_queue_bytes)
+        e->cfg.reply_queue_bytes = 64u << 20;
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->efd < 0) {
+        free(e);
+        return NULL;
+    }
+    e->watch_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (e->watch_efd < 0) {
+        close(e->efd);
         free(e);
         return NULL;
     }
@@ -198,9 +217,18 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     e->next_ep = 1;
     if (shm_start(e) != AXF_OK) {
         close(e->efd);
+        close(e->watch_efd);
         free(e);
         return NULL;
     }
+    if (pthread_create(&e->watch_thread, NULL, watch_main, e) != 0) {
+        shm_stop(e);
+        close(e->efd);
+        close(e->watch_efd);
+        free(e);
+        return NULL;
+    }
+    e->watch_started = true;
     return e;
 }
 
@@ -217,7 +245,11 @@ void axf_engine_stats(axf_engine *e, axf_stats *s)
     s->ops_failed = atomic_load(&e->failed);
     s->bytes = atomic_load(&e->bytes);
     s->frames_rejected = atomic_load(&e->rejected);
+    s->conns_refused = atomic_load(&e->conns_refused);
+    s->held_conns = atomic_load(&e->held_conns);
     pthread_mutex_lock(&e->mu);
+    s->quarantined = e->quarantined;
+    s->quarantined_bytes = e->quarantined_bytes;
     for (endpoint *ep = e->eps; ep; ep = ep->next)
         if (!ep->dead)
             s->endpoints++;
@@ -244,7 +276,7 @@ void region_unref(axf_engine *e, region *r)
         verbs_region_free(e, r);
         if (r->cuda_pinned)
             cuda_unpin(r);
-        cq_push(e, AXF_CQ_REGION_FREED, AXF_OK, r->id, 0, r->len, 0, NULL, 0);
+        cq_push(e, AXF_CQ_REGION_FREED, r->freed_status, r->id, 0, r->len, 0, NULL, 0);
         atomic_fetch_sub(&e->n_regions, 1);
         if (r->fd >= 0)
             close(r->fd);
@@ -345,39 +377,72 @@ int axf_region_deregister(axf_engine *e, uint64_t id)
         pthread_mutex_unlock(&e->mu);
         return AXF_E_NOTFOUND;
     }
-    *p = r->next; /* unreachable from now on: new accesses fail */
-    /* Same-host peers copy into our memory without asking us: tell every
-     * connected peer to forget the region, and keep our registry reference
-     * until each has acknowledged (or its connection is gone). */
-    revocation *rv = calloc(1, sizeof *rv);
-    if (rv) {
-        rv->r = r;
-        for (conn *c = e->conns; c; c = c->next_all) {
-            if (c->ep || c->exited || r->kind == AXF_MEM_FILE) /* peers never reach files */
-                continue;
-            rv_wait *w = calloc(1, sizeof *w);
-            sq_item *it = sq_new(FR_REVOKE, 0);
-            if (!w || !it) {
-                /* It could not be told: cut it off instead. */
-                free(w);
-                free(it);
-                conn_kill(c);
-                continue;
+    /* Same-host peers copy into our memory without asking us: every peer
+     * that may still touch the region is told to forget it (if its
+     * connection is up) and waited for. Everything is allocated before the
+     * region leaves the registry, so a failure changes nothing. */
+    size_t n = 0;
+    for (conn *c = e->conns; c; c = c->next_all)
+        n += !c->ep && !c->gone && r->kind != AXF_MEM_FILE; /* peers never reach files */
+    revocation *rv = NULL;
+    rv_wait **ws = NULL;
+    sq_item **its = NULL;
+    if (n) {
+        rv = calloc(1, sizeof *rv);
+        ws = calloc(n, sizeof *ws);
+        its = calloc(n, sizeof *its);
+        bool ok = rv && ws && its;
+        for (size_t i = 0; ok && i < n; i++)
+            ok = (ws[i] = calloc(1, sizeof *ws[i])) && (its[i] = sq_new(FR_REVOKE, 0));
+        if (!ok) {
+            for (size_t i = 0; ws && its && i < n; i++) {
+                free(ws[i]);
+                free(its[i]);
             }
-            it->h.rid = r->id;
-            it->h.key = r->key;
-            w->rv = rv;
-            w->next = c->revokes;
-            c->revokes = w;
-            rv->waiting++;
-            conn_enqueue(c, it, true);
-        }
-        if (!rv->waiting) {
+            free(ws);
+            free(its);
             free(rv);
-            rv = NULL;
+            pthread_mutex_unlock(&e->mu);
+            return AXF_E_NOMEM;
         }
     }
+    *p = r->next; /* unreachable from now on: new accesses fail */
+    uint64_t now = axf_now_ms();
+    bool timed = false;
+    size_t k = 0;
+    for (conn *c = e->conns; c && n; c = c->next_all) {
+        if (c->ep || c->gone || r->kind == AXF_MEM_FILE)
+            continue;
+        rv_wait *w = ws[k];
+        sq_item *it = its[k++];
+        w->rv = rv;
+        w->since_ms = now;
+        w->next = c->revokes;
+        c->revokes = w;
+        rv->waiting++;
+        timed |= c->pidfd < 0;
+        if (c->exited) { /* held: a closed same-host peer that may still copy */
+            free(it);
+            continue;
+        }
+        it->h.rid = r->id;
+        it->h.key = r->key;
+        conn_enqueue(c, it, true);
+    }
+    free(ws);
+    free(its);
+    if (rv) {
+        rv->r = r;
+        rv->qnext = e->quarantine;
+        if (e->quarantine)
+            e->quarantine->qprev = rv;
+        e->quarantine = rv;
+        e->quarantined++;
+        e->quarantined_bytes += r->len;
+    }
     pthread_mutex_unlock(&e->mu);
+    if (timed)
+        watch_wake(e); /* a new deadline */
     if (!rv)
         region_unref(e, r);
     return AXF_OK;
@@ -387,9 +452,49 @@ int axf_region_deregister(axf_engine *e, uint64_t id)
 static void revoke_settled(axf_engine *e, revocation *rv)
 {
     if (--rv->waiting == 0) {
+        if (rv->qprev)
+            rv->qprev->qnext = rv->qnext;
+        else
+            e->quarantine = rv->qnext;
+        if (rv->qnext)
+            rv->qnext->qprev = rv->qprev;
+        e->quarantined--;
+        e->quarantined_bytes -= rv->r->len;
         region_unref(e, rv->r); /* only the ring lock inside: fine under e->mu */
         free(rv);
     }
+}
+
+/* e->mu held: every revocation c holds is over. */
+static void revokes_settle_all(axf_engine *e, conn *c)
+{
+    rv_wait *w = c->revokes;
+    c->revokes = NULL;
+    while (w) {
+        rv_wait *n = w->next;
+        revoke_settled(e, w->rv);
+        free(w);
+        w = n;
+    }
+}
+
+int axf_region_holders(axf_engine *e, uint64_t rid, uint64_t *tags_out, size_t max)
+{
+    pthread_mutex_lock(&e->mu);
+    revocation *rv = e->quarantine;
+    while (rv && rv->r->id != rid)
+        rv = rv->qnext;
+    int n = 0;
+    for (conn *c = e->conns; rv && c; c = c->next_all)
+        for (rv_wait *w = c->revokes; w; w = w->next)
+            if (w->rv == rv) {
+                if ((size_t)n < max)
+                    tags_out[n] = c->tag;
+                n++;
+                break;
+            }
+    pthread_mutex_unlock(&e->mu);
+    return rv ? n : AXF_E_NOTFOUND;
 }
 
 int revoke_acked(axf_engine *e, conn *c, uint64_t rid)
@@ -408,19 +513,45 @@ int revoke_acked(axf_engine *e, conn *c, uint64_t rid)
     return w ? AXF_OK : AXF_E_PROTOCOL;
 }
 
+/* The connection's socket is closed (its threads are leaving). */
 void revokes_drop(axf_engine *e, conn *c)
 {
     pthread_mutex_lock(&e->mu);
     c->exited = true;
-    rv_wait *w = c->revokes;
-    c->revokes = NULL;
-    while (w) {
-        rv_wait *n = w->next;
-        revoke_settled(e, w->rv);
-        free(w);
-        w = n;
+    if (c->pidfd >= 0 && !c->released && !atomic_load(&c->peer_exited)) {
+        /* Same host: a stopped process keeps its mappings and its right to
+         * copy into us; only its exit (the watcher) or a goodbye ends it. */
+        atomic_fetch_add(&e->held_conns, 1);
+        pthread_mutex_unlock(&e->mu);
+        watch_wake(e);
+        return;
     }
+    c->gone = true;
+    revokes_settle_all(e, c);
     pthread_mutex_unlock(&e->mu);
+}
+
+void bye_received(axf_engine *e, conn *c)
+{
+    pthread_mutex_lock(&e->mu);
+    c->released = true;
+    revokes_settle_all(e, c);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* The watcher saw the same-host peer of accepted connection c exit. e->mu held. */
+static void conn_peer_exited(axf_engine *e, conn *c)
+{
+    atomic_store(&c->peer_exited, true);
+    if (c->exited) { /* held until now */
+        if (!c->gone && !c->released)
+            atomic_fetch_sub(&e->held_conns, 1);
+        c->gone = true;
+        revokes_settle_all(e, c);
+        conn_registry_drop(e, c);
+    } else {
+        conn_kill(c); /* its receiver leaves and revokes_drop settles */
+    }
 }
 
 /* Initiator side: acknowledges every revocation of ep whose region no op uses
@@ -439,6 +570,7 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
         }
         for (rregion *rr = ep->rregions; rr; rr = rr->next)
             if (rr->rid == a->rid && rr->key == a->key) {
+                rr->rv_pending = false;
                 shm_unmap(rr);
                 cuda_unmap(rr);
             }
@@ -446,37 +578,81 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
         if (it) {
             it->h.rid = a->rid;
             it->h.key = a->key;
-            conn_enqueue(a->c, it, true);
+            conn_enqueue_reply(a->c, it, true);
         } else {
             conn_kill(a->c); /* the target then stops waiting for us */
         }
+        a->c->rv_pending--;
+        conn_unref(a->c);
         *p = a->next;
         free(a);
     }
 }
 
-void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
+/* Initiator side: the target revoked rid/key. Bounded whatever the target
+ * sends: a region nothing uses is acknowledged at once (a reply, counted
+ * against reply_queue_bytes like any other); one an op still uses waits in
+ * one entry per connection and imported region (the target revokes on each
+ * of its connections to us and waits for each one's ack), and a second
+ * revocation of it on the same connection while the first waits is a
+ * protocol error. */
+int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
 {
     endpoint *ep = c->ep;
     pthread_mutex_lock(&e->mu);
+    bool busy = false, dup = false;
     for (rregion *rr = ep->rregions; rr; rr = rr->next)
         if (rr->rid == rid && rr->key == key) {
             rr->gone = true; /* no new op resolves it */
             atomic_store(&rr->revoked, true);
+            if (atomic_load(&rr->users))
+                busy = true;
         }
-    rv_ack *a = calloc(1, sizeof *a);
-    if (a) {
+    for (rv_ack *a = e->rv_acks; a && busy && !dup; a = a->next)
+        dup = a->c == c && a->rid == rid && a->key == key;
+    if (dup) {
+        pthread_mutex_unlock(&e->mu);
+        return AXF_E_PROTOCOL;
+    }
+    if (busy) {
+        rv_ack *a = calloc(1, sizeof *a);
+        if (!a) {
+            conn_kill(c);
+            pthread_mutex_unlock(&e->mu);
+            return AXF_E_NOMEM;
+        }
+        for (rregion *rr = ep->rregions; rr; rr = rr->next)
+            if (rr->rid == rid && rr->key == key)
+                rr->rv_pending = true;
         a->c = c;
+        conn_ref(c);
+        c->rv_pending++;
         a->ep = ep;
         a->rid = rid;
         a->key = key;
         a->next = e->rv_acks;
         e->rv_acks = a;
-        rv_acks_flush(e, ep);
-    } else {
-        conn_kill(c);
+    }
+    /* Now, or once the ops holding it are done (op_release_remote). */
+    rv_acks_flush(e, ep);
+    if (!busy) {
+        for (rregion *rr = ep->rregions; rr; rr = rr->next)
+            if (rr->rid == rid && rr->key == key) {
+                shm_unmap(rr);
+                cuda_unmap(rr);
+            }
+        sq_item *it = sq_new(FR_REVOKE_ACK, 0);
+        if (!it) {
+            conn_kill(c);
+            pthread_mutex_unlock(&e->mu);
+            return AXF_E_NOMEM;
+        }
+        it->h.rid = rid;
+        it->h.key = key;
+        conn_enqueue_reply(c, it, true);
     }
     pthread_mutex_unlock(&e->mu);
+    return AXF_OK;
 }
 
 /* An op no longer touches its remote regions; a revoked one may now be
@@ -524,6 +700,9 @@ static void op_unlink(axf_engine *e, op *o) /* e->mu held */
         o->ep->ops = o->next;
     if (o->next)
         o->next->prev = o->prev;
+    o->prev = o->next = NULL;
+    if (o->ep->closing)
+        ep_maybe_bye(e, o->ep);
 }
 
 static void op_free(axf_engine *e, op *o)
@@ -543,14 +722,21 @@ static void op_free(axf_engine *e, op *o)
         free(o->lregs);
     }
     free(o->notify);
+    endpoint *ep = o->counted ? o->ep : NULL;
     free(o);
+    /* The op's last touch of its endpoint: a closed one may be freed now. */
+    if (ep && atomic_fetch_sub(&ep->ops_alive, 1) == 1 && ep->closing)
+        watch_wake(e);
 }
 
 /* Pushes the completion and frees an op: nothing refers to it any more. */
 static void op_finish_now(axf_engine *e, op *o)
 {
     int st = atomic_load(&o->status);
+    /* Our own numbers: what the request asked, never more (a peer's
+     * acknowledgement says nothing about it). */
     uint64_t nbytes = atomic_load(&o->nbytes), req_id = o->req_id, tag = o->ep->tag;
+    nbytes = st == AXF_OK || nbytes > o->total ? o->total : nbytes;
     uint64_t fail_index = st == AXF_OK ? o->reroutes : o->fail_index;
     op_free(e, o); /* before the completion: its regions are released first */
     atomic_fetch_add(st == AXF_OK ? &e->completed : &e->failed, 1);
@@ -606,8 +792,10 @@ static void op_data_done(axf_engine *e, op *o)
         atomic_store(&o->remaining, 1);
         conn *c = notify_enqueue(e, o);
         if (c) {
+            conn_ref(c);
             pthread_mutex_unlock(&e->mu);
             conn_kick(c);
+            conn_unref(c);
             return;
         }
         op_set_status(o, o->ep->nconns ? AXF_E_PEER_LOST : AXF_E_TRANSPORT, 0);
@@ -639,6 +827,7 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
     bool report = false;
     if (ep->live_conns == 0) {
         ep->dead = true;
+        atomic_store(&ep->halt, true); /* copies stop between chunks */
         int st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
         for (op *o = ep->ops, *next; o; o = next) {
             next = o->next;
@@ -662,13 +851,19 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
             report = true;
         }
         cuda_unmap_idle(ep);
+        shm_unmap_idle(ep);
     }
     bool flush = ep->live_conns == 0 && ep->kind == AXF_EP_VERBS;
+    /* Read now: once unlocked, a closed endpoint with nothing left may be freed. */
+    int lost_st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
+    uint64_t ep_id = ep->id, ep_tag = ep->tag;
+    bool reap = ep->live_conns == 0 && ep->closing;
     pthread_mutex_unlock(&e->mu);
     /* The loss first, so a caller woken by a failed transfer sees the peer lost. */
     if (report)
-        cq_push(e, AXF_CQ_PEER_LOST, ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, ep->id, ep->tag,
-                0, 0, NULL, 0);
+        cq_push(e, AXF_CQ_PEER_LOST, lost_st, ep_id, ep_tag, 0, 0, NULL, 0);
+    if (reap)
+        watch_wake(e);
     if (flush) { /* posted RDMA requests flush, then their ops finish (verbs.c) */
         pthread_mutex_lock(&e->mu);
         verbs_ep_dead(e, ep);
@@ -678,6 +873,21 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
         next = o->next;
         op_finish_unlinked(e, o);
     }
+}
+
+/* e->mu held: the shm mappings of ep no op can use any more (forgotten,
+ * revoked, or the endpoint is dead) are unmapped. */
+void shm_unmap_idle(endpoint *ep)
+{
+    for (rregion *rr = ep->rregions; rr; rr = rr->next)
+        if (rr->map && (rr->gone || ep->dead) && atomic_load(&rr->users) == 0)
+            shm_unmap(rr);
+}
+
+/* e->mu held: id named an endpoint that was closed and freed since. */
+static bool ep_ended(axf_engine *e, uint64_t id)
+{
+    return id && id < e->next_ep;
 }
 
 endpoint *ep_find(axf_engine *e, uint64_t id) /* e->mu held */
@@ -729,6 +939,7 @@ static int op_resolve(axf_engine *e, op *o)
             o->fail_index = i;
             return AXF_E_ACCESS;
         }
+        o->total += d->len; /* bounded by a region each: no wrap for any sane n */
         /* The socket, same-host copy and file paths touch host memory only. */
         if (last->kind != AXF_MEM_HOST && (o->ep->kind == AXF_EP_TCP || o->ep->kind == AXF_EP_SHM ||
                                            o->ep->kind == AXF_EP_FILE)) {
@@ -935,10 +1146,12 @@ static void mark_dirty(axf_engine *e, conn *c)
     for (int k = 0; k < e->ndirty; k++)
         if (e->dirty[k] == c)
             return;
-    if (e->ndirty < 64)
+    if (e->ndirty < 64) {
+        conn_ref(c); /* until the doorbell kicked it */
         e->dirty[e->ndirty++] = c;
-    else
+    } else {
         conn_signal(c);
+    }
 }
 
 /* Stripes a new op's chunks over the live connections by the endpoint's
@@ -957,6 +1170,7 @@ static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
     /* Each connection's frames are chained here and queued as one group with
      * its expectation (a READ's chunks are answered one by one). */
     sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
+    uint64_t gbytes[AXF_MAX_CONNS] = {0};
     chunk_iter ci_ = {.o = o, .slot = -1, .chunk = e->cfg.chunk_bytes};
     uint64_t i, off, k = 0;
     int used = 0;
@@ -974,6 +1188,7 @@ static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
             lastp[ci]->next = it;
         }
         lastp[ci] = it;
+        gbytes[ci] += it->h.len;
     }
     ep->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
     /* Set before any group is queued: replies may come at once. */
@@ -985,6 +1200,7 @@ static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
             continue;
         lastp[ci]->h.flags |= FL_LAST;
         lastp[ci]->slot = ci;
+        lastp[ci]->group_bytes = gbytes[ci];
         conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], signal);
         if (!signal)
             mark_dirty(e, ep->conns[ci]);
@@ -1035,6 +1251,7 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
     atomic_fetch_add(&o->remaining, groups - 1);
     o->reroutes++;
     sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
+    uint64_t gbytes[AXF_MAX_CONNS] = {0};
     for (size_t j = 0; j < total; j++) {
         int ci = ep->sched[(start + j) % AXF_SCHED];
         if (lastp[ci])
@@ -1042,6 +1259,7 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
         else
             first[ci] = items[j];
         lastp[ci] = items[j];
+        gbytes[ci] += items[j]->h.len;
     }
     for (int ci = 0; ci < ep->nconns; ci++) {
         if (!lastp[ci])
@@ -1050,6 +1268,7 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
         lastp[ci]->slot = ci;
         lastp[ci]->chunks = lists[ci];
         lastp[ci]->nchunks = cnt[ci];
+        lastp[ci]->group_bytes = gbytes[ci];
         conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], true);
     }
     ep->rr_next = (int)((start + total) % AXF_SCHED);
@@ -1106,9 +1325,11 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     if (e->shut)
         st = AXF_E_CLOSED;
     else if (!ep)
-        st = AXF_E_NOTFOUND;
-    else if (ep->dead)
+        st = ep_ended(e, ep_id) ? ep_ended_status(e, ep_id) : AXF_E_NOTFOUND;
+    else if (ep->dead || ep->closing)
         st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
+    else if (atomic_load(&ep->exited))
+        st = AXF_E_PEER_LOST;
     else if (op_find(e, req_id))
         st = AXF_E_INVALID;
     else if (ep->kind == AXF_EP_FILE && (opcode == AXF_OP_NOTIFY || notify_len))
@@ -1128,6 +1349,8 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         return st;
     }
     /* Registered: from here on exactly one completion follows. */
+    o->counted = true;
+    atomic_fetch_add(&ep->ops_alive, 1);
     op **b = &e->ops[req_id % AXF_OP_BUCKETS];
     o->hnext = *b;
     *b = o;
@@ -1200,9 +1423,11 @@ void axf_doorbell(axf_engine *e)
     bool w = e->dirty_workers;
     e->dirty_workers = false;
     pthread_mutex_unlock(&e->mu);
-    /* Connections live until the engine is destroyed: safe once unlocked. */
-    for (int i = 0; i < ndirty; i++)
+    /* Each holds a reference from mark_dirty: safe once unlocked. */
+    for (int i = 0; i < ndirty; i++) {
         conn_kick(dirty[i]);
+        conn_unref(dirty[i]);
+    }
     if (w) {
         pthread_mutex_lock(&e->wq_mu);
         pthread_cond_broadcast(&e->wq_cv);
@@ -1225,24 +1450,77 @@ int axf_cancel(axf_engine *e, uint64_t req_id)
 
 /* ---------------------------------------------------------------- endpoints */
 
-int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint64_t *ep_out)
+/* The process a pidfd refers to, as the kernel says (/proc/self/fdinfo);
+ * -1 when it is not a pidfd. */
+static pid_t pidfd_pid(int pidfd)
 {
+    char path[64], line[128];
+    snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return -1;
+    pid_t pid = -1;
+    while (fgets(line, sizeof line, f))
+        if (strncmp(line, "Pid:", 4) == 0) {
+            pid = (pid_t)strtol(line + 4, NULL, 10);
+            break;
+        }
+    fclose(f);
+    return pid;
+}
+
+/* A pidfd that reports its process exited (readable). */
+static bool pidfd_exited(int pidfd)
+{
+    struct pollfd p = {.fd = pidfd, .events = POLLIN};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL));
+}
+
+static bool ep_same_host(int kind)
+{
+    return kind == AXF_EP_SHM || kind == AXF_EP_CUDA;
+}
+
+int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int pidfd,
+                        uint64_t *ep_out)
+{
+    int st = AXF_OK;
     if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && kind != AXF_EP_FILE && kind != AXF_EP_CUDA &&
         kind != AXF_EP_VERBS)
-        return AXF_E_INVALID;
-    if (kind == AXF_EP_VERBS && !e->verbs)
-        return AXF_E_TRANSPORT; /* axf_verbs_enable first */
-    if (kind == AXF_EP_CUDA && !cuda_ready(e))
-        return AXF_E_TRANSPORT; /* axf_cuda_enable first */
-    endpoint *ep = calloc(1, sizeof *ep);
-    if (!ep)
-        return AXF_E_NOMEM;
+        st = AXF_E_INVALID;
+    else if (kind == AXF_EP_VERBS && !e->verbs)
+        st = AXF_E_TRANSPORT; /* axf_verbs_enable first */
+    else if (kind == AXF_EP_CUDA && !cuda_ready(e))
+        st = AXF_E_TRANSPORT; /* axf_cuda_enable first */
+    else if (!ep_same_host(kind) && (pid != 0 || pidfd >= 0))
+        st = AXF_E_INVALID; /* no process to aim at: nothing to hold */
+    else if (ep_same_host(kind) && pid <= 0)
+        st = AXF_E_INVALID;
+    else if (ep_same_host(kind) && pidfd < 0 && pid != getpid())
+        st = AXF_E_ACCESS; /* another process, and the kernel did not vouch for it */
+    else if (pidfd >= 0 && pidfd_pid(pidfd) != pid)
+        st = AXF_E_ACCESS; /* the pidfd names another process (or none) */
+    else if (pidfd >= 0 && pidfd_exited(pidfd))
+        st = AXF_E_PEER_LOST;
+    endpoint *ep = st == AXF_OK ? calloc(1, sizeof *ep) : NULL;
+    if (st == AXF_OK && !ep)
+        st = AXF_E_NOMEM;
+    if (st != AXF_OK) {
+        if (pidfd >= 0)
+            close(pidfd);
+        return st;
+    }
     ep->kind = kind;
     ep->tag = tag;
     ep->pid = pid;
+    ep->pidfd = pidfd;
+    if (pidfd >= 0)
+        (void)fcntl(pidfd, F_SETFD, FD_CLOEXEC);
     pthread_mutex_lock(&e->mu);
     if (e->shut) {
         pthread_mutex_unlock(&e->mu);
+        if (pidfd >= 0)
+            close(pidfd);
         free(ep);
         return AXF_E_CLOSED;
     }
@@ -1257,6 +1535,8 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, uint
     e->eps = ep;
     pthread_mutex_unlock(&e->mu);
     *ep_out = ep->id;
+    if (pidfd >= 0)
+        watch_wake(e); /* watch it */
     return AXF_OK;
 }
 
@@ -1273,9 +1553,11 @@ int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep_id, int fd, uint32_t r
     if (e->shut)
         st = AXF_E_CLOSED;
     else if (!ep)
-        st = AXF_E_NOTFOUND;
+        st = ep_ended(e, ep_id) ? AXF_E_CLOSED : AXF_E_NOTFOUND;
     else if (ep->dead || ep->closing)
         st = AXF_E_CLOSED;
+    else if (atomic_load(&ep->exited))
+        st = AXF_E_PEER_LOST;
     int slot = ep ? ep->nconns : 0;
     if (st == AXF_OK) /* a failed connection's slot is taken over by a new one */
         for (int i = 0; i < ep->nconns; i++)
@@ -1311,7 +1593,9 @@ int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep_id, int fd, uint32_t r
             ep->retired[k].bytes += atomic_load(&old->bytes);
             ep->retired[k].reroutes += atomic_load(&old->reroutes);
         }
+        conn_unref(old); /* the slot's reference */
     }
+    conn_ref(c); /* the slot's */
     ep->conns[slot] = c;
     if (slot == ep->nconns)
         ep->nconns++;
@@ -1368,16 +1652,21 @@ static void rregion_publish(endpoint *ep, rregion *rr)
 }
 
 int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t key, uint64_t len,
-                        uint32_t access, uint64_t addr, int32_t memfd)
+                        uint32_t access, uint64_t addr, int memfd)
 {
+    if (!len || (access & ~(AXF_ACCESS_READ | AXF_ACCESS_WRITE)))
+        return AXF_E_INVALID;
     rregion *rr = rregion_new(rid, key, len, access, addr);
     if (!rr)
         return AXF_E_NOMEM;
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
-    int st = e->shut ? AXF_E_CLOSED : !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED : AXF_OK;
-    if (st == AXF_OK && (ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_CUDA) && memfd >= 0)
-        st = shm_map(ep, rr, memfd);
+    int st = e->shut ? AXF_E_CLOSED
+             : !ep   ? (ep_ended(e, ep_id) ? AXF_E_CLOSED : AXF_E_NOTFOUND)
+             : ep->dead || ep->closing ? AXF_E_CLOSED
+                                       : AXF_OK;
+    if (st == AXF_OK && memfd >= 0)
+        st = ep_same_host(ep->kind) ? shm_map(ep, rr, memfd) : AXF_E_INVALID;
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
         free(rr);
@@ -1442,39 +1731,284 @@ int axf_endpoint_close(axf_engine *e, uint64_t ep_id)
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
     if (!ep) {
+        bool ended = ep_ended(e, ep_id);
         pthread_mutex_unlock(&e->mu);
-        return AXF_E_NOTFOUND;
+        return ended ? AXF_OK : AXF_E_NOTFOUND;
     }
     ep->closing = true;
+    atomic_store(&ep->halt, true); /* copies stop at their next chunk */
+    if (ep_same_host(ep->kind) && ep->live_conns > 0) {
+        /* Its copies reach the peer's memory directly: the peer may release
+         * it only once none runs. Ops fail now; copies stop at their next
+         * chunk; the last one out says goodbye (ep_maybe_bye), and the
+         * connections close once that is sent. */
+        for (op *o = ep->ops; o; o = o->next) {
+            op_set_status(o, AXF_E_CLOSED, 0);
+            atomic_store(&o->cancelled, 1);
+        }
+        ep_maybe_bye(e, ep);
+        pthread_mutex_unlock(&e->mu);
+        return AXF_OK;
+    }
     int n = ep->nconns;
     bool none = ep->live_conns == 0;
-    if (none)
+    if (none) {
         ep->dead = true;
+        ep->live_conns++; /* as a connection would: endpoint_conn_finished below */
+    }
     for (int i = 0; i < n; i++)
         conn_kill(ep->conns[i]);
     pthread_mutex_unlock(&e->mu);
-    if (none) {
-        /* No connection thread will come by: fail what is left here. */
-        pthread_mutex_lock(&e->mu);
-        ep->live_conns++;
-        pthread_mutex_unlock(&e->mu);
+    if (none) /* no connection thread will come by: fail what is left here */
         endpoint_conn_finished(e, ep);
-    }
     return AXF_OK;
 }
 
-int axf_accept_conn(axf_engine *e, int fd, uint64_t tag)
+void ep_maybe_bye(axf_engine *e, endpoint *ep)
 {
-    pthread_mutex_lock(&e->mu);
+    (void)e;
+    if (ep->bye_sent || !ep->closing || !ep_same_host(ep->kind))
+        return;
+    for (op *o = ep->ops; o; o = o->next)
+        if (o->phase == 0)
+            return; /* a copy of it may still run */
+    ep->bye_sent = true;
+    /* No copy of ours runs, none will: nothing touches the peer's memory. */
+    for (rregion *rr = ep->rregions; rr; rr = rr->next)
+        shm_unmap(rr);
+    for (int i = 0; i < ep->nconns; i++) {
+        conn *c = ep->conns[i];
+        if (atomic_load(&c->down))
+            continue;
+        sq_item *it = sq_new(FR_BYE, 0);
+        if (!it) {
+            conn_kill(c); /* the peer then waits for our exit instead */
+            continue;
+        }
+        conn_enqueue(c, it, true);
+        conn_close_after_flush(c);
+    }
+}
+
+int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
+{
     int st = AXF_OK;
-    if (e->shut) {
+    if (pidfd >= 0 && pidfd_pid(pidfd) <= 0)
+        st = AXF_E_INVALID; /* not a pidfd */
+    pthread_mutex_lock(&e->mu);
+    if (st == AXF_OK && e->shut)
+        st = AXF_E_CLOSED;
+    if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
         close(fd);
-        return AXF_E_CLOSED;
+        if (pidfd >= 0)
+            close(pidfd);
+        return st;
     }
     conn *c = conn_start(e, NULL, tag, fd, &st);
+    if (c && pidfd >= 0) { /* before its threads can leave: they read it under e->mu */
+        (void)fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+        c->pidfd = pidfd;
+    } else if (pidfd >= 0) {
+        close(pidfd);
+    }
     pthread_mutex_unlock(&e->mu);
+    if (c && pidfd >= 0)
+        watch_wake(e);
     return c ? AXF_OK : st;
+}
+
+/* ---------------------------------------------------------------- watcher */
+
+void watch_wake(axf_engine *e)
+{
+    uint64_t one = 1;
+    ssize_t r = write(e->watch_efd, &one, sizeof one);
+    (void)r; /* EAGAIN: already pending */
+}
+
+/* e->mu held: can this endpoint go? Only kinds whose structs nothing else
+ * holds on to (the CUDA and verbs code keep endpoint pointers of their own). */
+static bool ep_reapable(axf_engine *e, endpoint *ep)
+{
+    if ((ep->kind != AXF_EP_TCP && ep->kind != AXF_EP_SHM) || !ep->dead || ep->live_conns ||
+        ep->ops || atomic_load(&ep->ops_alive) || !ep->lost_reported)
+        return false;
+    for (rv_ack *a = e->rv_acks; a; a = a->next)
+        if (a->ep == ep)
+            return false;
+    return true;
+}
+
+static void ep_free(endpoint *ep)
+{
+    for (rregion *rr = ep->rregions, *rn; rr; rr = rn) {
+        rn = rr->next;
+        shm_unmap(rr);
+        verbs_rr_free(rr);
+        cuda_unmap(rr);
+        free(rr);
+    }
+    for (int i = 0; i < ep->nconns; i++)
+        conn_unref(ep->conns[i]); /* the slots' references */
+    if (ep->pidfd >= 0)
+        close(ep->pidfd);
+    verbs_ep_free(ep);
+    free(ep);
+}
+
+/* e->mu held: remembers that endpoint id ended by loss (a post on it then
+ * still says AXF_E_PEER_LOST): one bit per endpoint ever made. */
+static void ep_mark_lost_id(axf_engine *e, uint64_t id)
+{
+    size_t byte = (size_t)(id / 8);
+    if (byte >= e->lost_cap) {
+        size_t ncap = e->lost_cap ? e->lost_cap : 64;
+        while (ncap <= byte)
+            ncap *= 2;
+        uint8_t *n = realloc(e->lost_bits, ncap);
+        if (!n)
+            return; /* then it says AXF_E_CLOSED: still refused */
+        memset(n + e->lost_cap, 0, ncap - e->lost_cap);
+        e->lost_bits = n;
+        e->lost_cap = ncap;
+    }
+    e->lost_bits[byte] |= (uint8_t)(1u << (id % 8));
+}
+
+static int ep_ended_status(axf_engine *e, uint64_t id)
+{
+    size_t byte = (size_t)(id / 8);
+    bool lost = byte < e->lost_cap && (e->lost_bits[byte] >> (id % 8)) & 1u;
+    return lost ? AXF_E_PEER_LOST : AXF_E_CLOSED;
+}
+
+/* The watcher's rounds (e->mu held): processes that exited, tcp peers past
+ * their revocation deadline, endpoints and connections nothing uses any
+ * more. Returns how long it may sleep (ms, -1: until woken). *finish:
+ * endpoints whose loss the caller reports once unlocked. */
+static int watch_scan(axf_engine *e, endpoint **finish, int *nfinish, int max_finish)
+{
+    uint64_t now = axf_now_ms();
+    uint64_t next = UINT64_MAX;
+    for (endpoint *ep = e->eps; ep; ep = ep->next) {
+        if (ep->pidfd < 0 || atomic_load(&ep->exited) || !pidfd_exited(ep->pidfd))
+            continue;
+        if (*nfinish == max_finish) {
+            next = now; /* the rest on the next round */
+            break;
+        }
+        /* Its pid may be reused from now on: no copy may aim at it again. */
+        atomic_store(&ep->exited, true);
+        atomic_store(&ep->halt, true);
+        cq_log(e, ep->tag, "peer process %d exited", (int)ep->pid);
+        for (int i = 0; i < ep->nconns; i++)
+            conn_kill(ep->conns[i]);
+        if (ep->live_conns == 0 && !ep->dead) {
+            ep->live_conns++; /* endpoint_conn_finished, once unlocked */
+            finish[(*nfinish)++] = ep;
+        }
+    }
+    for (conn *c = e->conns, *cn; c; c = cn) {
+        cn = c->next_all;
+        if (c->ep)
+            continue;
+        if (c->pidfd >= 0) {
+            if (!atomic_load(&c->peer_exited) && pidfd_exited(c->pidfd))
+                conn_peer_exited(e, c); /* may drop it from the registry */
+            continue;
+        }
+        if (c->exited || atomic_load(&c->down))
+            continue;
+        for (rv_wait *w = c->revokes; w; w = w->next) {
+            uint64_t due = w->since_ms + e->cfg.revoke_timeout_ms;
+            if (due <= now) {
+                /* It cannot touch our memory once disconnected (tcp). */
+                cq_log(e, c->tag,
+                       "closing connection: revocation of region %llu not acknowledged "
+                       "within %u ms",
+                       (unsigned long long)w->rv->r->id, e->cfg.revoke_timeout_ms);
+                conn_kill(c);
+                break;
+            }
+            if (due < next)
+                next = due;
+        }
+    }
+    for (endpoint **pp = &e->eps; *pp;) {
+        endpoint *ep = *pp;
+        if (!ep_reapable(e, ep)) {
+            pp = &ep->next;
+            continue;
+        }
+        *pp = ep->next;
+        if (!ep->closing)
+            ep_mark_lost_id(e, ep->id);
+        ep_free(ep);
+    }
+    if (next == UINT64_MAX)
+        return -1;
+    return next <= now ? 0 : (int)(next - now < INT32_MAX ? next - now : INT32_MAX);
+}
+
+static void *watch_main(void *arg)
+{
+    axf_engine *e = arg;
+    struct pollfd *pfd = NULL;
+    size_t cap = 0;
+    enum { MAX_FINISH = 64 };
+    endpoint *finish[MAX_FINISH];
+    pthread_mutex_lock(&e->mu);
+    while (!e->watch_stop) {
+        int nfinish = 0;
+        int timeout = watch_scan(e, finish, &nfinish, MAX_FINISH);
+        if (nfinish) {
+            pthread_mutex_unlock(&e->mu);
+            for (int i = 0; i < nfinish; i++)
+                endpoint_conn_finished(e, finish[i]);
+            pthread_mutex_lock(&e->mu);
+            continue; /* a freed endpoint may be reaped now */
+        }
+        /* What to sleep on: the wake-up eventfd, and every pidfd whose
+         * process is not known gone yet. A pidfd closed meanwhile makes
+         * poll return (POLLNVAL) and the next round no longer lists it. */
+        size_t n = 1;
+        for (endpoint *ep = e->eps; ep; ep = ep->next)
+            n += ep->pidfd >= 0 && !atomic_load(&ep->exited);
+        for (conn *c = e->conns; c; c = c->next_all)
+            n += c->pidfd >= 0 && !atomic_load(&c->peer_exited);
+        if (n > cap) {
+            struct pollfd *np = realloc(pfd, n * sizeof *np);
+            if (np) {
+                pfd = np;
+                cap = n;
+            } else {
+                n = cap; /* watch what fits; look again soon */
+                timeout = timeout < 0 || timeout > 100 ? 100 : timeout;
+            }
+        }
+        size_t k = 0;
+        if (k < n)
+            pfd[k++] = (struct pollfd){.fd = e->watch_efd, .events = POLLIN};
+        for (endpoint *ep = e->eps; ep && k < n; ep = ep->next)
+            if (ep->pidfd >= 0 && !atomic_load(&ep->exited))
+                pfd[k++] = (struct pollfd){.fd = ep->pidfd, .events = POLLIN};
+        for (conn *c = e->conns; c && k < n; c = c->next_all)
+            if (c->pidfd >= 0 && !atomic_load(&c->peer_exited))
+                pfd[k++] = (struct pollfd){.fd = c->pidfd, .events = POLLIN};
+        pthread_mutex_unlock(&e->mu);
+        if (k)
+            (void)poll(pfd, (nfds_t)k, timeout);
+        else if (timeout != 0)
+            (void)poll(NULL, 0, 100);
+        uint64_t v;
+        ssize_t r = read(e->watch_efd, &v, sizeof v);
+        (void)r;
+        pthread_mutex_lock(&e->mu);
+    }
+    pthread_mutex_unlock(&e->mu);
+    free(pfd);
+    return NULL;
 }
 
 /* ---------------------------------------------------------------- shutdown */
@@ -1487,10 +2021,56 @@ void axf_engine_shutdown(axf_engine *e)
         return;
     }
     e->shut = true;
-    for (endpoint *ep = e->eps; ep; ep = ep->next)
+    for (endpoint *ep = e->eps; ep; ep = ep->next) {
         ep->closing = true;
+        atomic_store(&ep->halt, true);
+        for (op *o = ep->ops; o; o = o->next) { /* no copy goes on, no notification goes out */
+            op_set_status(o, AXF_E_CLOSED, 0);
+            atomic_store(&o->cancelled, 1);
+        }
+    }
+    /* Connections of same-host endpoints stay up until our copies stopped:
+     * then they say goodbye. */
+    for (conn *c = e->conns; c; c = c->next_all)
+        if (!c->ep || !ep_same_host(c->ep->kind))
+            conn_kill(c);
+    pthread_mutex_unlock(&e->mu);
+
+    shm_stop(e); /* finishes or fails queued copies */
+    cuda_stop(e); /* waits for enqueued GPU copies, fails the rest */
+
+    /* Goodbye, sent now if the socket takes it (a peer that does not read
+     * waits for our exit instead: shutdown does not wait for it). */
+    conn *bye[64];
+    int nbye = 0;
+    pthread_mutex_lock(&e->mu);
+    for (endpoint *ep = e->eps; ep; ep = ep->next) {
+        if (!ep_same_host(ep->kind) || ep->bye_sent)
+            continue;
+        ep->bye_sent = true;
+        for (int i = 0; i < ep->nconns; i++) {
+            conn *c = ep->conns[i];
+            if (atomic_load(&c->down))
+                continue;
+            sq_item *it = nbye < 64 ? sq_new(FR_BYE, 0) : NULL;
+            if (it) {
+                conn_enqueue(c, it, false);
+                conn_ref(c);
+                bye[nbye++] = c;
+            }
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    for (int i = 0; i < nbye; i++) {
+        conn_kick(bye[i]);
+        conn_unref(bye[i]);
+    }
+    pthread_mutex_lock(&e->mu);
     for (conn *c = e->conns; c; c = c->next_all)
         conn_kill(c);
+    for (endpoint *ep = e->eps; ep; ep = ep->next)
+        for (int i = 0; i < ep->nconns; i++)
+            conn_kill(ep->conns[i]);
     pthread_mutex_unlock(&e->mu);
 
     /* Connection threads are detached: wait for them to leave. */
@@ -1499,10 +2079,8 @@ void axf_engine_shutdown(axf_engine *e)
         pthread_cond_wait(&e->th_cv, &e->th_mu);
     pthread_mutex_unlock(&e->th_mu);
 
-    shm_stop(e); /* finishes or fails queued copies */
     file_stop(e); /* fails queued file I/O, waits for what is in flight */
     verbs_stop(e); /* flushes posted RDMA requests; their ops finish */
-    cuda_stop(e); /* waits for enqueued GPU copies, fails the rest */
 
     /* Whatever is left (endpoints that never had a connection). */
     for (;;) {
@@ -1520,12 +2098,32 @@ void axf_engine_shutdown(axf_engine *e)
             break;
         op_finish_unlinked(e, o);
     }
+    pthread_mutex_lock(&e->mu);
     for (endpoint *ep = e->eps; ep; ep = ep->next)
         if (!ep->lost_reported) {
             ep->lost_reported = true;
             ep->dead = true;
             cq_push(e, AXF_CQ_PEER_LOST, AXF_E_CLOSED, ep->id, ep->tag, 0, 0, NULL, 0);
         }
+    /* Quarantined regions: given up, said so (AXF_E_CLOSED: never reuse). */
+    for (conn *c = e->conns, *cn; c; c = cn) {
+        cn = c->next_all;
+        for (rv_wait *w = c->revokes; w; w = w->next)
+            w->rv->r->freed_status = AXF_E_CLOSED;
+        if (c->exited && !c->gone && !c->released)
+            atomic_fetch_sub(&e->held_conns, 1);
+        c->gone = true;
+        revokes_settle_all(e, c);
+        if (c->exited)
+            conn_registry_drop(e, c);
+    }
+    e->watch_stop = true;
+    pthread_mutex_unlock(&e->mu);
+    watch_wake(e);
+    if (e->watch_started) {
+        pthread_join(e->watch_thread, NULL);
+        e->watch_started = false;
+    }
     for (size_t b = 0; b < AXF_REGION_BUCKETS; b++) {
         for (;;) {
             pthread_mutex_lock(&e->mu);
@@ -1545,40 +2143,30 @@ void axf_engine_destroy(axf_engine *e)
     if (!e)
         return;
     axf_engine_shutdown(e);
-    for (endpoint *ep = e->eps, *n; ep; ep = n) {
-        n = ep->next;
-        for (rregion *rr = ep->rregions, *rn; rr; rr = rn) {
-            rn = rr->next;
-            shm_unmap(rr);
-            verbs_rr_free(rr);
-            cuda_unmap(rr);
-            free(rr);
-        }
-        verbs_ep_free(ep);
-        free(ep);
-    }
-    file_free(e);
     for (rv_ack *a = e->rv_acks, *n; a; a = n) {
         n = a->next;
+        conn_unref(a->c);
         free(a);
     }
-    for (conn *c = e->conns, *n; c; c = n) {
+    for (int i = 0; i < e->ndirty; i++)
+        conn_unref(e->dirty[i]);
+    for (endpoint *ep = e->eps, *n; ep; ep = n) {
+        n = ep->next;
+        ep_free(ep);
+    }
+    file_free(e);
+    for (conn *c = e->conns, *n; c; c = n) { /* their threads are gone */
         n = c->next_all;
-        for (sq_item *it = c->head, *in; it; it = in) {
-            in = it->next;
-            free(it->owned);
-            free(it);
-        }
-        pthread_mutex_destroy(&c->mu);
-        pthread_cond_destroy(&c->cv);
-        free(c);
+        conn_unref(c);
     }
     verbs_free(e);
     cuda_free(e);
     for (size_t i = 0; i < e->cq_count; i++)
         free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
     free(e->cq);
+    free(e->lost_bits);
     close(e->efd);
+    close(e->watch_efd);
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->cq_mu);
     pthread_mutex_destroy(&e->wq_mu);

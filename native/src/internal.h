@@ -31,6 +31,9 @@ enum {
     FR_PING,
     FR_REVOKE,     /* target -> initiator: forget region rid/key, then acknowledge */
     FR_REVOKE_ACK, /* initiator -> target: nothing of ours touches that region any more */
+    FR_BYE,        /* initiator -> target, last frame: nothing of ours touches any of your
+                      memory any more, nor will (settles every revocation for this
+                      connection, now and later) */
 };
 enum { FL_LAST = 1, FL_ABORT = 2 };
 #define AXF_MAGIC 0x31465841u /* "AXF1" */
@@ -52,6 +55,8 @@ _Static_assert(sizeof(wire_hdr) == 64, "wire header is 64 bytes");
 
 typedef struct region {
     uint64_t id, key, len;
+    int32_t freed_status; /* what AXF_CQ_REGION_FREED says: AXF_OK, or AXF_E_CLOSED
+                             when shutdown gave up on a quarantined region */
     uint8_t *addr;   /* host memory; a device pointer for AXF_MEM_CUDA; NULL for files */
     uint32_t access;
     uint32_t kind;   /* AXF_MEM_* */
@@ -76,6 +81,7 @@ typedef struct rregion {
     bool gone;             /* e->mu: no new op may resolve it */
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
+    bool rv_pending;       /* e->mu: a revocation of it waits for its users */
     uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
     struct verbs_rkeys *verbs; /* verbs: the owner's (addr, rkey) per its device */
     struct cuda_rmap *cuda; /* cuda: our IPC mapping of the peer's GPU memory, else NULL */
@@ -92,14 +98,17 @@ typedef struct rv_ack {
 } rv_ack;
 
 /* Target side: a deregistered region waiting for every connection it was
- * revoked on to acknowledge (or die). e->mu guards it. */
+ * revoked on to acknowledge (or to be gone). Quarantined until then: listed
+ * in e->quarantine. e->mu guards it. */
 typedef struct revocation {
     struct region *r;
     int waiting;
+    struct revocation *qnext, *qprev;
 } revocation;
 
 typedef struct rv_wait {
     revocation *rv;
+    uint64_t since_ms; /* when it was sent: tcp peers get revoke_timeout_ms */
     struct rv_wait *next;
 } rv_wait;
 
@@ -113,7 +122,13 @@ typedef struct chunk_ref {
 typedef struct endpoint {
     uint64_t id, tag;
     int kind;
-    pid_t pid;
+    pid_t pid;   /* same-host kinds: the kernel-verified process, the only CMA target */
+    int pidfd;   /* its pidfd (owned), or -1 */
+    /* Copies stop between chunks once set: the endpoint is lost or closing,
+     * or its process exited. Read without a lock on the copy path. */
+    atomic_bool halt;
+    atomic_bool exited;  /* its pidfd reported the process gone */
+    bool bye_sent;       /* e->mu: goodbye queued on its live connections */
     struct conn *conns[AXF_MAX_CONNS];
     int nconns, live_conns, rr_next;
     /* Chunks are striped over live connections by this schedule (slot ->
@@ -130,6 +145,7 @@ typedef struct endpoint {
     int nretired;
     rregion *rregions;
     bool dead, closing, lost_reported;
+    atomic_int ops_alive; /* ops posted on it and not freed yet (they point at it) */
     struct op *ops; /* pending ops, doubly linked */
     struct verbs_ep *verbs; /* AXF_EP_VERBS: its queue pairs (rails) */
     struct endpoint *next;
@@ -162,7 +178,9 @@ typedef struct op {
     uint8_t sched[AXF_SCHED]; /* tcp: the endpoint's schedule when posted ... */
     uint32_t sched0;          /* ... and where chunk 0 went in it */
     uint32_t reroutes;        /* groups moved off failed connections (e->mu) */
+    uint64_t total;           /* bytes its descriptors ask for: what it reports done */
     bool claimed;
+    bool counted; /* registered: holds one of ep->ops_alive */
     /* One descriptor (the frequent small request): d, laddr, rr, lregs and
      * rregs point at these instead of at five allocations of one element. */
     axf_desc d1;
@@ -187,6 +205,8 @@ typedef struct sq_item {
     int slot;
     chunk_ref *chunks;
     size_t nchunks;
+    uint64_t group_bytes; /* initiator LAST frames: bytes its group asks for */
+    uint32_t reply_cost;  /* target replies: what it counts in conn->reply_bytes */
     struct sq_item *next;
 } sq_item;
 
@@ -219,7 +239,23 @@ typedef struct conn {
     bool in_grp;
     /* accepting side, e->mu: revocations this connection has to acknowledge */
     rv_wait *revokes;
-    bool exited;
+    bool exited;   /* e->mu: its threads are gone (the socket is closed) */
+    bool gone;     /* e->mu: it cannot touch our memory any more (tcp: closed;
+                      same host: said goodbye, or its process exited) */
+    bool released; /* e->mu: said goodbye (FR_BYE) */
+    int pidfd;     /* accepting side: the same-host peer's process (owned), else -1 */
+    atomic_bool peer_exited; /* that process is gone (the watcher saw its pidfd) */
+    /* Backpressure (c->mu): bytes of replies queued and not sent, and
+     * notifications pushed to the ring and not yet released. The receiver
+     * waits on room_cv while either is at its bound. */
+    atomic_ullong reply_bytes; /* changed under c->mu, read without it */
+    atomic_ullong notify_out;
+    bool rx_paused;
+    pthread_cond_t room_cv;
+    bool flush_close;       /* c->mu: close once the queue is sent (after a goodbye) */
+    uint32_t rv_pending;    /* initiator, e->mu: revocations not acknowledged yet */
+    atomic_int refs;        /* threads, registry, endpoint slot, transient holders */
+    atomic_ullong last_rx_us; /* last frame received (pings included) */
     struct verbs_qp *verbs; /* accepting side, e->mu: queue pairs that live as long as it */
     struct conn *next_all;
 } conn;
@@ -263,12 +299,24 @@ struct axf_engine {
     bool dirty_workers;
 
     rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
+    revocation *quarantine; /* target side: deregistered regions peers may still touch */
+    uint64_t quarantined, quarantined_bytes; /* e->mu */
+    uint8_t *lost_bits; /* e->mu: freed endpoints that ended lost, by id (a bit each) */
+    size_t lost_cap;
+
+    /* The watcher: one thread asleep in poll(2) on the pidfds of same-host
+     * peers and a wake-up eventfd, with a timeout for the nearest tcp
+     * revocation deadline. */
+    pthread_t watch_thread;
+    bool watch_started, watch_stop; /* e->mu */
+    int watch_efd;
     struct verbs_state *verbs; /* verbs.c: devices and their poller, NULL while off */
 
     struct file_xport *file; /* file transport, started by the first FILE endpoint (e->mu) */
     struct axf_cuda *cuda; /* CUDA copy threads, once axf_cuda_enable succeeded */
 
     atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
+    atomic_ullong conns_refused, held_conns;
 };
 
 /* engine.c */
@@ -291,9 +339,19 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
 /* e->mu held. Returns the connection it was queued on (kick it once
  * unlocked), or NULL: no live connection. */
 conn *notify_enqueue(axf_engine *e, op *o);
-void revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key);
+/* AXF_OK, or AXF_E_PROTOCOL (a second revocation while the first waits). */
+int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key);
 int revoke_acked(axf_engine *e, conn *c, uint64_t rid); /* AXF_OK or AXF_E_PROTOCOL */
-void revokes_drop(axf_engine *e, conn *c); /* the connection is gone */
+/* The connection's threads are gone: for tcp its revocations settle; a
+ * same-host one is held until its process exits or it said goodbye. */
+void revokes_drop(axf_engine *e, conn *c);
+void bye_received(axf_engine *e, conn *c);
+void watch_wake(axf_engine *e);
+void conn_ref(conn *c);
+void conn_unref(conn *c); /* the last reference frees it */
+/* e->mu held: an initiator op left the copy phase, or the endpoint is
+ * closing: says goodbye once no copy of it runs any more. */
+void ep_maybe_bye(axf_engine *e, endpoint *ep);
 
 endpoint *ep_find(axf_engine *e, uint64_t id); /* e->mu held */
 rregion *rr_find(endpoint *ep, uint64_t rid);   /* e->mu held; not gone */
@@ -302,6 +360,10 @@ void op_complete(axf_engine *e, op *o);         /* fails an op that queued nothi
 /* conn.c */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
+/* A reply to the peer (READ response, acknowledgement): counted against
+ * reply_queue_bytes until sent. */
+void conn_enqueue_reply(conn *c, sq_item *it, bool signal);
+void conn_registry_drop(axf_engine *e, conn *c); /* e->mu held: off e->conns */
 /* Queues first..last (linked by next) at once; last is the frame the group's
  * reply answers. */
 void conn_enqueue_chain(conn *c, sq_item *first, sq_item *last, bool signal);
@@ -311,14 +373,23 @@ void conn_signal(conn *c);
  * thread. No engine lock may be held. */
 void conn_kick(conn *c);
 void conn_kill(conn *c);
+/* Sends what is queued, then closes (c->mu not held). */
+void conn_close_after_flush(conn *c);
+/* The receiver may read again (credits released, replies sent). */
+void conn_room(conn *c);
+/* Parses and serves one frame that arrived on c, its payload (if any) still
+ * in the socket: the entry point the fuzz harnesses drive. NULL, or why the
+ * connection must close (*proto: a malformed frame). */
+const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *proto, int *io);
 sq_item *sq_new(int type, uint64_t op_id);
 void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
 
 /* shm.c */
 int shm_start(axf_engine *e);
 void shm_stop(axf_engine *e);
-int shm_map(endpoint *ep, rregion *rr, int32_t memfd);
+int shm_map(endpoint *ep, rregion *rr, int memfd);
 void shm_unmap(rregion *rr);
+void shm_unmap_idle(endpoint *ep); /* e->mu held */
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);
 

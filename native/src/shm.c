@@ -1,8 +1,11 @@
 /* Same-host transport: copies straight into (or out of) a peer's memory.
- * Regions the peer allocated in a memfd are mapped here once, so a transfer is
- * a memcpy; other peer memory is reached by cross-memory attach
- * (process_vm_readv/writev). Copies run on the engine's worker threads; a small
- * copy runs inline at submit so its completion is known at once. */
+ * Regions the peer allocated in a memfd are mapped here once (the fd came
+ * over its unix socket with SCM_RIGHTS, sealed against resizing), so a
+ * transfer is a memcpy; other peer memory is reached by cross-memory attach
+ * (process_vm_readv/writev), aimed only at the pid the kernel reported for
+ * the endpoint. Copies run on the engine's worker threads, a chunk at a time
+ * with the endpoint's and the region's state checked in between; a small copy
+ * runs inline at submit so its completion is known at once. */
 #include "internal.h"
 
 #include <errno.h>
@@ -12,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -19,22 +23,31 @@
 #define RUN_DESCS 1024u        /* ... and this many (IOV_MAX) */
 #define MIN_PIECE (1u << 20)   /* a large descriptor is split into pieces no smaller */
 
-int shm_map(endpoint *ep, rregion *rr, int32_t memfd)
+/* Seals a peer's memfd must carry before we map it: without them the peer
+ * could shrink the file under our copies (SIGBUS here), or unseal it later. */
+#define SHM_SEALS_NEEDED (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+
+int shm_map(endpoint *ep, rregion *rr, int memfd)
 {
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)ep->pid, (int)memfd);
+    (void)ep;
+    int seals = fcntl(memfd, F_GET_SEALS);
+    if (seals < 0 || (seals & SHM_SEALS_NEEDED) != SHM_SEALS_NEEDED)
+        return AXF_E_ACCESS; /* not a memfd, or one its owner may still resize */
+    struct stat st;
+    if (fstat(memfd, &st) != 0 || st.st_size < 0 || (uint64_t)st.st_size < rr->len)
+        return AXF_E_ACCESS;
     bool rw = rr->access & AXF_ACCESS_WRITE;
-    int fd = open(path, (rw ? O_RDWR : O_RDONLY) | O_CLOEXEC);
-    if (fd < 0)
-        return AXF_E_TRANSPORT;
     /* Populated now. Measured: prefaulting in the background instead (on the
      * copy workers) took ~20 ms off connecting to a 256 MiB pool but cut the
      * first bulk writes into it from ~8.5 to ~2.5 GB/s (aioxfer demo): page
-     * faults taken by the copies cost far more than one populate. */
-    void *m = mmap(NULL, rr->len, PROT_READ | (rw ? PROT_WRITE : 0), MAP_SHARED | MAP_POPULATE, fd, 0);
-    close(fd);
+     * faults taken by the copies cost far more than one populate. Mapped
+     * from the fd itself: never reopened by number through /proc. A
+     * read-only fd, or one sealed against writing, fails here for a
+     * writable region. */
+    void *m = mmap(NULL, rr->len, PROT_READ | (rw ? PROT_WRITE : 0), MAP_SHARED | MAP_POPULATE,
+                   memfd, 0);
     if (m == MAP_FAILED)
-        return AXF_E_TRANSPORT;
+        return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
     rr->map = m;
     return AXF_OK;
 }
@@ -51,38 +64,69 @@ static int cma_status(int err)
     return err == ESRCH ? AXF_E_PEER_LOST : err == EFAULT ? AXF_E_ACCESS : AXF_E_TRANSPORT;
 }
 
-/* Copies bytes [off, off+len) of descriptor i. */
-static int copy_piece(op *o, size_t i, uint64_t off, uint64_t len)
+/* May the op's copy go on? Checked before every chunk (not per byte): once
+ * the endpoint is lost, closing or its process exited, or the op was
+ * cancelled or failed, a copy in progress overruns by at most the chunk it
+ * is in. A revoked region (the owner wants it back) is checked per region
+ * where a chunk touches it. AXF_OK or why not. */
+static int copy_may_go(const op *o)
+{
+    if (atomic_load(&o->ep->halt))
+        return atomic_load(&o->ep->exited) || !o->ep->closing ? AXF_E_PEER_LOST : AXF_E_CLOSED;
+    if (atomic_load(&o->cancelled))
+        return AXF_E_CANCELLED;
+    return atomic_load(&o->status);
+}
+
+/* Copies bytes [off, off+len) of descriptor i, chunk by chunk. */
+static int copy_piece(op *o, size_t i, uint64_t off, uint64_t len, uint64_t chunk)
 {
     const axf_desc *d = &o->d[i];
     rregion *rr = o->rr[i];
-    uint8_t *local = o->laddr[i] + off;
-    if (rr->map) {
-        uint8_t *remote = rr->map + d->roff + off;
-        if (o->opcode == AXF_OP_WRITE)
-            memcpy(remote, local, len);
-        else
-            memcpy(local, remote, len);
-        return AXF_OK;
+    while (len) {
+        int st = copy_may_go(o);
+        if (st == AXF_OK && atomic_load(&rr->revoked))
+            st = AXF_E_ACCESS;
+        if (st != AXF_OK)
+            return st;
+        uint64_t n = len < chunk ? len : chunk;
+        uint8_t *local = o->laddr[i] + off;
+        if (rr->map) {
+            uint8_t *remote = rr->map + d->roff + off;
+            if (o->opcode == AXF_OP_WRITE)
+                memcpy(remote, local, n);
+            else
+                memcpy(local, remote, n);
+        } else {
+            struct iovec l = {.iov_base = local, .iov_len = n};
+            struct iovec r = {.iov_base = (void *)(uintptr_t)(rr->addr + d->roff + off),
+                              .iov_len = n};
+            ssize_t got = o->opcode == AXF_OP_WRITE
+                              ? process_vm_writev(o->ep->pid, &l, 1, &r, 1, 0)
+                              : process_vm_readv(o->ep->pid, &l, 1, &r, 1, 0);
+            if (got < 0)
+                return cma_status(errno);
+            if ((uint64_t)got != n)
+                return AXF_E_ACCESS;
+        }
+        off += n;
+        len -= n;
     }
-    struct iovec l = {.iov_base = local, .iov_len = len};
-    struct iovec r = {.iov_base = (void *)(uintptr_t)(rr->addr + d->roff + off), .iov_len = len};
-    ssize_t n = o->opcode == AXF_OP_WRITE ? process_vm_writev(o->ep->pid, &l, 1, &r, 1, 0)
-                                          : process_vm_readv(o->ep->pid, &l, 1, &r, 1, 0);
-    if (n < 0)
-        return cma_status(errno);
-    return (uint64_t)n == len ? AXF_OK : AXF_E_ACCESS;
+    return AXF_OK;
 }
 
 /* Copies whole descriptors [i0, i1): mapped ones by memcpy, the others
- * gathered into as few cross-memory-attach calls as possible. */
-static int copy_run(op *o, size_t i0, size_t i1, uint64_t *fail)
+ * gathered into as few cross-memory-attach calls as possible, each call at
+ * most a chunk (checks between them). */
+static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
 {
     struct iovec lv[RUN_DESCS], rv[RUN_DESCS];
     size_t nv = 0, first = i0;
     uint64_t want = 0;
+    rregion *last_rr = NULL;
     for (size_t i = i0; i <= i1; i++) {
-        bool flush = i == i1 || nv == RUN_DESCS || (i < i1 && o->rr[i]->map);
+        bool flush = i == i1 || nv == RUN_DESCS || (i < i1 && o->rr[i]->map) ||
+                     (i < i1 && want && want + o->d[i].len > chunk);
         if (flush && nv) {
             ssize_t n = o->opcode == AXF_OP_WRITE
                             ? process_vm_writev(o->ep->pid, lv, nv, rv, nv, 0)
@@ -96,9 +140,23 @@ static int copy_run(op *o, size_t i0, size_t i1, uint64_t *fail)
         }
         if (i == i1)
             break;
-        if (o->rr[i]->map) {
-            copy_piece(o, i, 0, o->d[i].len);
+        if (o->rr[i]->map || o->d[i].len > chunk) {
+            int st = copy_piece(o, i, 0, o->d[i].len, chunk);
+            if (st != AXF_OK) {
+                *fail = i;
+                return st;
+            }
             continue;
+        }
+        if (!nv || o->rr[i] != last_rr) { /* a new call, or another region in it */
+            int st = copy_may_go(o);
+            if (st == AXF_OK && atomic_load(&o->rr[i]->revoked))
+                st = AXF_E_ACCESS;
+            if (st != AXF_OK) {
+                *fail = i;
+                return st;
+            }
+            last_rr = o->rr[i];
         }
         if (!nv)
             first = i;
@@ -117,14 +175,14 @@ static void run_job(axf_engine *e, job *j)
     op *o = j->op;
     if (!atomic_load(&o->cancelled) && atomic_load(&o->status) == AXF_OK) {
         if (j->len) {
-            int st = copy_piece(o, j->i0, j->off, j->len);
+            int st = copy_piece(o, j->i0, j->off, j->len, e->cfg.chunk_bytes);
             if (st == AXF_OK)
                 atomic_fetch_add(&o->nbytes, j->len);
             else
                 op_set_status(o, st, j->i0);
         } else {
             uint64_t fail = 0, bytes = 0;
-            int st = copy_run(o, j->i0, j->i1, &fail);
+            int st = copy_run(o, j->i0, j->i1, e->cfg.chunk_bytes, &fail);
             if (st == AXF_OK) {
                 for (size_t i = j->i0; i < j->i1; i++)
                     bytes += o->d[i].len;
@@ -190,9 +248,8 @@ void shm_stop(axf_engine *e)
 
 int shm_copy_inline(axf_engine *e, op *o)
 {
-    (void)e;
     uint64_t fail = 0;
-    int st = copy_run(o, 0, o->n, &fail);
+    int st = copy_run(o, 0, o->n, e->cfg.chunk_bytes, &fail);
     if (st != AXF_OK)
         op_set_status(o, st, fail);
     else

@@ -42,9 +42,9 @@ static int test_enable_without_driver(void)
     CHECK_EQ(axf_cuda_enable(t->e, why, sizeof why), AXF_E_TRANSPORT);
     CHECK(strstr(why, "no CUDA driver") != NULL);
     uint64_t ep = 0;
-    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_CUDA, 1, getpid(), &ep), AXF_E_TRANSPORT);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_CUDA, 1, getpid(), -1, &ep), AXF_E_TRANSPORT);
     /* A GPU import into a host endpoint is refused before the driver is asked. */
-    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 1, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
     uint8_t handle[AXF_CUDA_IPC_HANDLE] = {0};
     CHECK_EQ(axf_endpoint_import_cuda(t->e, ep, 7, 8, 4096, AXF_ACCESS_WRITE, 0x1000, handle, 0,
                                       NULL),
@@ -146,7 +146,7 @@ static int test_gpu_loopback(void)
     CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, g1, GPU_LEN, rw, -1, &g1rid, &g1key),
              AXF_OK);
     uint64_t ep = 0;
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
     /* A length past the allocation is refused at import. */
     CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, g1rid, g1key, size + 1, rw, g1, NULL, 0, NULL),
              AXF_E_ACCESS);

@@ -96,10 +96,10 @@ static int test_post_invalid(void)
     CHECK_EQ(axf_region_register(t->e, buf, sizeof buf, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1,
                                  &rid, &key),
              AXF_OK);
-    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 7, 0, &ep), AXF_OK);
-    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 8, getpid(), &ep_shm), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 7, 0, -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 8, getpid(), -1, &ep_shm), AXF_OK);
     uint64_t dummy;
-    CHECK_EQ(axf_endpoint_create(t->e, 99, 9, 0, &dummy), AXF_E_INVALID);
+    CHECK_EQ(axf_endpoint_create(t->e, 99, 9, 0, -1, &dummy), AXF_E_INVALID);
 
     axf_desc d = {.lrid = rid, .loff = 0, .rrid = 5, .rkey = 6, .roff = 0, .len = 16};
     char big[AXF_MAX_NOTIFY + 1];
@@ -137,7 +137,7 @@ static int test_endpoint_close_unconnected(void)
     tengine *t = t_engine(NULL);
     CHECK(t);
     uint64_t ep;
-    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 31, 0, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 31, 0, -1, &ep), AXF_OK);
     axf_stats s;
     axf_engine_stats(t->e, &s);
     CHECK_EQ(s.endpoints, 1);
@@ -167,7 +167,7 @@ static int test_shutdown_frees_regions(void)
                                      &key),
                  AXF_OK);
     uint64_t ep;
-    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 5, 0, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 5, 0, -1, &ep), AXF_OK);
     axf_engine_shutdown(t->e);
     axf_engine_shutdown(t->e); /* idempotent */
     axf_completion c;
@@ -182,7 +182,7 @@ static int test_shutdown_frees_regions(void)
     /* After shutdown everything is refused. */
     uint64_t id;
     CHECK_EQ(axf_region_register(t->e, buf[0], 16, AXF_ACCESS_READ, -1, &id, &key), AXF_E_CLOSED);
-    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 6, 0, &id), AXF_E_CLOSED);
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_TCP, 6, 0, -1, &id), AXF_E_CLOSED);
     axf_desc d = {.lrid = ids[0], .len = 1};
     CHECK_EQ(axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_E_CLOSED);
     t_close(t);

@@ -30,7 +30,7 @@ static int ff_open(ffix *f, const char *dir, int flags, uint32_t faccess)
         return -1;
     unlink(f->path);
     CHECK_EQ(ftruncate(f->fd, FSIZE), 0);
-    CHECK_EQ(axf_endpoint_create(f->t->e, AXF_EP_FILE, 7, 0, &f->ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(f->t->e, AXF_EP_FILE, 7, 0, -1, &f->ep), AXF_OK);
     f->src = aligned_alloc(4096, FSIZE);
     f->dst = aligned_alloc(4096, FSIZE);
     CHECK(f->src && f->dst);

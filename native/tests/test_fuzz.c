@@ -165,7 +165,7 @@ static int test_fuzz_target(void)
         int sv[2];
         CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
         (void)fcntl(sv[0], F_SETFL, O_NONBLOCK);
-        CHECK_EQ(axf_accept_conn(b->e, sv[1], 1000 + (uint64_t)round), AXF_OK);
+        CHECK_EQ(axf_accept_conn(b->e, sv[1], 1000 + (uint64_t)round, -1), AXF_OK);
         int nframes = 1 + (int)(rnd() % 16);
         for (int i = 0; i < nframes; i++) {
             static const uint16_t types[] = {FR_WRITE, FR_WRITE, FR_READ_REQ, FR_NOTIFY,
@@ -198,11 +198,11 @@ static int test_fuzz_target(void)
     t_fill(src, REG, 3);
     uint64_t arid, akey, ep;
     CHECK_EQ(axf_region_register(a->e, src, REG, AXF_ACCESS_READ, -1, &arid, &akey), AXF_OK);
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, 1, 0, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, 1, 0, -1, &ep), AXF_OK);
     int sv[2];
     CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
     CHECK_EQ(axf_endpoint_add_conn(a->e, ep, sv[0]), AXF_OK);
-    CHECK_EQ(axf_accept_conn(b->e, sv[1], 2), AXF_OK);
+    CHECK_EQ(axf_accept_conn(b->e, sv[1], 2, -1), AXF_OK);
     CHECK_EQ(axf_endpoint_import(a->e, ep, rid, key, REG, AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0,
                                  -1),
              AXF_OK);
@@ -236,7 +236,7 @@ static int test_fuzz_initiator(void)
     uint64_t failed = 0, ok = 0;
     for (int round = 0; round < ROUNDS; round++) {
         uint64_t ep;
-        CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, 5000 + (uint64_t)round, 0, &ep), AXF_OK);
+        CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, 5000 + (uint64_t)round, 0, -1, &ep), AXF_OK);
         int sv[2];
         CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
         (void)fcntl(sv[1], F_SETFL, O_NONBLOCK);

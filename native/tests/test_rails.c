@@ -28,13 +28,13 @@ static int rails_open(rails *r, const axf_config *cfg, int nlive, int ndark)
     r->a = t_engine(cfg);
     r->b = t_engine(cfg);
     CHECK(r->a && r->b);
-    CHECK_EQ(axf_endpoint_create(r->a->e, AXF_EP_TCP, 5, 0, &r->ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(r->a->e, AXF_EP_TCP, 5, 0, -1, &r->ep), AXF_OK);
     for (int i = 0; i < nlive + ndark; i++) {
         int sv[2];
         CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
         CHECK_EQ(axf_endpoint_add_rail_conn(r->a->e, r->ep, sv[0], 10 + (uint32_t)i), AXF_OK);
         if (i < nlive)
-            CHECK_EQ(axf_accept_conn(r->b->e, sv[1], 6), AXF_OK);
+            CHECK_EQ(axf_accept_conn(r->b->e, sv[1], 6, -1), AXF_OK);
         else
             r->dark[r->ndark++] = sv[1];
     }
@@ -143,7 +143,7 @@ static int test_read_rerouted_and_rail_added_back(void)
     int sv[2];
     CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
     CHECK_EQ(axf_endpoint_add_rail_conn(r.a->e, r.ep, sv[0], 11), AXF_OK);
-    CHECK_EQ(axf_accept_conn(r.b->e, sv[1], 6), AXF_OK);
+    CHECK_EQ(axf_accept_conn(r.b->e, sv[1], 6, -1), AXF_OK);
     memset(r.src, 0, REG);
     CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_READ, &d, 1, NULL, 0, 2, 0), AXF_OK);
     CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 2, &c), 0);

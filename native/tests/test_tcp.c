@@ -26,12 +26,12 @@ static int pair_open(pair *p, const axf_config *cfg, int nconns)
     p->a = t_engine(cfg);
     p->b = t_engine(cfg);
     CHECK(p->a && p->b);
-    CHECK_EQ(axf_endpoint_create(p->a->e, AXF_EP_TCP, A_TAG, 0, &p->ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(p->a->e, AXF_EP_TCP, A_TAG, 0, -1, &p->ep), AXF_OK);
     for (int i = 0; i < nconns; i++) {
         int sv[2];
         CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
         CHECK_EQ(axf_endpoint_add_conn(p->a->e, p->ep, sv[0]), AXF_OK);
-        CHECK_EQ(axf_accept_conn(p->b->e, sv[1], B_TAG), AXF_OK);
+        CHECK_EQ(axf_accept_conn(p->b->e, sv[1], B_TAG, -1), AXF_OK);
     }
     p->asrc = calloc(1, REG);
     p->bdst = calloc(1, REG);
@@ -355,7 +355,7 @@ static int malformed_case(pair *p, const void *frame, size_t len, uint64_t tag,
 {
     int sv[2];
     CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
-    CHECK_EQ(axf_accept_conn(p->b->e, sv[1], tag), AXF_OK);
+    CHECK_EQ(axf_accept_conn(p->b->e, sv[1], tag, -1), AXF_OK);
     CHECK_EQ(write(sv[0], frame, len), (ssize_t)len);
     axf_completion c;
     CHECK_EQ(t_wait_any(p->b, AXF_CQ_CONN_CLOSED, &c), 0);
@@ -435,7 +435,7 @@ static int raw_open(raw_peer *r, const axf_config *cfg, uint64_t tag)
     CHECK(r->a);
     int sv[2];
     CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
-    CHECK_EQ(axf_endpoint_create(r->a->e, AXF_EP_TCP, tag, 0, &r->ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(r->a->e, AXF_EP_TCP, tag, 0, -1, &r->ep), AXF_OK);
     CHECK_EQ(axf_endpoint_add_conn(r->a->e, r->ep, sv[0]), AXF_OK);
     r->fd = sv[1];
     r->buf = calloc(1, 65536);

@@ -48,7 +48,7 @@ static int vpair_open(vpair *p, const axf_config *cfg)
     CHECK(p->ndev > 0);
     CHECK_EQ(axf_verbs_enable(p->b->e, provider, why, sizeof why), p->ndev);
     CHECK_EQ(axf_verbs_device_count(p->a->e), p->ndev);
-    CHECK_EQ(axf_endpoint_create(p->a->e, AXF_EP_VERBS, A_TAG, 0, &p->ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(p->a->e, AXF_EP_VERBS, A_TAG, 0, -1, &p->ep), AXF_OK);
     uint64_t handles[AXF_VERBS_MAX_DEVICES];
     for (int d = 0; d < p->ndev; d++) {
         axf_verbs_qp_info ia, ib;
@@ -93,7 +93,7 @@ static int test_no_devices_is_not_an_error(void)
     CHECK_EQ(axf_verbs_enable(t->e, NULL, why, sizeof why), n);
     uint64_t ep;
     if (n == 0) /* verbs stays off */
-        CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_VERBS, 1, 0, &ep), AXF_E_TRANSPORT);
+        CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_VERBS, 1, 0, -1, &ep), AXF_E_TRANSPORT);
     t_close(t);
     return 0;
 }

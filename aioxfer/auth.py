@@ -1,0 +1,105 @@
+"""Where an agent's token comes from when the caller gives none.
+
+Secure by default, zero-config on one host: every agent authenticates its
+connections with an HMAC challenge (see :mod:`aioxfer.protocol`). Without an
+explicit ``token=``, the token is ``$AIOXFER_TOKEN`` if set, else a random
+per-user secret kept in a file only this user can read:
+``$XDG_RUNTIME_DIR/aioxfer/token`` (a per-user tmpfs on systemd machines), else
+``~/.cache/aioxfer/token``. Every agent of one user on one host reads the same
+file, so they connect to each other with no configuration, while another user's
+process (which cannot read the file) cannot get in. Across hosts, give every
+agent the same ``token=`` (or ``AIOXFER_TOKEN``).
+
+Unauthenticated access is possible only by asking for it by name:
+``Agent(..., insecure_no_auth=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+__all__ = ["TOKEN_ENV", "default_token", "token_path"]
+
+TOKEN_ENV = "AIOXFER_TOKEN"
+_TOKEN_BYTES = 32
+
+
+def token_path() -> Path:
+    """The per-user token file (it may not exist yet)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and _private_dir_ok(Path(runtime)):
+        return Path(runtime) / "aioxfer" / "token"
+    return Path.home() / ".cache" / "aioxfer" / "token"
+
+
+def default_token() -> bytes:
+    """``$AIOXFER_TOKEN``, else this user's token file's secret (created on
+    first use with mode 0600 in a 0700 directory). Raises PermissionError when
+    the file exists but another user could read or change it."""
+    env = os.environ.get(TOKEN_ENV)
+    if env:
+        return env.encode()
+    path = token_path()
+    try:
+        return _read(path)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(path.parent, dir_=True)
+    secret = secrets.token_hex(_TOKEN_BYTES).encode()
+    tmp = path.with_name(f".token.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, secret)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        # link, not rename: when two agents start at once, the first one's
+        # secret wins and the second reads it, so both hold the same token.
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return _read(path)
+
+
+def _read(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        _check_private(path, fd=fd)
+        data = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if not data:
+        raise PermissionError(f"token file {path} is empty: delete it to have a new one made")
+    return data
+
+
+def _check_private(path: Path, *, fd: int | None = None, dir_: bool = False) -> None:
+    st = os.fstat(fd) if fd is not None else os.stat(path)
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user")
+    loose = st.st_mode & (stat.S_IRWXG | stat.S_IRWXO)
+    if loose:
+        what = "directory" if dir_ else "token file"
+        raise PermissionError(
+            f"{what} {path} is accessible to other users (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"chmod it to {'700' if dir_ else '600'}"
+        )
+
+
+def _private_dir_ok(path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISDIR(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IRWXG | stat.S_IRWXO)
+    )

@@ -1,0 +1,613 @@
+"""Object storage (S3 API) as a local backend: region kind "object".
+
+    objs = agent.register_objects("s3://bucket/prefix", endpoint="http://127.0.0.1:9000",
+                                  access_key_id=..., secret_access_key=..., region=...)
+    await agent.write(host[0:n], objs["a/key"])          # PUT (multipart above part_size)
+    await agent.read(host[0:4096], objs["a/key"][8192:12288])   # ranged GET into host memory
+    await agent.read(host_list, objs.segments(keys))     # many keys: one request
+    await objs.stat(keys); await objs.delete(keys)
+
+Credentials not given come from the standard AWS environment variables
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``), as obstore reads them.
+
+Writes go through obstore (a buffer of registered memory is handed over
+without a copy; multipart uploads for large objects). Reads fetch a
+presigned GET URL (obstore signs it) with aiohttp and copy each received
+chunk straight into the registered destination: one copy per byte, no
+intermediate object. That path exists because some S3 servers (rclone's)
+answer a ranged GET with ``200`` and an exact ``Content-Range`` instead of
+``206``, which obstore rejects; here a ``200`` is taken when its
+``Content-Range`` and length are exactly what was asked, a ``206`` as usual.
+
+Failures are typed: a missing key (or bucket) is ObjectNotFound, bad
+credentials AccessDenied, a conditional create of an existing key
+ObjectExists, an endpoint that is down or drops the connection TransportError
+once the bounded retries (``max_retries``, within ``retry_timeout`` seconds,
+exponential backoff with jitter) are spent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Literal, overload
+from urllib.parse import urlsplit
+
+import aiohttp
+import obstore
+from obstore import exceptions as obx
+from obstore.store import S3Store
+
+from aioxfer.backends.base import BackendRegion, LocalBackend, Op
+from aioxfer.errors import (
+    AccessDenied,
+    ObjectExists,
+    ObjectNotFound,
+    ProtocolError,
+    RegistrationError,
+    TransportError,
+    XferError,
+)
+
+if TYPE_CHECKING:
+    from aioxfer.agent import Agent
+
+__all__ = ["ObjectBackend", "ObjectRegion", "ObjectSegment", "ObjectSegmentList", "ObjectStat"]
+
+PART_SIZE = 8 << 20  # multipart part size (S3 minimum 5 MiB); larger objects go multipart
+_READ_BUFSIZE = 1 << 20
+_SIGN_TTL = timedelta(minutes=15)
+_SIGN_REUSE = 5 * 60.0  # a signed URL is reused while it has this long left
+_SIGNED_MAX = 4096  # cached signed URLs per region
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+_TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectStat:
+    """``await objs.stat(key)``: whether the key exists, its size in bytes and
+    e-tag (None when it does not exist)."""
+
+    key: str
+    exists: bool
+    size: int | None = None
+    e_tag: str | None = None
+    last_modified: datetime | None = None
+
+
+class ObjectSegment:
+    """``objs["key"]`` (the whole object) or ``objs["key"][a:b]`` (bytes
+    [a, b) of it; ``[a:]``: from a, as many bytes as the host side has).
+    Writes take whole objects only (S3 replaces objects, it does not patch
+    them); ``objs.create("key")`` is a whole object written only if absent."""
+
+    __slots__ = ("region", "key", "offset", "length", "create")
+
+    def __init__(
+        self,
+        region: ObjectRegion,
+        key: str,
+        offset: int = 0,
+        length: int | None = None,
+        create: bool = False,
+    ) -> None:
+        self.region = region
+        self.key = key
+        self.offset = offset
+        self.length = length
+        self.create = create
+
+    @property
+    def whole(self) -> bool:
+        return self.offset == 0 and self.length is None
+
+    @property
+    def nbytes(self) -> int | None:
+        return self.length
+
+    def __getitem__(self, key: slice) -> ObjectSegment:
+        if not isinstance(key, slice) or key.step is not None:
+            raise TypeError(f"object segments are sliced with [start:stop] (bytes), not {key!r}")
+        start = 0 if key.start is None else key.start.__index__()
+        stop = None if key.stop is None else key.stop.__index__()
+        if start < 0 or (stop is not None and stop < start):
+            raise IndexError(
+                f"[{key.start}:{key.stop}] of object {self.key!r}: offsets are >= 0 and "
+                f"stop >= start (an object's size is not known until read)"
+            )
+        if self.length is not None and (stop is None or stop > self.length):
+            if stop is None:
+                stop = self.length
+            else:
+                raise IndexError(
+                    f"[{key.start}:{key.stop}] is out of bounds for a segment of "
+                    f"{self.length} bytes"
+                )
+        length = None if stop is None else stop - start
+        return ObjectSegment(self.region, self.key, self.offset + start, length)
+
+    def __repr__(self) -> str:
+        if self.whole:
+            span = ""
+        else:
+            end = "" if self.length is None else self.offset + self.length
+            span = f"[{self.offset}:{end}]"
+        return f"<ObjectSegment {self.region.name!r}:{self.key!r}{span}>"
+
+
+class ObjectSegmentList(Sequence[ObjectSegment]):
+    """Many objects of one region (``objs.segments(keys, offsets, lengths)``):
+    the far side of one batched request."""
+
+    __slots__ = ("region", "_segs")
+
+    def __init__(self, region: ObjectRegion, segs: list[ObjectSegment]) -> None:
+        self.region = region
+        self._segs = segs
+
+    @overload
+    def __getitem__(self, i: int) -> ObjectSegment: ...
+    @overload
+    def __getitem__(self, i: slice) -> ObjectSegmentList: ...
+    def __getitem__(self, i: int | slice) -> ObjectSegment | ObjectSegmentList:
+        if isinstance(i, slice):
+            return ObjectSegmentList(self.region, self._segs[i])
+        return self._segs[i]
+
+    def __len__(self) -> int:
+        return len(self._segs)
+
+    def __iter__(self) -> Iterator[ObjectSegment]:
+        return iter(self._segs)
+
+    def __repr__(self) -> str:
+        return f"<ObjectSegmentList {self.region.name!r} n={len(self._segs)}>"
+
+
+def _check_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"object keys are str, not {type(key).__name__}")
+    if not key or key.startswith("/") or "//" in key:
+        raise ValueError(f"invalid object key {key!r}: non-empty, no leading '/' nor '//'")
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class _Retry:
+    max_retries: int
+    retry_timeout: float
+    initial: float = 0.1
+    cap: float = 2.0
+
+    def delay(self, attempt: int) -> float:
+        # full jitter (AWS's "exponential backoff and jitter")
+        return random.uniform(0.0, min(self.cap, self.initial * (2**attempt)))
+
+
+class ObjectRegion(BackendRegion):
+    """A bucket (and key prefix) of an S3-compatible store: region kind
+    "object". Made by ``agent.register_objects(url, ...)``."""
+
+    kind = "object"
+
+    def __init__(
+        self,
+        backend: ObjectBackend,
+        name: str,
+        url: str,
+        store: S3Store,
+        retry: _Retry,
+        part_size: int,
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> None:
+        super().__init__(backend, name)
+        self.url = url
+        self._store = store
+        self._retry = retry
+        self._part_size = part_size
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=connect_timeout,
+            sock_connect=connect_timeout,
+            sock_read=read_timeout,
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._signed: dict[str, tuple[str, float]] = {}
+
+    # ------------------------------------------------------------ segments
+
+    def __getitem__(self, key: str) -> ObjectSegment:
+        self._check()
+        return ObjectSegment(self, _check_key(key))
+
+    def create(self, key: str) -> ObjectSegment:
+        """The whole object ``key``, written only if it does not exist yet
+        (a conditional create: If-None-Match; ObjectExists otherwise, on
+        servers that implement it: AWS, MinIO, Ceph; rclone ignores it)."""
+        self._check()
+        return ObjectSegment(self, _check_key(key), create=True)
+
+    def segments(
+        self,
+        keys: Iterable[str],
+        offsets: Iterable[int] | None = None,
+        lengths: Iterable[int] | None = None,
+    ) -> ObjectSegmentList:
+        """Many objects as one far side: whole objects, or with ``offsets``
+        (and ``lengths``, else the host side's) ranges of them."""
+        self._check()
+        ks = [_check_key(k) for k in keys]
+        offs = [0] * len(ks) if offsets is None else [int(o) for o in offsets]
+        if lengths is None:
+            lens: list[int | None] = [None] * len(ks)
+        else:
+            lens = [int(n) for n in lengths]
+        if not len(ks) == len(offs) == len(lens):
+            raise ValueError(
+                f"{len(ks)} keys, {len(offs)} offsets and {len(lens)} lengths: one each"
+            )
+        for i, (o, n) in enumerate(zip(offs, lens, strict=True)):
+            if o < 0 or (n is not None and n < 0):
+                raise IndexError(f"segment {i}: offsets and lengths are >= 0")
+        return ObjectSegmentList(
+            self, [ObjectSegment(self, k, o, n) for k, o, n in zip(ks, offs, lens, strict=True)]
+        )
+
+    # ------------------------------------------------------------ metadata ops
+
+    @overload
+    async def stat(self, keys: str) -> ObjectStat: ...  # type: ignore[overload-overlap]
+    @overload
+    async def stat(self, keys: Iterable[str]) -> list[ObjectStat]: ...
+    async def stat(self, keys: str | Iterable[str]) -> ObjectStat | list[ObjectStat]:
+        """Existence, size and e-tag of one key (an ObjectStat) or of many (a
+        list, in order; HEAD requests with the backend's bounded concurrency)."""
+        self._check()
+        if isinstance(keys, str):
+            return await self._stat_one(_check_key(keys))
+        ks = [_check_key(k) for k in keys]
+        return list(await asyncio.gather(*(self._stat_one(k) for k in ks)))
+
+    async def _stat_one(self, key: str) -> ObjectStat:
+        async with self.backend._slots:
+            try:
+                meta = await self._obstore("stat", key, obstore.head_async(self._store, key))
+            except ObjectNotFound:
+                return ObjectStat(key, False)
+        return ObjectStat(
+            key, True, int(meta["size"]), meta.get("e_tag"), meta.get("last_modified")
+        )
+
+    async def delete(self, keys: str | Iterable[str]) -> None:
+        """Deletes one key or many (missing keys are not an error, as in S3)."""
+        self._check()
+        ks = [_check_key(keys)] if isinstance(keys, str) else [_check_key(k) for k in keys]
+        if not ks:
+            return
+        async with self.backend._slots:
+            what = ks[0] if len(ks) == 1 else f"{len(ks)} keys"
+            await self._obstore("delete", what, obstore.delete_async(self._store, ks))
+
+    async def aclose(self) -> None:
+        """Forgets the region and closes its HTTP connections. Idempotent."""
+        await super().aclose()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    # ------------------------------------------------------------ data path
+
+    async def _obstore(self, doing: str, key: str, call: Any) -> Any:
+        try:
+            return await call
+        except (obx.BaseError, OSError) as exc:  # obstore raises FileNotFoundError too
+            raise _obstore_error(exc, doing, key, self.url) from None
+
+    async def _put(self, src: memoryview, seg: ObjectSegment) -> None:
+        mode: Literal["create"] | None = "create" if seg.create else None
+        await self._obstore(
+            "write",
+            seg.key,
+            obstore.put_async(
+                self._store,
+                seg.key,
+                src,
+                mode=mode,
+                chunk_size=self._part_size,
+                max_concurrency=4,
+            ),
+        )
+
+    async def _sign(self, key: str) -> str:
+        now = time.monotonic()
+        hit = self._signed.get(key)
+        if hit is not None and hit[1] - now > _SIGN_REUSE:
+            return hit[0]
+        signing = obstore.sign_async(self._store, "GET", key, _SIGN_TTL)
+        url = await self._obstore("sign", key, signing)
+        if len(self._signed) >= _SIGNED_MAX:
+            self._signed.clear()
+        self._signed[key] = (url, now + _SIGN_TTL.total_seconds())
+        return str(url)
+
+    def _http(self) -> aiohttp.ClientSession:
+        session = self._session
+        if session is None or session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=self.backend.max_concurrency, enable_cleanup_closed=True
+            )
+            session = self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=self._timeout,
+                auto_decompress=False,
+                # aiohttp pauses the socket once 2 x read_bufsize are buffered
+                # (default 64 KiB): large GETs then stall on flow control
+                # while we copy chunks out at once anyway.
+                read_bufsize=_READ_BUFSIZE,
+            )
+        return session
+
+    async def _get(self, dst: memoryview, seg: ObjectSegment) -> None:
+        n = len(dst)
+        ranged = not seg.whole
+        headers = {"Range": f"bytes={seg.offset}-{seg.offset + n - 1}"} if ranged else None
+        retry = self._retry
+        deadline = time.monotonic() + retry.retry_timeout
+        attempt = 0
+        while True:
+            try:
+                url = await self._sign(seg.key)
+                async with self._http().get(url, headers=headers) as resp:
+                    await self._receive(resp, dst, seg, ranged)
+                return
+            except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
+                if attempt >= retry.max_retries or time.monotonic() >= deadline:
+                    raise TransportError(
+                        f"read of object {seg.key!r} from {self.url} failed after "
+                        f"{attempt + 1} attempts: {_describe(exc)}"
+                    ) from None
+                self.backend.note_retry()
+                pause = retry.delay(attempt)
+                attempt += 1
+                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+
+    async def _receive(
+        self, resp: aiohttp.ClientResponse, dst: memoryview, seg: ObjectSegment, ranged: bool
+    ) -> None:
+        n = len(dst)
+        status = resp.status
+        if status not in (200, 206):
+            body = (await resp.content.read(4096)).decode("utf-8", "replace")
+            code = _xml_code(body)
+            if status in _TRANSIENT_HTTP:
+                raise _Transient(f"HTTP {status} {code}".strip())
+            what = f"read of object {seg.key!r} from {self.url}"
+            if status == 404:
+                raise ObjectNotFound(f"{what}: no such key ({code or 'HTTP 404'})")
+            if status in (401, 403):
+                raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
+            if status == 416:
+                raise XferError(
+                    f"{what}: bytes [{seg.offset}:{seg.offset + n}] are past the object's end"
+                )
+            raise XferError(f"{what}: HTTP {status} {code}".rstrip())
+        length = resp.content_length
+        if ranged:
+            # 206, or 200 from servers that answer ranges so (rclone): either
+            # way the Content-Range must be exactly what was asked.
+            want = (seg.offset, seg.offset + n - 1)
+            got = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
+            if got is None or (int(got[1]), int(got[2])) != want:
+                if status == 200 and got is None and seg.offset == 0 and length == n:
+                    pass  # the whole object is exactly the range asked for
+                else:
+                    if got is not None and got[3] != "*" and int(got[3]) <= want[1]:
+                        raise XferError(
+                            f"read of object {seg.key!r}: bytes [{seg.offset}:"
+                            f"{seg.offset + n}] are past its end ({got[3]} bytes)"
+                        )
+                    raise ProtocolError(
+                        f"read of object {seg.key!r}: asked for bytes {want[0]}-{want[1]}, "
+                        f"the server answered HTTP {status} with Content-Range "
+                        f"{resp.headers.get('Content-Range')!r}"
+                    )
+        elif status != 200:
+            raise ProtocolError(
+                f"read of object {seg.key!r}: HTTP {status} to a GET of the whole object"
+            )
+        if length is not None and length != n:
+            if ranged:
+                raise ProtocolError(
+                    f"read of object {seg.key!r}: {length} bytes in answer to a range of {n}"
+                )
+            raise XferError(
+                f"read of object {seg.key!r}: the object is {length} bytes, the destination "
+                f"{n}: read a range of it (objs[key][a:b]) or into {length} bytes"
+            )
+        pos = 0
+        content = resp.content
+        while pos < n:
+            chunk = await content.readany()
+            if not chunk:
+                raise _Transient(f"connection ended after {pos} of {n} bytes")
+            end = pos + len(chunk)
+            if end > n:
+                raise XferError(
+                    f"read of object {seg.key!r}: the object is larger than the destination "
+                    f"({n} bytes)"
+                )
+            dst[pos:end] = chunk
+            pos = end
+        if length is None and not content.at_eof() and await content.read(1):
+            raise XferError(
+                f"read of object {seg.key!r}: the object is larger than the destination "
+                f"({n} bytes)"
+            )
+
+
+class _Transient(Exception):
+    """A failure worth retrying (5xx, 429, a connection cut short)."""
+
+
+def _xml_code(body: str) -> str:
+    m = re.search(r"<Code>([^<]*)</Code>", body)
+    return m[1] if m else ""
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _obstore_error(exc: BaseException, doing: str, key: str, url: str) -> XferError:
+    what = f"{doing} of object {key!r} in {url}"
+    first = _describe(exc)
+    if isinstance(exc, obx.NotFoundError | FileNotFoundError):
+        return ObjectNotFound(f"{what}: no such key or bucket ({first})")
+    if isinstance(exc, obx.PermissionDeniedError | obx.UnauthenticatedError | PermissionError):
+        return AccessDenied(f"{what}: access denied ({first})")
+    if isinstance(exc, obx.AlreadyExistsError | obx.PreconditionError | FileExistsError):
+        return ObjectExists(f"{what}: the key exists (conditional create)")
+    if isinstance(exc, obx.InvalidPathError):
+        return XferError(f"{what}: invalid key ({first})")
+    return TransportError(f"{what} failed: {first}")
+
+
+class ObjectBackend(LocalBackend):
+    """The built-in "object" backend: S3-compatible object storage."""
+
+    name = "object"
+    kind = "object"
+
+    def far_segments(self, far: Any, op: Op) -> Sequence[Any]:
+        if isinstance(far, ObjectSegment):
+            return (far,)
+        if isinstance(far, ObjectSegmentList):
+            return far._segs
+        if isinstance(far, Sequence) and not isinstance(far, str | bytes):
+            for i, seg in enumerate(far):
+                if not isinstance(seg, ObjectSegment):
+                    raise TypeError(
+                        f"far segment {i} is a {type(seg).__name__}, not an ObjectSegment"
+                    )
+            return far
+        raise TypeError(f"not object segments: {type(far).__name__}")
+
+    def far_length(self, seg: ObjectSegment, local_length: int, op: Op, i: int) -> None:
+        if op == "write":
+            if not seg.whole:
+                raise ValueError(
+                    f"segment {i}: writes replace whole objects: write objs[key], not {seg!r}"
+                )
+        elif seg.length is not None and seg.length != local_length:
+            raise ValueError(
+                f"segment {i}: local length {local_length} != object range length {seg.length}"
+            )
+
+    async def put(self, src: memoryview, far: ObjectSegment) -> None:
+        await far.region._put(src, far)
+
+    async def get(self, dst: memoryview, far: ObjectSegment) -> None:
+        await far.region._get(dst, far)
+
+    def register(
+        self,
+        url: str,
+        *,
+        endpoint: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        region: str | None = None,
+        name: str | None = None,
+        part_size: int = PART_SIZE,
+        max_retries: int = 4,
+        retry_timeout: float = 10.0,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 15.0,
+    ) -> ObjectRegion:
+        """See ``Agent.register_objects``."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("s3", "s3a") or not parts.netloc:
+            raise RegistrationError(f"cannot register {url!r}: expected s3://bucket[/prefix]")
+        if part_size < 5 << 20:
+            raise RegistrationError("part_size must be at least 5 MiB (the S3 minimum)")
+        if max_retries < 0 or not retry_timeout > 0 or not connect_timeout > 0:
+            raise RegistrationError("max_retries >= 0; retry_timeout, connect_timeout > 0")
+        bucket = parts.netloc
+        prefix = parts.path.strip("/") or None
+        if endpoint is None:  # as obstore would find it, to know whether it is plain HTTP
+            endpoint = next(
+                (os.environ[v] for v in _ENDPOINT_VARS if os.environ.get(v)), None
+            )
+        config: dict[str, Any] = {}
+        for key, value in (
+            ("endpoint", endpoint),
+            ("access_key_id", access_key_id),
+            ("secret_access_key", secret_access_key),
+            ("session_token", session_token),
+            ("region", region),
+        ):
+            if value is not None:
+                config[key] = value
+        client: dict[str, Any] = {
+            "connect_timeout": timedelta(seconds=connect_timeout),
+            "read_timeout": timedelta(seconds=read_timeout),
+        }
+        if (endpoint or "").startswith("http://"):
+            client["allow_http"] = True
+        # obstore's own retries (PUT, HEAD, DELETE) bounded like ours: its
+        # default retries a dead endpoint for three minutes.
+        retry_config: dict[str, Any] = {
+            "max_retries": max_retries,
+            "retry_timeout": timedelta(seconds=retry_timeout),
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=100),
+                "max_backoff": timedelta(seconds=2),
+                "base": 2,
+            },
+        }
+        try:
+            store = S3Store(
+                bucket,
+                prefix=prefix,
+                client_options=client,  # type: ignore[arg-type]
+                retry_config=retry_config,  # type: ignore[arg-type]
+                **config,
+            )
+        except (obx.BaseError, ValueError, TypeError) as exc:
+            raise RegistrationError(f"cannot register {url!r}: {_describe(exc)}") from None
+        if name is None:
+            name, k = url, 1
+            while name in self._regions:
+                name, k = f"{url}#{k}", k + 1
+        objs = ObjectRegion(
+            self,
+            name,
+            url,
+            store,
+            _Retry(max_retries, retry_timeout),
+            part_size,
+            connect_timeout,
+            read_timeout,
+        )
+        self._add_region(objs)
+        return objs
+
+
+def register_objects(agent: Agent, url: str, **kwargs: Any) -> ObjectRegion:
+    """``agent.register_objects``: an ObjectRegion of the agent's "object" backend."""
+    from aioxfer.backends import registry
+
+    backend = registry.instance(agent, "object")
+    assert isinstance(backend, ObjectBackend)
+    return backend.register(url, **kwargs)

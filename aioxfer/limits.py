@@ -1,0 +1,53 @@
+"""Every bound on what a peer can make this agent hold, in one place.
+
+Each one caps a resource a peer (possibly hostile, possibly just slow) could
+otherwise grow without end: memory for its frames and replies, connections and
+their threads, tasks, time. Over a bound we push back (stop reading that
+connection, so TCP flow control slows the sender) or refuse with a logged
+reason; nothing is dropped silently. SECURITY.md lists them with their
+defaults and what each protects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aioxfer.protocol import MAX_META_FRAME
+
+__all__ = ["Limits"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """``Agent(..., limits=Limits(...))``; the defaults suit a serving node."""
+
+    #: connections in their handshake at once (each unauthenticated one holds a
+    #: socket and a task for up to peer_timeout); more are closed at accept.
+    max_handshakes: int = 64
+    #: listen addresses (rails) of one peer we dial, whatever its metadata lists.
+    max_rails: int = 8
+    #: the largest metadata we read from an authenticated peer (~16 M regions
+    #: per 1 GiB: 64 MiB is ~700 k regions).
+    max_meta_bytes: int = MAX_META_FRAME
+    #: connections in this agent's engine, both directions (each costs threads).
+    max_conns: int = 1024
+    #: notifications from one connection received but not yet taken by the
+    #: application; at the bound we stop reading that connection until it does.
+    max_notify_per_conn: int = 1024
+    #: bytes of replies (READ responses, acknowledgements) queued for one
+    #: connection; at the bound we stop reading its requests.
+    reply_queue_bytes: int = 64 << 20
+    #: seconds a tcp peer may take to acknowledge that a region was revoked
+    #: before it is disconnected (then it cannot touch that memory any more).
+    revoke_timeout: float = 10.0
+    #: seconds aclose() waits for peers to release our memory before it gives up
+    #: on them (naming them) and closes anyway.
+    close_timeout: float = 10.0
+    #: the longest wait between re-dials of a failed rail (doubling from rail_probe).
+    rail_probe_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, int | float) and v > 0):
+                raise ValueError(f"Limits.{f.name} must be positive, not {v!r}")

