@@ -18,6 +18,7 @@ from aioxfer.kv.disk import DiskTier
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable, KVError, PinLimitExceeded
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES, ROOT, chain, import_key
+from aioxfer.kv.objects import ObjectTier
 from aioxfer.kv.pipeline import Channel, Pipeline
 from aioxfer.kv.stats import StoreStatistics, TierStatistics
 from aioxfer.kv.store import (
@@ -45,6 +46,7 @@ __all__ = [
     "LayerResult",
     "LayerStream",
     "LookupResult",
+    "ObjectTier",
     "PinLimitExceeded",
     "Pipeline",
     "PutResult",

@@ -409,6 +409,7 @@ class Store:
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self._host: HostTier | None = hosts[0] if hosts else None
         self._lower: tuple[Tier, ...] = tuple(t for t in tiers if not isinstance(t, HostTier))
+        self._probing = tuple(t for t in self._lower if getattr(t, "probes", False))
         if max_pinned_bytes is None:
             # Room for everything the host tier holds plus a full staging area.
             host_bytes = self._host.capacity if self._host is not None else 0
@@ -610,10 +611,23 @@ class Store:
                 return tier
         return None
 
+    async def _probe(self, keys: list[bytes]) -> None:
+        """Tiers whose index is remote (object storage) are asked about the
+        keys from the first one no local index knows."""
+        probing = self._probing
+        if not probing:
+            return
+        i0 = next((i for i, k in enumerate(keys) if self._where(k) is None), None)
+        if i0 is None:
+            return
+        for tier in probing:
+            await tier._probe(keys[i0:])  # type: ignore[attr-defined]
+
     async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Which leading keys the store holds, and where (no data moves)."""
         self._check_open()
         keys = self._keys(keys)
+        await self._probe(keys)
         tiers: list[str | None] = []
         prefix = -1
         for i, key in enumerate(keys):
@@ -639,6 +653,7 @@ class Store:
         keys = self._keys(keys)
         blk = _Blocks.of(dst, len(keys), self.block_bytes, "dst")
         blk.check(self.agent, "dst")
+        await self._probe(keys)
         while True:
             op = _Op(self)
             try:
@@ -1141,6 +1156,7 @@ class Store:
         if host is None or tier != host.name:
             raise ValueError(f"prefetch targets the host tier; this store has "
                              f"{host.name if host else None!r}")
+        await self._probe(keys)
         have = 0
         want: list[tuple[bytes, Tier, Any]] = []
         for key in keys:
