@@ -15,10 +15,17 @@ async with kv.Store.open(agent, block_bytes=64 << 10, tiers=[
 from __future__ import annotations
 
 from aioxfer.kv.disk import DiskTier
-from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable, KVError, PinLimitExceeded
+from aioxfer.kv.errors import (
+    BlockCorrupt,
+    BlockMissing,
+    BlockUnavailable,
+    KVError,
+    PinLimitExceeded,
+)
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES, ROOT, chain, import_key
 from aioxfer.kv.objects import ObjectTier
+from aioxfer.kv.peer import PeerTier
 from aioxfer.kv.pipeline import Channel, Pipeline
 from aioxfer.kv.stats import StoreStatistics, TierStatistics
 from aioxfer.kv.store import (
@@ -37,6 +44,7 @@ __all__ = [
     "ROOT",
     "BlockCorrupt",
     "BlockFailure",
+    "BlockMissing",
     "BlockUnavailable",
     "Channel",
     "DiskTier",
@@ -47,6 +55,7 @@ __all__ = [
     "LayerStream",
     "LookupResult",
     "ObjectTier",
+    "PeerTier",
     "PinLimitExceeded",
     "Pipeline",
     "PutResult",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aioxfer.errors import XferError
 
-__all__ = ["BlockCorrupt", "BlockUnavailable", "KVError", "PinLimitExceeded"]
+__all__ = ["BlockCorrupt", "BlockMissing", "BlockUnavailable", "KVError", "PinLimitExceeded"]
 
 
 class KVError(XferError):
@@ -20,6 +20,11 @@ class BlockUnavailable(KVError):
     """A tier could not deliver a block it holds (an I/O error, a peer lost
     mid-read); ``__cause__`` is the transport's error. The block stays where
     it is; the get's prefix ends before it."""
+
+
+class BlockMissing(KVError):
+    """A tier found the block gone when it went to read it (a peer that left
+    or evicted it meanwhile): the get treats it as a miss, not a failure."""
 
 
 class PinLimitExceeded(KVError):

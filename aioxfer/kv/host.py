@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from aioxfer.kv import checksum as ck
 from aioxfer.kv.tier import Tier
 from aioxfer.log import get_logger
 from aioxfer.region import Region, RemoteRegion
@@ -87,6 +88,7 @@ class HostTier(Tier):
         self._kick: asyncio.Event | None = None
         self._demoter: asyncio.Task[None] | None = None
         self._lru = eviction == "lru"
+        self.published: Any = None  # a PeerTier's PeerIndex: what peers can read here
 
     async def _open(self, store: Store) -> None:
         await super()._open(store)
@@ -154,6 +156,19 @@ class HostTier(Tier):
         assert self._space is not None
         self._space.set()
 
+    def publish(self, index: Any) -> None:
+        """Keeps ``index`` (a PeerIndex) in step with this tier, or stops (None)."""
+        self.published = index
+        if index is not None and self.region is not None:
+            for key, slot in self.index.items():
+                self._publish_one(key, slot)
+
+    def _publish_one(self, key: bytes, slot: int) -> None:
+        assert self.region is not None
+        bb = self.block_bytes
+        crc = ck.checksum(self.region.memoryview[slot * bb:(slot + 1) * bb])
+        self.published.add(key, slot, crc)
+
     def insert(self, key: bytes, slot: int, *, dirty: bool) -> None:
         """Publishes a filled slot under ``key``."""
         self.index[key] = slot
@@ -161,10 +176,14 @@ class HostTier(Tier):
         self.slot_key[slot] = key
         if dirty:
             self.dirty.add(slot)
+        if self.published is not None:
+            self._publish_one(key, slot)
         self._maybe_demote()
 
     def evict(self, key: bytes, reason: str) -> None:
         slot = self.index.pop(key)
+        if self.published is not None:
+            self.published.remove(key)
         self.order.pop(key, None)
         self.dirty.discard(slot)
         self.counters.evicted(reason)

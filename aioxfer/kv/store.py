@@ -36,7 +36,7 @@ import numpy as np
 
 from aioxfer.agent import Agent
 from aioxfer.errors import ClosedResourceError, XferError
-from aioxfer.kv.errors import BlockUnavailable, PinLimitExceeded
+from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES
 from aioxfer.kv.stats import StoreStatistics
@@ -799,7 +799,8 @@ class Store:
         failed: list[BlockFailure] = []
         for i in sorted(errors):
             tier_name, error = errors[i]
-            failed.append(BlockFailure(i, keys[i], tier_name, error))
+            if not isinstance(error, BlockMissing):  # gone meanwhile: a miss
+                failed.append(BlockFailure(i, keys[i], tier_name, error))
             tiers_out[i] = None
             prefix = min(prefix, i)
         for i in range(end, n):
