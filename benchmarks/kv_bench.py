@@ -317,6 +317,7 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                                                      direct=direct)]
         done = cancelled = errors = verified = bad = retired = 0
         unexpected: list[str] = []
+        error_kinds: dict[str, int] = {}
         rss: list[tuple[int, float]] = []
         async with kv.Store.open(agent, block_bytes=bb, tiers=tiers,
                                  max_pinned_bytes=128 * bb, pin_wait=5.0) as store:
@@ -401,8 +402,10 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                             dst.close()
                             dst = agent.alloc(16 * bb)
                             retired += 1
-                    except aioxfer.XferError:
+                    except aioxfer.XferError as exc:
                         errors += 1
+                        kind = type(exc).__name__
+                        error_kinds[kind] = error_kinds.get(kind, 0) + 1
                     except Exception as exc:  # a bug: counted, reported, fails the run
                         unexpected.append(f"{fn.__name__}: {exc!r}")
                 finally:
@@ -444,7 +447,7 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
         "rss_mib": [r for _i, r in rss], "rss_growth_after_warmup_mib":
             (rss[-1][1] - warm) if rss else 0.0,
         "coalesced": s.coalesced, "handoffs": s.handoffs, "pin_waits": s.pin_waits,
-        "retired_buffers": retired, "unexpected": unexpected[:10],
+        "retired_buffers": retired, "unexpected": unexpected[:10], "error_kinds": error_kinds,
         "unexpected_count": len(unexpected),
     }
     return result

@@ -267,7 +267,8 @@ class DiskTier(Tier):
     async def _rebuild(self) -> None:
         """The index from every segment's header table (see the module doc)."""
         names = sorted(n for n in os.listdir(self.path) if _SEG_RE.match(n))
-        all_raw: list[npt.NDArray[np.uint8]] = []
+        all_keys: list[npt.NDArray[Any]] = []
+        all_seq: list[npt.NDArray[np.uint64]] = []
         all_loc: list[npt.NDArray[np.uint64]] = []
         block_bytes = self.store.block_bytes
         for fname in names:
@@ -318,18 +319,24 @@ class DiskTier(Tier):
             seg.region = self.store.agent.register_file(path, direct=self.direct,
                                                         name=f"{self.store.name}.{self.name}.{no}")
             self.segs[no] = seg
-            all_raw.append(raw[idx])
+            all_keys.append(ent["key"][idx])
+            all_seq.append(ent["seq"][idx])
             all_loc.append((np.uint64(no) << np.uint64(32)) | idx.astype(np.uint64))
-        if not all_raw:
+        if not all_keys:
             return
-        raw = np.concatenate(all_raw)
+        keys_a = np.concatenate(all_keys)
+        seq = np.concatenate(all_seq)
         loc = np.concatenate(all_loc)
-        ent = raw.view(ENTRY_DTYPE).ravel()
-        order = np.argsort(ent["seq"], kind="stable")  # later records win in the dict
-        keys = np.ascontiguousarray(ent["key"][order]).tolist()
-        index = dict(zip(keys, loc[order].tolist(), strict=True))
+        if seq.size > 1 and not bool((seq[1:] > seq[:-1]).all()):
+            # Later records must win in the dict: order by sequence (needed
+            # only when concurrent writers filled slots out of order).
+            order = np.argsort(seq, kind="stable")
+            keys_a, loc = keys_a[order], loc[order]
+        keys = np.ascontiguousarray(keys_a).tolist()
+        locs = loc.tolist()
+        index = dict(zip(keys, locs, strict=True))
         if len(index) != len(keys):  # a key written twice: the older copy is dead
-            for k, lo in zip(keys, loc[order].tolist(), strict=True):
+            for k, lo in zip(keys, locs, strict=True):
                 if index[k] != lo:
                     seg = self.segs[lo >> 32]
                     seg.live[lo & 0xFFFFFFFF] = False
