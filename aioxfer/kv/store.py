@@ -1279,6 +1279,9 @@ class Store:
         return f"<Store {self.name!r} {state} tiers={[t.name for t in self.tiers]}>"
 
 
+_STREAM_WINDOW = 2  # layers in flight ahead of the one awaited
+
+
 class LayerStream:
     """The async iterator ``Store.stream`` returns (also an async context
     manager: leaving it cancels what has not landed and releases pins)."""
@@ -1294,6 +1297,7 @@ class LayerStream:
         self._targets = self._layer_targets(dst)
         self._op = _Op(store)
         self._pending: list[list[Transfer]] = []
+        self._slots: list[int] = []
         self._next = 0
         self._closed = False
 
@@ -1325,29 +1329,35 @@ class LayerStream:
             raise ValueError("stream delivers from host memory: the store needs a HostTier")
         await store.prefetch(self.keys)
         slots: list[int] = []
+        index_get = host.index.get
         for key in self.keys:
-            slot = host.index.get(key)
+            slot = index_get(key)
             if slot is None:
                 break
-            self._op.pin(host, slot)
             host.touch(key)
             slots.append(slot)
+        self._op.pin_host(host, slots)
         self.prefix = len(slots)
         host.counters.hits += len(slots)
         host.counters.hit_bytes += len(slots) * store.block_bytes
         if not slots:
             return
-        bb, lb = store.block_bytes, self.layer_bytes
-        assert host.remote is not None
-        idx = list(range(len(slots)))
-        for layer in range(self.layers):
-            regions, offsets = self._targets[layer]
-            posted = []
-            for region, group in _groups(regions, idx):
-                posted.append(store.agent.read(
-                    _seglist(region, [offsets[i] for i in group], lb),
-                    _seglist(host.remote, [slots[i] * bb + layer * lb for i in group], lb)))
-            self._pending.append(posted)
+        self._slots = slots
+        for layer in range(min(self.layers, _STREAM_WINDOW)):
+            self._post(layer)
+
+    def _post(self, layer: int) -> None:
+        """Posts layer ``layer`` of every block (one transfer per dst region)."""
+        store, host = self.store, self.store._host
+        assert host is not None and host.remote is not None
+        bb, lb, slots = store.block_bytes, self.layer_bytes, self._slots
+        regions, offsets = self._targets[layer]
+        posted = []
+        for region, group in _groups(regions, list(range(len(slots)))):
+            posted.append(store.agent.read(
+                _seglist(region, [offsets[i] for i in group], lb),
+                _seglist(host.remote, [slots[i] * bb + layer * lb for i in group], lb)))
+        self._pending.append(posted)
 
     def __aiter__(self) -> LayerStream:
         return self
@@ -1362,6 +1372,11 @@ class LayerStream:
                 self._finish()
                 raise StopAsyncIteration
             layer = self._next
+            # A window of layers in flight: all of them posted at once would
+            # land (and be seen) together, the first no sooner than the last.
+            ahead = layer + _STREAM_WINDOW
+            if ahead < self.layers and ahead == len(self._pending):
+                self._post(ahead)
             for t in self._pending[layer]:
                 try:
                     await t
@@ -1369,7 +1384,7 @@ class LayerStream:
                     raise BlockUnavailable(f"layer {layer} copy failed: {exc}") from exc
             self._next += 1
             assert self.prefix is not None
-            if self._next == len(self._pending):
+            if self._next == len(self._pending) and self._next >= self.layers:
                 self._finish()
             return LayerResult(layer, self.prefix, self.prefix * self.layer_bytes)
         except BaseException:
