@@ -1203,25 +1203,51 @@ class Store:
                             op: _Op) -> int:
         host = self._host
         assert host is not None
+        left = dict(slot_of)  # reserved slots not yet published or given back
+
+        def release(fs: list[_Fetch]) -> None:
+            # Once a tier's read is over (cancelled or not), its unpublished
+            # slots go back; never while the engine may still write them.
+            host.give_back([left.pop(f.key) for f in fs if f.key in left])
+
         done = 0
         try:
-            runs = [_owned_read(t, fs, op, lambda: None) for t, fs in by_tier.items()]
-            all_errs = await asyncio.gather(*runs)
-            for (t, fs), errs in zip(by_tier.items(), all_errs, strict=True):
+            runs = [_owned_read(t, fs, op, lambda fs=fs: release(fs))
+                    for t, fs in by_tier.items()]
+            results = await asyncio.gather(*runs, return_exceptions=True)
+            for (t, fs), errs in zip(by_tier.items(), results, strict=True):
+                if isinstance(errs, asyncio.CancelledError):
+                    raise errs
+                if isinstance(errs, BaseException):
+                    err = BlockUnavailable(f"tier {t.name!r} failed: {errs!r}")
+                    errs = [err] * len(fs)
                 t.counters.hits += len(fs)
                 for f, e in zip(fs, errs, strict=True):
                     f.error = e
-                    s = slot_of[f.key]
+                    slot = left.pop(f.key)
                     if e is None and f.key not in host.index:
-                        host.insert(f.key, s, dirty=False)
+                        host.insert(f.key, slot, dirty=False)
                         host.counters.promotions += 1
                         done += 1
                     else:
-                        host.give_back([s])
+                        host.give_back([slot])
                         if e is not None:
                             self._note_error(e)
                 await self._deliver(fs, promote=False)
         finally:
+            # Whatever was not delivered (cancelled, or a bug): its waiters
+            # learn it now, and nothing stays registered.
+            for fs in by_tier.values():
+                for f in fs:
+                    if self._fetches.get(f.key) is f:
+                        del self._fetches[f.key]
+                    for w in f.followers:
+                        if not w.future.done():
+                            w.future.set_exception(BlockUnavailable("the prefetch was abandoned"))
+                    f.followers.clear()
+            if not op.pending:
+                host.give_back(list(left.values()))
+                left.clear()
             op.finish()
         return done
 
