@@ -42,6 +42,7 @@ import aioxfer
 from aioxfer import kv
 
 KIB = 1 << 10
+LAST_STORE: Any = None
 
 
 def keys_for(n: int, seed: int = 0) -> list[bytes]:
@@ -315,12 +316,15 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
         dst_pool = [agent.alloc(16 * bb) for _ in range(32)]
         tiers = [kv.HostTier(256 * bb), kv.DiskTier(root, 64 << 20, segment_bytes=256 * bb,
                                                      direct=direct)]
-        done = cancelled = errors = verified = bad = retired = 0
+        done = cancelled = errors = verified = bad = retired = allocated = 0
         unexpected: list[str] = []
         error_kinds: dict[str, int] = {}
+        error_samples: list[str] = []
         rss: list[tuple[int, float]] = []
         async with kv.Store.open(agent, block_bytes=bb, tiers=tiers,
                                  max_pinned_bytes=128 * bb, pin_wait=5.0) as store:
+            global LAST_STORE
+            LAST_STORE = store  # for a debugger looking at a stuck run
             async def op_put(buf: Any) -> None:
                 start = rng.randrange(universe - 16)
                 k = rng.randint(1, 16)
@@ -379,7 +383,11 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
             writes_caller_memory = {op_get, op_hot_get, op_stream}
 
             async def one(fn: Callable[[Any], Awaitable[None]], cancel_after: float | None) -> None:
-                nonlocal done, cancelled, errors, retired
+                dst: Any
+                nonlocal done, cancelled, errors, retired, allocated
+                if not free:
+                    free.append(agent.alloc(16 * bb))
+                    allocated += 1
                 dst = free.pop()
                 try:
                     task = asyncio.ensure_future(fn(dst))
@@ -396,16 +404,21 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                         cancelled += 1
                         if fn in writes_caller_memory:
                             # A cancelled get's copy may still be landing in
-                            # dst (the agent's contract): the buffer is retired
-                            # (deregistered: released once the engine is done
-                            # with it) and a fresh one takes its place.
-                            dst.close()
+                            # dst (the agent's contract: memory is untouched
+                            # once the engine confirms). The buffer is retired:
+                            # deregistration completes only when nothing
+                            # touches it any more; a fresh one takes its place.
+                            closing = dst.close()
+                            if closing is not None:
+                                await closing
                             dst = agent.alloc(16 * bb)
                             retired += 1
                     except aioxfer.XferError as exc:
                         errors += 1
                         kind = type(exc).__name__
                         error_kinds[kind] = error_kinds.get(kind, 0) + 1
+                        if len(error_samples) < 5:
+                            error_samples.append(f"{fn.__name__}: {kind}: {exc}")
                     except Exception as exc:  # a bug: counted, reported, fails the run
                         unexpected.append(f"{fn.__name__}: {exc!r}")
                 finally:
@@ -424,6 +437,9 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                 t.add_done_callback(pending.discard)
                 if (i + 1) % step == 0:
                     rss.append((i + 1, rss_mib()))
+                    ast = agent.statistics()
+                    report(f"  agent: regions {ast.regions}, native {ast.native_regions}, "
+                           f"pinned {ast.pinned_regions}")
                     report(f"  soak {i + 1}/{ops}: rss {rss[-1][1]:.1f} MiB, done {done}, "
                            f"cancelled {cancelled}, errors {errors}, pins "
                            f"{store.statistics().pins}, {(i + 1) / (time.perf_counter() - t0):.0f}"
@@ -437,17 +453,21 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                 await asyncio.sleep(0.01)
             s = store.statistics()
             seconds = time.perf_counter() - t0
-        agent_inflight = agent.statistics().in_flight
+        ast = agent.statistics()
+        agent_inflight = ast.in_flight
+        agent_regions = (ast.regions, ast.native_regions, ast.pinned_regions)
     warm = rss[len(rss) // 4][1] if rss else 0.0
     result = {
         "ops": ops, "done": done, "cancelled": cancelled, "errors": errors,
         "verified_blocks": verified, "corrupt_blocks": bad, "pins": s.pins,
         "pinned_bytes": s.pinned_bytes, "fetches_in_flight": s.fetches_in_flight,
         "agent_in_flight": agent_inflight, "seconds": seconds,
+        "agent_regions_native_pinned": agent_regions,
         "rss_mib": [r for _i, r in rss], "rss_growth_after_warmup_mib":
             (rss[-1][1] - warm) if rss else 0.0,
         "coalesced": s.coalesced, "handoffs": s.handoffs, "pin_waits": s.pin_waits,
-        "retired_buffers": retired, "unexpected": unexpected[:10], "error_kinds": error_kinds,
+        "retired_buffers": retired, "buffers_allocated_beyond_32": allocated,
+        "unexpected": unexpected[:10], "error_kinds": error_kinds, "error_samples": error_samples,
         "unexpected_count": len(unexpected),
     }
     return result

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from aioxfer.errors import XferError
+from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
 from aioxfer.kv.tier import Tier
@@ -391,7 +391,8 @@ class DiskTier(Tier):
         first when at capacity. None: no room (every segment has readers)."""
         while len(self.segs) >= self.max_segments:
             victims = sorted((s for s in self.segs.values()
-                              if s is not self.active and not s.pins and not s.doomed),
+                              if s is not self.active and not s.pins and not s.doomed
+                              and not s.writing and s not in self._pending_flush),
                              key=lambda s: s.last_access)
             if not victims:
                 return None
@@ -629,6 +630,11 @@ class DiskTier(Tier):
                         SegmentList(seg.region,
                                     seg.hdr_off + np.array(sectors, dtype=np.uint64) * SECTOR,
                                     np.full(m, SECTOR, dtype=np.uint64)))
+                except ClosedResourceError:
+                    if self.segs.get(seg.no) is not seg:
+                        return  # the segment was dropped meanwhile: nothing to write
+                    seg.dirty.update(sectors)
+                    raise
                 except BaseException:
                     seg.dirty.update(sectors)  # written next time
                     raise
@@ -759,14 +765,19 @@ class DiskTier(Tier):
             for k in range(0, len(sectors), _STAGE_SECTORS):
                 chunk = sectors[k:k + _STAGE_SECTORS]
                 m = len(chunk)
+                if seg.region.closed or self.segs.get(seg.no) is not seg:
+                    return  # dropped meanwhile: nothing left to mark
                 local = SegmentList(self.stage, np.arange(m, dtype=np.uint64) * SECTOR,
                                     np.full(m, SECTOR, dtype=np.uint64))
                 remote = SegmentList(seg.region,
                                      seg.hdr_off + np.array(chunk, dtype=np.uint64) * SECTOR,
                                      np.full(m, SECTOR, dtype=np.uint64))
-                if seg.region.closed:
-                    return
-                await agent.read(local, remote)
+                try:
+                    await agent.read(local, remote)
+                except ClosedResourceError:
+                    if self.segs.get(seg.no) is not seg:
+                        return
+                    raise
                 stage = self.stage.numpy()
                 pos = {sec: j for j, sec in enumerate(chunk)}
                 for s in slots:
@@ -774,4 +785,9 @@ class DiskTier(Tier):
                     if sec in pos:
                         off = pos[sec] * SECTOR + (s * ENTRY) % SECTOR
                         _mark_entry_removed(stage[off:off + ENTRY])
-                await agent.write(local, remote)
+                try:
+                    await agent.write(local, remote)
+                except ClosedResourceError:
+                    if self.segs.get(seg.no) is not seg:
+                        return
+                    raise
