@@ -127,8 +127,10 @@ async def bench_disk(args: argparse.Namespace, out: dict[str, Any]) -> None:
             disk = kv.DiskTier(os.path.join(root, "kv"), 1 << 34, direct=args.direct,
                                segment_bytes=max(64 << 20, 4 * n * bb))
             # the file backend's own extents: a file of the same geometry
-            raw = agent.register_file(os.path.join(root, "raw.bin"), size=4 * n * bb + 4096,
-                                      direct=args.direct)
+            # Fresh extents each round, as the tier appends (overwriting
+            # allocated blocks would be cheaper than what the tier can do).
+            raw = agent.register_file(os.path.join(root, "raw.bin"),
+                                      size=(args.rounds + 2) * n * bb + 4096, direct=args.direct)
             async with kv.Store.open(agent, block_bytes=bb, tiers=[disk]) as store:
                 rounds = [0]
 
@@ -144,7 +146,7 @@ async def bench_disk(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
                 async def raw_write() -> None:
                     # appending, as the tier does (a fresh extent each time)
-                    base = np.uint64((far_w[0] % 3) * n * bb + 4096)
+                    base = np.uint64(far_w[0] * n * bb + 4096)
                     far_w[0] += 1
                     await agent.write(local, aioxfer.SegmentList(raw, base + offs, lens))
 

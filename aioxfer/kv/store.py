@@ -630,14 +630,23 @@ class Store:
         await self._probe(keys)
         tiers: list[str | None] = []
         prefix = -1
+        host = self._host
+        host_index: dict[bytes, int] = host.index if host is not None else {}
+        host_name = host.name if host is not None else None
+        # Tiers whose index is a plain dict are probed inline (the hot case).
+        probes = [(t.name, getattr(t, "index", None)) for t in self._lower]
         for i, key in enumerate(keys):
-            tier = self._where(key)
-            if tier is None:
-                tiers.append(None)
-                if prefix < 0:
-                    prefix = i
-            else:
-                tiers.append(tier.name)
+            if key in host_index:
+                tiers.append(host_name)
+                continue
+            found = None
+            for (name, index), tier in zip(probes, self._lower, strict=True):
+                if (key in index) if type(index) is dict else tier._contains(key):
+                    found = name
+                    break
+            tiers.append(found)
+            if found is None and prefix < 0:
+                prefix = i
         for t in self.tiers:
             t.counters.lookups += len(keys)
         return LookupResult(len(keys) if prefix < 0 else prefix, tuple(tiers))
