@@ -194,6 +194,25 @@ async def test_removed_blocks_stay_removed_and_free_segments(make_agent: MakeAge
             [i for i in range(16, 32) if i != 20]
 
 
+async def test_second_hit_admission(make_agent: MakeAgent, tmp_path: Path) -> None:
+    agent = await make_agent("kv")
+    src = agent.alloc(16 * BB)
+    keys = keys_for(16)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[
+            kv.HostTier(8 * BB, high_watermark=1.0, low_watermark=0.5, put_wait=0),
+            disk(tmp_path, admit="reused")]) as store:
+        await store.put(keys[:8], src[0:8 * BB])
+        # blocks 0..3 are read while in host memory: they have earned the disk
+        assert (await store.get(keys[:4], agent.alloc(4 * BB)[0:4 * BB])).prefix == 4
+        host = store.tiers[0]
+        assert isinstance(host, kv.HostTier)
+        await host._write_back(store.tiers[1], keys[:8])  # what the demoter does
+        tiers = (await store.lookup(keys[:8])).tiers
+        assert tiers == ("disk",) * 4 + (None,) * 4, tiers
+        assert store.statistics().tiers["disk"].dropped_stores == {"admission": 4}
+        assert store.statistics().tiers["host"].dropped_stores == {"demote_failed": 4}
+
+
 # ---------------------------------------------------------------- kill -9
 
 WRITER = textwrap.dedent('''

@@ -238,6 +238,8 @@ class DiskTier(Tier):
         probe = _Seg(0, "", self.slots_per_seg, self.slot_bytes)
         self.max_segments = max(2, self.capacity // probe.file_bytes)
         self.lock = asyncio.Lock()
+        if self.admit == "reused" and store._host is not None:
+            store._host.track_reuse = True
         os.makedirs(self.path, exist_ok=True)
         self.stage = store.agent.alloc(_STAGE_SECTORS * SECTOR,
                                        name=f"{store.name}.{self.name}.hdr")
@@ -469,8 +471,8 @@ class DiskTier(Tier):
         if self.admit == "reused":
             # Second-hit admission: only blocks the tier above saw read.
             host = self.store._host
-            reused = getattr(host, "reused", None)
-            admitted = [i for i in range(n) if reused is not None and keys[i] in reused]
+            reused: set[bytes] = getattr(host, "reused", set())
+            admitted = [i for i in range(n) if keys[i] in reused]
             if len(admitted) < n:
                 self.counters.dropped("admission", n - len(admitted))
         else:

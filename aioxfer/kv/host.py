@@ -89,6 +89,10 @@ class HostTier(Tier):
         self._demoter: asyncio.Task[None] | None = None
         self._lru = eviction == "lru"
         self.published: Any = None  # a PeerTier's PeerIndex: what peers can read here
+        # Keys read at least once while here (kept only when a lower tier
+        # admits on reuse: DiskTier(admit="reused")).
+        self.track_reuse = False
+        self.reused: set[bytes] = set()
 
     async def _open(self, store: Store) -> None:
         await super()._open(store)
@@ -182,6 +186,7 @@ class HostTier(Tier):
 
     def evict(self, key: bytes, reason: str) -> None:
         slot = self.index.pop(key)
+        self.reused.discard(key)
         if self.published is not None:
             self.published.remove(key)
         self.order.pop(key, None)

@@ -722,6 +722,8 @@ class Store:
             name = host.name
             for i in host_i:
                 tiers_out[i] = name
+            if host.track_reuse:
+                host.reused.update(keys[i] for i in host_i)
         try:
             if op.nbytes:
                 await self._pin_budget(op)
