@@ -51,11 +51,24 @@ def test_kv_router_survives_a_killed_worker(transport: str, tmp_path: Path) -> N
 
 def test_kv_offload_to_file_and_back(tmp_path: Path) -> None:
     out = run_example("kv_offload.py", "--requests", "12", "--pages-per-request", "16",
-                      "--pool-pages", "64", "--file", str(tmp_path / "kv.bin"), cwd=tmp_path)
+                      "--pool-pages", "64", "--dir", str(tmp_path / "kv"), cwd=tmp_path)
     offloaded = re.search(r"offloaded: (\d+) requests", out)
     restored = re.search(r"restored: (\d+) requests", out)
     assert offloaded and restored, out
-    # A pool of 4 requests for 12: 8 go to the file while prefill runs, and
-    # resuming all 12 in random order reads back every one not in the pool.
+    # A host tier of 4 requests for 12: at least 8 are written back to the
+    # disk tier while prefill runs, and resuming all 12 in random order reads
+    # back every one not in host memory.
     assert int(offloaded.group(1)) >= 8 and int(restored.group(1)) >= 8, out
+    assert "checksum failures 0" in out, out
     assert "resumed: 12  corrupt pages: 0" in out, out
+
+
+def test_layerwise_prefill_decode(tmp_path: Path) -> None:
+    out = run_example("layerwise_prefill_decode.py", "--layers", "8", "--blocks", "16",
+                      "--block-kib", "32", "--compute-ms", "2", cwd=tmp_path)
+    assert "prefill: 8 layers x 16 blocks of 4096 bytes sent over shm" in out, out
+    assert "decode: 8 layers landed in order: True; corrupt blocks: 0" in out, out
+    # The first layer landed while later ones were still being computed and sent.
+    early = re.search(r"first layer landed ([\d.]+) ms before the last", out)
+    assert early and float(early.group(1)) > 0, out
+    assert "decode: stored 16 blocks" in out and "verified: True" in out, out

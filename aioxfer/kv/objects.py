@@ -1,0 +1,238 @@
+"""ObjectTier: blocks as objects in S3-compatible storage, through the
+object backend's region (``agent.register_objects("s3://bucket/prefix")``).
+
+Each block is one object ``{prefix}{namespace tag}/{key hex}`` holding the
+block's bytes followed by a 64-byte trailer (key, length, CRC32C, magic, and
+a check over the trailer): self-describing, so a store that never saw the
+object (another process, a restart) can find and verify it. A get is a
+ranged GET of the block's bytes straight into the caller's registered memory
+(the backend copies each received chunk there; no Python ``bytes``), checked
+against the CRC before it counts as delivered; a corrupt object is
+quarantined (deleted) and reported as BlockCorrupt.
+
+Objects this store did not write are found by ``_probe``: a HEAD per key
+(existence and size), then a ranged GET of the trailers that exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aioxfer.errors import ObjectNotFound, XferError
+from aioxfer.kv import checksum as ck
+from aioxfer.kv.disk import ENTRY, ENTRY_DTYPE, ENTRY_MAGIC, ENTRY_VERSION, F_LIVE, entry_check
+from aioxfer.kv.disk import ns_tag as _ns_tag
+from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
+from aioxfer.kv.tier import Tier
+from aioxfer.region import Region
+
+if TYPE_CHECKING:
+    from aioxfer.kv.store import Store
+
+__all__ = ["ObjectTier"]
+
+TRAILER = ENTRY
+_ALGO_SHIFT = 4
+
+
+class ObjectTier(Tier):
+    """``objs``: an object region of the store's agent. ``prefix``: where
+    under it the blocks go. ``batch``: blocks staged (block + trailer) per
+    round of PUTs."""
+
+    kind = "object"
+    probes = True  # its index is remote: misses are asked for (see _probe)
+    durable = True
+
+    def __init__(self, objs: Any, *, name: str = "object", prefix: str = "kv/",
+                 namespace: bytes | str = b"", batch: int = 16) -> None:
+        super().__init__(name)
+        if getattr(objs, "kind", None) != "object":
+            raise TypeError("ObjectTier takes a region from agent.register_objects(...)")
+        self.objs = objs
+        self.namespace = namespace
+        self.ns = _ns_tag(namespace)
+        self.prefix = f"{prefix}{self.ns:08x}/"
+        self.batch = batch
+        self.index: dict[bytes, int] = {}  # key -> payload CRC
+        self.stage: Region | None = None
+        self.missing: set[bytes] = set()  # probed and absent (cleared by puts)
+
+    async def _open(self, store: Store) -> None:
+        await super()._open(store)
+        self.stage = store.agent.alloc(self.batch * (store.block_bytes + TRAILER),
+                                       name=f"{store.name}.{self.name}.stage")
+
+    async def _aclose(self) -> None:
+        from aioxfer.kv.store import _deregister
+
+        if self.stage is not None and not self.stage.closed:
+            await _deregister(self.store.agent, self.stage)
+
+    def object_key(self, key: bytes) -> str:
+        return self.prefix + key.hex()
+
+    def _usage(self) -> tuple[int, int, int]:
+        return len(self.index), len(self.index) * self.store.block_bytes, 0
+
+    def _locate(self, key: bytes) -> tuple[bytes, int] | None:
+        crc = self.index.get(key)
+        return None if crc is None else (key, crc)
+
+    # ------------------------------------------------------------ write
+
+    def _trailer(self, key: bytes, crc: int) -> np.ndarray:
+        rec = np.zeros(1, dtype=ENTRY_DTYPE)
+        rec["key"] = np.frombuffer(key, dtype="V32")
+        rec["ns"] = self.ns
+        rec["length"] = self.store.block_bytes
+        rec["crc"] = crc
+        rec["orig"] = self.store.block_bytes
+        rec["magic"] = ENTRY_MAGIC
+        rec["version"] = ENTRY_VERSION
+        rec["flags"] = F_LIVE | (ck.ALGO << _ALGO_SHIFT)
+        raw = rec.view(np.uint8).reshape(1, ENTRY)
+        rec["check"] = entry_check(raw)[0]
+        row: np.ndarray = raw[0]
+        return row
+
+    async def _write(self, keys: list[bytes], regions: list[Region], offsets: list[int],
+                     *, durable: bool = False) -> list[bool]:
+        bb = self.store.block_bytes
+        rec = bb + TRAILER
+        ok = [k in self.index for k in keys]
+        todo = [i for i, good in enumerate(ok) if not good]
+        assert self.stage is not None
+        stage = self.stage.numpy()
+        agent = self.store.agent
+        for b in range(0, len(todo), self.batch):
+            part = todo[b:b + self.batch]
+            puts = []
+            crcs = []
+            for j, i in enumerate(part):
+                # Block and trailer must be one contiguous object body: the
+                # block is copied once into registered staging memory.
+                src = np.frombuffer(regions[i].memoryview[offsets[i]:offsets[i] + bb],
+                                    dtype=np.uint8)
+                stage[j * rec:j * rec + bb] = src
+                crc = ck.checksum(self.stage.memoryview[j * rec:j * rec + bb])
+                crcs.append(crc)
+                stage[j * rec + bb:(j + 1) * rec] = self._trailer(keys[i], crc)
+                puts.append(agent.write(self.stage[j * rec:(j + 1) * rec],
+                                        self.objs[self.object_key(keys[i])]))
+            self.counters.writes += len(puts)
+            self.counters.in_flight += len(puts)
+            try:
+                results = await asyncio.gather(*puts, return_exceptions=True)
+            finally:
+                self.counters.in_flight -= len(puts)
+            for i, crc, r in zip(part, crcs, results, strict=True):
+                if isinstance(r, asyncio.CancelledError):
+                    raise r
+                if isinstance(r, BaseException):
+                    self.counters.errors += 1
+                    self.counters.dropped("io_error")
+                    continue
+                self.index[keys[i]] = crc
+                self.missing.discard(keys[i])
+                ok[i] = True
+                self.counters.puts += 1
+                self.counters.put_bytes += bb
+        return ok
+
+    # ------------------------------------------------------------ probe
+
+    async def _probe(self, keys: list[bytes]) -> int:
+        """Learns which of ``keys`` (in order) exist in the bucket; returns how
+        many leading ones the tier now knows. A HEAD per unknown key, then one
+        ranged GET of their trailers (into staging memory) to learn the CRCs."""
+        bb = self.store.block_bytes
+        unknown = [k for k in keys if k not in self.index and k not in self.missing]
+        unknown = unknown[: self.batch]
+        if unknown:
+            stats = await self.objs.stat([self.object_key(k) for k in unknown])
+            present = []
+            for k, st in zip(unknown, stats, strict=True):
+                if st.exists and st.size == bb + TRAILER:
+                    present.append(k)
+                else:
+                    self.missing.add(k)
+            if present:
+                assert self.stage is not None
+                n = len(present)
+                try:
+                    await self.store.agent.read(
+                        [self.stage[j * TRAILER:(j + 1) * TRAILER] for j in range(n)],
+                        self.objs.segments([self.object_key(k) for k in present],
+                                           [bb] * n, [TRAILER] * n))
+                except ObjectNotFound:
+                    return self._known_prefix(keys)  # deleted meanwhile: asked again later
+                raw = self.stage.numpy()[: n * TRAILER].reshape(n, TRAILER)
+                ent = raw.view(ENTRY_DTYPE).ravel()
+                good = ((ent["magic"] == ENTRY_MAGIC) & (ent["version"] == ENTRY_VERSION)
+                        & (entry_check(raw) == ent["check"]) & (ent["ns"] == self.ns)
+                        & (ent["length"] == bb))
+                for j, k in enumerate(present):
+                    if good[j] and ent["key"][j].tobytes() == k:
+                        self.index[k] = int(ent["crc"][j])
+                    else:
+                        self.missing.add(k)
+                        self.counters.checksum_failures += 1
+        return self._known_prefix(keys)
+
+    def _known_prefix(self, keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.index:
+                break
+            n += 1
+        return n
+
+    # ------------------------------------------------------------ read
+
+    async def _read(self, locs: list[Any], regions: list[Region],
+                    offsets: list[int]) -> list[XferError | None]:
+        bb = self.store.block_bytes
+        n = len(locs)
+        errs: list[XferError | None] = [None] * n
+        keys = [loc[0] for loc in locs]
+        crcs = [loc[1] for loc in locs]
+        agent = self.store.agent
+        self.counters.reads += 1
+        try:
+            await asyncio.gather(agent.read(
+                [r[o:o + bb] for r, o in zip(regions, offsets, strict=True)],
+                self.objs.segments([self.object_key(k) for k in keys], [0] * n, [bb] * n)))
+        except XferError as exc:
+            self.counters.errors += 1
+            e = BlockUnavailable(f"object tier {self.name!r}: {exc}")
+            e.__cause__ = exc
+            if isinstance(exc, ObjectNotFound):
+                for k in keys:
+                    self.index.pop(k, None)
+            return [e] * n
+        bad = []
+        for i in range(n):
+            got = ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb])
+            if got != crcs[i]:
+                self.counters.checksum_failures += 1
+                errs[i] = BlockCorrupt(f"object tier {self.name!r}: {self.object_key(keys[i])}: "
+                                       f"checksum {got:#010x} != recorded {crcs[i]:#010x}; "
+                                       f"quarantined")
+                bad.append(keys[i])
+        if bad:
+            for k in bad:
+                self.index.pop(k, None)
+                self.counters.quarantined += 1
+            await self.objs.delete([self.object_key(k) for k in bad])
+        return errs
+
+    async def _remove(self, keys: list[bytes]) -> int:
+        known = [k for k in keys if self.index.pop(k, None) is not None]
+        await self.objs.delete([self.object_key(k) for k in keys])
+        for k in keys:
+            self.missing.add(k)
+        return len(known)

@@ -1,0 +1,1478 @@
+"""Store: one key space over tiers (host memory, disk, peers, object storage).
+
+Data never passes through Python ``bytes``: every move is one of the agent's
+one-sided transfers between registered memories (the caller's, the host
+tier's pool, a file region), posted in batches (one SegmentList per region).
+
+Concurrent gets of one block that is not in host memory fetch it once: the
+first getter's fetch lands in its own memory ("leader"); later getters
+("followers") attach to the in-flight fetch and get a copy from there once it
+is verified. A cancelled follower detaches and leaves the others running. A
+leader cancelled while followers wait hands the fetch over: it is re-issued
+into store-owned staging memory, from which the followers get their copies;
+the last waiter to cancel cancels the fetch.
+
+Pins: every block an operation reads from or writes into store memory (host
+slots, disk segments) is pinned by that operation and released when it ends
+(completed, failed or cancelled). A transfer that writes store memory is
+never cancelled midway: a cancelled operation returns at once and its pins
+are released when that transfer completes, so a slot can never be reused
+while the engine still writes into it. ``max_pinned_bytes`` caps what all
+operations pin together; over it an operation waits up to ``pin_wait``
+seconds (asleep on an event, never spinning) and then raises
+PinLimitExceeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import Awaitable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from aioxfer.agent import Agent
+from aioxfer.errors import ClosedResourceError, XferError
+from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded
+from aioxfer.kv.host import HostTier
+from aioxfer.kv.keys import KEY_BYTES
+from aioxfer.kv.stats import StoreStatistics
+from aioxfer.kv.tier import Tier
+from aioxfer.peer import Peer
+from aioxfer.region import Region, RemoteRegion, Segment, SegmentList
+from aioxfer.transfer import Transfer
+
+__all__ = ["BlockFailure", "GetResult", "LayerResult", "LayerStream", "LookupResult",
+           "PutResult", "Store"]
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """``stored``: blocks newly stored; ``present``: already in the store (not
+    written again); ``dropped``: not stored within the put's bound (no room,
+    not admitted, I/O error: each counted in the tiers' ``dropped_stores``);
+    ``durable``: blocks acknowledged on a durable tier (``put(durable=True)``);
+    ``tiers``: per key, the tier that holds it now (None: dropped)."""
+
+    stored: int
+    present: int
+    dropped: int
+    durable: int
+    tiers: tuple[str | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """``prefix``: how many leading keys the store holds; ``tiers``: per key,
+    the fastest tier holding it (None: a miss)."""
+
+    prefix: int
+    tiers: tuple[str | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFailure:
+    """A block a tier holds but could not deliver: ``error`` is a
+    BlockCorrupt (quarantined), BlockUnavailable or PinLimitExceeded."""
+
+    index: int
+    key: bytes
+    tier: str
+    error: XferError
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    """``prefix``: leading keys delivered into ``dst`` and verified (use
+    nothing past it); ``tiers``: per key, the tier it came from (None: not
+    delivered); ``failed``: blocks found but not delivered, typed;
+    ``coalesced``: blocks this get received from another get's fetch."""
+
+    prefix: int
+    tiers: tuple[str | None, ...]
+    failed: tuple[BlockFailure, ...]
+    nbytes: int
+    coalesced: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerResult:
+    """One layer of the stream's leading ``prefix`` blocks has landed."""
+
+    layer: int
+    prefix: int
+    nbytes: int
+
+
+# ---------------------------------------------------------------- blocks
+
+
+class _Blocks:
+    """A caller's memory for n blocks: per block (region, offset)."""
+
+    __slots__ = ("regions", "offsets")
+
+    def __init__(self, regions: list[Region], offsets: list[int]) -> None:
+        self.regions = regions
+        self.offsets = offsets
+
+    @classmethod
+    def of(cls, arg: Any, n: int, block_bytes: int, what: str) -> _Blocks:
+        if isinstance(arg, SegmentList):
+            region = arg.region
+            if not isinstance(region, Region):
+                raise TypeError(f"{what} must be local registered memory, not a peer's")
+            if len(arg) != n:
+                raise ValueError(f"{n} keys but {len(arg)} {what} segments")
+            if n and not bool((arg.lengths == block_bytes).all()):
+                raise ValueError(f"every {what} segment must be block_bytes ({block_bytes}) long")
+            return cls([region] * n, arg.offsets.tolist())
+        if isinstance(arg, Segment):
+            # One contiguous run of n blocks.
+            if arg.length != n * block_bytes:
+                raise ValueError(f"a single {what} Segment must hold the {n} blocks "
+                                 f"({n * block_bytes} bytes), not {arg.length}")
+            return cls([arg.region] * n, [arg.offset + i * block_bytes for i in range(n)])
+        if isinstance(arg, Sequence) and not isinstance(arg, str | bytes | bytearray):
+            if len(arg) != n:
+                raise ValueError(f"{n} keys but {len(arg)} {what} segments")
+            regions: list[Region] = []
+            offsets: list[int] = []
+            for i, seg in enumerate(arg):
+                if type(seg) is not Segment:
+                    raise TypeError(f"{what} {i} is a {type(seg).__name__}, not a Segment")
+                if seg.length != block_bytes:
+                    raise ValueError(f"{what} {i} is {seg.length} bytes, not block_bytes "
+                                     f"({block_bytes})")
+                regions.append(seg.region)
+                offsets.append(seg.offset)
+            return cls(regions, offsets)
+        raise TypeError(f"{what} is a SegmentList, a Segment or a list of Segments, "
+                        f"not {type(arg).__name__}")
+
+    def check(self, agent: Agent, what: str) -> None:
+        seen: set[int] = set()
+        for r in self.regions:
+            if id(r) in seen:
+                continue
+            seen.add(id(r))
+            if r.agent is not agent:
+                raise ValueError(f"{what} is in a region of agent {r.agent.name!r}, not the "
+                                 f"store's ({agent.name!r})")
+            if r.kind != "host":
+                raise TypeError(f"{what} must be host memory, not {r.kind}")
+            if r.closed:
+                raise ClosedResourceError(f"{what} region {r.name!r} is closed")
+
+
+def _groups(regions: list[Region], idx: list[int]) -> list[tuple[Region, list[int]]]:
+    """``idx`` grouped by region (first-seen order): one transfer per group."""
+    if not idx:
+        return []
+    first = regions[idx[0]]
+    if regions.count(first) == len(regions) or all(regions[i] is first for i in idx):
+        return [(first, idx)]
+    out: dict[int, tuple[Region, list[int]]] = {}
+    for i in idx:
+        r = regions[i]
+        g = out.get(id(r))
+        if g is None:
+            out[id(r)] = (r, [i])
+        else:
+            g[1].append(i)
+    return list(out.values())
+
+
+def _seglist(region: Region | RemoteRegion, offsets: list[int], block_bytes: int) -> SegmentList:
+    offs = np.array(offsets, dtype=np.uint64)
+    return SegmentList(region, offs, np.full(len(offsets), block_bytes, dtype=np.uint64))
+
+
+# ---------------------------------------------------------------- pins
+
+
+class _Op:
+    """The owner of an operation's pins."""
+
+    __slots__ = ("store", "pins", "host", "host_slots", "nbytes", "pending", "done")
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.pins: list[tuple[Tier, Any]] = []
+        self.host: HostTier | None = None  # the host tier's slots, pinned in bulk
+        self.host_slots: list[int] = []
+        self.nbytes = 0
+        self.pending = 0  # store-owned transfers still running after a cancel
+        self.done = False
+
+    def pin(self, tier: Tier, loc: Any) -> None:
+        tier_pin = getattr(tier, "pin", None)
+        if tier_pin is not None:
+            tier_pin(loc)
+        self.pins.append((tier, loc))
+        bb = self.store.block_bytes
+        self.nbytes += bb
+        self.store._pinned_bytes += bb
+        self.store._pins += 1
+
+    def pin_host(self, host: HostTier, slots: list[int]) -> None:
+        """Pins host slots (the hit path's bulk form of ``pin``)."""
+        pins = host.pins
+        newly = 0
+        for s in slots:
+            if not pins[s]:
+                newly += 1
+            pins[s] += 1
+        host.pinned += newly
+        self.host = host
+        self.host_slots.extend(slots)
+        nb = len(slots) * self.store.block_bytes
+        self.nbytes += nb
+        self.store._pinned_bytes += nb
+        self.store._pins += len(slots)
+
+    def unpin_all(self) -> None:
+        pins, self.pins = self.pins, []
+        for tier, loc in pins:
+            tier_unpin = getattr(tier, "unpin", None)
+            if tier_unpin is not None:
+                tier_unpin(loc)
+        count = len(pins)
+        if self.host_slots:
+            host, slots = self.host, self.host_slots
+            self.host_slots = []
+            assert host is not None
+            hp = host.pins
+            for s in slots:
+                if hp[s] == 1 and s in host.doomed:
+                    host.unpin(s)
+                else:
+                    hp[s] -= 1
+                    if not hp[s]:
+                        host.pinned -= 1
+            count += len(slots)
+        store = self.store
+        store._pinned_bytes -= self.nbytes
+        store._pins -= count
+        self.nbytes = 0
+        if store._pin_space is not None and count:
+            store._pin_space.set()
+
+    def finish(self) -> None:
+        """The operation is over: pins go now, or when its last store-owned
+        transfer completes."""
+        self.done = True
+        if not self.pending:
+            self.unpin_all()
+
+    def hold_until(self, transfers: Sequence[asyncio.Future[Any]]) -> None:
+        """Keeps the pins until ``transfers`` (writing store memory) are done."""
+        for t in transfers:
+            if not t.done():
+                self.pending += 1
+                t.add_done_callback(self._transfer_done)
+
+    def _transfer_done(self, t: asyncio.Future[Any]) -> None:
+        if not t.cancelled():
+            t.exception()  # retrieved: its operation has already returned
+        self.pending -= 1
+        if self.done and not self.pending:
+            self.unpin_all()
+
+
+async def _await_owned(transfers: list[Transfer], op: _Op,
+                       release: Any = None) -> list[BaseException | None]:
+    """Awaits transfers that write store memory without ever cancelling them:
+    a cancelled caller returns at once and ``op`` keeps its pins (and
+    ``release`` runs) only once they are all done."""
+    if not transfers:
+        return []
+    gathered = asyncio.gather(*transfers, return_exceptions=True)
+    try:
+        results = await asyncio.shield(gathered)
+    except asyncio.CancelledError:
+        op.hold_until([gathered])
+        if release is not None:
+            gathered.add_done_callback(lambda _f: release())
+        raise
+    return [r if isinstance(r, BaseException) else None for r in results]
+
+
+# ---------------------------------------------------------------- fetches
+
+
+class _Waiter:
+    __slots__ = ("region", "offset", "future")
+
+    def __init__(self, region: Region, offset: int, future: asyncio.Future[None]) -> None:
+        self.region = region
+        self.offset = offset
+        self.future = future
+
+
+class _Fetch:
+    """One block in flight from a lower tier; others wait on it."""
+
+    __slots__ = ("key", "tier", "loc", "region", "offset", "followers", "error", "task",
+                 "reading")
+
+    def __init__(self, key: bytes, tier: Tier, loc: Any, region: Region, offset: int) -> None:
+        self.key = key
+        self.tier = tier
+        self.loc = loc
+        self.region = region  # where it lands (the leader's memory, or staging)
+        self.offset = offset
+        self.followers: list[_Waiter] = []
+        self.error: XferError | None = None
+        self.task: asyncio.Task[None] | None = None  # a handed-over refetch
+        self.reading = False  # its read was started (by the leader or a refetch)
+
+
+class _Staging:
+    """Store-owned registered slots for re-issued fetches."""
+
+    def __init__(self, region: Region, remote: RemoteRegion, n: int) -> None:
+        self.region = region
+        self.remote = remote
+        self.free = list(range(n - 1, -1, -1))
+        self.space = asyncio.Event()
+
+    async def take(self, k: int, wait: float) -> list[int]:
+        got: list[int] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            while self.free and len(got) < k:
+                got.append(self.free.pop())
+            left = deadline - loop.time()
+            if len(got) >= k or left <= 0:
+                return got
+            self.space.clear()
+            try:
+                async with asyncio.timeout(left):
+                    await self.space.wait()
+            except TimeoutError:
+                pass
+
+    def give_back(self, slots: list[int]) -> None:
+        self.free.extend(slots)
+        self.space.set()
+
+
+# ---------------------------------------------------------------- the store
+
+
+class _Opening:
+    """``await Store.open(...)`` or ``async with Store.open(...) as store``."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def __await__(self) -> Generator[Any, None, Store]:
+        return self._store._start().__await__()
+
+    async def __aenter__(self) -> Store:
+        return await self._store._start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._store.aclose()
+
+
+class Store:
+    """A tiered KV block store on one agent. Make it with ``Store.open``."""
+
+    def __init__(self, agent: Agent, *, block_bytes: int, tiers: Sequence[Tier], name: str,
+                 max_pinned_bytes: int | None, pin_wait: float, staging_blocks: int) -> None:
+        if not isinstance(agent, Agent):
+            raise TypeError(f"agent must be an aioxfer.Agent, not {type(agent).__name__}")
+        if block_bytes <= 0:
+            raise ValueError("block_bytes must be positive")
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique: {names}")
+        hosts = [t for t in tiers if isinstance(t, HostTier)]
+        if len(hosts) > 1 or (hosts and tiers[0] is not hosts[0]):
+            raise ValueError("at most one HostTier, and it comes first (fastest first)")
+        if pin_wait < 0:
+            raise ValueError("pin_wait must be >= 0 (seconds)")
+        self.agent = agent
+        self.block_bytes = int(block_bytes)
+        self.name = name
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self._host: HostTier | None = hosts[0] if hosts else None
+        self._lower: tuple[Tier, ...] = tuple(t for t in tiers if not isinstance(t, HostTier))
+        self._probing = tuple(t for t in self._lower if getattr(t, "probes", False))
+        if max_pinned_bytes is None:
+            # Room for everything the host tier holds plus a full staging area.
+            host_bytes = self._host.capacity if self._host is not None else 0
+            max_pinned_bytes = max(host_bytes, 256 * self.block_bytes)
+        if max_pinned_bytes < self.block_bytes:
+            raise ValueError("max_pinned_bytes must hold at least one block")
+        self.max_pinned_bytes = int(max_pinned_bytes)
+        self.pin_wait = float(pin_wait)
+        self._staging_blocks = int(staging_blocks)
+        self._pinned_bytes = 0
+        self._pins = 0
+        self._pin_space: asyncio.Event | None = None
+        self._fetches: dict[bytes, _Fetch] = {}
+        self._filling: set[bytes] = set()
+        self._coalesced = 0
+        self._handoffs = 0
+        self._quarantined = 0
+        self._pin_waits = 0
+        self._me: Peer | None = None
+        self._remotes: weakref.WeakKeyDictionary[Region, RemoteRegion] = (
+            weakref.WeakKeyDictionary())
+        self._staging: _Staging | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._opened = False
+        self._closing = False
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls,
+        agent: Agent,
+        *,
+        block_bytes: int,
+        tiers: Sequence[Tier],
+        name: str = "kv",
+        max_pinned_bytes: int | None = None,
+        pin_wait: float = 1.0,
+        staging_blocks: int = 32,
+    ) -> _Opening:
+        """Opens a store on ``agent`` with ``tiers`` (fastest first; a
+        HostTier, if any, first). Disk tiers rebuild their index here.
+        ``max_pinned_bytes``: cap on memory pinned by operations in flight
+        (default: the host tier's capacity, at least 256 blocks);
+        ``pin_wait``: how long an operation waits under that cap before
+        PinLimitExceeded; ``staging_blocks``: store-owned blocks for fetches
+        handed over by a cancelled getter."""
+        return _Opening(cls(agent, block_bytes=block_bytes, tiers=tiers, name=name,
+                            max_pinned_bytes=max_pinned_bytes, pin_wait=pin_wait,
+                            staging_blocks=staging_blocks))
+
+    async def _start(self) -> Store:
+        if self._opened:
+            return self
+        self._opened = True
+        self._pin_space = asyncio.Event()
+        agent = self.agent
+        await agent.start()
+        try:
+            # The agent's loopback peer: how the store copies between its own
+            # pool and the caller's memory with the agent's transfers.
+            self._me = await agent.connect(agent.address)
+            region = agent.alloc(self._staging_blocks * self.block_bytes,
+                                 name=f"{self.name}.staging")
+            self._staging = _Staging(region, await self._remote(region), self._staging_blocks)
+            for tier in self.tiers:
+                await tier._open(self)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aenter__(self) -> Store:
+        return await self._start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self, *, flush: bool = True) -> None:
+        """Writes dirty host blocks back to the next tier (``flush``), stops
+        background work, closes the tiers (disk headers written) and releases
+        the store's memory. Idempotent."""
+        if self._closed:
+            return
+        host = self._host
+        if flush and host is not None and self._opened and not self._closing:
+            lower = self._next_storing_tier(host)
+            if lower is not None and host.dirty:
+                keys = [k for k, s in host.index.items() if s in host.dirty]
+                for i in range(0, len(keys), 256):
+                    await host._write_back(lower, keys[i:i + 256], evict=False)
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for tier in reversed(self.tiers):
+            if tier._store is self:
+                try:
+                    await tier._aclose()
+                finally:
+                    tier._store = None
+        self._closed = True
+        for region in [t.region for t in self.tiers if isinstance(t, HostTier)] + (
+                [self._staging.region] if self._staging is not None else []):
+            if region is not None and not region.closed:
+                await _deregister(self.agent, region)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed or self._closing:
+            raise ClosedResourceError(f"store {self.name!r} is closed")
+        if not self._opened:
+            raise RuntimeError("the store is not open: `await kv.Store.open(...)` first")
+
+    def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _remote(self, region: Region) -> RemoteRegion:
+        """``region`` as the loopback peer sees it (refreshed when new)."""
+        rr = self._remotes.get(region)
+        if rr is not None and not rr.gone:
+            return rr
+        me = self._me
+        assert me is not None
+        try:
+            rr = me.region(region.name)
+        except KeyError:
+            await me.refresh()
+            rr = me.region(region.name)
+        if rr.rid != region.rid:
+            await me.refresh()
+            rr = me.region(region.name)
+        self._remotes[region] = rr
+        return rr
+
+    def _next_storing_tier(self, tier: Tier) -> Tier | None:
+        below = False
+        for t in self.tiers:
+            if below and t.stores:
+                return t
+            if t is tier:
+                below = True
+        return None
+
+    @staticmethod
+    def _keys(keys: Sequence[bytes]) -> list[bytes]:
+        out = list(keys)
+        for k in out:
+            if type(k) is not bytes or len(k) != KEY_BYTES:
+                raise TypeError(f"keys are {KEY_BYTES}-byte bytes (kv.chain / kv.import_key)")
+        return out
+
+    # ------------------------------------------------------------ pin budget
+
+    async def _pin_budget(self, op: _Op) -> None:
+        """Waits until ``op``'s pins fit under the cap (op holds none yet)."""
+        need = op.nbytes
+        if need > self.max_pinned_bytes:
+            op.unpin_all()
+            raise PinLimitExceeded(f"an operation needs {need} pinned bytes, more than the "
+                                   f"store's max_pinned_bytes ({self.max_pinned_bytes})")
+        if self._pinned_bytes <= self.max_pinned_bytes:
+            return
+        op.unpin_all()
+        self._pin_waits += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.pin_wait
+        assert self._pin_space is not None
+        while self._pinned_bytes + need > self.max_pinned_bytes:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise PinLimitExceeded(
+                    f"{self._pinned_bytes} bytes pinned by operations in flight; {need} more "
+                    f"would exceed max_pinned_bytes ({self.max_pinned_bytes}) for "
+                    f"{self.pin_wait} s")
+            self._pin_space.clear()
+            try:
+                async with asyncio.timeout(left):
+                    await self._pin_space.wait()
+            except TimeoutError:
+                pass
+        raise _Replan
+
+    # ------------------------------------------------------------ lookup
+
+    def _where(self, key: bytes) -> Tier | None:
+        host = self._host
+        if host is not None and key in host.index:
+            return host
+        for tier in self._lower:
+            if tier._contains(key):
+                return tier
+        return None
+
+    async def _probe(self, keys: list[bytes]) -> None:
+        """Tiers whose index is remote (object storage) are asked about the
+        keys from the first one no local index knows."""
+        probing = self._probing
+        if not probing:
+            return
+        i0 = next((i for i, k in enumerate(keys) if self._where(k) is None), None)
+        if i0 is None:
+            return
+        for tier in probing:
+            await tier._probe(keys[i0:])  # type: ignore[attr-defined]
+
+    async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """Which leading keys the store holds, and where (no data moves)."""
+        self._check_open()
+        keys = self._keys(keys)
+        await self._probe(keys)
+        tiers: list[str | None] = []
+        prefix = -1
+        host = self._host
+        host_index: dict[bytes, int] = host.index if host is not None else {}
+        host_name = host.name if host is not None else None
+        # Tiers whose index is a plain dict are probed inline (the hot case).
+        probes = [(t.name, getattr(t, "index", None)) for t in self._lower]
+        for i, key in enumerate(keys):
+            if key in host_index:
+                tiers.append(host_name)
+                continue
+            found = None
+            for (name, index), tier in zip(probes, self._lower, strict=True):
+                if (key in index) if type(index) is dict else tier._contains(key):
+                    found = name
+                    break
+            tiers.append(found)
+            if found is None and prefix < 0:
+                prefix = i
+        for t in self.tiers:
+            t.counters.lookups += len(keys)
+        return LookupResult(len(keys) if prefix < 0 else prefix, tuple(tiers))
+
+    # ------------------------------------------------------------ get
+
+    async def get(self, keys: Sequence[bytes], dst: Any) -> GetResult:
+        """Delivers the leading blocks the store holds into ``dst`` (one
+        Segment per key, a SegmentList, or one Segment of all blocks; the
+        agent's registered host memory), verified. Stops at the first miss;
+        ``res.prefix`` says how many leading blocks are good."""
+        self._check_open()
+        keys = self._keys(keys)
+        blk = _Blocks.of(dst, len(keys), self.block_bytes, "dst")
+        blk.check(self.agent, "dst")
+        await self._probe(keys)
+        while True:
+            op = _Op(self)
+            try:
+                return await self._get(keys, blk, op)
+            except _Replan:
+                continue
+            finally:
+                op.finish()
+
+    async def _get(self, keys: list[bytes], blk: _Blocks, op: _Op) -> GetResult:
+        n = len(keys)
+        host = self._host
+        bb = self.block_bytes
+        tiers_out: list[str | None] = [None] * n
+        host_i: list[int] = []
+        host_slots: list[int] = []
+        leads: dict[Tier, list[tuple[int, _Fetch]]] = {}
+        follows: list[tuple[int, _Fetch, _Waiter]] = []
+        loop = asyncio.get_running_loop()
+        end = n
+        no_index: dict[bytes, int] = {}
+        index_get = (host.index if host is not None else no_index).get
+        regions, offsets = blk.regions, blk.offsets
+        touch = host.order.move_to_end if host is not None and host._lru else None
+        # Planning takes its pins without awaiting, so nothing it found can be
+        # evicted before it is pinned.
+        for i, key in enumerate(keys):
+            slot = index_get(key)
+            if slot is not None:
+                if touch is not None:
+                    touch(key)
+                host_i.append(i)
+                host_slots.append(slot)
+                continue
+            f = self._fetches.get(key)
+            if f is not None:
+                w = _Waiter(blk.regions[i], blk.offsets[i], loop.create_future())
+                f.followers.append(w)
+                follows.append((i, f, w))
+                tiers_out[i] = f.tier.name
+                continue
+            for tier in self._lower:
+                loc = tier._locate(key)
+                if loc is not None:
+                    break
+            else:
+                end = i
+                break
+            op.pin(tier, loc)
+            f = _Fetch(key, tier, loc, regions[i], offsets[i])
+            self._fetches[key] = f
+            leads.setdefault(tier, []).append((i, f))
+            tiers_out[i] = tier.name
+        if host_slots:
+            assert host is not None
+            op.pin_host(host, host_slots)
+            name = host.name
+            for i in host_i:
+                tiers_out[i] = name
+            if host.track_reuse:
+                host.reused.update(keys[i] for i in host_i)
+        try:
+            if op.nbytes:
+                await self._pin_budget(op)
+        except BaseException:
+            self._abandon(leads, follows)
+            raise
+        # counters
+        if host is not None:
+            host.counters.hits += len(host_i)
+            host.counters.hit_bytes += len(host_i) * bb
+        for tier, items in leads.items():
+            tier.counters.hits += len(items)
+            tier.counters.hit_bytes += len(items) * bb
+        for _i, f, _w in follows:
+            f.tier.counters.hits += 1
+            f.tier.counters.coalesced += 1
+        self._coalesced += len(follows)
+        if end < n:
+            for t in self.tiers:
+                t.counters.misses += 1
+                t.counters.miss_bytes += bb
+
+        errors: dict[int, tuple[str, XferError]] = {}
+        waits: list[Awaitable[Any]] = []
+        host_groups: list[tuple[list[int], Transfer]] = []
+        if host_i:
+            assert host is not None and host.remote is not None
+            slot_of = dict(zip(host_i, host_slots, strict=True))
+            t0 = time.perf_counter()
+            for region, idx in _groups(blk.regions, host_i):
+                copy = self.agent.read(_seglist(region, [blk.offsets[i] for i in idx], bb),
+                                       _seglist(host.remote, [slot_of[i] * bb for i in idx], bb))
+                host_groups.append((idx, copy))
+                waits.append(copy)
+            host.counters.reads += len(host_groups)
+        fetch_runs = [self._run_fetches(tier, [f for _i, f in items], blk, op)
+                      for tier, items in leads.items()]
+        waits.extend(fetch_runs)
+        waits.extend(w.future for _i, _f, w in follows)
+        try:
+            if len(waits) == 1:
+                try:
+                    await waits[0]
+                    results: list[Any] = [None]
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    results = [exc]
+            elif waits:
+                results = await asyncio.gather(*waits, return_exceptions=True)
+            else:
+                results = []
+        except asyncio.CancelledError:
+            self._detach(follows)
+            # A fetch whose read never started (its task was cancelled before
+            # its first step) is handed over or dropped here, by its leader.
+            for tier, items in leads.items():
+                idle = [f for _i, f in items if not f.reading]
+                if idle:
+                    self._hand_over(tier, idle)
+            raise
+        if host_groups:
+            assert host is not None
+            host.counters.read_latency.add(time.perf_counter() - t0)
+        for (idx, _t), r in zip(host_groups, results, strict=False):
+            if isinstance(r, BaseException):
+                err = BlockUnavailable(f"host tier copy failed: {r}")
+                err.__cause__ = r
+                for i in idx:
+                    errors[i] = (host.name if host else "host", err)  # pragma: no branch
+        for _tier, items in leads.items():
+            for i, f in items:
+                if f.error is not None:
+                    errors[i] = (f.tier.name, f.error)
+        k = len(host_groups) + len(fetch_runs)
+        for (i, f, _w), r in zip(follows, results[k:], strict=True):
+            if isinstance(r, XferError):
+                errors[i] = (f.tier.name, r)
+            elif isinstance(r, BaseException):
+                err = BlockUnavailable(f"coalesced fetch failed: {r}")
+                err.__cause__ = r
+                errors[i] = (f.tier.name, err)
+        prefix = end
+        failed: list[BlockFailure] = []
+        for i in sorted(errors):
+            tier_name, error = errors[i]
+            if not isinstance(error, BlockMissing):  # gone meanwhile: a miss
+                failed.append(BlockFailure(i, keys[i], tier_name, error))
+            tiers_out[i] = None
+            prefix = min(prefix, i)
+        for i in range(end, n):
+            tiers_out[i] = None
+        return GetResult(prefix, tuple(tiers_out), tuple(failed), prefix * bb, len(follows))
+
+    def _abandon(self, leads: dict[Tier, list[tuple[int, _Fetch]]],
+                 follows: list[tuple[int, _Fetch, _Waiter]]) -> None:
+        """A planned get that will not run (pin budget): undo its fetches."""
+        for items in leads.values():
+            for _i, f in items:
+                if self._fetches.get(f.key) is f:
+                    if f.followers:
+                        self._hand_over(f.tier, [f])
+                    else:
+                        del self._fetches[f.key]
+        self._detach(follows)
+
+    def _detach(self, follows: list[tuple[int, _Fetch, _Waiter]]) -> None:
+        """Cancelled followers leave their fetches; a handed-over fetch with
+        nobody left waiting is cancelled (the last waiter cancels the fetch)."""
+        for _i, f, w in follows:
+            if w.future.done():
+                continue
+            w.future.cancel()
+            try:
+                f.followers.remove(w)
+            except ValueError:
+                pass
+            task = f.task
+            if task is not None and not task.done():
+                fetches: list[_Fetch] = getattr(task, "fetches", [])
+                if all(not any(not x.future.done() for x in g.followers) for g in fetches):
+                    for g in fetches:
+                        if self._fetches.get(g.key) is g:
+                            del self._fetches[g.key]
+                    task.cancel()
+
+    async def _run_fetches(self, tier: Tier, fetches: list[_Fetch], blk: _Blocks,
+                           op: _Op) -> None:
+        """Leader: fetches blocks from ``tier`` straight into the caller's
+        memory, then serves whoever attached meanwhile."""
+        for f in fetches:
+            f.reading = True
+        tier.counters.in_flight += len(fetches)
+        t0 = time.perf_counter()
+        try:
+            errs = await tier._read([f.loc for f in fetches], [f.region for f in fetches],
+                                    [f.offset for f in fetches])
+        except asyncio.CancelledError:
+            self._hand_over(tier, fetches)
+            raise
+        except Exception as exc:  # a tier reports per block; this is a bug guard
+            err = BlockUnavailable(f"tier {tier.name!r} failed: {exc}")
+            errs = [err] * len(fetches)
+        finally:
+            tier.counters.in_flight -= len(fetches)
+        tier.counters.read_latency.add(time.perf_counter() - t0)
+        for f, e in zip(fetches, errs, strict=True):
+            f.error = e
+            if e is not None:
+                self._note_error(e)
+        host = self._host
+        if not (host is not None and host.promote) and not any(f.followers for f in fetches):
+            # Nothing to copy anywhere: retire the fetches now (no task).
+            fetches_d = self._fetches
+            for f in fetches:
+                if fetches_d.get(f.key) is f:
+                    del fetches_d[f.key]
+            return
+        # Promotion and the followers' copies read the leader's memory: the
+        # leader may not return (cancelled or not) before they are done, a
+        # memcpy's time at most.
+        task = asyncio.ensure_future(self._deliver(fetches, promote=True))
+        cancelled = False
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                cancelled = True
+        task.result()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _note_error(self, e: XferError) -> None:
+        from aioxfer.kv.errors import BlockCorrupt
+
+        if isinstance(e, BlockCorrupt):
+            self._quarantined += 1
+
+    async def _deliver(self, fetches: list[_Fetch], *, promote: bool) -> None:
+        """Fetched blocks are in ``f.region``: copy them into the host tier
+        (promotion) and to every follower, then retire the fetches."""
+        host = self._host
+        bb = self.block_bytes
+        op = _Op(self)
+        try:
+            good = [f for f in fetches if f.error is None]
+            if promote and host is not None and host.promote and good:
+                await self._promote(host, good, op)
+            # Followers may keep attaching while we copy: serve until none.
+            while True:
+                batch: list[tuple[_Fetch, _Waiter]] = []
+                for f in fetches:
+                    while f.followers:
+                        batch.append((f, f.followers.pop(0)))
+                if not batch:
+                    break
+                transfers: list[tuple[_Waiter, Transfer | None, XferError | None]] = []
+                for f, w in batch:
+                    if w.future.done():
+                        continue
+                    if f.error is not None:
+                        transfers.append((w, None, f.error))
+                        continue
+                    src = await self._remote(f.region)
+                    copy = self.agent.read(w.region[w.offset:w.offset + bb],
+                                           src[f.offset:f.offset + bb])
+                    transfers.append((w, copy, None))
+                for w, pending, e in transfers:
+                    if pending is not None:
+                        try:
+                            await pending
+                        except XferError as exc:
+                            e = BlockUnavailable(f"coalesced copy failed: {exc}")
+                            e.__cause__ = exc
+                    if not w.future.done():
+                        if e is None:
+                            w.future.set_result(None)
+                        else:
+                            w.future.set_exception(e)
+        finally:
+            for f in fetches:
+                if self._fetches.get(f.key) is f:
+                    del self._fetches[f.key]
+                for w in f.followers:
+                    if not w.future.done():
+                        w.future.set_exception(BlockUnavailable("the fetch was abandoned"))
+                f.followers.clear()
+            op.finish()
+
+    async def _promote(self, host: HostTier, fetches: list[_Fetch], op: _Op) -> None:
+        bb = self.block_bytes
+        want = [f for f in fetches if f.key not in host.index and f.key not in self._filling]
+        slots = host._take(len(want))  # never waits: promotion is best effort
+        if not slots:
+            return
+        want = want[: len(slots)]
+        for s in slots:
+            op.pin(host, s)
+        assert host.remote is not None
+        transfers = []
+        for f, s in zip(want, slots, strict=True):
+            transfers.append(self.agent.write(f.region[f.offset:f.offset + bb],
+                                              host.remote[s * bb:(s + 1) * bb]))
+        results = await _await_owned(transfers, op, lambda: None)
+        for f, s, r in zip(want, slots, results, strict=True):
+            if r is None and f.key not in host.index:
+                host.insert(f.key, s, dirty=False)
+                host.counters.promotions += 1
+            else:
+                host.give_back([s])
+
+    def _hand_over(self, tier: Tier, fetches: list[_Fetch]) -> None:
+        """The leader was cancelled: fetches with followers are re-issued into
+        staging by a store task; the others are dropped."""
+        keep = []
+        for f in fetches:
+            if self._fetches.get(f.key) is not f:
+                continue
+            if any(not w.future.done() for w in f.followers):
+                keep.append(f)
+            else:
+                del self._fetches[f.key]
+        if not keep:
+            return
+        self._handoffs += len(keep)
+        op = _Op(self)
+        for f in keep:
+            op.pin(tier, f.loc)  # now: the leader's pins go with it
+        task = self._spawn(self._refetch(tier, keep, op), f"aioxfer-kv-refetch-{tier.name}")
+        task.add_done_callback(lambda _t: op.finish())  # also if cancelled before it ran
+        task.fetches = keep  # type: ignore[attr-defined]
+        for f in keep:
+            f.task = task
+
+    async def _refetch(self, tier: Tier, fetches: list[_Fetch], op: _Op) -> None:
+        staging = self._staging
+        assert staging is not None
+        bb = self.block_bytes
+        slots: list[int] = []
+        try:
+            slots = await staging.take(len(fetches), self.pin_wait)
+            for f in fetches[len(slots):]:
+                f.error = PinLimitExceeded("no staging memory for a handed-over fetch")
+            fetches_ok = fetches[: len(slots)]
+            for f, s in zip(fetches_ok, slots, strict=True):
+                f.region, f.offset = staging.region, s * bb
+            if fetches_ok:
+                errs = await _owned_read(tier, fetches_ok, op,
+                                         lambda: staging.give_back(slots))
+                for f, e in zip(fetches_ok, errs, strict=True):
+                    f.error = e
+                    if e is not None:
+                        self._note_error(e)
+            await self._deliver(fetches, promote=True)
+            staging.give_back(slots)
+        except asyncio.CancelledError:
+            for f in fetches:
+                if self._fetches.get(f.key) is f:
+                    del self._fetches[f.key]
+            if not op.pending:
+                staging.give_back(slots)
+            raise
+        finally:
+            op.finish()
+
+    # ------------------------------------------------------------ put
+
+    async def put(self, keys: Sequence[bytes], src: Any, *, durable: bool = False) -> PutResult:
+        """Stores blocks from ``src`` (the agent's registered host memory; same
+        shapes as ``get``'s ``dst``) in the fastest tier with room. Keys the
+        store holds already are not written again. ``durable=True``: returns
+        once the blocks are also on the first durable tier (disk, fsynced)."""
+        self._check_open()
+        keys = self._keys(keys)
+        n = len(keys)
+        blk = _Blocks.of(src, n, self.block_bytes, "src")
+        blk.check(self.agent, "src")
+        tiers_out: list[str | None] = [None] * n
+        new: list[int] = []
+        seen: set[bytes] = set()
+        present = 0
+        for i, key in enumerate(keys):
+            t = self._where(key)
+            if t is not None or key in self._filling or key in seen:
+                present += 1
+                tiers_out[i] = t.name if t is not None else None
+                continue
+            seen.add(key)
+            new.append(i)
+        op = _Op(self)
+        for i in new:
+            self._filling.add(keys[i])
+        try:
+            stored, durable_n = await self._put(keys, blk, new, tiers_out, durable, op)
+        finally:
+            for i in new:
+                self._filling.discard(keys[i])
+            op.finish()
+        for i in range(n):
+            if tiers_out[i] is None and keys[i] in seen:
+                tiers_out[i] = None
+        dropped = len(new) - stored
+        return PutResult(stored, present, dropped, durable_n, tuple(tiers_out))
+
+    async def _put(self, keys: list[bytes], blk: _Blocks, new: list[int],
+                   tiers_out: list[str | None], durable: bool, op: _Op) -> tuple[int, int]:
+        if not new:
+            return 0, 0
+        host = self._host
+        bb = self.block_bytes
+        if host is None:
+            tier = next((t for t in self._lower if t.stores), None)
+            if tier is None:
+                return 0, 0
+            ok = await tier._write([keys[i] for i in new], [blk.regions[i] for i in new],
+                                   [blk.offsets[i] for i in new], durable=durable)
+            stored = 0
+            for i, good in zip(new, ok, strict=True):
+                if good:
+                    tiers_out[i] = tier.name
+                    stored += 1
+            return stored, stored if durable and getattr(tier, "durable", False) else 0
+        slots = await host.reserve(len(new), host.put_wait)
+        placed = new[: len(slots)]
+        overflow = new[len(slots):]
+        stored_around = 0
+        if overflow:
+            # No room in host memory within put_wait: the blocks go to the
+            # next tier that has room, straight from the caller's memory.
+            lower = self._next_storing_tier(host)
+            if lower is None:
+                host.counters.dropped("no_room", len(overflow))
+            else:
+                ok = await lower._write([keys[i] for i in overflow],
+                                        [blk.regions[i] for i in overflow],
+                                        [blk.offsets[i] for i in overflow], durable=durable)
+                for i, good in zip(overflow, ok, strict=True):
+                    if good:
+                        tiers_out[i] = lower.name
+                        stored_around += 1
+        if not placed:
+            durable_around = stored_around if durable and getattr(
+                self._next_storing_tier(host), "durable", False) else 0
+            return stored_around, durable_around
+        for s in slots:
+            op.pin(host, s)
+        assert host.remote is not None
+        slot_of = dict(zip(placed, slots, strict=True))
+        transfers: list[Transfer] = []
+        groups = _groups(blk.regions, placed)
+        t0 = time.perf_counter()
+        for region, idx in groups:
+            transfers.append(self.agent.write(
+                _seglist(region, [blk.offsets[i] for i in idx], bb),
+                _seglist(host.remote, [slot_of[i] * bb for i in idx], bb)))
+        host.counters.writes += len(transfers)
+        results = await _await_owned(transfers, op, lambda: host.give_back(slots))
+        host.counters.write_latency.add(time.perf_counter() - t0)
+        lower = self._next_storing_tier(host)
+        through = lower is not None and (host.write_through or durable)
+        stored_i: list[int] = []
+        for (_region, idx), r in zip(groups, results, strict=True):
+            for i in idx:
+                if r is None:
+                    host.insert(keys[i], slot_of[i], dirty=lower is not None and not through)
+                    tiers_out[i] = host.name
+                    stored_i.append(i)
+                else:
+                    host.counters.errors += 1
+                    host.counters.dropped("copy_failed")
+                    host.give_back([slot_of[i]])
+        host.counters.puts += len(stored_i)
+        host.counters.put_bytes += len(stored_i) * bb
+        durable_n = 0
+        if through and stored_i:
+            assert lower is not None and host.region is not None
+            wkeys = [keys[i] for i in stored_i]
+            ok = await lower._write(wkeys, [host.region] * len(stored_i),
+                                    [slot_of[i] * bb for i in stored_i], durable=durable)
+            for i, good in zip(stored_i, ok, strict=True):
+                if not good and host.index.get(keys[i]) == slot_of[i]:
+                    host.dirty.add(slot_of[i])  # left for write-back
+                elif good:
+                    durable_n += 1
+            if not (durable and getattr(lower, "durable", False)):
+                durable_n = 0
+        if durable and stored_around and getattr(lower, "durable", False):
+            durable_n += stored_around
+        return len(stored_i) + stored_around, durable_n
+
+    # ------------------------------------------------------------ prefetch
+
+    async def prefetch(self, keys: Sequence[bytes], tier: str = "host") -> int:
+        """Brings the leading blocks the store holds into the host tier;
+        returns how many of ``keys``' leading run are in host memory once it
+        is done. Blocks another get is fetching already are left to that get's
+        promotion. Cancelling stops the wait at once; reads already posted
+        into host memory still complete and are kept (their pins go then)."""
+        self._check_open()
+        keys = self._keys(keys)
+        host = self._host
+        if host is None or tier != host.name:
+            raise ValueError(f"prefetch targets the host tier; this store has "
+                             f"{host.name if host else None!r}")
+        await self._probe(keys)
+        have = 0
+        want: list[tuple[bytes, Tier, Any]] = []
+        for key in keys:
+            if key in host.index or key in self._fetches:
+                have += 1
+                continue
+            found = next(((t, loc) for t in self._lower
+                          if (loc := t._locate(key)) is not None), None)
+            if found is None:
+                break
+            want.append((key, found[0], found[1]))
+        if not want:
+            return have
+        op = _Op(self)
+        for _key, t, loc in want:
+            op.pin(t, loc)  # before any await: the block cannot go away meanwhile
+        try:
+            slots = await host.reserve(len(want), host.put_wait)
+        except BaseException:
+            op.finish()
+            raise
+        want = want[: len(slots)]  # the rest had no room (their pins go with op)
+        bb = self.block_bytes
+        assert host.region is not None
+        by_tier: dict[Tier, list[_Fetch]] = {}
+        slot_of: dict[bytes, int] = {}
+        for (key, t, loc), s in zip(want, slots, strict=True):
+            if key in self._fetches or key in host.index:
+                # Another get or prefetch took it up while we waited for room.
+                host.give_back([s])
+                have += 1
+                continue
+            op.pin(host, s)
+            f = _Fetch(key, t, loc, host.region, s * bb)
+            self._fetches[key] = f
+            by_tier.setdefault(t, []).append(f)
+            slot_of[key] = s
+        task = self._spawn(self._prefetch_run(by_tier, slot_of, op), "aioxfer-kv-prefetch")
+        done: int = await asyncio.shield(task)
+        return have + done
+
+    async def _prefetch_run(self, by_tier: dict[Tier, list[_Fetch]], slot_of: dict[bytes, int],
+                            op: _Op) -> int:
+        host = self._host
+        assert host is not None
+        left = dict(slot_of)  # reserved slots not yet published or given back
+
+        def release(fs: list[_Fetch]) -> None:
+            # Once a tier's read is over (cancelled or not), its unpublished
+            # slots go back; never while the engine may still write them.
+            host.give_back([left.pop(f.key) for f in fs if f.key in left])
+
+        done = 0
+        try:
+            runs = [_owned_read(t, fs, op, lambda fs=fs: release(fs))
+                    for t, fs in by_tier.items()]
+            results = await asyncio.gather(*runs, return_exceptions=True)
+            for (t, fs), errs in zip(by_tier.items(), results, strict=True):
+                if isinstance(errs, asyncio.CancelledError):
+                    raise errs
+                if isinstance(errs, BaseException):
+                    err = BlockUnavailable(f"tier {t.name!r} failed: {errs!r}")
+                    errs = [err] * len(fs)
+                t.counters.hits += len(fs)
+                for f, e in zip(fs, errs, strict=True):
+                    f.error = e
+                    slot = left.pop(f.key)
+                    if e is None and f.key not in host.index:
+                        host.insert(f.key, slot, dirty=False)
+                        host.counters.promotions += 1
+                        done += 1
+                    else:
+                        host.give_back([slot])
+                        if e is not None:
+                            self._note_error(e)
+                await self._deliver(fs, promote=False)
+        finally:
+            # Whatever was not delivered (cancelled, or a bug): its waiters
+            # learn it now, and nothing stays registered.
+            for fs in by_tier.values():
+                for f in fs:
+                    if self._fetches.get(f.key) is f:
+                        del self._fetches[f.key]
+                    for w in f.followers:
+                        if not w.future.done():
+                            w.future.set_exception(BlockUnavailable("the prefetch was abandoned"))
+                    f.followers.clear()
+            if not op.pending:
+                host.give_back(list(left.values()))
+                left.clear()
+            op.finish()
+        return done
+
+    # ------------------------------------------------------------ stream
+
+    def stream(self, keys: Sequence[bytes], dst: Any, *, layers: int) -> LayerStream:
+        """Delivers the leading blocks the store holds layer by layer: ``async
+        for layer in store.stream(keys, dst, layers=32)`` yields a
+        LayerResult as soon as that layer of every block has landed (layer
+        ``l`` of a block is its bytes ``[l * block_bytes // layers, ...)``).
+        ``dst``: block memory as for ``get`` (each layer lands inside its
+        block), or one target per layer (a SegmentList or list of Segments of
+        ``block_bytes // layers`` bytes per key: a layer-major KV cache).
+        Blocks below the host tier are first brought into host memory whole
+        and verified (no layer of a block is delivered unverified); layers
+        are then copied from there, all posted at once. Leave the loop early
+        and the rest is cancelled (``aclose()``, or ``async with``)."""
+        self._check_open()
+        return LayerStream(self, self._keys(keys), dst, layers)
+
+    # ------------------------------------------------------------ remove
+
+    async def remove(self, keys: Sequence[bytes]) -> int:
+        """Removes the keys from every tier; returns how many blocks went."""
+        self._check_open()
+        keys = self._keys(keys)
+        removed = 0
+        host = self._host
+        if host is not None:
+            for key in keys:
+                if key in host.index:
+                    host.evict(key, "removed")
+                    removed += 1
+        for tier in self._lower:
+            if tier.stores:
+                removed += await tier._remove(keys)
+        return removed
+
+    # ------------------------------------------------------------ statistics
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(
+            tiers={t.name: t._statistics() for t in self.tiers},
+            pinned_bytes=self._pinned_bytes,
+            pins=self._pins,
+            fetches_in_flight=len(self._fetches),
+            coalesced=self._coalesced,
+            handoffs=self._handoffs,
+            quarantined=self._quarantined,
+            pin_waits=self._pin_waits,
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open" if self._opened else "new"
+        return f"<Store {self.name!r} {state} tiers={[t.name for t in self.tiers]}>"
+
+
+_STREAM_WINDOW = 2  # layers in flight ahead of the one awaited
+
+
+class LayerStream:
+    """The async iterator ``Store.stream`` returns (also an async context
+    manager: leaving it cancels what has not landed and releases pins)."""
+
+    def __init__(self, store: Store, keys: list[bytes], dst: Any, layers: int) -> None:
+        if layers < 1 or store.block_bytes % layers:
+            raise ValueError(f"layers must divide block_bytes ({store.block_bytes})")
+        self.store = store
+        self.keys = keys
+        self.layers = layers
+        self.layer_bytes = store.block_bytes // layers
+        self.prefix: int | None = None  # known once the first layer is awaited
+        self._targets = self._layer_targets(dst)
+        self._op = _Op(store)
+        self._pending: list[list[Transfer]] = []
+        self._slots: list[int] = []
+        self._next = 0
+        self._closed = False
+
+    def _layer_targets(self, dst: Any) -> list[tuple[list[Region], list[int]]]:
+        """Per layer: (regions, offsets) of each key's layer bytes."""
+        n, lb, store = len(self.keys), self.layer_bytes, self.store
+        per_layer = (isinstance(dst, Sequence) and not isinstance(dst, Segment | SegmentList)
+                     and len(dst) == self.layers
+                     and all(isinstance(d, SegmentList) or (isinstance(d, Sequence)
+                                                            and not isinstance(d, Segment))
+                             for d in dst))
+        out: list[tuple[list[Region], list[int]]] = []
+        if per_layer:
+            for d in dst:
+                blk = _Blocks.of(d, n, lb, "layer dst")
+                blk.check(store.agent, "dst")
+                out.append((blk.regions, blk.offsets))
+        else:
+            blk = _Blocks.of(dst, n, store.block_bytes, "dst")
+            blk.check(store.agent, "dst")
+            for layer in range(self.layers):
+                out.append((blk.regions, [o + layer * lb for o in blk.offsets]))
+        return out
+
+    async def _start(self) -> None:
+        store = self.store
+        host = store._host
+        if host is None:
+            raise ValueError("stream delivers from host memory: the store needs a HostTier")
+        await store.prefetch(self.keys)
+        slots: list[int] = []
+        index_get = host.index.get
+        for key in self.keys:
+            slot = index_get(key)
+            if slot is None:
+                break
+            host.touch(key)
+            slots.append(slot)
+        self._op.pin_host(host, slots)
+        self.prefix = len(slots)
+        host.counters.hits += len(slots)
+        host.counters.hit_bytes += len(slots) * store.block_bytes
+        if not slots:
+            return
+        self._slots = slots
+        for layer in range(min(self.layers, _STREAM_WINDOW)):
+            self._post(layer)
+
+    def _post(self, layer: int) -> None:
+        """Posts layer ``layer`` of every block (one transfer per dst region)."""
+        store, host = self.store, self.store._host
+        assert host is not None and host.remote is not None
+        bb, lb, slots = store.block_bytes, self.layer_bytes, self._slots
+        regions, offsets = self._targets[layer]
+        posted = []
+        for region, group in _groups(regions, list(range(len(slots)))):
+            posted.append(store.agent.read(
+                _seglist(region, [offsets[i] for i in group], lb),
+                _seglist(host.remote, [slots[i] * bb + layer * lb for i in group], lb)))
+        self._pending.append(posted)
+
+    def __aiter__(self) -> LayerStream:
+        return self
+
+    async def __anext__(self) -> LayerResult:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            if self.prefix is None:
+                await self._start()
+            if self._next >= len(self._pending):
+                self._finish()
+                raise StopAsyncIteration
+            layer = self._next
+            # A window of layers in flight: all of them posted at once would
+            # land (and be seen) together, the first no sooner than the last.
+            ahead = layer + _STREAM_WINDOW
+            if ahead < self.layers and ahead == len(self._pending):
+                self._post(ahead)
+            for t in self._pending[layer]:
+                try:
+                    await t
+                except XferError as exc:
+                    raise BlockUnavailable(f"layer {layer} copy failed: {exc}") from exc
+            self._next += 1
+            assert self.prefix is not None
+            if self._next == len(self._pending) and self._next >= self.layers:
+                self._finish()
+            return LayerResult(layer, self.prefix, self.prefix * self.layer_bytes)
+        except BaseException:
+            self._finish()
+            raise
+
+    def _finish(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for posted in self._pending[self._next:]:
+            for t in posted:
+                t.cancel()  # the caller's memory: cancelling is the caller's choice
+        self._op.finish()
+
+    async def aclose(self) -> None:
+        self._finish()
+
+    async def __aenter__(self) -> LayerStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._finish()
+
+    def __del__(self) -> None:
+        # A loop left with `break` and no aclose(): the pins still go.
+        if not getattr(self, "_closed", True):
+            self._finish()
+
+
+class _Replan(Exception):
+    """The pin budget had to wait: plan the get again (the index moved on)."""
+
+
+async def _owned_read(tier: Tier, fetches: list[_Fetch], op: _Op,
+                      release: Any) -> list[XferError | None]:
+    """A tier read into store memory, never cancelled midway (see _await_owned)."""
+    task = asyncio.ensure_future(tier._read([f.loc for f in fetches],
+                                            [f.region for f in fetches],
+                                            [f.offset for f in fetches]))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        op.hold_until([task])
+        task.add_done_callback(lambda _t: release())
+        raise
+
+
+async def _deregister(agent: Agent, region: Region) -> None:
+    # agent.deregister returns an awaitable in newer versions: accept both.
+    dereg: Any = agent.deregister
+    result = dereg(region)
+    if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+        await result

@@ -1,0 +1,87 @@
+"""What every tier implements for the Store (internal interface)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aioxfer.errors import XferError
+from aioxfer.kv.stats import TierCounters, TierStatistics, snapshot
+from aioxfer.region import Region
+
+if TYPE_CHECKING:
+    from aioxfer.kv.store import Store
+
+__all__ = ["Tier"]
+
+
+class Tier:
+    """A level of the store. Tiers below the host tier implement ``_locate``
+    (synchronous index probe), ``_read`` (into registered host memory,
+    verified) and ``_write`` (from registered host memory); the host tier is
+    the store's own memory and is driven by the store directly."""
+
+    kind = "tier"
+    stores = True  # blocks may be written here (demotion, write-through, put)
+
+    def __init__(self, name: str) -> None:
+        if not name or not isinstance(name, str):
+            raise ValueError("a tier needs a non-empty name")
+        self.name = name
+        self.counters = TierCounters()
+        self._store: Store | None = None
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise RuntimeError(f"tier {self.name!r} is not part of an open store")
+        return self._store
+
+    async def _open(self, store: Store) -> None:
+        if self._store is not None:
+            raise RuntimeError(f"tier {self.name!r} already belongs to a store")
+        self._store = store
+
+    async def _aclose(self) -> None:
+        pass
+
+    def _locate(self, key: bytes) -> Any | None:
+        """Where ``key`` is in this tier, or None (no I/O; no await)."""
+        raise NotImplementedError
+
+    def _contains(self, key: bytes) -> bool:
+        return self._locate(key) is not None
+
+    async def _read(self, locs: list[Any], regions: list[Region],
+                    offsets: list[int]) -> list[XferError | None]:
+        """Reads block ``locs[i]`` into ``regions[i]`` at ``offsets[i]`` and
+        verifies it; per block None (delivered) or the error. Corrupt blocks
+        are quarantined here, by the tier that found them."""
+        raise NotImplementedError
+
+    async def _write(self, keys: list[bytes], regions: list[Region], offsets: list[int],
+                     *, durable: bool = False) -> list[bool]:
+        """Stores blocks from registered host memory; per block True if it is
+        now in this tier (False: not admitted, no room, or I/O error; counted)."""
+        raise NotImplementedError
+
+    async def _remove(self, keys: list[bytes]) -> int:
+        raise NotImplementedError
+
+    def _usage(self) -> tuple[int, int, int]:
+        """(blocks, used_bytes, capacity_bytes)."""
+        return 0, 0, 0
+
+    def _extra(self) -> dict[str, int | float | str]:
+        return {}
+
+    def _pinned_blocks(self) -> int:
+        return 0
+
+    def _statistics(self) -> TierStatistics:
+        blocks, used, cap = self._usage()
+        return snapshot(self.name, self.kind, self.counters, blocks=blocks, used_bytes=used,
+                        capacity_bytes=cap, pinned_blocks=self._pinned_blocks(),
+                        extra=self._extra())
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

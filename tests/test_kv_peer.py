@@ -1,0 +1,128 @@
+"""aioxfer.kv PeerTier with a real second process: blocks placed on their
+rendezvous-hash owner (which pulls them one-sided from the writer's memory),
+read back one-sided from the owner's host tier, verified; the owner killed:
+its blocks become misses, nothing fails or hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import textwrap
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from conftest import pattern, wait_until, within
+
+from aioxfer import kv
+from aioxfer.kv.peer import owners
+
+BB = 16 << 10
+MakeAgent = Callable[..., Awaitable[Any]]
+
+MEMBER = textwrap.dedent('''
+    import asyncio, sys
+    import aioxfer
+    from aioxfer import kv
+
+    async def main():
+        async with aioxfer.Agent(sys.argv[1], peer_timeout=1.0, keepalive=0.2) as agent:
+            async with kv.Store.open(agent, block_bytes=int(sys.argv[2]), tiers=[
+                    kv.HostTier(256 * int(sys.argv[2])), kv.PeerTier(group="t")]) as store:
+                print(agent.address, flush=True)
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, sys.stdin.readline)
+                tier = store.tiers[1]
+                print("pulled", tier.pulled, flush=True)
+
+    asyncio.run(main())
+''')
+
+
+def keys_for(n: int) -> list[bytes]:
+    return kv.chain(np.arange(16 * n), block_tokens=16, namespace=b"peer-test")
+
+
+async def start_member(tmp_path: Path, name: str) -> tuple[asyncio.subprocess.Process, str]:
+    script = tmp_path / "member.py"
+    script.write_text(MEMBER)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), name, str(BB), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    line = await within(proc.stdout.readline(), 60)
+    assert line, "the member did not start"
+    return proc, line.decode().strip()
+
+
+async def test_blocks_placed_on_owner_and_read_back_then_owner_killed(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    proc, address = await start_member(tmp_path, "member-b")
+    try:
+        agent = await make_agent("member-a", peer_timeout=1.0, keepalive=0.2)
+        src = agent.alloc(32 * BB)
+        data = pattern(32 * BB, 1)
+        src.numpy()[:] = data
+        keys = keys_for(32)
+        peer_tier = kv.PeerTier(group="t")
+        async with kv.Store.open(agent, block_bytes=BB, tiers=[
+                kv.HostTier(8 * BB), peer_tier]) as store:
+            assert await within(peer_tier.join(address))
+            assert list(peer_tier.members) == ["member-b"]
+            # placement is the same computation everywhere: two members, one replica
+            assert owners(keys[0], ["member-a", "member-b"], 1)[0] in ("member-a", "member-b")
+            put = await within(store.put(keys, src[0:32 * BB]))
+            assert put.stored == 32 and put.dropped == 0, put
+            hit = await within(store.lookup(keys))
+            assert hit.prefix == 32, hit
+            assert "peer" in hit.tiers  # most blocks live only on the other process
+            dst = agent.alloc(32 * BB)
+            res = await within(store.get(keys, dst[0:32 * BB]))
+            assert res.prefix == 32 and res.failed == ()
+            assert np.array_equal(dst.numpy(), data)
+            from_peer = [i for i, t in enumerate(res.tiers) if t == "peer"]
+            assert len(from_peer) >= 16
+
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+            # right after the kill: verified hits or misses, never wrong bytes or a hang
+            res = await within(store.get(keys, dst[0:32 * BB]))
+            assert res.failed == ()
+            assert np.array_equal(dst.numpy()[:res.prefix * BB], data[:res.prefix * BB])
+            # once it is known gone, its blocks are plain misses
+            await within(wait_until(lambda: not peer_tier.members, what="member left"))
+            res = await within(store.get(keys, dst[0:32 * BB]))
+            assert res.failed == () and res.prefix < 32
+            assert all(t in ("host", None) for t in res.tiers)
+            assert store.statistics().pins == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_owner_pulls_and_reports(make_agent: MakeAgent, tmp_path: Path) -> None:
+    proc, address = await start_member(tmp_path, "member-c")
+    try:
+        agent = await make_agent("member-d")
+        src = agent.alloc(16 * BB)
+        src.numpy()[:] = pattern(16 * BB, 2)
+        keys = keys_for(16)
+        tier = kv.PeerTier(group="t")
+        async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(4 * BB), tier]) as st:
+            await within(tier.join(address))
+            await within(st.put(keys, src[0:16 * BB]))
+            assert st.statistics().tiers["peer"].puts >= 12
+        assert proc.stdin is not None
+        proc.stdin.write(b"done\n")
+        await proc.stdin.drain()
+        assert proc.stdout is not None
+        line = await within(proc.stdout.readline(), 30)
+        assert line.startswith(b"pulled") and int(line.split()[1]) >= 12, line
+        await within(proc.wait(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

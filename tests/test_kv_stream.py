@@ -1,0 +1,192 @@
+"""aioxfer.kv: per-layer streaming, prefetch, pipelines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import pattern, within
+
+from aioxfer import ClosedResourceError, kv
+
+BB = 32 << 10
+LAYERS = 8
+LB = BB // LAYERS
+MakeAgent = Callable[..., Awaitable[Any]]
+
+
+def keys_for(n: int) -> list[bytes]:
+    return kv.chain(np.arange(16 * n), block_tokens=16, namespace=b"stream")
+
+
+async def test_stream_block_layout(make_agent: MakeAgent) -> None:
+    agent = await make_agent("kv")
+    src = agent.alloc(16 * BB)
+    data = pattern(16 * BB, 1)
+    src.numpy()[:] = data
+    dst = agent.alloc(16 * BB)
+    keys = keys_for(16)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(32 * BB)]) as store:
+        await store.put(keys[:12], src[0:12 * BB])
+        seen = []
+        async with store.stream(keys, dst[0:16 * BB], layers=LAYERS) as layers:
+            async for item in layers:
+                assert item.prefix == 12 and item.nbytes == 12 * LB
+                # layer l of every leading block is there, later layers need not be
+                view = dst.numpy().reshape(16, LAYERS, LB)
+                want = data.reshape(16, LAYERS, LB)
+                assert np.array_equal(view[:12, item.layer], want[:12, item.layer])
+                seen.append(item.layer)
+        assert seen == list(range(LAYERS))
+        assert np.array_equal(dst.numpy()[:12 * BB], data[:12 * BB])
+        assert store.statistics().pins == 0
+
+
+async def test_stream_layer_major_targets_from_disk(make_agent: MakeAgent,
+                                                    tmp_path: Path) -> None:
+    agent = await make_agent("kv")
+    src = agent.alloc(8 * BB)
+    data = pattern(8 * BB, 2)
+    src.numpy()[:] = data
+    keys = keys_for(8)
+    # a layer-major cache: one region per layer, block i of a layer at i * LB
+    caches = [agent.alloc(8 * LB) for _ in range(LAYERS)]
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[
+            kv.HostTier(16 * BB), kv.DiskTier(tmp_path, 1 << 26, segment_bytes=8 * BB)]) as store:
+        await store.put(keys, src[0:8 * BB], durable=True)
+        host = store.tiers[0]
+        assert isinstance(host, kv.HostTier)
+        for k in keys:
+            host.evict(k, "test")
+        targets = [c.segments(np.arange(8) * LB, np.full(8, LB)) for c in caches]
+        got = [item.layer async for item in store.stream(keys, targets, layers=LAYERS)]
+        assert got == list(range(LAYERS))
+        for layer, c in enumerate(caches):
+            assert np.array_equal(c.numpy().reshape(8, LB), data.reshape(8, LAYERS, LB)[:, layer])
+        assert store.statistics().tiers["host"].promotions == 8
+        assert store.statistics().pins == 0
+
+
+async def test_stream_left_early_releases_pins(make_agent: MakeAgent) -> None:
+    agent = await make_agent("kv")
+    src = agent.alloc(8 * BB)
+    keys = keys_for(8)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB)]) as store:
+        await store.put(keys, src[0:8 * BB])
+        async for item in store.stream(keys, agent.alloc(8 * BB)[0:8 * BB], layers=LAYERS):
+            assert item.layer == 0
+            break
+        await asyncio.sleep(0)
+        assert store.statistics().pins == 0
+        with pytest.raises(ValueError):
+            store.stream(keys, src[0:8 * BB], layers=3)  # 3 does not divide the block
+
+
+async def test_prefetch_brings_blocks_up_and_is_cancellable(make_agent: MakeAgent,
+                                                            tmp_path: Path) -> None:
+    agent = await make_agent("kv")
+    src = agent.alloc(32 * BB)
+    src.numpy()[:] = pattern(32 * BB, 3)
+    keys = keys_for(32)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[
+            kv.HostTier(64 * BB), kv.DiskTier(tmp_path, 1 << 26)]) as store:
+        await store.put(keys, src[0:32 * BB], durable=True)
+        host = store.tiers[0]
+        assert isinstance(host, kv.HostTier)
+        for k in keys:
+            host.evict(k, "test")
+        assert await within(store.prefetch(keys[:16])) == 16
+        assert (await store.lookup(keys)).tiers == ("host",) * 16 + ("disk",) * 16
+        task = asyncio.ensure_future(store.prefetch(keys))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the reads already posted land and are kept
+            if not store.statistics().pins:
+                break
+            await asyncio.sleep(0.01)
+        assert store.statistics().pins == 0 and store.statistics().fetches_in_flight == 0
+        dst = agent.alloc(32 * BB)
+        res = await store.get(keys, dst[0:32 * BB])
+        assert res.prefix == 32 and np.array_equal(dst.numpy(), src.numpy())
+
+
+# ---------------------------------------------------------------- pipelines
+
+
+async def numbers(n: int, log: list[int]) -> AsyncIterator[int]:
+    for i in range(n):
+        log.append(i)
+        yield i
+
+
+async def test_pipeline_backpressure_and_order() -> None:
+    produced: list[int] = []
+    out: list[int] = []
+
+    async def double(x: int) -> int:
+        return 2 * x
+
+    async def slow_sink(x: int) -> None:
+        # Bounded channels: the producer can only be a few items ahead.
+        assert len(produced) - len(out) <= 2 + 2 + 2 + 1, (produced, out)
+        out.append(x)
+        await asyncio.sleep(0)
+
+    async with kv.Pipeline(maxsize=2) as p:
+        p.sink(slow_sink, p.map(double, p.source(numbers(50, produced))))
+    assert out == [2 * i for i in range(50)]
+
+
+async def test_pipeline_error_cancels_upstream_and_downstream() -> None:
+    produced: list[int] = []
+    cancelled: list[str] = []
+
+    async def boom(x: int) -> int:
+        if x == 5:
+            raise RuntimeError("stage failed")
+        return x
+
+    async def sink(x: int) -> None:
+        try:
+            await asyncio.sleep(0.001)
+        except asyncio.CancelledError:
+            cancelled.append("sink")
+            raise
+
+    with pytest.raises(RuntimeError, match="stage failed"):
+        async with kv.Pipeline(maxsize=1) as p:
+            p.sink(sink, p.map(boom, p.source(numbers(10_000, produced))))
+    assert len(produced) < 20  # the source stopped: it did not run to the end
+
+
+async def test_pipeline_consumer_leaving_stops_producers() -> None:
+    produced: list[int] = []
+    async with kv.Pipeline(maxsize=1) as p:
+        out = p.map(_identity, p.source(numbers(10_000, produced)))
+        got = [await out.receive() for _ in range(3)]
+        await out.aclose()  # the consumer is done: everything upstream stops quietly
+    assert got == [0, 1, 2] and len(produced) < 10
+
+
+async def _identity(x: int) -> int:
+    return x
+
+
+async def test_channel_semantics() -> None:
+    ch: kv.Channel[int] = kv.Channel(1)
+    await ch.send(1)
+    blocked = asyncio.ensure_future(ch.send(2))
+    await asyncio.sleep(0)
+    assert not blocked.done()  # full: the sender waits
+    assert await ch.receive() == 1
+    await within(blocked)
+    ch.close()
+    assert [x async for x in ch] == [2]
+    with pytest.raises(ClosedResourceError):
+        await ch.send(3)
