@@ -19,6 +19,8 @@ from aioxfer.discovery import Etcd, Membership, PeerJoined, PeerLeft, PeerUpdate
 from aioxfer.errors import (
     AccessDenied,
     ClosedResourceError,
+    ObjectExists,
+    ObjectNotFound,
     PeerLost,
     ProtocolError,
     RegistrationError,
@@ -47,6 +49,8 @@ __all__ = [
     "AgentStatistics",
     "ClosedResourceError",
     "LeastLoaded",
+    "ObjectExists",
+    "ObjectNotFound",
     "Limits",
     "LowestExpectedCompletion",
     "Etcd",

@@ -119,6 +119,7 @@ def _table() -> dict[int, type[XferError]]:
             _cyx.E_CLOSED: ClosedResourceError,
             _cyx.E_CANCELLED: XferError,
             _cyx.E_NOTFOUND: XferError,
+            _cyx.E_LIMIT: TransportError,  # a resource limit refused it (aioxfer.Limits)
         }
     return _TABLE
 

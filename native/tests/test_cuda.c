@@ -8,6 +8,8 @@
 
 #include <dlfcn.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 
@@ -297,7 +299,7 @@ static int test_context_untouched(void)
     CHECK_EQ(axf_region_register(a->e, back, 1 << 20, rw, -1, &hrid, &hkey), AXF_OK);
     CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, g, 1 << 20, rw, -1, &grid, &gkey),
              AXF_OK);
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
     CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, grid, gkey, 1 << 20, rw, g, NULL, 0, NULL), AXF_OK);
     CTX_SAME(app);
     axf_desc d = {.lrid = hrid, .rrid = grid, .rkey = gkey, .len = 1 << 20};
@@ -344,7 +346,7 @@ static int test_peer_host_memory_pinned(void)
     uint64_t prid, pkey, grid, gkey, ep;
     CHECK_EQ(axf_region_register(b->e, pool, 2 * LEN, rw, mfd, &prid, &pkey), AXF_OK);
     CHECK_EQ(axf_region_register_kind(a->e, AXF_MEM_CUDA, g, LEN, rw, -1, &grid, &gkey), AXF_OK);
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
     /* read-only: the peer grants READ only, so our mapping is PROT_READ */
     CHECK_EQ(axf_endpoint_import(a->e, ep, prid, pkey, 2 * LEN, AXF_ACCESS_READ,
                                  (uint64_t)(uintptr_t)pool, mfd),
@@ -389,7 +391,7 @@ static int test_mixed_pinned_span(void)
     CHECK_EQ(axf_region_register(a->e, buf + LEN / 2, LEN, rw, -1, &brid, &bkey), AXF_OK);
     CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, g, 2 * LEN, rw, -1, &grid, &gkey),
              AXF_OK);
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
     CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, grid, gkey, 2 * LEN, rw, g, NULL, 0, NULL),
              AXF_OK);
     axf_desc d = {.lrid = arid, .rrid = grid, .rkey = gkey, .len = LEN};
@@ -445,7 +447,7 @@ static int test_vmm_span(void)
     CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, p + CHUNK / 2, 2 * CHUNK, rw, -1, &vrid,
                                       &vkey),
              AXF_OK);
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
     CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, vrid, vkey, 2 * CHUNK, rw, p + CHUNK / 2, NULL, 0,
                                       NULL),
              AXF_OK);
@@ -533,7 +535,7 @@ static int test_ipc_cross_device(void)
     uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
     uint64_t lrid, lkey, ep;
     CHECK_EQ(axf_region_register_kind(a->e, AXF_MEM_CUDA, g1, LEN, rw, -1, &lrid, &lkey), AXF_OK);
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, child, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, child, (int)syscall(SYS_pidfd_open, child, 0), &ep), AXF_OK);
     CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, 7, 8, LEN, rw, 0x1000, msg.handle, msg.off,
                                       msg.uuid),
              AXF_OK);
@@ -591,7 +593,7 @@ static int test_pin_ahead(void)
     while (pinned_now() == before && t_now_ms() < until)
         usleep(1000);
     CHECK_EQ(pinned_now(), before + 1);
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
     CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, grid, gkey, LEN, rw, g, NULL, 0, NULL), AXF_OK);
     int sync0 = sync_copies();
     axf_desc d = {.lrid = hrid, .rrid = grid, .rkey = gkey, .len = LEN};

@@ -612,7 +612,7 @@ static int test_qp_mismatch_refused(void)
     CHECK(axf_verbs_enable(a->e, provider, why, sizeof why) > 0);
     CHECK(axf_verbs_enable(b->e, provider, why, sizeof why) > 0);
     uint64_t ep;
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_VERBS, A_TAG, 0, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_VERBS, A_TAG, 0, -1, &ep), AXF_OK);
     axf_verbs_qp_info ia, ib;
     CHECK_EQ(axf_verbs_qp_create(a->e, ep, 0, &ia), AXF_OK);
     if (provider) { /* softverbs: RoCE, and its routable v2 entry is the one to pick */
