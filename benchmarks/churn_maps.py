@@ -36,7 +36,7 @@ def maps_count() -> int:
 
 def zygote(transports: tuple[str, ...], rfd: int, wfd: int) -> None:
     """Reads the target's address (a line), then forks an initiator per byte
-    read from rfd; writes its pid, then 'ok' or 'err'. Forked before any
+    read from rfd, which writes "ok PID" or "err PID". Forked before any
     thread or event loop exists in the benchmark, so its forks are clean."""
     import aioxfer
 
@@ -51,7 +51,7 @@ def zygote(transports: tuple[str, ...], rfd: int, wfd: int) -> None:
         peer = await agent.connect(address)
         src = agent.register(bytearray(4096))
         await agent.write(src[0:4096], peer.region("pool")[0:4096])
-        os.write(w, b"ok\n")
+        os.write(w, f"ok {os.getpid()}\n".encode())
         await asyncio.sleep(3600)  # killed here
 
     while os.read(rfd, 1):
@@ -61,9 +61,8 @@ def zygote(transports: tuple[str, ...], rfd: int, wfd: int) -> None:
             try:
                 asyncio.run(initiator(wfd, address.decode().strip()))
             except BaseException:
-                os.write(wfd, b"err\n")
+                os.write(wfd, f"err {os.getpid()}\n".encode())
             os._exit(1)
-        os.write(wfd, f"{pid}\n".encode())
     os._exit(0)
 
 
@@ -90,8 +89,9 @@ async def main(ns: argparse.Namespace, transports: tuple[str, ...], zpid: int,
             samples["start"] = sample(agent)
             t0 = time.monotonic()
         os.write(to_z_w, b"x")
-        pid = int(await line())
-        status = (await line()).strip()
+        # One line per initiator, written by itself: "ok PID" or "err PID".
+        status, pid_text = (await line()).split()
+        pid = int(pid_text)
         ok += status == b"ok"
         err += status != b"ok"
         os.kill(pid, signal.SIGKILL)
