@@ -7,6 +7,7 @@
 #include "harness.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -337,8 +338,10 @@ static int test_peer_host_memory_pinned(void)
     CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
     uint64_t g = 0;
     CHECK_EQ(axf_cuda_alloc(0, LEN, &g), AXF_OK);
-    int mfd = memfd_create("peer-pool", MFD_CLOEXEC);
+    /* Sealed as agent.alloc seals its pools: the engine maps nothing else. */
+    int mfd = memfd_create("peer-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     CHECK(mfd >= 0 && ftruncate(mfd, 2 * LEN) == 0);
+    CHECK(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0);
     uint8_t *pool = mmap(NULL, 2 * LEN, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
     CHECK(pool != MAP_FAILED);
     t_fill(pool, 2 * LEN, 33);
