@@ -71,7 +71,7 @@ def test_keys_identical_across_processes_and_hash_seeds() -> None:
     outs = []
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.append(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+        outs.append(subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd="/",
                                    capture_output=True, text=True, timeout=60).stdout)
     here = (kv.chain(list(range(100)), block_tokens=16, namespace=b"ns")[-1].hex() + "\n"
             + kv.import_key(-12345, namespace=b"ns", source="lmcache").hex() + "\n"

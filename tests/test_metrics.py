@@ -152,6 +152,6 @@ def test_unused_metrics_are_not_loaded() -> None:
         assert "prometheus_client" not in sys.modules
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -111,6 +111,7 @@ def test_shim_makes_import_nixl_this_package() -> None:
     )
     env = dict(os.environ, PYTHONPATH=nixl.shim_path())
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd="/",
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "shim ok" in out.stdout
@@ -118,9 +119,11 @@ def test_shim_makes_import_nixl_this_package() -> None:
     code2 = ("import aioxfer.nixl as n; n.install(); import nixl._api as a; "
              "assert a is n._api; print('install ok')")
     out = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True,
+                         cwd="/",
                          timeout=60)
     assert out.returncode == 0 and "install ok" in out.stdout, out.stderr
     path = subprocess.run([sys.executable, "-m", "aioxfer.nixl"], capture_output=True, text=True,
+                         cwd="/",
                           timeout=60).stdout.strip()
     assert path == nixl.shim_path() and os.path.isfile(os.path.join(path, "nixl", "__init__.py"))
 
