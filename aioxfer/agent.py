@@ -725,6 +725,10 @@ class Agent:
             name = self._default_name(rid)
         region = Region(self, name, rid, key, nbytes, access, addr, obj, memfd, ino, mm)
         self._regions[name] = region
+        if "cuda" in self.transports:
+            # Page-locked now, on the engine's CUDA thread, so a GPU copy to or
+            # from it is asynchronous and its first one pays no pinning.
+            self._engine.cuda_pin_region(rid)
         self._meta_changed()
         return region
 
@@ -972,10 +976,15 @@ class Agent:
             raise ProtocolError(
                 f"{len(msg.qps)} queue pairs asked of {len(self._verbs_devices)} devices"
             )
+        devices = list(msg.devices) if msg.devices else list(range(len(msg.qps)))
+        if len(devices) != len(msg.qps) or len(set(devices)) != len(devices) or not all(
+            0 <= d < len(self._verbs_devices) for d in devices
+        ):
+            raise ProtocolError(f"queue pairs asked of devices {devices!r}")
         handles: list[int] = []
         try:
             ours = []
-            for dev, qp in enumerate(msg.qps):
+            for dev, qp in zip(devices, msg.qps, strict=True):
                 handle, info = self._engine.verbs_accept_qp(dev, _qp_tuple(qp))
                 handles.append(handle)
                 ours.append(VerbsQP(*info))
@@ -1607,8 +1616,15 @@ class Agent:
         exchanged on a "verbs" control connection that then joins endpoint
         ep; ready to post once this returns."""
         assert self._loop is not None
-        n = min(len(self._verbs_devices), len(meta.verbs_devices))
-        ours = [self._engine.verbs_qp_create(ep, dev) for dev in range(n)]
+        # Rails pair devices of one link layer (an InfiniBand port never
+        # reaches a RoCE one), not index i with index i.
+        pairs = _verbs.pair_rails(self._verbs_devices, list(meta.verbs_devices))
+        if not pairs:
+            raise TransportError(
+                f"no RDMA device of ours shares a link layer with one of peer {meta.name!r}"
+            )
+        n = len(pairs)
+        ours = [self._engine.verbs_qp_create(ep, mine) for mine, _ in pairs]
         sock, accept = await self._open(address, purpose="verbs")
         try:
             if accept.incarnation != meta.incarnation:
@@ -1616,12 +1632,18 @@ class Agent:
                     f"peer at {address} restarted while we connected: connect again"
                 )
             async with self._control_errors(address, "exchanging queue pairs with", "reach"):
-                await send_frame(self._loop, sock, VerbsConnect(qps=[VerbsQP(*q) for q in ours]))
+                await send_frame(
+                    self._loop,
+                    sock,
+                    VerbsConnect(
+                        qps=[VerbsQP(*q) for q in ours], devices=[theirs for _, theirs in pairs]
+                    ),
+                )
                 reply = await recv_frame(self._loop, sock)
             if not isinstance(reply, VerbsAccept) or len(reply.qps) != n:
                 raise ProtocolError(f"peer at {address} answered the queue pairs with {reply!r}")
-            for dev, qp in enumerate(reply.qps):
-                self._engine.verbs_qp_connect(ep, dev, dev, _qp_tuple(qp))
+            for (mine, theirs), qp in zip(pairs, reply.qps, strict=True):
+                self._engine.verbs_qp_connect(ep, mine, theirs, _qp_tuple(qp))
             # The handshake and exchange read exactly their frames: the rest is the engine's.
             self._engine.endpoint_add_conn(ep, sock.detach(), 0)
         finally:
@@ -2010,13 +2032,15 @@ class Agent:
             )
         if rr.peer._agent is not self:
             raise ValueError(f"remote segment {i} belongs to a peer of another agent")
-        if lr.kind != "host" and rr.peer.path != lr.kind:
+        # GPU memory travels its own path (cuda) or RDMA (GPUDirect: the
+        # engine says so, per region, if the NIC cannot reach it).
+        if lr.kind != "host" and rr.peer.path not in (lr.kind, "verbs"):
             raise TransportError(
                 f"local region {lr.name!r} is {lr.kind} memory, which path "
                 f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
                 peer=rr.peer.name,
             )
-        if rr.kind != "host" and rr.peer.path != rr.kind:
+        if rr.kind != "host" and rr.peer.path not in (rr.kind, "verbs"):
             raise TransportError(
                 f"remote region {rr.name!r} of peer {rr.peer.name!r} is {rr.kind} memory, "
                 f"which path {rr.peer.path!r} cannot reach",
@@ -2255,6 +2279,23 @@ class Agent:
 
     # ------------------------------------------------------------ completions
 
+    def fileno(self) -> int:
+        """The engine's completion eventfd (readable while completions wait).
+        The agent's event loop already watches it; an integration that drives
+        its own wait (a NIXL-style polling thread, a selector) may too, and
+        then calls ``poll()`` from the loop's thread."""
+        return self._fd
+
+    def flush(self) -> None:
+        """Posts every transfer submitted but not yet handed to the engine,
+        now, instead of at the end of this loop iteration. Loop thread only."""
+        self._post_pending()
+
+    def poll(self) -> None:
+        """Takes the completions the engine has now (the eventfd reader's
+        work): their transfers are done when this returns. Loop thread only."""
+        self._drain()
+
     def _drain(self) -> None:
         """Reader callback on the engine's eventfd; also called after a flush."""
         for _ in range(_POLL_ROUNDS):
@@ -2455,7 +2496,7 @@ def _coalesce(descs: _Descs) -> tuple[_Descs, npt.NDArray[np.intp] | None]:
     return merged, starts
 
 
-def _qp_tuple(qp: VerbsQP) -> tuple[int, int, int, int, int, int, bytes]:
+def _qp_tuple(qp: VerbsQP) -> tuple[int, int, int, int, int, int, bytes, int, int, int]:
     """A peer's queue pair parameters, range-checked (they are untrusted)."""
     if not (
         0 <= qp.qpn < 1 << 24
@@ -2465,9 +2506,15 @@ def _qp_tuple(qp: VerbsQP) -> tuple[int, int, int, int, int, int, bytes]:
         and 0 <= qp.port < 256
         and 0 <= qp.gid_index < 256
         and len(qp.gid) == 16
+        and 0 <= qp.link_layer < 256
+        and 0 <= qp.gid_type < 256
+        and 0 <= qp.max_dest_rd_atomic < 256
     ):
         raise ProtocolError(f"queue pair parameters out of range: {qp!r}")
-    return (qp.qpn, qp.psn, qp.mtu, qp.lid, qp.port, qp.gid_index, qp.gid)
+    return (
+        qp.qpn, qp.psn, qp.mtu, qp.lid, qp.port, qp.gid_index, qp.gid,
+        qp.link_layer, qp.gid_type, qp.max_dest_rd_atomic,
+    )
 
 
 def _verbs_keys(peer: Peer, m: RegionMeta) -> list[tuple[int, int]]:

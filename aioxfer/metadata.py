@@ -186,14 +186,22 @@ class VerbsQP(msgspec.Struct, frozen=True):
     port: U64
     gid_index: U64
     gid: Annotated[bytes, msgspec.Meta(max_length=16)]
+    # What the engine checks before connecting (0: not said, i.e. a peer from
+    # before these fields; the engine then assumes one like itself): a RoCE
+    # queue pair never pairs with an InfiniBand one, a RoCE v2 GID with a v1.
+    link_layer: U64 = 0
+    gid_type: U64 = 0
+    max_dest_rd_atomic: U64 = 0
 
 
 class VerbsConnect(msgspec.Struct, tag="verbs_connect", frozen=True):
     """Client to server on a "verbs" connection after Accept: the client's
-    queue pairs, one per rail (rail i joins the client's device i and the
-    server's device i)."""
+    queue pairs, one per rail: rail i joins the client's i-th paired device
+    and the server's device ``devices[i]`` (paired by link layer,
+    ``verbs.pair_rails``; empty: device i, as peers before this field)."""
 
     qps: Annotated[list[VerbsQP], msgspec.Meta(max_length=MAX_RAILS)]
+    devices: Annotated[list[U64], msgspec.Meta(max_length=MAX_RAILS)] = []
 
 
 class VerbsAccept(msgspec.Struct, tag="verbs_accept", frozen=True):

@@ -178,7 +178,8 @@ cdef axf_verbs_qp_info _qp_info_in(object info) except *:
 
 cdef tuple _qp_info_out(const axf_verbs_qp_info *q):
     return (q.qpn, q.psn, q.mtu, q.lid, q.port, q.gid_index,
-            PyBytes_FromStringAndSize(<const char *>q.gid, 16))
+            PyBytes_FromStringAndSize(<const char *>q.gid, 16),
+            q.link_layer, q.gid_type, q.max_dest_rd_atomic)
 
 
 # ------------------------------------------------------------------ pins

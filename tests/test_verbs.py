@@ -195,11 +195,13 @@ def test_qp_parameters_checked_both_ways(verbs_provider: str) -> None:
     try:
         assert a.verbs_enable(verbs_provider)[0] > 0 and b.verbs_enable(verbs_provider)[0] > 0
         ep = a.endpoint_create(_cyx.EP_VERBS, 1, 0)
-        mine = a.verbs_qp_create(ep, 0)
-        assert len(mine) == 7
-        handle, _ = b.verbs_accept_qp(0, mine)  # 7 fields: not said, accepted
+        full = a.verbs_qp_create(ep, 0)
+        assert len(full) == 10 and full[7:] == (2, 3, 16)  # softverbs: RoCE v2, READ depth 16
+        mine = full[:7]
+        handle, theirs = b.verbs_accept_qp(0, mine)  # 7 fields: not said, accepted
+        assert len(theirs) == 10
         b.verbs_qp_destroy(handle)
-        handle, _ = b.verbs_accept_qp(0, (*mine, 2, 3, 16))  # RoCE v2, as softverbs picks
+        handle, _ = b.verbs_accept_qp(0, full)  # what a peer of ours sends
         b.verbs_qp_destroy(handle)
         for bad in ((*mine, 1, 3, 16), (*mine, 2, 2, 16)):  # InfiniBand; RoCE v1
             with pytest.raises(_cyx.NativeError) as err:

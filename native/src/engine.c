@@ -585,8 +585,10 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
         }
         for (rregion *rr = ep->rregions; rr; rr = rr->next)
             if (rr->rid == a->rid && rr->key == a->key) {
-                shm_unmap(rr);
+                /* the CUDA host registration of the mapping first: it must
+                 * not outlive the pages it pins */
                 cuda_unmap(rr);
+                shm_unmap(rr);
             }
         sq_item *it = sq_new(FR_REVOKE_ACK, 0);
         if (it) {
@@ -647,8 +649,10 @@ int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
     if (!busy) {
         for (rregion *rr = ep->rregions; rr; rr = rr->next)
             if (rr->rid == rid && rr->key == key) {
-                shm_unmap(rr);
+                /* the CUDA host registration of the mapping first: it must
+                 * not outlive the pages it pins */
                 cuda_unmap(rr);
+                shm_unmap(rr);
             }
         sq_item *it = sq_new(FR_REVOKE_ACK, 0);
         if (!it) {
@@ -891,8 +895,10 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
 void shm_unmap_idle(endpoint *ep)
 {
     for (rregion *rr = ep->rregions; rr; rr = rr->next)
-        if (rr->map && (rr->gone || ep->dead) && atomic_load(&rr->users) == 0)
+        if (rr->map && (rr->gone || ep->dead) && atomic_load(&rr->users) == 0) {
+            cuda_unmap(rr); /* a CUDA host registration of the mapping first */
             shm_unmap(rr);
+        }
 }
 
 /* e->mu held: id named an endpoint that was closed and freed since. */
@@ -1786,8 +1792,10 @@ void ep_maybe_bye(axf_engine *e, endpoint *ep)
             return; /* a copy of it may still run */
     ep->bye_sent = true;
     /* No copy of ours runs, none will: nothing touches the peer's memory. */
-    for (rregion *rr = ep->rregions; rr; rr = rr->next)
+    for (rregion *rr = ep->rregions; rr; rr = rr->next) {
+        cuda_unmap(rr);
         shm_unmap(rr);
+    }
     for (int i = 0; i < ep->nconns; i++) {
         conn *c = ep->conns[i];
         if (atomic_load(&c->down))
@@ -1857,9 +1865,9 @@ static void ep_free(endpoint *ep)
 {
     for (rregion *rr = ep->rregions, *rn; rr; rr = rn) {
         rn = rr->next;
+        cuda_unmap(rr); /* its CUDA registration before the pages it pins */
         shm_unmap(rr);
         verbs_rr_free(rr);
-        cuda_unmap(rr);
         free(rr);
     }
     for (int i = 0; i < ep->nconns; i++)
