@@ -1795,6 +1795,17 @@ class Agent:
             except (_cyx.NativeError, ValueError) as exc:
                 _log.warning("region.cuda_import_failed", agent=self.name, peer=peer.name,
                              region=m.name, error=str(exc))
+        elif peer.path == "verbs" and m.verbs:
+            # GPUDirect RDMA: the owner registered it with its NICs (no rkeys:
+            # it could not, and transfers to it fail at the engine saying so).
+            try:
+                self._engine.endpoint_import(
+                    peer._ep, m.rid, m.key, m.nbytes, m.access, m.addr, -1
+                )
+                self._engine.endpoint_import_verbs(peer._ep, m.rid, _verbs_keys(peer, m))
+            except _cyx.NativeError as exc:
+                _log.warning("region.verbs_import_failed", agent=self.name, peer=peer.name,
+                             region=m.name, error=str(exc))
         stale = peer._regions.get(m.name)
         if stale is not None:
             stale._gone = True

@@ -389,6 +389,57 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
 
 @gpu
 @pytest.mark.gpu
+async def test_gpu_memory_over_verbs(make_agent: Any, verbs_provider: str) -> None:
+    """GPUDirect RDMA through the Agent: GPU regions registered by dmabuf
+    travel over verbs, both as the target (the peer's NIC writes and reads
+    device memory) and as the source, including writes small enough that a
+    host source would be posted inline (a device source never is: the CPU
+    cannot read it; softverbs faults such a post)."""
+    a = await make_agent("a", transports=("verbs",))
+    b = await make_agent("b", transports=("verbs",))
+    size = 1 << 20
+    buf_a, buf_b = cuda.DeviceBuffer(size), cuda.DeviceBuffer(size)
+    try:
+        a.register(buf_a, name="ga")
+        a.alloc(size, name="ha")
+        gb = b.register(buf_b, name="gb")
+        hb = b.register(pattern(size, 3), name="hb")
+        back = b.alloc(size, name="back")
+        peer = await within(b.connect(a.address))
+        assert peer.path == "verbs"
+        ga, ha = peer.region("ga"), peer.region("ha")
+        assert ga.kind == "cuda"
+        # host -> remote GPU, then remote GPU -> host
+        r = await within(b.write(hb[:], ga[:]))
+        assert r.path == "verbs" and r.nbytes == size
+        assert digest(buf_a.download()) == digest(hb.memoryview)
+        await within(b.read(back[:], ga[:]))
+        assert digest(back.memoryview) == digest(hb.memoryview)
+        # local GPU -> remote host: whole, and small pieces (never inline)
+        buf_b.upload(pattern(size, 7))
+        await within(b.write(gb[:], ha[:]))
+        await within(b.write([gb[i : i + 200] for i in range(0, 4000, 400)],
+                             [ha[i + 1 : i + 201] for i in range(0, 4000, 400)]))
+        await within(b.write(gb[0:64], ha[5000:5064]))
+        src = pattern(size, 7).tobytes()
+        expect = bytearray(src)
+        for i in range(0, 4000, 400):
+            expect[i + 1 : i + 201] = src[i : i + 200]
+        expect[5000:5064] = src[0:64]
+        assert digest(a.region("ha").memoryview) == digest(bytes(expect))
+        # local GPU -> remote GPU
+        await within(b.write(gb[:], ga[:]))
+        assert digest(buf_a.download()) == digest(pattern(size, 7))
+    finally:
+        await asyncio.sleep(0.1)
+        a._drain()
+        b._drain()
+        buf_a.close()
+        buf_b.close()
+
+
+@gpu
+@pytest.mark.gpu
 async def test_gpu_memory_never_offered_to_host_paths(make_agent: Any) -> None:
     a = await make_agent("a")
     b = await make_agent("b", transports=("tcp",))
