@@ -264,7 +264,18 @@ class MemberListener(Protocol):
 
 
 _encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.Decoder(AgentMeta).decode
+_json_decode = msgspec.json.Decoder(AgentMeta).decode
+
+
+def _decode(value: bytes) -> AgentMeta:
+    """An etcd value as AgentMeta. Anyone who can write the prefix writes
+    these: JSON nested deeply enough to exhaust msgspec's recursion is
+    malformed input like any other (DecodeError), never an exception that
+    ends the watch."""
+    try:
+        return _json_decode(value)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON nested too deeply") from None
 
 
 def encode_meta(meta: AgentMeta) -> bytes:

@@ -9,9 +9,8 @@ with, so every input that once found new coverage keeps running in CI:
   ASan/UBSan and LeakSanitizer), so no libFuzzer runtime is needed here.
 
 A harness's oracles (guard bytes, read-only and revoked memory untouched,
-only typed errors, no hang) fail the test. Findings that are reported and not
-fixed yet (fuzz/known_issues.py) are tolerated in the corpus replay and
-checked by a strict xfail: it starts failing the day they are fixed.
+only typed errors, no hang) fail the test. Findings, once fixed, join the corpus
+(fuzz/corpus/metadata/deep-nesting-json: discovery's etcd decoder).
 """
 
 from __future__ import annotations
@@ -67,35 +66,6 @@ def test_python_corpus_replays(harness: str) -> None:
     assert not failures, f"{len(failures)} of {len(inputs)} inputs failed:\n" + "\n".join(
         failures[:20]
     )
-
-
-def _findings(harness: str) -> list[Path]:
-    d = FINDINGS / harness
-    return sorted(p for p in d.iterdir() if p.is_file()) if d.is_dir() else []
-
-
-@pytest.mark.parametrize("harness", ["metadata"])
-def test_findings_recorded(harness: str) -> None:
-    """The known findings' inputs are here, and still reproduce as that known
-    issue or not at all (never as something new)."""
-    mod = _harness(f"fuzz_{harness}")
-    found = _findings(harness)
-    assert found, f"no findings recorded in {FINDINGS / harness}"
-    for p in found:
-        assert mod.check(p.read_bytes()) in (None, "deep-nesting"), p.name
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="JSON nested ~1000 deep raises RecursionError out of discovery's etcd value "
-    "decoder (decode_body is fixed); once fixed, drop the entry in fuzz/known_issues.py, "
-    "move fuzz/findings/metadata/* into fuzz/corpus/metadata/ and this marker",
-)
-@pytest.mark.parametrize("harness", ["metadata"])
-def test_known_findings_fixed(harness: str) -> None:
-    mod = _harness(f"fuzz_{harness}")
-    hits = {p.name: mod.check(p.read_bytes()) for p in _findings(harness)}
-    assert hits and all(h is None for h in hits.values()), f"known issues still hit: {hits}"
 
 
 def _compiler() -> str | None:
