@@ -155,28 +155,10 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    import atheris
-    from instrument import instrument_modules
+    from instrument import fuzz
 
     load()
-    n = instrument_modules(_m.protocol, _m.metadata, _m.discovery, _m.errors)
-    print(f"instrumented {n} functions", file=sys.stderr)
-    tolerate = known_issues.tolerate()
-    seen: set[str] = set()
-
-    def one(data: bytes) -> None:
-        known = check(data)
-        if known is None:
-            return
-        if not tolerate:
-            raise AssertionError(f"known issue {known}: {known_issues.KNOWN[known]}")
-        if known not in seen:  # said once, so the log shows the run went past it
-            seen.add(known)
-            print(f"known issue hit (tolerated): {known}: {known_issues.KNOWN[known]}",
-                  file=sys.stderr, flush=True)
-
-    atheris.Setup(sys.argv, one)
-    atheris.Fuzz()
+    fuzz(check, _m.protocol, _m.metadata, _m.discovery, _m.errors)
 
 
 if __name__ == "__main__":

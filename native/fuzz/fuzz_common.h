@@ -156,6 +156,20 @@ static inline void fz_wait(axf_engine *e, fz_on_completion on_completion,
     }
 }
 
+static inline bool fz_always(void *ctx)
+{
+    (void)ctx;
+    return true;
+}
+
+/* Shuts the engine down, takes (and drops) what it still reports, destroys it. */
+static inline void fz_engine_destroy(axf_engine *e)
+{
+    axf_engine_shutdown(e);
+    fz_wait(e, NULL, fz_always, NULL, "draining at shutdown");
+    axf_engine_destroy(e);
+}
+
 /* Writes data into fd (non-blocking) while reading and discarding whatever
  * the engine sends back, so neither side can block the other; then half-closes
  * and reads until the engine closes its end. Aborts at the deadline. */

@@ -51,23 +51,9 @@ static void engine_new(void)
         FZ_FAIL("axf_region_register failed");
 }
 
-static void drop_all(void *ctx, const axf_completion *c)
-{
-    (void)ctx;
-    (void)c;
-}
-
-static bool always(void *ctx)
-{
-    (void)ctx;
-    return true;
-}
-
 static void engine_free(void)
 {
-    axf_engine_shutdown(S.e);
-    fz_wait(S.e, drop_all, always, NULL, "draining at shutdown");
-    axf_engine_destroy(S.e);
+    fz_engine_destroy(S.e);
     S.e = NULL;
 }
 
