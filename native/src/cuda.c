@@ -1169,6 +1169,19 @@ static void pin_ahead(struct axf_cuda *c, region *r, bool stopping)
     region_unref(c->e, r);
 }
 
+/* Hands a job to the submit thread (FIFO: a pin queued before a copy runs first). */
+static void submit_enqueue(struct axf_cuda *c, cuda_job *j)
+{
+    pthread_mutex_lock(&c->mu);
+    if (c->sq_tail)
+        c->sq_tail->next = j;
+    else
+        c->sq_head = j;
+    c->sq_tail = j;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
 int axf_cuda_pin_region(axf_engine *e, uint64_t rid)
 {
     pthread_mutex_lock(&e->mu);
@@ -1186,14 +1199,7 @@ int axf_cuda_pin_region(axf_engine *e, uint64_t rid)
         return st;
     }
     j->pin = r;
-    pthread_mutex_lock(&c->mu);
-    if (c->sq_tail)
-        c->sq_tail->next = j;
-    else
-        c->sq_head = j;
-    c->sq_tail = j;
-    pthread_cond_signal(&c->cv);
-    pthread_mutex_unlock(&c->mu);
+    submit_enqueue(c, j);
     return AXF_OK;
 }
 
@@ -1349,14 +1355,7 @@ void cuda_submit(axf_engine *e, op *o)
         return;
     }
     j->o = o;
-    pthread_mutex_lock(&c->mu);
-    if (c->sq_tail)
-        c->sq_tail->next = j;
-    else
-        c->sq_head = j;
-    c->sq_tail = j;
-    pthread_cond_signal(&c->cv);
-    pthread_mutex_unlock(&c->mu);
+    submit_enqueue(c, j);
 }
 
 void cuda_stop(axf_engine *e)
