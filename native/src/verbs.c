@@ -1556,6 +1556,31 @@ static void drain_all_pending(verbs_state *vs)
     finish_list(e, dropped);
 }
 
+/* q->mu and vs->mu held: every chain of q, posted or still pending, goes to
+ * the front of *left for the caller to finish. Posted ones give back their
+ * send queue and completion queue room on d, when given (a device that still
+ * runs counts them; one being torn down does not matter). */
+static void qp_take_chains(vqp *q, vdev *d, vchain **left)
+{
+    while (q->posted_head) {
+        vchain *c = q->posted_head;
+        q->posted_head = c->next;
+        if (d) {
+            q->sq_used -= c->took;
+            d->cq_room += (uint32_t)c->took;
+        }
+        c->next = *left;
+        *left = c;
+    }
+    while (q->pend_head) {
+        vchain *c = q->pend_head;
+        q->pend_head = c->next;
+        c->next = *left;
+        *left = c;
+    }
+    q->posted_tail = q->pend_tail = NULL;
+}
+
 /* The device died (IBV_EVENT_DEVICE_FATAL): it will complete nothing ever
  * again, flushes included, and touches no memory any more. Every queue pair
  * on it is failed here, its chains finished without waiting, its endpoints
@@ -1586,21 +1611,7 @@ static void dev_fatal(verbs_state *vs, int devi)
         pthread_mutex_lock(&q->mu);
         pthread_mutex_lock(&vs->mu);
         q->err = true; /* no modify_qp: the device answers nothing */
-        while (q->posted_head) {
-            vchain *c = q->posted_head;
-            q->posted_head = c->next;
-            q->sq_used -= c->took;
-            d->cq_room += (uint32_t)c->took;
-            c->next = left;
-            left = c;
-        }
-        while (q->pend_head) {
-            vchain *c = q->pend_head;
-            q->pend_head = c->next;
-            c->next = left;
-            left = c;
-        }
-        q->posted_tail = q->pend_tail = NULL;
+        qp_take_chains(q, d, &left);
         pthread_mutex_unlock(&vs->mu);
         pthread_mutex_unlock(&q->mu);
     }
@@ -1929,19 +1940,7 @@ void verbs_stop(axf_engine *e)
             vs->t.destroy_qp(q->qp);
         q->qp = NULL;
         q->err = true;
-        while (q->posted_head) {
-            vchain *c = q->posted_head;
-            q->posted_head = c->next;
-            c->next = left;
-            left = c;
-        }
-        while (q->pend_head) {
-            vchain *c = q->pend_head;
-            q->pend_head = c->next;
-            c->next = left;
-            left = c;
-        }
-        q->posted_tail = q->pend_tail = NULL;
+        qp_take_chains(q, NULL, &left);
     }
     while (vs->fail) {
         vchain *c = vs->fail;
