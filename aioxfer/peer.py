@@ -184,11 +184,11 @@ class Peer:
                 acc[4] += reroutes
         out = []
         for i, address in enumerate(self._rails):
-            conns, live, nbytes, rate, reroutes = per.get(i, [0, 0, 0, 0, 0])
+            _conns, live_conns, nbytes, rate, reroutes = per.get(i, [0, 0, 0, 0, 0])
             out.append(RailStatistics(
                 address=address,
-                up=bool(live) and not self._lost,
-                connections=live,
+                up=bool(live_conns) and not self._lost,
+                connections=live_conns,
                 bytes=nbytes,
                 rate=rate * 1000.0,  # the engine measures bytes per millisecond
                 reroutes=reroutes,
