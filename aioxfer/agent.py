@@ -1113,7 +1113,7 @@ class Agent:
         transfers (PeerLost, or StalePeer once fenced) now."""
         if peer.lost:
             return
-        peer._lost_reason = reason
+        peer._dropped(reason)
         self._mark_lost(peer, _E_PEER_LOST)
         if not self._closed:
             try:

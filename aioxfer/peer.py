@@ -224,6 +224,10 @@ class Peer:
     # ------------------------------------------------------------ owner side
     # What the agent and its collaborators change on a Peer, by name.
 
+    def _dropped(self, reason: str) -> None:
+        """The agent drops this peer (discovery, restart): why, for its errors."""
+        self._lost_reason = reason
+
     def _mark_stale(self) -> None:
         """A newer incarnation of this peer is known: its handles are fenced."""
         self._stale = True
