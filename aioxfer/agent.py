@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import itertools
 import mmap
 import os
@@ -45,9 +46,7 @@ from aioxfer.discovery import (
     PeerJoined,
     PeerLeft,
     PeerUpdated,
-    diff_regions,
     encode_meta,
-    region_names,
 )
 from aioxfer.errors import (
     AccessDenied,
@@ -73,6 +72,7 @@ from aioxfer.local import (
     send_fds,
 )
 from aioxfer.log import get_logger
+from aioxfer.members import Members
 from aioxfer.metadata import (
     PROTOCOL_VERSION,
     Accept,
@@ -94,6 +94,7 @@ from aioxfer.protocol import (
     server_handshake,
     token_bytes,
 )
+from aioxfer.rails import Rails
 from aioxfer.region import (
     Region,
     RemoteRegion,
@@ -103,7 +104,7 @@ from aioxfer.region import (
     pair_descs,
 )
 from aioxfer.scheduling import PeerScheduler
-from aioxfer.stats import AgentStatistics
+from aioxfer.stats import AgentStatistics, TransferCounters, agent_statistics
 from aioxfer.transfer import Transfer, TransferResult
 
 if TYPE_CHECKING:  # optional extras, imported where used
@@ -1027,6 +1028,22 @@ class Agent:
         self._tag_names.pop(tag, None)
 
     # ------------------------------------------------------------ membership
+    # etcd's view, fencing and the membership() streams live in
+    # aioxfer.members.Members; the agent keeps what touches its own state
+    # (its metadata, the etcd session, dropping a peer).
+
+    @functools.cached_property
+    def _membership(self) -> Members:
+        """The membership collaborator, made on first use over the agent's tables."""
+        return Members(
+            self.name,
+            members=self._members,
+            subscribers=self._subscribers,
+            peers_by_name=self._peers_by_name,
+            refresh_peer=self._refresh_peer,
+            drop_peer=self._drop_peer,
+            closed=lambda: self._closed,
+        )
 
     def membership(self) -> Membership:
         """An async iterator of PeerJoined, PeerUpdated and PeerLeft events: a
@@ -1040,24 +1057,16 @@ class Agent:
         may iterate at once; each gets every event."""
         self._check_open()
         if self._discovery is not None:
-            initial = [
-                PeerJoined(m.name, m.incarnation, m.address, region_names(m))
-                for m in self._members.values()
-            ]
+            initial = self._membership.snapshot()
         else:
             initial = [
-                PeerJoined(p.name, p.incarnation, p.address, tuple(sorted(p._regions)))
+                PeerJoined(p.name, p.incarnation, p.address, tuple(sorted(p.regions)))
                 for p in self._peers_by_ep.values()
             ]
-        sub = Membership(initial, self._subscribers.discard)
-        self._subscribers.add(sub)
-        return sub
+        return self._membership.subscribe(initial)
 
     def _emit(self, event: MembershipEvent) -> None:
-        for sub in list(self._subscribers):
-            sub._put(event)
-        _log.debug("membership." + type(event).__name__, agent=self.name, peer=event.name,
-                   incarnation=f"{event.incarnation:#x}", address=event.address)
+        self._membership.emit(event)
 
     def _published_meta(self) -> bytes:
         """Our metadata as published in etcd: no access keys, no memory
@@ -1076,7 +1085,7 @@ class Agent:
 
     async def _start_discovery(self) -> None:
         assert self._discovery is not None
-        session = EtcdSession(self._discovery, self.name, self.incarnation, self)
+        session = EtcdSession(self._discovery, self.name, self.incarnation, self._membership)
         try:
             members = await session.open(self._published_meta())
             self._check_open()
@@ -1091,82 +1100,20 @@ class Agent:
                 raise error from exc
             raise
         self._session = session
-        await self._members_reset(members)
+        await self._membership.reset(members)
         session.start()
         self._meta_changed()  # regions registered while we were joining
 
-    async def _members_reset(self, members: dict[str, AgentMeta]) -> None:
-        """etcd's full list (at join, and after a watch had to restart): what
-        we knew is brought in line with it."""
-        for name in [n for n in self._members if n not in members]:
-            await self._member_deleted(name)
-        for meta in members.values():
-            await self._member_put(meta)
-
-    async def _member_put(self, meta: AgentMeta) -> None:
-        if self._closed:
-            return
-        old = self._members.get(meta.name)
-        self._members[meta.name] = meta
-        if old is not None and old.incarnation == meta.incarnation:
-            added, removed = diff_regions(old, meta)
-            moved = old.address != meta.address
-            if not (added or removed or moved):
-                return
-            # Connected peers learn the new regions from the peer itself (keys
-            # never come from etcd) before anyone hears of them.
-            for peer in self._live_peers(meta.name, meta.incarnation):
-                try:
-                    await self._refresh_peer(peer)
-                except XferError as exc:
-                    _log.info("peer.refresh_failed", agent=self.name, peer=peer.name,
-                              reason=str(exc))
-            self._emit(
-                PeerUpdated(meta.name, meta.incarnation, meta.address, added, removed,
-                            old.address if moved else None)
-            )
-            return
-        # A new member, or a new incarnation of one: whatever we hold of any
-        # other incarnation of that name is fenced.
-        self._fence(meta.name, meta.incarnation, None)
-        if old is not None:
-            self._emit(PeerLeft(old.name, old.incarnation, old.address, "restarted"))
-        self._emit(PeerJoined(meta.name, meta.incarnation, meta.address, region_names(meta)))
-
-    async def _member_deleted(self, name: str) -> None:
-        old = self._members.pop(name, None)
-        if old is None or self._closed:
-            return
-        for peer in self._live_peers(name, old.incarnation):
-            self._drop_peer(peer, "its etcd key was deleted (it left, or its lease expired)")
-        self._emit(PeerLeft(old.name, old.incarnation, old.address, "left"))
-
-    def _live_peers(self, name: str, incarnation: int) -> list[Peer]:
-        return [
-            p
-            for p in self._peers_by_name.get(name, ())
-            if not p._lost and p.incarnation == incarnation
-        ]
-
     def _fence(self, name: str, incarnation: int, address: str | None) -> None:
-        """Peer ``name`` is now ``incarnation``: every Peer we made for another
-        incarnation of it (at ``address`` only, when given) becomes stale, so
-        transfers from its handles fail with StalePeer, and never reach the new
-        process."""
-        for p in list(self._peers_by_name.get(name, ())):
-            if p.incarnation == incarnation or p._closed:
-                continue
-            if address is not None and p.address != address:
-                continue
-            p._stale = True
-            self._drop_peer(p, "it restarted")
+        """Peers of ``name`` made for another incarnation become stale (Members.fence)."""
+        self._membership.fence(name, incarnation, address)
 
     def _drop_peer(self, peer: Peer, reason: str) -> None:
         """Marks peer lost and closes its endpoint, which fails its pending
         transfers (PeerLost, or StalePeer once fenced) now."""
-        if peer._lost:
+        if peer.lost:
             return
-        peer._lost_reason = reason
+        peer._dropped(reason)
         self._mark_lost(peer, _E_PEER_LOST)
         if not self._closed:
             try:
@@ -1435,100 +1382,44 @@ class Agent:
         return peer
 
     # ------------------------------------------------------------ rails
+    # Keeping a tcp peer's rails up (noticing a rail down, re-dialling it)
+    # lives in aioxfer.rails.Rails; these delegate to it.
+
+    @functools.cached_property
+    def _rails(self) -> Rails:
+        """The rails collaborator, made on first use."""
+        return Rails(
+            self.name,
+            endpoint_rails=self._engine.endpoint_rails,
+            add_conn=self._engine.endpoint_add_conn,
+            open_conn=self._open,
+            probe_delay=self._rail_probe,
+            probe_max=self.limits.rail_probe_max,
+            tasks=self._probes,
+            closed=lambda: self._closed,
+            timeout_status=_cyx.E_TIMEOUT,
+        )
+
+    def _endpoint_rails(self, peer: Peer) -> list[tuple[int, bool, int, int, int]]:
+        """PeerOwner: the engine's per-connection records of peer's endpoint."""
+        if self._closed:
+            return []
+        return self._engine.endpoint_rails(peer._ep)
 
     def _rail_live(self, peer: Peer) -> dict[int, int]:
-        """Live connections per rail index, as the engine sees them."""
-        live: dict[int, int] = {}
-        for rail, up, *_ in self._engine.endpoint_rails(peer._ep):
-            if up:
-                live[rail] = live.get(rail, 0) + 1
-        return live
+        return self._rails.live(peer)
 
     def _on_rail_down(self, peer: Peer, rail: int, moved: int, status: int) -> None:
-        peer._reroutes += moved
-        if not 0 <= rail < len(peer._rails):
-            return
-        address = peer._rails[rail]
-        reason = "stalled" if status == _cyx.E_TIMEOUT else "broken or silent"
-        if moved:
-            _log.warning("rail.rerouted", agent=self.name, peer=peer.name, address=address,
-                         reason=reason, moved=moved)
-        if peer._lost or rail in peer._rails_down:
-            return
-        if self._rail_live(peer).get(rail, 0) == 0:
-            peer._rails_down.add(rail)
-            _log.warning("rail.down", agent=self.name, peer=peer.name, address=address,
-                         reason=reason, moved=moved)
-        # Also a rail that kept some connections is topped up again.
-        self._start_probe(peer, rail)
+        self._rails.on_down(peer, rail, moved, status)
 
     def _start_probe(self, peer: Peer, rail: int) -> None:
-        if self._closed or self._loop is None or rail in peer._probing:
-            return
-        peer._probing.add(rail)
-        task = self._loop.create_task(self._probe_rail(peer, rail),
-                                      name=f"aioxfer-probe-{peer.name}-{rail}")
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        if self._loop is not None:
+            self._rails.start_probe(peer, rail)
 
     async def _dial_rail(
         self, ep: int, rail: int, address: str, n: int, incarnation: int
     ) -> int:
-        """Opens n data connections to address at once and hands those the
-        peer's incarnation answered (not another process behind that address)
-        to endpoint ep as rail; closes the rest. Returns how many it added:
-        network failures only make it fewer; the engine refusing raises."""
-        results = await asyncio.gather(
-            *(self._open(address) for _ in range(n)), return_exceptions=True
-        )
-        socks = [r[0] for r in results if isinstance(r, tuple)]
-        added = 0
-        try:
-            for r in results:
-                if isinstance(r, BaseException):
-                    if not isinstance(r, XferError | OSError):
-                        raise r
-                    continue
-                sock, accept = r
-                if self._closed or accept.incarnation != incarnation:
-                    continue
-                # The handshake read exactly its frames: what follows is the engine's.
-                self._engine.endpoint_add_conn(ep, sock.detach(), rail)
-                added += 1
-        finally:
-            for sock in socks:
-                if sock.fileno() >= 0:
-                    sock.close()
-        return added
-
-    async def _probe_rail(self, peer: Peer, rail: int) -> None:
-        """Re-dials a failed rail until the peer's engine takes connections on
-        it again (or the peer is gone): after rail_probe seconds, then twice as
-        long after each attempt that added nothing, up to limits.rail_probe_max
-        (an address that never answers is not hammered)."""
-        address = peer._rails[rail]
-        delay = self._rail_probe
-        try:
-            while not (peer._lost or self._closed):
-                await asyncio.sleep(delay)
-                if peer._lost or self._closed:
-                    return
-                need = peer._rail_conns - self._rail_live(peer).get(rail, 0)
-                if need <= 0:
-                    break
-                try:
-                    added = await self._dial_rail(peer._ep, rail, address, need,
-                                                  peer.incarnation)
-                except _cyx.NativeError:
-                    return  # the endpoint is gone: the peer is lost
-                if added and self._rail_live(peer).get(rail, 0) >= peer._rail_conns:
-                    break
-                delay = self._rail_probe if added else min(2 * delay, self.limits.rail_probe_max)
-            if rail in peer._rails_down and not (peer._lost or self._closed):
-                peer._rails_down.discard(rail)
-                _log.info("rail.up", agent=self.name, peer=peer.name, address=address)
-        finally:
-            peer._probing.discard(rail)
+        return await self._rails.dial(ep, rail, address, n, incarnation)
 
     def _choose_path(self, meta: AgentMeta, *, same_host: bool) -> str | None:
         """same_host: the kernel vouched for the peer (_open_local)."""
@@ -2456,26 +2347,14 @@ class Agent:
     # ------------------------------------------------------------ statistics
 
     def statistics(self) -> AgentStatistics:
-        if self._closed:
-            native = self._final_native or {}
-        else:
-            native = self._engine.stats()
-        return AgentStatistics(
-            name=self.name,
-            address=self.address,
+        native = (self._final_native or {}) if self._closed else self._engine.stats()
+        return agent_statistics(
+            self.name,
+            self.address,
             regions=len(self._regions),
             peers=len(self._peers_by_ep),
-            transfers_posted=self._posted,
-            transfers_completed=self._completed,
-            transfers_failed=self._failed,
-            bytes=self._bytes,
-            in_flight=self._posted - self._completed - self._failed,
-            native_ops=native.get("ops", 0),
-            native_regions=native.get("regions", 0),
-            native_endpoints=native.get("endpoints", 0),
-            native_conns=native.get("conns", 0),
-            native_bytes=native.get("bytes", 0),
-            frames_rejected=native.get("frames_rejected", 0),
+            counters=TransferCounters(self._posted, self._completed, self._failed, self._bytes),
+            native=native,
             pinned_regions=self._engine.pinned_regions(),
         )
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from aioxfer import _cyx
 
@@ -174,7 +174,7 @@ class GpuMemory:
     """What ``inspect`` found: memory at ``ptr`` of ``nbytes``, ``kind`` "cuda"
     (a device pointer) or "host" (a host pointer from DLPack)."""
 
-    kind: str
+    kind: Literal["cuda", "host"]
     ptr: int
     nbytes: int
     readonly: bool
@@ -266,7 +266,7 @@ _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-def _from_dlpack(obj: Any, kind: str) -> GpuMemory:
+def _from_dlpack(obj: Any, kind: Literal["cuda", "host"]) -> GpuMemory:
     # The capsule is read and dropped unconsumed (its destructor calls the
     # producer's deleter); the registered object itself keeps the memory alive.
     capsule = obj.__dlpack__()

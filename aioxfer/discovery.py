@@ -254,13 +254,16 @@ class Etcd:
 
 
 class MemberListener(Protocol):
-    """What a session reports to (the agent)."""
+    """What a session reports to (the agent's aioxfer.members.Members)."""
 
-    async def _members_reset(self, members: dict[str, AgentMeta]) -> None: ...
+    async def reset(self, members: dict[str, AgentMeta]) -> None:
+        """etcd's full list of members (all but us)."""
 
-    async def _member_put(self, meta: AgentMeta) -> None: ...
+    async def put(self, meta: AgentMeta) -> None:
+        """A member joined, or its metadata changed."""
 
-    async def _member_deleted(self, name: str) -> None: ...
+    async def deleted(self, name: str) -> None:
+        """A member's key was deleted (it left, or its lease expired)."""
 
 
 _encode = msgspec.json.Encoder().encode
@@ -592,7 +595,7 @@ class EtcdSession:
             try:
                 async with asyncio.timeout(self.config.timeout):
                     members, self._revision = await self._list(self._client)
-                await self._listener._members_reset(members)
+                await self._listener.reset(members)
                 backoff = 0.1
                 self._recovered("discovery.watch_failed")
             except asyncio.CancelledError:
@@ -641,7 +644,7 @@ class EtcdSession:
                 if meta.incarnation != self.incarnation and self._state == "joined":
                     self._superseded(meta)
                 return
-            await self._listener._member_put(meta)
+            await self._listener.put(meta)
         else:
             if name == self.name:
                 try:
@@ -651,7 +654,7 @@ class EtcdSession:
                 except (Exception, TimeoutError) as exc:
                     self._warn("discovery.keepalive_failed", _why(exc))
                 return
-            await self._listener._member_deleted(name)
+            await self._listener.deleted(name)
 
 
 def _txn_kv(responses: list[Any]) -> Any:

@@ -2,18 +2,44 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aioxfer.region import RemoteRegion
 from aioxfer.stats import PeerStatistics, RailStatistics
 
 if TYPE_CHECKING:
-    from aioxfer.agent import Agent
     from aioxfer.errors import XferError
     from aioxfer.scheduling import PeerScheduler
     from aioxfer.transfer import Transfer
 
 __all__ = ["Peer"]
+
+
+class PeerOwner(Protocol):
+    """All a Peer asks of the agent that made it (aioxfer.Agent implements it).
+
+    A Peer never reads the agent's state (engine, tables, counters): what it
+    needs goes through these calls, each about one peer.
+    """
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def _refresh_peer(self, peer: Peer) -> None:
+        """Re-fetches the peer's metadata and imports/forgets its regions."""
+
+    async def _notify_peer(self, peer: Peer, payload: bytes | bytearray | memoryview) -> None:
+        """Sends the peer one notification."""
+
+    def _close_peer(self, peer: Peer) -> None:
+        """Closes the agent's connections to the peer."""
+
+    def _peer_error(self, peer: Peer) -> XferError:
+        """The error a transfer to this (lost) peer fails with."""
+
+    def _endpoint_rails(self, peer: Peer) -> list[tuple[int, bool, int, int, int]]:
+        """(rail, live, bytes, rate in bytes/ms, reroutes) per connection the
+        peer's endpoint ever had ([] once the agent or the peer is closed)."""
 
 
 class Peer:
@@ -69,7 +95,7 @@ class Peer:
 
     def __init__(
         self,
-        agent: Agent,
+        agent: PeerOwner,
         *,
         name: str,
         address: str,
@@ -174,8 +200,8 @@ class Peer:
 
     def _rail_statistics(self) -> tuple[RailStatistics, ...]:
         per: dict[int, list[int]] = {}  # rail -> [connections, live, bytes, rate, reroutes]
-        if not self._lost and not self._agent.closed:
-            for rail, live, nbytes, rate, reroutes in self._agent._engine.endpoint_rails(self._ep):
+        if not self._lost:
+            for rail, live, nbytes, rate, reroutes in self._agent._endpoint_rails(self):
                 acc = per.setdefault(rail, [0, 0, 0, 0, 0])
                 acc[0] += 1
                 acc[1] += int(live)
@@ -184,16 +210,54 @@ class Peer:
                 acc[4] += reroutes
         out = []
         for i, address in enumerate(self._rails):
-            conns, live, nbytes, rate, reroutes = per.get(i, [0, 0, 0, 0, 0])
+            _conns, live_conns, nbytes, rate, reroutes = per.get(i, [0, 0, 0, 0, 0])
             out.append(RailStatistics(
                 address=address,
-                up=bool(live) and not self._lost,
-                connections=live,
+                up=bool(live_conns) and not self._lost,
+                connections=live_conns,
                 bytes=nbytes,
                 rate=rate * 1000.0,  # the engine measures bytes per millisecond
                 reroutes=reroutes,
             ))
         return tuple(out)
+
+    # ------------------------------------------------------------ owner side
+    # What the agent and its collaborators change on a Peer, by name.
+
+    def _dropped(self, reason: str) -> None:
+        """The agent drops this peer (discovery, restart): why, for its errors."""
+        self._lost_reason = reason
+
+    def _mark_stale(self) -> None:
+        """A newer incarnation of this peer is known: its handles are fenced."""
+        self._stale = True
+
+    def _rerouted(self, moved: int) -> None:
+        """The engine moved ``moved`` request groups off a failed connection."""
+        self._reroutes += moved
+
+    def _rail_is_down(self, rail: int) -> bool:
+        return rail in self._rails_down
+
+    def _rail_down(self, rail: int) -> None:
+        self._rails_down.add(rail)
+
+    def _rail_up(self, rail: int) -> bool:
+        """Marks ``rail`` up again; True if it was down."""
+        if rail not in self._rails_down:
+            return False
+        self._rails_down.discard(rail)
+        return True
+
+    def _probe_begin(self, rail: int) -> bool:
+        """True if nobody re-dials ``rail`` yet (the caller does from now on)."""
+        if rail in self._probing:
+            return False
+        self._probing.add(rail)
+        return True
+
+    def _probe_end(self, rail: int) -> None:
+        self._probing.discard(rail)
 
     def _lost_error(self) -> XferError:
         return self._agent._peer_error(self)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from aioxfer.peer import Peer
 
 __all__ = ["Region", "RemoteRegion", "RemoteSegment", "Segment", "SegmentList"]
+
+# What memory a local region is: host memory (any buffer), a file's bytes
+# (Agent.register_file), or GPU memory (reachable only over the "cuda" path).
+RegionKind = Literal["host", "file", "cuda"]
 
 U64 = npt.NDArray[np.uint64]
 
@@ -89,7 +93,7 @@ class Region:
         memfd: int = -1,
         memfd_ino: int = 0,
         mm: mmap.mmap | None = None,
-        kind: str = "host",
+        kind: RegionKind = "host",
     ) -> None:
         self._agent = agent
         self.name = name
@@ -104,7 +108,7 @@ class Region:
         self._released: Awaitable[None] | None = None  # deregister()'s answer
         self._mmap = mm
         self._closed = False
-        self.kind = kind  # "host", "file" (Agent.register_file; obj: the path) or "cuda"
+        self.kind: RegionKind = kind  # "file": Agent.register_file (obj: the path)
         self.direct = False  # a file region opened with O_DIRECT
         self._cuda: CudaExport | None = None  # cuda: what same-host peers map it by
 

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["AgentStatistics", "PeerStatistics", "RailStatistics"]
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    """The live transfer counters of an agent (or a peer), typed: what the
+    completion path updates and statistics() snapshots. Not public."""
+
+    posted: int = 0
+    completed: int = 0
+    failed: int = 0
+    bytes: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.posted - self.completed - self.failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +94,35 @@ class AgentStatistics:
     native_bytes: int
     frames_rejected: int
     pinned_regions: int
+
+
+def agent_statistics(
+    name: str,
+    address: str,
+    *,
+    regions: int,
+    peers: int,
+    counters: TransferCounters,
+    native: Mapping[str, int],
+    pinned_regions: int,
+) -> AgentStatistics:
+    """An AgentStatistics snapshot from the agent's counters and the engine's
+    (``native``: Engine.stats(), or the last one taken before the engine closed)."""
+    return AgentStatistics(
+        name=name,
+        address=address,
+        regions=regions,
+        peers=peers,
+        transfers_posted=counters.posted,
+        transfers_completed=counters.completed,
+        transfers_failed=counters.failed,
+        bytes=counters.bytes,
+        in_flight=counters.in_flight,
+        native_ops=native.get("ops", 0),
+        native_regions=native.get("regions", 0),
+        native_endpoints=native.get("endpoints", 0),
+        native_conns=native.get("conns", 0),
+        native_bytes=native.get("bytes", 0),
+        frames_rejected=native.get("frames_rejected", 0),
+        pinned_regions=pinned_regions,
+    )

@@ -41,45 +41,10 @@ _abandoned = []
 # ------------------------------------------------------------------ constants
 # Same names as the C header, without the AXF_ prefix.
 
-OK = AXF_OK
-E_INVALID = AXF_E_INVALID
-E_NOMEM = AXF_E_NOMEM
-E_ACCESS = AXF_E_ACCESS
-E_PEER_LOST = AXF_E_PEER_LOST
-E_TIMEOUT = AXF_E_TIMEOUT
-E_TRANSPORT = AXF_E_TRANSPORT
-E_REGISTRATION = AXF_E_REGISTRATION
-E_PROTOCOL = AXF_E_PROTOCOL
-E_CLOSED = AXF_E_CLOSED
-E_CANCELLED = AXF_E_CANCELLED
-E_NOTFOUND = AXF_E_NOTFOUND
-E_LIMIT = AXF_E_LIMIT
+# Status codes, constants and limits, generated from native/include/aioxfer.h
+# by tools/gen_abi.py (the same values as aioxfer/_abi.py).
+include "_abi.pxi"
 
-ACCESS_READ = AXF_ACCESS_READ
-ACCESS_WRITE = AXF_ACCESS_WRITE
-EP_TCP = AXF_EP_TCP
-EP_SHM = AXF_EP_SHM
-EP_FILE = AXF_EP_FILE
-EP_CUDA = AXF_EP_CUDA
-MEM_HOST = AXF_MEM_HOST
-MEM_CUDA = AXF_MEM_CUDA
-MEM_FILE = AXF_MEM_FILE
-EP_VERBS = AXF_EP_VERBS
-VERBS_MAX_DEVICES = AXF_VERBS_MAX_DEVICES
-CUDA_IPC_HANDLE = AXF_CUDA_IPC_HANDLE
-OP_WRITE = AXF_OP_WRITE
-OP_READ = AXF_OP_READ
-OP_NOTIFY = AXF_OP_NOTIFY
-
-CQ_XFER = AXF_CQ_XFER
-CQ_NOTIFY = AXF_CQ_NOTIFY
-CQ_PEER_LOST = AXF_CQ_PEER_LOST
-CQ_REGION_FREED = AXF_CQ_REGION_FREED
-CQ_LOG = AXF_CQ_LOG
-CQ_CONN_CLOSED = AXF_CQ_CONN_CLOSED
-CQ_RAIL_DOWN = AXF_CQ_RAIL_DOWN
-
-MAX_NOTIFY = AXF_MAX_NOTIFY
 DESC_FIELDS = 6  # columns of a descriptor array: lrid, loff, rrid, rkey, roff, len
 
 # post() hands (n, 6) uint64 rows to the engine as axf_desc records.

@@ -12,6 +12,11 @@
 - ``RemoteAgent`` runs an agent in a separate process (multiprocessing spawn)
   and drives it through a pipe.
 - Every wait is bounded: ``within()`` and ``wait_until()``.
+- Event loops: every async test of the suites in ``BOTH_LOOPS`` runs on the
+  stdlib asyncio loop *and* on uvloop (test ids ``[asyncio]`` / ``[uvloop]``,
+  through pytest-asyncio's ``pytest_asyncio_loop_factories`` hook); the other
+  suites on asyncio. ``AIOXFER_TEST_LOOPS=all`` runs every suite on both,
+  ``AIOXFER_TEST_LOOPS=asyncio`` (or ``uvloop``) every suite on that one only.
 """
 
 from __future__ import annotations
@@ -33,6 +38,57 @@ import numpy as np
 import pytest
 
 T = TypeVar("T")
+
+# --------------------------------------------------------------- event loops
+
+try:
+    import uvloop
+except ImportError:  # not a hard test dependency: the suite then runs on asyncio only
+    uvloop = None
+
+# The suites that exercise the agent's whole surface run on both loops by
+# default; the rest (long soaks, benches, CLI, subprocess-driven suites whose
+# child processes pick their own loop) only on asyncio, so that CI time stays
+# near the single-loop suite's.
+BOTH_LOOPS = frozenset({
+    "test_conformance.py", "test_api.py", "test_hardening.py", "test_backends.py",
+    "test_discovery.py", "test_liveness.py", "test_rails.py", "test_scheduling.py",
+})
+LOOP_FACTORIES: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+}
+if uvloop is not None:
+    LOOP_FACTORIES["uvloop"] = uvloop.new_event_loop
+
+
+def _loops_for(path_name: str) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    choice = os.environ.get("AIOXFER_TEST_LOOPS", "default")
+    if choice == "all" or (choice == "default" and path_name in BOTH_LOOPS):
+        return dict(LOOP_FACTORIES)
+    if choice == "uvloop":
+        if uvloop is None:
+            raise pytest.UsageError("AIOXFER_TEST_LOOPS=uvloop, but uvloop is not installed")
+        return {"uvloop": uvloop.new_event_loop}
+    if choice not in ("default", "asyncio", "all"):
+        raise pytest.UsageError(
+            f"AIOXFER_TEST_LOOPS={choice!r}: expected default, all, asyncio or uvloop"
+        )
+    return {"asyncio": asyncio.new_event_loop}
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    return _loops_for(item.path.name)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    both = "every suite" if os.environ.get("AIOXFER_TEST_LOOPS") == "all" else (
+        ", ".join(sorted(BOTH_LOOPS)))
+    if uvloop is None:
+        return "event loops: asyncio only (uvloop is not installed)"
+    return f"event loops: asyncio and uvloop {uvloop.__version__} for {both}"
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOFTVERBS_SRC = os.path.join(REPO, "native", "tests", "softverbs", "softverbs.c")

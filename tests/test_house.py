@@ -1,0 +1,76 @@
+"""The house's seams (issue 10, item 8): Peer reaches its agent only through the
+PeerOwner Protocol, and the agent's collaborators (membership, rails) know
+nothing of the Agent class: they get narrow constructor arguments."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from types import ModuleType
+
+import aioxfer
+from aioxfer import members, peer, rails, stats
+from aioxfer.peer import PeerOwner
+
+
+def _tree(module: ModuleType) -> ast.Module:
+    return ast.parse(inspect.getsource(module))
+
+
+def _protocol_members(proto: type) -> set[str]:
+    return {
+        name for name in vars(proto)
+        if not (name.startswith("__") and name.endswith("__")) and name != "_is_protocol"
+        and not name.startswith("_abc_")
+    }
+
+
+def test_peer_reaches_its_agent_only_through_peer_owner() -> None:
+    allowed = _protocol_members(PeerOwner)
+    assert {"closed", "_refresh_peer", "_notify_peer", "_close_peer", "_peer_error",
+            "_endpoint_rails"} == allowed
+    used: set[str] = set()
+    for node in ast.walk(_tree(peer)):
+        # self._agent.<name>
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "_agent"
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
+            used.add(node.attr)
+    assert used, "peer.py no longer calls its owner at all?"
+    assert used <= allowed, f"Peer uses its agent beyond PeerOwner: {sorted(used - allowed)}"
+
+
+def test_agent_implements_peer_owner() -> None:
+    for name in _protocol_members(PeerOwner):
+        assert hasattr(aioxfer.Agent, name), name
+        assert inspect.iscoroutinefunction(getattr(aioxfer.Agent, name)) == (
+            inspect.iscoroutinefunction(getattr(PeerOwner, name))
+        ), name
+
+
+def test_collaborators_do_not_know_the_agent() -> None:
+    for module in (members, rails, stats, peer):
+        for node in ast.walk(_tree(module)):
+            if isinstance(node, ast.ImportFrom):
+                assert node.module != "aioxfer.agent", f"{module.__name__} imports aioxfer.agent"
+                names = {a.name for a in node.names}
+                assert "Agent" not in names, f"{module.__name__} imports Agent"
+            if isinstance(node, ast.Import):
+                assert all(a.name != "aioxfer.agent" for a in node.names), module.__name__
+
+
+def test_collaborator_constructors_are_narrow() -> None:
+    # Keyword arguments naming what each needs, never a whole agent.
+    for cls in (members.Members, rails.Rails):
+        params = inspect.signature(cls).parameters
+        assert "agent" in params and params["agent"].annotation in ("str", str), cls
+        assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "agent")
+
+
+def test_transfer_counters() -> None:
+    c = stats.TransferCounters(posted=5, completed=3, failed=1, bytes=100)
+    assert c.in_flight == 1
+    s = stats.agent_statistics("a", "h:1", regions=2, peers=1, counters=c,
+                               native={"ops": 4, "frames_rejected": 2}, pinned_regions=3)
+    assert (s.transfers_posted, s.in_flight, s.native_ops, s.frames_rejected,
+            s.native_conns, s.pinned_regions) == (5, 1, 4, 2, 0, 3)
