@@ -36,6 +36,7 @@ import numpy.typing as npt
 from aioxfer import _cyx, file_transport
 from aioxfer import cuda as _cuda
 from aioxfer import verbs as _verbs
+from aioxfer._abi import MAX_CONNS  # connections one endpoint may have
 from aioxfer.auth import default_token
 from aioxfer.backends import registry as _backends
 from aioxfer.discovery import (
@@ -117,7 +118,6 @@ __all__ = ["Agent"]
 _log = get_logger("aioxfer")
 
 TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
-MAX_CONNS = 16  # AXF_MAX_CONNS: connections one endpoint may have
 _POLL_MAX = 4096
 _POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
 # A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
