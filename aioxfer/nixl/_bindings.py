@@ -44,6 +44,7 @@ from aioxfer import (
     PeerLost,
     RegistrationError,
     SegmentList,
+    Transfer,
     XferError,
 )
 from aioxfer.nixl import _wire
@@ -706,7 +707,14 @@ _RELEASE_TIMEOUT = 60.0
 # A poller asking again within this many seconds is in a tight loop: it yields
 # to the loop thread (see Runtime.yield_to_loop).
 _TIGHT_POLL = 0.0002
+# How long such a poller sleeps at most: until the engine signals a
+# completion (any of the agent's), or this long; for requests finished by a
+# task on the loop thread (the engine's fd does not say), _TIGHT_WAIT.
 _TIGHT_WAIT = 0.001
+_ENGINE_WAIT = 0.005
+# How long the loop thread leaves the engine's fd to a poller that stopped
+# asking: completions meanwhile wait for that poller's next call (or this long).
+_LINGER = 0.005
 
 
 def _flusher(agent: Any) -> Any:
@@ -1764,7 +1772,8 @@ class nixlAgent:
             # completion (at most _TIGHT_WAIT), then take it here. Spinning
             # instead would hold the interpreter the loop thread needs, and
             # take a core the engine's copy threads need.
-            self._wait_completion(_TIGHT_WAIT, fut.done)
+            self._wait_completion(_ENGINE_WAIT if type(fut) is Transfer else _TIGHT_WAIT,
+                                  fut.done)
             now = time.perf_counter()
         x.last_poll = now
         if fut.done():
@@ -1776,11 +1785,15 @@ class nixlAgent:
         not at all if ``ready()``), then takes it here. Meanwhile the loop
         thread does not watch the engine's fd (Runtime.claim), so a completion
         wakes this thread only: one wake-up, as for a coroutine awaiting it on
-        the loop, rather than the loop thread's and then this one's."""
+        the loop, rather than the loop thread's and then this one's. The claim
+        lingers for _LINGER after the wait: a caller polling in a loop keeps
+        the fd from one request to the next, and the completions of requests
+        it posts meanwhile wake no thread at all (it takes them when it next
+        asks)."""
         rt = self._rt
         agent = self._agent
         if agent is None or not rt.lock.acquire(blocking=False):
-            rt.yield_to_loop(timeout, ready=ready)
+            rt.yield_to_loop(min(timeout, _TIGHT_WAIT), ready=ready)
             return
         fd = self._fd
         try:
@@ -1797,10 +1810,10 @@ class nixlAgent:
             rt.lock.acquire()
             try:
                 if self._agent is agent and not agent.closed:
-                    self._poll_fn()  # before the loop thread watches the fd again
+                    self._poll_fn()  # before the loop thread may watch the fd again
             finally:
                 if claimed:
-                    rt.unclaim(fd)
+                    rt.release(fd, _LINGER)
                 rt.leave()
 
     def getXferTelemetry(self, reqh: int) -> nixlXferTelemetry:
@@ -1858,7 +1871,7 @@ class nixlAgent:
         if not len(queue):
             now = time.perf_counter()
             if now - self._last_empty_notif < _TIGHT_POLL:
-                self._wait_completion(_TIGHT_WAIT, queue.__len__)
+                self._wait_completion(_ENGINE_WAIT, queue.__len__)
             self._last_empty_notif = time.perf_counter()
             if not len(queue):
                 return notif_map
