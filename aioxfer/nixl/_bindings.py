@@ -714,7 +714,7 @@ _TIGHT_WAIT = 0.001
 _ENGINE_WAIT = 0.005
 # How long the loop thread leaves the engine's fd to a poller that stopped
 # asking: completions meanwhile wait for that poller's next call (or this long).
-_LINGER = 0.005
+_LINGER = 0.02
 
 
 def _flusher(agent: Any) -> Any:
@@ -1869,8 +1869,18 @@ class nixlAgent:
             return notif_map
         queue = agent.notifications
         if not len(queue):
+            rt = self._rt
+            # Take what the engine has now (the loop thread may not be
+            # watching its fd: a tight poller's claim lingers).
+            if rt.lock.acquire(blocking=False):
+                try:
+                    self._poll_fn()
+                finally:
+                    rt.leave()
             now = time.perf_counter()
-            if now - self._last_empty_notif < _TIGHT_POLL:
+            if len(queue):
+                pass
+            elif now - self._last_empty_notif < _TIGHT_POLL:
                 self._wait_completion(_ENGINE_WAIT, queue.__len__)
             self._last_empty_notif = time.perf_counter()
             if not len(queue):

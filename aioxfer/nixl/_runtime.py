@@ -139,6 +139,16 @@ class _LockedSelector(selectors.BaseSelector):
             select.EPOLLOUT if key.events & selectors.EVENT_WRITE else 0)
         self._epoll().modify(fd, mask)
 
+    @property
+    def lingering(self) -> bool:
+        return bool(self._claims)
+
+    def expire_all(self) -> None:
+        """Gives back every claim no caller holds now (lock held)."""
+        for fd, c in list(self._claims.items()):
+            if not c.active:
+                self._restore(fd)
+
     def _expire(self, now: float) -> float:
         """Gives back lingering claims that are due; when to look again
         (inf: no need)."""
@@ -292,6 +302,11 @@ class Runtime:
             raise RuntimeError(
                 "aioxfer.nixl: a blocking call from the loop thread or with the runtime lock held"
             )
+        if self._selector.lingering:
+            # What coro awaits may come through an fd a poller's claim still
+            # keeps from the loop thread: give those back now.
+            with self.lock:
+                self._selector.expire_all()
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
