@@ -496,3 +496,81 @@ def test_no_central_store_without_endpoints(monkeypatch: pytest.MonkeyPatch, age
     monkeypatch.delenv("NIXL_ETCD_ENDPOINTS", raising=False)
     with pytest.raises(nixl.nixlNotSupportedError):
         agents().send_local_metadata()
+
+
+# ---------------------------------------------------------------- the runtime's fd claims
+
+
+def test_claimed_fd_is_the_pollers_until_its_linger_ends_or_a_blocking_call() -> None:
+    from aioxfer.nixl._runtime import runtime
+
+    rt = runtime()
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    fired = threading.Event()
+
+    def on_readable() -> None:
+        os.eventfd_read(efd)
+        fired.set()
+
+    async def watch() -> None:
+        rt.loop.add_reader(efd, on_readable)
+
+    async def unwatch() -> None:
+        rt.loop.remove_reader(efd)
+
+    async def nothing() -> None:
+        pass
+
+    rt.run(watch())
+    try:
+        # Held: the loop thread never reads it, however long the poller waits.
+        with rt.locked():
+            assert rt.claim(efd)
+        os.eventfd_write(efd, 1)
+        assert not fired.wait(0.2)
+        # Released with a linger: the loop thread takes it back when the linger ends.
+        with rt.locked():
+            rt.release(efd, 0.05)
+        assert fired.wait(STEP)
+        fired.clear()
+        # A linger of an hour: a blocking call gives it back first.
+        with rt.locked():
+            assert rt.claim(efd)
+            rt.release(efd, 3600.0)
+        os.eventfd_write(efd, 1)
+        rt.run(nothing())
+        assert fired.wait(STEP)
+    finally:
+        rt.run(unwatch())
+        os.close(efd)
+    with rt.locked():
+        assert not rt.claim(efd)  # no longer the loop's: nothing to claim
+
+
+def test_tight_poller_leaves_notifications_and_blocking_calls_working(
+        agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A claim that would linger for an hour after a tight polling loop.
+    monkeypatch.setattr(_bindings, "_LINGER", 3600.0)
+    a, b, x, y, _, _ = _pair(agents, n=4 << 20)
+    b.add_remote_agent(a.get_agent_metadata())
+    y.np[:] = np.arange(y.n, dtype=np.uint64).astype(np.uint8)
+    h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, y.n, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, y.n, 0)], "DRAM"), b.name)
+    for _ in range(5):
+        a.transfer(h)
+        assert _wait(a, h) == "DONE"
+    assert np.array_equal(x.np, y.np)
+    # The poller's agent still gets what comes to it: by get_new_notifs...
+    b.send_notif(a.name, b"to-the-poller")
+    deadline = time.monotonic() + STEP
+    got: list[bytes] = []
+    while not got:
+        assert time.monotonic() < deadline
+        got = a.get_new_notifs().get(b.name, [])
+        time.sleep(0.001)  # not a tight poller
+    assert got == [b"to-the-poller"]
+    # ... and a blocking call that needs the engine (connect, metadata) works.
+    c = agents()
+    assert a.add_remote_agent(c.get_agent_metadata()) == c.name.encode()
+    assert c.add_remote_agent(a.get_agent_metadata()) == a.name.encode()
+    h.release()

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -717,22 +717,8 @@ _ENGINE_WAIT = 0.005
 _LINGER = 0.02
 
 
-def _flusher(agent: Any) -> Any:
-    """What posts the agent's pending requests now: ``Agent.flush()`` once
-    aioxfer has it; until then the agent's own end-of-iteration flush."""
-    return getattr(agent, "flush", None) or agent._post_pending
-
-
-def _completion_fd(agent: Any) -> int:
-    """The engine's completion eventfd: ``Agent.fileno()`` once aioxfer has it."""
-    fileno = getattr(agent, "fileno", None)
-    return int(fileno()) if fileno is not None else int(agent._fd)
-
-
-def _poller(agent: Any) -> Any:
-    """What takes the completions the engine has for the agent now (the work
-    of its eventfd reader): ``Agent.poll()`` once aioxfer has it."""
-    return getattr(agent, "poll", None) or agent._drain
+def _noop() -> None:
+    pass
 
 
 def _name(value: Any) -> str:
@@ -885,7 +871,7 @@ class _Xfer:
 
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
-                 "file", "one", "write")
+                 "file", "one", "write", "post")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -906,9 +892,11 @@ class _Xfer:
         self.last_poll = 0.0
         self.backend = backend
         self.file = file
-        # One region pair: posted by one aioxfer call (the common case).
-        self.one = groups[0] if len(groups) == 1 else None
+        # One region pair: posted by one aioxfer call (the common case),
+        # post(*one); post is None where the request needs more than that call.
+        self.one: tuple[Any, Any] = groups[0] if len(groups) == 1 else ((), ())
         self.write = op == NIXL_WRITE
+        self.post: Any = None  # agent.write or agent.read where that call is the request
 
 
 def _indices(value: Any, what: str) -> npt.NDArray[np.int64]:
@@ -936,8 +924,10 @@ class nixlAgent:
         self._config = config
         self._telemetry = _telemetry_on(bool(config.captureTelemetry))
         self._agent: aioxfer.Agent | None = None
-        self._flush_fn: Any = None
-        self._poll_fn: Any = None
+        # The agent's flush() and poll() once it exists (called with the lock
+        # held, from any thread: the lock makes it the loop thread's turn).
+        self._flush_fn: Callable[[], None] = _noop
+        self._poll_fn: Callable[[], None] = _noop
         self._fd = -1
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
@@ -1014,9 +1004,9 @@ class nixlAgent:
             self._rt.run(agent.aclose(), timeout=_CONNECT_TIMEOUT)
             raise
         self._agent = agent
-        self._flush_fn = _flusher(agent)
-        self._poll_fn = _poller(agent)
-        self._fd = _completion_fd(agent)
+        self._flush_fn = agent.flush
+        self._poll_fn = agent.poll
+        self._fd = agent.fileno()
         self._transports = agent.transports
         return {"transports": ",".join(agent.transports), "listen": agent.address,
                 "num_threads": str(threads)}
@@ -1595,6 +1585,9 @@ class nixlAgent:
                             if b.type == ("POSIX" if file else "UCX")), 0)
             x = _Xfer(op, peer, rem, rd.gen, groups, notif, int(li.size), int(lens.sum()),
                       backend, file)
+            agent = self._agent
+            if len(groups) == 1 and agent is not None:
+                x.post = agent.write if x.write else agent.read
             handle = next(self._handle_seq)
             self._xfers[handle] = x
         return handle
@@ -1637,48 +1630,44 @@ class nixlAgent:
             raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}")
         msg = _payload(notif_msg) if notif_msg else x.notif
         rt = self._rt
-        # The hot path: the lock taken and left by hand (no context manager).
+        # The hot path: the lock taken and left by hand (no context manager),
+        # every test a plain attribute read.
         rt.lock.acquire()
         try:
             fut = x.fut
             if fut is not None and not fut.done():
                 raise _error(-7, "postXferReq: the transfer is still in flight")
-            if x.remote is not None and (x.remote.removed or x.remote.gen != x.gen):
+            rem = x.remote
+            if rem is not None and (rem.removed or rem.gen != x.gen):
                 x.fut = None
                 raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
-                                                     f"'{x.remote.name}' was removed")
+                                                     f"'{rem.name}' was removed")
             peer = x.peer
             if peer is not None and peer.lost:
                 x.fut = None
                 raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
                                                      f"'{peer.name}' was disconnected after "
                                                      f"transfer request creation")
-            x.xfer_s = -1.0
             telemetry = self._telemetry
             if telemetry:
+                x.xfer_s = -1.0
                 x.start_us = time.time_ns() // 1000
                 x.t0 = time.perf_counter()
-            one = x.one
-            if one is not None and (not msg or x.file or (
+            post = x.post
+            if post is not None and (not msg or x.file or (
                     x.write and len(msg) <= _wire.NOTIF_MAX
                     and not msg.startswith(_wire.NOTIF_MAGIC))):
                 # One aioxfer call, posted now, from this thread (a same-host
                 # copy may complete inside): what a coroutine awaiting it gets,
                 # without a wake-up of the loop thread. The flush the agent
                 # scheduled for the end of its loop iteration finds nothing to do.
-                agent = self._agent
-                assert agent is not None
                 try:
-                    if x.write:
-                        fut = agent.write(one[0], one[1],
-                                          notify=msg if (msg and not x.file) else None)
-                    else:
-                        fut = agent.read(one[0], one[1])
+                    fut = post(*x.one) if not msg or x.file else post(*x.one, notify=msg)
+                    x.fut = fut
+                    self._flush_fn()
                 except (XferError, ValueError, TypeError) as exc:
                     x.fut = None
                     raise _from_xfer_error(exc, "postXferReq") from None
-                x.fut = fut
-                self._flush_fn()
                 rt._foreign = False
             else:
                 try:
@@ -1692,9 +1681,9 @@ class nixlAgent:
             x.last_poll = 0.0
         finally:
             rt.leave()
-        if fut.done():
+        if fut.done() and (telemetry or fut.cancelled() or fut.exception() is not None):
             return self._finish(x, fut, "postXferReq")
-        return int(NIXL_IN_PROG)
+        return 0 if fut.done() else 1  # NIXL_SUCCESS, NIXL_IN_PROG
 
     def _post(self, x: _Xfer, msg: bytes) -> asyncio.Future[Any]:
         """A request aioxfer does not post in one call (called with the lock
