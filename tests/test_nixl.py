@@ -574,3 +574,63 @@ def test_tight_poller_leaves_notifications_and_blocking_calls_working(
     assert a.add_remote_agent(c.get_agent_metadata()) == c.name.encode()
     assert c.add_remote_agent(a.get_agent_metadata()) == a.name.encode()
     h.release()
+
+
+# ---------------------------------------------------------------- POSIX: files
+
+
+@pytest.mark.parametrize("backends", [[], ["UCX"]])
+def test_posix_backend_moves_host_memory_to_files_and_back(
+        agents: Any, tmp_path: Any, backends: list[str]) -> None:
+    # As NIXL's GDS/POSIX examples: FILE registered as (offset, length, fd),
+    # transfers prepared against the agent's own name.
+    a = agents(backends=backends)
+    a.create_backend("POSIX")
+    assert set(a.backends) == {"POSIX", *backends}
+    assert a.get_backend_mem_types("POSIX") == ["FILE_SEG", "DRAM_SEG"]
+    assert a.get_backend_params("POSIX")["use_uring"] == "false"
+    with pytest.raises(nixl.nixlInvalidParamError):
+        a.create_backend("POSIX")
+    n = 16 * 4096
+    x, y = Buf(n, 0xBA), Buf(n, 0)
+    reg = a.register_memory([(x.addr, n, 0, "a"), (y.addr, n, 0, "b")], "DRAM",
+                            backends=["POSIX"])
+    path = tmp_path / "kv.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        freg = a.register_memory([(4096, n, fd, "f")], "FILE")
+        assert freg is not None
+        h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"), freg.trim(),
+                              a.name)
+        assert a.transfer(h) == "DONE" or _wait(a, h) == "DONE"
+        assert a.check_xfer_state(h) == "DONE" and a.query_xfer_backend(h) == "POSIX"
+        data = path.read_bytes()
+        assert len(data) == 4096 + n and data[4096:] == b"\xba" * n
+        # Scattered, reordered, by index: file blocks 3 and 0 of the range.
+        lh = a.prep_xfer_dlist("", [(y.addr, 4096, 0), (y.addr + 8192, 4096, 0)], "DRAM")
+        rh = a.prep_xfer_dlist(a.name, [(4096, 4096, fd), (4096 * 4, 4096, fd)], "FILE")
+        os.pwrite(fd, b"\x01" * 4096, 4096 * 4)
+        h2 = a.make_prepped_xfer("READ", lh, [0, 1], rh, [1, 0])
+        assert a.transfer(h2) == "DONE" or _wait(a, h2) == "DONE"
+        assert bytes(y.np[:4096]) == b"\x01" * 4096
+        assert bytes(y.np[8192:12288]) == b"\xba" * 4096
+        assert not y.np[4096:8192].any()
+        # Outside the registered range, or no such fd: not found, as NIXL says.
+        with pytest.raises(nixl.nixlNotFoundError):
+            a.prep_xfer_dlist(a.name, [(0, 4096, fd)], "FILE")
+        with pytest.raises(nixl.nixlNotFoundError):
+            a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, 4096, 0)], "DRAM"),
+                              a.get_xfer_descs([(4096, 4096, fd + 1000)], "FILE"), a.name)
+        # Local FILE memory is never in the agent's metadata.
+        b = agents()
+        b.add_remote_agent(a.get_agent_metadata())
+        with pytest.raises(nixl.nixlNotFoundError):
+            b.prep_xfer_dlist(a.name, [(4096, 4096, fd)], "FILE")
+        for handle in (h, h2, lh, rh):
+            handle.release()
+        a.deregister_memory(freg)
+        with pytest.raises(nixl.nixlNotFoundError):
+            a.deregister_memory(freg)
+        a.deregister_memory(reg)
+    finally:
+        os.close(fd)

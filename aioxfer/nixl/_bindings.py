@@ -186,7 +186,18 @@ DEFAULT_COMM_PORT = 8888
 HAVE_UCX_GPU_DEVICE_API = False
 
 _PLUGINS: dict[str, tuple[dict[str, str], list[str]]] = {
-    "POSIX": ({}, ["DRAM_SEG", "FILE_SEG"]),
+    # NIXL's POSIX defaults, accepted: aioxfer's file transport chooses its
+    # own I/O (io_uring for O_DIRECT regions, a pread/pwrite pool otherwise).
+    "POSIX": (
+        {
+            "use_posix_aio": "false",
+            "use_uring": "false",
+            "use_aio": "false",
+            "kernel_queue_size": "256",
+            "ios_pool_size": "65536",
+        },
+        ["FILE_SEG", "DRAM_SEG"],
+    ),
     "UCX": (
         {
             "transports": "",  # "" = every aioxfer transport available (shm, tcp, verbs, cuda)
@@ -980,12 +991,22 @@ class nixlAgent:
         effective = dict(_PLUGINS[type_][0])
         if type_ == "UCX":
             effective.update(self._start_agent(params))
+        else:
+            # POSIX moves data with the same aioxfer agent (its file
+            # transport): started here if UCX did not.
+            if self._agent is None:
+                self._start_agent({})
+            effective.update({k: str(v) for k, v in params.items()})
         handle = next(self._handle_seq)
         self._backends[handle] = _Backend(handle, type_, effective, list(_PLUGINS[type_][1]))
         return handle
 
     def _start_agent(self, params: dict[str, str]) -> dict[str, str]:
-        """The aioxfer agent behind the "UCX" backend, started on the loop."""
+        """The aioxfer agent behind the "UCX" backend, started on the loop
+        (or, if POSIX started it, that one)."""
+        if self._agent is not None:
+            return {"transports": ",".join(self._agent.transports),
+                    "listen": self._agent.address, "num_threads": params.get("num_threads", "0")}
         transports = _transports(params)
         listen = params.get("listen") or os.environ.get("AIOXFER_NIXL_LISTEN", "127.0.0.1:0")
         kwargs: dict[str, Any] = {"listen": listen}
@@ -1027,9 +1048,11 @@ class nixlAgent:
             raise TypeError(f"registerMem takes a nixlRegDList, not {type(descs).__name__}")
         mem = descs.getType()
         usable = self._backends_for(backends, mem, "registerMem")
-        if mem not in (DRAM_SEG, VRAM_SEG) or not any(b.type == "UCX" for b in usable):
-            raise _error(-9, f"registerMem: aioxfer registers DRAM and VRAM through UCX only, "
-                             f"not {mem.name}")
+        types = {b.type for b in usable}
+        if not ((mem in (DRAM_SEG, VRAM_SEG) and "UCX" in types)
+                or (mem in (DRAM_SEG, FILE_SEG) and "POSIX" in types)):
+            raise _error(-9, f"registerMem: aioxfer registers DRAM and VRAM through UCX, DRAM "
+                             f"and FILE through POSIX; not {mem.name}")
         agent = self._agent
         assert agent is not None
         new: list[_Reg] = []
@@ -1037,8 +1060,17 @@ class nixlAgent:
             try:
                 for i in range(descs.descCount()):
                     addr, nbytes, dev, meta = descs[i]
-                    obj = _memory(mem, addr, nbytes)
-                    region = agent.register(obj, name=f"nixl{next(self._reg_seq)}")
+                    name = f"nixl{next(self._reg_seq)}"
+                    if mem == FILE_SEG:
+                        # NIXL's FILE descriptor: (offset, length, fd). A file
+                        # region of aioxfer's file transport from offset 0 (so
+                        # a region offset is a file offset), through the same
+                        # file (its /proc/self/fd link), grown to the end of
+                        # the range if shorter.
+                        region = agent.register_file(f"/proc/self/fd/{dev}", size=addr + nbytes,
+                                                     name=name)
+                    else:
+                        region = agent.register(_memory(mem, addr, nbytes), name=name)
                     new.append(_Reg(mem, addr, nbytes, dev, meta, region,
                                     [b.handle for b in usable]))
             except (RegistrationError, XferError, ValueError) as exc:
@@ -1118,7 +1150,9 @@ class nixlAgent:
         agent = self._agent
         address = agent.address if (conn and agent is not None) else ""
         incarnation = agent.incarnation if (conn and agent is not None) else 0
-        regions = [_wire.RegionMD(r.name, int(r.mem), r.addr, r.nbytes, r.dev) for r in regs]
+        # FILE memory is local (POSIX): never in metadata, as in NIXL.
+        regions = [_wire.RegionMD(r.name, int(r.mem), r.addr, r.nbytes, r.dev) for r in regs
+                   if r.mem != FILE_SEG]
         return _wire.encode_md(_wire.AgentMD(self._name, address, incarnation, regions, partial))
 
     def getLocalMD(self) -> bytes:
@@ -1463,8 +1497,11 @@ class nixlAgent:
             raise _error(-4, f"prepXferDlist: failed to prepare the descriptors for any of the "
                              f"specified or potential backends for {whose}: not inside memory "
                              f"it registered (or its metadata was not loaded yet)")
-        starts = table.starts[idx] if idx.size else np.zeros(0, dtype=np.uint64)
-        offs = arr[:, 0] - starts
+        if mem == FILE_SEG:
+            offs = arr[:, 0].copy()  # file regions start at file offset 0
+        else:
+            starts = table.starts[idx] if idx.size else np.zeros(0, dtype=np.uint64)
+            offs = arr[:, 0] - starts
         return _Prepped(rem, loopback, mem, table.objs, idx, offs, arr[:, 1].copy(),
                         rem.gen if rem is not None else 0)
 
@@ -1545,6 +1582,9 @@ class nixlAgent:
             raise _error(-4, f"{what}: remote agent '{rem.name}' was invalidated or re-registered "
                              f"after the descriptor list was prepared; prepare it again")
         file = rd.mem == FILE_SEG
+        if ld.mem == FILE_SEG:
+            raise _error(-9, f"{what}: the local side is host memory, the FILE side is the "
+                             f"agent's own (prepared with its own name), as with NIXL's POSIX")
         peer: aioxfer.Peer | None = None
         if not file:
             if rd.loopback:
@@ -1596,6 +1636,8 @@ class nixlAgent:
                  what: str) -> dict[int, Any]:
         """Region objects for the remote side's regions ``needed``: the peer's
         RemoteRegions (ours, as seen through the loopback peer)."""
+        if rd.mem == FILE_SEG:  # our own file regions (only ever prepared as loopback)
+            return {k: rd.objs[k].region for k in needed}
         out: dict[int, Any] = {}
         missing: list[int] = []
         for k in needed:
@@ -1608,7 +1650,7 @@ class nixlAgent:
         if not missing:
             return out
         if peer is None:
-            raise _error(-9, f"{what}: FILE transfers are not offered by aioxfer.nixl")
+            raise _error(-9, f"{what}: no UCX backend to reach remote memory")
         names = [rd.objs[k].name if rd.loopback else rd.objs[k] for k in missing]
         known = peer.regions
         if any(n not in known for n in names):
