@@ -634,3 +634,51 @@ def test_posix_backend_moves_host_memory_to_files_and_back(
         a.deregister_memory(reg)
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------- beyond NIXL: asyncio
+
+
+def test_await_handle_from_an_asyncio_program(agents: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")  # slow enough to cancel midway
+    a, b, x, y, _, _ = _pair(agents, n=8 << 20)
+    y.np[:] = np.arange(y.n, dtype=np.uint64).astype(np.uint8)
+    before = a.statistics()
+    h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, y.n, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, y.n, 0)], "DRAM"), b.name, b"r")
+
+    async def main() -> None:
+        a.transfer(h)
+        assert await h == "DONE"
+        assert await h == "DONE"  # done stays done
+        assert np.array_equal(x.np, y.np)
+        # Reposted, awaited twice at once.
+        a.transfer(h)
+        assert await asyncio.gather(h, asyncio.wrap_future(h.future())) == ["DONE", "DONE"]
+        # Cancelling the awaiting task cancels the transfer.
+        big = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, y.n, 0)] * 64, "DRAM"),
+                                a.get_xfer_descs([(y.addr, y.n, 0)] * 64, "DRAM"), b.name)
+        a.transfer(big)
+        task = asyncio.ensure_future(_awaited(big))
+        await asyncio.sleep(0)
+        assert a.check_xfer_state(big) == "PROC"  # 512 MiB over TCP: far from done
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(nixl.nixlCancelledError):
+            a.check_xfer_state(big)
+        big.release()
+
+    asyncio.run(main())
+    after = a.statistics()
+    # Both READs (and their notifications) are the aioxfer agent's transfers.
+    assert after.transfers_completed >= before.transfers_completed + 2
+    assert after.bytes == before.bytes + 2 * y.n
+    h.release()
+
+
+async def _awaited(handle: Any) -> str:
+    return str(await handle)

@@ -21,6 +21,7 @@ chosen per peer); "POSIX" answers ``queryMem`` for files.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import enum
 import inspect
@@ -1846,6 +1847,53 @@ class nixlAgent:
                 if claimed:
                     rt.release(fd, _LINGER)
                 rt.leave()
+
+    def xferFuture(self, reqh: int) -> concurrent.futures.Future[str]:
+        """(aioxfer extension) A future of the request's current post: "DONE",
+        or the exception ``check_xfer_state`` would raise. Cancelling it
+        cancels the transfer (as releasing it does). Any thread; for asyncio,
+        ``asyncio.wrap_future`` (what ``await handle`` does)."""
+        x = self._xfers.get(int(reqh))
+        if x is None:
+            raise _error(-2, f"xferFuture: unknown transfer handle {int(reqh):#x}")
+        out: concurrent.futures.Future[str] = concurrent.futures.Future()
+        rt = self._rt
+        with rt.locked():
+            fut = x.fut
+            if fut is None:
+                raise _error(-1, "xferFuture: the transfer was not posted")
+            # Nobody polls for an awaiter: the loop thread watches the fd.
+            rt.expire_lingering()
+
+            def settle(f: asyncio.Future[Any]) -> None:
+                if out.done():
+                    return
+                try:
+                    self._finish(x, f, "xferFuture")
+                except Exception as exc:  # noqa: BLE001 (handed to the awaiter)
+                    out.set_exception(exc)
+                else:
+                    out.set_result("DONE")
+
+            def cancelled(o: concurrent.futures.Future[str]) -> None:
+                if o.cancelled():
+                    with rt.locked():
+                        if not fut.done():
+                            fut.cancel()
+
+            if fut.done():
+                settle(fut)
+            else:
+                fut.add_done_callback(settle)
+                out.add_done_callback(cancelled)
+        return out
+
+    def statistics(self) -> Any:
+        """(aioxfer extension) The aioxfer agent's statistics() (an
+        aioxfer.AgentStatistics; None before a UCX or POSIX backend exists):
+        these transfers are counted there, by peer and path, as any other."""
+        with self._rt.locked():
+            return self._agent.statistics() if self._agent is not None else None
 
     def getXferTelemetry(self, reqh: int) -> nixlXferTelemetry:
         if not self._telemetry:

@@ -272,6 +272,12 @@ class Runtime:
         """See _LockedSelector.release (lock held)."""
         self._selector.release(fd, linger)
 
+    def expire_lingering(self) -> None:
+        """Gives the loop thread back every fd no caller waits on now (lock
+        held): for what only the loop thread will take."""
+        if self._selector.lingering:
+            self._selector.expire_all()
+
     def leave(self) -> None:
         """Releases a lock taken by hand (``lock.acquire()``), waking the loop
         if the section scheduled callbacks on it: the hot paths' cheaper
