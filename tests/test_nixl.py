@@ -496,6 +496,10 @@ def test_no_central_store_without_endpoints(monkeypatch: pytest.MonkeyPatch, age
     monkeypatch.delenv("NIXL_ETCD_ENDPOINTS", raising=False)
     with pytest.raises(nixl.nixlNotSupportedError):
         agents().send_local_metadata()
+    # Set but empty: NIXL refuses to make the agent.
+    monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", "")
+    with pytest.raises(RuntimeError, match="NIXL_ETCD_ENDPOINTS"):
+        agents()
 
 
 # ---------------------------------------------------------------- the runtime's fd claims

@@ -956,7 +956,10 @@ class nixlAgent:
         self._last_md_poll = 0.0
         self._server: asyncio.AbstractServer | None = None
         self.listen_port = 0
-        endpoints = os.environ.get("NIXL_ETCD_ENDPOINTS", "")
+        endpoints = os.environ.get("NIXL_ETCD_ENDPOINTS")
+        if endpoints is not None and not endpoints.strip():
+            # As NIXL's agent does (set but empty is a configuration error).
+            raise RuntimeError("Config parameter 'NIXL_ETCD_ENDPOINTS' needs non-empty value")
         self._store = _CentralStore(endpoints) if endpoints else None
         self._closed = False
         if config.useListenThread:
