@@ -199,6 +199,12 @@ _PLUGINS: dict[str, tuple[dict[str, str], list[str]]] = {
         },
         ["FILE_SEG", "DRAM_SEG"],
     ),
+    # S3-compatible object storage through aioxfer's object backend (offered
+    # where its extra, obstore and aiohttp, is installed). NIXL's parameters:
+    # bucket (else AWS_DEFAULT_BUCKET), endpoint_override (else
+    # AWS_ENDPOINT_OVERRIDE), scheme, region, access_key, secret_key,
+    # session_token; the AWS environment otherwise.
+    "OBJ": ({}, ["DRAM_SEG", "OBJ_SEG"]),
     "UCX": (
         {
             "transports": "",  # "" = every aioxfer transport available (shm, tcp, verbs, cuda)
@@ -761,13 +767,21 @@ def _handles(backends: Any) -> list[int]:
 
 
 class _Backend:
-    __slots__ = ("handle", "type", "params", "mems")
+    __slots__ = ("handle", "type", "params", "mems", "objects")
 
     def __init__(self, handle: int, type_: str, params: dict[str, str], mems: list[str]) -> None:
         self.handle = handle
         self.type = type_
         self.params = params
         self.mems = mems
+        self.objects: Any = None  # "OBJ": the bucket's aioxfer ObjectRegion
+
+
+def _objects_available() -> bool:
+    """aioxfer's object backend can run here (its "objects" extra is installed)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("obstore", "aiohttp"))
 
 
 class _Reg:
@@ -883,7 +897,7 @@ class _Xfer:
 
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
-                 "file", "one", "write", "post")
+                 "file", "one", "write", "post", "objects")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -909,6 +923,7 @@ class _Xfer:
         self.one: tuple[Any, Any] = groups[0] if len(groups) == 1 else ((), ())
         self.write = op == NIXL_WRITE
         self.post: Any = None  # agent.write or agent.read where that call is the request
+        self.objects = False  # to or from the "OBJ" backend's bucket
 
 
 def _indices(value: Any, what: str) -> npt.NDArray[np.int64]:
@@ -972,10 +987,10 @@ class nixlAgent:
     # ------------------------------------------------------------ plugins and backends
 
     def getAvailPlugins(self) -> list[str]:
-        return sorted(_PLUGINS)
+        return sorted(p for p in _PLUGINS if p != "OBJ" or _objects_available())
 
     def getPluginParams(self, type_: str) -> tuple[dict[str, str], list[str]]:
-        if type_ not in _PLUGINS:
+        if type_ not in self.getAvailPlugins():
             raise _error(-4, f"getPluginParams: plugin {type_!r} not found")
         params, mems = _PLUGINS[type_]
         return dict(params), list(mems)
@@ -988,7 +1003,7 @@ class nixlAgent:
 
     def createBackend(self, type_: str, params: dict[str, str] | None = None) -> int:
         params = dict(params or {})
-        if type_ not in _PLUGINS:
+        if type_ not in self.getAvailPlugins():
             raise _error(-4, f"createBackend: plugin {type_!r} not found")
         if any(b.type == type_ for b in self._backends.values()):
             raise _error(-2, f"createBackend: backend {type_} already created")
@@ -996,14 +1011,41 @@ class nixlAgent:
         if type_ == "UCX":
             effective.update(self._start_agent(params))
         else:
-            # POSIX moves data with the same aioxfer agent (its file
-            # transport): started here if UCX did not.
+            # POSIX and OBJ move data with the same aioxfer agent (its file
+            # transport, its object backend): started here if UCX did not.
             if self._agent is None:
                 self._start_agent({})
             effective.update({k: str(v) for k, v in params.items()})
-        handle = next(self._handle_seq)
-        self._backends[handle] = _Backend(handle, type_, effective, list(_PLUGINS[type_][1]))
-        return handle
+        backend = _Backend(next(self._handle_seq), type_, effective, list(_PLUGINS[type_][1]))
+        if type_ == "OBJ":
+            backend.objects = self._register_objects(params)
+        self._backends[backend.handle] = backend
+        return backend.handle
+
+    def _register_objects(self, params: dict[str, str]) -> Any:
+        """The bucket of an "OBJ" backend, as an aioxfer ObjectRegion."""
+        bucket = params.get("bucket") or os.environ.get("AWS_DEFAULT_BUCKET")
+        if not bucket:
+            raise _error(-3, "createBackend OBJ: no bucket (the 'bucket' parameter or "
+                             "AWS_DEFAULT_BUCKET)")
+        endpoint = params.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_OVERRIDE")
+        if endpoint and "://" not in endpoint:
+            endpoint = f"{params.get('scheme', 'https')}://{endpoint}"
+        kwargs = {k: v for k, v in (
+            ("endpoint", endpoint),
+            ("access_key_id", params.get("access_key")),
+            ("secret_access_key", params.get("secret_key")),
+            ("session_token", params.get("session_token")),
+            ("region", params.get("region")),
+        ) if v}
+        agent = self._agent
+        assert agent is not None
+        try:
+            with self._rt.locked():
+                return agent.register_objects(f"s3://{bucket}", name=f"nixl-obj-{bucket}",
+                                              **kwargs)
+        except (XferError, ValueError, ImportError) as exc:
+            raise _error(-3, f"createBackend OBJ: {exc}") from None
 
     def _start_agent(self, params: dict[str, str]) -> dict[str, str]:
         """The aioxfer agent behind the "UCX" backend, started on the loop
@@ -1054,9 +1096,10 @@ class nixlAgent:
         usable = self._backends_for(backends, mem, "registerMem")
         types = {b.type for b in usable}
         if not ((mem in (DRAM_SEG, VRAM_SEG) and "UCX" in types)
-                or (mem in (DRAM_SEG, FILE_SEG) and "POSIX" in types)):
+                or (mem in (DRAM_SEG, FILE_SEG) and "POSIX" in types)
+                or (mem in (DRAM_SEG, OBJ_SEG) and "OBJ" in types)):
             raise _error(-9, f"registerMem: aioxfer registers DRAM and VRAM through UCX, DRAM "
-                             f"and FILE through POSIX; not {mem.name}")
+                             f"and FILE through POSIX, DRAM and OBJ through OBJ; not {mem.name}")
         agent = self._agent
         assert agent is not None
         new: list[_Reg] = []
@@ -1073,13 +1116,24 @@ class nixlAgent:
                         # the range if shorter.
                         region = agent.register_file(f"/proc/self/fd/{dev}", size=addr + nbytes,
                                                      name=name)
+                    elif mem == OBJ_SEG:
+                        # NIXL's OBJ descriptor: (offset, length, devId, key);
+                        # the key is devId in decimal when none is given.
+                        objects = next(b.objects for b in usable if b.type == "OBJ")
+                        key = meta.decode() if meta else str(dev)
+                        reg = _Reg(mem, addr, nbytes, dev, meta, objects,
+                                   [b.handle for b in usable])
+                        reg.name = key
+                        new.append(reg)
+                        continue
                     else:
                         region = agent.register(_memory(mem, addr, nbytes), name=name)
                     new.append(_Reg(mem, addr, nbytes, dev, meta, region,
                                     [b.handle for b in usable]))
             except (RegistrationError, XferError, ValueError) as exc:
                 for reg in new:
-                    self._drop_region(reg.region)
+                    if reg.mem != OBJ_SEG:  # the bucket stays the backend's
+                        self._drop_region(reg.region)
                 raise _error(-3, f"registerMem: {exc}") from None
             self._regs.extend(new)
             self._table = None
@@ -1113,7 +1167,7 @@ class nixlAgent:
         # On the loop thread, where deregister's awaitable is the real release:
         # NIXL callers free the memory as soon as this returns, so it returns
         # only once no peer can touch it any more.
-        regions = [reg.region for reg in gone]
+        regions = [reg.region for reg in gone if reg.mem != OBJ_SEG]  # buckets stay
 
         async def release() -> None:
             pending = [self._drop_region(r) for r in regions]
@@ -1154,9 +1208,9 @@ class nixlAgent:
         agent = self._agent
         address = agent.address if (conn and agent is not None) else ""
         incarnation = agent.incarnation if (conn and agent is not None) else 0
-        # FILE memory is local (POSIX): never in metadata, as in NIXL.
+        # FILE and OBJ memory is local (POSIX, OBJ): never in metadata, as in NIXL.
         regions = [_wire.RegionMD(r.name, int(r.mem), r.addr, r.nbytes, r.dev) for r in regs
-                   if r.mem != FILE_SEG]
+                   if r.mem not in (FILE_SEG, OBJ_SEG)]
         return _wire.encode_md(_wire.AgentMD(self._name, address, incarnation, regions, partial))
 
     def getLocalMD(self) -> bytes:
@@ -1501,8 +1555,8 @@ class nixlAgent:
             raise _error(-4, f"prepXferDlist: failed to prepare the descriptors for any of the "
                              f"specified or potential backends for {whose}: not inside memory "
                              f"it registered (or its metadata was not loaded yet)")
-        if mem == FILE_SEG:
-            offs = arr[:, 0].copy()  # file regions start at file offset 0
+        if mem in (FILE_SEG, OBJ_SEG):
+            offs = arr[:, 0].copy()  # file regions start at file offset 0; objects at 0
         else:
             starts = table.starts[idx] if idx.size else np.zeros(0, dtype=np.uint64)
             offs = arr[:, 0] - starts
@@ -1585,6 +1639,8 @@ class nixlAgent:
         if rem is not None and (rem.removed or rem.gen != rd.gen):
             raise _error(-4, f"{what}: remote agent '{rem.name}' was invalidated or re-registered "
                              f"after the descriptor list was prepared; prepare it again")
+        if OBJ_SEG in (rd.mem, ld.mem):
+            return self._new_object_xfer(op, ld, li, rd, ri, lens, notif, what)
         file = rd.mem == FILE_SEG
         if ld.mem == FILE_SEG:
             raise _error(-9, f"{what}: the local side is host memory, the FILE side is the "
@@ -1632,6 +1688,41 @@ class nixlAgent:
             agent = self._agent
             if len(groups) == 1 and agent is not None:
                 x.post = agent.write if x.write else agent.read
+            handle = next(self._handle_seq)
+            self._xfers[handle] = x
+        return handle
+
+    def _new_object_xfer(self, op: int, ld: _Prepped, li: npt.NDArray[np.int64], rd: _Prepped,
+                         ri: npt.NDArray[np.int64], lens: npt.NDArray[np.uint64], notif: bytes,
+                         what: str) -> int:
+        """Host memory to objects (WRITE: whole objects, offset 0, as NIXL's
+        OBJ) or objects to host memory (READ: from the descriptor's offset),
+        one request of aioxfer's object backend."""
+        if ld.mem == OBJ_SEG or not rd.loopback:
+            raise _error(-9, f"{what}: the local side is host memory, the OBJ side is the "
+                             f"agent's own (prepared with its own name), as with NIXL's OBJ")
+        write = op == NIXL_WRITE
+        lridx, rridx = ld.ridx[li].tolist(), rd.ridx[ri].tolist()
+        loffs, roffs, ns = ld.offs[li].tolist(), rd.offs[ri].tolist(), lens.tolist()
+        with self._rt.locked():
+            locals_: list[Any] = []
+            fars: list[Any] = []
+            try:
+                for i, (lk, rk, lo, ro, n) in enumerate(zip(lridx, rridx, loffs, roffs, ns,
+                                                          strict=True)):
+                    reg = rd.objs[rk]
+                    if write and ro:
+                        raise _error(-2, f"{what}: descriptor {i}: object writes start at "
+                                         f"offset 0 (whole objects), not {ro}")
+                    locals_.append(ld.objs[lk].region[lo:lo + n])
+                    whole = reg.region[reg.name]
+                    fars.append(whole if write else whole[ro:ro + n])
+            except (XferError, ValueError, IndexError, TypeError) as exc:
+                raise _from_xfer_error(exc, what) from None
+            backend = next((h for h, b in self._backends.items() if b.type == "OBJ"), 0)
+            x = _Xfer(op, None, None, 0, [(locals_, fars)], notif, len(ns), int(lens.sum()),
+                      backend, False)
+            x.objects = True
             handle = next(self._handle_seq)
             self._xfers[handle] = x
         return handle
@@ -1739,6 +1830,8 @@ class nixlAgent:
         moved, and the request is done when that task is."""
         agent = self._agent
         assert agent is not None
+        if x.objects:  # the object backend posts on its loop, in a task of its own
+            return self._rt.spawn(self._object_io(x))
         frames = _wire.notif_frames(msg) if (msg and not x.file) else []
         if x.write and len(x.groups) == 1 and frames:
             # A WRITE carries its notification (the last frame): the frames
@@ -1748,6 +1841,13 @@ class nixlAgent:
         parts = [post(local, far) for local, far in x.groups]
         self._flush_fn()
         return self._rt.spawn(self._then_notify(x, parts, frames))
+
+    async def _object_io(self, x: _Xfer) -> float:
+        agent = self._agent
+        assert agent is not None
+        local, far = x.groups[0]
+        await (agent.write(local, far) if x.write else agent.read(local, far))
+        return time.perf_counter()
 
     async def _framed_write(self, x: _Xfer, frames: list[bytes]) -> float:
         agent, peer = self._agent, x.peer
