@@ -750,3 +750,27 @@ def test_obj_backend_puts_and_gets_objects(agents: Any, s3: S3Server) -> None:  
     with pytest.raises(nixl.nixlNotFoundError):
         a.deregister_memory(oreg)
     a.close()
+
+
+# ---------------------------------------------------------------- torch tensors (when installed)
+
+
+def test_torch_cpu_tensors_as_descriptors(agents: Any) -> None:
+    torch = pytest.importorskip("torch")
+    a, b = agents(), agents()
+    src = torch.arange(4096, dtype=torch.float32)
+    dst = torch.zeros(2, 4096, dtype=torch.float32)
+    ra = a.register_memory(src)  # a tensor: DRAM, devId 0, its data_ptr and size
+    rb = b.register_memory([dst[0], dst[1]])  # a list of tensors
+    assert ra is not None and ra.descCount() == 1 and rb.descCount() == 2
+    assert ra[0][:3] == (src.data_ptr(), 4 * 4096, 0)
+    a.add_remote_agent(b.get_agent_metadata())
+    assert a.get_xfer_descs(dst.t()) is None  # not contiguous: None after logging
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([src[:2048], src[2048:]]),
+                          b.get_xfer_descs([dst[1][:2048], dst[0][2048:]]), b.name)
+    assert a.transfer(h) == "DONE" or _wait(a, h) == "DONE"
+    assert torch.equal(dst[1][:2048], src[:2048]) and torch.equal(dst[0][2048:], src[2048:])
+    assert not dst[0][:2048].any() and not dst[1][2048:].any()
+    h.release()
+    a.deregister_memory(ra)
+    b.deregister_memory(rb)
