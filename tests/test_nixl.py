@@ -731,6 +731,9 @@ def test_obj_backend_puts_and_gets_objects(agents: Any, s3: S3Server) -> None:  
     assert _wait(a, h2) == "DONE"
     assert bytes(y.np[:4096]) == bytes(x.np[n:n + 4096])
     assert bytes(y.np[n:n + 4096]) == bytes(x.np[8192:12288])
+    found = a.query_memory([(0, 0, 0, "kv/block-7"), (0, 0, 0, "nowhere"), (0, 0, 0, "8")],
+                           "OBJ", "OBJ")
+    assert found == [{}, None, {}]
     # Writes replace whole objects: a non-zero offset is refused.
     with pytest.raises(nixl.nixlInvalidParamError):
         a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, 4096, 0)], "DRAM"),

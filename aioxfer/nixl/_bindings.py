@@ -1184,8 +1184,11 @@ class nixlAgent:
         if b is None:
             raise _error(-4, f"queryMem: no backend handle {backend}")
         out: list[dict[str, str] | None] = []
+        if descs.getType() == OBJ_SEG and b.type == "OBJ":
+            return self._query_objects(descs, b)
         if descs.getType() != FILE_SEG or b.type != "POSIX":
-            raise _error(-9, f"queryMem: {b.type} answers for FILE_SEG through POSIX only")
+            raise _error(-9, f"queryMem: {b.type} answers for FILE_SEG through POSIX only "
+                             f"and for OBJ_SEG through OBJ")
         for i in range(descs.descCount()):
             path = descs[i][3].decode(errors="surrogateescape")
             try:
@@ -1196,6 +1199,16 @@ class nixlAgent:
             out.append({"size": str(st.st_size), "mode": str(st.st_mode),
                         "mtime": str(int(st.st_mtime))})
         return out
+
+    def _query_objects(self, descs: nixlRegDList, b: _Backend) -> list[dict[str, str] | None]:
+        """As NIXL's OBJ: per descriptor (its meta is the key) {} if the
+        object exists, None if not; nixlBackendError if a HEAD failed."""
+        keys = [descs[i][3].decode() for i in range(descs.descCount())]
+        try:
+            stats = self._rt.run(b.objects.stat(keys), timeout=_CONNECT_TIMEOUT)
+        except (XferError, OSError, ValueError, TimeoutError) as exc:
+            raise _error(-3, f"queryMem: {exc}") from None
+        return [{} if st.exists else None for st in stats]
 
     def _local_table(self) -> _Table:
         if self._table is None:
