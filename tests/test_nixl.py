@@ -777,3 +777,65 @@ def test_torch_cpu_tensors_as_descriptors(agents: Any) -> None:
     h.release()
     a.deregister_memory(ra)
     b.deregister_memory(rb)
+
+
+# ---------------------------------------------------------------- Dynamo and SGLang call shapes
+
+
+def test_dynamo_and_sglang_call_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")  # slow enough to cancel midway
+    # Dynamo's nixl_connect: default config, "cpu" memory, keywords everywhere.
+    a, b = nixl_agent(_name()), nixl_agent(_name())
+    try:
+        n = 1 << 20
+        x, y = Buf(n, 3), Buf(n, 0)
+        ra = a.register_memory([(x.addr, n, 0, "cpu")], "cpu")
+        rb = b.register_memory([(y.addr, n, 0, "cpu")], "cpu")
+        name = a.add_remote_agent(b.get_agent_metadata())
+        name = name.decode() if isinstance(name, bytes) else name
+        local = a.get_xfer_descs(descs=[(x.addr, n, 0)], mem_type="cpu")
+        remote = a.get_xfer_descs(descs=[(y.addr, n, 0)], mem_type="cpu")
+        h = a.initialize_xfer(operation="WRITE", local_descs=local, remote_descs=remote,
+                              remote_agent=name, notif_msg=b"key-1")
+
+        async def dynamo_wait() -> None:  # Dynamo polls from asyncio every 0.1 s
+            a.transfer(h, b"key-1")
+            while a.check_xfer_state(h) != "DONE":
+                await asyncio.sleep(0.01)
+
+        asyncio.run(dynamo_wait())
+        deadline = time.monotonic() + STEP
+        while b"key-1" not in b.update_notifs().get(a.name, []):  # the passive side
+            assert time.monotonic() < deadline
+        assert y.np.all() and (y.np == 3).all()
+        # Dynamo cancels by releasing an active handle.
+        big = a.initialize_xfer(operation="READ",
+                                local_descs=a.get_xfer_descs([(x.addr, n, 0)] * 256, "DRAM"),
+                                remote_descs=a.get_xfer_descs([(y.addr, n, 0)] * 256, "DRAM"),
+                                remote_agent=name)
+        assert a.transfer(big) == "PROC"
+        a.release_xfer_handle(big)
+        # SGLang: positional, an ASCII notification, "ERR" raises, poll every handle.
+        hs = [a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr + k * 4096, 4096, 0)], "DRAM"),
+                                a.get_xfer_descs([(y.addr + k * 4096, 4096, 0)], "DRAM"), name,
+                                f"req_{k}".encode("ascii")) for k in range(8)]
+        for hk in hs:
+            assert a.transfer(hk) != "ERR"
+        deadline = time.monotonic() + STEP
+        while not all(a.check_xfer_state(hk) == "DONE" for hk in hs):
+            assert time.monotonic() < deadline
+        got: set[bytes] = set()
+        while len(got) < 8:
+            assert time.monotonic() < deadline
+            got.update(b.get_new_notifs().get(a.name, []))
+        assert {m.decode("ascii").split("_")[1] for m in got} == {str(k) for k in range(8)}
+        for hk in (h, *hs):
+            a.release_xfer_handle(hk)
+        a.remove_remote_agent(name)
+        a.deregister_memory(ra)
+        b.deregister_memory(rb)
+    finally:
+        a.close()
+        b.close()
