@@ -839,3 +839,42 @@ def test_dynamo_and_sglang_call_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         a.close()
         b.close()
+
+
+# ---------------------------------------------------------------- many regions (vLLM: per layer)
+
+
+def test_requests_across_many_regions_by_index(agents: Any) -> None:
+    a, b = agents(), agents()
+    layers, blocks, blk = 4, 16, 1024
+    xs = [Buf(blocks * blk, 0) for _ in range(layers)]
+    ys = [Buf(blocks * blk, 0) for _ in range(layers)]
+    rng = np.random.default_rng(3)
+    for y in ys:
+        y.np[:] = rng.integers(0, 256, y.n, dtype=np.uint8)
+    a.register_memory([(x.addr, x.n, 0, "") for x in xs], "DRAM")
+    b.register_memory([(y.addr, y.n, 0, "") for y in ys], "DRAM")
+    a.add_remote_agent(b.get_agent_metadata())
+    # Descriptor lists over every layer's blocks, layer-major, as vLLM builds them.
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(
+        [(x.addr + k * blk, blk, 0) for x in xs for k in range(blocks)], dtype=np.uint64), "DRAM")
+    remote = a.prep_xfer_dlist(b.name, np.array(
+        [(y.addr + k * blk, blk, 0) for y in ys for k in range(blocks)], dtype=np.uint64), "DRAM")
+    n = layers * blocks
+    li = rng.permutation(n)[:40].astype(np.int64)
+    ri = rng.permutation(n)[:40].astype(np.int64)
+    h = a.make_prepped_xfer("READ", local, li, remote, ri, b"7:1")
+    assert a.transfer(h) == "DONE" or _wait(a, h) == "DONE"
+    for i, j in zip(li.tolist(), ri.tolist(), strict=True):
+        xl, xk = divmod(i, blocks)
+        yl, yk = divmod(j, blocks)
+        assert np.array_equal(xs[xl].np[xk * blk:(xk + 1) * blk],
+                              ys[yl].np[yk * blk:(yk + 1) * blk])
+    untouched = set(range(n)) - set(li.tolist())
+    for i in untouched:
+        xl, xk = divmod(i, blocks)
+        assert not xs[xl].np[xk * blk:(xk + 1) * blk].any()
+    deadline = time.monotonic() + STEP
+    while not b.check_remote_xfer_done(a.name, b"7:1"):  # after all of the data
+        assert time.monotonic() < deadline
+    h.release()

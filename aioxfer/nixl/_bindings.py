@@ -739,6 +739,19 @@ def _noop() -> None:
     pass
 
 
+def _segments(region: Any, offsets: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
+              nbytes: int) -> SegmentList:
+    """A SegmentList of ranges already checked against ``region`` (they come
+    from prepared lists): made without SegmentList's own checks, which cost
+    more than the rest of a request (contiguous uint64 arrays, as its own)."""
+    sl = SegmentList.__new__(SegmentList)
+    sl.region = region
+    sl.offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
+    sl.lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+    sl.nbytes = nbytes
+    return sl
+
+
 def _name(value: Any) -> str:
     """Agent names come as str or bytes (add_remote_agent returns bytes)."""
     if isinstance(value, bytes | bytearray):
@@ -872,7 +885,8 @@ class _Prepped:
     """A prepared descriptor list: per descriptor the index of its region in
     ``objs`` (local: _Reg; remote: region names), its offset and length."""
 
-    __slots__ = ("remote", "loopback", "mem", "objs", "ridx", "offs", "lens", "gen", "resolved")
+    __slots__ = ("remote", "loopback", "mem", "objs", "ridx", "offs", "lens", "gen", "resolved",
+                 "n", "single")
 
     def __init__(self, remote: _Remote | None, loopback: bool, mem: nixl_mem_t, objs: list[Any],
                  ridx: npt.NDArray[np.intp], offs: npt.NDArray[np.uint64],
@@ -886,6 +900,10 @@ class _Prepped:
         self.lens = lens
         self.gen = gen
         self.resolved: dict[int, Any] = {}
+        self.n = int(ridx.shape[0])
+        # The region of every descriptor when it is one (the common case):
+        # requests from this list then need no grouping.
+        self.single = int(ridx[0]) if self.n and bool((ridx == ridx[0]).all()) else -1
 
     @property
     def is_local(self) -> bool:
@@ -1603,9 +1621,9 @@ class nixlAgent:
             raise _error(-2, f"makeXferReq: different number of indices for local ({li.size}), "
                              f"remote ({ri.size})")
         for side, idx, d in (("local", li, ld), ("remote", ri, rd)):
-            bad = np.flatnonzero((idx < 0) | (idx >= d.ridx.size))
-            if bad.size:
-                i = int(bad[0])
+            # One comparison: a negative index, seen as unsigned, is out of range too.
+            if bool((idx.view(np.uint64) >= d.n).any()):
+                i = int(np.flatnonzero((idx < 0) | (idx >= d.n))[0])
                 raise _error(-2, f"makeXferReq: {side} index out of range at index {i} with "
                                  f"value {int(idx[i])}")
         lens = ld.lens[li]
@@ -1667,30 +1685,43 @@ class nixlAgent:
                 peer = self._peer_of(rem.name, what, lost_ok=True)
         # Remote regions by name, as the peer knows them (refreshed once if
         # the peer registered them after we connected).
-        needed = np.unique(rd.ridx[ri]).tolist()
+        single = ld.single >= 0 and rd.single >= 0
+        if single:
+            needed = [rd.single]
+        else:
+            rridx = rd.ridx[ri]
+            needed = np.unique(rridx).tolist()
         remote_objs = self._resolve(rd, needed, peer, what)
-        lridx = ld.ridx[li]
-        rridx = rd.ridx[ri]
         loffs = ld.offs[li]
         roffs = rd.offs[ri]
         groups: list[tuple[Any, Any]] = []
         with self._rt.locked():
             try:
-                lregs = {k: ld.objs[k].region for k in np.unique(lridx).tolist()}
                 if li.size == 1:
                     a, b, n = int(loffs[0]), int(roffs[0]), int(lens[0])
-                    groups.append((lregs[int(lridx[0])][a:a + n],
-                                   remote_objs[int(rridx[0])][b:b + n]))
-                elif len(lregs) == 1 and len(remote_objs) == 1:
-                    groups.append((SegmentList(next(iter(lregs.values())), loffs, lens),
-                                   SegmentList(next(iter(remote_objs.values())), roffs, lens)))
+                    lk = ld.single if ld.single >= 0 else int(ld.ridx[li[0]])
+                    rk = rd.single if rd.single >= 0 else int(rd.ridx[ri[0]])
+                    groups.append((ld.objs[lk].region[a:a + n], remote_objs[rk][b:b + n]))
+                elif single:
+                    # Checked already: every range lies inside its prepared,
+                    # registered region (the engines check again).
+                    nbytes = int(lens.sum())
+                    groups.append((_segments(ld.objs[ld.single].region, loffs, lens, nbytes),
+                                   _segments(remote_objs[rd.single], roffs, lens, nbytes)))
                 else:
+                    # One pair of segment lists per (local, remote) region pair,
+                    # in the order of the request within each.
+                    lridx = ld.ridx[li]
                     key = lridx.astype(np.int64) * (int(rridx.max()) + 1) + rridx
-                    for k in np.unique(key).tolist():
-                        sel = np.flatnonzero(key == k)
+                    order = np.argsort(key, kind="stable")
+                    cuts = np.flatnonzero(np.diff(key[order])) + 1
+                    for sel in np.split(order, cuts):
+                        first = int(sel[0])
+                        sl = lens[sel]
+                        nbytes = int(sl.sum())
                         groups.append((
-                            SegmentList(lregs[int(lridx[sel[0]])], loffs[sel], lens[sel]),
-                            SegmentList(remote_objs[int(rridx[sel[0]])], roffs[sel], lens[sel]),
+                            _segments(ld.objs[int(lridx[first])].region, loffs[sel], sl, nbytes),
+                            _segments(remote_objs[int(rridx[first])], roffs[sel], sl, nbytes),
                         ))
             except (XferError, ValueError, IndexError, TypeError) as exc:
                 raise _from_xfer_error(exc, what) from None
