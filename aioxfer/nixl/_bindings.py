@@ -1862,9 +1862,11 @@ class nixlAgent:
             x.last_poll = 0.0
         finally:
             rt.leave()
-        if fut.done() and (telemetry or fut.cancelled() or fut.exception() is not None):
+        if not fut.done():
+            return 1  # NIXL_IN_PROG
+        if telemetry or fut.cancelled() or fut.exception() is not None:
             return self._finish(x, fut, "postXferReq")
-        return 0 if fut.done() else 1  # NIXL_SUCCESS, NIXL_IN_PROG
+        return 0  # NIXL_SUCCESS
 
     def _post(self, x: _Xfer, msg: bytes) -> asyncio.Future[Any]:
         """A request aioxfer does not post in one call (called with the lock
