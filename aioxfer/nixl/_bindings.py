@@ -915,7 +915,7 @@ class _Xfer:
 
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
-                 "file", "one", "write", "post", "objects")
+                 "file", "one", "write", "post", "objects", "parts", "frames", "notifying")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -942,6 +942,11 @@ class _Xfer:
         self.write = op == NIXL_WRITE
         self.post: Any = None  # agent.write or agent.read where that call is the request
         self.objects = False  # to or from the "OBJ" backend's bucket
+        # A request of several aioxfer calls (see _post): the current post's
+        # parts, its notification frames, whether they are being sent.
+        self.parts: list[Any] = []
+        self.frames: list[bytes] = []
+        self.notifying = False
 
 
 def _indices(value: Any, what: str) -> npt.NDArray[np.int64]:
@@ -1876,6 +1881,7 @@ class nixlAgent:
         moved, and the request is done when that task is."""
         agent = self._agent
         assert agent is not None
+        x.parts = []
         if x.objects:  # the object backend posts on its loop, in a task of its own
             return self._rt.spawn(self._object_io(x))
         frames = _wire.notif_frames(msg) if (msg and not x.file) else []
@@ -1886,7 +1892,66 @@ class nixlAgent:
         post = agent.write if x.write else agent.read
         parts = [post(local, far) for local, far in x.groups]
         self._flush_fn()
-        return self._rt.spawn(self._then_notify(x, parts, frames))
+        self._rt.forget_foreign()  # the flush the parts scheduled: nothing left for it
+        # Done when every part is and then the notification was sent: a
+        # future settled by whoever sees it first (a poller, from its own
+        # thread; the loop thread, through the parts' callbacks, if nobody
+        # polls), so that a poller needs no loop-thread round per request.
+        whole: asyncio.Future[Any] = self._rt.loop.create_future()
+        x.parts = parts
+        x.frames = frames
+        x.notifying = False
+
+        def advance(_: Any = None) -> None:
+            self._advance(x, whole)
+
+        self._advance(x, whole)
+        if not whole.done() and not x.notifying:
+            for part in parts:
+                if not part.done():  # (on a done one: a loop-thread call for nothing)
+                    part.add_done_callback(advance)
+        return whole
+
+    def _advance(self, x: _Xfer, whole: asyncio.Future[Any]) -> None:
+        """Moves a request of several parts on (runtime lock held): once all
+        of its data moved, sends its notification (a task on the loop), then
+        settles ``whole``; a failed or cancelled part settles it at once."""
+        if whole.done() or x.notifying or x.fut is not whole and x.fut is not None:
+            return
+        parts = x.parts
+        for part in parts:
+            if not part.done():
+                return
+        for part in parts:
+            if part.cancelled():
+                whole.cancel()
+                return
+            exc = part.exception()
+            if exc is not None:
+                whole.set_exception(exc)
+                return
+        if not x.frames:
+            whole.set_result(time.perf_counter())
+            return
+        x.notifying = True
+        assert x.peer is not None
+        # The loop thread sends it; a poller's lingering claim would keep the
+        # completion of the send from it (the poller waits for loop rounds now).
+        self._rt.expire_lingering()
+        task = self._rt.spawn(_notify_all(x.peer, x.frames))
+
+        def notified(t: asyncio.Task[Any]) -> None:
+            x.notifying = False
+            if whole.done():
+                return
+            if t.cancelled():
+                whole.cancel()
+            elif t.exception() is not None:
+                whole.set_exception(t.exception())  # type: ignore[arg-type]
+            else:
+                whole.set_result(time.perf_counter())
+
+        task.add_done_callback(notified)
 
     async def _object_io(self, x: _Xfer) -> float:
         agent = self._agent
@@ -1901,16 +1966,6 @@ class nixlAgent:
         await asyncio.gather(*(peer.notify(f) for f in frames[:-1]))
         local, far = x.groups[0]
         await agent.write(local, far, notify=frames[-1])
-        return time.perf_counter()
-
-    async def _then_notify(self, x: _Xfer, parts: list[Any], frames: list[bytes]) -> float:
-        results = await asyncio.gather(*parts, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        if frames:
-            assert x.peer is not None
-            await asyncio.gather(*(x.peer.notify(f) for f in frames))
         return time.perf_counter()
 
     def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str) -> int:
@@ -1940,9 +1995,12 @@ class nixlAgent:
         # Like NIXL's check, which progresses its backend: take the completions
         # the engine has now, rather than wait for the loop thread to wake up
         # and do it (skipped while the loop thread is at it).
+        parts = x.parts if type(fut) is not Transfer else None
         if rt.lock.acquire(blocking=False):
             try:
                 self._poll_fn()
+                if parts:
+                    self._advance(x, fut)
             finally:
                 rt.leave()
             if fut.done():
@@ -1950,11 +2008,20 @@ class nixlAgent:
         now = time.perf_counter()
         if now - x.last_poll < _TIGHT_POLL:
             # Polled in a tight loop: sleep until the engine signals a
-            # completion (at most _TIGHT_WAIT), then take it here. Spinning
-            # instead would hold the interpreter the loop thread needs, and
-            # take a core the engine's copy threads need.
-            self._wait_completion(_ENGINE_WAIT if type(fut) is Transfer else _TIGHT_WAIT,
-                                  fut.done)
+            # completion (at most _ENGINE_WAIT), or, for what a task on the
+            # loop thread finishes, until that thread ends a round (at most
+            # _TIGHT_WAIT); then take it here. Spinning instead would hold the
+            # interpreter the loop thread needs, and take a core the engine's
+            # copy threads need.
+            if type(fut) is Transfer or (parts and not x.notifying):
+                self._wait_completion(_ENGINE_WAIT, fut.done)
+                if parts and rt.lock.acquire(blocking=False):
+                    try:
+                        self._advance(x, fut)
+                    finally:
+                        rt.leave()
+            else:
+                rt.yield_to_loop(_TIGHT_WAIT, ready=fut.done)
             now = time.perf_counter()
         x.last_poll = now
         if fut.done():
@@ -2085,6 +2152,8 @@ class nixlAgent:
             if fut is not None and not fut.done():
                 # aioxfer can always cancel: memory stays pinned until the
                 # engine confirms nothing touches it any more.
+                for part in x.parts:
+                    part.cancel()
                 fut.cancel()
         return int(NIXL_SUCCESS)
 
@@ -2235,6 +2304,10 @@ class _CentralStore:
 def _close_later(coro: Any) -> None:
     task = asyncio.get_running_loop().create_task(coro)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+async def _notify_all(peer: aioxfer.Peer, frames: list[bytes]) -> None:
+    await asyncio.gather(*(peer.notify(f) for f in frames))
 
 
 async def _send_notifs(peer: aioxfer.Peer, frames: list[bytes]) -> None:
