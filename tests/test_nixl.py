@@ -130,6 +130,29 @@ def test_shim_makes_import_nixl_this_package() -> None:
     assert path == nixl.shim_path() and os.path.isfile(os.path.join(path, "nixl", "__init__.py"))
 
 
+def test_agents_dropped_before_exit_close_cleanly() -> None:
+    # As prep_xfer_perf: ``del agent`` just before the interpreter exits.
+    code = (
+        "import numpy as np\n"
+        "from aioxfer.nixl import nixl_agent\n"
+        "for k in range(3):\n"
+        "    a = nixl_agent(f'a{k}')\n"
+        "    buf = np.zeros(1 << 16, np.uint8)\n"
+        "    a.register_memory([(buf.ctypes.data + i * 256, 256, 0, '') for i in range(256)],\n"
+        "                      'DRAM')\n"
+        "    l = a.prep_xfer_dlist('', [(buf.ctypes.data, 256, 0)], 'DRAM')\n"
+        "    r = a.prep_xfer_dlist(a.name, [(buf.ctypes.data + 256, 256, 0)], 'DRAM')\n"
+        "    h = a.make_prepped_xfer('WRITE', l, [0], r, [0])\n"
+        "    del a, l, r, h  # a loopback peer connected: its close takes a while\n"
+        "print('exit')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                         timeout=60)
+    assert out.returncode == 0 and "exit" in out.stdout, out.stderr
+    for bad in ("destroyed but it is pending", "Exception ignored", "Traceback"):
+        assert bad not in out.stderr, out.stderr
+
+
 def test_logger_writes_nixl_lines_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     log = nixl_logging.get_logger("__example")
     assert log.name == "nixl.example"

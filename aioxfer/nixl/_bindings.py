@@ -2304,6 +2304,7 @@ class _CentralStore:
 def _close_later(coro: Any) -> None:
     task = asyncio.get_running_loop().create_task(coro)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    runtime().track_closing(task)
 
 
 async def _notify_all(peer: aioxfer.Peer, frames: list[bytes]) -> None:

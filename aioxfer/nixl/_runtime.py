@@ -218,6 +218,7 @@ class Runtime:
         self._round_waiters = 0
         self.loop_ident = -1
         self._closers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._closing: set[asyncio.Task[Any]] = set()  # closes of agents already dropped
         self._selector = _LockedSelector(self)
         self.loop = _Loop(self._selector)
         self.loop._rt = self
@@ -365,13 +366,21 @@ class Runtime:
         exit if obj is still alive, so peers see a clean leave."""
         self._closers.add(obj)
 
+    def track_closing(self, task: asyncio.Task[Any]) -> None:
+        """A close begun for an agent nobody holds any more (loop thread):
+        the exit waits for it as for the others."""
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     def _at_exit(self) -> None:
         closers = list(self._closers)
 
         async def close_all() -> None:
-            await asyncio.gather(*(c._close_at_exit() for c in closers), return_exceptions=True)
+            # (Here, on the loop, the closes scheduled before are tracked.)
+            await asyncio.gather(*(c._close_at_exit() for c in closers), *self._closing,
+                                 return_exceptions=True)
 
-        if closers and self.thread.is_alive():
+        if self.thread.is_alive():
             with contextlib.suppress(Exception):
                 self.run(close_all(), timeout=10.0)
         if self.thread.is_alive():
