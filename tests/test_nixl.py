@@ -901,3 +901,26 @@ def test_requests_across_many_regions_by_index(agents: Any) -> None:
     while not b.check_remote_xfer_done(a.name, b"7:1"):  # after all of the data
         assert time.monotonic() < deadline
     h.release()
+
+
+def test_segment_lists_built_from_checked_ranges_match_the_public_ones() -> None:
+    # aioxfer.nixl builds SegmentLists of prepared (already checked) ranges
+    # without SegmentList's own checks: they must equal what it would build,
+    # and a change of SegmentList's fields must show here.
+    from aioxfer import SegmentList
+
+    assert SegmentList.__slots__ == ("region", "offsets", "lengths", "nbytes")
+    a = nixl_agent(_name())
+    try:
+        x = Buf(1 << 16)
+        a.register_memory([(x.addr, x.n, 0, "")], "DRAM")
+        region = a.agent._regs[0].region
+        offs = np.array([0, 4096, 8192], dtype=np.uint64)
+        lens = np.array([16, 32, 64], dtype=np.uint64)
+        fast = _bindings._segments(region, offs[[2, 0]], lens[[2, 0]], 80)
+        ref = SegmentList(region, offs[[2, 0]], lens[[2, 0]])
+        assert fast.region is ref.region and fast.nbytes == ref.nbytes
+        for f, r in ((fast.offsets, ref.offsets), (fast.lengths, ref.lengths)):
+            assert f.dtype == r.dtype and f.flags.c_contiguous and np.array_equal(f, r)
+    finally:
+        a.close()
