@@ -886,7 +886,7 @@ class _Prepped:
     ``objs`` (local: _Reg; remote: region names), its offset and length."""
 
     __slots__ = ("remote", "loopback", "mem", "objs", "ridx", "offs", "lens", "gen", "resolved",
-                 "n", "single")
+                 "n", "single", "uniform")
 
     def __init__(self, remote: _Remote | None, loopback: bool, mem: nixl_mem_t, objs: list[Any],
                  ridx: npt.NDArray[np.intp], offs: npt.NDArray[np.uint64],
@@ -904,6 +904,8 @@ class _Prepped:
         # The region of every descriptor when it is one (the common case):
         # requests from this list then need no grouping.
         self.single = int(ridx[0]) if self.n and bool((ridx == ridx[0]).all()) else -1
+        # The length of every descriptor when it is one (KV blocks), else -1.
+        self.uniform = int(lens[0]) if self.n and bool((lens == lens[0]).all()) else -1
 
     @property
     def is_local(self) -> bool:
@@ -1632,7 +1634,7 @@ class nixlAgent:
                 raise _error(-2, f"makeXferReq: {side} index out of range at index {i} with "
                                  f"value {int(idx[i])}")
         lens = ld.lens[li]
-        if not np.array_equal(lens, rd.lens[ri]):
+        if (ld.uniform < 0 or ld.uniform != rd.uniform) and not np.array_equal(lens, rd.lens[ri]):
             i = int(np.flatnonzero(lens != rd.lens[ri])[0])
             raise _error(-2, f"makeXferReq: length mismatch at index {i} with local index "
                              f"{int(li[i])} and remote index {int(ri[i])}")
@@ -1700,7 +1702,10 @@ class nixlAgent:
         loffs = ld.offs[li]
         roffs = rd.offs[ri]
         groups: list[tuple[Any, Any]] = []
-        with self._rt.locked():
+        total = ld.uniform * int(li.size) if ld.uniform >= 0 else int(lens.sum())
+        rt = self._rt
+        rt.lock.acquire()
+        try:
             try:
                 if li.size == 1:
                     a, b, n = int(loffs[0]), int(roffs[0]), int(lens[0])
@@ -1710,9 +1715,8 @@ class nixlAgent:
                 elif single:
                     # Checked already: every range lies inside its prepared,
                     # registered region (the engines check again).
-                    nbytes = int(lens.sum())
-                    groups.append((_segments(ld.objs[ld.single].region, loffs, lens, nbytes),
-                                   _segments(remote_objs[rd.single], roffs, lens, nbytes)))
+                    groups.append((_segments(ld.objs[ld.single].region, loffs, lens, total),
+                                   _segments(remote_objs[rd.single], roffs, lens, total)))
                 else:
                     # One pair of segment lists per (local, remote) region pair,
                     # in the order of the request within each.
@@ -1732,13 +1736,14 @@ class nixlAgent:
                 raise _from_xfer_error(exc, what) from None
             backend = next((h for h, b in self._backends.items()
                             if b.type == ("POSIX" if file else "UCX")), 0)
-            x = _Xfer(op, peer, rem, rd.gen, groups, notif, int(li.size), int(lens.sum()),
-                      backend, file)
+            x = _Xfer(op, peer, rem, rd.gen, groups, notif, int(li.size), total, backend, file)
             agent = self._agent
             if len(groups) == 1 and agent is not None:
                 x.post = agent.write if x.write else agent.read
             handle = next(self._handle_seq)
             self._xfers[handle] = x
+        finally:
+            rt.leave()
         return handle
 
     def _new_object_xfer(self, op: int, ld: _Prepped, li: npt.NDArray[np.int64], rd: _Prepped,
@@ -2142,20 +2147,25 @@ class nixlAgent:
         return x.backend
 
     def releaseXferReq(self, reqh: int) -> int:
-        with self._rt.locked():
-            x = self._xfers.pop(int(reqh), None)
-            if x is None:
-                if self._closed:  # everything was released with the agent
-                    return int(NIXL_SUCCESS)
-                raise _error(-2, f"releaseXferReq: unknown transfer handle {int(reqh):#x}")
-            fut = x.fut
-            if fut is not None and not fut.done():
-                # aioxfer can always cancel: memory stays pinned until the
-                # engine confirms nothing touches it any more.
-                for part in x.parts:
-                    part.cancel()
-                fut.cancel()
-        return int(NIXL_SUCCESS)
+        x = self._xfers.pop(reqh, None)  # (atomic: no lock needed to take it out)
+        if x is None:
+            if self._closed:  # everything was released with the agent
+                return 0
+            raise _error(-2, f"releaseXferReq: unknown transfer handle {int(reqh):#x}")
+        fut = x.fut
+        if fut is not None and not fut.done():
+            rt = self._rt
+            rt.lock.acquire()
+            try:
+                if not fut.done():
+                    # aioxfer can always cancel: memory stays pinned until the
+                    # engine confirms nothing touches it any more.
+                    for part in x.parts:
+                        part.cancel()
+                    fut.cancel()
+            finally:
+                rt.leave()
+        return 0  # NIXL_SUCCESS
 
     # ------------------------------------------------------------ notifications
 
