@@ -1903,6 +1903,7 @@ class nixlAgent:
         # thread; the loop thread, through the parts' callbacks, if nobody
         # polls), so that a poller needs no loop-thread round per request.
         whole: asyncio.Future[Any] = self._rt.loop.create_future()
+        x.fut = whole  # (the current post's, for _advance: a repost's earlier one is done)
         x.parts = parts
         x.frames = frames
         x.notifying = False
