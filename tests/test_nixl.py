@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-# The real etcd of the discovery tests (skips where the binary is absent).
+# The real S3 server (rclone) of the object tests, and the real etcd of the
+# discovery tests (each skips where its binary is absent).
+from s3server import ACCESS_KEY, SECRET_KEY, S3Server, s3  # noqa: F401
 from test_discovery import etcd_server  # noqa: F401
 
 import aioxfer.nixl as nixl
@@ -128,6 +130,29 @@ def test_shim_makes_import_nixl_this_package() -> None:
     assert path == nixl.shim_path() and os.path.isfile(os.path.join(path, "nixl", "__init__.py"))
 
 
+def test_agents_dropped_before_exit_close_cleanly() -> None:
+    # As prep_xfer_perf: ``del agent`` just before the interpreter exits.
+    code = (
+        "import numpy as np\n"
+        "from aioxfer.nixl import nixl_agent\n"
+        "for k in range(3):\n"
+        "    a = nixl_agent(f'a{k}')\n"
+        "    buf = np.zeros(1 << 16, np.uint8)\n"
+        "    a.register_memory([(buf.ctypes.data + i * 256, 256, 0, '') for i in range(256)],\n"
+        "                      'DRAM')\n"
+        "    l = a.prep_xfer_dlist('', [(buf.ctypes.data, 256, 0)], 'DRAM')\n"
+        "    r = a.prep_xfer_dlist(a.name, [(buf.ctypes.data + 256, 256, 0)], 'DRAM')\n"
+        "    h = a.make_prepped_xfer('WRITE', l, [0], r, [0])\n"
+        "    del a, l, r, h  # a loopback peer connected: its close takes a while\n"
+        "print('exit')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                         timeout=60)
+    assert out.returncode == 0 and "exit" in out.stdout, out.stderr
+    for bad in ("destroyed but it is pending", "Exception ignored", "Traceback"):
+        assert bad not in out.stderr, out.stderr
+
+
 def test_logger_writes_nixl_lines_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     log = nixl_logging.get_logger("__example")
     assert log.name == "nixl.example"
@@ -200,7 +225,11 @@ def test_config_and_agent_arguments() -> None:
     a = nixl_agent(_name(), nixl_agent_config(backends=["UCX", "NOPE"]))
     try:
         assert list(a.backends) == ["UCX"]
-        assert a.get_plugin_list() == ["POSIX", "UCX"]
+        # OBJ where aioxfer's object backend can run (its extra installed).
+        objects = _bindings._objects_available()
+        assert a.get_plugin_list() == (["OBJ", "POSIX", "UCX"] if objects else ["POSIX", "UCX"])
+        with pytest.raises(nixl.nixlBackendError if objects else nixl.nixlNotFoundError):
+            a.create_backend("OBJ")  # no bucket, as NIXL's OBJ without one
         assert a.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
         assert a.get_plugin_params("UVX") == {} and a.get_backend_mem_types("UVX") == []
         with pytest.raises(nixl.nixlInvalidParamError):
@@ -496,3 +525,402 @@ def test_no_central_store_without_endpoints(monkeypatch: pytest.MonkeyPatch, age
     monkeypatch.delenv("NIXL_ETCD_ENDPOINTS", raising=False)
     with pytest.raises(nixl.nixlNotSupportedError):
         agents().send_local_metadata()
+    # Set but empty: NIXL refuses to make the agent.
+    monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", "")
+    with pytest.raises(RuntimeError, match="NIXL_ETCD_ENDPOINTS"):
+        agents()
+
+
+# ---------------------------------------------------------------- the runtime's fd claims
+
+
+def test_claimed_fd_is_the_pollers_until_its_linger_ends_or_a_blocking_call() -> None:
+    from aioxfer.nixl._runtime import runtime
+
+    rt = runtime()
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    fired = threading.Event()
+
+    def on_readable() -> None:
+        os.eventfd_read(efd)
+        fired.set()
+
+    async def watch() -> None:
+        rt.loop.add_reader(efd, on_readable)
+
+    async def unwatch() -> None:
+        rt.loop.remove_reader(efd)
+
+    async def nothing() -> None:
+        pass
+
+    rt.run(watch())
+    try:
+        # Held: the loop thread never reads it, however long the poller waits.
+        with rt.locked():
+            assert rt.claim(efd)
+        os.eventfd_write(efd, 1)
+        assert not fired.wait(0.2)
+        # Released with a linger: the loop thread takes it back when the linger ends.
+        with rt.locked():
+            rt.release(efd, 0.05)
+        assert fired.wait(STEP)
+        fired.clear()
+        # A linger of an hour: a blocking call gives it back first.
+        with rt.locked():
+            assert rt.claim(efd)
+            rt.release(efd, 3600.0)
+        os.eventfd_write(efd, 1)
+        rt.run(nothing())
+        assert fired.wait(STEP)
+    finally:
+        rt.run(unwatch())
+        os.close(efd)
+    with rt.locked():
+        assert not rt.claim(efd)  # no longer the loop's: nothing to claim
+
+
+def test_tight_poller_leaves_notifications_and_blocking_calls_working(
+        agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A claim that would linger for an hour after a tight polling loop.
+    monkeypatch.setattr(_bindings, "_LINGER", 3600.0)
+    a, b, x, y, _, _ = _pair(agents, n=4 << 20)
+    b.add_remote_agent(a.get_agent_metadata())
+    y.np[:] = np.arange(y.n, dtype=np.uint64).astype(np.uint8)
+    h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, y.n, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, y.n, 0)], "DRAM"), b.name)
+    for _ in range(5):
+        a.transfer(h)
+        assert _wait(a, h) == "DONE"
+    assert np.array_equal(x.np, y.np)
+    # The poller's agent still gets what comes to it: by get_new_notifs...
+    b.send_notif(a.name, b"to-the-poller")
+    deadline = time.monotonic() + STEP
+    got: list[bytes] = []
+    while not got:
+        assert time.monotonic() < deadline
+        got = a.get_new_notifs().get(b.name, [])
+        time.sleep(0.001)  # not a tight poller
+    assert got == [b"to-the-poller"]
+    # ... and a blocking call that needs the engine (connect, metadata) works.
+    c = agents()
+    assert a.add_remote_agent(c.get_agent_metadata()) == c.name.encode()
+    assert c.add_remote_agent(a.get_agent_metadata()) == a.name.encode()
+    h.release()
+
+
+# ---------------------------------------------------------------- POSIX: files
+
+
+@pytest.mark.parametrize("backends", [[], ["UCX"]])
+def test_posix_backend_moves_host_memory_to_files_and_back(
+        agents: Any, tmp_path: Any, backends: list[str]) -> None:
+    # As NIXL's GDS/POSIX examples: FILE registered as (offset, length, fd),
+    # transfers prepared against the agent's own name.
+    a = agents(backends=backends)
+    a.create_backend("POSIX")
+    assert set(a.backends) == {"POSIX", *backends}
+    assert a.get_backend_mem_types("POSIX") == ["FILE_SEG", "DRAM_SEG"]
+    assert a.get_backend_params("POSIX")["use_uring"] == "false"
+    with pytest.raises(nixl.nixlInvalidParamError):
+        a.create_backend("POSIX")
+    n = 16 * 4096
+    x, y = Buf(n, 0xBA), Buf(n, 0)
+    reg = a.register_memory([(x.addr, n, 0, "a"), (y.addr, n, 0, "b")], "DRAM",
+                            backends=["POSIX"])
+    path = tmp_path / "kv.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        freg = a.register_memory([(4096, n, fd, "f")], "FILE")
+        assert freg is not None
+        h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"), freg.trim(),
+                              a.name)
+        assert a.transfer(h) == "DONE" or _wait(a, h) == "DONE"
+        assert a.check_xfer_state(h) == "DONE" and a.query_xfer_backend(h) == "POSIX"
+        data = path.read_bytes()
+        assert len(data) == 4096 + n and data[4096:] == b"\xba" * n
+        # Scattered, reordered, by index: file blocks 3 and 0 of the range.
+        lh = a.prep_xfer_dlist("", [(y.addr, 4096, 0), (y.addr + 8192, 4096, 0)], "DRAM")
+        rh = a.prep_xfer_dlist(a.name, [(4096, 4096, fd), (4096 * 4, 4096, fd)], "FILE")
+        os.pwrite(fd, b"\x01" * 4096, 4096 * 4)
+        h2 = a.make_prepped_xfer("READ", lh, [0, 1], rh, [1, 0])
+        assert a.transfer(h2) == "DONE" or _wait(a, h2) == "DONE"
+        assert bytes(y.np[:4096]) == b"\x01" * 4096
+        assert bytes(y.np[8192:12288]) == b"\xba" * 4096
+        assert not y.np[4096:8192].any()
+        # Outside the registered range, or no such fd: not found, as NIXL says.
+        with pytest.raises(nixl.nixlNotFoundError):
+            a.prep_xfer_dlist(a.name, [(0, 4096, fd)], "FILE")
+        with pytest.raises(nixl.nixlNotFoundError):
+            a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, 4096, 0)], "DRAM"),
+                              a.get_xfer_descs([(4096, 4096, fd + 1000)], "FILE"), a.name)
+        # Local FILE memory is never in the agent's metadata.
+        b = agents()
+        b.add_remote_agent(a.get_agent_metadata())
+        with pytest.raises(nixl.nixlNotFoundError):
+            b.prep_xfer_dlist(a.name, [(4096, 4096, fd)], "FILE")
+        for handle in (h, h2, lh, rh):
+            handle.release()
+        a.deregister_memory(freg)
+        with pytest.raises(nixl.nixlNotFoundError):
+            a.deregister_memory(freg)
+        a.deregister_memory(reg)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- beyond NIXL: asyncio
+
+
+def test_await_handle_from_an_asyncio_program(agents: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")  # slow enough to cancel midway
+    a, b, x, y, _, _ = _pair(agents, n=8 << 20)
+    y.np[:] = np.arange(y.n, dtype=np.uint64).astype(np.uint8)
+    before = a.statistics()
+    h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, y.n, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, y.n, 0)], "DRAM"), b.name, b"r")
+
+    async def main() -> None:
+        a.transfer(h)
+        assert await h == "DONE"
+        assert await h == "DONE"  # done stays done
+        assert np.array_equal(x.np, y.np)
+        # Reposted, awaited twice at once.
+        a.transfer(h)
+        assert await asyncio.gather(h, asyncio.wrap_future(h.future())) == ["DONE", "DONE"]
+        # Cancelling the awaiting task cancels the transfer.
+        big = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, y.n, 0)] * 64, "DRAM"),
+                                a.get_xfer_descs([(y.addr, y.n, 0)] * 64, "DRAM"), b.name)
+        a.transfer(big)
+        task = asyncio.ensure_future(_awaited(big))
+        await asyncio.sleep(0)
+        assert a.check_xfer_state(big) == "PROC"  # 512 MiB over TCP: far from done
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(nixl.nixlCancelledError):
+            a.check_xfer_state(big)
+        big.release()
+
+    asyncio.run(main())
+    after = a.statistics()
+    # Both READs (and their notifications) are the aioxfer agent's transfers.
+    assert after.transfers_completed >= before.transfers_completed + 2
+    assert after.bytes == before.bytes + 2 * y.n
+    h.release()
+
+
+async def _awaited(handle: Any) -> str:
+    return str(await handle)
+
+
+# ---------------------------------------------------------------- OBJ: object storage
+
+
+def test_obj_backend_puts_and_gets_objects(agents: Any, s3: S3Server) -> None:  # noqa: F811
+    # NIXL's OBJ: a bucket per backend, OBJ registered as (offset, length,
+    # devId, key) (key = devId when empty), WRITE = the whole object from host
+    # memory, READ = a range of it; against a real S3 server (rclone).
+    pytest.importorskip("obstore")
+    pytest.importorskip("aiohttp")
+    srv = s3
+    bucket = srv.bucket()
+    a = agents(backends=[])
+    assert "OBJ" in a.get_plugin_list()
+    a.create_backend("OBJ", {"bucket": bucket, "endpoint_override": srv.endpoint,
+                             "access_key": ACCESS_KEY, "secret_key": SECRET_KEY,
+                             "region": "us-east-1"})
+    assert a.get_backend_mem_types("OBJ") == ["DRAM_SEG", "OBJ_SEG"]
+    n = 64 << 10
+    x, y = Buf(2 * n, 0), Buf(2 * n, 0)
+    x.np[:] = np.arange(2 * n, dtype=np.uint64).astype(np.uint8)
+    a.register_memory([(x.addr, 2 * n, 0, ""), (y.addr, 2 * n, 0, "")], "DRAM")
+    oreg = a.register_memory([(0, n, 7, "kv/block-7"), (0, n, 8, "")], "OBJ")
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, n, 0), (x.addr + n, n, 0)],
+                                                    "DRAM"),
+                          a.get_xfer_descs([(0, n, 7), (0, n, 8)], "OBJ"), a.name)
+    assert a.transfer(h) in ("DONE", "PROC")
+    assert _wait(a, h) == "DONE" and a.query_xfer_backend(h) == "OBJ"
+    assert srv.file(bucket, "kv/block-7").read_bytes() == bytes(x.np[:n])
+    assert srv.file(bucket, "8").read_bytes() == bytes(x.np[n:])
+    # READ ranges back, by index, into other places.
+    lh = a.prep_xfer_dlist("", [(y.addr, 4096, 0), (y.addr + n, 4096, 0)], "DRAM")
+    rh = a.prep_xfer_dlist(a.name, [(8192, 4096, 7), (0, 4096, 8)], "OBJ")
+    h2 = a.make_prepped_xfer("READ", lh, [0, 1], rh, [1, 0])
+    a.transfer(h2)
+    assert _wait(a, h2) == "DONE"
+    assert bytes(y.np[:4096]) == bytes(x.np[n:n + 4096])
+    assert bytes(y.np[n:n + 4096]) == bytes(x.np[8192:12288])
+    found = a.query_memory([(0, 0, 0, "kv/block-7"), (0, 0, 0, "nowhere"), (0, 0, 0, "8")],
+                           "OBJ", "OBJ")
+    assert found == [{}, None, {}]
+    # Writes replace whole objects: a non-zero offset is refused.
+    with pytest.raises(nixl.nixlInvalidParamError):
+        a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, 4096, 0)], "DRAM"),
+                          a.get_xfer_descs([(4096, 4096, 7)], "OBJ"), a.name)
+    # Unregistered devId: not found; a missing object: the READ fails.
+    with pytest.raises(nixl.nixlNotFoundError):
+        a.prep_xfer_dlist(a.name, [(0, 4096, 9)], "OBJ")
+    a.register_memory([(0, n, 9, "nowhere")], "OBJ")
+    h3 = a.initialize_xfer("READ", a.get_xfer_descs([(y.addr, 4096, 0)], "DRAM"),
+                           a.get_xfer_descs([(0, 4096, 9)], "OBJ"), a.name)
+    with pytest.raises(nixl.nixlBackendError):  # from transfer() or from the check after
+        a.transfer(h3)
+        _wait(a, h3)
+    for handle in (h, h2, h3, lh, rh):
+        handle.release()
+    a.deregister_memory(oreg)
+    with pytest.raises(nixl.nixlNotFoundError):
+        a.deregister_memory(oreg)
+    a.close()
+
+
+# ---------------------------------------------------------------- torch tensors (when installed)
+
+
+def test_torch_cpu_tensors_as_descriptors(agents: Any) -> None:
+    torch = pytest.importorskip("torch")
+    a, b = agents(), agents()
+    src = torch.arange(4096, dtype=torch.float32)
+    dst = torch.zeros(2, 4096, dtype=torch.float32)
+    ra = a.register_memory(src)  # a tensor: DRAM, devId 0, its data_ptr and size
+    rb = b.register_memory([dst[0], dst[1]])  # a list of tensors
+    assert ra is not None and ra.descCount() == 1 and rb.descCount() == 2
+    assert ra[0][:3] == (src.data_ptr(), 4 * 4096, 0)
+    a.add_remote_agent(b.get_agent_metadata())
+    assert a.get_xfer_descs(dst.t()) is None  # not contiguous: None after logging
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([src[:2048], src[2048:]]),
+                          b.get_xfer_descs([dst[1][:2048], dst[0][2048:]]), b.name)
+    assert a.transfer(h) == "DONE" or _wait(a, h) == "DONE"
+    assert torch.equal(dst[1][:2048], src[:2048]) and torch.equal(dst[0][2048:], src[2048:])
+    assert not dst[0][:2048].any() and not dst[1][2048:].any()
+    h.release()
+    a.deregister_memory(ra)
+    b.deregister_memory(rb)
+
+
+# ---------------------------------------------------------------- Dynamo and SGLang call shapes
+
+
+def test_dynamo_and_sglang_call_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")  # slow enough to cancel midway
+    # Dynamo's nixl_connect: default config, "cpu" memory, keywords everywhere.
+    a, b = nixl_agent(_name()), nixl_agent(_name())
+    try:
+        n = 1 << 20
+        x, y = Buf(n, 3), Buf(n, 0)
+        ra = a.register_memory([(x.addr, n, 0, "cpu")], "cpu")
+        rb = b.register_memory([(y.addr, n, 0, "cpu")], "cpu")
+        name = a.add_remote_agent(b.get_agent_metadata())
+        name = name.decode() if isinstance(name, bytes) else name
+        local = a.get_xfer_descs(descs=[(x.addr, n, 0)], mem_type="cpu")
+        remote = a.get_xfer_descs(descs=[(y.addr, n, 0)], mem_type="cpu")
+        h = a.initialize_xfer(operation="WRITE", local_descs=local, remote_descs=remote,
+                              remote_agent=name, notif_msg=b"key-1")
+
+        async def dynamo_wait() -> None:  # Dynamo polls from asyncio every 0.1 s
+            a.transfer(h, b"key-1")
+            while a.check_xfer_state(h) != "DONE":
+                await asyncio.sleep(0.01)
+
+        asyncio.run(dynamo_wait())
+        deadline = time.monotonic() + STEP
+        while b"key-1" not in b.update_notifs().get(a.name, []):  # the passive side
+            assert time.monotonic() < deadline
+        assert y.np.all() and (y.np == 3).all()
+        # Dynamo cancels by releasing an active handle.
+        big = a.initialize_xfer(operation="READ",
+                                local_descs=a.get_xfer_descs([(x.addr, n, 0)] * 256, "DRAM"),
+                                remote_descs=a.get_xfer_descs([(y.addr, n, 0)] * 256, "DRAM"),
+                                remote_agent=name)
+        assert a.transfer(big) == "PROC"
+        a.release_xfer_handle(big)
+        # SGLang: positional, an ASCII notification, "ERR" raises, poll every handle.
+        hs = [a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr + k * 4096, 4096, 0)], "DRAM"),
+                                a.get_xfer_descs([(y.addr + k * 4096, 4096, 0)], "DRAM"), name,
+                                f"req_{k}".encode("ascii")) for k in range(8)]
+        for hk in hs:
+            assert a.transfer(hk) != "ERR"
+        deadline = time.monotonic() + STEP
+        while not all(a.check_xfer_state(hk) == "DONE" for hk in hs):
+            assert time.monotonic() < deadline
+        got: set[bytes] = set()
+        while len(got) < 8:
+            assert time.monotonic() < deadline
+            got.update(b.get_new_notifs().get(a.name, []))
+        assert {m.decode("ascii").split("_")[1] for m in got} == {str(k) for k in range(8)}
+        for hk in (h, *hs):
+            a.release_xfer_handle(hk)
+        a.remove_remote_agent(name)
+        a.deregister_memory(ra)
+        b.deregister_memory(rb)
+    finally:
+        a.close()
+        b.close()
+
+
+# ---------------------------------------------------------------- many regions (vLLM: per layer)
+
+
+def test_requests_across_many_regions_by_index(agents: Any) -> None:
+    a, b = agents(), agents()
+    layers, blocks, blk = 4, 16, 1024
+    xs = [Buf(blocks * blk, 0) for _ in range(layers)]
+    ys = [Buf(blocks * blk, 0) for _ in range(layers)]
+    rng = np.random.default_rng(3)
+    for y in ys:
+        y.np[:] = rng.integers(0, 256, y.n, dtype=np.uint8)
+    a.register_memory([(x.addr, x.n, 0, "") for x in xs], "DRAM")
+    b.register_memory([(y.addr, y.n, 0, "") for y in ys], "DRAM")
+    a.add_remote_agent(b.get_agent_metadata())
+    # Descriptor lists over every layer's blocks, layer-major, as vLLM builds them.
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(
+        [(x.addr + k * blk, blk, 0) for x in xs for k in range(blocks)], dtype=np.uint64), "DRAM")
+    remote = a.prep_xfer_dlist(b.name, np.array(
+        [(y.addr + k * blk, blk, 0) for y in ys for k in range(blocks)], dtype=np.uint64), "DRAM")
+    n = layers * blocks
+    li = rng.permutation(n)[:40].astype(np.int64)
+    ri = rng.permutation(n)[:40].astype(np.int64)
+    h = a.make_prepped_xfer("READ", local, li, remote, ri, b"7:1")
+    assert a.transfer(h) == "DONE" or _wait(a, h) == "DONE"
+    for i, j in zip(li.tolist(), ri.tolist(), strict=True):
+        xl, xk = divmod(i, blocks)
+        yl, yk = divmod(j, blocks)
+        assert np.array_equal(xs[xl].np[xk * blk:(xk + 1) * blk],
+                              ys[yl].np[yk * blk:(yk + 1) * blk])
+    untouched = set(range(n)) - set(li.tolist())
+    for i in untouched:
+        xl, xk = divmod(i, blocks)
+        assert not xs[xl].np[xk * blk:(xk + 1) * blk].any()
+    deadline = time.monotonic() + STEP
+    while not b.check_remote_xfer_done(a.name, b"7:1"):  # after all of the data
+        assert time.monotonic() < deadline
+    h.release()
+
+
+def test_segment_lists_built_from_checked_ranges_match_the_public_ones() -> None:
+    # aioxfer.nixl builds SegmentLists of prepared (already checked) ranges
+    # without SegmentList's own checks: they must equal what it would build,
+    # and a change of SegmentList's fields must show here.
+    from aioxfer import SegmentList
+
+    assert SegmentList.__slots__ == ("region", "offsets", "lengths", "nbytes")
+    a = nixl_agent(_name())
+    try:
+        x = Buf(1 << 16)
+        a.register_memory([(x.addr, x.n, 0, "")], "DRAM")
+        region = a.agent._regs[0].region
+        offs = np.array([0, 4096, 8192], dtype=np.uint64)
+        lens = np.array([16, 32, 64], dtype=np.uint64)
+        fast = _bindings._segments(region, offs[[2, 0]], lens[[2, 0]], 80)
+        ref = SegmentList(region, offs[[2, 0]], lens[[2, 0]])
+        assert fast.region is ref.region and fast.nbytes == ref.nbytes
+        for f, r in ((fast.offsets, ref.offsets), (fast.lengths, ref.lengths)):
+            assert f.dtype == r.dtype and f.flags.c_contiguous and np.array_equal(f, r)
+    finally:
+        a.close()

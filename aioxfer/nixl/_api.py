@@ -9,7 +9,10 @@ raise the ``nixl._bindings`` exceptions. The agent is built through
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import sys
+from collections.abc import Generator
 from enum import Enum
 from typing import Any
 
@@ -89,6 +92,18 @@ class nixl_xfer_handle:
         if not self._released:
             self._agent.releaseXferReq(self._handle)
             self._released = True
+
+    def future(self) -> concurrent.futures.Future[str]:
+        """(aioxfer extension) A future of the current post: "DONE", or the
+        exception check_xfer_state would raise; cancelling it cancels the
+        transfer. ``asyncio.wrap_future(handle.future())`` in any loop."""
+        return self._agent.xferFuture(self._handle)
+
+    def __await__(self) -> Generator[Any, None, str]:
+        """(aioxfer extension) ``await handle`` after ``agent.transfer(handle)``:
+        "DONE" once it is, or the nixl exception; cancelling the awaiting
+        task cancels the transfer."""
+        return asyncio.wrap_future(self.future()).__await__()
 
     def __del__(self) -> None:
         if not getattr(self, "_released", True):
@@ -342,6 +357,11 @@ class nixl_agent:
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         status = self.agent.getXferStatus(handle._handle)
         return "DONE" if status == 0 else "PROC" if status == 1 else "ERR"
+
+    def statistics(self) -> Any:
+        """(aioxfer extension) The aioxfer agent's statistics(): these
+        transfers counted by peer and path (None before UCX or POSIX exists)."""
+        return self.agent.statistics()
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlBind.nixlXferTelemetry:
         return self.agent.getXferTelemetry(handle._handle)

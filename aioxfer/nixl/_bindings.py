@@ -21,6 +21,7 @@ chosen per peer); "POSIX" answers ``queryMem`` for files.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import enum
 import inspect
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ from aioxfer import (
     PeerLost,
     RegistrationError,
     SegmentList,
+    Transfer,
     XferError,
 )
 from aioxfer.nixl import _wire
@@ -185,7 +187,24 @@ DEFAULT_COMM_PORT = 8888
 HAVE_UCX_GPU_DEVICE_API = False
 
 _PLUGINS: dict[str, tuple[dict[str, str], list[str]]] = {
-    "POSIX": ({}, ["DRAM_SEG", "FILE_SEG"]),
+    # NIXL's POSIX defaults, accepted: aioxfer's file transport chooses its
+    # own I/O (io_uring for O_DIRECT regions, a pread/pwrite pool otherwise).
+    "POSIX": (
+        {
+            "use_posix_aio": "false",
+            "use_uring": "false",
+            "use_aio": "false",
+            "kernel_queue_size": "256",
+            "ios_pool_size": "65536",
+        },
+        ["FILE_SEG", "DRAM_SEG"],
+    ),
+    # S3-compatible object storage through aioxfer's object backend (offered
+    # where its extra, obstore and aiohttp, is installed). NIXL's parameters:
+    # bucket (else AWS_DEFAULT_BUCKET), endpoint_override (else
+    # AWS_ENDPOINT_OVERRIDE), scheme, region, access_key, secret_key,
+    # session_token; the AWS environment otherwise.
+    "OBJ": ({}, ["DRAM_SEG", "OBJ_SEG"]),
     "UCX": (
         {
             "transports": "",  # "" = every aioxfer transport available (shm, tcp, verbs, cuda)
@@ -706,25 +725,31 @@ _RELEASE_TIMEOUT = 60.0
 # A poller asking again within this many seconds is in a tight loop: it yields
 # to the loop thread (see Runtime.yield_to_loop).
 _TIGHT_POLL = 0.0002
+# How long such a poller sleeps at most: until the engine signals a
+# completion (any of the agent's), or this long; for requests finished by a
+# task on the loop thread (the engine's fd does not say), _TIGHT_WAIT.
 _TIGHT_WAIT = 0.001
+_ENGINE_WAIT = 0.005
+# How long the loop thread leaves the engine's fd to a poller that stopped
+# asking: completions meanwhile wait for that poller's next call (or this long).
+_LINGER = 0.02
 
 
-def _flusher(agent: Any) -> Any:
-    """What posts the agent's pending requests now: ``Agent.flush()`` once
-    aioxfer has it; until then the agent's own end-of-iteration flush."""
-    return getattr(agent, "flush", None) or agent._post_pending
+def _noop() -> None:
+    pass
 
 
-def _completion_fd(agent: Any) -> int:
-    """The engine's completion eventfd: ``Agent.fileno()`` once aioxfer has it."""
-    fileno = getattr(agent, "fileno", None)
-    return int(fileno()) if fileno is not None else int(agent._fd)
-
-
-def _poller(agent: Any) -> Any:
-    """What takes the completions the engine has for the agent now (the work
-    of its eventfd reader): ``Agent.poll()`` once aioxfer has it."""
-    return getattr(agent, "poll", None) or agent._drain
+def _segments(region: Any, offsets: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
+              nbytes: int) -> SegmentList:
+    """A SegmentList of ranges already checked against ``region`` (they come
+    from prepared lists): made without SegmentList's own checks, which cost
+    more than the rest of a request (contiguous uint64 arrays, as its own)."""
+    sl = SegmentList.__new__(SegmentList)
+    sl.region = region
+    sl.offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
+    sl.lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+    sl.nbytes = nbytes
+    return sl
 
 
 def _name(value: Any) -> str:
@@ -755,13 +780,21 @@ def _handles(backends: Any) -> list[int]:
 
 
 class _Backend:
-    __slots__ = ("handle", "type", "params", "mems")
+    __slots__ = ("handle", "type", "params", "mems", "objects")
 
     def __init__(self, handle: int, type_: str, params: dict[str, str], mems: list[str]) -> None:
         self.handle = handle
         self.type = type_
         self.params = params
         self.mems = mems
+        self.objects: Any = None  # "OBJ": the bucket's aioxfer ObjectRegion
+
+
+def _objects_available() -> bool:
+    """aioxfer's object backend can run here (its "objects" extra is installed)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("obstore", "aiohttp"))
 
 
 class _Reg:
@@ -852,7 +885,8 @@ class _Prepped:
     """A prepared descriptor list: per descriptor the index of its region in
     ``objs`` (local: _Reg; remote: region names), its offset and length."""
 
-    __slots__ = ("remote", "loopback", "mem", "objs", "ridx", "offs", "lens", "gen", "resolved")
+    __slots__ = ("remote", "loopback", "mem", "objs", "ridx", "offs", "lens", "gen", "resolved",
+                 "n", "single", "uniform")
 
     def __init__(self, remote: _Remote | None, loopback: bool, mem: nixl_mem_t, objs: list[Any],
                  ridx: npt.NDArray[np.intp], offs: npt.NDArray[np.uint64],
@@ -866,6 +900,12 @@ class _Prepped:
         self.lens = lens
         self.gen = gen
         self.resolved: dict[int, Any] = {}
+        self.n = int(ridx.shape[0])
+        # The region of every descriptor when it is one (the common case):
+        # requests from this list then need no grouping.
+        self.single = int(ridx[0]) if self.n and bool((ridx == ridx[0]).all()) else -1
+        # The length of every descriptor when it is one (KV blocks), else -1.
+        self.uniform = int(lens[0]) if self.n and bool((lens == lens[0]).all()) else -1
 
     @property
     def is_local(self) -> bool:
@@ -877,7 +917,7 @@ class _Xfer:
 
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
-                 "file", "one", "write")
+                 "file", "one", "write", "post", "objects", "parts", "frames", "notifying")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -898,9 +938,17 @@ class _Xfer:
         self.last_poll = 0.0
         self.backend = backend
         self.file = file
-        # One region pair: posted by one aioxfer call (the common case).
-        self.one = groups[0] if len(groups) == 1 else None
+        # One region pair: posted by one aioxfer call (the common case),
+        # post(*one); post is None where the request needs more than that call.
+        self.one: tuple[Any, Any] = groups[0] if len(groups) == 1 else ((), ())
         self.write = op == NIXL_WRITE
+        self.post: Any = None  # agent.write or agent.read where that call is the request
+        self.objects = False  # to or from the "OBJ" backend's bucket
+        # A request of several aioxfer calls (see _post): the current post's
+        # parts, its notification frames, whether they are being sent.
+        self.parts: list[Any] = []
+        self.frames: list[bytes] = []
+        self.notifying = False
 
 
 def _indices(value: Any, what: str) -> npt.NDArray[np.int64]:
@@ -928,8 +976,10 @@ class nixlAgent:
         self._config = config
         self._telemetry = _telemetry_on(bool(config.captureTelemetry))
         self._agent: aioxfer.Agent | None = None
-        self._flush_fn: Any = None
-        self._poll_fn: Any = None
+        # The agent's flush() and poll() once it exists (called with the lock
+        # held, from any thread: the lock makes it the loop thread's turn).
+        self._flush_fn: Callable[[], None] = _noop
+        self._poll_fn: Callable[[], None] = _noop
         self._fd = -1
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
@@ -946,7 +996,10 @@ class nixlAgent:
         self._last_md_poll = 0.0
         self._server: asyncio.AbstractServer | None = None
         self.listen_port = 0
-        endpoints = os.environ.get("NIXL_ETCD_ENDPOINTS", "")
+        endpoints = os.environ.get("NIXL_ETCD_ENDPOINTS")
+        if endpoints is not None and not endpoints.strip():
+            # As NIXL's agent does (set but empty is a configuration error).
+            raise RuntimeError("Config parameter 'NIXL_ETCD_ENDPOINTS' needs non-empty value")
         self._store = _CentralStore(endpoints) if endpoints else None
         self._closed = False
         if config.useListenThread:
@@ -959,10 +1012,10 @@ class nixlAgent:
     # ------------------------------------------------------------ plugins and backends
 
     def getAvailPlugins(self) -> list[str]:
-        return sorted(_PLUGINS)
+        return sorted(p for p in _PLUGINS if p != "OBJ" or _objects_available())
 
     def getPluginParams(self, type_: str) -> tuple[dict[str, str], list[str]]:
-        if type_ not in _PLUGINS:
+        if type_ not in self.getAvailPlugins():
             raise _error(-4, f"getPluginParams: plugin {type_!r} not found")
         params, mems = _PLUGINS[type_]
         return dict(params), list(mems)
@@ -975,19 +1028,56 @@ class nixlAgent:
 
     def createBackend(self, type_: str, params: dict[str, str] | None = None) -> int:
         params = dict(params or {})
-        if type_ not in _PLUGINS:
+        if type_ not in self.getAvailPlugins():
             raise _error(-4, f"createBackend: plugin {type_!r} not found")
         if any(b.type == type_ for b in self._backends.values()):
             raise _error(-2, f"createBackend: backend {type_} already created")
         effective = dict(_PLUGINS[type_][0])
         if type_ == "UCX":
             effective.update(self._start_agent(params))
-        handle = next(self._handle_seq)
-        self._backends[handle] = _Backend(handle, type_, effective, list(_PLUGINS[type_][1]))
-        return handle
+        else:
+            # POSIX and OBJ move data with the same aioxfer agent (its file
+            # transport, its object backend): started here if UCX did not.
+            if self._agent is None:
+                self._start_agent({})
+            effective.update({k: str(v) for k, v in params.items()})
+        backend = _Backend(next(self._handle_seq), type_, effective, list(_PLUGINS[type_][1]))
+        if type_ == "OBJ":
+            backend.objects = self._register_objects(params)
+        self._backends[backend.handle] = backend
+        return backend.handle
+
+    def _register_objects(self, params: dict[str, str]) -> Any:
+        """The bucket of an "OBJ" backend, as an aioxfer ObjectRegion."""
+        bucket = params.get("bucket") or os.environ.get("AWS_DEFAULT_BUCKET")
+        if not bucket:
+            raise _error(-3, "createBackend OBJ: no bucket (the 'bucket' parameter or "
+                             "AWS_DEFAULT_BUCKET)")
+        endpoint = params.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_OVERRIDE")
+        if endpoint and "://" not in endpoint:
+            endpoint = f"{params.get('scheme', 'https')}://{endpoint}"
+        kwargs = {k: v for k, v in (
+            ("endpoint", endpoint),
+            ("access_key_id", params.get("access_key")),
+            ("secret_access_key", params.get("secret_key")),
+            ("session_token", params.get("session_token")),
+            ("region", params.get("region")),
+        ) if v}
+        agent = self._agent
+        assert agent is not None
+        try:
+            with self._rt.locked():
+                return agent.register_objects(f"s3://{bucket}", name=f"nixl-obj-{bucket}",
+                                              **kwargs)
+        except (XferError, ValueError, ImportError) as exc:
+            raise _error(-3, f"createBackend OBJ: {exc}") from None
 
     def _start_agent(self, params: dict[str, str]) -> dict[str, str]:
-        """The aioxfer agent behind the "UCX" backend, started on the loop."""
+        """The aioxfer agent behind the "UCX" backend, started on the loop
+        (or, if POSIX started it, that one)."""
+        if self._agent is not None:
+            return {"transports": ",".join(self._agent.transports),
+                    "listen": self._agent.address, "num_threads": params.get("num_threads", "0")}
         transports = _transports(params)
         listen = params.get("listen") or os.environ.get("AIOXFER_NIXL_LISTEN", "127.0.0.1:0")
         kwargs: dict[str, Any] = {"listen": listen}
@@ -1006,9 +1096,9 @@ class nixlAgent:
             self._rt.run(agent.aclose(), timeout=_CONNECT_TIMEOUT)
             raise
         self._agent = agent
-        self._flush_fn = _flusher(agent)
-        self._poll_fn = _poller(agent)
-        self._fd = _completion_fd(agent)
+        self._flush_fn = agent.flush
+        self._poll_fn = agent.poll
+        self._fd = agent.fileno()
         self._transports = agent.transports
         return {"transports": ",".join(agent.transports), "listen": agent.address,
                 "num_threads": str(threads)}
@@ -1029,9 +1119,12 @@ class nixlAgent:
             raise TypeError(f"registerMem takes a nixlRegDList, not {type(descs).__name__}")
         mem = descs.getType()
         usable = self._backends_for(backends, mem, "registerMem")
-        if mem not in (DRAM_SEG, VRAM_SEG) or not any(b.type == "UCX" for b in usable):
-            raise _error(-9, f"registerMem: aioxfer registers DRAM and VRAM through UCX only, "
-                             f"not {mem.name}")
+        types = {b.type for b in usable}
+        if not ((mem in (DRAM_SEG, VRAM_SEG) and "UCX" in types)
+                or (mem in (DRAM_SEG, FILE_SEG) and "POSIX" in types)
+                or (mem in (DRAM_SEG, OBJ_SEG) and "OBJ" in types)):
+            raise _error(-9, f"registerMem: aioxfer registers DRAM and VRAM through UCX, DRAM "
+                             f"and FILE through POSIX, DRAM and OBJ through OBJ; not {mem.name}")
         agent = self._agent
         assert agent is not None
         new: list[_Reg] = []
@@ -1039,13 +1132,33 @@ class nixlAgent:
             try:
                 for i in range(descs.descCount()):
                     addr, nbytes, dev, meta = descs[i]
-                    obj = _memory(mem, addr, nbytes)
-                    region = agent.register(obj, name=f"nixl{next(self._reg_seq)}")
+                    name = f"nixl{next(self._reg_seq)}"
+                    if mem == FILE_SEG:
+                        # NIXL's FILE descriptor: (offset, length, fd). A file
+                        # region of aioxfer's file transport from offset 0 (so
+                        # a region offset is a file offset), through the same
+                        # file (its /proc/self/fd link), grown to the end of
+                        # the range if shorter.
+                        region = agent.register_file(f"/proc/self/fd/{dev}", size=addr + nbytes,
+                                                     name=name)
+                    elif mem == OBJ_SEG:
+                        # NIXL's OBJ descriptor: (offset, length, devId, key);
+                        # the key is devId in decimal when none is given.
+                        objects = next(b.objects for b in usable if b.type == "OBJ")
+                        key = meta.decode() if meta else str(dev)
+                        reg = _Reg(mem, addr, nbytes, dev, meta, objects,
+                                   [b.handle for b in usable])
+                        reg.name = key
+                        new.append(reg)
+                        continue
+                    else:
+                        region = agent.register(_memory(mem, addr, nbytes), name=name)
                     new.append(_Reg(mem, addr, nbytes, dev, meta, region,
                                     [b.handle for b in usable]))
             except (RegistrationError, XferError, ValueError) as exc:
                 for reg in new:
-                    self._drop_region(reg.region)
+                    if reg.mem != OBJ_SEG:  # the bucket stays the backend's
+                        self._drop_region(reg.region)
                 raise _error(-3, f"registerMem: {exc}") from None
             self._regs.extend(new)
             self._table = None
@@ -1079,7 +1192,7 @@ class nixlAgent:
         # On the loop thread, where deregister's awaitable is the real release:
         # NIXL callers free the memory as soon as this returns, so it returns
         # only once no peer can touch it any more.
-        regions = [reg.region for reg in gone]
+        regions = [reg.region for reg in gone if reg.mem != OBJ_SEG]  # buckets stay
 
         async def release() -> None:
             pending = [self._drop_region(r) for r in regions]
@@ -1096,8 +1209,11 @@ class nixlAgent:
         if b is None:
             raise _error(-4, f"queryMem: no backend handle {backend}")
         out: list[dict[str, str] | None] = []
+        if descs.getType() == OBJ_SEG and b.type == "OBJ":
+            return self._query_objects(descs, b)
         if descs.getType() != FILE_SEG or b.type != "POSIX":
-            raise _error(-9, f"queryMem: {b.type} answers for FILE_SEG through POSIX only")
+            raise _error(-9, f"queryMem: {b.type} answers for FILE_SEG through POSIX only "
+                             f"and for OBJ_SEG through OBJ")
         for i in range(descs.descCount()):
             path = descs[i][3].decode(errors="surrogateescape")
             try:
@@ -1108,6 +1224,16 @@ class nixlAgent:
             out.append({"size": str(st.st_size), "mode": str(st.st_mode),
                         "mtime": str(int(st.st_mtime))})
         return out
+
+    def _query_objects(self, descs: nixlRegDList, b: _Backend) -> list[dict[str, str] | None]:
+        """As NIXL's OBJ: per descriptor (its meta is the key) {} if the
+        object exists, None if not; nixlBackendError if a HEAD failed."""
+        keys = [descs[i][3].decode() for i in range(descs.descCount())]
+        try:
+            stats = self._rt.run(b.objects.stat(keys), timeout=_CONNECT_TIMEOUT)
+        except (XferError, OSError, ValueError, TimeoutError) as exc:
+            raise _error(-3, f"queryMem: {exc}") from None
+        return [{} if st.exists else None for st in stats]
 
     def _local_table(self) -> _Table:
         if self._table is None:
@@ -1120,7 +1246,9 @@ class nixlAgent:
         agent = self._agent
         address = agent.address if (conn and agent is not None) else ""
         incarnation = agent.incarnation if (conn and agent is not None) else 0
-        regions = [_wire.RegionMD(r.name, int(r.mem), r.addr, r.nbytes, r.dev) for r in regs]
+        # FILE and OBJ memory is local (POSIX, OBJ): never in metadata, as in NIXL.
+        regions = [_wire.RegionMD(r.name, int(r.mem), r.addr, r.nbytes, r.dev) for r in regs
+                   if r.mem not in (FILE_SEG, OBJ_SEG)]
         return _wire.encode_md(_wire.AgentMD(self._name, address, incarnation, regions, partial))
 
     def getLocalMD(self) -> bytes:
@@ -1465,8 +1593,11 @@ class nixlAgent:
             raise _error(-4, f"prepXferDlist: failed to prepare the descriptors for any of the "
                              f"specified or potential backends for {whose}: not inside memory "
                              f"it registered (or its metadata was not loaded yet)")
-        starts = table.starts[idx] if idx.size else np.zeros(0, dtype=np.uint64)
-        offs = arr[:, 0] - starts
+        if mem in (FILE_SEG, OBJ_SEG):
+            offs = arr[:, 0].copy()  # file regions start at file offset 0; objects at 0
+        else:
+            starts = table.starts[idx] if idx.size else np.zeros(0, dtype=np.uint64)
+            offs = arr[:, 0] - starts
         return _Prepped(rem, loopback, mem, table.objs, idx, offs, arr[:, 1].copy(),
                         rem.gen if rem is not None else 0)
 
@@ -1497,13 +1628,13 @@ class nixlAgent:
             raise _error(-2, f"makeXferReq: different number of indices for local ({li.size}), "
                              f"remote ({ri.size})")
         for side, idx, d in (("local", li, ld), ("remote", ri, rd)):
-            bad = np.flatnonzero((idx < 0) | (idx >= d.ridx.size))
-            if bad.size:
-                i = int(bad[0])
+            # One comparison: a negative index, seen as unsigned, is out of range too.
+            if bool((idx.view(np.uint64) >= d.n).any()):
+                i = int(np.flatnonzero((idx < 0) | (idx >= d.n))[0])
                 raise _error(-2, f"makeXferReq: {side} index out of range at index {i} with "
                                  f"value {int(idx[i])}")
         lens = ld.lens[li]
-        if not np.array_equal(lens, rd.lens[ri]):
+        if (ld.uniform < 0 or ld.uniform != rd.uniform) and not np.array_equal(lens, rd.lens[ri]):
             i = int(np.flatnonzero(lens != rd.lens[ri])[0])
             raise _error(-2, f"makeXferReq: length mismatch at index {i} with local index "
                              f"{int(li[i])} and remote index {int(ri[i])}")
@@ -1546,7 +1677,12 @@ class nixlAgent:
         if rem is not None and (rem.removed or rem.gen != rd.gen):
             raise _error(-4, f"{what}: remote agent '{rem.name}' was invalidated or re-registered "
                              f"after the descriptor list was prepared; prepare it again")
+        if OBJ_SEG in (rd.mem, ld.mem):
+            return self._new_object_xfer(op, ld, li, rd, ri, lens, notif, what)
         file = rd.mem == FILE_SEG
+        if ld.mem == FILE_SEG:
+            raise _error(-9, f"{what}: the local side is host memory, the FILE side is the "
+                             f"agent's own (prepared with its own name), as with NIXL's POSIX")
         peer: aioxfer.Peer | None = None
         if not file:
             if rd.loopback:
@@ -1556,37 +1692,91 @@ class nixlAgent:
                 peer = self._peer_of(rem.name, what, lost_ok=True)
         # Remote regions by name, as the peer knows them (refreshed once if
         # the peer registered them after we connected).
-        needed = np.unique(rd.ridx[ri]).tolist()
+        single = ld.single >= 0 and rd.single >= 0
+        if single:
+            needed = [rd.single]
+        else:
+            rridx = rd.ridx[ri]
+            needed = np.unique(rridx).tolist()
         remote_objs = self._resolve(rd, needed, peer, what)
-        lridx = ld.ridx[li]
-        rridx = rd.ridx[ri]
         loffs = ld.offs[li]
         roffs = rd.offs[ri]
         groups: list[tuple[Any, Any]] = []
-        with self._rt.locked():
+        total = ld.uniform * int(li.size) if ld.uniform >= 0 else int(lens.sum())
+        rt = self._rt
+        rt.lock.acquire()
+        try:
             try:
-                lregs = {k: ld.objs[k].region for k in np.unique(lridx).tolist()}
                 if li.size == 1:
                     a, b, n = int(loffs[0]), int(roffs[0]), int(lens[0])
-                    groups.append((lregs[int(lridx[0])][a:a + n],
-                                   remote_objs[int(rridx[0])][b:b + n]))
-                elif len(lregs) == 1 and len(remote_objs) == 1:
-                    groups.append((SegmentList(next(iter(lregs.values())), loffs, lens),
-                                   SegmentList(next(iter(remote_objs.values())), roffs, lens)))
+                    lk = ld.single if ld.single >= 0 else int(ld.ridx[li[0]])
+                    rk = rd.single if rd.single >= 0 else int(rd.ridx[ri[0]])
+                    groups.append((ld.objs[lk].region[a:a + n], remote_objs[rk][b:b + n]))
+                elif single:
+                    # Checked already: every range lies inside its prepared,
+                    # registered region (the engines check again).
+                    groups.append((_segments(ld.objs[ld.single].region, loffs, lens, total),
+                                   _segments(remote_objs[rd.single], roffs, lens, total)))
                 else:
+                    # One pair of segment lists per (local, remote) region pair,
+                    # in the order of the request within each.
+                    lridx = ld.ridx[li]
                     key = lridx.astype(np.int64) * (int(rridx.max()) + 1) + rridx
-                    for k in np.unique(key).tolist():
-                        sel = np.flatnonzero(key == k)
+                    order = np.argsort(key, kind="stable")
+                    cuts = np.flatnonzero(np.diff(key[order])) + 1
+                    for sel in np.split(order, cuts):
+                        first = int(sel[0])
+                        sl = lens[sel]
+                        nbytes = int(sl.sum())
                         groups.append((
-                            SegmentList(lregs[int(lridx[sel[0]])], loffs[sel], lens[sel]),
-                            SegmentList(remote_objs[int(rridx[sel[0]])], roffs[sel], lens[sel]),
+                            _segments(ld.objs[int(lridx[first])].region, loffs[sel], sl, nbytes),
+                            _segments(remote_objs[int(rridx[first])], roffs[sel], sl, nbytes),
                         ))
             except (XferError, ValueError, IndexError, TypeError) as exc:
                 raise _from_xfer_error(exc, what) from None
             backend = next((h for h, b in self._backends.items()
                             if b.type == ("POSIX" if file else "UCX")), 0)
-            x = _Xfer(op, peer, rem, rd.gen, groups, notif, int(li.size), int(lens.sum()),
-                      backend, file)
+            x = _Xfer(op, peer, rem, rd.gen, groups, notif, int(li.size), total, backend, file)
+            agent = self._agent
+            if len(groups) == 1 and agent is not None:
+                x.post = agent.write if x.write else agent.read
+            handle = next(self._handle_seq)
+            self._xfers[handle] = x
+        finally:
+            rt.leave()
+        return handle
+
+    def _new_object_xfer(self, op: int, ld: _Prepped, li: npt.NDArray[np.int64], rd: _Prepped,
+                         ri: npt.NDArray[np.int64], lens: npt.NDArray[np.uint64], notif: bytes,
+                         what: str) -> int:
+        """Host memory to objects (WRITE: whole objects, offset 0, as NIXL's
+        OBJ) or objects to host memory (READ: from the descriptor's offset),
+        one request of aioxfer's object backend."""
+        if ld.mem == OBJ_SEG or not rd.loopback:
+            raise _error(-9, f"{what}: the local side is host memory, the OBJ side is the "
+                             f"agent's own (prepared with its own name), as with NIXL's OBJ")
+        write = op == NIXL_WRITE
+        lridx, rridx = ld.ridx[li].tolist(), rd.ridx[ri].tolist()
+        loffs, roffs, ns = ld.offs[li].tolist(), rd.offs[ri].tolist(), lens.tolist()
+        with self._rt.locked():
+            locals_: list[Any] = []
+            fars: list[Any] = []
+            try:
+                for i, (lk, rk, lo, ro, n) in enumerate(zip(lridx, rridx, loffs, roffs, ns,
+                                                          strict=True)):
+                    reg = rd.objs[rk]
+                    if write and ro:
+                        raise _error(-2, f"{what}: descriptor {i}: object writes start at "
+                                         f"offset 0 (whole objects), not {ro}")
+                    locals_.append(ld.objs[lk].region[lo:lo + n])
+                    whole = reg.region[reg.name]
+                    fars.append(whole if write else whole[ro:ro + n])
+            except (XferError, ValueError, IndexError, TypeError) as exc:
+                raise _from_xfer_error(exc, what) from None
+            backend = next((h for h, b in self._backends.items() if b.type == "OBJ"), 0)
+            x = _Xfer(op, None, None, 0, [(locals_, fars)], notif, len(ns), int(lens.sum()),
+                      backend, False)
+            x.objects = True
             handle = next(self._handle_seq)
             self._xfers[handle] = x
         return handle
@@ -1595,6 +1785,8 @@ class nixlAgent:
                  what: str) -> dict[int, Any]:
         """Region objects for the remote side's regions ``needed``: the peer's
         RemoteRegions (ours, as seen through the loopback peer)."""
+        if rd.mem == FILE_SEG:  # our own file regions (only ever prepared as loopback)
+            return {k: rd.objs[k].region for k in needed}
         out: dict[int, Any] = {}
         missing: list[int] = []
         for k in needed:
@@ -1607,7 +1799,7 @@ class nixlAgent:
         if not missing:
             return out
         if peer is None:
-            raise _error(-9, f"{what}: FILE transfers are not offered by aioxfer.nixl")
+            raise _error(-9, f"{what}: no UCX backend to reach remote memory")
         names = [rd.objs[k].name if rd.loopback else rd.objs[k] for k in missing]
         known = peer.regions
         if any(n not in known for n in names):
@@ -1629,48 +1821,44 @@ class nixlAgent:
             raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}")
         msg = _payload(notif_msg) if notif_msg else x.notif
         rt = self._rt
-        # The hot path: the lock taken and left by hand (no context manager).
+        # The hot path: the lock taken and left by hand (no context manager),
+        # every test a plain attribute read.
         rt.lock.acquire()
         try:
             fut = x.fut
             if fut is not None and not fut.done():
                 raise _error(-7, "postXferReq: the transfer is still in flight")
-            if x.remote is not None and (x.remote.removed or x.remote.gen != x.gen):
+            rem = x.remote
+            if rem is not None and (rem.removed or rem.gen != x.gen):
                 x.fut = None
                 raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
-                                                     f"'{x.remote.name}' was removed")
+                                                     f"'{rem.name}' was removed")
             peer = x.peer
             if peer is not None and peer.lost:
                 x.fut = None
                 raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
                                                      f"'{peer.name}' was disconnected after "
                                                      f"transfer request creation")
-            x.xfer_s = -1.0
             telemetry = self._telemetry
             if telemetry:
+                x.xfer_s = -1.0
                 x.start_us = time.time_ns() // 1000
                 x.t0 = time.perf_counter()
-            one = x.one
-            if one is not None and (not msg or x.file or (
+            post = x.post
+            if post is not None and (not msg or x.file or (
                     x.write and len(msg) <= _wire.NOTIF_MAX
                     and not msg.startswith(_wire.NOTIF_MAGIC))):
                 # One aioxfer call, posted now, from this thread (a same-host
                 # copy may complete inside): what a coroutine awaiting it gets,
                 # without a wake-up of the loop thread. The flush the agent
                 # scheduled for the end of its loop iteration finds nothing to do.
-                agent = self._agent
-                assert agent is not None
                 try:
-                    if x.write:
-                        fut = agent.write(one[0], one[1],
-                                          notify=msg if (msg and not x.file) else None)
-                    else:
-                        fut = agent.read(one[0], one[1])
+                    fut = post(*x.one) if not msg or x.file else post(*x.one, notify=msg)
+                    x.fut = fut
+                    self._flush_fn()
                 except (XferError, ValueError, TypeError) as exc:
                     x.fut = None
                     raise _from_xfer_error(exc, "postXferReq") from None
-                x.fut = fut
-                self._flush_fn()
                 rt._foreign = False
             else:
                 try:
@@ -1684,9 +1872,11 @@ class nixlAgent:
             x.last_poll = 0.0
         finally:
             rt.leave()
-        if fut.done():
+        if not fut.done():
+            return 1  # NIXL_IN_PROG
+        if telemetry or fut.cancelled() or fut.exception() is not None:
             return self._finish(x, fut, "postXferReq")
-        return int(NIXL_IN_PROG)
+        return 0  # NIXL_SUCCESS
 
     def _post(self, x: _Xfer, msg: bytes) -> asyncio.Future[Any]:
         """A request aioxfer does not post in one call (called with the lock
@@ -1696,6 +1886,9 @@ class nixlAgent:
         moved, and the request is done when that task is."""
         agent = self._agent
         assert agent is not None
+        x.parts = []
+        if x.objects:  # the object backend posts on its loop, in a task of its own
+            return self._rt.spawn(self._object_io(x))
         frames = _wire.notif_frames(msg) if (msg and not x.file) else []
         if x.write and len(x.groups) == 1 and frames:
             # A WRITE carries its notification (the last frame): the frames
@@ -1704,7 +1897,74 @@ class nixlAgent:
         post = agent.write if x.write else agent.read
         parts = [post(local, far) for local, far in x.groups]
         self._flush_fn()
-        return self._rt.spawn(self._then_notify(x, parts, frames))
+        self._rt.forget_foreign()  # the flush the parts scheduled: nothing left for it
+        # Done when every part is and then the notification was sent: a
+        # future settled by whoever sees it first (a poller, from its own
+        # thread; the loop thread, through the parts' callbacks, if nobody
+        # polls), so that a poller needs no loop-thread round per request.
+        whole: asyncio.Future[Any] = self._rt.loop.create_future()
+        x.fut = whole  # (the current post's, for _advance: a repost's earlier one is done)
+        x.parts = parts
+        x.frames = frames
+        x.notifying = False
+
+        def advance(_: Any = None) -> None:
+            self._advance(x, whole)
+
+        self._advance(x, whole)
+        if not whole.done() and not x.notifying:
+            for part in parts:
+                if not part.done():  # (on a done one: a loop-thread call for nothing)
+                    part.add_done_callback(advance)
+        return whole
+
+    def _advance(self, x: _Xfer, whole: asyncio.Future[Any]) -> None:
+        """Moves a request of several parts on (runtime lock held): once all
+        of its data moved, sends its notification (a task on the loop), then
+        settles ``whole``; a failed or cancelled part settles it at once."""
+        if whole.done() or x.notifying or x.fut is not whole and x.fut is not None:
+            return
+        parts = x.parts
+        for part in parts:
+            if not part.done():
+                return
+        for part in parts:
+            if part.cancelled():
+                whole.cancel()
+                return
+            exc = part.exception()
+            if exc is not None:
+                whole.set_exception(exc)
+                return
+        if not x.frames:
+            whole.set_result(time.perf_counter())
+            return
+        x.notifying = True
+        assert x.peer is not None
+        # The loop thread sends it; a poller's lingering claim would keep the
+        # completion of the send from it (the poller waits for loop rounds now).
+        self._rt.expire_lingering()
+        task = self._rt.spawn(_notify_all(x.peer, x.frames))
+
+        def notified(t: asyncio.Task[Any]) -> None:
+            x.notifying = False
+            if whole.done():
+                return
+            if t.cancelled():
+                whole.cancel()
+            elif t.exception() is not None:
+                whole.set_exception(t.exception())  # type: ignore[arg-type]
+            else:
+                whole.set_result(time.perf_counter())
+
+        task.add_done_callback(notified)
+
+    async def _object_io(self, x: _Xfer) -> float:
+        agent = self._agent
+        assert agent is not None
+        local, far = x.groups[0]
+        await (agent.write(local, far) if x.write else agent.read(local, far))
+        return time.perf_counter()
 
     async def _framed_write(self, x: _Xfer, frames: list[bytes]) -> float:
         agent, peer = self._agent, x.peer
@@ -1712,16 +1972,6 @@ class nixlAgent:
         await asyncio.gather(*(peer.notify(f) for f in frames[:-1]))
         local, far = x.groups[0]
         await agent.write(local, far, notify=frames[-1])
-        return time.perf_counter()
-
-    async def _then_notify(self, x: _Xfer, parts: list[Any], frames: list[bytes]) -> float:
-        results = await asyncio.gather(*parts, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        if frames:
-            assert x.peer is not None
-            await asyncio.gather(*(x.peer.notify(f) for f in frames))
         return time.perf_counter()
 
     def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str) -> int:
@@ -1751,9 +2001,12 @@ class nixlAgent:
         # Like NIXL's check, which progresses its backend: take the completions
         # the engine has now, rather than wait for the loop thread to wake up
         # and do it (skipped while the loop thread is at it).
+        parts = x.parts if type(fut) is not Transfer else None
         if rt.lock.acquire(blocking=False):
             try:
                 self._poll_fn()
+                if parts:
+                    self._advance(x, fut)
             finally:
                 rt.leave()
             if fut.done():
@@ -1761,10 +2014,20 @@ class nixlAgent:
         now = time.perf_counter()
         if now - x.last_poll < _TIGHT_POLL:
             # Polled in a tight loop: sleep until the engine signals a
-            # completion (at most _TIGHT_WAIT), then take it here. Spinning
-            # instead would hold the interpreter the loop thread needs, and
-            # take a core the engine's copy threads need.
-            self._wait_completion(_TIGHT_WAIT, fut.done)
+            # completion (at most _ENGINE_WAIT), or, for what a task on the
+            # loop thread finishes, until that thread ends a round (at most
+            # _TIGHT_WAIT); then take it here. Spinning instead would hold the
+            # interpreter the loop thread needs, and take a core the engine's
+            # copy threads need.
+            if type(fut) is Transfer or (parts and not x.notifying):
+                self._wait_completion(_ENGINE_WAIT, fut.done)
+                if parts and rt.lock.acquire(blocking=False):
+                    try:
+                        self._advance(x, fut)
+                    finally:
+                        rt.leave()
+            else:
+                rt.yield_to_loop(_TIGHT_WAIT, ready=fut.done)
             now = time.perf_counter()
         x.last_poll = now
         if fut.done():
@@ -1776,11 +2039,15 @@ class nixlAgent:
         not at all if ``ready()``), then takes it here. Meanwhile the loop
         thread does not watch the engine's fd (Runtime.claim), so a completion
         wakes this thread only: one wake-up, as for a coroutine awaiting it on
-        the loop, rather than the loop thread's and then this one's."""
+        the loop, rather than the loop thread's and then this one's. The claim
+        lingers for _LINGER after the wait: a caller polling in a loop keeps
+        the fd from one request to the next, and the completions of requests
+        it posts meanwhile wake no thread at all (it takes them when it next
+        asks)."""
         rt = self._rt
         agent = self._agent
         if agent is None or not rt.lock.acquire(blocking=False):
-            rt.yield_to_loop(timeout, ready=ready)
+            rt.yield_to_loop(min(timeout, _TIGHT_WAIT), ready=ready)
             return
         fd = self._fd
         try:
@@ -1797,11 +2064,58 @@ class nixlAgent:
             rt.lock.acquire()
             try:
                 if self._agent is agent and not agent.closed:
-                    self._poll_fn()  # before the loop thread watches the fd again
+                    self._poll_fn()  # before the loop thread may watch the fd again
             finally:
                 if claimed:
-                    rt.unclaim(fd)
+                    rt.release(fd, _LINGER)
                 rt.leave()
+
+    def xferFuture(self, reqh: int) -> concurrent.futures.Future[str]:
+        """(aioxfer extension) A future of the request's current post: "DONE",
+        or the exception ``check_xfer_state`` would raise. Cancelling it
+        cancels the transfer (as releasing it does). Any thread; for asyncio,
+        ``asyncio.wrap_future`` (what ``await handle`` does)."""
+        x = self._xfers.get(int(reqh))
+        if x is None:
+            raise _error(-2, f"xferFuture: unknown transfer handle {int(reqh):#x}")
+        out: concurrent.futures.Future[str] = concurrent.futures.Future()
+        rt = self._rt
+        with rt.locked():
+            fut = x.fut
+            if fut is None:
+                raise _error(-1, "xferFuture: the transfer was not posted")
+            # Nobody polls for an awaiter: the loop thread watches the fd.
+            rt.expire_lingering()
+
+            def settle(f: asyncio.Future[Any]) -> None:
+                if out.done():
+                    return
+                try:
+                    self._finish(x, f, "xferFuture")
+                except Exception as exc:  # noqa: BLE001 (handed to the awaiter)
+                    out.set_exception(exc)
+                else:
+                    out.set_result("DONE")
+
+            def cancelled(o: concurrent.futures.Future[str]) -> None:
+                if o.cancelled():
+                    with rt.locked():
+                        if not fut.done():
+                            fut.cancel()
+
+            if fut.done():
+                settle(fut)
+            else:
+                fut.add_done_callback(settle)
+                out.add_done_callback(cancelled)
+        return out
+
+    def statistics(self) -> Any:
+        """(aioxfer extension) The aioxfer agent's statistics() (an
+        aioxfer.AgentStatistics; None before a UCX or POSIX backend exists):
+        these transfers are counted there, by peer and path, as any other."""
+        with self._rt.locked():
+            return self._agent.statistics() if self._agent is not None else None
 
     def getXferTelemetry(self, reqh: int) -> nixlXferTelemetry:
         if not self._telemetry:
@@ -1834,18 +2148,25 @@ class nixlAgent:
         return x.backend
 
     def releaseXferReq(self, reqh: int) -> int:
-        with self._rt.locked():
-            x = self._xfers.pop(int(reqh), None)
-            if x is None:
-                if self._closed:  # everything was released with the agent
-                    return int(NIXL_SUCCESS)
-                raise _error(-2, f"releaseXferReq: unknown transfer handle {int(reqh):#x}")
-            fut = x.fut
-            if fut is not None and not fut.done():
-                # aioxfer can always cancel: memory stays pinned until the
-                # engine confirms nothing touches it any more.
-                fut.cancel()
-        return int(NIXL_SUCCESS)
+        x = self._xfers.pop(reqh, None)  # (atomic: no lock needed to take it out)
+        if x is None:
+            if self._closed:  # everything was released with the agent
+                return 0
+            raise _error(-2, f"releaseXferReq: unknown transfer handle {int(reqh):#x}")
+        fut = x.fut
+        if fut is not None and not fut.done():
+            rt = self._rt
+            rt.lock.acquire()
+            try:
+                if not fut.done():
+                    # aioxfer can always cancel: memory stays pinned until the
+                    # engine confirms nothing touches it any more.
+                    for part in x.parts:
+                        part.cancel()
+                    fut.cancel()
+            finally:
+                rt.leave()
+        return 0  # NIXL_SUCCESS
 
     # ------------------------------------------------------------ notifications
 
@@ -1856,9 +2177,19 @@ class nixlAgent:
             return notif_map
         queue = agent.notifications
         if not len(queue):
+            rt = self._rt
+            # Take what the engine has now (the loop thread may not be
+            # watching its fd: a tight poller's claim lingers).
+            if rt.lock.acquire(blocking=False):
+                try:
+                    self._poll_fn()
+                finally:
+                    rt.leave()
             now = time.perf_counter()
-            if now - self._last_empty_notif < _TIGHT_POLL:
-                self._wait_completion(_TIGHT_WAIT, queue.__len__)
+            if len(queue):
+                pass
+            elif now - self._last_empty_notif < _TIGHT_POLL:
+                self._wait_completion(_ENGINE_WAIT, queue.__len__)
             self._last_empty_notif = time.perf_counter()
             if not len(queue):
                 return notif_map
@@ -1984,6 +2315,11 @@ class _CentralStore:
 def _close_later(coro: Any) -> None:
     task = asyncio.get_running_loop().create_task(coro)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    runtime().track_closing(task)
+
+
+async def _notify_all(peer: aioxfer.Peer, frames: list[bytes]) -> None:
+    await asyncio.gather(*(peer.notify(f) for f in frames))
 
 
 async def _send_notifs(peer: aioxfer.Peer, frames: list[bytes]) -> None:

@@ -26,6 +26,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import math
 import os
 import select
 import selectors
@@ -40,23 +41,43 @@ T = TypeVar("T")
 __all__ = ["Runtime", "runtime"]
 
 
+class _Claim:
+    """A caller's hold on an fd the loop thread watches (see claim)."""
+
+    __slots__ = ("active", "until", "linger")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.until = 0.0  # while not active: the loop thread takes it back then
+        self.linger = 0.0
+
+
 class _LockedSelector(selectors.BaseSelector):
-    """The loop's selector: releases the runtime lock while it waits, and tells
-    waiting pollers that a round of callbacks has finished."""
+    """The loop's selector: releases the runtime lock while it waits, tells
+    waiting pollers that a round of callbacks has finished, and lets callers
+    take fds away from the loop thread for a while (claim)."""
 
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
         self._inner = selectors.EpollSelector()
-        self._claims: dict[int, int] = {}
+        self._claims: dict[int, _Claim] = {}
+        # When the loop thread will wake by itself (inf: not before an event;
+        # 0.0: it is awake). Read by callers with the lock held.
+        self.sleep_until = 0.0
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         return self._inner.register(fileobj, events, data)
 
     def unregister(self, fileobj: Any) -> selectors.SelectorKey:
-        return self._inner.unregister(fileobj)
+        key = self._inner.unregister(fileobj)
+        self._claims.pop(key.fd, None)  # its number may come back for another fd
+        return key
 
     def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        return self._inner.modify(fileobj, events, data)
+        key = self._inner.modify(fileobj, events, data)
+        if key.fd in self._claims:
+            self._epoll().modify(key.fd, 0)  # still claimed: asyncio's change waits
+        return key
 
     def get_key(self, fileobj: Any) -> selectors.SelectorKey:
         return self._inner.get_key(fileobj)
@@ -69,24 +90,46 @@ class _LockedSelector(selectors.BaseSelector):
 
     def claim(self, fd: int) -> bool:
         """Stops the loop thread from waking for ``fd`` (a caller waits on it
-        itself) until ``unclaim``; nestable. Runtime lock held. The
-        registration asyncio knows stays as it is: only the kernel's interest
-        set changes, so no stale handle can outlive it."""
-        try:
-            self._inner.get_key(fd)
-        except (KeyError, ValueError):
-            return False
-        n = self._claims.get(fd, 0)
-        self._claims[fd] = n + 1
-        if n == 0:
+        itself) until ``release``; nestable. Runtime lock held. Only the
+        kernel's interest set changes: the registration asyncio knows stays,
+        so no stale handle can outlive it. An fd released with a linger and
+        claimed again within it costs no system call."""
+        c = self._claims.get(fd)
+        if c is None:
+            try:
+                self._inner.get_key(fd)
+            except (KeyError, ValueError):
+                return False
+            c = self._claims[fd] = _Claim()
             self._epoll().modify(fd, 0)
+        c.active += 1
         return True
 
-    def unclaim(self, fd: int) -> None:
-        n = self._claims.get(fd, 0) - 1
-        if n > 0:
-            self._claims[fd] = n
+    def release(self, fd: int, linger: float = 0.0) -> None:
+        """Ends a claim (runtime lock held). With ``linger`` > 0 the loop
+        thread takes the fd back only after that many seconds without a new
+        claim: a caller polling in a loop keeps it (a completion then wakes
+        that caller only, and the loop thread stays asleep), and one that
+        stops polling hands it back soon."""
+        c = self._claims.get(fd)
+        if c is None:
             return
+        c.active -= 1
+        if c.active > 0:
+            return
+        if linger <= 0.0:
+            self._restore(fd)
+            return
+        c.linger = linger
+        c.until = time.monotonic() + linger
+        if self.sleep_until > c.until + linger:
+            # The loop thread sleeps past the linger (with no timer, for
+            # ever): wake it once so that it sets its timeout by it. Later
+            # lingers of a busy poller only move ``until`` on.
+            self.sleep_until = 0.0
+            self._rt.wake()
+
+    def _restore(self, fd: int) -> None:
         self._claims.pop(fd, None)
         try:
             key = self._inner.get_key(fd)
@@ -96,17 +139,51 @@ class _LockedSelector(selectors.BaseSelector):
             select.EPOLLOUT if key.events & selectors.EVENT_WRITE else 0)
         self._epoll().modify(fd, mask)
 
+    @property
+    def lingering(self) -> bool:
+        return bool(self._claims)
+
+    def expire_all(self) -> None:
+        """Gives back every claim no caller holds now (lock held)."""
+        for fd, c in list(self._claims.items()):
+            if not c.active:
+                self._restore(fd)
+
+    def _expire(self, now: float) -> float:
+        """Gives back lingering claims that are due; when to look again
+        (inf: no need)."""
+        first = math.inf
+        for fd, c in list(self._claims.items()):
+            if c.active:
+                # Held now; look again a linger later (rather than be woken
+                # when it is released).
+                if c.linger and now + c.linger < first:
+                    first = now + c.linger
+                continue
+            if c.until <= now:
+                self._restore(fd)
+            elif c.until < first:
+                first = c.until
+        return first
+
     def _epoll(self) -> Any:
         return self._inner._selector  # type: ignore[attr-defined]
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         rt = self._rt
         rt._round_done()
+        now = time.monotonic()
+        due = self._expire(now) if self._claims else math.inf
+        if due != math.inf:
+            wait = max(0.0, due - now)
+            timeout = wait if timeout is None or timeout < 0 else min(timeout, wait)
+        self.sleep_until = math.inf if timeout is None or timeout < 0 else now + timeout
         rt.lock.release()
         try:
             return self._inner.select(timeout)
         finally:
             rt.lock.acquire()
+            self.sleep_until = 0.0
 
 
 class _Loop(asyncio.SelectorEventLoop):
@@ -141,6 +218,7 @@ class Runtime:
         self._round_waiters = 0
         self.loop_ident = -1
         self._closers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._closing: set[asyncio.Task[Any]] = set()  # closes of agents already dropped
         self._selector = _LockedSelector(self)
         self.loop = _Loop(self._selector)
         self.loop._rt = self
@@ -191,8 +269,15 @@ class Runtime:
         """See _LockedSelector.claim (lock held)."""
         return self._selector.claim(fd)
 
-    def unclaim(self, fd: int) -> None:
-        self._selector.unclaim(fd)
+    def release(self, fd: int, linger: float = 0.0) -> None:
+        """See _LockedSelector.release (lock held)."""
+        self._selector.release(fd, linger)
+
+    def expire_lingering(self) -> None:
+        """Gives the loop thread back every fd no caller waits on now (lock
+        held): for what only the loop thread will take."""
+        if self._selector.lingering:
+            self._selector.expire_all()
 
     def leave(self) -> None:
         """Releases a lock taken by hand (``lock.acquire()``), waking the loop
@@ -224,6 +309,11 @@ class Runtime:
             raise RuntimeError(
                 "aioxfer.nixl: a blocking call from the loop thread or with the runtime lock held"
             )
+        if self._selector.lingering:
+            # What coro awaits may come through an fd a poller's claim still
+            # keeps from the loop thread: give those back now.
+            with self.lock:
+                self._selector.expire_all()
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
@@ -276,13 +366,21 @@ class Runtime:
         exit if obj is still alive, so peers see a clean leave."""
         self._closers.add(obj)
 
+    def track_closing(self, task: asyncio.Task[Any]) -> None:
+        """A close begun for an agent nobody holds any more (loop thread):
+        the exit waits for it as for the others."""
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     def _at_exit(self) -> None:
         closers = list(self._closers)
 
         async def close_all() -> None:
-            await asyncio.gather(*(c._close_at_exit() for c in closers), return_exceptions=True)
+            # (Here, on the loop, the closes scheduled before are tracked.)
+            await asyncio.gather(*(c._close_at_exit() for c in closers), *self._closing,
+                                 return_exceptions=True)
 
-        if closers and self.thread.is_alive():
+        if self.thread.is_alive():
             with contextlib.suppress(Exception):
                 self.run(close_all(), timeout=10.0)
         if self.thread.is_alive():

@@ -484,6 +484,7 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
     checks = [(o, need) for o, need in (("nixl", 1.0), ("native", 0.9))
               if "compat" in systems and o in systems]
     head += [f"compat ÷ {'NIXL' if o == 'nixl' else o}" for o, _ in checks]
+    head += [f"best turns: compat ÷ {'NIXL' if o == 'nixl' else o}" for o, _ in checks]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for tr, op, wl in rows:
         cells = [tr, op, wl]
@@ -497,6 +498,15 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
             rs = ratio.get((tr, op, wl, other))
             if rs:
                 m = statistics.median(rs)
+                cells.append(f"{m:.2f}× {'met' if m >= need else 'MISSED'}")
+            else:
+                cells.append("—")
+        # The best turn of each: what each system does when the machine lets
+        # it (a shared, busy machine slows single turns, never speeds them).
+        for other, need in checks:
+            mine, theirs = sums.get((tr, op, wl, "compat")), sums.get((tr, op, wl, other))
+            if mine and theirs:
+                m = max(mine) / max(theirs)
                 cells.append(f"{m:.2f}× {'met' if m >= need else 'MISSED'}")
             else:
                 cells.append("—")
@@ -518,8 +528,8 @@ def driver(args: argparse.Namespace) -> None:
         records += measure(args, systems, transport, nixl_python)
     print(f"\n{args.reps} turns of {args.slice} s per system and point, the systems taking "
           f"turns (the others stopped); GB/s: medians of the turns; ratios: compat's figure "
-          f"over the other's in the same rep, median. Targets: compat ≥ 1× NIXL and ≥ 0.9× "
-          f"native.\n")
+          f"over the other's in the same rep, median; best turns: compat's best turn over "
+          f"the other's. Targets: compat ≥ 1× NIXL and ≥ 0.9× native.\n")
     print(table(records, systems))
     failed = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records
               if not r["verified"]}

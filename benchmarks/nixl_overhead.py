@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""What aioxfer.nixl adds per request over aioxfer's own API, in microseconds.
+
+One initiator process holds both: an aioxfer.nixl agent (driven as vLLM and
+NIXL's benchmarks drive it: ``transfer`` then ``check_xfer_state`` until
+DONE) and a native ``aioxfer.Agent`` (awaiting ``agent.read``/``write``),
+each with its own target process (bench_nixl_compat's, 16 MiB of numpy
+memory). For each workload the two take turns of ``--slice`` seconds, many
+times, in the same process, so a busy, shared machine slows both alike; the
+figures are per request: wall time (the best turn: what the code costs when
+nothing else runs; and the median turn) and the CPU time of the whole
+process (the copy workers and the loop thread included; median), with the
+median of the per-turn differences.
+
+    python benchmarks/nixl_overhead.py                       # shm, WRITE and READ
+    python benchmarks/nixl_overhead.py --transport tcp --reps 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+
+import bench_nixl_compat as bnc  # noqa: E402
+
+
+def turn_sync(once: Callable[[], None], secs: float) -> tuple[float, float]:
+    once()
+    n = 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    while True:
+        once()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= secs:
+            return dt / n * 1e6, (time.process_time() - c0) / n * 1e6
+
+
+async def turn_async(make: Callable[[], Any], secs: float) -> tuple[float, float]:
+    await make()
+    n = 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    while True:
+        await make()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= secs:
+            return dt / n * 1e6, (time.process_time() - c0) / n * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
+    ap.add_argument("--ops", default="WRITE,READ")
+    ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--slice", type=float, default=0.05)
+    ap.add_argument("--only", default="", help="workload labels to run, comma-separated")
+    args = ap.parse_args()
+    args.ops = args.ops.split(",")
+    if args.transport == "tcp":
+        os.environ["AIOXFER_NIXL_TRANSPORTS"] = "tcp"
+    os.environ.setdefault("AIOXFER_LOG_LEVEL", "warning")
+    keep: list[Any] = []
+    targets = []
+    try:
+        args.system = "compat"
+        t_compat = bnc.Target(args)
+        targets.append(t_compat)
+        compat = bnc.nixl_like_workloads(args, t_compat, keep)
+        args.system = "native"
+        t_native = bnc.Target(args)
+        targets.append(t_native)
+        loop = asyncio.new_event_loop()
+        native = bnc.native_workloads(args, t_native, loop, keep)
+        only = set(args.only.split(",")) if args.only else None
+        print(f"{args.transport}: per request, µs (median of {args.reps} turns of "
+              f"{args.slice} s each)")
+        print("| op | workload | compat best | native best | compat ÷ native (best) "
+              "| compat wall | native wall | Δ wall | compat CPU | native CPU | Δ CPU | data |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for c, n in zip(compat, native, strict=True):
+            assert (c.op, c.label) == (n.op, n.label)
+            if only is not None and c.label not in only:
+                continue
+            cw: list[float] = []
+            nw: list[float] = []
+            cc: list[float] = []
+            nc: list[float] = []
+            for rep in range(args.reps):
+                order = ("c", "n") if rep % 2 == 0 else ("n", "c")
+                for who in order:
+                    if who == "c":
+                        w, cpu = turn_sync(c.once, args.slice)
+                        cw.append(w)
+                        cc.append(cpu)
+                    else:
+                        w, cpu = loop.run_until_complete(turn_async(n.once, args.slice))
+                        nw.append(w)
+                        nc.append(cpu)
+            dw = statistics.median(a - b for a, b in zip(cw, nw, strict=True))
+            dc = statistics.median(a - b for a, b in zip(cc, nc, strict=True))
+            ok = "ok" if c.verified and n.verified else "NOT VERIFIED"
+            print(f"| {c.op} | {c.label} | {min(cw):.1f} | {min(nw):.1f} | "
+                  f"{min(nw) / min(cw):.2f}× | {statistics.median(cw):.1f} | "
+                  f"{statistics.median(nw):.1f} | {dw:+.1f} | {statistics.median(cc):.1f} | "
+                  f"{statistics.median(nc):.1f} | {dc:+.1f} | {ok} |", flush=True)
+    finally:
+        for t in targets:
+            t.close()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
