@@ -486,9 +486,8 @@ class Agent:
             names = sorted({self._tag_names.get(t, f"tag-{t}") for tags in held.values()
                             for t in tags})
             for rid in held:
-                region = self._freeing.pop(rid, None)
-                if region is not None:
-                    _QUARANTINE.append(region)  # its buffer is never released
+                if rid in self._freeing:
+                    _QUARANTINE.append(self._freeing.pop(rid))  # its buffer is never released
             _log.warning("agent.close_gave_up", agent=self.name, peers=names,
                          regions=len(held), timeout=self.limits.close_timeout,
                          reason="peers that could still touch our memory did not release it")
@@ -1545,7 +1544,7 @@ class Agent:
         """A connected, non-blocking socket: every address of host is tried in turn."""
         assert self._loop is not None
         loop = self._loop
-        infos = _numeric_addrinfo(host, port)
+        infos: Sequence[tuple[Any, ...]] | None = _numeric_addrinfo(host, port)
         if infos is None:  # a name: the resolver runs on an executor thread
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         error: OSError | None = None
@@ -1826,9 +1825,10 @@ class Agent:
         may also be this agent's file region (``register_file``): its
         Segments, or a SegmentList of it (no ``notify`` then).
         ``priority``: matters when the peer's limits are reached (see Agent)."""
+        descs: _Descs
+        starts: npt.NDArray[np.intp] | None = None
         if type(src) is Segment and type(dst) is RemoteSegment:
             peer, descs, nbytes = self._descs_one(src, dst)  # nothing to merge
-            starts = None
         else:
             backend = _backends.local_target(dst)  # a local backend's region (object storage)
             if backend is not None:
@@ -1850,9 +1850,10 @@ class Agent:
     ) -> Transfer:
         """Posts a READ of the peer's ``src`` into local ``dst``; returns its
         Transfer. Same shapes and ``priority`` as ``write``."""
+        descs: _Descs
+        starts: npt.NDArray[np.intp] | None = None
         if type(dst) is Segment and type(src) is RemoteSegment:
             peer, descs, nbytes = self._descs_one(dst, src)  # nothing to merge
-            starts = None
         else:
             backend = _backends.local_target(src)  # a local backend's region (object storage)
             if backend is not None:
@@ -2368,7 +2369,7 @@ def _coalesce(descs: _Descs) -> tuple[_Descs, npt.NDArray[np.intp] | None]:
     Returns the merged array and, when anything merged, each merged
     descriptor's first original index (to report failures by the caller's
     index)."""
-    if type(descs) is tuple or len(descs) < 2:
+    if isinstance(descs, tuple) or len(descs) < 2:
         return descs, None
     a, b = descs[:-1], descs[1:]
     joins = (

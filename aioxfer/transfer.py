@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
     from aioxfer.agent import Agent
     from aioxfer.peer import Peer
 
@@ -82,7 +85,7 @@ class Transfer(asyncio.Future[TransferResult]):
         self._cancel_requested = False
         self._admitted = False  # counted in its peer's scheduler budget
         self._queued_item: tuple[int, int, object, bytes | None, int] | None = None
-        self._starts: object = None  # merged descriptors' first original indexes
+        self._starts: npt.NDArray[np.intp] | None = None  # merged descs' first original index
         self._path: str | None = None  # the path it took, where not peer.path
 
     def __await__(self):  # type: ignore[no-untyped-def]
