@@ -756,6 +756,10 @@ class Agent:
             _resolve(released)
             return released
         self._freeing[region.rid] = region
+        # Transfers posted before this call but still batched for the next
+        # flush are "already using it": they go to the engine first, so they
+        # finish rather than fail against a region that vanished under them.
+        self._post_pending()
         try:
             self._engine.deregister(region.rid)
         except (ValueError, _cyx.NativeError) as exc:
