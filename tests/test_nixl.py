@@ -29,7 +29,7 @@ from s3server import ACCESS_KEY, SECRET_KEY, S3Server, s3  # noqa: F401
 from test_discovery import etcd_server  # noqa: F401
 
 import aioxfer.nixl as nixl
-from aioxfer.nixl import _api, _bindings, _utils, nixl_agent, nixl_agent_config
+from aioxfer.nixl import _api, _bindings, _telemetry, _utils, nixl_agent, nixl_agent_config
 from aioxfer.nixl import logging as nixl_logging
 
 STEP = 20.0
@@ -356,9 +356,146 @@ def test_telemetry_switches(agents: Any, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "no")  # wins over capture_telemetry=True
     c = agents(capture_telemetry=True)
     assert c.agent._telemetry is False
-    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "y")
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "Enable")  # NIXL's words, any case
     assert agents().agent._telemetry is True
 
+
+
+def _ring_events(path: Any) -> tuple[tuple[int, ...], list[tuple[str, int]]]:
+    """NIXL's telemetry ring file as its readers see it (telemetry_reader.py's
+    layout): the header and the unread (event name, value) pairs."""
+    import struct
+
+    data = path.read_bytes()
+    header = struct.unpack_from("<QQiiQQ", data, 0)
+    write_pos, read_pos, _, _, capacity, mask = header
+    assert len(data) == 40 + 16 * capacity
+    events = []
+    i = read_pos
+    while i != write_pos:
+        etype, value = struct.unpack_from("<I4xQ", data, 40 + 16 * i)
+        events.append((_telemetry.EVENT_NAMES[etype], value))
+        i = (i + 1) & mask
+    return header, events
+
+
+def test_telemetry_file_as_nixl_writes_it(agents: Any, monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Any) -> None:
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "yes")
+    monkeypatch.setenv("NIXL_TELEMETRY_DIR", str(tmp_path))
+    a, b, x, y, ra, _ = _pair(agents, n=128)
+    assert {p.name for p in tmp_path.iterdir()} == {a.name, b.name}  # one file per agent
+    local = a.get_xfer_descs([(x.addr, 64, 0), (x.addr + 64, 64, 0)], "DRAM")
+    remote = a.get_xfer_descs([(y.addr, 64, 0), (y.addr + 64, 64, 0)], "DRAM")
+    times = []
+    for op in ("WRITE", "READ"):
+        h = a.initialize_xfer(op, local, remote, b.name)
+        with pytest.raises(nixl.nixlNotPostedError):
+            a.get_xfer_telemetry(h)
+        a.transfer(h)
+        assert _wait(a, h) == "DONE"
+        t = a.get_xfer_telemetry(h)
+        assert (t.descCount, t.totalBytes) == (2, 128)
+        assert 0 < t.postDuration <= t.xferDuration
+        # µs of the steady clock, as NIXL's
+        assert 0 < t.startTime <= time.monotonic_ns() // 1000
+        times.append((t.postDuration, t.xferDuration))
+        h.release()
+    with pytest.raises(nixl.nixlNotFoundError):
+        a.prep_xfer_dlist("nobody", [(y.addr, 64, 0)], "DRAM")
+    with pytest.raises(nixl.nixlInvalidParamError):
+        a.initialize_xfer("WRITE", local, a.get_xfer_descs([(y.addr, 64, 0)], "DRAM"), b.name)
+    a.deregister_memory(ra)
+    a.close()  # writes what is staged (NIXL writes every NIXL_TELEMETRY_RUN_INTERVAL ms)
+    header, events = _ring_events(tmp_path / a.name)
+    assert header[2:] == (4, 4, 4096, 4095)  # version, expected version, capacity, mask
+    (wp, wx), (rp, rx) = times
+    assert events == [
+        ("agent_memory_registered", 128),
+        ("agent_xfer_post_time", wp), ("agent_xfer_time", wx),
+        ("agent_tx_bytes", 128), ("agent_tx_requests_num", 1),
+        ("agent_xfer_post_time", rp), ("agent_xfer_time", rx),
+        ("agent_rx_bytes", 128), ("agent_rx_requests_num", 1),
+        ("agent_err_not_found", 1),  # NIXL counts this one, not a size mismatch
+        ("agent_memory_deregistered", 128),
+    ]
+    assert (tmp_path / a.name).exists()  # the file stays, as NIXL's
+
+
+def test_telemetry_flushes_on_its_interval_and_filters(
+        agents: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "1")
+    monkeypatch.setenv("NIXL_TELEMETRY_DIR", str(tmp_path))
+    monkeypatch.setenv("NIXL_TELEMETRY_RUN_INTERVAL", "5")
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLED_METRICS", "agent_tx_*, nothing_matches")
+    a, b, x, y, _, _ = _pair(agents, n=4096)
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, 4096, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, 4096, 0)], "DRAM"), b.name)
+    for _ in range(3):
+        a.transfer(h)
+        assert _wait(a, h) == "DONE"
+    deadline = time.monotonic() + STEP
+    while len(_ring_events(tmp_path / a.name)[1]) < 6:  # written by the loop, agent still open
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert _ring_events(tmp_path / a.name)[1] == [("agent_tx_bytes", 4096),
+                                                  ("agent_tx_requests_num", 1)] * 3
+
+
+def test_telemetry_staging_drops_are_counted(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Any) -> None:
+    import asyncio
+
+    monkeypatch.setenv("NIXL_TELEMETRY_DIR", str(tmp_path))
+    monkeypatch.setenv("NIXL_TELEMETRY_BUFFER_SIZE", "8")
+    loop = asyncio.new_event_loop()
+    try:
+        tel = _telemetry.Telemetry("t", loop, lambda level, msg: None)
+        tel.add(_telemetry.MEMORY_REGISTERED, 10)
+        tel.add(_telemetry.MEMORY_REGISTERED, 20)
+        tel.xfer(True, 100, 1, 2)
+        tel.xfer(False, 200, 3, 4)  # 6 staged + 4 > 8: the whole batch is dropped
+        tel.flush()
+        _, events = _ring_events(tmp_path / "t")
+        assert events[-1] == ("agent_telemetry_events_dropped", 4)
+        assert len(events) == 7  # a ring of 8 holds 7, as NIXL's
+        tel.close()
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("env, error", [
+    ({"NIXL_TELEMETRY_ENABLE": "maybe"}, RuntimeError),
+    ({"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_BUFFER_SIZE": "0"}, ValueError),
+    ({"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_BUFFER_SIZE": "1000",
+      "NIXL_TELEMETRY_DIR": "{tmp}"}, RuntimeError),
+    ({"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_DIR": "{tmp}/absent"}, RuntimeError),
+    ({"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "BUFFER"}, RuntimeError),
+    ({"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "nosuch"}, RuntimeError),
+])
+def test_telemetry_configuration_errors_refuse_the_agent(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, env: dict[str, str],
+        error: type[Exception]) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v.format(tmp=tmp_path))
+    with pytest.raises(error):
+        nixl_agent(_name(), nixl_agent_config(backends=[]))
+    assert not list(tmp_path.iterdir())
+
+
+def test_telemetry_without_a_sink_still_answers(agents: Any, monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Any) -> None:
+    # Capture only (no NIXL_TELEMETRY_DIR), or NOP: getXferTelemetry works,
+    # nothing is written.
+    monkeypatch.setenv("NIXL_TELEMETRY_EXPORTER", "NOP")
+    monkeypatch.setenv("NIXL_TELEMETRY_DIR", str(tmp_path))
+    a, b, x, y, _, _ = _pair(agents, capture_telemetry=True)
+    h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, 64, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, 64, 0)], "DRAM"), b.name)
+    a.transfer(h)
+    assert _wait(a, h) == "DONE"
+    assert a.get_xfer_telemetry(h).totalBytes == 64
+    assert not list(tmp_path.iterdir())
 
 def test_loopback_and_descriptors_across_regions(agents: Any) -> None:
     a = agents()

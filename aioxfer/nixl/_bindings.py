@@ -48,7 +48,7 @@ from aioxfer import (
     Transfer,
     XferError,
 )
-from aioxfer.nixl import _wire
+from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
 
 __all__ = [
@@ -280,6 +280,10 @@ _ERRORS: dict[int, tuple[type[Exception], str]] = {
     -11: (nixlCancelledError, "NIXL_ERR_CANCELED"),
     -12: (nixlNoTelemetryError, "NIXL_ERR_NO_TELEMETRY"),
 }
+
+
+_STATUS_OF: dict[type[BaseException], int] = {
+    cls: status for status, (cls, _) in _ERRORS.items()}
 
 
 def _error(status: int, detail: str = "") -> Exception:
@@ -671,10 +675,13 @@ class nixlAgentConfig:
 
 
 class nixlXferTelemetry:
-    """What a finished transfer request took: ``startTime`` (µs since the
-    epoch, at the post), ``postDuration`` and ``xferDuration`` (µs, from the
-    post; a post under 1 µs counts 1), ``totalBytes``, ``descCount``
-    (descriptors requested, before any merging)."""
+    """What a finished transfer request took: ``startTime`` (µs of the steady
+    clock, CLOCK_MONOTONIC, at the post: NIXL's ``std::chrono::steady_clock``),
+    ``postDuration`` and ``xferDuration`` (µs, from the post; a post under
+    1 µs counts 1; the transfer time is the engine's, from post to
+    completion, not from post to the poll that saw it as NIXL's),
+    ``totalBytes``, ``descCount`` (descriptors requested, before any
+    merging). All 0 while the request is in flight."""
 
     __slots__ = ("_start", "_post", "_xfer", "_bytes", "_count")
 
@@ -711,13 +718,6 @@ class nixlXferTelemetry:
                 f"xferDuration={self._xfer}, totalBytes={self._bytes}, descCount={self._count})")
 
 
-def _telemetry_on(captured: bool) -> bool:
-    env = os.environ.get("NIXL_TELEMETRY_ENABLE")
-    if env is not None and env != "":
-        return env.strip().lower() in ("y", "yes", "1", "true", "on")
-    return captured
-
-
 # ---------------------------------------------------------------- the agent
 
 _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
@@ -737,6 +737,13 @@ _LINGER = 0.02
 
 def _noop() -> None:
     pass
+
+
+def _durations(x: _Xfer) -> tuple[int, int]:
+    """A finished request's post and transfer durations in whole µs, as NIXL
+    reports them: the post at least 1, the transfer at least the post."""
+    post_us = max(1, round(x.post_s * 1e6))
+    return post_us, max(post_us, round(x.xfer_s * 1e6))
 
 
 def _segments(region: Any, offsets: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
@@ -917,7 +924,8 @@ class _Xfer:
 
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
-                 "file", "one", "write", "post", "objects", "parts", "frames", "notifying")
+                 "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
+                 "failed")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -949,6 +957,7 @@ class _Xfer:
         self.parts: list[Any] = []
         self.frames: list[bytes] = []
         self.notifying = False
+        self.failed: Any = None  # the failed post already counted in telemetry
 
 
 def _indices(value: Any, what: str) -> npt.NDArray[np.int64]:
@@ -974,7 +983,10 @@ class nixlAgent:
         self._name = name
         self._rt = runtime()
         self._config = config
-        self._telemetry = _telemetry_on(bool(config.captureTelemetry))
+        # NIXL's telemetry (see _telemetry): the switch, and the agent's
+        # events and their sink when on.
+        self._telemetry = _telemetry.requested(bool(config.captureTelemetry), _log)
+        self._tel: _telemetry.Telemetry | None = None
         self._agent: aioxfer.Agent | None = None
         # The agent's flush() and poll() once it exists (called with the lock
         # held, from any thread: the lock makes it the loop thread's turn).
@@ -1002,8 +1014,16 @@ class nixlAgent:
             raise RuntimeError("Config parameter 'NIXL_ETCD_ENDPOINTS' needs non-empty value")
         self._store = _CentralStore(endpoints) if endpoints else None
         self._closed = False
+        if self._telemetry:
+            self._tel = _telemetry.Telemetry(name, self._rt.loop, _log)
         if config.useListenThread:
-            self._rt.run(self._start_listener(int(config.listenPort)), timeout=_CONNECT_TIMEOUT)
+            try:
+                self._rt.run(self._start_listener(int(config.listenPort)),
+                             timeout=_CONNECT_TIMEOUT)
+            except BaseException:
+                if self._tel is not None:
+                    self._rt.loop.call_soon_threadsafe(self._tel.close)
+                raise
         self._rt.add_closer(self)
 
     def __repr__(self) -> str:
@@ -1162,6 +1182,8 @@ class nixlAgent:
                 raise _error(-3, f"registerMem: {exc}") from None
             self._regs.extend(new)
             self._table = None
+        if self._tel is not None:
+            self._tel.add(_telemetry.MEMORY_REGISTERED, sum(r.nbytes for r in new))
         return int(NIXL_SUCCESS)
 
     def _drop_region(self, region: aioxfer.Region) -> Any:
@@ -1202,6 +1224,8 @@ class nixlAgent:
             self._rt.run(release(), timeout=_RELEASE_TIMEOUT)
         except TimeoutError:
             raise _error(-3, "deregisterMem: peers did not release the memory in time") from None
+        if self._tel is not None:
+            self._tel.add(_telemetry.MEMORY_DEREGISTERED, sum(r.nbytes for r in gone))
         return int(NIXL_SUCCESS)
 
     def queryMem(self, descs: nixlRegDList, backend: int) -> list[dict[str, str] | None]:
@@ -1559,6 +1583,8 @@ class nixlAgent:
         try:
             return self._prep(name, mem, arr)
         except nixlNotFoundError:
+            if self._tel is not None:
+                self._tel.error(-4)
             # Callers retry until (partial) metadata arrives: let it arrive.
             now = time.perf_counter()
             if now - self._last_md_poll < _TIGHT_POLL:
@@ -1615,11 +1641,12 @@ class nixlAgent:
         op = _op(operation)
         ld = self._dlists.get(int(local_side))
         rd = self._dlists.get(int(remote_side))
-        if ld is None or rd is None:
-            raise _error(-2, "makeXferReq: unknown prepared descriptor list handle")
-        if not ld.is_local:
-            raise _error(-2, "makeXferReq: the local side was prepared for a remote agent")
-        if rd.is_local:
+        if ld is None or rd is None or not ld.is_local or rd.is_local:
+            self._count(-2)
+            if ld is None or rd is None:
+                raise _error(-2, "makeXferReq: unknown prepared descriptor list handle")
+            if not ld.is_local:
+                raise _error(-2, "makeXferReq: the local side was prepared for a remote agent")
             raise _error(-2, "makeXferReq: the remote side was prepared as local "
                              "(NIXL_INIT_AGENT); prepare it with the remote (or own) agent name")
         li = _indices(local_indices, "local")
@@ -1670,9 +1697,27 @@ class nixlAgent:
                 self._dlists.pop(lh, None)
                 self._dlists.pop(rh, None)
 
+    def _count(self, status: int) -> None:
+        """A failure NIXL counts in its telemetry (agent_err_*)."""
+        if self._tel is not None:
+            self._tel.error(status)
+
+    def _count_exc(self, exc: BaseException) -> None:
+        if self._tel is not None:
+            self._tel.error(_STATUS_OF.get(type(exc), -8))
+
     def _new_xfer(self, op: int, ld: _Prepped, li: npt.NDArray[np.int64], rd: _Prepped,
                   ri: npt.NDArray[np.int64], lens: npt.NDArray[np.uint64], notif: bytes,
                   what: str) -> int:
+        try:
+            return self._make_xfer(op, ld, li, rd, ri, lens, notif, what)
+        except Exception as exc:
+            self._count_exc(exc)
+            raise
+
+    def _make_xfer(self, op: int, ld: _Prepped, li: npt.NDArray[np.int64], rd: _Prepped,
+                   ri: npt.NDArray[np.int64], lens: npt.NDArray[np.uint64], notif: bytes,
+                   what: str) -> int:
         rem = rd.remote
         if rem is not None and (rem.removed or rem.gen != rd.gen):
             raise _error(-4, f"{what}: remote agent '{rem.name}' was invalidated or re-registered "
@@ -1816,8 +1861,11 @@ class nixlAgent:
         return out
 
     def postXferReq(self, reqh: int, notif_msg: Any = "") -> int:
+        # Failures are counted in telemetry as NIXL counts them: all but a
+        # repost refused; the request's own failure once (in _finish).
         x = self._xfers.get(reqh)
         if x is None:
+            self._count(-2)
             raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}")
         msg = _payload(notif_msg) if notif_msg else x.notif
         rt = self._rt
@@ -1831,18 +1879,20 @@ class nixlAgent:
             rem = x.remote
             if rem is not None and (rem.removed or rem.gen != x.gen):
                 x.fut = None
+                self._count(_ERR_REMOTE_DISCONNECT)
                 raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
                                                      f"'{rem.name}' was removed")
             peer = x.peer
             if peer is not None and peer.lost:
                 x.fut = None
+                self._count(_ERR_REMOTE_DISCONNECT)
                 raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
                                                      f"'{peer.name}' was disconnected after "
                                                      f"transfer request creation")
             telemetry = self._telemetry
             if telemetry:
                 x.xfer_s = -1.0
-                x.start_us = time.time_ns() // 1000
+                x.start_us = time.monotonic_ns() // 1000
                 x.t0 = time.perf_counter()
             post = x.post
             if post is not None and (not msg or x.file or (
@@ -1858,14 +1908,18 @@ class nixlAgent:
                     self._flush_fn()
                 except (XferError, ValueError, TypeError) as exc:
                     x.fut = None
-                    raise _from_xfer_error(exc, "postXferReq") from None
+                    err = _from_xfer_error(exc, "postXferReq")
+                    self._count_exc(err)
+                    raise err from None
                 rt._foreign = False
             else:
                 try:
                     fut = self._post(x, msg)
                 except (XferError, ValueError, TypeError) as exc:
                     x.fut = None
-                    raise _from_xfer_error(exc, "postXferReq") from None
+                    err = _from_xfer_error(exc, "postXferReq")
+                    self._count_exc(err)
+                    raise err from None
                 x.fut = fut
             if telemetry:
                 x.post_s = time.perf_counter() - x.t0
@@ -1975,17 +2029,22 @@ class nixlAgent:
         return time.perf_counter()
 
     def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str) -> int:
-        if fut.cancelled():
-            raise _error(_ERR_CANCELED, f"{what}: the transfer was cancelled")
-        exc = fut.exception()
-        if exc is not None:
-            raise _from_xfer_error(exc, what)
+        if fut.cancelled() or fut.exception() is not None:
+            err = (_error(_ERR_CANCELED, f"{what}: the transfer was cancelled") if fut.cancelled()
+                   else _from_xfer_error(fut.exception(), what))  # type: ignore[arg-type]
+            if x.failed is not fut:  # counted once per post, as NIXL's
+                x.failed = fut
+                self._count_exc(err)
+            raise err
         if x.xfer_s < 0 and self._telemetry:
             res = fut.result()
             if isinstance(res, float):
                 x.xfer_s = res - x.t0
             else:
                 x.xfer_s = res.seconds  # from its post, by the engine's clock
+            tel = self._tel
+            if tel is not None:
+                tel.xfer(x.write, x.nbytes, *_durations(x))
         return int(NIXL_SUCCESS)
 
     def getXferStatus(self, reqh: int) -> int:
@@ -2124,9 +2183,15 @@ class nixlAgent:
         x = self._xfers.get(int(reqh))
         if x is None:
             raise _error(-2, f"getXferTelemetry: unknown transfer handle {int(reqh):#x}")
-        post_us = max(1, round(x.post_s * 1e6)) if x.start_us else 0
-        xfer_us = max(post_us, round(x.xfer_s * 1e6)) if x.xfer_s >= 0 else 0
-        return nixlXferTelemetry(x.start_us, post_us, xfer_us, x.nbytes, x.ndesc)
+        fut = x.fut
+        if fut is None or not x.start_us:
+            raise _error(-1, "getXferTelemetry: the transfer was not posted")
+        if not fut.done():
+            # NIXL gives an uninitialised record here; zeros are its intent.
+            _log("E", "getXferTelemetry: Transfer is not complete yet")
+            return nixlXferTelemetry()
+        self._finish(x, fut, "getXferTelemetry")  # raises what the request failed with
+        return nixlXferTelemetry(x.start_us, *_durations(x), x.nbytes, x.ndesc)
 
     def estimateXferCost(self, req_handle: int) -> tuple[int, int, int]:
         x = self._xfers.get(int(req_handle))
@@ -2250,6 +2315,9 @@ class nixlAgent:
         self._dlists.clear()
         self._remotes.clear()
         self._regs.clear()
+        tel, self._tel = self._tel, None
+        if tel is not None:
+            tel.close()  # the staged events written; the file stays, as NIXL's
         if agent is not None:
             await agent.aclose()
 
