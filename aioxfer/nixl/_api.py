@@ -40,6 +40,8 @@ DEFAULT_COMM_PORT = nixlBind.DEFAULT_COMM_PORT
 # Backend handles never reach the user: plain ints.
 nixl_backend_handle = int
 
+_STATE = {0: "DONE", 1: "PROC"}  # any other status: "ERR"
+
 
 def _is_tensor(obj: object) -> bool:
     # Only if torch is already imported: importing it here would cost ~1 s.
@@ -276,7 +278,9 @@ class nixl_agent:
         logger.info("Backend %s was instantiated", backend)
 
     def _handles(self, backends: list[str] | None) -> list[int]:
-        return [self.backends[b] for b in backends or []]
+        if not backends:
+            return []
+        return [self.backends[b] for b in backends]
 
     # ------------------------------------------------------------ memory
 
@@ -351,12 +355,10 @@ class nixl_agent:
         return nixl_xfer_handle(self.agent, handle)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes | str = b"") -> str:
-        status = self.agent.postXferReq(handle._handle, notif_msg)
-        return "DONE" if status == 0 else "PROC" if status == 1 else "ERR"
+        return _STATE.get(self.agent.postXferReq(handle._handle, notif_msg), "ERR")
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
-        status = self.agent.getXferStatus(handle._handle)
-        return "DONE" if status == 0 else "PROC" if status == 1 else "ERR"
+        return _STATE.get(self.agent.getXferStatus(handle._handle), "ERR")
 
     def statistics(self) -> Any:
         """(aioxfer extension) The aioxfer agent's statistics(): these

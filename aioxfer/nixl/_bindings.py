@@ -750,11 +750,13 @@ def _segments(region: Any, offsets: npt.NDArray[np.uint64], lengths: npt.NDArray
               nbytes: int) -> SegmentList:
     """A SegmentList of ranges already checked against ``region`` (they come
     from prepared lists): made without SegmentList's own checks, which cost
-    more than the rest of a request (contiguous uint64 arrays, as its own)."""
+    more than the rest of a request. ``offsets`` and ``lengths`` are
+    contiguous uint64 arrays already, as its own (gathered from a prepared
+    list's, or a shared read-only array of equal lengths)."""
     sl = SegmentList.__new__(SegmentList)
     sl.region = region
-    sl.offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
-    sl.lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+    sl.offsets = offsets
+    sl.lengths = lengths
     sl.nbytes = nbytes
     return sl
 
@@ -893,7 +895,7 @@ class _Prepped:
     ``objs`` (local: _Reg; remote: region names), its offset and length."""
 
     __slots__ = ("remote", "loopback", "mem", "objs", "ridx", "offs", "lens", "gen", "resolved",
-                 "n", "single", "uniform")
+                 "n", "single", "uniform", "_uniform_lens")
 
     def __init__(self, remote: _Remote | None, loopback: bool, mem: nixl_mem_t, objs: list[Any],
                  ridx: npt.NDArray[np.intp], offs: npt.NDArray[np.uint64],
@@ -913,6 +915,19 @@ class _Prepped:
         self.single = int(ridx[0]) if self.n and bool((ridx == ridx[0]).all()) else -1
         # The length of every descriptor when it is one (KV blocks), else -1.
         self.uniform = int(lens[0]) if self.n and bool((lens == lens[0]).all()) else -1
+        self._uniform_lens: dict[int, npt.NDArray[np.uint64]] = {}
+
+    def uniform_lens(self, k: int) -> npt.NDArray[np.uint64]:
+        """``k`` lengths of a uniform list: one read-only array per count,
+        shared by its requests (the engines only read lengths)."""
+        out = self._uniform_lens.get(k)
+        if out is None:
+            if len(self._uniform_lens) > 64:
+                self._uniform_lens.clear()
+            out = np.full(k, self.uniform, dtype=np.uint64)
+            out.flags.writeable = False
+            self._uniform_lens[k] = out
+        return out
 
     @property
     def is_local(self) -> bool:
@@ -960,16 +975,36 @@ class _Xfer:
         self.failed: Any = None  # the failed post already counted in telemetry
 
 
-def _indices(value: Any, what: str) -> npt.NDArray[np.int64]:
-    if isinstance(value, np.ndarray):
+_MAX_INDEX = np.maximum.reduce
+
+
+def _indices(value: Any, what: str, n: int) -> npt.NDArray[np.int64]:
+    """Request indices as int64 (NIXL's binding takes any numeric 1-D array,
+    cast to 32-bit ints, or a list of int), each checked to be in [0, n)."""
+    if type(value) is np.ndarray:
         if value.ndim != 1:
             raise ValueError("indices numpy array must be 1D")
-        # NIXL's binding casts any numeric array to 32-bit indices.
-        return value.astype(np.int32, copy=False).astype(np.int64)
-    try:
-        return np.fromiter((int(v) for v in value), dtype=np.int64)
-    except (TypeError, ValueError):
-        raise TypeError(f"{what} indices are a list of int or a 1-D numpy array") from None
+        kind = value.dtype.kind
+        idx = (value.astype(np.int64, copy=False) if kind in "iu"
+               else value.astype(np.int32).astype(np.int64))  # floats, as NIXL's cast
+    elif isinstance(value, np.ndarray):
+        return _indices(np.asarray(value), what, n)
+    else:
+        arr = np.array(value) if type(value) is list else None
+        if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":
+            idx = arr.astype(np.int64, copy=False)
+        else:
+            try:
+                idx = np.fromiter((int(v) for v in value), dtype=np.int64)
+            except (TypeError, ValueError):
+                raise TypeError(f"{what} indices are a list of int or a 1-D numpy "
+                                f"array") from None
+    # One reduction: a negative index, seen as unsigned, is out of range too.
+    if idx.size and int(_MAX_INDEX(idx.view(np.uint64))) >= n:
+        i = int(np.flatnonzero((idx < 0) | (idx >= n))[0])
+        raise _error(-2, f"makeXferReq: {what} index out of range at index {i} with "
+                         f"value {int(idx[i])}")
+    return idx
 
 
 class nixlAgent:
@@ -995,6 +1030,7 @@ class nixlAgent:
         self._fd = -1
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
+        self._backend_of: dict[str, int] = {}  # the first backend of each type
         self._handle_seq = itertools.count(0x1000)
         self._regs: list[_Reg] = []
         self._reg_seq = itertools.count(1)
@@ -1065,6 +1101,7 @@ class nixlAgent:
         if type_ == "OBJ":
             backend.objects = self._register_objects(params)
         self._backends[backend.handle] = backend
+        self._backend_of.setdefault(type_, backend.handle)
         return backend.handle
 
     def _register_objects(self, params: dict[str, str]) -> Any:
@@ -1638,9 +1675,11 @@ class nixlAgent:
     def makeXferReq(self, operation: Any, local_side: int, local_indices: Any, remote_side: int,
                     remote_indices: Any, notif_msg: Any = "", backend: Any = (),
                     skip_desc_merge: bool = False, **kwargs: Any) -> int:
-        op = _op(operation)
-        ld = self._dlists.get(int(local_side))
-        rd = self._dlists.get(int(remote_side))
+        op = _OPS.get(operation)
+        if op is None:
+            op = _op(operation)
+        ld = self._dlists.get(local_side)
+        rd = self._dlists.get(remote_side)
         if ld is None or rd is None or not ld.is_local or rd.is_local:
             self._count(-2)
             if ld is None or rd is None:
@@ -1649,22 +1688,19 @@ class nixlAgent:
                 raise _error(-2, "makeXferReq: the local side was prepared for a remote agent")
             raise _error(-2, "makeXferReq: the remote side was prepared as local "
                              "(NIXL_INIT_AGENT); prepare it with the remote (or own) agent name")
-        li = _indices(local_indices, "local")
-        ri = _indices(remote_indices, "remote")
+        li = _indices(local_indices, "local", ld.n)
+        ri = _indices(remote_indices, "remote", rd.n)
         if li.size != ri.size or not li.size:
             raise _error(-2, f"makeXferReq: different number of indices for local ({li.size}), "
                              f"remote ({ri.size})")
-        for side, idx, d in (("local", li, ld), ("remote", ri, rd)):
-            # One comparison: a negative index, seen as unsigned, is out of range too.
-            if bool((idx.view(np.uint64) >= d.n).any()):
-                i = int(np.flatnonzero((idx < 0) | (idx >= d.n))[0])
-                raise _error(-2, f"makeXferReq: {side} index out of range at index {i} with "
-                                 f"value {int(idx[i])}")
-        lens = ld.lens[li]
-        if (ld.uniform < 0 or ld.uniform != rd.uniform) and not np.array_equal(lens, rd.lens[ri]):
-            i = int(np.flatnonzero(lens != rd.lens[ri])[0])
-            raise _error(-2, f"makeXferReq: length mismatch at index {i} with local index "
-                             f"{int(li[i])} and remote index {int(ri[i])}")
+        if ld.uniform >= 0 and ld.uniform == rd.uniform:
+            lens = ld.uniform_lens(li.size)  # every length the same: nothing to compare
+        else:
+            lens = ld.lens[li]
+            if not np.array_equal(lens, rd.lens[ri]):
+                i = int(np.flatnonzero(lens != rd.lens[ri])[0])
+                raise _error(-2, f"makeXferReq: length mismatch at index {i} with local index "
+                                 f"{int(li[i])} and remote index {int(ri[i])}")
         return self._new_xfer(op, ld, li, rd, ri, lens, _payload(notif_msg) if notif_msg else b"",
                               "makeXferReq")
 
@@ -1735,53 +1771,63 @@ class nixlAgent:
             else:
                 assert rem is not None
                 peer = self._peer_of(rem.name, what, lost_ok=True)
+        # Which region pair each descriptor uses: one pair (the common case),
+        # or per (local, remote) pair the descriptors in request order.
+        k = int(li.size)
+        # (local region, remote region, start, end): descriptors [start, end)
+        # of the request (reordered by region pair, stably, when it spans several)
+        split: list[tuple[int, int, int, int]] = []
+        if ld.single >= 0 and rd.single >= 0:
+            split.append((ld.single, rd.single, 0, k))
+        elif k == 1:
+            split.append((int(ld.ridx[li[0]]), int(rd.ridx[ri[0]]), 0, k))
+        else:
+            lridx = ld.ridx[li]
+            rridx = rd.ridx[ri]
+            key = lridx * len(rd.objs) + rridx
+            order = np.argsort(key, kind="stable")
+            skey = key[order]
+            starts = [0, *(np.flatnonzero(skey[1:] != skey[:-1]) + 1).tolist()]
+            if len(starts) > 1:
+                li, ri = li[order], ri[order]
+                if ld.uniform < 0:
+                    lens = lens[order]
+            ends = [*starts[1:], k]
+            nregions = len(rd.objs)
+            for a, b in zip(starts, ends, strict=True):
+                lk, rk = divmod(int(skey[a]), nregions)
+                split.append((lk, rk, a, b))
         # Remote regions by name, as the peer knows them (refreshed once if
         # the peer registered them after we connected).
-        single = ld.single >= 0 and rd.single >= 0
-        if single:
-            needed = [rd.single]
-        else:
-            rridx = rd.ridx[ri]
-            needed = np.unique(rridx).tolist()
-        remote_objs = self._resolve(rd, needed, peer, what)
-        loffs = ld.offs[li]
+        remote_objs = self._resolve(rd, list({rk for _, rk, _, _ in split}), peer, what)
+        loffs = ld.offs[li]  # (contiguous: a group's slice of them is too)
         roffs = rd.offs[ri]
         groups: list[tuple[Any, Any]] = []
-        total = ld.uniform * int(li.size) if ld.uniform >= 0 else int(lens.sum())
+        total = ld.uniform * k if ld.uniform >= 0 else int(lens.sum())
         rt = self._rt
         rt.lock.acquire()
         try:
             try:
-                if li.size == 1:
+                if k == 1:
                     a, b, n = int(loffs[0]), int(roffs[0]), int(lens[0])
-                    lk = ld.single if ld.single >= 0 else int(ld.ridx[li[0]])
-                    rk = rd.single if rd.single >= 0 else int(rd.ridx[ri[0]])
+                    lk, rk, _, _ = split[0]
                     groups.append((ld.objs[lk].region[a:a + n], remote_objs[rk][b:b + n]))
-                elif single:
+                else:
                     # Checked already: every range lies inside its prepared,
                     # registered region (the engines check again).
-                    groups.append((_segments(ld.objs[ld.single].region, loffs, lens, total),
-                                   _segments(remote_objs[rd.single], roffs, lens, total)))
-                else:
-                    # One pair of segment lists per (local, remote) region pair,
-                    # in the order of the request within each.
-                    lridx = ld.ridx[li]
-                    key = lridx.astype(np.int64) * (int(rridx.max()) + 1) + rridx
-                    order = np.argsort(key, kind="stable")
-                    cuts = np.flatnonzero(np.diff(key[order])) + 1
-                    for sel in np.split(order, cuts):
-                        first = int(sel[0])
-                        sl = lens[sel]
-                        nbytes = int(sl.sum())
-                        groups.append((
-                            _segments(ld.objs[int(lridx[first])].region, loffs[sel], sl, nbytes),
-                            _segments(remote_objs[int(rridx[first])], roffs[sel], sl, nbytes),
-                        ))
+                    uniform = ld.uniform
+                    for lk, rk, a, b in split:
+                        if a == 0 and b == k:
+                            lo, ro, sl, nbytes = loffs, roffs, lens, total
+                        else:
+                            lo, ro, sl = loffs[a:b], roffs[a:b], lens[a:b]
+                            nbytes = uniform * (b - a) if uniform >= 0 else int(sl.sum())
+                        groups.append((_segments(ld.objs[lk].region, lo, sl, nbytes),
+                                       _segments(remote_objs[rk], ro, sl, nbytes)))
             except (XferError, ValueError, IndexError, TypeError) as exc:
                 raise _from_xfer_error(exc, what) from None
-            backend = next((h for h, b in self._backends.items()
-                            if b.type == ("POSIX" if file else "UCX")), 0)
-            x = _Xfer(op, peer, rem, rd.gen, groups, notif, int(li.size), total, backend, file)
+            backend = self._backend_of.get("POSIX" if file else "UCX", 0)
+            x = _Xfer(op, peer, rem, rd.gen, groups, notif, k, total, backend, file)
             agent = self._agent
             if len(groups) == 1 and agent is not None:
                 x.post = agent.write if x.write else agent.read
@@ -1928,9 +1974,13 @@ class nixlAgent:
             rt.leave()
         if not fut.done():
             return 1  # NIXL_IN_PROG
-        if telemetry or fut.cancelled() or fut.exception() is not None:
-            return self._finish(x, fut, "postXferReq")
-        return 0  # NIXL_SUCCESS
+        if not telemetry:
+            try:
+                if fut.exception() is None:
+                    return 0  # NIXL_SUCCESS
+            except asyncio.CancelledError:
+                pass
+        return self._finish(x, fut, "postXferReq")
 
     def _post(self, x: _Xfer, msg: bytes) -> asyncio.Future[Any]:
         """A request aioxfer does not post in one call (called with the lock
@@ -2395,6 +2445,9 @@ async def _send_notifs(peer: aioxfer.Peer, frames: list[bytes]) -> None:
         await asyncio.gather(*(peer.notify(f) for f in frames))
     except Exception as exc:
         _log("E", f"genNotif to {peer.name!r} failed: {exc}")
+
+
+_OPS: dict[Any, nixl_xfer_op_t] = {NIXL_READ: NIXL_READ, NIXL_WRITE: NIXL_WRITE}
 
 
 def _op(operation: Any) -> nixl_xfer_op_t:
