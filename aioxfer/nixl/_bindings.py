@@ -1923,7 +1923,8 @@ class nixlAgent:
             if fut is not None and not fut.done():
                 raise _error(-7, "postXferReq: the transfer is still in flight")
             rem = x.remote
-            if rem is not None and (rem.removed or rem.gen != x.gen):
+            # (Removing a remote bumps its gen: one comparison covers both.)
+            if rem is not None and rem.gen != x.gen:
                 x.fut = None
                 self._count(_ERR_REMOTE_DISCONNECT)
                 raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
@@ -1971,7 +1972,10 @@ class nixlAgent:
                 x.post_s = time.perf_counter() - x.t0
             x.last_poll = 0.0
         finally:
-            rt.leave()
+            if rt._foreign:
+                rt.leave()  # wakes the loop for what the section scheduled
+            else:
+                rt.lock.release()
         if not fut.done():
             return 1  # NIXL_IN_PROG
         if not telemetry:
