@@ -513,6 +513,44 @@ def test_loopback_and_descriptors_across_regions(agents: Any) -> None:
         assert time.monotonic() < deadline
 
 
+
+@pytest.mark.parametrize("regions", [16, 2])
+def test_requests_spanning_many_region_pairs(agents: Any, regions: int) -> None:
+    # 16 regions of one block each (one aioxfer request of Segment lists) or
+    # 2 of 8 blocks each (a SegmentList pair per region pair): the same data
+    # lands, in a scattered order, and the notification comes after all of it.
+    block, nblocks = 1024, 16
+    per = nblocks // regions
+    a, b = agents(), agents()
+    src = [Buf(per * block) for _ in range(regions)]
+    for r, buf in enumerate(src):
+        buf.np[:] = (np.arange(per * block) // block + r * per).astype(np.uint8) + 1
+    dst = Buf(nblocks * block)
+    a.register_memory([(s_.addr, per * block, 0, "") for s_ in src], "DRAM")
+    b.register_memory([(dst.addr, nblocks * block, 0, "")], "DRAM")
+    a.add_remote_agent(b.get_agent_metadata())
+    local = a.prep_xfer_dlist("", [(src[i // per].addr + (i % per) * block, block, 0)
+                                   for i in range(nblocks)], "DRAM")
+    far = a.prep_xfer_dlist(b.name, [(dst.addr + i * block, block, 0)
+                                     for i in range(nblocks)], "DRAM")
+    li = np.random.default_rng(regions).permutation(nblocks)
+    ri = np.random.default_rng(regions + 1).permutation(nblocks)
+    h = a.make_prepped_xfer("WRITE", local, li, far, ri.tolist(), b"spread")
+    assert a.transfer(h) in ("DONE", "PROC")
+    deadline = time.monotonic() + STEP
+    while not b.check_remote_xfer_done(a.name, b"spread"):
+        assert time.monotonic() < deadline
+    for lb, rb in zip(li.tolist(), ri.tolist(), strict=True):  # all there at the notification
+        assert (dst.np[rb * block:(rb + 1) * block] == lb + 1).all()
+    assert _wait(a, h) == "DONE"
+    for buf in src:
+        buf.np[:] = 0
+    back = a.make_prepped_xfer("READ", local, li, far, ri)  # each block home again
+    assert a.transfer(back) in ("DONE", "PROC") and _wait(a, back) == "DONE"
+    for i in range(nblocks):
+        got = src[i // per].np[(i % per) * block:(i % per + 1) * block]
+        assert (got == i + 1).all()
+
 def test_dead_peer_metadata_and_deregistration(agents: Any) -> None:
     a, b, x, y, ra, rb = _pair(agents)
     md = b.get_agent_metadata()

@@ -44,6 +44,8 @@ from aioxfer import (
     ClosedResourceError,
     PeerLost,
     RegistrationError,
+    RemoteSegment,
+    Segment,
     SegmentList,
     Transfer,
     XferError,
@@ -976,6 +978,11 @@ class _Xfer:
 
 
 _MAX_INDEX = np.maximum.reduce
+# A request over several region pairs with at most this many descriptors per
+# pair on average is posted as one aioxfer request of Segment lists (a Python
+# step per descriptor); with more, as a SegmentList pair per region pair (a
+# request per pair, each vectorised).
+_SMALL_GROUPS = 8
 
 
 def _indices(value: Any, what: str, n: int) -> npt.NDArray[np.int64]:
@@ -1812,6 +1819,22 @@ class nixlAgent:
                     a, b, n = int(loffs[0]), int(roffs[0]), int(lens[0])
                     lk, rk, _, _ = split[0]
                     groups.append((ld.objs[lk].region[a:a + n], remote_objs[rk][b:b + n]))
+                elif k <= _SMALL_GROUPS * len(split):
+                    # Many region pairs with few descriptors each (one
+                    # registration per block): one aioxfer request of
+                    # Segment lists, rather than a request per pair.
+                    lsegs: list[Any] = []
+                    rsegs: list[Any] = []
+                    lol, rol, nl = loffs.tolist(), roffs.tolist(), lens.tolist()
+                    # (Built directly: the ranges were checked when prepared.)
+                    far = Segment if file else RemoteSegment
+                    for lk, rk, a, b in split:
+                        lreg, rreg = ld.objs[lk].region, remote_objs[rk]
+                        for j in range(a, b):
+                            n = nl[j]
+                            lsegs.append(Segment(lreg, lol[j], n))
+                            rsegs.append(far(rreg, rol[j], n))
+                    groups.append((lsegs, rsegs))
                 else:
                     # Checked already: every range lies inside its prepared,
                     # registered region (the engines check again).
