@@ -284,6 +284,11 @@ _ERRORS: dict[int, tuple[type[Exception], str]] = {
 }
 
 
+# NIXL's startTime is steady_clock (CLOCK_MONOTONIC) µs: perf_counter's clock
+# here, when it is that clock (one clock read per post instead of two).
+_PERF_IS_STEADY = (time.get_clock_info("perf_counter").implementation
+                   == time.get_clock_info("monotonic").implementation)
+
 _STATUS_OF: dict[type[BaseException], int] = {
     cls: status for status, (cls, _) in _ERRORS.items()}
 
@@ -741,6 +746,13 @@ def _noop() -> None:
     pass
 
 
+def _seconds(x: _Xfer, res: Any) -> float:
+    """A finished request's transfer time: from its post to its completion."""
+    if isinstance(res, float):  # (a request of several parts: when the last ended)
+        return res - x.t0
+    return float(res.seconds)  # a TransferResult: from its post, by the engine's clock
+
+
 def _durations(x: _Xfer) -> tuple[int, int]:
     """A finished request's post and transfer durations in whole µs, as NIXL
     reports them: the post at least 1, the transfer at least the post."""
@@ -1029,6 +1041,7 @@ class nixlAgent:
         # events and their sink when on.
         self._telemetry = _telemetry.requested(bool(config.captureTelemetry), _log)
         self._tel: _telemetry.Telemetry | None = None
+        self._tel_events = False
         self._agent: aioxfer.Agent | None = None
         # The agent's flush() and poll() once it exists (called with the lock
         # held, from any thread: the lock makes it the loop thread's turn).
@@ -1059,6 +1072,8 @@ class nixlAgent:
         self._closed = False
         if self._telemetry:
             self._tel = _telemetry.Telemetry(name, self._rt.loop, _log)
+        # Whether finished requests are events to write (a telemetry sink).
+        self._tel_events = self._tel is not None and self._tel.ring is not None
         if config.useListenThread:
             try:
                 self._rt.run(self._start_listener(int(config.listenPort)),
@@ -1962,8 +1977,8 @@ class nixlAgent:
             telemetry = self._telemetry
             if telemetry:
                 x.xfer_s = -1.0
-                x.start_us = time.monotonic_ns() // 1000
-                x.t0 = time.perf_counter()
+                x.t0 = t0 = time.perf_counter()
+                x.start_us = int(t0 * 1e6) if _PERF_IS_STEADY else time.monotonic_ns() // 1000
             post = x.post
             if post is not None and (not msg or x.file or (
                     x.write and len(msg) <= _wire.NOTIF_MAX
@@ -2001,7 +2016,7 @@ class nixlAgent:
                 rt.lock.release()
         if not fut.done():
             return 1  # NIXL_IN_PROG
-        if not telemetry:
+        if not self._tel_events:
             try:
                 if fut.exception() is None:
                     return 0  # NIXL_SUCCESS
@@ -2106,22 +2121,22 @@ class nixlAgent:
         return time.perf_counter()
 
     def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str) -> int:
-        if fut.cancelled() or fut.exception() is not None:
-            err = (_error(_ERR_CANCELED, f"{what}: the transfer was cancelled") if fut.cancelled()
-                   else _from_xfer_error(fut.exception(), what))  # type: ignore[arg-type]
+        try:
+            res = fut.result()
+        except BaseException as exc:  # (the request's failure, or its cancel)
+            err = (_error(_ERR_CANCELED, f"{what}: the transfer was cancelled")
+                   if isinstance(exc, asyncio.CancelledError) else _from_xfer_error(exc, what))
             if x.failed is not fut:  # counted once per post, as NIXL's
                 x.failed = fut
                 self._count_exc(err)
-            raise err
-        if x.xfer_s < 0 and self._telemetry:
-            res = fut.result()
-            if isinstance(res, float):
-                x.xfer_s = res - x.t0
-            else:
-                x.xfer_s = res.seconds  # from its post, by the engine's clock
+            raise err from None
+        if x.xfer_s < 0 and self._tel_events:
+            # The agent's events are written as requests finish; without a
+            # sink the request's own figures wait for getXferTelemetry.
+            x.xfer_s = _seconds(x, res)
             tel = self._tel
-            if tel is not None:
-                tel.xfer(x.write, x.nbytes, *_durations(x))
+            assert tel is not None
+            tel.xfer(x.write, x.nbytes, *_durations(x))
         return int(NIXL_SUCCESS)
 
     def getXferStatus(self, reqh: int) -> int:
@@ -2268,6 +2283,8 @@ class nixlAgent:
             _log("E", "getXferTelemetry: Transfer is not complete yet")
             return nixlXferTelemetry()
         self._finish(x, fut, "getXferTelemetry")  # raises what the request failed with
+        if x.xfer_s < 0:
+            x.xfer_s = _seconds(x, fut.result())
         return nixlXferTelemetry(x.start_us, *_durations(x), x.nbytes, x.ndesc)
 
     def estimateXferCost(self, req_handle: int) -> tuple[int, int, int]:
@@ -2393,6 +2410,7 @@ class nixlAgent:
         self._remotes.clear()
         self._regs.clear()
         tel, self._tel = self._tel, None
+        self._tel_events = False
         if tel is not None:
             tel.close()  # the staged events written; the file stays, as NIXL's
         if agent is not None:

@@ -73,6 +73,7 @@ MEMORY_REGISTERED, MEMORY_DEREGISTERED = 4, 5
 XFER_TIME, XFER_POST_TIME = 6, 7
 EVENTS_DROPPED = 20
 _ERR_FIRST = 8  # agent_err_not_posted: NIXL status -1; -n maps to 7 + n
+_XFER_RECORD = -1  # a staged finished request (four events)
 
 _HEADER = struct.Struct("<QQiiQQ")
 _EVENT = np.dtype([("type", "<u4"), ("pad", "V4"), ("value", "<u8")])
@@ -208,8 +209,16 @@ class Telemetry:
         elif exporter != "NOP":
             log("W", f"Plugin file does not exist: libtelemetry_exporter_{exporter}.so")
             raise RuntimeError(f"Failed to load telemetry plugin: {exporter}")
-        self._pending: collections.deque[tuple[int, int]] = collections.deque()
+        # Staged events: (event, value, 0, 0, 0), or a finished request
+        # (_XFER_RECORD, write, bytes, post µs, transfer µs). Producers on any
+        # thread append; the counts are updated without a lock, so under
+        # concurrent producers the bound and the drop count are approximate.
+        self._pending: collections.deque[tuple[int, int, int, int, int]] = collections.deque()
+        self._staged = 0
         self._dropped = 0
+        self._per_xfer = tuple(  # events per finished request: READ, WRITE
+            sum(self.on[e] for e in (XFER_POST_TIME, XFER_TIME, b, r))
+            for b, r in ((RX_BYTES, RX_REQUESTS), (TX_BYTES, TX_REQUESTS)))
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
         if self.ring is not None:
@@ -236,10 +245,11 @@ class Telemetry:
     def add(self, event: int, value: int) -> None:
         if not self.on[event] or self.ring is None:
             return
-        if len(self._pending) >= self.capacity:
+        if self._staged >= self.capacity:
             self._dropped += 1
             return
-        self._pending.append((event, value))
+        self._staged += 1
+        self._pending.append((event, value, 0, 0, 0))
 
     def error(self, status: int) -> None:
         """One failure of NIXL status ``status`` (negative)."""
@@ -247,20 +257,18 @@ class Telemetry:
             self.add(_ERR_FIRST - 1 - status, 1)
 
     def xfer(self, write: bool, nbytes: int, post_us: int, xfer_us: int) -> None:
-        """A finished request: NIXL's four events, all or none."""
+        """A finished request: NIXL's four events, all or none (staged as
+        one record, expanded when written)."""
         if self.ring is None:
             return
-        on = self.on
-        batch = [(e, v) for e, v in (
-            (XFER_POST_TIME, post_us),
-            (XFER_TIME, xfer_us),
-            (TX_BYTES if write else RX_BYTES, nbytes),
-            (TX_REQUESTS if write else RX_REQUESTS, 1),
-        ) if on[e]]
-        if len(self._pending) + len(batch) > self.capacity:
-            self._dropped += len(batch)
+        n = self._per_xfer[write]
+        if not n:
             return
-        self._pending.extend(batch)
+        if self._staged + n > self.capacity:
+            self._dropped += n
+            return
+        self._staged += n
+        self._pending.append((_XFER_RECORD, write, nbytes, post_us, xfer_us))
 
     # ------------------------------------------------------------ the sink (loop thread)
 
@@ -279,13 +287,26 @@ class Telemetry:
         types: list[int] = []
         values: list[int] = []
         pending = self._pending
+        on = self.on
+        taken = 0
         while pending:
             try:
-                e, v = pending.popleft()
+                e, v, nbytes, post_us, xfer_us = pending.popleft()
             except IndexError:
                 break
-            types.append(e)
-            values.append(v)
+            if e != _XFER_RECORD:
+                types.append(e)
+                values.append(v)
+                taken += 1
+                continue
+            for ev, val in ((XFER_POST_TIME, post_us), (XFER_TIME, xfer_us),
+                            (TX_BYTES if v else RX_BYTES, nbytes),
+                            (TX_REQUESTS if v else RX_REQUESTS, 1)):
+                if on[ev]:
+                    types.append(ev)
+                    values.append(val)
+                    taken += 1
+        self._staged -= taken
         dropped, self._dropped = self._dropped, 0
         if dropped and self.on[EVENTS_DROPPED]:
             types.append(EVENTS_DROPPED)
