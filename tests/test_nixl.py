@@ -3,7 +3,8 @@
 Each behaviour here is one NIXL 1.5.1 shows (see the shared NIXL API notes):
 names and exceptions, descriptor-list shapes, errors of preparation and of
 requests, notifications (once each, after the data, empty and large),
-telemetry switches, loopback, the metadata listener with partial metadata,
+telemetry (switches, the ring-buffer file NIXL's readers read, its events),
+loopback, requests over many region pairs, the metadata listener with partial metadata,
 several threads on one agent, the opt-in ``import nixl`` shim.
 """
 
