@@ -89,20 +89,20 @@ class Transfer(asyncio.Future[TransferResult]):
         self._path: str | None = None  # the path it took, where not peer.path
 
     def __await__(self):  # type: ignore[no-untyped-def]
-        # A small request awaited with nothing else of the agent's in the
-        # engine: latency is all that matters, so what this loop iteration
-        # posted goes to the engine now rather than at the end of the iteration
-        # (a small same-host copy then completes inside this call and the await
-        # does not suspend). With others in flight, batching them into one
-        # native call wins; a large one gains nothing measurable.
-        # (_posted first: with many in flight, the first await posted the rest.)
-        if (
-            not self._posted
-            and self.nbytes <= _EAGER_MAX
-            and not self.done()
-            and len(self._agent._inflight) == len(self._agent._pending)
-        ):
-            self._agent._post_pending()
+        # Awaited with nothing else of the agent's in the engine: latency is
+        # all that matters, so what this loop iteration posted goes to the
+        # engine now rather than at the end of the iteration. One request
+        # (awaited alone) at any size, with POST_ALONE: a same-host copy up
+        # to the engine's calibrated inline_bytes then runs on this thread
+        # inside the post (no copy worker to wake, then no loop to wake) and
+        # the await does not suspend. Several: when small, batched into one
+        # native call. (_posted first: with many in flight, the first await
+        # posted the rest.)
+        if not self._posted and not self.done():
+            agent = self._agent
+            n = len(agent._pending)
+            if n == len(agent._inflight) and (n == 1 or self.nbytes <= _EAGER_MAX):
+                agent._post_pending(n == 1)
         return _future_await(self)
 
     __iter__ = __await__
