@@ -380,6 +380,10 @@ class Agent:
         self._pending_t: list[Transfer] = []
         self._flush_scheduled = False
         self._pending_cancelled = False
+        # Eager posts (Transfer.__await__) since the loop last ran our _flush:
+        # a coroutine whose awaits complete inside the post never yields, so
+        # past a bound its next await waits for the loop (see _EAGER_*).
+        self._eager_streak = 0
         self._posted = 0
         self._completed = 0
         self._failed = 0
@@ -2142,6 +2146,7 @@ class Agent:
         """One native call for everything submitted this loop iteration (the
         callback _submit schedules)."""
         self._flush_scheduled = False
+        self._eager_streak = 0  # the loop ran: eager posts may go on
         self._post_pending()
 
     def _post_pending(self, alone: bool = False) -> None:

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 __all__ = ["Transfer", "TransferResult"]
 
 _EAGER_MAX = 64 << 10  # awaited requests up to this size may be flushed at once
+# Eager posts in a row without the loop running in between: a transfer copied
+# inside its post completes without its await suspending, so a coroutine
+# awaiting one after another would starve the loop (timers, other tasks, the
+# agent's own housekeeping). Past this many, the next await suspends once.
+_EAGER_STREAK = 64
 
 # Called unbound: cheaper than super() on a path taken once per transfer.
 _future_init = asyncio.Future.__init__
@@ -101,7 +106,12 @@ class Transfer(asyncio.Future[TransferResult]):
         if not self._posted and not self.done():
             agent = self._agent
             n = len(agent._pending)
-            if n == len(agent._inflight) and (n == 1 or self.nbytes <= _EAGER_MAX):
+            if (
+                n == len(agent._inflight)
+                and (n == 1 or self.nbytes <= _EAGER_MAX)
+                and agent._eager_streak < _EAGER_STREAK
+            ):
+                agent._eager_streak += 1
                 agent._post_pending(n == 1)
         return _future_await(self)
 

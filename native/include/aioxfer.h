@@ -284,8 +284,9 @@ size_t axf_wait(axf_engine *e, uint32_t max_us);
  * first engine made with inline_bytes 0): a thread wake-up through an
  * eventfd (half a ping-pong between two threads), single-thread memcpy
  * bandwidth, and what follows from them: inline_bytes, the largest copy
- * cheaper on the posting thread than two wake-ups (clamped to 64 KiB ..
- * 64 MiB), and poll_us, a bounded poll that covers a wake-up (10 .. 200).
+ * cheaper on the posting thread than two wake-ups and an event-loop
+ * iteration of the caller's (clamped to 64 KiB .. 64 MiB), and poll_us, a
+ * poll bounded by that same cost (20 .. 200).
  * AIOXFER_INLINE_BYTES in the environment overrides inline_bytes. */
 typedef struct axf_calibration {
     uint64_t wake_ns;       /* one thread wake-up */
