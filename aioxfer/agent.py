@@ -293,6 +293,8 @@ class Agent:
         )
         self._fd = self._engine.fileno()
         self._poller: _progress.Poller | None = None
+        # A lone request up to this is posted at its await (Transfer.__await__).
+        self._alone_max = 0 if inline_bytes == 0 else self._engine.inline_bytes
         self._cuda_why = "not asked for"
         if "cuda" in transports:
             st, self._cuda_why = self._engine.cuda_enable()

@@ -96,19 +96,19 @@ class Transfer(asyncio.Future[TransferResult]):
     def __await__(self):  # type: ignore[no-untyped-def]
         # Awaited with nothing else of the agent's in the engine: latency is
         # all that matters, so what this loop iteration posted goes to the
-        # engine now rather than at the end of the iteration. One request
-        # (awaited alone) at any size, with POST_ALONE: a same-host copy up
-        # to the engine's calibrated inline_bytes then runs on this thread
-        # inside the post (no copy worker to wake, then no loop to wake) and
-        # the await does not suspend. Several: when small, batched into one
-        # native call. (_posted first: with many in flight, the first await
-        # posted the rest.)
+        # engine now rather than at the end of the iteration, when small, or
+        # when one request (awaited alone) is within the engine's calibrated
+        # inline_bytes: posted with POST_ALONE, a same-host copy then runs on
+        # this thread inside the post (no copy worker to wake, then no loop
+        # to wake) and the await does not suspend. Several small ones are
+        # batched into one native call. (_posted first: with many in flight,
+        # the first await posted the rest.)
         if not self._posted and not self.done():
             agent = self._agent
             n = len(agent._pending)
             if (
                 n == len(agent._inflight)
-                and (n == 1 or self.nbytes <= _EAGER_MAX)
+                and (self.nbytes <= _EAGER_MAX or (n == 1 and self.nbytes <= agent._alone_max))
                 and agent._eager_streak < _EAGER_STREAK
             ):
                 agent._eager_streak += 1
