@@ -138,11 +138,11 @@ def main() -> int:
     bad_modes = set(ns.mode_list) - {"sleep", "poll"}
     if bad_modes:
         ap.error(f"unknown progress modes {sorted(bad_modes)} (adaptive, sleep, poll)")
-    extra = [f"mode_{m}_{tr}" for m in ns.mode_list for tr in ("shm", "tcp")]
+    extra = [f"mode_{m}_{tr}" for m in ns.mode_list for tr in ("shm", "tcp")
+             if f"aioxfer_{tr}" in only]
     if ns.aioxfer_before_python and ns.only == ",".join(SYSTEMS):
         only += ["before_shm", "before_tcp"]
-    if ns.only == ",".join(SYSTEMS):
-        only += extra
+    only += extra
     unknown = set(only) - set(SYSTEMS) - {"before_shm", "before_tcp"} - set(extra)
     if unknown or ns.rounds < 1:
         ap.error(f"unknown systems {sorted(unknown)} (choose from {SYSTEMS})" if unknown
