@@ -37,6 +37,7 @@ OP_READ: Final = 2
 OP_NOTIFY: Final = 3
 POST_DEFER: Final = 1
 POST_POLL: Final = 2
+POST_ALONE: Final = 4
 CQ_XFER: Final = 1
 CQ_NOTIFY: Final = 2
 CQ_PEER_LOST: Final = 3

@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from aioxfer import _cyx, file_transport
 from aioxfer import cuda as _cuda
+from aioxfer import progress as _progress
 from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS  # connections one endpoint may have
 from aioxfer.auth import default_token
@@ -120,6 +121,7 @@ _log = get_logger("aioxfer")
 TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
 _POLL_MAX = 4096
 _POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
+_NEVER_INLINE = (1 << 64) - 1  # the engine's inline_bytes for "never"
 # A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
 _Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
 
@@ -182,6 +184,20 @@ class Agent:
     its name (from ``start()``/``async with`` until ``aclose()``), connect to
     others by name and follow membership through etcd; None (the default):
     embedded, connect by address.
+    ``progress``: how the loop learns of completions (``aioxfer.progress``):
+    "adaptive" (the default) polls the engine's ring for a bounded time (the
+    calibrated ``poll_us``, tens of microseconds in a VM) before blocking, only
+    while this agent has transfers in flight; "sleep" always blocks in epoll
+    (the least CPU under load); "poll" busy-polls while transfers are in
+    flight (a core spent on it). Idle, every mode blocks.
+    ``inline_bytes``: a same-host request awaited alone (nothing else of this
+    agent's in flight) up to this size is copied on the loop's thread inside
+    the post, instead of by a copy worker (two thread wake-ups saved); batches
+    keep the workers. None (the default): calibrated at start-up from this
+    machine's measured thread wake-up cost and memcpy bandwidth (a few MiB in
+    a VM, less on bare metal; ``$AIOXFER_INLINE_BYTES`` overrides it); an int:
+    that (other same-host requests up to the smaller of it and 64 KiB are
+    copied at submit too); 0: never (every copy on the workers).
     """
 
     def __init__(
@@ -202,6 +218,8 @@ class Agent:
         peer_max_bytes: int | None = None,
         peer_max_requests: int | None = None,
         limits: Limits | None = None,
+        progress: str = "adaptive",
+        inline_bytes: int | None = None,
     ) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= 256:
             raise ValueError("agent name must be a string of 1..256 characters")
@@ -221,6 +239,12 @@ class Agent:
             raise ValueError(f"tcp_connections must be in 1..{MAX_CONNS}")
         if copy_workers < 1:
             raise ValueError("copy_workers must be at least 1")
+        self.progress = _progress.check_mode(progress)
+        if inline_bytes is not None and (
+            not isinstance(inline_bytes, int) or isinstance(inline_bytes, bool)
+            or not 0 <= inline_bytes < _NEVER_INLINE
+        ):
+            raise ValueError("inline_bytes is None (calibrated) or an int >= 0 (0: never)")
         for limit in (peer_max_bytes, peer_max_requests):
             if limit is not None and (not isinstance(limit, int) or limit < 1):
                 raise ValueError("peer_max_bytes and peer_max_requests are positive ints or None")
@@ -265,8 +289,12 @@ class Agent:
             max_notify_per_conn=limits.max_notify_per_conn,
             revoke_timeout_ms=max(1, round(limits.revoke_timeout * 1000)),
             reply_queue_bytes=limits.reply_queue_bytes,
+            inline_bytes=0 if inline_bytes is None else inline_bytes or _NEVER_INLINE,
         )
         self._fd = self._engine.fileno()
+        self._poller: _progress.Poller | None = None
+        # A lone request up to this is posted at its await (Transfer.__await__).
+        self._alone_max = 0 if inline_bytes == 0 else self._engine.inline_bytes
         self._cuda_why = "not asked for"
         if "cuda" in transports:
             st, self._cuda_why = self._engine.cuda_enable()
@@ -354,6 +382,10 @@ class Agent:
         self._pending_t: list[Transfer] = []
         self._flush_scheduled = False
         self._pending_cancelled = False
+        # Eager posts (Transfer.__await__) since the loop last ran our _flush:
+        # a coroutine whose awaits complete inside the post never yields, so
+        # past a bound its next await waits for the loop (see _EAGER_*).
+        self._eager_streak = 0
         self._posted = 0
         self._completed = 0
         self._failed = 0
@@ -394,6 +426,8 @@ class Agent:
         self._check_open()
         loop.add_reader(self._fd, self._drain)
         self._loop = loop
+        if self.progress != "sleep":
+            self._poller = _progress.Poller(self, loop, self.progress, self._engine.poll_us)
         self._accept_tasks = [
             loop.create_task(self._accept_loop(lsock), name=f"aioxfer-accept-{self.name}")
             for lsock in self._lsocks
@@ -2114,13 +2148,16 @@ class Agent:
         """One native call for everything submitted this loop iteration (the
         callback _submit schedules)."""
         self._flush_scheduled = False
+        self._eager_streak = 0  # the loop ran: eager posts may go on
         self._post_pending()
 
-    def _post_pending(self) -> None:
+    def _post_pending(self, alone: bool = False) -> None:
         """Posts what is pending now. Transfer.__await__ calls it directly for
         an eager post: the scheduled _flush stays scheduled (and finds nothing
         or what came since), so a coroutine awaiting one small transfer after
-        another without suspending schedules one callback, not one per transfer."""
+        another without suspending schedules one callback, not one per transfer.
+        alone: one transfer, awaited with nothing else in flight (the engine
+        may copy it inside the call: POST_ALONE)."""
         items = self._pending
         ts = self._pending_t
         if not items or self._closed:
@@ -2141,7 +2178,7 @@ class Agent:
         try:
             # polls: the _drain below takes the completions known at submit,
             # so they need no eventfd wake-up (nor its two syscalls).
-            statuses = self._engine.post_many(items, polls=True)
+            statuses = self._engine.post_many(items, polls=True, alone=alone)
         except Exception as exc:  # bad item or closed engine: nothing was posted
             for t in ts:
                 self._inflight.pop(t.req_id, None)
@@ -2162,6 +2199,8 @@ class Agent:
                 else:
                     t._posted = True
         self._drain()  # completions known at submit (small same-host copies)
+        if self._inflight and self._poller is not None:
+            self._poller.kick()  # poll for the rest before the loop blocks
 
     def _cancel_transfer(self, t: Transfer) -> None:
         if self._closed or t.req_id not in self._inflight:
@@ -2185,6 +2224,13 @@ class Agent:
             self._pending_cancelled = True  # the flush drops it unposted
 
     # ------------------------------------------------------------ completions
+
+    @property
+    def inline_bytes(self) -> int:
+        """The engine's inline threshold (see ``Agent``): a same-host request
+        awaited alone up to this size is copied inside the post; 0: never."""
+        n = self._engine.inline_bytes
+        return 0 if n == _NEVER_INLINE else n
 
     def fileno(self) -> int:
         """The engine's completion eventfd (readable while completions wait).

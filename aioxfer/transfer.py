@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 __all__ = ["Transfer", "TransferResult"]
 
 _EAGER_MAX = 64 << 10  # awaited requests up to this size may be flushed at once
+# Eager posts in a row without the loop running in between: a transfer copied
+# inside its post completes without its await suspending, so a coroutine
+# awaiting one after another would starve the loop (timers, other tasks, the
+# agent's own housekeeping). Past this many, the next await suspends once.
+_EAGER_STREAK = 64
 
 # Called unbound: cheaper than super() on a path taken once per transfer.
 _future_init = asyncio.Future.__init__
@@ -89,20 +94,25 @@ class Transfer(asyncio.Future[TransferResult]):
         self._path: str | None = None  # the path it took, where not peer.path
 
     def __await__(self):  # type: ignore[no-untyped-def]
-        # A small request awaited with nothing else of the agent's in the
-        # engine: latency is all that matters, so what this loop iteration
-        # posted goes to the engine now rather than at the end of the iteration
-        # (a small same-host copy then completes inside this call and the await
-        # does not suspend). With others in flight, batching them into one
-        # native call wins; a large one gains nothing measurable.
-        # (_posted first: with many in flight, the first await posted the rest.)
-        if (
-            not self._posted
-            and self.nbytes <= _EAGER_MAX
-            and not self.done()
-            and len(self._agent._inflight) == len(self._agent._pending)
-        ):
-            self._agent._post_pending()
+        # Awaited with nothing else of the agent's in the engine: latency is
+        # all that matters, so what this loop iteration posted goes to the
+        # engine now rather than at the end of the iteration, when small, or
+        # when one request (awaited alone) is within the engine's calibrated
+        # inline_bytes: posted with POST_ALONE, a same-host copy then runs on
+        # this thread inside the post (no copy worker to wake, then no loop
+        # to wake) and the await does not suspend. Several small ones are
+        # batched into one native call. (_posted first: with many in flight,
+        # the first await posted the rest.)
+        if not self._posted and not self.done():
+            agent = self._agent
+            n = len(agent._pending)
+            if (
+                n == len(agent._inflight)
+                and (self.nbytes <= _EAGER_MAX or (n == 1 and self.nbytes <= agent._alone_max))
+                and agent._eager_streak < _EAGER_STREAK
+            ):
+                agent._eager_streak += 1
+                agent._post_pending(n == 1)
         return _future_await(self)
 
     __iter__ = __await__

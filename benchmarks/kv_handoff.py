@@ -100,12 +100,17 @@ def summarize(layout: Layout, firsts: list[int], lasts: list[int], ok: bool) -> 
 # ---------------------------------------------------------------- aioxfer
 
 
+def _progress(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Agent(progress=...) when --progress chose one (else the agent's default)."""
+    return {"progress": cfg["progress"]} if cfg.get("progress") else {}
+
+
 async def _aio_decode(cfg: dict[str, Any], conn: Any) -> dict[str, Any]:
     import aioxfer
 
     layout = Layout(cfg["layers"], cfg["blocks"], cfg["block_bytes"])
     loop = asyncio.get_running_loop()
-    async with aioxfer.Agent("decode") as agent:
+    async with aioxfer.Agent("decode", **_progress(cfg)) as agent:
         pool = agent.alloc(layout.total, name="kv")
         conn.send(agent.address)
         assert await loop.run_in_executor(None, conn.recv) == "ready"
@@ -133,7 +138,7 @@ async def _aio_prefill(cfg: dict[str, Any], conn: Any) -> None:
     layout = Layout(cfg["layers"], cfg["blocks"], cfg["block_bytes"])
     loop = asyncio.get_running_loop()
     address = conn.recv()
-    async with aioxfer.Agent("prefill") as agent:
+    async with aioxfer.Agent("prefill", **_progress(cfg)) as agent:
         src = agent.alloc(layout.total, name="kv")
         srcv = np.frombuffer(src.memoryview, np.uint8)
         peer = await agent.connect(address)
@@ -269,12 +274,14 @@ def run_system(cfg: dict[str, Any]) -> dict[str, Any]:
         child.join(30)
         if child.is_alive():
             child.kill()
-    return {"system": cfg["system"], **result}
+    label = cfg["system"] + (f" ({cfg['progress']})" if cfg.get("progress") else "")
+    return {"system": label, **result}
 
 
 def _role_main(ns: argparse.Namespace) -> None:
     cfg = {"system": ns.system, "layers": ns.layers, "blocks": ns.blocks,
-           "block_bytes": ns.block_bytes, "iters": ns.iters, "warmup": ns.warmup}
+           "block_bytes": ns.block_bytes, "iters": ns.iters, "warmup": ns.warmup,
+           "progress": ns.progress if ns.system == "aioxfer" else None}
     print("RESULT " + json.dumps(run_system(cfg)), flush=True)
     sys.stderr.flush()
     os._exit(0)
@@ -294,22 +301,28 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--progress", default="",
+                    help="aioxfer's progress modes to run (comma-separated: adaptive, sleep, "
+                    "poll; default: the agent's default only); one aioxfer row per mode")
     ns = ap.parse_args()
     if ns.system:
         _role_main(ns)
         return
     env = dict(os.environ, UCX_NET_DEVICES="lo", UCX_MODULES="^ib")
-    systems = [s for s in SYSTEMS if s != "nixl" or ns.nixl_python]
+    modes = [m for m in ns.progress.split(",") if m] or [""]
+    systems = [f"{s}:{m}" if s == "aioxfer" else f"{s}:" for s in SYSTEMS
+               if s != "nixl" or ns.nixl_python for m in (modes if s == "aioxfer" else [""])]
     rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for rnd in range(ns.rounds):
         order = systems[rnd % len(systems):] + systems[: rnd % len(systems)]
         for kib in (int(k) for k in ns.block_kib.split(",")):
-            for system in order:
+            for entry in order:
+                system, mode = entry.split(":")
                 py = ns.nixl_python if system == "nixl" else sys.executable
                 argv = [py, os.path.abspath(__file__), "--system", system,
                         "--layers", str(ns.layers), "--blocks", str(ns.blocks),
                         "--block-bytes", str(kib << 10), "--iters", str(ns.iters),
-                        "--warmup", str(ns.warmup)]
+                        "--warmup", str(ns.warmup)] + (["--progress", mode] if mode else [])
                 out = subprocess.run(argv, env=env, capture_output=True, text=True,
                                      timeout=600, cwd="/")
                 lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -318,10 +331,11 @@ def main() -> None:
                           f"{out.stderr[-2000:]}", file=sys.stderr)
                     continue
                 rec = json.loads(lines[-1][7:])
-                print(f"round {rnd} {system:13s} {kib:3d} KiB: first {rec['first_us']:9.1f} us,"
+                print(f"round {rnd} {rec['system']:20s} {kib:3d} KiB: "
+                      f"first {rec['first_us']:9.1f} us,"
                       f" all {rec['all_us']:9.1f} us, {rec['gbps']:6.2f} GB/s"
                       f"{'' if rec['verified'] else '  NOT VERIFIED'}", file=sys.stderr)
-                rows.setdefault((system, kib), []).append(rec)
+                rows.setdefault((rec["system"], kib), []).append(rec)
     print(f"\nKV hand-off: {ns.layers} layers x 2 x {ns.blocks} blocks, notification per "
           f"layer; medians of {ns.rounds} rounds x {ns.iters} iterations "
           f"({os.cpu_count()} cores)\n")

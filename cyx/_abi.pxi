@@ -34,6 +34,7 @@ cdef extern from *:
     _Static_assert(AXF_OP_NOTIFY == 3, "cyx/_abi.pxi is stale (AXF_OP_NOTIFY): run tools/gen_abi.py");
     _Static_assert(AXF_POST_DEFER == 1, "cyx/_abi.pxi is stale (AXF_POST_DEFER): run tools/gen_abi.py");
     _Static_assert(AXF_POST_POLL == 2, "cyx/_abi.pxi is stale (AXF_POST_POLL): run tools/gen_abi.py");
+    _Static_assert(AXF_POST_ALONE == 4, "cyx/_abi.pxi is stale (AXF_POST_ALONE): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_XFER == 1, "cyx/_abi.pxi is stale (AXF_CQ_XFER): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_NOTIFY == 2, "cyx/_abi.pxi is stale (AXF_CQ_NOTIFY): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_PEER_LOST == 3, "cyx/_abi.pxi is stale (AXF_CQ_PEER_LOST): run tools/gen_abi.py");
@@ -77,6 +78,7 @@ OP_READ = 2
 OP_NOTIFY = 3
 POST_DEFER = 1
 POST_POLL = 2
+POST_ALONE = 4
 CQ_XFER = 1
 CQ_NOTIFY = 2
 CQ_PEER_LOST = 3

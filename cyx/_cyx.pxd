@@ -40,6 +40,7 @@ cdef extern from "aioxfer.h" nogil:
 
     uint32_t AXF_POST_DEFER
     uint32_t AXF_POST_POLL
+    uint32_t AXF_POST_ALONE
 
     uint32_t AXF_CQ_XFER
     uint32_t AXF_CQ_NOTIFY
@@ -140,6 +141,17 @@ cdef extern from "aioxfer.h" nogil:
     int axf_file_info(axf_engine *e, char *buf, size_t cap)
 
     size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
+    size_t axf_wait(axf_engine *e, uint32_t max_us)
+
+    ctypedef struct axf_calibration:
+        uint64_t wake_ns
+        uint64_t copy_mbps
+        uint64_t inline_bytes
+        uint32_t poll_us
+        uint32_t reserved
+    void axf_calibrate(axf_calibration *out)
+    uint64_t axf_engine_inline_bytes(axf_engine *e)
+    uint32_t axf_engine_poll_us(axf_engine *e)
     void axf_completion_free(axf_completion *c)
 
     # RDMA verbs

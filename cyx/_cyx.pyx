@@ -72,6 +72,19 @@ def file_backend():
     return r == 1, buf.decode("utf-8", "replace")
 
 
+def calibration():
+    """This machine's costs, measured once per process (native axf_calibrate):
+    wake_ns (one thread wake-up through an eventfd), copy_mbps (one thread's
+    memcpy), and what the engine derives from them: inline_bytes (a lone
+    same-host copy up to this runs on the posting thread) and poll_us (the
+    bound of one busy-poll of the ring)."""
+    cdef axf_calibration c
+    with nogil:
+        axf_calibrate(&c)
+    return {"wake_ns": c.wake_ns, "copy_mbps": c.copy_mbps,
+            "inline_bytes": c.inline_bytes, "poll_us": c.poll_us}
+
+
 class NativeError(Exception):
     """A native call refused; ``status`` is the engine's status code.
 
@@ -423,6 +436,32 @@ cdef class Engine:
     def closed(self):
         return self._e == NULL
 
+    @property
+    def inline_bytes(self):
+        """A lone same-host request up to this size is copied inside post
+        (POST_ALONE); 2**64 - 1: never."""
+        self._open()
+        return axf_engine_inline_bytes(self._e)
+
+    @property
+    def poll_us(self):
+        """The calibrated bound of one busy-poll (wait()), microseconds."""
+        self._open()
+        return axf_engine_poll_us(self._e)
+
+    def wait(self, uint32_t max_us):
+        """Spins (GIL released) up to max_us microseconds for a completion;
+        returns how many the ring holds (0: none came). Takes nothing: poll()
+        or drain() them. 0 once closed."""
+        cdef size_t n
+        if self._e == NULL:
+            return 0
+        self._busy += 1
+        with nogil:
+            n = axf_wait(self._e, max_us)
+        self._busy -= 1
+        return n
+
     def shutdown(self):
         """Fails everything pending with E_CLOSED and frees every region; the
         records still have to be polled. Idempotent; no-op once closed."""
@@ -691,14 +730,16 @@ cdef class Engine:
 
     # -------------------------------------------------------------- data path
 
-    def post(self, uint64_t ep, int op, descs, notify, uint64_t req_id, bint defer=False):
+    def post(self, uint64_t ep, int op, descs, notify, uint64_t req_id, bint defer=False,
+             bint alone=False):
         """Posts one request. Returns OK when queued, else the rejecting status
-        (nothing queued, no completion follows)."""
+        (nothing queued, no completion follows). alone: the caller awaits it
+        alone (POST_ALONE)."""
         cdef const axf_desc *d = NULL
         cdef size_t n = 0
         cdef const char *np = NULL
         cdef size_t nl = 0
-        cdef uint32_t flags = AXF_POST_DEFER if defer else 0
+        cdef uint32_t flags = (AXF_POST_DEFER if defer else 0) | (AXF_POST_ALONE if alone else 0)
         cdef axf_desc one
         cdef int st
         cdef bytes nb
@@ -714,14 +755,18 @@ cdef class Engine:
         self._busy -= 1
         return st
 
-    def post_many(self, items, bint polls=False):
+    def post_many(self, items, bint polls=False, bint alone=False):
         """Posts (ep, op, descs, notify, req_id) items deferred, then rings one
         doorbell: one native call for a loop iteration's submissions. Every item
         is checked before any is posted. Returns the statuses, in order.
 
         polls: the caller polls (or drains) right after this call, so the
         completions known at submit (small same-host copies) are queued
-        without signalling the eventfd (AXF_POST_POLL)."""
+        without signalling the eventfd (AXF_POST_POLL).
+
+        alone: one item that the caller awaits alone, nothing else in flight
+        (AXF_POST_ALONE: a same-host copy up to inline_bytes runs inside this
+        call, on this thread; tcp keeps it on one connection)."""
         cdef uint32_t flags = AXF_POST_DEFER | (AXF_POST_POLL if polls else 0)
         cdef Py_ssize_t count, i
         cdef _slot *s
@@ -732,6 +777,8 @@ cdef class Engine:
         count = len(items)
         if count == 0:
             return []
+        if alone and count == 1:
+            flags |= AXF_POST_ALONE
         if self._posting:
             raise RuntimeError("Engine.post_many() is not reentrant")
         self._posting = True

@@ -53,6 +53,7 @@ except ImportError:  # not a hard test dependency: the suite then runs on asynci
 BOTH_LOOPS = frozenset({
     "test_conformance.py", "test_api.py", "test_hardening.py", "test_backends.py",
     "test_discovery.py", "test_liveness.py", "test_rails.py", "test_scheduling.py",
+    "test_progress.py",
 })
 LOOP_FACTORIES: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "asyncio": asyncio.new_event_loop,

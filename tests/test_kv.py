@@ -323,7 +323,7 @@ async def _quiesce(store: kv.Store) -> None:
 
 
 async def test_pinned_bytes_cap_fails_fast_and_waits(make_agent: MakeAgent) -> None:
-    agent = await make_agent("kv")
+    agent = await make_agent("kv", inline_bytes=64 << 10)
     src = agent.alloc(8 * BB)
     fill(src, 8, seed=9)
     keys = keys_for(8)
@@ -344,7 +344,7 @@ async def test_pinned_bytes_cap_fails_fast_and_waits(make_agent: MakeAgent) -> N
 
 
 async def test_pin_wait_deadline(make_agent: MakeAgent) -> None:
-    agent = await make_agent("kv")
+    agent = await make_agent("kv", inline_bytes=64 << 10)
     src = agent.alloc(8 * BB)
     keys = keys_for(8)
     async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB)],

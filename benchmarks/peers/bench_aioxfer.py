@@ -40,8 +40,11 @@ N_DESCS = 100_000
 DESC_STRIDE, DESC_LEN = 512, 256  # 100 000 x 256 B spread over 51.2 MB
 
 
-def agent_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {"transports": ("tcp",)} if args.transport == "tcp" else {}
+def agent_kwargs(args: argparse.Namespace, initiator: bool = False) -> dict[str, Any]:
+    kw: dict[str, Any] = {"transports": ("tcp",)} if args.transport == "tcp" else {}
+    if args.progress:  # both agents: the target's loop handles its notifications
+        kw["progress"] = args.progress
+    return kw
 
 
 def region_of(agent: aioxfer.Agent, args: argparse.Namespace) -> aioxfer.Region:
@@ -75,7 +78,8 @@ async def initiator(args: argparse.Namespace, ctl: C.Ctl) -> str:
     kind, address = ctl.recv()
     assert kind == "meta"
     base = dict(peer=args.label, transport=args.transport,
-                config=f"{args.transport},memory={args.memory},loop=asyncio")
+                config=f"{args.transport},memory={args.memory},loop=asyncio,"
+                f"progress={args.progress or 'default'}")
     async with aioxfer.Agent("bench-initiator", **agent_kwargs(args)) as agent:
         local = region_of(agent, args)
         buf = local.numpy()
@@ -211,7 +215,8 @@ async def uvloop_pass(args: argparse.Namespace, address: str) -> None:
         local = region_of(agent, args)
         peer = await agent.connect(address)
         base = dict(peer=args.label, transport=args.transport, path=peer.path,
-                    config=f"{args.transport},memory={args.memory},loop=uvloop")
+                    config=f"{args.transport},memory={args.memory},loop=uvloop,"
+                    f"progress={args.progress or 'default'}")
         await python_path(agent, local, peer.region("buf"), base, "WRITE_qd256_uvloop")
 
 
@@ -222,6 +227,9 @@ def main() -> None:
     ap.add_argument("--memory", default="alloc", choices=["alloc", "register"],
                     help="alloc: agent.alloc regions (memfd); register: agent.register(numpy)")
     ap.add_argument("--ops", default="WRITE,READ")
+    ap.add_argument("--progress", choices=["adaptive", "sleep", "poll"],
+                    help="Agent(progress=...) on both agents (default: the agent's default; "
+                    "an older aioxfer without the setting: leave it out)")
     ap.add_argument("--label", default="aioxfer",
                     help="the records' peer name (aioxfer-before: an earlier build, run.py)")
     args = ap.parse_args()
@@ -230,6 +238,8 @@ def main() -> None:
         return
     argv = [sys.executable, os.path.abspath(__file__), "--role", "target",
             "--transport", args.transport, "--memory", args.memory]
+    if args.progress:
+        argv += ["--progress", args.progress]
     proc, ctl = C.spawn_target(argv)
     try:
         address = asyncio.run(initiator(args, ctl))

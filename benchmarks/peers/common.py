@@ -8,6 +8,8 @@ Record format: one JSON object per measurement on stdout, prefixed "RESULT ":
    "size": bytes per request, "iters": n, "secs": elapsed, "gbps": 1e9 bytes/s,
    "lat_us_med"/"lat_us_p99": per-op wall time in µs (4 KiB, one at a time),
    "req_per_s": requests/s (in-flight and batch cases), "verified": CRC32 matched,
+   "cpu_s": CPU seconds (user + system, every thread) that the initiator and the
+   target process it started spent together during the timed loop,
    "run": round id, "phase": what the driver called this run}
 
 Op names are the same for every system: "WRITE"/"READ" (one request of `size`
@@ -49,7 +51,36 @@ MAX_ITERS = 2_000_000
 RUN_ID = os.environ.get("BENCH_RUN_ID", "0")
 
 
+# ------------------------------------------------------------------ CPU cost
+# Both sides: this process (getrusage) and the target spawn_target started
+# (/proc/<pid>/stat). The last timed loop's total goes into the next record
+# emitted with a rate ("cpu_s"): CPU seconds per GB moved = cpu_s / (gbps * secs).
+
+_TARGET_PID: int | None = None
+_LAST_CPU: float | None = None
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    total = ru.ru_utime + ru.ru_stime
+    if _TARGET_PID is not None:
+        try:
+            with open(f"/proc/{_TARGET_PID}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def emit(**kw: Any) -> None:
+    global _LAST_CPU
+    if _LAST_CPU is not None and "secs" in kw and ("gbps" in kw or "req_per_s" in kw):
+        kw.setdefault("cpu_s", _LAST_CPU)
+    _LAST_CPU = None
     kw.setdefault("run", RUN_ID)
     if os.environ.get("BENCH_PHASE"):
         kw.setdefault("phase", os.environ["BENCH_PHASE"])
@@ -71,9 +102,11 @@ def timed_loop(op: Callable[[], Any], min_secs: float = MIN_SECS,
                warmup: int = 3) -> tuple[int, float]:
     """Calls op() until min_secs have passed; returns (iterations, seconds).
     The batch between clock reads doubles up to 1024, so the clock is read rarely."""
+    global _LAST_CPU
     for _ in range(warmup):
         op()
     iters, batch = 0, 1
+    c0 = cpu_seconds()
     t0 = time.perf_counter()
     while True:
         for _ in range(batch):
@@ -81,6 +114,7 @@ def timed_loop(op: Callable[[], Any], min_secs: float = MIN_SECS,
         iters += batch
         el = time.perf_counter() - t0
         if el >= min_secs or iters >= MAX_ITERS:
+            _LAST_CPU = cpu_seconds() - c0
             return iters, el
         batch = min(batch * 2, 1024)
 
@@ -89,9 +123,11 @@ async def atimed_loop(
     op: Callable[[], Awaitable[Any]], min_secs: float = MIN_SECS, warmup: int = 3
 ) -> tuple[int, float]:
     """timed_loop for an awaitable operation (same calibration)."""
+    global _LAST_CPU
     for _ in range(warmup):
         await op()
     iters, batch = 0, 1
+    c0 = cpu_seconds()
     t0 = time.perf_counter()
     while True:
         for _ in range(batch):
@@ -99,6 +135,7 @@ async def atimed_loop(
         iters += batch
         el = time.perf_counter() - t0
         if el >= min_secs or iters >= MAX_ITERS:
+            _LAST_CPU = cpu_seconds() - c0
             return iters, el
         batch = min(batch * 2, 1024)
 
@@ -254,7 +291,9 @@ def spawn_target(argv: list[str],
     e = dict(os.environ)
     if env:
         e.update(env)
+    global _TARGET_PID
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=e)
+    _TARGET_PID = p.pid  # its CPU time counts with ours (cpu_seconds)
     return p, Ctl(p.stdout, p.stdin)
 
 

@@ -45,6 +45,12 @@ def commands(ns: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str
         "mooncake": ([mooncake, s("bench_mooncake.py")], {}, mooncake),
         "aioxfer_shm": ([aio, s("bench_aioxfer.py"), "--transport", "shm"], {}, aio),
         "aioxfer_tcp": ([aio, s("bench_aioxfer.py"), "--transport", "tcp"], {}, aio),
+        # Progress modes beside the default (run.py --modes): columns of their own.
+        **{
+            f"mode_{m}_{tr}": ([aio, s("bench_aioxfer.py"), "--transport", tr, "--progress", m,
+                                "--label", f"aioxfer-{m}"], {}, aio)
+            for m in ns.mode_list for tr in ("shm", "tcp")
+        },
         # An earlier build (its own venv) through today's workload script: the
         # before/after of a change, in the same run.
         **({
@@ -113,6 +119,10 @@ def main() -> int:
     ap.add_argument("--aioxfer-before-python",
                     help="python of a venv with an earlier aioxfer: adds systems before_shm and "
                     "before_tcp, shown as a column 'aioxfer before' with aioxfer ÷ it")
+    ap.add_argument("--modes", default="",
+                    help="progress modes to run besides the default (adaptive), e.g. "
+                    "sleep,poll: each adds systems mode_<m>_shm and mode_<m>_tcp, shown as "
+                    "columns 'aioxfer <m>'")
     ap.add_argument("--venvs", default=os.environ.get(
         "PEERS_VENVS", os.path.expanduser("~/.cache/aioxfer-peers")),
         help="where install.sh put the peers' venvs (default: $PEERS_VENVS or "
@@ -124,9 +134,16 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, help="seconds per system run (default 600; quick 180)")
     ns = ap.parse_args()
     only = [s for s in ns.only.split(",") if s]
+    ns.mode_list = [m for m in ns.modes.split(",") if m and m != "adaptive"]
+    bad_modes = set(ns.mode_list) - {"sleep", "poll"}
+    if bad_modes:
+        ap.error(f"unknown progress modes {sorted(bad_modes)} (adaptive, sleep, poll)")
+    extra = [f"mode_{m}_{tr}" for m in ns.mode_list for tr in ("shm", "tcp")
+             if f"aioxfer_{tr}" in only]
     if ns.aioxfer_before_python and ns.only == ",".join(SYSTEMS):
         only += ["before_shm", "before_tcp"]
-    unknown = set(only) - set(SYSTEMS) - {"before_shm", "before_tcp"}
+    only += extra
+    unknown = set(only) - set(SYSTEMS) - {"before_shm", "before_tcp"} - set(extra)
     if unknown or ns.rounds < 1:
         ap.error(f"unknown systems {sorted(unknown)} (choose from {SYSTEMS})" if unknown
                  else "--rounds must be at least 1")

@@ -22,14 +22,21 @@ SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
 BATCH = 256 * 16 * KiB
 PATHS = {"same": "same host", "tcp": "tcp"}
 PEERS = ("nixl", "mooncake")
-NAMES = {"nixl": "NIXL", "mooncake": "Mooncake", "aioxfer": "aioxfer", "before": "aioxfer before"}
+NAMES = {"nixl": "NIXL", "mooncake": "Mooncake", "aioxfer": "aioxfer", "before": "aioxfer before",
+         "sleep": "aioxfer sleep", "poll": "aioxfer poll"}
+# aioxfer's progress modes besides its default (adaptive), when run (run.py --modes).
+MODES = ("sleep", "poll")
 # Which measurement stands for each system on each path: (peer, transport) in the records.
 SYSTEMS = {
     "same": {"nixl": ("nixl", "ucx"), "mooncake": ("mooncake", "tcp"),
-             "aioxfer": ("aioxfer", "shm"), "before": ("aioxfer-before", "shm")},
+             "aioxfer": ("aioxfer", "shm"), "before": ("aioxfer-before", "shm"),
+             **{m: (f"aioxfer-{m}", "shm") for m in MODES}},
     "tcp": {"nixl": ("nixl", "ucx-tcp"), "mooncake": ("mooncake", "tcp"),
-            "aioxfer": ("aioxfer", "tcp"), "before": ("aioxfer-before", "tcp")},
+            "aioxfer": ("aioxfer", "tcp"), "before": ("aioxfer-before", "tcp"),
+            **{m: (f"aioxfer-{m}", "tcp") for m in MODES}},
 }
+# Rows of the CPU-cost table: where data moves for a measured time.
+CPU_ROWS = [*SIZES, "qd16", "qd64", "batch"]
 
 
 def size_label(n: int) -> str:
@@ -185,6 +192,16 @@ class Results:
         xs = [x for x in per_round if x is not None]
         return statistics.median(xs) if xs else None
 
+    def cpu_per_gb(self, run: str, path: str, system: str, op: str, key: Any) -> float | None:
+        """CPU seconds (initiator + target) per GB moved, one round."""
+        _, rop, size, _, _, _ = WORKLOADS[key]
+        peer, transport = SYSTEMS[path][system]
+        r = self.idx.get((run, peer, transport, rop.format(op=op), size))
+        if r is None or not isinstance(r.get("cpu_s"), int | float):
+            return None
+        moved = float(r.get("gbps") or 0) * float(r.get("secs") or 0)
+        return float(r["cpu_s"]) / moved if moved > 0 else None
+
     def fig_med(self, path: str, system: str, op: str, key: Any) -> float | None:
         return self.med([self.fig(r, path, system, op, key) for r in self.runs])
 
@@ -226,7 +243,8 @@ def table(res: Results) -> list[str]:
     # An earlier build of aioxfer run beside this one (run.py --aioxfer-before-python)
     # is one more peer: its column and aioxfer ÷ it.
     peers = (*PEERS, "before") if any(k[1] == "aioxfer-before" for k in res.idx) else PEERS
-    shown = (*peers[:2], "aioxfer", *peers[2:])
+    modes = modes_run(res)
+    shown = (*peers[:2], "aioxfer", *modes, *peers[2:])
     out = [
         "| path | op | workload | unit | limit | "
         + " | ".join(NAMES[p] for p in shown) + " | "
@@ -245,8 +263,8 @@ def table(res: Results) -> list[str]:
             if cma is not None:
                 lcell += f"; {fmt(cma, unit)} CMA"
             cells = []
-            systems = (("aioxfer", "before") if key in AIOXFER_ONLY[path]
-                       else ("nixl", "mooncake", "aioxfer", "before"))
+            systems = (("aioxfer", "before", *MODES) if key in AIOXFER_ONLY[path]
+                       else ("nixl", "mooncake", "aioxfer", "before", *MODES))
             for system in shown:
                 f = res.fig_med(path, system, op, key) if system in systems else None
                 if f is None:
@@ -254,7 +272,11 @@ def table(res: Results) -> list[str]:
                     continue
                 c = fmt(f, unit)
                 rl = res.ratio_med(path, system, op, key, "limit")
-                if rl is not None:
+                if system in MODES:  # a mode: its figure against NIXL's
+                    rl = res.ratio_med(path, system, op, key, "nixl")
+                    if rl is not None:
+                        c += f" ({fmt_ratio(rl)} NIXL)"
+                elif rl is not None:
                     c += f" ({fmt_ratio(rl)})"
                 peer, tr = SYSTEMS[path][system]
                 if not res.verified_ok(peer, tr, rop.format(op=op), size):
@@ -264,6 +286,27 @@ def table(res: Results) -> list[str]:
             opcell = op if op != "-" else ""
             out.append(f"| {PATHS[path]} | {opcell} | {label} | {unit} | {lcell} | "
                        + " | ".join(cells + vs) + " |")
+    return out
+
+
+def modes_run(res: Results) -> tuple[str, ...]:
+    return tuple(m for m in MODES if any(k[1] == f"aioxfer-{m}" for k in res.idx))
+
+
+def cpu_table(res: Results) -> list[str]:
+    """CPU seconds per GB moved, both processes together (initiator and target:
+    every thread, progress threads and copy workers included), median of rounds."""
+    peers = (*PEERS, "before") if any(k[1] == "aioxfer-before" for k in res.idx) else PEERS
+    shown = (*peers[:2], "aioxfer", *modes_run(res), *peers[2:])
+    out = ["| path | op | workload | " + " | ".join(NAMES[p] for p in shown) + " |",
+           "|---|---|---|" + "---:|" * len(shown)]
+    for path in ("same", "tcp"):
+        for op in ("WRITE", "READ"):
+            for key in CPU_ROWS:
+                cells = [fmt(res.med([res.cpu_per_gb(r, path, system, op, key)
+                                      for r in res.runs])) for system in shown]
+                out.append(f"| {PATHS[path]} | {op} | {WORKLOADS[key][0]} | "
+                           + " | ".join(cells) + " |")
     return out
 
 
@@ -349,6 +392,9 @@ def summarize(directory: str) -> str:
     for r in res.errors:
         lines.append(f"- error, round {r['run']}, {r['peer']} {r.get('transport', '')} "
                      f"{r.get('op', '')}: {str(r['error'])[:200]}")
+    lines += ["", "### CPU seconds per GB moved (initiator + target, every thread)", "",
+              "Lower is better; \"aioxfer\" is its default progress mode (adaptive).", "",
+              *cpu_table(res), ""]
     lines += ["", "### Targets (issue 3)", "", *targets(res), ""]
     return "\n".join(lines)
 

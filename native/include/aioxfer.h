@@ -4,7 +4,9 @@
  * copies, socket I/O and keepalives run on engine-owned threads that sleep in
  * blocking syscalls or condition waits; nothing spins. Completions from every
  * transport land in one ring; the engine writes axf_engine_fd() (an eventfd)
- * when the ring goes from empty to non-empty.
+ * when the ring goes from empty to non-empty. Besides those threads, the
+ * caller's may copy (a lone same-host request, AXF_POST_ALONE) or poll the
+ * ring for a bounded time (axf_wait): only while it has work in flight.
  */
 #ifndef AIOXFER_H
 #define AIOXFER_H
@@ -68,6 +70,11 @@ const char *axf_strerror(int status);
                              known at submit (small same-host copy) is queued
                              without signalling the eventfd (no wake-up, no
                              syscall for it) */
+#define AXF_POST_ALONE 4u /* the caller awaits this request alone (nothing else of its
+                             in flight): a same-host copy up to axf_config.inline_bytes
+                             runs on the calling thread, inside this call, where
+                             handing it to a copy worker would cost two thread
+                             wake-ups; over tcp its frames stay on one connection */
 
 /* Completion kinds. */
 #define AXF_CQ_XFER 1         /* id = request id; status, nbytes, fail_index (on
@@ -91,7 +98,10 @@ typedef struct axf_engine axf_engine;
 typedef struct axf_config {
     uint32_t copy_workers;    /* shm copy threads (0: default 2) */
     uint64_t chunk_bytes;     /* tcp chunk size (0: default 1 MiB) */
-    uint64_t inline_bytes;    /* shm copies up to this size run at submit (0: default 64 KiB; UINT64_MAX never) */
+    uint64_t inline_bytes;    /* a lone shm request (AXF_POST_ALONE) up to this size is
+                                 copied at submit, on the caller's thread; other shm
+                                 requests up to min(this, 64 KiB). 0: calibrated (see
+                                 axf_calibrate); UINT64_MAX: never */
     uint32_t keepalive_ms;    /* idle ping interval (0: default 1000) */
     uint32_t peer_timeout_ms; /* silence after which a connection is lost (0: default 5000) */
     uint32_t stall_ms;        /* a connection with replies outstanding and no progress for
@@ -264,6 +274,31 @@ int axf_file_info(axf_engine *e, char *buf, size_t cap);
 
 /* Drains up to max completions; never blocks; also clears the eventfd. */
 size_t axf_poll(axf_engine *e, axf_completion *out, size_t max);
+/* Waits up to max_us microseconds, spinning on the calling thread, for the
+ * ring to hold a completion; returns how many it holds (0: none came). Its
+ * eventfd is written by then. Takes nothing: axf_poll them. For a caller
+ * that has work in flight and nothing else to do (bounded busy-polling). */
+size_t axf_wait(axf_engine *e, uint32_t max_us);
+
+/* This machine's costs, measured once per process (the first call, or the
+ * first engine made with inline_bytes 0): a thread wake-up through an
+ * eventfd (half a ping-pong between two threads), single-thread memcpy
+ * bandwidth, and what follows from them: inline_bytes, the largest copy
+ * cheaper on the posting thread than two wake-ups and an event-loop
+ * iteration of the caller's (clamped to 64 KiB .. 64 MiB), and poll_us, a
+ * poll bounded by that same cost (20 .. 200).
+ * AIOXFER_INLINE_BYTES in the environment overrides inline_bytes. */
+typedef struct axf_calibration {
+    uint64_t wake_ns;       /* one thread wake-up */
+    uint64_t copy_mbps;     /* memcpy, MB/s, one thread, 4 MiB blocks */
+    uint64_t inline_bytes;
+    uint32_t poll_us;
+    uint32_t reserved;
+} axf_calibration;
+void axf_calibrate(axf_calibration *out);
+/* What this engine runs with: the inline threshold, the poll bound. */
+uint64_t axf_engine_inline_bytes(axf_engine *e);
+uint32_t axf_engine_poll_us(axf_engine *e);
 void axf_completion_free(axf_completion *c);
 
 /* ---------------------------------------------------------------- RDMA verbs

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -103,12 +104,17 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
     c->payload_len = (uint32_t)plen;
     c->payload = copy;
     e->cq_count++;
-    pthread_mutex_unlock(&e->cq_mu);
+    atomic_store_explicit(&e->cq_ready, e->cq_count, memory_order_release);
+    /* Written before unlocking: a poll that takes this record (and clears
+     * the eventfd under cq_mu) cannot run between our push and our write, so
+     * the write never outlives the record it announces (a stale wake-up),
+     * and whoever sees the record under cq_mu sees the eventfd written. */
     if (signal) {
         uint64_t one = 1;
         ssize_t r = write(e->efd, &one, sizeof one);
         (void)r; /* EAGAIN means the counter is already non-zero: still signalled */
     }
+    pthread_mutex_unlock(&e->cq_mu);
 }
 
 void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...)
@@ -133,6 +139,7 @@ size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
     if (n) {
         e->cq_head = (e->cq_head + n) % e->cq_cap;
         e->cq_count -= n;
+        atomic_store_explicit(&e->cq_ready, e->cq_count, memory_order_release);
     }
     bool signal = false;
     if (e->cq_count == 0) {
@@ -160,6 +167,47 @@ size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
     return n;
 }
 
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+size_t axf_wait(axf_engine *e, uint32_t max_us)
+{
+    size_t n = atomic_load_explicit(&e->cq_ready, memory_order_acquire);
+    if (!n && max_us) {
+        uint64_t until = axf_now_us() + max_us;
+        for (unsigned spin = 1;; spin++) {
+            cpu_relax();
+            n = atomic_load_explicit(&e->cq_ready, memory_order_acquire);
+            if (n)
+                break;
+            if ((spin & 15) == 0) {
+                /* The completion comes from a thread that may share this
+                 * CPU (few cores, or a busy host): let it run. */
+                sched_yield();
+                if (axf_now_us() >= until)
+                    break;
+            }
+        }
+    }
+    if (n) {
+        /* The pusher writes the eventfd before unlocking: once we hold the
+         * lock, a reader of the eventfd sees it readable. */
+        pthread_mutex_lock(&e->cq_mu);
+        n = e->cq_count;
+        pthread_mutex_unlock(&e->cq_mu);
+    }
+    return n;
+}
+
+uint64_t axf_engine_inline_bytes(axf_engine *e) { return e->cfg.inline_bytes; }
+uint32_t axf_engine_poll_us(axf_engine *e) { return e->poll_us; }
+
 void axf_completion_free(axf_completion *c)
 {
     free(c->payload);
@@ -180,8 +228,11 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         e->cfg.copy_workers = 2;
     if (!e->cfg.chunk_bytes)
         e->cfg.chunk_bytes = 1u << 20;
+    const axf_calibration *cal = shm_calibration();
     if (!e->cfg.inline_bytes)
-        e->cfg.inline_bytes = 64u << 10;
+        e->cfg.inline_bytes = cal->inline_bytes;
+    e->batch_inline = e->cfg.inline_bytes < (64u << 10) ? e->cfg.inline_bytes : 64u << 10;
+    e->poll_us = cal->poll_us;
     if (!e->cfg.keepalive_ms)
         e->cfg.keepalive_ms = 1000;
     if (!e->cfg.peer_timeout_ms)
@@ -1408,12 +1459,20 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         for (size_t i = 0; i < n; i++)
             total += o->d[i].len;
         pthread_mutex_unlock(&e->mu);
-        if (!notify_len && e->cfg.inline_bytes != UINT64_MAX && total <= e->cfg.inline_bytes) {
-            /* Small same-host copy: done now, completion known at submit. */
+        /* A small same-host copy, or a lone one below the calibrated
+         * threshold (its caller would otherwise pay a worker's wake-up and
+         * then its own): done now, on this thread. A batch keeps the workers
+         * for anything larger (they copy in parallel with each other). */
+        bool alone = flags & AXF_POST_ALONE;
+        if (e->cfg.inline_bytes != UINT64_MAX &&
+            ((alone && total <= e->cfg.inline_bytes) ||
+             (!notify_len && total <= e->batch_inline))) {
             atomic_store(&o->remaining, 1);
             int cst = shm_copy_inline(e, o);
             op_set_status(o, cst, 0);
-            cq_quiet = (flags & AXF_POST_POLL) != 0;
+            /* Its completion is known at submit (none when a notification
+             * follows: that one comes from the connection). */
+            cq_quiet = (flags & AXF_POST_POLL) != 0 && !notify_len;
             op_unit_done(e, o);
             cq_quiet = false;
             return AXF_OK;

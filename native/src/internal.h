@@ -284,6 +284,9 @@ struct axf_engine {
     bool cq_signalled; /* efd written (or about to be) since axf_poll last cleared it */
     axf_completion *cq;
     size_t cq_head, cq_count, cq_cap;
+    atomic_size_t cq_ready; /* cq_count, readable without cq_mu (axf_wait spins on it) */
+    uint64_t batch_inline;  /* shm copies up to this run at submit (any post) */
+    uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
 
     pthread_mutex_t wq_mu;
     pthread_cond_t wq_cv;
@@ -403,6 +406,8 @@ void shm_unmap(rregion *rr);
 void shm_unmap_idle(endpoint *ep); /* e->mu held */
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);
+/* This process's calibration (measured once, thread-safe). */
+const axf_calibration *shm_calibration(void);
 
 /* file.c */
 int file_start(axf_engine *e); /* e->mu held; idempotent */

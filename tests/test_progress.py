@@ -1,0 +1,243 @@
+"""Progress modes (Agent(progress=...)) and copies on the posting thread
+(Agent(inline_bytes=...), POST_ALONE): settings accepted and refused, bytes
+exact through every mode and path, cancellation and peer death around an
+inline copy. Functional only: the figures are in benchmarks/."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import pattern, transport_kwargs, wait_until, within
+
+import aioxfer
+from aioxfer import PeerLost, _cyx
+from aioxfer.progress import PROGRESS_MODES
+
+MiB = 1 << 20
+MODES = list(PROGRESS_MODES)
+
+
+async def idle(agent) -> None:
+    await wait_until(lambda: agent.statistics().in_flight == 0
+                     and agent.statistics().native_ops == 0, what="nothing in flight")
+
+
+# --------------------------------------------------------------- settings
+
+
+def test_calibration_and_engine_settings() -> None:
+    cal = _cyx.calibration()
+    assert set(cal) == {"wake_ns", "copy_mbps", "inline_bytes", "poll_us"}
+    assert cal["wake_ns"] > 0 and cal["copy_mbps"] > 0
+    assert 64 << 10 <= cal["inline_bytes"] or cal["inline_bytes"] > 0  # env may override
+    assert 20 <= cal["poll_us"] <= 200
+    assert _cyx.calibration() == cal  # measured once per process
+    e = _cyx.Engine()
+    try:
+        assert e.inline_bytes == cal["inline_bytes"]
+        assert e.poll_us == cal["poll_us"]
+        assert e.wait(0) == 0 and e.wait(50) == 0  # nothing in flight: nothing comes
+    finally:
+        e.close()
+    assert e.wait(10) == 0  # closed: 0, no error
+    e = _cyx.Engine(inline_bytes=12345)
+    try:
+        assert e.inline_bytes == 12345
+    finally:
+        e.close()
+    assert _cyx.POST_ALONE not in (_cyx.POST_DEFER, _cyx.POST_POLL)
+
+
+@pytest.mark.parametrize("progress", MODES)
+async def test_progress_modes_accepted(progress: str) -> None:
+    agent = aioxfer.Agent("modes", progress=progress)
+    try:
+        assert agent.progress == progress
+    finally:
+        await agent.aclose()
+
+
+@pytest.mark.parametrize("bad", ["", "busy", "SLEEP", None, 1])
+async def test_progress_mode_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="progress"):
+        aioxfer.Agent("modes", progress=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 64, True, 1.5, "1"])
+async def test_inline_bytes_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="inline_bytes"):
+        aioxfer.Agent("inline", inline_bytes=bad)  # type: ignore[arg-type]
+
+
+async def test_inline_bytes_settings() -> None:
+    for given, want in ((None, _cyx.calibration()["inline_bytes"]), (0, 0), (4096, 4096),
+                        (64 * MiB, 64 * MiB)):
+        agent = aioxfer.Agent("inline", inline_bytes=given)
+        try:
+            assert agent.inline_bytes == want
+        finally:
+            await agent.aclose()
+
+
+# --------------------------------------------------------------- data
+
+
+async def _pair(make_agent, transport: str, **kw):
+    tkw = transport_kwargs(transport)
+    target = await make_agent("target", **tkw)
+    init = await make_agent("init", **tkw, **kw)
+    peer = await within(init.connect(target.address))
+    return init, target, peer
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("progress", MODES)
+async def test_lone_requests_through_each_mode(make_agent, transport: str,
+                                               progress: str) -> None:
+    init, target, peer = await _pair(make_agent, transport, progress=progress)
+    size = 4 * MiB
+    dst = target.alloc(size, name="dst")
+    await within(peer.refresh())
+    remote = peer.region("dst")
+    data = pattern(size, 31)
+    src = init.register(data.copy(), name="src")
+    back = init.register(np.zeros(size, dtype=np.uint8), name="back")
+    # One at a time at sizes on both sides of any threshold, then a few in
+    # flight together, then a lone notification.
+    for n in (1, 4096, 64 << 10, 65 << 10, MiB, 3 * MiB, size):
+        dst.numpy()[:n] = 0
+        res = await within(init.write(src[0:n], remote[0:n]))
+        assert res.nbytes == n and np.array_equal(dst.numpy()[:n], data[:n])
+        back.numpy()[:n] = 0
+        res = await within(init.read(back[0:n], remote[0:n]))
+        assert res.nbytes == n and np.array_equal(back.numpy()[:n], data[:n])
+    dst.numpy()[:] = 0
+    ts = [init.write(src[i * MiB:(i + 1) * MiB], remote[i * MiB:(i + 1) * MiB])
+          for i in range(4)]
+    await within(asyncio.gather(*ts))
+    assert np.array_equal(dst.numpy(), data)
+    await within(peer.notify(b"ping"))
+    note = await within(target.notifications.receive())
+    assert note.payload == b"ping"
+    await idle(init)
+
+
+@pytest.mark.parametrize("inline", [0, 4096, 64 * MiB])
+async def test_inline_copies_byte_exact(make_agent, inline: int) -> None:
+    """The same transfers copied on the posting thread (64 MiB: all of them),
+    on the workers (0: none) or split at a small threshold: the same bytes,
+    for mapped (alloc) and cross-memory-attach (register) memory, with and
+    without a notification bound to them."""
+    init, target, peer = await _pair(make_agent, "shm", inline_bytes=inline)
+    assert init.inline_bytes == inline
+    size = 8 * MiB
+    dsts = {"alloc": target.alloc(size, name="alloc"),
+            "register": target.register(np.zeros(size, dtype=np.uint8), name="register")}
+    await within(peer.refresh())
+    data = pattern(size, 32)
+    src = init.register(data.copy(), name="src")
+    back = init.register(np.zeros(size, dtype=np.uint8), name="back")
+    for name, dst in dsts.items():
+        remote = peer.region(name)
+        for off, n in ((0, 100), (4095, 4097), (12345, 3 * MiB + 7), (0, size)):
+            dst.numpy()[:] = 0
+            await within(init.write(src[off:off + n], remote[off:off + n]))
+            want = np.zeros(size, dtype=np.uint8)
+            want[off:off + n] = data[off:off + n]
+            assert np.array_equal(dst.numpy(), want), (name, off, n)
+            back.numpy()[:] = 0
+            await within(init.read(back[off:off + n], remote[off:off + n]))
+            assert np.array_equal(back.numpy()[off:off + n], data[off:off + n])
+            assert not back.numpy()[:off].any() and not back.numpy()[off + n:].any()
+        dst.numpy()[:] = 0
+        await within(init.write(src[0:2 * MiB], remote[0:2 * MiB], notify=b"layer"))
+        note = await within(target.notifications.receive())
+        assert note.payload == b"layer"  # the data is there when the notification is
+        assert np.array_equal(dst.numpy()[:2 * MiB], data[:2 * MiB])
+    await idle(init)
+
+
+async def test_inline_flood_lets_the_loop_run(make_agent) -> None:
+    """Awaits that complete inside their post do not starve the loop: a timer
+    fires while a coroutine writes one small transfer after another."""
+    init, target, peer = await _pair(make_agent, "shm", inline_bytes=64 * MiB)
+    target.alloc(MiB, name="dst")
+    await within(peer.refresh())
+    src = init.alloc(MiB, name="src")
+    remote = peer.region("dst")
+    fired = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.01, fired.set)
+    deadline = time.monotonic() + 10
+    n = 0
+    while not fired.is_set() and time.monotonic() < deadline:
+        await init.write(src[0:4096], remote[0:4096])
+        n += 1
+    assert fired.is_set(), f"the loop never ran during {n} inline writes"
+
+
+async def test_cancel_around_inline_copy(make_agent) -> None:
+    init, target, peer = await _pair(make_agent, "shm", inline_bytes=64 * MiB)
+    dst = target.alloc(4 * MiB, name="dst")
+    await within(peer.refresh())
+    src = init.register(pattern(4 * MiB, 33), name="src")
+    remote = peer.region("dst")
+    # Cancelled before its await: never posted, nothing copied.
+    t = init.write(src[0:4 * MiB], remote[0:4 * MiB])
+    assert t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    await asyncio.sleep(0)
+    assert not dst.numpy().any()
+    # A task awaiting a lone inline copy, cancelled before it runs, and one
+    # cancelled right after its post completed: neither leaks nor breaks the
+    # next transfer.
+    task = asyncio.ensure_future(init.write(src[0:4 * MiB], remote[0:4 * MiB]))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    t = init.write(src[0:4 * MiB], remote[0:4 * MiB])
+    task = asyncio.ensure_future(t)
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    res = await within(init.write(src[0:4 * MiB], remote[0:4 * MiB]))
+    assert res.nbytes == 4 * MiB
+    assert np.array_equal(dst.numpy(), src.numpy())
+    await idle(init)
+
+
+@pytest.mark.parametrize("region", ["pool", "user"])
+async def test_peer_death_during_inline_copies(make_agent, remote_agent, region: str) -> None:
+    """Lone writes copied on the posting thread while the peer is killed:
+    each completes or fails PeerLost, within the bound, and the agent stays
+    usable (pool: a mapped memfd; user: cross-memory attach)."""
+    ra = await remote_agent(size=16 * MiB, peer_timeout=1.0, keepalive=0.2)
+    init = await make_agent("init", peer_timeout=1.0, keepalive=0.2, inline_bytes=64 * MiB)
+    peer = await within(init.connect(ra.address))
+    assert peer.path == "shm"
+    src = init.register(pattern(16 * MiB, 34), name="src")
+    remote = peer.region(region)
+    await within(init.write(src[0:16 * MiB], remote[0:16 * MiB]))
+    killed = False
+    outcomes: list[object] = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        if not killed and time.monotonic() - t0 > 0.05:
+            ra.kill(signal.SIGKILL)
+            killed = True
+            killed_at = time.monotonic()
+        try:
+            outcomes.append(await within(init.write(src[0:16 * MiB], remote[0:16 * MiB])))
+        except PeerLost as exc:
+            outcomes.append(exc)
+            break
+        await asyncio.sleep(0.01)
+    assert killed and isinstance(outcomes[-1], PeerLost), outcomes[-3:]
+    assert time.monotonic() - killed_at < 6
+    await wait_until(lambda: peer.lost, 5, what="peer.lost")
+    await idle(init)
+    ra.terminate()
