@@ -302,7 +302,7 @@ async def bench_rebuild(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 
 async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] = print,
-               direct: bool = False) -> dict[str, Any]:
+               direct: bool = False, stuck_after: float = 60.0) -> dict[str, Any]:
     """``ops`` random operations on a small host + disk store, about a third
     of them cancelled at a random point; checks the data of every get that
     completes and, at the end, that nothing is pinned or in flight."""
@@ -430,7 +430,12 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
             pending: set[asyncio.Task[None]] = set()
             step = max(1, ops // 20)
             for i in range(ops):
-                await sem.acquire()
+                try:
+                    async with asyncio.timeout(stuck_after):
+                        await sem.acquire()
+                except TimeoutError:
+                    report(f"  STUCK at op {i}: no operation ended for {stuck_after} s")
+                    break
                 fn = rng.choice(table)
                 r = rng.random()
                 cancel_after = None if r < 0.65 else (0.0 if r < 0.85 else rng.random() * 2e-4)
@@ -446,8 +451,20 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                            f"cancelled {cancelled}, errors {errors}, pins "
                            f"{store.statistics().pins}, {(i + 1) / (time.perf_counter() - t0):.0f}"
                            f" ops/s")
+            stuck = 0
             if pending:
-                await asyncio.gather(*pending)
+                # An operation that never ends is a bug (a waiter nobody
+                # resolves): after a generous grace it is counted and
+                # reported, not waited for forever.
+                _done, left = await asyncio.wait(pending, timeout=stuck_after)
+                stuck = len(left)
+                if left:
+                    report(f"  STUCK: {stuck} operations still pending after {stuck_after} s")
+                    for t in list(left)[:3]:
+                        t.print_stack(limit=6)
+                    for t in left:
+                        t.cancel()
+                    await asyncio.wait(left, timeout=5)
             for _ in range(500):  # transfers of cancelled operations settle
                 s = store.statistics()
                 if not (s.pins or s.fetches_in_flight or s.pinned_bytes):
@@ -470,7 +487,7 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
         "coalesced": s.coalesced, "handoffs": s.handoffs, "pin_waits": s.pin_waits,
         "retired_buffers": retired, "buffers_allocated_beyond_32": allocated,
         "unexpected": unexpected[:10], "error_kinds": error_kinds, "error_samples": error_samples,
-        "unexpected_count": len(unexpected),
+        "unexpected_count": len(unexpected), "stuck": stuck,
     }
     return result
 
@@ -478,7 +495,8 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
 async def bench_soak(args: argparse.Namespace, out: dict[str, Any]) -> None:
     root = tempfile.mkdtemp(prefix="kvbench-soak-", dir=args.dir)
     try:
-        r = await soak(args.ops, args.seed, root, direct=args.direct)
+        r = await soak(args.ops, args.seed, root, direct=args.direct,
+                       stuck_after=args.stuck_after)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out["soak"] = r
@@ -487,7 +505,7 @@ async def bench_soak(args: argparse.Namespace, out: dict[str, Any]) -> None:
           f"corrupt {r['corrupt_blocks']} of {r['verified_blocks']} verified blocks; RSS "
           f"{r['rss_mib'][0]:.0f} -> {r['rss_mib'][-1]:.0f} MiB "
           f"(+{r['rss_growth_after_warmup_mib']:.1f} MiB after warm-up); unexpected "
-          f"exceptions: {r['unexpected_count']} {r['unexpected'][:3]}")
+          f"exceptions: {r['unexpected_count']} {r['unexpected'][:3]}; stuck {r['stuck']}")
 
 
 # ---------------------------------------------------------------- main
@@ -534,6 +552,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rebuild-block-bytes", type=int, default=512)
     ap.add_argument("--ops", type=int, default=100_000, help="soak operations")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--stuck-after", type=float, default=60.0,
+                    help="soak: an operation pending this long counts as stuck")
     ap.add_argument("--json", help="also write the results here")
     return ap.parse_args(argv)
 

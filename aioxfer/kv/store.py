@@ -200,7 +200,7 @@ def _seglist(region: Region | RemoteRegion, offsets: list[int], block_bytes: int
 class _Op:
     """The owner of an operation's pins."""
 
-    __slots__ = ("store", "pins", "host", "host_slots", "nbytes", "pending", "done")
+    __slots__ = ("store", "pins", "host", "host_slots", "nbytes", "pending", "done", "after")
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -210,6 +210,7 @@ class _Op:
         self.nbytes = 0
         self.pending = 0  # store-owned transfers still running after a cancel
         self.done = False
+        self.after: list[Any] = []  # run once, when the pins go (memory free to reuse)
 
     def pin(self, tier: Tier, loc: Any) -> None:
         tier_pin = getattr(tier, "pin", None)
@@ -263,6 +264,10 @@ class _Op:
         self.nbytes = 0
         if store._pin_space is not None and count:
             store._pin_space.set()
+        if self.done and self.after:
+            after, self.after = self.after, []
+            for fn in after:
+                fn()
 
     def finish(self) -> None:
         """The operation is over: pins go now, or when its last store-owned
@@ -320,7 +325,7 @@ class _Fetch:
     """One block in flight from a lower tier; others wait on it."""
 
     __slots__ = ("key", "tier", "loc", "region", "offset", "followers", "error", "task",
-                 "reading")
+                 "reading", "delivering")
 
     def __init__(self, key: bytes, tier: Tier, loc: Any, region: Region, offset: int) -> None:
         self.key = key
@@ -332,6 +337,9 @@ class _Fetch:
         self.error: XferError | None = None
         self.task: asyncio.Task[None] | None = None  # a handed-over refetch
         self.reading = False  # its read was started (by the leader or a refetch)
+        # Its bytes are being copied out (promotion, followers): from here on
+        # it is never cancelled; its copies finish and every waiter hears.
+        self.delivering = False
 
 
 class _Staging:
@@ -359,6 +367,9 @@ class _Staging:
                     await self.space.wait()
             except TimeoutError:
                 pass
+            except BaseException:
+                self.give_back(got)  # cancelled while waiting: what it held goes back
+                raise
 
     def give_back(self, slots: list[int]) -> None:
         self.free.extend(slots)
@@ -834,17 +845,22 @@ class Store:
         """Cancelled followers leave their fetches; a handed-over fetch with
         nobody left waiting is cancelled (the last waiter cancels the fetch)."""
         for _i, f, w in follows:
-            if w.future.done():
-                continue
+            # Also a future gather cancelled already: it leaves the list, and
+            # may have been the last one waiting.
             w.future.cancel()
             try:
                 f.followers.remove(w)
             except ValueError:
-                pass
+                pass  # already taken by a delivery (which skips it: it is done)
             task = f.task
             if task is not None and not task.done():
                 fetches: list[_Fetch] = getattr(task, "fetches", [])
-                if all(not any(not x.future.done() for x in g.followers) for g in fetches):
+                # Only a refetch still reading may go: once its bytes are
+                # being copied out, waiters taken into that copy are no longer
+                # in ``followers`` (cancelling then would orphan them, and
+                # cut copies out of staging short).
+                if not any(g.delivering for g in fetches) and all(
+                        not any(not x.future.done() for x in g.followers) for g in fetches):
                     for g in fetches:
                         if self._fetches.get(g.key) is g:
                             del self._fetches[g.key]
@@ -869,6 +885,9 @@ class Store:
             errs = [err] * len(fetches)
         finally:
             tier.counters.in_flight -= len(fetches)
+        if len(errs) != len(fetches):  # a tier bug: its waiters still hear
+            errs = [BlockUnavailable(f"tier {tier.name!r} answered {len(errs)} of "
+                                     f"{len(fetches)} blocks")] * len(fetches)
         tier.counters.read_latency.add(time.perf_counter() - t0)
         for f, e in zip(fetches, errs, strict=True):
             f.error = e
@@ -885,6 +904,8 @@ class Store:
         # Promotion and the followers' copies read the leader's memory: the
         # leader may not return (cancelled or not) before they are done, a
         # memcpy's time at most.
+        for f in fetches:
+            f.delivering = True
         task = asyncio.ensure_future(self._deliver(fetches, promote=True))
         cancelled = False
         while not task.done():
@@ -904,54 +925,88 @@ class Store:
 
     async def _deliver(self, fetches: list[_Fetch], *, promote: bool) -> None:
         """Fetched blocks are in ``f.region``: copy them into the host tier
-        (promotion) and to every follower, then retire the fetches."""
+        (promotion) and to every follower, then retire the fetches.
+
+        Every waiter taken off ``followers`` is answered (a copy, its error,
+        or BlockUnavailable) whatever happens here; copies are never cut
+        short: a cancel waits for the batch in flight (a memcpy's time) and
+        then answers the rest, so ``f.region`` (staging, a leader's memory)
+        is never reused while a copy still reads it."""
         host = self._host
         bb = self.block_bytes
         op = _Op(self)
+        taken: list[_Waiter] = []
+        cancelled = False
+        for f in fetches:
+            f.delivering = True
         try:
             good = [f for f in fetches if f.error is None]
             if promote and host is not None and host.promote and good:
-                await self._promote(host, good, op)
+                cancelled = await _uncancelled(self._promote(host, good, op))
             # Followers may keep attaching while we copy: serve until none.
-            while True:
+            while not cancelled:
                 batch: list[tuple[_Fetch, _Waiter]] = []
                 for f in fetches:
                     while f.followers:
-                        batch.append((f, f.followers.pop(0)))
+                        w = f.followers.pop(0)
+                        taken.append(w)
+                        batch.append((f, w))
                 if not batch:
                     break
-                transfers: list[tuple[_Waiter, Transfer | None, XferError | None]] = []
+                copies: list[tuple[_Waiter, Transfer]] = []
                 for f, w in batch:
                     if w.future.done():
-                        continue
+                        continue  # cancelled meanwhile
                     if f.error is not None:
-                        transfers.append((w, None, f.error))
+                        w.future.set_exception(f.error)
                         continue
-                    src = await self._remote(f.region)
-                    copy = self.agent.read(w.region[w.offset:w.offset + bb],
-                                           src[f.offset:f.offset + bb])
-                    transfers.append((w, copy, None))
-                for w, pending, e in transfers:
-                    if pending is not None:
-                        try:
-                            await pending
-                        except XferError as exc:
-                            e = BlockUnavailable(f"coalesced copy failed: {exc}")
-                            e.__cause__ = exc
-                    if not w.future.done():
-                        if e is None:
-                            w.future.set_result(None)
-                        else:
-                            w.future.set_exception(e)
+                    try:
+                        src = self._remotes.get(f.region)
+                        if src is None or src.gone:
+                            src = await self._remote(f.region)
+                        copy = self.agent.read(w.region[w.offset:w.offset + bb],
+                                               src[f.offset:f.offset + bb])
+                    except (XferError, KeyError, ValueError) as exc:
+                        err = BlockUnavailable(f"coalesced copy failed: {exc}")
+                        err.__cause__ = exc
+                        if not w.future.done():
+                            w.future.set_exception(err)
+                        continue
+                    copies.append((w, copy))
+                if not copies:
+                    continue
+                gathered = asyncio.gather(*(c for _w, c in copies), return_exceptions=True)
+                cancelled = await _uncancelled(gathered)
+                for (w, _c), r in zip(copies, gathered.result(), strict=True):
+                    if w.future.done():
+                        continue
+                    if not isinstance(r, BaseException):
+                        w.future.set_result(None)
+                    else:
+                        err = BlockUnavailable(f"coalesced copy failed: {r!r}")
+                        err.__cause__ = r
+                        w.future.set_exception(err)
         finally:
-            for f in fetches:
-                if self._fetches.get(f.key) is f:
-                    del self._fetches[f.key]
-                for w in f.followers:
-                    if not w.future.done():
-                        w.future.set_exception(BlockUnavailable("the fetch was abandoned"))
-                f.followers.clear()
+            self._retire(fetches, "the fetch was abandoned", taken)
             op.finish()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _retire(self, fetches: list[_Fetch], why: str,
+                taken: Sequence[_Waiter] = ()) -> None:
+        """The fetches are over: unregistered, and every waiter still
+        unanswered (attached, or ``taken`` into a delivery) gets
+        BlockUnavailable. Safe to call more than once."""
+        for w in taken:
+            if not w.future.done():
+                w.future.set_exception(BlockUnavailable(why))
+        for f in fetches:
+            if self._fetches.get(f.key) is f:
+                del self._fetches[f.key]
+            for w in f.followers:
+                if not w.future.done():
+                    w.future.set_exception(BlockUnavailable(why))
+            f.followers.clear()
 
     async def _promote(self, host: HostTier, fetches: list[_Fetch], op: _Op) -> None:
         bb = self.block_bytes
@@ -993,7 +1048,13 @@ class Store:
         for f in keep:
             op.pin(tier, f.loc)  # now: the leader's pins go with it
         task = self._spawn(self._refetch(tier, keep, op), f"aioxfer-kv-refetch-{tier.name}")
-        task.add_done_callback(lambda _t: op.finish())  # also if cancelled before it ran
+        # Also if cancelled before it ran (store closing): the pins go and no
+        # follower is left waiting on a fetch nobody runs.
+        def over(_t: asyncio.Task[Any]) -> None:
+            op.finish()
+            self._retire(keep, "the fetch was abandoned")
+
+        task.add_done_callback(over)
         task.fetches = keep  # type: ignore[attr-defined]
         for f in keep:
             f.task = task
@@ -1003,28 +1064,27 @@ class Store:
         assert staging is not None
         bb = self.block_bytes
         slots: list[int] = []
+        # Staging goes back exactly once, when op's pins go: after the read
+        # into it and every copy out of it are over, however this ends.
+        op.after.append(lambda: staging.give_back(slots))
         try:
-            slots = await staging.take(len(fetches), self.pin_wait)
+            slots.extend(await staging.take(len(fetches), self.pin_wait))
             for f in fetches[len(slots):]:
                 f.error = PinLimitExceeded("no staging memory for a handed-over fetch")
             fetches_ok = fetches[: len(slots)]
             for f, s in zip(fetches_ok, slots, strict=True):
                 f.region, f.offset = staging.region, s * bb
             if fetches_ok:
-                errs = await _owned_read(tier, fetches_ok, op,
-                                         lambda: staging.give_back(slots))
+                errs = await _owned_read(tier, fetches_ok, op, None)
                 for f, e in zip(fetches_ok, errs, strict=True):
                     f.error = e
                     if e is not None:
                         self._note_error(e)
             await self._deliver(fetches, promote=True)
-            staging.give_back(slots)
         except asyncio.CancelledError:
-            for f in fetches:
-                if self._fetches.get(f.key) is f:
-                    del self._fetches[f.key]
-            if not op.pending:
-                staging.give_back(slots)
+            # The last waiter left while the read was in flight (or the store
+            # closes): nobody is left to answer, but answer anyway.
+            self._retire(fetches, "the fetch was cancelled")
             raise
         finally:
             op.finish()
@@ -1207,6 +1267,15 @@ class Store:
             by_tier.setdefault(t, []).append(f)
             slot_of[key] = s
         task = self._spawn(self._prefetch_run(by_tier, slot_of, op), "aioxfer-kv-prefetch")
+        fetches = [f for fs in by_tier.values() for f in fs]
+
+        def over(_t: asyncio.Task[Any]) -> None:
+            # Also if cancelled before it ran (store closing): the pins go
+            # and its waiters still hear.
+            op.finish()
+            self._retire(fetches, "the prefetch was abandoned")
+
+        task.add_done_callback(over)
         done: int = await asyncio.shield(task)
         return have + done
 
@@ -1456,6 +1525,21 @@ class _Replan(Exception):
     """The pin budget had to wait: plan the get again (the index moved on)."""
 
 
+async def _uncancelled(aw: Awaitable[Any]) -> bool:
+    """Runs ``aw`` to its end even if the caller is cancelled meanwhile
+    (store memory that a transfer still reads or writes is never handed on);
+    returns whether a cancel arrived (the caller raises it afterwards)."""
+    fut = asyncio.ensure_future(aw)
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancelled = True
+    fut.result()
+    return cancelled
+
+
 async def _owned_read(tier: Tier, fetches: list[_Fetch], op: _Op,
                       release: Any) -> list[XferError | None]:
     """A tier read into store memory, never cancelled midway (see _await_owned)."""
@@ -1466,7 +1550,8 @@ async def _owned_read(tier: Tier, fetches: list[_Fetch], op: _Op,
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         op.hold_until([task])
-        task.add_done_callback(lambda _t: release())
+        if release is not None:
+            task.add_done_callback(lambda _t: release())
         raise
 
 
