@@ -103,6 +103,25 @@ def ns_tag(namespace: bytes | str) -> int:
     return zlib.crc32(b"aioxfer.kv.ns\x00" + ns)
 
 
+async def _staged(t: Any) -> None:
+    """Awaits a transfer through the header staging buffer without ever
+    cancelling it: a cancelled caller waits for it to end (one header I/O)
+    and then raises. Cancelled midway, the engine could still be copying the
+    buffer when the next writer (the lock released) refills it with other
+    sectors' entries, and write those over this transfer's sectors: entries
+    at the wrong slots, read back as corrupt blocks after a restart."""
+    fut = asyncio.ensure_future(t)
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancelled = True
+    fut.result()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -626,12 +645,12 @@ class DiskTier(Tier):
                     stage[j * SECTOR:(j + 1) * SECTOR] = seg.image[s * SECTOR:(s + 1) * SECTOR]
                 m = len(sectors)
                 try:
-                    await self.store.agent.write(
+                    await _staged(self.store.agent.write(
                         SegmentList(self.stage, np.arange(m, dtype=np.uint64) * SECTOR,
                                     np.full(m, SECTOR, dtype=np.uint64)),
                         SegmentList(seg.region,
                                     seg.hdr_off + np.array(sectors, dtype=np.uint64) * SECTOR,
-                                    np.full(m, SECTOR, dtype=np.uint64)))
+                                    np.full(m, SECTOR, dtype=np.uint64))))
                 except ClosedResourceError:
                     if self.segs.get(seg.no) is not seg:
                         return  # the segment was dropped meanwhile: nothing to write
@@ -775,7 +794,7 @@ class DiskTier(Tier):
                                      seg.hdr_off + np.array(chunk, dtype=np.uint64) * SECTOR,
                                      np.full(m, SECTOR, dtype=np.uint64))
                 try:
-                    await agent.read(local, remote)
+                    await _staged(agent.read(local, remote))
                 except ClosedResourceError:
                     if self.segs.get(seg.no) is not seg:
                         return
@@ -788,7 +807,7 @@ class DiskTier(Tier):
                         off = pos[sec] * SECTOR + (s * ENTRY) % SECTOR
                         _mark_entry_removed(stage[off:off + ENTRY])
                 try:
-                    await agent.write(local, remote)
+                    await _staged(agent.write(local, remote))
                 except ClosedResourceError:
                     if self.segs.get(seg.no) is not seg:
                         return
