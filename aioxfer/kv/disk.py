@@ -416,6 +416,12 @@ class DiskTier(Tier):
                               and not s.writing and s not in self._pending_flush),
                              key=lambda s: s.last_access)
             if not victims:
+                flusher = self._flusher
+                if self._pending_flush and flusher is not None and not flusher.done():
+                    # Segments whose headers are on their way become
+                    # evictable in one header write: wait for it, not drop.
+                    await asyncio.wait([flusher])
+                    continue
                 return None
             await self._drop_segment(victims[0], "capacity")
         no = self.next_no
