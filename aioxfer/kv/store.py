@@ -697,7 +697,7 @@ class Store:
         no_index: dict[bytes, int] = {}
         index_get = (host.index if host is not None else no_index).get
         regions, offsets = blk.regions, blk.offsets
-        touch = host.order.move_to_end if host is not None and host._lru else None
+        touch = host.policy.hit if host is not None and host.policy.tracks_hits else None
         # Planning takes its pins without awaiting, so nothing it found can be
         # evicted before it is pinned.
         for i, key in enumerate(keys):
