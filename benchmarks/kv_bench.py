@@ -377,6 +377,10 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
 
             table = [op_put] * 4 + [op_get] * 4 + [op_hot_get] * 3 + [op_lookup] * 2 + \
                 [op_remove] + [op_prefetch] + [op_stream]
+            no_cancel = bool(os.environ.get("KV_SOAK_NO_CANCEL"))
+            only = os.environ.get("KV_SOAK_ONLY")  # e.g. "op_put,op_get": one mix alone
+            if only:
+                table = [fn for fn in table if fn.__name__ in only.split(",")]
             concurrency = 8
             sem = asyncio.Semaphore(concurrency)
             free = list(dst_pool)
@@ -439,6 +443,8 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                 fn = rng.choice(table)
                 r = rng.random()
                 cancel_after = None if r < 0.65 else (0.0 if r < 0.85 else rng.random() * 2e-4)
+                if no_cancel:
+                    cancel_after = None
                 t = asyncio.ensure_future(one(fn, cancel_after))
                 pending.add(t)
                 t.add_done_callback(pending.discard)
