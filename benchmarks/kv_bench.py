@@ -11,6 +11,9 @@ compared with, measured in the same run (ratios are what matter):
 - stream: time to the first layer of ``store.stream`` over 32 layers beside
   the whole transfer;
 - rebuild: blocks indexed per second when a disk tier with N records opens;
+- codec: compression ratio and compress/decompress GB/s per codec (blosc
+  byte-shuffle + lz4 / zstd) on bf16 KV-like data, and a disk tier's put and
+  hit with compression beside the same tier without;
 - soak: N randomized, cancel-heavy operations; pins left (must be 0) and RSS
   sampled along the way (must stay flat).
 
@@ -298,6 +301,107 @@ async def bench_rebuild(args: argparse.Namespace, out: dict[str, Any]) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- codec
+
+
+def kv_like(nbytes: int, seed: int) -> np.ndarray:
+    """bf16 values shaped like a KV cache (normal, a scale per channel of
+    128), as bytes. Real KV caches compress about as well: the exponent bytes
+    repeat, the mantissa bytes hardly do."""
+    rng = np.random.default_rng(seed)
+    n = nbytes // 2
+    scale = rng.uniform(0.05, 4.0, size=128).astype(np.float32)
+    x = rng.standard_normal(n).astype(np.float32) * np.resize(scale, n)
+    return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+async def bench_codec(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from aioxfer.kv.codec import CODECS, Codec
+
+    n, bb = args.blocks, args.block_kib * KIB
+    data = kv_like(n * bb, 5)
+    res: dict[str, Any] = {}
+    for name in sorted(CODECS):
+        c = Codec(name)
+        blocks = [memoryview(data[i * bb:(i + 1) * bb]) for i in range(n)]
+        outb = bytearray(bb)
+        ct, dt = [], []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            zs = [c.compress(b) for b in blocks]
+            ct.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for z in zs:
+                c.decompress_into(memoryview(z), memoryview(outb))
+            dt.append(time.perf_counter() - t0)
+        ratio = n * bb / sum(len(z) for z in zs)
+        cg, dg = n * bb / statistics.median(ct) / 1e9, n * bb / statistics.median(dt) / 1e9
+        res[name] = {"ratio": ratio, "compress_gbs": cg, "decompress_gbs": dg}
+        print(f"codec        {name:5s} on bf16 KV-like {n} x {bb // KIB} KiB: ratio {ratio:.2f}  "
+              f"compress {cg:5.2f} GB/s  decompress {dg:5.2f} GB/s")
+    # A disk tier with compression beside one without (same run, alternating).
+    root = tempfile.mkdtemp(prefix="kvbench-codec-", dir=args.dir)
+    try:
+        async with aioxfer.Agent("bench-codec") as agent:
+            src = agent.alloc(n * bb)
+            src.numpy()[:] = data
+            dst = agent.alloc(n * bb)
+            for name in sorted(CODECS):
+                plain = kv.DiskTier(os.path.join(root, f"p-{name}"), 1 << 34, direct=args.direct,
+                                    segment_bytes=max(64 << 20, 4 * n * bb))
+                comp = kv.DiskTier(os.path.join(root, f"c-{name}"), 1 << 34, direct=args.direct,
+                                   segment_bytes=max(64 << 20, 4 * n * bb), compress=name)
+                comp.codec_gate.probe_raw = 1 << 30  # measure compression itself, never off
+                comp.codec_gate.min_ratio = 0.0
+                async with kv.Store.open(agent, block_bytes=bb, tiers=[plain], name="p") as sp, \
+                        kv.Store.open(agent, block_bytes=bb, tiers=[comp], name="c") as sc:
+                    rounds = [0, 0]
+
+                    def putter(store: kv.Store, j: int,
+                               rounds: list[int] = rounds) -> Callable[[], Awaitable[None]]:
+                        async def put() -> None:
+                            rounds[j] += 1
+                            r = await store.put(keys_for(n, seed=100 + rounds[j]), src[0:n * bb])
+                            assert r.stored == n, r
+                        return put
+
+                    t_cput, t_pput = await interleaved(putter(sc, 0), putter(sp, 1),
+                                                       args.rounds, 1)
+                    keys = keys_for(n, seed=101)
+
+                    def getter(store: kv.Store,
+                               keys: list[bytes] = keys) -> Callable[[], Awaitable[None]]:
+                        async def get() -> None:
+                            r = await store.get(keys, dst[0:n * bb])
+                            assert r.prefix == n, r
+                        return get
+
+                    t_chit, t_phit = await interleaved(getter(sc), getter(sp), args.rounds, 3)
+                    assert np.array_equal(dst.numpy(), data)
+                    ex = sc.statistics().tiers["disk"].extra
+                # The same tier left to its gate: does it keep compressing?
+                auto = kv.DiskTier(os.path.join(root, f"a-{name}"), 1 << 34, direct=args.direct,
+                                   segment_bytes=max(64 << 20, 4 * n * bb), compress=name)
+                async with kv.Store.open(agent, block_bytes=bb, tiers=[auto], name="a") as sa:
+                    for r in range(40):
+                        await sa.put(keys_for(n, seed=500 + r), src[0:n * bb])
+                    auto_ex = sa.statistics().tiers["disk"].extra
+                res[name].update(disk_put_ratio=t_pput / t_cput, disk_hit_ratio=t_phit / t_chit,
+                                 disk_ratio=float(ex["compress_ratio"]),
+                                 auto_on=int(auto_ex["compress_on"]),
+                                 auto_raw_write_gbs=float(auto_ex["raw_write_gbps"]),
+                                 auto_compress_gbs=float(auto_ex["compress_gbps"]))
+                print(f"codec        disk tier with {name}: put {t_pput / t_cput:.2f}x, hit "
+                      f"{t_phit / t_chit:.2f}x the same tier uncompressed (ratio "
+                      f"{float(ex['compress_ratio']):.2f}; >1 is faster); left to its gate "
+                      f"after 40 puts: compression {'on' if auto_ex['compress_on'] else 'off'} "
+                      f"(compressor {float(auto_ex['compress_gbps']):.2f} GB/s, plain writes "
+                      f"{float(auto_ex['raw_write_gbps']):.2f} GB/s)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out["codec"] = res
+
+
 # ---------------------------------------------------------------- soak
 
 
@@ -529,6 +633,8 @@ async def main(args: argparse.Namespace) -> int:
         await bench_lookup_coalesce_stream(args, out)
     if what in ("all", "rebuild"):
         await bench_rebuild(args, out)
+    if what in ("all", "codec"):
+        await bench_codec(args, out)
     if what in ("all", "soak"):
         await bench_soak(args, out)
     out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -546,7 +652,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", nargs="?", default="all",
                     choices=["all", "host", "disk", "misc", "lookup", "coalesce", "stream",
-                             "rebuild", "soak"])
+                             "rebuild", "codec", "soak"])
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--block-kib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
