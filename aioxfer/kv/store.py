@@ -35,6 +35,7 @@ from operator import not_
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from aioxfer.agent import Agent
 from aioxfer.errors import ClosedResourceError, XferError
@@ -578,8 +579,9 @@ class Store:
     def _keys(keys: Sequence[bytes], *, strict: bool = True) -> list[bytes]:
         """``keys`` as a list, checked with C-level passes (map/set/join), not
         a Python loop: lookups of 1 024 keys are measured in microseconds.
-        ``strict=False`` (lookup, which changes nothing): only that they are
-        bytes of 32 bytes on average; a key of another length is a miss."""
+        ``strict=False`` (lookup: it changes nothing): only that they are
+        bytes-like of 32 bytes on average; a key of another length is a
+        miss. Everything that may store a key checks each one."""
         out = list(keys)
         if not out:
             return out
@@ -1247,7 +1249,9 @@ class Store:
         promotion. Cancelling stops the wait at once; reads already posted
         into host memory still complete and are kept (their pins go then)."""
         self._check_open()
-        keys = self._keys(keys)
+        return await self._prefetch(self._keys(keys), tier)
+
+    async def _prefetch(self, keys: list[bytes], tier: str = "host") -> int:
         host = self._host
         if host is None or tier != host.name:
             raise ValueError(f"prefetch targets the host tier; this store has "
@@ -1424,40 +1428,53 @@ class LayerStream:
         self.layers = layers
         self.layer_bytes = store.block_bytes // layers
         self.prefix: int | None = None  # known once the first layer is awaited
-        self._targets = self._layer_targets(dst)
+        # Per layer, (regions, offsets) of each key's layer bytes: a list per
+        # layer (dst given per layer), or one base computed from per layer
+        # (numpy, at post time: no per-layer lists of offsets built up front).
+        self._per_layer: list[tuple[list[Region], npt.NDArray[np.uint64]]] | None = None
+        self._base: tuple[list[Region], npt.NDArray[np.uint64]] | None = None
+        self._layer_targets(dst)
+        self._slot_off: npt.NDArray[np.uint64] | None = None
+        self._lens: npt.NDArray[np.uint64] | None = None
         self._op = _Op(store)
         self._pending: list[list[Transfer]] = []
         self._slots: list[int] = []
         self._next = 0
         self._closed = False
 
-    def _layer_targets(self, dst: Any) -> list[tuple[list[Region], list[int]]]:
-        """Per layer: (regions, offsets) of each key's layer bytes."""
+    def _layer_targets(self, dst: Any) -> None:
         n, lb, store = len(self.keys), self.layer_bytes, self.store
         per_layer = (isinstance(dst, Sequence) and not isinstance(dst, Segment | SegmentList)
                      and len(dst) == self.layers
                      and all(isinstance(d, SegmentList) or (isinstance(d, Sequence)
                                                             and not isinstance(d, Segment))
                              for d in dst))
-        out: list[tuple[list[Region], list[int]]] = []
         if per_layer:
+            self._per_layer = []
             for d in dst:
                 blk = _Blocks.of(d, n, lb, "layer dst")
                 blk.check(store.agent, "dst")
-                out.append((blk.regions, blk.offsets))
+                self._per_layer.append((blk.regions,
+                                        np.array(blk.offsets, dtype=np.uint64)))
         else:
             blk = _Blocks.of(dst, n, store.block_bytes, "dst")
             blk.check(store.agent, "dst")
-            for layer in range(self.layers):
-                out.append((blk.regions, [o + layer * lb for o in blk.offsets]))
-        return out
+            self._base = (blk.regions, np.array(blk.offsets, dtype=np.uint64))
+
+    def _target(self, layer: int) -> tuple[list[Region], npt.NDArray[np.uint64]]:
+        if self._per_layer is not None:
+            return self._per_layer[layer]
+        assert self._base is not None
+        regions, base = self._base
+        return regions, base + np.uint64(layer * self.layer_bytes)
 
     async def _start(self) -> None:
         store = self.store
         host = store._host
         if host is None:
             raise ValueError("stream delivers from host memory: the store needs a HostTier")
-        await store.prefetch(self.keys)
+        store._check_open()
+        await store._prefetch(self.keys)  # checked by stream()
         slots: list[int] = []
         index_get = host.index.get
         for key in self.keys:
@@ -1468,25 +1485,35 @@ class LayerStream:
             slots.append(slot)
         self._op.pin_host(host, slots)
         self.prefix = len(slots)
+        self._slot_off = np.array(slots, dtype=np.uint64) * np.uint64(store.block_bytes)
+        self._lens = np.full(len(slots), self.layer_bytes, dtype=np.uint64)
         host.counters.hits += len(slots)
         host.counters.hit_bytes += len(slots) * store.block_bytes
         if not slots:
             return
         self._slots = slots
-        for layer in range(min(self.layers, _STREAM_WINDOW)):
-            self._post(layer)
+        # The first layer goes alone: with others in flight beside it, it
+        # would share the copy threads with them and land two or three
+        # layers' time late (time to first layer is what a decoder waits).
+        self._post(0)
 
     def _post(self, layer: int) -> None:
         """Posts layer ``layer`` of every block (one transfer per dst region)."""
         store, host = self.store, self.store._host
         assert host is not None and host.remote is not None
-        bb, lb, slots = store.block_bytes, self.layer_bytes, self._slots
-        regions, offsets = self._targets[layer]
+        assert self._slot_off is not None and self._lens is not None
+        m = len(self._slots)
+        regions, offsets = self._target(layer)
+        src_off = self._slot_off + np.uint64(layer * self.layer_bytes)
         posted = []
-        for region, group in _groups(regions, list(range(len(slots)))):
-            posted.append(store.agent.read(
-                _seglist(region, [offsets[i] for i in group], lb),
-                _seglist(host.remote, [slots[i] * bb + layer * lb for i in group], lb)))
+        for region, group in _groups(regions, list(range(m))):
+            if len(group) == m:
+                dst_off, s_off, lens = offsets[:m], src_off, self._lens
+            else:
+                g = np.array(group, dtype=np.intp)
+                dst_off, s_off, lens = offsets[g], src_off[g], self._lens[:len(group)]
+            posted.append(store.agent.read(SegmentList(region, dst_off, lens),
+                                           SegmentList(host.remote, s_off, lens)))
         self._pending.append(posted)
 
     def __aiter__(self) -> LayerStream:
@@ -1505,7 +1532,7 @@ class LayerStream:
             # A window of layers in flight: all of them posted at once would
             # land (and be seen) together, the first no sooner than the last.
             ahead = layer + _STREAM_WINDOW
-            if ahead < self.layers and ahead == len(self._pending):
+            if layer and ahead < self.layers and ahead == len(self._pending):
                 self._post(ahead)
             for t in self._pending[layer]:
                 try:
@@ -1513,6 +1540,11 @@ class LayerStream:
                 except XferError as exc:
                     raise BlockUnavailable(f"layer {layer} copy failed: {exc}") from exc
             self._next += 1
+            if not layer:
+                # The window opens as the first layer is handed out (before
+                # the caller works on it: the copies run meanwhile).
+                for later in range(1, min(self.layers, 1 + _STREAM_WINDOW)):
+                    self._post(later)
             assert self.prefix is not None
             if self._next == len(self._pending) and self._next >= self.layers:
                 self._finish()
