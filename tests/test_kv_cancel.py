@@ -214,3 +214,39 @@ async def test_cancelled_durable_puts_leave_no_torn_header(make_agent: MakeAgent
             assert res.failed == () and res.prefix == 1, (i, res.failed)
             assert np.array_equal(dst.numpy(), data[i * bb:(i + 1) * bb]), i
         assert store.statistics().quarantined == 0
+
+
+async def test_coalesced_copies_come_from_the_promoted_block(make_agent: MakeAgent,
+                                                             tmp_path: Path) -> None:
+    """Followers of a fetch that was promoted copy from the host tier's slot,
+    not from the leader's memory: a caller's region is never imported through
+    the store's loopback peer (each import maps it again; imports of retired
+    caller buffers kept RSS climbing through the soak)."""
+    agent = await make_agent("kv")
+    n = 8
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 13)
+    src.numpy()[:] = data
+    keys = keys_for(n)
+    tiers = [kv.HostTier(4 * n * BB), kv.DiskTier(tmp_path / "kv", 1 << 28,
+                                                 segment_bytes=2 * n * BB)]
+    async with kv.Store.open(agent, block_bytes=BB, tiers=tiers) as store:
+        assert (await store.put(keys, src[0:n * BB], durable=True)).durable == n
+        host = store.tiers[0]
+        assert isinstance(host, kv.HostTier)
+        for k in keys:
+            host.evict(k, "test")
+        known = len(store._me._regions) if store._me is not None else 0
+        dsts = [agent.alloc(n * BB) for _ in range(3)]
+        results = await within(asyncio.gather(*[store.get(keys, d[0:n * BB]) for d in dsts]))
+        assert [r.prefix for r in results] == [n] * 3
+        assert sorted(r.coalesced for r in results) == [0, n, n]
+        for d in dsts:
+            assert np.array_equal(d.numpy(), data)
+        st = store.statistics().tiers["host"]
+        assert st.promotions == n and st.blocks == n
+        assert all(d not in store._remotes for d in dsts)
+        assert store._me is not None and len(store._me._regions) == known  # no refresh
+        await within(quiesce(store))
+        s = store.statistics()
+        assert (s.pins, s.pinned_bytes, s.fetches_in_flight) == (0, 0, 0)

@@ -963,12 +963,15 @@ class Store:
         op = _Op(self)
         taken: list[_Waiter] = []
         cancelled = False
+        promoted: dict[int, int] = {}
         for f in fetches:
             f.delivering = True
         try:
             good = [f for f in fetches if f.error is None]
             if promote and host is not None and host.promote and good:
-                cancelled = await _uncancelled(self._promote(host, good, op))
+                task = asyncio.ensure_future(self._promote(host, good, op))
+                cancelled = await _uncancelled(task)
+                promoted = task.result()
             # Followers may keep attaching while we copy: serve until none.
             while not cancelled:
                 batch: list[tuple[_Fetch, _Waiter]] = []
@@ -987,11 +990,20 @@ class Store:
                         w.future.set_exception(f.error)
                         continue
                     try:
-                        src = self._remotes.get(f.region)
-                        if src is None or src.gone:
-                            src = await self._remote(f.region)
+                        slot = promoted.get(id(f))
+                        if slot is not None:
+                            # From the promoted copy (store memory the
+                            # loopback peer knows): a caller's region is
+                            # never imported just to copy out of it.
+                            assert host is not None and host.remote is not None
+                            src, off = host.remote, slot * bb
+                        else:
+                            rr = self._remotes.get(f.region)
+                            if rr is None or rr.gone:
+                                rr = await self._remote(f.region)
+                            src, off = rr, f.offset
                         copy = self.agent.read(w.region[w.offset:w.offset + bb],
-                                               src[f.offset:f.offset + bb])
+                                               src[off:off + bb])
                     except (XferError, KeyError, ValueError) as exc:
                         err = BlockUnavailable(f"coalesced copy failed: {exc}")
                         err.__cause__ = exc
@@ -1034,12 +1046,15 @@ class Store:
                     w.future.set_exception(BlockUnavailable(why))
             f.followers.clear()
 
-    async def _promote(self, host: HostTier, fetches: list[_Fetch], op: _Op) -> None:
+    async def _promote(self, host: HostTier, fetches: list[_Fetch], op: _Op) -> dict[int, int]:
+        """Copies fetched blocks into host slots; returns, per promoted fetch
+        (by id), its slot, pinned by ``op`` until the delivery is over."""
         bb = self.block_bytes
+        promoted: dict[int, int] = {}
         want = [f for f in fetches if f.key not in host.index and f.key not in self._filling]
         slots = host._take(len(want))  # never waits: promotion is best effort
         if not slots:
-            return
+            return promoted
         want = want[: len(slots)]
         for s in slots:
             op.pin(host, s)
@@ -1053,8 +1068,10 @@ class Store:
             if r is None and f.key not in host.index:
                 host.insert(f.key, s, dirty=False)
                 host.counters.promotions += 1
+                promoted[id(f)] = s
             else:
                 host.give_back([s])
+        return promoted
 
     def _hand_over(self, tier: Tier, fetches: list[_Fetch]) -> None:
         """The leader was cancelled: fetches with followers are re-issued into
