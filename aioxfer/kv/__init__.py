@@ -14,8 +14,8 @@ async with kv.Store.open(agent, block_bytes=64 << 10, tiers=[
 
 Eviction policies: ``aioxfer.kv.policy``; compression of lower tiers:
 ``aioxfer.kv.codec`` (blosc); Prometheus export:
-``aioxfer.kv.metrics.StoreCollector`` (prometheus_client). Each is imported
-only by whoever uses it.
+``aioxfer.kv.metrics.StoreCollector`` (prometheus_client). The last two, and
+their optional packages, are imported only when used.
 """
 
 from __future__ import annotations
