@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from collections import deque
 from collections.abc import Awaitable, Generator, Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -160,11 +161,9 @@ class _Blocks:
                         f"not {type(arg).__name__}")
 
     def check(self, agent: Agent, what: str) -> None:
-        seen: set[int] = set()
-        for r in self.regions:
-            if id(r) in seen:
-                continue
-            seen.add(id(r))
+        # Each distinct region once (regions hash by identity; fromkeys is a
+        # C-level pass: a get of 256 blocks in one region checks one).
+        for r in dict.fromkeys(self.regions):
             if r.agent is not agent:
                 raise ValueError(f"{what} is in a region of agent {r.agent.name!r}, not the "
                                  f"store's ({agent.name!r})")
@@ -1391,7 +1390,9 @@ class Store:
         are then copied from there, all posted at once. Leave the loop early
         and the rest is cancelled (``aclose()``, or ``async with``)."""
         self._check_open()
-        return LayerStream(self, self._keys(keys), dst, layers)
+        # Checked cheaply here (a stream of host-resident blocks stores no
+        # key); each key is checked before anything is brought up.
+        return LayerStream(self, self._keys(keys, strict=False), dst, layers)
 
     # ------------------------------------------------------------ remove
 
@@ -1491,15 +1492,18 @@ class LayerStream:
         if host is None:
             raise ValueError("stream delivers from host memory: the store needs a HostTier")
         store._check_open()
-        await store._prefetch(self.keys)  # checked by stream()
-        slots: list[int] = []
-        index_get = host.index.get
-        for key in self.keys:
-            slot = index_get(key)
-            if slot is None:
-                break
-            host.touch(key)
-            slots.append(slot)
+        keys = self.keys
+        found = list(map(host.index.get, keys))
+        if None in found:
+            # Some blocks are below host memory: they come up first (and
+            # may be stored under these keys: each one checked).
+            store._keys(keys)
+            await store._prefetch(keys)
+            found = list(map(host.index.get, keys))
+        m = found.index(None) if None in found else len(found)
+        slots: list[int] = found[:m]  # type: ignore[assignment]
+        if host.policy.tracks_hits:
+            deque(map(host.policy.hit, keys[:m]), maxlen=0)  # consumed at C level
         self._op.pin_host(host, slots)
         self.prefix = len(slots)
         self._slot_off = np.array(slots, dtype=np.uint64) * np.uint64(store.block_bytes)
