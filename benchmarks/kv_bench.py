@@ -11,6 +11,9 @@ compared with, measured in the same run (ratios are what matter):
 - stream: time to the first layer of ``store.stream`` over 32 layers beside
   the whole transfer;
 - rebuild: blocks indexed per second when a disk tier with N records opens;
+- codec: compression ratio and compress/decompress GB/s per codec (blosc
+  byte-shuffle + lz4 / zstd) on bf16 KV-like data, and a disk tier's put and
+  hit with compression beside the same tier without;
 - soak: N randomized, cancel-heavy operations; pins left (must be 0) and RSS
   sampled along the way (must stay flat).
 
@@ -298,11 +301,112 @@ async def bench_rebuild(args: argparse.Namespace, out: dict[str, Any]) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- codec
+
+
+def kv_like(nbytes: int, seed: int) -> np.ndarray:
+    """bf16 values shaped like a KV cache (normal, a scale per channel of
+    128), as bytes. Real KV caches compress about as well: the exponent bytes
+    repeat, the mantissa bytes hardly do."""
+    rng = np.random.default_rng(seed)
+    n = nbytes // 2
+    scale = rng.uniform(0.05, 4.0, size=128).astype(np.float32)
+    x = rng.standard_normal(n).astype(np.float32) * np.resize(scale, n)
+    return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+async def bench_codec(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from aioxfer.kv.codec import CODECS, Codec
+
+    n, bb = args.blocks, args.block_kib * KIB
+    data = kv_like(n * bb, 5)
+    res: dict[str, Any] = {}
+    for name in sorted(CODECS):
+        c = Codec(name)
+        blocks = [memoryview(data[i * bb:(i + 1) * bb]) for i in range(n)]
+        outb = bytearray(bb)
+        ct, dt = [], []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            zs = [c.compress(b) for b in blocks]
+            ct.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for z in zs:
+                c.decompress_into(memoryview(z), memoryview(outb))
+            dt.append(time.perf_counter() - t0)
+        ratio = n * bb / sum(len(z) for z in zs)
+        cg, dg = n * bb / statistics.median(ct) / 1e9, n * bb / statistics.median(dt) / 1e9
+        res[name] = {"ratio": ratio, "compress_gbs": cg, "decompress_gbs": dg}
+        print(f"codec        {name:5s} on bf16 KV-like {n} x {bb // KIB} KiB: ratio {ratio:.2f}  "
+              f"compress {cg:5.2f} GB/s  decompress {dg:5.2f} GB/s")
+    # A disk tier with compression beside one without (same run, alternating).
+    root = tempfile.mkdtemp(prefix="kvbench-codec-", dir=args.dir)
+    try:
+        async with aioxfer.Agent("bench-codec") as agent:
+            src = agent.alloc(n * bb)
+            src.numpy()[:] = data
+            dst = agent.alloc(n * bb)
+            for name in sorted(CODECS):
+                plain = kv.DiskTier(os.path.join(root, f"p-{name}"), 1 << 34, direct=args.direct,
+                                    segment_bytes=max(64 << 20, 4 * n * bb))
+                comp = kv.DiskTier(os.path.join(root, f"c-{name}"), 1 << 34, direct=args.direct,
+                                   segment_bytes=max(64 << 20, 4 * n * bb), compress=name)
+                comp.codec_gate.probe_raw = 1 << 30  # measure compression itself, never off
+                comp.codec_gate.min_ratio = 0.0
+                async with kv.Store.open(agent, block_bytes=bb, tiers=[plain], name="p") as sp, \
+                        kv.Store.open(agent, block_bytes=bb, tiers=[comp], name="c") as sc:
+                    rounds = [0, 0]
+
+                    def putter(store: kv.Store, j: int,
+                               rounds: list[int] = rounds) -> Callable[[], Awaitable[None]]:
+                        async def put() -> None:
+                            rounds[j] += 1
+                            r = await store.put(keys_for(n, seed=100 + rounds[j]), src[0:n * bb])
+                            assert r.stored == n, r
+                        return put
+
+                    t_cput, t_pput = await interleaved(putter(sc, 0), putter(sp, 1),
+                                                       args.rounds, 1)
+                    keys = keys_for(n, seed=101)
+
+                    def getter(store: kv.Store,
+                               keys: list[bytes] = keys) -> Callable[[], Awaitable[None]]:
+                        async def get() -> None:
+                            r = await store.get(keys, dst[0:n * bb])
+                            assert r.prefix == n, r
+                        return get
+
+                    t_chit, t_phit = await interleaved(getter(sc), getter(sp), args.rounds, 3)
+                    assert np.array_equal(dst.numpy(), data)
+                    ex = sc.statistics().tiers["disk"].extra
+                # The same tier left to its gate: does it keep compressing?
+                auto = kv.DiskTier(os.path.join(root, f"a-{name}"), 1 << 34, direct=args.direct,
+                                   segment_bytes=max(64 << 20, 4 * n * bb), compress=name)
+                async with kv.Store.open(agent, block_bytes=bb, tiers=[auto], name="a") as sa:
+                    for r in range(40):
+                        await sa.put(keys_for(n, seed=500 + r), src[0:n * bb])
+                    auto_ex = sa.statistics().tiers["disk"].extra
+                res[name].update(disk_put_ratio=t_pput / t_cput, disk_hit_ratio=t_phit / t_chit,
+                                 disk_ratio=float(ex["compress_ratio"]),
+                                 auto_on=int(auto_ex["compress_on"]),
+                                 auto_raw_write_gbs=float(auto_ex["raw_write_gbps"]),
+                                 auto_compress_gbs=float(auto_ex["compress_gbps"]))
+                print(f"codec        disk tier with {name}: put {t_pput / t_cput:.2f}x, hit "
+                      f"{t_phit / t_chit:.2f}x the same tier uncompressed (ratio "
+                      f"{float(ex['compress_ratio']):.2f}; >1 is faster); left to its gate "
+                      f"after 40 puts: compression {'on' if auto_ex['compress_on'] else 'off'} "
+                      f"(compressor {float(auto_ex['compress_gbps']):.2f} GB/s, plain writes "
+                      f"{float(auto_ex['raw_write_gbps']):.2f} GB/s)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out["codec"] = res
+
+
 # ---------------------------------------------------------------- soak
 
 
 async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] = print,
-               direct: bool = False) -> dict[str, Any]:
+               direct: bool = False, stuck_after: float = 60.0) -> dict[str, Any]:
     """``ops`` random operations on a small host + disk store, about a third
     of them cancelled at a random point; checks the data of every get that
     completes and, at the end, that nothing is pinned or in flight."""
@@ -377,6 +481,10 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
 
             table = [op_put] * 4 + [op_get] * 4 + [op_hot_get] * 3 + [op_lookup] * 2 + \
                 [op_remove] + [op_prefetch] + [op_stream]
+            no_cancel = bool(os.environ.get("KV_SOAK_NO_CANCEL"))
+            only = os.environ.get("KV_SOAK_ONLY")  # e.g. "op_put,op_get": one mix alone
+            if only:
+                table = [fn for fn in table if fn.__name__ in only.split(",")]
             concurrency = 8
             sem = asyncio.Semaphore(concurrency)
             free = list(dst_pool)
@@ -430,10 +538,17 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
             pending: set[asyncio.Task[None]] = set()
             step = max(1, ops // 20)
             for i in range(ops):
-                await sem.acquire()
+                try:
+                    async with asyncio.timeout(stuck_after):
+                        await sem.acquire()
+                except TimeoutError:
+                    report(f"  STUCK at op {i}: no operation ended for {stuck_after} s")
+                    break
                 fn = rng.choice(table)
                 r = rng.random()
                 cancel_after = None if r < 0.65 else (0.0 if r < 0.85 else rng.random() * 2e-4)
+                if no_cancel:
+                    cancel_after = None
                 t = asyncio.ensure_future(one(fn, cancel_after))
                 pending.add(t)
                 t.add_done_callback(pending.discard)
@@ -446,8 +561,20 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
                            f"cancelled {cancelled}, errors {errors}, pins "
                            f"{store.statistics().pins}, {(i + 1) / (time.perf_counter() - t0):.0f}"
                            f" ops/s")
+            stuck = 0
             if pending:
-                await asyncio.gather(*pending)
+                # An operation that never ends is a bug (a waiter nobody
+                # resolves): after a generous grace it is counted and
+                # reported, not waited for forever.
+                _done, left = await asyncio.wait(pending, timeout=stuck_after)
+                stuck = len(left)
+                if left:
+                    report(f"  STUCK: {stuck} operations still pending after {stuck_after} s")
+                    for t in list(left)[:3]:
+                        t.print_stack(limit=6)
+                    for t in left:
+                        t.cancel()
+                    await asyncio.wait(left, timeout=5)
             for _ in range(500):  # transfers of cancelled operations settle
                 s = store.statistics()
                 if not (s.pins or s.fetches_in_flight or s.pinned_bytes):
@@ -470,7 +597,7 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
         "coalesced": s.coalesced, "handoffs": s.handoffs, "pin_waits": s.pin_waits,
         "retired_buffers": retired, "buffers_allocated_beyond_32": allocated,
         "unexpected": unexpected[:10], "error_kinds": error_kinds, "error_samples": error_samples,
-        "unexpected_count": len(unexpected),
+        "unexpected_count": len(unexpected), "stuck": stuck,
     }
     return result
 
@@ -478,7 +605,8 @@ async def soak(ops: int, seed: int, root: str, *, report: Callable[[str], None] 
 async def bench_soak(args: argparse.Namespace, out: dict[str, Any]) -> None:
     root = tempfile.mkdtemp(prefix="kvbench-soak-", dir=args.dir)
     try:
-        r = await soak(args.ops, args.seed, root, direct=args.direct)
+        r = await soak(args.ops, args.seed, root, direct=args.direct,
+                       stuck_after=args.stuck_after)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out["soak"] = r
@@ -487,7 +615,7 @@ async def bench_soak(args: argparse.Namespace, out: dict[str, Any]) -> None:
           f"corrupt {r['corrupt_blocks']} of {r['verified_blocks']} verified blocks; RSS "
           f"{r['rss_mib'][0]:.0f} -> {r['rss_mib'][-1]:.0f} MiB "
           f"(+{r['rss_growth_after_warmup_mib']:.1f} MiB after warm-up); unexpected "
-          f"exceptions: {r['unexpected_count']} {r['unexpected'][:3]}")
+          f"exceptions: {r['unexpected_count']} {r['unexpected'][:3]}; stuck {r['stuck']}")
 
 
 # ---------------------------------------------------------------- main
@@ -505,6 +633,8 @@ async def main(args: argparse.Namespace) -> int:
         await bench_lookup_coalesce_stream(args, out)
     if what in ("all", "rebuild"):
         await bench_rebuild(args, out)
+    if what in ("all", "codec"):
+        await bench_codec(args, out)
     if what in ("all", "soak"):
         await bench_soak(args, out)
     out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -522,7 +652,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", nargs="?", default="all",
                     choices=["all", "host", "disk", "misc", "lookup", "coalesce", "stream",
-                             "rebuild", "soak"])
+                             "rebuild", "codec", "soak"])
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--block-kib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
@@ -534,6 +664,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rebuild-block-bytes", type=int, default=512)
     ap.add_argument("--ops", type=int, default=100_000, help="soak operations")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--stuck-after", type=float, default=60.0,
+                    help="soak: an operation pending this long counts as stuck")
     ap.add_argument("--json", help="also write the results here")
     return ap.parse_args(argv)
 

@@ -27,6 +27,7 @@ def test_kv_soak_reduced(tmp_path: Path) -> None:
     assert r["ops"] == 6000 and r["done"] + r["cancelled"] + r["errors"] == 6000
     assert r["cancelled"] > 600 and r["done"] > 3000, r  # cancel-heavy, and work got done
     assert r["unexpected_count"] == 0, r["unexpected"]
+    assert r["stuck"] == 0, r  # every operation ended (no waiter left unanswered)
     assert r["verified_blocks"] > 1000 and r["corrupt_blocks"] == 0, r
     assert (r["pins"], r["pinned_bytes"], r["fetches_in_flight"], r["agent_in_flight"]) == \
         (0, 0, 0, 0), r

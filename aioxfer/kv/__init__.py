@@ -5,11 +5,17 @@ object storage, on one agent's one-sided transfers.
 from aioxfer import kv
 keys = kv.chain(tokens, block_tokens=16, namespace=b"llama-3-8b/bf16/tp0")
 async with kv.Store.open(agent, block_bytes=64 << 10, tiers=[
-        kv.HostTier(capacity=8 << 30), kv.DiskTier("/nvme/kv", capacity=1 << 40)]) as store:
+        kv.HostTier(capacity=8 << 30, eviction="s3fifo"),   # lru (default), fifo, s3fifo, arc
+        kv.DiskTier("/nvme/kv", capacity=1 << 40, compress="lz4")]) as store:
     await store.put(keys, src)                 # src: registered memory, one block per key
     hit = await store.lookup(keys)             # hit.prefix, hit.tiers
     res = await store.get(keys, dst)           # res.prefix blocks landed in dst, verified
 ```
+
+Eviction policies: ``aioxfer.kv.policy``; compression of lower tiers:
+``aioxfer.kv.codec`` (blosc); Prometheus export:
+``aioxfer.kv.metrics.StoreCollector`` (prometheus_client). The last two, and
+their optional packages, are imported only when used.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,8 @@ F_LIVE = 0x01
 F_REMOVED = 0x02
 _NOT_LIVE = 0xFF & ~F_LIVE
 _ALGO_SHIFT = 4
+_CODEC_SHIFT = 6  # flags bits 6-7: the block's codec (0: stored as is; kv.codec.CODECS)
+_CSTAGE_BLOCKS = 32  # compressed blocks staged at once (per direction)
 _SEG_RE = re.compile(r"^seg-(\d{8})\.axkv$")
 _STAGE_SECTORS = 64
 _VERIFY_CHUNK = 128  # blocks per read chunk at least (see _read)
@@ -103,6 +106,25 @@ def ns_tag(namespace: bytes | str) -> int:
     return zlib.crc32(b"aioxfer.kv.ns\x00" + ns)
 
 
+async def _staged(t: Any) -> None:
+    """Awaits a transfer through the header staging buffer without ever
+    cancelling it: a cancelled caller waits for it to end (one header I/O)
+    and then raises. Cancelled midway, the engine could still be copying the
+    buffer when the next writer (the lock released) refills it with other
+    sectors' entries, and write those over this transfer's sectors: entries
+    at the wrong slots, read back as corrupt blocks after a restart."""
+    fut = asyncio.ensure_future(t)
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancelled = True
+    fut.result()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -112,7 +134,7 @@ class _Seg:
 
     __slots__ = ("no", "path", "region", "slots", "slot_bytes", "hdr_off", "data_off",
                  "keys", "live", "nlive", "crc", "algo", "cursor", "pins", "last_access",
-                 "doomed", "image", "dirty", "writing")
+                 "doomed", "image", "dirty", "writing", "length", "codec")
 
     def __init__(self, no: int, path: str, slots: int, slot_bytes: int) -> None:
         self.no = no
@@ -127,6 +149,8 @@ class _Seg:
         self.nlive = 0
         self.crc = np.zeros(slots, dtype=np.uint32)
         self.algo = np.zeros(slots, dtype=np.uint8)
+        self.length = np.zeros(slots, dtype=np.uint32)  # stored bytes (compressed or not)
+        self.codec = np.zeros(slots, dtype=np.uint8)
         self.cursor = slots  # next slot to fill; == slots: sealed
         self.pins = 0
         self.last_access = 0
@@ -188,14 +212,24 @@ class DiskTier(Tier):
     ignored. ``segment_bytes``: size of one segment's data (the unit of
     eviction). ``admit``: "always", or "reused" (only blocks read at least
     once from the tier above, the second-hit rule; the rest are dropped and
-    counted)."""
+    counted). ``compress``: None, "lz4" or "zstd" (aioxfer.kv.codec; needs
+    blosc): blocks are byte-shuffled (``compress_typesize``: 2 for bf16/fp16)
+    and compressed on their way through a tier-owned stage, their checksum
+    over the stored bytes; the tier stops compressing by itself while the
+    ratio stays under ``compress_min_ratio`` or the compressor is slower than
+    the tier's own uncompressed writes (``statistics()`` extra: compress_on,
+    compress_ratio, compress_gbps, raw_write_gbps). Slots keep their size:
+    compression saves device bandwidth, not capacity. Records say how they
+    were stored, so a tier reopened with other settings reads them all."""
 
     kind = "disk"
     durable = True
 
     def __init__(self, path: str | os.PathLike[str], capacity: int, *, direct: bool = False,
                  name: str = "disk", namespace: bytes | str = b"",
-                 segment_bytes: int = 256 << 20, admit: str = "always") -> None:
+                 segment_bytes: int = 256 << 20, admit: str = "always",
+                 compress: str | None = None, compress_typesize: int = 2,
+                 compress_min_ratio: float = 1.15) -> None:
         super().__init__(name)
         if capacity <= 0:
             raise ValueError("capacity must be positive (bytes)")
@@ -208,6 +242,22 @@ class DiskTier(Tier):
         self.ns = ns_tag(namespace)
         self.segment_bytes = int(segment_bytes)
         self.admit = admit
+        self.codec: Any = None
+        self.codec_gate: Any = None
+        if compress is not None:
+            from aioxfer.kv.codec import Codec, Gate
+
+            self.codec = Codec(compress, typesize=compress_typesize)
+            self.codec_gate = Gate(min_ratio=compress_min_ratio)
+        self.cstage_w: Region | None = None  # compressed blocks on their way out
+        self.cstage_r: Region | None = None  # and in
+        self.clock_w: asyncio.Lock | None = None
+        self.clock_r: asyncio.Lock | None = None
+        self.compressed_blocks = 0  # written compressed
+        self.compressed_in = 0  # their bytes before and after
+        self.compressed_out = 0
+        self.any_compressed = False  # a block stored compressed is (or was) here
+        self._decoders: dict[int, Any] = {}
         self.index: dict[bytes, int] = {}  # key -> segment << 32 | slot
         self.segs: dict[int, _Seg] = {}
         self.active: _Seg | None = None
@@ -243,6 +293,15 @@ class DiskTier(Tier):
         os.makedirs(self.path, exist_ok=True)
         self.stage = store.agent.alloc(_STAGE_SECTORS * SECTOR,
                                        name=f"{store.name}.{self.name}.hdr")
+        # Compressed blocks always pass through a tier-owned stage (blocks
+        # stored compressed may be found even when this run does not compress).
+        self.cstage_w = store.agent.alloc(_CSTAGE_BLOCKS * self.slot_bytes,
+                                          name=f"{store.name}.{self.name}.cw") \
+            if self.codec is not None else None
+        self.cstage_r = store.agent.alloc(_CSTAGE_BLOCKS * self.slot_bytes,
+                                          name=f"{store.name}.{self.name}.cr")
+        self.clock_w = asyncio.Lock()
+        self.clock_r = asyncio.Lock()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await self._rebuild()
@@ -263,8 +322,9 @@ class DiskTier(Tier):
         for seg in list(self.segs.values()):
             if seg.region is not None and not seg.region.closed:
                 await _deregister(agent, seg.region)
-        if self.stage is not None and not self.stage.closed:
-            await _deregister(agent, self.stage)
+        for r in (self.stage, self.cstage_w, self.cstage_r):
+            if r is not None and not r.closed:
+                await _deregister(agent, r)
 
     async def _rebuild(self) -> None:
         """The index from every segment's header table (see the module doc)."""
@@ -299,8 +359,12 @@ class DiskTier(Tier):
             ent = raw.view(ENTRY_DTYPE).ravel()
             intact = ((ent["magic"] == ENTRY_MAGIC) & (ent["version"] == ENTRY_VERSION)
                       & (entry_check(raw) == ent["check"]))
+            codec = (ent["flags"] >> _CODEC_SHIFT) & 0x3
+            sized = ((codec == 0) & (ent["length"] == block_bytes)) | (
+                (codec != 0) & (ent["orig"] == block_bytes) & (ent["length"] > 0)
+                & (ent["length"] <= block_bytes))
             live = intact & ((ent["flags"] & (F_LIVE | F_REMOVED)) == F_LIVE) \
-                & (ent["ns"] == self.ns) & (ent["length"] == block_bytes)
+                & (ent["ns"] == self.ns) & sized
             # Slots past the file's end (a truncated file) hold nothing.
             fits = (seg.data_off + (np.arange(n_entries, dtype=np.int64) + 1)
                     * seg.slot_bytes) <= size
@@ -311,6 +375,10 @@ class DiskTier(Tier):
             seg.keys[:n_entries] = ent["key"]
             seg.crc[:n_entries] = ent["crc"]
             seg.algo[:n_entries] = (ent["flags"] >> _ALGO_SHIFT) & 0x3
+            seg.codec[:n_entries] = codec
+            if bool((codec[idx] != 0).any()):
+                self.any_compressed = True
+            seg.length[:n_entries] = ent["length"]
             seg.live[idx] = True
             seg.nlive = int(idx.size)
             if idx.size:
@@ -355,9 +423,18 @@ class DiskTier(Tier):
         return sum(s.pins for s in self.segs.values())
 
     def _extra(self) -> dict[str, int | float | str]:
-        return {"segments": len(self.segs), "rebuild_seconds": self.rebuild_seconds,
-                "dropped_on_open": self.dropped_on_open,
-                "foreign_segments": self.foreign_segments, "checksum": ck.name()}
+        out: dict[str, int | float | str] = {
+            "segments": len(self.segs), "rebuild_seconds": self.rebuild_seconds,
+            "dropped_on_open": self.dropped_on_open,
+            "foreign_segments": self.foreign_segments, "checksum": ck.name()}
+        if self.codec is not None:
+            g = self.codec_gate
+            out.update(compress=self.codec.name, compress_on=int(g.on),
+                       compressed_blocks=self.compressed_blocks,
+                       compress_ratio=(self.compressed_in / self.compressed_out
+                                       if self.compressed_out else 0.0),
+                       compress_gbps=g.codec_bps / 1e9, raw_write_gbps=g.raw_bps / 1e9)
+        return out
 
     def _locate(self, key: bytes) -> int | None:
         return self.index.get(key)
@@ -397,6 +474,12 @@ class DiskTier(Tier):
                               and not s.writing and s not in self._pending_flush),
                              key=lambda s: s.last_access)
             if not victims:
+                flusher = self._flusher
+                if self._pending_flush and flusher is not None and not flusher.done():
+                    # Segments whose headers are on their way become
+                    # evictable in one header write: wait for it, not drop.
+                    await asyncio.wait([flusher])
+                    continue
                 return None
             await self._drop_segment(victims[0], "capacity")
         no = self.next_no
@@ -489,7 +572,16 @@ class DiskTier(Tier):
             self.counters.dropped("no_room", len(todo) - len(places))
         todo = todo[: len(places)]
         try:
-            written = await self._write_slots(keys, regions, offsets, todo, places, durable)
+            gate = self.codec_gate
+            if gate is not None and gate.compress_next():
+                written = await self._write_compressed(keys, regions, offsets, todo, places,
+                                                       durable)
+            else:
+                t0 = time.perf_counter()
+                written = await self._write_slots(keys, regions, offsets, todo, places,
+                                                  durable)
+                if gate is not None and not durable:
+                    gate.note_raw(len(written) * bb, time.perf_counter() - t0)
         finally:
             for seg, _slot in places:
                 seg.writing -= 1
@@ -561,8 +653,95 @@ class DiskTier(Tier):
                           [crcs[j] for j in written])
         return done
 
+    async def _write_compressed(self, keys: list[bytes], regions: list[Region],
+                                offsets: list[int], todo: list[int],
+                                places: list[tuple[_Seg, int]], durable: bool) -> list[int]:
+        """As _write_slots, each block compressed on its way through the
+        tier's write stage (stored as is when it would not shrink). The
+        checksum is over the stored bytes: a read verifies before it
+        decompresses."""
+        bb = self.store.block_bytes
+        sb = self.slot_bytes
+        codec, gate, stage = self.codec, self.codec_gate, self.cstage_w
+        assert stage is not None and self.clock_w is not None
+        agent = self.store.agent
+        done_j: list[int] = []
+        lengths: list[int] = []
+        codecs: list[int] = []
+        crcs: list[int] = []
+        async with self.clock_w:
+            sv = stage.numpy()
+            smv = stage.memoryview
+            for c0 in range(0, len(todo), _CSTAGE_BLOCKS):
+                js = list(range(c0, min(len(todo), c0 + _CSTAGE_BLOCKS)))
+                t0 = time.perf_counter()
+                blobs = []
+                for j in js:
+                    i = todo[j]
+                    blobs.append(codec.compress(regions[i].memoryview[offsets[i]:offsets[i] + bb]))
+                dt = time.perf_counter() - t0
+                n_in = n_out = 0
+                lens: list[int] = []
+                cids: list[int] = []
+                for k, (j, z) in enumerate(zip(js, blobs, strict=True)):
+                    off = k * sb
+                    if len(z) < bb:
+                        sv[off:off + len(z)] = np.frombuffer(z, dtype=np.uint8)
+                        lens.append(len(z))
+                        cids.append(codec.id)
+                        n_in += bb
+                        n_out += len(z)
+                    else:  # incompressible: stored as is
+                        i = todo[j]
+                        sv[off:off + bb] = np.frombuffer(
+                            regions[i].memoryview[offsets[i]:offsets[i] + bb], dtype=np.uint8)
+                        lens.append(bb)
+                        cids.append(0)
+                crc_c = [ck.checksum(smv[k * sb:k * sb + L]) for k, L in enumerate(lens)]
+                gate.note_compressed(len(js) * bb, n_out + (len(js) * bb - n_in), dt)
+                by_seg: dict[int, list[int]] = {}
+                for k, j in enumerate(js):
+                    by_seg.setdefault(places[j][0].no, []).append(k)
+                transfers = []
+                for ks in by_seg.values():
+                    seg = places[js[ks[0]]][0]
+                    assert seg.region is not None
+                    wl = np.array([_round_up(lens[k], SECTOR) if self.direct else lens[k]
+                                   for k in ks], dtype=np.uint64)
+                    transfers.append((ks, agent.write(
+                        SegmentList(stage, np.array(ks, dtype=np.uint64) * np.uint64(sb), wl),
+                        SegmentList(seg.region, np.array(
+                            [seg.data_off + places[js[k]][1] * seg.slot_bytes for k in ks],
+                            dtype=np.uint64), wl))))
+                self.counters.writes += len(transfers)
+                # Never cut short: the stage is refilled by the next chunk.
+                results = asyncio.gather(*(t for _ks, t in transfers), return_exceptions=True)
+                await _staged(results)
+                for (ks, _t), r in zip(transfers, results.result(), strict=True):
+                    if isinstance(r, BaseException):
+                        self.counters.errors += 1
+                        self.counters.dropped("io_error", len(ks))
+                        continue
+                    for k in ks:
+                        done_j.append(js[k])
+                        lengths.append(lens[k])
+                        codecs.append(cids[k])
+                        crcs.append(crc_c[k])
+                        if cids[k]:
+                            self.compressed_blocks += 1
+                            self.compressed_in += bb
+                            self.compressed_out += lens[k]
+        if durable and done_j:
+            for seg in {places[j][0] for j in done_j}:
+                await asyncio.to_thread(_fdatasync, seg.path)
+        if done_j:
+            self._publish([places[j] for j in done_j], [keys[todo[j]] for j in done_j], crcs,
+                          lengths, codecs)
+        return [todo[j] for j in done_j]
+
     def _publish(self, places: list[tuple[_Seg, int]], keys: list[bytes],
-                 crcs: list[int]) -> None:
+                 crcs: list[int], lengths: list[int] | None = None,
+                 codecs: list[int] | None = None) -> None:
         """Their slots' data is written: the entries go into the header images
         (whole-array built and checked) and the keys into the index."""
         n = len(keys)
@@ -572,12 +751,13 @@ class DiskTier(Tier):
         rec["seq"] = np.arange(self.seq + 1, self.seq + 1 + n, dtype=np.uint64)
         self.seq += n
         rec["ns"] = self.ns
-        rec["length"] = bb
+        rec["length"] = bb if lengths is None else np.array(lengths, dtype=np.uint32)
         rec["crc"] = np.array(crcs, dtype=np.uint32)
         rec["orig"] = bb
         rec["magic"] = ENTRY_MAGIC
         rec["version"] = ENTRY_VERSION
-        rec["flags"] = F_LIVE | (ck.ALGO << _ALGO_SHIFT)
+        cid = 0 if codecs is None else np.array(codecs, dtype=np.uint8) << _CODEC_SHIFT
+        rec["flags"] = F_LIVE | (ck.ALGO << _ALGO_SHIFT) | cid
         raw = rec.view(np.uint8).reshape(n, ENTRY)
         rec["check"] = entry_check(raw)
         index = self.index
@@ -595,9 +775,13 @@ class DiskTier(Tier):
             seg.keys[slot] = rec["key"][j]
             seg.crc[slot] = crcs[j]
             seg.algo[slot] = ck.ALGO
+            seg.length[slot] = bb if lengths is None else lengths[j]
+            seg.codec[slot] = 0 if codecs is None else codecs[j]
             seg.live[slot] = True
             seg.nlive += 1
             index[key] = (seg.no << 32) | slot
+        if codecs is not None and any(codecs):
+            self.any_compressed = True
 
     def _maybe_seal(self, seg: _Seg) -> None:
         if seg.cursor >= seg.slots and not seg.writing and not seg.dirty:
@@ -626,12 +810,12 @@ class DiskTier(Tier):
                     stage[j * SECTOR:(j + 1) * SECTOR] = seg.image[s * SECTOR:(s + 1) * SECTOR]
                 m = len(sectors)
                 try:
-                    await self.store.agent.write(
+                    await _staged(self.store.agent.write(
                         SegmentList(self.stage, np.arange(m, dtype=np.uint64) * SECTOR,
                                     np.full(m, SECTOR, dtype=np.uint64)),
                         SegmentList(seg.region,
                                     seg.hdr_off + np.array(sectors, dtype=np.uint64) * SECTOR,
-                                    np.full(m, SECTOR, dtype=np.uint64)))
+                                    np.full(m, SECTOR, dtype=np.uint64))))
                 except ClosedResourceError:
                     if self.segs.get(seg.no) is not seg:
                         return  # the segment was dropped meanwhile: nothing to write
@@ -651,8 +835,17 @@ class DiskTier(Tier):
         bb = self.store.block_bytes
         errs: list[XferError | None] = [None] * n
         groups: dict[tuple[int, int], list[int]] = {}
-        for i, loc in enumerate(locs):
-            groups.setdefault((loc >> 32, id(regions[i])), []).append(i)
+        comp: list[int] = []
+        if self.any_compressed:
+            segs = self.segs
+            for i, loc in enumerate(locs):
+                if segs[loc >> 32].codec[loc & 0xFFFFFFFF]:
+                    comp.append(i)
+                else:
+                    groups.setdefault((loc >> 32, id(regions[i])), []).append(i)
+        else:
+            for i, loc in enumerate(locs):
+                groups.setdefault((loc >> 32, id(regions[i])), []).append(i)
         # Each group is posted in a few chunks at once: the device queue stays
         # as full as with one transfer, and chunk k is verified while the
         # chunks after it are still being read (the checksum pass overlaps
@@ -707,6 +900,8 @@ class DiskTier(Tier):
                                                f"{slot}: checksum {got:#010x} != recorded "
                                                f"{want:#010x}; quarantined")
                         bad.append(i)
+            if comp:
+                await self._read_compressed(comp, locs, regions, offsets, errs, bad)
         except BaseException:
             for _no, _part, t in chunks:
                 t.cancel()  # the caller's memory: cancelled with the caller
@@ -714,6 +909,92 @@ class DiskTier(Tier):
         if bad:
             self._quarantine([locs[i] for i in bad])
         return errs
+
+    def _decoder(self, cid: int) -> Any:
+        dec = self._decoders.get(cid)
+        if dec is None:
+            from aioxfer.kv.codec import Codec
+
+            dec = self._decoders[cid] = Codec(Codec.name_of(cid))
+        return dec
+
+    async def _read_compressed(self, idx: list[int], locs: list[int], regions: list[Region],
+                               offsets: list[int], errs: list[XferError | None],
+                               bad: list[int]) -> None:
+        """Blocks stored compressed: read into the tier's read stage, verified
+        there (the checksum is over the stored bytes), then decompressed
+        straight into the caller's memory. A block that fails either check is
+        corrupt: quarantined like any other."""
+        bb = self.store.block_bytes
+        sb = self.slot_bytes
+        stage = self.cstage_r
+        assert stage is not None and self.clock_r is not None
+        agent = self.store.agent
+        smv = stage.memoryview
+        async with self.clock_r:
+            for c0 in range(0, len(idx), _CSTAGE_BLOCKS):
+                part = idx[c0:c0 + _CSTAGE_BLOCKS]
+                by_seg: dict[int, list[int]] = {}
+                for k, i in enumerate(part):
+                    by_seg.setdefault(locs[i] >> 32, []).append(k)
+                reads = []
+                for no, ks in by_seg.items():
+                    seg = self.segs[no]
+                    seg.last_access = self.tick
+                    assert seg.region is not None
+                    slots = [locs[part[k]] & 0xFFFFFFFF for k in ks]
+                    rl = np.array([_round_up(int(seg.length[s]), SECTOR) if self.direct
+                                   else int(seg.length[s]) for s in slots], dtype=np.uint64)
+                    reads.append((no, ks, agent.read(
+                        SegmentList(stage, np.array(ks, dtype=np.uint64) * np.uint64(sb), rl),
+                        SegmentList(seg.region, seg.data_off + np.array(slots, dtype=np.uint64)
+                                    * np.uint64(seg.slot_bytes), rl))))
+                self.counters.reads += len(reads)
+                results = asyncio.gather(*(t for _n, _k, t in reads), return_exceptions=True)
+                await _staged(results)  # the stage is reused by the next chunk: never cut short
+                for (no, ks, _t), r in zip(reads, results.result(), strict=True):
+                    if isinstance(r, BaseException):
+                        self.counters.errors += 1
+                        e = BlockUnavailable(f"disk tier {self.name!r}: reading segment {no} "
+                                             f"failed: {r}")
+                        e.__cause__ = r
+                        for k in ks:
+                            errs[part[k]] = e
+                        continue
+                    held = self.segs.get(no)
+                    for k in ks:
+                        i = part[k]
+                        slot = locs[i] & 0xFFFFFFFF
+                        if held is None:
+                            errs[i] = BlockUnavailable(f"segment {no} went while read")
+                            continue
+                        n = int(held.length[slot])
+                        stored = smv[k * sb:k * sb + n]
+                        got = ck.checksum_with(int(held.algo[slot]), stored)
+                        want = int(held.crc[slot])
+                        where = f"disk tier {self.name!r}: segment {no} slot {slot}"
+                        if got is None:
+                            errs[i] = BlockUnavailable(f"{where}: checksum not computable here")
+                            continue
+                        if got != want:
+                            self.counters.checksum_failures += 1
+                            errs[i] = BlockCorrupt(f"{where}: checksum {got:#010x} != recorded "
+                                                   f"{want:#010x}; quarantined")
+                            bad.append(i)
+                            continue
+                        cid = int(held.codec[slot])
+                        try:
+                            dec = self._decoder(cid)
+                        except (ImportError, ValueError) as exc:
+                            errs[i] = BlockUnavailable(f"{where}: stored compressed "
+                                                       f"({cid}): {exc}")
+                            continue
+                        dst = regions[i].memoryview[offsets[i]:offsets[i] + bb]
+                        if dec.decompress_into(stored, dst) != bb:
+                            self.counters.checksum_failures += 1
+                            errs[i] = BlockCorrupt(f"{where}: does not decompress to "
+                                                   f"{bb} bytes; quarantined")
+                            bad.append(i)
 
     def _quarantine(self, locs: list[int]) -> None:
         for loc in locs:
@@ -775,7 +1056,7 @@ class DiskTier(Tier):
                                      seg.hdr_off + np.array(chunk, dtype=np.uint64) * SECTOR,
                                      np.full(m, SECTOR, dtype=np.uint64))
                 try:
-                    await agent.read(local, remote)
+                    await _staged(agent.read(local, remote))
                 except ClosedResourceError:
                     if self.segs.get(seg.no) is not seg:
                         return
@@ -788,7 +1069,7 @@ class DiskTier(Tier):
                         off = pos[sec] * SECTOR + (s * ENTRY) % SECTOR
                         _mark_entry_removed(stage[off:off + ENTRY])
                 try:
-                    await agent.write(local, remote)
+                    await _staged(agent.write(local, remote))
                 except ClosedResourceError:
                     if self.segs.get(seg.no) is not seg:
                         return

@@ -6,7 +6,9 @@ memory is one of the agent's one-sided transfers (the shm path: one memcpy on
 the engine's copy threads, never a Python ``bytes``).
 
 Policy, all counted in ``statistics()``:
-- eviction order: ``"lru"`` (default) or ``"fifo"``;
+- eviction order: ``"lru"`` (default), ``"fifo"``, ``"s3fifo"`` or ``"arc"``
+  (aioxfer.kv.policy; S3-FIFO and ARC resist scans: one pass over cold
+  blocks does not flush the blocks read again and again);
 - watermarks: once more than ``high_watermark`` of the slots are used, a
   background demoter writes the coldest dirty blocks back to the next tier
   that stores (write-back) and frees slots until ``low_watermark``; clean
@@ -22,10 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from aioxfer.kv import checksum as ck
+from aioxfer.kv.policy import POLICIES, EvictionPolicy, make_policy
 from aioxfer.kv.tier import Tier
 from aioxfer.log import get_logger
 from aioxfer.region import Region, RemoteRegion
@@ -60,8 +62,8 @@ class HostTier(Tier):
             raise ValueError("capacity must be positive (bytes)")
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
-        if eviction not in ("lru", "fifo"):
-            raise ValueError(f"eviction is 'lru' or 'fifo', not {eviction!r}")
+        if eviction not in POLICIES:
+            raise ValueError(f"eviction is one of {sorted(POLICIES)}, not {eviction!r}")
         if put_wait < 0:
             raise ValueError("put_wait must be >= 0 (seconds)")
         self.capacity = int(capacity)
@@ -76,7 +78,7 @@ class HostTier(Tier):
         self.region: Region | None = None
         self.remote: RemoteRegion | None = None
         self.index: dict[bytes, int] = {}
-        self.order: OrderedDict[bytes, None] = OrderedDict()  # coldest first
+        self.policy: EvictionPolicy = make_policy(eviction, 1)  # sized at open
         self.slot_key: list[bytes | None] = []
         self.pins: list[int] = []
         self.pinned = 0  # slots with pins > 0
@@ -87,7 +89,6 @@ class HostTier(Tier):
         self._space: asyncio.Event | None = None
         self._kick: asyncio.Event | None = None
         self._demoter: asyncio.Task[None] | None = None
-        self._lru = eviction == "lru"
         self.published: Any = None  # a PeerTier's PeerIndex: what peers can read here
         # Keys read at least once while here (kept only when a lower tier
         # admits on reuse: DiskTier(admit="reused")).
@@ -102,6 +103,7 @@ class HostTier(Tier):
             raise ValueError(f"host tier {self.name!r}: capacity {self.capacity} holds no block "
                              f"of {bb} bytes")
         self.block_bytes, self.n_slots = bb, n
+        self.policy = make_policy(self.eviction, n)
         self.region = store.agent.alloc(n * bb, name=f"{store.name}.{self.name}")
         self.remote = await store._remote(self.region)
         self.slot_key = [None] * n
@@ -137,8 +139,7 @@ class HostTier(Tier):
         return self.index.get(key)
 
     def touch(self, key: bytes) -> None:
-        if self._lru:
-            self.order.move_to_end(key)
+        self.policy.hit(key)
 
     def pin(self, slot: int) -> None:
         if not self.pins[slot]:
@@ -176,7 +177,7 @@ class HostTier(Tier):
     def insert(self, key: bytes, slot: int, *, dirty: bool) -> None:
         """Publishes a filled slot under ``key``."""
         self.index[key] = slot
-        self.order[key] = None
+        self.policy.insert(key)
         self.slot_key[slot] = key
         if dirty:
             self.dirty.add(slot)
@@ -189,7 +190,8 @@ class HostTier(Tier):
         self.reused.discard(key)
         if self.published is not None:
             self.published.remove(key)
-        self.order.pop(key, None)
+        # Only the policy's own choices are remembered by its ghost lists.
+        self.policy.remove(key, evicted=reason in ("capacity", "demoted"))
         self.dirty.discard(slot)
         self.counters.evicted(reason)
         if self.pins[slot]:
@@ -205,16 +207,14 @@ class HostTier(Tier):
         while free and len(got) < k:
             got.append(free.pop())
         if len(got) < k:
-            victims: list[bytes] = []
-            budget = _SCAN_FACTOR * (k - len(got)) + 16
-            for key in self.order:
-                if budget <= 0 or len(victims) >= k - len(got):
-                    break
-                budget -= 1
-                slot = self.index[key]
-                if self.pins[slot] or slot in self.dirty or slot in self.demoting:
-                    continue
-                victims.append(key)
+            index, pins, dirty, demoting = self.index, self.pins, self.dirty, self.demoting
+
+            def busy(key: bytes) -> bool:
+                slot = index[key]
+                return bool(pins[slot]) or slot in dirty or slot in demoting
+
+            want = k - len(got)
+            victims = self.policy.coldest(want, busy, _SCAN_FACTOR * want + 16)
             for key in victims:
                 self.evict(key, "capacity")
             while free and len(got) < k:
@@ -276,17 +276,13 @@ class HostTier(Tier):
                 self._demote_loop(), name=f"aioxfer-kv-demote-{self.name}")
 
     def _coldest_unpinned(self, limit: int) -> list[bytes]:
-        out: list[bytes] = []
-        budget = _SCAN_FACTOR * limit + 16
-        for key in self.order:
-            if budget <= 0 or len(out) >= limit:
-                break
-            budget -= 1
-            slot = self.index[key]
-            if self.pins[slot] or slot in self.demoting:
-                continue
-            out.append(key)
-        return out
+        index, pins, demoting = self.index, self.pins, self.demoting
+
+        def busy(key: bytes) -> bool:
+            slot = index[key]
+            return bool(pins[slot]) or slot in demoting
+
+        return self.policy.coldest(limit, busy, _SCAN_FACTOR * limit + 16)
 
     async def _demote_loop(self) -> None:
         store = self.store
