@@ -17,24 +17,12 @@ from aioxfer import kv
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from scrape import samples, value  # noqa: E402
 
 from aioxfer.kv.metrics import StoreCollector  # noqa: E402
 
 BB = 16 << 10
 MakeAgent = Callable[..., Awaitable[Any]]
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(got: dict[Any, float], name: str, **labels: str) -> float:
-    return got[(name, tuple(sorted(labels.items())))]
 
 
 async def test_store_collector_exports_per_tier_statistics(make_agent: MakeAgent,

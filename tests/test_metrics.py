@@ -17,7 +17,7 @@ from s3server import S3Server
 from aioxfer.errors import ObjectNotFound
 
 prometheus_client = pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from scrape import samples, value  # noqa: E402
 
 from aioxfer.metrics import AgentCollector  # noqa: E402
 
@@ -39,18 +39,6 @@ async def scrape(url: str) -> tuple[int, str, str]:
     headers = dict(line.split(": ", 1) for line in lines[1:])
     assert int(headers["Content-Length"]) == len(body)
     return status, headers["Content-Type"], body.decode()
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(got: dict[Any, float], name: str, **labels: str) -> float:
-    return got[(name, tuple(sorted(labels.items())))]
 
 
 async def test_serve_metrics_scraped_over_http(

@@ -44,7 +44,7 @@ import numpy.typing as npt
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
-from aioxfer.kv.tier import Tier
+from aioxfer.kv.tier import Tier, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region, SegmentList
 
@@ -113,16 +113,7 @@ async def _staged(t: Any) -> None:
     buffer when the next writer (the lock released) refills it with other
     sectors' entries, and write those over this transfer's sectors: entries
     at the wrong slots, read back as corrupt blocks after a restart."""
-    fut = asyncio.ensure_future(t)
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            cancelled = True
-    fut.result()
-    if cancelled:
-        raise asyncio.CancelledError
+    await run_to_end(t)
 
 
 def _round_up(n: int, a: int) -> int:

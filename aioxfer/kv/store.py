@@ -44,7 +44,7 @@ from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES
 from aioxfer.kv.stats import StoreStatistics
-from aioxfer.kv.tier import Tier
+from aioxfer.kv.tier import Tier, run_to_end
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, Segment, SegmentList
 from aioxfer.transfer import Transfer
@@ -931,16 +931,7 @@ class Store:
         # memcpy's time at most.
         for f in fetches:
             f.delivering = True
-        task = asyncio.ensure_future(self._deliver(fetches, promote=True))
-        cancelled = False
-        while not task.done():
-            try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                cancelled = True
-        task.result()
-        if cancelled:
-            raise asyncio.CancelledError
+        await run_to_end(self._deliver(fetches, promote=True))
 
     def _note_error(self, e: XferError) -> None:
         from aioxfer.kv.errors import BlockCorrupt

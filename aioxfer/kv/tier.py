@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from aioxfer.errors import XferError
@@ -85,3 +87,21 @@ class Tier:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+async def run_to_end(aw: Awaitable[Any]) -> Any:
+    """Awaits ``aw`` without ever cutting it short: a cancelled caller waits
+    for it to end and then raises CancelledError. For work that must not stop
+    midway: a transfer through a staging buffer the next writer refills, or a
+    delivery whose copies read memory its owner frees once we return."""
+    fut = asyncio.ensure_future(aw)
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancelled = True
+    result = fut.result()
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
