@@ -2241,8 +2241,15 @@ class Agent:
 
     def flush(self) -> None:
         """Posts every transfer submitted but not yet handed to the engine,
-        now, instead of at the end of this loop iteration. Loop thread only."""
-        self._post_pending()
+        now, instead of at the end of this loop iteration. Loop thread only.
+        One transfer with nothing else in flight, within ``inline_bytes``, is
+        posted as an awaited lone request is (a same-host copy runs inside
+        this call): a caller flushing one request then polling it (the NIXL
+        pattern) gets what a coroutine awaiting it gets."""
+        ts = self._pending_t
+        self._post_pending(
+            len(ts) == 1 == len(self._inflight) and ts[0].nbytes <= self._alone_max
+        )
 
     def poll(self) -> None:
         """Takes the completions the engine has now (the eventfd reader's

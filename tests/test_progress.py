@@ -161,6 +161,34 @@ async def test_inline_copies_byte_exact(make_agent, inline: int) -> None:
     await idle(init)
 
 
+@pytest.mark.parametrize("inline", [0, 4 * MiB])
+async def test_flush_of_one_request_copies_inline(make_agent, inline: int) -> None:
+    """agent.flush() of one request with nothing else in flight posts it as a
+    lone await does: within inline_bytes, a same-host copy is done when flush
+    returns (the NIXL pattern: post, then poll); with inline_bytes=0 it is
+    still correct, and two pending requests are never copied inline."""
+    init, target, peer = await _pair(make_agent, "shm", inline_bytes=inline)
+    size = MiB
+    dst = target.alloc(2 * size, name="dst")
+    await within(peer.refresh())
+    remote = peer.region("dst")
+    data = pattern(2 * size, 33)
+    src = init.register(data.copy(), name="src")
+    t = init.write(src[0:size], remote[0:size])
+    init.flush()
+    if inline:
+        assert t.done() and t.result().nbytes == size
+        assert np.array_equal(dst.numpy()[:size], data[:size])
+    await within(t)
+    dst.numpy()[:] = 0
+    ts = [init.write(src[0:size], remote[0:size]),
+          init.write(src[size:], remote[size:])]
+    init.flush()
+    await within(asyncio.gather(*ts))
+    assert np.array_equal(dst.numpy(), data)
+    await idle(init)
+
+
 async def test_inline_flood_lets_the_loop_run(make_agent) -> None:
     """Awaits that complete inside their post do not starve the loop: a timer
     fires while a coroutine writes one small transfer after another."""
