@@ -1,0 +1,829 @@
+# Included by _cyx.pyx (one extension module, split by family as uvloop is):
+# The native engine: its lifetime, memory, endpoints, posts and completions.
+
+# ------------------------------------------------------------------ engine
+
+@cython.final
+@cython.no_gc_clear  # pins must outlive the native engine, never be cleared first
+cdef class Engine:
+    """One native engine: registry, endpoints, one completion ring and eventfd."""
+
+    cdef axf_engine *_e
+    cdef int _fd
+    cdef dict _pins  # rid -> _Pin, until CQ_REGION_FREED for rid is polled
+    cdef axf_completion *_cq
+    cdef size_t _cq_cap
+    cdef _slot *_slots
+    cdef size_t _slots_cap
+    cdef int _busy  # native calls in progress without the GIL (close() must wait)
+    cdef bint _polling  # self._cq in use
+    cdef bint _posting  # self._slots in use
+
+    def __cinit__(self, uint32_t copy_workers=0, uint64_t chunk_bytes=0,
+                  uint64_t inline_bytes=0, uint32_t keepalive_ms=0,
+                  uint32_t peer_timeout_ms=0, uint32_t stall_ms=0, uint32_t max_conns=0,
+                  uint32_t max_notify_per_conn=0, uint32_t revoke_timeout_ms=0,
+                  uint64_t reply_queue_bytes=0):
+        # 0 everywhere: the engine's documented default (native/include/aioxfer.h).
+        cdef axf_config cfg
+        memset(&cfg, 0, sizeof(cfg))
+        cfg.copy_workers = copy_workers
+        cfg.chunk_bytes = chunk_bytes
+        cfg.inline_bytes = inline_bytes
+        cfg.keepalive_ms = keepalive_ms
+        cfg.peer_timeout_ms = peer_timeout_ms
+        cfg.stall_ms = stall_ms
+        cfg.max_conns = max_conns
+        cfg.max_notify_per_conn = max_notify_per_conn
+        cfg.revoke_timeout_ms = revoke_timeout_ms
+        cfg.reply_queue_bytes = reply_queue_bytes
+        self._pins = {}
+        self._fd = -1
+        self._cq = <axf_completion *>PyMem_Malloc(POLL_DEFAULT * sizeof(axf_completion))
+        if self._cq == NULL:
+            raise MemoryError()
+        self._cq_cap = POLL_DEFAULT
+        with nogil:
+            self._e = axf_engine_create(&cfg)
+        if self._e == NULL:
+            raise NativeError(AXF_E_NOMEM, "cannot create the native engine")
+        self._fd = axf_engine_fd(self._e)
+
+    def __dealloc__(self):
+        # Normally close() or __del__ ran already; this is the last resort and
+        # must not touch Python beyond our own attributes.
+        if self._e != NULL:
+            self._close_native()
+        PyMem_Free(self._cq)
+        self._cq = NULL
+        PyMem_Free(self._slots)
+        self._slots = NULL
+
+    def __del__(self):
+        if self._e != NULL:
+            import warnings
+            warnings.warn(
+                f"unclosed native engine (fd {self._fd}, {len(self._pins)} pinned regions)",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            self._close_native()
+
+    def __repr__(self):
+        state = "closed" if self._e == NULL else f"fd={self._fd} pinned={len(self._pins)}"
+        return f"<aioxfer._cyx.Engine {state}>"
+
+    # -------------------------------------------------------------- internals
+
+    cdef inline int _open(self) except -1:
+        if self._e == NULL:
+            raise NativeError(AXF_E_CLOSED, "engine is closed")
+        return 0
+
+    cdef int _ensure_cq(self, size_t want) except -1:
+        cdef axf_completion *p
+        if want > self._cq_cap:
+            p = <axf_completion *>PyMem_Realloc(self._cq, want * sizeof(axf_completion))
+            if p == NULL:
+                raise MemoryError()
+            self._cq = p
+            self._cq_cap = want
+        return 0
+
+    cdef int _ensure_slots(self, size_t want) except -1:
+        cdef _slot *p
+        cdef size_t cap
+        if want > self._slots_cap:
+            cap = want if want > 64 else 64
+            p = <_slot *>PyMem_Realloc(self._slots, cap * sizeof(_slot))
+            if p == NULL:
+                raise MemoryError()
+            self._slots = p
+            self._slots_cap = cap
+        return 0
+
+    cdef size_t _poll_batch(self, Py_ssize_t max, str who) except? 0:
+        """Polls up to max records into self._cq. With records, self._polling
+        stays set: the caller frees them and clears it. poll() and drain()."""
+        cdef size_t n
+        if max <= 0:
+            raise ValueError("max must be positive")
+        if self._polling:
+            raise RuntimeError(f"Engine.{who}() is not reentrant")
+        self._ensure_cq(<size_t>max)
+        self._busy += 1
+        self._polling = True
+        with nogil:
+            n = axf_poll(self._e, self._cq, <size_t>max)
+        self._busy -= 1
+        if n == 0:
+            self._polling = False
+        return n
+
+    cdef void _release_freed(self, size_t n) noexcept:
+        """Releases pins of regions the engine reported freed among n records.
+        A region given up on (status E_CLOSED: a peer may still write it) keeps
+        its buffer pinned for the life of the process: that memory must never
+        be reused."""
+        cdef size_t i
+        cdef _Pin pin
+        for i in range(n):
+            if self._cq[i].kind == AXF_CQ_REGION_FREED:
+                pin = self._pins.pop(self._cq[i].id, None)
+                if pin is not None:
+                    if self._cq[i].status == AXF_OK:
+                        pin.release()
+                    else:
+                        _abandoned.append(pin)
+
+    cdef void _close_native(self) noexcept:
+        """shutdown, drain (releasing pins, dropping records), destroy."""
+        cdef axf_engine *e = self._e
+        cdef size_t n, i
+        if e == NULL:
+            return
+        with nogil:
+            axf_engine_shutdown(e)
+        while True:
+            with nogil:
+                n = axf_poll(e, self._cq, self._cq_cap)
+            if n == 0:
+                break
+            self._release_freed(n)
+            for i in range(n):
+                axf_completion_free(&self._cq[i])
+        with nogil:
+            axf_engine_destroy(e)
+        self._e = NULL
+        self._fd = -1
+        # Nothing native touches memory any more: whatever is left goes too.
+        for pin in self._pins.values():
+            (<_Pin>pin).release()
+        self._pins.clear()
+
+    # -------------------------------------------------------------- lifecycle
+
+    def fileno(self):
+        """The completion eventfd: readable while completions are waiting."""
+        self._open()
+        return self._fd
+
+    @property
+    def closed(self):
+        return self._e == NULL
+
+    @property
+    def inline_bytes(self):
+        """A lone same-host request up to this size is copied inside post
+        (POST_ALONE); 2**64 - 1: never."""
+        self._open()
+        return axf_engine_inline_bytes(self._e)
+
+    @property
+    def poll_us(self):
+        """The calibrated bound of one busy-poll (wait()), microseconds."""
+        self._open()
+        return axf_engine_poll_us(self._e)
+
+    def wait(self, uint32_t max_us):
+        """Spins (GIL released) up to max_us microseconds for a completion;
+        returns how many the ring holds (0: none came). Takes nothing: poll()
+        or drain() them. 0 once closed."""
+        cdef size_t n
+        if self._e == NULL:
+            return 0
+        self._busy += 1
+        with nogil:
+            n = axf_wait(self._e, max_us)
+        self._busy -= 1
+        return n
+
+    def shutdown(self):
+        """Fails everything pending with E_CLOSED and frees every region; the
+        records still have to be polled. Idempotent; no-op once closed."""
+        cdef axf_engine *e = self._e
+        if e == NULL:
+            return
+        self._busy += 1
+        try:
+            with nogil:
+                axf_engine_shutdown(e)
+        finally:
+            self._busy -= 1
+
+    def close(self):
+        """shutdown() + a final drain + destroy. Idempotent.
+
+        Records drained here are dropped: call shutdown() and poll() first to
+        see them. Every pinned buffer is released.
+        """
+        if self._e == NULL:
+            return
+        if self._busy or self._polling or self._posting:
+            raise RuntimeError("Engine.close() while another thread is inside a native call")
+        self._close_native()
+
+    # -------------------------------------------------------------- regions
+
+    def register(self, obj, int memfd=-1):
+        """Registers obj's buffer; returns (rid, key, addr, nbytes, access).
+
+        A writable export gives READ|WRITE access, a read-only one READ. The
+        export stays acquired until poll() returns CQ_REGION_FREED for rid.
+        """
+        cdef _Pin pin = _Pin.__new__(_Pin)
+        cdef uint32_t access = AXF_ACCESS_READ | AXF_ACCESS_WRITE
+        cdef uint64_t rid = 0, key = 0
+        cdef int st
+        cdef bint writable = True
+        self._open()
+        try:
+            PyObject_GetBuffer(obj, &pin.view, PyBUF_WRITABLE)
+        except (BufferError, TypeError, ValueError):
+            writable = False
+        if not writable:
+            # Read-only exporters (bytes, read-only arrays) refuse a writable
+            # export; a plain one can still be READ by peers.
+            PyObject_GetBuffer(obj, &pin.view, PyBUF_SIMPLE)
+            access = AXF_ACCESS_READ
+        pin.held = True
+        if pin.view.len <= 0:
+            pin.release()
+            raise ValueError("cannot register an empty buffer")
+        st = axf_region_register(self._e, pin.view.buf, <uint64_t>pin.view.len, access, memfd,
+                                 &rid, &key)
+        if st != AXF_OK:
+            pin.release()
+            raise NativeError(st, f"cannot register {pin.view.len} bytes")
+        self._pins[rid] = pin
+        return (rid, key, <uintptr_t>pin.view.buf, <uint64_t>pin.view.len, access)
+
+    def register_file(self, int fd, uint64_t offset, uint64_t nbytes, uint32_t access):
+        """Registers bytes [offset, offset + nbytes) of an open file as a file
+        region; the engine keeps its own duplicate of fd. Returns (rid, key)."""
+        cdef uint64_t rid = 0, key = 0
+        cdef int st
+        self._open()
+        st = axf_region_register_kind(self._e, AXF_MEM_FILE, offset, nbytes, access, fd,
+                                      &rid, &key)
+        _check(st, f"cannot register {nbytes} bytes of file descriptor {fd}")
+        return (rid, key)
+
+    def file_backend(self):
+        """(1 io_uring, 0 thread pool, -1 not started yet; one line) for this engine."""
+        cdef char buf[160]
+        cdef int r
+        self._open()
+        r = axf_file_info(self._e, buf, sizeof(buf))
+        return r, buf.decode("utf-8", "replace")
+
+    def register_kind(self, uint32_t kind, uint64_t addr, uint64_t nbytes, uint32_t access,
+                      owner):
+        """Registers memory given by address (MEM_CUDA: a device pointer, MEM_HOST:
+        a host pointer without a buffer export); returns (rid, key). ``owner``
+        (the object that keeps the memory alive) is held until poll() returns
+        CQ_REGION_FREED for rid."""
+        cdef _Pin pin = _Pin.__new__(_Pin)
+        cdef uint64_t rid = 0, key = 0
+        cdef int st
+        self._open()
+        st = axf_region_register_kind(self._e, kind, addr, nbytes, access, -1, &rid, &key)
+        if st != AXF_OK:
+            raise NativeError(st, f"cannot register {nbytes} bytes at {addr:#x}")
+        pin.owner = owner
+        self._pins[rid] = pin
+        return (rid, key)
+
+    def cuda_enable(self):
+        """(status, reason): OK once CUDA endpoints may be created on this engine."""
+        cdef char why[256]
+        cdef int st
+        self._open()
+        why[0] = 0
+        with nogil:
+            st = axf_cuda_enable(self._e, why, sizeof(why))
+        return st, why.decode("utf-8", "replace")
+
+    def cuda_pin_region(self, uint64_t rid):
+        """Page-locks host region rid for GPU copies on the engine's CUDA thread,
+        ahead of its first copy; returns at once (status; best effort)."""
+        self._open()
+        return axf_cuda_pin_region(self._e, rid)
+
+    def endpoint_import_cuda(self, uint64_t ep, uint64_t rid, uint64_t key, uint64_t nbytes,
+                             uint32_t access, uint64_t addr, handle, uint64_t offset, uuid):
+        """A peer's GPU region (handle: its IPC handle, None for our own memory)."""
+        cdef const uint8_t *h = NULL
+        cdef const uint8_t *u = NULL
+        cdef bytes hb = None
+        cdef bytes ub = None
+        cdef int st
+        self._open()
+        if handle is not None:
+            hb = bytes(handle)
+            if len(hb) != AXF_CUDA_IPC_HANDLE:
+                raise ValueError(f"a CUDA IPC handle is {AXF_CUDA_IPC_HANDLE} bytes, not {len(hb)}")
+            h = <const uint8_t *>PyBytes_AS_STRING(hb)
+        if uuid is not None:
+            ub = bytes(uuid)
+            if len(ub) != 16:
+                raise ValueError(f"a device UUID is 16 bytes, not {len(ub)}")
+            u = <const uint8_t *>PyBytes_AS_STRING(ub)
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_endpoint_import_cuda(self._e, ep, rid, key, nbytes, access, addr, h,
+                                              offset, u)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot import GPU region {rid} into endpoint {ep}")
+
+    def deregister(self, uint64_t rid):
+        """Revokes a region; its buffer is released when CQ_REGION_FREED is polled."""
+        self._open()
+        cdef int st = axf_region_deregister(self._e, rid)
+        if st == AXF_E_NOTFOUND:
+            raise ValueError(f"unknown region {rid}")
+        _check(st, f"cannot deregister region {rid}")
+
+    def pinned_regions(self):
+        """Buffers still held by _cyx (for leak checks)."""
+        return len(self._pins)
+
+    # -------------------------------------------------------------- endpoints
+
+    def endpoint_create(self, int kind, uint64_t tag, int32_t pid=0, int pidfd=-1):
+        """Same-host kinds (EP_SHM, EP_CUDA): pid and pidfd from the kernel
+        (SO_PEERCRED, pidfd_open), never from metadata; pidfd may be -1 only
+        for our own pid. Other kinds: pid 0, pidfd -1. The engine owns pidfd
+        from now on, also when this raises."""
+        cdef uint64_t ep = 0
+        self._open()
+        _check(axf_endpoint_create(self._e, kind, tag, pid, pidfd, &ep), "cannot create endpoint")
+        return ep
+
+    def endpoint_add_conn(self, uint64_t ep, int fd, uint32_t rail=0):
+        """The engine owns fd from now on, also when this raises. rail: the
+        caller's number for the path it runs on (reported back by
+        endpoint_rails and CQ_RAIL_DOWN records)."""
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_endpoint_add_rail_conn(self._e, ep, fd, rail)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot add a connection to endpoint {ep}")
+
+    def endpoint_rails(self, uint64_t ep):
+        """One (rail, live, bytes, rate in bytes/ms, reroutes) per connection
+        the endpoint ever had, in slot order; [] for an unknown endpoint."""
+        cdef axf_rail_stats st[16]
+        cdef size_t n, i
+        self._open()
+        n = axf_endpoint_rails(self._e, ep, st, 16)
+        return [(st[i].rail, bool(st[i].live), st[i].bytes, st[i].rate, st[i].reroutes)
+                for i in range(n)]
+
+    def endpoint_import(self, uint64_t ep, uint64_t rid, uint64_t key, uint64_t nbytes,
+                        uint32_t access, uint64_t addr, int memfd=-1):
+        """memfd: -1, or an fd of the peer's memory received over its unix
+        socket (SCM_RIGHTS), sealed (F_SEAL_SHRINK|GROW|SEAL) and at least
+        nbytes long (else E_ACCESS); mapped during the call. The caller keeps
+        and closes it."""
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:  # maps (and populates) the peer's memory
+                st = axf_endpoint_import(self._e, ep, rid, key, nbytes, access, addr, memfd)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot import region {rid} into endpoint {ep}")
+
+    def endpoint_forget(self, uint64_t ep, uint64_t rid):
+        self._open()
+        _check(axf_endpoint_forget(self._e, ep, rid),
+               f"cannot forget region {rid} of endpoint {ep}")
+
+    def endpoint_close(self, uint64_t ep):
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_endpoint_close(self._e, ep)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot close endpoint {ep}")
+
+    def accept_conn(self, int fd, uint64_t tag, int pidfd=-1):
+        """Target side; the engine owns fd (and pidfd) from now on, also when
+        this raises. pidfd: the same-host peer's process (kernel-verified):
+        revocations on this connection then settle only when acknowledged,
+        on its goodbye, or when that process exits, not when the socket
+        closes. -1 for tcp. E_LIMIT beyond max_conns."""
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_accept_conn(self._e, fd, tag, pidfd)
+        finally:
+            self._busy -= 1
+        _check(st, "cannot accept a connection")
+
+    def notify_release(self, uint64_t tag, uint64_t n):
+        """The application consumed n notifications of connections tagged tag
+        (see max_notify_per_conn): their receivers may read again."""
+        self._open()
+        axf_notify_release(self._e, tag, n)
+
+    def region_holders(self, uint64_t rid):
+        """Tags of the connections a quarantined (deregistered, not yet freed)
+        region still waits for; None when rid is not quarantined."""
+        cdef uint64_t tags[64]
+        cdef uint64_t *buf = tags
+        cdef int n
+        cdef list out
+        self._open()
+        n = axf_region_holders(self._e, rid, tags, 64)
+        if n == AXF_E_NOTFOUND:
+            return None
+        _check(n if n < 0 else AXF_OK, f"cannot list the holders of region {rid}")
+        if n > 64:
+            buf = <uint64_t *>PyMem_Malloc(n * sizeof(uint64_t))
+            if buf == NULL:
+                raise MemoryError()
+            try:
+                n = min(n, axf_region_holders(self._e, rid, buf, n))
+                out = [buf[i] for i in range(n)]
+            finally:
+                PyMem_Free(buf)
+            return out
+        return [tags[i] for i in range(n)]
+
+    # -------------------------------------------------------------- data path
+
+    def post(self, uint64_t ep, int op, descs, notify, uint64_t req_id, bint defer=False,
+             bint alone=False):
+        """Posts one request. Returns OK when queued, else the rejecting status
+        (nothing queued, no completion follows). alone: the caller awaits it
+        alone (POST_ALONE)."""
+        cdef const axf_desc *d = NULL
+        cdef size_t n = 0
+        cdef const char *np = NULL
+        cdef size_t nl = 0
+        cdef uint32_t flags = (AXF_POST_DEFER if defer else 0) | (AXF_POST_ALONE if alone else 0)
+        cdef axf_desc one
+        cdef int st
+        cdef bytes nb
+        self._open()
+        _descs_in(descs, &one, &d, &n)
+        nb = _notify_bytes(notify)
+        if nb is not None:
+            np = PyBytes_AS_STRING(nb)
+            nl = <size_t>PyBytes_GET_SIZE(nb)
+        self._busy += 1
+        with nogil:
+            st = axf_post(self._e, ep, op, d, n, np, nl, req_id, flags)
+        self._busy -= 1
+        return st
+
+    def post_many(self, items, bint polls=False, bint alone=False):
+        """Posts (ep, op, descs, notify, req_id) items deferred, then rings one
+        doorbell: one native call for a loop iteration's submissions. Every item
+        is checked before any is posted. Returns the statuses, in order.
+
+        polls: the caller polls (or drains) right after this call, so the
+        completions known at submit (small same-host copies) are queued
+        without signalling the eventfd (AXF_POST_POLL).
+
+        alone: one item that the caller awaits alone, nothing else in flight
+        (AXF_POST_ALONE: a same-host copy up to inline_bytes runs inside this
+        call, on this thread; tcp keeps it on one connection)."""
+        cdef uint32_t flags = AXF_POST_DEFER | (AXF_POST_POLL if polls else 0)
+        cdef Py_ssize_t count, i
+        cdef _slot *s
+        cdef list keep
+        cdef bytes nb
+        self._open()
+        items = list(items)  # our own references while the GIL is released
+        count = len(items)
+        if count == 0:
+            return []
+        if alone and count == 1:
+            flags |= AXF_POST_ALONE
+        if self._posting:
+            raise RuntimeError("Engine.post_many() is not reentrant")
+        self._posting = True
+        try:
+            self._ensure_slots(<size_t>count)
+            keep = []
+            for i in range(count):
+                ep, op, descs, notify, req_id = items[i]
+                s = &self._slots[i]
+                s.ep = ep
+                s.op = op
+                s.req_id = req_id
+                s.notify = NULL
+                s.notify_len = 0
+                _descs_in(descs, &s.one, &s.descs, &s.n)
+                nb = _notify_bytes(notify)
+                if nb is not None:
+                    s.notify = PyBytes_AS_STRING(nb)
+                    s.notify_len = <size_t>PyBytes_GET_SIZE(nb)
+                keep.append(descs)
+                keep.append(nb)
+            s = self._slots
+            self._busy += 1
+            with nogil:
+                for i in range(count):
+                    s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
+                                           s[i].notify, s[i].notify_len, s[i].req_id,
+                                           flags)
+                axf_doorbell(self._e)
+            self._busy -= 1
+            return [s[i].status for i in range(count)]
+        finally:
+            self._posting = False
+
+    def doorbell(self):
+        self._open()
+        axf_doorbell(self._e)
+
+    def cancel(self, uint64_t req_id):
+        """OK (the E_CANCELLED completion follows once memory is untouched) or E_NOTFOUND."""
+        self._open()
+        return axf_cancel(self._e, req_id)
+
+    def poll(self, Py_ssize_t max=POLL_DEFAULT):
+        """Drains up to max records without blocking; [] once closed.
+
+        Each record: (kind, status, id, tag, nbytes, fail_index, payload), payload
+        bytes or None. CQ_REGION_FREED also releases that region's buffer.
+        """
+        cdef size_t n, i
+        cdef axf_completion *c
+        cdef list out
+        if self._e == NULL:
+            return []
+        n = self._poll_batch(max, "poll")
+        if n == 0:
+            return []
+        try:
+            self._release_freed(n)
+            out = [None] * n
+            for i in range(n):
+                c = &self._cq[i]
+                out[i] = (
+                    c.kind,
+                    c.status,
+                    c.id,
+                    c.tag,
+                    c.nbytes,
+                    c.fail_index,
+                    PyBytes_FromStringAndSize(<char *>c.payload, c.payload_len)
+                    if c.payload != NULL else None,
+                )
+        finally:
+            for i in range(n):
+                axf_completion_free(&self._cq[i])
+            self._polling = False
+        return out
+
+    def drain(self, dict inflight, object slow, object release, object result_type,
+              Py_ssize_t max=POLL_DEFAULT):
+        """Drains up to max records and dispatches each, in ring order; returns
+        (records, completed, bytes): the records drained, and the transfers
+        completed here with their bytes (the agent's totals).
+
+        A successful CQ_XFER record whose id is in ``inflight`` (id -> Transfer)
+        is completed here, without a Python call: the transfer leaves
+        ``inflight``; if it holds a scheduler budget (``_admitted``),
+        ``release(transfer)`` is called first; its peer's counters and moving
+        averages are updated (``_inflight``, ``_inflight_bytes``, ``_completed``,
+        ``_bytes``, ``_latency``, ``_bandwidth``); and unless the future is done
+        (cancelled) it gets ``result_type(nbytes, seconds, path, reroutes)``,
+        path being ``transfer._path`` or else ``peer.path``. A successful record
+        with an unknown id is dropped. Every other record goes to
+        ``slow(kind, status, id, tag, nbytes, fail_index, payload)``.
+
+        A peer's counters are settled before every call into Python, so
+        ``slow`` and ``release`` always see them up to date. Not reentrant:
+        neither callback may poll or drain.
+        """
+        cdef size_t n, i
+        cdef axf_completion *c
+        cdef object t, peer = None, path, r
+        cdef Py_ssize_t completed = 0, done = 0
+        cdef uint64_t total = 0, moved = 0, req_bytes = 0
+        cdef double now, seconds, bw, latency = 0.0, bandwidth = 0.0
+        if self._e == NULL:
+            return 0, 0, 0
+        n = self._poll_batch(max, "drain")
+        if n == 0:
+            return 0, 0, 0
+        # One clock reading for the batch: every record in it was complete
+        # before the poll, and what is measured is post -> seen by the loop.
+        now = _perf_counter()
+        try:
+            self._release_freed(n)
+            for i in range(n):
+                c = &self._cq[i]
+                t = inflight.get(c.id) if c.kind == AXF_CQ_XFER else None
+                if t is None or c.status != AXF_OK:
+                    if c.kind == AXF_CQ_XFER and c.status == AXF_OK:
+                        continue  # not ours (any more): nothing to complete
+                    if peer is not None:
+                        _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                        peer = None
+                    slow(c.kind, c.status, c.id, c.tag, c.nbytes, c.fail_index,
+                         PyBytes_FromStringAndSize(<char *>c.payload, c.payload_len)
+                         if c.payload != NULL else None)
+                    continue
+                del inflight[c.id]
+                if t._admitted:
+                    if peer is not None:
+                        _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                        peer = None
+                    release(t)
+                if t.peer is not peer:
+                    if peer is not None:
+                        _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                    peer = t.peer
+                    done = 0
+                    req_bytes = moved = 0
+                    latency = peer._latency
+                    bandwidth = peer._bandwidth
+                done += 1
+                req_bytes += <uint64_t>t.nbytes
+                moved += c.nbytes
+                completed += 1
+                total += c.nbytes
+                seconds = now - <double>t._t0
+                # Moving averages routers estimate completion times from:
+                # bandwidth of large transfers, latency of small ones.
+                if c.nbytes >= BANDWIDTH_MIN:
+                    bw = c.nbytes / seconds if seconds > 0 else 0.0
+                    bandwidth = bw if bandwidth == 0.0 else 0.8 * bandwidth + 0.2 * bw
+                else:
+                    latency = seconds if latency == 0.0 else 0.8 * latency + 0.2 * seconds
+                if not t.done():
+                    path = t._path
+                    if path is None:
+                        path = peer.path
+                    # result_type(nbytes, seconds, path, reroutes) without the
+                    # Python-level __init__ (a frozen dataclass's costs as
+                    # much as the rest of the completion). On success
+                    # fail_index counts the reroutes.
+                    r = _object_new(result_type)
+                    PyObject_GenericSetAttr(r, "nbytes", c.nbytes)
+                    PyObject_GenericSetAttr(r, "seconds", seconds)
+                    PyObject_GenericSetAttr(r, "path", path)
+                    PyObject_GenericSetAttr(r, "reroutes", c.fail_index)
+                    t.set_result(r)
+        finally:
+            if peer is not None:
+                _settle(peer, done, req_bytes, moved, latency, bandwidth)
+            for i in range(n):
+                axf_completion_free(&self._cq[i])
+            self._polling = False
+        return n, completed, total
+
+    # -------------------------------------------------------------- verbs
+
+    def verbs_enable(self, provider=None):
+        """(devices, why): opens every RDMA device for this engine (0: none,
+        verbs stays off; negative: cannot be used). Once only."""
+        cdef char why[512]
+        cdef bytes p = _c_path(provider)
+        cdef const char *cp = NULL if p is None else <const char *>p
+        cdef int n
+        self._open()
+        why[0] = 0
+        self._busy += 1
+        try:
+            with nogil:
+                n = axf_verbs_enable(self._e, cp, why, sizeof(why))
+        finally:
+            self._busy -= 1
+        return n, why.decode("utf-8", "replace")
+
+    def verbs_device_count(self):
+        self._open()
+        return axf_verbs_device_count(self._e)
+
+    def verbs_region_keys(self, uint64_t rid):
+        """[(addr, rkey)] of region rid, one per device ([] while verbs is off)."""
+        cdef uint64_t addrs[16]
+        cdef uint32_t rkeys[16]
+        cdef int n, i
+        self._open()
+        n = axf_verbs_region_keys(self._e, rid, addrs, rkeys, 16)
+        if n < 0:
+            raise NativeError(n, f"no verbs keys for region {rid}")
+        return [(addrs[i], rkeys[i]) for i in range(n)]
+
+    def verbs_region_dmabuf(self, uint64_t rid, int fd, uint64_t offset=0):
+        """GPUDirect: registers CUDA region rid through a dmabuf on every device."""
+        self._open()
+        _check(axf_verbs_region_dmabuf(self._e, rid, fd, offset),
+               f"cannot register region {rid} through a dmabuf")
+
+    def verbs_qp_create(self, uint64_t ep, uint32_t dev):
+        """Initiator: a queue pair of ep on device dev; returns its info tuple
+        (qpn, psn, mtu, lid, port, gid_index, gid)."""
+        cdef axf_verbs_qp_info out
+        self._open()
+        _check(axf_verbs_qp_create(self._e, ep, dev, &out),
+               f"cannot create a queue pair on device {dev}")
+        return _qp_info_out(&out)
+
+    def verbs_qp_connect(self, uint64_t ep, uint32_t dev, uint32_t remote_dev, remote):
+        cdef axf_verbs_qp_info r = _qp_info_in(remote)
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_verbs_qp_connect(self._e, ep, dev, remote_dev, &r)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot connect the queue pair on device {dev}")
+
+    def verbs_accept_qp(self, uint32_t dev, remote):
+        """Target: (handle, info) of a queue pair on dev connected to remote."""
+        cdef axf_verbs_qp_info r = _qp_info_in(remote)
+        cdef axf_verbs_qp_info out
+        cdef uint64_t h = 0
+        cdef int st
+        self._open()
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_verbs_accept_qp(self._e, dev, &r, &out, &h)
+        finally:
+            self._busy -= 1
+        _check(st, f"cannot accept a queue pair on device {dev}")
+        return h, _qp_info_out(&out)
+
+    def verbs_qp_destroy(self, uint64_t handle):
+        self._open()
+        _check(axf_verbs_qp_destroy(self._e, handle), f"cannot destroy queue pair {handle}")
+
+    def verbs_accept_conn(self, int fd, uint64_t tag, handles):
+        """Target: accepts fd; the queue pairs live as long as it. The engine
+        owns fd (and the handles) from now on, also when this raises."""
+        cdef uint64_t hs[16]
+        cdef size_t n = 0
+        cdef int st
+        self._open()
+        for h in handles:
+            if n == 16:
+                raise ValueError("at most 16 queue pairs per connection")
+            hs[n] = h
+            n += 1
+        self._busy += 1
+        try:
+            with nogil:
+                st = axf_verbs_accept_conn(self._e, fd, tag, hs, n)
+        finally:
+            self._busy -= 1
+        _check(st, "cannot accept a verbs connection")
+
+    def endpoint_import_verbs(self, uint64_t ep, uint64_t rid, keys):
+        """keys: [(addr, rkey)] per device of the region's owner."""
+        cdef uint64_t addrs[16]
+        cdef uint32_t rkeys[16]
+        cdef size_t n = 0
+        self._open()
+        for addr, rkey in keys:
+            if n == 16:
+                raise ValueError("at most 16 devices")
+            addrs[n] = addr
+            rkeys[n] = rkey
+            n += 1
+        _check(axf_endpoint_import_verbs(self._e, ep, rid, addrs, rkeys, n),
+               f"cannot import the verbs keys of region {rid}")
+
+    def stats(self):
+        cdef axf_stats s
+        self._open()
+        axf_engine_stats(self._e, &s)
+        return {
+            "regions": s.regions,
+            "ops": s.ops,
+            "endpoints": s.endpoints,
+            "conns": s.conns,
+            "ops_posted": s.ops_posted,
+            "ops_completed": s.ops_completed,
+            "ops_failed": s.ops_failed,
+            "bytes": s.bytes,
+            "frames_rejected": s.frames_rejected,
+            "quarantined": s.quarantined,
+            "quarantined_bytes": s.quarantined_bytes,
+            "held_conns": s.held_conns,
+            "conns_refused": s.conns_refused,
+        }
