@@ -44,7 +44,7 @@ from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES
 from aioxfer.kv.stats import StoreStatistics
-from aioxfer.kv.tier import Tier, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, Segment, SegmentList
 from aioxfer.transfer import Transfer
@@ -960,7 +960,7 @@ class Store:
             good = [f for f in fetches if f.error is None]
             if promote and host is not None and host.promote and good:
                 task = asyncio.ensure_future(self._promote(host, good, op))
-                cancelled = await _uncancelled(task)
+                cancelled = await finish_uncancelled(task)
                 promoted = task.result()
             # Followers may keep attaching while we copy: serve until none.
             while not cancelled:
@@ -1004,7 +1004,7 @@ class Store:
                 if not copies:
                     continue
                 gathered = asyncio.gather(*(c for _w, c in copies), return_exceptions=True)
-                cancelled = await _uncancelled(gathered)
+                cancelled = await finish_uncancelled(gathered)
                 for (w, _c), r in zip(copies, gathered.result(), strict=True):
                     if w.future.done():
                         continue
@@ -1591,21 +1591,6 @@ class LayerStream:
 
 class _Replan(Exception):
     """The pin budget had to wait: plan the get again (the index moved on)."""
-
-
-async def _uncancelled(aw: Awaitable[Any]) -> bool:
-    """Runs ``aw`` to its end even if the caller is cancelled meanwhile
-    (store memory that a transfer still reads or writes is never handed on);
-    returns whether a cancel arrived (the caller raises it afterwards)."""
-    fut = asyncio.ensure_future(aw)
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            cancelled = True
-    fut.result()
-    return cancelled
 
 
 async def _owned_read(tier: Tier, fetches: list[_Fetch], op: _Op,

@@ -89,11 +89,11 @@ class Tier:
         return f"<{type(self).__name__} {self.name!r}>"
 
 
-async def run_to_end(aw: Awaitable[Any]) -> Any:
-    """Awaits ``aw`` without ever cutting it short: a cancelled caller waits
-    for it to end and then raises CancelledError. For work that must not stop
-    midway: a transfer through a staging buffer the next writer refills, or a
-    delivery whose copies read memory its owner frees once we return."""
+async def finish_uncancelled(aw: Awaitable[Any]) -> bool:
+    """Runs ``aw`` to its end even if the caller is cancelled meanwhile (store
+    memory that a transfer still reads or writes is never handed on midway);
+    raises what ``aw`` raised, else returns whether a cancel arrived (the
+    caller raises it once it has finished what must not be cut short)."""
     fut = asyncio.ensure_future(aw)
     cancelled = False
     while not fut.done():
@@ -101,7 +101,16 @@ async def run_to_end(aw: Awaitable[Any]) -> Any:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
             cancelled = True
-    result = fut.result()
-    if cancelled:
+    fut.result()
+    return cancelled
+
+
+async def run_to_end(aw: Awaitable[Any]) -> Any:
+    """Awaits ``aw`` without ever cutting it short: a cancelled caller waits
+    for it to end and then raises CancelledError. For work that must not stop
+    midway: a transfer through a staging buffer the next writer refills, or a
+    delivery whose copies read memory its owner frees once we return."""
+    fut = asyncio.ensure_future(aw)
+    if await finish_uncancelled(fut):
         raise asyncio.CancelledError
-    return result
+    return fut.result()
