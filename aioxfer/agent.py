@@ -294,7 +294,7 @@ class Agent:
         self._fd = self._engine.fileno()
         self._poller: _progress.Poller | None = None
         # A lone request up to this is posted at its await (Transfer.__await__).
-        self._alone_max = 0 if inline_bytes == 0 else self._engine.inline_bytes
+        self._alone_max = self.inline_bytes
         self._cuda_why = "not asked for"
         if "cuda" in transports:
             st, self._cuda_why = self._engine.cuda_enable()
@@ -2245,11 +2245,9 @@ class Agent:
         One transfer with nothing else in flight, within ``inline_bytes``, is
         posted as an awaited lone request is (a same-host copy runs inside
         this call): a caller flushing one request then polling it (the NIXL
-        pattern) gets what a coroutine awaiting it gets."""
-        ts = self._pending_t
-        self._post_pending(
-            len(ts) == 1 == len(self._inflight) and ts[0].nbytes <= self._alone_max
-        )
+        pattern) gets what a coroutine awaiting it gets (the engine applies
+        the threshold)."""
+        self._post_pending(len(self._pending_t) == 1 == len(self._inflight))
 
     def poll(self) -> None:
         """Takes the completions the engine has now (the eventfd reader's
