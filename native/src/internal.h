@@ -326,6 +326,7 @@ struct axf_engine {
 
 /* engine.c */
 uint64_t axf_now_ms(void);
+uint64_t axf_now_ns(void); /* CLOCK_MONOTONIC */
 uint64_t axf_now_us(void);
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);

@@ -385,13 +385,6 @@ void shm_submit(axf_engine *e, op *o, bool signal)
 static axf_calibration cal_result;
 static pthread_once_t cal_once = PTHREAD_ONCE_INIT;
 
-static uint64_t cal_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static int cal_u64_cmp(const void *a, const void *b)
 {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -429,11 +422,11 @@ static uint64_t cal_wake_ns(void)
              * waking it is what a handoff costs then. */
             struct timespec gap = {0, 200000};
             nanosleep(&gap, NULL);
-            uint64_t one = 1, v, t0 = cal_now_ns();
+            uint64_t one = 1, v, t0 = axf_now_ns();
             if (write(p.ping, &one, sizeof one) != sizeof one ||
                 read(p.pong, &v, sizeof v) != sizeof v)
                 break;
-            rt[n] = cal_now_ns() - t0;
+            rt[n] = axf_now_ns() - t0;
         }
         if (n < CAL_PINGS) /* let the ponger out (it waits for the rest) */
             for (int i = n; i < CAL_PINGS; i++) {
@@ -464,9 +457,9 @@ static uint64_t cal_copy_mbps(void)
         memset(a, 1, CAL_COPY);
         memset(b, 2, CAL_COPY);
         for (int i = 0; i < 5; i++) {
-            uint64_t t0 = cal_now_ns();
+            uint64_t t0 = axf_now_ns();
             memcpy(i & 1 ? a : b, i & 1 ? b : a, CAL_COPY);
-            uint64_t dt = cal_now_ns() - t0;
+            uint64_t dt = axf_now_ns() - t0;
             __asm__ __volatile__("" : : "r"(a), "r"(b) : "memory");
             uint64_t mbps = dt ? (uint64_t)CAL_COPY * 1000u / dt : 0;
             if (mbps > best)
