@@ -24,6 +24,17 @@
 /* rx reason for a goodbye: the connection ends, nothing went wrong. */
 static const char BYE_REASON[] = "goodbye";
 
+/* Microseconds since the time stamp *t, which other threads move forward.
+ * Loaded before the clock is read: read after, a stamp taken later than our
+ * clock would make the difference wrap to ~2^64 (a connection declared
+ * stalled, or silent, moments after it made progress). */
+static uint64_t us_since(atomic_ullong *t)
+{
+    uint64_t last = atomic_load(t);
+    uint64_t now = axf_now_us();
+    return now > last ? now - last : 0;
+}
+
 /* What the initiator expects back on one connection, in order: one entry
  * per request group (or notification) queued on it, which says how to send
  * the group again elsewhere should the connection fail first. */
@@ -358,8 +369,7 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
                 return 0;
             if ((errno == EAGAIN || errno == EWOULDBLOCK) && !e->cfg.stall_ms &&
                 !atomic_load(&c->down) && !atomic_load(&c->flush_close) &&
-                axf_now_us() - atomic_load(&c->last_rx_us) <
-                    (uint64_t)e->cfg.peer_timeout_ms * 1000u)
+                us_since(&c->last_rx_us) < (uint64_t)e->cfg.peer_timeout_ms * 1000u)
                 continue;
             return -errno;
         }
@@ -582,7 +592,7 @@ static void *tx_main(void *arg)
             continue;
         }
         if (stall_us && c->ep && ((conn_priv *)c)->ex_head && !c->sending &&
-            axf_now_us() - atomic_load(&c->progress_us) > stall_us) {
+            us_since(&c->progress_us) > stall_us) {
             /* Replies are owed and nothing moved either way: the peer is
              * alive (it pings) but does not serve us. */
             atomic_store(&c->stalled, true);
