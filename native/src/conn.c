@@ -2,7 +2,7 @@
  * reads, zero-copy into registered memory) and a sender thread (gathered
  * sendmsg from registered memory, keepalive pings when idle). The accepting
  * side checks every frame against its region table before touching memory. */
-#include "internal.h"
+#include "transport.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -409,7 +409,11 @@ static void thread_exit(conn *c)
         close(c->fd);
         atomic_fetch_sub(&e->n_conns, 1);
         if (!c->ep) {
-            verbs_conn_closed(e, c); /* its queue pairs first: then nothing reaches us */
+            /* What transports hung on it first (verbs: its queue pairs):
+             * then nothing reaches us */
+            AXF_FOR_XP(xp)
+                if (xp->conn_closed)
+                    xp->conn_closed(e, c);
             revokes_drop(e, c); /* tcp: a dead peer touches nothing of ours any more */
         }
         /* Off the registry unless held (a same-host peer still alive, which

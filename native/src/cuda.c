@@ -43,13 +43,27 @@
  * context of the process, the application's primary contexts included: it is
  * latched, logged with its name, and every later GPU op fails at once.
  */
-#include "internal.h"
+#include "transport.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+typedef struct cuda_rmap cuda_rmap;
+
+/* Its private slots (transport.h): the engine's copy threads, a far region's
+ * IPC mapping, and (bits, not a pointer) whether a region of ours is
+ * page-locked for GPU copies. */
+#define CU_OF(e) ((struct axf_cuda *)(e)->xp[AXF_EP_CUDA])
+#define CU_RM(rr) ((cuda_rmap *)(rr)->xp[AXF_EP_CUDA])
+enum { PIN_TRIED = 1, PIN_DONE = 2 };
+static inline uintptr_t pin_flags(const region *r) { return (uintptr_t)r->xp[AXF_EP_CUDA]; }
+static inline void pin_flags_set(region *r, uintptr_t bit)
+{
+    r->xp[AXF_EP_CUDA] = (void *)(pin_flags(r) | bit);
+}
 
 /* ---------------------------------------------------------------- driver API */
 
@@ -680,10 +694,10 @@ static uint64_t pin_run(uint64_t p, uint64_t n)
     return run;
 }
 
-void cuda_unpin(region *r)
+static void cuda_unpin(region *r)
 {
     unpin_owner(r);
-    r->cuda_pinned = false;
+    r->xp[AXF_EP_CUDA] = (void *)(uintptr_t)(pin_flags(r) & ~(uintptr_t)PIN_DONE);
 }
 
 /* ---------------------------------------------------------------- IPC mappings */
@@ -823,7 +837,7 @@ static int rmap_open(cuda_rmap *cm, int dev, CUcontext ctx, char *why, size_t wh
     return AXF_OK;
 }
 
-int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offset,
+static int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offset,
                 const uint8_t uuid[16])
 {
     if (drv_ready() != AXF_OK)
@@ -841,7 +855,7 @@ int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offse
         }
         cm->own = true;
         cm->own_ptr = rr->addr;
-        rr->cuda = cm;
+        rr->xp[AXF_EP_CUDA] = cm;
         return AXF_OK;
     }
     if (!handle) {
@@ -855,17 +869,17 @@ int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offse
     cm->len = rr->len;
     cm->home = dev_by_uuid(uuid);
     cm->pid = ep->pid;
-    rr->cuda = cm;
+    rr->xp[AXF_EP_CUDA] = cm;
     return AXF_OK;
 }
 
-void cuda_unmap(rregion *rr)
+static void cuda_unmap(rregion *rr)
 {
     unpin_owner(rr); /* our mapping of a peer's host memory, if pinned */
-    cuda_rmap *cm = rr->cuda;
+    cuda_rmap *cm = CU_RM(rr);
     if (!cm)
         return;
-    rr->cuda = NULL;
+    rr->xp[AXF_EP_CUDA] = NULL;
     for (int d = 0; d < AXF_CUDA_MAX_DEVICES; d++)
         if (cm->m[d])
             ipc_release(cm->m[d]);
@@ -925,7 +939,7 @@ static uint64_t rptr(const op *o, size_t i, int dev)
 {
     rregion *rr = o->rr[i];
     uint64_t off = o->d[i].roff;
-    cuda_rmap *cm = rr->cuda;
+    cuda_rmap *cm = CU_RM(rr);
     if (cm)
         return (cm->own ? cm->own_ptr : cm->m[dev]->base + cm->offset) + off;
     return (uint64_t)(uintptr_t)(rr->map + off); /* host memfd mapping (cuda_op_check) */
@@ -943,7 +957,7 @@ static int op_device(const op *o, CUcontext *hint)
             return a.dev;
         }
     for (size_t i = 0; i < o->n; i++) {
-        cuda_rmap *cm = o->rr[i]->cuda;
+        cuda_rmap *cm = CU_RM(o->rr[i]);
         if (cm && cm->own && ptr_query(cm->own_ptr, &a)) {
             *hint = a.ctx;
             return a.dev;
@@ -960,7 +974,7 @@ static int enable_peers(struct axf_cuda *c, const op *o, int dev, char *why, siz
 {
     for (size_t i = 0; i < o->n; i++) {
         uint64_t p[2] = {desc_local_gpu(o, i) ? (uint64_t)(uintptr_t)o->laddr[i] : 0,
-                         o->rr[i]->cuda && o->rr[i]->cuda->own ? o->rr[i]->cuda->own_ptr : 0};
+                         CU_RM(o->rr[i]) && CU_RM(o->rr[i])->own ? CU_RM(o->rr[i])->own_ptr : 0};
         for (int k = 0; k < 2; k++) {
             ptr_attr a;
             if (!p[k] || !ptr_query(p[k], &a) || a.dev == dev)
@@ -995,17 +1009,17 @@ static void pin_op(const op *o, CUcontext ctx)
 {
     for (size_t i = 0; i < o->nlregs; i++) {
         region *r = o->lregs[i];
-        if (r->kind != AXF_MEM_HOST || r->cuda_pin_tried)
+        if (r->kind != AXF_MEM_HOST || (pin_flags(r) & PIN_TRIED))
             continue;
-        r->cuda_pin_tried = true;
+        pin_flags_set(r, PIN_TRIED);
         /* Our region's own mapping is writable (its access bits say what
          * peers may do, not how it is mapped). */
         pin_range(r, r->addr, r->len, false, ctx);
-        r->cuda_pinned = true; /* cuda_unpin looks it up (nothing if refused) */
+        pin_flags_set(r, PIN_DONE); /* cuda_unpin looks it up (nothing if refused) */
     }
     for (size_t i = 0; i < o->nrregs; i++) {
         rregion *rr = o->rregs[i];
-        if (!rr->cuda && rr->map) /* mapped read-only when the peer grants no write */
+        if (!CU_RM(rr) && rr->map) /* mapped read-only when the peer grants no write */
             pin_range(rr, rr->map, rr->len, !(rr->access & AXF_ACCESS_WRITE), ctx);
     }
 }
@@ -1088,7 +1102,7 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
     CUstream s = c->stream[dev];
     j->ctx = c->sctx[dev];
     for (size_t i = 0; i < o->n; i++) {
-        cuda_rmap *cm = o->rr[i]->cuda;
+        cuda_rmap *cm = CU_RM(o->rr[i]);
         int st = cm && !cm->own ? rmap_open(cm, dev, ctx, why, sizeof why) : AXF_OK;
         if (st == AXF_E_PEER_LOST)
             peer_gone(c, o->ep);
@@ -1111,7 +1125,7 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
     for (; done < o->n && !failed; done++) {
         uint64_t l = (uint64_t)(uintptr_t)o->laddr[done], r = rptr(o, done, dev);
         uint64_t len = o->d[done].len;
-        bool lhost = !desc_local_gpu(o, done), rhost = !o->rr[done]->cuda;
+        bool lhost = !desc_local_gpu(o, done), rhost = !CU_RM(o->rr[done]);
         uint64_t dst = o->opcode == AXF_OP_WRITE ? r : l, src = o->opcode == AXF_OP_WRITE ? l : r;
         bool dhost = o->opcode == AXF_OP_WRITE ? rhost : lhost;
         bool shost = o->opcode == AXF_OP_WRITE ? lhost : rhost;
@@ -1161,10 +1175,10 @@ static void pin_ahead(struct axf_cuda *c, region *r, bool stopping)
     for (int d = 0; d < drv.ndev && !ctx; d++)
         ctx = drv.dev_ctx[d];
     pthread_mutex_unlock(&drv_mu);
-    if (!stopping && ctx && !r->cuda_pin_tried && drv.CtxSetCurrent(ctx) == CUDA_SUCCESS) {
-        r->cuda_pin_tried = true;
+    if (!stopping && ctx && !(pin_flags(r) & PIN_TRIED) && drv.CtxSetCurrent(ctx) == CUDA_SUCCESS) {
+        pin_flags_set(r, PIN_TRIED);
         pin_range(r, r->addr, r->len, false, ctx);
-        r->cuda_pinned = true;
+        pin_flags_set(r, PIN_DONE);
     }
     region_unref(c->e, r);
 }
@@ -1185,7 +1199,7 @@ static void submit_enqueue(struct axf_cuda *c, cuda_job *j)
 int axf_cuda_pin_region(axf_engine *e, uint64_t rid)
 {
     pthread_mutex_lock(&e->mu);
-    struct axf_cuda *c = e->cuda;
+    struct axf_cuda *c = CU_OF(e);
     region *r = c && !e->shut ? region_get(e, rid) : NULL;
     pthread_mutex_unlock(&e->mu);
     if (!c)
@@ -1278,7 +1292,7 @@ int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
     if (st != AXF_OK)
         return st;
     pthread_mutex_lock(&e->mu);
-    if (e->cuda || e->shut) {
+    if (CU_OF(e) || e->shut) {
         st = e->shut ? AXF_E_CLOSED : AXF_OK;
         pthread_mutex_unlock(&e->mu);
         return st;
@@ -1292,10 +1306,10 @@ int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     pthread_cond_init(&c->wcv, NULL);
-    e->cuda = c;
+    e->xp[AXF_EP_CUDA] = c;
     c->started = true;
     if (pthread_create(&c->submitter, NULL, submit_main, c) != 0) {
-        e->cuda = NULL;
+        e->xp[AXF_EP_CUDA] = NULL;
         pthread_mutex_unlock(&e->mu);
         free(c);
         return AXF_E_NOMEM;
@@ -1306,7 +1320,7 @@ int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
         pthread_cond_broadcast(&c->cv);
         pthread_mutex_unlock(&c->mu);
         pthread_join(c->submitter, NULL);
-        e->cuda = NULL;
+        e->xp[AXF_EP_CUDA] = NULL;
         pthread_mutex_unlock(&e->mu);
         free(c);
         return AXF_E_NOMEM;
@@ -1315,38 +1329,38 @@ int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
     return AXF_OK;
 }
 
-bool cuda_ready(axf_engine *e) { return e->cuda != NULL; }
+static bool cuda_ready(axf_engine *e) { return CU_OF(e) != NULL; }
 
 /* ---------------------------------------------------------------- ops */
 
-bool cuda_op_is_gpu(const op *o)
+static bool cuda_op_is_gpu(const op *o)
 {
     for (size_t i = 0; i < o->nlregs; i++)
         if (o->lregs[i]->kind == AXF_MEM_CUDA)
             return true;
     for (size_t i = 0; i < o->nrregs; i++)
-        if (o->rregs[i]->cuda)
+        if (CU_RM(o->rregs[i]))
             return true;
     return false;
 }
 
-int cuda_op_check(op *o)
+static int cuda_op_check(op *o)
 {
     if (!cuda_op_is_gpu(o))
         return AXF_OK;
     /* A GPU copy reaches a peer's host memory only through our mapping of it
      * (an agent.alloc'd memfd region); cross-memory attach has no device path. */
     for (size_t i = 0; i < o->n; i++)
-        if (!o->rr[i]->cuda && !o->rr[i]->map) {
+        if (!CU_RM(o->rr[i]) && !o->rr[i]->map) {
             o->fail_index = i;
             return AXF_E_INVALID;
         }
     return AXF_OK;
 }
 
-void cuda_submit(axf_engine *e, op *o)
+static void cuda_submit(axf_engine *e, op *o)
 {
-    struct axf_cuda *c = e->cuda;
+    struct axf_cuda *c = CU_OF(e);
     cuda_job *j = calloc(1, sizeof *j);
     atomic_store(&o->remaining, 1);
     if (!j) {
@@ -1358,9 +1372,9 @@ void cuda_submit(axf_engine *e, op *o)
     submit_enqueue(c, j);
 }
 
-void cuda_stop(axf_engine *e)
+static void cuda_stop(axf_engine *e)
 {
-    struct axf_cuda *c = e->cuda;
+    struct axf_cuda *c = CU_OF(e);
     if (!c || !c->started)
         return;
     pthread_mutex_lock(&c->mu);
@@ -1375,9 +1389,9 @@ void cuda_stop(axf_engine *e)
     pthread_join(c->waiter, NULL); /* waits for what was */
 }
 
-void cuda_free(axf_engine *e)
+static void cuda_free(axf_engine *e)
 {
-    struct axf_cuda *c = e->cuda;
+    struct axf_cuda *c = CU_OF(e);
     if (!c)
         return;
     cuda_stop(e);
@@ -1390,12 +1404,84 @@ void cuda_free(axf_engine *e)
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->wcv);
     free(c);
-    e->cuda = NULL;
+    e->xp[AXF_EP_CUDA] = NULL;
 }
 
-void cuda_unmap_idle(endpoint *ep)
+
+/* ---------------------------------------------------------------- transport */
+
+int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t key,
+                             uint64_t len, uint32_t access, uint64_t addr, const uint8_t *handle,
+                             uint64_t offset, const uint8_t uuid[16])
 {
-    for (rregion *rr = ep->rregions; rr; rr = rr->next)
-        if (rr->cuda && (rr->gone || ep->dead) && atomic_load(&rr->users) == 0)
-            cuda_unmap(rr);
+    static const uint8_t no_uuid[16];
+    if (!len)
+        return AXF_E_INVALID;
+    rregion *rr = rregion_new(rid, key, len, access, addr);
+    if (!rr)
+        return AXF_E_NOMEM;
+    pthread_mutex_lock(&e->mu);
+    endpoint *ep = ep_find(e, ep_id);
+    int st = !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED
+             : ep->kind != AXF_EP_CUDA ? AXF_E_INVALID : AXF_OK;
+    pthread_mutex_unlock(&e->mu);
+    /* Opening the handle may take a while: not under the engine lock (an
+     * endpoint lives as long as the engine). */
+    if (st == AXF_OK)
+        st = cuda_import(ep, rr, handle, offset, uuid ? uuid : no_uuid);
+    if (st != AXF_OK) {
+        free(rr);
+        return st;
+    }
+    pthread_mutex_lock(&e->mu);
+    if (ep->dead) {
+        pthread_mutex_unlock(&e->mu);
+        cuda_unmap(rr);
+        free(rr);
+        return AXF_E_CLOSED;
+    }
+    rregion_publish(ep, rr);
+    rr_unmap_idle(ep);
+    pthread_mutex_unlock(&e->mu);
+    return AXF_OK;
 }
+
+static int cuda_ep_open(axf_engine *e, endpoint *ep)
+{
+    (void)ep;
+    return cuda_ready(e) ? AXF_OK : AXF_E_TRANSPORT; /* axf_cuda_enable first */
+}
+
+static void cuda_region_free(axf_engine *e, region *r)
+{
+    (void)e;
+    if (pin_flags(r) & PIN_DONE)
+        cuda_unpin(r);
+}
+
+static bool cuda_post(axf_engine *e, op *o, uint32_t flags)
+{
+    if (!cuda_op_is_gpu(o))
+        return shm_post(e, o, flags); /* host to host: the same-host copies */
+    pthread_mutex_unlock(&e->mu);
+    cuda_submit(e, o); /* the CUDA threads enqueue and complete it */
+    return true;
+}
+
+const axf_transport axf_xp_cuda = {
+    .abi = AXF_TRANSPORT_ABI,
+    .name = "cuda",
+    .ep_kind = AXF_EP_CUDA,
+    .caps = AXF_XP_CAP_SAME_HOST | AXF_XP_CAP_NOTIFY | AXF_XP_CAP_OWN_DATA |
+            AXF_XP_CAP_EAGER_UNMAP,
+    .local_mem = AXF_MEM_BIT(AXF_MEM_HOST) | AXF_MEM_BIT(AXF_MEM_CUDA),
+    .far_mem = AXF_MEM_BIT(AXF_MEM_HOST) | AXF_MEM_BIT(AXF_MEM_CUDA),
+    .quiesce = cuda_stop,
+    .destroy = cuda_free,
+    .region_free = cuda_region_free,
+    .ep_open = cuda_ep_open,
+    .ep_import_fd = shm_map, /* host regions shared as memfds: mapped as shm does */
+    .rr_unmap = cuda_unmap,
+    .check = cuda_op_check,
+    .submit = cuda_post,
+};

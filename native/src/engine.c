@@ -1,5 +1,7 @@
-/* Engine core: region registry, ops table, posting, the completion ring. */
-#include "internal.h"
+/* Engine core: region registry, ops table, posting, the completion ring,
+ * revocation, endpoints' life. It names no transport: what differs between
+ * them goes through their axf_transport (transport.h, transports.c). */
+#include "transport.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -62,7 +64,7 @@ static int ep_ended_status(axf_engine *e, uint64_t id);
 
 /* Set by axf_post (AXF_POST_POLL) around a completion it makes itself: the
  * thread that posted polls next, so its record needs no wake-up. */
-static _Thread_local bool cq_quiet;
+_Thread_local bool axf_cq_quiet;
 
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
@@ -93,7 +95,7 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
     }
     /* One eventfd write per drain: none while one is pending, none for a
      * record the posting thread is about to poll itself. */
-    bool signal = !e->cq_signalled && !cq_quiet;
+    bool signal = !e->cq_signalled && !axf_cq_quiet;
     if (signal)
         e->cq_signalled = true;
     axf_completion *c = &e->cq[(e->cq_head + e->cq_count) % e->cq_cap];
@@ -230,11 +232,6 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         e->cfg.copy_workers = 2;
     if (!e->cfg.chunk_bytes)
         e->cfg.chunk_bytes = 1u << 20;
-    const axf_calibration *cal = shm_calibration();
-    if (!e->cfg.inline_bytes)
-        e->cfg.inline_bytes = cal->inline_bytes;
-    e->batch_inline = e->cfg.inline_bytes < (64u << 10) ? e->cfg.inline_bytes : 64u << 10;
-    e->poll_us = cal->poll_us;
     if (!e->cfg.keepalive_ms)
         e->cfg.keepalive_ms = 1000;
     if (!e->cfg.peer_timeout_ms)
@@ -268,14 +265,19 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     pthread_cond_init(&e->th_cv, NULL);
     e->next_rid = 1;
     e->next_ep = 1;
-    if (shm_start(e) != AXF_OK) {
-        close(e->efd);
-        close(e->watch_efd);
-        free(e);
-        return NULL;
-    }
-    if (pthread_create(&e->watch_thread, NULL, watch_main, e) != 0) {
-        shm_stop(e);
+    const axf_transport *const *xi = axf_transports;
+    for (; *xi; xi++)
+        if ((*xi)->enable && (*xi)->enable(e) != AXF_OK)
+            break;
+    if (*xi || pthread_create(&e->watch_thread, NULL, watch_main, e) != 0) {
+        while (xi-- != axf_transports) { /* those enabled, in reverse */
+            if ((*xi)->quiesce)
+                (*xi)->quiesce(e);
+            if ((*xi)->stop)
+                (*xi)->stop(e);
+            if ((*xi)->destroy)
+                (*xi)->destroy(e);
+        }
         close(e->efd);
         close(e->watch_efd);
         free(e);
@@ -311,6 +313,15 @@ void axf_engine_stats(axf_engine *e, axf_stats *s)
 
 /* ---------------------------------------------------------------- regions */
 
+/* Every transport lets go of r, those before `upto` only when it is set (a
+ * registration that failed at upto). */
+static void region_xp_free(axf_engine *e, region *r, const axf_transport *const *upto)
+{
+    for (const axf_transport *const *xi = axf_transports; *xi && xi != upto; xi++)
+        if ((*xi)->region_free)
+            (*xi)->region_free(e, r);
+}
+
 region *region_get(axf_engine *e, uint64_t id)
 {
     for (region *r = e->regions[id % AXF_REGION_BUCKETS]; r; r = r->next)
@@ -326,9 +337,7 @@ void region_unref(axf_engine *e, region *r)
     if (atomic_fetch_sub(&r->refs, 1) == 1) {
         /* After every peer acknowledged (nothing in flight), and before the
          * owner hears it may release the memory. */
-        verbs_region_free(e, r);
-        if (r->cuda_pinned)
-            cuda_unpin(r);
+        region_xp_free(e, r, NULL);
         cq_push(e, AXF_CQ_REGION_FREED, r->freed_status, r->id, 0, r->len, 0, NULL, 0);
         atomic_fetch_sub(&e->n_regions, 1);
         if (r->fd >= 0)
@@ -341,17 +350,21 @@ static int region_add(axf_engine *e, region *r, uint64_t *id_out, uint64_t *key_
 {
     r->key = random_u64();
     atomic_init(&r->refs, 1);
-    int vst = verbs_region_add(e, r); /* before anyone can reach it */
-    if (vst != AXF_OK) {
-        if (r->fd >= 0)
-            close(r->fd);
-        free(r);
-        return vst;
+    /* Every transport sees it before anyone can reach it. */
+    for (const axf_transport *const *xi = axf_transports; *xi; xi++) {
+        int xst = (*xi)->region_add ? (*xi)->region_add(e, r) : AXF_OK;
+        if (xst != AXF_OK) {
+            region_xp_free(e, r, xi);
+            if (r->fd >= 0)
+                close(r->fd);
+            free(r);
+            return xst;
+        }
     }
     pthread_mutex_lock(&e->mu);
     if (e->shut) {
         pthread_mutex_unlock(&e->mu);
-        verbs_region_free(e, r);
+        region_xp_free(e, r, NULL);
         if (r->fd >= 0)
             close(r->fd);
         free(r);
@@ -414,7 +427,6 @@ int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64
             free(r);
             return AXF_E_REGISTRATION;
         }
-        r->dio_align = file_dio_align(r->fd);
     }
     return region_add(e, r, id_out, key_out);
 }
@@ -622,6 +634,24 @@ static void conn_peer_exited(axf_engine *e, conn *c)
     }
 }
 
+/* e->mu held: every transport undoes what it mapped of rr (in registry
+ * order: a CUDA host registration of a mapping before the mapping). */
+static void rr_unmap(rregion *rr)
+{
+    AXF_FOR_XP(xp)
+        if (xp->rr_unmap)
+            xp->rr_unmap(rr);
+}
+
+/* e->mu held: the far regions of ep no op can use any more (forgotten,
+ * revoked, or the endpoint is dead) are unmapped. */
+void rr_unmap_idle(endpoint *ep)
+{
+    for (rregion *rr = ep->rregions; rr; rr = rr->next)
+        if ((rr->gone || ep->dead) && atomic_load(&rr->users) == 0)
+            rr_unmap(rr);
+}
+
 /* Initiator side: acknowledges every revocation of ep whose region no op uses
  * any more, and unmaps what it had mapped of it. e->mu held. */
 static void rv_acks_flush(axf_engine *e, endpoint *ep)
@@ -638,10 +668,7 @@ static void rv_acks_flush(axf_engine *e, endpoint *ep)
         }
         for (rregion *rr = ep->rregions; rr; rr = rr->next)
             if (rr->rid == a->rid && rr->key == a->key) {
-                /* the CUDA host registration of the mapping first: it must
-                 * not outlive the pages it pins */
-                cuda_unmap(rr);
-                shm_unmap(rr);
+                rr_unmap(rr);
             }
         sq_item *it = sq_new(FR_REVOKE_ACK, 0);
         if (it) {
@@ -702,10 +729,7 @@ int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
     if (!busy) {
         for (rregion *rr = ep->rregions; rr; rr = rr->next)
             if (rr->rid == rid && rr->key == key) {
-                /* the CUDA host registration of the mapping first: it must
-                 * not outlive the pages it pins */
-                cuda_unmap(rr);
-                shm_unmap(rr);
+                rr_unmap(rr);
             }
         sq_item *it = sq_new(FR_REVOKE_ACK, 0);
         if (!it) {
@@ -730,7 +754,8 @@ static void op_release_remote(axf_engine *e, op *o)
         rregion *rr = o->rregs[i];
         if (atomic_fetch_sub(&rr->users, 1) == 1) {
             flush |= atomic_load(&rr->revoked);
-            gpu |= o->ep->kind == AXF_EP_CUDA; /* rr->cuda is read under e->mu only */
+            /* its transport's mappings are looked at under e->mu only */
+            gpu |= (o->ep->xp->caps & AXF_XP_CAP_EAGER_UNMAP) != 0;
         }
     }
     if (flush || gpu) {
@@ -738,7 +763,7 @@ static void op_release_remote(axf_engine *e, op *o)
         if (flush)
             rv_acks_flush(e, o->ep);
         if (gpu)
-            cuda_unmap_idle(o->ep);
+            rr_unmap_idle(o->ep);
         pthread_mutex_unlock(&e->mu);
     }
 }
@@ -901,10 +926,11 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
             next = o->next;
             /* Copies in flight (CPU or GPU) and posted RDMA requests finish
              * (or flush) on their own. */
-            if ((ep->kind == AXF_EP_SHM || ep->kind == AXF_EP_CUDA || ep->kind == AXF_EP_VERBS) &&
+            uint32_t caps = ep->xp->caps;
+            if ((caps & (AXF_XP_CAP_OWN_DATA | AXF_XP_CAP_FAIL_EARLY)) == AXF_XP_CAP_OWN_DATA &&
                 o->phase == 0)
                 continue;
-            if (ep->kind == AXF_EP_FILE) { /* its chunks finish in file.c and then see this */
+            if (caps & AXF_XP_CAP_FAIL_EARLY) { /* its chunks finish there and then see this */
                 op_set_status(o, st, 0);
                 continue;
             }
@@ -918,10 +944,9 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
             ep->lost_reported = true;
             report = true;
         }
-        cuda_unmap_idle(ep);
-        shm_unmap_idle(ep);
+        rr_unmap_idle(ep);
     }
-    bool flush = ep->live_conns == 0 && ep->kind == AXF_EP_VERBS;
+    bool flush = ep->live_conns == 0 && ep->xp->ep_lost;
     /* Read now: once unlocked, a closed endpoint with nothing left may be freed. */
     int lost_st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
     uint64_t ep_id = ep->id, ep_tag = ep->tag;
@@ -932,26 +957,15 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
         cq_push(e, AXF_CQ_PEER_LOST, lost_st, ep_id, ep_tag, 0, 0, NULL, 0);
     if (reap)
         watch_wake(e);
-    if (flush) { /* posted RDMA requests flush, then their ops finish (verbs.c) */
+    if (flush) { /* e.g. posted RDMA requests flush, then their ops finish */
         pthread_mutex_lock(&e->mu);
-        verbs_ep_dead(e, ep);
+        ep->xp->ep_lost(e, ep);
         pthread_mutex_unlock(&e->mu);
     }
     for (op *o = claimed, *next; o; o = next) {
         next = o->next;
         op_finish_unlinked(e, o);
     }
-}
-
-/* e->mu held: the shm mappings of ep no op can use any more (forgotten,
- * revoked, or the endpoint is dead) are unmapped. */
-void shm_unmap_idle(endpoint *ep)
-{
-    for (rregion *rr = ep->rregions; rr; rr = rr->next)
-        if (rr->map && (rr->gone || ep->dead) && atomic_load(&rr->users) == 0) {
-            cuda_unmap(rr); /* a CUDA host registration of the mapping first */
-            shm_unmap(rr);
-        }
 }
 
 /* e->mu held: id named an endpoint that was closed and freed since. */
@@ -1010,17 +1024,11 @@ static int op_resolve(axf_engine *e, op *o)
             return AXF_E_ACCESS;
         }
         o->total += d->len; /* bounded by a region each: no wrap for any sane n */
-        /* The socket, same-host copy and file paths touch host memory only. */
-        if (last->kind != AXF_MEM_HOST && (o->ep->kind == AXF_EP_TCP || o->ep->kind == AXF_EP_SHM ||
-                                           o->ep->kind == AXF_EP_FILE)) {
-            o->fail_index = i;
-            return AXF_E_INVALID;
-        }
-        /* RDMA reaches what is registered with the devices (host memory, GPU
-         * memory registered for GPUDirect), never a file; the GPU copy path
-         * reaches host and GPU memory, not files. */
-        if ((o->ep->kind == AXF_EP_VERBS && !verbs_region_usable(last)) ||
-            (o->ep->kind == AXF_EP_CUDA && last->kind == AXF_MEM_FILE)) {
+        /* The memory kinds its transport reaches, and (RDMA: registered
+         * with the devices) what it says it can use. */
+        const axf_transport *xp = o->ep->xp;
+        if (!(xp->local_mem & AXF_MEM_BIT(last->kind)) ||
+            (xp->region_usable && !xp->region_usable(last))) {
             o->fail_index = i;
             return AXF_E_INVALID;
         }
@@ -1030,8 +1038,8 @@ static int op_resolve(axf_engine *e, op *o)
             return AXF_E_ACCESS;
         }
         o->laddr[i] = last->addr + d->loff;
-        if (o->ep->kind == AXF_EP_FILE) { /* the far side is one of our own file regions */
-            int st = file_resolve(e, o, i, need_remote);
+        if (xp->resolve) { /* the far side is not a region the peer shared */
+            int st = xp->resolve(e, o, i, need_remote);
             if (st != AXF_OK) {
                 o->fail_index = i;
                 return st;
@@ -1094,258 +1102,6 @@ conn *notify_enqueue(axf_engine *e, op *o)
     return c;
 }
 
-/* Smooth weighted round robin over the live connections, weighted by their
- * measured rates (unmeasured ones count as the average), every live one
- * keeping at least a slot so that its rate keeps being measured. */
-static void sched_build(endpoint *ep)
-{
-    uint64_t w[AXF_MAX_CONNS] = {0}, known = 0, nknown = 0, total = 0;
-    bool live[AXF_MAX_CONNS] = {0};
-    int nlive = 0;
-    for (int i = 0; i < ep->nconns; i++) {
-        if (atomic_load(&ep->conns[i]->down))
-            continue;
-        live[i] = true;
-        nlive++;
-        w[i] = atomic_load(&ep->conns[i]->rate);
-        if (w[i]) {
-            known += w[i];
-            nknown++;
-        }
-    }
-    ep->nsched = 0;
-    if (!nlive)
-        return;
-    uint64_t avg = nknown ? known / nknown : 1;
-    for (int i = 0; i < ep->nconns; i++)
-        if (live[i]) {
-            if (!w[i])
-                w[i] = avg;
-            total += w[i];
-        }
-    uint64_t floor = total / AXF_SCHED + 1;
-    total = 0;
-    for (int i = 0; i < ep->nconns; i++)
-        if (live[i]) {
-            if (w[i] < floor)
-                w[i] = floor;
-            total += w[i];
-        }
-    int64_t cur[AXF_MAX_CONNS] = {0};
-    for (int k = 0; k < AXF_SCHED; k++) {
-        int best = -1;
-        for (int i = 0; i < ep->nconns; i++) {
-            if (!live[i])
-                continue;
-            cur[i] += (int64_t)w[i];
-            if (best < 0 || cur[i] > cur[best])
-                best = i;
-        }
-        cur[best] -= (int64_t)total;
-        ep->sched[k] = (uint8_t)best;
-    }
-    ep->nsched = AXF_SCHED;
-}
-
-static bool sched_ready(endpoint *ep)
-{
-    if (!ep->nsched || atomic_exchange(&ep->sched_stale, false))
-        sched_build(ep);
-    return ep->nsched > 0;
-}
-
-/* Walks the chunks of an op: a given list, or every chunk in order (those of
- * one connection of the op's schedule only, when slot >= 0). */
-typedef struct chunk_iter {
-    const op *o;
-    const chunk_ref *list;
-    size_t n, pos;
-    int slot;
-    uint64_t k, i, off, chunk;
-} chunk_iter;
-
-static bool chunk_next(chunk_iter *it, uint64_t *i, uint64_t *off)
-{
-    if (it->list) {
-        if (it->pos == it->n)
-            return false;
-        *i = it->list[it->pos].i;
-        *off = it->list[it->pos].off;
-        it->pos++;
-        return true;
-    }
-    while (it->i < it->o->n) {
-        uint64_t ci = it->i, coff = it->off, k = it->k++;
-        it->off += it->chunk;
-        if (it->off >= it->o->d[ci].len) {
-            it->i++;
-            it->off = 0;
-        }
-        if (it->slot < 0 || it->o->sched[(it->o->sched0 + k) % AXF_SCHED] == it->slot) {
-            *i = ci;
-            *off = coff;
-            return true;
-        }
-    }
-    return false;
-}
-
-static sq_item *chunk_item(const op *o, uint64_t i, uint64_t off, uint64_t chunk)
-{
-    sq_item *it = sq_new(o->opcode == AXF_OP_WRITE ? FR_WRITE : FR_READ_REQ, o->req_id);
-    if (!it)
-        return NULL;
-    const axf_desc *d = &o->d[i];
-    uint64_t len = d->len - off < chunk ? d->len - off : chunk;
-    it->h.index = i;
-    it->h.rid = d->rrid;
-    it->h.key = d->rkey;
-    it->h.off = d->roff + off;
-    it->h.len = len;
-    it->op = (op *)o;
-    if (o->opcode == AXF_OP_WRITE) {
-        it->payload = o->laddr[i] + off;
-        it->plen = len;
-    }
-    atomic_fetch_add(&((op *)o)->pins, 1);
-    return it;
-}
-
-static void mark_dirty(axf_engine *e, conn *c)
-{
-    for (int k = 0; k < e->ndirty; k++)
-        if (e->dirty[k] == c)
-            return;
-    if (e->ndirty < 64) {
-        conn_ref(c); /* until the doorbell kicked it */
-        e->dirty[e->ndirty++] = c;
-    } else {
-        conn_signal(c);
-    }
-}
-
-/* Stripes a new op's chunks over the live connections by the endpoint's
- * schedule: one group per connection used, its LAST frame acknowledged once.
- * Returns false when nothing could be queued (the caller completes the op). */
-static bool tcp_submit(axf_engine *e, op *o, bool signal) /* e->mu held */
-{
-    endpoint *ep = o->ep;
-    if (!sched_ready(ep)) {
-        op_set_status(o, AXF_E_PEER_LOST, 0);
-        atomic_store(&o->remaining, 1);
-        return false;
-    }
-    memcpy(o->sched, ep->sched, AXF_SCHED);
-    o->sched0 = (uint32_t)ep->rr_next;
-    /* Each connection's frames are chained here and queued as one group with
-     * its expectation (a READ's chunks are answered one by one). */
-    sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
-    uint64_t gbytes[AXF_MAX_CONNS] = {0};
-    chunk_iter ci_ = {.o = o, .slot = -1, .chunk = e->cfg.chunk_bytes};
-    uint64_t i, off, k = 0;
-    int used = 0;
-    while (chunk_next(&ci_, &i, &off)) {
-        int ci = o->sched[(o->sched0 + k++) % AXF_SCHED];
-        sq_item *it = chunk_item(o, i, off, e->cfg.chunk_bytes);
-        if (!it) {
-            op_set_status(o, AXF_E_NOMEM, i);
-            break;
-        }
-        if (!lastp[ci]) {
-            used++;
-            first[ci] = it;
-        } else {
-            lastp[ci]->next = it;
-        }
-        lastp[ci] = it;
-        gbytes[ci] += it->h.len;
-    }
-    ep->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
-    /* Set before any group is queued: replies may come at once. */
-    atomic_store(&o->remaining, used ? used : 1);
-    if (!used)
-        return false;
-    for (int ci = 0; ci < ep->nconns; ci++) {
-        if (!lastp[ci])
-            continue;
-        lastp[ci]->h.flags |= FL_LAST;
-        lastp[ci]->slot = ci;
-        lastp[ci]->group_bytes = gbytes[ci];
-        conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], signal);
-        if (!signal)
-            mark_dirty(e, ep->conns[ci]);
-    }
-    return true;
-}
-
-
-bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n)
-{
-    endpoint *ep = o->ep;
-    if (!sched_ready(ep))
-        return false;
-    uint64_t chunk = e->cfg.chunk_bytes, i, off;
-    uint32_t start = (uint32_t)ep->rr_next;
-    size_t cnt[AXF_MAX_CONNS] = {0}, fill[AXF_MAX_CONNS] = {0}, total = 0;
-    chunk_iter it = {.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
-    while (chunk_next(&it, &i, &off))
-        cnt[ep->sched[(start + total++) % AXF_SCHED]]++;
-    if (!total)
-        return false;
-    chunk_ref *lists[AXF_MAX_CONNS] = {0};
-    sq_item **items = calloc(total, sizeof *items);
-    bool ok = items != NULL;
-    int groups = 0;
-    for (int ci = 0; ci < ep->nconns && ok; ci++)
-        if (cnt[ci]) {
-            groups++;
-            ok = (lists[ci] = malloc(cnt[ci] * sizeof *lists[ci])) != NULL;
-        }
-    it = (chunk_iter){.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
-    for (size_t j = 0; ok && chunk_next(&it, &i, &off); j++) {
-        int ci = ep->sched[(start + j) % AXF_SCHED];
-        lists[ci][fill[ci]++] = (chunk_ref){.i = i, .off = off};
-        ok = (items[j] = chunk_item(o, i, off, chunk)) != NULL;
-    }
-    if (!ok) {
-        for (size_t j = 0; items && j < total; j++)
-            if (items[j])
-                sq_drop(e, items[j]);
-        for (int ci = 0; ci < AXF_MAX_CONNS; ci++)
-            free(lists[ci]);
-        free(items);
-        op_set_status(o, AXF_E_NOMEM, 0);
-        return false;
-    }
-    /* The failed group's unit becomes these groups' units. */
-    atomic_fetch_add(&o->remaining, groups - 1);
-    o->reroutes++;
-    sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
-    uint64_t gbytes[AXF_MAX_CONNS] = {0};
-    for (size_t j = 0; j < total; j++) {
-        int ci = ep->sched[(start + j) % AXF_SCHED];
-        if (lastp[ci])
-            lastp[ci]->next = items[j];
-        else
-            first[ci] = items[j];
-        lastp[ci] = items[j];
-        gbytes[ci] += items[j]->h.len;
-    }
-    for (int ci = 0; ci < ep->nconns; ci++) {
-        if (!lastp[ci])
-            continue;
-        lastp[ci]->h.flags |= FL_LAST;
-        lastp[ci]->slot = ci;
-        lastp[ci]->chunks = lists[ci];
-        lastp[ci]->nchunks = cnt[ci];
-        lastp[ci]->group_bytes = gbytes[ci];
-        conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], true);
-    }
-    ep->rr_next = (int)((start + total) % AXF_SCHED);
-    free(items);
-    return true;
-}
-
 int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, size_t n,
              const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags)
 {
@@ -1402,17 +1158,17 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         st = AXF_E_PEER_LOST;
     else if (op_find(e, req_id))
         st = AXF_E_INVALID;
-    else if (ep->kind == AXF_EP_FILE && (opcode == AXF_OP_NOTIFY || notify_len))
+    else if (!(ep->xp->caps & AXF_XP_CAP_NOTIFY) && (opcode == AXF_OP_NOTIFY || notify_len))
         st = AXF_E_INVALID; /* nobody to notify */
-    else if ((ep->kind == AXF_EP_TCP || ep->kind == AXF_EP_VERBS || opcode == AXF_OP_NOTIFY) &&
+    else if (((ep->xp->caps & AXF_XP_CAP_NEEDS_CONN) || opcode == AXF_OP_NOTIFY) &&
              ep->nconns == 0)
         st = AXF_E_TRANSPORT;
     if (st == AXF_OK) {
         o->ep = ep;
         st = op_resolve(e, o);
     }
-    if (st == AXF_OK && ep->kind == AXF_EP_CUDA)
-        st = cuda_op_check(o);
+    if (st == AXF_OK && ep->xp->check)
+        st = ep->xp->check(o);
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
         op_free(e, o);
@@ -1430,62 +1186,14 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     ep->ops = o;
     atomic_fetch_add(&e->n_ops, 1);
     atomic_fetch_add(&e->posted, 1);
-    bool signal = !(flags & AXF_POST_DEFER);
-    bool finish_now = false;
     if (opcode == AXF_OP_NOTIFY) {
         atomic_store(&o->remaining, 1);
         pthread_mutex_unlock(&e->mu);
         op_unit_done(e, o); /* straight to the notification phase */
         return AXF_OK;
     }
-    if (ep->kind == AXF_EP_TCP) {
-        /* Not read back from o->remaining: replies may already be decrementing it. */
-        /* Queued unsignalled; the doorbell below (or the caller's) sends
-         * small frames on this thread, without a handoff. */
-        finish_now = !tcp_submit(e, o, false);
-        pthread_mutex_unlock(&e->mu);
-        if (signal && !finish_now)
-            axf_doorbell(e);
-    } else if (ep->kind == AXF_EP_FILE) {
-        pthread_mutex_unlock(&e->mu);
-        file_submit(e, o, signal);
-    } else if (ep->kind == AXF_EP_VERBS) {
-        /* Posted to the queue pairs at once: one post per chain is the batch. */
-        finish_now = !verbs_submit(e, o);
-        pthread_mutex_unlock(&e->mu);
-    } else if (ep->kind == AXF_EP_CUDA && cuda_op_is_gpu(o)) {
-        pthread_mutex_unlock(&e->mu);
-        cuda_submit(e, o); /* the CUDA threads enqueue and complete it */
-    } else {
-        uint64_t total = 0;
-        for (size_t i = 0; i < n; i++)
-            total += o->d[i].len;
-        pthread_mutex_unlock(&e->mu);
-        /* A small same-host copy, or a lone one below the calibrated
-         * threshold (its caller would otherwise pay a worker's wake-up and
-         * then its own): done now, on this thread. A batch keeps the workers
-         * for anything larger (they copy in parallel with each other). */
-        bool alone = flags & AXF_POST_ALONE;
-        if (e->cfg.inline_bytes != UINT64_MAX &&
-            ((alone && total <= e->cfg.inline_bytes) ||
-             (!notify_len && total <= e->batch_inline))) {
-            atomic_store(&o->remaining, 1);
-            int cst = shm_copy_inline(e, o);
-            op_set_status(o, cst, 0);
-            /* Its completion is known at submit (none when a notification
-             * follows: that one comes from the connection). */
-            cq_quiet = (flags & AXF_POST_POLL) != 0 && !notify_len;
-            op_unit_done(e, o);
-            cq_quiet = false;
-            return AXF_OK;
-        }
-        if (!signal) {
-            pthread_mutex_lock(&e->mu);
-            e->dirty_workers = true;
-            pthread_mutex_unlock(&e->mu);
-        }
-        shm_submit(e, o, signal);
-    }
+    /* The transport queues (or does) the data phase and unlocks. */
+    bool finish_now = !ep->xp->submit(e, o, flags);
     if (finish_now)
         op_complete(e, o);
     return AXF_OK;
@@ -1498,20 +1206,15 @@ void axf_doorbell(axf_engine *e)
     int ndirty = e->ndirty;
     memcpy(dirty, e->dirty, (size_t)ndirty * sizeof *dirty);
     e->ndirty = 0;
-    bool w = e->dirty_workers;
-    e->dirty_workers = false;
     pthread_mutex_unlock(&e->mu);
     /* Each holds a reference from mark_dirty: safe once unlocked. */
     for (int i = 0; i < ndirty; i++) {
         conn_kick(dirty[i]);
         conn_unref(dirty[i]);
     }
-    if (w) {
-        pthread_mutex_lock(&e->wq_mu);
-        pthread_cond_broadcast(&e->wq_cv);
-        pthread_mutex_unlock(&e->wq_mu);
-    }
-    file_doorbell(e);
+    AXF_FOR_XP(xp)
+        if (xp->doorbell)
+            xp->doorbell(e);
 }
 
 int axf_cancel(axf_engine *e, uint64_t req_id)
@@ -1555,27 +1258,24 @@ static bool pidfd_exited(int pidfd)
     return poll(&p, 1, 0) == 1 && (p.revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL));
 }
 
-static bool ep_same_host(int kind)
+static bool ep_same_host(const endpoint *ep)
 {
-    return kind == AXF_EP_SHM || kind == AXF_EP_CUDA;
+    return ep->xp->caps & AXF_XP_CAP_SAME_HOST;
 }
 
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int pidfd,
                         uint64_t *ep_out)
 {
     int st = AXF_OK;
-    if (kind != AXF_EP_TCP && kind != AXF_EP_SHM && kind != AXF_EP_FILE && kind != AXF_EP_CUDA &&
-        kind != AXF_EP_VERBS)
-        st = AXF_E_INVALID;
-    else if (kind == AXF_EP_VERBS && !e->verbs)
-        st = AXF_E_TRANSPORT; /* axf_verbs_enable first */
-    else if (kind == AXF_EP_CUDA && !cuda_ready(e))
-        st = AXF_E_TRANSPORT; /* axf_cuda_enable first */
-    else if (!ep_same_host(kind) && (pid != 0 || pidfd >= 0))
+    const axf_transport *xp = axf_transport_for(kind);
+    bool same_host = xp && (xp->caps & AXF_XP_CAP_SAME_HOST);
+    if (!xp) /* a public kind whose transport is not built: unavailable */
+        st = kind >= AXF_EP_TCP && kind <= AXF_EP_CUDA ? AXF_E_TRANSPORT : AXF_E_INVALID;
+    else if (!same_host && (pid != 0 || pidfd >= 0))
         st = AXF_E_INVALID; /* no process to aim at: nothing to hold */
-    else if (ep_same_host(kind) && pid <= 0)
+    else if (same_host && pid <= 0)
         st = AXF_E_INVALID;
-    else if (ep_same_host(kind) && pidfd < 0 && pid != getpid())
+    else if (same_host && pidfd < 0 && pid != getpid())
         st = AXF_E_ACCESS; /* another process, and the kernel did not vouch for it */
     else if (pidfd >= 0 && (pidfd_pid(pidfd) == -1 || (pidfd_pid(pidfd) > 0 && pidfd_exited(pidfd))))
         st = AXF_E_PEER_LOST; /* gone already */
@@ -1590,6 +1290,7 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
         return st;
     }
     ep->kind = kind;
+    ep->xp = xp;
     ep->tag = tag;
     ep->pid = pid;
     ep->pidfd = pidfd;
@@ -1603,9 +1304,12 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
         free(ep);
         return AXF_E_CLOSED;
     }
-    int fst = kind == AXF_EP_FILE ? file_start(e) : AXF_OK;
+    /* Its transport starts on demand, or refuses (not enabled). */
+    int fst = xp->ep_open ? xp->ep_open(e, ep) : AXF_OK;
     if (fst != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
+        if (pidfd >= 0)
+            close(pidfd);
         free(ep);
         return fst;
     }
@@ -1704,8 +1408,7 @@ size_t axf_endpoint_rails(axf_engine *e, uint64_t ep_id, axf_rail_stats *out, si
     return n;
 }
 
-static rregion *rregion_new(uint64_t rid, uint64_t key, uint64_t len, uint32_t access,
-                           uint64_t addr)
+rregion *rregion_new(uint64_t rid, uint64_t key, uint64_t len, uint32_t access, uint64_t addr)
 {
     rregion *rr = calloc(1, sizeof *rr);
     if (!rr)
@@ -1720,8 +1423,7 @@ static rregion *rregion_new(uint64_t rid, uint64_t key, uint64_t len, uint32_t a
     return rr;
 }
 
-/* Makes rr the endpoint's region rid; an older import of rid takes no new ops. e->mu held. */
-static void rregion_publish(endpoint *ep, rregion *rr)
+void rregion_publish(endpoint *ep, rregion *rr)
 {
     rregion *old = rr_find(ep, rr->rid);
     if (old)
@@ -1745,7 +1447,7 @@ int axf_endpoint_import(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t ke
              : ep->dead || ep->closing ? AXF_E_CLOSED
                                        : AXF_OK;
     if (st == AXF_OK && memfd >= 0)
-        st = ep_same_host(ep->kind) ? shm_map(ep, rr, memfd) : AXF_E_INVALID;
+        st = ep->xp->ep_import_fd ? ep->xp->ep_import_fd(ep, rr, memfd) : AXF_E_INVALID;
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
         free(rr);
@@ -1763,46 +1465,11 @@ int axf_endpoint_forget(axf_engine *e, uint64_t ep_id, uint64_t rid)
     rregion *rr = ep ? rr_find(ep, rid) : NULL;
     if (rr) {
         rr->gone = true; /* in-flight ops keep using it; freed with the endpoint */
-        cuda_unmap_idle(ep);
+        if (ep->xp->caps & AXF_XP_CAP_EAGER_UNMAP)
+            rr_unmap_idle(ep);
     }
     pthread_mutex_unlock(&e->mu);
     return rr ? AXF_OK : AXF_E_NOTFOUND;
-}
-
-int axf_endpoint_import_cuda(axf_engine *e, uint64_t ep_id, uint64_t rid, uint64_t key,
-                             uint64_t len, uint32_t access, uint64_t addr, const uint8_t *handle,
-                             uint64_t offset, const uint8_t uuid[16])
-{
-    static const uint8_t no_uuid[16];
-    if (!len)
-        return AXF_E_INVALID;
-    rregion *rr = rregion_new(rid, key, len, access, addr);
-    if (!rr)
-        return AXF_E_NOMEM;
-    pthread_mutex_lock(&e->mu);
-    endpoint *ep = ep_find(e, ep_id);
-    int st = !ep ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED
-             : ep->kind != AXF_EP_CUDA ? AXF_E_INVALID : AXF_OK;
-    pthread_mutex_unlock(&e->mu);
-    /* Opening the handle may take a while: not under the engine lock (an
-     * endpoint lives as long as the engine). */
-    if (st == AXF_OK)
-        st = cuda_import(ep, rr, handle, offset, uuid ? uuid : no_uuid);
-    if (st != AXF_OK) {
-        free(rr);
-        return st;
-    }
-    pthread_mutex_lock(&e->mu);
-    if (ep->dead) {
-        pthread_mutex_unlock(&e->mu);
-        cuda_unmap(rr);
-        free(rr);
-        return AXF_E_CLOSED;
-    }
-    rregion_publish(ep, rr);
-    cuda_unmap_idle(ep);
-    pthread_mutex_unlock(&e->mu);
-    return AXF_OK;
 }
 
 int axf_endpoint_close(axf_engine *e, uint64_t ep_id)
@@ -1816,7 +1483,7 @@ int axf_endpoint_close(axf_engine *e, uint64_t ep_id)
     }
     ep->closing = true;
     atomic_store(&ep->halt, true); /* copies stop at their next chunk */
-    if (ep_same_host(ep->kind) && ep->live_conns > 0) {
+    if (ep_same_host(ep) && ep->live_conns > 0) {
         /* Its copies reach the peer's memory directly: the peer may release
          * it only once none runs. Ops fail now; copies stop at their next
          * chunk; the last one out says goodbye (ep_maybe_bye), and the
@@ -1846,17 +1513,15 @@ int axf_endpoint_close(axf_engine *e, uint64_t ep_id)
 void ep_maybe_bye(axf_engine *e, endpoint *ep)
 {
     (void)e;
-    if (ep->bye_sent || !ep->closing || !ep_same_host(ep->kind))
+    if (ep->bye_sent || !ep->closing || !ep_same_host(ep))
         return;
     for (op *o = ep->ops; o; o = o->next)
         if (o->phase == 0)
             return; /* a copy of it may still run */
     ep->bye_sent = true;
     /* No copy of ours runs, none will: nothing touches the peer's memory. */
-    for (rregion *rr = ep->rregions; rr; rr = rr->next) {
-        cuda_unmap(rr);
-        shm_unmap(rr);
-    }
+    for (rregion *rr = ep->rregions; rr; rr = rr->next)
+        rr_unmap(rr);
     for (int i = 0; i < ep->nconns; i++) {
         conn *c = ep->conns[i];
         if (atomic_load(&c->down))
@@ -1913,7 +1578,7 @@ void watch_wake(axf_engine *e)
  * holds on to (the CUDA and verbs code keep endpoint pointers of their own). */
 static bool ep_reapable(axf_engine *e, endpoint *ep)
 {
-    if ((ep->kind != AXF_EP_TCP && ep->kind != AXF_EP_SHM) || !ep->dead || ep->live_conns ||
+    if (!(ep->xp->caps & AXF_XP_CAP_REAPABLE) || !ep->dead || ep->live_conns ||
         ep->ops || atomic_load(&ep->ops_alive) || !ep->lost_reported)
         return false;
     for (rv_ack *a = e->rv_acks; a; a = a->next)
@@ -1926,16 +1591,18 @@ static void ep_free(endpoint *ep)
 {
     for (rregion *rr = ep->rregions, *rn; rr; rr = rn) {
         rn = rr->next;
-        cuda_unmap(rr); /* its CUDA registration before the pages it pins */
-        shm_unmap(rr);
-        verbs_rr_free(rr);
+        rr_unmap(rr);
+        AXF_FOR_XP(xp)
+            if (xp->rr_free)
+                xp->rr_free(rr);
         free(rr);
     }
     for (int i = 0; i < ep->nconns; i++)
         conn_unref(ep->conns[i]); /* the slots' references */
     if (ep->pidfd >= 0)
         close(ep->pidfd);
-    verbs_ep_free(ep);
+    if (ep->xp->ep_free)
+        ep->xp->ep_free(ep);
     free(ep);
 }
 
@@ -2125,19 +1792,22 @@ void axf_engine_shutdown(axf_engine *e)
     /* Connections of same-host endpoints stay up until our copies stopped:
      * then they say goodbye. */
     for (conn *c = e->conns; c; c = c->next_all)
-        if (!c->ep || !ep_same_host(c->ep->kind))
+        if (!c->ep || !ep_same_host(c->ep))
             conn_kill(c);
     pthread_mutex_unlock(&e->mu);
 
-    shm_stop(e); /* finishes or fails queued copies */
-    cuda_stop(e); /* waits for enqueued GPU copies, fails the rest */
+    /* Copies that reach peers' memory finish or fail (in reverse registry
+     * order: the same-host copies before the GPU copies). */
+    for (size_t i = axf_ntransports; i-- > 0;)
+        if (axf_transports[i]->quiesce)
+            axf_transports[i]->quiesce(e);
 
     /* Goodbye on each live same-host connection; they close once it is
      * sent. Waited for a little (a peer that does not read waits for our
      * exit instead, shutdown does not wait for it), then closed anyway. */
     pthread_mutex_lock(&e->mu);
     for (endpoint *ep = e->eps; ep; ep = ep->next) {
-        if (!ep_same_host(ep->kind) || ep->bye_sent)
+        if (!ep_same_host(ep) || ep->bye_sent)
             continue;
         ep->bye_sent = true;
         for (int i = 0; i < ep->nconns; i++) {
@@ -2165,7 +1835,7 @@ void axf_engine_shutdown(axf_engine *e)
         bool all_down = true;
         pthread_mutex_lock(&e->mu);
         for (endpoint *ep = e->eps; ep && all_down; ep = ep->next)
-            for (int i = 0; ep_same_host(ep->kind) && i < ep->nconns && all_down; i++)
+            for (int i = 0; ep_same_host(ep) && i < ep->nconns && all_down; i++)
                 all_down = atomic_load(&ep->conns[i]->down);
         pthread_mutex_unlock(&e->mu);
         if (all_down)
@@ -2190,8 +1860,11 @@ void axf_engine_shutdown(axf_engine *e)
         pthread_cond_wait(&e->th_cv, &e->th_mu);
     pthread_mutex_unlock(&e->th_mu);
 
-    file_stop(e); /* fails queued file I/O, waits for what is in flight */
-    verbs_stop(e); /* flushes posted RDMA requests; their ops finish */
+    /* Queued work fails, what is in flight finishes (posted RDMA requests
+     * flush and their ops finish). */
+    AXF_FOR_XP(xp)
+        if (xp->stop)
+            xp->stop(e);
 
     /* Whatever is left (endpoints that never had a connection). */
     for (;;) {
@@ -2265,13 +1938,13 @@ void axf_engine_destroy(axf_engine *e)
         n = ep->next;
         ep_free(ep);
     }
-    file_free(e);
     for (conn *c = e->conns, *n; c; c = n) { /* their threads are gone */
         n = c->next_all;
         conn_unref(c);
     }
-    verbs_free(e);
-    cuda_free(e);
+    AXF_FOR_XP(xp)
+        if (xp->destroy)
+            xp->destroy(e);
     for (size_t i = 0; i < e->cq_count; i++)
         free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
     free(e->cq);

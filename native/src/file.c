@@ -17,7 +17,7 @@
  * transfers are resubmitted for the rest; a read that meets the end of the
  * file inside the registered bounds (the file shrank under us) and every
  * I/O error fail the op with AXF_E_TRANSPORT, the errno logged. */
-#include "internal.h"
+#include "transport.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -147,7 +147,7 @@ int axf_file_info(axf_engine *e, char *buf, size_t cap)
     if (!e)
         return uring_try(NULL, buf, cap) ? 1 : 0;
     pthread_mutex_lock(&e->mu);
-    file_xport *f = e->file;
+    file_xport *f = e->xp[AXF_EP_FILE];
     int r = f ? (f->uring ? 1 : 0) : -1;
     snprintf(buf, cap, "%s", f ? f->why : "not started");
     pthread_mutex_unlock(&e->mu);
@@ -156,7 +156,7 @@ int axf_file_info(axf_engine *e, char *buf, size_t cap)
 
 /* ------------------------------------------------------------ regions */
 
-uint32_t file_dio_align(int fd)
+static uint32_t file_dio_align(int fd)
 {
     int fl = fcntl(fd, F_GETFL);
     if (fl < 0 || !(fl & O_DIRECT))
@@ -179,7 +179,7 @@ uint32_t file_dio_align(int fd)
     return 4096; /* safe for every device we know of */
 }
 
-int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need)
+static int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need)
 {
     const axf_desc *d = &o->d[i];
     region *r = NULL;
@@ -288,7 +288,7 @@ static void chunk_ok(fchunk *c)
 static void *pool_main(void *arg)
 {
     axf_engine *e = arg;
-    file_xport *f = e->file;
+    file_xport *f = e->xp[AXF_EP_FILE];
     pthread_mutex_lock(&f->mu);
     for (;;) {
         while (!f->pool_q.head && !f->stop)
@@ -349,7 +349,7 @@ static void uring_prep(file_xport *f, uint32_t slot)
 static void *uring_main(void *arg)
 {
     axf_engine *e = arg;
-    file_xport *f = e->file;
+    file_xport *f = e->xp[AXF_EP_FILE];
     bool armed = false, stopping = false, ring_error = false;
     uint32_t inflight = 0;
     for (;;) {
@@ -437,9 +437,9 @@ static void *uring_main(void *arg)
 
 /* ------------------------------------------------------------ lifecycle */
 
-int file_start(axf_engine *e) /* e->mu held */
+static int file_start(axf_engine *e) /* e->mu held */
 {
-    if (e->file)
+    if (e->xp[AXF_EP_FILE])
         return AXF_OK;
     file_xport *f = calloc(1, sizeof *f);
     if (!f)
@@ -464,7 +464,7 @@ int file_start(axf_engine *e) /* e->mu held */
 #else
     uring_try(NULL, f->why, sizeof f->why);
 #endif
-    e->file = f;
+    e->xp[AXF_EP_FILE] = f;
     /* The pool always runs (buffered I/O, and every op without a ring). */
     for (uint32_t k = 0; k < POOL_THREADS; k++) {
         if (pthread_create(&f->threads[f->nthreads], NULL, pool_main, e) != 0)
@@ -483,7 +483,7 @@ int file_start(axf_engine *e) /* e->mu held */
     }
 #endif
     if (!f->nthreads) {
-        e->file = NULL;
+        e->xp[AXF_EP_FILE] = NULL;
 #ifdef AXF_HAVE_URING
         if (f->uring)
             axf_uring_exit(&f->ring);
@@ -509,9 +509,9 @@ static void file_wake(file_xport *f, fqueue *q) /* f->mu held */
     }
 }
 
-void file_submit(axf_engine *e, op *o, bool signal)
+static void file_submit(axf_engine *e, op *o, bool signal)
 {
-    file_xport *f = e->file;
+    file_xport *f = e->xp[AXF_EP_FILE];
     fjob *j = calloc(1, sizeof *j);
     /* The job's own unit: held until its last chunk is issued. */
     atomic_store(&o->remaining, 1);
@@ -538,10 +538,10 @@ void file_submit(axf_engine *e, op *o, bool signal)
     pthread_mutex_unlock(&f->mu);
 }
 
-void file_doorbell(axf_engine *e)
+static void file_doorbell(axf_engine *e)
 {
     pthread_mutex_lock(&e->mu);
-    file_xport *f = e->file;
+    file_xport *f = e->xp[AXF_EP_FILE];
     pthread_mutex_unlock(&e->mu);
     if (!f)
         return;
@@ -555,10 +555,10 @@ void file_doorbell(axf_engine *e)
     pthread_mutex_unlock(&f->mu);
 }
 
-void file_stop(axf_engine *e)
+static void file_stop(axf_engine *e)
 {
     pthread_mutex_lock(&e->mu);
-    file_xport *f = e->file;
+    file_xport *f = e->xp[AXF_EP_FILE];
     pthread_mutex_unlock(&e->mu);
     if (!f)
         return;
@@ -587,12 +587,12 @@ void file_stop(axf_engine *e)
         }
 }
 
-void file_free(axf_engine *e)
+static void file_free(axf_engine *e)
 {
-    file_xport *f = e->file;
+    file_xport *f = e->xp[AXF_EP_FILE];
     if (!f)
         return;
-    e->file = NULL;
+    e->xp[AXF_EP_FILE] = NULL;
 #ifdef AXF_HAVE_URING
     if (f->uring)
         axf_uring_exit(&f->ring);
@@ -603,3 +603,42 @@ void file_free(axf_engine *e)
     pthread_cond_destroy(&f->cv);
     free(f);
 }
+
+/* ------------------------------------------------------------ transport */
+
+static int file_region_add(axf_engine *e, region *r)
+{
+    (void)e;
+    if (r->kind == AXF_MEM_FILE)
+        r->dio_align = file_dio_align(r->fd);
+    return AXF_OK;
+}
+
+static int file_ep_open(axf_engine *e, endpoint *ep)
+{
+    (void)ep;
+    return file_start(e);
+}
+
+static bool file_post(axf_engine *e, op *o, uint32_t flags)
+{
+    pthread_mutex_unlock(&e->mu);
+    file_submit(e, o, !(flags & AXF_POST_DEFER));
+    return true;
+}
+
+const axf_transport axf_xp_file = {
+    .abi = AXF_TRANSPORT_ABI,
+    .name = "file",
+    .ep_kind = AXF_EP_FILE,
+    .caps = AXF_XP_CAP_OWN_DATA | AXF_XP_CAP_FAIL_EARLY,
+    .local_mem = AXF_MEM_BIT(AXF_MEM_HOST),
+    .far_mem = AXF_MEM_BIT(AXF_MEM_FILE),
+    .stop = file_stop,
+    .destroy = file_free,
+    .region_add = file_region_add,
+    .ep_open = file_ep_open,
+    .resolve = file_resolve,
+    .submit = file_post,
+    .doorbell = file_doorbell,
+};

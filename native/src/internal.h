@@ -18,6 +18,10 @@
 #define AXF_REGION_BUCKETS 1024
 #define AXF_OP_BUCKETS 4096
 #define AXF_SCHED 64 /* slots of a striping schedule over an endpoint's connections */
+/* Private slots of the transports (transport.h), indexed by endpoint kind. */
+#define AXF_XP_SLOTS 8
+
+struct axf_transport;
 
 /* Wire frame: fixed 64-byte header, little-endian hosts only (checked at
  * handshake by the Python layer's host metadata). */
@@ -66,8 +70,7 @@ typedef struct region {
     uint32_t dio_align; /* AXF_MEM_FILE opened O_DIRECT: offsets, lengths and
                            host addresses must be multiples of it; else 0 */
     atomic_int refs; /* one for the registry while registered, one per user */
-    struct verbs_reg *verbs; /* verbs.c: its memory registrations, one per device */
-    bool cuda_pinned, cuda_pin_tried; /* host memory page-locked for GPU copies (cuda.c) */
+    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA registrations, a CUDA pin */
     struct region *next;
 } region;
 
@@ -81,9 +84,10 @@ typedef struct rregion {
     bool gone;             /* e->mu: no new op may resolve it */
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
-    uint8_t *map; /* shm: our mapping of the peer's memfd, else NULL */
-    struct verbs_rkeys *verbs; /* verbs: the owner's (addr, rkey) per its device */
-    struct cuda_rmap *cuda; /* cuda: our IPC mapping of the peer's GPU memory, else NULL */
+    /* Same-host kinds: our mapping of the peer's memfd (the endpoint's
+     * transport's import_fd), else NULL; their copies read it. */
+    uint8_t *map;
+    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA keys, a CUDA IPC mapping */
     struct rregion *next;
 } rregion;
 
@@ -121,6 +125,7 @@ typedef struct chunk_ref {
 typedef struct endpoint {
     uint64_t id, tag;
     int kind;
+    const struct axf_transport *xp; /* its transport (the registry's entry for kind) */
     pid_t pid;   /* same-host kinds: the kernel-verified process, the only CMA target */
     int pidfd;   /* its pidfd (owned), or -1 */
     /* Copies stop between chunks once set: the endpoint is lost or closing,
@@ -146,7 +151,7 @@ typedef struct endpoint {
     bool dead, closing, lost_reported;
     atomic_int ops_alive; /* ops posted on it and not freed yet (they point at it) */
     struct op *ops; /* pending ops, doubly linked */
-    struct verbs_ep *verbs; /* AXF_EP_VERBS: its queue pairs (rails) */
+    void *priv; /* its transport's own (verbs: its queue pairs) */
     struct endpoint *next;
 } endpoint;
 
@@ -258,7 +263,8 @@ typedef struct conn {
     atomic_int refs;        /* threads, registry, endpoint slot, transient holders */
     bool replay;            /* conn_replay's: no threads, the caller runs the parser */
     atomic_ullong last_rx_us; /* last frame received (pings included) */
-    struct verbs_qp *verbs; /* accepting side, e->mu: queue pairs that live as long as it */
+    void *xp[AXF_XP_SLOTS]; /* accepting side, e->mu: what transports hang on it (verbs:
+                               queue pairs that live as long as it) */
     struct conn *next_all;
 } conn;
 
@@ -301,7 +307,7 @@ struct axf_engine {
 
     conn *dirty[64]; /* connections with deferred, unsignalled frames */
     int ndirty;
-    bool dirty_workers;
+    atomic_bool dirty_workers; /* shm: deferred copies queued, workers not woken */
 
     rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
     revocation *quarantine; /* target side: deregistered regions peers may still touch */
@@ -315,16 +321,19 @@ struct axf_engine {
     pthread_t watch_thread;
     bool watch_started, watch_stop; /* e->mu */
     int watch_efd;
-    struct verbs_state *verbs; /* verbs.c: devices and their poller, NULL while off */
-
-    struct file_xport *file; /* file transport, started by the first FILE endpoint (e->mu) */
-    struct axf_cuda *cuda; /* CUDA copy threads, once axf_cuda_enable succeeded */
+    /* Each transport's own state (transport.h), NULL while it is off: the
+     * verbs devices and poller, the file transport (started by the first
+     * FILE endpoint, e->mu), the CUDA copy threads (axf_cuda_enable). */
+    void *xp[AXF_XP_SLOTS];
 
     atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
     atomic_ullong conns_refused, held_conns;
 };
 
 /* engine.c */
+/* Set around a completion the posting thread makes itself and polls next
+ * (AXF_POST_POLL): its record needs no wake-up. */
+extern _Thread_local bool axf_cq_quiet;
 uint64_t axf_now_ms(void);
 uint64_t axf_now_ns(void); /* CLOCK_MONOTONIC */
 uint64_t axf_now_us(void);
@@ -339,8 +348,8 @@ void op_unit_done(axf_engine *e, op *o);
 void op_unpin(axf_engine *e, op *o); /* a queued frame of it is gone */
 void endpoint_conn_finished(axf_engine *e, endpoint *ep);
 conn *endpoint_live_conn(endpoint *ep); /* e->mu held; NULL when none */
-/* Queues a rerouted group's chunks (list, or the chunks of schedule slot
- * `slot`) on the live connections; false when none is left. e->mu held. */
+/* tcp.c: queues a rerouted group's chunks (list, or the chunks of schedule
+ * slot `slot`) on the live connections; false when none is left. e->mu held. */
 bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n);
 /* e->mu held. Returns the connection it was queued on (kick it once
  * unlocked), or NULL: no live connection. */
@@ -361,6 +370,12 @@ void ep_maybe_bye(axf_engine *e, endpoint *ep);
 
 endpoint *ep_find(axf_engine *e, uint64_t id); /* e->mu held */
 rregion *rr_find(endpoint *ep, uint64_t rid);   /* e->mu held; not gone */
+rregion *rregion_new(uint64_t rid, uint64_t key, uint64_t len, uint32_t access, uint64_t addr);
+/* Makes rr the endpoint's region rid; an older import of rid takes no new ops. e->mu held. */
+void rregion_publish(endpoint *ep, rregion *rr);
+/* e->mu held: far regions of ep no op can use any more (forgotten, revoked,
+ * or the endpoint is dead) are unmapped by every transport. */
+void rr_unmap_idle(endpoint *ep);
 void op_complete(axf_engine *e, op *o);         /* fails an op that queued nothing */
 
 /* conn.c */
@@ -399,55 +414,17 @@ int conn_replay(axf_engine *e, uint64_t tag, const uint8_t *buf, size_t len);
 sq_item *sq_new(int type, uint64_t op_id);
 void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
 
-/* shm.c */
+/* shm.c: same-host copies, shared with the CUDA transport (host memory) */
 int shm_start(axf_engine *e);
 void shm_stop(axf_engine *e);
-int shm_map(endpoint *ep, rregion *rr, int memfd);
+int shm_map(endpoint *ep, rregion *rr, int memfd); /* a peer's memfd: rr->map */
 void shm_unmap(rregion *rr);
-void shm_unmap_idle(endpoint *ep); /* e->mu held */
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);
+/* The shm transport's submit: e->mu held, released; the data phase inline
+ * (small) or on the copy workers. */
+bool shm_post(axf_engine *e, op *o, uint32_t flags);
 /* This process's calibration (measured once, thread-safe). */
 const axf_calibration *shm_calibration(void);
-
-/* file.c */
-int file_start(axf_engine *e); /* e->mu held; idempotent */
-void file_stop(axf_engine *e); /* fails what is queued, waits for what is in flight */
-void file_free(axf_engine *e);
-void file_submit(axf_engine *e, op *o, bool signal);
-void file_doorbell(axf_engine *e);
-uint32_t file_dio_align(int fd); /* 0 unless the file is open with O_DIRECT */
-/* Resolves descriptor i's file side (rrid/rkey/roff: one of our file
- * regions), taking a ref; e->mu held, o->laddr[i] set. */
-int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need);
-/* verbs.c (stubs where the libibverbs headers were absent at build time) */
-int verbs_region_add(axf_engine *e, region *r); /* before it is reachable */
-void verbs_region_free(axf_engine *e, region *r); /* its last reference is gone */
-bool verbs_region_usable(const region *r); /* registered on every device */
-/* Queues a new op's work requests on the endpoint's queue pairs; false when
- * nothing could be queued (the caller completes the op). e->mu held. */
-bool verbs_submit(axf_engine *e, op *o);
-void verbs_ep_dead(axf_engine *e, endpoint *ep); /* e->mu held: flush its queue pairs */
-void verbs_conn_closed(axf_engine *e, conn *c);  /* accepting side: its queue pairs go */
-void verbs_stop(axf_engine *e);  /* shutdown: flush, stop the poller, destroy queue pairs */
-void verbs_free(axf_engine *e);  /* destroy: devices */
-void verbs_ep_free(endpoint *ep);
-void verbs_rr_free(rregion *rr);
-
-/* cuda.c */
-typedef struct cuda_rmap cuda_rmap;
-bool cuda_ready(axf_engine *e);
-int cuda_import(endpoint *ep, rregion *rr, const uint8_t *handle, uint64_t offset,
-                const uint8_t uuid[16]);
-void cuda_unmap(rregion *rr);
-/* e->mu held: closes the GPU mappings of ep's regions that no op uses and
- * none can resolve any more (forgotten, or the endpoint is dead). */
-void cuda_unmap_idle(endpoint *ep);
-bool cuda_op_is_gpu(const op *o);
-int cuda_op_check(op *o); /* e->mu held, after op_resolve */
-void cuda_submit(axf_engine *e, op *o);
-void cuda_stop(axf_engine *e); /* finishes what was enqueued, fails the rest */
-void cuda_free(axf_engine *e);
-void cuda_unpin(region *r); /* before the region's memory is given back */
 
 #endif

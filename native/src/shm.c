@@ -6,7 +6,7 @@
  * the endpoint. Copies run on the engine's worker threads, a chunk at a time
  * with the endpoint's and the region's state checked in between; a small copy
  * runs inline at submit so its completion is known at once. */
-#include "internal.h"
+#include "transport.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -507,3 +507,68 @@ void axf_calibrate(axf_calibration *out)
 {
     *out = *shm_calibration();
 }
+
+/* ---------------------------------------------------------------- transport */
+
+static int shm_enable(axf_engine *e)
+{
+    const axf_calibration *cal = shm_calibration();
+    if (!e->cfg.inline_bytes)
+        e->cfg.inline_bytes = cal->inline_bytes;
+    e->batch_inline = e->cfg.inline_bytes < (64u << 10) ? e->cfg.inline_bytes : 64u << 10;
+    e->poll_us = cal->poll_us;
+    return shm_start(e);
+}
+
+bool shm_post(axf_engine *e, op *o, uint32_t flags)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < o->n; i++)
+        total += o->d[i].len;
+    pthread_mutex_unlock(&e->mu);
+    /* A small same-host copy, or a lone one below the calibrated threshold
+     * (its caller would otherwise pay a worker's wake-up and then its own):
+     * done now, on this thread. A batch keeps the workers for anything
+     * larger (they copy in parallel with each other). */
+    bool alone = flags & AXF_POST_ALONE, signal = !(flags & AXF_POST_DEFER);
+    if (e->cfg.inline_bytes != UINT64_MAX &&
+        ((alone && total <= e->cfg.inline_bytes) || (!o->notify_len && total <= e->batch_inline))) {
+        atomic_store(&o->remaining, 1);
+        int cst = shm_copy_inline(e, o);
+        op_set_status(o, cst, 0);
+        /* Its completion is known at submit (none when a notification
+         * follows: that one comes from the connection). */
+        axf_cq_quiet = (flags & AXF_POST_POLL) != 0 && !o->notify_len;
+        op_unit_done(e, o);
+        axf_cq_quiet = false;
+        return true;
+    }
+    if (!signal)
+        atomic_store(&e->dirty_workers, true);
+    shm_submit(e, o, signal);
+    return true;
+}
+
+static void shm_doorbell(axf_engine *e)
+{
+    if (atomic_load(&e->dirty_workers) && atomic_exchange(&e->dirty_workers, false)) {
+        pthread_mutex_lock(&e->wq_mu);
+        pthread_cond_broadcast(&e->wq_cv);
+        pthread_mutex_unlock(&e->wq_mu);
+    }
+}
+
+const axf_transport axf_xp_shm = {
+    .abi = AXF_TRANSPORT_ABI,
+    .name = "shm",
+    .ep_kind = AXF_EP_SHM,
+    .caps = AXF_XP_CAP_SAME_HOST | AXF_XP_CAP_NOTIFY | AXF_XP_CAP_OWN_DATA | AXF_XP_CAP_REAPABLE,
+    .local_mem = AXF_MEM_BIT(AXF_MEM_HOST),
+    .far_mem = AXF_MEM_BIT(AXF_MEM_HOST),
+    .enable = shm_enable,
+    .quiesce = shm_stop,
+    .ep_import_fd = shm_map,
+    .rr_unmap = shm_unmap,
+    .submit = shm_post,
+    .doorbell = shm_doorbell,
+};

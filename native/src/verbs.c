@@ -32,7 +32,7 @@
  * acknowledged its revocation, which a peer does once no op of its own uses
  * the region: deregistration waits for in-flight work.
  */
-#include "internal.h"
+#include "transport.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -62,6 +62,17 @@
 
 typedef struct verbs_state verbs_state;
 typedef struct verbs_qp vqp;
+
+/* Its private slots (transport.h): the engine's devices and poller, a
+ * region's registrations, a far region's keys, an endpoint's queue pairs,
+ * an accepted connection's queue pairs. */
+#define VS_OF(e) ((verbs_state *)(e)->xp[AXF_EP_VERBS])
+#define VREG(r) ((struct verbs_reg *)(r)->xp[AXF_EP_VERBS])
+#define VRK(rr) ((struct verbs_rkeys *)(rr)->xp[AXF_EP_VERBS])
+#define VEP(ep) ((struct verbs_ep *)(ep)->priv)
+#define VQP(c) ((vqp *)(c)->xp[AXF_EP_VERBS])
+
+static void verbs_ep_dead(axf_engine *e, endpoint *ep);
 
 typedef struct vdev {
     struct ibv_context *ctx;
@@ -540,18 +551,18 @@ static void mr_put(verbs_state *vs, vmr *m) /* vs->mu held */
 static int region_register_all(verbs_state *vs, region *r, int dmabuf_fd, uint64_t offset,
                                char *why, size_t why_len)
 {
-    if (!r->verbs) {
-        r->verbs = calloc(1, sizeof *r->verbs);
-        if (!r->verbs)
+    if (!VREG(r)) {
+        r->xp[AXF_EP_VERBS] = calloc(1, sizeof *VREG(r));
+        if (!VREG(r))
             return AXF_E_NOMEM;
     }
     int access = mr_access(r->access);
     for (int d = 0; d < vs->ndev; d++) {
-        if (r->verbs->mr[d])
+        if (VREG(r)->mr[d])
             continue;
-        r->verbs->mr[d] = mr_get(vs, d, (uint64_t)(uintptr_t)r->addr, r->len, access, dmabuf_fd,
+        VREG(r)->mr[d] = mr_get(vs, d, (uint64_t)(uintptr_t)r->addr, r->len, access, dmabuf_fd,
                                  offset);
-        if (!r->verbs->mr[d]) {
+        if (!VREG(r)->mr[d]) {
             int err = errno;
             struct rlimit rl;
             if ((err == ENOMEM || err == EPERM || err == EAGAIN) && dmabuf_fd < 0 &&
@@ -571,13 +582,13 @@ static int region_register_all(verbs_state *vs, region *r, int dmabuf_fd, uint64
 
 static void region_release_all(verbs_state *vs, region *r) /* vs->mu held */
 {
-    if (!r->verbs)
+    if (!VREG(r))
         return;
     for (int d = 0; d < AXF_VERBS_MAX_DEVICES; d++)
-        if (r->verbs->mr[d])
-            mr_put(vs, r->verbs->mr[d]);
-    free(r->verbs);
-    r->verbs = NULL;
+        if (VREG(r)->mr[d])
+            mr_put(vs, VREG(r)->mr[d]);
+    free(VREG(r));
+    r->xp[AXF_EP_VERBS] = NULL;
 }
 
 /* Registers r on every device (vs->mu NOT held). GPU memory: through a
@@ -620,9 +631,9 @@ static int region_register(verbs_state *vs, region *r, char *why, size_t why_len
     return st;
 }
 
-int verbs_region_add(axf_engine *e, region *r)
+static int verbs_region_add(axf_engine *e, region *r)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs || r->kind == AXF_MEM_FILE)
         return AXF_OK;
     char why[400] = "";
@@ -642,27 +653,27 @@ int verbs_region_add(axf_engine *e, region *r)
     return st;
 }
 
-void verbs_region_free(axf_engine *e, region *r)
+static void verbs_region_free(axf_engine *e, region *r)
 {
-    verbs_state *vs = e->verbs;
-    if (!vs || !r->verbs)
+    verbs_state *vs = VS_OF(e);
+    if (!vs || !VREG(r))
         return;
     pthread_mutex_lock(&vs->mu);
     region_release_all(vs, r);
     pthread_mutex_unlock(&vs->mu);
 }
 
-bool verbs_region_usable(const region *r)
+static bool verbs_region_usable(const region *r)
 {
-    if (!r->verbs)
+    if (!VREG(r))
         return false;
-    return r->verbs->mr[0] != NULL; /* all or none (but CUDA: per device, checked at post) */
+    return VREG(r)->mr[0] != NULL; /* all or none (but CUDA: per device, checked at post) */
 }
 
 int axf_verbs_region_keys(axf_engine *e, uint64_t rid, uint64_t *addrs, uint32_t *rkeys,
                           size_t max)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs)
         return 0;
     pthread_mutex_lock(&e->mu);
@@ -673,7 +684,7 @@ int axf_verbs_region_keys(axf_engine *e, uint64_t rid, uint64_t *addrs, uint32_t
     int n = 0;
     pthread_mutex_lock(&vs->mu);
     for (int d = 0; d < vs->ndev && (size_t)d < max; d++, n++) {
-        vmr *m = r->verbs ? r->verbs->mr[d] : NULL;
+        vmr *m = VREG(r) ? VREG(r)->mr[d] : NULL;
         addrs[d] = m ? m->addr : 0;
         rkeys[d] = m ? m->mr->rkey : 0;
     }
@@ -684,7 +695,7 @@ int axf_verbs_region_keys(axf_engine *e, uint64_t rid, uint64_t *addrs, uint32_t
 
 int axf_verbs_region_dmabuf(axf_engine *e, uint64_t rid, int fd, uint64_t offset)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs || fd < 0)
         return AXF_E_INVALID;
     pthread_mutex_lock(&e->mu);
@@ -907,7 +918,7 @@ static void qp_free(verbs_state *vs, vqp *q)
 
 int axf_verbs_qp_create(axf_engine *e, uint64_t ep_id, uint32_t dev, axf_verbs_qp_info *out)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs)
         return AXF_E_TRANSPORT;
     if (dev >= (uint32_t)vs->ndev || !out)
@@ -922,16 +933,16 @@ int axf_verbs_qp_create(axf_engine *e, uint64_t ep_id, uint32_t dev, axf_verbs_q
         st = ep ? AXF_E_INVALID : AXF_E_NOTFOUND;
     else if (ep->dead)
         st = AXF_E_CLOSED;
-    else if (!ep->verbs && !(ep->verbs = calloc(1, sizeof *ep->verbs)))
+    else if (!VEP(ep) && !(ep->priv = calloc(1, sizeof *VEP(ep))))
         st = AXF_E_NOMEM;
-    else if (ep->verbs->rail[dev])
+    else if (VEP(ep)->rail[dev])
         st = AXF_E_INVALID;
     vqp *q = NULL;
     if (st == AXF_OK) {
         q = qp_new(vs, (int)dev, why, sizeof why);
         if (q) {
             q->ep = ep;
-            ep->verbs->rail[dev] = q;
+            VEP(ep)->rail[dev] = q;
             qp_info(q, out);
         } else {
             st = AXF_E_TRANSPORT;
@@ -946,7 +957,7 @@ int axf_verbs_qp_create(axf_engine *e, uint64_t ep_id, uint32_t dev, axf_verbs_q
 int axf_verbs_qp_connect(axf_engine *e, uint64_t ep_id, uint32_t dev, uint32_t remote_dev,
                          const axf_verbs_qp_info *remote)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs)
         return AXF_E_TRANSPORT;
     if (dev >= AXF_VERBS_MAX_DEVICES || remote_dev >= AXF_VERBS_MAX_DEVICES || !remote)
@@ -954,7 +965,7 @@ int axf_verbs_qp_connect(axf_engine *e, uint64_t ep_id, uint32_t dev, uint32_t r
     char why[200] = "";
     pthread_mutex_lock(&e->mu);
     endpoint *ep = ep_find(e, ep_id);
-    vqp *q = ep && ep->verbs ? ep->verbs->rail[dev] : NULL;
+    vqp *q = ep && VEP(ep) ? VEP(ep)->rail[dev] : NULL;
     int st = !q ? AXF_E_NOTFOUND : ep->dead ? AXF_E_CLOSED : AXF_OK;
     if (st == AXF_OK) {
         pthread_mutex_lock(&q->mu);
@@ -975,7 +986,7 @@ int axf_verbs_qp_connect(axf_engine *e, uint64_t ep_id, uint32_t dev, uint32_t r
 int axf_verbs_accept_qp(axf_engine *e, uint32_t dev, const axf_verbs_qp_info *remote,
                         axf_verbs_qp_info *out, uint64_t *qp_out)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs)
         return AXF_E_TRANSPORT;
     if (dev >= (uint32_t)vs->ndev || !remote || !out || !qp_out)
@@ -1014,7 +1025,7 @@ static vqp *unbound_take(verbs_state *vs, uint64_t handle) /* vs->mu held */
 
 int axf_verbs_qp_destroy(axf_engine *e, uint64_t handle)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs)
         return AXF_E_TRANSPORT;
     pthread_mutex_lock(&vs->mu);
@@ -1028,7 +1039,7 @@ int axf_verbs_qp_destroy(axf_engine *e, uint64_t handle)
 
 int axf_verbs_accept_conn(axf_engine *e, int fd, uint64_t tag, const uint64_t *qps, size_t n)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs) {
         close(fd);
         return AXF_E_TRANSPORT;
@@ -1054,7 +1065,7 @@ int axf_verbs_accept_conn(axf_engine *e, int fd, uint64_t tag, const uint64_t *q
     if (st == AXF_OK) {
         c = conn_start(e, NULL, tag, fd, &st);
         if (c) { /* under the same hold as its start: its exit sees the list */
-            c->verbs = list;
+            c->xp[AXF_EP_VERBS] = list;
             list = NULL;
         }
     } else {
@@ -1069,14 +1080,14 @@ int axf_verbs_accept_conn(axf_engine *e, int fd, uint64_t tag, const uint64_t *q
     return st;
 }
 
-void verbs_conn_closed(axf_engine *e, conn *c)
+static void verbs_conn_closed(axf_engine *e, conn *c)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs)
         return;
     pthread_mutex_lock(&e->mu);
-    vqp *list = c->verbs;
-    c->verbs = NULL;
+    vqp *list = VQP(c);
+    c->xp[AXF_EP_VERBS] = NULL;
     pthread_mutex_unlock(&e->mu);
     /* The peer's requests fail from now on (retries exhausted): nothing of
      * ours is reachable through these any more. */
@@ -1110,8 +1121,8 @@ int axf_endpoint_import_verbs(axf_engine *e, uint64_t ep_id, uint64_t rid, const
                 st = AXF_E_INVALID;
     }
     if (st == AXF_OK) {
-        free(rr->verbs); /* set once in practice: ops only read it under e->mu at post */
-        rr->verbs = k;
+        free(VRK(rr)); /* set once in practice: ops only read it under e->mu at post */
+        rr->xp[AXF_EP_VERBS] = k;
         k = NULL;
     }
     pthread_mutex_unlock(&e->mu);
@@ -1236,7 +1247,7 @@ static void chain_add(vchain *c, const op *o, size_t i, uint64_t off, uint64_t l
     struct ibv_sge *s = &c->sge[n];
     s->addr = (uint64_t)(uintptr_t)(o->laddr[i] + off);
     s->length = (uint32_t)len;
-    s->lkey = lr->verbs->mr[q->devi]->mr->lkey;
+    s->lkey = VREG(lr)->mr[q->devi]->mr->lkey;
     c->wi[n] = (wr_info){.c = c, .index = i, .last = false};
     memset(w, 0, sizeof *w);
     w->wr_id = (uint64_t)(uintptr_t)&c->wi[n];
@@ -1262,10 +1273,10 @@ static void chain_close(vchain *c)
     c->wr[c->nwr - 1].next = NULL;
 }
 
-bool verbs_submit(axf_engine *e, op *o)
+static bool verbs_submit(axf_engine *e, op *o)
 {
     endpoint *ep = o->ep;
-    struct verbs_ep *vep = ep->verbs;
+    struct verbs_ep *vep = VEP(ep);
     vqp *rails[AXF_VERBS_MAX_DEVICES];
     int nr = 0;
     for (int d = 0; vep && d < AXF_VERBS_MAX_DEVICES; d++) {
@@ -1285,15 +1296,15 @@ bool verbs_submit(axf_engine *e, op *o)
     /* Every descriptor must be addressable on every rail it may take, and its
      * local memory registered there: checked before anything moves. */
     for (size_t i = 0; i < o->n; i++) {
-        const struct verbs_rkeys *k = o->rr[i]->verbs;
+        const struct verbs_rkeys *k = VRK(o->rr[i]);
         region *lr = NULL;
         for (size_t j = 0; j < o->nlregs && !lr; j++)
             if (o->lregs[j]->id == o->d[i].lrid)
                 lr = o->lregs[j];
-        bool ok = k && lr && lr->verbs;
+        bool ok = k && lr && VREG(lr);
         for (int r = 0; ok && r < nr; r++)
             ok = (uint32_t)rails[r]->rdev < k->n && k->addr[rails[r]->rdev] &&
-                 lr->verbs->mr[rails[r]->devi];
+                 VREG(lr)->mr[rails[r]->devi];
         if (!ok) {
             op_set_status(o, k ? AXF_E_INVALID : AXF_E_ACCESS, i);
             return false;
@@ -1309,7 +1320,7 @@ bool verbs_submit(axf_engine *e, op *o)
     long chains = 0;
     bool oom = false;
     for (size_t i = 0; i < o->n && !oom; i++) {
-        const struct verbs_rkeys *k = o->rr[i]->verbs;
+        const struct verbs_rkeys *k = VRK(o->rr[i]);
         for (uint64_t off = 0; off < o->d[i].len && !oom;) {
             uint64_t len = o->d[i].len - off < chunk ? o->d[i].len - off : chunk;
             if (on_rail >= chunk) {
@@ -1711,13 +1722,13 @@ static void *poller_main(void *arg)
     return NULL;
 }
 
-void verbs_ep_dead(axf_engine *e, endpoint *ep)
+static void verbs_ep_dead(axf_engine *e, endpoint *ep)
 {
-    verbs_state *vs = e->verbs;
-    if (!vs || !ep->verbs)
+    verbs_state *vs = VS_OF(e);
+    if (!vs || !VEP(ep))
         return;
     for (int d = 0; d < AXF_VERBS_MAX_DEVICES; d++) {
-        vqp *q = ep->verbs->rail[d];
+        vqp *q = VEP(ep)->rail[d];
         if (!q)
             continue;
         pthread_mutex_lock(&q->mu);
@@ -1752,7 +1763,7 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
     if (why && why_len)
         why[0] = 0;
     pthread_mutex_lock(&e->mu);
-    bool busy = e->verbs != NULL || e->shut;
+    bool busy = VS_OF(e) != NULL || e->shut;
     pthread_mutex_unlock(&e->mu);
     if (busy)
         return AXF_E_INVALID;
@@ -1831,10 +1842,10 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
     if (st == AXF_OK && ndev) {
         /* Regions registered before: registered now. */
         pthread_mutex_lock(&e->mu);
-        if (e->shut || e->verbs) {
+        if (e->shut || VS_OF(e)) {
             st = AXF_E_CLOSED;
         } else {
-            e->verbs = vs;
+            e->xp[AXF_EP_VERBS] = vs;
             for (size_t b = 0; b < AXF_REGION_BUCKETS && st == AXF_OK; b++)
                 for (region *r = e->regions[b]; r && st == AXF_OK; r = r->next) {
                     if (r->kind == AXF_MEM_FILE)
@@ -1854,7 +1865,7 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
                 for (size_t b = 0; b < AXF_REGION_BUCKETS; b++)
                     for (region *r = e->regions[b]; r; r = r->next)
                         region_release_all(vs, r);
-                e->verbs = NULL;
+                e->xp[AXF_EP_VERBS] = NULL;
             }
         }
         pthread_mutex_unlock(&e->mu);
@@ -1883,7 +1894,7 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
 
 int axf_verbs_device_count(axf_engine *e)
 {
-    return e->verbs ? e->verbs->ndev : 0;
+    return VS_OF(e) ? VS_OF(e)->ndev : 0;
 }
 
 static bool all_quiet(verbs_state *vs) /* vs->mu held */
@@ -1896,9 +1907,9 @@ static bool all_quiet(verbs_state *vs) /* vs->mu held */
     return true;
 }
 
-void verbs_stop(axf_engine *e)
+static void verbs_stop(axf_engine *e)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs)
         return;
     pthread_mutex_lock(&e->mu);
@@ -1952,9 +1963,9 @@ void verbs_stop(axf_engine *e)
     finish_list(e, left);
 }
 
-void verbs_free(axf_engine *e)
+static void verbs_free(axf_engine *e)
 {
-    verbs_state *vs = e->verbs;
+    verbs_state *vs = VS_OF(e);
     if (!vs)
         return;
     while (vs->qps) { /* initiator queue pairs, destroyed by verbs_stop */
@@ -1978,41 +1989,60 @@ void verbs_free(axf_engine *e)
     pthread_mutex_destroy(&vs->mu);
     pthread_cond_destroy(&vs->cv);
     free(vs);
-    e->verbs = NULL;
+    e->xp[AXF_EP_VERBS] = NULL;
 }
 
-void verbs_ep_free(endpoint *ep)
+static void verbs_ep_free(endpoint *ep)
 {
-    free(ep->verbs);
-    ep->verbs = NULL;
+    free(VEP(ep));
+    ep->priv = NULL;
 }
 
-void verbs_rr_free(rregion *rr)
+static void verbs_rr_free(rregion *rr)
 {
-    free(rr->verbs);
-    rr->verbs = NULL;
+    free(VRK(rr));
+    rr->xp[AXF_EP_VERBS] = NULL;
 }
 
-#else /* !AXF_HAVE_VERBS: the engine builds and runs; verbs reports "not built" */
+static bool verbs_xp_submit(axf_engine *e, op *o, uint32_t flags)
+{
+    (void)flags;
+    /* Posted to the queue pairs at once: one post per chain is the batch. */
+    bool queued = verbs_submit(e, o);
+    pthread_mutex_unlock(&e->mu);
+    return queued;
+}
+
+static int verbs_ep_open(axf_engine *e, endpoint *ep)
+{
+    (void)ep;
+    return VS_OF(e) ? AXF_OK : AXF_E_TRANSPORT; /* axf_verbs_enable first */
+}
+
+const axf_transport axf_xp_verbs = {
+    .abi = AXF_TRANSPORT_ABI,
+    .name = "verbs",
+    .ep_kind = AXF_EP_VERBS,
+    .caps = AXF_XP_CAP_NEEDS_CONN | AXF_XP_CAP_NOTIFY | AXF_XP_CAP_OWN_DATA,
+    .local_mem = AXF_MEM_BIT(AXF_MEM_HOST) | AXF_MEM_BIT(AXF_MEM_CUDA),
+    .far_mem = AXF_MEM_BIT(AXF_MEM_HOST) | AXF_MEM_BIT(AXF_MEM_CUDA),
+    .stop = verbs_stop,
+    .destroy = verbs_free,
+    .region_add = verbs_region_add,
+    .region_free = verbs_region_free,
+    .region_usable = verbs_region_usable,
+    .ep_open = verbs_ep_open,
+    .ep_lost = verbs_ep_dead,
+    .ep_free = verbs_ep_free,
+    .rr_free = verbs_rr_free,
+    .conn_closed = verbs_conn_closed,
+    .submit = verbs_xp_submit,
+};
+
+#else /* !AXF_HAVE_VERBS: absent from the registry; the public calls say "not built" */
 
 static const char not_built[] = "not built (no libibverbs headers at build time)";
 
-int verbs_region_add(axf_engine *e, region *r) { (void)e; (void)r; return AXF_OK; }
-void verbs_region_free(axf_engine *e, region *r) { (void)e; (void)r; }
-bool verbs_region_usable(const region *r) { (void)r; return false; }
-bool verbs_submit(axf_engine *e, op *o)
-{
-    (void)e;
-    atomic_store(&o->remaining, 1);
-    op_set_status(o, AXF_E_TRANSPORT, 0);
-    return false;
-}
-void verbs_ep_dead(axf_engine *e, endpoint *ep) { (void)e; (void)ep; }
-void verbs_conn_closed(axf_engine *e, conn *c) { (void)e; (void)c; }
-void verbs_stop(axf_engine *e) { (void)e; }
-void verbs_free(axf_engine *e) { (void)e; }
-void verbs_ep_free(endpoint *ep) { (void)ep; }
-void verbs_rr_free(rregion *rr) { (void)rr; }
 
 int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *why,
                     size_t why_len)

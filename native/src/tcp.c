@@ -1,0 +1,282 @@
+/* TCP transport: an op's chunks are striped over the endpoint's framed
+ * socket connections (conn.c) by a schedule weighted by each connection's
+ * measured rate, and a failed connection's unfinished groups are rerouted
+ * over the live ones. */
+#include "transport.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Smooth weighted round robin over the live connections, weighted by their
+ * measured rates (unmeasured ones count as the average), every live one
+ * keeping at least a slot so that its rate keeps being measured. */
+static void sched_build(endpoint *ep)
+{
+    uint64_t w[AXF_MAX_CONNS] = {0}, known = 0, nknown = 0, total = 0;
+    bool live[AXF_MAX_CONNS] = {0};
+    int nlive = 0;
+    for (int i = 0; i < ep->nconns; i++) {
+        if (atomic_load(&ep->conns[i]->down))
+            continue;
+        live[i] = true;
+        nlive++;
+        w[i] = atomic_load(&ep->conns[i]->rate);
+        if (w[i]) {
+            known += w[i];
+            nknown++;
+        }
+    }
+    ep->nsched = 0;
+    if (!nlive)
+        return;
+    uint64_t avg = nknown ? known / nknown : 1;
+    for (int i = 0; i < ep->nconns; i++)
+        if (live[i]) {
+            if (!w[i])
+                w[i] = avg;
+            total += w[i];
+        }
+    uint64_t floor = total / AXF_SCHED + 1;
+    total = 0;
+    for (int i = 0; i < ep->nconns; i++)
+        if (live[i]) {
+            if (w[i] < floor)
+                w[i] = floor;
+            total += w[i];
+        }
+    int64_t cur[AXF_MAX_CONNS] = {0};
+    for (int k = 0; k < AXF_SCHED; k++) {
+        int best = -1;
+        for (int i = 0; i < ep->nconns; i++) {
+            if (!live[i])
+                continue;
+            cur[i] += (int64_t)w[i];
+            if (best < 0 || cur[i] > cur[best])
+                best = i;
+        }
+        cur[best] -= (int64_t)total;
+        ep->sched[k] = (uint8_t)best;
+    }
+    ep->nsched = AXF_SCHED;
+}
+
+static bool sched_ready(endpoint *ep)
+{
+    if (!ep->nsched || atomic_exchange(&ep->sched_stale, false))
+        sched_build(ep);
+    return ep->nsched > 0;
+}
+
+/* Walks the chunks of an op: a given list, or every chunk in order (those of
+ * one connection of the op's schedule only, when slot >= 0). */
+typedef struct chunk_iter {
+    const op *o;
+    const chunk_ref *list;
+    size_t n, pos;
+    int slot;
+    uint64_t k, i, off, chunk;
+} chunk_iter;
+
+static bool chunk_next(chunk_iter *it, uint64_t *i, uint64_t *off)
+{
+    if (it->list) {
+        if (it->pos == it->n)
+            return false;
+        *i = it->list[it->pos].i;
+        *off = it->list[it->pos].off;
+        it->pos++;
+        return true;
+    }
+    while (it->i < it->o->n) {
+        uint64_t ci = it->i, coff = it->off, k = it->k++;
+        it->off += it->chunk;
+        if (it->off >= it->o->d[ci].len) {
+            it->i++;
+            it->off = 0;
+        }
+        if (it->slot < 0 || it->o->sched[(it->o->sched0 + k) % AXF_SCHED] == it->slot) {
+            *i = ci;
+            *off = coff;
+            return true;
+        }
+    }
+    return false;
+}
+
+static sq_item *chunk_item(const op *o, uint64_t i, uint64_t off, uint64_t chunk)
+{
+    sq_item *it = sq_new(o->opcode == AXF_OP_WRITE ? FR_WRITE : FR_READ_REQ, o->req_id);
+    if (!it)
+        return NULL;
+    const axf_desc *d = &o->d[i];
+    uint64_t len = d->len - off < chunk ? d->len - off : chunk;
+    it->h.index = i;
+    it->h.rid = d->rrid;
+    it->h.key = d->rkey;
+    it->h.off = d->roff + off;
+    it->h.len = len;
+    it->op = (op *)o;
+    if (o->opcode == AXF_OP_WRITE) {
+        it->payload = o->laddr[i] + off;
+        it->plen = len;
+    }
+    atomic_fetch_add(&((op *)o)->pins, 1);
+    return it;
+}
+
+static void mark_dirty(axf_engine *e, conn *c)
+{
+    for (int k = 0; k < e->ndirty; k++)
+        if (e->dirty[k] == c)
+            return;
+    if (e->ndirty < 64) {
+        conn_ref(c); /* until the doorbell kicked it */
+        e->dirty[e->ndirty++] = c;
+    } else {
+        conn_signal(c);
+    }
+}
+
+/* Stripes a new op's chunks over the live connections by the endpoint's
+ * schedule: one group per connection used, its LAST frame acknowledged once.
+ * Returns false when nothing could be queued (the caller completes the op). */
+static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
+{
+    endpoint *ep = o->ep;
+    if (!sched_ready(ep)) {
+        op_set_status(o, AXF_E_PEER_LOST, 0);
+        atomic_store(&o->remaining, 1);
+        return false;
+    }
+    memcpy(o->sched, ep->sched, AXF_SCHED);
+    o->sched0 = (uint32_t)ep->rr_next;
+    /* Each connection's frames are chained here and queued as one group with
+     * its expectation (a READ's chunks are answered one by one). */
+    sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
+    uint64_t gbytes[AXF_MAX_CONNS] = {0};
+    chunk_iter ci_ = {.o = o, .slot = -1, .chunk = e->cfg.chunk_bytes};
+    uint64_t i, off, k = 0;
+    int used = 0;
+    while (chunk_next(&ci_, &i, &off)) {
+        int ci = o->sched[(o->sched0 + k++) % AXF_SCHED];
+        sq_item *it = chunk_item(o, i, off, e->cfg.chunk_bytes);
+        if (!it) {
+            op_set_status(o, AXF_E_NOMEM, i);
+            break;
+        }
+        if (!lastp[ci]) {
+            used++;
+            first[ci] = it;
+        } else {
+            lastp[ci]->next = it;
+        }
+        lastp[ci] = it;
+        gbytes[ci] += it->h.len;
+    }
+    ep->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
+    /* Set before any group is queued: replies may come at once. */
+    atomic_store(&o->remaining, used ? used : 1);
+    if (!used)
+        return false;
+    for (int ci = 0; ci < ep->nconns; ci++) {
+        if (!lastp[ci])
+            continue;
+        lastp[ci]->h.flags |= FL_LAST;
+        lastp[ci]->slot = ci;
+        lastp[ci]->group_bytes = gbytes[ci];
+        conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], signal);
+        if (!signal)
+            mark_dirty(e, ep->conns[ci]);
+    }
+    return true;
+}
+
+
+bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n)
+{
+    endpoint *ep = o->ep;
+    if (!sched_ready(ep))
+        return false;
+    uint64_t chunk = e->cfg.chunk_bytes, i, off;
+    uint32_t start = (uint32_t)ep->rr_next;
+    size_t cnt[AXF_MAX_CONNS] = {0}, fill[AXF_MAX_CONNS] = {0}, total = 0;
+    chunk_iter it = {.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
+    while (chunk_next(&it, &i, &off))
+        cnt[ep->sched[(start + total++) % AXF_SCHED]]++;
+    if (!total)
+        return false;
+    chunk_ref *lists[AXF_MAX_CONNS] = {0};
+    sq_item **items = calloc(total, sizeof *items);
+    bool ok = items != NULL;
+    int groups = 0;
+    for (int ci = 0; ci < ep->nconns && ok; ci++)
+        if (cnt[ci]) {
+            groups++;
+            ok = (lists[ci] = malloc(cnt[ci] * sizeof *lists[ci])) != NULL;
+        }
+    it = (chunk_iter){.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
+    for (size_t j = 0; ok && chunk_next(&it, &i, &off); j++) {
+        int ci = ep->sched[(start + j) % AXF_SCHED];
+        lists[ci][fill[ci]++] = (chunk_ref){.i = i, .off = off};
+        ok = (items[j] = chunk_item(o, i, off, chunk)) != NULL;
+    }
+    if (!ok) {
+        for (size_t j = 0; items && j < total; j++)
+            if (items[j])
+                sq_drop(e, items[j]);
+        for (int ci = 0; ci < AXF_MAX_CONNS; ci++)
+            free(lists[ci]);
+        free(items);
+        op_set_status(o, AXF_E_NOMEM, 0);
+        return false;
+    }
+    /* The failed group's unit becomes these groups' units. */
+    atomic_fetch_add(&o->remaining, groups - 1);
+    o->reroutes++;
+    sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
+    uint64_t gbytes[AXF_MAX_CONNS] = {0};
+    for (size_t j = 0; j < total; j++) {
+        int ci = ep->sched[(start + j) % AXF_SCHED];
+        if (lastp[ci])
+            lastp[ci]->next = items[j];
+        else
+            first[ci] = items[j];
+        lastp[ci] = items[j];
+        gbytes[ci] += items[j]->h.len;
+    }
+    for (int ci = 0; ci < ep->nconns; ci++) {
+        if (!lastp[ci])
+            continue;
+        lastp[ci]->h.flags |= FL_LAST;
+        lastp[ci]->slot = ci;
+        lastp[ci]->chunks = lists[ci];
+        lastp[ci]->nchunks = cnt[ci];
+        lastp[ci]->group_bytes = gbytes[ci];
+        conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], true);
+    }
+    ep->rr_next = (int)((start + total) % AXF_SCHED);
+    free(items);
+    return true;
+}
+
+static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlocks */
+{
+    /* Not read back from o->remaining: replies may already be decrementing it. */
+    /* Queued unsignalled; the doorbell below (or the caller's) sends small
+     * frames on this thread, without a handoff. */
+    bool queued = tcp_stripe(e, o, false);
+    pthread_mutex_unlock(&e->mu);
+    if (!(flags & AXF_POST_DEFER) && queued)
+        axf_doorbell(e);
+    return queued;
+}
+
+const axf_transport axf_xp_tcp = {
+    .abi = AXF_TRANSPORT_ABI,
+    .name = "tcp",
+    .ep_kind = AXF_EP_TCP,
+    .caps = AXF_XP_CAP_NEEDS_CONN | AXF_XP_CAP_NOTIFY | AXF_XP_CAP_REAPABLE,
+    .local_mem = AXF_MEM_BIT(AXF_MEM_HOST),
+    .far_mem = AXF_MEM_BIT(AXF_MEM_HOST),
+    .submit = tcp_submit,
+};
