@@ -544,6 +544,8 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
 
 void conn_kick(conn *c)
 {
+    if (c->fd < 0)
+        return; /* detached: its frames wait for conn_detached_take */
     sq_item *done = NULL;
     pthread_mutex_lock(&c->mu);
     if (!c->dead && !c->sending && c->head)
@@ -911,7 +913,8 @@ static void initiator_conn_lost(conn *c, bool proto)
     bool others = false;
     for (int i = 0; i < ep->nconns; i++)
         others |= ep->conns[i] != c && !atomic_load(&ep->conns[i]->down);
-    if (proto || lost_expect || !others || ep->closing || e->shut || ep->kind != AXF_EP_TCP) {
+    if (proto || lost_expect || !others || ep->closing || e->shut ||
+        !(ep->xp->caps & AXF_XP_CAP_REROUTE)) {
         if (stalled) { /* its requests time out; the endpoint's others are lost with it */
             pthread_mutex_lock(&c->mu);
             for (expect *x = p->ex_head; x; x = x->next)
@@ -1218,4 +1221,68 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     }
     *status = AXF_OK;
     return c;
+}
+
+/* ------------------------------------------------------------ detached */
+
+conn *conn_detached(axf_engine *e, endpoint *ep, uint64_t tag)
+{
+    conn_priv *p = calloc(1, sizeof *p);
+    if (!p)
+        return NULL;
+    conn *c = &p->c;
+    c->e = e;
+    c->ep = ep;
+    c->tag = tag;
+    c->fd = -1;
+    c->pidfd = -1;
+    c->replay = true; /* nothing to wait for before "reading" */
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    pthread_cond_init(&c->room_cv, NULL);
+    atomic_init(&c->progress_us, axf_now_us());
+    atomic_init(&c->last_rx_us, axf_now_us());
+    /* As one thread: conn_detached_close is its exit. */
+    atomic_init(&c->threads, 1);
+    atomic_init(&c->refs, 2); /* the registry's, the "thread's" */
+    pthread_mutex_lock(&e->th_mu);
+    e->conn_threads++;
+    pthread_mutex_unlock(&e->th_mu);
+    c->next_all = e->conns;
+    e->conns = c;
+    atomic_fetch_add(&e->n_conns, 1);
+    return c;
+}
+
+bool conn_detached_take(conn *c, wire_hdr *h)
+{
+    pthread_mutex_lock(&c->mu);
+    sq_item *it = c->head;
+    if (it) {
+        c->head = it->next;
+        if (!c->head)
+            c->tail = NULL;
+        if (it->reply_cost)
+            atomic_fetch_sub(&c->reply_bytes, it->reply_cost);
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (!it)
+        return false;
+    *h = it->h;
+    it->next = NULL;
+    release_list(c->e, it); /* sent */
+    return true;
+}
+
+void conn_detached_close(conn *c)
+{
+    conn_kill(c);
+    if (c->ep)
+        initiator_conn_lost(c, false);
+    pthread_mutex_lock(&c->mu);
+    sq_item *rest = c->head;
+    c->head = c->tail = NULL;
+    pthread_mutex_unlock(&c->mu);
+    release_list(c->e, rest);
+    thread_exit(c);
 }

@@ -411,6 +411,15 @@ const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *pr
  * logs pushed to the ring: poll them). AXF_OK, AXF_E_PROTOCOL when a frame
  * was malformed (a real connection would have been closed there). */
 int conn_replay(axf_engine *e, uint64_t tag, const uint8_t *buf, size_t len);
+/* A connection with no socket and no threads (the native core tests drive
+ * it, over the mock transport): e->mu held; ep NULL for the accepting side.
+ * Frames queued on it wait for conn_detached_take (which sends them: their
+ * pins go); frames that arrive are handed to conn_rx_frame (header-only
+ * ones); conn_detached_close ends it as its threads' exit would (not under
+ * e->mu). */
+conn *conn_detached(axf_engine *e, endpoint *ep, uint64_t tag);
+bool conn_detached_take(conn *c, wire_hdr *h);
+void conn_detached_close(conn *c);
 sq_item *sq_new(int type, uint64_t op_id);
 void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
 

@@ -20,7 +20,7 @@
 #define AXF_TRANSPORT_ABI 1u
 
 /* Endpoint kinds that are no part of the public header: the test-only mock
- * transport (native/tests/mock_transport.c, -Dmock_transport=true). */
+ * transport (native/src/mock.c, mock.h). */
 #define AXF_EP_MOCK 7
 
 /* caps */
@@ -44,6 +44,9 @@ enum {
     /* Far regions are unmapped as soon as no op uses one and none can
      * resolve it any more (not only when the endpoint goes). */
     AXF_XP_CAP_EAGER_UNMAP = 1u << 6,
+    /* A failed connection's unfinished groups move to the endpoint's other
+     * live connections (rails), instead of failing the endpoint. */
+    AXF_XP_CAP_REROUTE = 1u << 7,
 };
 
 #define AXF_MEM_BIT(kind) (1u << (kind))
@@ -107,11 +110,9 @@ extern const axf_transport *const axf_transports[];
 extern const size_t axf_ntransports;
 const axf_transport *axf_transport_for(int ep_kind); /* NULL: not built */
 
-/* The transports (each defined in its own file). */
-extern const axf_transport axf_xp_tcp, axf_xp_shm, axf_xp_file, axf_xp_verbs, axf_xp_cuda;
-#ifdef AXF_HAVE_MOCK
-extern const axf_transport axf_xp_mock;
-#endif
+/* The transports (each defined in its own file; only those built exist). */
+extern const axf_transport axf_xp_tcp, axf_xp_shm, axf_xp_file, axf_xp_verbs, axf_xp_cuda,
+    axf_xp_mock;
 
 #define AXF_FOR_XP(xp)                                                   \
     for (const axf_transport *const *xp##_it = axf_transports, *xp;     \
