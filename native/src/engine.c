@@ -431,212 +431,9 @@ int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64
     return region_add(e, r, id_out, key_out);
 }
 
-int axf_region_deregister(axf_engine *e, uint64_t id)
-{
-    pthread_mutex_lock(&e->mu);
-    region **p = &e->regions[id % AXF_REGION_BUCKETS];
-    while (*p && (*p)->id != id)
-        p = &(*p)->next;
-    region *r = *p;
-    if (!r) {
-        pthread_mutex_unlock(&e->mu);
-        return AXF_E_NOTFOUND;
-    }
-    /* Same-host peers copy into our memory without asking us: every peer
-     * that may still touch the region is told to forget it (if its
-     * connection is up) and waited for. Everything is allocated before the
-     * region leaves the registry, so a failure changes nothing. */
-    size_t n = 0;
-    for (conn *c = e->conns; c; c = c->next_all)
-        n += !c->ep && !c->gone && r->kind != AXF_MEM_FILE; /* peers never reach files */
-    revocation *rv = NULL;
-    rv_wait **ws = NULL;
-    sq_item **its = NULL;
-    if (n) {
-        rv = calloc(1, sizeof *rv);
-        ws = calloc(n, sizeof *ws);
-        its = calloc(n, sizeof *its);
-        bool ok = rv && ws && its;
-        for (size_t i = 0; ok && i < n; i++)
-            ok = (ws[i] = calloc(1, sizeof *ws[i])) && (its[i] = sq_new(FR_REVOKE, 0));
-        if (!ok) {
-            for (size_t i = 0; ws && its && i < n; i++) {
-                free(ws[i]);
-                free(its[i]);
-            }
-            free(ws);
-            free(its);
-            free(rv);
-            pthread_mutex_unlock(&e->mu);
-            return AXF_E_NOMEM;
-        }
-    }
-    *p = r->next; /* unreachable from now on: new accesses fail */
-    uint64_t now = axf_now_ms();
-    bool timed = false;
-    size_t k = 0;
-    for (conn *c = e->conns; c && n; c = c->next_all) {
-        if (c->ep || c->gone || r->kind == AXF_MEM_FILE)
-            continue;
-        rv_wait *w = ws[k];
-        sq_item *it = its[k++];
-        w->rv = rv;
-        w->since_ms = now;
-        w->next = c->revokes;
-        c->revokes = w;
-        rv->waiting++;
-        timed |= c->pidfd < 0;
-        if (c->exited) { /* held: a closed same-host peer that may still copy */
-            free(it);
-            continue;
-        }
-        it->h.rid = r->id;
-        it->h.key = r->key;
-        conn_enqueue(c, it, true);
-    }
-    free(ws);
-    free(its);
-    if (rv) {
-        rv->r = r;
-        rv->qnext = e->quarantine;
-        if (e->quarantine)
-            e->quarantine->qprev = rv;
-        e->quarantine = rv;
-        e->quarantined++;
-        e->quarantined_bytes += r->len;
-    }
-    pthread_mutex_unlock(&e->mu);
-    if (timed)
-        watch_wake(e); /* a new deadline */
-    if (!rv)
-        region_unref(e, r);
-    return AXF_OK;
-}
-
-/* Target side: one of the region's revocations is over. e->mu held. */
-static void revoke_settled(axf_engine *e, revocation *rv)
-{
-    if (--rv->waiting == 0) {
-        if (rv->qprev)
-            rv->qprev->qnext = rv->qnext;
-        else
-            e->quarantine = rv->qnext;
-        if (rv->qnext)
-            rv->qnext->qprev = rv->qprev;
-        e->quarantined--;
-        e->quarantined_bytes -= rv->r->len;
-        region_unref(e, rv->r); /* only the ring lock inside: fine under e->mu */
-        free(rv);
-    }
-}
-
-/* e->mu held: every revocation c holds is over. */
-static void revokes_settle_all(axf_engine *e, conn *c)
-{
-    rv_wait *w = c->revokes;
-    c->revokes = NULL;
-    while (w) {
-        rv_wait *n = w->next;
-        revoke_settled(e, w->rv);
-        free(w);
-        w = n;
-    }
-}
-
-int axf_region_holders(axf_engine *e, uint64_t rid, uint64_t *tags_out, size_t max)
-{
-    pthread_mutex_lock(&e->mu);
-    revocation *rv = e->quarantine;
-    while (rv && rv->r->id != rid)
-        rv = rv->qnext;
-    int n = 0;
-    for (conn *c = e->conns; rv && c; c = c->next_all)
-        for (rv_wait *w = c->revokes; w; w = w->next)
-            if (w->rv == rv) {
-                if ((size_t)n < max)
-                    tags_out[n] = c->tag;
-                n++;
-                break;
-            }
-    pthread_mutex_unlock(&e->mu);
-    return rv ? n : AXF_E_NOTFOUND;
-}
-
-int revoke_acked(axf_engine *e, conn *c, uint64_t rid)
-{
-    pthread_mutex_lock(&e->mu);
-    rv_wait **p = &c->revokes;
-    while (*p && (*p)->rv->r->id != rid)
-        p = &(*p)->next;
-    rv_wait *w = *p;
-    if (w) {
-        *p = w->next;
-        revoke_settled(e, w->rv);
-        free(w);
-    }
-    pthread_mutex_unlock(&e->mu);
-    return w ? AXF_OK : AXF_E_PROTOCOL;
-}
-
-/* The connection's socket is closed (its threads are leaving). */
-void revokes_drop(axf_engine *e, conn *c)
-{
-    pthread_mutex_lock(&e->mu);
-    c->exited = true;
-    if (c->pidfd >= 0 && !c->released && !atomic_load(&c->peer_exited)) {
-        /* Same host: a stopped process keeps its mappings and its right to
-         * copy into us; only its exit (the watcher) or a goodbye ends it.
-         * One held connection per process is enough to wait for it: a
-         * process that connects and disconnects again and again adds to
-         * the one already held, not a pidfd each. */
-        for (conn *h = e->conns; h; h = h->next_all)
-            if (h != c && !h->ep && h->exited && !h->gone && h->pidfd >= 0 &&
-                h->peer_pid == c->peer_pid && !atomic_load(&h->peer_exited)) {
-                rv_wait **tail = &h->revokes;
-                while (*tail)
-                    tail = &(*tail)->next;
-                *tail = c->revokes;
-                c->revokes = NULL;
-                c->gone = true; /* its waits are h's now */
-                pthread_mutex_unlock(&e->mu);
-                return;
-            }
-        atomic_fetch_add(&e->held_conns, 1);
-        pthread_mutex_unlock(&e->mu);
-        watch_wake(e);
-        return;
-    }
-    c->gone = true;
-    revokes_settle_all(e, c);
-    pthread_mutex_unlock(&e->mu);
-}
-
-void bye_received(axf_engine *e, conn *c)
-{
-    pthread_mutex_lock(&e->mu);
-    c->released = true;
-    revokes_settle_all(e, c);
-    pthread_mutex_unlock(&e->mu);
-}
-
-/* The watcher saw the same-host peer of accepted connection c exit. e->mu held. */
-static void conn_peer_exited(axf_engine *e, conn *c)
-{
-    atomic_store(&c->peer_exited, true);
-    if (c->exited) { /* held until now */
-        if (!c->gone && !c->released)
-            atomic_fetch_sub(&e->held_conns, 1);
-        c->gone = true;
-        revokes_settle_all(e, c);
-        conn_registry_drop(e, c);
-    } else {
-        conn_kill(c); /* its receiver leaves and revokes_drop settles */
-    }
-}
-
 /* e->mu held: every transport undoes what it mapped of rr (in registry
  * order: a CUDA host registration of a mapping before the mapping). */
-static void rr_unmap(rregion *rr)
+void rr_unmap(rregion *rr)
 {
     AXF_FOR_XP(xp)
         if (xp->rr_unmap)
@@ -650,99 +447,6 @@ void rr_unmap_idle(endpoint *ep)
     for (rregion *rr = ep->rregions; rr; rr = rr->next)
         if ((rr->gone || ep->dead) && atomic_load(&rr->users) == 0)
             rr_unmap(rr);
-}
-
-/* Initiator side: acknowledges every revocation of ep whose region no op uses
- * any more, and unmaps what it had mapped of it. e->mu held. */
-static void rv_acks_flush(axf_engine *e, endpoint *ep)
-{
-    for (rv_ack **p = &e->rv_acks; *p;) {
-        rv_ack *a = *p;
-        bool busy = false;
-        if (a->ep == ep)
-            for (rregion *rr = ep->rregions; rr && !busy; rr = rr->next)
-                busy = rr->rid == a->rid && rr->key == a->key && atomic_load(&rr->users);
-        if (a->ep != ep || busy) {
-            p = &a->next;
-            continue;
-        }
-        for (rregion *rr = ep->rregions; rr; rr = rr->next)
-            if (rr->rid == a->rid && rr->key == a->key) {
-                rr_unmap(rr);
-            }
-        sq_item *it = sq_new(FR_REVOKE_ACK, 0);
-        if (it) {
-            it->h.rid = a->rid;
-            it->h.key = a->key;
-            conn_enqueue_reply(a->c, it, true);
-        } else {
-            conn_kill(a->c); /* the target then stops waiting for us */
-        }
-        a->c->rv_pending--;
-        conn_unref(a->c);
-        *p = a->next;
-        free(a);
-    }
-}
-
-/* Initiator side: the target revoked rid/key (on each of its connections
- * to us). Bounded whatever the target sends: a region nothing uses is
- * acknowledged at once (a reply, counted against reply_queue_bytes like any
- * other); one an op still uses waits in one entry per connection and
- * imported region, and a second revocation of it on the same connection
- * while the first waits is a protocol error. */
-int revoke_received(axf_engine *e, conn *c, uint64_t rid, uint64_t key)
-{
-    endpoint *ep = c->ep;
-    pthread_mutex_lock(&e->mu);
-    bool busy = false, dup = false;
-    for (rregion *rr = ep->rregions; rr; rr = rr->next)
-        if (rr->rid == rid && rr->key == key) {
-            rr->gone = true; /* no new op resolves it */
-            atomic_store(&rr->revoked, true);
-            busy |= atomic_load(&rr->users) != 0;
-        }
-    for (rv_ack *a = busy ? e->rv_acks : NULL; a && !dup; a = a->next)
-        dup = a->c == c && a->rid == rid && a->key == key;
-    if (dup) {
-        pthread_mutex_unlock(&e->mu);
-        return AXF_E_PROTOCOL;
-    }
-    if (busy) {
-        rv_ack *a = calloc(1, sizeof *a);
-        if (!a) {
-            conn_kill(c);
-            pthread_mutex_unlock(&e->mu);
-            return AXF_E_NOMEM;
-        }
-        a->c = c;
-        conn_ref(c);
-        c->rv_pending++;
-        a->ep = ep;
-        a->rid = rid;
-        a->key = key;
-        a->next = e->rv_acks;
-        e->rv_acks = a;
-    }
-    /* Now, or once the ops holding it are done (op_release_remote). */
-    rv_acks_flush(e, ep);
-    if (!busy) {
-        for (rregion *rr = ep->rregions; rr; rr = rr->next)
-            if (rr->rid == rid && rr->key == key) {
-                rr_unmap(rr);
-            }
-        sq_item *it = sq_new(FR_REVOKE_ACK, 0);
-        if (!it) {
-            conn_kill(c);
-            pthread_mutex_unlock(&e->mu);
-            return AXF_E_NOMEM;
-        }
-        it->h.rid = rid;
-        it->h.key = key;
-        conn_enqueue_reply(c, it, true);
-    }
-    pthread_mutex_unlock(&e->mu);
-    return AXF_OK;
 }
 
 /* An op no longer touches its remote regions; a revoked one may now be
@@ -1067,41 +771,6 @@ static int op_resolve(axf_engine *e, op *o)
     return AXF_OK;
 }
 
-conn *endpoint_live_conn(endpoint *ep)
-{
-    for (int i = 0; i < ep->nconns; i++)
-        if (!atomic_load(&ep->conns[i]->down))
-            return ep->conns[i];
-    return NULL;
-}
-
-conn *notify_enqueue(axf_engine *e, op *o)
-{
-    (void)e;
-    conn *c = endpoint_live_conn(o->ep);
-    if (!c)
-        return NULL;
-    sq_item *it = sq_new(FR_NOTIFY, o->req_id);
-    uint8_t *copy = malloc(o->notify_len);
-    if (!it || !copy) {
-        free(it);
-        free(copy);
-        op_set_status(o, AXF_E_NOMEM, 0);
-        return NULL;
-    }
-    /* The frame owns a copy: the acknowledgement (and the op's end) can come
-     * before the sending thread is back from sendmsg, and a rerouted
-     * notification is sent again from the op's own. */
-    memcpy(copy, o->notify, o->notify_len);
-    it->h.len = o->notify_len;
-    it->payload = it->owned = copy;
-    it->plen = o->notify_len;
-    it->op = o;
-    atomic_fetch_add(&o->pins, 1);
-    conn_enqueue(c, it, false);
-    return c;
-}
-
 int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, size_t n,
              const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags)
 {
@@ -1258,10 +927,6 @@ static bool pidfd_exited(int pidfd)
     return poll(&p, 1, 0) == 1 && (p.revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL));
 }
 
-static bool ep_same_host(const endpoint *ep)
-{
-    return ep->xp->caps & AXF_XP_CAP_SAME_HOST;
-}
 
 int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int pidfd,
                         uint64_t *ep_out)
@@ -1508,32 +1173,6 @@ int axf_endpoint_close(axf_engine *e, uint64_t ep_id)
     if (none) /* no connection thread will come by: fail what is left here */
         endpoint_conn_finished(e, ep);
     return AXF_OK;
-}
-
-void ep_maybe_bye(axf_engine *e, endpoint *ep)
-{
-    (void)e;
-    if (ep->bye_sent || !ep->closing || !ep_same_host(ep))
-        return;
-    for (op *o = ep->ops; o; o = o->next)
-        if (o->phase == 0)
-            return; /* a copy of it may still run */
-    ep->bye_sent = true;
-    /* No copy of ours runs, none will: nothing touches the peer's memory. */
-    for (rregion *rr = ep->rregions; rr; rr = rr->next)
-        rr_unmap(rr);
-    for (int i = 0; i < ep->nconns; i++) {
-        conn *c = ep->conns[i];
-        if (atomic_load(&c->down))
-            continue;
-        sq_item *it = sq_new(FR_BYE, 0);
-        if (!it) {
-            conn_kill(c); /* the peer then waits for our exit instead */
-            continue;
-        }
-        conn_enqueue(c, it, true);
-        conn_close_after_flush(c);
-    }
 }
 
 int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
@@ -1806,21 +1445,9 @@ void axf_engine_shutdown(axf_engine *e)
      * sent. Waited for a little (a peer that does not read waits for our
      * exit instead, shutdown does not wait for it), then closed anyway. */
     pthread_mutex_lock(&e->mu);
-    for (endpoint *ep = e->eps; ep; ep = ep->next) {
-        if (!ep_same_host(ep) || ep->bye_sent)
-            continue;
-        ep->bye_sent = true;
-        for (int i = 0; i < ep->nconns; i++) {
-            conn *c = ep->conns[i];
-            if (atomic_load(&c->down))
-                continue;
-            sq_item *it = sq_new(FR_BYE, 0);
-            if (it) {
-                conn_enqueue(c, it, true);
-                conn_close_after_flush(c);
-            }
-        }
-    }
+    for (endpoint *ep = e->eps; ep; ep = ep->next)
+        if (ep_same_host(ep) && !ep->bye_sent)
+            ep_send_bye(ep);
     pthread_mutex_unlock(&e->mu);
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until); /* th_cv's clock */

@@ -347,7 +347,18 @@ void op_set_status(op *o, int status, uint64_t index);
 void op_unit_done(axf_engine *e, op *o);
 void op_unpin(axf_engine *e, op *o); /* a queued frame of it is gone */
 void endpoint_conn_finished(axf_engine *e, endpoint *ep);
+/* e->mu held: every transport undoes what it mapped of rr. */
+void rr_unmap(rregion *rr);
+/* control.c: the control channel (notify, revoke, goodbye) */
 conn *endpoint_live_conn(endpoint *ep); /* e->mu held; NULL when none */
+/* e->mu held: every revocation c holds is over. */
+void revokes_settle_all(axf_engine *e, conn *c);
+/* e->mu held: the watcher saw the same-host peer of accepted connection c exit. */
+void conn_peer_exited(axf_engine *e, conn *c);
+/* e->mu held: acknowledges every revocation of ep whose region no op uses any more. */
+void rv_acks_flush(axf_engine *e, endpoint *ep);
+/* e->mu held: goodbye on each live connection of ep, which then closes. */
+void ep_send_bye(endpoint *ep);
 /* tcp.c: queues a rerouted group's chunks (list, or the chunks of schedule
  * slot `slot`) on the live connections; false when none is left. e->mu held. */
 bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n);

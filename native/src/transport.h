@@ -114,6 +114,12 @@ const axf_transport *axf_transport_for(int ep_kind); /* NULL: not built */
 extern const axf_transport axf_xp_tcp, axf_xp_shm, axf_xp_file, axf_xp_verbs, axf_xp_cuda,
     axf_xp_mock;
 
+/* Its copies reach the peer's memory directly (AXF_XP_CAP_SAME_HOST). */
+static inline bool ep_same_host(const endpoint *ep)
+{
+    return ep->xp->caps & AXF_XP_CAP_SAME_HOST;
+}
+
 #define AXF_FOR_XP(xp)                                                   \
     for (const axf_transport *const *xp##_it = axf_transports, *xp;     \
          (xp = *xp##_it) != NULL; xp##_it++)
