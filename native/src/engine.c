@@ -453,20 +453,20 @@ void rr_unmap_idle(endpoint *ep)
  * acknowledged. Paired with revoke_received: one of the two sees the other. */
 static void op_release_remote(axf_engine *e, op *o)
 {
-    bool flush = false, gpu = false;
+    bool flush = false, eager = false;
     for (size_t i = 0; i < o->nrregs; i++) {
         rregion *rr = o->rregs[i];
         if (atomic_fetch_sub(&rr->users, 1) == 1) {
             flush |= atomic_load(&rr->revoked);
             /* its transport's mappings are looked at under e->mu only */
-            gpu |= (o->ep->xp->caps & AXF_XP_CAP_EAGER_UNMAP) != 0;
+            eager |= (o->ep->xp->caps & AXF_XP_CAP_EAGER_UNMAP) != 0;
         }
     }
-    if (flush || gpu) {
+    if (flush || eager) {
         pthread_mutex_lock(&e->mu);
         if (flush)
             rv_acks_flush(e, o->ep);
-        if (gpu)
+        if (eager)
             rr_unmap_idle(o->ep);
         pthread_mutex_unlock(&e->mu);
     }
