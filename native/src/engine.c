@@ -259,8 +259,6 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     }
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->cq_mu, NULL);
-    pthread_mutex_init(&e->wq_mu, NULL);
-    pthread_cond_init(&e->wq_cv, NULL);
     pthread_mutex_init(&e->th_mu, NULL);
     pthread_cond_init(&e->th_cv, NULL);
     e->next_rid = 1;
@@ -1580,8 +1578,6 @@ void axf_engine_destroy(axf_engine *e)
     close(e->watch_efd);
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->cq_mu);
-    pthread_mutex_destroy(&e->wq_mu);
-    pthread_cond_destroy(&e->wq_cv);
     pthread_mutex_destroy(&e->th_mu);
     pthread_cond_destroy(&e->th_cv);
     free(e);

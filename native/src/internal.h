@@ -268,12 +268,6 @@ typedef struct conn {
     struct conn *next_all;
 } conn;
 
-typedef struct job {
-    op *op;
-    size_t i0, i1;      /* whole descriptors [i0, i1) ... */
-    uint64_t off, len;  /* ... or, when len != 0, bytes [off, off+len) of descriptor i0 */
-    struct job *next;
-} job;
 
 struct axf_engine {
     axf_config cfg;
@@ -291,15 +285,8 @@ struct axf_engine {
     axf_completion *cq;
     size_t cq_head, cq_count, cq_cap;
     atomic_size_t cq_ready; /* cq_count, readable without cq_mu (axf_wait spins on it) */
-    uint64_t batch_inline;  /* shm copies up to this run at submit (any post) */
     uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
 
-    pthread_mutex_t wq_mu;
-    pthread_cond_t wq_cv;
-    job *wq_head, *wq_tail;
-    bool wq_stop;
-    pthread_t *workers;
-    uint32_t nworkers;
 
     pthread_mutex_t th_mu;
     pthread_cond_t th_cv;
@@ -307,7 +294,6 @@ struct axf_engine {
 
     conn *dirty[64]; /* connections with deferred, unsignalled frames */
     int ndirty;
-    atomic_bool dirty_workers; /* shm: deferred copies queued, workers not woken */
 
     rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
     revocation *quarantine; /* target side: deregistered regions peers may still touch */

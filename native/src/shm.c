@@ -27,6 +27,27 @@
  * could shrink the file under our copies (SIGBUS here), or unseal it later. */
 #define SHM_SEALS_NEEDED (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
 
+/* A piece of an op's copy for a worker. */
+typedef struct job {
+    op *op;
+    size_t i0, i1;      /* whole descriptors [i0, i1) ... */
+    uint64_t off, len;  /* ... or, when len != 0, bytes [off, off+len) of descriptor i0 */
+    struct job *next;
+} job;
+
+/* Its engine slot (transport.h): the copy workers and their queue. */
+typedef struct shm_state {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    job *head, *tail;
+    bool stop;
+    pthread_t *workers;
+    uint32_t nworkers;
+    atomic_bool dirty;     /* deferred copies queued, workers not woken (the doorbell) */
+    uint64_t batch_inline; /* copies up to this run at submit (any post) */
+} shm_state;
+#define SH(e) ((shm_state *)(e)->xp[AXF_EP_SHM])
+
 int shm_map(endpoint *ep, rregion *rr, int memfd)
 {
     (void)ep;
@@ -213,51 +234,82 @@ static void run_job(axf_engine *e, job *j)
 static void *worker_main(void *arg)
 {
     axf_engine *e = arg;
-    pthread_mutex_lock(&e->wq_mu);
+    shm_state *sh = SH(e);
+    pthread_mutex_lock(&sh->mu);
     for (;;) {
-        while (!e->wq_head && !e->wq_stop)
-            pthread_cond_wait(&e->wq_cv, &e->wq_mu);
-        job *j = e->wq_head;
+        while (!sh->head && !sh->stop)
+            pthread_cond_wait(&sh->cv, &sh->mu);
+        job *j = sh->head;
         if (!j)
             break; /* stopping and nothing queued */
-        e->wq_head = j->next;
-        if (!e->wq_head)
-            e->wq_tail = NULL;
-        bool stopping = e->wq_stop;
-        pthread_mutex_unlock(&e->wq_mu);
+        sh->head = j->next;
+        if (!sh->head)
+            sh->tail = NULL;
+        bool stopping = sh->stop;
+        pthread_mutex_unlock(&sh->mu);
         if (stopping)
             op_set_status(j->op, AXF_E_CLOSED, j->i0);
         run_job(e, j);
-        pthread_mutex_lock(&e->wq_mu);
+        pthread_mutex_lock(&sh->mu);
     }
-    pthread_mutex_unlock(&e->wq_mu);
+    pthread_mutex_unlock(&sh->mu);
     return NULL;
 }
 
 int shm_start(axf_engine *e)
 {
-    e->workers = calloc(e->cfg.copy_workers, sizeof *e->workers);
-    if (!e->workers)
+    shm_state *sh = calloc(1, sizeof *sh);
+    pthread_t *w = calloc(e->cfg.copy_workers, sizeof *w);
+    if (!sh || !w) {
+        free(sh);
+        free(w);
         return AXF_E_NOMEM;
-    for (uint32_t i = 0; i < e->cfg.copy_workers; i++) {
-        if (pthread_create(&e->workers[i], NULL, worker_main, e) != 0)
-            break;
-        e->nworkers++;
     }
-    return e->nworkers ? AXF_OK : AXF_E_NOMEM;
+    pthread_mutex_init(&sh->mu, NULL);
+    pthread_cond_init(&sh->cv, NULL);
+    sh->workers = w;
+    e->xp[AXF_EP_SHM] = sh;
+    for (uint32_t i = 0; i < e->cfg.copy_workers; i++) {
+        if (pthread_create(&sh->workers[i], NULL, worker_main, e) != 0)
+            break;
+        sh->nworkers++;
+    }
+    if (sh->nworkers)
+        return AXF_OK;
+    e->xp[AXF_EP_SHM] = NULL;
+    pthread_mutex_destroy(&sh->mu);
+    pthread_cond_destroy(&sh->cv);
+    free(w);
+    free(sh);
+    return AXF_E_NOMEM;
 }
 
 void shm_stop(axf_engine *e)
 {
-    pthread_mutex_lock(&e->wq_mu);
-    e->wq_stop = true;
-    pthread_cond_broadcast(&e->wq_cv);
-    pthread_mutex_unlock(&e->wq_mu);
-    for (uint32_t i = 0; i < e->nworkers; i++)
-        pthread_join(e->workers[i], NULL);
-    e->nworkers = 0;
-    free(e->workers);
-    e->workers = NULL;
+    shm_state *sh = SH(e);
+    if (!sh)
+        return;
+    pthread_mutex_lock(&sh->mu);
+    sh->stop = true;
+    pthread_cond_broadcast(&sh->cv);
+    pthread_mutex_unlock(&sh->mu);
+    for (uint32_t i = 0; i < sh->nworkers; i++)
+        pthread_join(sh->workers[i], NULL);
+    sh->nworkers = 0;
+    free(sh->workers);
+    sh->workers = NULL;
+}
+
+static void shm_destroy(axf_engine *e)
+{
+    shm_state *sh = SH(e);
+    if (!sh)
+        return;
+    shm_stop(e);
+    e->xp[AXF_EP_SHM] = NULL;
+    pthread_mutex_destroy(&sh->mu);
+    pthread_cond_destroy(&sh->cv);
+    free(sh);
 }
 
 int shm_copy_inline(axf_engine *e, op *o)
@@ -287,11 +339,12 @@ static job *job_new(op *o, size_t i0, size_t i1, uint64_t off, uint64_t len)
 
 void shm_submit(axf_engine *e, op *o, bool signal)
 {
+    shm_state *sh = SH(e);
     /* Build every job before queueing any: a worker may finish the op as soon
      * as its last job is queued. */
     job *head = NULL, *tail = NULL;
     long count = 0;
-    uint64_t split = (uint64_t)e->nworkers * 2;
+    uint64_t split = (uint64_t)sh->nworkers * 2;
     size_t run_start = 0;
     uint64_t run_bytes = 0;
     bool oom = false;
@@ -345,19 +398,19 @@ void shm_submit(axf_engine *e, op *o, bool signal)
         return;
     }
     atomic_store(&o->remaining, count);
-    pthread_mutex_lock(&e->wq_mu);
-    if (e->wq_tail)
-        e->wq_tail->next = head;
+    pthread_mutex_lock(&sh->mu);
+    if (sh->tail)
+        sh->tail->next = head;
     else
-        e->wq_head = head;
-    e->wq_tail = tail;
+        sh->head = head;
+    sh->tail = tail;
     if (signal) {
         if (count > 1)
-            pthread_cond_broadcast(&e->wq_cv);
+            pthread_cond_broadcast(&sh->cv);
         else
-            pthread_cond_signal(&e->wq_cv);
+            pthread_cond_signal(&sh->cv);
     }
-    pthread_mutex_unlock(&e->wq_mu);
+    pthread_mutex_unlock(&sh->mu);
 }
 
 /* ---------------------------------------------------------------- calibration
@@ -515,13 +568,18 @@ static int shm_enable(axf_engine *e)
     const axf_calibration *cal = shm_calibration();
     if (!e->cfg.inline_bytes)
         e->cfg.inline_bytes = cal->inline_bytes;
-    e->batch_inline = e->cfg.inline_bytes < (64u << 10) ? e->cfg.inline_bytes : 64u << 10;
     e->poll_us = cal->poll_us;
-    return shm_start(e);
+    int st = shm_start(e);
+    if (st == AXF_OK) {
+        uint64_t ib = e->cfg.inline_bytes;
+        SH(e)->batch_inline = ib < (64u << 10) ? ib : 64u << 10;
+    }
+    return st;
 }
 
 bool shm_post(axf_engine *e, op *o, uint32_t flags)
 {
+    shm_state *sh = SH(e);
     uint64_t total = 0;
     for (size_t i = 0; i < o->n; i++)
         total += o->d[i].len;
@@ -532,7 +590,7 @@ bool shm_post(axf_engine *e, op *o, uint32_t flags)
      * larger (they copy in parallel with each other). */
     bool alone = flags & AXF_POST_ALONE, signal = !(flags & AXF_POST_DEFER);
     if (e->cfg.inline_bytes != UINT64_MAX &&
-        ((alone && total <= e->cfg.inline_bytes) || (!o->notify_len && total <= e->batch_inline))) {
+        ((alone && total <= e->cfg.inline_bytes) || (!o->notify_len && total <= sh->batch_inline))) {
         atomic_store(&o->remaining, 1);
         int cst = shm_copy_inline(e, o);
         op_set_status(o, cst, 0);
@@ -544,17 +602,18 @@ bool shm_post(axf_engine *e, op *o, uint32_t flags)
         return true;
     }
     if (!signal)
-        atomic_store(&e->dirty_workers, true);
+        atomic_store(&sh->dirty, true);
     shm_submit(e, o, signal);
     return true;
 }
 
 static void shm_doorbell(axf_engine *e)
 {
-    if (atomic_load(&e->dirty_workers) && atomic_exchange(&e->dirty_workers, false)) {
-        pthread_mutex_lock(&e->wq_mu);
-        pthread_cond_broadcast(&e->wq_cv);
-        pthread_mutex_unlock(&e->wq_mu);
+    shm_state *sh = SH(e);
+    if (atomic_load(&sh->dirty) && atomic_exchange(&sh->dirty, false)) {
+        pthread_mutex_lock(&sh->mu);
+        pthread_cond_broadcast(&sh->cv);
+        pthread_mutex_unlock(&sh->mu);
     }
 }
 
@@ -567,6 +626,7 @@ const axf_transport axf_xp_shm = {
     .far_mem = AXF_MEM_BIT(AXF_MEM_HOST),
     .enable = shm_enable,
     .quiesce = shm_stop,
+    .destroy = shm_destroy,
     .ep_import_fd = shm_map,
     .rr_unmap = shm_unmap,
     .submit = shm_post,
