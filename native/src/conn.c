@@ -110,7 +110,7 @@ static void conn_mark_dead(conn *c)
     c->dead = true;
     atomic_store(&c->down, true);
     if (c->ep)
-        atomic_store(&c->ep->sched_stale, true);
+        ep_conns_changed(c->ep);
     shutdown(c->fd, SHUT_RDWR); /* wakes both threads out of their syscalls */
     pthread_cond_broadcast(&c->room_cv); /* and a receiver paused for room */
 }
@@ -809,7 +809,7 @@ static void measure_rate(conn *c, const expect *x)
     uint64_t rate = old ? (3 * old + sample) / 4 : sample;
     atomic_store(&c->rate, rate ? rate : 1);
     if (!old || rate > old + old / 4 || rate < old - old / 4)
-        atomic_store(&c->ep->sched_stale, true);
+        ep_conns_changed(c->ep);
 }
 
 static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io)
@@ -933,7 +933,7 @@ static void initiator_conn_lost(conn *c, bool proto)
     /* Unsent data must not reach the peer later, should the link come back. */
     struct linger lg = {.l_onoff = 1, .l_linger = 0};
     (void)setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
-    ep->nsched = 0;
+    ep_conns_changed(ep);
     pthread_mutex_lock(&c->mu);
     expect *list = p->ex_head;
     p->ex_head = p->ex_tail = NULL;

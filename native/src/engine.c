@@ -1045,7 +1045,7 @@ int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep_id, int fd, uint32_t r
     ep->conns[slot] = c;
     if (slot == ep->nconns)
         ep->nconns++;
-    ep->nsched = 0; /* stripe over it too from now on */
+    ep_conns_changed(ep); /* e.g. stripe over it too from now on */
     pthread_mutex_unlock(&e->mu);
     return AXF_OK;
 }

@@ -134,15 +134,8 @@ typedef struct endpoint {
     atomic_bool exited;  /* its pidfd reported the process gone */
     bool bye_sent;       /* e->mu: goodbye queued on its live connections */
     struct conn *conns[AXF_MAX_CONNS];
-    int nconns, live_conns, rr_next;
-    /* Chunks are striped over live connections by this schedule (slot ->
-     * connection index), weighted by each one's measured rate; rebuilt when
-     * nsched is 0 or sched_stale is set (a rate moved, a connection came or
-     * went). e->mu. */
-    uint8_t sched[AXF_SCHED];
-    int nsched;
-    atomic_bool sched_stale;
-    uint64_t reroutes;
+    int nconns, live_conns;
+    uint64_t reroutes; /* groups moved off failed connections (e->mu) */
     /* What connections that gave up their slot had carried, per rail: a
      * rail's counters never go backwards when it is re-dialled. e->mu. */
     axf_rail_stats retired[AXF_MAX_CONNS];

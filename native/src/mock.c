@@ -161,7 +161,6 @@ int axf_mock_connect(axf_engine *e, uint64_t ep_id, uint64_t *peer_out)
         conn_ref(c); /* the endpoint slot's */
         ep->conns[ep->nconns++] = c;
         ep->live_conns++;
-        ep->nsched = 0;
     }
     pthread_mutex_unlock(&e->mu);
     return st;

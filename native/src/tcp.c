@@ -7,11 +7,24 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* An endpoint's (endpoint->priv): chunks are striped over its live
+ * connections by this schedule (slot -> connection index), weighted by each
+ * one's measured rate; rebuilt when nsched is 0 or stale is set (a rate
+ * moved, a connection came or went). e->mu, but stale. */
+typedef struct tcp_ep {
+    uint8_t sched[AXF_SCHED];
+    int nsched;
+    atomic_bool stale;
+    int rr_next;
+} tcp_ep;
+#define TEP(ep) ((tcp_ep *)(ep)->priv)
+
 /* Smooth weighted round robin over the live connections, weighted by their
  * measured rates (unmeasured ones count as the average), every live one
  * keeping at least a slot so that its rate keeps being measured. */
 static void sched_build(endpoint *ep)
 {
+    tcp_ep *t = TEP(ep);
     uint64_t w[AXF_MAX_CONNS] = {0}, known = 0, nknown = 0, total = 0;
     bool live[AXF_MAX_CONNS] = {0};
     int nlive = 0;
@@ -26,7 +39,7 @@ static void sched_build(endpoint *ep)
             nknown++;
         }
     }
-    ep->nsched = 0;
+    t->nsched = 0;
     if (!nlive)
         return;
     uint64_t avg = nknown ? known / nknown : 1;
@@ -55,16 +68,17 @@ static void sched_build(endpoint *ep)
                 best = i;
         }
         cur[best] -= (int64_t)total;
-        ep->sched[k] = (uint8_t)best;
+        t->sched[k] = (uint8_t)best;
     }
-    ep->nsched = AXF_SCHED;
+    t->nsched = AXF_SCHED;
 }
 
 static bool sched_ready(endpoint *ep)
 {
-    if (!ep->nsched || atomic_exchange(&ep->sched_stale, false))
+    tcp_ep *t = TEP(ep);
+    if (!t->nsched || atomic_exchange(&t->stale, false))
         sched_build(ep);
-    return ep->nsched > 0;
+    return t->nsched > 0;
 }
 
 /* Walks the chunks of an op: a given list, or every chunk in order (those of
@@ -143,13 +157,14 @@ static void mark_dirty(axf_engine *e, conn *c)
 static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
 {
     endpoint *ep = o->ep;
+    tcp_ep *t = TEP(ep);
     if (!sched_ready(ep)) {
         op_set_status(o, AXF_E_PEER_LOST, 0);
         atomic_store(&o->remaining, 1);
         return false;
     }
-    memcpy(o->sched, ep->sched, AXF_SCHED);
-    o->sched0 = (uint32_t)ep->rr_next;
+    memcpy(o->sched, t->sched, AXF_SCHED);
+    o->sched0 = (uint32_t)t->rr_next;
     /* Each connection's frames are chained here and queued as one group with
      * its expectation (a READ's chunks are answered one by one). */
     sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
@@ -173,7 +188,7 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         lastp[ci] = it;
         gbytes[ci] += it->h.len;
     }
-    ep->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
+    t->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
     /* Set before any group is queued: replies may come at once. */
     atomic_store(&o->remaining, used ? used : 1);
     if (!used)
@@ -195,14 +210,15 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
 bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n)
 {
     endpoint *ep = o->ep;
+    tcp_ep *t = TEP(ep);
     if (!sched_ready(ep))
         return false;
     uint64_t chunk = e->cfg.chunk_bytes, i, off;
-    uint32_t start = (uint32_t)ep->rr_next;
+    uint32_t start = (uint32_t)t->rr_next;
     size_t cnt[AXF_MAX_CONNS] = {0}, fill[AXF_MAX_CONNS] = {0}, total = 0;
     chunk_iter it = {.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
     while (chunk_next(&it, &i, &off))
-        cnt[ep->sched[(start + total++) % AXF_SCHED]]++;
+        cnt[t->sched[(start + total++) % AXF_SCHED]]++;
     if (!total)
         return false;
     chunk_ref *lists[AXF_MAX_CONNS] = {0};
@@ -216,7 +232,7 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
         }
     it = (chunk_iter){.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
     for (size_t j = 0; ok && chunk_next(&it, &i, &off); j++) {
-        int ci = ep->sched[(start + j) % AXF_SCHED];
+        int ci = t->sched[(start + j) % AXF_SCHED];
         lists[ci][fill[ci]++] = (chunk_ref){.i = i, .off = off};
         ok = (items[j] = chunk_item(o, i, off, chunk)) != NULL;
     }
@@ -236,7 +252,7 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
     sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
     uint64_t gbytes[AXF_MAX_CONNS] = {0};
     for (size_t j = 0; j < total; j++) {
-        int ci = ep->sched[(start + j) % AXF_SCHED];
+        int ci = t->sched[(start + j) % AXF_SCHED];
         if (lastp[ci])
             lastp[ci]->next = items[j];
         else
@@ -254,7 +270,7 @@ bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n
         lastp[ci]->group_bytes = gbytes[ci];
         conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], true);
     }
-    ep->rr_next = (int)((start + total) % AXF_SCHED);
+    t->rr_next = (int)((start + total) % AXF_SCHED);
     free(items);
     return true;
 }
@@ -271,6 +287,28 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
     return queued;
 }
 
+static int tcp_ep_open(axf_engine *e, endpoint *ep)
+{
+    (void)e;
+    tcp_ep *t = calloc(1, sizeof *t);
+    if (!t)
+        return AXF_E_NOMEM;
+    atomic_init(&t->stale, false);
+    ep->priv = t;
+    return AXF_OK;
+}
+
+static void tcp_ep_free(endpoint *ep)
+{
+    free(ep->priv);
+    ep->priv = NULL;
+}
+
+static void tcp_ep_changed(endpoint *ep)
+{
+    atomic_store(&TEP(ep)->stale, true); /* the schedule is rebuilt at the next post */
+}
+
 const axf_transport axf_xp_tcp = {
     .abi = AXF_TRANSPORT_ABI,
     .name = "tcp",
@@ -278,5 +316,8 @@ const axf_transport axf_xp_tcp = {
     .caps = AXF_XP_CAP_NEEDS_CONN | AXF_XP_CAP_NOTIFY | AXF_XP_CAP_REAPABLE | AXF_XP_CAP_REROUTE,
     .local_mem = AXF_MEM_BIT(AXF_MEM_HOST),
     .far_mem = AXF_MEM_BIT(AXF_MEM_HOST),
+    .ep_open = tcp_ep_open,
+    .ep_free = tcp_ep_free,
+    .ep_conns_changed = tcp_ep_changed,
     .submit = tcp_submit,
 };

@@ -84,6 +84,9 @@ typedef struct axf_transport {
     int (*ep_import_fd)(endpoint *ep, rregion *rr, int memfd);
     void (*ep_lost)(axf_engine *e, endpoint *ep);
     void (*ep_free)(endpoint *ep);
+    /* A connection of ep came, went or changed its measured rate (any lock
+     * or none held: a flag to look at later). */
+    void (*ep_conns_changed)(endpoint *ep);
     /* Far regions, every transport (each looks at its own slot): unmap, e->mu
      * (no op uses it and none will); free, before the struct is freed. */
     void (*rr_unmap)(rregion *rr);
@@ -113,6 +116,12 @@ const axf_transport *axf_transport_for(int ep_kind); /* NULL: not built */
 /* The transports (each defined in its own file; only those built exist). */
 extern const axf_transport axf_xp_tcp, axf_xp_shm, axf_xp_file, axf_xp_verbs, axf_xp_cuda,
     axf_xp_mock;
+
+static inline void ep_conns_changed(endpoint *ep)
+{
+    if (ep->xp->ep_conns_changed)
+        ep->xp->ep_conns_changed(ep);
+}
 
 /* Its copies reach the peer's memory directly (AXF_XP_CAP_SAME_HOST). */
 static inline bool ep_same_host(const endpoint *ep)
