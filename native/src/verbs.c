@@ -2041,7 +2041,7 @@ const axf_transport axf_xp_verbs = {
 
 #else /* !AXF_HAVE_VERBS: absent from the registry; the public calls say "not built" */
 
-static const char not_built[] = "not built (no libibverbs headers at build time)";
+static const char not_built[] = "not built (-Dverbs=disabled)";
 
 
 int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *why,

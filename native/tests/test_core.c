@@ -71,6 +71,13 @@ static int test_registry(void)
         CHECK(axf_transport_for((*xi)->ep_kind) == *xi); /* one per kind */
     }
     CHECK_EQ(n, axf_ntransports);
+    /* A transport not built is absent (no stub): its public kind is refused. */
+    char names[256] = "", why[256] = "";
+    bool verbs_built = axf_verbs_probe(NULL, names, sizeof names, why, sizeof why) == AXF_OK ||
+                       strstr(why, "not built") == NULL;
+    CHECK_EQ(axf_transport_for(AXF_EP_VERBS) != NULL, verbs_built);
+    if (!verbs_built)
+        CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_VERBS, 1, 0, -1, &ep), AXF_E_TRANSPORT);
     t_close(t);
     return 0;
 }
