@@ -502,10 +502,8 @@ static void op_free(axf_engine *e, op *o)
 {
     for (size_t i = 0; i < o->nlregs; i++)
         region_unref(e, o->lregs[i]);
-    for (size_t i = 0; i < o->nfregs; i++)
-        region_unref(e, o->fregs[i]);
-    free(o->fr);
-    free(o->fregs);
+    if (o->priv)
+        o->ep->xp->op_free(e, o);
     op_release_remote(e, o);
     if (o->d != &o->d1) { /* else the op's own one-descriptor storage */
         free(o->d);

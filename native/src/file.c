@@ -156,6 +156,14 @@ int axf_file_info(axf_engine *e, char *buf, size_t cap)
 
 /* ------------------------------------------------------------ regions */
 
+/* An op's (op->priv): the file region of each descriptor, and the distinct
+ * ones (one reference each). */
+typedef struct file_op {
+    region **fr, **fregs;
+    size_t nfregs;
+} file_op;
+#define FOP(o) ((file_op *)(o)->priv)
+
 static uint32_t file_dio_align(int fd)
 {
     int fl = fcntl(fd, F_GETFL);
@@ -183,23 +191,28 @@ static int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need)
 {
     const axf_desc *d = &o->d[i];
     region *r = NULL;
-    if (!o->fr) {
-        o->fr = calloc(o->n, sizeof *o->fr);
-        o->fregs = calloc(o->n, sizeof *o->fregs);
-        if (!o->fr || !o->fregs)
+    if (!o->priv) {
+        file_op *fo = calloc(1, sizeof *fo);
+        if (!fo)
+            return AXF_E_NOMEM;
+        o->priv = fo;
+        fo->fr = calloc(o->n, sizeof *fo->fr);
+        fo->fregs = calloc(o->n, sizeof *fo->fregs);
+        if (!fo->fr || !fo->fregs)
             return AXF_E_NOMEM;
     }
-    if (i && o->fr[i - 1]->id == d->rrid) {
-        r = o->fr[i - 1];
+    file_op *fo = FOP(o);
+    if (i && fo->fr[i - 1]->id == d->rrid) {
+        r = fo->fr[i - 1];
     } else {
-        for (size_t k = 0; k < o->nfregs && !r; k++)
-            if (o->fregs[k]->id == d->rrid)
-                r = o->fregs[k];
+        for (size_t k = 0; k < fo->nfregs && !r; k++)
+            if (fo->fregs[k]->id == d->rrid)
+                r = fo->fregs[k];
         if (!r) {
             r = region_get(e, d->rrid);
             if (!r)
                 return AXF_E_ACCESS;
-            o->fregs[o->nfregs++] = r;
+            fo->fregs[fo->nfregs++] = r;
         }
     }
     if (r->kind != AXF_MEM_FILE || r->key != d->rkey || !(r->access & need) || d->roff > r->len ||
@@ -209,7 +222,7 @@ static int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need)
     uint64_t a = r->dio_align;
     if (a && (((r->foff + d->roff) | d->len | (uint64_t)(uintptr_t)o->laddr[i]) & (a - 1)))
         return AXF_E_INVALID;
-    o->fr[i] = r;
+    fo->fr[i] = r;
     return AXF_OK;
 }
 
@@ -265,15 +278,13 @@ static int io_status(int err)
 static void chunk_failed(axf_engine *e, fchunk *c, int err)
 {
     const char *what = c->o->opcode == AXF_OP_WRITE ? "write" : "read";
+    unsigned long long at = FOP(c->o)->fr[c->i]->foff + c->o->d[c->i].roff + c->off + c->done;
     op_set_status(c->o, err ? io_status(err) : AXF_E_TRANSPORT, c->i);
     if (err)
         cq_log(e, c->o->ep->tag, "file: %s of %llu bytes at offset %llu failed: %s (errno %d)",
-               what, (unsigned long long)(c->len - c->done),
-               (unsigned long long)(c->o->fr[c->i]->foff + c->o->d[c->i].roff + c->off + c->done),
-               strerror(err), err);
+               what, (unsigned long long)(c->len - c->done), at, strerror(err), err);
     else
-        cq_log(e, c->o->ep->tag, "file: %s at offset %llu %s", what,
-               (unsigned long long)(c->o->fr[c->i]->foff + c->o->d[c->i].roff + c->off + c->done),
+        cq_log(e, c->o->ep->tag, "file: %s at offset %llu %s", what, at,
                c->o->opcode == AXF_OP_READ ? "met the end of the file (it shrank?)"
                                            : "made no progress");
 }
@@ -302,11 +313,11 @@ static void *pool_main(void *arg)
         if (ended)
             op_unit_done(e, ended);
         if (got) {
-            int fd = c.o->fr[c.i]->fd;
+            int fd = FOP(c.o)->fr[c.i]->fd;
             int err = 0;
             while (c.done < c.len) {
                 uint8_t *mem = c.o->laddr[c.i] + c.off + c.done;
-                off_t at = (off_t)(c.o->fr[c.i]->foff + c.o->d[c.i].roff + c.off + c.done);
+                off_t at = (off_t)(FOP(c.o)->fr[c.i]->foff + c.o->d[c.i].roff + c.off + c.done);
                 size_t len = (size_t)(c.len - c.done);
                 ssize_t n = c.o->opcode == AXF_OP_WRITE ? pwrite(fd, mem, len, at)
                                                         : pread(fd, mem, len, at);
@@ -340,10 +351,10 @@ static void uring_prep(file_xport *f, uint32_t slot)
     /* Never NULL: the ring has twice QDEPTH entries and at most QDEPTH + 1 are
      * ever outstanding, all submitted before the next batch is prepared. */
     uint8_t *mem = c->o->laddr[c->i] + c->off + c->done;
-    uint64_t at = c->o->fr[c->i]->foff + c->o->d[c->i].roff + c->off + c->done;
+    uint64_t at = FOP(c->o)->fr[c->i]->foff + c->o->d[c->i].roff + c->off + c->done;
     unsigned len = (unsigned)(c->len - c->done);
     axf_uring_prep_rw(sqe, c->o->opcode == AXF_OP_WRITE ? IORING_OP_WRITE : IORING_OP_READ,
-                      c->o->fr[c->i]->fd, mem, len, at, slot);
+                      FOP(c->o)->fr[c->i]->fd, mem, len, at, slot);
 }
 
 static void *uring_main(void *arg)
@@ -521,9 +532,9 @@ static void file_submit(axf_engine *e, op *o, bool signal)
         return;
     }
     j->o = o;
-    bool ring = f->uring && o->nfregs > 0;
-    for (size_t k = 0; ring && f->mode != MODE_URING && k < o->nfregs; k++)
-        ring = o->fregs[k]->dio_align != 0;
+    bool ring = f->uring && FOP(o)->nfregs > 0;
+    for (size_t k = 0; ring && f->mode != MODE_URING && k < FOP(o)->nfregs; k++)
+        ring = FOP(o)->fregs[k]->dio_align != 0;
     fqueue *q = ring ? &f->ring_q : &f->pool_q;
     pthread_mutex_lock(&f->mu);
     if (q->tail)
@@ -606,6 +617,17 @@ static void file_free(axf_engine *e)
 
 /* ------------------------------------------------------------ transport */
 
+static void file_op_free(axf_engine *e, op *o)
+{
+    file_op *fo = FOP(o);
+    for (size_t i = 0; i < fo->nfregs; i++)
+        region_unref(e, fo->fregs[i]);
+    free(fo->fr);
+    free(fo->fregs);
+    free(fo);
+    o->priv = NULL;
+}
+
 static int file_region_add(axf_engine *e, region *r)
 {
     (void)e;
@@ -639,6 +661,7 @@ const axf_transport axf_xp_file = {
     .region_add = file_region_add,
     .ep_open = file_ep_open,
     .resolve = file_resolve,
+    .op_free = file_op_free,
     .submit = file_post,
     .doorbell = file_doorbell,
 };

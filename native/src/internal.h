@@ -160,9 +160,7 @@ typedef struct op {
     size_t nlregs;
     rregion **rregs;  /* distinct remote regions referenced (one use each) */
     size_t nrregs;
-    region **fr;      /* FILE endpoint: our file region per descriptor ... */
-    region **fregs;   /* ... and the distinct ones (one ref each) */
-    size_t nfregs;
+    void *priv;       /* its endpoint's transport's own (file: its file regions) */
     uint8_t *notify;
     size_t notify_len;
     atomic_long remaining;

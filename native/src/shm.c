@@ -589,8 +589,9 @@ bool shm_post(axf_engine *e, op *o, uint32_t flags)
      * done now, on this thread. A batch keeps the workers for anything
      * larger (they copy in parallel with each other). */
     bool alone = flags & AXF_POST_ALONE, signal = !(flags & AXF_POST_DEFER);
-    if (e->cfg.inline_bytes != UINT64_MAX &&
-        ((alone && total <= e->cfg.inline_bytes) || (!o->notify_len && total <= sh->batch_inline))) {
+    uint64_t ib = e->cfg.inline_bytes;
+    if (ib != UINT64_MAX &&
+        ((alone && total <= ib) || (!o->notify_len && total <= sh->batch_inline))) {
         atomic_store(&o->remaining, 1);
         int cst = shm_copy_inline(e, o);
         op_set_status(o, cst, 0);

@@ -61,9 +61,9 @@ typedef struct axf_transport {
 
     /* Engine life. enable: at engine creation (an AXF_E_* failure fails it).
      * quiesce: shutdown, before connections close, in reverse registry
-     * order: copies that reach a peer's memory stop (finish or fail). stop: shutdown, once connection
-     * threads are gone: what is queued fails, what is in flight finishes.
-     * destroy: frees its engine slot. */
+     * order: copies that reach a peer's memory stop (finish or fail).
+     * stop: shutdown, once connection threads are gone: what is queued
+     * fails, what is in flight finishes. destroy: frees its engine slot. */
     int (*enable)(axf_engine *e);
     void (*quiesce)(axf_engine *e);
     void (*stop)(axf_engine *e);
@@ -103,6 +103,8 @@ typedef struct axf_transport {
     int (*resolve)(axf_engine *e, op *o, size_t i, uint32_t need);
     int (*check)(op *o);
     bool (*submit)(axf_engine *e, op *o, uint32_t flags);
+    /* An op of its endpoint is freed with op->priv set (resolve set it). */
+    void (*op_free)(axf_engine *e, op *o);
     void (*doorbell)(axf_engine *e);
 } axf_transport;
 
