@@ -1,5 +1,7 @@
-/* Engine internals shared by engine.c (registry, ops, ring), conn.c (framed
- * socket transport) and shm.c (same-host copy workers). */
+/* Engine internals shared by the core (engine.c: registry, ops, ring;
+ * conn.c: framed connections; control.c: the control channel over them) and
+ * the transports (transport.h: their interface; each keeps its own state
+ * behind the private slots below). */
 #ifndef AXF_INTERNAL_H
 #define AXF_INTERNAL_H
 
