@@ -914,7 +914,7 @@ static void initiator_conn_lost(conn *c, bool proto)
     for (int i = 0; i < ep->nconns; i++)
         others |= ep->conns[i] != c && !atomic_load(&ep->conns[i]->down);
     if (proto || lost_expect || !others || ep->closing || e->shut ||
-        !(ep->xp->caps & AXF_XP_CAP_REROUTE)) {
+        !ep->xp->reroute) {
         if (stalled) { /* its requests time out; the endpoint's others are lost with it */
             pthread_mutex_lock(&c->mu);
             for (expect *x = p->ex_head; x; x = x->next)
@@ -953,7 +953,7 @@ static void initiator_conn_lost(conn *c, bool proto)
                     conn_signal(to);
                 ok = to != NULL;
             } else {
-                ok = tcp_reroute(e, o, x->slot, x->chunks, x->nchunks);
+                ok = ep->xp->reroute(e, o, x->slot, x->chunks, x->nchunks);
             }
         }
         if (ok) {

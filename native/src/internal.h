@@ -338,9 +338,6 @@ void conn_peer_exited(axf_engine *e, conn *c);
 void rv_acks_flush(axf_engine *e, endpoint *ep);
 /* e->mu held: goodbye on each live connection of ep, which then closes. */
 void ep_send_bye(endpoint *ep);
-/* tcp.c: queues a rerouted group's chunks (list, or the chunks of schedule
- * slot `slot`) on the live connections; false when none is left. e->mu held. */
-bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n);
 /* e->mu held. Returns the connection it was queued on (kick it once
  * unlocked), or NULL: no live connection. */
 conn *notify_enqueue(axf_engine *e, op *o);

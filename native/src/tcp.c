@@ -207,7 +207,9 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
 }
 
 
-bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n)
+/* Queues a rerouted group's chunks (list, or the chunks of schedule slot
+ * `slot`) on the live connections; false when none is left. e->mu held. */
+static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n)
 {
     endpoint *ep = o->ep;
     tcp_ep *t = TEP(ep);
@@ -313,11 +315,12 @@ const axf_transport axf_xp_tcp = {
     .abi = AXF_TRANSPORT_ABI,
     .name = "tcp",
     .ep_kind = AXF_EP_TCP,
-    .caps = AXF_XP_CAP_NEEDS_CONN | AXF_XP_CAP_NOTIFY | AXF_XP_CAP_REAPABLE | AXF_XP_CAP_REROUTE,
+    .caps = AXF_XP_CAP_NEEDS_CONN | AXF_XP_CAP_NOTIFY | AXF_XP_CAP_REAPABLE,
     .local_mem = AXF_MEM_BIT(AXF_MEM_HOST),
     .far_mem = AXF_MEM_BIT(AXF_MEM_HOST),
     .ep_open = tcp_ep_open,
     .ep_free = tcp_ep_free,
     .ep_conns_changed = tcp_ep_changed,
+    .reroute = tcp_reroute,
     .submit = tcp_submit,
 };

@@ -44,9 +44,6 @@ enum {
     /* Far regions are unmapped as soon as no op uses one and none can
      * resolve it any more (not only when the endpoint goes). */
     AXF_XP_CAP_EAGER_UNMAP = 1u << 6,
-    /* A failed connection's unfinished groups move to the endpoint's other
-     * live connections (rails), instead of failing the endpoint. */
-    AXF_XP_CAP_REROUTE = 1u << 7,
 };
 
 #define AXF_MEM_BIT(kind) (1u << (kind))
@@ -105,6 +102,11 @@ typedef struct axf_transport {
     bool (*submit)(axf_engine *e, op *o, uint32_t flags);
     /* An op of its endpoint is freed with op->priv set (resolve set it). */
     void (*op_free)(axf_engine *e, op *o);
+    /* e->mu held: a failed connection's unfinished group (a schedule slot of
+     * the op, or a chunk list) moves to the endpoint's other live
+     * connections; false when none is left. Without it, a failed
+     * connection fails the whole endpoint. */
+    bool (*reroute)(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n);
     void (*doorbell)(axf_engine *e);
 } axf_transport;
 
