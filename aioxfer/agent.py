@@ -106,7 +106,13 @@ from aioxfer.region import (
     pair_descs,
 )
 from aioxfer.scheduling import PeerScheduler
-from aioxfer.stats import AgentStatistics, TransferCounters, agent_statistics
+from aioxfer.stats import (
+    BANDWIDTH_MIN,
+    ESTIMATE_WEIGHT,
+    AgentStatistics,
+    TransferCounters,
+    agent_statistics,
+)
 from aioxfer.transfer import Transfer, TransferResult
 
 if TYPE_CHECKING:  # optional extras, imported where used
@@ -1825,7 +1831,7 @@ class Agent:
                 address=peer.address,
                 path=peer.path,
                 reason=peer._lost_reason or _cyx.strerror(status),
-                in_flight=peer._inflight,
+                in_flight=peer._counters.inflight,
             )
         if self._discovery is None and not self._closed:
             reason = "restarted" if peer._stale else "closed" if peer._closed else "lost"
@@ -2076,10 +2082,11 @@ class Agent:
         loop = self._loop if self._loop is not None else self._start()
         req_id = self._next_req()
         t = Transfer(self, loop, req_id, op, peer, nbytes, perf_counter())
-        peer._posted += 1
+        c = peer._counters
+        c.posted += 1
         self._posted += 1
-        peer._inflight += 1
-        peer._inflight_bytes += nbytes
+        c.inflight += 1
+        c.inflight_bytes += nbytes
         if peer._lost:
             self._finish_failed(t, peer._lost_error())
             return t
@@ -2091,10 +2098,10 @@ class Agent:
                 # Over the peer's limits: it waits here, not in the caller
                 # (counted as queued, not in flight, until admitted).
                 t._queued_item = item
-                peer._inflight -= 1
-                peer._inflight_bytes -= nbytes
-                peer._queued += 1
-                peer._queued_bytes += nbytes
+                c.inflight -= 1
+                c.inflight_bytes -= nbytes
+                c.queued += 1
+                c.queued_bytes += nbytes
                 return t
             t._admitted = True
         # _enqueue, inlined: this runs once per transfer.
@@ -2120,13 +2127,14 @@ class Agent:
         t._admitted = False
         peer = t.peer
         assert peer._sched is not None
+        c = peer._counters
         for q in peer._sched.release(t.nbytes):
             item, q._queued_item = q._queued_item, None
             q._admitted = True
-            peer._queued -= 1
-            peer._queued_bytes -= q.nbytes
-            peer._inflight += 1
-            peer._inflight_bytes += q.nbytes
+            c.queued -= 1
+            c.queued_bytes -= q.nbytes
+            c.inflight += 1
+            c.inflight_bytes += q.nbytes
             assert item is not None
             self._enqueue(q, item)
 
@@ -2135,13 +2143,14 @@ class Agent:
         if peer._sched is None:
             return []
         queued = peer._sched.drain()
+        c = peer._counters
         for q in queued:
             q._queued_item = None
             # Back into the in-flight counts, which failing it takes them from.
-            peer._inflight += 1
-            peer._inflight_bytes += q.nbytes
-        peer._queued = 0
-        peer._queued_bytes = 0
+            c.inflight += 1
+            c.inflight_bytes += q.nbytes
+        c.queued = 0
+        c.queued_bytes = 0
         return queued
 
     def _flush(self) -> None:
@@ -2210,12 +2219,13 @@ class Agent:
             assert peer._sched is not None
             peer._sched.discard(t)
             t._queued_item = None
-            peer._queued -= 1
-            peer._queued_bytes -= t.nbytes
+            c = peer._counters
+            c.queued -= 1
+            c.queued_bytes -= t.nbytes
             del self._inflight[t.req_id]
             # Counted as failed (it was never in flight); Transfer.cancel
             # cancels the future.
-            peer._failed += 1
+            c.failed += 1
             self._failed += 1
             return
         if t._posted:
@@ -2267,7 +2277,8 @@ class Agent:
         # record: the bulk of a small transfer's cost otherwise); the rest
         # comes to _on_record, in ring order.
         n, completed, nbytes = self._engine.drain(
-            self._inflight, self._on_record, self._release, TransferResult, _POLL_MAX
+            self._inflight, self._on_record, self._release, TransferResult,
+            ESTIMATE_WEIGHT, BANDWIDTH_MIN, _POLL_MAX,
         )
         self._completed += completed
         self._bytes += nbytes
@@ -2350,9 +2361,10 @@ class Agent:
         peer = t.peer
         if t._admitted:
             self._release(t)
-        peer._inflight -= 1
-        peer._inflight_bytes -= t.nbytes
-        peer._failed += 1
+        c = peer._counters
+        c.inflight -= 1
+        c.inflight_bytes -= t.nbytes
+        c.failed += 1
         self._failed += 1
         if t.done():
             return

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from aioxfer.region import RemoteRegion
-from aioxfer.stats import PeerStatistics, RailStatistics
+from aioxfer.stats import PeerCounters, PeerStatistics, RailStatistics
 
 if TYPE_CHECKING:
     from aioxfer.errors import XferError
@@ -74,16 +74,7 @@ class Peer:
         "_lost_reason",
         "_stale",
         "_closed",
-        "_posted",
-        "_completed",
-        "_failed",
-        "_bytes",
-        "_inflight",
-        "_inflight_bytes",
-        "_queued",
-        "_queued_bytes",
-        "_bandwidth",
-        "_latency",
+        "_counters",
         "_rails",
         "_rail_conns",
         "_rails_down",
@@ -122,16 +113,9 @@ class Peer:
         self._lost_reason = ""  # why we dropped it, when we did (discovery, restart)
         self._stale = False
         self._closed = False
-        self._posted = 0
-        self._completed = 0
-        self._failed = 0
-        self._bytes = 0
-        self._inflight = 0
-        self._inflight_bytes = 0
-        self._queued = 0
-        self._queued_bytes = 0
-        self._bandwidth = 0.0  # bytes/s, moving average of transfers >= 64 KiB
-        self._latency = 0.0  # seconds, moving average of transfers < 64 KiB
+        # Updated by the agent's submission path and by Engine.drain (which
+        # reads this attribute of a transfer's peer, and writes only the counters).
+        self._counters = PeerCounters()
         self._rails: list[str] = [address]  # tcp: the peer's listen addresses
         self._rail_conns = 1  # connections wanted per rail
         self._rails_down: set[int] = set()
@@ -174,21 +158,22 @@ class Peer:
         self._agent._close_peer(self)
 
     def statistics(self) -> PeerStatistics:
+        c = self._counters
         return PeerStatistics(
             name=self.name,
             address=self.address,
             path=self.path,
             lost=self._lost,
-            transfers_posted=self._posted,
-            transfers_completed=self._completed,
-            transfers_failed=self._failed,
-            bytes=self._bytes,
-            in_flight=self._inflight,
-            in_flight_bytes=self._inflight_bytes,
-            queued=self._queued,
-            queued_bytes=self._queued_bytes,
-            bandwidth=self._bandwidth,
-            latency=self._latency,
+            transfers_posted=c.posted,
+            transfers_completed=c.completed,
+            transfers_failed=c.failed,
+            bytes=c.bytes,
+            in_flight=c.inflight,
+            in_flight_bytes=c.inflight_bytes,
+            queued=c.queued,
+            queued_bytes=c.queued_bytes,
+            bandwidth=c.bandwidth,
+            latency=c.latency,
             rails=self._rail_statistics(),
             reroutes=self._reroutes,
         )

@@ -53,9 +53,6 @@ if sizeof(axf_desc) != DESC_FIELDS * sizeof(uint64_t):
 
 cdef enum:
     POLL_DEFAULT = 4096
-    # Engine.drain: transfers from this size on update the peer's bandwidth
-    # average, smaller ones its latency average.
-    BANDWIDTH_MIN = 64 << 10
 
 
 def strerror(int status):
