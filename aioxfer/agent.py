@@ -26,7 +26,6 @@ import sys
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
-from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -106,14 +105,9 @@ from aioxfer.region import (
     pair_descs,
 )
 from aioxfer.scheduling import PeerScheduler
-from aioxfer.stats import (
-    BANDWIDTH_MIN,
-    ESTIMATE_WEIGHT,
-    AgentStatistics,
-    TransferCounters,
-    agent_statistics,
-)
-from aioxfer.transfer import Transfer, TransferResult
+from aioxfer.stats import AgentStatistics, agent_statistics
+from aioxfer.submission import Submission
+from aioxfer.transfer import Transfer
 
 if TYPE_CHECKING:  # optional extras, imported where used
     from aioxfer.backends.base import FarSegment
@@ -125,8 +119,6 @@ __all__ = ["Agent"]
 _log = get_logger("aioxfer")
 
 TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
-_POLL_MAX = 4096
-_POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
 _NEVER_INLINE = (1 << 64) - 1  # the engine's inline_bytes for "never"
 # A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
 _Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
@@ -134,12 +126,9 @@ _Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
 _OK = _cyx.OK
 _OP_WRITE = _cyx.OP_WRITE
 _OP_READ = _cyx.OP_READ
-_CQ_XFER = _cyx.CQ_XFER
 _CQ_NOTIFY = _cyx.CQ_NOTIFY
-_E_CANCELLED = _cyx.E_CANCELLED
 _E_CLOSED = _cyx.E_CLOSED
 _E_PEER_LOST = _cyx.E_PEER_LOST
-_DESC_STATUSES = frozenset({_cyx.E_ACCESS, _cyx.E_INVALID, _cyx.E_TRANSPORT, _cyx.E_PROTOCOL})
 
 Local = Segment | Sequence[Segment] | SegmentList
 # A Segment (or list of them) of a file region: Agent.register_file.
@@ -299,8 +288,6 @@ class Agent:
         )
         self._fd = self._engine.fileno()
         self._poller: _progress.Poller | None = None
-        # A lone request up to this is posted at its await (Transfer.__await__).
-        self._alone_max = self.inline_bytes
         self._cuda_why = "not asked for"
         if "cuda" in transports:
             st, self._cuda_why = self._engine.cuda_enable()
@@ -381,21 +368,19 @@ class Agent:
         self._members: dict[str, AgentMeta] = {}  # etcd's view, all but us
         self._subscribers: weakref.WeakSet[Membership] = weakref.WeakSet()
 
-        # data path
-        self._next_req = itertools.count(1).__next__
-        self._inflight: dict[int, Transfer] = {}
-        self._pending: list[tuple[int, int, Any, bytes | None, int]] = []
-        self._pending_t: list[Transfer] = []
-        self._flush_scheduled = False
-        self._pending_cancelled = False
-        # Eager posts (Transfer.__await__) since the loop last ran our _flush:
-        # a coroutine whose awaits complete inside the post never yields, so
-        # past a bound its next await waits for the loop (see _EAGER_*).
-        self._eager_streak = 0
-        self._posted = 0
-        self._completed = 0
-        self._failed = 0
-        self._bytes = 0
+        # data path: the batch, transfers in flight, admission, the drain
+        self._sub = Submission(
+            name,
+            engine=self._engine,
+            start=self._start,
+            # A lone request up to this is posted at its await (Submission.eager).
+            alone_max=self.inline_bytes,
+            on_event=self._on_event,
+            peer_lost=self._mark_lost,
+            describe=_describe,
+        )
+        # Bound once: write/read call it once per transfer.
+        self._submit = self._sub.submit
         self._final_native: dict[str, int] | None = None
 
     def _enable_verbs(self, *, explicit: bool) -> list[str]:
@@ -430,10 +415,14 @@ class Agent:
                 raise RuntimeError(f"agent {self.name!r} is bound to another event loop")
             return loop
         self._check_open()
-        loop.add_reader(self._fd, self._drain)
+        sub = self._sub
+        loop.add_reader(self._fd, sub.drain)
         self._loop = loop
         if self.progress != "sleep":
-            self._poller = _progress.Poller(self, loop, self.progress, self._engine.poll_us)
+            self._poller = _progress.Poller(
+                sub, self._engine.wait, loop, self.progress, self._engine.poll_us
+            )
+        sub.started(loop, self._poller)
         self._accept_tasks = [
             loop.create_task(self._accept_loop(lsock), name=f"aioxfer-accept-{self.name}")
             for lsock in self._lsocks
@@ -480,7 +469,7 @@ class Agent:
             return
         if self._loop is not None and (self._regions or self._freeing):
             await self._release_all()
-        self._closed = True
+        self._closed = self._sub.closed = True
         tasks: list[asyncio.Task[Any]] = [
             task
             for task in (
@@ -542,17 +531,13 @@ class Agent:
         return held
 
     def _shutdown(self) -> None:
-        # Not yet handed to the engine: fail here.
-        pending, self._pending_t, self._pending = self._pending_t, [], []
-        for t in pending:
-            self._inflight.pop(t.req_id, None)
-            self._finish_failed(t, self._closed_error(t))
-
+        sub = self._sub
+        sub.fail_pending()  # not yet handed to the engine: fail here
         for peer in list(self._peers_by_ep.values()):
-            for q in self._unqueue_all(peer):  # failed below with the rest
+            for q in sub.unqueue_all(peer):  # failed below with the rest
                 q._admitted = False
         self._engine.shutdown()  # fails what is pending (E_CLOSED), frees regions
-        while self._drain_once():
+        while sub.drain_once():
             pass
         try:
             self._final_native = self._engine.stats()
@@ -562,9 +547,7 @@ class Agent:
             self._loop.remove_reader(self._fd)
         self._engine.close()
 
-        for t in list(self._inflight.values()):  # no completion came: should not happen
-            self._inflight.pop(t.req_id, None)
-            self._finish_failed(t, self._closed_error(t))
+        sub.fail_inflight()  # no completion came: should not happen
         for region in list(self._regions.values()):
             region._closed = True
             self._release_memory(region)
@@ -578,8 +561,8 @@ class Agent:
         self._peers_by_inc.clear()
         self._peers_by_name.clear()
         self._members.clear()
-        for sub in list(self._subscribers):
-            sub._end()
+        for stream in list(self._subscribers):
+            stream._end()
         self._subscribers.clear()
         self.notifications._close()
         for lsock in self._lsocks:
@@ -799,7 +782,7 @@ class Agent:
         # Transfers posted before this call but still batched for the next
         # flush are "already using it": they go to the engine first, so they
         # finish rather than fail against a region that vanished under them.
-        self._post_pending()
+        self._sub.post_pending()
         try:
             self._engine.deregister(region.rid)
         except (ValueError, _cyx.NativeError) as exc:
@@ -809,7 +792,7 @@ class Agent:
         finally:
             self._meta_changed()  # it is gone from our metadata either way
         if self._loop is None:
-            self._drain_once()  # not serving yet: no peer; the engine freed it already
+            self._sub.drain_once()  # not serving yet: no peer; the engine freed it already
         return released
 
     def _release_future(self) -> Awaitable[None]:
@@ -1812,9 +1795,7 @@ class Agent:
             return
         peer._lost = True
         peer._lost_status = status
-        for q in self._unqueue_all(peer):  # never reached the engine: fail them here
-            self._inflight.pop(q.req_id, None)
-            self._finish_failed(q, peer._lost_error())
+        self._sub.fail_queued(peer)  # never reached the engine: fail them here
         if self._peers_by_ep.get(peer._ep) is peer:
             del self._peers_by_ep[peer._ep]
             self._tag_unref(peer._tag)
@@ -2069,170 +2050,6 @@ class Agent:
         descs = pair_descs(local, lr.rid, remote, rr.rid, rr.key, "remote")
         return rr.peer, descs, local.nbytes
 
-    def _submit(
-        self,
-        peer: Peer,
-        opcode: int,
-        descs: _Descs | None,
-        notify: bytes | None,
-        nbytes: int,
-        op: str,
-        priority: int = 0,
-    ) -> Transfer:
-        loop = self._loop if self._loop is not None else self._start()
-        req_id = self._next_req()
-        t = Transfer(self, loop, req_id, op, peer, nbytes, perf_counter())
-        c = peer._counters
-        c.posted += 1
-        self._posted += 1
-        c.inflight += 1
-        c.inflight_bytes += nbytes
-        if peer._lost:
-            self._finish_failed(t, peer._lost_error())
-            return t
-        self._inflight[req_id] = t
-        item = (peer._ep, opcode, descs, notify, req_id)
-        sched = peer._sched
-        if sched is not None:
-            if not sched.admit(t, nbytes, priority):
-                # Over the peer's limits: it waits here, not in the caller
-                # (counted as queued, not in flight, until admitted).
-                t._queued_item = item
-                c.inflight -= 1
-                c.inflight_bytes -= nbytes
-                c.queued += 1
-                c.queued_bytes += nbytes
-                return t
-            t._admitted = True
-        # _enqueue, inlined: this runs once per transfer.
-        self._pending.append(item)
-        self._pending_t.append(t)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return t
-
-    def _enqueue(self, t: Transfer, item: tuple[int, int, Any, bytes | None, int]) -> None:
-        """Into this loop iteration's batch (one native call at its end)."""
-        self._pending.append(item)
-        self._pending_t.append(t)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            assert self._loop is not None
-            self._loop.call_soon(self._flush)
-
-    def _release(self, t: Transfer) -> None:
-        """An admitted transfer is over: what its peer's scheduler admits now
-        goes to the engine (or fails, if the peer was lost meanwhile)."""
-        t._admitted = False
-        peer = t.peer
-        assert peer._sched is not None
-        c = peer._counters
-        for q in peer._sched.release(t.nbytes):
-            item, q._queued_item = q._queued_item, None
-            q._admitted = True
-            c.queued -= 1
-            c.queued_bytes -= q.nbytes
-            c.inflight += 1
-            c.inflight_bytes += q.nbytes
-            assert item is not None
-            self._enqueue(q, item)
-
-    def _unqueue_all(self, peer: Peer) -> list[Transfer]:
-        """Empties the peer's scheduler queue (peer lost, agent closing)."""
-        if peer._sched is None:
-            return []
-        queued = peer._sched.drain()
-        c = peer._counters
-        for q in queued:
-            q._queued_item = None
-            # Back into the in-flight counts, which failing it takes them from.
-            c.inflight += 1
-            c.inflight_bytes += q.nbytes
-        c.queued = 0
-        c.queued_bytes = 0
-        return queued
-
-    def _flush(self) -> None:
-        """One native call for everything submitted this loop iteration (the
-        callback _submit schedules)."""
-        self._flush_scheduled = False
-        self._eager_streak = 0  # the loop ran: eager posts may go on
-        self._post_pending()
-
-    def _post_pending(self, alone: bool = False) -> None:
-        """Posts what is pending now. Transfer.__await__ calls it directly for
-        an eager post: the scheduled _flush stays scheduled (and finds nothing
-        or what came since), so a coroutine awaiting one small transfer after
-        another without suspending schedules one callback, not one per transfer.
-        alone: one transfer, awaited with nothing else in flight (the engine
-        may copy it inside the call: POST_ALONE)."""
-        items = self._pending
-        ts = self._pending_t
-        if not items or self._closed:
-            return
-        self._pending = []
-        self._pending_t = []
-        if self._pending_cancelled:
-            self._pending_cancelled = False
-            keep = [i for i, t in enumerate(ts) if not t._cancel_requested]
-            for t in ts:
-                if t._cancel_requested:
-                    self._inflight.pop(t.req_id, None)
-                    self._finish_failed(t, None)
-            items = [items[i] for i in keep]
-            ts = [ts[i] for i in keep]
-            if not items:
-                return
-        try:
-            # polls: the _drain below takes the completions known at submit,
-            # so they need no eventfd wake-up (nor its two syscalls).
-            statuses = self._engine.post_many(items, polls=True, alone=alone)
-        except Exception as exc:  # bad item or closed engine: nothing was posted
-            for t in ts:
-                self._inflight.pop(t.req_id, None)
-                self._finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
-            return
-        if not any(statuses):  # the usual case, without a test per transfer
-            for t in ts:
-                t._posted = True
-        else:
-            for t, st in zip(ts, statuses, strict=True):
-                if st:
-                    self._inflight.pop(t.req_id, None)
-                    self._finish_failed(t, self._error(t, st, None, "rejected"))
-                    if st == _E_PEER_LOST and not t.peer._lost:
-                        # The engine found the peer dead before its loss record
-                        # reached us: say so now, so a retry never picks it again.
-                        self._mark_lost(t.peer, st)
-                else:
-                    t._posted = True
-        self._drain()  # completions known at submit (small same-host copies)
-        if self._inflight and self._poller is not None:
-            self._poller.kick()  # poll for the rest before the loop blocks
-
-    def _cancel_transfer(self, t: Transfer) -> None:
-        if self._closed or t.req_id not in self._inflight:
-            return
-        if t._queued_item is not None:  # never left the scheduler: over at once
-            peer = t.peer
-            assert peer._sched is not None
-            peer._sched.discard(t)
-            t._queued_item = None
-            c = peer._counters
-            c.queued -= 1
-            c.queued_bytes -= t.nbytes
-            del self._inflight[t.req_id]
-            # Counted as failed (it was never in flight); Transfer.cancel
-            # cancels the future.
-            c.failed += 1
-            self._failed += 1
-            return
-        if t._posted:
-            self._engine.cancel(t.req_id)
-        else:
-            self._pending_cancelled = True  # the flush drops it unposted
-
     # ------------------------------------------------------------ completions
 
     @property
@@ -2257,60 +2074,12 @@ class Agent:
         this call): a caller flushing one request then polling it (the NIXL
         pattern) gets what a coroutine awaiting it gets (the engine applies
         the threshold)."""
-        self._post_pending(len(self._pending_t) == 1 == len(self._inflight))
+        self._sub.flush()
 
     def poll(self) -> None:
         """Takes the completions the engine has now (the eventfd reader's
         work): their transfers are done when this returns. Loop thread only."""
-        self._drain()
-
-    def _drain(self) -> None:
-        """Reader callback on the engine's eventfd; also called after a flush."""
-        for _ in range(_POLL_ROUNDS):
-            if self._drain_once() < _POLL_MAX:
-                return
-        assert self._loop is not None
-        self._loop.call_soon(self._drain)  # more remain: let the loop breathe first
-
-    def _drain_once(self) -> int:
-        # Successful transfers are completed inside _cyx (no Python call per
-        # record: the bulk of a small transfer's cost otherwise); the rest
-        # comes to _on_record, in ring order.
-        n, completed, nbytes = self._engine.drain(
-            self._inflight, self._on_record, self._release, TransferResult,
-            ESTIMATE_WEIGHT, BANDWIDTH_MIN, _POLL_MAX,
-        )
-        self._completed += completed
-        self._bytes += nbytes
-        return n
-
-    def _on_record(
-        self,
-        kind: int,
-        status: int,
-        rid: int,
-        tag: int,
-        nbytes: int,
-        fail_index: int,
-        payload: bytes | None,
-    ) -> None:
-        """A completion record Engine.drain does not settle itself: a failed
-        or cancelled transfer, a notification, or an engine event."""
-        if kind == _CQ_XFER:
-            t = self._inflight.pop(rid, None)
-            if t is None:
-                return
-            if status == _E_CANCELLED and t._cancel_requested:
-                self._finish_failed(t, None)
-            else:
-                self._finish_failed(t, self._error(t, status, fail_index, "failed"))
-        elif kind == _CQ_NOTIFY:
-            name = self._tag_names.get(tag)
-            if name is None:
-                name = f"tag-{tag}"  # a tag we never saw: should not happen
-            self.notifications._put(Notification(name, payload or b""), tag)
-        else:
-            self._on_event(kind, status, rid, tag, payload, nbytes, fail_index)
+        self._sub.drain()
 
     def _on_event(
         self,
@@ -2318,10 +2087,18 @@ class Agent:
         status: int,
         id_: int,
         tag: int,
+        nbytes: int,
+        fail_index: int,
         payload: bytes | None,
-        nbytes: int = 0,
-        fail_index: int = 0,
     ) -> None:
+        """A completion record that is not a transfer's (Submission hands the
+        agent these): a notification, or an engine event."""
+        if kind == _CQ_NOTIFY:
+            name = self._tag_names.get(tag)
+            if name is None:
+                name = f"tag-{tag}"  # a tag we never saw: should not happen
+            self.notifications._put(Notification(name, payload or b""), tag)
+            return
         if kind == _cyx.CQ_RAIL_DOWN:
             rpeer = self._peers_by_ep.get(id_)
             if rpeer is not None:
@@ -2356,62 +2133,6 @@ class Agent:
             _log.debug("conn.closed", agent=self.name, peer=self._tag_names.get(tag), tag=tag)
             self._tag_unref(tag)
 
-    def _finish_failed(self, t: Transfer, exc: BaseException | None) -> None:
-        """Counts t as failed and fails (exc) or cancels (None) its future."""
-        peer = t.peer
-        if t._admitted:
-            self._release(t)
-        c = peer._counters
-        c.inflight -= 1
-        c.inflight_bytes -= t.nbytes
-        c.failed += 1
-        self._failed += 1
-        if t.done():
-            return
-        if exc is None:
-            t._cancel_local()
-        else:
-            t.set_exception(exc)
-
-    def _error(self, t: Transfer, status: int, fail_index: int | None, how: str) -> XferError:
-        peer = t.peer
-        if status in (_E_CLOSED, _E_PEER_LOST):
-            if self._closed and status == _E_CLOSED:
-                return self._closed_error(t)
-            if peer._stale or peer._closed:
-                return peer._lost_error()
-            if peer._lost_reason:
-                # We closed the endpoint because the peer is gone (discovery):
-                # its transfers fail as lost, not as closed by us.
-                return PeerLost(
-                    f"{_describe(t)} ({peer.path}) {how}: peer lost: {peer._lost_reason}",
-                    status=_E_PEER_LOST,
-                    peer=peer.name,
-                    op=t.op,
-                )
-        what = f"{_describe(t)} ({peer.path}) {how}"
-        if fail_index is not None and t._starts is not None and fail_index < len(t._starts):
-            fail_index = int(t._starts[fail_index])  # the caller's index, not the merged one
-        if fail_index is not None and status in _DESC_STATUSES and t.op != "notify":
-            what += f" at descriptor {fail_index}"
-        if status == _E_CANCELLED:
-            what += " by the engine"
-        return error_class(status)(
-            f"{what}: {_cyx.strerror(status)}",
-            status=status,
-            peer=peer.name,
-            op=t.op,
-            fail_index=fail_index,
-        )
-
-    def _closed_error(self, t: Transfer) -> ClosedResourceError:
-        return ClosedResourceError(
-            f"agent {self.name!r} was closed with the {_describe(t)} in flight",
-            status=_E_CLOSED,
-            peer=t.peer.name,
-            op=t.op,
-        )
-
     # ------------------------------------------------------------ statistics
 
     def statistics(self) -> AgentStatistics:
@@ -2421,7 +2142,7 @@ class Agent:
             self.address,
             regions=len(self._regions),
             peers=len(self._peers_by_ep),
-            counters=TransferCounters(self._posted, self._completed, self._failed, self._bytes),
+            counters=self._sub.counters(),
             native=native,
             pinned_regions=self._engine.pinned_regions(),
         )

@@ -9,8 +9,9 @@ import inspect
 from types import ModuleType
 
 import aioxfer
-from aioxfer import members, peer, rails, stats
+from aioxfer import members, peer, progress, rails, stats, submission, transfer
 from aioxfer.peer import PeerOwner
+from aioxfer.transfer import TransferHost
 
 
 def _tree(module: ModuleType) -> ast.Module:
@@ -48,8 +49,28 @@ def test_agent_implements_peer_owner() -> None:
         ), name
 
 
+def _self_attr_calls(module: ModuleType, attr: str) -> set[str]:
+    """Names used as self.<attr>.<name> in module."""
+    used: set[str] = set()
+    for node in ast.walk(_tree(module)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == attr
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
+            used.add(node.attr)
+    return used
+
+
+def test_transfer_reaches_its_host_only_through_transfer_host() -> None:
+    allowed = _protocol_members(TransferHost)
+    assert allowed == {"eager", "cancel"}
+    used = _self_attr_calls(transfer, "_host")
+    assert used and used <= allowed, sorted(used - allowed)
+    for name in allowed:  # Submission implements it
+        assert callable(getattr(submission.Submission, name)), name
+
+
 def test_collaborators_do_not_know_the_agent() -> None:
-    for module in (members, rails, stats, peer):
+    for module in (members, rails, stats, peer, transfer, submission, progress):
         for node in ast.walk(_tree(module)):
             if isinstance(node, ast.ImportFrom):
                 assert node.module != "aioxfer.agent", f"{module.__name__} imports aioxfer.agent"
@@ -61,7 +82,7 @@ def test_collaborators_do_not_know_the_agent() -> None:
 
 def test_collaborator_constructors_are_narrow() -> None:
     # Keyword arguments naming what each needs, never a whole agent.
-    for cls in (members.Members, rails.Rails):
+    for cls in (members.Members, rails.Rails, submission.Submission):
         params = inspect.signature(cls).parameters
         assert "agent" in params and params["agent"].annotation in ("str", str), cls
         assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "agent")
