@@ -45,7 +45,6 @@ from aioxfer.discovery import (
     Membership,
     MembershipEvent,
     PeerJoined,
-    PeerLeft,
     PeerUpdated,
     encode_meta,
 )
@@ -86,6 +85,7 @@ from aioxfer.metadata import (
 )
 from aioxfer.notifications import Notification, Notifications
 from aioxfer.peer import Peer
+from aioxfer.peertable import PeerTable, notify_payload
 from aioxfer.protocol import (
     HandshakeRejected,
     client_handshake,
@@ -348,9 +348,6 @@ class Agent:
         self._file_peer: Peer | None = None  # the FILE endpoint, made by the first file transfer
 
         # peers
-        self._peers_by_addr: dict[str, Peer] = {}
-        self._peers_by_ep: dict[int, Peer] = {}
-        self._peers_by_inc: dict[tuple[str, int], Peer] = {}
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
         self._connecting_eps: dict[int, int] = {}  # endpoint -> status if lost meanwhile
         self._tags: dict[tuple[str, int], int] = {}
@@ -358,8 +355,6 @@ class Agent:
         self._tag_keys: dict[int, tuple[str, int]] = {}
         self._tag_refs: dict[int, int] = {}
         self._next_tag = itertools.count(1).__next__
-        # every Peer made per name, lost ones too: a new incarnation fences them all
-        self._peers_by_name: dict[str, weakref.WeakSet[Peer]] = {}
 
         # membership
         self._discovery = discovery
@@ -376,11 +371,22 @@ class Agent:
             # A lone request up to this is posted at its await (Submission.eager).
             alone_max=self.inline_bytes,
             on_event=self._on_event,
-            peer_lost=self._mark_lost,
+            peer_lost=lambda peer, status: self._peers.mark_lost(peer, status),
             describe=_describe,
         )
         # Bound once: write/read call it once per transfer.
         self._submit = self._sub.submit
+        # peers: the tables that find them; what a Peer asks of its agent
+        self._peers = PeerTable(
+            name,
+            engine=self._engine,
+            closed=lambda: self._closed,
+            submit=self._submit,
+            refresh=self._refresh_peer,
+            fail_queued=self._sub.fail_queued,
+            tag_unref=self._tag_unref,
+            emit=self._emit if discovery is None else None,
+        )
         self._final_native: dict[str, int] | None = None
 
     def _enable_verbs(self, *, explicit: bool) -> list[str]:
@@ -533,7 +539,7 @@ class Agent:
     def _shutdown(self) -> None:
         sub = self._sub
         sub.fail_pending()  # not yet handed to the engine: fail here
-        for peer in list(self._peers_by_ep.values()):
+        for peer in self._peers.live():
             for q in sub.unqueue_all(peer):  # failed below with the rest
                 q._admitted = False
         self._engine.shutdown()  # fails what is pending (E_CLOSED), frees regions
@@ -555,11 +561,9 @@ class Agent:
         for region in list(self._freeing.values()):
             self._release_memory(region)
         self._freeing.clear()
-        for peer in list(self._peers_by_ep.values()):
-            self._mark_lost(peer, _E_CLOSED, log=False)
-        self._peers_by_addr.clear()
-        self._peers_by_inc.clear()
-        self._peers_by_name.clear()
+        for peer in self._peers.live():
+            self._peers.mark_lost(peer, _E_CLOSED, log=False)
+        self._peers.clear()
         self._members.clear()
         for stream in list(self._subscribers):
             stream._end()
@@ -1065,9 +1069,9 @@ class Agent:
             self.name,
             members=self._members,
             subscribers=self._subscribers,
-            peers_by_name=self._peers_by_name,
+            peers_by_name=self._peers.by_name,
             refresh_peer=self._refresh_peer,
-            drop_peer=self._drop_peer,
+            drop_peer=self._peers.drop,
             closed=lambda: self._closed,
         )
 
@@ -1087,7 +1091,7 @@ class Agent:
         else:
             initial = [
                 PeerJoined(p.name, p.incarnation, p.address, tuple(sorted(p.regions)))
-                for p in self._peers_by_ep.values()
+                for p in self._peers.by_ep.values()
             ]
         return self._membership.subscribe(initial)
 
@@ -1134,25 +1138,12 @@ class Agent:
         """Peers of ``name`` made for another incarnation become stale (Members.fence)."""
         self._membership.fence(name, incarnation, address)
 
-    def _drop_peer(self, peer: Peer, reason: str) -> None:
-        """Marks peer lost and closes its endpoint, which fails its pending
-        transfers (PeerLost, or StalePeer once fenced) now."""
-        if peer.lost:
-            return
-        peer._dropped(reason)
-        self._mark_lost(peer, _E_PEER_LOST)
-        if not self._closed:
-            try:
-                self._engine.endpoint_close(peer._ep)
-            except _cyx.NativeError:
-                pass
-
     # ------------------------------------------------------------ peers
 
     @property
     def peers(self) -> list[Peer]:
         """Connected peers (not lost)."""
-        return list(self._peers_by_ep.values())
+        return self._peers.live()
 
     async def connect(self, address: str) -> Peer:
         """Connects to the agent at "host:port": fetches its metadata, chooses
@@ -1168,7 +1159,7 @@ class Agent:
         if not _is_address(address):
             return await self._connect_name(address)
         loop = self._start()
-        peer = self._peers_by_addr.get(address)
+        peer = self._peers.by_addr.get(address)
         if peer is not None and not peer._lost:
             return peer
         task = self._connecting.get(address)
@@ -1209,7 +1200,7 @@ class Agent:
                 f"not started yet, left, or its lease expired",
                 peer=name,
             )
-        known = self._peers_by_inc.get((name, meta.incarnation))
+        known = self._peers.by_inc.get((name, meta.incarnation))
         if known is not None and not known._lost:
             return known
         self._fence(name, meta.incarnation, None)
@@ -1270,9 +1261,9 @@ class Agent:
             # Embedded, names need not be unique: only the same name at the same
             # address with another incarnation is a restart of a peer we had.
             self._fence(meta.name, meta.incarnation, address)
-        known = self._peers_by_inc.get((meta.name, meta.incarnation))
+        known = self._peers.by_inc.get((meta.name, meta.incarnation))
         if known is not None and not known._lost:
-            self._peers_by_addr[address] = known
+            self._peers.by_addr[address] = known
             return known
         if meta.version != PROTOCOL_VERSION:
             raise ProtocolError(f"peer at {address} speaks protocol version {meta.version}")
@@ -1329,7 +1320,7 @@ class Agent:
         self._connecting_eps[ep] = 0
         try:
             peer = Peer(
-                self,
+                self._peers,
                 name=meta.name,
                 address=address,
                 incarnation=meta.incarnation,
@@ -1382,10 +1373,7 @@ class Agent:
                     f"cannot connect to peer {meta.name!r} at {address}: {exc}", status=exc.status
                 ) from None
             raise
-        self._peers_by_addr[address] = peer
-        self._peers_by_ep[ep] = peer
-        self._peers_by_inc[(meta.name, meta.incarnation)] = peer
-        self._peers_by_name.setdefault(meta.name, weakref.WeakSet()).add(peer)
+        self._peers.add(peer, address)
         for i in range(len(rails)):
             if i not in reached:  # unreachable now: probed until it answers
                 peer._rails_down.add(i)
@@ -1425,12 +1413,6 @@ class Agent:
             closed=lambda: self._closed,
             timeout_status=_cyx.E_TIMEOUT,
         )
-
-    def _endpoint_rails(self, peer: Peer) -> list[tuple[int, bool, int, int, int]]:
-        """PeerOwner: the engine's per-connection records of peer's endpoint."""
-        if self._closed:
-            return []
-        return self._engine.endpoint_rails(peer._ep)
 
     def _rail_live(self, peer: Peer) -> dict[int, int]:
         return self._rails.live(peer)
@@ -1757,7 +1739,7 @@ class Agent:
             raise peer._lost_error()
         if meta.name != peer.name or meta.incarnation != peer.incarnation:
             peer._stale = True
-            self._drop_peer(peer, "it restarted")
+            self._peers.drop(peer, "it restarted")
             raise StalePeer(
                 f"peer {peer.name!r} at {peer.address} restarted (now {meta.name!r}, incarnation "
                 f"{meta.incarnation:#x}, was {peer.incarnation:#x}): its old regions are fenced; "
@@ -1778,58 +1760,6 @@ class Agent:
                     tuple(sorted(n for n, _ in after - before)),
                     tuple(sorted(n for n, _ in before - after)),
                 ))
-
-    def _close_peer(self, peer: Peer) -> None:
-        if peer._lost or self._closed:
-            return
-        peer._closed = True
-        self._mark_lost(peer, _E_CLOSED, log=False)
-        try:
-            self._engine.endpoint_close(peer._ep)
-        except _cyx.NativeError:
-            pass
-        _log.info("peer.closed", agent=self.name, peer=peer.name, address=peer.address)
-
-    def _mark_lost(self, peer: Peer, status: int, *, log: bool = True) -> None:
-        if peer._lost:
-            return
-        peer._lost = True
-        peer._lost_status = status
-        self._sub.fail_queued(peer)  # never reached the engine: fail them here
-        if self._peers_by_ep.get(peer._ep) is peer:
-            del self._peers_by_ep[peer._ep]
-            self._tag_unref(peer._tag)
-        key = (peer.name, peer.incarnation)
-        if self._peers_by_inc.get(key) is peer:
-            del self._peers_by_inc[key]
-        for addr in [a for a, p in self._peers_by_addr.items() if p is peer]:
-            del self._peers_by_addr[addr]
-        if log:
-            _log.warning(
-                "peer.stale" if peer._stale else "peer.lost",
-                agent=self.name,
-                peer=peer.name,
-                address=peer.address,
-                path=peer.path,
-                reason=peer._lost_reason or _cyx.strerror(status),
-                in_flight=peer._counters.inflight,
-            )
-        if self._discovery is None and not self._closed:
-            reason = "restarted" if peer._stale else "closed" if peer._closed else "lost"
-            self._emit(PeerLeft(peer.name, peer.incarnation, peer.address, reason))
-
-    def _peer_error(self, peer: Peer) -> XferError:
-        where = f"peer {peer.name!r} at {peer.address}"
-        if peer._stale:
-            return StalePeer(f"{where} restarted: connect again", peer=peer.name)
-        if peer._closed or (self._closed and peer._lost_status == _E_CLOSED):
-            return ClosedResourceError(f"{where} was closed", peer=peer.name)
-        why = peer._lost_reason or _cyx.strerror(peer._lost_status)
-        return PeerLost(
-            f"{where} is lost ({why}): connect again",
-            status=peer._lost_status,
-            peer=peer.name,
-        )
 
     # ------------------------------------------------------------ data path
 
@@ -1860,7 +1790,7 @@ class Agent:
                 return backend.post(self, "write", src, dst, notify, priority)
             peer, descs, nbytes = self._descs(src, dst, "write")
             descs, starts = _coalesce(descs)
-        payload = None if notify is None else _payload(notify)
+        payload = None if notify is None else notify_payload(notify)
         if payload is not None and peer is self._file_peer:
             raise ValueError("a write into a file region takes no notify (nobody to tell)")
         t = self._submit(peer, _OP_WRITE, descs, payload, nbytes, "write", priority)
@@ -1891,12 +1821,6 @@ class Agent:
         if peer.path == "cuda":
             t._path = _cuda_path(dst, src)
         return t
-
-    async def _notify_peer(self, peer: Peer, payload: bytes | bytearray | memoryview) -> None:
-        self._check_open()
-        if peer._agent is not self:
-            raise ValueError(f"{peer!r} is a peer of another agent")
-        await self._submit(peer, _cyx.OP_NOTIFY, None, _payload(payload), 0, "notify")
 
     def _descs(self, local: Any, remote: Any, op: str) -> tuple[Peer, _Descs, int]:
         """The (n, 6) uint64 descriptor array [lrid, loff, rrid, rkey, roff, len],
@@ -1937,7 +1861,7 @@ class Agent:
             or rr._gone
             or n != remote.length
             or not n
-            or rr.peer._agent is not self
+            or rr.peer._host is not self._peers
             or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
         ):
             self._check_pair(local, remote, 0)
@@ -1958,7 +1882,7 @@ class Agent:
                 f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
                 peer=rr.peer.name,
             )
-        if rr.peer._agent is not self:
+        if rr.peer._host is not self._peers:
             raise ValueError(f"remote segment {i} belongs to a peer of another agent")
         # GPU memory travels its own path (cuda) or RDMA (GPUDirect: the
         # engine says so, per region, if the NIC cannot reach it).
@@ -2100,14 +2024,14 @@ class Agent:
             self.notifications._put(Notification(name, payload or b""), tag)
             return
         if kind == _cyx.CQ_RAIL_DOWN:
-            rpeer = self._peers_by_ep.get(id_)
+            rpeer = self._peers.by_ep.get(id_)
             if rpeer is not None:
                 self._on_rail_down(rpeer, fail_index, nbytes, status)
             return
         if kind == _cyx.CQ_PEER_LOST:
-            peer = self._peers_by_ep.get(id_)
+            peer = self._peers.by_ep.get(id_)
             if peer is not None:
-                self._mark_lost(peer, status, log=status != _E_CLOSED)
+                self._peers.mark_lost(peer, status, log=status != _E_CLOSED)
             elif id_ in self._connecting_eps:
                 self._connecting_eps[id_] = status
         elif kind == _cyx.CQ_REGION_FREED:
@@ -2141,7 +2065,7 @@ class Agent:
             self.name,
             self.address,
             regions=len(self._regions),
-            peers=len(self._peers_by_ep),
+            peers=len(self._peers.by_ep),
             counters=self._sub.counters(),
             native=native,
             pinned_regions=self._engine.pinned_regions(),
@@ -2226,13 +2150,6 @@ def _describe(t: Transfer) -> str:
 
 def _keyed(peer: Peer) -> list[tuple[tuple[int, int], RemoteRegion]]:
     return [((rr.rid, rr.key), rr) for rr in peer._by_rid.values()]
-
-
-def _payload(payload: bytes | bytearray | memoryview) -> bytes:
-    data = bytes(payload)
-    if not 0 < len(data) <= _cyx.MAX_NOTIFY:
-        raise ValueError(f"a notification payload is 1..{_cyx.MAX_NOTIFY} bytes, not {len(data)}")
-    return data
 
 
 def _is_address(target: str) -> bool:

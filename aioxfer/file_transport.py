@@ -181,7 +181,7 @@ def file_peer(agent: Agent) -> Peer:
         ep = agent._engine.endpoint_create(_cyx.EP_FILE, tag, 0)
         agent._tag_names[tag] = PATH
         peer = Peer(
-            agent,
+            agent._peers,
             name=PATH,
             address=PATH,
             incarnation=agent.incarnation,
