@@ -34,8 +34,8 @@ class TransferCounters:
 @dataclass(slots=True)
 class PeerCounters:
     """The live counters of one peer, typed: what the submission path and the
-    completion drain (``Engine.drain``, which settles them once per batch and
-    peer) update, and ``Peer.statistics()`` snapshots. Not public.
+    completion drain (``Engine.drain``, which calls ``settle`` once per batch
+    and peer) update, and ``Peer.statistics()`` snapshots. Not public.
 
     ``inflight``/``inflight_bytes``: admitted to the engine and not yet
     confirmed finished; ``queued``/``queued_bytes``: waiting in the peer's
@@ -52,6 +52,20 @@ class PeerCounters:
     queued_bytes: int = 0
     bandwidth: float = 0.0
     latency: float = 0.0
+
+    def settle(
+        self, done: int, req_bytes: int, moved: int, latency: float, bandwidth: float
+    ) -> None:
+        """Engine.drain's tally of ``done`` transfers completed (``req_bytes``
+        asked, ``moved`` moved) and the moving averages after them: one call
+        per peer and drained batch. A method, so the drain names no field
+        (and it costs half of six attribute writes from C: measured)."""
+        self.inflight -= done
+        self.inflight_bytes -= req_bytes
+        self.completed += done
+        self.bytes += moved
+        self.latency = latency
+        self.bandwidth = bandwidth
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ EAGER_MAX = 64 << 10  # awaited requests up to this size may be flushed at once
 # agent's own housekeeping). Past this many, the next await suspends once.
 EAGER_STREAK = 64
 
+_make_transfer = Transfer._make  # bound once: Transfer(...) minus type.__call__
 _CQ_XFER = _cyx.CQ_XFER
 _E_CANCELLED = _cyx.E_CANCELLED
 _E_CLOSED = _cyx.E_CLOSED
@@ -159,7 +160,7 @@ class Submission:
         if loop is None:
             loop = self._start()
         req_id = self._next_req()
-        t = Transfer(self, loop, req_id, op, peer, nbytes, perf_counter())
+        t = _make_transfer(self, loop, req_id, op, peer, nbytes, perf_counter())
         c = peer._counters
         c.posted += 1
         self.posted += 1
@@ -285,19 +286,13 @@ class Submission:
         self._pending_t = []
         if self._pending_cancelled:
             self._pending_cancelled = False
-            keep = [i for i, t in enumerate(ts) if not t._cancel_requested]
-            for t in ts:
-                if t._cancel_requested:
-                    self.inflight.pop(t.req_id, None)
-                    self.finish_failed(t, None)
-            items = [items[i] for i in keep]
-            ts = [ts[i] for i in keep]
+            items, ts = self._drop_cancelled(items, ts)
             if not items:
                 return
         try:
             # polls: the drain below takes the completions known at submit,
             # so they need no eventfd wake-up (nor its two syscalls).
-            statuses = self._engine.post_many(items, polls=True, alone=alone)
+            statuses = self._engine.post_many(items, True, alone)  # polls, alone
         except Exception as exc:  # bad item or closed engine: nothing was posted
             for t in ts:
                 self.inflight.pop(t.req_id, None)
@@ -320,6 +315,19 @@ class Submission:
         self.drain()  # completions known at submit (small same-host copies)
         if self.inflight and self._poller is not None:
             self._poller.kick()  # poll for the rest before the loop blocks
+
+    def _drop_cancelled(
+        self, items: list[Item], ts: list[Transfer]
+    ) -> tuple[list[Item], list[Transfer]]:
+        """The batch without the transfers cancelled before it was posted
+        (those are over now). Its own method: comprehensions over post_pending's
+        locals would make them cells, created on every post (callgrind)."""
+        keep = [i for i, t in enumerate(ts) if not t._cancel_requested]
+        for t in ts:
+            if t._cancel_requested:
+                self.inflight.pop(t.req_id, None)
+                self.finish_failed(t, None)
+        return [items[i] for i in keep], [ts[i] for i in keep]
 
     def cancel(self, t: Transfer) -> None:
         """TransferHost: ``t.cancel()`` was called (first time, not done)."""
@@ -351,20 +359,17 @@ class Submission:
         # Successful transfers are completed inside _cyx (no Python call per
         # record: the bulk of a small transfer's cost otherwise); the rest
         # comes to _on_record, in ring order.
-        drain = self._engine.drain
-        inflight = self.inflight
-        on_record = self._on_record_cb
-        release = self._release_cb
-        weight = ESTIMATE_WEIGHT
-        bw_min = BANDWIDTH_MIN
-        for _ in range(POLL_ROUNDS):
-            n, completed, nbytes = drain(
-                inflight, on_record, release, TransferResult, weight, bw_min, POLL_MAX
+        rounds = POLL_ROUNDS
+        while rounds:
+            n, completed, nbytes = self._engine.drain(
+                self.inflight, self._on_record_cb, self._release_cb, TransferResult,
+                ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX,
             )
             self.completed += completed
             self.bytes += nbytes
             if n < POLL_MAX:
                 return
+            rounds -= 1
         assert self._loop is not None
         self._loop.call_soon(self.drain)  # more remain: let the loop breathe first
 

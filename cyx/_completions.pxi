@@ -3,14 +3,10 @@
 
 # ------------------------------------------------------------------ completions
 
-cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t moved,
-                 double latency, double bandwidth) except -1:
-    """Engine.drain's per-peer tally of completed transfers, onto the peer's
-    counters (aioxfer.stats.PeerCounters: a typed record, not the Peer)."""
-    counters.inflight -= done
-    counters.inflight_bytes -= req_bytes
-    counters.completed += done
-    counters.bytes += moved
-    counters.latency = latency
-    counters.bandwidth = bandwidth
+cdef inline int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t moved,
+                        double latency, double bandwidth) except -1:
+    """Engine.drain's per-peer tally of completed transfers: one call of the
+    counters' own settle (aioxfer.stats.PeerCounters: a typed record, not the
+    Peer; the drain names none of its fields)."""
+    counters.settle(done, req_bytes, moved, latency, bandwidth)
     return 0

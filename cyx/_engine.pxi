@@ -603,9 +603,11 @@ cdef class Engine:
         is completed here, without a Python call: the transfer leaves
         ``inflight``; if it holds a scheduler budget (``_admitted``),
         ``release(transfer)`` is called first; its peer's counters
-        (``transfer.peer._counters``: ``inflight``, ``inflight_bytes``,
-        ``completed``, ``bytes``, ``latency``, ``bandwidth``) are updated, the
-        last two as moving averages whose policy the caller gives: a transfer
+        (``transfer.peer._counters``) are settled, once per run of records of
+        one peer, by ``counters.settle(done, req_bytes, moved, latency,
+        bandwidth)``, the averages read from ``counters.latency`` and
+        ``counters.bandwidth`` and updated per transfer by the policy the caller
+        gives: a transfer
         of ``bandwidth_min`` bytes or more is a bandwidth sample, a smaller one
         a latency sample, each weighing ``weight`` against the average so far
         (the first one taken as it is); and unless the future is done

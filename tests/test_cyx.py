@@ -698,6 +698,8 @@ def test_one_descriptor_tuple_and_drain_dispatch() -> None:
         r = t1.result()
         assert type(r) is aioxfer.TransferResult
         assert (r.nbytes, r.path, r.reroutes) == (4096, "shm", 0) and r.seconds > 0
+        # The drain's clock is time.perf_counter's (transfers' _t0 come from it).
+        assert r.seconds < time.perf_counter() - t1._t0
         assert r == aioxfer.TransferResult(4096, r.seconds, "shm", 0)
         assert t2.result().nbytes == 4096 and t3.cancelled()
         c = peer._counters
