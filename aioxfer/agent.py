@@ -69,7 +69,6 @@ from aioxfer.local import (
     peer_pidfd,
     recv_fds,
     seal,
-    send_fds,
 )
 from aioxfer.log import get_logger
 from aioxfer.members import Members
@@ -87,12 +86,10 @@ from aioxfer.notifications import Notification, Notifications
 from aioxfer.peer import Peer
 from aioxfer.peertable import PeerTable, notify_payload
 from aioxfer.protocol import (
-    HandshakeRejected,
     client_handshake,
     fetch_meta,
     recv_frame,
     send_frame,
-    server_handshake,
     token_bytes,
 )
 from aioxfer.rails import Rails
@@ -105,6 +102,7 @@ from aioxfer.region import (
     pair_descs,
 )
 from aioxfer.scheduling import PeerScheduler
+from aioxfer.serving import Server, nodelay, qp_tuple
 from aioxfer.stats import AgentStatistics, agent_statistics
 from aioxfer.submission import Submission
 from aioxfer.transfer import Transfer
@@ -429,13 +427,28 @@ class Agent:
                 sub, self._engine.wait, loop, self.progress, self._engine.poll_us
             )
         sub.started(loop, self._poller)
+        server = Server(
+            self.name,
+            engine=self._engine,
+            token=self._token,
+            accept=self._accept_msg,
+            peer_timeout=self._peer_timeout,
+            max_handshakes=self._max_handshakes,
+            verbs_devices=len(self._verbs_devices),
+            meta=self._meta,
+            local_meta=self._local_meta,
+            tag_for=self._tag_for,
+            tag_unref=self._tag_unref,
+            tasks=self._serving,
+            closed=lambda: self._closed,
+        )
         self._accept_tasks = [
-            loop.create_task(self._accept_loop(lsock), name=f"aioxfer-accept-{self.name}")
+            loop.create_task(server.accept_loop(loop, lsock), name=f"aioxfer-accept-{self.name}")
             for lsock in self._lsocks
         ]
         if self._local_sock is not None:
             self._accept_tasks.append(loop.create_task(
-                self._accept_loop(self._local_sock, local=True),
+                server.accept_loop(loop, self._local_sock, local=True),
                 name=f"aioxfer-accept-local-{self.name}",
             ))
         if self._discovery is not None:
@@ -882,150 +895,6 @@ class Agent:
             verbs_devices=list(self._verbs_devices),
             local=self._local_name,
         )
-
-    async def _accept_loop(self, lsock: socket.socket, *, local: bool = False) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        refused = 0
-        while True:
-            try:
-                sock, addr = await loop.sock_accept(lsock)
-            except OSError as exc:
-                if self._closed:
-                    return
-                _log.warning("accept.failed", agent=self.name, error=str(exc))
-                await asyncio.sleep(0.1)  # e.g. EMFILE: do not spin
-                continue
-            if len(self._serving) >= self._max_handshakes:
-                # Each handshake holds a socket and a task until peer_timeout:
-                # over the cap a connection is closed at once (said once per burst).
-                sock.close()
-                refused += 1
-                if refused == 1:
-                    _log.warning("conn.refused", agent=self.name, remote=_fmt_sockaddr(addr),
-                                 reason=f"{self._max_handshakes} handshakes already running")
-                continue
-            refused = 0
-            task = loop.create_task(self._serve(sock, addr, local=local))
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
-
-    async def _serve(self, sock: socket.socket, addr: Any, *, local: bool = False) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        remote = _fmt_sockaddr(addr)
-        handed = False
-        pidfd = -1
-        try:
-            sock.setblocking(False)
-            cred = None
-            if local:
-                # Who connected, as the kernel says: only our own user gets the
-                # same-host path (another user's agents connect over tcp).
-                cred = peer_cred(sock)
-                remote = f"local pid {cred.pid} uid {cred.uid}"
-                if cred.uid != os.geteuid():
-                    raise HandshakeRejected(
-                        f"uid {cred.uid} is not this agent's user: same-host access refused"
-                    )
-            else:
-                _nodelay(sock)
-            async with asyncio.timeout(self._peer_timeout):
-                hello = await server_handshake(
-                    loop,
-                    sock,
-                    token=self._token,
-                    accept=self._accept_msg,
-                )
-                if hello.purpose == "meta":
-                    if local:
-                        meta, fds = self._local_meta()
-                        await send_frame(loop, sock, meta)
-                        await send_fds(loop, sock, fds)
-                    else:
-                        await send_frame(loop, sock, self._meta())
-                    return
-                handles: list[int] = []
-                if hello.purpose == "verbs":
-                    if local:
-                        raise ProtocolError("verbs connections are not made on the unix socket")
-                    handles = await self._accept_verbs(loop, sock)
-            if cred is not None:
-                # Held by the engine for this connection's life: a revocation
-                # it owes is settled by its ack or by its process's exit, never
-                # by a closed socket alone (a stopped process keeps its maps).
-                pidfd = peer_pidfd(sock, cred)
-            tag = self._tag_for(hello.name, hello.incarnation)
-            fd = sock.detach()
-            handed = True
-            # The engine owns fd and pidfd (and the queue pairs), also if this raises.
-            owned, pidfd = pidfd, -1
-            try:
-                if hello.purpose == "verbs":
-                    self._engine.verbs_accept_conn(fd, tag, handles)
-                else:
-                    self._engine.accept_conn(fd, tag, owned)
-            except BaseException:
-                self._tag_unref(tag)
-                raise
-            _log.debug("conn.accepted", agent=self.name, peer=hello.name, remote=remote, tag=tag)
-        except HandshakeRejected as exc:
-            _log.warning("conn.rejected", agent=self.name, remote=remote, reason=str(exc))
-        except ProtocolError as exc:
-            _log.warning("conn.rejected", agent=self.name, remote=remote, reason=str(exc))
-        except TimeoutError:
-            _log.warning(
-                "conn.rejected", agent=self.name, remote=remote, reason="handshake timed out"
-            )
-        except OSError as exc:
-            _log.info("conn.failed", agent=self.name, remote=remote, reason=str(exc))
-        except _cyx.NativeError as exc:
-            _log.warning("conn.failed", agent=self.name, remote=remote, reason=str(exc))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # hostile input must never end in an unretrieved task error
-            _log.warning("conn.rejected", agent=self.name, remote=remote,
-                         reason=f"{type(exc).__name__}: {exc}")
-        finally:
-            if pidfd >= 0:
-                os.close(pidfd)
-            if not handed:
-                sock.close()
-
-    async def _accept_verbs(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket
-    ) -> list[int]:
-        """Server side of a "verbs" connection: a queue pair per rail the
-        client asks for, connected to the client's; returns their handles
-        (bound to the connection once the engine takes it)."""
-        msg = await recv_frame(loop, sock)
-        if not isinstance(msg, VerbsConnect):
-            raise ProtocolError(f"expected VerbsConnect, got {type(msg).__name__}")
-        if not self._verbs_devices:
-            raise ProtocolError("verbs connection to an agent without RDMA devices")
-        if not 0 < len(msg.qps) <= len(self._verbs_devices):
-            raise ProtocolError(
-                f"{len(msg.qps)} queue pairs asked of {len(self._verbs_devices)} devices"
-            )
-        devices = list(msg.devices) if msg.devices else list(range(len(msg.qps)))
-        if len(devices) != len(msg.qps) or len(set(devices)) != len(devices) or not all(
-            0 <= d < len(self._verbs_devices) for d in devices
-        ):
-            raise ProtocolError(f"queue pairs asked of devices {devices!r}")
-        handles: list[int] = []
-        try:
-            ours = []
-            for dev, qp in zip(devices, msg.qps, strict=True):
-                handle, info = self._engine.verbs_accept_qp(dev, _qp_tuple(qp))
-                handles.append(handle)
-                ours.append(VerbsQP(*info))
-            await send_frame(loop, sock, VerbsAccept(qps=ours))
-        except BaseException:
-            for handle in handles:
-                with contextlib.suppress(_cyx.NativeError):
-                    self._engine.verbs_qp_destroy(handle)
-            raise
-        return handles
 
     def _tag_for(self, name: str, incarnation: int) -> int:
         """The tag of (name, incarnation)'s connections, one reference more:
@@ -1542,7 +1411,7 @@ class Agent:
             if not isinstance(reply, VerbsAccept) or len(reply.qps) != n:
                 raise ProtocolError(f"peer at {address} answered the queue pairs with {reply!r}")
             for (mine, theirs), qp in zip(pairs, reply.qps, strict=True):
-                self._engine.verbs_qp_connect(ep, mine, theirs, _qp_tuple(qp))
+                self._engine.verbs_qp_connect(ep, mine, theirs, qp_tuple(qp))
             # The handshake and exchange read exactly their frames: the rest is the engine's.
             self._engine.endpoint_add_conn(ep, sock.detach(), 0)
         finally:
@@ -1561,7 +1430,7 @@ class Agent:
             s = socket.socket(family, type_, proto)
             try:
                 s.setblocking(False)
-                _nodelay(s)
+                nodelay(s)
                 await loop.sock_connect(s, sockaddr)
             except BaseException as exc:
                 s.close()
@@ -2148,27 +2017,6 @@ def _coalesce(descs: _Descs) -> tuple[_Descs, npt.NDArray[np.intp] | None]:
     return merged, starts
 
 
-def _qp_tuple(qp: VerbsQP) -> tuple[int, int, int, int, int, int, bytes, int, int, int]:
-    """A peer's queue pair parameters, range-checked (they are untrusted)."""
-    if not (
-        0 <= qp.qpn < 1 << 24
-        and 0 <= qp.psn < 1 << 24
-        and 1 <= qp.mtu <= 5
-        and 0 <= qp.lid < 1 << 16
-        and 0 <= qp.port < 256
-        and 0 <= qp.gid_index < 256
-        and len(qp.gid) == 16
-        and 0 <= qp.link_layer < 256
-        and 0 <= qp.gid_type < 256
-        and 0 <= qp.max_dest_rd_atomic < 256
-    ):
-        raise ProtocolError(f"queue pair parameters out of range: {qp!r}")
-    return (
-        qp.qpn, qp.psn, qp.mtu, qp.lid, qp.port, qp.gid_index, qp.gid,
-        qp.link_layer, qp.gid_type, qp.max_dest_rd_atomic,
-    )
-
-
 def _verbs_keys(peer: Peer, m: RegionMeta) -> list[tuple[int, int]]:
     """A peer region's (addr, rkey) per device, range-checked."""
     if not 0 < len(m.verbs) <= _cyx.VERBS_MAX_DEVICES or not all(
@@ -2277,13 +2125,6 @@ def _listen(listen: str) -> tuple[socket.socket, str]:
     return sock, address
 
 
-def _fmt_sockaddr(addr: Any) -> str:
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        h = str(addr[0])
-        return f"[{h}]:{addr[1]}" if ":" in h else f"{h}:{addr[1]}"
-    return str(addr)
-
-
 def _numeric_addrinfo(
     host: str, port: int
 ) -> list[tuple[int, int, int, str, tuple[Any, ...]]] | None:
@@ -2297,13 +2138,6 @@ def _numeric_addrinfo(
         sockaddr: tuple[Any, ...] = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
         return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
     return None
-
-
-def _nodelay(sock: socket.socket) -> None:
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:
-        pass
 
 
 _HOST_ID: str | None = None
