@@ -25,8 +25,8 @@ import socket
 import sys
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -39,6 +39,7 @@ from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS  # connections one endpoint may have
 from aioxfer.auth import default_token
 from aioxfer.backends import registry as _backends
+from aioxfer.dialing import Dialer, parse_address
 from aioxfer.discovery import (
     Etcd,
     EtcdSession,
@@ -64,10 +65,8 @@ from aioxfer.local import (
     PeerCred,
     check_sealed,
     listen_local,
-    local_address,
     peer_cred,
     peer_pidfd,
-    recv_fds,
     seal,
 )
 from aioxfer.log import get_logger
@@ -87,7 +86,6 @@ from aioxfer.peer import Peer
 from aioxfer.peertable import PeerTable, notify_payload
 from aioxfer.protocol import (
     client_handshake,
-    fetch_meta,
     recv_frame,
     send_frame,
     token_bytes,
@@ -102,7 +100,7 @@ from aioxfer.region import (
     pair_descs,
 )
 from aioxfer.scheduling import PeerScheduler
-from aioxfer.serving import Server, nodelay, qp_tuple
+from aioxfer.serving import Server, qp_tuple
 from aioxfer.stats import AgentStatistics, agent_statistics
 from aioxfer.submission import Submission
 from aioxfer.transfer import Transfer
@@ -268,6 +266,13 @@ class Agent:
         else:
             self._token = token_bytes(token) if token is not None else default_token()
         self._peer_timeout = float(peer_timeout)
+        self._dialer = Dialer(
+            name,
+            incarnation=self.incarnation,
+            token=self._token,
+            peer_timeout=self._peer_timeout,
+            max_meta_bytes=limits.max_meta_bytes,
+        )
         self._tcp_connections = int(tcp_connections)
         self._rail_probe = float(rail_probe)
         self._limits = (peer_max_bytes, peer_max_requests)
@@ -1088,12 +1093,12 @@ class Agent:
             task.exception()  # retrieved: every awaiter may have been cancelled
 
     async def _connect(self, address: str) -> Peer:
-        host, port = _parse_address(address)
+        host, port = parse_address(address)
         # One data connection first, so that the peer's engine holds it before
         # the peer takes the metadata snapshot: a region deregistered after the
         # snapshot is then revoked on this connection, and since its regions are
         # imported before the engine reads from it, no stale handle slips by.
-        sock0, accept0 = await self._open(address)
+        sock0, accept0 = await self._dialer.open(address)
         local: _LocalLink | None = None
         try:
             if (
@@ -1109,7 +1114,7 @@ class Agent:
                 assert local.meta is not None
                 meta = local.meta
             else:
-                meta = await self._fetch_meta(host, port, address)
+                meta = await self._dialer.fetch_meta(host, port, address)
             self._check_open()
             if accept0.incarnation != meta.incarnation:
                 raise TransportError(
@@ -1275,7 +1280,7 @@ class Agent:
             self.name,
             endpoint_rails=self._engine.endpoint_rails,
             add_conn=self._engine.endpoint_add_conn,
-            open_conn=self._open,
+            open_conn=self._dialer.open,
             probe_delay=self._rail_probe,
             probe_max=self.limits.rail_probe_max,
             tasks=self._probes,
@@ -1322,8 +1327,8 @@ class Agent:
         result: _LocalLink | None = None
         why = ""
         try:
-            async with self._control_errors(address, "connecting locally to", "connect to"):
-                link.data = await self._dial_local(meta.local)
+            async with self._dialer.control_errors(address, "connecting locally to", "connect to"):
+                link.data = await self._dialer.dial_local(meta.local)
                 link.cred = peer_cred(link.data)
                 if link.cred.uid != os.geteuid():
                     why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
@@ -1336,7 +1341,7 @@ class Agent:
                     why = f"its unix socket is served by another agent ({accept.name!r})"
                     return None
                 link.pidfd = peer_pidfd(link.data, link.cred)
-                link.meta, link.fds = await self._fetch_local_meta(meta.local, link.cred.pid)
+                link.meta, link.fds = await self._dialer.fetch_local_meta(meta.local, link.cred.pid)
             if (link.meta.name, link.meta.incarnation) != (meta.name, meta.incarnation):
                 why = "it restarted while we connected"
                 return None
@@ -1348,36 +1353,6 @@ class Agent:
                 if why:
                     _log.warning("local.refused", agent=self.name, peer=meta.name,
                                  address=address, reason=why, fallback="tcp")
-
-    async def _dial_local(self, name: str) -> socket.socket:
-        assert self._loop is not None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            sock.setblocking(False)
-            await self._loop.sock_connect(sock, local_address(name))
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    async def _fetch_local_meta(self, name: str, pid: int) -> tuple[AgentMeta, list[int]]:
-        """A same-host peer's metadata and its memfds (index i of the list is
-        the fd a RegionMeta with memfd=i names), from its unix socket, checked
-        to be served by process pid."""
-        assert self._loop is not None
-        sock = await self._dial_local(name)
-        try:
-            if peer_cred(sock).pid != pid:
-                raise ProtocolError(f"unix socket {name!r} is now served by another process")
-            meta = await fetch_meta(self._loop, sock, name=self.name,
-                                    incarnation=self.incarnation, token=self._token,
-                                    max_meta=self._max_meta_bytes)
-            indexes = sorted(m.memfd for m in meta.regions if m.memfd >= 0)
-            if indexes != list(range(len(indexes))):
-                raise ProtocolError("metadata names memfds out of order or twice")
-            return meta, await recv_fds(self._loop, sock, len(indexes))
-        finally:
-            sock.close()
 
     async def _connect_verbs(self, ep: int, address: str, meta: AgentMeta) -> None:
         """A queue pair per device pair (rail i: our device i, the peer's i),
@@ -1393,13 +1368,13 @@ class Agent:
             )
         n = len(pairs)
         ours = [self._engine.verbs_qp_create(ep, mine) for mine, _ in pairs]
-        sock, accept = await self._open(address, purpose="verbs")
+        sock, accept = await self._dialer.open(address, purpose="verbs")
         try:
             if accept.incarnation != meta.incarnation:
                 raise TransportError(
                     f"peer at {address} restarted while we connected: connect again"
                 )
-            async with self._control_errors(address, "exchanging queue pairs with", "reach"):
+            async with self._dialer.control_errors(address, "exchanging queue pairs with", "reach"):
                 await send_frame(
                     self._loop,
                     sock,
@@ -1417,81 +1392,6 @@ class Agent:
         finally:
             if sock.fileno() >= 0:
                 sock.close()
-
-    async def _dial(self, host: str, port: int) -> socket.socket:
-        """A connected, non-blocking socket: every address of host is tried in turn."""
-        assert self._loop is not None
-        loop = self._loop
-        infos: Sequence[tuple[Any, ...]] | None = _numeric_addrinfo(host, port)
-        if infos is None:  # a name: the resolver runs on an executor thread
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        error: OSError | None = None
-        for family, type_, proto, _, sockaddr in infos:
-            s = socket.socket(family, type_, proto)
-            try:
-                s.setblocking(False)
-                nodelay(s)
-                await loop.sock_connect(s, sockaddr)
-            except BaseException as exc:
-                s.close()
-                if not isinstance(exc, OSError):
-                    raise
-                error = exc
-                continue
-            return s
-        raise error or OSError(f"no address for {host!r}")
-
-    @contextlib.asynccontextmanager
-    async def _control_errors(self, address: str, doing: str, what: str) -> AsyncIterator[None]:
-        """Bounds a control-plane exchange by peer_timeout and names the peer in its errors."""
-        try:
-            async with asyncio.timeout(self._peer_timeout):
-                yield
-        except TimeoutError:
-            raise TransportError(
-                f"{doing} {address} timed out after {self._peer_timeout} s"
-            ) from None
-        except OSError as exc:
-            raise TransportError(f"cannot {what} {address}: {exc}") from exc
-        except AccessDenied as exc:
-            raise type(exc)(f"connecting to {address}: {exc}") from None
-
-    async def _open(
-        self, address: str, purpose: Literal["data", "verbs"] = "data"
-    ) -> tuple[socket.socket, Accept]:
-        """A connected, handshaken data socket (non-blocking), and the peer's
-        Accept (who answered: name and incarnation)."""
-        assert self._loop is not None
-        host, port = _parse_address(address)
-        async with self._control_errors(address, "connecting to", "connect to"):
-            sock = await self._dial(host, port)
-            try:
-                accept = await client_handshake(
-                    self._loop,
-                    sock,
-                    name=self.name,
-                    incarnation=self.incarnation,
-                    purpose=purpose,
-                    token=self._token,
-                )
-            except BaseException:
-                sock.close()
-                raise
-            return sock, accept
-        raise AssertionError("unreachable")  # for type checkers: the block returns or raises
-
-    async def _fetch_meta(self, host: str, port: int, address: str) -> AgentMeta:
-        assert self._loop is not None
-        async with self._control_errors(address, "fetching metadata from", "fetch metadata from"):
-            sock = await self._dial(host, port)
-            try:
-                return await fetch_meta(
-                    self._loop, sock, name=self.name, incarnation=self.incarnation,
-                    token=self._token,
-                )
-            finally:
-                sock.close()
-        raise AssertionError("unreachable")  # for type checkers: the block returns or raises
 
     def _apply_regions(
         self, peer: Peer, regions: list[RegionMeta], fds: list[int] | None = None
@@ -1587,16 +1487,16 @@ class Agent:
         fds: list[int] | None = None
         if peer._local:
             try:
-                async with self._control_errors(peer.address, "fetching metadata from",
+                async with self._dialer.control_errors(peer.address, "fetching metadata from",
                                                 "fetch metadata from"):
-                    meta, fds = await self._fetch_local_meta(peer._local, peer.pid)
+                    meta, fds = await self._dialer.fetch_local_meta(peer._local, peer.pid)
             except (OSError, ProtocolError, TransportError) as exc:
                 if not peer._lost:
                     raise
                 raise peer._lost_error() from exc
         else:
-            host, port = _parse_address(peer.address)
-            meta = await self._fetch_meta(host, port, peer.address)
+            host, port = parse_address(peer.address)
+            meta = await self._dialer.fetch_meta(host, port, peer.address)
         try:
             await self._refresh_with(peer, meta, fds)
         finally:
@@ -2087,25 +1987,8 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-def _parse_address(address: str) -> tuple[str, int]:
-    if not isinstance(address, str):
-        raise TypeError(f'an address is a "host:port" string, not {type(address).__name__}')
-    host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f'address {address!r} is not "host:port"')
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        portnum = int(port)
-    except ValueError:
-        raise ValueError(f"address {address!r} has no valid port") from None
-    if not 0 <= portnum <= 65535:
-        raise ValueError(f"address {address!r} has no valid port")
-    return host, portnum
-
-
 def _listen(listen: str) -> tuple[socket.socket, str]:
-    host, port = _parse_address(listen)
+    host, port = parse_address(listen)
     infos = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
     )
@@ -2123,21 +2006,6 @@ def _listen(listen: str) -> tuple[socket.socket, str]:
     h = bound[0]
     address = f"[{h}]:{bound[1]}" if ":" in h else f"{h}:{bound[1]}"
     return sock, address
-
-
-def _numeric_addrinfo(
-    host: str, port: int
-) -> list[tuple[int, int, int, str, tuple[Any, ...]]] | None:
-    """getaddrinfo's answer for an IP literal, without the resolver (whose
-    executor thread costs ~10 ms to start on a first connect); None for a name."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            socket.inet_pton(family, host)
-        except OSError:
-            continue
-        sockaddr: tuple[Any, ...] = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
-        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
-    return None
 
 
 _HOST_ID: str | None = None

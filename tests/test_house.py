@@ -11,6 +11,7 @@ import inspect
 from types import ModuleType
 
 from aioxfer import (
+    dialing,
     members,
     peer,
     peertable,
@@ -86,7 +87,7 @@ def test_transfer_reaches_its_host_only_through_transfer_host() -> None:
 
 def test_collaborators_do_not_know_the_agent() -> None:
     for module in (members, rails, stats, peer, transfer, submission, progress, peertable,
-                   serving):
+                   serving, dialing):
         for node in ast.walk(_tree(module)):
             if isinstance(node, ast.ImportFrom):
                 assert node.module != "aioxfer.agent", f"{module.__name__} imports aioxfer.agent"
@@ -99,7 +100,7 @@ def test_collaborators_do_not_know_the_agent() -> None:
 def test_collaborator_constructors_are_narrow() -> None:
     # Keyword arguments naming what each needs, never a whole agent.
     for cls in (members.Members, rails.Rails, submission.Submission, peertable.PeerTable,
-                serving.Server):
+                serving.Server, dialing.Dialer):
         params = inspect.signature(cls).parameters
         assert "agent" in params and params["agent"].annotation in ("str", str), cls
         assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "agent")
