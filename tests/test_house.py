@@ -113,3 +113,20 @@ def test_transfer_counters() -> None:
                                native={"ops": 4, "frames_rejected": 2}, pinned_regions=3)
     assert (s.transfers_posted, s.in_flight, s.native_ops, s.frames_rejected,
             s.native_conns, s.pinned_regions) == (5, 1, 4, 2, 0, 3)
+
+
+def test_transfer_make_sets_what_init_sets() -> None:
+    # Transfer._make (the submission path's constructor, without type.__call__)
+    # must stay field for field what Transfer.__init__ makes.
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        args = (transfer.DETACHED, loop, 7, "write", None, 4096, 1.5)
+        a = transfer.Transfer(*args)  # type: ignore[arg-type]
+        b = transfer.Transfer._make(*args)  # type: ignore[arg-type]
+        for name in transfer.Transfer.__slots__:
+            assert getattr(a, name) == getattr(b, name), name
+        assert b.get_loop() is loop and not b.done()
+    finally:
+        loop.close()
