@@ -172,6 +172,8 @@ class Engine:
         slow: Callable[[int, int, int, int, int, int, bytes | None], object],
         release: Callable[[Any], object],
         result_type: type,
+        weight: float,
+        bandwidth_min: int,
         max: int = 4096,
     ) -> tuple[int, int, int]: ...
     def stats(self) -> dict[str, int]: ...

@@ -25,9 +25,8 @@ import socket
 import sys
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
-from time import perf_counter
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -40,13 +39,13 @@ from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS  # connections one endpoint may have
 from aioxfer.auth import default_token
 from aioxfer.backends import registry as _backends
+from aioxfer.dialing import Dialer, parse_address
 from aioxfer.discovery import (
     Etcd,
     EtcdSession,
     Membership,
     MembershipEvent,
     PeerJoined,
-    PeerLeft,
     PeerUpdated,
     encode_meta,
 )
@@ -66,12 +65,9 @@ from aioxfer.local import (
     PeerCred,
     check_sealed,
     listen_local,
-    local_address,
     peer_cred,
     peer_pidfd,
-    recv_fds,
     seal,
-    send_fds,
 )
 from aioxfer.log import get_logger
 from aioxfer.members import Members
@@ -87,13 +83,11 @@ from aioxfer.metadata import (
 )
 from aioxfer.notifications import Notification, Notifications
 from aioxfer.peer import Peer
+from aioxfer.peertable import PeerTable, notify_payload
 from aioxfer.protocol import (
-    HandshakeRejected,
     client_handshake,
-    fetch_meta,
     recv_frame,
     send_frame,
-    server_handshake,
     token_bytes,
 )
 from aioxfer.rails import Rails
@@ -106,8 +100,10 @@ from aioxfer.region import (
     pair_descs,
 )
 from aioxfer.scheduling import PeerScheduler
-from aioxfer.stats import AgentStatistics, TransferCounters, agent_statistics
-from aioxfer.transfer import Transfer, TransferResult
+from aioxfer.serving import Server, qp_tuple
+from aioxfer.stats import AgentStatistics, agent_statistics
+from aioxfer.submission import Submission
+from aioxfer.transfer import Transfer
 
 if TYPE_CHECKING:  # optional extras, imported where used
     from aioxfer.backends.base import FarSegment
@@ -119,8 +115,6 @@ __all__ = ["Agent"]
 _log = get_logger("aioxfer")
 
 TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
-_POLL_MAX = 4096
-_POLL_ROUNDS = 8  # batches per wake-up before yielding to the loop
 _NEVER_INLINE = (1 << 64) - 1  # the engine's inline_bytes for "never"
 # A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
 _Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
@@ -128,12 +122,9 @@ _Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
 _OK = _cyx.OK
 _OP_WRITE = _cyx.OP_WRITE
 _OP_READ = _cyx.OP_READ
-_CQ_XFER = _cyx.CQ_XFER
 _CQ_NOTIFY = _cyx.CQ_NOTIFY
-_E_CANCELLED = _cyx.E_CANCELLED
 _E_CLOSED = _cyx.E_CLOSED
 _E_PEER_LOST = _cyx.E_PEER_LOST
-_DESC_STATUSES = frozenset({_cyx.E_ACCESS, _cyx.E_INVALID, _cyx.E_TRANSPORT, _cyx.E_PROTOCOL})
 
 Local = Segment | Sequence[Segment] | SegmentList
 # A Segment (or list of them) of a file region: Agent.register_file.
@@ -275,6 +266,13 @@ class Agent:
         else:
             self._token = token_bytes(token) if token is not None else default_token()
         self._peer_timeout = float(peer_timeout)
+        self._dialer = Dialer(
+            name,
+            incarnation=self.incarnation,
+            token=self._token,
+            peer_timeout=self._peer_timeout,
+            max_meta_bytes=limits.max_meta_bytes,
+        )
         self._tcp_connections = int(tcp_connections)
         self._rail_probe = float(rail_probe)
         self._limits = (peer_max_bytes, peer_max_requests)
@@ -293,8 +291,6 @@ class Agent:
         )
         self._fd = self._engine.fileno()
         self._poller: _progress.Poller | None = None
-        # A lone request up to this is posted at its await (Transfer.__await__).
-        self._alone_max = self.inline_bytes
         self._cuda_why = "not asked for"
         if "cuda" in transports:
             st, self._cuda_why = self._engine.cuda_enable()
@@ -355,9 +351,6 @@ class Agent:
         self._file_peer: Peer | None = None  # the FILE endpoint, made by the first file transfer
 
         # peers
-        self._peers_by_addr: dict[str, Peer] = {}
-        self._peers_by_ep: dict[int, Peer] = {}
-        self._peers_by_inc: dict[tuple[str, int], Peer] = {}
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
         self._connecting_eps: dict[int, int] = {}  # endpoint -> status if lost meanwhile
         self._tags: dict[tuple[str, int], int] = {}
@@ -365,8 +358,6 @@ class Agent:
         self._tag_keys: dict[int, tuple[str, int]] = {}
         self._tag_refs: dict[int, int] = {}
         self._next_tag = itertools.count(1).__next__
-        # every Peer made per name, lost ones too: a new incarnation fences them all
-        self._peers_by_name: dict[str, weakref.WeakSet[Peer]] = {}
 
         # membership
         self._discovery = discovery
@@ -375,21 +366,30 @@ class Agent:
         self._members: dict[str, AgentMeta] = {}  # etcd's view, all but us
         self._subscribers: weakref.WeakSet[Membership] = weakref.WeakSet()
 
-        # data path
-        self._next_req = itertools.count(1).__next__
-        self._inflight: dict[int, Transfer] = {}
-        self._pending: list[tuple[int, int, Any, bytes | None, int]] = []
-        self._pending_t: list[Transfer] = []
-        self._flush_scheduled = False
-        self._pending_cancelled = False
-        # Eager posts (Transfer.__await__) since the loop last ran our _flush:
-        # a coroutine whose awaits complete inside the post never yields, so
-        # past a bound its next await waits for the loop (see _EAGER_*).
-        self._eager_streak = 0
-        self._posted = 0
-        self._completed = 0
-        self._failed = 0
-        self._bytes = 0
+        # data path: the batch, transfers in flight, admission, the drain
+        self._sub = Submission(
+            name,
+            engine=self._engine,
+            start=self._start,
+            # A lone request up to this is posted at its await (Submission.eager).
+            alone_max=self.inline_bytes,
+            on_event=self._on_event,
+            peer_lost=lambda peer, status: self._peers.mark_lost(peer, status),
+            describe=_describe,
+        )
+        # Bound once: write/read call it once per transfer.
+        self._submit = self._sub.submit
+        # peers: the tables that find them; what a Peer asks of its agent
+        self._peers = PeerTable(
+            name,
+            engine=self._engine,
+            closed=lambda: self._closed,
+            submit=self._submit,
+            refresh=self._refresh_peer,
+            fail_queued=self._sub.fail_queued,
+            tag_unref=self._tag_unref,
+            emit=self._emit if discovery is None else None,
+        )
         self._final_native: dict[str, int] | None = None
 
     def _enable_verbs(self, *, explicit: bool) -> list[str]:
@@ -424,17 +424,36 @@ class Agent:
                 raise RuntimeError(f"agent {self.name!r} is bound to another event loop")
             return loop
         self._check_open()
-        loop.add_reader(self._fd, self._drain)
+        sub = self._sub
+        loop.add_reader(self._fd, sub.drain)
         self._loop = loop
         if self.progress != "sleep":
-            self._poller = _progress.Poller(self, loop, self.progress, self._engine.poll_us)
+            self._poller = _progress.Poller(
+                sub, self._engine.wait, loop, self.progress, self._engine.poll_us
+            )
+        sub.started(loop, self._poller)
+        server = Server(
+            self.name,
+            engine=self._engine,
+            token=self._token,
+            accept=self._accept_msg,
+            peer_timeout=self._peer_timeout,
+            max_handshakes=self._max_handshakes,
+            verbs_devices=len(self._verbs_devices),
+            meta=self._meta,
+            local_meta=self._local_meta,
+            tag_for=self._tag_for,
+            tag_unref=self._tag_unref,
+            tasks=self._serving,
+            closed=lambda: self._closed,
+        )
         self._accept_tasks = [
-            loop.create_task(self._accept_loop(lsock), name=f"aioxfer-accept-{self.name}")
+            loop.create_task(server.accept_loop(loop, lsock), name=f"aioxfer-accept-{self.name}")
             for lsock in self._lsocks
         ]
         if self._local_sock is not None:
             self._accept_tasks.append(loop.create_task(
-                self._accept_loop(self._local_sock, local=True),
+                server.accept_loop(loop, self._local_sock, local=True),
                 name=f"aioxfer-accept-local-{self.name}",
             ))
         if self._discovery is not None:
@@ -474,7 +493,7 @@ class Agent:
             return
         if self._loop is not None and (self._regions or self._freeing):
             await self._release_all()
-        self._closed = True
+        self._closed = self._sub.closed = True
         tasks: list[asyncio.Task[Any]] = [
             task
             for task in (
@@ -536,17 +555,13 @@ class Agent:
         return held
 
     def _shutdown(self) -> None:
-        # Not yet handed to the engine: fail here.
-        pending, self._pending_t, self._pending = self._pending_t, [], []
-        for t in pending:
-            self._inflight.pop(t.req_id, None)
-            self._finish_failed(t, self._closed_error(t))
-
-        for peer in list(self._peers_by_ep.values()):
-            for q in self._unqueue_all(peer):  # failed below with the rest
+        sub = self._sub
+        sub.fail_pending()  # not yet handed to the engine: fail here
+        for peer in self._peers.live():
+            for q in sub.unqueue_all(peer):  # failed below with the rest
                 q._admitted = False
         self._engine.shutdown()  # fails what is pending (E_CLOSED), frees regions
-        while self._drain_once():
+        while sub.drain_once():
             pass
         try:
             self._final_native = self._engine.stats()
@@ -556,9 +571,7 @@ class Agent:
             self._loop.remove_reader(self._fd)
         self._engine.close()
 
-        for t in list(self._inflight.values()):  # no completion came: should not happen
-            self._inflight.pop(t.req_id, None)
-            self._finish_failed(t, self._closed_error(t))
+        sub.fail_inflight()  # no completion came: should not happen
         for region in list(self._regions.values()):
             region._closed = True
             self._release_memory(region)
@@ -566,14 +579,12 @@ class Agent:
         for region in list(self._freeing.values()):
             self._release_memory(region)
         self._freeing.clear()
-        for peer in list(self._peers_by_ep.values()):
-            self._mark_lost(peer, _E_CLOSED, log=False)
-        self._peers_by_addr.clear()
-        self._peers_by_inc.clear()
-        self._peers_by_name.clear()
+        for peer in self._peers.live():
+            self._peers.mark_lost(peer, _E_CLOSED, log=False)
+        self._peers.clear()
         self._members.clear()
-        for sub in list(self._subscribers):
-            sub._end()
+        for stream in list(self._subscribers):
+            stream._end()
         self._subscribers.clear()
         self.notifications._close()
         for lsock in self._lsocks:
@@ -793,7 +804,7 @@ class Agent:
         # Transfers posted before this call but still batched for the next
         # flush are "already using it": they go to the engine first, so they
         # finish rather than fail against a region that vanished under them.
-        self._post_pending()
+        self._sub.post_pending()
         try:
             self._engine.deregister(region.rid)
         except (ValueError, _cyx.NativeError) as exc:
@@ -803,7 +814,7 @@ class Agent:
         finally:
             self._meta_changed()  # it is gone from our metadata either way
         if self._loop is None:
-            self._drain_once()  # not serving yet: no peer; the engine freed it already
+            self._sub.drain_once()  # not serving yet: no peer; the engine freed it already
         return released
 
     def _release_future(self) -> Awaitable[None]:
@@ -890,150 +901,6 @@ class Agent:
             local=self._local_name,
         )
 
-    async def _accept_loop(self, lsock: socket.socket, *, local: bool = False) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        refused = 0
-        while True:
-            try:
-                sock, addr = await loop.sock_accept(lsock)
-            except OSError as exc:
-                if self._closed:
-                    return
-                _log.warning("accept.failed", agent=self.name, error=str(exc))
-                await asyncio.sleep(0.1)  # e.g. EMFILE: do not spin
-                continue
-            if len(self._serving) >= self._max_handshakes:
-                # Each handshake holds a socket and a task until peer_timeout:
-                # over the cap a connection is closed at once (said once per burst).
-                sock.close()
-                refused += 1
-                if refused == 1:
-                    _log.warning("conn.refused", agent=self.name, remote=_fmt_sockaddr(addr),
-                                 reason=f"{self._max_handshakes} handshakes already running")
-                continue
-            refused = 0
-            task = loop.create_task(self._serve(sock, addr, local=local))
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
-
-    async def _serve(self, sock: socket.socket, addr: Any, *, local: bool = False) -> None:
-        assert self._loop is not None
-        loop = self._loop
-        remote = _fmt_sockaddr(addr)
-        handed = False
-        pidfd = -1
-        try:
-            sock.setblocking(False)
-            cred = None
-            if local:
-                # Who connected, as the kernel says: only our own user gets the
-                # same-host path (another user's agents connect over tcp).
-                cred = peer_cred(sock)
-                remote = f"local pid {cred.pid} uid {cred.uid}"
-                if cred.uid != os.geteuid():
-                    raise HandshakeRejected(
-                        f"uid {cred.uid} is not this agent's user: same-host access refused"
-                    )
-            else:
-                _nodelay(sock)
-            async with asyncio.timeout(self._peer_timeout):
-                hello = await server_handshake(
-                    loop,
-                    sock,
-                    token=self._token,
-                    accept=self._accept_msg,
-                )
-                if hello.purpose == "meta":
-                    if local:
-                        meta, fds = self._local_meta()
-                        await send_frame(loop, sock, meta)
-                        await send_fds(loop, sock, fds)
-                    else:
-                        await send_frame(loop, sock, self._meta())
-                    return
-                handles: list[int] = []
-                if hello.purpose == "verbs":
-                    if local:
-                        raise ProtocolError("verbs connections are not made on the unix socket")
-                    handles = await self._accept_verbs(loop, sock)
-            if cred is not None:
-                # Held by the engine for this connection's life: a revocation
-                # it owes is settled by its ack or by its process's exit, never
-                # by a closed socket alone (a stopped process keeps its maps).
-                pidfd = peer_pidfd(sock, cred)
-            tag = self._tag_for(hello.name, hello.incarnation)
-            fd = sock.detach()
-            handed = True
-            # The engine owns fd and pidfd (and the queue pairs), also if this raises.
-            owned, pidfd = pidfd, -1
-            try:
-                if hello.purpose == "verbs":
-                    self._engine.verbs_accept_conn(fd, tag, handles)
-                else:
-                    self._engine.accept_conn(fd, tag, owned)
-            except BaseException:
-                self._tag_unref(tag)
-                raise
-            _log.debug("conn.accepted", agent=self.name, peer=hello.name, remote=remote, tag=tag)
-        except HandshakeRejected as exc:
-            _log.warning("conn.rejected", agent=self.name, remote=remote, reason=str(exc))
-        except ProtocolError as exc:
-            _log.warning("conn.rejected", agent=self.name, remote=remote, reason=str(exc))
-        except TimeoutError:
-            _log.warning(
-                "conn.rejected", agent=self.name, remote=remote, reason="handshake timed out"
-            )
-        except OSError as exc:
-            _log.info("conn.failed", agent=self.name, remote=remote, reason=str(exc))
-        except _cyx.NativeError as exc:
-            _log.warning("conn.failed", agent=self.name, remote=remote, reason=str(exc))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # hostile input must never end in an unretrieved task error
-            _log.warning("conn.rejected", agent=self.name, remote=remote,
-                         reason=f"{type(exc).__name__}: {exc}")
-        finally:
-            if pidfd >= 0:
-                os.close(pidfd)
-            if not handed:
-                sock.close()
-
-    async def _accept_verbs(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket
-    ) -> list[int]:
-        """Server side of a "verbs" connection: a queue pair per rail the
-        client asks for, connected to the client's; returns their handles
-        (bound to the connection once the engine takes it)."""
-        msg = await recv_frame(loop, sock)
-        if not isinstance(msg, VerbsConnect):
-            raise ProtocolError(f"expected VerbsConnect, got {type(msg).__name__}")
-        if not self._verbs_devices:
-            raise ProtocolError("verbs connection to an agent without RDMA devices")
-        if not 0 < len(msg.qps) <= len(self._verbs_devices):
-            raise ProtocolError(
-                f"{len(msg.qps)} queue pairs asked of {len(self._verbs_devices)} devices"
-            )
-        devices = list(msg.devices) if msg.devices else list(range(len(msg.qps)))
-        if len(devices) != len(msg.qps) or len(set(devices)) != len(devices) or not all(
-            0 <= d < len(self._verbs_devices) for d in devices
-        ):
-            raise ProtocolError(f"queue pairs asked of devices {devices!r}")
-        handles: list[int] = []
-        try:
-            ours = []
-            for dev, qp in zip(devices, msg.qps, strict=True):
-                handle, info = self._engine.verbs_accept_qp(dev, _qp_tuple(qp))
-                handles.append(handle)
-                ours.append(VerbsQP(*info))
-            await send_frame(loop, sock, VerbsAccept(qps=ours))
-        except BaseException:
-            for handle in handles:
-                with contextlib.suppress(_cyx.NativeError):
-                    self._engine.verbs_qp_destroy(handle)
-            raise
-        return handles
-
     def _tag_for(self, name: str, incarnation: int) -> int:
         """The tag of (name, incarnation)'s connections, one reference more:
         each accepted connection and each endpoint holds one until it is
@@ -1076,9 +943,9 @@ class Agent:
             self.name,
             members=self._members,
             subscribers=self._subscribers,
-            peers_by_name=self._peers_by_name,
+            peers_by_name=self._peers.by_name,
             refresh_peer=self._refresh_peer,
-            drop_peer=self._drop_peer,
+            drop_peer=self._peers.drop,
             closed=lambda: self._closed,
         )
 
@@ -1098,7 +965,7 @@ class Agent:
         else:
             initial = [
                 PeerJoined(p.name, p.incarnation, p.address, tuple(sorted(p.regions)))
-                for p in self._peers_by_ep.values()
+                for p in self._peers.by_ep.values()
             ]
         return self._membership.subscribe(initial)
 
@@ -1145,25 +1012,12 @@ class Agent:
         """Peers of ``name`` made for another incarnation become stale (Members.fence)."""
         self._membership.fence(name, incarnation, address)
 
-    def _drop_peer(self, peer: Peer, reason: str) -> None:
-        """Marks peer lost and closes its endpoint, which fails its pending
-        transfers (PeerLost, or StalePeer once fenced) now."""
-        if peer.lost:
-            return
-        peer._dropped(reason)
-        self._mark_lost(peer, _E_PEER_LOST)
-        if not self._closed:
-            try:
-                self._engine.endpoint_close(peer._ep)
-            except _cyx.NativeError:
-                pass
-
     # ------------------------------------------------------------ peers
 
     @property
     def peers(self) -> list[Peer]:
         """Connected peers (not lost)."""
-        return list(self._peers_by_ep.values())
+        return self._peers.live()
 
     async def connect(self, address: str) -> Peer:
         """Connects to the agent at "host:port": fetches its metadata, chooses
@@ -1179,7 +1033,7 @@ class Agent:
         if not _is_address(address):
             return await self._connect_name(address)
         loop = self._start()
-        peer = self._peers_by_addr.get(address)
+        peer = self._peers.by_addr.get(address)
         if peer is not None and not peer._lost:
             return peer
         task = self._connecting.get(address)
@@ -1220,7 +1074,7 @@ class Agent:
                 f"not started yet, left, or its lease expired",
                 peer=name,
             )
-        known = self._peers_by_inc.get((name, meta.incarnation))
+        known = self._peers.by_inc.get((name, meta.incarnation))
         if known is not None and not known._lost:
             return known
         self._fence(name, meta.incarnation, None)
@@ -1239,12 +1093,12 @@ class Agent:
             task.exception()  # retrieved: every awaiter may have been cancelled
 
     async def _connect(self, address: str) -> Peer:
-        host, port = _parse_address(address)
+        host, port = parse_address(address)
         # One data connection first, so that the peer's engine holds it before
         # the peer takes the metadata snapshot: a region deregistered after the
         # snapshot is then revoked on this connection, and since its regions are
         # imported before the engine reads from it, no stale handle slips by.
-        sock0, accept0 = await self._open(address)
+        sock0, accept0 = await self._dialer.open(address)
         local: _LocalLink | None = None
         try:
             if (
@@ -1260,7 +1114,7 @@ class Agent:
                 assert local.meta is not None
                 meta = local.meta
             else:
-                meta = await self._fetch_meta(host, port, address)
+                meta = await self._dialer.fetch_meta(host, port, address)
             self._check_open()
             if accept0.incarnation != meta.incarnation:
                 raise TransportError(
@@ -1281,9 +1135,9 @@ class Agent:
             # Embedded, names need not be unique: only the same name at the same
             # address with another incarnation is a restart of a peer we had.
             self._fence(meta.name, meta.incarnation, address)
-        known = self._peers_by_inc.get((meta.name, meta.incarnation))
+        known = self._peers.by_inc.get((meta.name, meta.incarnation))
         if known is not None and not known._lost:
-            self._peers_by_addr[address] = known
+            self._peers.by_addr[address] = known
             return known
         if meta.version != PROTOCOL_VERSION:
             raise ProtocolError(f"peer at {address} speaks protocol version {meta.version}")
@@ -1340,7 +1194,7 @@ class Agent:
         self._connecting_eps[ep] = 0
         try:
             peer = Peer(
-                self,
+                self._peers,
                 name=meta.name,
                 address=address,
                 incarnation=meta.incarnation,
@@ -1393,10 +1247,7 @@ class Agent:
                     f"cannot connect to peer {meta.name!r} at {address}: {exc}", status=exc.status
                 ) from None
             raise
-        self._peers_by_addr[address] = peer
-        self._peers_by_ep[ep] = peer
-        self._peers_by_inc[(meta.name, meta.incarnation)] = peer
-        self._peers_by_name.setdefault(meta.name, weakref.WeakSet()).add(peer)
+        self._peers.add(peer, address)
         for i in range(len(rails)):
             if i not in reached:  # unreachable now: probed until it answers
                 peer._rails_down.add(i)
@@ -1429,19 +1280,13 @@ class Agent:
             self.name,
             endpoint_rails=self._engine.endpoint_rails,
             add_conn=self._engine.endpoint_add_conn,
-            open_conn=self._open,
+            open_conn=self._dialer.open,
             probe_delay=self._rail_probe,
             probe_max=self.limits.rail_probe_max,
             tasks=self._probes,
             closed=lambda: self._closed,
             timeout_status=_cyx.E_TIMEOUT,
         )
-
-    def _endpoint_rails(self, peer: Peer) -> list[tuple[int, bool, int, int, int]]:
-        """PeerOwner: the engine's per-connection records of peer's endpoint."""
-        if self._closed:
-            return []
-        return self._engine.endpoint_rails(peer._ep)
 
     def _rail_live(self, peer: Peer) -> dict[int, int]:
         return self._rails.live(peer)
@@ -1482,8 +1327,8 @@ class Agent:
         result: _LocalLink | None = None
         why = ""
         try:
-            async with self._control_errors(address, "connecting locally to", "connect to"):
-                link.data = await self._dial_local(meta.local)
+            async with self._dialer.control_errors(address, "connecting locally to", "connect to"):
+                link.data = await self._dialer.dial_local(meta.local)
                 link.cred = peer_cred(link.data)
                 if link.cred.uid != os.geteuid():
                     why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
@@ -1496,7 +1341,7 @@ class Agent:
                     why = f"its unix socket is served by another agent ({accept.name!r})"
                     return None
                 link.pidfd = peer_pidfd(link.data, link.cred)
-                link.meta, link.fds = await self._fetch_local_meta(meta.local, link.cred.pid)
+                link.meta, link.fds = await self._dialer.fetch_local_meta(meta.local, link.cred.pid)
             if (link.meta.name, link.meta.incarnation) != (meta.name, meta.incarnation):
                 why = "it restarted while we connected"
                 return None
@@ -1508,36 +1353,6 @@ class Agent:
                 if why:
                     _log.warning("local.refused", agent=self.name, peer=meta.name,
                                  address=address, reason=why, fallback="tcp")
-
-    async def _dial_local(self, name: str) -> socket.socket:
-        assert self._loop is not None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            sock.setblocking(False)
-            await self._loop.sock_connect(sock, local_address(name))
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    async def _fetch_local_meta(self, name: str, pid: int) -> tuple[AgentMeta, list[int]]:
-        """A same-host peer's metadata and its memfds (index i of the list is
-        the fd a RegionMeta with memfd=i names), from its unix socket, checked
-        to be served by process pid."""
-        assert self._loop is not None
-        sock = await self._dial_local(name)
-        try:
-            if peer_cred(sock).pid != pid:
-                raise ProtocolError(f"unix socket {name!r} is now served by another process")
-            meta = await fetch_meta(self._loop, sock, name=self.name,
-                                    incarnation=self.incarnation, token=self._token,
-                                    max_meta=self._max_meta_bytes)
-            indexes = sorted(m.memfd for m in meta.regions if m.memfd >= 0)
-            if indexes != list(range(len(indexes))):
-                raise ProtocolError("metadata names memfds out of order or twice")
-            return meta, await recv_fds(self._loop, sock, len(indexes))
-        finally:
-            sock.close()
 
     async def _connect_verbs(self, ep: int, address: str, meta: AgentMeta) -> None:
         """A queue pair per device pair (rail i: our device i, the peer's i),
@@ -1553,13 +1368,13 @@ class Agent:
             )
         n = len(pairs)
         ours = [self._engine.verbs_qp_create(ep, mine) for mine, _ in pairs]
-        sock, accept = await self._open(address, purpose="verbs")
+        sock, accept = await self._dialer.open(address, purpose="verbs")
         try:
             if accept.incarnation != meta.incarnation:
                 raise TransportError(
                     f"peer at {address} restarted while we connected: connect again"
                 )
-            async with self._control_errors(address, "exchanging queue pairs with", "reach"):
+            async with self._dialer.control_errors(address, "exchanging queue pairs with", "reach"):
                 await send_frame(
                     self._loop,
                     sock,
@@ -1571,87 +1386,12 @@ class Agent:
             if not isinstance(reply, VerbsAccept) or len(reply.qps) != n:
                 raise ProtocolError(f"peer at {address} answered the queue pairs with {reply!r}")
             for (mine, theirs), qp in zip(pairs, reply.qps, strict=True):
-                self._engine.verbs_qp_connect(ep, mine, theirs, _qp_tuple(qp))
+                self._engine.verbs_qp_connect(ep, mine, theirs, qp_tuple(qp))
             # The handshake and exchange read exactly their frames: the rest is the engine's.
             self._engine.endpoint_add_conn(ep, sock.detach(), 0)
         finally:
             if sock.fileno() >= 0:
                 sock.close()
-
-    async def _dial(self, host: str, port: int) -> socket.socket:
-        """A connected, non-blocking socket: every address of host is tried in turn."""
-        assert self._loop is not None
-        loop = self._loop
-        infos: Sequence[tuple[Any, ...]] | None = _numeric_addrinfo(host, port)
-        if infos is None:  # a name: the resolver runs on an executor thread
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        error: OSError | None = None
-        for family, type_, proto, _, sockaddr in infos:
-            s = socket.socket(family, type_, proto)
-            try:
-                s.setblocking(False)
-                _nodelay(s)
-                await loop.sock_connect(s, sockaddr)
-            except BaseException as exc:
-                s.close()
-                if not isinstance(exc, OSError):
-                    raise
-                error = exc
-                continue
-            return s
-        raise error or OSError(f"no address for {host!r}")
-
-    @contextlib.asynccontextmanager
-    async def _control_errors(self, address: str, doing: str, what: str) -> AsyncIterator[None]:
-        """Bounds a control-plane exchange by peer_timeout and names the peer in its errors."""
-        try:
-            async with asyncio.timeout(self._peer_timeout):
-                yield
-        except TimeoutError:
-            raise TransportError(
-                f"{doing} {address} timed out after {self._peer_timeout} s"
-            ) from None
-        except OSError as exc:
-            raise TransportError(f"cannot {what} {address}: {exc}") from exc
-        except AccessDenied as exc:
-            raise type(exc)(f"connecting to {address}: {exc}") from None
-
-    async def _open(
-        self, address: str, purpose: Literal["data", "verbs"] = "data"
-    ) -> tuple[socket.socket, Accept]:
-        """A connected, handshaken data socket (non-blocking), and the peer's
-        Accept (who answered: name and incarnation)."""
-        assert self._loop is not None
-        host, port = _parse_address(address)
-        async with self._control_errors(address, "connecting to", "connect to"):
-            sock = await self._dial(host, port)
-            try:
-                accept = await client_handshake(
-                    self._loop,
-                    sock,
-                    name=self.name,
-                    incarnation=self.incarnation,
-                    purpose=purpose,
-                    token=self._token,
-                )
-            except BaseException:
-                sock.close()
-                raise
-            return sock, accept
-        raise AssertionError("unreachable")  # for type checkers: the block returns or raises
-
-    async def _fetch_meta(self, host: str, port: int, address: str) -> AgentMeta:
-        assert self._loop is not None
-        async with self._control_errors(address, "fetching metadata from", "fetch metadata from"):
-            sock = await self._dial(host, port)
-            try:
-                return await fetch_meta(
-                    self._loop, sock, name=self.name, incarnation=self.incarnation,
-                    token=self._token,
-                )
-            finally:
-                sock.close()
-        raise AssertionError("unreachable")  # for type checkers: the block returns or raises
 
     def _apply_regions(
         self, peer: Peer, regions: list[RegionMeta], fds: list[int] | None = None
@@ -1747,16 +1487,16 @@ class Agent:
         fds: list[int] | None = None
         if peer._local:
             try:
-                async with self._control_errors(peer.address, "fetching metadata from",
+                async with self._dialer.control_errors(peer.address, "fetching metadata from",
                                                 "fetch metadata from"):
-                    meta, fds = await self._fetch_local_meta(peer._local, peer.pid)
+                    meta, fds = await self._dialer.fetch_local_meta(peer._local, peer.pid)
             except (OSError, ProtocolError, TransportError) as exc:
                 if not peer._lost:
                     raise
                 raise peer._lost_error() from exc
         else:
-            host, port = _parse_address(peer.address)
-            meta = await self._fetch_meta(host, port, peer.address)
+            host, port = parse_address(peer.address)
+            meta = await self._dialer.fetch_meta(host, port, peer.address)
         try:
             await self._refresh_with(peer, meta, fds)
         finally:
@@ -1768,7 +1508,7 @@ class Agent:
             raise peer._lost_error()
         if meta.name != peer.name or meta.incarnation != peer.incarnation:
             peer._stale = True
-            self._drop_peer(peer, "it restarted")
+            self._peers.drop(peer, "it restarted")
             raise StalePeer(
                 f"peer {peer.name!r} at {peer.address} restarted (now {meta.name!r}, incarnation "
                 f"{meta.incarnation:#x}, was {peer.incarnation:#x}): its old regions are fenced; "
@@ -1790,60 +1530,6 @@ class Agent:
                     tuple(sorted(n for n, _ in before - after)),
                 ))
 
-    def _close_peer(self, peer: Peer) -> None:
-        if peer._lost or self._closed:
-            return
-        peer._closed = True
-        self._mark_lost(peer, _E_CLOSED, log=False)
-        try:
-            self._engine.endpoint_close(peer._ep)
-        except _cyx.NativeError:
-            pass
-        _log.info("peer.closed", agent=self.name, peer=peer.name, address=peer.address)
-
-    def _mark_lost(self, peer: Peer, status: int, *, log: bool = True) -> None:
-        if peer._lost:
-            return
-        peer._lost = True
-        peer._lost_status = status
-        for q in self._unqueue_all(peer):  # never reached the engine: fail them here
-            self._inflight.pop(q.req_id, None)
-            self._finish_failed(q, peer._lost_error())
-        if self._peers_by_ep.get(peer._ep) is peer:
-            del self._peers_by_ep[peer._ep]
-            self._tag_unref(peer._tag)
-        key = (peer.name, peer.incarnation)
-        if self._peers_by_inc.get(key) is peer:
-            del self._peers_by_inc[key]
-        for addr in [a for a, p in self._peers_by_addr.items() if p is peer]:
-            del self._peers_by_addr[addr]
-        if log:
-            _log.warning(
-                "peer.stale" if peer._stale else "peer.lost",
-                agent=self.name,
-                peer=peer.name,
-                address=peer.address,
-                path=peer.path,
-                reason=peer._lost_reason or _cyx.strerror(status),
-                in_flight=peer._inflight,
-            )
-        if self._discovery is None and not self._closed:
-            reason = "restarted" if peer._stale else "closed" if peer._closed else "lost"
-            self._emit(PeerLeft(peer.name, peer.incarnation, peer.address, reason))
-
-    def _peer_error(self, peer: Peer) -> XferError:
-        where = f"peer {peer.name!r} at {peer.address}"
-        if peer._stale:
-            return StalePeer(f"{where} restarted: connect again", peer=peer.name)
-        if peer._closed or (self._closed and peer._lost_status == _E_CLOSED):
-            return ClosedResourceError(f"{where} was closed", peer=peer.name)
-        why = peer._lost_reason or _cyx.strerror(peer._lost_status)
-        return PeerLost(
-            f"{where} is lost ({why}): connect again",
-            status=peer._lost_status,
-            peer=peer.name,
-        )
-
     # ------------------------------------------------------------ data path
 
     def write(
@@ -1863,6 +1549,32 @@ class Agent:
         may also be this agent's file region (``register_file``): its
         Segments, or a SegmentList of it (no ``notify`` then).
         ``priority``: matters when the peer's limits are reached (see Agent)."""
+        if type(src) is Segment and type(dst) is RemoteSegment and notify is None:
+            # The most frequent request, on the shortest path: _descs_one
+            # inlined, its descriptor a tuple (_cyx packs it without numpy).
+            lr = src.region
+            rr = dst.region
+            peer = rr.peer
+            n = src.length
+            if (
+                self._closed
+                or lr._agent is not self
+                or lr._closed
+                or rr._gone
+                or n != dst.length
+                or not n
+                or peer._host is not self._peers
+                or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
+            ):
+                self._check_open()
+                self._check_pair(src, dst, 0)
+            t = self._submit(
+                peer, _OP_WRITE, (lr.rid, src.offset, rr.rid, rr.key, dst.offset, n), None, n,
+                "write", priority,
+            )
+            if peer.path == "cuda":
+                t._path = _cuda_path(src, dst)
+            return t
         descs: _Descs
         starts: npt.NDArray[np.intp] | None = None
         if type(src) is Segment and type(dst) is RemoteSegment:
@@ -1873,7 +1585,7 @@ class Agent:
                 return backend.post(self, "write", src, dst, notify, priority)
             peer, descs, nbytes = self._descs(src, dst, "write")
             descs, starts = _coalesce(descs)
-        payload = None if notify is None else _payload(notify)
+        payload = None if notify is None else notify_payload(notify)
         if payload is not None and peer is self._file_peer:
             raise ValueError("a write into a file region takes no notify (nobody to tell)")
         t = self._submit(peer, _OP_WRITE, descs, payload, nbytes, "write", priority)
@@ -1891,7 +1603,30 @@ class Agent:
         descs: _Descs
         starts: npt.NDArray[np.intp] | None = None
         if type(dst) is Segment and type(src) is RemoteSegment:
-            peer, descs, nbytes = self._descs_one(dst, src)  # nothing to merge
+            # As in write: _descs_one inlined.
+            lr = dst.region
+            rr = src.region
+            peer = rr.peer
+            n = dst.length
+            if (
+                self._closed
+                or lr._agent is not self
+                or lr._closed
+                or rr._gone
+                or n != src.length
+                or not n
+                or peer._host is not self._peers
+                or lr.kind is not rr.kind
+            ):
+                self._check_open()
+                self._check_pair(dst, src, 0)
+            t = self._submit(
+                peer, _OP_READ, (lr.rid, dst.offset, rr.rid, rr.key, src.offset, n), None, n,
+                "read", priority,
+            )
+            if peer.path == "cuda":
+                t._path = _cuda_path(dst, src)
+            return t
         else:
             backend = _backends.local_target(src)  # a local backend's region (object storage)
             if backend is not None:
@@ -1904,12 +1639,6 @@ class Agent:
         if peer.path == "cuda":
             t._path = _cuda_path(dst, src)
         return t
-
-    async def _notify_peer(self, peer: Peer, payload: bytes | bytearray | memoryview) -> None:
-        self._check_open()
-        if peer._agent is not self:
-            raise ValueError(f"{peer!r} is a peer of another agent")
-        await self._submit(peer, _cyx.OP_NOTIFY, None, _payload(payload), 0, "notify")
 
     def _descs(self, local: Any, remote: Any, op: str) -> tuple[Peer, _Descs, int]:
         """The (n, 6) uint64 descriptor array [lrid, loff, rrid, rkey, roff, len],
@@ -1950,7 +1679,7 @@ class Agent:
             or rr._gone
             or n != remote.length
             or not n
-            or rr.peer._agent is not self
+            or rr.peer._host is not self._peers
             or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
         ):
             self._check_pair(local, remote, 0)
@@ -1971,7 +1700,7 @@ class Agent:
                 f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
                 peer=rr.peer.name,
             )
-        if rr.peer._agent is not self:
+        if rr.peer._host is not self._peers:
             raise ValueError(f"remote segment {i} belongs to a peer of another agent")
         # GPU memory travels its own path (cuda) or RDMA (GPUDirect: the
         # engine says so, per region, if the NIC cannot reach it).
@@ -2063,166 +1792,6 @@ class Agent:
         descs = pair_descs(local, lr.rid, remote, rr.rid, rr.key, "remote")
         return rr.peer, descs, local.nbytes
 
-    def _submit(
-        self,
-        peer: Peer,
-        opcode: int,
-        descs: _Descs | None,
-        notify: bytes | None,
-        nbytes: int,
-        op: str,
-        priority: int = 0,
-    ) -> Transfer:
-        loop = self._loop if self._loop is not None else self._start()
-        req_id = self._next_req()
-        t = Transfer(self, loop, req_id, op, peer, nbytes, perf_counter())
-        peer._posted += 1
-        self._posted += 1
-        peer._inflight += 1
-        peer._inflight_bytes += nbytes
-        if peer._lost:
-            self._finish_failed(t, peer._lost_error())
-            return t
-        self._inflight[req_id] = t
-        item = (peer._ep, opcode, descs, notify, req_id)
-        sched = peer._sched
-        if sched is not None:
-            if not sched.admit(t, nbytes, priority):
-                # Over the peer's limits: it waits here, not in the caller
-                # (counted as queued, not in flight, until admitted).
-                t._queued_item = item
-                peer._inflight -= 1
-                peer._inflight_bytes -= nbytes
-                peer._queued += 1
-                peer._queued_bytes += nbytes
-                return t
-            t._admitted = True
-        # _enqueue, inlined: this runs once per transfer.
-        self._pending.append(item)
-        self._pending_t.append(t)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return t
-
-    def _enqueue(self, t: Transfer, item: tuple[int, int, Any, bytes | None, int]) -> None:
-        """Into this loop iteration's batch (one native call at its end)."""
-        self._pending.append(item)
-        self._pending_t.append(t)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            assert self._loop is not None
-            self._loop.call_soon(self._flush)
-
-    def _release(self, t: Transfer) -> None:
-        """An admitted transfer is over: what its peer's scheduler admits now
-        goes to the engine (or fails, if the peer was lost meanwhile)."""
-        t._admitted = False
-        peer = t.peer
-        assert peer._sched is not None
-        for q in peer._sched.release(t.nbytes):
-            item, q._queued_item = q._queued_item, None
-            q._admitted = True
-            peer._queued -= 1
-            peer._queued_bytes -= q.nbytes
-            peer._inflight += 1
-            peer._inflight_bytes += q.nbytes
-            assert item is not None
-            self._enqueue(q, item)
-
-    def _unqueue_all(self, peer: Peer) -> list[Transfer]:
-        """Empties the peer's scheduler queue (peer lost, agent closing)."""
-        if peer._sched is None:
-            return []
-        queued = peer._sched.drain()
-        for q in queued:
-            q._queued_item = None
-            # Back into the in-flight counts, which failing it takes them from.
-            peer._inflight += 1
-            peer._inflight_bytes += q.nbytes
-        peer._queued = 0
-        peer._queued_bytes = 0
-        return queued
-
-    def _flush(self) -> None:
-        """One native call for everything submitted this loop iteration (the
-        callback _submit schedules)."""
-        self._flush_scheduled = False
-        self._eager_streak = 0  # the loop ran: eager posts may go on
-        self._post_pending()
-
-    def _post_pending(self, alone: bool = False) -> None:
-        """Posts what is pending now. Transfer.__await__ calls it directly for
-        an eager post: the scheduled _flush stays scheduled (and finds nothing
-        or what came since), so a coroutine awaiting one small transfer after
-        another without suspending schedules one callback, not one per transfer.
-        alone: one transfer, awaited with nothing else in flight (the engine
-        may copy it inside the call: POST_ALONE)."""
-        items = self._pending
-        ts = self._pending_t
-        if not items or self._closed:
-            return
-        self._pending = []
-        self._pending_t = []
-        if self._pending_cancelled:
-            self._pending_cancelled = False
-            keep = [i for i, t in enumerate(ts) if not t._cancel_requested]
-            for t in ts:
-                if t._cancel_requested:
-                    self._inflight.pop(t.req_id, None)
-                    self._finish_failed(t, None)
-            items = [items[i] for i in keep]
-            ts = [ts[i] for i in keep]
-            if not items:
-                return
-        try:
-            # polls: the _drain below takes the completions known at submit,
-            # so they need no eventfd wake-up (nor its two syscalls).
-            statuses = self._engine.post_many(items, polls=True, alone=alone)
-        except Exception as exc:  # bad item or closed engine: nothing was posted
-            for t in ts:
-                self._inflight.pop(t.req_id, None)
-                self._finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
-            return
-        if not any(statuses):  # the usual case, without a test per transfer
-            for t in ts:
-                t._posted = True
-        else:
-            for t, st in zip(ts, statuses, strict=True):
-                if st:
-                    self._inflight.pop(t.req_id, None)
-                    self._finish_failed(t, self._error(t, st, None, "rejected"))
-                    if st == _E_PEER_LOST and not t.peer._lost:
-                        # The engine found the peer dead before its loss record
-                        # reached us: say so now, so a retry never picks it again.
-                        self._mark_lost(t.peer, st)
-                else:
-                    t._posted = True
-        self._drain()  # completions known at submit (small same-host copies)
-        if self._inflight and self._poller is not None:
-            self._poller.kick()  # poll for the rest before the loop blocks
-
-    def _cancel_transfer(self, t: Transfer) -> None:
-        if self._closed or t.req_id not in self._inflight:
-            return
-        if t._queued_item is not None:  # never left the scheduler: over at once
-            peer = t.peer
-            assert peer._sched is not None
-            peer._sched.discard(t)
-            t._queued_item = None
-            peer._queued -= 1
-            peer._queued_bytes -= t.nbytes
-            del self._inflight[t.req_id]
-            # Counted as failed (it was never in flight); Transfer.cancel
-            # cancels the future.
-            peer._failed += 1
-            self._failed += 1
-            return
-        if t._posted:
-            self._engine.cancel(t.req_id)
-        else:
-            self._pending_cancelled = True  # the flush drops it unposted
-
     # ------------------------------------------------------------ completions
 
     @property
@@ -2247,59 +1816,12 @@ class Agent:
         this call): a caller flushing one request then polling it (the NIXL
         pattern) gets what a coroutine awaiting it gets (the engine applies
         the threshold)."""
-        self._post_pending(len(self._pending_t) == 1 == len(self._inflight))
+        self._sub.flush()
 
     def poll(self) -> None:
         """Takes the completions the engine has now (the eventfd reader's
         work): their transfers are done when this returns. Loop thread only."""
-        self._drain()
-
-    def _drain(self) -> None:
-        """Reader callback on the engine's eventfd; also called after a flush."""
-        for _ in range(_POLL_ROUNDS):
-            if self._drain_once() < _POLL_MAX:
-                return
-        assert self._loop is not None
-        self._loop.call_soon(self._drain)  # more remain: let the loop breathe first
-
-    def _drain_once(self) -> int:
-        # Successful transfers are completed inside _cyx (no Python call per
-        # record: the bulk of a small transfer's cost otherwise); the rest
-        # comes to _on_record, in ring order.
-        n, completed, nbytes = self._engine.drain(
-            self._inflight, self._on_record, self._release, TransferResult, _POLL_MAX
-        )
-        self._completed += completed
-        self._bytes += nbytes
-        return n
-
-    def _on_record(
-        self,
-        kind: int,
-        status: int,
-        rid: int,
-        tag: int,
-        nbytes: int,
-        fail_index: int,
-        payload: bytes | None,
-    ) -> None:
-        """A completion record Engine.drain does not settle itself: a failed
-        or cancelled transfer, a notification, or an engine event."""
-        if kind == _CQ_XFER:
-            t = self._inflight.pop(rid, None)
-            if t is None:
-                return
-            if status == _E_CANCELLED and t._cancel_requested:
-                self._finish_failed(t, None)
-            else:
-                self._finish_failed(t, self._error(t, status, fail_index, "failed"))
-        elif kind == _CQ_NOTIFY:
-            name = self._tag_names.get(tag)
-            if name is None:
-                name = f"tag-{tag}"  # a tag we never saw: should not happen
-            self.notifications._put(Notification(name, payload or b""), tag)
-        else:
-            self._on_event(kind, status, rid, tag, payload, nbytes, fail_index)
+        self._sub.drain()
 
     def _on_event(
         self,
@@ -2307,19 +1829,27 @@ class Agent:
         status: int,
         id_: int,
         tag: int,
+        nbytes: int,
+        fail_index: int,
         payload: bytes | None,
-        nbytes: int = 0,
-        fail_index: int = 0,
     ) -> None:
+        """A completion record that is not a transfer's (Submission hands the
+        agent these): a notification, or an engine event."""
+        if kind == _CQ_NOTIFY:
+            name = self._tag_names.get(tag)
+            if name is None:
+                name = f"tag-{tag}"  # a tag we never saw: should not happen
+            self.notifications._put(Notification(name, payload or b""), tag)
+            return
         if kind == _cyx.CQ_RAIL_DOWN:
-            rpeer = self._peers_by_ep.get(id_)
+            rpeer = self._peers.by_ep.get(id_)
             if rpeer is not None:
                 self._on_rail_down(rpeer, fail_index, nbytes, status)
             return
         if kind == _cyx.CQ_PEER_LOST:
-            peer = self._peers_by_ep.get(id_)
+            peer = self._peers.by_ep.get(id_)
             if peer is not None:
-                self._mark_lost(peer, status, log=status != _E_CLOSED)
+                self._peers.mark_lost(peer, status, log=status != _E_CLOSED)
             elif id_ in self._connecting_eps:
                 self._connecting_eps[id_] = status
         elif kind == _cyx.CQ_REGION_FREED:
@@ -2345,61 +1875,6 @@ class Agent:
             _log.debug("conn.closed", agent=self.name, peer=self._tag_names.get(tag), tag=tag)
             self._tag_unref(tag)
 
-    def _finish_failed(self, t: Transfer, exc: BaseException | None) -> None:
-        """Counts t as failed and fails (exc) or cancels (None) its future."""
-        peer = t.peer
-        if t._admitted:
-            self._release(t)
-        peer._inflight -= 1
-        peer._inflight_bytes -= t.nbytes
-        peer._failed += 1
-        self._failed += 1
-        if t.done():
-            return
-        if exc is None:
-            t._cancel_local()
-        else:
-            t.set_exception(exc)
-
-    def _error(self, t: Transfer, status: int, fail_index: int | None, how: str) -> XferError:
-        peer = t.peer
-        if status in (_E_CLOSED, _E_PEER_LOST):
-            if self._closed and status == _E_CLOSED:
-                return self._closed_error(t)
-            if peer._stale or peer._closed:
-                return peer._lost_error()
-            if peer._lost_reason:
-                # We closed the endpoint because the peer is gone (discovery):
-                # its transfers fail as lost, not as closed by us.
-                return PeerLost(
-                    f"{_describe(t)} ({peer.path}) {how}: peer lost: {peer._lost_reason}",
-                    status=_E_PEER_LOST,
-                    peer=peer.name,
-                    op=t.op,
-                )
-        what = f"{_describe(t)} ({peer.path}) {how}"
-        if fail_index is not None and t._starts is not None and fail_index < len(t._starts):
-            fail_index = int(t._starts[fail_index])  # the caller's index, not the merged one
-        if fail_index is not None and status in _DESC_STATUSES and t.op != "notify":
-            what += f" at descriptor {fail_index}"
-        if status == _E_CANCELLED:
-            what += " by the engine"
-        return error_class(status)(
-            f"{what}: {_cyx.strerror(status)}",
-            status=status,
-            peer=peer.name,
-            op=t.op,
-            fail_index=fail_index,
-        )
-
-    def _closed_error(self, t: Transfer) -> ClosedResourceError:
-        return ClosedResourceError(
-            f"agent {self.name!r} was closed with the {_describe(t)} in flight",
-            status=_E_CLOSED,
-            peer=t.peer.name,
-            op=t.op,
-        )
-
     # ------------------------------------------------------------ statistics
 
     def statistics(self) -> AgentStatistics:
@@ -2408,8 +1883,8 @@ class Agent:
             self.name,
             self.address,
             regions=len(self._regions),
-            peers=len(self._peers_by_ep),
-            counters=TransferCounters(self._posted, self._completed, self._failed, self._bytes),
+            peers=len(self._peers.by_ep),
+            counters=self._sub.counters(),
             native=native,
             pinned_regions=self._engine.pinned_regions(),
         )
@@ -2442,27 +1917,6 @@ def _coalesce(descs: _Descs) -> tuple[_Descs, npt.NDArray[np.intp] | None]:
     return merged, starts
 
 
-def _qp_tuple(qp: VerbsQP) -> tuple[int, int, int, int, int, int, bytes, int, int, int]:
-    """A peer's queue pair parameters, range-checked (they are untrusted)."""
-    if not (
-        0 <= qp.qpn < 1 << 24
-        and 0 <= qp.psn < 1 << 24
-        and 1 <= qp.mtu <= 5
-        and 0 <= qp.lid < 1 << 16
-        and 0 <= qp.port < 256
-        and 0 <= qp.gid_index < 256
-        and len(qp.gid) == 16
-        and 0 <= qp.link_layer < 256
-        and 0 <= qp.gid_type < 256
-        and 0 <= qp.max_dest_rd_atomic < 256
-    ):
-        raise ProtocolError(f"queue pair parameters out of range: {qp!r}")
-    return (
-        qp.qpn, qp.psn, qp.mtu, qp.lid, qp.port, qp.gid_index, qp.gid,
-        qp.link_layer, qp.gid_type, qp.max_dest_rd_atomic,
-    )
-
-
 def _verbs_keys(peer: Peer, m: RegionMeta) -> list[tuple[int, int]]:
     """A peer region's (addr, rkey) per device, range-checked."""
     if not 0 < len(m.verbs) <= _cyx.VERBS_MAX_DEVICES or not all(
@@ -2493,13 +1947,6 @@ def _describe(t: Transfer) -> str:
 
 def _keyed(peer: Peer) -> list[tuple[tuple[int, int], RemoteRegion]]:
     return [((rr.rid, rr.key), rr) for rr in peer._by_rid.values()]
-
-
-def _payload(payload: bytes | bytearray | memoryview) -> bytes:
-    data = bytes(payload)
-    if not 0 < len(data) <= _cyx.MAX_NOTIFY:
-        raise ValueError(f"a notification payload is 1..{_cyx.MAX_NOTIFY} bytes, not {len(data)}")
-    return data
 
 
 def _is_address(target: str) -> bool:
@@ -2540,25 +1987,8 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-def _parse_address(address: str) -> tuple[str, int]:
-    if not isinstance(address, str):
-        raise TypeError(f'an address is a "host:port" string, not {type(address).__name__}')
-    host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f'address {address!r} is not "host:port"')
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        portnum = int(port)
-    except ValueError:
-        raise ValueError(f"address {address!r} has no valid port") from None
-    if not 0 <= portnum <= 65535:
-        raise ValueError(f"address {address!r} has no valid port")
-    return host, portnum
-
-
 def _listen(listen: str) -> tuple[socket.socket, str]:
-    host, port = _parse_address(listen)
+    host, port = parse_address(listen)
     infos = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_NUMERICSERV
     )
@@ -2576,35 +2006,6 @@ def _listen(listen: str) -> tuple[socket.socket, str]:
     h = bound[0]
     address = f"[{h}]:{bound[1]}" if ":" in h else f"{h}:{bound[1]}"
     return sock, address
-
-
-def _fmt_sockaddr(addr: Any) -> str:
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        h = str(addr[0])
-        return f"[{h}]:{addr[1]}" if ":" in h else f"{h}:{addr[1]}"
-    return str(addr)
-
-
-def _numeric_addrinfo(
-    host: str, port: int
-) -> list[tuple[int, int, int, str, tuple[Any, ...]]] | None:
-    """getaddrinfo's answer for an IP literal, without the resolver (whose
-    executor thread costs ~10 ms to start on a first connect); None for a name."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            socket.inet_pton(family, host)
-        except OSError:
-            continue
-        sockaddr: tuple[Any, ...] = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
-        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
-    return None
-
-
-def _nodelay(sock: socket.socket) -> None:
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:
-        pass
 
 
 _HOST_ID: str | None = None

@@ -181,7 +181,7 @@ def file_peer(agent: Agent) -> Peer:
         ep = agent._engine.endpoint_create(_cyx.EP_FILE, tag, 0)
         agent._tag_names[tag] = PATH
         peer = Peer(
-            agent,
+            agent._peers,
             name=PATH,
             address=PATH,
             incarnation=agent.incarnation,
@@ -334,16 +334,17 @@ class FileBackend(LocalBackend):
         regions = sum(1 for r in self.agent.regions if r.kind == "file")
         if peer is None:
             return BackendStatistics(self.name, self.kind, regions, 0, 0, 0, 0, 0, 0, 0, 0)
+        c = peer._counters
         return BackendStatistics(
             name=self.name,
             kind=self.kind,
             regions=regions,
-            transfers_posted=peer._posted,
-            transfers_completed=peer._completed,
-            transfers_failed=peer._failed,
-            ops=peer._completed,
-            bytes=peer._bytes,
-            in_flight=peer._inflight,
-            in_flight_bytes=peer._inflight_bytes,
+            transfers_posted=c.posted,
+            transfers_completed=c.completed,
+            transfers_failed=c.failed,
+            ops=c.completed,
+            bytes=c.bytes,
+            in_flight=c.inflight,
+            in_flight_bytes=c.inflight_bytes,
             retries=0,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from aioxfer.region import RemoteRegion
-from aioxfer.stats import PeerStatistics, RailStatistics
+from aioxfer.stats import PeerCounters, PeerStatistics, RailStatistics
 
 if TYPE_CHECKING:
     from aioxfer.errors import XferError
@@ -15,29 +15,27 @@ if TYPE_CHECKING:
 __all__ = ["Peer"]
 
 
-class PeerOwner(Protocol):
-    """All a Peer asks of the agent that made it (aioxfer.Agent implements it).
+class PeerHost(Protocol):
+    """All a Peer asks of the agent that made it (the agent's peer table,
+    aioxfer.peertable.PeerTable, implements it).
 
     A Peer never reads the agent's state (engine, tables, counters): what it
     needs goes through these calls, each about one peer.
     """
 
-    @property
-    def closed(self) -> bool: ...
-
-    async def _refresh_peer(self, peer: Peer) -> None:
+    async def refresh(self, peer: Peer) -> None:
         """Re-fetches the peer's metadata and imports/forgets its regions."""
 
-    async def _notify_peer(self, peer: Peer, payload: bytes | bytearray | memoryview) -> None:
+    async def notify(self, peer: Peer, payload: bytes | bytearray | memoryview) -> None:
         """Sends the peer one notification."""
 
-    def _close_peer(self, peer: Peer) -> None:
+    def close(self, peer: Peer) -> None:
         """Closes the agent's connections to the peer."""
 
-    def _peer_error(self, peer: Peer) -> XferError:
+    def error(self, peer: Peer) -> XferError:
         """The error a transfer to this (lost) peer fails with."""
 
-    def _endpoint_rails(self, peer: Peer) -> list[tuple[int, bool, int, int, int]]:
+    def rails(self, peer: Peer) -> list[tuple[int, bool, int, int, int]]:
         """(rail, live, bytes, rate in bytes/ms, reroutes) per connection the
         peer's endpoint ever had ([] once the agent or the peer is closed)."""
 
@@ -57,7 +55,7 @@ class Peer:
     """
 
     __slots__ = (
-        "_agent",
+        "_host",
         "name",
         "address",
         "incarnation",
@@ -74,16 +72,7 @@ class Peer:
         "_lost_reason",
         "_stale",
         "_closed",
-        "_posted",
-        "_completed",
-        "_failed",
-        "_bytes",
-        "_inflight",
-        "_inflight_bytes",
-        "_queued",
-        "_queued_bytes",
-        "_bandwidth",
-        "_latency",
+        "_counters",
         "_rails",
         "_rail_conns",
         "_rails_down",
@@ -95,7 +84,7 @@ class Peer:
 
     def __init__(
         self,
-        agent: PeerOwner,
+        host: PeerHost,
         *,
         name: str,
         address: str,
@@ -105,7 +94,7 @@ class Peer:
         pid: int,
         ep: int,
     ) -> None:
-        self._agent = agent
+        self._host = host
         self._local = ""  # same host: the peer's unix socket name (metadata refreshes)
         self._tag = 0  # its connections' tag in the engine
         self.name = name
@@ -122,16 +111,9 @@ class Peer:
         self._lost_reason = ""  # why we dropped it, when we did (discovery, restart)
         self._stale = False
         self._closed = False
-        self._posted = 0
-        self._completed = 0
-        self._failed = 0
-        self._bytes = 0
-        self._inflight = 0
-        self._inflight_bytes = 0
-        self._queued = 0
-        self._queued_bytes = 0
-        self._bandwidth = 0.0  # bytes/s, moving average of transfers >= 64 KiB
-        self._latency = 0.0  # seconds, moving average of transfers < 64 KiB
+        # Updated by the agent's submission path and by Engine.drain (which
+        # reads this attribute of a transfer's peer, and writes only the counters).
+        self._counters = PeerCounters()
         self._rails: list[str] = [address]  # tcp: the peer's listen addresses
         self._rail_conns = 1  # connections wanted per rail
         self._rails_down: set[int] = set()
@@ -162,33 +144,34 @@ class Peer:
     async def refresh(self) -> None:
         """Re-fetches the peer's metadata: imports regions it registered since,
         forgets regions it deregistered. Raises StalePeer if it restarted."""
-        await self._agent._refresh_peer(self)
+        await self._host.refresh(self)
 
     async def notify(self, payload: bytes | bytearray | memoryview) -> None:
         """Sends a notification (1..4096 bytes); returns once the peer has it."""
-        await self._agent._notify_peer(self, payload)
+        await self._host.notify(self, payload)
 
     async def aclose(self) -> None:
         """Closes this agent's connections to the peer; its pending transfers
         fail with ClosedResourceError. Idempotent."""
-        self._agent._close_peer(self)
+        self._host.close(self)
 
     def statistics(self) -> PeerStatistics:
+        c = self._counters
         return PeerStatistics(
             name=self.name,
             address=self.address,
             path=self.path,
             lost=self._lost,
-            transfers_posted=self._posted,
-            transfers_completed=self._completed,
-            transfers_failed=self._failed,
-            bytes=self._bytes,
-            in_flight=self._inflight,
-            in_flight_bytes=self._inflight_bytes,
-            queued=self._queued,
-            queued_bytes=self._queued_bytes,
-            bandwidth=self._bandwidth,
-            latency=self._latency,
+            transfers_posted=c.posted,
+            transfers_completed=c.completed,
+            transfers_failed=c.failed,
+            bytes=c.bytes,
+            in_flight=c.inflight,
+            in_flight_bytes=c.inflight_bytes,
+            queued=c.queued,
+            queued_bytes=c.queued_bytes,
+            bandwidth=c.bandwidth,
+            latency=c.latency,
             rails=self._rail_statistics(),
             reroutes=self._reroutes,
         )
@@ -201,7 +184,7 @@ class Peer:
     def _rail_statistics(self) -> tuple[RailStatistics, ...]:
         per: dict[int, list[int]] = {}  # rail -> [connections, live, bytes, rate, reroutes]
         if not self._lost:
-            for rail, live, nbytes, rate, reroutes in self._agent._endpoint_rails(self):
+            for rail, live, nbytes, rate, reroutes in self._host.rails(self):
                 acc = per.setdefault(rail, [0, 0, 0, 0, 0])
                 acc[0] += 1
                 acc[1] += int(live)
@@ -260,7 +243,7 @@ class Peer:
         self._probing.discard(rail)
 
     def _lost_error(self) -> XferError:
-        return self._agent._peer_error(self)
+        return self._host.error(self)
 
     def __repr__(self) -> str:
         state = " lost" if self._lost else ""

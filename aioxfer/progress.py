@@ -22,10 +22,8 @@ on asyncio's loops and on uvloop; the engine's wait releases the GIL.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Final
-
-if TYPE_CHECKING:
-    from .agent import Agent
+from collections.abc import Callable, Sized
+from typing import Final, Protocol
 
 PROGRESS_MODES: Final = ("adaptive", "sleep", "poll")
 POLL_SLICE_US: Final = 500  # "poll": one wait, then the loop's other callbacks run
@@ -37,14 +35,30 @@ def check_mode(progress: object) -> str:
     return progress
 
 
+class Polled(Protocol):
+    """What a Poller polls for (aioxfer.submission.Submission implements it)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def inflight(self) -> Sized: ...
+
+    def drain(self) -> None: ...
+
+
 class Poller:
-    """One agent's bounded poll of its engine's ring (modes adaptive, poll)."""
+    """One agent's bounded poll of its engine's ring (modes adaptive, poll).
 
-    __slots__ = ("_agent", "_loop", "_budget", "_keep", "_scheduled", "hits", "misses")
+    ``sub``: the agent's transfers in flight and their drain; ``wait(us)``: the
+    engine's bounded wait for a completion (nonzero: one came)."""
 
-    def __init__(self, agent: Agent, loop: asyncio.AbstractEventLoop, mode: str,
-                 poll_us: int) -> None:
-        self._agent = agent
+    __slots__ = ("_sub", "_wait", "_loop", "_budget", "_keep", "_scheduled", "hits", "misses")
+
+    def __init__(self, sub: Polled, wait: Callable[[int], int],
+                 loop: asyncio.AbstractEventLoop, mode: str, poll_us: int) -> None:
+        self._sub = sub
+        self._wait = wait
         self._loop = loop
         self._keep = mode == "poll"  # poll on after a miss
         self._budget = max(int(poll_us), POLL_SLICE_US) if self._keep else int(poll_us)
@@ -60,13 +74,13 @@ class Poller:
 
     def _run(self) -> None:
         self._scheduled = False
-        agent = self._agent
-        if agent._closed or not agent._inflight:
+        sub = self._sub
+        if sub.closed or not sub.inflight:
             return
-        if agent._engine.wait(self._budget):
+        if self._wait(self._budget):
             self.hits += 1
-            agent._drain()
-            if agent._inflight:
+            sub.drain()
+            if sub.inflight:
                 self.kick()
         else:
             self.misses += 1

@@ -594,7 +594,7 @@ cdef class Engine:
         return out
 
     def drain(self, dict inflight, object slow, object release, object result_type,
-              Py_ssize_t max=POLL_DEFAULT):
+              double weight, uint64_t bandwidth_min, Py_ssize_t max=POLL_DEFAULT):
         """Drains up to max records and dispatches each, in ring order; returns
         (records, completed, bytes): the records drained, and the transfers
         completed here with their bytes (the agent's totals).
@@ -602,9 +602,15 @@ cdef class Engine:
         A successful CQ_XFER record whose id is in ``inflight`` (id -> Transfer)
         is completed here, without a Python call: the transfer leaves
         ``inflight``; if it holds a scheduler budget (``_admitted``),
-        ``release(transfer)`` is called first; its peer's counters and moving
-        averages are updated (``_inflight``, ``_inflight_bytes``, ``_completed``,
-        ``_bytes``, ``_latency``, ``_bandwidth``); and unless the future is done
+        ``release(transfer)`` is called first; its peer's counters
+        (``transfer.peer._counters``) are settled, once per run of records of
+        one peer, by ``counters.settle(done, req_bytes, moved, latency,
+        bandwidth)``, the averages read from ``counters.latency`` and
+        ``counters.bandwidth`` and updated per transfer by the policy the caller
+        gives: a transfer
+        of ``bandwidth_min`` bytes or more is a bandwidth sample, a smaller one
+        a latency sample, each weighing ``weight`` against the average so far
+        (the first one taken as it is); and unless the future is done
         (cancelled) it gets ``result_type(nbytes, seconds, path, reroutes)``,
         path being ``transfer._path`` or else ``peer.path``. A successful record
         with an unknown id is dropped. Every other record goes to
@@ -616,10 +622,11 @@ cdef class Engine:
         """
         cdef size_t n, i
         cdef axf_completion *c
-        cdef object t, peer = None, path, r
+        cdef object t, peer = None, counters = None, path, r
         cdef Py_ssize_t completed = 0, done = 0
         cdef uint64_t total = 0, moved = 0, req_bytes = 0
         cdef double now, seconds, bw, latency = 0.0, bandwidth = 0.0
+        cdef double keep = 1.0 - weight
         if self._e == NULL:
             return 0, 0, 0
         n = self._poll_batch(max, "drain")
@@ -637,7 +644,7 @@ cdef class Engine:
                     if c.kind == AXF_CQ_XFER and c.status == AXF_OK:
                         continue  # not ours (any more): nothing to complete
                     if peer is not None:
-                        _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                        _settle(counters, done, req_bytes, moved, latency, bandwidth)
                         peer = None
                     slow(c.kind, c.status, c.id, c.tag, c.nbytes, c.fail_index,
                          PyBytes_FromStringAndSize(<char *>c.payload, c.payload_len)
@@ -646,30 +653,29 @@ cdef class Engine:
                 del inflight[c.id]
                 if t._admitted:
                     if peer is not None:
-                        _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                        _settle(counters, done, req_bytes, moved, latency, bandwidth)
                         peer = None
                     release(t)
                 if t.peer is not peer:
                     if peer is not None:
-                        _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                        _settle(counters, done, req_bytes, moved, latency, bandwidth)
                     peer = t.peer
+                    counters = peer._counters
                     done = 0
                     req_bytes = moved = 0
-                    latency = peer._latency
-                    bandwidth = peer._bandwidth
+                    latency = counters.latency
+                    bandwidth = counters.bandwidth
                 done += 1
                 req_bytes += <uint64_t>t.nbytes
                 moved += c.nbytes
                 completed += 1
                 total += c.nbytes
                 seconds = now - <double>t._t0
-                # Moving averages routers estimate completion times from:
-                # bandwidth of large transfers, latency of small ones.
-                if c.nbytes >= BANDWIDTH_MIN:
+                if c.nbytes >= bandwidth_min:
                     bw = c.nbytes / seconds if seconds > 0 else 0.0
-                    bandwidth = bw if bandwidth == 0.0 else 0.8 * bandwidth + 0.2 * bw
+                    bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + weight * bw
                 else:
-                    latency = seconds if latency == 0.0 else 0.8 * latency + 0.2 * seconds
+                    latency = seconds if latency == 0.0 else keep * latency + weight * seconds
                 if not t.done():
                     path = t._path
                     if path is None:
@@ -686,7 +692,7 @@ cdef class Engine:
                     t.set_result(r)
         finally:
             if peer is not None:
-                _settle(peer, done, req_bytes, moved, latency, bandwidth)
+                _settle(counters, done, req_bytes, moved, latency, bandwidth)
             for i in range(n):
                 axf_completion_free(&self._cq[i])
             self._polling = False

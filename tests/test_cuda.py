@@ -309,7 +309,7 @@ async def test_gpu_register_local(make_agent: Any) -> None:
         agent.deregister(sub)
     finally:
         await asyncio.sleep(0.1)
-        agent._drain()
+        agent.poll()
         buf.close()
 
 
@@ -383,7 +383,7 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
         await wait_until(lambda: ipc_open_count() in (None, 0), what="IPC mapping closed")
     finally:
         await asyncio.sleep(0.2)
-        agent._drain()
+        agent.poll()
         mine.close()
 
 
@@ -432,8 +432,8 @@ async def test_gpu_memory_over_verbs(make_agent: Any, verbs_provider: str) -> No
         assert digest(buf_a.download()) == digest(pattern(size, 7))
     finally:
         await asyncio.sleep(0.1)
-        a._drain()
-        b._drain()
+        a.poll()
+        b.poll()
         buf_a.close()
         buf_b.close()
 
@@ -462,8 +462,8 @@ async def test_gpu_memory_never_offered_to_host_paths(make_agent: Any) -> None:
         a.deregister(ga)
     finally:
         await asyncio.sleep(0.1)
-        a._drain()
-        b._drain()
+        a.poll()
+        b.poll()
         buf_a.close()
 
 
@@ -502,7 +502,7 @@ async def test_gpu_file_round_trip(make_agent: Any, tmp_path: Any, side: str) ->
         if posix is not None:
             posix.close()
         await asyncio.sleep(0.1)
-        agent._drain()
+        agent.poll()
         buf.close()
 
 

@@ -24,6 +24,7 @@ import pytest
 
 import aioxfer
 from aioxfer import _cyx
+from aioxfer.stats import BANDWIDTH_MIN, ESTIMATE_WEIGHT, PeerCounters
 
 RECORD = tuple[int, int, int, int, int, int, bytes | None]
 
@@ -630,16 +631,14 @@ def test_small_shm_completion_is_ready_at_once() -> None:
 
 
 class _Peer:
-    """The attributes Engine.drain settles on a transfer's peer."""
+    """What Engine.drain reads of a transfer's peer: its path, and the
+    counters it settles (a typed record, never the peer's own fields)."""
+
+    __slots__ = ("path", "_counters")
 
     def __init__(self) -> None:
         self.path = "shm"
-        self._inflight = 3
-        self._inflight_bytes = 3 * 4096
-        self._completed = 0
-        self._bytes = 0
-        self._latency = 0.0
-        self._bandwidth = 0.0
+        self._counters = PeerCounters(inflight=3, inflight_bytes=3 * 4096)
 
 
 class _Transfer(asyncio.Future[Any]):
@@ -685,12 +684,13 @@ def test_one_descriptor_tuple_and_drain_dispatch() -> None:
         calls: list[tuple[str, Any]] = []
 
         def slow(*rec: Any) -> None:
-            calls.append(("slow", (rec[0], t1.done(), t2.done(), peer._completed)))
+            calls.append(("slow", (rec[0], t1.done(), t2.done(), peer._counters.completed)))
 
         def release(t: Any) -> None:
-            calls.append(("release", (t is t2, t2.done(), peer._completed)))
+            calls.append(("release", (t is t2, t2.done(), peer._counters.completed)))
 
-        n, completed, nbytes = a.drain(inflight, slow, release, aioxfer.TransferResult)
+        n, completed, nbytes = a.drain(inflight, slow, release, aioxfer.TransferResult,
+                                       ESTIMATE_WEIGHT, BANDWIDTH_MIN)
         assert (n, completed, nbytes) == (5, 3, 3 * 4096)
         assert calls == [("slow", (_cyx.CQ_REGION_FREED, True, False, 1)),
                          ("release", (True, False, 1))]
@@ -698,12 +698,15 @@ def test_one_descriptor_tuple_and_drain_dispatch() -> None:
         r = t1.result()
         assert type(r) is aioxfer.TransferResult
         assert (r.nbytes, r.path, r.reroutes) == (4096, "shm", 0) and r.seconds > 0
+        # The drain's clock is time.perf_counter's (transfers' _t0 come from it).
+        assert r.seconds < time.perf_counter() - t1._t0
         assert r == aioxfer.TransferResult(4096, r.seconds, "shm", 0)
         assert t2.result().nbytes == 4096 and t3.cancelled()
-        assert (peer._inflight, peer._inflight_bytes, peer._completed, peer._bytes) == \
-            (0, 0, 3, 3 * 4096)
-        assert 0 < peer._latency < 10 and peer._bandwidth == 0.0
-        assert a.drain(inflight, slow, release, aioxfer.TransferResult) == (0, 0, 0)
+        c = peer._counters
+        assert (c.inflight, c.inflight_bytes, c.completed, c.bytes) == (0, 0, 3, 3 * 4096)
+        assert 0 < c.latency < 10 and c.bandwidth == 0.0
+        assert a.drain(inflight, slow, release, aioxfer.TransferResult,
+                       ESTIMATE_WEIGHT, BANDWIDTH_MIN) == (0, 0, 0)
     finally:
         loop.close()
         close_engine(a)

@@ -294,7 +294,7 @@ async def test_deregister_in_flight(agent: Any, backend: str, tmp_path: Path) ->
     lens = np.full(n, size, dtype=np.uint64)
     host = src.segments(np.arange(n, dtype=np.uint64) * size, lens)
     t = agent.write(host, f.segments(offs, lens))
-    agent._flush()  # in the engine now
+    agent._sub.post_pending()  # in the engine now
     agent.deregister(f)  # the transfer holds the region: it finishes
     res = await within(t)
     assert res.nbytes == n * size
@@ -311,7 +311,7 @@ async def test_cancel(agent: Any, backend: str, tmp_path: Path) -> None:
     lens = np.full(n, size, dtype=np.uint64)
     host = src.segments(np.arange(n, dtype=np.uint64) * size, lens)
     t = agent.write(host, f.segments(offs, lens))
-    agent._flush()
+    agent._sub.post_pending()
     assert t._posted
     # Not done yet as far as the loop knows (nothing drained since the post).
     assert t.cancel()
@@ -334,7 +334,7 @@ async def test_close_with_transfers_in_flight(
     lens = np.full(n, size, dtype=np.uint64)
     ts = [a.write(src.segments(np.arange(n, dtype=np.uint64) * size, lens), f.segments(offs, lens))
           for _ in range(4)]
-    a._flush()
+    a._sub.post_pending()
     await within(a.aclose())
     results = await asyncio.gather(*ts, return_exceptions=True)
     # Those the engine had not finished fail as closed (40 000 writes take far

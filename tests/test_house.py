@@ -1,6 +1,8 @@
 """The house's seams (issue 10, item 8): Peer reaches its agent only through the
-PeerOwner Protocol, and the agent's collaborators (membership, rails) know
-nothing of the Agent class: they get narrow constructor arguments."""
+PeerHost Protocol (the peer table implements it), Transfer only through
+TransferHost (the submission implements it), and the agent's collaborators
+(membership, rails, submission, peer table) know nothing of the Agent class:
+they get narrow constructor arguments."""
 
 from __future__ import annotations
 
@@ -8,9 +10,20 @@ import ast
 import inspect
 from types import ModuleType
 
-import aioxfer
-from aioxfer import members, peer, rails, stats
-from aioxfer.peer import PeerOwner
+from aioxfer import (
+    dialing,
+    members,
+    peer,
+    peertable,
+    progress,
+    rails,
+    serving,
+    stats,
+    submission,
+    transfer,
+)
+from aioxfer.peer import PeerHost
+from aioxfer.transfer import TransferHost
 
 
 def _tree(module: ModuleType) -> ast.Module:
@@ -25,31 +38,56 @@ def _protocol_members(proto: type) -> set[str]:
     }
 
 
-def test_peer_reaches_its_agent_only_through_peer_owner() -> None:
-    allowed = _protocol_members(PeerOwner)
-    assert {"closed", "_refresh_peer", "_notify_peer", "_close_peer", "_peer_error",
-            "_endpoint_rails"} == allowed
+def _self_attr_calls(module: ModuleType, attr: str) -> set[str]:
+    """Names used as self.<attr>.<name> in module."""
     used: set[str] = set()
-    for node in ast.walk(_tree(peer)):
-        # self._agent.<name>
+    for node in ast.walk(_tree(module)):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and node.value.attr == "_agent"
+                and node.value.attr == attr
                 and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
             used.add(node.attr)
-    assert used, "peer.py no longer calls its owner at all?"
-    assert used <= allowed, f"Peer uses its agent beyond PeerOwner: {sorted(used - allowed)}"
+    return used
 
 
-def test_agent_implements_peer_owner() -> None:
-    for name in _protocol_members(PeerOwner):
-        assert hasattr(aioxfer.Agent, name), name
-        assert inspect.iscoroutinefunction(getattr(aioxfer.Agent, name)) == (
-            inspect.iscoroutinefunction(getattr(PeerOwner, name))
+def test_peer_reaches_its_agent_only_through_peer_host() -> None:
+    allowed = _protocol_members(PeerHost)
+    assert {"refresh", "notify", "close", "error", "rails"} == allowed
+    used = _self_attr_calls(peer, "_host")
+    assert used, "peer.py no longer calls its host at all?"
+    assert used <= allowed, f"Peer uses its agent beyond PeerHost: {sorted(used - allowed)}"
+    assert "_agent" not in peer.Peer.__slots__
+
+
+def test_peer_table_implements_peer_host() -> None:
+    for name in _protocol_members(PeerHost):
+        assert hasattr(peertable.PeerTable, name), name
+        assert inspect.iscoroutinefunction(getattr(peertable.PeerTable, name)) == (
+            inspect.iscoroutinefunction(getattr(PeerHost, name))
         ), name
 
 
+def test_no_cyx_code_writes_peer_fields() -> None:
+    # The drain settles a PeerCounters record; the Peer itself has no counters.
+    assert not {"_inflight", "_completed", "_bytes", "_latency", "_bandwidth"} & set(
+        peer.Peer.__slots__
+    )
+    assert {f for f in stats.PeerCounters.__slots__} >= {
+        "inflight", "inflight_bytes", "completed", "bytes", "latency", "bandwidth"
+    }
+
+
+def test_transfer_reaches_its_host_only_through_transfer_host() -> None:
+    allowed = _protocol_members(TransferHost)
+    assert allowed == {"eager", "cancel"}
+    used = _self_attr_calls(transfer, "_host")
+    assert used and used <= allowed, sorted(used - allowed)
+    for name in allowed:  # Submission implements it
+        assert callable(getattr(submission.Submission, name)), name
+
+
 def test_collaborators_do_not_know_the_agent() -> None:
-    for module in (members, rails, stats, peer):
+    for module in (members, rails, stats, peer, transfer, submission, progress, peertable,
+                   serving, dialing):
         for node in ast.walk(_tree(module)):
             if isinstance(node, ast.ImportFrom):
                 assert node.module != "aioxfer.agent", f"{module.__name__} imports aioxfer.agent"
@@ -61,7 +99,8 @@ def test_collaborators_do_not_know_the_agent() -> None:
 
 def test_collaborator_constructors_are_narrow() -> None:
     # Keyword arguments naming what each needs, never a whole agent.
-    for cls in (members.Members, rails.Rails):
+    for cls in (members.Members, rails.Rails, submission.Submission, peertable.PeerTable,
+                serving.Server, dialing.Dialer):
         params = inspect.signature(cls).parameters
         assert "agent" in params and params["agent"].annotation in ("str", str), cls
         assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "agent")
@@ -74,3 +113,20 @@ def test_transfer_counters() -> None:
                                native={"ops": 4, "frames_rejected": 2}, pinned_regions=3)
     assert (s.transfers_posted, s.in_flight, s.native_ops, s.frames_rejected,
             s.native_conns, s.pinned_regions) == (5, 1, 4, 2, 0, 3)
+
+
+def test_transfer_make_sets_what_init_sets() -> None:
+    # Transfer._make (the submission path's constructor, without type.__call__)
+    # must stay field for field what Transfer.__init__ makes.
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        args = (transfer.DETACHED, loop, 7, "write", None, 4096, 1.5)
+        a = transfer.Transfer(*args)  # type: ignore[arg-type]
+        b = transfer.Transfer._make(*args)  # type: ignore[arg-type]
+        for name in transfer.Transfer.__slots__:
+            assert getattr(a, name) == getattr(b, name), name
+        assert b.get_loop() is loop and not b.done()
+    finally:
+        loop.close()

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, cas
 
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.region import Region, Segment, SegmentList
-from aioxfer.transfer import Transfer, TransferResult
+from aioxfer.transfer import DETACHED, Transfer, TransferResult
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
@@ -314,7 +314,7 @@ class LocalBackend:
             self.check_pair(seg, len(view), op, i)
         loop = asyncio.get_running_loop()
         t = BackendTransfer(
-            agent, loop, _next_id(), op, cast("Peer", self), nbytes, perf_counter()
+            DETACHED, loop, _next_id(), op, cast("Peer", self), nbytes, perf_counter()
         )
         t._posted = True  # nothing for the engine to flush: Transfer.__await__ skips it
         t._settled = False

@@ -1,0 +1,188 @@
+"""Dialer: the connecting side of an agent's control plane.
+
+A collaborator of :class:`aioxfer.Agent` (issue 10, item 8): it dials a peer
+(tcp, every address of a name in turn; or a same-host peer's unix socket),
+runs the client handshake (authentication, who answered), fetches metadata,
+and bounds each exchange by the peer timeout, naming the peer in its errors.
+What the agent then does with a connection (endpoints, rails, regions) stays
+with the agent. It reaches the agent only through the narrow arguments it was
+built with. Also the address helpers both sides share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
+
+from aioxfer.errors import AccessDenied, ProtocolError, TransportError
+from aioxfer.local import local_address, peer_cred, recv_fds
+from aioxfer.metadata import Accept, AgentMeta
+from aioxfer.protocol import client_handshake, fetch_meta
+from aioxfer.serving import nodelay
+
+__all__ = ["Dialer", "numeric_addrinfo", "parse_address"]
+
+
+class Dialer:
+    """Opens one agent's control and data connections to its peers.
+
+    ``agent``/``incarnation``: who we say we are in handshakes; ``token``: the
+    shared secret (None: no authentication); ``peer_timeout``: the bound on one
+    exchange; ``max_meta_bytes``: the largest metadata a same-host peer may send.
+    """
+
+    __slots__ = ("_agent", "_incarnation", "_token", "_peer_timeout", "_max_meta_bytes")
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        incarnation: int,
+        token: bytes | None,
+        peer_timeout: float,
+        max_meta_bytes: int,
+    ) -> None:
+        self._agent = agent
+        self._incarnation = incarnation
+        self._token = token
+        self._peer_timeout = peer_timeout
+        self._max_meta_bytes = max_meta_bytes
+
+    async def dial_local(self, name: str) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, local_address(name))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def fetch_local_meta(self, name: str, pid: int) -> tuple[AgentMeta, list[int]]:
+        """A same-host peer's metadata and its memfds (index i of the list is
+        the fd a RegionMeta with memfd=i names), from its unix socket, checked
+        to be served by process pid."""
+        loop = asyncio.get_running_loop()
+        sock = await self.dial_local(name)
+        try:
+            if peer_cred(sock).pid != pid:
+                raise ProtocolError(f"unix socket {name!r} is now served by another process")
+            meta = await fetch_meta(loop, sock, name=self._agent,
+                                    incarnation=self._incarnation, token=self._token,
+                                    max_meta=self._max_meta_bytes)
+            indexes = sorted(m.memfd for m in meta.regions if m.memfd >= 0)
+            if indexes != list(range(len(indexes))):
+                raise ProtocolError("metadata names memfds out of order or twice")
+            return meta, await recv_fds(loop, sock, len(indexes))
+        finally:
+            sock.close()
+
+    async def dial(self, host: str, port: int) -> socket.socket:
+        """A connected, non-blocking socket: every address of host is tried in turn."""
+        loop = asyncio.get_running_loop()
+        infos: Sequence[tuple[Any, ...]] | None = numeric_addrinfo(host, port)
+        if infos is None:  # a name: the resolver runs on an executor thread
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        error: OSError | None = None
+        for family, type_, proto, _, sockaddr in infos:
+            s = socket.socket(family, type_, proto)
+            try:
+                s.setblocking(False)
+                nodelay(s)
+                await loop.sock_connect(s, sockaddr)
+            except BaseException as exc:
+                s.close()
+                if not isinstance(exc, OSError):
+                    raise
+                error = exc
+                continue
+            return s
+        raise error or OSError(f"no address for {host!r}")
+
+    @contextlib.asynccontextmanager
+    async def control_errors(self, address: str, doing: str, what: str) -> AsyncIterator[None]:
+        """Bounds a control-plane exchange by peer_timeout and names the peer in its errors."""
+        try:
+            async with asyncio.timeout(self._peer_timeout):
+                yield
+        except TimeoutError:
+            raise TransportError(
+                f"{doing} {address} timed out after {self._peer_timeout} s"
+            ) from None
+        except OSError as exc:
+            raise TransportError(f"cannot {what} {address}: {exc}") from exc
+        except AccessDenied as exc:
+            raise type(exc)(f"connecting to {address}: {exc}") from None
+
+    async def open(
+        self, address: str, purpose: Literal["data", "verbs"] = "data"
+    ) -> tuple[socket.socket, Accept]:
+        """A connected, handshaken data socket (non-blocking), and the peer's
+        Accept (who answered: name and incarnation)."""
+        loop = asyncio.get_running_loop()
+        host, port = parse_address(address)
+        async with self.control_errors(address, "connecting to", "connect to"):
+            sock = await self.dial(host, port)
+            try:
+                accept = await client_handshake(
+                    loop,
+                    sock,
+                    name=self._agent,
+                    incarnation=self._incarnation,
+                    purpose=purpose,
+                    token=self._token,
+                )
+            except BaseException:
+                sock.close()
+                raise
+            return sock, accept
+        raise AssertionError("unreachable")  # for type checkers: the block returns or raises
+
+    async def fetch_meta(self, host: str, port: int, address: str) -> AgentMeta:
+        loop = asyncio.get_running_loop()
+        async with self.control_errors(address, "fetching metadata from", "fetch metadata from"):
+            sock = await self.dial(host, port)
+            try:
+                return await fetch_meta(
+                    loop, sock, name=self._agent, incarnation=self._incarnation,
+                    token=self._token,
+                )
+            finally:
+                sock.close()
+        raise AssertionError("unreachable")  # for type checkers: the block returns or raises
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    if not isinstance(address, str):
+        raise TypeError(f'an address is a "host:port" string, not {type(address).__name__}')
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f'address {address!r} is not "host:port"')
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        portnum = int(port)
+    except ValueError:
+        raise ValueError(f"address {address!r} has no valid port") from None
+    if not 0 <= portnum <= 65535:
+        raise ValueError(f"address {address!r} has no valid port")
+    return host, portnum
+
+
+def numeric_addrinfo(
+    host: str, port: int
+) -> list[tuple[int, int, int, str, tuple[Any, ...]]] | None:
+    """getaddrinfo's answer for an IP literal, without the resolver (whose
+    executor thread costs ~10 ms to start on a first connect); None for a name."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        sockaddr: tuple[Any, ...] = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
+    return None

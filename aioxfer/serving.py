@@ -1,0 +1,276 @@
+"""Server: the accepting side of an agent's connections.
+
+A collaborator of :class:`aioxfer.Agent` (issue 10, item 8): it accepts on the
+agent's listening sockets (tcp rails and the same-host unix socket), runs
+the handshake (authentication, who connects, what for), serves metadata, sets
+up the queue pairs a "verbs" connection asks for, and hands each data
+connection to the engine under its peer's tag. It reaches the agent only
+through the narrow arguments it was built with. Also the small socket helpers
+both sides of a connection share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from aioxfer import _cyx
+from aioxfer.errors import ProtocolError
+from aioxfer.local import peer_cred, peer_pidfd, send_fds
+from aioxfer.log import get_logger
+from aioxfer.metadata import Accept, AgentMeta, VerbsAccept, VerbsConnect, VerbsQP
+from aioxfer.protocol import HandshakeRejected, recv_frame, send_frame, server_handshake
+
+__all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple"]
+
+_log = get_logger("aioxfer")
+
+
+class Server:
+    """Serves one agent's listening sockets.
+
+    ``agent``: the agent's name (logs); ``engine``: its native engine (takes
+    the connections and makes the queue pairs); ``token``: the shared secret
+    (None: no authentication); ``accept``: what the handshake answers (our
+    name, incarnation, host, unix socket); ``peer_timeout``: the bound on one
+    handshake and exchange; ``max_handshakes``: connections served at once
+    (more are closed at once); ``verbs_devices``: how many RDMA devices the
+    agent opened; ``meta()``: our metadata as served over tcp;
+    ``local_meta()``: as served on the unix socket, with the memfds to pass;
+    ``tag_for(name, incarnation)`` / ``tag_unref(tag)``: a reference to the
+    tag of a peer's connections, and its release; ``tasks``: the agent's set
+    of serving tasks (cancelled and awaited at close); ``closed()``: whether
+    the agent is closed.
+    """
+
+    __slots__ = (
+        "_agent",
+        "_engine",
+        "_token",
+        "_accept",
+        "_peer_timeout",
+        "_max_handshakes",
+        "_verbs_devices",
+        "_meta",
+        "_local_meta",
+        "_tag_for",
+        "_tag_unref",
+        "_tasks",
+        "_closed",
+    )
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        engine: _cyx.Engine,
+        token: bytes | None,
+        accept: Accept,
+        peer_timeout: float,
+        max_handshakes: int,
+        verbs_devices: int,
+        meta: Callable[[], AgentMeta],
+        local_meta: Callable[[], tuple[AgentMeta, list[int]]],
+        tag_for: Callable[[str, int], int],
+        tag_unref: Callable[[int], None],
+        tasks: set[asyncio.Task[None]],
+        closed: Callable[[], bool],
+    ) -> None:
+        self._agent = agent
+        self._engine = engine
+        self._token = token
+        self._accept = accept
+        self._peer_timeout = peer_timeout
+        self._max_handshakes = max_handshakes
+        self._verbs_devices = verbs_devices
+        self._meta = meta
+        self._local_meta = local_meta
+        self._tag_for = tag_for
+        self._tag_unref = tag_unref
+        self._tasks = tasks
+        self._closed = closed
+
+    async def accept_loop(
+        self, loop: asyncio.AbstractEventLoop, lsock: socket.socket, *, local: bool = False
+    ) -> None:
+        """Accepts on lsock until cancelled (local: the unix socket, where the
+        kernel says who connects); each connection is served by its own task."""
+        refused = 0
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(lsock)
+            except OSError as exc:
+                if self._closed():
+                    return
+                _log.warning("accept.failed", agent=self._agent, error=str(exc))
+                await asyncio.sleep(0.1)  # e.g. EMFILE: do not spin
+                continue
+            if len(self._tasks) >= self._max_handshakes:
+                # Each handshake holds a socket and a task until peer_timeout:
+                # over the cap a connection is closed at once (said once per burst).
+                sock.close()
+                refused += 1
+                if refused == 1:
+                    _log.warning("conn.refused", agent=self._agent, remote=fmt_sockaddr(addr),
+                                 reason=f"{self._max_handshakes} handshakes already running")
+                continue
+            refused = 0
+            task = loop.create_task(self._serve(loop, sock, addr, local=local))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any, *, local: bool
+    ) -> None:
+        remote = fmt_sockaddr(addr)
+        handed = False
+        pidfd = -1
+        try:
+            sock.setblocking(False)
+            cred = None
+            if local:
+                # Who connected, as the kernel says: only our own user gets the
+                # same-host path (another user's agents connect over tcp).
+                cred = peer_cred(sock)
+                remote = f"local pid {cred.pid} uid {cred.uid}"
+                if cred.uid != os.geteuid():
+                    raise HandshakeRejected(
+                        f"uid {cred.uid} is not this agent's user: same-host access refused"
+                    )
+            else:
+                nodelay(sock)
+            async with asyncio.timeout(self._peer_timeout):
+                hello = await server_handshake(
+                    loop,
+                    sock,
+                    token=self._token,
+                    accept=self._accept,
+                )
+                if hello.purpose == "meta":
+                    if local:
+                        meta, fds = self._local_meta()
+                        await send_frame(loop, sock, meta)
+                        await send_fds(loop, sock, fds)
+                    else:
+                        await send_frame(loop, sock, self._meta())
+                    return
+                handles: list[int] = []
+                if hello.purpose == "verbs":
+                    if local:
+                        raise ProtocolError("verbs connections are not made on the unix socket")
+                    handles = await self._accept_verbs(loop, sock)
+            if cred is not None:
+                # Held by the engine for this connection's life: a revocation
+                # it owes is settled by its ack or by its process's exit, never
+                # by a closed socket alone (a stopped process keeps its maps).
+                pidfd = peer_pidfd(sock, cred)
+            tag = self._tag_for(hello.name, hello.incarnation)
+            fd = sock.detach()
+            handed = True
+            # The engine owns fd and pidfd (and the queue pairs), also if this raises.
+            owned, pidfd = pidfd, -1
+            try:
+                if hello.purpose == "verbs":
+                    self._engine.verbs_accept_conn(fd, tag, handles)
+                else:
+                    self._engine.accept_conn(fd, tag, owned)
+            except BaseException:
+                self._tag_unref(tag)
+                raise
+            _log.debug("conn.accepted", agent=self._agent, peer=hello.name, remote=remote, tag=tag)
+        except HandshakeRejected as exc:
+            _log.warning("conn.rejected", agent=self._agent, remote=remote, reason=str(exc))
+        except ProtocolError as exc:
+            _log.warning("conn.rejected", agent=self._agent, remote=remote, reason=str(exc))
+        except TimeoutError:
+            _log.warning(
+                "conn.rejected", agent=self._agent, remote=remote, reason="handshake timed out"
+            )
+        except OSError as exc:
+            _log.info("conn.failed", agent=self._agent, remote=remote, reason=str(exc))
+        except _cyx.NativeError as exc:
+            _log.warning("conn.failed", agent=self._agent, remote=remote, reason=str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # hostile input must never end in an unretrieved task error
+            _log.warning("conn.rejected", agent=self._agent, remote=remote,
+                         reason=f"{type(exc).__name__}: {exc}")
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+            if not handed:
+                sock.close()
+
+    async def _accept_verbs(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket
+    ) -> list[int]:
+        """Server side of a "verbs" connection: a queue pair per rail the
+        client asks for, connected to the client's; returns their handles
+        (bound to the connection once the engine takes it)."""
+        msg = await recv_frame(loop, sock)
+        if not isinstance(msg, VerbsConnect):
+            raise ProtocolError(f"expected VerbsConnect, got {type(msg).__name__}")
+        if not self._verbs_devices:
+            raise ProtocolError("verbs connection to an agent without RDMA devices")
+        if not 0 < len(msg.qps) <= self._verbs_devices:
+            raise ProtocolError(
+                f"{len(msg.qps)} queue pairs asked of {self._verbs_devices} devices"
+            )
+        devices = list(msg.devices) if msg.devices else list(range(len(msg.qps)))
+        if len(devices) != len(msg.qps) or len(set(devices)) != len(devices) or not all(
+            0 <= d < self._verbs_devices for d in devices
+        ):
+            raise ProtocolError(f"queue pairs asked of devices {devices!r}")
+        handles: list[int] = []
+        try:
+            ours = []
+            for dev, qp in zip(devices, msg.qps, strict=True):
+                handle, info = self._engine.verbs_accept_qp(dev, qp_tuple(qp))
+                handles.append(handle)
+                ours.append(VerbsQP(*info))
+            await send_frame(loop, sock, VerbsAccept(qps=ours))
+        except BaseException:
+            for handle in handles:
+                with contextlib.suppress(_cyx.NativeError):
+                    self._engine.verbs_qp_destroy(handle)
+            raise
+        return handles
+
+
+def qp_tuple(qp: VerbsQP) -> tuple[int, int, int, int, int, int, bytes, int, int, int]:
+    """A peer's queue pair parameters, range-checked (they are untrusted)."""
+    if not (
+        0 <= qp.qpn < 1 << 24
+        and 0 <= qp.psn < 1 << 24
+        and 1 <= qp.mtu <= 5
+        and 0 <= qp.lid < 1 << 16
+        and 0 <= qp.port < 256
+        and 0 <= qp.gid_index < 256
+        and len(qp.gid) == 16
+        and 0 <= qp.link_layer < 256
+        and 0 <= qp.gid_type < 256
+        and 0 <= qp.max_dest_rd_atomic < 256
+    ):
+        raise ProtocolError(f"queue pair parameters out of range: {qp!r}")
+    return (
+        qp.qpn, qp.psn, qp.mtu, qp.lid, qp.port, qp.gid_index, qp.gid,
+        qp.link_layer, qp.gid_type, qp.max_dest_rd_atomic,
+    )
+
+
+def fmt_sockaddr(addr: Any) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        h = str(addr[0])
+        return f"[{h}]:{addr[1]}" if ":" in h else f"{h}:{addr[1]}"
+    return str(addr)
+
+
+def nodelay(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass

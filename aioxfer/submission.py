@@ -1,0 +1,478 @@
+"""Submission: an agent's transfers between ``write``/``read`` and their completion.
+
+A collaborator of :class:`aioxfer.Agent` (issue 10, item 8): it owns the batch
+of requests made in this loop iteration (posted to the engine in one native
+call), the table of transfers in flight, eager posting at ``await``, cancel,
+each peer's scheduler admission, and the drain of the engine's completion ring.
+It reaches the agent only through the narrow arguments it was built with, and
+a :class:`~aioxfer.transfer.Transfer` reaches it only through
+:class:`~aioxfer.transfer.TransferHost`.
+
+This is the hot path (an awaited 4 KiB same-host write costs a few
+microseconds, all of it here and in the engine): locals are bound once per
+call, and nothing runs per transfer that can run per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from aioxfer import _cyx
+from aioxfer.errors import ClosedResourceError, PeerLost, XferError, error_class
+from aioxfer.stats import BANDWIDTH_MIN, ESTIMATE_WEIGHT, TransferCounters
+from aioxfer.transfer import Transfer, TransferResult
+
+if TYPE_CHECKING:
+    from aioxfer.peer import Peer
+    from aioxfer.progress import Poller
+
+__all__ = ["Submission"]
+
+# What Engine.post_many takes per request: (endpoint, opcode, descs, notify, id).
+Item = tuple[int, int, Any, "bytes | None", int]
+# A completion record Engine.drain does not settle itself (Engine.drain's ``slow``).
+OnRecord = Callable[[int, int, int, int, int, int, "bytes | None"], None]
+
+POLL_MAX = 4096  # records per drain call
+POLL_ROUNDS = 8  # drain calls per wake-up before yielding to the loop
+EAGER_MAX = 64 << 10  # awaited requests up to this size may be flushed at once
+# Eager posts in a row without the loop running in between: a transfer copied
+# inside its post completes without its await suspending, so a coroutine
+# awaiting one after another would starve the loop (timers, other tasks, the
+# agent's own housekeeping). Past this many, the next await suspends once.
+EAGER_STREAK = 64
+
+_make_transfer = Transfer._make  # bound once: Transfer(...) minus type.__call__
+_CQ_XFER = _cyx.CQ_XFER
+_E_CANCELLED = _cyx.E_CANCELLED
+_E_CLOSED = _cyx.E_CLOSED
+_E_PEER_LOST = _cyx.E_PEER_LOST
+_DESC_STATUSES = frozenset({_cyx.E_ACCESS, _cyx.E_INVALID, _cyx.E_TRANSPORT, _cyx.E_PROTOCOL})
+
+
+class Submission:
+    """One agent's posted transfers: batch, in flight, admission, drain.
+
+    ``agent``: the agent's name (for errors); ``engine``: its native engine;
+    ``start()``: starts the agent on the running loop and returns that loop
+    (the first transfer of an agent not started yet); ``alone_max``: a lone
+    awaited request up to this size is posted at its await (the engine's
+    inline threshold); ``on_event(kind, status, id, tag, nbytes, fail_index,
+    payload)``: every completion record that is not a transfer's (notifications,
+    engine events); ``peer_lost(peer, status)``: the engine refused a post
+    because the peer is gone before its loss record reached us;
+    ``describe(t)``: how errors name a transfer.
+    """
+
+    __slots__ = (
+        "_agent",
+        "_engine",
+        "_start",
+        "_on_event",
+        "_peer_lost",
+        "_describe",
+        "_on_record_cb",
+        "_release_cb",
+        "_loop",
+        "_poller",
+        "_next_req",
+        "closed",
+        "alone_max",
+        "inflight",
+        "_pending",
+        "_pending_t",
+        "_flush_scheduled",
+        "_pending_cancelled",
+        "_eager_streak",
+        "posted",
+        "completed",
+        "failed",
+        "bytes",
+    )
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        engine: _cyx.Engine,
+        start: Callable[[], asyncio.AbstractEventLoop],
+        alone_max: int,
+        on_event: OnRecord,
+        peer_lost: Callable[[Peer, int], None],
+        describe: Callable[[Transfer], str],
+    ) -> None:
+        self._agent = agent
+        self._engine = engine
+        self._start = start
+        self._on_event = on_event
+        self._peer_lost = peer_lost
+        self._describe = describe
+        # Bound once: every drain call passes them.
+        self._on_record_cb = self._on_record
+        self._release_cb = self.release
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._poller: Poller | None = None
+        self._next_req = itertools.count(1).__next__
+        self.closed = False  # the agent closed: nothing more is posted
+        self.alone_max = alone_max
+        self.inflight: dict[int, Transfer] = {}  # req id -> transfer, until its completion
+        self._pending: list[Item] = []  # this loop iteration's batch
+        self._pending_t: list[Transfer] = []
+        self._flush_scheduled = False
+        self._pending_cancelled = False
+        # Eager posts (Transfer.__await__) since the loop last ran our _flush:
+        # a coroutine whose awaits complete inside the post never yields, so
+        # past a bound its next await waits for the loop (see EAGER_*).
+        self._eager_streak = 0
+        # The agent's totals (statistics()).
+        self.posted = 0
+        self.completed = 0
+        self.failed = 0
+        self.bytes = 0
+
+    def started(self, loop: asyncio.AbstractEventLoop, poller: Poller | None) -> None:
+        """The agent runs on ``loop`` now (``poller``: its progress mode's, if it polls)."""
+        self._loop = loop
+        self._poller = poller
+
+    def counters(self) -> TransferCounters:
+        return TransferCounters(self.posted, self.completed, self.failed, self.bytes)
+
+    # ------------------------------------------------------------ posting
+
+    def submit(
+        self,
+        peer: Peer,
+        opcode: int,
+        descs: Any,
+        notify: bytes | None,
+        nbytes: int,
+        op: str,
+        priority: int = 0,
+    ) -> Transfer:
+        """A new Transfer, into this loop iteration's batch (or its peer's
+        scheduler queue, over the peer's limits; or failed, peer lost)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._start()
+        req_id = self._next_req()
+        t = _make_transfer(self, loop, req_id, op, peer, nbytes, perf_counter())
+        c = peer._counters
+        c.posted += 1
+        self.posted += 1
+        c.inflight += 1
+        c.inflight_bytes += nbytes
+        if peer._lost:
+            self.finish_failed(t, peer._lost_error())
+            return t
+        self.inflight[req_id] = t
+        item = (peer._ep, opcode, descs, notify, req_id)
+        sched = peer._sched
+        if sched is not None:
+            if not sched.admit(t, nbytes, priority):
+                # Over the peer's limits: it waits here, not in the caller
+                # (counted as queued, not in flight, until admitted).
+                t._queued_item = item
+                c.inflight -= 1
+                c.inflight_bytes -= nbytes
+                c.queued += 1
+                c.queued_bytes += nbytes
+                return t
+            t._admitted = True
+        # _enqueue, inlined: this runs once per transfer.
+        self._pending.append(item)
+        self._pending_t.append(t)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return t
+
+    def _enqueue(self, t: Transfer, item: Item) -> None:
+        """Into this loop iteration's batch (one native call at its end)."""
+        self._pending.append(item)
+        self._pending_t.append(t)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+
+    def release(self, t: Transfer) -> None:
+        """An admitted transfer is over: what its peer's scheduler admits now
+        goes to the engine (or fails, if the peer was lost meanwhile)."""
+        t._admitted = False
+        peer = t.peer
+        assert peer._sched is not None
+        c = peer._counters
+        for q in peer._sched.release(t.nbytes):
+            item, q._queued_item = q._queued_item, None
+            q._admitted = True
+            c.queued -= 1
+            c.queued_bytes -= q.nbytes
+            c.inflight += 1
+            c.inflight_bytes += q.nbytes
+            assert item is not None
+            self._enqueue(q, item)
+
+    def unqueue_all(self, peer: Peer) -> list[Transfer]:
+        """Empties the peer's scheduler queue (peer lost, agent closing)."""
+        if peer._sched is None:
+            return []
+        queued = peer._sched.drain()
+        c = peer._counters
+        for q in queued:
+            q._queued_item = None
+            # Back into the in-flight counts, which failing it takes them from.
+            c.inflight += 1
+            c.inflight_bytes += q.nbytes
+        c.queued = 0
+        c.queued_bytes = 0
+        return queued
+
+    def fail_queued(self, peer: Peer) -> None:
+        """The peer is lost: fails what waits in its scheduler (it never
+        reached the engine) with the peer's error."""
+        for q in self.unqueue_all(peer):
+            self.inflight.pop(q.req_id, None)
+            self.finish_failed(q, peer._lost_error())
+
+    def _flush(self) -> None:
+        """One native call for everything submitted this loop iteration (the
+        callback submit schedules)."""
+        self._flush_scheduled = False
+        self._eager_streak = 0  # the loop ran: eager posts may go on
+        self.post_pending()
+
+    def flush(self) -> None:
+        """Agent.flush: posts the batch now; one transfer with nothing else in
+        flight is posted as an awaited lone request is."""
+        self.post_pending(len(self._pending_t) == 1 == len(self.inflight))
+
+    def eager(self, t: Transfer) -> None:
+        """TransferHost: ``t`` is awaited and not posted yet.
+
+        Awaited with nothing else of the agent's in the engine: latency is
+        all that matters, so what this loop iteration posted goes to the
+        engine now rather than at the end of the iteration, when small, or
+        when one request (awaited alone) is within the engine's calibrated
+        inline_bytes: posted with POST_ALONE, a same-host copy then runs on
+        this thread inside the post (no copy worker to wake, then no loop to
+        wake) and the await does not suspend. Several small ones are batched
+        into one native call."""
+        n = len(self._pending)
+        if (
+            n == len(self.inflight)
+            and (t.nbytes <= EAGER_MAX or (n == 1 and t.nbytes <= self.alone_max))
+            and self._eager_streak < EAGER_STREAK
+        ):
+            self._eager_streak += 1
+            self.post_pending(n == 1)
+
+    def post_pending(self, alone: bool = False) -> None:
+        """Posts what is pending now. eager() calls it directly: the scheduled
+        _flush stays scheduled (and finds nothing or what came since), so a
+        coroutine awaiting one small transfer after another without
+        suspending schedules one callback, not one per transfer.
+        alone: one transfer, awaited with nothing else in flight (the engine
+        may copy it inside the call: POST_ALONE)."""
+        items = self._pending
+        if not items or self.closed:
+            return
+        ts = self._pending_t
+        self._pending = []
+        self._pending_t = []
+        if self._pending_cancelled:
+            self._pending_cancelled = False
+            items, ts = self._drop_cancelled(items, ts)
+            if not items:
+                return
+        try:
+            # polls: the drain below takes the completions known at submit,
+            # so they need no eventfd wake-up (nor its two syscalls).
+            statuses = self._engine.post_many(items, True, alone)  # polls, alone
+        except Exception as exc:  # bad item or closed engine: nothing was posted
+            for t in ts:
+                self.inflight.pop(t.req_id, None)
+                self.finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
+            return
+        if not any(statuses):  # the usual case, without a test per transfer
+            for t in ts:
+                t._posted = True
+        else:
+            for t, st in zip(ts, statuses, strict=True):
+                if st:
+                    self.inflight.pop(t.req_id, None)
+                    self.finish_failed(t, self.error(t, st, None, "rejected"))
+                    if st == _E_PEER_LOST and not t.peer._lost:
+                        # The engine found the peer dead before its loss record
+                        # reached us: say so now, so a retry never picks it again.
+                        self._peer_lost(t.peer, st)
+                else:
+                    t._posted = True
+        self.drain()  # completions known at submit (small same-host copies)
+        if self.inflight and self._poller is not None:
+            self._poller.kick()  # poll for the rest before the loop blocks
+
+    def _drop_cancelled(
+        self, items: list[Item], ts: list[Transfer]
+    ) -> tuple[list[Item], list[Transfer]]:
+        """The batch without the transfers cancelled before it was posted
+        (those are over now). Its own method: comprehensions over post_pending's
+        locals would make them cells, created on every post (callgrind)."""
+        keep = [i for i, t in enumerate(ts) if not t._cancel_requested]
+        for t in ts:
+            if t._cancel_requested:
+                self.inflight.pop(t.req_id, None)
+                self.finish_failed(t, None)
+        return [items[i] for i in keep], [ts[i] for i in keep]
+
+    def cancel(self, t: Transfer) -> None:
+        """TransferHost: ``t.cancel()`` was called (first time, not done)."""
+        if self.closed or t.req_id not in self.inflight:
+            return
+        if t._queued_item is not None:  # never left the scheduler: over at once
+            peer = t.peer
+            assert peer._sched is not None
+            peer._sched.discard(t)
+            t._queued_item = None
+            c = peer._counters
+            c.queued -= 1
+            c.queued_bytes -= t.nbytes
+            del self.inflight[t.req_id]
+            # Counted as failed (it was never in flight); Transfer.cancel
+            # cancels the future.
+            c.failed += 1
+            self.failed += 1
+            return
+        if t._posted:
+            self._engine.cancel(t.req_id)
+        else:
+            self._pending_cancelled = True  # the flush drops it unposted
+
+    # ------------------------------------------------------------ completions
+
+    def drain(self) -> None:
+        """Reader callback on the engine's eventfd; also called after a post."""
+        # Successful transfers are completed inside _cyx (no Python call per
+        # record: the bulk of a small transfer's cost otherwise); the rest
+        # comes to _on_record, in ring order.
+        rounds = POLL_ROUNDS
+        while rounds:
+            n, completed, nbytes = self._engine.drain(
+                self.inflight, self._on_record_cb, self._release_cb, TransferResult,
+                ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX,
+            )
+            self.completed += completed
+            self.bytes += nbytes
+            if n < POLL_MAX:
+                return
+            rounds -= 1
+        assert self._loop is not None
+        self._loop.call_soon(self.drain)  # more remain: let the loop breathe first
+
+    def drain_once(self) -> int:
+        """One drain call; the records it took (closing: until none remain)."""
+        n, completed, nbytes = self._engine.drain(
+            self.inflight, self._on_record_cb, self._release_cb, TransferResult,
+            ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX,
+        )
+        self.completed += completed
+        self.bytes += nbytes
+        return n
+
+    def _on_record(
+        self,
+        kind: int,
+        status: int,
+        rid: int,
+        tag: int,
+        nbytes: int,
+        fail_index: int,
+        payload: bytes | None,
+    ) -> None:
+        """A completion record Engine.drain does not settle itself: a failed
+        or cancelled transfer here, the rest to the agent's on_event."""
+        if kind != _CQ_XFER:
+            self._on_event(kind, status, rid, tag, nbytes, fail_index, payload)
+            return
+        t = self.inflight.pop(rid, None)
+        if t is None:
+            return
+        if status == _E_CANCELLED and t._cancel_requested:
+            self.finish_failed(t, None)
+        else:
+            self.finish_failed(t, self.error(t, status, fail_index, "failed"))
+
+    def finish_failed(self, t: Transfer, exc: BaseException | None) -> None:
+        """Counts t as failed and fails (exc) or cancels (None) its future."""
+        peer = t.peer
+        if t._admitted:
+            self.release(t)
+        c = peer._counters
+        c.inflight -= 1
+        c.inflight_bytes -= t.nbytes
+        c.failed += 1
+        self.failed += 1
+        if t.done():
+            return
+        if exc is None:
+            t._cancel_local()
+        else:
+            t.set_exception(exc)
+
+    def fail_pending(self) -> None:
+        """Closing: fails what was never handed to the engine (ClosedResourceError)."""
+        pending, self._pending_t, self._pending = self._pending_t, [], []
+        for t in pending:
+            self.inflight.pop(t.req_id, None)
+            self.finish_failed(t, self.closed_error(t))
+
+    def fail_inflight(self) -> None:
+        """Closed: fails what the engine, shut down and drained, never
+        reported on (should not happen) with ClosedResourceError."""
+        for t in list(self.inflight.values()):
+            self.inflight.pop(t.req_id, None)
+            self.finish_failed(t, self.closed_error(t))
+
+    def error(self, t: Transfer, status: int, fail_index: int | None, how: str) -> XferError:
+        """The error transfer ``t`` fails with, from its native status."""
+        peer = t.peer
+        if status in (_E_CLOSED, _E_PEER_LOST):
+            if self.closed and status == _E_CLOSED:
+                return self.closed_error(t)
+            if peer._stale or peer._closed:
+                return peer._lost_error()
+            if peer._lost_reason:
+                # We closed the endpoint because the peer is gone (discovery):
+                # its transfers fail as lost, not as closed by us.
+                return PeerLost(
+                    f"{self._describe(t)} ({peer.path}) {how}: peer lost: {peer._lost_reason}",
+                    status=_E_PEER_LOST,
+                    peer=peer.name,
+                    op=t.op,
+                )
+        what = f"{self._describe(t)} ({peer.path}) {how}"
+        if fail_index is not None and t._starts is not None and fail_index < len(t._starts):
+            fail_index = int(t._starts[fail_index])  # the caller's index, not the merged one
+        if fail_index is not None and status in _DESC_STATUSES and t.op != "notify":
+            what += f" at descriptor {fail_index}"
+        if status == _E_CANCELLED:
+            what += " by the engine"
+        return error_class(status)(
+            f"{what}: {_cyx.strerror(status)}",
+            status=status,
+            peer=peer.name,
+            op=t.op,
+            fail_index=fail_index,
+        )
+
+    def closed_error(self, t: Transfer) -> ClosedResourceError:
+        return ClosedResourceError(
+            f"agent {self._agent!r} was closed with the {self._describe(t)} in flight",
+            status=_E_CLOSED,
+            peer=t.peer.name,
+            op=t.op,
+        )
