@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Awaitable, Generator, Sequence
 from dataclasses import dataclass
 from itertools import compress
-from operator import not_
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -194,6 +194,54 @@ def _groups(regions: list[Region], idx: list[int]) -> list[tuple[Region, list[in
 def _seglist(region: Region | RemoteRegion, offsets: list[int], block_bytes: int) -> SegmentList:
     offs = np.array(offsets, dtype=np.uint64)
     return SegmentList(region, offs, np.full(len(offsets), block_bytes, dtype=np.uint64))
+
+
+_FLIP = bytes.maketrans(b"\0\1", b"\1\0")
+_RUNS = 16  # above this many runs of one tier, names are picked per key
+
+
+def _find(keys: list[bytes], probes: list[Any],
+          names: tuple[str | None, ...]) -> tuple[int, tuple[str | None, ...]]:
+    """Per key, the first tier whose probe holds it (``names[i]``; the last
+    name, None, for a miss), and the leading run of hits.
+
+    No Python code runs per key (a lookup of 1 024 keys is measured in
+    microseconds: ~25 us of it is one probe of each key): each tier is
+    probed by one C-level ``map`` into a bytearray of 0/1, only the keys the
+    faster tiers missed (``itertools.compress`` with the flipped hits);
+    numpy places the answers, and the names are built per run of one tier
+    (a tuple repeated), not per key."""
+    n = len(keys)
+    if not n:
+        return 0, ()
+    hit = bytearray(map(probes[0], keys))
+    if hit.find(0) < 0:  # everything in the fastest tier: the usual hit
+        return n, (names[0],) * n
+    nt = len(probes)
+    codes = np.full(n, nt, dtype=np.uint8)
+    h = np.frombuffer(hit, dtype=np.bool_)
+    codes[h] = 0
+    miss = np.flatnonzero(~h)
+    sel = hit.translate(_FLIP)
+    for ti in range(1, nt):
+        h = np.frombuffer(bytearray(map(probes[ti], compress(keys, sel))), dtype=np.bool_)
+        codes[miss[h]] = ti
+        miss = miss[~h]
+        if not miss.size:
+            break
+        sel = (codes == nt).tobytes()
+    prefix = int(miss[0]) if miss.size else n
+    edges = np.flatnonzero(codes[1:] != codes[:-1])
+    cb = codes.tobytes()
+    if len(edges) >= _RUNS:
+        got: tuple[str | None, ...] = itemgetter(*cb)(names)
+        return prefix, got
+    out: tuple[str | None, ...] = ()
+    at = 0
+    for e in edges.tolist():
+        out += (names[cb[at]],) * (e + 1 - at)
+        at = e + 1
+    return prefix, out + (names[cb[at]],) * (n - at)
 
 
 # ---------------------------------------------------------------- pins
@@ -420,6 +468,7 @@ class Store:
         self.block_bytes = int(block_bytes)
         self.name = name
         self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self._names: tuple[str | None, ...] = (*names, None)  # by tier position; None: a miss
         self._host: HostTier | None = hosts[0] if hosts else None
         self._lower: tuple[Tier, ...] = tuple(t for t in tiers if not isinstance(t, HostTier))
         self._probing = tuple(t for t in self._lower if getattr(t, "probes", False))
@@ -652,40 +701,33 @@ class Store:
     async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Which leading keys the store holds, and where (no data moves)."""
         self._check_open()
-        keys = self._keys(keys, strict=False)
-        if self._probing:
-            await self._probe(keys)
-        n = len(keys)
-        tiers: list[str | None] = [None] * n
-        left: list[int] | None = None  # indexes no tier has claimed yet (None: all)
-        # Tier by tier, fastest first, each index probed with C-level passes
-        # (map over the dict's __contains__, itertools.compress), not a Python
-        # loop per key: 1 024 keys in well under 200 µs.
+        keys = list(keys)
+        probes: list[Any] = []
+        checked = False
         for tier in self.tiers:
             index = getattr(tier, "index", None)
-            contains = index.__contains__ if type(index) is dict else tier._contains
-            name = tier.name
-            if left is None:
-                found = list(map(contains, keys))
-                if all(found):
-                    tiers = [name] * n
-                    break
-                tiers = [name if f else None for f in found]
-                left = [i for i in range(n) if not found[i]]
+            if type(index) is dict:
+                probes.append(index.__contains__)
             else:
-                found = list(map(contains, [keys[i] for i in left]))
-                for i in compress(left, found):
-                    tiers[i] = name
-                left = list(compress(left, map(not_, found)))
-            if not left:
-                break
+                probes.append(tier._contains)
+                checked = True  # a tier's own probe gets only well-formed keys
+        if checked or self._probing:
+            self._keys(keys, strict=False)
+            if self._probing:
+                await self._probe(keys)
         try:
-            prefix = tiers.index(None)
-        except ValueError:
-            prefix = n
+            prefix, where = _find(keys, probes, self._names)
+        except TypeError:  # an unhashable key
+            self._keys(keys, strict=False)
+            raise
+        if prefix < len(keys) and not checked:
+            # A miss: keys that are not keys at all raise here rather than
+            # miss (all found, they are keys: every index holds only keys).
+            self._keys(keys, strict=False)
+        n = len(keys)
         for t in self.tiers:
             t.counters.lookups += n
-        return LookupResult(prefix, tuple(tiers))
+        return LookupResult(prefix, where)
 
     # ------------------------------------------------------------ get
 
