@@ -1432,8 +1432,12 @@ class Store:
         ``block_bytes // layers`` bytes per key: a layer-major KV cache).
         Blocks below the host tier are first brought into host memory whole
         and verified (no layer of a block is delivered unverified); layers
-        are then copied from there, all posted at once. Leave the loop early
-        and the rest is cancelled (``aclose()``, or ``async with``)."""
+        are then copied from there in order: layer 0 alone, the next ones
+        once it is handed out, two ahead of the one awaited (one transfer
+        per layer and dst region). Layers are yielded in order, each once
+        it has landed. Leave the loop early, or cancel the task iterating
+        it, and what has not landed is cancelled and the pins released
+        (``aclose()``, or ``async with``, for a loop left with ``break``)."""
         self._check_open()
         # Checked cheaply here (a stream of host-resident blocks stores no
         # key); each key is checked before anything is brought up.
