@@ -146,8 +146,8 @@ class _Blocks:
             if arg.length != n * block_bytes:
                 raise ValueError(f"a single {what} Segment must hold the {n} blocks "
                                  f"({n * block_bytes} bytes), not {arg.length}")
-            return arg.region, (np.arange(n, dtype=np.uint64) * np.uint64(block_bytes)
-                                + np.uint64(arg.offset))
+            return arg.region, np.arange(arg.offset, arg.offset + n * block_bytes, block_bytes,
+                                         dtype=np.uint64)
         return None
 
     @classmethod
