@@ -231,11 +231,19 @@ def test_find_matches_a_per_key_loop() -> None:
 
     rng = np.random.default_rng(11)
     pool = keys_for(64, seed=9)
-    for _ in range(400):
+    for trial in range(800):
         nt = int(rng.integers(1, 5))
-        n = int(rng.choice([0, 1, 2, 15, 16, 17, 40, 200]))
-        ks = [pool[int(i)] for i in rng.integers(0, len(pool), n)]
-        held = [{k for k in pool if rng.random() < p} for p in rng.random(nt)]
+        n = int(rng.choice([0, 1, 2, 15, 16, 17, 40, 64]))
+        if trial % 2:  # anything
+            ks = [pool[int(i)] for i in rng.integers(0, len(pool), n)]
+            held = [{k for k in pool if rng.random() < p} for p in rng.random(nt)]
+        else:  # each tier a run after the faster ones' (the usual shape), some not quite
+            ks = pool[:n]
+            cuts = [0, *sorted(int(c) for c in rng.integers(0, n + 1, nt))]
+            held = [set(ks[cuts[t]:cuts[t + 1]]) for t in range(nt)]
+            for h in held:
+                if n and rng.random() < 0.3:
+                    h.add(ks[int(rng.integers(0, n))])
         names = (*(f"t{i}" for i in range(nt)), None)
         want = tuple(next((names[t] for t in range(nt) if k in held[t]), None) for k in ks)
         prefix = want.index(None) if None in want else n

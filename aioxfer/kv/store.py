@@ -218,17 +218,37 @@ def _find(keys: list[bytes], probes: list[Any],
     name, None, for a miss), and the leading run of hits.
 
     No Python code runs per key (a lookup of 1 024 keys is measured in
-    microseconds: ~25 us of it is one probe of each key): each tier is
-    probed by one C-level ``map`` into a bytearray of 0/1, only the keys the
-    faster tiers missed (``itertools.compress`` with the flipped hits);
-    numpy places the answers, and the names are built per run of one tier
-    (a tuple repeated), not per key."""
+    microseconds, ~25 us of it one probe of each key): each tier is probed by
+    one C-level ``map`` into a bytearray of 0/1, and only for the keys the
+    faster tiers do not hold. While each tier holds one leading run of what
+    is left (the usual shape: host memory keeps the hot prefix of a chain,
+    the next tier the rest), the answer is that run's name repeated;
+    otherwise ``_place`` sorts the keys out with numpy."""
     n = len(keys)
-    if not n:
-        return 0, ()
-    hit = bytearray(map(probes[0], keys))
-    if hit.find(0) < 0:  # everything in the fastest tier: the usual hit
-        return n, (names[0],) * n
+    out: tuple[str | None, ...] = ()
+    at = 0  # keys[:at] are placed, in runs
+    for ti, probe in enumerate(probes):
+        rest = keys[at:] if at else keys
+        hit = bytearray(map(probe, rest))
+        j = hit.find(0)
+        if j < 0:
+            return n, out + (names[ti],) * len(rest)
+        if hit.find(1, j) >= 0:  # not one leading run
+            prefix, placed = _place(rest, hit, probes[ti:], names[ti:])
+            return at + prefix, out + placed
+        out += (names[ti],) * j
+        at += j
+    return at, out + (None,) * (n - at)
+
+
+def _place(keys: list[bytes], hit: bytearray, probes: list[Any],
+           names: tuple[str | None, ...]) -> tuple[int, tuple[str | None, ...]]:
+    """``_find`` for any shape, ``hit``: the first tier's probe of ``keys``.
+    The lower tiers see only the keys the faster ones missed
+    (``itertools.compress`` with the flipped hits); numpy places the
+    answers, and the names are built per run of one tier (a tuple
+    repeated), or per key past ``_RUNS`` runs."""
+    n = len(keys)
     nt = len(probes)
     codes = np.full(n, nt, dtype=np.uint8)
     h = np.frombuffer(hit, dtype=np.bool_)
