@@ -1586,7 +1586,7 @@ class LayerStream:
             await store._prefetch(keys)
             found = list(map(host.index.get, keys))
         m = found.index(None) if None in found else len(found)
-        slots: list[int] = found[:m]  # type: ignore[assignment]
+        slots: list[int] = found[:m] if m < len(found) else found  # type: ignore[assignment]
         self._op.pin_host(host, slots)  # before anything awaits
         self.prefix = m
         if m:
@@ -1633,8 +1633,12 @@ class LayerStream:
         posted: list[Transfer] = []
         try:
             for region, dst, src, lens in self._plans[layer if per_layer else 0]:
-                posted.append(agent.read(SegmentList(region, dst if per_layer else dst + d, lens),
-                                         SegmentList(host.remote, src + d, lens)))
+                if layer:  # (layer 0 is at the plan's offsets: two array ops fewer)
+                    src = src + d
+                    if not per_layer:
+                        dst = dst + d
+                posted.append(agent.read(SegmentList(region, dst, lens),
+                                         SegmentList(host.remote, src, lens)))
         except BaseException:
             for t in posted:
                 t.cancel()
