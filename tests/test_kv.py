@@ -224,6 +224,67 @@ async def put_on_disk(store: kv.Store, keys: list[bytes], src: Any) -> None:
     assert (await store.lookup(keys)).tiers == ("disk",) * len(keys)
 
 
+def test_find_matches_a_per_key_loop() -> None:
+    """The vectorised probe of lookup against the loop it replaces, on random
+    tier contents (1 to 4 tiers, runs of every length, duplicates)."""
+    from aioxfer.kv.store import _find
+
+    rng = np.random.default_rng(11)
+    pool = keys_for(64, seed=9)
+    for trial in range(800):
+        nt = int(rng.integers(1, 5))
+        n = int(rng.choice([0, 1, 2, 15, 16, 17, 40, 64]))
+        if trial % 2:  # anything
+            ks = [pool[int(i)] for i in rng.integers(0, len(pool), n)]
+            held = [{k for k in pool if rng.random() < p} for p in rng.random(nt)]
+        else:  # each tier a run after the faster ones' (the usual shape), some not quite
+            ks = pool[:n]
+            cuts = [0, *sorted(int(c) for c in rng.integers(0, n + 1, nt))]
+            held = [set(ks[cuts[t]:cuts[t + 1]]) for t in range(nt)]
+            for h in held:
+                if n and rng.random() < 0.3:
+                    h.add(ks[int(rng.integers(0, n))])
+        names = (*(f"t{i}" for i in range(nt)), None)
+        want = tuple(next((names[t] for t in range(nt) if k in held[t]), None) for k in ks)
+        prefix = want.index(None) if None in want else n
+        assert _find(ks, [h.__contains__ for h in held], names) == (prefix, want)
+
+
+async def test_lookup_names_the_fastest_tier_per_key(disk_store: Any) -> None:
+    """lookup probes each tier with whole-list passes: per key the fastest tier
+    holding it, in runs and alone, misses anywhere, the prefix up to the first."""
+    agent, store = disk_store
+    n = 48
+    src = agent.alloc(n * BB)
+    keys = keys_for(n, seed=7)
+    host = store.tiers[0]
+    assert isinstance(host, kv.HostTier)
+    await store.put(keys[:40], src[0:40 * BB], durable=True)  # everything on disk
+    for i in range(40):  # host copies: a run, then every third, then none
+        if not (i < 8 or (i >= 16 and i % 3 == 0)):
+            host.evict(keys[i], "test")
+    want: list[str | None] = [
+        "host" if i < 8 or (16 <= i < 40 and i % 3 == 0) else "disk" if i < 40 else None
+        for i in range(n)]
+    hit = await store.lookup(keys)
+    assert hit.tiers == tuple(want) and hit.prefix == 40
+    # a miss in the middle ends the prefix there; the blocks after it are still named
+    assert await store.remove(keys[20:21]) == 1
+    want[20] = None
+    hit = await store.lookup(keys)
+    assert hit.tiers == tuple(want) and hit.prefix == 20
+    # many runs (one name per key), all in host memory, nothing at all
+    assert (await store.lookup(keys[16:40])).tiers == tuple(want[16:40])
+    assert await store.lookup(keys[:8]) == kv.LookupResult(8, ("host",) * 8)
+    assert await store.lookup(keys[40:]) == kv.LookupResult(0, (None,) * 8)
+    assert await store.lookup([]) == kv.LookupResult(0, ())
+    # things that are not keys raise, also past hits
+    for bad in (["not bytes"], [bytearray(32)], [keys[0], 7], keys[:2] + [b"short"]):
+        with pytest.raises(TypeError):
+            await store.lookup(bad)  # type: ignore[arg-type]
+    assert_no_pins(store)
+
+
 async def test_concurrent_gets_of_a_disk_block_read_it_once(disk_store: Any) -> None:
     agent, store = disk_store
     src = agent.alloc(BB)

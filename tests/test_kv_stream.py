@@ -86,6 +86,112 @@ async def test_stream_left_early_releases_pins(make_agent: MakeAgent) -> None:
             store.stream(keys, src[0:8 * BB], layers=3)  # 3 does not divide the block
 
 
+async def test_stream_layers_in_order_across_regions(make_agent: MakeAgent) -> None:
+    """Layers come in order, each landed when yielded, for targets spread over
+    two regions (one transfer per region per layer) and only up to the
+    prefix the store holds; per-layer targets over two regions likewise."""
+    agent = await make_agent("kv")
+    n, held = 12, 9
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 4)
+    src.numpy()[:] = data
+    want = data.reshape(n, LAYERS, LB)
+    keys = keys_for(n)
+    a, b = agent.alloc(n * BB), agent.alloc(n * BB)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(32 * BB)]) as store:
+        await store.put(keys[:held], src[0:held * BB])
+        # blocks alternate between a and b, at scattered places
+        where = [(a if i % 2 else b, (n - 1 - i) * BB) for i in range(n)]
+        seen = []
+        async for item in store.stream(keys, [r[o:o + BB] for r, o in where], layers=LAYERS):
+            assert item.prefix == held and item.nbytes == held * LB
+            for i, (r, o) in enumerate(where[:held]):
+                got = r.numpy()[o + item.layer * LB:o + (item.layer + 1) * LB]
+                assert np.array_equal(got, want[i, item.layer]), (i, item.layer)
+            seen.append(item.layer)
+        assert seen == list(range(LAYERS))
+        # layer-major targets, block i of each layer in region (i % 2)
+        caches = [(agent.alloc(n * LB), agent.alloc(n * LB)) for _ in range(LAYERS)]
+        targets = [[c[i % 2][i * LB:(i + 1) * LB] for i in range(n)] for c in caches]
+        seen = []
+        async for item in store.stream(keys, targets, layers=LAYERS):
+            c = caches[item.layer]
+            for i in range(held):
+                got = c[i % 2].numpy()[i * LB:(i + 1) * LB]
+                assert np.array_equal(got, want[i, item.layer]), (i, item.layer)
+            seen.append(item.layer)
+        assert seen == list(range(LAYERS))
+        assert store.statistics().tiers["host"].hits == 2 * held
+        assert store.statistics().pins == 0
+
+
+async def test_stream_first_layer_alone_then_the_window(make_agent: MakeAgent) -> None:
+    """Layer 0 is posted alone and handed out without waiting for more posts;
+    the next layers are posted from the loop right after it (while the
+    caller works on layer 0)."""
+    agent = await make_agent("kv")
+    src = agent.alloc(8 * BB)
+    keys = keys_for(8)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB)]) as store:
+        await store.put(keys, src[0:8 * BB])
+        stream = store.stream(keys, agent.alloc(8 * BB)[0:8 * BB], layers=LAYERS)
+        async with stream:
+            first = await within(stream.__anext__())
+            assert first.layer == 0 and len(stream._pending) == 1  # nothing else posted yet
+            await asyncio.sleep(0)  # the caller yields to the loop: the window opens
+            assert len(stream._pending) == 1 + 2
+            assert [item.layer async for item in stream] == list(range(1, LAYERS))
+        assert store.statistics().pins == 0
+
+
+async def test_stream_cancelled_mid_way_releases_everything(make_agent: MakeAgent) -> None:
+    """A task iterating a stream, cancelled while layers are in flight: it
+    ends at once, the pins go, the copies posted settle (none left in the
+    agent), and the blocks can be evicted and reused; so does a stream left
+    right after layer 0, before the window opened."""
+    agent = await make_agent("kv")
+    bb = 256 << 10  # layers big enough to be in flight across loop turns
+    n = 16
+    src = agent.alloc(n * bb)
+    src.numpy()[:] = pattern(n * bb, 5)
+    keys = keys_for(n)
+    async with kv.Store.open(agent, block_bytes=bb, tiers=[kv.HostTier(n * bb)]) as store:
+        await store.put(keys, src[0:n * bb])
+        dst = agent.alloc(n * bb)
+        got: list[int] = []
+        third = asyncio.Event()
+
+        async def consume() -> None:
+            async for item in store.stream(keys, dst[0:n * bb], layers=LAYERS):
+                got.append(item.layer)
+                if item.layer == 2:
+                    third.set()
+                    await asyncio.sleep(3600)  # cancelled here, layers 3.. in flight
+
+        task = asyncio.ensure_future(consume())
+        await within(third.wait())
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert got == [0, 1, 2]
+        assert store.statistics().pins == 0
+        for _ in range(500):  # the copies posted settle (completed or cancelled)
+            if not agent.statistics().in_flight:
+                break
+            await asyncio.sleep(0.01)
+        assert agent.statistics().in_flight == 0
+        # left right after layer 0, in the same loop turn: the window never opens
+        stream = store.stream(keys, dst[0:n * bb], layers=LAYERS)
+        assert (await within(stream.__anext__())).layer == 0
+        await stream.aclose()
+        await asyncio.sleep(0)
+        assert len(stream._pending) == 1 and store.statistics().pins == 0
+        # nothing holds the blocks: all of them can go and be replaced
+        assert await store.remove(keys) == n
+        assert (await store.put(keys_for(2 * n)[n:], src[0:n * bb])).stored == n
+        assert store.statistics().tiers["host"].hits == 2 * n
+
+
 async def test_prefetch_brings_blocks_up_and_is_cancellable(make_agent: MakeAgent,
                                                             tmp_path: Path) -> None:
     agent = await make_agent("kv")
