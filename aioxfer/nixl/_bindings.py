@@ -52,6 +52,7 @@ from aioxfer import (
 )
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
+from aioxfer.progress import POLL_SLICE_US, check_mode
 
 __all__ = [
     "BLK_SEG",
@@ -746,6 +747,10 @@ def _noop() -> None:
     pass
 
 
+def _no_wait(max_us: int) -> int:
+    return 0
+
+
 def _seconds(x: _Xfer, res: Any) -> float:
     """A finished request's transfer time: from its post to its completion."""
     if isinstance(res, float):  # (a request of several parts: when the last ended)
@@ -1048,6 +1053,13 @@ class nixlAgent:
         self._flush_fn: Callable[[], None] = _noop
         self._poll_fn: Callable[[], None] = _noop
         self._fd = -1
+        # The engine's bounded busy-poll (Engine.wait: how many completions
+        # wait, spinning up to that many µs without the GIL; 0: a look), and
+        # how a tight poller waits (see _wait_completion): spins up to
+        # _spin_us first ("adaptive"; 0: "sleep"), or only spins ("poll").
+        self._wait_fn: Callable[[int], int] = _no_wait
+        self._spin_us = 0
+        self._spin_only = False
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
         self._backend_of: dict[str, int] = {}  # the first backend of each type
@@ -1166,7 +1178,14 @@ class nixlAgent:
         if threads > 0:
             kwargs["copy_workers"] = min(threads, 16)
         try:
-            agent = aioxfer.Agent(self._name, **kwargs)
+            progress = check_mode(params.get("progress")
+                                  or os.environ.get("AIOXFER_NIXL_PROGRESS", "adaptive"))
+            # The caller's thread polls (check_xfer_state, get_new_notifs), so
+            # it is the one that spins: the loop thread only sleeps. Its own
+            # bounded poll would hold the runtime lock the callers need, on
+            # the rare rounds it wakes for, and its kick from a caller's post
+            # would be a callback scheduled across threads for nothing.
+            agent = aioxfer.Agent(self._name, progress="sleep", **kwargs)
         except (XferError, ValueError, OSError) as exc:
             raise _error(-3, f"createBackend UCX: {exc}") from None
         try:
@@ -1178,6 +1197,12 @@ class nixlAgent:
         self._flush_fn = agent.flush
         self._poll_fn = agent.poll
         self._fd = agent.fileno()
+        # (Agent has no public wait: see _wait_completion.)
+        engine = agent._engine
+        self._wait_fn = engine.wait
+        self._spin_us = (0 if progress == "sleep" else engine.poll_us if progress == "adaptive"
+                         else max(engine.poll_us, POLL_SLICE_US))
+        self._spin_only = progress == "poll"
         self._transports = agent.transports
         return {"transports": ",".join(agent.transports), "listen": agent.address,
                 "num_threads": str(threads)}
@@ -2155,7 +2180,10 @@ class nixlAgent:
         parts = x.parts if type(fut) is not Transfer else None
         if rt.lock.acquire(blocking=False):
             try:
-                self._poll_fn()
+                # (A look at the ring first: an empty poll costs a system
+                # call, this a load, ~0.1 µs against ~2.5.)
+                if self._wait_fn(0):
+                    self._poll_fn()
                 if parts:
                     self._advance(x, fut)
             finally:
@@ -2186,15 +2214,26 @@ class nixlAgent:
         return int(NIXL_IN_PROG)
 
     def _wait_completion(self, timeout: float, ready: Any = None) -> None:
-        """Sleeps until the engine signals a completion (at most ``timeout``;
-        not at all if ``ready()``), then takes it here. Meanwhile the loop
-        thread does not watch the engine's fd (Runtime.claim), so a completion
-        wakes this thread only: one wake-up, as for a coroutine awaiting it on
-        the loop, rather than the loop thread's and then this one's. The claim
-        lingers for _LINGER after the wait: a caller polling in a loop keeps
-        the fd from one request to the next, and the completions of requests
-        it posts meanwhile wake no thread at all (it takes them when it next
-        asks)."""
+        """Waits for the engine's next completion (not at all if ``ready()``)
+        and takes it here, as the agent's "adaptive" progress waits on its
+        loop: first a bounded busy-poll of the completion ring (the engine's
+        calibrated poll_us, about two thread wake-ups; the GIL released, the
+        runtime lock held, so the agent cannot close under it), which catches
+        a small transfer's completion without any thread sleeping or waking;
+        then a sleep until the engine signals one (at most ``timeout``).
+        Progress "sleep" skips the first, "poll" the second (the caller asks
+        again, and spins again).
+
+        While this thread sleeps the loop thread does not watch the engine's
+        fd (Runtime.claim), so a completion wakes this thread only: one
+        wake-up, as for a coroutine awaiting it on the loop, rather than the
+        loop thread's and then this one's. The claim lingers for _LINGER
+        after the wait: a caller polling in a loop keeps the fd from one
+        request to the next, and the completions of requests it posts
+        meanwhile wake no thread at all (it takes them when it next asks).
+
+        (The busy-poll is Engine.wait, which Agent does not offer publicly:
+        the loop thread's Poller uses it the same way.)"""
         rt = self._rt
         agent = self._agent
         if agent is None or not rt.lock.acquire(blocking=False):
@@ -2204,7 +2243,22 @@ class nixlAgent:
         try:
             if ready is not None and ready():
                 return
+            # Claimed for the spin too: the completion's eventfd write then
+            # wakes no loop thread, to contend for the lock and the GIL.
             claimed = rt.claim(fd)
+            if self._spin_us:
+                try:
+                    spun = self._wait_fn(self._spin_us) > 0 or self._spin_only
+                    if spun and not agent.closed:
+                        self._poll_fn()
+                except BaseException:
+                    if claimed:
+                        rt.release(fd, _LINGER)
+                    raise
+                if spun:
+                    if claimed:
+                        rt.release(fd, _LINGER)
+                    return
         finally:
             rt.leave()
         try:
@@ -2341,7 +2395,8 @@ class nixlAgent:
             # watching its fd: a tight poller's claim lingers).
             if rt.lock.acquire(blocking=False):
                 try:
-                    self._poll_fn()
+                    if self._wait_fn(0):
+                        self._poll_fn()
                 finally:
                     rt.leave()
             now = time.perf_counter()
