@@ -730,12 +730,14 @@ class nixlXferTelemetry:
 
 _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
 _RELEASE_TIMEOUT = 60.0
-# A poller asking again within this many seconds is in a tight loop: it yields
-# to the loop thread (see Runtime.yield_to_loop).
+# A poller asking again within this many seconds is in a tight loop: it waits
+# for the engine itself (see _wait_completion), or yields to the loop thread
+# (see Runtime.yield_to_loop).
 _TIGHT_POLL = 0.0002
-# How long such a poller sleeps at most: until the engine signals a
-# completion (any of the agent's), or this long; for requests finished by a
-# task on the loop thread (the engine's fd does not say), _TIGHT_WAIT.
+# How long such a poller waits at most: until the engine has a completion
+# (any of the agent's; a bounded spin, then a sleep), or this long; for
+# requests finished by a task on the loop thread (the engine's fd does not
+# say), _TIGHT_WAIT.
 _TIGHT_WAIT = 0.001
 _ENGINE_WAIT = 0.005
 # How long the loop thread leaves the engine's fd to a poller that stopped
@@ -2192,12 +2194,13 @@ class nixlAgent:
                 return self._finish(x, fut, "getXferStatus")
         now = time.perf_counter()
         if now - x.last_poll < _TIGHT_POLL:
-            # Polled in a tight loop: sleep until the engine signals a
-            # completion (at most _ENGINE_WAIT), or, for what a task on the
-            # loop thread finishes, until that thread ends a round (at most
-            # _TIGHT_WAIT); then take it here. Spinning instead would hold the
-            # interpreter the loop thread needs, and take a core the engine's
-            # copy threads need.
+            # Polled in a tight loop: wait for the engine's next completion
+            # (a bounded spin without the GIL, then a sleep on its fd, at most
+            # _ENGINE_WAIT: _wait_completion), or, for what a task on the loop
+            # thread finishes, until that thread ends a round (at most
+            # _TIGHT_WAIT); then take it here. Spinning in Python instead would
+            # hold the interpreter the loop thread needs, and, unbounded, take
+            # a core the engine's copy threads need.
             if type(fut) is Transfer or (parts and not x.notifying):
                 self._wait_completion(_ENGINE_WAIT, fut.done)
                 if parts and rt.lock.acquire(blocking=False):
