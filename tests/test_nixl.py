@@ -835,6 +835,35 @@ def test_tight_poller_takes_tcp_completions_on_its_own_thread(
     h.release()
 
 
+def test_tight_poller_stops_spinning_for_a_request_that_outlasts_the_spin(
+        agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8 MiB over tcp loopback takes milliseconds (the bytes are copied into
+    # and out of the sockets), far beyond the spin's bound (at most 200 µs):
+    # spun for once, then slept for, its core left to the engine's threads.
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
+    n = 8 << 20
+    a, b, x, y, _, _ = _pair(agents, n=n)
+    ba = a.agent
+    spins: list[int] = []
+    wait = ba._wait_fn
+
+    def counted_wait(max_us: int) -> int:
+        if max_us:
+            spins.append(max_us)
+        return wait(max_us)
+
+    monkeypatch.setattr(ba, "_wait_fn", counted_wait)
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, n, 0)], "DRAM"), b.name)
+    for i in range(5):
+        x.np[:] = i
+        a.transfer(h)
+        assert _wait(a, h) == "DONE"
+        assert y.np[0] == y.np[-1] == i
+    assert spins == [ba._agent._engine.poll_us]
+    h.release()
+
+
 def test_unknown_progress_mode_refuses_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIOXFER_NIXL_PROGRESS", "spin")
     with pytest.raises(nixl.nixlBackendError, match="progress must be one of"):

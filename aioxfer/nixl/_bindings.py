@@ -961,7 +961,7 @@ class _Xfer:
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
-                 "failed")
+                 "failed", "spin")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -994,6 +994,9 @@ class _Xfer:
         self.frames: list[bytes] = []
         self.notifying = False
         self.failed: Any = None  # the failed post already counted in telemetry
+        # Whether a tight poller spins for it first (see _wait_completion):
+        # not once a post outlasted the spin, until one completes within it.
+        self.spin = True
 
 
 _MAX_INDEX = np.maximum.reduce
@@ -2202,7 +2205,7 @@ class nixlAgent:
             # hold the interpreter the loop thread needs, and, unbounded, take
             # a core the engine's copy threads need.
             if type(fut) is Transfer or (parts and not x.notifying):
-                self._wait_completion(_ENGINE_WAIT, fut.done)
+                self._wait_completion(_ENGINE_WAIT, fut.done, x)
                 if parts and rt.lock.acquire(blocking=False):
                     try:
                         self._advance(x, fut)
@@ -2216,7 +2219,8 @@ class nixlAgent:
             return self._finish(x, fut, "getXferStatus")
         return int(NIXL_IN_PROG)
 
-    def _wait_completion(self, timeout: float, ready: Any = None) -> None:
+    def _wait_completion(self, timeout: float, ready: Any = None,
+                         x: _Xfer | None = None) -> None:
         """Waits for the engine's next completion (not at all if ``ready()``)
         and takes it here, as the agent's "adaptive" progress waits on its
         loop: first a bounded busy-poll of the completion ring (the engine's
@@ -2225,7 +2229,10 @@ class nixlAgent:
         a small transfer's completion without any thread sleeping or waking;
         then a sleep until the engine signals one (at most ``timeout``).
         Progress "sleep" skips the first, "poll" the second (the caller asks
-        again, and spins again).
+        again, and spins again). A request ``x`` whose post outlasted the spin
+        is not spun for again (a large one: the spin would only take a core
+        from the engine's threads) until one of its waits ends within the
+        spin's bound.
 
         While this thread sleeps the loop thread does not watch the engine's
         fd (Runtime.claim), so a completion wakes this thread only: one
@@ -2249,9 +2256,10 @@ class nixlAgent:
             # Claimed for the spin too: the completion's eventfd write then
             # wakes no loop thread, to contend for the lock and the GIL.
             claimed = rt.claim(fd)
-            if self._spin_us:
+            spin_us = self._spin_us
+            if spin_us and (x is None or x.spin or self._spin_only):
                 try:
-                    spun = self._wait_fn(self._spin_us) > 0 or self._spin_only
+                    spun = self._wait_fn(spin_us) > 0 or self._spin_only
                     if spun and not agent.closed:
                         self._poll_fn()
                 except BaseException:
@@ -2262,10 +2270,16 @@ class nixlAgent:
                     if claimed:
                         rt.release(fd, _LINGER)
                     return
+                if x is not None:
+                    x.spin = False
+                spin_us = 0
         finally:
             rt.leave()
         try:
-            select.select([fd], [], [], timeout)
+            t0 = time.perf_counter() if spin_us else 0.0
+            if (select.select([fd], [], [], timeout)[0] and spin_us and x is not None
+                    and time.perf_counter() - t0 < spin_us * 1e-6):
+                x.spin = True  # it came within the spin after all
         except (OSError, ValueError):  # closed meanwhile
             pass
         finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
