@@ -837,11 +837,12 @@ def test_tight_poller_takes_tcp_completions_on_its_own_thread(
 
 def test_tight_poller_stops_spinning_for_a_request_that_outlasts_the_spin(
         agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # 8 MiB over tcp loopback takes milliseconds (the bytes are copied into
-    # and out of the sockets), far beyond the spin's bound (at most 200 µs):
-    # spun for once, then slept for, its core left to the engine's threads.
+    # 16 MiB over tcp loopback takes milliseconds (the bytes are copied into
+    # and out of the sockets), far beyond _SPIN_KEEP spins (each at most
+    # 200 µs): spun for once, then slept for, its core left to the engine's
+    # threads.
     monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
-    n = 8 << 20
+    n = 16 << 20
     a, b, x, y, _, _ = _pair(agents, n=n)
     ba = a.agent
     spins: list[int] = []

@@ -740,6 +740,9 @@ _TIGHT_POLL = 0.0002
 # say), _TIGHT_WAIT.
 _TIGHT_WAIT = 0.001
 _ENGINE_WAIT = 0.005
+# A request a tight poller waited for longer than this many spins is not spun
+# for on its next posts (see _wait_completion).
+_SPIN_KEEP = 4
 # How long the loop thread leaves the engine's fd to a poller that stopped
 # asking: completions meanwhile wait for that poller's next call (or this long).
 _LINGER = 0.02
@@ -995,7 +998,7 @@ class _Xfer:
         self.notifying = False
         self.failed: Any = None  # the failed post already counted in telemetry
         # Whether a tight poller spins for it first (see _wait_completion):
-        # not once a post outlasted the spin, until one completes within it.
+        # not once a wait far outlasted the spin, until one ends within that.
         self.spin = True
 
 
@@ -2229,10 +2232,10 @@ class nixlAgent:
         a small transfer's completion without any thread sleeping or waking;
         then a sleep until the engine signals one (at most ``timeout``).
         Progress "sleep" skips the first, "poll" the second (the caller asks
-        again, and spins again). A request ``x`` whose post outlasted the spin
-        is not spun for again (a large one: the spin would only take a core
-        from the engine's threads) until one of its waits ends within the
-        spin's bound.
+        again, and spins again). A request ``x`` whose wait outlasted
+        _SPIN_KEEP spins is not spun for on its next posts (a large one: the
+        spin would only take a core from the engine's threads) until one of
+        its waits ends within that bound again.
 
         While this thread sleeps the loop thread does not watch the engine's
         fd (Runtime.claim), so a completion wakes this thread only: one
@@ -2257,7 +2260,10 @@ class nixlAgent:
             # wakes no loop thread, to contend for the lock and the GIL.
             claimed = rt.claim(fd)
             spin_us = self._spin_us
+            t0 = 0.0
             if spin_us and (x is None or x.spin or self._spin_only):
+                if x is not None:
+                    t0 = time.perf_counter()
                 try:
                     spun = self._wait_fn(spin_us) > 0 or self._spin_only
                     if spun and not agent.closed:
@@ -2270,16 +2276,16 @@ class nixlAgent:
                     if claimed:
                         rt.release(fd, _LINGER)
                     return
-                if x is not None:
-                    x.spin = False
-                spin_us = 0
         finally:
             rt.leave()
         try:
-            t0 = time.perf_counter() if spin_us else 0.0
-            if (select.select([fd], [], [], timeout)[0] and spin_us and x is not None
-                    and time.perf_counter() - t0 < spin_us * 1e-6):
-                x.spin = True  # it came within the spin after all
+            if x is not None and spin_us and not t0:
+                t0 = time.perf_counter()
+            got = select.select([fd], [], [], timeout)[0]
+            if x is not None and spin_us:
+                # Spun for next time if this wait ended soon after the spin
+                # would have (a miss by little costs the wake-up it saves).
+                x.spin = bool(got) and time.perf_counter() - t0 < _SPIN_KEEP * spin_us * 1e-6
         except (OSError, ValueError):  # closed meanwhile
             pass
         finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
