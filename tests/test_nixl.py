@@ -832,6 +832,11 @@ def test_tight_poller_takes_tcp_completions_on_its_own_thread(
     expected = {"adaptive": {poll_us}, "sleep": set(),
                 "poll": {max(poll_us, aioxfer_progress.POLL_SLICE_US)}}[progress]
     assert set(spins) <= expected
+    # Polling for notifications with nothing in flight only sleeps.
+    spins.clear()
+    for _ in range(5):
+        assert a.get_new_notifs() == {}
+    assert spins == []
     h.release()
 
 

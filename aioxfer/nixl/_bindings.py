@@ -740,8 +740,8 @@ _TIGHT_POLL = 0.0002
 # say), _TIGHT_WAIT.
 _TIGHT_WAIT = 0.001
 _ENGINE_WAIT = 0.005
-# A request a tight poller waited for longer than this many spins is not spun
-# for on its next posts (see _wait_completion).
+# A request that completed later than this many spins after its post is not
+# spun for on its next posts (see _wait_completion).
 _SPIN_KEEP = 4
 # How long the loop thread leaves the engine's fd to a poller that stopped
 # asking: completions meanwhile wait for that poller's next call (or this long).
@@ -998,7 +998,7 @@ class _Xfer:
         self.notifying = False
         self.failed: Any = None  # the failed post already counted in telemetry
         # Whether a tight poller spins for it first (see _wait_completion):
-        # not once a wait far outlasted the spin, until one ends within that.
+        # not once a post took far longer than the spin, until one does not.
         self.spin = True
 
 
@@ -2008,9 +2008,10 @@ class nixlAgent:
                                                      f"'{peer.name}' was disconnected after "
                                                      f"transfer request creation")
             telemetry = self._telemetry
+            # (Read also when a tight poller decides whether to spin for it.)
+            x.t0 = t0 = time.perf_counter()
             if telemetry:
                 x.xfer_s = -1.0
-                x.t0 = t0 = time.perf_counter()
                 x.start_us = int(t0 * 1e6) if _PERF_IS_STEADY else time.monotonic_ns() // 1000
             post = x.post
             if post is not None and (not msg or x.file or (
@@ -2232,10 +2233,12 @@ class nixlAgent:
         a small transfer's completion without any thread sleeping or waking;
         then a sleep until the engine signals one (at most ``timeout``).
         Progress "sleep" skips the first, "poll" the second (the caller asks
-        again, and spins again). A request ``x`` whose wait outlasted
-        _SPIN_KEEP spins is not spun for on its next posts (a large one: the
-        spin would only take a core from the engine's threads) until one of
-        its waits ends within that bound again.
+        again, and spins again). Only a wait for a request ``x`` (in flight)
+        spins: one for notifications only sleeps (an agent with nothing in
+        flight spins nothing). A request that completed later than _SPIN_KEEP
+        spins after its post is not spun for on its next posts (a large one:
+        the spin would only take a core from the engine's threads) until one
+        completes within that bound again.
 
         While this thread sleeps the loop thread does not watch the engine's
         fd (Runtime.claim), so a completion wakes this thread only: one
@@ -2259,11 +2262,8 @@ class nixlAgent:
             # Claimed for the spin too: the completion's eventfd write then
             # wakes no loop thread, to contend for the lock and the GIL.
             claimed = rt.claim(fd)
-            spin_us = self._spin_us
-            t0 = 0.0
-            if spin_us and (x is None or x.spin or self._spin_only):
-                if x is not None:
-                    t0 = time.perf_counter()
+            spin_us = self._spin_us if x is not None else 0
+            if x is not None and spin_us and (x.spin or self._spin_only):
                 try:
                     spun = self._wait_fn(spin_us) > 0 or self._spin_only
                     if spun and not agent.closed:
@@ -2279,13 +2279,11 @@ class nixlAgent:
         finally:
             rt.leave()
         try:
-            if x is not None and spin_us and not t0:
-                t0 = time.perf_counter()
             got = select.select([fd], [], [], timeout)[0]
             if x is not None and spin_us:
-                # Spun for next time if this wait ended soon after the spin
-                # would have (a miss by little costs the wake-up it saves).
-                x.spin = bool(got) and time.perf_counter() - t0 < _SPIN_KEEP * spin_us * 1e-6
+                # Spun for next time if it completed soon after a spin would
+                # have ended (a miss by little costs the wake-up it saves).
+                x.spin = bool(got) and time.perf_counter() - x.t0 < _SPIN_KEEP * spin_us * 1e-6
         except (OSError, ValueError):  # closed meanwhile
             pass
         finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
