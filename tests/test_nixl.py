@@ -30,6 +30,7 @@ from s3server import ACCESS_KEY, SECRET_KEY, S3Server, s3  # noqa: F401
 from test_discovery import etcd_server  # noqa: F401
 
 import aioxfer.nixl as nixl
+from aioxfer import progress as aioxfer_progress
 from aioxfer.nixl import _api, _bindings, _telemetry, _utils, nixl_agent, nixl_agent_config
 from aioxfer.nixl import logging as nixl_logging
 
@@ -783,6 +784,96 @@ def test_tight_poller_leaves_notifications_and_blocking_calls_working(
     assert a.add_remote_agent(c.get_agent_metadata()) == c.name.encode()
     assert c.add_remote_agent(a.get_agent_metadata()) == a.name.encode()
     h.release()
+
+
+@pytest.mark.parametrize("progress", ["adaptive", "sleep", "poll"])
+def test_tight_poller_takes_tcp_completions_on_its_own_thread(
+        agents: Any, monkeypatch: pytest.MonkeyPatch, progress: str) -> None:
+    # Over tcp a completion comes from an engine thread. A caller polling
+    # check_xfer_state in a loop takes it itself (a bounded spin first, in
+    # "adaptive" and "poll", then a sleep on the engine's fd it claimed): the
+    # loop thread runs no round for it, and no callback of its completes it.
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
+    monkeypatch.setenv("AIOXFER_NIXL_PROGRESS", progress)
+    monkeypatch.setattr(_bindings, "_LINGER", 3600.0)  # no loop round to take the fd back
+    from aioxfer.nixl._runtime import runtime
+
+    n = 256 << 10
+    a, b, x, y, _, _ = _pair(agents, n=n)
+    ba = a.agent
+    assert ba._agent.transports == ("tcp",) and ba._agent.progress == "sleep"
+    polls: list[int] = []
+    spins: list[int] = []
+    poll, wait = ba._poll_fn, ba._wait_fn
+
+    def counted_poll() -> None:
+        polls.append(threading.get_ident())
+        poll()
+
+    def counted_wait(max_us: int) -> int:
+        if max_us:
+            spins.append(max_us)
+        return wait(max_us)
+
+    monkeypatch.setattr(ba, "_poll_fn", counted_poll)
+    monkeypatch.setattr(ba, "_wait_fn", counted_wait)
+    rt = runtime()
+    h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, n, 0)], "DRAM"), b.name)
+    rounds = rt._round
+    for i in range(40):
+        y.np[:] = i
+        a.transfer(h)
+        assert _wait(a, h) == "DONE"
+        assert x.np[0] == x.np[-1] == i
+    assert rt._round - rounds < 20  # (at most the first completion, before any claim)
+    assert polls and set(polls) == {threading.get_ident()}
+    poll_us = ba._agent._engine.poll_us
+    expected = {"adaptive": {poll_us}, "sleep": set(),
+                "poll": {max(poll_us, aioxfer_progress.POLL_SLICE_US)}}[progress]
+    assert set(spins) <= expected
+    # Polling for notifications with nothing in flight only sleeps.
+    spins.clear()
+    for _ in range(5):
+        assert a.get_new_notifs() == {}
+    assert spins == []
+    h.release()
+
+
+def test_tight_poller_stops_spinning_for_a_request_that_outlasts_the_spin(
+        agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 16 MiB over tcp loopback takes milliseconds (the bytes are copied into
+    # and out of the sockets), far beyond _SPIN_KEEP spins (each at most
+    # 200 µs): spun for once, then slept for, its core left to the engine's
+    # threads.
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
+    n = 16 << 20
+    a, b, x, y, _, _ = _pair(agents, n=n)
+    ba = a.agent
+    spins: list[int] = []
+    wait = ba._wait_fn
+
+    def counted_wait(max_us: int) -> int:
+        if max_us:
+            spins.append(max_us)
+        return wait(max_us)
+
+    monkeypatch.setattr(ba, "_wait_fn", counted_wait)
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"),
+                          a.get_xfer_descs([(y.addr, n, 0)], "DRAM"), b.name)
+    for i in range(5):
+        x.np[:] = i
+        a.transfer(h)
+        assert _wait(a, h) == "DONE"
+        assert y.np[0] == y.np[-1] == i
+    assert spins == [ba._agent._engine.poll_us]
+    h.release()
+
+
+def test_unknown_progress_mode_refuses_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOXFER_NIXL_PROGRESS", "spin")
+    with pytest.raises(nixl.nixlBackendError, match="progress must be one of"):
+        nixl_agent(_name(), nixl_agent_config())
 
 
 # ---------------------------------------------------------------- POSIX: files

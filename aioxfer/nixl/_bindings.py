@@ -52,6 +52,7 @@ from aioxfer import (
 )
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
+from aioxfer.progress import POLL_SLICE_US, check_mode
 
 __all__ = [
     "BLK_SEG",
@@ -729,14 +730,19 @@ class nixlXferTelemetry:
 
 _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
 _RELEASE_TIMEOUT = 60.0
-# A poller asking again within this many seconds is in a tight loop: it yields
-# to the loop thread (see Runtime.yield_to_loop).
+# A poller asking again within this many seconds is in a tight loop: it waits
+# for the engine itself (see _wait_completion), or yields to the loop thread
+# (see Runtime.yield_to_loop).
 _TIGHT_POLL = 0.0002
-# How long such a poller sleeps at most: until the engine signals a
-# completion (any of the agent's), or this long; for requests finished by a
-# task on the loop thread (the engine's fd does not say), _TIGHT_WAIT.
+# How long such a poller waits at most: until the engine has a completion
+# (any of the agent's; a bounded spin, then a sleep), or this long; for
+# requests finished by a task on the loop thread (the engine's fd does not
+# say), _TIGHT_WAIT.
 _TIGHT_WAIT = 0.001
 _ENGINE_WAIT = 0.005
+# A request that completed later than this many spins after its post is not
+# spun for on its next posts (see _wait_completion).
+_SPIN_KEEP = 4
 # How long the loop thread leaves the engine's fd to a poller that stopped
 # asking: completions meanwhile wait for that poller's next call (or this long).
 _LINGER = 0.02
@@ -744,6 +750,10 @@ _LINGER = 0.02
 
 def _noop() -> None:
     pass
+
+
+def _no_wait(max_us: int) -> int:
+    return 0
 
 
 def _seconds(x: _Xfer, res: Any) -> float:
@@ -954,7 +964,7 @@ class _Xfer:
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
-                 "failed")
+                 "failed", "spin")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -987,6 +997,9 @@ class _Xfer:
         self.frames: list[bytes] = []
         self.notifying = False
         self.failed: Any = None  # the failed post already counted in telemetry
+        # Whether a tight poller spins for it first (see _wait_completion):
+        # not once a post took far longer than the spin, until one does not.
+        self.spin = True
 
 
 _MAX_INDEX = np.maximum.reduce
@@ -1048,6 +1061,13 @@ class nixlAgent:
         self._flush_fn: Callable[[], None] = _noop
         self._poll_fn: Callable[[], None] = _noop
         self._fd = -1
+        # The engine's bounded busy-poll (Engine.wait: how many completions
+        # wait, spinning up to that many µs without the GIL; 0: a look), and
+        # how a tight poller waits (see _wait_completion): spins up to
+        # _spin_us first ("adaptive"; 0: "sleep"), or only spins ("poll").
+        self._wait_fn: Callable[[int], int] = _no_wait
+        self._spin_us = 0
+        self._spin_only = False
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
         self._backend_of: dict[str, int] = {}  # the first backend of each type
@@ -1166,7 +1186,14 @@ class nixlAgent:
         if threads > 0:
             kwargs["copy_workers"] = min(threads, 16)
         try:
-            agent = aioxfer.Agent(self._name, **kwargs)
+            progress = check_mode(params.get("progress")
+                                  or os.environ.get("AIOXFER_NIXL_PROGRESS", "adaptive"))
+            # The caller's thread polls (check_xfer_state, get_new_notifs), so
+            # it is the one that spins: the loop thread only sleeps. Its own
+            # bounded poll would hold the runtime lock the callers need, on
+            # the rare rounds it wakes for, and its kick from a caller's post
+            # would be a callback scheduled across threads for nothing.
+            agent = aioxfer.Agent(self._name, progress="sleep", **kwargs)
         except (XferError, ValueError, OSError) as exc:
             raise _error(-3, f"createBackend UCX: {exc}") from None
         try:
@@ -1178,6 +1205,12 @@ class nixlAgent:
         self._flush_fn = agent.flush
         self._poll_fn = agent.poll
         self._fd = agent.fileno()
+        # (Agent has no public wait: see _wait_completion.)
+        engine = agent._engine
+        self._wait_fn = engine.wait
+        self._spin_us = (0 if progress == "sleep" else engine.poll_us if progress == "adaptive"
+                         else max(engine.poll_us, POLL_SLICE_US))
+        self._spin_only = progress == "poll"
         self._transports = agent.transports
         return {"transports": ",".join(agent.transports), "listen": agent.address,
                 "num_threads": str(threads)}
@@ -1975,9 +2008,10 @@ class nixlAgent:
                                                      f"'{peer.name}' was disconnected after "
                                                      f"transfer request creation")
             telemetry = self._telemetry
+            # (Read also when a tight poller decides whether to spin for it.)
+            x.t0 = t0 = time.perf_counter()
             if telemetry:
                 x.xfer_s = -1.0
-                x.t0 = t0 = time.perf_counter()
                 x.start_us = int(t0 * 1e6) if _PERF_IS_STEADY else time.monotonic_ns() // 1000
             post = x.post
             if post is not None and (not msg or x.file or (
@@ -2155,7 +2189,10 @@ class nixlAgent:
         parts = x.parts if type(fut) is not Transfer else None
         if rt.lock.acquire(blocking=False):
             try:
-                self._poll_fn()
+                # (A look at the ring first: an empty poll costs a system
+                # call, this a load, ~0.1 µs against ~2.5.)
+                if self._wait_fn(0):
+                    self._poll_fn()
                 if parts:
                     self._advance(x, fut)
             finally:
@@ -2164,14 +2201,15 @@ class nixlAgent:
                 return self._finish(x, fut, "getXferStatus")
         now = time.perf_counter()
         if now - x.last_poll < _TIGHT_POLL:
-            # Polled in a tight loop: sleep until the engine signals a
-            # completion (at most _ENGINE_WAIT), or, for what a task on the
-            # loop thread finishes, until that thread ends a round (at most
-            # _TIGHT_WAIT); then take it here. Spinning instead would hold the
-            # interpreter the loop thread needs, and take a core the engine's
-            # copy threads need.
+            # Polled in a tight loop: wait for the engine's next completion
+            # (a bounded spin without the GIL, then a sleep on its fd, at most
+            # _ENGINE_WAIT: _wait_completion), or, for what a task on the loop
+            # thread finishes, until that thread ends a round (at most
+            # _TIGHT_WAIT); then take it here. Spinning in Python instead would
+            # hold the interpreter the loop thread needs, and, unbounded, take
+            # a core the engine's copy threads need.
             if type(fut) is Transfer or (parts and not x.notifying):
-                self._wait_completion(_ENGINE_WAIT, fut.done)
+                self._wait_completion(_ENGINE_WAIT, fut.done, x)
                 if parts and rt.lock.acquire(blocking=False):
                     try:
                         self._advance(x, fut)
@@ -2185,16 +2223,33 @@ class nixlAgent:
             return self._finish(x, fut, "getXferStatus")
         return int(NIXL_IN_PROG)
 
-    def _wait_completion(self, timeout: float, ready: Any = None) -> None:
-        """Sleeps until the engine signals a completion (at most ``timeout``;
-        not at all if ``ready()``), then takes it here. Meanwhile the loop
-        thread does not watch the engine's fd (Runtime.claim), so a completion
-        wakes this thread only: one wake-up, as for a coroutine awaiting it on
-        the loop, rather than the loop thread's and then this one's. The claim
-        lingers for _LINGER after the wait: a caller polling in a loop keeps
-        the fd from one request to the next, and the completions of requests
-        it posts meanwhile wake no thread at all (it takes them when it next
-        asks)."""
+    def _wait_completion(self, timeout: float, ready: Any = None,
+                         x: _Xfer | None = None) -> None:
+        """Waits for the engine's next completion (not at all if ``ready()``)
+        and takes it here, as the agent's "adaptive" progress waits on its
+        loop: first a bounded busy-poll of the completion ring (the engine's
+        calibrated poll_us, about two thread wake-ups; the GIL released, the
+        runtime lock held, so the agent cannot close under it), which catches
+        a small transfer's completion without any thread sleeping or waking;
+        then a sleep until the engine signals one (at most ``timeout``).
+        Progress "sleep" skips the first, "poll" the second (the caller asks
+        again, and spins again). Only a wait for a request ``x`` (in flight)
+        spins: one for notifications only sleeps (an agent with nothing in
+        flight spins nothing). A request that completed later than _SPIN_KEEP
+        spins after its post is not spun for on its next posts (a large one:
+        the spin would only take a core from the engine's threads) until one
+        completes within that bound again.
+
+        While this thread sleeps the loop thread does not watch the engine's
+        fd (Runtime.claim), so a completion wakes this thread only: one
+        wake-up, as for a coroutine awaiting it on the loop, rather than the
+        loop thread's and then this one's. The claim lingers for _LINGER
+        after the wait: a caller polling in a loop keeps the fd from one
+        request to the next, and the completions of requests it posts
+        meanwhile wake no thread at all (it takes them when it next asks).
+
+        (The busy-poll is Engine.wait, which Agent does not offer publicly:
+        the loop thread's Poller uses it the same way.)"""
         rt = self._rt
         agent = self._agent
         if agent is None or not rt.lock.acquire(blocking=False):
@@ -2204,11 +2259,31 @@ class nixlAgent:
         try:
             if ready is not None and ready():
                 return
+            # Claimed for the spin too: the completion's eventfd write then
+            # wakes no loop thread, to contend for the lock and the GIL.
             claimed = rt.claim(fd)
+            spin_us = self._spin_us if x is not None else 0
+            if x is not None and spin_us and (x.spin or self._spin_only):
+                try:
+                    spun = self._wait_fn(spin_us) > 0 or self._spin_only
+                    if spun and not agent.closed:
+                        self._poll_fn()
+                except BaseException:
+                    if claimed:
+                        rt.release(fd, _LINGER)
+                    raise
+                if spun:
+                    if claimed:
+                        rt.release(fd, _LINGER)
+                    return
         finally:
             rt.leave()
         try:
-            select.select([fd], [], [], timeout)
+            got = select.select([fd], [], [], timeout)[0]
+            if x is not None and spin_us:
+                # Spun for next time if it completed soon after a spin would
+                # have ended (a miss by little costs the wake-up it saves).
+                x.spin = bool(got) and time.perf_counter() - x.t0 < _SPIN_KEEP * spin_us * 1e-6
         except (OSError, ValueError):  # closed meanwhile
             pass
         finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
@@ -2341,7 +2416,8 @@ class nixlAgent:
             # watching its fd: a tight poller's claim lingers).
             if rt.lock.acquire(blocking=False):
                 try:
-                    self._poll_fn()
+                    if self._wait_fn(0):
+                        self._poll_fn()
                 finally:
                     rt.leave()
             now = time.perf_counter()
