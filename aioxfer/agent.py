@@ -1823,6 +1823,19 @@ class Agent:
         work): their transfers are done when this returns. Loop thread only."""
         self._sub.drain()
 
+    @property
+    def poll_us(self) -> int:
+        """The engine's calibrated bound of one busy-poll, µs (the "adaptive"
+        spin: about two thread wake-ups)."""
+        return int(self._engine.poll_us)
+
+    def wait(self, max_us: int) -> bool:
+        """Whether completions wait for poll(), spinning up to max_us µs for
+        one (the GIL released; 0: a look, no system call). Takes nothing: for
+        an integration that waits from its own thread (see fileno()); never
+        concurrently with aclose()."""
+        return bool(self._engine.wait(max_us) > 0)
+
     def _on_event(
         self,
         kind: int,

@@ -189,6 +189,31 @@ async def test_flush_of_one_request_copies_inline(make_agent, inline: int) -> No
     await idle(init)
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_wait_then_poll_from_the_caller(make_agent, transport: str) -> None:
+    """Agent.wait/poll_us, the seam an integration that waits from its own
+    thread uses (aioxfer.nixl's tight poller): with the loop never run, wait()
+    spins until the engine holds the completion, and poll() then finishes the
+    transfer. Idle, wait(0) is a look that finds nothing."""
+    init, target, peer = await _pair(make_agent, transport, progress="sleep")
+    assert 20 <= init.poll_us <= 200
+    dst = target.alloc(MiB, name="dst")
+    await within(peer.refresh())
+    await idle(init)
+    assert init.wait(0) is False
+    data = pattern(MiB, 34)
+    src = init.register(data.copy(), name="src")
+    t = init.write(src[0:65536], peer.region("dst")[0:65536])
+    init.flush()
+    deadline = time.monotonic() + 10
+    while not t.done() and not init.wait(init.poll_us):  # no await: the loop never runs
+        assert time.monotonic() < deadline, "no completion within 10 s"
+    init.poll()
+    assert t.done() and t.result().nbytes == 65536
+    assert np.array_equal(dst.numpy()[:65536], data[:65536])
+    await idle(init)
+
+
 async def test_inline_flood_lets_the_loop_run(make_agent) -> None:
     """Awaits that complete inside their post do not starve the loop: a timer
     fires while a coroutine writes one small transfer after another."""

@@ -752,8 +752,8 @@ def _noop() -> None:
     pass
 
 
-def _no_wait(max_us: int) -> int:
-    return 0
+def _no_wait(max_us: int) -> bool:
+    return False
 
 
 def _seconds(x: _Xfer, res: Any) -> float:
@@ -1061,11 +1061,11 @@ class nixlAgent:
         self._flush_fn: Callable[[], None] = _noop
         self._poll_fn: Callable[[], None] = _noop
         self._fd = -1
-        # The engine's bounded busy-poll (Engine.wait: how many completions
+        # The agent's bounded busy-poll (Agent.wait: whether completions
         # wait, spinning up to that many µs without the GIL; 0: a look), and
         # how a tight poller waits (see _wait_completion): spins up to
         # _spin_us first ("adaptive"; 0: "sleep"), or only spins ("poll").
-        self._wait_fn: Callable[[int], int] = _no_wait
+        self._wait_fn: Callable[[int], bool] = _no_wait
         self._spin_us = 0
         self._spin_only = False
         self._transports: tuple[str, ...] | None = None
@@ -1206,10 +1206,9 @@ class nixlAgent:
         self._poll_fn = agent.poll
         self._fd = agent.fileno()
         # (Agent has no public wait: see _wait_completion.)
-        engine = agent._engine
-        self._wait_fn = engine.wait
-        self._spin_us = (0 if progress == "sleep" else engine.poll_us if progress == "adaptive"
-                         else max(engine.poll_us, POLL_SLICE_US))
+        self._wait_fn = agent.wait
+        self._spin_us = (0 if progress == "sleep" else agent.poll_us if progress == "adaptive"
+                         else max(agent.poll_us, POLL_SLICE_US))
         self._spin_only = progress == "poll"
         self._transports = agent.transports
         return {"transports": ",".join(agent.transports), "listen": agent.address,
@@ -2265,7 +2264,7 @@ class nixlAgent:
             spin_us = self._spin_us if x is not None else 0
             if x is not None and spin_us and (x.spin or self._spin_only):
                 try:
-                    spun = self._wait_fn(spin_us) > 0 or self._spin_only
+                    spun = self._wait_fn(spin_us) or self._spin_only
                     if spun and not agent.closed:
                         self._poll_fn()
                 except BaseException:
