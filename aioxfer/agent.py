@@ -491,6 +491,10 @@ class Agent:
         the rest of this process."""
         if self._closed:
             return
+        # What is still batched never reaches the engine: deregistering below
+        # would post it first, and a copy finishing during the release wait
+        # would report success from an agent being closed.
+        self._sub.fail_pending()
         if self._loop is not None and (self._regions or self._freeing):
             await self._release_all()
         self._closed = self._sub.closed = True
