@@ -1606,7 +1606,12 @@ class LayerStream:
         host, m = self.store._host, self.prefix
         assert host is not None and m is not None
         if host.policy.tracks_hits:
-            deque(map(host.policy.hit, self.keys[:m]), maxlen=0)  # consumed at C level
+            # Only the blocks still indexed: this runs after layer 0 is out,
+            # and a pinned block may have been removed or evicted since (LRU's
+            # hit is OrderedDict.move_to_end: a KeyError for a key it lost).
+            # Filtered and consumed at C level.
+            deque(map(host.policy.hit, filter(host.index.__contains__, self.keys[:m])),
+                  maxlen=0)
         host.counters.hits += m
         host.counters.hit_bytes += m * self.store.block_bytes
 
@@ -1703,9 +1708,11 @@ class LayerStream:
         for posted in self._pending[self._next:]:
             for t in posted:
                 t.cancel()  # the caller's memory: cancelling is the caller's choice
-        if self.prefix is not None:
-            self._note_hits()
-        self._op.finish()
+        try:
+            if self.prefix is not None:
+                self._note_hits()
+        finally:
+            self._op.finish()  # the pins go whatever happened above
 
     async def aclose(self) -> None:
         self._finish()
