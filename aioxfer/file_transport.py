@@ -177,9 +177,8 @@ def file_peer(agent: Agent) -> Peer:
     """The agent's one FILE endpoint, as the Peer its transfers are counted on."""
     peer: Peer | None = agent._file_peer
     if peer is None:
-        tag = agent._next_tag()
+        tag = agent._tags.local(PATH)
         ep = agent._engine.endpoint_create(_cyx.EP_FILE, tag, 0)
-        agent._tag_names[tag] = PATH
         peer = Peer(
             agent._peers,
             name=PATH,

@@ -11,6 +11,7 @@ import inspect
 from types import ModuleType
 
 from aioxfer import (
+    connector,
     dialing,
     members,
     peer,
@@ -20,6 +21,7 @@ from aioxfer import (
     serving,
     stats,
     submission,
+    tags,
     transfer,
 )
 from aioxfer.peer import PeerHost
@@ -87,7 +89,7 @@ def test_transfer_reaches_its_host_only_through_transfer_host() -> None:
 
 def test_collaborators_do_not_know_the_agent() -> None:
     for module in (members, rails, stats, peer, transfer, submission, progress, peertable,
-                   serving, dialing):
+                   serving, dialing, connector, tags):
         for node in ast.walk(_tree(module)):
             if isinstance(node, ast.ImportFrom):
                 assert node.module != "aioxfer.agent", f"{module.__name__} imports aioxfer.agent"
@@ -100,7 +102,7 @@ def test_collaborators_do_not_know_the_agent() -> None:
 def test_collaborator_constructors_are_narrow() -> None:
     # Keyword arguments naming what each needs, never a whole agent.
     for cls in (members.Members, rails.Rails, submission.Submission, peertable.PeerTable,
-                serving.Server, dialing.Dialer):
+                serving.Server, dialing.Dialer, connector.Connector):
         params = inspect.signature(cls).parameters
         assert "agent" in params and params["agent"].annotation in ("str", str), cls
         assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "agent")
@@ -130,3 +132,27 @@ def test_transfer_make_sets_what_init_sets() -> None:
         assert b.get_loop() is loop and not b.done()
     finally:
         loop.close()
+
+
+def test_connector_config_is_frozen_and_small() -> None:
+    # More than ~8 things the connector knows of its agent travel as one
+    # frozen record; the callables and collaborators stay separate arguments.
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(connector.ConnectConfig)}
+    assert len(fields) <= 12, sorted(fields)
+    assert connector.ConnectConfig.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert len(inspect.signature(connector.Connector).parameters) <= 10
+
+
+def test_tags_count_references() -> None:
+    t = tags.Tags()
+    a = t.ref("p", 1)
+    assert t.ref("p", 1) == a and t.ref("p", 2) != a
+    f = t.local("file")
+    assert t.names[f] == "file" and t.names[a] == "p"
+    assert len(t) == 2  # (p, 1) and (p, 2); local tags are not counted
+    t.unref(a)
+    assert t.names[a] == "p"  # one reference left
+    t.unref(a)
+    assert a not in t.names and len(t) == 1 and t.ref("p", 1) != a
