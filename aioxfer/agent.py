@@ -30,14 +30,18 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from aioxfer import _cyx, file_transport
+from aioxfer import _cyx, descriptors, file_transport
 from aioxfer import cuda as _cuda
 from aioxfer import progress as _progress
 from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS  # connections one endpoint may have
 from aioxfer.auth import default_token
 from aioxfer.backends import registry as _backends
+from aioxfer.backends.host import BackendHost
 from aioxfer.connector import ConnectConfig, Connector
+from aioxfer.descriptors import Descs as _Descs
+from aioxfer.descriptors import coalesce as _coalesce
+from aioxfer.descriptors import cuda_path as _cuda_path
 from aioxfer.dialing import Dialer, parse_address
 from aioxfer.discovery import (
     Etcd,
@@ -48,7 +52,6 @@ from aioxfer.discovery import (
     encode_meta,
 )
 from aioxfer.errors import (
-    AccessDenied,
     ClosedResourceError,
     PeerLost,
     RegistrationError,
@@ -78,11 +81,9 @@ from aioxfer.protocol import (
 from aioxfer.rails import Rails
 from aioxfer.region import (
     Region,
-    RemoteRegion,
     RemoteSegment,
     Segment,
     SegmentList,
-    pair_descs,
 )
 from aioxfer.serving import Server
 from aioxfer.stats import AgentStatistics, agent_statistics
@@ -101,8 +102,6 @@ _log = get_logger("aioxfer")
 
 TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
 _NEVER_INLINE = (1 << 64) - 1  # the engine's inline_bytes for "never"
-# A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
-_Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
 
 _OK = _cyx.OK
 _OP_WRITE = _cyx.OP_WRITE
@@ -333,7 +332,6 @@ class Agent:
         self._regions: dict[str, Region] = {}
         self._freeing: dict[int, Region] = {}  # deregistered, memory still ours to release
         self._settled: asyncio.Event | None = None  # aclose: set on each freed region
-        self._file_peer: Peer | None = None  # the FILE endpoint, made by the first file transfer
 
         # peers
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
@@ -375,6 +373,19 @@ class Agent:
             fail_queued=self._sub.fail_queued,
             tag_unref=self._tag_unref,
             emit=self._emit if discovery is None else None,
+        )
+        # What local backends (the file transport among them), metrics and
+        # staging reach this agent through (aioxfer.backends.host.host_of).
+        self._backend_host = BackendHost(
+            name,
+            engine=self._engine,
+            peers=self._peers,
+            host_id=self._host_id,
+            cuda_why=self._cuda_why,
+            regions=self._regions,
+            closed=lambda: self._closed,
+            new_tag=self._tags.local,
+            submit=self._submit,
         )
         self._final_native: dict[str, int] | None = None
 
@@ -597,6 +608,16 @@ class Agent:
         if self._closed:
             raise ClosedResourceError(f"agent {self.name!r} is closed")
 
+    def __aioxfer_host__(self) -> BackendHost:
+        """This agent's LocalBackendHost (aioxfer.backends.host): all that local
+        backends, metrics and staging use of it beyond the public API."""
+        return self._backend_host
+
+    @property
+    def _file_peer(self) -> Peer | None:
+        """The FILE endpoint (made by the first file transfer), or None."""
+        return self._backend_host.file_peer
+
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         return f"<Agent {self.name!r} at {self.address}{state}>"
@@ -623,7 +644,7 @@ class Agent:
     def _register_pointer(self, obj: Any, mem: _cuda.GpuMemory, name: str | None) -> Region:
         self._check_open()
         if name is not None:
-            self._check_name(name)
+            self._backend_host.check_name(name)
         what = f"cannot register {type(obj).__name__} ({mem.kind} memory, {mem.nbytes} bytes)"
         export = None
         if mem.kind == "cuda":
@@ -647,7 +668,7 @@ class Agent:
         except _cyx.NativeError as exc:
             raise RegistrationError(f"{what}: {exc}") from None
         if name is None:
-            name = self._default_name(rid)
+            name = self._backend_host.default_name(rid)
         region = Region(self, name, rid, key, mem.nbytes, access, mem.ptr, obj)
         region.kind = mem.kind
         region._cuda = export
@@ -663,7 +684,7 @@ class Agent:
         if nbytes <= 0:
             raise RegistrationError(f"cannot allocate {nbytes} bytes: size must be positive")
         if name is not None:
-            self._check_name(name)
+            self._backend_host.check_name(name)
         label = f"aioxfer:{self.name}:{name or 'alloc'}"[:200]
         try:
             fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -718,22 +739,6 @@ class Agent:
 
         return await serve_metrics(self, port, host)
 
-    def _default_name(self, rid: int, prefix: str = "region") -> str:
-        """A name for an unnamed region: prefix-rid, made unique among ours."""
-        name, k = f"{prefix}-{rid}", 1
-        while name in self._regions:
-            name, k = f"{prefix}-{rid}-{k}", k + 1
-        return name
-
-    def _check_name(self, name: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise RegistrationError("a region name must be a non-empty string")
-        if name in self._regions:
-            raise RegistrationError(
-                f"agent {self.name!r} already has a region named {name!r}; "
-                f"deregister it first or choose another name"
-            )
-
     def _register(
         self,
         obj: Any,
@@ -745,7 +750,7 @@ class Agent:
     ) -> Region:
         self._check_open()
         if name is not None:
-            self._check_name(name)
+            self._backend_host.check_name(name)
         try:
             rid, key, addr, nbytes, access = self._engine.register(obj, memfd)
         except ValueError as exc:
@@ -757,7 +762,7 @@ class Agent:
         except _cyx.NativeError as exc:
             raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
         if name is None:
-            name = self._default_name(rid)
+            name = self._backend_host.default_name(rid)
         region = Region(self, name, rid, key, nbytes, access, addr, obj, memfd, ino, mm)
         self._regions[name] = region
         if "cuda" in self.transports:
@@ -1232,14 +1237,14 @@ class Agent:
         if file_transport.is_file_target(remote):
             return file_transport.descs(self, local, remote)
         if isinstance(local, SegmentList) and isinstance(remote, SegmentList):
-            return self._descs_vector(local, remote)
+            return descriptors.from_vectors(local, remote, owner=self)
         if (
             isinstance(local, Sequence)
             and isinstance(remote, Sequence)
             and not isinstance(local, str | bytes | bytearray)
             and not isinstance(remote, str | bytes | bytearray)
         ):
-            return self._descs_lists(local, remote)
+            return descriptors.from_lists(local, remote, owner=self, peers=self._peers)
         raise TypeError(
             f"{op} takes a Segment and a RemoteSegment, equal-length lists of them, or two "
             f"SegmentLists; not {type(local).__name__} and {type(remote).__name__}"
@@ -1269,111 +1274,7 @@ class Agent:
         return rr.peer, (lr.rid, local.offset, rr.rid, rr.key, remote.offset, n), n
 
     def _check_pair(self, local: Any, remote: Any, i: int) -> None:
-        if not isinstance(local, Segment):
-            raise TypeError(f"local segment {i} is a {type(local).__name__}, not a Segment")
-        if not isinstance(remote, RemoteSegment):
-            raise TypeError(f"remote segment {i} is a {type(remote).__name__}, not a RemoteSegment")
-        lr = local.region
-        if lr._agent is not self:
-            raise ValueError(f"local segment {i} is in a region of agent {lr._agent.name!r}")
-        lr._check()
-        rr = remote.region
-        if rr._gone:
-            raise AccessDenied(
-                f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
-                peer=rr.peer.name,
-            )
-        if rr.peer._host is not self._peers:
-            raise ValueError(f"remote segment {i} belongs to a peer of another agent")
-        # GPU memory travels its own path (cuda) or RDMA (GPUDirect: the
-        # engine says so, per region, if the NIC cannot reach it).
-        if lr.kind != "host" and rr.peer.path not in (lr.kind, "verbs"):
-            raise TransportError(
-                f"local region {lr.name!r} is {lr.kind} memory, which path "
-                f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
-                peer=rr.peer.name,
-            )
-        if rr.kind != "host" and rr.peer.path not in (rr.kind, "verbs"):
-            raise TransportError(
-                f"remote region {rr.name!r} of peer {rr.peer.name!r} is {rr.kind} memory, "
-                f"which path {rr.peer.path!r} cannot reach",
-                peer=rr.peer.name,
-            )
-        if local.length != remote.length:
-            raise ValueError(
-                f"segment {i}: local length {local.length} != remote length {remote.length}"
-            )
-        if not local.length:
-            raise ValueError(f"segment {i} is empty")
-
-    def _descs_lists(
-        self, local: Sequence[Any], remote: Sequence[Any]
-    ) -> tuple[Peer, npt.NDArray[np.uint64], int]:
-        n = len(local)
-        if n != len(remote):
-            raise ValueError(f"{n} local segments but {len(remote)} remote segments")
-        if not n:
-            raise ValueError("no segments to transfer")
-        rows: list[tuple[int, int, int, int, int, int]] = []
-        append = rows.append
-        last_l: Any = None
-        last_r: Any = None
-        peer: Peer | None = None
-        total = 0
-        for i in range(n):
-            ls = local[i]
-            rs = remote[i]
-            try:
-                lr = ls.region
-                rr = rs.region
-                length = ls.length
-                ok = (
-                    type(ls) is Segment
-                    and type(rs) is RemoteSegment
-                    and length == rs.length
-                    and length > 0
-                )
-            except AttributeError:
-                ok = False
-            if not ok or lr is not last_l or rr is not last_r:
-                self._check_pair(ls, rs, i)
-                if peer is None:
-                    peer = rr.peer
-                elif rr.peer is not peer:
-                    raise ValueError(
-                        f"remote segment {i} is on peer {rr.peer.name!r}, not {peer.name!r}: "
-                        f"one transfer goes to one peer"
-                    )
-                last_l, last_r = lr, rr
-            append((lr.rid, ls.offset, rr.rid, rr.key, rs.offset, length))
-            total += length
-        assert peer is not None
-        return peer, np.array(rows, dtype=np.uint64), total
-
-    def _descs_vector(
-        self, local: SegmentList, remote: SegmentList
-    ) -> tuple[Peer, npt.NDArray[np.uint64], int]:
-        lr = local.region
-        rr = remote.region
-        if not isinstance(lr, Region) or not isinstance(rr, RemoteRegion):
-            raise TypeError("the first SegmentList must be of a local Region, the second remote")
-        if lr._agent is not self:
-            raise ValueError(f"local segments are in a region of agent {lr._agent.name!r}")
-        lr._check()
-        for region, where in ((lr, "local"), (rr, "remote")):
-            if region.kind != "host" and rr.peer.path != region.kind:
-                raise TransportError(
-                    f"{where} region {region.name!r} is {region.kind} memory, which path "
-                    f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
-                    peer=rr.peer.name,
-                )
-        if rr._gone:
-            raise AccessDenied(
-                f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
-                peer=rr.peer.name,
-            )
-        descs = pair_descs(local, lr.rid, remote, rr.rid, rr.key, "remote")
-        return rr.peer, descs, local.nbytes
+        descriptors.check_pair(local, remote, i, owner=self, peers=self._peers)
 
     # ------------------------------------------------------------ completions
 
@@ -1487,40 +1388,6 @@ class Agent:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _coalesce(descs: _Descs) -> tuple[_Descs, npt.NDArray[np.intp] | None]:
-    """Merges runs of descriptors contiguous on both sides (same regions) into
-    one each: fewer copies, frames and syscalls for a KV block split in pages.
-    Returns the merged array and, when anything merged, each merged
-    descriptor's first original index (to report failures by the caller's
-    index)."""
-    if isinstance(descs, tuple) or len(descs) < 2:
-        return descs, None
-    a, b = descs[:-1], descs[1:]
-    joins = (
-        (b[:, 0] == a[:, 0])
-        & (b[:, 2] == a[:, 2])
-        & (b[:, 3] == a[:, 3])
-        & (b[:, 1] == a[:, 1] + a[:, 5])
-        & (b[:, 4] == a[:, 4] + a[:, 5])
-    )
-    if not joins.any():
-        return descs, None
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    merged = descs[starts]
-    merged[:, 5] = np.add.reduceat(descs[:, 5], starts)
-    return merged, starts
-
-
-def _cuda_path(local: Any, remote: Any) -> str:
-    """What a transfer to a "cuda" peer is: "cuda" when it touches GPU memory
-    (CUDA copies), else "shm" (host memory moves as shm copies)."""
-    for side in (local, remote):
-        segs = side if isinstance(side, Sequence) else (side,)
-        if any(s.region.kind != "host" for s in segs):
-            return "cuda"
-    return "shm"
 
 
 def _describe(t: Transfer) -> str:
