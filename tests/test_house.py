@@ -13,6 +13,7 @@ from types import ModuleType
 from aioxfer import (
     agent,
     connector,
+    descriptors,
     dialing,
     file_transport,
     members,
@@ -98,7 +99,7 @@ def test_transfer_reaches_its_host_only_through_transfer_host() -> None:
 
 def test_collaborators_do_not_know_the_agent() -> None:
     for module in (members, rails, stats, peer, transfer, submission, progress, peertable,
-                   serving, dialing, connector, tags):
+                   serving, dialing, connector, tags, descriptors, backends_host):
         for node in ast.walk(_tree(module)):
             if isinstance(node, ast.ImportFrom):
                 assert node.module != "aioxfer.agent", f"{module.__name__} imports aioxfer.agent"
