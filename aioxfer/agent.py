@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
-import itertools
 import mmap
 import os
 import secrets
@@ -32,13 +30,18 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from aioxfer import _cyx, file_transport
+from aioxfer import _cyx, descriptors, file_transport
 from aioxfer import cuda as _cuda
 from aioxfer import progress as _progress
 from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS  # connections one endpoint may have
 from aioxfer.auth import default_token
 from aioxfer.backends import registry as _backends
+from aioxfer.backends.host import BackendHost
+from aioxfer.connector import ConnectConfig, Connector
+from aioxfer.descriptors import Descs as _Descs
+from aioxfer.descriptors import coalesce as _coalesce
+from aioxfer.descriptors import cuda_path as _cuda_path
 from aioxfer.dialing import Dialer, parse_address
 from aioxfer.discovery import (
     Etcd,
@@ -46,27 +49,18 @@ from aioxfer.discovery import (
     Membership,
     MembershipEvent,
     PeerJoined,
-    PeerUpdated,
     encode_meta,
 )
 from aioxfer.errors import (
-    AccessDenied,
     ClosedResourceError,
     PeerLost,
-    ProtocolError,
     RegistrationError,
-    StalePeer,
     TransportError,
     XferError,
-    error_class,
 )
 from aioxfer.limits import Limits
 from aioxfer.local import (
-    PeerCred,
-    check_sealed,
     listen_local,
-    peer_cred,
-    peer_pidfd,
     seal,
 )
 from aioxfer.log import get_logger
@@ -77,32 +71,24 @@ from aioxfer.metadata import (
     AgentMeta,
     CudaExport,
     RegionMeta,
-    VerbsAccept,
-    VerbsConnect,
-    VerbsQP,
 )
 from aioxfer.notifications import Notification, Notifications
 from aioxfer.peer import Peer
 from aioxfer.peertable import PeerTable, notify_payload
 from aioxfer.protocol import (
-    client_handshake,
-    recv_frame,
-    send_frame,
     token_bytes,
 )
 from aioxfer.rails import Rails
 from aioxfer.region import (
     Region,
-    RemoteRegion,
     RemoteSegment,
     Segment,
     SegmentList,
-    pair_descs,
 )
-from aioxfer.scheduling import PeerScheduler
-from aioxfer.serving import Server, qp_tuple
+from aioxfer.serving import Server
 from aioxfer.stats import AgentStatistics, agent_statistics
 from aioxfer.submission import Submission
+from aioxfer.tags import Tags
 from aioxfer.transfer import Transfer
 
 if TYPE_CHECKING:  # optional extras, imported where used
@@ -116,8 +102,6 @@ _log = get_logger("aioxfer")
 
 TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
 _NEVER_INLINE = (1 << 64) - 1  # the engine's inline_bytes for "never"
-# A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
-_Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
 
 _OK = _cyx.OK
 _OP_WRITE = _cyx.OP_WRITE
@@ -348,16 +332,16 @@ class Agent:
         self._regions: dict[str, Region] = {}
         self._freeing: dict[int, Region] = {}  # deregistered, memory still ours to release
         self._settled: asyncio.Event | None = None  # aclose: set on each freed region
-        self._file_peer: Peer | None = None  # the FILE endpoint, made by the first file transfer
 
         # peers
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
         self._connecting_eps: dict[int, int] = {}  # endpoint -> status if lost meanwhile
-        self._tags: dict[tuple[str, int], int] = {}
-        self._tag_names: dict[int, str] = {}
-        self._tag_keys: dict[int, tuple[str, int]] = {}
-        self._tag_refs: dict[int, int] = {}
-        self._next_tag = itertools.count(1).__next__
+        # Tags: each accepted connection and each endpoint holds one reference
+        # to its peer's until it is gone, so that churn leaves no tags behind.
+        self._tags = Tags()
+        self._tag_names = self._tags.names
+        self._tag_for = self._tags.ref
+        self._tag_unref = self._tags.unref
 
         # membership
         self._discovery = discovery
@@ -389,6 +373,19 @@ class Agent:
             fail_queued=self._sub.fail_queued,
             tag_unref=self._tag_unref,
             emit=self._emit if discovery is None else None,
+        )
+        # What local backends (the file transport among them), metrics and
+        # staging reach this agent through (aioxfer.backends.host.host_of).
+        self._backend_host = BackendHost(
+            name,
+            engine=self._engine,
+            peers=self._peers,
+            host_id=self._host_id,
+            cuda_why=self._cuda_why,
+            regions=self._regions,
+            closed=lambda: self._closed,
+            new_tag=self._tags.local,
+            submit=self._submit,
         )
         self._final_native: dict[str, int] | None = None
 
@@ -611,6 +608,16 @@ class Agent:
         if self._closed:
             raise ClosedResourceError(f"agent {self.name!r} is closed")
 
+    def __aioxfer_host__(self) -> BackendHost:
+        """This agent's LocalBackendHost (aioxfer.backends.host): all that local
+        backends, metrics and staging use of it beyond the public API."""
+        return self._backend_host
+
+    @property
+    def _file_peer(self) -> Peer | None:
+        """The FILE endpoint (made by the first file transfer), or None."""
+        return self._backend_host.file_peer
+
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         return f"<Agent {self.name!r} at {self.address}{state}>"
@@ -637,7 +644,7 @@ class Agent:
     def _register_pointer(self, obj: Any, mem: _cuda.GpuMemory, name: str | None) -> Region:
         self._check_open()
         if name is not None:
-            self._check_name(name)
+            self._backend_host.check_name(name)
         what = f"cannot register {type(obj).__name__} ({mem.kind} memory, {mem.nbytes} bytes)"
         export = None
         if mem.kind == "cuda":
@@ -661,7 +668,7 @@ class Agent:
         except _cyx.NativeError as exc:
             raise RegistrationError(f"{what}: {exc}") from None
         if name is None:
-            name = self._default_name(rid)
+            name = self._backend_host.default_name(rid)
         region = Region(self, name, rid, key, mem.nbytes, access, mem.ptr, obj)
         region.kind = mem.kind
         region._cuda = export
@@ -677,7 +684,7 @@ class Agent:
         if nbytes <= 0:
             raise RegistrationError(f"cannot allocate {nbytes} bytes: size must be positive")
         if name is not None:
-            self._check_name(name)
+            self._backend_host.check_name(name)
         label = f"aioxfer:{self.name}:{name or 'alloc'}"[:200]
         try:
             fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -732,22 +739,6 @@ class Agent:
 
         return await serve_metrics(self, port, host)
 
-    def _default_name(self, rid: int, prefix: str = "region") -> str:
-        """A name for an unnamed region: prefix-rid, made unique among ours."""
-        name, k = f"{prefix}-{rid}", 1
-        while name in self._regions:
-            name, k = f"{prefix}-{rid}-{k}", k + 1
-        return name
-
-    def _check_name(self, name: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise RegistrationError("a region name must be a non-empty string")
-        if name in self._regions:
-            raise RegistrationError(
-                f"agent {self.name!r} already has a region named {name!r}; "
-                f"deregister it first or choose another name"
-            )
-
     def _register(
         self,
         obj: Any,
@@ -759,7 +750,7 @@ class Agent:
     ) -> Region:
         self._check_open()
         if name is not None:
-            self._check_name(name)
+            self._backend_host.check_name(name)
         try:
             rid, key, addr, nbytes, access = self._engine.register(obj, memfd)
         except ValueError as exc:
@@ -771,7 +762,7 @@ class Agent:
         except _cyx.NativeError as exc:
             raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
         if name is None:
-            name = self._default_name(rid)
+            name = self._backend_host.default_name(rid)
         region = Region(self, name, rid, key, nbytes, access, addr, obj, memfd, ino, mm)
         self._regions[name] = region
         if "cuda" in self.transports:
@@ -905,35 +896,11 @@ class Agent:
             local=self._local_name,
         )
 
-    def _tag_for(self, name: str, incarnation: int) -> int:
-        """The tag of (name, incarnation)'s connections, one reference more:
-        each accepted connection and each endpoint holds one until it is
-        gone (_tag_unref), so that churn leaves no tags behind."""
-        key = (name, incarnation)
-        tag = self._tags.get(key)
-        if tag is None:
-            tag = self._tags[key] = self._next_tag()
-            self._tag_names[tag] = name
-            self._tag_keys[tag] = key
-        self._tag_refs[tag] = self._tag_refs.get(tag, 0) + 1
-        return tag
-
     def _notify_release(self, tag: int) -> None:
         """The application took a notification that came on tag's connection:
         the engine may read that connection again if it had paused it."""
         if not self._closed:
             self._engine.notify_release(tag, 1)
-
-    def _tag_unref(self, tag: int) -> None:
-        n = self._tag_refs.get(tag, 0) - 1
-        if n > 0:
-            self._tag_refs[tag] = n
-            return
-        self._tag_refs.pop(tag, None)
-        key = self._tag_keys.pop(tag, None)
-        if key is not None:
-            self._tags.pop(key, None)
-        self._tag_names.pop(tag, None)
 
     # ------------------------------------------------------------ membership
     # etcd's view, fencing and the membership() streams live in
@@ -1097,181 +1064,34 @@ class Agent:
             task.exception()  # retrieved: every awaiter may have been cancelled
 
     async def _connect(self, address: str) -> Peer:
-        host, port = parse_address(address)
-        # One data connection first, so that the peer's engine holds it before
-        # the peer takes the metadata snapshot: a region deregistered after the
-        # snapshot is then revoked on this connection, and since its regions are
-        # imported before the engine reads from it, no stale handle slips by.
-        sock0, accept0 = await self._dialer.open(address)
-        local: _LocalLink | None = None
-        try:
-            if (
-                self._local_sock is not None
-                and accept0.local
-                and accept0.host_id == self._host_id
-                and _cma_allowed()
-            ):
-                # Same host, says the peer: the kernel confirms it on the peer's
-                # unix socket, whose metadata then replaces a tcp fetch.
-                local = await self._open_local(address, accept0)
-            if local is not None:
-                assert local.meta is not None
-                meta = local.meta
-            else:
-                meta = await self._dialer.fetch_meta(host, port, address)
-            self._check_open()
-            if accept0.incarnation != meta.incarnation:
-                raise TransportError(
-                    f"peer at {address} restarted while we connected (incarnation "
-                    f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
-                )
-            return await self._connect_meta(address, meta, sock0, local)
-        finally:
-            if sock0.fileno() >= 0:
-                sock0.close()
-            if local is not None:
-                local.close()
+        return await self._connector.connect(address)
 
-    async def _connect_meta(
-        self, address: str, meta: AgentMeta, sock0: socket.socket, local: _LocalLink | None
-    ) -> Peer:
-        if self._discovery is None:
-            # Embedded, names need not be unique: only the same name at the same
-            # address with another incarnation is a restart of a peer we had.
-            self._fence(meta.name, meta.incarnation, address)
-        known = self._peers.by_inc.get((meta.name, meta.incarnation))
-        if known is not None and not known._lost:
-            self._peers.by_addr[address] = known
-            return known
-        if meta.version != PROTOCOL_VERSION:
-            raise ProtocolError(f"peer at {address} speaks protocol version {meta.version}")
-        if meta.byteorder != sys.byteorder:
-            raise ProtocolError(f"peer at {address} is {meta.byteorder}-endian")
-        # The same-host path only once the kernel vouched for the peer.
-        path = self._choose_path(meta, same_host=local is not None)
-        if path is None:
-            raise TransportError(
-                f"no transport in common with peer {meta.name!r} at {address} "
-                f"(ours: {self.transports}, theirs: {tuple(meta.transports)}, "
-                f"same host: {meta.host_id == self._host_id})"
-            )
-        return await self._connect_path(
-            address, meta, sock0, path, local if path in ("shm", "cuda") else None
+    @functools.cached_property
+    def _connector(self) -> Connector:
+        """The connect-flow collaborator, made on first use."""
+        return Connector(
+            self.name,
+            config=ConnectConfig(
+                incarnation=self.incarnation,
+                token=self._token,
+                host_id=self._host_id,
+                local=self._local_sock is not None,
+                transports=self.transports,
+                verbs_devices=tuple(self._verbs_devices),
+                max_rails=self._max_rails,
+                tcp_connections=self._tcp_connections,
+                peer_max_bytes=self._limits[0],
+                peer_max_requests=self._limits[1],
+            ),
+            engine=self._engine,
+            dialer=self._dialer,
+            peers=self._peers,
+            tags=self._tags,
+            rails=self._rails,
+            embedded=self._membership if self._discovery is None else None,
+            connecting=self._connecting_eps,
+            closed=lambda: self._closed,
         )
-
-    async def _connect_path(
-        self,
-        address: str,
-        meta: AgentMeta,
-        sock0: socket.socket,
-        path: str,
-        local: _LocalLink | None,
-    ) -> Peer:
-        shm = local is not None  # same host: one connection, copies by this engine
-        verbs = path == "verbs"
-        # tcp: every advertised listen address is a rail; the one we came by
-        # may be a name or another spelling of one of them. shm and verbs:
-        # one control connection (verbs: its rails are queue pairs).
-        # At most max_rails of what the peer advertises are dialled: its
-        # metadata must not make us open connections to anyone else en masse.
-        rails = (
-            [address] if shm or verbs or len(meta.rails) < 2
-            else list(meta.rails)[: self._max_rails]
-        )
-        first = rails.index(address) if address in rails else 0
-        per = 1 if shm or verbs else max(1, min(self._tcp_connections, MAX_CONNS // len(rails)))
-        tag = self._tag_for(meta.name, meta.incarnation)
-        kind = {"shm": _cyx.EP_SHM, "cuda": _cyx.EP_CUDA, "verbs": _cyx.EP_VERBS}.get(
-            path, _cyx.EP_TCP
-        )
-        if local is not None:
-            # The engine aims cross-memory attach only at the pid the kernel
-            # reported, and owns the pidfd from here on.
-            pid, pidfd = local.cred.pid, local.take_pidfd()
-        else:
-            pid, pidfd = 0, -1
-        try:
-            ep = self._engine.endpoint_create(kind, tag, pid, pidfd)
-        except BaseException:
-            self._tag_unref(tag)
-            raise
-        self._connecting_eps[ep] = 0
-        try:
-            peer = Peer(
-                self._peers,
-                name=meta.name,
-                address=address,
-                incarnation=meta.incarnation,
-                path=path,
-                host_id=meta.host_id,
-                pid=pid,
-                ep=ep,
-            )
-            if local is not None:
-                peer._local = meta.local
-            peer._tag = tag
-            peer._rails = rails
-            peer._rail_conns = per
-            if self._limits != (None, None):
-                peer._sched = PeerScheduler(max_bytes=self._limits[0],
-                                            max_requests=self._limits[1])
-            # Regions first: before the engine reads revocations on the connection.
-            self._apply_regions(peer, meta.regions, local.fds if local is not None else None)
-            if local is not None:
-                self._engine.endpoint_add_conn(ep, local.take_data(), first)
-            else:
-                self._engine.endpoint_add_conn(ep, sock0.detach(), first)
-            # The rest of the connections, every rail at once: (rail, how many).
-            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first))]
-            added = await asyncio.gather(
-                *(self._dial_rail(ep, i, rails[i], n, meta.incarnation) for i, n in dial)
-            )
-            reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
-            if verbs:
-                await self._connect_verbs(ep, address, meta)
-            self._check_open()
-            lost = self._connecting_eps.pop(ep)
-            if lost:
-                raise PeerLost(
-                    f"peer {meta.name!r} at {address} was lost while connecting: "
-                    f"{_cyx.strerror(lost)}",
-                    status=lost,
-                    peer=meta.name,
-                )
-        except BaseException as exc:
-            self._connecting_eps.pop(ep, None)
-            self._tag_unref(tag)
-            if not self._closed:
-                try:
-                    self._engine.endpoint_close(ep)
-                except _cyx.NativeError:
-                    pass
-            if isinstance(exc, _cyx.NativeError):
-                raise error_class(exc.status)(
-                    f"cannot connect to peer {meta.name!r} at {address}: {exc}", status=exc.status
-                ) from None
-            raise
-        self._peers.add(peer, address)
-        for i in range(len(rails)):
-            if i not in reached:  # unreachable now: probed until it answers
-                peer._rails_down.add(i)
-                _log.warning("rail.down", agent=self.name, peer=peer.name, address=rails[i],
-                             reason="unreachable at connect", moved=0)
-                self._start_probe(peer, i)
-        if self._discovery is None:
-            self._emit(PeerJoined(peer.name, peer.incarnation, address,
-                                  tuple(sorted(peer._regions))))
-        _log.info(
-            "peer.connected",
-            agent=self.name,
-            peer=peer.name,
-            address=address,
-            path=path,
-            conns=1 + sum(added),
-            rails=len(rails),
-            regions=len(peer._regions),
-        )
-        return peer
 
     # ------------------------------------------------------------ rails
     # Keeping a tcp peer's rails up (noticing a rail down, re-dialling it)
@@ -1292,247 +1112,11 @@ class Agent:
             timeout_status=_cyx.E_TIMEOUT,
         )
 
-    def _rail_live(self, peer: Peer) -> dict[int, int]:
-        return self._rails.live(peer)
-
     def _on_rail_down(self, peer: Peer, rail: int, moved: int, status: int) -> None:
         self._rails.on_down(peer, rail, moved, status)
 
-    def _start_probe(self, peer: Peer, rail: int) -> None:
-        if self._loop is not None:
-            self._rails.start_probe(peer, rail)
-
-    async def _dial_rail(
-        self, ep: int, rail: int, address: str, n: int, incarnation: int
-    ) -> int:
-        return await self._rails.dial(ep, rail, address, n, incarnation)
-
-    def _choose_path(self, meta: AgentMeta, *, same_host: bool) -> str | None:
-        """same_host: the kernel vouched for the peer (_open_local)."""
-        if same_host and "cuda" in self.transports and "cuda" in meta.transports:
-            return "cuda"  # GPU memory by CUDA IPC, host memory as shm
-        if same_host and "shm" in self.transports and "shm" in meta.transports:
-            return "shm"
-        if "verbs" in self.transports and "verbs" in meta.transports and meta.verbs_devices:
-            return "verbs"
-        if "tcp" in self.transports and "tcp" in meta.transports:
-            return "tcp"
-        return None
-
-    async def _open_local(self, address: str, meta: Accept) -> _LocalLink | None:
-        """The same-host link to the peer that answered meta (its Accept), over
-        its unix socket: a handshaken data connection, the peer's
-        kernel-reported credentials and pidfd, and its metadata with its memfds
-        (passed by the kernel). None, logged, when the kernel does not vouch
-        for it (another user, another agent behind that name): the caller
-        falls back to tcp."""
-        assert self._loop is not None
-        link = _LocalLink()
-        result: _LocalLink | None = None
-        why = ""
-        try:
-            async with self._dialer.control_errors(address, "connecting locally to", "connect to"):
-                link.data = await self._dialer.dial_local(meta.local)
-                link.cred = peer_cred(link.data)
-                if link.cred.uid != os.geteuid():
-                    why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
-                    return None
-                accept = await client_handshake(
-                    self._loop, link.data, name=self.name, incarnation=self.incarnation,
-                    purpose="data", token=self._token,
-                )
-                if (accept.name, accept.incarnation) != (meta.name, meta.incarnation):
-                    why = f"its unix socket is served by another agent ({accept.name!r})"
-                    return None
-                link.pidfd = peer_pidfd(link.data, link.cred)
-                link.meta, link.fds = await self._dialer.fetch_local_meta(meta.local, link.cred.pid)
-            if (link.meta.name, link.meta.incarnation) != (meta.name, meta.incarnation):
-                why = "it restarted while we connected"
-                return None
-            result = link
-            return result
-        finally:
-            if result is None:
-                link.close()
-                if why:
-                    _log.warning("local.refused", agent=self.name, peer=meta.name,
-                                 address=address, reason=why, fallback="tcp")
-
-    async def _connect_verbs(self, ep: int, address: str, meta: AgentMeta) -> None:
-        """A queue pair per device pair (rail i: our device i, the peer's i),
-        exchanged on a "verbs" control connection that then joins endpoint
-        ep; ready to post once this returns."""
-        assert self._loop is not None
-        # Rails pair devices of one link layer (an InfiniBand port never
-        # reaches a RoCE one), not index i with index i.
-        pairs = _verbs.pair_rails(self._verbs_devices, list(meta.verbs_devices))
-        if not pairs:
-            raise TransportError(
-                f"no RDMA device of ours shares a link layer with one of peer {meta.name!r}"
-            )
-        n = len(pairs)
-        ours = [self._engine.verbs_qp_create(ep, mine) for mine, _ in pairs]
-        sock, accept = await self._dialer.open(address, purpose="verbs")
-        try:
-            if accept.incarnation != meta.incarnation:
-                raise TransportError(
-                    f"peer at {address} restarted while we connected: connect again"
-                )
-            async with self._dialer.control_errors(address, "exchanging queue pairs with", "reach"):
-                await send_frame(
-                    self._loop,
-                    sock,
-                    VerbsConnect(
-                        qps=[VerbsQP(*q) for q in ours], devices=[theirs for _, theirs in pairs]
-                    ),
-                )
-                reply = await recv_frame(self._loop, sock)
-            if not isinstance(reply, VerbsAccept) or len(reply.qps) != n:
-                raise ProtocolError(f"peer at {address} answered the queue pairs with {reply!r}")
-            for (mine, theirs), qp in zip(pairs, reply.qps, strict=True):
-                self._engine.verbs_qp_connect(ep, mine, theirs, qp_tuple(qp))
-            # The handshake and exchange read exactly their frames: the rest is the engine's.
-            self._engine.endpoint_add_conn(ep, sock.detach(), 0)
-        finally:
-            if sock.fileno() >= 0:
-                sock.close()
-
-    def _apply_regions(
-        self, peer: Peer, regions: list[RegionMeta], fds: list[int] | None = None
-    ) -> None:
-        """Imports regions new to us and forgets the ones the peer dropped.
-        fds: a same-host peer's memfds as the kernel passed them (the caller
-        closes them; the engine keeps its own mapping)."""
-        eng = self._engine
-        ep = peer._ep
-        wanted = {(m.rid, m.key): m for m in regions}
-        for (rid, key), rr in _keyed(peer):
-            if (rid, key) not in wanted:
-                rr._gone = True
-                del peer._by_rid[rid]
-                if peer._regions.get(rr.name) is rr:
-                    del peer._regions[rr.name]
-                try:
-                    eng.endpoint_forget(ep, rid)
-                except _cyx.NativeError:
-                    pass
-        for m in regions:
-            old = peer._by_rid.get(m.rid)
-            if old is not None:
-                if old.name != m.name:  # renamed cannot happen today; keep names in sync
-                    peer._regions.pop(old.name, None)
-                    old.name = m.name
-                    peer._regions[m.name] = old
-                continue
-            if m.kind != "host":
-                self._import_device_region(peer, m)
-                continue
-            memfd = -1
-            if fds is not None and 0 <= m.memfd < len(fds):
-                why = check_sealed(fds[m.memfd], m.nbytes)
-                if why is None:
-                    memfd = fds[m.memfd]
-                else:  # never mapped: cross-memory attach reaches it without SIGBUS
-                    _log.warning("region.memfd_refused", agent=self.name, peer=peer.name,
-                                 region=m.name, reason=why)
-            try:
-                eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
-            except _cyx.NativeError:
-                if memfd < 0:
-                    raise
-                # Could not map it: cross-memory attach reaches it too.
-                eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, -1)
-                memfd = -1
-            if peer.path == "verbs":
-                eng.endpoint_import_verbs(ep, m.rid, _verbs_keys(peer, m))
-            rr = RemoteRegion(peer, m.name, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
-            stale = peer._regions.get(m.name)
-            if stale is not None:
-                stale._gone = True
-            peer._by_rid[m.rid] = rr
-            peer._regions[m.name] = rr
-
-    def _import_device_region(self, peer: Peer, m: RegionMeta) -> None:
-        """A peer's GPU region: imported where the path reaches GPU memory; known
-        (so that transfers to it fail saying why) everywhere."""
-        rr = RemoteRegion(peer, m.name, m.rid, m.key, m.nbytes, m.access, m.addr)
-        rr.kind = m.kind
-        if peer.path == "cuda" and m.kind == "cuda" and m.cuda is not None:
-            own = peer.pid == os.getpid()  # a loopback peer: our own memory, no IPC
-            try:
-                self._engine.endpoint_import_cuda(
-                    peer._ep, m.rid, m.key, m.nbytes, m.access, m.addr,
-                    None if own else m.cuda.handle, m.cuda.offset, m.cuda.device,
-                )
-            except (_cyx.NativeError, ValueError) as exc:
-                _log.warning("region.cuda_import_failed", agent=self.name, peer=peer.name,
-                             region=m.name, error=str(exc))
-        elif peer.path == "verbs" and m.verbs:
-            # GPUDirect RDMA: the owner registered it with its NICs (no rkeys:
-            # it could not, and transfers to it fail at the engine saying so).
-            try:
-                self._engine.endpoint_import(
-                    peer._ep, m.rid, m.key, m.nbytes, m.access, m.addr, -1
-                )
-                self._engine.endpoint_import_verbs(peer._ep, m.rid, _verbs_keys(peer, m))
-            except _cyx.NativeError as exc:
-                _log.warning("region.verbs_import_failed", agent=self.name, peer=peer.name,
-                             region=m.name, error=str(exc))
-        stale = peer._regions.get(m.name)
-        if stale is not None:
-            stale._gone = True
-        peer._by_rid[m.rid] = rr
-        peer._regions[m.name] = rr
-
     async def _refresh_peer(self, peer: Peer) -> None:
-        self._check_open()
-        if peer._lost:
-            raise peer._lost_error()
-        fds: list[int] | None = None
-        if peer._local:
-            try:
-                async with self._dialer.control_errors(peer.address, "fetching metadata from",
-                                                "fetch metadata from"):
-                    meta, fds = await self._dialer.fetch_local_meta(peer._local, peer.pid)
-            except (OSError, ProtocolError, TransportError) as exc:
-                if not peer._lost:
-                    raise
-                raise peer._lost_error() from exc
-        else:
-            host, port = parse_address(peer.address)
-            meta = await self._dialer.fetch_meta(host, port, peer.address)
-        try:
-            await self._refresh_with(peer, meta, fds)
-        finally:
-            for fd in fds or ():
-                os.close(fd)
-
-    async def _refresh_with(self, peer: Peer, meta: AgentMeta, fds: list[int] | None) -> None:
-        if peer._lost:
-            raise peer._lost_error()
-        if meta.name != peer.name or meta.incarnation != peer.incarnation:
-            peer._stale = True
-            self._peers.drop(peer, "it restarted")
-            raise StalePeer(
-                f"peer {peer.name!r} at {peer.address} restarted (now {meta.name!r}, incarnation "
-                f"{meta.incarnation:#x}, was {peer.incarnation:#x}): its old regions are fenced; "
-                f"connect again"
-            )
-        before = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
-        try:
-            self._apply_regions(peer, meta.regions, fds)
-        except _cyx.NativeError as exc:
-            raise error_class(exc.status)(
-                f"cannot refresh peer {peer.name!r}: {exc}", status=exc.status, peer=peer.name
-            ) from None
-        if self._discovery is None:
-            after = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
-            if before != after:
-                self._emit(PeerUpdated(
-                    peer.name, peer.incarnation, peer.address,
-                    tuple(sorted(n for n, _ in after - before)),
-                    tuple(sorted(n for n, _ in before - after)),
-                ))
+        await self._connector.refresh(peer)
 
     # ------------------------------------------------------------ data path
 
@@ -1653,14 +1237,14 @@ class Agent:
         if file_transport.is_file_target(remote):
             return file_transport.descs(self, local, remote)
         if isinstance(local, SegmentList) and isinstance(remote, SegmentList):
-            return self._descs_vector(local, remote)
+            return descriptors.from_vectors(local, remote, owner=self)
         if (
             isinstance(local, Sequence)
             and isinstance(remote, Sequence)
             and not isinstance(local, str | bytes | bytearray)
             and not isinstance(remote, str | bytes | bytearray)
         ):
-            return self._descs_lists(local, remote)
+            return descriptors.from_lists(local, remote, owner=self, peers=self._peers)
         raise TypeError(
             f"{op} takes a Segment and a RemoteSegment, equal-length lists of them, or two "
             f"SegmentLists; not {type(local).__name__} and {type(remote).__name__}"
@@ -1690,111 +1274,7 @@ class Agent:
         return rr.peer, (lr.rid, local.offset, rr.rid, rr.key, remote.offset, n), n
 
     def _check_pair(self, local: Any, remote: Any, i: int) -> None:
-        if not isinstance(local, Segment):
-            raise TypeError(f"local segment {i} is a {type(local).__name__}, not a Segment")
-        if not isinstance(remote, RemoteSegment):
-            raise TypeError(f"remote segment {i} is a {type(remote).__name__}, not a RemoteSegment")
-        lr = local.region
-        if lr._agent is not self:
-            raise ValueError(f"local segment {i} is in a region of agent {lr._agent.name!r}")
-        lr._check()
-        rr = remote.region
-        if rr._gone:
-            raise AccessDenied(
-                f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
-                peer=rr.peer.name,
-            )
-        if rr.peer._host is not self._peers:
-            raise ValueError(f"remote segment {i} belongs to a peer of another agent")
-        # GPU memory travels its own path (cuda) or RDMA (GPUDirect: the
-        # engine says so, per region, if the NIC cannot reach it).
-        if lr.kind != "host" and rr.peer.path not in (lr.kind, "verbs"):
-            raise TransportError(
-                f"local region {lr.name!r} is {lr.kind} memory, which path "
-                f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
-                peer=rr.peer.name,
-            )
-        if rr.kind != "host" and rr.peer.path not in (rr.kind, "verbs"):
-            raise TransportError(
-                f"remote region {rr.name!r} of peer {rr.peer.name!r} is {rr.kind} memory, "
-                f"which path {rr.peer.path!r} cannot reach",
-                peer=rr.peer.name,
-            )
-        if local.length != remote.length:
-            raise ValueError(
-                f"segment {i}: local length {local.length} != remote length {remote.length}"
-            )
-        if not local.length:
-            raise ValueError(f"segment {i} is empty")
-
-    def _descs_lists(
-        self, local: Sequence[Any], remote: Sequence[Any]
-    ) -> tuple[Peer, npt.NDArray[np.uint64], int]:
-        n = len(local)
-        if n != len(remote):
-            raise ValueError(f"{n} local segments but {len(remote)} remote segments")
-        if not n:
-            raise ValueError("no segments to transfer")
-        rows: list[tuple[int, int, int, int, int, int]] = []
-        append = rows.append
-        last_l: Any = None
-        last_r: Any = None
-        peer: Peer | None = None
-        total = 0
-        for i in range(n):
-            ls = local[i]
-            rs = remote[i]
-            try:
-                lr = ls.region
-                rr = rs.region
-                length = ls.length
-                ok = (
-                    type(ls) is Segment
-                    and type(rs) is RemoteSegment
-                    and length == rs.length
-                    and length > 0
-                )
-            except AttributeError:
-                ok = False
-            if not ok or lr is not last_l or rr is not last_r:
-                self._check_pair(ls, rs, i)
-                if peer is None:
-                    peer = rr.peer
-                elif rr.peer is not peer:
-                    raise ValueError(
-                        f"remote segment {i} is on peer {rr.peer.name!r}, not {peer.name!r}: "
-                        f"one transfer goes to one peer"
-                    )
-                last_l, last_r = lr, rr
-            append((lr.rid, ls.offset, rr.rid, rr.key, rs.offset, length))
-            total += length
-        assert peer is not None
-        return peer, np.array(rows, dtype=np.uint64), total
-
-    def _descs_vector(
-        self, local: SegmentList, remote: SegmentList
-    ) -> tuple[Peer, npt.NDArray[np.uint64], int]:
-        lr = local.region
-        rr = remote.region
-        if not isinstance(lr, Region) or not isinstance(rr, RemoteRegion):
-            raise TypeError("the first SegmentList must be of a local Region, the second remote")
-        if lr._agent is not self:
-            raise ValueError(f"local segments are in a region of agent {lr._agent.name!r}")
-        lr._check()
-        for region, where in ((lr, "local"), (rr, "remote")):
-            if region.kind != "host" and rr.peer.path != region.kind:
-                raise TransportError(
-                    f"{where} region {region.name!r} is {region.kind} memory, which path "
-                    f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
-                    peer=rr.peer.name,
-                )
-        if rr._gone:
-            raise AccessDenied(
-                f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
-                peer=rr.peer.name,
-            )
-        descs = pair_descs(local, lr.rid, remote, rr.rid, rr.key, "remote")
-        return rr.peer, descs, local.nbytes
+        descriptors.check_pair(local, remote, i, owner=self, peers=self._peers)
 
     # ------------------------------------------------------------ completions
 
@@ -1910,49 +1390,6 @@ class Agent:
 # ---------------------------------------------------------------- helpers
 
 
-def _coalesce(descs: _Descs) -> tuple[_Descs, npt.NDArray[np.intp] | None]:
-    """Merges runs of descriptors contiguous on both sides (same regions) into
-    one each: fewer copies, frames and syscalls for a KV block split in pages.
-    Returns the merged array and, when anything merged, each merged
-    descriptor's first original index (to report failures by the caller's
-    index)."""
-    if isinstance(descs, tuple) or len(descs) < 2:
-        return descs, None
-    a, b = descs[:-1], descs[1:]
-    joins = (
-        (b[:, 0] == a[:, 0])
-        & (b[:, 2] == a[:, 2])
-        & (b[:, 3] == a[:, 3])
-        & (b[:, 1] == a[:, 1] + a[:, 5])
-        & (b[:, 4] == a[:, 4] + a[:, 5])
-    )
-    if not joins.any():
-        return descs, None
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    merged = descs[starts]
-    merged[:, 5] = np.add.reduceat(descs[:, 5], starts)
-    return merged, starts
-
-
-def _verbs_keys(peer: Peer, m: RegionMeta) -> list[tuple[int, int]]:
-    """A peer region's (addr, rkey) per device, range-checked."""
-    if not 0 < len(m.verbs) <= _cyx.VERBS_MAX_DEVICES or not all(
-        0 <= addr < 1 << 64 and 0 <= rkey < 1 << 32 for addr, rkey in m.verbs
-    ):
-        raise ProtocolError(f"peer {peer.name!r} sent region {m.name!r} without valid rkeys")
-    return m.verbs
-
-
-def _cuda_path(local: Any, remote: Any) -> str:
-    """What a transfer to a "cuda" peer is: "cuda" when it touches GPU memory
-    (CUDA copies), else "shm" (host memory moves as shm copies)."""
-    for side in (local, remote):
-        segs = side if isinstance(side, Sequence) else (side,)
-        if any(s.region.kind != "host" for s in segs):
-            return "cuda"
-    return "shm"
-
-
 def _describe(t: Transfer) -> str:
     if t.op == "notify":
         return f"notification to peer {t.peer.name!r}"
@@ -1960,10 +1397,6 @@ def _describe(t: Transfer) -> str:
     if t.peer.path == file_transport.PATH:
         return f"{t.op} of {t.nbytes} bytes {prep} a file region"
     return f"{t.op} of {t.nbytes} bytes {prep} peer {t.peer.name!r}"
-
-
-def _keyed(peer: Peer) -> list[tuple[tuple[int, int], RemoteRegion]]:
-    return [((rr.rid, rr.key), rr) for rr in peer._by_rid.values()]
 
 
 def _is_address(target: str) -> bool:
@@ -2042,89 +1475,3 @@ def host_id() -> str:
         except OSError:
             _HOST_ID = ""
     return _HOST_ID
-
-
-_CMA: bool | None = None
-
-
-def _cma_works() -> bool:
-    """Whether process_vm_readv works here at all (seccomp profiles of some
-    container runtimes refuse it); probed once on our own memory."""
-    global _CMA
-    if _CMA is None:
-        try:
-            # The symbols already in this process (libc among them): find_library
-            # would run ldconfig in a subprocess, ~2 ms on the first connect.
-            libc = ctypes.CDLL(None, use_errno=True)
-
-            class IoVec(ctypes.Structure):
-                _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-            src = ctypes.create_string_buffer(b"aioxfer", 8)
-            dst = ctypes.create_string_buffer(8)
-            liov = IoVec(ctypes.cast(dst, ctypes.c_void_p), 8)
-            riov = IoVec(ctypes.cast(src, ctypes.c_void_p), 8)
-            fn = libc.process_vm_readv
-            fn.restype = ctypes.c_ssize_t
-            fn.argtypes = [
-                ctypes.c_int,
-                ctypes.POINTER(IoVec),
-                ctypes.c_ulong,
-                ctypes.POINTER(IoVec),
-                ctypes.c_ulong,
-                ctypes.c_ulong,
-            ]
-            n = fn(os.getpid(), ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
-            _CMA = n == 8 and dst.raw == src.raw
-        except (OSError, AttributeError):
-            _CMA = False
-    return _CMA
-
-
-def _ptrace_scope() -> int:
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return 0
-
-
-def _cma_allowed() -> bool:
-    """Whether we may reach a same-host peer's memory (of our own uid: the
-    kernel checks that per connection): Yama (if present) must not restrict
-    ptrace-style access to descendants, and process_vm_readv must work."""
-    scope = _ptrace_scope()
-    if scope >= 2 or (scope == 1 and os.geteuid() != 0):
-        return False
-    return _cma_works()
-
-
-class _LocalLink:
-    """What _open_local gathered about a same-host peer; closes what nobody took."""
-
-    __slots__ = ("cred", "data", "fds", "meta", "pidfd")
-
-    def __init__(self) -> None:
-        self.data: socket.socket | None = None
-        self.cred = PeerCred(0, -1, -1)
-        self.pidfd = -1
-        self.meta: AgentMeta | None = None
-        self.fds: list[int] = []
-
-    def take_pidfd(self) -> int:
-        fd, self.pidfd = self.pidfd, -1
-        return fd
-
-    def take_data(self) -> int:
-        assert self.data is not None
-        return self.data.detach()
-
-    def close(self) -> None:
-        if self.data is not None and self.data.fileno() >= 0:
-            self.data.close()
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []

@@ -38,6 +38,8 @@ import numpy.typing as npt
 
 from aioxfer import _cyx
 from aioxfer.backends.base import BackendStatistics, LocalBackend, Op
+from aioxfer.backends.host import host_of
+from aioxfer.descriptors import coalesce
 from aioxfer.errors import RegistrationError, XferError
 from aioxfer.peer import Peer
 from aioxfer.region import Region, Segment, SegmentList, pair_descs
@@ -137,21 +139,22 @@ def register_file(
     direct: bool,
     name: str | None,
 ) -> Region:
-    agent._check_open()
+    host = host_of(agent)
+    host.check_open()
     if name is not None:
-        agent._check_name(name)
+        host.check_name(name)
     fd, nbytes, access = open_region_file(path, size, direct)
     try:
-        rid, key = agent._engine.register_file(fd, 0, nbytes, access)
+        rid, key = host.engine.register_file(fd, 0, nbytes, access)
     except _cyx.NativeError as exc:
         raise RegistrationError(f"cannot register {os.fspath(path)!r}: {exc}") from None
     finally:
         os.close(fd)  # the engine keeps its own duplicate
     if name is None:
-        name = agent._default_name(rid, "file")
+        name = host.default_name(rid, "file")
     region = Region(agent, name, rid, key, nbytes, access, 0, os.fspath(path), kind="file")
     region.direct = bool(direct)
-    agent._regions[name] = region
+    host.add_region(region)
     return region
 
 
@@ -175,22 +178,22 @@ def is_file_target(remote: Any) -> bool:
 
 def file_peer(agent: Agent) -> Peer:
     """The agent's one FILE endpoint, as the Peer its transfers are counted on."""
-    peer: Peer | None = agent._file_peer
+    host = host_of(agent)
+    peer = host.file_peer
     if peer is None:
-        tag = agent._next_tag()
-        ep = agent._engine.endpoint_create(_cyx.EP_FILE, tag, 0)
-        agent._tag_names[tag] = PATH
+        tag = host.new_tag(PATH)
+        ep = host.engine.endpoint_create(_cyx.EP_FILE, tag, 0)
         peer = Peer(
-            agent._peers,
+            host.peers,
             name=PATH,
             address=PATH,
             incarnation=agent.incarnation,
             path=PATH,
-            host_id=agent._host_id,
+            host_id=host.host_id,
             pid=os.getpid(),
             ep=ep,
         )
-        agent._file_peer = peer
+        host.file_peer = peer
     return peer
 
 
@@ -317,20 +320,18 @@ class FileBackend(LocalBackend):
 
     def post(self, agent: Agent, op: Op, local: Any, far: Any, notify: object,
              priority: int) -> Transfer:
-        from aioxfer.agent import _coalesce
-
         if notify is not None:
             raise ValueError(f"a {op} into a file region takes no notify (nobody to tell)")
         peer, rows, nbytes = descs(agent, local, far)
-        merged, starts = _coalesce(rows)
+        merged, starts = coalesce(rows)
         opcode = _cyx.OP_WRITE if op == "write" else _cyx.OP_READ
-        t = agent._submit(peer, opcode, merged, None, nbytes, op, priority)
+        t = host_of(agent).submit(peer, opcode, merged, None, nbytes, op, priority)
         if starts is not None:
             t._starts = starts
         return t
 
     def statistics(self) -> BackendStatistics:
-        peer = self.agent._file_peer
+        peer = host_of(self.agent).file_peer
         regions = sum(1 for r in self.agent.regions if r.kind == "file")
         if peer is None:
             return BackendStatistics(self.name, self.kind, regions, 0, 0, 0, 0, 0, 0, 0, 0)

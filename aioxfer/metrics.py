@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from aioxfer.backends import registry as _backends
+from aioxfer.backends.host import host_of
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
@@ -232,7 +233,7 @@ class MetricsServer:
 async def serve_metrics(agent: Agent, port: int, host: str = "127.0.0.1") -> MetricsServer:
     """``agent.serve_metrics``: serves the agent's counters at
     http://host:port/metrics (port 0: any free one; read ``.port``)."""
-    agent._check_open()
+    host_of(agent).check_open()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(agent))
     box: list[MetricsServer] = []

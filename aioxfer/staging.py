@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
+from aioxfer.backends.host import host_of
 from aioxfer.errors import ClosedResourceError, TransportError
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ class GpuFileStager:
             return self
         agent = self._agent
         if "cuda" not in agent.transports:
-            raise TransportError(f"GPU <-> file staging needs CUDA: {agent._cuda_why}")
+            raise TransportError(f"GPU <-> file staging needs CUDA: {host_of(agent).cuda_why}")
         name = f"aioxfer-staging-{id(self):x}"
         self._bounce = agent.alloc(self._slot_bytes * self._nslots, name=name)
         try:

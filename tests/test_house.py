@@ -11,17 +11,29 @@ import inspect
 from types import ModuleType
 
 from aioxfer import (
+    agent,
+    connector,
+    descriptors,
     dialing,
+    file_transport,
     members,
+    metrics,
     peer,
     peertable,
     progress,
     rails,
     serving,
+    staging,
     stats,
     submission,
+    tags,
     transfer,
 )
+from aioxfer.backends import base as backends_base
+from aioxfer.backends import host as backends_host
+from aioxfer.backends import objects as backends_objects
+from aioxfer.backends import registry as backends_registry
+from aioxfer.backends import testing as backends_testing
 from aioxfer.peer import PeerHost
 from aioxfer.transfer import TransferHost
 
@@ -87,7 +99,7 @@ def test_transfer_reaches_its_host_only_through_transfer_host() -> None:
 
 def test_collaborators_do_not_know_the_agent() -> None:
     for module in (members, rails, stats, peer, transfer, submission, progress, peertable,
-                   serving, dialing):
+                   serving, dialing, connector, tags, descriptors, backends_host):
         for node in ast.walk(_tree(module)):
             if isinstance(node, ast.ImportFrom):
                 assert node.module != "aioxfer.agent", f"{module.__name__} imports aioxfer.agent"
@@ -100,7 +112,7 @@ def test_collaborators_do_not_know_the_agent() -> None:
 def test_collaborator_constructors_are_narrow() -> None:
     # Keyword arguments naming what each needs, never a whole agent.
     for cls in (members.Members, rails.Rails, submission.Submission, peertable.PeerTable,
-                serving.Server, dialing.Dialer):
+                serving.Server, dialing.Dialer, connector.Connector):
         params = inspect.signature(cls).parameters
         assert "agent" in params and params["agent"].annotation in ("str", str), cls
         assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "agent")
@@ -130,3 +142,80 @@ def test_transfer_make_sets_what_init_sets() -> None:
         assert b.get_loop() is loop and not b.done()
     finally:
         loop.close()
+
+
+def test_connector_config_is_frozen_and_small() -> None:
+    # More than ~8 things the connector knows of its agent travel as one
+    # frozen record; the callables and collaborators stay separate arguments.
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(connector.ConnectConfig)}
+    assert len(fields) <= 12, sorted(fields)
+    assert connector.ConnectConfig.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert len(inspect.signature(connector.Connector).parameters) <= 10
+
+
+def test_tags_count_references() -> None:
+    t = tags.Tags()
+    a = t.ref("p", 1)
+    assert t.ref("p", 1) == a and t.ref("p", 2) != a
+    f = t.local("file")
+    assert t.names[f] == "file" and t.names[a] == "p"
+    assert len(t) == 2  # (p, 1) and (p, 2); local tags are not counted
+    t.unref(a)
+    assert t.names[a] == "p"  # one reference left
+    t.unref(a)
+    assert a not in t.names and len(t) == 1 and t.ref("p", 1) != a
+
+
+def _agent_privates() -> set[str]:
+    """The private attributes and methods an Agent has (self._x in agent.py)."""
+    names: set[str] = set()
+    for node in ast.walk(_tree(agent)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id == "self" and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            names.add(node.attr)
+    for node in ast.walk(_tree(agent)):
+        if isinstance(node, ast.ClassDef) and node.name == "Agent":
+            names |= {f.name for f in node.body
+                      if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                      and f.name.startswith("_") and not f.name.startswith("__")}
+    return names
+
+
+LOCAL_SIDE = (file_transport, metrics, staging, backends_base, backends_registry, backends_host,
+              backends_objects, backends_testing)
+
+
+def test_local_side_touches_no_agent_privates() -> None:
+    # The file transport, the backends, metrics and staging reach their agent
+    # through its public API and LocalBackendHost (host_of), never its privates.
+    privates = _agent_privates()
+    assert {"_engine", "_regions", "_submit", "_check_open", "_peers"} <= privates
+    for module in LOCAL_SIDE:
+        for node in ast.walk(_tree(module)):
+            if isinstance(node, ast.Attribute) and node.attr in privates:
+                # x._name where x is "agent" or "self.agent": an Agent
+                base = node.value
+                who = (base.id if isinstance(base, ast.Name)
+                       else base.attr if isinstance(base, ast.Attribute) else "")
+                assert who not in ("agent", "_agent"), (
+                    f"{module.__name__}:{node.lineno} uses {who}.{node.attr}"
+                )
+            if isinstance(node, ast.ImportFrom) and node.module == "aioxfer.agent":
+                assert {a.name for a in node.names} == {"Agent"}, (
+                    f"{module.__name__} imports {[a.name for a in node.names]} from the agent"
+                )
+
+
+def test_agent_implements_local_backend_host() -> None:
+    hosted = backends_host.BackendHost
+    for name in _protocol_members(backends_host.LocalBackendHost):
+        assert name in hosted.__slots__ or callable(getattr(hosted, name, None)), name
+    assert inspect.signature(agent.Agent.__aioxfer_host__).return_annotation in (
+        "BackendHost", hosted
+    )
+    params = inspect.signature(hosted).parameters
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "agent")
+    assert len(params) <= 10

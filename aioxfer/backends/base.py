@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, cast
 
+from aioxfer.backends.host import host_of
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.region import Region, Segment, SegmentList
 from aioxfer.transfer import DETACHED, Transfer, TransferResult
@@ -300,7 +301,7 @@ class LocalBackend:
         posted Transfer."""
         if agent is not self.agent:
             raise ValueError(f"{self.kind} region belongs to agent {self.agent.name!r}")
-        agent._check_open()
+        host_of(agent).check_open()
         if notify is not None:
             raise ValueError(f"a {op} to a {self.kind} region takes no notify (nobody to tell)")
         fars = self.far_segments(far, op)

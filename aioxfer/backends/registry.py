@@ -21,6 +21,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 from aioxfer.backends.base import API_VERSION, BackendRegion, LocalBackend
+from aioxfer.backends.host import host_of
 from aioxfer.region import Region
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ def _state(agent: Agent) -> _AgentState:
 
 def instance(agent: Agent, name: str) -> LocalBackend:
     """The agent's instance of backend ``name`` (made on first use)."""
-    agent._check_open()
+    host_of(agent).check_open()
     state = _state(agent)
     be = state.backends.get(name)
     if be is None:

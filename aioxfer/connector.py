@@ -1,0 +1,659 @@
+"""Connector: how an agent connects to a peer and keeps its regions current.
+
+A collaborator of :class:`aioxfer.Agent` (issue 10, item 8; asyncpg's
+``connect_utils`` is the model): from a peer's address to a connected
+:class:`~aioxfer.peer.Peer`. It dials the first data connection (Dialer),
+takes the same-host path where the kernel vouches for the peer (its unix
+socket: credentials, pidfd, metadata with memfds), chooses the transport,
+creates the endpoint, imports the peer's regions before the engine reads from
+the connection, opens the other rails' connections (verbs: exchanges queue
+pairs), and adds the peer to the table. ``refresh`` re-fetches a peer's
+metadata and applies it the same way.
+
+It reaches the agent only through the narrow arguments it was built with;
+``Agent.connect`` stays the public entry (caching, concurrent calls sharing
+one attempt, names resolved through discovery) and hands it addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aioxfer import _cyx
+from aioxfer import verbs as _verbs
+from aioxfer._abi import MAX_CONNS
+from aioxfer.dialing import Dialer, parse_address
+from aioxfer.discovery import PeerJoined, PeerUpdated
+from aioxfer.errors import (
+    ClosedResourceError,
+    PeerLost,
+    ProtocolError,
+    StalePeer,
+    TransportError,
+    error_class,
+)
+from aioxfer.local import PeerCred, check_sealed, peer_cred, peer_pidfd
+from aioxfer.log import get_logger
+from aioxfer.members import Members
+from aioxfer.metadata import (
+    PROTOCOL_VERSION,
+    Accept,
+    AgentMeta,
+    RegionMeta,
+    VerbsAccept,
+    VerbsConnect,
+    VerbsQP,
+)
+from aioxfer.peer import Peer
+from aioxfer.peertable import PeerTable
+from aioxfer.protocol import client_handshake, recv_frame, send_frame
+from aioxfer.rails import Rails
+from aioxfer.region import RemoteRegion
+from aioxfer.scheduling import PeerScheduler
+from aioxfer.serving import qp_tuple
+from aioxfer.tags import Tags
+
+__all__ = ["ConnectConfig", "Connector"]
+
+_log = get_logger("aioxfer")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectConfig:
+    """What a Connector knows of its agent, fixed once the agent is made.
+
+    ``incarnation``/``token``: who we are in handshakes (token None: no
+    authentication); ``host_id``: equal for processes that can reach each
+    other's memory (aioxfer.agent.host_id); ``local``: the agent listens on
+    a same-host unix socket (without it no peer gets shm or cuda);
+    ``transports``/``verbs_devices``: what it may use; ``max_rails``: at most
+    this many of a peer's advertised rails are dialled; ``tcp_connections``:
+    per tcp rail; ``peer_max_bytes``/``peer_max_requests``: each peer's
+    scheduler (both None: none).
+    """
+
+    incarnation: int
+    token: bytes | None
+    host_id: str
+    local: bool
+    transports: tuple[str, ...]
+    verbs_devices: tuple[str, ...]
+    max_rails: int
+    tcp_connections: int
+    peer_max_bytes: int | None
+    peer_max_requests: int | None
+
+
+class Connector:
+    """Connects one agent to its peers (see the module docstring).
+
+    ``agent``: the agent's name (logs, errors, handshakes); ``config``: see
+    ConnectConfig; ``engine``: its native engine (endpoints, imports);
+    ``dialer``: opens its control and data connections; ``peers``: the table
+    a connected peer joins; ``tags``: connection tags, one reference per
+    endpoint; ``rails``: dials a tcp peer's rails and probes those down;
+    ``embedded``: membership when there is no discovery (fencing a restarted
+    peer by address, PeerJoined/PeerUpdated), None with discovery;
+    ``connecting``: endpoint -> status, for endpoints being connected (the
+    agent's drain records a peer lost meanwhile there); ``closed()``: whether
+    the agent is closed.
+    """
+
+    __slots__ = (
+        "_agent",
+        "_config",
+        "_engine",
+        "_dialer",
+        "_peers",
+        "_tags",
+        "_rails",
+        "_embedded",
+        "_connecting",
+        "_closed",
+    )
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        config: ConnectConfig,
+        engine: _cyx.Engine,
+        dialer: Dialer,
+        peers: PeerTable,
+        tags: Tags,
+        rails: Rails,
+        embedded: Members | None,
+        connecting: dict[int, int],
+        closed: Callable[[], bool],
+    ) -> None:
+        self._agent = agent
+        self._config = config
+        self._engine = engine
+        self._dialer = dialer
+        self._peers = peers
+        self._tags = tags
+        self._rails = rails
+        self._embedded = embedded
+        self._connecting = connecting
+        self._closed = closed
+
+    def _check_open(self) -> None:
+        if self._closed():
+            raise ClosedResourceError(f"agent {self._agent!r} is closed")
+
+    async def connect(self, address: str) -> Peer:
+        """A new Peer for the agent at address (or the live one of the
+        incarnation found there), added to the table."""
+        host, port = parse_address(address)
+        # One data connection first, so that the peer's engine holds it before
+        # the peer takes the metadata snapshot: a region deregistered after the
+        # snapshot is then revoked on this connection, and since its regions are
+        # imported before the engine reads from it, no stale handle slips by.
+        sock0, accept0 = await self._dialer.open(address)
+        local: _LocalLink | None = None
+        try:
+            if (
+                self._config.local
+                and accept0.local
+                and accept0.host_id == self._config.host_id
+                and _cma_allowed()
+            ):
+                # Same host, says the peer: the kernel confirms it on the peer's
+                # unix socket, whose metadata then replaces a tcp fetch.
+                local = await self._open_local(address, accept0)
+            if local is not None:
+                assert local.meta is not None
+                meta = local.meta
+            else:
+                meta = await self._dialer.fetch_meta(host, port, address)
+            self._check_open()
+            if accept0.incarnation != meta.incarnation:
+                raise TransportError(
+                    f"peer at {address} restarted while we connected (incarnation "
+                    f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
+                )
+            return await self._connect_meta(address, meta, sock0, local)
+        finally:
+            if sock0.fileno() >= 0:
+                sock0.close()
+            if local is not None:
+                local.close()
+
+    async def _connect_meta(
+        self, address: str, meta: AgentMeta, sock0: socket.socket, local: _LocalLink | None
+    ) -> Peer:
+        if self._embedded is not None:
+            # Embedded, names need not be unique: only the same name at the same
+            # address with another incarnation is a restart of a peer we had.
+            self._embedded.fence(meta.name, meta.incarnation, address)
+        known = self._peers.by_inc.get((meta.name, meta.incarnation))
+        if known is not None and not known._lost:
+            self._peers.by_addr[address] = known
+            return known
+        if meta.version != PROTOCOL_VERSION:
+            raise ProtocolError(f"peer at {address} speaks protocol version {meta.version}")
+        if meta.byteorder != sys.byteorder:
+            raise ProtocolError(f"peer at {address} is {meta.byteorder}-endian")
+        # The same-host path only once the kernel vouched for the peer.
+        path = self._choose_path(meta, same_host=local is not None)
+        if path is None:
+            raise TransportError(
+                f"no transport in common with peer {meta.name!r} at {address} "
+                f"(ours: {self._config.transports}, theirs: {tuple(meta.transports)}, "
+                f"same host: {meta.host_id == self._config.host_id})"
+            )
+        return await self._connect_path(
+            address, meta, sock0, path, local if path in ("shm", "cuda") else None
+        )
+
+    async def _connect_path(
+        self,
+        address: str,
+        meta: AgentMeta,
+        sock0: socket.socket,
+        path: str,
+        local: _LocalLink | None,
+    ) -> Peer:
+        shm = local is not None  # same host: one connection, copies by this engine
+        verbs = path == "verbs"
+        # tcp: every advertised listen address is a rail; the one we came by
+        # may be a name or another spelling of one of them. shm and verbs:
+        # one control connection (verbs: its rails are queue pairs).
+        # At most max_rails of what the peer advertises are dialled: its
+        # metadata must not make us open connections to anyone else en masse.
+        rails = (
+            [address] if shm or verbs or len(meta.rails) < 2
+            else list(meta.rails)[: self._config.max_rails]
+        )
+        first = rails.index(address) if address in rails else 0
+        per = (
+            1 if shm or verbs
+            else max(1, min(self._config.tcp_connections, MAX_CONNS // len(rails)))
+        )
+        tag = self._tags.ref(meta.name, meta.incarnation)
+        kind = {"shm": _cyx.EP_SHM, "cuda": _cyx.EP_CUDA, "verbs": _cyx.EP_VERBS}.get(
+            path, _cyx.EP_TCP
+        )
+        if local is not None:
+            # The engine aims cross-memory attach only at the pid the kernel
+            # reported, and owns the pidfd from here on.
+            pid, pidfd = local.cred.pid, local.take_pidfd()
+        else:
+            pid, pidfd = 0, -1
+        try:
+            ep = self._engine.endpoint_create(kind, tag, pid, pidfd)
+        except BaseException:
+            self._tags.unref(tag)
+            raise
+        self._connecting[ep] = 0
+        try:
+            peer = Peer(
+                self._peers,
+                name=meta.name,
+                address=address,
+                incarnation=meta.incarnation,
+                path=path,
+                host_id=meta.host_id,
+                pid=pid,
+                ep=ep,
+            )
+            if local is not None:
+                peer._local = meta.local
+            peer._tag = tag
+            peer._rails = rails
+            peer._rail_conns = per
+            cfg = self._config
+            if cfg.peer_max_bytes is not None or cfg.peer_max_requests is not None:
+                peer._sched = PeerScheduler(max_bytes=cfg.peer_max_bytes,
+                                            max_requests=cfg.peer_max_requests)
+            # Regions first: before the engine reads revocations on the connection.
+            self._apply_regions(peer, meta.regions, local.fds if local is not None else None)
+            if local is not None:
+                self._engine.endpoint_add_conn(ep, local.take_data(), first)
+            else:
+                self._engine.endpoint_add_conn(ep, sock0.detach(), first)
+            # The rest of the connections, every rail at once: (rail, how many).
+            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first))]
+            added = await asyncio.gather(
+                *(self._rails.dial(ep, i, rails[i], n, meta.incarnation) for i, n in dial)
+            )
+            reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
+            if verbs:
+                await self._connect_verbs(ep, address, meta)
+            self._check_open()
+            lost = self._connecting.pop(ep)
+            if lost:
+                raise PeerLost(
+                    f"peer {meta.name!r} at {address} was lost while connecting: "
+                    f"{_cyx.strerror(lost)}",
+                    status=lost,
+                    peer=meta.name,
+                )
+        except BaseException as exc:
+            self._connecting.pop(ep, None)
+            self._tags.unref(tag)
+            if not self._closed():
+                try:
+                    self._engine.endpoint_close(ep)
+                except _cyx.NativeError:
+                    pass
+            if isinstance(exc, _cyx.NativeError):
+                raise error_class(exc.status)(
+                    f"cannot connect to peer {meta.name!r} at {address}: {exc}", status=exc.status
+                ) from None
+            raise
+        self._peers.add(peer, address)
+        for i in range(len(rails)):
+            if i not in reached:  # unreachable now: probed until it answers
+                peer._rails_down.add(i)
+                _log.warning("rail.down", agent=self._agent, peer=peer.name, address=rails[i],
+                             reason="unreachable at connect", moved=0)
+                self._rails.start_probe(peer, i)
+        if self._embedded is not None:
+            self._embedded.emit(PeerJoined(peer.name, peer.incarnation, address,
+                                  tuple(sorted(peer._regions))))
+        _log.info(
+            "peer.connected",
+            agent=self._agent,
+            peer=peer.name,
+            address=address,
+            path=path,
+            conns=1 + sum(added),
+            rails=len(rails),
+            regions=len(peer._regions),
+        )
+        return peer
+
+    def _choose_path(self, meta: AgentMeta, *, same_host: bool) -> str | None:
+        """same_host: the kernel vouched for the peer (_open_local)."""
+        if same_host and "cuda" in self._config.transports and "cuda" in meta.transports:
+            return "cuda"  # GPU memory by CUDA IPC, host memory as shm
+        if same_host and "shm" in self._config.transports and "shm" in meta.transports:
+            return "shm"
+        if "verbs" in self._config.transports and "verbs" in meta.transports and meta.verbs_devices:
+            return "verbs"
+        if "tcp" in self._config.transports and "tcp" in meta.transports:
+            return "tcp"
+        return None
+
+    async def _open_local(self, address: str, meta: Accept) -> _LocalLink | None:
+        """The same-host link to the peer that answered meta (its Accept), over
+        its unix socket: a handshaken data connection, the peer's
+        kernel-reported credentials and pidfd, and its metadata with its memfds
+        (passed by the kernel). None, logged, when the kernel does not vouch
+        for it (another user, another agent behind that name): the caller
+        falls back to tcp."""
+        loop = asyncio.get_running_loop()
+        link = _LocalLink()
+        result: _LocalLink | None = None
+        why = ""
+        try:
+            async with self._dialer.control_errors(address, "connecting locally to", "connect to"):
+                link.data = await self._dialer.dial_local(meta.local)
+                link.cred = peer_cred(link.data)
+                if link.cred.uid != os.geteuid():
+                    why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
+                    return None
+                accept = await client_handshake(
+                    loop, link.data, name=self._agent, incarnation=self._config.incarnation,
+                    purpose="data", token=self._config.token,
+                )
+                if (accept.name, accept.incarnation) != (meta.name, meta.incarnation):
+                    why = f"its unix socket is served by another agent ({accept.name!r})"
+                    return None
+                link.pidfd = peer_pidfd(link.data, link.cred)
+                link.meta, link.fds = await self._dialer.fetch_local_meta(meta.local, link.cred.pid)
+            if (link.meta.name, link.meta.incarnation) != (meta.name, meta.incarnation):
+                why = "it restarted while we connected"
+                return None
+            result = link
+            return result
+        finally:
+            if result is None:
+                link.close()
+                if why:
+                    _log.warning("local.refused", agent=self._agent, peer=meta.name,
+                                 address=address, reason=why, fallback="tcp")
+
+    async def _connect_verbs(self, ep: int, address: str, meta: AgentMeta) -> None:
+        """A queue pair per device pair (rail i: our device i, the peer's i),
+        exchanged on a "verbs" control connection that then joins endpoint
+        ep; ready to post once this returns."""
+        loop = asyncio.get_running_loop()
+        # Rails pair devices of one link layer (an InfiniBand port never
+        # reaches a RoCE one), not index i with index i.
+        pairs = _verbs.pair_rails(list(self._config.verbs_devices), list(meta.verbs_devices))
+        if not pairs:
+            raise TransportError(
+                f"no RDMA device of ours shares a link layer with one of peer {meta.name!r}"
+            )
+        n = len(pairs)
+        ours = [self._engine.verbs_qp_create(ep, mine) for mine, _ in pairs]
+        sock, accept = await self._dialer.open(address, purpose="verbs")
+        try:
+            if accept.incarnation != meta.incarnation:
+                raise TransportError(
+                    f"peer at {address} restarted while we connected: connect again"
+                )
+            async with self._dialer.control_errors(address, "exchanging queue pairs with", "reach"):
+                await send_frame(
+                    loop,
+                    sock,
+                    VerbsConnect(
+                        qps=[VerbsQP(*q) for q in ours], devices=[theirs for _, theirs in pairs]
+                    ),
+                )
+                reply = await recv_frame(loop, sock)
+            if not isinstance(reply, VerbsAccept) or len(reply.qps) != n:
+                raise ProtocolError(f"peer at {address} answered the queue pairs with {reply!r}")
+            for (mine, theirs), qp in zip(pairs, reply.qps, strict=True):
+                self._engine.verbs_qp_connect(ep, mine, theirs, qp_tuple(qp))
+            # The handshake and exchange read exactly their frames: the rest is the engine's.
+            self._engine.endpoint_add_conn(ep, sock.detach(), 0)
+        finally:
+            if sock.fileno() >= 0:
+                sock.close()
+
+    def _apply_regions(
+        self, peer: Peer, regions: list[RegionMeta], fds: list[int] | None = None
+    ) -> None:
+        """Imports regions new to us and forgets the ones the peer dropped.
+        fds: a same-host peer's memfds as the kernel passed them (the caller
+        closes them; the engine keeps its own mapping)."""
+        eng = self._engine
+        ep = peer._ep
+        wanted = {(m.rid, m.key): m for m in regions}
+        for (rid, key), rr in _keyed(peer):
+            if (rid, key) not in wanted:
+                rr._gone = True
+                del peer._by_rid[rid]
+                if peer._regions.get(rr.name) is rr:
+                    del peer._regions[rr.name]
+                try:
+                    eng.endpoint_forget(ep, rid)
+                except _cyx.NativeError:
+                    pass
+        for m in regions:
+            old = peer._by_rid.get(m.rid)
+            if old is not None:
+                if old.name != m.name:  # renamed cannot happen today; keep names in sync
+                    peer._regions.pop(old.name, None)
+                    old.name = m.name
+                    peer._regions[m.name] = old
+                continue
+            if m.kind != "host":
+                self._import_device_region(peer, m)
+                continue
+            memfd = -1
+            if fds is not None and 0 <= m.memfd < len(fds):
+                why = check_sealed(fds[m.memfd], m.nbytes)
+                if why is None:
+                    memfd = fds[m.memfd]
+                else:  # never mapped: cross-memory attach reaches it without SIGBUS
+                    _log.warning("region.memfd_refused", agent=self._agent, peer=peer.name,
+                                 region=m.name, reason=why)
+            try:
+                eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
+            except _cyx.NativeError:
+                if memfd < 0:
+                    raise
+                # Could not map it: cross-memory attach reaches it too.
+                eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, -1)
+                memfd = -1
+            if peer.path == "verbs":
+                eng.endpoint_import_verbs(ep, m.rid, _verbs_keys(peer, m))
+            rr = RemoteRegion(peer, m.name, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
+            stale = peer._regions.get(m.name)
+            if stale is not None:
+                stale._gone = True
+            peer._by_rid[m.rid] = rr
+            peer._regions[m.name] = rr
+
+    def _import_device_region(self, peer: Peer, m: RegionMeta) -> None:
+        """A peer's GPU region: imported where the path reaches GPU memory; known
+        (so that transfers to it fail saying why) everywhere."""
+        rr = RemoteRegion(peer, m.name, m.rid, m.key, m.nbytes, m.access, m.addr)
+        rr.kind = m.kind
+        if peer.path == "cuda" and m.kind == "cuda" and m.cuda is not None:
+            own = peer.pid == os.getpid()  # a loopback peer: our own memory, no IPC
+            try:
+                self._engine.endpoint_import_cuda(
+                    peer._ep, m.rid, m.key, m.nbytes, m.access, m.addr,
+                    None if own else m.cuda.handle, m.cuda.offset, m.cuda.device,
+                )
+            except (_cyx.NativeError, ValueError) as exc:
+                _log.warning("region.cuda_import_failed", agent=self._agent, peer=peer.name,
+                             region=m.name, error=str(exc))
+        elif peer.path == "verbs" and m.verbs:
+            # GPUDirect RDMA: the owner registered it with its NICs (no rkeys:
+            # it could not, and transfers to it fail at the engine saying so).
+            try:
+                self._engine.endpoint_import(
+                    peer._ep, m.rid, m.key, m.nbytes, m.access, m.addr, -1
+                )
+                self._engine.endpoint_import_verbs(peer._ep, m.rid, _verbs_keys(peer, m))
+            except _cyx.NativeError as exc:
+                _log.warning("region.verbs_import_failed", agent=self._agent, peer=peer.name,
+                             region=m.name, error=str(exc))
+        stale = peer._regions.get(m.name)
+        if stale is not None:
+            stale._gone = True
+        peer._by_rid[m.rid] = rr
+        peer._regions[m.name] = rr
+
+    async def refresh(self, peer: Peer) -> None:
+        """Re-fetches peer's metadata and imports/forgets its regions (StalePeer
+        if it restarted)."""
+        self._check_open()
+        if peer._lost:
+            raise peer._lost_error()
+        fds: list[int] | None = None
+        if peer._local:
+            try:
+                async with self._dialer.control_errors(peer.address, "fetching metadata from",
+                                                "fetch metadata from"):
+                    meta, fds = await self._dialer.fetch_local_meta(peer._local, peer.pid)
+            except (OSError, ProtocolError, TransportError) as exc:
+                if not peer._lost:
+                    raise
+                raise peer._lost_error() from exc
+        else:
+            host, port = parse_address(peer.address)
+            meta = await self._dialer.fetch_meta(host, port, peer.address)
+        try:
+            await self._refresh_with(peer, meta, fds)
+        finally:
+            for fd in fds or ():
+                os.close(fd)
+
+    async def _refresh_with(self, peer: Peer, meta: AgentMeta, fds: list[int] | None) -> None:
+        if peer._lost:
+            raise peer._lost_error()
+        if meta.name != peer.name or meta.incarnation != peer.incarnation:
+            peer._stale = True
+            self._peers.drop(peer, "it restarted")
+            raise StalePeer(
+                f"peer {peer.name!r} at {peer.address} restarted (now {meta.name!r}, incarnation "
+                f"{meta.incarnation:#x}, was {peer.incarnation:#x}): its old regions are fenced; "
+                f"connect again"
+            )
+        before = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
+        try:
+            self._apply_regions(peer, meta.regions, fds)
+        except _cyx.NativeError as exc:
+            raise error_class(exc.status)(
+                f"cannot refresh peer {peer.name!r}: {exc}", status=exc.status, peer=peer.name
+            ) from None
+        if self._embedded is not None:
+            after = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
+            if before != after:
+                self._embedded.emit(PeerUpdated(
+                    peer.name, peer.incarnation, peer.address,
+                    tuple(sorted(n for n, _ in after - before)),
+                    tuple(sorted(n for n, _ in before - after)),
+                ))
+
+
+def _verbs_keys(peer: Peer, m: RegionMeta) -> list[tuple[int, int]]:
+    """A peer region's (addr, rkey) per device, range-checked."""
+    if not 0 < len(m.verbs) <= _cyx.VERBS_MAX_DEVICES or not all(
+        0 <= addr < 1 << 64 and 0 <= rkey < 1 << 32 for addr, rkey in m.verbs
+    ):
+        raise ProtocolError(f"peer {peer.name!r} sent region {m.name!r} without valid rkeys")
+    return m.verbs
+
+
+def _keyed(peer: Peer) -> list[tuple[tuple[int, int], RemoteRegion]]:
+    return [((rr.rid, rr.key), rr) for rr in peer._by_rid.values()]
+
+
+_CMA: bool | None = None
+
+
+def _cma_works() -> bool:
+    """Whether process_vm_readv works here at all (seccomp profiles of some
+    container runtimes refuse it); probed once on our own memory."""
+    global _CMA
+    if _CMA is None:
+        try:
+            # The symbols already in this process (libc among them): find_library
+            # would run ldconfig in a subprocess, ~2 ms on the first connect.
+            libc = ctypes.CDLL(None, use_errno=True)
+
+            class IoVec(ctypes.Structure):
+                _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+            src = ctypes.create_string_buffer(b"aioxfer", 8)
+            dst = ctypes.create_string_buffer(8)
+            liov = IoVec(ctypes.cast(dst, ctypes.c_void_p), 8)
+            riov = IoVec(ctypes.cast(src, ctypes.c_void_p), 8)
+            fn = libc.process_vm_readv
+            fn.restype = ctypes.c_ssize_t
+            fn.argtypes = [
+                ctypes.c_int,
+                ctypes.POINTER(IoVec),
+                ctypes.c_ulong,
+                ctypes.POINTER(IoVec),
+                ctypes.c_ulong,
+                ctypes.c_ulong,
+            ]
+            n = fn(os.getpid(), ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+            _CMA = n == 8 and dst.raw == src.raw
+        except (OSError, AttributeError):
+            _CMA = False
+    return _CMA
+
+
+def _ptrace_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _cma_allowed() -> bool:
+    """Whether we may reach a same-host peer's memory (of our own uid: the
+    kernel checks that per connection): Yama (if present) must not restrict
+    ptrace-style access to descendants, and process_vm_readv must work."""
+    scope = _ptrace_scope()
+    if scope >= 2 or (scope == 1 and os.geteuid() != 0):
+        return False
+    return _cma_works()
+
+
+class _LocalLink:
+    """What _open_local gathered about a same-host peer; closes what nobody took."""
+
+    __slots__ = ("cred", "data", "fds", "meta", "pidfd")
+
+    def __init__(self) -> None:
+        self.data: socket.socket | None = None
+        self.cred = PeerCred(0, -1, -1)
+        self.pidfd = -1
+        self.meta: AgentMeta | None = None
+        self.fds: list[int] = []
+
+    def take_pidfd(self) -> int:
+        fd, self.pidfd = self.pidfd, -1
+        return fd
+
+    def take_data(self) -> int:
+        assert self.data is not None
+        return self.data.detach()
+
+    def close(self) -> None:
+        if self.data is not None and self.data.fileno() >= 0:
+            self.data.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []

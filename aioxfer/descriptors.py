@@ -1,0 +1,183 @@
+"""Descriptors: from the segments of a write/read to the engine's rows.
+
+A request's descriptors are an (n, 6) uint64 array ``[lrid, loff, rrid, rkey,
+roff, len]``, or for one pair that row as a tuple (``_cyx`` packs it without a
+numpy array). The agent builds the one-pair case itself, inline in
+``write``/``read`` (the hot path); the other shapes (equal-length lists, two
+SegmentLists), the full per-pair checks that say what is wrong, merging of
+contiguous runs and a cuda peer's per-transfer path live here (issue 10, item
+8). Functions of their arguments: ``owner`` is the agent whose regions the
+local side must be in, ``peers`` its peer table (a remote segment's peer must
+be one of its); neither is used but for identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from aioxfer.errors import AccessDenied, TransportError
+from aioxfer.region import Region, RemoteRegion, RemoteSegment, Segment, SegmentList, pair_descs
+
+if TYPE_CHECKING:
+    from aioxfer.peer import Peer
+
+__all__ = ["Descs", "check_pair", "coalesce", "cuda_path", "from_lists", "from_vectors"]
+
+# A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
+Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
+
+
+def check_pair(local: Any, remote: Any, i: int, *, owner: object, peers: object) -> None:
+    """Checks pair i of a request (types, owners, bounds, paths), raising what is wrong.
+    ``owner``: the agent whose regions the local side must be in; ``peers``: its peer
+    table (the remote side's peer must be one of its)."""
+    if not isinstance(local, Segment):
+        raise TypeError(f"local segment {i} is a {type(local).__name__}, not a Segment")
+    if not isinstance(remote, RemoteSegment):
+        raise TypeError(f"remote segment {i} is a {type(remote).__name__}, not a RemoteSegment")
+    lr = local.region
+    if lr._agent is not owner:
+        raise ValueError(f"local segment {i} is in a region of agent {lr._agent.name!r}")
+    lr._check()
+    rr = remote.region
+    if rr._gone:
+        raise AccessDenied(
+            f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
+            peer=rr.peer.name,
+        )
+    if rr.peer._host is not peers:
+        raise ValueError(f"remote segment {i} belongs to a peer of another agent")
+    # GPU memory travels its own path (cuda) or RDMA (GPUDirect: the
+    # engine says so, per region, if the NIC cannot reach it).
+    if lr.kind != "host" and rr.peer.path not in (lr.kind, "verbs"):
+        raise TransportError(
+            f"local region {lr.name!r} is {lr.kind} memory, which path "
+            f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
+            peer=rr.peer.name,
+        )
+    if rr.kind != "host" and rr.peer.path not in (rr.kind, "verbs"):
+        raise TransportError(
+            f"remote region {rr.name!r} of peer {rr.peer.name!r} is {rr.kind} memory, "
+            f"which path {rr.peer.path!r} cannot reach",
+            peer=rr.peer.name,
+        )
+    if local.length != remote.length:
+        raise ValueError(
+            f"segment {i}: local length {local.length} != remote length {remote.length}"
+        )
+    if not local.length:
+        raise ValueError(f"segment {i} is empty")
+
+
+def from_lists(
+    local: Sequence[Any], remote: Sequence[Any], *, owner: object, peers: object
+) -> tuple[Peer, npt.NDArray[np.uint64], int]:
+    """Equal-length lists of Segments and RemoteSegments (one peer): their
+    (n, 6) descriptor array, the peer and the total length. Each new pair of
+    regions is checked in full (check_pair), the rest by type and length."""
+    n = len(local)
+    if n != len(remote):
+        raise ValueError(f"{n} local segments but {len(remote)} remote segments")
+    if not n:
+        raise ValueError("no segments to transfer")
+    rows: list[tuple[int, int, int, int, int, int]] = []
+    append = rows.append
+    last_l: Any = None
+    last_r: Any = None
+    peer: Peer | None = None
+    total = 0
+    for i in range(n):
+        ls = local[i]
+        rs = remote[i]
+        try:
+            lr = ls.region
+            rr = rs.region
+            length = ls.length
+            ok = (
+                type(ls) is Segment
+                and type(rs) is RemoteSegment
+                and length == rs.length
+                and length > 0
+            )
+        except AttributeError:
+            ok = False
+        if not ok or lr is not last_l or rr is not last_r:
+            check_pair(ls, rs, i, owner=owner, peers=peers)
+            if peer is None:
+                peer = rr.peer
+            elif rr.peer is not peer:
+                raise ValueError(
+                    f"remote segment {i} is on peer {rr.peer.name!r}, not {peer.name!r}: "
+                    f"one transfer goes to one peer"
+                )
+            last_l, last_r = lr, rr
+        append((lr.rid, ls.offset, rr.rid, rr.key, rs.offset, length))
+        total += length
+    assert peer is not None
+    return peer, np.array(rows, dtype=np.uint64), total
+
+
+def from_vectors(
+    local: SegmentList, remote: SegmentList, *, owner: object
+) -> tuple[Peer, npt.NDArray[np.uint64], int]:
+    """Two SegmentLists (a local Region's, a RemoteRegion's): their (n, 6)
+    descriptor array, the peer and the total length."""
+    lr = local.region
+    rr = remote.region
+    if not isinstance(lr, Region) or not isinstance(rr, RemoteRegion):
+        raise TypeError("the first SegmentList must be of a local Region, the second remote")
+    if lr._agent is not owner:
+        raise ValueError(f"local segments are in a region of agent {lr._agent.name!r}")
+    lr._check()
+    for region, where in ((lr, "local"), (rr, "remote")):
+        if region.kind != "host" and rr.peer.path != region.kind:
+            raise TransportError(
+                f"{where} region {region.name!r} is {region.kind} memory, which path "
+                f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
+                peer=rr.peer.name,
+            )
+    if rr._gone:
+        raise AccessDenied(
+            f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
+            peer=rr.peer.name,
+        )
+    descs = pair_descs(local, lr.rid, remote, rr.rid, rr.key, "remote")
+    return rr.peer, descs, local.nbytes
+
+
+def coalesce(descs: Descs) -> tuple[Descs, npt.NDArray[np.intp] | None]:
+    """Merges runs of descriptors contiguous on both sides (same regions) into
+    one each: fewer copies, frames and syscalls for a KV block split in pages.
+    Returns the merged array and, when anything merged, each merged
+    descriptor's first original index (to report failures by the caller's
+    index)."""
+    if isinstance(descs, tuple) or len(descs) < 2:
+        return descs, None
+    a, b = descs[:-1], descs[1:]
+    joins = (
+        (b[:, 0] == a[:, 0])
+        & (b[:, 2] == a[:, 2])
+        & (b[:, 3] == a[:, 3])
+        & (b[:, 1] == a[:, 1] + a[:, 5])
+        & (b[:, 4] == a[:, 4] + a[:, 5])
+    )
+    if not joins.any():
+        return descs, None
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = descs[starts]
+    merged[:, 5] = np.add.reduceat(descs[:, 5], starts)
+    return merged, starts
+
+
+def cuda_path(local: Any, remote: Any) -> str:
+    """What a transfer to a "cuda" peer is: "cuda" when it touches GPU memory
+    (CUDA copies), else "shm" (host memory moves as shm copies)."""
+    for side in (local, remote):
+        segs = side if isinstance(side, Sequence) else (side,)
+        if any(s.region.kind != "host" for s in segs):
+            return "cuda"
+    return "shm"
