@@ -89,6 +89,8 @@ typedef struct rregion {
     /* Same-host kinds: our mapping of the peer's memfd (the endpoint's
      * transport's import_fd), else NULL; their copies read it. */
     uint8_t *map;
+    /* How much of map is populated (shm.c); NULL: all of it. */
+    struct shm_pop *pop;
     void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA keys, a CUDA IPC mapping */
     struct rregion *next;
 } rregion;
