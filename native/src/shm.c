@@ -216,7 +216,9 @@ int shm_map(endpoint *ep, rregion *rr, int memfd)
      * a fault per page (an earlier try that prefaulted in the background and
      * let the copies fault cut the first bulk writes from ~8.5 to ~2.5
      * GB/s). Bulk writes right after connecting pay for populating what they
-     * touch (at the MAP_POPULATE rate). A kernel without MADV_POPULATE_READ
+     * touch (at the MAP_POPULATE rate): the demo's workload written into a
+     * 512 MiB pool at once (C engines, 2 shared cores) went from 47 ms to
+     * connect + 45 ms of writes, to 0.3 ms + 83 ms. A kernel without MADV_POPULATE_READ
      * (before 5.14) populates it all now.
      * Mapped from the fd itself: never reopened by number through /proc. A
      * read-only fd, or one sealed against writing, fails here for a
