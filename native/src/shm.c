@@ -53,8 +53,12 @@ typedef struct shm_state {
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22 /* Linux 5.14 */
 #endif
-#define POP_SHIFT 18                 /* populated lazily, 256 KiB at a time ... */
-#define POP_LAZY_MIN (4u << 20)      /* ... in mappings larger than this */
+#define POP_SHIFT 18                 /* populated lazily, 256 KiB at a time */
+#define POP_PAR_MIN (16u << 20)      /* populated at map time by several threads from here */
+#define POP_PAR_SLICE (16u << 20)    /* ... each at least this much */
+#define POP_PAR_MAX 8                /* ... at most this many */
+/* Mappings larger than this are populated lazily (tests lower it). */
+uint64_t axf_shm_lazy_min = 1ull << 30;
 
 /* A lazily populated mapping: which granules are populated, one bit each.
  * What it maps is copied here, so the populator never reads the rregion. */
@@ -199,6 +203,56 @@ static void pop_cancel(shm_pop *p)
     pthread_mutex_unlock(&pop_mu);
 }
 
+typedef struct pop_slice {
+    uint8_t *at;
+    uint64_t len;
+    int err;
+} pop_slice;
+
+static void *pop_slice_main(void *arg)
+{
+    pop_slice *sl = arg;
+    sl->err = madvise(sl->at, sl->len, MADV_POPULATE_READ) == 0 ? 0 : errno;
+    return NULL;
+}
+
+/* Populates [m, m+len) on several threads at once (one a core, up to
+ * POP_PAR_MAX, at least POP_PAR_SLICE each; the caller takes a slice). false
+ * when the kernel cannot (before 5.14). */
+static bool pop_parallel(uint8_t *m, uint64_t len)
+{
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    uint64_t n = len / POP_PAR_SLICE;
+    if (cpus > 0 && n > (uint64_t)cpus)
+        n = (uint64_t)cpus;
+    if (n > POP_PAR_MAX)
+        n = POP_PAR_MAX;
+    if (n < 1)
+        n = 1;
+    pop_slice sl[POP_PAR_MAX];
+    pthread_t t[POP_PAR_MAX];
+    bool started[POP_PAR_MAX] = {0};
+    uint64_t step = (len / n + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1), off = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t l = off >= len ? 0 : len - off < step ? len - off : step;
+        sl[i] = (pop_slice){.at = m + off, .len = l};
+        off += l;
+    }
+    for (uint64_t i = 1; i < n; i++)
+        if (sl[i].len)
+            started[i] = pthread_create(&t[i], NULL, pop_slice_main, &sl[i]) == 0;
+    pop_slice_main(&sl[0]);
+    bool ok = sl[0].err != EINVAL;
+    for (uint64_t i = 1; i < n; i++) {
+        if (started[i])
+            pthread_join(t[i], NULL);
+        else if (sl[i].len)
+            pop_slice_main(&sl[i]);
+        ok &= sl[i].err != EINVAL;
+    }
+    return ok;
+}
+
 int shm_map(endpoint *ep, rregion *rr, int memfd)
 {
     (void)ep;
@@ -210,20 +264,33 @@ int shm_map(endpoint *ep, rregion *rr, int memfd)
         return AXF_E_ACCESS;
     bool rw = rr->access & AXF_ACCESS_WRITE;
     int prot = PROT_READ | (rw ? PROT_WRITE : 0);
-    /* A large mapping is not populated here (~5 ms for a 64 MiB pool, the
-     * most of connecting to it) but behind: by the populator, and by each
-     * copy, a granule before its first copy (shm_populate), so no copy takes
-     * a fault per page (an earlier try that prefaulted in the background and
-     * let the copies fault cut the first bulk writes from ~8.5 to ~2.5
-     * GB/s). Bulk writes right after connecting pay for populating what they
-     * touch (at the MAP_POPULATE rate): the demo's workload written into a
-     * 512 MiB pool at once (C engines, 2 shared cores) went from 47 ms to
-     * connect + 45 ms of writes, to 0.3 ms + 83 ms. A kernel without MADV_POPULATE_READ
-     * (before 5.14) populates it all now.
+    /* Populated now, as before, so that the first bulk writes take no page
+     * faults; but from POP_PAR_MIN on by several threads at once (MAP_POPULATE
+     * is one thread: ~5 ms for a 64 MiB pool, the most of connecting to it).
+     * Above axf_shm_lazy_min (1 GiB, ~90 ms) it is not populated here but
+     * behind: by the populator, and by each copy a granule before its first
+     * copy (shm_populate), so no copy takes a fault per page. Lazily, bulk
+     * writes right after connecting pay for populating what they touch:
+     * measured with the demo's workload into a 512 MiB pool (C engines, 2
+     * shared cores), 47 ms to connect + 45 ms of writes became 0.3 ms + 83
+     * ms, and the Python demo's throughput halved (7.7 -> 3.7 GB/s); an
+     * earlier try that let the copies fault instead cut it from ~8.5 to ~2.5
+     * GB/s. A kernel without MADV_POPULATE_READ (before 5.14) uses
+     * MAP_POPULATE throughout.
      * Mapped from the fd itself: never reopened by number through /proc. A
      * read-only fd, or one sealed against writing, fails here for a
      * writable region. */
-    if (rr->len > POP_LAZY_MIN) {
+    if (rr->len >= POP_PAR_MIN && rr->len <= axf_shm_lazy_min) {
+        void *m = mmap(NULL, rr->len, prot, MAP_SHARED, memfd, 0);
+        if (m == MAP_FAILED)
+            return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
+        if (pop_parallel(m, rr->len)) {
+            rr->map = m;
+            return AXF_OK;
+        }
+        munmap(m, rr->len);
+    }
+    if (rr->len > axf_shm_lazy_min) {
         uint64_t ngran = ((rr->len - 1) >> POP_SHIFT) + 1;
         shm_pop *p = calloc(1, sizeof *p + (ngran + 63) / 64 * sizeof p->bits[0]);
         void *m = p ? mmap(NULL, rr->len, prot, MAP_SHARED, memfd, 0) : MAP_FAILED;
