@@ -89,6 +89,8 @@ typedef struct rregion {
     /* Same-host kinds: our mapping of the peer's memfd (the endpoint's
      * transport's import_fd), else NULL; their copies read it. */
     uint8_t *map;
+    /* How much of map is populated (shm.c); NULL: all of it. */
+    struct shm_pop *pop;
     void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA keys, a CUDA IPC mapping */
     struct rregion *next;
 } rregion;
@@ -415,6 +417,7 @@ int shm_start(axf_engine *e);
 void shm_stop(axf_engine *e);
 int shm_map(endpoint *ep, rregion *rr, int memfd); /* a peer's memfd: rr->map */
 void shm_unmap(rregion *rr);
+extern uint64_t axf_shm_lazy_min; /* larger peer pools are populated lazily (shm.c) */
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);
 /* The shm transport's submit: e->mu held, released; the data phase inline

@@ -164,7 +164,14 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         return false;
     }
     memcpy(o->sched, t->sched, AXF_SCHED);
-    o->sched0 = (uint32_t)t->rr_next;
+    /* A lone one-chunk request (nothing else of the endpoint's in flight)
+     * goes on the connection the last request went on, not the next one in
+     * the rotation: its threads on both sides ran last (warm caches, and the
+     * scheduler keeps them near the threads they talk to). Measured, 4 KiB
+     * awaited round trips, 4 connections: ~31 us rotating, ~27 us on one. */
+    bool lone = o->n == 1 && o->d[0].len <= e->cfg.chunk_bytes &&
+                atomic_load(&ep->ops_alive) <= 1;
+    o->sched0 = (uint32_t)(lone ? (t->rr_next + AXF_SCHED - 1) % AXF_SCHED : t->rr_next);
     /* Each connection's frames are chained here and queued as one group with
      * its expectation (a READ's chunks are answered one by one). */
     sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
@@ -188,7 +195,8 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         lastp[ci] = it;
         gbytes[ci] += it->h.len;
     }
-    t->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
+    if (!lone)
+        t->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
     /* Set before any group is queued: replies may come at once. */
     atomic_store(&o->remaining, used ? used : 1);
     if (!used)

@@ -264,6 +264,121 @@ static int test_memfd_region(void)
     return 0;
 }
 
+/* A 40 MiB pool: mapped and populated by several threads at once (shm.c),
+ * then written whole and read back. */
+static int test_memfd_parallel_populate(void)
+{
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    const uint64_t LEN = (40u << 20) + 4096;
+    int mfd = memfd_create("axf-test-par", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(mfd >= 0);
+    CHECK_EQ(ftruncate(mfd, (off_t)LEN), 0);
+    CHECK_EQ(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    uint8_t *pool = mmap(NULL, LEN, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+    CHECK(pool != MAP_FAILED);
+    uint64_t brid, bkey, arid, akey, ep;
+    CHECK_EQ(axf_region_register(b->e, pool, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, mfd, &brid,
+                                 &bkey),
+             AXF_OK);
+    uint8_t *src = malloc(LEN);
+    CHECK(src);
+    t_fill(src, LEN, 12);
+    CHECK_EQ(axf_region_register(a->e, src, LEN, AXF_ACCESS_READ, -1, &arid, &akey), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep, brid, bkey, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0,
+                                 mfd),
+             AXF_OK);
+    axf_desc w = {.lrid = arid, .loff = 0, .rrid = brid, .rkey = bkey, .roff = 0, .len = LEN};
+    axf_completion c;
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &w, 1, NULL, 0, 7, 0), AXF_OK);
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 7, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(pool, src, LEN) == 0);
+    t_close(a);
+    t_close(b);
+    munmap(pool, LEN);
+    close(mfd);
+    free(src);
+    return 0;
+}
+
+/* A memfd pool larger than the lazy-populate threshold (shm.c): mapped
+ * without populating, then populated by the copies (a granule before its
+ * first copy) and by the populator thread behind them. Scattered small
+ * writes, a write across granules up to the unaligned end, a READ of all of
+ * it back, and the engine closed at once (the unmap waits for the populator
+ * to let go of the mapping). */
+static int test_memfd_lazy_populate(void)
+{
+    uint64_t lazy_min = axf_shm_lazy_min;
+    axf_shm_lazy_min = 4u << 20; /* rather than a pool of more than 1 GiB */
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    const uint64_t LEN = (24u << 20) + 12345;
+    int mfd = memfd_create("axf-test-lazy", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(mfd >= 0);
+    CHECK_EQ(ftruncate(mfd, (off_t)LEN), 0);
+    CHECK_EQ(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    uint8_t *pool = mmap(NULL, LEN, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+    CHECK(pool != MAP_FAILED);
+    uint64_t brid, bkey, arid, akey, ep;
+    CHECK_EQ(axf_region_register(b->e, pool, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, mfd, &brid,
+                                 &bkey),
+             AXF_OK);
+    uint8_t *src = malloc(LEN), *back = calloc(1, LEN);
+    CHECK(src && back);
+    t_fill(src, LEN, 11);
+    CHECK_EQ(axf_region_register(a->e, src, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &arid,
+                                 &akey),
+             AXF_OK);
+    uint64_t crid, ckey;
+    CHECK_EQ(axf_region_register(a->e, back, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &crid,
+                                 &ckey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep, brid, bkey, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0,
+                                 mfd),
+             AXF_OK);
+    enum { NS = 64 };
+    axf_desc d[NS];
+    for (int i = 0; i < NS; i++) { /* 4 KiB pieces spread over the pool, back to front */
+        uint64_t off = (uint64_t)(NS - 1 - i) * ((20u << 20) / NS) + 777;
+        d[i] = (axf_desc){.lrid = arid, .loff = off, .rrid = brid, .rkey = bkey, .roff = off,
+                          .len = 4096};
+    }
+    axf_completion c;
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, d, NS, NULL, 0, 1, 0), AXF_OK);
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    for (int i = 0; i < NS; i++)
+        CHECK(memcmp(pool + d[i].roff, src + d[i].loff, 4096) == 0);
+    axf_desc w = {.lrid = arid, .loff = 0, .rrid = brid, .rkey = bkey, .roff = 0, .len = LEN};
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &w, 1, NULL, 0, 2, 0), AXF_OK);
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 2, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(pool, src, LEN) == 0);
+    axf_desc r = {.lrid = crid, .loff = 0, .rrid = brid, .rkey = bkey, .roff = 0, .len = LEN};
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_READ, &r, 1, NULL, 0, 3, 0), AXF_OK);
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 3, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(back, src, LEN) == 0);
+    /* A second import of the same pool, closed at once: the populator may
+     * still be on it. */
+    uint64_t ep2;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 2, getpid(), -1, &ep2), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep2, brid, bkey, LEN, AXF_ACCESS_READ, 0, mfd), AXF_OK);
+    t_close(a);
+    t_close(b);
+    munmap(pool, LEN);
+    close(mfd);
+    free(src);
+    free(back);
+    axf_shm_lazy_min = lazy_min;
+    /* The same pool populated at map time by several threads (16 MiB and up). */
+    return test_memfd_parallel_populate();
+}
+
 static int test_access_checks(void)
 {
     shm_pair p;
@@ -984,6 +1099,7 @@ int main(int argc, char **argv)
         T_CASE(test_alone_copied_at_submit),
         T_CASE(test_large_write_and_read),
         T_CASE(test_memfd_region),
+        T_CASE(test_memfd_lazy_populate),
         T_CASE(test_access_checks),
         T_CASE(test_write_with_notify),
         T_CASE(test_defer_holds_until_doorbell),

@@ -654,6 +654,52 @@ static int test_revoke_on_every_rail(void)
 /* The fuzz harnesses' entry point: bytes in, the target's parser run on
  * this thread; valid frames served as on a real connection, malformed ones
  * refused, nothing outside the region touched, nothing left behind. */
+/* A lone one-chunk request goes on the connection the last one went on
+ * (tcp.c): awaited one at a time, 4 KiB writes all land on one connection of
+ * four; posted together, they are spread over all four again. */
+static int test_lone_request_affinity(void)
+{
+    pair p;
+    CHECK_EQ(pair_open(&p, NULL, 4), 0);
+    axf_completion c;
+    for (int i = 0; i < 20; i++) {
+        axf_desc d = {.lrid = p.arid, .loff = (uint64_t)i * 4096, .rrid = p.brid, .rkey = p.bkey,
+                      .roff = (uint64_t)i * 4096, .len = 4096};
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 500 + (uint64_t)i, 0),
+                 AXF_OK);
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 500 + (uint64_t)i, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+    }
+    axf_rail_stats rs[4];
+    CHECK_EQ(axf_endpoint_rails(p.a->e, p.ep, rs, 4), 4u);
+    int used = 0;
+    for (int k = 0; k < 4; k++)
+        used += rs[k].bytes != 0;
+    CHECK_EQ(used, 1);
+    uint64_t before[4];
+    for (int k = 0; k < 4; k++)
+        before[k] = rs[k].bytes;
+    for (int i = 0; i < 8; i++) { /* together: the rotation again */
+        axf_desc d = {.lrid = p.arid, .loff = (uint64_t)i * 4096, .rrid = p.brid, .rkey = p.bkey,
+                      .roff = (uint64_t)i * 4096, .len = 4096};
+        CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 600 + (uint64_t)i,
+                          AXF_POST_DEFER),
+                 AXF_OK);
+    }
+    axf_doorbell(p.a->e);
+    for (int i = 0; i < 8; i++) {
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 600 + (uint64_t)i, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+    }
+    CHECK_EQ(axf_endpoint_rails(p.a->e, p.ep, rs, 4), 4u);
+    used = 0;
+    for (int k = 0; k < 4; k++)
+        used += rs[k].bytes != before[k];
+    CHECK(used >= 3); /* the first may still count as lone */
+    pair_close(&p);
+    return 0;
+}
+
 static int test_replay_entry_point(void)
 {
     tengine *b = t_engine(NULL);
@@ -730,6 +776,7 @@ int main(int argc, char **argv)
         T_CASE(test_cancel_before_send),
         T_CASE(test_revoke_on_every_rail),
         T_CASE(test_replay_entry_point),
+        T_CASE(test_lone_request_affinity),
     };
     return T_RUN(argc, argv, cases);
 }
