@@ -78,6 +78,7 @@ class Submission:
         "_on_record_cb",
         "_release_cb",
         "_loop",
+        "_future_kw",
         "_poller",
         "_next_req",
         "closed",
@@ -115,6 +116,7 @@ class Submission:
         self._on_record_cb = self._on_record
         self._release_cb = self.release
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._future_kw: dict[str, Any] | None = None  # {"loop": loop}: Transfer._make's
         self._poller: Poller | None = None
         self._next_req = itertools.count(1).__next__
         self.closed = False  # the agent closed: nothing more is posted
@@ -137,6 +139,7 @@ class Submission:
     def started(self, loop: asyncio.AbstractEventLoop, poller: Poller | None) -> None:
         """The agent runs on ``loop`` now (``poller``: its progress mode's, if it polls)."""
         self._loop = loop
+        self._future_kw = {"loop": loop}
         self._poller = poller
 
     def counters(self) -> TransferCounters:
@@ -156,11 +159,13 @@ class Submission:
     ) -> Transfer:
         """A new Transfer, into this loop iteration's batch (or its peer's
         scheduler queue, over the peer's limits; or failed, peer lost)."""
-        loop = self._loop
-        if loop is None:
-            loop = self._start()
+        kw = self._future_kw
+        if kw is None:
+            self._start()  # calls started()
+            kw = self._future_kw
+            assert kw is not None
         req_id = self._next_req()
-        t = _make_transfer(self, loop, req_id, op, peer, nbytes, perf_counter())
+        t = _make_transfer(self, kw, req_id, op, peer, nbytes, perf_counter())
         c = peer._counters
         c.posted += 1
         self.posted += 1
@@ -188,7 +193,7 @@ class Submission:
         self._pending_t.append(t)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            loop.call_soon(self._flush)
+            kw["loop"].call_soon(self._flush)
         return t
 
     def _enqueue(self, t: Transfer, item: Item) -> None:
@@ -290,18 +295,28 @@ class Submission:
             if not items:
                 return
         try:
-            # polls: the drain below takes the completions known at submit,
-            # so they need no eventfd wake-up (nor its two syscalls).
-            statuses = self._engine.post_many(items, True, alone)  # polls, alone
-        except Exception as exc:  # bad item or closed engine: nothing was posted
+            # One native call: the batch posted (polls: the completions known
+            # at submit, small same-host copies, need no eventfd wake-up, nor
+            # its two syscalls) and, if the engine accepted all of it (the
+            # usual case), every transfer marked posted and the ring drained.
+            statuses, n, completed, nbytes = self._engine.post_drain(
+                items, ts, self.inflight, self._on_record_cb, self._release_cb,
+                TransferResult, ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, alone,
+            )
+        except Exception as exc:
+            if ts[0]._posted:  # all posted: the drain's (a callback's) error
+                raise
+            # A bad item or a closed engine: nothing was posted.
             for t in ts:
                 self.inflight.pop(t.req_id, None)
                 self.finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
             return
-        if not any(statuses):  # the usual case, without a test per transfer
-            for t in ts:
-                t._posted = True
-        else:
+        if statuses is None:
+            self.completed += completed
+            self.bytes += nbytes
+            if n >= POLL_MAX:
+                self.drain()  # more remain
+        else:  # some refused: nothing was marked posted, nor drained
             for t, st in zip(ts, statuses, strict=True):
                 if st:
                     self.inflight.pop(t.req_id, None)
@@ -312,7 +327,7 @@ class Submission:
                         self._peer_lost(t.peer, st)
                 else:
                     t._posted = True
-        self.drain()  # completions known at submit (small same-host copies)
+            self.drain()  # completions known at submit (small same-host copies)
         if self.inflight and self._poller is not None:
             self._poller.kick()  # poll for the rest before the loop blocks
 

@@ -10,3 +10,174 @@ cdef inline int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, ui
     Peer; the drain names none of its fields)."""
     counters.settle(done, req_bytes, moved, latency, bandwidth)
     return 0
+
+
+# ------------------------------------------------------------------ futures
+
+cdef extern from *:
+    """
+    /* A type's own tp_new / tp_init slots, called directly: what
+       Base.__new__(cls) and Base.__init__(self, **kw) do, minus the slot
+       wrapper's argument tuple and keyword dict made per call. */
+    static PyObject *axf_slot_new(PyObject *base, PyObject *cls, PyObject *args) {
+        return ((PyTypeObject *)base)->tp_new((PyTypeObject *)cls, args, NULL);
+    }
+    static int axf_slot_init(PyObject *base, PyObject *self, PyObject *args, PyObject *kw) {
+        return ((PyTypeObject *)base)->tp_init(self, args, kw);
+    }
+    """
+    object axf_slot_new(object base, object cls, object args)
+    int axf_slot_init(object base, object self, object args, object kw) except -1
+
+from asyncio import Future as _Future
+
+cdef tuple _NO_ARGS = ()
+
+
+def new_future(cls, dict init_kw):
+    """``asyncio.Future.__new__(cls)`` then ``asyncio.Future.__init__(f,
+    **init_kw)`` (init_kw: ``{"loop": loop}``, made once by the caller), for
+    cls a subclass of asyncio.Future whose own ``__init__`` is not wanted
+    (aioxfer.transfer.Transfer._make sets its fields itself): the slots
+    called directly, without the wrappers' per-call tuple and dict."""
+    if not issubclass(cls, _Future):
+        raise TypeError(f"{cls!r} is not a subclass of asyncio.Future")
+    f = axf_slot_new(_Future, cls, _NO_ARGS)
+    axf_slot_init(_Future, f, _NO_ARGS, init_kw)
+    return f
+
+
+cdef inline object _new_instance(object cls):
+    """object.__new__(cls) without the Python-level call."""
+    return axf_slot_new(object, cls, _NO_ARGS)
+
+
+# ------------------------------------------------------------------ slots
+# Engine.drain reads five fields of every completed transfer and sets the four
+# of its result: through their __slots__ member descriptors' offsets, resolved
+# once per type, rather than a generic attribute lookup each (a type lookup,
+# a descriptor call: ~1.5 k instructions of an awaited 4 KiB write). A type
+# whose field is not a plain object slot takes the generic path.
+
+from cpython.ref cimport PyObject, Py_INCREF
+
+cdef extern from *:
+    """
+    #include <structmember.h>
+    /* The offset of a __slots__ member (a PyMemberDescr of an object slot
+       of type tp), else -1. */
+    static Py_ssize_t axf_slot_offset(PyObject *tp, PyObject *descr) {
+        PyMemberDef *m;
+        if (descr == NULL || Py_TYPE(descr) != &PyMemberDescr_Type)
+            return -1;
+        if (((PyDescrObject *)descr)->d_type != (PyTypeObject *)tp
+                && !PyType_IsSubtype((PyTypeObject *)tp, ((PyDescrObject *)descr)->d_type))
+            return -1;
+        m = ((PyMemberDescrObject *)descr)->d_member;
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY))
+            return -1;
+        return m->offset;
+    }
+    static PyObject *axf_type_lookup(PyObject *tp, PyObject *name) {
+        return _PyType_Lookup((PyTypeObject *)tp, name);  /* borrowed, or NULL */
+    }
+    static inline PyObject *axf_slot_ptr(PyObject *o, Py_ssize_t off) {
+        return *(PyObject **)((char *)o + off);
+    }
+    static inline void axf_slot_put(PyObject *o, Py_ssize_t off, PyObject *v) {
+        PyObject **p = (PyObject **)((char *)o + off);
+        PyObject *old = *p;
+        Py_INCREF(v);
+        *p = v;
+        Py_XDECREF(old);
+    }
+    """
+    Py_ssize_t axf_slot_offset(object tp, PyObject *descr)
+    PyObject *axf_slot_ptr(object o, Py_ssize_t off)
+    void axf_slot_put(object o, Py_ssize_t off, object v)
+    PyObject *axf_type_lookup(object tp, object name)
+
+cdef enum:
+    _T_ADMITTED = 0
+    _T_PEER = 1
+    _T_NBYTES = 2
+    _T_T0 = 3
+    _T_PATH = 4
+    _T_FIELDS = 5
+
+cdef enum:
+    _R_NBYTES = 0
+    _R_SECONDS = 1
+    _R_PATH = 2
+    _R_REROUTES = 3
+    _R_FIELDS = 4
+
+_T_NAMES = ("_admitted", "peer", "nbytes", "_t0", "_path")
+_R_NAMES = ("nbytes", "seconds", "path", "reroutes")
+
+cdef object _xfer_type = None  # the transfer type _xfer_off is of
+cdef Py_ssize_t _xfer_off[_T_FIELDS]
+cdef bint _xfer_future = False  # its done and set_result are asyncio.Future's
+cdef object _result_type = None
+cdef Py_ssize_t _result_off[_R_FIELDS]
+cdef bint _result_fast = False  # every result field is a plain slot
+
+_future_done = _Future.done
+_future_set_result = _Future.set_result
+
+
+cdef int _xfer_resolve(object tp) except -1:
+    """_xfer_off for transfer type tp (-1: that field the generic way)."""
+    global _xfer_type, _xfer_future
+    cdef Py_ssize_t i
+    for i in range(_T_FIELDS):
+        _xfer_off[i] = axf_slot_offset(tp, axf_type_lookup(tp, _T_NAMES[i]))
+    _xfer_future = (getattr(tp, "done", None) is _future_done
+                    and getattr(tp, "set_result", None) is _future_set_result)
+    _xfer_type = tp
+    return 0
+
+
+cdef int _result_resolve(object tp) except -1:
+    global _result_type, _result_fast
+    cdef Py_ssize_t i
+    _result_fast = True
+    for i in range(_R_FIELDS):
+        _result_off[i] = axf_slot_offset(tp, axf_type_lookup(tp, _R_NAMES[i]))
+        if _result_off[i] < 0:
+            _result_fast = False
+    _result_type = tp
+    return 0
+
+
+cdef inline object _xfer_get(object t, int field):
+    """Field ``field`` of transfer t (type _xfer_type), as getattr gives it."""
+    cdef Py_ssize_t off = _xfer_off[field]
+    cdef PyObject *v
+    if off >= 0:
+        v = axf_slot_ptr(t, off)
+        if v != NULL:
+            return <object>v
+    return getattr(t, _T_NAMES[field])  # unset (AttributeError) or not a slot
+
+
+cdef object _make_result(object result_type, object nbytes, object seconds, object path,
+                         object reroutes):
+    """result_type(nbytes, seconds, path, reroutes) without its Python-level
+    __init__ (a frozen dataclass's costs as much as the rest of the
+    completion): its slots set as that __init__ sets them."""
+    cdef object r
+    if result_type is not _result_type:
+        _result_resolve(result_type)
+    r = _new_instance(result_type)
+    if _result_fast:
+        axf_slot_put(r, _result_off[_R_NBYTES], nbytes)
+        axf_slot_put(r, _result_off[_R_SECONDS], seconds)
+        axf_slot_put(r, _result_off[_R_PATH], path)
+        axf_slot_put(r, _result_off[_R_REROUTES], reroutes)
+    else:
+        PyObject_GenericSetAttr(r, "nbytes", nbytes)
+        PyObject_GenericSetAttr(r, "seconds", seconds)
+        PyObject_GenericSetAttr(r, "path", path)
+        PyObject_GenericSetAttr(r, "reroutes", reroutes)
+    return r
