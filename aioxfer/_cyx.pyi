@@ -6,8 +6,8 @@ from aioxfer/_abi.py, generated from native/include/aioxfer.h
 (tools/gen_abi.py): the same values _cyx exports.
 """
 
-from collections.abc import Callable, Iterable
 from asyncio import Future
+from collections.abc import Callable, Iterable
 from typing import Any, Final, Self, TypeVar, final
 
 import numpy as np
@@ -182,7 +182,7 @@ class Engine:
     ) -> tuple[int, int, int]: ...
     def post_drain(
         self,
-        items: list[_PostItem],
+        items: list[Any],
         ts: list[Any],
         inflight: dict[int, Any],
         slow: Callable[[int, int, int, int, int, int, bytes | None], object],

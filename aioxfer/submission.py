@@ -277,8 +277,9 @@ class Submission:
             self.post_pending(n == 1)
 
     def post_pending(self, alone: bool = False) -> None:
-        """Posts what is pending now. eager() calls it directly: the scheduled
-        _flush stays scheduled (and finds nothing or what came since), so a
+        """Posts what is pending now (the batch lists are emptied, not
+        replaced, when the engine takes all of it). eager() calls it
+        directly: the scheduled _flush stays scheduled (and finds nothing or what came since), so a
         coroutine awaiting one small transfer after another without
         suspending schedules one callback, not one per transfer.
         alone: one transfer, awaited with nothing else in flight (the engine
@@ -287,9 +288,9 @@ class Submission:
         if not items or self.closed:
             return
         ts = self._pending_t
-        self._pending = []
-        self._pending_t = []
         if self._pending_cancelled:
+            self._pending = []
+            self._pending_t = []
             self._pending_cancelled = False
             items, ts = self._drop_cancelled(items, ts)
             if not items:
@@ -298,15 +299,20 @@ class Submission:
             # One native call: the batch posted (polls: the completions known
             # at submit, small same-host copies, need no eventfd wake-up, nor
             # its two syscalls) and, if the engine accepted all of it (the
-            # usual case), every transfer marked posted and the ring drained.
+            # usual case), every transfer marked posted, the batch lists
+            # emptied (reused: what the drain's callbacks submit goes into
+            # them), and the ring drained.
             statuses, n, completed, nbytes = self._engine.post_drain(
                 items, ts, self.inflight, self._on_record_cb, self._release_cb,
                 TransferResult, ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, alone,
             )
         except Exception as exc:
-            if ts[0]._posted:  # all posted: the drain's (a callback's) error
+            if not ts or ts[0]._posted:  # all posted: the drain's (a callback's) error
                 raise
             # A bad item or a closed engine: nothing was posted.
+            if ts is self._pending_t:
+                self._pending = []
+                self._pending_t = []
             for t in ts:
                 self.inflight.pop(t.req_id, None)
                 self.finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
@@ -316,7 +322,10 @@ class Submission:
             self.bytes += nbytes
             if n >= POLL_MAX:
                 self.drain()  # more remain
-        else:  # some refused: nothing was marked posted, nor drained
+        else:  # some refused: nothing was marked posted, emptied, nor drained
+            if ts is self._pending_t:
+                self._pending = []
+                self._pending_t = []
             for t, st in zip(ts, statuses, strict=True):
                 if st:
                     self.inflight.pop(t.req_id, None)

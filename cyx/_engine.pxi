@@ -573,8 +573,10 @@ cdef class Engine:
         accepted, ``transfer._posted = True`` for each of ``ts`` (the items'
         transfers, in order) and drain(inflight, ...): one call for the
         submission path. Returns (statuses, records, completed, bytes):
-        statuses None when all were accepted (then the rest is the drain's),
-        else post_many's list and nothing drained or marked (0, 0, 0)."""
+        statuses None when all were accepted (then the rest is the drain's,
+        and items and ts were emptied before the drain: the caller's batch
+        lists, reusable), else post_many's list and nothing drained, marked
+        or emptied (0, 0, 0)."""
         cdef Py_ssize_t count, i
         cdef object t
         self._open()
@@ -590,6 +592,11 @@ cdef class Engine:
         for i in range(count):
             t = ts[i]
             t._posted = True
+        # Posted: the engine copied the descriptors; the batch lists are the
+        # caller's to fill again (a transfer submitted from the drain's
+        # callbacks goes into them).
+        del items[:]
+        del ts[:]
         n, completed, total = self._drain(inflight, slow, release, result_type, weight,
                                           bandwidth_min, max)
         return None, n, completed, total
