@@ -141,6 +141,9 @@ class Submission:
         self._loop = loop
         self._future_kw = {"loop": loop}
         self._poller = poller
+        # The drain's wake-ups as one handle: on asyncio's own loops, whose
+        # call_soon (Python) costs more than the batching (not on uvloop).
+        self._engine.batch_wakeups = isinstance(loop, asyncio.BaseEventLoop)
 
     def counters(self) -> TransferCounters:
         return TransferCounters(self.posted, self.completed, self.failed, self.bytes)

@@ -251,3 +251,61 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
         return 0
     counters.settle(done, req_bytes, moved, latency, bandwidth)
     return 0
+
+
+# ------------------------------------------------------------------ wake-ups
+# A future's set_result schedules each of its done callbacks (the awaiting
+# task's wake-up, mostly) as a handle of its own: asyncio's call_soon, in
+# Python, ~4 k instructions each (callgrind), most of a completion with many
+# in flight. With Engine.batch_wakeups, the drain takes the callbacks off the
+# futures it completes and schedules them all as one handle, which runs each
+# in its context as a handle would (an exception goes to the loop's exception
+# handler). Callgrind, 256 x 4 KiB in flight, progress "sleep": asyncio
+# 31.0 k -> 27.4 k instructions per transfer; uvloop (whose call_soon is
+# compiled) 25.7 k -> 26.6 k, so the agent sets it on asyncio's loops only.
+
+_remove_done_callback = _Future.remove_done_callback
+
+
+cdef list _take_callbacks(object fut, list wake):
+    """fut's done callbacks, off it and into wake (made if None) as
+    (callback, context, fut, loop); fut is not done yet (it is about to be).
+    Returns wake."""
+    cdef object cbs = fut._callbacks
+    cdef object cb, ctx, loop
+    if not cbs:
+        return wake
+    if wake is None:
+        wake = []
+    loop = fut.get_loop()
+    for cb, ctx in cbs:
+        wake.append((cb, ctx, fut, loop))
+    for cb, ctx in cbs:
+        _remove_done_callback(fut, cb)
+    return wake
+
+
+cdef int _schedule_callbacks(list wake) except -1:
+    """One handle for the callbacks of wake, on their loop (an agent's
+    transfers share one)."""
+    (<tuple>wake[0])[3].call_soon(_run_callbacks, wake)
+    return 0
+
+
+def _run_callbacks(list wake):
+    cdef Py_ssize_t i, n = len(wake)
+    cdef tuple w
+    for i in range(n):
+        w = <tuple>wake[i]
+        try:
+            w[1].run(w[0], w[2])
+        except (SystemExit, KeyboardInterrupt):
+            if i + 1 < n:  # the rest still run, as their own handles would
+                w[3].call_soon(_run_callbacks, wake[i + 1:])
+            raise
+        except BaseException as exc:
+            w[3].call_exception_handler({
+                "message": f"Exception in callback {w[0]!r}({w[2]!r})",
+                "exception": exc,
+                "future": w[2],
+            })

@@ -18,6 +18,10 @@ cdef class Engine:
     cdef int _busy  # native calls in progress without the GIL (close() must wait)
     cdef bint _polling  # self._cq in use
     cdef bint _posting  # self._slots in use
+    # drain: the done callbacks of the futures it completes run as one loop
+    # handle, not one each (_completions.pxi: worth it where call_soon is
+    # Python, asyncio's own loops; not on uvloop's). Set by the agent.
+    cdef public bint batch_wakeups
 
     def __cinit__(self, uint32_t copy_workers=0, uint64_t chunk_bytes=0,
                   uint64_t inline_bytes=0, uint32_t keepalive_ms=0,
@@ -679,6 +683,7 @@ cdef class Engine:
         cdef size_t n, i
         cdef axf_completion *c
         cdef object t, peer = None, counters = None, path, r, key, tpeer
+        cdef list wake = None  # the done callbacks of the futures completed here
         cdef Py_ssize_t completed = 0, done = 0
         cdef uint64_t total = 0, moved = 0, req_bytes = 0
         cdef double now, seconds, bw, latency = 0.0, bandwidth = 0.0
@@ -745,13 +750,18 @@ cdef class Engine:
                         path = peer.path
                     # On success fail_index counts the reroutes.
                     r = _make_result(result_type, c.nbytes, seconds, path, c.fail_index)
-                    if _xfer_future:
+                    if _xfer_future and self.batch_wakeups:
+                        wake = _take_callbacks(t, wake)
+                        _future_set_result(t, r)
+                    elif _xfer_future:
                         _future_set_result(t, r)
                     else:
                         t.set_result(r)
         finally:
             if peer is not None:
                 _settle(counters, done, req_bytes, moved, latency, bandwidth)
+            if wake:
+                _schedule_callbacks(wake)
             for i in range(n):
                 axf_completion_free(&self._cq[i])
             self._polling = False
