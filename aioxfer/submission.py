@@ -78,6 +78,7 @@ class Submission:
         "_on_record_cb",
         "_release_cb",
         "_loop",
+        "_future_kw",
         "_poller",
         "_next_req",
         "closed",
@@ -115,6 +116,7 @@ class Submission:
         self._on_record_cb = self._on_record
         self._release_cb = self.release
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._future_kw: dict[str, Any] | None = None  # {"loop": loop}: Transfer._make's
         self._poller: Poller | None = None
         self._next_req = itertools.count(1).__next__
         self.closed = False  # the agent closed: nothing more is posted
@@ -137,7 +139,11 @@ class Submission:
     def started(self, loop: asyncio.AbstractEventLoop, poller: Poller | None) -> None:
         """The agent runs on ``loop`` now (``poller``: its progress mode's, if it polls)."""
         self._loop = loop
+        self._future_kw = {"loop": loop}
         self._poller = poller
+        # The drain's wake-ups as one handle: on asyncio's own loops, whose
+        # call_soon (Python) costs more than the batching (not on uvloop).
+        self._engine.batch_wakeups = isinstance(loop, asyncio.BaseEventLoop)
 
     def counters(self) -> TransferCounters:
         return TransferCounters(self.posted, self.completed, self.failed, self.bytes)
@@ -156,11 +162,13 @@ class Submission:
     ) -> Transfer:
         """A new Transfer, into this loop iteration's batch (or its peer's
         scheduler queue, over the peer's limits; or failed, peer lost)."""
-        loop = self._loop
-        if loop is None:
-            loop = self._start()
+        kw = self._future_kw
+        if kw is None:
+            self._start()  # calls started()
+            kw = self._future_kw
+            assert kw is not None
         req_id = self._next_req()
-        t = _make_transfer(self, loop, req_id, op, peer, nbytes, perf_counter())
+        t = _make_transfer(self, kw, req_id, op, peer, nbytes, perf_counter())
         c = peer._counters
         c.posted += 1
         self.posted += 1
@@ -188,7 +196,7 @@ class Submission:
         self._pending_t.append(t)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            loop.call_soon(self._flush)
+            kw["loop"].call_soon(self._flush)
         return t
 
     def _enqueue(self, t: Transfer, item: Item) -> None:
@@ -272,8 +280,9 @@ class Submission:
             self.post_pending(n == 1)
 
     def post_pending(self, alone: bool = False) -> None:
-        """Posts what is pending now. eager() calls it directly: the scheduled
-        _flush stays scheduled (and finds nothing or what came since), so a
+        """Posts what is pending now (the batch lists are emptied, not
+        replaced, when the engine takes all of it). eager() calls it
+        directly: the scheduled _flush stays scheduled (and finds nothing or what came since), so a
         coroutine awaiting one small transfer after another without
         suspending schedules one callback, not one per transfer.
         alone: one transfer, awaited with nothing else in flight (the engine
@@ -282,26 +291,44 @@ class Submission:
         if not items or self.closed:
             return
         ts = self._pending_t
-        self._pending = []
-        self._pending_t = []
         if self._pending_cancelled:
+            self._pending = []
+            self._pending_t = []
             self._pending_cancelled = False
             items, ts = self._drop_cancelled(items, ts)
             if not items:
                 return
         try:
-            # polls: the drain below takes the completions known at submit,
-            # so they need no eventfd wake-up (nor its two syscalls).
-            statuses = self._engine.post_many(items, True, alone)  # polls, alone
-        except Exception as exc:  # bad item or closed engine: nothing was posted
+            # One native call: the batch posted (polls: the completions known
+            # at submit, small same-host copies, need no eventfd wake-up, nor
+            # its two syscalls) and, if the engine accepted all of it (the
+            # usual case), every transfer marked posted, the batch lists
+            # emptied (reused: what the drain's callbacks submit goes into
+            # them), and the ring drained.
+            statuses, n, completed, nbytes = self._engine.post_drain(
+                items, ts, self.inflight, self._on_record_cb, self._release_cb,
+                TransferResult, ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, alone,
+            )
+        except Exception as exc:
+            if not ts or ts[0]._posted:  # all posted: the drain's (a callback's) error
+                raise
+            # A bad item or a closed engine: nothing was posted.
+            if ts is self._pending_t:
+                self._pending = []
+                self._pending_t = []
             for t in ts:
                 self.inflight.pop(t.req_id, None)
                 self.finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
             return
-        if not any(statuses):  # the usual case, without a test per transfer
-            for t in ts:
-                t._posted = True
-        else:
+        if statuses is None:
+            self.completed += completed
+            self.bytes += nbytes
+            if n >= POLL_MAX:
+                self.drain()  # more remain
+        else:  # some refused: nothing was marked posted, emptied, nor drained
+            if ts is self._pending_t:
+                self._pending = []
+                self._pending_t = []
             for t, st in zip(ts, statuses, strict=True):
                 if st:
                     self.inflight.pop(t.req_id, None)
@@ -312,7 +339,7 @@ class Submission:
                         self._peer_lost(t.peer, st)
                 else:
                     t._posted = True
-        self.drain()  # completions known at submit (small same-host copies)
+            self.drain()  # completions known at submit (small same-host copies)
         if self.inflight and self._poller is not None:
             self._poller.kick()  # poll for the rest before the loop blocks
 

@@ -3,10 +3,309 @@
 
 # ------------------------------------------------------------------ completions
 
-cdef inline int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t moved,
-                        double latency, double bandwidth) except -1:
-    """Engine.drain's per-peer tally of completed transfers: one call of the
-    counters' own settle (aioxfer.stats.PeerCounters: a typed record, not the
-    Peer; the drain names none of its fields)."""
+# ------------------------------------------------------------------ futures
+
+cdef extern from *:
+    """
+    /* A type's own tp_new / tp_init slots, called directly: what
+       Base.__new__(cls) and Base.__init__(self, **kw) do, minus the slot
+       wrapper's argument tuple and keyword dict made per call. */
+    static PyObject *axf_slot_new(PyObject *base, PyObject *cls, PyObject *args) {
+        return ((PyTypeObject *)base)->tp_new((PyTypeObject *)cls, args, NULL);
+    }
+    static int axf_slot_init(PyObject *base, PyObject *self, PyObject *args, PyObject *kw) {
+        return ((PyTypeObject *)base)->tp_init(self, args, kw);
+    }
+    """
+    object axf_slot_new(object base, object cls, object args)
+    int axf_slot_init(object base, object self, object args, object kw) except -1
+
+from asyncio import Future as _Future
+
+cdef tuple _NO_ARGS = ()
+
+
+def new_future(cls, dict init_kw):
+    """``asyncio.Future.__new__(cls)`` then ``asyncio.Future.__init__(f,
+    **init_kw)`` (init_kw: ``{"loop": loop}``, made once by the caller), for
+    cls a subclass of asyncio.Future whose own ``__init__`` is not wanted
+    (aioxfer.transfer.Transfer._make sets its fields itself): the slots
+    called directly, without the wrappers' per-call tuple and dict."""
+    if not issubclass(cls, _Future):
+        raise TypeError(f"{cls!r} is not a subclass of asyncio.Future")
+    f = axf_slot_new(_Future, cls, _NO_ARGS)
+    axf_slot_init(_Future, f, _NO_ARGS, init_kw)
+    return f
+
+
+cdef inline object _new_instance(object cls):
+    """object.__new__(cls) without the Python-level call."""
+    return axf_slot_new(object, cls, _NO_ARGS)
+
+
+# ------------------------------------------------------------------ slots
+# Engine.drain reads five fields of every completed transfer and sets the four
+# of its result: through their __slots__ member descriptors' offsets, resolved
+# once per type, rather than a generic attribute lookup each (a type lookup,
+# a descriptor call: ~1.5 k instructions of an awaited 4 KiB write). A type
+# whose field is not a plain object slot takes the generic path.
+
+from cpython.exc cimport PyErr_Clear, PyErr_Occurred
+from cpython.long cimport PyLong_AsLongLong, PyLong_FromLongLong
+from cpython.ref cimport PyObject
+
+cdef extern from *:
+    """
+    #include <structmember.h>
+    /* The offset of a __slots__ member (a PyMemberDescr of an object slot
+       of type tp), else -1. */
+    static Py_ssize_t axf_slot_offset(PyObject *tp, PyObject *descr) {
+        PyMemberDef *m;
+        if (descr == NULL || Py_TYPE(descr) != &PyMemberDescr_Type)
+            return -1;
+        if (((PyDescrObject *)descr)->d_type != (PyTypeObject *)tp
+                && !PyType_IsSubtype((PyTypeObject *)tp, ((PyDescrObject *)descr)->d_type))
+            return -1;
+        m = ((PyMemberDescrObject *)descr)->d_member;
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY))
+            return -1;
+        return m->offset;
+    }
+    static PyObject *axf_type_lookup(PyObject *tp, PyObject *name) {
+        return _PyType_Lookup((PyTypeObject *)tp, name);  /* borrowed, or NULL */
+    }
+    static inline PyObject *axf_slot_ptr(PyObject *o, Py_ssize_t off) {
+        return *(PyObject **)((char *)o + off);
+    }
+    static inline void axf_slot_put(PyObject *o, Py_ssize_t off, PyObject *v) {
+        PyObject **p = (PyObject **)((char *)o + off);
+        PyObject *old = *p;
+        Py_INCREF(v);
+        *p = v;
+        Py_XDECREF(old);
+    }
+    """
+    Py_ssize_t axf_slot_offset(object tp, PyObject *descr)
+    PyObject *axf_slot_ptr(object o, Py_ssize_t off)
+    void axf_slot_put(object o, Py_ssize_t off, object v)
+    PyObject *axf_type_lookup(object tp, object name)
+
+cdef enum:
+    _T_ADMITTED = 0
+    _T_PEER = 1
+    _T_NBYTES = 2
+    _T_T0 = 3
+    _T_PATH = 4
+    _T_FIELDS = 5
+
+cdef enum:
+    _R_NBYTES = 0
+    _R_SECONDS = 1
+    _R_PATH = 2
+    _R_REROUTES = 3
+    _R_FIELDS = 4
+
+_T_NAMES = ("_admitted", "peer", "nbytes", "_t0", "_path")
+_R_NAMES = ("nbytes", "seconds", "path", "reroutes")
+
+cdef object _xfer_type = None  # the transfer type _xfer_off is of
+cdef Py_ssize_t _xfer_off[_T_FIELDS]
+cdef bint _xfer_future = False  # its done and set_result are asyncio.Future's
+cdef object _result_type = None
+cdef Py_ssize_t _result_off[_R_FIELDS]
+cdef bint _result_fast = False  # every result field is a plain slot
+
+_future_done = _Future.done
+_future_set_result = _Future.set_result
+
+
+cdef int _xfer_resolve(object tp) except -1:
+    """_xfer_off for transfer type tp (-1: that field the generic way)."""
+    global _xfer_type, _xfer_future
+    cdef Py_ssize_t i
+    for i in range(_T_FIELDS):
+        _xfer_off[i] = axf_slot_offset(tp, axf_type_lookup(tp, _T_NAMES[i]))
+    _xfer_future = (getattr(tp, "done", None) is _future_done
+                    and getattr(tp, "set_result", None) is _future_set_result)
+    _xfer_type = tp
+    return 0
+
+
+cdef int _result_resolve(object tp) except -1:
+    global _result_type, _result_fast
+    cdef Py_ssize_t i
+    _result_fast = True
+    for i in range(_R_FIELDS):
+        _result_off[i] = axf_slot_offset(tp, axf_type_lookup(tp, _R_NAMES[i]))
+        if _result_off[i] < 0:
+            _result_fast = False
+    _result_type = tp
+    return 0
+
+
+cdef inline object _xfer_get(object t, int field):
+    """Field ``field`` of transfer t (type _xfer_type), as getattr gives it."""
+    cdef Py_ssize_t off = _xfer_off[field]
+    cdef PyObject *v
+    if off >= 0:
+        v = axf_slot_ptr(t, off)
+        if v != NULL:
+            return <object>v
+    return getattr(t, _T_NAMES[field])  # unset (AttributeError) or not a slot
+
+
+cdef object _make_result(object result_type, object nbytes, object seconds, object path,
+                         object reroutes):
+    """result_type(nbytes, seconds, path, reroutes) without its Python-level
+    __init__ (a frozen dataclass's costs as much as the rest of the
+    completion): its slots set as that __init__ sets them."""
+    cdef object r
+    if result_type is not _result_type:
+        _result_resolve(result_type)
+    r = _new_instance(result_type)
+    if _result_fast:
+        axf_slot_put(r, _result_off[_R_NBYTES], nbytes)
+        axf_slot_put(r, _result_off[_R_SECONDS], seconds)
+        axf_slot_put(r, _result_off[_R_PATH], path)
+        axf_slot_put(r, _result_off[_R_REROUTES], reroutes)
+    else:
+        PyObject_GenericSetAttr(r, "nbytes", nbytes)
+        PyObject_GenericSetAttr(r, "seconds", seconds)
+        PyObject_GenericSetAttr(r, "path", path)
+        PyObject_GenericSetAttr(r, "reroutes", reroutes)
+    return r
+
+
+# ------------------------------------------------------------------ settle
+
+_C_NAMES = ("inflight", "inflight_bytes", "completed", "bytes", "latency", "bandwidth")
+
+cdef enum:
+    _C_INFLIGHT = 0
+    _C_INFLIGHT_BYTES = 1
+    _C_COMPLETED = 2
+    _C_BYTES = 3
+    _C_LATENCY = 4
+    _C_BANDWIDTH = 5
+    _C_FIELDS = 6
+
+cdef object _counters_type = None
+cdef Py_ssize_t _counters_off[_C_FIELDS]
+cdef bint _counters_fast = False
+
+
+cdef int _counters_resolve(object tp) except -1:
+    global _counters_type, _counters_fast
+    cdef Py_ssize_t i
+    _counters_fast = True
+    for i in range(_C_FIELDS):
+        _counters_off[i] = axf_slot_offset(tp, axf_type_lookup(tp, _C_NAMES[i]))
+        if _counters_off[i] < 0:
+            _counters_fast = False
+    _counters_type = tp
+    return 0
+
+
+cdef inline bint _slot_int(object o, Py_ssize_t off, long long *out) except -1:
+    """*out = o's slot at off, if it holds an exact int within 62 bits."""
+    cdef PyObject *v = axf_slot_ptr(o, off)
+    cdef long long x
+    if v == NULL or type(<object>v) is not int:
+        return False
+    x = PyLong_AsLongLong(<object>v)
+    if x == -1 and PyErr_Occurred():
+        PyErr_Clear()
+        return False
+    if x > (1LL << 62) or x < -(1LL << 62):
+        return False
+    out[0] = x
+    return True
+
+
+cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t moved,
+                 double latency, double bandwidth) except -1:
+    """Engine.drain's per-peer tally of ``done`` completed transfers
+    (``req_bytes`` asked, ``moved`` moved) onto the peer's counters
+    (aioxfer.stats.PeerCounters, a typed record, not the Peer): inflight and
+    inflight_bytes down, completed and bytes up, latency and bandwidth set.
+    Through the fields' slots when they are plain ones holding ints (a
+    Python call costs ~2 k instructions, most of an awaited small
+    transfer's completion), else by the counters' own settle(), which does
+    the same."""
+    cdef long long v[4]
+    if type(counters) is not _counters_type:
+        _counters_resolve(type(counters))
+    if (_counters_fast and req_bytes < (1ULL << 62) and moved < (1ULL << 62)
+            and _slot_int(counters, _counters_off[_C_INFLIGHT], &v[0])
+            and _slot_int(counters, _counters_off[_C_INFLIGHT_BYTES], &v[1])
+            and _slot_int(counters, _counters_off[_C_COMPLETED], &v[2])
+            and _slot_int(counters, _counters_off[_C_BYTES], &v[3])):
+        axf_slot_put(counters, _counters_off[_C_INFLIGHT], PyLong_FromLongLong(v[0] - done))
+        axf_slot_put(counters, _counters_off[_C_INFLIGHT_BYTES],
+                     PyLong_FromLongLong(v[1] - <long long>req_bytes))
+        axf_slot_put(counters, _counters_off[_C_COMPLETED], PyLong_FromLongLong(v[2] + done))
+        axf_slot_put(counters, _counters_off[_C_BYTES],
+                     PyLong_FromLongLong(v[3] + <long long>moved))
+        axf_slot_put(counters, _counters_off[_C_LATENCY], latency)
+        axf_slot_put(counters, _counters_off[_C_BANDWIDTH], bandwidth)
+        return 0
     counters.settle(done, req_bytes, moved, latency, bandwidth)
     return 0
+
+
+# ------------------------------------------------------------------ wake-ups
+# A future's set_result schedules each of its done callbacks (the awaiting
+# task's wake-up, mostly) as a handle of its own: asyncio's call_soon, in
+# Python, ~4 k instructions each (callgrind), most of a completion with many
+# in flight. With Engine.batch_wakeups, the drain takes the callbacks off the
+# futures it completes and schedules them all as one handle, which runs each
+# in its context as a handle would (an exception goes to the loop's exception
+# handler). Callgrind, 256 x 4 KiB in flight, progress "sleep": asyncio
+# 31.0 k -> 27.4 k instructions per transfer; uvloop (whose call_soon is
+# compiled) 25.7 k -> 26.6 k, so the agent sets it on asyncio's loops only.
+
+_remove_done_callback = _Future.remove_done_callback
+
+
+cdef list _take_callbacks(object fut, list wake):
+    """fut's done callbacks, off it and into wake (made if None) as
+    (callback, context, fut, loop); fut is not done yet (it is about to be).
+    Returns wake."""
+    cdef object cbs = fut._callbacks
+    cdef object cb, ctx, loop
+    if not cbs:
+        return wake
+    if wake is None:
+        wake = []
+    loop = fut.get_loop()
+    for cb, ctx in cbs:
+        wake.append((cb, ctx, fut, loop))
+    for cb, ctx in cbs:
+        _remove_done_callback(fut, cb)
+    return wake
+
+
+cdef int _schedule_callbacks(list wake) except -1:
+    """One handle for the callbacks of wake, on their loop (an agent's
+    transfers share one)."""
+    (<tuple>wake[0])[3].call_soon(_run_callbacks, wake)
+    return 0
+
+
+def _run_callbacks(list wake):
+    cdef Py_ssize_t i, n = len(wake)
+    cdef tuple w
+    for i in range(n):
+        w = <tuple>wake[i]
+        try:
+            w[1].run(w[0], w[2])
+        except (SystemExit, KeyboardInterrupt):
+            if i + 1 < n:  # the rest still run, as their own handles would
+                w[3].call_soon(_run_callbacks, wake[i + 1:])
+            raise
+        except BaseException as exc:
+            w[3].call_exception_handler({
+                "message": f"Exception in callback {w[0]!r}({w[2]!r})",
+                "exception": exc,
+                "future": w[2],
+            })

@@ -32,8 +32,6 @@ cdef extern from "Python.h":
     # dataclass's __setattr__ (which is what the dataclass's __init__ does).
     int PyObject_GenericSetAttr(object o, object name, object value) except -1
 
-_object_new = object.__new__
-
 
 cdef inline double _perf_counter() noexcept nogil:
     """time.perf_counter() without a Python call: Linux's perf_counter is

@@ -18,6 +18,10 @@ cdef class Engine:
     cdef int _busy  # native calls in progress without the GIL (close() must wait)
     cdef bint _polling  # self._cq in use
     cdef bint _posting  # self._slots in use
+    # drain: the done callbacks of the futures it completes run as one loop
+    # handle, not one each (_completions.pxi: worth it where call_soon is
+    # Python, asyncio's own loops; not on uvloop's). Set by the agent.
+    cdef public bint batch_wakeups
 
     def __cinit__(self, uint32_t copy_workers=0, uint64_t chunk_bytes=0,
                   uint64_t inline_bytes=0, uint32_t keepalive_ms=0,
@@ -503,16 +507,24 @@ cdef class Engine:
         alone: one item that the caller awaits alone, nothing else in flight
         (AXF_POST_ALONE: a same-host copy up to inline_bytes runs inside this
         call, on this thread; tcp keeps it on one connection)."""
-        cdef uint32_t flags = AXF_POST_DEFER | (AXF_POST_POLL if polls else 0)
         cdef Py_ssize_t count, i
-        cdef _slot *s
-        cdef list keep
-        cdef bytes nb
         self._open()
         items = list(items)  # our own references while the GIL is released
         count = len(items)
         if count == 0:
             return []
+        self._post_items(<list>items, count, polls, alone)
+        return [self._slots[i].status for i in range(count)]
+
+    cdef int _post_items(self, list items, Py_ssize_t count, bint polls, bint alone) except -1:
+        """post_many's work: items (a list the caller holds, count > 0) posted,
+        their statuses left in self._slots[:count]."""
+        cdef uint32_t flags = AXF_POST_DEFER | (AXF_POST_POLL if polls else 0)
+        cdef Py_ssize_t i
+        cdef _slot *s
+        cdef object descs, notify, nb, it
+        cdef tuple item
+        cdef list keep = None  # copies made here (notify payloads not given as bytes)
         if alone and count == 1:
             flags |= AXF_POST_ALONE
         if self._posting:
@@ -520,22 +532,31 @@ cdef class Engine:
         self._posting = True
         try:
             self._ensure_slots(<size_t>count)
-            keep = []
             for i in range(count):
-                ep, op, descs, notify, req_id = items[i]
+                it = items[i]
+                item = <tuple>it if type(it) is tuple else tuple(it)
+                if len(item) != 5:
+                    raise ValueError(f"a posted item has 5 fields, not {len(item)}")
                 s = &self._slots[i]
-                s.ep = ep
-                s.op = op
-                s.req_id = req_id
+                s.ep = item[0]
+                s.op = item[1]
+                s.req_id = item[4]
                 s.notify = NULL
                 s.notify_len = 0
+                descs = item[2]
                 _descs_in(descs, &s.one, &s.descs, &s.n)
-                nb = _notify_bytes(notify)
-                if nb is not None:
+                notify = item[3]
+                if notify is not None:
+                    nb = _notify_bytes(notify)
                     s.notify = PyBytes_AS_STRING(nb)
                     s.notify_len = <size_t>PyBytes_GET_SIZE(nb)
-                keep.append(descs)
-                keep.append(nb)
+                    if nb is not notify:  # a copy: ours to keep alive
+                        if keep is None:
+                            keep = []
+                        keep.append(nb)
+            # items (held by the caller) keeps every descs and notify alive,
+            # keep the copies; an item converted to a tuple here holds only
+            # what items[i] holds too.
             s = self._slots
             self._busy += 1
             with nogil:
@@ -545,9 +566,44 @@ cdef class Engine:
                                            flags)
                 axf_doorbell(self._e)
             self._busy -= 1
-            return [s[i].status for i in range(count)]
         finally:
             self._posting = False
+        return 0
+
+    def post_drain(self, list items, list ts, dict inflight, object slow, object release,
+                   object result_type, double weight, uint64_t bandwidth_min,
+                   Py_ssize_t max=POLL_DEFAULT, bint alone=False):
+        """post_many(items, polls=True, alone) then, if every item was
+        accepted, ``transfer._posted = True`` for each of ``ts`` (the items'
+        transfers, in order) and drain(inflight, ...): one call for the
+        submission path. Returns (statuses, records, completed, bytes):
+        statuses None when all were accepted (then the rest is the drain's,
+        and items and ts were emptied before the drain: the caller's batch
+        lists, reusable), else post_many's list and nothing drained, marked
+        or emptied (0, 0, 0)."""
+        cdef Py_ssize_t count, i
+        cdef object t
+        self._open()
+        count = len(items)
+        if count == 0:
+            return None, 0, 0, 0
+        if len(ts) != count:
+            raise ValueError("post_drain: one transfer per item")
+        self._post_items(items, count, True, alone)
+        for i in range(count):
+            if self._slots[i].status != AXF_OK:
+                return [self._slots[i].status for i in range(count)], 0, 0, 0
+        for i in range(count):
+            t = ts[i]
+            t._posted = True
+        # Posted: the engine copied the descriptors; the batch lists are the
+        # caller's to fill again (a transfer submitted from the drain's
+        # callbacks goes into them).
+        del items[:]
+        del ts[:]
+        n, completed, total = self._drain(inflight, slow, release, result_type, weight,
+                                          bandwidth_min, max)
+        return None, n, completed, total
 
     def doorbell(self):
         self._open()
@@ -620,9 +676,14 @@ cdef class Engine:
         ``slow`` and ``release`` always see them up to date. Not reentrant:
         neither callback may poll or drain.
         """
+        return self._drain(inflight, slow, release, result_type, weight, bandwidth_min, max)
+
+    cdef tuple _drain(self, dict inflight, object slow, object release, object result_type,
+                      double weight, uint64_t bandwidth_min, Py_ssize_t max):
         cdef size_t n, i
         cdef axf_completion *c
-        cdef object t, peer = None, counters = None, path, r
+        cdef object t, peer = None, counters = None, path, r, key, tpeer
+        cdef list wake = None  # the done callbacks of the futures completed here
         cdef Py_ssize_t completed = 0, done = 0
         cdef uint64_t total = 0, moved = 0, req_bytes = 0
         cdef double now, seconds, bw, latency = 0.0, bandwidth = 0.0
@@ -639,7 +700,11 @@ cdef class Engine:
             self._release_freed(n)
             for i in range(n):
                 c = &self._cq[i]
-                t = inflight.get(c.id) if c.kind == AXF_CQ_XFER else None
+                if c.kind == AXF_CQ_XFER:
+                    key = c.id
+                    t = inflight.get(key)
+                else:
+                    t = None
                 if t is None or c.status != AXF_OK:
                     if c.kind == AXF_CQ_XFER and c.status == AXF_OK:
                         continue  # not ours (any more): nothing to complete
@@ -650,49 +715,53 @@ cdef class Engine:
                          PyBytes_FromStringAndSize(<char *>c.payload, c.payload_len)
                          if c.payload != NULL else None)
                     continue
-                del inflight[c.id]
-                if t._admitted:
+                del inflight[key]
+                if type(t) is not _xfer_type:
+                    _xfer_resolve(type(t))
+                if _xfer_get(t, _T_ADMITTED):
                     if peer is not None:
                         _settle(counters, done, req_bytes, moved, latency, bandwidth)
                         peer = None
                     release(t)
-                if t.peer is not peer:
+                tpeer = _xfer_get(t, _T_PEER)
+                if tpeer is not peer:
                     if peer is not None:
                         _settle(counters, done, req_bytes, moved, latency, bandwidth)
-                    peer = t.peer
+                    peer = tpeer
                     counters = peer._counters
                     done = 0
                     req_bytes = moved = 0
                     latency = counters.latency
                     bandwidth = counters.bandwidth
                 done += 1
-                req_bytes += <uint64_t>t.nbytes
+                req_bytes += <uint64_t>_xfer_get(t, _T_NBYTES)
                 moved += c.nbytes
                 completed += 1
                 total += c.nbytes
-                seconds = now - <double>t._t0
+                seconds = now - <double>_xfer_get(t, _T_T0)
                 if c.nbytes >= bandwidth_min:
                     bw = c.nbytes / seconds if seconds > 0 else 0.0
                     bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + weight * bw
                 else:
                     latency = seconds if latency == 0.0 else keep * latency + weight * seconds
-                if not t.done():
-                    path = t._path
+                if not (_future_done(t) if _xfer_future else t.done()):
+                    path = _xfer_get(t, _T_PATH)
                     if path is None:
                         path = peer.path
-                    # result_type(nbytes, seconds, path, reroutes) without the
-                    # Python-level __init__ (a frozen dataclass's costs as
-                    # much as the rest of the completion). On success
-                    # fail_index counts the reroutes.
-                    r = _object_new(result_type)
-                    PyObject_GenericSetAttr(r, "nbytes", c.nbytes)
-                    PyObject_GenericSetAttr(r, "seconds", seconds)
-                    PyObject_GenericSetAttr(r, "path", path)
-                    PyObject_GenericSetAttr(r, "reroutes", c.fail_index)
-                    t.set_result(r)
+                    # On success fail_index counts the reroutes.
+                    r = _make_result(result_type, c.nbytes, seconds, path, c.fail_index)
+                    if _xfer_future and self.batch_wakeups:
+                        wake = _take_callbacks(t, wake)
+                        _future_set_result(t, r)
+                    elif _xfer_future:
+                        _future_set_result(t, r)
+                    else:
+                        t.set_result(r)
         finally:
             if peer is not None:
                 _settle(counters, done, req_bytes, moved, latency, bandwidth)
+            if wake:
+                _schedule_callbacks(wake)
             for i in range(n):
                 axf_completion_free(&self._cq[i])
             self._polling = False

@@ -136,7 +136,8 @@ def test_transfer_make_sets_what_init_sets() -> None:
     try:
         args = (transfer.DETACHED, loop, 7, "write", None, 4096, 1.5)
         a = transfer.Transfer(*args)  # type: ignore[arg-type]
-        b = transfer.Transfer._make(*args)  # type: ignore[arg-type]
+        # _make takes the Future's init keywords ({"loop": loop}, the host's) for the loop.
+        b = transfer.Transfer._make(args[0], {"loop": loop}, *args[2:])  # type: ignore[arg-type]
         for name in transfer.Transfer.__slots__:
             assert getattr(a, name) == getattr(b, name), name
         assert b.get_loop() is loop and not b.done()
