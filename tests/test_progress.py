@@ -6,6 +6,7 @@ inline copy. Functional only: the figures are in benchmarks/."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import signal
 import time
 
@@ -211,6 +212,52 @@ async def test_wait_then_poll_from_the_caller(make_agent, transport: str) -> Non
     init.poll()
     assert t.done() and t.result().nbytes == 65536
     assert np.array_equal(dst.numpy()[:65536], data[:65536])
+    await idle(init)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_done_callbacks_of_one_drain(make_agent, transport: str) -> None:
+    """The done callbacks of transfers one drain completes (run as one loop
+    handle on asyncio's loops: Engine.batch_wakeups) behave as asyncio's own:
+    each runs once, in its own context, in the order added per transfer; one
+    that raises goes to the loop's exception handler with its future, and
+    the others still run."""
+    init, target, peer = await _pair(make_agent, transport, progress="sleep")
+    loop = asyncio.get_running_loop()
+    assert init._sub._engine.batch_wakeups == isinstance(loop, asyncio.BaseEventLoop)
+    dst = target.alloc(MiB, name="dst")
+    await within(peer.refresh())
+    src = init.register(pattern(MiB, 35), name="src")
+    remote = peer.region("dst")
+    var: contextvars.ContextVar[int] = contextvars.ContextVar("which")
+    ran: list[tuple[int, int, int]] = []  # (transfer, callback, context value)
+    caught: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: caught.append(context))
+    try:
+        n = 64
+        ts = [init.write(src[i * 4096:(i + 1) * 4096], remote[i * 4096:(i + 1) * 4096])
+              for i in range(n)]
+        for i, t in enumerate(ts):
+            ctx = contextvars.copy_context()
+            ctx.run(var.set, 1000 + i)
+            for k in range(2):
+                def cb(fut: object, i: int = i, k: int = k) -> None:
+                    ran.append((i, k, var.get()))
+                    if i == 7 and k == 0:
+                        raise ValueError("callback 7")
+                t.add_done_callback(cb, context=ctx)
+        await within(asyncio.gather(*ts))
+        await wait_until(lambda: len(ran) == 2 * n, what="every callback ran")
+    finally:
+        loop.set_exception_handler(previous)
+    assert sorted(ran) == [(i, k, 1000 + i) for i in range(n) for k in range(2)]
+    for i in range(n):  # per transfer, in the order added
+        assert ran.index((i, 0, 1000 + i)) < ran.index((i, 1, 1000 + i))
+    assert len(caught) == 1
+    assert isinstance(caught[0]["exception"], ValueError)
+    assert caught[0].get("future", ts[7]) is ts[7]  # batched: named; a loop's own handle: not
+    assert np.array_equal(dst.numpy()[:n * 4096], src.numpy()[:n * 4096])
     await idle(init)
 
 
