@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -163,6 +164,39 @@ static inline bool t_all(const uint8_t *p, size_t n, uint8_t v)
         if (p[i] != v)
             return false;
     return true;
+}
+
+/* Verbs between engines a and b (both enabled on the provider at path):
+ * A's endpoint (tagged a_tag) gets one queue pair per device, paired with
+ * B's, and a control connection B accepts (tagged b_tag) owning B's queue
+ * pairs. *ep: A's endpoint; returns the device count, or -1 (reported). */
+static inline int t_verbs_connect(axf_engine *a, axf_engine *b, const char *provider,
+                                  uint64_t a_tag, uint64_t b_tag, uint64_t *ep)
+{
+    char why[256];
+    int ndev = axf_verbs_enable(a, provider, why, sizeof why);
+    if (ndev <= 0) {
+        fprintf(stderr, "verbs: %s\n", why);
+        return -1;
+    }
+    if (axf_verbs_enable(b, provider, why, sizeof why) != ndev ||
+        axf_verbs_device_count(a) != ndev ||
+        axf_endpoint_create(a, AXF_EP_VERBS, a_tag, 0, -1, ep) != AXF_OK)
+        return -1;
+    uint64_t handles[AXF_VERBS_MAX_DEVICES];
+    for (int d = 0; d < ndev; d++) {
+        axf_verbs_qp_info ia, ib;
+        if (axf_verbs_qp_create(a, *ep, (uint32_t)d, &ia) != AXF_OK ||
+            axf_verbs_accept_qp(b, (uint32_t)d, &ia, &ib, &handles[d]) != AXF_OK ||
+            axf_verbs_qp_connect(a, *ep, (uint32_t)d, (uint32_t)d, &ib) != AXF_OK)
+            return -1;
+    }
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0 ||
+        axf_endpoint_add_conn(a, *ep, sv[0]) != AXF_OK ||
+        axf_verbs_accept_conn(b, sv[1], b_tag, handles, (size_t)ndev) != AXF_OK)
+        return -1;
+    return ndev;
 }
 
 typedef int (*t_fn)(void);

@@ -42,25 +42,8 @@ static int vpair_open(vpair *p, const axf_config *cfg)
     p->a = t_engine(cfg);
     p->b = t_engine(cfg);
     CHECK(p->a && p->b);
-    char why[256];
-    p->ndev = axf_verbs_enable(p->a->e, provider, why, sizeof why);
-    if (p->ndev <= 0)
-        fprintf(stderr, "verbs: %s\n", why);
+    p->ndev = t_verbs_connect(p->a->e, p->b->e, provider, A_TAG, B_TAG, &p->ep);
     CHECK(p->ndev > 0);
-    CHECK_EQ(axf_verbs_enable(p->b->e, provider, why, sizeof why), p->ndev);
-    CHECK_EQ(axf_verbs_device_count(p->a->e), p->ndev);
-    CHECK_EQ(axf_endpoint_create(p->a->e, AXF_EP_VERBS, A_TAG, 0, -1, &p->ep), AXF_OK);
-    uint64_t handles[AXF_VERBS_MAX_DEVICES];
-    for (int d = 0; d < p->ndev; d++) {
-        axf_verbs_qp_info ia, ib;
-        CHECK_EQ(axf_verbs_qp_create(p->a->e, p->ep, (uint32_t)d, &ia), AXF_OK);
-        CHECK_EQ(axf_verbs_accept_qp(p->b->e, (uint32_t)d, &ia, &ib, &handles[d]), AXF_OK);
-        CHECK_EQ(axf_verbs_qp_connect(p->a->e, p->ep, (uint32_t)d, (uint32_t)d, &ib), AXF_OK);
-    }
-    int sv[2];
-    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
-    CHECK_EQ(axf_endpoint_add_conn(p->a->e, p->ep, sv[0]), AXF_OK);
-    CHECK_EQ(axf_verbs_accept_conn(p->b->e, sv[1], B_TAG, handles, (size_t)p->ndev), AXF_OK);
     p->asrc = calloc(1, REG);
     p->bdst = calloc(1, REG);
     CHECK(p->asrc && p->bdst);
