@@ -106,6 +106,9 @@ def _cuda_available() -> bool:
 # native/tests/fakecuda.c through AIOXFER_CUDA_DRIVER.
 CUDA = _cuda_available()
 TRANSPORTS = ["shm", "tcp", "verbs"] + (["cuda"] if CUDA else [])
+# The path two same-host agents with default arguments pick: "cuda" where
+# both have CUDA (host memory then moves over the CUDA endpoint), else "shm".
+SAME_HOST = "cuda" if CUDA else "shm"
 
 # Bounds for waits; generous so a slow 2-core CI box passes, small enough that
 # a hang fails the test rather than the whole suite.

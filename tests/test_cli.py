@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 import pytest
+from conftest import SAME_HOST
 
 from aioxfer import cli
 
@@ -103,7 +104,7 @@ def test_demo_runs(transport: str) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
     assert "verification: ok (4/4 requests, 64 pages" in out
-    want = "shm" if transport == "auto" else "tcp"
+    want = SAME_HOST if transport == "auto" else "tcp"
     assert f"transport: {want}" in out
     assert "p50" in out and "p99" in out and "GB/s" in out
     assert "verified 4/4" in p.stderr  # the progress bar
@@ -123,4 +124,4 @@ def test_example_runs() -> None:
                        cwd=os.path.dirname(__file__))
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("pages ready") == 8
-    assert "prefill -> decode over shm" in p.stdout
+    assert f"prefill -> decode over {SAME_HOST}" in p.stdout

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SAME_HOST
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -30,7 +31,7 @@ def test_kv_router_survives_a_killed_worker(transport: str, tmp_path: Path) -> N
     args = ["--workers", "3", "--requests", str(requests)]
     out = run_example("kv_router.py", *args, *(["--tcp"] if transport == "tcp" else []),
                       cwd=tmp_path)
-    assert f"over {transport}:" in out, out
+    assert f"over {SAME_HOST if transport == 'shm' else transport}:" in out, out
     summary = re.search(
         r"served: (\d+)/(\d+)  retries: (\d+)  failures: (.*)  unserved: (\d+)  "
         r"corrupt: (\d+)  killed: (\d+)  hung: (\d+)", out)
@@ -66,7 +67,7 @@ def test_kv_offload_to_file_and_back(tmp_path: Path) -> None:
 def test_layerwise_prefill_decode(tmp_path: Path) -> None:
     out = run_example("layerwise_prefill_decode.py", "--layers", "8", "--blocks", "16",
                       "--block-kib", "32", "--compute-ms", "2", cwd=tmp_path)
-    assert "prefill: 8 layers x 16 blocks of 4096 bytes sent over shm" in out, out
+    assert f"prefill: 8 layers x 16 blocks of 4096 bytes sent over {SAME_HOST}" in out, out
     assert "decode: 8 layers landed in order: True; corrupt blocks: 0" in out, out
     # The first layer landed while later ones were still being computed and sent.
     early = re.search(r"first layer landed ([\d.]+) ms before the last", out)

@@ -19,7 +19,7 @@ import textwrap
 
 import msgspec
 import pytest
-from conftest import sigstop, wait_until, within
+from conftest import SAME_HOST, sigstop, wait_until, within
 
 import aioxfer
 from aioxfer import AccessDenied, ProtocolError, XferError, auth, local, metadata, protocol
@@ -102,7 +102,7 @@ async def test_lying_peer_cannot_aim_us_at_another_process(
     agent = await make_agent("honest")
     peer = await within(agent.connect(fake.address))
     # Another user never gets the same-host path, whatever it claims.
-    assert peer.path == ("tcp" if as_nobody else "shm")
+    assert peer.path == ("tcp" if as_nobody else SAME_HOST)
     assert peer.pid in (0, fake.pid)
     src = agent.register(bytearray(b"\xee" * victim.nbytes))
     dst = agent.register(bytearray(victim.nbytes))
@@ -147,7 +147,7 @@ async def test_default_agents_refuse_other_users(make_agent, remote_agent, tmp_p
     # Same user, defaults on both sides: connects with no configuration.
     friend = await make_agent("friend")
     peer = await within(friend.connect(target.address))
-    assert peer.path == "shm"
+    assert peer.path == SAME_HOST
 
 
 def test_token_file_is_private(tmp_path, monkeypatch) -> None:
@@ -207,7 +207,7 @@ async def test_deregister_waits_for_a_stopped_same_host_peer(make_agent, remote_
     target = await make_agent("target", peer_timeout=0.5, keepalive=0.1)
     pool = target.alloc(4 * MiB, name="dst")
     ra = await remote_agent(size=4 * MiB, peer_timeout=0.5, keepalive=0.1)
-    assert await ra.call("connect", target.address) == "shm"
+    assert await ra.call("connect", target.address) == SAME_HOST
     await ra.call("flood", target.address, "pool", "dst", 4 * MiB)
     sigstop(ra.pid)
     try:
@@ -225,7 +225,7 @@ async def test_deregister_completes_when_peers_acknowledge(make_agent, remote_ag
     target = await make_agent("target")
     pool = target.alloc(MiB, name="dst")
     ra = await remote_agent(size=MiB)
-    assert await ra.call("connect", target.address) == "shm"
+    assert await ra.call("connect", target.address) == SAME_HOST
     await within(target.deregister(pool), 10)
     assert target.deregister(pool).done()  # idempotent
 
@@ -252,7 +252,7 @@ async def test_aclose_names_the_peer_it_gave_up_on(remote_agent, capsys) -> None
     target.alloc(MiB, name="dst")
     ra = await remote_agent(size=MiB, name="sleeper", peer_timeout=0.5, keepalive=0.1)
     try:
-        assert await ra.call("connect", target.address) == "shm"
+        assert await ra.call("connect", target.address) == SAME_HOST
         await ra.call("flood", target.address, "pool", "dst", MiB)
         sigstop(ra.pid)
         await asyncio.sleep(1.0)
@@ -432,7 +432,7 @@ async def test_connect_kill_cycles_leave_nothing(make_agent, remote_agent) -> No
     target.alloc(MiB, name="dst")
     for _ in range(3):
         ra = await remote_agent(size=MiB)
-        assert await ra.call("connect", target.address) == "shm"
+        assert await ra.call("connect", target.address) == SAME_HOST
         ra.kill()
         ra.terminate()
     await wait_until(lambda: target.statistics().native_conns == 0, 10)

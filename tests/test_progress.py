@@ -316,7 +316,8 @@ async def test_peer_death_during_inline_copies(make_agent, remote_agent, region:
     each completes or fails PeerLost, within the bound, and the agent stays
     usable (pool: a mapped memfd; user: cross-memory attach)."""
     ra = await remote_agent(size=16 * MiB, peer_timeout=1.0, keepalive=0.2)
-    init = await make_agent("init", peer_timeout=1.0, keepalive=0.2, inline_bytes=64 * MiB)
+    init = await make_agent("init", peer_timeout=1.0, keepalive=0.2, inline_bytes=64 * MiB,
+                            **transport_kwargs("shm"))
     peer = await within(init.connect(ra.address))
     assert peer.path == "shm"
     src = init.register(pattern(16 * MiB, 34), name="src")

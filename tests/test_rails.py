@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from conftest import digest, pattern, within
+from conftest import SAME_HOST, digest, pattern, within
 
 import aioxfer
 
@@ -60,7 +60,7 @@ async def test_rail_statistics_for_shm_peer(make_agent) -> None:
     init = await make_agent("init")
     target.alloc(MiB, name="dst")
     peer = await within(init.connect(target.address))
-    assert peer.path == "shm"
+    assert peer.path == SAME_HOST
     st = peer.statistics()
     assert len(st.rails) == 1 and st.rails[0].up
     src = init.register(np.zeros(4096, dtype=np.uint8))

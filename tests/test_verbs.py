@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import digest, pattern, within
+from conftest import SAME_HOST, digest, pattern, within
 
 import aioxfer
 from aioxfer import TransportError, _cyx, auth
@@ -86,12 +86,12 @@ async def test_provider_devices_and_metadata(verbs_provider: str, make_agent) ->
     assert ro.nbytes == 4096
 
 
-async def test_same_host_stays_shm(verbs_provider: str, make_agent) -> None:
-    """verbs is enabled on both, but between same-host agents shm is chosen;
-    with shm left out, verbs is (over tcp)."""
+async def test_same_host_stays_off_verbs(verbs_provider: str, make_agent) -> None:
+    """verbs is enabled on both, but between same-host agents shm (cuda where
+    both have CUDA) is chosen; with shm left out, verbs is (over tcp)."""
     target = await make_agent("target")
     init = await make_agent("init")
-    assert (await within(init.connect(target.address))).path == "shm"
+    assert (await within(init.connect(target.address))).path == SAME_HOST
     init2 = await make_agent("init2", transports=("tcp", "verbs"))
     target2 = await make_agent("target2", transports=("tcp", "verbs"))
     peer = await within(init2.connect(target2.address))
