@@ -9,7 +9,8 @@
 #
 # then one device call, from the repository root (under 5 minutes of device
 # time: install ~1 min, native build and tests ~40 s, pytest GPU tests ~30 s,
-# gpu_check.py ~1-2 min, with a NIC ~30 s more; every step has a timeout):
+# gpu_check.py ~1-2 min, gpu_bench.py ~30 s, with a NIC ~30 s more; every
+# step has a timeout):
 #
 #     run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=420)
 #
@@ -30,7 +31,7 @@ if [ "${1:-}" = fetch ]; then
     exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d .whl \
-        msgspec structlog meson meson-python pyproject-metadata pytest-asyncio
+        msgspec structlog meson meson-python pyproject-metadata pytest-asyncio pytest pluggy
 fi
 
 OUT="${OUT:-/tmp/gpu_check_out}"
@@ -49,7 +50,8 @@ step() { echo "$1=$2" >> "$STEPS"; }
     nvidia-smi --query-gpu=index,name,driver_version,memory.total,pci.bus_id --format=csv,noheader || true
     nvidia-smi topo -m 2>/dev/null | head -20 || true
     python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, torch.cuda.is_available(), torch.cuda.device_count())' || true
-    ls /sys/class/infiniband 2>/dev/null && NIC=1 || NIC=0
+    # an empty /sys/class/infiniband (seen on the H200 machine) is no NIC
+    [ -n "$(ls -A /sys/class/infiniband 2>/dev/null)" ] && NIC=1 || NIC=0
     echo "RDMA devices: $NIC; RLIMIT_MEMLOCK $(ulimit -l); nvidia_peermem $([ -d /sys/module/nvidia_peermem ] && echo loaded || echo absent)"
 
     echo "== install"
@@ -58,15 +60,16 @@ step() { echo "$1=$2" >> "$STEPS"; }
             --target /tmp/site .whl/*.whl || exit 1
         export PYTHONPATH=/tmp/site
     fi
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation . && step install ok || { step install FAILED; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -Ccompile-args=-j"$(nproc)" . && step install ok || { step install FAILED; exit 1; }
     (cd /tmp && python3 -m aioxfer info) || true
 
     echo "== 1-2. driver symbols and attributes, context hygiene, IPC, VMM/managed (native, real driver)"
     if meson setup /tmp/axf-native -Dpython_ext=false >/dev/null && ninja -C /tmp/axf-native >/dev/null; then
         if timeout 90 /tmp/axf-native/native/tests/test_cuda --driver; then step native_cuda ok; else step native_cuda FAILED; fi
         # the software stand-ins on the same machine: their rules, next to the real ones
-        meson test -C /tmp/axf-native cuda_fake verbs softverbs verbs_abi --print-errorlogs >/dev/null \
-            && step native_standins ok || step native_standins FAILED
+        meson test -C /tmp/axf-native cuda_fake verbs softverbs verbs_abi --print-errorlogs \
+            > "$OUT/standins.log" 2>&1 && step native_standins ok || step native_standins FAILED
+        grep -E "^ *[0-9]+/[0-9]+ |check failed|FAIL" "$OUT/standins.log" | head -20
     else
         step native_build FAILED
     fi
@@ -78,6 +81,10 @@ step() { echo "$1=$2" >> "$STEPS"; }
     echo "== 1-7. gpu_check.py: driver, hygiene, odd-offset IPC, bandwidth GPU<->host / peer memfd / GPU, file, peer kill, NIC"
     (cd /tmp && timeout 170 python3 "$REPO/benchmarks/gpu_check.py" --size-mib 256 --iters 5 \
         --json "$OUT/gpu_check.json") && step gpu_check ok || step gpu_check FAILED
+
+    echo "== 8. gpu_bench.py: 4 KiB ... 256 MiB one request at a time (GB/s, p50), host memory over cuda vs shm, limits"
+    (cd /tmp && timeout 90 python3 "$REPO/benchmarks/gpu_bench.py" --secs 0.3 --json "$OUT/gpu_bench.json" \
+        | grep -v '^20..-..-..T') && step gpu_bench ok || step gpu_bench FAILED
 
     if [ "$NIC" = 1 ]; then
         echo "== 7. NIC: GID tables, perftest baseline, the verbs suite on the real libibverbs"

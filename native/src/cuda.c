@@ -396,7 +396,10 @@ int axf_cuda_device_info(int ordinal, axf_cuda_device *out)
 
 /* Checks [ptr, ptr+len) is device memory on one device and one contiguous
  * span of mappings: one allocation, or (VMM, expandable segments) several
- * chunks mapped back to back, each of which the driver reports on its own. */
+ * chunks mapped back to back, each of which the driver reports on its own.
+ * Only VMM chunks continue a span: cuMemAlloc allocations can be adjacent
+ * (seen on an H200), but each is its own IPC export, so a range running from
+ * one into the next would run past the peer's mapping of the first. */
 static int span_check(uint64_t ptr, uint64_t len, ptr_attr *first)
 {
     if (!ptr_query(ptr, first))
@@ -406,8 +409,8 @@ static int span_check(uint64_t ptr, uint64_t len, ptr_attr *first)
     uint64_t end = first->base + first->size;
     while (ptr + len > end) {
         ptr_attr next;
-        if (!ptr_query(end, &next) || next.base != end || next.dev != first->dev ||
-            next.managed || !next.size)
+        if (first->legacy_ipc || !ptr_query(end, &next) || next.base != end ||
+            next.dev != first->dev || next.managed || next.legacy_ipc || !next.size)
             return AXF_E_ACCESS; /* past the mapped span: a copy would fault the GPU */
         end = next.base + next.size;
     }

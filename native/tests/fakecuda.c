@@ -506,6 +506,33 @@ static void alloc_link(alloc *a)
     pthread_mutex_unlock(&mu);
 }
 
+/* cuMemAlloc hands out device addresses back to back from one arena, as the
+ * real driver does (seen on an H200: two cuMemAlloc allocations adjacent), so
+ * a range running past one allocation can land inside the next one. The arena
+ * is reserved PROT_NONE and never reused (a freed range stays reserved). */
+static uint8_t *arena_next, *arena_end;
+
+static void *arena_take(size_t n)
+{
+    size_t len = (n + page_size() - 1) / page_size() * page_size();
+    void *at = NULL;
+    pthread_mutex_lock(&mu);
+    if (!arena_next) {
+        size_t sz = (size_t)1 << 40;
+        void *va = mmap(NULL, sz, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (va != MAP_FAILED) {
+            arena_next = va;
+            arena_end = arena_next + sz;
+        }
+    }
+    if (arena_next && (size_t)(arena_end - arena_next) >= len) {
+        at = arena_next;
+        arena_next += len;
+    }
+    pthread_mutex_unlock(&mu);
+    return at;
+}
+
 static CUresult alloc_common(CUdeviceptr *p, size_t n, bool managed)
 {
     CHECK_INIT();
@@ -515,7 +542,8 @@ static CUresult alloc_common(CUdeviceptr *p, size_t n, bool managed)
     int fd = memfd_create("fakecuda", MFD_CLOEXEC);
     if (fd < 0)
         return E_OUT_OF_MEMORY;
-    alloc *a = ftruncate(fd, (off_t)n) == 0 ? alloc_new(fd, 0, n, managed, NULL, NULL) : NULL;
+    void *at = managed ? NULL : arena_take(n);
+    alloc *a = ftruncate(fd, (off_t)n) == 0 ? alloc_new(fd, 0, n, managed, at, NULL) : NULL;
     if (!a) {
         close(fd);
         return E_OUT_OF_MEMORY;
@@ -542,7 +570,7 @@ EXPORT CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned int flags)
 
 static void alloc_unmap(alloc *a, bool keep_va)
 {
-    if (keep_va) /* a VMM chunk: the reservation stays, inaccessible */
+    if (keep_va) /* a VMM chunk or an arena range: the reservation stays, inaccessible */
         mmap((void *)(uintptr_t)a->base, a->size, PROT_NONE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
     else
@@ -572,7 +600,7 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p)
     alloc *a = unlink_base(p, false, false); /* VMM memory is unmapped, never freed */
     if (!a)
         return E_INVALID_VALUE;
-    alloc_unmap(a, false);
+    alloc_unmap(a, !a->managed); /* device memory: its arena range stays reserved */
     return OK;
 }
 
