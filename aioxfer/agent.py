@@ -9,6 +9,16 @@ with ``loop.add_reader`` and are drained in batches.
 Lifetime: the agent owns its peers and regions. ``aclose()`` fails whatever is
 in flight with ClosedResourceError, and releases every buffer once the engine
 confirms nothing touches it any more.
+
+Shape: the Agent is a facade (as asyncpg's Connection is over connect_utils).
+It validates its arguments, owns the engine and the listening sockets, and
+keeps the write/read path inline (a call less per transfer); the rest lives
+in collaborators built from narrow arguments, never the agent: Submission (the
+batch, admission, the drain), EngineEvents (notifications, peers and rails
+lost, regions freed), PeerTable, Connector and Dialer (connecting), Server
+(serving), Rails, Memory (registration and release), LocalMeta (our metadata),
+Members and Cluster (membership, the etcd hand-off), BackendHost (what local
+backends reach).
 """
 
 from __future__ import annotations
