@@ -9,75 +9,59 @@ with ``loop.add_reader`` and are drained in batches.
 Lifetime: the agent owns its peers and regions. ``aclose()`` fails whatever is
 in flight with ClosedResourceError, and releases every buffer once the engine
 confirms nothing touches it any more.
+
+Shape: the Agent is a facade (as asyncpg's Connection is over connect_utils).
+It validates its arguments, owns the engine and the listening sockets, and
+keeps the write/read path inline (a call less per transfer); the rest lives
+in collaborators built from narrow arguments, never the agent: Submission (the
+batch, admission, the drain), EngineEvents (notifications, peers and rails
+lost, regions freed), PeerTable, Connector and Dialer (connecting), Server
+(serving), Rails, Memory (registration and release), LocalMeta (our metadata),
+Members and Cluster (membership, the etcd hand-off), BackendHost (what local
+backends reach).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import mmap
 import os
 import secrets
 import socket
 import sys
 import warnings
-import weakref
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from aioxfer import _cyx, descriptors, file_transport
-from aioxfer import cuda as _cuda
 from aioxfer import progress as _progress
 from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS  # connections one endpoint may have
 from aioxfer.auth import default_token
 from aioxfer.backends import registry as _backends
 from aioxfer.backends.host import BackendHost
+from aioxfer.cluster import Cluster
 from aioxfer.connector import ConnectConfig, Connector
 from aioxfer.descriptors import Descs as _Descs
 from aioxfer.descriptors import coalesce as _coalesce
 from aioxfer.descriptors import cuda_path as _cuda_path
 from aioxfer.dialing import Dialer, parse_address
-from aioxfer.discovery import (
-    Etcd,
-    EtcdSession,
-    Membership,
-    MembershipEvent,
-    PeerJoined,
-    encode_meta,
-)
-from aioxfer.errors import (
-    ClosedResourceError,
-    PeerLost,
-    RegistrationError,
-    TransportError,
-    XferError,
-)
+from aioxfer.discovery import Etcd, Membership, PeerJoined
+from aioxfer.errors import ClosedResourceError, TransportError
+from aioxfer.events import EngineEvents
 from aioxfer.limits import Limits
-from aioxfer.local import (
-    listen_local,
-    seal,
-)
+from aioxfer.local import listen_local
+from aioxfer.localmeta import LocalMeta
 from aioxfer.log import get_logger
 from aioxfer.members import Members
-from aioxfer.metadata import (
-    PROTOCOL_VERSION,
-    Accept,
-    AgentMeta,
-    CudaExport,
-    RegionMeta,
-)
-from aioxfer.notifications import Notification, Notifications
+from aioxfer.metadata import PROTOCOL_VERSION, Accept, AgentMeta
+from aioxfer.notifications import Notifications
 from aioxfer.peer import Peer
 from aioxfer.peertable import PeerTable, notify_payload
-from aioxfer.protocol import (
-    token_bytes,
-)
+from aioxfer.protocol import token_bytes
 from aioxfer.rails import Rails
 from aioxfer.region import (
     Region,
@@ -85,6 +69,7 @@ from aioxfer.region import (
     Segment,
     SegmentList,
 )
+from aioxfer.registration import Memory
 from aioxfer.serving import Server
 from aioxfer.stats import AgentStatistics, agent_statistics
 from aioxfer.submission import Submission
@@ -106,9 +91,7 @@ _NEVER_INLINE = (1 << 64) - 1  # the engine's inline_bytes for "never"
 _OK = _cyx.OK
 _OP_WRITE = _cyx.OP_WRITE
 _OP_READ = _cyx.OP_READ
-_CQ_NOTIFY = _cyx.CQ_NOTIFY
 _E_CLOSED = _cyx.E_CLOSED
-_E_PEER_LOST = _cyx.E_PEER_LOST
 
 Local = Segment | Sequence[Segment] | SegmentList
 # A Segment (or list of them) of a file region: Agent.register_file.
@@ -328,28 +311,31 @@ class Agent:
         self._serving: set[asyncio.Task[None]] = set()
         self.notifications = Notifications(self._notify_release)
 
-        # memory
-        self._regions: dict[str, Region] = {}
-        self._freeing: dict[int, Region] = {}  # deregistered, memory still ours to release
-        self._settled: asyncio.Event | None = None  # aclose: set on each freed region
-
-        # peers
+        # peers being connected: by address, and endpoint -> status if lost meanwhile
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
-        self._connecting_eps: dict[int, int] = {}  # endpoint -> status if lost meanwhile
+        self._connecting_eps: dict[int, int] = {}
         # Tags: each accepted connection and each endpoint holds one reference
         # to its peer's until it is gone, so that churn leaves no tags behind.
         self._tags = Tags()
-        self._tag_names = self._tags.names
         self._tag_for = self._tags.ref
         self._tag_unref = self._tags.unref
 
-        # membership
-        self._discovery = discovery
-        self._session: EtcdSession | None = None
-        self._session_start: asyncio.Task[None] | None = None
-        self._members: dict[str, AgentMeta] = {}  # etcd's view, all but us
-        self._subscribers: weakref.WeakSet[Membership] = weakref.WeakSet()
-
+        # The collaborators (issue 10, item 8): each gets what it needs by
+        # name, never the agent. Lambdas stand for those made later; they run
+        # only on rare events (a peer or rail lost, a region freed).
+        self._events = EngineEvents(
+            name,
+            tag_names=self._tags.names,
+            tag_unref=self._tag_unref,
+            notify=self.notifications._put,
+            peer_of=lambda ep: self._peers.by_ep.get(ep),
+            peer_lost=lambda peer, status, log: self._peers.mark_lost(peer, status, log=log),
+            rail_down=lambda peer, rail, moved, status: self._rails.on_down(
+                peer, rail, moved, status
+            ),
+            connecting=self._connecting_eps,
+            region_freed=lambda rid: self._memory.freed(rid),
+        )
         # data path: the batch, transfers in flight, admission, the drain
         self._sub = Submission(
             name,
@@ -357,7 +343,7 @@ class Agent:
             start=self._start,
             # A lone request up to this is posted at its await (Submission.eager).
             alone_max=self.inline_bytes,
-            on_event=self._on_event,
+            on_event=self._events.on_event,
             peer_lost=lambda peer, status: self._peers.mark_lost(peer, status),
             describe=_describe,
         )
@@ -369,10 +355,64 @@ class Agent:
             engine=self._engine,
             closed=lambda: self._closed,
             submit=self._submit,
-            refresh=self._refresh_peer,
+            refresh=lambda peer: self._connector.refresh(peer),
             fail_queued=self._sub.fail_queued,
             tag_unref=self._tag_unref,
-            emit=self._emit if discovery is None else None,
+            emit=None if discovery is not None else lambda e: self._membership.emit(e),
+        )
+        # membership: etcd's view, fencing, the membership() streams
+        self._membership = Members(
+            name,
+            peers_by_name=self._peers.by_name,
+            refresh_peer=lambda peer: self._connector.refresh(peer),
+            drop_peer=self._peers.drop,
+            closed=lambda: self._closed,
+        )
+        # the etcd hand-off (with discovery only)
+        self._cluster: Cluster | None = None
+        if discovery is not None:
+            self._cluster = Cluster(
+                name,
+                discovery=discovery,
+                incarnation=self.incarnation,
+                members=self._membership,
+                published=lambda: self._localmeta.published(),
+                peers_by_inc=self._peers.by_inc,
+                closed=lambda: self._closed,
+            )
+        # memory: the region table, registration, release
+        self._memory = Memory(
+            name,
+            engine=self._engine,
+            new_region=functools.partial(Region, self),
+            pin_cuda="cuda" in self.transports,
+            changed=self._cluster.changed if self._cluster is not None else _unchanged,
+            pending=self._sub,
+            started=lambda: self._loop is not None,
+            closed=lambda: self._closed,
+            tag_names=self._tags.names,
+            close_timeout=limits.close_timeout,
+        )
+        # our metadata, as served and as published
+        self._localmeta = LocalMeta(
+            name,
+            identity=AgentMeta(
+                version=PROTOCOL_VERSION,
+                name=name,
+                incarnation=self.incarnation,
+                host_id=self._host_id,
+                pid=os.getpid(),
+                address=self.address,
+                transports=list(self.transports),
+                regions=[],
+                uid=os.geteuid(),
+                byteorder=sys.byteorder,
+                rails=list(self.addresses),
+                verbs_devices=list(self._verbs_devices),
+                local=self._local_name,
+            ),
+            regions=self._memory.regions,
+            verbs_keys=self._engine.verbs_region_keys if self._verbs_devices else None,
         )
         # What local backends (the file transport among them), metrics and
         # staging reach this agent through (aioxfer.backends.host.host_of).
@@ -382,7 +422,7 @@ class Agent:
             peers=self._peers,
             host_id=self._host_id,
             cuda_why=self._cuda_why,
-            regions=self._regions,
+            regions=self._memory,
             closed=lambda: self._closed,
             new_tag=self._tags.local,
             submit=self._submit,
@@ -410,8 +450,8 @@ class Agent:
         agent and starts following the members (raises TransportError if etcd
         cannot be reached). Idempotent."""
         self._start()
-        if self._session_start is not None:
-            await asyncio.shield(self._session_start)
+        if self._cluster is not None:
+            await self._cluster.joined()
         return self
 
     def _start(self) -> asyncio.AbstractEventLoop:
@@ -437,8 +477,8 @@ class Agent:
             peer_timeout=self._peer_timeout,
             max_handshakes=self._max_handshakes,
             verbs_devices=len(self._verbs_devices),
-            meta=self._meta,
-            local_meta=self._local_meta,
+            meta=self._localmeta.meta,
+            local_meta=self._localmeta.local,
             tag_for=self._tag_for,
             tag_unref=self._tag_unref,
             tasks=self._serving,
@@ -453,13 +493,8 @@ class Agent:
                 server.accept_loop(loop, self._local_sock, local=True),
                 name=f"aioxfer-accept-local-{self.name}",
             ))
-        if self._discovery is not None:
-            # Joining needs etcd round trips: start() awaits it; a lazy start
-            # (first connect, write or read) lets it run in the background.
-            self._session_start = loop.create_task(
-                self._start_discovery(), name=f"aioxfer-join-{self.name}"
-            )
-            self._session_start.add_done_callback(_retrieve)
+        if self._cluster is not None:
+            self._cluster.join(loop)  # start() awaits it; a lazy start does not
         _log.debug("agent.started", agent=self.name, address=self.address)
         return loop
 
@@ -492,8 +527,8 @@ class Agent:
         # would post it first, and a copy finishing during the release wait
         # would report success from an agent being closed.
         self._sub.fail_pending()
-        if self._loop is not None and (self._regions or self._freeing):
-            await self._release_all()
+        if self._loop is not None:
+            await self._memory.release_all()
         self._closed = self._sub.closed = True
         tasks: list[asyncio.Task[Any]] = [
             task
@@ -502,7 +537,7 @@ class Agent:
                 *self._probes,
                 *self._serving,
                 *self._connecting.values(),
-                self._session_start,
+                self._cluster.joining if self._cluster is not None else None,
             )
             if task is not None
         ]
@@ -513,47 +548,10 @@ class Agent:
             await _backends.aclose_agent(self)
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-            if self._session is not None:
-                # Leave first, so that the others see PeerLeft now rather than
-                # when our lease would expire.
-                await self._session.aclose()
+            if self._cluster is not None:
+                await self._cluster.leave()
         finally:
             self._shutdown()
-
-    async def _release_all(self) -> None:
-        """Deregisters every region and waits, bounded, until peers released them."""
-        for region in list(self._regions.values()):
-            with contextlib.suppress(RegistrationError):
-                self.deregister(region)
-        self._settled = asyncio.Event()
-        try:
-            async with asyncio.timeout(self.limits.close_timeout):
-                while self._held_regions():
-                    self._settled.clear()
-                    await self._settled.wait()
-        except TimeoutError:
-            pass
-        finally:
-            self._settled = None
-        held = self._held_regions()
-        if held:
-            names = sorted({self._tag_names.get(t, f"tag-{t}") for tags in held.values()
-                            for t in tags})
-            for rid in held:
-                if rid in self._freeing:
-                    _QUARANTINE.append(self._freeing.pop(rid))  # its buffer is never released
-            _log.warning("agent.close_gave_up", agent=self.name, peers=names,
-                         regions=len(held), timeout=self.limits.close_timeout,
-                         reason="peers that could still touch our memory did not release it")
-
-    def _held_regions(self) -> dict[int, list[int]]:
-        """Deregistered regions some connection still holds: rid -> tags."""
-        held: dict[int, list[int]] = {}
-        for rid in self._freeing:
-            tags = self._engine.region_holders(rid)
-            if tags:
-                held[rid] = tags
-        return held
 
     def _shutdown(self) -> None:
         sub = self._sub
@@ -573,20 +571,11 @@ class Agent:
         self._engine.close()
 
         sub.fail_inflight()  # no completion came: should not happen
-        for region in list(self._regions.values()):
-            region._closed = True
-            self._release_memory(region)
-        self._regions.clear()
-        for region in list(self._freeing.values()):
-            self._release_memory(region)
-        self._freeing.clear()
+        self._memory.close()
         for peer in self._peers.live():
             self._peers.mark_lost(peer, _E_CLOSED, log=False)
         self._peers.clear()
-        self._members.clear()
-        for stream in list(self._subscribers):
-            stream._end()
-        self._subscribers.clear()
+        self._membership.close()
         self.notifications._close()
         for lsock in self._lsocks:
             lsock.close()
@@ -633,78 +622,12 @@ class Agent:
         or CUDA DLPack (PyTorch, CuPy tensors), and ``aioxfer.cuda.DevicePointer``
         (see aioxfer.cuda); the object is held while registered. Without a CUDA
         driver those raise RegistrationError saying why."""
-        try:
-            mem = _cuda.inspect(obj)
-        except ValueError as exc:
-            raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
-        if mem is not None:
-            return self._register_pointer(obj, mem, name)
-        return self._register(obj, name)
-
-    def _register_pointer(self, obj: Any, mem: _cuda.GpuMemory, name: str | None) -> Region:
-        self._check_open()
-        if name is not None:
-            self._backend_host.check_name(name)
-        what = f"cannot register {type(obj).__name__} ({mem.kind} memory, {mem.nbytes} bytes)"
-        export = None
-        if mem.kind == "cuda":
-            ok, why = _cuda.status()
-            if not ok:
-                raise RegistrationError(f"{what}: CUDA is not available: {why}")
-            try:
-                _cyx.cuda_pointer(mem.ptr, mem.nbytes)
-            except _cyx.NativeError as exc:
-                raise RegistrationError(f"{what}: {exc}") from None
-            try:
-                handle, offset, device = _cyx.cuda_export(mem.ptr)
-                export = CudaExport(handle=handle, offset=offset, device=device)
-            except _cyx.NativeError as exc:
-                # Still usable locally (and by RDMA); same-host peers cannot map it.
-                _log.warning("region.no_cuda_ipc", agent=self.name, error=str(exc))
-        access = _cyx.ACCESS_READ | (0 if mem.readonly else _cyx.ACCESS_WRITE)
-        kind = _cyx.MEM_CUDA if mem.kind == "cuda" else _cyx.MEM_HOST
-        try:
-            rid, key = self._engine.register_kind(kind, mem.ptr, mem.nbytes, access, obj)
-        except _cyx.NativeError as exc:
-            raise RegistrationError(f"{what}: {exc}") from None
-        if name is None:
-            name = self._backend_host.default_name(rid)
-        region = Region(self, name, rid, key, mem.nbytes, access, mem.ptr, obj)
-        region.kind = mem.kind
-        region._cuda = export
-        self._regions[name] = region
-        self._meta_changed()
-        return region
+        return self._memory.register(obj, name)
 
     def alloc(self, nbytes: int, *, name: str | None = None) -> Region:
         """A new zeroed region in shared memory (memfd) that same-host peers map
         directly, so a transfer into it is a single memcpy."""
-        self._check_open()
-        nbytes = int(nbytes)
-        if nbytes <= 0:
-            raise RegistrationError(f"cannot allocate {nbytes} bytes: size must be positive")
-        if name is not None:
-            self._backend_host.check_name(name)
-        label = f"aioxfer:{self.name}:{name or 'alloc'}"[:200]
-        try:
-            fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as exc:
-            raise RegistrationError(f"cannot create a memfd of {nbytes} bytes: {exc}") from exc
-        try:
-            os.ftruncate(fd, nbytes)
-            # Its size is fixed for good, so a peer mapping it can never take
-            # SIGBUS (peers refuse memfds without these seals).
-            seal(fd)
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            os.close(fd)
-            raise RegistrationError(f"cannot map a memfd of {nbytes} bytes: {exc}") from exc
-        try:
-            return self._register(mm, name, memfd=fd, ino=os.fstat(fd).st_ino, mm=mm)
-        except BaseException:
-            mm.close()
-            os.close(fd)
-            raise
+        return self._memory.alloc(nbytes, name)
 
     def register_file(
         self,
@@ -739,39 +662,6 @@ class Agent:
 
         return await serve_metrics(self, port, host)
 
-    def _register(
-        self,
-        obj: Any,
-        name: str | None,
-        *,
-        memfd: int = -1,
-        ino: int = 0,
-        mm: mmap.mmap | None = None,
-    ) -> Region:
-        self._check_open()
-        if name is not None:
-            self._backend_host.check_name(name)
-        try:
-            rid, key, addr, nbytes, access = self._engine.register(obj, memfd)
-        except ValueError as exc:
-            raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
-        except (TypeError, BufferError) as exc:
-            raise RegistrationError(
-                f"cannot register {type(obj).__name__}: not a contiguous buffer ({exc})"
-            ) from None
-        except _cyx.NativeError as exc:
-            raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
-        if name is None:
-            name = self._backend_host.default_name(rid)
-        region = Region(self, name, rid, key, nbytes, access, addr, obj, memfd, ino, mm)
-        self._regions[name] = region
-        if "cuda" in self.transports:
-            # Page-locked now, on the engine's CUDA thread, so a GPU copy to or
-            # from it is asynchronous and its first one pays no pinning.
-            self._engine.cuda_pin_region(rid)
-        self._meta_changed()
-        return region
-
     def deregister(self, region: Region) -> Awaitable[None]:
         """Revokes a region: peers' new accesses fail with AccessDenied; transfers
         already using it finish first. Returns an awaitable (a Future when an
@@ -786,115 +676,17 @@ class Agent:
             raise ValueError(
                 f"{region!r} belongs to agent {region._agent.name!r}, not {self.name!r}"
             )
-        if region._released is not None:
-            return region._released
-        region._closed = True
-        if self._regions.get(region.name) is region:
-            del self._regions[region.name]
-        released = region._released = self._release_future()
-        if self._closed:
-            _resolve(released)
-            return released
-        self._freeing[region.rid] = region
-        # Transfers posted before this call but still batched for the next
-        # flush are "already using it": they go to the engine first, so they
-        # finish rather than fail against a region that vanished under them.
-        self._sub.post_pending()
-        try:
-            self._engine.deregister(region.rid)
-        except (ValueError, _cyx.NativeError) as exc:
-            self._freeing.pop(region.rid, None)
-            _resolve(released)
-            raise RegistrationError(f"cannot deregister region {region.name!r}: {exc}") from None
-        finally:
-            self._meta_changed()  # it is gone from our metadata either way
-        if self._loop is None:
-            self._sub.drain_once()  # not serving yet: no peer; the engine freed it already
-        return released
-
-    def _release_future(self) -> Awaitable[None]:
-        try:
-            return asyncio.get_running_loop().create_future()
-        except RuntimeError:  # no loop: nothing can be waiting for it
-            return _Released()
+        return self._memory.deregister(region)
 
     @property
     def regions(self) -> list[Region]:
-        return list(self._regions.values())
+        return list(self._memory.regions.values())
 
     def region(self, name: str) -> Region:
         try:
-            return self._regions[name]
+            return self._memory.regions[name]
         except KeyError:
             raise KeyError(f"agent {self.name!r} has no region {name!r}") from None
-
-    def _release_memory(self, region: Region) -> None:
-        mm, fd = region._mmap, region._memfd
-        region._mmap = None
-        region._memfd = -1
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                # The caller still holds views of it: it is unmapped when they go.
-                _log.debug("region.views_alive", agent=self.name, region=region.name)
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    # ------------------------------------------------------------ metadata server
-
-    def _meta(self) -> AgentMeta:
-        """Our metadata as served over tcp (and etcd): no memfds."""
-        return self._meta_with(lambda r: -1)
-
-    def _local_meta(self) -> tuple[AgentMeta, list[int]]:
-        """Our metadata as served on the unix socket to a peer the kernel
-        vouched for: each alloc'd region names its memfd's index among the fds
-        that follow (SCM_RIGHTS)."""
-        fds: list[int] = []
-
-        def index(r: Region) -> int:
-            if r._memfd < 0:
-                return -1
-            fds.append(r._memfd)
-            return len(fds) - 1
-
-        return self._meta_with(index), fds
-
-    def _meta_with(self, memfd: Callable[[Region], int]) -> AgentMeta:
-        return AgentMeta(
-            version=PROTOCOL_VERSION,
-            name=self.name,
-            incarnation=self.incarnation,
-            host_id=self._host_id,
-            pid=os.getpid(),
-            address=self.address,
-            transports=list(self.transports),
-            regions=[
-                RegionMeta(
-                    name=r.name,
-                    rid=r.rid,
-                    key=r.key,
-                    nbytes=r.nbytes,
-                    access=r.access,
-                    addr=r.addr,
-                    memfd=memfd(r),
-                    verbs=self._engine.verbs_region_keys(r.rid) if self._verbs_devices else [],
-                    kind=r.kind,
-                    cuda=r._cuda,
-                )
-                for r in self._regions.values()
-                if r.kind != "file"  # file regions are ours alone
-            ],
-            uid=os.geteuid(),
-            byteorder=sys.byteorder,
-            rails=list(self.addresses),
-            verbs_devices=list(self._verbs_devices),
-            local=self._local_name,
-        )
 
     def _notify_release(self, tag: int) -> None:
         """The application took a notification that came on tag's connection:
@@ -903,22 +695,6 @@ class Agent:
             self._engine.notify_release(tag, 1)
 
     # ------------------------------------------------------------ membership
-    # etcd's view, fencing and the membership() streams live in
-    # aioxfer.members.Members; the agent keeps what touches its own state
-    # (its metadata, the etcd session, dropping a peer).
-
-    @functools.cached_property
-    def _membership(self) -> Members:
-        """The membership collaborator, made on first use over the agent's tables."""
-        return Members(
-            self.name,
-            members=self._members,
-            subscribers=self._subscribers,
-            peers_by_name=self._peers.by_name,
-            refresh_peer=self._refresh_peer,
-            drop_peer=self._peers.drop,
-            closed=lambda: self._closed,
-        )
 
     def membership(self) -> Membership:
         """An async iterator of PeerJoined, PeerUpdated and PeerLeft events: a
@@ -931,7 +707,7 @@ class Agent:
         PeerUpdated; lost, restarted or closed: PeerLeft). Several consumers
         may iterate at once; each gets every event."""
         self._check_open()
-        if self._discovery is not None:
+        if self._cluster is not None:
             initial = self._membership.snapshot()
         else:
             initial = [
@@ -939,49 +715,6 @@ class Agent:
                 for p in self._peers.by_ep.values()
             ]
         return self._membership.subscribe(initial)
-
-    def _emit(self, event: MembershipEvent) -> None:
-        self._membership.emit(event)
-
-    def _published_meta(self) -> bytes:
-        """Our metadata as published in etcd: no access keys, no memory
-        addresses, no memfd numbers; peers fetch those from us over our control
-        connection (authenticated when we have a token)."""
-        meta = self._meta()
-        regions = [
-            RegionMeta(name=r.name, rid=r.rid, key=0, nbytes=r.nbytes, access=r.access, addr=0)
-            for r in meta.regions
-        ]
-        return encode_meta(msgspec.structs.replace(meta, regions=regions))
-
-    def _meta_changed(self) -> None:
-        if self._session is not None and not self._closed:
-            self._session.publish(self._published_meta())
-
-    async def _start_discovery(self) -> None:
-        assert self._discovery is not None
-        session = EtcdSession(self._discovery, self.name, self.incarnation, self._membership)
-        try:
-            members = await session.open(self._published_meta())
-            self._check_open()
-        except BaseException as exc:
-            await session.aclose()
-            if isinstance(exc, Exception) and not isinstance(exc, XferError):
-                error = TransportError(
-                    f"agent {self.name!r} cannot join through etcd at "
-                    f"{', '.join(self._discovery.endpoints)}: {exc}"
-                )
-                _log.warning("discovery.join_failed", agent=self.name, reason=str(error))
-                raise error from exc
-            raise
-        self._session = session
-        await self._membership.reset(members)
-        session.start()
-        self._meta_changed()  # regions registered while we were joining
-
-    def _fence(self, name: str, incarnation: int, address: str | None) -> None:
-        """Peers of ``name`` made for another incarnation become stale (Members.fence)."""
-        self._membership.fence(name, incarnation, address)
 
     # ------------------------------------------------------------ peers
 
@@ -1002,14 +735,22 @@ class Agent:
         etcd does not hold raises PeerLost."""
         self._check_open()
         if not _is_address(address):
-            return await self._connect_name(address)
+            if self._cluster is None:
+                raise ValueError(
+                    f'{address!r} is not a "host:port" address, and agent {self.name!r} has no '
+                    f"discovery to resolve names with (Agent(..., discovery=Etcd(...)))"
+                )
+            await self.start()
+            return await self._cluster.connect(address, self.connect)
         loop = self._start()
         peer = self._peers.by_addr.get(address)
         if peer is not None and not peer._lost:
             return peer
         task = self._connecting.get(address)
         if task is None:
-            task = loop.create_task(self._connect(address), name=f"aioxfer-connect-{address}")
+            task = loop.create_task(
+                self._connector.connect(address), name=f"aioxfer-connect-{address}"
+            )
             self._connecting[address] = task
             task.add_done_callback(lambda t: self._connect_done(address, t))
         try:
@@ -1021,50 +762,11 @@ class Agent:
                 ) from None
             raise
 
-    async def _connect_name(self, name: str) -> Peer:
-        if self._discovery is None:
-            raise ValueError(
-                f'{name!r} is not a "host:port" address, and agent {self.name!r} has no '
-                f"discovery to resolve names with (Agent(..., discovery=Etcd(...)))"
-            )
-        await self.start()
-        session = self._session
-        assert session is not None
-        try:
-            meta = await session.resolve(name)
-        except (Exception, TimeoutError) as exc:
-            if isinstance(exc, XferError):
-                raise
-            raise TransportError(
-                f"cannot look up agent {name!r} in etcd at {session._endpoint}: "
-                f"{str(exc) or type(exc).__name__}"
-            ) from exc
-        if meta is None:
-            raise PeerLost(
-                f"no agent named {name!r} in etcd (key {self._discovery.key(name)!r}): "
-                f"not started yet, left, or its lease expired",
-                peer=name,
-            )
-        known = self._peers.by_inc.get((name, meta.incarnation))
-        if known is not None and not known._lost:
-            return known
-        self._fence(name, meta.incarnation, None)
-        peer = await self.connect(meta.address)
-        if peer.name != name:
-            raise TransportError(
-                f"etcd says agent {name!r} is at {meta.address}, but the agent there is "
-                f"{peer.name!r}"
-            )
-        return peer
-
     def _connect_done(self, address: str, task: asyncio.Task[Peer]) -> None:
         if self._connecting.get(address) is task:
             del self._connecting[address]
         if not task.cancelled():
             task.exception()  # retrieved: every awaiter may have been cancelled
-
-    async def _connect(self, address: str) -> Peer:
-        return await self._connector.connect(address)
 
     @functools.cached_property
     def _connector(self) -> Connector:
@@ -1088,7 +790,7 @@ class Agent:
             peers=self._peers,
             tags=self._tags,
             rails=self._rails,
-            embedded=self._membership if self._discovery is None else None,
+            embedded=self._membership if self._cluster is None else None,
             connecting=self._connecting_eps,
             closed=lambda: self._closed,
         )
@@ -1111,12 +813,6 @@ class Agent:
             closed=lambda: self._closed,
             timeout_status=_cyx.E_TIMEOUT,
         )
-
-    def _on_rail_down(self, peer: Peer, rail: int, moved: int, status: int) -> None:
-        self._rails.on_down(peer, rail, moved, status)
-
-    async def _refresh_peer(self, peer: Peer) -> None:
-        await self._connector.refresh(peer)
 
     # ------------------------------------------------------------ data path
 
@@ -1320,58 +1016,6 @@ class Agent:
         concurrently with aclose()."""
         return bool(self._engine.wait(max_us) > 0)
 
-    def _on_event(
-        self,
-        kind: int,
-        status: int,
-        id_: int,
-        tag: int,
-        nbytes: int,
-        fail_index: int,
-        payload: bytes | None,
-    ) -> None:
-        """A completion record that is not a transfer's (Submission hands the
-        agent these): a notification, or an engine event."""
-        if kind == _CQ_NOTIFY:
-            name = self._tag_names.get(tag)
-            if name is None:
-                name = f"tag-{tag}"  # a tag we never saw: should not happen
-            self.notifications._put(Notification(name, payload or b""), tag)
-            return
-        if kind == _cyx.CQ_RAIL_DOWN:
-            rpeer = self._peers.by_ep.get(id_)
-            if rpeer is not None:
-                self._on_rail_down(rpeer, fail_index, nbytes, status)
-            return
-        if kind == _cyx.CQ_PEER_LOST:
-            peer = self._peers.by_ep.get(id_)
-            if peer is not None:
-                self._peers.mark_lost(peer, status, log=status != _E_CLOSED)
-            elif id_ in self._connecting_eps:
-                self._connecting_eps[id_] = status
-        elif kind == _cyx.CQ_REGION_FREED:
-            region = self._freeing.pop(id_, None)
-            if region is not None:
-                self._release_memory(region)
-                if region._released is not None:
-                    _resolve(region._released)
-            if self._settled is not None:
-                self._settled.set()
-        elif kind == _cyx.CQ_LOG:
-            if payload is not None and payload.startswith(b"verbs: GPU region"):
-                # GPUDirect registration failed: said loudly, it is a slow path.
-                warnings.warn(payload.decode("utf-8", "replace"), RuntimeWarning, stacklevel=1)
-            _log.warning(
-                "engine.log",
-                agent=self.name,
-                peer=self._tag_names.get(tag),
-                tag=tag,
-                reason=(payload or b"").decode("utf-8", "replace"),
-            )
-        elif kind == _cyx.CQ_CONN_CLOSED:
-            _log.debug("conn.closed", agent=self.name, peer=self._tag_names.get(tag), tag=tag)
-            self._tag_unref(tag)
-
     # ------------------------------------------------------------ statistics
 
     def statistics(self) -> AgentStatistics:
@@ -1379,7 +1023,7 @@ class Agent:
         return agent_statistics(
             self.name,
             self.address,
-            regions=len(self._regions),
+            regions=len(self._memory.regions),
             peers=len(self._peers.by_ep),
             counters=self._sub.counters(),
             native=native,
@@ -1407,34 +1051,8 @@ def _is_address(target: str) -> bool:
     return bool(sep and host and port.isdigit())
 
 
-# Regions a peer could still touch when their agent closed: kept referenced (so
-# their buffers are never freed and reused under a stopped peer's copies).
-_QUARANTINE: list[Region] = []
-
-
-class _Released:
-    """deregister()'s answer where no event loop runs: already complete."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return
-        yield
-
-    def done(self) -> bool:
-        return True
-
-
-def _resolve(released: Awaitable[None]) -> None:
-    if isinstance(released, asyncio.Future) and not released.done():
-        released.set_result(None)
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    # The exception is re-raised to whoever awaits start(); retrieving it here
-    # keeps asyncio from logging it when nobody did.
-    if not task.cancelled():
-        task.exception()
+def _unchanged() -> None:
+    """Memory's ``changed`` without discovery: nothing is published."""
 
 
 def _listen(listen: str) -> tuple[socket.socket, str]:

@@ -37,8 +37,7 @@ _log = get_logger("aioxfer")
 class Members:
     """Etcd's members (all but this agent), fencing, and membership events.
 
-    ``members`` and ``subscribers`` are the agent's own tables (the agent reads
-    them too: connect by name, close); ``peers_by_name`` maps a name to the
+    ``peers_by_name`` maps a name to the
     Peers made for it; ``refresh_peer`` re-fetches a connected peer's metadata;
     ``drop_peer`` marks a peer lost for a reason and closes its endpoint;
     ``closed`` says whether the agent is closed.
@@ -58,16 +57,14 @@ class Members:
         self,
         agent: str,
         *,
-        members: dict[str, AgentMeta],
-        subscribers: weakref.WeakSet[Membership],
         peers_by_name: Mapping[str, Iterable[Peer]],
         refresh_peer: Callable[[Peer], Awaitable[None]],
         drop_peer: Callable[[Peer, str], None],
         closed: Callable[[], bool],
     ) -> None:
         self._agent = agent
-        self._members = members
-        self._subscribers = subscribers
+        self._members: dict[str, AgentMeta] = {}  # etcd's view, all but us
+        self._subscribers: weakref.WeakSet[Membership] = weakref.WeakSet()
         self._peers_by_name = peers_by_name
         self._refresh_peer = refresh_peer
         self._drop_peer = drop_peer
@@ -80,6 +77,13 @@ class Members:
         sub = Membership(initial, self._subscribers.discard)
         self._subscribers.add(sub)
         return sub
+
+    def close(self) -> None:
+        """The agent closed: every membership() iterator ends."""
+        self._members.clear()
+        for stream in list(self._subscribers):
+            stream._end()
+        self._subscribers.clear()
 
     def snapshot(self) -> list[MembershipEvent]:
         """A PeerJoined for every member etcd knows of."""

@@ -411,7 +411,7 @@ def _lie(agent: Any, lie: dict[str, Any]) -> None:
     confused-deputy attack would advertise)."""
     import msgspec
 
-    real = agent._meta_with
+    real = agent._localmeta.meta_with
 
     def lying(memfd: Any) -> Any:
         meta = real(memfd)
@@ -420,7 +420,7 @@ def _lie(agent: Any, lie: dict[str, Any]) -> None:
         return msgspec.structs.replace(meta, pid=lie["pid"], uid=lie.get("uid", meta.uid),
                                        regions=regions)
 
-    agent._meta_with = lying
+    agent._localmeta.meta_with = lying
 
 
 def remote_agent_main(conn: Any, opts: dict[str, Any]) -> None:

@@ -488,7 +488,7 @@ async def test_deleted_key_drops_peer_and_evicts(make_agent: Any, etcd: Etcd) ->
     with pytest.raises(aioxfer.PeerLost, match="etcd key was deleted"):
         await within(a.write(src[0:8], peer.region("kv")[0:8]))
     b.register(bytearray(64), name="after")  # would republish, were b not evicted
-    await wait_until(lambda: b._session._state == "evicted", what="b evicted")
+    await wait_until(lambda: b._cluster.session._state == "evicted", what="b evicted")
     assert await _etcd_get(etcd, b.name) is None
 
 

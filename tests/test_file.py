@@ -86,7 +86,7 @@ async def test_register_file(agent: Any, tmp_path: Path) -> None:
         r.memoryview  # noqa: B018
     host = agent.register(bytearray(4096), name="host")
     # File regions are this agent's alone: never in the metadata peers fetch.
-    assert [m.name for m in agent._meta().regions] == ["host"]
+    assert [m.name for m in agent._localmeta.meta().regions] == ["host"]
 
     q = tmp_path / "existing.bin"
     q.write_bytes(b"x" * 5000)

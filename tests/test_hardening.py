@@ -398,13 +398,13 @@ async def test_advertised_rails_are_capped(make_agent) -> None:
     third_party = f"127.0.0.1:{counter.getsockname()[1]}"
     target = await make_agent("target", transports=("tcp",))
     target.alloc(MiB, name="dst")
-    real = target._meta_with
+    real = target._localmeta.meta_with
 
     def many_rails(memfd):
         m = real(memfd)
         return msgspec.structs.replace(m, rails=[m.address] + [third_party] * 15)
 
-    target._meta_with = many_rails
+    target._localmeta.meta_with = many_rails
     init = await make_agent("init", transports=("tcp",), rail_probe=0.2,
                             limits=aioxfer.Limits(max_rails=3))
     await within(init.connect(target.address))

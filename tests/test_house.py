@@ -1,27 +1,33 @@
 """The house's seams (issue 10, item 8): Peer reaches its agent only through the
 PeerHost Protocol (the peer table implements it), Transfer only through
 TransferHost (the submission implements it), and the agent's collaborators
-(membership, rails, submission, peer table) know nothing of the Agent class:
-they get narrow constructor arguments."""
+(membership, rails, submission, peer table, memory, our metadata, the etcd
+hand-off, engine events) know nothing of the Agent class: they get narrow
+constructor arguments, and the agent never hands them itself."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 from types import ModuleType
 
 from aioxfer import (
     agent,
+    cluster,
     connector,
     descriptors,
     dialing,
+    events,
     file_transport,
+    localmeta,
     members,
     metrics,
     peer,
     peertable,
     progress,
     rails,
+    registration,
     serving,
     staging,
     stats,
@@ -97,9 +103,13 @@ def test_transfer_reaches_its_host_only_through_transfer_host() -> None:
         assert callable(getattr(submission.Submission, name)), name
 
 
+COLLABORATORS = (members, rails, stats, peer, transfer, submission, progress, peertable,
+                 serving, dialing, connector, tags, descriptors, backends_host, registration,
+                 localmeta, cluster, events)
+
+
 def test_collaborators_do_not_know_the_agent() -> None:
-    for module in (members, rails, stats, peer, transfer, submission, progress, peertable,
-                   serving, dialing, connector, tags, descriptors, backends_host):
+    for module in COLLABORATORS:
         for node in ast.walk(_tree(module)):
             if isinstance(node, ast.ImportFrom):
                 assert node.module != "aioxfer.agent", f"{module.__name__} imports aioxfer.agent"
@@ -112,10 +122,97 @@ def test_collaborators_do_not_know_the_agent() -> None:
 def test_collaborator_constructors_are_narrow() -> None:
     # Keyword arguments naming what each needs, never a whole agent.
     for cls in (members.Members, rails.Rails, submission.Submission, peertable.PeerTable,
-                serving.Server, dialing.Dialer, connector.Connector):
+                serving.Server, dialing.Dialer, connector.Connector, registration.Memory,
+                localmeta.LocalMeta, cluster.Cluster, events.EngineEvents):
         params = inspect.signature(cls).parameters
         assert "agent" in params and params["agent"].annotation in ("str", str), cls
         assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "agent")
+        for name, p in params.items():
+            assert not re.search(r"\bAgent\b", str(p.annotation)), (cls, name, p.annotation)
+    for cls in (registration.Memory, localmeta.LocalMeta, cluster.Cluster, events.EngineEvents):
+        assert len(inspect.signature(cls).parameters) <= 11, cls
+
+
+def _collaborator_calls() -> list[ast.Call]:
+    """The calls in agent.py that build a collaborator (a class of COLLABORATORS)."""
+    names = {
+        n.name for m in COLLABORATORS for n in ast.walk(_tree(m)) if isinstance(n, ast.ClassDef)
+    }
+    return [
+        node for node in ast.walk(_tree(agent))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        and node.func.id in names and node.func.id not in ("Peer", "Transfer")
+    ]
+
+
+def test_agent_never_hands_itself_to_a_collaborator() -> None:
+    # The one place the agent passes itself is the owner of a Region it makes
+    # (functools.partial(Region, self), Region's public ``agent``).
+    calls = _collaborator_calls()
+    built = {c.func.id for c in calls}  # type: ignore[attr-defined]
+    assert {"Memory", "LocalMeta", "Cluster", "EngineEvents", "Members", "Submission",
+            "PeerTable", "BackendHost", "Connector", "Rails", "Server"} <= built, built
+    for call in calls:
+        for arg in [*call.args, *(k.value for k in call.keywords)]:
+            assert not (isinstance(arg, ast.Name) and arg.id == "self"), (
+                f"agent.py:{call.lineno} hands the agent to {call.func.id}"  # type: ignore[attr-defined]
+            )
+    partials = [
+        node for node in ast.walk(_tree(agent))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "partial"
+    ]
+    assert [ast.unparse(p) for p in partials] == ["functools.partial(Region, self)"]
+
+
+def test_agent_is_a_facade() -> None:
+    # What moved out stays out: metadata (localmeta), registration and release
+    # (registration), engine events (events), the etcd hand-off (cluster).
+    methods = {
+        f.name for node in ast.walk(_tree(agent)) if isinstance(node, ast.ClassDef)
+        and node.name == "Agent" for f in node.body
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    moved = {"_meta", "_local_meta", "_meta_with", "_published_meta", "_meta_changed",
+             "_register", "_register_pointer", "_release_all", "_held_regions",
+             "_release_memory", "_release_future", "_on_event", "_start_discovery",
+             "_connect_name", "_fence", "_emit"}
+    assert not moved & methods, sorted(moved & methods)
+    assert not {"_regions", "_freeing", "_session", "_members", "_subscribers"} & (
+        _agent_privates()
+    )
+    # The facade's public methods that own nothing delegate in one statement.
+    for name in ("register", "alloc", "register_file", "flush", "poll"):
+        (fn,) = [f for node in ast.walk(_tree(agent)) if isinstance(node, ast.ClassDef)
+                 and node.name == "Agent" for f in node.body
+                 if isinstance(f, ast.FunctionDef) and f.name == name]
+        body = [s for s in fn.body if not (isinstance(s, ast.Expr)
+                                           and isinstance(s.value, ast.Constant))]
+        assert len(body) == 1, name
+
+
+async def test_memory_and_metadata_share_one_region_table(make_agent, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = await make_agent("house")
+    shared = a.alloc(4096, name="shared")
+    plain = a.register(bytearray(4096), name="plain")
+    a.register_file(tmp_path / "f", size=4096, name="file")
+    assert {r.name for r in a.regions} == {"shared", "plain", "file"}
+    served = a._localmeta.meta()
+    assert [r.name for r in served.regions] == ["shared", "plain"]  # file regions: ours alone
+    assert all(r.memfd == -1 for r in served.regions) and served.pid > 0
+    local, fds = a._localmeta.local()
+    assert [r.memfd for r in local.regions] == [0, -1] and len(fds) == 1
+    import msgspec
+
+    from aioxfer.metadata import AgentMeta
+
+    published = msgspec.json.decode(a._localmeta.published(), type=AgentMeta)
+    assert [(r.name, r.key, r.addr) for r in published.regions] == [
+        ("shared", 0, 0), ("plain", 0, 0)
+    ]
+    await a.deregister(plain)
+    assert [r.name for r in a._localmeta.meta().regions] == ["shared"]
+    assert a.region("shared") is shared and shared.agent is a
 
 
 def test_transfer_counters() -> None:
@@ -193,7 +290,7 @@ def test_local_side_touches_no_agent_privates() -> None:
     # The file transport, the backends, metrics and staging reach their agent
     # through its public API and LocalBackendHost (host_of), never its privates.
     privates = _agent_privates()
-    assert {"_engine", "_regions", "_submit", "_check_open", "_peers"} <= privates
+    assert {"_engine", "_memory", "_submit", "_check_open", "_peers"} <= privates
     for module in LOCAL_SIDE:
         for node in ast.walk(_tree(module)):
             if isinstance(node, ast.Attribute) and node.attr in privates:

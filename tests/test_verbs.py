@@ -54,9 +54,9 @@ def test_status_with_the_real_libibverbs(libibverbs: None) -> None:
 async def test_default_agent_without_devices_has_no_verbs(libibverbs: None, make_agent) -> None:
     agent = await make_agent("plain")
     assert "verbs" not in agent.transports
-    assert agent._meta().verbs_devices == []
+    assert agent._localmeta.meta().verbs_devices == []
     region = agent.register(bytearray(4096), name="r")
-    assert agent._meta().regions[0].verbs == [] and region.rid
+    assert agent._localmeta.meta().regions[0].verbs == [] and region.rid
 
 
 @no_real_rdma
@@ -75,14 +75,14 @@ async def test_provider_devices_and_metadata(verbs_provider: str, make_agent) ->
     a = agent.register(buf, name="a")
     agent.register(buf, name="b")  # the same range: the same registrations
     ro = agent.register(bytes(4096), name="ro")
-    meta = agent._meta()
+    meta = agent._localmeta.meta()
     assert len(meta.verbs_devices) == 2
     keys = {r.name: r.verbs for r in meta.regions}
     assert len(keys["a"]) == 2 and all(addr == a.addr for addr, _ in keys["a"])
     assert keys["a"] == keys["b"]
     assert keys["ro"] != keys["a"] and len(keys["ro"]) == 2
     agent.deregister(a)
-    assert {r.name: r.verbs for r in agent._meta().regions}["b"] == keys["b"]
+    assert {r.name: r.verbs for r in agent._localmeta.meta().regions}["b"] == keys["b"]
     assert ro.nbytes == 4096
 
 
@@ -114,7 +114,7 @@ async def test_fewer_devices_on_one_side(verbs_provider: str, make_agent, remote
     ra = await remote_agent(size=size, transports=("verbs",))
     monkeypatch.setenv("AXF_SOFTVERBS_DEVICES", "2")
     init = await make_agent("init", transports=("verbs",))
-    assert len(init._meta().verbs_devices) == 2
+    assert len(init._localmeta.meta().verbs_devices) == 2
     peer = await within(init.connect(ra.address))
     assert peer.path == "verbs"
     data = pattern(size, 7)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aioxfer.errors import ClosedResourceError, RegistrationError
+from aioxfer.errors import ClosedResourceError
 
 if TYPE_CHECKING:
     from aioxfer import _cyx
@@ -26,7 +26,18 @@ if TYPE_CHECKING:
     from aioxfer.region import Region
     from aioxfer.transfer import Transfer
 
-__all__ = ["BackendHost", "LocalBackendHost", "host_of"]
+__all__ = ["BackendHost", "LocalBackendHost", "RegionTable", "host_of"]
+
+
+class RegionTable(Protocol):
+    """The agent's region table (aioxfer.registration.Memory): names, and
+    listing a region registered elsewhere."""
+
+    def check_name(self, name: str) -> None: ...
+
+    def default_name(self, rid: int, prefix: str = "region") -> str: ...
+
+    def add_region(self, region: Region) -> None: ...
 
 
 class LocalBackendHost(Protocol):
@@ -90,7 +101,7 @@ class BackendHost:
 
     ``agent``: its name (errors); ``engine``, ``peers``, ``host_id``,
     ``cuda_why``: as in LocalBackendHost; ``regions``: the agent's region
-    table (name -> Region), shared; ``closed()``: whether the agent is
+    table (its names; file regions are added to it); ``closed()``: whether the agent is
     closed; ``new_tag(label)``: the agent's tag allocator for local
     endpoints; ``submit``: its submission path.
     """
@@ -116,7 +127,7 @@ class BackendHost:
         peers: PeerHost,
         host_id: str,
         cuda_why: str,
-        regions: dict[str, Region],
+        regions: RegionTable,
         closed: Callable[[], bool],
         new_tag: Callable[[str], int],
         submit: Callable[[Peer, int, Any, bytes | None, int, str, int], Transfer],
@@ -137,20 +148,11 @@ class BackendHost:
             raise ClosedResourceError(f"agent {self._agent!r} is closed")
 
     def check_name(self, name: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise RegistrationError("a region name must be a non-empty string")
-        if name in self._regions:
-            raise RegistrationError(
-                f"agent {self._agent!r} already has a region named {name!r}; "
-                f"deregister it first or choose another name"
-            )
+        self._regions.check_name(name)
 
     def default_name(self, rid: int, prefix: str = "region") -> str:
         """prefix-rid, made unique among the agent's regions."""
-        name, k = f"{prefix}-{rid}", 1
-        while name in self._regions:
-            name, k = f"{prefix}-{rid}-{k}", k + 1
-        return name
+        return self._regions.default_name(rid, prefix)
 
     def add_region(self, region: Region) -> None:
-        self._regions[region.name] = region
+        self._regions.add_region(region)

@@ -1,0 +1,163 @@
+"""An agent's hand-off to etcd: joining, republishing, name look-ups, leaving.
+
+A collaborator of :class:`aioxfer.Agent`, made only when the agent has
+``discovery=Etcd(...)``. It opens the agent's :class:`~aioxfer.discovery.EtcdSession`
+(publishing our metadata under a lease; the session reports the other members to
+:class:`~aioxfer.members.Members`), republishes when our regions change, resolves
+an agent's name to the incarnation etcd holds now (fencing older ones), and
+leaves at close. It reaches the agent only through the narrow arguments it was
+built with, never its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from aioxfer.discovery import Etcd, EtcdSession
+from aioxfer.errors import ClosedResourceError, PeerLost, TransportError, XferError
+from aioxfer.log import get_logger
+
+if TYPE_CHECKING:
+    from aioxfer.members import Members
+    from aioxfer.peer import Peer
+
+__all__ = ["Cluster"]
+
+_log = get_logger("aioxfer")
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    # The exception is re-raised to whoever awaits start(); retrieving it here
+    # keeps asyncio from logging it when nobody did.
+    if not task.cancelled():
+        task.exception()
+
+
+class Cluster:
+    """The agent's etcd session (see the module docstring).
+
+    ``agent``: its name; ``discovery``: the etcd configuration;
+    ``incarnation``: ours; ``members``: the membership collaborator (the
+    session's listener; fencing); ``published()``: our metadata as published
+    in etcd; ``peers_by_inc``: live Peers by (name, incarnation);
+    ``closed()``: whether the agent is closed.
+
+    ``session`` is the joined session (None until joined, and after a failed
+    join); ``joining`` the join task once the agent started.
+    """
+
+    __slots__ = (
+        "_agent",
+        "_discovery",
+        "_incarnation",
+        "_members",
+        "_published",
+        "_peers_by_inc",
+        "_closed",
+        "session",
+        "joining",
+    )
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        discovery: Etcd,
+        incarnation: int,
+        members: Members,
+        published: Callable[[], bytes],
+        peers_by_inc: Mapping[tuple[str, int], Peer],
+        closed: Callable[[], bool],
+    ) -> None:
+        self._agent = agent
+        self._discovery = discovery
+        self._incarnation = incarnation
+        self._members = members
+        self._published = published
+        self._peers_by_inc = peers_by_inc
+        self._closed = closed
+        self.session: EtcdSession | None = None
+        self.joining: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ joining
+
+    def join(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts joining (the agent started). Joining needs etcd round trips:
+        start() awaits it (``joined``); a lazy start (first connect, write or
+        read) lets it run in the background."""
+        self.joining = loop.create_task(self._join(), name=f"aioxfer-join-{self._agent}")
+        self.joining.add_done_callback(_retrieve)
+
+    async def joined(self) -> None:
+        """Waits until joined; raises what joining raised."""
+        if self.joining is not None:
+            await asyncio.shield(self.joining)
+
+    async def _join(self) -> None:
+        session = EtcdSession(self._discovery, self._agent, self._incarnation, self._members)
+        try:
+            members = await session.open(self._published())
+            if self._closed():
+                raise ClosedResourceError(f"agent {self._agent!r} is closed")
+        except BaseException as exc:
+            await session.aclose()
+            if isinstance(exc, Exception) and not isinstance(exc, XferError):
+                error = TransportError(
+                    f"agent {self._agent!r} cannot join through etcd at "
+                    f"{', '.join(self._discovery.endpoints)}: {exc}"
+                )
+                _log.warning("discovery.join_failed", agent=self._agent, reason=str(error))
+                raise error from exc
+            raise
+        self.session = session
+        await self._members.reset(members)
+        session.start()
+        self.changed()  # regions registered while we were joining
+
+    def changed(self) -> None:
+        """Our advertised regions changed: republish (once joined)."""
+        if self.session is not None and not self._closed():
+            self.session.publish(self._published())
+
+    async def leave(self) -> None:
+        """Leaves etcd now, so that the others see PeerLeft at once rather
+        than when our lease would expire."""
+        if self.session is not None:
+            await self.session.aclose()
+
+    # ------------------------------------------------------------ names
+
+    async def connect(self, name: str, connect: Callable[[str], Awaitable[Peer]]) -> Peer:
+        """The Peer of agent ``name`` in the incarnation etcd holds now (older
+        ones fenced: StalePeer), connected with ``connect(address)``. A name
+        etcd does not hold raises PeerLost. The agent has joined."""
+        session = self.session
+        assert session is not None
+        try:
+            meta = await session.resolve(name)
+        except (Exception, TimeoutError) as exc:
+            if isinstance(exc, XferError):
+                raise
+            raise TransportError(
+                f"cannot look up agent {name!r} in etcd at {session._endpoint}: "
+                f"{str(exc) or type(exc).__name__}"
+            ) from exc
+        if meta is None:
+            raise PeerLost(
+                f"no agent named {name!r} in etcd (key {self._discovery.key(name)!r}): "
+                f"not started yet, left, or its lease expired",
+                peer=name,
+            )
+        known = self._peers_by_inc.get((name, meta.incarnation))
+        if known is not None and not known.lost:
+            return known
+        self._members.fence(name, meta.incarnation, None)
+        peer = await connect(meta.address)
+        if peer.name != name:
+            raise TransportError(
+                f"etcd says agent {name!r} is at {meta.address}, but the agent there is "
+                f"{peer.name!r}"
+            )
+        return peer

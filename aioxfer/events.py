@@ -1,0 +1,124 @@
+"""The engine's events that are not a transfer's completion.
+
+A collaborator of :class:`aioxfer.Agent`: the drain (``Submission``) hands it
+every completion record that is not a transfer's, and it routes each one: a
+notification to ``agent.notifications``, a rail or a peer lost to the rails and
+the peer table, a region freed to the agent's memory, an engine log line to the
+log, a closed connection's tag back to the tag table. It reaches the agent only
+through the narrow arguments it was built with, never its state.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from aioxfer import _cyx
+from aioxfer.log import get_logger
+from aioxfer.notifications import Notification
+
+if TYPE_CHECKING:
+    from aioxfer.peer import Peer
+
+__all__ = ["EngineEvents"]
+
+_log = get_logger("aioxfer")
+
+_CQ_NOTIFY = _cyx.CQ_NOTIFY
+_E_CLOSED = _cyx.E_CLOSED
+
+
+class EngineEvents:
+    """Routes the engine's events (see the module docstring).
+
+    ``agent``: its name (logs); ``tag_names``: connection tag -> peer name;
+    ``tag_unref(tag)``: a connection holding a tag closed; ``notify(message,
+    tag)``: queues a notification for the application; ``peer_of(ep)``: the
+    live Peer of an endpoint, or None; ``peer_lost(peer, status, log)``: marks
+    it lost; ``rail_down(peer, rail, moved, status)``: a rail of a tcp peer
+    failed; ``connecting``: endpoints still connecting -> the status they were
+    lost with (0 until then); ``region_freed(rid)``: no peer can touch that
+    region any more.
+    """
+
+    __slots__ = (
+        "_agent",
+        "_tag_names",
+        "_tag_unref",
+        "_notify",
+        "_peer_of",
+        "_peer_lost",
+        "_rail_down",
+        "_connecting",
+        "_region_freed",
+    )
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        tag_names: Mapping[int, str],
+        tag_unref: Callable[[int], None],
+        notify: Callable[[Notification, int], None],
+        peer_of: Callable[[int], Peer | None],
+        peer_lost: Callable[[Peer, int, bool], None],
+        rail_down: Callable[[Peer, int, int, int], None],
+        connecting: dict[int, int],
+        region_freed: Callable[[int], None],
+    ) -> None:
+        self._agent = agent
+        self._tag_names = tag_names
+        self._tag_unref = tag_unref
+        self._notify = notify
+        self._peer_of = peer_of
+        self._peer_lost = peer_lost
+        self._rail_down = rail_down
+        self._connecting = connecting
+        self._region_freed = region_freed
+
+    def on_event(
+        self,
+        kind: int,
+        status: int,
+        id_: int,
+        tag: int,
+        nbytes: int,
+        fail_index: int,
+        payload: bytes | None,
+    ) -> None:
+        """A completion record that is not a transfer's (Submission's
+        ``on_event``): a notification, or an engine event."""
+        if kind == _CQ_NOTIFY:
+            name = self._tag_names.get(tag)
+            if name is None:
+                name = f"tag-{tag}"  # a tag we never saw: should not happen
+            self._notify(Notification(name, payload or b""), tag)
+            return
+        if kind == _cyx.CQ_RAIL_DOWN:
+            rpeer = self._peer_of(id_)
+            if rpeer is not None:
+                self._rail_down(rpeer, fail_index, nbytes, status)
+            return
+        if kind == _cyx.CQ_PEER_LOST:
+            peer = self._peer_of(id_)
+            if peer is not None:
+                self._peer_lost(peer, status, status != _E_CLOSED)
+            elif id_ in self._connecting:
+                self._connecting[id_] = status
+        elif kind == _cyx.CQ_REGION_FREED:
+            self._region_freed(id_)
+        elif kind == _cyx.CQ_LOG:
+            if payload is not None and payload.startswith(b"verbs: GPU region"):
+                # GPUDirect registration failed: said loudly, it is a slow path.
+                warnings.warn(payload.decode("utf-8", "replace"), RuntimeWarning, stacklevel=1)
+            _log.warning(
+                "engine.log",
+                agent=self._agent,
+                peer=self._tag_names.get(tag),
+                tag=tag,
+                reason=(payload or b"").decode("utf-8", "replace"),
+            )
+        elif kind == _cyx.CQ_CONN_CLOSED:
+            _log.debug("conn.closed", agent=self._agent, peer=self._tag_names.get(tag), tag=tag)
+            self._tag_unref(tag)

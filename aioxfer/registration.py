@@ -1,0 +1,375 @@
+"""An agent's registered memory: its region table, registration and release.
+
+A collaborator of :class:`aioxfer.Agent` (as asyncpg's ``connect_utils`` is of
+its ``Connection``): ``Agent.register``, ``alloc`` and ``deregister`` delegate
+here, and so does the release half of ``aclose()``. It registers host buffers,
+GPU pointers and shared-memory pools with the engine, names the regions, revokes
+them, and gives their memory back only once the engine says no peer can touch
+it (the CQ_REGION_FREED event); what a peer still held when the agent closed is
+quarantined for good. It reaches the agent only through the narrow arguments it
+was built with, never its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+from collections.abc import Awaitable, Callable, Generator, Mapping
+from typing import Any, Protocol
+
+from aioxfer import _cyx
+from aioxfer import cuda as _cuda
+from aioxfer.errors import ClosedResourceError, RegistrationError
+from aioxfer.local import seal
+from aioxfer.log import get_logger
+from aioxfer.metadata import CudaExport
+from aioxfer.region import Region
+
+__all__ = ["Memory", "Pending"]
+
+_log = get_logger("aioxfer")
+
+# Regions a peer could still touch when their agent closed: kept referenced (so
+# their buffers are never freed and reused under a stopped peer's copies).
+_QUARANTINE: list[Region] = []
+
+
+class Pending(Protocol):
+    """What deregistration needs of the submission path (Submission has it)."""
+
+    def post_pending(self, alone: bool = False) -> None: ...
+
+    def drain_once(self) -> int: ...
+
+
+class _Released:
+    """deregister()'s answer where no event loop runs: already complete."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return
+        yield
+
+    def done(self) -> bool:
+        return True
+
+
+def _resolve(released: Awaitable[None]) -> None:
+    if isinstance(released, asyncio.Future) and not released.done():
+        released.set_result(None)
+
+
+def _release_future() -> Awaitable[None]:
+    try:
+        return asyncio.get_running_loop().create_future()
+    except RuntimeError:  # no loop: nothing can be waiting for it
+        return _Released()
+
+
+class Memory:
+    """An agent's regions (see the module docstring).
+
+    ``agent``: its name (errors, logs); ``engine``: the native engine;
+    ``new_region(name, rid, key, nbytes, access, addr, obj, ...)``: a Region
+    owned by the agent (``Region``'s arguments after the agent); ``pin_cuda``:
+    page-lock host regions on the engine's CUDA thread (the agent uses cuda);
+    ``changed()``: our advertised regions changed (republish); ``pending``:
+    the submission path (deregistration posts what is batched first, and
+    before the agent serves, takes the engine's freed event at once);
+    ``started()``: whether the agent serves (has an event loop);
+    ``closed()``: whether it is closed; ``tag_names``: connection tag -> peer
+    name (who held memory at close); ``close_timeout``: seconds ``aclose()``
+    waits for peers to release our memory.
+
+    ``regions`` (name -> Region) is the agent's table, shared with its
+    LocalBackendHost (file regions are listed in it too).
+    """
+
+    __slots__ = (
+        "_agent",
+        "_engine",
+        "_new_region",
+        "_pin_cuda",
+        "_changed",
+        "_pending",
+        "_started",
+        "_closed",
+        "_tag_names",
+        "_close_timeout",
+        "regions",
+        "_freeing",
+        "_settled",
+    )
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        engine: _cyx.Engine,
+        new_region: Callable[..., Region],
+        pin_cuda: bool,
+        changed: Callable[[], None],
+        pending: Pending,
+        started: Callable[[], bool],
+        closed: Callable[[], bool],
+        tag_names: Mapping[int, str],
+        close_timeout: float,
+    ) -> None:
+        self._agent = agent
+        self._engine = engine
+        self._new_region = new_region
+        self._pin_cuda = pin_cuda
+        self._changed = changed
+        self._pending = pending
+        self._started = started
+        self._closed = closed
+        self._tag_names = tag_names
+        self._close_timeout = close_timeout
+        self.regions: dict[str, Region] = {}
+        self._freeing: dict[int, Region] = {}  # deregistered, memory still ours to release
+        self._settled: asyncio.Event | None = None  # release_all: set on each freed region
+
+    # ------------------------------------------------------------ names
+
+    def check_open(self) -> None:
+        if self._closed():
+            raise ClosedResourceError(f"agent {self._agent!r} is closed")
+
+    def check_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise RegistrationError("a region name must be a non-empty string")
+        if name in self.regions:
+            raise RegistrationError(
+                f"agent {self._agent!r} already has a region named {name!r}; "
+                f"deregister it first or choose another name"
+            )
+
+    def default_name(self, rid: int, prefix: str = "region") -> str:
+        """prefix-rid, made unique among the agent's regions."""
+        name, k = f"{prefix}-{rid}", 1
+        while name in self.regions:
+            name, k = f"{prefix}-{rid}-{k}", k + 1
+        return name
+
+    def add_region(self, region: Region) -> None:
+        """A region registered elsewhere (a file region): listed, released at
+        close, never advertised."""
+        self.regions[region.name] = region
+
+    # ------------------------------------------------------------ registration
+
+    def register(self, obj: Any, name: str | None) -> Region:
+        """Agent.register: a buffer, or GPU memory (see aioxfer.cuda)."""
+        try:
+            mem = _cuda.inspect(obj)
+        except ValueError as exc:
+            raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
+        if mem is not None:
+            return self._register_pointer(obj, mem, name)
+        return self._register(obj, name)
+
+    def _register_pointer(self, obj: Any, mem: _cuda.GpuMemory, name: str | None) -> Region:
+        self.check_open()
+        if name is not None:
+            self.check_name(name)
+        what = f"cannot register {type(obj).__name__} ({mem.kind} memory, {mem.nbytes} bytes)"
+        export = None
+        if mem.kind == "cuda":
+            ok, why = _cuda.status()
+            if not ok:
+                raise RegistrationError(f"{what}: CUDA is not available: {why}")
+            try:
+                _cyx.cuda_pointer(mem.ptr, mem.nbytes)
+            except _cyx.NativeError as exc:
+                raise RegistrationError(f"{what}: {exc}") from None
+            try:
+                handle, offset, device = _cyx.cuda_export(mem.ptr)
+                export = CudaExport(handle=handle, offset=offset, device=device)
+            except _cyx.NativeError as exc:
+                # Still usable locally (and by RDMA); same-host peers cannot map it.
+                _log.warning("region.no_cuda_ipc", agent=self._agent, error=str(exc))
+        access = _cyx.ACCESS_READ | (0 if mem.readonly else _cyx.ACCESS_WRITE)
+        kind = _cyx.MEM_CUDA if mem.kind == "cuda" else _cyx.MEM_HOST
+        try:
+            rid, key = self._engine.register_kind(kind, mem.ptr, mem.nbytes, access, obj)
+        except _cyx.NativeError as exc:
+            raise RegistrationError(f"{what}: {exc}") from None
+        if name is None:
+            name = self.default_name(rid)
+        region = self._new_region(name, rid, key, mem.nbytes, access, mem.ptr, obj)
+        region.kind = mem.kind
+        region._cuda = export
+        self.regions[name] = region
+        self._changed()
+        return region
+
+    def alloc(self, nbytes: int, name: str | None) -> Region:
+        """Agent.alloc: a new zeroed, sealed memfd mapped shared."""
+        self.check_open()
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise RegistrationError(f"cannot allocate {nbytes} bytes: size must be positive")
+        if name is not None:
+            self.check_name(name)
+        label = f"aioxfer:{self._agent}:{name or 'alloc'}"[:200]
+        try:
+            fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise RegistrationError(f"cannot create a memfd of {nbytes} bytes: {exc}") from exc
+        try:
+            os.ftruncate(fd, nbytes)
+            # Its size is fixed for good, so a peer mapping it can never take
+            # SIGBUS (peers refuse memfds without these seals).
+            seal(fd)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            raise RegistrationError(f"cannot map a memfd of {nbytes} bytes: {exc}") from exc
+        try:
+            return self._register(mm, name, memfd=fd, ino=os.fstat(fd).st_ino, mm=mm)
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            raise
+
+    def _register(
+        self,
+        obj: Any,
+        name: str | None,
+        *,
+        memfd: int = -1,
+        ino: int = 0,
+        mm: mmap.mmap | None = None,
+    ) -> Region:
+        self.check_open()
+        if name is not None:
+            self.check_name(name)
+        try:
+            rid, key, addr, nbytes, access = self._engine.register(obj, memfd)
+        except ValueError as exc:
+            raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
+        except (TypeError, BufferError) as exc:
+            raise RegistrationError(
+                f"cannot register {type(obj).__name__}: not a contiguous buffer ({exc})"
+            ) from None
+        except _cyx.NativeError as exc:
+            raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
+        if name is None:
+            name = self.default_name(rid)
+        region = self._new_region(name, rid, key, nbytes, access, addr, obj, memfd, ino, mm)
+        self.regions[name] = region
+        if self._pin_cuda:
+            # Page-locked now, on the engine's CUDA thread, so a GPU copy to or
+            # from it is asynchronous and its first one pays no pinning.
+            self._engine.cuda_pin_region(rid)
+        self._changed()
+        return region
+
+    # ------------------------------------------------------------ release
+
+    def deregister(self, region: Region) -> Awaitable[None]:
+        """Agent.deregister, for a region of this agent (the agent checked)."""
+        if region._released is not None:
+            return region._released
+        region._closed = True
+        if self.regions.get(region.name) is region:
+            del self.regions[region.name]
+        released = region._released = _release_future()
+        if self._closed():
+            _resolve(released)
+            return released
+        self._freeing[region.rid] = region
+        # Transfers posted before this call but still batched for the next
+        # flush are "already using it": they go to the engine first, so they
+        # finish rather than fail against a region that vanished under them.
+        self._pending.post_pending()
+        try:
+            self._engine.deregister(region.rid)
+        except (ValueError, _cyx.NativeError) as exc:
+            self._freeing.pop(region.rid, None)
+            _resolve(released)
+            raise RegistrationError(f"cannot deregister region {region.name!r}: {exc}") from None
+        finally:
+            self._changed()  # it is gone from our metadata either way
+        if not self._started():
+            self._pending.drain_once()  # not serving yet: no peer; the engine freed it already
+        return released
+
+    def freed(self, rid: int) -> None:
+        """The engine's CQ_REGION_FREED: no peer can touch region rid any more."""
+        region = self._freeing.pop(rid, None)
+        if region is not None:
+            self._release_memory(region)
+            if region._released is not None:
+                _resolve(region._released)
+        if self._settled is not None:
+            self._settled.set()
+
+    async def release_all(self) -> None:
+        """aclose(): deregisters every region and waits, bounded by
+        close_timeout, until peers released them; what a peer still holds then
+        is quarantined (named in a warning). Returns at once with nothing to do."""
+        if not (self.regions or self._freeing):
+            return
+        for region in list(self.regions.values()):
+            with contextlib.suppress(RegistrationError):
+                self.deregister(region)
+        self._settled = asyncio.Event()
+        try:
+            async with asyncio.timeout(self._close_timeout):
+                while self._held():
+                    self._settled.clear()
+                    await self._settled.wait()
+        except TimeoutError:
+            pass
+        finally:
+            self._settled = None
+        held = self._held()
+        if held:
+            names = sorted({self._tag_names.get(t, f"tag-{t}") for tags in held.values()
+                            for t in tags})
+            for rid in held:
+                if rid in self._freeing:
+                    _QUARANTINE.append(self._freeing.pop(rid))  # its buffer is never released
+            _log.warning("agent.close_gave_up", agent=self._agent, peers=names,
+                         regions=len(held), timeout=self._close_timeout,
+                         reason="peers that could still touch our memory did not release it")
+
+    def _held(self) -> dict[int, list[int]]:
+        """Deregistered regions some connection still holds: rid -> tags."""
+        held: dict[int, list[int]] = {}
+        for rid in self._freeing:
+            tags = self._engine.region_holders(rid)
+            if tags:
+                held[rid] = tags
+        return held
+
+    def close(self) -> None:
+        """The engine has shut down (it freed every region): closes what is
+        left and gives its memory back."""
+        for region in list(self.regions.values()):
+            region._closed = True
+            self._release_memory(region)
+        self.regions.clear()
+        for region in list(self._freeing.values()):
+            self._release_memory(region)
+        self._freeing.clear()
+
+    def _release_memory(self, region: Region) -> None:
+        mm, fd = region._mmap, region._memfd
+        region._mmap = None
+        region._memfd = -1
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # The caller still holds views of it: it is unmapped when they go.
+                _log.debug("region.views_alive", agent=self._agent, region=region.name)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
