@@ -232,12 +232,7 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         e->cfg.copy_workers = 2;
     if (!e->cfg.chunk_bytes)
         e->cfg.chunk_bytes = 1u << 20;
-    if (!e->cfg.keepalive_ms)
-        e->cfg.keepalive_ms = 1000;
-    if (!e->cfg.peer_timeout_ms)
-        e->cfg.peer_timeout_ms = 5000;
-    if (e->cfg.keepalive_ms * 2 > e->cfg.peer_timeout_ms)
-        e->cfg.keepalive_ms = e->cfg.peer_timeout_ms / 3 ? e->cfg.peer_timeout_ms / 3 : 1;
+    ka_configure(&e->cfg);
     if (!e->cfg.max_conns)
         e->cfg.max_conns = 256;
     if (!e->cfg.max_notify_per_conn)

@@ -219,12 +219,16 @@ typedef struct conn {
     sq_item *head, *tail;
     bool dead;               /* c->mu */
     bool sending;            /* c->mu: a thread is sending from this queue */
-    uint64_t last_send_ms;   /* c->mu */
     atomic_bool down;        /* dead, as others see it without c->mu */
     atomic_bool stalled;     /* killed by stall detection */
+    /* The keepalive's time stamps (control.c's; conn.c reports to it). */
+    struct {
+        uint64_t last_send_ms;     /* c->mu: last frame sent, pings included */
+        atomic_ullong progress_us; /* last frame sent, or reply received */
+        atomic_ullong last_rx_us;  /* last frame received (pings included) */
+    } ka;
     int slot;                /* initiator: index in ep->conns */
     uint32_t rail;           /* initiator: the caller's rail number */
-    atomic_ullong progress_us; /* last frame sent, or reply received */
     atomic_ullong bytes, reroutes, rate; /* rate: bytes per ms, a moving average */
     /* Rate measurement (c->mu): bytes of whole groups over the time the
      * connection had replies owed, in windows of RATE_WINDOW_US at least. */
@@ -257,7 +261,6 @@ typedef struct conn {
     uint32_t rv_pending;    /* initiator, e->mu: revocations not acknowledged yet */
     atomic_int refs;        /* threads, registry, endpoint slot, transient holders */
     bool replay;            /* conn_replay's: no threads, the caller runs the parser */
-    atomic_ullong last_rx_us; /* last frame received (pings included) */
     void *xp[AXF_XP_SLOTS]; /* accepting side, e->mu: what transports hang on it (verbs:
                                queue pairs that live as long as it) */
     struct conn *next_all;
@@ -330,7 +333,33 @@ void op_unpin(axf_engine *e, op *o); /* a queued frame of it is gone */
 void endpoint_conn_finished(axf_engine *e, endpoint *ep);
 /* e->mu held: every transport undoes what it mapped of rr. */
 void rr_unmap(rregion *rr);
-/* control.c: the control channel (notify, revoke, goodbye) */
+/* control.c: the control channel (keepalive, notify, revoke, goodbye) */
+/* Keepalive. Engine creation: the defaults of keepalive_ms and
+ * peer_timeout_ms, and a keepalive short enough for the timeout. */
+void ka_configure(axf_config *cfg);
+void ka_init(conn *c);       /* a new connection: heard from and making progress now */
+void ka_arm_socket(conn *c); /* its socket's receive (silence) and send (stall) timeouts */
+void ka_restart(conn *c);    /* c->mu: sent nothing that is progress (the sender starts, a ping) */
+void ka_sent(conn *c, uint64_t now_us); /* c->mu: frames went out at now_us: progress */
+void ka_progress(conn *c);   /* a reply arrived: progress */
+/* A frame header arrived (its payload may follow): the peer is heard from;
+ * true when it is a ping, which carries nothing more. */
+bool ka_heard(conn *c, const wire_hdr *h);
+bool ka_silent(int io);      /* a read failed so: the peer was silent for peer_timeout_ms */
+void ka_ping_frame(wire_hdr *h);
+/* A blocking send the socket refused for its send timeout: true when it goes
+ * on waiting (the peer is heard from: it pushes back, it is not gone; never
+ * with stall detection on). */
+bool ka_send_waits(conn *c);
+/* A send failed with err (-errno): flags a stall when that is one. Before
+ * the connection is marked dead: its receiver decides from the flag whether
+ * requests move or time out. */
+void ka_send_failed(conn *c, int err);
+typedef enum { KA_IDLE, KA_PING, KA_STALLED } ka_step;
+/* c->mu held, nothing queued: what the sender does next. KA_IDLE: sleep at
+ * most *wait_ms (or until woken). KA_PING: send a ping (then ka_restart).
+ * KA_STALLED: flagged stalled (owed: replies are owed on c), close it. */
+ka_step ka_next(conn *c, bool owed, uint64_t *wait_ms);
 conn *endpoint_live_conn(endpoint *ep); /* e->mu held; NULL when none */
 /* e->mu held: every revocation c holds is over. */
 void revokes_settle_all(axf_engine *e, conn *c);
