@@ -86,12 +86,8 @@ typedef struct rregion {
     bool gone;             /* e->mu: no new op may resolve it */
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
-    /* Same-host kinds: our mapping of the peer's memfd (the endpoint's
-     * transport's import_fd), else NULL; their copies read it. */
-    uint8_t *map;
-    /* How much of map is populated (shm.c); NULL: all of it. */
-    struct shm_pop *pop;
-    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA keys, a CUDA IPC mapping */
+    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA keys, a CUDA IPC mapping, a
+                               memfd mapping (shm.c's, also the CUDA transport's) */
     struct rregion *next;
 } rregion;
 
@@ -444,8 +440,10 @@ void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
 /* shm.c: same-host copies, shared with the CUDA transport (host memory) */
 int shm_start(axf_engine *e);
 void shm_stop(axf_engine *e);
-int shm_map(endpoint *ep, rregion *rr, int memfd); /* a peer's memfd: rr->map */
+/* A peer's memfd, mapped into rr's shm slot (for the CUDA transport too). */
+int shm_map(endpoint *ep, rregion *rr, int memfd);
 void shm_unmap(rregion *rr);
+uint8_t *shm_far_map(const rregion *rr); /* that mapping, or NULL: none */
 extern uint64_t axf_shm_lazy_min; /* larger peer pools are populated lazily (shm.c) */
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);
