@@ -19,7 +19,6 @@
 #define AXF_MAX_FRAME (256ull << 20) /* largest payload one frame may carry */
 #define AXF_REGION_BUCKETS 1024
 #define AXF_OP_BUCKETS 4096
-#define AXF_SCHED 64 /* slots of a striping schedule over an endpoint's connections */
 /* Private slots of the transports (transport.h), indexed by endpoint kind. */
 #define AXF_XP_SLOTS 8
 
@@ -69,10 +68,9 @@ typedef struct region {
     int memfd;       /* host: a memfd same-host peers may map, else -1 */
     int fd;          /* AXF_MEM_FILE: our duplicate of the file, else -1 */
     uint64_t foff;   /* AXF_MEM_FILE: where the region starts in the file */
-    uint32_t dio_align; /* AXF_MEM_FILE opened O_DIRECT: offsets, lengths and
-                           host addresses must be multiples of it; else 0 */
     atomic_int refs; /* one for the registry while registered, one per user */
-    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA registrations, a CUDA pin */
+    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA registrations, a CUDA pin,
+                               a file's O_DIRECT alignment */
     struct region *next;
 } region;
 
@@ -160,7 +158,8 @@ typedef struct op {
     size_t nlregs;
     rregion **rregs;  /* distinct remote regions referenced (one use each) */
     size_t nrregs;
-    void *priv;       /* its endpoint's transport's own (file: its file regions) */
+    void *priv;       /* its endpoint's transport's own (file: its file regions;
+                         tcp: its striping schedule) */
     uint8_t *notify;
     size_t notify_len;
     atomic_long remaining;
@@ -170,8 +169,6 @@ typedef struct op {
     atomic_int pins; /* 1 until the op is over, +1 per frame of it in a send queue */
     uint64_t fail_index;
     int phase; /* 0: data, 1: notification sent */
-    uint8_t sched[AXF_SCHED]; /* tcp: the endpoint's schedule when posted ... */
-    uint32_t sched0;          /* ... and where chunk 0 went in it */
     uint32_t reroutes;        /* groups moved off failed connections (e->mu) */
     uint64_t total;           /* bytes its descriptors ask for: what it reports done */
     bool claimed;
