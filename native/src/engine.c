@@ -388,7 +388,9 @@ int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access
     r->len = len;
     r->access = access;
     r->kind = AXF_MEM_HOST;
-    r->memfd = memfd;
+    /* Not kept: same-host peers get the memfd from our caller (with the
+     * region's metadata) and map it themselves; nothing here reads it. */
+    (void)memfd;
     r->fd = -1;
     return region_add(e, r, id_out, key_out);
 }
@@ -409,7 +411,6 @@ int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64
     r->kind = kind;
     r->len = len;
     r->access = access;
-    r->memfd = -1;
     r->fd = -1;
     if (kind == AXF_MEM_CUDA) {
         r->addr = (uint8_t *)(uintptr_t)addr;

@@ -65,7 +65,6 @@ typedef struct region {
     uint8_t *addr;   /* host memory; a device pointer for AXF_MEM_CUDA; NULL for files */
     uint32_t access;
     uint32_t kind;   /* AXF_MEM_* */
-    int memfd;       /* host: a memfd same-host peers may map, else -1 */
     int fd;          /* AXF_MEM_FILE: our duplicate of the file, else -1 */
     uint64_t foff;   /* AXF_MEM_FILE: where the region starts in the file */
     atomic_int refs; /* one for the registry while registered, one per user */
