@@ -1,6 +1,6 @@
 /* The framed socket transport. Each connection has a receiver thread (blocking
  * reads, zero-copy into registered memory) and a sender thread (gathered
- * sendmsg from registered memory, keepalive pings when idle). The accepting
+ * sendmsg from registered memory, keepalive pings when control.c says). The accepting
  * side checks every frame against its region table before touching memory. */
 #include "transport.h"
 
@@ -23,17 +23,6 @@
 
 /* rx reason for a goodbye: the connection ends, nothing went wrong. */
 static const char BYE_REASON[] = "goodbye";
-
-/* Microseconds since the time stamp *t, which other threads move forward.
- * Loaded before the clock is read: read after, a stamp taken later than our
- * clock would make the difference wrap to ~2^64 (a connection declared
- * stalled, or silent, moments after it made progress). */
-static uint64_t us_since(atomic_ullong *t)
-{
-    uint64_t last = atomic_load(t);
-    uint64_t now = axf_now_us();
-    return now > last ? now - last : 0;
-}
 
 /* What the initiator expects back on one connection, in order: one entry
  * per request group (or notification) queued on it, which says how to send
@@ -358,7 +347,6 @@ static int discard(int fd, uint8_t *scratch, uint64_t len)
  * detection on, that is a stall instead (the caller's choice). */
 static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *sent)
 {
-    axf_engine *e = c->e;
     while (cnt > 0) {
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
         ssize_t r = sendmsg(c->fd, &m, MSG_NOSIGNAL | (nowait ? MSG_DONTWAIT : 0));
@@ -367,9 +355,7 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
                 continue;
             if (nowait && (errno == EAGAIN || errno == EWOULDBLOCK))
                 return 0;
-            if ((errno == EAGAIN || errno == EWOULDBLOCK) && !e->cfg.stall_ms &&
-                !atomic_load(&c->down) && !atomic_load(&c->flush_close) &&
-                us_since(&c->last_rx_us) < (uint64_t)e->cfg.peer_timeout_ms * 1000u)
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && ka_send_waits(c))
                 continue;
             return -errno;
         }
@@ -496,11 +482,10 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
     uint64_t sent = 0;
     int r = niov ? send_iov(c, iov, niov, nowait, &sent) : 0;
     uint64_t now = axf_now_us();
-    atomic_store(&c->progress_us, now);
 
     pthread_mutex_lock(&c->mu);
     c->sending = false;
-    c->last_send_ms = now / 1000;
+    ka_sent(c, now);
     /* Sent items are done; on a short nowait send the rest goes back. */
     int i = 0;
     for (; i < keep; i++) {
@@ -528,13 +513,7 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         pthread_cond_signal(&c->cv); /* the sending thread takes it from here */
     }
     if (r) {
-        /* A blocking send that moved nothing for SO_SNDTIMEO (the stall time)
-         * is a stall. Flagged before the connection is marked dead: its
-         * receiver decides from the flag whether requests move or time out. */
-        axf_engine *e = c->e;
-        if ((r == -EAGAIN || r == -EWOULDBLOCK) && e->cfg.stall_ms && c->ep &&
-            e->cfg.stall_ms < e->cfg.peer_timeout_ms)
-            atomic_store(&c->stalled, true);
+        ka_send_failed(c, r); /* before it is marked dead */
         conn_mark_dead(c);
     }
     if (c->dead) /* the sending thread may be waiting for us to leave */
@@ -560,11 +539,9 @@ static void *tx_main(void *arg)
 {
     conn *c = arg;
     axf_engine *e = c->e;
-    uint64_t keepalive = e->cfg.keepalive_ms;
-    uint64_t stall_us = (uint64_t)e->cfg.stall_ms * 1000u;
 
     pthread_mutex_lock(&c->mu);
-    c->last_send_ms = axf_now_ms();
+    ka_restart(c);
     while (!c->dead) {
         if (atomic_load(&c->flush_close) && !c->head && !c->sending) {
             conn_mark_dead(c); /* the goodbye is out: nothing follows it */
@@ -580,37 +557,31 @@ static void *tx_main(void *arg)
                 break;
             continue;
         }
-        uint64_t now = axf_now_ms();
-        if (!c->sending && now - c->last_send_ms >= keepalive) {
+        uint64_t wait_ms = 0;
+        ka_step step = ka_next(c, ((conn_priv *)c)->ex_head != NULL, &wait_ms);
+        if (step == KA_PING) {
             c->sending = true;
             pthread_mutex_unlock(&c->mu);
-            wire_hdr ping = {.magic = AXF_MAGIC, .type = FR_PING};
+            wire_hdr ping;
+            ka_ping_frame(&ping);
             struct iovec pv = {.iov_base = &ping, .iov_len = sizeof ping};
             uint64_t sent = 0;
             int r = send_iov(c, &pv, 1, false, &sent);
             pthread_mutex_lock(&c->mu);
             c->sending = false;
-            c->last_send_ms = axf_now_ms();
+            ka_restart(c);
             if (r) {
                 conn_mark_dead(c);
                 break;
             }
             continue;
         }
-        if (stall_us && c->ep && ((conn_priv *)c)->ex_head && !c->sending &&
-            us_since(&c->progress_us) > stall_us) {
-            /* Replies are owed and nothing moved either way: the peer is
-             * alive (it pings) but does not serve us. */
-            atomic_store(&c->stalled, true);
+        if (step == KA_STALLED) {
             conn_mark_dead(c);
             break;
         }
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        uint64_t since = now - c->last_send_ms;
-        uint64_t wait_ms = since < keepalive ? keepalive - since : 1;
-        if (stall_us && wait_ms > stall_us / 4000 + 1)
-            wait_ms = stall_us / 4000 + 1;
         ts.tv_sec += (time_t)(wait_ms / 1000);
         ts.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
         if (ts.tv_nsec >= 1000000000L) {
@@ -826,7 +797,7 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
         }
         return NULL;
     }
-    atomic_store(&c->progress_us, axf_now_us());
+    ka_progress(c);
     pthread_mutex_lock(&c->mu);
     expect *x = p->ex_head;
     pthread_mutex_unlock(&c->mu);
@@ -1004,13 +975,12 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
         *io = read_full(c->fd, h, sizeof *h);
         if (*io)
             return "connection lost";
-        atomic_store(&c->last_rx_us, axf_now_us());
+        if (ka_heard(c, h))
+            continue; /* a ping: nothing more */
         if (h->magic != AXF_MAGIC) {
             *proto = true;
             return "bad frame magic";
         }
-        if (h->type == FR_PING)
-            continue;
         const char *reason = conn_rx_frame(c, h, scratch, proto, io);
         if (reason)
             return reason;
@@ -1036,7 +1006,7 @@ static void *rx_main(void *arg)
         atomic_fetch_add(&e->rejected, 1);
         cq_log(e, c->tag, "closing connection: malformed frame: %s (type %u)", reason,
                (unsigned)h.type);
-    } else if (!by_us && (io == -EAGAIN || io == -ETIMEDOUT)) {
+    } else if (!by_us && ka_silent(io)) {
         cq_log(e, c->tag, "closing connection: peer silent for %u ms", e->cfg.peer_timeout_ms);
     } else if (!by_us && io && io != -EPIPE) {
         cq_log(e, c->tag, "closing connection: %s: %s", reason, strerror(-io));
@@ -1164,19 +1134,9 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 &&
         (domain == AF_INET || domain == AF_INET6))
         (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    struct timeval tv = {.tv_sec = e->cfg.peer_timeout_ms / 1000,
-                         .tv_usec = (e->cfg.peer_timeout_ms % 1000) * 1000};
-    (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    /* A send that moves nothing for the stall time is a stall too (a peer that
-     * pings but does not read). */
-    uint32_t snd_ms = e->cfg.stall_ms && e->cfg.stall_ms < e->cfg.peer_timeout_ms
-                          ? e->cfg.stall_ms
-                          : e->cfg.peer_timeout_ms;
-    struct timeval stv = {.tv_sec = snd_ms / 1000, .tv_usec = (snd_ms % 1000) * 1000};
-    (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &stv, sizeof stv);
+    ka_arm_socket(c);
 
-    atomic_init(&c->progress_us, axf_now_us());
-    atomic_init(&c->last_rx_us, axf_now_us());
+    ka_init(c);
     atomic_init(&c->threads, 2);
     atomic_init(&c->refs, 2); /* the registry's, the threads' */
     pthread_mutex_lock(&e->th_mu);
@@ -1240,8 +1200,7 @@ conn *conn_detached(axf_engine *e, endpoint *ep, uint64_t tag)
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     pthread_cond_init(&c->room_cv, NULL);
-    atomic_init(&c->progress_us, axf_now_us());
-    atomic_init(&c->last_rx_us, axf_now_us());
+    ka_init(c);
     /* As one thread: conn_detached_close is its exit. */
     atomic_init(&c->threads, 1);
     atomic_init(&c->refs, 2); /* the registry's, the "thread's" */

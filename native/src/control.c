@@ -1,13 +1,141 @@
 /* The control channel every transport's endpoints use, over the framed
- * connections of conn.c: bound notifications, revocation of our regions
- * (target side: quarantine until every peer that may touch one acknowledged
- * or is gone) and of peers' (initiator side: acknowledged once no op of ours
- * uses it), and goodbyes (a same-host endpoint's copies are over). The
- * keepalive (FR_PING) is sent by each connection's sender (conn.c). */
+ * connections of conn.c: the keepalive (when a connection pings, what counts
+ * as progress, when a peer is silent or a connection stalled), bound
+ * notifications, revocation of our regions (target side: quarantine until
+ * every peer that may touch one acknowledged or is gone) and of peers'
+ * (initiator side: acknowledged once no op of ours uses it), and goodbyes (a
+ * same-host endpoint's copies are over). conn.c moves the frames; what to
+ * send when, and what a silence means, is decided here. */
 #include "transport.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
+/* ---------------------------------------------------------------- keepalive */
+
+/* Each connection's sender pings (FR_PING, a bare header) once it sent
+ * nothing for keepalive_ms; a receiver that hears nothing (pings included)
+ * for peer_timeout_ms declares the peer silent (its socket's receive
+ * timeout). Progress is a frame of ours sent, or a reply received: pings are
+ * liveness, not progress. With stall detection (stall_ms), a connection that
+ * owes us replies and made no progress either way for stall_ms is stalled,
+ * and so is a blocking send that moved nothing for that long (a peer that
+ * pings but does not read). */
+
+void ka_configure(axf_config *cfg)
+{
+    if (!cfg->keepalive_ms)
+        cfg->keepalive_ms = 1000;
+    if (!cfg->peer_timeout_ms)
+        cfg->peer_timeout_ms = 5000;
+    if (cfg->keepalive_ms * 2 > cfg->peer_timeout_ms)
+        cfg->keepalive_ms = cfg->peer_timeout_ms / 3 ? cfg->peer_timeout_ms / 3 : 1;
+}
+
+/* Microseconds since the time stamp *t, which other threads move forward.
+ * Loaded before the clock is read: read after, a stamp taken later than our
+ * clock would make the difference wrap to ~2^64 (a connection declared
+ * stalled, or silent, moments after it made progress). */
+static uint64_t us_since(atomic_ullong *t)
+{
+    uint64_t last = atomic_load(t);
+    uint64_t now = axf_now_us();
+    return now > last ? now - last : 0;
+}
+
+void ka_init(conn *c)
+{
+    uint64_t now = axf_now_us();
+    atomic_init(&c->ka.progress_us, now);
+    atomic_init(&c->ka.last_rx_us, now);
+    c->ka.last_send_ms = now / 1000;
+}
+
+void ka_arm_socket(conn *c)
+{
+    const axf_config *cfg = &c->e->cfg;
+    struct timeval tv = {.tv_sec = cfg->peer_timeout_ms / 1000,
+                         .tv_usec = (cfg->peer_timeout_ms % 1000) * 1000};
+    (void)setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    /* A send that moves nothing for the stall time is a stall too (a peer that
+     * pings but does not read). */
+    uint32_t snd_ms = cfg->stall_ms && cfg->stall_ms < cfg->peer_timeout_ms ? cfg->stall_ms
+                                                                             : cfg->peer_timeout_ms;
+    struct timeval stv = {.tv_sec = snd_ms / 1000, .tv_usec = (snd_ms % 1000) * 1000};
+    (void)setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &stv, sizeof stv);
+}
+
+void ka_restart(conn *c)
+{
+    c->ka.last_send_ms = axf_now_ms();
+}
+
+void ka_sent(conn *c, uint64_t now_us)
+{
+    atomic_store(&c->ka.progress_us, now_us);
+    c->ka.last_send_ms = now_us / 1000;
+}
+
+void ka_progress(conn *c)
+{
+    atomic_store(&c->ka.progress_us, axf_now_us());
+}
+
+bool ka_heard(conn *c, const wire_hdr *h)
+{
+    atomic_store(&c->ka.last_rx_us, axf_now_us());
+    return h->magic == AXF_MAGIC && h->type == FR_PING;
+}
+
+bool ka_silent(int io)
+{
+    return io == -EAGAIN || io == -ETIMEDOUT;
+}
+
+void ka_ping_frame(wire_hdr *h)
+{
+    *h = (wire_hdr){.magic = AXF_MAGIC, .type = FR_PING};
+}
+
+bool ka_send_waits(conn *c)
+{
+    const axf_config *cfg = &c->e->cfg;
+    return !cfg->stall_ms && !atomic_load(&c->down) && !atomic_load(&c->flush_close) &&
+           us_since(&c->ka.last_rx_us) < (uint64_t)cfg->peer_timeout_ms * 1000u;
+}
+
+void ka_send_failed(conn *c, int err)
+{
+    const axf_config *cfg = &c->e->cfg;
+    if ((err == -EAGAIN || err == -EWOULDBLOCK) && cfg->stall_ms && c->ep &&
+        cfg->stall_ms < cfg->peer_timeout_ms)
+        atomic_store(&c->stalled, true);
+}
+
+ka_step ka_next(conn *c, bool owed, uint64_t *wait_ms)
+{
+    const axf_config *cfg = &c->e->cfg;
+    uint64_t keepalive = cfg->keepalive_ms;
+    uint64_t stall_us = (uint64_t)cfg->stall_ms * 1000u;
+    uint64_t now = axf_now_ms();
+    if (!c->sending && now - c->ka.last_send_ms >= keepalive)
+        return KA_PING;
+    if (stall_us && c->ep && owed && !c->sending && us_since(&c->ka.progress_us) > stall_us) {
+        /* Replies are owed and nothing moved either way: the peer is
+         * alive (it pings) but does not serve us. */
+        atomic_store(&c->stalled, true);
+        return KA_STALLED;
+    }
+    uint64_t since = now - c->ka.last_send_ms;
+    uint64_t w = since < keepalive ? keepalive - since : 1;
+    if (stall_us && w > stall_us / 4000 + 1)
+        w = stall_us / 4000 + 1; /* the stall check runs at least 4 times per stall time */
+    *wait_ms = w;
+    return KA_IDLE;
+}
 
 /* ---------------------------------------------------------------- notify */
 

@@ -945,7 +945,7 @@ static uint64_t rptr(const op *o, size_t i, int dev)
     cuda_rmap *cm = CU_RM(rr);
     if (cm)
         return (cm->own ? cm->own_ptr : cm->m[dev]->base + cm->offset) + off;
-    return (uint64_t)(uintptr_t)(rr->map + off); /* host memfd mapping (cuda_op_check) */
+    return (uint64_t)(uintptr_t)(shm_far_map(rr) + off); /* host memfd mapping (cuda_op_check) */
 }
 
 /* The device whose stream copies op o: where its local GPU memory is, else
@@ -1022,8 +1022,9 @@ static void pin_op(const op *o, CUcontext ctx)
     }
     for (size_t i = 0; i < o->nrregs; i++) {
         rregion *rr = o->rregs[i];
-        if (!CU_RM(rr) && rr->map) /* mapped read-only when the peer grants no write */
-            pin_range(rr, rr->map, rr->len, !(rr->access & AXF_ACCESS_WRITE), ctx);
+        uint8_t *map = CU_RM(rr) ? NULL : shm_far_map(rr);
+        if (map) /* mapped read-only when the peer grants no write */
+            pin_range(rr, map, rr->len, !(rr->access & AXF_ACCESS_WRITE), ctx);
     }
 }
 
@@ -1354,7 +1355,7 @@ static int cuda_op_check(op *o)
     /* A GPU copy reaches a peer's host memory only through our mapping of it
      * (an agent.alloc'd memfd region); cross-memory attach has no device path. */
     for (size_t i = 0; i < o->n; i++)
-        if (!CU_RM(o->rr[i]) && !o->rr[i]->map) {
+        if (!CU_RM(o->rr[i]) && !shm_far_map(o->rr[i])) {
             o->fail_index = i;
             return AXF_E_INVALID;
         }

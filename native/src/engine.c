@@ -232,12 +232,7 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         e->cfg.copy_workers = 2;
     if (!e->cfg.chunk_bytes)
         e->cfg.chunk_bytes = 1u << 20;
-    if (!e->cfg.keepalive_ms)
-        e->cfg.keepalive_ms = 1000;
-    if (!e->cfg.peer_timeout_ms)
-        e->cfg.peer_timeout_ms = 5000;
-    if (e->cfg.keepalive_ms * 2 > e->cfg.peer_timeout_ms)
-        e->cfg.keepalive_ms = e->cfg.peer_timeout_ms / 3 ? e->cfg.peer_timeout_ms / 3 : 1;
+    ka_configure(&e->cfg);
     if (!e->cfg.max_conns)
         e->cfg.max_conns = 256;
     if (!e->cfg.max_notify_per_conn)
@@ -393,7 +388,9 @@ int axf_region_register(axf_engine *e, void *addr, uint64_t len, uint32_t access
     r->len = len;
     r->access = access;
     r->kind = AXF_MEM_HOST;
-    r->memfd = memfd;
+    /* Not kept: same-host peers get the memfd from our caller (with the
+     * region's metadata) and map it themselves; nothing here reads it. */
+    (void)memfd;
     r->fd = -1;
     return region_add(e, r, id_out, key_out);
 }
@@ -414,7 +411,6 @@ int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64
     r->kind = kind;
     r->len = len;
     r->access = access;
-    r->memfd = -1;
     r->fd = -1;
     if (kind == AXF_MEM_CUDA) {
         r->addr = (uint8_t *)(uintptr_t)addr;

@@ -164,6 +164,14 @@ typedef struct file_op {
 } file_op;
 #define FOP(o) ((file_op *)(o)->priv)
 
+/* A file region's slot (region->xp[AXF_EP_FILE]), no allocation: the file
+ * was opened O_DIRECT, and offsets, lengths and host addresses must be
+ * multiples of this; else 0. */
+static inline uint32_t dio_align(const region *r)
+{
+    return (uint32_t)(uintptr_t)r->xp[AXF_EP_FILE];
+}
+
 static uint32_t file_dio_align(int fd)
 {
     int fl = fcntl(fd, F_GETFL);
@@ -219,7 +227,7 @@ static int file_resolve(axf_engine *e, op *o, size_t i, uint32_t need)
         d->len > r->len - d->roff)
         return AXF_E_ACCESS;
     /* O_DIRECT moves whole blocks between the device and our memory. */
-    uint64_t a = r->dio_align;
+    uint64_t a = dio_align(r);
     if (a && (((r->foff + d->roff) | d->len | (uint64_t)(uintptr_t)o->laddr[i]) & (a - 1)))
         return AXF_E_INVALID;
     fo->fr[i] = r;
@@ -534,7 +542,7 @@ static void file_submit(axf_engine *e, op *o, bool signal)
     j->o = o;
     bool ring = f->uring && FOP(o)->nfregs > 0;
     for (size_t k = 0; ring && f->mode != MODE_URING && k < FOP(o)->nfregs; k++)
-        ring = FOP(o)->fregs[k]->dio_align != 0;
+        ring = dio_align(FOP(o)->fregs[k]) != 0;
     fqueue *q = ring ? &f->ring_q : &f->pool_q;
     pthread_mutex_lock(&f->mu);
     if (q->tail)
@@ -632,7 +640,7 @@ static int file_region_add(axf_engine *e, region *r)
 {
     (void)e;
     if (r->kind == AXF_MEM_FILE)
-        r->dio_align = file_dio_align(r->fd);
+        r->xp[AXF_EP_FILE] = (void *)(uintptr_t)file_dio_align(r->fd);
     return AXF_OK;
 }
 

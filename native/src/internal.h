@@ -19,7 +19,6 @@
 #define AXF_MAX_FRAME (256ull << 20) /* largest payload one frame may carry */
 #define AXF_REGION_BUCKETS 1024
 #define AXF_OP_BUCKETS 4096
-#define AXF_SCHED 64 /* slots of a striping schedule over an endpoint's connections */
 /* Private slots of the transports (transport.h), indexed by endpoint kind. */
 #define AXF_XP_SLOTS 8
 
@@ -66,13 +65,11 @@ typedef struct region {
     uint8_t *addr;   /* host memory; a device pointer for AXF_MEM_CUDA; NULL for files */
     uint32_t access;
     uint32_t kind;   /* AXF_MEM_* */
-    int memfd;       /* host: a memfd same-host peers may map, else -1 */
     int fd;          /* AXF_MEM_FILE: our duplicate of the file, else -1 */
     uint64_t foff;   /* AXF_MEM_FILE: where the region starts in the file */
-    uint32_t dio_align; /* AXF_MEM_FILE opened O_DIRECT: offsets, lengths and
-                           host addresses must be multiples of it; else 0 */
     atomic_int refs; /* one for the registry while registered, one per user */
-    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA registrations, a CUDA pin */
+    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA registrations, a CUDA pin,
+                               a file's O_DIRECT alignment */
     struct region *next;
 } region;
 
@@ -86,12 +83,8 @@ typedef struct rregion {
     bool gone;             /* e->mu: no new op may resolve it */
     atomic_bool revoked;   /* the owner revoked it (set under e->mu) */
     atomic_uint users;
-    /* Same-host kinds: our mapping of the peer's memfd (the endpoint's
-     * transport's import_fd), else NULL; their copies read it. */
-    uint8_t *map;
-    /* How much of map is populated (shm.c); NULL: all of it. */
-    struct shm_pop *pop;
-    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA keys, a CUDA IPC mapping */
+    void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA keys, a CUDA IPC mapping, a
+                               memfd mapping (shm.c's, also the CUDA transport's) */
     struct rregion *next;
 } rregion;
 
@@ -164,7 +157,8 @@ typedef struct op {
     size_t nlregs;
     rregion **rregs;  /* distinct remote regions referenced (one use each) */
     size_t nrregs;
-    void *priv;       /* its endpoint's transport's own (file: its file regions) */
+    void *priv;       /* its endpoint's transport's own (file: its file regions;
+                         tcp: its striping schedule) */
     uint8_t *notify;
     size_t notify_len;
     atomic_long remaining;
@@ -174,8 +168,6 @@ typedef struct op {
     atomic_int pins; /* 1 until the op is over, +1 per frame of it in a send queue */
     uint64_t fail_index;
     int phase; /* 0: data, 1: notification sent */
-    uint8_t sched[AXF_SCHED]; /* tcp: the endpoint's schedule when posted ... */
-    uint32_t sched0;          /* ... and where chunk 0 went in it */
     uint32_t reroutes;        /* groups moved off failed connections (e->mu) */
     uint64_t total;           /* bytes its descriptors ask for: what it reports done */
     bool claimed;
@@ -219,12 +211,16 @@ typedef struct conn {
     sq_item *head, *tail;
     bool dead;               /* c->mu */
     bool sending;            /* c->mu: a thread is sending from this queue */
-    uint64_t last_send_ms;   /* c->mu */
     atomic_bool down;        /* dead, as others see it without c->mu */
     atomic_bool stalled;     /* killed by stall detection */
+    /* The keepalive's time stamps (control.c's; conn.c reports to it). */
+    struct {
+        uint64_t last_send_ms;     /* c->mu: last frame sent, pings included */
+        atomic_ullong progress_us; /* last frame sent, or reply received */
+        atomic_ullong last_rx_us;  /* last frame received (pings included) */
+    } ka;
     int slot;                /* initiator: index in ep->conns */
     uint32_t rail;           /* initiator: the caller's rail number */
-    atomic_ullong progress_us; /* last frame sent, or reply received */
     atomic_ullong bytes, reroutes, rate; /* rate: bytes per ms, a moving average */
     /* Rate measurement (c->mu): bytes of whole groups over the time the
      * connection had replies owed, in windows of RATE_WINDOW_US at least. */
@@ -257,7 +253,6 @@ typedef struct conn {
     uint32_t rv_pending;    /* initiator, e->mu: revocations not acknowledged yet */
     atomic_int refs;        /* threads, registry, endpoint slot, transient holders */
     bool replay;            /* conn_replay's: no threads, the caller runs the parser */
-    atomic_ullong last_rx_us; /* last frame received (pings included) */
     void *xp[AXF_XP_SLOTS]; /* accepting side, e->mu: what transports hang on it (verbs:
                                queue pairs that live as long as it) */
     struct conn *next_all;
@@ -330,7 +325,33 @@ void op_unpin(axf_engine *e, op *o); /* a queued frame of it is gone */
 void endpoint_conn_finished(axf_engine *e, endpoint *ep);
 /* e->mu held: every transport undoes what it mapped of rr. */
 void rr_unmap(rregion *rr);
-/* control.c: the control channel (notify, revoke, goodbye) */
+/* control.c: the control channel (keepalive, notify, revoke, goodbye) */
+/* Keepalive. Engine creation: the defaults of keepalive_ms and
+ * peer_timeout_ms, and a keepalive short enough for the timeout. */
+void ka_configure(axf_config *cfg);
+void ka_init(conn *c);       /* a new connection: heard from and making progress now */
+void ka_arm_socket(conn *c); /* its socket's receive (silence) and send (stall) timeouts */
+void ka_restart(conn *c);    /* c->mu: sent nothing that is progress (the sender starts, a ping) */
+void ka_sent(conn *c, uint64_t now_us); /* c->mu: frames went out at now_us: progress */
+void ka_progress(conn *c);   /* a reply arrived: progress */
+/* A frame header arrived (its payload may follow): the peer is heard from;
+ * true when it is a ping, which carries nothing more. */
+bool ka_heard(conn *c, const wire_hdr *h);
+bool ka_silent(int io);      /* a read failed so: the peer was silent for peer_timeout_ms */
+void ka_ping_frame(wire_hdr *h);
+/* A blocking send the socket refused for its send timeout: true when it goes
+ * on waiting (the peer is heard from: it pushes back, it is not gone; never
+ * with stall detection on). */
+bool ka_send_waits(conn *c);
+/* A send failed with err (-errno): flags a stall when that is one. Before
+ * the connection is marked dead: its receiver decides from the flag whether
+ * requests move or time out. */
+void ka_send_failed(conn *c, int err);
+typedef enum { KA_IDLE, KA_PING, KA_STALLED } ka_step;
+/* c->mu held, nothing queued: what the sender does next. KA_IDLE: sleep at
+ * most *wait_ms (or until woken). KA_PING: send a ping (then ka_restart).
+ * KA_STALLED: flagged stalled (owed: replies are owed on c), close it. */
+ka_step ka_next(conn *c, bool owed, uint64_t *wait_ms);
 conn *endpoint_live_conn(endpoint *ep); /* e->mu held; NULL when none */
 /* e->mu held: every revocation c holds is over. */
 void revokes_settle_all(axf_engine *e, conn *c);
@@ -415,8 +436,10 @@ void sq_drop(axf_engine *e, sq_item *it); /* an item never queued */
 /* shm.c: same-host copies, shared with the CUDA transport (host memory) */
 int shm_start(axf_engine *e);
 void shm_stop(axf_engine *e);
-int shm_map(endpoint *ep, rregion *rr, int memfd); /* a peer's memfd: rr->map */
+/* A peer's memfd, mapped into rr's shm slot (for the CUDA transport too). */
+int shm_map(endpoint *ep, rregion *rr, int memfd);
 void shm_unmap(rregion *rr);
+uint8_t *shm_far_map(const rregion *rr); /* that mapping, or NULL: none */
 extern uint64_t axf_shm_lazy_min; /* larger peer pools are populated lazily (shm.c) */
 void shm_submit(axf_engine *e, op *o, bool signal);
 int shm_copy_inline(axf_engine *e, op *o);

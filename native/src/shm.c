@@ -101,10 +101,31 @@ static void pop_range(shm_pop *p, uint64_t off, uint64_t len)
     }
 }
 
-static void shm_populate(rregion *rr, uint64_t off, uint64_t len)
+/* Its far-region slot (rregion->xp[AXF_EP_SHM], also for the CUDA
+ * transport's host regions): our mapping of the peer's memfd, and how much
+ * of it is populated (pop NULL: all of it). No slot: nothing mapped, the
+ * copies reach the peer by cross-memory attach. */
+typedef struct shm_far {
+    uint8_t *map;
+    shm_pop *pop;
+} shm_far;
+#define SF(rr) ((shm_far *)(rr)->xp[AXF_EP_SHM])
+
+static inline uint8_t *far_map(const rregion *rr)
 {
-    if (rr->pop)
-        pop_range(rr->pop, off, len);
+    const shm_far *f = SF(rr);
+    return f ? f->map : NULL;
+}
+
+uint8_t *shm_far_map(const rregion *rr)
+{
+    return far_map(rr);
+}
+
+static void shm_populate(const shm_far *f, uint64_t off, uint64_t len)
+{
+    if (f->pop)
+        pop_range(f->pop, off, len);
 }
 
 /* The populator: one thread for the process, at a low priority (nice 10),
@@ -253,9 +274,9 @@ static bool pop_parallel(uint8_t *m, uint64_t len)
     return ok;
 }
 
-int shm_map(endpoint *ep, rregion *rr, int memfd)
+/* Maps the memfd behind rr into f. */
+static int map_fd(const rregion *rr, int memfd, shm_far *f)
 {
-    (void)ep;
     int seals = fcntl(memfd, F_GET_SEALS);
     if (seals < 0 || (seals & SHM_SEALS_NEEDED) != SHM_SEALS_NEEDED)
         return AXF_E_ACCESS; /* not a memfd, or one its owner may still resize */
@@ -285,7 +306,7 @@ int shm_map(endpoint *ep, rregion *rr, int memfd)
         if (m == MAP_FAILED)
             return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
         if (pop_parallel(m, rr->len)) {
-            rr->map = m;
+            f->map = m;
             return AXF_OK;
         }
         munmap(m, rr->len);
@@ -305,8 +326,8 @@ int shm_map(endpoint *ep, rregion *rr, int memfd)
             atomic_init(&p->stop, false);
             pop_range(p, 0, 1); /* the first granule, and whether the kernel can */
             if ((atomic_load(&p->bits[0]) & 1) && pop_queue(p)) {
-                rr->map = m;
-                rr->pop = p;
+                f->map = m;
+                f->pop = p;
                 return AXF_OK;
             }
             munmap(m, rr->len);
@@ -316,19 +337,36 @@ int shm_map(endpoint *ep, rregion *rr, int memfd)
     void *m = mmap(NULL, rr->len, prot, MAP_SHARED | MAP_POPULATE, memfd, 0);
     if (m == MAP_FAILED)
         return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
-    rr->map = m;
+    f->map = m;
+    return AXF_OK;
+}
+
+int shm_map(endpoint *ep, rregion *rr, int memfd)
+{
+    (void)ep;
+    shm_far *f = calloc(1, sizeof *f);
+    if (!f)
+        return AXF_E_NOMEM;
+    int st = map_fd(rr, memfd, f);
+    if (st != AXF_OK) {
+        free(f);
+        return st;
+    }
+    rr->xp[AXF_EP_SHM] = f;
     return AXF_OK;
 }
 
 void shm_unmap(rregion *rr)
 {
-    if (rr->pop)
-        pop_cancel(rr->pop); /* before the mapping goes */
-    if (rr->map)
-        munmap(rr->map, rr->len);
-    rr->map = NULL;
-    free(rr->pop);
-    rr->pop = NULL;
+    shm_far *f = SF(rr);
+    if (!f)
+        return;
+    rr->xp[AXF_EP_SHM] = NULL;
+    if (f->pop)
+        pop_cancel(f->pop); /* before the mapping goes */
+    munmap(f->map, rr->len);
+    free(f->pop);
+    free(f);
 }
 
 static int cma_status(int err)
@@ -363,9 +401,10 @@ static int copy_piece(op *o, size_t i, uint64_t off, uint64_t len, uint64_t chun
             return st;
         uint64_t n = len < chunk ? len : chunk;
         uint8_t *local = o->laddr[i] + off;
-        if (rr->map) {
-            uint8_t *remote = rr->map + d->roff + off;
-            shm_populate(rr, d->roff + off, n);
+        const shm_far *f = SF(rr);
+        if (f) {
+            uint8_t *remote = f->map + d->roff + off;
+            shm_populate(f, d->roff + off, n);
             if (o->opcode == AXF_OP_WRITE)
                 memcpy(remote, local, n);
             else
@@ -399,7 +438,7 @@ static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
     uint64_t want = 0, unchecked = 0;
     rregion *checked_rr = NULL;
     for (size_t i = i0; i <= i1; i++) {
-        bool flush = i == i1 || nv == RUN_DESCS || (i < i1 && o->rr[i]->map) ||
+        bool flush = i == i1 || nv == RUN_DESCS || (i < i1 && SF(o->rr[i])) ||
                      (i < i1 && want && want + o->d[i].len > chunk);
         if (flush && nv) {
             ssize_t n = o->opcode == AXF_OP_WRITE
@@ -437,9 +476,10 @@ static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
             unchecked = 0;
         }
         unchecked += d->len;
-        if (rr->map) {
-            uint8_t *remote = rr->map + d->roff;
-            shm_populate(rr, d->roff, d->len);
+        const shm_far *f = SF(rr);
+        if (f) {
+            uint8_t *remote = f->map + d->roff;
+            shm_populate(f, d->roff, d->len);
             if (o->opcode == AXF_OP_WRITE)
                 memcpy(remote, o->laddr[i], d->len);
             else

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define AXF_SCHED 64 /* slots of a striping schedule over an endpoint's connections */
+
 /* An endpoint's (endpoint->priv): chunks are striped over its live
  * connections by this schedule (slot -> connection index), weighted by each
  * one's measured rate; rebuilt when nsched is 0 or stale is set (a rate
@@ -18,6 +20,17 @@ typedef struct tcp_ep {
     int rr_next;
 } tcp_ep;
 #define TEP(ep) ((tcp_ep *)(ep)->priv)
+
+/* An op's (op->priv), when it has more than one chunk: the endpoint's
+ * schedule when it was posted, and where chunk 0 went in it, so a failed
+ * connection's group (the chunks of one slot) can be found again. A
+ * one-chunk op (the frequent small request) has none: its one group is all
+ * of it, and posting it copies and allocates nothing. */
+typedef struct tcp_op {
+    uint8_t sched[AXF_SCHED];
+    uint32_t sched0;
+} tcp_op;
+#define TOP(o) ((tcp_op *)(o)->priv)
 
 /* Smooth weighted round robin over the live connections, weighted by their
  * measured rates (unmeasured ones count as the average), every live one
@@ -108,7 +121,8 @@ static bool chunk_next(chunk_iter *it, uint64_t *i, uint64_t *off)
             it->i++;
             it->off = 0;
         }
-        if (it->slot < 0 || it->o->sched[(it->o->sched0 + k) % AXF_SCHED] == it->slot) {
+        const tcp_op *to = TOP(it->o);
+        if (it->slot < 0 || !to || to->sched[(to->sched0 + k) % AXF_SCHED] == it->slot) {
             *i = ci;
             *off = coff;
             return true;
@@ -163,15 +177,25 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         atomic_store(&o->remaining, 1);
         return false;
     }
-    memcpy(o->sched, t->sched, AXF_SCHED);
+    bool one = o->n == 0 || (o->n == 1 && o->d[0].len <= e->cfg.chunk_bytes);
     /* A lone one-chunk request (nothing else of the endpoint's in flight)
      * goes on the connection the last request went on, not the next one in
      * the rotation: its threads on both sides ran last (warm caches, and the
      * scheduler keeps them near the threads they talk to). Measured, 4 KiB
      * awaited round trips, 4 connections: ~31 us rotating, ~27 us on one. */
-    bool lone = o->n == 1 && o->d[0].len <= e->cfg.chunk_bytes &&
-                atomic_load(&ep->ops_alive) <= 1;
-    o->sched0 = (uint32_t)(lone ? (t->rr_next + AXF_SCHED - 1) % AXF_SCHED : t->rr_next);
+    bool lone = one && o->n == 1 && atomic_load(&ep->ops_alive) <= 1;
+    uint32_t sched0 = (uint32_t)(lone ? (t->rr_next + AXF_SCHED - 1) % AXF_SCHED : t->rr_next);
+    if (!one) {
+        tcp_op *to = malloc(sizeof *to);
+        if (!to) {
+            op_set_status(o, AXF_E_NOMEM, 0);
+            atomic_store(&o->remaining, 1);
+            return false;
+        }
+        memcpy(to->sched, t->sched, AXF_SCHED);
+        to->sched0 = sched0;
+        o->priv = to;
+    }
     /* Each connection's frames are chained here and queued as one group with
      * its expectation (a READ's chunks are answered one by one). */
     sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
@@ -180,7 +204,7 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
     uint64_t i, off, k = 0;
     int used = 0;
     while (chunk_next(&ci_, &i, &off)) {
-        int ci = o->sched[(o->sched0 + k++) % AXF_SCHED];
+        int ci = t->sched[(sched0 + k++) % AXF_SCHED];
         sq_item *it = chunk_item(o, i, off, e->cfg.chunk_bytes);
         if (!it) {
             op_set_status(o, AXF_E_NOMEM, i);
@@ -196,7 +220,7 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         gbytes[ci] += it->h.len;
     }
     if (!lone)
-        t->rr_next = (int)((o->sched0 + k) % AXF_SCHED);
+        t->rr_next = (int)((sched0 + k) % AXF_SCHED);
     /* Set before any group is queued: replies may come at once. */
     atomic_store(&o->remaining, used ? used : 1);
     if (!used)
@@ -285,6 +309,13 @@ static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, s
     return true;
 }
 
+static void tcp_op_free(axf_engine *e, op *o)
+{
+    (void)e;
+    free(o->priv);
+    o->priv = NULL;
+}
+
 static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlocks */
 {
     /* Not read back from o->remaining: replies may already be decrementing it. */
@@ -331,4 +362,5 @@ const axf_transport axf_xp_tcp = {
     .ep_conns_changed = tcp_ep_changed,
     .reroute = tcp_reroute,
     .submit = tcp_submit,
+    .op_free = tcp_op_free,
 };

@@ -100,7 +100,7 @@ typedef struct axf_transport {
     int (*resolve)(axf_engine *e, op *o, size_t i, uint32_t need);
     int (*check)(op *o);
     bool (*submit)(axf_engine *e, op *o, uint32_t flags);
-    /* An op of its endpoint is freed with op->priv set (resolve set it). */
+    /* An op of its endpoint is freed with op->priv set (resolve or submit set it). */
     void (*op_free)(axf_engine *e, op *o);
     /* e->mu held: a failed connection's unfinished group (a schedule slot of
      * the op, or a chunk list) moves to the endpoint's other live

@@ -534,6 +534,92 @@ static int test_shutdown_inflight(void)
     return 0;
 }
 
+/* The keepalive (control.c) decides from a connection's time stamps alone:
+ * they are set here instead of waited for. */
+static int test_keepalive(void)
+{
+    axf_config cfg = {.keepalive_ms = 4000, .peer_timeout_ms = 6000};
+    ka_configure(&cfg);
+    CHECK_EQ(cfg.keepalive_ms, 2000); /* at most a third of the timeout then */
+    axf_config dflt = {0};
+    ka_configure(&dflt);
+    CHECK_EQ(dflt.keepalive_ms, 1000);
+    CHECK_EQ(dflt.peer_timeout_ms, 5000);
+
+    tengine *t = t_engine(&(axf_config){.keepalive_ms = 1000, .peer_timeout_ms = 5000});
+    CHECK(t);
+    endpoint fake_ep = {0};
+    conn c = {.e = t->e};
+    ka_init(&c);
+    uint64_t wait = 0;
+    CHECK_EQ(ka_next(&c, false, &wait), KA_IDLE);
+    CHECK(wait >= 1 && wait <= 1000);
+    /* Idle for the keepalive time: a ping, unless a send is under way. */
+    c.ka.last_send_ms -= 1000;
+    c.sending = true;
+    CHECK_EQ(ka_next(&c, false, &wait), KA_IDLE);
+    c.sending = false;
+    CHECK_EQ(ka_next(&c, false, &wait), KA_PING);
+    ka_restart(&c);
+    CHECK_EQ(ka_next(&c, false, &wait), KA_IDLE);
+
+    /* A ping is liveness: heard from, and nothing more to read. */
+    atomic_store(&c.ka.last_rx_us, 0);
+    CHECK(ka_heard(&c, &(wire_hdr){.magic = AXF_MAGIC, .type = FR_PING}));
+    CHECK(atomic_load(&c.ka.last_rx_us) > 0);
+    CHECK(!ka_heard(&c, &(wire_hdr){.magic = 0, .type = FR_PING})); /* malformed: parsed */
+    CHECK(!ka_heard(&c, &(wire_hdr){.magic = AXF_MAGIC, .type = FR_WRITE_ACK}));
+    CHECK(ka_silent(-EAGAIN) && ka_silent(-ETIMEDOUT) && !ka_silent(-EPIPE));
+
+    /* A refused blocking send waits while the peer is heard from. */
+    CHECK(ka_send_waits(&c));
+    atomic_store(&c.ka.last_rx_us, axf_now_us() - 5000u * 1000u - 1);
+    CHECK(!ka_send_waits(&c));
+    /* A stamp taken after our clock read (another thread) is "just now",
+     * never ~2^64 microseconds ago. */
+    atomic_store(&c.ka.last_rx_us, axf_now_us() + 1000000u);
+    CHECK(ka_send_waits(&c));
+    atomic_store(&c.down, true);
+    CHECK(!ka_send_waits(&c));
+    atomic_store(&c.down, false);
+    ka_send_failed(&c, -EAGAIN); /* no stall detection: not a stall */
+    CHECK(!atomic_load(&c.stalled));
+    t_close(t);
+
+    /* Stall detection: replies owed, no progress either way for stall_ms. */
+    t = t_engine(&(axf_config){.keepalive_ms = 1000, .peer_timeout_ms = 5000, .stall_ms = 200});
+    CHECK(t);
+    conn s = {.e = t->e, .ep = &fake_ep};
+    ka_init(&s);
+    CHECK(!ka_send_waits(&s)); /* with stall detection, a refused send is a stall */
+    CHECK_EQ(ka_next(&s, true, &wait), KA_IDLE);
+    CHECK(wait <= 200 / 4 + 1); /* checked a few times per stall time */
+    atomic_store(&s.ka.progress_us, axf_now_us() - 300000u);
+    CHECK_EQ(ka_next(&s, false, &wait), KA_IDLE); /* nothing owed: idle, not stalled */
+    s.ep = NULL;
+    CHECK_EQ(ka_next(&s, true, &wait), KA_IDLE); /* accepting side: never */
+    s.ep = &fake_ep;
+    atomic_store(&s.ka.progress_us, axf_now_us() + 1000000u); /* a later stamp */
+    CHECK_EQ(ka_next(&s, true, &wait), KA_IDLE);
+    CHECK(!atomic_load(&s.stalled));
+    ka_progress(&s);
+    CHECK_EQ(ka_next(&s, true, &wait), KA_IDLE);
+    atomic_store(&s.ka.progress_us, axf_now_us() - 300000u);
+    CHECK_EQ(ka_next(&s, true, &wait), KA_STALLED);
+    CHECK(atomic_load(&s.stalled));
+    /* A send the socket refused for the stall time is one too; others not. */
+    conn s2 = {.e = t->e, .ep = &fake_ep};
+    ka_init(&s2);
+    ka_send_failed(&s2, -EPIPE);
+    CHECK(!atomic_load(&s2.stalled));
+    ka_send_failed(&s2, -EAGAIN);
+    CHECK(atomic_load(&s2.stalled));
+    ka_sent(&s2, axf_now_us());
+    CHECK_EQ(ka_next(&s2, true, &wait), KA_IDLE);
+    t_close(t);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -549,6 +635,7 @@ int main(int argc, char **argv)
         T_CASE(test_revoke_initiator),
         T_CASE(test_endpoint_lost),
         T_CASE(test_shutdown_inflight),
+        T_CASE(test_keepalive),
     };
     return T_RUN(argc, argv, cases);
 }
