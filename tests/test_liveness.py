@@ -112,3 +112,23 @@ async def test_sigstop_within_bound_loses_nothing(
     assert await ra.call("digest", "pool", 0, size) == digest(data)
     notes = await ra.call("notes", 1, 5.0, {})
     assert notes[0][1] == b"resumed"
+
+
+@pytest.mark.parametrize("transports", [("tcp",), ("shm", "tcp")], ids=["tcp", "shm"])
+async def test_idle_peers_configured_apart_stay_connected(
+    make_agent: Any, transports: tuple[str, ...]
+) -> None:
+    """A tight peer_timeout on one side, a long keepalive on the other: the
+    quiet side learns the tight timeout from the pings and pings often enough,
+    so an idle connection is never declared silent. (Before, "a" heard from
+    "b" only every 2 s and dropped it after 1 s of idleness.)"""
+    a = await make_agent("a", transports=transports, peer_timeout=PEER_TIMEOUT,
+                         keepalive=KEEPALIVE)
+    b = await make_agent("b", transports=transports, peer_timeout=10.0, keepalive=2.0)
+    b.alloc(1 << 20, name="dst")
+    peer = await within(a.connect(b.address))
+    src = a.register(bytearray(4096))
+    await within(a.write(src[0:4096], peer.region("dst")[0:4096]))
+    await asyncio.sleep(3 * PEER_TIMEOUT)  # idle, three timeouts long
+    assert not peer.lost, "an idle peer was declared silent"
+    await within(a.write(src[0:4096], peer.region("dst")[0:4096]))

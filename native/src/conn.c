@@ -563,7 +563,7 @@ static void *tx_main(void *arg)
             c->sending = true;
             pthread_mutex_unlock(&c->mu);
             wire_hdr ping;
-            ka_ping_frame(&ping);
+            ka_ping_frame(c, &ping);
             struct iovec pv = {.iov_base = &ping, .iov_len = sizeof ping};
             uint64_t sent = 0;
             int r = send_iov(c, &pv, 1, false, &sent);

@@ -19,7 +19,10 @@
 /* Each connection's sender pings (FR_PING, a bare header) once it sent
  * nothing for keepalive_ms; a receiver that hears nothing (pings included)
  * for peer_timeout_ms declares the peer silent (its socket's receive
- * timeout). Progress is a frame of ours sent, or a reply received: pings are
+ * timeout). A ping carries its sender's peer_timeout_ms (in len), and the
+ * side that hears it pings at a third of that when its own keepalive is
+ * longer: agents configured apart (one with a 1 s timeout, one with the
+ * default 1 s keepalive) would otherwise drop each other's idle connections. Progress is a frame of ours sent, or a reply received: pings are
  * liveness, not progress. With stall detection (stall_ms), a connection that
  * owes us replies and made no progress either way for stall_ms is stalled,
  * and so is a blocking send that moved nothing for that long (a peer that
@@ -52,6 +55,7 @@ void ka_init(conn *c)
     atomic_init(&c->ka.progress_us, now);
     atomic_init(&c->ka.last_rx_us, now);
     c->ka.last_send_ms = now / 1000;
+    atomic_init(&c->ka.ping_ms, c->e->cfg.keepalive_ms);
 }
 
 void ka_arm_socket(conn *c)
@@ -84,10 +88,32 @@ void ka_progress(conn *c)
     atomic_store(&c->ka.progress_us, axf_now_us());
 }
 
+/* The interval a peer whose timeout is peer_timeout_ms needs from us; never
+ * longer than ours, nor under 10 ms (len is the peer's word: a hostile one
+ * must not make us flood it). */
+static uint32_t ping_ms_for(const axf_config *cfg, uint64_t peer_timeout_ms)
+{
+    uint64_t want = peer_timeout_ms / 3;
+    if (want < 10)
+        want = 10;
+    return want < cfg->keepalive_ms ? (uint32_t)want : cfg->keepalive_ms;
+}
+
 bool ka_heard(conn *c, const wire_hdr *h)
 {
     atomic_store(&c->ka.last_rx_us, axf_now_us());
-    return h->magic == AXF_MAGIC && h->type == FR_PING;
+    if (h->magic != AXF_MAGIC || h->type != FR_PING)
+        return false;
+    if (h->len) {
+        uint32_t want = ping_ms_for(&c->e->cfg, h->len);
+        if (want < atomic_load(&c->ka.ping_ms)) { /* once per connection, at most a few */
+            pthread_mutex_lock(&c->mu);
+            atomic_store(&c->ka.ping_ms, want);
+            pthread_cond_broadcast(&c->cv); /* the sender waits on the old interval */
+            pthread_mutex_unlock(&c->mu);
+        }
+    }
+    return true;
 }
 
 bool ka_silent(int io)
@@ -95,9 +121,9 @@ bool ka_silent(int io)
     return io == -EAGAIN || io == -ETIMEDOUT;
 }
 
-void ka_ping_frame(wire_hdr *h)
+void ka_ping_frame(conn *c, wire_hdr *h)
 {
-    *h = (wire_hdr){.magic = AXF_MAGIC, .type = FR_PING};
+    *h = (wire_hdr){.magic = AXF_MAGIC, .type = FR_PING, .len = c->e->cfg.peer_timeout_ms};
 }
 
 bool ka_send_waits(conn *c)
@@ -118,7 +144,7 @@ void ka_send_failed(conn *c, int err)
 ka_step ka_next(conn *c, bool owed, uint64_t *wait_ms)
 {
     const axf_config *cfg = &c->e->cfg;
-    uint64_t keepalive = cfg->keepalive_ms;
+    uint64_t keepalive = atomic_load(&c->ka.ping_ms);
     uint64_t stall_us = (uint64_t)cfg->stall_ms * 1000u;
     uint64_t now = axf_now_ms();
     if (!c->sending && now - c->ka.last_send_ms >= keepalive)

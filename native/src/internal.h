@@ -218,6 +218,8 @@ typedef struct conn {
         uint64_t last_send_ms;     /* c->mu: last frame sent, pings included */
         atomic_ullong progress_us; /* last frame sent, or reply received */
         atomic_ullong last_rx_us;  /* last frame received (pings included) */
+        atomic_uint ping_ms;       /* our ping interval here: keepalive_ms, or
+                                      shorter for a peer with a shorter timeout */
     } ka;
     int slot;                /* initiator: index in ep->conns */
     uint32_t rail;           /* initiator: the caller's rail number */
@@ -338,7 +340,7 @@ void ka_progress(conn *c);   /* a reply arrived: progress */
  * true when it is a ping, which carries nothing more. */
 bool ka_heard(conn *c, const wire_hdr *h);
 bool ka_silent(int io);      /* a read failed so: the peer was silent for peer_timeout_ms */
-void ka_ping_frame(wire_hdr *h);
+void ka_ping_frame(conn *c, wire_hdr *h);
 /* A blocking send the socket refused for its send timeout: true when it goes
  * on waiting (the peer is heard from: it pushes back, it is not gone; never
  * with stall detection on). */

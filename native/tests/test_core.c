@@ -571,6 +571,27 @@ static int test_keepalive(void)
     CHECK(!ka_heard(&c, &(wire_hdr){.magic = AXF_MAGIC, .type = FR_WRITE_ACK}));
     CHECK(ka_silent(-EAGAIN) && ka_silent(-ETIMEDOUT) && !ka_silent(-EPIPE));
 
+    /* Our pings carry our timeout; a peer's shorter timeout shortens our ping
+     * interval to a third of it (never longer than ours, never under 10 ms). */
+    wire_hdr ping;
+    ka_ping_frame(&c, &ping);
+    CHECK_EQ(ping.type, FR_PING);
+    CHECK_EQ(ping.len, 5000);
+    CHECK_EQ(atomic_load(&c.ka.ping_ms), 1000);
+    CHECK(ka_heard(&c, &(wire_hdr){.magic = AXF_MAGIC, .type = FR_PING, .len = 60000}));
+    CHECK_EQ(atomic_load(&c.ka.ping_ms), 1000); /* a longer timeout changes nothing */
+    CHECK(ka_heard(&c, &(wire_hdr){.magic = AXF_MAGIC, .type = FR_PING, .len = 600}));
+    CHECK_EQ(atomic_load(&c.ka.ping_ms), 200);
+    ka_restart(&c);
+    CHECK_EQ(ka_next(&c, false, &wait), KA_IDLE);
+    CHECK(wait <= 200);
+    c.ka.last_send_ms -= 200;
+    CHECK_EQ(ka_next(&c, false, &wait), KA_PING);
+    CHECK(ka_heard(&c, &(wire_hdr){.magic = AXF_MAGIC, .type = FR_PING, .len = 3}));
+    CHECK_EQ(atomic_load(&c.ka.ping_ms), 10); /* a hostile 3 ms: the floor */
+    atomic_store(&c.ka.ping_ms, 1000);
+    ka_restart(&c);
+
     /* A refused blocking send waits while the peer is heard from. */
     CHECK(ka_send_waits(&c));
     atomic_store(&c.ka.last_rx_us, axf_now_us() - 5000u * 1000u - 1);
