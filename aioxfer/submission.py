@@ -278,6 +278,8 @@ class Submission:
         ):
             self._eager_streak += 1
             self.post_pending(n == 1)
+            if n == 1 and self._poller is not None and not t.done():
+                self._poller.spin_alone(t, self._flush_scheduled)  # then it may not suspend
 
     def post_pending(self, alone: bool = False) -> None:
         """Posts what is pending now (the batch lists are emptied, not
