@@ -278,7 +278,7 @@ class Submission:
         ):
             self._eager_streak += 1
             self.post_pending(n == 1)
-            if n == 1 and self._poller is not None and not t.done():
+            if n == 1 and t.nbytes <= EAGER_MAX and self._poller is not None and not t.done():
                 self._poller.spin_alone(t, self._flush_scheduled)  # then it may not suspend
 
     def post_pending(self, alone: bool = False) -> None:
