@@ -19,10 +19,11 @@ The poll runs as a callback of the loop (``call_soon``), so it works the same
 on asyncio's loops and on uvloop; the engine's wait releases the GIL.
 
 A small request (up to 64 KiB) awaited alone (nothing else of the agent's in
-flight) is also polled for inside its ``await``, on asyncio's own loops, when the loop has nothing
-else ready (``Poller.spin_alone``): the await then returns without suspending,
-which saves the two loop iterations (a ``select`` each, the task's wake-up
-handle) of the callback's way, most of what Python adds to a tcp round trip.
+flight) is also polled for inside its ``await``, on asyncio's own loops, when
+the loop has nothing else ready (``Poller.spin_alone``): the await then
+returns without suspending, which saves the two loop iterations (a
+``select`` each, the task's wake-up handle) of the callback's way, most of
+what Python adds to a tcp round trip.
 Its bound is the peer's own: twice its latency average (at least ``poll_us``,
 at most ``ALONE_MAX_US``), so a slow peer is waited for by the loop as before;
 and the loop runs (its ``select``, its callbacks) at least every
