@@ -278,6 +278,11 @@ class Submission:
         ):
             self._eager_streak += 1
             self.post_pending(n == 1)
+            # Still in flight (not copied inside the post): poll for it here,
+            # then the await may not suspend. Cheapest test first: this is
+            # the path of every awaited small same-host copy too.
+            if n == 1 and self.inflight and self._poller is not None and t.nbytes <= EAGER_MAX:
+                self._poller.spin_alone(t, self._flush_scheduled)
 
     def post_pending(self, alone: bool = False) -> None:
         """Posts what is pending now (the batch lists are emptied, not

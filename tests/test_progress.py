@@ -279,6 +279,77 @@ async def test_inline_flood_lets_the_loop_run(make_agent) -> None:
     assert fired.is_set(), f"the loop never ran during {n} inline writes"
 
 
+@pytest.mark.parametrize("progress", MODES)
+async def test_lone_tcp_requests_polled_in_their_await(make_agent, progress: str) -> None:
+    """A small tcp request awaited alone is polled for inside its await
+    (Poller.spin_alone) on asyncio's own loops, in the modes that poll; never
+    in "sleep", nor on a loop whose ready queue is not visible (uvloop): there
+    the loop's callback polls, as before. Bytes exact either way."""
+    init, target, peer = await _pair(make_agent, "tcp", progress=progress)
+    dst = target.alloc(MiB, name="dst")
+    await within(peer.refresh())
+    remote = peer.region("dst")
+    data = pattern(64 << 10, 5)
+    src = init.register(data.copy(), name="src")
+    for i in range(200):
+        n = (1, 4096, 64 << 10)[i % 3]
+        dst.numpy()[:n] = 0
+        res = await within(init.write(src[0:n], remote[0:n]))
+        assert res.nbytes == n and np.array_equal(dst.numpy()[:n], data[:n])
+    poller = init._poller
+    if progress == "sleep":
+        assert poller is None
+        return
+    assert poller is not None
+    tried = poller.alone_hits + poller.alone_misses
+    if isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+        assert tried > 0  # how many found it within the bound is timing's
+    else:
+        assert tried == 0
+    await idle(init)
+
+
+@pytest.mark.parametrize("progress", ["adaptive", "poll"])
+async def test_lone_tcp_awaits_let_the_loop_run(make_agent, progress: str) -> None:
+    """Polling inside awaits does not starve the loop: a timer fires and
+    another task runs while a coroutine awaits one small tcp write after
+    another (ALONE_SPAN_US, then the await suspends once)."""
+    init, target, peer = await _pair(make_agent, "tcp", progress=progress)
+    target.alloc(MiB, name="dst")
+    await within(peer.refresh())
+    src = init.alloc(MiB, name="src")
+    remote = peer.region("dst")
+    fired = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.01, fired.set)
+    deadline = time.monotonic() + 10
+    n = 0
+    while not fired.is_set() and time.monotonic() < deadline:
+        await init.write(src[0:4096], remote[0:4096])
+        n += 1
+    assert fired.is_set(), f"the loop never ran its timer during {n} awaited tcp writes"
+    ticks = 0
+    done = False
+
+    async def other() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other())
+    poller = init._poller
+    assert poller is not None
+    before = (poller.alone_hits, poller.alone_misses)
+    for _ in range(50):
+        await init.write(src[0:4096], remote[0:4096])
+    done = True
+    await within(task)
+    assert ticks > 0
+    # With another task ready, the await never polls: the loop's callback does.
+    assert (poller.alone_hits, poller.alone_misses) == before
+    await idle(init)
+
+
 async def test_cancel_around_inline_copy(make_agent) -> None:
     init, target, peer = await _pair(make_agent, "shm", inline_bytes=64 * MiB)
     dst = target.alloc(4 * MiB, name="dst")
