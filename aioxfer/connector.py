@@ -151,11 +151,15 @@ class Connector:
         """A new Peer for the agent at address (or the live one of the
         incarnation found there), added to the table."""
         host, port = parse_address(address)
-        # One data connection first, so that the peer's engine holds it before
-        # the peer takes the metadata snapshot: a region deregistered after the
-        # snapshot is then revoked on this connection, and since its regions are
-        # imported before the engine reads from it, no stale handle slips by.
-        sock0, accept0 = await self._dialer.open(address)
+        # One data connection first, which the peer's engine holds from the
+        # metadata snapshot on: a region deregistered after the snapshot is
+        # then revoked on this connection, and since its regions are imported
+        # before the engine reads from it, no stale handle slips by. The
+        # metadata comes on it too (Hello.meta, protocol.META_GO), unless the
+        # peer may be on this host: then it comes from its unix socket.
+        sock0, accept0, meta0 = await self._dialer.open_meta(
+            address, meta=not self._config.local
+        )
         local: _LocalLink | None = None
         try:
             if (
@@ -170,6 +174,8 @@ class Connector:
             if local is not None:
                 assert local.meta is not None
                 meta = local.meta
+            elif meta0 is not None:
+                meta = meta0
             else:
                 meta = await self._dialer.fetch_meta(host, port, address)
             self._check_open()
@@ -360,15 +366,22 @@ class Connector:
                 if link.cred.uid != os.geteuid():
                     why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
                     return None
+                # Its metadata and memfds come on this connection (Hello.meta),
+                # from a peer that does not send them there on another one.
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=self._config.incarnation,
-                    purpose="data", token=self._config.token,
+                    purpose="data", token=self._config.token, meta=True,
                 )
                 if (accept.name, accept.incarnation) != (meta.name, meta.incarnation):
                     why = f"its unix socket is served by another agent ({accept.name!r})"
                     return None
                 link.pidfd = peer_pidfd(link.data, link.cred)
-                link.meta, link.fds = await self._dialer.fetch_local_meta(meta.local, link.cred.pid)
+                if accept.meta:
+                    link.meta, link.fds = await self._dialer.receive_meta(link.data, local=True)
+                else:
+                    link.meta, link.fds = await self._dialer.fetch_local_meta(
+                        meta.local, link.cred.pid
+                    )
             if (link.meta.name, link.meta.incarnation) != (meta.name, meta.incarnation):
                 why = "it restarted while we connected"
                 return None
