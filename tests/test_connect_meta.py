@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from conftest import SAME_HOST, within
 
-from aioxfer import ProtocolError, auth, local, metadata, protocol
+from aioxfer import AccessDenied, ProtocolError, auth, local, metadata, protocol
 
 MiB = 1 << 20
 
@@ -115,3 +115,25 @@ async def test_metadata_that_waits_still_connects(make_agent) -> None:
     assert len(peer.regions) == 8_001
     await within(init.write(src[0:4096], peer.region("dst")[0:4096]))
     assert bytes(dst.numpy()[:4096]) == b"\x09" * 4096
+
+
+async def test_first_rail_connections_are_up_at_connect(make_agent) -> None:
+    """tcp: the first rail's other connections, dialled beside the first one,
+    are all up when connect returns."""
+    target = await make_agent("target", transports=("tcp",))
+    target.alloc(MiB, name="dst")
+    init = await make_agent("init", transports=("tcp",), tcp_connections=4)
+    peer = await within(init.connect(target.address))
+    st = peer.statistics()
+    assert [r.connections for r in st.rails] == [4]
+
+
+async def test_failed_connect_leaves_no_connection_open(make_agent) -> None:
+    """The connections dialled early are closed when connecting fails."""
+    target = await make_agent("target", transports=("tcp",), token="one")
+    init = await make_agent("init", transports=("tcp",), tcp_connections=4, token="two")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(AccessDenied):
+            await within(init.connect(target.address))
+    assert len(os.listdir("/proc/self/fd")) == before
