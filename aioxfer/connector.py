@@ -60,7 +60,7 @@ from aioxfer.scheduling import PeerScheduler
 from aioxfer.serving import qp_tuple
 from aioxfer.tags import Tags
 
-__all__ = ["ConnectConfig", "Connector"]
+__all__ = ["ConnectConfig", "Connector", "cma_allowed"]
 
 _log = get_logger("aioxfer")
 
@@ -176,7 +176,7 @@ class Connector:
                 self._config.local
                 and accept0.local
                 and accept0.host_id == self._config.host_id
-                and _cma_allowed()
+                and cma_allowed()
             ):
                 # Same host, says the peer: the kernel confirms it on the peer's
                 # unix socket, whose metadata then replaces a tcp fetch.
@@ -657,7 +657,7 @@ def _ptrace_scope() -> int:
         return 0
 
 
-def _cma_allowed() -> bool:
+def cma_allowed() -> bool:
     """Whether we may reach a same-host peer's memory (of our own uid: the
     kernel checks that per connection): Yama (if present) must not restrict
     ptrace-style access to descendants, and process_vm_readv must work."""
