@@ -44,7 +44,7 @@ from aioxfer.auth import default_token
 from aioxfer.backends import registry as _backends
 from aioxfer.backends.host import BackendHost
 from aioxfer.cluster import Cluster
-from aioxfer.connector import ConnectConfig, Connector
+from aioxfer.connector import ConnectConfig, Connector, cma_allowed
 from aioxfer.descriptors import Descs as _Descs
 from aioxfer.descriptors import coalesce as _coalesce
 from aioxfer.descriptors import cuda_path as _cuda_path
@@ -288,6 +288,7 @@ class Agent:
         if self._host_id and ("shm" in transports or "cuda" in transports):
             try:
                 self._local_sock, self._local_name = listen_local(os.geteuid())
+                cma_allowed()  # probed once per process now, not on the first connect
             except OSError as exc:
                 _log.warning("local.unavailable", agent=self.name, reason=str(exc))
         self._accept_msg = Accept(name=self.name, incarnation=self.incarnation,

@@ -36,6 +36,7 @@ from aioxfer.errors import (
     ProtocolError,
     StalePeer,
     TransportError,
+    XferError,
     error_class,
 )
 from aioxfer.local import PeerCred, check_sealed, peer_cred, peer_pidfd
@@ -59,7 +60,7 @@ from aioxfer.scheduling import PeerScheduler
 from aioxfer.serving import qp_tuple
 from aioxfer.tags import Tags
 
-__all__ = ["ConnectConfig", "Connector"]
+__all__ = ["ConnectConfig", "Connector", "cma_allowed"]
 
 _log = get_logger("aioxfer")
 
@@ -151,18 +152,31 @@ class Connector:
         """A new Peer for the agent at address (or the live one of the
         incarnation found there), added to the table."""
         host, port = parse_address(address)
-        # One data connection first, so that the peer's engine holds it before
-        # the peer takes the metadata snapshot: a region deregistered after the
-        # snapshot is then revoked on this connection, and since its regions are
-        # imported before the engine reads from it, no stale handle slips by.
-        sock0, accept0 = await self._dialer.open(address)
+        # One data connection first, which the peer's engine holds from the
+        # metadata snapshot on: a region deregistered after the snapshot is
+        # then revoked on this connection, and since its regions are imported
+        # before the engine reads from it, no stale handle slips by. The
+        # metadata comes on it too (Hello.meta, protocol.META_GO), unless the
+        # peer may be on this host: then it comes from its unix socket.
+        cfg = self._config
+        early: _EarlyConns | None = None
+        if not cfg.local and "verbs" not in cfg.transports and cfg.tcp_connections > 1:
+            # Only tcp can come of it: the first rail's other connections are
+            # dialled now, beside the first one (added once regions are in).
+            early = _EarlyConns(self._dialer, address, cfg.tcp_connections - 1)
+        try:
+            sock0, accept0, meta0 = await self._dialer.open_meta(address, meta=not cfg.local)
+        except BaseException:
+            if early is not None:
+                await early.close()
+            raise
         local: _LocalLink | None = None
         try:
             if (
                 self._config.local
                 and accept0.local
                 and accept0.host_id == self._config.host_id
-                and _cma_allowed()
+                and cma_allowed()
             ):
                 # Same host, says the peer: the kernel confirms it on the peer's
                 # unix socket, whose metadata then replaces a tcp fetch.
@@ -170,6 +184,8 @@ class Connector:
             if local is not None:
                 assert local.meta is not None
                 meta = local.meta
+            elif meta0 is not None:
+                meta = meta0
             else:
                 meta = await self._dialer.fetch_meta(host, port, address)
             self._check_open()
@@ -178,15 +194,22 @@ class Connector:
                     f"peer at {address} restarted while we connected (incarnation "
                     f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
                 )
-            return await self._connect_meta(address, meta, sock0, local)
+            return await self._connect_meta(address, meta, sock0, local, early)
         finally:
             if sock0.fileno() >= 0:
                 sock0.close()
             if local is not None:
                 local.close()
+            if early is not None:
+                await early.close()
 
     async def _connect_meta(
-        self, address: str, meta: AgentMeta, sock0: socket.socket, local: _LocalLink | None
+        self,
+        address: str,
+        meta: AgentMeta,
+        sock0: socket.socket,
+        local: _LocalLink | None,
+        early: _EarlyConns | None = None,
     ) -> Peer:
         if self._embedded is not None:
             # Embedded, names need not be unique: only the same name at the same
@@ -209,7 +232,8 @@ class Connector:
                 f"same host: {meta.host_id == self._config.host_id})"
             )
         return await self._connect_path(
-            address, meta, sock0, path, local if path in ("shm", "cuda") else None
+            address, meta, sock0, path, local if path in ("shm", "cuda") else None,
+            early if path == "tcp" else None,
         )
 
     async def _connect_path(
@@ -219,6 +243,7 @@ class Connector:
         sock0: socket.socket,
         path: str,
         local: _LocalLink | None,
+        early: _EarlyConns | None = None,
     ) -> Peer:
         shm = local is not None  # same host: one connection, copies by this engine
         verbs = path == "verbs"
@@ -279,11 +304,18 @@ class Connector:
             else:
                 self._engine.endpoint_add_conn(ep, sock0.detach(), first)
             # The rest of the connections, every rail at once: (rail, how many).
-            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first))]
+            # The first rail's dialled early (of this incarnation) count.
+            took = 0
+            if early is not None:
+                for sock in await early.take(per - 1, meta.incarnation):
+                    self._engine.endpoint_add_conn(ep, sock.detach(), first)
+                    took += 1
+            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
             added = await asyncio.gather(
                 *(self._rails.dial(ep, i, rails[i], n, meta.incarnation) for i, n in dial)
             )
             reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
+            added = [*added, took]
             if verbs:
                 await self._connect_verbs(ep, address, meta)
             self._check_open()
@@ -360,15 +392,22 @@ class Connector:
                 if link.cred.uid != os.geteuid():
                     why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
                     return None
+                # Its metadata and memfds come on this connection (Hello.meta),
+                # from a peer that does not send them there on another one.
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=self._config.incarnation,
-                    purpose="data", token=self._config.token,
+                    purpose="data", token=self._config.token, meta=True,
                 )
                 if (accept.name, accept.incarnation) != (meta.name, meta.incarnation):
                     why = f"its unix socket is served by another agent ({accept.name!r})"
                     return None
                 link.pidfd = peer_pidfd(link.data, link.cred)
-                link.meta, link.fds = await self._dialer.fetch_local_meta(meta.local, link.cred.pid)
+                if accept.meta:
+                    link.meta, link.fds = await self._dialer.receive_meta(link.data, local=True)
+                else:
+                    link.meta, link.fds = await self._dialer.fetch_local_meta(
+                        meta.local, link.cred.pid
+                    )
             if (link.meta.name, link.meta.incarnation) != (meta.name, meta.incarnation):
                 why = "it restarted while we connected"
                 return None
@@ -618,7 +657,7 @@ def _ptrace_scope() -> int:
         return 0
 
 
-def _cma_allowed() -> bool:
+def cma_allowed() -> bool:
     """Whether we may reach a same-host peer's memory (of our own uid: the
     kernel checks that per connection): Yama (if present) must not restrict
     ptrace-style access to descendants, and process_vm_readv must work."""
@@ -626,6 +665,46 @@ def _cma_allowed() -> bool:
     if scope >= 2 or (scope == 1 and os.geteuid() != 0):
         return False
     return _cma_works()
+
+
+class _EarlyConns:
+    """Data connections to a tcp peer dialled before its metadata arrived;
+    closes whatever is not taken."""
+
+    __slots__ = ("_tasks",)
+
+    def __init__(self, dialer: Dialer, address: str, n: int) -> None:
+        self._tasks = [asyncio.ensure_future(dialer.open(address)) for _ in range(n)]
+
+    async def take(self, n: int, incarnation: int) -> list[socket.socket]:
+        """Up to n of them, answered by that incarnation; network failures
+        only make them fewer."""
+        await asyncio.wait(self._tasks)
+        got: list[socket.socket] = []
+        for t in self._tasks:
+            if t.cancelled():
+                continue
+            exc = t.exception()
+            if exc is not None:
+                if not isinstance(exc, XferError | OSError):
+                    raise exc
+                continue
+            sock, accept = t.result()
+            if len(got) < n and accept.incarnation == incarnation:
+                got.append(sock)
+        return got
+
+    async def close(self) -> None:
+        """Closes what was not taken (a dial still running is cancelled: it
+        closes its own socket)."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.wait(self._tasks)
+        for t in self._tasks:
+            if not t.cancelled() and t.exception() is None:
+                sock = t.result()[0]
+                if sock.fileno() >= 0:
+                    sock.close()
 
 
 class _LocalLink:

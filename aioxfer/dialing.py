@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from typing import Any, Literal
 from aioxfer.errors import AccessDenied, ProtocolError, TransportError
 from aioxfer.local import local_address, peer_cred, recv_fds
 from aioxfer.metadata import Accept, AgentMeta
-from aioxfer.protocol import client_handshake, fetch_meta
+from aioxfer.protocol import MAX_META_FRAME, client_handshake, fetch_meta, recv_frame, recv_go
 from aioxfer.serving import nodelay
 
 __all__ = ["Dialer", "numeric_addrinfo", "parse_address"]
@@ -81,6 +82,32 @@ class Dialer:
         finally:
             sock.close()
 
+    async def receive_meta(
+        self, sock: socket.socket, *, local: bool
+    ) -> tuple[AgentMeta, list[int]]:
+        """The metadata a "data" connection's Accept said follows (Hello.meta):
+        the AgentMeta, on the unix socket (local) its memfds, and META_GO.
+        The memfds are closed if anything fails."""
+        loop = asyncio.get_running_loop()
+        msg = await recv_frame(loop, sock, self._max_meta_bytes if local else MAX_META_FRAME)
+        if not isinstance(msg, AgentMeta):
+            raise ProtocolError(f"expected AgentMeta, got {type(msg).__name__}")
+        fds: list[int] = []
+        if local:
+            indexes = sorted(m.memfd for m in msg.regions if m.memfd >= 0)
+            if indexes != list(range(len(indexes))):
+                raise ProtocolError("metadata names memfds out of order or twice")
+            fds = await recv_fds(loop, sock, len(indexes))
+        elif any(m.memfd >= 0 for m in msg.regions):
+            raise ProtocolError("metadata over tcp names memfds")
+        try:
+            await recv_go(loop, sock)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return msg, fds
+
     async def dial(self, host: str, port: int) -> socket.socket:
         """A connected, non-blocking socket: every address of host is tried in turn."""
         loop = asyncio.get_running_loop()
@@ -123,6 +150,14 @@ class Dialer:
     ) -> tuple[socket.socket, Accept]:
         """A connected, handshaken data socket (non-blocking), and the peer's
         Accept (who answered: name and incarnation)."""
+        sock, accept, _ = await self.open_meta(address, purpose, meta=False)
+        return sock, accept
+
+    async def open_meta(
+        self, address: str, purpose: Literal["data", "verbs"] = "data", *, meta: bool
+    ) -> tuple[socket.socket, Accept, AgentMeta | None]:
+        """open(), and with meta the peer's metadata on the same connection
+        (None from a peer that does not send it there)."""
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
         async with self.control_errors(address, "connecting to", "connect to"):
@@ -135,11 +170,15 @@ class Dialer:
                     incarnation=self._incarnation,
                     purpose=purpose,
                     token=self._token,
+                    meta=meta,
                 )
+                got = None
+                if meta and accept.meta:
+                    got = (await self.receive_meta(sock, local=False))[0]
             except BaseException:
                 sock.close()
                 raise
-            return sock, accept
+            return sock, accept, got
         raise AssertionError("unreachable")  # for type checkers: the block returns or raises
 
     async def fetch_meta(self, host: str, port: int, address: str) -> AgentMeta:

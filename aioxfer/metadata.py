@@ -67,6 +67,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     purpose: Purpose
     nonce: Nonce
     byteorder: Literal["little", "big"] = "little"
+    # "data" only: the server sends its metadata (AgentMeta; on the unix socket
+    # its memfds follow) right after Accept, then hands the connection to its
+    # engine: no separate "meta" connection (two round trips fewer).
+    meta: bool = False
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
@@ -98,6 +102,9 @@ class Accept(msgspec.Struct, tag="accept", frozen=True):
     # (the server's unix socket, see AgentMeta.local) without a tcp metadata fetch.
     host_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
     local: Address = ""
+    # The AgentMeta the client asked for (Hello.meta) follows (an older server
+    # ignores the request: then the client fetches it on its own connection).
+    meta: bool = False
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)

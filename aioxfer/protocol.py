@@ -16,6 +16,9 @@ Handshake (client left, server right)::
                    <- Accept{name, incarnation}  |  Reject{reason}, close
     "meta":        <- AgentMeta, close
     "data":        native engine frames both ways from here on
+    "data", Hello.meta (Accept.meta says it follows):
+                   <- AgentMeta, [memfds: unix socket], META_GO
+                   then native engine frames both ways
     "verbs":       VerbsConnect{client's queue pairs}  ->
                    <- VerbsAccept{server's queue pairs}, then as "data"
 """
@@ -49,13 +52,16 @@ __all__ = [
     "MAX_HANDSHAKE_FRAME",
     "MAX_META_FRAME",
     "NONCE_BYTES",
+    "META_GO",
     "FrameTooLarge",
     "HandshakeRejected",
     "client_handshake",
     "client_proof",
     "encode_frame",
+    "recv_go",
     "recv_frame",
     "send_frame",
+    "send_now",
     "server_handshake",
     "server_proof",
 ]
@@ -70,6 +76,11 @@ MAX_HANDSHAKE_FRAME = 4096
 MAX_META_FRAME = 64 << 20
 NONCE_BYTES = 16
 MAX_NAME = 256
+# Ends the metadata a "data" client asked for: sent only once the server's
+# engine holds the connection as the metadata was (nothing the metadata names
+# was deregistered meanwhile), so a region deregistered later is revoked on it.
+# A server that cannot vouch for that closes the connection instead.
+META_GO = b"\x01"
 _SERVER_CTX = b"aioxfer-server-v1\x00"
 _CLIENT_CTX = b"aioxfer-client-v1\x00"
 
@@ -129,6 +140,30 @@ async def send_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, msg: 
     await loop.sock_sendall(sock, encode_frame(msg))
 
 
+def send_now(sock: socket.socket, data: bytes | memoryview) -> int:
+    """Sends what the (non-blocking) socket takes now; returns how many bytes."""
+    view = memoryview(data)
+    sent = 0
+    while sent < len(view):
+        try:
+            sent += sock.send(view[sent:])
+        except (BlockingIOError, InterruptedError):
+            break
+    return sent
+
+
+async def recv_go(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Client: the META_GO that ends the metadata of a "data" connection."""
+    try:
+        go = await recv_exact(loop, sock, 1)
+    except ProtocolError:
+        raise ProtocolError(
+            "the peer's regions changed while it sent its metadata: connect again"
+        ) from None
+    if go != META_GO:
+        raise ProtocolError(f"expected the end of the metadata, got {bytes(go)!r}")
+
+
 def token_bytes(token: str | bytes | None) -> bytes | None:
     if token is None:
         return None
@@ -158,6 +193,7 @@ async def _client_handshake(
     incarnation: int,
     purpose: Purpose,
     token: bytes | None,
+    meta: bool,
 ) -> Accept:
     """See client_handshake."""
     nonce = secrets.token_bytes(NONCE_BYTES)
@@ -168,6 +204,7 @@ async def _client_handshake(
         purpose=purpose,
         nonce=nonce,
         byteorder=sys.byteorder,
+        meta=meta,
     )
     await send_frame(loop, sock, hello)
     msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
@@ -226,6 +263,8 @@ async def _server_handshake(
         if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.name)):
             await _reject(loop, sock, "bad token")
             raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
+    if hello.meta and hello.purpose == "data":
+        accept = msgspec.structs.replace(accept, meta=True)  # the caller sends it
     await send_frame(loop, sock, accept)
     return hello
 
@@ -238,8 +277,14 @@ async def client_handshake(
     incarnation: int,
     purpose: Purpose,
     token: bytes | None,
+    meta: bool = False,
 ) -> Accept:
     """Runs the client half; returns the server's Accept.
+
+    meta ("data" only): ask for the server's metadata on this connection; if
+    the Accept says it follows (``accept.meta``), the caller reads it
+    (``recv_frame``; memfds on a unix socket; ``recv_go``) before the engine
+    takes the connection.
 
     Raises AccessDenied when the server rejects us, when its proof is wrong, when
     it wants a token we do not have, or when we have a token and it does not
@@ -249,7 +294,8 @@ async def client_handshake(
     """
     try:
         return await _client_handshake(
-            loop, sock, name=name, incarnation=incarnation, purpose=purpose, token=token
+            loop, sock, name=name, incarnation=incarnation, purpose=purpose, token=token,
+            meta=meta,
         )
     except XferError:
         _shutdown(sock)
@@ -263,7 +309,9 @@ async def server_handshake(
     token: bytes | None,
     accept: Accept,
 ) -> Hello:
-    """Runs the server half up to and including sending ``accept``.
+    """Runs the server half up to and including sending ``accept`` (with
+    ``meta=True`` when the client asked for the metadata on a "data"
+    connection: the caller then sends it, see META_GO).
 
     Raises HandshakeRejected (after sending Reject) when authentication fails,
     ProtocolError on anything malformed; either way the socket is shut down.

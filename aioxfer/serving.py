@@ -20,10 +20,18 @@ from typing import Any
 
 from aioxfer import _cyx
 from aioxfer.errors import ProtocolError
-from aioxfer.local import peer_cred, peer_pidfd, send_fds
+from aioxfer.local import FDS_PER_MESSAGE, peer_cred, peer_pidfd, send_fds
 from aioxfer.log import get_logger
 from aioxfer.metadata import Accept, AgentMeta, VerbsAccept, VerbsConnect, VerbsQP
-from aioxfer.protocol import HandshakeRejected, recv_frame, send_frame, server_handshake
+from aioxfer.protocol import (
+    META_GO,
+    HandshakeRejected,
+    encode_frame,
+    recv_frame,
+    send_frame,
+    send_now,
+    server_handshake,
+)
 
 __all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple"]
 
@@ -163,6 +171,11 @@ class Server:
                     if local:
                         raise ProtocolError("verbs connections are not made on the unix socket")
                     handles = await self._accept_verbs(loop, sock)
+                elif hello.meta:
+                    # Returns having sent META_GO; from there to the engine
+                    # taking the connection nothing awaits (no deregistration
+                    # can slip in between).
+                    await self._send_meta(loop, sock, local)
             if cred is not None:
                 # Held by the engine for this connection's life: a revocation
                 # it owes is settled by its ack or by its process's exit, never
@@ -205,6 +218,53 @@ class Server:
             if not handed:
                 sock.close()
 
+    async def _send_meta(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, local: bool
+    ) -> None:
+        """The metadata a "data" client asked for (Hello.meta), its memfds on
+        the unix socket, then META_GO. A region the metadata names and
+        deregistered before the engine holds this connection would never be
+        revoked on it: if a send had to wait, what was sent is checked
+        against our regions again before each further memfd and before
+        META_GO (sent in the same step as the check), and the connection is
+        closed when it changed. Usually nothing waits: a snapshot, its sends
+        and the hand-over to the engine happen in one step of the loop."""
+        meta, fds = self._local_meta() if local else (self._meta(), [])
+        frame = encode_frame(meta)
+        waited = False
+        sent = send_now(sock, frame)
+        if sent < len(frame):
+            await loop.sock_sendall(sock, memoryview(frame)[sent:])
+            waited = True
+        for i in range(0, len(fds), FDS_PER_MESSAGE):
+            while True:
+                if waited:
+                    self._check_current(meta, fds, local)
+                try:
+                    socket.send_fds(sock, [b"F"], fds[i : i + FDS_PER_MESSAGE])
+                    break
+                except (BlockingIOError, InterruptedError):
+                    await _writable(loop, sock)
+                    waited = True
+        while True:
+            if waited:
+                self._check_current(meta, fds, local)
+            if send_now(sock, META_GO):
+                return
+            await _writable(loop, sock)
+            waited = True
+
+    def _check_current(self, meta: AgentMeta, fds: list[int], local: bool) -> None:
+        """ProtocolError unless every region of meta is still ours, with the
+        same key (and memfd: an fd is closed only once its region is gone)."""
+        now, now_fds = self._local_meta() if local else (self._meta(), [])
+        have = {(r.rid, r.key): now_fds[r.memfd] if r.memfd >= 0 else -1 for r in now.regions}
+        for r in meta.regions:
+            if have.get((r.rid, r.key), -2) != (fds[r.memfd] if r.memfd >= 0 else -1):
+                raise ProtocolError(
+                    "regions were deregistered while our metadata was sent: connection closed"
+                )
+
     async def _accept_verbs(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket
     ) -> list[int]:
@@ -239,6 +299,21 @@ class Server:
                     self._engine.verbs_qp_destroy(handle)
             raise
         return handles
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_writer(fd, ready)
+    try:
+        await fut
+    finally:
+        loop.remove_writer(fd)
 
 
 def qp_tuple(qp: VerbsQP) -> tuple[int, int, int, int, int, int, bytes, int, int, int]:
