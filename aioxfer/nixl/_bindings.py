@@ -779,6 +779,17 @@ def _spin_wanted(x: _Xfer) -> bool:
     return False
 
 
+def _data_done(x: _Xfer) -> bool:
+    """Whether the current post of ``x`` moved all of its data (its parts,
+    for a request of several; runtime lock not needed: a look)."""
+    fut = x.fut
+    if fut is None:
+        return False
+    if type(fut) is not Transfer and x.parts:
+        return all(p.done() for p in x.parts)
+    return fut.done()
+
+
 def _spin_outcome(x: _Xfer, soon: bool) -> None:
     """Records whether ``x``'s post completed within _SPIN_KEEP spins of its
     post (``soon``: spun for and caught, or slept for and woken in time)."""
@@ -2313,7 +2324,7 @@ class nixlAgent:
                     if claimed:
                         rt.release(fd, _LINGER)
                     raise
-                if caught:
+                if caught and _data_done(x):
                     _spin_outcome(x, True)
                 if spun:
                     if claimed:
@@ -2321,13 +2332,11 @@ class nixlAgent:
                     return
         finally:
             rt.leave()
+        got: list[Any] | None = None
+        woke = 0.0
         try:
             got = select.select([fd], [], [], timeout)[0]
-            if x is not None and spin_us:
-                # Spun for next time if it completed soon after a spin would
-                # have ended (a miss by little costs the wake-up it saves).
-                _spin_outcome(x, bool(got) and time.perf_counter() - x.t0
-                              < _SPIN_KEEP * spin_us * 1e-6)
+            woke = time.perf_counter()
         except (OSError, ValueError):  # closed meanwhile
             pass
         finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
@@ -2339,6 +2348,15 @@ class nixlAgent:
                 if claimed:
                     rt.release(fd, _LINGER)
                 rt.leave()
+        if x is not None and spin_us and got is not None:
+            # Spun for next time if it completed soon after a spin would have
+            # ended (a miss by little costs the wake-up it saves); late if
+            # the wait ran out; neither if what woke this thread was another
+            # completion (the next wait tells).
+            if not got:
+                _spin_outcome(x, False)
+            elif _data_done(x):
+                _spin_outcome(x, woke - x.t0 < _SPIN_KEEP * spin_us * 1e-6)
 
     def xferFuture(self, reqh: int) -> concurrent.futures.Future[str]:
         """(aioxfer extension) A future of the request's current post: "DONE",
