@@ -844,8 +844,8 @@ def test_tight_poller_stops_spinning_for_a_request_that_outlasts_the_spin(
         agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # 16 MiB over tcp loopback takes milliseconds (the bytes are copied into
     # and out of the sockets), far beyond _SPIN_KEEP spins (each at most
-    # 200 µs): spun for once, then slept for, its core left to the engine's
-    # threads.
+    # 200 µs): spun for _SPIN_MISSES times, then slept for, its core left to
+    # the engine's threads, but for a probe every _SPIN_PROBE-th wait.
     monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
     n = 16 << 20
     a, b, x, y, _, _ = _pair(agents, n=n)
@@ -858,16 +858,53 @@ def test_tight_poller_stops_spinning_for_a_request_that_outlasts_the_spin(
             spins.append(max_us)
         return wait(max_us)
 
+    waits: list[int] = []
+    wait_completion = ba._wait_completion
+
+    def counted_wait_completion(*args: Any) -> None:
+        waits.append(1)
+        wait_completion(*args)
+
     monkeypatch.setattr(ba, "_wait_fn", counted_wait)
+    monkeypatch.setattr(ba, "_wait_completion", counted_wait_completion)
     h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"),
                           a.get_xfer_descs([(y.addr, n, 0)], "DRAM"), b.name)
-    for i in range(5):
+    for i in range(_bindings._SPIN_MISSES + _bindings._SPIN_PROBE):
         x.np[:] = i
         a.transfer(h)
         assert _wait(a, h) == "DONE"
         assert y.np[0] == y.np[-1] == i
-    assert spins == [ba._agent._engine.poll_us]
+    # (A post waited for longer than _ENGINE_WAIT is waited for again: the
+    # probes count waits, not posts.)
+    assert len(spins) <= _bindings._SPIN_MISSES + len(waits) // _bindings._SPIN_PROBE
+    assert len(spins) < len(waits) // 2
+    assert set(spins) == {ba._agent._engine.poll_us}
     h.release()
+
+
+def _spin_states(outcomes: str) -> str:
+    # A request's spin policy fed completions: "s" soon, "l" late, where the
+    # poller waited; "S" where it spun for the request, "-" where it did not.
+    x = _bindings._Xfer(1, None, None, 0, [((), ())], b"", 1, 0, 0, False)
+    out = []
+    for o in outcomes:
+        out.append("S" if _bindings._spin_wanted(x) else "-")
+        _bindings._spin_outcome(x, o == "s")
+    return "".join(out)
+
+
+def test_spin_policy_stops_after_misses_running_and_probes() -> None:
+    assert (_bindings._SPIN_MISSES, _bindings._SPIN_PROBE) == (3, 16)
+    # One late post (a pause, a busy machine) does not stop the spin; nor
+    # two; a soon one in between starts the count again.
+    assert _spin_states("lslsllsl") == "SSSSSSSS"
+    # Three running do; then only every 16th wait spins, a probe ...
+    late = "l" * 3 + "l" * 32
+    assert _spin_states(late) == "SSS" + ("-" * 15 + "S") * 2
+    # ... and a request soon again (caught by the probe, or slept for and
+    # woken in time) is spun for on its next posts.
+    assert _spin_states("lll" + "l" * 15 + "s" + "ll") == "SSS" + "-" * 15 + "SSS"
+    assert _spin_states("lll" + "ls" + "l") == "SSS" + "--" + "S"
 
 
 def test_unknown_progress_mode_refuses_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:

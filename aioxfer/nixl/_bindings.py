@@ -740,9 +740,12 @@ _TIGHT_POLL = 0.0002
 # say), _TIGHT_WAIT.
 _TIGHT_WAIT = 0.001
 _ENGINE_WAIT = 0.005
-# A request that completed later than this many spins after its post is not
-# spun for on its next posts (see _wait_completion).
+# A request that completed later than this many spins after its post, on
+# _SPIN_MISSES posts running, is not spun for on its next posts, but for one
+# in _SPIN_PROBE (see _wait_completion and _spin_wanted).
 _SPIN_KEEP = 4
+_SPIN_MISSES = 3
+_SPIN_PROBE = 16
 # How long the loop thread leaves the engine's fd to a poller that stopped
 # asking: completions meanwhile wait for that poller's next call (or this long).
 _LINGER = 0.02
@@ -754,6 +757,50 @@ def _noop() -> None:
 
 def _no_wait(max_us: int) -> bool:
     return False
+
+
+def _spin_wanted(x: _Xfer) -> bool:
+    """Whether a tight poller spins for request ``x`` before it sleeps: while
+    its posts complete soon after they are made; once they have not, on
+    _SPIN_MISSES posts running (a large request: the spin would only take a
+    core from the engine's threads), only every _SPIN_PROBE-th wait, so that
+    a small request that was late because the machine was busy (a wake-up
+    stretched by others' load, the first post after a pause) is spun for
+    again once it is not: without the probe, its later posts, slept for,
+    looked as late as the wake-ups that took them, and it was never spun for
+    again while the load lasted (a 4 KiB tcp READ then took 3-4 times as
+    long as a coroutine's, which spins on every post)."""
+    if x.spin:
+        return True
+    x.skipped += 1
+    if x.skipped >= _SPIN_PROBE:
+        x.skipped = 0
+        return True
+    return False
+
+
+def _data_done(x: _Xfer) -> bool:
+    """Whether the current post of ``x`` moved all of its data (its parts,
+    for a request of several; runtime lock not needed: a look)."""
+    fut = x.fut
+    if fut is None:
+        return False
+    if type(fut) is not Transfer and x.parts:
+        return all(p.done() for p in x.parts)
+    return fut.done()
+
+
+def _spin_outcome(x: _Xfer, soon: bool) -> None:
+    """Records whether ``x``'s post completed within _SPIN_KEEP spins of its
+    post (``soon``: spun for and caught, or slept for and woken in time)."""
+    if soon:
+        x.spin = True
+        x.slow = 0
+    elif x.slow < _SPIN_MISSES:
+        x.slow += 1
+        if x.slow == _SPIN_MISSES:
+            x.spin = False
+            x.skipped = 0
 
 
 def _seconds(x: _Xfer, res: Any) -> float:
@@ -964,7 +1011,7 @@ class _Xfer:
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
-                 "failed", "spin")
+                 "failed", "spin", "slow", "skipped")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -997,9 +1044,13 @@ class _Xfer:
         self.frames: list[bytes] = []
         self.notifying = False
         self.failed: Any = None  # the failed post already counted in telemetry
-        # Whether a tight poller spins for it first (see _wait_completion):
-        # not once a post took far longer than the spin, until one does not.
+        # Whether a tight poller spins for it first (see _spin_wanted): not
+        # once _SPIN_MISSES posts running took far longer than the spin (slow
+        # counts them), until one does not; then every _SPIN_PROBE-th wait
+        # spins anyway (skipped counts the waits since the last spin).
         self.spin = True
+        self.slow = 0
+        self.skipped = 0
 
 
 _MAX_INDEX = np.maximum.reduce
@@ -2235,9 +2286,10 @@ class nixlAgent:
         again, and spins again). Only a wait for a request ``x`` (in flight)
         spins: one for notifications only sleeps (an agent with nothing in
         flight spins nothing). A request that completed later than _SPIN_KEEP
-        spins after its post is not spun for on its next posts (a large one:
-        the spin would only take a core from the engine's threads) until one
-        completes within that bound again.
+        spins after its post, _SPIN_MISSES posts running, is spun for only
+        on one wait in _SPIN_PROBE (a large one: the spin would only take a
+        core from the engine's threads) until one completes within that
+        bound again (_spin_wanted).
 
         While this thread sleeps the loop thread does not watch the engine's
         fd (Runtime.claim), so a completion wakes this thread only: one
@@ -2262,27 +2314,29 @@ class nixlAgent:
             # wakes no loop thread, to contend for the lock and the GIL.
             claimed = rt.claim(fd)
             spin_us = self._spin_us if x is not None else 0
-            if x is not None and spin_us and (x.spin or self._spin_only):
+            if x is not None and spin_us and (self._spin_only or _spin_wanted(x)):
                 try:
-                    spun = self._wait_fn(spin_us) or self._spin_only
+                    caught = self._wait_fn(spin_us)
+                    spun = caught or self._spin_only
                     if spun and not agent.closed:
                         self._poll_fn()
                 except BaseException:
                     if claimed:
                         rt.release(fd, _LINGER)
                     raise
+                if caught and _data_done(x):
+                    _spin_outcome(x, True)
                 if spun:
                     if claimed:
                         rt.release(fd, _LINGER)
                     return
         finally:
             rt.leave()
+        got: list[Any] | None = None
+        woke = 0.0
         try:
             got = select.select([fd], [], [], timeout)[0]
-            if x is not None and spin_us:
-                # Spun for next time if it completed soon after a spin would
-                # have ended (a miss by little costs the wake-up it saves).
-                x.spin = bool(got) and time.perf_counter() - x.t0 < _SPIN_KEEP * spin_us * 1e-6
+            woke = time.perf_counter()
         except (OSError, ValueError):  # closed meanwhile
             pass
         finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
@@ -2294,6 +2348,15 @@ class nixlAgent:
                 if claimed:
                     rt.release(fd, _LINGER)
                 rt.leave()
+        if x is not None and spin_us and got is not None:
+            # Spun for next time if it completed soon after a spin would have
+            # ended (a miss by little costs the wake-up it saves); late if
+            # the wait ran out; neither if what woke this thread was another
+            # completion (the next wait tells).
+            if not got:
+                _spin_outcome(x, False)
+            elif _data_done(x):
+                _spin_outcome(x, woke - x.t0 < _SPIN_KEEP * spin_us * 1e-6)
 
     def xferFuture(self, reqh: int) -> concurrent.futures.Future[str]:
         """(aioxfer extension) A future of the request's current post: "DONE",

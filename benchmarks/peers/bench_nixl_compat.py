@@ -22,7 +22,10 @@ All three systems' process pairs are started first and kept stopped
 running at a time, ``--reps`` times in a rotating order: on a shared, busy
 machine the systems then see the same conditions, and each ratio compares
 turns taken back to back. Every workload's data is checked once (CRC32 of
-both sides) before it is timed.
+both sides) before it is timed. Each turn also measures the CPU time both
+processes of the pair spent per request, which others' load does not
+stretch as it stretches wall time. Both aioxfer systems get one inline
+threshold (``--inline shared``, see shared_inline).
 
     python benchmarks/peers/bench_nixl_compat.py                          # about 3 minutes
     python benchmarks/peers/bench_nixl_compat.py --reps 2 --slice 0.05    # quick: proves it runs
@@ -295,28 +298,43 @@ async def _awaited(make: Callable[[], Any]) -> None:
     await make()
 
 
-def timed(once: Callable[[], None], secs: float) -> tuple[int, float]:
+def cpu_seconds(pid: int) -> float:
+    """CPU time of process ``pid``'s live threads, to the nanosecond
+    (schedstat; /proc/PID/stat counts 10 ms ticks)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
+
+
+def timed(once: Callable[[], None], secs: float, target: int) -> tuple[int, float, float]:
+    """Runs ``once`` for ``secs``: requests, seconds, and the CPU seconds both
+    processes of the pair spent meanwhile (on a shared machine the fairer
+    measure of cost: other processes' load stretches wall time, not CPU)."""
     once()  # warm: the first request after a pause
     n = 0
+    c0 = cpu_seconds(os.getpid()) + cpu_seconds(target)
     t0 = time.perf_counter()
     while True:
         once()
         n += 1
         dt = time.perf_counter() - t0
         if dt >= secs:
-            return n, dt
+            return n, dt, cpu_seconds(os.getpid()) + cpu_seconds(target) - c0
 
 
-async def atimed(make: Callable[[], Any], secs: float) -> tuple[int, float]:
+async def atimed(make: Callable[[], Any], secs: float, target: int) -> tuple[int, float, float]:
     await make()
     n = 0
+    c0 = cpu_seconds(os.getpid()) + cpu_seconds(target)
     t0 = time.perf_counter()
     while True:
         await make()
         n += 1
         dt = time.perf_counter() - t0
         if dt >= secs:
-            return n, dt
+            return n, dt, cpu_seconds(os.getpid()) + cpu_seconds(target) - c0
 
 
 def initiator_main(args: argparse.Namespace) -> None:
@@ -339,10 +357,11 @@ def initiator_main(args: argparse.Namespace) -> None:
                 break
             w = works[cmd["w"]]
             if loop is not None:
-                n, dt = loop.run_until_complete(atimed(w.once, cmd["secs"]))
+                n, dt, cpu = loop.run_until_complete(atimed(w.once, cmd["secs"],
+                                                            target.proc.pid))
             else:
-                n, dt = timed(w.once, cmd["secs"])
-            ctl.write(json.dumps({"n": n, "dt": dt}) + "\n")
+                n, dt, cpu = timed(w.once, cmd["secs"], target.proc.pid)
+            ctl.write(json.dumps({"n": n, "dt": dt, "cpu": cpu}) + "\n")
             ctl.flush()
     finally:
         target.close()
@@ -397,7 +416,7 @@ class Pair:
         os.kill(self.target_pid, signal.SIGCONT)
         os.kill(self.proc.pid, signal.SIGCONT)
 
-    def run(self, w: int, secs: float) -> tuple[int, float]:
+    def run(self, w: int, secs: float) -> tuple[int, float, float]:
         self.cont()
         try:
             assert self.proc.stdin is not None
@@ -407,7 +426,7 @@ class Pair:
             if not line:
                 raise RuntimeError(f"{self.system}: the initiator died")
             ans = json.loads(line)
-            return int(ans["n"]), float(ans["dt"])
+            return int(ans["n"]), float(ans["dt"]), float(ans["cpu"])
         finally:
             if self.proc.poll() is None:
                 self.stop()
@@ -448,9 +467,10 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
             for rep in range(args.reps):
                 shift = rep % len(pairs)
                 for pair in pairs[shift:] + pairs[:shift]:
-                    n, dt = pair.run(w, args.slice)
+                    n, dt, cpu = pair.run(w, args.slice)
                     records.append({"system": pair.system, "transport": transport, "op": op,
                                     "workload": label, "round": rep, "gbps": nbytes * n / dt / 1e9,
+                                    "cpu_us": cpu / n * 1e6,
                                     "verified": bool(pair.workloads[w][3])})
             print(f"  {transport} {op} {label}: done", file=sys.stderr)
     finally:
@@ -461,6 +481,7 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
 
 def table(records: list[dict[str, Any]], systems: list[str]) -> str:
     sums: dict[tuple[str, ...], list[float]] = {}
+    cpus: dict[tuple[str, ...], list[float]] = {}
     rows: list[tuple[str, str, str]] = []
     bad: set[tuple[str, ...]] = set()
     for r in records:
@@ -468,6 +489,8 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
         if key not in rows:
             rows.append(key)
         sums.setdefault((*key, r["system"]), []).append(r["gbps"])
+        if "cpu_us" in r:
+            cpus.setdefault((*key, r["system"]), []).append(r["cpu_us"])
         if not r["verified"]:
             bad.add((*key, r["system"]))
     per: dict[tuple[Any, ...], float] = {(r["round"], r["transport"], r["op"], r["workload"],
@@ -485,6 +508,7 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
               if "compat" in systems and o in systems]
     head += [f"compat ÷ {'NIXL' if o == 'nixl' else o}" for o, _ in checks]
     head += [f"best turns: compat ÷ {'NIXL' if o == 'nixl' else o}" for o, _ in checks]
+    head += [f"{s} CPU µs/req" for s in systems]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for tr, op, wl in rows:
         cells = [tr, op, wl]
@@ -510,8 +534,31 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
                 cells.append(f"{m:.2f}× {'met' if m >= need else 'MISSED'}")
             else:
                 cells.append("—")
+        for s in systems:
+            vals = cpus.get((tr, op, wl, s))
+            cells.append(f"{statistics.median(vals):.0f}" if vals else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def shared_inline(args: argparse.Namespace, systems: list[str]) -> str:
+    """With ``--inline shared``: one calibrated inline threshold (the largest
+    lone same-host copy an engine makes on the posting thread) for every
+    aioxfer process of the run, through $AIOXFER_INLINE_BYTES. Each engine
+    otherwise calibrates its own from a thread wake-up and a memcpy timed at
+    start-up, which on a busy machine lands on either side of 1 MiB from one
+    process to the next: the 1 MiB same-host rows then compare an inline copy
+    with a copy worker's (about 25 µs apart), not compat with native."""
+    if os.environ.get("AIOXFER_INLINE_BYTES"):
+        return f"{os.environ['AIOXFER_INLINE_BYTES']} ($AIOXFER_INLINE_BYTES)"
+    if args.inline != "shared" or not {"compat", "native"} & set(systems):
+        return ""
+    from aioxfer import _cyx
+
+    cal = _cyx.calibration()
+    os.environ["AIOXFER_INLINE_BYTES"] = str(cal["inline_bytes"])
+    return (f"{cal['inline_bytes']} bytes for every aioxfer process (calibrated once: "
+            f"wake-up {cal['wake_ns']} ns, memcpy {cal['copy_mbps']} MB/s)")
 
 
 def driver(args: argparse.Namespace) -> None:
@@ -523,13 +570,18 @@ def driver(args: argparse.Namespace) -> None:
         print(f"no NIXL venv at {nixl_python} (benchmarks/peers/install.sh): skipping nixl",
               file=sys.stderr)
         systems.remove("nixl")
+    inline = shared_inline(args, systems)
     records: list[dict[str, Any]] = []
     for transport in args.transports:
         records += measure(args, systems, transport, nixl_python)
     print(f"\n{args.reps} turns of {args.slice} s per system and point, the systems taking "
           f"turns (the others stopped); GB/s: medians of the turns; ratios: compat's figure "
           f"over the other's in the same rep, median; best turns: compat's best turn over "
-          f"the other's. Targets: compat ≥ 1× NIXL and ≥ 0.9× native.\n")
+          f"the other's; CPU µs/req: both processes' CPU time per request (initiator and "
+          f"target), median of the turns: what other processes' load does not stretch. "
+          f"Targets: compat ≥ 1× NIXL and ≥ 0.9× native.\n")
+    if inline:
+        print(f"aioxfer's inline threshold: {inline}.\n")
     print(table(records, systems))
     failed = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records
               if not r["verified"]}
@@ -553,6 +605,9 @@ def main() -> None:
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--nixl-python", default="")
     ap.add_argument("--json", default="", help="also write every record to this file")
+    ap.add_argument("--inline", default="shared", choices=["shared", "own"],
+                    help="aioxfer's inline threshold: one calibration for every process "
+                         "(shared) or each engine's own")
     args = ap.parse_args()
     args.ops = args.ops.split(",")
     args.only = args.only.split(",")
