@@ -1506,8 +1506,8 @@ _STREAM_WINDOW = 2  # layers in flight ahead of the one awaited
 # order), their offsets there).
 _Group = tuple[Region, "npt.NDArray[np.intp] | None", "npt.NDArray[np.uint64]"]
 # What one layer posts per region: (region, dst offsets, host-slot offsets
-# of layer 0, lengths).
-_Plan = tuple[Region, "npt.NDArray[np.uint64]", "npt.NDArray[np.uint64]", "npt.NDArray[np.uint64]"]
+# of layer 0), each range layer_bytes long.
+_Plan = tuple[Region, "npt.NDArray[np.uint64]", "npt.NDArray[np.uint64]"]
 
 
 def _target_groups(arg: Any, n: int, length: int, what: str, agent: Agent) -> list[_Group]:
@@ -1579,20 +1579,24 @@ class LayerStream:
         store._check_open()
         keys = self.keys
         found = list(map(host.index.get, keys))
-        if None in found:
+        try:
+            m = found.index(None)
+        except ValueError:
+            m = len(found)
+        else:
             # Some blocks are below host memory: they come up first (and
             # may be stored under these keys: each one checked).
             store._keys(keys)
             await store._prefetch(keys)
             found = list(map(host.index.get, keys))
-        m = found.index(None) if None in found else len(found)
+            m = found.index(None) if None in found else len(found)
         slots: list[int] = found[:m] if m < len(found) else found  # type: ignore[assignment]
         self._op.pin_host(host, slots)  # before anything awaits
         self.prefix = m
         if m:
-            src = np.array(slots, dtype=np.uint64) * np.uint64(store.block_bytes)
-            lens = np.full(m, self.layer_bytes, dtype=np.uint64)
-            self._plans = [self._plan(groups, src, lens, m) for groups in self._targets]
+            src = np.array(slots, dtype=np.uint64)
+            src *= np.uint64(store.block_bytes)
+            self._plans = [self._plan(groups, src, m) for groups in self._targets]
             self._post(0)
         else:
             self._note_hits()
@@ -1616,34 +1620,37 @@ class LayerStream:
         host.counters.hit_bytes += m * self.store.block_bytes
 
     @staticmethod
-    def _plan(groups: list[_Group], src: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint64],
-              m: int) -> list[_Plan]:
+    def _plan(groups: list[_Group], src: npt.NDArray[np.uint64], m: int) -> list[_Plan]:
         """Targets of the leading ``m`` keys, with their host slots."""
         out: list[_Plan] = []
         for region, idx, offs in groups:
             if idx is None:
-                out.append((region, offs[:m], src, lens))
+                out.append((region, offs[:m], src))
                 continue
             k = int(np.searchsorted(idx, m))  # idx ascends: the group's keys below m
             if k:
-                out.append((region, offs[:k], src[idx[:k]], lens[:k]))
+                out.append((region, offs[:k], src[idx[:k]]))
         return out
 
     def _post(self, layer: int) -> None:
-        """Posts layer ``layer`` of every block (one transfer per dst region)."""
-        agent, host = self.store.agent, self.store._host
+        """Posts layer ``layer`` of every block (one transfer per dst region).
+        Straight from the plan's offset arrays (Agent.post_arrays: every
+        range ``layer_bytes`` long, no SegmentLists to build, pair or merge
+        per layer: the first layer's setup is most of its latency)."""
+        store, host = self.store, self.store._host
         assert host is not None and host.remote is not None
-        d = np.uint64(layer * self.layer_bytes)
+        post, remote = store.agent.post_arrays, host.remote
+        lb = self.layer_bytes
+        d = np.uint64(layer * lb)
         per_layer = self._per_layer
         posted: list[Transfer] = []
         try:
-            for region, dst, src, lens in self._plans[layer if per_layer else 0]:
+            for region, dst, src in self._plans[layer if per_layer else 0]:
                 if layer:  # (layer 0 is at the plan's offsets: two array ops fewer)
                     src = src + d
                     if not per_layer:
                         dst = dst + d
-                posted.append(agent.read(SegmentList(region, dst, lens),
-                                         SegmentList(host.remote, src, lens)))
+                posted.append(post("read", region, remote, dst, src, lb))
         except BaseException:
             for t in posted:
                 t.cancel()
