@@ -38,6 +38,7 @@ __all__ = [
 
 # A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
 Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
+_U64 = np.dtype(np.uint64)  # what a uint64 array's dtype is (compared by identity)
 
 
 def check_pair(local: Any, remote: Any, i: int, *, owner: object, peers: object) -> None:
@@ -160,17 +161,42 @@ def from_vectors(
 
 def _offsets(a: Any, n: int | None, what: str) -> npt.NDArray[np.uint64]:
     """``a`` as a 1-D uint64 array (of ``n`` offsets; one already is: as it is)."""
-    if type(a) is not np.ndarray or a.dtype != np.uint64 or a.ndim != 1:
+    if type(a) is not np.ndarray or a.dtype is not _U64 or a.ndim != 1:
         a = np.asarray(a)
         if a.ndim != 1 or a.dtype.kind not in "iu":
             raise TypeError(f"{what} must be a 1-D array of integers")
         if a.dtype.kind == "i" and a.size and int(a.min()) < 0:
             raise ValueError(f"{what} must not be negative")
-        a = a.astype(np.uint64)
+        a = a.astype(np.uint64, copy=False)
     if n is not None and a.shape[0] != n:
         raise ValueError(f"{n} local offsets but {a.shape[0]} {what}")
     out: npt.NDArray[np.uint64] = a
     return out
+
+
+def _refuse(
+    lo: npt.NDArray[np.uint64],
+    local: Region,
+    ro: npt.NDArray[np.uint64],
+    remote: RemoteRegion,
+    length: int,
+) -> None:
+    """Raises what is wrong with from_arrays' offsets and length."""
+    if not len(lo):
+        raise ValueError("no segments to transfer")
+    if length <= 0:
+        raise ValueError(f"length must be positive, not {length}")
+    for offs, region, where in ((lo, local, "local"), (ro, remote, "remote")):
+        if int(offs.max()) + length > region.nbytes:
+            bad = (
+                0
+                if length > region.nbytes
+                else int(np.flatnonzero(offs > region.nbytes - length)[0])
+            )
+            raise IndexError(
+                f"{where} segment {bad} [{int(offs[bad])}:+{length}] is out of bounds for "
+                f"region {region.name!r} of {region.nbytes} bytes"
+            )
 
 
 def from_arrays(
@@ -212,25 +238,21 @@ def from_arrays(
         check_pair(local[0 : local.nbytes], remote[0 : remote.nbytes], 0, owner=owner, peers=peers)
     if type(length) is not int:
         length = operator.index(length)
-    if length <= 0:
-        raise ValueError(f"length must be positive, not {length}")
-    lo = _offsets(local_offsets, None, "local offsets")
+    lo = local_offsets
+    if type(lo) is not np.ndarray or lo.dtype is not _U64 or lo.ndim != 1:
+        lo = _offsets(lo, None, "local offsets")
     n = lo.shape[0]
-    if not n:
-        raise ValueError("no segments to transfer")
-    ro = _offsets(remote_offsets, n, "remote offsets")
-    for offs, region, where in ((lo, local, "local"), (ro, remote, "remote")):
-        # uint64 offsets: none is negative, and max + length cannot wrap.
-        if int(offs.max()) + length > region.nbytes:
-            bad = (
-                0
-                if length > region.nbytes
-                else int(np.flatnonzero(offs > region.nbytes - length)[0])
-            )
-            raise IndexError(
-                f"{where} segment {bad} [{int(offs[bad])}:+{length}] is out of bounds for "
-                f"region {region.name!r} of {region.nbytes} bytes"
-            )
+    ro = remote_offsets
+    if type(ro) is not np.ndarray or ro.dtype is not _U64 or ro.shape != lo.shape:
+        ro = _offsets(ro, n, "remote offsets")
+    # uint64 offsets: none is negative, and max + length cannot wrap.
+    if (
+        not n
+        or length <= 0
+        or int(lo.max()) + length > local.nbytes
+        or int(ro.max()) + length > remote.nbytes
+    ):
+        _refuse(lo, local, ro, remote, length)
     descs = np.empty((n, 6), dtype=np.uint64)
     descs[:, 0] = local.rid
     descs[:, 1] = lo

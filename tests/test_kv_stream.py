@@ -328,3 +328,33 @@ async def test_channel_semantics() -> None:
     assert [x async for x in ch] == [2]
     with pytest.raises(ClosedResourceError):
         await ch.send(3)
+
+
+async def test_stream_dst_deregistered_fails_and_releases_pins(make_agent: MakeAgent) -> None:
+    """The layers' copies keep the checks of a read: a dst region deregistered
+    before the first layer, or between layers, fails the stream with
+    ClosedResourceError (nothing written after it went), and the pins go."""
+    agent = await make_agent("kv")
+    src = agent.alloc(8 * BB)
+    src.numpy()[:] = pattern(8 * BB, 7)
+    keys = keys_for(8)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB)]) as store:
+        await store.put(keys, src[0:8 * BB])
+        dst = agent.alloc(8 * BB)
+        stream = store.stream(keys, dst[0:8 * BB], layers=LAYERS)
+        agent.deregister(dst)
+        with pytest.raises(ClosedResourceError):
+            await within(stream.__anext__())
+        assert store.statistics().pins == 0
+        # between layers: the window's posts fail in the loop callback, the
+        # next layer not yet posted raises to the caller
+        dst = agent.alloc(8 * BB)
+        got = []
+        with pytest.raises(ClosedResourceError):
+            async for item in store.stream(keys, dst[0:8 * BB], layers=LAYERS):
+                got.append(item.layer)
+                if item.layer == 0:
+                    agent.deregister(dst)
+        assert got and got[0] == 0 and len(got) <= 1 + 2  # at most the window landed
+        assert store.statistics().pins == 0
+        assert (await store.lookup(keys)).prefix == 8

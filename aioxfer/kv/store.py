@@ -25,6 +25,7 @@ PinLimitExceeded.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import time
 import weakref
@@ -1553,7 +1554,8 @@ class LayerStream:
         self.layer_bytes = lb = store.block_bytes // layers
         self.prefix: int | None = None  # known once the first layer is awaited
         n, agent = len(keys), store.agent
-        per_layer = (isinstance(dst, Sequence) and not isinstance(dst, Segment | SegmentList)
+        per_layer = (type(dst) is not Segment  # (the usual dst: no ABC checks)
+                     and isinstance(dst, Sequence) and not isinstance(dst, Segment | SegmentList)
                      and len(dst) == self.layers
                      and all(isinstance(d, SegmentList) or (isinstance(d, Sequence)
                                                             and not isinstance(d, Segment))
@@ -1578,25 +1580,34 @@ class LayerStream:
             raise ValueError("stream delivers from host memory: the store needs a HostTier")
         store._check_open()
         keys = self.keys
-        found = list(map(host.index.get, keys))
         try:
-            m = found.index(None)
-        except ValueError:
-            m = len(found)
-        else:
-            # Some blocks are below host memory: they come up first (and
-            # may be stored under these keys: each one checked).
-            store._keys(keys)
-            await store._prefetch(keys)
+            # Every block in host memory (the usual stream): no search for
+            # the first miss.
+            slots: list[int] = list(map(host.index.__getitem__, keys))
+            m = len(slots)
+        except KeyError:
             found = list(map(host.index.get, keys))
+            if None in found:
+                # Some blocks are below host memory: they come up first (and
+                # may be stored under these keys: each one checked).
+                store._keys(keys)
+                await store._prefetch(keys)
+                found = list(map(host.index.get, keys))
             m = found.index(None) if None in found else len(found)
-        slots: list[int] = found[:m] if m < len(found) else found  # type: ignore[assignment]
+            slots = found[:m]  # type: ignore[assignment]
         self._op.pin_host(host, slots)  # before anything awaits
         self.prefix = m
         if m:
-            src = np.array(slots, dtype=np.uint64)
+            # (array.array reads a list of ints in half np.array's time)
+            src = np.frombuffer(array.array("Q", slots), dtype=np.uint64)
             src *= np.uint64(store.block_bytes)
-            self._plans = [self._plan(groups, src, m) for groups in self._targets]
+            targets = self._targets
+            if len(targets) == 1 and len(targets[0]) == 1 and targets[0][0][1] is None:
+                # One dst region, every key (block memory): the usual plan.
+                region, _, offs = targets[0][0]
+                self._plans = [[(region, offs[:m] if m < len(offs) else offs, src)]]
+            else:
+                self._plans = [self._plan(groups, src, m) for groups in targets]
             self._post(0)
         else:
             self._note_hits()
