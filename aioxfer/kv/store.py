@@ -310,9 +310,10 @@ class _Op:
         pins = host.pins
         newly = 0
         for s in slots:
-            if not pins[s]:
+            p = pins[s]
+            if not p:
                 newly += 1
-            pins[s] += 1
+            pins[s] = p + 1
         host.pinned += newly
         self.host = host
         self.host_slots.extend(slots)
@@ -1515,6 +1516,14 @@ def _target_groups(arg: Any, n: int, length: int, what: str, agent: Agent) -> li
     """``arg`` (a get's ``dst`` shapes, segments of ``length`` bytes), checked,
     as groups of one region each; a SegmentList or one Segment without a
     Python pass over the keys."""
+    if type(arg) is Segment and arg.length == n * length:
+        # One run of n blocks (a stream's usual dst): checked as _Blocks.check
+        # does, without building one.
+        region = arg.region
+        if region.agent is not agent or region.kind != "host" or region.closed:
+            _Blocks([region], []).check(agent, what)
+        return [(region, None, np.arange(arg.offset, arg.offset + n * length, length,
+                                         dtype=np.uint64))]
     run = _Blocks.run(arg, n, length, what)
     if run is not None:
         _Blocks([run[0]], []).check(agent, what)
