@@ -25,7 +25,6 @@ PinLimitExceeded.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import time
 import weakref
@@ -1607,8 +1606,8 @@ class LayerStream:
         self._op.pin_host(host, slots)  # before anything awaits
         self.prefix = m
         if m:
-            # (array.array reads a list of ints in half np.array's time)
-            src = np.frombuffer(array.array("Q", slots), dtype=np.uint64)
+            # (fromiter reads a list of ints in well under np.array's time)
+            src = np.fromiter(slots, dtype=np.uint64, count=m)
             src *= np.uint64(store.block_bytes)
             targets = self._targets
             if len(targets) == 1 and len(targets[0]) == 1 and targets[0][0][1] is None:
