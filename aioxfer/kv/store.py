@@ -1660,12 +1660,12 @@ class LayerStream:
         assert host is not None and host.remote is not None
         post, remote = store.agent.post_arrays, host.remote
         lb = self.layer_bytes
-        d = np.uint64(layer * lb)
         per_layer = self._per_layer
         posted: list[Transfer] = []
         try:
             for region, dst, src in self._plans[layer if per_layer else 0]:
                 if layer:  # (layer 0 is at the plan's offsets: two array ops fewer)
+                    d = np.uint64(layer * lb)
                     src = src + d
                     if not per_layer:
                         dst = dst + d
