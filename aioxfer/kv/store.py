@@ -1581,34 +1581,46 @@ class LayerStream:
         self._noted = False  # hits told to the policy and the counters
         self._closed = False
 
-    async def _start(self) -> None:
+    def _begin(self) -> bool:
+        """Every block in host memory (the usual stream): pins them and posts
+        layer 0, without a coroutine to await. False: some are below host
+        memory (``_start`` brings them up first)."""
         store = self.store
         host = store._host
         if host is None:
             raise ValueError("stream delivers from host memory: the store needs a HostTier")
         store._check_open()
-        keys = self.keys
         try:
-            # Every block in host memory (the usual stream): no search for
-            # the first miss.
-            slots: list[int] = list(map(host.index.__getitem__, keys))
-            m = len(slots)
+            slots: list[int] = list(map(host.index.__getitem__, self.keys))
         except KeyError:
+            return False
+        self._pin_and_post(host, slots)
+        return True
+
+    async def _start(self) -> None:
+        store = self.store
+        host = store._host
+        assert host is not None
+        keys = self.keys
+        found = list(map(host.index.get, keys))
+        if None in found:
+            # Some blocks are below host memory: they come up first (and
+            # may be stored under these keys: each one checked).
+            store._keys(keys)
+            await store._prefetch(keys)
             found = list(map(host.index.get, keys))
-            if None in found:
-                # Some blocks are below host memory: they come up first (and
-                # may be stored under these keys: each one checked).
-                store._keys(keys)
-                await store._prefetch(keys)
-                found = list(map(host.index.get, keys))
-            m = found.index(None) if None in found else len(found)
-            slots = found[:m]  # type: ignore[assignment]
-        self._op.pin_host(host, slots)  # before anything awaits
-        self.prefix = m
+        m = found.index(None) if None in found else len(found)
+        self._pin_and_post(host, found[:m])  # type: ignore[arg-type]
+
+    def _pin_and_post(self, host: HostTier, slots: list[int]) -> None:
+        """Pins the leading blocks' host slots and posts their layer 0 (no
+        await between the lookup that found the slots and this)."""
+        self._op.pin_host(host, slots)
+        self.prefix = m = len(slots)
         if m:
             # (fromiter reads a list of ints in well under np.array's time)
             src = np.fromiter(slots, dtype=np.uint64, count=m)
-            src *= np.uint64(store.block_bytes)
+            src *= np.uint64(self.store.block_bytes)
             targets = self._targets
             if len(targets) == 1 and len(targets[0]) == 1 and targets[0][0][1] is None:
                 # One dst region, every key (block memory): the usual plan.
@@ -1701,7 +1713,7 @@ class LayerStream:
         if self._closed:
             raise StopAsyncIteration
         try:
-            if self.prefix is None:
+            if self.prefix is None and not self._begin():
                 await self._start()
             layer = self._next
             if not self.prefix or layer >= self.layers:
