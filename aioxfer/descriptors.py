@@ -163,6 +163,8 @@ def _offsets(a: Any, n: int | None, what: str) -> npt.NDArray[np.uint64]:
     """``a`` as a 1-D uint64 array (of ``n`` offsets; one already is: as it is)."""
     if type(a) is not np.ndarray or a.dtype is not _U64 or a.ndim != 1:
         a = np.asarray(a)
+        if a.ndim == 1 and not a.size:
+            a = np.zeros(0, dtype=np.uint64)  # ([] is float64 to numpy)
         if a.ndim != 1 or a.dtype.kind not in "iu":
             raise TypeError(f"{what} must be a 1-D array of integers")
         if a.dtype.kind == "i" and a.size and int(a.min()) < 0:

@@ -81,6 +81,7 @@ async def test_bounds_and_shapes_refused_at_post(pair: Pair) -> None:
             (("copy", src, remote, one, one, 16), "op"),
             (("write", src, remote, one, one, 0), "length"),
             (("write", src, remote, np.zeros(0, u), np.zeros(0, u), 16), "no segments"),
+            (("write", src, remote, [], [], 16), "no segments"),
             (("write", src, remote, np.zeros(2, u), one, 16), "offsets"),
             (("write", src, remote, np.array([-1]), one, 16), "negative"),
         ],
