@@ -4,11 +4,12 @@ A request's descriptors are an (n, 6) uint64 array ``[lrid, loff, rrid, rkey,
 roff, len]``, or for one pair that row as a tuple (``_cyx`` packs it without a
 numpy array). The agent builds the one-pair case itself, inline in
 ``write``/``read`` (the hot path); the other shapes (equal-length lists, two
-SegmentLists), the full per-pair checks that say what is wrong, merging of
-contiguous runs and a cuda peer's per-transfer path live here (issue 10, item
-8). Functions of their arguments: ``owner`` is the agent whose regions the
-local side must be in, ``peers`` its peer table (a remote segment's peer must
-be one of its); neither is used but for identity.
+SegmentLists, ``post_arrays``' offset arrays of one region pair), the full
+per-pair checks that say what is wrong, merging of contiguous runs and a cuda
+peer's per-transfer path live here (issue 10, item 8). Functions of their
+arguments: ``owner`` is the agent whose regions the local side must be in,
+``peers`` its peer table (a remote segment's peer must be one of its); neither
+is used but for identity.
 """
 
 from __future__ import annotations
