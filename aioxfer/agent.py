@@ -65,6 +65,7 @@ from aioxfer.protocol import token_bytes
 from aioxfer.rails import Rails
 from aioxfer.region import (
     Region,
+    RemoteRegion,
     RemoteSegment,
     Segment,
     SegmentList,
@@ -923,6 +924,37 @@ class Agent:
             t._starts = starts
         if peer.path == "cuda":
             t._path = _cuda_path(dst, src)
+        return t
+
+    def post_arrays(
+        self,
+        op: str,
+        local: Region,
+        remote: RemoteRegion,
+        local_offsets: npt.ArrayLike,
+        remote_offsets: npt.ArrayLike,
+        length: int,
+        *,
+        priority: int = 0,
+    ) -> Transfer:
+        """Posts a READ (``op="read"``: the peer's bytes into ``local``) or a
+        WRITE (``"write"``) of ``length`` bytes at each pair of offsets (1-D
+        uint64 arrays best: used as they are); returns its Transfer. For a
+        caller that keeps its blocks' places as arrays (a KV store posting
+        layers): no SegmentList, pairing or merging per call; the checks of
+        ``read``/``write`` (regions alive, peer, memory kind, bounds) stay."""
+        if self._closed:
+            self._check_open()
+        if op != "read" and op != "write":
+            raise ValueError(f'op is "read" or "write", not {op!r}')
+        peer, descs, nbytes = descriptors.from_arrays(
+            local, remote, local_offsets, remote_offsets, length, owner=self, peers=self._peers
+        )
+        t = self._submit(
+            peer, _OP_READ if op == "read" else _OP_WRITE, descs, None, nbytes, op, priority
+        )
+        if peer.path == "cuda":
+            t._path = "shm" if local.kind == remote.kind == "host" else "cuda"
         return t
 
     def _descs(self, local: Any, remote: Any, op: str) -> tuple[Peer, _Descs, int]:

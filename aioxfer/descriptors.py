@@ -4,15 +4,17 @@ A request's descriptors are an (n, 6) uint64 array ``[lrid, loff, rrid, rkey,
 roff, len]``, or for one pair that row as a tuple (``_cyx`` packs it without a
 numpy array). The agent builds the one-pair case itself, inline in
 ``write``/``read`` (the hot path); the other shapes (equal-length lists, two
-SegmentLists), the full per-pair checks that say what is wrong, merging of
-contiguous runs and a cuda peer's per-transfer path live here (issue 10, item
-8). Functions of their arguments: ``owner`` is the agent whose regions the
-local side must be in, ``peers`` its peer table (a remote segment's peer must
-be one of its); neither is used but for identity.
+SegmentLists, ``post_arrays``' offset arrays of one region pair), the full
+per-pair checks that say what is wrong, merging of contiguous runs and a cuda
+peer's per-transfer path live here (issue 10, item 8). Functions of their
+arguments: ``owner`` is the agent whose regions the local side must be in,
+``peers`` its peer table (a remote segment's peer must be one of its); neither
+is used but for identity.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,10 +27,22 @@ from aioxfer.region import Region, RemoteRegion, RemoteSegment, Segment, Segment
 if TYPE_CHECKING:
     from aioxfer.peer import Peer
 
-__all__ = ["Descs", "check_pair", "coalesce", "cuda_path", "from_lists", "from_vectors"]
+__all__ = [
+    "Descs",
+    "check_pair",
+    "coalesce",
+    "cuda_path",
+    "from_arrays",
+    "from_lists",
+    "from_vectors",
+]
 
 # A request's descriptors: an (n, 6) uint64 array, or one row as a tuple.
 Descs = npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int]
+_U64 = np.dtype(np.uint64)  # what a uint64 array's dtype is (compared by identity)
+# ndarray.max() without its Python wrapper (numpy's _methods._amax): the
+# first bound checked after a while is a cold call, ~8 vs ~5 us (kv stream).
+_max = np.maximum.reduce
 
 
 def check_pair(local: Any, remote: Any, i: int, *, owner: object, peers: object) -> None:
@@ -147,6 +161,112 @@ def from_vectors(
         )
     descs = pair_descs(local, lr.rid, remote, rr.rid, rr.key, "remote")
     return rr.peer, descs, local.nbytes
+
+
+def _offsets(a: Any, n: int | None, what: str) -> npt.NDArray[np.uint64]:
+    """``a`` as a 1-D uint64 array (of ``n`` offsets; one already is: as it is)."""
+    if type(a) is not np.ndarray or a.dtype is not _U64 or a.ndim != 1:
+        a = np.asarray(a)
+        if a.ndim == 1 and not a.size:
+            a = np.zeros(0, dtype=np.uint64)  # ([] is float64 to numpy)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise TypeError(f"{what} must be a 1-D array of integers")
+        if a.dtype.kind == "i" and a.size and int(a.min()) < 0:
+            raise ValueError(f"{what} must not be negative")
+        a = a.astype(np.uint64, copy=False)
+    if n is not None and a.shape[0] != n:
+        raise ValueError(f"{n} local offsets but {a.shape[0]} {what}")
+    out: npt.NDArray[np.uint64] = a
+    return out
+
+
+def _refuse(
+    lo: npt.NDArray[np.uint64],
+    local: Region,
+    ro: npt.NDArray[np.uint64],
+    remote: RemoteRegion,
+    length: int,
+) -> None:
+    """Raises what is wrong with from_arrays' offsets and length."""
+    if not len(lo):
+        raise ValueError("no segments to transfer")
+    if length <= 0:
+        raise ValueError(f"length must be positive, not {length}")
+    for offs, region, where in ((lo, local, "local"), (ro, remote, "remote")):
+        if int(offs.max()) + length > region.nbytes:
+            bad = (
+                0
+                if length > region.nbytes
+                else int(np.flatnonzero(offs > region.nbytes - length)[0])
+            )
+            raise IndexError(
+                f"{where} segment {bad} [{int(offs[bad])}:+{length}] is out of bounds for "
+                f"region {region.name!r} of {region.nbytes} bytes"
+            )
+
+
+def from_arrays(
+    local: Region,
+    remote: RemoteRegion,
+    local_offsets: Any,
+    remote_offsets: Any,
+    length: int,
+    *,
+    owner: object,
+    peers: object,
+) -> tuple[Peer, npt.NDArray[np.uint64], int]:
+    """One local Region and one RemoteRegion, ``length`` bytes at each pair of
+    offsets (1-D uint64 arrays, as a caller that knows its blocks' places
+    keeps them): their (n, 6) descriptor array, the peer and the total length.
+
+    The path for a caller that already holds its descriptors as arrays (a KV
+    store streaming layers of its blocks): no SegmentList, no pairing, no
+    merging (the caller says what is contiguous). The checks that matter
+    stay: owner, region alive (local) and not deregistered (remote), peer of
+    this agent, memory kind against path, offsets in bounds on both sides
+    (the engine checks bounds and keys again); a few whole-array operations,
+    since every range has the same length: ``max(offsets) + length`` bounds
+    them all."""
+    if type(local) is not Region or type(remote) is not RemoteRegion:
+        raise TypeError(
+            f"arrays of offsets need a local Region and a RemoteRegion, not "
+            f"{type(local).__name__} and {type(remote).__name__}"
+        )
+    peer = remote.peer
+    if (
+        local._agent is not owner
+        or local._closed
+        or remote._gone
+        or peer._host is not peers
+        or local.kind is not remote.kind
+    ):
+        # Off the usual path: the same checks, and errors, as a segment pair's.
+        check_pair(local[0 : local.nbytes], remote[0 : remote.nbytes], 0, owner=owner, peers=peers)
+    if type(length) is not int:
+        length = operator.index(length)
+    lo = local_offsets
+    if type(lo) is not np.ndarray or lo.dtype is not _U64 or lo.ndim != 1:
+        lo = _offsets(lo, None, "local offsets")
+    n = lo.shape[0]
+    ro = remote_offsets
+    if type(ro) is not np.ndarray or ro.dtype is not _U64 or ro.shape != lo.shape:
+        ro = _offsets(ro, n, "remote offsets")
+    # uint64 offsets: none is negative, and max + length cannot wrap.
+    if (
+        not n
+        or length <= 0
+        or int(_max(lo)) + length > local.nbytes
+        or int(_max(ro)) + length > remote.nbytes
+    ):
+        _refuse(lo, local, ro, remote, length)
+    descs = np.empty((n, 6), dtype=np.uint64)
+    descs[:, 0] = local.rid
+    descs[:, 1] = lo
+    descs[:, 2] = remote.rid
+    descs[:, 3] = remote.key
+    descs[:, 4] = ro
+    descs[:, 5] = length
+    return peer, descs, n * length
 
 
 def coalesce(descs: Descs) -> tuple[Descs, npt.NDArray[np.intp] | None]:

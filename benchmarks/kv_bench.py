@@ -306,29 +306,38 @@ async def bench_lookup_coalesce_stream(args: argparse.Namespace, out: dict[str, 
                 # whole: to the end of the loop. Warm-up rounds excluded; the
                 # fraction is the median of each round's own (a shared
                 # machine's load drifts between rounds, not within one).
-                firsts, wholes, fractions = [], [], []
+                # The first layer's thread CPU time beside it: the setup and
+                # layer 0's copy (inline, on this thread) without the time
+                # other processes took the CPU (close to the wall time on a
+                # quiet machine).
+                firsts, wholes, fractions, cpus = [], [], [], []
                 for r in range(args.stream_warmup + args.rounds * 5):
                     t = time.perf_counter()
-                    first = None
+                    c = time.thread_time()
+                    first = first_cpu = None
                     layers_seen = 0
                     async for _item in store.stream(keys, dst[0:n * bb], layers=layers):
                         if first is None:
                             first = time.perf_counter() - t
+                            first_cpu = time.thread_time() - c
                         layers_seen += 1
                     whole = time.perf_counter() - t
-                    assert first is not None and layers_seen == layers
+                    assert first is not None and first_cpu is not None and layers_seen == layers
                     if r >= args.stream_warmup:
                         firsts.append(first)
                         wholes.append(whole)
                         fractions.append(first / whole)
+                        cpus.append(first_cpu)
                 f, w = statistics.median(firsts), statistics.median(wholes)
-                frac = statistics.median(fractions)
+                frac, fc = statistics.median(fractions), statistics.median(cpus)
                 out["stream_32"] = {"blocks": n, "rounds": len(firsts), "first_layer_us": f * 1e6,
+                                    "first_layer_cpu_us": fc * 1e6,
                                     "whole_us": w * 1e6, "whole_gbs": n * bb / w / 1e9,
-                                    "fraction": frac}
+                                    "fraction": frac, "loadavg": os.getloadavg()[0]}
                 print(f"stream       {n} blocks x 32 layers ({len(firsts)} rounds): first layer "
-                      f"{f * 1e6:.0f} us of {w * 1e6:.0f} us ({n * bb / w / 1e9:.2f} GB/s), "
-                      f"fraction {frac:.3f} (target <= 1/16 = 0.0625)")
+                      f"{f * 1e6:.0f} us ({fc * 1e6:.0f} us on CPU) of {w * 1e6:.0f} us "
+                      f"({n * bb / w / 1e9:.2f} GB/s), fraction {frac:.3f} (target <= 1/16 = "
+                      f"0.0625; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

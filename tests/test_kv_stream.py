@@ -328,3 +328,53 @@ async def test_channel_semantics() -> None:
     assert [x async for x in ch] == [2]
     with pytest.raises(ClosedResourceError):
         await ch.send(3)
+
+
+async def test_stream_dst_deregistered_fails_and_releases_pins(make_agent: MakeAgent) -> None:
+    """The layers' copies keep the checks of a read: a dst region deregistered
+    before the first layer, or between layers, fails the stream with
+    ClosedResourceError (nothing written after it went), and the pins go."""
+    agent = await make_agent("kv")
+    src = agent.alloc(8 * BB)
+    src.numpy()[:] = pattern(8 * BB, 7)
+    keys = keys_for(8)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB)]) as store:
+        await store.put(keys, src[0:8 * BB])
+        dst = agent.alloc(8 * BB)
+        stream = store.stream(keys, dst[0:8 * BB], layers=LAYERS)
+        agent.deregister(dst)
+        with pytest.raises(ClosedResourceError):
+            await within(stream.__anext__())
+        assert store.statistics().pins == 0
+        # between layers: the window's posts fail in the loop callback, the
+        # next layer not yet posted raises to the caller
+        dst = agent.alloc(8 * BB)
+        got = []
+        with pytest.raises(ClosedResourceError):
+            async for item in store.stream(keys, dst[0:8 * BB], layers=LAYERS):
+                got.append(item.layer)
+                if item.layer == 0:
+                    agent.deregister(dst)
+        assert got and got[0] == 0 and len(got) <= 1 + 2  # at most the window landed
+        assert store.statistics().pins == 0
+        assert (await store.lookup(keys)).prefix == 8
+
+
+async def test_stream_of_non_keys_raises(make_agent: MakeAgent) -> None:
+    """Keys are checked where they are used: a stream of things that are not
+    keys raises TypeError from its first iteration (also past hits), takes
+    no pins and brings nothing up."""
+    agent = await make_agent("kv")
+    src = agent.alloc(4 * BB)
+    keys = keys_for(4)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(8 * BB)]) as store:
+        await store.put(keys, src[0:4 * BB])
+        dst = agent.alloc(4 * BB)
+        for bad in (["not bytes"], [bytearray(32)], [keys[0], 7], keys[:2] + [b"short"]):
+            stream = store.stream(bad, dst[0:len(bad) * BB], layers=LAYERS)  # type: ignore[arg-type]
+            with pytest.raises(TypeError):
+                await within(stream.__anext__())
+            assert store.statistics().pins == 0
+        assert [item.layer async for item in store.stream(keys, dst[0:4 * BB], layers=LAYERS)] \
+            == list(range(LAYERS))
+        assert store.statistics().tiers["host"].hits == 4

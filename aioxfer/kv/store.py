@@ -309,9 +309,10 @@ class _Op:
         pins = host.pins
         newly = 0
         for s in slots:
-            if not pins[s]:
+            p = pins[s]
+            if not p:
                 newly += 1
-            pins[s] += 1
+            pins[s] = p + 1
         host.pinned += newly
         self.host = host
         self.host_slots.extend(slots)
@@ -1459,9 +1460,12 @@ class Store:
         it, and what has not landed is cancelled and the pins released
         (``aclose()``, or ``async with``, for a loop left with ``break``)."""
         self._check_open()
-        # Checked cheaply here (a stream of host-resident blocks stores no
-        # key); each key is checked before anything is brought up.
-        return LayerStream(self, self._keys(keys, strict=False), dst, layers)
+        # The keys are checked where they are used, not in a pass here (~10
+        # us of a first layer's ~250, cold): a key the host tier holds is one
+        # (only checked keys are stored); any other sends the stream down the
+        # path that checks each key before anything is brought up, so a
+        # non-key raises TypeError from the first iteration.
+        return LayerStream(self, list(keys), dst, layers)
 
     # ------------------------------------------------------------ remove
 
@@ -1506,14 +1510,22 @@ _STREAM_WINDOW = 2  # layers in flight ahead of the one awaited
 # order), their offsets there).
 _Group = tuple[Region, "npt.NDArray[np.intp] | None", "npt.NDArray[np.uint64]"]
 # What one layer posts per region: (region, dst offsets, host-slot offsets
-# of layer 0, lengths).
-_Plan = tuple[Region, "npt.NDArray[np.uint64]", "npt.NDArray[np.uint64]", "npt.NDArray[np.uint64]"]
+# of layer 0), each range layer_bytes long.
+_Plan = tuple[Region, "npt.NDArray[np.uint64]", "npt.NDArray[np.uint64]"]
 
 
 def _target_groups(arg: Any, n: int, length: int, what: str, agent: Agent) -> list[_Group]:
     """``arg`` (a get's ``dst`` shapes, segments of ``length`` bytes), checked,
     as groups of one region each; a SegmentList or one Segment without a
     Python pass over the keys."""
+    if type(arg) is Segment and arg.length == n * length:
+        # One run of n blocks (a stream's usual dst): checked as _Blocks.check
+        # does, without building one.
+        region = arg.region
+        if region.agent is not agent or region.kind != "host" or region.closed:
+            _Blocks([region], []).check(agent, what)
+        return [(region, None, np.arange(arg.offset, arg.offset + n * length, length,
+                                         dtype=np.uint64))]
     run = _Blocks.run(arg, n, length, what)
     if run is not None:
         _Blocks([run[0]], []).check(agent, what)
@@ -1553,7 +1565,8 @@ class LayerStream:
         self.layer_bytes = lb = store.block_bytes // layers
         self.prefix: int | None = None  # known once the first layer is awaited
         n, agent = len(keys), store.agent
-        per_layer = (isinstance(dst, Sequence) and not isinstance(dst, Segment | SegmentList)
+        per_layer = (type(dst) is not Segment  # (the usual dst: no ABC checks)
+                     and isinstance(dst, Sequence) and not isinstance(dst, Segment | SegmentList)
                      and len(dst) == self.layers
                      and all(isinstance(d, SegmentList) or (isinstance(d, Sequence)
                                                             and not isinstance(d, Segment))
@@ -1571,12 +1584,26 @@ class LayerStream:
         self._noted = False  # hits told to the policy and the counters
         self._closed = False
 
-    async def _start(self) -> None:
+    def _begin(self) -> bool:
+        """Every block in host memory (the usual stream): pins them and posts
+        layer 0, without a coroutine to await. False: some are below host
+        memory (``_start`` brings them up first)."""
         store = self.store
         host = store._host
         if host is None:
             raise ValueError("stream delivers from host memory: the store needs a HostTier")
         store._check_open()
+        try:
+            slots: list[int] = list(map(host.index.__getitem__, self.keys))
+        except KeyError:
+            return False
+        self._pin_and_post(host, slots)
+        return True
+
+    async def _start(self) -> None:
+        store = self.store
+        host = store._host
+        assert host is not None
         keys = self.keys
         found = list(map(host.index.get, keys))
         if None in found:
@@ -1586,13 +1613,24 @@ class LayerStream:
             await store._prefetch(keys)
             found = list(map(host.index.get, keys))
         m = found.index(None) if None in found else len(found)
-        slots: list[int] = found[:m] if m < len(found) else found  # type: ignore[assignment]
-        self._op.pin_host(host, slots)  # before anything awaits
-        self.prefix = m
+        self._pin_and_post(host, found[:m])  # type: ignore[arg-type]
+
+    def _pin_and_post(self, host: HostTier, slots: list[int]) -> None:
+        """Pins the leading blocks' host slots and posts their layer 0 (no
+        await between the lookup that found the slots and this)."""
+        self._op.pin_host(host, slots)
+        self.prefix = m = len(slots)
         if m:
-            src = np.array(slots, dtype=np.uint64) * np.uint64(store.block_bytes)
-            lens = np.full(m, self.layer_bytes, dtype=np.uint64)
-            self._plans = [self._plan(groups, src, lens, m) for groups in self._targets]
+            # (fromiter reads a list of ints in well under np.array's time)
+            src = np.fromiter(slots, dtype=np.uint64, count=m)
+            src *= np.uint64(self.store.block_bytes)
+            targets = self._targets
+            if len(targets) == 1 and len(targets[0]) == 1 and targets[0][0][1] is None:
+                # One dst region, every key (block memory): the usual plan.
+                region, _, offs = targets[0][0]
+                self._plans = [[(region, offs[:m] if m < len(offs) else offs, src)]]
+            else:
+                self._plans = [self._plan(groups, src, m) for groups in targets]
             self._post(0)
         else:
             self._note_hits()
@@ -1616,34 +1654,37 @@ class LayerStream:
         host.counters.hit_bytes += m * self.store.block_bytes
 
     @staticmethod
-    def _plan(groups: list[_Group], src: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint64],
-              m: int) -> list[_Plan]:
+    def _plan(groups: list[_Group], src: npt.NDArray[np.uint64], m: int) -> list[_Plan]:
         """Targets of the leading ``m`` keys, with their host slots."""
         out: list[_Plan] = []
         for region, idx, offs in groups:
             if idx is None:
-                out.append((region, offs[:m], src, lens))
+                out.append((region, offs[:m], src))
                 continue
             k = int(np.searchsorted(idx, m))  # idx ascends: the group's keys below m
             if k:
-                out.append((region, offs[:k], src[idx[:k]], lens[:k]))
+                out.append((region, offs[:k], src[idx[:k]]))
         return out
 
     def _post(self, layer: int) -> None:
-        """Posts layer ``layer`` of every block (one transfer per dst region)."""
-        agent, host = self.store.agent, self.store._host
+        """Posts layer ``layer`` of every block (one transfer per dst region).
+        Straight from the plan's offset arrays (Agent.post_arrays: every
+        range ``layer_bytes`` long, no SegmentLists to build, pair or merge
+        per layer: the first layer's setup is most of its latency)."""
+        store, host = self.store, self.store._host
         assert host is not None and host.remote is not None
-        d = np.uint64(layer * self.layer_bytes)
+        post, remote = store.agent.post_arrays, host.remote
+        lb = self.layer_bytes
         per_layer = self._per_layer
         posted: list[Transfer] = []
         try:
-            for region, dst, src, lens in self._plans[layer if per_layer else 0]:
+            for region, dst, src in self._plans[layer if per_layer else 0]:
                 if layer:  # (layer 0 is at the plan's offsets: two array ops fewer)
+                    d = np.uint64(layer * lb)
                     src = src + d
                     if not per_layer:
                         dst = dst + d
-                posted.append(agent.read(SegmentList(region, dst, lens),
-                                         SegmentList(host.remote, src, lens)))
+                posted.append(post("read", region, remote, dst, src, lb))
         except BaseException:
             for t in posted:
                 t.cancel()
@@ -1675,7 +1716,7 @@ class LayerStream:
         if self._closed:
             raise StopAsyncIteration
         try:
-            if self.prefix is None:
+            if self.prefix is None and not self._begin():
                 await self._start()
             layer = self._next
             if not self.prefix or layer >= self.layers:
