@@ -389,7 +389,7 @@ static bool dev_open(const axf_verbs_table *t, struct ibv_device *d, vdev *v,
     v->rd_atom = (uint8_t)(da.max_qp_rd_atom > 16 ? 16 : da.max_qp_rd_atom);
     v->rd_init_atom = (uint8_t)(da.max_qp_init_rd_atom > 16 ? 16 : da.max_qp_init_rd_atom);
     for (int p = 1; p <= da.phys_port_cnt; p++) {
-        struct ibv_port_attr pa;
+        struct ibv_port_attr pa = {0}; /* the library may fill only its compat prefix */
         memset(&pa, 0, sizeof pa);
         if (t->query_port(v->ctx, (uint8_t)p, &pa) || pa.state != IBV_PORT_ACTIVE)
             continue;

@@ -12,7 +12,10 @@
     O(ibv_device_attr, max_qp_rd_atom) O(ibv_device_attr, max_qp_init_rd_atom)                 \
     O(ibv_device_attr, atomic_cap) O(ibv_device_attr, max_pkeys)                               \
     O(ibv_device_attr, phys_port_cnt)                                                          \
-    S(ibv_port_attr) O(ibv_port_attr, active_mtu) O(ibv_port_attr, gid_tbl_len)                \
+    /* ibv_port_attr: offsets only. Its size grows with rdma-core (52 bytes in   \
+     * 44, 56 in the H200 machine's newer header: active_speed_ex); the       \
+     * exported ibv_query_port we call writes only the old compat prefix. */  \
+    O(ibv_port_attr, state) O(ibv_port_attr, active_mtu) O(ibv_port_attr, gid_tbl_len)        \
     O(ibv_port_attr, max_msg_sz) O(ibv_port_attr, lid) O(ibv_port_attr, active_speed)          \
     O(ibv_port_attr, link_layer) O(ibv_port_attr, port_cap_flags2)                             \
     U(ibv_gid) S(ibv_gid_entry) O(ibv_gid_entry, gid_type)                                     \
