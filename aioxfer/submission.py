@@ -16,7 +16,6 @@ call, and nothing runs per transfer that can run per batch.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -80,7 +79,6 @@ class Submission:
         "_loop",
         "_future_kw",
         "_poller",
-        "_next_req",
         "closed",
         "alone_max",
         "inflight",
@@ -118,7 +116,6 @@ class Submission:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._future_kw: dict[str, Any] | None = None  # {"loop": loop}: Transfer._make's
         self._poller: Poller | None = None
-        self._next_req = itertools.count(1).__next__
         self.closed = False  # the agent closed: nothing more is posted
         self.alone_max = alone_max
         self.inflight: dict[int, Transfer] = {}  # req id -> transfer, until its completion
@@ -130,7 +127,8 @@ class Submission:
         # a coroutine whose awaits complete inside the post never yields, so
         # past a bound its next await waits for the loop (see EAGER_*).
         self._eager_streak = 0
-        # The agent's totals (statistics()).
+        # The agent's totals (statistics()). ``posted`` is also the last
+        # request id handed out (submit: ids are 1, 2, ...).
         self.posted = 0
         self.completed = 0
         self.failed = 0
@@ -167,11 +165,14 @@ class Submission:
             self._start()  # calls started()
             kw = self._future_kw
             assert kw is not None
-        req_id = self._next_req()
+        # The request id is the agent's posted count: one attribute, and no
+        # bound-method call (a callable in a slot defeats LOAD_METHOD's
+        # specialization on 3.11: a generic lookup per transfer).
+        req_id = self.posted + 1
+        self.posted = req_id
         t = _make_transfer(self, kw, req_id, op, peer, nbytes, perf_counter())
         c = peer._counters
         c.posted += 1
-        self.posted += 1
         c.inflight += 1
         c.inflight_bytes += nbytes
         if peer._lost:
