@@ -854,7 +854,10 @@ class Agent:
             ):
                 self._check_open()
                 self._check_pair(src, dst, 0)
-            t = self._submit(
+            # self._submit bound to a local first: called as a method, a callable
+            # held by the instance defeats 3.11's LOAD_METHOD specialization.
+            submit = self._submit
+            t = submit(
                 peer, _OP_WRITE, (lr.rid, src.offset, rr.rid, rr.key, dst.offset, n), None, n,
                 "write", priority,
             )
@@ -874,7 +877,8 @@ class Agent:
         payload = None if notify is None else notify_payload(notify)
         if payload is not None and peer is self._file_peer:
             raise ValueError("a write into a file region takes no notify (nobody to tell)")
-        t = self._submit(peer, _OP_WRITE, descs, payload, nbytes, "write", priority)
+        submit = self._submit
+        t = submit(peer, _OP_WRITE, descs, payload, nbytes, "write", priority)
         if starts is not None:
             t._starts = starts
         if peer.path == "cuda":
@@ -906,7 +910,8 @@ class Agent:
             ):
                 self._check_open()
                 self._check_pair(dst, src, 0)
-            t = self._submit(
+            submit = self._submit
+            t = submit(
                 peer, _OP_READ, (lr.rid, dst.offset, rr.rid, rr.key, src.offset, n), None, n,
                 "read", priority,
             )
@@ -919,7 +924,8 @@ class Agent:
                 return backend.post(self, "read", dst, src, None, priority)
             peer, descs, nbytes = self._descs(dst, src, "read")
             descs, starts = _coalesce(descs)
-        t = self._submit(peer, _OP_READ, descs, None, nbytes, "read", priority)
+        submit = self._submit
+        t = submit(peer, _OP_READ, descs, None, nbytes, "read", priority)
         if starts is not None:
             t._starts = starts
         if peer.path == "cuda":
@@ -950,7 +956,8 @@ class Agent:
         peer, descs, nbytes = descriptors.from_arrays(
             local, remote, local_offsets, remote_offsets, length, owner=self, peers=self._peers
         )
-        t = self._submit(
+        submit = self._submit
+        t = submit(
             peer, _OP_READ if op == "read" else _OP_WRITE, descs, None, nbytes, op, priority
         )
         if peer.path == "cuda":

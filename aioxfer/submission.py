@@ -16,7 +16,6 @@ call, and nothing runs per transfer that can run per batch.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -46,7 +45,7 @@ EAGER_MAX = 64 << 10  # awaited requests up to this size may be flushed at once
 # agent's own housekeeping). Past this many, the next await suspends once.
 EAGER_STREAK = 64
 
-_make_transfer = Transfer._make  # bound once: Transfer(...) minus type.__call__
+_new_future = _cyx.new_future
 _CQ_XFER = _cyx.CQ_XFER
 _E_CANCELLED = _cyx.E_CANCELLED
 _E_CLOSED = _cyx.E_CLOSED
@@ -80,7 +79,6 @@ class Submission:
         "_loop",
         "_future_kw",
         "_poller",
-        "_next_req",
         "closed",
         "alone_max",
         "inflight",
@@ -116,9 +114,8 @@ class Submission:
         self._on_record_cb = self._on_record
         self._release_cb = self.release
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._future_kw: dict[str, Any] | None = None  # {"loop": loop}: Transfer._make's
+        self._future_kw: dict[str, Any] | None = None  # {"loop": loop}: _new_future's
         self._poller: Poller | None = None
-        self._next_req = itertools.count(1).__next__
         self.closed = False  # the agent closed: nothing more is posted
         self.alone_max = alone_max
         self.inflight: dict[int, Transfer] = {}  # req id -> transfer, until its completion
@@ -130,7 +127,8 @@ class Submission:
         # a coroutine whose awaits complete inside the post never yields, so
         # past a bound its next await waits for the loop (see EAGER_*).
         self._eager_streak = 0
-        # The agent's totals (statistics()).
+        # The agent's totals (statistics()). ``posted`` is also the last
+        # request id handed out (submit: ids are 1, 2, ...).
         self.posted = 0
         self.completed = 0
         self.failed = 0
@@ -167,11 +165,30 @@ class Submission:
             self._start()  # calls started()
             kw = self._future_kw
             assert kw is not None
-        req_id = self._next_req()
-        t = _make_transfer(self, kw, req_id, op, peer, nbytes, perf_counter())
+        # The request id is the agent's posted count: one attribute, and no
+        # bound-method call (a callable in a slot defeats LOAD_METHOD's
+        # specialization on 3.11: a generic lookup per transfer).
+        req_id = self.posted + 1
+        self.posted = req_id
+        # Transfer.__init__, inlined (a Python frame fewer per transfer):
+        # _new_future calls the C Future's own new and init slots (no
+        # type.__call__, no slot_tp_init), then the fields, all of
+        # Transfer.__slots__, as __init__ sets them (test_house checks).
+        t = _new_future(Transfer, kw)
+        t._host = self
+        t.req_id = req_id
+        t.op = op
+        t.peer = peer
+        t.nbytes = nbytes
+        t._t0 = perf_counter()
+        t._posted = False
+        t._cancel_requested = False
+        t._admitted = False
+        t._queued_item = None
+        t._starts = None
+        t._path = None
         c = peer._counters
         c.posted += 1
-        self.posted += 1
         c.inflight += 1
         c.inflight_bytes += nbytes
         if peer._lost:

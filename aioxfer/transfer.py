@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Transfer", "TransferResult"]
 
-from aioxfer._cyx import new_future as _new_future
 
 # Called unbound: cheaper than super() on a path taken once per transfer.
 _future_init = asyncio.Future.__init__
@@ -115,40 +114,6 @@ class Transfer(asyncio.Future[TransferResult]):
         self._queued_item: tuple[int, int, object, bytes | None, int] | None = None
         self._starts: npt.NDArray[np.intp] | None = None  # merged descs' first original index
         self._path: str | None = None  # the path it took, where not peer.path
-
-    @classmethod
-    def _make(
-        cls,
-        host: TransferHost,
-        init_kw: dict[str, Any],
-        req_id: int,
-        op: str,
-        peer: Peer,
-        nbytes: int,
-        t0: float,
-    ) -> Transfer:
-        """What ``Transfer(...)`` makes, for the submission path: type.__call__
-        reaches a Python ``__init__`` through slot_tp_init, a C-level call and
-        frame costing more than the fields themselves (callgrind: ~2 k of an
-        awaited 4 KiB write's ~35 k instructions); a classmethod call stays
-        in the interpreter. Same fields, same order, as ``__init__``.
-        ``init_kw``: ``{"loop": loop}``, the host's, made once
-        (_cyx.new_future calls the C Future's own new and init slots, without
-        the wrappers' tuple and dict per call: ~1 k instructions)."""
-        t = _new_future(cls, init_kw)
-        t._host = host
-        t.req_id = req_id
-        t.op = op
-        t.peer = peer
-        t.nbytes = nbytes
-        t._t0 = t0
-        t._posted = False
-        t._cancel_requested = False
-        t._admitted = False
-        t._queued_item = None
-        t._starts = None
-        t._path = None
-        return t
 
     def __await__(self):  # type: ignore[no-untyped-def]
         # Not in the engine yet: the host may post it now (Submission.eager:

@@ -224,22 +224,20 @@ def test_transfer_counters() -> None:
             s.native_conns, s.pinned_regions) == (5, 1, 4, 2, 0, 3)
 
 
-def test_transfer_make_sets_what_init_sets() -> None:
-    # Transfer._make (the submission path's constructor, without type.__call__)
-    # must stay field for field what Transfer.__init__ makes.
-    import asyncio
+def test_submit_sets_what_transfer_init_sets() -> None:
+    # Submission.submit builds its Transfer inline (no __init__ frame per
+    # transfer): it must set every field Transfer.__init__ sets, no more.
+    import re
 
-    loop = asyncio.new_event_loop()
-    try:
-        args = (transfer.DETACHED, loop, 7, "write", None, 4096, 1.5)
-        a = transfer.Transfer(*args)  # type: ignore[arg-type]
-        # _make takes the Future's init keywords ({"loop": loop}, the host's) for the loop.
-        b = transfer.Transfer._make(args[0], {"loop": loop}, *args[2:])  # type: ignore[arg-type]
-        for name in transfer.Transfer.__slots__:
-            assert getattr(a, name) == getattr(b, name), name
-        assert b.get_loop() is loop and not b.done()
-    finally:
-        loop.close()
+    from aioxfer import submission
+
+    def fields(fn: object, name: str) -> set[str]:
+        return set(re.findall(rf"^\s+{name}\.(\w+)\b[^=\n]*= ", inspect.getsource(fn), re.M))
+
+    init = fields(transfer.Transfer.__init__, "self")
+    assert init == set(transfer.Transfer.__slots__)
+    assert fields(submission.Submission.submit, "t") >= init
+    assert "t = _new_future(Transfer, kw)" in inspect.getsource(submission.Submission.submit)
 
 
 def test_connector_config_is_frozen_and_small() -> None:
