@@ -96,8 +96,6 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
     /* One eventfd write per drain: none while one is pending, none for a
      * record the posting thread is about to poll itself. */
     bool signal = !e->cq_signalled && !axf_cq_quiet;
-    if (signal)
-        e->cq_signalled = true;
     axf_completion *c = &e->cq[(e->cq_head + e->cq_count) % e->cq_cap];
     c->kind = kind;
     c->status = status;
@@ -108,7 +106,11 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
     c->payload_len = (uint32_t)plen;
     c->payload = copy;
     e->cq_count++;
-    atomic_store_explicit(&e->cq_ready, e->cq_count, memory_order_release);
+    atomic_store_explicit(&e->cq_ready, e->cq_count, memory_order_seq_cst);
+    if (signal && atomic_load_explicit(&e->cq_spinners, memory_order_seq_cst))
+        signal = false; /* a thread spinning in axf_wait sees it, and signals when it stops */
+    if (signal)
+        e->cq_signalled = true;
     /* Written before unlocking: a poll that takes this record (and clears
      * the eventfd under cq_mu) cannot run between our push and our write, so
      * the write never outlives the record it announces (a stale wake-up),
@@ -183,7 +185,9 @@ static inline void cpu_relax(void)
 size_t axf_wait(axf_engine *e, uint32_t max_us)
 {
     size_t n = atomic_load_explicit(&e->cq_ready, memory_order_acquire);
+    bool spun = false;
     if (!n && max_us) {
+        atomic_fetch_add_explicit(&e->cq_spinners, 1, memory_order_seq_cst);
         uint64_t until = axf_now_us() + max_us;
         for (unsigned spin = 1;; spin++) {
             cpu_relax();
@@ -198,12 +202,29 @@ size_t axf_wait(axf_engine *e, uint32_t max_us)
                     break;
             }
         }
+        /* Leaving: a push that saw us skipped its eventfd write, so we
+         * write it below. seq_cst on both sides (cq_push stores cq_ready,
+         * then loads cq_spinners): either that push saw no spinner and
+         * signalled, or this load sees its record (or a poll took it). */
+        atomic_fetch_sub_explicit(&e->cq_spinners, 1, memory_order_seq_cst);
+        n = atomic_load_explicit(&e->cq_ready, memory_order_seq_cst);
+        spun = true;
     }
     if (n) {
-        /* The pusher writes the eventfd before unlocking: once we hold the
-         * lock, a reader of the eventfd sees it readable. */
+        /* A pusher writes the eventfd before unlocking: once we hold the
+         * lock, a reader of the eventfd sees it readable. Records a push
+         * left unsignalled for our spin we signal here, under cq_mu like a
+         * push (so the write never outlives the records it announces): the
+         * caller need not poll, the loop's eventfd reader finds them. No
+         * contention: the pusher made no system call under the lock. */
         pthread_mutex_lock(&e->cq_mu);
         n = e->cq_count;
+        if (spun && n && !e->cq_signalled) {
+            e->cq_signalled = true;
+            uint64_t one = 1;
+            ssize_t r = write(e->efd, &one, sizeof one);
+            (void)r;
+        }
         pthread_mutex_unlock(&e->cq_mu);
     }
     return n;

@@ -276,6 +276,7 @@ struct axf_engine {
     bool cq_signalled; /* efd written (or about to be) since axf_poll last cleared it */
     axf_completion *cq;
     size_t cq_head, cq_count, cq_cap;
+    atomic_int cq_spinners; /* threads spinning in axf_wait: they write a push's eventfd */
     atomic_size_t cq_ready; /* cq_count, readable without cq_mu (axf_wait spins on it) */
     uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
 

@@ -7,6 +7,7 @@
 #include "mock.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -252,6 +253,83 @@ static int test_cancel_race(void)
     CHECK_EQ(got, N);
     printf("  %zu of %d cancels won the race\n", cancelled, N);
     t_close(f.t);
+    return 0;
+}
+
+/* axf_wait against pushers on other threads: a push skips its eventfd write
+ * while a thread spins in axf_wait, and that thread writes it when it stops.
+ * One consumer, waits of varied length: whenever axf_wait returns a count the
+ * eventfd is readable already (the loop's reader would wake, whether or not
+ * the waiter polls); whenever it returns 0 and records are still to come, the
+ * eventfd wakes the consumer (no lost wake-up); every record arrives once. */
+enum { WW_PUSHERS = 4, WW_EACH = 25000 };
+
+typedef struct ww_arg {
+    axf_engine *e;
+    unsigned idx;
+    atomic_int *go;
+} ww_arg;
+
+static void *ww_push(void *arg)
+{
+    ww_arg *a = arg;
+    while (!atomic_load(a->go))
+        sched_yield();
+    uint32_t x = 2463534242u + a->idx * 7919u;
+    for (unsigned i = 0; i < WW_EACH; i++) {
+        cq_push(a->e, AXF_CQ_XFER, AXF_OK, (uint64_t)a->idx * WW_EACH + i + 1, 0, 0, 0, NULL, 0);
+        x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+        if ((x & 7) == 0) /* a pause: the consumer stops spinning, or blocks */
+            for (unsigned k = x >> 20; k; k--)
+                __asm__ __volatile__("" ::: "memory");
+        else if ((x & 7) == 1)
+            sched_yield();
+    }
+    return NULL;
+}
+
+static int test_wait_wake(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    axf_engine *e = t->e;
+    int efd = axf_engine_fd(e);
+    atomic_int go = 0;
+    pthread_t th[WW_PUSHERS];
+    ww_arg args[WW_PUSHERS];
+    for (unsigned p = 0; p < WW_PUSHERS; p++) {
+        args[p] = (ww_arg){.e = e, .idx = p, .go = &go};
+        CHECK_EQ(pthread_create(&th[p], NULL, ww_push, &args[p]), 0);
+    }
+    static uint8_t seen[WW_PUSHERS * WW_EACH];
+    memset(seen, 0, sizeof seen);
+    static const uint32_t waits[] = {0, 1, 3, 20, 200};
+    size_t got = 0, rounds = 0, blocked = 0, counted = 0;
+    axf_completion c[16];
+    atomic_store(&go, 1);
+    while (got < (size_t)WW_PUSHERS * WW_EACH) {
+        size_t n = axf_wait(e, waits[rounds++ % 5]);
+        struct pollfd pf = {.fd = efd, .events = POLLIN};
+        if (n) {
+            counted++;
+            CHECK_EQ(poll(&pf, 1, 0), 1); /* written by then */
+        } else if (rounds & 1) {
+            blocked++;
+            CHECK_EQ(poll(&pf, 1, T_TIMEOUT_MS), 1); /* a record comes: it wakes us */
+        }
+        for (size_t k = (rounds & 2) ? axf_poll(e, c, 16) : 0, i = 0; i < k; i++, got++) {
+            CHECK_EQ(c[i].kind, AXF_CQ_XFER);
+            uint64_t id = c[i].id - 1;
+            CHECK(id < sizeof seen && !seen[id]);
+            seen[id] = 1;
+        }
+    }
+    for (unsigned p = 0; p < WW_PUSHERS; p++)
+        pthread_join(th[p], NULL);
+    CHECK_EQ(axf_poll(e, c, 16), 0);
+    printf("  %zu waits: %zu found records, %zu blocked on the eventfd\n", rounds, counted,
+           blocked);
+    t_close(t);
     return 0;
 }
 
@@ -649,6 +727,7 @@ int main(int argc, char **argv)
         T_CASE(test_cancel_then_complete),
         T_CASE(test_complete_then_cancel),
         T_CASE(test_cancel_race),
+        T_CASE(test_wait_wake),
         T_CASE(test_op_holds_region),
         T_CASE(test_post_checks),
         T_CASE(test_notify_frame_pins_op),
