@@ -29,7 +29,7 @@ def new_future(cls, dict init_kw):
     """``asyncio.Future.__new__(cls)`` then ``asyncio.Future.__init__(f,
     **init_kw)`` (init_kw: ``{"loop": loop}``, made once by the caller), for
     cls a subclass of asyncio.Future whose own ``__init__`` is not wanted
-    (aioxfer.transfer.Transfer._make sets its fields itself): the slots
+    (aioxfer.submission.Submission.submit sets its fields itself): the slots
     called directly, without the wrappers' per-call tuple and dict."""
     if not issubclass(cls, _Future):
         raise TypeError(f"{cls!r} is not a subclass of asyncio.Future")
