@@ -2042,10 +2042,11 @@ class nixlAgent:
     def postXferReq(self, reqh: int, notif_msg: Any = "") -> int:
         # Failures are counted in telemetry as NIXL counts them: all but a
         # repost refused; the request's own failure once (in _finish).
-        x = self._xfers.get(reqh)
-        if x is None:
+        try:
+            x = self._xfers[reqh]
+        except KeyError:
             self._count(-2)
-            raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}")
+            raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}") from None
         if notif_msg or not x.plain or self._telemetry:
             return self._post_general(x, notif_msg)
         # The hot path (vLLM's repost: one aioxfer call, nothing to notify,
@@ -2065,8 +2066,6 @@ class nixlAgent:
             rem = x.remote
             if rem is not None and rem.gen != x.gen or x.peer is not None and x.peer.lost:
                 return self._post_general(x, notif_msg)  # (raises: the remote is gone)
-            # (Read when a tight poller decides whether to spin for it.)
-            x.t0 = time.perf_counter()
             try:
                 x.fut = fut = x.post(*x.one)
                 self._flush_fn()
@@ -2076,21 +2075,28 @@ class nixlAgent:
                 self._count_exc(err)
                 raise err from None
             rt._foreign = False  # (the agent's flush, scheduled: nothing left for it)
+            done = fut.done()
+            if not done:
+                # When a tight poller decides whether to spin for it. (Taken
+                # after the post: one completed inside it, the usual small
+                # same-host copy, is never waited for; the post of one that
+                # was not takes a few µs at most.)
+                x.t0 = time.perf_counter()
             x.last_poll = 0.0
         finally:
             if rt._foreign:
                 rt.leave()  # wakes the loop for what the section scheduled
             else:
                 lock.release()
-        if fut.done():
-            if not self._tel_events:
-                try:
-                    if fut.exception() is None:
-                        return 0  # NIXL_SUCCESS
-                except asyncio.CancelledError:
-                    pass
-            return self._finish(x, fut, "postXferReq")
-        return 1  # NIXL_IN_PROG
+        if not done:
+            return 1  # NIXL_IN_PROG
+        if not self._tel_events:
+            try:
+                if fut.exception() is None:
+                    return 0  # NIXL_SUCCESS
+            except asyncio.CancelledError:
+                pass
+        return self._finish(x, fut, "postXferReq")
 
     def _post_general(self, x: _Xfer, notif_msg: Any) -> int:
         """postXferReq of anything but the hot path: a notification of the
