@@ -2064,7 +2064,8 @@ class nixlAgent:
             if fut is not None and not fut.done():
                 raise _error(-7, "postXferReq: the transfer is still in flight")
             rem = x.remote
-            if rem is not None and rem.gen != x.gen or x.peer is not None and x.peer.lost:
+            peer = x.peer
+            if rem is not None and rem.gen != x.gen or peer is not None and peer.lost:
                 return self._post_general(x, notif_msg)  # (raises: the remote is gone)
             try:
                 x.fut = fut = x.post(*x.one)
