@@ -320,11 +320,16 @@ def test_prepped_requests_errors(agents: Any) -> None:
     h = a.make_prepped_xfer("READ", local, np.array([0], np.int64), remote, [1], b"r")
     assert a.transfer(h) in ("DONE", "PROC") and _wait(a, h) == "DONE"
     assert np.array_equal(x.np[:64], y.np[64:128])
+    # One without a notification (postXferReq's hot path) too.
+    plain = a.make_prepped_xfer("READ", local, [0], remote, [0])
+    assert a.transfer(plain) in ("DONE", "PROC") and _wait(a, plain) == "DONE"
     a.remove_remote_agent(b.name)
     with pytest.raises(nixl.nixlNotFoundError):
         a.make_prepped_xfer("READ", local, [0], remote, [0])
     with pytest.raises(nixl.nixlRemoteDisconnectError):
         a.transfer(h)
+    with pytest.raises(nixl.nixlRemoteDisconnectError):
+        a.transfer(plain)
     remote.release()
     remote.release()
     # Re-adding after removal works.

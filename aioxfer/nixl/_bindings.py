@@ -851,6 +851,13 @@ def _payload(value: Any) -> bytes:
     raise TypeError(f"a notification is bytes or str, not {type(value).__name__}")
 
 
+def _direct(x: _Xfer, msg: bytes) -> bool:
+    """Whether a post of ``x`` with notification ``msg`` is one aioxfer call
+    (x.post): none, a file's (ignored), or a WRITE's that fits one frame."""
+    return x.post is not None and (not msg or x.file or (
+        x.write and len(msg) <= _wire.NOTIF_MAX and not msg.startswith(_wire.NOTIF_MAGIC)))
+
+
 def _handles(backends: Any) -> list[int]:
     if backends is None:
         return []
@@ -1011,7 +1018,7 @@ class _Xfer:
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
-                 "failed", "spin", "slow", "skipped")
+                 "failed", "spin", "slow", "skipped", "plain")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -1051,6 +1058,10 @@ class _Xfer:
         self.spin = True
         self.slow = 0
         self.skipped = 0
+        # Whether a repost without a notification of its own is one call
+        # of post with nothing to notify (or a file's, which ignores it): the
+        # hot path of postXferReq, decided once, not on each repost.
+        self.plain = False
 
 
 _MAX_INDEX = np.maximum.reduce
@@ -1952,6 +1963,7 @@ class nixlAgent:
             agent = self._agent
             if len(groups) == 1 and agent is not None:
                 x.post = agent.write if x.write else agent.read
+                x.plain = not notif or x.file
             handle = next(self._handle_seq)
             self._xfers[handle] = x
         finally:
@@ -2030,14 +2042,74 @@ class nixlAgent:
     def postXferReq(self, reqh: int, notif_msg: Any = "") -> int:
         # Failures are counted in telemetry as NIXL counts them: all but a
         # repost refused; the request's own failure once (in _finish).
-        x = self._xfers.get(reqh)
-        if x is None:
+        try:
+            x = self._xfers[reqh]
+        except KeyError:
             self._count(-2)
-            raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}")
-        msg = _payload(notif_msg) if notif_msg else x.notif
+            raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}") from None
+        if notif_msg or not x.plain or self._telemetry:
+            return self._post_general(x, notif_msg)
+        # The hot path (vLLM's repost: one aioxfer call, nothing to notify,
+        # no telemetry), straight-line: what does not change between posts
+        # was decided at creation (x.plain), the lock taken and left by hand.
+        # Posted now, from this thread (a same-host copy may complete inside):
+        # what a coroutine awaiting it gets, without a wake-up of the loop
+        # thread. The flush the agent scheduled for the end of its loop
+        # iteration finds nothing to do.
         rt = self._rt
-        # The hot path: the lock taken and left by hand (no context manager),
-        # every test a plain attribute read.
+        lock = rt.lock
+        lock.acquire()
+        try:
+            fut = x.fut
+            if fut is not None and not fut.done():
+                raise _error(-7, "postXferReq: the transfer is still in flight")
+            rem = x.remote
+            peer = x.peer
+            if rem is not None and rem.gen != x.gen or peer is not None and peer.lost:
+                return self._post_general(x, notif_msg)  # (raises: the remote is gone)
+            try:
+                x.fut = fut = x.post(*x.one)
+                self._flush_fn()
+            except (XferError, ValueError, TypeError) as exc:
+                x.fut = None
+                err = _from_xfer_error(exc, "postXferReq")
+                self._count_exc(err)
+                raise err from None
+            rt._foreign = False  # (the agent's flush, scheduled: nothing left for it)
+            done = fut.done()
+            if not done:
+                # When a tight poller decides whether to spin for it. (Taken
+                # after the post: one completed inside it, the usual small
+                # same-host copy, is never waited for; the post of one that
+                # was not takes a few µs at most.)
+                x.t0 = time.perf_counter()
+            x.last_poll = 0.0
+        finally:
+            if rt._foreign:
+                rt.leave()  # wakes the loop for what the section scheduled
+            else:
+                lock.release()
+        if not done:
+            return 1  # NIXL_IN_PROG
+        if not self._tel_events:
+            try:
+                if fut.exception() is None:
+                    return 0  # NIXL_SUCCESS
+            except asyncio.CancelledError:
+                pass
+        return self._finish(x, fut, "postXferReq")
+
+    def _post_general(self, x: _Xfer, notif_msg: Any) -> int:
+        """postXferReq of anything but the hot path: a notification of the
+        post's own or one that needs framing, several aioxfer calls,
+        telemetry, a remote that is gone."""
+        if notif_msg:
+            msg = _payload(notif_msg)
+            direct = _direct(x, msg)
+        else:
+            msg = x.notif
+            direct = _direct(x, msg)
+        rt = self._rt
         rt.lock.acquire()
         try:
             fut = x.fut
@@ -2063,16 +2135,13 @@ class nixlAgent:
             if telemetry:
                 x.xfer_s = -1.0
                 x.start_us = int(t0 * 1e6) if _PERF_IS_STEADY else time.monotonic_ns() // 1000
-            post = x.post
-            if post is not None and (not msg or x.file or (
-                    x.write and len(msg) <= _wire.NOTIF_MAX
-                    and not msg.startswith(_wire.NOTIF_MAGIC))):
+            if direct:
                 # One aioxfer call, posted now, from this thread (a same-host
                 # copy may complete inside): what a coroutine awaiting it gets,
                 # without a wake-up of the loop thread. The flush the agent
                 # scheduled for the end of its loop iteration finds nothing to do.
                 try:
-                    fut = post(*x.one) if not msg or x.file else post(*x.one, notify=msg)
+                    fut = x.post(*x.one) if not msg or x.file else x.post(*x.one, notify=msg)
                     x.fut = fut
                     self._flush_fn()
                 except (XferError, ValueError, TypeError) as exc:
@@ -2091,7 +2160,7 @@ class nixlAgent:
                     raise err from None
                 x.fut = fut
             if telemetry:
-                x.post_s = time.perf_counter() - x.t0
+                x.post_s = time.perf_counter() - t0
             x.last_poll = 0.0
         finally:
             if rt._foreign:
