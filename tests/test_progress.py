@@ -261,14 +261,9 @@ async def test_done_callbacks_of_one_drain(make_agent, transport: str) -> None:
     await idle(init)
 
 
-async def test_inline_flood_lets_the_loop_run(make_agent) -> None:
-    """Awaits that complete inside their post do not starve the loop: a timer
-    fires while a coroutine writes one small transfer after another."""
-    init, target, peer = await _pair(make_agent, "shm", inline_bytes=64 * MiB)
-    target.alloc(MiB, name="dst")
-    await within(peer.refresh())
-    src = init.alloc(MiB, name="src")
-    remote = peer.region("dst")
+async def _small_writes_until_a_timer(init, src, remote) -> tuple[bool, int]:
+    """Awaits one 4 KiB write after another until a 10 ms timer fires (at
+    most 10 s): whether it fired, and how many writes ran."""
     fired = asyncio.Event()
     asyncio.get_running_loop().call_later(0.01, fired.set)
     deadline = time.monotonic() + 10
@@ -276,7 +271,18 @@ async def test_inline_flood_lets_the_loop_run(make_agent) -> None:
     while not fired.is_set() and time.monotonic() < deadline:
         await init.write(src[0:4096], remote[0:4096])
         n += 1
-    assert fired.is_set(), f"the loop never ran during {n} inline writes"
+    return fired.is_set(), n
+
+
+async def test_inline_flood_lets_the_loop_run(make_agent) -> None:
+    """Awaits that complete inside their post do not starve the loop: a timer
+    fires while a coroutine writes one small transfer after another."""
+    init, target, peer = await _pair(make_agent, "shm", inline_bytes=64 * MiB)
+    target.alloc(MiB, name="dst")
+    await within(peer.refresh())
+    src = init.alloc(MiB, name="src")
+    fired, n = await _small_writes_until_a_timer(init, src, peer.region("dst"))
+    assert fired, f"the loop never ran during {n} inline writes"
 
 
 @pytest.mark.parametrize("progress", MODES)
@@ -319,14 +325,8 @@ async def test_lone_tcp_awaits_let_the_loop_run(make_agent, progress: str) -> No
     await within(peer.refresh())
     src = init.alloc(MiB, name="src")
     remote = peer.region("dst")
-    fired = asyncio.Event()
-    asyncio.get_running_loop().call_later(0.01, fired.set)
-    deadline = time.monotonic() + 10
-    n = 0
-    while not fired.is_set() and time.monotonic() < deadline:
-        await init.write(src[0:4096], remote[0:4096])
-        n += 1
-    assert fired.is_set(), f"the loop never ran its timer during {n} awaited tcp writes"
+    fired, n = await _small_writes_until_a_timer(init, src, remote)
+    assert fired, f"the loop never ran its timer during {n} awaited tcp writes"
     ticks = 0
     done = False
 
