@@ -2067,6 +2067,11 @@ class nixlAgent:
             peer = x.peer
             if rem is not None and rem.gen != x.gen or peer is not None and peer.lost:
                 return self._post_general(x, notif_msg)  # (raises: the remote is gone)
+            # When a tight poller decides whether to spin for it. (Before the
+            # post: a large tcp request's post sends on this thread for
+            # milliseconds, and stamped after it, its completion would look
+            # soon and keep the poller spinning; CI caught that.)
+            x.t0 = time.perf_counter()
             try:
                 x.fut = fut = x.post(*x.one)
                 self._flush_fn()
@@ -2077,12 +2082,6 @@ class nixlAgent:
                 raise err from None
             rt._foreign = False  # (the agent's flush, scheduled: nothing left for it)
             done = fut.done()
-            if not done:
-                # When a tight poller decides whether to spin for it. (Taken
-                # after the post: one completed inside it, the usual small
-                # same-host copy, is never waited for; the post of one that
-                # was not takes a few µs at most.)
-                x.t0 = time.perf_counter()
             x.last_poll = 0.0
         finally:
             if rt._foreign:
