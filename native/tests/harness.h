@@ -199,6 +199,20 @@ static inline int t_verbs_connect(axf_engine *a, axf_engine *b, const char *prov
     return ndev;
 }
 
+/* B's region rid (key, len, access) imported into A's verbs endpoint ep,
+ * with the remote keys of each of B's ndev devices. 0, or 1 (reported). */
+static inline int t_verbs_import(axf_engine *a, axf_engine *b, uint64_t ep, int ndev,
+                                 uint64_t rid, uint64_t key, uint64_t len, uint32_t access)
+{
+    uint64_t addrs[AXF_VERBS_MAX_DEVICES];
+    uint32_t rkeys[AXF_VERBS_MAX_DEVICES];
+    int n = axf_verbs_region_keys(b, rid, addrs, rkeys, AXF_VERBS_MAX_DEVICES);
+    CHECK_EQ(n, ndev);
+    CHECK_EQ(axf_endpoint_import(a, ep, rid, key, len, access, 0, -1), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_verbs(a, ep, rid, addrs, rkeys, (size_t)n), AXF_OK);
+    return 0;
+}
+
 typedef int (*t_fn)(void);
 typedef struct t_case {
     const char *name;

@@ -107,13 +107,7 @@ static int verbs_import(xpair *p, uint64_t rid, uint64_t key, uint64_t len, uint
                         uint8_t *addr)
 {
     (void)addr;
-    uint64_t addrs[AXF_VERBS_MAX_DEVICES];
-    uint32_t rkeys[AXF_VERBS_MAX_DEVICES];
-    int n = axf_verbs_region_keys(p->b->e, rid, addrs, rkeys, AXF_VERBS_MAX_DEVICES);
-    CHECK_EQ(n, p->ndev);
-    CHECK_EQ(axf_endpoint_import(p->a->e, p->ep, rid, key, len, access, 0, -1), AXF_OK);
-    CHECK_EQ(axf_endpoint_import_verbs(p->a->e, p->ep, rid, addrs, rkeys, (size_t)n), AXF_OK);
-    return 0;
+    return t_verbs_import(p->a->e, p->b->e, p->ep, p->ndev, rid, key, len, access);
 }
 
 static int verbs_open(xpair *p)

@@ -264,42 +264,67 @@ static int test_memfd_region(void)
     return 0;
 }
 
+/* A sealed memfd pool of len bytes registered in b, a source of len bytes
+ * (filled from seed) registered in a with a_access, and a's shm endpoint
+ * with the pool imported through the memfd. */
+typedef struct memfd_pool {
+    tengine *a, *b;
+    int mfd;
+    uint8_t *pool, *src;
+    uint64_t len, brid, bkey, arid, akey, ep;
+} memfd_pool;
+
+static int mp_open(memfd_pool *m, uint64_t len, int seed, uint32_t a_access)
+{
+    memset(m, 0, sizeof *m);
+    m->len = len;
+    m->a = t_engine(NULL);
+    m->b = t_engine(NULL);
+    CHECK(m->a && m->b);
+    m->mfd = memfd_create("axf-test-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(m->mfd >= 0);
+    CHECK_EQ(ftruncate(m->mfd, (off_t)len), 0);
+    CHECK_EQ(fcntl(m->mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    m->pool = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, m->mfd, 0);
+    CHECK(m->pool != MAP_FAILED);
+    CHECK_EQ(axf_region_register(m->b->e, m->pool, len, AXF_ACCESS_READ | AXF_ACCESS_WRITE,
+                                 m->mfd, &m->brid, &m->bkey),
+             AXF_OK);
+    m->src = malloc(len);
+    CHECK(m->src);
+    t_fill(m->src, len, seed);
+    CHECK_EQ(axf_region_register(m->a->e, m->src, len, a_access, -1, &m->arid, &m->akey), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(m->a->e, AXF_EP_SHM, 1, getpid(), -1, &m->ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(m->a->e, m->ep, m->brid, m->bkey, len,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0, m->mfd),
+             AXF_OK);
+    return 0;
+}
+
+static void mp_close(memfd_pool *m)
+{
+    t_close(m->a);
+    t_close(m->b);
+    munmap(m->pool, m->len);
+    close(m->mfd);
+    free(m->src);
+}
+
 /* A 40 MiB pool: mapped and populated by several threads at once (shm.c),
  * then written whole and read back. */
 static int test_memfd_parallel_populate(void)
 {
-    tengine *a = t_engine(NULL), *b = t_engine(NULL);
-    CHECK(a && b);
-    const uint64_t LEN = (40u << 20) + 4096;
-    int mfd = memfd_create("axf-test-par", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    CHECK(mfd >= 0);
-    CHECK_EQ(ftruncate(mfd, (off_t)LEN), 0);
-    CHECK_EQ(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
-    uint8_t *pool = mmap(NULL, LEN, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
-    CHECK(pool != MAP_FAILED);
-    uint64_t brid, bkey, arid, akey, ep;
-    CHECK_EQ(axf_region_register(b->e, pool, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, mfd, &brid,
-                                 &bkey),
-             AXF_OK);
-    uint8_t *src = malloc(LEN);
-    CHECK(src);
-    t_fill(src, LEN, 12);
-    CHECK_EQ(axf_region_register(a->e, src, LEN, AXF_ACCESS_READ, -1, &arid, &akey), AXF_OK);
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
-    CHECK_EQ(axf_endpoint_import(a->e, ep, brid, bkey, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0,
-                                 mfd),
-             AXF_OK);
-    axf_desc w = {.lrid = arid, .loff = 0, .rrid = brid, .rkey = bkey, .roff = 0, .len = LEN};
+    memfd_pool m;
+    if (mp_open(&m, (40u << 20) + 4096, 12, AXF_ACCESS_READ))
+        return 1;
+    axf_desc w = {.lrid = m.arid, .loff = 0, .rrid = m.brid, .rkey = m.bkey, .roff = 0,
+                  .len = m.len};
     axf_completion c;
-    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &w, 1, NULL, 0, 7, 0), AXF_OK);
-    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 7, &c), 0);
+    CHECK_EQ(axf_post(m.a->e, m.ep, AXF_OP_WRITE, &w, 1, NULL, 0, 7, 0), AXF_OK);
+    CHECK_EQ(t_wait(m.a, AXF_CQ_XFER, 7, &c), 0);
     CHECK_EQ(c.status, AXF_OK);
-    CHECK(memcmp(pool, src, LEN) == 0);
-    t_close(a);
-    t_close(b);
-    munmap(pool, LEN);
-    close(mfd);
-    free(src);
+    CHECK(memcmp(m.pool, m.src, m.len) == 0);
+    mp_close(&m);
     return 0;
 }
 
@@ -313,66 +338,47 @@ static int test_memfd_lazy_populate(void)
 {
     uint64_t lazy_min = axf_shm_lazy_min;
     axf_shm_lazy_min = 4u << 20; /* rather than a pool of more than 1 GiB */
-    tengine *a = t_engine(NULL), *b = t_engine(NULL);
-    CHECK(a && b);
-    const uint64_t LEN = (24u << 20) + 12345;
-    int mfd = memfd_create("axf-test-lazy", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    CHECK(mfd >= 0);
-    CHECK_EQ(ftruncate(mfd, (off_t)LEN), 0);
-    CHECK_EQ(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
-    uint8_t *pool = mmap(NULL, LEN, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
-    CHECK(pool != MAP_FAILED);
-    uint64_t brid, bkey, arid, akey, ep;
-    CHECK_EQ(axf_region_register(b->e, pool, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, mfd, &brid,
-                                 &bkey),
-             AXF_OK);
-    uint8_t *src = malloc(LEN), *back = calloc(1, LEN);
-    CHECK(src && back);
-    t_fill(src, LEN, 11);
-    CHECK_EQ(axf_region_register(a->e, src, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &arid,
-                                 &akey),
-             AXF_OK);
+    memfd_pool m;
+    if (mp_open(&m, (24u << 20) + 12345, 11, AXF_ACCESS_READ | AXF_ACCESS_WRITE))
+        return 1;
+    const uint64_t LEN = m.len;
+    uint8_t *back = calloc(1, LEN);
+    CHECK(back);
     uint64_t crid, ckey;
-    CHECK_EQ(axf_region_register(a->e, back, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &crid,
+    CHECK_EQ(axf_region_register(m.a->e, back, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &crid,
                                  &ckey),
-             AXF_OK);
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
-    CHECK_EQ(axf_endpoint_import(a->e, ep, brid, bkey, LEN, AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0,
-                                 mfd),
              AXF_OK);
     enum { NS = 64 };
     axf_desc d[NS];
     for (int i = 0; i < NS; i++) { /* 4 KiB pieces spread over the pool, back to front */
         uint64_t off = (uint64_t)(NS - 1 - i) * ((20u << 20) / NS) + 777;
-        d[i] = (axf_desc){.lrid = arid, .loff = off, .rrid = brid, .rkey = bkey, .roff = off,
-                          .len = 4096};
+        d[i] = (axf_desc){.lrid = m.arid, .loff = off, .rrid = m.brid, .rkey = m.bkey,
+                          .roff = off, .len = 4096};
     }
     axf_completion c;
-    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, d, NS, NULL, 0, 1, 0), AXF_OK);
-    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(axf_post(m.a->e, m.ep, AXF_OP_WRITE, d, NS, NULL, 0, 1, 0), AXF_OK);
+    CHECK_EQ(t_wait(m.a, AXF_CQ_XFER, 1, &c), 0);
     CHECK_EQ(c.status, AXF_OK);
     for (int i = 0; i < NS; i++)
-        CHECK(memcmp(pool + d[i].roff, src + d[i].loff, 4096) == 0);
-    axf_desc w = {.lrid = arid, .loff = 0, .rrid = brid, .rkey = bkey, .roff = 0, .len = LEN};
-    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &w, 1, NULL, 0, 2, 0), AXF_OK);
-    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 2, &c), 0);
+        CHECK(memcmp(m.pool + d[i].roff, m.src + d[i].loff, 4096) == 0);
+    axf_desc w = {.lrid = m.arid, .loff = 0, .rrid = m.brid, .rkey = m.bkey, .roff = 0,
+                  .len = LEN};
+    CHECK_EQ(axf_post(m.a->e, m.ep, AXF_OP_WRITE, &w, 1, NULL, 0, 2, 0), AXF_OK);
+    CHECK_EQ(t_wait(m.a, AXF_CQ_XFER, 2, &c), 0);
     CHECK_EQ(c.status, AXF_OK);
-    CHECK(memcmp(pool, src, LEN) == 0);
-    axf_desc r = {.lrid = crid, .loff = 0, .rrid = brid, .rkey = bkey, .roff = 0, .len = LEN};
-    CHECK_EQ(axf_post(a->e, ep, AXF_OP_READ, &r, 1, NULL, 0, 3, 0), AXF_OK);
-    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 3, &c), 0);
+    CHECK(memcmp(m.pool, m.src, LEN) == 0);
+    axf_desc r = {.lrid = crid, .loff = 0, .rrid = m.brid, .rkey = m.bkey, .roff = 0, .len = LEN};
+    CHECK_EQ(axf_post(m.a->e, m.ep, AXF_OP_READ, &r, 1, NULL, 0, 3, 0), AXF_OK);
+    CHECK_EQ(t_wait(m.a, AXF_CQ_XFER, 3, &c), 0);
     CHECK_EQ(c.status, AXF_OK);
-    CHECK(memcmp(back, src, LEN) == 0);
+    CHECK(memcmp(back, m.src, LEN) == 0);
     /* A second import of the same pool, closed at once: the populator may
      * still be on it. */
     uint64_t ep2;
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 2, getpid(), -1, &ep2), AXF_OK);
-    CHECK_EQ(axf_endpoint_import(a->e, ep2, brid, bkey, LEN, AXF_ACCESS_READ, 0, mfd), AXF_OK);
-    t_close(a);
-    t_close(b);
-    munmap(pool, LEN);
-    close(mfd);
-    free(src);
+    CHECK_EQ(axf_endpoint_create(m.a->e, AXF_EP_SHM, 2, getpid(), -1, &ep2), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(m.a->e, ep2, m.brid, m.bkey, LEN, AXF_ACCESS_READ, 0, m.mfd),
+             AXF_OK);
+    mp_close(&m);
     free(back);
     axf_shm_lazy_min = lazy_min;
     /* The same pool populated at map time by several threads (16 MiB and up). */
