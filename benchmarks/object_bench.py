@@ -164,6 +164,7 @@ async def _kv_object_tier(agent: aioxfer.Agent, objs: Any, plain_put: Any, plain
     lens = np.full(n, size, dtype=np.uint64)
     names = ("put", "get", "plain_put", "plain_get")
     times: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
     async with kv.Store.open(agent, block_bytes=size,
                              tiers=[kv.ObjectTier(objs, prefix="kvbench/")]) as st:
         keys: list[bytes] = []
@@ -173,6 +174,7 @@ async def _kv_object_tier(agent: aioxfer.Agent, objs: Any, plain_put: Any, plain
             plain_keys = [f"kvplain/{rep}/{i}" for i in range(n)]
             for name in (names if rep % 2 == 0 else names[::-1]):
                 t0 = time.perf_counter()
+                c0 = time.process_time()
                 if name == "put":
                     res = await st.put(fresh, src.segments(offs, lens))
                     assert all(t is not None for t in res.tiers), res
@@ -190,6 +192,7 @@ async def _kv_object_tier(agent: aioxfer.Agent, objs: Any, plain_put: Any, plain
                         continue
                     assert await plain_get(plain_last) == total
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
         assert dst.obj == src.obj
     agent.deregister(src)
     agent.deregister(dst)
@@ -197,7 +200,7 @@ async def _kv_object_tier(agent: aioxfer.Agent, objs: Any, plain_put: Any, plain
     row: dict[str, Any] = {"case": "kv ObjectTier 64 KiB x 256", "bytes": total}
     for k, v in med.items():
         row[f"{k}_gbps"] = total / v / 1e9
-        row[f"{k}_cpu_s_per_gb"] = float("nan")
+        row[f"{k}_cpu_s_per_gb"] = statistics.median(cpu[k]) / (total / 1e9)
     row["put_ratio"] = med["plain_put"] / med["put"]
     row["get_ratio"] = med["plain_get"] / med["get"]
     return row
