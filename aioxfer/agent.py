@@ -153,8 +153,9 @@ class Agent:
     agent's in flight) up to this size is copied on the loop's thread inside
     the post, instead of by a copy worker (two thread wake-ups saved); batches
     keep the workers. None (the default): calibrated at start-up from this
-    machine's measured thread wake-up cost and memcpy bandwidth (a few MiB in
-    a VM, less on bare metal; ``$AIOXFER_INLINE_BYTES`` overrides it); an int:
+    machine's measured thread wake-up cost and memcpy bandwidth, rounded up
+    to a power of two, 64 KiB to 16 MiB (a few MiB in a VM, less on bare
+    metal; ``$AIOXFER_INLINE_BYTES`` overrides it); an int:
     that (other same-host requests up to the smaller of it and 64 KiB are
     copied at submit too); 0: never (every copy on the workers).
     """

@@ -782,8 +782,11 @@ static uint64_t cal_wake_ns(void)
             }
         pthread_join(th, NULL);
         if (n) {
+            /* The lower quartile, not the median: on a busy machine other
+             * threads' time slices land in some round trips and only make
+             * them longer, which moved the threshold by 4x between runs. */
             qsort(rt, (size_t)n, sizeof *rt, cal_u64_cmp);
-            res = rt[n / 2] / 2;
+            res = rt[n / 4] / 2;
         }
     }
     if (p.ping >= 0)
@@ -823,14 +826,25 @@ static void cal_run(void)
     c->wake_ns = cal_wake_ns();
     c->copy_mbps = cal_copy_mbps();
     /* Two wake-ups and a loop iteration saved, at copy_mbps bytes per
-     * microsecond. */
+     * microsecond; inline while the copy holds the caller's thread for at
+     * most twice what it saves (a lone awaited request is faster inline at
+     * any size: the bound is for the caller's other work). */
     uint64_t saved_ns = 2 * c->wake_ns + CAL_LOOP_NS;
-    uint64_t bytes = saved_ns * c->copy_mbps / 1000u;
+    uint64_t bytes = 2 * saved_ns * c->copy_mbps / 1000u;
     if (bytes < (64u << 10))
         bytes = 64u << 10;
-    if (bytes > (64ull << 20))
-        bytes = 64ull << 20;
-    c->inline_bytes = bytes;
+    if (bytes > (16ull << 20)) /* a busy machine's wake-ups, not a VM's */
+        bytes = 16ull << 20;
+    /* Up to a power of two: the estimate is good to a factor, and a
+     * threshold that moved with every start-up decided whether the same
+     * request was copied here or by a worker, tens of microseconds apart.
+     * Up, not down: for a lone awaited request the inline copy is the faster
+     * one at any size; the threshold only bounds how long it holds the
+     * caller's thread. */
+    uint64_t p2 = 64u << 10;
+    while (p2 < bytes)
+        p2 *= 2;
+    c->inline_bytes = p2;
     const char *env = getenv("AIOXFER_INLINE_BYTES");
     if (env && *env) {
         char *end;
