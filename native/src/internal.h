@@ -449,6 +449,9 @@ int shm_copy_inline(axf_engine *e, op *o);
 /* The shm transport's submit: e->mu held, released; the data phase inline
  * (small) or on the copy workers. */
 bool shm_post(axf_engine *e, op *o, uint32_t flags);
+/* Copy workers parked for want of a job, of *nworkers (tests: a deferred
+ * post holds only while none is awake). */
+uint32_t shm_parked_workers(axf_engine *e, uint32_t *nworkers);
 /* This process's calibration (measured once, thread-safe). */
 const axf_calibration *shm_calibration(void);
 

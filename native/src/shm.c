@@ -45,6 +45,7 @@ typedef struct shm_state {
     bool stop;
     pthread_t *workers;
     uint32_t nworkers;
+    uint32_t parked;       /* workers waiting for a job (mu) */
     atomic_bool dirty;     /* deferred copies queued, workers not woken (the doorbell) */
     uint64_t batch_inline; /* copies up to this run at submit (any post) */
 } shm_state;
@@ -530,8 +531,11 @@ static void *worker_main(void *arg)
     shm_state *sh = SH(e);
     pthread_mutex_lock(&sh->mu);
     for (;;) {
-        while (!sh->head && !sh->stop)
+        while (!sh->head && !sh->stop) {
+            sh->parked++;
             pthread_cond_wait(&sh->cv, &sh->mu);
+            sh->parked--;
+        }
         job *j = sh->head;
         if (!j)
             break; /* stopping and nothing queued */
@@ -855,6 +859,20 @@ static void cal_run(void)
     /* Spinning is worth at most what blocking costs. */
     uint64_t us = saved_ns / 1000u;
     c->poll_us = (uint32_t)(us < 20 ? 20 : us > 200 ? 200 : us);
+}
+
+uint32_t shm_parked_workers(axf_engine *e, uint32_t *nworkers)
+{
+    shm_state *sh = SH(e);
+    if (!sh) {
+        *nworkers = 0;
+        return 0;
+    }
+    pthread_mutex_lock(&sh->mu);
+    uint32_t n = sh->parked;
+    *nworkers = sh->nworkers;
+    pthread_mutex_unlock(&sh->mu);
+    return n;
 }
 
 const axf_calibration *shm_calibration(void)

@@ -455,7 +455,15 @@ static int test_defer_holds_until_doorbell(void)
         return 1;
     t_fill(p.asrc, 64, 7);
     axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = 64};
-    usleep(50 * 1000);
+    /* A deferred post wakes no worker; one still awake (a thread not started
+     * yet on a loaded machine) would take it. Every worker parked first. */
+    uint32_t parked = 0, nworkers = 1;
+    for (int i = 0; i < 5000 && parked < nworkers; i++) {
+        parked = shm_parked_workers(p.a->e, &nworkers);
+        if (parked < nworkers)
+            usleep(1000);
+    }
+    CHECK(nworkers > 0 && parked == nworkers);
     CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 31, AXF_POST_DEFER), AXF_OK);
     CHECK(t_quiet(p.a, AXF_CQ_XFER, 31, 100));
     CHECK(t_all(p.bdst, 64, 0));
