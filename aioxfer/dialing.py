@@ -154,10 +154,16 @@ class Dialer:
         return sock, accept
 
     async def open_meta(
-        self, address: str, purpose: Literal["data", "verbs"] = "data", *, meta: bool
+        self,
+        address: str,
+        purpose: Literal["data", "verbs"] = "data",
+        *,
+        meta: bool,
+        want_ticket: bool = False,
     ) -> tuple[socket.socket, Accept, AgentMeta | None]:
         """open(), and with meta the peer's metadata on the same connection
-        (None from a peer that does not send it there)."""
+        (None from a peer that does not send it there); want_ticket: ask for a
+        ticket for the peer's unix socket (Accept.ticket, protocol.Tickets)."""
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
         async with self.control_errors(address, "connecting to", "connect to"):
@@ -171,6 +177,7 @@ class Dialer:
                     purpose=purpose,
                     token=self._token,
                     meta=meta,
+                    want_ticket=want_ticket,
                 )
                 got = None
                 if meta and accept.meta:
