@@ -165,9 +165,7 @@ class Connector:
             # dialled now, beside the first one (added once regions are in).
             early = _EarlyConns(self._dialer, address, cfg.tcp_connections - 1)
         try:
-            sock0, accept0, meta0 = await self._dialer.open_meta(
-                address, meta=not cfg.local, want_ticket=cfg.local
-            )
+            sock0, accept0, meta0 = await self._dialer.open_meta(address, meta=not cfg.local)
         except BaseException:
             if early is not None:
                 await early.close()
@@ -395,11 +393,10 @@ class Connector:
                     why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
                     return None
                 # Its metadata and memfds come on this connection (Hello.meta),
-                # from a peer that does not send them there on another one. The
-                # ticket its tcp Accept gave us spares the Proof round.
+                # from a peer that does not send them there on another one.
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=self._config.incarnation,
-                    purpose="data", token=self._config.token, meta=True, ticket=meta.ticket,
+                    purpose="data", token=self._config.token, meta=True,
                 )
                 if (accept.name, accept.incarnation) != (meta.name, meta.incarnation):
                     why = f"its unix socket is served by another agent ({accept.name!r})"

@@ -154,16 +154,10 @@ class Dialer:
         return sock, accept
 
     async def open_meta(
-        self,
-        address: str,
-        purpose: Literal["data", "verbs"] = "data",
-        *,
-        meta: bool,
-        want_ticket: bool = False,
+        self, address: str, purpose: Literal["data", "verbs"] = "data", *, meta: bool
     ) -> tuple[socket.socket, Accept, AgentMeta | None]:
         """open(), and with meta the peer's metadata on the same connection
-        (None from a peer that does not send it there); want_ticket: ask for a
-        ticket for the peer's unix socket (Accept.ticket, protocol.Tickets)."""
+        (None from a peer that does not send it there)."""
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
         async with self.control_errors(address, "connecting to", "connect to"):
@@ -177,7 +171,6 @@ class Dialer:
                     purpose=purpose,
                     token=self._token,
                     meta=meta,
-                    want_ticket=want_ticket,
                 )
                 got = None
                 if meta and accept.meta:

@@ -71,14 +71,6 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # its memfds follow) right after Accept, then hands the connection to its
     # engine: no separate "meta" connection (two round trips fewer).
     meta: bool = False
-    # A same-host "data" connection on the server's unix socket: the ticket its
-    # tcp Accept gave us, and HMAC(token, ticket context + ticket + name). The
-    # server that honours it needs no Proof (see protocol.Tickets).
-    ticket: Nonce = b""
-    ticket_proof: Nonce = b""
-    # A tcp "data" client that may go on to the server's unix socket asks for
-    # a ticket for it (Accept.ticket).
-    want_ticket: bool = False
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
@@ -88,13 +80,11 @@ class Challenge(msgspec.Struct, tag="challenge", frozen=True):
     """Server to client when the server has a token.
 
     ``proof`` = HMAC(token, server context + client nonce): the server shows it
-    knows the token too; ``nonce`` is what the client must answer, unless
-    ``resumed``: the Hello's ticket proved the client, Accept follows at once.
+    knows the token too; ``nonce`` is what the client must answer.
     """
 
     nonce: Nonce
     proof: Nonce
-    resumed: bool = False
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):
@@ -115,9 +105,6 @@ class Accept(msgspec.Struct, tag="accept", frozen=True):
     # The AgentMeta the client asked for (Hello.meta) follows (an older server
     # ignores the request: then the client fetches it on its own connection).
     meta: bool = False
-    # Sent only after authentication, on a tcp "data" connection of a server
-    # with a unix socket: single use, for the client's Hello there (Hello.ticket).
-    ticket: Nonce = b""
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)

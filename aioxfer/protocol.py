@@ -14,19 +14,6 @@ Handshake (client left, server right)::
                    <- Challenge{nonce_s, HMAC(token, SERVER_CTX + nonce_c)}   (token only)
     Proof{HMAC(token, CLIENT_CTX + nonce_s + name)}       ->                  (token only)
                    <- Accept{name, incarnation}  |  Reject{reason}, close
-
-A same-host client goes on from a tcp "data" connection to the server's unix
-socket. Its tcp Hello asks for a ticket (want_ticket) and the tcp Accept,
-sent once the client proved itself, carries one (16 random bytes, single use,
-valid for the peer timeout; see Tickets). On the unix socket the Proof round
-is then skipped::
-
-    Hello{..., nonce_c, ticket, HMAC(token, TICKET_CTX + ticket + name)}  ->
-                   <- Challenge{nonce_s, HMAC(token, SERVER_CTX + nonce_c), resumed}
-                   <- Accept ...                                   (resumed: no Proof)
-
-A ticket the server does not honour (unknown, used, expired, another name, a
-wrong proof) leaves resumed false and the client sends its Proof as usual.
     "meta":        <- AgentMeta, close
     "data":        native engine frames both ways from here on
     "data", Hello.meta (Accept.meta says it follows):
@@ -44,8 +31,6 @@ import hmac
 import secrets
 import socket
 import sys
-import time
-from collections.abc import Callable
 
 import msgspec
 
@@ -70,7 +55,6 @@ __all__ = [
     "META_GO",
     "FrameTooLarge",
     "HandshakeRejected",
-    "Tickets",
     "client_handshake",
     "client_proof",
     "encode_frame",
@@ -99,7 +83,6 @@ MAX_NAME = 256
 META_GO = b"\x01"
 _SERVER_CTX = b"aioxfer-server-v1\x00"
 _CLIENT_CTX = b"aioxfer-client-v1\x00"
-_TICKET_CTX = b"aioxfer-ticket-v1\x00"
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
@@ -198,62 +181,6 @@ def client_proof(token: bytes, server_nonce: bytes, name: str) -> bytes:
     return hmac.new(token, _CLIENT_CTX + server_nonce + name.encode(), hashlib.sha256).digest()
 
 
-def ticket_proof(token: bytes, ticket: bytes, name: str) -> bytes:
-    return hmac.new(token, _TICKET_CTX + ticket + name.encode(), hashlib.sha256).digest()
-
-
-class Tickets:
-    """The unix-socket tickets a server has given out (Accept.ticket).
-
-    A ticket is issued only on a tcp "data" connection whose client proved it
-    knows the token, and only by a server with a token. On the unix socket it
-    stands in for the server nonce of a Challenge: the client's Hello carries
-    HMAC(token, ticket context + ticket + name), so the server knows the
-    client holds the token without a Proof round, and since each ticket is
-    honoured once (taken out when presented, whatever follows), a recorded
-    Hello cannot be replayed. The server still proves itself (Challenge.proof
-    over the client's fresh nonce) and the kernel still says who connected
-    (same user only). At most ``cap`` are live, each for ``ttl`` seconds;
-    over the cap none is issued (the client proves itself as usual).
-    """
-
-    __slots__ = ("_ttl", "_cap", "_clock", "_live")
-
-    def __init__(self, ttl: float, cap: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._ttl = ttl
-        self._cap = cap
-        self._clock = clock
-        self._live: dict[bytes, tuple[str, float]] = {}  # ticket -> (name, expiry), in issue order
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def issue(self, name: str) -> bytes:
-        """A new ticket for client ``name``, or b"" when ``cap`` are live."""
-        now = self._clock()
-        while self._live:  # issued in order, same ttl: the oldest expire first
-            oldest = next(iter(self._live))
-            if self._live[oldest][1] > now:
-                break
-            del self._live[oldest]
-        if len(self._live) >= self._cap:
-            return b""
-        ticket = secrets.token_bytes(NONCE_BYTES)
-        self._live[ticket] = (name, now + self._ttl)
-        return ticket
-
-    def redeem(self, ticket: bytes, name: str, proof: bytes, token: bytes) -> bool:
-        """True if ``ticket`` is live, was issued to ``name``, and ``proof``
-        is that client's ticket proof. The ticket is used up either way."""
-        entry = self._live.pop(ticket, None)
-        if entry is None:
-            return False
-        owner, expiry = entry
-        if expiry <= self._clock() or owner != name:
-            return False
-        return hmac.compare_digest(proof, ticket_proof(token, ticket, name))
-
-
 def _unexpected(got: Frame, want: str) -> ProtocolError:
     return ProtocolError(f"expected {want}, got {type(got).__name__}")
 
@@ -267,13 +194,9 @@ async def _client_handshake(
     purpose: Purpose,
     token: bytes | None,
     meta: bool,
-    ticket: bytes,
-    want_ticket: bool,
 ) -> Accept:
     """See client_handshake."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    if token is None:
-        ticket = b""
     hello = Hello(
         version=PROTOCOL_VERSION,
         name=name,
@@ -282,9 +205,6 @@ async def _client_handshake(
         nonce=nonce,
         byteorder=sys.byteorder,
         meta=meta,
-        ticket=ticket,
-        ticket_proof=ticket_proof(token, ticket, name) if ticket and token else b"",
-        want_ticket=want_ticket and token is not None,
     )
     await send_frame(loop, sock, hello)
     msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
@@ -295,10 +215,7 @@ async def _client_handshake(
             raise AccessDenied("peer failed to prove it knows the token")
         if len(msg.nonce) != NONCE_BYTES:
             raise ProtocolError(f"challenge nonce must be {NONCE_BYTES} bytes")
-        if msg.resumed and not ticket:
-            raise ProtocolError("the peer took a ticket we did not send")
-        if not msg.resumed:
-            await send_frame(loop, sock, Proof(proof=client_proof(token, msg.nonce, name)))
+        await send_frame(loop, sock, Proof(proof=client_proof(token, msg.nonce, name)))
         msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     elif isinstance(msg, Accept) and token is not None:
         raise AccessDenied("peer does not authenticate with a token, but this agent requires one")
@@ -315,8 +232,6 @@ async def _server_handshake(
     *,
     token: bytes | None,
     accept: Accept,
-    tickets: Tickets | None,
-    local: bool,
 ) -> Hello:
     """See server_handshake."""
     hello = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
@@ -336,42 +251,20 @@ async def _server_handshake(
         raise ProtocolError(f"client byte order {hello.byteorder} is not {sys.byteorder}")
     if token is not None:
         nonce = secrets.token_bytes(NONCE_BYTES)
-        # Only on the unix socket (where the kernel already said it is our
-        # user), only for "data", and only once per ticket.
-        resumed = (
-            local
-            and tickets is not None
-            and hello.purpose == "data"
-            and bool(hello.ticket)
-            and tickets.redeem(hello.ticket, hello.name, hello.ticket_proof, token)
-        )
-        await send_frame(
-            loop, sock,
-            Challenge(nonce=nonce, proof=server_proof(token, hello.nonce), resumed=resumed),
-        )
-        if not resumed:
-            try:
-                answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
-            except ProtocolError as exc:
-                raise HandshakeRejected(
-                    f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
-                ) from None
-            if not isinstance(answer, Proof):
-                raise _unexpected(answer, "Proof")
-            if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.name)):
-                await _reject(loop, sock, "bad token")
-                raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
+        await send_frame(loop, sock, Challenge(nonce=nonce, proof=server_proof(token, hello.nonce)))
+        try:
+            answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
+        except ProtocolError as exc:
+            raise HandshakeRejected(
+                f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
+            ) from None
+        if not isinstance(answer, Proof):
+            raise _unexpected(answer, "Proof")
+        if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.name)):
+            await _reject(loop, sock, "bad token")
+            raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
     if hello.meta and hello.purpose == "data":
         accept = msgspec.structs.replace(accept, meta=True)  # the caller sends it
-    if (
-        token is not None
-        and tickets is not None
-        and not local
-        and hello.want_ticket
-        and hello.purpose == "data"
-        and accept.local
-    ):
-        accept = msgspec.structs.replace(accept, ticket=tickets.issue(hello.name))
     await send_frame(loop, sock, accept)
     return hello
 
@@ -385,16 +278,13 @@ async def client_handshake(
     purpose: Purpose,
     token: bytes | None,
     meta: bool = False,
-    ticket: bytes = b"",
-    want_ticket: bool = False,
 ) -> Accept:
     """Runs the client half; returns the server's Accept.
 
     meta ("data" only): ask for the server's metadata on this connection; if
     the Accept says it follows (``accept.meta``), the caller reads it
     (``recv_frame``; memfds on a unix socket; ``recv_go``) before the engine
-    takes the connection. want_ticket (tcp "data"): ask for a ticket for the
-    server's unix socket (``accept.ticket``); ticket: present one there.
+    takes the connection.
 
     Raises AccessDenied when the server rejects us, when its proof is wrong, when
     it wants a token we do not have, or when we have a token and it does not
@@ -405,7 +295,7 @@ async def client_handshake(
     try:
         return await _client_handshake(
             loop, sock, name=name, incarnation=incarnation, purpose=purpose, token=token,
-            meta=meta, ticket=ticket, want_ticket=want_ticket,
+            meta=meta,
         )
     except XferError:
         _shutdown(sock)
@@ -418,21 +308,16 @@ async def server_handshake(
     *,
     token: bytes | None,
     accept: Accept,
-    tickets: Tickets | None = None,
-    local: bool = False,
 ) -> Hello:
     """Runs the server half up to and including sending ``accept`` (with
     ``meta=True`` when the client asked for the metadata on a "data"
-    connection: the caller then sends it, see META_GO). tickets: issued on
-    tcp (``local`` False) to clients that ask, honoured on the unix socket.
+    connection: the caller then sends it, see META_GO).
 
     Raises HandshakeRejected (after sending Reject) when authentication fails,
     ProtocolError on anything malformed; either way the socket is shut down.
     """
     try:
-        return await _server_handshake(
-            loop, sock, token=token, accept=accept, tickets=tickets, local=local
-        )
+        return await _server_handshake(loop, sock, token=token, accept=accept)
     except XferError:
         _shutdown(sock)
         raise

@@ -26,7 +26,6 @@ from aioxfer.metadata import Accept, AgentMeta, VerbsAccept, VerbsConnect, Verbs
 from aioxfer.protocol import (
     META_GO,
     HandshakeRejected,
-    Tickets,
     encode_frame,
     recv_frame,
     send_frame,
@@ -70,7 +69,6 @@ class Server:
         "_tag_unref",
         "_tasks",
         "_closed",
-        "_tickets",
     )
 
     def __init__(
@@ -96,9 +94,6 @@ class Server:
         self._accept = accept
         self._peer_timeout = peer_timeout
         self._max_handshakes = max_handshakes
-        # Unix-socket tickets for authenticated tcp clients (protocol.Tickets):
-        # valid as long as a handshake may take, as many as may run at once.
-        self._tickets = Tickets(peer_timeout, max_handshakes) if accept.local else None
         self._verbs_devices = verbs_devices
         self._meta = meta
         self._local_meta = local_meta
@@ -162,8 +157,6 @@ class Server:
                     sock,
                     token=self._token,
                     accept=self._accept,
-                    tickets=self._tickets,
-                    local=local,
                 )
                 if hello.purpose == "meta":
                     if local:
