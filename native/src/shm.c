@@ -297,8 +297,17 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * shared cores), 47 ms to connect + 45 ms of writes became 0.3 ms + 83
      * ms, and the Python demo's throughput halved (7.7 -> 3.7 GB/s); an
      * earlier try that let the copies fault instead cut it from ~8.5 to ~2.5
-     * GB/s. A kernel without MADV_POPULATE_READ (before 5.14) uses
-     * MAP_POPULATE throughout.
+     * GB/s. A third try (2026-12-04) mapped every pool from 16 MiB lazily
+     * and sent the copies aimed at granules not yet populated through
+     * cross-memory attach into the owner's own (populated) mapping instead:
+     * connect + first 4 KiB write 50-90 ms -> 0.2 ms at 512 MiB, but the
+     * demo's window halved again (C engines, 512 MiB: 1.6-2.3 -> 0.8-1.1
+     * GB/s; Python demo 2.9 -> 1.4 GB/s, medians, loaded 2-core machine):
+     * scattered 16 KiB process_vm_writev runs ~2x slower than memcpy into a
+     * populated mapping here, with or without the populator. On two busy
+     * cores any lazy scheme moves the populate into the first writes. A
+     * kernel without MADV_POPULATE_READ (before 5.14) uses MAP_POPULATE
+     * throughout.
      * Mapped from the fd itself: never reopened by number through /proc. A
      * read-only fd, or one sealed against writing, fails here for a
      * writable region. */
