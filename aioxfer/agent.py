@@ -468,7 +468,7 @@ class Agent:
         self._loop = loop
         if self.progress != "sleep":
             self._poller = _progress.Poller(
-                sub, self._engine.wait, loop, self.progress, self._engine.poll_us
+                sub, self._engine.wait_polls, loop, self.progress, self._engine.poll_us
             )
         sub.started(loop, self._poller)
         server = Server(

@@ -202,6 +202,22 @@ cdef class Engine:
         self._busy -= 1
         return n
 
+    def wait_polls(self, uint32_t max_us):
+        """wait(), for a caller that polls (poll() or drain()) right after a
+        nonzero return, always: what came while it spun is left unsignalled
+        for that poll (AXF_WAIT_POLLS: no eventfd write here, no read there)."""
+        cdef size_t n
+        # Inside a drain (a callback of its), the caller's drain would raise:
+        # then what came is signalled, as wait() does.
+        cdef uint32_t flags = 0 if self._polling else AXF_WAIT_POLLS
+        if self._e == NULL:
+            return 0
+        self._busy += 1
+        with nogil:
+            n = axf_wait_ex(self._e, max_us, flags)
+        self._busy -= 1
+        return n
+
     def shutdown(self):
         """Fails everything pending with E_CLOSED and frees every region; the
         records still have to be polled. Idempotent; no-op once closed."""

@@ -279,6 +279,11 @@ size_t axf_poll(axf_engine *e, axf_completion *out, size_t max);
  * eventfd is written by then. Takes nothing: axf_poll them. For a caller
  * that has work in flight and nothing else to do (bounded busy-polling). */
 size_t axf_wait(axf_engine *e, uint32_t max_us);
+/* axf_wait with flags: AXF_WAIT_POLLS, the caller promises to axf_poll right
+ * after a nonzero return: then records that came while it spun are left to
+ * that poll, unsignalled (no eventfd write here, none to clear there). */
+#define AXF_WAIT_POLLS 1u
+size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags);
 
 /* This machine's costs, measured once per process (the first call, or the
  * first engine made with inline_bytes 0): a thread wake-up through an

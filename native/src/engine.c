@@ -182,7 +182,9 @@ static inline void cpu_relax(void)
 #endif
 }
 
-size_t axf_wait(axf_engine *e, uint32_t max_us)
+size_t axf_wait(axf_engine *e, uint32_t max_us) { return axf_wait_ex(e, max_us, 0); }
+
+size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
 {
     size_t n = atomic_load_explicit(&e->cq_ready, memory_order_acquire);
     bool spun = false;
@@ -211,6 +213,13 @@ size_t axf_wait(axf_engine *e, uint32_t max_us)
         spun = true;
     }
     if (n) {
+        /* AXF_WAIT_POLLS: the caller polls next, and that poll takes the
+         * records (or signals what it leaves, as axf_poll does): records a
+         * push left unsignalled for our spin stay so, and that poll, finding
+         * the eventfd unsignalled, does not read it either: two system calls
+         * fewer on the way of a request awaited alone. */
+        if (spun && (flags & AXF_WAIT_POLLS))
+            return n;
         /* A pusher writes the eventfd before unlocking: once we hold the
          * lock, a reader of the eventfd sees it readable. Records a push
          * left unsignalled for our spin we signal here, under cq_mu like a
