@@ -108,6 +108,7 @@ class Engine:
         max_notify_per_conn: int = 0,
         revoke_timeout_ms: int = 0,
         reply_queue_bytes: int = 0,
+        target_poll_us: int = 0,
     ) -> Self: ...
     batch_wakeups: bool
     def fileno(self) -> int: ...

@@ -67,6 +67,7 @@ cdef extern from "aioxfer.h" nogil:
         uint32_t max_notify_per_conn
         uint32_t revoke_timeout_ms
         uint64_t reply_queue_bytes
+        uint32_t target_poll_us
 
     ctypedef struct axf_desc:
         uint64_t lrid

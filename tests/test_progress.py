@@ -88,9 +88,10 @@ async def test_inline_bytes_settings() -> None:
 # --------------------------------------------------------------- data
 
 
-async def _pair(make_agent, transport: str, **kw):
+async def _pair(make_agent, transport: str, both: bool = False, **kw):
+    """An initiator made with kw (the target too, if both) and its peer."""
     tkw = transport_kwargs(transport)
-    target = await make_agent("target", **tkw)
+    target = await make_agent("target", **tkw, **(kw if both else {}))
     init = await make_agent("init", **tkw, **kw)
     peer = await within(init.connect(target.address))
     return init, target, peer
@@ -100,7 +101,8 @@ async def _pair(make_agent, transport: str, **kw):
 @pytest.mark.parametrize("progress", MODES)
 async def test_lone_requests_through_each_mode(make_agent, transport: str,
                                                progress: str) -> None:
-    init, target, peer = await _pair(make_agent, transport, progress=progress)
+    # The target in the same mode: its tcp receivers poll for requests, or not.
+    init, target, peer = await _pair(make_agent, transport, both=True, progress=progress)
     size = 4 * MiB
     dst = target.alloc(size, name="dst")
     await within(peer.refresh())

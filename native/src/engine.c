@@ -271,6 +271,8 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         e->cfg.revoke_timeout_ms = 10000;
     if (!e->cfg.reply_queue_bytes)
         e->cfg.reply_queue_bytes = 64u << 20;
+    if (!e->cfg.target_poll_us)
+        e->cfg.target_poll_us = 100;
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->efd < 0) {
         free(e);
