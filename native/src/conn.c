@@ -1002,10 +1002,13 @@ static int rx_spin_one(conn *c, wire_hdr *h, uint32_t us)
     return got;
 }
 
-/* Whether a served frame was a request's last (its reply is out). */
-static bool rx_answered(const conn *c, const wire_hdr *h)
+/* Whether a served frame was a request's last and its reply is out: sent
+ * from here (conn_kick), not handed to the sending thread (a large READ
+ * response), which a poll here would compete with for a CPU. */
+static bool rx_answered(conn *c, const wire_hdr *h)
 {
-    return !c->ep && (h->type == FR_WRITE || h->type == FR_READ_REQ) && (h->flags & FL_LAST);
+    return !c->ep && (h->type == FR_WRITE || h->type == FR_READ_REQ) && (h->flags & FL_LAST) &&
+           atomic_load(&c->reply_bytes) == 0;
 }
 
 /* Reads and serves frames until one ends the connection: why.
