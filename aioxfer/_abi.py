@@ -46,6 +46,7 @@ CQ_LOG: Final = 5
 CQ_CONN_CLOSED: Final = 6
 CQ_RAIL_DOWN: Final = 7
 MAX_NOTIFY: Final = 4096
+WAIT_POLLS: Final = 1
 VERBS_MAX_DEVICES: Final = 8
 CUDA_IPC_HANDLE: Final = 64
 MAX_CONNS: Final = 16

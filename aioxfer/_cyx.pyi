@@ -57,6 +57,7 @@ CQ_LOG: Final[int]
 CQ_CONN_CLOSED: Final[int]
 CQ_RAIL_DOWN: Final[int]
 MAX_NOTIFY: Final[int]
+WAIT_POLLS: Final[int]
 VERBS_MAX_DEVICES: Final[int]
 CUDA_IPC_HANDLE: Final[int]
 MAX_CONNS: Final[int]
@@ -107,6 +108,7 @@ class Engine:
         max_notify_per_conn: int = 0,
         revoke_timeout_ms: int = 0,
         reply_queue_bytes: int = 0,
+        target_poll_us: int = 0,
     ) -> Self: ...
     batch_wakeups: bool
     def fileno(self) -> int: ...
@@ -117,6 +119,7 @@ class Engine:
     @property
     def poll_us(self) -> int: ...
     def wait(self, max_us: int) -> int: ...
+    def wait_polls(self, max_us: int) -> int: ...
     def shutdown(self) -> None: ...
     def close(self) -> None: ...
     # regions

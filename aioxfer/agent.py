@@ -257,6 +257,7 @@ class Agent:
             revoke_timeout_ms=max(1, round(limits.revoke_timeout * 1000)),
             reply_queue_bytes=limits.reply_queue_bytes,
             inline_bytes=0 if inline_bytes is None else inline_bytes or _NEVER_INLINE,
+            target_poll_us=_progress.target_poll_us(self.progress),
         )
         self._fd = self._engine.fileno()
         self._poller: _progress.Poller | None = None
@@ -469,7 +470,7 @@ class Agent:
         self._loop = loop
         if self.progress != "sleep":
             self._poller = _progress.Poller(
-                sub, self._engine.wait, loop, self.progress, self._engine.poll_us
+                sub, self._engine.wait_polls, loop, self.progress, self._engine.poll_us
             )
         sub.started(loop, self._poller)
         server = Server(

@@ -43,6 +43,7 @@ cdef extern from *:
     _Static_assert(AXF_CQ_CONN_CLOSED == 6, "cyx/_abi.pxi is stale (AXF_CQ_CONN_CLOSED): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_RAIL_DOWN == 7, "cyx/_abi.pxi is stale (AXF_CQ_RAIL_DOWN): run tools/gen_abi.py");
     _Static_assert(AXF_MAX_NOTIFY == 4096, "cyx/_abi.pxi is stale (AXF_MAX_NOTIFY): run tools/gen_abi.py");
+    _Static_assert(AXF_WAIT_POLLS == 1, "cyx/_abi.pxi is stale (AXF_WAIT_POLLS): run tools/gen_abi.py");
     _Static_assert(AXF_VERBS_MAX_DEVICES == 8, "cyx/_abi.pxi is stale (AXF_VERBS_MAX_DEVICES): run tools/gen_abi.py");
     _Static_assert(AXF_CUDA_IPC_HANDLE == 64, "cyx/_abi.pxi is stale (AXF_CUDA_IPC_HANDLE): run tools/gen_abi.py");
     """
@@ -87,6 +88,7 @@ CQ_LOG = 5
 CQ_CONN_CLOSED = 6
 CQ_RAIL_DOWN = 7
 MAX_NOTIFY = 4096
+WAIT_POLLS = 1
 VERBS_MAX_DEVICES = 8
 CUDA_IPC_HANDLE = 64
 MAX_CONNS = 16

@@ -40,6 +40,7 @@ cdef extern from "aioxfer.h" nogil:
 
     uint32_t AXF_POST_DEFER
     uint32_t AXF_POST_POLL
+    uint32_t AXF_WAIT_POLLS
     uint32_t AXF_POST_ALONE
 
     uint32_t AXF_CQ_XFER
@@ -66,6 +67,7 @@ cdef extern from "aioxfer.h" nogil:
         uint32_t max_notify_per_conn
         uint32_t revoke_timeout_ms
         uint64_t reply_queue_bytes
+        uint32_t target_poll_us
 
     ctypedef struct axf_desc:
         uint64_t lrid
@@ -142,6 +144,7 @@ cdef extern from "aioxfer.h" nogil:
 
     size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
     size_t axf_wait(axf_engine *e, uint32_t max_us)
+    size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
 
     ctypedef struct axf_calibration:
         uint64_t wake_ns

@@ -27,7 +27,7 @@ cdef class Engine:
                   uint64_t inline_bytes=0, uint32_t keepalive_ms=0,
                   uint32_t peer_timeout_ms=0, uint32_t stall_ms=0, uint32_t max_conns=0,
                   uint32_t max_notify_per_conn=0, uint32_t revoke_timeout_ms=0,
-                  uint64_t reply_queue_bytes=0):
+                  uint64_t reply_queue_bytes=0, uint32_t target_poll_us=0):
         # 0 everywhere: the engine's documented default (native/include/aioxfer.h).
         cdef axf_config cfg
         memset(&cfg, 0, sizeof(cfg))
@@ -41,6 +41,7 @@ cdef class Engine:
         cfg.max_notify_per_conn = max_notify_per_conn
         cfg.revoke_timeout_ms = revoke_timeout_ms
         cfg.reply_queue_bytes = reply_queue_bytes
+        cfg.target_poll_us = target_poll_us
         self._pins = {}
         self._fd = -1
         self._cq = <axf_completion *>PyMem_Malloc(POLL_DEFAULT * sizeof(axf_completion))
@@ -199,6 +200,22 @@ cdef class Engine:
         self._busy += 1
         with nogil:
             n = axf_wait(self._e, max_us)
+        self._busy -= 1
+        return n
+
+    def wait_polls(self, uint32_t max_us):
+        """wait(), for a caller that polls (poll() or drain()) right after a
+        nonzero return, always: what came while it spun is left unsignalled
+        for that poll (AXF_WAIT_POLLS: no eventfd write here, no read there)."""
+        cdef size_t n
+        # Inside a drain (a callback of its), the caller's drain would raise:
+        # then what came is signalled, as wait() does.
+        cdef uint32_t flags = 0 if self._polling else AXF_WAIT_POLLS
+        if self._e == NULL:
+            return 0
+        self._busy += 1
+        with nogil:
+            n = axf_wait_ex(self._e, max_us, flags)
         self._busy -= 1
         return n
 

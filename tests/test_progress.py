@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
+import select
 import signal
 import time
 
@@ -92,9 +93,10 @@ async def test_inline_bytes_settings() -> None:
 # --------------------------------------------------------------- data
 
 
-async def _pair(make_agent, transport: str, **kw):
+async def _pair(make_agent, transport: str, both: bool = False, **kw):
+    """An initiator made with kw (the target too, if both) and its peer."""
     tkw = transport_kwargs(transport)
-    target = await make_agent("target", **tkw)
+    target = await make_agent("target", **tkw, **(kw if both else {}))
     init = await make_agent("init", **tkw, **kw)
     peer = await within(init.connect(target.address))
     return init, target, peer
@@ -104,7 +106,8 @@ async def _pair(make_agent, transport: str, **kw):
 @pytest.mark.parametrize("progress", MODES)
 async def test_lone_requests_through_each_mode(make_agent, transport: str,
                                                progress: str) -> None:
-    init, target, peer = await _pair(make_agent, transport, progress=progress)
+    # The target in the same mode: its tcp receivers poll for requests, or not.
+    init, target, peer = await _pair(make_agent, transport, both=True, progress=progress)
     size = 4 * MiB
     dst = target.alloc(size, name="dst")
     await within(peer.refresh())
@@ -217,6 +220,34 @@ async def test_wait_then_poll_from_the_caller(make_agent, transport: str) -> Non
     init.poll()
     assert t.done() and t.result().nbytes == 65536
     assert np.array_equal(dst.numpy()[:65536], data[:65536])
+    await idle(init)
+
+
+async def test_wait_polls_leaves_records_to_the_poll(make_agent) -> None:
+    """Engine.wait_polls (the Poller's wait: AXF_WAIT_POLLS) for a caller that
+    drains after it: what its spin saw is not signalled on the eventfd, and the
+    drain that follows takes it, finishes the transfer and leaves the eventfd
+    unreadable (no stale wake-up for the loop's reader)."""
+    init, target, peer = await _pair(make_agent, "tcp", progress="sleep")
+    size = MiB  # sent by the connection's thread: not done inside the flush
+    dst = target.alloc(size, name="dst")
+    await within(peer.refresh())
+    remote = peer.region("dst")
+    data = pattern(size, 36)
+    src = init.register(data.copy(), name="src")
+    engine = init._sub._engine
+    fd = init.fileno()
+    for _ in range(10):
+        dst.numpy()[:] = 0
+        t = init.write(src[0:size], remote[0:size])
+        init.flush()
+        deadline = time.monotonic() + 10
+        while not t.done() and not engine.wait_polls(init.poll_us):  # the loop never runs
+            assert time.monotonic() < deadline, "no completion within 10 s"
+        init.poll()
+        assert t.done() and t.result().nbytes == size
+        assert select.select([fd], [], [], 0)[0] == []
+        assert np.array_equal(dst.numpy(), data)
     await idle(init)
 
 

@@ -2,7 +2,9 @@
  *
  * Threading: every function may be called from the Python loop thread. Bulk
  * copies, socket I/O and keepalives run on engine-owned threads that sleep in
- * blocking syscalls or condition waits; nothing spins. Completions from every
+ * blocking syscalls or condition waits; nothing spins while idle (a tcp
+ * receiver that answered a request may poll for the next one, bounded:
+ * axf_config.target_poll_us). Completions from every
  * transport land in one ring; the engine writes axf_engine_fd() (an eventfd)
  * when the ring goes from empty to non-empty. Besides those threads, the
  * caller's may copy (a lone same-host request, AXF_POST_ALONE) or poll the
@@ -121,6 +123,11 @@ typedef struct axf_config {
     uint64_t reply_queue_bytes; /* replies (READ responses, acknowledgements) queued on one
                                  connection, counting their payload: at this much its
                                  receiver stops reading until they drain (default 64 MiB) */
+    uint32_t target_poll_us;  /* a receiver that answered a request polls its socket for the
+                                 next one while that peer's requests come within this of
+                                 its answers, for twice their average gap (one receiver
+                                 of the engine at a time). 0: default 100; UINT32_MAX:
+                                 never (nothing polls: progress "sleep") */
 } axf_config;
 
 /* One descriptor: local (region, offset) <-> remote (region, key, offset), len. */
@@ -279,6 +286,11 @@ size_t axf_poll(axf_engine *e, axf_completion *out, size_t max);
  * eventfd is written by then. Takes nothing: axf_poll them. For a caller
  * that has work in flight and nothing else to do (bounded busy-polling). */
 size_t axf_wait(axf_engine *e, uint32_t max_us);
+/* axf_wait with flags: AXF_WAIT_POLLS, the caller promises to axf_poll right
+ * after a nonzero return: then records that came while it spun are left to
+ * that poll, unsignalled (no eventfd write here, none to clear there). */
+#define AXF_WAIT_POLLS 1u
+size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags);
 
 /* This machine's costs, measured once per process (the first call, or the
  * first engine made with inline_bytes 0): a thread wake-up through an

@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,7 @@
 #define INLINE_SEND (64u << 10) /* frames sent on the caller's thread, at most */
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
 #define DISCARD_BYTES (64u << 10)
+#define RX_SPIN_MIN_US 10u /* a target's poll lasts twice the requests' average gap and this */
 
 /* rx reason for a goodbye: the connection ends, nothing went wrong. */
 static const char BYE_REASON[] = "goodbye";
@@ -966,15 +968,84 @@ const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *pr
     return c->ep ? rx_initiator(c, h, proto, io) : rx_target(c, h, scratch, proto, io);
 }
 
-/* Reads and serves frames until one ends the connection: why. */
+/* Polls (non-blocking reads, the CPU yielded between them) up to us
+ * microseconds for the next frame's header: 1 it came (whole in *h), 0 it
+ * did not (nothing of it read), or -errno (-EPIPE: orderly close). */
+static int rx_spin(conn *c, wire_hdr *h, uint32_t us)
+{
+    uint64_t until = axf_now_us() + us;
+    for (;;) {
+        ssize_t r = recv(c->fd, h, sizeof *h, MSG_DONTWAIT);
+        if (r > 0) {
+            int rest = read_full(c->fd, (uint8_t *)h + r, sizeof *h - (size_t)r);
+            return rest ? rest : 1;
+        }
+        if (r == 0)
+            return -EPIPE;
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+            return -errno;
+        if (axf_now_us() >= until)
+            return 0;
+        sched_yield(); /* the peer we wait for may need this CPU */
+    }
+}
+
+/* rx_spin by one receiver of the engine at a time (many connections busy
+ * at once need no polling: their requests queue up), else 0 at once. */
+static int rx_spin_one(conn *c, wire_hdr *h, uint32_t us)
+{
+    int none = 0;
+    if (!atomic_compare_exchange_strong(&c->e->rx_spinners, &none, 1))
+        return 0;
+    int got = rx_spin(c, h, us);
+    atomic_store(&c->e->rx_spinners, 0);
+    return got;
+}
+
+/* Whether a served frame was a request's last and its reply is out: sent
+ * from here (conn_kick), not handed to the sending thread (a large READ
+ * response), which a poll here would compete with for a CPU. */
+static bool rx_answered(conn *c, const wire_hdr *h)
+{
+    return !c->ep && (h->type == FR_WRITE || h->type == FR_READ_REQ) && (h->flags & FL_LAST) &&
+           atomic_load(&c->reply_bytes) == 0;
+}
+
+/* Reads and serves frames until one ends the connection: why.
+ *
+ * The accepting side polls for a while after answering a request, when its
+ * peer's next request has come soon after the last answers (the moving
+ * average of that gap below cfg.target_poll_us): for twice that average. A
+ * peer awaiting its requests one at a time then finds this thread running,
+ * not asleep in recv (a thread wake-up less per request: what NIXL's
+ * always-polling progress thread saves, at a cost bounded per request and
+ * none while the peer is idle or slow). */
 static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, int *io)
 {
+    uint64_t answered = 0; /* when the last request was answered; 0: not just now */
+    uint64_t gap = UINT64_MAX; /* moving average of answer -> next frame, us */
+    uint32_t poll_max = c->e->cfg.target_poll_us; /* UINT32_MAX: never */
     for (;;) {
         if (!c->replay)
             rx_wait_room(c);
-        *io = read_full(c->fd, h, sizeof *h);
-        if (*io)
-            return "connection lost";
+        int got = 0;
+        if (answered && gap < poll_max && poll_max != UINT32_MAX && !c->replay) {
+            got = rx_spin_one(c, h, (uint32_t)(2 * gap + RX_SPIN_MIN_US));
+            if (got < 0) {
+                *io = got;
+                return "connection lost";
+            }
+        }
+        if (!got) {
+            *io = read_full(c->fd, h, sizeof *h);
+            if (*io)
+                return "connection lost";
+        }
+        if (answered) {
+            uint64_t d = axf_now_us() - answered;
+            gap = gap == UINT64_MAX ? d : (3 * gap + d) / 4;
+            answered = 0;
+        }
         if (ka_heard(c, h))
             continue; /* a ping: nothing more */
         if (h->magic != AXF_MAGIC) {
@@ -984,6 +1055,8 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
         const char *reason = conn_rx_frame(c, h, scratch, proto, io);
         if (reason)
             return reason;
+        if (rx_answered(c, h))
+            answered = axf_now_us();
     }
 }
 

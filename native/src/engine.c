@@ -182,7 +182,9 @@ static inline void cpu_relax(void)
 #endif
 }
 
-size_t axf_wait(axf_engine *e, uint32_t max_us)
+size_t axf_wait(axf_engine *e, uint32_t max_us) { return axf_wait_ex(e, max_us, 0); }
+
+size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
 {
     size_t n = atomic_load_explicit(&e->cq_ready, memory_order_acquire);
     bool spun = false;
@@ -211,6 +213,13 @@ size_t axf_wait(axf_engine *e, uint32_t max_us)
         spun = true;
     }
     if (n) {
+        /* AXF_WAIT_POLLS: the caller polls next, and that poll takes the
+         * records (or signals what it leaves, as axf_poll does): records a
+         * push left unsignalled for our spin stay so, and that poll, finding
+         * the eventfd unsignalled, does not read it either: two system calls
+         * fewer on the way of a request awaited alone. */
+        if (spun && (flags & AXF_WAIT_POLLS))
+            return n;
         /* A pusher writes the eventfd before unlocking: once we hold the
          * lock, a reader of the eventfd sees it readable. Records a push
          * left unsignalled for our spin we signal here, under cq_mu like a
@@ -262,6 +271,8 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         e->cfg.revoke_timeout_ms = 10000;
     if (!e->cfg.reply_queue_bytes)
         e->cfg.reply_queue_bytes = 64u << 20;
+    if (!e->cfg.target_poll_us)
+        e->cfg.target_poll_us = 100;
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->efd < 0) {
         free(e);

@@ -279,6 +279,8 @@ struct axf_engine {
     atomic_int cq_spinners; /* threads spinning in axf_wait: they write a push's eventfd */
     atomic_size_t cq_ready; /* cq_count, readable without cq_mu (axf_wait spins on it) */
     uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
+    atomic_int rx_spinners; /* receivers polling for a peer's next request (conn.c rx_spin):
+                               one at a time */
 
 
     pthread_mutex_t th_mu;

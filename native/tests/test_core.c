@@ -333,6 +333,66 @@ static int test_wait_wake(void)
     return 0;
 }
 
+/* axf_wait_ex(AXF_WAIT_POLLS) against the same pushers, the consumer polling
+ * after every nonzero return as it promised: every record arrives once; a
+ * wait that returns 0 while records are still to come leaves the eventfd to
+ * wake the consumer (no lost wake-up); records a poll leaves in the ring are
+ * signalled (the loop's reader would find them); and a ring that the poll
+ * emptied leaves the eventfd unsignalled unless a push came since: the
+ * records the spin saw cost no eventfd write and no read. */
+static int test_wait_polls(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    axf_engine *e = t->e;
+    int efd = axf_engine_fd(e);
+    atomic_int go = 0;
+    pthread_t th[WW_PUSHERS];
+    ww_arg args[WW_PUSHERS];
+    for (unsigned p = 0; p < WW_PUSHERS; p++) {
+        args[p] = (ww_arg){.e = e, .idx = p, .go = &go};
+        CHECK_EQ(pthread_create(&th[p], NULL, ww_push, &args[p]), 0);
+    }
+    static uint8_t seen[WW_PUSHERS * WW_EACH];
+    memset(seen, 0, sizeof seen);
+    static const uint32_t waits[] = {0, 1, 3, 20, 200};
+    size_t got = 0, rounds = 0, blocked = 0, quiet = 0;
+    axf_completion c[4];
+    atomic_store(&go, 1);
+    while (got < (size_t)WW_PUSHERS * WW_EACH) {
+        size_t n = axf_wait_ex(e, waits[rounds++ % 5], AXF_WAIT_POLLS);
+        struct pollfd pf = {.fd = efd, .events = POLLIN};
+        if (!n) {
+            blocked++;
+            CHECK_EQ(poll(&pf, 1, T_TIMEOUT_MS), 1); /* a record comes: it wakes us */
+        }
+        size_t k = axf_poll(e, c, 4);
+        for (size_t i = 0; i < k; i++, got++) {
+            CHECK_EQ(c[i].kind, AXF_CQ_XFER);
+            uint64_t id = c[i].id - 1;
+            CHECK(id < sizeof seen && !seen[id]);
+            seen[id] = 1;
+        }
+        pthread_mutex_lock(&e->cq_mu); /* a push writes the eventfd under it */
+        size_t left = e->cq_count;
+        int readable = poll(&pf, 1, 0);
+        pthread_mutex_unlock(&e->cq_mu);
+        if (left)
+            CHECK_EQ(readable, 1); /* left in the ring: signalled */
+        else if (!readable)
+            quiet++;
+    }
+    for (unsigned p = 0; p < WW_PUSHERS; p++)
+        pthread_join(th[p], NULL);
+    CHECK_EQ(axf_poll(e, c, 4), 0);
+    struct pollfd pf = {.fd = efd, .events = POLLIN};
+    CHECK_EQ(poll(&pf, 1, 0), 0); /* the empty poll cleared any stale wake-up */
+    printf("  %zu waits: %zu blocked on the eventfd, %zu left it unsignalled\n", rounds,
+           blocked, quiet);
+    t_close(t);
+    return 0;
+}
+
 /* A region deregistered while an op holds it is freed (AXF_CQ_REGION_FREED)
  * only once the op is over, and before the op's completion: the caller may
  * reuse the memory when either arrives. */
@@ -728,6 +788,7 @@ int main(int argc, char **argv)
         T_CASE(test_complete_then_cancel),
         T_CASE(test_cancel_race),
         T_CASE(test_wait_wake),
+        T_CASE(test_wait_polls),
         T_CASE(test_op_holds_region),
         T_CASE(test_post_checks),
         T_CASE(test_notify_frame_pins_op),

@@ -700,6 +700,78 @@ static int test_lone_request_affinity(void)
     return 0;
 }
 
+/* Reads the next frame other than a ping from a raw initiator's socket. */
+static int raw_reply(int fd, wire_hdr *h)
+{
+    do {
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        CHECK_EQ(poll(&pf, 1, T_TIMEOUT_MS), 1);
+        CHECK_EQ(recv(fd, h, sizeof *h, MSG_WAITALL), (ssize_t)sizeof *h);
+        CHECK_EQ(h->magic, AXF_MAGIC);
+    } while (h->type == FR_PING);
+    return 0;
+}
+
+/* A target answering requests that come one at a time, soon after its
+ * answers, polls its socket for the next one (conn.c rx_spin): requests
+ * whose header comes whole, in two pieces (the poll reads the first, the
+ * rest is waited for), or after a pause (the poll ran out: back to a
+ * blocking read) are all served exactly; a peer that closes while it polls
+ * ends the connection cleanly. A raw initiator on our side of a socketpair. */
+static int test_target_polls_for_requests(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 1))
+        return 1;
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_accept_conn(p.b->e, sv[1], 4242, -1), AXF_OK);
+    int fd = sv[0];
+    uint8_t data[512], back[512];
+    for (uint64_t i = 1; i <= 600; i++) {
+        bool write_op = i % 2;
+        uint64_t off = (i * 512) % (REG - 512);
+        wire_hdr h = {.magic = AXF_MAGIC, .type = write_op ? FR_WRITE : FR_READ_REQ,
+                      .flags = FL_LAST, .op = i, .rid = p.brid, .key = p.bkey, .off = off,
+                      .len = sizeof data};
+        t_fill(data, sizeof data, (uint8_t)i);
+        if (i % 100 == 0)
+            usleep(2000); /* past any poll: the receiver blocks again */
+        if (i % 5 == 0) { /* the header in two pieces */
+            CHECK_EQ(write(fd, &h, 20), 20);
+            usleep(50);
+            CHECK_EQ(write(fd, (uint8_t *)&h + 20, sizeof h - 20), (ssize_t)(sizeof h - 20));
+        } else {
+            CHECK_EQ(write(fd, &h, sizeof h), (ssize_t)sizeof h);
+        }
+        if (write_op)
+            CHECK_EQ(write(fd, data, sizeof data), (ssize_t)sizeof data);
+        wire_hdr r;
+        if (raw_reply(fd, &r))
+            return 1;
+        CHECK_EQ(r.op, i);
+        CHECK_EQ(r.status, AXF_OK);
+        if (write_op) {
+            CHECK_EQ(r.type, FR_WRITE_ACK);
+            CHECK(memcmp(p.bdst + off, data, sizeof data) == 0);
+        } else {
+            CHECK_EQ(r.type, FR_READ_RESP);
+            CHECK_EQ(r.len, sizeof back);
+            CHECK_EQ(recv(fd, back, sizeof back, MSG_WAITALL), (ssize_t)sizeof back);
+            CHECK(memcmp(p.bdst + off, back, sizeof back) == 0);
+        }
+    }
+    close(fd); /* right after an answer: while the target polls */
+    axf_completion c;
+    CHECK_EQ(t_wait_any(p.b, AXF_CQ_CONN_CLOSED, &c), 0);
+    CHECK_EQ(c.tag, 4242);
+    axf_stats s;
+    axf_engine_stats(p.b->e, &s);
+    CHECK_EQ(s.frames_rejected, 0);
+    pair_close(&p);
+    return 0;
+}
+
 static int test_replay_entry_point(void)
 {
     tengine *b = t_engine(NULL);
@@ -777,6 +849,7 @@ int main(int argc, char **argv)
         T_CASE(test_revoke_on_every_rail),
         T_CASE(test_replay_entry_point),
         T_CASE(test_lone_request_affinity),
+        T_CASE(test_target_polls_for_requests),
     };
     return T_RUN(argc, argv, cases);
 }
