@@ -96,7 +96,8 @@ cdef enum:
     _T_NBYTES = 2
     _T_T0 = 3
     _T_PATH = 4
-    _T_FIELDS = 5
+    _T_POSTED = 5
+    _T_FIELDS = 6
 
 cdef enum:
     _R_NBYTES = 0
@@ -105,7 +106,7 @@ cdef enum:
     _R_REROUTES = 3
     _R_FIELDS = 4
 
-_T_NAMES = ("_admitted", "peer", "nbytes", "_t0", "_path")
+_T_NAMES = ("_admitted", "peer", "nbytes", "_t0", "_path", "_posted")
 _R_NAMES = ("nbytes", "seconds", "path", "reroutes")
 
 cdef object _xfer_type = None  # the transfer type _xfer_off is of

@@ -595,7 +595,12 @@ cdef class Engine:
                 return [self._slots[i].status for i in range(count)], 0, 0, 0
         for i in range(count):
             t = ts[i]
-            t._posted = True
+            if type(t) is not _xfer_type:
+                _xfer_resolve(type(t))
+            if _xfer_off[_T_POSTED] >= 0:
+                axf_slot_put(t, _xfer_off[_T_POSTED], True)
+            else:
+                t._posted = True
         # Posted: the engine copied the descriptors; the batch lists are the
         # caller's to fill again (a transfer submitted from the drain's
         # callbacks goes into them).
