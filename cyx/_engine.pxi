@@ -763,10 +763,11 @@ cdef class Engine:
                     if path is None:
                         path = peer_path
                     # On success fail_index counts the reroutes. nbytes: the
-                    # transfer's own int when it moved what it asked (no new
-                    # int per record).
+                    # transfer's own int when it is one and it moved what it
+                    # asked (no new int per record).
                     r = _make_result(result_type,
-                                     asked if <uint64_t>asked == c.nbytes else c.nbytes,
+                                     asked if type(asked) is int
+                                     and <uint64_t>asked == c.nbytes else c.nbytes,
                                      seconds, path, c.fail_index)
                     if _xfer_future and self.batch_wakeups:
                         wake = _take_callbacks(t, wake)

@@ -1,0 +1,130 @@
+"""The compiled pieces of the per-transfer path (_cyx.FutureMaker,
+_cyx.eager_await, Engine.drain's slot reads) on the types they take fast,
+and on types they must take the generic way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioxfer
+from aioxfer import _cyx
+from aioxfer.stats import BANDWIDTH_MIN, ESTIMATE_WEIGHT, PeerCounters
+
+
+class _Host:
+    def __init__(self) -> None:
+        self.eagers: list[Any] = []
+
+    def eager(self, t: Any) -> None:
+        self.eagers.append(t)
+        t._posted = True
+        t.set_result("done")
+
+
+class _Slotted(asyncio.Future[Any]):
+    __slots__ = ("_host", "_posted", "peer", "nbytes", "_t0", "_admitted", "_path", "x")
+
+
+class _Plain(asyncio.Future[Any]):
+    """Fields in a __dict__: every compiled read takes the generic way."""
+
+
+@pytest.mark.parametrize("cls", [_Slotted, _Plain])
+async def test_eager_await_posts_once_then_awaits_the_future(cls: type[Any]) -> None:
+    loop = asyncio.get_running_loop()
+    host = _Host()
+    t = cls(loop=loop)
+    t._host, t._posted = host, False
+    cls.__await__ = _cyx.eager_await  # type: ignore[method-assign]
+    try:
+        assert await t == "done"
+        assert host.eagers == [t]
+        assert await t == "done"  # posted now: eager is not asked again
+        assert host.eagers == [t]
+        u = cls(loop=loop)  # posted already: awaited as a plain future
+        u._host, u._posted = host, True
+        loop.call_soon(u.set_result, 5)
+        assert await u == 5 and host.eagers == [t]
+        with pytest.raises(TypeError):
+            _cyx.eager_await(object())
+    finally:
+        del cls.__await__
+
+
+def test_future_maker_refuses_what_it_cannot_set() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        given = ("_host", "_posted", "peer", "nbytes", "x")
+        m = _cyx.FutureMaker(_Slotted, {"loop": loop}, given, "_t0", {"_admitted": False})
+        f = m.make(1, 2, 3, 4, 5)
+        assert (f._host, f._posted, f.peer, f.nbytes, f.x, f._admitted) == (1, 2, 3, 4, 5, False)
+        assert type(f) is _Slotted and f.get_loop() is loop and not f.done()
+        with pytest.raises(TypeError):  # no slots
+            _cyx.FutureMaker(_Plain, {"loop": loop}, given, "_t0", {})
+        with pytest.raises(TypeError):  # not a future
+            _cyx.FutureMaker(PeerCounters, {"loop": loop}, given, "_t0", {})
+        with pytest.raises(ValueError):  # five given fields
+            _cyx.FutureMaker(_Slotted, {"loop": loop}, given[:4], "_t0", {})
+    finally:
+        loop.close()
+
+
+class _Peer:
+    __slots__ = ("path", "_counters")
+
+    def __init__(self) -> None:
+        self.path = "shm"
+        self._counters = PeerCounters(inflight=2, inflight_bytes=2 * 4096)
+
+
+def test_drain_results_carry_python_ints() -> None:
+    """A transfer whose nbytes is not an int (a numpy integer) still gets a
+    TransferResult whose nbytes is an int, as for one whose nbytes is."""
+    e = _cyx.Engine()
+    loop = asyncio.new_event_loop()
+    try:
+        dst = bytearray(2 * 4096)
+        src = bytearray(os.urandom(2 * 4096))
+        drid, dkey, daddr, dlen, dacc = e.register(dst)
+        srid = e.register(src)[0]
+        ep = e.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
+        e.endpoint_import(ep, drid, dkey, dlen, dacc, daddr, -1)
+        peer = _Peer()
+        ts = []
+        for nbytes in (4096, np.uint64(4096)):
+            t = _Slotted(loop=loop)
+            t.peer, t.nbytes, t._admitted, t._path, t._posted = peer, nbytes, False, None, False
+            t._t0 = 0.0
+            ts.append(t)
+        items = [(ep, _cyx.OP_WRITE, (srid, i * 4096, drid, dkey, i * 4096, 4096), None, i + 1)
+                 for i in range(2)]
+        inflight = {1: ts[0], 2: ts[1]}
+        statuses, n, completed, nbytes = e.post_drain(
+            items, list(ts), inflight, None, None, aioxfer.TransferResult,
+            ESTIMATE_WEIGHT, BANDWIDTH_MIN)
+        if n < 2:  # not copied inside the post: the records come later
+            while completed < 2:
+                e.wait(100_000)
+                completed += e.drain(inflight, None, None, aioxfer.TransferResult,
+                                     ESTIMATE_WEIGHT, BANDWIDTH_MIN)[1]
+        assert statuses is None and inflight == {} and dst == src
+        assert all(t._posted is True for t in ts)
+        for t in ts:
+            r = t.result()
+            assert type(r.nbytes) is int and r.nbytes == 4096 and r.path == "shm"
+        c = peer._counters
+        assert (c.inflight, c.inflight_bytes, c.completed, c.bytes) == (0, 0, 2, 2 * 4096)
+    finally:
+        loop.close()
+        e.shutdown()
+        for _ in range(1000):  # the regions' release records
+            e.poll()
+            if e.stats()["regions"] == 0 and e.stats()["ops"] == 0:
+                break
+            e.wait(10_000)
+        e.close()
