@@ -128,3 +128,37 @@ def test_drain_results_carry_python_ints() -> None:
                 break
             e.wait(10_000)
         e.close()
+
+
+def test_compiled_coalesce_agrees_with_descriptors_coalesce() -> None:
+    from aioxfer import descriptors
+
+    rng = np.random.default_rng(5)
+    one = (1, 0, 2, 3, 0, 4096)
+    assert _cyx.coalesce(one) == (one, None)
+    for n in (1, 2, 3, 17, 256):
+        for _ in range(50):
+            d = np.empty((n, 6), dtype=np.uint64)
+            lens = rng.choice([1, 4096, 16384], n).astype(np.uint64)
+            d[:, 5] = lens
+            # Runs: each row follows the previous one on both sides, or not.
+            follow = rng.random(n) < 0.6
+            lo = np.cumsum(np.where(follow, 0, rng.integers(1, 3, n) * 65536)) + np.cumsum(lens)
+            d[:, 1] = lo - lens
+            d[:, 4] = d[:, 1] + 8192 * (rng.random(n) < 0.1)  # the far side breaks a run
+            d[:, 0] = 1 + (rng.random(n) < 0.05)  # another local region
+            d[:, 2] = 2
+            d[:, 3] = 3 + (rng.random(n) < 0.05)  # another key
+            if n > 1 and rng.random() < 0.2:
+                d[0, 1] = d[0, 4] = np.uint64(2**64 - 4096)  # a sum past 2**64 wraps in both
+                d[0, 5] = 4096
+            want, wstarts = descriptors.coalesce(d)
+            got, gstarts = _cyx.coalesce(d)
+            if wstarts is None:
+                assert gstarts is None and got is d
+            else:
+                assert gstarts is not None and gstarts.dtype == np.intp
+                assert got.dtype == np.uint64 and got.flags.c_contiguous
+                assert np.array_equal(got, want) and np.array_equal(gstarts, wstarts)
+    with pytest.raises(ValueError):
+        _cyx.coalesce(np.zeros((3, 5), dtype=np.uint64))
