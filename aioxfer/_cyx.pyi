@@ -7,8 +7,8 @@ from aioxfer/_abi.py, generated from native/include/aioxfer.h
 """
 
 from asyncio import Future
-from collections.abc import Callable, Iterable
-from typing import Any, Final, Self, TypeVar, final
+from collections.abc import Callable, Generator, Iterable
+from typing import Any, Final, Generic, Self, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
@@ -84,8 +84,26 @@ _RailStats = tuple[int, bool, int, int, int]
 def strerror(status: int) -> str: ...
 def calibration() -> dict[str, int]: ...
 def new_future(cls: type[_F], init_kw: dict[str, Any]) -> _F: ...
+def eager_await(f: Any) -> Generator[Any, None, Any]: ...
+def coalesce(
+    descs: npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int],
+) -> tuple[
+    npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int], npt.NDArray[np.intp] | None
+]: ...
 def file_backend() -> tuple[bool, str]: ...
 def verbs_probe(provider: str | None = None) -> tuple[int, list[str], str]: ...
+
+@final
+class FutureMaker(Generic[_F]):
+    def __init__(
+        self,
+        cls: type[_F],
+        init_kw: dict[str, Any],
+        given: tuple[str, str, str, str, str],
+        clock: str,
+        fixed: dict[str, object],
+    ) -> None: ...
+    def make(self, a: Any, b: Any, c: Any, d: Any, e: Any, /) -> _F: ...
 
 class NativeError(Exception):
     status: int

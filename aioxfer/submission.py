@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from aioxfer import _cyx
@@ -45,7 +44,19 @@ EAGER_MAX = 64 << 10  # awaited requests up to this size may be flushed at once
 # agent's own housekeeping). Past this many, the next await suspends once.
 EAGER_STREAK = 64
 
-_new_future = _cyx.new_future
+# Submission.submit's Transfer, made by _cyx.FutureMaker: the fields
+# Transfer.__init__ sets (test_house checks), given per call (_MADE_GIVEN, in
+# make()'s argument order), the post time (_MADE_CLOCK) and the constants.
+_MADE_GIVEN = ("_host", "req_id", "op", "peer", "nbytes")
+_MADE_CLOCK = "_t0"
+_MADE_FIXED: dict[str, object] = {
+    "_posted": False,
+    "_cancel_requested": False,
+    "_admitted": False,
+    "_queued_item": None,
+    "_starts": None,
+    "_path": None,
+}
 _CQ_XFER = _cyx.CQ_XFER
 _E_CANCELLED = _cyx.E_CANCELLED
 _E_CLOSED = _cyx.E_CLOSED
@@ -77,7 +88,7 @@ class Submission:
         "_on_record_cb",
         "_release_cb",
         "_loop",
-        "_future_kw",
+        "_make",
         "_poller",
         "closed",
         "alone_max",
@@ -114,7 +125,8 @@ class Submission:
         self._on_record_cb = self._on_record
         self._release_cb = self.release
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._future_kw: dict[str, Any] | None = None  # {"loop": loop}: _new_future's
+        # FutureMaker(Transfer, ...).make on the agent's loop, once started.
+        self._make: Callable[[Submission, int, str, Peer, int], Transfer] | None = None
         self._poller: Poller | None = None
         self.closed = False  # the agent closed: nothing more is posted
         self.alone_max = alone_max
@@ -137,7 +149,9 @@ class Submission:
     def started(self, loop: asyncio.AbstractEventLoop, poller: Poller | None) -> None:
         """The agent runs on ``loop`` now (``poller``: its progress mode's, if it polls)."""
         self._loop = loop
-        self._future_kw = {"loop": loop}
+        self._make = _cyx.FutureMaker(
+            Transfer, {"loop": loop}, _MADE_GIVEN, _MADE_CLOCK, _MADE_FIXED
+        ).make
         self._poller = poller
         # The drain's wake-ups as one handle: on asyncio's own loops, whose
         # call_soon (Python) costs more than the batching (not on uvloop).
@@ -160,33 +174,21 @@ class Submission:
     ) -> Transfer:
         """A new Transfer, into this loop iteration's batch (or its peer's
         scheduler queue, over the peer's limits; or failed, peer lost)."""
-        kw = self._future_kw
-        if kw is None:
+        make = self._make
+        if make is None:
             self._start()  # calls started()
-            kw = self._future_kw
-            assert kw is not None
+            make = self._make
+            assert make is not None
         # The request id is the agent's posted count: one attribute, and no
         # bound-method call (a callable in a slot defeats LOAD_METHOD's
         # specialization on 3.11: a generic lookup per transfer).
         req_id = self.posted + 1
         self.posted = req_id
-        # Transfer.__init__, inlined (a Python frame fewer per transfer):
-        # _new_future calls the C Future's own new and init slots (no
-        # type.__call__, no slot_tp_init), then the fields, all of
-        # Transfer.__slots__, as __init__ sets them (test_house checks).
-        t = _new_future(Transfer, kw)
-        t._host = self
-        t.req_id = req_id
-        t.op = op
-        t.peer = peer
-        t.nbytes = nbytes
-        t._t0 = perf_counter()
-        t._posted = False
-        t._cancel_requested = False
-        t._admitted = False
-        t._queued_item = None
-        t._starts = None
-        t._path = None
+        # Transfer(self, loop, req_id, op, peer, nbytes, perf_counter()),
+        # without its __init__ frame: the C Future's own new and init, then
+        # every field of Transfer.__slots__ set through its slot, as
+        # __init__ sets them (_MADE_*; test_house checks).
+        t = make(self, req_id, op, peer, nbytes)
         c = peer._counters
         c.posted += 1
         c.inflight += 1
@@ -213,7 +215,9 @@ class Submission:
         self._pending_t.append(t)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            kw["loop"].call_soon(self._flush)
+            loop = self._loop
+            assert loop is not None
+            loop.call_soon(self._flush)
         return t
 
     def _enqueue(self, t: Transfer, item: Item) -> None:

@@ -96,7 +96,8 @@ cdef enum:
     _T_NBYTES = 2
     _T_T0 = 3
     _T_PATH = 4
-    _T_FIELDS = 5
+    _T_POSTED = 5
+    _T_FIELDS = 6
 
 cdef enum:
     _R_NBYTES = 0
@@ -105,7 +106,7 @@ cdef enum:
     _R_REROUTES = 3
     _R_FIELDS = 4
 
-_T_NAMES = ("_admitted", "peer", "nbytes", "_t0", "_path")
+_T_NAMES = ("_admitted", "peer", "nbytes", "_t0", "_path", "_posted")
 _R_NAMES = ("nbytes", "seconds", "path", "reroutes")
 
 cdef object _xfer_type = None  # the transfer type _xfer_off is of
@@ -117,6 +118,51 @@ cdef bint _result_fast = False  # every result field is a plain slot
 
 _future_done = _Future.done
 _future_set_result = _Future.set_result
+
+cdef extern from *:
+    """
+    /* The C function behind a C type's method descriptor, if it takes
+       (self, NULL) (flags METH_NOARGS) or (self, arg) (METH_O), else NULL:
+       asyncio.Future's done and set_result, called without the descriptor's
+       vectorcall (~140 instructions a call). */
+    typedef PyObject *(*axf_meth1)(PyObject *, PyObject *);
+    static axf_meth1 axf_c_method(PyObject *descr, int flags) {
+        PyMethodDef *m;
+        if (descr == NULL || Py_TYPE(descr) != &PyMethodDescr_Type)
+            return NULL;
+        m = ((PyMethodDescrObject *)descr)->d_method;
+        return m->ml_flags == flags ? (axf_meth1)(void *)m->ml_meth : NULL;
+    }
+    static inline PyObject *axf_meth_call(axf_meth1 f, PyObject *self, PyObject *arg) {
+        return f(self, arg);
+    }
+    """
+    ctypedef PyObject *(*axf_meth1)(PyObject *, PyObject *)
+    axf_meth1 axf_c_method(PyObject *descr, int flags)
+    object axf_meth_call(axf_meth1 f, object self, PyObject *arg)
+    enum:
+        METH_NOARGS
+        METH_O
+
+cdef axf_meth1 _c_done = axf_c_method(<PyObject *>_future_done, METH_NOARGS)
+cdef axf_meth1 _c_set_result = axf_c_method(<PyObject *>_future_set_result, METH_O)
+
+
+cdef inline bint _fut_done(object f) except -1:
+    """asyncio.Future.done(f), f an asyncio.Future (of a type that does not
+    override done)."""
+    if _c_done != NULL:
+        return axf_meth_call(_c_done, f, NULL) is True
+    return _future_done(f)
+
+
+cdef inline int _fut_set_result(object f, object r) except -1:
+    """asyncio.Future.set_result(f, r), f an asyncio.Future."""
+    if _c_set_result != NULL:
+        axf_meth_call(_c_set_result, f, <PyObject *>r)
+    else:
+        _future_set_result(f, r)
+    return 0
 
 
 cdef int _xfer_resolve(object tp) except -1:
@@ -174,6 +220,121 @@ cdef object _make_result(object result_type, object nbytes, object seconds, obje
         PyObject_GenericSetAttr(r, "path", path)
         PyObject_GenericSetAttr(r, "reroutes", reroutes)
     return r
+
+
+# ------------------------------------------------------------------ makers
+# Submission.submit makes one Transfer per request: asyncio.Future's own new
+# and init, then a dozen fields. Set from Python those are a STORE_ATTR each
+# (and a perf_counter() call); FutureMaker sets them through their slots'
+# offsets, resolved once, in the same call that makes the future.
+
+cdef extern from *:
+    """
+    /* asyncio.Future's own am_await (the C Future's iterator), called
+       directly: what Future.__await__(f) does, minus the wrapper call. */
+    static PyObject *axf_base_await(PyObject *base, PyObject *f) {
+        return ((PyTypeObject *)base)->tp_as_async->am_await(f);
+    }
+    """
+    object axf_base_await(object base, object f)
+
+cdef enum:
+    _MAKER_GIVEN = 5  # fields given per make() call
+    _MAKER_MAX = 32  # fields set to a constant, at most
+
+
+@cython.final
+cdef class FutureMaker:
+    """Makes futures of ``cls`` (an asyncio.Future subclass whose fields are
+    ``__slots__``) on one loop: ``make(a, b, c, d, e)`` is
+    ``f = cls.__new__(cls)``; ``asyncio.Future.__init__(f, **init_kw)``;
+    then ``f.<given[i]> = `` the i-th argument, ``f.<clock> =
+    time.perf_counter()`` and ``f.<name> = value`` for each of ``fixed``
+    (``{name: value}``), as the type's own ``__init__`` would, without it
+    (no Python frame, no attribute lookup per field). ``given``: five field
+    names. Every field must be a plain object slot of ``cls``."""
+
+    cdef object _cls
+    cdef dict _kw
+    cdef Py_ssize_t _given[_MAKER_GIVEN]
+    cdef Py_ssize_t _clock
+    cdef Py_ssize_t _fixed_off[_MAKER_MAX]
+    cdef tuple _fixed_val
+    cdef Py_ssize_t _nfixed
+
+    def __cinit__(self, cls, dict init_kw, tuple given, str clock, dict fixed):
+        cdef Py_ssize_t i
+        if not isinstance(cls, type) or not issubclass(cls, _Future):
+            raise TypeError(f"{cls!r} is not a subclass of asyncio.Future")
+        if len(given) != _MAKER_GIVEN:
+            raise ValueError(f"FutureMaker takes {_MAKER_GIVEN} given fields, not {len(given)}")
+        if len(fixed) > _MAKER_MAX:
+            raise ValueError(f"FutureMaker takes at most {_MAKER_MAX} fixed fields")
+        self._cls = cls
+        self._kw = dict(init_kw)
+        for i in range(_MAKER_GIVEN):
+            self._given[i] = _maker_offset(cls, given[i])
+        self._clock = _maker_offset(cls, clock)
+        vals = []
+        self._nfixed = 0
+        for name, value in fixed.items():
+            self._fixed_off[self._nfixed] = _maker_offset(cls, name)
+            vals.append(value)
+            self._nfixed += 1
+        self._fixed_val = tuple(vals)
+
+    def make(self, a, b, c, d, e):
+        cdef Py_ssize_t i
+        f = axf_slot_new(_Future, self._cls, _NO_ARGS)
+        axf_slot_init(_Future, f, _NO_ARGS, self._kw)
+        axf_slot_put(f, self._given[0], a)
+        axf_slot_put(f, self._given[1], b)
+        axf_slot_put(f, self._given[2], c)
+        axf_slot_put(f, self._given[3], d)
+        axf_slot_put(f, self._given[4], e)
+        axf_slot_put(f, self._clock, _perf_counter())
+        for i in range(self._nfixed):
+            axf_slot_put(f, self._fixed_off[i], self._fixed_val[i])
+        return f
+
+
+cdef Py_ssize_t _maker_offset(object cls, object name) except -1:
+    cdef Py_ssize_t off
+    if not isinstance(name, str):
+        raise TypeError(f"a field name is a str, not {name!r}")
+    off = axf_slot_offset(cls, axf_type_lookup(cls, name))
+    if off < 0:
+        raise TypeError(f"{cls.__name__}.{name} is not a plain __slots__ field")
+    return off
+
+
+# Transfer.__await__: the two fields it reads, by offset (one type at a time).
+cdef object _await_type = None
+cdef Py_ssize_t _await_posted = -1
+cdef Py_ssize_t _await_host = -1
+
+
+def eager_await(f):
+    """``f.__await__()`` for an asyncio.Future subclass with fields
+    ``_posted`` and ``_host`` (aioxfer.transfer.Transfer's, compiled):
+    not posted and not done, ``f._host.eager(f)`` first; then the C
+    Future's own await iterator."""
+    global _await_type, _await_posted, _await_host
+    cdef PyObject *v
+    tp = type(f)
+    if tp is not _await_type:
+        if not issubclass(tp, _Future):
+            raise TypeError(f"{tp!r} is not a subclass of asyncio.Future")
+        _await_posted = axf_slot_offset(tp, axf_type_lookup(tp, "_posted"))
+        _await_host = axf_slot_offset(tp, axf_type_lookup(tp, "_host"))
+        _await_type = tp
+    v = axf_slot_ptr(f, _await_posted) if _await_posted >= 0 else NULL
+    posted = <object>v if v != NULL else f._posted
+    if posted is not True and not posted and not _fut_done(f):
+        v = axf_slot_ptr(f, _await_host) if _await_host >= 0 else NULL
+        host = <object>v if v != NULL else f._host
+        host.eager(f)
+    return axf_base_await(_Future, f)
 
 
 # ------------------------------------------------------------------ settle

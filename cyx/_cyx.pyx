@@ -20,7 +20,7 @@ from cpython.buffer cimport (
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 
@@ -59,6 +59,59 @@ if sizeof(axf_desc) != DESC_FIELDS * sizeof(uint64_t):
 
 cdef enum:
     POLL_DEFAULT = 4096
+
+
+import numpy as _np
+
+
+def coalesce(descs):
+    """aioxfer.descriptors.coalesce compiled (one pass over the rows, no
+    numpy call per column): runs of descriptors contiguous on both sides
+    (same regions, same key) merged into one each. Returns ``(descs, None)``
+    when nothing merges (a tuple, fewer than two rows: as given), else
+    ``(merged, starts)``: the merged (m, 6) uint64 array and each merged
+    row's first original index (intp)."""
+    cdef cnp.ndarray a
+    cdef const uint64_t *p
+    cdef uint64_t *q
+    cdef const uint64_t *prev
+    cdef const uint64_t *cur
+    cdef cnp.intp_t *st
+    cdef Py_ssize_t n, i, j, m
+    if isinstance(descs, tuple) or len(descs) < 2:
+        return descs, None
+    a = _np.ascontiguousarray(descs, dtype=_np.uint64)
+    if a.ndim != 2 or a.shape[1] != DESC_FIELDS:
+        raise ValueError(f"descriptors are (n, {DESC_FIELDS}), not {(<object>a).shape}")
+    n = a.shape[0]
+    p = <const uint64_t *>cnp.PyArray_DATA(a)
+    m = 1
+    for i in range(1, n):
+        prev = p + (i - 1) * 6
+        cur = prev + 6
+        if not (cur[0] == prev[0] and cur[2] == prev[2] and cur[3] == prev[3]
+                and cur[1] == prev[1] + prev[5] and cur[4] == prev[4] + prev[5]):
+            m += 1
+    if m == n:
+        return descs, None
+    merged = _np.empty((m, DESC_FIELDS), dtype=_np.uint64)
+    starts = _np.empty(m, dtype=_np.intp)
+    q = <uint64_t *>cnp.PyArray_DATA(merged)
+    st = <cnp.intp_t *>cnp.PyArray_DATA(starts)
+    j = 0
+    memcpy(q, p, 6 * sizeof(uint64_t))
+    st[0] = 0
+    for i in range(1, n):
+        prev = p + (i - 1) * 6
+        cur = prev + 6
+        if (cur[0] == prev[0] and cur[2] == prev[2] and cur[3] == prev[3]
+                and cur[1] == prev[1] + prev[5] and cur[4] == prev[4] + prev[5]):
+            q[j * 6 + 5] += cur[5]
+        else:
+            j += 1
+            memcpy(q + j * 6, cur, 6 * sizeof(uint64_t))
+            st[j] = i
+    return merged, starts
 
 
 def strerror(int status):

@@ -612,7 +612,12 @@ cdef class Engine:
                 return [self._slots[i].status for i in range(count)], 0, 0, 0
         for i in range(count):
             t = ts[i]
-            t._posted = True
+            if type(t) is not _xfer_type:
+                _xfer_resolve(type(t))
+            if _xfer_off[_T_POSTED] >= 0:
+                axf_slot_put(t, _xfer_off[_T_POSTED], True)
+            else:
+                t._posted = True
         # Posted: the engine copied the descriptors; the batch lists are the
         # caller's to fill again (a transfer submitted from the drain's
         # callbacks goes into them).
@@ -706,7 +711,8 @@ cdef class Engine:
                       double weight, uint64_t bandwidth_min, Py_ssize_t max):
         cdef size_t n, i
         cdef axf_completion *c
-        cdef object t, peer = None, counters = None, path, r, key, tpeer
+        cdef object t, peer = None, counters = None, path, r, key, tpeer, asked
+        cdef object peer_path = None  # peer.path, read once per run of its records
         cdef list wake = None  # the done callbacks of the futures completed here
         cdef Py_ssize_t completed = 0, done = 0
         cdef uint64_t total = 0, moved = 0, req_bytes = 0
@@ -724,14 +730,14 @@ cdef class Engine:
             self._release_freed(n)
             for i in range(n):
                 c = &self._cq[i]
-                if c.kind == AXF_CQ_XFER:
+                if c.kind == AXF_CQ_XFER and c.status == AXF_OK:
+                    # One dict operation: the transfer out of inflight.
                     key = c.id
-                    t = inflight.get(key)
-                else:
-                    t = None
-                if t is None or c.status != AXF_OK:
-                    if c.kind == AXF_CQ_XFER and c.status == AXF_OK:
+                    t = inflight.pop(key, None)
+                    if t is None:
                         continue  # not ours (any more): nothing to complete
+                else:
+                    # slow() finds the transfer in inflight (and takes it out).
                     if peer is not None:
                         _settle(counters, done, req_bytes, moved, latency, bandwidth)
                         peer = None
@@ -739,7 +745,6 @@ cdef class Engine:
                          PyBytes_FromStringAndSize(<char *>c.payload, c.payload_len)
                          if c.payload != NULL else None)
                     continue
-                del inflight[key]
                 if type(t) is not _xfer_type:
                     _xfer_resolve(type(t))
                 if _xfer_get(t, _T_ADMITTED):
@@ -757,8 +762,10 @@ cdef class Engine:
                     req_bytes = moved = 0
                     latency = counters.latency
                     bandwidth = counters.bandwidth
+                    peer_path = peer.path
                 done += 1
-                req_bytes += <uint64_t>_xfer_get(t, _T_NBYTES)
+                asked = _xfer_get(t, _T_NBYTES)
+                req_bytes += <uint64_t>asked
                 moved += c.nbytes
                 completed += 1
                 total += c.nbytes
@@ -768,17 +775,22 @@ cdef class Engine:
                     bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + weight * bw
                 else:
                     latency = seconds if latency == 0.0 else keep * latency + weight * seconds
-                if not (_future_done(t) if _xfer_future else t.done()):
+                if not (_fut_done(t) if _xfer_future else t.done()):
                     path = _xfer_get(t, _T_PATH)
                     if path is None:
-                        path = peer.path
-                    # On success fail_index counts the reroutes.
-                    r = _make_result(result_type, c.nbytes, seconds, path, c.fail_index)
+                        path = peer_path
+                    # On success fail_index counts the reroutes. nbytes: the
+                    # transfer's own int when it is one and it moved what it
+                    # asked (no new int per record).
+                    r = _make_result(result_type,
+                                     asked if type(asked) is int
+                                     and <uint64_t>asked == c.nbytes else c.nbytes,
+                                     seconds, path, c.fail_index)
                     if _xfer_future and self.batch_wakeups:
                         wake = _take_callbacks(t, wake)
-                        _future_set_result(t, r)
+                        _fut_set_result(t, r)
                     elif _xfer_future:
-                        _future_set_result(t, r)
+                        _fut_set_result(t, r)
                     else:
                         t.set_result(r)
         finally:

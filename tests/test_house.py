@@ -8,9 +8,12 @@ constructor arguments, and the agent never hands them itself."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import re
 from types import ModuleType
+
+import pytest
 
 from aioxfer import (
     agent,
@@ -225,19 +228,34 @@ def test_transfer_counters() -> None:
 
 
 def test_submit_sets_what_transfer_init_sets() -> None:
-    # Submission.submit builds its Transfer inline (no __init__ frame per
-    # transfer): it must set every field Transfer.__init__ sets, no more.
-    import re
+    # Submission.submit makes its Transfer with _cyx.FutureMaker (no __init__
+    # frame per transfer): it must set every field Transfer.__init__ sets, to
+    # the same values, no more.
+    from aioxfer import _cyx, submission
 
-    from aioxfer import submission
-
-    def fields(fn: object, name: str) -> set[str]:
-        return set(re.findall(rf"^\s+{name}\.(\w+)\b[^=\n]*= ", inspect.getsource(fn), re.M))
-
-    init = fields(transfer.Transfer.__init__, "self")
+    init = set(re.findall(r"^\s+self\.(\w+)\b[^=\n]*= ",
+                          inspect.getsource(transfer.Transfer.__init__), re.M))
     assert init == set(transfer.Transfer.__slots__)
-    assert fields(submission.Submission.submit, "t") >= init
-    assert "t = _new_future(Transfer, kw)" in inspect.getsource(submission.Submission.submit)
+    made = {*submission._MADE_GIVEN, submission._MADE_CLOCK, *submission._MADE_FIXED}
+    assert made == init
+    loop = asyncio.new_event_loop()
+    try:
+        host, peer = object(), object()
+        a = transfer.Transfer(host, loop, 7, "write", peer, 4096, 1.5)  # type: ignore[arg-type]
+        maker = _cyx.FutureMaker(transfer.Transfer, {"loop": loop}, submission._MADE_GIVEN,
+                                 submission._MADE_CLOCK, submission._MADE_FIXED)
+        b = maker.make(host, 7, "write", peer, 4096)
+        assert type(b) is transfer.Transfer and b.get_loop() is loop and not b.done()
+        for name in init - {"_t0"}:
+            assert getattr(b, name) is getattr(a, name), name
+        assert type(b._t0) is float and b._t0 > 0
+        b.set_result(None)  # type: ignore[arg-type]  # a plain asyncio.Future underneath
+        assert b.result() is None
+        with pytest.raises(TypeError):  # a field that is not a plain slot
+            _cyx.FutureMaker(transfer.Transfer, {"loop": loop}, ("_host", "req_id", "op",
+                             "peer", "done"), "_t0", {})
+    finally:
+        loop.close()
 
 
 def test_connector_config_is_frozen_and_small() -> None:

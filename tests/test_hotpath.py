@@ -1,0 +1,164 @@
+"""The compiled pieces of the per-transfer path (_cyx.FutureMaker,
+_cyx.eager_await, Engine.drain's slot reads) on the types they take fast,
+and on types they must take the generic way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioxfer
+from aioxfer import _cyx
+from aioxfer.stats import BANDWIDTH_MIN, ESTIMATE_WEIGHT, PeerCounters
+
+
+class _Host:
+    def __init__(self) -> None:
+        self.eagers: list[Any] = []
+
+    def eager(self, t: Any) -> None:
+        self.eagers.append(t)
+        t._posted = True
+        t.set_result("done")
+
+
+class _Slotted(asyncio.Future[Any]):
+    __slots__ = ("_host", "_posted", "peer", "nbytes", "_t0", "_admitted", "_path", "x")
+
+
+class _Plain(asyncio.Future[Any]):
+    """Fields in a __dict__: every compiled read takes the generic way."""
+
+
+@pytest.mark.parametrize("cls", [_Slotted, _Plain])
+async def test_eager_await_posts_once_then_awaits_the_future(cls: type[Any]) -> None:
+    loop = asyncio.get_running_loop()
+    host = _Host()
+    t = cls(loop=loop)
+    t._host, t._posted = host, False
+    cls.__await__ = _cyx.eager_await  # type: ignore[method-assign]
+    try:
+        assert await t == "done"
+        assert host.eagers == [t]
+        assert await t == "done"  # posted now: eager is not asked again
+        assert host.eagers == [t]
+        u = cls(loop=loop)  # posted already: awaited as a plain future
+        u._host, u._posted = host, True
+        loop.call_soon(u.set_result, 5)
+        assert await u == 5 and host.eagers == [t]
+        with pytest.raises(TypeError):
+            _cyx.eager_await(object())
+    finally:
+        del cls.__await__
+
+
+def test_future_maker_refuses_what_it_cannot_set() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        given = ("_host", "_posted", "peer", "nbytes", "x")
+        m = _cyx.FutureMaker(_Slotted, {"loop": loop}, given, "_t0", {"_admitted": False})
+        f = m.make(1, 2, 3, 4, 5)
+        assert (f._host, f._posted, f.peer, f.nbytes, f.x, f._admitted) == (1, 2, 3, 4, 5, False)
+        assert type(f) is _Slotted and f.get_loop() is loop and not f.done()
+        with pytest.raises(TypeError):  # no slots
+            _cyx.FutureMaker(_Plain, {"loop": loop}, given, "_t0", {})
+        with pytest.raises(TypeError):  # not a future
+            _cyx.FutureMaker(PeerCounters, {"loop": loop}, given, "_t0", {})
+        with pytest.raises(ValueError):  # five given fields
+            _cyx.FutureMaker(_Slotted, {"loop": loop}, given[:4], "_t0", {})
+    finally:
+        loop.close()
+
+
+class _Peer:
+    __slots__ = ("path", "_counters")
+
+    def __init__(self) -> None:
+        self.path = "shm"
+        self._counters = PeerCounters(inflight=2, inflight_bytes=2 * 4096)
+
+
+def test_drain_results_carry_python_ints() -> None:
+    """A transfer whose nbytes is not an int (a numpy integer) still gets a
+    TransferResult whose nbytes is an int, as for one whose nbytes is."""
+    e = _cyx.Engine()
+    loop = asyncio.new_event_loop()
+    try:
+        dst = bytearray(2 * 4096)
+        src = bytearray(os.urandom(2 * 4096))
+        drid, dkey, daddr, dlen, dacc = e.register(dst)
+        srid = e.register(src)[0]
+        ep = e.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
+        e.endpoint_import(ep, drid, dkey, dlen, dacc, daddr, -1)
+        peer = _Peer()
+        ts = []
+        for nbytes in (4096, np.uint64(4096)):
+            t = _Slotted(loop=loop)
+            t.peer, t.nbytes, t._admitted, t._path, t._posted = peer, nbytes, False, None, False
+            t._t0 = 0.0
+            ts.append(t)
+        items = [(ep, _cyx.OP_WRITE, (srid, i * 4096, drid, dkey, i * 4096, 4096), None, i + 1)
+                 for i in range(2)]
+        inflight = {1: ts[0], 2: ts[1]}
+        statuses, n, completed, nbytes = e.post_drain(
+            items, list(ts), inflight, None, None, aioxfer.TransferResult,
+            ESTIMATE_WEIGHT, BANDWIDTH_MIN)
+        if n < 2:  # not copied inside the post: the records come later
+            while completed < 2:
+                e.wait(100_000)
+                completed += e.drain(inflight, None, None, aioxfer.TransferResult,
+                                     ESTIMATE_WEIGHT, BANDWIDTH_MIN)[1]
+        assert statuses is None and inflight == {} and dst == src
+        assert all(t._posted is True for t in ts)
+        for t in ts:
+            r = t.result()
+            assert type(r.nbytes) is int and r.nbytes == 4096 and r.path == "shm"
+        c = peer._counters
+        assert (c.inflight, c.inflight_bytes, c.completed, c.bytes) == (0, 0, 2, 2 * 4096)
+    finally:
+        loop.close()
+        e.shutdown()
+        for _ in range(1000):  # the regions' release records
+            e.poll()
+            if e.stats()["regions"] == 0 and e.stats()["ops"] == 0:
+                break
+            e.wait(10_000)
+        e.close()
+
+
+def test_compiled_coalesce_agrees_with_descriptors_coalesce() -> None:
+    from aioxfer import descriptors
+
+    rng = np.random.default_rng(5)
+    one = (1, 0, 2, 3, 0, 4096)
+    assert _cyx.coalesce(one) == (one, None)
+    for n in (1, 2, 3, 17, 256):
+        for _ in range(50):
+            d = np.empty((n, 6), dtype=np.uint64)
+            lens = rng.choice([1, 4096, 16384], n).astype(np.uint64)
+            d[:, 5] = lens
+            # Runs: each row follows the previous one on both sides, or not.
+            follow = rng.random(n) < 0.6
+            lo = np.cumsum(np.where(follow, 0, rng.integers(1, 3, n) * 65536)) + np.cumsum(lens)
+            d[:, 1] = lo - lens
+            d[:, 4] = d[:, 1] + 8192 * (rng.random(n) < 0.1)  # the far side breaks a run
+            d[:, 0] = 1 + (rng.random(n) < 0.05)  # another local region
+            d[:, 2] = 2
+            d[:, 3] = 3 + (rng.random(n) < 0.05)  # another key
+            if n > 1 and rng.random() < 0.2:
+                d[0, 1] = d[0, 4] = np.uint64(2**64 - 4096)  # a sum past 2**64 wraps in both
+                d[0, 5] = 4096
+            want, wstarts = descriptors.coalesce(d)
+            got, gstarts = _cyx.coalesce(d)
+            if wstarts is None:
+                assert gstarts is None and got is d
+            else:
+                assert gstarts is not None and gstarts.dtype == np.intp
+                assert got.dtype == np.uint64 and got.flags.c_contiguous
+                assert np.array_equal(got, want) and np.array_equal(gstarts, wstarts)
+    with pytest.raises(ValueError):
+        _cyx.coalesce(np.zeros((3, 5), dtype=np.uint64))
