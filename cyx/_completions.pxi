@@ -25,19 +25,6 @@ from asyncio import Future as _Future
 cdef tuple _NO_ARGS = ()
 
 
-def new_future(cls, dict init_kw):
-    """``asyncio.Future.__new__(cls)`` then ``asyncio.Future.__init__(f,
-    **init_kw)`` (init_kw: ``{"loop": loop}``, made once by the caller), for
-    cls a subclass of asyncio.Future whose own ``__init__`` is not wanted
-    (aioxfer.submission.Submission.submit sets its fields itself): the slots
-    called directly, without the wrappers' per-call tuple and dict."""
-    if not issubclass(cls, _Future):
-        raise TypeError(f"{cls!r} is not a subclass of asyncio.Future")
-    f = axf_slot_new(_Future, cls, _NO_ARGS)
-    axf_slot_init(_Future, f, _NO_ARGS, init_kw)
-    return f
-
-
 cdef inline object _new_instance(object cls):
     """object.__new__(cls) without the Python-level call."""
     return axf_slot_new(object, cls, _NO_ARGS)
