@@ -2096,9 +2096,10 @@ class nixlAgent:
             # milliseconds, and stamped after it, its completion would look
             # soon and keep the poller spinning; CI caught that.)
             x.t0 = _perf_counter()
+            flush = self._flush_fn  # (called as a method: an unspecialized lookup)
             try:
                 x.fut = fut = x.post(*x.one)
-                self._flush_fn()
+                flush()
             except (XferError, ValueError, TypeError) as exc:
                 x.fut = None
                 peer = x.peer

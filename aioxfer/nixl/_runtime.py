@@ -206,6 +206,12 @@ class _Loop(asyncio.SelectorEventLoop):
 class Runtime:
     """One loop thread per process, started on first use."""
 
+    # (Slots: the callers' hot paths read and write _foreign and lock once
+    # per request.)
+    __slots__ = ("lock", "_local", "_foreign", "_round", "_round_fd", "_waiters_lock",
+                 "_round_waiters", "loop_ident", "_closers", "_closing", "_selector", "loop",
+                 "thread")
+
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._local = threading.local()
