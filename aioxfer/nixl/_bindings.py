@@ -756,6 +756,15 @@ _LINGER = 0.02
 _STATE_STR = ("DONE", "PROC")
 
 
+class _Number:
+    """A request number where xferState takes a handle (getXferStatus)."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, value: int) -> None:
+        self._handle = value
+
+
 def _noop() -> None:
     pass
 
@@ -2326,47 +2335,48 @@ class nixlAgent:
 
     def xferState(self, handle: Any) -> str:
         """(aioxfer extension) ``nixl_agent.check_xfer_state(handle)``:
-        getXferStatus of a handle as NIXL's state string; nixl_agent binds
-        it as its ``check_xfer_state``. A request already done (the usual
-        answer of a poller's last call) is answered here, in one frame."""
+        getXferStatus of a handle (anything with the request's number as
+        ``_handle``) as NIXL's state string, "DONE" or "PROC"; nixl_agent
+        binds it as its ``check_xfer_state``: one Python frame per poll."""
         x = self._xfers.get(handle._handle)
-        if x is not None and not self._tel_events:
-            fut = x.fut
-            if fut is not None and fut.done():
+        if x is None:
+            raise _error(-2, f"getXferStatus: unknown transfer handle {int(handle._handle):#x}")
+        fut = x.fut
+        if fut is None:
+            raise _error(-1, "getXferStatus: the transfer was not posted")
+        if fut.done():
+            # (Succeeded and no telemetry event to write: the usual answer
+            # of a poller's last call, without _finish's frame.)
+            if not self._tel_events:
                 try:
                     if fut.exception() is None:
                         return "DONE"
                 except asyncio.CancelledError:
                     pass
-        return _STATE_STR[self.getXferStatus(handle._handle)]
-
-    def getXferStatus(self, reqh: int) -> int:
-        x = self._xfers.get(reqh)
-        if x is None:
-            raise _error(-2, f"getXferStatus: unknown transfer handle {int(reqh):#x}")
-        fut = x.fut
-        if fut is None:
-            raise _error(-1, "getXferStatus: the transfer was not posted")
-        if fut.done():
-            return self._finish(x, fut, "getXferStatus")
+            return _STATE_STR[self._finish(x, fut, "getXferStatus")]
         rt = self._rt
+        lock = rt.lock
         # Like NIXL's check, which progresses its backend: take the completions
         # the engine has now, rather than wait for the loop thread to wake up
         # and do it (skipped while the loop thread is at it).
         parts = x.parts if type(fut) is not Transfer else None
-        if rt.lock.acquire(blocking=False):
+        if lock.acquire(blocking=False):
             try:
                 # (A look at the ring first: an empty poll costs a system
                 # call, this a load, ~0.1 µs against ~2.5.)
                 if self._wait_fn(0):
-                    self._poll_fn()
+                    poll = self._poll_fn  # (a local: see xferTransfer's flush)
+                    poll()
                 if parts:
                     self._advance(x, fut)
             finally:
-                rt.leave()
+                if rt._foreign:
+                    rt.leave()
+                else:
+                    lock.release()
             if fut.done():
-                return self._finish(x, fut, "getXferStatus")
-        now = time.perf_counter()
+                return _STATE_STR[self._finish(x, fut, "getXferStatus")]
+        now = _perf_counter()
         if now - x.last_poll < _TIGHT_POLL:
             # Polled in a tight loop: wait for the engine's next completion
             # (a bounded spin without the GIL, then a sleep on its fd, at most
@@ -2377,18 +2387,21 @@ class nixlAgent:
             # a core the engine's copy threads need.
             if type(fut) is Transfer or (parts and not x.notifying):
                 self._wait_completion(_ENGINE_WAIT, fut.done, x)
-                if parts and rt.lock.acquire(blocking=False):
+                if parts and lock.acquire(blocking=False):
                     try:
                         self._advance(x, fut)
                     finally:
                         rt.leave()
             else:
                 rt.yield_to_loop(_TIGHT_WAIT, ready=fut.done)
-            now = time.perf_counter()
+            now = _perf_counter()
         x.last_poll = now
         if fut.done():
-            return self._finish(x, fut, "getXferStatus")
-        return int(NIXL_IN_PROG)
+            return _STATE_STR[self._finish(x, fut, "getXferStatus")]
+        return "PROC"
+
+    def getXferStatus(self, reqh: int) -> int:
+        return 1 if self.xferState(_Number(reqh)) == "PROC" else 0
 
     def _wait_completion(self, timeout: float, ready: Any = None,
                          x: _Xfer | None = None) -> None:
