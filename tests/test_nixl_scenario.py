@@ -242,8 +242,10 @@ def test_peer_killed_midway_raises_remote_disconnect() -> None:
                 if agent.transfer(handle) != "DONE":
                     _poll(agent, handle)
                 time.sleep(0.01)
-        # The plain one made before the loss, and a new one, fail the same way.
-        with pytest.raises(nixlRemoteDisconnectError, match="disconnected after transfer"):
+        # The plain one made before the loss, and a new one, fail the same way
+        # (the message says how it was seen: the peer already marked lost, or
+        # the post failed by the engine, which may know first).
+        with pytest.raises(nixlRemoteDisconnectError, match="disconnected"):
             agent.transfer(plain)
         h2 = agent.initialize_xfer("READ", local, remote, name)
         with pytest.raises(nixlRemoteDisconnectError):

@@ -731,9 +731,12 @@ class nixlXferTelemetry:
 
 _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
 _RELEASE_TIMEOUT = 60.0
-# A poller asking again within this many seconds is in a tight loop: it waits
-# for the engine itself (see _wait_completion), or yields to the loop thread
-# (see Runtime.yield_to_loop).
+# A poller asking again within this many seconds (of its last call, or of the
+# start of the post it polls: a caller that checks as soon as it posted) is
+# in a tight loop: it waits for the engine itself (see _wait_completion), or
+# yields to the loop thread (see Runtime.yield_to_loop). Its first call then
+# waits, as a coroutine's await of a transfer it just posted polls for it
+# (Submission.eager), rather than only look (a whole call more per request).
 _TIGHT_POLL = 0.0002
 # How long such a poller waits at most: until the engine has a completion
 # (any of the agent's; a bounded spin, then a sleep), or this long; for
@@ -2104,7 +2107,7 @@ class nixlAgent:
             # post: a large tcp request's post sends on this thread for
             # milliseconds, and stamped after it, its completion would look
             # soon and keep the poller spinning; CI caught that.)
-            x.t0 = _perf_counter()
+            x.t0 = t0 = _perf_counter()
             flush = self._flush_fn  # (called as a method: an unspecialized lookup)
             try:
                 x.fut = fut = x.post(*x.one)
@@ -2118,7 +2121,7 @@ class nixlAgent:
                 self._count_exc(err)
                 raise err from None
             rt._foreign = False  # (the agent's flush, scheduled: nothing left for it)
-            x.last_poll = 0.0
+            x.last_poll = t0
         finally:
             if rt._foreign:
                 rt.leave()  # wakes the loop for what the section scheduled
@@ -2202,7 +2205,7 @@ class nixlAgent:
                 x.fut = fut
             if telemetry:
                 x.post_s = time.perf_counter() - t0
-            x.last_poll = 0.0
+            x.last_poll = t0
         finally:
             if rt._foreign:
                 rt.leave()  # wakes the loop for what the section scheduled
@@ -2455,7 +2458,13 @@ class nixlAgent:
                         rt.release(fd, _LINGER)
                     raise
                 if caught and _data_done(x):
-                    _spin_outcome(x, True)
+                    # Soon only if soon after its post, as for a sleep below:
+                    # a spin that happens to catch the end of a long request
+                    # (the probe of a 16 MiB tcp one, milliseconds after its
+                    # post) is no sign that spinning for it pays (it started
+                    # another run of _SPIN_MISSES spins: the test of this saw
+                    # up to 20 spins for ~35 waits on a loaded machine).
+                    _spin_outcome(x, _perf_counter() - x.t0 < _SPIN_KEEP * spin_us * 1e-6)
                 if spun:
                     if claimed:
                         rt.release(fd, _LINGER)
