@@ -2400,6 +2400,12 @@ class nixlAgent:
             now = _perf_counter()
         x.last_poll = now
         if fut.done():
+            if not self._tel_events:
+                try:
+                    if fut.exception() is None:
+                        return "DONE"
+                except asyncio.CancelledError:
+                    pass
             return _STATE_STR[self._finish(x, fut, "getXferStatus")]
         return "PROC"
 
@@ -2445,32 +2451,45 @@ class nixlAgent:
                 return
             # Claimed for the spin too: the completion's eventfd write then
             # wakes no loop thread, to contend for the lock and the GIL.
-            claimed = rt.claim(fd)
+            sel = rt.selector
+            claimed = sel.claim(fd)
             spin_us = self._spin_us if x is not None else 0
-            if x is not None and spin_us and (self._spin_only or _spin_wanted(x)):
+            if x is not None and spin_us and (self._spin_only or x.spin or _spin_wanted(x)):
                 try:
                     caught = self._wait_fn(spin_us)
                     spun = caught or self._spin_only
                     if spun and not agent.closed:
-                        self._poll_fn()
+                        poll = self._poll_fn  # (a local: see xferTransfer's flush)
+                        poll()
                 except BaseException:
                     if claimed:
-                        rt.release(fd, _LINGER)
+                        sel.release(fd, _LINGER)
                     raise
-                if caught and _data_done(x):
-                    # Soon only if soon after its post, as for a sleep below:
-                    # a spin that happens to catch the end of a long request
-                    # (the probe of a 16 MiB tcp one, milliseconds after its
-                    # post) is no sign that spinning for it pays (it started
-                    # another run of _SPIN_MISSES spins: the test of this saw
-                    # up to 20 spins for ~35 waits on a loaded machine).
-                    _spin_outcome(x, _perf_counter() - x.t0 < _SPIN_KEEP * spin_us * 1e-6)
+                if caught:
+                    fut = x.fut
+                    if fut is not None and (fut.done() if type(fut) is Transfer
+                                            else _data_done(x)):
+                        # Soon only if soon after its post, as for a sleep
+                        # below: a spin that happens to catch the end of a
+                        # long request (the probe of a 16 MiB tcp one,
+                        # milliseconds after its post) is no sign that
+                        # spinning for it pays (it started another run of
+                        # _SPIN_MISSES spins: the test of this saw up to 20
+                        # spins for ~35 waits on a loaded machine).
+                        if _perf_counter() - x.t0 < _SPIN_KEEP * spin_us * 1e-6:
+                            x.spin = True  # (_spin_outcome's soon, inline)
+                            x.slow = 0
+                        else:
+                            _spin_outcome(x, False)
                 if spun:
                     if claimed:
-                        rt.release(fd, _LINGER)
+                        sel.release(fd, _LINGER)
                     return
         finally:
-            rt.leave()
+            if rt._foreign:
+                rt.leave()
+            else:
+                rt.lock.release()
         got: list[Any] | None = None
         woke = 0.0
         try:
