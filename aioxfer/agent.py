@@ -356,6 +356,11 @@ class Agent:
         )
         # Bound once: write/read call it once per transfer.
         self._submit = self._sub.submit
+        # flush and poll bound to the Submission's own (what the methods below
+        # call): a caller that flushes or polls per request (aioxfer.nixl's
+        # repost) pays no Python frame for the wrapper.
+        self.flush = self._sub.flush  # type: ignore[method-assign]
+        self.poll = self._sub.drain  # type: ignore[method-assign]
         # peers: the tables that find them; what a Peer asks of its agent
         self._peers = PeerTable(
             name,

@@ -642,6 +642,66 @@ def test_one_agent_from_many_threads(agents: Any) -> None:
     assert seen == {b"t0", b"t1", b"t2", b"t3"}
 
 
+@pytest.mark.parametrize("transports", ["", "tcp"])
+def test_plain_reposts_from_many_threads(agents: Any, monkeypatch: pytest.MonkeyPatch,
+                                         transports: str) -> None:
+    """Reposts without a notification (nixl_agent.transfer's straight-line
+    path) from several threads at once: each of four threads reposts its own
+    request and finds its blocks in place whenever it sees DONE; two more race
+    on one shared request, which may be refused (nixlRepostActiveError) but
+    never fails otherwise, and still moves its data."""
+    if transports:
+        monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", transports)
+    blk, nblk = 16 << 10, 16
+    a, b, x, y, _, _ = _pair(agents, n=blk * nblk)
+    assert a.transfer.__func__ is _bindings.nixlAgent.xferTransfer  # type: ignore[attr-defined]
+    y.np[:] = (np.arange(y.n) % 251).astype(np.uint8)
+    local = a.prep_xfer_dlist("", [(x.addr + k * blk, blk, 0) for k in range(nblk)], "DRAM")
+    remote = a.prep_xfer_dlist(b.name, [(y.addr + k * blk, blk, 0) for k in range(nblk)],
+                               "DRAM")
+    errors: list[BaseException] = []
+    shared = a.make_prepped_xfer("READ", local, [14, 15], remote, [14, 15])
+
+    def own(k: int) -> None:
+        try:
+            ids = [3 * k, 3 * k + 1, 3 * k + 2]
+            h = a.make_prepped_xfer("READ", local, ids, remote, ids)
+            mine, theirs = x.np[3 * k * blk:(3 * k + 3) * blk], y.np[3 * k * blk:(3 * k + 3) * blk]
+            for _ in range(100):
+                mine[:] = 0
+                if a.transfer(h) != "DONE":
+                    assert _wait(a, h) == "DONE"
+                assert np.array_equal(mine, theirs)
+            h.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def racing() -> None:
+        try:
+            for _ in range(100):
+                try:
+                    st = a.transfer(shared)
+                except nixl.nixlRepostActiveError:
+                    st = "PROC"  # the other thread's post: wait for it too
+                if st != "DONE":
+                    assert _wait(a, shared) == "DONE"
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=own, args=(k,)) for k in range(4)]
+    threads += [threading.Thread(target=racing) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(STEP * 3)
+    assert not any(th.is_alive() for th in threads)
+    assert not errors, errors
+    x.np[14 * blk:] = 0
+    if a.transfer(shared) != "DONE":
+        assert _wait(a, shared) == "DONE"
+    assert np.array_equal(x.np[14 * blk:], y.np[14 * blk:])
+
+
 def test_utils_buffers() -> None:
     a, b = _utils.malloc_passthru(1000), _utils.malloc_passthru(1000)
     try:
@@ -881,8 +941,9 @@ def test_tight_poller_stops_spinning_for_a_request_that_outlasts_the_spin(
         assert y.np[0] == y.np[-1] == i
     # (A post waited for longer than _ENGINE_WAIT is waited for again: the
     # probes count waits, not posts. A probe that happens to catch the end of
-    # a post counts as soon and may start one more run of _SPIN_MISSES spins:
-    # CI saw 7 spins for 24 waits.)
+    # a post no longer counts as soon (it is not soon after the post: it once
+    # started another run of _SPIN_MISSES spins, up to 20 spins for ~35 waits
+    # on a loaded machine); the bound still allows that run.)
     probes = len(waits) // _bindings._SPIN_PROBE
     assert len(spins) <= _bindings._SPIN_MISSES * (1 + probes) + probes
     assert len(spins) < len(waits) // 2

@@ -226,6 +226,11 @@ def test_peer_killed_midway_raises_remote_disconnect() -> None:
         handle = agent.initialize_xfer("READ", local, remote, name, b"x")
         assert agent.transfer(handle) in ("DONE", "PROC")
         assert _poll(agent, handle) == "DONE"
+        # One without a notification too: nixl_agent.transfer's straight-line
+        # path, which looks for a lost peer only once a post failed.
+        plain = agent.initialize_xfer("READ", local, remote, name)
+        assert agent.transfer(plain) in ("DONE", "PROC")
+        assert _poll(agent, plain) == "DONE"
 
         os.kill(producer.pid, signal.SIGKILL)
         producer.proc.join(STEP)
@@ -237,7 +242,11 @@ def test_peer_killed_midway_raises_remote_disconnect() -> None:
                 if agent.transfer(handle) != "DONE":
                     _poll(agent, handle)
                 time.sleep(0.01)
-        # A new request towards the dead peer fails the same way.
+        # The plain one made before the loss, and a new one, fail the same way
+        # (the message says how it was seen: the peer already marked lost, or
+        # the post failed by the engine, which may know first).
+        with pytest.raises(nixlRemoteDisconnectError, match="disconnected"):
+            agent.transfer(plain)
         h2 = agent.initialize_xfer("READ", local, remote, name)
         with pytest.raises(nixlRemoteDisconnectError):
             agent.transfer(h2)

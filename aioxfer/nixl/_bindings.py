@@ -33,6 +33,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from time import perf_counter as _perf_counter
 from typing import Any
 
 import numpy as np
@@ -730,9 +731,12 @@ class nixlXferTelemetry:
 
 _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
 _RELEASE_TIMEOUT = 60.0
-# A poller asking again within this many seconds is in a tight loop: it waits
-# for the engine itself (see _wait_completion), or yields to the loop thread
-# (see Runtime.yield_to_loop).
+# A poller asking again within this many seconds (of its last call, or of the
+# start of the post it polls: a caller that checks as soon as it posted) is
+# in a tight loop: it waits for the engine itself (see _wait_completion), or
+# yields to the loop thread (see Runtime.yield_to_loop). Its first call then
+# waits, as a coroutine's await of a transfer it just posted polls for it
+# (Submission.eager), rather than only look (a whole call more per request).
 _TIGHT_POLL = 0.0002
 # How long such a poller waits at most: until the engine has a completion
 # (any of the agent's; a bounded spin, then a sleep), or this long; for
@@ -749,6 +753,19 @@ _SPIN_PROBE = 16
 # How long the loop thread leaves the engine's fd to a poller that stopped
 # asking: completions meanwhile wait for that poller's next call (or this long).
 _LINGER = 0.02
+
+
+# NIXL's states by status (NIXL_SUCCESS, NIXL_IN_PROG); failures raise.
+_STATE_STR = ("DONE", "PROC")
+
+
+class _Number:
+    """A request number where xferState takes a handle (getXferStatus)."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, value: int) -> None:
+        self._handle = value
 
 
 def _noop() -> None:
@@ -1059,8 +1076,9 @@ class _Xfer:
         self.slow = 0
         self.skipped = 0
         # Whether a repost without a notification of its own is one call
-        # of post with nothing to notify (or a file's, which ignores it): the
-        # hot path of postXferReq, decided once, not on each repost.
+        # of post with nothing to notify (or a file's, which ignores it), on
+        # an agent without telemetry: the hot path of xferTransfer, decided
+        # once, not on each repost.
         self.plain = False
 
 
@@ -1963,7 +1981,7 @@ class nixlAgent:
             agent = self._agent
             if len(groups) == 1 and agent is not None:
                 x.post = agent.write if x.write else agent.read
-                x.plain = not notif or x.file
+                x.plain = (not notif or x.file) and not self._telemetry
             handle = next(self._handle_seq)
             self._xfers[handle] = x
         finally:
@@ -2047,15 +2065,31 @@ class nixlAgent:
         except KeyError:
             self._count(-2)
             raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}") from None
-        if notif_msg or not x.plain or self._telemetry:
-            return self._post_general(x, notif_msg)
-        # The hot path (vLLM's repost: one aioxfer call, nothing to notify,
-        # no telemetry), straight-line: what does not change between posts
-        # was decided at creation (x.plain), the lock taken and left by hand.
-        # Posted now, from this thread (a same-host copy may complete inside):
-        # what a coroutine awaiting it gets, without a wake-up of the loop
-        # thread. The flush the agent scheduled for the end of its loop
-        # iteration finds nothing to do.
+        return self._post_general(x, notif_msg)
+
+    def xferTransfer(self, handle: Any, notif_msg: Any = b"") -> str:
+        """(aioxfer extension) ``nixl_agent.transfer(handle, notif_msg)``:
+        postXferReq of a handle (anything with the request's number as
+        ``_handle``) as NIXL's state string, "DONE" or "PROC". nixl_agent
+        binds it as its ``transfer``: one Python frame per post, not two.
+
+        The hot path (vLLM's repost: one aioxfer call, nothing to notify, no
+        telemetry) is straight-line: what does not change between posts was
+        decided at creation (x.plain); everything else is _post_general's.
+        Posted now, from this thread (a same-host copy may complete inside):
+        what a coroutine awaiting it gets, without a wake-up of the loop
+        thread. The flush the agent scheduled for the end of its loop
+        iteration finds nothing to do.
+
+        The runtime lock is taken for the post, from any thread: the post
+        enters the aioxfer agent (its batch, counters, the engine's ring),
+        which the loop thread drives too (it drains completions, runs the
+        scheduled flush); the GIL alone makes single bytecodes atomic, not
+        that sequence. (Uncontended, acquire and release cost about 0.1 µs
+        together, under 1 % of a request: measured with callgrind.)"""
+        x = self._xfers.get(handle._handle)
+        if x is None or notif_msg or not x.plain:
+            return _STATE_STR[self.postXferReq(handle._handle, notif_msg)]
         rt = self._rt
         lock = rt.lock
         lock.acquire()
@@ -2064,39 +2098,50 @@ class nixlAgent:
             if fut is not None and not fut.done():
                 raise _error(-7, "postXferReq: the transfer is still in flight")
             rem = x.remote
-            peer = x.peer
-            if rem is not None and rem.gen != x.gen or peer is not None and peer.lost:
-                return self._post_general(x, notif_msg)  # (raises: the remote is gone)
+            # (Removing a remote bumps its gen: a remote removed, or
+            # re-registered, goes to _post_general, which raises.) A peer
+            # that was lost is the post's failure: see below.
+            if rem is not None and rem.gen != x.gen:
+                return _STATE_STR[self._post_general(x, notif_msg)]  # (raises)
             # When a tight poller decides whether to spin for it. (Before the
             # post: a large tcp request's post sends on this thread for
             # milliseconds, and stamped after it, its completion would look
             # soon and keep the poller spinning; CI caught that.)
-            x.t0 = time.perf_counter()
+            x.t0 = t0 = _perf_counter()
+            flush = self._flush_fn  # (called as a method: an unspecialized lookup)
             try:
                 x.fut = fut = x.post(*x.one)
-                self._flush_fn()
+                flush()
             except (XferError, ValueError, TypeError) as exc:
                 x.fut = None
+                peer = x.peer
+                if peer is not None and peer.lost:
+                    return _STATE_STR[self._post_general(x, notif_msg)]  # (raises)
                 err = _from_xfer_error(exc, "postXferReq")
                 self._count_exc(err)
                 raise err from None
             rt._foreign = False  # (the agent's flush, scheduled: nothing left for it)
-            done = fut.done()
-            x.last_poll = 0.0
+            x.last_poll = t0
         finally:
             if rt._foreign:
                 rt.leave()  # wakes the loop for what the section scheduled
             else:
                 lock.release()
-        if not done:
-            return 1  # NIXL_IN_PROG
-        if not self._tel_events:
-            try:
-                if fut.exception() is None:
-                    return 0  # NIXL_SUCCESS
-            except asyncio.CancelledError:
-                pass
-        return self._finish(x, fut, "postXferReq")
+        if not fut.done():
+            return "PROC"
+        try:
+            if fut.exception() is None:
+                return "DONE"
+        except asyncio.CancelledError:
+            pass
+        # Failed inside the post. A peer lost before it (its transfers fail
+        # as they are submitted: no check needed before the post) raises as
+        # NIXL's does, from _post_general; any other failure, as the
+        # request's own.
+        peer = x.peer
+        if peer is not None and peer.lost:
+            return _STATE_STR[self._post_general(x, notif_msg)]  # (raises)
+        return _STATE_STR[self._finish(x, fut, "postXferReq")]  # (raises)
 
     def _post_general(self, x: _Xfer, notif_msg: Any) -> int:
         """postXferReq of anything but the hot path: a notification of the
@@ -2160,7 +2205,7 @@ class nixlAgent:
                 x.fut = fut
             if telemetry:
                 x.post_s = time.perf_counter() - t0
-            x.last_poll = 0.0
+            x.last_poll = t0
         finally:
             if rt._foreign:
                 rt.leave()  # wakes the loop for what the section scheduled
@@ -2291,33 +2336,50 @@ class nixlAgent:
             tel.xfer(x.write, x.nbytes, *_durations(x))
         return int(NIXL_SUCCESS)
 
-    def getXferStatus(self, reqh: int) -> int:
-        x = self._xfers.get(reqh)
+    def xferState(self, handle: Any) -> str:
+        """(aioxfer extension) ``nixl_agent.check_xfer_state(handle)``:
+        getXferStatus of a handle (anything with the request's number as
+        ``_handle``) as NIXL's state string, "DONE" or "PROC"; nixl_agent
+        binds it as its ``check_xfer_state``: one Python frame per poll."""
+        x = self._xfers.get(handle._handle)
         if x is None:
-            raise _error(-2, f"getXferStatus: unknown transfer handle {int(reqh):#x}")
+            raise _error(-2, f"getXferStatus: unknown transfer handle {int(handle._handle):#x}")
         fut = x.fut
         if fut is None:
             raise _error(-1, "getXferStatus: the transfer was not posted")
         if fut.done():
-            return self._finish(x, fut, "getXferStatus")
+            # (Succeeded and no telemetry event to write: the usual answer
+            # of a poller's last call, without _finish's frame.)
+            if not self._tel_events:
+                try:
+                    if fut.exception() is None:
+                        return "DONE"
+                except asyncio.CancelledError:
+                    pass
+            return _STATE_STR[self._finish(x, fut, "getXferStatus")]
         rt = self._rt
+        lock = rt.lock
         # Like NIXL's check, which progresses its backend: take the completions
         # the engine has now, rather than wait for the loop thread to wake up
         # and do it (skipped while the loop thread is at it).
         parts = x.parts if type(fut) is not Transfer else None
-        if rt.lock.acquire(blocking=False):
+        if lock.acquire(blocking=False):
             try:
                 # (A look at the ring first: an empty poll costs a system
                 # call, this a load, ~0.1 µs against ~2.5.)
                 if self._wait_fn(0):
-                    self._poll_fn()
+                    poll = self._poll_fn  # (a local: see xferTransfer's flush)
+                    poll()
                 if parts:
                     self._advance(x, fut)
             finally:
-                rt.leave()
+                if rt._foreign:
+                    rt.leave()
+                else:
+                    lock.release()
             if fut.done():
-                return self._finish(x, fut, "getXferStatus")
-        now = time.perf_counter()
+                return _STATE_STR[self._finish(x, fut, "getXferStatus")]
+        now = _perf_counter()
         if now - x.last_poll < _TIGHT_POLL:
             # Polled in a tight loop: wait for the engine's next completion
             # (a bounded spin without the GIL, then a sleep on its fd, at most
@@ -2328,18 +2390,27 @@ class nixlAgent:
             # a core the engine's copy threads need.
             if type(fut) is Transfer or (parts and not x.notifying):
                 self._wait_completion(_ENGINE_WAIT, fut.done, x)
-                if parts and rt.lock.acquire(blocking=False):
+                if parts and lock.acquire(blocking=False):
                     try:
                         self._advance(x, fut)
                     finally:
                         rt.leave()
             else:
                 rt.yield_to_loop(_TIGHT_WAIT, ready=fut.done)
-            now = time.perf_counter()
+            now = _perf_counter()
         x.last_poll = now
         if fut.done():
-            return self._finish(x, fut, "getXferStatus")
-        return int(NIXL_IN_PROG)
+            if not self._tel_events:
+                try:
+                    if fut.exception() is None:
+                        return "DONE"
+                except asyncio.CancelledError:
+                    pass
+            return _STATE_STR[self._finish(x, fut, "getXferStatus")]
+        return "PROC"
+
+    def getXferStatus(self, reqh: int) -> int:
+        return 1 if self.xferState(_Number(reqh)) == "PROC" else 0
 
     def _wait_completion(self, timeout: float, ready: Any = None,
                          x: _Xfer | None = None) -> None:
@@ -2380,26 +2451,45 @@ class nixlAgent:
                 return
             # Claimed for the spin too: the completion's eventfd write then
             # wakes no loop thread, to contend for the lock and the GIL.
-            claimed = rt.claim(fd)
+            sel = rt.selector
+            claimed = sel.claim(fd)
             spin_us = self._spin_us if x is not None else 0
-            if x is not None and spin_us and (self._spin_only or _spin_wanted(x)):
+            if x is not None and spin_us and (self._spin_only or x.spin or _spin_wanted(x)):
                 try:
                     caught = self._wait_fn(spin_us)
                     spun = caught or self._spin_only
                     if spun and not agent.closed:
-                        self._poll_fn()
+                        poll = self._poll_fn  # (a local: see xferTransfer's flush)
+                        poll()
                 except BaseException:
                     if claimed:
-                        rt.release(fd, _LINGER)
+                        sel.release(fd, _LINGER)
                     raise
-                if caught and _data_done(x):
-                    _spin_outcome(x, True)
+                if caught:
+                    fut = x.fut
+                    if fut is not None and (fut.done() if type(fut) is Transfer
+                                            else _data_done(x)):
+                        # Soon only if soon after its post, as for a sleep
+                        # below: a spin that happens to catch the end of a
+                        # long request (the probe of a 16 MiB tcp one,
+                        # milliseconds after its post) is no sign that
+                        # spinning for it pays (it started another run of
+                        # _SPIN_MISSES spins: the test of this saw up to 20
+                        # spins for ~35 waits on a loaded machine).
+                        if _perf_counter() - x.t0 < _SPIN_KEEP * spin_us * 1e-6:
+                            x.spin = True  # (_spin_outcome's soon, inline)
+                            x.slow = 0
+                        else:
+                            _spin_outcome(x, False)
                 if spun:
                     if claimed:
-                        rt.release(fd, _LINGER)
+                        sel.release(fd, _LINGER)
                     return
         finally:
-            rt.leave()
+            if rt._foreign:
+                rt.leave()
+            else:
+                rt.lock.release()
         got: list[Any] | None = None
         woke = 0.0
         try:

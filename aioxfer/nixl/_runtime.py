@@ -206,6 +206,12 @@ class _Loop(asyncio.SelectorEventLoop):
 class Runtime:
     """One loop thread per process, started on first use."""
 
+    # (Slots: the callers' hot paths read and write _foreign and lock once
+    # per request.)
+    __slots__ = ("lock", "_local", "_foreign", "_round", "_round_fd", "_waiters_lock",
+                 "_round_waiters", "loop_ident", "_closers", "_closing", "_selector", "selector",
+                 "loop", "thread")
+
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._local = threading.local()
@@ -220,6 +226,8 @@ class Runtime:
         self._closers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._closing: set[asyncio.Task[Any]] = set()  # closes of agents already dropped
         self._selector = _LockedSelector(self)
+        # (For a poller's claim and release without this class's wrappers.)
+        self.selector = self._selector
         self.loop = _Loop(self._selector)
         self.loop._rt = self
         self.loop.set_debug(False)  # debug mode forbids what the lock makes safe

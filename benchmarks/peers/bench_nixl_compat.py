@@ -29,6 +29,8 @@ threshold (``--inline shared``, see shared_inline).
 
     python benchmarks/peers/bench_nixl_compat.py                          # about 3 minutes
     python benchmarks/peers/bench_nixl_compat.py --reps 2 --slice 0.05    # quick: proves it runs
+    valgrind --tool=callgrind --separate-threads=yes python benchmarks/peers/bench_nixl_compat.py \
+        --role count --system compat --workload "READ 4 KiB" --count 5000  # and 1000: subtract
 
 ``--nixl-python`` (default: $PEERS_VENVS/venv-nixl/bin/python, made by
 install.sh) runs the real NIXL side; this script must also be importable by
@@ -370,6 +372,42 @@ def initiator_main(args: argparse.Namespace) -> None:
     os._exit(0)  # NIXL's wheel may crash in exit-time destructors
 
 
+def count_main(args: argparse.Namespace) -> None:
+    """``--role count``: one system's workload ``--workload`` (e.g. "READ 4
+    KiB"), ``--count`` times in a row after 300 warm-up requests, untimed:
+    for an instruction count per request, two runs under callgrind (the
+    target is not traced) differenced, e.g. ``--count 1000`` and ``--count
+    5000``, with the same environment the driver gives the system."""
+    os.environ.update(system_env(args.system, args.transport))
+    args.ops = [args.workload.split()[0]]
+    label = args.workload.split(None, 1)[1]
+    target = Target(args)
+    keep: list[Any] = []
+    loop = asyncio.new_event_loop() if args.system == "native" else None
+    try:
+        works = (native_workloads(args, target, loop, keep) if loop is not None
+                 else nixl_like_workloads(args, target, keep))
+        w = next(w for w in works if w.label == label)
+        assert w.verified
+        if loop is not None:
+            async def go(n: int, make: Callable[[], Any] = w.once) -> None:
+                for _ in range(n):
+                    await make()
+
+            loop.run_until_complete(go(300))
+            loop.run_until_complete(go(args.count))
+        else:
+            def go_sync(n: int, once: Callable[[], Any] = w.once) -> None:
+                for _ in range(n):
+                    once()
+
+            go_sync(300)
+            go_sync(args.count)
+    finally:
+        target.close()
+    os._exit(0)
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -594,7 +632,8 @@ def driver(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--role", default="driver", choices=["driver", "initiator", "target"])
+    ap.add_argument("--role", default="driver",
+                    choices=["driver", "initiator", "target", "count"])
     ap.add_argument("--system", default="compat", choices=SYSTEMS)
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     ap.add_argument("--ctl-fd", type=int, default=-1)
@@ -605,6 +644,8 @@ def main() -> None:
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--nixl-python", default="")
     ap.add_argument("--json", default="", help="also write every record to this file")
+    ap.add_argument("--workload", default="READ 4 KiB", help="--role count: op and workload")
+    ap.add_argument("--count", type=int, default=1000, help="--role count: requests")
     ap.add_argument("--inline", default="shared", choices=["shared", "own"],
                     help="aioxfer's inline threshold: one calibration for every process "
                          "(shared) or each engine's own")
@@ -616,6 +657,8 @@ def main() -> None:
         target_main(args)
     elif args.role == "initiator":
         initiator_main(args)
+    elif args.role == "count":
+        count_main(args)
     else:
         driver(args)
 
