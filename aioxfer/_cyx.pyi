@@ -94,15 +94,16 @@ def verbs_probe(provider: str | None = None) -> tuple[int, list[str], str]: ...
 
 @final
 class FutureMaker(Generic[_F]):
-    def __init__(
-        self,
-        cls: type[_F],
+    # The constructor is __cinit__ (tp_new).
+    def __new__(
+        cls,
+        future_cls: type[_F],
         init_kw: dict[str, Any],
         given: tuple[str, str, str, str, str],
         clock: str,
         fixed: dict[str, object],
-    ) -> None: ...
-    def make(self, a: Any, b: Any, c: Any, d: Any, e: Any, /) -> _F: ...
+    ) -> FutureMaker[_F]: ...
+    def make(self, a: Any, b: Any, c: Any, d: Any, e: Any) -> _F: ...
 
 class NativeError(Exception):
     status: int

@@ -249,23 +249,23 @@ cdef class FutureMaker:
     cdef tuple _fixed_val
     cdef Py_ssize_t _nfixed
 
-    def __cinit__(self, cls, dict init_kw, tuple given, str clock, dict fixed):
+    def __cinit__(self, future_cls, dict init_kw, tuple given, str clock, dict fixed):
         cdef Py_ssize_t i
-        if not isinstance(cls, type) or not issubclass(cls, _Future):
-            raise TypeError(f"{cls!r} is not a subclass of asyncio.Future")
+        if not isinstance(future_cls, type) or not issubclass(future_cls, _Future):
+            raise TypeError(f"{future_cls!r} is not a subclass of asyncio.Future")
         if len(given) != _MAKER_GIVEN:
             raise ValueError(f"FutureMaker takes {_MAKER_GIVEN} given fields, not {len(given)}")
         if len(fixed) > _MAKER_MAX:
             raise ValueError(f"FutureMaker takes at most {_MAKER_MAX} fixed fields")
-        self._cls = cls
+        self._cls = future_cls
         self._kw = dict(init_kw)
         for i in range(_MAKER_GIVEN):
-            self._given[i] = _maker_offset(cls, given[i])
-        self._clock = _maker_offset(cls, clock)
+            self._given[i] = _maker_offset(future_cls, given[i])
+        self._clock = _maker_offset(future_cls, clock)
         vals = []
         self._nfixed = 0
         for name, value in fixed.items():
-            self._fixed_off[self._nfixed] = _maker_offset(cls, name)
+            self._fixed_off[self._nfixed] = _maker_offset(future_cls, name)
             vals.append(value)
             self._nfixed += 1
         self._fixed_val = tuple(vals)
