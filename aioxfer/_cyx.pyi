@@ -89,6 +89,16 @@ def coalesce(
 ) -> tuple[
     npt.NDArray[np.uint64] | tuple[int, int, int, int, int, int], npt.NDArray[np.intp] | None
 ]: ...
+def pair_descs(
+    loffs: npt.NDArray[np.uint64],
+    llens: npt.NDArray[np.uint64],
+    foffs: npt.NDArray[np.uint64],
+    flens: npt.NDArray[np.uint64],
+    lrid: int,
+    frid: int,
+    fkey: int,
+    far_name: str,
+) -> npt.NDArray[np.uint64]: ...
 def file_backend() -> tuple[bool, str]: ...
 def verbs_probe(provider: str | None = None) -> tuple[int, list[str], str]: ...
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from aioxfer._cyx import pair_descs as _pair_descs
 from aioxfer.errors import ClosedResourceError
 
 if TYPE_CHECKING:
@@ -356,29 +357,10 @@ def pair_descs(local: SegmentList, lrid: int, far: SegmentList, frid: int, fkey:
     """The (n, 6) descriptor array of two equal SegmentLists, local and far
     (remote, or a file region), with their checks: as many segments on both
     sides, none empty, lengths pairwise equal. ``far_name`` names the far side
-    in the errors ("remote", "file")."""
-    n = len(local)
-    if n != len(far):
-        raise ValueError(f"{n} local segments but {len(far)} {far_name} segments")
-    if not n:
-        raise ValueError("no segments to transfer")
-    lens = local.lengths
-    if not np.array_equal(lens, far.lengths):
-        bad = int(np.flatnonzero(lens != far.lengths)[0])
-        raise ValueError(
-            f"segment {bad}: local length {int(lens[bad])} != {far_name} length "
-            f"{int(far.lengths[bad])}"
-        )
-    if not lens.all():
-        raise ValueError(f"segment {int(np.flatnonzero(lens == 0)[0])} is empty")
-    descs = np.empty((n, 6), dtype=np.uint64)
-    descs[:, 0] = lrid
-    descs[:, 1] = local.offsets
-    descs[:, 2] = frid
-    descs[:, 3] = fkey
-    descs[:, 4] = far.offsets
-    descs[:, 5] = lens
-    return descs
+    in the errors ("remote", "file"). Compiled (_cyx.pair_descs): one pass over
+the four arrays instead of ~10 numpy calls per request."""
+    return _pair_descs(local.offsets, local.lengths, far.offsets, far.lengths, lrid, frid,
+                       fkey, far_name)
 
 def _u64(a: npt.ArrayLike, what: str) -> U64:
     arr = np.asarray(a)
