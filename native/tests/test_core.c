@@ -288,6 +288,17 @@ static void *ww_push(void *arg)
     return NULL;
 }
 
+/* The pushers, waiting for *go. */
+static int ww_start(axf_engine *e, pthread_t *th, ww_arg *args, atomic_int *go)
+{
+    for (unsigned p = 0; p < WW_PUSHERS; p++) {
+        args[p] = (ww_arg){.e = e, .idx = p, .go = go};
+        if (pthread_create(&th[p], NULL, ww_push, &args[p]) != 0)
+            return -1;
+    }
+    return 0;
+}
+
 static int test_wait_wake(void)
 {
     tengine *t = t_engine(NULL);
@@ -297,10 +308,7 @@ static int test_wait_wake(void)
     atomic_int go = 0;
     pthread_t th[WW_PUSHERS];
     ww_arg args[WW_PUSHERS];
-    for (unsigned p = 0; p < WW_PUSHERS; p++) {
-        args[p] = (ww_arg){.e = e, .idx = p, .go = &go};
-        CHECK_EQ(pthread_create(&th[p], NULL, ww_push, &args[p]), 0);
-    }
+    CHECK_EQ(ww_start(e, th, args, &go), 0);
     static uint8_t seen[WW_PUSHERS * WW_EACH];
     memset(seen, 0, sizeof seen);
     static const uint32_t waits[] = {0, 1, 3, 20, 200};
@@ -349,10 +357,7 @@ static int test_wait_polls(void)
     atomic_int go = 0;
     pthread_t th[WW_PUSHERS];
     ww_arg args[WW_PUSHERS];
-    for (unsigned p = 0; p < WW_PUSHERS; p++) {
-        args[p] = (ww_arg){.e = e, .idx = p, .go = &go};
-        CHECK_EQ(pthread_create(&th[p], NULL, ww_push, &args[p]), 0);
-    }
+    CHECK_EQ(ww_start(e, th, args, &go), 0);
     static uint8_t seen[WW_PUSHERS * WW_EACH];
     memset(seen, 0, sizeof seen);
     static const uint32_t waits[] = {0, 1, 3, 20, 200};
