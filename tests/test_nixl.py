@@ -1297,3 +1297,29 @@ def test_segment_lists_built_from_checked_ranges_match_the_public_ones() -> None
             assert f.dtype == r.dtype and f.flags.c_contiguous and np.array_equal(f, r)
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "poll", "sleep"])
+def test_engine_follows_the_progress_mode_and_the_loop_only_sleeps(
+        agents: Any, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # The tcp target's poll for a peer's next request is the engine's, set
+    # from the mode (a compat agent built in "sleep" never polled as a
+    # target: its tcp 4 KiB rows ran at a third of the native API's); the
+    # loop thread gets no Poller (the callers' threads spin).
+    from aioxfer import _cyx
+    from aioxfer import agent as agent_mod
+    from aioxfer import progress as progress_mod
+
+    built: list[dict[str, Any]] = []
+    real = _cyx.Engine
+
+    def spy(**kw: Any) -> Any:
+        built.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(agent_mod._cyx, "Engine", spy)
+    monkeypatch.setenv("AIOXFER_NIXL_PROGRESS", mode)
+    a = agents()
+    assert len(built) == 1
+    assert built[0]["target_poll_us"] == progress_mod.target_poll_us(mode)
+    assert a.agent._agent.progress == "sleep" and a.agent._agent._poller is None

@@ -1268,12 +1268,16 @@ class nixlAgent:
         try:
             progress = check_mode(params.get("progress")
                                   or os.environ.get("AIOXFER_NIXL_PROGRESS", "adaptive"))
-            # The caller's thread polls (check_xfer_state, get_new_notifs), so
-            # it is the one that spins: the loop thread only sleeps. Its own
-            # bounded poll would hold the runtime lock the callers need, on
-            # the rare rounds it wakes for, and its kick from a caller's post
-            # would be a callback scheduled across threads for nothing.
-            agent = aioxfer.Agent(self._name, progress="sleep", **kwargs)
+            # The engine follows the mode (its tcp target polls briefly for a
+            # peer's next request). The caller's thread polls
+            # (check_xfer_state, get_new_notifs), so it is the one that spins:
+            # the loop thread only sleeps ("sleep" before start: no Poller).
+            # Its own bounded poll would hold the runtime lock the callers
+            # need, on the rare rounds it wakes for, and its kick from a
+            # caller's post would be a callback scheduled across threads for
+            # nothing.
+            agent = aioxfer.Agent(self._name, progress=progress, **kwargs)
+            agent.progress = "sleep"
         except (XferError, ValueError, OSError) as exc:
             raise _error(-3, f"createBackend UCX: {exc}") from None
         try:
