@@ -288,36 +288,63 @@ static void *ww_push(void *arg)
     return NULL;
 }
 
-/* The pushers, waiting for *go. */
-static int ww_start(axf_engine *e, pthread_t *th, ww_arg *args, atomic_int *go)
+/* What both ring tests share: an engine, its pushers (started by ww_begin,
+ * pushing once go is set), and which of their records the consumer took. */
+typedef struct ww_run {
+    tengine *t;
+    axf_engine *e;
+    int efd;
+    atomic_int go;
+    pthread_t th[WW_PUSHERS];
+    ww_arg args[WW_PUSHERS];
+    uint8_t seen[WW_PUSHERS * WW_EACH];
+    size_t got;
+} ww_run;
+
+static int ww_begin(ww_run *w)
 {
+    w->t = t_engine(NULL);
+    CHECK(w->t);
+    w->e = w->t->e;
+    w->efd = axf_engine_fd(w->e);
     for (unsigned p = 0; p < WW_PUSHERS; p++) {
-        args[p] = (ww_arg){.e = e, .idx = p, .go = go};
-        if (pthread_create(&th[p], NULL, ww_push, &args[p]) != 0)
-            return -1;
+        w->args[p] = (ww_arg){.e = w->e, .idx = p, .go = &w->go};
+        CHECK_EQ(pthread_create(&w->th[p], NULL, ww_push, &w->args[p]), 0);
     }
     return 0;
 }
 
+/* The k records polled: each a transfer's, each seen once. */
+static int ww_take(ww_run *w, const axf_completion *c, size_t k)
+{
+    for (size_t i = 0; i < k; i++, w->got++) {
+        CHECK_EQ(c[i].kind, AXF_CQ_XFER);
+        uint64_t id = c[i].id - 1;
+        CHECK(id < sizeof w->seen && !w->seen[id]);
+        w->seen[id] = 1;
+    }
+    return 0;
+}
+
+/* Waits for the pushers (all of their records pushed). */
+static void ww_join(ww_run *w)
+{
+    for (unsigned p = 0; p < WW_PUSHERS; p++)
+        pthread_join(w->th[p], NULL);
+}
+
 static int test_wait_wake(void)
 {
-    tengine *t = t_engine(NULL);
-    CHECK(t);
-    axf_engine *e = t->e;
-    int efd = axf_engine_fd(e);
-    atomic_int go = 0;
-    pthread_t th[WW_PUSHERS];
-    ww_arg args[WW_PUSHERS];
-    CHECK_EQ(ww_start(e, th, args, &go), 0);
-    static uint8_t seen[WW_PUSHERS * WW_EACH];
-    memset(seen, 0, sizeof seen);
+    static ww_run w;
+    memset(&w, 0, sizeof w);
+    CHECK_EQ(ww_begin(&w), 0);
     static const uint32_t waits[] = {0, 1, 3, 20, 200};
-    size_t got = 0, rounds = 0, blocked = 0, counted = 0;
+    size_t rounds = 0, blocked = 0, counted = 0;
     axf_completion c[16];
-    atomic_store(&go, 1);
-    while (got < (size_t)WW_PUSHERS * WW_EACH) {
-        size_t n = axf_wait(e, waits[rounds++ % 5]);
-        struct pollfd pf = {.fd = efd, .events = POLLIN};
+    atomic_store(&w.go, 1);
+    while (w.got < (size_t)WW_PUSHERS * WW_EACH) {
+        size_t n = axf_wait(w.e, waits[rounds++ % 5]);
+        struct pollfd pf = {.fd = w.efd, .events = POLLIN};
         if (n) {
             counted++;
             CHECK_EQ(poll(&pf, 1, 0), 1); /* written by then */
@@ -325,19 +352,14 @@ static int test_wait_wake(void)
             blocked++;
             CHECK_EQ(poll(&pf, 1, T_TIMEOUT_MS), 1); /* a record comes: it wakes us */
         }
-        for (size_t k = (rounds & 2) ? axf_poll(e, c, 16) : 0, i = 0; i < k; i++, got++) {
-            CHECK_EQ(c[i].kind, AXF_CQ_XFER);
-            uint64_t id = c[i].id - 1;
-            CHECK(id < sizeof seen && !seen[id]);
-            seen[id] = 1;
-        }
+        if (rounds & 2)
+            CHECK_EQ(ww_take(&w, c, axf_poll(w.e, c, 16)), 0);
     }
-    for (unsigned p = 0; p < WW_PUSHERS; p++)
-        pthread_join(th[p], NULL);
-    CHECK_EQ(axf_poll(e, c, 16), 0);
+    ww_join(&w);
+    CHECK_EQ(axf_poll(w.e, c, 16), 0);
     printf("  %zu waits: %zu found records, %zu blocked on the eventfd\n", rounds, counted,
            blocked);
-    t_close(t);
+    t_close(w.t);
     return 0;
 }
 
@@ -350,34 +372,22 @@ static int test_wait_wake(void)
  * records the spin saw cost no eventfd write and no read. */
 static int test_wait_polls(void)
 {
-    tengine *t = t_engine(NULL);
-    CHECK(t);
-    axf_engine *e = t->e;
-    int efd = axf_engine_fd(e);
-    atomic_int go = 0;
-    pthread_t th[WW_PUSHERS];
-    ww_arg args[WW_PUSHERS];
-    CHECK_EQ(ww_start(e, th, args, &go), 0);
-    static uint8_t seen[WW_PUSHERS * WW_EACH];
-    memset(seen, 0, sizeof seen);
+    static ww_run w;
+    memset(&w, 0, sizeof w);
+    CHECK_EQ(ww_begin(&w), 0);
+    axf_engine *e = w.e;
     static const uint32_t waits[] = {0, 1, 3, 20, 200};
-    size_t got = 0, rounds = 0, blocked = 0, quiet = 0;
+    size_t rounds = 0, blocked = 0, quiet = 0;
     axf_completion c[4];
-    atomic_store(&go, 1);
-    while (got < (size_t)WW_PUSHERS * WW_EACH) {
+    atomic_store(&w.go, 1);
+    while (w.got < (size_t)WW_PUSHERS * WW_EACH) {
         size_t n = axf_wait_ex(e, waits[rounds++ % 5], AXF_WAIT_POLLS);
-        struct pollfd pf = {.fd = efd, .events = POLLIN};
+        struct pollfd pf = {.fd = w.efd, .events = POLLIN};
         if (!n) {
             blocked++;
             CHECK_EQ(poll(&pf, 1, T_TIMEOUT_MS), 1); /* a record comes: it wakes us */
         }
-        size_t k = axf_poll(e, c, 4);
-        for (size_t i = 0; i < k; i++, got++) {
-            CHECK_EQ(c[i].kind, AXF_CQ_XFER);
-            uint64_t id = c[i].id - 1;
-            CHECK(id < sizeof seen && !seen[id]);
-            seen[id] = 1;
-        }
+        CHECK_EQ(ww_take(&w, c, axf_poll(e, c, 4)), 0);
         pthread_mutex_lock(&e->cq_mu); /* a push writes the eventfd under it */
         size_t left = e->cq_count;
         int readable = poll(&pf, 1, 0);
@@ -387,14 +397,13 @@ static int test_wait_polls(void)
         else if (!readable)
             quiet++;
     }
-    for (unsigned p = 0; p < WW_PUSHERS; p++)
-        pthread_join(th[p], NULL);
+    ww_join(&w);
     CHECK_EQ(axf_poll(e, c, 4), 0);
-    struct pollfd pf = {.fd = efd, .events = POLLIN};
+    struct pollfd pf = {.fd = w.efd, .events = POLLIN};
     CHECK_EQ(poll(&pf, 1, 0), 0); /* the empty poll cleared any stale wake-up */
     printf("  %zu waits: %zu blocked on the eventfd, %zu left it unsignalled\n", rounds,
            blocked, quiet);
-    t_close(t);
+    t_close(w.t);
     return 0;
 }
 
