@@ -2151,12 +2151,8 @@ class nixlAgent:
         """postXferReq of anything but the hot path: a notification of the
         post's own or one that needs framing, several aioxfer calls,
         telemetry, a remote that is gone."""
-        if notif_msg:
-            msg = _payload(notif_msg)
-            direct = _direct(x, msg)
-        else:
-            msg = x.notif
-            direct = _direct(x, msg)
+        msg = _payload(notif_msg) if notif_msg else x.notif
+        direct = _direct(x, msg)
         rt = self._rt
         rt.lock.acquire()
         try:
@@ -2183,30 +2179,24 @@ class nixlAgent:
             if telemetry:
                 x.xfer_s = -1.0
                 x.start_us = int(t0 * 1e6) if _PERF_IS_STEADY else time.monotonic_ns() // 1000
-            if direct:
-                # One aioxfer call, posted now, from this thread (a same-host
-                # copy may complete inside): what a coroutine awaiting it gets,
-                # without a wake-up of the loop thread. The flush the agent
-                # scheduled for the end of its loop iteration finds nothing to do.
-                try:
+            try:
+                if direct:
+                    # One aioxfer call, posted now, from this thread (a
+                    # same-host copy may complete inside): what a coroutine
+                    # awaiting it gets, without a wake-up of the loop thread.
+                    # The flush the agent scheduled for the end of its loop
+                    # iteration finds nothing to do.
                     fut = x.post(*x.one) if not msg or x.file else x.post(*x.one, notify=msg)
                     x.fut = fut
                     self._flush_fn()
-                except (XferError, ValueError, TypeError) as exc:
-                    x.fut = None
-                    err = _from_xfer_error(exc, "postXferReq")
-                    self._count_exc(err)
-                    raise err from None
-                rt._foreign = False
-            else:
-                try:
-                    fut = self._post(x, msg)
-                except (XferError, ValueError, TypeError) as exc:
-                    x.fut = None
-                    err = _from_xfer_error(exc, "postXferReq")
-                    self._count_exc(err)
-                    raise err from None
-                x.fut = fut
+                    rt._foreign = False
+                else:
+                    x.fut = fut = self._post(x, msg)
+            except (XferError, ValueError, TypeError) as exc:
+                x.fut = None
+                err = _from_xfer_error(exc, "postXferReq")
+                self._count_exc(err)
+                raise err from None
             if telemetry:
                 x.post_s = time.perf_counter() - t0
             x.last_poll = t0
