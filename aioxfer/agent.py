@@ -46,6 +46,7 @@ from aioxfer.backends.host import BackendHost
 from aioxfer.cluster import Cluster
 from aioxfer.connector import ConnectConfig, Connector, cma_allowed
 from aioxfer.descriptors import Descs as _Descs
+from aioxfer.descriptors import coalesce as _coalesce
 from aioxfer.descriptors import cuda_path as _cuda_path
 from aioxfer.dialing import Dialer, parse_address
 from aioxfer.discovery import Etcd, Membership, PeerJoined
@@ -91,10 +92,6 @@ _NEVER_INLINE = (1 << 64) - 1  # the engine's inline_bytes for "never"
 _OK = _cyx.OK
 _OP_WRITE = _cyx.OP_WRITE
 _OP_READ = _cyx.OP_READ
-# descriptors.coalesce compiled (one pass over the rows instead of ~10 numpy
-# calls: ~40 us less per 256-descriptor batch here; tests/test_hotpath
-# checks both agree).
-_coalesce = _cyx.coalesce
 _E_CLOSED = _cyx.E_CLOSED
 
 Local = Segment | Sequence[Segment] | SegmentList

@@ -39,6 +39,7 @@ import numpy.typing as npt
 from aioxfer import _cyx
 from aioxfer.backends.base import BackendStatistics, LocalBackend, Op
 from aioxfer.backends.host import host_of
+from aioxfer.descriptors import coalesce
 from aioxfer.errors import RegistrationError, XferError
 from aioxfer.peer import Peer
 from aioxfer.region import Region, Segment, SegmentList, pair_descs
@@ -322,7 +323,7 @@ class FileBackend(LocalBackend):
         if notify is not None:
             raise ValueError(f"a {op} into a file region takes no notify (nobody to tell)")
         peer, rows, nbytes = descs(agent, local, far)
-        merged, starts = _cyx.coalesce(rows)
+        merged, starts = coalesce(rows)
         opcode = _cyx.OP_WRITE if op == "write" else _cyx.OP_READ
         t = host_of(agent).submit(peer, opcode, merged, None, nbytes, op, priority)
         if starts is not None:
