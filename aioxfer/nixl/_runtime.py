@@ -209,7 +209,7 @@ class Runtime:
     # (Slots: the callers' hot paths read and write _foreign and lock once
     # per request.)
     __slots__ = ("lock", "_local", "_foreign", "_round", "_round_fd", "_waiters_lock",
-                 "_round_waiters", "loop_ident", "_closers", "_closing", "_selector", "selector",
+                 "_round_waiters", "loop_ident", "_closers", "_closing", "selector",
                  "loop", "thread")
 
     def __init__(self) -> None:
@@ -225,10 +225,10 @@ class Runtime:
         self.loop_ident = -1
         self._closers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._closing: set[asyncio.Task[Any]] = set()  # closes of agents already dropped
-        self._selector = _LockedSelector(self)
-        # (For a poller's claim and release without this class's wrappers.)
-        self.selector = self._selector
-        self.loop = _Loop(self._selector)
+        # (Public: a poller claims and releases through it, without this
+        # class's wrappers.)
+        self.selector = _LockedSelector(self)
+        self.loop = _Loop(self.selector)
         self.loop._rt = self
         self.loop.set_debug(False)  # debug mode forbids what the lock makes safe
         started = threading.Event()
@@ -275,17 +275,17 @@ class Runtime:
 
     def claim(self, fd: int) -> bool:
         """See _LockedSelector.claim (lock held)."""
-        return self._selector.claim(fd)
+        return self.selector.claim(fd)
 
     def release(self, fd: int, linger: float = 0.0) -> None:
         """See _LockedSelector.release (lock held)."""
-        self._selector.release(fd, linger)
+        self.selector.release(fd, linger)
 
     def expire_lingering(self) -> None:
         """Gives the loop thread back every fd no caller waits on now (lock
         held): for what only the loop thread will take."""
-        if self._selector.lingering:
-            self._selector.expire_all()
+        if self.selector.lingering:
+            self.selector.expire_all()
 
     def leave(self) -> None:
         """Releases a lock taken by hand (``lock.acquire()``), waking the loop
@@ -317,11 +317,11 @@ class Runtime:
             raise RuntimeError(
                 "aioxfer.nixl: a blocking call from the loop thread or with the runtime lock held"
             )
-        if self._selector.lingering:
+        if self.selector.lingering:
             # What coro awaits may come through an fd a poller's claim still
             # keeps from the loop thread: give those back now.
             with self.lock:
-                self._selector.expire_all()
+                self.selector.expire_all()
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
