@@ -194,23 +194,18 @@ cdef class Engine:
         """Spins (GIL released) up to max_us microseconds for a completion;
         returns how many the ring holds (0: none came). Takes nothing: poll()
         or drain() them. 0 once closed."""
-        cdef size_t n
-        if self._e == NULL:
-            return 0
-        self._busy += 1
-        with nogil:
-            n = axf_wait(self._e, max_us)
-        self._busy -= 1
-        return n
+        return self._wait(max_us, 0)
 
     def wait_polls(self, uint32_t max_us):
         """wait(), for a caller that polls (poll() or drain()) right after a
         nonzero return, always: what came while it spun is left unsignalled
         for that poll (AXF_WAIT_POLLS: no eventfd write here, no read there)."""
-        cdef size_t n
         # Inside a drain (a callback of its), the caller's drain would raise:
         # then what came is signalled, as wait() does.
-        cdef uint32_t flags = 0 if self._polling else AXF_WAIT_POLLS
+        return self._wait(max_us, 0 if self._polling else AXF_WAIT_POLLS)
+
+    cdef size_t _wait(self, uint32_t max_us, uint32_t flags):
+        cdef size_t n
         if self._e == NULL:
             return 0
         self._busy += 1
