@@ -844,8 +844,6 @@ static void cal_run(void)
      * any size: the bound is for the caller's other work). */
     uint64_t saved_ns = 2 * c->wake_ns + CAL_LOOP_NS;
     uint64_t bytes = 2 * saved_ns * c->copy_mbps / 1000u;
-    if (bytes < (64u << 10))
-        bytes = 64u << 10;
     if (bytes > (16ull << 20)) /* a busy machine's wake-ups, not a VM's */
         bytes = 16ull << 20;
     /* Up to a power of two: the estimate is good to a factor, and a
@@ -854,7 +852,7 @@ static void cal_run(void)
      * Up, not down: for a lone awaited request the inline copy is the faster
      * one at any size; the threshold only bounds how long it holds the
      * caller's thread. */
-    uint64_t p2 = 64u << 10;
+    uint64_t p2 = 64u << 10; /* the least threshold */
     while (p2 < bytes)
         p2 *= 2;
     c->inline_bytes = p2;
