@@ -554,8 +554,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_gpu_tests_on_the_software_driver(tmp_path: Any) -> None:
-    """Runs the ``gpu`` tests above, and the conformance suite over "cuda", in
-    fresh processes whose driver is
+    """Runs the ``gpu`` tests above, the conformance suite over "cuda" and
+    test_nixl_cuda's VRAM tests in fresh processes whose driver is
     native/tests/fakecuda.c (device memory = shared memfd mappings, streams =
     threads, IPC through /proc): the engine's CUDA path, IPC import cache,
     event waits, revocation and peer death run on machines without a GPU."""
@@ -569,8 +569,10 @@ def test_gpu_tests_on_the_software_driver(tmp_path: Any) -> None:
     env = dict(os.environ, AIOXFER_CUDA_DRIVER=str(lib))
     here = os.path.dirname(os.path.abspath(__file__))
     # the GPU tests, then the conformance suite over the "cuda" path
+    # and NIXL's VRAM segments through aioxfer.nixl (torch is not here)
     for selection in (["-m", "gpu", os.path.join(here, "test_cuda.py")],
-                      ["-k", "cuda", os.path.join(here, "test_conformance.py")]):
+                      ["-k", "cuda", os.path.join(here, "test_conformance.py")],
+                      ["-m", "gpu", "-k", "not torch", os.path.join(here, "test_nixl_cuda.py")]):
         out = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection],
             env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
