@@ -5,14 +5,14 @@
 # pytest, but not meson-python, msgspec, structlog or pytest-asyncio, and
 # nothing can be fetched there. So, first, here (a machine with a registry):
 #
-#     bash benchmarks/gpu_check.sh fetch      # wheels into .whl/ (git-ignored)
+#     bash benchmarks/gpu_check.sh fetch      # wheels into .whl/ and .whl-nixl/ (git-ignored)
 #
 # then one device call, from the repository root (under 5 minutes of device
 # time: install ~1 min, native build and tests ~40 s, pytest GPU tests ~30 s,
 # gpu_check.py ~1-2 min, gpu_bench.py ~30 s, with a NIC ~30 s more; every
 # step has a timeout):
 #
-#     run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=420)
+#     run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".whl-nixl"], timeout_s=480)
 #
 # The steps follow the bring-up order (each one is what the next relies on):
 # driver symbols and attributes; context hygiene; IPC at an odd 512-byte
@@ -28,10 +28,32 @@ if [ "${1:-}" = fetch ]; then
     exclude="$(git rev-parse --git-path info/exclude)"  # also right in a git worktree
     mkdir -p "$(dirname "$exclude")"
     grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
-    exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    grep -qx '/.whl-nixl/' "$exclude" 2>/dev/null || echo '/.whl-nixl/' >> "$exclude"
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d .whl \
-        msgspec structlog meson meson-python pyproject-metadata pytest-asyncio pytest pluggy
+        msgspec structlog meson meson-python pyproject-metadata pytest-asyncio pytest pluggy || exit 1
+    # Real NIXL for step 9 (gpu_nixl.py), in its own folder, for CUDA 13 (the
+    # device image's torch is built for it, and NIXL picks its wheel by that): its wheel is ~69 MB,
+    # over the 64 MiB a device call carries, and 37 MB of it is nixl_ep (expert
+    # parallelism kernels, unused here), so the copy carried leaves nixl_ep out.
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 -d .whl-nixl nixl==1.5.1 nixl-cu13==1.5.1 || exit 1
+    exec python3 - .whl-nixl/nixl_cu13-*.whl <<'PY'
+import sys, zipfile, os
+src = sys.argv[1]
+tmp = src + ".tmp"
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+    for item in zin.infolist():
+        if item.filename.startswith("nixl_ep"):
+            continue
+        data = zin.read(item)
+        if item.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(l for l in data.splitlines(True) if not l.startswith(b"nixl_ep"))
+        zout.writestr(item, data)
+os.replace(tmp, src)
+print(f"{src}: {os.path.getsize(src) >> 20} MiB without nixl_ep")
+PY
 fi
 
 OUT="${OUT:-/tmp/gpu_check_out}"
@@ -75,8 +97,8 @@ step() { echo "$1=$2" >> "$STEPS"; }
     fi
 
     echo "== 3. pytest -m gpu (the installed package)"
-    (cd /tmp && timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_cuda.py") \
-        && step pytest_gpu ok || step pytest_gpu FAILED
+    (cd /tmp && timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_cuda.py" \
+        "$REPO/tests/test_nixl_cuda.py") && step pytest_gpu ok || step pytest_gpu FAILED
 
     echo "== 1-7. gpu_check.py: driver, hygiene, odd-offset IPC, bandwidth GPU<->host / peer memfd / GPU, file, peer kill, NIC"
     (cd /tmp && timeout 170 python3 "$REPO/benchmarks/gpu_check.py" --size-mib 256 --iters 5 \
@@ -85,6 +107,17 @@ step() { echo "$1=$2" >> "$STEPS"; }
     echo "== 8. gpu_bench.py: 4 KiB ... 256 MiB one request at a time (GB/s, p50), host memory over cuda vs shm, limits"
     (cd /tmp && timeout 90 python3 "$REPO/benchmarks/gpu_bench.py" --secs 0.3 --json "$OUT/gpu_bench.json" \
         | grep -v '^20..-..-..T') && step gpu_bench ok || step gpu_bench FAILED
+
+    echo "== 9. gpu_nixl.py: GPU -> peer GPU through NIXL's API, real NIXL beside aioxfer.nixl"
+    if ls .whl-nixl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/nixlsite .whl-nixl/*.whl \
+        && (cd /tmp && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/nixlsite" NIXL_LOG_LEVEL=WARN \
+            timeout 150 python3 "$REPO/benchmarks/gpu_nixl.py" --secs 0.3 --json "$OUT/gpu_nixl.json" \
+            | grep -v '^20..-..-..T') && step gpu_nixl ok || step gpu_nixl FAILED
+    else
+        step gpu_nixl "not fetched"
+    fi
 
     if [ "$NIC" = 1 ]; then
         echo "== 7. NIC: GID tables, perftest baseline, the verbs suite on the real libibverbs"
@@ -125,7 +158,7 @@ try:
     detail = json.load(open(sys.argv[2]))
 except (OSError, ValueError):
     detail = None
-ok = all(v in ("ok", "none", "not installed") for v in steps.values()) and bool(detail and detail.get("ok"))
+ok = all(v in ("ok", "none", "not installed", "not fetched") for v in steps.values()) and bool(detail and detail.get("ok"))
 print("GPU_CHECK " + json.dumps({"ok": ok, "seconds": int(sys.argv[3]), "steps": steps,
                                  "gpu_check": detail}, sort_keys=True))
 PY
