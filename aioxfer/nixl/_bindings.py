@@ -772,8 +772,8 @@ def _noop() -> None:
     pass
 
 
-def _no_wait(max_us: int) -> bool:
-    return False
+def _no_wait(max_us: int) -> int:
+    return 0
 
 
 def _spin_wanted(x: _Xfer) -> bool:
@@ -1141,11 +1141,14 @@ class nixlAgent:
         self._flush_fn: Callable[[], None] = _noop
         self._poll_fn: Callable[[], None] = _noop
         self._fd = -1
-        # The agent's bounded busy-poll (Agent.wait: whether completions
-        # wait, spinning up to that many µs without the GIL; 0: a look), and
-        # how a tight poller waits (see _wait_completion): spins up to
-        # _spin_us first ("adaptive"; 0: "sleep"), or only spins ("poll").
-        self._wait_fn: Callable[[int], bool] = _no_wait
+        # The engine's bounded busy-poll (Engine.wait_polls: how many
+        # completions wait, spinning up to that many µs without the GIL; 0: a
+        # look), and how a tight poller waits (see _wait_completion): spins up
+        # to _spin_us first ("adaptive"; 0: "sleep"), or only spins ("poll").
+        # Every nonzero return is followed by _poll_fn, always: what came
+        # while it spun is left unsignalled for that poll (see
+        # _wait_completion).
+        self._wait_fn: Callable[[int], int] = _no_wait
         self._spin_us = 0
         self._spin_only = False
         self._transports: tuple[str, ...] | None = None
@@ -1289,8 +1292,13 @@ class nixlAgent:
         self._flush_fn = agent.flush
         self._poll_fn = agent.poll
         self._fd = agent.fileno()
-        # (Agent has no public wait: see _wait_completion.)
-        self._wait_fn = agent.wait
+        # Agent.wait signals what its spin caught (for a caller that may not
+        # poll): an eventfd write, then a read in the poll that follows. This
+        # layer always polls after a hit, as the agent's own Poller does, so
+        # it waits as that Poller does: the engine's wait_polls (agent.py
+        # binds the Poller to it too), two system calls fewer per request
+        # caught by a spin, and no Python frame around the wait.
+        self._wait_fn = agent._engine.wait_polls
         self._spin_us = (0 if progress == "sleep" else agent.poll_us if progress == "adaptive"
                          else max(agent.poll_us, POLL_SLICE_US))
         self._spin_only = progress == "poll"
@@ -2432,8 +2440,9 @@ class nixlAgent:
         request to the next, and the completions of requests it posts
         meanwhile wake no thread at all (it takes them when it next asks).
 
-        (The busy-poll is Engine.wait, which Agent does not offer publicly:
-        the loop thread's Poller uses it the same way.)"""
+        (The busy-poll is Engine.wait_polls, which Agent does not offer
+        publicly: the loop thread's Poller uses it the same way, a poll after
+        every hit.)"""
         rt = self._rt
         agent = self._agent
         if agent is None or not rt.lock.acquire(blocking=False):
@@ -2452,7 +2461,10 @@ class nixlAgent:
                 try:
                     caught = self._wait_fn(spin_us)
                     spun = caught or self._spin_only
-                    if spun and not agent.closed:
+                    # (A hit is polled even if the agent is closing: the spin
+                    # left it unsignalled, and its close waits for it. A
+                    # closed engine's wait finds nothing.)
+                    if caught or spun and not agent.closed:
                         poll = self._poll_fn  # (a local: see xferTransfer's flush)
                         poll()
                 except BaseException:
