@@ -53,7 +53,8 @@ from aioxfer import (
 )
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
-from aioxfer.progress import POLL_SLICE_US, check_mode
+from aioxfer.progress import ALONE_MAX_US, POLL_SLICE_US, check_mode
+from aioxfer.submission import EAGER_MAX
 
 __all__ = [
     "BLK_SEG",
@@ -772,8 +773,8 @@ def _noop() -> None:
     pass
 
 
-def _no_wait(max_us: int) -> bool:
-    return False
+def _no_wait(max_us: int) -> int:
+    return 0
 
 
 def _spin_wanted(x: _Xfer) -> bool:
@@ -794,6 +795,22 @@ def _spin_wanted(x: _Xfer) -> bool:
         x.skipped = 0
         return True
     return False
+
+
+def _note_latency(x: _Xfer, seconds: float) -> None:
+    """Folds one post's time to completion into x.lat (1/8 weight) and sets
+    how long a tight poller spins for it (x.budget, when more than the
+    engine's poll_us): for a small request (up to EAGER_MAX, as the agent's
+    spin_alone), twice that average, at most ALONE_MAX_US: what a coroutine
+    awaiting it alone spins (there bounded by its peer's latency). With
+    poll_us alone, a tcp round trip longer than that (about two thread
+    wake-ups) was slept for on the engine's fd: a wake-up per request more
+    than a coroutine's await."""
+    lat = x.lat
+    x.lat = lat = seconds if not lat else lat + (seconds - lat) * 0.125
+    if x.nbytes <= EAGER_MAX:
+        us = int(lat * 2e6)
+        x.budget = us if us < ALONE_MAX_US else ALONE_MAX_US
 
 
 def _data_done(x: _Xfer) -> bool:
@@ -1035,7 +1052,8 @@ class _Xfer:
     __slots__ = ("op", "peer", "remote", "gen", "groups", "notif", "ndesc", "nbytes", "fut",
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
-                 "failed", "spin", "slow", "skipped", "plain")
+                 "failed", "spin", "slow", "skipped", "plain", "lat",
+                 "budget")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -1075,6 +1093,12 @@ class _Xfer:
         self.spin = True
         self.slow = 0
         self.skipped = 0
+        # Its posts' average time to completion when a tight poller waited
+        # for them (seconds; 0.0: none yet), and, for a small one, how long
+        # a tight poller spins for it (µs; 0: the engine's poll_us): see
+        # _note_latency.
+        self.lat = 0.0
+        self.budget = 0
         # Whether a repost without a notification of its own is one call
         # of post with nothing to notify (or a file's, which ignores it), on
         # an agent without telemetry: the hot path of xferTransfer, decided
@@ -1141,11 +1165,14 @@ class nixlAgent:
         self._flush_fn: Callable[[], None] = _noop
         self._poll_fn: Callable[[], None] = _noop
         self._fd = -1
-        # The agent's bounded busy-poll (Agent.wait: whether completions
-        # wait, spinning up to that many µs without the GIL; 0: a look), and
-        # how a tight poller waits (see _wait_completion): spins up to
-        # _spin_us first ("adaptive"; 0: "sleep"), or only spins ("poll").
-        self._wait_fn: Callable[[int], bool] = _no_wait
+        # The engine's bounded busy-poll (Engine.wait_polls: how many
+        # completions wait, spinning up to that many µs without the GIL; 0: a
+        # look), and how a tight poller waits (see _wait_completion): spins up
+        # to _spin_us first ("adaptive"; 0: "sleep"), or only spins ("poll").
+        # Every nonzero return is followed by _poll_fn, always: what came
+        # while it spun is left unsignalled for that poll (see
+        # _wait_completion).
+        self._wait_fn: Callable[[int], int] = _no_wait
         self._spin_us = 0
         self._spin_only = False
         self._transports: tuple[str, ...] | None = None
@@ -1289,8 +1316,13 @@ class nixlAgent:
         self._flush_fn = agent.flush
         self._poll_fn = agent.poll
         self._fd = agent.fileno()
-        # (Agent has no public wait: see _wait_completion.)
-        self._wait_fn = agent.wait
+        # Agent.wait signals what its spin caught (for a caller that may not
+        # poll): an eventfd write, then a read in the poll that follows. This
+        # layer always polls after a hit, as the agent's own Poller does, so
+        # it waits as that Poller does: the engine's wait_polls (agent.py
+        # binds the Poller to it too), two system calls fewer per request
+        # caught by a spin, and no Python frame around the wait.
+        self._wait_fn = agent._engine.wait_polls
         self._spin_us = (0 if progress == "sleep" else agent.poll_us if progress == "adaptive"
                          else max(agent.poll_us, POLL_SLICE_US))
         self._spin_only = progress == "poll"
@@ -2351,47 +2383,56 @@ class nixlAgent:
                 except asyncio.CancelledError:
                     pass
             return _STATE_STR[self._finish(x, fut, "getXferStatus")]
-        rt = self._rt
-        lock = rt.lock
-        # Like NIXL's check, which progresses its backend: take the completions
-        # the engine has now, rather than wait for the loop thread to wake up
-        # and do it (skipped while the loop thread is at it).
-        parts = x.parts if type(fut) is not Transfer else None
-        if lock.acquire(blocking=False):
-            try:
-                # (A look at the ring first: an empty poll costs a system
-                # call, this a load, ~0.1 µs against ~2.5.)
-                if self._wait_fn(0):
-                    poll = self._poll_fn  # (a local: see xferTransfer's flush)
-                    poll()
-                if parts:
-                    self._advance(x, fut)
-            finally:
-                if rt._foreign:
-                    rt.leave()
-                else:
-                    lock.release()
-            if fut.done():
-                return _STATE_STR[self._finish(x, fut, "getXferStatus")]
         now = _perf_counter()
-        if now - x.last_poll < _TIGHT_POLL:
-            # Polled in a tight loop: wait for the engine's next completion
-            # (a bounded spin without the GIL, then a sleep on its fd, at most
-            # _ENGINE_WAIT: _wait_completion), or, for what a task on the loop
-            # thread finishes, until that thread ends a round (at most
-            # _TIGHT_WAIT); then take it here. Spinning in Python instead would
-            # hold the interpreter the loop thread needs, and, unbounded, take
-            # a core the engine's copy threads need.
-            if type(fut) is Transfer or (parts and not x.notifying):
-                self._wait_completion(_ENGINE_WAIT, fut.done, x)
-                if parts and lock.acquire(blocking=False):
-                    try:
-                        self._advance(x, fut)
-                    finally:
-                        rt.leave()
-            else:
-                rt.yield_to_loop(_TIGHT_WAIT, ready=fut.done)
+        # Polled in a tight loop: wait for the engine's next completion (a
+        # bounded spin without the GIL, then a sleep on its fd, at most
+        # _ENGINE_WAIT: _wait_completion), or, for what a task on the loop
+        # thread finishes, until that thread ends a round (at most
+        # _TIGHT_WAIT); then take it here. Spinning in Python instead would
+        # hold the interpreter the loop thread needs, and, unbounded, take a
+        # core the engine's copy threads need.
+        tight = now - x.last_poll < _TIGHT_POLL
+        if tight and type(fut) is Transfer:
+            # (The usual call: the first check after a post. The wait looks
+            # at the ring first: the look below would take the lock twice.)
+            self._wait_completion(_ENGINE_WAIT, fut.done, x)
             now = _perf_counter()
+        else:
+            rt = self._rt
+            lock = rt.lock
+            # Like NIXL's check, which progresses its backend: take the
+            # completions the engine has now, rather than wait for the loop
+            # thread to wake up and do it (skipped while the loop thread is
+            # at it).
+            parts = x.parts if type(fut) is not Transfer else None
+            if lock.acquire(blocking=False):
+                try:
+                    # (A look at the ring first: an empty poll costs a system
+                    # call, this a load, ~0.1 µs against ~2.5.)
+                    if self._wait_fn(0):
+                        poll = self._poll_fn  # (a local: see xferTransfer's flush)
+                        poll()
+                    if parts:
+                        self._advance(x, fut)
+                finally:
+                    if rt._foreign:
+                        rt.leave()
+                    else:
+                        lock.release()
+                if fut.done():
+                    x.last_poll = now
+                    return _STATE_STR[self._finish(x, fut, "getXferStatus")]
+            if tight:
+                if parts and not x.notifying:
+                    self._wait_completion(_ENGINE_WAIT, fut.done, x)
+                    if lock.acquire(blocking=False):
+                        try:
+                            self._advance(x, fut)
+                        finally:
+                            rt.leave()
+                else:
+                    rt.yield_to_loop(_TIGHT_WAIT, ready=fut.done)
+                now = _perf_counter()
         x.last_poll = now
         if fut.done():
             if not self._tel_events:
@@ -2411,7 +2452,8 @@ class nixlAgent:
         """Waits for the engine's next completion (not at all if ``ready()``)
         and takes it here, as the agent's "adaptive" progress waits on its
         loop: first a bounded busy-poll of the completion ring (the engine's
-        calibrated poll_us, about two thread wake-ups; the GIL released, the
+        calibrated poll_us, about two thread wake-ups, or for a small request
+        what an awaiting coroutine would spin: _spin_budget; the GIL released, the
         runtime lock held, so the agent cannot close under it), which catches
         a small transfer's completion without any thread sleeping or waking;
         then a sleep until the engine signals one (at most ``timeout``).
@@ -2432,8 +2474,9 @@ class nixlAgent:
         request to the next, and the completions of requests it posts
         meanwhile wake no thread at all (it takes them when it next asks).
 
-        (The busy-poll is Engine.wait, which Agent does not offer publicly:
-        the loop thread's Poller uses it the same way.)"""
+        (The busy-poll is Engine.wait_polls, which Agent does not offer
+        publicly: the loop thread's Poller uses it the same way, a poll after
+        every hit.)"""
         rt = self._rt
         agent = self._agent
         if agent is None or not rt.lock.acquire(blocking=False):
@@ -2449,36 +2492,48 @@ class nixlAgent:
             claimed = sel.claim(fd)
             spin_us = self._spin_us if x is not None else 0
             if x is not None and spin_us and (self._spin_only or x.spin or _spin_wanted(x)):
-                try:
-                    caught = self._wait_fn(spin_us)
-                    spun = caught or self._spin_only
-                    if spun and not agent.closed:
-                        poll = self._poll_fn  # (a local: see xferTransfer's flush)
-                        poll()
-                except BaseException:
-                    if claimed:
-                        sel.release(fd, _LINGER)
-                    raise
-                if caught:
-                    fut = x.fut
-                    if fut is not None and (fut.done() if type(fut) is Transfer
-                                            else _data_done(x)):
-                        # Soon only if soon after its post, as for a sleep
-                        # below: a spin that happens to catch the end of a
-                        # long request (the probe of a 16 MiB tcp one,
-                        # milliseconds after its post) is no sign that
-                        # spinning for it pays (it started another run of
-                        # _SPIN_MISSES spins: the test of this saw up to 20
-                        # spins for ~35 waits on a loaded machine).
-                        if _perf_counter() - x.t0 < _SPIN_KEEP * spin_us * 1e-6:
-                            x.spin = True  # (_spin_outcome's soon, inline)
-                            x.slow = 0
-                        else:
-                            _spin_outcome(x, False)
-                if spun:
-                    if claimed:
-                        sel.release(fd, _LINGER)
-                    return
+                if x.budget > spin_us:
+                    spin_us = x.budget  # (a small request: see _note_latency)
+                wait_us = spin_us
+            else:
+                # A look at the ring (no spin): what is there already needs
+                # no sleep, nor the system calls of one.
+                wait_us = 0
+            try:
+                caught = self._wait_fn(wait_us)
+                spun = caught or wait_us and self._spin_only
+                # (A hit is polled even if the agent is closing: a spin
+                # left it unsignalled, and its close waits for it. A closed
+                # engine's wait finds nothing.)
+                if caught or spun and not agent.closed:
+                    poll = self._poll_fn  # (a local: see xferTransfer's flush)
+                    poll()
+            except BaseException:
+                if claimed:
+                    sel.release(fd, _LINGER)
+                raise
+            if caught and wait_us and x is not None:
+                fut = x.fut
+                if fut is not None and (fut.done() if type(fut) is Transfer
+                                        else _data_done(x)):
+                    # Soon only if soon after its post, as for a sleep
+                    # below: a spin that happens to catch the end of a
+                    # long request (the probe of a 16 MiB tcp one,
+                    # milliseconds after its post) is no sign that
+                    # spinning for it pays (it started another run of
+                    # _SPIN_MISSES spins: the test of this saw up to 20
+                    # spins for ~35 waits on a loaded machine).
+                    took = _perf_counter() - x.t0
+                    _note_latency(x, took)
+                    if took < _SPIN_KEEP * spin_us * 1e-6:
+                        x.spin = True  # (_spin_outcome's soon, inline)
+                        x.slow = 0
+                    else:
+                        _spin_outcome(x, False)
+            if spun:
+                if claimed:
+                    sel.release(fd, _LINGER)
+                return
         finally:
             if rt._foreign:
                 rt.leave()
@@ -2508,6 +2563,7 @@ class nixlAgent:
             if not got:
                 _spin_outcome(x, False)
             elif _data_done(x):
+                _note_latency(x, woke - x.t0)
                 _spin_outcome(x, woke - x.t0 < _SPIN_KEEP * spin_us * 1e-6)
 
     def xferFuture(self, reqh: int) -> concurrent.futures.Future[str]:
