@@ -59,6 +59,7 @@ static uint64_t random_u64(void)
 
 static void *watch_main(void *arg);
 static int ep_ended_status(axf_engine *e, uint64_t id);
+static void doorbell_conns(axf_engine *e);
 
 /* ---------------------------------------------------------------- ring */
 
@@ -217,8 +218,9 @@ size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
          * records (or signals what it leaves, as axf_poll does): records a
          * push left unsignalled for our spin stay so, and that poll, finding
          * the eventfd unsignalled, does not read it either: two system calls
-         * fewer on the way of a request awaited alone. */
-        if (spun && (flags & AXF_WAIT_POLLS))
+         * fewer on the way of a request awaited alone. Not spun: that poll
+         * takes what is there as it finds it (no lock taken here). */
+        if (flags & AXF_WAIT_POLLS)
             return n;
         /* A pusher writes the eventfd before unlocking: once we hold the
          * lock, a reader of the eventfd sees it readable. Records a push
@@ -885,14 +887,39 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         op_unit_done(e, o); /* straight to the notification phase */
         return AXF_OK;
     }
+    /* What the next doorbell rings (deferred frames, copies, file jobs):
+     * marked once queued, so that a ring between the mark and the queueing
+     * (another thread's) cannot take the mark and leave the work; an
+     * undeferred post also before (tcp rings from inside its submit). */
+    unsigned bell = 1u << ep->xp->ep_kind;
+    if (!(flags & AXF_POST_DEFER))
+        atomic_fetch_or_explicit(&e->bells, bell, memory_order_acq_rel);
     /* The transport queues (or does) the data phase and unlocks. */
     bool finish_now = !ep->xp->submit(e, o, flags);
+    if (!(atomic_load_explicit(&e->bells, memory_order_acquire) & bell))
+        atomic_fetch_or_explicit(&e->bells, bell, memory_order_acq_rel);
     if (finish_now)
         op_complete(e, o);
     return AXF_OK;
 }
 
 void axf_doorbell(axf_engine *e)
+{
+    /* Only the transports posted to since the last ring: an awaited
+     * same-host copy (done inside its post) then takes no lock here. Set by
+     * axf_post before the transport's submit, on the posting thread, which
+     * rings next (tcp's undeferred post rings from inside its submit). */
+    unsigned bells = atomic_exchange_explicit(&e->bells, 0u, memory_order_acq_rel);
+    if (!bells)
+        return;
+    if (bells & ~(1u << AXF_EP_SHM)) /* deferred frames: tcp's, on connections */
+        doorbell_conns(e);
+    AXF_FOR_XP(xp)
+        if (xp->doorbell && (bells & (1u << xp->ep_kind)))
+            xp->doorbell(e);
+}
+
+static void doorbell_conns(axf_engine *e)
 {
     conn *dirty[64];
     pthread_mutex_lock(&e->mu);
@@ -905,9 +932,6 @@ void axf_doorbell(axf_engine *e)
         conn_kick(dirty[i]);
         conn_unref(dirty[i]);
     }
-    AXF_FOR_XP(xp)
-        if (xp->doorbell)
-            xp->doorbell(e);
 }
 
 int axf_cancel(axf_engine *e, uint64_t req_id)

@@ -289,6 +289,8 @@ struct axf_engine {
 
     conn *dirty[64]; /* connections with deferred, unsignalled frames */
     int ndirty;
+    atomic_uint bells; /* a bit per transport (1 << ep_kind) posted to since the
+                          last axf_doorbell: the doorbells it has to ring */
 
     rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
     revocation *quarantine; /* target side: deregistered regions peers may still touch */
