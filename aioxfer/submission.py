@@ -291,19 +291,46 @@ class Submission:
         this thread inside the post (no copy worker to wake, then no loop to
         wake) and the await does not suspend. Several small ones are batched
         into one native call."""
-        n = len(self._pending)
+        items = self._pending
+        n = len(items)
         if (
             n == len(self.inflight)
             and (t.nbytes <= EAGER_MAX or (n == 1 and t.nbytes <= self.alone_max))
             and self._eager_streak < EAGER_STREAK
         ):
             self._eager_streak += 1
-            self.post_pending(n == 1)
-            # Still in flight (not copied inside the post): poll for it here,
-            # then the await may not suspend. Cheapest test first: this is
-            # the path of every awaited small same-host copy too.
-            if n == 1 and self.inflight and self._poller is not None and t.nbytes <= EAGER_MAX:
-                self._poller.spin_alone(t, self._flush_scheduled)
+            if n and not self.closed and not self._pending_cancelled:
+                # post_pending(n == 1), its usual case inlined: every awaited
+                # small request comes this way (a Python frame fewer).
+                ts = self._pending_t
+                try:
+                    statuses, k, completed, nbytes = self._engine.post_drain(
+                        items, ts, self.inflight, self._on_record_cb, self._release_cb,
+                        TransferResult, ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, n == 1,
+                    )
+                except Exception as exc:
+                    self._post_raised(ts, exc)
+                    return
+                if statuses is None:
+                    self.completed += completed
+                    self.bytes += nbytes
+                    if k >= POLL_MAX:
+                        self.drain()  # more remain
+                else:
+                    self._refused(ts, statuses)
+                if not self.inflight:
+                    return
+                poller = self._poller
+                if poller is not None:
+                    poller.kick()  # poll for the rest before the loop blocks
+                    # Still in flight (not copied inside the post): poll for
+                    # it here, then the await may not suspend.
+                    if n == 1 and t.nbytes <= EAGER_MAX:
+                        poller.spin_alone(t, self._flush_scheduled)
+            else:
+                self.post_pending(n == 1)
+                if n == 1 and self.inflight and self._poller is not None and t.nbytes <= EAGER_MAX:
+                    self._poller.spin_alone(t, self._flush_scheduled)
 
     def post_pending(self, alone: bool = False) -> None:
         """Posts what is pending now (the batch lists are emptied, not
@@ -336,38 +363,47 @@ class Submission:
                 TransferResult, ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, alone,
             )
         except Exception as exc:
-            if not ts or ts[0]._posted:  # all posted: the drain's (a callback's) error
-                raise
-            # A bad item or a closed engine: nothing was posted.
-            if ts is self._pending_t:
-                self._pending = []
-                self._pending_t = []
-            for t in ts:
-                self.inflight.pop(t.req_id, None)
-                self.finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
+            self._post_raised(ts, exc)
             return
         if statuses is None:
             self.completed += completed
             self.bytes += nbytes
             if n >= POLL_MAX:
                 self.drain()  # more remain
-        else:  # some refused: nothing was marked posted, emptied, nor drained
-            if ts is self._pending_t:
-                self._pending = []
-                self._pending_t = []
-            for t, st in zip(ts, statuses, strict=True):
-                if st:
-                    self.inflight.pop(t.req_id, None)
-                    self.finish_failed(t, self.error(t, st, None, "rejected"))
-                    if st == _E_PEER_LOST and not t.peer._lost:
-                        # The engine found the peer dead before its loss record
-                        # reached us: say so now, so a retry never picks it again.
-                        self._peer_lost(t.peer, st)
-                else:
-                    t._posted = True
-            self.drain()  # completions known at submit (small same-host copies)
+        else:
+            self._refused(ts, statuses)
         if self.inflight and self._poller is not None:
             self._poller.kick()  # poll for the rest before the loop blocks
+
+    def _post_raised(self, ts: list[Transfer], exc: Exception) -> None:
+        """post_drain raised: a callback's error (all posted, re-raised), or a
+        bad item or a closed engine (nothing posted: ts fail)."""
+        if not ts or ts[0]._posted:  # all posted: the drain's (a callback's) error
+            raise exc
+        if ts is self._pending_t:
+            self._pending = []
+            self._pending_t = []
+        for t in ts:
+            self.inflight.pop(t.req_id, None)
+            self.finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
+
+    def _refused(self, ts: list[Transfer], statuses: list[int]) -> None:
+        """post_drain refused some of ts: nothing was marked posted, emptied,
+        nor drained."""
+        if ts is self._pending_t:
+            self._pending = []
+            self._pending_t = []
+        for t, st in zip(ts, statuses, strict=True):
+            if st:
+                self.inflight.pop(t.req_id, None)
+                self.finish_failed(t, self.error(t, st, None, "rejected"))
+                if st == _E_PEER_LOST and not t.peer._lost:
+                    # The engine found the peer dead before its loss record
+                    # reached us: say so now, so a retry never picks it again.
+                    self._peer_lost(t.peer, st)
+            else:
+                t._posted = True
+        self.drain()  # completions known at submit (small same-host copies)
 
     def _drop_cancelled(
         self, items: list[Item], ts: list[Transfer]
