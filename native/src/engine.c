@@ -258,6 +258,7 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     axf_engine *e = calloc(1, sizeof *e);
     if (!e)
         return NULL;
+    atomic_flag_clear(&e->op_lock);
     if (cfg)
         e->cfg = *cfg;
     if (!e->cfg.copy_workers)
@@ -528,6 +529,43 @@ static void op_unlink(axf_engine *e, op *o) /* e->mu held */
         ep_maybe_bye(e, o->ep);
 }
 
+#define OP_CACHE_MAX 1024u /* records kept: a deep queue's worth */
+
+static inline void op_cache_lock(axf_engine *e)
+{
+    while (atomic_flag_test_and_set_explicit(&e->op_lock, memory_order_acquire))
+        cpu_relax();
+}
+
+/* A zeroed op record: a cached one, else a new one. */
+static op *op_alloc(axf_engine *e)
+{
+    op_cache_lock(e);
+    op *o = e->op_cache;
+    if (o) {
+        e->op_cache = o->hnext;
+        e->op_cached--;
+    }
+    atomic_flag_clear_explicit(&e->op_lock, memory_order_release);
+    if (!o)
+        return calloc(1, sizeof *o);
+    memset(o, 0, sizeof *o);
+    return o;
+}
+
+static void op_dealloc(axf_engine *e, op *o)
+{
+    op_cache_lock(e);
+    if (e->op_cached < OP_CACHE_MAX) {
+        o->hnext = e->op_cache;
+        e->op_cache = o;
+        e->op_cached++;
+        o = NULL;
+    }
+    atomic_flag_clear_explicit(&e->op_lock, memory_order_release);
+    free(o);
+}
+
 static void op_free(axf_engine *e, op *o)
 {
     for (size_t i = 0; i < o->nlregs; i++)
@@ -544,7 +582,7 @@ static void op_free(axf_engine *e, op *o)
     }
     free(o->notify);
     endpoint *ep = o->counted ? o->ep : NULL;
-    free(o);
+    op_dealloc(e, o);
     /* The op's last touch of its endpoint (read first: once the count is
      * down, the watcher may free a finished endpoint). */
     bool ending = ep && atomic_load(&ep->halt);
@@ -805,7 +843,7 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     if (notify_len > AXF_MAX_NOTIFY || (opcode == AXF_OP_NOTIFY && (n || !notify_len)) ||
         (opcode != AXF_OP_NOTIFY && !n) || (opcode == AXF_OP_READ && notify_len))
         return AXF_E_INVALID;
-    op *o = calloc(1, sizeof *o);
+    op *o = op_alloc(e);
     if (!o)
         return AXF_E_NOMEM;
     atomic_init(&o->pins, 1);
@@ -1620,6 +1658,10 @@ void axf_engine_destroy(axf_engine *e)
     AXF_FOR_XP(xp)
         if (xp->destroy)
             xp->destroy(e);
+    for (op *o = e->op_cache, *n; o; o = n) {
+        n = o->hnext;
+        free(o);
+    }
     for (size_t i = 0; i < e->cq_count; i++)
         free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
     free(e->cq);
