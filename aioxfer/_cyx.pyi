@@ -115,6 +115,24 @@ class FutureMaker(Generic[_F]):
     ) -> FutureMaker[_F]: ...
     def make(self, a: Any, b: Any, c: Any, d: Any, e: Any) -> _F: ...
 
+# @cython.final: cannot be subclassed.
+@final
+class Submitter:
+    # The constructor is __cinit__ (tp_new).
+    def __new__(
+        cls, sub: Any, slow: Callable[..., Any], flush: Callable[[], None]
+    ) -> Submitter: ...
+    def submit(
+        self,
+        peer: Any,
+        opcode: Any,
+        descs: Any,
+        notify: Any,
+        nbytes: Any,
+        op: Any,
+        priority: Any = 0,
+    ) -> Any: ...
+
 class NativeError(Exception):
     status: int
     what: str

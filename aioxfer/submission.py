@@ -87,6 +87,7 @@ class Submission:
         "_describe",
         "_on_record_cb",
         "_release_cb",
+        "submit",
         "_loop",
         "_make",
         "_poller",
@@ -124,6 +125,14 @@ class Submission:
         # Bound once: every drain call passes them.
         self._on_record_cb = self._on_record
         self._release_cb = self.release
+        # submit(peer, opcode, descs, notify, nbytes, op, priority=0): a new
+        # Transfer, into this loop iteration's batch (or its peer's scheduler
+        # queue, over the peer's limits; or failed, peer lost). _submit_py,
+        # its usual case compiled (_cyx.Submitter: the same effects, no
+        # Python frame); the rest goes to _submit_py itself.
+        self.submit: Callable[..., Transfer] = _cyx.Submitter(
+            self, self._submit_py, self._flush
+        ).submit
         self._loop: asyncio.AbstractEventLoop | None = None
         # FutureMaker(Transfer, ...).make on the agent's loop, once started.
         self._make: Callable[[Submission, int, str, Peer, int], Transfer] | None = None
@@ -162,7 +171,7 @@ class Submission:
 
     # ------------------------------------------------------------ posting
 
-    def submit(
+    def _submit_py(
         self,
         peer: Peer,
         opcode: int,
@@ -172,8 +181,10 @@ class Submission:
         op: str,
         priority: int = 0,
     ) -> Transfer:
-        """A new Transfer, into this loop iteration's batch (or its peer's
-        scheduler queue, over the peer's limits; or failed, peer lost)."""
+        """submit (see __init__) in Python: a new Transfer, into this loop
+        iteration's batch (or its peer's scheduler queue, over the peer's
+        limits; or failed, peer lost). _cyx.Submitter does the same for the
+        usual request; keep the two in step."""
         make = self._make
         if make is None:
             self._start()  # calls started()

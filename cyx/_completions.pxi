@@ -569,3 +569,133 @@ def _run_callbacks(list wake):
                 "exception": exc,
                 "future": w[2],
             })
+
+
+# ------------------------------------------------------------------ submit
+# aioxfer.submission.Submission.submit, its usual case compiled: a transfer
+# made, counted on its peer, put in flight and into this loop iteration's
+# batch, with every field read and written through its __slots__ offset (the
+# Python method's frame and ~70 bytecodes are ~2 k instructions a request,
+# the most of any one step of a small request). Anything else (the agent not
+# started, the peer lost or with a scheduler, a field that is not a plain
+# slot holding what is expected) goes to the Python method, which does all.
+
+cdef enum:
+    _S_POSTED = 0
+    _S_INFLIGHT = 1
+    _S_PENDING = 2
+    _S_PENDING_T = 3
+    _S_FLUSH_SCHEDULED = 4
+    _S_MAKE = 5
+    _S_LOOP = 6
+    _S_FIELDS = 7
+
+_S_NAMES = ("posted", "inflight", "_pending", "_pending_t", "_flush_scheduled", "_make", "_loop")
+
+cdef enum:
+    _Q_COUNTERS = 0
+    _Q_LOST = 1
+    _Q_EP = 2
+    _Q_SCHED = 3
+    _Q_FIELDS = 4
+
+_Q_NAMES = ("_counters", "_lost", "_ep", "_sched")
+
+cdef enum:
+    _K_POSTED = 0
+    _K_INFLIGHT = 1
+    _K_INFLIGHT_BYTES = 2
+    _K_FIELDS = 3
+
+_K_NAMES = ("posted", "inflight", "inflight_bytes")
+
+
+cdef bint _offsets(object tp, tuple names, Py_ssize_t *out, Py_ssize_t n) except -1:
+    """out[i]: the slot offset of names[i] in tp; False if one is not a plain slot."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = axf_slot_offset(tp, axf_type_lookup(tp, names[i]))
+        if out[i] < 0:
+            return False
+    return True
+
+
+@cython.final
+cdef class Submitter:
+    """``submit(peer, opcode, descs, notify, nbytes, op, priority=0)``:
+    ``slow(...)`` (Submission's Python submit, same arguments) made cheaper
+    for the usual request, with the same effects. ``sub``: the Submission;
+    ``flush``: its bound _flush (what a batch's first request schedules)."""
+
+    cdef object _sub
+    cdef object _slow
+    cdef object _flush
+    cdef bint _ok  # sub's fields are plain slots
+    cdef Py_ssize_t _s[_S_FIELDS]
+    cdef object _peer_type
+    cdef bint _peer_ok
+    cdef Py_ssize_t _q[_Q_FIELDS]
+    cdef object _counters_type
+    cdef bint _counters_ok
+    cdef Py_ssize_t _k[_K_FIELDS]
+
+    def __cinit__(self, sub, slow, flush):
+        self._sub = sub
+        self._slow = slow
+        self._flush = flush
+        self._ok = _offsets(type(sub), _S_NAMES, self._s, _S_FIELDS)
+
+    def submit(self, peer, opcode, descs, notify, nbytes, op, priority=0):
+        cdef object sub = self._sub
+        cdef PyObject *v
+        cdef PyObject *make
+        cdef PyObject *counters
+        cdef long long posted, k_posted, k_inflight, k_bytes, n
+        if not self._ok or type(nbytes) is not int:
+            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+        if type(peer) is not self._peer_type:
+            self._peer_ok = _offsets(type(peer), _Q_NAMES, self._q, _Q_FIELDS)
+            self._peer_type = type(peer)
+        make = axf_slot_ptr(sub, self._s[_S_MAKE])
+        v = axf_slot_ptr(peer, self._q[_Q_LOST]) if self._peer_ok else NULL
+        if (not self._peer_ok or make == NULL or <object>make is None or v == NULL
+                or <object>v is not False
+                or axf_slot_ptr(peer, self._q[_Q_SCHED]) == NULL
+                or <object>axf_slot_ptr(peer, self._q[_Q_SCHED]) is not None
+                or axf_slot_ptr(peer, self._q[_Q_EP]) == NULL):
+            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+        counters = axf_slot_ptr(peer, self._q[_Q_COUNTERS])
+        if counters == NULL:
+            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+        if type(<object>counters) is not self._counters_type:
+            self._counters_ok = _offsets(type(<object>counters), _K_NAMES, self._k, _K_FIELDS)
+            self._counters_type = type(<object>counters)
+        n = PyLong_AsLongLong(nbytes)
+        if (not self._counters_ok or n < 0 or n > (1LL << 62)
+                or not _slot_int(sub, self._s[_S_POSTED], &posted)
+                or not _slot_int(<object>counters, self._k[_K_POSTED], &k_posted)
+                or not _slot_int(<object>counters, self._k[_K_INFLIGHT], &k_inflight)
+                or not _slot_int(<object>counters, self._k[_K_INFLIGHT_BYTES], &k_bytes)):
+            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+        inflight = <object>axf_slot_ptr(sub, self._s[_S_INFLIGHT])
+        pending = <object>axf_slot_ptr(sub, self._s[_S_PENDING])
+        pending_t = <object>axf_slot_ptr(sub, self._s[_S_PENDING_T])
+        if type(inflight) is not dict or type(pending) is not list or type(pending_t) is not list:
+            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+        # As Submission.submit does it, in its order.
+        req_id = PyLong_FromLongLong(posted + 1)
+        axf_slot_put(sub, self._s[_S_POSTED], req_id)
+        t = (<object>make)(sub, req_id, op, peer, nbytes)
+        axf_slot_put(<object>counters, self._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
+        axf_slot_put(<object>counters, self._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
+        axf_slot_put(<object>counters, self._k[_K_INFLIGHT_BYTES],
+                     PyLong_FromLongLong(k_bytes + n))
+        (<dict>inflight)[req_id] = t
+        (<list>pending).append(
+            (<object>axf_slot_ptr(peer, self._q[_Q_EP]), opcode, descs, notify, req_id))
+        (<list>pending_t).append(t)
+        v = axf_slot_ptr(sub, self._s[_S_FLUSH_SCHEDULED])
+        if v == NULL or <object>v is not True:
+            axf_slot_put(sub, self._s[_S_FLUSH_SCHEDULED], True)
+            (<object>axf_slot_ptr(sub, self._s[_S_LOOP])).call_soon(self._flush)
+        return t
