@@ -120,7 +120,17 @@ class FutureMaker(Generic[_F]):
 class Submitter:
     # The constructor is __cinit__ (tp_new).
     def __new__(
-        cls, sub: Any, slow: Callable[..., Any], flush: Callable[[], None]
+        cls,
+        sub: Any,
+        slow: Callable[..., Any],
+        flush: Callable[[], None],
+        slow_eager: Callable[[Any], None],
+        result_type: type,
+        weight: float,
+        bandwidth_min: int,
+        poll_max: int,
+        eager_max: int,
+        eager_streak: int,
     ) -> Submitter: ...
     def submit(
         self,
@@ -132,6 +142,9 @@ class Submitter:
         op: Any,
         priority: Any = 0,
     ) -> Any: ...
+    def eager(self, t: Any) -> None: ...
+
+def submission_eager(sub: Any, t: Any) -> None: ...
 
 class NativeError(Exception):
     status: int

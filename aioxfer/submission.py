@@ -88,6 +88,7 @@ class Submission:
         "_on_record_cb",
         "_release_cb",
         "submit",
+        "_fast",
         "_loop",
         "_make",
         "_poller",
@@ -130,9 +131,13 @@ class Submission:
         # queue, over the peer's limits; or failed, peer lost). _submit_py,
         # its usual case compiled (_cyx.Submitter: the same effects, no
         # Python frame); the rest goes to _submit_py itself.
-        self.submit: Callable[..., Transfer] = _cyx.Submitter(
-            self, self._submit_py, self._flush
-        ).submit
+        # eager(t) (TransferHost) likewise: _eager_py's usual case compiled
+        # (the eager method below reaches it through _fast).
+        self._fast = _cyx.Submitter(
+            self, self._submit_py, self._flush, self._eager_py, TransferResult,
+            ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, EAGER_MAX, EAGER_STREAK,
+        )
+        self.submit: Callable[..., Transfer] = self._fast.submit
         self._loop: asyncio.AbstractEventLoop | None = None
         # FutureMaker(Transfer, ...).make on the agent's loop, once started.
         self._make: Callable[[Submission, int, str, Peer, int], Transfer] | None = None
@@ -291,8 +296,14 @@ class Submission:
         flight is posted as an awaited lone request is."""
         self.post_pending(len(self._pending_t) == 1 == len(self.inflight))
 
-    def eager(self, t: Transfer) -> None:
-        """TransferHost: ``t`` is awaited and not posted yet.
+    # TransferHost.eager(t): _cyx.Submitter.eager of self._fast, called as a
+    # method without a Python frame; _eager_py is what it does.
+    eager = _cyx.submission_eager
+
+    def _eager_py(self, t: Transfer) -> None:
+        """eager (see __init__) in Python; TransferHost: ``t`` is awaited and
+        not posted yet. _cyx.Submitter.eager does the same for the usual
+        case; keep the two in step.
 
         Awaited with nothing else of the agent's in the engine: latency is
         all that matters, so what this loop iteration posted goes to the

@@ -610,6 +610,12 @@ cdef class Engine:
         and items and ts were emptied before the drain: the caller's batch
         lists, reusable), else post_many's list and nothing drained, marked
         or emptied (0, 0, 0)."""
+        return self._post_drain(items, ts, inflight, slow, release, result_type, weight,
+                                bandwidth_min, max, alone)
+
+    cdef tuple _post_drain(self, list items, list ts, dict inflight, object slow,
+                           object release, object result_type, double weight,
+                           uint64_t bandwidth_min, Py_ssize_t max, bint alone):
         cdef Py_ssize_t count, i
         cdef object t
         self._open()

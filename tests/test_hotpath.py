@@ -218,3 +218,39 @@ async def test_compiled_submit_does_what_the_python_one_does(
         assert r.nbytes == 4096 and t.req_id not in sub.inflight
     assert deltas[0] == deltas[1] == (1, 1, 1, 1, 4096)
     assert (c.inflight, c.inflight_bytes) == (0, 0)
+
+
+async def test_compiled_eager_does_what_the_python_one_does(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Submission.eager (_cyx.Submitter.eager) and _eager_py: an awaited
+    lone request posted, copied and completed inside the call, the same
+    counts; past the streak, neither posts."""
+    from aioxfer import submission
+
+    target = await make_agent("target")
+    init = await make_agent("init")
+    peer = await init.connect(target.address)
+    target.alloc(1 << 16, name="r")
+    await peer.refresh()
+    local, remote = init.alloc(1 << 16, name="l"), peer.region("r")
+    local.numpy()[:] = 7
+    sub = init._sub
+    await asyncio.sleep(0)  # the loop ran: no streak
+    deltas = []
+    for eager in (sub.eager, sub._eager_py):
+        before = (sub.completed, sub.bytes, sub._eager_streak)
+        t = init.write(local[0:4096], remote[0:4096])
+        eager(t)
+        assert t.done() and t.result().nbytes == 4096 and t._posted is True
+        assert not sub._pending and not sub._pending_t and not sub.inflight
+        after = (sub.completed, sub.bytes, sub._eager_streak)
+        deltas.append(tuple(a - b for a, b in zip(after, before, strict=True)))
+        # Past the streak: left for the loop's flush.
+        sub._eager_streak = submission.EAGER_STREAK
+        t = init.write(local[0:4096], remote[4096:8192])
+        eager(t)
+        assert not t.done() and t._posted is False and sub._pending_t == [t]
+        assert (await t).nbytes == 4096
+        sub._eager_streak = 0
+    assert deltas[0] == deltas[1] == (1, 4096, 1)
