@@ -943,17 +943,25 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
 
 void axf_doorbell(axf_engine *e)
 {
-    /* Only the transports posted to since the last ring: an awaited
-     * same-host copy (done inside its post) then takes no lock here. Set by
-     * axf_post before the transport's submit, on the posting thread, which
-     * rings next (tcp's undeferred post rings from inside its submit). */
+    /* Nothing posted since the last ring: nothing to ring. Only shm posted
+     * to (an awaited same-host copy, done inside its post, the usual case):
+     * shm's doorbell alone, without the tcp dirty list's e->mu and the file
+     * queue's locks. Anything else rings everything: a transport may hand
+     * work to another's queues (cuda's host copies go to shm's workers).
+     * Marked by axf_post on the posting thread, which rings next (tcp's
+     * undeferred post rings from inside its submit). */
     unsigned bells = atomic_exchange_explicit(&e->bells, 0u, memory_order_acq_rel);
     if (!bells)
         return;
-    if (bells & ~(1u << AXF_EP_SHM)) /* deferred frames: tcp's, on connections */
-        doorbell_conns(e);
+    if (bells == 1u << AXF_EP_SHM) {
+        const axf_transport *shm = axf_transport_for(AXF_EP_SHM);
+        if (shm && shm->doorbell)
+            shm->doorbell(e);
+        return;
+    }
+    doorbell_conns(e);
     AXF_FOR_XP(xp)
-        if (xp->doorbell && (bells & (1u << xp->ep_kind)))
+        if (xp->doorbell)
             xp->doorbell(e);
 }
 
