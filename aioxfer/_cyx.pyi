@@ -115,6 +115,37 @@ class FutureMaker(Generic[_F]):
     ) -> FutureMaker[_F]: ...
     def make(self, a: Any, b: Any, c: Any, d: Any, e: Any) -> _F: ...
 
+# @cython.final: cannot be subclassed.
+@final
+class Submitter:
+    # The constructor is __cinit__ (tp_new).
+    def __new__(
+        cls,
+        sub: Any,
+        slow: Callable[..., Any],
+        flush: Callable[[], None],
+        slow_eager: Callable[[Any], None],
+        result_type: type,
+        weight: float,
+        bandwidth_min: int,
+        poll_max: int,
+        eager_max: int,
+        eager_streak: int,
+    ) -> Submitter: ...
+    def submit(
+        self,
+        peer: Any,
+        opcode: Any,
+        descs: Any,
+        notify: Any,
+        nbytes: Any,
+        op: Any,
+        priority: Any = 0,
+    ) -> Any: ...
+    def eager(self, t: Any) -> None: ...
+
+def submission_eager(sub: Any, t: Any) -> None: ...
+
 class NativeError(Exception):
     status: int
     what: str

@@ -87,6 +87,8 @@ class Submission:
         "_describe",
         "_on_record_cb",
         "_release_cb",
+        "submit",
+        "_fast",
         "_loop",
         "_make",
         "_poller",
@@ -124,6 +126,18 @@ class Submission:
         # Bound once: every drain call passes them.
         self._on_record_cb = self._on_record
         self._release_cb = self.release
+        # submit(peer, opcode, descs, notify, nbytes, op, priority=0): a new
+        # Transfer, into this loop iteration's batch (or its peer's scheduler
+        # queue, over the peer's limits; or failed, peer lost). _submit_py,
+        # its usual case compiled (_cyx.Submitter: the same effects, no
+        # Python frame); the rest goes to _submit_py itself.
+        # eager(t) (TransferHost) likewise: _eager_py's usual case compiled
+        # (the eager method below reaches it through _fast).
+        self._fast = _cyx.Submitter(
+            self, self._submit_py, self._flush, self._eager_py, TransferResult,
+            ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, EAGER_MAX, EAGER_STREAK,
+        )
+        self.submit: Callable[..., Transfer] = self._fast.submit
         self._loop: asyncio.AbstractEventLoop | None = None
         # FutureMaker(Transfer, ...).make on the agent's loop, once started.
         self._make: Callable[[Submission, int, str, Peer, int], Transfer] | None = None
@@ -162,7 +176,7 @@ class Submission:
 
     # ------------------------------------------------------------ posting
 
-    def submit(
+    def _submit_py(
         self,
         peer: Peer,
         opcode: int,
@@ -172,8 +186,10 @@ class Submission:
         op: str,
         priority: int = 0,
     ) -> Transfer:
-        """A new Transfer, into this loop iteration's batch (or its peer's
-        scheduler queue, over the peer's limits; or failed, peer lost)."""
+        """submit (see __init__) in Python: a new Transfer, into this loop
+        iteration's batch (or its peer's scheduler queue, over the peer's
+        limits; or failed, peer lost). _cyx.Submitter does the same for the
+        usual request; keep the two in step."""
         make = self._make
         if make is None:
             self._start()  # calls started()
@@ -280,8 +296,14 @@ class Submission:
         flight is posted as an awaited lone request is."""
         self.post_pending(len(self._pending_t) == 1 == len(self.inflight))
 
-    def eager(self, t: Transfer) -> None:
-        """TransferHost: ``t`` is awaited and not posted yet.
+    # TransferHost.eager(t): _cyx.Submitter.eager of self._fast, called as a
+    # method without a Python frame; _eager_py is what it does.
+    eager = _cyx.submission_eager
+
+    def _eager_py(self, t: Transfer) -> None:
+        """eager (see __init__) in Python; TransferHost: ``t`` is awaited and
+        not posted yet. _cyx.Submitter.eager does the same for the usual
+        case; keep the two in step.
 
         Awaited with nothing else of the agent's in the engine: latency is
         all that matters, so what this loop iteration posted goes to the
@@ -291,19 +313,46 @@ class Submission:
         this thread inside the post (no copy worker to wake, then no loop to
         wake) and the await does not suspend. Several small ones are batched
         into one native call."""
-        n = len(self._pending)
+        items = self._pending
+        n = len(items)
         if (
             n == len(self.inflight)
             and (t.nbytes <= EAGER_MAX or (n == 1 and t.nbytes <= self.alone_max))
             and self._eager_streak < EAGER_STREAK
         ):
             self._eager_streak += 1
-            self.post_pending(n == 1)
-            # Still in flight (not copied inside the post): poll for it here,
-            # then the await may not suspend. Cheapest test first: this is
-            # the path of every awaited small same-host copy too.
-            if n == 1 and self.inflight and self._poller is not None and t.nbytes <= EAGER_MAX:
-                self._poller.spin_alone(t, self._flush_scheduled)
+            if n and not self.closed and not self._pending_cancelled:
+                # post_pending(n == 1), its usual case inlined: every awaited
+                # small request comes this way (a Python frame fewer).
+                ts = self._pending_t
+                try:
+                    statuses, k, completed, nbytes = self._engine.post_drain(
+                        items, ts, self.inflight, self._on_record_cb, self._release_cb,
+                        TransferResult, ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, n == 1,
+                    )
+                except Exception as exc:
+                    self._post_raised(ts, exc)
+                    return
+                if statuses is None:
+                    self.completed += completed
+                    self.bytes += nbytes
+                    if k >= POLL_MAX:
+                        self.drain()  # more remain
+                else:
+                    self._refused(ts, statuses)
+                if not self.inflight:
+                    return
+                poller = self._poller
+                if poller is not None:
+                    poller.kick()  # poll for the rest before the loop blocks
+                    # Still in flight (not copied inside the post): poll for
+                    # it here, then the await may not suspend.
+                    if n == 1 and t.nbytes <= EAGER_MAX:
+                        poller.spin_alone(t, self._flush_scheduled)
+            else:
+                self.post_pending(n == 1)
+                if n == 1 and self.inflight and self._poller is not None and t.nbytes <= EAGER_MAX:
+                    self._poller.spin_alone(t, self._flush_scheduled)
 
     def post_pending(self, alone: bool = False) -> None:
         """Posts what is pending now (the batch lists are emptied, not
@@ -336,38 +385,47 @@ class Submission:
                 TransferResult, ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, alone,
             )
         except Exception as exc:
-            if not ts or ts[0]._posted:  # all posted: the drain's (a callback's) error
-                raise
-            # A bad item or a closed engine: nothing was posted.
-            if ts is self._pending_t:
-                self._pending = []
-                self._pending_t = []
-            for t in ts:
-                self.inflight.pop(t.req_id, None)
-                self.finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
+            self._post_raised(ts, exc)
             return
         if statuses is None:
             self.completed += completed
             self.bytes += nbytes
             if n >= POLL_MAX:
                 self.drain()  # more remain
-        else:  # some refused: nothing was marked posted, emptied, nor drained
-            if ts is self._pending_t:
-                self._pending = []
-                self._pending_t = []
-            for t, st in zip(ts, statuses, strict=True):
-                if st:
-                    self.inflight.pop(t.req_id, None)
-                    self.finish_failed(t, self.error(t, st, None, "rejected"))
-                    if st == _E_PEER_LOST and not t.peer._lost:
-                        # The engine found the peer dead before its loss record
-                        # reached us: say so now, so a retry never picks it again.
-                        self._peer_lost(t.peer, st)
-                else:
-                    t._posted = True
-            self.drain()  # completions known at submit (small same-host copies)
+        else:
+            self._refused(ts, statuses)
         if self.inflight and self._poller is not None:
             self._poller.kick()  # poll for the rest before the loop blocks
+
+    def _post_raised(self, ts: list[Transfer], exc: Exception) -> None:
+        """post_drain raised: a callback's error (all posted, re-raised), or a
+        bad item or a closed engine (nothing posted: ts fail)."""
+        if not ts or ts[0]._posted:  # all posted: the drain's (a callback's) error
+            raise exc
+        if ts is self._pending_t:
+            self._pending = []
+            self._pending_t = []
+        for t in ts:
+            self.inflight.pop(t.req_id, None)
+            self.finish_failed(t, XferError(f"{t.op} could not be posted: {exc}"))
+
+    def _refused(self, ts: list[Transfer], statuses: list[int]) -> None:
+        """post_drain refused some of ts: nothing was marked posted, emptied,
+        nor drained."""
+        if ts is self._pending_t:
+            self._pending = []
+            self._pending_t = []
+        for t, st in zip(ts, statuses, strict=True):
+            if st:
+                self.inflight.pop(t.req_id, None)
+                self.finish_failed(t, self.error(t, st, None, "rejected"))
+                if st == _E_PEER_LOST and not t.peer._lost:
+                    # The engine found the peer dead before its loss record
+                    # reached us: say so now, so a retry never picks it again.
+                    self._peer_lost(t.peer, st)
+            else:
+                t._posted = True
+        self.drain()  # completions known at submit (small same-host copies)
 
     def _drop_cancelled(
         self, items: list[Item], ts: list[Transfer]

@@ -5,6 +5,8 @@
 
 # ------------------------------------------------------------------ futures
 
+from cpython.ref cimport PyObject
+
 cdef extern from *:
     """
     /* A type's own tp_new / tp_init slots, called directly: what
@@ -20,6 +22,24 @@ cdef extern from *:
     object axf_slot_new(object base, object cls, object args)
     int axf_slot_init(object base, object self, object args, object kw) except -1
 
+cdef extern from *:
+    """
+    /* The C Future's first field after its object header is its loop
+       (FutureObj_HEAD, CPython 3.11 to 3.14): what asyncio.Future.__init__
+       sets, the rest of a freshly allocated future being zeroed (pending,
+       no callbacks, no result). */
+    static inline PyObject *axf_future_loop(PyObject *f) {
+        return *(PyObject **)((char *)f + sizeof(PyObject));
+    }
+    static inline void axf_future_set_loop(PyObject *f, PyObject *loop) {
+        Py_INCREF(loop);
+        *(PyObject **)((char *)f + sizeof(PyObject)) = loop;
+    }
+    """
+    PyObject *axf_future_loop(object f)
+    void axf_future_set_loop(object f, object loop)
+
+from asyncio import BaseEventLoop as _BaseEventLoop
 from asyncio import Future as _Future
 
 cdef tuple _NO_ARGS = ()
@@ -37,6 +57,12 @@ cdef inline object _new_instance(object cls):
 # a descriptor call: ~1.5 k instructions of an awaited 4 KiB write). A type
 # whose field is not a plain object slot takes the generic path.
 
+from cpython.dict cimport PyDict_GetItem
+from cpython.float cimport PyFloat_AS_DOUBLE
+
+cdef extern from "Python.h":
+    int _axf_list_clear "PyList_SetSlice" (object lst, Py_ssize_t lo, Py_ssize_t hi,
+                                           PyObject *v) except -1
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
 from cpython.long cimport PyLong_AsLongLong, PyLong_FromLongLong
 from cpython.ref cimport PyObject
@@ -248,11 +274,30 @@ cdef class FutureMaker:
     cdef Py_ssize_t _fixed_off[_MAKER_MAX]
     cdef tuple _fixed_val
     cdef Py_ssize_t _nfixed
+    # init_kw only {"loop": loop}, on the C Future: the loop is stored in its
+    # slot (_loop) rather than through Future.__init__, whose keyword parsing
+    # and loop.get_debug() call (a Python frame on asyncio's loops) cost
+    # ~700 instructions a future. Only while the loop's debug mode is off
+    # (read per future: _loop_dict["_debug"] for asyncio's own get_debug,
+    # else _get_debug()): in debug mode __init__ records the future's
+    # creation traceback.
+    cdef object _loop
+    cdef dict _loop_dict
+    cdef object _get_debug
 
     def __cinit__(self, future_cls, dict init_kw, tuple given, str clock, dict fixed):
         cdef Py_ssize_t i
         if not isinstance(future_cls, type) or not issubclass(future_cls, _Future):
             raise TypeError(f"{future_cls!r} is not a subclass of asyncio.Future")
+        self._loop = None
+        if list(init_kw) == ["loop"] and _maker_fast_init(future_cls, init_kw["loop"]):
+            self._loop = init_kw["loop"]
+            if (getattr(type(self._loop), "get_debug", None) is _BaseEventLoop.get_debug
+                    and type(getattr(self._loop, "__dict__", None)) is dict
+                    and "_debug" in self._loop.__dict__):
+                self._loop_dict = self._loop.__dict__
+            else:
+                self._get_debug = self._loop.get_debug
         if len(given) != _MAKER_GIVEN:
             raise ValueError(f"FutureMaker takes {_MAKER_GIVEN} given fields, not {len(given)}")
         if len(fixed) > _MAKER_MAX:
@@ -272,8 +317,21 @@ cdef class FutureMaker:
 
     def make(self, a, b, c, d, e):
         cdef Py_ssize_t i
+        cdef PyObject *debug
         f = axf_slot_new(_Future, self._cls, _NO_ARGS)
-        axf_slot_init(_Future, f, _NO_ARGS, self._kw)
+        if self._loop is None:
+            axf_slot_init(_Future, f, _NO_ARGS, self._kw)
+        else:
+            if self._loop_dict is not None:
+                debug = PyDict_GetItem(self._loop_dict, "_debug")  # borrowed
+                if debug == NULL or (<object>debug is not False and <object>debug):
+                    axf_slot_init(_Future, f, _NO_ARGS, self._kw)
+                else:
+                    axf_future_set_loop(f, self._loop)
+            elif self._get_debug():
+                axf_slot_init(_Future, f, _NO_ARGS, self._kw)
+            else:
+                axf_future_set_loop(f, self._loop)
         axf_slot_put(f, self._given[0], a)
         axf_slot_put(f, self._given[1], b)
         axf_slot_put(f, self._given[2], c)
@@ -283,6 +341,20 @@ cdef class FutureMaker:
         for i in range(self._nfixed):
             axf_slot_put(f, self._fixed_off[i], self._fixed_val[i])
         return f
+
+
+cdef bint _maker_fast_init(object cls, object loop) except -1:
+    """Whether futures of cls are made right by storing their loop in the
+    C Future's loop field (axf_future_set_loop): the C implementation (not
+    asyncio.futures' Python one), whose __init__ is seen to store the loop
+    there on a probe."""
+    if getattr(_Future, "__module__", None) != "_asyncio" or loop is None:
+        return False
+    probe = axf_slot_new(_Future, cls, _NO_ARGS)
+    if axf_future_loop(probe) != NULL:
+        return False
+    axf_slot_init(_Future, probe, _NO_ARGS, {"loop": loop})
+    return axf_future_loop(probe) == <PyObject *>loop
 
 
 cdef Py_ssize_t _maker_offset(object cls, object name) except -1:
@@ -352,6 +424,46 @@ cdef int _counters_resolve(object tp) except -1:
             _counters_fast = False
     _counters_type = tp
     return 0
+
+
+cdef double _counters_float(object counters, int field) except? -1.0:
+    """counters.latency or .bandwidth (field), through its slot when it holds
+    a float."""
+    cdef PyObject *v
+    if type(counters) is not _counters_type:
+        _counters_resolve(type(counters))
+    if _counters_off[field] >= 0:
+        v = axf_slot_ptr(counters, _counters_off[field])
+        if v != NULL and type(<object>v) is float:
+            return PyFloat_AS_DOUBLE(<object>v)
+    return getattr(counters, _C_NAMES[field])
+
+
+# A transfer's peer (aioxfer.peer.Peer): the two fields the drain reads per
+# run of its records, by their slots when they are plain ones.
+cdef enum:
+    _P_COUNTERS = 0
+    _P_PATH = 1
+    _P_FIELDS = 2
+
+_P_NAMES = ("_counters", "path")
+cdef object _peer_type = None
+cdef Py_ssize_t _peer_off[_P_FIELDS]
+
+
+cdef inline object _peer_get(object peer, int field):
+    cdef PyObject *v
+    cdef Py_ssize_t i
+    global _peer_type
+    if type(peer) is not _peer_type:
+        for i in range(_P_FIELDS):
+            _peer_off[i] = axf_slot_offset(type(peer), axf_type_lookup(type(peer), _P_NAMES[i]))
+        _peer_type = type(peer)
+    if _peer_off[field] >= 0:
+        v = axf_slot_ptr(peer, _peer_off[field])
+        if v != NULL:
+            return <object>v
+    return getattr(peer, _P_NAMES[field])
 
 
 cdef inline bint _slot_int(object o, Py_ssize_t off, long long *out) except -1:
@@ -457,3 +569,4 @@ def _run_callbacks(list wake):
                 "exception": exc,
                 "future": w[2],
             })
+

@@ -59,6 +59,10 @@ if sizeof(axf_desc) != DESC_FIELDS * sizeof(uint64_t):
 
 cdef enum:
     POLL_DEFAULT = 4096
+    # A batch posting up to this many bytes (one-descriptor requests) keeps
+    # the GIL: a same-host post copies them inline, in about the time the
+    # GIL's release and retake take.
+    _GIL_KEPT_BYTES = 64 << 10
 
 
 import numpy as _np
@@ -231,4 +235,5 @@ include "_verbs.pxi"
 include "_buffers.pxi"
 include "_completions.pxi"
 include "_engine.pxi"
+include "_submit.pxi"
 include "_cuda.pxi"

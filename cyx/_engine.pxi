@@ -118,8 +118,9 @@ cdef class Engine:
         self._ensure_cq(<size_t>max)
         self._busy += 1
         self._polling = True
-        with nogil:
-            n = axf_poll(self._e, self._cq, <size_t>max)
+        # GIL kept: a poll takes a lock and copies the records out (and at
+        # most clears the eventfd), shorter than the GIL's release and retake.
+        n = axf_poll(self._e, self._cq, <size_t>max)
         self._busy -= 1
         if n == 0:
             self._polling = False
@@ -537,6 +538,7 @@ cdef class Engine:
         cdef object descs, notify, nb, it
         cdef tuple item
         cdef list keep = None  # copies made here (notify payloads not given as bytes)
+        cdef uint64_t small = 0  # the bytes of the batch, while it is known small
         if alone and count == 1:
             flags |= AXF_POST_ALONE
         if self._posting:
@@ -557,6 +559,11 @@ cdef class Engine:
                 s.notify_len = 0
                 descs = item[2]
                 _descs_in(descs, &s.one, &s.descs, &s.n)
+                # One descriptor (a tuple's, counted), else no bound known.
+                if s.descs == &s.one and s.one.len <= _GIL_KEPT_BYTES:
+                    small += s.one.len
+                else:
+                    small = _GIL_KEPT_BYTES + 1
                 notify = item[3]
                 if notify is not None:
                     nb = _notify_bytes(notify)
@@ -571,12 +578,22 @@ cdef class Engine:
             # what items[i] holds too.
             s = self._slots
             self._busy += 1
-            with nogil:
+            if small <= _GIL_KEPT_BYTES:
+                # Little to copy (what a same-host post copies inline): the
+                # GIL's release and retake (~600 instructions) would cost
+                # more than the other threads could gain.
                 for i in range(count):
                     s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
                                            s[i].notify, s[i].notify_len, s[i].req_id,
                                            flags)
                 axf_doorbell(self._e)
+            else:
+                with nogil:
+                    for i in range(count):
+                        s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
+                                               s[i].notify, s[i].notify_len, s[i].req_id,
+                                               flags)
+                    axf_doorbell(self._e)
             self._busy -= 1
         finally:
             self._posting = False
@@ -593,6 +610,12 @@ cdef class Engine:
         and items and ts were emptied before the drain: the caller's batch
         lists, reusable), else post_many's list and nothing drained, marked
         or emptied (0, 0, 0)."""
+        return self._post_drain(items, ts, inflight, slow, release, result_type, weight,
+                                bandwidth_min, max, alone)
+
+    cdef tuple _post_drain(self, list items, list ts, dict inflight, object slow,
+                           object release, object result_type, double weight,
+                           uint64_t bandwidth_min, Py_ssize_t max, bint alone):
         cdef Py_ssize_t count, i
         cdef object t
         self._open()
@@ -616,14 +639,14 @@ cdef class Engine:
         # Posted: the engine copied the descriptors; the batch lists are the
         # caller's to fill again (a transfer submitted from the drain's
         # callbacks goes into them).
-        del items[:]
-        del ts[:]
+        _axf_list_clear(items, 0, len(items), NULL)  # del items[:], without a slice object
+        _axf_list_clear(ts, 0, len(ts), NULL)
         # Nothing in the ring (a remote request, a copy on a worker): no poll,
         # whose lock and eventfd read (to clear a wake-up nobody made) cost
-        # two syscalls' worth on the way of every tcp request. axf_wait(0)
-        # reads the ring's count without its lock; a stale wake-up is cleared
-        # by the drain that it causes.
-        if axf_wait(self._e, 0) == 0:
+        # two syscalls' worth on the way of every tcp request. axf_wait_ex(0,
+        # POLLS) reads the ring's count without its lock; a stale wake-up is
+        # cleared by the drain that it causes.
+        if axf_wait_ex(self._e, 0, AXF_WAIT_POLLS) == 0:
             return None, 0, 0, 0
         n, completed, total = self._drain(inflight, slow, release, result_type, weight,
                                           bandwidth_min, max)
@@ -752,12 +775,12 @@ cdef class Engine:
                     if peer is not None:
                         _settle(counters, done, req_bytes, moved, latency, bandwidth)
                     peer = tpeer
-                    counters = peer._counters
+                    counters = _peer_get(peer, _P_COUNTERS)
                     done = 0
                     req_bytes = moved = 0
-                    latency = counters.latency
-                    bandwidth = counters.bandwidth
-                    peer_path = peer.path
+                    latency = _counters_float(counters, _C_LATENCY)
+                    bandwidth = _counters_float(counters, _C_BANDWIDTH)
+                    peer_path = _peer_get(peer, _P_PATH)
                 done += 1
                 asked = _xfer_get(t, _T_NBYTES)
                 req_bytes += <uint64_t>asked

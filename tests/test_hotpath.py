@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import aioxfer
 from aioxfer import _cyx
 from aioxfer.stats import BANDWIDTH_MIN, ESTIMATE_WEIGHT, PeerCounters
+from aioxfer.transfer import Transfer
 
 
 class _Host:
@@ -183,3 +185,72 @@ def test_compiled_coalesce_agrees_with_numpy() -> None:
                 assert np.array_equal(got, want) and np.array_equal(gstarts, wstarts)
     with pytest.raises(ValueError):
         _cyx.coalesce(np.zeros((3, 5), dtype=np.uint64))
+
+
+async def test_compiled_submit_does_what_the_python_one_does(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Submission.submit (_cyx.Submitter) and the Python method it stands
+    for (_submit_py): the same transfer, counts, batch item and flush."""
+    target = await make_agent("target")
+    init = await make_agent("init")
+    peer = await init.connect(target.address)
+    target.alloc(1 << 16, name="r")
+    await peer.refresh()
+    local, remote = init.alloc(1 << 16, name="l"), peer.region("r")
+    sub = init._sub
+    assert sub._make is not None and peer._sched is None and peer._lost is False
+    c = peer._counters
+    deltas = []
+    for submit in (sub.submit, sub._submit_py):
+        before = (sub.posted, len(sub.inflight), c.posted, c.inflight, c.inflight_bytes)
+        descs = (local.rid, 0, remote.rid, remote.key, 0, 4096)
+        t = submit(peer, _cyx.OP_WRITE, descs, None, 4096, "write", 0)
+        after = (sub.posted, len(sub.inflight), c.posted, c.inflight, c.inflight_bytes)
+        deltas.append(tuple(a - b for a, b in zip(after, before, strict=True)))
+        assert type(t) is Transfer and t.get_loop() is asyncio.get_running_loop()
+        assert (t.req_id, t.op, t.peer, t.nbytes) == (sub.posted, "write", peer, 4096)
+        assert (t._posted, t._admitted, t._queued_item, t._path) == (False, False, None, None)
+        assert sub.inflight[t.req_id] is t and sub._pending_t[-1] is t
+        assert sub._pending[-1] == (peer._ep, _cyx.OP_WRITE, descs, None, t.req_id)
+        assert sub._flush_scheduled is True
+        r = await t
+        assert r.nbytes == 4096 and t.req_id not in sub.inflight
+    assert deltas[0] == deltas[1] == (1, 1, 1, 1, 4096)
+    assert (c.inflight, c.inflight_bytes) == (0, 0)
+
+
+async def test_compiled_eager_does_what_the_python_one_does(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Submission.eager (_cyx.Submitter.eager) and _eager_py: an awaited
+    lone request posted, copied and completed inside the call, the same
+    counts; past the streak, neither posts."""
+    from aioxfer import submission
+
+    target = await make_agent("target")
+    init = await make_agent("init")
+    peer = await init.connect(target.address)
+    target.alloc(1 << 16, name="r")
+    await peer.refresh()
+    local, remote = init.alloc(1 << 16, name="l"), peer.region("r")
+    local.numpy()[:] = 7
+    sub = init._sub
+    await asyncio.sleep(0)  # the loop ran: no streak
+    deltas = []
+    for eager in (sub.eager, sub._eager_py):
+        before = (sub.completed, sub.bytes, sub._eager_streak)
+        t = init.write(local[0:4096], remote[0:4096])
+        eager(t)
+        assert t.done() and t.result().nbytes == 4096 and t._posted is True
+        assert not sub._pending and not sub._pending_t and not sub.inflight
+        after = (sub.completed, sub.bytes, sub._eager_streak)
+        deltas.append(tuple(a - b for a, b in zip(after, before, strict=True)))
+        # Past the streak: left for the loop's flush.
+        sub._eager_streak = submission.EAGER_STREAK
+        t = init.write(local[0:4096], remote[4096:8192])
+        eager(t)
+        assert not t.done() and t._posted is False and sub._pending_t == [t]
+        assert (await t).nbytes == 4096
+        sub._eager_streak = 0
+    assert deltas[0] == deltas[1] == (1, 4096, 1)

@@ -288,7 +288,8 @@ size_t axf_poll(axf_engine *e, axf_completion *out, size_t max);
 size_t axf_wait(axf_engine *e, uint32_t max_us);
 /* axf_wait with flags: AXF_WAIT_POLLS, the caller promises to axf_poll right
  * after a nonzero return: then records that came while it spun are left to
- * that poll, unsignalled (no eventfd write here, none to clear there). */
+ * that poll, unsignalled (no eventfd write here, none to clear there), and
+ * the ring's count is read without its lock. */
 #define AXF_WAIT_POLLS 1u
 size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags);
 

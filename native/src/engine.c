@@ -59,6 +59,7 @@ static uint64_t random_u64(void)
 
 static void *watch_main(void *arg);
 static int ep_ended_status(axf_engine *e, uint64_t id);
+static void doorbell_conns(axf_engine *e);
 
 /* ---------------------------------------------------------------- ring */
 
@@ -217,8 +218,9 @@ size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
          * records (or signals what it leaves, as axf_poll does): records a
          * push left unsignalled for our spin stay so, and that poll, finding
          * the eventfd unsignalled, does not read it either: two system calls
-         * fewer on the way of a request awaited alone. */
-        if (spun && (flags & AXF_WAIT_POLLS))
+         * fewer on the way of a request awaited alone. Not spun: that poll
+         * takes what is there as it finds it (no lock taken here). */
+        if (flags & AXF_WAIT_POLLS)
             return n;
         /* A pusher writes the eventfd before unlocking: once we hold the
          * lock, a reader of the eventfd sees it readable. Records a push
@@ -256,6 +258,7 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     axf_engine *e = calloc(1, sizeof *e);
     if (!e)
         return NULL;
+    atomic_flag_clear(&e->op_lock);
     if (cfg)
         e->cfg = *cfg;
     if (!e->cfg.copy_workers)
@@ -526,6 +529,43 @@ static void op_unlink(axf_engine *e, op *o) /* e->mu held */
         ep_maybe_bye(e, o->ep);
 }
 
+#define OP_CACHE_MAX 1024u /* records kept: a deep queue's worth */
+
+static inline void op_cache_lock(axf_engine *e)
+{
+    while (atomic_flag_test_and_set_explicit(&e->op_lock, memory_order_acquire))
+        cpu_relax();
+}
+
+/* A zeroed op record: a cached one, else a new one. */
+static op *op_alloc(axf_engine *e)
+{
+    op_cache_lock(e);
+    op *o = e->op_cache;
+    if (o) {
+        e->op_cache = o->hnext;
+        e->op_cached--;
+    }
+    atomic_flag_clear_explicit(&e->op_lock, memory_order_release);
+    if (!o)
+        return calloc(1, sizeof *o);
+    memset(o, 0, sizeof *o);
+    return o;
+}
+
+static void op_dealloc(axf_engine *e, op *o)
+{
+    op_cache_lock(e);
+    if (e->op_cached < OP_CACHE_MAX) {
+        o->hnext = e->op_cache;
+        e->op_cache = o;
+        e->op_cached++;
+        o = NULL;
+    }
+    atomic_flag_clear_explicit(&e->op_lock, memory_order_release);
+    free(o);
+}
+
 static void op_free(axf_engine *e, op *o)
 {
     for (size_t i = 0; i < o->nlregs; i++)
@@ -542,7 +582,7 @@ static void op_free(axf_engine *e, op *o)
     }
     free(o->notify);
     endpoint *ep = o->counted ? o->ep : NULL;
-    free(o);
+    op_dealloc(e, o);
     /* The op's last touch of its endpoint (read first: once the count is
      * down, the watcher may free a finished endpoint). */
     bool ending = ep && atomic_load(&ep->halt);
@@ -803,7 +843,7 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     if (notify_len > AXF_MAX_NOTIFY || (opcode == AXF_OP_NOTIFY && (n || !notify_len)) ||
         (opcode != AXF_OP_NOTIFY && !n) || (opcode == AXF_OP_READ && notify_len))
         return AXF_E_INVALID;
-    op *o = calloc(1, sizeof *o);
+    op *o = op_alloc(e);
     if (!o)
         return AXF_E_NOMEM;
     atomic_init(&o->pins, 1);
@@ -885,14 +925,47 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         op_unit_done(e, o); /* straight to the notification phase */
         return AXF_OK;
     }
+    /* What the next doorbell rings (deferred frames, copies, file jobs):
+     * marked once queued, so that a ring between the mark and the queueing
+     * (another thread's) cannot take the mark and leave the work; an
+     * undeferred post also before (tcp rings from inside its submit). */
+    unsigned bell = 1u << ep->xp->ep_kind;
+    if (!(flags & AXF_POST_DEFER))
+        atomic_fetch_or_explicit(&e->bells, bell, memory_order_acq_rel);
     /* The transport queues (or does) the data phase and unlocks. */
     bool finish_now = !ep->xp->submit(e, o, flags);
+    if (!(atomic_load_explicit(&e->bells, memory_order_acquire) & bell))
+        atomic_fetch_or_explicit(&e->bells, bell, memory_order_acq_rel);
     if (finish_now)
         op_complete(e, o);
     return AXF_OK;
 }
 
 void axf_doorbell(axf_engine *e)
+{
+    /* Nothing posted since the last ring: nothing to ring. Only shm posted
+     * to (an awaited same-host copy, done inside its post, the usual case):
+     * shm's doorbell alone, without the tcp dirty list's e->mu and the file
+     * queue's locks. Anything else rings everything: a transport may hand
+     * work to another's queues (cuda's host copies go to shm's workers).
+     * Marked by axf_post on the posting thread, which rings next (tcp's
+     * undeferred post rings from inside its submit). */
+    unsigned bells = atomic_exchange_explicit(&e->bells, 0u, memory_order_acq_rel);
+    if (!bells)
+        return;
+    if (bells == 1u << AXF_EP_SHM) {
+        const axf_transport *shm = axf_transport_for(AXF_EP_SHM);
+        if (shm && shm->doorbell)
+            shm->doorbell(e);
+        return;
+    }
+    doorbell_conns(e);
+    AXF_FOR_XP(xp)
+        if (xp->doorbell)
+            xp->doorbell(e);
+}
+
+static void doorbell_conns(axf_engine *e)
 {
     conn *dirty[64];
     pthread_mutex_lock(&e->mu);
@@ -905,9 +978,6 @@ void axf_doorbell(axf_engine *e)
         conn_kick(dirty[i]);
         conn_unref(dirty[i]);
     }
-    AXF_FOR_XP(xp)
-        if (xp->doorbell)
-            xp->doorbell(e);
 }
 
 int axf_cancel(axf_engine *e, uint64_t req_id)
@@ -1596,6 +1666,10 @@ void axf_engine_destroy(axf_engine *e)
     AXF_FOR_XP(xp)
         if (xp->destroy)
             xp->destroy(e);
+    for (op *o = e->op_cache, *n; o; o = n) {
+        n = o->hnext;
+        free(o);
+    }
     for (size_t i = 0; i < e->cq_count; i++)
         free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
     free(e->cq);

@@ -289,6 +289,14 @@ struct axf_engine {
 
     conn *dirty[64]; /* connections with deferred, unsignalled frames */
     int ndirty;
+    atomic_uint bells; /* a bit per transport (1 << ep_kind) posted to since the
+                          last axf_doorbell: the doorbells it has to ring */
+    /* Finished ops' records, for the next posts (linked by hnext): a post
+     * then costs no calloc and free. op_lock: a spin lock held for a push or
+     * a pop only. */
+    atomic_flag op_lock;
+    struct op *op_cache;
+    unsigned op_cached;
 
     rv_ack *rv_acks; /* initiator side: revocations not acknowledged yet */
     revocation *quarantine; /* target side: deregistered regions peers may still touch */
