@@ -5,7 +5,8 @@
  * (process_vm_readv/writev), aimed only at the pid the kernel reported for
  * the endpoint. Copies run on the engine's worker threads, a chunk at a time
  * with the endpoint's and the region's state checked in between; a small copy
- * runs inline at submit so its completion is known at once. */
+ * runs inline at submit so its completion is known at once, and the posting
+ * thread copies a share of a larger one beside the workers (shm_help). */
 #include "transport.h"
 
 #include <errno.h>
@@ -21,7 +22,10 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define RUN_BYTES (1u << 20)   /* small descriptors are batched up to this size per job */
+/* Small descriptors are batched up to this size per job: a 256 x 16 KiB
+ * batch is 16 jobs, shared out between the workers and the posting thread
+ * (whose share is bounded by inline_bytes, 1-2 MiB) by whoever is free. */
+#define RUN_BYTES (256u << 10)
 #define RUN_DESCS 1024u        /* ... and this many (IOV_MAX) */
 #define MIN_PIECE (1u << 20)   /* a large descriptor is split into pieces no smaller */
 
@@ -34,6 +38,7 @@ typedef struct job {
     op *op;
     size_t i0, i1;      /* whole descriptors [i0, i1) ... */
     uint64_t off, len;  /* ... or, when len != 0, bytes [off, off+len) of descriptor i0 */
+    uint64_t bytes;     /* what it copies */
     struct job *next;
 } job;
 
@@ -519,12 +524,10 @@ static void run_job(axf_engine *e, job *j)
             else
                 op_set_status(o, st, j->i0);
         } else {
-            uint64_t fail = 0, bytes = 0;
+            uint64_t fail = 0;
             int st = copy_run(o, j->i0, j->i1, e->cfg.chunk_bytes, &fail);
             if (st == AXF_OK) {
-                for (size_t i = j->i0; i < j->i1; i++)
-                    bytes += o->d[i].len;
-                atomic_fetch_add(&o->nbytes, bytes);
+                atomic_fetch_add(&o->nbytes, j->bytes);
             } else {
                 op_set_status(o, st, fail);
             }
@@ -630,7 +633,7 @@ int shm_copy_inline(axf_engine *e, op *o)
     return st;
 }
 
-static job *job_new(op *o, size_t i0, size_t i1, uint64_t off, uint64_t len)
+static job *job_new(op *o, size_t i0, size_t i1, uint64_t off, uint64_t len, uint64_t bytes)
 {
     job *j = calloc(1, sizeof *j);
     if (j) {
@@ -639,6 +642,7 @@ static job *job_new(op *o, size_t i0, size_t i1, uint64_t off, uint64_t len)
         j->i1 = i1;
         j->off = off;
         j->len = len;
+        j->bytes = bytes;
     }
     return j;
 }
@@ -672,25 +676,26 @@ void shm_submit(axf_engine *e, op *o, bool signal)
         uint64_t len = o->d[i].len;
         if (len >= 2 * MIN_PIECE && split > 1) {
             if (i > run_start)
-                PUSH(job_new(o, run_start, i, 0, 0));
+                PUSH(job_new(o, run_start, i, 0, 0, run_bytes));
             uint64_t piece = (len + split - 1) / split;
             if (piece < MIN_PIECE)
                 piece = MIN_PIECE;
             for (uint64_t off = 0; off < len && !oom; off += piece)
-                PUSH(job_new(o, i, i + 1, off, len - off < piece ? len - off : piece));
+                PUSH(job_new(o, i, i + 1, off, len - off < piece ? len - off : piece,
+                             len - off < piece ? len - off : piece));
             run_start = i + 1;
             run_bytes = 0;
             continue;
         }
         run_bytes += len;
         if (run_bytes >= RUN_BYTES || i + 1 - run_start >= RUN_DESCS) {
-            PUSH(job_new(o, run_start, i + 1, 0, 0));
+            PUSH(job_new(o, run_start, i + 1, 0, 0, run_bytes));
             run_start = i + 1;
             run_bytes = 0;
         }
     }
     if (!oom && run_start < o->n)
-        PUSH(job_new(o, run_start, o->n, 0, 0));
+        PUSH(job_new(o, run_start, o->n, 0, 0, run_bytes));
 #undef PUSH
     if (oom) {
         while (head) {
@@ -909,6 +914,37 @@ static int shm_enable(axf_engine *e)
     return st;
 }
 
+/* The posting thread copies beside the workers it has just woken: queued
+ * jobs from the head of the queue, while what it has copied stays within
+ * inline_bytes (what a lone request may hold it for). It waits for its
+ * transfers next anyway (or polls for them, spinning a CPU that the workers
+ * could copy on): a 256 x 16 KiB batch is copied by one more thread, and
+ * the workers' last jobs finish while it returns (measured on 2 vCPUs,
+ * 256 x 16 KiB scattered: ~290 -> ~195 us a request). The jobs of a large
+ * descriptor (a quarter of it each) stay the workers' above 4 x inline_bytes. Never
+ * with inline_bytes = UINT64_MAX (every copy on the workers). */
+static void shm_help(axf_engine *e)
+{
+    shm_state *sh = SH(e);
+    uint64_t budget = e->cfg.inline_bytes, done = 0;
+    if (budget == UINT64_MAX)
+        return;
+    for (;;) {
+        pthread_mutex_lock(&sh->mu);
+        job *j = sh->head;
+        if (!j || sh->stop || done + j->bytes > budget) {
+            pthread_mutex_unlock(&sh->mu);
+            return;
+        }
+        sh->head = j->next;
+        if (!sh->head)
+            sh->tail = NULL;
+        pthread_mutex_unlock(&sh->mu);
+        done += j->bytes;
+        run_job(e, j);
+    }
+}
+
 bool shm_post(axf_engine *e, op *o, uint32_t flags)
 {
     shm_state *sh = SH(e);
@@ -937,6 +973,8 @@ bool shm_post(axf_engine *e, op *o, uint32_t flags)
     if (!signal)
         atomic_store(&sh->dirty, true);
     shm_submit(e, o, signal);
+    if (signal && alone)
+        shm_help(e);
     return true;
 }
 
@@ -947,6 +985,7 @@ static void shm_doorbell(axf_engine *e)
         pthread_mutex_lock(&sh->mu);
         pthread_cond_broadcast(&sh->cv);
         pthread_mutex_unlock(&sh->mu);
+        shm_help(e);
     }
 }
 

@@ -199,6 +199,48 @@ static int test_large_write_and_read(void)
     return 0;
 }
 
+/* Deferred batches and the doorbell: the posting thread copies a share of
+ * the queued jobs (up to inline_bytes) beside the worker it woke, jobs of
+ * several requests among them. Each request is still complete, byte exact,
+ * reported once and with its own byte count. */
+static int test_doorbell_thread_copies_too(void)
+{
+    axf_config cfg = {.copy_workers = 1, .inline_bytes = 1u << 20};
+    shm_pair p;
+    if (sp_open(&p, &cfg, false))
+        return 1;
+    enum { N = 256, LEN = 16384, REQS = 3 };
+    axf_desc *d = calloc(N, sizeof *d);
+    CHECK(d);
+    for (size_t i = 0; i < N; i++) /* scattered: local page i to remote page N-1-i */
+        d[i] = (axf_desc){.lrid = p.arid, .loff = i * LEN, .rrid = p.brid, .rkey = p.bkey,
+                          .roff = (N - 1 - i) * LEN, .len = LEN};
+    for (int op = AXF_OP_WRITE; op <= AXF_OP_READ; op++) {
+        t_fill(p.asrc, REG, 11 + op);
+        t_fill(p.bdst, REG, 21 + op);
+        for (uint64_t r = 0; r < REQS; r++) { /* the same batch, a third each */
+            uint32_t n = N / REQS + (r == REQS - 1 ? N % REQS : 0);
+            CHECK_EQ(axf_post(p.a->e, p.ep, (uint32_t)op, d + r * (N / REQS), n, NULL, 0,
+                              60 + r, AXF_POST_DEFER),
+                     AXF_OK);
+        }
+        axf_doorbell(p.a->e);
+        for (uint64_t r = 0; r < REQS; r++) {
+            axf_completion c;
+            uint32_t n = N / REQS + (r == REQS - 1 ? N % REQS : 0);
+            CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 60 + r, &c), 0);
+            CHECK_EQ(c.status, AXF_OK);
+            CHECK_EQ(c.nbytes, (uint64_t)n * LEN);
+            CHECK(t_quiet(p.a, AXF_CQ_XFER, 60 + r, 20)); /* once */
+        }
+        for (size_t i = 0; i < N; i++)
+            CHECK(memcmp(p.bdst + d[i].roff, p.asrc + d[i].loff, LEN) == 0);
+    }
+    free(d);
+    sp_close(&p);
+    return 0;
+}
+
 static int test_memfd_region(void)
 {
     tengine *a = t_engine(NULL), *b = t_engine(NULL);
@@ -1112,6 +1154,7 @@ int main(int argc, char **argv)
         T_CASE(test_inline_write_known_at_submit),
         T_CASE(test_alone_copied_at_submit),
         T_CASE(test_large_write_and_read),
+        T_CASE(test_doorbell_thread_copies_too),
         T_CASE(test_memfd_region),
         T_CASE(test_memfd_lazy_populate),
         T_CASE(test_access_checks),
