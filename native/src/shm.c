@@ -28,6 +28,7 @@
  * (whose share is bounded by inline_bytes, 1-2 MiB) by whoever is free. */
 #define RUN_BYTES (256u << 10)
 #define RUN_DESCS 1024u        /* ... and this many (IOV_MAX) */
+#define SHARED_MIN (2u << 20)  /* a lone request from here is shared with the workers */
 #define MIN_PIECE (1u << 20)   /* a large descriptor is split into pieces no smaller */
 
 /* Seals a peer's memfd must carry before we map it: without them the peer
@@ -870,8 +871,9 @@ static void cal_run(void)
     c->copy_mbps = cal_copy_mbps();
     /* Two wake-ups and a loop iteration saved, at copy_mbps bytes per
      * microsecond; inline while the copy holds the caller's thread for at
-     * most twice what it saves (a lone awaited request is faster inline at
-     * any size: the bound is for the caller's other work). */
+     * most twice what it saves (a lone awaited request is faster done
+     * inside the post at any size, from SHARED_MIN on with the workers'
+     * help: the bound is for the caller's other work). */
     uint64_t saved_ns = 2 * c->wake_ns + CAL_LOOP_NS;
     uint64_t bytes = 2 * saved_ns * c->copy_mbps / 1000u;
     if (bytes > (16ull << 20)) /* a busy machine's wake-ups, not a VM's */
@@ -879,9 +881,10 @@ static void cal_run(void)
     /* Up to a power of two: the estimate is good to a factor, and a
      * threshold that moved with every start-up decided whether the same
      * request was copied here or by a worker, tens of microseconds apart.
-     * Up, not down: for a lone awaited request the inline copy is the faster
-     * one at any size; the threshold only bounds how long it holds the
-     * caller's thread. */
+     * Up, not down: for a lone awaited request the copy inside the post
+     * (shared with the workers from SHARED_MIN on) is the faster one at any
+     * size; the threshold only bounds how long it holds the caller's
+     * thread. */
     uint64_t p2 = 64u << 10; /* the least threshold */
     while (p2 < bytes)
         p2 *= 2;
@@ -979,7 +982,6 @@ static void shm_help(axf_engine *e)
  * 2 vCPUs (chrt-isolated), 256 x 16 KiB scattered alone: ~290 us inline,
  * ~195 us shared. Below SHARED_MIN a worker's wake-up (tens of us in a VM)
  * costs about what the second thread saves. */
-#define SHARED_MIN (2u << 20)
 static int copy_shared(axf_engine *e, op *o, uint32_t flags)
 {
     shm_state *sh = SH(e);
