@@ -988,10 +988,12 @@ static int copy_shared(axf_engine *e, op *o, uint32_t flags)
     shm_waiter w;
     atomic_init(&w.left, 0);
     uint64_t split = 4 * ((uint64_t)sh->nworkers + 1);
+    /* Its completion, if this thread makes it, is known at submit. Decided
+     * before queueing: from then on a worker may finish (and free) o. */
+    bool quiet = (flags & AXF_POST_POLL) != 0 && !o->notify_len;
     if (!submit_jobs(e, o, true, split, RUN_BYTES, &w))
         return AXF_E_NOMEM; /* failed and done */
-    /* Its completion, if this thread makes it, is known at submit. */
-    axf_cq_quiet = (flags & AXF_POST_POLL) != 0 && !o->notify_len;
+    axf_cq_quiet = quiet;
     for (;;) {
         pthread_mutex_lock(&sh->mu);
         job *j = sh->head;
