@@ -199,6 +199,93 @@ static int test_large_write_and_read(void)
     return 0;
 }
 
+/* Deferred batches and the doorbell: the posting thread copies a share of
+ * the queued jobs (up to inline_bytes) beside the worker it woke, jobs of
+ * several requests among them. Each request is still complete, byte exact,
+ * reported once and with its own byte count. */
+static int test_doorbell_thread_copies_too(void)
+{
+    axf_config cfg = {.copy_workers = 1, .inline_bytes = 1u << 20};
+    shm_pair p;
+    if (sp_open(&p, &cfg, false))
+        return 1;
+    enum { N = 256, LEN = 16384, REQS = 3 };
+    axf_desc *d = calloc(N, sizeof *d);
+    CHECK(d);
+    for (size_t i = 0; i < N; i++) /* scattered: local page i to remote page N-1-i */
+        d[i] = (axf_desc){.lrid = p.arid, .loff = i * LEN, .rrid = p.brid, .rkey = p.bkey,
+                          .roff = (N - 1 - i) * LEN, .len = LEN};
+    for (int op = AXF_OP_WRITE; op <= AXF_OP_READ; op++) {
+        t_fill(p.asrc, REG, 11 + op);
+        t_fill(p.bdst, REG, 21 + op);
+        for (uint64_t r = 0; r < REQS; r++) { /* the same batch, a third each */
+            uint32_t n = N / REQS + (r == REQS - 1 ? N % REQS : 0);
+            CHECK_EQ(axf_post(p.a->e, p.ep, (uint32_t)op, d + r * (N / REQS), n, NULL, 0,
+                              60 + r, AXF_POST_DEFER),
+                     AXF_OK);
+        }
+        axf_doorbell(p.a->e);
+        for (uint64_t r = 0; r < REQS; r++) {
+            axf_completion c;
+            uint32_t n = N / REQS + (r == REQS - 1 ? N % REQS : 0);
+            CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 60 + r, &c), 0);
+            CHECK_EQ(c.status, AXF_OK);
+            CHECK_EQ(c.nbytes, (uint64_t)n * LEN);
+            CHECK(t_quiet(p.a, AXF_CQ_XFER, 60 + r, 20)); /* once */
+        }
+        for (size_t i = 0; i < N; i++)
+            CHECK(memcmp(p.bdst + d[i].roff, p.asrc + d[i].loff, LEN) == 0);
+    }
+    free(d);
+    sp_close(&p);
+    return 0;
+}
+
+/* A lone request within inline_bytes from 2 MiB on is shared with the
+ * workers, and still done when post returns: every byte in place, its record
+ * in the ring, once. A scattered batch and one large descriptor, both ways,
+ * a few times (a worker that wakes late leaves the poster every piece). */
+static int test_alone_shared_done_at_submit(void)
+{
+    axf_config cfg = {.inline_bytes = 8u << 20};
+    shm_pair p;
+    if (sp_open(&p, &cfg, false))
+        return 1;
+    enum { N = 256, LEN = 16384 };
+    axf_desc *d = calloc(N, sizeof *d);
+    CHECK(d);
+    for (size_t i = 0; i < N; i++)
+        d[i] = (axf_desc){.lrid = p.arid, .loff = (2 * i + 1) * LEN, .rrid = p.brid,
+                          .rkey = p.bkey, .roff = (2 * (N - 1 - i)) * LEN, .len = LEN};
+    axf_desc big = {.lrid = p.arid, .loff = 4097, .rrid = p.brid, .rkey = p.bkey, .roff = 12345,
+                    .len = (6u << 20) + 3};
+    uint64_t id = 70;
+    for (int round = 0; round < 16; round++) { /* enough that a worker takes some */
+        for (int k = 0; k < 2; k++, id++) {
+            const axf_desc *dd = k ? &big : d;
+            size_t n = k ? 1 : N;
+            t_fill(p.asrc, REG, (uint32_t)id);
+            t_fill(p.bdst, REG, (uint32_t)id + 100);
+            uint32_t xop = round % 2 ? AXF_OP_READ : AXF_OP_WRITE;
+            CHECK_EQ(axf_post(p.a->e, p.ep, xop, dd, n, NULL, 0, id, AXF_POST_ALONE), AXF_OK);
+            uint64_t total = 0;
+            for (size_t i = 0; i < n; i++) {
+                CHECK(memcmp(p.bdst + dd[i].roff, p.asrc + dd[i].loff, dd[i].len) == 0);
+                total += dd[i].len;
+            }
+            CHECK(axf_wait(p.a->e, 0) >= 1);
+            axf_completion c;
+            CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, id, &c), 0);
+            CHECK_EQ(c.status, AXF_OK);
+            CHECK_EQ(c.nbytes, total);
+            CHECK(t_quiet(p.a, AXF_CQ_XFER, id, 20)); /* once */
+        }
+    }
+    free(d);
+    sp_close(&p);
+    return 0;
+}
+
 static int test_memfd_region(void)
 {
     tengine *a = t_engine(NULL), *b = t_engine(NULL);
@@ -1112,6 +1199,8 @@ int main(int argc, char **argv)
         T_CASE(test_inline_write_known_at_submit),
         T_CASE(test_alone_copied_at_submit),
         T_CASE(test_large_write_and_read),
+        T_CASE(test_doorbell_thread_copies_too),
+        T_CASE(test_alone_shared_done_at_submit),
         T_CASE(test_memfd_region),
         T_CASE(test_memfd_lazy_populate),
         T_CASE(test_access_checks),
