@@ -1007,17 +1007,12 @@ static int rx_spin_one(conn *c, wire_hdr *h, uint32_t us)
     return got;
 }
 
-/* Target: whether a served frame was a request's last and its reply is
- * out: sent from here (conn_kick), not handed to the sending thread (a large
- * READ response), which a poll here would compete with for a CPU.
- * Initiator: whether a reply finished a group (its request, awaited one at a
- * time, is followed by the next one's reply within the usual gap). */
+/* Whether a served frame was a request's last and its reply is out: sent
+ * from here (conn_kick), not handed to the sending thread (a large READ
+ * response), which a poll here would compete with for a CPU. */
 static bool rx_answered(conn *c, const wire_hdr *h)
 {
-    if (c->ep)
-        return h->type == FR_WRITE_ACK || h->type == FR_NOTIFY_ACK ||
-               (h->type == FR_READ_RESP && (h->flags & FL_LAST));
-    return (h->type == FR_WRITE || h->type == FR_READ_REQ) && (h->flags & FL_LAST) &&
+    return !c->ep && (h->type == FR_WRITE || h->type == FR_READ_REQ) && (h->flags & FL_LAST) &&
            atomic_load(&c->reply_bytes) == 0;
 }
 
@@ -1029,10 +1024,7 @@ static bool rx_answered(conn *c, const wire_hdr *h)
  * peer awaiting its requests one at a time then finds this thread running,
  * not asleep in recv (a thread wake-up less per request: what NIXL's
  * always-polling progress thread saves, at a cost bounded per request and
- * none while the peer is idle or slow). The initiating side does the same
- * after a reply for the next reply (NIXL's initiator reads its socket on the
- * thread that polls for completion): the reply of a request awaited alone
- * then finds its receiver running. */
+ * none while the peer is idle or slow). */
 static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, int *io)
 {
     uint64_t answered = 0; /* when the last request was answered; 0: not just now */

@@ -772,89 +772,6 @@ static int test_target_polls_for_requests(void)
     return 0;
 }
 
-/* An initiator whose requests are answered one at a time, soon after it
- * posts them, polls its socket for the next reply after each (conn.c
- * rx_spin, the target's poll mirrored): replies whose header comes whole, in
- * two pieces, or after a pause (the poll ran out) all complete their
- * requests exactly; a peer that closes while it polls fails the request in
- * flight and the endpoint, and nothing is counted as malformed. A raw
- * target on our side of a socketpair. */
-static int test_initiator_polls_for_replies(void)
-{
-    raw_peer r;
-    if (raw_open(&r, NULL, 45))
-        return 1;
-    uint8_t data[512];
-    for (uint64_t i = 1; i <= 400; i++) {
-        bool write_op = i % 2;
-        uint64_t off = (i * 512) % (65536 - 512);
-        if (write_op)
-            t_fill(r.buf + off, 512, (uint32_t)i);
-        axf_desc d = {.lrid = r.rid, .loff = off, .rrid = 1, .rkey = 0x1234, .roff = off,
-                      .len = 512};
-        CHECK_EQ(axf_post(r.a->e, r.ep, write_op ? AXF_OP_WRITE : AXF_OP_READ, &d, 1, NULL, 0,
-                          9000 + i, 0),
-                 AXF_OK);
-        wire_hdr h;
-        if (raw_reply(r.fd, &h))
-            return 1;
-        CHECK_EQ(h.type, write_op ? FR_WRITE : FR_READ_REQ);
-        CHECK_EQ(h.op, 9000 + i);
-        CHECK_EQ(h.len, 512);
-        wire_hdr a = {.magic = AXF_MAGIC, .op = h.op, .index = h.index, .off = h.off,
-                      .flags = FL_LAST};
-        if (write_op) {
-            CHECK_EQ(recv(r.fd, data, sizeof data, MSG_WAITALL), (ssize_t)sizeof data);
-            CHECK(memcmp(data, r.buf + off, sizeof data) == 0);
-            a.type = FR_WRITE_ACK;
-            a.len = 512;
-        } else {
-            t_fill(data, sizeof data, (uint32_t)i + 7);
-            a.type = FR_READ_RESP;
-            a.len = 512;
-        }
-        if (i % 100 == 0)
-            usleep(2000); /* past any poll: the receiver blocks again */
-        if (i % 5 == 0) { /* the header in two pieces */
-            CHECK_EQ(write(r.fd, &a, 20), 20);
-            usleep(50);
-            CHECK_EQ(write(r.fd, (uint8_t *)&a + 20, sizeof a - 20), (ssize_t)(sizeof a - 20));
-        } else {
-            CHECK_EQ(write(r.fd, &a, sizeof a), (ssize_t)sizeof a);
-        }
-        if (!write_op)
-            CHECK_EQ(write(r.fd, data, sizeof data), (ssize_t)sizeof data);
-        axf_completion c;
-        CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 9000 + i, &c), 0);
-        CHECK_EQ(c.status, AXF_OK);
-        if (!write_op)
-            CHECK(memcmp(r.buf + off, data, sizeof data) == 0);
-    }
-    /* The peer closes right after its last answer: while our receiver polls.
-     * The answer counts; the endpoint is then lost. */
-    axf_desc d = {.lrid = r.rid, .rrid = 1, .rkey = 0x1234, .len = 512};
-    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 9999, 0), AXF_OK);
-    wire_hdr h;
-    if (raw_reply(r.fd, &h))
-        return 1;
-    CHECK_EQ(recv(r.fd, data, sizeof data, MSG_WAITALL), (ssize_t)sizeof data);
-    wire_hdr a = {.magic = AXF_MAGIC, .type = FR_WRITE_ACK, .op = h.op, .flags = FL_LAST,
-                  .len = 512};
-    CHECK_EQ(write(r.fd, &a, sizeof a), (ssize_t)sizeof a);
-    close(r.fd);
-    r.fd = -1;
-    axf_completion c;
-    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 9999, &c), 0);
-    CHECK_EQ(c.status, AXF_OK);
-    CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
-    CHECK_EQ(c.status, AXF_E_PEER_LOST);
-    axf_stats s;
-    axf_engine_stats(r.a->e, &s);
-    CHECK_EQ(s.frames_rejected, 0);
-    raw_close(&r);
-    return 0;
-}
-
 static int test_replay_entry_point(void)
 {
     tengine *b = t_engine(NULL);
@@ -933,7 +850,6 @@ int main(int argc, char **argv)
         T_CASE(test_replay_entry_point),
         T_CASE(test_lone_request_affinity),
         T_CASE(test_target_polls_for_requests),
-        T_CASE(test_initiator_polls_for_replies),
     };
     return T_RUN(argc, argv, cases);
 }
