@@ -10,7 +10,21 @@ check_xfer_state() until DONE (NIXL's fastest way to repeat a transfer).
     UCX_NET_DEVICES=lo UCX_TLS=tcp python bench_nixl.py --prog-thread target   # over TCP
 
 UCX transports come from the UCX_* environment. With UCX_TLS=tcp the target's
-progress thread must run (RMA is emulated with active messages). NIXL's bundled
+progress thread must run (RMA is emulated with active messages).
+
+UCX_TLS=tcp is TCP only (checked with strace -f and perf sched events on
+this script, WRITE and READ, 4 KiB to 64 MiB): no process_vm_writev but
+UCX's start-up CMA probe (8 bytes into its own pid), no shared memory but
+three 4 KiB SysV segments at start-up, one data socket per direction, no
+MSG_ZEROCOPY, no SO_SNDBUF/SO_RCVBUF (autotuned), TCP_NODELAY. A 1 MiB WRITE
+is one sendmsg (25 B header + the payload) and a 25 B flush request; the
+target receives straight into the destination, 100-650 KiB per recv. It
+beats a single iperf3 stream because both of its threads busy-poll (the
+initiator in check_xfer_state, the target's progress thread): no thread
+ever waits to be woken, and the sender's copy overlaps the receiver's on
+two otherwise idle cores. With anything else running on the two cores that
+collapses (measured: 1 MiB WRITE 0.1-0.7 GB/s, 4 KiB p99 8 ms), so its rows
+are only meaningful on an idle machine (run.py records the load average). NIXL's bundled
 libnl-route crashes in its exit-time destructor once rdma-core is installed, so
 the process leaves with os._exit after its work.
 """

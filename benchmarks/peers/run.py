@@ -164,9 +164,16 @@ def main() -> int:
               file=sys.stderr)
 
     mode = f"{'quick, ' if ns.quick else ''}{min_secs:g} s per point"
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1):
+        # NIXL's busy-polling threads and every one-at-a-time figure suffer
+        # first from a shared CPU: the rows are not comparable then.
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs: other work is "
+              "running, figures will be noisy", file=sys.stderr)
     with open(os.path.join(out, "run_0_meta.jsonl"), "w") as f:
         f.write(json.dumps({"peer": "meta", "run": "meta", "when": time.strftime("%Y-%m-%d %H:%M"),
                             "machine": machine(), "mode": mode, "rounds": ns.rounds,
+                            "loadavg": round(load, 2),
                             "aioxfer_python": ns.aioxfer_python}) + "\n")
     cmds = commands(ns)
     t0 = time.monotonic()
