@@ -321,38 +321,11 @@ class Submission:
             and self._eager_streak < EAGER_STREAK
         ):
             self._eager_streak += 1
-            if n and not self.closed and not self._pending_cancelled:
-                # post_pending(n == 1), its usual case inlined: every awaited
-                # small request comes this way (a Python frame fewer).
-                ts = self._pending_t
-                try:
-                    statuses, k, completed, nbytes = self._engine.post_drain(
-                        items, ts, self.inflight, self._on_record_cb, self._release_cb,
-                        TransferResult, ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, n == 1,
-                    )
-                except Exception as exc:
-                    self._post_raised(ts, exc)
-                    return
-                if statuses is None:
-                    self.completed += completed
-                    self.bytes += nbytes
-                    if k >= POLL_MAX:
-                        self.drain()  # more remain
-                else:
-                    self._refused(ts, statuses)
-                if not self.inflight:
-                    return
-                poller = self._poller
-                if poller is not None:
-                    poller.kick()  # poll for the rest before the loop blocks
-                    # Still in flight (not copied inside the post): poll for
-                    # it here, then the await may not suspend.
-                    if n == 1 and t.nbytes <= EAGER_MAX:
-                        poller.spin_alone(t, self._flush_scheduled)
-            else:
-                self.post_pending(n == 1)
-                if n == 1 and self.inflight and self._poller is not None and t.nbytes <= EAGER_MAX:
-                    self._poller.spin_alone(t, self._flush_scheduled)
+            self.post_pending(n == 1)
+            if n == 1 and self.inflight and self._poller is not None and t.nbytes <= EAGER_MAX:
+                # Still in flight (not copied inside the post): poll for it
+                # here, then the await may not suspend.
+                self._poller.spin_alone(t, self._flush_scheduled)
 
     def post_pending(self, alone: bool = False) -> None:
         """Posts what is pending now (the batch lists are emptied, not
