@@ -187,17 +187,23 @@ def test_compiled_coalesce_agrees_with_numpy() -> None:
         _cyx.coalesce(np.zeros((3, 5), dtype=np.uint64))
 
 
-async def test_compiled_submit_does_what_the_python_one_does(
-    make_agent: Callable[..., Awaitable[Any]],
-) -> None:
-    """Submission.submit (_cyx.Submitter) and the Python method it stands
-    for (_submit_py): the same transfer, counts, batch item and flush."""
+async def _pair_64k(make_agent: Callable[..., Awaitable[Any]]) -> tuple[Any, Any, Any, Any]:
+    """An initiator connected to a target: (initiator, peer, 64 KiB local
+    region, the target's 64 KiB region)."""
     target = await make_agent("target")
     init = await make_agent("init")
     peer = await init.connect(target.address)
     target.alloc(1 << 16, name="r")
     await peer.refresh()
-    local, remote = init.alloc(1 << 16, name="l"), peer.region("r")
+    return init, peer, init.alloc(1 << 16, name="l"), peer.region("r")
+
+
+async def test_compiled_submit_does_what_the_python_one_does(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Submission.submit (_cyx.Submitter) and the Python method it stands
+    for (_submit_py): the same transfer, counts, batch item and flush."""
+    init, peer, local, remote = await _pair_64k(make_agent)
     sub = init._sub
     assert sub._make is not None and peer._sched is None and peer._lost is False
     c = peer._counters
@@ -228,12 +234,7 @@ async def test_compiled_eager_does_what_the_python_one_does(
     counts; past the streak, neither posts."""
     from aioxfer import submission
 
-    target = await make_agent("target")
-    init = await make_agent("init")
-    peer = await init.connect(target.address)
-    target.alloc(1 << 16, name="r")
-    await peer.refresh()
-    local, remote = init.alloc(1 << 16, name="l"), peer.region("r")
+    init, peer, local, remote = await _pair_64k(make_agent)
     local.numpy()[:] = 7
     sub = init._sub
     await asyncio.sleep(0)  # the loop ran: no streak
