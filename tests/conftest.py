@@ -427,6 +427,43 @@ def remote_agent_main(conn: Any, opts: dict[str, Any]) -> None:
     run_child(_serve, conn, opts)
 
 
+class PipeChild:
+    """A spawned child process driven over a pipe: ``main(conn, *args)`` sends
+    a hello first (kept as ``hello``), then answers each message sent by
+    ``call``; ``close`` asks it to quit, and kills it if it does not."""
+
+    def __init__(self, main: Callable[..., None], *args: Any, seconds: float = 30.0) -> None:
+        self.seconds = seconds
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=main, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+        self.hello: Any = self.recv()
+
+    def recv(self, seconds: float | None = None) -> Any:
+        wait = self.seconds if seconds is None else seconds
+        if not self.conn.poll(wait):
+            raise TimeoutError(f"the child process did not answer within {wait} s")
+        return self.conn.recv()
+
+    def call(self, msg: Any) -> Any:
+        self.conn.send(msg)
+        return self.recv()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("quit")
+            except (OSError, EOFError, TimeoutError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
 def run_child(serve: Callable[[Any, dict[str, Any]], Awaitable[None]], conn: Any,
               opts: dict[str, Any]) -> None:
     """A spawned child's body: runs serve(conn, opts); a failure is sent to the

@@ -16,7 +16,6 @@ the torch test registers CUDA tensors as NIXL users pass them.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import digest, pattern
+from conftest import PipeChild, digest, pattern
 
 from aioxfer import cuda
 
@@ -58,7 +57,7 @@ def target_main(conn: Any) -> None:
     agent.register_memory(descs, backends=["UCX"])
     conn.send((agent.name, agent.get_agent_metadata(), buf.ptr, os.getpid()))
     while True:
-        cmd, arg = conn.recv()
+        cmd = conn.recv()
         if cmd == "notifs":
             got: list[bytes] = []
             deadline = time.monotonic() + STEP
@@ -66,8 +65,8 @@ def target_main(conn: Any) -> None:
                 for msgs in agent.get_new_notifs().values():
                     got += msgs
             conn.send(got)
-        elif cmd == "digest":  # of block arg
-            conn.send(digest(buf.download(arg * BLOCK, BLOCK)))
+        elif cmd[0] == "digest":  # ("digest", block)
+            conn.send(digest(buf.download(cmd[1] * BLOCK, BLOCK)))
         elif cmd == "quit":
             agent.deregister_memory(descs)
             agent.close()
@@ -76,35 +75,10 @@ def target_main(conn: Any) -> None:
             return
 
 
-class Target:
+class Target(PipeChild):
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target_main, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
-        self.name, self.md, self.ptr, self.pid = self.recv()
-
-    def recv(self) -> Any:
-        if not self.conn.poll(STEP * 2):
-            raise TimeoutError("the target process did not answer")
-        return self.conn.recv()
-
-    def call(self, cmd: str, arg: Any = None) -> Any:
-        self.conn.send((cmd, arg))
-        return self.recv()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("quit")
-            except (OSError, EOFError, TimeoutError):
-                pass
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
+        super().__init__(target_main, seconds=STEP * 2)
+        self.name, self.md, self.ptr, self.pid = self.hello
 
 
 def _wait_done(agent: Any, handle: Any) -> str:
@@ -142,7 +116,7 @@ def _round_trip(agent: Any, target: Target, local_vram: int,
     assert peer.path == "cuda"
     blocks = src.reshape(NBLOCKS, BLOCK)
     for lid, rid in zip(local_ids.tolist(), remote_ids.tolist(), strict=True):
-        assert target.call("digest", rid) == digest(blocks[lid])
+        assert target.call(("digest", rid)) == digest(blocks[lid])
 
     # peer GPU -> local host memory (DRAM descriptors on our side)
     r = agent.make_prepped_xfer("READ", host_list, [0, 1], remote, [2, 5])

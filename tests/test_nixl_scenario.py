@@ -13,7 +13,6 @@ nixlRemoteDisconnectError, never hangs.
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import PipeChild
 
 BLOCK = 16 << 10
 NBLOCKS = 64
@@ -66,35 +66,10 @@ def producer_main(conn: Any, transports: str) -> None:
             return
 
 
-class Producer:
+class Producer(PipeChild):
     def __init__(self, transports: str = "") -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=producer_main, args=(child, transports), daemon=True)
-        self.proc.start()
-        child.close()
-        self.name, self.md, self.addr, self.pid = self.recv()
-
-    def recv(self, seconds: float = STEP) -> Any:
-        if not self.conn.poll(seconds):
-            raise TimeoutError(f"producer did not answer within {seconds} s")
-        return self.conn.recv()
-
-    def call(self, cmd: str) -> Any:
-        self.conn.send(cmd)
-        return self.recv()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("quit")
-            except (OSError, EOFError, TimeoutError):
-                pass
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
+        super().__init__(producer_main, transports, seconds=STEP)
+        self.name, self.md, self.addr, self.pid = self.hello
 
 
 def _poll(agent: Any, handle: Any, seconds: float = STEP) -> str:
