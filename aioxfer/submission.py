@@ -291,9 +291,14 @@ class Submission:
         self._eager_streak = 0  # the loop ran: eager posts may go on
         self.post_pending()
 
-    def flush(self) -> None:
-        """Agent.flush: posts the batch now; one transfer with nothing else in
-        flight is posted as an awaited lone request is."""
+    # Agent.flush: _cyx.Submitter.flush of self._fast, called as a method
+    # without a Python frame (aioxfer.nixl flushes per request); _flush_now
+    # is what it does.
+    flush = _cyx.submission_flush
+
+    def _flush_now(self) -> None:
+        """flush in Python: posts the batch now; one transfer with nothing
+        else in flight is posted as an awaited lone request is."""
         self.post_pending(len(self._pending_t) == 1 == len(self.inflight))
 
     # TransferHost.eager(t): _cyx.Submitter.eager of self._fast, called as a

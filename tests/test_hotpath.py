@@ -255,3 +255,29 @@ async def test_compiled_eager_does_what_the_python_one_does(
         assert (await t).nbytes == 4096
         sub._eager_streak = 0
     assert deltas[0] == deltas[1] == (1, 4096, 1)
+
+
+async def test_compiled_flush_does_what_the_python_one_does(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Submission.flush (_cyx.Submitter.flush) and _flush_now: a lone
+    request posted alone (copied and completed inside the call), two
+    requests posted together, the same counts; nothing pending, nothing
+    done."""
+    init, peer, local, remote = await _pair_64k(make_agent)
+    local.numpy()[:] = 9
+    sub = init._sub
+    deltas = []
+    for flush in (sub.flush, sub._flush_now):
+        before = (sub.completed, sub.bytes)
+        t = init.write(local[0:4096], remote[0:4096])
+        flush()
+        assert t.done() and t.result().nbytes == 4096 and t._posted is True
+        assert not sub._pending and not sub._pending_t and not sub.inflight
+        two = [init.write(local[0:4096], remote[i:i + 4096]) for i in (8192, 16384)]
+        flush()
+        assert all(t._posted for t in two) and not sub._pending_t
+        assert [(await t).nbytes for t in two] == [4096, 4096]
+        flush()  # nothing pending
+        deltas.append((sub.completed - before[0], sub.bytes - before[1]))
+    assert deltas[0] == deltas[1] == (3, 3 * 4096)
