@@ -979,8 +979,9 @@ static void shm_help(axf_engine *e)
  * SHARED_MIN on it is not copied by this thread alone but shared with the
  * workers: queued in pieces (RUN_BYTES or more, a dozen or so), the workers
  * woken, this thread takes pieces until none is left, then waits for the
- * ones the workers took (at most a piece each). A worker that wakes late
- * leaves it more pieces, none at all: the whole copy, as inline. Measured on
+ * ones the workers took (at most a piece each, being copied). A worker
+ * that wakes late leaves it more pieces, none at all: the whole copy, as
+ * inline. Measured on
  * 2 vCPUs (chrt-isolated), 256 x 16 KiB scattered alone: ~290 us inline,
  * ~195 us shared. Below SHARED_MIN a worker's wake-up (tens of us in a VM)
  * costs about what the second thread saves. */
@@ -996,17 +997,31 @@ static int copy_shared(axf_engine *e, op *o, uint32_t flags)
     if (!submit_jobs(e, o, true, split, RUN_BYTES, &w))
         return AXF_E_NOMEM; /* failed and done */
     axf_cq_quiet = quiet;
+    /* Its own pieces wherever they are in the queue (behind another
+     * thread's batch too, and also once the workers are stopping: then no
+     * worker would ever take them, and the wait below would not end); the
+     * usual case finds the first one at the head. */
     for (;;) {
         pthread_mutex_lock(&sh->mu);
-        job *j = sh->head;
-        if (!j || j->wait != &w || sh->stop) {
-            pthread_mutex_unlock(&sh->mu);
-            break;
+        job *prev = NULL, *j = sh->head;
+        while (j && j->wait != &w) {
+            prev = j;
+            j = j->next;
         }
-        sh->head = j->next;
-        if (!sh->head)
-            sh->tail = NULL;
+        if (j) {
+            if (prev)
+                prev->next = j->next;
+            else
+                sh->head = j->next;
+            if (sh->tail == j)
+                sh->tail = prev;
+        }
+        bool stopping = sh->stop;
         pthread_mutex_unlock(&sh->mu);
+        if (!j)
+            break;
+        if (stopping) /* as a worker that drains the queue at a stop */
+            op_set_status(j->op, AXF_E_CLOSED, j->i0);
         run_job(e, j);
     }
     axf_cq_quiet = false;
