@@ -624,7 +624,12 @@ cdef class Engine:
             return None, 0, 0, 0
         if len(ts) != count:
             raise ValueError("post_drain: one transfer per item")
-        self._post_items(items, count, True, alone)
+        # Inside a drain (a callback of its posting again): no drain here,
+        # so no quiet records either (AXF_POST_POLL leaves what the post
+        # completes unsignalled for a poll that would then never come); the
+        # outer drain or the next wake-up takes them.
+        nested = self._polling
+        self._post_items(items, count, not nested, alone)
         for i in range(count):
             if self._slots[i].status != AXF_OK:
                 return [self._slots[i].status for i in range(count)], 0, 0, 0
@@ -641,6 +646,8 @@ cdef class Engine:
         # callbacks goes into them).
         _axf_list_clear(items, 0, len(items), NULL)  # del items[:], without a slice object
         _axf_list_clear(ts, 0, len(ts), NULL)
+        if nested:
+            return None, 0, 0, 0
         # Nothing in the ring (a remote request, a copy on a worker): no poll,
         # whose lock and eventfd read (to clear a wake-up nobody made) cost
         # two syscalls' worth on the way of every tcp request. axf_wait_ex(0,

@@ -132,6 +132,61 @@ def test_drain_results_carry_python_ints() -> None:
         e.close()
 
 
+def test_post_drain_from_inside_a_drain() -> None:
+    """A drain's callback that posts again (post_drain inside a drain): the
+    inner post neither drains (the engine's ring is in use) nor leaves its
+    records quiet (a same-host 4 KiB copy alone is done inside the post): the
+    transfer completes at the next drain, never stuck."""
+    e = _cyx.Engine()
+    loop = asyncio.new_event_loop()
+    try:
+        dst = bytearray(2 * 4096)
+        src = bytearray(os.urandom(2 * 4096))
+        drid, dkey, daddr, dlen, dacc = e.register(dst)
+        srid = e.register(src)[0]
+        ep = e.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
+        e.endpoint_import(ep, drid, dkey, dlen, dacc, daddr, -1)
+        peer = _Peer()
+        t = _Slotted(loop=loop)
+        t.peer, t.nbytes, t._admitted, t._path, t._posted = peer, 4096, False, None, False
+        t._t0 = 0.0
+        inflight = {2: t}
+        inner: list[Any] = []
+
+        def slow(kind: int, status: int, rid: int, *rest: Any) -> None:
+            # the scratch region's release record comes here: post now
+            if kind == _cyx.CQ_REGION_FREED and not inner:
+                item = (ep, _cyx.OP_WRITE, (srid, 4096, drid, dkey, 4096, 4096), None, 2)
+                inner.append(e.post_drain([item], [t], inflight, slow, None,
+                                          aioxfer.TransferResult, ESTIMATE_WEIGHT,
+                                          BANDWIDTH_MIN, alone=True))
+
+        scratch = bytearray(4096)
+        e.deregister(e.register(scratch)[0])
+        for _ in range(1000):  # its release record, drained
+            e.drain({}, slow, None, aioxfer.TransferResult, ESTIMATE_WEIGHT, BANDWIDTH_MIN)
+            if inner:
+                break
+            e.wait(10_000)
+        assert inner == [(None, 0, 0, 0)] and t._posted is True
+        for _ in range(1000):  # transfer 2: signalled, taken by a later drain
+            if t.done():
+                break
+            assert e.wait(100_000) >= 0
+            e.drain(inflight, slow, None, aioxfer.TransferResult, ESTIMATE_WEIGHT,
+                    BANDWIDTH_MIN)
+        assert t.done() and t.result().nbytes == 4096 and dst[4096:] == src[4096:]
+    finally:
+        loop.close()
+        e.shutdown()
+        for _ in range(1000):
+            e.poll()
+            if e.stats()["regions"] == 0 and e.stats()["ops"] == 0:
+                break
+            e.wait(10_000)
+        e.close()
+
+
 def _numpy_coalesce(descs: Any) -> tuple[Any, Any]:
     """descriptors.coalesce as it was written in numpy (the reference)."""
     if isinstance(descs, tuple) or len(descs) < 2:
