@@ -55,6 +55,14 @@ cdef enum:
 _K_NAMES = ("posted", "inflight", "inflight_bytes")
 
 
+cdef inline object _slot_obj(object o, Py_ssize_t off):
+    """o's slot at off, None when unset (what a Python read would raise
+    AttributeError for: the checks then take the Python path, or a Python
+    error follows, never a NULL dereference)."""
+    cdef PyObject *v = axf_slot_ptr(o, off)
+    return <object>v if v != NULL else None
+
+
 cdef bint _offsets(object tp, tuple names, Py_ssize_t *out, Py_ssize_t n) except -1:
     """out[i]: the slot offset of names[i] in tp; False if one is not a plain slot."""
     cdef Py_ssize_t i
@@ -121,56 +129,55 @@ cdef class Submitter:
     def submit(self, peer, opcode, descs, notify, nbytes, op, priority=0):
         cdef object sub = self._sub
         cdef PyObject *v
-        cdef PyObject *make
-        cdef PyObject *counters
+        cdef object make, counters  # owned: make() can run Python that rebinds them
         cdef long long posted, k_posted, k_inflight, k_bytes, n
         if not self._ok or type(nbytes) is not int:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
         if type(peer) is not self._peer_type:
             self._peer_ok = _offsets(type(peer), _Q_NAMES, self._q, _Q_FIELDS)
             self._peer_type = type(peer)
-        make = axf_slot_ptr(sub, self._s[_S_MAKE])
+        make = _slot_obj(sub, self._s[_S_MAKE])
         v = axf_slot_ptr(peer, self._q[_Q_LOST]) if self._peer_ok else NULL
-        if (not self._peer_ok or make == NULL or <object>make is None or v == NULL
+        if (not self._peer_ok or make is None or v == NULL
                 or <object>v is not False
                 or axf_slot_ptr(peer, self._q[_Q_SCHED]) == NULL
-                or <object>axf_slot_ptr(peer, self._q[_Q_SCHED]) is not None
+                or _slot_obj(peer, self._q[_Q_SCHED]) is not None
                 or axf_slot_ptr(peer, self._q[_Q_EP]) == NULL):
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
-        counters = axf_slot_ptr(peer, self._q[_Q_COUNTERS])
-        if counters == NULL:
+        counters = _slot_obj(peer, self._q[_Q_COUNTERS])
+        if counters is None:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
-        if type(<object>counters) is not self._counters_type:
-            self._counters_ok = _offsets(type(<object>counters), _K_NAMES, self._k, _K_FIELDS)
-            self._counters_type = type(<object>counters)
+        if type(counters) is not self._counters_type:
+            self._counters_ok = _offsets(type(counters), _K_NAMES, self._k, _K_FIELDS)
+            self._counters_type = type(counters)
         n = PyLong_AsLongLong(nbytes)
         if (not self._counters_ok or n < 0 or n > (1LL << 62)
                 or not _slot_int(sub, self._s[_S_POSTED], &posted)
-                or not _slot_int(<object>counters, self._k[_K_POSTED], &k_posted)
-                or not _slot_int(<object>counters, self._k[_K_INFLIGHT], &k_inflight)
-                or not _slot_int(<object>counters, self._k[_K_INFLIGHT_BYTES], &k_bytes)):
+                or not _slot_int(counters, self._k[_K_POSTED], &k_posted)
+                or not _slot_int(counters, self._k[_K_INFLIGHT], &k_inflight)
+                or not _slot_int(counters, self._k[_K_INFLIGHT_BYTES], &k_bytes)):
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
-        inflight = <object>axf_slot_ptr(sub, self._s[_S_INFLIGHT])
-        pending = <object>axf_slot_ptr(sub, self._s[_S_PENDING])
-        pending_t = <object>axf_slot_ptr(sub, self._s[_S_PENDING_T])
+        inflight = _slot_obj(sub, self._s[_S_INFLIGHT])
+        pending = _slot_obj(sub, self._s[_S_PENDING])
+        pending_t = _slot_obj(sub, self._s[_S_PENDING_T])
         if type(inflight) is not dict or type(pending) is not list or type(pending_t) is not list:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
         # As Submission.submit does it, in its order.
         req_id = PyLong_FromLongLong(posted + 1)
         axf_slot_put(sub, self._s[_S_POSTED], req_id)
-        t = (<object>make)(sub, req_id, op, peer, nbytes)
-        axf_slot_put(<object>counters, self._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
-        axf_slot_put(<object>counters, self._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
-        axf_slot_put(<object>counters, self._k[_K_INFLIGHT_BYTES],
+        t = make(sub, req_id, op, peer, nbytes)
+        axf_slot_put(counters, self._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
+        axf_slot_put(counters, self._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
+        axf_slot_put(counters, self._k[_K_INFLIGHT_BYTES],
                      PyLong_FromLongLong(k_bytes + n))
         (<dict>inflight)[req_id] = t
         (<list>pending).append(
-            (<object>axf_slot_ptr(peer, self._q[_Q_EP]), opcode, descs, notify, req_id))
+            (_slot_obj(peer, self._q[_Q_EP]), opcode, descs, notify, req_id))
         (<list>pending_t).append(t)
         v = axf_slot_ptr(sub, self._s[_S_FLUSH_SCHEDULED])
         if v == NULL or <object>v is not True:
             axf_slot_put(sub, self._s[_S_FLUSH_SCHEDULED], True)
-            (<object>axf_slot_ptr(sub, self._s[_S_LOOP])).call_soon(self._flush)
+            (_slot_obj(sub, self._s[_S_LOOP])).call_soon(self._flush)
         return t
 
     def eager(self, t):
@@ -190,9 +197,9 @@ cdef class Submitter:
             return self._slow_eager(t)
         v = axf_slot_ptr(sub, self._s[_S_ENGINE])
         engine = <object>v if v != NULL else None
-        pending = <object>axf_slot_ptr(sub, self._s[_S_PENDING])
-        pending_t = <object>axf_slot_ptr(sub, self._s[_S_PENDING_T])
-        inflight = <object>axf_slot_ptr(sub, self._s[_S_INFLIGHT])
+        pending = _slot_obj(sub, self._s[_S_PENDING])
+        pending_t = _slot_obj(sub, self._s[_S_PENDING_T])
+        inflight = _slot_obj(sub, self._s[_S_INFLIGHT])
         if type(t) is not _xfer_type:
             _xfer_resolve(type(t))
         nb = _xfer_get(t, _T_NBYTES)
@@ -201,8 +208,8 @@ cdef class Submitter:
                 or type(nb) is not int
                 or not _slot_int(sub, self._s[_S_EAGER_STREAK], &streak)
                 or not _alone_max(sub, self._s[_S_ALONE_MAX], &alone_max)
-                or <object>axf_slot_ptr(sub, self._s[_S_CLOSED]) is not False
-                or <object>axf_slot_ptr(sub, self._s[_S_PENDING_CANCELLED]) is not False):
+                or _slot_obj(sub, self._s[_S_CLOSED]) is not False
+                or _slot_obj(sub, self._s[_S_PENDING_CANCELLED]) is not False):
             return self._slow_eager(t)
         nbytes = PyLong_AsLongLong(nb)  # an int within 2**63 (else OverflowError)
         n = len(<list>pending)
@@ -219,7 +226,7 @@ cdef class Submitter:
         # then the await may not suspend.
         v = axf_slot_ptr(sub, self._s[_S_POLLER])
         if n == 1 and nbytes <= self._eager_max and v != NULL and <object>v is not None:
-            (<object>v).spin_alone(t, <object>axf_slot_ptr(sub, self._s[_S_FLUSH_SCHEDULED]))
+            (<object>v).spin_alone(t, _slot_obj(sub, self._s[_S_FLUSH_SCHEDULED]))
         return None
 
     def flush(self):
@@ -233,13 +240,13 @@ cdef class Submitter:
         if self._ok:
             v = axf_slot_ptr(sub, self._s[_S_ENGINE])
             engine = <object>v if v != NULL else None
-            pending = <object>axf_slot_ptr(sub, self._s[_S_PENDING])
-            pending_t = <object>axf_slot_ptr(sub, self._s[_S_PENDING_T])
-            inflight = <object>axf_slot_ptr(sub, self._s[_S_INFLIGHT])
+            pending = _slot_obj(sub, self._s[_S_PENDING])
+            pending_t = _slot_obj(sub, self._s[_S_PENDING_T])
+            inflight = _slot_obj(sub, self._s[_S_INFLIGHT])
             if (type(engine) is Engine and type(pending) is list and type(pending_t) is list
                     and type(inflight) is dict
-                    and <object>axf_slot_ptr(sub, self._s[_S_CLOSED]) is False
-                    and <object>axf_slot_ptr(sub, self._s[_S_PENDING_CANCELLED]) is False):
+                    and _slot_obj(sub, self._s[_S_CLOSED]) is False
+                    and _slot_obj(sub, self._s[_S_PENDING_CANCELLED]) is False):
                 if pending:
                     self._post(engine, pending, pending_t, inflight,
                                len(<list>pending_t) == 1 == len(<dict>inflight))
@@ -259,8 +266,8 @@ cdef class Submitter:
         try:
             res = (<Engine>engine)._post_drain(
                 <list>pending, <list>ts, <dict>inflight,
-                <object>axf_slot_ptr(sub, self._s[_S_ON_RECORD]),
-                <object>axf_slot_ptr(sub, self._s[_S_RELEASE]),
+                _slot_obj(sub, self._s[_S_ON_RECORD]),
+                _slot_obj(sub, self._s[_S_RELEASE]),
                 self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
         except Exception as exc:
             sub._post_raised(ts, exc)
@@ -268,9 +275,9 @@ cdef class Submitter:
         statuses = res[0]
         if statuses is None:
             axf_slot_put(sub, self._s[_S_COMPLETED],
-                         <object>axf_slot_ptr(sub, self._s[_S_COMPLETED]) + res[2])
+                         _slot_obj(sub, self._s[_S_COMPLETED]) + res[2])
             axf_slot_put(sub, self._s[_S_BYTES],
-                         <object>axf_slot_ptr(sub, self._s[_S_BYTES]) + res[3])
+                         _slot_obj(sub, self._s[_S_BYTES]) + res[3])
             if res[1] >= self._poll_max:
                 sub.drain()  # more remain
         else:
