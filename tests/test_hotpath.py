@@ -5,8 +5,9 @@ and on types they must take the generic way."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -84,9 +85,11 @@ class _Peer:
         self._counters = PeerCounters(inflight=2, inflight_bytes=2 * 4096)
 
 
-def test_drain_results_carry_python_ints() -> None:
-    """A transfer whose nbytes is not an int (a numpy integer) still gets a
-    TransferResult whose nbytes is an int, as for one whose nbytes is."""
+@contextlib.contextmanager
+def _self_shm_engine() -> Iterator[tuple[Any, Any, bytearray, bytearray, int, int, int, Any]]:
+    """An engine with an shm endpoint to itself, an 8 KiB source and
+    destination: (engine, loop, dst, src, src rid, dst rid, dst key, ep);
+    shut down, its regions released, and closed after."""
     e = _cyx.Engine()
     loop = asyncio.new_event_loop()
     try:
@@ -96,6 +99,22 @@ def test_drain_results_carry_python_ints() -> None:
         srid = e.register(src)[0]
         ep = e.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
         e.endpoint_import(ep, drid, dkey, dlen, dacc, daddr, -1)
+        yield e, loop, dst, src, srid, drid, dkey, ep
+    finally:
+        loop.close()
+        e.shutdown()
+        for _ in range(1000):  # the regions' release records
+            e.poll()
+            if e.stats()["regions"] == 0 and e.stats()["ops"] == 0:
+                break
+            e.wait(10_000)
+        e.close()
+
+
+def test_drain_results_carry_python_ints() -> None:
+    """A transfer whose nbytes is not an int (a numpy integer) still gets a
+    TransferResult whose nbytes is an int, as for one whose nbytes is."""
+    with _self_shm_engine() as (e, loop, dst, src, srid, drid, dkey, ep):
         peer = _Peer()
         ts = []
         for nbytes in (4096, np.uint64(4096)):
@@ -121,15 +140,6 @@ def test_drain_results_carry_python_ints() -> None:
             assert type(r.nbytes) is int and r.nbytes == 4096 and r.path == "shm"
         c = peer._counters
         assert (c.inflight, c.inflight_bytes, c.completed, c.bytes) == (0, 0, 2, 2 * 4096)
-    finally:
-        loop.close()
-        e.shutdown()
-        for _ in range(1000):  # the regions' release records
-            e.poll()
-            if e.stats()["regions"] == 0 and e.stats()["ops"] == 0:
-                break
-            e.wait(10_000)
-        e.close()
 
 
 def test_post_drain_from_inside_a_drain() -> None:
@@ -137,15 +147,7 @@ def test_post_drain_from_inside_a_drain() -> None:
     inner post neither drains (the engine's ring is in use) nor leaves its
     records quiet (a same-host 4 KiB copy alone is done inside the post): the
     transfer completes at the next drain, never stuck."""
-    e = _cyx.Engine()
-    loop = asyncio.new_event_loop()
-    try:
-        dst = bytearray(2 * 4096)
-        src = bytearray(os.urandom(2 * 4096))
-        drid, dkey, daddr, dlen, dacc = e.register(dst)
-        srid = e.register(src)[0]
-        ep = e.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
-        e.endpoint_import(ep, drid, dkey, dlen, dacc, daddr, -1)
+    with _self_shm_engine() as (e, loop, dst, src, srid, drid, dkey, ep):
         peer = _Peer()
         t = _Slotted(loop=loop)
         t.peer, t.nbytes, t._admitted, t._path, t._posted = peer, 4096, False, None, False
@@ -176,15 +178,6 @@ def test_post_drain_from_inside_a_drain() -> None:
             e.drain(inflight, slow, None, aioxfer.TransferResult, ESTIMATE_WEIGHT,
                     BANDWIDTH_MIN)
         assert t.done() and t.result().nbytes == 4096 and dst[4096:] == src[4096:]
-    finally:
-        loop.close()
-        e.shutdown()
-        for _ in range(1000):
-            e.poll()
-            if e.stats()["regions"] == 0 and e.stats()["ops"] == 0:
-                break
-            e.wait(10_000)
-        e.close()
 
 
 def _numpy_coalesce(descs: Any) -> tuple[Any, Any]:
