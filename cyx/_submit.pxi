@@ -251,7 +251,7 @@ cdef class Submitter:
                     self._post(engine, pending, pending_t, inflight,
                                len(<list>pending_t) == 1 == len(<dict>inflight))
                 return None
-        sub.post_pending(len(sub._pending_t) == 1 == len(sub.inflight))
+        sub._flush_now()  # the Python version, which does all
         return None
 
     cdef bint _post(self, object engine, object pending, object ts, object inflight,
