@@ -81,6 +81,9 @@ async def initiator(args: argparse.Namespace, ctl: C.Ctl) -> str:
                 config=f"{args.transport},memory={args.memory},loop=asyncio,"
                 f"progress={args.progress or 'default'}")
     async with aioxfer.Agent("bench-initiator", **agent_kwargs(args)) as agent:
+        # Which path a same-host row took depends on the calibrated threshold
+        # (a lone request up to it is copied by the posting thread): record it.
+        base["inline_bytes"] = agent.inline_bytes
         local = region_of(agent, args)
         buf = local.numpy()
         buf.fill(2)

@@ -389,6 +389,12 @@ def summarize(directory: str) -> str:
                  f"{len(res.checks)} checks passed"
                  + ("." if not bad else ": FAILED " + ", ".join(
                      f"{r['peer']}/{r.get('transport')} {r['op']} {r['size']}" for r in bad)))
+    inline = sorted({(r["peer"], r.get("transport", ""), r["inline_bytes"])
+                     for r in recs if "inline_bytes" in r})
+    if inline:  # which path aioxfer's lone same-host rows took (calibrated per process)
+        lines.append("aioxfer's inline threshold (a lone same-host request up to it is copied "
+                     "by the posting thread): " + ", ".join(
+                         f"{p}/{t} {n / 2**20:g} MiB" for p, t, n in inline) + ".")
     for r in res.errors:
         lines.append(f"- error, round {r['run']}, {r['peer']} {r.get('transport', '')} "
                      f"{r.get('op', '')}: {str(r['error'])[:200]}")
