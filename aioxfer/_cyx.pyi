@@ -286,3 +286,36 @@ def cuda_export(ptr: int) -> tuple[bytes, int, bytes]: ...
 def cuda_alloc(device: int, nbytes: int) -> int: ...
 def cuda_free(ptr: int) -> None: ...
 def cuda_copy(dst: int, src: int, nbytes: int) -> None: ...
+
+# @cython.final: cannot be subclassed.
+@final
+class Prepared:
+    # The constructor is __cinit__ (tp_new); made by Agent.prepare.
+    def __new__(
+        cls,
+        agent: Any,
+        op: str,
+        local: Any,
+        remote: Any,
+        slow: Callable[..., Any],
+        submit: Callable[..., Any],
+        flush: Callable[[], None],
+        peer: Any,
+        opcode: Any,
+        descs: Any,
+        nbytes: Any,
+        priority: int,
+        lr: Any,
+        rr: Any,
+    ) -> Prepared: ...
+    @property
+    def op(self) -> str: ...
+    @property
+    def local(self) -> Any: ...
+    @property
+    def remote(self) -> Any: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def priority(self) -> int: ...
+    def post(self, now: bool = False) -> Any: ...

@@ -1053,7 +1053,7 @@ class _Xfer:
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
                  "failed", "spin", "slow", "skipped", "plain", "lat",
-                 "budget")
+                 "budget", "prep")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -1104,6 +1104,9 @@ class _Xfer:
         # an agent without telemetry: the hot path of xferTransfer, decided
         # once, not on each repost.
         self.plain = False
+        # That repost prepared (Agent.prepare), where the agent could: its
+        # post, one compiled call (else post(*one), then a flush).
+        self.prep: Any = None
 
 
 _MAX_INDEX = np.maximum.reduce
@@ -2018,6 +2021,14 @@ class nixlAgent:
             if len(groups) == 1 and agent is not None:
                 x.post = agent.write if x.write else agent.read
                 x.plain = (not notif or x.file) and not self._telemetry
+                if x.plain:
+                    # The hot path's repost: one compiled call (checked now;
+                    # a pair the agent refuses is refused as it was, by the
+                    # post: x.post then).
+                    try:
+                        x.prep = agent.prepare("write" if x.write else "read", *groups[0])
+                    except (XferError, ValueError, TypeError):
+                        x.prep = None
             handle = next(self._handle_seq)
             self._xfers[handle] = x
         finally:
@@ -2144,10 +2155,14 @@ class nixlAgent:
             # milliseconds, and stamped after it, its completion would look
             # soon and keep the poller spinning; CI caught that.)
             x.t0 = t0 = _perf_counter()
-            flush = self._flush_fn  # (called as a method: an unspecialized lookup)
+            prep = x.prep
             try:
-                x.fut = fut = x.post(*x.one)
-                flush()
+                if prep is not None:
+                    x.fut = fut = prep.post(True)  # (posted, flushed: one call)
+                else:
+                    flush = self._flush_fn  # (called as a method: an unspecialized lookup)
+                    x.fut = fut = x.post(*x.one)
+                    flush()
             except (XferError, ValueError, TypeError) as exc:
                 x.fut = None
                 peer = x.peer
