@@ -1115,6 +1115,16 @@ class Agent:
             priority, None, None,
         )
 
+    # ------------------------------------------------------------ wait, then poll
+
+    # wait_poll(max_us) -> bool: wait(max_us), then poll() when completions
+    # came, for an integration that waits from its own thread (see fileno());
+    # what came during the wait is left unsignalled for that poll (two system
+    # calls fewer than wait() then poll()). Compiled, called as a method
+    # without a Python frame (aioxfer.nixl waits per request): see
+    # _cyx.agent_wait_poll.
+    wait_poll = _cyx.agent_wait_poll
+
 
 # ---------------------------------------------------------------- helpers
 

@@ -86,3 +86,30 @@ cdef class Prepared:
 
     def __repr__(self):
         return f"<Prepared {self.op} of {self.nbytes} bytes>"
+
+
+# ------------------------------------------------------------------ wait, then poll
+# Agent.wait_poll: for an integration that waits from its own thread (what
+# aioxfer.nixl's check_xfer_state does per request). Compiled, bound as a
+# method: no Python frame around the engine's wait.
+
+
+def agent_wait_poll(agent, uint32_t max_us):
+    """Agent.wait_poll(max_us) (a method: bound to the Agent): waits up to
+    ``max_us`` µs for a completion (a busy-poll, the GIL released; 0: a look
+    at the ring, no system call) and, when any came, takes them (poll()): their
+    transfers are done when it returns. Whether any came. What came during
+    the wait is left unsignalled for that poll (Engine.wait_polls: no eventfd
+    write, nor its read, two system calls fewer than wait() then poll()).
+    From a drain's callback it takes nothing (the drain running takes them).
+    The thread rules of poll()."""
+    engine = agent._engine
+    if type(engine) is not Engine:
+        raise TypeError(f"{agent!r}._engine is not an Engine")
+    cdef Engine e = <Engine>engine
+    cdef bint nested = e._polling
+    if not e._wait(max_us, 0 if nested else AXF_WAIT_POLLS):
+        return False
+    if not nested:
+        agent.poll()
+    return True

@@ -1,6 +1,7 @@
 """Agent.prepare: a request posted again and again (what aioxfer.nixl's
 transfer() of a prepared request posts). Each post is what write/read of
-the same pair would post, also after the pair stops being valid."""
+the same pair would post, also after the pair stops being valid. And
+Agent.wait_poll, what its check_xfer_state waits with."""
 
 from __future__ import annotations
 
@@ -112,3 +113,25 @@ async def test_posts_to_a_lost_peer_fail_as_writes_do(pair: Pair) -> None:
             break
     else:
         pytest.fail("posts to a closed peer kept succeeding")
+
+
+async def test_wait_poll_takes_what_came_while_it_waited(pair: Pair) -> None:
+    src, _, _, _, remote = await _regions(pair)
+    assert pair.init.wait_poll(0) is False  # nothing in flight: a look
+    p = pair.init.prepare("read", src[0:4096], remote[0:4096])
+    caught = 0
+    for _ in range(20):
+        t = p.post(True)
+        # (No await: only wait_poll takes completions here, the loop does not run.)
+        for _ in range(100_000):
+            if t.done():
+                break
+            if pair.init.wait_poll(1000):
+                caught += 1
+                assert t.done()  # taken by the poll, before wait_poll returned
+                break
+        assert t.done()
+        await t
+    # Over tcp, the completion comes from the engine's thread: some waits
+    # catch it (on shm the copy runs inside the post).
+    assert caught or pair.transport != "tcp"

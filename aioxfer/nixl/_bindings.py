@@ -773,8 +773,8 @@ def _noop() -> None:
     pass
 
 
-def _no_wait(max_us: int) -> int:
-    return 0
+def _no_wait(max_us: int) -> bool:
+    return False
 
 
 def _spin_wanted(x: _Xfer) -> bool:
@@ -1168,14 +1168,12 @@ class nixlAgent:
         self._flush_fn: Callable[[], None] = _noop
         self._poll_fn: Callable[[], None] = _noop
         self._fd = -1
-        # The engine's bounded busy-poll (Engine.wait_polls: how many
-        # completions wait, spinning up to that many µs without the GIL; 0: a
-        # look), and how a tight poller waits (see _wait_completion): spins up
-        # to _spin_us first ("adaptive"; 0: "sleep"), or only spins ("poll").
-        # Every nonzero return is followed by _poll_fn, always: what came
-        # while it spun is left unsignalled for that poll (see
-        # _wait_completion).
-        self._wait_fn: Callable[[int], int] = _no_wait
+        # The agent's bounded busy-poll, then a poll of what came
+        # (Agent.wait_poll: spinning up to that many µs without the GIL; 0:
+        # a look; whether any came), and how a tight poller waits (see
+        # _wait_completion): spins up to _spin_us first ("adaptive"; 0:
+        # "sleep"), or only spins ("poll").
+        self._wait_poll: Callable[[int], bool] = _no_wait
         self._spin_us = 0
         self._spin_only = False
         self._transports: tuple[str, ...] | None = None
@@ -1322,10 +1320,10 @@ class nixlAgent:
         # Agent.wait signals what its spin caught (for a caller that may not
         # poll): an eventfd write, then a read in the poll that follows. This
         # layer always polls after a hit, as the agent's own Poller does, so
-        # it waits as that Poller does: the engine's wait_polls (agent.py
-        # binds the Poller to it too), two system calls fewer per request
-        # caught by a spin, and no Python frame around the wait.
-        self._wait_fn = agent._engine.wait_polls
+        # it waits as that Poller does, with Agent.wait_poll: two system
+        # calls fewer per request caught by a spin, and no Python frame
+        # around the wait.
+        self._wait_poll = agent.wait_poll
         self._spin_us = (0 if progress == "sleep" else agent.poll_us if progress == "adaptive"
                          else max(agent.poll_us, POLL_SLICE_US))
         self._spin_only = progress == "poll"
@@ -2424,9 +2422,8 @@ class nixlAgent:
                 try:
                     # (A look at the ring first: an empty poll costs a system
                     # call, this a load, ~0.1 µs against ~2.5.)
-                    if self._wait_fn(0):
-                        poll = self._poll_fn  # (a local: see xferTransfer's flush)
-                        poll()
+                    wait_poll = self._wait_poll  # (a local: an unspecialized lookup)
+                    wait_poll(0)
                     if parts:
                         self._advance(x, fut)
                 finally:
@@ -2489,9 +2486,8 @@ class nixlAgent:
         request to the next, and the completions of requests it posts
         meanwhile wake no thread at all (it takes them when it next asks).
 
-        (The busy-poll is Engine.wait_polls, which Agent does not offer
-        publicly: the loop thread's Poller uses it the same way, a poll after
-        every hit.)"""
+        (The busy-poll and the poll after a hit are one call, Agent.wait_poll:
+        the loop thread's Poller waits the same way, Engine.wait_polls.)"""
         rt = self._rt
         agent = self._agent
         if agent is None or not rt.lock.acquire(blocking=False):
@@ -2515,12 +2511,13 @@ class nixlAgent:
                 # no sleep, nor the system calls of one.
                 wait_us = 0
             try:
-                caught = self._wait_fn(wait_us)
+                wait_poll = self._wait_poll  # (a local: an unspecialized lookup)
+                caught = wait_poll(wait_us)
                 spun = caught or wait_us and self._spin_only
-                # (A hit is polled even if the agent is closing: a spin
-                # left it unsignalled, and its close waits for it. A closed
-                # engine's wait finds nothing.)
-                if caught or spun and not agent.closed:
+                # (A hit is polled, by wait_poll, even if the agent is
+                # closing: a spin left it unsignalled, and its close waits
+                # for it. A closed engine's wait finds nothing.)
+                if not caught and spun and not agent.closed:
                     poll = self._poll_fn  # (a local: see xferTransfer's flush)
                     poll()
             except BaseException:
@@ -2701,8 +2698,7 @@ class nixlAgent:
             # watching its fd: a tight poller's claim lingers).
             if rt.lock.acquire(blocking=False):
                 try:
-                    if self._wait_fn(0):
-                        self._poll_fn()
+                    self._wait_poll(0)
                 finally:
                     rt.leave()
             now = time.perf_counter()
