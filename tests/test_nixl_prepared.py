@@ -135,3 +135,65 @@ async def test_wait_poll_takes_what_came_while_it_waited(pair: Pair) -> None:
     # Over tcp, the completion comes from the engine's thread: some waits
     # catch it (on shm the copy runs inside the post).
     assert caught or pair.transport != "tcp"
+
+
+# ---------------------------------------------------------------- aioxfer.nixl's transfer()
+
+
+def test_nixl_plain_reposts_go_through_the_compiled_path_and_fail_as_before(
+        tmp_path: Any) -> None:
+    """transfer() of a plain prepared request (no notification) posts through
+    Agent.prepare's compiled post; after the local memory is deregistered,
+    the handle released or the remote removed it raises what the Python
+    method raises."""
+    import ctypes
+
+    import aioxfer.nixl as nixl
+    from aioxfer.nixl import _bindings, nixl_agent, nixl_agent_config
+
+    made = [nixl_agent(f"prep-{i}-{tmp_path.name}", nixl_agent_config()) for i in range(2)]
+    a, b = made
+    try:
+        n = 1 << 16
+        xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
+        xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
+        ys[0:n] = bytes(range(256)) * (n // 256)
+        ra = a.register_memory([(xa, n, 0, "")], "DRAM")
+        b.register_memory([(ya, n, 0, "")], "DRAM")
+        name = a.add_remote_agent(b.get_agent_metadata())
+        assert a.transfer.__func__ is _bindings.nixlAgent.xferTransfer  # type: ignore[attr-defined]
+        h = a.initialize_xfer("READ", a.get_xfer_descs([(xa, 4096, 0)], "DRAM"),
+                              a.get_xfer_descs([(ya + 4096, 4096, 0)], "DRAM"), name)
+        x = a.agent._xfers[h._handle]
+        assert x.plain and x.prep is not None  # the compiled path's request
+        for _ in range(3):
+            xs[0:4096] = bytes(4096)
+            st = a.transfer(h)
+            while st == "PROC":
+                st = a.check_xfer_state(h)
+            assert st == "DONE" and xs[0:4096] == ys[4096:8192]
+        # Another handle, its twin, that the Python method posts: both fail
+        # the same way from here on.
+        h2 = a.initialize_xfer("READ", a.get_xfer_descs([(xa, 4096, 0)], "DRAM"),
+                               a.get_xfer_descs([(ya + 4096, 4096, 0)], "DRAM"), name)
+        a.agent._xfers[h2._handle].prep = None
+        a.deregister_memory(ra)
+        with pytest.raises(Exception) as py_exc:
+            a.transfer(h2)
+        with pytest.raises(type(py_exc.value)):
+            a.transfer(h)
+        assert type(py_exc.value).__module__ == nixl.nixlNotFoundError.__module__
+        h.release()
+        with pytest.raises(nixl.nixlInvalidParamError):  # (unknown handle, as postXferReq's)
+            a.transfer(h)
+        a.register_memory([(xa, n, 0, "")], "DRAM")
+        h3 = a.initialize_xfer("WRITE", a.get_xfer_descs([(xa, 64, 0)], "DRAM"),
+                               a.get_xfer_descs([(ya, 64, 0)], "DRAM"), name)
+        a.remove_remote_agent(name)
+        with pytest.raises(nixl.nixlRemoteDisconnectError):
+            a.transfer(h3)
+        h2.release()
+        h3.release()
+    finally:
+        for ag in made:
+            ag.close()
