@@ -1077,6 +1077,54 @@ class Agent:
             pinned_regions=self._engine.pinned_regions(),
         )
 
+    # ------------------------------------------------------------ prepared requests
+
+    def prepare(
+        self, op: str, local: Local, remote: Remote | FarSegment | Sequence[FarSegment], *,
+        priority: int = 0,
+    ) -> _cyx.Prepared:
+        """A request to post again and again: ``prepare("write", src, dst)``
+        then ``p.post()`` is ``write(src, dst)`` each time (``"read"``:
+        ``read(local, remote)``), with the pair checked here, once, rather
+        than on every post; ``p.post(now=True)`` also hands it to the engine
+        before returning (``flush``), for a caller that polls for it rather
+        than awaits it. The same shapes as ``write``/``read``; a post after
+        the agent closed, the local region was deregistered or the remote
+        one went away raises what ``write``/``read`` raise then, and one to
+        a lost peer fails as theirs do.
+
+        For one Segment and one RemoteSegment (the usual repost, a NIXL
+        prepared transfer) a post is one compiled call: no Python frame."""
+        if op != "write" and op != "read":
+            raise ValueError(f'op is "read" or "write", not {op!r}')
+        self._check_open()
+        slow = self.write if op == "write" else self.read
+        opcode = _OP_WRITE if op == "write" else _OP_READ
+        if type(local) is Segment and type(remote) is RemoteSegment:
+            peer, desc, n = self._descs_one(local, remote)
+            if peer.path != "cuda":  # (its transfers carry their path: write's)
+                return _cyx.Prepared(
+                    self, op, local, remote, slow, self._submit, self.flush, peer, opcode,
+                    desc, n, priority, local.region, remote.region,
+                )
+        n = 0
+        if _backends.local_target(remote) is None:
+            n = self._descs(local, remote, op)[2]  # checked now (raises what write/read would)
+        return _cyx.Prepared(
+            self, op, local, remote, slow, self._submit, self.flush, None, opcode, None, n,
+            priority, None, None,
+        )
+
+    # ------------------------------------------------------------ wait, then poll
+
+    # wait_poll(max_us) -> bool: wait(max_us), then poll() when completions
+    # came, for an integration that waits from its own thread (see fileno());
+    # what came during the wait is left unsignalled for that poll (two system
+    # calls fewer than wait() then poll()). Compiled, called as a method
+    # without a Python frame (aioxfer.nixl waits per request): see
+    # _cyx.agent_wait_poll.
+    wait_poll = _cyx.agent_wait_poll
+
 
 # ---------------------------------------------------------------- helpers
 

@@ -50,6 +50,7 @@ from aioxfer import (
     SegmentList,
     Transfer,
     XferError,
+    _cyx,
 )
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
@@ -773,8 +774,8 @@ def _noop() -> None:
     pass
 
 
-def _no_wait(max_us: int) -> int:
-    return 0
+def _no_wait(max_us: int) -> bool:
+    return False
 
 
 def _spin_wanted(x: _Xfer) -> bool:
@@ -1053,7 +1054,7 @@ class _Xfer:
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
                  "failed", "spin", "slow", "skipped", "plain", "lat",
-                 "budget")
+                 "budget", "prep")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -1104,6 +1105,9 @@ class _Xfer:
         # an agent without telemetry: the hot path of xferTransfer, decided
         # once, not on each repost.
         self.plain = False
+        # That repost prepared (Agent.prepare), where the agent could: its
+        # post, one compiled call (else post(*one), then a flush).
+        self.prep: Any = None
 
 
 _MAX_INDEX = np.maximum.reduce
@@ -1165,14 +1169,12 @@ class nixlAgent:
         self._flush_fn: Callable[[], None] = _noop
         self._poll_fn: Callable[[], None] = _noop
         self._fd = -1
-        # The engine's bounded busy-poll (Engine.wait_polls: how many
-        # completions wait, spinning up to that many µs without the GIL; 0: a
-        # look), and how a tight poller waits (see _wait_completion): spins up
-        # to _spin_us first ("adaptive"; 0: "sleep"), or only spins ("poll").
-        # Every nonzero return is followed by _poll_fn, always: what came
-        # while it spun is left unsignalled for that poll (see
-        # _wait_completion).
-        self._wait_fn: Callable[[int], int] = _no_wait
+        # The agent's bounded busy-poll, then a poll of what came
+        # (Agent.wait_poll: spinning up to that many µs without the GIL; 0:
+        # a look; whether any came), and how a tight poller waits (see
+        # _wait_completion): spins up to _spin_us first ("adaptive"; 0:
+        # "sleep"), or only spins ("poll").
+        self._wait_poll: Callable[[int], bool] = _no_wait
         self._spin_us = 0
         self._spin_only = False
         self._transports: tuple[str, ...] | None = None
@@ -1319,10 +1321,10 @@ class nixlAgent:
         # Agent.wait signals what its spin caught (for a caller that may not
         # poll): an eventfd write, then a read in the poll that follows. This
         # layer always polls after a hit, as the agent's own Poller does, so
-        # it waits as that Poller does: the engine's wait_polls (agent.py
-        # binds the Poller to it too), two system calls fewer per request
-        # caught by a spin, and no Python frame around the wait.
-        self._wait_fn = agent._engine.wait_polls
+        # it waits as that Poller does, with Agent.wait_poll: two system
+        # calls fewer per request caught by a spin, and no Python frame
+        # around the wait.
+        self._wait_poll = agent.wait_poll
         self._spin_us = (0 if progress == "sleep" else agent.poll_us if progress == "adaptive"
                          else max(agent.poll_us, POLL_SLICE_US))
         self._spin_only = progress == "poll"
@@ -2018,6 +2020,14 @@ class nixlAgent:
             if len(groups) == 1 and agent is not None:
                 x.post = agent.write if x.write else agent.read
                 x.plain = (not notif or x.file) and not self._telemetry
+                if x.plain:
+                    # The hot path's repost: one compiled call (checked now;
+                    # a pair the agent refuses is refused as it was, by the
+                    # post: x.post then).
+                    try:
+                        x.prep = agent.prepare("write" if x.write else "read", *groups[0])
+                    except (XferError, ValueError, TypeError):
+                        x.prep = None
             handle = next(self._handle_seq)
             self._xfers[handle] = x
         finally:
@@ -2103,11 +2113,18 @@ class nixlAgent:
             raise _error(-2, f"postXferReq: unknown transfer handle {int(reqh):#x}") from None
         return self._post_general(x, notif_msg)
 
-    def xferTransfer(self, handle: Any, notif_msg: Any = b"") -> str:
-        """(aioxfer extension) ``nixl_agent.transfer(handle, notif_msg)``:
-        postXferReq of a handle (anything with the request's number as
-        ``_handle``) as NIXL's state string, "DONE" or "PROC". nixl_agent
-        binds it as its ``transfer``: one Python frame per post, not two.
+    # (aioxfer extension) ``nixl_agent.transfer(handle, notif_msg)``:
+    # postXferReq of a handle (anything with the request's number as
+    # ``_handle``) as NIXL's state string, "DONE" or "PROC". nixl_agent binds
+    # it as its ``transfer``. Compiled (_cyx.nixl_transfer): a plain repost
+    # of a prepared request (x.prep) is posted without a Python frame (the
+    # frame and its ~80 bytecodes were ~1.5 k instructions of a same-host
+    # 4 KiB request, ~10 %); the rest comes to _transfer_py, which does all.
+    xferTransfer = _cyx.nixl_transfer
+
+    def _transfer_py(self, handle: Any, notif_msg: Any = b"") -> str:
+        """xferTransfer in Python (what _cyx.nixl_transfer does for a plain
+        prepared repost; keep the two in step).
 
         The hot path (vLLM's repost: one aioxfer call, nothing to notify, no
         telemetry) is straight-line: what does not change between posts was
@@ -2144,10 +2161,14 @@ class nixlAgent:
             # milliseconds, and stamped after it, its completion would look
             # soon and keep the poller spinning; CI caught that.)
             x.t0 = t0 = _perf_counter()
-            flush = self._flush_fn  # (called as a method: an unspecialized lookup)
+            prep = x.prep
             try:
-                x.fut = fut = x.post(*x.one)
-                flush()
+                if prep is not None:
+                    x.fut = fut = prep.post(True)  # (posted, flushed: one call)
+                else:
+                    flush = self._flush_fn  # (called as a method: an unspecialized lookup)
+                    x.fut = fut = x.post(*x.one)
+                    flush()
             except (XferError, ValueError, TypeError) as exc:
                 x.fut = None
                 peer = x.peer
@@ -2177,6 +2198,26 @@ class nixlAgent:
         peer = x.peer
         if peer is not None and peer.lost:
             return _STATE_STR[self._post_general(x, notif_msg)]  # (raises)
+        return _STATE_STR[self._finish(x, fut, "postXferReq")]  # (raises)
+
+    def _repost_failed(self, x: _Xfer, exc: Exception) -> str:
+        """_cyx.nixl_transfer's post raised ``exc`` (x.fut cleared, the lock
+        released): raised as _transfer_py raises it."""
+        if not isinstance(exc, XferError | ValueError | TypeError):
+            raise exc
+        peer = x.peer
+        if peer is not None and peer.lost:
+            return _STATE_STR[self._post_general(x, b"")]  # (raises)
+        err = _from_xfer_error(exc, "postXferReq")
+        self._count_exc(err)
+        raise err from None
+
+    def _repost_done(self, x: _Xfer, fut: asyncio.Future[Any]) -> str:
+        """_cyx.nixl_transfer's post completed failed or cancelled inside it:
+        as _transfer_py's."""
+        peer = x.peer
+        if peer is not None and peer.lost:
+            return _STATE_STR[self._post_general(x, b"")]  # (raises)
         return _STATE_STR[self._finish(x, fut, "postXferReq")]  # (raises)
 
     def _post_general(self, x: _Xfer, notif_msg: Any) -> int:
@@ -2409,9 +2450,8 @@ class nixlAgent:
                 try:
                     # (A look at the ring first: an empty poll costs a system
                     # call, this a load, ~0.1 µs against ~2.5.)
-                    if self._wait_fn(0):
-                        poll = self._poll_fn  # (a local: see xferTransfer's flush)
-                        poll()
+                    wait_poll = self._wait_poll  # (a local: an unspecialized lookup)
+                    wait_poll(0)
                     if parts:
                         self._advance(x, fut)
                 finally:
@@ -2474,9 +2514,8 @@ class nixlAgent:
         request to the next, and the completions of requests it posts
         meanwhile wake no thread at all (it takes them when it next asks).
 
-        (The busy-poll is Engine.wait_polls, which Agent does not offer
-        publicly: the loop thread's Poller uses it the same way, a poll after
-        every hit.)"""
+        (The busy-poll and the poll after a hit are one call, Agent.wait_poll:
+        the loop thread's Poller waits the same way, Engine.wait_polls.)"""
         rt = self._rt
         agent = self._agent
         if agent is None or not rt.lock.acquire(blocking=False):
@@ -2500,12 +2539,13 @@ class nixlAgent:
                 # no sleep, nor the system calls of one.
                 wait_us = 0
             try:
-                caught = self._wait_fn(wait_us)
+                wait_poll = self._wait_poll  # (a local: an unspecialized lookup)
+                caught = wait_poll(wait_us)
                 spun = caught or wait_us and self._spin_only
-                # (A hit is polled even if the agent is closing: a spin
-                # left it unsignalled, and its close waits for it. A closed
-                # engine's wait finds nothing.)
-                if caught or spun and not agent.closed:
+                # (A hit is polled, by wait_poll, even if the agent is
+                # closing: a spin left it unsignalled, and its close waits
+                # for it. A closed engine's wait finds nothing.)
+                if not caught and spun and not agent.closed:
                     poll = self._poll_fn  # (a local: see xferTransfer's flush)
                     poll()
             except BaseException:
@@ -2686,8 +2726,7 @@ class nixlAgent:
             # watching its fd: a tight poller's claim lingers).
             if rt.lock.acquire(blocking=False):
                 try:
-                    if self._wait_fn(0):
-                        self._poll_fn()
+                    self._wait_poll(0)
                 finally:
                     rt.leave()
             now = time.perf_counter()

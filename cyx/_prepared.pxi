@@ -1,0 +1,224 @@
+
+
+# Included by _cyx.pyx after _submit.pxi.
+
+# ------------------------------------------------------------------ prepared
+# Agent.prepare: one request posted again and again (a NIXL prepared
+# transfer, reposted by transfer()). Its pair is checked once, when it is
+# prepared; a post checks only what can change since (the agent closed, the
+# local region deregistered, the remote one gone) and calls the agent's
+# Submitter.submit with the descriptor made then: no Python frame (the
+# agent's write/read and its checks are ~2 k instructions of a small
+# same-host request). A peer lost is submit's to see (its transfers fail as
+# they are submitted, as agent.write's). Anything else (a pair that is not
+# one Segment and one RemoteSegment, a GPU path, something changed) posts
+# through agent.write/read, which raises what they raise.
+
+
+@cython.final
+cdef class Prepared:
+    """``post(now=False)``: what ``Agent.write(local, remote,
+    priority=priority)`` (``op`` "write") or ``Agent.read`` returns, posted
+    again; ``now``: handed to the engine before it returns (Agent.flush), not
+    at the end of the loop iteration or at its await. Made by Agent.prepare."""
+
+    cdef readonly object op
+    cdef readonly object local
+    cdef readonly object remote
+    cdef readonly object nbytes
+    cdef readonly int priority
+    cdef object _agent
+    cdef object _slow
+    cdef object _submit
+    cdef object _flush
+    cdef object _peer
+    cdef object _opcode
+    cdef object _descs
+    cdef object _lr
+    cdef object _rr
+    cdef Py_ssize_t _lr_closed  # slot offsets; -1: not the one-pair path
+    cdef Py_ssize_t _rr_gone
+
+    def __cinit__(self, agent, op, local, remote, slow, submit, flush, peer, opcode, descs,
+                  nbytes, int priority, lr, rr):
+        self._agent = agent
+        self.op = op
+        self.local = local
+        self.remote = remote
+        self._slow = slow
+        self._submit = submit
+        self._flush = flush
+        self._peer = peer
+        self._opcode = opcode
+        self._descs = descs
+        self.nbytes = nbytes
+        self.priority = priority
+        self._lr = lr
+        self._rr = rr
+        self._lr_closed = self._rr_gone = -1
+        if lr is not None and rr is not None and type(nbytes) is int:
+            self._lr_closed = axf_slot_offset(type(lr), axf_type_lookup(type(lr), "_closed"))
+            self._rr_gone = axf_slot_offset(type(rr), axf_type_lookup(type(rr), "_gone"))
+            if self._lr_closed < 0 or self._rr_gone < 0:
+                self._lr_closed = self._rr_gone = -1
+
+    def post(self, bint now=False):
+        return self._post(now)
+
+    cdef object _post(self, bint now):
+        cdef PyObject *closed
+        cdef PyObject *gone
+        cdef object t
+        if self._lr_closed >= 0:
+            closed = axf_slot_ptr(self._lr, self._lr_closed)
+            gone = axf_slot_ptr(self._rr, self._rr_gone)
+            if (closed != NULL and <object>closed is False and gone != NULL
+                    and <object>gone is False and self._agent._closed is False):
+                t = self._submit(self._peer, self._opcode, self._descs, None, self.nbytes,
+                                 self.op, self.priority)
+                if now:
+                    self._flush()
+                return t
+        if self.priority:
+            t = self._slow(self.local, self.remote, priority=self.priority)
+        else:
+            t = self._slow(self.local, self.remote)
+        if now:
+            self._flush()
+        return t
+
+    def __repr__(self):
+        return f"<Prepared {self.op} of {self.nbytes} bytes>"
+
+
+# ------------------------------------------------------------------ wait, then poll
+# Agent.wait_poll: for an integration that waits from its own thread (what
+# aioxfer.nixl's check_xfer_state does per request). Compiled, bound as a
+# method: no Python frame around the engine's wait.
+
+
+def agent_wait_poll(agent, uint32_t max_us):
+    """Agent.wait_poll(max_us) (a method: bound to the Agent): waits up to
+    ``max_us`` µs for a completion (a busy-poll, the GIL released; 0: a look
+    at the ring, no system call) and, when any came, takes them (poll()): their
+    transfers are done when it returns. Whether any came. What came during
+    the wait is left unsignalled for that poll (Engine.wait_polls: no eventfd
+    write, nor its read, two system calls fewer than wait() then poll()).
+    From a drain's callback it takes nothing (the drain running takes them).
+    The thread rules of poll()."""
+    engine = agent._engine
+    if type(engine) is not Engine:
+        raise TypeError(f"{agent!r}._engine is not an Engine")
+    cdef Engine e = <Engine>engine
+    cdef bint nested = e._polling
+    if not e._wait(max_us, 0 if nested else AXF_WAIT_POLLS):
+        return False
+    if not nested:
+        agent.poll()
+    return True
+
+
+
+# ------------------------------------------------------------------ aioxfer.nixl's repost
+# nixlAgent.xferTransfer (nixl_agent.transfer), its hot path compiled: a
+# plain repost (prepared, nothing to notify, no telemetry) of a request not
+# in flight, posted under the runtime lock with Prepared._post(now=True),
+# as the Python method (nixlAgent._transfer_py) does it, in its order,
+# fields read and written through their __slots__ offsets. Anything else
+# (a notification, a request in flight or whose remote changed, a field
+# not what is expected) goes to _transfer_py, which does all; a post that
+# raised, or completed failed, to the agent's _repost_failed / _repost_done.
+
+from cpython.float cimport PyFloat_FromDouble
+
+cdef enum:
+    _NX_PLAIN = 0
+    _NX_PREP = 1
+    _NX_FUT = 2
+    _NX_REMOTE = 3
+    _NX_GEN = 4
+    _NX_T0 = 5
+    _NX_LAST_POLL = 6
+    _NX_FIELDS = 7
+
+_NX_NAMES = ("plain", "prep", "fut", "remote", "gen", "t0", "last_poll")
+
+cdef enum:
+    _NR_LOCK = 0
+    _NR_FOREIGN = 1
+    _NR_FIELDS = 2
+
+_NR_NAMES = ("lock", "_foreign")
+
+cdef object _nx_type = None  # the request type _nx_off is of
+cdef bint _nx_ok = False
+cdef Py_ssize_t _nx_off[_NX_FIELDS]
+cdef object _nr_type = None  # the runtime type _nr_off is of
+cdef bint _nr_ok = False
+cdef Py_ssize_t _nr_off[_NR_FIELDS]
+
+
+def nixl_transfer(agent, handle, notif_msg=b""):
+    """aioxfer.nixl's nixlAgent.xferTransfer (a method: bound to the
+    nixlAgent): ``transfer(handle, notif_msg)``, "DONE" or "PROC"."""
+    global _nx_type, _nx_ok, _nr_type, _nr_ok
+    cdef PyObject *v
+    cdef object x, prep, rt, lock, fut, rem, t0
+    cdef object err = None
+    cdef bint punt = False
+    if notif_msg:
+        return agent._transfer_py(handle, notif_msg)
+    xfers = agent._xfers
+    v = PyDict_GetItem(xfers, handle._handle) if type(xfers) is dict else NULL
+    if v == NULL:
+        return agent._transfer_py(handle, notif_msg)
+    x = <object>v
+    if type(x) is not _nx_type:
+        _nx_ok = _offsets(type(x), _NX_NAMES, _nx_off, _NX_FIELDS)
+        _nx_type = type(x)
+    rt = agent._rt
+    if type(rt) is not _nr_type:
+        _nr_ok = _offsets(type(rt), _NR_NAMES, _nr_off, _NR_FIELDS)
+        _nr_type = type(rt)
+    if not _nx_ok or not _nr_ok or _slot_obj(x, _nx_off[_NX_PLAIN]) is not True:
+        return agent._transfer_py(handle, notif_msg)
+    prep = _slot_obj(x, _nx_off[_NX_PREP])
+    lock = _slot_obj(rt, _nr_off[_NR_LOCK])
+    if type(prep) is not Prepared or lock is None:
+        return agent._transfer_py(handle, notif_msg)
+    lock.acquire()
+    try:
+        fut = _slot_obj(x, _nx_off[_NX_FUT])
+        rem = _slot_obj(x, _nx_off[_NX_REMOTE])
+        if fut is not None and not fut.done():
+            punt = True  # (refused there: still in flight)
+        elif rem is not None and rem.gen != _slot_obj(x, _nx_off[_NX_GEN]):
+            punt = True  # (refused there: removed or re-registered)
+        else:
+            # Stamped before the post (see _transfer_py).
+            t0 = PyFloat_FromDouble(_perf_counter())
+            axf_slot_put(x, _nx_off[_NX_T0], t0)
+            try:
+                fut = (<Prepared>prep)._post(True)
+            except Exception as exc:
+                axf_slot_put(x, _nx_off[_NX_FUT], None)
+                err = exc
+            else:
+                axf_slot_put(x, _nx_off[_NX_FUT], fut)
+                # (The agent's flush, scheduled: nothing left for it.)
+                axf_slot_put(rt, _nr_off[_NR_FOREIGN], False)
+                axf_slot_put(x, _nx_off[_NX_LAST_POLL], t0)
+    finally:
+        if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
+            rt.leave()  # wakes the loop for what the section scheduled
+        else:
+            lock.release()
+    if punt:
+        return agent._transfer_py(handle, notif_msg)
+    if err is not None:
+        return agent._repost_failed(x, err)
+    if not fut.done():
+        return "PROC"
+    if not fut.cancelled() and fut.exception() is None:
+        return "DONE"
+    return agent._repost_done(x, fut)
