@@ -14,6 +14,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from aioxfer import discovery, routing
+from aioxfer._cyx import Prepared
 from aioxfer.agent import Agent
 from aioxfer.discovery import Etcd, Membership, PeerJoined, PeerLeft, PeerUpdated
 from aioxfer.errors import (
@@ -64,6 +65,7 @@ __all__ = [
     "PeerScheduler",
     "PeerStatistics",
     "PeerUpdated",
+    "Prepared",
     "ProtocolError",
     "RailStatistics",
     "Region",
