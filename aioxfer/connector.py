@@ -164,8 +164,17 @@ class Connector:
             # Only tcp can come of it: the first rail's other connections are
             # dialled now, beside the first one (added once regions are in).
             early = _EarlyConns(self._dialer, address, cfg.tcp_connections - 1)
+        # An agent with a unix socket first asks only who answered (purpose
+        # "meta": an Accept naming the peer's unix socket and host): the
+        # peer's engine never holds that connection, so neither side sets up
+        # and tears down an endpoint for it while the same-host handshake and
+        # the mapping of the peer's pools run. Taking tcp after all, it dials
+        # a data connection of its own.
+        probe = cfg.local
         try:
-            sock0, accept0, meta0 = await self._dialer.open_meta(address, meta=not cfg.local)
+            sock0, accept0, meta0 = await self._dialer.open_meta(
+                address, "meta" if probe else "data", meta=not probe
+            )
         except BaseException:
             if early is not None:
                 await early.close()
@@ -173,7 +182,7 @@ class Connector:
         local: _LocalLink | None = None
         try:
             if (
-                self._config.local
+                probe
                 and accept0.local
                 and accept0.host_id == self._config.host_id
                 and cma_allowed()
@@ -181,6 +190,13 @@ class Connector:
                 # Same host, says the peer: the kernel confirms it on the peer's
                 # unix socket, whose metadata then replaces a tcp fetch.
                 local = await self._open_local(address, accept0)
+                if local is not None and self._local_path(local) is None:
+                    local.close()
+                    local = None
+            if probe and local is None:
+                # Not the same-host path: the data connection comes first, as below.
+                sock0.close()
+                sock0, accept0, meta0 = await self._dialer.open_meta(address, meta=True)
             if local is not None:
                 assert local.meta is not None
                 meta = local.meta
@@ -361,6 +377,12 @@ class Connector:
             regions=len(peer._regions),
         )
         return peer
+
+    def _local_path(self, local: _LocalLink) -> str | None:
+        """The same-host path the peer behind local would get, or None."""
+        assert local.meta is not None
+        path = self._choose_path(local.meta, same_host=True)
+        return path if path in ("shm", "cuda") else None
 
     def _choose_path(self, meta: AgentMeta, *, same_host: bool) -> str | None:
         """same_host: the kernel vouched for the peer (_open_local)."""

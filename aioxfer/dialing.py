@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from aioxfer.errors import AccessDenied, ProtocolError, TransportError
 from aioxfer.local import local_address, peer_cred, recv_fds
-from aioxfer.metadata import Accept, AgentMeta
+from aioxfer.metadata import Accept, AgentMeta, Purpose
 from aioxfer.protocol import MAX_META_FRAME, client_handshake, fetch_meta, recv_frame, recv_go
 from aioxfer.serving import nodelay
 
@@ -154,10 +154,12 @@ class Dialer:
         return sock, accept
 
     async def open_meta(
-        self, address: str, purpose: Literal["data", "verbs"] = "data", *, meta: bool
+        self, address: str, purpose: Purpose = "data", *, meta: bool
     ) -> tuple[socket.socket, Accept, AgentMeta | None]:
         """open(), and with meta the peer's metadata on the same connection
-        (None from a peer that does not send it there)."""
+        (None from a peer that does not send it there). Purpose "meta": only
+        who answered (its Accept, Hello.accept_only); the peer's engine never
+        holds the connection."""
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
         async with self.control_errors(address, "connecting to", "connect to"):
@@ -171,6 +173,7 @@ class Dialer:
                     purpose=purpose,
                     token=self._token,
                     meta=meta,
+                    accept_only=purpose == "meta",
                 )
                 got = None
                 if meta and accept.meta:

@@ -71,6 +71,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # its memfds follow) right after Accept, then hands the connection to its
     # engine: no separate "meta" connection (two round trips fewer).
     meta: bool = False
+    # "meta" only: the Accept alone (who answered, where its unix socket is),
+    # no metadata after it; a same-host agent asks this first. A server that
+    # predates it sends the metadata anyway, which such a client never reads.
+    accept_only: bool = False
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)

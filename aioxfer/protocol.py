@@ -194,6 +194,7 @@ async def _client_handshake(
     purpose: Purpose,
     token: bytes | None,
     meta: bool,
+    accept_only: bool,
 ) -> Accept:
     """See client_handshake."""
     nonce = secrets.token_bytes(NONCE_BYTES)
@@ -205,6 +206,7 @@ async def _client_handshake(
         nonce=nonce,
         byteorder=sys.byteorder,
         meta=meta,
+        accept_only=accept_only,
     )
     await send_frame(loop, sock, hello)
     msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
@@ -278,13 +280,16 @@ async def client_handshake(
     purpose: Purpose,
     token: bytes | None,
     meta: bool = False,
+    accept_only: bool = False,
 ) -> Accept:
     """Runs the client half; returns the server's Accept.
 
     meta ("data" only): ask for the server's metadata on this connection; if
     the Accept says it follows (``accept.meta``), the caller reads it
     (``recv_frame``; memfds on a unix socket; ``recv_go``) before the engine
-    takes the connection.
+    takes the connection. accept_only ("meta" only): the Accept is all we
+    want; the server closes after it (an older one sends its metadata, which
+    the caller leaves unread).
 
     Raises AccessDenied when the server rejects us, when its proof is wrong, when
     it wants a token we do not have, or when we have a token and it does not
@@ -295,7 +300,7 @@ async def client_handshake(
     try:
         return await _client_handshake(
             loop, sock, name=name, incarnation=incarnation, purpose=purpose, token=token,
-            meta=meta,
+            meta=meta, accept_only=accept_only,
         )
     except XferError:
         _shutdown(sock)

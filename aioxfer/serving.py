@@ -159,6 +159,8 @@ class Server:
                     accept=self._accept,
                 )
                 if hello.purpose == "meta":
+                    if hello.accept_only:
+                        return
                     if local:
                         meta, fds = self._local_meta()
                         await send_frame(loop, sock, meta)

@@ -52,6 +52,45 @@ async def test_one_connection_carries_the_metadata(make_agent, transport) -> Non
     assert bytes(dst.numpy()[:4096]) == b"\x07" * 4096
 
 
+async def test_same_host_agent_taking_tcp_dials_a_data_connection(make_agent) -> None:
+    """An agent with a unix socket asks the peer first only who it is
+    (Hello.accept_only); a peer without a same-host path gets a data
+    connection of its own, its metadata on it (one snapshot in all)."""
+    target = await make_agent("target", transports=("tcp",))
+    dst = target.alloc(MiB, name="dst")
+    served = _count_snapshots(target)
+    init = await make_agent("init")
+    assert init._local_sock is not None
+    src = init.alloc(MiB, name="src")
+    src.numpy()[:4096] = 5
+    peer = await within(init.connect(target.address))
+    assert peer.path == "tcp"
+    assert len(served) == 1
+    await within(init.write(src[0:4096], peer.region("dst")[0:4096]))
+    assert bytes(dst.numpy()[:4096]) == b"\x05" * 4096
+
+
+async def test_accept_only_gets_the_accept_and_the_end(make_agent) -> None:
+    """A "meta" Hello with accept_only: the Accept, then the server closes
+    (no metadata built or sent, no connection for its engine)."""
+    target = await make_agent("target")
+    served = _count_snapshots(target)
+    loop = asyncio.get_running_loop()
+    host, port = target.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.setblocking(False)
+    try:
+        accept = await within(protocol.client_handshake(
+            loop, sock, name="raw", incarnation=1, purpose="meta",
+            token=auth.default_token(), accept_only=True,
+        ))
+        assert (accept.name, accept.local) == (target.name, target._accept_msg.local)
+        assert await within(loop.sock_recv(sock, 1)) == b""
+    finally:
+        sock.close()
+    assert served == []
+
+
 async def test_deregistered_while_metadata_waits_closes(make_agent) -> None:
     """A region deregistered while the server waited to send its metadata (a
     client that does not read) ends the connection without META_GO."""

@@ -319,6 +319,11 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * scattered 16 KiB process_vm_writev runs ~2x slower than memcpy into a
      * populated mapping here, with or without the populator. On two busy
      * cores any lazy scheme moves the populate into the first writes. A
+     * fourth try (2026-12-04) returned with the last 16 MiB left to the
+     * helper threads, to finish while connect returned and the first write
+     * was posted (~0.5 ms of Python): connect + first 4 KiB write to a 64 MiB
+     * pool 1.08x and 1.18x slower, not faster (interleaved, n=41 each, fresh
+     * initiators, 2 cores at load 3-4): no CPU is idle to overlap with. A
      * kernel without MADV_POPULATE_READ (before 5.14) uses MAP_POPULATE
      * throughout.
      * Mapped from the fd itself: never reopened by number through /proc. A
