@@ -763,10 +763,13 @@ static void ipc_release(ipc_map *m)
     free(m);
 }
 
-/* Whether process pid still runs (a zombie's memory is gone). */
+/* Whether process pid still runs: not a zombie (its memory is gone), and not
+ * on its way to one. A killed process is still "R" or "D" while it tears
+ * down its memory and files (an IPC open fails then), but its PF_EXITING
+ * flag (0x4, field 9 of /proc/PID/stat) is set before any of that. */
 static bool process_alive(pid_t pid)
 {
-    char path[64], buf[256];
+    char path[64], buf[512];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     FILE *f = fopen(path, "re");
     if (!f)
@@ -775,7 +778,13 @@ static bool process_alive(pid_t pid)
     fclose(f);
     buf[n] = 0;
     const char *rp = strrchr(buf, ')'); /* "pid (comm) S ...": comm may hold anything */
-    return rp && rp[1] == ' ' && rp[2] != 'Z' && rp[2] != 'X';
+    if (!rp || rp[1] != ' ' || rp[2] == 'Z' || rp[2] == 'X')
+        return false;
+    /* state ppid pgrp session tty_nr tpgid flags */
+    unsigned long flags = 0;
+    if (sscanf(rp + 2, "%*c %*d %*d %*d %*d %*d %lu", &flags) == 1 && (flags & 0x4))
+        return false;
+    return true;
 }
 
 /* The peer's allocation opened in dev's context (current on the calling
