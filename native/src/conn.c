@@ -23,9 +23,7 @@
 #define INLINE_BULK ((1u << 20) + 4096u)  /* or one frame this large, alone */
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
 #define DISCARD_BYTES (64u << 10)
-#define RX_AHEAD 4096u          /* read ahead of a frame's end: the next one's header, usually */
-#define RX_BULK (256u << 10)    /* payloads larger than this are read whole first ... */
-#define RX_TAIL (64u << 10)     /* ... but for their last bytes, read with what follows */
+#define RX_AHEAD 4096u /* read ahead of a frame's end: the next one's header, usually */
 #define RX_SPIN_MIN_US 10u /* a target's poll lasts twice the requests' average gap and this */
 
 /* rx reason for a goodbye: the connection ends, nothing went wrong. */
@@ -341,10 +339,13 @@ static int read_full(int fd, void *buf, size_t len)
 }
 
 /* The receiver's reads: len bytes into dst, those read ahead first, then
- * from the socket, together with whatever follows them there (up to
+ * from the socket together with whatever follows them there (up to
  * RX_AHEAD, kept for the next read): one recvmsg per frame, not one for its
  * header and one for its payload, while frames come back to back (a batch of
- * 16 KiB descriptors). 0 on success, else -errno (-EPIPE: orderly close). */
+ * 16 KiB descriptors). A payload still on its way is waited for whole
+ * (MSG_WAITALL: the wait stays in the kernel, one call however many times
+ * its bytes wake us), and read ahead of only when it was all there.
+ * 0 on success, else -errno (-EPIPE: orderly close). */
 static int rx_read(conn *c, void *dst, size_t len)
 {
     conn_priv *p = (conn_priv *)c;
@@ -360,19 +361,22 @@ static int rx_read(conn *c, void *dst, size_t len)
     if (!len)
         return 0;
     p->rb_pos = 0; /* empty */
-    if (len > RX_BULK) { /* MSG_WAITALL: one call, however many wake-ups */
-        int r = read_full(c->fd, d, len - RX_TAIL);
-        if (r)
-            return r;
-        d += len - RX_TAIL;
-        len = RX_TAIL;
-    }
-    while (len) {
+    /* A header waits for its first bytes (the rest follow at once); a
+     * payload is taken as far as it is here. */
+    bool header = len <= sizeof(wire_hdr);
+    for (int flags = header ? 0 : MSG_DONTWAIT; len;) {
         struct iovec iov[2] = {{.iov_base = d, .iov_len = len},
                                {.iov_base = p->rb, .iov_len = RX_AHEAD}};
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2};
-        ssize_t r = recvmsg(c->fd, &m, 0);
+        ssize_t r = recvmsg(c->fd, &m, flags);
+        if (r < 0 && !header && (errno == EAGAIN || errno == EWOULDBLOCK))
+            break;
         if (r > 0) {
+            if (!header && (size_t)r < len) { /* still coming: wait for all of it */
+                d += r;
+                len -= (size_t)r;
+                break;
+            }
             if ((size_t)r >= len) {
                 p->rb_len = (uint32_t)((size_t)r - len);
                 return 0;
@@ -385,7 +389,7 @@ static int rx_read(conn *c, void *dst, size_t len)
             return -errno;
         }
     }
-    return 0;
+    return len ? read_full(c->fd, d, len) : 0;
 }
 
 /* Whether the READ response queued last may wait to go out with the next
