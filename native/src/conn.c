@@ -24,7 +24,7 @@
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
 #define DISCARD_BYTES (64u << 10)
 #define RX_AHEAD 4096u /* read ahead of a frame's end: the next one's header, usually */
-#define RX_STREAM_MIN (128u << 10) /* a target polls for a large WRITE payload ... */
+#define RX_STREAM_MIN (128u << 10) /* a large payload is polled for ... */
 #define RX_STREAM_IDLE_US 50u      /* ... while its bytes come (pauses under this) */
 #define RX_SPIN_MIN_US 10u /* a target's poll lasts twice the requests' average gap and this */
 
@@ -348,11 +348,12 @@ static int read_full(int fd, void *buf, size_t len)
  * (MSG_WAITALL: the wait stays in the kernel, one call however many times
  * its bytes wake us), and read ahead of only when it was all there.
  * 0 on success, else -errno (-EPIPE: orderly close). */
-/* For a large WRITE payload that its sender is still sending: non-blocking
- * reads, the CPU yielded between them, while bytes keep coming. Asleep in
- * recv, the receiver is woken several times per MiB, a scheduling round trip
- * each, and copies in bursts behind the sender instead of alongside it (what
- * NIXL's polling target does). Bounded: inside a frame only, while its bytes
+/* For a large payload (a WRITE's at a target, a READ response's at an
+ * initiator) that its sender is still sending: non-blocking reads, the CPU
+ * yielded between them, while bytes keep coming. Asleep in recv, the
+ * receiver is woken several times per MiB, a scheduling round trip each, and
+ * copies in bursts behind the sender instead of alongside it (what NIXL's
+ * polling target does). Bounded: inside a frame only, while its bytes
  * arrive, by one receiver of the engine at a time (e->rx_spinners, shared
  * with rx_spin). Returns what it read; *err: -errno or -EPIPE, else 0. */
 static size_t rx_stream(conn *c, uint8_t *d, size_t len, int *err)
@@ -360,7 +361,7 @@ static size_t rx_stream(conn *c, uint8_t *d, size_t len, int *err)
     int none = 0;
     size_t got = 0;
     *err = 0;
-    if (c->ep || c->replay || !atomic_compare_exchange_strong(&c->e->rx_spinners, &none, 1))
+    if (c->replay || !atomic_compare_exchange_strong(&c->e->rx_spinners, &none, 1))
         return 0;
     uint64_t idle_from = 0;
     while (got < len) {
