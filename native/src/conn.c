@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,9 @@
 #define INLINE_BULK ((1u << 20) + 4096u)  /* or one frame this large, alone */
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
 #define DISCARD_BYTES (64u << 10)
+#define RX_AHEAD 4096u /* read ahead of a frame's end: the next one's header, usually */
+#define RX_STREAM_MIN (128u << 10) /* a large payload is polled for ... */
+#define RX_STREAM_IDLE_US 50u      /* ... while its bytes come (pauses under this) */
 #define RX_SPIN_MIN_US 10u /* a target's poll lasts twice the requests' average gap and this */
 
 /* rx reason for a goodbye: the connection ends, nothing went wrong. */
@@ -48,6 +52,12 @@ typedef struct conn_priv {
     conn c;
     expect *ex_head, *ex_tail; /* guarded by c.mu */
     bool ex_lost;              /* c.mu: an expectation could not be recorded */
+    /* The receiver's own (rx_read): bytes read past the frame it served,
+     * rb_len of them from rb + rb_pos; and a READ response queued but not yet
+     * sent, held while the next frame (here already) is another READ request. */
+    uint32_t rb_pos, rb_len;
+    bool kick_owed;
+    uint8_t rb[RX_AHEAD];
 } conn_priv;
 
 static void expect_free(expect *x)
@@ -330,11 +340,131 @@ static int read_full(int fd, void *buf, size_t len)
     return 0;
 }
 
-static int discard(int fd, uint8_t *scratch, uint64_t len)
+/* The receiver's reads: len bytes into dst, those read ahead first, then
+ * from the socket together with whatever follows them there (up to
+ * RX_AHEAD, kept for the next read): one recvmsg per frame, not one for its
+ * header and one for its payload, while frames come back to back (a batch of
+ * 16 KiB descriptors). A payload still on its way is waited for whole
+ * (MSG_WAITALL: the wait stays in the kernel, one call however many times
+ * its bytes wake us), and read ahead of only when it was all there.
+ * 0 on success, else -errno (-EPIPE: orderly close). */
+/* For a large payload (a WRITE's at a target, a READ response's at an
+ * initiator) that its sender is still sending: non-blocking reads, the CPU
+ * yielded between them, while bytes keep coming. Asleep in recv, the
+ * receiver is woken several times per MiB, a scheduling round trip each, and
+ * copies in bursts behind the sender instead of alongside it (what NIXL's
+ * polling target does). Bounded: inside a frame only, while its bytes
+ * arrive, by one receiver of the engine at a time (e->rx_spinners, shared
+ * with rx_spin). Returns what it read; *err: -errno or -EPIPE, else 0. */
+static size_t rx_stream(conn *c, uint8_t *d, size_t len, int *err)
+{
+    int none = 0;
+    size_t got = 0;
+    *err = 0;
+    if (c->replay || !atomic_compare_exchange_strong(&c->e->rx_spinners, &none, 1))
+        return 0;
+    uint64_t idle_from = 0;
+    while (got < len) {
+        ssize_t r = recv(c->fd, d + got, len - got, MSG_DONTWAIT);
+        if (r > 0) {
+            got += (size_t)r;
+            idle_from = 0;
+            continue;
+        }
+        if (r == 0) {
+            *err = -EPIPE;
+            break;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            *err = -errno;
+            break;
+        }
+        uint64_t now = axf_now_us();
+        if (!idle_from)
+            idle_from = now;
+        else if (now - idle_from >= RX_STREAM_IDLE_US)
+            break;
+        sched_yield(); /* the sender may need this CPU */
+    }
+    atomic_store(&c->e->rx_spinners, 0);
+    return got;
+}
+
+static int rx_read(conn *c, void *dst, size_t len)
+{
+    conn_priv *p = (conn_priv *)c;
+    uint8_t *d = dst;
+    size_t n = p->rb_len < len ? p->rb_len : len;
+    if (n) {
+        memcpy(d, p->rb + p->rb_pos, n);
+        p->rb_pos += (uint32_t)n;
+        p->rb_len -= (uint32_t)n;
+        d += n;
+        len -= n;
+    }
+    if (!len)
+        return 0;
+    p->rb_pos = 0; /* empty */
+    /* A header waits for its first bytes (the rest follow at once); a
+     * payload is taken as far as it is here. */
+    bool header = len <= sizeof(wire_hdr);
+    for (int flags = header ? 0 : MSG_DONTWAIT; len;) {
+        struct iovec iov[2] = {{.iov_base = d, .iov_len = len},
+                               {.iov_base = p->rb, .iov_len = RX_AHEAD}};
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2};
+        ssize_t r = recvmsg(c->fd, &m, flags);
+        if (r < 0 && !header && (errno == EAGAIN || errno == EWOULDBLOCK))
+            break;
+        if (r > 0) {
+            if (!header && (size_t)r < len) { /* still coming: wait for all of it */
+                d += r;
+                len -= (size_t)r;
+                break;
+            }
+            if ((size_t)r >= len) {
+                p->rb_len = (uint32_t)((size_t)r - len);
+                return 0;
+            }
+            d += r;
+            len -= (size_t)r;
+        } else if (r == 0) {
+            return -EPIPE;
+        } else if (errno != EINTR) {
+            return -errno;
+        }
+    }
+    if (len >= RX_STREAM_MIN) {
+        int err;
+        size_t got = rx_stream(c, d, len, &err);
+        if (err)
+            return err;
+        d += got;
+        len -= got;
+    }
+    return len ? read_full(c->fd, d, len) : 0;
+}
+
+/* Whether the READ response queued last may wait to go out with the next
+ * one: the next frame is here already (read ahead), another READ request,
+ * and both responses with those queued before them fit one inline send
+ * (reply_bytes counts a little more than what send_batch does). */
+static bool rx_reply_may_wait(conn *c)
+{
+    const conn_priv *p = (const conn_priv *)c;
+    if (p->rb_len < sizeof(wire_hdr) || !rx_has_room(c))
+        return false;
+    wire_hdr next;
+    memcpy(&next, p->rb + p->rb_pos, sizeof next);
+    uint64_t queued = atomic_load(&c->reply_bytes);
+    return next.type == FR_READ_REQ && next.len <= INLINE_SEND &&
+           queued + sizeof next + next.len <= INLINE_SEND;
+}
+
+static int discard(conn *c, uint8_t *scratch, uint64_t len)
 {
     while (len) {
         size_t n = len < DISCARD_BYTES ? (size_t)len : DISCARD_BYTES;
-        int r = read_full(fd, scratch, n);
+        int r = rx_read(c, scratch, n);
         if (r)
             return r;
         len -= n;
@@ -662,7 +792,7 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
         } else {
             region *r = target_region(e, h, AXF_ACCESS_WRITE);
             if (r) {
-                *io = read_full(c->fd, r->addr + h->off, h->len);
+                *io = rx_read(c, r->addr + h->off, h->len);
                 region_unref(e, r);
                 if (*io)
                     return "connection lost inside a WRITE payload";
@@ -672,7 +802,7 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                     c->grp_status = AXF_E_ACCESS;
                     c->grp_fail = h->index;
                 }
-                *io = discard(c->fd, scratch, h->len);
+                *io = discard(c, scratch, h->len);
                 if (*io)
                     return "connection lost inside a rejected WRITE payload";
             }
@@ -716,7 +846,10 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
             }
         }
         conn_enqueue_reply(c, resp, false);
-        conn_kick(c);
+        /* Sent from here (no handoff), but together with the next ones when
+         * more READ requests are here already: one sendmsg for several
+         * responses (rx_loop sends what is owed before anything else). */
+        ((conn_priv *)c)->kick_owed = true;
         return NULL;
     }
     case FR_NOTIFY: {
@@ -724,7 +857,7 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
             *proto = true;
             return "NOTIFY frame of invalid length";
         }
-        *io = read_full(c->fd, scratch, h->len);
+        *io = rx_read(c, scratch, h->len);
         if (*io)
             return "connection lost inside a NOTIFY payload";
         /* Everything sent before this frame on every connection of the request
@@ -840,7 +973,7 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
                 *proto = true;
                 return "READ response outside its request";
             }
-            *io = read_full(c->fd, o->laddr[h->index] + (h->off - d->roff), h->len);
+            *io = rx_read(c, o->laddr[h->index] + (h->off - d->roff), h->len);
             if (*io)
                 return "connection lost inside a READ payload";
             x->bytes += h->len;
@@ -978,11 +1111,24 @@ const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *pr
  * did not (nothing of it read), or -errno (-EPIPE: orderly close). */
 static int rx_spin(conn *c, wire_hdr *h, uint32_t us)
 {
+    conn_priv *p = (conn_priv *)c;
+    if (p->rb_len) { /* (some of) it is here: the rest follows */
+        int r = rx_read(c, h, sizeof *h);
+        return r ? r : 1;
+    }
+    p->rb_pos = 0;
     uint64_t until = axf_now_us() + us;
     for (;;) {
-        ssize_t r = recv(c->fd, h, sizeof *h, MSG_DONTWAIT);
+        struct iovec iov[2] = {{.iov_base = h, .iov_len = sizeof *h},
+                               {.iov_base = p->rb, .iov_len = RX_AHEAD}};
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2};
+        ssize_t r = recvmsg(c->fd, &m, MSG_DONTWAIT);
         if (r > 0) {
-            int rest = read_full(c->fd, (uint8_t *)h + r, sizeof *h - (size_t)r);
+            if ((size_t)r >= sizeof *h) {
+                p->rb_len = (uint32_t)((size_t)r - sizeof *h);
+                return 1;
+            }
+            int rest = rx_read(c, (uint8_t *)h + r, sizeof *h - (size_t)r);
             return rest ? rest : 1;
         }
         if (r == 0)
@@ -1030,6 +1176,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
     uint64_t answered = 0; /* when the last request was answered; 0: not just now */
     uint64_t gap = UINT64_MAX; /* moving average of answer -> next frame, us */
     uint32_t poll_max = c->e->cfg.target_poll_us; /* UINT32_MAX: never */
+    conn_priv *p = (conn_priv *)c;
     for (;;) {
         if (!c->replay)
             rx_wait_room(c);
@@ -1042,7 +1189,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
             }
         }
         if (!got) {
-            *io = read_full(c->fd, h, sizeof *h);
+            *io = rx_read(c, h, sizeof *h);
             if (*io)
                 return "connection lost";
         }
@@ -1060,6 +1207,10 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
         const char *reason = conn_rx_frame(c, h, scratch, proto, io);
         if (reason)
             return reason;
+        if (p->kick_owed && !rx_reply_may_wait(c)) {
+            p->kick_owed = false;
+            conn_kick(c);
+        }
         if (rx_answered(c, h))
             answered = axf_now_us();
     }
