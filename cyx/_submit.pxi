@@ -127,6 +127,10 @@ cdef class Submitter:
         self._ok = _offsets(type(sub), _S_NAMES, self._s, _S_FIELDS)
 
     def submit(self, peer, opcode, descs, notify, nbytes, op, priority=0):
+        return self._submit(peer, opcode, descs, notify, nbytes, op, priority)
+
+    cdef object _submit(self, object peer, object opcode, object descs, object notify,
+                        object nbytes, object op, object priority):
         cdef object sub = self._sub
         cdef PyObject *v
         cdef object make, counters  # owned: make() can run Python that rebinds them
@@ -288,6 +292,143 @@ cdef class Submitter:
         if v != NULL and <object>v is not None:
             (<object>v).kick()  # poll for the rest before the loop blocks
         return True
+
+
+# ------------------------------------------------------------------ post
+# Agent.write and Agent.read, their usual case (one Segment and one
+# RemoteSegment of an open peer's region, no notification, not CUDA) compiled:
+# the Python method's checks (a dozen attribute reads and comparisons) and its
+# frame, with its keyword-only parameters' set-up, are ~1.5 k instructions of
+# a small request. The same checks here, through the fields' slot offsets;
+# the request then goes to Submitter._submit as the method's submit call
+# would. Anything else (another shape, a check that fails, a field that is
+# not a plain slot holding what is expected) goes to the Python method itself.
+
+cdef enum:
+    _G_REGION = 0
+    _G_OFFSET = 1
+    _G_LENGTH = 2
+    _G_FIELDS = 3
+
+_G_NAMES = ("region", "offset", "length")
+
+cdef enum:
+    _L_AGENT = 0
+    _L_CLOSED = 1
+    _L_KIND = 2
+    _L_RID = 3
+    _L_FIELDS = 4
+
+_L_NAMES = ("_agent", "_closed", "kind", "rid")
+
+cdef enum:
+    _F_PEER = 0
+    _F_GONE = 1
+    _F_KIND = 2
+    _F_RID = 3
+    _F_KEY = 4
+    _F_FIELDS = 5
+
+_F_NAMES = ("peer", "_gone", "kind", "rid", "key")
+
+cdef enum:
+    _H_HOST = 0
+    _H_PATH = 1
+    _H_FIELDS = 2
+
+_H_NAMES = ("_host", "path")
+
+cdef object _OP_WRITE_OBJ = AXF_OP_WRITE
+cdef object _OP_READ_OBJ = AXF_OP_READ
+
+
+@cython.final
+cdef class Poster:
+    """``write(src, dst, *, notify=None, priority=0)`` and ``read(dst, src,
+    *, priority=0)``: ``agent``'s (``slow_write`` and ``slow_read``, the
+    Agent class's functions, called with agent first) made cheaper for one
+    Segment and one RemoteSegment, with the same effects. ``sub``: the
+    agent's Submission (its ``closed`` is the agent's); ``peers``: the
+    PeerTable its peers' ``_host`` is; the rest, the types the usual case
+    is made of (Segment, RemoteSegment, Region, RemoteRegion, Peer)."""
+
+    cdef object _agent
+    cdef object _slow_write
+    cdef object _slow_read
+    cdef object _sub
+    cdef Submitter _submitter
+    cdef object _peers
+    cdef object _seg_t, _rseg_t, _region_t, _rregion_t, _peer_t
+    cdef bint _ok
+    cdef Py_ssize_t _closed_off
+    cdef Py_ssize_t _g[_G_FIELDS]
+    cdef Py_ssize_t _rg[_G_FIELDS]
+    cdef Py_ssize_t _l[_L_FIELDS]
+    cdef Py_ssize_t _f[_F_FIELDS]
+    cdef Py_ssize_t _h[_H_FIELDS]
+
+    def __cinit__(self, agent, slow_write, slow_read, sub, Submitter submitter, peers,
+                  seg_t, rseg_t, region_t, rregion_t, peer_t):
+        self._agent = agent
+        self._slow_write = slow_write
+        self._slow_read = slow_read
+        self._sub = sub
+        self._submitter = submitter
+        self._peers = peers
+        self._seg_t, self._rseg_t = seg_t, rseg_t
+        self._region_t, self._rregion_t, self._peer_t = region_t, rregion_t, peer_t
+        self._closed_off = axf_slot_offset(type(sub), axf_type_lookup(type(sub), "closed"))
+        self._ok = (self._closed_off >= 0
+                    and _offsets(seg_t, _G_NAMES, self._g, _G_FIELDS)
+                    and _offsets(rseg_t, _G_NAMES, self._rg, _G_FIELDS)
+                    and _offsets(region_t, _L_NAMES, self._l, _L_FIELDS)
+                    and _offsets(rregion_t, _F_NAMES, self._f, _F_FIELDS)
+                    and _offsets(peer_t, _H_NAMES, self._h, _H_FIELDS))
+
+    def write(self, src, dst, *, notify=None, priority=0):
+        if notify is None:
+            t = self._one(src, dst, _OP_WRITE_OBJ, "write", priority)
+            if t is not None:
+                return t
+        return self._slow_write(self._agent, src, dst, notify=notify, priority=priority)
+
+    def read(self, dst, src, *, priority=0):
+        t = self._one(dst, src, _OP_READ_OBJ, "read", priority)
+        if t is not None:
+            return t
+        return self._slow_read(self._agent, dst, src, priority=priority)
+
+    cdef object _one(self, object seg, object rseg, object opcode, object op, object priority):
+        """The request of local seg and far rseg, submitted, if it is the
+        usual case the Python method's checks pass for at once; else None."""
+        cdef object lr, rr, peer, n, m, path
+        if not self._ok or type(seg) is not self._seg_t or type(rseg) is not self._rseg_t:
+            return None
+        lr = _slot_obj(seg, self._g[_G_REGION])
+        rr = _slot_obj(rseg, self._rg[_G_REGION])
+        if type(lr) is not self._region_t or type(rr) is not self._rregion_t:
+            return None
+        peer = _slot_obj(rr, self._f[_F_PEER])
+        n = _slot_obj(seg, self._g[_G_LENGTH])
+        m = _slot_obj(rseg, self._rg[_G_LENGTH])
+        if (type(peer) is not self._peer_t
+                or _slot_obj(self._sub, self._closed_off) is not False
+                or _slot_obj(lr, self._l[_L_AGENT]) is not self._agent
+                or _slot_obj(lr, self._l[_L_CLOSED]) is not False
+                or _slot_obj(rr, self._f[_F_GONE]) is not False
+                or type(n) is not int or type(m) is not int or not n or n != m
+                or _slot_obj(peer, self._h[_H_HOST]) is not self._peers
+                or _slot_obj(lr, self._l[_L_KIND]) is not _slot_obj(rr, self._f[_F_KIND])):
+            return None
+        path = _slot_obj(peer, self._h[_H_PATH])
+        if type(path) is not str or path == "cuda":  # cuda: its _path is set after
+            return None
+        return self._submitter._submit(
+            peer, opcode,
+            (_slot_obj(lr, self._l[_L_RID]), _slot_obj(seg, self._g[_G_OFFSET]),
+             _slot_obj(rr, self._f[_F_RID]), _slot_obj(rr, self._f[_F_KEY]),
+             _slot_obj(rseg, self._rg[_G_OFFSET]), n),
+            None, n, op, priority)
 
 
 cdef object _fast_type = None  # the Submission type _fast_off is of
