@@ -338,6 +338,16 @@ cdef enum:
 
 _H_NAMES = ("_host", "path")
 
+cdef extern from *:
+    """
+    /* o is set and of exactly type tp (borrowed: no reference taken). */
+    static inline int axf_is_type(PyObject *o, PyObject *tp) {
+        return o != NULL && (PyObject *)Py_TYPE(o) == tp;
+    }
+    """
+    bint axf_is_type(PyObject *o, object tp)
+    PyObject *_py_false "Py_False"  # (<PyObject *>False is the C int 0)
+
 cdef object _OP_WRITE_OBJ = AXF_OP_WRITE
 cdef object _OP_READ_OBJ = AXF_OP_READ
 
@@ -400,35 +410,52 @@ cdef class Poster:
 
     cdef object _one(self, object seg, object rseg, object opcode, object op, object priority):
         """The request of local seg and far rseg, submitted, if it is the
-        usual case the Python method's checks pass for at once; else None."""
-        cdef object lr, rr, peer, n, m, path
+        usual case the Python method's checks pass for at once; else None.
+        Its fields read as borrowed references (no reference counting for
+        what is only compared)."""
+        cdef PyObject *lr
+        cdef PyObject *rr
+        cdef PyObject *peer
+        cdef PyObject *n
+        cdef PyObject *m
+        cdef PyObject *path
+        cdef PyObject *d[5]
         if not self._ok or type(seg) is not self._seg_t or type(rseg) is not self._rseg_t:
             return None
-        lr = _slot_obj(seg, self._g[_G_REGION])
-        rr = _slot_obj(rseg, self._rg[_G_REGION])
-        if type(lr) is not self._region_t or type(rr) is not self._rregion_t:
+        lr = axf_slot_ptr(seg, self._g[_G_REGION])
+        rr = axf_slot_ptr(rseg, self._rg[_G_REGION])
+        if not axf_is_type(lr, self._region_t) or not axf_is_type(rr, self._rregion_t):
             return None
-        peer = _slot_obj(rr, self._f[_F_PEER])
-        n = _slot_obj(seg, self._g[_G_LENGTH])
-        m = _slot_obj(rseg, self._rg[_G_LENGTH])
-        if (type(peer) is not self._peer_t
-                or _slot_obj(self._sub, self._closed_off) is not False
-                or _slot_obj(lr, self._l[_L_AGENT]) is not self._agent
-                or _slot_obj(lr, self._l[_L_CLOSED]) is not False
-                or _slot_obj(rr, self._f[_F_GONE]) is not False
-                or type(n) is not int or type(m) is not int or not n or n != m
-                or _slot_obj(peer, self._h[_H_HOST]) is not self._peers
-                or _slot_obj(lr, self._l[_L_KIND]) is not _slot_obj(rr, self._f[_F_KIND])):
+        peer = axf_slot_ptr(<object>rr, self._f[_F_PEER])
+        n = axf_slot_ptr(seg, self._g[_G_LENGTH])
+        m = axf_slot_ptr(rseg, self._rg[_G_LENGTH])
+        if (not axf_is_type(peer, self._peer_t)
+                or axf_slot_ptr(self._sub, self._closed_off) != _py_false
+                or axf_slot_ptr(<object>lr, self._l[_L_AGENT]) != <PyObject *>self._agent
+                or axf_slot_ptr(<object>lr, self._l[_L_CLOSED]) != _py_false
+                or axf_slot_ptr(<object>rr, self._f[_F_GONE]) != _py_false
+                or not axf_is_type(n, int) or not axf_is_type(m, int)
+                or axf_slot_ptr(<object>peer, self._h[_H_HOST]) != <PyObject *>self._peers
+                or axf_slot_ptr(<object>lr, self._l[_L_KIND])
+                != axf_slot_ptr(<object>rr, self._f[_F_KIND])
+                or axf_slot_ptr(<object>lr, self._l[_L_KIND]) == NULL):
             return None
-        path = _slot_obj(peer, self._h[_H_PATH])
-        if type(path) is not str or path == "cuda":  # cuda: its _path is set after
+        if not <object>n or (n != m and <object>n != <object>m):
             return None
+        path = axf_slot_ptr(<object>peer, self._h[_H_PATH])
+        if not axf_is_type(path, str) or <object>path == "cuda":  # its _path is set after
+            return None
+        d[0] = axf_slot_ptr(<object>lr, self._l[_L_RID])
+        d[1] = axf_slot_ptr(seg, self._g[_G_OFFSET])
+        d[2] = axf_slot_ptr(<object>rr, self._f[_F_RID])
+        d[3] = axf_slot_ptr(<object>rr, self._f[_F_KEY])
+        d[4] = axf_slot_ptr(rseg, self._rg[_G_OFFSET])
+        if d[0] == NULL or d[1] == NULL or d[2] == NULL or d[3] == NULL or d[4] == NULL:
+            return None  # unset: the Python method raises what it raises
         return self._submitter._submit(
-            peer, opcode,
-            (_slot_obj(lr, self._l[_L_RID]), _slot_obj(seg, self._g[_G_OFFSET]),
-             _slot_obj(rr, self._f[_F_RID]), _slot_obj(rr, self._f[_F_KEY]),
-             _slot_obj(rseg, self._rg[_G_OFFSET]), n),
-            None, n, op, priority)
+            <object>peer, opcode,
+            (<object>d[0], <object>d[1], <object>d[2], <object>d[3], <object>d[4], <object>n),
+            None, <object>n, op, priority)
 
 
 cdef object _fast_type = None  # the Submission type _fast_off is of

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -357,6 +358,22 @@ async def test_compiled_write_and_read_do_what_the_python_ones_do(
     r = (peer._ep, _cyx.OP_READ, (local.rid, 20000, remote.rid, remote.key, 8192, 4096), None)
     assert [i[0][:4] for i in items] == [w, w, r, r]
     assert bytes(local.memoryview[20000:24096]) == bytes(local.memoryview[0:4096])
+    # The usual case runs no Python frame (the Python method not called).
+    frames: list[str] = []
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            frames.append(frame.f_code.co_name)
+
+    sys.setprofile(prof)
+    try:
+        tw = init.write(local[0:4096], remote[0:4096])
+        tr = init.read(local[0:4096], remote[4096:8192])
+    finally:
+        sys.setprofile(None)
+    assert "write" not in frames and "read" not in frames, frames
+    await tw
+    await tr
     # Not the usual case: the Python method, with its errors.
     t = init.write(local[0:16], remote[0:16], notify=b"n")
     assert (await t).nbytes == 16
