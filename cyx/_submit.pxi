@@ -82,6 +82,9 @@ cdef bint _alone_max(object sub, Py_ssize_t off, long long *out) except -1:
     return True
 
 
+from types import MethodType as _MethodType  # what a bound FutureMaker.make is
+
+
 @cython.final
 cdef class Submitter:
     """``submit(peer, opcode, descs, notify, nbytes, op, priority=0)``:
@@ -110,6 +113,8 @@ cdef class Submitter:
     cdef object _counters_type
     cdef bint _counters_ok
     cdef Py_ssize_t _k[_K_FIELDS]
+    cdef object _make_seen  # sub._make as last seen, and its FutureMaker (or None)
+    cdef object _maker
 
     def __cinit__(self, sub, slow, flush, slow_eager, result_type, double weight,
                   uint64_t bandwidth_min, Py_ssize_t poll_max, long long eager_max,
@@ -169,7 +174,16 @@ cdef class Submitter:
         # As Submission.submit does it, in its order.
         req_id = PyLong_FromLongLong(posted + 1)
         axf_slot_put(sub, self._s[_S_POSTED], req_id)
-        t = make(sub, req_id, op, peer, nbytes)
+        if make is not self._make_seen:  # a FutureMaker's bound make: called directly
+            self._make_seen = make
+            self._maker = None
+            if (type(make) is _MethodType and make.__func__ is FutureMaker.make
+                    and type(make.__self__) is FutureMaker):
+                self._maker = make.__self__
+        if self._maker is not None:
+            t = (<FutureMaker>self._maker)._make(sub, req_id, op, peer, nbytes)
+        else:
+            t = make(sub, req_id, op, peer, nbytes)
         axf_slot_put(counters, self._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
         axf_slot_put(counters, self._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
         axf_slot_put(counters, self._k[_K_INFLIGHT_BYTES],

@@ -397,3 +397,25 @@ async def test_subclass_write_is_its_own() -> None:
     async with Mine("sub") as a:
         assert a.write(1, 2) == "mine"
         assert a.read.__func__ is aioxfer.Agent.read  # type: ignore[attr-defined]
+
+
+async def test_compiled_submit_calls_a_replaced_make(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Submitter calls a FutureMaker's make directly (no method call), and
+    whatever else Submission._make is set to as it is: a replaced one is
+    called, the FutureMaker's again once it is back."""
+    init, peer, local, remote = await _pair_64k(make_agent)
+    sub = init._sub
+    own = sub._make
+    calls: list[int] = []
+
+    def make(*args: Any) -> Any:
+        calls.append(args[1])
+        return own(*args)
+
+    for m in (own, make, own):
+        sub._make = m
+        t = init.write(local[0:4096], remote[0:4096])
+        assert (await t).nbytes == 4096
+    assert calls == [sub.posted - 1]
