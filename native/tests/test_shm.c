@@ -289,7 +289,11 @@ static int test_nohelp_doorbell_copies_nothing(void)
                       AXF_POST_ALONE | AXF_POST_NOHELP),
              AXF_OK);
     after = thread_minflt();
-    CHECK(after - before < 8);
+    /* The post's own allocations may fault a page or a few (more under
+     * ASan, its shadow memory); one job it helped with faults 64. */
+    if (after - before >= 32)
+        fprintf(stderr, "%ld faults on the posting thread\n", after - before);
+    CHECK(after - before < 32);
     CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 71, &c), 0);
     CHECK_EQ(c.status, AXF_OK);
     CHECK_EQ(c.nbytes, (uint64_t)(N + 1) * LEN);
