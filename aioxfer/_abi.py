@@ -38,6 +38,7 @@ OP_NOTIFY: Final = 3
 POST_DEFER: Final = 1
 POST_POLL: Final = 2
 POST_ALONE: Final = 4
+POST_NOHELP: Final = 8
 CQ_XFER: Final = 1
 CQ_NOTIFY: Final = 2
 CQ_PEER_LOST: Final = 3

@@ -49,6 +49,7 @@ OP_NOTIFY: Final[int]
 POST_DEFER: Final[int]
 POST_POLL: Final[int]
 POST_ALONE: Final[int]
+POST_NOHELP: Final[int]
 CQ_XFER: Final[int]
 CQ_NOTIFY: Final[int]
 CQ_PEER_LOST: Final[int]
@@ -144,6 +145,27 @@ class Submitter:
     ) -> Any: ...
     def eager(self, t: Any) -> None: ...
     def flush(self) -> None: ...
+
+# @cython.final: cannot be subclassed.
+@final
+class Poster:
+    # The constructor is __cinit__ (tp_new).
+    def __new__(
+        cls,
+        agent: Any,
+        slow_write: Callable[..., Any],
+        slow_read: Callable[..., Any],
+        sub: Any,
+        submitter: Submitter,
+        peers: Any,
+        seg_t: type,
+        rseg_t: type,
+        region_t: type,
+        rregion_t: type,
+        peer_t: type,
+    ) -> Poster: ...
+    def write(self, src: Any, dst: Any, *, notify: Any = None, priority: Any = 0) -> Any: ...
+    def read(self, dst: Any, src: Any, *, priority: Any = 0) -> Any: ...
 
 def submission_eager(sub: Any, t: Any) -> None: ...
 def submission_flush(sub: Any) -> None: ...

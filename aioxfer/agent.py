@@ -369,6 +369,16 @@ class Agent:
             tag_unref=self._tag_unref,
             emit=None if discovery is not None else lambda e: self._membership.emit(e),
         )
+        # write/read's usual case compiled (_cyx.Poster: the same checks and
+        # effects, no Python frame); anything else goes to the methods below.
+        # Not where a subclass defines its own.
+        if type(self).write is Agent.write and type(self).read is Agent.read:
+            poster = _cyx.Poster(
+                self, Agent.write, Agent.read, self._sub, self._sub._fast, self._peers,
+                Segment, RemoteSegment, Region, RemoteRegion, Peer,
+            )
+            self.write = poster.write  # type: ignore[method-assign]
+            self.read = poster.read  # type: ignore[method-assign]
         # membership: etcd's view, fencing, the membership() streams
         self._membership = Members(
             name,

@@ -35,6 +35,7 @@ cdef extern from *:
     _Static_assert(AXF_POST_DEFER == 1, "cyx/_abi.pxi is stale (AXF_POST_DEFER): run tools/gen_abi.py");
     _Static_assert(AXF_POST_POLL == 2, "cyx/_abi.pxi is stale (AXF_POST_POLL): run tools/gen_abi.py");
     _Static_assert(AXF_POST_ALONE == 4, "cyx/_abi.pxi is stale (AXF_POST_ALONE): run tools/gen_abi.py");
+    _Static_assert(AXF_POST_NOHELP == 8, "cyx/_abi.pxi is stale (AXF_POST_NOHELP): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_XFER == 1, "cyx/_abi.pxi is stale (AXF_CQ_XFER): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_NOTIFY == 2, "cyx/_abi.pxi is stale (AXF_CQ_NOTIFY): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_PEER_LOST == 3, "cyx/_abi.pxi is stale (AXF_CQ_PEER_LOST): run tools/gen_abi.py");
@@ -80,6 +81,7 @@ OP_NOTIFY = 3
 POST_DEFER = 1
 POST_POLL = 2
 POST_ALONE = 4
+POST_NOHELP = 8
 CQ_XFER = 1
 CQ_NOTIFY = 2
 CQ_PEER_LOST = 3

@@ -316,6 +316,9 @@ cdef class FutureMaker:
         self._fixed_val = tuple(vals)
 
     def make(self, a, b, c, d, e):
+        return self._make(a, b, c, d, e)
+
+    cdef object _make(self, object a, object b, object c, object d, object e):
         cdef Py_ssize_t i
         cdef PyObject *debug
         f = axf_slot_new(_Future, self._cls, _NO_ARGS)

@@ -42,6 +42,7 @@ cdef extern from "aioxfer.h" nogil:
     uint32_t AXF_POST_POLL
     uint32_t AXF_WAIT_POLLS
     uint32_t AXF_POST_ALONE
+    uint32_t AXF_POST_NOHELP
 
     uint32_t AXF_CQ_XFER
     uint32_t AXF_CQ_NOTIFY
@@ -138,6 +139,7 @@ cdef extern from "aioxfer.h" nogil:
     int axf_post(axf_engine *e, uint64_t ep, int op, const axf_desc *descs, size_t n,
                  const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags)
     void axf_doorbell(axf_engine *e)
+    void axf_doorbell_ex(axf_engine *e, uint32_t flags)
     int axf_cancel(axf_engine *e, uint64_t req_id)
 
     int axf_file_info(axf_engine *e, char *buf, size_t cap)

@@ -581,12 +581,17 @@ cdef class Engine:
             if small <= _GIL_KEPT_BYTES:
                 # Little to copy (what a same-host post copies inline): the
                 # GIL's release and retake (~600 instructions) would cost
-                # more than the other threads could gain.
+                # more than the other threads could gain. POST_NOHELP: the
+                # doorbell leaves other requests' queued work (shm copies up
+                # to inline_bytes, a 1 MiB tcp frame) to the workers and
+                # senders, which would otherwise hold every other Python
+                # thread up to a millisecond.
+                flags |= AXF_POST_NOHELP
                 for i in range(count):
                     s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
                                            s[i].notify, s[i].notify_len, s[i].req_id,
                                            flags)
-                axf_doorbell(self._e)
+                axf_doorbell_ex(self._e, AXF_POST_NOHELP)
             else:
                 with nogil:
                     for i in range(count):
@@ -661,7 +666,10 @@ cdef class Engine:
 
     def doorbell(self):
         self._open()
-        axf_doorbell(self._e)
+        self._busy += 1
+        with nogil:  # it may copy queued work (shm help) or send a large frame
+            axf_doorbell(self._e)
+        self._busy -= 1
 
     def cancel(self, uint64_t req_id):
         """OK (the E_CANCELLED completion follows once memory is untouched) or E_NOTFOUND."""

@@ -82,6 +82,9 @@ cdef bint _alone_max(object sub, Py_ssize_t off, long long *out) except -1:
     return True
 
 
+from types import MethodType as _MethodType  # what a bound FutureMaker.make is
+
+
 @cython.final
 cdef class Submitter:
     """``submit(peer, opcode, descs, notify, nbytes, op, priority=0)``:
@@ -110,6 +113,8 @@ cdef class Submitter:
     cdef object _counters_type
     cdef bint _counters_ok
     cdef Py_ssize_t _k[_K_FIELDS]
+    cdef object _make_seen  # sub._make as last seen, and its FutureMaker (or None)
+    cdef object _maker
 
     def __cinit__(self, sub, slow, flush, slow_eager, result_type, double weight,
                   uint64_t bandwidth_min, Py_ssize_t poll_max, long long eager_max,
@@ -127,6 +132,10 @@ cdef class Submitter:
         self._ok = _offsets(type(sub), _S_NAMES, self._s, _S_FIELDS)
 
     def submit(self, peer, opcode, descs, notify, nbytes, op, priority=0):
+        return self._submit(peer, opcode, descs, notify, nbytes, op, priority)
+
+    cdef object _submit(self, object peer, object opcode, object descs, object notify,
+                        object nbytes, object op, object priority):
         cdef object sub = self._sub
         cdef PyObject *v
         cdef object make, counters  # owned: make() can run Python that rebinds them
@@ -165,7 +174,16 @@ cdef class Submitter:
         # As Submission.submit does it, in its order.
         req_id = PyLong_FromLongLong(posted + 1)
         axf_slot_put(sub, self._s[_S_POSTED], req_id)
-        t = make(sub, req_id, op, peer, nbytes)
+        if make is not self._make_seen:  # a FutureMaker's bound make: called directly
+            self._make_seen = make
+            self._maker = None
+            if (type(make) is _MethodType and make.__func__ is FutureMaker.make
+                    and type(make.__self__) is FutureMaker):
+                self._maker = make.__self__
+        if self._maker is not None:
+            t = (<FutureMaker>self._maker)._make(sub, req_id, op, peer, nbytes)
+        else:
+            t = make(sub, req_id, op, peer, nbytes)
         axf_slot_put(counters, self._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
         axf_slot_put(counters, self._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
         axf_slot_put(counters, self._k[_K_INFLIGHT_BYTES],
@@ -288,6 +306,170 @@ cdef class Submitter:
         if v != NULL and <object>v is not None:
             (<object>v).kick()  # poll for the rest before the loop blocks
         return True
+
+
+# ------------------------------------------------------------------ post
+# Agent.write and Agent.read, their usual case (one Segment and one
+# RemoteSegment of an open peer's region, no notification, not CUDA) compiled:
+# the Python method's checks (a dozen attribute reads and comparisons) and its
+# frame, with its keyword-only parameters' set-up, are ~1.5 k instructions of
+# a small request. The same checks here, through the fields' slot offsets;
+# the request then goes to Submitter._submit as the method's submit call
+# would. Anything else (another shape, a check that fails, a field that is
+# not a plain slot holding what is expected) goes to the Python method itself.
+
+cdef enum:
+    _G_REGION = 0
+    _G_OFFSET = 1
+    _G_LENGTH = 2
+    _G_FIELDS = 3
+
+_G_NAMES = ("region", "offset", "length")
+
+cdef enum:
+    _L_AGENT = 0
+    _L_CLOSED = 1
+    _L_KIND = 2
+    _L_RID = 3
+    _L_FIELDS = 4
+
+_L_NAMES = ("_agent", "_closed", "kind", "rid")
+
+cdef enum:
+    _F_PEER = 0
+    _F_GONE = 1
+    _F_KIND = 2
+    _F_RID = 3
+    _F_KEY = 4
+    _F_FIELDS = 5
+
+_F_NAMES = ("peer", "_gone", "kind", "rid", "key")
+
+cdef enum:
+    _H_HOST = 0
+    _H_PATH = 1
+    _H_FIELDS = 2
+
+_H_NAMES = ("_host", "path")
+
+cdef extern from *:
+    """
+    /* o is set and of exactly type tp (borrowed: no reference taken). */
+    static inline int axf_is_type(PyObject *o, PyObject *tp) {
+        return o != NULL && (PyObject *)Py_TYPE(o) == tp;
+    }
+    """
+    bint axf_is_type(PyObject *o, object tp)
+    PyObject *_py_false "Py_False"  # (<PyObject *>False is the C int 0)
+
+cdef object _OP_WRITE_OBJ = AXF_OP_WRITE
+cdef object _OP_READ_OBJ = AXF_OP_READ
+
+
+@cython.final
+cdef class Poster:
+    """``write(src, dst, *, notify=None, priority=0)`` and ``read(dst, src,
+    *, priority=0)``: ``agent``'s (``slow_write`` and ``slow_read``, the
+    Agent class's functions, called with agent first) made cheaper for one
+    Segment and one RemoteSegment, with the same effects. ``sub``: the
+    agent's Submission (its ``closed`` is the agent's); ``peers``: the
+    PeerTable its peers' ``_host`` is; the rest, the types the usual case
+    is made of (Segment, RemoteSegment, Region, RemoteRegion, Peer)."""
+
+    cdef object _agent
+    cdef object _slow_write
+    cdef object _slow_read
+    cdef object _sub
+    cdef Submitter _submitter
+    cdef object _peers
+    cdef object _seg_t, _rseg_t, _region_t, _rregion_t, _peer_t
+    cdef bint _ok
+    cdef Py_ssize_t _closed_off
+    cdef Py_ssize_t _g[_G_FIELDS]
+    cdef Py_ssize_t _rg[_G_FIELDS]
+    cdef Py_ssize_t _l[_L_FIELDS]
+    cdef Py_ssize_t _f[_F_FIELDS]
+    cdef Py_ssize_t _h[_H_FIELDS]
+
+    def __cinit__(self, agent, slow_write, slow_read, sub, Submitter submitter, peers,
+                  seg_t, rseg_t, region_t, rregion_t, peer_t):
+        self._agent = agent
+        self._slow_write = slow_write
+        self._slow_read = slow_read
+        self._sub = sub
+        self._submitter = submitter
+        self._peers = peers
+        self._seg_t, self._rseg_t = seg_t, rseg_t
+        self._region_t, self._rregion_t, self._peer_t = region_t, rregion_t, peer_t
+        self._closed_off = axf_slot_offset(type(sub), axf_type_lookup(type(sub), "closed"))
+        self._ok = (self._closed_off >= 0
+                    and _offsets(seg_t, _G_NAMES, self._g, _G_FIELDS)
+                    and _offsets(rseg_t, _G_NAMES, self._rg, _G_FIELDS)
+                    and _offsets(region_t, _L_NAMES, self._l, _L_FIELDS)
+                    and _offsets(rregion_t, _F_NAMES, self._f, _F_FIELDS)
+                    and _offsets(peer_t, _H_NAMES, self._h, _H_FIELDS))
+
+    def write(self, src, dst, *, notify=None, priority=0):
+        if notify is None:
+            t = self._one(src, dst, _OP_WRITE_OBJ, "write", priority)
+            if t is not None:
+                return t
+        return self._slow_write(self._agent, src, dst, notify=notify, priority=priority)
+
+    def read(self, dst, src, *, priority=0):
+        t = self._one(dst, src, _OP_READ_OBJ, "read", priority)
+        if t is not None:
+            return t
+        return self._slow_read(self._agent, dst, src, priority=priority)
+
+    cdef object _one(self, object seg, object rseg, object opcode, object op, object priority):
+        """The request of local seg and far rseg, submitted, if it is the
+        usual case the Python method's checks pass for at once; else None.
+        Its fields read as borrowed references (no reference counting for
+        what is only compared)."""
+        cdef PyObject *lr
+        cdef PyObject *rr
+        cdef PyObject *peer
+        cdef PyObject *n
+        cdef PyObject *m
+        cdef PyObject *path
+        cdef PyObject *d[5]
+        if not self._ok or type(seg) is not self._seg_t or type(rseg) is not self._rseg_t:
+            return None
+        lr = axf_slot_ptr(seg, self._g[_G_REGION])
+        rr = axf_slot_ptr(rseg, self._rg[_G_REGION])
+        if not axf_is_type(lr, self._region_t) or not axf_is_type(rr, self._rregion_t):
+            return None
+        peer = axf_slot_ptr(<object>rr, self._f[_F_PEER])
+        n = axf_slot_ptr(seg, self._g[_G_LENGTH])
+        m = axf_slot_ptr(rseg, self._rg[_G_LENGTH])
+        if (not axf_is_type(peer, self._peer_t)
+                or axf_slot_ptr(self._sub, self._closed_off) != _py_false
+                or axf_slot_ptr(<object>lr, self._l[_L_AGENT]) != <PyObject *>self._agent
+                or axf_slot_ptr(<object>lr, self._l[_L_CLOSED]) != _py_false
+                or axf_slot_ptr(<object>rr, self._f[_F_GONE]) != _py_false
+                or not axf_is_type(n, int) or not axf_is_type(m, int)
+                or axf_slot_ptr(<object>peer, self._h[_H_HOST]) != <PyObject *>self._peers
+                or axf_slot_ptr(<object>lr, self._l[_L_KIND])
+                != axf_slot_ptr(<object>rr, self._f[_F_KIND])
+                or axf_slot_ptr(<object>lr, self._l[_L_KIND]) == NULL):
+            return None
+        if not <object>n or (n != m and <object>n != <object>m):
+            return None
+        path = axf_slot_ptr(<object>peer, self._h[_H_PATH])
+        if not axf_is_type(path, str) or <object>path == "cuda":  # its _path is set after
+            return None
+        d[0] = axf_slot_ptr(<object>lr, self._l[_L_RID])
+        d[1] = axf_slot_ptr(seg, self._g[_G_OFFSET])
+        d[2] = axf_slot_ptr(<object>rr, self._f[_F_RID])
+        d[3] = axf_slot_ptr(<object>rr, self._f[_F_KEY])
+        d[4] = axf_slot_ptr(rseg, self._rg[_G_OFFSET])
+        if d[0] == NULL or d[1] == NULL or d[2] == NULL or d[3] == NULL or d[4] == NULL:
+            return None  # unset: the Python method raises what it raises
+        return self._submitter._submit(
+            <object>peer, opcode,
+            (<object>d[0], <object>d[1], <object>d[2], <object>d[3], <object>d[4], <object>n),
+            None, <object>n, op, priority)
 
 
 cdef object _fast_type = None  # the Submission type _fast_off is of

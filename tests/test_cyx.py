@@ -630,6 +630,44 @@ def test_small_shm_completion_is_ready_at_once() -> None:
         close_engine(a)
 
 
+def test_small_post_keeping_the_gil_takes_on_no_queued_copy() -> None:
+    """post_many of a small request keeps the GIL, so its doorbell must not
+    copy other requests' queued jobs (shm's help, up to inline_bytes: other
+    Python threads would wait that long for the GIL): the worker copies them.
+    Seen from the source pages of a queued 2 MiB batch, never touched before
+    (an anonymous mmap): none of its 512 faults in on this thread."""
+    import resource
+
+    a = _cyx.Engine(copy_workers=1, inline_bytes=2 << 20)
+    big = mmap.mmap(-1, 2 << 20)
+    try:
+        dst = bytearray(4 << 20)
+        small = bytearray(b"s" * 4096)
+        drid, dkey, daddr, dlen, dacc = a.register(dst)
+        brid = a.register(big)[0]
+        srid = a.register(small)[0]
+        ep = a.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
+        a.endpoint_import(ep, drid, dkey, dlen, dacc, daddr, -1)
+        rows = [(brid, i * 16384, drid, dkey, i * 16384, 16384) for i in range(128)]
+        assert a.post(ep, _cyx.OP_WRITE, descs(rows), None, 1, defer=True) == _cyx.OK
+        item = (ep, _cyx.OP_WRITE, (srid, 0, drid, dkey, 3 << 20, 4096), None, 2)
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        assert a.post_many([item]) == [_cyx.OK]
+        after = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        assert after - before < 16  # helping would fault in 64 a 256 KiB job
+        recs: list[RECORD] = []
+        for _ in range(1000):
+            recs += a.poll()
+            if xfer(recs, 1) is not None and xfer(recs, 2) is not None:
+                break
+            a.wait(10_000)
+        assert xfer(recs, 1)[1] == _cyx.OK and xfer(recs, 2)[1] == _cyx.OK
+        assert dst[3 << 20:(3 << 20) + 4096] == small
+    finally:
+        close_engine(a)
+        big.close()
+
+
 class _Peer:
     """What Engine.drain reads of a transfer's peer: its path, and the
     counters it settles (a typed record, never the peer's own fields)."""

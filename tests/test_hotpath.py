@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -329,3 +330,92 @@ async def test_compiled_flush_does_what_the_python_one_does(
         flush()  # nothing pending
         deltas.append((sub.completed - before[0], sub.bytes - before[1]))
     assert deltas[0] == deltas[1] == (3, 3 * 4096)
+
+
+async def test_compiled_write_and_read_do_what_the_python_ones_do(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Agent.write/read's usual case (_cyx.Poster) and the Python methods it
+    stands for: the same transfer, batch item and bytes moved; every other
+    shape or a failing check goes to the Python method (the same errors)."""
+    init, peer, local, remote = await _pair_64k(make_agent)
+    assert init.write.__self__ is init.read.__self__  # the Poster's, bound per agent
+    assert type(init.write.__self__) is _cyx.Poster
+    sub = init._sub
+    local.numpy()[:] = np.arange(1 << 16, dtype=np.uint64).astype(np.uint8)
+    items = []
+    for write in (init.write, aioxfer.Agent.write.__get__(init)):
+        t = write(local[0:4096], remote[8192:12288], priority=3)
+        items.append((sub._pending[-1], t.op, t.nbytes, t.peer))
+        assert (await t).nbytes == 4096
+    for read in (init.read, aioxfer.Agent.read.__get__(init)):
+        t = read(local[20000:24096], remote[8192:12288])
+        items.append((sub._pending[-1], t.op, t.nbytes, t.peer))
+        assert (await t).nbytes == 4096
+    assert items[0][1:] == items[1][1:] == ("write", 4096, peer)
+    assert items[2][1:] == items[3][1:] == ("read", 4096, peer)
+    w = (peer._ep, _cyx.OP_WRITE, (local.rid, 0, remote.rid, remote.key, 8192, 4096), None)
+    r = (peer._ep, _cyx.OP_READ, (local.rid, 20000, remote.rid, remote.key, 8192, 4096), None)
+    assert [i[0][:4] for i in items] == [w, w, r, r]
+    assert bytes(local.memoryview[20000:24096]) == bytes(local.memoryview[0:4096])
+    # The usual case runs no Python frame (the Python method not called).
+    frames: list[str] = []
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            frames.append(frame.f_code.co_name)
+
+    sys.setprofile(prof)
+    try:
+        tw = init.write(local[0:4096], remote[0:4096])
+        tr = init.read(local[0:4096], remote[4096:8192])
+    finally:
+        sys.setprofile(None)
+    assert "write" not in frames and "read" not in frames, frames
+    await tw
+    await tr
+    # Not the usual case: the Python method, with its errors.
+    t = init.write(local[0:16], remote[0:16], notify=b"n")
+    assert (await t).nbytes == 16
+    assert (await init.write([local[0:8]], [remote[0:8]])).nbytes == 8
+    for call in (lambda: init.write(local[0:8], remote[0:16]),
+                 lambda: init.read(local[0:8], remote[0:16])):
+        with pytest.raises(ValueError):
+            call()
+    await init.aclose()
+    with pytest.raises(aioxfer.ClosedResourceError):
+        init.write(local[0:8], remote[0:8])
+
+
+async def test_subclass_write_is_its_own() -> None:
+    """An Agent subclass defining write or read keeps its own (no Poster)."""
+
+    class Mine(aioxfer.Agent):
+        def write(self, *a: Any, **kw: Any) -> Any:
+            return "mine"
+
+    async with Mine("sub") as a:
+        assert a.write(1, 2) == "mine"
+        assert a.read.__func__ is aioxfer.Agent.read  # type: ignore[attr-defined]
+
+
+async def test_compiled_submit_calls_a_replaced_make(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Submitter calls a FutureMaker's make directly (no method call), and
+    whatever else Submission._make is set to as it is: a replaced one is
+    called, the FutureMaker's again once it is back."""
+    init, peer, local, remote = await _pair_64k(make_agent)
+    sub = init._sub
+    own = sub._make
+    calls: list[int] = []
+
+    def make(*args: Any) -> Any:
+        calls.append(args[1])
+        return own(*args)
+
+    for m in (own, make, own):
+        sub._make = m
+        t = init.write(local[0:4096], remote[0:4096])
+        assert (await t).nbytes == 4096
+    assert calls == [sub.posted - 1]

@@ -77,6 +77,13 @@ const char *axf_strerror(int status);
                              runs on the calling thread, inside this call, where
                              handing it to a copy worker would cost two thread
                              wake-ups; over tcp its frames stay on one connection */
+#define AXF_POST_NOHELP 8u /* the caller holds others up while it posts (a Python thread
+                              keeping the GIL): this post, and axf_doorbell_ex with
+                              this flag, take on no other request's queued work (a
+                              shm doorbell's help with queued copies, a tcp frame over
+                              64 KiB queued on a connection): the copy workers and
+                              sending threads do it. Its own copy still runs inline
+                              as the other flags say. */
 
 /* Completion kinds. */
 #define AXF_CQ_XFER 1         /* id = request id; status, nbytes, fail_index (on
@@ -268,6 +275,8 @@ void axf_notify_release(axf_engine *e, uint64_t tag, uint64_t n);
 int axf_post(axf_engine *e, uint64_t ep, int op, const axf_desc *descs, size_t n,
              const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags);
 void axf_doorbell(axf_engine *e);
+/* axf_doorbell; flags: 0 or AXF_POST_NOHELP (as for axf_post). */
+void axf_doorbell_ex(axf_engine *e, uint32_t flags);
 /* Returns AXF_OK when found; the completion (AXF_E_CANCELLED) follows once the
  * engine no longer touches the op's memory. */
 int axf_cancel(axf_engine *e, uint64_t req_id);

@@ -575,7 +575,8 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
     while (c->head && n < TX_BATCH) {
         sq_item *it = c->head;
         uint64_t size = sizeof it->h + it->plen - it->sent;
-        if (nowait && bytes + size > (n ? INLINE_SEND : INLINE_BULK))
+        /* AXF_POST_NOHELP: no large frame on the caller's thread. */
+        if (nowait && bytes + size > (n || axf_no_help ? INLINE_SEND : INLINE_BULK))
             break;
         c->head = it->next;
         if (!c->head)

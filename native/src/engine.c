@@ -66,6 +66,12 @@ static void doorbell_conns(axf_engine *e);
 /* Set by axf_post (AXF_POST_POLL) around a completion it makes itself: the
  * thread that posted polls next, so its record needs no wake-up. */
 _Thread_local bool axf_cq_quiet;
+/* Set by axf_post and axf_doorbell_ex (AXF_POST_NOHELP) around the submit
+ * and the ring: shm_help and conn_kick's large frames then stay the workers'
+ * and senders' (a thread that keeps others waiting, such as a Python thread
+ * holding the GIL, would stall them for as long as it helped: up to
+ * inline_bytes of others' copies, a 1 MiB frame). */
+_Thread_local bool axf_no_help;
 
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
@@ -933,7 +939,11 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     if (!(flags & AXF_POST_DEFER))
         atomic_fetch_or_explicit(&e->bells, bell, memory_order_acq_rel);
     /* The transport queues (or does) the data phase and unlocks. */
+    bool no_help = axf_no_help;
+    if (flags & AXF_POST_NOHELP)
+        axf_no_help = true;
     bool finish_now = !ep->xp->submit(e, o, flags);
+    axf_no_help = no_help;
     if (!(atomic_load_explicit(&e->bells, memory_order_acquire) & bell))
         atomic_fetch_or_explicit(&e->bells, bell, memory_order_acq_rel);
     if (finish_now)
@@ -963,6 +973,15 @@ void axf_doorbell(axf_engine *e)
     AXF_FOR_XP(xp)
         if (xp->doorbell)
             xp->doorbell(e);
+}
+
+void axf_doorbell_ex(axf_engine *e, uint32_t flags)
+{
+    bool no_help = axf_no_help;
+    if (flags & AXF_POST_NOHELP)
+        axf_no_help = true;
+    axf_doorbell(e);
+    axf_no_help = no_help;
 }
 
 static void doorbell_conns(axf_engine *e)

@@ -528,6 +528,10 @@ static void file_wake(file_xport *f, fqueue *q) /* f->mu held */
     }
 }
 
+/* Queues of every engine with a deferred job waiting for a doorbell (a
+ * hint: file_doorbell does nothing while it is 0). */
+static atomic_uint file_kicks;
+
 static void file_submit(axf_engine *e, op *o, bool signal)
 {
     file_xport *f = e->xp[AXF_EP_FILE];
@@ -550,15 +554,23 @@ static void file_submit(axf_engine *e, op *o, bool signal)
     else
         q->head = j;
     q->tail = j;
-    if (signal)
+    if (signal) {
         file_wake(f, q);
-    else
+    } else if (!q->kick) {
         q->kick = true;
+        atomic_fetch_add_explicit(&file_kicks, 1, memory_order_release);
+    }
     pthread_mutex_unlock(&f->mu);
 }
 
+/* Rung by every doorbell that is not shm's alone (each tcp request's, say):
+ * with no deferred file job queued in any engine (file_kicks, counted before
+ * the poster marks its bell), nothing to do, without e->mu to find this
+ * engine's state and its queues' lock. */
 static void file_doorbell(axf_engine *e)
 {
+    if (!atomic_load_explicit(&file_kicks, memory_order_acquire))
+        return;
     pthread_mutex_lock(&e->mu);
     file_xport *f = e->xp[AXF_EP_FILE];
     pthread_mutex_unlock(&e->mu);
@@ -569,6 +581,7 @@ static void file_doorbell(axf_engine *e)
     for (int k = 0; k < 2; k++)
         if (qs[k]->kick) {
             qs[k]->kick = false;
+            atomic_fetch_sub_explicit(&file_kicks, 1, memory_order_relaxed);
             file_wake(f, qs[k]);
         }
     pthread_mutex_unlock(&f->mu);
@@ -583,6 +596,13 @@ static void file_stop(axf_engine *e)
         return;
     pthread_mutex_lock(&f->mu);
     f->stop = true;
+    for (int k = 0; k < 2; k++) { /* kicks no doorbell will take now: off the count */
+        fqueue *q = k ? &f->ring_q : &f->pool_q;
+        if (q->kick) {
+            q->kick = false;
+            atomic_fetch_sub_explicit(&file_kicks, 1, memory_order_relaxed);
+        }
+    }
     file_wake(f, &f->pool_q);
     if (f->uring)
         file_wake(f, &f->ring_q);

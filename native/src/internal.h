@@ -323,6 +323,9 @@ struct axf_engine {
 /* Set around a completion the posting thread makes itself and polls next
  * (AXF_POST_POLL): its record needs no wake-up. */
 extern _Thread_local bool axf_cq_quiet;
+/* Set while this thread posts or rings with AXF_POST_NOHELP: the transports'
+ * doorbells then leave other requests' queued work to their own threads. */
+extern _Thread_local bool axf_no_help;
 uint64_t axf_now_ms(void);
 uint64_t axf_now_ns(void); /* CLOCK_MONOTONIC */
 uint64_t axf_now_us(void);

@@ -962,7 +962,7 @@ static void shm_help(axf_engine *e)
 {
     shm_state *sh = SH(e);
     uint64_t budget = e->cfg.inline_bytes, done = 0;
-    if (budget == UINT64_MAX)
+    if (budget == UINT64_MAX || axf_no_help) /* never / not this thread (AXF_POST_NOHELP) */
         return;
     for (;;) {
         pthread_mutex_lock(&sh->mu);

@@ -9,6 +9,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -236,6 +237,76 @@ static int test_doorbell_thread_copies_too(void)
         for (size_t i = 0; i < N; i++)
             CHECK(memcmp(p.bdst + d[i].roff, p.asrc + d[i].loff, LEN) == 0);
     }
+    free(d);
+    sp_close(&p);
+    return 0;
+}
+
+/* Page faults this thread took so far (a copy's source pages, never touched
+ * before, fault in the thread that copies them). */
+static long thread_minflt(void)
+{
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_minflt : -1;
+}
+
+/* AXF_POST_NOHELP (a Python thread keeping the GIL posts so): the doorbell
+ * wakes the worker and copies none of the queued jobs itself, where a plain
+ * doorbell takes a share of up to inline_bytes (test above). Seen from which
+ * thread faulted the source pages in: none of 1024 untouched ones on this
+ * one, each on the worker. The post's own inline copy is not help: a small
+ * one posted with the flag is still done at submit. */
+static int test_nohelp_doorbell_copies_nothing(void)
+{
+    axf_config cfg = {.copy_workers = 1, .inline_bytes = 2u << 20};
+    shm_pair p;
+    if (sp_open(&p, &cfg, false))
+        return 1;
+    enum { N = 128, LEN = 16384 };
+    axf_desc *d = calloc(N + 1, sizeof *d);
+    CHECK(d);
+    for (size_t i = 0; i <= N; i++) /* asrc's pages, none touched since its calloc */
+        d[i] = (axf_desc){.lrid = p.arid, .loff = i * LEN, .rrid = p.brid, .rkey = p.bkey,
+                          .roff = i * LEN, .len = LEN};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, N, NULL, 0, 70,
+                      AXF_POST_DEFER | AXF_POST_NOHELP),
+             AXF_OK);
+    long before = thread_minflt();
+    axf_doorbell_ex(p.a->e, AXF_POST_NOHELP);
+    long after = thread_minflt();
+    CHECK(before >= 0 && after >= before);
+    CHECK(after - before < 8); /* help would have faulted in 64 a job */
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 70, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, (uint64_t)N * LEN);
+    /* A lone one over inline_bytes rings (and helps) from inside its post:
+     * with the flag, it does not help either. */
+    for (size_t i = 0; i <= N; i++)
+        d[i].loff += (uint64_t)N * LEN;
+    before = thread_minflt();
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, N + 1, NULL, 0, 71,
+                      AXF_POST_ALONE | AXF_POST_NOHELP),
+             AXF_OK);
+    after = thread_minflt();
+    /* The post's own allocations may fault a page or a few (more under
+     * ASan, its shadow memory); one job it helped with faults 64. */
+    if (after - before >= 32)
+        fprintf(stderr, "%ld faults on the posting thread\n", after - before);
+    CHECK(after - before < 32);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 71, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, (uint64_t)(N + 1) * LEN);
+    /* Its own small copy is no help: inline, done when the post returns. */
+    axf_desc one = d[0];
+    one.loff = 6u << 20;
+    t_fill(p.asrc + one.loff, LEN, 5);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &one, 1, NULL, 0, 72,
+                      AXF_POST_NOHELP | AXF_POST_ALONE),
+             AXF_OK);
+    CHECK(memcmp(p.bdst + one.roff, p.asrc + one.loff, LEN) == 0);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 72, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
     free(d);
     sp_close(&p);
     return 0;
@@ -1200,6 +1271,7 @@ int main(int argc, char **argv)
         T_CASE(test_alone_copied_at_submit),
         T_CASE(test_large_write_and_read),
         T_CASE(test_doorbell_thread_copies_too),
+        T_CASE(test_nohelp_doorbell_copies_nothing),
         T_CASE(test_alone_shared_done_at_submit),
         T_CASE(test_memfd_region),
         T_CASE(test_memfd_lazy_populate),

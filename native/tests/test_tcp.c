@@ -7,6 +7,7 @@
 /* Wire layout, for the malformed-frame cases only. */
 #include "internal.h"
 
+#include <sys/resource.h>
 #include <sys/socket.h>
 
 #define A_TAG 77  /* A's tag for its endpoint to B */
@@ -163,6 +164,33 @@ static int test_deferred_batch(void)
     }
     for (uint64_t i = 0; i < N; i++)
         CHECK(memcmp(p.bdst + i * 2000, p.asrc + i * 1000, 1000) == 0);
+    pair_close(&p);
+    return 0;
+}
+
+/* AXF_POST_NOHELP (a Python thread keeping the GIL rings so): a 1 MiB
+ * frame queued on a connection is left to its sending thread, where a plain
+ * doorbell sends it on the caller's thread (one frame up to 1 MiB). Seen
+ * from which thread faulted the payload's pages in: none of the 256
+ * untouched ones on this one. */
+static int test_nohelp_doorbell_sends_no_large_frame(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 1))
+        return 1;
+    axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 40,
+                      AXF_POST_DEFER | AXF_POST_NOHELP),
+             AXF_OK);
+    struct rusage r0, r1;
+    CHECK_EQ(getrusage(RUSAGE_THREAD, &r0), 0);
+    axf_doorbell_ex(p.a->e, AXF_POST_NOHELP);
+    CHECK_EQ(getrusage(RUSAGE_THREAD, &r1), 0);
+    CHECK(r1.ru_minflt - r0.ru_minflt < 8); /* sent here: one a page it sent */
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 40, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, REG);
     pair_close(&p);
     return 0;
 }
@@ -988,6 +1016,7 @@ int main(int argc, char **argv)
         T_CASE(test_write),
         T_CASE(test_read),
         T_CASE(test_deferred_batch),
+        T_CASE(test_nohelp_doorbell_sends_no_large_frame),
         T_CASE(test_notify),
         T_CASE(test_bad_key),
         T_CASE(test_out_of_bounds),
