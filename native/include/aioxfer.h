@@ -76,7 +76,9 @@ const char *axf_strerror(int status);
                              in flight): a same-host copy up to axf_config.inline_bytes
                              runs on the calling thread, inside this call, where
                              handing it to a copy worker would cost two thread
-                             wake-ups; over tcp its frames stay on one connection */
+                             wake-ups (from 2 MiB the copy workers take a share
+                             beside it; still done when this call returns); over
+                             tcp its frames stay on one connection */
 #define AXF_POST_NOHELP 8u /* the caller holds others up while it posts (a Python thread
                               keeping the GIL): this post, and axf_doorbell_ex with
                               this flag, take on no other request's queued work (a
