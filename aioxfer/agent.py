@@ -153,11 +153,11 @@ class Agent:
     agent's in flight) up to this size is copied on the loop's thread inside
     the post, instead of by a copy worker (two thread wake-ups saved; from
     2 MiB the copy workers take a share beside it, and the post still returns
-    with the copy done); batches keep the workers. None (the default): calibrated at start-up from this
-    machine's measured thread wake-up cost and memcpy bandwidth, rounded up
-    to a power of two, 64 KiB to 16 MiB (a few MiB in a VM, less on bare
-    metal; ``$AIOXFER_INLINE_BYTES`` overrides it); an int:
-    that (other same-host requests up to the smaller of it and 64 KiB are
+    with the copy done); batches keep the workers. None (the default):
+    calibrated at start-up from this machine's measured thread wake-up cost
+    and memcpy bandwidth, rounded up to a power of two, 64 KiB to 16 MiB (a
+    few MiB in a VM, less on bare metal; ``$AIOXFER_INLINE_BYTES`` overrides
+    it); an int: that (other same-host requests up to the smaller of it and 64 KiB are
     copied at submit too); 0: never (every copy on the workers).
     """
 
