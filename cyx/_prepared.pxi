@@ -222,3 +222,173 @@ def nixl_transfer(agent, handle, notif_msg=b""):
     if not fut.cancelled() and fut.exception() is None:
         return "DONE"
     return agent._repost_done(x, fut)
+
+
+# ------------------------------------------------------------------ aioxfer.nixl's check
+# nixlAgent.xferState (nixl_agent.check_xfer_state), its usual call
+# compiled: a tight poll (within _TIGHT_POLL of the last call or of the post)
+# of one in-flight request of one aioxfer call (a Transfer), as the Python
+# method (nixlAgent._state_py) and _wait_completion do it, in their order:
+# the runtime lock taken without blocking, the engine's fd claimed, a spin
+# (wait_poll) of the budget _wait_completion picks, the catch's bookkeeping
+# (_note_latency, _spin_outcome), the claim and the lock released. A spin
+# that did not catch goes on to the agent's _state_slept (the sleep on the
+# fd and the rest), without spinning again; anything else (not a tight
+# poll, a request of several parts, the lock busy, a failure to raise) to
+# _state_py, which does all.
+
+cdef enum:
+    _NS_FUT = 0
+    _NS_LAST_POLL = 1
+    _NS_T0 = 2
+    _NS_SPIN = 3
+    _NS_SLOW = 4
+    _NS_SKIPPED = 5
+    _NS_LAT = 6
+    _NS_BUDGET = 7
+    _NS_NBYTES = 8
+    _NS_FIELDS = 9
+
+_NS_NAMES = ("fut", "last_poll", "t0", "spin", "slow", "skipped", "lat", "budget", "nbytes")
+
+cdef object _ns_type = None  # the request type _ns_off is of
+cdef bint _ns_ok = False
+cdef Py_ssize_t _ns_off[_NS_FIELDS]
+cdef object _ns_cls = None  # the agent class the constants below are of
+cdef object _ns_transfer = None
+cdef double _ns_tight_poll = 0.0
+cdef double _ns_spin_keep = 0.0
+cdef long _ns_spin_misses = 0
+cdef long _ns_spin_probe = 0
+cdef object _ns_linger = None
+cdef long long _ns_eager_max = 0
+cdef long long _ns_alone_max_us = 0
+
+
+cdef inline object _ns_done(object agent, object x, object fut):
+    """The state of a request whose post is done: "DONE" when it succeeded
+    and there is no telemetry event to write, else the agent's _finish
+    (which raises a failure)."""
+    if agent._tel_events is False and not fut.cancelled() and fut.exception() is None:
+        return "DONE"
+    return _STATE_NAMES[agent._finish(x, fut, "getXferStatus")]
+
+_STATE_NAMES = ("DONE", "PROC")
+
+
+def nixl_state(agent, handle):
+    """aioxfer.nixl's nixlAgent.xferState (a method: bound to the
+    nixlAgent): ``check_xfer_state(handle)``, "DONE" or "PROC"."""
+    global _ns_type, _ns_ok, _ns_cls, _ns_transfer, _ns_tight_poll, _ns_spin_keep
+    global _ns_spin_misses, _ns_spin_probe, _ns_linger, _ns_eager_max, _ns_alone_max_us
+    cdef PyObject *v
+    cdef object x, fut, rt, lock, a, sel, fd, f2
+    cdef double now, took, lat, seconds
+    cdef long long spin_us, budget, us
+    cdef long slow, skipped
+    cdef bint claimed, caught, spun
+    cdef tuple consts
+    if type(agent) is not _ns_cls:
+        consts = type(agent)._nx_consts
+        (_ns_transfer, _ns_tight_poll, _ns_spin_keep, _ns_spin_misses, _ns_spin_probe,
+         _ns_linger, _ns_eager_max, _ns_alone_max_us) = consts
+        _ns_cls = type(agent)
+    xfers = agent._xfers
+    v = PyDict_GetItem(xfers, handle._handle) if type(xfers) is dict else NULL
+    if v == NULL:
+        return agent._state_py(handle)
+    x = <object>v
+    if type(x) is not _ns_type:
+        _ns_ok = _offsets(type(x), _NS_NAMES, _ns_off, _NS_FIELDS)
+        _ns_type = type(x)
+    if not _ns_ok:
+        return agent._state_py(handle)
+    fut = _slot_obj(x, _ns_off[_NS_FUT])
+    if type(fut) is not _ns_transfer:
+        return agent._state_py(handle)
+    if fut.done():
+        return _ns_done(agent, x, fut)
+    f2 = _slot_obj(x, _ns_off[_NS_LAST_POLL])
+    now = _perf_counter()
+    if type(f2) is not float or now - <double>f2 >= _ns_tight_poll:
+        return agent._state_py(handle)
+    rt = agent._rt
+    a = agent._agent
+    lock = rt.lock
+    if a is None or not lock.acquire(False):
+        return agent._state_py(handle)  # (it yields to the loop thread)
+    spun = False
+    try:
+        if fut.done():  # (_wait_completion's ready())
+            spun = True
+        else:
+            fd = agent._fd
+            sel = rt.selector
+            claimed = sel.claim(fd)
+            spin_us = agent._spin_us
+            if spin_us and (agent._spin_only is True
+                            or _slot_obj(x, _ns_off[_NS_SPIN]) is True
+                            or _ns_spin_wanted(x)):
+                budget = _slot_obj(x, _ns_off[_NS_BUDGET])
+                if budget > spin_us:
+                    spin_us = budget  # (a small request: see _note_latency)
+                us = spin_us
+            else:
+                us = 0  # (a look at the ring: no spin)
+            try:
+                caught = agent._wait_poll(us)
+                spun = caught or (us != 0 and agent._spin_only is True)
+                if not caught and spun and not a.closed:
+                    agent._poll_fn()
+            except BaseException:
+                if claimed:
+                    sel.release(fd, _ns_linger)
+                raise
+            if caught and us != 0 and fut.done():
+                # (_wait_completion's bookkeeping of a catch, inline.)
+                took = _perf_counter() - <double>_slot_obj(x, _ns_off[_NS_T0])
+                lat = <double>_slot_obj(x, _ns_off[_NS_LAT])
+                lat = took if lat == 0.0 else lat + (took - lat) * 0.125
+                axf_slot_put(x, _ns_off[_NS_LAT], PyFloat_FromDouble(lat))
+                if <long long>_slot_obj(x, _ns_off[_NS_NBYTES]) <= _ns_eager_max:
+                    budget = <long long>(lat * 2e6)
+                    axf_slot_put(x, _ns_off[_NS_BUDGET],
+                                 budget if budget < _ns_alone_max_us else _ns_alone_max_us)
+                if took < _ns_spin_keep * spin_us * 1e-6:
+                    axf_slot_put(x, _ns_off[_NS_SPIN], True)
+                    axf_slot_put(x, _ns_off[_NS_SLOW], 0)
+                else:
+                    slow = _slot_obj(x, _ns_off[_NS_SLOW])
+                    if slow < _ns_spin_misses:
+                        slow += 1
+                        axf_slot_put(x, _ns_off[_NS_SLOW], slow)
+                        if slow == _ns_spin_misses:
+                            axf_slot_put(x, _ns_off[_NS_SPIN], False)
+                            axf_slot_put(x, _ns_off[_NS_SKIPPED], 0)
+            if spun and claimed:
+                sel.release(fd, _ns_linger)
+    finally:
+        if rt._foreign is True:
+            rt.leave()
+        else:
+            lock.release()
+    if not spun:
+        # Neither caught nor spun for in "poll" progress: the sleep, as
+        # _wait_completion's, then the rest of the state (no second spin).
+        return agent._state_slept(x, fut, a, fd, claimed, spin_us)
+    axf_slot_put(x, _ns_off[_NS_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
+    if fut.done():
+        return _ns_done(agent, x, fut)
+    return "PROC"
+
+
+cdef bint _ns_spin_wanted(object x) except -1:
+    """_spin_wanted of a request whose spin flag is not set: every
+    _SPIN_PROBE-th wait spins anyway."""
+    cdef long skipped = _slot_obj(x, _ns_off[_NS_SKIPPED])
+    skipped += 1
+    if skipped >= _ns_spin_probe:
+        axf_slot_put(x, _ns_off[_NS_SKIPPED], 0)
+        return True
+    axf_slot_put(x, _ns_off[_NS_SKIPPED], skipped)
+    return False

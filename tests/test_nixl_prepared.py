@@ -197,3 +197,102 @@ def test_nixl_plain_reposts_go_through_the_compiled_path_and_fail_as_before(
     finally:
         for ag in made:
             ag.close()
+
+
+def test_nixl_tight_checks_go_through_the_compiled_path_with_the_python_states(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_xfer_state of a request just posted (a tight poll) spins and
+    catches it without a Python frame of the binding (_cyx.nixl_state), and
+    leaves the request as the Python method (_state_py) does: the same
+    states, the same spin bookkeeping, the same errors."""
+    import ctypes
+    import sys
+
+    from aioxfer.nixl import _bindings, nixl_agent, nixl_agent_config
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")  # (a completion that takes a spin)
+    made = [nixl_agent(f"state-{i}-{tmp_path.name}", nixl_agent_config()) for i in range(2)]
+    a, b = made
+    try:
+        n = 1 << 16
+        xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
+        xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
+        a.register_memory([(xa, n, 0, "")], "DRAM")
+        b.register_memory([(ya, n, 0, "")], "DRAM")
+        name = a.add_remote_agent(b.get_agent_metadata())
+        m = 1 << 15  # (posted, then completed: not inside the post)
+        ba = a.agent
+        assert a.check_xfer_state.__func__ is _bindings.nixlAgent.xferState  # type: ignore[attr-defined]
+        assert ba._spin_us > 0  # ("adaptive" progress: a tight poll spins)
+
+        def handle() -> Any:
+            return a.initialize_xfer("WRITE", a.get_xfer_descs([(xa, m, 0)], "DRAM"),
+                                     a.get_xfer_descs([(ya, m, 0)], "DRAM"), name)
+
+        frames: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_filename == _bindings.__file__:
+                frames.append(frame.f_code.co_name)
+
+        def run(h: Any, check: Any, i: int) -> tuple[list[str], list[list[str]]]:
+            xs[0:m] = bytes([i]) * m
+            assert a.transfer(h) in ("DONE", "PROC")
+            states, called = [], []
+            while not states or states[-1] == "PROC":
+                frames.clear()
+                sys.setprofile(profile)
+                try:
+                    states.append(check(h))
+                finally:
+                    sys.setprofile(None)
+                called.append(list(frames))
+            assert ys[0:m] == bytes([i]) * m
+            return states, called
+
+        spins: list[int] = []
+        wait_poll = ba._wait_poll
+
+        def counted_wait_poll(max_us: int) -> bool:  # (a frame of this file, not the binding's)
+            if max_us:
+                spins.append(max_us)
+            return wait_poll(max_us)
+
+        monkeypatch.setattr(ba, "_wait_poll", counted_wait_poll)
+        hc, hp = handle(), handle()
+        bare = 0  # checks that spun without a Python frame of the binding
+        for i in range(200):
+            spins.clear()
+            states, called = run(hc, a.check_xfer_state, i & 0xFF)
+            assert states[-1] == "DONE" and set(states[:-1]) <= {"PROC"}
+            bare += bool(spins) and not any(called)
+            pstates, _ = run(hp, ba._state_py, i & 0xFF)
+            assert pstates[-1] == "DONE" and set(pstates[:-1]) <= {"PROC"}
+            if bare >= 3 and i >= 20:
+                break
+        assert bare > 0
+        # The same spin bookkeeping (_note_latency's, _spin_outcome's): the
+        # spin budget a small request's, from its average latency. (Either
+        # request may have been found done by the loop thread before any
+        # spin: then it has none.)
+        xc, xp = ba._xfers[hc._handle], ba._xfers[hp._handle]
+        for x in (xc, xp):
+            if x.lat:
+                assert type(x.spin) is bool and type(x.slow) is int and type(x.skipped) is int
+                assert type(x.lat) is float and type(x.budget) is int
+                assert x.budget == min(int(x.lat * 2e6), _bindings.ALONE_MAX_US)
+        # Done, then asked again: "DONE" from both.
+        assert a.check_xfer_state(hc) == ba._state_py(hc) == "DONE"
+        # Not posted, or unknown: the same errors.
+        h0 = handle()
+        for _ in range(2):
+            with pytest.raises(Exception) as py_exc:
+                ba._state_py(h0)
+            with pytest.raises(type(py_exc.value)):
+                a.check_xfer_state(h0)
+            h0.release()
+        hc.release()
+        hp.release()
+    finally:
+        for ag in made:
+            ag.close()
