@@ -282,7 +282,7 @@ def nixl_state(agent, handle):
     global _ns_type, _ns_ok, _ns_cls, _ns_transfer, _ns_tight_poll, _ns_spin_keep
     global _ns_spin_misses, _ns_spin_probe, _ns_linger, _ns_eager_max, _ns_alone_max_us
     cdef PyObject *v
-    cdef object x, fut, rt, lock, a, sel, fd, f2
+    cdef object x, fut, rt, lock, a, sel, fd, f2, claims, c
     cdef double now, took, lat, seconds
     cdef long long spin_us, budget, us
     cdef long slow, skipped
@@ -324,7 +324,16 @@ def nixl_state(agent, handle):
         else:
             fd = agent._fd
             sel = rt.selector
-            claimed = sel.claim(fd)
+            # (Runtime.claim's usual case inline: the fd claimed before,
+            # lingering; else its method.)
+            claims = sel._claims
+            c = claims.get(fd) if type(claims) is dict else None
+            if c is not None and type(c.active) is int:
+                c.active = c.active + 1
+                claimed = True
+            else:
+                c = None
+                claimed = sel.claim(fd)
             spin_us = agent._spin_us
             if spin_us and (agent._spin_only is True
                             or _slot_obj(x, _ns_off[_NS_SPIN]) is True
@@ -366,7 +375,7 @@ def nixl_state(agent, handle):
                             axf_slot_put(x, _ns_off[_NS_SPIN], False)
                             axf_slot_put(x, _ns_off[_NS_SKIPPED], 0)
             if spun and claimed:
-                sel.release(fd, _ns_linger)
+                _ns_release(sel, fd, c)
     finally:
         if rt._foreign is True:
             rt.leave()
@@ -392,3 +401,20 @@ cdef bint _ns_spin_wanted(object x) except -1:
         return True
     axf_slot_put(x, _ns_off[_NS_SKIPPED], skipped)
     return False
+
+
+cdef int _ns_release(object sel, object fd, object c) except -1:
+    """sel.release(fd, _LINGER) (Runtime's selector, lock held), its usual
+    case inline: the last claim of ``c`` (the fd's, claimed above) ended,
+    lingering, the loop thread not asleep past the linger (else the method,
+    which wakes it)."""
+    cdef double until, linger = _ns_linger
+    if c is not None and c.active == 1:
+        until = _perf_counter() + linger  # (time.monotonic: CLOCK_MONOTONIC too)
+        if not (sel.sleep_until > until + linger):
+            c.active = 0
+            c.linger = _ns_linger
+            c.until = until
+            return 0
+    sel.release(fd, _ns_linger)
+    return 0
