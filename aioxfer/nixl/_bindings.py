@@ -2484,6 +2484,11 @@ class nixlAgent:
                 else:
                     rt.yield_to_loop(_TIGHT_WAIT, ready=fut.done)
                 now = _perf_counter()
+        return self._state_at(x, fut, now)
+
+    def _state_at(self, x: _Xfer, fut: asyncio.Future[Any], now: float) -> str:
+        """The end of a check: the poll's time noted, then "DONE" (no
+        telemetry to record), the finished request's state, or "PROC"."""
         x.last_poll = now
         if fut.done():
             if not self._tel_events:
@@ -2598,16 +2603,7 @@ class nixlAgent:
         claim held, the lock released): the sleep of _wait_completion, then
         the rest of _state_py's."""
         self._wait_sleep(agent, fd, claimed, _ENGINE_WAIT, x, spin_us)
-        x.last_poll = _perf_counter()
-        if fut.done():
-            if not self._tel_events:
-                try:
-                    if fut.exception() is None:
-                        return "DONE"
-                except asyncio.CancelledError:
-                    pass
-            return _STATE_STR[self._finish(x, fut, "getXferStatus")]
-        return "PROC"
+        return self._state_at(x, fut, _perf_counter())
 
     def _wait_sleep(self, agent: aioxfer.Agent, fd: int, claimed: bool, timeout: float,
                     x: _Xfer | None, spin_us: int) -> None:
