@@ -140,6 +140,23 @@ async def test_wait_poll_takes_what_came_while_it_waited(pair: Pair) -> None:
 # ---------------------------------------------------------------- aioxfer.nixl's transfer()
 
 
+def _nixl_pair(prefix: str, n: int = 1 << 16) -> tuple[list[Any], Any, Any, Any, Any]:
+    """Two aioxfer.nixl agents in this process (prefix-0 initiates), each with
+    n bytes of ctypes memory registered by address, the second added to the
+    first: (agents, its memory, the peer's, its registration, the peer's
+    name)."""
+    import ctypes
+
+    from aioxfer.nixl import nixl_agent, nixl_agent_config
+
+    made = [nixl_agent(f"{prefix}-{i}", nixl_agent_config()) for i in range(2)]
+    a, b = made
+    xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
+    ra = a.register_memory([(ctypes.addressof(xs), n, 0, "")], "DRAM")
+    b.register_memory([(ctypes.addressof(ys), n, 0, "")], "DRAM")
+    return made, xs, ys, ra, a.add_remote_agent(b.get_agent_metadata())
+
+
 def test_nixl_plain_reposts_go_through_the_compiled_path_and_fail_as_before(
         tmp_path: Any) -> None:
     """transfer() of a plain prepared request (no notification) posts through
@@ -149,18 +166,14 @@ def test_nixl_plain_reposts_go_through_the_compiled_path_and_fail_as_before(
     import ctypes
 
     import aioxfer.nixl as nixl
-    from aioxfer.nixl import _bindings, nixl_agent, nixl_agent_config
+    from aioxfer.nixl import _bindings
 
-    made = [nixl_agent(f"prep-{i}-{tmp_path.name}", nixl_agent_config()) for i in range(2)]
+    made, xs, ys, ra, name = _nixl_pair(f"prep-{tmp_path.name}")
     a, b = made
+    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
+    n = len(xs)
     try:
-        n = 1 << 16
-        xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
-        xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
         ys[0:n] = bytes(range(256)) * (n // 256)
-        ra = a.register_memory([(xa, n, 0, "")], "DRAM")
-        b.register_memory([(ya, n, 0, "")], "DRAM")
-        name = a.add_remote_agent(b.get_agent_metadata())
         assert a.transfer.__func__ is _bindings.nixlAgent.xferTransfer  # type: ignore[attr-defined]
         h = a.initialize_xfer("READ", a.get_xfer_descs([(xa, 4096, 0)], "DRAM"),
                               a.get_xfer_descs([(ya + 4096, 4096, 0)], "DRAM"), name)
@@ -208,18 +221,13 @@ def test_nixl_tight_checks_go_through_the_compiled_path_with_the_python_states(
     import ctypes
     import sys
 
-    from aioxfer.nixl import _bindings, nixl_agent, nixl_agent_config
+    from aioxfer.nixl import _bindings
 
     monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")  # (a completion that takes a spin)
-    made = [nixl_agent(f"state-{i}-{tmp_path.name}", nixl_agent_config()) for i in range(2)]
+    made, xs, ys, _, name = _nixl_pair(f"state-{tmp_path.name}")
     a, b = made
+    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
     try:
-        n = 1 << 16
-        xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
-        xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
-        a.register_memory([(xa, n, 0, "")], "DRAM")
-        b.register_memory([(ya, n, 0, "")], "DRAM")
-        name = a.add_remote_agent(b.get_agent_metadata())
         m = 1 << 15  # (posted, then completed: not inside the post)
         ba = a.agent
         assert a.check_xfer_state.__func__ is _bindings.nixlAgent.xferState  # type: ignore[attr-defined]
