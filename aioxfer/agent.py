@@ -157,8 +157,8 @@ class Agent:
     calibrated at start-up from this machine's measured thread wake-up cost
     and memcpy bandwidth, rounded up to a power of two, 64 KiB to 16 MiB (a
     few MiB in a VM, less on bare metal; ``$AIOXFER_INLINE_BYTES`` overrides
-    it); an int: that (other same-host requests up to the smaller of it and 64 KiB are
-    copied at submit too); 0: never (every copy on the workers).
+    it); an int: that (other same-host requests up to the smaller of it and
+    64 KiB are copied at submit too); 0: never (every copy on the workers).
     """
 
     def __init__(

@@ -318,8 +318,7 @@ class Submission:
         this thread inside the post (no copy worker to wake, then no loop to
         wake) and the await does not suspend. Several small ones are batched
         into one native call."""
-        items = self._pending
-        n = len(items)
+        n = len(self._pending)
         if (
             n == len(self.inflight)
             and (t.nbytes <= EAGER_MAX or (n == 1 and t.nbytes <= self.alone_max))

@@ -340,14 +340,6 @@ static int read_full(int fd, void *buf, size_t len)
     return 0;
 }
 
-/* The receiver's reads: len bytes into dst, those read ahead first, then
- * from the socket together with whatever follows them there (up to
- * RX_AHEAD, kept for the next read): one recvmsg per frame, not one for its
- * header and one for its payload, while frames come back to back (a batch of
- * 16 KiB descriptors). A payload still on its way is waited for whole
- * (MSG_WAITALL: the wait stays in the kernel, one call however many times
- * its bytes wake us), and read ahead of only when it was all there.
- * 0 on success, else -errno (-EPIPE: orderly close). */
 /* For a large payload (a WRITE's at a target, a READ response's at an
  * initiator) that its sender is still sending: non-blocking reads, the CPU
  * yielded between them, while bytes keep coming. Asleep in recv, the
@@ -390,6 +382,14 @@ static size_t rx_stream(conn *c, uint8_t *d, size_t len, int *err)
     return got;
 }
 
+/* The receiver's reads: len bytes into dst, those read ahead first, then
+ * from the socket together with whatever follows them there (up to
+ * RX_AHEAD, kept for the next read): one recvmsg per frame, not one for its
+ * header and one for its payload, while frames come back to back (a batch of
+ * 16 KiB descriptors). A payload still on its way is waited for whole
+ * (MSG_WAITALL: the wait stays in the kernel, one call however many times
+ * its bytes wake us), and read ahead of only when it was all there.
+ * 0 on success, else -errno (-EPIPE: orderly close). */
 static int rx_read(conn *c, void *dst, size_t len)
 {
     conn_priv *p = (conn_priv *)c;
