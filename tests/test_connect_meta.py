@@ -85,10 +85,110 @@ async def test_accept_only_gets_the_accept_and_the_end(make_agent) -> None:
             token=auth.default_token(), accept_only=True,
         ))
         assert (accept.name, accept.local) == (target.name, target._accept_msg.local)
+        # It came sealed in the Challenge; the Accept itself follows the Proof.
+        assert await within(protocol.recv_frame(loop, sock)) == accept
         assert await within(loop.sock_recv(sock, 1)) == b""
     finally:
         sock.close()
     assert served == []
+
+
+def _raw_hello(sock: socket.socket, **kw) -> bytes:
+    """Sends a "meta" Hello asking for the sealed Accept; returns its nonce."""
+    nonce = os.urandom(protocol.NONCE_BYTES)
+    hello = metadata.Hello(version=metadata.PROTOCOL_VERSION, name="raw", incarnation=1,
+                           purpose="meta", nonce=nonce, accept_only=True, **kw)
+    sock.sendall(protocol.encode_frame(hello))
+    return nonce
+
+
+async def test_sealed_accept_tells_a_dialer_without_the_token_nothing(make_agent) -> None:
+    """Hello.sealed: the Challenge carries the Accept encrypted under the
+    token: a dialer without it reads neither the agent's name nor its unix
+    socket there, gets no Accept without a Proof, and a wrong Proof a Reject."""
+    target = await make_agent("target")
+    loop = asyncio.get_running_loop()
+    host, port = target.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.setblocking(False)
+    try:
+        nonce = _raw_hello(sock, sealed=True)
+        ch = await within(protocol.recv_frame(loop, sock))
+        assert isinstance(ch, metadata.Challenge) and ch.sealed
+        local_name = target._accept_msg.local
+        for secret in (local_name.encode(), target.name.encode(),
+                       target._accept_msg.host_id.encode()):
+            assert secret not in ch.sealed
+        # Only the token opens it, and any changed byte is refused.
+        token = auth.default_token()
+        assert protocol.unseal(token, nonce, ch.nonce, ch.sealed).local == local_name
+        with pytest.raises(AccessDenied):
+            protocol.unseal(b"another token", nonce, ch.nonce, ch.sealed)
+        with pytest.raises(AccessDenied):
+            protocol.unseal(token, ch.nonce, nonce, ch.sealed)  # another connection's nonces
+        for i in (0, len(ch.sealed) // 2, len(ch.sealed) - 1):
+            bad = bytearray(ch.sealed)
+            bad[i] ^= 1
+            with pytest.raises(AccessDenied):
+                protocol.unseal(token, nonce, ch.nonce, bytes(bad))
+        with pytest.raises(AccessDenied):
+            protocol.unseal(token, nonce, ch.nonce, ch.sealed[-protocol.SEAL_TAG_BYTES:])
+        # Nothing more comes without a Proof; a wrong one is rejected.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(loop.sock_recv(sock, 1), 0.2)
+        sock.sendall(protocol.encode_frame(metadata.Proof(proof=b"\0" * 32)))
+        assert isinstance(await within(protocol.recv_frame(loop, sock)), metadata.Reject)
+    finally:
+        sock.close()
+
+
+async def test_unsealed_unless_asked(make_agent) -> None:
+    """A Hello without sealed (an older client) gets the plain Challenge."""
+    target = await make_agent("target")
+    loop = asyncio.get_running_loop()
+    host, port = target.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.setblocking(False)
+    try:
+        _raw_hello(sock)
+        ch = await within(protocol.recv_frame(loop, sock))
+        assert isinstance(ch, metadata.Challenge) and ch.sealed == b""
+    finally:
+        sock.close()
+
+
+async def test_sealed_answer_unasked_or_forged_is_refused() -> None:
+    """Client side: a server whose Challenge carries a sealed Accept the client
+    did not ask for, or one that does not verify, is refused before the client
+    sends its Proof."""
+    loop = asyncio.get_running_loop()
+    token = b"tok"
+    for purpose, accept_only, forge in (("data", False, False), ("meta", True, True)):
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        try:
+            hs = loop.create_task(protocol.client_handshake(
+                loop, a, name="c", incarnation=1, purpose=purpose, token=token,
+                accept_only=accept_only,
+            ))
+            hello = await within(protocol.recv_frame(loop, b))
+            assert isinstance(hello, metadata.Hello) and hello.sealed == accept_only
+            nonce_s = os.urandom(protocol.NONCE_BYTES)
+            sealed = protocol.seal(token, hello.nonce, nonce_s,
+                                   metadata.Accept(name="s", incarnation=2, local="x"))
+            if forge:
+                sealed = protocol.seal(b"not the token", hello.nonce, nonce_s,
+                                       metadata.Accept(name="s", incarnation=2, local="x"))
+            await loop.sock_sendall(b, protocol.encode_frame(metadata.Challenge(
+                nonce=nonce_s, proof=protocol.server_proof(token, hello.nonce), sealed=sealed,
+            )))
+            with pytest.raises(AccessDenied if forge else ProtocolError):
+                await within(hs)
+            assert await within(loop.sock_recv(b, 1)) == b""  # no Proof was sent
+        finally:
+            a.close()
+            b.close()
 
 
 async def test_deregistered_while_metadata_waits_closes(make_agent) -> None:
