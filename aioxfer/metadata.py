@@ -75,10 +75,6 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # no metadata after it; a same-host agent asks this first. A server that
     # predates it sends the metadata anyway, which such a client never reads.
     accept_only: bool = False
-    # With accept_only: a server with a token may put that Accept, sealed
-    # (Challenge.sealed), into its Challenge, so that the client can go on to
-    # the unix socket while its Proof travels. Older servers ignore it.
-    sealed: bool = False
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
@@ -89,14 +85,10 @@ class Challenge(msgspec.Struct, tag="challenge", frozen=True):
 
     ``proof`` = HMAC(token, server context + client nonce): the server shows it
     knows the token too; ``nonce`` is what the client must answer.
-    ``sealed`` (only when Hello.sealed asked): the Accept it will send after
-    the Proof, encrypted and authenticated under the token and both nonces
-    (protocol.seal): readable only by a holder of the token.
     """
 
     nonce: Nonce
     proof: Nonce
-    sealed: Annotated[bytes, msgspec.Meta(max_length=2048)] = b""
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):

@@ -15,11 +15,6 @@ Handshake (client left, server right)::
     Proof{HMAC(token, CLIENT_CTX + nonce_s + name)}       ->                  (token only)
                    <- Accept{name, incarnation}  |  Reject{reason}, close
     "meta":        <- AgentMeta, close
-    "meta", Hello.accept_only: <- nothing more, close
-    "meta", Hello.accept_only and Hello.sealed, token: the Challenge also
-                   carries the Accept, sealed (see seal()); the client reads
-                   it there, sends its Proof and goes on (to the server's unix
-                   socket) without waiting for the Accept itself
     "data":        native engine frames both ways from here on
     "data", Hello.meta (Accept.meta says it follows):
                    <- AgentMeta, [memfds: unix socket], META_GO
@@ -63,8 +58,6 @@ __all__ = [
     "client_handshake",
     "client_proof",
     "encode_frame",
-    "seal",
-    "unseal",
     "recv_go",
     "recv_frame",
     "send_frame",
@@ -90,14 +83,9 @@ MAX_NAME = 256
 META_GO = b"\x01"
 _SERVER_CTX = b"aioxfer-server-v1\x00"
 _CLIENT_CTX = b"aioxfer-client-v1\x00"
-_SEAL_CTX = b"aioxfer-seal-v1\x00"
-_SEAL_TAG_CTX = b"aioxfer-seal-tag-v1\x00"
-SEAL_TAG_BYTES = 16
-MAX_SEALED = 2048  # Challenge.sealed's bound; a larger Accept is not sealed
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
-_accept_decoder = msgspec.msgpack.Decoder(Accept)
 
 
 class FrameTooLarge(ProtocolError):
@@ -193,48 +181,6 @@ def client_proof(token: bytes, server_nonce: bytes, name: str) -> bytes:
     return hmac.new(token, _CLIENT_CTX + server_nonce + name.encode(), hashlib.sha256).digest()
 
 
-def _keystream(token: bytes, nonce_c: bytes, nonce_s: bytes, n: int) -> int:
-    out = b"".join(
-        hmac.new(token, _SEAL_CTX + nonce_c + nonce_s + i.to_bytes(4, "big"),
-                 hashlib.sha256).digest()
-        for i in range((n + 31) // 32)
-    )
-    return int.from_bytes(out[:n], "big")
-
-
-def _xor(data: bytes, stream: int) -> bytes:
-    return (int.from_bytes(data, "big") ^ stream).to_bytes(len(data), "big")
-
-
-def _seal_tag(token: bytes, nonce_c: bytes, nonce_s: bytes, ct: bytes) -> bytes:
-    mac = hmac.new(token, _SEAL_TAG_CTX + nonce_c + nonce_s + ct, hashlib.sha256)
-    return mac.digest()[:SEAL_TAG_BYTES]
-
-
-def seal(token: bytes, nonce_c: bytes, nonce_s: bytes, accept: Accept) -> bytes:
-    """The Accept a server puts into its Challenge for a client that asked
-    (Hello.sealed): encrypted with a keystream of HMAC-SHA256(token, context +
-    client nonce + server nonce + block counter) and authenticated by a
-    truncated HMAC-SHA256 tag over the ciphertext. The server nonce is fresh
-    per connection, so no keystream is used twice; without the token a
-    reader learns only its length."""
-    plain = _encoder.encode(accept)
-    ct = _xor(plain, _keystream(token, nonce_c, nonce_s, len(plain)))
-    return ct + _seal_tag(token, nonce_c, nonce_s, ct)
-
-
-def unseal(token: bytes, nonce_c: bytes, nonce_s: bytes, sealed: bytes) -> Accept:
-    """seal's Accept back; AccessDenied if the tag does not verify (another
-    token, or bytes changed on the way)."""
-    ct, tag = sealed[:-SEAL_TAG_BYTES], sealed[-SEAL_TAG_BYTES:]
-    if not ct or not hmac.compare_digest(tag, _seal_tag(token, nonce_c, nonce_s, ct)):
-        raise AccessDenied("peer's sealed answer does not verify")
-    try:
-        return _accept_decoder.decode(_xor(ct, _keystream(token, nonce_c, nonce_s, len(ct))))
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed sealed answer: {exc}") from None
-
-
 def _unexpected(got: Frame, want: str) -> ProtocolError:
     return ProtocolError(f"expected {want}, got {type(got).__name__}")
 
@@ -261,7 +207,6 @@ async def _client_handshake(
         byteorder=sys.byteorder,
         meta=meta,
         accept_only=accept_only,
-        sealed=accept_only and token is not None,
     )
     await send_frame(loop, sock, hello)
     msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
@@ -272,16 +217,7 @@ async def _client_handshake(
             raise AccessDenied("peer failed to prove it knows the token")
         if len(msg.nonce) != NONCE_BYTES:
             raise ProtocolError(f"challenge nonce must be {NONCE_BYTES} bytes")
-        early = None
-        if msg.sealed:
-            if not hello.sealed:
-                raise ProtocolError("peer sent a sealed answer nobody asked for")
-            early = unseal(token, nonce, msg.nonce, msg.sealed)
         await send_frame(loop, sock, Proof(proof=client_proof(token, msg.nonce, name)))
-        if early is not None:
-            # The server's Accept follows the Proof; the caller needs only
-            # who answered and where its unix socket is, which it has now.
-            return early
         msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     elif isinstance(msg, Accept) and token is not None:
         raise AccessDenied("peer does not authenticate with a token, but this agent requires one")
@@ -315,16 +251,9 @@ async def _server_handshake(
     if hello.purpose in ("data", "verbs") and hello.byteorder != sys.byteorder:
         await _reject(loop, sock, f"byte order {hello.byteorder} is not {sys.byteorder}")
         raise ProtocolError(f"client byte order {hello.byteorder} is not {sys.byteorder}")
-    sealed = b""
     if token is not None:
         nonce = secrets.token_bytes(NONCE_BYTES)
-        if hello.sealed and hello.accept_only and hello.purpose == "meta":
-            sealed = seal(token, hello.nonce, nonce, accept)
-            if len(sealed) > MAX_SEALED:
-                sealed = b""
-        await send_frame(loop, sock, Challenge(
-            nonce=nonce, proof=server_proof(token, hello.nonce), sealed=sealed
-        ))
+        await send_frame(loop, sock, Challenge(nonce=nonce, proof=server_proof(token, hello.nonce)))
         try:
             answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
         except ProtocolError as exc:
@@ -338,12 +267,7 @@ async def _server_handshake(
             raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
     if hello.meta and hello.purpose == "data":
         accept = msgspec.structs.replace(accept, meta=True)  # the caller sends it
-    try:
-        await send_frame(loop, sock, accept)
-    except OSError:
-        if not sealed:
-            raise
-        # It had the Accept already (sealed) and may have closed: not a failure.
+    await send_frame(loop, sock, accept)
     return hello
 
 
