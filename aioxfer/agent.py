@@ -561,14 +561,6 @@ class Agent:
             )
             if task is not None
         ]
-        if self._loop is not None:
-            # No accept from here on: a connection arriving in the loop step
-            # that cancels an accept task (a peer filling its rail, Rails.fill)
-            # has Python 3.11's sock_accept set a result on the cancelled
-            # future (InvalidStateError in the loop's exception handler).
-            for lsock in (*self._lsocks, self._local_sock):
-                if lsock is not None and lsock.fileno() >= 0:
-                    self._loop.remove_reader(lsock.fileno())
         for task in tasks:
             task.cancel()
         try:

@@ -36,6 +36,7 @@ from aioxfer.errors import (
     ProtocolError,
     StalePeer,
     TransportError,
+    XferError,
     error_class,
 )
 from aioxfer.local import PeerCred, check_sealed, peer_cred, peer_pidfd
@@ -158,6 +159,11 @@ class Connector:
         # metadata comes on it too (Hello.meta, protocol.META_GO), unless the
         # peer may be on this host: then it comes from its unix socket.
         cfg = self._config
+        early: _EarlyConns | None = None
+        if not cfg.local and "verbs" not in cfg.transports and cfg.tcp_connections > 1:
+            # Only tcp can come of it: the first rail's other connections are
+            # dialled now, beside the first one (added once regions are in).
+            early = _EarlyConns(self._dialer, address, cfg.tcp_connections - 1)
         # An agent with a unix socket first asks only who answered (purpose
         # "meta": an Accept naming the peer's unix socket and host): the
         # peer's engine never holds that connection, so neither side sets up
@@ -165,9 +171,14 @@ class Connector:
         # the mapping of the peer's pools run. Taking tcp after all, it dials
         # a data connection of its own.
         probe = cfg.local
-        sock0, accept0, meta0 = await self._dialer.open_meta(
-            address, "meta" if probe else "data", meta=not probe
-        )
+        try:
+            sock0, accept0, meta0 = await self._dialer.open_meta(
+                address, "meta" if probe else "data", meta=not probe
+            )
+        except BaseException:
+            if early is not None:
+                await early.close()
+            raise
         local: _LocalLink | None = None
         try:
             if (
@@ -199,12 +210,14 @@ class Connector:
                     f"peer at {address} restarted while we connected (incarnation "
                     f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
                 )
-            return await self._connect_meta(address, meta, sock0, local)
+            return await self._connect_meta(address, meta, sock0, local, early)
         finally:
             if sock0.fileno() >= 0:
                 sock0.close()
             if local is not None:
                 local.close()
+            if early is not None:
+                await early.close()
 
     async def _connect_meta(
         self,
@@ -212,6 +225,7 @@ class Connector:
         meta: AgentMeta,
         sock0: socket.socket,
         local: _LocalLink | None,
+        early: _EarlyConns | None = None,
     ) -> Peer:
         if self._embedded is not None:
             # Embedded, names need not be unique: only the same name at the same
@@ -234,7 +248,8 @@ class Connector:
                 f"same host: {meta.host_id == self._config.host_id})"
             )
         return await self._connect_path(
-            address, meta, sock0, path, local if path in ("shm", "cuda") else None
+            address, meta, sock0, path, local if path in ("shm", "cuda") else None,
+            early if path == "tcp" else None,
         )
 
     async def _connect_path(
@@ -244,6 +259,7 @@ class Connector:
         sock0: socket.socket,
         path: str,
         local: _LocalLink | None,
+        early: _EarlyConns | None = None,
     ) -> Peer:
         shm = local is not None  # same host: one connection, copies by this engine
         verbs = path == "verbs"
@@ -303,17 +319,19 @@ class Connector:
                 self._engine.endpoint_add_conn(ep, local.take_data(), first)
             else:
                 self._engine.endpoint_add_conn(ep, sock0.detach(), first)
-            # The other rails' connections, every rail at once: (rail, how many).
-            # The first rail's others join after connect returned (Rails.fill):
-            # dialled beside the first one, their handshakes (both processes'
-            # event loops) and the engines' threads for them made the first
-            # connection and the first write wait (tcp connect + first 4 KiB
-            # write with 4 connections 3.3 ms, with 1 2.3-2.4 ms, loopback).
-            dial = [(i, per) for i in range(len(rails)) if i != first]
+            # The rest of the connections, every rail at once: (rail, how many).
+            # The first rail's dialled early (of this incarnation) count.
+            took = 0
+            if early is not None:
+                for sock in await early.take(per - 1, meta.incarnation):
+                    self._engine.endpoint_add_conn(ep, sock.detach(), first)
+                    took += 1
+            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
             added = await asyncio.gather(
                 *(self._rails.dial(ep, i, rails[i], n, meta.incarnation) for i, n in dial)
             )
             reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
+            added = [*added, took]
             if verbs:
                 await self._connect_verbs(ep, address, meta)
             self._check_open()
@@ -339,8 +357,6 @@ class Connector:
                 ) from None
             raise
         self._peers.add(peer, address)
-        if per > 1:
-            self._rails.fill(peer, first, per - 1)
         for i in range(len(rails)):
             if i not in reached:  # unreachable now: probed until it answers
                 peer._rails_down.add(i)
@@ -357,7 +373,6 @@ class Connector:
             address=address,
             path=path,
             conns=1 + sum(added),
-            joining=per - 1,
             rails=len(rails),
             regions=len(peer._regions),
         )
@@ -672,6 +687,46 @@ def cma_allowed() -> bool:
     if scope >= 2 or (scope == 1 and os.geteuid() != 0):
         return False
     return _cma_works()
+
+
+class _EarlyConns:
+    """Data connections to a tcp peer dialled before its metadata arrived;
+    closes whatever is not taken."""
+
+    __slots__ = ("_tasks",)
+
+    def __init__(self, dialer: Dialer, address: str, n: int) -> None:
+        self._tasks = [asyncio.ensure_future(dialer.open(address)) for _ in range(n)]
+
+    async def take(self, n: int, incarnation: int) -> list[socket.socket]:
+        """Up to n of them, answered by that incarnation; network failures
+        only make them fewer."""
+        await asyncio.wait(self._tasks)
+        got: list[socket.socket] = []
+        for t in self._tasks:
+            if t.cancelled():
+                continue
+            exc = t.exception()
+            if exc is not None:
+                if not isinstance(exc, XferError | OSError):
+                    raise exc
+                continue
+            sock, accept = t.result()
+            if len(got) < n and accept.incarnation == incarnation:
+                got.append(sock)
+        return got
+
+    async def close(self) -> None:
+        """Closes what was not taken (a dial still running is cancelled: it
+        closes its own socket)."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.wait(self._tasks)
+        for t in self._tasks:
+            if not t.cancelled() and t.exception() is None:
+                sock = t.result()[0]
+                if sock.fileno() >= 0:
+                    sock.close()
 
 
 class _LocalLink:

@@ -29,8 +29,6 @@ _log = get_logger("aioxfer")
 
 # (rail, live, bytes, rate in bytes/ms, reroutes) per connection (Engine.endpoint_rails)
 RailConn = tuple[int, bool, int, int, int]
-# Seconds from connect's return to dialling the first rail's other connections.
-FILL_DELAY = 0.002
 
 
 class Rails:
@@ -107,29 +105,6 @@ class Rails:
                          reason=reason, moved=moved)
         # Also a rail that kept some connections is topped up again.
         self.start_probe(peer, rail)
-
-    def fill(self, peer: Peer, rail: int, n: int) -> None:
-        """Dials n more connections of ``rail`` in the background, once: the
-        ones a newly connected peer's rail still lacks (connect returns with
-        its first connection up). Network failures only make them fewer, as at
-        connect; a rail whose connections all fail later is probed as usual."""
-        task = asyncio.get_running_loop().create_task(
-            self._fill(peer, rail, n), name=f"aioxfer-fill-{peer.name}-{rail}"
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _fill(self, peer: Peer, rail: int, n: int) -> None:
-        # After the caller's first requests went out on the first connection:
-        # started at once, these handshakes ran before it resumed (both
-        # processes' loops and CPUs busy with them, the first write after).
-        await asyncio.sleep(FILL_DELAY)
-        if peer.lost or self._closed():
-            return
-        try:
-            await self.dial(peer._ep, rail, peer.rails[rail], n, peer.incarnation)
-        except _cyx.NativeError:
-            return  # the endpoint is gone: the peer is lost
 
     def start_probe(self, peer: Peer, rail: int) -> None:
         """Re-dials ``rail`` in the background (once at a time per rail)."""

@@ -16,7 +16,7 @@ import socket
 
 import msgspec
 import pytest
-from conftest import SAME_HOST, pattern, within
+from conftest import SAME_HOST, within
 
 from aioxfer import AccessDenied, ProtocolError, auth, local, metadata, protocol
 
@@ -156,74 +156,46 @@ async def test_metadata_that_waits_still_connects(make_agent) -> None:
     assert bytes(dst.numpy()[:4096]) == b"\x09" * 4096
 
 
-async def test_first_rail_connections_join_after_connect(make_agent) -> None:
-    """tcp: connect returns with the first connection up; the first rail's
-    other connections join right after (Rails.fill), and carry data."""
-    target = await make_agent("target", transports=("tcp",))
-    dst = target.alloc(8 * MiB, name="dst")
-    init = await make_agent("init", transports=("tcp",), tcp_connections=4)
-    peer = await within(init.connect(target.address))
-    src = init.register(pattern(8 * MiB, seed=3))
-    # The first write needs nothing but the first connection.
-    await within(init.write(src[0:4096], peer.region("dst")[0:4096]))
-    for _ in range(500):
-        if [r.connections for r in peer.statistics().rails] == [4]:
-            break
-        await asyncio.sleep(0.01)
-    assert [r.connections for r in peer.statistics().rails] == [4]
-    await within(init.write(src[0:8 * MiB], peer.region("dst")[0:8 * MiB]))
-    assert bytes(dst.memoryview) == bytes(src.memoryview)
-    assert sum(1 for c in init._engine.endpoint_rails(peer._ep) if c[2] > 0) == 4
-
-
-async def test_fill_after_peer_lost_adds_nothing(make_agent) -> None:
-    """A peer that goes away before its rail is filled: the fill dials nothing
-    that stays open and raises nowhere."""
+async def test_first_rail_connections_are_up_at_connect(make_agent) -> None:
+    """tcp: the first rail's other connections, dialled beside the first one,
+    are all up when connect returns."""
     target = await make_agent("target", transports=("tcp",))
     target.alloc(MiB, name="dst")
     init = await make_agent("init", transports=("tcp",), tcp_connections=4)
-    before = len(os.listdir("/proc/self/fd"))
     peer = await within(init.connect(target.address))
-    await target.aclose()
-    for _ in range(500):
-        if peer.lost and not init._probes:
-            break
-        await asyncio.sleep(0.01)
-    assert peer.lost and not init._probes
-    await init.aclose()
-    assert len(os.listdir("/proc/self/fd")) <= before
+    st = peer.statistics()
+    assert [r.connections for r in st.rails] == [4]
 
 
 async def test_failed_connect_leaves_no_connection_open(make_agent) -> None:
-    """No connection is left open when connecting fails (the target, in this
-    process too, closes its side once its handshake task ends)."""
+    """No connection is left open when connecting fails."""
     target = await make_agent("target", transports=("tcp",), token="one")
     init = await make_agent("init", transports=("tcp",), tcp_connections=4, token="two")
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         with pytest.raises(AccessDenied):
             await within(init.connect(target.address))
-    for _ in range(200):
+    for _ in range(200):  # the target (in this process too) closes its side
         if not target._serving:
             break
         await asyncio.sleep(0.01)
     assert len(os.listdir("/proc/self/fd")) == before
 
 
-async def test_same_host_connect_reads_the_sealed_accept_quietly(make_agent, capsys) -> None:
-    """A same-host connect goes to the unix socket on the sealed Accept; the
-    target's probe connection ends without a warning (its Accept to a client
-    that already went on is no failure)."""
-    target = await make_agent("target")
-    dst = target.alloc(MiB, name="dst")
-    for i in range(3):
-        init = await make_agent(f"init{i}")
-        peer = await within(init.connect(target.address))
-        assert peer.path == SAME_HOST
-        src = init.register(bytearray(b"%c" % (65 + i)) * 4096)
-        await within(init.write(src[0:4096], peer.region("dst")[0:4096]))
-        assert bytes(dst.numpy()[:4096]) == bytes([65 + i]) * 4096
-        await init.aclose()
-    await asyncio.sleep(0.1)
-    err = capsys.readouterr().err
-    assert "conn.rejected" not in err and "conn.failed" not in err, err
+async def test_failure_after_the_first_connection_closes_the_others(make_agent) -> None:
+    """The first rail's other connections, dialled beside the first one, are
+    closed when connecting fails after the first one's metadata came (here:
+    it names another protocol version)."""
+    target = await make_agent("target", transports=("tcp",))
+    real = target._localmeta.meta_with
+    target._localmeta.meta_with = lambda memfd: msgspec.structs.replace(real(memfd), version=999)
+    init = await make_agent("init", transports=("tcp",), tcp_connections=4)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(ProtocolError):
+            await within(init.connect(target.address))
+    for _ in range(200):  # the target (in this process too) closes its side
+        if not target._serving and len(os.listdir("/proc/self/fd")) == before:
+            break
+        await asyncio.sleep(0.01)
+    assert len(os.listdir("/proc/self/fd")) == before
