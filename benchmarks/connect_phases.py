@@ -13,7 +13,9 @@ CLOCK_MONOTONIC, so the target's steps land on the initiator's timeline.
         --python /tmp/before/bin/python --python .venv/bin/python   # A/B, interleaved
 
 Prints per build: the total's median, then each step's median start and
-duration (ms from the initiator's connect call), over the samples.
+duration (ms from the initiator's connect call), over the samples; --dump
+also one sample's raw timeline. PHASE_TCP_CONNS=n in the environment: the
+initiator's tcp_connections (a what-if: how much the other connections cost).
 """
 
 from __future__ import annotations
@@ -89,7 +91,6 @@ class _EngineProxy:
 def _patch(prefix: str) -> None:
     import aioxfer.connector as conn
     import aioxfer.dialing as dialing
-    import aioxfer.protocol as proto
     import aioxfer.serving as serving
 
     for mod in (dialing, conn, serving):
@@ -104,7 +105,6 @@ def _patch(prefix: str) -> None:
     _wrap_sync(conn.Connector, "_apply_regions", prefix + "apply_regions")
     _wrap_async(serving.Server, "_send_meta", prefix + "send_meta")
     _wrap_async(serving.Server, "_serve", prefix + "serve")
-    _ = proto
     init = serving.Server.__init__
 
     def sinit(self: Any, *a: Any, **k: Any) -> None:
