@@ -168,11 +168,34 @@ async def test_first_rail_connections_are_up_at_connect(make_agent) -> None:
 
 
 async def test_failed_connect_leaves_no_connection_open(make_agent) -> None:
-    """The connections dialled early are closed when connecting fails."""
+    """No connection is left open when connecting fails."""
     target = await make_agent("target", transports=("tcp",), token="one")
     init = await make_agent("init", transports=("tcp",), tcp_connections=4, token="two")
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         with pytest.raises(AccessDenied):
             await within(init.connect(target.address))
+    for _ in range(200):  # the target (in this process too) closes its side
+        if not target._serving:
+            break
+        await asyncio.sleep(0.01)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+async def test_failure_after_the_first_connection_closes_the_others(make_agent) -> None:
+    """The first rail's other connections, dialled beside the first one, are
+    closed when connecting fails after the first one's metadata came (here:
+    it names another protocol version)."""
+    target = await make_agent("target", transports=("tcp",))
+    real = target._localmeta.meta_with
+    target._localmeta.meta_with = lambda memfd: msgspec.structs.replace(real(memfd), version=999)
+    init = await make_agent("init", transports=("tcp",), tcp_connections=4)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(ProtocolError):
+            await within(init.connect(target.address))
+    for _ in range(200):  # the target (in this process too) closes its side
+        if not target._serving and len(os.listdir("/proc/self/fd")) == before:
+            break
+        await asyncio.sleep(0.01)
     assert len(os.listdir("/proc/self/fd")) == before
