@@ -38,6 +38,7 @@ cdef class Prepared:
     cdef object _rr
     cdef Py_ssize_t _lr_closed  # slot offsets; -1: not the one-pair path
     cdef Py_ssize_t _rr_gone
+    cdef Submitter _submitter  # submit and flush are its own (else None): called directly
 
     def __cinit__(self, agent, op, local, remote, slow, submit, flush, peer, opcode, descs,
                   nbytes, int priority, lr, rr):
@@ -56,6 +57,7 @@ cdef class Prepared:
         self._lr = lr
         self._rr = rr
         self._lr_closed = self._rr_gone = -1
+        self._submitter = _submitter_behind(submit, flush)
         if lr is not None and rr is not None and type(nbytes) is int:
             self._lr_closed = axf_slot_offset(type(lr), axf_type_lookup(type(lr), "_closed"))
             self._rr_gone = axf_slot_offset(type(rr), axf_type_lookup(type(rr), "_gone"))
@@ -74,6 +76,12 @@ cdef class Prepared:
             gone = axf_slot_ptr(self._rr, self._rr_gone)
             if (closed != NULL and <object>closed is False and gone != NULL
                     and <object>gone is False and self._agent._closed is False):
+                if self._submitter is not None:
+                    t = self._submitter._submit(self._peer, self._opcode, self._descs, None,
+                                                self.nbytes, self.op, self.priority)
+                    if now:
+                        self._submitter._flush_now()
+                    return t
                 t = self._submit(self._peer, self._opcode, self._descs, None, self.nbytes,
                                  self.op, self.priority)
                 if now:
@@ -89,6 +97,117 @@ cdef class Prepared:
 
     def __repr__(self):
         return f"<Prepared {self.op} of {self.nbytes} bytes>"
+
+
+cdef Submitter _submitter_behind(object submit, object flush):
+    """The Submitter whose submit ``submit`` is (bound) and whose
+    Submission's flush ``flush`` is (bound submission_flush), else None:
+    Prepared then calls its C methods, not the two bound ones (~400
+    instructions a post)."""
+    s = getattr(submit, "__self__", None)
+    if type(s) is not Submitter or getattr(submit, "__name__", None) != "submit":
+        return None
+    if getattr(flush, "__func__", None) is not submission_flush:
+        return None
+    if _submitter_of(flush.__self__) is not s:
+        return None
+    return <Submitter>s
+
+
+# ------------------------------------------------------------------ C calls
+# What aioxfer.nixl's two hot calls ask of a request's future (done, and
+# then whether it succeeded) and of the runtime's lock (an RLock: acquire,
+# release), called through the C functions behind the types' methods: a
+# method call from here is a lookup and a vectorcall, ~150 instructions,
+# several per request. Only for types that do not override them (checked
+# once per type); anything else through the methods.
+
+cdef extern from *:
+    """
+    /* The C function behind a METH_VARARGS|METH_KEYWORDS method
+       descriptor (an RLock's acquire), else NULL. */
+    typedef PyObject *(*axf_methkw)(PyObject *, PyObject *, PyObject *);
+    static axf_methkw axf_c_method_kw(PyObject *descr) {
+        PyMethodDef *m;
+        if (descr == NULL || Py_TYPE(descr) != &PyMethodDescr_Type)
+            return NULL;
+        m = ((PyMethodDescrObject *)descr)->d_method;
+        return m->ml_flags == (METH_VARARGS | METH_KEYWORDS)
+            ? (axf_methkw)(void *)m->ml_meth : NULL;
+    }
+    static inline PyObject *axf_methkw_call(axf_methkw f, PyObject *self, PyObject *args) {
+        return f(self, args, NULL);
+    }
+    """
+    ctypedef PyObject *(*axf_methkw)(PyObject *, PyObject *, PyObject *)
+    axf_methkw axf_c_method_kw(PyObject *descr)
+    object axf_methkw_call(axf_methkw f, object self, object args)
+
+cdef axf_meth1 _c_cancelled = axf_c_method(<PyObject *>_Future.cancelled, METH_NOARGS)
+cdef axf_meth1 _c_exception = axf_c_method(<PyObject *>_Future.exception, METH_NOARGS)
+cdef object _fs_type = None  # the future type last seen
+cdef bint _fs_c = False  # its done, cancelled and exception are the C Future's
+
+cdef int _fut_state(object f) except -1:
+    """0: future f is not done; 1: done with a result; 2: failed or
+    cancelled."""
+    global _fs_type, _fs_c
+    cdef type tp = type(f)
+    if tp is not _fs_type:
+        _fs_c = (_c_done != NULL and _c_cancelled != NULL and _c_exception != NULL
+                 and issubclass(tp, _Future)
+                 and getattr(tp, "done", None) is _future_done
+                 and getattr(tp, "cancelled", None) is _Future.cancelled
+                 and getattr(tp, "exception", None) is _Future.exception)
+        _fs_type = tp
+    if _fs_c:
+        if axf_meth_call(_c_done, f, NULL) is not True:
+            return 0
+        if axf_meth_call(_c_cancelled, f, NULL) is True:
+            return 2
+        return 1 if axf_meth_call(_c_exception, f, NULL) is None else 2
+    if not f.done():
+        return 0
+    return 1 if not f.cancelled() and f.exception() is None else 2
+
+
+cdef object _lk_type = None  # the lock type last seen
+cdef axf_methkw _lk_acquire = NULL  # its acquire and release, when C functions
+cdef axf_meth1 _lk_release = NULL
+cdef tuple _ARGS_NOWAIT = (False,)
+
+
+cdef inline int _lock_types(object lock) except -1:
+    global _lk_type, _lk_acquire, _lk_release
+    tp = type(lock)
+    if tp is not _lk_type:
+        _lk_acquire = axf_c_method_kw(axf_type_lookup(tp, "acquire"))
+        _lk_release = axf_c_method(axf_type_lookup(tp, "release"), METH_NOARGS)
+        if _lk_acquire == NULL or _lk_release == NULL:
+            _lk_acquire = NULL
+            _lk_release = NULL
+        _lk_type = tp
+    return 0
+
+
+cdef bint _lock_acquire(object lock, bint blocking) except -1:
+    """lock.acquire(blocking)."""
+    _lock_types(lock)
+    if _lk_acquire != NULL:
+        r = axf_methkw_call(_lk_acquire, lock, _NO_ARGS if blocking else _ARGS_NOWAIT)
+    else:
+        r = lock.acquire(blocking)
+    return r is True or (r is not False and bool(r))
+
+
+cdef int _lock_release(object lock) except -1:
+    """lock.release()."""
+    _lock_types(lock)
+    if _lk_acquire != NULL:
+        axf_meth_call(_lk_release, lock, NULL)
+    else:
+        lock.release()
+    return 0
 
 
 # ------------------------------------------------------------------ wait, then poll
@@ -166,6 +285,7 @@ def nixl_transfer(agent, handle, notif_msg=b""):
     cdef object x, prep, rt, lock, fut, rem, t0
     cdef object err = None
     cdef bint punt = False
+    cdef int st
     if notif_msg:
         return agent._transfer_py(handle, notif_msg)
     xfers = agent._xfers
@@ -186,11 +306,11 @@ def nixl_transfer(agent, handle, notif_msg=b""):
     lock = _slot_obj(rt, _nr_off[_NR_LOCK])
     if type(prep) is not Prepared or lock is None:
         return agent._transfer_py(handle, notif_msg)
-    lock.acquire()
+    _lock_acquire(lock, True)
     try:
         fut = _slot_obj(x, _nx_off[_NX_FUT])
         rem = _slot_obj(x, _nx_off[_NX_REMOTE])
-        if fut is not None and not fut.done():
+        if fut is not None and _fut_state(fut) == 0:
             punt = True  # (refused there: still in flight)
         elif rem is not None and rem.gen != _slot_obj(x, _nx_off[_NX_GEN]):
             punt = True  # (refused there: removed or re-registered)
@@ -212,14 +332,15 @@ def nixl_transfer(agent, handle, notif_msg=b""):
         if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
             rt.leave()  # wakes the loop for what the section scheduled
         else:
-            lock.release()
+            _lock_release(lock)
     if punt:
         return agent._transfer_py(handle, notif_msg)
     if err is not None:
         return agent._repost_failed(x, err)
-    if not fut.done():
+    st = _fut_state(fut)
+    if st == 0:
         return "PROC"
-    if not fut.cancelled() and fut.exception() is None:
+    if st == 1:
         return "DONE"
     return agent._repost_done(x, fut)
 
@@ -269,7 +390,7 @@ cdef inline object _ns_done(object agent, object x, object fut):
     """The state of a request whose post is done: "DONE" when it succeeded
     and there is no telemetry event to write, else the agent's _finish
     (which raises a failure)."""
-    if agent._tel_events is False and not fut.cancelled() and fut.exception() is None:
+    if agent._tel_events is False and _fut_state(fut) == 1:
         return "DONE"
     return _STATE_NAMES[agent._finish(x, fut, "getXferStatus")]
 
@@ -306,7 +427,7 @@ def nixl_state(agent, handle):
     fut = _slot_obj(x, _ns_off[_NS_FUT])
     if type(fut) is not _ns_transfer:
         return agent._state_py(handle)
-    if fut.done():
+    if _fut_state(fut):
         return _ns_done(agent, x, fut)
     f2 = _slot_obj(x, _ns_off[_NS_LAST_POLL])
     now = _perf_counter()
@@ -315,11 +436,11 @@ def nixl_state(agent, handle):
     rt = agent._rt
     a = agent._agent
     lock = rt.lock
-    if a is None or not lock.acquire(False):
+    if a is None or not _lock_acquire(lock, False):
         return agent._state_py(handle)  # (it yields to the loop thread)
     spun = False
     try:
-        if fut.done():  # (_wait_completion's ready())
+        if _fut_state(fut):  # (_wait_completion's ready())
             spun = True
         else:
             fd = agent._fd
@@ -353,7 +474,7 @@ def nixl_state(agent, handle):
                 if claimed:
                     sel.release(fd, _ns_linger)
                 raise
-            if caught and us != 0 and fut.done():
+            if caught and us != 0 and _fut_state(fut):
                 # (_wait_completion's bookkeeping of a catch, inline.)
                 took = _perf_counter() - <double>_slot_obj(x, _ns_off[_NS_T0])
                 lat = <double>_slot_obj(x, _ns_off[_NS_LAT])
@@ -380,13 +501,13 @@ def nixl_state(agent, handle):
         if rt._foreign is True:
             rt.leave()
         else:
-            lock.release()
+            _lock_release(lock)
     if not spun:
         # Neither caught nor spun for in "poll" progress: the sleep, as
         # _wait_completion's, then the rest of the state (no second spin).
         return agent._state_slept(x, fut, a, fd, claimed, spin_us)
     axf_slot_put(x, _ns_off[_NS_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
-    if fut.done():
+    if _fut_state(fut):
         return _ns_done(agent, x, fut)
     return "PROC"
 

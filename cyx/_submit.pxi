@@ -93,7 +93,7 @@ cdef class Submitter:
     ``slow_eager(t)``. ``sub``: the Submission; ``flush``: its bound _flush
     (what a batch's first request schedules); the rest, the constants of
     Submission.eager's post (post_drain's arguments, EAGER_MAX and
-    EAGER_STREAK)."""
+    EAGER_STREAK) and of its drain (POLL_ROUNDS)."""
 
     cdef object _sub
     cdef object _slow
@@ -105,6 +105,7 @@ cdef class Submitter:
     cdef Py_ssize_t _poll_max
     cdef long long _eager_max
     cdef long long _eager_streak
+    cdef int _poll_rounds
     cdef bint _ok  # sub's fields are plain slots
     cdef Py_ssize_t _s[_S_FIELDS]
     cdef object _peer_type
@@ -118,7 +119,7 @@ cdef class Submitter:
 
     def __cinit__(self, sub, slow, flush, slow_eager, result_type, double weight,
                   uint64_t bandwidth_min, Py_ssize_t poll_max, long long eager_max,
-                  long long eager_streak):
+                  long long eager_streak, int poll_rounds):
         self._sub = sub
         self._slow = slow
         self._flush = flush
@@ -129,6 +130,7 @@ cdef class Submitter:
         self._poll_max = poll_max
         self._eager_max = eager_max
         self._eager_streak = eager_streak
+        self._poll_rounds = poll_rounds
         self._ok = _offsets(type(sub), _S_NAMES, self._s, _S_FIELDS)
 
     def submit(self, peer, opcode, descs, notify, nbytes, op, priority=0):
@@ -252,6 +254,9 @@ cdef class Submitter:
         one transfer is pending with nothing else in flight (what
         aioxfer.nixl calls per request: the Python method's two frames are
         ~2 k instructions of a small same-host request)."""
+        return self._flush_now()
+
+    cdef object _flush_now(self):
         cdef object sub = self._sub
         cdef PyObject *v
         cdef object engine, pending, pending_t, inflight
@@ -270,6 +275,41 @@ cdef class Submitter:
                                len(<list>pending_t) == 1 == len(<dict>inflight))
                 return None
         sub._flush_now()  # the Python version, which does all
+        return None
+
+    def drain(self):
+        """Submission.drain(), in its order: up to POLL_ROUNDS drain calls
+        while each takes poll_max records, the agent's totals counted, then
+        (more remain) the next drain scheduled on the loop. What the engine's
+        eventfd reader and aioxfer.nixl's poll (once per request of a tight
+        poller) call: the Python method's frame is ~700 instructions."""
+        return self._drain_now()
+
+    cdef object _drain_now(self):
+        cdef object sub = self._sub
+        cdef PyObject *v
+        cdef object engine, inflight, res
+        cdef int rounds = self._poll_rounds
+        if not self._ok:
+            return sub._drain_py()
+        v = axf_slot_ptr(sub, self._s[_S_ENGINE])
+        engine = <object>v if v != NULL else None
+        inflight = _slot_obj(sub, self._s[_S_INFLIGHT])
+        if type(engine) is not Engine or type(inflight) is not dict:
+            return sub._drain_py()
+        while rounds:
+            res = (<Engine>engine)._drain(
+                <dict>inflight, _slot_obj(sub, self._s[_S_ON_RECORD]),
+                _slot_obj(sub, self._s[_S_RELEASE]),
+                self._result_type, self._weight, self._bandwidth_min, self._poll_max)
+            if res[1] or res[2]:
+                axf_slot_put(sub, self._s[_S_COMPLETED],
+                             _slot_obj(sub, self._s[_S_COMPLETED]) + res[1])
+                axf_slot_put(sub, self._s[_S_BYTES], _slot_obj(sub, self._s[_S_BYTES]) + res[2])
+            if res[0] < self._poll_max:
+                return None
+            rounds -= 1
+        _slot_obj(sub, self._s[_S_LOOP]).call_soon(sub.drain)  # more remain: the loop breathes
         return None
 
     cdef bint _post(self, object engine, object pending, object ts, object inflight,
@@ -499,4 +539,10 @@ def submission_eager(sub, t):
 def submission_flush(sub):
     """Submission.flush (a method: bound to the Submission): its Submitter's
     flush(), the Submitter found in its ``_fast`` slot."""
-    return _submitter_of(sub).flush()
+    return _submitter_of(sub)._flush_now()
+
+
+def submission_drain(sub):
+    """Submission.drain (a method: bound to the Submission): its Submitter's
+    drain(), the Submitter found in its ``_fast`` slot."""
+    return _submitter_of(sub)._drain_now()
