@@ -649,8 +649,8 @@ cdef class Engine:
         # Posted: the engine copied the descriptors; the batch lists are the
         # caller's to fill again (a transfer submitted from the drain's
         # callbacks goes into them).
-        _axf_list_clear(items, 0, len(items), NULL)  # del items[:], without a slice object
-        _axf_list_clear(ts, 0, len(ts), NULL)
+        axf_list_empty(items)  # del items[:], its allocation kept
+        axf_list_empty(ts)
         if nested:
             return None, 0, 0, 0
         # Nothing in the ring (a remote request, a copy on a worker): no poll,

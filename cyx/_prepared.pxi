@@ -277,6 +277,51 @@ cdef bint _nr_ok = False
 cdef Py_ssize_t _nr_off[_NR_FIELDS]
 
 
+# The agent's two fields the repost reads (_xfers, _rt: plain instance
+# attributes), from its __dict__ (a generic attribute read is ~180
+# instructions: the type's lookup first), when its type has no attribute of
+# those names (checked once per type); and the handle's number through its
+# slot.
+cdef extern from "Python.h":
+    PyObject **_PyObject_GetDictPtr(object o)
+
+cdef object _na_type = None  # the agent type last seen
+cdef bint _na_dict = False  # its _xfers and _rt are read from the instance's __dict__
+cdef object _nh_type = None  # the handle type last seen
+cdef Py_ssize_t _nh_off = -1  # its _handle slot
+
+
+cdef inline object _nx_field(object agent, str name):
+    """agent.<name>, an instance attribute."""
+    cdef PyObject **dp
+    cdef PyObject *v
+    if _na_dict:
+        dp = _PyObject_GetDictPtr(agent)
+        if dp != NULL and dp[0] != NULL:
+            v = PyDict_GetItem(<object>dp[0], name)
+            if v != NULL:
+                return <object>v
+    return getattr(agent, name)
+
+
+cdef PyObject *_nx_request(object agent, object handle) except? NULL:
+    """agent._xfers.get(handle._handle) (borrowed: the caller holds the
+    agent), NULL when absent or when _xfers is not a dict."""
+    global _na_type, _na_dict, _nh_type, _nh_off
+    cdef PyObject *v
+    if type(agent) is not _na_type:
+        _na_dict = (axf_type_lookup(type(agent), "_xfers") == NULL
+                    and axf_type_lookup(type(agent), "_rt") == NULL)
+        _na_type = type(agent)
+    if type(handle) is not _nh_type:
+        _nh_off = axf_slot_offset(type(handle), axf_type_lookup(type(handle), "_handle"))
+        _nh_type = type(handle)
+    v = axf_slot_ptr(handle, _nh_off) if _nh_off >= 0 else NULL
+    number = <object>v if v != NULL else handle._handle
+    xfers = _nx_field(agent, "_xfers")
+    return PyDict_GetItem(xfers, number) if type(xfers) is dict else NULL
+
+
 def nixl_transfer(agent, handle, notif_msg=b""):
     """aioxfer.nixl's nixlAgent.xferTransfer (a method: bound to the
     nixlAgent): ``transfer(handle, notif_msg)``, "DONE" or "PROC"."""
@@ -288,15 +333,14 @@ def nixl_transfer(agent, handle, notif_msg=b""):
     cdef int st
     if notif_msg:
         return agent._transfer_py(handle, notif_msg)
-    xfers = agent._xfers
-    v = PyDict_GetItem(xfers, handle._handle) if type(xfers) is dict else NULL
+    v = _nx_request(agent, handle)
     if v == NULL:
         return agent._transfer_py(handle, notif_msg)
     x = <object>v
     if type(x) is not _nx_type:
         _nx_ok = _offsets(type(x), _NX_NAMES, _nx_off, _NX_FIELDS)
         _nx_type = type(x)
-    rt = agent._rt
+    rt = _nx_field(agent, "_rt")
     if type(rt) is not _nr_type:
         _nr_ok = _offsets(type(rt), _NR_NAMES, _nr_off, _NR_FIELDS)
         _nr_type = type(rt)
@@ -414,8 +458,7 @@ def nixl_state(agent, handle):
         (_ns_transfer, _ns_tight_poll, _ns_spin_keep, _ns_spin_misses, _ns_spin_probe,
          _ns_linger, _ns_eager_max, _ns_alone_max_us) = consts
         _ns_cls = type(agent)
-    xfers = agent._xfers
-    v = PyDict_GetItem(xfers, handle._handle) if type(xfers) is dict else NULL
+    v = _nx_request(agent, handle)
     if v == NULL:
         return agent._state_py(handle)
     x = <object>v
@@ -433,7 +476,7 @@ def nixl_state(agent, handle):
     now = _perf_counter()
     if type(f2) is not float or now - <double>f2 >= _ns_tight_poll:
         return agent._state_py(handle)
-    rt = agent._rt
+    rt = _nx_field(agent, "_rt")
     a = agent._agent
     lock = rt.lock
     if a is None or not _lock_acquire(lock, False):
