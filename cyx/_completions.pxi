@@ -231,6 +231,17 @@ cdef inline object _xfer_get(object t, int field):
     return getattr(t, _T_NAMES[field])  # unset (AttributeError) or not a slot
 
 
+cdef inline int _mark_posted(object t) except -1:
+    """t._posted = True (a transfer handed to the engine)."""
+    if type(t) is not _xfer_type:
+        _xfer_resolve(type(t))
+    if _xfer_off[_T_POSTED] >= 0:
+        axf_slot_put(t, _xfer_off[_T_POSTED], True)
+    else:
+        t._posted = True
+    return 0
+
+
 cdef object _make_result(object result_type, object nbytes, object seconds, object path,
                          object reroutes):
     """result_type(nbytes, seconds, path, reroutes) without its Python-level

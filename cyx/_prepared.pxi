@@ -77,11 +77,13 @@ cdef class Prepared:
             if (closed != NULL and <object>closed is False and gone != NULL
                     and <object>gone is False and self._agent._closed is False):
                 if self._submitter is not None:
-                    t = self._submitter._submit(self._peer, self._opcode, self._descs, None,
-                                                self.nbytes, self.op, self.priority)
                     if now:
-                        self._submitter._flush_now()
-                    return t
+                        return self._submitter._submit_now(self._peer, self._opcode,
+                                                           self._descs, self.nbytes, self.op,
+                                                           self.priority)
+                    return self._submitter._submit(self._peer, self._opcode, self._descs,
+                                                   None, self.nbytes, self.op, self.priority,
+                                                   False)
                 t = self._submit(self._peer, self._opcode, self._descs, None, self.nbytes,
                                  self.op, self.priority)
                 if now:

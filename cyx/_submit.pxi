@@ -116,6 +116,7 @@ cdef class Submitter:
     cdef Py_ssize_t _k[_K_FIELDS]
     cdef object _make_seen  # sub._make as last seen, and its FutureMaker (or None)
     cdef object _maker
+    cdef bint _direct  # _submit(now=True) posted the request itself
 
     def __cinit__(self, sub, slow, flush, slow_eager, result_type, double weight,
                   uint64_t bandwidth_min, Py_ssize_t poll_max, long long eager_max,
@@ -134,13 +135,28 @@ cdef class Submitter:
         self._ok = _offsets(type(sub), _S_NAMES, self._s, _S_FIELDS)
 
     def submit(self, peer, opcode, descs, notify, nbytes, op, priority=0):
-        return self._submit(peer, opcode, descs, notify, nbytes, op, priority)
+        return self._submit(peer, opcode, descs, notify, nbytes, op, priority, False)
+
+    cdef object _submit_now(self, object peer, object opcode, object descs, object nbytes,
+                            object op, object priority):
+        """submit(peer, opcode, descs, None, nbytes, op, priority), then
+        flush() (Prepared.post(now=True), aioxfer.nixl's repost): with
+        nothing else batched, the request is posted on its own, without
+        going through the batch (no item, no lists, no flush scheduled: ~1 k
+        instructions of a small same-host request)."""
+        t = self._submit(peer, opcode, descs, None, nbytes, op, priority, True)
+        if self._direct:
+            self._direct = False
+        else:
+            self._flush_now()
+        return t
 
     cdef object _submit(self, object peer, object opcode, object descs, object notify,
-                        object nbytes, object op, object priority):
+                        object nbytes, object op, object priority, bint now):
         cdef object sub = self._sub
         cdef PyObject *v
         cdef object make, counters  # owned: make() can run Python that rebinds them
+        cdef object engine
         cdef long long posted, k_posted, k_inflight, k_bytes, n
         if not self._ok or type(nbytes) is not int:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
@@ -191,6 +207,17 @@ cdef class Submitter:
         axf_slot_put(counters, self._k[_K_INFLIGHT_BYTES],
                      PyLong_FromLongLong(k_bytes + n))
         (<dict>inflight)[req_id] = t
+        if now and not <list>pending and not <list>pending_t and notify is None:
+            # Nothing batched: posted now on its own (flush's checks).
+            v = axf_slot_ptr(sub, self._s[_S_ENGINE])
+            engine = <object>v if v != NULL else None
+            if (type(engine) is Engine
+                    and _slot_obj(sub, self._s[_S_CLOSED]) is False
+                    and _slot_obj(sub, self._s[_S_PENDING_CANCELLED]) is False):
+                self._direct = True
+                self._post(engine, None, None, inflight, len(<dict>inflight) == 1, t,
+                           (_slot_obj(peer, self._q[_Q_EP]), opcode, descs, req_id))
+                return t
         (<list>pending).append(
             (_slot_obj(peer, self._q[_Q_EP]), opcode, descs, notify, req_id))
         (<list>pending_t).append(t)
@@ -313,22 +340,30 @@ cdef class Submitter:
         return None
 
     cdef bint _post(self, object engine, object pending, object ts, object inflight,
-                    bint alone) except -1:
+                    bint alone, object t=None, tuple one=None) except -1:
         """Submission.post_pending(alone) once its checks passed (the agent
         open, nothing cancelled, pending not empty): the batch posted and
         drained in one native call, the counts, the poller kicked when
-        something stays in flight (then True)."""
+        something stays in flight (then True). Or, pending and ts None,
+        transfer t alone (one: its ep, opcode, descs and id), not batched."""
         cdef object sub = self._sub
         cdef PyObject *v
         cdef object res, statuses
         try:
-            res = (<Engine>engine)._post_drain(
-                <list>pending, <list>ts, <dict>inflight,
-                _slot_obj(sub, self._s[_S_ON_RECORD]),
-                _slot_obj(sub, self._s[_S_RELEASE]),
-                self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
+            if t is None:
+                res = (<Engine>engine)._post_drain(
+                    <list>pending, <list>ts, <dict>inflight,
+                    _slot_obj(sub, self._s[_S_ON_RECORD]),
+                    _slot_obj(sub, self._s[_S_RELEASE]),
+                    self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
+            else:
+                res = (<Engine>engine)._post_one_drain(
+                    one[0], one[1], one[2], one[3], t, <dict>inflight,
+                    _slot_obj(sub, self._s[_S_ON_RECORD]),
+                    _slot_obj(sub, self._s[_S_RELEASE]),
+                    self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
         except Exception as exc:
-            sub._post_raised(ts, exc)
+            sub._post_raised(ts if t is None else [t], exc)
             return False
         statuses = res[0]
         if statuses is None:
@@ -339,7 +374,7 @@ cdef class Submitter:
             if res[1] >= self._poll_max:
                 sub.drain()  # more remain
         else:
-            sub._refused(ts, statuses)
+            sub._refused(ts if t is None else [t], statuses)
         if not inflight:
             return False
         v = axf_slot_ptr(sub, self._s[_S_POLLER])
@@ -509,7 +544,7 @@ cdef class Poster:
         return self._submitter._submit(
             <object>peer, opcode,
             (<object>d[0], <object>d[1], <object>d[2], <object>d[3], <object>d[4], <object>n),
-            None, <object>n, op, priority)
+            None, <object>n, op, priority, False)
 
 
 cdef object _fast_type = None  # the Submission type _fast_off is of
