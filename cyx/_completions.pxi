@@ -514,6 +514,17 @@ cdef inline bint _slot_int(object o, Py_ssize_t off, long long *out) except -1:
     return True
 
 
+cdef inline int _put_float(object o, Py_ssize_t off, double v) except -1:
+    """o's slot at off = v, left as it is when it holds that float already
+    (a small transfer leaves the bandwidth average alone, a large one the
+    latency's: no float made and freed for it)."""
+    cdef PyObject *p = axf_slot_ptr(o, off)
+    if p != NULL and type(<object>p) is float and PyFloat_AS_DOUBLE(<object>p) == v:
+        return 0
+    axf_slot_put(o, off, v)
+    return 0
+
+
 cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t moved,
                  double latency, double bandwidth) except -1:
     """Engine.drain's per-peer tally of ``done`` completed transfers
@@ -538,8 +549,8 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
         axf_slot_put(counters, _counters_off[_C_COMPLETED], PyLong_FromLongLong(v[2] + done))
         axf_slot_put(counters, _counters_off[_C_BYTES],
                      PyLong_FromLongLong(v[3] + <long long>moved))
-        axf_slot_put(counters, _counters_off[_C_LATENCY], latency)
-        axf_slot_put(counters, _counters_off[_C_BANDWIDTH], bandwidth)
+        _put_float(counters, _counters_off[_C_LATENCY], latency)
+        _put_float(counters, _counters_off[_C_BANDWIDTH], bandwidth)
         return 0
     counters.settle(done, req_bytes, moved, latency, bandwidth)
     return 0

@@ -75,7 +75,9 @@ cdef class Prepared:
             closed = axf_slot_ptr(self._lr, self._lr_closed)
             gone = axf_slot_ptr(self._rr, self._rr_gone)
             if (closed != NULL and <object>closed is False and gone != NULL
-                    and <object>gone is False and self._agent._closed is False):
+                    and <object>gone is False
+                    and (self._submitter._sub_open() if self._submitter is not None
+                         else self._agent._closed is False)):
                 if self._submitter is not None:
                     if now:
                         return self._submitter._submit_now(self._peer, self._opcode,

@@ -134,6 +134,12 @@ cdef class Submitter:
         self._poll_rounds = poll_rounds
         self._ok = _offsets(type(sub), _S_NAMES, self._s, _S_FIELDS)
 
+    cdef inline bint _sub_open(self):
+        """Whether the Submission's ``closed`` (the agent's: Agent.aclose
+        sets both) is False, read through its slot (Prepared's check of the
+        agent, ~200 instructions as an attribute of the Agent)."""
+        return self._ok and _slot_obj(self._sub, self._s[_S_CLOSED]) is False
+
     def submit(self, peer, opcode, descs, notify, nbytes, op, priority=0):
         return self._submit(peer, opcode, descs, notify, nbytes, op, priority, False)
 
