@@ -150,11 +150,11 @@ cdef class Submitter:
         nothing else batched, the request is posted on its own, without
         going through the batch (no item, no lists, no flush scheduled: ~1 k
         instructions of a small same-host request)."""
+        self._direct = False  # (also after a post that raised)
         t = self._submit(peer, opcode, descs, None, nbytes, op, priority, True)
-        if self._direct:
-            self._direct = False
-        else:
+        if not self._direct:
             self._flush_now()
+        self._direct = False
         return t
 
     cdef object _submit(self, object peer, object opcode, object descs, object notify,
