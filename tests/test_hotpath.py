@@ -332,6 +332,33 @@ async def test_compiled_flush_does_what_the_python_one_does(
     assert deltas[0] == deltas[1] == (3, 3 * 4096)
 
 
+async def test_compiled_drain_does_what_the_python_one_does(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Submission.drain (_cyx.Submitter.drain) and _drain_py: the same
+    transfers completed with their results, the same agent and peer counts."""
+    init, peer, local, remote = await _pair_64k(make_agent)
+    sub = init._sub
+    deltas = []
+    for drain in (sub.drain, sub._drain_py):
+        before = (sub.completed, sub.bytes, peer._counters.completed)
+        ts = [init.write(local[0:4096], remote[i:i + 4096]) for i in (0, 8192, 16384)]
+        # Posted by hand (post_pending would drain them itself), then seen.
+        items, sub._pending, sub._pending_t = sub._pending, [], []
+        assert sub._engine.post_many(items) == [0, 0, 0]
+        for t in ts:
+            t._posted = True
+        for _ in range(100):
+            if not sub.inflight:
+                break
+            sub._engine.wait(100_000)
+            drain()
+        assert [t.result().nbytes for t in ts] == [4096] * 3
+        deltas.append((sub.completed - before[0], sub.bytes - before[1],
+                       peer._counters.completed - before[2]))
+    assert deltas[0] == deltas[1] == (3, 3 * 4096, 3)
+
+
 async def test_prepared_post_now_with_nothing_batched_skips_the_batch(
     make_agent: Callable[..., Awaitable[Any]],
 ) -> None:
