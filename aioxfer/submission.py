@@ -135,7 +135,7 @@ class Submission:
         # (the eager method below reaches it through _fast).
         self._fast = _cyx.Submitter(
             self, self._submit_py, self._flush, self._eager_py, TransferResult,
-            ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, EAGER_MAX, EAGER_STREAK,
+            ESTIMATE_WEIGHT, BANDWIDTH_MIN, POLL_MAX, EAGER_MAX, EAGER_STREAK, POLL_ROUNDS,
         )
         self.submit: Callable[..., Transfer] = self._fast.submit
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -442,8 +442,15 @@ class Submission:
 
     # ------------------------------------------------------------ completions
 
-    def drain(self) -> None:
-        """Reader callback on the engine's eventfd; also called after a post."""
+    # Reader callback on the engine's eventfd; also called after a post, and
+    # by aioxfer.nixl's tight poll once per request (Agent.poll):
+    # _cyx.Submitter.drain of self._fast, called as a method without a Python
+    # frame; _drain_py is what it does.
+    drain = _cyx.submission_drain
+
+    def _drain_py(self) -> None:
+        """drain in Python (what _cyx.Submitter.drain does when the fields
+        are what it expects; keep the two in step)."""
         # Successful transfers are completed inside _cyx (no Python call per
         # record: the bulk of a small transfer's cost otherwise); the rest
         # comes to _on_record, in ring order.

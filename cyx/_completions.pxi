@@ -60,9 +60,27 @@ cdef inline object _new_instance(object cls):
 from cpython.dict cimport PyDict_GetItem
 from cpython.float cimport PyFloat_AS_DOUBLE
 
-cdef extern from "Python.h":
-    int _axf_list_clear "PyList_SetSlice" (object lst, Py_ssize_t lo, Py_ssize_t hi,
-                                           PyObject *v) except -1
+cdef extern from *:
+    """
+    /* del lst[:] keeping the list's allocation (Engine.post_drain empties
+       the batch lists a submit appends to again at once: freeing their
+       arrays, as del does, then growing them again is ~300 instructions a
+       request). The size is 0 before an item is released (a release may
+       run code that uses the list); a long list the usual way. */
+    static int axf_list_empty(PyObject *lst) {
+        PyObject *keep[8];
+        Py_ssize_t i, n = PyList_GET_SIZE(lst);
+        if (n > 8)
+            return PyList_SetSlice(lst, 0, n, NULL);
+        for (i = 0; i < n; i++)
+            keep[i] = PyList_GET_ITEM(lst, i);
+        Py_SET_SIZE(lst, 0);
+        for (i = 0; i < n; i++)
+            Py_DECREF(keep[i]);
+        return 0;
+    }
+    """
+    int axf_list_empty(list lst) except -1
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
 from cpython.long cimport PyLong_AsLongLong, PyLong_FromLongLong
 from cpython.ref cimport PyObject
@@ -211,6 +229,17 @@ cdef inline object _xfer_get(object t, int field):
         if v != NULL:
             return <object>v
     return getattr(t, _T_NAMES[field])  # unset (AttributeError) or not a slot
+
+
+cdef inline int _mark_posted(object t) except -1:
+    """t._posted = True (a transfer handed to the engine)."""
+    if type(t) is not _xfer_type:
+        _xfer_resolve(type(t))
+    if _xfer_off[_T_POSTED] >= 0:
+        axf_slot_put(t, _xfer_off[_T_POSTED], True)
+    else:
+        t._posted = True
+    return 0
 
 
 cdef object _make_result(object result_type, object nbytes, object seconds, object path,
@@ -485,6 +514,17 @@ cdef inline bint _slot_int(object o, Py_ssize_t off, long long *out) except -1:
     return True
 
 
+cdef inline int _put_float(object o, Py_ssize_t off, double v) except -1:
+    """o's slot at off = v, left as it is when it holds that float already
+    (a small transfer leaves the bandwidth average alone, a large one the
+    latency's: no float made and freed for it)."""
+    cdef PyObject *p = axf_slot_ptr(o, off)
+    if p != NULL and type(<object>p) is float and PyFloat_AS_DOUBLE(<object>p) == v:
+        return 0
+    axf_slot_put(o, off, v)
+    return 0
+
+
 cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t moved,
                  double latency, double bandwidth) except -1:
     """Engine.drain's per-peer tally of ``done`` completed transfers
@@ -509,8 +549,8 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
         axf_slot_put(counters, _counters_off[_C_COMPLETED], PyLong_FromLongLong(v[2] + done))
         axf_slot_put(counters, _counters_off[_C_BYTES],
                      PyLong_FromLongLong(v[3] + <long long>moved))
-        axf_slot_put(counters, _counters_off[_C_LATENCY], latency)
-        axf_slot_put(counters, _counters_off[_C_BANDWIDTH], bandwidth)
+        _put_float(counters, _counters_off[_C_LATENCY], latency)
+        _put_float(counters, _counters_off[_C_BANDWIDTH], bandwidth)
         return 0
     counters.settle(done, req_bytes, moved, latency, bandwidth)
     return 0

@@ -576,32 +576,40 @@ cdef class Engine:
             # items (held by the caller) keeps every descs and notify alive,
             # keep the copies; an item converted to a tuple here holds only
             # what items[i] holds too.
-            s = self._slots
-            self._busy += 1
-            if small <= _GIL_KEPT_BYTES:
-                # Little to copy (what a same-host post copies inline): the
-                # GIL's release and retake (~600 instructions) would cost
-                # more than the other threads could gain. POST_NOHELP: the
-                # doorbell leaves other requests' queued work (shm copies up
-                # to inline_bytes, a 1 MiB tcp frame) to the workers and
-                # senders, which would otherwise hold every other Python
-                # thread up to a millisecond.
-                flags |= AXF_POST_NOHELP
+            self._post_slots(count, flags, small)
+        finally:
+            self._posting = False
+        return 0
+
+    cdef int _post_slots(self, Py_ssize_t count, uint32_t flags, uint64_t small) except -1:
+        """self._slots[:count] (filled, their buffers held by the caller)
+        posted with flags, then the doorbell; small: their bytes, while
+        known to be at most _GIL_KEPT_BYTES."""
+        cdef Py_ssize_t i
+        cdef _slot *s = self._slots
+        self._busy += 1
+        if small <= _GIL_KEPT_BYTES:
+            # Little to copy (what a same-host post copies inline): the
+            # GIL's release and retake (~600 instructions) would cost
+            # more than the other threads could gain. POST_NOHELP: the
+            # doorbell leaves other requests' queued work (shm copies up
+            # to inline_bytes, a 1 MiB tcp frame) to the workers and
+            # senders, which would otherwise hold every other Python
+            # thread up to a millisecond.
+            flags |= AXF_POST_NOHELP
+            for i in range(count):
+                s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
+                                       s[i].notify, s[i].notify_len, s[i].req_id,
+                                       flags)
+            axf_doorbell_ex(self._e, AXF_POST_NOHELP)
+        else:
+            with nogil:
                 for i in range(count):
                     s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
                                            s[i].notify, s[i].notify_len, s[i].req_id,
                                            flags)
-                axf_doorbell_ex(self._e, AXF_POST_NOHELP)
-            else:
-                with nogil:
-                    for i in range(count):
-                        s[i].status = axf_post(self._e, s[i].ep, s[i].op, s[i].descs, s[i].n,
-                                               s[i].notify, s[i].notify_len, s[i].req_id,
-                                               flags)
-                    axf_doorbell(self._e)
-            self._busy -= 1
-        finally:
-            self._posting = False
+                axf_doorbell(self._e)
+        self._busy -= 1
         return 0
 
     def post_drain(self, list items, list ts, dict inflight, object slow, object release,
@@ -639,18 +647,58 @@ cdef class Engine:
             if self._slots[i].status != AXF_OK:
                 return [self._slots[i].status for i in range(count)], 0, 0, 0
         for i in range(count):
-            t = ts[i]
-            if type(t) is not _xfer_type:
-                _xfer_resolve(type(t))
-            if _xfer_off[_T_POSTED] >= 0:
-                axf_slot_put(t, _xfer_off[_T_POSTED], True)
-            else:
-                t._posted = True
+            _mark_posted(ts[i])
         # Posted: the engine copied the descriptors; the batch lists are the
         # caller's to fill again (a transfer submitted from the drain's
         # callbacks goes into them).
-        _axf_list_clear(items, 0, len(items), NULL)  # del items[:], without a slice object
-        _axf_list_clear(ts, 0, len(ts), NULL)
+        axf_list_empty(items)  # del items[:], its allocation kept
+        axf_list_empty(ts)
+        return self._posted_drain(nested, inflight, slow, release, result_type, weight,
+                                  bandwidth_min, max)
+
+    cdef tuple _post_one_drain(self, object ep, object op, object descs, object req_id,
+                               object t, dict inflight, object slow, object release,
+                               object result_type, double weight, uint64_t bandwidth_min,
+                               Py_ssize_t max, bint alone):
+        """_post_drain([(ep, op, descs, None, req_id)], [t], ...) without the
+        batch lists (Submitter's post of one request when nothing else is
+        batched: no item tuple, no lists to fill and empty)."""
+        cdef uint32_t flags
+        cdef _slot *s
+        cdef bint nested
+        self._open()
+        nested = self._polling
+        flags = AXF_POST_DEFER | (0 if nested else AXF_POST_POLL)
+        if alone:
+            flags |= AXF_POST_ALONE
+        if self._posting:
+            raise RuntimeError("Engine.post_many() is not reentrant")
+        self._posting = True
+        try:
+            self._ensure_slots(1)
+            s = self._slots
+            s.ep = ep
+            s.op = op
+            s.req_id = req_id
+            s.notify = NULL
+            s.notify_len = 0
+            _descs_in(descs, &s.one, &s.descs, &s.n)
+            # (descs, held by the caller, keeps an array's memory alive.)
+            self._post_slots(1, flags, s.one.len if s.descs == &s.one
+                             and s.one.len <= _GIL_KEPT_BYTES else _GIL_KEPT_BYTES + 1)
+        finally:
+            self._posting = False
+        if self._slots[0].status != AXF_OK:
+            return [self._slots[0].status], 0, 0, 0
+        _mark_posted(t)
+        return self._posted_drain(nested, inflight, slow, release, result_type, weight,
+                                  bandwidth_min, max)
+
+    cdef tuple _posted_drain(self, bint nested, dict inflight, object slow, object release,
+                             object result_type, double weight, uint64_t bandwidth_min,
+                             Py_ssize_t max):
+        """The end of _post_drain once all was posted: the ring drained,
+        unless nested (see there) or nothing is in it."""
         if nested:
             return None, 0, 0, 0
         # Nothing in the ring (a remote request, a copy on a worker): no poll,

@@ -38,6 +38,7 @@ cdef class Prepared:
     cdef object _rr
     cdef Py_ssize_t _lr_closed  # slot offsets; -1: not the one-pair path
     cdef Py_ssize_t _rr_gone
+    cdef Submitter _submitter  # submit and flush are its own (else None): called directly
 
     def __cinit__(self, agent, op, local, remote, slow, submit, flush, peer, opcode, descs,
                   nbytes, int priority, lr, rr):
@@ -56,6 +57,7 @@ cdef class Prepared:
         self._lr = lr
         self._rr = rr
         self._lr_closed = self._rr_gone = -1
+        self._submitter = _submitter_behind(submit, flush)
         if lr is not None and rr is not None and type(nbytes) is int:
             self._lr_closed = axf_slot_offset(type(lr), axf_type_lookup(type(lr), "_closed"))
             self._rr_gone = axf_slot_offset(type(rr), axf_type_lookup(type(rr), "_gone"))
@@ -73,7 +75,17 @@ cdef class Prepared:
             closed = axf_slot_ptr(self._lr, self._lr_closed)
             gone = axf_slot_ptr(self._rr, self._rr_gone)
             if (closed != NULL and <object>closed is False and gone != NULL
-                    and <object>gone is False and self._agent._closed is False):
+                    and <object>gone is False
+                    and (self._submitter._sub_open() if self._submitter is not None
+                         else self._agent._closed is False)):
+                if self._submitter is not None:
+                    if now:
+                        return self._submitter._submit_now(self._peer, self._opcode,
+                                                           self._descs, self.nbytes, self.op,
+                                                           self.priority)
+                    return self._submitter._submit(self._peer, self._opcode, self._descs,
+                                                   None, self.nbytes, self.op, self.priority,
+                                                   False)
                 t = self._submit(self._peer, self._opcode, self._descs, None, self.nbytes,
                                  self.op, self.priority)
                 if now:
@@ -89,6 +101,117 @@ cdef class Prepared:
 
     def __repr__(self):
         return f"<Prepared {self.op} of {self.nbytes} bytes>"
+
+
+cdef Submitter _submitter_behind(object submit, object flush):
+    """The Submitter whose submit ``submit`` is (bound) and whose
+    Submission's flush ``flush`` is (bound submission_flush), else None:
+    Prepared then calls its C methods, not the two bound ones (~400
+    instructions a post)."""
+    s = getattr(submit, "__self__", None)
+    if type(s) is not Submitter or getattr(submit, "__name__", None) != "submit":
+        return None
+    if getattr(flush, "__func__", None) is not submission_flush:
+        return None
+    if _submitter_of(flush.__self__) is not s:
+        return None
+    return <Submitter>s
+
+
+# ------------------------------------------------------------------ C calls
+# What aioxfer.nixl's two hot calls ask of a request's future (done, and
+# then whether it succeeded) and of the runtime's lock (an RLock: acquire,
+# release), called through the C functions behind the types' methods: a
+# method call from here is a lookup and a vectorcall, ~150 instructions,
+# several per request. Only for types that do not override them (checked
+# once per type); anything else through the methods.
+
+cdef extern from *:
+    """
+    /* The C function behind a METH_VARARGS|METH_KEYWORDS method
+       descriptor (an RLock's acquire), else NULL. */
+    typedef PyObject *(*axf_methkw)(PyObject *, PyObject *, PyObject *);
+    static axf_methkw axf_c_method_kw(PyObject *descr) {
+        PyMethodDef *m;
+        if (descr == NULL || Py_TYPE(descr) != &PyMethodDescr_Type)
+            return NULL;
+        m = ((PyMethodDescrObject *)descr)->d_method;
+        return m->ml_flags == (METH_VARARGS | METH_KEYWORDS)
+            ? (axf_methkw)(void *)m->ml_meth : NULL;
+    }
+    static inline PyObject *axf_methkw_call(axf_methkw f, PyObject *self, PyObject *args) {
+        return f(self, args, NULL);
+    }
+    """
+    ctypedef PyObject *(*axf_methkw)(PyObject *, PyObject *, PyObject *)
+    axf_methkw axf_c_method_kw(PyObject *descr)
+    object axf_methkw_call(axf_methkw f, object self, object args)
+
+cdef axf_meth1 _c_cancelled = axf_c_method(<PyObject *>_Future.cancelled, METH_NOARGS)
+cdef axf_meth1 _c_exception = axf_c_method(<PyObject *>_Future.exception, METH_NOARGS)
+cdef object _fs_type = None  # the future type last seen
+cdef bint _fs_c = False  # its done, cancelled and exception are the C Future's
+
+cdef int _fut_state(object f) except -1:
+    """0: future f is not done; 1: done with a result; 2: failed or
+    cancelled."""
+    global _fs_type, _fs_c
+    cdef type tp = type(f)
+    if tp is not _fs_type:
+        _fs_c = (_c_done != NULL and _c_cancelled != NULL and _c_exception != NULL
+                 and issubclass(tp, _Future)
+                 and getattr(tp, "done", None) is _future_done
+                 and getattr(tp, "cancelled", None) is _Future.cancelled
+                 and getattr(tp, "exception", None) is _Future.exception)
+        _fs_type = tp
+    if _fs_c:
+        if axf_meth_call(_c_done, f, NULL) is not True:
+            return 0
+        if axf_meth_call(_c_cancelled, f, NULL) is True:
+            return 2
+        return 1 if axf_meth_call(_c_exception, f, NULL) is None else 2
+    if not f.done():
+        return 0
+    return 1 if not f.cancelled() and f.exception() is None else 2
+
+
+cdef object _lk_type = None  # the lock type last seen
+cdef axf_methkw _lk_acquire = NULL  # its acquire and release, when C functions
+cdef axf_meth1 _lk_release = NULL
+cdef tuple _ARGS_NOWAIT = (False,)
+
+
+cdef inline int _lock_types(object lock) except -1:
+    global _lk_type, _lk_acquire, _lk_release
+    tp = type(lock)
+    if tp is not _lk_type:
+        _lk_acquire = axf_c_method_kw(axf_type_lookup(tp, "acquire"))
+        _lk_release = axf_c_method(axf_type_lookup(tp, "release"), METH_NOARGS)
+        if _lk_acquire == NULL or _lk_release == NULL:
+            _lk_acquire = NULL
+            _lk_release = NULL
+        _lk_type = tp
+    return 0
+
+
+cdef bint _lock_acquire(object lock, bint blocking) except -1:
+    """lock.acquire(blocking)."""
+    _lock_types(lock)
+    if _lk_acquire != NULL:
+        r = axf_methkw_call(_lk_acquire, lock, _NO_ARGS if blocking else _ARGS_NOWAIT)
+    else:
+        r = lock.acquire(blocking)
+    return r is True or (r is not False and bool(r))
+
+
+cdef int _lock_release(object lock) except -1:
+    """lock.release()."""
+    _lock_types(lock)
+    if _lk_acquire != NULL:
+        axf_meth_call(_lk_release, lock, NULL)
+    else:
+        lock.release()
+    return 0
 
 
 # ------------------------------------------------------------------ wait, then poll
@@ -158,6 +281,51 @@ cdef bint _nr_ok = False
 cdef Py_ssize_t _nr_off[_NR_FIELDS]
 
 
+# The agent's two fields the repost reads (_xfers, _rt: plain instance
+# attributes), from its __dict__ (a generic attribute read is ~180
+# instructions: the type's lookup first), when its type has no attribute of
+# those names (checked once per type); and the handle's number through its
+# slot.
+cdef extern from "Python.h":
+    PyObject **_PyObject_GetDictPtr(object o)
+
+cdef object _na_type = None  # the agent type last seen
+cdef bint _na_dict = False  # its _xfers and _rt are read from the instance's __dict__
+cdef object _nh_type = None  # the handle type last seen
+cdef Py_ssize_t _nh_off = -1  # its _handle slot
+
+
+cdef inline object _nx_field(object agent, str name):
+    """agent.<name>, an instance attribute."""
+    cdef PyObject **dp
+    cdef PyObject *v
+    if _na_dict:
+        dp = _PyObject_GetDictPtr(agent)
+        if dp != NULL and dp[0] != NULL:
+            v = PyDict_GetItem(<object>dp[0], name)
+            if v != NULL:
+                return <object>v
+    return getattr(agent, name)
+
+
+cdef PyObject *_nx_request(object agent, object handle) except? NULL:
+    """agent._xfers.get(handle._handle) (borrowed: the caller holds the
+    agent), NULL when absent or when _xfers is not a dict."""
+    global _na_type, _na_dict, _nh_type, _nh_off
+    cdef PyObject *v
+    if type(agent) is not _na_type:
+        _na_dict = (axf_type_lookup(type(agent), "_xfers") == NULL
+                    and axf_type_lookup(type(agent), "_rt") == NULL)
+        _na_type = type(agent)
+    if type(handle) is not _nh_type:
+        _nh_off = axf_slot_offset(type(handle), axf_type_lookup(type(handle), "_handle"))
+        _nh_type = type(handle)
+    v = axf_slot_ptr(handle, _nh_off) if _nh_off >= 0 else NULL
+    number = <object>v if v != NULL else handle._handle
+    xfers = _nx_field(agent, "_xfers")
+    return PyDict_GetItem(xfers, number) if type(xfers) is dict else NULL
+
+
 def nixl_transfer(agent, handle, notif_msg=b""):
     """aioxfer.nixl's nixlAgent.xferTransfer (a method: bound to the
     nixlAgent): ``transfer(handle, notif_msg)``, "DONE" or "PROC"."""
@@ -166,17 +334,17 @@ def nixl_transfer(agent, handle, notif_msg=b""):
     cdef object x, prep, rt, lock, fut, rem, t0
     cdef object err = None
     cdef bint punt = False
+    cdef int st
     if notif_msg:
         return agent._transfer_py(handle, notif_msg)
-    xfers = agent._xfers
-    v = PyDict_GetItem(xfers, handle._handle) if type(xfers) is dict else NULL
+    v = _nx_request(agent, handle)
     if v == NULL:
         return agent._transfer_py(handle, notif_msg)
     x = <object>v
     if type(x) is not _nx_type:
         _nx_ok = _offsets(type(x), _NX_NAMES, _nx_off, _NX_FIELDS)
         _nx_type = type(x)
-    rt = agent._rt
+    rt = _nx_field(agent, "_rt")
     if type(rt) is not _nr_type:
         _nr_ok = _offsets(type(rt), _NR_NAMES, _nr_off, _NR_FIELDS)
         _nr_type = type(rt)
@@ -186,11 +354,11 @@ def nixl_transfer(agent, handle, notif_msg=b""):
     lock = _slot_obj(rt, _nr_off[_NR_LOCK])
     if type(prep) is not Prepared or lock is None:
         return agent._transfer_py(handle, notif_msg)
-    lock.acquire()
+    _lock_acquire(lock, True)
     try:
         fut = _slot_obj(x, _nx_off[_NX_FUT])
         rem = _slot_obj(x, _nx_off[_NX_REMOTE])
-        if fut is not None and not fut.done():
+        if fut is not None and _fut_state(fut) == 0:
             punt = True  # (refused there: still in flight)
         elif rem is not None and rem.gen != _slot_obj(x, _nx_off[_NX_GEN]):
             punt = True  # (refused there: removed or re-registered)
@@ -212,14 +380,15 @@ def nixl_transfer(agent, handle, notif_msg=b""):
         if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
             rt.leave()  # wakes the loop for what the section scheduled
         else:
-            lock.release()
+            _lock_release(lock)
     if punt:
         return agent._transfer_py(handle, notif_msg)
     if err is not None:
         return agent._repost_failed(x, err)
-    if not fut.done():
+    st = _fut_state(fut)
+    if st == 0:
         return "PROC"
-    if not fut.cancelled() and fut.exception() is None:
+    if st == 1:
         return "DONE"
     return agent._repost_done(x, fut)
 
@@ -269,7 +438,7 @@ cdef inline object _ns_done(object agent, object x, object fut):
     """The state of a request whose post is done: "DONE" when it succeeded
     and there is no telemetry event to write, else the agent's _finish
     (which raises a failure)."""
-    if agent._tel_events is False and not fut.cancelled() and fut.exception() is None:
+    if agent._tel_events is False and _fut_state(fut) == 1:
         return "DONE"
     return _STATE_NAMES[agent._finish(x, fut, "getXferStatus")]
 
@@ -293,8 +462,7 @@ def nixl_state(agent, handle):
         (_ns_transfer, _ns_tight_poll, _ns_spin_keep, _ns_spin_misses, _ns_spin_probe,
          _ns_linger, _ns_eager_max, _ns_alone_max_us) = consts
         _ns_cls = type(agent)
-    xfers = agent._xfers
-    v = PyDict_GetItem(xfers, handle._handle) if type(xfers) is dict else NULL
+    v = _nx_request(agent, handle)
     if v == NULL:
         return agent._state_py(handle)
     x = <object>v
@@ -306,20 +474,20 @@ def nixl_state(agent, handle):
     fut = _slot_obj(x, _ns_off[_NS_FUT])
     if type(fut) is not _ns_transfer:
         return agent._state_py(handle)
-    if fut.done():
+    if _fut_state(fut):
         return _ns_done(agent, x, fut)
     f2 = _slot_obj(x, _ns_off[_NS_LAST_POLL])
     now = _perf_counter()
     if type(f2) is not float or now - <double>f2 >= _ns_tight_poll:
         return agent._state_py(handle)
-    rt = agent._rt
+    rt = _nx_field(agent, "_rt")
     a = agent._agent
     lock = rt.lock
-    if a is None or not lock.acquire(False):
+    if a is None or not _lock_acquire(lock, False):
         return agent._state_py(handle)  # (it yields to the loop thread)
     spun = False
     try:
-        if fut.done():  # (_wait_completion's ready())
+        if _fut_state(fut):  # (_wait_completion's ready())
             spun = True
         else:
             fd = agent._fd
@@ -353,7 +521,7 @@ def nixl_state(agent, handle):
                 if claimed:
                     sel.release(fd, _ns_linger)
                 raise
-            if caught and us != 0 and fut.done():
+            if caught and us != 0 and _fut_state(fut):
                 # (_wait_completion's bookkeeping of a catch, inline.)
                 took = _perf_counter() - <double>_slot_obj(x, _ns_off[_NS_T0])
                 lat = <double>_slot_obj(x, _ns_off[_NS_LAT])
@@ -380,13 +548,13 @@ def nixl_state(agent, handle):
         if rt._foreign is True:
             rt.leave()
         else:
-            lock.release()
+            _lock_release(lock)
     if not spun:
         # Neither caught nor spun for in "poll" progress: the sleep, as
         # _wait_completion's, then the rest of the state (no second spin).
         return agent._state_slept(x, fut, a, fd, claimed, spin_us)
     axf_slot_put(x, _ns_off[_NS_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
-    if fut.done():
+    if _fut_state(fut):
         return _ns_done(agent, x, fut)
     return "PROC"
 

@@ -93,7 +93,7 @@ cdef class Submitter:
     ``slow_eager(t)``. ``sub``: the Submission; ``flush``: its bound _flush
     (what a batch's first request schedules); the rest, the constants of
     Submission.eager's post (post_drain's arguments, EAGER_MAX and
-    EAGER_STREAK)."""
+    EAGER_STREAK) and of its drain (POLL_ROUNDS)."""
 
     cdef object _sub
     cdef object _slow
@@ -105,6 +105,7 @@ cdef class Submitter:
     cdef Py_ssize_t _poll_max
     cdef long long _eager_max
     cdef long long _eager_streak
+    cdef int _poll_rounds
     cdef bint _ok  # sub's fields are plain slots
     cdef Py_ssize_t _s[_S_FIELDS]
     cdef object _peer_type
@@ -115,10 +116,11 @@ cdef class Submitter:
     cdef Py_ssize_t _k[_K_FIELDS]
     cdef object _make_seen  # sub._make as last seen, and its FutureMaker (or None)
     cdef object _maker
+    cdef bint _direct  # _submit(now=True) posted the request itself
 
     def __cinit__(self, sub, slow, flush, slow_eager, result_type, double weight,
                   uint64_t bandwidth_min, Py_ssize_t poll_max, long long eager_max,
-                  long long eager_streak):
+                  long long eager_streak, int poll_rounds):
         self._sub = sub
         self._slow = slow
         self._flush = flush
@@ -129,16 +131,38 @@ cdef class Submitter:
         self._poll_max = poll_max
         self._eager_max = eager_max
         self._eager_streak = eager_streak
+        self._poll_rounds = poll_rounds
         self._ok = _offsets(type(sub), _S_NAMES, self._s, _S_FIELDS)
 
+    cdef inline bint _sub_open(self):
+        """Whether the Submission's ``closed`` (the agent's: Agent.aclose
+        sets both) is False, read through its slot (Prepared's check of the
+        agent, ~200 instructions as an attribute of the Agent)."""
+        return self._ok and _slot_obj(self._sub, self._s[_S_CLOSED]) is False
+
     def submit(self, peer, opcode, descs, notify, nbytes, op, priority=0):
-        return self._submit(peer, opcode, descs, notify, nbytes, op, priority)
+        return self._submit(peer, opcode, descs, notify, nbytes, op, priority, False)
+
+    cdef object _submit_now(self, object peer, object opcode, object descs, object nbytes,
+                            object op, object priority):
+        """submit(peer, opcode, descs, None, nbytes, op, priority), then
+        flush() (Prepared.post(now=True), aioxfer.nixl's repost): with
+        nothing else batched, the request is posted on its own, without
+        going through the batch (no item, no lists, no flush scheduled: ~1 k
+        instructions of a small same-host request)."""
+        self._direct = False  # (also after a post that raised)
+        t = self._submit(peer, opcode, descs, None, nbytes, op, priority, True)
+        if not self._direct:
+            self._flush_now()
+        self._direct = False
+        return t
 
     cdef object _submit(self, object peer, object opcode, object descs, object notify,
-                        object nbytes, object op, object priority):
+                        object nbytes, object op, object priority, bint now):
         cdef object sub = self._sub
         cdef PyObject *v
         cdef object make, counters  # owned: make() can run Python that rebinds them
+        cdef object engine
         cdef long long posted, k_posted, k_inflight, k_bytes, n
         if not self._ok or type(nbytes) is not int:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
@@ -189,6 +213,17 @@ cdef class Submitter:
         axf_slot_put(counters, self._k[_K_INFLIGHT_BYTES],
                      PyLong_FromLongLong(k_bytes + n))
         (<dict>inflight)[req_id] = t
+        if now and not <list>pending and not <list>pending_t and notify is None:
+            # Nothing batched: posted now on its own (flush's checks).
+            v = axf_slot_ptr(sub, self._s[_S_ENGINE])
+            engine = <object>v if v != NULL else None
+            if (type(engine) is Engine
+                    and _slot_obj(sub, self._s[_S_CLOSED]) is False
+                    and _slot_obj(sub, self._s[_S_PENDING_CANCELLED]) is False):
+                self._direct = True
+                self._post(engine, None, None, inflight, len(<dict>inflight) == 1, t,
+                           (_slot_obj(peer, self._q[_Q_EP]), opcode, descs, req_id))
+                return t
         (<list>pending).append(
             (_slot_obj(peer, self._q[_Q_EP]), opcode, descs, notify, req_id))
         (<list>pending_t).append(t)
@@ -252,6 +287,9 @@ cdef class Submitter:
         one transfer is pending with nothing else in flight (what
         aioxfer.nixl calls per request: the Python method's two frames are
         ~2 k instructions of a small same-host request)."""
+        return self._flush_now()
+
+    cdef object _flush_now(self):
         cdef object sub = self._sub
         cdef PyObject *v
         cdef object engine, pending, pending_t, inflight
@@ -272,23 +310,66 @@ cdef class Submitter:
         sub._flush_now()  # the Python version, which does all
         return None
 
+    def drain(self):
+        """Submission.drain(), in its order: up to POLL_ROUNDS drain calls
+        while each takes poll_max records, the agent's totals counted, then
+        (more remain) the next drain scheduled on the loop. What the engine's
+        eventfd reader and aioxfer.nixl's poll (once per request of a tight
+        poller) call: the Python method's frame is ~700 instructions."""
+        return self._drain_now()
+
+    cdef object _drain_now(self):
+        cdef object sub = self._sub
+        cdef PyObject *v
+        cdef object engine, inflight, res
+        cdef int rounds = self._poll_rounds
+        if not self._ok:
+            return sub._drain_py()
+        v = axf_slot_ptr(sub, self._s[_S_ENGINE])
+        engine = <object>v if v != NULL else None
+        inflight = _slot_obj(sub, self._s[_S_INFLIGHT])
+        if type(engine) is not Engine or type(inflight) is not dict:
+            return sub._drain_py()
+        while rounds:
+            res = (<Engine>engine)._drain(
+                <dict>inflight, _slot_obj(sub, self._s[_S_ON_RECORD]),
+                _slot_obj(sub, self._s[_S_RELEASE]),
+                self._result_type, self._weight, self._bandwidth_min, self._poll_max)
+            if res[1] or res[2]:
+                axf_slot_put(sub, self._s[_S_COMPLETED],
+                             _slot_obj(sub, self._s[_S_COMPLETED]) + res[1])
+                axf_slot_put(sub, self._s[_S_BYTES], _slot_obj(sub, self._s[_S_BYTES]) + res[2])
+            if res[0] < self._poll_max:
+                return None
+            rounds -= 1
+        _slot_obj(sub, self._s[_S_LOOP]).call_soon(sub.drain)  # more remain: the loop breathes
+        return None
+
     cdef bint _post(self, object engine, object pending, object ts, object inflight,
-                    bint alone) except -1:
+                    bint alone, object t=None, tuple one=None) except -1:
         """Submission.post_pending(alone) once its checks passed (the agent
         open, nothing cancelled, pending not empty): the batch posted and
         drained in one native call, the counts, the poller kicked when
-        something stays in flight (then True)."""
+        something stays in flight (then True). Or, pending and ts None,
+        transfer t alone (one: its ep, opcode, descs and id), not batched."""
         cdef object sub = self._sub
         cdef PyObject *v
         cdef object res, statuses
         try:
-            res = (<Engine>engine)._post_drain(
-                <list>pending, <list>ts, <dict>inflight,
-                _slot_obj(sub, self._s[_S_ON_RECORD]),
-                _slot_obj(sub, self._s[_S_RELEASE]),
-                self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
+            if t is None:
+                res = (<Engine>engine)._post_drain(
+                    <list>pending, <list>ts, <dict>inflight,
+                    _slot_obj(sub, self._s[_S_ON_RECORD]),
+                    _slot_obj(sub, self._s[_S_RELEASE]),
+                    self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
+            else:
+                res = (<Engine>engine)._post_one_drain(
+                    one[0], one[1], one[2], one[3], t, <dict>inflight,
+                    _slot_obj(sub, self._s[_S_ON_RECORD]),
+                    _slot_obj(sub, self._s[_S_RELEASE]),
+                    self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
         except Exception as exc:
-            sub._post_raised(ts, exc)
+            sub._post_raised(ts if t is None else [t], exc)
             return False
         statuses = res[0]
         if statuses is None:
@@ -299,7 +380,7 @@ cdef class Submitter:
             if res[1] >= self._poll_max:
                 sub.drain()  # more remain
         else:
-            sub._refused(ts, statuses)
+            sub._refused(ts if t is None else [t], statuses)
         if not inflight:
             return False
         v = axf_slot_ptr(sub, self._s[_S_POLLER])
@@ -469,7 +550,7 @@ cdef class Poster:
         return self._submitter._submit(
             <object>peer, opcode,
             (<object>d[0], <object>d[1], <object>d[2], <object>d[3], <object>d[4], <object>n),
-            None, <object>n, op, priority)
+            None, <object>n, op, priority, False)
 
 
 cdef object _fast_type = None  # the Submission type _fast_off is of
@@ -499,4 +580,10 @@ def submission_eager(sub, t):
 def submission_flush(sub):
     """Submission.flush (a method: bound to the Submission): its Submitter's
     flush(), the Submitter found in its ``_fast`` slot."""
-    return _submitter_of(sub).flush()
+    return _submitter_of(sub)._flush_now()
+
+
+def submission_drain(sub):
+    """Submission.drain (a method: bound to the Submission): its Submitter's
+    drain(), the Submitter found in its ``_fast`` slot."""
+    return _submitter_of(sub)._drain_now()

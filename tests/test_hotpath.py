@@ -332,6 +332,63 @@ async def test_compiled_flush_does_what_the_python_one_does(
     assert deltas[0] == deltas[1] == (3, 3 * 4096)
 
 
+async def test_compiled_drain_does_what_the_python_one_does(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Submission.drain (_cyx.Submitter.drain) and _drain_py: the same
+    transfers completed with their results, the same agent and peer counts."""
+    init, peer, local, remote = await _pair_64k(make_agent)
+    sub = init._sub
+    deltas = []
+    for drain in (sub.drain, sub._drain_py):
+        before = (sub.completed, sub.bytes, peer._counters.completed)
+        ts = [init.write(local[0:4096], remote[i:i + 4096]) for i in (0, 8192, 16384)]
+        # Posted by hand (post_pending would drain them itself), then seen.
+        items, sub._pending, sub._pending_t = sub._pending, [], []
+        assert sub._engine.post_many(items) == [0, 0, 0]
+        for t in ts:
+            t._posted = True
+        for _ in range(100):
+            if not sub.inflight:
+                break
+            sub._engine.wait(100_000)
+            drain()
+        assert [t.result().nbytes for t in ts] == [4096] * 3
+        deltas.append((sub.completed - before[0], sub.bytes - before[1],
+                       peer._counters.completed - before[2]))
+    assert deltas[0] == deltas[1] == (3, 3 * 4096, 3)
+
+
+async def test_prepared_post_now_with_nothing_batched_skips_the_batch(
+    make_agent: Callable[..., Awaitable[Any]],
+) -> None:
+    """Prepared.post(now=True) (aioxfer.nixl's repost) with nothing batched
+    posts its request on its own: no batch item, no flush scheduled, the
+    same transfer and counts as a write flushed at once; with something
+    batched, the batch goes first, both in one post (as flush does)."""
+    init, peer, local, remote = await _pair_64k(make_agent)
+    local.numpy()[:] = 7
+    sub = init._sub
+    p = init.prepare("write", local[0:4096], remote[0:4096])
+    counts = []
+    for post in (lambda: p.post(True), lambda: (init.write(local[0:4096], remote[0:4096]),
+                                               sub.flush())[0]):
+        sub._flush()  # (whatever an earlier submit scheduled: run now)
+        before = (sub.posted, sub.completed, sub.bytes, peer._counters.completed)
+        t = post()
+        assert t.done() and t.result().nbytes == 4096 and t._posted is True
+        assert not sub._pending and not sub._pending_t and not sub.inflight
+        counts.append((sub.posted - before[0], sub.completed - before[1],
+                       sub.bytes - before[2], peer._counters.completed - before[3],
+                       sub._flush_scheduled))
+    # The write's submit scheduled the loop's flush; the lone post did not.
+    assert counts == [(1, 1, 4096, 1, False), (1, 1, 4096, 1, True)]
+    batched = init.write(local[0:4096], remote[8192:12288])
+    t = p.post(True)
+    assert batched._posted is True and t._posted is True and not sub._pending_t
+    assert [(await x).nbytes for x in (batched, t)] == [4096, 4096]
+
+
 async def test_compiled_write_and_read_do_what_the_python_ones_do(
     make_agent: Callable[..., Awaitable[Any]],
 ) -> None:
