@@ -928,7 +928,10 @@ struct axf_cuda {
     cuda_job *wq_head, *wq_tail; /* enqueued, waiting for their event */
     bool stop, started, poison_logged;
     pthread_t submitter, waiter;
-    CUstream stream[AXF_CUDA_MAX_DEVICES]; /* submit thread only */
+    /* Held by whoever enqueues copies (the submit thread, or a posting thread
+     * that found the submit queue empty: cuda_submit): streams, IPC maps. */
+    pthread_mutex_t smu;
+    CUstream stream[AXF_CUDA_MAX_DEVICES]; /* smu */
     CUcontext sctx[AXF_CUDA_MAX_DEVICES];  /* the context each stream lives in */
 };
 
@@ -1073,11 +1076,16 @@ static void peer_gone(struct axf_cuda *c, endpoint *ep)
         cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, 0, NULL, 0);
 }
 
-/* Enqueues one op's copies and hands it to the waiter. */
-static void submit_one(struct axf_cuda *c, cuda_job *j)
+/* Enqueues one op's copies and hands it to the waiter. smu held. caller:
+ * on a posting thread (cuda_submit): its context is pushed and popped, the
+ * thread's context stack left as it was; else the submit thread's own,
+ * which keeps its context current. */
+static void submit_copies(struct axf_cuda *c, cuda_job *j, int dev, CUcontext ctx);
+
+static void submit_one(struct axf_cuda *c, cuda_job *j, bool caller)
 {
     op *o = j->o;
-    char why[200] = "", b[120];
+    char why[200] = "";
     j->next = NULL;
     if (atomic_load(&o->cancelled) || atomic_load(&o->status) != AXF_OK) {
         wq_push(c, j);
@@ -1094,12 +1102,21 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
     CUcontext hint;
     int dev = op_device(o, &hint);
     CUcontext ctx = dev_context(dev, hint);
-    if (!ctx || drv.CtxSetCurrent(ctx) != CUDA_SUCCESS) { /* our own thread */
+    if (!ctx || (caller ? ctx_push(ctx) != AXF_OK : drv.CtxSetCurrent(ctx) != CUDA_SUCCESS)) {
         snprintf(why, sizeof why, "no usable context on device %d", dev);
         op_fail(c, o, AXF_E_TRANSPORT, 0, why);
         wq_push(c, j);
         return;
     }
+    submit_copies(c, j, dev, ctx);
+    if (caller)
+        ctx_pop();
+}
+
+static void submit_copies(struct axf_cuda *c, cuda_job *j, int dev, CUcontext ctx)
+{
+    op *o = j->o;
+    char why[200] = "", b[120];
     if (!c->stream[dev]) {
         CUresult r = drv.StreamCreate(&c->stream[dev], CU_STREAM_NON_BLOCKING);
         if (r != CUDA_SUCCESS) {
@@ -1245,19 +1262,52 @@ static void *submit_main(void *arg)
             c->sq_tail = NULL;
         bool stopping = c->stop;
         pthread_mutex_unlock(&c->mu);
+        pthread_mutex_lock(&c->smu);
         if (!j->o) {
             pin_ahead(c, j->pin, stopping);
             free(j);
-            pthread_mutex_lock(&c->mu);
-            continue;
+        } else {
+            if (stopping)
+                op_set_status(j->o, AXF_E_CLOSED, 0);
+            submit_one(c, j, false);
         }
-        if (stopping)
-            op_set_status(j->o, AXF_E_CLOSED, 0);
-        submit_one(c, j);
+        pthread_mutex_unlock(&c->smu);
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Waits for an op's event. Where the engine polls (progress "adaptive" and
+ * "poll": target_poll_us is not "never"), the waiter first polls cuEventQuery
+ * for the engine's poll bound, as UCX's cuda_ipc does on its caller's
+ * progress: a small copy is over within a few microseconds, and its
+ * completion then costs no interrupt and no wake-up of this thread from the
+ * driver. Only with an op waiting (never while idle); past the bound, the
+ * blocking-sync wait sleeps in the driver as before. */
+static CUresult event_wait(axf_engine *e, CUevent ev)
+{
+    if (e->cfg.target_poll_us != UINT32_MAX && e->poll_us) {
+        uint64_t end = axf_now_ns() + (uint64_t)e->poll_us * 1000u;
+        for (unsigned i = 0;; i++) {
+            CUresult r = drv.EventQuery(ev);
+            if (r != CUDA_ERROR_NOT_READY)
+                return r;
+            if ((i & 15) == 15 && axf_now_ns() >= end)
+                break;
+            cpu_relax();
+        }
+    }
+    return drv.EventSynchronize(ev);
 }
 
 static void *wait_main(void *arg)
@@ -1281,7 +1331,7 @@ static void *wait_main(void *arg)
         if (j->ev) {
             if (bound != j->ctx && drv.CtxSetCurrent(j->ctx) == CUDA_SUCCESS) /* our thread */
                 bound = j->ctx;
-            CUresult r = cu_check(drv.EventSynchronize(j->ev));
+            CUresult r = cu_check(event_wait(e, j->ev));
             if (r != CUDA_SUCCESS) {
                 char b[120];
                 op_fail(c, j->o, AXF_E_TRANSPORT, 0, cu_err(r, b, sizeof b));
@@ -1317,6 +1367,7 @@ int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
     }
     c->e = e;
     pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->smu, NULL);
     pthread_cond_init(&c->cv, NULL);
     pthread_cond_init(&c->wcv, NULL);
     e->xp[AXF_EP_CUDA] = c;
@@ -1371,6 +1422,39 @@ static int cuda_op_check(op *o)
     return AXF_OK;
 }
 
+/* Descriptors a posting thread enqueues itself at most (one cuMemcpyAsync
+ * each, a few microseconds): a longer op goes to the submit thread. */
+#define CU_CALLER_MAX_DESCS 16
+
+/* Whether the posting thread may enqueue op o's copies itself: short work
+ * only. Device memory on both sides (host memory may need page-locking, and
+ * a copy touching pageable memory runs synchronously in the driver), the
+ * peer's allocations already open on the op's device (an IPC open takes
+ * milliseconds), its stream made, and nothing the submit thread has to
+ * report. smu held. */
+static bool caller_may_submit(struct axf_cuda *c, const op *o)
+{
+    if (o->n > CU_CALLER_MAX_DESCS || atomic_load(&drv.poisoned) ||
+        atomic_load(&o->cancelled) || atomic_load(&o->status) != AXF_OK)
+        return false;
+    for (size_t i = 0; i < o->nlregs; i++)
+        if (o->lregs[i]->kind != AXF_MEM_CUDA)
+            return false;
+    for (size_t i = 0; i < o->n; i++)
+        if (!CU_RM(o->rr[i]))
+            return false;
+    CUcontext hint;
+    int dev = op_device(o, &hint);
+    if (dev < 0 || dev >= drv.ndev || !c->stream[dev])
+        return false;
+    for (size_t i = 0; i < o->n; i++) {
+        const cuda_rmap *cm = CU_RM(o->rr[i]);
+        if (!cm->own && !cm->m[dev])
+            return false;
+    }
+    return true;
+}
+
 static void cuda_submit(axf_engine *e, op *o)
 {
     struct axf_cuda *c = CU_OF(e);
@@ -1382,6 +1466,20 @@ static void cuda_submit(axf_engine *e, op *o)
         return;
     }
     j->o = o;
+    /* Nothing queued before it and nobody enqueueing: the posting thread
+     * enqueues its copies itself, sparing the submit thread's wake-up (the
+     * order of what is queued is kept: only with an empty queue). */
+    pthread_mutex_lock(&c->mu);
+    bool mine = !c->stop && !c->sq_head && pthread_mutex_trylock(&c->smu) == 0;
+    pthread_mutex_unlock(&c->mu);
+    if (mine) {
+        bool ok = caller_may_submit(c, o);
+        if (ok)
+            submit_one(c, j, true);
+        pthread_mutex_unlock(&c->smu);
+        if (ok)
+            return;
+    }
     submit_enqueue(c, j);
 }
 
@@ -1395,6 +1493,8 @@ static void cuda_stop(axf_engine *e)
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     pthread_join(c->submitter, NULL); /* fails what was not enqueued yet */
+    pthread_mutex_lock(&c->smu); /* a posting thread's enqueueing is over */
+    pthread_mutex_unlock(&c->smu);
     pthread_mutex_lock(&c->mu);
     c->started = false;
     pthread_cond_broadcast(&c->wcv);
@@ -1414,6 +1514,7 @@ static void cuda_free(axf_engine *e)
             ctx_pop();
         }
     pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->smu);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->wcv);
     free(c);
