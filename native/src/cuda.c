@@ -46,6 +46,7 @@
 #include "transport.h"
 
 #include <dlfcn.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1302,9 +1303,15 @@ static CUresult event_wait(axf_engine *e, CUevent ev)
             CUresult r = drv.EventQuery(ev);
             if (r != CUDA_ERROR_NOT_READY)
                 return r;
-            if ((i & 15) == 15 && axf_now_ns() >= end)
-                break;
-            cpu_relax();
+            if ((i & 15) == 15) {
+                if (axf_now_ns() >= end)
+                    break;
+                /* a machine with more runnable threads than cores: the one
+                 * this waits for (a driver's, the peer's) may need the core */
+                sched_yield();
+            } else {
+                cpu_relax();
+            }
         }
     }
     return drv.EventSynchronize(ev);
