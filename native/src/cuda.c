@@ -681,6 +681,17 @@ static void unpin_owner(const void *owner)
     free(q);
 }
 
+/* Whether host memory was page-locked for owner (not refused). */
+static bool pin_held(const void *owner)
+{
+    pthread_mutex_lock(&drv_mu);
+    pin *q = pins;
+    while (q && q->owner != owner)
+        q = q->next;
+    pthread_mutex_unlock(&drv_mu);
+    return q != NULL;
+}
+
 /* How far from host address p (at most n bytes) memory stays on the same
  * side of our pins: copies are split there, because one copy over page-locked
  * and pageable memory at once is refused by the driver. */
@@ -912,10 +923,13 @@ int axf_cuda_ipc_open_count(void)
 
 /* ---------------------------------------------------------------- engine state */
 
+#define CU_EV_POOL 32 /* free events kept per device */
+
 typedef struct cuda_job {
     op *o;          /* NULL: a pin job (pin) */
     region *pin;    /* a host region to page-lock ahead of its first copy (ref held) */
     CUevent ev;     /* NULL: nothing to wait for (or the stream was synchronised) */
+    int dev;        /* the stream's device (where ev goes back to: ev_put) */
     CUcontext ctx;  /* the stream's */
     struct cuda_job *next;
 } cuda_job;
@@ -932,8 +946,15 @@ struct axf_cuda {
     /* Held by whoever enqueues copies (the submit thread, or a posting thread
      * that found the submit queue empty: cuda_submit): streams, IPC maps. */
     pthread_mutex_t smu;
+    bool hold;        /* smu: the submit thread's handoff keeps its job (held) */
+    cuda_job *held;
     CUstream stream[AXF_CUDA_MAX_DEVICES]; /* smu */
     CUcontext sctx[AXF_CUDA_MAX_DEVICES];  /* the context each stream lives in */
+    /* Events waited on and free again, per stream (its context's), reused as
+     * UCX does: cuEventCreate and cuEventDestroy cost microseconds each on a
+     * real driver, per op. mu. */
+    CUevent evfree[AXF_CUDA_MAX_DEVICES][CU_EV_POOL];
+    int nevfree[AXF_CUDA_MAX_DEVICES];
 };
 
 static region *op_lregion(const op *o, size_t i)
@@ -1053,6 +1074,17 @@ static void wq_push(struct axf_cuda *c, cuda_job *j)
     pthread_mutex_unlock(&c->mu);
 }
 
+/* An op enqueued (or failed) goes to the waiter; from the submit thread only
+ * once it has let go of smu (submit_main), so that a completion never finds
+ * smu still held: the next lone op is then its posting thread's. smu held. */
+static void handoff(struct axf_cuda *c, cuda_job *j)
+{
+    if (c->hold)
+        c->held = j;
+    else
+        wq_push(c, j);
+}
+
 static void op_fail(struct axf_cuda *c, op *o, int st, uint64_t index, const char *why)
 {
     op_set_status(o, st, index);
@@ -1089,7 +1121,7 @@ static void submit_one(struct axf_cuda *c, cuda_job *j, bool caller)
     char why[200] = "";
     j->next = NULL;
     if (atomic_load(&o->cancelled) || atomic_load(&o->status) != AXF_OK) {
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
     if (atomic_load(&drv.poisoned)) {
@@ -1097,7 +1129,7 @@ static void submit_one(struct axf_cuda *c, cuda_job *j, bool caller)
             snprintf(why, sizeof why, "%s", drv.poison_why);
         c->poison_logged = true;
         op_fail(c, o, AXF_E_TRANSPORT, 0, why);
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
     CUcontext hint;
@@ -1106,7 +1138,7 @@ static void submit_one(struct axf_cuda *c, cuda_job *j, bool caller)
     if (!ctx || (caller ? ctx_push(ctx) != AXF_OK : drv.CtxSetCurrent(ctx) != CUDA_SUCCESS)) {
         snprintf(why, sizeof why, "no usable context on device %d", dev);
         op_fail(c, o, AXF_E_TRANSPORT, 0, why);
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
     submit_copies(c, j, dev, ctx);
@@ -1125,7 +1157,7 @@ static void submit_copies(struct axf_cuda *c, cuda_job *j, int dev, CUcontext ct
             snprintf(why, sizeof why, "cuStreamCreate on device %d: %s", dev,
                      cu_err(r, b, sizeof b));
             op_fail(c, o, AXF_E_TRANSPORT, 0, why);
-            wq_push(c, j);
+            handoff(c, j);
             return;
         }
         c->sctx[dev] = ctx;
@@ -1139,14 +1171,14 @@ static void submit_copies(struct axf_cuda *c, cuda_job *j, int dev, CUcontext ct
             peer_gone(c, o->ep);
         if (st != AXF_OK) {
             op_fail(c, o, st, i, why);
-            wq_push(c, j);
+            handoff(c, j);
             return;
         }
     }
     int st = enable_peers(c, o, dev, why, sizeof why);
     if (st != AXF_OK) {
         op_fail(c, o, st, 0, why);
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
     pin_op(o, ctx);
@@ -1180,11 +1212,17 @@ static void submit_copies(struct axf_cuda *c, cuda_job *j, int dev, CUcontext ct
     }
     atomic_fetch_add(&o->nbytes, bytes);
     if (!bytes) {
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
     /* Copies are in flight: the op's memory stays pinned until they are over. */
-    if (drv.EventCreate(&j->ev, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS ||
+    j->dev = dev;
+    pthread_mutex_lock(&c->mu);
+    if (c->nevfree[dev])
+        j->ev = c->evfree[dev][--c->nevfree[dev]];
+    pthread_mutex_unlock(&c->mu);
+    if ((!j->ev && drv.EventCreate(&j->ev, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) !=
+                       CUDA_SUCCESS) ||
         drv.EventRecord(j->ev, s) != CUDA_SUCCESS) {
         if (j->ev)
             drv.EventDestroy(j->ev);
@@ -1192,7 +1230,7 @@ static void submit_copies(struct axf_cuda *c, cuda_job *j, int dev, CUcontext ct
         if (cu_check(drv.StreamSynchronize(s)) != CUDA_SUCCESS)
             op_set_status(o, AXF_E_TRANSPORT, 0);
     }
-    wq_push(c, j);
+    handoff(c, j);
 }
 
 /* A pin job: page-locks a host region now, off the caller's thread, rather
@@ -1267,12 +1305,19 @@ static void *submit_main(void *arg)
         if (!j->o) {
             pin_ahead(c, j->pin, stopping);
             free(j);
+            j = NULL;
         } else {
             if (stopping)
                 op_set_status(j->o, AXF_E_CLOSED, 0);
+            c->hold = true;
             submit_one(c, j, false);
+            c->hold = false;
+            j = c->held;
+            c->held = NULL;
         }
         pthread_mutex_unlock(&c->smu);
+        if (j)
+            wq_push(c, j);
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
@@ -1343,7 +1388,15 @@ static void *wait_main(void *arg)
                 char b[120];
                 op_fail(c, j->o, AXF_E_TRANSPORT, 0, cu_err(r, b, sizeof b));
             }
-            drv.EventDestroy(j->ev);
+            bool kept = false;
+            if (r == CUDA_SUCCESS) { /* reached: free for the stream's next op */
+                pthread_mutex_lock(&c->mu);
+                if ((kept = c->nevfree[j->dev] < CU_EV_POOL))
+                    c->evfree[j->dev][c->nevfree[j->dev]++] = j->ev;
+                pthread_mutex_unlock(&c->mu);
+            }
+            if (!kept)
+                drv.EventDestroy(j->ev);
         }
         op *o = j->o;
         free(j);
@@ -1434,29 +1487,34 @@ static int cuda_op_check(op *o)
 #define CU_CALLER_MAX_DESCS 16
 
 /* Whether the posting thread may enqueue op o's copies itself: short work
- * only. Device memory on both sides (host memory may need page-locking, and
- * a copy touching pageable memory runs synchronously in the driver), the
- * peer's allocations already open on the op's device (an IPC open takes
- * milliseconds), its stream made, and nothing the submit thread has to
- * report. smu held. */
+ * only. Device memory, or host memory page-locked already (pinning takes a
+ * while, and a copy touching pageable memory runs synchronously in the
+ * driver), the peer's allocations already open on the op's device (an IPC
+ * open takes milliseconds), its stream made, and nothing the submit thread
+ * has to report. smu held. */
 static bool caller_may_submit(struct axf_cuda *c, const op *o)
 {
     if (o->n > CU_CALLER_MAX_DESCS || atomic_load(&drv.poisoned) ||
         atomic_load(&o->cancelled) || atomic_load(&o->status) != AXF_OK)
         return false;
-    for (size_t i = 0; i < o->nlregs; i++)
-        if (o->lregs[i]->kind != AXF_MEM_CUDA)
+    for (size_t i = 0; i < o->nlregs; i++) {
+        region *r = o->lregs[i];
+        if (r->kind != AXF_MEM_CUDA &&
+            (r->kind != AXF_MEM_HOST || !(pin_flags(r) & PIN_DONE) || !pin_held(r)))
             return false;
-    for (size_t i = 0; i < o->n; i++)
-        if (!CU_RM(o->rr[i]))
+    }
+    for (size_t i = 0; i < o->nrregs; i++) {
+        rregion *rr = o->rregs[i];
+        if (!CU_RM(rr) && (!shm_far_map(rr) || !pin_held(rr)))
             return false;
+    }
     CUcontext hint;
     int dev = op_device(o, &hint);
     if (dev < 0 || dev >= drv.ndev || !c->stream[dev])
         return false;
     for (size_t i = 0; i < o->n; i++) {
         const cuda_rmap *cm = CU_RM(o->rr[i]);
-        if (!cm->own && !cm->m[dev])
+        if (cm && !cm->own && !cm->m[dev])
             return false;
     }
     return true;
@@ -1517,6 +1575,8 @@ static void cuda_free(axf_engine *e)
     cuda_stop(e);
     for (int d = 0; d < AXF_CUDA_MAX_DEVICES; d++)
         if (c->stream[d] && ctx_push(c->sctx[d]) == AXF_OK) { /* the caller's thread */
+            for (int i = 0; i < c->nevfree[d]; i++)
+                drv.EventDestroy(c->evfree[d][i]);
             drv.StreamDestroy(c->stream[d]);
             ctx_pop();
         }

@@ -56,7 +56,8 @@
  *   Counted for tests (what a GPU costs in wake-ups, not in time):
  *   fakecuda_event_sleeps (cuEventSynchronize calls that found their event
  *   pending: the caller slept, to be woken by the driver's interrupt),
- *   fakecuda_event_queries (cuEventQuery calls), fakecuda_copy_tid (the
+ *   fakecuda_event_queries (cuEventQuery calls), fakecuda_event_creates
+ *   (cuEventCreate calls that made one), fakecuda_copy_tid (the
  *   kernel thread id of the last cuMemcpyAsync's caller).
  */
 #ifndef _GNU_SOURCE
@@ -152,7 +153,7 @@ static bool peer_on[MAX_DEV][MAX_DEV]; /* [from][to]: contexts of `from` reach `
 static _Atomic CUresult sticky;        /* set by any stream thread */
 static _Atomic int sync_copies;
 static _Atomic unsigned event_delay_us; /* FAKECUDA_EVENT_DELAY_US */
-static _Atomic int event_sleeps, event_queries;
+static _Atomic int event_sleeps, event_queries, event_creates;
 static _Atomic long copy_tid;
 static _Thread_local fctx *stack[STACK];
 static _Thread_local int depth;
@@ -491,6 +492,11 @@ EXPORT int fakecuda_event_sleeps(void)
 EXPORT int fakecuda_event_queries(void)
 {
     return event_queries;
+}
+
+EXPORT int fakecuda_event_creates(void)
+{
+    return event_creates;
 }
 
 EXPORT long fakecuda_copy_tid(void)
@@ -1196,6 +1202,7 @@ EXPORT CUresult cuEventCreate(void **out, unsigned int flags)
         return E_OUT_OF_MEMORY;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
+    event_creates++;
     *out = e;
     return OK;
 }

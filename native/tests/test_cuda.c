@@ -623,15 +623,17 @@ typedef void (*fake_delay_fn)(unsigned);
  * application's context on another device, here). Its event is polled
  * (cuEventQuery) for the engine's poll bound before the waiter sleeps in the
  * driver, and only where the engine polls: never with target_poll_us "never"
- * (progress "sleep"). Counted by the software driver; skipped on a real one. */
+ * (progress "sleep"). Events are reused, not made per op. Counted by the
+ * software driver; skipped on a real one. */
 static int test_caller_submits(void)
 {
     fake_void_fn queries = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_event_queries");
     fake_void_fn sleeps = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_event_sleeps");
+    fake_void_fn creates = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_event_creates");
     fake_void_fn depth = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_ctx_depth");
     fake_long_fn copy_tid = (fake_long_fn)(uintptr_t)drv_sym("fakecuda_copy_tid");
     fake_delay_fn delay = (fake_delay_fn)(uintptr_t)drv_sym("fakecuda_set_event_delay_us");
-    if (!queries || !sleeps || !depth || !copy_tid || !delay)
+    if (!queries || !sleeps || !creates || !depth || !copy_tid || !delay)
         return 0;
     cu_retain_fn retain = (cu_retain_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRetain");
     cu_release_fn release = (cu_release_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRelease_v2");
@@ -670,10 +672,11 @@ static int test_caller_submits(void)
         CHECK_EQ(retain(&app, appdev), 0);
         CHECK_EQ(push(app), 0);
         int depth0 = depth();
-        int q0 = queries();
+        int q0 = queries(), c0 = creates();
         if (post_wait(a, ep, AXF_OP_WRITE, &d, 1, 2, AXF_OK))
             return 1;
         CHECK_EQ(copy_tid(), me); /* enqueued inside axf_post */
+        CHECK_EQ(creates(), c0);  /* the first op's event, reused */
         CTX_SAME(app);
         CHECK_EQ(depth(), depth0);
         if (polls)
@@ -695,12 +698,16 @@ static int test_caller_submits(void)
         CHECK_EQ(pop(&popped), 0);
         CHECK(popped == app);
         CHECK_EQ(release(appdev), 0);
-        /* host memory (page-locked first, else staged synchronously): the
-         * submit thread's */
+        /* host memory not page-locked yet (pinned first, else staged
+         * synchronously by the driver): the submit thread's */
         axf_desc h = {.lrid = hrid, .rrid = g1rid, .rkey = g1key, .len = 4096};
         if (post_wait(a, ep, AXF_OP_READ, &h, 1, 4, AXF_OK))
             return 1;
         CHECK(copy_tid() != me);
+        /* once page-locked, the posting thread's */
+        if (post_wait(a, ep, AXF_OP_WRITE, &h, 1, 5, AXF_OK))
+            return 1;
+        CHECK_EQ(copy_tid(), me);
         CHECK_EQ(axf_endpoint_forget(a->e, ep, g1rid), AXF_OK);
         t_close(a);
         t_close(b);
