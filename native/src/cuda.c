@@ -929,7 +929,8 @@ typedef struct cuda_job {
     op *o;          /* NULL: a pin job (pin) */
     region *pin;    /* a host region to page-lock ahead of its first copy (ref held) */
     CUevent ev;     /* NULL: nothing to wait for (or the stream was synchronised) */
-    int dev;        /* the stream's device (where ev goes back to: ev_put) */
+    int dev;        /* the stream's device (whose free events ev goes back to) */
+    bool polled;    /* its poster polled ev for the poll bound already */
     CUcontext ctx;  /* the stream's */
     struct cuda_job *next;
 } cuda_job;
@@ -1340,12 +1341,13 @@ static inline void cpu_relax(void)
  * completion then costs no interrupt and no wake-up of this thread from the
  * driver. Only with an op waiting (never while idle); past the bound, the
  * blocking-sync wait sleeps in the driver as before. */
-static CUresult event_wait(axf_engine *e, CUevent ev)
+static CUresult event_wait_bounded(axf_engine *e, CUevent ev)
 {
+    CUresult r = CUDA_ERROR_NOT_READY;
     if (e->cfg.target_poll_us != UINT32_MAX && e->poll_us) {
         uint64_t end = axf_now_ns() + (uint64_t)e->poll_us * 1000u;
         for (unsigned i = 0;; i++) {
-            CUresult r = drv.EventQuery(ev);
+            r = drv.EventQuery(ev);
             if (r != CUDA_ERROR_NOT_READY)
                 return r;
             if ((i & 15) == 15) {
@@ -1359,7 +1361,36 @@ static CUresult event_wait(axf_engine *e, CUevent ev)
             }
         }
     }
-    return drv.EventSynchronize(ev);
+    return r;
+}
+
+static CUresult event_wait(axf_engine *e, CUevent ev)
+{
+    CUresult r = event_wait_bounded(e, ev);
+    return r == CUDA_ERROR_NOT_READY ? drv.EventSynchronize(ev) : r;
+}
+
+/* An op's copies are over (r: how its event ended): completes it. */
+static void job_done(struct axf_cuda *c, cuda_job *j, CUresult r)
+{
+    if (j->ev) {
+        if (r != CUDA_SUCCESS) {
+            char b[120];
+            op_fail(c, j->o, AXF_E_TRANSPORT, 0, cu_err(r, b, sizeof b));
+        }
+        bool kept = false;
+        if (r == CUDA_SUCCESS) { /* reached: free for the stream's next op */
+            pthread_mutex_lock(&c->mu);
+            if ((kept = c->nevfree[j->dev] < CU_EV_POOL))
+                c->evfree[j->dev][c->nevfree[j->dev]++] = j->ev;
+            pthread_mutex_unlock(&c->mu);
+        }
+        if (!kept)
+            drv.EventDestroy(j->ev);
+    }
+    op *o = j->o;
+    free(j);
+    op_unit_done(c->e, o);
 }
 
 static void *wait_main(void *arg)
@@ -1380,27 +1411,13 @@ static void *wait_main(void *arg)
         if (!c->wq_head)
             c->wq_tail = NULL;
         pthread_mutex_unlock(&c->mu);
+        CUresult r = CUDA_SUCCESS;
         if (j->ev) {
             if (bound != j->ctx && drv.CtxSetCurrent(j->ctx) == CUDA_SUCCESS) /* our thread */
                 bound = j->ctx;
-            CUresult r = cu_check(event_wait(e, j->ev));
-            if (r != CUDA_SUCCESS) {
-                char b[120];
-                op_fail(c, j->o, AXF_E_TRANSPORT, 0, cu_err(r, b, sizeof b));
-            }
-            bool kept = false;
-            if (r == CUDA_SUCCESS) { /* reached: free for the stream's next op */
-                pthread_mutex_lock(&c->mu);
-                if ((kept = c->nevfree[j->dev] < CU_EV_POOL))
-                    c->evfree[j->dev][c->nevfree[j->dev]++] = j->ev;
-                pthread_mutex_unlock(&c->mu);
-            }
-            if (!kept)
-                drv.EventDestroy(j->ev);
+            r = cu_check(j->polled ? drv.EventSynchronize(j->ev) : event_wait(e, j->ev));
         }
-        op *o = j->o;
-        free(j);
-        op_unit_done(e, o);
+        job_done(c, j, r);
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
@@ -1520,7 +1537,11 @@ static bool caller_may_submit(struct axf_cuda *c, const op *o)
     return true;
 }
 
-static void cuda_submit(axf_engine *e, op *o)
+/* Bytes of a lone op (AXF_POST_ALONE) whose posting thread polls its event
+ * itself: what a GPU copies in about the time of the hand-off it saves. */
+#define CU_ALONE_BYTES (1u << 20)
+
+static void cuda_submit(axf_engine *e, op *o, uint32_t flags)
 {
     struct axf_cuda *c = CU_OF(e);
     cuda_job *j = calloc(1, sizeof *j);
@@ -1539,8 +1560,39 @@ static void cuda_submit(axf_engine *e, op *o)
     pthread_mutex_unlock(&c->mu);
     if (mine) {
         bool ok = caller_may_submit(c, o);
-        if (ok)
+        uint64_t total = 0;
+        for (size_t i = 0; ok && i < o->n; i++)
+            total += o->d[i].len;
+        /* A lone small op where the engine polls: this thread polls its event
+         * too (for the engine's poll bound, as the waiter would; as UCX does
+         * on its caller's progress) and completes it, with no hand-off at all;
+         * a notification follows from the connection, so not with one. Under
+         * smu: cuda_stop waits for it, and the waiter is still there for an
+         * op this gives up on. */
+        bool own = ok && (flags & AXF_POST_ALONE) && total <= CU_ALONE_BYTES &&
+                   !o->notify_len && e->cfg.target_poll_us != UINT32_MAX && e->poll_us;
+        if (ok) {
+            c->hold = own;
             submit_one(c, j, true);
+            c->hold = false;
+        }
+        cuda_job *mj = c->held;
+        c->held = NULL;
+        if (mj && mj->ev && ctx_push(mj->ctx) == AXF_OK) {
+            CUresult r = event_wait_bounded(e, mj->ev);
+            ctx_pop();
+            if (r != CUDA_ERROR_NOT_READY) {
+                pthread_mutex_unlock(&c->smu);
+                axf_cq_quiet = (flags & AXF_POST_POLL) != 0;
+                job_done(c, mj, cu_check(r));
+                axf_cq_quiet = false;
+                return;
+            }
+        }
+        if (mj) {
+            mj->polled = mj->ev != NULL;
+            wq_push(c, mj);
+        }
         pthread_mutex_unlock(&c->smu);
         if (ok)
             return;
@@ -1645,7 +1697,7 @@ static bool cuda_post(axf_engine *e, op *o, uint32_t flags)
     if (!cuda_op_is_gpu(o))
         return shm_post(e, o, flags); /* host to host: the same-host copies */
     pthread_mutex_unlock(&e->mu);
-    cuda_submit(e, o); /* the CUDA threads enqueue and complete it */
+    cuda_submit(e, o, flags); /* the CUDA threads enqueue and complete it */
     return true;
 }
 

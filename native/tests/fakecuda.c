@@ -58,7 +58,8 @@
  *   pending: the caller slept, to be woken by the driver's interrupt),
  *   fakecuda_event_queries (cuEventQuery calls), fakecuda_event_creates
  *   (cuEventCreate calls that made one), fakecuda_copy_tid (the
- *   kernel thread id of the last cuMemcpyAsync's caller).
+ *   kernel thread id of the last cuMemcpyAsync's caller), fakecuda_query_tid
+ *   (of the last cuEventQuery's that found its event reached).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -154,7 +155,7 @@ static _Atomic CUresult sticky;        /* set by any stream thread */
 static _Atomic int sync_copies;
 static _Atomic unsigned event_delay_us; /* FAKECUDA_EVENT_DELAY_US */
 static _Atomic int event_sleeps, event_queries, event_creates;
-static _Atomic long copy_tid;
+static _Atomic long copy_tid, query_tid;
 static _Thread_local fctx *stack[STACK];
 static _Thread_local int depth;
 
@@ -502,6 +503,11 @@ EXPORT int fakecuda_event_creates(void)
 EXPORT long fakecuda_copy_tid(void)
 {
     return copy_tid;
+}
+
+EXPORT long fakecuda_query_tid(void)
+{
+    return query_tid;
 }
 
 /* As FAKECUDA_EVENT_DELAY_US, from now on (a test's own). */
@@ -1252,6 +1258,8 @@ EXPORT CUresult cuEventQuery(void *he)
     pthread_mutex_lock(&e->mu);
     unsigned p = e->pending;
     pthread_mutex_unlock(&e->mu);
+    if (!p)
+        query_tid = (long)syscall(SYS_gettid);
     return sticky ? sticky : p ? E_NOT_READY : OK;
 }
 
