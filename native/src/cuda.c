@@ -20,15 +20,23 @@
  *
  * The copy path: an AXF_EP_CUDA endpoint is a same-host endpoint (host-only
  * ops run as shm copies) that also reaches a peer's GPU memory through CUDA IPC
- * handles. An op that touches GPU memory goes to this engine's CUDA submit
- * thread, which enqueues one cuMemcpyAsync per descriptor (split where host
- * memory changes between page-locked and pageable) on a dedicated
- * non-blocking stream of the op's device (the device of its local GPU memory,
- * else of the peer's) and records one event per op; a second thread waits on
- * those events in order with cuEventSynchronize (blocking-sync events: the
- * thread sleeps in the driver, it never spins) and completes the op through
- * op_unit_done, into the one completion ring. Posting never calls the driver,
- * so the caller's thread never blocks on a copy.
+ * handles. An op that touches GPU memory has one cuMemcpyAsync per descriptor
+ * (split where host memory changes between page-locked and pageable) enqueued
+ * on a dedicated non-blocking stream of the op's device (the device of its
+ * local GPU memory, else of the peer's), and one event recorded after them
+ * (reused from a per-device pool). Who enqueues: the posting thread itself
+ * when the submit queue is empty and the work is short (up to 16 descriptors,
+ * stream made, the peer's memory open, host memory already page-locked; its
+ * context pushed and popped, the thread's context stack left as it was), else
+ * this engine's CUDA submit thread (first use: IPC opens, pinning, stream
+ * creation). A second thread waits on the events in order and completes the
+ * ops through op_unit_done, into the one completion ring: where the engine
+ * polls (progress other than "sleep") it polls cuEventQuery for the engine's
+ * poll bound first, then sleeps in cuEventSynchronize (blocking-sync events).
+ * A lone small op (AXF_POST_ALONE, up to 1 MiB) that its poster enqueued is
+ * polled and completed by the poster too, within that bound: no thread
+ * hand-off at all, as UCX's cuda_ipc completes on its caller's progress.
+ * Nothing on the posting thread waits on a copy past the poll bound.
  *
  * A peer's allocation is opened by IPC at its first use, in the context of the
  * device whose stream copies it (with lazy peer access, so GPU A <-> GPU B
