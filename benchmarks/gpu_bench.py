@@ -16,17 +16,23 @@ pageable host <-> GPU), and with PyTorch (when installed) pinned host <-> GPU
 and GPU <-> GPU copies timed with CUDA events. A torch tensor is also
 registered directly (CUDA array interface) and written into from the peer.
 
-    python benchmarks/gpu_bench.py [--json out.json] [--secs 0.3]
+    python benchmarks/gpu_bench.py [--json out.json] [--secs 0.3] [--sizes 4096,65536]
+
+``--sizes`` runs those sizes only (the small-request floor: ``--sizes 4096``;
+also on the software driver, native/tests/fakecuda.c, where what it shows is
+the engine's own cost per request, thread hand-offs included, not a GPU's).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import hashlib
 import json
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import time
@@ -85,16 +91,36 @@ def _summary(times: list[float], size: int) -> dict[str, float]:
     return {"gbps": size / med / 1e9, "p50_us": med * 1e6, "n": len(times)}
 
 
+def _fake_driver() -> Any:
+    """The software driver (native/tests/fakecuda.c) where it is the one loaded:
+    its counters; None with a real driver."""
+    path = os.environ.get("AIOXFER_CUDA_DRIVER")
+    try:
+        return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW).fakecuda_event_sleeps \
+            if path else None
+    except (OSError, AttributeError):
+        return None
+
+
 async def _timed(make: Any, size: int, secs: float) -> dict[str, float]:
     for _ in range(3):
         await make()
     times: list[float] = []
+    sleeps = _fake_driver()
+    s0 = sleeps() if sleeps else 0
+    csw0 = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
     end = time.perf_counter() + secs
     while time.perf_counter() < end or len(times) < 5:
         t0 = time.perf_counter()
         await make()
         times.append(time.perf_counter() - t0)
-    return _summary(times, size)
+    r = _summary(times, size)
+    # this process's voluntary context switches (every thread's sleeps: the
+    # event loop's, the CUDA threads') per request: the hand-offs it took
+    r["csw"] = (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - csw0) / len(times)
+    if sleeps:  # cuEventSynchronize calls that slept (the driver's wake-up) per request
+        r["event_sleeps"] = (sleeps() - s0) / len(times)
+    return r
 
 
 def _limits(secs: float) -> dict[str, Any]:
@@ -241,8 +267,10 @@ async def main(args: argparse.Namespace) -> int:
                 for size in SIZES:
                     r = await _timed(lambda op=op, size=size: op(size), size, args.secs)
                     rows[f"{name} {size}"] = r
+                    extra = (f"  ev_sleeps/op {r['event_sleeps']:.2f}"
+                             if "event_sleeps" in r else "")
                     print(f"{name:22s} {size:>10d} B  {r['gbps']:8.2f} GB/s  "
-                          f"p50 {r['p50_us']:9.1f} us  n={r['n']}")
+                          f"p50 {r['p50_us']:9.1f} us  n={r['n']}  csw/op {r['csw']:.2f}{extra}")
             offs = np.arange(256, dtype=np.uint64) * (64 << 10)
             lens = np.full(256, 64 << 10, dtype=np.uint64)
             batch_l = aioxfer.SegmentList(lgpu, offs, lens)
@@ -290,4 +318,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=os.environ.get("GPU_BENCH_JSON"))
     p.add_argument("--secs", type=float, default=0.3)
-    sys.exit(asyncio.run(main(p.parse_args())))
+    p.add_argument("--sizes", help="comma-separated sizes in bytes (default: "
+                   + ",".join(map(str, SIZES)) + ")")
+    ns = p.parse_args()
+    if ns.sizes:
+        SIZES[:] = [int(x) for x in ns.sizes.split(",")]
+    sys.exit(asyncio.run(main(ns)))

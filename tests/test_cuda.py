@@ -394,6 +394,72 @@ async def test_gpu_two_processes(make_agent: Callable[..., Awaitable[Any]],
         mine.close()
 
 
+def fake_driver() -> Any:
+    """The software driver's library where it is the one loaded (its counters),
+    else None (a real driver)."""
+    path = os.environ.get("AIOXFER_CUDA_DRIVER")
+    if not path:
+        return None
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+        lib.fakecuda_copy_tid.restype = ctypes.c_long
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+@gpu
+@pytest.mark.gpu
+async def test_gpu_lone_request_on_the_posting_thread(
+        make_agent: Callable[..., Awaitable[Any]], gpu_child: Any) -> None:
+    """A lone small GPU -> peer GPU write: its copy is enqueued by the thread
+    that posts it (the event loop's), with no hand-off to the submit thread,
+    and its event is polled ("adaptive" progress), by that thread too when
+    the write is awaited alone, before any blocking wait; in "sleep" progress
+    it is not polled. Counted by the software driver."""
+    import threading
+
+    size = 1 << 20
+    child = await gpu_child(size)
+    mine = cuda.DeviceBuffer(size)
+    try:
+        mine.upload(pattern(size, 3))
+        for progress in ("adaptive", "sleep"):
+            agent = await make_agent(f"a-{progress}", progress=progress)
+            peer = await within(agent.connect(child.address))
+            assert peer.path == "cuda"
+            rgpu = peer.region("gpu")
+            local = agent.register(mine, name="mine")
+            await within(agent.write(local[0:4096], rgpu[0:4096]))  # opens the peer's memory
+            lib = fake_driver()
+            if lib:
+                lib.fakecuda_query_tid.restype = ctypes.c_long
+            q0 = lib.fakecuda_event_queries() if lib else 0
+            polled_here = 0
+            for i in range(1, 9):
+                r = await within(agent.write(local[i * 4096 : (i + 1) * 4096],
+                                             rgpu[i * 4096 : (i + 1) * 4096]))
+                assert r.path == "cuda" and r.nbytes == 4096
+                if lib:
+                    assert lib.fakecuda_copy_tid() == threading.get_native_id()
+                    # awaited alone: the posting thread polled its event and
+                    # completed it (at least once: the stand-in's "GPU" is a
+                    # thread a loaded machine may run late)
+                    polled_here += lib.fakecuda_query_tid() == threading.get_native_id()
+            if lib and progress == "adaptive":
+                assert lib.fakecuda_event_queries() > q0
+                assert polled_here > 0
+            elif lib:
+                assert lib.fakecuda_event_queries() == q0
+            assert await child.call("digest", 0, 9 * 4096) == digest(
+                pattern(size, 3)[0 : 9 * 4096])
+            agent.deregister(local)
+            await within(peer.aclose())
+    finally:
+        await asyncio.sleep(0.1)
+        mine.close()
+
+
 @gpu
 @pytest.mark.gpu
 async def test_gpu_memory_over_verbs(make_agent: Any, verbs_provider: str) -> None:

@@ -20,15 +20,23 @@
  *
  * The copy path: an AXF_EP_CUDA endpoint is a same-host endpoint (host-only
  * ops run as shm copies) that also reaches a peer's GPU memory through CUDA IPC
- * handles. An op that touches GPU memory goes to this engine's CUDA submit
- * thread, which enqueues one cuMemcpyAsync per descriptor (split where host
- * memory changes between page-locked and pageable) on a dedicated
- * non-blocking stream of the op's device (the device of its local GPU memory,
- * else of the peer's) and records one event per op; a second thread waits on
- * those events in order with cuEventSynchronize (blocking-sync events: the
- * thread sleeps in the driver, it never spins) and completes the op through
- * op_unit_done, into the one completion ring. Posting never calls the driver,
- * so the caller's thread never blocks on a copy.
+ * handles. An op that touches GPU memory has one cuMemcpyAsync per descriptor
+ * (split where host memory changes between page-locked and pageable) enqueued
+ * on a dedicated non-blocking stream of the op's device (the device of its
+ * local GPU memory, else of the peer's), and one event recorded after them
+ * (reused from a per-device pool). Who enqueues: the posting thread itself
+ * when the submit queue is empty and the work is short (up to 16 descriptors,
+ * stream made, the peer's memory open, host memory already page-locked; its
+ * context pushed and popped, the thread's context stack left as it was), else
+ * this engine's CUDA submit thread (first use: IPC opens, pinning, stream
+ * creation). A second thread waits on the events in order and completes the
+ * ops through op_unit_done, into the one completion ring: where the engine
+ * polls (progress other than "sleep") it polls cuEventQuery for the engine's
+ * poll bound first, then sleeps in cuEventSynchronize (blocking-sync events).
+ * A lone small op (AXF_POST_ALONE, up to 1 MiB) that its poster enqueued is
+ * polled and completed by the poster too, within that bound: no thread
+ * hand-off at all, as UCX's cuda_ipc completes on its caller's progress.
+ * Nothing on the posting thread waits on a copy past the poll bound.
  *
  * A peer's allocation is opened by IPC at its first use, in the context of the
  * device whose stream copies it (with lazy peer access, so GPU A <-> GPU B
@@ -46,6 +54,7 @@
 #include "transport.h"
 
 #include <dlfcn.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -680,6 +689,17 @@ static void unpin_owner(const void *owner)
     free(q);
 }
 
+/* Whether host memory was page-locked for owner (not refused). */
+static bool pin_held(const void *owner)
+{
+    pthread_mutex_lock(&drv_mu);
+    pin *q = pins;
+    while (q && q->owner != owner)
+        q = q->next;
+    pthread_mutex_unlock(&drv_mu);
+    return q != NULL;
+}
+
 /* How far from host address p (at most n bytes) memory stays on the same
  * side of our pins: copies are split there, because one copy over page-locked
  * and pageable memory at once is refused by the driver. */
@@ -911,10 +931,14 @@ int axf_cuda_ipc_open_count(void)
 
 /* ---------------------------------------------------------------- engine state */
 
+#define CU_EV_POOL 32 /* free events kept per device */
+
 typedef struct cuda_job {
     op *o;          /* NULL: a pin job (pin) */
     region *pin;    /* a host region to page-lock ahead of its first copy (ref held) */
     CUevent ev;     /* NULL: nothing to wait for (or the stream was synchronised) */
+    int dev;        /* the stream's device (whose free events ev goes back to) */
+    bool polled;    /* its poster polled ev for the poll bound already */
     CUcontext ctx;  /* the stream's */
     struct cuda_job *next;
 } cuda_job;
@@ -928,8 +952,18 @@ struct axf_cuda {
     cuda_job *wq_head, *wq_tail; /* enqueued, waiting for their event */
     bool stop, started, poison_logged;
     pthread_t submitter, waiter;
-    CUstream stream[AXF_CUDA_MAX_DEVICES]; /* submit thread only */
+    /* Held by whoever enqueues copies (the submit thread, or a posting thread
+     * that found the submit queue empty: cuda_submit): streams, IPC maps. */
+    pthread_mutex_t smu;
+    bool hold;        /* smu: the submit thread's handoff keeps its job (held) */
+    cuda_job *held;
+    CUstream stream[AXF_CUDA_MAX_DEVICES]; /* smu */
     CUcontext sctx[AXF_CUDA_MAX_DEVICES];  /* the context each stream lives in */
+    /* Events waited on and free again, per stream (its context's), reused as
+     * UCX does: cuEventCreate and cuEventDestroy cost microseconds each on a
+     * real driver, per op. mu. */
+    CUevent evfree[AXF_CUDA_MAX_DEVICES][CU_EV_POOL];
+    int nevfree[AXF_CUDA_MAX_DEVICES];
 };
 
 static region *op_lregion(const op *o, size_t i)
@@ -1049,6 +1083,17 @@ static void wq_push(struct axf_cuda *c, cuda_job *j)
     pthread_mutex_unlock(&c->mu);
 }
 
+/* An op enqueued (or failed) goes to the waiter; from the submit thread only
+ * once it has let go of smu (submit_main), so that a completion never finds
+ * smu still held: the next lone op is then its posting thread's. smu held. */
+static void handoff(struct axf_cuda *c, cuda_job *j)
+{
+    if (c->hold)
+        c->held = j;
+    else
+        wq_push(c, j);
+}
+
 static void op_fail(struct axf_cuda *c, op *o, int st, uint64_t index, const char *why)
 {
     op_set_status(o, st, index);
@@ -1073,14 +1118,19 @@ static void peer_gone(struct axf_cuda *c, endpoint *ep)
         cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, 0, NULL, 0);
 }
 
-/* Enqueues one op's copies and hands it to the waiter. */
-static void submit_one(struct axf_cuda *c, cuda_job *j)
+/* Enqueues one op's copies and hands it to the waiter. smu held. caller:
+ * on a posting thread (cuda_submit): its context is pushed and popped, the
+ * thread's context stack left as it was; else the submit thread's own,
+ * which keeps its context current. */
+static void submit_copies(struct axf_cuda *c, cuda_job *j, int dev, CUcontext ctx);
+
+static void submit_one(struct axf_cuda *c, cuda_job *j, bool caller)
 {
     op *o = j->o;
-    char why[200] = "", b[120];
+    char why[200] = "";
     j->next = NULL;
     if (atomic_load(&o->cancelled) || atomic_load(&o->status) != AXF_OK) {
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
     if (atomic_load(&drv.poisoned)) {
@@ -1088,18 +1138,27 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
             snprintf(why, sizeof why, "%s", drv.poison_why);
         c->poison_logged = true;
         op_fail(c, o, AXF_E_TRANSPORT, 0, why);
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
     CUcontext hint;
     int dev = op_device(o, &hint);
     CUcontext ctx = dev_context(dev, hint);
-    if (!ctx || drv.CtxSetCurrent(ctx) != CUDA_SUCCESS) { /* our own thread */
+    if (!ctx || (caller ? ctx_push(ctx) != AXF_OK : drv.CtxSetCurrent(ctx) != CUDA_SUCCESS)) {
         snprintf(why, sizeof why, "no usable context on device %d", dev);
         op_fail(c, o, AXF_E_TRANSPORT, 0, why);
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
+    submit_copies(c, j, dev, ctx);
+    if (caller)
+        ctx_pop();
+}
+
+static void submit_copies(struct axf_cuda *c, cuda_job *j, int dev, CUcontext ctx)
+{
+    op *o = j->o;
+    char why[200] = "", b[120];
     if (!c->stream[dev]) {
         CUresult r = drv.StreamCreate(&c->stream[dev], CU_STREAM_NON_BLOCKING);
         if (r != CUDA_SUCCESS) {
@@ -1107,7 +1166,7 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
             snprintf(why, sizeof why, "cuStreamCreate on device %d: %s", dev,
                      cu_err(r, b, sizeof b));
             op_fail(c, o, AXF_E_TRANSPORT, 0, why);
-            wq_push(c, j);
+            handoff(c, j);
             return;
         }
         c->sctx[dev] = ctx;
@@ -1121,14 +1180,14 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
             peer_gone(c, o->ep);
         if (st != AXF_OK) {
             op_fail(c, o, st, i, why);
-            wq_push(c, j);
+            handoff(c, j);
             return;
         }
     }
     int st = enable_peers(c, o, dev, why, sizeof why);
     if (st != AXF_OK) {
         op_fail(c, o, st, 0, why);
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
     pin_op(o, ctx);
@@ -1162,11 +1221,17 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
     }
     atomic_fetch_add(&o->nbytes, bytes);
     if (!bytes) {
-        wq_push(c, j);
+        handoff(c, j);
         return;
     }
     /* Copies are in flight: the op's memory stays pinned until they are over. */
-    if (drv.EventCreate(&j->ev, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS ||
+    j->dev = dev;
+    pthread_mutex_lock(&c->mu);
+    if (c->nevfree[dev])
+        j->ev = c->evfree[dev][--c->nevfree[dev]];
+    pthread_mutex_unlock(&c->mu);
+    if ((!j->ev && drv.EventCreate(&j->ev, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) !=
+                       CUDA_SUCCESS) ||
         drv.EventRecord(j->ev, s) != CUDA_SUCCESS) {
         if (j->ev)
             drv.EventDestroy(j->ev);
@@ -1174,7 +1239,7 @@ static void submit_one(struct axf_cuda *c, cuda_job *j)
         if (cu_check(drv.StreamSynchronize(s)) != CUDA_SUCCESS)
             op_set_status(o, AXF_E_TRANSPORT, 0);
     }
-    wq_push(c, j);
+    handoff(c, j);
 }
 
 /* A pin job: page-locks a host region now, off the caller's thread, rather
@@ -1245,19 +1310,95 @@ static void *submit_main(void *arg)
             c->sq_tail = NULL;
         bool stopping = c->stop;
         pthread_mutex_unlock(&c->mu);
+        pthread_mutex_lock(&c->smu);
         if (!j->o) {
             pin_ahead(c, j->pin, stopping);
             free(j);
-            pthread_mutex_lock(&c->mu);
-            continue;
+            j = NULL;
+        } else {
+            if (stopping)
+                op_set_status(j->o, AXF_E_CLOSED, 0);
+            c->hold = true;
+            submit_one(c, j, false);
+            c->hold = false;
+            j = c->held;
+            c->held = NULL;
         }
-        if (stopping)
-            op_set_status(j->o, AXF_E_CLOSED, 0);
-        submit_one(c, j);
+        pthread_mutex_unlock(&c->smu);
+        if (j)
+            wq_push(c, j);
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Waits for an op's event. Where the engine polls (progress "adaptive" and
+ * "poll": target_poll_us is not "never"), the waiter first polls cuEventQuery
+ * for the engine's poll bound, as UCX's cuda_ipc does on its caller's
+ * progress: a small copy is over within a few microseconds, and its
+ * completion then costs no interrupt and no wake-up of this thread from the
+ * driver. Only with an op waiting (never while idle); past the bound, the
+ * blocking-sync wait sleeps in the driver as before. */
+static CUresult event_wait_bounded(axf_engine *e, CUevent ev)
+{
+    CUresult r = CUDA_ERROR_NOT_READY;
+    if (e->cfg.target_poll_us != UINT32_MAX && e->poll_us) {
+        uint64_t end = axf_now_ns() + (uint64_t)e->poll_us * 1000u;
+        for (unsigned i = 0;; i++) {
+            r = drv.EventQuery(ev);
+            if (r != CUDA_ERROR_NOT_READY)
+                return r;
+            if ((i & 15) == 15) {
+                if (axf_now_ns() >= end)
+                    break;
+                /* a machine with more runnable threads than cores: the one
+                 * this waits for (a driver's, the peer's) may need the core */
+                sched_yield();
+            } else {
+                cpu_relax();
+            }
+        }
+    }
+    return r;
+}
+
+static CUresult event_wait(axf_engine *e, CUevent ev)
+{
+    CUresult r = event_wait_bounded(e, ev);
+    return r == CUDA_ERROR_NOT_READY ? drv.EventSynchronize(ev) : r;
+}
+
+/* An op's copies are over (r: how its event ended): completes it. */
+static void job_done(struct axf_cuda *c, cuda_job *j, CUresult r)
+{
+    if (j->ev) {
+        if (r != CUDA_SUCCESS) {
+            char b[120];
+            op_fail(c, j->o, AXF_E_TRANSPORT, 0, cu_err(r, b, sizeof b));
+        }
+        bool kept = false;
+        if (r == CUDA_SUCCESS) { /* reached: free for the stream's next op */
+            pthread_mutex_lock(&c->mu);
+            if ((kept = c->nevfree[j->dev] < CU_EV_POOL))
+                c->evfree[j->dev][c->nevfree[j->dev]++] = j->ev;
+            pthread_mutex_unlock(&c->mu);
+        }
+        if (!kept)
+            drv.EventDestroy(j->ev);
+    }
+    op *o = j->o;
+    free(j);
+    op_unit_done(c->e, o);
 }
 
 static void *wait_main(void *arg)
@@ -1278,19 +1419,13 @@ static void *wait_main(void *arg)
         if (!c->wq_head)
             c->wq_tail = NULL;
         pthread_mutex_unlock(&c->mu);
+        CUresult r = CUDA_SUCCESS;
         if (j->ev) {
             if (bound != j->ctx && drv.CtxSetCurrent(j->ctx) == CUDA_SUCCESS) /* our thread */
                 bound = j->ctx;
-            CUresult r = cu_check(drv.EventSynchronize(j->ev));
-            if (r != CUDA_SUCCESS) {
-                char b[120];
-                op_fail(c, j->o, AXF_E_TRANSPORT, 0, cu_err(r, b, sizeof b));
-            }
-            drv.EventDestroy(j->ev);
+            r = cu_check(j->polled ? drv.EventSynchronize(j->ev) : event_wait(e, j->ev));
         }
-        op *o = j->o;
-        free(j);
-        op_unit_done(e, o);
+        job_done(c, j, r);
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
@@ -1317,6 +1452,7 @@ int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
     }
     c->e = e;
     pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->smu, NULL);
     pthread_cond_init(&c->cv, NULL);
     pthread_cond_init(&c->wcv, NULL);
     e->xp[AXF_EP_CUDA] = c;
@@ -1371,7 +1507,49 @@ static int cuda_op_check(op *o)
     return AXF_OK;
 }
 
-static void cuda_submit(axf_engine *e, op *o)
+/* Descriptors a posting thread enqueues itself at most (one cuMemcpyAsync
+ * each, a few microseconds): a longer op goes to the submit thread. */
+#define CU_CALLER_MAX_DESCS 16
+
+/* Whether the posting thread may enqueue op o's copies itself: short work
+ * only. Device memory, or host memory page-locked already (pinning takes a
+ * while, and a copy touching pageable memory runs synchronously in the
+ * driver), the peer's allocations already open on the op's device (an IPC
+ * open takes milliseconds), its stream made, and nothing the submit thread
+ * has to report. smu held. */
+static bool caller_may_submit(struct axf_cuda *c, const op *o)
+{
+    if (o->n > CU_CALLER_MAX_DESCS || atomic_load(&drv.poisoned) ||
+        atomic_load(&o->cancelled) || atomic_load(&o->status) != AXF_OK)
+        return false;
+    for (size_t i = 0; i < o->nlregs; i++) {
+        region *r = o->lregs[i];
+        if (r->kind != AXF_MEM_CUDA &&
+            (r->kind != AXF_MEM_HOST || !(pin_flags(r) & PIN_DONE) || !pin_held(r)))
+            return false;
+    }
+    for (size_t i = 0; i < o->nrregs; i++) {
+        rregion *rr = o->rregs[i];
+        if (!CU_RM(rr) && (!shm_far_map(rr) || !pin_held(rr)))
+            return false;
+    }
+    CUcontext hint;
+    int dev = op_device(o, &hint);
+    if (dev < 0 || dev >= drv.ndev || !c->stream[dev])
+        return false;
+    for (size_t i = 0; i < o->n; i++) {
+        const cuda_rmap *cm = CU_RM(o->rr[i]);
+        if (cm && !cm->own && !cm->m[dev])
+            return false;
+    }
+    return true;
+}
+
+/* Bytes of a lone op (AXF_POST_ALONE) whose posting thread polls its event
+ * itself: what a GPU copies in about the time of the hand-off it saves. */
+#define CU_ALONE_BYTES (1u << 20)
+
+static void cuda_submit(axf_engine *e, op *o, uint32_t flags)
 {
     struct axf_cuda *c = CU_OF(e);
     cuda_job *j = calloc(1, sizeof *j);
@@ -1382,6 +1560,51 @@ static void cuda_submit(axf_engine *e, op *o)
         return;
     }
     j->o = o;
+    /* Nothing queued before it and nobody enqueueing: the posting thread
+     * enqueues its copies itself, sparing the submit thread's wake-up (the
+     * order of what is queued is kept: only with an empty queue). */
+    pthread_mutex_lock(&c->mu);
+    bool mine = !c->stop && !c->sq_head && pthread_mutex_trylock(&c->smu) == 0;
+    pthread_mutex_unlock(&c->mu);
+    if (mine) {
+        bool ok = caller_may_submit(c, o);
+        uint64_t total = 0;
+        for (size_t i = 0; ok && i < o->n; i++)
+            total += o->d[i].len;
+        /* A lone small op where the engine polls: this thread polls its event
+         * too (for the engine's poll bound, as the waiter would; as UCX does
+         * on its caller's progress) and completes it, with no hand-off at all;
+         * a notification follows from the connection, so not with one. Under
+         * smu: cuda_stop waits for it, and the waiter is still there for an
+         * op this gives up on. */
+        bool own = ok && (flags & AXF_POST_ALONE) && total <= CU_ALONE_BYTES &&
+                   !o->notify_len && e->cfg.target_poll_us != UINT32_MAX && e->poll_us;
+        if (ok) {
+            c->hold = own;
+            submit_one(c, j, true);
+            c->hold = false;
+        }
+        cuda_job *mj = c->held;
+        c->held = NULL;
+        if (mj && mj->ev && ctx_push(mj->ctx) == AXF_OK) {
+            CUresult r = event_wait_bounded(e, mj->ev);
+            ctx_pop();
+            if (r != CUDA_ERROR_NOT_READY) {
+                pthread_mutex_unlock(&c->smu);
+                axf_cq_quiet = (flags & AXF_POST_POLL) != 0;
+                job_done(c, mj, cu_check(r));
+                axf_cq_quiet = false;
+                return;
+            }
+        }
+        if (mj) {
+            mj->polled = mj->ev != NULL;
+            wq_push(c, mj);
+        }
+        pthread_mutex_unlock(&c->smu);
+        if (ok)
+            return;
+    }
     submit_enqueue(c, j);
 }
 
@@ -1395,6 +1618,8 @@ static void cuda_stop(axf_engine *e)
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     pthread_join(c->submitter, NULL); /* fails what was not enqueued yet */
+    pthread_mutex_lock(&c->smu); /* a posting thread's enqueueing is over */
+    pthread_mutex_unlock(&c->smu);
     pthread_mutex_lock(&c->mu);
     c->started = false;
     pthread_cond_broadcast(&c->wcv);
@@ -1410,10 +1635,13 @@ static void cuda_free(axf_engine *e)
     cuda_stop(e);
     for (int d = 0; d < AXF_CUDA_MAX_DEVICES; d++)
         if (c->stream[d] && ctx_push(c->sctx[d]) == AXF_OK) { /* the caller's thread */
+            for (int i = 0; i < c->nevfree[d]; i++)
+                drv.EventDestroy(c->evfree[d][i]);
             drv.StreamDestroy(c->stream[d]);
             ctx_pop();
         }
     pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->smu);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->wcv);
     free(c);
@@ -1477,7 +1705,7 @@ static bool cuda_post(axf_engine *e, op *o, uint32_t flags)
     if (!cuda_op_is_gpu(o))
         return shm_post(e, o, flags); /* host to host: the same-host copies */
     pthread_mutex_unlock(&e->mu);
-    cuda_submit(e, o); /* the CUDA threads enqueue and complete it */
+    cuda_submit(e, o, flags); /* the CUDA threads enqueue and complete it */
     return true;
 }
 

@@ -48,8 +48,18 @@
  *   (cuMemAllocManaged) is CPU-accessible, reports memory type DEVICE and
  *   IS_MANAGED 1, and has no IPC handle.
  * - Streams are worker threads running copies in order; an event completes when
- *   its stream reaches it. A copy that runs past an allocation is a sticky
- *   error (CUDA_ERROR_ILLEGAL_ADDRESS) for every later call.
+ *   its stream reaches it (FAKECUDA_EVENT_DELAY_US: that long after, as a GPU
+ *   copy takes a while, so that cuEventQuery answers CUDA_ERROR_NOT_READY
+ *   first). Events are process-wide: queried and waited on from any thread,
+ *   with or without a current context. A copy that runs past an allocation is
+ *   a sticky error (CUDA_ERROR_ILLEGAL_ADDRESS) for every later call.
+ *   Counted for tests (what a GPU costs in wake-ups, not in time):
+ *   fakecuda_event_sleeps (cuEventSynchronize calls that found their event
+ *   pending: the caller slept, to be woken by the driver's interrupt),
+ *   fakecuda_event_queries (cuEventQuery calls), fakecuda_event_creates
+ *   (cuEventCreate calls that made one), fakecuda_copy_tid (the
+ *   kernel thread id of the last cuMemcpyAsync's caller), fakecuda_query_tid
+ *   (of the last cuEventQuery's that found its event reached).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -62,6 +72,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -142,6 +153,9 @@ static fctx primary[MAX_DEV];
 static bool peer_on[MAX_DEV][MAX_DEV]; /* [from][to]: contexts of `from` reach `to`'s memory */
 static _Atomic CUresult sticky;        /* set by any stream thread */
 static _Atomic int sync_copies;
+static _Atomic unsigned event_delay_us; /* FAKECUDA_EVENT_DELAY_US */
+static _Atomic int event_sleeps, event_queries, event_creates;
+static _Atomic long copy_tid, query_tid;
 static _Thread_local fctx *stack[STACK];
 static _Thread_local int depth;
 
@@ -203,6 +217,9 @@ EXPORT CUresult cuInit(unsigned int flags)
         const char *n = getenv("FAKECUDA_DEVICES");
         if (n && atoi(n) >= 1 && atoi(n) <= MAX_DEV)
             ndev = atoi(n);
+        const char *ed = getenv("FAKECUDA_EVENT_DELAY_US");
+        if (ed && atoi(ed) > 0 && atoi(ed) <= 1000000)
+            event_delay_us = (unsigned)atoi(ed);
         const char *d = getenv("FAKECUDA_NO_DMABUF");
         no_dmabuf = d && *d == '1';
         const char *p = getenv("FAKECUDA_NO_P2P");
@@ -466,6 +483,37 @@ EXPORT int fakecuda_primary_refs(int dev)
 EXPORT int fakecuda_sync_copies(void)
 {
     return sync_copies;
+}
+
+EXPORT int fakecuda_event_sleeps(void)
+{
+    return event_sleeps;
+}
+
+EXPORT int fakecuda_event_queries(void)
+{
+    return event_queries;
+}
+
+EXPORT int fakecuda_event_creates(void)
+{
+    return event_creates;
+}
+
+EXPORT long fakecuda_copy_tid(void)
+{
+    return copy_tid;
+}
+
+EXPORT long fakecuda_query_tid(void)
+{
+    return query_tid;
+}
+
+/* As FAKECUDA_EVENT_DELAY_US, from now on (a test's own). */
+EXPORT void fakecuda_set_event_delay_us(unsigned us)
+{
+    event_delay_us = us;
 }
 
 /* ---------------------------------------------------------------- memory */
@@ -1025,6 +1073,9 @@ static void *stream_main(void *arg)
         s->busy = true;
         pthread_mutex_unlock(&s->mu);
         if (it->ev) {
+            unsigned delay = event_delay_us;
+            if (delay)
+                usleep(delay);
             pthread_mutex_lock(&it->ev->mu);
             it->ev->pending--;
             pthread_cond_broadcast(&it->ev->cv);
@@ -1093,6 +1144,7 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *
     stream *s = hs;
     if (!s)
         return E_INVALID_VALUE;
+    copy_tid = (long)syscall(SYS_gettid);
     uint8_t *d, *sp;
     bool pageable;
     CUresult r = resolve(dst, src, n, s->dev, &d, &sp, &pageable);
@@ -1156,6 +1208,7 @@ EXPORT CUresult cuEventCreate(void **out, unsigned int flags)
         return E_OUT_OF_MEMORY;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
+    event_creates++;
     *out = e;
     return OK;
 }
@@ -1181,22 +1234,32 @@ EXPORT CUresult cuEventRecord(void *he, void *hs)
     return r;
 }
 
-EXPORT CUresult cuEventSynchronize(void *he)
+static bool event_drain(event *e) /* whether it had to sleep */
 {
-    event *e = he;
     pthread_mutex_lock(&e->mu);
+    bool slept = e->pending != 0;
     while (e->pending)
         pthread_cond_wait(&e->cv, &e->mu); /* blocking sync: sleeps */
     pthread_mutex_unlock(&e->mu);
+    return slept;
+}
+
+EXPORT CUresult cuEventSynchronize(void *he)
+{
+    if (event_drain(he))
+        event_sleeps++;
     return sticky;
 }
 
 EXPORT CUresult cuEventQuery(void *he)
 {
     event *e = he;
+    event_queries++;
     pthread_mutex_lock(&e->mu);
     unsigned p = e->pending;
     pthread_mutex_unlock(&e->mu);
+    if (!p)
+        query_tid = (long)syscall(SYS_gettid);
     return sticky ? sticky : p ? E_NOT_READY : OK;
 }
 
@@ -1204,7 +1267,7 @@ EXPORT CUresult cuEventDestroy_v2(void *he)
 {
     event *e = he;
     /* The driver defers the release of an event still pending; so do we. */
-    cuEventSynchronize(e);
+    event_drain(e);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);

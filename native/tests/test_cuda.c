@@ -612,6 +612,142 @@ static int test_pin_ahead(void)
     return 0;
 }
 
+
+typedef long (*fake_long_fn)(void);
+typedef void (*fake_delay_fn)(unsigned);
+
+/* The small-request floor. A GPU op whose copies need nothing slow (its
+ * stream made, the peer's memory open, no host memory) is enqueued by its
+ * posting thread inside axf_post, with the submit queue empty: no hand-off to
+ * the submit thread. That thread's context stack is left as it was (its
+ * application's context on another device, here). Its event is polled
+ * (cuEventQuery) for the engine's poll bound before the waiter sleeps in the
+ * driver, and only where the engine polls: never with target_poll_us "never"
+ * (progress "sleep"). Events are reused, not made per op. Counted by the
+ * software driver; skipped on a real one. */
+static int test_caller_submits(void)
+{
+    fake_void_fn queries = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_event_queries");
+    fake_void_fn sleeps = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_event_sleeps");
+    fake_void_fn creates = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_event_creates");
+    fake_void_fn depth = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_ctx_depth");
+    fake_long_fn copy_tid = (fake_long_fn)(uintptr_t)drv_sym("fakecuda_copy_tid");
+    fake_long_fn query_tid = (fake_long_fn)(uintptr_t)drv_sym("fakecuda_query_tid");
+    fake_delay_fn delay = (fake_delay_fn)(uintptr_t)drv_sym("fakecuda_set_event_delay_us");
+    if (!queries || !sleeps || !creates || !depth || !copy_tid || !query_tid || !delay)
+        return 0;
+    cu_retain_fn retain = (cu_retain_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRetain");
+    cu_release_fn release = (cu_release_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRelease_v2");
+    cu_ctx_in_fn push = (cu_ctx_in_fn)(uintptr_t)drv_sym("cuCtxPushCurrent_v2");
+    cu_ctx_fn pop = (cu_ctx_fn)(uintptr_t)drv_sym("cuCtxPopCurrent_v2");
+    CHECK(retain && release && push && pop);
+    enum { LEN = 1 << 20 };
+    int appdev = ndevices() - 1;
+    long me = (long)syscall(SYS_gettid);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    for (int polls = 1; polls >= 0; polls--) {
+        axf_config cfg = {.target_poll_us = polls ? 0 : UINT32_MAX};
+        tengine *a = t_engine(&cfg), *b = t_engine(NULL);
+        CHECK(a && b);
+        char why[256];
+        CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+        uint64_t g1 = 0, g2 = 0, g1rid, g1key, g2rid, g2key, hrid, hkey, ep = 0;
+        CHECK_EQ(axf_cuda_alloc(0, LEN, &g1), AXF_OK);
+        CHECK_EQ(axf_cuda_alloc(0, LEN, &g2), AXF_OK);
+        uint8_t *host = calloc(1, LEN);
+        CHECK(host);
+        CHECK_EQ(axf_region_register(a->e, host, LEN, rw, -1, &hrid, &hkey), AXF_OK);
+        CHECK_EQ(axf_region_register_kind(a->e, AXF_MEM_CUDA, g2, LEN, rw, -1, &g2rid, &g2key),
+                 AXF_OK);
+        CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, g1, LEN, rw, -1, &g1rid, &g1key),
+                 AXF_OK);
+        CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
+        CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, g1rid, g1key, LEN, rw, g1, NULL, 0, NULL),
+                 AXF_OK);
+        axf_desc d = {.lrid = g2rid, .rrid = g1rid, .rkey = g1key, .len = 4096};
+        /* the first makes the stream: the submit thread's */
+        if (post_wait(a, ep, AXF_OP_WRITE, &d, 1, 1, AXF_OK))
+            return 1;
+        CHECK(copy_tid() != me);
+        void *app = NULL;
+        CHECK_EQ(retain(&app, appdev), 0);
+        CHECK_EQ(push(app), 0);
+        int depth0 = depth();
+        int q0 = queries(), c0 = creates();
+        if (post_wait(a, ep, AXF_OP_WRITE, &d, 1, 2, AXF_OK))
+            return 1;
+        CHECK_EQ(copy_tid(), me); /* enqueued inside axf_post */
+        CHECK_EQ(creates(), c0);  /* the first op's event, reused */
+        CTX_SAME(app);
+        CHECK_EQ(depth(), depth0);
+        if (polls)
+            CHECK(queries() > q0);
+        else
+            CHECK_EQ(queries(), q0); /* progress "sleep": no poll */
+        /* an event still pending past the poll bound: the waiter sleeps in the
+         * driver (blocking sync) rather than spinning on */
+        delay(20000);
+        int s0 = sleeps();
+        d.len = 64;
+        if (post_wait(a, ep, AXF_OP_READ, &d, 1, 3, AXF_OK))
+            return 1;
+        delay(0);
+        CHECK_EQ(sleeps(), s0 + 1);
+        CHECK_EQ(copy_tid(), me);
+        CTX_SAME(app);
+        /* A lone op (AXF_POST_ALONE): its poster polls the event and completes
+         * it, no thread involved (at least once in 20: the stand-in's
+         * "GPU" is a thread, which a loaded machine may not run in time),
+         * and only where the engine polls. */
+        int mine = 0;
+        d.len = 4096;
+        for (uint64_t id = 100; id < 120; id++) {
+            int qb = queries();
+            CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, id,
+                              AXF_POST_ALONE | AXF_POST_POLL), AXF_OK);
+            axf_completion cq[4];
+            size_t got = axf_poll(a->e, cq, 4); /* no wait: there already, or not */
+            if (got == 1 && cq[0].id == id && queries() > qb && query_tid() == me) {
+                CHECK_EQ(cq[0].status, AXF_OK);
+                mine++;
+            } else {
+                for (size_t k = 0; k < got; k++)
+                    a->q[a->n++] = cq[k];
+                axf_completion c;
+                CHECK_EQ(t_wait(a, AXF_CQ_XFER, id, &c), 0);
+                CHECK_EQ(c.status, AXF_OK);
+            }
+            CTX_SAME(app);
+            CHECK_EQ(depth(), depth0);
+        }
+        if (polls)
+            CHECK(mine > 0);
+        else
+            CHECK_EQ(mine, 0);
+        void *popped = NULL;
+        CHECK_EQ(pop(&popped), 0);
+        CHECK(popped == app);
+        CHECK_EQ(release(appdev), 0);
+        /* host memory not page-locked yet (pinned first, else staged
+         * synchronously by the driver): the submit thread's */
+        axf_desc h = {.lrid = hrid, .rrid = g1rid, .rkey = g1key, .len = 4096};
+        if (post_wait(a, ep, AXF_OP_READ, &h, 1, 4, AXF_OK))
+            return 1;
+        CHECK(copy_tid() != me);
+        /* once page-locked, the posting thread's */
+        if (post_wait(a, ep, AXF_OP_WRITE, &h, 1, 5, AXF_OK))
+            return 1;
+        CHECK_EQ(copy_tid(), me);
+        CHECK_EQ(axf_endpoint_forget(a->e, ep, g1rid), AXF_OK);
+        t_close(a);
+        t_close(b);
+        CHECK_EQ(axf_cuda_free(g1), AXF_OK);
+        CHECK_EQ(axf_cuda_free(g2), AXF_OK);
+        free(host);
+    }
+    return 0;
+}
+
 /* Rule: a sticky error (an illegal address on the device) poisons every
  * context of the process, the application's too: latched, reported with its
  * name, and no GPU op is attempted after it. Last: it stays for the process. */
@@ -653,6 +789,7 @@ int main(int argc, char **argv)
             T_CASE(test_managed_refused),
             T_CASE(test_ipc_cross_device),
             T_CASE(test_pin_ahead),
+            T_CASE(test_caller_submits),
             T_CASE(test_sticky_error_latched), /* last: the process stays poisoned */
         };
         return T_RUN(argc - 1, argv + 1, gpu);
