@@ -27,6 +27,7 @@
 #define RX_STREAM_MIN (128u << 10) /* a large payload is polled for ... */
 #define RX_STREAM_IDLE_US 50u      /* ... while its bytes come (pauses under this) */
 #define RX_SPIN_MIN_US 10u /* a target's poll lasts twice the requests' average gap and this */
+#define ACK_NOW_MIN (128u << 10) /* a READ's lone response this large is acknowledged at once */
 
 /* rx reason for a goodbye: the connection ends, nothing went wrong. */
 static const char BYE_REASON[] = "goodbye";
@@ -57,8 +58,10 @@ typedef struct conn_priv {
      * sent, held while the next frame (here already) is another READ request. */
     uint32_t rb_pos, rb_len;
     bool kick_owed;
+    uint8_t sock_kind; /* the receiver's: 0 not known yet, SOCK_TCP, SOCK_OTHER (unix) */
     uint8_t rb[RX_AHEAD];
 } conn_priv;
+enum { SOCK_TCP = 1, SOCK_OTHER = 2 };
 
 static void expect_free(expect *x)
 {
@@ -924,6 +927,35 @@ static void measure_rate(conn *c, const expect *x)
         ep_conns_changed(c->ep);
 }
 
+/* A READ's large response was read (its group is complete): the TCP
+ * acknowledgement of its last bytes goes out now. The connection takes
+ * turns (request, response), so the kernel holds it back to ride on our
+ * next frame (or its delayed-ACK timer, 40 ms at least): the peer's send
+ * buffer then still holds the response's tail while our next request
+ * arrives. Measured, 1 MiB READs awaited one at a time on loopback: that
+ * request's send took ~32 us of the posting thread and woke the target's
+ * receiver (it had stopped polling); acknowledged here, ~7 us and the
+ * target's poll caught it (READ 1 MiB 1.07-1.16x). Sent once the
+ * completion is out: the application takes it meanwhile. Only for a group
+ * of one response: 16 MiB READs (groups of 4 MiB) measured 0.90x with it.
+ * (A WRITE's payload is acknowledged by the reply the target sends at once.) */
+static void rx_ack_now(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    if (!p->sock_kind) {
+        int domain = 0;
+        socklen_t dlen = sizeof domain;
+        p->sock_kind = getsockopt(c->fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 &&
+                               (domain == AF_INET || domain == AF_INET6)
+                           ? SOCK_TCP
+                           : SOCK_OTHER;
+    }
+    if (p->sock_kind != SOCK_TCP)
+        return;
+    int one = 1; /* not sticky: the kernel goes back to delaying by itself */
+    (void)setsockopt(c->fd, IPPROTO_TCP, TCP_QUICKACK, &one, sizeof one);
+}
+
 static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io)
 {
     conn_priv *p = (conn_priv *)c;
@@ -1001,8 +1033,12 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
         }
         pthread_mutex_unlock(&c->mu);
         atomic_fetch_add(&o->nbytes, x->bytes);
+        /* A group of one large response: a request awaited alone, or half of one. */
+        bool ack_now = h->type == FR_READ_RESP && h->len >= ACK_NOW_MIN && x->bytes == h->len;
         expect_free(x);
         op_unit_done(c->e, o);
+        if (ack_now)
+            rx_ack_now(c);
     }
     return NULL;
 }

@@ -8,6 +8,9 @@
 #include <string.h>
 
 #define AXF_SCHED 64 /* slots of a striping schedule over an endpoint's connections */
+/* A lone request of one descriptor at least this large (up to chunk_bytes)
+ * goes as two halves on two connections (tcp_chunk). */
+#define SPLIT_MIN (1u << 20)
 
 /* An endpoint's (endpoint->priv): chunks are striped over its live
  * connections by this schedule (slot -> connection index), weighted by each
@@ -29,6 +32,7 @@ typedef struct tcp_ep {
 typedef struct tcp_op {
     uint8_t sched[AXF_SCHED];
     uint32_t sched0;
+    uint64_t chunk; /* its chunk size (tcp_chunk) */
 } tcp_op;
 #define TOP(o) ((tcp_op *)(o)->priv)
 
@@ -165,6 +169,33 @@ static void mark_dirty(axf_engine *e, conn *c)
     }
 }
 
+/* The chunk size of a new op: chunk_bytes, but a lone request (nothing else
+ * of the endpoint's in flight) of one descriptor from SPLIT_MIN up to
+ * chunk_bytes is cut in two halves (4 KiB multiples) that go on two
+ * connections: the peer's receiver of the first half copies it while the
+ * second is sent, and two receivers on each side share the work, where one
+ * frame on one connection is copied by the sender and then by the receiver,
+ * in turn. Measured, 1 MiB requests awaited one at a time on a 2-CPU VM's
+ * loopback, interleaved: WRITE 1.14-1.39x, READ 1.47x; four quarters gained
+ * less (1.07x), and 512 KiB ones lost cut in two (0.90x WRITE, 0.79x READ):
+ * halves of 512 KiB at least (with the default chunk_bytes, a lone request
+ * of 1 MiB or more then always uses two connections at least). Requests in
+ * flight together spread over the connections already: each keeps its one
+ * frame (and its one reply). */
+static uint64_t tcp_chunk(axf_engine *e, const op *o)
+{
+    uint64_t chunk = e->cfg.chunk_bytes;
+    if (o->n != 1 || o->d[0].len < SPLIT_MIN || o->d[0].len > chunk ||
+        atomic_load(&o->ep->ops_alive) > 1)
+        return chunk;
+    int live = 0;
+    for (int i = 0; i < o->ep->nconns; i++)
+        live += !atomic_load(&o->ep->conns[i]->down);
+    if (live < 2)
+        return chunk;
+    return (o->d[0].len / 2 + 4095) & ~(uint64_t)4095;
+}
+
 /* Stripes a new op's chunks over the live connections by the endpoint's
  * schedule: one group per connection used, its LAST frame acknowledged once.
  * Returns false when nothing could be queued (the caller completes the op). */
@@ -177,7 +208,8 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         atomic_store(&o->remaining, 1);
         return false;
     }
-    bool one = o->n == 0 || (o->n == 1 && o->d[0].len <= e->cfg.chunk_bytes);
+    uint64_t chunk = tcp_chunk(e, o);
+    bool one = o->n == 0 || (o->n == 1 && o->d[0].len <= chunk);
     /* A lone one-chunk request (nothing else of the endpoint's in flight)
      * goes on the connection the last request went on, not the next one in
      * the rotation: its threads on both sides ran last (warm caches, and the
@@ -194,18 +226,19 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         }
         memcpy(to->sched, t->sched, AXF_SCHED);
         to->sched0 = sched0;
+        to->chunk = chunk;
         o->priv = to;
     }
     /* Each connection's frames are chained here and queued as one group with
      * its expectation (a READ's chunks are answered one by one). */
     sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
     uint64_t gbytes[AXF_MAX_CONNS] = {0};
-    chunk_iter ci_ = {.o = o, .slot = -1, .chunk = e->cfg.chunk_bytes};
+    chunk_iter ci_ = {.o = o, .slot = -1, .chunk = chunk};
     uint64_t i, off, k = 0;
     int used = 0;
     while (chunk_next(&ci_, &i, &off)) {
         int ci = t->sched[(sched0 + k++) % AXF_SCHED];
-        sq_item *it = chunk_item(o, i, off, e->cfg.chunk_bytes);
+        sq_item *it = chunk_item(o, i, off, chunk);
         if (!it) {
             op_set_status(o, AXF_E_NOMEM, i);
             break;
@@ -247,7 +280,8 @@ static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, s
     tcp_ep *t = TEP(ep);
     if (!sched_ready(ep))
         return false;
-    uint64_t chunk = e->cfg.chunk_bytes, i, off;
+    /* The op's own chunk size: the slot's chunks are found again by it. */
+    uint64_t chunk = TOP(o) ? TOP(o)->chunk : e->cfg.chunk_bytes, i, off;
     uint32_t start = (uint32_t)t->rr_next;
     size_t cnt[AXF_MAX_CONNS] = {0}, fill[AXF_MAX_CONNS] = {0}, total = 0;
     chunk_iter it = {.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};

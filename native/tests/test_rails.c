@@ -165,6 +165,51 @@ static int test_read_rerouted_and_rail_added_back(void)
     return 0;
 }
 
+/* A lone 1 MiB request goes as two halves on two rails (tcp.c tcp_chunk);
+ * a half stuck on a rail that breaks is moved whole to the other (found
+ * again by the op's own chunk size, not chunk_bytes). */
+static int test_lone_request_halves(void)
+{
+    axf_config cfg = {.chunk_bytes = 1u << 20};
+    rails r;
+    if (rails_open(&r, &cfg, 2, 0))
+        return 1;
+    axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = 1u << 20};
+    axf_completion c;
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_OK);
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(r.dst, r.src, 1u << 20) == 0);
+    axf_rail_stats st[2];
+    CHECK_EQ(axf_endpoint_rails(r.a->e, r.ep, st, 2), 2);
+    CHECK_EQ(st[0].bytes, 512u << 10);
+    CHECK_EQ(st[1].bytes, 512u << 10);
+    rails_close(&r);
+
+    for (int op = 0; op < 2; op++) {
+        if (rails_open(&r, &cfg, 1, 1))
+            return 1;
+        t_fill(r.dst, REG, 79);
+        memset(r.src + REG / 2, 0, REG / 2);
+        /* WRITE src[0, 1 MiB) -> dst; READ dst[0, 1 MiB) -> src[REG / 2, ...). */
+        axf_desc dd = {.lrid = r.arid, .loff = op ? REG / 2 : 0, .rrid = r.brid, .rkey = r.bkey,
+                       .len = 1u << 20};
+        CHECK_EQ(axf_post(r.a->e, r.ep, op ? AXF_OP_READ : AXF_OP_WRITE, &dd, 1, NULL, 0, 2, 0),
+                 AXF_OK);
+        CHECK(t_quiet(r.a, AXF_CQ_XFER, 2, 100)); /* a half sits on the dark rail */
+        close(r.dark[0]);
+        r.dark[0] = -1;
+        CHECK_EQ(t_wait(r.a, AXF_CQ_RAIL_DOWN, r.ep, &c), 0);
+        CHECK_EQ(c.nbytes, 1); /* one group moved */
+        CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 2, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+        CHECK_EQ(c.nbytes, 1u << 20);
+        CHECK(memcmp(op ? r.src + REG / 2 : r.dst, op ? r.dst : r.src, 1u << 20) == 0);
+        rails_close(&r);
+    }
+    return 0;
+}
+
 static int test_last_rail_lost_fails_the_endpoint(void)
 {
     axf_config cfg = {.chunk_bytes = 64u << 10};
@@ -290,6 +335,7 @@ int main(int argc, char **argv)
     static const t_case cases[] = {
         T_CASE(test_write_rerouted_off_a_failed_rail),
         T_CASE(test_read_rerouted_and_rail_added_back),
+        T_CASE(test_lone_request_halves),
         T_CASE(test_last_rail_lost_fails_the_endpoint),
         T_CASE(test_stalled_rail_times_out),
         T_CASE(test_rates_measured),
