@@ -733,79 +733,6 @@ static int test_lone_request_affinity(void)
     return 0;
 }
 
-/* A READ's large response is acknowledged (TCP) once its request is
- * complete, not with the initiator's next frame: the target's kernel frees
- * that send buffer then, not while it delivers the next request (conn.c
- * rx_ack_now). We play the target on a loopback TCP connection: after each
- * 1 MiB response the initiator sends nothing more, and our unacknowledged
- * bytes must drop to 0 well before the kernel's delayed-ACK timer (40 ms at
- * least), which is what frees them without it. */
-static int test_large_read_acked_at_once(void)
-{
-    tengine *a = t_engine(NULL);
-    CHECK(a);
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(l >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t salen = sizeof sa;
-    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
-    CHECK_EQ(listen(l, 1), 0);
-    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &salen), 0);
-    int cfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(cfd >= 0);
-    CHECK_EQ(connect(cfd, (struct sockaddr *)&sa, sizeof sa), 0);
-    int fd = accept(l, NULL, NULL);
-    CHECK(fd >= 0);
-    close(l);
-    int one = 1;
-    CHECK_EQ(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one), 0);
-    uint64_t ep, rid, key;
-    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, 41, 0, -1, &ep), AXF_OK);
-    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, cfd), AXF_OK);
-    uint8_t *dst = calloc(1, REG), *src = malloc(REG);
-    CHECK(dst && src);
-    CHECK_EQ(axf_region_register(a->e, dst, REG, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &rid,
-                                 &key),
-             AXF_OK);
-    CHECK_EQ(axf_endpoint_import(a->e, ep, 1, 0x1234, REG, AXF_ACCESS_READ, 0, -1), AXF_OK);
-    for (uint64_t i = 1; i <= 8; i++) {
-        axf_desc d = {.lrid = rid, .rrid = 1, .rkey = 0x1234, .len = REG};
-        CHECK_EQ(axf_post(a->e, ep, AXF_OP_READ, &d, 1, NULL, 0, 8000 + i, 0), AXF_OK);
-        wire_hdr h;
-        do {
-            struct pollfd pf = {.fd = fd, .events = POLLIN};
-            CHECK_EQ(poll(&pf, 1, T_TIMEOUT_MS), 1);
-            CHECK_EQ(recv(fd, &h, sizeof h, MSG_WAITALL), (ssize_t)sizeof h);
-        } while (h.type == FR_PING);
-        CHECK_EQ(h.type, FR_READ_REQ);
-        CHECK_EQ(h.len, REG);
-        t_fill(src, REG, (uint8_t)i);
-        wire_hdr r = {.magic = AXF_MAGIC, .type = FR_READ_RESP, .flags = h.flags & FL_LAST,
-                      .op = h.op, .index = h.index, .rid = h.rid, .off = h.off, .len = REG};
-        struct iovec iov[2] = {{.iov_base = &r, .iov_len = sizeof r},
-                               {.iov_base = src, .iov_len = REG}};
-        struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2};
-        CHECK_EQ(sendmsg(fd, &m, MSG_WAITALL), (ssize_t)(sizeof r + REG));
-        axf_completion c;
-        CHECK_EQ(t_wait(a, AXF_CQ_XFER, 8000 + i, &c), 0);
-        CHECK_EQ(c.status, AXF_OK);
-        CHECK(memcmp(dst, src, REG) == 0);
-        int outq = -1;
-        for (int k = 0; k < 300; k++) { /* 30 ms at most */
-            CHECK_EQ(ioctl(fd, SIOCOUTQ, &outq), 0);
-            if (!outq)
-                break;
-            usleep(100);
-        }
-        CHECK_EQ(outq, 0);
-    }
-    t_close(a);
-    close(fd);
-    free(dst);
-    free(src);
-    return 0;
-}
-
 /* Reads the next frame other than a ping from a raw initiator's socket. */
 static int raw_reply(int fd, wire_hdr *h)
 {
@@ -1111,7 +1038,6 @@ int main(int argc, char **argv)
         T_CASE(test_target_polls_for_requests),
         T_CASE(test_frames_read_ahead),
         T_CASE(test_large_write_in_pieces),
-        T_CASE(test_large_read_acked_at_once),
     };
     return T_RUN(argc, argv, cases);
 }
