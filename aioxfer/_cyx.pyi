@@ -133,6 +133,7 @@ class Submitter:
         eager_max: int,
         eager_streak: int,
         poll_rounds: int,
+        spin_alone_max: int,
     ) -> Submitter: ...
     def submit(
         self,

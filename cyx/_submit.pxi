@@ -92,8 +92,8 @@ cdef class Submitter:
     for the usual request, with the same effects; ``eager(t)`` likewise for
     ``slow_eager(t)``. ``sub``: the Submission; ``flush``: its bound _flush
     (what a batch's first request schedules); the rest, the constants of
-    Submission.eager's post (post_drain's arguments, EAGER_MAX and
-    EAGER_STREAK) and of its drain (POLL_ROUNDS)."""
+    Submission.eager's post (post_drain's arguments, EAGER_MAX,
+    EAGER_STREAK and SPIN_ALONE_MAX) and of its drain (POLL_ROUNDS)."""
 
     cdef object _sub
     cdef object _slow
@@ -106,6 +106,7 @@ cdef class Submitter:
     cdef long long _eager_max
     cdef long long _eager_streak
     cdef int _poll_rounds
+    cdef long long _spin_alone_max
     cdef bint _ok  # sub's fields are plain slots
     cdef Py_ssize_t _s[_S_FIELDS]
     cdef object _peer_type
@@ -120,7 +121,7 @@ cdef class Submitter:
 
     def __cinit__(self, sub, slow, flush, slow_eager, result_type, double weight,
                   uint64_t bandwidth_min, Py_ssize_t poll_max, long long eager_max,
-                  long long eager_streak, int poll_rounds):
+                  long long eager_streak, int poll_rounds, long long spin_alone_max):
         self._sub = sub
         self._slow = slow
         self._flush = flush
@@ -132,6 +133,7 @@ cdef class Submitter:
         self._eager_max = eager_max
         self._eager_streak = eager_streak
         self._poll_rounds = poll_rounds
+        self._spin_alone_max = spin_alone_max
         self._ok = _offsets(type(sub), _S_NAMES, self._s, _S_FIELDS)
 
     cdef inline bint _sub_open(self):
@@ -278,7 +280,7 @@ cdef class Submitter:
         # Still in flight (not copied inside the post): poll for it here,
         # then the await may not suspend.
         v = axf_slot_ptr(sub, self._s[_S_POLLER])
-        if n == 1 and nbytes <= self._eager_max and v != NULL and <object>v is not None:
+        if n == 1 and nbytes <= self._spin_alone_max and v != NULL and <object>v is not None:
             (<object>v).spin_alone(t, _slot_obj(sub, self._s[_S_FLUSH_SCHEDULED]))
         return None
 

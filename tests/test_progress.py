@@ -351,6 +351,36 @@ async def test_lone_tcp_requests_polled_in_their_await(make_agent, progress: str
     await idle(init)
 
 
+async def test_lone_tcp_requests_up_to_spin_alone_max_are_polled(make_agent) -> None:
+    """A lone awaited tcp request up to SPIN_ALONE_MAX (1 MiB: the loop's
+    wake-up for it is a fifth of its time) is polled for in its await; a
+    larger one is waited for by the loop. Bytes exact either way."""
+    from aioxfer.submission import SPIN_ALONE_MAX
+
+    if not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+        pytest.skip("uvloop's ready queue is not visible: its callback polls")
+    # Both posted eagerly, alone (within inline_bytes, whatever the machine
+    # calibrates): only the size decides the poll.
+    init, target, peer = await _pair(make_agent, "tcp", progress="adaptive",
+                                     inline_bytes=4 * SPIN_ALONE_MAX)
+    dst = target.alloc(2 * SPIN_ALONE_MAX, name="dst")
+    await within(peer.refresh())
+    remote = peer.region("dst")
+    data = pattern(2 * SPIN_ALONE_MAX, 7)
+    src = init.register(data.copy(), name="src")
+    poller = init._poller
+    assert poller is not None
+    for n, polled in ((SPIN_ALONE_MAX, True), (SPIN_ALONE_MAX + 4096, False)):
+        before = poller.alone_hits + poller.alone_misses
+        for _ in range(4):
+            dst.numpy()[:n] = 0
+            res = await within(init.write(src[0:n], remote[0:n]))
+            assert res.nbytes == n and np.array_equal(dst.numpy()[:n], data[:n])
+        tried = poller.alone_hits + poller.alone_misses - before
+        assert (tried > 0) == polled, (n, tried)
+    await idle(init)
+
+
 @pytest.mark.parametrize("progress", ["adaptive", "poll"])
 async def test_lone_tcp_awaits_let_the_loop_run(make_agent, progress: str) -> None:
     """Polling inside awaits does not starve the loop: a timer fires and
