@@ -907,8 +907,10 @@ def test_tight_poller_takes_tcp_completions_on_its_own_thread(
         assert _wait(a, h) == "DONE"
         assert x.np[0] == x.np[-1] == i
     # At most for the first completions, before the first wait claimed the fd
-    # (40 for "sleep", whose every completion signals the fd, if it did not).
-    assert len(woke) <= 2
+    # (40 for "sleep", whose every completion signals the fd, if it did not;
+    # a full CI run on a machine loaded by a benchmark once saw 3: a select
+    # already returning as the claim came).
+    assert len(woke) <= 4
     assert polls and set(polls) == {threading.get_ident()}
     poll_us = ba._agent._engine.poll_us
     expected = {"adaptive": {poll_us}, "sleep": set(),
