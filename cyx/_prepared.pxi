@@ -445,13 +445,94 @@ cdef inline object _ns_done(object agent, object x, object fut):
 _STATE_NAMES = ("DONE", "PROC")
 
 
+@cython.final
+cdef class NixlCache:
+    """What aioxfer.nixl's nixlAgent.xferState reads of its agent on each
+    check, resolved once (the nixlAgent's ``_ns``, made from its fields when
+    its aioxfer agent starts, None again when it closes; remade by whoever
+    changes one): the aioxfer agent, its engine, its poll and wait_poll, the
+    runtime, its lock and selector (its claims), the engine's fd and the spin
+    the agent's progress mode picks. Each would otherwise be an attribute
+    read of a plain instance per check (~180 instructions each, the type's
+    lookup first). A wait_poll that is the agent's own (Agent.wait_poll,
+    agent_wait_poll bound to it) is done inline."""
+    cdef readonly object agent
+    cdef Engine engine
+    cdef object poll  # the nixlAgent's _poll_fn (agent.poll)
+    cdef object wait_poll  # its _wait_poll; None: agent_wait_poll's, inline
+    cdef object rt, lock, sel, claims
+    cdef object fd
+    cdef long long spin_us
+    cdef bint spin_only
+
+    def __cinit__(self, agent, rt, fd, long long spin_us, bint spin_only, poll, wait_poll):
+        engine = agent._engine
+        if type(engine) is not Engine:
+            raise TypeError(f"{agent!r}._engine is not an Engine")
+        self.agent = agent
+        self.engine = <Engine>engine
+        self.poll = poll
+        own = (type(wait_poll) is _MethodType and wait_poll.__self__ is agent
+               and wait_poll.__func__ is agent_wait_poll and poll == agent.poll)
+        self.wait_poll = None if own else wait_poll
+        self.rt = rt
+        self.lock = rt.lock
+        self.sel = rt.selector
+        self.claims = self.sel._claims
+        if type(self.claims) is not dict:
+            raise TypeError("the runtime's selector has no claims dict")
+        self.fd = fd
+        self.spin_us = spin_us
+        self.spin_only = spin_only
+
+
+cdef bint _ns_wait_poll(NixlCache n, uint32_t max_us) except -1:
+    """The nixlAgent's _wait_poll(max_us) through the cache: the agent's
+    own (agent_wait_poll) inline."""
+    cdef Engine e
+    cdef bint nested
+    if n.wait_poll is not None:
+        return bool(n.wait_poll(max_us))
+    e = n.engine
+    nested = e._polling
+    if not e._wait(max_us, 0 if nested else AXF_WAIT_POLLS):
+        return False
+    if not nested:
+        n.poll()
+    return True
+
+
+# A selector claim's fields (_Claim's slots: active, until, linger).
+cdef enum:
+    _CL_ACTIVE = 0
+    _CL_UNTIL = 1
+    _CL_LINGER = 2
+    _CL_FIELDS = 3
+
+_CL_NAMES = ("active", "until", "linger")
+cdef object _cl_type = None
+cdef bint _cl_ok = False
+cdef Py_ssize_t _cl_off[_CL_FIELDS]
+
+
+cdef inline bint _cl_slots(object c):
+    """Whether c's fields are read through _cl_off (its type's slots)."""
+    global _cl_type, _cl_ok
+    if type(c) is not _cl_type:
+        _cl_ok = _offsets(type(c), _CL_NAMES, _cl_off, _CL_FIELDS)
+        _cl_type = type(c)
+    return _cl_ok
+
+
 def nixl_state(agent, handle):
     """aioxfer.nixl's nixlAgent.xferState (a method: bound to the
     nixlAgent): ``check_xfer_state(handle)``, "DONE" or "PROC"."""
     global _ns_type, _ns_ok, _ns_cls, _ns_transfer, _ns_tight_poll, _ns_spin_keep
     global _ns_spin_misses, _ns_spin_probe, _ns_linger, _ns_eager_max, _ns_alone_max_us
+    global _nr_type, _nr_ok
     cdef PyObject *v
-    cdef object x, fut, rt, lock, a, sel, fd, f2, claims, c
+    cdef object x, fut, rt, lock, sel, fd, f2, c, nso, active
+    cdef NixlCache n
     cdef double now, took, lat, seconds
     cdef long long spin_us, budget, us
     cdef long slow, skipped
@@ -480,30 +561,42 @@ def nixl_state(agent, handle):
     now = _perf_counter()
     if type(f2) is not float or now - <double>f2 >= _ns_tight_poll:
         return agent._state_py(handle)
-    rt = _nx_field(agent, "_rt")
-    a = agent._agent
-    lock = rt.lock
-    if a is None or not _lock_acquire(lock, False):
+    nso = _nx_field(agent, "_ns")
+    if type(nso) is not NixlCache:
+        return agent._state_py(handle)  # (no agent: not started, or closed)
+    n = <NixlCache>nso
+    rt = n.rt
+    if type(rt) is not _nr_type:
+        _nr_ok = _offsets(type(rt), _NR_NAMES, _nr_off, _NR_FIELDS)
+        _nr_type = type(rt)
+    if not _nr_ok:
+        return agent._state_py(handle)
+    lock = n.lock
+    if not _lock_acquire(lock, False):
         return agent._state_py(handle)  # (it yields to the loop thread)
     spun = False
     try:
         if _fut_state(fut):  # (_wait_completion's ready())
             spun = True
         else:
-            fd = agent._fd
-            sel = rt.selector
+            fd = n.fd
+            sel = n.sel
             # (Runtime.claim's usual case inline: the fd claimed before,
             # lingering; else its method.)
-            claims = sel._claims
-            c = claims.get(fd) if type(claims) is dict else None
-            if c is not None and type(c.active) is int:
-                c.active = c.active + 1
+            v = PyDict_GetItem(n.claims, fd)
+            c = <object>v if v != NULL else None
+            if c is not None and _cl_slots(c):
+                active = _slot_obj(c, _cl_off[_CL_ACTIVE])
+            else:
+                active = None
+            if type(active) is int:
+                axf_slot_put(c, _cl_off[_CL_ACTIVE], active + 1)
                 claimed = True
             else:
                 c = None
                 claimed = sel.claim(fd)
-            spin_us = agent._spin_us
-            if spin_us and (agent._spin_only is True
+            spin_us = n.spin_us
+            if spin_us and (n.spin_only
                             or _slot_obj(x, _ns_off[_NS_SPIN]) is True
                             or _ns_spin_wanted(x)):
                 budget = _slot_obj(x, _ns_off[_NS_BUDGET])
@@ -513,10 +606,10 @@ def nixl_state(agent, handle):
             else:
                 us = 0  # (a look at the ring: no spin)
             try:
-                caught = agent._wait_poll(us)
-                spun = caught or (us != 0 and agent._spin_only is True)
-                if not caught and spun and not a.closed:
-                    agent._poll_fn()
+                caught = _ns_wait_poll(n, us)
+                spun = caught or (us != 0 and n.spin_only)
+                if not caught and spun and not n.agent.closed:
+                    n.poll()
             except BaseException:
                 if claimed:
                     sel.release(fd, _ns_linger)
@@ -545,14 +638,14 @@ def nixl_state(agent, handle):
             if spun and claimed:
                 _ns_release(sel, fd, c)
     finally:
-        if rt._foreign is True:
+        if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
             rt.leave()
         else:
             _lock_release(lock)
     if not spun:
         # Neither caught nor spun for in "poll" progress: the sleep, as
         # _wait_completion's, then the rest of the state (no second spin).
-        return agent._state_slept(x, fut, a, fd, claimed, spin_us)
+        return agent._state_slept(x, fut, n.agent, fd, claimed, spin_us)
     axf_slot_put(x, _ns_off[_NS_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
     if _fut_state(fut):
         return _ns_done(agent, x, fut)
@@ -573,16 +666,16 @@ cdef bint _ns_spin_wanted(object x) except -1:
 
 cdef int _ns_release(object sel, object fd, object c) except -1:
     """sel.release(fd, _LINGER) (Runtime's selector, lock held), its usual
-    case inline: the last claim of ``c`` (the fd's, claimed above) ended,
-    lingering, the loop thread not asleep past the linger (else the method,
-    which wakes it)."""
+    case inline: the last claim of ``c`` (the fd's, claimed above, its type's
+    slots in _cl_off) ended, lingering, the loop thread not asleep past the
+    linger (else the method, which wakes it)."""
     cdef double until, linger = _ns_linger
-    if c is not None and c.active == 1:
+    if c is not None and _slot_obj(c, _cl_off[_CL_ACTIVE]) == 1:
         until = _perf_counter() + linger  # (time.monotonic: CLOCK_MONOTONIC too)
         if not (sel.sleep_until > until + linger):
-            c.active = 0
-            c.linger = _ns_linger
-            c.until = until
+            axf_slot_put(c, _cl_off[_CL_ACTIVE], 0)
+            axf_slot_put(c, _cl_off[_CL_LINGER], _ns_linger)
+            axf_slot_put(c, _cl_off[_CL_UNTIL], PyFloat_FromDouble(until))
             return 0
     sel.release(fd, _ns_linger)
     return 0
