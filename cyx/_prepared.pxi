@@ -459,6 +459,7 @@ cdef class NixlCache:
     cdef readonly object agent
     cdef Engine engine
     cdef object poll  # the nixlAgent's _poll_fn (agent.poll)
+    cdef object drain  # what poll does: agent._sub.drain if it is Agent.poll, else poll
     cdef object wait_poll  # its _wait_poll; None: agent_wait_poll's, inline
     cdef object rt, lock, sel, claims
     cdef object fd
@@ -472,6 +473,14 @@ cdef class NixlCache:
         self.agent = agent
         self.engine = <Engine>engine
         self.poll = poll
+        # Agent.poll is its Submission's drain (compiled): called without
+        # the Python frame around it.
+        from aioxfer.agent import Agent as _Agent
+        if (type(poll) is _MethodType and poll.__self__ is agent
+                and poll.__func__ is _Agent.poll):
+            self.drain = agent._sub.drain
+        else:
+            self.drain = poll
         own = (type(wait_poll) is _MethodType and wait_poll.__self__ is agent
                and wait_poll.__func__ is agent_wait_poll and poll == agent.poll)
         self.wait_poll = None if own else wait_poll
@@ -498,7 +507,7 @@ cdef bint _ns_wait_poll(NixlCache n, uint32_t max_us) except -1:
     if not e._wait(max_us, 0 if nested else AXF_WAIT_POLLS):
         return False
     if not nested:
-        n.poll()
+        n.drain()
     return True
 
 
@@ -609,7 +618,7 @@ def nixl_state(agent, handle):
                 caught = _ns_wait_poll(n, us)
                 spun = caught or (us != 0 and n.spin_only)
                 if not caught and spun and not n.agent.closed:
-                    n.poll()
+                    n.drain()
             except BaseException:
                 if claimed:
                     sel.release(fd, _ns_linger)
