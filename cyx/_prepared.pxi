@@ -434,11 +434,14 @@ cdef long long _ns_eager_max = 0
 cdef long long _ns_alone_max_us = 0
 
 
-cdef inline object _ns_done(object agent, object x, object fut):
+cdef inline object _ns_done(object agent, object x, object fut, object nso):
     """The state of a request whose post is done: "DONE" when it succeeded
-    and there is no telemetry event to write, else the agent's _finish
-    (which raises a failure)."""
-    if agent._tel_events is False and _fut_state(fut) == 1:
+    and there is no telemetry event to write (the agent's NixlCache ``nso``
+    says, else its _tel_events), else the agent's _finish (which raises a
+    failure)."""
+    cdef bint tel = ((<NixlCache>nso).tel_events if type(nso) is NixlCache
+                     else agent._tel_events is not False)
+    if not tel and _fut_state(fut) == 1:
         return "DONE"
     return _STATE_NAMES[agent._finish(x, fut, "getXferStatus")]
 
@@ -465,8 +468,11 @@ cdef class NixlCache:
     cdef object fd
     cdef long long spin_us
     cdef bint spin_only
+    cdef bint tel_events  # the nixlAgent's _tel_events (set before its agent starts)
+    cdef bint sel_dict  # the selector's sleep_until read from its __dict__
 
-    def __cinit__(self, agent, rt, fd, long long spin_us, bint spin_only, poll, wait_poll):
+    def __cinit__(self, agent, rt, fd, long long spin_us, bint spin_only, poll, wait_poll,
+                  bint tel_events):
         engine = agent._engine
         if type(engine) is not Engine:
             raise TypeError(f"{agent!r}._engine is not an Engine")
@@ -493,6 +499,8 @@ cdef class NixlCache:
         self.fd = fd
         self.spin_us = spin_us
         self.spin_only = spin_only
+        self.tel_events = tel_events
+        self.sel_dict = axf_type_lookup(type(self.sel), "sleep_until") == NULL
 
 
 cdef bint _ns_wait_poll(NixlCache n, uint32_t max_us) except -1:
@@ -564,13 +572,13 @@ def nixl_state(agent, handle):
     fut = _slot_obj(x, _ns_off[_NS_FUT])
     if type(fut) is not _ns_transfer:
         return agent._state_py(handle)
+    nso = _nx_field(agent, "_ns")
     if _fut_state(fut):
-        return _ns_done(agent, x, fut)
+        return _ns_done(agent, x, fut, nso)
     f2 = _slot_obj(x, _ns_off[_NS_LAST_POLL])
     now = _perf_counter()
     if type(f2) is not float or now - <double>f2 >= _ns_tight_poll:
         return agent._state_py(handle)
-    nso = _nx_field(agent, "_ns")
     if type(nso) is not NixlCache:
         return agent._state_py(handle)  # (no agent: not started, or closed)
     n = <NixlCache>nso
@@ -645,7 +653,7 @@ def nixl_state(agent, handle):
                             axf_slot_put(x, _ns_off[_NS_SPIN], False)
                             axf_slot_put(x, _ns_off[_NS_SKIPPED], 0)
             if spun and claimed:
-                _ns_release(sel, fd, c)
+                _ns_release(n, fd, c)
     finally:
         if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
             rt.leave()
@@ -657,7 +665,7 @@ def nixl_state(agent, handle):
         return agent._state_slept(x, fut, n.agent, fd, claimed, spin_us)
     axf_slot_put(x, _ns_off[_NS_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
     if _fut_state(fut):
-        return _ns_done(agent, x, fut)
+        return _ns_done(agent, x, fut, nso)
     return "PROC"
 
 
@@ -673,15 +681,24 @@ cdef bint _ns_spin_wanted(object x) except -1:
     return False
 
 
-cdef int _ns_release(object sel, object fd, object c) except -1:
+cdef int _ns_release(NixlCache n, object fd, object c) except -1:
     """sel.release(fd, _LINGER) (Runtime's selector, lock held), its usual
     case inline: the last claim of ``c`` (the fd's, claimed above, its type's
     slots in _cl_off) ended, lingering, the loop thread not asleep past the
     linger (else the method, which wakes it)."""
-    cdef double until, linger = _ns_linger
+    cdef double until, su, linger = _ns_linger
+    cdef object sel = n.sel, sleep_until
+    cdef PyObject **dp
+    cdef PyObject *v = NULL
     if c is not None and _slot_obj(c, _cl_off[_CL_ACTIVE]) == 1:
         until = _perf_counter() + linger  # (time.monotonic: CLOCK_MONOTONIC too)
-        if not (sel.sleep_until > until + linger):
+        if n.sel_dict:
+            dp = _PyObject_GetDictPtr(sel)
+            if dp != NULL and dp[0] != NULL:
+                v = PyDict_GetItem(<object>dp[0], "sleep_until")
+        sleep_until = <object>v if v != NULL else sel.sleep_until
+        su = sleep_until
+        if not (su > until + linger):
             axf_slot_put(c, _cl_off[_CL_ACTIVE], 0)
             axf_slot_put(c, _cl_off[_CL_LINGER], _ns_linger)
             axf_slot_put(c, _cl_off[_CL_UNTIL], PyFloat_FromDouble(until))
