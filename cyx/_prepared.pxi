@@ -194,8 +194,125 @@ cdef inline int _lock_types(object lock) except -1:
     return 0
 
 
+# ------------------------------------------------------------------ the runtime's lock
+# aioxfer.nixl's Runtime.lock: threading.RLock's semantics (re-entrant, its
+# owner's only to release; a blocking acquire releases the GIL and runs
+# signal handlers while it waits), its acquire and release plain C calls
+# for the hot paths here (_lock_acquire: ~50 instructions, where RLock's
+# acquire(False) parses its arguments, ~600 a call).
+
+from cpython.pythread cimport (
+    PY_LOCK_ACQUIRED, PY_LOCK_INTR, PyLockStatus, PyThread_allocate_lock, PyThread_free_lock,
+    PyThread_release_lock, PyThread_type_lock,
+)
+
+cdef extern from "pythread.h":
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds,
+                                             int intr_flag) nogil
+    unsigned long _thread_ident "PyThread_get_thread_ident" () nogil
+
+cdef extern from "Python.h":
+    int Py_MakePendingCalls() except -1
+
+
+@cython.final
+cdef class RLock:
+    """A re-entrant lock, as threading.RLock."""
+    cdef PyThread_type_lock _lock
+    cdef unsigned long _owner
+    cdef unsigned long _count
+
+    def __cinit__(self):
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self._lock != NULL:
+            if self._count:
+                PyThread_release_lock(self._lock)
+            PyThread_free_lock(self._lock)
+
+    cdef inline bint _try(self) noexcept:
+        """The acquire without blocking."""
+        cdef unsigned long me = _thread_ident()
+        if self._count and self._owner == me:
+            self._count += 1
+            return True
+        if PyThread_acquire_lock_timed(self._lock, 0, 0) == PY_LOCK_ACQUIRED:
+            self._owner = me
+            self._count = 1
+            return True
+        return False
+
+    cdef bint _acquire(self, double timeout) except -1:
+        """Blocking, for up to ``timeout`` s (< 0: for ever)."""
+        cdef PyThread_type_lock lk = self._lock
+        cdef PyLockStatus r
+        cdef long long us
+        cdef double deadline = 0.0
+        if self._try():
+            return True
+        if timeout == 0.0:
+            return False
+        if timeout > 0:
+            deadline = _perf_counter() + timeout
+        while True:
+            us = -1 if timeout < 0 else <long long>((deadline - _perf_counter()) * 1e6)
+            if timeout >= 0 and us <= 0:
+                return self._try()
+            with nogil:
+                r = PyThread_acquire_lock_timed(lk, us, 1)
+            if r == PY_LOCK_ACQUIRED:
+                self._owner = _thread_ident()
+                self._count = 1
+                return True
+            if r == PY_LOCK_INTR:
+                Py_MakePendingCalls()  # (a signal handler's exception raises here)
+                continue
+            return False
+
+    cdef inline int _release(self) except -1:
+        if self._count == 0 or self._owner != _thread_ident():
+            raise RuntimeError("cannot release un-acquired lock")
+        self._count -= 1
+        if self._count == 0:
+            self._owner = 0
+            PyThread_release_lock(self._lock)
+        return 0
+
+    def acquire(self, blocking=True, timeout=-1):
+        """As threading.RLock.acquire: whether it was acquired."""
+        cdef double t = timeout
+        if not blocking:
+            if t != -1:
+                raise ValueError("can't specify a timeout for a non-blocking call")
+            return self._try()
+        if t < 0 and t != -1:
+            raise ValueError("timeout value must be a non-negative number")
+        return self._acquire(t)
+
+    def release(self):
+        self._release()
+
+    def __enter__(self):
+        return self._acquire(-1)
+
+    def __exit__(self, *exc):
+        self._release()
+
+    def _is_owned(self):
+        return self._count > 0 and self._owner == _thread_ident()
+
+    def __repr__(self):
+        return (f"<{'locked' if self._count else 'unlocked'} aioxfer._cyx.RLock "
+                f"owner={self._owner} count={self._count}>")
+
+
 cdef bint _lock_acquire(object lock, bint blocking) except -1:
     """lock.acquire(blocking)."""
+    if type(lock) is RLock:
+        return (<RLock>lock)._try() if not blocking else (<RLock>lock)._acquire(-1)
     _lock_types(lock)
     if _lk_acquire != NULL:
         r = axf_methkw_call(_lk_acquire, lock, _NO_ARGS if blocking else _ARGS_NOWAIT)
@@ -206,6 +323,8 @@ cdef bint _lock_acquire(object lock, bint blocking) except -1:
 
 cdef int _lock_release(object lock) except -1:
     """lock.release()."""
+    if type(lock) is RLock:
+        return (<RLock>lock)._release()
     _lock_types(lock)
     if _lk_acquire != NULL:
         axf_meth_call(_lk_release, lock, NULL)
