@@ -281,9 +281,12 @@ cdef class RLock:
             PyThread_release_lock(self._lock)
         return 0
 
-    def acquire(self, blocking=True, timeout=-1):
+    def acquire(self, blocking=True, timeout=-1.0):
         """As threading.RLock.acquire: whether it was acquired."""
-        cdef double t = timeout
+        cdef double t
+        if blocking is True and type(timeout) is float and <double>timeout == -1.0:  # (usual)
+            return self._try() or self._acquire(-1)
+        t = timeout
         if not blocking:
             if t != -1:
                 raise ValueError("can't specify a timeout for a non-blocking call")
