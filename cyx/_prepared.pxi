@@ -194,8 +194,128 @@ cdef inline int _lock_types(object lock) except -1:
     return 0
 
 
+# ------------------------------------------------------------------ the runtime's lock
+# aioxfer.nixl's Runtime.lock: threading.RLock's semantics (re-entrant, its
+# owner's only to release; a blocking acquire releases the GIL and runs
+# signal handlers while it waits), its acquire and release plain C calls
+# for the hot paths here (_lock_acquire: ~50 instructions, where RLock's
+# acquire(False) parses its arguments, ~600 a call).
+
+from cpython.pythread cimport (
+    PY_LOCK_ACQUIRED, PY_LOCK_INTR, PyLockStatus, PyThread_allocate_lock, PyThread_free_lock,
+    PyThread_release_lock, PyThread_type_lock,
+)
+
+cdef extern from "pythread.h":
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds,
+                                             int intr_flag) nogil
+    unsigned long _thread_ident "PyThread_get_thread_ident" () nogil
+
+cdef extern from "Python.h":
+    int Py_MakePendingCalls() except -1
+
+
+@cython.final
+cdef class RLock:
+    """A re-entrant lock, as threading.RLock."""
+    cdef PyThread_type_lock _lock
+    cdef unsigned long _owner
+    cdef unsigned long _count
+
+    def __cinit__(self):
+        self._lock = PyThread_allocate_lock()
+        if self._lock == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self._lock != NULL:
+            if self._count:
+                PyThread_release_lock(self._lock)
+            PyThread_free_lock(self._lock)
+
+    cdef inline bint _try(self) noexcept:
+        """The acquire without blocking."""
+        cdef unsigned long me = _thread_ident()
+        if self._count and self._owner == me:
+            self._count += 1
+            return True
+        if PyThread_acquire_lock_timed(self._lock, 0, 0) == PY_LOCK_ACQUIRED:
+            self._owner = me
+            self._count = 1
+            return True
+        return False
+
+    cdef bint _acquire(self, double timeout) except -1:
+        """Blocking, for up to ``timeout`` s (< 0: for ever)."""
+        cdef PyThread_type_lock lk = self._lock
+        cdef PyLockStatus r
+        cdef long long us
+        cdef double deadline = 0.0
+        if self._try():
+            return True
+        if timeout == 0.0:
+            return False
+        if timeout > 0:
+            deadline = _perf_counter() + timeout
+        while True:
+            us = -1 if timeout < 0 else <long long>((deadline - _perf_counter()) * 1e6)
+            if timeout >= 0 and us <= 0:
+                return self._try()
+            with nogil:
+                r = PyThread_acquire_lock_timed(lk, us, 1)
+            if r == PY_LOCK_ACQUIRED:
+                self._owner = _thread_ident()
+                self._count = 1
+                return True
+            if r == PY_LOCK_INTR:
+                Py_MakePendingCalls()  # (a signal handler's exception raises here)
+                continue
+            return False
+
+    cdef inline int _release(self) except -1:
+        if self._count == 0 or self._owner != _thread_ident():
+            raise RuntimeError("cannot release un-acquired lock")
+        self._count -= 1
+        if self._count == 0:
+            self._owner = 0
+            PyThread_release_lock(self._lock)
+        return 0
+
+    def acquire(self, blocking=True, timeout=-1.0):
+        """As threading.RLock.acquire: whether it was acquired."""
+        cdef double t
+        if blocking is True and type(timeout) is float and <double>timeout == -1.0:  # (usual)
+            return self._try() or self._acquire(-1)
+        t = timeout
+        if not blocking:
+            if t != -1:
+                raise ValueError("can't specify a timeout for a non-blocking call")
+            return self._try()
+        if t < 0 and t != -1:
+            raise ValueError("timeout value must be a non-negative number")
+        return self._acquire(t)
+
+    def release(self):
+        self._release()
+
+    def __enter__(self):
+        return self._acquire(-1)
+
+    def __exit__(self, *exc):
+        self._release()
+
+    def _is_owned(self):
+        return self._count > 0 and self._owner == _thread_ident()
+
+    def __repr__(self):
+        return (f"<{'locked' if self._count else 'unlocked'} aioxfer._cyx.RLock "
+                f"owner={self._owner} count={self._count}>")
+
+
 cdef bint _lock_acquire(object lock, bint blocking) except -1:
     """lock.acquire(blocking)."""
+    if type(lock) is RLock:
+        return (<RLock>lock)._try() if not blocking else (<RLock>lock)._acquire(-1)
     _lock_types(lock)
     if _lk_acquire != NULL:
         r = axf_methkw_call(_lk_acquire, lock, _NO_ARGS if blocking else _ARGS_NOWAIT)
@@ -206,6 +326,8 @@ cdef bint _lock_acquire(object lock, bint blocking) except -1:
 
 cdef int _lock_release(object lock) except -1:
     """lock.release()."""
+    if type(lock) is RLock:
+        return (<RLock>lock)._release()
     _lock_types(lock)
     if _lk_acquire != NULL:
         axf_meth_call(_lk_release, lock, NULL)
@@ -434,15 +556,111 @@ cdef long long _ns_eager_max = 0
 cdef long long _ns_alone_max_us = 0
 
 
-cdef inline object _ns_done(object agent, object x, object fut):
+cdef inline object _ns_done(object agent, object x, object fut, object nso):
     """The state of a request whose post is done: "DONE" when it succeeded
-    and there is no telemetry event to write, else the agent's _finish
-    (which raises a failure)."""
-    if agent._tel_events is False and _fut_state(fut) == 1:
+    and there is no telemetry event to write (the agent's NixlCache ``nso``
+    says, else its _tel_events), else the agent's _finish (which raises a
+    failure)."""
+    cdef bint tel = ((<NixlCache>nso).tel_events if type(nso) is NixlCache
+                     else agent._tel_events is not False)
+    if not tel and _fut_state(fut) == 1:
         return "DONE"
     return _STATE_NAMES[agent._finish(x, fut, "getXferStatus")]
 
 _STATE_NAMES = ("DONE", "PROC")
+
+
+@cython.final
+cdef class NixlCache:
+    """What aioxfer.nixl's nixlAgent.xferState reads of its agent on each
+    check, resolved once (the nixlAgent's ``_ns``, made from its fields when
+    its aioxfer agent starts, None again when it closes; remade by whoever
+    changes one): the aioxfer agent, its engine, its poll and wait_poll, the
+    runtime, its lock and selector (its claims), the engine's fd and the spin
+    the agent's progress mode picks. Each would otherwise be an attribute
+    read of a plain instance per check (~180 instructions each, the type's
+    lookup first). A wait_poll that is the agent's own (Agent.wait_poll,
+    agent_wait_poll bound to it) is done inline."""
+    cdef readonly object agent
+    cdef Engine engine
+    cdef object poll  # the nixlAgent's _poll_fn (agent.poll)
+    cdef object drain  # what poll does: agent._sub.drain if it is Agent.poll, else poll
+    cdef object wait_poll  # its _wait_poll; None: agent_wait_poll's, inline
+    cdef object rt, lock, sel, claims
+    cdef object fd
+    cdef long long spin_us
+    cdef bint spin_only
+    cdef bint tel_events  # the nixlAgent's _tel_events (set before its agent starts)
+    cdef bint sel_dict  # the selector's sleep_until read from its __dict__
+
+    def __cinit__(self, agent, rt, fd, long long spin_us, bint spin_only, poll, wait_poll,
+                  bint tel_events):
+        engine = agent._engine
+        if type(engine) is not Engine:
+            raise TypeError(f"{agent!r}._engine is not an Engine")
+        self.agent = agent
+        self.engine = <Engine>engine
+        self.poll = poll
+        # Agent.poll is its Submission's drain (compiled): called without
+        # the Python frame around it.
+        from aioxfer.agent import Agent as _Agent
+        if (type(poll) is _MethodType and poll.__self__ is agent
+                and poll.__func__ is _Agent.poll):
+            self.drain = agent._sub.drain
+        else:
+            self.drain = poll
+        own = (type(wait_poll) is _MethodType and wait_poll.__self__ is agent
+               and wait_poll.__func__ is agent_wait_poll and poll == agent.poll)
+        self.wait_poll = None if own else wait_poll
+        self.rt = rt
+        self.lock = rt.lock
+        self.sel = rt.selector
+        self.claims = self.sel._claims
+        if type(self.claims) is not dict:
+            raise TypeError("the runtime's selector has no claims dict")
+        self.fd = fd
+        self.spin_us = spin_us
+        self.spin_only = spin_only
+        self.tel_events = tel_events
+        self.sel_dict = axf_type_lookup(type(self.sel), "sleep_until") == NULL
+
+
+cdef bint _ns_wait_poll(NixlCache n, uint32_t max_us) except -1:
+    """The nixlAgent's _wait_poll(max_us) through the cache: the agent's
+    own (agent_wait_poll) inline."""
+    cdef Engine e
+    cdef bint nested
+    if n.wait_poll is not None:
+        return bool(n.wait_poll(max_us))
+    e = n.engine
+    nested = e._polling
+    if not e._wait(max_us, 0 if nested else AXF_WAIT_POLLS):
+        return False
+    if not nested:
+        n.drain()
+    return True
+
+
+# A selector claim's fields (_Claim's slots: active, until, linger).
+cdef enum:
+    _CL_ACTIVE = 0
+    _CL_UNTIL = 1
+    _CL_LINGER = 2
+    _CL_FIELDS = 3
+
+_CL_NAMES = ("active", "until", "linger")
+cdef object _cl_type = None
+cdef bint _cl_ok = False
+cdef Py_ssize_t _cl_off[_CL_FIELDS]
+
+
+cdef inline bint _cl_slots(object c):
+    """Whether c's fields are read through _cl_off (its type's slots)."""
+    global _cl_type, _cl_ok
+    if type(c) is not _cl_type:
+        _cl_ok = _offsets(type(c), _CL_NAMES, _cl_off, _CL_FIELDS)
+        _cl_type = type(c)
+    return _cl_ok
 
 
 def nixl_state(agent, handle):
@@ -450,8 +668,10 @@ def nixl_state(agent, handle):
     nixlAgent): ``check_xfer_state(handle)``, "DONE" or "PROC"."""
     global _ns_type, _ns_ok, _ns_cls, _ns_transfer, _ns_tight_poll, _ns_spin_keep
     global _ns_spin_misses, _ns_spin_probe, _ns_linger, _ns_eager_max, _ns_alone_max_us
+    global _nr_type, _nr_ok
     cdef PyObject *v
-    cdef object x, fut, rt, lock, a, sel, fd, f2, claims, c
+    cdef object x, fut, rt, lock, sel, fd, f2, c, nso, active
+    cdef NixlCache n
     cdef double now, took, lat, seconds
     cdef long long spin_us, budget, us
     cdef long slow, skipped
@@ -474,36 +694,48 @@ def nixl_state(agent, handle):
     fut = _slot_obj(x, _ns_off[_NS_FUT])
     if type(fut) is not _ns_transfer:
         return agent._state_py(handle)
+    nso = _nx_field(agent, "_ns")
     if _fut_state(fut):
-        return _ns_done(agent, x, fut)
+        return _ns_done(agent, x, fut, nso)
     f2 = _slot_obj(x, _ns_off[_NS_LAST_POLL])
     now = _perf_counter()
     if type(f2) is not float or now - <double>f2 >= _ns_tight_poll:
         return agent._state_py(handle)
-    rt = _nx_field(agent, "_rt")
-    a = agent._agent
-    lock = rt.lock
-    if a is None or not _lock_acquire(lock, False):
+    if type(nso) is not NixlCache:
+        return agent._state_py(handle)  # (no agent: not started, or closed)
+    n = <NixlCache>nso
+    rt = n.rt
+    if type(rt) is not _nr_type:
+        _nr_ok = _offsets(type(rt), _NR_NAMES, _nr_off, _NR_FIELDS)
+        _nr_type = type(rt)
+    if not _nr_ok:
+        return agent._state_py(handle)
+    lock = n.lock
+    if not _lock_acquire(lock, False):
         return agent._state_py(handle)  # (it yields to the loop thread)
     spun = False
     try:
         if _fut_state(fut):  # (_wait_completion's ready())
             spun = True
         else:
-            fd = agent._fd
-            sel = rt.selector
+            fd = n.fd
+            sel = n.sel
             # (Runtime.claim's usual case inline: the fd claimed before,
             # lingering; else its method.)
-            claims = sel._claims
-            c = claims.get(fd) if type(claims) is dict else None
-            if c is not None and type(c.active) is int:
-                c.active = c.active + 1
+            v = PyDict_GetItem(n.claims, fd)
+            c = <object>v if v != NULL else None
+            if c is not None and _cl_slots(c):
+                active = _slot_obj(c, _cl_off[_CL_ACTIVE])
+            else:
+                active = None
+            if type(active) is int:
+                axf_slot_put(c, _cl_off[_CL_ACTIVE], active + 1)
                 claimed = True
             else:
                 c = None
                 claimed = sel.claim(fd)
-            spin_us = agent._spin_us
-            if spin_us and (agent._spin_only is True
+            spin_us = n.spin_us
+            if spin_us and (n.spin_only
                             or _slot_obj(x, _ns_off[_NS_SPIN]) is True
                             or _ns_spin_wanted(x)):
                 budget = _slot_obj(x, _ns_off[_NS_BUDGET])
@@ -513,10 +745,10 @@ def nixl_state(agent, handle):
             else:
                 us = 0  # (a look at the ring: no spin)
             try:
-                caught = agent._wait_poll(us)
-                spun = caught or (us != 0 and agent._spin_only is True)
-                if not caught and spun and not a.closed:
-                    agent._poll_fn()
+                caught = _ns_wait_poll(n, us)
+                spun = caught or (us != 0 and n.spin_only)
+                if not caught and spun and not n.agent.closed:
+                    n.drain()
             except BaseException:
                 if claimed:
                     sel.release(fd, _ns_linger)
@@ -543,19 +775,19 @@ def nixl_state(agent, handle):
                             axf_slot_put(x, _ns_off[_NS_SPIN], False)
                             axf_slot_put(x, _ns_off[_NS_SKIPPED], 0)
             if spun and claimed:
-                _ns_release(sel, fd, c)
+                _ns_release(n, fd, c)
     finally:
-        if rt._foreign is True:
+        if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
             rt.leave()
         else:
             _lock_release(lock)
     if not spun:
         # Neither caught nor spun for in "poll" progress: the sleep, as
         # _wait_completion's, then the rest of the state (no second spin).
-        return agent._state_slept(x, fut, a, fd, claimed, spin_us)
+        return agent._state_slept(x, fut, n.agent, fd, claimed, spin_us)
     axf_slot_put(x, _ns_off[_NS_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
     if _fut_state(fut):
-        return _ns_done(agent, x, fut)
+        return _ns_done(agent, x, fut, nso)
     return "PROC"
 
 
@@ -571,18 +803,27 @@ cdef bint _ns_spin_wanted(object x) except -1:
     return False
 
 
-cdef int _ns_release(object sel, object fd, object c) except -1:
+cdef int _ns_release(NixlCache n, object fd, object c) except -1:
     """sel.release(fd, _LINGER) (Runtime's selector, lock held), its usual
-    case inline: the last claim of ``c`` (the fd's, claimed above) ended,
-    lingering, the loop thread not asleep past the linger (else the method,
-    which wakes it)."""
-    cdef double until, linger = _ns_linger
-    if c is not None and c.active == 1:
+    case inline: the last claim of ``c`` (the fd's, claimed above, its type's
+    slots in _cl_off) ended, lingering, the loop thread not asleep past the
+    linger (else the method, which wakes it)."""
+    cdef double until, su, linger = _ns_linger
+    cdef object sel = n.sel, sleep_until
+    cdef PyObject **dp
+    cdef PyObject *v = NULL
+    if c is not None and _slot_obj(c, _cl_off[_CL_ACTIVE]) == 1:
         until = _perf_counter() + linger  # (time.monotonic: CLOCK_MONOTONIC too)
-        if not (sel.sleep_until > until + linger):
-            c.active = 0
-            c.linger = _ns_linger
-            c.until = until
+        if n.sel_dict:
+            dp = _PyObject_GetDictPtr(sel)
+            if dp != NULL and dp[0] != NULL:
+                v = PyDict_GetItem(<object>dp[0], "sleep_until")
+        sleep_until = <object>v if v != NULL else sel.sleep_until
+        su = sleep_until
+        if not (su > until + linger):
+            axf_slot_put(c, _cl_off[_CL_ACTIVE], 0)
+            axf_slot_put(c, _cl_off[_CL_LINGER], _ns_linger)
+            axf_slot_put(c, _cl_off[_CL_UNTIL], PyFloat_FromDouble(until))
             return 0
     sel.release(fd, _ns_linger)
     return 0

@@ -885,6 +885,7 @@ def test_tight_poller_takes_tcp_completions_on_its_own_thread(
 
     monkeypatch.setattr(ba, "_poll_fn", counted_poll)
     monkeypatch.setattr(ba, "_wait_poll", counted_wait_poll)
+    monkeypatch.setattr(ba, "_ns", ba._nixl_cache())  # (xferState's resolved fields)
     rt = runtime()
     # The loop thread's wake-ups for this agent's engine fd (not its rounds:
     # the runtime is the process's, and what earlier tests left on its loop,
@@ -947,6 +948,7 @@ def test_tight_poller_stops_spinning_for_a_request_that_outlasts_the_spin(
         return wait_poll(max_us)
 
     monkeypatch.setattr(ba, "_wait_poll", counted_wait_poll)
+    monkeypatch.setattr(ba, "_ns", ba._nixl_cache())  # (xferState's resolved fields)
     h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"),
                           a.get_xfer_descs([(y.addr, n, 0)], "DRAM"), b.name)
     for i in range(_bindings._SPIN_MISSES + _bindings._SPIN_PROBE):

@@ -267,6 +267,7 @@ def test_nixl_tight_checks_go_through_the_compiled_path_with_the_python_states(
             return wait_poll(max_us)
 
         monkeypatch.setattr(ba, "_wait_poll", counted_wait_poll)
+        monkeypatch.setattr(ba, "_ns", ba._nixl_cache())  # (xferState's resolved fields)
         hc, hp = handle(), handle()
         bare = 0  # checks that spun without a Python frame of the binding
         for i in range(200):

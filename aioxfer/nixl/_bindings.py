@@ -1177,6 +1177,9 @@ class nixlAgent:
         self._wait_poll: Callable[[int], bool] = _no_wait
         self._spin_us = 0
         self._spin_only = False
+        # What _cyx.nixl_state (xferState) reads of the fields above per
+        # check, resolved once: set when the agent starts, None when closed.
+        self._ns: _cyx.NixlCache | None = None
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
         self._backend_of: dict[str, int] = {}  # the first backend of each type
@@ -1328,6 +1331,7 @@ class nixlAgent:
         self._spin_us = (0 if progress == "sleep" else agent.poll_us if progress == "adaptive"
                          else max(agent.poll_us, POLL_SLICE_US))
         self._spin_only = progress == "poll"
+        self._ns = self._nixl_cache()
         self._transports = agent.transports
         return {"transports": ",".join(agent.transports), "listen": agent.address,
                 "num_threads": str(threads)}
@@ -2416,6 +2420,14 @@ class nixlAgent:
     _nx_consts = (Transfer, _TIGHT_POLL, float(_SPIN_KEEP), _SPIN_MISSES, _SPIN_PROBE,
                   _LINGER, EAGER_MAX, ALONE_MAX_US)
 
+    def _nixl_cache(self) -> _cyx.NixlCache:
+        """What xferState reads of this agent's fields per check (the
+        aioxfer agent's, started), resolved once: its ``_ns``. (Remade by
+        whatever changes one of those fields.)"""
+        assert self._agent is not None
+        return _cyx.NixlCache(self._agent, self._rt, self._fd, self._spin_us, self._spin_only,
+                              self._poll_fn, self._wait_poll, self._tel_events)
+
     def _state_py(self, handle: Any) -> str:
         """xferState in Python (what _cyx.nixl_state does for a tight poll
         of a Transfer; keep the two in step)."""
@@ -2819,6 +2831,7 @@ class nixlAgent:
         if self._server is not None:
             self._server.close()
         agent, self._agent = self._agent, None
+        self._ns = None
         if self._store is not None:
             await self._store.close()
         self._xfers.clear()

@@ -36,6 +36,8 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
+from aioxfer import _cyx
+
 T = TypeVar("T")
 
 __all__ = ["Runtime", "runtime"]
@@ -213,7 +215,9 @@ class Runtime:
                  "loop", "thread")
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        # (threading.RLock's semantics; its acquire and release are plain C
+        # calls for the compiled hot paths: _cyx._lock_acquire.)
+        self.lock = _cyx.RLock()
         self._local = threading.local()
         self._foreign = False
         self._round = 0
