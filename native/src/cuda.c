@@ -1333,15 +1333,6 @@ static void *submit_main(void *arg)
     return NULL;
 }
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 /* Waits for an op's event. Where the engine polls (progress "adaptive" and
  * "poll": target_poll_us is not "never"), the waiter first polls cuEventQuery
  * for the engine's poll bound, as UCX's cuda_ipc does on its caller's

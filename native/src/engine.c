@@ -180,15 +180,6 @@ size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
     return n;
 }
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 size_t axf_wait(axf_engine *e, uint32_t max_us) { return axf_wait_ex(e, max_us, 0); }
 
 size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)

@@ -468,4 +468,14 @@ uint32_t shm_parked_workers(axf_engine *e, uint32_t *nworkers);
 /* This process's calibration (measured once, thread-safe). */
 const axf_calibration *shm_calibration(void);
 
+/* A spin-wait's pause between polls (engine.c's waits, cuda.c's event poll). */
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 #endif
