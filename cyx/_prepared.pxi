@@ -552,7 +552,7 @@ cdef double _ns_spin_keep = 0.0
 cdef long _ns_spin_misses = 0
 cdef long _ns_spin_probe = 0
 cdef object _ns_linger = None
-cdef long long _ns_eager_max = 0
+cdef long long _ns_spin_max = 0
 cdef long long _ns_alone_max_us = 0
 
 
@@ -667,7 +667,7 @@ def nixl_state(agent, handle):
     """aioxfer.nixl's nixlAgent.xferState (a method: bound to the
     nixlAgent): ``check_xfer_state(handle)``, "DONE" or "PROC"."""
     global _ns_type, _ns_ok, _ns_cls, _ns_transfer, _ns_tight_poll, _ns_spin_keep
-    global _ns_spin_misses, _ns_spin_probe, _ns_linger, _ns_eager_max, _ns_alone_max_us
+    global _ns_spin_misses, _ns_spin_probe, _ns_linger, _ns_spin_max, _ns_alone_max_us
     global _nr_type, _nr_ok
     cdef PyObject *v
     cdef object x, fut, rt, lock, sel, fd, f2, c, nso, active
@@ -680,7 +680,7 @@ def nixl_state(agent, handle):
     if type(agent) is not _ns_cls:
         consts = type(agent)._nx_consts
         (_ns_transfer, _ns_tight_poll, _ns_spin_keep, _ns_spin_misses, _ns_spin_probe,
-         _ns_linger, _ns_eager_max, _ns_alone_max_us) = consts
+         _ns_linger, _ns_spin_max, _ns_alone_max_us) = consts
         _ns_cls = type(agent)
     v = _nx_request(agent, handle)
     if v == NULL:
@@ -759,7 +759,7 @@ def nixl_state(agent, handle):
                 lat = <double>_slot_obj(x, _ns_off[_NS_LAT])
                 lat = took if lat == 0.0 else lat + (took - lat) * 0.125
                 axf_slot_put(x, _ns_off[_NS_LAT], PyFloat_FromDouble(lat))
-                if <long long>_slot_obj(x, _ns_off[_NS_NBYTES]) <= _ns_eager_max:
+                if <long long>_slot_obj(x, _ns_off[_NS_NBYTES]) <= _ns_spin_max:
                     budget = <long long>(lat * 2e6)
                     axf_slot_put(x, _ns_off[_NS_BUDGET],
                                  budget if budget < _ns_alone_max_us else _ns_alone_max_us)

@@ -862,8 +862,9 @@ def test_tight_poller_takes_tcp_completions_on_its_own_thread(
     monkeypatch.setenv("AIOXFER_NIXL_PROGRESS", progress)
     monkeypatch.setattr(_bindings, "_LINGER", 3600.0)  # no loop round to take the fd back
     from aioxfer.nixl._runtime import runtime
+    from aioxfer.submission import SPIN_ALONE_MAX
 
-    n = 256 << 10
+    n = SPIN_ALONE_MAX + (256 << 10)  # past the latency-bound spin: poll_us only
     a, b, x, y, _, _ = _pair(agents, n=n)
     ba = a.agent
     assert ba._agent.transports == ("tcp",) and ba._agent.progress == "sleep"
@@ -994,11 +995,11 @@ def test_spin_policy_stops_after_misses_running_and_probes() -> None:
 
 
 def test_tight_poller_spins_for_a_small_request_as_an_awaiting_coroutine_would() -> None:
-    # A small request (up to the agent's EAGER_MAX, as its spin_alone) is spun
+    # A request up to the agent's SPIN_ALONE_MAX (as its spin_alone) is spun
     # for up to twice its average time to completion, at most ALONE_MAX_US
     # (a tcp round trip outlasts the engine's poll_us, and a miss costs a
     # wake-up); a larger one only for poll_us (budget 0), as before.
-    from aioxfer.submission import EAGER_MAX
+    from aioxfer.submission import SPIN_ALONE_MAX
 
     def xfer(nbytes: int) -> Any:
         return _bindings._Xfer(1, None, None, 0, [((), ())], b"", 1, nbytes, 0, False)
@@ -1013,10 +1014,10 @@ def test_tight_poller_spins_for_a_small_request_as_an_awaiting_coroutine_would()
     # One slow post moves the average by an eighth: the spin stays bounded.
     _bindings._note_latency(small, 1.0)
     assert small.budget == aioxfer_progress.ALONE_MAX_US
-    edge = xfer(EAGER_MAX)
+    edge = xfer(SPIN_ALONE_MAX)
     _bindings._note_latency(edge, 40e-6)
     assert edge.budget == 80
-    big = xfer(EAGER_MAX + 1)
+    big = xfer(SPIN_ALONE_MAX + 1)
     _bindings._note_latency(big, 40e-6)
     assert big.budget == 0 and big.lat == 40e-6
 

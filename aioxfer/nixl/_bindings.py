@@ -55,7 +55,7 @@ from aioxfer import (
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
 from aioxfer.progress import ALONE_MAX_US, POLL_SLICE_US, check_mode
-from aioxfer.submission import EAGER_MAX
+from aioxfer.submission import SPIN_ALONE_MAX
 
 __all__ = [
     "BLK_SEG",
@@ -801,7 +801,7 @@ def _spin_wanted(x: _Xfer) -> bool:
 def _note_latency(x: _Xfer, seconds: float) -> None:
     """Folds one post's time to completion into x.lat (1/8 weight) and sets
     how long a tight poller spins for it (x.budget, when more than the
-    engine's poll_us): for a small request (up to EAGER_MAX, as the agent's
+    engine's poll_us): for a request up to SPIN_ALONE_MAX (as the agent's
     spin_alone), twice that average, at most ALONE_MAX_US: what a coroutine
     awaiting it alone spins (there bounded by its peer's latency). With
     poll_us alone, a tcp round trip longer than that (about two thread
@@ -809,7 +809,7 @@ def _note_latency(x: _Xfer, seconds: float) -> None:
     than a coroutine's await."""
     lat = x.lat
     x.lat = lat = seconds if not lat else lat + (seconds - lat) * 0.125
-    if x.nbytes <= EAGER_MAX:
+    if x.nbytes <= SPIN_ALONE_MAX:
         us = int(lat * 2e6)
         x.budget = us if us < ALONE_MAX_US else ALONE_MAX_US
 
@@ -2418,7 +2418,7 @@ class nixlAgent:
     xferState = _cyx.nixl_state
     # What _cyx.nixl_state reads of this module, once per class.
     _nx_consts = (Transfer, _TIGHT_POLL, float(_SPIN_KEEP), _SPIN_MISSES, _SPIN_PROBE,
-                  _LINGER, EAGER_MAX, ALONE_MAX_US)
+                  _LINGER, SPIN_ALONE_MAX, ALONE_MAX_US)
 
     def _nixl_cache(self) -> _cyx.NixlCache:
         """What xferState reads of this agent's fields per check (the
