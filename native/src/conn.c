@@ -58,10 +58,9 @@ typedef struct conn_priv {
      * sent, held while the next frame (here already) is another READ request. */
     uint32_t rb_pos, rb_len;
     bool kick_owed;
-    uint8_t sock_kind; /* the receiver's: 0 not known yet, SOCK_TCP, SOCK_OTHER (unix) */
+    bool tcp; /* a TCP socket (conn_start), not a unix-domain one: TCP options apply */
     uint8_t rb[RX_AHEAD];
 } conn_priv;
-enum { SOCK_TCP = 1, SOCK_OTHER = 2 };
 
 static void expect_free(expect *x)
 {
@@ -941,16 +940,7 @@ static void measure_rate(conn *c, const expect *x)
  * (A WRITE's payload is acknowledged by the reply the target sends at once.) */
 static void rx_ack_now(conn *c)
 {
-    conn_priv *p = (conn_priv *)c;
-    if (!p->sock_kind) {
-        int domain = 0;
-        socklen_t dlen = sizeof domain;
-        p->sock_kind = getsockopt(c->fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 &&
-                               (domain == AF_INET || domain == AF_INET6)
-                           ? SOCK_TCP
-                           : SOCK_OTHER;
-    }
-    if (p->sock_kind != SOCK_TCP)
+    if (!((conn_priv *)c)->tcp)
         return;
     int one = 1; /* not sticky: the kernel goes back to delaying by itself */
     (void)setsockopt(c->fd, IPPROTO_TCP, TCP_QUICKACK, &one, sizeof one);
@@ -1397,8 +1387,9 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     int one = 1, domain = 0;
     socklen_t dlen = sizeof domain;
     /* Unix-domain stream sockets (same-host peers) have no TCP options. */
-    if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 &&
-        (domain == AF_INET || domain == AF_INET6))
+    p->tcp = getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) == 0 &&
+             (domain == AF_INET || domain == AF_INET6);
+    if (p->tcp)
         (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     ka_arm_socket(c);
 
