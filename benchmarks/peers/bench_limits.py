@@ -7,8 +7,13 @@
           UCX, hence NIXL, does same-host); batch: one call with 256 iovecs a side
   iperf3  one TCP stream over 127.0.0.1 (the C reference for TCP), write sizes
           4 KiB, 64 KiB, 1 MiB (iperf3's largest -l); IPERF_SECS per size (default 2)
+  tcpfloor  one request at a time over TCP loopback in plain C (tcp_floor.c, built
+          here with cc): WRITE = payload then a one-byte answer, READ = one-byte
+          request then the payload, over 1 and 2 connections (the payload split in
+          halves); the better of the two per size is the floor a one-at-a-time tcp
+          row can be held against: iperf3 streams, a request/answer protocol cannot
 
-    python bench_limits.py [memcpy,cma,iperf3]
+    python bench_limits.py [memcpy,cma,iperf3,tcpfloor]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -161,13 +167,46 @@ def bench_iperf3() -> None:
                 srv.wait()
 
 
+def build_tcp_floor() -> str | None:
+    """tcp_floor.c compiled into a temporary directory (None: no C compiler)."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return None
+    exe = os.path.join(tempfile.mkdtemp(prefix="aioxfer-tcpfloor-"), "tcp_floor")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_floor.c")
+    subprocess.run([cc, "-O2", "-std=c11", "-pthread", "-o", exe, src], check=True)
+    return exe
+
+
+def bench_tcp_floor() -> None:
+    exe = build_tcp_floor()
+    base = dict(peer="limit", transport="tcp-loopback")
+    for op in ("WRITE", "READ"):
+        for size in (4 * C.KiB, 64 * C.KiB, C.MiB):
+            if exe is None:
+                C.emit(**base, op=f"reqack_{op}", size=size, error="no C compiler")
+                continue
+            best: dict[str, float] | None = None
+            for conns in (1, 2):
+                out = subprocess.run([exe, op, str(size), str(conns), str(C.MIN_SECS)],
+                                     capture_output=True, timeout=120, check=True)
+                r = json.loads(out.stdout)
+                r["gbps"] = C.gbps(size, r["iters"], r["secs"])
+                if best is None or r["gbps"] > best["gbps"]:
+                    best = r
+            assert best is not None
+            C.emit(**base, op=f"reqack_{op}", size=size, iters=best["iters"], secs=best["secs"],
+                   gbps=best["gbps"], lat_us_med=best["us_med"], conns=best["conns"])
+
+
 def main() -> None:
     if sys.argv[1:] == ["--cma-target"]:
         cma_target()
         return
-    which = (sys.argv[1] if len(sys.argv) > 1 else "memcpy,cma,iperf3").split(",")
+    which = (sys.argv[1] if len(sys.argv) > 1 else "memcpy,cma,iperf3,tcpfloor").split(",")
     for w in which:
-        {"memcpy": bench_memcpy, "cma": bench_cma, "iperf3": bench_iperf3}[w]()
+        {"memcpy": bench_memcpy, "cma": bench_cma, "iperf3": bench_iperf3,
+         "tcpfloor": bench_tcp_floor}[w]()
 
 
 if __name__ == "__main__":

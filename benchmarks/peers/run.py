@@ -38,7 +38,7 @@ def commands(ns: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str
     aio = ns.aioxfer_python
     s = lambda name: os.path.join(HERE, name)  # noqa: E731
     return {
-        "limits": ([aio, s("bench_limits.py"), "memcpy,cma,iperf3"], {}, aio),
+        "limits": ([aio, s("bench_limits.py"), "memcpy,cma,iperf3,tcpfloor"], {}, aio),
         "nixl": ([nixl, s("bench_nixl.py"), "--prog-thread", "target"], {}, nixl),
         "nixl_tcp": ([nixl, s("bench_nixl.py"), "--prog-thread", "target"], {"UCX_TLS": "tcp"},
                      nixl),

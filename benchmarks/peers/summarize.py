@@ -310,6 +310,41 @@ def cpu_table(res: Results) -> list[str]:
     return out
 
 
+def floor_table(res: Results) -> list[str]:
+    """tcp one at a time against the request/answer floor (bench_limits.py tcpfloor):
+    what plain C over the same loopback does when each request waits for its answer,
+    which a streaming limit (iperf3) does not."""
+    peers = (*PEERS, "before") if any(k[1] == "aioxfer-before" for k in res.idx) else PEERS
+    shown = (*peers[:2], "aioxfer", *peers[2:])
+    out = ["| op | workload | floor (C, conns) | " + " | ".join(f"{NAMES[p]} ÷ floor"
+                                                            for p in shown) + " |",
+           "|---|---|---|" + "---:|" * len(shown)]
+    rows = 0
+    for op in ("WRITE", "READ"):
+        for key in (4 * KiB, 64 * KiB, MiB, "lat"):
+            size = 4 * KiB if key == "lat" else key
+            field = "lat_us_med" if key == "lat" else "gbps"
+            floors = [res.value(r, "limit", "tcp-loopback", f"reqack_{op}", size, field)
+                      for r in res.runs]
+            fl = res.med(floors)
+            if fl is None:
+                continue
+            conns = sorted({str(res.idx[k].get("conns")) for k in res.idx
+                            if k[1:] == ("limit", "tcp-loopback", f"reqack_{op}", size)})
+            cells = []
+            for system in shown:
+                ratios = []
+                for r, f in zip(res.runs, floors, strict=True):
+                    a = res.fig(r, "tcp", system, op, key)
+                    ratios.append(a / f if a is not None and f else None)
+                cells.append(fmt_ratio(res.med(ratios)))
+            unit = "µs" if key == "lat" else "GB/s"
+            out.append(f"| {op} | {WORKLOADS[key][0]} | {fmt(fl)} {unit} ({'/'.join(conns)}) | "
+                       + " | ".join(cells) + " |")
+            rows += 1
+    return out if rows else []
+
+
 def targets(res: Results) -> list[str]:
     out = ["| target | measured (aioxfer ÷ reference, median of rounds) | status |",
            "|---|---|---|"]
@@ -401,6 +436,13 @@ def summarize(directory: str) -> str:
     lines += ["", "### CPU seconds per GB moved (initiator + target, every thread)", "",
               "Lower is better; \"aioxfer\" is its default progress mode (adaptive).", "",
               *cpu_table(res), ""]
+    floor = floor_table(res)
+    if floor:
+        lines += ["", "### tcp one at a time against the request/answer floor", "",
+                  "The floor: plain C over the same loopback (bench_limits.py tcpfloor), each "
+                  "request waiting for its answer, over 1 and 2 connections (the better shown; "
+                  "conns: which, per round). GB/s ÷ floor above 1× would be faster than the "
+                  "floor; for µs, lower is better.", "", *floor, ""]
     lines += ["", "### Targets (issue 3)", "", *targets(res), ""]
     return "\n".join(lines)
 

@@ -1,0 +1,196 @@
+/* The floor of a one-request-at-a-time protocol over TCP loopback on this
+ * machine: plain C, no framing, no registration, no completion queue.
+ *
+ * Two processes (as the systems measured beside it): the target accepts N
+ * connections and runs one thread per connection. WRITE: the initiator sends
+ * SIZE bytes (split in N equal parts, one per connection, sent back to back by
+ * the initiating thread), each target thread receives its part into a buffer
+ * and answers one byte; the request is done when every part's byte is back.
+ * READ: the initiator sends a one-byte request per connection, each target
+ * thread sends its part back; done when every part has arrived. Blocking
+ * sockets, TCP_NODELAY, 4 MiB socket buffers; the receiving threads sleep in
+ * recv as a kernel-woken thread does (no spinning).
+ *
+ * Whatever a transfer engine adds (headers, bounds checks, completion rings,
+ * Python) it cannot go below this. One JSON line on stdout:
+ *   {"op": "WRITE", "size": S, "conns": N, "iters": I, "secs": T, "us_med": M}
+ *
+ *   tcp_floor WRITE|READ SIZE CONNS SECS
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_CONNS 8
+#define MAX_SAMPLES (1 << 20)
+
+static size_t part;
+static int write_op;
+
+static void die(const char *what)
+{
+    perror(what);
+    exit(2);
+}
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+static void tune(int fd)
+{
+    int one = 1, sz = 4 << 20;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
+}
+
+static int recv_all(int fd, void *buf, size_t len)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t r = recv(fd, (char *)buf + got, len - got, MSG_WAITALL);
+        if (r <= 0)
+            return -1;
+        got += (size_t)r;
+    }
+    return 0;
+}
+
+static int send_all(int fd, const void *buf, size_t len)
+{
+    size_t sent = 0;
+    while (sent < len) {
+        ssize_t r = send(fd, (const char *)buf + sent, len - sent, MSG_NOSIGNAL);
+        if (r <= 0)
+            return -1;
+        sent += (size_t)r;
+    }
+    return 0;
+}
+
+/* One target thread: serves its connection until the initiator closes it. */
+static void *serve(void *arg)
+{
+    int fd = (int)(intptr_t)arg;
+    char *buf = malloc(part);
+    char b = 1;
+    if (!buf)
+        die("malloc");
+    memset(buf, 7, part);
+    for (;;) {
+        if (write_op) {
+            if (recv_all(fd, buf, part) || send_all(fd, &b, 1))
+                break;
+        } else {
+            if (recv_all(fd, &b, 1) || send_all(fd, buf, part))
+                break;
+        }
+    }
+    free(buf);
+    close(fd);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 5) {
+        fprintf(stderr, "usage: tcp_floor WRITE|READ SIZE CONNS SECS\n");
+        return 2;
+    }
+    write_op = strcmp(argv[1], "WRITE") == 0;
+    size_t size = strtoull(argv[2], NULL, 0);
+    int conns = atoi(argv[3]);
+    double secs = atof(argv[4]);
+    if (conns < 1 || conns > MAX_CONNS || size % (size_t)conns || size == 0)
+        return 2;
+    part = size / (size_t)conns;
+
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, MAX_CONNS) ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl))
+        die("listen");
+
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork");
+    if (pid == 0) { /* the target */
+        pthread_t th[MAX_CONNS];
+        for (int i = 0; i < conns; i++) {
+            int fd = accept(lfd, NULL, NULL);
+            if (fd < 0)
+                die("accept");
+            tune(fd);
+            pthread_create(&th[i], NULL, serve, (void *)(intptr_t)fd);
+        }
+        for (int i = 0; i < conns; i++)
+            pthread_join(th[i], NULL);
+        _exit(0);
+    }
+    close(lfd);
+
+    int fds[MAX_CONNS];
+    for (int i = 0; i < conns; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
+        tune(fds[i]);
+        if (connect(fds[i], (struct sockaddr *)&sa, sizeof sa))
+            die("connect");
+    }
+    char *buf = malloc(size);
+    double *lat = malloc(sizeof(double) * MAX_SAMPLES);
+    if (!buf || !lat)
+        die("malloc");
+    memset(buf, 3, size);
+
+    long iters = 0;
+    double t0 = now_us(), end = t0 + secs * 1e6, t = t0;
+    char b = 1;
+    while (t < end && iters < MAX_SAMPLES) {
+        double s = t;
+        for (int i = 0; i < conns; i++) {
+            const void *p = write_op ? buf + (size_t)i * part : &b;
+            if (send_all(fds[i], p, write_op ? part : 1))
+                die("send");
+        }
+        for (int i = 0; i < conns; i++) {
+            void *p = write_op ? &b : buf + (size_t)i * part;
+            if (recv_all(fds[i], p, write_op ? 1 : part))
+                die("recv");
+        }
+        t = now_us();
+        lat[iters++] = t - s;
+    }
+    double total = t - t0;
+    for (int i = 0; i < conns; i++)
+        close(fds[i]);
+    waitpid(pid, NULL, 0);
+    qsort(lat, (size_t)iters, sizeof(double), cmp_double);
+    printf("{\"op\": \"%s\", \"size\": %zu, \"conns\": %d, \"iters\": %ld, \"secs\": %.6f, "
+           "\"us_med\": %.3f}\n",
+           write_op ? "WRITE" : "READ", size, conns, iters, total / 1e6, lat[iters / 2]);
+    free(lat);
+    free(buf);
+    return 0;
+}
