@@ -1,4 +1,4 @@
-/* Lone 4 KiB WRITE/READ round trip over TCP loopback, two engines in two
+/* Lone WRITE/READ round trips (4 KiB unless said) over TCP loopback, two engines in two
  * processes, the initiator waiting as the adaptive loop does (axf_wait with
  * the engine's poll_us, then blocking on the eventfd). */
 #define _GNU_SOURCE
@@ -16,7 +16,7 @@
 static uint64_t ns(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return (uint64_t)t.tv_sec*1000000000ull+(uint64_t)t.tv_nsec;}
 static int cmp(const void*a,const void*b){uint64_t x=*(const uint64_t*)a,y=*(const uint64_t*)b;return x<y?-1:x>y;}
 int main(int argc, char **argv){
-  int N = argc>1?atoi(argv[1]):5000, NC = argc>2?atoi(argv[2]):4;
+  int N = argc>1?atoi(argv[1]):5000, NC = argc>2?atoi(argv[2]):4; size_t SZ = argc>3?strtoull(argv[3],0,0):4096;
   int ls=socket(AF_INET,SOCK_STREAM,0); struct sockaddr_in a={.sin_family=AF_INET,.sin_addr.s_addr=htonl(INADDR_LOOPBACK)};
   bind(ls,(void*)&a,sizeof a); listen(ls,16); socklen_t al=sizeof a; getsockname(ls,(void*)&a,&al);
   int pp[2]; pipe(pp); int qq[2]; pipe(qq);
@@ -36,12 +36,12 @@ int main(int argc, char **argv){
   uint64_t*s=malloc(sizeof(uint64_t)*N);
   for(int op=0;op<2;op++){
     for(int i=-300;i<N;i++){
-      axf_desc d={.lrid=lrid,.loff=0,.rrid=rid,.rkey=key,.roff=0,.len=4096};
+      axf_desc d={.lrid=lrid,.loff=0,.rrid=rid,.rkey=key,.roff=0,.len=SZ};
       uint64_t t0=ns();
       if(axf_post(e,ep,op?AXF_OP_READ:AXF_OP_WRITE,&d,1,NULL,0,(uint64_t)i+1000000,0)){fprintf(stderr,"post\n");return 1;}
       for(;;){ axf_completion c[8]; size_t n=axf_wait(e,pus); if(!n){struct pollfd pf={.fd=efd,.events=POLLIN}; poll(&pf,1,1000);} n=axf_poll(e,c,8); int done=0; for(size_t k=0;k<n;k++){ if(c[k].kind==AXF_CQ_XFER) done=1; axf_completion_free(&c[k]);} if(done)break;}
       if(i>=0)s[i]=ns()-t0;
     }
-    qsort(s,N,8,cmp); printf("%s p50 %.1f us p90 %.1f p99 %.1f (poll_us %u, %d conns)\n",op?"READ ":"WRITE",s[N/2]/1e3,s[N*9/10]/1e3,s[N*99/100]/1e3,pus,NC);
+    qsort(s,N,8,cmp); printf("%s p50 %.1f us p90 %.1f p99 %.1f (poll_us %u, %d conns, %zu bytes)\n",op?"READ ":"WRITE",s[N/2]/1e3,s[N*9/10]/1e3,s[N*99/100]/1e3,pus,NC,SZ);
   }
   axf_engine_destroy(e); write(qq[1],"x",1); waitpid(pid,0,0); return 0;}
