@@ -897,7 +897,7 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
     case FR_WRITE:
     case FR_WRITEV: {
         bool vec = h->type == FR_WRITEV;
-        if (h->len > AXF_MAX_FRAME || (!vec && h->nseg)) {
+        if (h->len > AXF_MAX_FRAME) {
             *proto = true;
             return "oversized WRITE frame";
         }
