@@ -637,20 +637,26 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
     sq_item *batch[TX_BATCH];
     struct iovec iov[TX_IOV];
     int n = 0, nv = 0;
-    uint64_t bytes = 0;
-    while (c->head && n < TX_BATCH) {
+    uint64_t bytes = 0, cap = 0; /* cap: send no more than this (0: all) */
+    while (c->head && n < TX_BATCH && !cap) {
         sq_item *it = c->head;
         uint64_t size = item_size(it) - it->sent;
         int need = 2 + (int)it->h.nseg; /* iovecs it takes at most */
         if (n && nv + need > TX_IOV)
             break;
-        /* AXF_POST_NOHELP: no large frame on the caller's thread; nor a
-         * vectored WRITE (a batch's 1 MiB frame per connection): the
+        /* AXF_POST_NOHELP: no large frame on the caller's thread. A large
+         * vectored WRITE (a batch's 1 MiB frame per connection) goes only
+         * in part (INLINE_SEND, the rest to the sending thread): the
          * connections' sending threads copy them side by side, where the
-         * posting thread would copy them one after the other. */
-        if (nowait && bytes + size >
-                          (n || axf_no_help || it->h.type == FR_WRITEV ? INLINE_SEND : INLINE_BULK))
+         * posting thread would copy them one after the other, while the
+         * peer's receiver has its first bytes meanwhile. */
+        if (nowait && !n && !axf_no_help && it->h.type == FR_WRITEV && size > INLINE_SEND) {
+            cap = INLINE_SEND;
+        } else if (nowait && bytes + size > (n || axf_no_help || it->h.type == FR_WRITEV
+                                                 ? INLINE_SEND
+                                                 : INLINE_BULK)) {
             break;
+        }
         c->head = it->next;
         if (!c->head)
             c->tail = NULL;
@@ -684,6 +690,16 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         }
         batch[keep++] = it;
         niov += item_iov(it, iov + niov, TX_IOV - niov); /* fits: counted above */
+    }
+    if (cap) { /* the first cap bytes only */
+        uint64_t left = cap;
+        int k = 0;
+        while (k < niov && left > iov[k].iov_len)
+            left -= iov[k++].iov_len;
+        if (k < niov) {
+            iov[k].iov_len = left;
+            niov = k + 1;
+        }
     }
     uint64_t sent = 0;
     int r = niov ? send_iov(c, iov, niov, nowait, &sent) : 0;
