@@ -1,7 +1,10 @@
 /* The framed socket transport. Each connection has a receiver thread (blocking
  * reads, zero-copy into registered memory) and a sender thread (gathered
  * sendmsg from registered memory, keepalive pings when control.c says). The accepting
- * side checks every frame against its region table before touching memory. */
+ * side checks every frame against its region table before touching memory.
+ * A request's small chunks travel several to a frame (vectored frames: a
+ * segment table after the header, every segment checked before one
+ * scattered read; tcp.c packs them). */
 #include "transport.h"
 
 #include <errno.h>
@@ -451,10 +454,11 @@ static void rx_stream(conn *c, struct iovec **iov, int *cnt, int *err)
  * its payload, while frames come back to back (a batch of 16 KiB
  * descriptors). A payload still on its way is waited for whole (MSG_WAITALL:
  * the wait stays in the kernel, one call however many times its bytes wake
- * us), and read ahead of only when it was all there. iov has room for cnt + 1
- * entries (the read-ahead buffer's) and is changed.
+ * us), and read ahead of only when it was all there; a large one is polled
+ * for while it streams in (rx_stream) when stream is set. iov has room for
+ * cnt + 1 entries (the read-ahead buffer's) and is changed.
  * 0 on success, else -errno (-EPIPE: orderly close). */
-static int rx_readv(conn *c, struct iovec *iov, int cnt)
+static int rx_readv(conn *c, struct iovec *iov, int cnt, bool stream)
 {
     conn_priv *p = (conn_priv *)c;
     while (p->rb_len && cnt) {
@@ -495,7 +499,7 @@ static int rx_readv(conn *c, struct iovec *iov, int cnt)
             return -errno;
         }
     }
-    if (len >= RX_STREAM_MIN) {
+    if (stream && len >= RX_STREAM_MIN) {
         int err;
         rx_stream(c, &iov, &cnt, &err);
         if (err)
@@ -507,7 +511,7 @@ static int rx_readv(conn *c, struct iovec *iov, int cnt)
 static int rx_read(conn *c, void *dst, size_t len)
 {
     struct iovec iov[2] = {{.iov_base = dst, .iov_len = len}};
-    return rx_readv(c, iov, 1);
+    return rx_readv(c, iov, 1, true);
 }
 
 /* Whether the READ response queued last may wait to go out with the next
@@ -946,7 +950,12 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                 for (uint32_t j = 0; j < n; j++)
                     iov[j] = (struct iovec){.iov_base = regs[j]->addr + segs[j].off,
                                             .iov_len = segs[j].len};
-                *io = rx_readv(c, iov, (int)n);
+                /* Not polled for: a vectored frame is a batch's, striped
+                 * over several connections whose receivers all have bytes
+                 * to copy; a poller among them takes a CPU from them.
+                 * Measured, 256 x 16 KiB WRITE batches side by side: 0.76x
+                 * and 0.83x main polled, 1.22x not (CPU per GB 0.34 vs 0.40). */
+                *io = rx_readv(c, iov, (int)n, false);
                 for (uint32_t j = 0; j < n; j++)
                     region_unref(e, regs[j]);
                 if (*io)
@@ -1254,7 +1263,7 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
                 iov[j] = (struct iovec){.iov_base = o->laddr[g->index] + (g->off - d->roff),
                                         .iov_len = g->len};
             }
-            *io = rx_readv(c, iov, (int)h->nseg);
+            *io = rx_readv(c, iov, (int)h->nseg, false); /* as a WRITEV's */
             if (*io)
                 return "connection lost inside a READ payload";
             x->bytes += h->len;
