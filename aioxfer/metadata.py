@@ -30,7 +30,9 @@ __all__ = [
 
 # 2: same-host peers meet on a unix socket (kernel-verified pid/uid, memfds by
 # SCM_RIGHTS); every connection authenticates by default.
-PROTOCOL_VERSION = 2
+# 3: tcp frames may be vectored (FR_WRITEV, FR_READV, FR_READV_RESP: several
+# chunks of a request in one frame), which a version-2 engine rejects.
+PROTOCOL_VERSION = 3
 
 # Bounds a peer's messages are validated against while decoding (a violation is
 # a ProtocolError, never an OverflowError or a huge allocation later on).

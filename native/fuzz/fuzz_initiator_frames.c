@@ -10,6 +10,9 @@
  *   NOTIFY) and its descriptor count (1..2), then per descriptor three
  *   little-endian u16: local offset, remote offset, length (folded into the
  *   regions' bounds, so every request is one the engine accepts).
+ * A request's two descriptors on one connection go as one vectored frame
+ * (WRITEV, READV), so the answers include READV_RESP frames and their
+ * segment tables, each segment checked against what its descriptor asked.
  * The requests get ids 1..n (the op field of their frames); the imported
  * remote region is rid 7, key 0x1234, 2048 bytes. The rest of the input is
  * the raw byte stream the fake target answers with, after which it hangs up.

@@ -3,7 +3,8 @@
  *
  * One input = one connection. Byte 0 chooses options; the rest is the raw
  * byte stream the "initiator" sends: 64-byte wire headers and payloads, any
- * of it malformed. The engine serves three regions:
+ * of it malformed (vectored WRITEV/READV frames too: a segment table after
+ * the header). The engine serves three regions:
  *   rid 1: 4096 bytes, read-write (frames may change it),
  *   rid 2: 1024 bytes, read-only (nothing may ever change it),
  *   rid 3: option bit 0 only: 512 bytes registered and deregistered right
@@ -103,27 +104,45 @@ static bool finished(void *ctx)
     return w->closed && (!w->rv_rid || w->freed);
 }
 
+static void fix_key(uint64_t *rid, uint64_t *key, uint64_t rv_rid, uint64_t rv_key)
+{
+    if (*rid == S.rw_rid)
+        *key ^= S.rw_key;
+    else if (*rid == S.ro_rid)
+        *key ^= S.ro_key;
+    else if (*rid == 3 && rv_rid) {
+        *rid = rv_rid;
+        *key ^= rv_key;
+    }
+}
+
 /* The header's key is an XOR with the real key of the region its rid names
- * (rid 3: the revoked region, renamed to its real id). Walks the stream the
- * way the parser does on the accepted paths: payloads of WRITE and NOTIFY
- * frames follow their header. */
+ * (rid 3: the revoked region, renamed to its real id), and so is each
+ * segment's of a vectored frame (WRITEV, READV: up to AXF_MAX_SEGS records
+ * after the header). Walks the stream the way the parser does on the
+ * accepted paths: segment tables and the payloads of WRITE, WRITEV and
+ * NOTIFY frames follow their header. */
 static void fix_up(uint8_t *p, size_t n, uint64_t rv_rid, uint64_t rv_key)
 {
     size_t pos = 0;
     while (pos + sizeof(wire_hdr) <= n) {
         wire_hdr h;
         memcpy(&h, p + pos, sizeof h);
-        if (h.rid == S.rw_rid)
-            h.key ^= S.rw_key;
-        else if (h.rid == S.ro_rid)
-            h.key ^= S.ro_key;
-        else if (h.rid == 3 && rv_rid) {
-            h.rid = rv_rid;
-            h.key ^= rv_key;
-        }
+        fix_key(&h.rid, &h.key, rv_rid, rv_key);
         memcpy(p + pos, &h, sizeof h);
         pos += sizeof h;
-        if ((h.type == FR_WRITE && !(h.flags & FL_ABORT)) || h.type == FR_NOTIFY)
+        bool vec = h.type == FR_WRITEV || h.type == FR_READV;
+        if (vec && !(h.flags & FL_ABORT) && h.nseg && h.nseg <= AXF_MAX_SEGS) {
+            for (uint32_t j = 0; j < h.nseg && pos + sizeof(wire_seg) <= n; j++) {
+                wire_seg g;
+                memcpy(&g, p + pos, sizeof g);
+                fix_key(&g.rid, &g.key, rv_rid, rv_key);
+                memcpy(p + pos, &g, sizeof g);
+                pos += sizeof g;
+            }
+        }
+        if (((h.type == FR_WRITE || h.type == FR_WRITEV) && !(h.flags & FL_ABORT)) ||
+            h.type == FR_NOTIFY)
             pos += h.len < n - pos ? (size_t)h.len : n - pos;
     }
 }

@@ -1,7 +1,10 @@
 /* The framed socket transport. Each connection has a receiver thread (blocking
  * reads, zero-copy into registered memory) and a sender thread (gathered
  * sendmsg from registered memory, keepalive pings when control.c says). The accepting
- * side checks every frame against its region table before touching memory. */
+ * side checks every frame against its region table before touching memory.
+ * A request's small chunks travel several to a frame (vectored frames: a
+ * segment table after the header, every segment checked before one
+ * scattered read; tcp.c packs them). */
 #include "transport.h"
 
 #include <errno.h>
@@ -19,6 +22,7 @@
 #include <unistd.h>
 
 #define TX_BATCH 64
+#define TX_IOV (2 * TX_BATCH + AXF_MAX_SEGS) /* a sendmsg's iovecs at most */
 #define INLINE_SEND ((64u << 10) + 4096u) /* small frames sent on the caller's thread, in all */
 #define INLINE_BULK ((1u << 20) + 4096u)  /* or one frame this large, alone */
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
@@ -38,7 +42,7 @@ static const char BYE_REASON[] = "goodbye";
 typedef struct expect {
     op *op;
     uint64_t op_id;
-    uint16_t type;     /* FR_WRITE_ACK, FR_READ_RESP or FR_NOTIFY_ACK */
+    uint16_t type;     /* FR_WRITE_ACK, FR_READ_RESP (or READV_RESP) or FR_NOTIFY_ACK */
     int slot;          /* the group: chunks of this connection in the op's schedule ... */
     chunk_ref *chunks; /* ... or these (a rerouted group) */
     size_t nchunks;
@@ -83,6 +87,8 @@ static void sq_release(axf_engine *e, sq_item *it)
 {
     if (it->reg)
         region_unref(e, it->reg);
+    for (uint32_t j = 0; j < it->nregs; j++)
+        region_unref(e, it->regs[j]);
     if (it->op)
         op_unpin(e, it->op);
     free(it->owned);
@@ -104,6 +110,43 @@ static void release_list(axf_engine *e, sq_item *it)
         sq_release(e, it);
         it = n;
     }
+}
+
+/* An item's bytes on the wire: header, segment table (vectored), payload. */
+static uint64_t item_size(const sq_item *it)
+{
+    return sizeof it->h + (uint64_t)it->h.nseg * sizeof(wire_seg) + it->plen;
+}
+
+/* The iovecs of what of an item is not sent yet (past it->sent), at most max
+ * of them: how many, or -1 when they do not fit. */
+static int item_iov(const sq_item *it, struct iovec *iov, int max)
+{
+    uint64_t skip = it->sent;
+    int n = 0;
+#define PUT(b, l)                                                          \
+    do {                                                                   \
+        uint64_t l_ = (l);                                                 \
+        if (skip >= l_) {                                                  \
+            skip -= l_;                                                    \
+        } else {                                                           \
+            if (n == max)                                                  \
+                return -1;                                                 \
+            iov[n].iov_base = (uint8_t *)(uintptr_t)(b) + skip;            \
+            iov[n++].iov_len = l_ - skip;                                  \
+            skip = 0;                                                      \
+        }                                                                  \
+    } while (0)
+    PUT(&it->h, sizeof it->h);
+    if (it->h.nseg) {
+        PUT(it->segs, (uint64_t)it->h.nseg * sizeof(wire_seg));
+        for (uint32_t j = 0; it->pieces && j < it->h.nseg; j++)
+            PUT(it->pieces[j], it->segs[j].len);
+    } else if (it->plen) {
+        PUT(it->payload, it->plen);
+    }
+#undef PUT
+    return n;
 }
 
 /* c->mu held. */
@@ -228,7 +271,7 @@ void conn_enqueue_reply(conn *c, sq_item *it, bool signal)
     /* What it holds: the item, its header, its payload (a READ response's
      * points into registered memory, but the bound is on what a peer can
      * make us keep queued, whatever it costs). */
-    uint64_t cost = sizeof *it + sizeof it->h + it->plen;
+    uint64_t cost = sizeof *it + item_size(it);
     it->reply_cost = cost > UINT32_MAX ? UINT32_MAX : (uint32_t)cost;
     it->next = NULL;
     pthread_mutex_lock(&c->mu);
@@ -257,7 +300,7 @@ void conn_enqueue_chain(conn *c, sq_item *first, sq_item *last, bool signal)
     if (it->op && it->h.type == FR_NOTIFY)
         want = FR_NOTIFY_ACK;
     else if (it->op && (it->h.flags & FL_LAST))
-        want = it->h.type == FR_WRITE ? FR_WRITE_ACK : FR_READ_RESP;
+        want = it->h.type == FR_WRITE || it->h.type == FR_WRITEV ? FR_WRITE_ACK : FR_READ_RESP;
     if (want) {
         /* Recorded even on a dead connection: its failure path (which runs
          * after, under e->mu like every enqueue of an initiator frame) then
@@ -324,20 +367,41 @@ void conn_close_after_flush(conn *c)
 
 /* ------------------------------------------------------------ raw I/O */
 
-/* 0 on success, else -errno (or -EPIPE on orderly close). */
-static int read_full(int fd, void *buf, size_t len)
+/* Moves an iovec array past n bytes (n at most what it holds). */
+static void iov_skip(struct iovec **iov, int *cnt, size_t n)
 {
-    uint8_t *p = buf;
-    while (len) {
-        ssize_t r = recv(fd, p, len, MSG_WAITALL);
-        if (r > 0) {
-            p += r;
-            len -= (size_t)r;
-        } else if (r == 0) {
+    while (*cnt && n >= (*iov)->iov_len) {
+        n -= (*iov)->iov_len;
+        (*iov)++;
+        (*cnt)--;
+    }
+    if (*cnt && n) {
+        (*iov)->iov_base = (uint8_t *)(*iov)->iov_base + n;
+        (*iov)->iov_len -= n;
+    }
+}
+
+static size_t iov_total(const struct iovec *iov, int cnt)
+{
+    size_t n = 0;
+    for (int i = 0; i < cnt; i++)
+        n += iov[i].iov_len;
+    return n;
+}
+
+/* All of the iovecs, waiting in the kernel (MSG_WAITALL).
+ * 0 on success, else -errno (or -EPIPE on orderly close). */
+static int read_full(int fd, struct iovec *iov, int cnt)
+{
+    while (cnt) {
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+        ssize_t r = recvmsg(fd, &m, MSG_WAITALL);
+        if (r > 0)
+            iov_skip(&iov, &cnt, (size_t)r);
+        else if (r == 0)
             return -EPIPE;
-        } else if (errno != EINTR) {
+        else if (errno != EINTR)
             return -errno;
-        }
     }
     return 0;
 }
@@ -349,19 +413,19 @@ static int read_full(int fd, void *buf, size_t len)
  * copies in bursts behind the sender instead of alongside it (what NIXL's
  * polling target does). Bounded: inside a frame only, while its bytes
  * arrive, by one receiver of the engine at a time (e->rx_spinners, shared
- * with rx_spin). Returns what it read; *err: -errno or -EPIPE, else 0. */
-static size_t rx_stream(conn *c, uint8_t *d, size_t len, int *err)
+ * with rx_spin). Moves *iov past what it read; *err: -errno or -EPIPE, else 0. */
+static void rx_stream(conn *c, struct iovec **iov, int *cnt, int *err)
 {
     int none = 0;
-    size_t got = 0;
     *err = 0;
     if (c->replay || !atomic_compare_exchange_strong(&c->e->rx_spinners, &none, 1))
-        return 0;
+        return;
     uint64_t idle_from = 0;
-    while (got < len) {
-        ssize_t r = recv(c->fd, d + got, len - got, MSG_DONTWAIT);
+    while (*cnt) {
+        struct msghdr m = {.msg_iov = *iov, .msg_iovlen = (size_t)*cnt};
+        ssize_t r = recvmsg(c->fd, &m, MSG_DONTWAIT);
         if (r > 0) {
-            got += (size_t)r;
+            iov_skip(iov, cnt, (size_t)r);
             idle_from = 0;
             continue;
         }
@@ -381,29 +445,30 @@ static size_t rx_stream(conn *c, uint8_t *d, size_t len, int *err)
         sched_yield(); /* the sender may need this CPU */
     }
     atomic_store(&c->e->rx_spinners, 0);
-    return got;
 }
 
-/* The receiver's reads: len bytes into dst, those read ahead first, then
- * from the socket together with whatever follows them there (up to
- * RX_AHEAD, kept for the next read): one recvmsg per frame, not one for its
- * header and one for its payload, while frames come back to back (a batch of
- * 16 KiB descriptors). A payload still on its way is waited for whole
- * (MSG_WAITALL: the wait stays in the kernel, one call however many times
- * its bytes wake us), and read ahead of only when it was all there.
+/* The receiver's reads: the iovecs filled (a vectored frame's segments
+ * scattered where they go), from the bytes read ahead first, then from the
+ * socket together with whatever follows them there (up to RX_AHEAD, kept for
+ * the next read): one recvmsg per frame, not one for its header and one for
+ * its payload, while frames come back to back (a batch of 16 KiB
+ * descriptors). A payload still on its way is waited for whole (MSG_WAITALL:
+ * the wait stays in the kernel, one call however many times its bytes wake
+ * us), and read ahead of only when it was all there; a large one is polled
+ * for while it streams in (rx_stream) when stream is set. iov has room for
+ * cnt + 1 entries (the read-ahead buffer's) and is changed.
  * 0 on success, else -errno (-EPIPE: orderly close). */
-static int rx_read(conn *c, void *dst, size_t len)
+static int rx_readv(conn *c, struct iovec *iov, int cnt, bool stream)
 {
     conn_priv *p = (conn_priv *)c;
-    uint8_t *d = dst;
-    size_t n = p->rb_len < len ? p->rb_len : len;
-    if (n) {
-        memcpy(d, p->rb + p->rb_pos, n);
+    while (p->rb_len && cnt) {
+        size_t n = p->rb_len < iov->iov_len ? p->rb_len : iov->iov_len;
+        memcpy(iov->iov_base, p->rb + p->rb_pos, n);
         p->rb_pos += (uint32_t)n;
         p->rb_len -= (uint32_t)n;
-        d += n;
-        len -= n;
+        iov_skip(&iov, &cnt, n);
     }
+    size_t len = iov_total(iov, cnt);
     if (!len)
         return 0;
     p->rb_pos = 0; /* empty */
@@ -411,15 +476,14 @@ static int rx_read(conn *c, void *dst, size_t len)
      * payload is taken as far as it is here. */
     bool header = len <= sizeof(wire_hdr);
     for (int flags = header ? 0 : MSG_DONTWAIT; len;) {
-        struct iovec iov[2] = {{.iov_base = d, .iov_len = len},
-                               {.iov_base = p->rb, .iov_len = RX_AHEAD}};
-        struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2};
+        iov[cnt] = (struct iovec){.iov_base = p->rb, .iov_len = RX_AHEAD};
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt + 1};
         ssize_t r = recvmsg(c->fd, &m, flags);
         if (r < 0 && !header && (errno == EAGAIN || errno == EWOULDBLOCK))
             break;
         if (r > 0) {
             if (!header && (size_t)r < len) { /* still coming: wait for all of it */
-                d += r;
+                iov_skip(&iov, &cnt, (size_t)r);
                 len -= (size_t)r;
                 break;
             }
@@ -427,7 +491,7 @@ static int rx_read(conn *c, void *dst, size_t len)
                 p->rb_len = (uint32_t)((size_t)r - len);
                 return 0;
             }
-            d += r;
+            iov_skip(&iov, &cnt, (size_t)r);
             len -= (size_t)r;
         } else if (r == 0) {
             return -EPIPE;
@@ -435,15 +499,19 @@ static int rx_read(conn *c, void *dst, size_t len)
             return -errno;
         }
     }
-    if (len >= RX_STREAM_MIN) {
+    if (stream && len >= RX_STREAM_MIN) {
         int err;
-        size_t got = rx_stream(c, d, len, &err);
+        rx_stream(c, &iov, &cnt, &err);
         if (err)
             return err;
-        d += got;
-        len -= got;
     }
-    return len ? read_full(c->fd, d, len) : 0;
+    return cnt ? read_full(c->fd, iov, cnt) : 0;
+}
+
+static int rx_read(conn *c, void *dst, size_t len)
+{
+    struct iovec iov[2] = {{.iov_base = dst, .iov_len = len}};
+    return rx_readv(c, iov, 1, true);
 }
 
 /* Whether the READ response queued last may wait to go out with the next
@@ -571,21 +639,35 @@ static void thread_exit(conn *c)
 static int send_batch(conn *c, bool nowait, sq_item **done)
 {
     sq_item *batch[TX_BATCH];
-    struct iovec iov[2 * TX_BATCH];
-    int n = 0;
-    uint64_t bytes = 0;
-    while (c->head && n < TX_BATCH) {
+    struct iovec iov[TX_IOV];
+    int n = 0, nv = 0;
+    uint64_t bytes = 0, cap = 0; /* cap: send no more than this (0: all) */
+    while (c->head && n < TX_BATCH && !cap) {
         sq_item *it = c->head;
-        uint64_t size = sizeof it->h + it->plen - it->sent;
-        /* AXF_POST_NOHELP: no large frame on the caller's thread. */
-        if (nowait && bytes + size > (n || axf_no_help ? INLINE_SEND : INLINE_BULK))
+        uint64_t size = item_size(it) - it->sent;
+        int need = 2 + (int)it->h.nseg; /* iovecs it takes at most */
+        if (n && nv + need > TX_IOV)
             break;
+        /* AXF_POST_NOHELP: no large frame on the caller's thread. A large
+         * vectored WRITE (a batch's 1 MiB frame per connection) goes only
+         * in part (INLINE_SEND, the rest to the sending thread): the
+         * connections' sending threads copy them side by side, where the
+         * posting thread would copy them one after the other, while the
+         * peer's receiver has its first bytes meanwhile. */
+        if (nowait && !n && !axf_no_help && it->h.type == FR_WRITEV && size > INLINE_SEND) {
+            cap = INLINE_SEND;
+        } else if (nowait && bytes + size > (n || axf_no_help || it->h.type == FR_WRITEV
+                                                 ? INLINE_SEND
+                                                 : INLINE_BULK)) {
+            break;
+        }
         c->head = it->next;
         if (!c->head)
             c->tail = NULL;
         it->next = NULL;
         batch[n++] = it;
         bytes += size;
+        nv += need;
     }
     if (!n)
         return 0;
@@ -595,7 +677,8 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
     int niov = 0, keep = 0;
     for (int i = 0; i < n; i++) {
         sq_item *it = batch[i];
-        bool data = it->op && (it->h.type == FR_WRITE || it->h.type == FR_READ_REQ);
+        bool data = it->op && (it->h.type == FR_WRITE || it->h.type == FR_READ_REQ ||
+                               it->h.type == FR_WRITEV || it->h.type == FR_READV);
         if (!it->sent && data && atomic_load(&it->op->cancelled)) {
             if (!(it->h.flags & FL_LAST)) {
                 it->next = *done;
@@ -605,18 +688,21 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
             /* The group's last frame still goes, empty, so it is acknowledged. */
             it->h.flags |= FL_ABORT;
             it->h.len = 0;
+            it->h.nseg = 0;
             it->payload = NULL;
             it->plen = 0;
         }
         batch[keep++] = it;
-        if (it->sent < sizeof it->h) {
-            iov[niov].iov_base = (uint8_t *)&it->h + it->sent;
-            iov[niov++].iov_len = sizeof it->h - it->sent;
-        }
-        uint64_t psent = it->sent > sizeof it->h ? it->sent - sizeof it->h : 0;
-        if (it->plen > psent) {
-            iov[niov].iov_base = (uint8_t *)it->payload + psent;
-            iov[niov++].iov_len = it->plen - psent;
+        niov += item_iov(it, iov + niov, TX_IOV - niov); /* fits: counted above */
+    }
+    if (cap) { /* the first cap bytes only */
+        uint64_t left = cap;
+        int k = 0;
+        while (k < niov && left > iov[k].iov_len)
+            left -= iov[k++].iov_len;
+        if (k < niov) {
+            iov[k].iov_len = left;
+            niov = k + 1;
         }
     }
     uint64_t sent = 0;
@@ -630,7 +716,7 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
     int i = 0;
     for (; i < keep; i++) {
         sq_item *it = batch[i];
-        uint64_t left = sizeof it->h + it->plen - it->sent;
+        uint64_t left = item_size(it) - it->sent;
         if (r == 0 && sent < left) {
             it->sent += sent;
             break;
@@ -742,6 +828,15 @@ static void *tx_main(void *arg)
     return NULL;
 }
 
+/* Whether region r (held) may be accessed at [off, off + len) for need. */
+static bool region_fits(const region *r, uint64_t key, uint32_t need, uint64_t off, uint64_t len)
+{
+    /* The socket path reads and writes host memory only: a GPU or file
+     * region is never a target of its frames. */
+    return r->key == key && (r->access & need) && off <= r->len && len <= r->len - off &&
+           r->kind == AXF_MEM_HOST;
+}
+
 /* Looks up a local region for a remote access; returns it with a ref, or NULL. */
 static region *target_region(axf_engine *e, const wire_hdr *h, uint32_t need)
 {
@@ -750,14 +845,63 @@ static region *target_region(axf_engine *e, const wire_hdr *h, uint32_t need)
     pthread_mutex_unlock(&e->mu);
     if (!r)
         return NULL;
-    /* The socket path reads and writes host memory only: a GPU or file
-     * region is never a target of its frames. */
-    if (r->key != h->key || !(r->access & need) || h->off > r->len || h->len > r->len - h->off ||
-        r->kind != AXF_MEM_HOST) {
+    if (!region_fits(r, h->key, need, h->off, h->len)) {
         region_unref(e, r);
         return NULL;
     }
     return r;
+}
+
+/* A vectored frame's segments, each looked up and checked as target_region
+ * does (one hold of e->mu for all): n when every one is, their refs in
+ * regs; else the first that is not, and no ref is held. */
+static uint32_t target_regions(axf_engine *e, const wire_seg *s, uint32_t n, uint32_t need,
+                               region **regs)
+{
+    uint32_t j = 0;
+    pthread_mutex_lock(&e->mu);
+    for (; j < n; j++) {
+        regs[j] = region_get(e, s[j].rid);
+        if (!regs[j])
+            break;
+        if (!region_fits(regs[j], s[j].key, need, s[j].off, s[j].len)) {
+            region_unref(e, regs[j]);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (j < n)
+        for (uint32_t k = 0; k < j; k++)
+            region_unref(e, regs[k]);
+    return j;
+}
+
+/* Reads a vectored frame's segment table (after its header) and checks its
+ * shape: 1..AXF_MAX_SEGS segments, none empty, their lengths summing to the
+ * header's len. NULL, or why the frame is malformed (*proto) or the
+ * connection lost (*io). */
+static const char *rx_segs(conn *c, const wire_hdr *h, wire_seg *segs, bool *proto, int *io)
+{
+    if (!h->nseg || h->nseg > AXF_MAX_SEGS || h->len > AXF_MAX_FRAME) {
+        *proto = true;
+        return "vectored frame of invalid size";
+    }
+    *io = rx_read(c, segs, h->nseg * sizeof *segs);
+    if (*io)
+        return "connection lost inside a segment table";
+    uint64_t sum = 0;
+    for (uint32_t j = 0; j < h->nseg; j++) {
+        if (!segs[j].len || segs[j].len > AXF_MAX_FRAME) {
+            *proto = true;
+            return "vectored frame segment of invalid length";
+        }
+        sum += segs[j].len; /* at most 64 x 256 MiB: no overflow */
+    }
+    if (sum != h->len) {
+        *proto = true;
+        return "vectored frame's segments do not sum to its length";
+    }
+    return NULL;
 }
 
 static bool valid_status(int32_t st)
@@ -770,7 +914,9 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
 {
     axf_engine *e = c->e;
     switch (h->type) {
-    case FR_WRITE: {
+    case FR_WRITE:
+    case FR_WRITEV: {
+        bool vec = h->type == FR_WRITEV;
         if (h->len > AXF_MAX_FRAME) {
             *proto = true;
             return "oversized WRITE frame";
@@ -786,12 +932,44 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
             return "WRITE frames of two requests interleaved";
         }
         if (h->flags & FL_ABORT) {
-            if (h->len) {
+            if (h->len || h->nseg) {
                 *proto = true;
                 return "aborted WRITE frame with payload";
             }
             if (c->grp_status == AXF_OK)
                 c->grp_status = AXF_E_CANCELLED;
+        } else if (vec) {
+            wire_seg segs[AXF_MAX_SEGS];
+            region *regs[AXF_MAX_SEGS];
+            const char *bad = rx_segs(c, h, segs, proto, io);
+            if (bad)
+                return bad;
+            uint32_t n = h->nseg, ok = target_regions(e, segs, n, AXF_ACCESS_WRITE, regs);
+            if (ok == n) {
+                struct iovec iov[AXF_MAX_SEGS + 1];
+                for (uint32_t j = 0; j < n; j++)
+                    iov[j] = (struct iovec){.iov_base = regs[j]->addr + segs[j].off,
+                                            .iov_len = segs[j].len};
+                /* Not polled for: a vectored frame is a batch's, striped
+                 * over several connections whose receivers all have bytes
+                 * to copy; a poller among them takes a CPU from them.
+                 * Measured, 256 x 16 KiB WRITE batches side by side: 0.76x
+                 * and 0.83x main polled, 1.22x not (CPU per GB 0.34 vs 0.40). */
+                *io = rx_readv(c, iov, (int)n, false);
+                for (uint32_t j = 0; j < n; j++)
+                    region_unref(e, regs[j]);
+                if (*io)
+                    return "connection lost inside a WRITE payload";
+                c->grp_bytes += h->len;
+            } else {
+                if (c->grp_status == AXF_OK) {
+                    c->grp_status = AXF_E_ACCESS;
+                    c->grp_fail = segs[ok].index;
+                }
+                *io = discard(c, scratch, h->len);
+                if (*io)
+                    return "connection lost inside a rejected WRITE payload";
+            }
         } else {
             region *r = target_region(e, h, AXF_ACCESS_WRITE);
             if (r) {
@@ -821,6 +999,62 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
             conn_enqueue_reply(c, ack, false);
             conn_kick(c); /* replies go out from here: no handoff */
         }
+        return NULL;
+    }
+    case FR_READV: {
+        if (h->flags & FL_ABORT) {
+            if (h->len || h->nseg) {
+                *proto = true;
+                return "aborted READ request with segments";
+            }
+        }
+        wire_seg segs[AXF_MAX_SEGS];
+        region *regs[AXF_MAX_SEGS];
+        if (!(h->flags & FL_ABORT)) {
+            const char *bad = rx_segs(c, h, segs, proto, io);
+            if (bad)
+                return bad;
+        }
+        sq_item *resp = sq_new(FR_READV_RESP, h->op);
+        if (!resp)
+            return "out of memory";
+        resp->h.index = h->index;
+        resp->h.flags = h->flags & FL_LAST;
+        if (h->flags & FL_ABORT) {
+            resp->h.status = AXF_E_CANCELLED;
+        } else {
+            uint32_t n = h->nseg, ok = target_regions(e, segs, n, AXF_ACCESS_READ, regs);
+            if (ok == n) {
+                /* One block: the echoed table, the pieces, the refs. */
+                uint8_t *blk = malloc(n * (sizeof(wire_seg) + sizeof(uint8_t *) +
+                                           sizeof(region *)));
+                if (!blk) {
+                    for (uint32_t j = 0; j < n; j++)
+                        region_unref(e, regs[j]);
+                    sq_drop(e, resp);
+                    return "out of memory";
+                }
+                resp->owned = blk;
+                resp->segs = (wire_seg *)blk;
+                resp->pieces = (const uint8_t **)(blk + n * sizeof(wire_seg));
+                resp->regs = (region **)(blk + n * (sizeof(wire_seg) + sizeof(uint8_t *)));
+                for (uint32_t j = 0; j < n; j++) {
+                    resp->segs[j] = segs[j];
+                    resp->segs[j].key = 0; /* the initiator's own: nothing to echo */
+                    resp->pieces[j] = regs[j]->addr + segs[j].off;
+                    resp->regs[j] = regs[j];
+                }
+                resp->nregs = n;
+                resp->h.nseg = n;
+                resp->h.len = h->len;
+                resp->plen = h->len;
+            } else {
+                resp->h.status = AXF_E_ACCESS;
+                resp->h.index = segs[ok].index;
+            }
+        }
+        conn_enqueue_reply(c, resp, false);
+        ((conn_priv *)c)->kick_owed = true;
         return NULL;
     }
     case FR_READ_REQ: {
@@ -964,7 +1198,9 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
     pthread_mutex_lock(&c->mu);
     expect *x = p->ex_head;
     pthread_mutex_unlock(&c->mu);
-    if (!x || x->type != h->type || x->op_id != h->op || !valid_status(h->status)) {
+    /* A READ group's responses are plain or vectored, as its frames were. */
+    uint16_t type = h->type == FR_READV_RESP ? FR_READ_RESP : h->type;
+    if (!x || x->type != type || x->op_id != h->op || !valid_status(h->status)) {
         /* Said in detail: from a peer of ours this is a bug worth chasing. */
         cq_log(c->e, c->tag,
                "unexpected reply: type %u op %llu index %llu flags %u status %d len %llu; "
@@ -977,7 +1213,7 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
         return "reply that matches no outstanding request";
     }
     op *o = x->op;
-    bool last = h->type != FR_READ_RESP || (h->flags & FL_LAST);
+    bool last = (h->type != FR_READ_RESP && h->type != FR_READV_RESP) || (h->flags & FL_LAST);
     if (h->type == FR_READ_RESP) {
         if (h->index >= o->n) {
             *proto = true;
@@ -997,6 +1233,37 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
                 return "READ response outside its request";
             }
             *io = rx_read(c, o->laddr[h->index] + (h->off - d->roff), h->len);
+            if (*io)
+                return "connection lost inside a READ payload";
+            x->bytes += h->len;
+        }
+    } else if (h->type == FR_READV_RESP) {
+        if (h->status != AXF_OK) {
+            if (h->len || h->nseg) {
+                *proto = true;
+                return "failed READ response with payload";
+            }
+            op_set_status(o, h->status, h->index < o->n ? h->index : 0);
+        } else {
+            wire_seg segs[AXF_MAX_SEGS];
+            const char *bad = rx_segs(c, h, segs, proto, io);
+            if (bad)
+                return bad;
+            /* Every segment lands inside what its descriptor asked for, or
+             * nothing is read. */
+            struct iovec iov[AXF_MAX_SEGS + 1];
+            for (uint32_t j = 0; j < h->nseg; j++) {
+                const wire_seg *g = &segs[j];
+                const axf_desc *d = g->index < o->n ? &o->d[g->index] : NULL;
+                if (!d || g->off < d->roff || g->off - d->roff > d->len ||
+                    g->len > d->len - (g->off - d->roff)) {
+                    *proto = true;
+                    return "READ response outside its request";
+                }
+                iov[j] = (struct iovec){.iov_base = o->laddr[g->index] + (g->off - d->roff),
+                                        .iov_len = g->len};
+            }
+            *io = rx_readv(c, iov, (int)h->nseg, false); /* as a WRITEV's */
             if (*io)
                 return "connection lost inside a READ payload";
             x->bytes += h->len;
@@ -1130,6 +1397,11 @@ static void initiator_conn_lost(conn *c, bool proto)
 
 const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *proto, int *io)
 {
+    if (h->nseg && h->type != (c->ep ? FR_READV_RESP : FR_WRITEV) &&
+        (c->ep || h->type != FR_READV)) {
+        *proto = true;
+        return "segments on a frame that has none";
+    }
     return c->ep ? rx_initiator(c, h, proto, io) : rx_target(c, h, scratch, proto, io);
 }
 
@@ -1185,7 +1457,10 @@ static int rx_spin_one(conn *c, wire_hdr *h, uint32_t us)
  * response), which a poll here would compete with for a CPU. */
 static bool rx_answered(conn *c, const wire_hdr *h)
 {
-    return !c->ep && (h->type == FR_WRITE || h->type == FR_READ_REQ) && (h->flags & FL_LAST) &&
+    return !c->ep &&
+           (h->type == FR_WRITE || h->type == FR_READ_REQ || h->type == FR_WRITEV ||
+            h->type == FR_READV) &&
+           (h->flags & FL_LAST) &&
            atomic_load(&c->reply_bytes) == 0;
 }
 

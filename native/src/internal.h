@@ -39,6 +39,16 @@ enum {
     FR_BYE,        /* initiator -> target, last frame: nothing of ours touches any of your
                       memory any more, nor will (settles every revocation for this
                       connection, now and later) */
+    /* Vectored frames: several chunks of one request in one frame. The header's
+     * nseg (1..AXF_MAX_SEGS) wire_seg records follow it, then (WRITEV, a
+     * successful READV_RESP) their bytes back to back; len is those bytes, the
+     * segments' lengths summed; the header's rid, key and off are unused.
+     * One readv scatters them (after every segment was checked), one sendmsg
+     * gathers them. A READV's response is one READV_RESP echoing its segments
+     * (status not OK: no segments, no bytes, index the descriptor that failed). */
+    FR_WRITEV,
+    FR_READV,
+    FR_READV_RESP,
 };
 enum { FL_LAST = 1, FL_ABORT = 2 };
 #define AXF_MAGIC 0x31465841u /* "AXF1" */
@@ -48,7 +58,7 @@ typedef struct wire_hdr {
     uint16_t type;
     uint16_t flags;
     int32_t status;
-    uint32_t reserved;
+    uint32_t nseg; /* vectored frames: wire_seg records after the header; else 0 */
     uint64_t op;
     uint64_t index;
     uint64_t rid;
@@ -57,6 +67,18 @@ typedef struct wire_hdr {
     uint64_t len;
 } wire_hdr;
 _Static_assert(sizeof(wire_hdr) == 64, "wire header is 64 bytes");
+
+/* One segment of a vectored frame: len bytes at off of region rid (key) for
+ * descriptor index of the request. */
+typedef struct wire_seg {
+    uint64_t index;
+    uint64_t rid;
+    uint64_t key;
+    uint64_t off;
+    uint64_t len;
+} wire_seg;
+_Static_assert(sizeof(wire_seg) == 40, "wire segment is 40 bytes");
+#define AXF_MAX_SEGS 64 /* segments of one vectored frame (its table: 2560 bytes) */
 
 typedef struct region {
     uint64_t id, key, len;
@@ -189,6 +211,14 @@ typedef struct sq_item {
     op *op;          /* initiator frames: the op, pinned until the frame is released */
     region *reg;     /* target READ_RESP: region ref released after sending */
     uint8_t *owned;  /* freed after sending */
+    /* vectored frames (h.nseg > 0): the segment table sent after the header,
+     * and (WRITEV, READV_RESP) where each segment's bytes are, plen in all;
+     * target READV_RESP: a region ref per segment, released after sending.
+     * All three live in owned. */
+    wire_seg *segs;
+    const uint8_t **pieces;
+    region **regs;
+    uint32_t nregs;
     uint64_t sent;   /* bytes of header + payload already sent (a short inline send) */
     /* initiator LAST frames: what its group is, for a reroute if the
      * connection fails: a schedule slot, or (rerouted groups) a chunk list

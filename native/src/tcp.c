@@ -156,6 +156,97 @@ static sq_item *chunk_item(const op *o, uint64_t i, uint64_t off, uint64_t chunk
     return it;
 }
 
+/* A frame of several chunks of o (n of them, 2..AXF_MAX_SEGS, their bytes
+ * at most the op's chunk size): one vectored frame, its segment table (and a
+ * WRITE's piece addresses) in one allocation. */
+static sq_item *vec_item(const op *o, const chunk_ref *ch, uint32_t n, uint64_t chunk)
+{
+    bool w = o->opcode == AXF_OP_WRITE;
+    sq_item *it = sq_new(w ? FR_WRITEV : FR_READV, o->req_id);
+    uint8_t *blk = it ? malloc(n * (sizeof(wire_seg) + (w ? sizeof(uint8_t *) : 0))) : NULL;
+    if (!blk) {
+        free(it);
+        return NULL;
+    }
+    it->owned = blk;
+    it->segs = (wire_seg *)blk;
+    if (w)
+        it->pieces = (const uint8_t **)(blk + n * sizeof(wire_seg));
+    uint64_t total = 0;
+    for (uint32_t j = 0; j < n; j++) {
+        const axf_desc *d = &o->d[ch[j].i];
+        uint64_t len = d->len - ch[j].off < chunk ? d->len - ch[j].off : chunk;
+        it->segs[j] = (wire_seg){.index = ch[j].i, .rid = d->rrid, .key = d->rkey,
+                                 .off = d->roff + ch[j].off, .len = len};
+        if (w)
+            it->pieces[j] = o->laddr[ch[j].i] + ch[j].off;
+        total += len;
+    }
+    it->h.index = ch[0].i;
+    it->h.nseg = n;
+    it->h.len = total;
+    it->plen = w ? total : 0;
+    it->op = (op *)o;
+    atomic_fetch_add(&((op *)o)->pins, 1);
+    return it;
+}
+
+/* One connection's frames of a group, as they are built: its chunks are
+ * packed, in order, into frames of up to AXF_MAX_SEGS chunks and the op's
+ * chunk size in bytes (a batch of 256 16 KiB descriptors over 4 connections:
+ * one 1 MiB frame on each, instead of 64 frames of 16 KiB, each a header to
+ * parse, a region lookup and a recvmsg for the receiver); a frame of one
+ * chunk stays a plain frame. */
+typedef struct grp_build {
+    sq_item *first, *last;
+    uint64_t bytes;    /* of its frames */
+    chunk_ref pend[AXF_MAX_SEGS]; /* the frame being filled */
+    uint32_t npend;
+    uint64_t pbytes;
+} grp_build;
+
+/* The frame being filled goes onto the chain. false: out of memory. */
+static bool grp_flush(grp_build *g, const op *o, uint64_t chunk)
+{
+    if (!g->npend)
+        return true;
+    sq_item *it = g->npend == 1 ? chunk_item(o, g->pend[0].i, g->pend[0].off, chunk)
+                                : vec_item(o, g->pend, g->npend, chunk);
+    g->npend = 0;
+    g->pbytes = 0;
+    if (!it)
+        return false;
+    if (g->last)
+        g->last->next = it;
+    else
+        g->first = it;
+    g->last = it;
+    g->bytes += it->h.len;
+    return true;
+}
+
+static bool grp_add(grp_build *g, const op *o, uint64_t i, uint64_t off, uint64_t chunk)
+{
+    uint64_t len = o->d[i].len - off < chunk ? o->d[i].len - off : chunk;
+    if (g->npend == AXF_MAX_SEGS || (g->npend && g->pbytes + len > chunk))
+        if (!grp_flush(g, o, chunk))
+            return false;
+    g->pend[g->npend++] = (chunk_ref){.i = i, .off = off};
+    g->pbytes += len;
+    return true;
+}
+
+/* Releases what a group's build holds (a failure). */
+static void grp_drop(axf_engine *e, grp_build *g)
+{
+    for (sq_item *it = g->first, *n; it; it = n) {
+        n = it->next;
+        sq_drop(e, it);
+    }
+    g->first = g->last = NULL;
+    g->npend = 0;
+}
+
 static void mark_dirty(axf_engine *e, conn *c)
 {
     for (int k = 0; k < e->ndirty; k++)
@@ -229,45 +320,68 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         to->chunk = chunk;
         o->priv = to;
     }
+    if (one) { /* the frequent small request: one frame, nothing to pack */
+        int ci = t->sched[sched0 % AXF_SCHED];
+        sq_item *it = o->n ? chunk_item(o, 0, 0, chunk) : NULL;
+        if (o->n && !it)
+            op_set_status(o, AXF_E_NOMEM, 0);
+        if (!lone)
+            t->rr_next = (int)((sched0 + (o->n ? 1 : 0)) % AXF_SCHED);
+        atomic_store(&o->remaining, 1); /* before it is queued: replies may come at once */
+        if (!it)
+            return false;
+        it->h.flags |= FL_LAST;
+        it->slot = ci;
+        it->group_bytes = it->h.len;
+        conn_enqueue_chain(ep->conns[ci], it, it, signal);
+        if (!signal)
+            mark_dirty(e, ep->conns[ci]);
+        return true;
+    }
     /* Each connection's frames are chained here and queued as one group with
-     * its expectation (a READ's chunks are answered one by one). */
-    sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
-    uint64_t gbytes[AXF_MAX_CONNS] = {0};
+     * its expectation (a READ's frames are answered one by one). */
+    grp_build *g = calloc((size_t)ep->nconns, sizeof *g);
+    if (!g) {
+        op_set_status(o, AXF_E_NOMEM, 0);
+        atomic_store(&o->remaining, 1);
+        return false;
+    }
     chunk_iter ci_ = {.o = o, .slot = -1, .chunk = chunk};
     uint64_t i, off, k = 0;
     int used = 0;
-    while (chunk_next(&ci_, &i, &off)) {
+    bool ok = true;
+    while (ok && chunk_next(&ci_, &i, &off)) {
         int ci = t->sched[(sched0 + k++) % AXF_SCHED];
-        sq_item *it = chunk_item(o, i, off, chunk);
-        if (!it) {
-            op_set_status(o, AXF_E_NOMEM, i);
-            break;
-        }
-        if (!lastp[ci]) {
-            used++;
-            first[ci] = it;
-        } else {
-            lastp[ci]->next = it;
-        }
-        lastp[ci] = it;
-        gbytes[ci] += it->h.len;
+        ok = grp_add(&g[ci], o, i, off, chunk);
     }
+    for (int ci = 0; ok && ci < ep->nconns; ci++)
+        ok = grp_flush(&g[ci], o, chunk);
+    if (!ok) { /* nothing queued yet: none of it goes */
+        op_set_status(o, AXF_E_NOMEM, 0);
+        for (int ci = 0; ci < ep->nconns; ci++)
+            grp_drop(e, &g[ci]);
+    }
+    for (int ci = 0; ci < ep->nconns; ci++)
+        used += g[ci].last != NULL;
     if (!lone)
         t->rr_next = (int)((sched0 + k) % AXF_SCHED);
     /* Set before any group is queued: replies may come at once. */
     atomic_store(&o->remaining, used ? used : 1);
-    if (!used)
+    if (!used) {
+        free(g);
         return false;
+    }
     for (int ci = 0; ci < ep->nconns; ci++) {
-        if (!lastp[ci])
+        if (!g[ci].last)
             continue;
-        lastp[ci]->h.flags |= FL_LAST;
-        lastp[ci]->slot = ci;
-        lastp[ci]->group_bytes = gbytes[ci];
-        conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], signal);
+        g[ci].last->h.flags |= FL_LAST;
+        g[ci].last->slot = ci;
+        g[ci].last->group_bytes = g[ci].bytes;
+        conn_enqueue_chain(ep->conns[ci], g[ci].first, g[ci].last, signal);
         if (!signal)
             mark_dirty(e, ep->conns[ci]);
     }
+    free(g);
     return true;
 }
 
@@ -290,8 +404,8 @@ static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, s
     if (!total)
         return false;
     chunk_ref *lists[AXF_MAX_CONNS] = {0};
-    sq_item **items = calloc(total, sizeof *items);
-    bool ok = items != NULL;
+    grp_build *g = calloc((size_t)ep->nconns, sizeof *g);
+    bool ok = g != NULL;
     int groups = 0;
     for (int ci = 0; ci < ep->nconns && ok; ci++)
         if (cnt[ci]) {
@@ -302,44 +416,34 @@ static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, s
     for (size_t j = 0; ok && chunk_next(&it, &i, &off); j++) {
         int ci = t->sched[(start + j) % AXF_SCHED];
         lists[ci][fill[ci]++] = (chunk_ref){.i = i, .off = off};
-        ok = (items[j] = chunk_item(o, i, off, chunk)) != NULL;
+        ok = grp_add(&g[ci], o, i, off, chunk);
     }
+    for (int ci = 0; ok && ci < ep->nconns; ci++)
+        ok = grp_flush(&g[ci], o, chunk);
     if (!ok) {
-        for (size_t j = 0; items && j < total; j++)
-            if (items[j])
-                sq_drop(e, items[j]);
+        for (int ci = 0; g && ci < ep->nconns; ci++)
+            grp_drop(e, &g[ci]);
         for (int ci = 0; ci < AXF_MAX_CONNS; ci++)
             free(lists[ci]);
-        free(items);
+        free(g);
         op_set_status(o, AXF_E_NOMEM, 0);
         return false;
     }
     /* The failed group's unit becomes these groups' units. */
     atomic_fetch_add(&o->remaining, groups - 1);
     o->reroutes++;
-    sq_item *first[AXF_MAX_CONNS] = {0}, *lastp[AXF_MAX_CONNS] = {0};
-    uint64_t gbytes[AXF_MAX_CONNS] = {0};
-    for (size_t j = 0; j < total; j++) {
-        int ci = t->sched[(start + j) % AXF_SCHED];
-        if (lastp[ci])
-            lastp[ci]->next = items[j];
-        else
-            first[ci] = items[j];
-        lastp[ci] = items[j];
-        gbytes[ci] += items[j]->h.len;
-    }
     for (int ci = 0; ci < ep->nconns; ci++) {
-        if (!lastp[ci])
+        if (!g[ci].last)
             continue;
-        lastp[ci]->h.flags |= FL_LAST;
-        lastp[ci]->slot = ci;
-        lastp[ci]->chunks = lists[ci];
-        lastp[ci]->nchunks = cnt[ci];
-        lastp[ci]->group_bytes = gbytes[ci];
-        conn_enqueue_chain(ep->conns[ci], first[ci], lastp[ci], true);
+        g[ci].last->h.flags |= FL_LAST;
+        g[ci].last->slot = ci;
+        g[ci].last->chunks = lists[ci];
+        g[ci].last->nchunks = cnt[ci];
+        g[ci].last->group_bytes = g[ci].bytes;
+        conn_enqueue_chain(ep->conns[ci], g[ci].first, g[ci].last, true);
     }
     t->rr_next = (int)((start + total) % AXF_SCHED);
-    free(items);
+    free(g);
     return true;
 }
 
