@@ -523,10 +523,9 @@ def nixl_transfer(agent, handle, notif_msg=b""):
 # the runtime lock taken without blocking, the engine's fd claimed, a spin
 # (wait_poll) of the budget _wait_completion picks, the catch's bookkeeping
 # (_note_latency, _spin_outcome), the claim and the lock released. A spin
-# that did not catch goes on to the agent's _state_slept (the sleep on the
-# fd and the rest), without spinning again; anything else (not a tight
-# poll, a request of several parts, the lock busy, a failure to raise) to
-# _state_py, which does all.
+# that did not catch then sleeps on the engine's fd as _wait_sleep does
+# (_ns_slept), without spinning again; anything else (not a tight poll, a
+# request of several parts, the lock busy) goes to _state_py, which does all.
 
 cdef enum:
     _NS_FUT = 0
@@ -554,6 +553,7 @@ cdef long _ns_spin_probe = 0
 cdef object _ns_linger = None
 cdef long long _ns_spin_max = 0
 cdef long long _ns_alone_max_us = 0
+cdef double _ns_engine_wait = 0.0
 
 
 cdef inline object _ns_done(object agent, object x, object fut, object nso):
@@ -668,7 +668,7 @@ def nixl_state(agent, handle):
     nixlAgent): ``check_xfer_state(handle)``, "DONE" or "PROC"."""
     global _ns_type, _ns_ok, _ns_cls, _ns_transfer, _ns_tight_poll, _ns_spin_keep
     global _ns_spin_misses, _ns_spin_probe, _ns_linger, _ns_spin_max, _ns_alone_max_us
-    global _nr_type, _nr_ok
+    global _ns_engine_wait, _nr_type, _nr_ok
     cdef PyObject *v
     cdef object x, fut, rt, lock, sel, fd, f2, c, nso, active
     cdef NixlCache n
@@ -680,7 +680,7 @@ def nixl_state(agent, handle):
     if type(agent) is not _ns_cls:
         consts = type(agent)._nx_consts
         (_ns_transfer, _ns_tight_poll, _ns_spin_keep, _ns_spin_misses, _ns_spin_probe,
-         _ns_linger, _ns_spin_max, _ns_alone_max_us) = consts
+         _ns_linger, _ns_spin_max, _ns_alone_max_us, _ns_engine_wait) = consts
         _ns_cls = type(agent)
     v = _nx_request(agent, handle)
     if v == NULL:
@@ -756,24 +756,8 @@ def nixl_state(agent, handle):
             if caught and us != 0 and _fut_state(fut):
                 # (_wait_completion's bookkeeping of a catch, inline.)
                 took = _perf_counter() - <double>_slot_obj(x, _ns_off[_NS_T0])
-                lat = <double>_slot_obj(x, _ns_off[_NS_LAT])
-                lat = took if lat == 0.0 else lat + (took - lat) * 0.125
-                axf_slot_put(x, _ns_off[_NS_LAT], PyFloat_FromDouble(lat))
-                if <long long>_slot_obj(x, _ns_off[_NS_NBYTES]) <= _ns_spin_max:
-                    budget = <long long>(lat * 2e6)
-                    axf_slot_put(x, _ns_off[_NS_BUDGET],
-                                 budget if budget < _ns_alone_max_us else _ns_alone_max_us)
-                if took < _ns_spin_keep * spin_us * 1e-6:
-                    axf_slot_put(x, _ns_off[_NS_SPIN], True)
-                    axf_slot_put(x, _ns_off[_NS_SLOW], 0)
-                else:
-                    slow = _slot_obj(x, _ns_off[_NS_SLOW])
-                    if slow < _ns_spin_misses:
-                        slow += 1
-                        axf_slot_put(x, _ns_off[_NS_SLOW], slow)
-                        if slow == _ns_spin_misses:
-                            axf_slot_put(x, _ns_off[_NS_SPIN], False)
-                            axf_slot_put(x, _ns_off[_NS_SKIPPED], 0)
+                _ns_note_latency(x, took)
+                _ns_spin_outcome(x, took < _ns_spin_keep * spin_us * 1e-6)
             if spun and claimed:
                 _ns_release(n, fd, c)
     finally:
@@ -784,11 +768,143 @@ def nixl_state(agent, handle):
     if not spun:
         # Neither caught nor spun for in "poll" progress: the sleep, as
         # _wait_completion's, then the rest of the state (no second spin).
-        return agent._state_slept(x, fut, n.agent, fd, claimed, spin_us)
+        _ns_slept(agent, n, x, fd, claimed, c, spin_us)
     axf_slot_put(x, _ns_off[_NS_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
     if _fut_state(fut):
         return _ns_done(agent, x, fut, nso)
     return "PROC"
+
+
+cdef int _ns_note_latency(object x, double took) except -1:
+    """_note_latency: ``x``'s average time to completion, and for a small
+    request the budget a tight poller spins for it."""
+    cdef long long budget
+    cdef double lat = <double>_slot_obj(x, _ns_off[_NS_LAT])
+    lat = took if lat == 0.0 else lat + (took - lat) * 0.125
+    axf_slot_put(x, _ns_off[_NS_LAT], PyFloat_FromDouble(lat))
+    if <long long>_slot_obj(x, _ns_off[_NS_NBYTES]) <= _ns_spin_max:
+        budget = <long long>(lat * 2e6)
+        axf_slot_put(x, _ns_off[_NS_BUDGET],
+                     budget if budget < _ns_alone_max_us else _ns_alone_max_us)
+    return 0
+
+
+cdef int _ns_spin_outcome(object x, bint soon) except -1:
+    """_spin_outcome: whether ``x``'s post completed within _SPIN_KEEP
+    spins of its post."""
+    cdef long slow
+    if soon:
+        axf_slot_put(x, _ns_off[_NS_SPIN], True)
+        axf_slot_put(x, _ns_off[_NS_SLOW], 0)
+        return 0
+    slow = _slot_obj(x, _ns_off[_NS_SLOW])
+    if slow < _ns_spin_misses:
+        slow += 1
+        axf_slot_put(x, _ns_off[_NS_SLOW], slow)
+        if slow == _ns_spin_misses:
+            axf_slot_put(x, _ns_off[_NS_SPIN], False)
+            axf_slot_put(x, _ns_off[_NS_SKIPPED], 0)
+    return 0
+
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int ppoll(pollfd *fds, unsigned long nfds, const timespec *tmo, const void *sigmask)
+    enum:
+        POLLIN
+        POLLNVAL
+
+from cpython.exc cimport PyErr_CheckSignals
+
+cdef extern from "<errno.h>" nogil:
+    int errno
+    enum:
+        EINTR
+
+
+cdef int _ns_sleep(int fd, double timeout) except -2:
+    """select.select([fd], [], [], timeout) without the GIL: 1 when fd is
+    readable, 0 when the timeout ran out, -1 when fd is not open (select's
+    OSError / ValueError); a signal handler's exception raised (as select's
+    retry after EINTR, PEP 475)."""
+    cdef pollfd p
+    cdef timespec ts
+    cdef double end = _perf_counter() + timeout, left = timeout
+    cdef int r, e
+    if fd < 0:
+        return -1
+    p.fd = fd
+    p.events = POLLIN
+    while True:
+        if left < 0.0:
+            left = 0.0
+        ts.tv_sec = <long>left
+        ts.tv_nsec = <long>((left - <double>ts.tv_sec) * 1e9)
+        p.revents = 0
+        with nogil:
+            r = ppoll(&p, 1, &ts, NULL)
+            e = errno
+        if r >= 0:
+            if r and (p.revents & POLLNVAL):
+                return -1
+            return 1 if r else 0
+        if e != EINTR:
+            return -1
+        PyErr_CheckSignals()  # (a handler's exception raised)
+        left = end - _perf_counter()
+
+
+cdef int _ns_slept(object agent, NixlCache n, object x, object fd, bint claimed, object c,
+                   long long spin_us) except -1:
+    """nixlAgent._wait_sleep, compiled, for nixl_state: after a spin
+    that did not catch (the claim held, the lock released), a sleep on the
+    engine's fd (at most _ENGINE_WAIT, the GIL released), then, under the
+    lock, the agent's poll (before the loop thread may watch the fd again)
+    and the claim's release; then the spin bookkeeping."""
+    cdef int got = -1
+    cdef double woke = 0.0, took
+    cdef object rt = n.rt
+    cdef PyObject *v
+    try:
+        got = _ns_sleep(fd, _ns_engine_wait)
+        woke = _perf_counter()
+    finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
+        _lock_acquire(n.lock, True)
+        try:
+            if _nx_field(agent, "_agent") is n.agent and not n.agent.closed:
+                n.drain()
+        finally:
+            try:
+                if claimed:
+                    v = PyDict_GetItem(n.claims, fd)
+                    _ns_release(n, fd, c if (c is not None and v == <PyObject *>c) else None)
+            finally:
+                if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
+                    rt.leave()
+                else:
+                    _lock_release(n.lock)
+    if spin_us and got >= 0:
+        # Spun for next time if it completed soon after a spin would have
+        # ended; late if the wait ran out; neither if what woke this thread
+        # was another completion (the next wait tells).
+        if not got:
+            _ns_spin_outcome(x, False)
+        elif _fut_state(_slot_obj(x, _ns_off[_NS_FUT])):
+            took = woke - <double>_slot_obj(x, _ns_off[_NS_T0])
+            _ns_note_latency(x, took)
+            _ns_spin_outcome(x, took < _ns_spin_keep * spin_us * 1e-6)
+    return 0
+
+
+def nixl_consts_reset():
+    """Forgets the constants nixl_state read of a nixlAgent class (its
+    ``_nx_consts``, read once per class): the next check reads them again
+    (for a test that patches them)."""
+    global _ns_cls
+    _ns_cls = None
 
 
 cdef bint _ns_spin_wanted(object x) except -1:

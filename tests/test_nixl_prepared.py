@@ -305,3 +305,69 @@ def test_nixl_tight_checks_go_through_the_compiled_path_with_the_python_states(
     finally:
         for ag in made:
             ag.close()
+
+
+def test_nixl_sleeping_checks_go_through_the_compiled_path(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In "sleep" progress a tight check does not spin: it sleeps on the
+    engine's fd it claimed (_cyx.nixl_state's compiled sleep, no Python frame
+    of the binding), takes the completion, and leaves the claim lingering
+    (not held) for the next check; no spin bookkeeping."""
+    import ctypes
+    import sys
+
+    from aioxfer.nixl import _bindings
+    from aioxfer.nixl._runtime import runtime
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")  # (a completion from the engine)
+    monkeypatch.setenv("AIOXFER_NIXL_PROGRESS", "sleep")
+    made, xs, ys, _, name = _nixl_pair(f"slept-{tmp_path.name}")
+    a, b = made
+    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
+    try:
+        ba = a.agent
+        assert ba._spin_us == 0 and not ba._spin_only
+        m = 1 << 15
+        h = a.initialize_xfer("WRITE", a.get_xfer_descs([(xa, m, 0)], "DRAM"),
+                              a.get_xfer_descs([(ya, m, 0)], "DRAM"), name)
+        frames: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_filename == _bindings.__file__:
+                frames.append(frame.f_code.co_name)
+
+        looks: list[bool] = []
+        wait_poll = ba._wait_poll
+
+        def counted_wait_poll(max_us: int) -> bool:  # (a frame of this file, not the binding's)
+            looks.append(wait_poll(max_us))
+            return looks[-1]
+
+        monkeypatch.setattr(ba, "_wait_poll", counted_wait_poll)
+        monkeypatch.setattr(ba, "_ns", ba._nixl_cache())  # (xferState's resolved fields)
+        slept = 0  # requests a check slept for (a look found nothing) without a binding frame
+        for i in range(200):
+            xs[0:m] = bytes([i]) * m
+            st = a.transfer(h)
+            frames.clear()
+            looks.clear()
+            sys.setprofile(profile)
+            try:
+                while st == "PROC":
+                    st = a.check_xfer_state(h)
+            finally:
+                sys.setprofile(None)
+            assert st == "DONE" and ys[0:m] == bytes([i]) * m
+            slept += not frames and False in looks
+            if slept >= 5:
+                break
+        assert slept >= 5
+        x = ba._xfers[h._handle]
+        assert x.lat == 0.0 and x.budget == 0 and x.spin is True  # (nothing spun)
+        with runtime().locked():
+            c = runtime().selector._claims.get(ba._fd)
+            assert c is None or c.active == 0  # lingering or given back, not held
+        h.release()
+    finally:
+        for ag in made:
+            ag.close()

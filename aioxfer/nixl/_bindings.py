@@ -2413,12 +2413,13 @@ class nixlAgent:
     # it as its ``check_xfer_state``. Compiled (_cyx.nixl_state): a tight
     # poll of a request of one aioxfer call, its spin and the catch's
     # bookkeeping, without a Python frame (~3 µs of Python per request: the
-    # gap to a coroutine's await); a spin that did not catch goes on to
-    # _state_slept, anything else to _state_py, which does all.
+    # gap to a coroutine's await), and a spin that did not catch then sleeps
+    # on the engine's fd (_wait_sleep's, compiled); anything else goes to
+    # _state_py, which does all.
     xferState = _cyx.nixl_state
     # What _cyx.nixl_state reads of this module, once per class.
     _nx_consts = (Transfer, _TIGHT_POLL, float(_SPIN_KEEP), _SPIN_MISSES, _SPIN_PROBE,
-                  _LINGER, SPIN_ALONE_MAX, ALONE_MAX_US)
+                  _LINGER, SPIN_ALONE_MAX, ALONE_MAX_US, _ENGINE_WAIT)
 
     def _nixl_cache(self) -> _cyx.NixlCache:
         """What xferState reads of this agent's fields per check (the
@@ -2608,14 +2609,6 @@ class nixlAgent:
             else:
                 rt.lock.release()
         self._wait_sleep(agent, fd, claimed, timeout, x, spin_us)
-
-    def _state_slept(self, x: _Xfer, fut: asyncio.Future[Any], agent: aioxfer.Agent, fd: int,
-                     claimed: bool, spin_us: int) -> str:
-        """_cyx.nixl_state's tight poll after a spin that did not catch (the
-        claim held, the lock released): the sleep of _wait_completion, then
-        the rest of _state_py's."""
-        self._wait_sleep(agent, fd, claimed, _ENGINE_WAIT, x, spin_us)
-        return self._state_at(x, fut, _perf_counter())
 
     def _wait_sleep(self, agent: aioxfer.Agent, fd: int, claimed: bool, timeout: float,
                     x: _Xfer | None, spin_us: int) -> None:
