@@ -497,7 +497,8 @@ def nixl_transfer(agent, handle, notif_msg=b""):
                 axf_slot_put(x, _nx_off[_NX_FUT], fut)
                 # (The agent's flush, scheduled: nothing left for it.)
                 axf_slot_put(rt, _nr_off[_NR_FOREIGN], False)
-                axf_slot_put(x, _nx_off[_NX_LAST_POLL], t0)
+                # The caller's last call ended now (see _transfer_py).
+                axf_slot_put(x, _nx_off[_NX_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
     finally:
         if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
             rt.leave()  # wakes the loop for what the section scheduled

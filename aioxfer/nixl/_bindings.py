@@ -2164,7 +2164,7 @@ class nixlAgent:
             # post: a large tcp request's post sends on this thread for
             # milliseconds, and stamped after it, its completion would look
             # soon and keep the poller spinning; CI caught that.)
-            x.t0 = t0 = _perf_counter()
+            x.t0 = _perf_counter()
             prep = x.prep
             try:
                 if prep is not None:
@@ -2182,7 +2182,11 @@ class nixlAgent:
                 self._count_exc(err)
                 raise err from None
             rt._foreign = False  # (the agent's flush, scheduled: nothing left for it)
-            x.last_poll = t0
+            # A check right after this call is a tight poll (a long post,
+            # 256 tcp descriptors or 16 MiB sent from this thread, stamped
+            # from its start, made the first check a mere look: PROC, and
+            # one more call before the wait).
+            x.last_poll = _perf_counter()
         finally:
             if rt._foreign:
                 rt.leave()  # wakes the loop for what the section scheduled
@@ -2274,9 +2278,9 @@ class nixlAgent:
                 err = _from_xfer_error(exc, "postXferReq")
                 self._count_exc(err)
                 raise err from None
+            x.last_poll = now = time.perf_counter()  # (see _transfer_py)
             if telemetry:
-                x.post_s = time.perf_counter() - t0
-            x.last_poll = t0
+                x.post_s = now - t0
         finally:
             if rt._foreign:
                 rt.leave()  # wakes the loop for what the section scheduled
