@@ -39,6 +39,7 @@ cdef class Prepared:
     cdef Py_ssize_t _lr_closed  # slot offsets; -1: not the one-pair path
     cdef Py_ssize_t _rr_gone
     cdef Submitter _submitter  # submit and flush are its own (else None): called directly
+    cdef object _starts  # a vector pair's merged descriptors' first indices (or None)
 
     def __cinit__(self, agent, op, local, remote, slow, submit, flush, peer, opcode, descs,
                   nbytes, int priority, lr, rr):
@@ -58,11 +59,35 @@ cdef class Prepared:
         self._rr = rr
         self._lr_closed = self._rr_gone = -1
         self._submitter = _submitter_behind(submit, flush)
+        if descs is None and peer is None and lr is None and rr is None:
+            lr, rr = self._vectors(agent)
+            self._lr, self._rr = lr, rr
         if lr is not None and rr is not None and type(nbytes) is int:
             self._lr_closed = axf_slot_offset(type(lr), axf_type_lookup(type(lr), "_closed"))
             self._rr_gone = axf_slot_offset(type(rr), axf_type_lookup(type(rr), "_gone"))
             if self._lr_closed < 0 or self._rr_gone < 0:
                 self._lr_closed = self._rr_gone = -1
+
+    cdef tuple _vectors(self, object agent):
+        """A pair of two SegmentLists (a local Region's, a peer's
+        RemoteRegion's: what aioxfer.nixl prepares for a request of several
+        descriptors): its descriptors made now, once, as write/read make them
+        on each call (from_vectors, then coalesce), so that a post is one
+        compiled call too; (local region, remote region), or (None, None):
+        posted through write/read (anything else, or a pair they refuse)."""
+        from aioxfer.descriptors import SegmentList, coalesce, from_vectors
+        local, remote = self.local, self.remote
+        if type(local) is not SegmentList or type(remote) is not SegmentList:
+            return None, None
+        try:
+            peer, descs, nbytes = from_vectors(local, remote, owner=agent)
+        except Exception:  # (refused: the post raises what write/read raise)
+            return None, None
+        if peer.path == "cuda" or nbytes != self.nbytes:  # (cuda: its transfers carry their path)
+            return None, None
+        self._descs, self._starts = coalesce(descs)
+        self._peer = peer
+        return local.region, remote.region
 
     def post(self, bint now=False):
         return self._post(now)
@@ -78,6 +103,15 @@ cdef class Prepared:
                     and <object>gone is False
                     and (self._submitter._sub_open() if self._submitter is not None
                          else self._agent._closed is False)):
+                if self._starts is not None:
+                    # (Merged descriptors: the request's first indices set
+                    # before it can complete, as write/read set them.)
+                    t = self._submit(self._peer, self._opcode, self._descs, None, self.nbytes,
+                                     self.op, self.priority)
+                    t._starts = self._starts
+                    if now:
+                        self._flush()
+                    return t
                 if self._submitter is not None:
                     if now:
                         return self._submitter._submit_now(self._peer, self._opcode,
