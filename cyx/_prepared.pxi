@@ -559,8 +559,11 @@ def nixl_transfer(agent, handle, notif_msg=b""):
 # (wait_poll) of the budget _wait_completion picks, the catch's bookkeeping
 # (_note_latency, _spin_outcome), the claim and the lock released. A spin
 # that did not catch then sleeps on the engine's fd as _wait_sleep does
-# (_ns_slept), without spinning again; anything else (not a tight poll, a
-# request of several parts, the lock busy) goes to _state_py, which does all.
+# (_ns_slept), without spinning again. A request of several parts
+# (nixlAgent._post) is waited for the same way, its parts' data, then moved
+# on by the agent's _advance (which sends its notification after the data).
+# Anything else (not a tight poll, a notification being sent, the lock busy)
+# goes to _state_py, which does all.
 
 cdef enum:
     _NS_FUT = 0
@@ -572,9 +575,12 @@ cdef enum:
     _NS_LAT = 6
     _NS_BUDGET = 7
     _NS_NBYTES = 8
-    _NS_FIELDS = 9
+    _NS_PARTS = 9
+    _NS_NOTIFYING = 10
+    _NS_FIELDS = 11
 
-_NS_NAMES = ("fut", "last_poll", "t0", "spin", "slow", "skipped", "lat", "budget", "nbytes")
+_NS_NAMES = ("fut", "last_poll", "t0", "spin", "slow", "skipped", "lat", "budget", "nbytes",
+             "parts", "notifying")
 
 cdef object _ns_type = None  # the request type _ns_off is of
 cdef bint _ns_ok = False
@@ -712,6 +718,7 @@ def nixl_state(agent, handle):
     cdef long slow, skipped
     cdef bint claimed, caught, spun
     cdef tuple consts
+    cdef object parts = None  # a request of several parts: their Transfers
     if type(agent) is not _ns_cls:
         consts = type(agent)._nx_consts
         (_ns_transfer, _ns_tight_poll, _ns_spin_keep, _ns_spin_misses, _ns_spin_probe,
@@ -728,7 +735,14 @@ def nixl_state(agent, handle):
         return agent._state_py(handle)
     fut = _slot_obj(x, _ns_off[_NS_FUT])
     if type(fut) is not _ns_transfer:
-        return agent._state_py(handle)
+        # A request of several aioxfer calls (nixlAgent._post): its parts'
+        # data waited for as one request's, then moved on (_advance, which
+        # sends its notification after them); while that is being sent,
+        # and anything else, _state_py's.
+        parts = _slot_obj(x, _ns_off[_NS_PARTS])
+        if (type(fut) is not _Future or type(parts) is not list or not parts
+                or _slot_obj(x, _ns_off[_NS_NOTIFYING]) is not False):
+            return agent._state_py(handle)
     nso = _nx_field(agent, "_ns")
     if _fut_state(fut):
         return _ns_done(agent, x, fut, nso)
@@ -750,8 +764,10 @@ def nixl_state(agent, handle):
         return agent._state_py(handle)  # (it yields to the loop thread)
     spun = False
     try:
-        if _fut_state(fut):  # (_wait_completion's ready())
+        if _ns_data_done(fut, parts):  # (_wait_completion's ready())
             spun = True
+            if parts is not None:
+                agent._advance(x, fut)
         else:
             fd = n.fd
             sel = n.sel
@@ -788,13 +804,18 @@ def nixl_state(agent, handle):
                 if claimed:
                     sel.release(fd, _ns_linger)
                 raise
-            if caught and us != 0 and _fut_state(fut):
-                # (_wait_completion's bookkeeping of a catch, inline.)
-                took = _perf_counter() - <double>_slot_obj(x, _ns_off[_NS_T0])
-                _ns_note_latency(x, took)
-                _ns_spin_outcome(x, took < _ns_spin_keep * spin_us * 1e-6)
+            if caught and _ns_data_done(fut, parts):
+                if us != 0:
+                    # (_wait_completion's bookkeeping of a catch, inline.)
+                    took = _perf_counter() - <double>_slot_obj(x, _ns_off[_NS_T0])
+                    _ns_note_latency(x, took)
+                    _ns_spin_outcome(x, took < _ns_spin_keep * spin_us * 1e-6)
             if spun and claimed:
                 _ns_release(n, fd, c)
+            if caught and parts is not None and _ns_data_done(fut, parts):
+                # (After the claim's release: a notification it sends
+                # expires the lingering claims, for the loop thread.)
+                agent._advance(x, fut)
     finally:
         if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
             rt.leave()
@@ -803,7 +824,7 @@ def nixl_state(agent, handle):
     if not spun:
         # Neither caught nor spun for in "poll" progress: the sleep, as
         # _wait_completion's, then the rest of the state (no second spin).
-        _ns_slept(agent, n, x, fd, claimed, c, spin_us)
+        _ns_slept(agent, n, x, fut, parts, fd, claimed, c, spin_us)
     axf_slot_put(x, _ns_off[_NS_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
     if _fut_state(fut):
         return _ns_done(agent, x, fut, nso)
@@ -892,8 +913,19 @@ cdef int _ns_sleep(int fd, double timeout) except -2:
         left = end - _perf_counter()
 
 
-cdef int _ns_slept(object agent, NixlCache n, object x, object fd, bint claimed, object c,
-                   long long spin_us) except -1:
+cdef bint _ns_data_done(object fut, object parts) except -1:
+    """_data_done: whether the request's data moved (the Transfer ``fut``
+    done, or each of its ``parts``)."""
+    if parts is None:
+        return _fut_state(fut) != 0
+    for p in <list>parts:
+        if not _fut_state(p):
+            return False
+    return True
+
+
+cdef int _ns_slept(object agent, NixlCache n, object x, object fut, object parts, object fd,
+                   bint claimed, object c, long long spin_us) except -1:
     """nixlAgent._wait_sleep, compiled, for nixl_state: after a spin
     that did not catch (the claim held, the lock released), a sleep on the
     engine's fd (at most _ENGINE_WAIT, the GIL released), then, under the
@@ -909,25 +941,29 @@ cdef int _ns_slept(object agent, NixlCache n, object x, object fd, bint claimed,
     finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
         _lock_acquire(n.lock, True)
         try:
-            if _nx_field(agent, "_agent") is n.agent and not n.agent.closed:
-                n.drain()
-        finally:
             try:
+                if _nx_field(agent, "_agent") is n.agent and not n.agent.closed:
+                    n.drain()
+            finally:
                 if claimed:
                     v = PyDict_GetItem(n.claims, fd)
                     _ns_release(n, fd, c if (c is not None and v == <PyObject *>c) else None)
-            finally:
-                if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
-                    rt.leave()
-                else:
-                    _lock_release(n.lock)
+            if parts is not None and _ns_data_done(fut, parts):
+                # (What _state_py does after its wait; after the claim's
+                # release: a notification it sends expires lingering claims.)
+                agent._advance(x, fut)
+        finally:
+            if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
+                rt.leave()
+            else:
+                _lock_release(n.lock)
     if spin_us and got >= 0:
         # Spun for next time if it completed soon after a spin would have
         # ended; late if the wait ran out; neither if what woke this thread
         # was another completion (the next wait tells).
         if not got:
             _ns_spin_outcome(x, False)
-        elif _fut_state(_slot_obj(x, _ns_off[_NS_FUT])):
+        elif _ns_data_done(fut, parts):
             took = woke - <double>_slot_obj(x, _ns_off[_NS_T0])
             _ns_note_latency(x, took)
             _ns_spin_outcome(x, took < _ns_spin_keep * spin_us * 1e-6)
