@@ -464,22 +464,34 @@ cdef inline object _nx_field(object agent, str name):
     return getattr(agent, name)
 
 
-cdef PyObject *_nx_request(object agent, object handle) except? NULL:
-    """agent._xfers.get(handle._handle) (borrowed: the caller holds the
-    agent), NULL when absent or when _xfers is not a dict."""
-    global _na_type, _na_dict, _nh_type, _nh_off
-    cdef PyObject *v
+cdef inline int _na_types(object agent) except -1:
+    global _na_type, _na_dict
     if type(agent) is not _na_type:
         _na_dict = (axf_type_lookup(type(agent), "_xfers") == NULL
-                    and axf_type_lookup(type(agent), "_rt") == NULL)
+                    and axf_type_lookup(type(agent), "_rt") == NULL
+                    and axf_type_lookup(type(agent), "_ns") == NULL)
         _na_type = type(agent)
+    return 0
+
+
+cdef PyObject *_nx_in(object xfers, object handle) except? NULL:
+    """xfers.get(handle._handle) (borrowed: the caller holds the agent, whose
+    dict it is), NULL when absent or when xfers is not a dict."""
+    global _nh_type, _nh_off
+    cdef PyObject *v
     if type(handle) is not _nh_type:
         _nh_off = axf_slot_offset(type(handle), axf_type_lookup(type(handle), "_handle"))
         _nh_type = type(handle)
     v = axf_slot_ptr(handle, _nh_off) if _nh_off >= 0 else NULL
     number = <object>v if v != NULL else handle._handle
-    xfers = _nx_field(agent, "_xfers")
     return PyDict_GetItem(xfers, number) if type(xfers) is dict else NULL
+
+
+cdef PyObject *_nx_request(object agent, object handle) except? NULL:
+    """agent._xfers.get(handle._handle) (borrowed), NULL when absent or when
+    _xfers is not a dict."""
+    _na_types(agent)
+    return _nx_in(_nx_field(agent, "_xfers"), handle)
 
 
 def nixl_transfer(agent, handle, notif_msg=b""):
@@ -487,20 +499,28 @@ def nixl_transfer(agent, handle, notif_msg=b""):
     nixlAgent): ``transfer(handle, notif_msg)``, "DONE" or "PROC"."""
     global _nx_type, _nx_ok, _nr_type, _nr_ok
     cdef PyObject *v
-    cdef object x, prep, rt, lock, fut, rem, t0
+    cdef object x, prep, rt, lock, fut, rem, t0, nso
     cdef object err = None
     cdef bint punt = False
     cdef int st
     if notif_msg:
         return agent._transfer_py(handle, notif_msg)
-    v = _nx_request(agent, handle)
+    # (The agent's _xfers and _rt through its NixlCache, when started: one
+    # field read rather than two.)
+    _na_types(agent)
+    nso = _nx_field(agent, "_ns")
+    if type(nso) is NixlCache:
+        v = _nx_in((<NixlCache>nso).xfers, handle)
+        rt = (<NixlCache>nso).rt
+    else:
+        v = _nx_request(agent, handle)
+        rt = _nx_field(agent, "_rt")
     if v == NULL:
         return agent._transfer_py(handle, notif_msg)
     x = <object>v
     if type(x) is not _nx_type:
         _nx_ok = _offsets(type(x), _NX_NAMES, _nx_off, _NX_FIELDS)
         _nx_type = type(x)
-    rt = _nx_field(agent, "_rt")
     if type(rt) is not _nr_type:
         _nr_ok = _offsets(type(rt), _NR_NAMES, _nr_off, _NR_FIELDS)
         _nr_type = type(rt)
@@ -617,8 +637,8 @@ cdef class NixlCache:
     check, resolved once (the nixlAgent's ``_ns``, made from its fields when
     its aioxfer agent starts, None again when it closes; remade by whoever
     changes one): the aioxfer agent, its engine, its poll and wait_poll, the
-    runtime, its lock and selector (its claims), the engine's fd and the spin
-    the agent's progress mode picks. Each would otherwise be an attribute
+    runtime, its lock and selector (its claims), the engine's fd, the spin
+    the agent's progress mode picks, and its requests (_xfers). Each would otherwise be an attribute
     read of a plain instance per check (~180 instructions each, the type's
     lookup first). A wait_poll that is the agent's own (Agent.wait_poll,
     agent_wait_poll bound to it) is done inline."""
@@ -633,9 +653,10 @@ cdef class NixlCache:
     cdef bint spin_only
     cdef bint tel_events  # the nixlAgent's _tel_events (set before its agent starts)
     cdef bint sel_dict  # the selector's sleep_until read from its __dict__
+    cdef object xfers  # the nixlAgent's _xfers (its requests by number: never rebound)
 
     def __cinit__(self, agent, rt, fd, long long spin_us, bint spin_only, poll, wait_poll,
-                  bint tel_events):
+                  bint tel_events, xfers):
         engine = agent._engine
         if type(engine) is not Engine:
             raise TypeError(f"{agent!r}._engine is not an Engine")
@@ -663,6 +684,9 @@ cdef class NixlCache:
         self.spin_us = spin_us
         self.spin_only = spin_only
         self.tel_events = tel_events
+        if type(xfers) is not dict:
+            raise TypeError("the requests are not a dict")
+        self.xfers = xfers
         self.sel_dict = axf_type_lookup(type(self.sel), "sleep_until") == NULL
 
 
@@ -724,7 +748,10 @@ def nixl_state(agent, handle):
         (_ns_transfer, _ns_tight_poll, _ns_spin_keep, _ns_spin_misses, _ns_spin_probe,
          _ns_linger, _ns_spin_max, _ns_alone_max_us, _ns_engine_wait) = consts
         _ns_cls = type(agent)
-    v = _nx_request(agent, handle)
+    _na_types(agent)
+    nso = _nx_field(agent, "_ns")
+    v = (_nx_in((<NixlCache>nso).xfers, handle) if type(nso) is NixlCache
+         else _nx_request(agent, handle))
     if v == NULL:
         return agent._state_py(handle)
     x = <object>v
@@ -743,7 +770,6 @@ def nixl_state(agent, handle):
         if (type(fut) is not _Future or type(parts) is not list or not parts
                 or _slot_obj(x, _ns_off[_NS_NOTIFYING]) is not False):
             return agent._state_py(handle)
-    nso = _nx_field(agent, "_ns")
     if _fut_state(fut):
         return _ns_done(agent, x, fut, nso)
     f2 = _slot_obj(x, _ns_off[_NS_LAST_POLL])

@@ -2431,7 +2431,7 @@ class nixlAgent:
         whatever changes one of those fields.)"""
         assert self._agent is not None
         return _cyx.NixlCache(self._agent, self._rt, self._fd, self._spin_us, self._spin_only,
-                              self._poll_fn, self._wait_poll, self._tel_events)
+                              self._poll_fn, self._wait_poll, self._tel_events, self._xfers)
 
     def _state_py(self, handle: Any) -> str:
         """xferState in Python (what _cyx.nixl_state does for a tight poll
