@@ -494,6 +494,21 @@ cdef PyObject *_nx_request(object agent, object handle) except? NULL:
     return _nx_in(_nx_field(agent, "_xfers"), handle)
 
 
+cdef object _rm_type = None  # the remote type last seen
+cdef Py_ssize_t _rm_off = -1  # its gen slot
+
+
+cdef inline object _nx_gen(object rem):
+    """rem.gen (a _Remote: through its slot, not a generic attribute read)."""
+    global _rm_type, _rm_off
+    cdef PyObject *v
+    if type(rem) is not _rm_type:
+        _rm_off = axf_slot_offset(type(rem), axf_type_lookup(type(rem), "gen"))
+        _rm_type = type(rem)
+    v = axf_slot_ptr(rem, _rm_off) if _rm_off >= 0 else NULL
+    return <object>v if v != NULL else rem.gen
+
+
 def nixl_transfer(agent, handle, notif_msg=b""):
     """aioxfer.nixl's nixlAgent.xferTransfer (a method: bound to the
     nixlAgent): ``transfer(handle, notif_msg)``, "DONE" or "PROC"."""
@@ -536,7 +551,7 @@ def nixl_transfer(agent, handle, notif_msg=b""):
         rem = _slot_obj(x, _nx_off[_NX_REMOTE])
         if fut is not None and _fut_state(fut) == 0:
             punt = True  # (refused there: still in flight)
-        elif rem is not None and rem.gen != _slot_obj(x, _nx_off[_NX_GEN]):
+        elif rem is not None and _nx_gen(rem) != _slot_obj(x, _nx_off[_NX_GEN]):
             punt = True  # (refused there: removed or re-registered)
         else:
             # Stamped before the post (see _transfer_py).
