@@ -39,6 +39,7 @@ cdef class Prepared:
     cdef Py_ssize_t _lr_closed  # slot offsets; -1: not the one-pair path
     cdef Py_ssize_t _rr_gone
     cdef Submitter _submitter  # submit and flush are its own (else None): called directly
+    cdef object _starts  # a vector pair's merged descriptors' first indices (or None)
 
     def __cinit__(self, agent, op, local, remote, slow, submit, flush, peer, opcode, descs,
                   nbytes, int priority, lr, rr):
@@ -58,11 +59,35 @@ cdef class Prepared:
         self._rr = rr
         self._lr_closed = self._rr_gone = -1
         self._submitter = _submitter_behind(submit, flush)
+        if descs is None and peer is None and lr is None and rr is None:
+            lr, rr = self._vectors(agent)
+            self._lr, self._rr = lr, rr
         if lr is not None and rr is not None and type(nbytes) is int:
             self._lr_closed = axf_slot_offset(type(lr), axf_type_lookup(type(lr), "_closed"))
             self._rr_gone = axf_slot_offset(type(rr), axf_type_lookup(type(rr), "_gone"))
             if self._lr_closed < 0 or self._rr_gone < 0:
                 self._lr_closed = self._rr_gone = -1
+
+    cdef tuple _vectors(self, object agent):
+        """A pair of two SegmentLists (a local Region's, a peer's
+        RemoteRegion's: what aioxfer.nixl prepares for a request of several
+        descriptors): its descriptors made now, once, as write/read make them
+        on each call (from_vectors, then coalesce), so that a post is one
+        compiled call too; (local region, remote region), or (None, None):
+        posted through write/read (anything else, or a pair they refuse)."""
+        from aioxfer.descriptors import SegmentList, coalesce, from_vectors
+        local, remote = self.local, self.remote
+        if type(local) is not SegmentList or type(remote) is not SegmentList:
+            return None, None
+        try:
+            peer, descs, nbytes = from_vectors(local, remote, owner=agent)
+        except Exception:  # (refused: the post raises what write/read raise)
+            return None, None
+        if peer.path == "cuda" or nbytes != self.nbytes:  # (cuda: its transfers carry their path)
+            return None, None
+        self._descs, self._starts = coalesce(descs)
+        self._peer = peer
+        return local.region, remote.region
 
     def post(self, bint now=False):
         return self._post(now)
@@ -78,6 +103,15 @@ cdef class Prepared:
                     and <object>gone is False
                     and (self._submitter._sub_open() if self._submitter is not None
                          else self._agent._closed is False)):
+                if self._starts is not None:
+                    # (Merged descriptors: the request's first indices set
+                    # before it can complete, as write/read set them.)
+                    t = self._submit(self._peer, self._opcode, self._descs, None, self.nbytes,
+                                     self.op, self.priority)
+                    t._starts = self._starts
+                    if now:
+                        self._flush()
+                    return t
                 if self._submitter is not None:
                     if now:
                         return self._submitter._submit_now(self._peer, self._opcode,
@@ -430,22 +464,49 @@ cdef inline object _nx_field(object agent, str name):
     return getattr(agent, name)
 
 
-cdef PyObject *_nx_request(object agent, object handle) except? NULL:
-    """agent._xfers.get(handle._handle) (borrowed: the caller holds the
-    agent), NULL when absent or when _xfers is not a dict."""
-    global _na_type, _na_dict, _nh_type, _nh_off
-    cdef PyObject *v
+cdef inline int _na_types(object agent) except -1:
+    global _na_type, _na_dict
     if type(agent) is not _na_type:
         _na_dict = (axf_type_lookup(type(agent), "_xfers") == NULL
-                    and axf_type_lookup(type(agent), "_rt") == NULL)
+                    and axf_type_lookup(type(agent), "_rt") == NULL
+                    and axf_type_lookup(type(agent), "_ns") == NULL)
         _na_type = type(agent)
+    return 0
+
+
+cdef PyObject *_nx_in(object xfers, object handle) except? NULL:
+    """xfers.get(handle._handle) (borrowed: the caller holds the agent, whose
+    dict it is), NULL when absent or when xfers is not a dict."""
+    global _nh_type, _nh_off
+    cdef PyObject *v
     if type(handle) is not _nh_type:
         _nh_off = axf_slot_offset(type(handle), axf_type_lookup(type(handle), "_handle"))
         _nh_type = type(handle)
     v = axf_slot_ptr(handle, _nh_off) if _nh_off >= 0 else NULL
     number = <object>v if v != NULL else handle._handle
-    xfers = _nx_field(agent, "_xfers")
     return PyDict_GetItem(xfers, number) if type(xfers) is dict else NULL
+
+
+cdef PyObject *_nx_request(object agent, object handle) except? NULL:
+    """agent._xfers.get(handle._handle) (borrowed), NULL when absent or when
+    _xfers is not a dict."""
+    _na_types(agent)
+    return _nx_in(_nx_field(agent, "_xfers"), handle)
+
+
+cdef object _rm_type = None  # the remote type last seen
+cdef Py_ssize_t _rm_off = -1  # its gen slot
+
+
+cdef inline object _nx_gen(object rem):
+    """rem.gen (a _Remote: through its slot, not a generic attribute read)."""
+    global _rm_type, _rm_off
+    cdef PyObject *v
+    if type(rem) is not _rm_type:
+        _rm_off = axf_slot_offset(type(rem), axf_type_lookup(type(rem), "gen"))
+        _rm_type = type(rem)
+    v = axf_slot_ptr(rem, _rm_off) if _rm_off >= 0 else NULL
+    return <object>v if v != NULL else rem.gen
 
 
 def nixl_transfer(agent, handle, notif_msg=b""):
@@ -453,20 +514,28 @@ def nixl_transfer(agent, handle, notif_msg=b""):
     nixlAgent): ``transfer(handle, notif_msg)``, "DONE" or "PROC"."""
     global _nx_type, _nx_ok, _nr_type, _nr_ok
     cdef PyObject *v
-    cdef object x, prep, rt, lock, fut, rem, t0
+    cdef object x, prep, rt, lock, fut, rem, t0, nso
     cdef object err = None
     cdef bint punt = False
     cdef int st
     if notif_msg:
         return agent._transfer_py(handle, notif_msg)
-    v = _nx_request(agent, handle)
+    # (The agent's _xfers and _rt through its NixlCache, when started: one
+    # field read rather than two.)
+    _na_types(agent)
+    nso = _nx_field(agent, "_ns")
+    if type(nso) is NixlCache:
+        v = _nx_in((<NixlCache>nso).xfers, handle)
+        rt = (<NixlCache>nso).rt
+    else:
+        v = _nx_request(agent, handle)
+        rt = _nx_field(agent, "_rt")
     if v == NULL:
         return agent._transfer_py(handle, notif_msg)
     x = <object>v
     if type(x) is not _nx_type:
         _nx_ok = _offsets(type(x), _NX_NAMES, _nx_off, _NX_FIELDS)
         _nx_type = type(x)
-    rt = _nx_field(agent, "_rt")
     if type(rt) is not _nr_type:
         _nr_ok = _offsets(type(rt), _NR_NAMES, _nr_off, _NR_FIELDS)
         _nr_type = type(rt)
@@ -482,7 +551,7 @@ def nixl_transfer(agent, handle, notif_msg=b""):
         rem = _slot_obj(x, _nx_off[_NX_REMOTE])
         if fut is not None and _fut_state(fut) == 0:
             punt = True  # (refused there: still in flight)
-        elif rem is not None and rem.gen != _slot_obj(x, _nx_off[_NX_GEN]):
+        elif rem is not None and _nx_gen(rem) != _slot_obj(x, _nx_off[_NX_GEN]):
             punt = True  # (refused there: removed or re-registered)
         else:
             # Stamped before the post (see _transfer_py).
@@ -497,7 +566,8 @@ def nixl_transfer(agent, handle, notif_msg=b""):
                 axf_slot_put(x, _nx_off[_NX_FUT], fut)
                 # (The agent's flush, scheduled: nothing left for it.)
                 axf_slot_put(rt, _nr_off[_NR_FOREIGN], False)
-                axf_slot_put(x, _nx_off[_NX_LAST_POLL], t0)
+                # The caller's last call ended now (see _transfer_py).
+                axf_slot_put(x, _nx_off[_NX_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
     finally:
         if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
             rt.leave()  # wakes the loop for what the section scheduled
@@ -523,10 +593,12 @@ def nixl_transfer(agent, handle, notif_msg=b""):
 # the runtime lock taken without blocking, the engine's fd claimed, a spin
 # (wait_poll) of the budget _wait_completion picks, the catch's bookkeeping
 # (_note_latency, _spin_outcome), the claim and the lock released. A spin
-# that did not catch goes on to the agent's _state_slept (the sleep on the
-# fd and the rest), without spinning again; anything else (not a tight
-# poll, a request of several parts, the lock busy, a failure to raise) to
-# _state_py, which does all.
+# that did not catch then sleeps on the engine's fd as _wait_sleep does
+# (_ns_slept), without spinning again. A request of several parts
+# (nixlAgent._post) is waited for the same way, its parts' data, then moved
+# on by the agent's _advance (which sends its notification after the data).
+# Anything else (not a tight poll, a notification being sent, the lock busy)
+# goes to _state_py, which does all.
 
 cdef enum:
     _NS_FUT = 0
@@ -538,9 +610,12 @@ cdef enum:
     _NS_LAT = 6
     _NS_BUDGET = 7
     _NS_NBYTES = 8
-    _NS_FIELDS = 9
+    _NS_PARTS = 9
+    _NS_NOTIFYING = 10
+    _NS_FIELDS = 11
 
-_NS_NAMES = ("fut", "last_poll", "t0", "spin", "slow", "skipped", "lat", "budget", "nbytes")
+_NS_NAMES = ("fut", "last_poll", "t0", "spin", "slow", "skipped", "lat", "budget", "nbytes",
+             "parts", "notifying")
 
 cdef object _ns_type = None  # the request type _ns_off is of
 cdef bint _ns_ok = False
@@ -554,6 +629,7 @@ cdef long _ns_spin_probe = 0
 cdef object _ns_linger = None
 cdef long long _ns_spin_max = 0
 cdef long long _ns_alone_max_us = 0
+cdef double _ns_engine_wait = 0.0
 
 
 cdef inline object _ns_done(object agent, object x, object fut, object nso):
@@ -576,8 +652,8 @@ cdef class NixlCache:
     check, resolved once (the nixlAgent's ``_ns``, made from its fields when
     its aioxfer agent starts, None again when it closes; remade by whoever
     changes one): the aioxfer agent, its engine, its poll and wait_poll, the
-    runtime, its lock and selector (its claims), the engine's fd and the spin
-    the agent's progress mode picks. Each would otherwise be an attribute
+    runtime, its lock and selector (its claims), the engine's fd, the spin
+    the agent's progress mode picks, and its requests (_xfers). Each would otherwise be an attribute
     read of a plain instance per check (~180 instructions each, the type's
     lookup first). A wait_poll that is the agent's own (Agent.wait_poll,
     agent_wait_poll bound to it) is done inline."""
@@ -592,9 +668,10 @@ cdef class NixlCache:
     cdef bint spin_only
     cdef bint tel_events  # the nixlAgent's _tel_events (set before its agent starts)
     cdef bint sel_dict  # the selector's sleep_until read from its __dict__
+    cdef object xfers  # the nixlAgent's _xfers (its requests by number: never rebound)
 
     def __cinit__(self, agent, rt, fd, long long spin_us, bint spin_only, poll, wait_poll,
-                  bint tel_events):
+                  bint tel_events, xfers):
         engine = agent._engine
         if type(engine) is not Engine:
             raise TypeError(f"{agent!r}._engine is not an Engine")
@@ -622,6 +699,9 @@ cdef class NixlCache:
         self.spin_us = spin_us
         self.spin_only = spin_only
         self.tel_events = tel_events
+        if type(xfers) is not dict:
+            raise TypeError("the requests are not a dict")
+        self.xfers = xfers
         self.sel_dict = axf_type_lookup(type(self.sel), "sleep_until") == NULL
 
 
@@ -668,7 +748,7 @@ def nixl_state(agent, handle):
     nixlAgent): ``check_xfer_state(handle)``, "DONE" or "PROC"."""
     global _ns_type, _ns_ok, _ns_cls, _ns_transfer, _ns_tight_poll, _ns_spin_keep
     global _ns_spin_misses, _ns_spin_probe, _ns_linger, _ns_spin_max, _ns_alone_max_us
-    global _nr_type, _nr_ok
+    global _ns_engine_wait, _nr_type, _nr_ok
     cdef PyObject *v
     cdef object x, fut, rt, lock, sel, fd, f2, c, nso, active
     cdef NixlCache n
@@ -677,12 +757,16 @@ def nixl_state(agent, handle):
     cdef long slow, skipped
     cdef bint claimed, caught, spun
     cdef tuple consts
+    cdef object parts = None  # a request of several parts: their Transfers
     if type(agent) is not _ns_cls:
         consts = type(agent)._nx_consts
         (_ns_transfer, _ns_tight_poll, _ns_spin_keep, _ns_spin_misses, _ns_spin_probe,
-         _ns_linger, _ns_spin_max, _ns_alone_max_us) = consts
+         _ns_linger, _ns_spin_max, _ns_alone_max_us, _ns_engine_wait) = consts
         _ns_cls = type(agent)
-    v = _nx_request(agent, handle)
+    _na_types(agent)
+    nso = _nx_field(agent, "_ns")
+    v = (_nx_in((<NixlCache>nso).xfers, handle) if type(nso) is NixlCache
+         else _nx_request(agent, handle))
     if v == NULL:
         return agent._state_py(handle)
     x = <object>v
@@ -693,8 +777,14 @@ def nixl_state(agent, handle):
         return agent._state_py(handle)
     fut = _slot_obj(x, _ns_off[_NS_FUT])
     if type(fut) is not _ns_transfer:
-        return agent._state_py(handle)
-    nso = _nx_field(agent, "_ns")
+        # A request of several aioxfer calls (nixlAgent._post): its parts'
+        # data waited for as one request's, then moved on (_advance, which
+        # sends its notification after them); while that is being sent,
+        # and anything else, _state_py's.
+        parts = _slot_obj(x, _ns_off[_NS_PARTS])
+        if (type(fut) is not _Future or type(parts) is not list or not parts
+                or _slot_obj(x, _ns_off[_NS_NOTIFYING]) is not False):
+            return agent._state_py(handle)
     if _fut_state(fut):
         return _ns_done(agent, x, fut, nso)
     f2 = _slot_obj(x, _ns_off[_NS_LAST_POLL])
@@ -715,8 +805,10 @@ def nixl_state(agent, handle):
         return agent._state_py(handle)  # (it yields to the loop thread)
     spun = False
     try:
-        if _fut_state(fut):  # (_wait_completion's ready())
+        if _ns_data_done(fut, parts):  # (_wait_completion's ready())
             spun = True
+            if parts is not None:
+                agent._advance(x, fut)
         else:
             fd = n.fd
             sel = n.sel
@@ -753,29 +845,18 @@ def nixl_state(agent, handle):
                 if claimed:
                     sel.release(fd, _ns_linger)
                 raise
-            if caught and us != 0 and _fut_state(fut):
-                # (_wait_completion's bookkeeping of a catch, inline.)
-                took = _perf_counter() - <double>_slot_obj(x, _ns_off[_NS_T0])
-                lat = <double>_slot_obj(x, _ns_off[_NS_LAT])
-                lat = took if lat == 0.0 else lat + (took - lat) * 0.125
-                axf_slot_put(x, _ns_off[_NS_LAT], PyFloat_FromDouble(lat))
-                if <long long>_slot_obj(x, _ns_off[_NS_NBYTES]) <= _ns_spin_max:
-                    budget = <long long>(lat * 2e6)
-                    axf_slot_put(x, _ns_off[_NS_BUDGET],
-                                 budget if budget < _ns_alone_max_us else _ns_alone_max_us)
-                if took < _ns_spin_keep * spin_us * 1e-6:
-                    axf_slot_put(x, _ns_off[_NS_SPIN], True)
-                    axf_slot_put(x, _ns_off[_NS_SLOW], 0)
-                else:
-                    slow = _slot_obj(x, _ns_off[_NS_SLOW])
-                    if slow < _ns_spin_misses:
-                        slow += 1
-                        axf_slot_put(x, _ns_off[_NS_SLOW], slow)
-                        if slow == _ns_spin_misses:
-                            axf_slot_put(x, _ns_off[_NS_SPIN], False)
-                            axf_slot_put(x, _ns_off[_NS_SKIPPED], 0)
+            if caught and _ns_data_done(fut, parts):
+                if us != 0:
+                    # (_wait_completion's bookkeeping of a catch, inline.)
+                    took = _perf_counter() - <double>_slot_obj(x, _ns_off[_NS_T0])
+                    _ns_note_latency(x, took)
+                    _ns_spin_outcome(x, took < _ns_spin_keep * spin_us * 1e-6)
             if spun and claimed:
                 _ns_release(n, fd, c)
+            if caught and parts is not None and _ns_data_done(fut, parts):
+                # (After the claim's release: a notification it sends
+                # expires the lingering claims, for the loop thread.)
+                agent._advance(x, fut)
     finally:
         if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
             rt.leave()
@@ -784,11 +865,158 @@ def nixl_state(agent, handle):
     if not spun:
         # Neither caught nor spun for in "poll" progress: the sleep, as
         # _wait_completion's, then the rest of the state (no second spin).
-        return agent._state_slept(x, fut, n.agent, fd, claimed, spin_us)
+        _ns_slept(agent, n, x, fut, parts, fd, claimed, c, spin_us)
     axf_slot_put(x, _ns_off[_NS_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
     if _fut_state(fut):
         return _ns_done(agent, x, fut, nso)
     return "PROC"
+
+
+cdef int _ns_note_latency(object x, double took) except -1:
+    """_note_latency: ``x``'s average time to completion, and for a small
+    request the budget a tight poller spins for it."""
+    cdef long long budget
+    cdef double lat = <double>_slot_obj(x, _ns_off[_NS_LAT])
+    lat = took if lat == 0.0 else lat + (took - lat) * 0.125
+    axf_slot_put(x, _ns_off[_NS_LAT], PyFloat_FromDouble(lat))
+    if <long long>_slot_obj(x, _ns_off[_NS_NBYTES]) <= _ns_spin_max:
+        budget = <long long>(lat * 2e6)
+        axf_slot_put(x, _ns_off[_NS_BUDGET],
+                     budget if budget < _ns_alone_max_us else _ns_alone_max_us)
+    return 0
+
+
+cdef int _ns_spin_outcome(object x, bint soon) except -1:
+    """_spin_outcome: whether ``x``'s post completed within _SPIN_KEEP
+    spins of its post."""
+    cdef long slow
+    if soon:
+        axf_slot_put(x, _ns_off[_NS_SPIN], True)
+        axf_slot_put(x, _ns_off[_NS_SLOW], 0)
+        return 0
+    slow = _slot_obj(x, _ns_off[_NS_SLOW])
+    if slow < _ns_spin_misses:
+        slow += 1
+        axf_slot_put(x, _ns_off[_NS_SLOW], slow)
+        if slow == _ns_spin_misses:
+            axf_slot_put(x, _ns_off[_NS_SPIN], False)
+            axf_slot_put(x, _ns_off[_NS_SKIPPED], 0)
+    return 0
+
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int ppoll(pollfd *fds, unsigned long nfds, const timespec *tmo, const void *sigmask)
+    enum:
+        POLLIN
+        POLLNVAL
+
+from cpython.exc cimport PyErr_CheckSignals
+
+cdef extern from "<errno.h>" nogil:
+    int errno
+    enum:
+        EINTR
+
+
+cdef int _ns_sleep(int fd, double timeout) except -2:
+    """select.select([fd], [], [], timeout) without the GIL: 1 when fd is
+    readable, 0 when the timeout ran out, -1 when fd is not open (select's
+    OSError / ValueError); a signal handler's exception raised (as select's
+    retry after EINTR, PEP 475)."""
+    cdef pollfd p
+    cdef timespec ts
+    cdef double end = _perf_counter() + timeout, left = timeout
+    cdef int r, e
+    if fd < 0:
+        return -1
+    p.fd = fd
+    p.events = POLLIN
+    while True:
+        if left < 0.0:
+            left = 0.0
+        ts.tv_sec = <long>left
+        ts.tv_nsec = <long>((left - <double>ts.tv_sec) * 1e9)
+        p.revents = 0
+        with nogil:
+            r = ppoll(&p, 1, &ts, NULL)
+            e = errno
+        if r >= 0:
+            if r and (p.revents & POLLNVAL):
+                return -1
+            return 1 if r else 0
+        if e != EINTR:
+            return -1
+        PyErr_CheckSignals()  # (a handler's exception raised)
+        left = end - _perf_counter()
+
+
+cdef bint _ns_data_done(object fut, object parts) except -1:
+    """_data_done: whether the request's data moved (the Transfer ``fut``
+    done, or each of its ``parts``)."""
+    if parts is None:
+        return _fut_state(fut) != 0
+    for p in <list>parts:
+        if not _fut_state(p):
+            return False
+    return True
+
+
+cdef int _ns_slept(object agent, NixlCache n, object x, object fut, object parts, object fd,
+                   bint claimed, object c, long long spin_us) except -1:
+    """nixlAgent._wait_sleep, compiled, for nixl_state: after a spin
+    that did not catch (the claim held, the lock released), a sleep on the
+    engine's fd (at most _ENGINE_WAIT, the GIL released), then, under the
+    lock, the agent's poll (before the loop thread may watch the fd again)
+    and the claim's release; then the spin bookkeeping."""
+    cdef int got = -1
+    cdef double woke = 0.0, took
+    cdef object rt = n.rt
+    cdef PyObject *v
+    try:
+        got = _ns_sleep(fd, _ns_engine_wait)
+        woke = _perf_counter()
+    finally:  # also on KeyboardInterrupt: the loop thread must get its fd back
+        _lock_acquire(n.lock, True)
+        try:
+            try:
+                if _nx_field(agent, "_agent") is n.agent and not n.agent.closed:
+                    n.drain()
+            finally:
+                if claimed:
+                    v = PyDict_GetItem(n.claims, fd)
+                    _ns_release(n, fd, c if (c is not None and v == <PyObject *>c) else None)
+            if parts is not None and _ns_data_done(fut, parts):
+                # (What _state_py does after its wait; after the claim's
+                # release: a notification it sends expires lingering claims.)
+                agent._advance(x, fut)
+        finally:
+            if _slot_obj(rt, _nr_off[_NR_FOREIGN]) is True:
+                rt.leave()
+            else:
+                _lock_release(n.lock)
+    if spin_us and got >= 0:
+        # Spun for next time if it completed soon after a spin would have
+        # ended; late if the wait ran out; neither if what woke this thread
+        # was another completion (the next wait tells).
+        if not got:
+            _ns_spin_outcome(x, False)
+        elif _ns_data_done(fut, parts):
+            took = woke - <double>_slot_obj(x, _ns_off[_NS_T0])
+            _ns_note_latency(x, took)
+            _ns_spin_outcome(x, took < _ns_spin_keep * spin_us * 1e-6)
+    return 0
+
+
+def nixl_consts_reset():
+    """Forgets the constants nixl_state read of a nixlAgent class (its
+    ``_nx_consts``, read once per class): the next check reads them again
+    (for a test that patches them)."""
+    global _ns_cls
+    _ns_cls = None
 
 
 cdef bint _ns_spin_wanted(object x) except -1:

@@ -10,6 +10,7 @@ several threads on one agent, the opt-in ``import nixl`` shim.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pickle
@@ -822,33 +823,53 @@ def test_claimed_fd_is_the_pollers_until_its_linger_ends_or_a_blocking_call() ->
         assert not rt.claim(efd)  # no longer the loop's: nothing to claim
 
 
+@contextlib.contextmanager
+def _linger(seconds: float) -> Iterator[None]:
+    """_LINGER set to ``seconds``, for the Python methods and for the
+    compiled check (its copy in nixlAgent._nx_consts, read again)."""
+    from aioxfer import _cyx
+
+    consts = _bindings.nixlAgent._nx_consts
+    i = consts.index(_bindings._LINGER)
+    linger = _bindings._LINGER
+    _bindings._LINGER = seconds
+    _bindings.nixlAgent._nx_consts = (*consts[:i], seconds, *consts[i + 1:])
+    _cyx.nixl_consts_reset()
+    try:
+        yield
+    finally:
+        _bindings._LINGER = linger
+        _bindings.nixlAgent._nx_consts = consts
+        _cyx.nixl_consts_reset()
+
+
 def test_tight_poller_leaves_notifications_and_blocking_calls_working(
         agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # A claim that would linger for an hour after a tight polling loop.
-    monkeypatch.setattr(_bindings, "_LINGER", 3600.0)
-    a, b, x, y, _, _ = _pair(agents, n=4 << 20)
-    b.add_remote_agent(a.get_agent_metadata())
-    y.np[:] = np.arange(y.n, dtype=np.uint64).astype(np.uint8)
-    h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, y.n, 0)], "DRAM"),
-                          a.get_xfer_descs([(y.addr, y.n, 0)], "DRAM"), b.name)
-    for _ in range(5):
-        a.transfer(h)
-        assert _wait(a, h) == "DONE"
-    assert np.array_equal(x.np, y.np)
-    # The poller's agent still gets what comes to it: by get_new_notifs...
-    b.send_notif(a.name, b"to-the-poller")
-    deadline = time.monotonic() + STEP
-    got: list[bytes] = []
-    while not got:
-        assert time.monotonic() < deadline
-        got = a.get_new_notifs().get(b.name, [])
-        time.sleep(0.001)  # not a tight poller
-    assert got == [b"to-the-poller"]
-    # ... and a blocking call that needs the engine (connect, metadata) works.
-    c = agents()
-    assert a.add_remote_agent(c.get_agent_metadata()) == c.name.encode()
-    assert c.add_remote_agent(a.get_agent_metadata()) == a.name.encode()
-    h.release()
+    with _linger(3600.0):
+        a, b, x, y, _, _ = _pair(agents, n=4 << 20)
+        b.add_remote_agent(a.get_agent_metadata())
+        y.np[:] = np.arange(y.n, dtype=np.uint64).astype(np.uint8)
+        h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, y.n, 0)], "DRAM"),
+                              a.get_xfer_descs([(y.addr, y.n, 0)], "DRAM"), b.name)
+        for _ in range(5):
+            a.transfer(h)
+            assert _wait(a, h) == "DONE"
+        assert np.array_equal(x.np, y.np)
+        # The poller's agent still gets what comes to it: by get_new_notifs...
+        b.send_notif(a.name, b"to-the-poller")
+        deadline = time.monotonic() + STEP
+        got: list[bytes] = []
+        while not got:
+            assert time.monotonic() < deadline
+            got = a.get_new_notifs().get(b.name, [])
+            time.sleep(0.001)  # not a tight poller
+        assert got == [b"to-the-poller"]
+        # ... and a blocking call that needs the engine (connect, metadata) works.
+        c = agents()
+        assert a.add_remote_agent(c.get_agent_metadata()) == c.name.encode()
+        assert c.add_remote_agent(a.get_agent_metadata()) == a.name.encode()
+        h.release()
 
 
 @pytest.mark.parametrize("progress", ["adaptive", "sleep", "poll"])
@@ -860,70 +881,70 @@ def test_tight_poller_takes_tcp_completions_on_its_own_thread(
     # loop thread runs no round for it, and no callback of its completes it.
     monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
     monkeypatch.setenv("AIOXFER_NIXL_PROGRESS", progress)
-    monkeypatch.setattr(_bindings, "_LINGER", 3600.0)  # no loop round to take the fd back
     from aioxfer.nixl._runtime import runtime
     from aioxfer.submission import SPIN_ALONE_MAX
 
-    n = SPIN_ALONE_MAX + (256 << 10)  # past the latency-bound spin: poll_us only
-    a, b, x, y, _, _ = _pair(agents, n=n)
-    ba = a.agent
-    assert ba._agent.transports == ("tcp",) and ba._agent.progress == "sleep"
-    polls: list[int] = []
-    spins: list[int] = []
-    poll, wait_poll = ba._poll_fn, ba._wait_poll
+    with _linger(3600.0):  # no loop round to take the fd back
+        n = SPIN_ALONE_MAX + (256 << 10)  # past the latency-bound spin: poll_us only
+        a, b, x, y, _, _ = _pair(agents, n=n)
+        ba = a.agent
+        assert ba._agent.transports == ("tcp",) and ba._agent.progress == "sleep"
+        polls: list[int] = []
+        spins: list[int] = []
+        poll, wait_poll = ba._poll_fn, ba._wait_poll
 
-    def counted_poll() -> None:
-        polls.append(threading.get_ident())
-        poll()
-
-    def counted_wait_poll(max_us: int) -> bool:
-        if max_us:
-            spins.append(max_us)
-        caught = wait_poll(max_us)
-        if caught:  # (it polled)
+        def counted_poll() -> None:
             polls.append(threading.get_ident())
-        return caught
+            poll()
 
-    monkeypatch.setattr(ba, "_poll_fn", counted_poll)
-    monkeypatch.setattr(ba, "_wait_poll", counted_wait_poll)
-    monkeypatch.setattr(ba, "_ns", ba._nixl_cache())  # (xferState's resolved fields)
-    rt = runtime()
-    # The loop thread's wake-ups for this agent's engine fd (not its rounds:
-    # the runtime is the process's, and what earlier tests left on its loop,
-    # closes or retries, runs rounds of its own, more of them the longer
-    # this test takes on a loaded machine: once 20 or more).
-    fd, select_ = ba._fd, rt.selector.select
-    woke: list[int] = []
+        def counted_wait_poll(max_us: int) -> bool:
+            if max_us:
+                spins.append(max_us)
+            caught = wait_poll(max_us)
+            if caught:  # (it polled)
+                polls.append(threading.get_ident())
+            return caught
 
-    def counted_select(timeout: float | None = None) -> Any:
-        events = select_(timeout)
-        woke.extend(1 for key, _ in events if key.fd == fd)
-        return events
+        monkeypatch.setattr(ba, "_poll_fn", counted_poll)
+        monkeypatch.setattr(ba, "_wait_poll", counted_wait_poll)
+        monkeypatch.setattr(ba, "_ns", ba._nixl_cache())  # (xferState's resolved fields)
+        rt = runtime()
+        # The loop thread's wake-ups for this agent's engine fd (not its rounds:
+        # the runtime is the process's, and what earlier tests left on its loop,
+        # closes or retries, runs rounds of its own, more of them the longer
+        # this test takes on a loaded machine: once 20 or more).
+        fd, select_ = ba._fd, rt.selector.select
+        woke: list[int] = []
 
-    monkeypatch.setattr(rt.selector, "select", counted_select)
-    h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"),
-                          a.get_xfer_descs([(y.addr, n, 0)], "DRAM"), b.name)
-    for i in range(40):
-        y.np[:] = i
-        a.transfer(h)
-        assert _wait(a, h) == "DONE"
-        assert x.np[0] == x.np[-1] == i
-    # At most for the first completions, before the first wait claimed the fd
-    # (40 for "sleep", whose every completion signals the fd, if it did not;
-    # a full CI run on a machine loaded by a benchmark once saw 3: a select
-    # already returning as the claim came).
-    assert len(woke) <= 4
-    assert polls and set(polls) == {threading.get_ident()}
-    poll_us = ba._agent._engine.poll_us
-    expected = {"adaptive": {poll_us}, "sleep": set(),
-                "poll": {max(poll_us, aioxfer_progress.POLL_SLICE_US)}}[progress]
-    assert set(spins) <= expected
-    # Polling for notifications with nothing in flight only sleeps.
-    spins.clear()
-    for _ in range(5):
-        assert a.get_new_notifs() == {}
-    assert spins == []
-    h.release()
+        def counted_select(timeout: float | None = None) -> Any:
+            events = select_(timeout)
+            woke.extend(1 for key, _ in events if key.fd == fd)
+            return events
+
+        monkeypatch.setattr(rt.selector, "select", counted_select)
+        h = a.initialize_xfer("READ", a.get_xfer_descs([(x.addr, n, 0)], "DRAM"),
+                              a.get_xfer_descs([(y.addr, n, 0)], "DRAM"), b.name)
+        for i in range(40):
+            y.np[:] = i
+            a.transfer(h)
+            assert _wait(a, h) == "DONE"
+            assert x.np[0] == x.np[-1] == i
+        # At most for the first completions, before the first wait claimed the fd
+        # (40 for "sleep", whose every completion signals the fd, if it did not;
+        # a full CI run on a machine loaded by a benchmark once saw 3: a select
+        # already returning as the claim came).
+        assert len(woke) <= 4
+        assert polls and set(polls) == {threading.get_ident()}
+        poll_us = ba._agent._engine.poll_us
+        expected = {"adaptive": {poll_us}, "sleep": set(),
+                    "poll": {max(poll_us, aioxfer_progress.POLL_SLICE_US)}}[progress]
+        assert set(spins) <= expected
+        # Polling for notifications with nothing in flight only sleeps.
+        spins.clear()
+        for _ in range(5):
+            assert a.get_new_notifs() == {}
+        assert spins == []
+        h.release()
 
 
 def test_tight_poller_stops_spinning_for_a_request_that_outlasts_the_spin(

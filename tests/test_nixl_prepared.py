@@ -52,6 +52,65 @@ async def test_posts_are_the_writes_and_reads_of_the_pair(pair: Pair) -> None:
     assert dst_buf[64:80] == src_buf[32:48]
 
 
+async def test_segment_list_pairs_post_in_one_compiled_call(pair: Pair) -> None:
+    """Two SegmentLists (what aioxfer.nixl prepares for several descriptors)
+    post with the descriptors made when prepared, no Python frame of the
+    agent, the data as write/read move it (merged neighbours too: a
+    failure's index is the caller's), and after the local region is
+    deregistered or the remote one gone, raise what write/read raise."""
+    import sys
+
+    import numpy as np
+
+    from aioxfer import agent as agent_mod
+
+    src, src_buf, dst, dst_buf, remote = await _regions(pair)
+    offs = np.array([4096, 0, 8192, 12288, 40960], dtype=np.uint64)  # (8192, 12288: merged)
+    lens = np.full(5, 4096, dtype=np.uint64)
+    roffs = np.array([0, 16384, 8192, 12288, 57344], dtype=np.uint64)
+    local = aioxfer.SegmentList(src, offs, lens)
+    far = aioxfer.SegmentList(remote, roffs, lens)
+    frames: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename == agent_mod.__file__:
+            frames.append(frame.f_code.co_name)
+
+    for now in (False, True):
+        dst_buf[:] = bytes(N)
+        w = pair.init.prepare("write", local, far)
+        assert w.nbytes == 5 * 4096
+        sys.setprofile(profile)
+        try:
+            t = w.post(now)
+        finally:
+            sys.setprofile(None)
+        assert frames == []
+        assert t._starts is not None  # (the merged pair's first index: as write sets it)
+        await within(t)
+        for o, r in zip(offs.tolist(), roffs.tolist(), strict=True):
+            assert dst_buf[r:r + 4096] == src_buf[o:o + 4096]
+    src_buf[:] = bytes(N)
+    await within(pair.init.prepare("read", local, far).post(True))
+    for o, r in zip(offs.tolist(), roffs.tolist(), strict=True):
+        assert src_buf[o:o + 4096] == dst_buf[r:r + 4096]
+    # The local region deregistered, then the remote one gone: as read.
+    keep = pair.init.register(bytearray(N), name="keep")
+    p = pair.init.prepare("read", local, far)
+    p2 = pair.init.prepare("read", aioxfer.SegmentList(keep, offs, lens), far)
+    await within(pair.init.deregister(src))
+    with pytest.raises(XferError) as read_exc:
+        pair.init.read(local, far)
+    with pytest.raises(type(read_exc.value)):
+        p.post()
+    await within(pair.target.deregister(dst))
+    await within(pair.peer.refresh())
+    with pytest.raises(XferError) as read_exc:
+        pair.init.read(aioxfer.SegmentList(keep, offs, lens), far)
+    with pytest.raises(type(read_exc.value)):
+        p2.post(True)
+
+
 async def test_a_pair_write_refuses_is_refused_when_prepared(pair: Pair) -> None:
     src, _, _, _, remote = await _regions(pair)
     with pytest.raises(ValueError):
@@ -302,6 +361,154 @@ def test_nixl_tight_checks_go_through_the_compiled_path_with_the_python_states(
             h0.release()
         hc.release()
         hp.release()
+    finally:
+        for ag in made:
+            ag.close()
+
+
+def test_nixl_sleeping_checks_go_through_the_compiled_path(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In "sleep" progress a tight check does not spin: it sleeps on the
+    engine's fd it claimed (_cyx.nixl_state's compiled sleep, no Python frame
+    of the binding), takes the completion, and leaves the claim lingering
+    (not held) for the next check; no spin bookkeeping."""
+    import ctypes
+    import sys
+
+    from aioxfer.nixl import _bindings
+    from aioxfer.nixl._runtime import runtime
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")  # (a completion from the engine)
+    monkeypatch.setenv("AIOXFER_NIXL_PROGRESS", "sleep")
+    made, xs, ys, _, name = _nixl_pair(f"slept-{tmp_path.name}")
+    a, b = made
+    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
+    try:
+        ba = a.agent
+        assert ba._spin_us == 0 and not ba._spin_only
+        m = 1 << 15
+        h = a.initialize_xfer("WRITE", a.get_xfer_descs([(xa, m, 0)], "DRAM"),
+                              a.get_xfer_descs([(ya, m, 0)], "DRAM"), name)
+        frames: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_filename == _bindings.__file__:
+                frames.append(frame.f_code.co_name)
+
+        looks: list[bool] = []
+        wait_poll = ba._wait_poll
+
+        def counted_wait_poll(max_us: int) -> bool:  # (a frame of this file, not the binding's)
+            looks.append(wait_poll(max_us))
+            return looks[-1]
+
+        monkeypatch.setattr(ba, "_wait_poll", counted_wait_poll)
+        monkeypatch.setattr(ba, "_ns", ba._nixl_cache())  # (xferState's resolved fields)
+        slept = 0  # requests a check slept for (a look found nothing) without a binding frame
+        for i in range(2000):  # (a loaded machine: some checks are late, not tight)
+            xs[0:m] = bytes([i & 0xFF]) * m
+            st = a.transfer(h)
+            frames.clear()
+            looks.clear()
+            sys.setprofile(profile)
+            try:
+                while st == "PROC":
+                    st = a.check_xfer_state(h)
+            finally:
+                sys.setprofile(None)
+            assert st == "DONE" and ys[0:m] == bytes([i & 0xFF]) * m
+            slept += not frames and False in looks
+            if slept >= 5:
+                break
+        assert slept >= 5
+        x = ba._xfers[h._handle]
+        assert x.lat == 0.0 and x.budget == 0 and x.spin is True  # (nothing spun)
+        with runtime().locked():
+            c = runtime().selector._claims.get(ba._fd)
+            assert c is None or c.active == 0  # lingering or given back, not held
+        h.release()
+    finally:
+        for ag in made:
+            ag.close()
+
+
+def test_nixl_checks_of_several_parts_go_through_the_compiled_path(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request of two region pairs (two aioxfer calls, one whole future) is
+    checked by _cyx.nixl_state as one request: its parts' data waited for
+    without a frame of the binding but _advance (which settles it, or sends
+    its notification after the data), the states those of _state_py; with a
+    notification, the peer gets it once the data is in its memory."""
+    import ctypes
+    import sys
+
+    from aioxfer.nixl import _bindings
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")  # (completions from the engine)
+    made, xs, ys, _, name = _nixl_pair(f"parts-{tmp_path.name}")
+    a, b = made
+    m = 1 << 14
+    zs = (ctypes.c_char * m)()
+    xa, ya, za = ctypes.addressof(xs), ctypes.addressof(ys), ctypes.addressof(zs)
+    a.register_memory([(za, m, 0, "")], "DRAM")
+    try:
+        ba = a.agent
+
+        k = 1 << 10  # (16 descriptors per region pair: two aioxfer calls, not one list)
+
+        def handle(notif: bytes = b"") -> Any:
+            local = [(base + j, k, 0) for base in (xa, za) for j in range(0, m, k)]
+            far = [(ya + j, k, 0) for j in range(0, 2 * m, k)]
+            return a.initialize_xfer("WRITE", a.get_xfer_descs(local, "DRAM"),
+                                     a.get_xfer_descs(far, "DRAM"), name, notif)
+
+        frames: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_filename == _bindings.__file__:
+                frames.append(frame.f_code.co_name)
+
+        def run(h: Any, check: Any, i: int, profiled: bool = True) -> list[str]:
+            xs[0:m] = bytes([i]) * m
+            zs[0:m] = bytes([i ^ 0xFF]) * m
+            states = [a.transfer(h)]
+            frames.clear()
+            if profiled:
+                sys.setprofile(profile)
+            try:
+                while states[-1] == "PROC":
+                    states.append(check(h))
+            finally:
+                sys.setprofile(None)
+            assert ys[0:m] == bytes([i]) * m and ys[m:2 * m] == bytes([i ^ 0xFF]) * m
+            return states
+
+        hc, hp = handle(), handle()
+        assert len(ba._xfers[hc._handle].groups) == 2
+        bare = 0  # requests checked (at least once) with no frame of the binding but _advance
+        for i in range(2000):  # (a loaded machine: some checks are late, not tight)
+            states = run(hc, a.check_xfer_state, i & 0xFF)
+            assert states[-1] == "DONE" and set(states[:-1]) <= {"PROC"}
+            bare += len(states) > 1 and set(frames) <= {"_advance"}
+            pstates = run(hp, ba._state_py, i & 0xFF, profiled=False)
+            assert pstates[-1] == "DONE" and set(pstates[:-1]) <= {"PROC"}
+            if bare >= 5:
+                break
+        assert bare >= 5
+        xc = ba._xfers[hc._handle]
+        assert type(xc.spin) is bool and type(xc.slow) is int and type(xc.lat) is float
+        # With a notification: sent after both parts' data.
+        hn = handle(b"parts-done")
+        for i in range(5):
+            assert run(hn, a.check_xfer_state, i, profiled=False)[-1] == "DONE"
+            got: list[bytes] = []
+            for _ in range(2000):
+                got = b.get_new_notifs().get(a.name, [])
+                if got:
+                    break
+            assert got == [b"parts-done"]
+        for h in (hc, hp, hn):
+            h.release()
     finally:
         for ag in made:
             ag.close()

@@ -2164,7 +2164,7 @@ class nixlAgent:
             # post: a large tcp request's post sends on this thread for
             # milliseconds, and stamped after it, its completion would look
             # soon and keep the poller spinning; CI caught that.)
-            x.t0 = t0 = _perf_counter()
+            x.t0 = _perf_counter()
             prep = x.prep
             try:
                 if prep is not None:
@@ -2182,7 +2182,11 @@ class nixlAgent:
                 self._count_exc(err)
                 raise err from None
             rt._foreign = False  # (the agent's flush, scheduled: nothing left for it)
-            x.last_poll = t0
+            # A check right after this call is a tight poll (a long post,
+            # 256 tcp descriptors or 16 MiB sent from this thread, stamped
+            # from its start, made the first check a mere look: PROC, and
+            # one more call before the wait).
+            x.last_poll = _perf_counter()
         finally:
             if rt._foreign:
                 rt.leave()  # wakes the loop for what the section scheduled
@@ -2274,9 +2278,9 @@ class nixlAgent:
                 err = _from_xfer_error(exc, "postXferReq")
                 self._count_exc(err)
                 raise err from None
+            x.last_poll = now = time.perf_counter()  # (see _transfer_py)
             if telemetry:
-                x.post_s = time.perf_counter() - t0
-            x.last_poll = t0
+                x.post_s = now - t0
         finally:
             if rt._foreign:
                 rt.leave()  # wakes the loop for what the section scheduled
@@ -2413,12 +2417,13 @@ class nixlAgent:
     # it as its ``check_xfer_state``. Compiled (_cyx.nixl_state): a tight
     # poll of a request of one aioxfer call, its spin and the catch's
     # bookkeeping, without a Python frame (~3 µs of Python per request: the
-    # gap to a coroutine's await); a spin that did not catch goes on to
-    # _state_slept, anything else to _state_py, which does all.
+    # gap to a coroutine's await), and a spin that did not catch then sleeps
+    # on the engine's fd (_wait_sleep's, compiled); anything else goes to
+    # _state_py, which does all.
     xferState = _cyx.nixl_state
     # What _cyx.nixl_state reads of this module, once per class.
     _nx_consts = (Transfer, _TIGHT_POLL, float(_SPIN_KEEP), _SPIN_MISSES, _SPIN_PROBE,
-                  _LINGER, SPIN_ALONE_MAX, ALONE_MAX_US)
+                  _LINGER, SPIN_ALONE_MAX, ALONE_MAX_US, _ENGINE_WAIT)
 
     def _nixl_cache(self) -> _cyx.NixlCache:
         """What xferState reads of this agent's fields per check (the
@@ -2426,7 +2431,7 @@ class nixlAgent:
         whatever changes one of those fields.)"""
         assert self._agent is not None
         return _cyx.NixlCache(self._agent, self._rt, self._fd, self._spin_us, self._spin_only,
-                              self._poll_fn, self._wait_poll, self._tel_events)
+                              self._poll_fn, self._wait_poll, self._tel_events, self._xfers)
 
     def _state_py(self, handle: Any) -> str:
         """xferState in Python (what _cyx.nixl_state does for a tight poll
@@ -2608,14 +2613,6 @@ class nixlAgent:
             else:
                 rt.lock.release()
         self._wait_sleep(agent, fd, claimed, timeout, x, spin_us)
-
-    def _state_slept(self, x: _Xfer, fut: asyncio.Future[Any], agent: aioxfer.Agent, fd: int,
-                     claimed: bool, spin_us: int) -> str:
-        """_cyx.nixl_state's tight poll after a spin that did not catch (the
-        claim held, the lock released): the sleep of _wait_completion, then
-        the rest of _state_py's."""
-        self._wait_sleep(agent, fd, claimed, _ENGINE_WAIT, x, spin_us)
-        return self._state_at(x, fut, _perf_counter())
 
     def _wait_sleep(self, agent: aioxfer.Agent, fd: int, claimed: bool, timeout: float,
                     x: _Xfer | None, spin_us: int) -> None:
