@@ -1105,7 +1105,9 @@ class Agent:
         a lost peer fails as theirs do.
 
         For one Segment and one RemoteSegment (the usual repost, a NIXL
-        prepared transfer) a post is one compiled call: no Python frame."""
+        prepared transfer), or a SegmentList pair in one region pair (a NIXL
+        request of many descriptors by index: its descriptors made here,
+        once), a post is one compiled call: no Python frame."""
         if op != "write" and op != "read":
             raise ValueError(f'op is "read" or "write", not {op!r}')
         self._check_open()
