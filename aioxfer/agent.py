@@ -24,6 +24,7 @@ backends reach).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import secrets
@@ -1171,6 +1172,14 @@ def _listen(listen: str) -> tuple[socket.socket, str]:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
+        if hasattr(socket, "TCP_DEFER_ACCEPT"):
+            # Every client speaks first (Hello): the kernel hands us a
+            # connection once its first bytes are in, so a connect wakes this
+            # process once (accept and Hello together), not twice. A client
+            # that never speaks is accepted after ~1 s anyway, then dropped
+            # at the handshake deadline as before.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 1)
         sock.listen(512)
         sock.setblocking(False)
     except BaseException:

@@ -233,8 +233,9 @@ def main() -> None:
     for py in pythons:
         ss = samples[py]
         tot = [s["TOTAL"][0][1] / 1e6 for s in ss]
+        q1 = statistics.quantiles(tot, n=4)[0] if len(tot) > 1 else tot[0]
         print(f"== {py} ({args.transport}, n={len(ss)}): total median {statistics.median(tot):.2f}"
-              f" ms (min {min(tot):.2f}, max {max(tot):.2f})")
+              f" ms (min {min(tot):.2f}, q1 {q1:.2f}, max {max(tot):.2f})")
         names = sorted({n for s in ss for n in s},
                        key=lambda n: statistics.median(s[n][0][0] for s in ss if n in s))
         for n in names:
