@@ -313,6 +313,7 @@ class Agent:
                 self.transports = transports
 
         self._accept_tasks: list[asyncio.Task[None]] = []
+        self._server: Server | None = None  # made at start
         self._probes: set[asyncio.Task[None]] = set()
         self._serving: set[asyncio.Task[None]] = set()
         self.notifications = Notifications(self._notify_release)
@@ -505,6 +506,7 @@ class Agent:
             tasks=self._serving,
             closed=lambda: self._closed,
         )
+        self._server = server
         self._accept_tasks = [
             loop.create_task(server.accept_loop(loop, lsock), name=f"aioxfer-accept-{self.name}")
             for lsock in self._lsocks

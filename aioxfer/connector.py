@@ -22,7 +22,7 @@ import ctypes
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aioxfer import _cyx
@@ -163,7 +163,11 @@ class Connector:
         if not cfg.local and "verbs" not in cfg.transports and cfg.tcp_connections > 1:
             # Only tcp can come of it: the first rail's other connections are
             # dialled now, beside the first one (added once regions are in).
-            early = _EarlyConns(self._dialer, address, cfg.tcp_connections - 1)
+            # With a token they join the first one's Challenge (one round trip
+            # each, no Proof round: protocol.Joins).
+            early = _EarlyConns(
+                self._dialer, address, cfg.tcp_connections - 1, joinable=cfg.token is not None
+            )
         # An agent with a unix socket first asks only who answered (purpose
         # "meta": an Accept naming the peer's unix socket and host): the
         # peer's engine never holds that connection, so neither side sets up
@@ -173,12 +177,18 @@ class Connector:
         probe = cfg.local
         try:
             sock0, accept0, meta0 = await self._dialer.open_meta(
-                address, "meta" if probe else "data", meta=not probe
+                address,
+                "meta" if probe else "data",
+                meta=not probe,
+                joins=early.joins if early is not None else 0,
+                on_challenge=early.on_challenge if early is not None else None,
             )
         except BaseException:
             if early is not None:
                 await early.close()
             raise
+        if early is not None:
+            early.on_challenge(None)  # none came (a peer without a token): they handshake alone
         local: _LocalLink | None = None
         try:
             if (
@@ -691,12 +701,38 @@ def cma_allowed() -> bool:
 
 class _EarlyConns:
     """Data connections to a tcp peer dialled before its metadata arrived;
-    closes whatever is not taken."""
+    closes whatever is not taken. joinable: once connected, each waits for
+    the first connection's Challenge (on_challenge) and joins it (index
+    1..joins) instead of running a Proof round of its own."""
 
-    __slots__ = ("_tasks",)
+    __slots__ = ("_tasks", "_challenge", "joins")
 
-    def __init__(self, dialer: Dialer, address: str, n: int) -> None:
-        self._tasks = [asyncio.ensure_future(dialer.open(address)) for _ in range(n)]
+    def __init__(self, dialer: Dialer, address: str, n: int, *, joinable: bool) -> None:
+        self._challenge: asyncio.Future[bytes | None] | None = None
+        self.joins = 0
+        if joinable:
+            self._challenge = asyncio.get_running_loop().create_future()
+            self.joins = n
+        self._tasks = [
+            asyncio.ensure_future(
+                dialer.open(address, join=self._joiner(i + 1) if joinable else None)
+            )
+            for i in range(n)
+        ]
+
+    def _joiner(self, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:
+        async def join() -> tuple[bytes, int] | None:
+            assert self._challenge is not None
+            nonce = await asyncio.shield(self._challenge)  # shared: never cancelled by one
+            return None if nonce is None else (nonce, index)
+
+        return join
+
+    def on_challenge(self, nonce: bytes | None) -> None:
+        """The first connection's Challenge nonce (checked: its server proof
+        was right), or None: the others handshake alone."""
+        if self._challenge is not None and not self._challenge.done():
+            self._challenge.set_result(nonce)
 
     async def take(self, n: int, incarnation: int) -> list[socket.socket]:
         """Up to n of them, answered by that incarnation; network failures
