@@ -162,7 +162,8 @@ class Connector:
         early: _EarlyConns | None = None
         if not cfg.local and "verbs" not in cfg.transports and cfg.tcp_connections > 1:
             # Only tcp can come of it: the first rail's other connections are
-            # dialled now, beside the first one (added once regions are in).
+            # dialled beside the first one (added once regions are in), as
+            # soon as its Hello is out (their dials would delay it).
             # With a token they join the first one's Challenge (one round trip
             # each, no Proof round: protocol.Joins).
             early = _EarlyConns(
@@ -182,6 +183,7 @@ class Connector:
                 meta=not probe,
                 joins=early.joins if early is not None else 0,
                 on_challenge=early.on_challenge if early is not None else None,
+                on_dialled=early.start if early is not None else None,
             )
         except BaseException:
             if early is not None:
@@ -705,19 +707,29 @@ class _EarlyConns:
     the first connection's Challenge (on_challenge) and joins it (index
     1..joins) instead of running a Proof round of its own."""
 
-    __slots__ = ("_tasks", "_challenge", "joins")
+    __slots__ = ("_tasks", "_challenge", "_dialer", "_address", "_n", "joins")
 
     def __init__(self, dialer: Dialer, address: str, n: int, *, joinable: bool) -> None:
+        self._dialer = dialer
+        self._address = address
+        self._n = n
+        self._tasks: list[asyncio.Task[tuple[socket.socket, Accept]]] = []
         self._challenge: asyncio.Future[bytes | None] | None = None
         self.joins = 0
         if joinable:
             self._challenge = asyncio.get_running_loop().create_future()
             self.joins = n
+
+    def start(self) -> None:
+        """Dials them (once: the first connection is up)."""
+        if self._tasks:
+            return
+        join = self._challenge is not None
         self._tasks = [
             asyncio.ensure_future(
-                dialer.open(address, join=self._joiner(i + 1) if joinable else None)
+                self._dialer.open(self._address, join=self._joiner(i + 1) if join else None)
             )
-            for i in range(n)
+            for i in range(self._n)
         ]
 
     def _joiner(self, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:
@@ -737,7 +749,9 @@ class _EarlyConns:
     async def take(self, n: int, incarnation: int) -> list[socket.socket]:
         """Up to n of them, answered by that incarnation; network failures
         only make them fewer."""
-        await asyncio.wait(self._tasks)
+        self.start()
+        if not all(t.done() for t in self._tasks):  # (asyncio.wait costs a loop step)
+            await asyncio.wait(self._tasks)
         got: list[socket.socket] = []
         for t in self._tasks:
             if t.cancelled():
@@ -757,7 +771,8 @@ class _EarlyConns:
         closes its own socket)."""
         for t in self._tasks:
             t.cancel()
-        await asyncio.wait(self._tasks)
+        if not all(t.done() for t in self._tasks):
+            await asyncio.wait(self._tasks)
         for t in self._tasks:
             if not t.cancelled() and t.exception() is None:
                 sock = t.result()[0]

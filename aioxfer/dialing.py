@@ -168,16 +168,21 @@ class Dialer:
         joins: int = 0,
         on_challenge: Callable[[bytes], None] | None = None,
         join: Callable[[], Awaitable[tuple[bytes, int] | None]] | None = None,
+        on_dialled: Callable[[], None] | None = None,
     ) -> tuple[socket.socket, Accept, AgentMeta | None]:
         """open(), and with meta the peer's metadata on the same connection
         (None from a peer that does not send it there). Purpose "meta": only
         who answered (its Accept, Hello.accept_only); the peer's engine never
-        holds the connection. joins/on_challenge: see client_handshake."""
+        holds the connection. joins/on_challenge: see client_handshake.
+        on_dialled(): called once connected, before the Hello is sent in
+        the same step (what it starts runs after the Hello is out)."""
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
         async with self.control_errors(address, "connecting to", "connect to"):
             sock = await self.dial(host, port)
             try:
+                if on_dialled is not None:
+                    on_dialled()
                 accept = await client_handshake(
                     loop,
                     sock,
