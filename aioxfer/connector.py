@@ -175,16 +175,24 @@ class Connector:
         # and tears down an endpoint for it while the same-host handshake and
         # the mapping of the peer's pools run. Taking tcp after all, it dials
         # a data connection of its own.
+        # Its unix-socket connection joins the probe's Challenge (one round
+        # trip, no Proof round: protocol.Joins).
         probe = cfg.local
+        challenge: list[bytes] = []
         try:
-            sock0, accept0, meta0 = await self._dialer.open_meta(
-                address,
-                "meta" if probe else "data",
-                meta=not probe,
-                joins=early.joins if early is not None else 0,
-                on_challenge=early.on_challenge if early is not None else None,
-                on_dialled=early.start if early is not None else None,
-            )
+            if probe:
+                sock0, accept0, meta0 = await self._dialer.open_meta(
+                    address, "meta", meta=False, joins=1, on_challenge=challenge.append
+                )
+            else:
+                sock0, accept0, meta0 = await self._dialer.open_meta(
+                    address,
+                    "data",
+                    meta=True,
+                    joins=early.joins if early is not None else 0,
+                    on_challenge=early.on_challenge if early is not None else None,
+                    on_dialled=early.start if early is not None else None,
+                )
         except BaseException:
             if early is not None:
                 await early.close()
@@ -201,7 +209,9 @@ class Connector:
             ):
                 # Same host, says the peer: the kernel confirms it on the peer's
                 # unix socket, whose metadata then replaces a tcp fetch.
-                local = await self._open_local(address, accept0)
+                local = await self._open_local(
+                    address, accept0, (challenge[0], 1) if challenge else None
+                )
                 if local is not None and self._local_path(local) is None:
                     local.close()
                     local = None
@@ -408,13 +418,15 @@ class Connector:
             return "tcp"
         return None
 
-    async def _open_local(self, address: str, meta: Accept) -> _LocalLink | None:
+    async def _open_local(
+        self, address: str, meta: Accept, join: tuple[bytes, int] | None = None
+    ) -> _LocalLink | None:
         """The same-host link to the peer that answered meta (its Accept), over
         its unix socket: a handshaken data connection, the peer's
         kernel-reported credentials and pidfd, and its metadata with its memfds
         (passed by the kernel). None, logged, when the kernel does not vouch
         for it (another user, another agent behind that name): the caller
-        falls back to tcp."""
+        falls back to tcp. join: the probe's Challenge to join (nonce, index)."""
         loop = asyncio.get_running_loop()
         link = _LocalLink()
         result: _LocalLink | None = None
@@ -430,7 +442,7 @@ class Connector:
                 # from a peer that does not send them there on another one.
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=self._config.incarnation,
-                    purpose="data", token=self._config.token, meta=True,
+                    purpose="data", token=self._config.token, meta=True, join=join,
                 )
                 if (accept.name, accept.incarnation) != (meta.name, meta.incarnation):
                     why = f"its unix socket is served by another agent ({accept.name!r})"

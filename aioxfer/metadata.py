@@ -76,9 +76,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # no metadata after it; a same-host agent asks this first. A server that
     # predates it sends the metadata anyway, which such a client never reads.
     accept_only: bool = False
-    # A first "data" connection (with a token): this many more connections
-    # of ours will join its Challenge (authenticate against its nonce, see
-    # ``join``), each once, within the server's peer timeout.
+    # A first "data" connection or accept_only "meta" probe (with a token):
+    # this many more "data" connections of ours will join its Challenge
+    # (authenticate against its nonce, see ``join``), each once, within the
+    # server's peer timeout.
     joins: Annotated[int, msgspec.Meta(ge=0, le=MAX_JOINS)] = 0
     # One of those connections: the first one's Challenge.nonce, which of its
     # ``joins`` this is (1-based), and HMAC(token, join context + join +

@@ -22,8 +22,10 @@ Handshake (client left, server right)::
     "verbs":       VerbsConnect{client's queue pairs}  ->
                    <- VerbsAccept{server's queue pairs}, then as "data"
 
-A client's other connections to the same peer may join its first "data"
-connection's Challenge (token only): the first Hello says how many
+A client's other "data" connections to the same peer may join the Challenge
+of its first connection, "data" or an accept_only "meta" probe (token only;
+on the unix socket too, where the kernel still vouches for the user): the
+first Hello says how many
 (``joins``); once the client has checked that Challenge's server proof, each
 other connection (index i, 1-based) sends
 ``Hello{..., join=nonce_s, join_index=i, join_proof}`` with
@@ -296,8 +298,10 @@ async def _client_handshake(
 ) -> Accept:
     """See client_handshake."""
     nonce = secrets.token_bytes(NONCE_BYTES)
+    if token is None or not (purpose == "data" or accept_only):
+        joins = 0
     if token is None or purpose != "data":
-        joins, join = 0, None
+        join = None
     hello = Hello(
         version=PROTOCOL_VERSION,
         name=name,
@@ -379,7 +383,11 @@ async def _server_handshake(
                 + encode_frame(accept),
             )
             return hello
-        granted = data and hello.joins > 0
+        granted = (
+            joins is not None
+            and hello.joins > 0
+            and (hello.purpose == "data" or (hello.purpose == "meta" and hello.accept_only))
+        )
         if granted and joins is not None:
             joins.grant(nonce, hello)
         try:

@@ -103,8 +103,9 @@ class Server:
         self._tag_unref = tag_unref
         self._tasks = tasks
         self._closed = closed
-        # The Challenges a client's other tcp connections may join (one round
-        # trip each instead of two): as many live as handshakes may run.
+        # The Challenges a client's other connections may join (one round
+        # trip each instead of two: a tcp connect's other connections, a
+        # same-host connect's unix socket): as many live as handshakes may run.
         self.joins = Joins(ttl=peer_timeout, cap=max_handshakes)
 
     async def accept_loop(
@@ -162,7 +163,7 @@ class Server:
                     sock,
                     token=self._token,
                     accept=self._accept,
-                    joins=None if local else self.joins,
+                    joins=self.joins,
                 )
                 if hello.purpose == "meta":
                     if hello.accept_only:

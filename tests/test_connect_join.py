@@ -218,3 +218,48 @@ async def test_no_token_no_joins(make_agent) -> None:
     peer = await within(init.connect(target.address))
     assert target._server.joins.joined == 0 and len(target._server.joins) == 0
     assert peer.path == "tcp"
+
+
+async def test_same_host_connect_joins_the_probe(make_agent) -> None:
+    """A same-host connect's unix-socket connection joins the tcp probe's
+    Challenge (the kernel still checks who connects there)."""
+    target = await make_agent("target", token=TOKEN)
+    dst = target.alloc(MiB, name="dst")
+    init = await make_agent("init", token=TOKEN)
+    peer = await within(init.connect(target.address))
+    if peer.path != "shm":
+        pytest.skip(f"no same-host path here ({peer.path})")
+    assert target._server.joins.joined == 1 and len(target._server.joins) == 0
+    src = init.alloc(MiB, name="src")
+    src.numpy()[:] = 5
+    await within(init.write(src[0:MiB], peer.region("dst")[0:MiB]))
+    assert (dst.numpy() == 5).all()
+
+
+async def test_probe_grant_is_not_a_data_connection(make_agent) -> None:
+    """A "meta" probe's grant admits joining "data" Hellos only; a probe
+    that is not accept_only gets no grant."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    loop = asyncio.get_running_loop()
+    sock = await raw_connect(target.address)
+    with sock:
+        await within(protocol.fetch_meta(loop, sock, name="raw", incarnation=7, token=TOKEN))
+    assert len(target._server.joins) == 0
+    sock = await raw_connect(target.address)
+    got: list[bytes] = []
+    with sock:
+        await within(protocol.client_handshake(
+            loop, sock, name="raw", incarnation=7, purpose="meta", token=TOKEN,
+            accept_only=True, joins=1, on_challenge=got.append,
+        ))
+    assert len(got) == 1 and len(target._server.joins) == 1
+    hello = metadata_hello(join_hello(got[0], 1))
+    meta_join = protocol.encode_frame(metadata.Hello(
+        version=hello.version, name=hello.name, incarnation=hello.incarnation,
+        purpose="meta", nonce=hello.nonce, join=hello.join, join_index=1,
+        join_proof=hello.join_proof,
+    ))
+    await refused(target.address, meta_join)
+    sock, chal = await send_join(target.address, join_hello(got[0], 1))
+    with sock:
+        assert chal.joined
