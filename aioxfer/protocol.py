@@ -25,9 +25,8 @@ Handshake (client left, server right)::
 A client's other "data" connections to the same peer may join the Challenge
 of its first connection, "data" or an accept_only "meta" probe (token only;
 on the unix socket too, where the kernel still vouches for the user): the
-first Hello says how many
-(``joins``); once the client has checked that Challenge's server proof, each
-other connection (index i, 1-based) sends
+first Hello says how many (``joins``); once the client has checked that
+Challenge's server proof, each other connection (index i, 1-based) sends
 ``Hello{..., join=nonce_s, join_index=i, join_proof}`` with
 ``join_proof = HMAC(token, JOIN_CTX + nonce_s + i + nonce_c + name)`` and
 gets ``Challenge{joined, HMAC(token, SERVER_CTX + nonce_c)}`` and Accept
@@ -223,10 +222,11 @@ class _Grant:
 class Joins:
     """Server side: the Challenges a client's other connections may join.
 
-    A Challenge sent to a "data" Hello that asks for ``joins`` is granted
-    here: for ``ttl`` seconds, each join_index 1..joins may be accepted once,
-    from the same name and incarnation, with a join proof over the Challenge's
-    nonce. At most ``cap`` grants are live (the oldest goes first): an
+    A Challenge sent to a "data" (or accept_only "meta") Hello that asks for
+    ``joins`` is granted here: for ``ttl`` seconds, each join_index 1..joins
+    may be accepted once, on a "data" Hello of the same name and incarnation,
+    with a join proof over the Challenge's nonce; the grant is revoked when
+    the client fails its own Proof. At most ``cap`` grants are live (the oldest goes first): an
     unauthenticated client can make grants, never use one, and a legitimate
     client that finds its grant gone only does the usual Proof round.
     """
