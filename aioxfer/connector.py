@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from aioxfer import _cyx
 from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS
-from aioxfer.dialing import Dialer, parse_address
+from aioxfer.dialing import Dialer, joining, parse_address
 from aioxfer.discovery import PeerJoined, PeerUpdated
 from aioxfer.errors import (
     ClosedResourceError,
@@ -175,14 +175,16 @@ class Connector:
         # and tears down an endpoint for it while the same-host handshake and
         # the mapping of the peer's pools run. Taking tcp after all, it dials
         # a data connection of its own.
-        # Its unix-socket connection joins the probe's Challenge (one round
-        # trip, no Proof round: protocol.Joins).
+        # Its other connections join the probe's Challenge (one round trip
+        # each, no Proof round: protocol.Joins): index 1 the unix socket's,
+        # or else 2 the tcp data connection's, 3.. the tcp rails' others.
         probe = cfg.local
         challenge: list[bytes] = []
         try:
             if probe:
                 sock0, accept0, meta0 = await self._dialer.open_meta(
-                    address, "meta", meta=False, joins=1, on_challenge=challenge.append
+                    address, "meta", meta=False, joins=1 + cfg.tcp_connections,
+                    on_challenge=challenge.append,
                 )
             else:
                 sock0, accept0, meta0 = await self._dialer.open_meta(
@@ -218,7 +220,21 @@ class Connector:
             if probe and local is None:
                 # Not the same-host path: the data connection comes first, as below.
                 sock0.close()
-                sock0, accept0, meta0 = await self._dialer.open_meta(address, meta=True)
+                if "verbs" not in cfg.transports and cfg.tcp_connections > 1:
+                    # Only tcp can come of it now: as below, the first rail's
+                    # other connections are dialled beside the data connection
+                    # (joining the probe's Challenge as 3..).
+                    early = _EarlyConns(
+                        self._dialer, address, cfg.tcp_connections - 1,
+                        joinable=bool(challenge), first_index=3,
+                    )
+                    early.on_challenge(challenge[0] if challenge else None)
+                sock0, accept0, meta0 = await self._dialer.open_meta(
+                    address,
+                    meta=True,
+                    join=joining(challenge[0], 2) if challenge else None,
+                    on_dialled=early.start if early is not None else None,
+                )
             if local is not None:
                 assert local.meta is not None
                 meta = local.meta
@@ -232,7 +248,10 @@ class Connector:
                     f"peer at {address} restarted while we connected (incarnation "
                     f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
                 )
-            return await self._connect_meta(address, meta, sock0, local, early)
+            joins = None
+            if challenge and local is None:  # the tcp rails' other connections join on
+                joins = (challenge[0], 3 if early is None else 2 + cfg.tcp_connections)
+            return await self._connect_meta(address, meta, sock0, local, early, joins)
         finally:
             if sock0.fileno() >= 0:
                 sock0.close()
@@ -248,6 +267,7 @@ class Connector:
         sock0: socket.socket,
         local: _LocalLink | None,
         early: _EarlyConns | None = None,
+        joins: tuple[bytes, int] | None = None,
     ) -> Peer:
         if self._embedded is not None:
             # Embedded, names need not be unique: only the same name at the same
@@ -271,7 +291,7 @@ class Connector:
             )
         return await self._connect_path(
             address, meta, sock0, path, local if path in ("shm", "cuda") else None,
-            early if path == "tcp" else None,
+            early if path == "tcp" else None, joins if path == "tcp" else None,
         )
 
     async def _connect_path(
@@ -282,7 +302,10 @@ class Connector:
         path: str,
         local: _LocalLink | None,
         early: _EarlyConns | None = None,
+        joins: tuple[bytes, int] | None = None,
     ) -> Peer:
+        """joins (nonce, i): the other tcp connections join that Challenge
+        as indexes i, i + 1, ..."""
         shm = local is not None  # same host: one connection, copies by this engine
         verbs = path == "verbs"
         # tcp: every advertised listen address is a rail; the one we came by
@@ -349,8 +372,15 @@ class Connector:
                     self._engine.endpoint_add_conn(ep, sock.detach(), first)
                     took += 1
             dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
+            starts = [sum(n for _, n in dial[:k]) for k in range(len(dial))]
             added = await asyncio.gather(
-                *(self._rails.dial(ep, i, rails[i], n, meta.incarnation) for i, n in dial)
+                *(
+                    self._rails.dial(
+                        ep, i, rails[i], n, meta.incarnation,
+                        None if joins is None else (joins[0], joins[1] + start),
+                    )
+                    for (i, n), start in zip(dial, starts, strict=True)
+                )
             )
             reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
             added = [*added, took]
@@ -716,15 +746,19 @@ def cma_allowed() -> bool:
 class _EarlyConns:
     """Data connections to a tcp peer dialled before its metadata arrived;
     closes whatever is not taken. joinable: once connected, each waits for
-    the first connection's Challenge (on_challenge) and joins it (index
-    1..joins) instead of running a Proof round of its own."""
+    the first connection's (or the probe's) Challenge (on_challenge) and
+    joins it (indexes first_index, first_index + 1, ...) instead of running a
+    Proof round of its own."""
 
-    __slots__ = ("_tasks", "_challenge", "_dialer", "_address", "_n", "joins")
+    __slots__ = ("_tasks", "_challenge", "_dialer", "_address", "_n", "_first", "joins")
 
-    def __init__(self, dialer: Dialer, address: str, n: int, *, joinable: bool) -> None:
+    def __init__(
+        self, dialer: Dialer, address: str, n: int, *, joinable: bool, first_index: int = 1
+    ) -> None:
         self._dialer = dialer
         self._address = address
         self._n = n
+        self._first = first_index
         self._tasks: list[asyncio.Task[tuple[socket.socket, Accept]]] = []
         self._challenge: asyncio.Future[bytes | None] | None = None
         self.joins = 0
@@ -739,7 +773,9 @@ class _EarlyConns:
         join = self._challenge is not None
         self._tasks = [
             asyncio.ensure_future(
-                self._dialer.open(self._address, join=self._joiner(i + 1) if join else None)
+                self._dialer.open(
+                    self._address, join=self._joiner(self._first + i) if join else None
+                )
             )
             for i in range(self._n)
         ]

@@ -24,7 +24,7 @@ from aioxfer.metadata import Accept, AgentMeta, Purpose
 from aioxfer.protocol import MAX_META_FRAME, client_handshake, fetch_meta, recv_frame, recv_go
 from aioxfer.serving import nodelay
 
-__all__ = ["Dialer", "numeric_addrinfo", "parse_address"]
+__all__ = ["Dialer", "joining", "numeric_addrinfo", "parse_address"]
 
 
 class Dialer:
@@ -217,6 +217,15 @@ class Dialer:
             finally:
                 sock.close()
         raise AssertionError("unreachable")  # for type checkers: the block returns or raises
+
+
+def joining(nonce: bytes, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:
+    """A known Challenge to join, as Dialer.open's join= takes it."""
+
+    async def join() -> tuple[bytes, int] | None:
+        return nonce, index
+
+    return join
 
 
 def parse_address(address: str) -> tuple[str, int]:
