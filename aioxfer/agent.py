@@ -24,6 +24,7 @@ backends reach).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import secrets
@@ -312,6 +313,7 @@ class Agent:
                 self.transports = transports
 
         self._accept_tasks: list[asyncio.Task[None]] = []
+        self._server: Server | None = None  # made at start
         self._probes: set[asyncio.Task[None]] = set()
         self._serving: set[asyncio.Task[None]] = set()
         self.notifications = Notifications(self._notify_release)
@@ -504,6 +506,7 @@ class Agent:
             tasks=self._serving,
             closed=lambda: self._closed,
         )
+        self._server = server
         self._accept_tasks = [
             loop.create_task(server.accept_loop(loop, lsock), name=f"aioxfer-accept-{self.name}")
             for lsock in self._lsocks
@@ -1173,6 +1176,14 @@ def _listen(listen: str) -> tuple[socket.socket, str]:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
+        if hasattr(socket, "TCP_DEFER_ACCEPT"):
+            # Every client speaks first (Hello): the kernel hands us a
+            # connection once its first bytes are in, so a connect wakes this
+            # process once (accept and Hello together), not twice. A client
+            # that never speaks is accepted after ~1 s anyway, then dropped
+            # at the handshake deadline as before.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 1)
         sock.listen(512)
         sock.setblocking(False)
     except BaseException:

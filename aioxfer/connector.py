@@ -22,13 +22,13 @@ import ctypes
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aioxfer import _cyx
 from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS
-from aioxfer.dialing import Dialer, parse_address
+from aioxfer.dialing import Dialer, joining, parse_address
 from aioxfer.discovery import PeerJoined, PeerUpdated
 from aioxfer.errors import (
     ClosedResourceError,
@@ -162,23 +162,45 @@ class Connector:
         early: _EarlyConns | None = None
         if not cfg.local and "verbs" not in cfg.transports and cfg.tcp_connections > 1:
             # Only tcp can come of it: the first rail's other connections are
-            # dialled now, beside the first one (added once regions are in).
-            early = _EarlyConns(self._dialer, address, cfg.tcp_connections - 1)
+            # dialled beside the first one (added once regions are in), as
+            # soon as its Hello is out (their dials would delay it).
+            # With a token they join the first one's Challenge (one round trip
+            # each, no Proof round: protocol.Joins).
+            early = _EarlyConns(
+                self._dialer, address, cfg.tcp_connections - 1, joinable=cfg.token is not None
+            )
         # An agent with a unix socket first asks only who answered (purpose
         # "meta": an Accept naming the peer's unix socket and host): the
         # peer's engine never holds that connection, so neither side sets up
         # and tears down an endpoint for it while the same-host handshake and
         # the mapping of the peer's pools run. Taking tcp after all, it dials
         # a data connection of its own.
+        # Its other connections join the probe's Challenge (one round trip
+        # each, no Proof round: protocol.Joins): index 1 the unix socket's,
+        # or else 2 the tcp data connection's, 3.. the tcp rails' others.
         probe = cfg.local
+        challenge: list[bytes] = []
         try:
-            sock0, accept0, meta0 = await self._dialer.open_meta(
-                address, "meta" if probe else "data", meta=not probe
-            )
+            if probe:
+                sock0, accept0, meta0 = await self._dialer.open_meta(
+                    address, "meta", meta=False, joins=1 + cfg.tcp_connections,
+                    on_challenge=challenge.append,
+                )
+            else:
+                sock0, accept0, meta0 = await self._dialer.open_meta(
+                    address,
+                    "data",
+                    meta=True,
+                    joins=early.joins if early is not None else 0,
+                    on_challenge=early.on_challenge if early is not None else None,
+                    on_dialled=early.start if early is not None else None,
+                )
         except BaseException:
             if early is not None:
                 await early.close()
             raise
+        if early is not None:
+            early.on_challenge(None)  # none came (a peer without a token): they handshake alone
         local: _LocalLink | None = None
         try:
             if (
@@ -189,14 +211,30 @@ class Connector:
             ):
                 # Same host, says the peer: the kernel confirms it on the peer's
                 # unix socket, whose metadata then replaces a tcp fetch.
-                local = await self._open_local(address, accept0)
+                local = await self._open_local(
+                    address, accept0, (challenge[0], 1) if challenge else None
+                )
                 if local is not None and self._local_path(local) is None:
                     local.close()
                     local = None
             if probe and local is None:
                 # Not the same-host path: the data connection comes first, as below.
                 sock0.close()
-                sock0, accept0, meta0 = await self._dialer.open_meta(address, meta=True)
+                if "verbs" not in cfg.transports and cfg.tcp_connections > 1:
+                    # Only tcp can come of it now: as below, the first rail's
+                    # other connections are dialled beside the data connection
+                    # (joining the probe's Challenge as 3..).
+                    early = _EarlyConns(
+                        self._dialer, address, cfg.tcp_connections - 1,
+                        joinable=bool(challenge), first_index=3,
+                    )
+                    early.on_challenge(challenge[0] if challenge else None)
+                sock0, accept0, meta0 = await self._dialer.open_meta(
+                    address,
+                    meta=True,
+                    join=joining(challenge[0], 2) if challenge else None,
+                    on_dialled=early.start if early is not None else None,
+                )
             if local is not None:
                 assert local.meta is not None
                 meta = local.meta
@@ -210,7 +248,10 @@ class Connector:
                     f"peer at {address} restarted while we connected (incarnation "
                     f"{accept0.incarnation:#x}, then {meta.incarnation:#x}): connect again"
                 )
-            return await self._connect_meta(address, meta, sock0, local, early)
+            joins = None
+            if challenge and local is None:  # the tcp rails' other connections join on
+                joins = (challenge[0], 3 if early is None else 2 + cfg.tcp_connections)
+            return await self._connect_meta(address, meta, sock0, local, early, joins)
         finally:
             if sock0.fileno() >= 0:
                 sock0.close()
@@ -226,6 +267,7 @@ class Connector:
         sock0: socket.socket,
         local: _LocalLink | None,
         early: _EarlyConns | None = None,
+        joins: tuple[bytes, int] | None = None,
     ) -> Peer:
         if self._embedded is not None:
             # Embedded, names need not be unique: only the same name at the same
@@ -249,7 +291,7 @@ class Connector:
             )
         return await self._connect_path(
             address, meta, sock0, path, local if path in ("shm", "cuda") else None,
-            early if path == "tcp" else None,
+            early if path == "tcp" else None, joins if path == "tcp" else None,
         )
 
     async def _connect_path(
@@ -260,7 +302,10 @@ class Connector:
         path: str,
         local: _LocalLink | None,
         early: _EarlyConns | None = None,
+        joins: tuple[bytes, int] | None = None,
     ) -> Peer:
+        """joins (nonce, i): the other tcp connections join that Challenge
+        as indexes i, i + 1, ..."""
         shm = local is not None  # same host: one connection, copies by this engine
         verbs = path == "verbs"
         # tcp: every advertised listen address is a rail; the one we came by
@@ -327,8 +372,15 @@ class Connector:
                     self._engine.endpoint_add_conn(ep, sock.detach(), first)
                     took += 1
             dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
+            starts = [sum(n for _, n in dial[:k]) for k in range(len(dial))]
             added = await asyncio.gather(
-                *(self._rails.dial(ep, i, rails[i], n, meta.incarnation) for i, n in dial)
+                *(
+                    self._rails.dial(
+                        ep, i, rails[i], n, meta.incarnation,
+                        None if joins is None else (joins[0], joins[1] + start),
+                    )
+                    for (i, n), start in zip(dial, starts, strict=True)
+                )
             )
             reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
             added = [*added, took]
@@ -396,13 +448,15 @@ class Connector:
             return "tcp"
         return None
 
-    async def _open_local(self, address: str, meta: Accept) -> _LocalLink | None:
+    async def _open_local(
+        self, address: str, meta: Accept, join: tuple[bytes, int] | None = None
+    ) -> _LocalLink | None:
         """The same-host link to the peer that answered meta (its Accept), over
         its unix socket: a handshaken data connection, the peer's
         kernel-reported credentials and pidfd, and its metadata with its memfds
         (passed by the kernel). None, logged, when the kernel does not vouch
         for it (another user, another agent behind that name): the caller
-        falls back to tcp."""
+        falls back to tcp. join: the probe's Challenge to join (nonce, index)."""
         loop = asyncio.get_running_loop()
         link = _LocalLink()
         result: _LocalLink | None = None
@@ -418,7 +472,7 @@ class Connector:
                 # from a peer that does not send them there on another one.
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=self._config.incarnation,
-                    purpose="data", token=self._config.token, meta=True,
+                    purpose="data", token=self._config.token, meta=True, join=join,
                 )
                 if (accept.name, accept.incarnation) != (meta.name, meta.incarnation):
                     why = f"its unix socket is served by another agent ({accept.name!r})"
@@ -691,17 +745,61 @@ def cma_allowed() -> bool:
 
 class _EarlyConns:
     """Data connections to a tcp peer dialled before its metadata arrived;
-    closes whatever is not taken."""
+    closes whatever is not taken. joinable: once connected, each waits for
+    the first connection's (or the probe's) Challenge (on_challenge) and
+    joins it (indexes first_index, first_index + 1, ...) instead of running a
+    Proof round of its own."""
 
-    __slots__ = ("_tasks",)
+    __slots__ = ("_tasks", "_challenge", "_dialer", "_address", "_n", "_first", "joins")
 
-    def __init__(self, dialer: Dialer, address: str, n: int) -> None:
-        self._tasks = [asyncio.ensure_future(dialer.open(address)) for _ in range(n)]
+    def __init__(
+        self, dialer: Dialer, address: str, n: int, *, joinable: bool, first_index: int = 1
+    ) -> None:
+        self._dialer = dialer
+        self._address = address
+        self._n = n
+        self._first = first_index
+        self._tasks: list[asyncio.Task[tuple[socket.socket, Accept]]] = []
+        self._challenge: asyncio.Future[bytes | None] | None = None
+        self.joins = 0
+        if joinable:
+            self._challenge = asyncio.get_running_loop().create_future()
+            self.joins = n
+
+    def start(self) -> None:
+        """Dials them (once: the first connection is up)."""
+        if self._tasks:
+            return
+        join = self._challenge is not None
+        self._tasks = [
+            asyncio.ensure_future(
+                self._dialer.open(
+                    self._address, join=self._joiner(self._first + i) if join else None
+                )
+            )
+            for i in range(self._n)
+        ]
+
+    def _joiner(self, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:
+        async def join() -> tuple[bytes, int] | None:
+            assert self._challenge is not None
+            nonce = await asyncio.shield(self._challenge)  # shared: never cancelled by one
+            return None if nonce is None else (nonce, index)
+
+        return join
+
+    def on_challenge(self, nonce: bytes | None) -> None:
+        """The first connection's Challenge nonce (checked: its server proof
+        was right), or None: the others handshake alone."""
+        if self._challenge is not None and not self._challenge.done():
+            self._challenge.set_result(nonce)
 
     async def take(self, n: int, incarnation: int) -> list[socket.socket]:
         """Up to n of them, answered by that incarnation; network failures
         only make them fewer."""
-        await asyncio.wait(self._tasks)
+        self.start()
+        if not all(t.done() for t in self._tasks):  # (asyncio.wait costs a loop step)
+            await asyncio.wait(self._tasks)
         got: list[socket.socket] = []
         for t in self._tasks:
             if t.cancelled():
@@ -721,7 +819,8 @@ class _EarlyConns:
         closes its own socket)."""
         for t in self._tasks:
             t.cancel()
-        await asyncio.wait(self._tasks)
+        if not all(t.done() for t in self._tasks):
+            await asyncio.wait(self._tasks)
         for t in self._tasks:
             if not t.cancelled() and t.exception() is None:
                 sock = t.result()[0]

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 from aioxfer.errors import AccessDenied, ProtocolError, TransportError
@@ -24,7 +24,7 @@ from aioxfer.metadata import Accept, AgentMeta, Purpose
 from aioxfer.protocol import MAX_META_FRAME, client_handshake, fetch_meta, recv_frame, recv_go
 from aioxfer.serving import nodelay
 
-__all__ = ["Dialer", "numeric_addrinfo", "parse_address"]
+__all__ = ["Dialer", "joining", "numeric_addrinfo", "parse_address"]
 
 
 class Dialer:
@@ -146,25 +146,43 @@ class Dialer:
             raise type(exc)(f"connecting to {address}: {exc}") from None
 
     async def open(
-        self, address: str, purpose: Literal["data", "verbs"] = "data"
+        self,
+        address: str,
+        purpose: Literal["data", "verbs"] = "data",
+        *,
+        join: Callable[[], Awaitable[tuple[bytes, int] | None]] | None = None,
     ) -> tuple[socket.socket, Accept]:
         """A connected, handshaken data socket (non-blocking), and the peer's
-        Accept (who answered: name and incarnation)."""
-        sock, accept, _ = await self.open_meta(address, purpose, meta=False)
+        Accept (who answered: name and incarnation). join: awaited once the
+        socket is connected; (nonce, index) joins that Challenge of a first
+        connection (protocol.Joins), None does the whole handshake."""
+        sock, accept, _ = await self.open_meta(address, purpose, meta=False, join=join)
         return sock, accept
 
     async def open_meta(
-        self, address: str, purpose: Purpose = "data", *, meta: bool
+        self,
+        address: str,
+        purpose: Purpose = "data",
+        *,
+        meta: bool,
+        joins: int = 0,
+        on_challenge: Callable[[bytes], None] | None = None,
+        join: Callable[[], Awaitable[tuple[bytes, int] | None]] | None = None,
+        on_dialled: Callable[[], None] | None = None,
     ) -> tuple[socket.socket, Accept, AgentMeta | None]:
         """open(), and with meta the peer's metadata on the same connection
         (None from a peer that does not send it there). Purpose "meta": only
         who answered (its Accept, Hello.accept_only); the peer's engine never
-        holds the connection."""
+        holds the connection. joins/on_challenge: see client_handshake.
+        on_dialled(): called once connected, before the Hello is sent in
+        the same step (what it starts runs after the Hello is out)."""
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
         async with self.control_errors(address, "connecting to", "connect to"):
             sock = await self.dial(host, port)
             try:
+                if on_dialled is not None:
+                    on_dialled()
                 accept = await client_handshake(
                     loop,
                     sock,
@@ -174,6 +192,9 @@ class Dialer:
                     token=self._token,
                     meta=meta,
                     accept_only=purpose == "meta",
+                    joins=joins,
+                    on_challenge=on_challenge,
+                    join=None if join is None else await join(),
                 )
                 got = None
                 if meta and accept.meta:
@@ -196,6 +217,15 @@ class Dialer:
             finally:
                 sock.close()
         raise AssertionError("unreachable")  # for type checkers: the block returns or raises
+
+
+def joining(nonce: bytes, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:
+    """A known Challenge to join, as Dialer.open's join= takes it."""
+
+    async def join() -> tuple[bytes, int] | None:
+        return nonce, index
+
+    return join
 
 
 def parse_address(address: str) -> tuple[str, int]:

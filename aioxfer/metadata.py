@@ -40,6 +40,7 @@ MAX_REGIONS = 1 << 20  # regions in one agent's metadata
 MAX_RAILS = 16  # listen addresses an agent may advertise (Agent(max_rails=) dials fewer)
 MAX_NAME = 256
 MAX_ADDRESS = 300
+MAX_JOINS = 63  # connections that may join one Challenge (Hello.joins)
 
 # msgspec bounds must fit an int64: the upper bound of a u64 is checked in
 # __post_init__ (msgpack cannot carry more anyway; JSON from etcd can).
@@ -77,6 +78,18 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # no metadata after it; a same-host agent asks this first. A server that
     # predates it sends the metadata anyway, which such a client never reads.
     accept_only: bool = False
+    # A first "data" connection or accept_only "meta" probe (with a token):
+    # this many more "data" connections of ours will join its Challenge
+    # (authenticate against its nonce, see ``join``), each once, within the
+    # server's peer timeout.
+    joins: Annotated[int, msgspec.Meta(ge=0, le=MAX_JOINS)] = 0
+    # One of those connections: the first one's Challenge.nonce, which of its
+    # ``joins`` this is (1-based), and HMAC(token, join context + join +
+    # join_index + nonce + name). Accepted once: Challenge.joined, then
+    # Accept, no Proof round; anything else gets the usual Challenge.
+    join: Nonce = b""
+    join_index: Annotated[int, msgspec.Meta(ge=0, le=MAX_JOINS)] = 0
+    join_proof: Nonce = b""
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
@@ -91,6 +104,9 @@ class Challenge(msgspec.Struct, tag="challenge", frozen=True):
 
     nonce: Nonce
     proof: Nonce
+    # Hello.join was accepted: Accept follows, the client sends no Proof
+    # (``nonce`` is unused then).
+    joined: bool = False
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):

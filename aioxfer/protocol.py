@@ -21,6 +21,20 @@ Handshake (client left, server right)::
                    then native engine frames both ways
     "verbs":       VerbsConnect{client's queue pairs}  ->
                    <- VerbsAccept{server's queue pairs}, then as "data"
+
+A client's other "data" connections to the same peer may join the Challenge
+of its first connection, "data" or an accept_only "meta" probe (token only;
+on the unix socket too, where the kernel still vouches for the user): the
+first Hello says how many (``joins``); once the client has checked that
+Challenge's server proof, each other connection (index i, 1-based) sends
+``Hello{..., join=nonce_s, join_index=i, join_proof}`` with
+``join_proof = HMAC(token, JOIN_CTX + nonce_s + i + nonce_c + name)`` and
+gets ``Challenge{joined, HMAC(token, SERVER_CTX + nonce_c)}`` and Accept
+together: one round trip, no Proof. The server honours a join only for a
+Challenge it issued to that name and incarnation for that many joins, each
+index once, within its peer timeout (:class:`Joins`); anything else (replayed,
+forged, expired, another name, a wrong proof) gets the usual Challenge, so it
+still has to prove the token over a fresh nonce.
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ import hmac
 import secrets
 import socket
 import sys
+import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -55,8 +71,10 @@ __all__ = [
     "META_GO",
     "FrameTooLarge",
     "HandshakeRejected",
+    "Joins",
     "client_handshake",
     "client_proof",
+    "join_proof",
     "encode_frame",
     "recv_go",
     "recv_frame",
@@ -83,6 +101,7 @@ MAX_NAME = 256
 META_GO = b"\x01"
 _SERVER_CTX = b"aioxfer-server-v1\x00"
 _CLIENT_CTX = b"aioxfer-client-v1\x00"
+_JOIN_CTX = b"aioxfer-join-v1\x00"
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
@@ -181,6 +200,84 @@ def client_proof(token: bytes, server_nonce: bytes, name: str) -> bytes:
     return hmac.new(token, _CLIENT_CTX + server_nonce + name.encode(), hashlib.sha256).digest()
 
 
+def join_proof(token: bytes, join: bytes, index: int, client_nonce: bytes, name: str) -> bytes:
+    """A joining connection's proof (see the module docstring); join and
+    client_nonce are NONCE_BYTES long, index one byte."""
+    return hmac.new(
+        token, _JOIN_CTX + join + bytes((index,)) + client_nonce + name.encode(), hashlib.sha256
+    ).digest()
+
+
+class _Grant:
+    __slots__ = ("expires", "name", "incarnation", "joins", "used")
+
+    def __init__(self, expires: float, name: str, incarnation: int, joins: int) -> None:
+        self.expires = expires
+        self.name = name
+        self.incarnation = incarnation
+        self.joins = joins
+        self.used = 0  # bit i: join_index i was accepted
+
+
+class Joins:
+    """Server side: the Challenges a client's other connections may join.
+
+    A Challenge sent to a "data" (or accept_only "meta") Hello that asks for
+    ``joins`` is granted here: for ``ttl`` seconds, each join_index 1..joins
+    may be accepted once, on a "data" Hello of the same name and incarnation,
+    with a join proof over the Challenge's nonce; the grant is revoked when
+    the client fails its own Proof. At most ``cap`` grants are live (the oldest goes first): an
+    unauthenticated client can make grants, never use one, and a legitimate
+    client that finds its grant gone only does the usual Proof round.
+    """
+
+    __slots__ = ("_live", "_ttl", "_cap", "joined")
+
+    def __init__(self, *, ttl: float, cap: int) -> None:
+        self._live: dict[bytes, _Grant] = {}
+        self.joined = 0  # joins accepted (tests, statistics)
+        self._ttl = ttl
+        self._cap = max(1, cap)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def grant(self, nonce: bytes, hello: Hello) -> None:
+        now = time.monotonic()
+        live = self._live
+        while live:  # oldest first: one ttl for all, so expiry follows insertion
+            first = next(iter(live))
+            if live[first].expires > now and len(live) < self._cap:
+                break
+            del live[first]
+        live[nonce] = _Grant(now + self._ttl, hello.name, hello.incarnation, hello.joins)
+
+    def revoke(self, nonce: bytes) -> None:
+        self._live.pop(nonce, None)
+
+    def take(self, hello: Hello, token: bytes) -> bool:
+        """Whether hello joins a live grant (the index is then used up)."""
+        g = self._live.get(hello.join)
+        if (
+            g is None
+            or g.expires <= time.monotonic()
+            or g.name != hello.name
+            or g.incarnation != hello.incarnation
+            or not 1 <= hello.join_index <= g.joins
+            or g.used >> hello.join_index & 1
+            or len(hello.nonce) != NONCE_BYTES
+        ):
+            return False
+        want = join_proof(token, hello.join, hello.join_index, hello.nonce, hello.name)
+        if not hmac.compare_digest(hello.join_proof, want):
+            return False
+        g.used |= 1 << hello.join_index
+        self.joined += 1
+        if g.used == (1 << (g.joins + 1)) - 2:
+            del self._live[hello.join]
+        return True
+
+
 def _unexpected(got: Frame, want: str) -> ProtocolError:
     return ProtocolError(f"expected {want}, got {type(got).__name__}")
 
@@ -195,9 +292,16 @@ async def _client_handshake(
     token: bytes | None,
     meta: bool,
     accept_only: bool,
+    joins: int,
+    on_challenge: Callable[[bytes], None] | None,
+    join: tuple[bytes, int] | None,
 ) -> Accept:
     """See client_handshake."""
     nonce = secrets.token_bytes(NONCE_BYTES)
+    if token is None or not (purpose == "data" or accept_only):
+        joins = 0
+    if token is None or purpose != "data":
+        join = None
     hello = Hello(
         version=PROTOCOL_VERSION,
         name=name,
@@ -207,7 +311,14 @@ async def _client_handshake(
         byteorder=sys.byteorder,
         meta=meta,
         accept_only=accept_only,
+        joins=joins,
     )
+    if join is not None:
+        assert token is not None
+        hello = msgspec.structs.replace(
+            hello, join=join[0], join_index=join[1],
+            join_proof=join_proof(token, join[0], join[1], nonce, name),
+        )
     await send_frame(loop, sock, hello)
     msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     if isinstance(msg, Challenge):
@@ -217,7 +328,13 @@ async def _client_handshake(
             raise AccessDenied("peer failed to prove it knows the token")
         if len(msg.nonce) != NONCE_BYTES:
             raise ProtocolError(f"challenge nonce must be {NONCE_BYTES} bytes")
-        await send_frame(loop, sock, Proof(proof=client_proof(token, msg.nonce, name)))
+        if msg.joined:
+            if join is None:
+                raise ProtocolError("peer accepted a join this connection did not ask for")
+        else:
+            if on_challenge is not None and joins:
+                on_challenge(msg.nonce)  # our other connections may join it now
+            await send_frame(loop, sock, Proof(proof=client_proof(token, msg.nonce, name)))
         msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     elif isinstance(msg, Accept) and token is not None:
         raise AccessDenied("peer does not authenticate with a token, but this agent requires one")
@@ -234,6 +351,7 @@ async def _server_handshake(
     *,
     token: bytes | None,
     accept: Accept,
+    joins: Joins | None,
 ) -> Hello:
     """See server_handshake."""
     hello = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
@@ -251,22 +369,44 @@ async def _server_handshake(
     if hello.purpose in ("data", "verbs") and hello.byteorder != sys.byteorder:
         await _reject(loop, sock, f"byte order {hello.byteorder} is not {sys.byteorder}")
         raise ProtocolError(f"client byte order {hello.byteorder} is not {sys.byteorder}")
-    if token is not None:
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        await send_frame(loop, sock, Challenge(nonce=nonce, proof=server_proof(token, hello.nonce)))
-        try:
-            answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
-        except ProtocolError as exc:
-            raise HandshakeRejected(
-                f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
-            ) from None
-        if not isinstance(answer, Proof):
-            raise _unexpected(answer, "Proof")
-        if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.name)):
-            await _reject(loop, sock, "bad token")
-            raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
     if hello.meta and hello.purpose == "data":
         accept = msgspec.structs.replace(accept, meta=True)  # the caller sends it
+    if token is not None:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        proof = server_proof(token, hello.nonce)
+        data = hello.purpose == "data" and joins is not None
+        if data and hello.join and joins is not None and joins.take(hello, token):
+            # Authenticated by its join proof: no Proof round.
+            await loop.sock_sendall(
+                sock,
+                encode_frame(Challenge(nonce=nonce, proof=proof, joined=True))
+                + encode_frame(accept),
+            )
+            return hello
+        granted = (
+            joins is not None
+            and hello.joins > 0
+            and (hello.purpose == "data" or (hello.purpose == "meta" and hello.accept_only))
+        )
+        if granted and joins is not None:
+            joins.grant(nonce, hello)
+        try:
+            await send_frame(loop, sock, Challenge(nonce=nonce, proof=proof))
+            try:
+                answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
+            except ProtocolError as exc:
+                raise HandshakeRejected(
+                    f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
+                ) from None
+            if not isinstance(answer, Proof):
+                raise _unexpected(answer, "Proof")
+            if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.name)):
+                await _reject(loop, sock, "bad token")
+                raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
+        except BaseException:
+            if granted and joins is not None:
+                joins.revoke(nonce)  # a client that did not prove the token joins nothing
+            raise
     await send_frame(loop, sock, accept)
     return hello
 
@@ -281,8 +421,16 @@ async def client_handshake(
     token: bytes | None,
     meta: bool = False,
     accept_only: bool = False,
+    joins: int = 0,
+    on_challenge: Callable[[bytes], None] | None = None,
+    join: tuple[bytes, int] | None = None,
 ) -> Accept:
     """Runs the client half; returns the server's Accept.
+
+    joins/on_challenge (a first "data" connection, token only): this many
+    other connections will join its Challenge; on_challenge(nonce) is called
+    once the server proved itself in it. join: (that nonce, index 1..joins)
+    for one of those connections (see the module docstring).
 
     meta ("data" only): ask for the server's metadata on this connection; if
     the Accept says it follows (``accept.meta``), the caller reads it
@@ -300,7 +448,7 @@ async def client_handshake(
     try:
         return await _client_handshake(
             loop, sock, name=name, incarnation=incarnation, purpose=purpose, token=token,
-            meta=meta, accept_only=accept_only,
+            meta=meta, accept_only=accept_only, joins=joins, on_challenge=on_challenge, join=join,
         )
     except XferError:
         _shutdown(sock)
@@ -313,16 +461,18 @@ async def server_handshake(
     *,
     token: bytes | None,
     accept: Accept,
+    joins: Joins | None = None,
 ) -> Hello:
     """Runs the server half up to and including sending ``accept`` (with
     ``meta=True`` when the client asked for the metadata on a "data"
-    connection: the caller then sends it, see META_GO).
+    connection: the caller then sends it, see META_GO). joins: where the
+    Challenges other connections may join are kept (None: no joins).
 
     Raises HandshakeRejected (after sending Reject) when authentication fails,
     ProtocolError on anything malformed; either way the socket is shut down.
     """
     try:
-        return await _server_handshake(loop, sock, token=token, accept=accept)
+        return await _server_handshake(loop, sock, token=token, accept=accept, joins=joins)
     except XferError:
         _shutdown(sock)
         raise

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aioxfer import _cyx
+from aioxfer.dialing import joining
 from aioxfer.errors import XferError
 from aioxfer.log import get_logger
 
@@ -61,7 +62,7 @@ class Rails:
         *,
         endpoint_rails: Callable[[int], list[RailConn]],
         add_conn: Callable[[int, int, int], None],
-        open_conn: Callable[[str], Awaitable[tuple[socket.socket, Accept]]],
+        open_conn: Callable[..., Awaitable[tuple[socket.socket, Accept]]],
         probe_delay: float,
         probe_max: float,
         tasks: set[asyncio.Task[None]],
@@ -116,13 +117,27 @@ class Rails:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def dial(self, ep: int, rail: int, address: str, n: int, incarnation: int) -> int:
+    async def dial(
+        self,
+        ep: int,
+        rail: int,
+        address: str,
+        n: int,
+        incarnation: int,
+        join: tuple[bytes, int] | None = None,
+    ) -> int:
         """Opens n data connections to address at once and hands those the
         peer's incarnation answered (not another process behind that address)
         to endpoint ep as rail; closes the rest. Returns how many it added:
-        network failures only make it fewer; the engine refusing raises."""
+        network failures only make it fewer; the engine refusing raises.
+        join (nonce, i): connection k joins that Challenge as index i + k."""
         results = await asyncio.gather(
-            *(self._open_conn(address) for _ in range(n)), return_exceptions=True
+            *(
+                self._open_conn(address) if join is None
+                else self._open_conn(address, join=joining(join[0], join[1] + k))
+                for k in range(n)
+            ),
+            return_exceptions=True,
         )
         socks = [r[0] for r in results if isinstance(r, tuple)]
         added = 0

@@ -26,6 +26,7 @@ from aioxfer.metadata import Accept, AgentMeta, VerbsAccept, VerbsConnect, Verbs
 from aioxfer.protocol import (
     META_GO,
     HandshakeRejected,
+    Joins,
     encode_frame,
     recv_frame,
     send_frame,
@@ -69,6 +70,7 @@ class Server:
         "_tag_unref",
         "_tasks",
         "_closed",
+        "joins",
     )
 
     def __init__(
@@ -101,6 +103,10 @@ class Server:
         self._tag_unref = tag_unref
         self._tasks = tasks
         self._closed = closed
+        # The Challenges a client's other connections may join (one round
+        # trip each instead of two: a tcp connect's other connections, a
+        # same-host connect's unix socket): as many live as handshakes may run.
+        self.joins = Joins(ttl=peer_timeout, cap=max_handshakes)
 
     async def accept_loop(
         self, loop: asyncio.AbstractEventLoop, lsock: socket.socket, *, local: bool = False
@@ -157,6 +163,7 @@ class Server:
                     sock,
                     token=self._token,
                     accept=self._accept,
+                    joins=self.joins,
                 )
                 if hello.purpose == "meta":
                     if hello.accept_only:

@@ -15,7 +15,9 @@ CLOCK_MONOTONIC, so the target's steps land on the initiator's timeline.
 Prints per build: the total's median, then each step's median start and
 duration (ms from the initiator's connect call), over the samples; --dump
 also one sample's raw timeline. PHASE_TCP_CONNS=n in the environment: the
-initiator's tcp_connections (a what-if: how much the other connections cost).
+initiator's tcp_connections (a what-if: how much the other connections cost);
+PHASE_INIT_ALL=1: the initiator has every transport (with --transport tcp:
+it probes first, as an agent with a unix socket does, then takes tcp).
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def _patch(prefix: str) -> None:
 
 def _agent_kw(transport: str, initiator: bool = False) -> dict[str, Any]:
     kw: dict[str, Any] = {"transports": ("tcp",)} if transport == "tcp" else {}
+    if initiator and os.environ.get("PHASE_INIT_ALL"):  # a default initiator: probes first
+        kw = {}
     if initiator and os.environ.get("PHASE_TCP_CONNS"):  # what-if: fewer connections
         kw["tcp_connections"] = int(os.environ["PHASE_TCP_CONNS"])
     return kw
@@ -233,8 +237,9 @@ def main() -> None:
     for py in pythons:
         ss = samples[py]
         tot = [s["TOTAL"][0][1] / 1e6 for s in ss]
+        q1 = statistics.quantiles(tot, n=4)[0] if len(tot) > 1 else tot[0]
         print(f"== {py} ({args.transport}, n={len(ss)}): total median {statistics.median(tot):.2f}"
-              f" ms (min {min(tot):.2f}, max {max(tot):.2f})")
+              f" ms (min {min(tot):.2f}, q1 {q1:.2f}, max {max(tot):.2f})")
         names = sorted({n for s in ss for n in s},
                        key=lambda n: statistics.median(s[n][0][0] for s in ss if n in s))
         for n in names:

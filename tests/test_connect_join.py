@@ -1,0 +1,301 @@
+"""A tcp connect's other connections join the first one's Challenge
+(protocol.Joins): one round trip each, no Proof round, and only for the
+client that was challenged, once per index, while the grant lives.
+
+Raw sockets against a real agent: the first connection runs the real client
+handshake asking for joins; the others are built by hand, so that replayed,
+forged, expired, renamed, out-of-range and wrongly keyed joins can be sent.
+Each of those must get the usual Challenge (a fresh nonce, no ``joined``),
+and a wrong Proof then gets a Reject, as any unauthenticated client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+
+import msgspec
+import pytest
+from conftest import within
+from test_security import closed_by_peer, raw_connect, still_serves
+
+import aioxfer
+from aioxfer import ProtocolError, metadata, protocol
+
+MiB = 1 << 20
+TOKEN = b"join-test-token"
+
+
+async def first_connection(
+    address: str, joins: int, *, name: str = "raw", incarnation: int = 7
+) -> tuple[socket.socket, bytes]:
+    """A "data" connection asking for joins; returns it and its Challenge nonce."""
+    loop = asyncio.get_running_loop()
+    sock = await raw_connect(address)
+    got: list[bytes] = []
+    await within(protocol.client_handshake(
+        loop, sock, name=name, incarnation=incarnation, purpose="data", token=TOKEN,
+        joins=joins, on_challenge=got.append,
+    ))
+    assert len(got) == 1
+    return sock, got[0]
+
+
+def join_hello(join: bytes, index: int, *, name: str = "raw", incarnation: int = 7,
+               token: bytes = TOKEN, nonce: bytes | None = None) -> bytes:
+    nonce = nonce or os.urandom(protocol.NONCE_BYTES)
+    return protocol.encode_frame(metadata.Hello(
+        version=metadata.PROTOCOL_VERSION, name=name, incarnation=incarnation,
+        purpose="data", nonce=nonce, byteorder=sys.byteorder, join=join, join_index=index,
+        join_proof=protocol.join_proof(token, join, index, nonce, name),
+    ))
+
+
+async def send_join(address: str, hello: bytes) -> tuple[socket.socket, metadata.Challenge]:
+    loop = asyncio.get_running_loop()
+    sock = await raw_connect(address)
+    await loop.sock_sendall(sock, hello)
+    chal = await within(protocol.recv_frame(loop, sock))
+    assert isinstance(chal, metadata.Challenge)
+    return sock, chal
+
+
+async def refused(address: str, hello: bytes) -> None:
+    """hello's join is not honoured: the usual Challenge, and a client that
+    cannot answer it is rejected."""
+    loop = asyncio.get_running_loop()
+    sock, chal = await send_join(address, hello)
+    with sock:
+        assert not chal.joined
+        await loop.sock_sendall(sock, protocol.encode_frame(metadata.Proof(proof=b"\0" * 32)))
+        reply = await within(protocol.recv_frame(loop, sock))
+        assert isinstance(reply, metadata.Reject)
+        assert await closed_by_peer(sock)
+
+
+async def test_join_is_one_round_trip_once(make_agent) -> None:
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    target.alloc(MiB, name="dst")
+    loop = asyncio.get_running_loop()
+    first, nonce = await first_connection(target.address, 2)
+    socks = [first]
+    try:
+        hello = join_hello(nonce, 1)
+        sock, chal = await send_join(target.address, hello)
+        socks.append(sock)
+        assert chal.joined
+        accept = await within(protocol.recv_frame(loop, sock))
+        assert isinstance(accept, metadata.Accept) and accept.name == target.name
+        # The server proved itself over this connection's own nonce.
+        assert chal.proof == protocol.server_proof(
+            TOKEN, metadata_hello(hello).nonce
+        )
+        assert target._server.joins.joined == 1
+        # The same Hello again (a replay), and index 1 with a fresh nonce: used up.
+        await refused(target.address, hello)
+        await refused(target.address, join_hello(nonce, 1))
+        # Index 2 is still there, once; then the grant is gone.
+        sock, chal = await send_join(target.address, join_hello(nonce, 2))
+        socks.append(sock)
+        assert chal.joined
+        assert isinstance(await within(protocol.recv_frame(loop, sock)), metadata.Accept)
+        assert target._server.joins.joined == 2 and len(target._server.joins) == 0
+    finally:
+        for s in socks:
+            s.close()
+    await still_serves(make_agent, target.address, "dst", token=TOKEN)
+
+
+def metadata_hello(frame: bytes) -> metadata.Hello:
+    msg = protocol.decode_body(frame[4:])
+    assert isinstance(msg, metadata.Hello)
+    return msg
+
+
+@pytest.mark.parametrize("case", [
+    "forged-nonce", "wrong-token", "other-name", "other-incarnation", "index-0",
+    "index-past-joins", "proof-for-another-nonce",
+])
+async def test_bad_join_gets_the_usual_challenge(make_agent, case: str) -> None:
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    target.alloc(MiB, name="dst")
+    first, nonce = await first_connection(target.address, 2)
+    with first:
+        if case == "forged-nonce":
+            hello = join_hello(os.urandom(protocol.NONCE_BYTES), 1)
+        elif case == "wrong-token":
+            hello = join_hello(nonce, 1, token=b"another user's token")
+        elif case == "other-name":
+            hello = join_hello(nonce, 1, name="intruder")
+        elif case == "other-incarnation":
+            hello = join_hello(nonce, 1, incarnation=8)
+        elif case == "index-0":
+            hello = join_hello(nonce, 0)
+        elif case == "index-past-joins":
+            hello = join_hello(nonce, 3)
+        else:  # a proof computed for one client nonce, sent with another
+            good = metadata_hello(join_hello(nonce, 1))
+            hello = protocol.encode_frame(metadata.Hello(
+                version=good.version, name=good.name, incarnation=good.incarnation,
+                purpose="data", nonce=os.urandom(protocol.NONCE_BYTES), join=nonce,
+                join_index=1, join_proof=good.join_proof,
+            ))
+        await refused(target.address, hello)
+        assert target._server.joins.joined == 0
+        # The refused attempt used nothing up: the real index 1 still joins.
+        sock, chal = await send_join(target.address, join_hello(nonce, 1))
+        with sock:
+            assert chal.joined
+    await still_serves(make_agent, target.address, "dst", token=TOKEN)
+
+
+async def test_no_join_without_a_proven_first_connection(make_agent) -> None:
+    """A first connection that fails its Proof leaves no grant behind."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    loop = asyncio.get_running_loop()
+    sock = await raw_connect(target.address)
+    with sock:
+        await loop.sock_sendall(sock, protocol.encode_frame(metadata.Hello(
+            version=metadata.PROTOCOL_VERSION, name="raw", incarnation=7, purpose="data",
+            nonce=os.urandom(protocol.NONCE_BYTES), byteorder=sys.byteorder, joins=2,
+        )))
+        chal = await within(protocol.recv_frame(loop, sock))
+        assert isinstance(chal, metadata.Challenge) and not chal.joined
+        await loop.sock_sendall(sock, protocol.encode_frame(metadata.Proof(proof=b"\0" * 32)))
+        assert isinstance(await within(protocol.recv_frame(loop, sock)), metadata.Reject)
+        assert await closed_by_peer(sock)
+    assert len(target._server.joins) == 0
+    # Even with the token, the nonce of that failed handshake joins nothing.
+    await refused(target.address, join_hello(chal.nonce, 1))
+
+
+async def test_expired_grant_joins_nothing(make_agent) -> None:
+    target = await make_agent("target", token=TOKEN, transports=("tcp",), peer_timeout=0.5)
+    first, nonce = await first_connection(target.address, 1)
+    with first:
+        await asyncio.sleep(0.7)  # past the target's peer timeout
+        await refused(target.address, join_hello(nonce, 1))
+
+
+async def test_grants_are_bounded(make_agent) -> None:
+    """At most max_handshakes grants live (authenticated first connections
+    asking for many joins each); the oldest go first."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",),
+                              limits=aioxfer.Limits(max_handshakes=4))
+    firsts = [await first_connection(target.address, 63) for _ in range(6)]
+    try:
+        assert len(target._server.joins) == 4
+        await refused(target.address, join_hello(firsts[0][1], 1))  # evicted
+        sock, chal = await send_join(target.address, join_hello(firsts[-1][1], 1))
+        with sock:
+            assert chal.joined
+    finally:
+        for sock, _ in firsts:
+            sock.close()
+
+
+async def test_agent_connections_join(make_agent) -> None:
+    """An agent's tcp connect: the first rail's other connections join."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    dst = target.alloc(8 * MiB, name="dst")
+    init = await make_agent("init", token=TOKEN, transports=("tcp",), tcp_connections=4)
+    peer = await within(init.connect(target.address))
+    assert target._server.joins.joined == 3 and len(target._server.joins) == 0
+    assert len(init._engine.endpoint_rails(peer._ep)) >= 1
+    src = init.alloc(8 * MiB, name="src")
+    src.numpy()[:] = 7
+    await within(init.write(src[0:8 * MiB], peer.region("dst")[0:8 * MiB]))
+    assert (dst.numpy() == 7).all()
+
+
+async def test_no_token_no_joins(make_agent) -> None:
+    """Without a token there is no Challenge to join: the others handshake alone."""
+    target = await make_agent("target", insecure_no_auth=True, transports=("tcp",))
+    target.alloc(MiB, name="dst")
+    init = await make_agent("init", insecure_no_auth=True, transports=("tcp",),
+                            tcp_connections=4)
+    peer = await within(init.connect(target.address))
+    assert target._server.joins.joined == 0 and len(target._server.joins) == 0
+    assert peer.path == "tcp"
+
+
+async def test_same_host_connect_joins_the_probe(make_agent) -> None:
+    """A same-host connect's unix-socket connection joins the tcp probe's
+    Challenge (the kernel still checks who connects there)."""
+    target = await make_agent("target", token=TOKEN)
+    dst = target.alloc(MiB, name="dst")
+    init = await make_agent("init", token=TOKEN)
+    peer = await within(init.connect(target.address))
+    if peer.path != "shm":
+        pytest.skip(f"no same-host path here ({peer.path})")
+    # Index 1 used; the ones a tcp fallback would have used expire unused.
+    assert target._server.joins.joined == 1
+    src = init.alloc(MiB, name="src")
+    src.numpy()[:] = 5
+    await within(init.write(src[0:MiB], peer.region("dst")[0:MiB]))
+    assert (dst.numpy() == 5).all()
+
+
+async def test_probe_grant_is_not_a_data_connection(make_agent) -> None:
+    """A "meta" probe's grant admits joining "data" Hellos only; a probe
+    that is not accept_only gets no grant."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    loop = asyncio.get_running_loop()
+    sock = await raw_connect(target.address)
+    with sock:
+        await within(protocol.fetch_meta(loop, sock, name="raw", incarnation=7, token=TOKEN))
+    assert len(target._server.joins) == 0
+    sock = await raw_connect(target.address)
+    got: list[bytes] = []
+    with sock:
+        await within(protocol.client_handshake(
+            loop, sock, name="raw", incarnation=7, purpose="meta", token=TOKEN,
+            accept_only=True, joins=1, on_challenge=got.append,
+        ))
+    assert len(got) == 1 and len(target._server.joins) == 1
+    hello = metadata_hello(join_hello(got[0], 1))
+    meta_join = protocol.encode_frame(metadata.Hello(
+        version=hello.version, name=hello.name, incarnation=hello.incarnation,
+        purpose="meta", nonce=hello.nonce, join=hello.join, join_index=1,
+        join_proof=hello.join_proof,
+    ))
+    await refused(target.address, meta_join)
+    sock, chal = await send_join(target.address, join_hello(got[0], 1))
+    with sock:
+        assert chal.joined
+
+
+async def test_tcp_after_the_probe_joins_it(make_agent) -> None:
+    """An agent that probes first (it has a unix socket) and then takes tcp
+    (the peer has no same-host path): its data connection and the rail's
+    other connections join the probe's Challenge."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    dst = target.alloc(8 * MiB, name="dst")
+    init = await make_agent("init", token=TOKEN, tcp_connections=4)
+    peer = await within(init.connect(target.address))
+    assert peer.path == "tcp"
+    assert target._server.joins.joined == 4
+    src = init.alloc(8 * MiB, name="src")
+    src.numpy()[:] = 9
+    await within(init.write(src[0:8 * MiB], peer.region("dst")[0:8 * MiB]))
+    assert (dst.numpy() == 9).all()
+
+
+async def test_failure_after_the_probe_closes_the_others(make_agent) -> None:
+    """The other connections dialled beside a probing agent's tcp data
+    connection are closed when connecting fails after its metadata came."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    real = target._localmeta.meta_with
+    target._localmeta.meta_with = lambda memfd: msgspec.structs.replace(real(memfd), version=999)
+    init = await make_agent("init", token=TOKEN, tcp_connections=4)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(ProtocolError):
+            await within(init.connect(target.address))
+    for _ in range(200):  # the target (in this process too) closes its side
+        if not target._serving and len(os.listdir("/proc/self/fd")) == before:
+            break
+        await asyncio.sleep(0.01)
+    assert len(os.listdir("/proc/self/fd")) == before
