@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+import netns
 import numpy as np
 import pytest
 from conftest import digest, pattern, sigstop, wait_until, within
@@ -181,6 +182,95 @@ async def test_cancel_of_a_polled_lone_await_leaves_nothing(make_agent, remote_a
     assert polled, "no lone await was polled before its cancel"
     s = init.statistics()
     assert s.in_flight == 0 and s.native_ops == 0
+
+
+# ------------------------------------------------- a link dropped under a polled lone await
+
+PEER_TIMEOUT = 1.0
+KEEPALIVE = 0.2
+SLACK = 3.0  # command round trips and scheduling on a loaded 2-core box
+
+
+@pytest.mark.parametrize("nbytes", [MiB, 4096], ids=["1MiB-halves", "4KiB"])
+async def test_link_down_under_a_lone_polled_await(nbytes: int) -> None:
+    """Two namespaces, one veth rail, two tcp connections on it; the
+    initiator's lone awaited writes (polled for in their await, a 1 MiB one
+    as two halves on the two connections) go on while the link is taken
+    down: the write in flight then fails with PeerLost within the
+    peer_timeout bound (not a hang, not a spin), the agent leaks nothing, and
+    once the link is back a new connection carries the same writes again,
+    data checked."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(f"needs network namespaces: {reason}")
+    opts = {"transports": ("tcp",), "peer_timeout": PEER_TIMEOUT, "keepalive": KEEPALIVE,
+            "tcp_connections": 2}
+    with netns.rails(1, prefix="10.78") as net:
+        rail = net.rail(1)
+        agents: list[netns.NsAgent] = []
+        try:
+            target, init = await asyncio.gather(
+                netns.NsAgent.start(net, "a", "target", listen=f"{rail.addr_a}:7100", **opts),
+                netns.NsAgent.start(net, "b", "init", listen=f"{rail.addr_b}:0", **opts))
+            agents += [target, init]
+            await asyncio.gather(target.call("alloc", "dst", 2 * MiB),
+                                 init.call("alloc", "src", 2 * MiB, 3))
+            await init.call("connect", target.address, timeout=20)
+            for _ in range(20):  # the peer's latency average: the await's poll bound
+                assert await init.call("write", target.address, "src", 0, "dst", 0,
+                                       nbytes) == ("ok", "tcp")
+            # Writes one after the other, the link taken down meanwhile.
+            results: list[tuple[float, tuple[str, str]]] = []
+
+            async def writes() -> None:
+                while True:
+                    r = await init.call("write", target.address, "src", 0, "dst", 0, nbytes,
+                                        timeout=PEER_TIMEOUT + KEEPALIVE + 30)
+                    results.append((time.monotonic(), tuple(r)))
+                    if r[0] != "ok":
+                        return
+
+            task = asyncio.get_running_loop().create_task(writes())
+            await asyncio.sleep(0.2)
+            t_down = time.monotonic()
+            net.link_down(1, "b")
+            await within(task, PEER_TIMEOUT + KEEPALIVE + 30)
+            t_end, last = results[-1]
+            assert last[0] == "PeerLost", results[-3:]
+            print(f"\n{nbytes} B lone writes: {len(results) - 1} completed, then PeerLost "
+                  f"{t_end - t_down:.3f} s after the link went down")
+            assert t_end - t_down <= PEER_TIMEOUT + KEEPALIVE + SLACK, (
+                f"the await ended {t_end - t_down:.2f} s after the link went down")
+            assert await init.call("peer_lost", target.address)
+            st = await init.call("stats")
+            assert st["in_flight"] == 0 and st["native_ops"] == 0, st
+            # Back up: a new connection carries the same lone writes, whole.
+            net.link_up(1, "b")
+            await target.call("alloc", "dst2", 2 * MiB)
+
+            async def reconnect() -> None:
+                while True:
+                    try:
+                        await init.call("connect", target.address, timeout=20)
+                        return
+                    except netns.WorkerError:
+                        await asyncio.sleep(0.2)  # the target may not know the old one gone
+
+            await within(reconnect(), 30)
+            for _ in range(5):
+                assert await init.call("write", target.address, "src", 0, "dst2", 0,
+                                       nbytes) == ("ok", "tcp")
+            assert (await target.call("digest", "dst2", 0, nbytes)
+                    == await init.call("digest", "src", 0, nbytes))
+        finally:
+            finals = await asyncio.gather(*(a.close() for a in reversed(agents)),
+                                          return_exceptions=True)
+        for ag, stats in zip(reversed(agents), finals, strict=True):
+            assert isinstance(stats, dict), f"{ag.name} did not close: {stats!r}"
+            leaks = {k: stats.get(k) for k in ("in_flight", "native_ops", "native_regions",
+                                               "pinned_regions")}
+            assert all(v == 0 for v in leaks.values()), f"{ag.name} leaks: {leaks}"
+    assert not netns.leftover_namespaces()
 
 
 # ------------------------------------------------- deregistered under queued READ responses
