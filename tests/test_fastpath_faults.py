@@ -169,8 +169,12 @@ async def test_cancel_of_a_polled_lone_await_leaves_nothing(make_agent, remote_a
         finally:
             os.kill(ra.pid, signal.SIGCONT)
         await wait_until(lambda: init.statistics().in_flight == 0
-                         and init.statistics().native_ops == 0, 10,
+                         and init.statistics().native_ops == 0
+                         and peer.statistics().in_flight == 0, 10,
                          what=f"round {round_}: the cancelled write settled")
+        ps = peer.statistics()
+        assert ps.in_flight_bytes == 0 and ps.queued == 0, ps
+        assert ps.transfers_posted == ps.transfers_completed + ps.transfers_failed, ps
         assert not peer.lost
         # The next ones work, and the cancelled write did not leave bytes of
         # its own behind (it wrote the same data, or nothing).
