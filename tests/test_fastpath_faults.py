@@ -112,6 +112,61 @@ async def test_peer_killed_with_both_halves_in_flight(make_agent, remote_agent, 
     assert res.nbytes == MiB
 
 
+# ------------------------------------------------- a same-host peer killed under inline copies
+
+
+@pytest.mark.parametrize("region", ["user", "pool"])
+@pytest.mark.parametrize("size", ["64KiB", "inline_max"])
+async def test_same_host_peer_killed_under_lone_inline_writes(make_agent, remote_agent,
+                                                              region: str, size: str) -> None:
+    """Lone awaited shm writes within inline_bytes are copied inside the post
+    on the posting thread (from 2 MiB shared with the copy workers and
+    waited for there), into the peer's plain memory (cross-memory attach) or
+    its memfd pool (our mapping). The peer is SIGKILLed while they go on:
+    each write completes or fails with PeerLost, the failure comes within a
+    bound of the kill, the loop never blocks, and nothing is left in flight."""
+    ra = await remote_agent(size=4 * MiB)
+    init = await make_agent("init")
+    nbytes = 64 << 10 if size == "64KiB" else min(init.inline_bytes, 2 * MiB)
+    src = init.register(pattern(nbytes, seed=13))
+    peer = await within(init.connect(ra.address))
+    assert peer.path == "shm"
+    dst = peer.region(region)[0:nbytes]
+    for _ in range(5):
+        await within(init.write(src[0:nbytes], dst))
+    killed: list[float] = []
+
+    def kill() -> None:
+        killed.append(time.monotonic())
+        ra.kill(signal.SIGKILL)
+
+    killer = threading.Timer(0.05, kill)
+    killer.start()
+    ok = 0
+    t0 = time.monotonic()
+    try:
+        while True:
+            try:
+                await within(init.write(src[0:nbytes], dst), 5)
+                ok += 1
+            except PeerLost:
+                # The loss is reported before the transfer that found it
+                # fails: a caller woken by that failure sees the peer lost.
+                assert peer.lost, "a write failed with PeerLost, the peer not lost"
+                break
+            await asyncio.sleep(0)  # the loop's other callbacks (the peer's loss) run
+            assert time.monotonic() - t0 < 30, "writes still succeed long after the kill"
+    finally:
+        killer.join()
+    assert killed and ok
+    assert time.monotonic() - killed[0] < 5, "PeerLost only long after the kill"
+    await wait_until(lambda: init.statistics().in_flight == 0
+                     and init.statistics().native_ops == 0, 10, what="nothing in flight")
+    with pytest.raises(PeerLost):
+        await within(init.write(src[0:nbytes], dst))
+    ra.terminate()
+
+
 # ------------------------------------------------- a cancelled, polled await
 
 
