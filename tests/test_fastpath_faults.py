@@ -394,7 +394,9 @@ async def test_deregister_waits_for_queued_read_responses(make_agent) -> None:
                 stream += chunk
                 got += _parse(stream)
         await within(released, 10)
-    assert overwritten
+    # (the callback runs in a later loop iteration when released was done
+    # before this awaited it)
+    await wait_until(lambda: bool(overwritten), what="the overwrite at release")
     resps = [(h, p) for h, p in got if h[1] == F_READ_RESP]
     assert [h[5] for h, _ in resps] == list(range(1, nreq + 1))
     src = data.tobytes()
