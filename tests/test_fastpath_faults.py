@@ -158,7 +158,7 @@ async def test_same_host_peer_killed_under_lone_inline_writes(make_agent, remote
             assert time.monotonic() - t0 < 30, "writes still succeed long after the kill"
     finally:
         killer.join()
-    assert killed and ok
+    assert killed  # (ok may be 0: on a loaded machine the kill can come first)
     assert time.monotonic() - killed[0] < 5, "PeerLost only long after the kill"
     await wait_until(lambda: init.statistics().in_flight == 0
                      and init.statistics().native_ops == 0, 10, what="nothing in flight")

@@ -643,8 +643,17 @@ void op_set_status(op *o, int status, uint64_t index)
 static void op_data_done(axf_engine *e, op *o)
 {
     pthread_mutex_lock(&e->mu);
-    if (o->ep->dead)
-        op_set_status(o, o->ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, 0);
+    endpoint *ep = o->ep;
+    if (ep->dead) {
+        op_set_status(o, ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, 0);
+        /* A connection thread marks it dead first and the last one to exit
+         * reports the loss: reported now if it is not yet, before this op's
+         * completion (a caller woken by the failure sees the peer lost). */
+        if (!ep->closing && !ep->lost_reported) {
+            ep->lost_reported = true;
+            cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, 0, NULL, 0);
+        }
+    }
     if (o->notify && atomic_load(&o->status) == AXF_OK && !atomic_load(&o->cancelled)) {
         o->phase = 1;
         atomic_store(&o->remaining, 1);

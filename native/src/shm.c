@@ -539,17 +539,16 @@ static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
 static void peer_gone(axf_engine *e, endpoint *ep)
 {
     pthread_mutex_lock(&e->mu);
-    bool report = !ep->closing && !ep->lost_reported;
-    if (report) {
+    if (!ep->closing && !ep->lost_reported) {
+        /* Pushed under e->mu: another copy that then finds lost_reported set
+         * knows the record is in the ring before its own completion. */
         ep->lost_reported = true;
+        cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, 0, NULL, 0);
         atomic_store(&ep->halt, true);
         for (int i = 0; i < ep->nconns; i++)
             conn_kill(ep->conns[i]);
     }
-    uint64_t id = ep->id, tag = ep->tag;
     pthread_mutex_unlock(&e->mu);
-    if (report)
-        cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, id, tag, 0, 0, NULL, 0);
 }
 
 static void run_job(axf_engine *e, job *j)
