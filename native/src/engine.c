@@ -643,8 +643,17 @@ void op_set_status(op *o, int status, uint64_t index)
 static void op_data_done(axf_engine *e, op *o)
 {
     pthread_mutex_lock(&e->mu);
-    if (o->ep->dead)
-        op_set_status(o, o->ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, 0);
+    endpoint *ep = o->ep;
+    if (ep->dead) {
+        op_set_status(o, ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST, 0);
+        /* A connection thread marks it dead first and the last one to exit
+         * reports the loss: reported now if it is not yet, before this op's
+         * completion (a caller woken by the failure sees the peer lost). */
+        if (!ep->closing && !ep->lost_reported) {
+            ep->lost_reported = true;
+            cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, 0, NULL, 0);
+        }
+    }
     if (o->notify && atomic_load(&o->status) == AXF_OK && !atomic_load(&o->cancelled)) {
         o->phase = 1;
         atomic_store(&o->remaining, 1);
@@ -682,11 +691,19 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
     op *claimed = NULL;
     pthread_mutex_lock(&e->mu);
     ep->live_conns--;
-    bool report = false;
     if (ep->live_conns == 0) {
+        int st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
+        /* The loss first, so a caller woken by a failed transfer sees the
+         * peer lost: pushed before halt is set (a same-host copy that sees
+         * halt fails its op at once, on its own thread, and its completion
+         * must follow this record in the ring; pushed after unlocking, as
+         * it was, it could precede it). cq_push takes only cq_mu. */
+        if (!ep->lost_reported) {
+            ep->lost_reported = true;
+            cq_push(e, AXF_CQ_PEER_LOST, st, ep->id, ep->tag, 0, 0, NULL, 0);
+        }
         ep->dead = true;
         atomic_store(&ep->halt, true); /* copies stop between chunks */
-        int st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
         for (op *o = ep->ops, *next; o; o = next) {
             next = o->next;
             /* Copies in flight (CPU or GPU) and posted RDMA requests finish
@@ -705,21 +722,11 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
             o->next = claimed;
             claimed = o;
         }
-        if (!ep->lost_reported) {
-            ep->lost_reported = true;
-            report = true;
-        }
         rr_unmap_idle(ep);
     }
     bool flush = ep->live_conns == 0 && ep->xp->ep_lost;
-    /* Read now: once unlocked, a closed endpoint with nothing left may be freed. */
-    int lost_st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
-    uint64_t ep_id = ep->id, ep_tag = ep->tag;
     bool reap = ep->live_conns == 0;
     pthread_mutex_unlock(&e->mu);
-    /* The loss first, so a caller woken by a failed transfer sees the peer lost. */
-    if (report)
-        cq_push(e, AXF_CQ_PEER_LOST, lost_st, ep_id, ep_tag, 0, 0, NULL, 0);
     if (reap)
         watch_wake(e);
     if (flush) { /* e.g. posted RDMA requests flush, then their ops finish */

@@ -526,25 +526,53 @@ static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
     return AXF_OK;
 }
 
+/* A copy found the peer's process gone (cross-memory attach: ESRCH) or its
+ * endpoint halted for that (the watcher saw the process exit; a connection
+ * thread saw the last connection drop and marked it dead): the endpoint's
+ * loss is reported now if nobody did yet, before the op that found it
+ * completes (as endpoint_conn_finished and cuda's peer_gone do), so that a
+ * caller woken by the failed transfer sees the peer lost, not a PeerLost
+ * from a peer it still counts as alive. (Those two set halt first and
+ * report later, from the last connection thread to exit; that report is
+ * then skipped.) Its copies stop at their next chunk; its connections
+ * close; the watcher still marks the process exited once its pidfd says so. */
+static void peer_gone(axf_engine *e, endpoint *ep)
+{
+    pthread_mutex_lock(&e->mu);
+    if (!ep->closing && !ep->lost_reported) {
+        /* Pushed under e->mu: another copy that then finds lost_reported set
+         * knows the record is in the ring before its own completion. */
+        ep->lost_reported = true;
+        cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, 0, NULL, 0);
+        atomic_store(&ep->halt, true);
+        for (int i = 0; i < ep->nconns; i++)
+            conn_kill(ep->conns[i]);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
 static void run_job(axf_engine *e, job *j)
 {
     op *o = j->op;
     if (!atomic_load(&o->cancelled) && atomic_load(&o->status) == AXF_OK) {
+        int st;
         if (j->len) {
-            int st = copy_piece(o, j->i0, j->off, j->len, e->cfg.chunk_bytes);
+            st = copy_piece(o, j->i0, j->off, j->len, e->cfg.chunk_bytes);
             if (st == AXF_OK)
                 atomic_fetch_add(&o->nbytes, j->len);
             else
                 op_set_status(o, st, j->i0);
         } else {
             uint64_t fail = 0;
-            int st = copy_run(o, j->i0, j->i1, e->cfg.chunk_bytes, &fail);
+            st = copy_run(o, j->i0, j->i1, e->cfg.chunk_bytes, &fail);
             if (st == AXF_OK) {
                 atomic_fetch_add(&o->nbytes, j->bytes);
             } else {
                 op_set_status(o, st, fail);
             }
         }
+        if (st == AXF_E_PEER_LOST)
+            peer_gone(e, o->ep);
     }
     shm_waiter *w = j->wait;
     free(j);
@@ -641,6 +669,8 @@ int shm_copy_inline(axf_engine *e, op *o)
 {
     uint64_t fail = 0;
     int st = copy_run(o, 0, o->n, e->cfg.chunk_bytes, &fail);
+    if (st == AXF_E_PEER_LOST)
+        peer_gone(e, o->ep);
     if (st != AXF_OK)
         op_set_status(o, st, fail);
     else

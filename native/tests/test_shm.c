@@ -829,6 +829,95 @@ static int test_cma_aims_at_verified_pid(void)
     return 0;
 }
 
+/* Positions in t's queue (ring order) of ep's loss and of op id's
+ * completion, once the completion is there. */
+static int wait_loss_and_op(tengine *t, uint64_t ep, uint64_t id, int *lost_at, int *op_at)
+{
+    uint64_t deadline = t_now_ms() + T_TIMEOUT_MS;
+    for (;;) {
+        *lost_at = *op_at = -1;
+        for (size_t i = 0; i < t->n; i++) {
+            if (t->q[i].kind == AXF_CQ_PEER_LOST && t->q[i].id == ep && *lost_at < 0)
+                *lost_at = (int)i;
+            if (t->q[i].kind == AXF_CQ_XFER && t->q[i].id == id)
+                *op_at = (int)i;
+        }
+        if (*op_at >= 0)
+            return 0;
+        CHECK(t_now_ms() < deadline);
+        struct pollfd p = {.fd = axf_engine_fd(t->e), .events = POLLIN};
+        (void)poll(&p, 1, 10);
+        t_drain(t);
+    }
+}
+
+/* A copy that finds the peer's process gone (cross-memory attach: ESRCH,
+ * or its endpoint halted by the watcher that saw it exit) reports the
+ * endpoint lost before its op fails: a caller woken by the failed transfer
+ * sees the peer lost first. On a copy worker (posted deferred while the
+ * peer lived, rung after it was killed and reaped) and on the posting
+ * thread (a lone request copied inside the post, when the post comes
+ * before the watcher saw the exit: tried until it does). */
+static int test_loss_reported_before_its_failure(void)
+{
+    enum { LEN = 256 << 10, TRIES = 200 };
+    uint8_t *buf = calloc(1, LEN), *src = malloc(LEN);
+    CHECK(buf && src);
+    t_fill(src, LEN, 13);
+    int inline_checked = 0, worker_checked = 0;
+    for (int i = 0; i < TRIES && (!inline_checked || !worker_checked); i++) {
+        bool alone = i % 2;
+        if ((alone && inline_checked) || (!alone && worker_checked))
+            continue;
+        pid_t child = fork();
+        CHECK(child >= 0);
+        if (child == 0) {
+            pause();
+            _exit(0);
+        }
+        axf_config cfg = {.inline_bytes = 1 << 20};
+        tengine *t = t_engine(&cfg);
+        CHECK(t);
+        uint64_t ep, lrid, lkey;
+        CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_SHM, 1, child, pidfd_of(child), &ep), AXF_OK);
+        CHECK_EQ(axf_region_register(t->e, src, LEN, AXF_ACCESS_READ, -1, &lrid, &lkey), AXF_OK);
+        CHECK_EQ(axf_endpoint_import(t->e, ep, 9, 10, LEN, AXF_ACCESS_WRITE,
+                                     (uint64_t)(uintptr_t)buf, -1),
+                 AXF_OK);
+        axf_desc d = {.lrid = lrid, .rrid = 9, .rkey = 10, .len = LEN};
+        int st = AXF_OK;
+        if (!alone) /* past batch_inline: a worker's, once rung */
+            usleep(20000); /* the workers park (an awake one takes a deferred job) */
+        if (!alone)
+            CHECK_EQ(axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 7, AXF_POST_DEFER),
+                     AXF_OK);
+        CHECK_EQ(kill(child, SIGKILL), 0);
+        CHECK_EQ(waitpid(child, NULL, 0), child); /* reaped: its pid is gone */
+        if (alone)
+            st = axf_post(t->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 7, AXF_POST_ALONE);
+        else
+            axf_doorbell(t->e);
+        if (st == AXF_OK) {
+            int lost_at, op_at;
+            if (wait_loss_and_op(t, ep, 7, &lost_at, &op_at))
+                return 1;
+            CHECK_EQ(t->q[op_at].status, AXF_E_PEER_LOST);
+            CHECK(lost_at >= 0 && lost_at < op_at);
+            *(alone ? &inline_checked : &worker_checked) += 1;
+        } else {
+            CHECK_EQ(st, AXF_E_PEER_LOST); /* the watcher saw it first: refused */
+        }
+        t_close(t);
+    }
+    printf("  checked on the posting thread %d, on a worker %d\n", inline_checked,
+           worker_checked);
+    CHECK(inline_checked && worker_checked);
+    CHECK(t_all(buf, LEN, 0));
+    free(buf);
+    free(src);
+    return 0;
+}
+
 /* Copies queued for a peer that is then lost never run; one in progress
  * stops at the next chunk boundary instead of running to its end. */
 static int test_copies_stop_after_loss(void)
@@ -1283,6 +1372,7 @@ int main(int argc, char **argv)
         T_CASE(test_revocation_settled_by_lost_conn),
         T_CASE(test_endpoint_identity),
         T_CASE(test_cma_aims_at_verified_pid),
+        T_CASE(test_loss_reported_before_its_failure),
         T_CASE(test_copies_stop_after_loss),
         T_CASE(test_closed_socket_does_not_release),
         T_CASE(test_ack_and_goodbye_release),
