@@ -526,7 +526,10 @@ static bool rx_reply_may_wait(conn *c)
     wire_hdr next;
     memcpy(&next, p->rb + p->rb_pos, sizeof next);
     uint64_t queued = atomic_load(&c->reply_bytes);
-    return next.type == FR_READ_REQ && next.len <= INLINE_SEND &&
+    /* Only behind a frame that will be served: one the loop then refuses
+     * (its magic is checked after this) closes the connection, and a
+     * response held for it would never go out. */
+    return next.magic == AXF_MAGIC && next.type == FR_READ_REQ && next.len <= INLINE_SEND &&
            queued + sizeof next + next.len <= INLINE_SEND;
 }
 
