@@ -9,12 +9,18 @@ stream the other side sends (then it hangs up):
          1 = we are the client (client_handshake; the input is a server);
   bit 1: we have a token (b"fuzz-token"), else none;
   bits 2-3 (client): purpose meta / data / verbs, or 3 = fetch_meta (the
-         handshake, then the AgentMeta frame).
+         handshake, then the AgentMeta frame);
+  bit 4 (server): a join table holding one grant the harness knows (GRANT,
+         for "peer" incarnation 7, 3 joins), as if that client's first
+         connection had been challenged; (client, data): this is a first
+         connection that 3 others will join (joins=3, on_challenge);
+  bit 5 (client, data): this connection joins (GRANT, index 1).
 Contract: the handshake returns what it promises (a Hello that passed every
 check, an Accept, an AgentMeta) or raises an XferError (AccessDenied,
 ProtocolError); it never authenticates a peer that did not prove the token
-(with a token, no input can succeed: the nonces are random, the input cannot
-know them); it never hangs once the peer hung up (5 s). Anything else raises
+(with a token, no input can succeed, the nonces being random, except a join
+of the known grant whose proof is made with the token: a seed does that);
+it never hangs once the peer hung up (5 s). Anything else raises
 out of check(), unless it is a known, reported issue (fuzz/known_issues.py)
 and AXF_FUZZ_TOLERATE_KNOWN=1.
 
@@ -33,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import known_issues  # noqa: E402
 
 TOKEN = b"fuzz-token"
+GRANT = b"g" * 16  # the server nonce of the one join grant the server side holds
 PURPOSES = ("meta", "data", "verbs")
 MAX_INPUT = 64 << 10  # what one socketpair buffers without a reader
 _m: Any = None
@@ -53,12 +60,28 @@ def load() -> None:
     _loop = asyncio.new_event_loop()
 
 
-async def _server(sock: socket.socket, token: bytes | None) -> None:
-    p, md = _m.protocol, _m.metadata
-    hello = await p.server_handshake(
-        _loop, sock, token=token, accept=md.Accept(name="server", incarnation=1)
+def _joined_with_the_token(hello: Any) -> bool:
+    """Whether hello is a join of the known grant proved with TOKEN."""
+    p = _m.protocol
+    return (
+        hello.join == GRANT and hello.name == "peer" and hello.incarnation == 7
+        and 1 <= hello.join_index <= 3
+        and hello.join_proof == p.join_proof(TOKEN, GRANT, hello.join_index, hello.nonce,
+                                             hello.name)
     )
-    if token is not None:
+
+
+async def _server(sock: socket.socket, token: bytes | None, with_joins: bool) -> None:
+    p, md = _m.protocol, _m.metadata
+    joins = None
+    if with_joins:
+        joins = p.Joins(ttl=60.0, cap=4)
+        joins.grant(GRANT, md.Hello(version=md.PROTOCOL_VERSION, name="peer", incarnation=7,
+                                    purpose="data", nonce=b"n" * 16, joins=3))
+    hello = await p.server_handshake(
+        _loop, sock, token=token, accept=md.Accept(name="server", incarnation=1), joins=joins
+    )
+    if token is not None and not (joins is not None and _joined_with_the_token(hello)):
         raise AssertionError(f"a client without the token got in: {hello!r}")
     if not isinstance(hello, md.Hello):
         raise AssertionError(f"server_handshake returned {hello!r}")
@@ -68,16 +91,21 @@ async def _server(sock: socket.socket, token: bytes | None) -> None:
         raise AssertionError(f"accepted a Hello that fails its checks: {hello!r}")
 
 
-async def _client(sock: socket.socket, token: bytes | None, mode: int) -> None:
+async def _client(sock: socket.socket, token: bytes | None, mode: int, opts: int) -> None:
     p, md = _m.protocol, _m.metadata
     if mode == 3:
         got = await p.fetch_meta(_loop, sock, name="client", incarnation=1, token=token)
         want = md.AgentMeta
     else:
+        challenged: list[bytes] = []
         got = await p.client_handshake(
-            _loop, sock, name="client", incarnation=1, purpose=PURPOSES[mode], token=token
+            _loop, sock, name="client", incarnation=1, purpose=PURPOSES[mode], token=token,
+            joins=3 if opts & 16 else 0, on_challenge=challenged.append,
+            join=(GRANT, 1) if opts & 32 else None,
         )
         want = md.Accept
+        if challenged and token is not None:
+            raise AssertionError("others were let join a Challenge whose proof was not checked")
     if token is not None:
         raise AssertionError(f"a server without the token was trusted: {got!r}")
     if not isinstance(got, want):
@@ -93,7 +121,8 @@ def _run(data: bytes) -> None:
         theirs.sendall(stream)
         theirs.shutdown(socket.SHUT_WR)
         ours.setblocking(False)
-        coro = _client(ours, token, (opts >> 2) & 3) if opts & 1 else _server(ours, token)
+        coro = (_client(ours, token, (opts >> 2) & 3, opts) if opts & 1
+                else _server(ours, token, bool(opts & 16)))
         try:
             _loop.run_until_complete(asyncio.wait_for(coro, 5))
         except _m.errors.XferError:
@@ -141,6 +170,16 @@ def seeds() -> dict[str, bytes]:
             Hello(version=v, name="peer", incarnation=7, purpose=purpose, nonce=b"n" * 16)
         )
 
+    from aioxfer.protocol import join_proof
+
+    def join(index: int, proof: bytes | None = None) -> bytes:
+        nonce = b"c" * 16
+        return encode_frame(
+            Hello(version=v, name="peer", incarnation=7, purpose="data", nonce=nonce, join=GRANT,
+                  join_index=index,
+                  join_proof=proof or join_proof(TOKEN, GRANT, index, nonce, "peer"))
+        )
+
     meta = AgentMeta(
         version=v, name="server", incarnation=1, host_id="h", pid=1, address="127.0.0.1:1",
         transports=["tcp"], regions=[],
@@ -163,6 +202,23 @@ def seeds() -> dict[str, bytes]:
         "client-reject": b"\1" + encode_frame(Reject(reason="no")),
         "client-token": b"\3"
         + encode_frame(Challenge(nonce=b"s" * 16, proof=b"p" * 32))
+        + accept,
+        # joins: a first connection's Hello asking for 3, a join the grant
+        # honours (the one way in with a token), one with a forged proof, one
+        # past the grant's count; a client's first connection and its join
+        # answered by a Challenge that claims the join
+        "server-first-of-joins": bytes([2 | 16])
+        + encode_frame(Hello(version=v, name="peer", incarnation=7, purpose="data",
+                             nonce=b"n" * 16, joins=3))
+        + encode_frame(Proof(proof=b"p" * 32)),
+        "server-join": bytes([2 | 16]) + join(1),
+        "server-join-forged": bytes([2 | 16]) + join(2, b"f" * 32),
+        "server-join-past-count": bytes([2 | 16]) + join(4),
+        "client-first-of-joins": bytes([1 | 2 | 1 << 2 | 16])
+        + encode_frame(Challenge(nonce=b"s" * 16, proof=b"p" * 32))
+        + accept,
+        "client-join": bytes([1 | 2 | 1 << 2 | 32])
+        + encode_frame(Challenge(nonce=b"s" * 16, proof=b"p" * 32, joined=True))
         + accept,
     }
     return out
