@@ -10,8 +10,9 @@
   tcpfloor  one request at a time over TCP loopback in plain C (tcp_floor.c, built
           here with cc): WRITE = payload then a one-byte answer, READ = one-byte
           request then the payload, over 1 and 2 connections (the payload split in
-          halves); the better of the two per size is the floor a one-at-a-time tcp
-          row can be held against: iperf3 streams, a request/answer protocol cannot
+          halves), receivers asleep in recv or polling it; the best of the four per
+          size is the floor a one-at-a-time tcp row can be held against: iperf3
+          streams, a request/answer protocol cannot
 
     python bench_limits.py [memcpy,cma,iperf3,tcpfloor]
 """
@@ -187,16 +188,18 @@ def bench_tcp_floor() -> None:
                 C.emit(**base, op=f"reqack_{op}", size=size, error="no C compiler")
                 continue
             best: dict[str, float] | None = None
-            for conns in (1, 2):
-                out = subprocess.run([exe, op, str(size), str(conns), str(C.MIN_SECS)],
-                                     capture_output=True, timeout=120, check=True)
+            for conns, poll in ((1, ""), (2, ""), (1, "poll"), (2, "poll")):
+                argv = [exe, op, str(size), str(conns), str(C.MIN_SECS), poll]
+                out = subprocess.run([a for a in argv if a], capture_output=True, timeout=120,
+                                     check=True)
                 r = json.loads(out.stdout)
                 r["gbps"] = C.gbps(size, r["iters"], r["secs"])
                 if best is None or r["gbps"] > best["gbps"]:
                     best = r
             assert best is not None
             C.emit(**base, op=f"reqack_{op}", size=size, iters=best["iters"], secs=best["secs"],
-                   gbps=best["gbps"], lat_us_med=best["us_med"], conns=best["conns"])
+                   gbps=best["gbps"], lat_us_med=best["us_med"], conns=best["conns"],
+                   polled=bool(best["poll"]))
 
 
 def main() -> None:

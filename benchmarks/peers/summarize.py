@@ -329,7 +329,8 @@ def floor_table(res: Results) -> list[str]:
             fl = res.med(floors)
             if fl is None:
                 continue
-            conns = sorted({str(res.idx[k].get("conns")) for k in res.idx
+            conns = sorted({f"{res.idx[k].get('conns')}{'p' if res.idx[k].get('polled') else ''}"
+                            for k in res.idx
                             if k[1:] == ("limit", "tcp-loopback", f"reqack_{op}", size)})
             cells = []
             for system in shown:
@@ -440,9 +441,10 @@ def summarize(directory: str) -> str:
     if floor:
         lines += ["", "### tcp one at a time against the request/answer floor", "",
                   "The floor: plain C over the same loopback (bench_limits.py tcpfloor), each "
-                  "request waiting for its answer, over 1 and 2 connections (the better shown; "
-                  "conns: which, per round). GB/s ÷ floor above 1× would be faster than the "
-                  "floor; for µs, lower is better.", "", *floor, ""]
+                  "request waiting for its answer, over 1 or 2 connections, receivers asleep in "
+                  "recv or polling it (p), the best of the four per round (which: beside the "
+                  "figure). GB/s ÷ floor above 1× would be faster than the floor; for µs, lower "
+                  "is better.", "", *floor, ""]
     lines += ["", "### Targets (issue 3)", "", *targets(res), ""]
     return "\n".join(lines)
 

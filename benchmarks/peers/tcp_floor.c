@@ -7,21 +7,25 @@
  * the initiating thread), each target thread receives its part into a buffer
  * and answers one byte; the request is done when every part's byte is back.
  * READ: the initiator sends a one-byte request per connection, each target
- * thread sends its part back; done when every part has arrived. Blocking
- * sockets, TCP_NODELAY, 4 MiB socket buffers; the receiving threads sleep in
- * recv as a kernel-woken thread does (no spinning).
+ * thread sends its part back; done when every part has arrived. TCP_NODELAY,
+ * 4 MiB socket buffers. Receives either sleep in recv (blocking: a
+ * kernel-woken thread each time) or poll it (MSG_DONTWAIT in a loop, on both
+ * sides: what a polling engine does; on a VM a wake-up from idle can cost
+ * tens of microseconds, so neither alone is the floor).
  *
  * Whatever a transfer engine adds (headers, bounds checks, completion rings,
  * Python) it cannot go below this. One JSON line on stdout:
- *   {"op": "WRITE", "size": S, "conns": N, "iters": I, "secs": T, "us_med": M}
+ *   {"op": "WRITE", "size": S, "conns": N, "poll": P, "iters": I, "secs": T, "us_med": M}
  *
- *   tcp_floor WRITE|READ SIZE CONNS SECS
+ *   tcp_floor WRITE|READ SIZE CONNS SECS [poll]
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -36,7 +40,7 @@
 #define MAX_SAMPLES (1 << 20)
 
 static size_t part;
-static int write_op;
+static int write_op, poll_rx;
 
 static void die(const char *what)
 {
@@ -63,7 +67,11 @@ static int recv_all(int fd, void *buf, size_t len)
 {
     size_t got = 0;
     while (got < len) {
-        ssize_t r = recv(fd, (char *)buf + got, len - got, MSG_WAITALL);
+        ssize_t r = recv(fd, (char *)buf + got, len - got, poll_rx ? MSG_DONTWAIT : MSG_WAITALL);
+        if (r < 0 && poll_rx && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            sched_yield(); /* the sender may need this CPU (2 of them here) */
+            continue;
+        }
         if (r <= 0)
             return -1;
         got += (size_t)r;
@@ -114,10 +122,11 @@ static int cmp_double(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
-    if (argc != 5) {
-        fprintf(stderr, "usage: tcp_floor WRITE|READ SIZE CONNS SECS\n");
+    if (argc != 5 && !(argc == 6 && strcmp(argv[5], "poll") == 0)) {
+        fprintf(stderr, "usage: tcp_floor WRITE|READ SIZE CONNS SECS [poll]\n");
         return 2;
     }
+    poll_rx = argc == 6;
     write_op = strcmp(argv[1], "WRITE") == 0;
     size_t size = strtoull(argv[2], NULL, 0);
     int conns = atoi(argv[3]);
@@ -187,9 +196,9 @@ int main(int argc, char **argv)
         close(fds[i]);
     waitpid(pid, NULL, 0);
     qsort(lat, (size_t)iters, sizeof(double), cmp_double);
-    printf("{\"op\": \"%s\", \"size\": %zu, \"conns\": %d, \"iters\": %ld, \"secs\": %.6f, "
-           "\"us_med\": %.3f}\n",
-           write_op ? "WRITE" : "READ", size, conns, iters, total / 1e6, lat[iters / 2]);
+    printf("{\"op\": \"%s\", \"size\": %zu, \"conns\": %d, \"poll\": %d, \"iters\": %ld, "
+           "\"secs\": %.6f, \"us_med\": %.3f}\n",
+           write_op ? "WRITE" : "READ", size, conns, poll_rx, iters, total / 1e6, lat[iters / 2]);
     free(lat);
     free(buf);
     return 0;
