@@ -16,13 +16,13 @@ import os
 import socket
 import sys
 
-import msgspec
 import pytest
 from conftest import within
+from test_connect_meta import connects_after_the_metadata_fail_leaving_no_fd
 from test_security import closed_by_peer, raw_connect, still_serves
 
 import aioxfer
-from aioxfer import ProtocolError, metadata, protocol
+from aioxfer import metadata, protocol
 
 MiB = 1 << 20
 TOKEN = b"join-test-token"
@@ -287,15 +287,5 @@ async def test_failure_after_the_probe_closes_the_others(make_agent) -> None:
     """The other connections dialled beside a probing agent's tcp data
     connection are closed when connecting fails after its metadata came."""
     target = await make_agent("target", token=TOKEN, transports=("tcp",))
-    real = target._localmeta.meta_with
-    target._localmeta.meta_with = lambda memfd: msgspec.structs.replace(real(memfd), version=999)
     init = await make_agent("init", token=TOKEN, tcp_connections=4)
-    before = len(os.listdir("/proc/self/fd"))
-    for _ in range(3):
-        with pytest.raises(ProtocolError):
-            await within(init.connect(target.address))
-    for _ in range(200):  # the target (in this process too) closes its side
-        if not target._serving and len(os.listdir("/proc/self/fd")) == before:
-            break
-        await asyncio.sleep(0.01)
-    assert len(os.listdir("/proc/self/fd")) == before
+    await connects_after_the_metadata_fail_leaving_no_fd(target, init)

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 from conftest import SAME_HOST, within
 
+import aioxfer
 from aioxfer import AccessDenied, ProtocolError, auth, local, metadata, protocol
 
 MiB = 1 << 20
@@ -187,9 +188,17 @@ async def test_failure_after_the_first_connection_closes_the_others(make_agent) 
     closed when connecting fails after the first one's metadata came (here:
     it names another protocol version)."""
     target = await make_agent("target", transports=("tcp",))
+    init = await make_agent("init", transports=("tcp",), tcp_connections=4)
+    await connects_after_the_metadata_fail_leaving_no_fd(target, init)
+
+
+async def connects_after_the_metadata_fail_leaving_no_fd(target: aioxfer.Agent,
+                                                         init: aioxfer.Agent) -> None:
+    """Three connects of init to target fail once target's metadata came (it
+    names another protocol version), and leave no file descriptor open on
+    either side (both agents live in this process)."""
     real = target._localmeta.meta_with
     target._localmeta.meta_with = lambda memfd: msgspec.structs.replace(real(memfd), version=999)
-    init = await make_agent("init", transports=("tcp",), tcp_connections=4)
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         with pytest.raises(ProtocolError):

@@ -907,6 +907,18 @@ static const char *rx_segs(conn *c, const wire_hdr *h, wire_seg *segs, bool *pro
     return NULL;
 }
 
+/* A WRITE payload the target may not take: the group fails with
+ * AXF_E_ACCESS naming its first refused descriptor, the bytes are read and
+ * dropped. 0, or -errno from the socket. */
+static int reject_write(conn *c, uint8_t *scratch, uint64_t len, uint64_t index)
+{
+    if (c->grp_status == AXF_OK) {
+        c->grp_status = AXF_E_ACCESS;
+        c->grp_fail = index;
+    }
+    return discard(c, scratch, len);
+}
+
 static bool valid_status(int32_t st)
 {
     return st <= 0 && st >= AXF_E_NOTFOUND;
@@ -964,14 +976,8 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                 if (*io)
                     return "connection lost inside a WRITE payload";
                 c->grp_bytes += h->len;
-            } else {
-                if (c->grp_status == AXF_OK) {
-                    c->grp_status = AXF_E_ACCESS;
-                    c->grp_fail = segs[ok].index;
-                }
-                *io = discard(c, scratch, h->len);
-                if (*io)
-                    return "connection lost inside a rejected WRITE payload";
+            } else if ((*io = reject_write(c, scratch, h->len, segs[ok].index))) {
+                return "connection lost inside a rejected WRITE payload";
             }
         } else {
             region *r = target_region(e, h, AXF_ACCESS_WRITE);
@@ -981,14 +987,8 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                 if (*io)
                     return "connection lost inside a WRITE payload";
                 c->grp_bytes += h->len;
-            } else {
-                if (c->grp_status == AXF_OK) {
-                    c->grp_status = AXF_E_ACCESS;
-                    c->grp_fail = h->index;
-                }
-                *io = discard(c, scratch, h->len);
-                if (*io)
-                    return "connection lost inside a rejected WRITE payload";
+            } else if ((*io = reject_write(c, scratch, h->len, h->index))) {
+                return "connection lost inside a rejected WRITE payload";
             }
         }
         if (h->flags & FL_LAST) {
