@@ -262,6 +262,8 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         e->cfg.copy_workers = 2;
     if (!e->cfg.chunk_bytes)
         e->cfg.chunk_bytes = 1u << 20;
+    if (e->cfg.chunk_bytes > AXF_MAX_FRAME)
+        e->cfg.chunk_bytes = AXF_MAX_FRAME; /* a frame is a chunk at most: the target refuses larger */
     ka_configure(&e->cfg);
     if (!e->cfg.max_conns)
         e->cfg.max_conns = 256;

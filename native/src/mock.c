@@ -185,8 +185,9 @@ int axf_mock_deliver(axf_engine *e, uint64_t peer, const wire_hdr *h)
     conn *c = mock_peer(e, peer, false);
     if (!c)
         return AXF_E_NOTFOUND;
-    if (h->len && h->type != FR_WRITE_ACK)
-        return AXF_E_INVALID; /* header-only frames: there is no socket to read a payload from */
+    if ((h->len && h->type != FR_WRITE_ACK) || h->nseg)
+        return AXF_E_INVALID; /* header-only frames: there is no socket to read a payload
+                                 or a segment table from */
     static uint8_t scratch[4096];
     bool proto = false;
     int io = 0;
