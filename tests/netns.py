@@ -472,6 +472,23 @@ class NsAgent:
         self._logf.close()
 
 
+async def close_all(agents: list[NsAgent]) -> list[Any]:
+    """Closes agents, the last started first, all at once: each one's final
+    statistics (None if it did not close, or what its close raised)."""
+    return list(await asyncio.gather(*(a.close() for a in reversed(agents)),
+                                     return_exceptions=True))
+
+
+def assert_closed_clean(agents: list[NsAgent], finals: list[Any]) -> None:
+    """After close_all: every agent closed with nothing in flight and no
+    native op, region or pin left."""
+    for ag, stats in zip(reversed(agents), finals, strict=True):
+        assert isinstance(stats, dict), f"{ag.name} did not close: {stats!r}\n{ag.log_tail()}"
+        leaks = {k: stats.get(k) for k in ("in_flight", "native_ops", "native_regions",
+                                           "pinned_regions")}
+        assert all(v == 0 for v in leaks.values()), f"{ag.name} leaks: {leaks}"
+
+
 # ------------------------------------------------------------------ worker side
 
 

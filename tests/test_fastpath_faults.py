@@ -322,13 +322,8 @@ async def test_link_down_under_a_lone_polled_await(nbytes: int) -> None:
             assert (await target.call("digest", "dst2", 0, nbytes)
                     == await init.call("digest", "src", 0, nbytes))
         finally:
-            finals = await asyncio.gather(*(a.close() for a in reversed(agents)),
-                                          return_exceptions=True)
-        for ag, stats in zip(reversed(agents), finals, strict=True):
-            assert isinstance(stats, dict), f"{ag.name} did not close: {stats!r}"
-            leaks = {k: stats.get(k) for k in ("in_flight", "native_ops", "native_regions",
-                                               "pinned_regions")}
-            assert all(v == 0 for v in leaks.values()), f"{ag.name} leaks: {leaks}"
+            finals = await netns.close_all(agents)
+        netns.assert_closed_clean(agents, finals)
     assert not netns.leftover_namespaces()
 
 

@@ -137,13 +137,8 @@ async def stream(net: Rails) -> AsyncIterator[Stream]:
         assert all(r["up"] and r["connections"] == CONNS for r in st["rails"]), st["rails"]
         yield s
     finally:
-        finals = await asyncio.gather(*(a.close() for a in reversed(agents)),
-                                      return_exceptions=True)
-    for ag, stats in zip(reversed(agents), finals, strict=True):
-        assert isinstance(stats, dict), f"{ag.name} did not close: {stats!r}\n{ag.log_tail()}"
-        leaks = {k: stats.get(k) for k in ("in_flight", "native_ops", "native_regions",
-                                           "pinned_regions")}
-        assert all(v == 0 for v in leaks.values()), f"{ag.name} leaks: {leaks}"
+        finals = await netns.close_all(agents)
+    netns.assert_closed_clean(agents, finals)
 
 
 async def _fail_and_recover(net: Rails, s: Stream, index: int, how: str) -> None:
