@@ -65,6 +65,8 @@ WORKLOADS: dict[Any, tuple[str, str, int, str, str, bool]] = {
     "register": ("register a 1 GiB host region", "register_1GiB", 1 << 30, "lat_us_med", "µs",
                  False),
 }
+# The sizes bench_limits.py tcpfloor measures (and its 4 KiB latency).
+FLOOR_SIZES = (4 * KiB, 64 * KiB, MiB)
 PER_OP = [*SIZES, "lat", "qd16", "qd64", "batch", "batch_rps"]
 ONCE = ["connect"]
 AIOXFER_ONLY = {"same": ["qd256", "qd256_uvloop", "post100k", "register"], "tcp": ["post100k"]}
@@ -147,9 +149,15 @@ class Results:
 
     def limit(self, run: str, path: str, op: str, key: Any,
               which: str = "main") -> tuple[float | None, str]:
-        """The limit a workload is divided by (which="main"), or the CMA reference
-        shown beside it on the same-host rows (which="cma")."""
+        """The limit a workload is divided by (which="main"), the CMA reference
+        shown beside it on the same-host rows (which="cma"), or the tcp
+        request/answer floor of a one-at-a-time row (which="floor")."""
         v = self.value
+        if which == "floor":
+            if path != "tcp" or key not in (*FLOOR_SIZES, "lat"):
+                return None, ""
+            size, field = (4 * KiB, "lat_us_med") if key == "lat" else (key, "gbps")
+            return v(run, "limit", "tcp-loopback", f"reqack_{op}", size, field), "floor"
         ops_per_s = 1e9 / (4 * KiB)  # GB/s of 4 KiB copies -> copies/s
         if path == "same":
             if which == "cma":
@@ -188,6 +196,11 @@ class Results:
 
     # -------------------------------------------------------------- medians over rounds
 
+    def compared(self) -> tuple[str, ...]:
+        """The peers aioxfer is divided by: NIXL, Mooncake, and an earlier build of
+        aioxfer when one ran beside it (run.py --aioxfer-before-python)."""
+        return (*PEERS, "before") if any(k[1] == "aioxfer-before" for k in self.idx) else PEERS
+
     def med(self, per_round: list[float | None]) -> float | None:
         xs = [x for x in per_round if x is not None]
         return statistics.median(xs) if xs else None
@@ -206,7 +219,7 @@ class Results:
         return self.med([self.fig(r, path, system, op, key) for r in self.runs])
 
     def ratio_med(self, path: str, system: str, op: str, key: Any, vs: str | None) -> float | None:
-        """system's figure / vs's figure (vs: "limit", a peer, or None: the figure itself),
+        """system's figure / vs's figure (vs: "limit", "floor", a peer, or None: the figure itself),
         within each round, median over rounds."""
         out: list[float | None] = []
         for r in self.runs:
@@ -214,7 +227,9 @@ class Results:
             if vs is None:
                 out.append(a)
                 continue
-            b = self.limit(r, path, op, key)[0] if vs == "limit" else self.fig(r, path, vs, op, key)
+            b = (self.limit(r, path, op, key, vs)[0] if vs == "floor"
+                 else self.limit(r, path, op, key)[0] if vs == "limit"
+                 else self.fig(r, path, vs, op, key))
             out.append(a / b if a is not None and b else None)
         return self.med(out)
 
@@ -242,7 +257,7 @@ def fmt_ratio(x: float | None) -> str:
 def table(res: Results) -> list[str]:
     # An earlier build of aioxfer run beside this one (run.py --aioxfer-before-python)
     # is one more peer: its column and aioxfer ÷ it.
-    peers = (*PEERS, "before") if any(k[1] == "aioxfer-before" for k in res.idx) else PEERS
+    peers = res.compared()
     modes = modes_run(res)
     shown = (*peers[:2], "aioxfer", *modes, *peers[2:])
     out = [
@@ -296,7 +311,7 @@ def modes_run(res: Results) -> tuple[str, ...]:
 def cpu_table(res: Results) -> list[str]:
     """CPU seconds per GB moved, both processes together (initiator and target:
     every thread, progress threads and copy workers included), median of rounds."""
-    peers = (*PEERS, "before") if any(k[1] == "aioxfer-before" for k in res.idx) else PEERS
+    peers = res.compared()
     shown = (*peers[:2], "aioxfer", *modes_run(res), *peers[2:])
     out = ["| path | op | workload | " + " | ".join(NAMES[p] for p in shown) + " |",
            "|---|---|---|" + "---:|" * len(shown)]
@@ -314,31 +329,22 @@ def floor_table(res: Results) -> list[str]:
     """tcp one at a time against the request/answer floor (bench_limits.py tcpfloor):
     what plain C over the same loopback does when each request waits for its answer,
     which a streaming limit (iperf3) does not."""
-    peers = (*PEERS, "before") if any(k[1] == "aioxfer-before" for k in res.idx) else PEERS
+    peers = res.compared()
     shown = (*peers[:2], "aioxfer", *peers[2:])
     out = ["| op | workload | floor (C, conns) | " + " | ".join(f"{NAMES[p]} ÷ floor"
                                                             for p in shown) + " |",
            "|---|---|---|" + "---:|" * len(shown)]
     rows = 0
     for op in ("WRITE", "READ"):
-        for key in (4 * KiB, 64 * KiB, MiB, "lat"):
-            size = 4 * KiB if key == "lat" else key
-            field = "lat_us_med" if key == "lat" else "gbps"
-            floors = [res.value(r, "limit", "tcp-loopback", f"reqack_{op}", size, field)
-                      for r in res.runs]
-            fl = res.med(floors)
+        for key in (*FLOOR_SIZES, "lat"):
+            fl = res.med([res.limit(r, "tcp", op, key, "floor")[0] for r in res.runs])
             if fl is None:
                 continue
+            size = 4 * KiB if key == "lat" else key
             conns = sorted({f"{res.idx[k].get('conns')}{'p' if res.idx[k].get('polled') else ''}"
                             for k in res.idx
                             if k[1:] == ("limit", "tcp-loopback", f"reqack_{op}", size)})
-            cells = []
-            for system in shown:
-                ratios = []
-                for r, f in zip(res.runs, floors, strict=True):
-                    a = res.fig(r, "tcp", system, op, key)
-                    ratios.append(a / f if a is not None and f else None)
-                cells.append(fmt_ratio(res.med(ratios)))
+            cells = [fmt_ratio(res.ratio_med("tcp", system, op, key, "floor")) for system in shown]
             unit = "µs" if key == "lat" else "GB/s"
             out.append(f"| {op} | {WORKLOADS[key][0]} | {fmt(fl)} {unit} ({'/'.join(conns)}) | "
                        + " | ".join(cells) + " |")
