@@ -49,6 +49,7 @@ typedef struct expect {
     uint64_t bytes;    /* READ: received so far; counted only once the group is whole */
     uint64_t req_bytes; /* what the group asks for: all it ever reports (never the
                            peer's word) */
+    bool failed;       /* READ: a response said the group failed (its bytes fall short) */
     uint64_t t_enq;    /* queued at (us): for the rate measurement */
     struct expect *next;
 } expect;
@@ -1228,12 +1229,17 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
                 *proto = true;
                 return "failed READ response with payload";
             }
+            x->failed = true;
             op_set_status(o, h->status, h->index);
         } else {
             if (!h->len || h->off < d->roff || h->off - d->roff > d->len ||
                 h->len > d->len - (h->off - d->roff)) {
                 *proto = true;
                 return "READ response outside its request";
+            }
+            if (h->len > x->req_bytes - x->bytes) {
+                *proto = true;
+                return "READ responses past what the group asked for";
             }
             *io = rx_read(c, o->laddr[h->index] + (h->off - d->roff), h->len);
             if (*io)
@@ -1246,8 +1252,13 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
                 *proto = true;
                 return "failed READ response with payload";
             }
+            x->failed = true;
             op_set_status(o, h->status, h->index < o->n ? h->index : 0);
         } else {
+            if (h->len > x->req_bytes - x->bytes) {
+                *proto = true;
+                return "READ responses past what the group asked for";
+            }
             wire_seg segs[AXF_MAX_SEGS];
             const char *bad = rx_segs(c, h, segs, proto, io);
             if (bad)
@@ -1278,8 +1289,17 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
         else
             x->bytes = x->req_bytes;
     }
-    if (last && x->bytes > x->req_bytes)
-        x->bytes = x->req_bytes; /* a READ answered twice counts once */
+    /* The target answers every READ request of a group once, in order: a
+     * group that did not fail is answered with exactly the bytes it asked
+     * for (more was refused before its payload was read). A short one would
+     * complete with destination bytes never written. Counted, not mapped: a
+     * peer answering one range twice and another never in the same count is
+     * not caught here (a target can send wrong bytes anyway: it is the
+     * data's source); a buggy one's short or long answer is. */
+    if (last && x->type == FR_READ_RESP && !x->failed && x->bytes != x->req_bytes) {
+        *proto = true;
+        return "READ responses short of what the group asked for";
+    }
     if (last) {
         pthread_mutex_lock(&c->mu);
         p->ex_head = x->next;

@@ -625,6 +625,53 @@ static int test_bad_reply(void)
     return 0;
 }
 
+/* A READ group that did not fail completes only when answered with exactly
+ * the bytes it asked for: the right answer lands; an answer short of the
+ * request (LAST on 2 KiB of 4 KiB) and answers past it (the same 4 KiB
+ * twice) close the connection as malformed, the op fails, and the frame past
+ * the request writes none of its payload. */
+static int test_read_answered_short_or_long(void)
+{
+    for (int round = 0; round < 3; round++) {
+        raw_peer r;
+        if (raw_open(&r, NULL, 46))
+            return 1;
+        const uint64_t req = 500 + (uint64_t)round;
+        if (raw_read_inflight(&r, req))
+            return 1;
+        uint8_t data[2][4096];
+        t_fill(data[0], sizeof data[0], 40);
+        t_fill(data[1], sizeof data[1], 41);
+        int answers = round == 2 ? 2 : 1;
+        for (int k = 0; k < answers; k++) {
+            wire_hdr resp = {.magic = AXF_MAGIC, .type = FR_READ_RESP, .op = req,
+                             .len = round == 1 ? 2048 : 4096};
+            if (k == answers - 1)
+                resp.flags = FL_LAST;
+            CHECK_EQ(write(r.fd, &resp, sizeof resp), (ssize_t)sizeof resp);
+            if (send(r.fd, data[k], resp.len, MSG_NOSIGNAL) < 0) {
+                /* closed already: the frame was refused before its payload */
+            }
+        }
+        axf_completion c;
+        CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, req, &c), 0);
+        if (round == 0) {
+            CHECK_EQ(c.status, AXF_OK);
+            CHECK_EQ(c.nbytes, 4096);
+            CHECK(memcmp(r.buf, data[0], 4096) == 0);
+        } else {
+            CHECK_EQ(c.status, AXF_E_PEER_LOST);
+            axf_stats st;
+            axf_engine_stats(r.a->e, &st);
+            CHECK_EQ(st.frames_rejected, 1);
+            if (round == 2) /* the first answer landed, the second did not */
+                CHECK(memcmp(r.buf, data[0], 4096) == 0);
+        }
+        raw_close(&r);
+    }
+    return 0;
+}
+
 static int test_cancel_before_send(void)
 {
     pair p;
@@ -1344,6 +1391,7 @@ int main(int argc, char **argv)
         T_CASE(test_peer_lost),
         T_CASE(test_peer_silent),
         T_CASE(test_bad_reply),
+        T_CASE(test_read_answered_short_or_long),
         T_CASE(test_cancel_before_send),
         T_CASE(test_revoke_on_every_rail),
         T_CASE(test_replay_entry_point),
