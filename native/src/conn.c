@@ -1564,6 +1564,8 @@ static void *rx_main(void *arg)
         cq_log(e, c->tag, "closing connection: peer silent for %u ms", e->cfg.peer_timeout_ms);
     } else if (!by_us && io && io != -EPIPE) {
         cq_log(e, c->tag, "closing connection: %s: %s", reason, strerror(-io));
+    } else if (!by_us && !io && reason && reason != BYE_REASON) {
+        cq_log(e, c->tag, "closing connection: %s", reason); /* e.g. out of memory */
     }
     conn_kill(c);
     if (c->ep)
