@@ -7,10 +7,12 @@
 #
 #     bash benchmarks/gpu_check.sh fetch      # wheels into .whl/ and .whl-nixl/ (git-ignored)
 #
-# then one device call, from the repository root (under 5 minutes of device
-# time: install ~1 min, native build and tests ~40 s, pytest GPU tests ~30 s,
+# then one device call, from the repository root (about 5-6 minutes of device
+# time: install ~1 min, native build and tests ~40 s, gpu_nixl.py ~1 min (first
+# after those: the figures a session is for), pytest GPU tests ~30 s,
 # gpu_check.py ~1-2 min, gpu_bench.py ~30 s, with a NIC ~30 s more; every
-# step has a timeout):
+# step has a timeout). The two last lines: GPU_FIGURES (aioxfer.nixl / NIXL
+# at WRITE 4 KiB-1 MiB, csw/op) and GPU_CHECK (every step):
 #
 #     run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".whl-nixl"], timeout_s=480)
 #
@@ -102,6 +104,19 @@ step() { echo "$1=$2" >> "$STEPS"; }
         step native_build FAILED
     fi
 
+    echo "== 9. gpu_nixl.py: GPU -> peer GPU through NIXL's API, real NIXL beside aioxfer.nixl"
+    # first after the native checks: its WRITE 4 KiB-1 MiB ratios and csw/op are
+    # what a session is for, so no later step's timeout can crowd them out
+    if ls .whl-nixl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/nixlsite .whl-nixl/*.whl \
+        && (cd /tmp && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/nixlsite" NIXL_LOG_LEVEL=WARN \
+            timeout 150 python3 "$REPO/benchmarks/gpu_nixl.py" --secs 0.3 --json "$OUT/gpu_nixl.json" \
+            | grep -v '^20..-..-..T') && step gpu_nixl ok || step gpu_nixl FAILED
+    else
+        step gpu_nixl "not fetched"
+    fi
+
     echo "== 3. pytest -m gpu (the installed package)"
     (cd /tmp && timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_cuda.py" \
         "$REPO/tests/test_nixl_cuda.py") && step pytest_gpu ok || step pytest_gpu FAILED
@@ -113,17 +128,6 @@ step() { echo "$1=$2" >> "$STEPS"; }
     echo "== 8. gpu_bench.py: 4 KiB ... 256 MiB one request at a time (GB/s, p50), host memory over cuda vs shm, limits"
     (cd /tmp && timeout 90 python3 "$REPO/benchmarks/gpu_bench.py" --secs 0.3 --json "$OUT/gpu_bench.json" \
         | grep -v '^20..-..-..T') && step gpu_bench ok || step gpu_bench FAILED
-
-    echo "== 9. gpu_nixl.py: GPU -> peer GPU through NIXL's API, real NIXL beside aioxfer.nixl"
-    if ls .whl-nixl/*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/nixlsite .whl-nixl/*.whl \
-        && (cd /tmp && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/nixlsite" NIXL_LOG_LEVEL=WARN \
-            timeout 150 python3 "$REPO/benchmarks/gpu_nixl.py" --secs 0.3 --json "$OUT/gpu_nixl.json" \
-            | grep -v '^20..-..-..T') && step gpu_nixl ok || step gpu_nixl FAILED
-    else
-        step gpu_nixl "not fetched"
-    fi
 
     if [ "$NIC" = 1 ]; then
         echo "== 7. NIC: GID tables, perftest baseline, the verbs suite on the real libibverbs"
