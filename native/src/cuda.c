@@ -951,6 +951,14 @@ struct axf_cuda {
     cuda_job *sq_head, *sq_tail; /* posted, not yet enqueued on a stream */
     cuda_job *wq_head, *wq_tail; /* enqueued, waiting for their event */
     bool stop, started, poison_logged;
+    /* Posting threads inside cuda_submit (mu). The submit thread leaves
+     * (stop) only once none is: one may still enqueue to it, and one that
+     * completes its own op (a lone op, job_done) touches this struct, the
+     * event pool and the op after letting go of smu. cuda_stop joins the
+     * submit thread, so nothing is left of a poster when it returns: the
+     * engine's shutdown then finds (and fails) only ops nobody holds, and
+     * cuda_free destroys nothing still in use. */
+    int posters;
     pthread_t submitter, waiter;
     /* Held by whoever enqueues copies (the submit thread, or a posting thread
      * that found the submit queue empty: cuda_submit): streams, IPC maps. */
@@ -1261,10 +1269,16 @@ static void pin_ahead(struct axf_cuda *c, region *r, bool stopping)
     region_unref(c->e, r);
 }
 
-/* Hands a job to the submit thread (FIFO: a pin queued before a copy runs first). */
-static void submit_enqueue(struct axf_cuda *c, cuda_job *j)
+/* Hands a job to the submit thread (FIFO: a pin queued before a copy runs
+ * first). false: that thread is gone or leaving (stopped, no posting thread
+ * left to keep it: submit_main's exit condition), the job is the caller's. */
+static bool submit_enqueue(struct axf_cuda *c, cuda_job *j)
 {
     pthread_mutex_lock(&c->mu);
+    if (c->stop && !c->posters) {
+        pthread_mutex_unlock(&c->mu);
+        return false;
+    }
     if (c->sq_tail)
         c->sq_tail->next = j;
     else
@@ -1272,6 +1286,7 @@ static void submit_enqueue(struct axf_cuda *c, cuda_job *j)
     c->sq_tail = j;
     pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
+    return true;
 }
 
 int axf_cuda_pin_region(axf_engine *e, uint64_t rid)
@@ -1291,7 +1306,13 @@ int axf_cuda_pin_region(axf_engine *e, uint64_t rid)
         return st;
     }
     j->pin = r;
-    submit_enqueue(c, j);
+    /* Shutdown began after the check above: the job (and the region's
+     * reference) would sit in a queue nobody runs. */
+    if (!submit_enqueue(c, j)) {
+        region_unref(e, r);
+        free(j);
+        return AXF_E_CLOSED;
+    }
     return AXF_OK;
 }
 
@@ -1300,7 +1321,7 @@ static void *submit_main(void *arg)
     struct axf_cuda *c = arg;
     pthread_mutex_lock(&c->mu);
     for (;;) {
-        while (!c->sq_head && !c->stop)
+        while (!c->sq_head && !(c->stop && !c->posters))
             pthread_cond_wait(&c->cv, &c->mu);
         cuda_job *j = c->sq_head;
         if (!j)
@@ -1540,11 +1561,40 @@ static bool caller_may_submit(struct axf_cuda *c, const op *o)
  * itself: what a GPU copies in about the time of the hand-off it saves. */
 #define CU_ALONE_BYTES (1u << 20)
 
+/* A posting thread is done with c and its op (c->posters). */
+static void poster_leave(struct axf_cuda *c)
+{
+    pthread_mutex_lock(&c->mu);
+    if (--c->posters == 0 && c->stop)
+        pthread_cond_broadcast(&c->cv); /* the submit thread may leave now */
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void cuda_post_one(struct axf_cuda *c, op *o, uint32_t flags);
+
 static void cuda_submit(axf_engine *e, op *o, uint32_t flags)
 {
     struct axf_cuda *c = CU_OF(e);
-    cuda_job *j = calloc(1, sizeof *j);
     atomic_store(&o->remaining, 1);
+    pthread_mutex_lock(&c->mu);
+    bool stopped = c->stop;
+    if (!stopped)
+        c->posters++;
+    pthread_mutex_unlock(&c->mu);
+    /* Posted while the engine shuts down, past cuda_stop's wait for posting
+     * threads: nothing of ours runs any more, and completing it here would
+     * race the shutdown's own sweep of what is left on the endpoint (marked
+     * closed already), which completes it. */
+    if (stopped)
+        return;
+    cuda_post_one(c, o, flags);
+    poster_leave(c);
+}
+
+static void cuda_post_one(struct axf_cuda *c, op *o, uint32_t flags)
+{
+    axf_engine *e = c->e;
+    cuda_job *j = calloc(1, sizeof *j);
     if (!j) {
         op_set_status(o, AXF_E_NOMEM, 0);
         op_unit_done(e, o);
@@ -1565,9 +1615,11 @@ static void cuda_submit(axf_engine *e, op *o, uint32_t flags)
         /* A lone small op where the engine polls: this thread polls its event
          * too (for the engine's poll bound, as the waiter would; as UCX does
          * on its caller's progress) and completes it, with no hand-off at all;
-         * a notification follows from the connection, so not with one. Under
-         * smu: cuda_stop waits for it, and the waiter is still there for an
-         * op this gives up on. */
+         * a notification follows from the connection, so not with one. Polled
+         * under smu, completed after it (job_done may take a while: a failed
+         * event's error text, the engine's locks); cuda_stop waits for both
+         * (c->posters), and the waiter is still there for an op this gives
+         * up on. */
         bool own = ok && (flags & AXF_POST_ALONE) && total <= CU_ALONE_BYTES &&
                    !o->notify_len && e->cfg.target_poll_us != UINT32_MAX && e->poll_us;
         if (ok) {
@@ -1596,7 +1648,7 @@ static void cuda_submit(axf_engine *e, op *o, uint32_t flags)
         if (ok)
             return;
     }
-    submit_enqueue(c, j);
+    submit_enqueue(c, j); /* kept by this poster (c->posters): never refused */
 }
 
 static void cuda_stop(axf_engine *e)
@@ -1608,9 +1660,10 @@ static void cuda_stop(axf_engine *e)
     c->stop = true;
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
-    pthread_join(c->submitter, NULL); /* fails what was not enqueued yet */
-    pthread_mutex_lock(&c->smu); /* a posting thread's enqueueing is over */
-    pthread_mutex_unlock(&c->smu);
+    /* Fails what was not enqueued yet; leaves once no posting thread is in
+     * cuda_submit (c->posters): their enqueueing and their own completions
+     * are over too. */
+    pthread_join(c->submitter, NULL);
     pthread_mutex_lock(&c->mu);
     c->started = false;
     pthread_cond_broadcast(&c->wcv);

@@ -66,6 +66,7 @@
 #endif
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -156,6 +157,12 @@ static _Atomic int sync_copies;
 static _Atomic unsigned event_delay_us; /* FAKECUDA_EVENT_DELAY_US */
 static _Atomic int event_sleeps, event_queries, event_creates;
 static _Atomic long copy_tid, query_tid;
+static _Atomic CUresult query_error; /* fakecuda_fail_next_query */
+/* fakecuda_gate_error_text: cuGetErrorString waits while the gate is shut */
+static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
+static bool gate_shut;
+static _Atomic int gate_waiters;
 static _Thread_local fctx *stack[STACK];
 static _Thread_local int depth;
 
@@ -240,6 +247,14 @@ EXPORT CUresult cuDriverGetVersion(int *v)
 
 EXPORT CUresult cuGetErrorString(CUresult r, const char **s)
 {
+    pthread_mutex_lock(&gate_mu);
+    if (gate_shut) {
+        gate_waiters++;
+        while (gate_shut)
+            pthread_cond_wait(&gate_cv, &gate_mu);
+        gate_waiters--;
+    }
+    pthread_mutex_unlock(&gate_mu);
     switch (r) {
     case OK: *s = "no error"; break;
     case E_INVALID_VALUE: *s = "invalid argument"; break;
@@ -514,6 +529,29 @@ EXPORT long fakecuda_query_tid(void)
 EXPORT void fakecuda_set_event_delay_us(unsigned us)
 {
     event_delay_us = us;
+}
+
+/* The next cuEventQuery (any event, any thread) returns r instead of the
+ * event's state: an event that ended in an error. */
+EXPORT void fakecuda_fail_next_query(int r)
+{
+    query_error = r;
+}
+
+/* Shut: every cuGetErrorString waits until it opens again (a test holds a
+ * thread that reports an error at that point). */
+EXPORT void fakecuda_gate_error_text(int shut)
+{
+    pthread_mutex_lock(&gate_mu);
+    gate_shut = shut != 0;
+    pthread_cond_broadcast(&gate_cv);
+    pthread_mutex_unlock(&gate_mu);
+}
+
+/* Threads waiting at the shut gate. */
+EXPORT int fakecuda_gate_waiters(void)
+{
+    return gate_waiters;
 }
 
 /* ---------------------------------------------------------------- memory */
@@ -1255,6 +1293,9 @@ EXPORT CUresult cuEventQuery(void *he)
 {
     event *e = he;
     event_queries++;
+    CUresult fail = atomic_exchange(&query_error, OK);
+    if (fail != OK)
+        return fail;
     pthread_mutex_lock(&e->mu);
     unsigned p = e->pending;
     pthread_mutex_unlock(&e->mu);

@@ -8,6 +8,8 @@
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -748,6 +750,181 @@ static int test_caller_submits(void)
     return 0;
 }
 
+/* ---------------------------------------------------------------- stop */
+
+typedef void (*fake_set_fn)(int);
+
+/* A lone op posted from its own thread (AXF_POST_ALONE: the poster polls and
+ * completes it itself), or (many) a stream of them until one is refused. */
+typedef struct lone_poster {
+    axf_engine *e;
+    uint64_t ep, id;
+    axf_desc d;
+    int many, st;
+    _Atomic int posted;
+} lone_poster;
+
+static void *lone_post_main(void *arg)
+{
+    lone_poster *p = arg;
+    do {
+        p->st = axf_post(p->e, p->ep, AXF_OP_WRITE, &p->d, 1, NULL, 0, p->id + (uint64_t)p->posted,
+                         AXF_POST_ALONE | AXF_POST_POLL);
+        if (p->st == AXF_OK)
+            atomic_fetch_add(&p->posted, 1);
+    } while (p->st == AXF_OK && p->posted < p->many);
+    return NULL;
+}
+
+typedef struct shutter {
+    axf_engine *e;
+    _Atomic int done;
+} shutter;
+
+static void *shut_main(void *arg)
+{
+    shutter *s = arg;
+    axf_engine_shutdown(s->e);
+    atomic_store(&s->done, 1);
+    return NULL;
+}
+
+/* How many transfer completions of id the engine has reported (drained). */
+static int xfer_count(tengine *t, uint64_t id, int *status)
+{
+    t_drain(t);
+    int n = 0;
+    for (size_t i = 0; i < t->n; i++)
+        if (t->q[i].kind == AXF_CQ_XFER && t->q[i].id == id) {
+            n++;
+            if (status)
+                *status = t->q[i].status;
+        }
+    return n;
+}
+
+/* A loopback GPU -> GPU endpoint on an engine that polls, whose stream the
+ * first op made: the next lone small op is its poster's from end to end. */
+typedef struct lone_rig {
+    tengine *a, *b;
+    uint64_t g1, g2, ep;
+    axf_desc d;
+} lone_rig;
+
+static int lone_rig_open(lone_rig *r)
+{
+    enum { LEN = 1 << 16 };
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    axf_config cfg = {.target_poll_us = 0};
+    memset(r, 0, sizeof *r);
+    r->a = t_engine(&cfg);
+    r->b = t_engine(NULL);
+    CHECK(r->a && r->b);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(r->a->e, why, sizeof why), AXF_OK);
+    uint64_t g1rid, g1key, g2rid, g2key;
+    CHECK_EQ(axf_cuda_alloc(0, LEN, &r->g1), AXF_OK);
+    CHECK_EQ(axf_cuda_alloc(0, LEN, &r->g2), AXF_OK);
+    CHECK_EQ(axf_region_register_kind(r->a->e, AXF_MEM_CUDA, r->g2, LEN, rw, -1, &g2rid, &g2key),
+             AXF_OK);
+    CHECK_EQ(axf_region_register_kind(r->b->e, AXF_MEM_CUDA, r->g1, LEN, rw, -1, &g1rid, &g1key),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_create(r->a->e, AXF_EP_CUDA, 5, getpid(), -1, &r->ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(r->a->e, r->ep, g1rid, g1key, LEN, rw, r->g1, NULL, 0, NULL),
+             AXF_OK);
+    r->d = (axf_desc){.lrid = g2rid, .rrid = g1rid, .rkey = g1key, .len = 4096};
+    return post_wait(r->a, r->ep, AXF_OP_WRITE, &r->d, 1, 1, AXF_OK); /* makes the stream */
+}
+
+static int lone_rig_close(lone_rig *r)
+{
+    t_close(r->a);
+    t_close(r->b);
+    CHECK_EQ(axf_cuda_free(r->g1), AXF_OK);
+    CHECK_EQ(axf_cuda_free(r->g2), AXF_OK);
+    return 0;
+}
+
+/* Rule: shutdown (cuda_stop, then the engine's sweep of what is left, then
+ * cuda_free) waits for a posting thread that completes its own lone op: it
+ * let go of the submit lock before completing it, and completing it touches
+ * the engine's CUDA state, the event pool and the op. Held there (its event
+ * failed; the software driver keeps it in cuGetErrorString) while shutdown
+ * runs: shutdown must not get past it, and the op completes once. Before the
+ * fix, shutdown ran to its end meanwhile and failed the op the poster then
+ * completed again. Software driver only. */
+static int test_stop_waits_for_lone_poster(void)
+{
+    fake_set_fn fail_next = (fake_set_fn)(uintptr_t)drv_sym("fakecuda_fail_next_query");
+    fake_set_fn gate = (fake_set_fn)(uintptr_t)drv_sym("fakecuda_gate_error_text");
+    fake_void_fn waiters = (fake_void_fn)(uintptr_t)drv_sym("fakecuda_gate_waiters");
+    if (!fail_next || !gate || !waiters)
+        return 0;
+    lone_rig r;
+    if (lone_rig_open(&r))
+        return 1;
+    lone_poster p = {.e = r.a->e, .ep = r.ep, .id = 2, .d = r.d, .many = 1};
+    shutter s = {.e = r.a->e};
+    fail_next(801); /* CUDA_ERROR_NOT_SUPPORTED: not sticky */
+    gate(1);
+    pthread_t pt, st;
+    CHECK_EQ(pthread_create(&pt, NULL, lone_post_main, &p), 0);
+    uint64_t until = t_now_ms() + T_TIMEOUT_MS;
+    while (waiters() < 1 && t_now_ms() < until)
+        usleep(1000);
+    int held = waiters();
+    CHECK_EQ(pthread_create(&st, NULL, shut_main, &s), 0);
+    /* Time enough for an unguarded shutdown to finish (it did in well under
+     * a millisecond); a correct one stays blocked however long this is. */
+    until = t_now_ms() + 300;
+    while (!atomic_load(&s.done) && t_now_ms() < until)
+        usleep(1000);
+    int early_done = atomic_load(&s.done), early_n = xfer_count(r.a, 2, NULL);
+    gate(0);
+    pthread_join(pt, NULL);
+    pthread_join(st, NULL);
+    CHECK_EQ(held, 1);       /* the poster, inside its own completion */
+    CHECK_EQ(early_done, 0); /* shutdown waited for it */
+    CHECK_EQ(early_n, 0);    /* and did not fail its op behind its back */
+    CHECK_EQ(p.st, AXF_OK);
+    int status = AXF_OK;
+    CHECK_EQ(xfer_count(r.a, 2, &status), 1);
+    CHECK(status == AXF_E_CLOSED || status == AXF_E_TRANSPORT);
+    return lone_rig_close(&r);
+}
+
+/* Rule: the same race unprovoked, repeated: a thread posting lone ops while
+ * the engine shuts down. Every op posted completes exactly once, and nothing
+ * is left (the sanitizer builds check memory and, under TSan, the locking). */
+static int test_stop_races_lone_posts(void)
+{
+    if (!drv_sym("fakecuda_gate_waiters"))
+        return 0;
+    for (int round = 0; round < 20; round++) {
+        lone_rig r;
+        if (lone_rig_open(&r))
+            return 1;
+        lone_poster p = {.e = r.a->e, .ep = r.ep, .id = 100, .d = r.d, .many = 64};
+        pthread_t pt;
+        CHECK_EQ(pthread_create(&pt, NULL, lone_post_main, &p), 0);
+        uint64_t until = t_now_ms() + T_TIMEOUT_MS;
+        while (atomic_load(&p.posted) < round % 4 && t_now_ms() < until)
+            sched_yield();
+        axf_engine_shutdown(r.a->e);
+        pthread_join(pt, NULL);
+        CHECK(p.st == AXF_OK || p.st == AXF_E_CLOSED);
+        for (int i = 0; i < p.posted; i++) {
+            int n = xfer_count(r.a, 100 + (uint64_t)i, NULL);
+            if (n != 1)
+                fprintf(stderr, "round %d: op %d completed %d times\n", round, i, n);
+            CHECK_EQ(n, 1);
+        }
+        if (lone_rig_close(&r))
+            return 1;
+    }
+    return 0;
+}
+
 /* Rule: a sticky error (an illegal address on the device) poisons every
  * context of the process, the application's too: latched, reported with its
  * name, and no GPU op is attempted after it. Last: it stays for the process. */
@@ -790,6 +967,8 @@ int main(int argc, char **argv)
             T_CASE(test_ipc_cross_device),
             T_CASE(test_pin_ahead),
             T_CASE(test_caller_submits),
+            T_CASE(test_stop_waits_for_lone_poster),
+            T_CASE(test_stop_races_lone_posts),
             T_CASE(test_sticky_error_latched), /* last: the process stays poisoned */
         };
         return T_RUN(argc - 1, argv + 1, gpu);
