@@ -5,7 +5,11 @@ tmpfs, cancellations land at chosen awaits. Each test failed before its fix."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+import os
+import subprocess
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,3 +63,111 @@ async def test_concurrent_object_puts_keep_their_own_bytes(make_agent: MakeAgent
         assert np.array_equal(dst.numpy(), data)
     finally:
         await store2.aclose()
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (root only), filled to the last page by a file (removed
+    by the test to make room): every write needing a new page fails ENOSPC."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        (mnt / "kv").mkdir()
+        with open(mnt / "filler", "wb", buffering=0) as fh, contextlib.suppress(OSError):
+            while True:
+                fh.write(b"\xff" * 4096)
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+async def test_disk_full_puts_are_dropped_and_counted(make_agent: MakeAgent,
+                                                      full_tmpfs: Path) -> None:
+    """ENOSPC when a new segment is made: the put stores nothing and says so
+    (dropped, counted), raises no OSError, indexes nothing, leaves no file
+    behind; with room again the same tier stores and serves them."""
+    agent = await make_agent("kv")
+    disk = kv.DiskTier(full_tmpfs / "kv", 64 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[disk])
+    src = agent.alloc(4 * BB)
+    data = pattern(4 * BB, 3)
+    src.numpy()[:] = data
+    keys = keys_for(4, 3)
+    try:
+        res = await within(store.put(keys, src[0:4 * BB]))
+        assert (res.stored, res.dropped) == (0, 4)
+        st = store.statistics().tiers["disk"]
+        assert st.dropped_stores.get("io_error", 0) + st.dropped_stores.get("no_room", 0) == 4
+        assert (await store.lookup(keys)).prefix == 0
+        assert not [p for p in (full_tmpfs / "kv").iterdir() if p.name.startswith("seg-")]
+        (full_tmpfs / "filler").unlink()
+        res = await within(store.put(keys, src[0:4 * BB], durable=True))
+        assert res.stored == 4 and res.durable == 4
+        dst = agent.alloc(4 * BB)
+        got = await within(store.get(keys, dst[0:4 * BB]))
+        assert got.prefix == 4 and np.array_equal(dst.numpy(), data)
+    finally:
+        await store.aclose()
+
+
+async def test_host_slots_come_back_when_the_overflow_write_fails(make_agent: MakeAgent,
+                                                                  full_tmpfs: Path) -> None:
+    """A put larger than the host tier: the rest goes to the disk tier, which
+    is full. The host slots reserved for the first blocks are used or given
+    back, never lost (the tier keeps its capacity)."""
+    agent = await make_agent("kv")
+    host = kv.HostTier(4 * BB, put_wait=0)
+    disk = kv.DiskTier(full_tmpfs / "kv", 64 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[host, disk])
+    src = agent.alloc(8 * BB)
+    src.numpy()[:] = pattern(8 * BB, 4)
+    keys = keys_for(8, 4)
+    try:
+        res = await within(store.put(keys, src[0:8 * BB]))
+        assert res.stored == 4 and res.dropped == 4
+        assert len(host.free) + len(host.index) == host.n_slots
+        await store.remove(keys)
+        assert len(host.free) == host.n_slots
+    finally:
+        await store.aclose()
+
+
+async def test_cancelled_overflow_put_gives_host_slots_back(make_agent: MakeAgent,
+                                                            tmp_path: Path) -> None:
+    """A put cancelled while its overflow blocks are written to the disk
+    tier: the host slots it had reserved are free again afterwards."""
+    agent = await make_agent("kv")
+    host = kv.HostTier(4 * BB, put_wait=0)
+    disk = kv.DiskTier(tmp_path / "kv", 64 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[host, disk])
+    src = agent.alloc(8 * BB)
+    src.numpy()[:] = pattern(8 * BB, 5)
+    keys = keys_for(8, 5)
+    try:
+        task = asyncio.ensure_future(store.put(keys, src[0:8 * BB]))
+        for _ in range(100_000):
+            if disk.counters.in_flight:
+                break
+            await asyncio.sleep(0)
+        assert disk.counters.in_flight, "the overflow write never started"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await within(task)
+        await within(quiesce(store))
+        assert len(host.free) + len(host.index) == host.n_slots, (len(host.free), host.index)
+    finally:
+        await store.aclose()
+
+
+async def quiesce(store: kv.Store) -> None:
+    while True:
+        s = store.statistics()
+        if not (s.pins or s.pinned_bytes or s.fetches_in_flight):
+            return
+        await asyncio.sleep(0.005)

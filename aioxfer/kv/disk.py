@@ -32,6 +32,7 @@ segment once it has none left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import time
@@ -266,6 +267,7 @@ class DiskTier(Tier):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending_flush: set[_Seg] = set()
         self._flusher: asyncio.Future[None] | None = None
+        self.segment_failed = False  # the last _alloc could not make a segment
 
     # ------------------------------------------------------------ open / close
 
@@ -478,14 +480,25 @@ class DiskTier(Tier):
         path = os.path.join(self.path, f"seg-{no:08d}.axkv")
         seg = _Seg(no, path, self.slots_per_seg, self.slot_bytes)
         sb = _superblock(seg, self.store.block_bytes, self.ns)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            os.pwrite(fd, sb + bytes(SECTOR - len(sb)), 0)
-            os.ftruncate(fd, seg.file_bytes)
-        finally:
-            os.close(fd)
-        seg.region = self.store.agent.register_file(
-            path, direct=self.direct, name=f"{self.store.name}.{self.name}.{no}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.pwrite(fd, sb + bytes(SECTOR - len(sb)), 0)
+                os.ftruncate(fd, seg.file_bytes)
+            finally:
+                os.close(fd)
+            seg.region = self.store.agent.register_file(
+                path, direct=self.direct, name=f"{self.store.name}.{self.name}.{no}")
+        except (OSError, XferError) as exc:
+            # The filesystem is full (ENOSPC, a quota), out of files, or
+            # gone: no segment, so no room; the blocks are dropped and
+            # counted by the caller, never an OSError out of a put.
+            self.counters.errors += 1
+            self.segment_failed = True
+            _log.warning("kv.disk_segment_failed", tier=self.name, path=path, error=repr(exc))
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
         seg.cursor = 0
         seg.image = np.zeros(seg.data_off - seg.hdr_off, dtype=np.uint8)
         self.tick += 1
@@ -558,9 +571,11 @@ class DiskTier(Tier):
         if not todo:
             return ok
         bb = self.store.block_bytes
+        self.segment_failed = False
         places = await self._alloc(len(todo))
         if len(places) < len(todo):
-            self.counters.dropped("no_room", len(todo) - len(places))
+            why = "io_error" if self.segment_failed else "no_room"
+            self.counters.dropped(why, len(todo) - len(places))
         todo = todo[: len(places)]
         try:
             gate = self.codec_gate

@@ -1265,9 +1265,16 @@ class Store:
             if lower is None:
                 host.counters.dropped("no_room", len(overflow))
             else:
-                ok = await lower._write([keys[i] for i in overflow],
-                                        [blk.regions[i] for i in overflow],
-                                        [blk.offsets[i] for i in overflow], durable=durable)
+                try:
+                    ok = await lower._write([keys[i] for i in overflow],
+                                            [blk.regions[i] for i in overflow],
+                                            [blk.offsets[i] for i in overflow], durable=durable)
+                except BaseException:
+                    # Cancelled (or the tier failed) before the reserved host
+                    # slots were filled: they go back, or the tier would
+                    # lose that much capacity for good.
+                    host.give_back(slots)
+                    raise
                 for i, good in zip(overflow, ok, strict=True):
                     if good:
                         tiers_out[i] = lower.name
