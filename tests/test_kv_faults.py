@@ -171,3 +171,33 @@ async def quiesce(store: kv.Store) -> None:
         if not (s.pins or s.pinned_bytes or s.fetches_in_flight):
             return
         await asyncio.sleep(0.005)
+
+
+async def test_cancelled_write_through_leaves_blocks_for_write_back(make_agent: MakeAgent,
+                                                                    tmp_path: Path) -> None:
+    """A write-through put cancelled while its blocks go to the disk tier:
+    every block it left in host memory is on the disk tier or still dirty
+    (written back later), never a clean copy the host tier drops unwritten."""
+    agent = await make_agent("kv")
+    host = kv.HostTier(16 * BB, write_through=True)
+    disk = kv.DiskTier(tmp_path / "kv", 64 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[host, disk])
+    src = agent.alloc(8 * BB)
+    src.numpy()[:] = pattern(8 * BB, 6)
+    keys = keys_for(8, 6)
+    try:
+        task = asyncio.ensure_future(store.put(keys, src[0:8 * BB]))
+        for _ in range(100_000):
+            if disk.counters.in_flight:
+                break
+            await asyncio.sleep(0)
+        assert disk.counters.in_flight, "the write-through never started"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await within(task)
+        await within(quiesce(store))
+        lost = [k for k in keys if k in host.index and host.index[k] not in host.dirty
+                and disk._locate(k) is None]
+        assert not lost, f"{len(lost)} blocks clean in host memory and on no lower tier"
+    finally:
+        await store.aclose()

@@ -1316,8 +1316,17 @@ class Store:
         if through and stored_i:
             assert lower is not None and host.region is not None
             wkeys = [keys[i] for i in stored_i]
-            ok = await lower._write(wkeys, [host.region] * len(stored_i),
-                                    [slot_of[i] * bb for i in stored_i], durable=durable)
+            try:
+                ok = await lower._write(wkeys, [host.region] * len(stored_i),
+                                        [slot_of[i] * bb for i in stored_i], durable=durable)
+            except BaseException:
+                # Cancelled (or the tier failed) midway: the blocks are in
+                # host memory as clean copies of nothing; left for write-back
+                # instead, or the host tier would drop them unwritten.
+                for i in stored_i:
+                    if host.index.get(keys[i]) == slot_of[i] and lower._locate(keys[i]) is None:
+                        host.dirty.add(slot_of[i])
+                raise
             for i, good in zip(stored_i, ok, strict=True):
                 if not good and host.index.get(keys[i]) == slot_of[i]:
                     host.dirty.add(slot_of[i])  # left for write-back
