@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -245,4 +246,48 @@ async def test_object_server_killed_mid_get(make_agent: MakeAgent, own_s3: S3Ser
         res = await within(store.get(keys, dst[0:n * bb]), 120)
         assert res.prefix == n and np.array_equal(dst.numpy(), data)
     finally:
+        await store.aclose()
+
+
+async def test_failed_quarantine_delete_keeps_the_good_blocks(make_agent: MakeAgent,
+                                                              s3: S3Server) -> None:
+    """A corrupt object whose quarantine (DELETE) fails (its directory made
+    immutable under the server): the get still delivers the verified blocks
+    before it and reports the corrupt one as BlockCorrupt; it is not served
+    again."""
+    pytest.importorskip("obstore")
+    if os.geteuid() != 0 or shutil.which("chattr") is None:
+        pytest.skip("needs root and chattr (an immutable directory)")
+    bucket = s3.bucket()
+    agent = await make_agent("kv")
+    objs = agent.register_objects(f"s3://{bucket}/kvtest", max_retries=1, retry_timeout=1.0,
+                                  **s3.kwargs())
+    tier = kv.ObjectTier(objs)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[tier])
+    src = agent.alloc(4 * BB)
+    data = pattern(4 * BB, 9)
+    src.numpy()[:] = data
+    keys = keys_for(4, 9)
+    path = s3.file(bucket, "kvtest/" + tier.object_key(keys[2]))
+    locked = False
+    try:
+        assert (await within(store.put(keys, src[0:4 * BB]))).stored == 4
+        raw = bytearray(path.read_bytes())
+        raw[100] ^= 0x01
+        path.write_bytes(bytes(raw))
+        r = subprocess.run(["chattr", "+i", str(path.parent)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"chattr +i failed here: {r.stderr.strip()}")
+        locked = True
+        dst = agent.alloc(4 * BB)
+        res = await within(store.get(keys, dst[0:4 * BB]))
+        assert res.prefix == 2, res
+        assert [f.index for f in res.failed] == [2]
+        assert isinstance(res.failed[0].error, kv.BlockCorrupt)
+        assert np.array_equal(dst.numpy()[:2 * BB], data[:2 * BB])
+        assert path.exists()  # the DELETE failed ...
+        assert (await store.lookup(keys[2:3])).prefix == 0  # ... and it is not served again
+    finally:
+        if locked:
+            subprocess.run(["chattr", "-i", str(path.parent)], capture_output=True)
         await store.aclose()
