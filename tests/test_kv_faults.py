@@ -291,3 +291,34 @@ async def test_failed_quarantine_delete_keeps_the_good_blocks(make_agent: MakeAg
         if locked:
             subprocess.run(["chattr", "-i", str(path.parent)], capture_output=True)
         await store.aclose()
+
+
+async def test_remove_during_a_get_is_not_undone_by_its_promotion(make_agent: MakeAgent,
+                                                                  tmp_path: Path) -> None:
+    """A get reading blocks from the disk tier while they are removed: the get
+    may deliver them (it began first), but its promotion does not bring them
+    back into host memory after remove() returned: they stay removed."""
+    agent = await make_agent("kv")
+    host = kv.HostTier(16 * BB)
+    disk = kv.DiskTier(tmp_path / "kv", 64 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[host, disk])
+    n = 8
+    src = agent.alloc(n * BB)
+    src.numpy()[:] = pattern(n * BB, 10)
+    keys = keys_for(n, 10)
+    try:
+        assert all(await within(disk._write(keys, [src] * n, [i * BB for i in range(n)])))
+        dst = agent.alloc(n * BB)
+        t = asyncio.ensure_future(store.get(keys, dst[0:n * BB]))
+        for _ in range(100_000):
+            if disk.counters.in_flight:
+                break
+            await asyncio.sleep(0)
+        assert disk.counters.in_flight, "the disk read never started"
+        assert await within(store.remove(keys)) == n
+        await within(t)
+        await within(quiesce(store))
+        assert (await store.lookup(keys)).prefix == 0
+        assert not [k for k in keys if k in host.index]
+    finally:
+        await store.aclose()
