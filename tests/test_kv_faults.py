@@ -322,3 +322,34 @@ async def test_remove_during_a_get_is_not_undone_by_its_promotion(make_agent: Ma
         assert not [k for k in keys if k in host.index]
     finally:
         await store.aclose()
+
+
+async def test_remove_during_write_back_stays_removed(make_agent: MakeAgent,
+                                                      tmp_path: Path) -> None:
+    """Blocks removed while the host tier writes them back to the disk tier:
+    once both are over, no tier holds them (the write-back does not publish
+    them on the disk tier after remove() returned)."""
+    agent = await make_agent("kv")
+    host = kv.HostTier(16 * BB)
+    disk = kv.DiskTier(tmp_path / "kv", 64 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[host, disk])
+    n = 4
+    src = agent.alloc(n * BB)
+    src.numpy()[:] = pattern(n * BB, 11)
+    keys = keys_for(n, 11)
+    try:
+        assert (await within(store.put(keys, src[0:n * BB]))).stored == n
+        assert len(host.dirty) == n
+        wb = asyncio.ensure_future(host._write_back(disk, list(keys)))
+        for _ in range(100_000):
+            if disk.counters.in_flight:
+                break
+            await asyncio.sleep(0)
+        assert disk.counters.in_flight, "the write-back never started"
+        assert await within(store.remove(keys)) == n
+        await within(wb)
+        await within(quiesce(store))
+        assert (await store.lookup(keys)).prefix == 0
+        assert not [k for k in keys if disk._locate(k) is not None]
+    finally:
+        await store.aclose()
