@@ -353,3 +353,33 @@ async def test_remove_during_write_back_stays_removed(make_agent: MakeAgent,
         assert not [k for k in keys if disk._locate(k) is not None]
     finally:
         await store.aclose()
+
+
+async def test_durable_put_whose_header_cannot_be_written(make_agent: MakeAgent,
+                                                          full_tmpfs: Path) -> None:
+    """Room for a segment's superblock and a block's data but not for its
+    header sector (ENOSPC): a durable put does not report the block stored
+    (nor durable), raises nothing untyped, and the tier does not index it."""
+    agent = await make_agent("kv")
+    disk = kv.DiskTier(full_tmpfs / "kv", 64 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[disk])
+    src = agent.alloc(BB)
+    src.numpy()[:] = pattern(BB, 12)
+    keys = keys_for(1, 12)
+    filler = full_tmpfs / "filler"
+    # superblock page + the block's pages free; the header sector's is not
+    os.truncate(filler, filler.stat().st_size - 4096 - BB)
+    try:
+        res = await within(store.put(keys, src[0:BB], durable=True))
+        assert (res.stored, res.durable, res.dropped) == (0, 0, 1), res
+        assert (await store.lookup(keys)).prefix == 0
+        assert store.statistics().tiers["disk"].dropped_stores.get("io_error") == 1
+        filler.unlink()  # room again: the close writes the header, marked removed
+    finally:
+        await store.aclose()
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[
+        kv.DiskTier(full_tmpfs / "kv", 64 * BB, segment_bytes=8 * BB)])
+    try:
+        assert (await store.lookup(keys)).prefix == 0  # not back after a restart either
+    finally:
+        await store.aclose()

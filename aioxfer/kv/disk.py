@@ -308,7 +308,13 @@ class DiskTier(Tier):
         if self.lock is not None:
             for seg in list(self.segs.values()):
                 if seg.image is not None:
-                    await self._flush(seg, durable=False)
+                    try:
+                        await self._flush(seg, durable=False)
+                    except (XferError, OSError) as exc:
+                        # (a full or failing disk) Its blocks are not found
+                        # after a restart, as after a crash; the close goes on.
+                        _log.warning("kv.disk_flush_failed", tier=self.name, segment=seg.no,
+                                     error=repr(exc))
         from aioxfer.kv.store import _deregister
 
         agent = self.store.agent
@@ -595,8 +601,25 @@ class DiskTier(Tier):
             ok[i] = True
         segs = {p[0] for p in places}
         if durable:
+            place_of = dict(zip(todo, places, strict=False))
             for seg in segs:
-                await self._flush(seg, durable=True)
+                try:
+                    await self._flush(seg, durable=True)
+                except (XferError, OSError) as exc:
+                    # The headers could not be made durable (ENOSPC for a
+                    # header sector, EIO): the blocks are not stored, as if
+                    # their data write had failed, and not indexed (their
+                    # entries, if written later, say removed).
+                    lost = [i for i in written if ok[i] and place_of[i][0] is seg]
+                    self._unpublish([keys[i] for i in lost], [place_of[i] for i in lost])
+                    for i in lost:
+                        ok[i] = False
+                    written = [i for i in written if ok[i]]
+                    self.counters.errors += 1
+                    self.counters.dropped("io_error", len(lost))
+                    _log.warning("kv.disk_header_failed", tier=self.name, segment=seg.no,
+                                 blocks=len(lost), error=repr(exc))
+                    continue
                 self._maybe_seal(seg)
         else:
             # Not promised durable: the headers follow in the background (still
@@ -651,8 +674,14 @@ class DiskTier(Tier):
         if durable and written:
             # Data before headers: a header on disk then always describes
             # bytes that are on disk too.
-            for seg in {places[j][0] for j in written}:
-                await asyncio.to_thread(_fdatasync, seg.path)
+            try:
+                for seg in {places[j][0] for j in written}:
+                    await asyncio.to_thread(_fdatasync, seg.path)
+            except OSError as exc:
+                self.counters.errors += 1
+                self.counters.dropped("io_error", len(written))
+                _log.warning("kv.disk_sync_failed", tier=self.name, error=repr(exc))
+                return []
         done = [todo[j] for j in written]
         if written:
             self._publish([places[j] for j in written], [keys[i] for i in done],
@@ -738,8 +767,14 @@ class DiskTier(Tier):
                             self.compressed_in += bb
                             self.compressed_out += lens[k]
         if durable and done_j:
-            for seg in {places[j][0] for j in done_j}:
-                await asyncio.to_thread(_fdatasync, seg.path)
+            try:
+                for seg in {places[j][0] for j in done_j}:
+                    await asyncio.to_thread(_fdatasync, seg.path)
+            except OSError as exc:
+                self.counters.errors += 1
+                self.counters.dropped("io_error", len(done_j))
+                _log.warning("kv.disk_sync_failed", tier=self.name, error=repr(exc))
+                return []
         if done_j:
             self._publish([places[j] for j in done_j], [keys[todo[j]] for j in done_j], crcs,
                           lengths, codecs)
@@ -788,6 +823,20 @@ class DiskTier(Tier):
             index[key] = (seg.no << 32) | slot
         if codecs is not None and any(codecs):
             self.any_compressed = True
+
+    def _unpublish(self, keys: list[bytes], places: list[tuple[_Seg, int]]) -> None:
+        """Takes back blocks _publish indexed whose headers did not reach the
+        disk: out of the index, their entries marked removed in the image."""
+        for key, (seg, slot) in zip(keys, places, strict=True):
+            loc = (seg.no << 32) | slot
+            if self.index.get(key) == loc:
+                del self.index[key]
+            if seg.live[slot]:
+                seg.live[slot] = False
+                seg.nlive -= 1
+            if seg.image is not None:
+                _mark_entry_removed(seg.image[slot * ENTRY:(slot + 1) * ENTRY])
+                seg.dirty.add(slot * ENTRY // SECTOR)
 
     def _maybe_seal(self, seg: _Seg) -> None:
         if seg.cursor >= seg.slots and not seg.writing and not seg.dirty:
