@@ -383,3 +383,37 @@ async def test_durable_put_whose_header_cannot_be_written(make_agent: MakeAgent,
         assert (await store.lookup(keys)).prefix == 0  # not back after a restart either
     finally:
         await store.aclose()
+
+
+async def turns_until(pred: Callable[[], bool], limit: int = 10_000) -> bool:
+    for _ in range(limit):
+        if pred():
+            return True
+        await asyncio.sleep(0)
+    return pred()
+
+
+async def test_channel_wakeup_passes_on_when_the_woken_sender_is_cancelled() -> None:
+    """A full channel with two senders waiting: a receive makes room and wakes
+    the first, which is cancelled before it runs; the second one sends (the
+    wake-up is not lost with the cancelled one: no pipeline stalls)."""
+    ch: kv.Channel[int] = kv.Channel(1)
+    await ch.send(0)
+    w1 = asyncio.ensure_future(ch.send(1))
+    w2 = asyncio.ensure_future(ch.send(2))
+    assert not await turns_until(lambda: w1.done() or w2.done(), 10)
+    assert await ch.receive() == 0  # room for one: w1 is woken ...
+    w1.cancel()  # ... and cancelled before it runs
+    assert await turns_until(w2.done), "the second sender was never woken"
+    assert await ch.receive() == 2
+
+
+async def test_channel_wakeup_passes_on_when_the_woken_receiver_is_cancelled() -> None:
+    ch: kv.Channel[int] = kv.Channel(1)
+    r1 = asyncio.ensure_future(ch.receive())
+    r2 = asyncio.ensure_future(ch.receive())
+    assert not await turns_until(lambda: r1.done() or r2.done(), 10)
+    await ch.send(7)  # wakes r1 ...
+    r1.cancel()  # ... cancelled before it runs
+    assert await turns_until(r2.done), "the second receiver was never woken"
+    assert r2.result() == 7
