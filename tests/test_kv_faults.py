@@ -417,3 +417,31 @@ async def test_channel_wakeup_passes_on_when_the_woken_receiver_is_cancelled() -
     r1.cancel()  # ... cancelled before it runs
     assert await turns_until(r2.done), "the second receiver was never woken"
     assert r2.result() == 7
+
+
+async def test_removed_key_written_twice_stays_removed_after_restart(make_agent: MakeAgent,
+                                                                     tmp_path: Path) -> None:
+    """One key written to the disk tier by two writers at once (a write-back
+    beside a put) has two records; once removed, neither comes back when the
+    tier is reopened."""
+    agent = await make_agent("kv")
+    path = tmp_path / "kv"
+    disk = kv.DiskTier(path, 64 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[disk])
+    src = agent.alloc(BB)
+    src.numpy()[:] = pattern(BB, 13)
+    keys = keys_for(1, 13)
+    try:
+        a, b = await within(asyncio.gather(disk._write(keys, [src], [0]),
+                                           disk._write(keys, [src], [0])))
+        assert a == b == [True]
+        assert await within(store.remove(keys)) == 1
+        assert (await store.lookup(keys)).prefix == 0
+    finally:
+        await store.aclose()
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[
+        kv.DiskTier(path, 64 * BB, segment_bytes=8 * BB)])
+    try:
+        assert (await store.lookup(keys)).prefix == 0
+    finally:
+        await store.aclose()

@@ -404,13 +404,17 @@ class DiskTier(Tier):
         keys = np.ascontiguousarray(keys_a).tolist()
         locs = loc.tolist()
         index = dict(zip(keys, locs, strict=True))
+        self.index = index
         if len(index) != len(keys):  # a key written twice: the older copy is dead
+            dead = []
             for k, lo in zip(keys, locs, strict=True):
                 if index[k] != lo:
                     seg = self.segs[lo >> 32]
                     seg.live[lo & 0xFFFFFFFF] = False
                     seg.nlive -= 1
-        self.index = index
+                    dead.append(lo)
+            # Marked removed on disk as well (see _publish), in the background.
+            self._spawn(self._mark_removed(dead))
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -802,6 +806,7 @@ class DiskTier(Tier):
         raw = rec.view(np.uint8).reshape(n, ENTRY)
         rec["check"] = entry_check(raw)
         index = self.index
+        dead: list[int] = []
         for j, (seg, slot) in enumerate(places):
             key = keys[j]
             old = index.get(key)
@@ -810,6 +815,7 @@ class DiskTier(Tier):
                 if prev is not None and prev.live[old & 0xFFFFFFFF]:
                     prev.live[old & 0xFFFFFFFF] = False
                     prev.nlive -= 1
+                    dead.append(old)
             assert seg.image is not None
             seg.image[slot * ENTRY:(slot + 1) * ENTRY] = raw[j]
             seg.dirty.add(slot * ENTRY // SECTOR)
@@ -823,6 +829,10 @@ class DiskTier(Tier):
             index[key] = (seg.no << 32) | slot
         if codecs is not None and any(codecs):
             self.any_compressed = True
+        if dead:
+            # On disk too: a remove() marks only the copy the index holds, and
+            # a live older record would bring the key back at the next open.
+            self._spawn(self._mark_removed(dead))
 
     def _unpublish(self, keys: list[bytes], places: list[tuple[_Seg, int]]) -> None:
         """Takes back blocks _publish indexed whose headers did not reach the
