@@ -445,3 +445,34 @@ async def test_removed_key_written_twice_stays_removed_after_restart(make_agent:
         assert (await store.lookup(keys)).prefix == 0
     finally:
         await store.aclose()
+
+
+async def test_object_server_down_is_a_miss_not_a_failed_get(make_agent: MakeAgent,
+                                                             own_s3: S3Server) -> None:
+    """The S3 server is dead when a get has to ask it about the keys the host
+    tier does not hold: the get delivers the host tier's leading blocks and
+    ends its prefix there (the probe's failure counted), it does not raise."""
+    pytest.importorskip("obstore")
+    s3 = own_s3
+    agent = await make_agent("kv")
+    objs = agent.register_objects(f"s3://{s3.bucket()}/kv", retry_timeout=1.0, max_retries=1,
+                                  connect_timeout=0.5, **s3.kwargs())
+    host = kv.HostTier(16 * BB)
+    tier = kv.ObjectTier(objs)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[host, tier])
+    n = 8
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 14)
+    src.numpy()[:] = data
+    keys = keys_for(n, 14)
+    try:
+        assert (await within(store.put(keys[:4], src[0:4 * BB]))).stored == 4
+        s3.kill()
+        dst = agent.alloc(n * BB)
+        res = await within(store.get(keys, dst[0:n * BB]), 60)
+        assert res.prefix == 4 and res.failed == (), res
+        assert np.array_equal(dst.numpy()[:4 * BB], data[:4 * BB])
+        assert store.statistics().tiers["object"].errors >= 1
+        assert (await within(store.lookup(keys), 60)).prefix == 4
+    finally:
+        await store.aclose()

@@ -176,7 +176,10 @@ class ObjectTier(Tier):
         unknown = [k for k in keys if k not in self.index and k not in self.missing]
         unknown = unknown[: self.batch]
         if unknown:
-            stats = await self.objs.stat([self.object_key(k) for k in unknown])
+            try:
+                stats = await self.objs.stat([self.object_key(k) for k in unknown])
+            except XferError as exc:
+                return self._probe_failed(keys, exc)
             present = []
             for k, st in zip(unknown, stats, strict=True):
                 if st.exists and st.size == bb + TRAILER:
@@ -185,7 +188,19 @@ class ObjectTier(Tier):
                     self.missing.add(k)
             if present:
                 async with self.stage_lock:
-                    self._learn(present, await self._read_trailers(present))
+                    try:
+                        raw = await self._read_trailers(present)
+                    except XferError as exc:
+                        return self._probe_failed(keys, exc)
+                    self._learn(present, raw)
+        return self._known_prefix(keys)
+
+    def _probe_failed(self, keys: list[bytes], exc: XferError) -> int:
+        """The bucket could not be asked (the server down, access denied):
+        what this tier does not know is a miss for this get, which serves
+        what the other tiers hold; asked again next time."""
+        self.counters.errors += 1
+        _log.warning("kv.object_probe_failed", tier=self.name, error=repr(exc))
         return self._known_prefix(keys)
 
     async def _read_trailers(self, present: list[bytes]) -> np.ndarray | None:
