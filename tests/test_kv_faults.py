@@ -476,3 +476,70 @@ async def test_object_server_down_is_a_miss_not_a_failed_get(make_agent: MakeAge
         assert (await within(store.lookup(keys), 60)).prefix == 4
     finally:
         await store.aclose()
+
+
+def assert_whole(store: kv.Store) -> None:
+    """Nothing pinned, reserved, half-filled or in flight is left over."""
+    s = store.statistics()
+    assert (s.pins, s.pinned_bytes, s.fetches_in_flight) == (0, 0, 0), s
+    assert not store._filling and not getattr(store, "_removing", None)
+    host = store._host
+    if host is not None:
+        assert len(host.free) + len(host.index) == host.n_slots, (len(host.free), len(host.index))
+        assert not host.pinned and not any(host.pins) and not host.doomed
+        assert not host.demoting
+    for t in store.tiers:
+        if isinstance(t, kv.DiskTier):
+            assert not any(seg.writing for seg in t.segs.values())
+            assert not any(seg.pins for seg in t.segs.values())
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+async def test_put_and_get_cancelled_at_every_step(make_agent: MakeAgent, tmp_path: Path,
+                                                   write_through: bool) -> None:
+    """A put (half of it overflowing to the disk tier) and a get (half from
+    the disk tier) cancelled after 0, 1, 2, ... loop turns: whatever the
+    point, the store is whole afterwards, and every block it indexes reads
+    back with the bytes put."""
+    agent = await make_agent("kv")
+    host = kv.HostTier(4 * BB, put_wait=0, write_through=write_through)
+    disk = kv.DiskTier(tmp_path / "kv", 256 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[host, disk])
+    n = 8
+    src = agent.alloc(n * BB)
+    dst = agent.alloc(n * BB)
+    try:
+        finished = 0
+        for turns in range(200):
+            data = pattern(n * BB, 100 + turns)
+            src.numpy()[:] = data
+            keys = keys_for(n, 100 + turns)
+            task = asyncio.ensure_future(store.put(keys, src[0:n * BB]))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await within(task)
+                finished += 1
+            got = asyncio.ensure_future(store.get(keys, dst[0:n * BB]))
+            for _ in range(turns // 2):
+                await asyncio.sleep(0)
+            got.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await within(got)
+            await within(quiesce(store))
+            assert_whole(store)
+            res = await within(store.get(keys, dst[0:n * BB]))
+            assert res.failed == ()
+            for i in range(n):
+                if res.tiers[i] is not None:
+                    assert np.array_equal(dst.numpy()[i * BB:(i + 1) * BB],
+                                          data[i * BB:(i + 1) * BB]), (turns, i, res.tiers[i])
+            await within(quiesce(store))
+            assert_whole(store)
+            await store.remove(keys)
+            if finished >= 3:
+                break  # cancelled at every step of a put, then past its end
+        assert finished >= 1
+    finally:
+        await store.aclose()
