@@ -126,3 +126,36 @@ async def test_owner_pulls_and_reports(make_agent: MakeAgent, tmp_path: Path) ->
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_concurrent_probes_each_find_their_own_blocks(make_agent: MakeAgent,
+                                                            tmp_path: Path) -> None:
+    """Two lookups probing the same member at once: each reads that member's
+    index buckets for its own keys and finds every block placed there (the
+    tier's probe buffer is not refilled by one while the other reads it)."""
+    proc, address = await start_member(tmp_path, "member-e")
+    try:
+        # Over TCP: a probe's read completes on the engine's threads, not
+        # inside its await, so the two probes' reads are in flight together.
+        agent = await make_agent("member-f", transports=("tcp",), inline_bytes=0)
+        n = 32
+        src = agent.alloc(n * BB)
+        src.numpy()[:] = pattern(n * BB, 3)
+        keys = keys_for(n)
+        tier = kv.PeerTier(group="t")
+        # (no write-back: four blocks stay in host memory, the rest go to
+        # the member, all before put returns)
+        host = kv.HostTier(4 * BB, high_watermark=1.0, low_watermark=1.0)
+        async with kv.Store.open(agent, block_bytes=BB, tiers=[host, tier]) as st:
+            await within(tier.join(address))
+            put = await within(st.put(keys, src[0:n * BB]))
+            assert put.stored == n and put.dropped == 0, put
+            for _ in range(3):
+                tier.located.clear()  # as in a fresh process: every get probes
+                a, b = await within(asyncio.gather(st.lookup(keys[:n // 2]),
+                                                   st.lookup(keys[n // 2:])))
+                assert (a.prefix, b.prefix) == (n // 2, n // 2), (a, b)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -32,6 +32,7 @@ segment once it has none left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import time
@@ -266,6 +267,7 @@ class DiskTier(Tier):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending_flush: set[_Seg] = set()
         self._flusher: asyncio.Future[None] | None = None
+        self.segment_failed = False  # the last _alloc could not make a segment
 
     # ------------------------------------------------------------ open / close
 
@@ -306,7 +308,13 @@ class DiskTier(Tier):
         if self.lock is not None:
             for seg in list(self.segs.values()):
                 if seg.image is not None:
-                    await self._flush(seg, durable=False)
+                    try:
+                        await self._flush(seg, durable=False)
+                    except (XferError, OSError) as exc:
+                        # (a full or failing disk) Its blocks are not found
+                        # after a restart, as after a crash; the close goes on.
+                        _log.warning("kv.disk_flush_failed", tier=self.name, segment=seg.no,
+                                     error=repr(exc))
         from aioxfer.kv.store import _deregister
 
         agent = self.store.agent
@@ -396,13 +404,17 @@ class DiskTier(Tier):
         keys = np.ascontiguousarray(keys_a).tolist()
         locs = loc.tolist()
         index = dict(zip(keys, locs, strict=True))
+        self.index = index
         if len(index) != len(keys):  # a key written twice: the older copy is dead
+            dead = []
             for k, lo in zip(keys, locs, strict=True):
                 if index[k] != lo:
                     seg = self.segs[lo >> 32]
                     seg.live[lo & 0xFFFFFFFF] = False
                     seg.nlive -= 1
-        self.index = index
+                    dead.append(lo)
+            # Marked removed on disk as well (see _publish), in the background.
+            self._spawn(self._mark_removed(dead))
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -478,14 +490,25 @@ class DiskTier(Tier):
         path = os.path.join(self.path, f"seg-{no:08d}.axkv")
         seg = _Seg(no, path, self.slots_per_seg, self.slot_bytes)
         sb = _superblock(seg, self.store.block_bytes, self.ns)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            os.pwrite(fd, sb + bytes(SECTOR - len(sb)), 0)
-            os.ftruncate(fd, seg.file_bytes)
-        finally:
-            os.close(fd)
-        seg.region = self.store.agent.register_file(
-            path, direct=self.direct, name=f"{self.store.name}.{self.name}.{no}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.pwrite(fd, sb + bytes(SECTOR - len(sb)), 0)
+                os.ftruncate(fd, seg.file_bytes)
+            finally:
+                os.close(fd)
+            seg.region = self.store.agent.register_file(
+                path, direct=self.direct, name=f"{self.store.name}.{self.name}.{no}")
+        except (OSError, XferError) as exc:
+            # The filesystem is full (ENOSPC, a quota), out of files, or
+            # gone: no segment, so no room; the blocks are dropped and
+            # counted by the caller, never an OSError out of a put.
+            self.counters.errors += 1
+            self.segment_failed = True
+            _log.warning("kv.disk_segment_failed", tier=self.name, path=path, error=repr(exc))
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
         seg.cursor = 0
         seg.image = np.zeros(seg.data_off - seg.hdr_off, dtype=np.uint8)
         self.tick += 1
@@ -558,9 +581,11 @@ class DiskTier(Tier):
         if not todo:
             return ok
         bb = self.store.block_bytes
+        self.segment_failed = False
         places = await self._alloc(len(todo))
         if len(places) < len(todo):
-            self.counters.dropped("no_room", len(todo) - len(places))
+            why = "io_error" if self.segment_failed else "no_room"
+            self.counters.dropped(why, len(todo) - len(places))
         todo = todo[: len(places)]
         try:
             gate = self.codec_gate
@@ -580,8 +605,25 @@ class DiskTier(Tier):
             ok[i] = True
         segs = {p[0] for p in places}
         if durable:
+            place_of = dict(zip(todo, places, strict=False))
             for seg in segs:
-                await self._flush(seg, durable=True)
+                try:
+                    await self._flush(seg, durable=True)
+                except (XferError, OSError) as exc:
+                    # The headers could not be made durable (ENOSPC for a
+                    # header sector, EIO): the blocks are not stored, as if
+                    # their data write had failed, and not indexed (their
+                    # entries, if written later, say removed).
+                    lost = [i for i in written if ok[i] and place_of[i][0] is seg]
+                    self._unpublish([keys[i] for i in lost], [place_of[i] for i in lost])
+                    for i in lost:
+                        ok[i] = False
+                    written = [i for i in written if ok[i]]
+                    self.counters.errors += 1
+                    self.counters.dropped("io_error", len(lost))
+                    _log.warning("kv.disk_header_failed", tier=self.name, segment=seg.no,
+                                 blocks=len(lost), error=repr(exc))
+                    continue
                 self._maybe_seal(seg)
         else:
             # Not promised durable: the headers follow in the background (still
@@ -636,8 +678,14 @@ class DiskTier(Tier):
         if durable and written:
             # Data before headers: a header on disk then always describes
             # bytes that are on disk too.
-            for seg in {places[j][0] for j in written}:
-                await asyncio.to_thread(_fdatasync, seg.path)
+            try:
+                for seg in {places[j][0] for j in written}:
+                    await asyncio.to_thread(_fdatasync, seg.path)
+            except OSError as exc:
+                self.counters.errors += 1
+                self.counters.dropped("io_error", len(written))
+                _log.warning("kv.disk_sync_failed", tier=self.name, error=repr(exc))
+                return []
         done = [todo[j] for j in written]
         if written:
             self._publish([places[j] for j in written], [keys[i] for i in done],
@@ -723,8 +771,14 @@ class DiskTier(Tier):
                             self.compressed_in += bb
                             self.compressed_out += lens[k]
         if durable and done_j:
-            for seg in {places[j][0] for j in done_j}:
-                await asyncio.to_thread(_fdatasync, seg.path)
+            try:
+                for seg in {places[j][0] for j in done_j}:
+                    await asyncio.to_thread(_fdatasync, seg.path)
+            except OSError as exc:
+                self.counters.errors += 1
+                self.counters.dropped("io_error", len(done_j))
+                _log.warning("kv.disk_sync_failed", tier=self.name, error=repr(exc))
+                return []
         if done_j:
             self._publish([places[j] for j in done_j], [keys[todo[j]] for j in done_j], crcs,
                           lengths, codecs)
@@ -752,6 +806,7 @@ class DiskTier(Tier):
         raw = rec.view(np.uint8).reshape(n, ENTRY)
         rec["check"] = entry_check(raw)
         index = self.index
+        dead: list[int] = []
         for j, (seg, slot) in enumerate(places):
             key = keys[j]
             old = index.get(key)
@@ -760,6 +815,7 @@ class DiskTier(Tier):
                 if prev is not None and prev.live[old & 0xFFFFFFFF]:
                     prev.live[old & 0xFFFFFFFF] = False
                     prev.nlive -= 1
+                    dead.append(old)
             assert seg.image is not None
             seg.image[slot * ENTRY:(slot + 1) * ENTRY] = raw[j]
             seg.dirty.add(slot * ENTRY // SECTOR)
@@ -773,6 +829,24 @@ class DiskTier(Tier):
             index[key] = (seg.no << 32) | slot
         if codecs is not None and any(codecs):
             self.any_compressed = True
+        if dead:
+            # On disk too: a remove() marks only the copy the index holds, and
+            # a live older record would bring the key back at the next open.
+            self._spawn(self._mark_removed(dead))
+
+    def _unpublish(self, keys: list[bytes], places: list[tuple[_Seg, int]]) -> None:
+        """Takes back blocks _publish indexed whose headers did not reach the
+        disk: out of the index, their entries marked removed in the image."""
+        for key, (seg, slot) in zip(keys, places, strict=True):
+            loc = (seg.no << 32) | slot
+            if self.index.get(key) == loc:
+                del self.index[key]
+            if seg.live[slot]:
+                seg.live[slot] = False
+                seg.nlive -= 1
+            if seg.image is not None:
+                _mark_entry_removed(seg.image[slot * ENTRY:(slot + 1) * ENTRY])
+                seg.dirty.add(slot * ENTRY // SECTOR)
 
     def _maybe_seal(self, seg: _Seg) -> None:
         if seg.cursor >= seg.slots and not seg.writing and not seg.dirty:

@@ -85,6 +85,7 @@ class HostTier(Tier):
         self.dirty: set[int] = set()  # not yet in any lower tier
         self.demoting: set[int] = set()
         self.doomed: set[int] = set()  # evicted while pinned: freed at the last unpin
+        self.removed_demoting: set[bytes] = set()  # removed while written back
         self.free: list[int] = []
         self._space: asyncio.Event | None = None
         self._kick: asyncio.Event | None = None
@@ -194,6 +195,8 @@ class HostTier(Tier):
         self.policy.remove(key, evicted=reason in ("capacity", "demoted"))
         self.dirty.discard(slot)
         self.counters.evicted(reason)
+        if reason == "removed" and slot in self.demoting:
+            self.removed_demoting.add(key)  # its write-back takes it out again
         if self.pins[slot]:
             self.doomed.add(slot)  # a reader still copies out of it
         else:
@@ -325,11 +328,19 @@ class HostTier(Tier):
             _log.warning("kv.demote_failed", tier=self.name, lower=lower.name, blocks=len(keys),
                          error=repr(exc))
             ok = [False] * len(keys)
+        except BaseException:  # cancelled (the store closes): nothing to undo after
+            self.removed_demoting.difference_update(keys)
+            raise
         finally:
             for s in slots:
                 self.demoting.discard(s)
                 self.unpin(s)
+        undo: list[bytes] = []
         for key, slot, stored in zip(keys, slots, ok, strict=True):
+            if key in self.removed_demoting:
+                self.removed_demoting.discard(key)
+                if stored and key not in self.index:
+                    undo.append(key)  # removed while written: not in the lower tier either
             if self.index.get(key) != slot:
                 continue  # removed meanwhile
             if stored and not evict:
@@ -342,3 +353,9 @@ class HostTier(Tier):
                 # is lost from the store, and counted here too, never silently.
                 self.counters.dropped("demote_failed")
                 self.evict(key, "capacity")
+        if undo:
+            try:
+                await lower._remove(undo)
+            except Exception as exc:
+                _log.warning("kv.demote_undo_failed", tier=self.name, lower=lower.name,
+                             blocks=len(undo), error=repr(exc))

@@ -26,7 +26,8 @@ from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import ENTRY, ENTRY_DTYPE, ENTRY_MAGIC, ENTRY_VERSION, F_LIVE, entry_check
 from aioxfer.kv.disk import ns_tag as _ns_tag
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
-from aioxfer.kv.tier import Tier
+from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
+from aioxfer.log import get_logger
 from aioxfer.region import Region
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ObjectTier"]
 
+_log = get_logger("aioxfer.kv")
 TRAILER = ENTRY
 _ALGO_SHIFT = 4
 
@@ -59,6 +61,10 @@ class ObjectTier(Tier):
         self.batch = batch
         self.index: dict[bytes, int] = {}  # key -> payload CRC
         self.stage: Region | None = None
+        # One user of the stage at a time: concurrent puts (two callers, a
+        # put beside the host tier's write-back) and probes each fill it and
+        # hand it to requests that read or write it until they end.
+        self.stage_lock = asyncio.Lock()
         self.missing: set[bytes] = set()  # probed and absent (cleared by puts)
 
     async def _open(self, store: Store) -> None:
@@ -101,47 +107,64 @@ class ObjectTier(Tier):
 
     async def _write(self, keys: list[bytes], regions: list[Region], offsets: list[int],
                      *, durable: bool = False) -> list[bool]:
-        bb = self.store.block_bytes
-        rec = bb + TRAILER
         ok = [k in self.index for k in keys]
         todo = [i for i, good in enumerate(ok) if not good]
         assert self.stage is not None
+        async with self.stage_lock:
+            cancelled = False
+            for b in range(0, len(todo), self.batch):
+                cancelled = await self._write_batch(keys, regions, offsets, todo[b:b + self.batch],
+                                                    ok)
+                if cancelled:
+                    break
+        if cancelled:
+            raise asyncio.CancelledError
+        return ok
+
+    async def _write_batch(self, keys: list[bytes], regions: list[Region], offsets: list[int],
+                           part: list[int], ok: list[bool]) -> bool:
+        """PUTs blocks ``part`` through the stage (the caller holds its lock);
+        returns whether the caller was cancelled meanwhile. The PUTs are never
+        cut short: cancelled midway, a PUT's client could still be reading the
+        stage when the next batch refills it with other blocks, and upload
+        their bytes under this block's key (found corrupt, or never found:
+        a durable put lost)."""
+        bb = self.store.block_bytes
+        rec = bb + TRAILER
+        assert self.stage is not None
         stage = self.stage.numpy()
         agent = self.store.agent
-        for b in range(0, len(todo), self.batch):
-            part = todo[b:b + self.batch]
-            puts = []
-            crcs = []
-            for j, i in enumerate(part):
-                # Block and trailer must be one contiguous object body: the
-                # block is copied once into registered staging memory.
-                src = np.frombuffer(regions[i].memoryview[offsets[i]:offsets[i] + bb],
-                                    dtype=np.uint8)
-                stage[j * rec:j * rec + bb] = src
-                crc = ck.checksum(self.stage.memoryview[j * rec:j * rec + bb])
-                crcs.append(crc)
-                stage[j * rec + bb:(j + 1) * rec] = self._trailer(keys[i], crc)
-                puts.append(agent.write(self.stage[j * rec:(j + 1) * rec],
-                                        self.objs[self.object_key(keys[i])]))
-            self.counters.writes += len(puts)
-            self.counters.in_flight += len(puts)
-            try:
-                results = await asyncio.gather(*puts, return_exceptions=True)
-            finally:
-                self.counters.in_flight -= len(puts)
-            for i, crc, r in zip(part, crcs, results, strict=True):
-                if isinstance(r, asyncio.CancelledError):
-                    raise r
-                if isinstance(r, BaseException):
-                    self.counters.errors += 1
-                    self.counters.dropped("io_error")
-                    continue
-                self.index[keys[i]] = crc
-                self.missing.discard(keys[i])
-                ok[i] = True
-                self.counters.puts += 1
-                self.counters.put_bytes += bb
-        return ok
+        puts = []
+        crcs = []
+        for j, i in enumerate(part):
+            # Block and trailer must be one contiguous object body: the
+            # block is copied once into registered staging memory.
+            src = np.frombuffer(regions[i].memoryview[offsets[i]:offsets[i] + bb],
+                                dtype=np.uint8)
+            stage[j * rec:j * rec + bb] = src
+            crc = ck.checksum(self.stage.memoryview[j * rec:j * rec + bb])
+            crcs.append(crc)
+            stage[j * rec + bb:(j + 1) * rec] = self._trailer(keys[i], crc)
+            puts.append(agent.write(self.stage[j * rec:(j + 1) * rec],
+                                    self.objs[self.object_key(keys[i])]))
+        self.counters.writes += len(puts)
+        self.counters.in_flight += len(puts)
+        gathered = asyncio.gather(*puts, return_exceptions=True)
+        try:
+            cancelled = await finish_uncancelled(gathered)
+        finally:
+            self.counters.in_flight -= len(puts)
+        for i, crc, r in zip(part, crcs, gathered.result(), strict=True):
+            if isinstance(r, BaseException):
+                self.counters.errors += 1
+                self.counters.dropped("io_error")
+                continue
+            self.index[keys[i]] = crc
+            self.missing.discard(keys[i])
+            ok[i] = True
+            self.counters.puts += 1
+            self.counters.put_bytes += bb
+        return cancelled
 
     # ------------------------------------------------------------ probe
 
@@ -153,7 +176,10 @@ class ObjectTier(Tier):
         unknown = [k for k in keys if k not in self.index and k not in self.missing]
         unknown = unknown[: self.batch]
         if unknown:
-            stats = await self.objs.stat([self.object_key(k) for k in unknown])
+            try:
+                stats = await self.objs.stat([self.object_key(k) for k in unknown])
+            except XferError as exc:
+                return self._probe_failed(keys, exc)
             present = []
             for k, st in zip(unknown, stats, strict=True):
                 if st.exists and st.size == bb + TRAILER:
@@ -161,27 +187,53 @@ class ObjectTier(Tier):
                 else:
                     self.missing.add(k)
             if present:
-                assert self.stage is not None
-                n = len(present)
-                try:
-                    await self.store.agent.read(
-                        [self.stage[j * TRAILER:(j + 1) * TRAILER] for j in range(n)],
-                        self.objs.segments([self.object_key(k) for k in present],
-                                           [bb] * n, [TRAILER] * n))
-                except ObjectNotFound:
-                    return self._known_prefix(keys)  # deleted meanwhile: asked again later
-                raw = self.stage.numpy()[: n * TRAILER].reshape(n, TRAILER)
-                ent = raw.view(ENTRY_DTYPE).ravel()
-                good = ((ent["magic"] == ENTRY_MAGIC) & (ent["version"] == ENTRY_VERSION)
-                        & (entry_check(raw) == ent["check"]) & (ent["ns"] == self.ns)
-                        & (ent["length"] == bb))
-                for j, k in enumerate(present):
-                    if good[j] and ent["key"][j].tobytes() == k:
-                        self.index[k] = int(ent["crc"][j])
-                    else:
-                        self.missing.add(k)
-                        self.counters.checksum_failures += 1
+                async with self.stage_lock:
+                    try:
+                        raw = await self._read_trailers(present)
+                    except XferError as exc:
+                        return self._probe_failed(keys, exc)
+                    self._learn(present, raw)
         return self._known_prefix(keys)
+
+    def _probe_failed(self, keys: list[bytes], exc: XferError) -> int:
+        """The bucket could not be asked (the server down, access denied):
+        what this tier does not know is a miss for this get, which serves
+        what the other tiers hold; asked again next time."""
+        self.counters.errors += 1
+        _log.warning("kv.object_probe_failed", tier=self.name, error=repr(exc))
+        return self._known_prefix(keys)
+
+    async def _read_trailers(self, present: list[bytes]) -> np.ndarray | None:
+        """The trailers of ``present`` (a copy), or None if one was deleted
+        meanwhile. The read into the stage is never cut short (the caller
+        holds the stage's lock: the next user refills the stage)."""
+        assert self.stage is not None
+        bb = self.store.block_bytes
+        n = len(present)
+        try:
+            await run_to_end(self.store.agent.read(
+                [self.stage[j * TRAILER:(j + 1) * TRAILER] for j in range(n)],
+                self.objs.segments([self.object_key(k) for k in present],
+                                   [bb] * n, [TRAILER] * n)))
+        except ObjectNotFound:
+            return None  # deleted meanwhile: asked again later
+        out: np.ndarray = self.stage.numpy()[: n * TRAILER].reshape(n, TRAILER).copy()
+        return out
+
+    def _learn(self, present: list[bytes], raw: np.ndarray | None) -> None:
+        if raw is None:
+            return
+        bb = self.store.block_bytes
+        ent = raw.view(ENTRY_DTYPE).ravel()
+        good = ((ent["magic"] == ENTRY_MAGIC) & (ent["version"] == ENTRY_VERSION)
+                & (entry_check(raw) == ent["check"]) & (ent["ns"] == self.ns)
+                & (ent["length"] == bb))
+        for j, k in enumerate(present):
+            if good[j] and ent["key"][j].tobytes() == k:
+                self.index[k] = int(ent["crc"][j])
+            else:
+                self.missing.add(k)
+                self.counters.checksum_failures += 1
 
     def _known_prefix(self, keys: list[bytes]) -> int:
         n = 0
@@ -226,8 +278,16 @@ class ObjectTier(Tier):
         if bad:
             for k in bad:
                 self.index.pop(k, None)
+                self.missing.add(k)  # not probed back in (until put again)
                 self.counters.quarantined += 1
-            await self.objs.delete([self.object_key(k) for k in bad])
+            try:
+                await self.objs.delete([self.object_key(k) for k in bad])
+            except XferError as exc:
+                # Not served again from here either way (out of the index;
+                # another store's read fails the CRC and deletes it): the
+                # blocks verified beside it are delivered all the same.
+                _log.warning("kv.object_quarantine_failed", tier=self.name, blocks=len(bad),
+                             error=repr(exc))
         return errs
 
     async def _remove(self, keys: list[bytes]) -> int:

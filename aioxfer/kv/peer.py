@@ -41,7 +41,7 @@ from aioxfer.errors import XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import entry_check
 from aioxfer.kv.errors import BlockMissing, BlockUnavailable
-from aioxfer.kv.tier import Tier
+from aioxfer.kv.tier import Tier, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region, RemoteRegion, SegmentList
 
@@ -157,6 +157,9 @@ class PeerTier(Tier):
         self.meta_region: Region | None = None
         self.index: PeerIndex | None = None
         self.stage: Region | None = None
+        # One reader of the stage at a time (probes of two gets, a member's
+        # meta): each reads into it and parses it after its read lands.
+        self.stage_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._acks: dict[int, asyncio.Future[bytes]] = {}
         self._next_req = 0
@@ -255,8 +258,9 @@ class PeerTier(Tier):
             except KeyError:
                 return None
         assert self.stage is not None
-        await agent.read(self.stage[0:_META_BYTES], meta_rr[0:_META_BYTES])
-        raw = bytes(self.stage.memoryview[:_META_BYTES]).rstrip(b"\x00")
+        async with self.stage_lock:
+            await run_to_end(agent.read(self.stage[0:_META_BYTES], meta_rr[0:_META_BYTES]))
+            raw = bytes(self.stage.memoryview[:_META_BYTES]).rstrip(b"\x00")
         meta = json.loads(raw)
         if meta.get("block_bytes") != self.store.block_bytes:
             return None
@@ -301,15 +305,18 @@ class PeerTier(Tier):
             ks = ks[: self.stage.nbytes // bsz]
             offs = np.array([_bucket(k, m.buckets) * bsz for k in ks], dtype=np.uint64)
             lens = np.full(len(ks), bsz, dtype=np.uint64)
-            try:
-                await self.store.agent.read(
-                    SegmentList(self.stage, np.arange(len(ks), dtype=np.uint64) * bsz, lens),
-                    SegmentList(m.index, offs, lens))
-            except XferError:
-                continue  # it left or failed: its blocks are misses
-            raw = self.stage.numpy()
-            for j, k in enumerate(ks):
-                hit = parse_bucket(raw[j * bsz:(j + 1) * bsz], k)
+            async with self.stage_lock:
+                # Never cut short: a cancelled read could still land in the
+                # stage while the next probe reads it.
+                try:
+                    await run_to_end(self.store.agent.read(
+                        SegmentList(self.stage, np.arange(len(ks), dtype=np.uint64) * bsz, lens),
+                        SegmentList(m.index, offs, lens)))
+                except XferError:
+                    continue  # it left or failed: its blocks are misses
+                raw = self.stage.numpy()
+                hits = [parse_bucket(raw[j * bsz:(j + 1) * bsz], k) for j, k in enumerate(ks)]
+            for k, hit in zip(ks, hits, strict=True):
                 if hit is not None:
                     self.located[k] = (name, *hit)
         n = 0

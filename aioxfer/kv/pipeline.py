@@ -79,6 +79,11 @@ class Channel(Generic[T]):
             try:
                 await w
             except BaseException:
+                if w.done() and not w.cancelled():
+                    # Woken (room was made) and cancelled before it ran: the
+                    # wake-up goes to the next sender, or it would wait on
+                    # with room in the channel (a stalled pipeline).
+                    self._wake(self._writers)
                 w.cancel()
                 raise
 
@@ -96,6 +101,8 @@ class Channel(Generic[T]):
             try:
                 await w
             except BaseException:
+                if w.done() and not w.cancelled():
+                    self._wake(self._readers)  # woken, then cancelled: pass it on
                 w.cancel()
                 raise
 

@@ -408,7 +408,7 @@ class _Fetch:
     """One block in flight from a lower tier; others wait on it."""
 
     __slots__ = ("key", "tier", "loc", "region", "offset", "followers", "error", "task",
-                 "reading", "delivering")
+                 "reading", "delivering", "removed")
 
     def __init__(self, key: bytes, tier: Tier, loc: Any, region: Region, offset: int) -> None:
         self.key = key
@@ -423,6 +423,9 @@ class _Fetch:
         # Its bytes are being copied out (promotion, followers): from here on
         # it is never cancelled; its copies finish and every waiter hears.
         self.delivering = False
+        # Removed from the store while in flight: still delivered to whoever
+        # asked, never promoted (it would come back after remove() returned).
+        self.removed = False
 
 
 class _Staging:
@@ -519,6 +522,7 @@ class Store:
         self._pin_space: asyncio.Event | None = None
         self._fetches: dict[bytes, _Fetch] = {}
         self._filling: set[bytes] = set()
+        self._removing: dict[bytes, int] = {}  # keys a remove() is taking out of the tiers
         self._coalesced = 0
         self._handoffs = 0
         self._quarantined = 0
@@ -798,6 +802,7 @@ class Store:
         index_get = (host.index if host is not None else no_index).get
         regions, offsets = blk.regions, blk.offsets
         touch = host.policy.hit if host is not None and host.policy.tracks_hits else None
+        removing = self._removing
         # Planning takes its pins without awaiting, so nothing it found can be
         # evicted before it is pinned.
         for i, key in enumerate(keys):
@@ -824,6 +829,8 @@ class Store:
                 break
             op.pin(tier, loc)
             f = _Fetch(key, tier, loc, regions[i], offsets[i])
+            if removing and key in removing:
+                f.removed = True
             self._fetches[key] = f
             leads.setdefault(tier, []).append((i, f))
             tiers_out[i] = tier.name
@@ -1116,7 +1123,8 @@ class Store:
         (by id), its slot, pinned by ``op`` until the delivery is over."""
         bb = self.block_bytes
         promoted: dict[int, int] = {}
-        want = [f for f in fetches if f.key not in host.index and f.key not in self._filling]
+        want = [f for f in fetches if f.key not in host.index and f.key not in self._filling
+                and not f.removed]
         slots = host._take(len(want))  # never waits: promotion is best effort
         if not slots:
             return promoted
@@ -1130,7 +1138,7 @@ class Store:
                                               host.remote[s * bb:(s + 1) * bb]))
         results = await _await_owned(transfers, op, lambda: None)
         for f, s, r in zip(want, slots, results, strict=True):
-            if r is None and f.key not in host.index:
+            if r is None and f.key not in host.index and not f.removed:
                 host.insert(f.key, s, dirty=False)
                 host.counters.promotions += 1
                 promoted[id(f)] = s
@@ -1265,9 +1273,16 @@ class Store:
             if lower is None:
                 host.counters.dropped("no_room", len(overflow))
             else:
-                ok = await lower._write([keys[i] for i in overflow],
-                                        [blk.regions[i] for i in overflow],
-                                        [blk.offsets[i] for i in overflow], durable=durable)
+                try:
+                    ok = await lower._write([keys[i] for i in overflow],
+                                            [blk.regions[i] for i in overflow],
+                                            [blk.offsets[i] for i in overflow], durable=durable)
+                except BaseException:
+                    # Cancelled (or the tier failed) before the reserved host
+                    # slots were filled: they go back, or the tier would
+                    # lose that much capacity for good.
+                    host.give_back(slots)
+                    raise
                 for i, good in zip(overflow, ok, strict=True):
                     if good:
                         tiers_out[i] = lower.name
@@ -1309,8 +1324,17 @@ class Store:
         if through and stored_i:
             assert lower is not None and host.region is not None
             wkeys = [keys[i] for i in stored_i]
-            ok = await lower._write(wkeys, [host.region] * len(stored_i),
-                                    [slot_of[i] * bb for i in stored_i], durable=durable)
+            try:
+                ok = await lower._write(wkeys, [host.region] * len(stored_i),
+                                        [slot_of[i] * bb for i in stored_i], durable=durable)
+            except BaseException:
+                # Cancelled (or the tier failed) midway: the blocks are in
+                # host memory as clean copies of nothing; left for write-back
+                # instead, or the host tier would drop them unwritten.
+                for i in stored_i:
+                    if host.index.get(keys[i]) == slot_of[i] and lower._locate(keys[i]) is None:
+                        host.dirty.add(slot_of[i])
+                raise
             for i, good in zip(stored_i, ok, strict=True):
                 if not good and host.index.get(keys[i]) == slot_of[i]:
                     host.dirty.add(slot_of[i])  # left for write-back
@@ -1373,6 +1397,8 @@ class Store:
                 continue
             op.pin(host, s)
             f = _Fetch(key, t, loc, host.region, s * bb)
+            if key in self._removing:
+                f.removed = True
             self._fetches[key] = f
             by_tier.setdefault(t, []).append(f)
             slot_of[key] = s
@@ -1415,7 +1441,7 @@ class Store:
                 for f, e in zip(fs, errs, strict=True):
                     f.error = e
                     slot = left.pop(f.key)
-                    if e is None and f.key not in host.index:
+                    if e is None and f.key not in host.index and not f.removed:
                         host.insert(f.key, slot, dirty=False)
                         host.counters.promotions += 1
                         done += 1
@@ -1475,14 +1501,32 @@ class Store:
         keys = self._keys(keys)
         removed = 0
         host = self._host
-        if host is not None:
+        # Fetches in flight (a get's promotion, a prefetch) of these keys
+        # must not bring them back into host memory once we return.
+        fetches = self._fetches
+        for key in keys:
+            f = fetches.get(key)
+            if f is not None:
+                f.removed = True
+        removing = self._removing
+        for key in keys:
+            removing[key] = removing.get(key, 0) + 1
+        try:
+            if host is not None:
+                for key in keys:
+                    if key in host.index:
+                        host.evict(key, "removed")
+                        removed += 1
+            for tier in self._lower:
+                if tier.stores:
+                    removed += await tier._remove(keys)
+        finally:
             for key in keys:
-                if key in host.index:
-                    host.evict(key, "removed")
-                    removed += 1
-        for tier in self._lower:
-            if tier.stores:
-                removed += await tier._remove(keys)
+                c = removing[key] - 1
+                if c:
+                    removing[key] = c
+                else:
+                    del removing[key]
         return removed
 
     # ------------------------------------------------------------ statistics
