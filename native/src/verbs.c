@@ -24,7 +24,11 @@
  * every queue pair flushed); a flushed request fails its op with PEER_LOST
  * (CLOSED when we closed). An endpoint whose control connections died has
  * its queue pairs moved to the error state: in-flight requests flush, and no
- * op completes (releasing its memory) before its requests did.
+ * op completes (releasing its memory) before its requests did. A queue pair
+ * the NIC reports failed (asynchronous event) loses its endpoint likewise; an
+ * accepting-side one has its connection closed, so the peer learns at once.
+ * A post refused part way whose drain request is refused too (nothing would
+ * say when its requests are over) destroys the queue pair and fails its ops.
  *
  * Memory: a region gets a registration per device when registered, cached by
  * (device, address, length, access) with a reference count; it is
@@ -1729,6 +1733,32 @@ static void dev_fatal(verbs_state *vs, int devi)
     finish_list(e, left);
 }
 
+/* An accepting-side queue pair failed on its own (asynchronous event type):
+ * the connection it serves is killed (its end frees the queue pair). Found
+ * under e->mu, which a connection's list is detached under before its queue
+ * pairs are freed, and vs->mu (verbs_stop writes q->qp under it). */
+static void serving_failed(verbs_state *vs, const struct ibv_qp *bad_qp, const char *dev,
+                           int type)
+{
+    axf_engine *e = vs->e;
+    uint64_t tag = 0;
+    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&vs->mu);
+    conn *hit = NULL;
+    for (conn *c = e->conns; c && !hit; c = c->next_all)
+        for (vqp *q = VQP(c); q && !hit; q = q->next_conn)
+            if (q->qp == bad_qp)
+                hit = c;
+    pthread_mutex_unlock(&vs->mu);
+    if (hit) {
+        tag = hit->tag;
+        conn_kill(hit);
+    }
+    pthread_mutex_unlock(&e->mu);
+    cq_log(e, tag, "verbs: a queue pair on %s serving a peer failed (asynchronous event %d)%s",
+           dev, type, hit ? ": its connection is closed" : "");
+}
+
 /* Asynchronous events of device devi. Poller thread. */
 static void handle_async(verbs_state *vs, int devi)
 {
@@ -1747,10 +1777,12 @@ static void handle_async(verbs_state *vs, int devi)
         } else if (bad_qp) {
             /* The queue pair went to the error state on its own: its
              * requests flush; an initiator's endpoint is lost (its vqp lives
-             * until verbs_free). An accepting-side one is not touched: its
-             * connection's thread may free it at any moment, and there is
-             * nothing to do (the NIC moved it to the error state; the peer's
-             * requests through it fail and the peer drops the connection). */
+             * until verbs_free). An accepting-side one is freed by its
+             * connection's thread at any moment: not touched past the scan
+             * (the NIC moved it to the error state already). Its connection
+             * is killed instead, so that the peer, whose requests through it
+             * would only fail once its retries ran out (~30 s), loses the
+             * endpoint now. */
             vqp *hit = NULL;
             bool serving = false;
             pthread_mutex_lock(&vs->mu);
@@ -1762,9 +1794,7 @@ static void handle_async(verbs_state *vs, int devi)
                 }
             pthread_mutex_unlock(&vs->mu);
             if (serving)
-                cq_log(vs->e, 0, "verbs: a queue pair on %s serving a peer failed "
-                       "(asynchronous event %d): that peer's transfers through it fail",
-                       d->name, (int)type);
+                serving_failed(vs, bad_qp, d->name, (int)type);
             if (hit) {
                 pthread_mutex_lock(&hit->mu);
                 qp_to_error(hit);

@@ -10,8 +10,16 @@
  * It needs the libibverbs-dev headers only; it never links or loads libibverbs.
  *
  * Exports: axf_verbs_provider (fills an axf_verbs_table, provider "softverbs")
- * and axf_softverbs_set_link (a test hook that cuts or restores a device's link
- * in this process). Environment: AXF_SOFTVERBS_DEVICES (default 2, 0..16).
+ * and test hooks for this process (see each one at the end of the file): a
+ * device's link cut or restored (axf_softverbs_set_link) or the device dead
+ * (axf_softverbs_device_fatal); a post_send refused part way
+ * (axf_softverbs_fail_next_post) and posts on a QP in ERR refused
+ * (axf_softverbs_refuse_post_in_error); QP asynchronous events, now or as a
+ * QP reaches INIT (axf_softverbs_qp_events, axf_softverbs_qp_event_at_init,
+ * axf_softverbs_events_taken); a modify_qp to ERR or a reg_dmabuf_mr parked
+ * until released (axf_softverbs_hold, _held, _release), to hold a race's
+ * window open; axf_softverbs_qp_exists. Environment: AXF_SOFTVERBS_DEVICES
+ * (default 2, 0..16).
  *
  * Model, as close to a RoCE NIC with RC queue pairs as a test needs:
  * - Devices softverbs0..N-1, one port each, ACTIVE, link layer Ethernet, lid 0,
@@ -2496,10 +2504,11 @@ static sv_qp *qp_named(sv_device *d, uint32_t qpn, sv_hub **hub)
     return q;
 }
 
-/* Test hook: QP qpn of device dev raises asynchronous event `type`
- * (IBV_EVENT_QP_FATAL, ...: a NIC reports a QP that failed on its own) on the
- * context that created it. Returns 0, or -ENODEV / -ENOENT. */
-SV_EXPORT int axf_softverbs_qp_event(const char *dev, uint32_t qpn, int type)
+/* Test hook: QP qpn of device dev raises asynchronous events types[0..n)
+ * (IBV_EVENT_QP_FATAL, ...: a NIC reports a QP that failed on its own), in
+ * that order and all at once, on the context that created it. Returns 0, or
+ * -ENODEV / -ENOENT. */
+SV_EXPORT int axf_softverbs_qp_events(const char *dev, uint32_t qpn, const int *types, int n)
 {
     sv_device *d = dev_named(dev);
     if (!d)
@@ -2508,7 +2517,8 @@ SV_EXPORT int axf_softverbs_qp_event(const char *dev, uint32_t qpn, int type)
     sv_hub *h;
     sv_qp *q = qp_named(d, qpn, &h);
     if (q) {
-        event_push((sv_ctx *)q->qp.context, (enum ibv_event_type)type, &q->qp, 0);
+        for (int i = 0; i < n; i++)
+            event_push((sv_ctx *)q->qp.context, (enum ibv_event_type)types[i], &q->qp, 0);
         pthread_mutex_unlock(&h->lock);
     }
     pthread_mutex_unlock(&g_lock);
