@@ -24,7 +24,11 @@
  * every queue pair flushed); a flushed request fails its op with PEER_LOST
  * (CLOSED when we closed). An endpoint whose control connections died has
  * its queue pairs moved to the error state: in-flight requests flush, and no
- * op completes (releasing its memory) before its requests did.
+ * op completes (releasing its memory) before its requests did. A queue pair
+ * the NIC reports failed (asynchronous event) loses its endpoint likewise; an
+ * accepting-side one has its connection closed, so the peer learns at once.
+ * A post refused part way whose drain request is refused too (nothing would
+ * say when its requests are over) destroys the queue pair and fails its ops.
  *
  * Memory: a region gets a registration per device when registered, cached by
  * (device, address, length, access) with a reference count; it is
@@ -140,14 +144,15 @@ struct vchain {
 struct verbs_qp {
     verbs_state *vs;
     int devi;
-    struct ibv_qp *qp;
-    endpoint *ep;  /* initiator: the owner; NULL on the accepting side */
+    struct ibv_qp *qp; /* written under q->mu and vs->mu (vs->qps scans read it) */
+    endpoint *ep;  /* initiator: the owner; NULL on the accepting side (set before linked) */
     int rdev;      /* initiator: the peer's device (its rkeys) */
     uint64_t handle; /* accepting side: until bound to a connection */
     uint32_t psn, max_inline;
     pthread_mutex_t mu; /* the fields below */
     bool ready, err;
     bool post_failed; /* a post_send failed: the poller reports the loss */
+    bool abandon;     /* ... and its drain request was refused: the poller destroys it */
     int sq_used;
     vchain *posted_head, *posted_tail; /* in completion order */
     vchain *pend_head, *pend_tail;
@@ -546,23 +551,19 @@ static void mr_put(verbs_state *vs, vmr *m) /* vs->mu held */
     free(m);
 }
 
-/* Registers r on every device it has no registration on yet; AXF_OK or the
- * first failure. vs->mu held. */
-static int region_register_all(verbs_state *vs, region *r, int dmabuf_fd, uint64_t offset,
-                               char *why, size_t why_len)
+/* Registers r into reg on every device neither reg nor have (may be NULL)
+ * has a registration on; AXF_OK or the first failure. vs->mu held. */
+static int reg_fill(verbs_state *vs, const region *r, struct verbs_reg *reg,
+                    const struct verbs_reg *have, int dmabuf_fd, uint64_t offset, char *why,
+                    size_t why_len)
 {
-    if (!VREG(r)) {
-        r->xp[AXF_EP_VERBS] = calloc(1, sizeof *VREG(r));
-        if (!VREG(r))
-            return AXF_E_NOMEM;
-    }
     int access = mr_access(r->access);
     for (int d = 0; d < vs->ndev; d++) {
-        if (VREG(r)->mr[d])
+        if (reg->mr[d] || (have && have->mr[d]))
             continue;
-        VREG(r)->mr[d] = mr_get(vs, d, (uint64_t)(uintptr_t)r->addr, r->len, access, dmabuf_fd,
-                                 offset);
-        if (!VREG(r)->mr[d]) {
+        reg->mr[d] = mr_get(vs, d, (uint64_t)(uintptr_t)r->addr, r->len, access, dmabuf_fd,
+                            offset);
+        if (!reg->mr[d]) {
             int err = errno;
             struct rlimit rl;
             if ((err == ENOMEM || err == EPERM || err == EAGAIN) && dmabuf_fd < 0 &&
@@ -578,6 +579,20 @@ static int region_register_all(verbs_state *vs, region *r, int dmabuf_fd, uint64
         }
     }
     return AXF_OK;
+}
+
+/* Registers r on every device it has no registration on yet; AXF_OK or the
+ * first failure. vs->mu held, and r not reachable by posts yet (being added,
+ * or the engine's lock held too: posts read VREG under e->mu only). */
+static int region_register_all(verbs_state *vs, region *r, int dmabuf_fd, uint64_t offset,
+                               char *why, size_t why_len)
+{
+    if (!VREG(r)) {
+        r->xp[AXF_EP_VERBS] = calloc(1, sizeof *VREG(r));
+        if (!VREG(r))
+            return AXF_E_NOMEM;
+    }
+    return reg_fill(vs, r, VREG(r), NULL, dmabuf_fd, offset, why, why_len);
 }
 
 static void region_release_all(verbs_state *vs, region *r) /* vs->mu held */
@@ -705,11 +720,37 @@ int axf_verbs_region_dmabuf(axf_engine *e, uint64_t rid, int fd, uint64_t offset
         return AXF_E_NOTFOUND;
     char why[200] = "";
     int st = r->kind == AXF_MEM_CUDA ? AXF_OK : AXF_E_INVALID;
+    struct verbs_reg *add = NULL;
+    if (st == AXF_OK && !(add = calloc(1, sizeof *add)))
+        st = AXF_E_NOMEM;
     if (st == AXF_OK) {
+        /* The region is live: posts read its registrations under e->mu
+         * (verbs_submit, region_usable). Registered aside under vs->mu (slow:
+         * not under the engine's lock), then published under both. */
         pthread_mutex_lock(&vs->mu);
-        st = region_register_all(vs, r, fd, offset, why, sizeof why);
+        st = reg_fill(vs, r, add, VREG(r), fd, offset, why, sizeof why);
         pthread_mutex_unlock(&vs->mu);
+        bool any = false;
+        for (int d = 0; d < AXF_VERBS_MAX_DEVICES; d++)
+            any |= add->mr[d] != NULL;
+        pthread_mutex_lock(&e->mu);
+        pthread_mutex_lock(&vs->mu);
+        if (any && !VREG(r)) {
+            r->xp[AXF_EP_VERBS] = add;
+            add = NULL;
+        }
+        for (int d = 0; add && d < AXF_VERBS_MAX_DEVICES; d++) {
+            if (!add->mr[d])
+                continue;
+            if (!VREG(r)->mr[d])
+                VREG(r)->mr[d] = add->mr[d];
+            else /* a concurrent call registered it first */
+                mr_put(vs, add->mr[d]);
+        }
+        pthread_mutex_unlock(&vs->mu);
+        pthread_mutex_unlock(&e->mu);
     }
+    free(add);
     if (st == AXF_E_REGISTRATION)
         cq_log(e, 0, "verbs: dmabuf registration of GPU region %llu failed (%s)%s",
                (unsigned long long)rid, why,
@@ -727,7 +768,10 @@ static void wake(verbs_state *vs)
     (void)r; /* EAGAIN: already signalled */
 }
 
-static vqp *qp_new(verbs_state *vs, int devi, char *why, size_t why_len)
+/* A queue pair on device devi for endpoint ep (initiator), or for the
+ * accepting side (ep NULL). ep is set before q is linked into vs->qps and
+ * never changes: whoever finds q there (the poller) reads it race-free. */
+static vqp *qp_new(verbs_state *vs, int devi, endpoint *ep, char *why, size_t why_len)
 {
     vdev *d = &vs->dev[devi];
     vqp *q = calloc(1, sizeof *q);
@@ -735,6 +779,7 @@ static vqp *qp_new(verbs_state *vs, int devi, char *why, size_t why_len)
         return NULL;
     q->vs = vs;
     q->devi = devi;
+    q->ep = ep;
     pthread_mutex_init(&q->mu, NULL);
     struct ibv_qp_init_attr ia;
     memset(&ia, 0, sizeof ia);
@@ -894,8 +939,11 @@ static void qp_to_error(vqp *q) /* q->mu held */
 static void qp_retire(vqp *q)
 {
     if (q->err && q->ep && q->qp && !q->posted_head && !q->pend_head) {
-        q->vs->t.destroy_qp(q->qp);
+        struct ibv_qp *qp = q->qp;
+        pthread_mutex_lock(&q->vs->mu);
         q->qp = NULL;
+        pthread_mutex_unlock(&q->vs->mu);
+        q->vs->t.destroy_qp(qp);
     }
 }
 
@@ -939,9 +987,8 @@ int axf_verbs_qp_create(axf_engine *e, uint64_t ep_id, uint32_t dev, axf_verbs_q
         st = AXF_E_INVALID;
     vqp *q = NULL;
     if (st == AXF_OK) {
-        q = qp_new(vs, (int)dev, why, sizeof why);
+        q = qp_new(vs, (int)dev, ep, why, sizeof why);
         if (q) {
-            q->ep = ep;
             VEP(ep)->rail[dev] = q;
             qp_info(q, out);
         } else {
@@ -992,7 +1039,7 @@ int axf_verbs_accept_qp(axf_engine *e, uint32_t dev, const axf_verbs_qp_info *re
     if (dev >= (uint32_t)vs->ndev || !remote || !out || !qp_out)
         return AXF_E_INVALID;
     char why[200] = "";
-    vqp *q = qp_new(vs, (int)dev, why, sizeof why);
+    vqp *q = qp_new(vs, (int)dev, NULL, why, sizeof why);
     int st = q ? qp_connect(q, remote, why, sizeof why) : AXF_E_TRANSPORT;
     if (st != AXF_OK) {
         if (q)
@@ -1169,6 +1216,11 @@ static bool chain_post(vqp *q, vchain *c)
             if (vs->t.post_send(q->qp, w, &bad2) == 0) {
                 c->drained = true;
                 took++;
+            } else {
+                /* Refused too (some providers refuse posts on a queue pair
+                 * in the error state): nothing will say when what it took is
+                 * over. The poller destroys the queue pair (qp_abandon). */
+                q->abandon = true;
             }
         }
     }
@@ -1445,9 +1497,12 @@ static vchain *drain_pending(vqp *q)
             dropped = c;
         }
     }
+    bool again = q->post_failed; /* a post here failed: the next round reports it */
     pthread_mutex_unlock(&vs->mu);
     qp_retire(q);
     pthread_mutex_unlock(&q->mu);
+    if (again)
+        wake(vs);
     return dropped;
 }
 
@@ -1532,6 +1587,45 @@ static void drain_cq(verbs_state *vs, vdev *d)
             handle_wc(vs, &wc[i]);
 }
 
+static void qp_take_chains(vqp *q, vdev *d, vchain **left);
+
+/* A post_send refused part way whose drain request was refused too: the
+ * requests it took that completed before the error made no completion, so
+ * nothing will say they are over. Destroying the queue pair does: afterwards
+ * it touches no memory and completes nothing. What it completed before is in
+ * the completion queue (drained here, on the poller, so that no completion
+ * names a chain freed below); every chain still on it then fails now.
+ * Poller thread, no lock held. */
+static void qp_abandon(verbs_state *vs, vqp *q)
+{
+    vdev *d = &vs->dev[q->devi];
+    pthread_mutex_lock(&q->mu);
+    pthread_mutex_lock(&vs->mu);
+    struct ibv_qp *qp = q->abandon ? q->qp : NULL;
+    q->abandon = false;
+    if (qp)
+        q->qp = NULL;
+    pthread_mutex_unlock(&vs->mu);
+    pthread_mutex_unlock(&q->mu);
+    if (!qp)
+        return;
+    vs->t.destroy_qp(qp);
+    if (!d->dead)
+        drain_cq(vs, d);
+    vchain *left = NULL;
+    pthread_mutex_lock(&q->mu);
+    pthread_mutex_lock(&vs->mu);
+    qp_take_chains(q, d, &left);
+    pthread_mutex_unlock(&vs->mu);
+    pthread_mutex_unlock(&q->mu);
+    for (vchain *c = left; c; c = c->next)
+        if (!c->failed) {
+            c->failed = true;
+            op_set_status(c->o, AXF_E_TRANSPORT, c->wi[0].index);
+        }
+    finish_list(vs->e, left);
+}
+
 /* Pending chains of every queue pair: posted where completions made room. */
 static void drain_all_pending(verbs_state *vs)
 {
@@ -1553,8 +1647,10 @@ static void drain_all_pending(verbs_state *vs)
         bool failed = qs[i]->post_failed;
         qs[i]->post_failed = false;
         pthread_mutex_unlock(&qs[i]->mu);
-        if (failed)
+        if (failed) {
             qp_failed(e, qs[i], "post_send refused");
+            qp_abandon(vs, qs[i]);
+        }
         vchain *d = drain_pending(qs[i]);
         while (d) {
             vchain *n = d->next;
@@ -1637,6 +1733,32 @@ static void dev_fatal(verbs_state *vs, int devi)
     finish_list(e, left);
 }
 
+/* An accepting-side queue pair failed on its own (asynchronous event type):
+ * the connection it serves is killed (its end frees the queue pair). Found
+ * under e->mu, which a connection's list is detached under before its queue
+ * pairs are freed, and vs->mu (verbs_stop writes q->qp under it). */
+static void serving_failed(verbs_state *vs, const struct ibv_qp *bad_qp, const char *dev,
+                           int type)
+{
+    axf_engine *e = vs->e;
+    uint64_t tag = 0;
+    pthread_mutex_lock(&e->mu);
+    pthread_mutex_lock(&vs->mu);
+    conn *hit = NULL;
+    for (conn *c = e->conns; c && !hit; c = c->next_all)
+        for (vqp *q = VQP(c); q && !hit; q = q->next_conn)
+            if (q->qp == bad_qp)
+                hit = c;
+    pthread_mutex_unlock(&vs->mu);
+    if (hit) {
+        tag = hit->tag;
+        conn_kill(hit);
+    }
+    pthread_mutex_unlock(&e->mu);
+    cq_log(e, tag, "verbs: a queue pair on %s serving a peer failed (asynchronous event %d)%s",
+           dev, type, hit ? ": its connection is closed" : "");
+}
+
 /* Asynchronous events of device devi. Poller thread. */
 static void handle_async(verbs_state *vs, int devi)
 {
@@ -1654,13 +1776,25 @@ static void handle_async(verbs_state *vs, int devi)
             dev_fatal(vs, devi);
         } else if (bad_qp) {
             /* The queue pair went to the error state on its own: its
-             * requests flush; its endpoint is lost. */
+             * requests flush; an initiator's endpoint is lost (its vqp lives
+             * until verbs_free). An accepting-side one is freed by its
+             * connection's thread at any moment: not touched past the scan
+             * (the NIC moved it to the error state already). Its connection
+             * is killed instead, so that the peer, whose requests through it
+             * would only fail once its retries ran out (~30 s), loses the
+             * endpoint now. */
             vqp *hit = NULL;
+            bool serving = false;
             pthread_mutex_lock(&vs->mu);
-            for (vqp *q = vs->qps; q && !hit; q = q->next_all)
-                if (q->qp == bad_qp)
-                    hit = q;
+            for (vqp *q = vs->qps; q; q = q->next_all)
+                if (q->qp == bad_qp) {
+                    hit = q->ep ? q : NULL;
+                    serving = !q->ep;
+                    break;
+                }
             pthread_mutex_unlock(&vs->mu);
+            if (serving)
+                serving_failed(vs, bad_qp, d->name, (int)type);
             if (hit) {
                 pthread_mutex_lock(&hit->mu);
                 qp_to_error(hit);

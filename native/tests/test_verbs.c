@@ -3,12 +3,18 @@
  * AXF_SOFTVERBS_PROVIDER; meson sets it): queue pairs per device rail, WRITE
  * and READ with the data checked, chains longer than the send queue,
  * notifications after data, access checks, remote access errors, peer loss,
- * cancellation, shutdown with requests in flight, the registration cache.
+ * cancellation, shutdown with requests in flight, the registration cache;
+ * races the provider's hooks hold open (QP asynchronous errors, partial posts,
+ * dmabuf registration while posting; run under TSan and ASan too).
  * Also: the real libibverbs on a machine without RDMA devices is "no devices". */
 #include "harness.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
 
 #define A_TAG 41
 #define B_TAG 42
@@ -611,6 +617,250 @@ static int test_qp_mismatch_refused(void)
 }
 
 
+/* ------------------------------------------------------------ races the provider's hooks expose */
+
+/* The software provider's test hooks (softverbs.c), from the library the
+ * engines load. */
+static struct sv_hooks {
+    void *lib;
+    void (*fail_next)(int);
+    void (*refuse_in_error)(int);
+    int (*qp_events)(const char *, uint32_t, const int *, int);
+    int (*qp_event_at_init)(const char *, int, int);
+    uint64_t (*events_taken)(void);
+    int (*qp_exists)(const char *, uint32_t);
+    int (*hold)(int, const char *, uint32_t);
+    int (*held)(void);
+    void (*release)(void);
+} sv;
+
+static int sv_load(void)
+{
+    if (sv.lib)
+        return 0;
+    sv.lib = dlopen(provider, RTLD_NOW);
+    CHECK(sv.lib);
+    *(void **)&sv.fail_next = dlsym(sv.lib, "axf_softverbs_fail_next_post");
+    *(void **)&sv.refuse_in_error = dlsym(sv.lib, "axf_softverbs_refuse_post_in_error");
+    *(void **)&sv.qp_events = dlsym(sv.lib, "axf_softverbs_qp_events");
+    *(void **)&sv.qp_event_at_init = dlsym(sv.lib, "axf_softverbs_qp_event_at_init");
+    *(void **)&sv.events_taken = dlsym(sv.lib, "axf_softverbs_events_taken");
+    *(void **)&sv.qp_exists = dlsym(sv.lib, "axf_softverbs_qp_exists");
+    *(void **)&sv.hold = dlsym(sv.lib, "axf_softverbs_hold");
+    *(void **)&sv.held = dlsym(sv.lib, "axf_softverbs_held");
+    *(void **)&sv.release = dlsym(sv.lib, "axf_softverbs_release");
+    CHECK(sv.fail_next && sv.refuse_in_error && sv.qp_events && sv.qp_event_at_init &&
+          sv.events_taken && sv.qp_exists && sv.hold && sv.held && sv.release);
+    return 0;
+}
+
+enum { EV_QP_FATAL = 1, EV_COMM_EST = 4, HOLD_MODIFY_ERR = 1, HOLD_REG_DMABUF = 2 };
+
+/* Polls cond() every millisecond for up to T_TIMEOUT_MS; its last value. */
+static bool t_until(bool (*cond)(void))
+{
+    uint64_t end = t_now_ms() + T_TIMEOUT_MS;
+    while (!cond() && t_now_ms() < end) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    return cond();
+}
+
+/* Rule: a post_send refused part way, on a provider that also refuses posts
+ * on a queue pair in the error state (so no drain request can follow): the
+ * requests it took may all have completed without a completion (unsignalled),
+ * so nothing ever says they are over. The op must still fail promptly with a
+ * typed error (not at shutdown's 10 s limit), the endpoint be lost, and the
+ * engine close cleanly. */
+static int test_partial_post_no_drain(void)
+{
+    if (sv_load())
+        return 1;
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    enum { N = 8 };
+    axf_desc d[N];
+    for (int i = 0; i < N; i++)
+        d[i] = (axf_desc){.lrid = p.arid, .loff = (uint64_t)i * 4096, .rrid = p.brid,
+                          .rkey = p.bkey, .roff = (uint64_t)i * 4096, .len = 4096};
+    sv.refuse_in_error(1);
+    sv.fail_next(3);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, N, NULL, 0, 1, 0), AXF_OK);
+    axf_completion c;
+    int got = t_wait(p.a, AXF_CQ_XFER, 1, &c); /* before shutdown: not left to verbs_stop */
+    sv.refuse_in_error(0);
+    CHECK_EQ(got, 0);
+    CHECK(c.status == AXF_E_TRANSPORT || c.status == AXF_E_PEER_LOST);
+    CHECK_EQ(t_wait(p.a, AXF_CQ_PEER_LOST, p.ep, &c), 0);
+    /* Refused at once, or failed through its completion while the endpoint's
+     * connections are still going away. */
+    int st = axf_post(p.a->e, p.ep, AXF_OP_WRITE, d, N, NULL, 0, 2, 0);
+    if (st == AXF_OK) {
+        CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 2, &c), 0);
+        st = c.status;
+    }
+    CHECK_EQ(st, AXF_E_PEER_LOST);
+    vpair_close(&p);
+    return 0;
+}
+
+/* Connects A -> B over every device as t_verbs_connect does, and says the
+ * numbers of B's (accepting-side) queue pairs. ndev, or -1. */
+static int connect_qpns(axf_engine *a, axf_engine *b, uint64_t *ep, uint32_t *bqpn)
+{
+    char why[256];
+    int ndev = axf_verbs_enable(a, provider, why, sizeof why);
+    if (ndev <= 0 || axf_verbs_enable(b, provider, why, sizeof why) != ndev ||
+        axf_endpoint_create(a, AXF_EP_VERBS, A_TAG, 0, -1, ep) != AXF_OK)
+        return -1;
+    uint64_t h[AXF_VERBS_MAX_DEVICES];
+    for (int d = 0; d < ndev; d++) {
+        axf_verbs_qp_info ia, ib;
+        if (axf_verbs_qp_create(a, *ep, (uint32_t)d, &ia) != AXF_OK ||
+            axf_verbs_accept_qp(b, (uint32_t)d, &ia, &ib, &h[d]) != AXF_OK ||
+            axf_verbs_qp_connect(a, *ep, (uint32_t)d, (uint32_t)d, &ib) != AXF_OK)
+            return -1;
+        bqpn[d] = ib.qpn;
+    }
+    int s[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, s) != 0 ||
+        axf_endpoint_add_conn(a, *ep, s[0]) != AXF_OK ||
+        axf_verbs_accept_conn(b, s[1], B_TAG, h, (size_t)ndev) != AXF_OK)
+        return -1;
+    return ndev;
+}
+
+static uint64_t ev_goal;
+static uint32_t gone_qpn;
+static bool held_or_passed(void) { return sv.held() || sv.events_taken() >= ev_goal; }
+static bool qp_gone(void) { return sv.qp_exists("softverbs0", gone_qpn) == 0; }
+
+/* Rule: an asynchronous error on a queue pair that serves a peer (accepting
+ * side) while that peer's connection closes. The connection's thread frees
+ * the queue pair; the event's handling must not touch it (the NIC already
+ * moved it to the error state) but close its connection, so that the peer
+ * loses the endpoint at once rather than when its retries run out. The provider parks a modify_qp to ERR of that queue pair
+ * until it is destroyed: one that the event handling makes would run on a
+ * freed queue pair (ASan: heap-use-after-free). */
+static int test_async_error_accepting_qp(void)
+{
+    if (sv_load())
+        return 1;
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    uint64_t ep;
+    uint32_t bqpn[AXF_VERBS_MAX_DEVICES];
+    CHECK(connect_qpns(a->e, b->e, &ep, bqpn) > 0);
+    CHECK_EQ(sv.hold(HOLD_MODIFY_ERR, "softverbs0", bqpn[0]), 0);
+    ev_goal = sv.events_taken() + 2;
+    /* COMM_EST after it (ignored): once taken, the error was handled. */
+    static const int evs[] = {EV_QP_FATAL, EV_COMM_EST};
+    CHECK_EQ(sv.qp_events("softverbs0", bqpn[0], evs, 2), 0);
+    CHECK(t_until(held_or_passed));
+    bool touched = sv.held();
+    if (!touched) { /* B closed the connection: A loses the endpoint now, not at retry's end */
+        axf_completion c;
+        CHECK_EQ(t_wait(a, AXF_CQ_PEER_LOST, ep, &c), 0);
+    }
+    t_close(a); /* its connection closes: B's connection thread frees its queue pairs */
+    gone_qpn = bqpn[0];
+    CHECK(t_until(qp_gone));
+    sv.release();
+    CHECK(!touched);
+    t_close(b);
+    return 0;
+}
+
+/* Rule: a NIC may report a queue pair's asynchronous error as soon as the
+ * queue pair exists, before axf_verbs_qp_create returned: the poller then
+ * reads the queue pair's owner while the creating thread sets it (TSan: data
+ * race). The endpoint is lost, typed, and nothing hangs. */
+static int test_async_error_new_qp(void)
+{
+    if (sv_load())
+        return 1;
+    tengine *a = t_engine(NULL);
+    CHECK(a);
+    char why[256];
+    CHECK(axf_verbs_enable(a->e, provider, why, sizeof why) > 0);
+    uint64_t ep;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_VERBS, A_TAG, 0, -1, &ep), AXF_OK);
+    /* Delivered 20 ms after it reached INIT: when the poller looks for it,
+     * the queue pair is linked (else the event is for an unknown one). */
+    CHECK_EQ(sv.qp_event_at_init("softverbs0", EV_QP_FATAL, 20), 0);
+    axf_verbs_qp_info ia;
+    CHECK_EQ(axf_verbs_qp_create(a->e, ep, 0, &ia), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(a, AXF_CQ_PEER_LOST, ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    t_close(a);
+    return 0;
+}
+
+struct dmabuf_reg {
+    axf_engine *e;
+    uint64_t rid;
+    int fd, st;
+};
+
+static void *dmabuf_thread(void *arg)
+{
+    struct dmabuf_reg *r = arg;
+    r->st = axf_verbs_region_dmabuf(r->e, r->rid, r->fd, 0);
+    return NULL;
+}
+
+static bool reg_held(void) { return sv.held() != 0; }
+
+/* Rule: a GPU region registered through the dmabuf hook while ops that use
+ * it are posted. The provider parks the registration: a post meanwhile sees
+ * the region unregistered (typed AXF_E_INVALID) without reading what the
+ * registering thread writes (TSan: data race); once it is registered the
+ * same post moves the data. */
+static int test_dmabuf_register_while_posting(void)
+{
+    if (sv_load())
+        return 1;
+    vpair p;
+    if (vpair_open(&p, NULL))
+        return 1;
+    enum { LEN = 1 << 20 };
+    uint64_t rid, key;
+    /* Not CUDA memory: nothing registers it but the dmabuf hook. */
+    CHECK_EQ(axf_region_register_kind(p.a->e, AXF_MEM_CUDA, 0x7f0000000000ull, LEN, RW, -1, &rid,
+                                      &key),
+             AXF_OK);
+    struct dmabuf_reg r = {.e = p.a->e, .rid = rid, .fd = memfd_create("dmabuf", MFD_CLOEXEC)};
+    CHECK(r.fd >= 0 && ftruncate(r.fd, LEN) == 0);
+    uint8_t *m = mmap(NULL, LEN, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd, 0);
+    CHECK(m != MAP_FAILED);
+    t_fill(m, LEN, 31);
+    CHECK_EQ(sv.hold(HOLD_REG_DMABUF, NULL, 0), 0);
+    pthread_t th;
+    CHECK_EQ(pthread_create(&th, NULL, dmabuf_thread, &r), 0);
+    bool parked = t_until(reg_held);
+    axf_desc d = {.lrid = rid, .rrid = p.brid, .rkey = p.bkey, .len = 4096};
+    int st = axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0);
+    sv.release();
+    pthread_join(th, NULL);
+    CHECK(parked);
+    CHECK_EQ(st, AXF_E_INVALID);
+    CHECK_EQ(r.st, AXF_OK);
+    CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 2, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(p.a, AXF_CQ_XFER, 2, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(p.bdst, m, 4096) == 0);
+    CHECK_EQ(axf_region_deregister(p.a->e, rid), AXF_OK);
+    vpair_close(&p);
+    munmap(m, LEN);
+    close(r.fd);
+    return 0;
+}
+
+
 /* Rule: a device that dies says so only through its asynchronous events; it
  * completes nothing afterwards, not even flushes. Ops in flight on it must
  * still finish (failed), and the endpoint be lost. Last: the device stays
@@ -672,6 +922,10 @@ int main(int argc, char **argv)
         T_CASE(test_read_depth),
         T_CASE(test_partial_post),
         T_CASE(test_qp_mismatch_refused),
+        T_CASE(test_partial_post_no_drain),
+        T_CASE(test_async_error_accepting_qp),
+        T_CASE(test_async_error_new_qp),
+        T_CASE(test_dmabuf_register_while_posting),
         T_CASE(test_device_fatal), /* last: the device stays dead */
     };
     /* AXF_VERBS_REAL=1: the same cases on the real libibverbs and NIC (both

@@ -10,8 +10,16 @@
  * It needs the libibverbs-dev headers only; it never links or loads libibverbs.
  *
  * Exports: axf_verbs_provider (fills an axf_verbs_table, provider "softverbs")
- * and axf_softverbs_set_link (a test hook that cuts or restores a device's link
- * in this process). Environment: AXF_SOFTVERBS_DEVICES (default 2, 0..16).
+ * and test hooks for this process (see each one at the end of the file): a
+ * device's link cut or restored (axf_softverbs_set_link) or the device dead
+ * (axf_softverbs_device_fatal); a post_send refused part way
+ * (axf_softverbs_fail_next_post) and posts on a QP in ERR refused
+ * (axf_softverbs_refuse_post_in_error); QP asynchronous events, now or as a
+ * QP reaches INIT (axf_softverbs_qp_events, axf_softverbs_qp_event_at_init,
+ * axf_softverbs_events_taken); a modify_qp to ERR or a reg_dmabuf_mr parked
+ * until released (axf_softverbs_hold, _held, _release), to hold a race's
+ * window open; axf_softverbs_qp_exists. Environment: AXF_SOFTVERBS_DEVICES
+ * (default 2, 0..16).
  *
  * Model, as close to a RoCE NIC with RC queue pairs as a test needs:
  * - Devices softverbs0..N-1, one port each, ACTIVE, link layer Ethernet, lid 0,
@@ -164,8 +172,14 @@ typedef struct sv_ctx {
     struct ibv_context ctx;
     sv_hub *hub;
     int nobj; /* __atomic: PDs, MRs, CQs, channels, QPs not yet destroyed */
-    /* Asynchronous events (async_fd: an eventfd counting them), g_lock. */
-    enum ibv_event_type events[16];
+    /* Asynchronous events (async_fd: an eventfd counting them), g_lock:
+     * the type, the QP for a QP event, and when it may be delivered (ms on
+     * CLOCK_MONOTONIC; 0: at once). */
+    struct sv_event {
+        enum ibv_event_type type;
+        struct ibv_qp *qp;
+        uint64_t not_before;
+    } events[16];
     int nevents;
     struct sv_ctx *next_ctx; /* g_ctxs */
 } sv_ctx;
@@ -262,9 +276,47 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static bool g_routed;                  /* AXF_SOFTVERBS_ROUTED=1 */
 static int g_rd_resp = 16, g_rd_init = 16; /* AXF_SOFTVERBS_RD_ATOM="resp,init" */
 static int g_fail_post_after = -1;     /* axf_softverbs_fail_next_post; g_lock */
+static bool g_refuse_in_error;         /* axf_softverbs_refuse_post_in_error; g_lock */
+/* axf_softverbs_qp_event_at_init: the next QP of device g_init_dev moved to
+ * INIT gets event g_init_type, delivered g_init_delay ms later; g_lock. */
+static int g_init_dev = -1, g_init_type, g_init_delay;
+/* axf_softverbs_hold: one call parked at its entry until released. */
+enum { SV_HOLD_NONE, SV_HOLD_MODIFY_ERR, SV_HOLD_REG_DMABUF };
+static pthread_mutex_t g_hold_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_hold_cond = PTHREAD_COND_INITIALIZER;
+static int g_hold_what;       /* armed; SV_HOLD_NONE once taken */
+static int g_hold_dev;        /* SV_HOLD_MODIFY_ERR: the QP (device, number) */
+static uint32_t g_hold_qpn;
+static bool g_held, g_released;
+/* g_held, read by axf_softverbs_held without g_hold_lock: a test that learns
+ * a call is parked must not synchronize with the parked thread (ThreadSanitizer
+ * would then miss a race of the caller's with what it wrote before). */
+static int g_held_flag; /* __atomic, relaxed */
 static struct sv_ctx *g_ctxs;          /* open contexts, for async events; g_lock */
+static uint64_t g_events_taken;        /* __atomic: asynchronous events delivered */
 static sv_hub *g_hubs[SV_MAX_DEVICES];
 static pid_t g_hubs_pid;
+
+/* Test hook (axf_softverbs_hold): the armed call parks here, at its entry,
+ * until released. */
+static void hold_point(int what, int dev, uint32_t qpn)
+{
+    pthread_mutex_lock(&g_hold_lock);
+    if (g_hold_what == what &&
+        (what != SV_HOLD_MODIFY_ERR || (g_hold_dev == dev && g_hold_qpn == qpn))) {
+        g_hold_what = SV_HOLD_NONE;
+        g_held = true;
+        __atomic_store_n(&g_held_flag, 1, __ATOMIC_RELAXED);
+        pthread_cond_broadcast(&g_hold_cond);
+        while (!g_released)
+            pthread_cond_wait(&g_hold_cond, &g_hold_lock);
+        g_held = false;
+        __atomic_store_n(&g_held_flag, 0, __ATOMIC_RELAXED);
+        g_released = false;
+        pthread_cond_broadcast(&g_hold_cond);
+    }
+    pthread_mutex_unlock(&g_hold_lock);
+}
 
 /* A child forked while another thread held g_lock would find it locked
  * forever; the parent's hubs (and their threads) do not exist in the child. */
@@ -1430,6 +1482,25 @@ static int sv_close_device(struct ibv_context *ctx)
     return 0;
 }
 
+static uint64_t sv_now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000 + (uint64_t)t.tv_nsec / 1000000;
+}
+
+/* Queues an asynchronous event on context c (g_lock held). */
+static void event_push(sv_ctx *c, enum ibv_event_type type, struct ibv_qp *qp, int delay_ms)
+{
+    if (c->nevents >= 16)
+        return;
+    c->events[c->nevents++] =
+        (struct sv_event){type, qp, delay_ms > 0 ? sv_now_ms() + (uint64_t)delay_ms : 0};
+    uint64_t one = 1;
+    ssize_t r = write(c->ctx.async_fd, &one, sizeof one);
+    (void)r;
+}
+
 static int sv_get_async_event(struct ibv_context *ctx, struct ibv_async_event *ev)
 {
     sv_ctx *c = (sv_ctx *)ctx;
@@ -1438,11 +1509,27 @@ static int sv_get_async_event(struct ibv_context *ctx, struct ibv_async_event *e
         return -1; /* EAGAIN on a nonblocking fd */
     pthread_mutex_lock(&g_lock);
     memset(ev, 0, sizeof *ev);
-    ev->event_type = c->nevents ? c->events[0] : IBV_EVENT_DEVICE_FATAL;
-    if (c->nevents)
+    struct sv_event e = {IBV_EVENT_DEVICE_FATAL, NULL, 0};
+    if (c->nevents) {
+        e = c->events[0];
         memmove(c->events, c->events + 1, (size_t)--c->nevents * sizeof c->events[0]);
+    }
     pthread_mutex_unlock(&g_lock);
-    ev->element.port_num = 1;
+    if (e.not_before) { /* a NIC that reports late: the caller waits, as in a blocking read */
+        uint64_t now = sv_now_ms();
+        if (now < e.not_before) {
+            struct timespec ts = {(time_t)((e.not_before - now) / 1000),
+                                  (long)((e.not_before - now) % 1000) * 1000000};
+            while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+                ;
+        }
+    }
+    ev->event_type = e.type;
+    if (e.qp)
+        ev->element.qp = e.qp;
+    else
+        ev->element.port_num = 1;
+    __atomic_add_fetch(&g_events_taken, 1, __ATOMIC_RELEASE);
     return 0;
 }
 
@@ -1600,6 +1687,7 @@ static struct ibv_mr *sv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, in
 static struct ibv_mr *sv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t length,
                                        uint64_t iova, int fd, int access)
 {
+    hold_point(SV_HOLD_REG_DMABUF, -1, 0);
     if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
         !(access & IBV_ACCESS_LOCAL_WRITE)) {
         errno = EINVAL;
@@ -1975,6 +2063,8 @@ static int qp_connect(sv_qp *q, uint32_t pid, uint32_t dev, uint32_t dest_qpn, u
 static int sv_modify_qp(struct ibv_qp *ibqp, struct ibv_qp_attr *attr, int mask)
 {
     sv_qp *q = (sv_qp *)ibqp;
+    if ((mask & IBV_QP_STATE) && attr->qp_state == IBV_QPS_ERR)
+        hold_point(SV_HOLD_MODIFY_ERR, q->hub->dev->index, ibqp->qp_num);
     pthread_mutex_lock(&q->lock);
     enum ibv_qp_state cur = q->qp.state;
     enum ibv_qp_state to = (mask & IBV_QP_STATE) ? attr->qp_state : cur;
@@ -2091,6 +2181,15 @@ static int sv_modify_qp(struct ibv_qp *ibqp, struct ibv_qp_attr *attr, int mask)
     q->qp.state = to;
     pthread_cond_broadcast(&q->cond);
     pthread_mutex_unlock(&q->lock);
+    if (cur == IBV_QPS_RESET && to == IBV_QPS_INIT) {
+        pthread_mutex_lock(&g_lock);
+        if (g_init_dev == q->hub->dev->index) {
+            g_init_dev = -1;
+            event_push((sv_ctx *)ibqp->context, (enum ibv_event_type)g_init_type, ibqp,
+                       g_init_delay);
+        }
+        pthread_mutex_unlock(&g_lock);
+    }
     return 0;
 }
 
@@ -2161,6 +2260,7 @@ static int sv_post_send(struct ibv_qp *ibqp, struct ibv_send_wr *wr, struct ibv_
     pthread_mutex_lock(&g_lock);
     int fail_after = g_fail_post_after;
     g_fail_post_after = -1;
+    bool refuse_in_error = g_refuse_in_error;
     pthread_mutex_unlock(&g_lock);
     pthread_mutex_lock(&q->lock);
     uint64_t first = q->sq_posted;
@@ -2175,7 +2275,7 @@ static int sv_post_send(struct ibv_qp *ibqp, struct ibv_send_wr *wr, struct ibv_
             break;
         }
         bool inl = (wr->send_flags & IBV_SEND_INLINE) != 0;
-        if (q->qp.state != IBV_QPS_RTS && q->qp.state != IBV_QPS_ERR)
+        if (q->qp.state != IBV_QPS_RTS && (q->qp.state != IBV_QPS_ERR || refuse_in_error))
             err = EINVAL;
         else if (!wr_op_ok(wr->opcode) || wr->num_sge < 0 ||
                  (uint32_t)wr->num_sge > q->cap.max_send_sge || (wr->num_sge && !wr->sg_list))
@@ -2292,12 +2392,8 @@ SV_EXPORT int axf_softverbs_device_fatal(const char *dev)
     axf_softverbs_set_link(dev, 0);
     pthread_mutex_lock(&g_lock);
     for (sv_ctx *c = g_ctxs; c; c = c->next_ctx)
-        if (c->ctx.device == &d->dev && c->nevents < 16) {
-            c->events[c->nevents++] = IBV_EVENT_DEVICE_FATAL;
-            uint64_t one = 1;
-            ssize_t r = write(c->ctx.async_fd, &one, sizeof one);
-            (void)r;
-        }
+        if (c->ctx.device == &d->dev)
+            event_push(c, IBV_EVENT_DEVICE_FATAL, NULL, 0);
     pthread_mutex_unlock(&g_lock);
     return 0;
 }
@@ -2381,4 +2477,138 @@ SV_EXPORT int axf_softverbs_set_link(const char *dev, int up)
     }
     pthread_mutex_unlock(&g_lock);
     return 0;
+}
+
+/* The device named dev, or NULL. */
+static sv_device *dev_named(const char *dev)
+{
+    pthread_once(&g_once, sv_init);
+    for (int i = 0; i < g_ndev; i++)
+        if (dev && strcmp(g_devs[i].dev.name, dev) == 0)
+            return &g_devs[i];
+    return NULL;
+}
+
+/* QP qpn of device d in this process (g_lock held; its hub's lock taken and
+ * returned held in *hub), or NULL. */
+static sv_qp *qp_named(sv_device *d, uint32_t qpn, sv_hub **hub)
+{
+    sv_hub *h = g_hubs_pid == getpid() ? g_hubs[d->index] : NULL;
+    *hub = h;
+    if (!h)
+        return NULL;
+    pthread_mutex_lock(&h->lock);
+    sv_qp *q = qp_find(h, qpn);
+    if (!q)
+        pthread_mutex_unlock(&h->lock);
+    return q;
+}
+
+/* Test hook: QP qpn of device dev raises asynchronous events types[0..n)
+ * (IBV_EVENT_QP_FATAL, ...: a NIC reports a QP that failed on its own), in
+ * that order and all at once, on the context that created it. Returns 0, or
+ * -ENODEV / -ENOENT. */
+SV_EXPORT int axf_softverbs_qp_events(const char *dev, uint32_t qpn, const int *types, int n)
+{
+    sv_device *d = dev_named(dev);
+    if (!d)
+        return -ENODEV;
+    pthread_mutex_lock(&g_lock);
+    sv_hub *h;
+    sv_qp *q = qp_named(d, qpn, &h);
+    if (q) {
+        for (int i = 0; i < n; i++)
+            event_push((sv_ctx *)q->qp.context, (enum ibv_event_type)types[i], &q->qp, 0);
+        pthread_mutex_unlock(&h->lock);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return q ? 0 : -ENOENT;
+}
+
+/* Test hook: the next QP of device dev that reaches INIT raises event `type`
+ * as it does, delivered by get_async_event no sooner than delay_ms later (a
+ * NIC reports asynchronously: the event may come before its QP is known). */
+SV_EXPORT int axf_softverbs_qp_event_at_init(const char *dev, int type, int delay_ms)
+{
+    sv_device *d = dev_named(dev);
+    if (!d)
+        return -ENODEV;
+    pthread_mutex_lock(&g_lock);
+    g_init_dev = d->index;
+    g_init_type = type;
+    g_init_delay = delay_ms;
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
+/* Test hook: asynchronous events delivered by get_async_event so far (in
+ * this process). */
+SV_EXPORT uint64_t axf_softverbs_events_taken(void)
+{
+    return __atomic_load_n(&g_events_taken, __ATOMIC_ACQUIRE);
+}
+
+/* Test hook: whether QP qpn of device dev exists (not destroyed). */
+SV_EXPORT int axf_softverbs_qp_exists(const char *dev, uint32_t qpn)
+{
+    sv_device *d = dev_named(dev);
+    if (!d)
+        return -ENODEV;
+    pthread_mutex_lock(&g_lock);
+    sv_hub *h;
+    sv_qp *q = qp_named(d, qpn, &h);
+    if (q)
+        pthread_mutex_unlock(&h->lock);
+    pthread_mutex_unlock(&g_lock);
+    return q != NULL;
+}
+
+/* Test hook: post_send on a QP in the error state refuses (EINVAL) instead of
+ * flushing what it is given (on = 1), as some providers do; 0: flushes. */
+SV_EXPORT void axf_softverbs_refuse_post_in_error(int on)
+{
+    pthread_once(&g_once, sv_init);
+    pthread_mutex_lock(&g_lock);
+    g_refuse_in_error = on != 0;
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* Test hook: parks one call at its entry until axf_softverbs_release():
+ * what = 1: the next modify_qp to ERR of QP qpn of device dev (a slow
+ * firmware command); what = 2: the next reg_dmabuf_mr (dev, qpn unused).
+ * axf_softverbs_held() says whether a call is parked now. */
+SV_EXPORT int axf_softverbs_hold(int what, const char *dev, uint32_t qpn)
+{
+    sv_device *d = what == SV_HOLD_MODIFY_ERR ? dev_named(dev) : NULL;
+    if (what == SV_HOLD_MODIFY_ERR && !d)
+        return -ENODEV;
+    if (what != SV_HOLD_MODIFY_ERR && what != SV_HOLD_REG_DMABUF)
+        return -EINVAL;
+    pthread_mutex_lock(&g_hold_lock);
+    g_hold_what = what;
+    g_hold_dev = d ? d->index : -1;
+    g_hold_qpn = qpn;
+    g_released = false;
+    pthread_mutex_unlock(&g_hold_lock);
+    return 0;
+}
+
+SV_EXPORT int axf_softverbs_held(void)
+{
+    return __atomic_load_n(&g_held_flag, __ATOMIC_RELAXED);
+}
+
+/* Releases the parked call (if any) and disarms the hold; returns once the
+ * parked call has gone on. */
+SV_EXPORT void axf_softverbs_release(void)
+{
+    pthread_mutex_lock(&g_hold_lock);
+    g_hold_what = SV_HOLD_NONE;
+    if (g_held) {
+        g_released = true;
+        pthread_cond_broadcast(&g_hold_cond);
+        while (g_held)
+            pthread_cond_wait(&g_hold_cond, &g_hold_lock);
+    }
+    pthread_mutex_unlock(&g_hold_lock);
 }
