@@ -19,6 +19,7 @@ import s3server
 from conftest import pattern, wait_until, within
 from s3server import S3Server
 
+import aioxfer
 from aioxfer import kv
 
 s3 = s3server.s3  # the fixtures, by name
@@ -657,3 +658,51 @@ async def test_object_puts_cancelled_at_every_step(make_agent: MakeAgent, s3: S3
         assert found >= len(must)
     finally:
         await store2.aclose()
+
+
+async def test_remove_with_the_object_server_down(make_agent: MakeAgent,
+                                                  own_s3: S3Server) -> None:
+    """remove() while the S3 server is dead: the host tier's copies go, the
+    store serves the keys from no tier, and the caller gets a typed
+    RemoveIncomplete (not the transport's error) saying what was removed.
+    The server back, this store does not find the stale objects again (it
+    did: the object tier forgot them only once their DELETE succeeded, so
+    the next lookup probed them back in); another store still sees them
+    until a second remove() deletes them."""
+    pytest.importorskip("obstore")
+    s3 = own_s3
+    bucket = s3.bucket()
+    agent = await make_agent("kv")
+    kw = dict(retry_timeout=1.0, max_retries=1, connect_timeout=0.5, **s3.kwargs())
+    objs = agent.register_objects(f"s3://{bucket}/kv", **kw)
+    host = kv.HostTier(16 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[host, kv.ObjectTier(objs)])
+    n = 4
+    src = agent.alloc(n * BB)
+    src.numpy()[:] = pattern(n * BB, 15)
+    keys = keys_for(n, 15)
+    agent2 = await make_agent("kv2")
+    objs2 = agent2.register_objects(f"s3://{bucket}/kv", **kw)
+    tier2 = kv.ObjectTier(objs2)
+    other = await kv.Store.open(agent2, block_bytes=BB, tiers=[tier2])
+    try:
+        res = await within(store.put(keys, src[0:n * BB], durable=True))
+        assert res.durable == n
+        s3.kill()
+        with pytest.raises(kv.RemoveIncomplete) as ei:
+            await within(store.remove(keys), 60)
+        assert ei.value.tiers == ("object",) and ei.value.removed == n
+        assert isinstance(ei.value.__cause__, aioxfer.XferError)
+        assert not [k for k in keys if k in host.index]
+        assert (await within(store.lookup(keys), 60)).prefix == 0
+        assert_whole(store)
+        s3.start()
+        assert (await within(store.lookup(keys), 60)).prefix == 0  # not probed back in
+        assert (await within(other.lookup(keys), 60)).prefix == n  # still in the bucket
+        await within(store.remove(keys), 60)  # ... until removed again
+        tier2.index.clear()  # asked afresh
+        assert (await within(other.lookup(keys), 60)).prefix == 0
+    finally:
+        await other.aclose()
+        await store.aclose()
+

@@ -291,8 +291,11 @@ class ObjectTier(Tier):
         return errs
 
     async def _remove(self, keys: list[bytes]) -> int:
+        """Forgets the keys (not served, not probed back in until put again)
+        before it DELETEs them: a DELETE that fails (the bucket unreachable)
+        raises with the tier consistent, the objects left in the bucket for
+        a later remove (see kv.RemoveIncomplete)."""
         known = [k for k in keys if self.index.pop(k, None) is not None]
+        self.missing.update(keys)
         await self.objs.delete([self.object_key(k) for k in keys])
-        for k in keys:
-            self.missing.add(k)
         return len(known)

@@ -40,17 +40,20 @@ import numpy.typing as npt
 
 from aioxfer.agent import Agent
 from aioxfer.errors import ClosedResourceError, XferError
-from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded
+from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded, RemoveIncomplete
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES
 from aioxfer.kv.stats import StoreStatistics
 from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
+from aioxfer.log import get_logger
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, Segment, SegmentList
 from aioxfer.transfer import Transfer
 
 __all__ = ["BlockFailure", "GetResult", "LayerResult", "LayerStream", "LookupResult",
            "PutResult", "Store"]
+
+_log = get_logger("aioxfer.kv")
 
 
 # ---------------------------------------------------------------- results
@@ -1496,7 +1499,15 @@ class Store:
     # ------------------------------------------------------------ remove
 
     async def remove(self, keys: Sequence[bytes]) -> int:
-        """Removes the keys from every tier; returns how many blocks went."""
+        """Removes the keys from every tier; returns how many blocks went.
+
+        A tier whose storage cannot be reached (the object bucket down, a
+        disk I/O error) does not stop the others: every tier is asked, and
+        once all were the store serves the keys from none of them (the tier
+        that failed forgets them too). Then RemoveIncomplete is raised
+        (``removed``, the failed ``tiers``, the first error as ``__cause__``):
+        the blocks may still be in that storage, where another store can
+        find them; remove them again once it is back."""
         self._check_open()
         keys = self._keys(keys)
         removed = 0
@@ -1511,6 +1522,7 @@ class Store:
         removing = self._removing
         for key in keys:
             removing[key] = removing.get(key, 0) + 1
+        failed: list[tuple[str, BaseException]] = []
         try:
             if host is not None:
                 for key in keys:
@@ -1519,7 +1531,13 @@ class Store:
                         removed += 1
             for tier in self._lower:
                 if tier.stores:
-                    removed += await tier._remove(keys)
+                    try:
+                        removed += await tier._remove(keys)
+                    except (XferError, OSError) as exc:
+                        tier.counters.errors += 1
+                        _log.warning("kv.remove_failed", tier=tier.name, blocks=len(keys),
+                                     error=repr(exc))
+                        failed.append((tier.name, exc))
         finally:
             for key in keys:
                 c = removing[key] - 1
@@ -1527,6 +1545,13 @@ class Store:
                     removing[key] = c
                 else:
                     del removing[key]
+        if failed:
+            names = tuple(n for n, _ in failed)
+            err = RemoveIncomplete(
+                f"store {self.name!r}: remove could not reach tier(s) {', '.join(names)}: "
+                f"{failed[0][1]!r}; the blocks may remain there (removed elsewhere: {removed})",
+                removed=removed, tiers=names)
+            raise err from failed[0][1]
         return removed
 
     # ------------------------------------------------------------ statistics
