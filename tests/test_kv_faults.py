@@ -706,3 +706,57 @@ async def test_remove_with_the_object_server_down(make_agent: MakeAgent,
         await other.aclose()
         await store.aclose()
 
+
+class JournalTier(kv.Tier):
+    """A tier of the application's own (the public Tier interface) that
+    stores nothing and writes a journal file when the store closes."""
+
+    stores = False
+
+    def __init__(self, path: Path) -> None:
+        super().__init__("journal")
+        self.path = path
+
+    def _locate(self, key: bytes) -> None:
+        return None
+
+    async def _aclose(self) -> None:
+        self.path.write_bytes(b"closed\n")
+
+
+async def test_a_failing_tier_close_does_not_leave_the_others_open(make_agent: MakeAgent,
+                                                                   tmp_path: Path) -> None:
+    """The lowest tier's close fails for real (its directory is gone:
+    FileNotFoundError): Store.aclose still closes the disk tier above it
+    (headers written: its blocks are found by the next open) and releases
+    the host memory, then raises that error; a second aclose is a no-op.
+    (Before: aclose stopped at the failing tier, the disk tier and the host
+    region left open.)"""
+    agent = await make_agent("kv")
+    gone = tmp_path / "journal"
+    gone.mkdir()
+    disk = kv.DiskTier(tmp_path / "disk", 64 * BB, segment_bytes=8 * BB)
+    host = kv.HostTier(8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[host, disk,
+                                                              JournalTier(gone / "log")])
+    n = 4
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 16)
+    src.numpy()[:] = data
+    keys = keys_for(n, 16)
+    assert (await within(store.put(keys, src[0:n * BB]))).stored == n  # dirty in host memory
+    shutil.rmtree(gone)
+    with pytest.raises(FileNotFoundError):
+        await within(store.aclose())
+    assert store.closed
+    assert disk._store is None and disk.stage is not None and disk.stage.closed
+    assert host.region is not None and host.region.closed
+    await within(store.aclose())
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[
+        kv.DiskTier(tmp_path / "disk", 64 * BB, segment_bytes=8 * BB)])
+    try:
+        dst = agent.alloc(n * BB)
+        res = await within(store.get(keys, dst[0:n * BB]))
+        assert res.prefix == n and np.array_equal(dst.numpy(), data)
+    finally:
+        await store.aclose()

@@ -592,7 +592,9 @@ class Store:
     async def aclose(self, *, flush: bool = True) -> None:
         """Writes dirty host blocks back to the next tier (``flush``), stops
         background work, closes the tiers (disk headers written) and releases
-        the store's memory. Idempotent."""
+        the store's memory. Idempotent. A tier whose close fails does not
+        stop the others: every tier is closed and the memory released, then
+        the first failure is raised (the store is closed all the same)."""
         if self._closed:
             return
         host = self._host
@@ -607,17 +609,29 @@ class Store:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Every tier is closed and all memory released even if one fails (a
+        # tier left open keeps its files, tasks and registrations): the
+        # first failure is raised once all of it is done.
+        first: BaseException | None = None
         for tier in reversed(self.tiers):
             if tier._store is self:
                 try:
                     await tier._aclose()
+                except Exception as exc:
+                    _log.warning("kv.tier_close_failed", tier=tier.name, error=repr(exc))
+                    first = first or exc
                 finally:
                     tier._store = None
         self._closed = True
         for region in [t.region for t in self.tiers if isinstance(t, HostTier)] + (
                 [self._staging.region] if self._staging is not None else []):
             if region is not None and not region.closed:
-                await _deregister(self.agent, region)
+                try:
+                    await _deregister(self.agent, region)
+                except Exception as exc:
+                    first = first or exc
+        if first is not None:
+            raise first
 
     @property
     def closed(self) -> bool:
