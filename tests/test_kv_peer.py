@@ -6,6 +6,7 @@ its blocks become misses, nothing fails or hangs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import textwrap
@@ -159,3 +160,64 @@ async def test_concurrent_probes_each_find_their_own_blocks(make_agent: MakeAgen
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def bad_metas(pool: str, index: str) -> list[bytes]:
+    """Published metas a broken (or hostile) member might show."""
+    ok = {"v": 1, "ctl": "127.0.0.1:1", "address": "127.0.0.1:1", "pool": pool,
+          "index": index, "buckets": 4, "block_bytes": BB}
+    return [b"\xff\xfe\x00not json", b"{\"block", b"[1]", b"\"text\"",
+            json.dumps({"block_bytes": BB}).encode(),
+            json.dumps({**ok, "pool": "no-such-region"}).encode(),
+            json.dumps({**ok, "buckets": "4"}).encode(),
+            json.dumps({**ok, "buckets": 3}).encode(),
+            json.dumps({**ok, "buckets": 0}).encode(),
+            json.dumps({**ok, "buckets": 1 << 40}).encode(),  # past its index region
+            json.dumps({**ok, "ctl": 7}).encode()]
+
+
+async def test_broken_peers_are_no_members_and_hostile_requests_are_dropped(
+        make_agent: MakeAgent) -> None:
+    """Members whose published meta is unreadable (not JSON, not an object,
+    missing or mistyped fields, a geometry past their index region) are no
+    members: Store.open with one as a seed opens, join() says False, never a
+    ValueError (before: ValueError out of open and join, AttributeError and
+    TypeError out of the membership follower). Control messages that are
+    not well-formed requests are dropped, and the tier still serves a good
+    member's placements after them (before: one ``[1]`` ended its serving
+    loop, and every later placement waited out its ack and was dropped)."""
+    bads = []
+    for i in range(len(bad_metas("", ""))):
+        bad = await make_agent(f"broken{i}")
+        bad.alloc(16 * BB, name="pool")
+        bad.alloc(4 * 4 * 64, name="kvpeer.t.index")
+        raw = bad_metas("pool", "kvpeer.t.index")[i]
+        meta = bad.alloc(4096, name="kvpeer.t.meta")
+        meta.numpy()[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        bads.append(bad)
+    agent = await make_agent("member-g")
+    tier = kv.PeerTier(group="t", seeds=[bads[0].address, bads[2].address])
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(64 * BB), tier]):
+        for bad in bads:
+            assert not await within(tier.join(bad.address)), bad.name
+        assert not tier.members
+        assert tier.ctl is not None
+        ctl = await within(bads[0].connect(tier.ctl.address))
+        for head in [b"[1]", b"\"x\"", b"{\"op\": \"ack\", \"req\": \"x\"}",
+                     b"{\"op\": \"ack\", \"req\": [1]}", b"{\"op\": \"put\", \"req\": 1}",
+                     b"{\"op\": \"put\", \"req\": 2, \"from\": 5, \"ctl\": \"\", \"region\": \"r\"}",
+                     json.dumps({"op": "put", "req": 3, "from": "nowhere", "ctl": "nowhere",
+                                 "region": "pool"}).encode()]:
+            await within(ctl.notify(len(head).to_bytes(2, "little") + head + bytes(48)))
+        # A good member places blocks here after all that.
+        agent2 = await make_agent("member-h")
+        src = agent2.alloc(16 * BB)
+        src.numpy()[:] = pattern(16 * BB, 5)
+        keys = keys_for(16)
+        tier2 = kv.PeerTier(group="t")
+        async with kv.Store.open(agent2, block_bytes=BB, tiers=[
+                kv.HostTier(4 * BB, high_watermark=1.0, low_watermark=1.0), tier2]) as st2:
+            assert await within(tier2.join(agent.address))
+            put = await within(st2.put(keys, src[0:16 * BB]))
+            assert put.stored == 16 and put.dropped == 0, put
+            assert tier.pulled == 12
