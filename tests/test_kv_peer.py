@@ -205,7 +205,8 @@ async def test_broken_peers_are_no_members_and_hostile_requests_are_dropped(
         ctl = await within(bads[0].connect(tier.ctl.address))
         for head in [b"[1]", b"\"x\"", b"{\"op\": \"ack\", \"req\": \"x\"}",
                      b"{\"op\": \"ack\", \"req\": [1]}", b"{\"op\": \"put\", \"req\": 1}",
-                     b"{\"op\": \"put\", \"req\": 2, \"from\": 5, \"ctl\": \"\", \"region\": \"r\"}",
+                     json.dumps({"op": "put", "req": 2, "from": 5, "ctl": "",
+                                 "region": "r"}).encode(),
                      json.dumps({"op": "put", "req": 3, "from": "nowhere", "ctl": "nowhere",
                                  "region": "pool"}).encode()]:
             await within(ctl.notify(len(head).to_bytes(2, "little") + head + bytes(48)))
