@@ -760,3 +760,41 @@ async def test_a_failing_tier_close_does_not_leave_the_others_open(make_agent: M
         assert res.prefix == n and np.array_equal(dst.numpy(), data)
     finally:
         await store.aclose()
+
+
+async def test_object_removed_by_another_store_is_a_miss(make_agent: MakeAgent,
+                                                         s3: S3Server) -> None:
+    """Two stores share a bucket; one removes a block the other has indexed.
+    The other's get delivers the blocks before it and ends its prefix there
+    (a miss, BlockMissing's meaning: gone meanwhile), it does not fail the
+    whole read (before: every block of the batch BlockUnavailable, prefix
+    0, though only one object was gone); put again, it is served again."""
+    pytest.importorskip("obstore")
+    bucket = s3.bucket()
+    agent = await make_agent("kv")
+    objs = agent.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs)])
+    agent2 = await make_agent("kv2")
+    objs2 = agent2.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    other = await kv.Store.open(agent2, block_bytes=BB, tiers=[kv.ObjectTier(objs2)])
+    n = 4
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 17)
+    src.numpy()[:] = data
+    keys = keys_for(n, 17)
+    try:
+        assert (await within(store.put(keys, src[0:n * BB]))).stored == n
+        assert await within(other.remove(keys[2:3])) == 0  # (not in its index)
+        dst = agent.alloc(n * BB)
+        res = await within(store.get(keys, dst[0:n * BB]))
+        assert res.prefix == 2 and res.failed == (), res
+        assert np.array_equal(dst.numpy()[:2 * BB], data[:2 * BB])
+        assert_whole(store)
+        put = await within(store.put(keys, src[0:n * BB]))
+        assert (put.stored, put.present) == (1, n - 1), put
+        dst.numpy()[:] = 0
+        res = await within(store.get(keys, dst[0:n * BB]))
+        assert res.prefix == n and np.array_equal(dst.numpy(), data)
+    finally:
+        await other.aclose()
+        await store.aclose()

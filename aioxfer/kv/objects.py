@@ -25,7 +25,7 @@ from aioxfer.errors import ObjectNotFound, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import ENTRY, ENTRY_DTYPE, ENTRY_MAGIC, ENTRY_VERSION, F_LIVE, entry_check
 from aioxfer.kv.disk import ns_tag as _ns_tag
-from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
+from aioxfer.kv.errors import BlockCorrupt, BlockMissing, BlockUnavailable
 from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region
@@ -254,20 +254,42 @@ class ObjectTier(Tier):
         crcs = [loc[1] for loc in locs]
         agent = self.store.agent
         self.counters.reads += 1
+        got_all = True
         try:
             await asyncio.gather(agent.read(
                 [r[o:o + bb] for r, o in zip(regions, offsets, strict=True)],
                 self.objs.segments([self.object_key(k) for k in keys], [0] * n, [bb] * n)))
+        except ObjectNotFound:
+            # One of them is gone (another store removed or quarantined it):
+            # a miss for that block, not a failure of the read. Which one is
+            # learned block by block; the others are delivered.
+            got_all = False
         except XferError as exc:
             self.counters.errors += 1
             e = BlockUnavailable(f"object tier {self.name!r}: {exc}")
             e.__cause__ = exc
-            if isinstance(exc, ObjectNotFound):
-                for k in keys:
-                    self.index.pop(k, None)
             return [e] * n
+        if not got_all:
+            one = await asyncio.gather(*[
+                agent.read(regions[i][offsets[i]:offsets[i] + bb],
+                           self.objs[self.object_key(keys[i])][0:bb]) for i in range(n)],
+                return_exceptions=True)
+            for i, r in enumerate(one):
+                if isinstance(r, ObjectNotFound):
+                    self.index.pop(keys[i], None)
+                    errs[i] = BlockMissing(f"object tier {self.name!r}: "
+                                           f"{self.object_key(keys[i])} is gone")
+                elif isinstance(r, XferError):
+                    self.counters.errors += 1
+                    e = BlockUnavailable(f"object tier {self.name!r}: {r}")
+                    e.__cause__ = r
+                    errs[i] = e
+                elif isinstance(r, BaseException):
+                    raise r
         bad = []
         for i in range(n):
+            if errs[i] is not None:
+                continue
             got = ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb])
             if got != crcs[i]:
                 self.counters.checksum_failures += 1
