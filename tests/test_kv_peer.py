@@ -222,3 +222,32 @@ async def test_broken_peers_are_no_members_and_hostile_requests_are_dropped(
             put = await within(st2.put(keys, src[0:16 * BB]))
             assert put.stored == 16 and put.dropped == 0, put
             assert tier.pulled == 12
+
+
+async def test_member_index_pointing_past_its_pool_is_a_miss(make_agent: MakeAgent) -> None:
+    """A member whose published index (intact entries, checks right) points
+    at slots past the end of its pool: a get of those keys is a miss
+    (before: the pool's IndexError reached the store's bug guard, and every
+    block read from that member in the batch failed BlockUnavailable), and
+    nothing is left pinned."""
+    keys = keys_for(4)
+    bad = await make_agent("broken-idx")
+    pool = bad.alloc(4 * BB, name="pool")
+    idx = bad.alloc(4 * 4 * 64, name="kvpeer.t.index")
+    from aioxfer.kv.peer import PeerIndex
+    index = PeerIndex(idx, 4)
+    for i, k in enumerate(keys):
+        index.add(k, [1 << 20, 4, 3, 2][i], 0)  # slot 3 is in range: its CRC is wrong
+    raw = json.dumps({"v": 1, "ctl": "127.0.0.1:1", "address": bad.address, "pool": pool.name,
+                      "index": "kvpeer.t.index", "buckets": 4, "block_bytes": BB}).encode()
+    meta = bad.alloc(4096, name="kvpeer.t.meta")
+    meta.numpy()[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    agent = await make_agent("member-i")
+    tier = kv.PeerTier(group="t")
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB), tier]) as st:
+        assert await within(tier.join(bad.address))
+        dst = agent.alloc(4 * BB)
+        for k in range(4):
+            res = await within(st.get(keys[k:k + 1], dst[0:BB]))
+            assert res.prefix == 0 and res.failed == (), res
+        assert st.statistics().pins == 0

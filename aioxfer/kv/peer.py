@@ -338,9 +338,16 @@ class PeerTier(Tier):
                     continue  # it left or failed: its blocks are misses
                 raw = self.stage.numpy()
                 hits = [parse_bucket(raw[j * bsz:(j + 1) * bsz], k) for j, k in enumerate(ks)]
+            slots = m.pool.nbytes // self.store.block_bytes
             for k, hit in zip(ks, hits, strict=True):
-                if hit is not None:
-                    self.located[k] = (name, *hit)
+                if hit is None:
+                    continue
+                if hit[0] >= slots:
+                    # An intact entry for a slot its pool does not have (a
+                    # broken member): a miss, not a read that fails its batch.
+                    self.counters.checksum_failures += 1
+                    continue
+                self.located[k] = (name, *hit)
         n = 0
         for k in keys:
             if self._locate(k) is None:
