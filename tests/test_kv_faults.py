@@ -798,3 +798,25 @@ async def test_object_removed_by_another_store_is_a_miss(make_agent: MakeAgent,
     finally:
         await other.aclose()
         await store.aclose()
+
+
+async def test_open_failing_reports_its_own_error_not_the_cleanups(make_agent: MakeAgent,
+                                                                   tmp_path: Path) -> None:
+    """A tier fails to open (the disk tier's path is a file) and the cleanup
+    that follows meets a second failure (another tier's close): Store.open
+    raises the open's error (the cause the caller must fix), with everything
+    opened so far closed. (Before: the cleanup's FileNotFoundError replaced
+    it.)"""
+    agent = await make_agent("kv")
+    (tmp_path / "journal").mkdir()
+    (tmp_path / "notadir").write_bytes(b"x")
+    host = kv.HostTier(8 * BB)
+    tiers = [host, JournalTier(tmp_path / "journal" / "log"),
+             kv.DiskTier(tmp_path / "notadir", 64 * BB, segment_bytes=8 * BB)]
+    shutil.rmtree(tmp_path / "journal")
+    with pytest.raises(OSError) as ei:
+        await within(kv.Store.open(agent, block_bytes=BB, tiers=tiers))
+    assert not isinstance(ei.value, FileNotFoundError), ei.value
+    assert "notadir" in str(ei.value)
+    assert host.region is None or host.region.closed
+    assert all(t._store is None for t in tiers)

@@ -26,6 +26,7 @@ PinLimitExceeded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import weakref
 from collections import deque
@@ -579,7 +580,10 @@ class Store:
             for tier in self.tiers:
                 await tier._open(self)
         except BaseException:
-            await self.aclose()
+            # What the caller must see is why the open failed: a failure of
+            # the cleanup (logged by aclose) does not replace it.
+            with contextlib.suppress(Exception):
+                await self.aclose()
             raise
         return self
 
@@ -629,6 +633,8 @@ class Store:
                 try:
                     await _deregister(self.agent, region)
                 except Exception as exc:
+                    _log.warning("kv.deregister_failed", store=self.name, region=region.name,
+                                 error=repr(exc))
                     first = first or exc
         if first is not None:
             raise first
