@@ -114,3 +114,21 @@ async def test_host_tier_writes_back_to_object_storage(make_agent: MakeAgent,
         assert st["object"].puts >= 16 and st["object"].hits >= 16  # most came back from S3
     finally:
         await store.aclose()
+
+
+async def test_statistics_of_a_closed_store(make_agent: MakeAgent, s3: S3Server) -> None:
+    """A closed store still reports its last counters (as its metrics
+    collector promises: a scrape reads statistics() of closed stores too);
+    before, the object tier's usage asked the store it no longer belonged
+    to and statistics() raised RuntimeError (failing the whole scrape)."""
+    agent = await make_agent("kv")
+    objs = agent.register_objects(f"s3://{s3.bucket()}/kv", **s3.kwargs())
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs)])
+    src = agent.alloc(2 * BB)
+    src.numpy()[:] = pattern(2 * BB, 9)
+    try:
+        assert (await within(store.put(keys_for(2, 9), src[0:2 * BB]))).stored == 2
+    finally:
+        await store.aclose()
+    st = store.statistics().tiers["object"]
+    assert (st.puts, st.blocks, st.used_bytes) == (2, 2, 2 * BB)

@@ -66,9 +66,11 @@ class ObjectTier(Tier):
         # hand it to requests that read or write it until they end.
         self.stage_lock = asyncio.Lock()
         self.missing: set[bytes] = set()  # probed and absent (cleared by puts)
+        self.block_bytes = 0
 
     async def _open(self, store: Store) -> None:
         await super()._open(store)
+        self.block_bytes = store.block_bytes  # (statistics after close too)
         self.stage = store.agent.alloc(self.batch * (store.block_bytes + TRAILER),
                                        name=f"{store.name}.{self.name}.stage")
 
@@ -82,7 +84,7 @@ class ObjectTier(Tier):
         return self.prefix + key.hex()
 
     def _usage(self) -> tuple[int, int, int]:
-        return len(self.index), len(self.index) * self.store.block_bytes, 0
+        return len(self.index), len(self.index) * self.block_bytes, 0
 
     def _locate(self, key: bytes) -> tuple[bytes, int] | None:
         crc = self.index.get(key)
