@@ -31,6 +31,7 @@ from aioxfer.backends import (
     instance,
     register_region,
 )
+from aioxfer.backends import registry
 from aioxfer.backends.testing import check_local_backend
 from aioxfer.errors import ObjectNotFound
 
@@ -346,3 +347,46 @@ async def test_priority_overtakes_queued_bulk(make_agent: MakeAgent) -> None:
     # Served at the first free slot: after at most the 3 bulk pairs in progress
     # and those that had their slots at that moment.
     assert backend.done.index("urgent") <= 2 * MemBackend.max_concurrency
+
+
+class JournalBackend(MemBackend):
+    """MemBackend that writes a journal file when its agent closes."""
+
+    name = "journal"
+    kind = "journal"
+    path: Path | None = None
+
+    async def close(self) -> None:
+        assert JournalBackend.path is not None
+        JournalBackend.path.write_bytes(b"closed\n")
+
+
+add_backend("journal-test", JournalBackend)
+
+
+async def test_a_failing_backend_close_does_not_leave_the_others_open(
+        s3: Any, tmp_path: Path) -> None:
+    """A backend's close fails for real (its journal directory is gone):
+    agent.aclose() still closes the backend registered after it (the
+    object backend: its region closed, its HTTP session released) and runs
+    the closers, then raises that error. (Before: it stopped at the failing
+    backend, the object backend's session and regions left open.)"""
+    (tmp_path / "j").mkdir()
+    JournalBackend.path = tmp_path / "j" / "log"
+    agent = aioxfer.Agent("be-journal")
+    await agent.start()
+    register_region(agent, "journal-test")
+    objs = agent.register_objects(f"s3://{s3.bucket()}", **s3.kwargs())
+    src = agent.register(bytearray(b"x" * 100))
+    await within(agent.write(src[:], objs["k"]))  # (the HTTP session is made)
+    closed: list[bool] = []
+
+    async def closer() -> None:
+        closed.append(True)
+
+    registry.on_close(agent, closer)
+    shutil.rmtree(tmp_path / "j")
+    with pytest.raises(FileNotFoundError):
+        await within(agent.aclose())
+    assert objs.closed and objs._session is None
+    assert closed == [True]
