@@ -30,8 +30,8 @@ from aioxfer.backends import (
     backends_of,
     instance,
     register_region,
+    registry,
 )
-from aioxfer.backends import registry
 from aioxfer.backends.testing import check_local_backend
 from aioxfer.errors import ObjectNotFound
 
