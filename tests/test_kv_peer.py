@@ -251,3 +251,30 @@ async def test_member_index_pointing_past_its_pool_is_a_miss(make_agent: MakeAge
             res = await within(st.get(keys[k:k + 1], dst[0:BB]))
             assert res.prefix == 0 and res.failed == (), res
         assert st.statistics().pins == 0
+
+
+async def test_placement_with_offsets_past_the_senders_region(make_agent: MakeAgent) -> None:
+    """A member asks us to pull blocks from offsets past the end of its
+    region (broken or hostile): nothing is stored, the host slots taken for
+    them come back (before: the read's IndexError left them taken for good,
+    the host tier short of that room), and it is told so (an ack of zeros)."""
+    sender = await make_agent("sender")
+    src = sender.alloc(4 * BB, name="src")
+    agent = await make_agent("member-j")
+    host = kv.HostTier(8 * BB)
+    tier = kv.PeerTier(group="t")
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[host, tier]):
+        assert tier.ctl is not None
+        ctl = await within(sender.connect(tier.ctl.address))
+        keys = keys_for(2)
+        head = json.dumps({"op": "put", "req": 1, "from": sender.address,
+                           "ctl": sender.address, "region": src.name}).encode()
+        body = b"".join(k + off.to_bytes(8, "little") + bytes(8)
+                        for k, off in zip(keys, [0, 1 << 40], strict=True))
+        await within(ctl.notify(len(head).to_bytes(2, "little") + head + body))
+        note = await within(anext(aiter(sender.notifications)))
+        p = note.payload
+        n = int.from_bytes(p[:2], "little")
+        assert json.loads(p[2:2 + n]) == {"op": "ack", "req": 1}
+        assert bytes(p[2 + n:]) == b"\x00\x00"
+        assert len(host.free) == host.n_slots and not host.index

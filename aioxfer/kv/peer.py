@@ -512,18 +512,26 @@ class PeerTier(Tier):
                 await peer.refresh()
                 src = peer.region(head["region"])
             assert host is not None and host.region is not None
-            fresh = [j for j, e in enumerate(entries) if e[0] not in host.index]
+            # (an offset past the sender's region: broken or hostile, skipped)
+            fresh = [j for j, e in enumerate(entries)
+                     if e[0] not in host.index and e[1] + bb <= src.nbytes]
             for j, e in enumerate(entries):
                 if e[0] in host.index:
                     stored[j] = 1
             slots = host._take(len(fresh))
             fresh = fresh[: len(slots)]
             if fresh:
-                t = agent.read(
-                    SegmentList(host.region, np.array(slots, dtype=np.uint64) * np.uint64(bb),
-                                np.full(len(slots), bb, dtype=np.uint64)),
-                    SegmentList(src, np.array([entries[j][1] for j in fresh], dtype=np.uint64),
-                                np.full(len(fresh), bb, dtype=np.uint64)))
+                try:
+                    t = agent.read(
+                        SegmentList(host.region,
+                                    np.array(slots, dtype=np.uint64) * np.uint64(bb),
+                                    np.full(len(slots), bb, dtype=np.uint64)),
+                        SegmentList(src,
+                                    np.array([entries[j][1] for j in fresh], dtype=np.uint64),
+                                    np.full(len(fresh), bb, dtype=np.uint64)))
+                except BaseException:
+                    host.give_back(slots)  # no read was posted
+                    raise
                 try:
                     await asyncio.shield(t)  # our memory: never cancelled midway
                 except BaseException:
@@ -538,7 +546,7 @@ class PeerTier(Tier):
                         self.pulled += 1
                     else:
                         host.give_back([s])
-        except (XferError, OSError, KeyError, ValueError) as exc:  # (a bad address)
+        except (XferError, OSError, LookupError, ValueError) as exc:  # (a bad address)
             _log.info("kv.peer_pull_failed", tier=self.name, error=repr(exc))
         finally:
             with contextlib.suppress(XferError, OSError, ValueError):
