@@ -132,3 +132,33 @@ async def test_statistics_of_a_closed_store(make_agent: MakeAgent, s3: S3Server)
         await store.aclose()
     st = store.statistics().tiers["object"]
     assert (st.puts, st.blocks, st.used_bytes) == (2, 2, 2 * BB)
+
+
+async def test_another_store_finds_a_prefix_longer_than_a_batch(make_agent: MakeAgent,
+                                                                s3: S3Server) -> None:
+    """40 blocks put by one store (object tier batch 16): another store's
+    first lookup and get find all 40 (before: 16, the probe's one batch per
+    call: a long prompt's prefix came back a batch at a time, the rest
+    recomputed)."""
+    bucket = s3.bucket()
+    agent = await make_agent("kv")
+    objs = agent.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs, batch=16)])
+    agent2 = await make_agent("kv2")
+    objs2 = agent2.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    other = await kv.Store.open(agent2, block_bytes=BB, tiers=[kv.ObjectTier(objs2, batch=16)])
+    n = 40
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 10)
+    src.numpy()[:] = data
+    keys = keys_for(n, 10)
+    try:
+        assert (await within(store.put(keys, src[0:n * BB]))).stored == n
+        assert (await within(other.lookup(keys))).prefix == n
+        dst = agent2.alloc(n * BB)
+        other.tiers[0].index.clear()  # type: ignore[attr-defined]  # asked afresh
+        res = await within(other.get(keys, dst[0:n * BB]))
+        assert res.prefix == n and np.array_equal(dst.numpy(), data)
+    finally:
+        await other.aclose()
+        await store.aclose()

@@ -175,9 +175,13 @@ class ObjectTier(Tier):
         many leading ones the tier now knows. A HEAD per unknown key, then one
         ranged GET of their trailers (into staging memory) to learn the CRCs."""
         bb = self.store.block_bytes
-        unknown = [k for k in keys if k not in self.index and k not in self.missing]
-        unknown = unknown[: self.batch]
-        if unknown:
+        n = self._known_prefix(keys)
+        # A batch of unknown keys at a time, from the first one not known,
+        # until the leading run ends (a prefix longer than one batch is
+        # found whole, not one batch per get).
+        while n < len(keys) and keys[n] not in self.missing:
+            unknown = [k for k in keys[n:] if k not in self.index and k not in self.missing]
+            unknown = unknown[: self.batch]
             try:
                 stats = await self.objs.stat([self.object_key(k) for k in unknown])
             except XferError as exc:
@@ -195,7 +199,11 @@ class ObjectTier(Tier):
                     except XferError as exc:
                         return self._probe_failed(keys, exc)
                     self._learn(present, raw)
-        return self._known_prefix(keys)
+            m = self._known_prefix(keys)
+            if m == n:
+                break  # (deleted meanwhile: asked again next time)
+            n = m
+        return n
 
     def _probe_failed(self, keys: list[bytes], exc: XferError) -> int:
         """The bucket could not be asked (the server down, access denied):
