@@ -162,3 +162,36 @@ async def test_another_store_finds_a_prefix_longer_than_a_batch(make_agent: Make
     finally:
         await other.aclose()
         await store.aclose()
+
+
+async def test_blocks_put_by_another_store_after_a_miss_are_found(make_agent: MakeAgent,
+                                                                  s3: S3Server) -> None:
+    """A store looks keys up (absent), another store puts them, the first
+    looks again once its absence memory lapsed (absent_ttl=0 here: at once):
+    it finds them (before: a key once found absent was never asked of the
+    bucket again until this store put it itself). A removed key is found
+    again the same way once another store puts it back."""
+    bucket = s3.bucket()
+    agent = await make_agent("kv")
+    objs = agent.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs)])
+    agent2 = await make_agent("kv2")
+    objs2 = agent2.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    other = await kv.Store.open(agent2, block_bytes=BB,
+                                tiers=[kv.ObjectTier(objs2, absent_ttl=0)])
+    n = 4
+    src = agent.alloc(n * BB)
+    src.numpy()[:] = pattern(n * BB, 11)
+    keys = keys_for(n, 11)
+    try:
+        assert (await within(other.lookup(keys))).prefix == 0
+        assert (await within(store.put(keys, src[0:n * BB]))).stored == n
+        assert (await within(other.lookup(keys))).prefix == n
+        await within(other.remove(keys))
+        assert (await within(other.lookup(keys))).prefix == 0
+        store.tiers[0].index.clear()  # type: ignore[attr-defined]  # (puts them again)
+        assert (await within(store.put(keys, src[0:n * BB]))).stored == n
+        assert (await within(other.lookup(keys))).prefix == n
+    finally:
+        await other.aclose()
+        await store.aclose()

@@ -17,6 +17,9 @@ Objects this store did not write are found by ``_probe``: a HEAD per key
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,14 +46,16 @@ _ALGO_SHIFT = 4
 class ObjectTier(Tier):
     """``objs``: an object region of the store's agent. ``prefix``: where
     under it the blocks go. ``batch``: blocks staged (block + trailer) per
-    round of PUTs."""
+    round of PUTs. ``absent_ttl``: seconds a key found absent is not asked
+    of the bucket again (0: every get asks; other stores put meanwhile)."""
 
     kind = "object"
     probes = True  # its index is remote: misses are asked for (see _probe)
     durable = True
 
     def __init__(self, objs: Any, *, name: str = "object", prefix: str = "kv/",
-                 namespace: bytes | str = b"", batch: int = 16) -> None:
+                 namespace: bytes | str = b"", batch: int = 16,
+                 absent_ttl: float = 2.0) -> None:
         super().__init__(name)
         if getattr(objs, "kind", None) != "object":
             raise TypeError("ObjectTier takes a region from agent.register_objects(...)")
@@ -65,7 +70,12 @@ class ObjectTier(Tier):
         # put beside the host tier's write-back) and probes each fill it and
         # hand it to requests that read or write it until they end.
         self.stage_lock = asyncio.Lock()
-        self.missing: set[bytes] = set()  # probed and absent (cleared by puts)
+        # Keys not asked of the bucket again before a time: probed and
+        # absent (for ``absent_ttl`` seconds: another store may put them
+        # meanwhile), or removed or quarantined by this tier (inf while their
+        # objects may still be there; until put again).
+        self.missing: dict[bytes, float] = {}
+        self.absent_ttl = float(absent_ttl)
         self.block_bytes = 0
 
     async def _open(self, store: Store) -> None:
@@ -162,7 +172,7 @@ class ObjectTier(Tier):
                 self.counters.dropped("io_error")
                 continue
             self.index[keys[i]] = crc
-            self.missing.discard(keys[i])
+            self.missing.pop(keys[i], None)
             ok[i] = True
             self.counters.puts += 1
             self.counters.put_bytes += bb
@@ -176,12 +186,24 @@ class ObjectTier(Tier):
         ranged GET of their trailers (into staging memory) to learn the CRCs."""
         bb = self.store.block_bytes
         n = self._known_prefix(keys)
+        now = time.monotonic()
+        missing = self.missing
+
+        def skip(k: bytes) -> bool:
+            t = missing.get(k)
+            if t is None:
+                return False
+            if t < now:
+                del missing[k]  # absent a while ago: asked again
+                return False
+            return True
+
         # A batch of unknown keys at a time, from the first one not known,
         # until the leading run ends (a prefix longer than one batch is
         # found whole, not one batch per get).
-        while n < len(keys) and keys[n] not in self.missing:
-            unknown = [k for k in keys[n:] if k not in self.index and k not in self.missing]
-            unknown = unknown[: self.batch]
+        while n < len(keys) and not skip(keys[n]):
+            unknown = list(itertools.islice(
+                (k for k in keys[n:] if k not in self.index and not skip(k)), self.batch))
             try:
                 stats = await self.objs.stat([self.object_key(k) for k in unknown])
             except XferError as exc:
@@ -191,7 +213,7 @@ class ObjectTier(Tier):
                 if st.exists and st.size == bb + TRAILER:
                     present.append(k)
                 else:
-                    self.missing.add(k)
+                    self.missing[k] = now + self.absent_ttl
             if present:
                 async with self.stage_lock:
                     try:
@@ -242,7 +264,7 @@ class ObjectTier(Tier):
             if good[j] and ent["key"][j].tobytes() == k:
                 self.index[k] = int(ent["crc"][j])
             else:
-                self.missing.add(k)
+                self.missing[k] = math.inf
                 self.counters.checksum_failures += 1
 
     def _known_prefix(self, keys: list[bytes]) -> int:
@@ -310,10 +332,11 @@ class ObjectTier(Tier):
         if bad:
             for k in bad:
                 self.index.pop(k, None)
-                self.missing.add(k)  # not probed back in (until put again)
+                self.missing[k] = math.inf  # not probed back in (until put again)
                 self.counters.quarantined += 1
             try:
                 await self.objs.delete([self.object_key(k) for k in bad])
+                self._gone(bad)
             except XferError as exc:
                 # Not served again from here either way (out of the index;
                 # another store's read fails the CRC and deletes it): the
@@ -328,6 +351,15 @@ class ObjectTier(Tier):
         raises with the tier consistent, the objects left in the bucket for
         a later remove (see kv.RemoveIncomplete)."""
         known = [k for k in keys if self.index.pop(k, None) is not None]
-        self.missing.update(keys)
+        self.missing.update(dict.fromkeys(keys, math.inf))
         await self.objs.delete([self.object_key(k) for k in keys])
+        self._gone(keys)
         return len(known)
+
+    def _gone(self, keys: list[bytes]) -> None:
+        """Their objects were deleted: absent like any other (another store
+        may put them again: asked again after ``absent_ttl``)."""
+        until = time.monotonic() + self.absent_ttl
+        for k in keys:
+            if self.missing.get(k) == math.inf:
+                self.missing[k] = until
