@@ -390,3 +390,50 @@ async def test_a_failing_backend_close_does_not_leave_the_others_open(
         await within(agent.aclose())
     assert objs.closed and objs._session is None
     assert closed == [True]
+
+
+class FlushRegion(MemRegion):
+    """A MemRegion that writes its blobs to a file when it closes."""
+
+    path: Path | None = None
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self.path is not None:
+            self.path.write_bytes(b"".join(self.blobs.values()))
+
+
+class FlushBackend(MemBackend):
+    name = "flush"
+    kind = "flush"
+    closed_clients = False
+
+    def register(self, name: str = "mem", path: Path | None = None) -> MemRegion:
+        region = FlushRegion(self, name)
+        region.path = path
+        self._add_region(region)
+        return region
+
+    async def close(self) -> None:
+        self.closed_clients = True
+
+
+add_backend("flush-test", FlushBackend)
+
+
+async def test_a_failing_region_close_does_not_leave_the_others_open(tmp_path: Path) -> None:
+    """One region's close fails for real (its flush directory is gone): the
+    backend's other regions and its clients are closed all the same, then
+    agent.aclose() raises that error. (Before: the regions after it and the
+    backend's close() were skipped.)"""
+    (tmp_path / "gone").mkdir()
+    agent = aioxfer.Agent("be-flush")
+    await agent.start()
+    bad = register_region(agent, "flush-test", "a", tmp_path / "gone" / "a")
+    good = register_region(agent, "flush-test", "b", tmp_path / "b")
+    backend = instance(agent, "flush-test")
+    shutil.rmtree(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError):
+        await within(agent.aclose())
+    assert bad.closed and good.closed and (tmp_path / "b").exists()
+    assert backend.closed_clients  # type: ignore[attr-defined]
