@@ -30,6 +30,7 @@ from aioxfer.backends import (
     backends_of,
     instance,
     register_region,
+    registry,
 )
 from aioxfer.backends.testing import check_local_backend
 from aioxfer.errors import ObjectNotFound
@@ -346,3 +347,93 @@ async def test_priority_overtakes_queued_bulk(make_agent: MakeAgent) -> None:
     # Served at the first free slot: after at most the 3 bulk pairs in progress
     # and those that had their slots at that moment.
     assert backend.done.index("urgent") <= 2 * MemBackend.max_concurrency
+
+
+class JournalBackend(MemBackend):
+    """MemBackend that writes a journal file when its agent closes."""
+
+    name = "journal"
+    kind = "journal"
+    path: Path | None = None
+
+    async def close(self) -> None:
+        assert JournalBackend.path is not None
+        JournalBackend.path.write_bytes(b"closed\n")
+
+
+add_backend("journal-test", JournalBackend)
+
+
+async def test_a_failing_backend_close_does_not_leave_the_others_open(
+        s3: Any, tmp_path: Path) -> None:
+    """A backend's close fails for real (its journal directory is gone):
+    agent.aclose() still closes the backend registered after it (the
+    object backend: its region closed, its HTTP session released) and runs
+    the closers, then raises that error. (Before: it stopped at the failing
+    backend, the object backend's session and regions left open.)"""
+    (tmp_path / "j").mkdir()
+    JournalBackend.path = tmp_path / "j" / "log"
+    agent = aioxfer.Agent("be-journal")
+    await agent.start()
+    register_region(agent, "journal-test")
+    objs = agent.register_objects(f"s3://{s3.bucket()}", **s3.kwargs())
+    src = agent.register(bytearray(b"x" * 100))
+    await within(agent.write(src[:], objs["k"]))  # (the HTTP session is made)
+    closed: list[bool] = []
+
+    async def closer() -> None:
+        closed.append(True)
+
+    registry.on_close(agent, closer)
+    shutil.rmtree(tmp_path / "j")
+    with pytest.raises(FileNotFoundError):
+        await within(agent.aclose())
+    assert objs.closed and objs._session is None
+    assert closed == [True]
+
+
+class FlushRegion(MemRegion):
+    """A MemRegion that writes its blobs to a file when it closes."""
+
+    path: Path | None = None
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self.path is not None:
+            self.path.write_bytes(b"".join(self.blobs.values()))
+
+
+class FlushBackend(MemBackend):
+    name = "flush"
+    kind = "flush"
+    closed_clients = False
+
+    def register(self, name: str = "mem", path: Path | None = None) -> MemRegion:
+        region = FlushRegion(self, name)
+        region.path = path
+        self._add_region(region)
+        return region
+
+    async def close(self) -> None:
+        self.closed_clients = True
+
+
+add_backend("flush-test", FlushBackend)
+
+
+async def test_a_failing_region_close_does_not_leave_the_others_open(tmp_path: Path) -> None:
+    """One region's close fails for real (its flush directory is gone): the
+    backend's other regions and its clients are closed all the same, then
+    agent.aclose() raises that error. (Before: the regions after it and the
+    backend's close() were skipped.)"""
+    (tmp_path / "gone").mkdir()
+    agent = aioxfer.Agent("be-flush")
+    await agent.start()
+    bad = register_region(agent, "flush-test", "a", tmp_path / "gone" / "a")
+    good = register_region(agent, "flush-test", "b", tmp_path / "b")
+    backend = instance(agent, "flush-test")
+    shutil.rmtree(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError):
+        await within(agent.aclose())
+    assert bad.closed and good.closed and (tmp_path / "b").exists()
+    assert backend.closed_clients  # type: ignore[attr-defined]

@@ -114,3 +114,84 @@ async def test_host_tier_writes_back_to_object_storage(make_agent: MakeAgent,
         assert st["object"].puts >= 16 and st["object"].hits >= 16  # most came back from S3
     finally:
         await store.aclose()
+
+
+async def test_statistics_of_a_closed_store(make_agent: MakeAgent, s3: S3Server) -> None:
+    """A closed store still reports its last counters (as its metrics
+    collector promises: a scrape reads statistics() of closed stores too);
+    before, the object tier's usage asked the store it no longer belonged
+    to and statistics() raised RuntimeError (failing the whole scrape)."""
+    agent = await make_agent("kv")
+    objs = agent.register_objects(f"s3://{s3.bucket()}/kv", **s3.kwargs())
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs)])
+    src = agent.alloc(2 * BB)
+    src.numpy()[:] = pattern(2 * BB, 9)
+    try:
+        assert (await within(store.put(keys_for(2, 9), src[0:2 * BB]))).stored == 2
+    finally:
+        await store.aclose()
+    st = store.statistics().tiers["object"]
+    assert (st.puts, st.blocks, st.used_bytes) == (2, 2, 2 * BB)
+
+
+async def test_another_store_finds_a_prefix_longer_than_a_batch(make_agent: MakeAgent,
+                                                                s3: S3Server) -> None:
+    """40 blocks put by one store (object tier batch 16): another store's
+    first lookup and get find all 40 (before: 16, the probe's one batch per
+    call: a long prompt's prefix came back a batch at a time, the rest
+    recomputed)."""
+    bucket = s3.bucket()
+    agent = await make_agent("kv")
+    objs = agent.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs, batch=16)])
+    agent2 = await make_agent("kv2")
+    objs2 = agent2.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    other = await kv.Store.open(agent2, block_bytes=BB, tiers=[kv.ObjectTier(objs2, batch=16)])
+    n = 40
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 10)
+    src.numpy()[:] = data
+    keys = keys_for(n, 10)
+    try:
+        assert (await within(store.put(keys, src[0:n * BB]))).stored == n
+        assert (await within(other.lookup(keys))).prefix == n
+        dst = agent2.alloc(n * BB)
+        other.tiers[0].index.clear()  # type: ignore[attr-defined]  # asked afresh
+        res = await within(other.get(keys, dst[0:n * BB]))
+        assert res.prefix == n and np.array_equal(dst.numpy(), data)
+    finally:
+        await other.aclose()
+        await store.aclose()
+
+
+async def test_blocks_put_by_another_store_after_a_miss_are_found(make_agent: MakeAgent,
+                                                                  s3: S3Server) -> None:
+    """A store looks keys up (absent), another store puts them, the first
+    looks again once its absence memory lapsed (absent_ttl=0 here: at once):
+    it finds them (before: a key once found absent was never asked of the
+    bucket again until this store put it itself). A removed key is found
+    again the same way once another store puts it back."""
+    bucket = s3.bucket()
+    agent = await make_agent("kv")
+    objs = agent.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs)])
+    agent2 = await make_agent("kv2")
+    objs2 = agent2.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
+    other = await kv.Store.open(agent2, block_bytes=BB,
+                                tiers=[kv.ObjectTier(objs2, absent_ttl=0)])
+    n = 4
+    src = agent.alloc(n * BB)
+    src.numpy()[:] = pattern(n * BB, 11)
+    keys = keys_for(n, 11)
+    try:
+        assert (await within(other.lookup(keys))).prefix == 0
+        assert (await within(store.put(keys, src[0:n * BB]))).stored == n
+        assert (await within(other.lookup(keys))).prefix == n
+        await within(other.remove(keys))
+        assert (await within(other.lookup(keys))).prefix == 0
+        store.tiers[0].index.clear()  # type: ignore[attr-defined]  # (puts them again)
+        assert (await within(store.put(keys, src[0:n * BB]))).stored == n
+        assert (await within(other.lookup(keys))).prefix == n
+    finally:
+        await other.aclose()
+        await store.aclose()

@@ -6,6 +6,7 @@ its blocks become misses, nothing fails or hangs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import textwrap
@@ -159,3 +160,121 @@ async def test_concurrent_probes_each_find_their_own_blocks(make_agent: MakeAgen
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def bad_metas(pool: str, index: str) -> list[bytes]:
+    """Published metas a broken (or hostile) member might show."""
+    ok = {"v": 1, "ctl": "127.0.0.1:1", "address": "127.0.0.1:1", "pool": pool,
+          "index": index, "buckets": 4, "block_bytes": BB}
+    return [b"\xff\xfe\x00not json", b"{\"block", b"[1]", b"\"text\"",
+            json.dumps({"block_bytes": BB}).encode(),
+            json.dumps({**ok, "pool": "no-such-region"}).encode(),
+            json.dumps({**ok, "buckets": "4"}).encode(),
+            json.dumps({**ok, "buckets": 3}).encode(),
+            json.dumps({**ok, "buckets": 0}).encode(),
+            json.dumps({**ok, "buckets": 1 << 40}).encode(),  # past its index region
+            json.dumps({**ok, "ctl": 7}).encode()]
+
+
+async def test_broken_peers_are_no_members_and_hostile_requests_are_dropped(
+        make_agent: MakeAgent) -> None:
+    """Members whose published meta is unreadable (not JSON, not an object,
+    missing or mistyped fields, a geometry past their index region) are no
+    members: Store.open with one as a seed opens, join() says False, never a
+    ValueError (before: ValueError out of open and join, AttributeError and
+    TypeError out of the membership follower). Control messages that are
+    not well-formed requests are dropped, and the tier still serves a good
+    member's placements after them (before: one ``[1]`` ended its serving
+    loop, and every later placement waited out its ack and was dropped)."""
+    bads = []
+    for i in range(len(bad_metas("", ""))):
+        bad = await make_agent(f"broken{i}")
+        bad.alloc(16 * BB, name="pool")
+        bad.alloc(4 * 4 * 64, name="kvpeer.t.index")
+        raw = bad_metas("pool", "kvpeer.t.index")[i]
+        meta = bad.alloc(4096, name="kvpeer.t.meta")
+        meta.numpy()[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        bads.append(bad)
+    agent = await make_agent("member-g")
+    tier = kv.PeerTier(group="t", seeds=[bads[0].address, bads[2].address])
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(64 * BB), tier]):
+        for bad in bads:
+            assert not await within(tier.join(bad.address)), bad.name
+        assert not tier.members
+        assert tier.ctl is not None
+        ctl = await within(bads[0].connect(tier.ctl.address))
+        for head in [b"[1]", b"\"x\"", b"{\"op\": \"ack\", \"req\": \"x\"}",
+                     b"{\"op\": \"ack\", \"req\": [1]}", b"{\"op\": \"put\", \"req\": 1}",
+                     json.dumps({"op": "put", "req": 2, "from": 5, "ctl": "",
+                                 "region": "r"}).encode(),
+                     json.dumps({"op": "put", "req": 3, "from": "nowhere", "ctl": "nowhere",
+                                 "region": "pool"}).encode()]:
+            await within(ctl.notify(len(head).to_bytes(2, "little") + head + bytes(48)))
+        # A good member places blocks here after all that.
+        agent2 = await make_agent("member-h")
+        src = agent2.alloc(16 * BB)
+        src.numpy()[:] = pattern(16 * BB, 5)
+        keys = keys_for(16)
+        tier2 = kv.PeerTier(group="t")
+        async with kv.Store.open(agent2, block_bytes=BB, tiers=[
+                kv.HostTier(4 * BB, high_watermark=1.0, low_watermark=1.0), tier2]) as st2:
+            assert await within(tier2.join(agent.address))
+            put = await within(st2.put(keys, src[0:16 * BB]))
+            assert put.stored == 16 and put.dropped == 0, put
+            assert tier.pulled == 12
+
+
+async def test_member_index_pointing_past_its_pool_is_a_miss(make_agent: MakeAgent) -> None:
+    """A member whose published index (intact entries, checks right) points
+    at slots past the end of its pool: a get of those keys is a miss
+    (before: the pool's IndexError reached the store's bug guard, and every
+    block read from that member in the batch failed BlockUnavailable), and
+    nothing is left pinned."""
+    keys = keys_for(4)
+    bad = await make_agent("broken-idx")
+    pool = bad.alloc(4 * BB, name="pool")
+    idx = bad.alloc(4 * 4 * 64, name="kvpeer.t.index")
+    from aioxfer.kv.peer import PeerIndex
+    index = PeerIndex(idx, 4)
+    for i, k in enumerate(keys):
+        index.add(k, [1 << 20, 4, 3, 2][i], 0)  # slot 3 is in range: its CRC is wrong
+    raw = json.dumps({"v": 1, "ctl": "127.0.0.1:1", "address": bad.address, "pool": pool.name,
+                      "index": "kvpeer.t.index", "buckets": 4, "block_bytes": BB}).encode()
+    meta = bad.alloc(4096, name="kvpeer.t.meta")
+    meta.numpy()[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    agent = await make_agent("member-i")
+    tier = kv.PeerTier(group="t")
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB), tier]) as st:
+        assert await within(tier.join(bad.address))
+        dst = agent.alloc(4 * BB)
+        for k in range(4):
+            res = await within(st.get(keys[k:k + 1], dst[0:BB]))
+            assert res.prefix == 0 and res.failed == (), res
+        assert st.statistics().pins == 0
+
+
+async def test_placement_with_offsets_past_the_senders_region(make_agent: MakeAgent) -> None:
+    """A member asks us to pull blocks from offsets past the end of its
+    region (broken or hostile): nothing is stored, the host slots taken for
+    them come back (before: the read's IndexError left them taken for good,
+    the host tier short of that room), and it is told so (an ack of zeros)."""
+    sender = await make_agent("sender")
+    src = sender.alloc(4 * BB, name="src")
+    agent = await make_agent("member-j")
+    host = kv.HostTier(8 * BB)
+    tier = kv.PeerTier(group="t")
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[host, tier]):
+        assert tier.ctl is not None
+        ctl = await within(sender.connect(tier.ctl.address))
+        keys = keys_for(2)
+        head = json.dumps({"op": "put", "req": 1, "from": sender.address,
+                           "ctl": sender.address, "region": src.name}).encode()
+        body = b"".join(k + off.to_bytes(8, "little") + bytes(8)
+                        for k, off in zip(keys, [0, 1 << 40], strict=True))
+        await within(ctl.notify(len(head).to_bytes(2, "little") + head + body))
+        note = await within(anext(aiter(sender.notifications)))
+        p = note.payload
+        n = int.from_bytes(p[:2], "little")
+        assert json.loads(p[2:2 + n]) == {"op": "ack", "req": 1}
+        assert bytes(p[2 + n:]) == b"\x00\x00"
+        assert len(host.free) == host.n_slots and not host.index

@@ -378,3 +378,29 @@ async def test_stream_of_non_keys_raises(make_agent: MakeAgent) -> None:
         assert [item.layer async for item in store.stream(keys, dst[0:4 * BB], layers=LAYERS)] \
             == list(range(LAYERS))
         assert store.statistics().tiers["host"].hits == 4
+
+
+async def test_pipeline_source_failing_closed_is_an_error_not_an_end() -> None:
+    """The source's own iteration raises ClosedResourceError (here: it feeds
+    a side channel whose receiver is gone) while the pipeline's consumer is
+    still there: the pipeline raises it. (Before: the source stage took any
+    ClosedResourceError for its consumer leaving and ended quietly, so the
+    sink saw a truncated stream and no error.)"""
+    side: kv.Channel[int] = kv.Channel(8)
+
+    async def source() -> AsyncIterator[int]:
+        for i in range(10):
+            if i == 3:
+                side.aclose_nowait()  # the side channel's reader is gone
+            await side.send(i)
+            yield i
+
+    out: list[int] = []
+
+    async def sink(x: int) -> None:
+        out.append(x)
+
+    with pytest.raises(ClosedResourceError):
+        async with kv.Pipeline(maxsize=1) as p:
+            p.sink(sink, p.source(source()))
+    assert out == [0, 1, 2]

@@ -454,3 +454,32 @@ async def test_transient_failures_are_retried(make_agent: MakeAgent, own_s3: S3S
     s3.start()
     await within(asyncio.gather(read, write), 60)
     assert dst.obj == src.obj and on_disk(s3, objs, "k2") == bytes(src.obj)
+
+
+async def test_cancelled_put_has_let_go_of_the_source(make_agent: MakeAgent, s3: S3Server) -> None:
+    """A PUT cancelled after 0, 3, 6, ... loop turns: when the cancel reaches
+    the caller, obstore (which uploads from the caller's buffer, no copy, on
+    its own threads) no longer holds the buffer (the memoryview releases),
+    so the caller may reuse it at once: the object is then absent or exactly
+    the bytes it had when put, never the reused buffer's. (Before: the
+    upload still held an export of the buffer after the cancel.)"""
+    agent, objs = await objects(make_agent, s3)
+    backend = registry.instance(agent, "object")
+    size = 4 * MiB
+    first = pattern(size, 21).tobytes()
+    for turns in range(0, 36, 3):
+        buf = bytearray(first)
+        mv = memoryview(buf)
+        t = asyncio.ensure_future(backend.put(mv, objs[f"cx/{turns}"]))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await within(t)
+        mv.release()  # BufferError while obstore still holds it
+        buf[:] = bytes(size)  # reused by its owner
+        try:
+            got = on_disk(s3, objs, f"cx/{turns}")
+        except FileNotFoundError:
+            continue
+        assert got == first, turns

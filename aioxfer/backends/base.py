@@ -508,9 +508,20 @@ class LocalBackend:
             task.cancel()
         if runners:
             await asyncio.gather(*runners, return_exceptions=True)
+        # A region whose close fails does not leave the others (or the
+        # backend's clients) open: the first failure is raised at the end.
+        first: Exception | None = None
         for region in list(self._regions.values()):
-            await region.aclose()
-        await self.close()
+            try:
+                await region.aclose()
+            except Exception as exc:
+                first = first or exc
+        try:
+            await self.close()
+        except Exception as exc:
+            first = first or exc
+        if first is not None:
+            raise first
 
     def statistics(self) -> BackendStatistics:
         return BackendStatistics(

@@ -315,19 +315,39 @@ class ObjectRegion(BackendRegion):
             raise _obstore_error(exc, doing, key, self.url) from None
 
     async def _put(self, src: memoryview, seg: ObjectSegment) -> None:
+        """PUTs ``src``. obstore uploads straight from the caller's buffer (it
+        holds an export of it, no copy) on its own threads, and cancelling its
+        future only asks those threads to stop: the upload could still read
+        the buffer after our caller saw the cancel, and reused or freed it
+        (torn bytes under the key, or a read of freed memory). So a cancelled
+        put waits for the request to end (its object may then be written)
+        and raises CancelledError once obstore has let go of the buffer."""
         mode: Literal["create"] | None = "create" if seg.create else None
-        await self._obstore(
-            "write",
-            seg.key,
-            obstore.put_async(
-                self._store,
+        fut = asyncio.ensure_future(
+            self._obstore(
+                "write",
                 seg.key,
-                src,
-                mode=mode,
-                chunk_size=self._part_size,
-                max_concurrency=4,
-            ),
+                obstore.put_async(
+                    self._store,
+                    seg.key,
+                    src,
+                    mode=mode,
+                    chunk_size=self._part_size,
+                    max_concurrency=4,
+                ),
+            )
         )
+        cancelled = False
+        while not fut.done():
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the caller gets the cancel
+            raise asyncio.CancelledError
+        fut.result()
 
     async def _sign(self, key: str) -> str:
         now = time.monotonic()

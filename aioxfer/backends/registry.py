@@ -197,12 +197,24 @@ def on_close(agent: Agent, closer: Callable[[], Awaitable[None]]) -> None:
 
 async def aclose_agent(agent: Agent) -> None:
     """``agent.aclose()``: fails the backends' transfers in flight with
-    ClosedResourceError, closes their regions and clients, then the closers."""
+    ClosedResourceError, closes their regions and clients, then the closers;
+    every one of them even if one fails (its error raised after)."""
     state = _agents.pop(agent, None)
     if state is None:
         return
+    # One that fails does not leave the rest open (their clients, sessions,
+    # servers): all are closed, then the first failure is raised.
+    first: Exception | None = None
     for be in list(state.backends.values()):
-        await be._aclose()
+        try:
+            await be._aclose()
+        except Exception as exc:
+            first = first or exc
     for closer in state.closers:
-        await closer()
+        try:
+            await closer()
+        except Exception as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 

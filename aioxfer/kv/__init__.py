@@ -27,6 +27,7 @@ from aioxfer.kv.errors import (
     BlockUnavailable,
     KVError,
     PinLimitExceeded,
+    RemoveIncomplete,
 )
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES, ROOT, chain, import_key
@@ -65,6 +66,7 @@ __all__ = [
     "PinLimitExceeded",
     "Pipeline",
     "PutResult",
+    "RemoveIncomplete",
     "Store",
     "StoreStatistics",
     "Tier",

@@ -17,6 +17,9 @@ Objects this store did not write are found by ``_probe``: a HEAD per key
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +28,7 @@ from aioxfer.errors import ObjectNotFound, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import ENTRY, ENTRY_DTYPE, ENTRY_MAGIC, ENTRY_VERSION, F_LIVE, entry_check
 from aioxfer.kv.disk import ns_tag as _ns_tag
-from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
+from aioxfer.kv.errors import BlockCorrupt, BlockMissing, BlockUnavailable
 from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region
@@ -43,14 +46,16 @@ _ALGO_SHIFT = 4
 class ObjectTier(Tier):
     """``objs``: an object region of the store's agent. ``prefix``: where
     under it the blocks go. ``batch``: blocks staged (block + trailer) per
-    round of PUTs."""
+    round of PUTs. ``absent_ttl``: seconds a key found absent is not asked
+    of the bucket again (0: every get asks; other stores put meanwhile)."""
 
     kind = "object"
     probes = True  # its index is remote: misses are asked for (see _probe)
     durable = True
 
     def __init__(self, objs: Any, *, name: str = "object", prefix: str = "kv/",
-                 namespace: bytes | str = b"", batch: int = 16) -> None:
+                 namespace: bytes | str = b"", batch: int = 16,
+                 absent_ttl: float = 2.0) -> None:
         super().__init__(name)
         if getattr(objs, "kind", None) != "object":
             raise TypeError("ObjectTier takes a region from agent.register_objects(...)")
@@ -65,10 +70,17 @@ class ObjectTier(Tier):
         # put beside the host tier's write-back) and probes each fill it and
         # hand it to requests that read or write it until they end.
         self.stage_lock = asyncio.Lock()
-        self.missing: set[bytes] = set()  # probed and absent (cleared by puts)
+        # Keys not asked of the bucket again before a time: probed and
+        # absent (for ``absent_ttl`` seconds: another store may put them
+        # meanwhile), or removed or quarantined by this tier (inf while their
+        # objects may still be there; until put again).
+        self.missing: dict[bytes, float] = {}
+        self.absent_ttl = float(absent_ttl)
+        self.block_bytes = 0
 
     async def _open(self, store: Store) -> None:
         await super()._open(store)
+        self.block_bytes = store.block_bytes  # (statistics after close too)
         self.stage = store.agent.alloc(self.batch * (store.block_bytes + TRAILER),
                                        name=f"{store.name}.{self.name}.stage")
 
@@ -82,7 +94,7 @@ class ObjectTier(Tier):
         return self.prefix + key.hex()
 
     def _usage(self) -> tuple[int, int, int]:
-        return len(self.index), len(self.index) * self.store.block_bytes, 0
+        return len(self.index), len(self.index) * self.block_bytes, 0
 
     def _locate(self, key: bytes) -> tuple[bytes, int] | None:
         crc = self.index.get(key)
@@ -160,7 +172,7 @@ class ObjectTier(Tier):
                 self.counters.dropped("io_error")
                 continue
             self.index[keys[i]] = crc
-            self.missing.discard(keys[i])
+            self.missing.pop(keys[i], None)
             ok[i] = True
             self.counters.puts += 1
             self.counters.put_bytes += bb
@@ -173,9 +185,25 @@ class ObjectTier(Tier):
         many leading ones the tier now knows. A HEAD per unknown key, then one
         ranged GET of their trailers (into staging memory) to learn the CRCs."""
         bb = self.store.block_bytes
-        unknown = [k for k in keys if k not in self.index and k not in self.missing]
-        unknown = unknown[: self.batch]
-        if unknown:
+        n = self._known_prefix(keys)
+        now = time.monotonic()
+        missing = self.missing
+
+        def skip(k: bytes) -> bool:
+            t = missing.get(k)
+            if t is None:
+                return False
+            if t < now:
+                del missing[k]  # absent a while ago: asked again
+                return False
+            return True
+
+        # A batch of unknown keys at a time, from the first one not known,
+        # until the leading run ends (a prefix longer than one batch is
+        # found whole, not one batch per get).
+        while n < len(keys) and not skip(keys[n]):
+            unknown = list(itertools.islice(
+                (k for k in keys[n:] if k not in self.index and not skip(k)), self.batch))
             try:
                 stats = await self.objs.stat([self.object_key(k) for k in unknown])
             except XferError as exc:
@@ -185,7 +213,7 @@ class ObjectTier(Tier):
                 if st.exists and st.size == bb + TRAILER:
                     present.append(k)
                 else:
-                    self.missing.add(k)
+                    self.missing[k] = now + self.absent_ttl
             if present:
                 async with self.stage_lock:
                     try:
@@ -193,7 +221,11 @@ class ObjectTier(Tier):
                     except XferError as exc:
                         return self._probe_failed(keys, exc)
                     self._learn(present, raw)
-        return self._known_prefix(keys)
+            m = self._known_prefix(keys)
+            if m == n:
+                break  # (deleted meanwhile: asked again next time)
+            n = m
+        return n
 
     def _probe_failed(self, keys: list[bytes], exc: XferError) -> int:
         """The bucket could not be asked (the server down, access denied):
@@ -232,7 +264,7 @@ class ObjectTier(Tier):
             if good[j] and ent["key"][j].tobytes() == k:
                 self.index[k] = int(ent["crc"][j])
             else:
-                self.missing.add(k)
+                self.missing[k] = math.inf
                 self.counters.checksum_failures += 1
 
     def _known_prefix(self, keys: list[bytes]) -> int:
@@ -254,20 +286,42 @@ class ObjectTier(Tier):
         crcs = [loc[1] for loc in locs]
         agent = self.store.agent
         self.counters.reads += 1
+        got_all = True
         try:
             await asyncio.gather(agent.read(
                 [r[o:o + bb] for r, o in zip(regions, offsets, strict=True)],
                 self.objs.segments([self.object_key(k) for k in keys], [0] * n, [bb] * n)))
+        except ObjectNotFound:
+            # One of them is gone (another store removed or quarantined it):
+            # a miss for that block, not a failure of the read. Which one is
+            # learned block by block; the others are delivered.
+            got_all = False
         except XferError as exc:
             self.counters.errors += 1
             e = BlockUnavailable(f"object tier {self.name!r}: {exc}")
             e.__cause__ = exc
-            if isinstance(exc, ObjectNotFound):
-                for k in keys:
-                    self.index.pop(k, None)
             return [e] * n
+        if not got_all:
+            one = await asyncio.gather(*[
+                agent.read(regions[i][offsets[i]:offsets[i] + bb],
+                           self.objs[self.object_key(keys[i])][0:bb]) for i in range(n)],
+                return_exceptions=True)
+            for i, r in enumerate(one):
+                if isinstance(r, ObjectNotFound):
+                    self.index.pop(keys[i], None)
+                    errs[i] = BlockMissing(f"object tier {self.name!r}: "
+                                           f"{self.object_key(keys[i])} is gone")
+                elif isinstance(r, XferError):
+                    self.counters.errors += 1
+                    e = BlockUnavailable(f"object tier {self.name!r}: {r}")
+                    e.__cause__ = r
+                    errs[i] = e
+                elif isinstance(r, BaseException):
+                    raise r
         bad = []
         for i in range(n):
+            if errs[i] is not None:
+                continue
             got = ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb])
             if got != crcs[i]:
                 self.counters.checksum_failures += 1
@@ -278,10 +332,11 @@ class ObjectTier(Tier):
         if bad:
             for k in bad:
                 self.index.pop(k, None)
-                self.missing.add(k)  # not probed back in (until put again)
+                self.missing[k] = math.inf  # not probed back in (until put again)
                 self.counters.quarantined += 1
             try:
                 await self.objs.delete([self.object_key(k) for k in bad])
+                self._gone(bad)
             except XferError as exc:
                 # Not served again from here either way (out of the index;
                 # another store's read fails the CRC and deletes it): the
@@ -291,8 +346,20 @@ class ObjectTier(Tier):
         return errs
 
     async def _remove(self, keys: list[bytes]) -> int:
+        """Forgets the keys (not served, not probed back in until put again)
+        before it DELETEs them: a DELETE that fails (the bucket unreachable)
+        raises with the tier consistent, the objects left in the bucket for
+        a later remove (see kv.RemoveIncomplete)."""
         known = [k for k in keys if self.index.pop(k, None) is not None]
+        self.missing.update(dict.fromkeys(keys, math.inf))
         await self.objs.delete([self.object_key(k) for k in keys])
-        for k in keys:
-            self.missing.add(k)
+        self._gone(keys)
         return len(known)
+
+    def _gone(self, keys: list[bytes]) -> None:
+        """Their objects were deleted: absent like any other (another store
+        may put them again: asked again after ``absent_ttl``)."""
+        until = time.monotonic() + self.absent_ttl
+        for k in keys:
+            if self.missing.get(k) == math.inf:
+                self.missing[k] = until

@@ -261,12 +261,34 @@ class PeerTier(Tier):
         async with self.stage_lock:
             await run_to_end(agent.read(self.stage[0:_META_BYTES], meta_rr[0:_META_BYTES]))
             raw = bytes(self.stage.memoryview[:_META_BYTES]).rstrip(b"\x00")
-        meta = json.loads(raw)
-        if meta.get("block_bytes") != self.store.block_bytes:
+        member = self._member(peer, raw)
+        if member is None:
             return None
-        member = _Member(peer.name, peer, meta)
         self.members[peer.name] = member
         _log.info("kv.peer_joined", tier=self.name, member=peer.name)
+        return member
+
+    def _member(self, peer: aioxfer.Peer, raw: bytes) -> _Member | None:
+        """The member that ``raw`` (its published meta) describes, or None if
+        it is not one we can use: another block size, or bytes that are not
+        a meta of this format (a broken or hostile peer is no member, never
+        an untyped error out of join, open or a placement)."""
+        try:
+            meta = json.loads(raw)
+            if not isinstance(meta, dict) or meta.get("block_bytes") != self.store.block_bytes:
+                return None
+            buckets = meta["buckets"]
+            if (not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 1
+                    or buckets & (buckets - 1) or not isinstance(meta["ctl"], str)):
+                raise ValueError(f"bad geometry: buckets={buckets!r}")
+            member = _Member(peer.name, peer, meta)
+            if member.index.nbytes < buckets * WAYS * IENTRY:
+                raise ValueError(f"index region of {member.index.nbytes} bytes for "
+                                 f"{buckets} buckets")
+        except (ValueError, TypeError, KeyError) as exc:  # JSON/UTF-8 errors are ValueErrors
+            _log.warning("kv.peer_meta_unreadable", tier=self.name, member=peer.name,
+                         error=repr(exc))
+            return None
         return member
 
     def member_names(self) -> list[str]:
@@ -316,9 +338,16 @@ class PeerTier(Tier):
                     continue  # it left or failed: its blocks are misses
                 raw = self.stage.numpy()
                 hits = [parse_bucket(raw[j * bsz:(j + 1) * bsz], k) for j, k in enumerate(ks)]
+            slots = m.pool.nbytes // self.store.block_bytes
             for k, hit in zip(ks, hits, strict=True):
-                if hit is not None:
-                    self.located[k] = (name, *hit)
+                if hit is None:
+                    continue
+                if hit[0] >= slots:
+                    # An intact entry for a slot its pool does not have (a
+                    # broken member): a miss, not a read that fails its batch.
+                    self.counters.checksum_failures += 1
+                    continue
+                self.located[k] = (name, *hit)
         n = 0
         for k in keys:
             if self._locate(k) is None:
@@ -442,18 +471,24 @@ class PeerTier(Tier):
     async def _serve(self) -> None:
         assert self.ctl is not None
         async for msg in self.ctl.notifications:
+            # Anything another process sends: what is not a well-formed
+            # request is dropped (never ends this loop, which serves every
+            # placement and acknowledgement to come).
             p = msg.payload
             try:
                 n = int.from_bytes(p[:2], "little")
                 head = json.loads(p[2:2 + n])
                 body = p[2 + n:]
-            except (ValueError, UnicodeDecodeError):
+            except ValueError:  # UnicodeDecodeError and JSONDecodeError too
+                continue
+            if not isinstance(head, dict) or type(head.get("req")) is not int:
                 continue
             if head.get("op") == "ack":
-                fut = self._acks.get(int(head["req"]))
+                fut = self._acks.get(head["req"])
                 if fut is not None and not fut.done():
                     fut.set_result(body)
-            elif head.get("op") == "put":
+            elif head.get("op") == "put" and all(
+                    isinstance(head.get(f), str) for f in ("from", "ctl", "region")):
                 self._spawn(self._pull(head, body))
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
@@ -477,18 +512,26 @@ class PeerTier(Tier):
                 await peer.refresh()
                 src = peer.region(head["region"])
             assert host is not None and host.region is not None
-            fresh = [j for j, e in enumerate(entries) if e[0] not in host.index]
+            # (an offset past the sender's region: broken or hostile, skipped)
+            fresh = [j for j, e in enumerate(entries)
+                     if e[0] not in host.index and e[1] + bb <= src.nbytes]
             for j, e in enumerate(entries):
                 if e[0] in host.index:
                     stored[j] = 1
             slots = host._take(len(fresh))
             fresh = fresh[: len(slots)]
             if fresh:
-                t = agent.read(
-                    SegmentList(host.region, np.array(slots, dtype=np.uint64) * np.uint64(bb),
-                                np.full(len(slots), bb, dtype=np.uint64)),
-                    SegmentList(src, np.array([entries[j][1] for j in fresh], dtype=np.uint64),
-                                np.full(len(fresh), bb, dtype=np.uint64)))
+                try:
+                    t = agent.read(
+                        SegmentList(host.region,
+                                    np.array(slots, dtype=np.uint64) * np.uint64(bb),
+                                    np.full(len(slots), bb, dtype=np.uint64)),
+                        SegmentList(src,
+                                    np.array([entries[j][1] for j in fresh], dtype=np.uint64),
+                                    np.full(len(fresh), bb, dtype=np.uint64)))
+                except BaseException:
+                    host.give_back(slots)  # no read was posted
+                    raise
                 try:
                     await asyncio.shield(t)  # our memory: never cancelled midway
                 except BaseException:
@@ -503,10 +546,10 @@ class PeerTier(Tier):
                         self.pulled += 1
                     else:
                         host.give_back([s])
-        except (XferError, OSError, KeyError) as exc:
+        except (XferError, OSError, LookupError, ValueError) as exc:  # (a bad address)
             _log.info("kv.peer_pull_failed", tier=self.name, error=repr(exc))
         finally:
-            with contextlib.suppress(XferError, OSError):
+            with contextlib.suppress(XferError, OSError, ValueError):
                 if self.ctl is not None:
                     back = await self.ctl.connect(head["ctl"])
                     ack = json.dumps({"op": "ack", "req": head["req"]}).encode()

@@ -176,7 +176,11 @@ class Pipeline:
                 async for item in items:
                     await out.send(item)
             except ClosedResourceError:
-                pass  # downstream stopped receiving: stop producing
+                # Downstream stopped receiving: stop producing. The source's
+                # own ClosedResourceError (something it uses was closed) is an
+                # error, not an end: the consumer would see a truncated stream.
+                if not out._broken:
+                    raise
             finally:
                 out.close()
                 aclose = getattr(items, "aclose", None)

@@ -26,6 +26,7 @@ PinLimitExceeded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import weakref
 from collections import deque
@@ -40,17 +41,20 @@ import numpy.typing as npt
 
 from aioxfer.agent import Agent
 from aioxfer.errors import ClosedResourceError, XferError
-from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded
+from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded, RemoveIncomplete
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES
 from aioxfer.kv.stats import StoreStatistics
 from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
+from aioxfer.log import get_logger
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, Segment, SegmentList
 from aioxfer.transfer import Transfer
 
 __all__ = ["BlockFailure", "GetResult", "LayerResult", "LayerStream", "LookupResult",
            "PutResult", "Store"]
+
+_log = get_logger("aioxfer.kv")
 
 
 # ---------------------------------------------------------------- results
@@ -576,7 +580,10 @@ class Store:
             for tier in self.tiers:
                 await tier._open(self)
         except BaseException:
-            await self.aclose()
+            # What the caller must see is why the open failed: a failure of
+            # the cleanup (logged by aclose) does not replace it.
+            with contextlib.suppress(Exception):
+                await self.aclose()
             raise
         return self
 
@@ -589,7 +596,9 @@ class Store:
     async def aclose(self, *, flush: bool = True) -> None:
         """Writes dirty host blocks back to the next tier (``flush``), stops
         background work, closes the tiers (disk headers written) and releases
-        the store's memory. Idempotent."""
+        the store's memory. Idempotent. A tier whose close fails does not
+        stop the others: every tier is closed and the memory released, then
+        the first failure is raised (the store is closed all the same)."""
         if self._closed:
             return
         host = self._host
@@ -604,17 +613,31 @@ class Store:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Every tier is closed and all memory released even if one fails (a
+        # tier left open keeps its files, tasks and registrations): the
+        # first failure is raised once all of it is done.
+        first: BaseException | None = None
         for tier in reversed(self.tiers):
             if tier._store is self:
                 try:
                     await tier._aclose()
+                except Exception as exc:
+                    _log.warning("kv.tier_close_failed", tier=tier.name, error=repr(exc))
+                    first = first or exc
                 finally:
                     tier._store = None
         self._closed = True
         for region in [t.region for t in self.tiers if isinstance(t, HostTier)] + (
                 [self._staging.region] if self._staging is not None else []):
             if region is not None and not region.closed:
-                await _deregister(self.agent, region)
+                try:
+                    await _deregister(self.agent, region)
+                except Exception as exc:
+                    _log.warning("kv.deregister_failed", store=self.name, region=region.name,
+                                 error=repr(exc))
+                    first = first or exc
+        if first is not None:
+            raise first
 
     @property
     def closed(self) -> bool:
@@ -1496,7 +1519,15 @@ class Store:
     # ------------------------------------------------------------ remove
 
     async def remove(self, keys: Sequence[bytes]) -> int:
-        """Removes the keys from every tier; returns how many blocks went."""
+        """Removes the keys from every tier; returns how many blocks went.
+
+        A tier whose storage cannot be reached (the object bucket down, a
+        disk I/O error) does not stop the others: every tier is asked, and
+        once all were the store serves the keys from none of them (the tier
+        that failed forgets them too). Then RemoveIncomplete is raised
+        (``removed``, the failed ``tiers``, the first error as ``__cause__``):
+        the blocks may still be in that storage, where another store can
+        find them; remove them again once it is back."""
         self._check_open()
         keys = self._keys(keys)
         removed = 0
@@ -1511,6 +1542,7 @@ class Store:
         removing = self._removing
         for key in keys:
             removing[key] = removing.get(key, 0) + 1
+        failed: list[tuple[str, BaseException]] = []
         try:
             if host is not None:
                 for key in keys:
@@ -1519,7 +1551,13 @@ class Store:
                         removed += 1
             for tier in self._lower:
                 if tier.stores:
-                    removed += await tier._remove(keys)
+                    try:
+                        removed += await tier._remove(keys)
+                    except (XferError, OSError) as exc:
+                        tier.counters.errors += 1
+                        _log.warning("kv.remove_failed", tier=tier.name, blocks=len(keys),
+                                     error=repr(exc))
+                        failed.append((tier.name, exc))
         finally:
             for key in keys:
                 c = removing[key] - 1
@@ -1527,6 +1565,13 @@ class Store:
                     removing[key] = c
                 else:
                     del removing[key]
+        if failed:
+            names = tuple(n for n, _ in failed)
+            err = RemoveIncomplete(
+                f"store {self.name!r}: remove could not reach tier(s) {', '.join(names)}: "
+                f"{failed[0][1]!r}; the blocks may remain there (removed elsewhere: {removed})",
+                removed=removed, tiers=names)
+            raise err from failed[0][1]
         return removed
 
     # ------------------------------------------------------------ statistics
