@@ -363,7 +363,12 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
     }
     for (int ci = 0; ci < ep->nconns; ci++)
         used += g[ci].last != NULL;
-    if (!lone)
+    /* A lone request cut in halves (tcp_chunk) leaves the rotation where
+     * it was: the next one goes on the same two connections, whose
+     * receivers on both sides ran last (the peer's polls for the next
+     * request, rx_spin, then find it; rotating over four connections, every
+     * half woke a receiver asleep since two requests before). */
+    if (!lone && chunk == e->cfg.chunk_bytes)
         t->rr_next = (int)((sched0 + k) % AXF_SCHED);
     /* Set before any group is queued: replies may come at once. */
     atomic_store(&o->remaining, used ? used : 1);
