@@ -363,14 +363,7 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
     }
     for (int ci = 0; ci < ep->nconns; ci++)
         used += g[ci].last != NULL;
-    /* A lone request cut in halves (tcp_chunk) leaves the rotation where
-     * it was: the next one goes on the same two connections, whose
-     * receivers ran last and whose replies the awaiting thread reads
-     * (conn.c conn_help: parked receivers; rotating over four connections,
-     * each was idle for a request in two). Measured with tcplat, 1 MiB
-     * WRITEs awaited one at a time, 6 alternated runs on a loaded 2-CPU VM:
-     * p50 177 us rotating, 152 us on the same two (noisy: ranges overlap). */
-    if (!lone && chunk == e->cfg.chunk_bytes)
+    if (!lone)
         t->rr_next = (int)((sched0 + k) % AXF_SCHED);
     /* Set before any group is queued: replies may come at once. */
     atomic_store(&o->remaining, used ? used : 1);
