@@ -195,6 +195,10 @@ size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
             if (n)
                 break;
             if ((spin & 15) == 0) {
+                /* A reply our receivers left to us (parked: conn_help) is
+                 * read here, not by a woken thread. */
+                if (conn_help(e))
+                    continue;
                 /* The completion comes from a thread that may share this
                  * CPU (few cores, or a busy host): let it run. */
                 sched_yield();
@@ -206,9 +210,11 @@ size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
          * write it below. seq_cst on both sides (cq_push stores cq_ready,
          * then loads cq_spinners): either that push saw no spinner and
          * signalled, or this load sees its record (or a poll took it). */
-        atomic_fetch_sub_explicit(&e->cq_spinners, 1, memory_order_seq_cst);
+        int left = atomic_fetch_sub_explicit(&e->cq_spinners, 1, memory_order_seq_cst) - 1;
         n = atomic_load_explicit(&e->cq_ready, memory_order_seq_cst);
         spun = true;
+        if (!n && !left) /* nobody polls now: the receivers read their replies */
+            conn_help_end(e);
     }
     if (n) {
         /* AXF_WAIT_POLLS: the caller polls next, and that poll takes the
@@ -289,6 +295,7 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->cq_mu, NULL);
     pthread_mutex_init(&e->th_mu, NULL);
+    pthread_mutex_init(&e->help_mu, NULL);
     pthread_cond_init(&e->th_cv, NULL);
     e->next_rid = 1;
     e->next_ep = 1;
@@ -1698,6 +1705,7 @@ void axf_engine_destroy(axf_engine *e)
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->cq_mu);
     pthread_mutex_destroy(&e->th_mu);
+    pthread_mutex_destroy(&e->help_mu);
     pthread_cond_destroy(&e->th_cv);
     free(e);
 }

@@ -21,6 +21,7 @@
 #define AXF_OP_BUCKETS 4096
 /* Private slots of the transports (transport.h), indexed by endpoint kind. */
 #define AXF_XP_SLOTS 8
+#define AXF_HELP_MAX 8 /* initiator receivers parked for a spinning thread at once */
 
 struct axf_transport;
 
@@ -287,6 +288,11 @@ typedef struct conn {
     bool replay;            /* conn_replay's: no threads, the caller runs the parser */
     void *xp[AXF_XP_SLOTS]; /* accepting side, e->mu: what transports hang on it (verbs:
                                queue pairs that live as long as it) */
+    /* initiator (tcp): who reads the socket (RX_SELF, RX_PARKED, RX_HELPER:
+     * conn.c conn_help), a futex word; and when a spinning thread last could
+     * have read a reply here (us: the receiver parks while that is recent). */
+    atomic_int rx_hold;
+    atomic_ullong help_us;
     struct conn *next_all;
 } conn;
 
@@ -311,6 +317,12 @@ struct axf_engine {
     uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
     atomic_int rx_spinners; /* receivers polling for a peer's next request (conn.c rx_spin):
                                one at a time */
+    /* Initiator receivers parked while a thread spinning in axf_wait reads
+     * their replies (conn.c conn_help): help_mu guards the list. */
+    pthread_mutex_t help_mu;
+    struct conn *help[AXF_HELP_MAX];
+    atomic_int nhelp;
+    atomic_ullong helped; /* replies a spinner read (the tests see it) */
 
 
     pthread_mutex_t th_mu;
@@ -458,6 +470,12 @@ void conn_room(conn *c);
  * in the socket. NULL, or why the connection must close (*proto: a
  * malformed frame). */
 const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *proto, int *io);
+/* Called by a thread spinning in axf_wait: reads the replies that are here
+ * on the connections whose receivers are parked for it (true: one was read);
+ * conn_help_end: that thread stops without its completion, the receivers
+ * read again. */
+bool conn_help(axf_engine *e);
+void conn_help_end(axf_engine *e);
 /* The fuzz harnesses' entry point (a byte buffer in, no threads): the
  * target-side parser of a fresh connection tagged tag runs on the calling
  * thread over buf (what fits in a socket buffer, 4 MiB), as if a peer had

@@ -11,6 +11,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -1375,6 +1376,218 @@ static int test_vectored_groups_rerouted(void)
     return 0;
 }
 
+/* ------------------------------------------ replies read by a spinning thread
+ * (conn.c conn_help): a receiver that read a WRITE's reply while a thread
+ * spun in axf_wait parks, and the spinner reads the next replies itself. */
+
+/* Spins in axf_wait (as an await polling alone does) until request id is
+ * complete: its status in *status. */
+static int spin_for(tengine *t, uint64_t id, int32_t *status)
+{
+    uint64_t deadline = t_now_ms() + T_TIMEOUT_MS;
+    for (;;) {
+        (void)axf_wait(t->e, 20000);
+        t_drain(t);
+        for (size_t i = 0; i < t->n; i++) {
+            if (t->q[i].kind == AXF_CQ_XFER && t->q[i].id == id) {
+                *status = t->q[i].status;
+                memmove(&t->q[i], &t->q[i + 1], (t->n - i - 1) * sizeof t->q[0]);
+                t->n--;
+                return 0;
+            }
+        }
+        CHECK(t_now_ms() < deadline);
+    }
+}
+
+static void vary(uint8_t *buf, uint64_t len, int i)
+{
+    for (uint64_t j = 0; j < len; j += 4096)
+        buf[j + (uint64_t)i % 4096] = (uint8_t)(i * 7 + (int)(j >> 12) + 1);
+}
+
+typedef struct spinner {
+    axf_engine *e;
+    atomic_bool stop;
+} spinner;
+
+static void *spin_main(void *arg) /* a second thread spinning in axf_wait */
+{
+    spinner *s = arg;
+    while (!atomic_load(&s->stop))
+        (void)axf_wait(s->e, 500);
+    return NULL;
+}
+
+/* WRITEs awaited one at a time by spinning (4 KiB to 64 KiB on one
+ * connection; 128 KiB in two 64 KiB chunks on two; the same with a second
+ * thread spinning beside the awaiting one), READs among them (their
+ * responses stay the receiver's): every byte lands, every status is OK, and
+ * replies were read by the spinners (until they were, up to 2000 requests);
+ * 1 MiB requests' halves (512 KiB groups, above HELP_BYTES_MAX) are not. */
+static int test_spinner_reads_write_replies(void)
+{
+    for (int variant = 0; variant < 4; variant++) {
+        int nconns = variant ? 2 : 1;
+        axf_config cfg = {.chunk_bytes = variant == 1 || variant == 2 ? 64u << 10 : 0};
+        pair p;
+        if (pair_open(&p, &cfg, nconns))
+            return 1;
+        spinner sp = {.e = p.a->e};
+        pthread_t th;
+        if (variant == 2)
+            CHECK_EQ(pthread_create(&th, NULL, spin_main, &sp), 0);
+        int i = 0;
+        int until = variant == 3 ? 48 : 2000; /* 3: never (HELP_BYTES_MAX) */
+        for (; i < until && (i < 24 || variant == 3 || !atomic_load(&p.a->e->helped)); i++) {
+            uint64_t len = variant == 3   ? REG
+                           : variant      ? 128u << 10
+                                          : 4096u * (1 + (uint64_t)(i % 16));
+            uint64_t id = 9000 + (uint64_t)i;
+            int32_t st = -1;
+            axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = len};
+            /* A byte of each 4 KiB changed per request: filling 1 MiB would
+             * space the requests further apart than a receiver parks. */
+            if (i % 5 == 4) { /* a READ: B's bytes into ours */
+                vary(p.bdst, len, i);
+                CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_READ, &d, 1, NULL, 0, id, 0), AXF_OK);
+            } else {
+                vary(p.asrc, len, i);
+                CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, id, 0), AXF_OK);
+            }
+            CHECK_EQ(spin_for(p.a, id, &st), 0);
+            CHECK_EQ(st, AXF_OK);
+            CHECK(memcmp(p.bdst, p.asrc, len) == 0);
+        }
+        CHECK_EQ(atomic_load(&p.a->e->helped) > 0, variant != 3);
+        if (variant == 2) {
+            atomic_store(&sp.stop, true);
+            pthread_join(th, NULL);
+        }
+        axf_stats s;
+        axf_engine_stats(p.a->e, &s);
+        CHECK_EQ(s.frames_rejected, 0);
+        CHECK_EQ(s.conns, (uint64_t)nconns);
+        pair_close(&p);
+    }
+    return 0;
+}
+
+/* The raw target of the spinner cases: answers WRITEs (reading their
+ * payloads) until told what to do with the next one. */
+enum { F_NONE, F_BAD_MAGIC, F_WRONG_OP, F_HALF_HEADER, F_CLOSE, F_PING_FIRST, F_READ_RESP,
+       F_LATE };
+typedef struct raw_target {
+    int fd;
+    atomic_int fault; /* for the next request */
+    atomic_bool go;   /* F_LATE: answer now */
+    uint8_t payload[65536];
+} raw_target;
+
+static void *raw_target_main(void *arg)
+{
+    raw_target *t = arg;
+    for (;;) {
+        wire_hdr h;
+        if (recv(t->fd, &h, sizeof h, MSG_WAITALL) != (ssize_t)sizeof h)
+            return NULL;
+        if (h.type == FR_PING)
+            continue;
+        if (h.type != FR_WRITE || h.len > sizeof t->payload ||
+            (h.len && recv(t->fd, t->payload, h.len, MSG_WAITALL) != (ssize_t)h.len))
+            return NULL;
+        wire_hdr a = {.magic = AXF_MAGIC, .type = FR_WRITE_ACK, .op = h.op, .len = h.len};
+        int f = atomic_exchange(&t->fault, F_NONE);
+        if (f == F_BAD_MAGIC) {
+            a.magic = 0xdeadbeef;
+        } else if (f == F_WRONG_OP) {
+            a.op = h.op + 999;
+        } else if (f == F_READ_RESP) {
+            a.type = FR_READ_RESP;
+        } else if (f == F_HALF_HEADER || f == F_CLOSE) {
+            if (f == F_HALF_HEADER)
+                (void)send(t->fd, &a, sizeof a / 2, MSG_NOSIGNAL);
+            shutdown(t->fd, SHUT_RDWR);
+            return NULL;
+        } else if (f == F_PING_FIRST) {
+            wire_hdr ping = {.magic = AXF_MAGIC, .type = FR_PING};
+            (void)send(t->fd, &ping, sizeof ping, MSG_NOSIGNAL);
+        } else if (f == F_LATE) {
+            while (!atomic_load(&t->go))
+                usleep(100);
+        }
+        if (send(t->fd, &a, sizeof a, MSG_NOSIGNAL) != (ssize_t)sizeof a)
+            return NULL;
+    }
+}
+
+/* A spinner reads only a well-formed acknowledgement that is expected next:
+ * a malformed reply, one for another request, a READ response to a WRITE,
+ * half a header and a close, a close, all reach the receiver and fail the
+ * request (PEER_LOST, the endpoint lost, malformed ones counted); a ping
+ * before the reply is the receiver's and the reply still completes it; and
+ * a spinner that gives up leaves the reply to the receiver (the completion
+ * comes through the eventfd). Each case after replies were read by the
+ * spinner (its receiver parked), up to 2000 requests. */
+static int test_spinner_hands_back(void)
+{
+    static const int faults[] = {F_BAD_MAGIC, F_WRONG_OP, F_READ_RESP, F_HALF_HEADER,
+                                 F_CLOSE,     F_PING_FIRST, F_LATE};
+    for (size_t k = 0; k < sizeof faults / sizeof faults[0]; k++) {
+        int fault = faults[k];
+        raw_peer r;
+        if (raw_open(&r, NULL, 60 + k))
+            return 1;
+        raw_target *t = calloc(1, sizeof *t);
+        CHECK(t);
+        t->fd = r.fd;
+        pthread_t th;
+        CHECK_EQ(pthread_create(&th, NULL, raw_target_main, t), 0);
+        axf_desc d = {.lrid = r.rid, .rrid = 1, .rkey = 0x1234, .len = 4096};
+        uint64_t id = 100;
+        int32_t st = -1;
+        for (int i = 0; i < 2000 && (i < 4 || !atomic_load(&r.a->e->helped)); i++, id++) {
+            CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, id, 0), AXF_OK);
+            CHECK_EQ(spin_for(r.a, id, &st), 0);
+            CHECK_EQ(st, AXF_OK);
+        }
+        CHECK(atomic_load(&r.a->e->helped) > 0);
+        atomic_store(&t->fault, fault);
+        CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, id, 0), AXF_OK);
+        axf_completion c;
+        if (fault == F_LATE) {
+            (void)axf_wait(r.a->e, 1); /* gives up: nobody spins from here */
+            atomic_store(&t->go, true);
+            CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, id, &c), 0);
+            st = c.status;
+        } else {
+            CHECK_EQ(spin_for(r.a, id, &st), 0);
+        }
+        axf_stats s;
+        axf_engine_stats(r.a->e, &s);
+        if (fault == F_PING_FIRST || fault == F_LATE) {
+            CHECK_EQ(st, AXF_OK);
+            CHECK_EQ(s.frames_rejected, 0);
+            id++; /* and the connection goes on */
+            CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, id, 0), AXF_OK);
+            CHECK_EQ(spin_for(r.a, id, &st), 0);
+            CHECK_EQ(st, AXF_OK);
+            shutdown(r.fd, SHUT_RDWR);
+        } else {
+            CHECK_EQ(st, AXF_E_PEER_LOST);
+            CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+            CHECK_EQ(c.status, AXF_E_PEER_LOST);
+            bool malformed = fault == F_BAD_MAGIC || fault == F_WRONG_OP || fault == F_READ_RESP;
+            CHECK_EQ(s.frames_rejected, malformed ? 1u : 0u);
+            shutdown(r.fd, SHUT_RDWR);
+        }
+        pthread_join(th, NULL);
+        raw_close(&r);
+        free(t);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -1403,6 +1616,8 @@ int main(int argc, char **argv)
         T_CASE(test_vectored_frames_malformed),
         T_CASE(test_vectored_frames_initiator),
         T_CASE(test_vectored_groups_rerouted),
+        T_CASE(test_spinner_reads_write_replies),
+        T_CASE(test_spinner_hands_back),
     };
     return T_RUN(argc, argv, cases);
 }

@@ -4,7 +4,7 @@
 # commits (git archive <commit> native | tar -x -C /tmp/before).
 #   tcplat.c   lone 4 KiB WRITE/READ round trips over TCP loopback, two
 #              processes, the initiator waiting as the adaptive loop does:
-#              ./tcplat [samples] [connections]
+#              ./tcplat [samples] [connections] [bytes] [write|read]
 #   shmdemo.c  connect (import a touched memfd pool) + first 4 KiB write, then
 #              the demo's workload into it: ./shmdemo <pool MiB>
 # usage: build.sh <program.c> <output> [tree]
