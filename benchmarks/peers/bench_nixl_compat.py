@@ -88,6 +88,17 @@ def gathered_crc(buf: np.ndarray, idx: np.ndarray) -> int:
 # ---------------------------------------------------------------- target side
 
 
+def own_calibration(system: str) -> dict[str, int] | None:
+    """This aioxfer process's calibration (what its engines run with: the
+    inline threshold, $AIOXFER_INLINE_BYTES when set, and poll_us), None in
+    NIXL's: each aioxfer process measures its own at start-up."""
+    if system == "nixl":
+        return None
+    from aioxfer import _cyx
+
+    return dict(_cyx.calibration())
+
+
 def target_main(args: argparse.Namespace) -> None:
     """Registers a 16 MiB buffer, sends its metadata and address on the
     control fd, then answers CRC requests from stdin until "exit"."""
@@ -102,7 +113,8 @@ def target_main(args: argparse.Namespace) -> None:
             kwargs = {"transports": ("tcp",)} if args.transport == "tcp" else {}
             async with aioxfer.Agent("target", **kwargs) as agent:
                 agent.register(buf, name="kv")
-                ctl.write(json.dumps({"address": agent.address, "addr": buf.ctypes.data}) + "\n")
+                ctl.write(json.dumps({"address": agent.address, "addr": buf.ctypes.data,
+                                      "cal": own_calibration(args.system)}) + "\n")
                 ctl.flush()
                 loop = asyncio.get_running_loop()
                 while True:
@@ -118,8 +130,8 @@ def target_main(args: argparse.Namespace) -> None:
         from aioxfer.nixl import nixl_agent, nixl_agent_config
     agent = nixl_agent("target", nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
     keep = agent.register_memory([(buf.ctypes.data, BUF, 0, "")], "DRAM")
-    ctl.write(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data})
-              + "\n")
+    ctl.write(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data,
+                          "cal": own_calibration(args.system)}) + "\n")
     ctl.flush()
     for line in sys.stdin:
         if not answer(line, buf, ctl):
@@ -350,6 +362,8 @@ def initiator_main(args: argparse.Namespace) -> None:
         else:
             works = nixl_like_workloads(args, target, keep)
         ctl.write(json.dumps({"target_pid": target.proc.pid,
+                              "cal": own_calibration(args.system),
+                              "target_cal": target.hello.get("cal"),
                               "workloads": [[w.op, w.label, w.nbytes, w.verified]
                                             for w in works]}) + "\n")
         ctl.flush()
@@ -443,6 +457,7 @@ class Pair:
             raise RuntimeError(f"{system}/{transport}: the initiator failed to start")
         hello = json.loads(line)
         self.target_pid = int(hello["target_pid"])
+        self.cal = hello.get("cal"), hello.get("target_cal")
         self.workloads = hello["workloads"]
         self.stop()
 
@@ -497,7 +512,9 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
             except (RuntimeError, OSError) as exc:
                 print(f"  {system}/{transport}: {exc}", file=sys.stderr)
                 continue
-            print(f"{system}/{transport}: ready in {time.perf_counter() - t0:.1f} s",
+            mine, theirs = pairs[-1].cal
+            print(f"{system}/{transport}: ready in {time.perf_counter() - t0:.1f} s"
+                  + (f"; calibration: initiator {mine}, target {theirs}" if mine else ""),
                   file=sys.stderr)
         if not pairs:
             return records
@@ -508,7 +525,7 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
                     n, dt, cpu = pair.run(w, args.slice)
                     records.append({"system": pair.system, "transport": transport, "op": op,
                                     "workload": label, "round": rep, "gbps": nbytes * n / dt / 1e9,
-                                    "cpu_us": cpu / n * 1e6,
+                                    "cpu_us": cpu / n * 1e6, "cal": pair.cal,
                                     "verified": bool(pair.workloads[w][3])})
             print(f"  {transport} {op} {label}: done", file=sys.stderr)
     finally:
@@ -580,13 +597,17 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
 
 
 def shared_inline(args: argparse.Namespace, systems: list[str]) -> str:
-    """With ``--inline shared``: one calibrated inline threshold (the largest
-    lone same-host copy an engine makes on the posting thread) for every
-    aioxfer process of the run, through $AIOXFER_INLINE_BYTES. Each engine
-    otherwise calibrates its own from a thread wake-up and a memcpy timed at
-    start-up, which on a busy machine lands on either side of 1 MiB from one
-    process to the next: the 1 MiB same-host rows then compare an inline copy
-    with a copy worker's (about 25 µs apart), not compat with native."""
+    """With ``--inline shared``: one calibration for every aioxfer process of
+    the run (the driver's: its measured thread wake-up and memcpy rate, given
+    to the others through $AIOXFER_WAKE_NS and $AIOXFER_COPY_MBPS, and the
+    inline threshold, the largest lone same-host copy an engine makes on the
+    posting thread, that follows from them, through $AIOXFER_INLINE_BYTES).
+    Each process otherwise measures its own at start-up: the wake-up (before
+    the engine measured it on one CPU) was 1.5-4 µs in some processes and
+    14-42 µs in others, with it poll_us (each agent's spin bound) 42-124 and
+    the inline threshold 2 or 4 MiB, and the memcpy rate moves the threshold
+    across a power of two on a busy machine: the rows then compared two
+    calibrations, not compat with native."""
     if os.environ.get("AIOXFER_INLINE_BYTES"):
         return f"{os.environ['AIOXFER_INLINE_BYTES']} ($AIOXFER_INLINE_BYTES)"
     if args.inline != "shared" or not {"compat", "native"} & set(systems):
@@ -595,8 +616,11 @@ def shared_inline(args: argparse.Namespace, systems: list[str]) -> str:
 
     cal = _cyx.calibration()
     os.environ["AIOXFER_INLINE_BYTES"] = str(cal["inline_bytes"])
-    return (f"{cal['inline_bytes']} bytes for every aioxfer process (calibrated once: "
-            f"wake-up {cal['wake_ns']} ns, memcpy {cal['copy_mbps']} MB/s)")
+    os.environ["AIOXFER_WAKE_NS"] = str(cal["wake_ns"])
+    os.environ["AIOXFER_COPY_MBPS"] = str(cal["copy_mbps"])
+    return (f"{cal['inline_bytes']} bytes, poll {cal['poll_us']} µs, for every aioxfer "
+            f"process (calibrated once: wake-up {cal['wake_ns']} ns, memcpy "
+            f"{cal['copy_mbps']} MB/s)")
 
 
 def driver(args: argparse.Namespace) -> None:
