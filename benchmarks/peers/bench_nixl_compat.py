@@ -18,14 +18,18 @@ Segment pair or SegmentList pair. Paths: ``shm`` (same host: NIXL's UCX picks
 CMA; aioxfer shm) and ``tcp`` (UCX_TLS=tcp; aioxfer transports=("tcp",)).
 
 All three systems' process pairs are started first and kept stopped
-(SIGSTOP); for each point they take turns of ``--slice`` seconds, one pair
-running at a time, ``--reps`` times in a rotating order: on a shared, busy
-machine the systems then see the same conditions, and each ratio compares
-turns taken back to back. Every workload's data is checked once (CRC32 of
-both sides) before it is timed. Each turn also measures the CPU time both
-processes of the pair spent per request, which others' load does not
-stretch as it stretches wall time. Both aioxfer systems get one inline
-threshold (``--inline shared``, see shared_inline).
+(SIGSTOP); for each point they take turns, one pair running at a time, in a
+rotating order: ``--reps`` x ``--split`` rounds of a turn of ``--slice`` /
+``--split`` seconds each. On a shared, busy machine the systems then see the
+same conditions, and each ratio compares turns taken back to back: the
+shorter the turns, the closer (an A/A run, native against itself, on shm with
+the load of other benchmarks: ratios 0.52-1.20 with 5 rounds of 0.25 s
+turns, 0.88-1.15 with 15 of 0.08 s). Every workload's data is checked once
+(CRC32 of both sides) before it is timed. Each turn also measures the CPU
+time both processes of the pair spent per request, which others' load does
+not stretch as it stretches wall time (in clock ticks, 10 ms: a turn's is
+coarse). All aioxfer processes get one calibration (``--inline shared``,
+see shared_inline).
 
     python benchmarks/peers/bench_nixl_compat.py                          # about 3 minutes
     python benchmarks/peers/bench_nixl_compat.py --reps 2 --slice 0.05    # quick: proves it runs
@@ -519,12 +523,12 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
         if not pairs:
             return records
         for w, (op, label, nbytes, _) in enumerate(pairs[0].workloads):
-            for rep in range(args.reps):
-                shift = rep % len(pairs)
+            for rnd in range(args.reps * args.split):
+                shift = rnd % len(pairs)
                 for pair in pairs[shift:] + pairs[:shift]:
-                    n, dt, cpu = pair.run(w, args.slice)
+                    n, dt, cpu = pair.run(w, args.slice / args.split)
                     records.append({"system": pair.system, "transport": transport, "op": op,
-                                    "workload": label, "round": rep, "gbps": nbytes * n / dt / 1e9,
+                                    "workload": label, "round": rnd, "gbps": nbytes * n / dt / 1e9,
                                     "cpu_us": cpu / n * 1e6, "cal": pair.cal,
                                     "verified": bool(pair.workloads[w][3])})
             print(f"  {transport} {op} {label}: done", file=sys.stderr)
@@ -636,9 +640,10 @@ def driver(args: argparse.Namespace) -> None:
     records: list[dict[str, Any]] = []
     for transport in args.transports:
         records += measure(args, systems, transport, nixl_python)
-    print(f"\n{args.reps} turns of {args.slice} s per system and point, the systems taking "
+    print(f"\n{args.reps * args.split} turns of {args.slice / args.split:.3g} s per system and "
+          f"point, the systems taking "
           f"turns (the others stopped); GB/s: medians of the turns; ratios: compat's figure "
-          f"over the other's in the same rep, median; best turns: compat's best turn over "
+          f"over the other's in the same round, median; best turns: compat's best turn over "
           f"the other's; CPU µs/req: both processes' CPU time per request (initiator and "
           f"target), median of the turns: what other processes' load does not stretch. "
           f"Targets: compat ≥ 1× NIXL and ≥ 0.9× native.\n")
@@ -662,7 +667,11 @@ def main() -> None:
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     ap.add_argument("--ctl-fd", type=int, default=-1)
     ap.add_argument("--reps", type=int, default=7, help="turns per system and point")
-    ap.add_argument("--slice", type=float, default=0.25, help="seconds per turn")
+    ap.add_argument("--slice", type=float, default=0.25,
+                    help="seconds per system, point and rep (split into --split turns)")
+    ap.add_argument("--split", type=int, default=3,
+                    help="turns per system, point and rep: the systems alternate this many "
+                         "times within a rep, for ratios of turns closer in time")
     ap.add_argument("--ops", default="WRITE,READ")
     ap.add_argument("--only", default=",".join(SYSTEMS))
     ap.add_argument("--transports", default="shm,tcp")
