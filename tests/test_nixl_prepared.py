@@ -277,9 +277,9 @@ def test_nixl_lone_reposts_are_posted_alone_and_copied_inside_transfer(
     with AXF_POST_ALONE, as an awaited lone request of the Agent's: a
     same-host copy past the batch bound (64 KiB) and within inline_bytes
     then runs inside transfer(), which returns DONE, every time, through the
-    compiled repost and through the Python method alike. (Without the flag
-    the copy goes to a worker and transfer() returns PROC: a worker would
-    have to copy it between the post and the drain of one native call.)"""
+    compiled repost and through the Python method alike. (The compiled
+    repost without the flag, _cyx.Submitter._submit's len(inflight) == 1
+    made False: its first repost returned PROC, the copy on a worker.)"""
     import ctypes
 
     made, xs, ys, _, name = _nixl_pair(f"alone-{tmp_path.name}", n=(1 << 20) + 4096)
