@@ -271,6 +271,48 @@ def test_nixl_plain_reposts_go_through_the_compiled_path_and_fail_as_before(
             ag.close()
 
 
+def test_nixl_lone_reposts_are_posted_alone_and_copied_inside_transfer(
+        tmp_path: Any) -> None:
+    """A plain repost with nothing else of the agent's in flight is posted
+    with AXF_POST_ALONE, as an awaited lone request of the Agent's: a
+    same-host copy past the batch bound (64 KiB) and within inline_bytes
+    then runs inside transfer(), which returns DONE, every time, through the
+    compiled repost and through the Python method alike. (The compiled
+    repost without the flag, _cyx.Submitter._submit's len(inflight) == 1
+    made False: its first repost returned PROC, the copy on a worker.)"""
+    import ctypes
+
+    made, xs, ys, _, name = _nixl_pair(f"alone-{tmp_path.name}", n=(1 << 20) + 4096)
+    a, b = made
+    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
+    try:
+        ba = a.agent
+        assert ba._agent.transports[0] == "shm"
+        m = min(1 << 20, ba._agent.inline_bytes)
+        if m <= 64 << 10:
+            pytest.skip(f"inline_bytes {m}: not past the batch bound")
+        for op in ("WRITE", "READ"):
+            h = a.initialize_xfer(op, a.get_xfer_descs([(xa, m, 0)], "DRAM"),
+                                  a.get_xfer_descs([(ya + 4096, m, 0)], "DRAM"), name)
+            x = ba._xfers[h._handle]
+            assert x.plain and x.prep is not None
+            for i in range(12):
+                if i == 6:
+                    x.prep = None  # from here, the Python method's post
+                pat = bytes([(i * 7 + len(op)) & 0xFF]) * m
+                if op == "WRITE":
+                    xs[0:m] = pat
+                else:
+                    ys[4096:4096 + m] = pat
+                assert a.transfer(h) == "DONE", (op, i)
+                assert xs[0:m] == ys[4096:4096 + m] == pat
+                assert not ba._agent._sub.inflight
+            h.release()
+    finally:
+        for ag in made:
+            ag.close()
+
+
 def test_nixl_tight_checks_go_through_the_compiled_path_with_the_python_states(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """check_xfer_state of a request just posted (a tight poll) spins and

@@ -18,14 +18,18 @@ Segment pair or SegmentList pair. Paths: ``shm`` (same host: NIXL's UCX picks
 CMA; aioxfer shm) and ``tcp`` (UCX_TLS=tcp; aioxfer transports=("tcp",)).
 
 All three systems' process pairs are started first and kept stopped
-(SIGSTOP); for each point they take turns of ``--slice`` seconds, one pair
-running at a time, ``--reps`` times in a rotating order: on a shared, busy
-machine the systems then see the same conditions, and each ratio compares
-turns taken back to back. Every workload's data is checked once (CRC32 of
-both sides) before it is timed. Each turn also measures the CPU time both
-processes of the pair spent per request, which others' load does not
-stretch as it stretches wall time. Both aioxfer systems get one inline
-threshold (``--inline shared``, see shared_inline).
+(SIGSTOP); for each point they take turns, one pair running at a time, in a
+rotating order: ``--reps`` x ``--split`` rounds of a turn of ``--slice`` /
+``--split`` seconds each. On a shared, busy machine the systems then see the
+same conditions, and each ratio compares turns taken back to back: the
+shorter the turns, the closer (an A/A run, native against itself, on shm with
+the load of other benchmarks: ratios 0.52-1.20 with 5 rounds of 0.25 s
+turns, 0.88-1.15 with 15 of 0.08 s). Every workload's data is checked once
+(CRC32 of both sides) before it is timed. Each turn also measures the CPU
+time both processes of the pair spent per request, which others' load does
+not stretch as it stretches wall time (in clock ticks, 10 ms: a turn's is
+coarse). All aioxfer processes get one calibration (``--inline shared``,
+see shared_inline).
 
     python benchmarks/peers/bench_nixl_compat.py                          # about 3 minutes
     python benchmarks/peers/bench_nixl_compat.py --reps 2 --slice 0.05    # quick: proves it runs
@@ -88,6 +92,17 @@ def gathered_crc(buf: np.ndarray, idx: np.ndarray) -> int:
 # ---------------------------------------------------------------- target side
 
 
+def own_calibration(system: str) -> dict[str, int] | None:
+    """This aioxfer process's calibration (what its engines run with: the
+    inline threshold, $AIOXFER_INLINE_BYTES when set, and poll_us), None in
+    NIXL's: each aioxfer process measures its own at start-up."""
+    if system == "nixl":
+        return None
+    from aioxfer import _cyx
+
+    return dict(_cyx.calibration())
+
+
 def target_main(args: argparse.Namespace) -> None:
     """Registers a 16 MiB buffer, sends its metadata and address on the
     control fd, then answers CRC requests from stdin until "exit"."""
@@ -102,7 +117,8 @@ def target_main(args: argparse.Namespace) -> None:
             kwargs = {"transports": ("tcp",)} if args.transport == "tcp" else {}
             async with aioxfer.Agent("target", **kwargs) as agent:
                 agent.register(buf, name="kv")
-                ctl.write(json.dumps({"address": agent.address, "addr": buf.ctypes.data}) + "\n")
+                ctl.write(json.dumps({"address": agent.address, "addr": buf.ctypes.data,
+                                      "cal": own_calibration(args.system)}) + "\n")
                 ctl.flush()
                 loop = asyncio.get_running_loop()
                 while True:
@@ -118,8 +134,8 @@ def target_main(args: argparse.Namespace) -> None:
         from aioxfer.nixl import nixl_agent, nixl_agent_config
     agent = nixl_agent("target", nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
     keep = agent.register_memory([(buf.ctypes.data, BUF, 0, "")], "DRAM")
-    ctl.write(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data})
-              + "\n")
+    ctl.write(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data,
+                          "cal": own_calibration(args.system)}) + "\n")
     ctl.flush()
     for line in sys.stdin:
         if not answer(line, buf, ctl):
@@ -350,6 +366,8 @@ def initiator_main(args: argparse.Namespace) -> None:
         else:
             works = nixl_like_workloads(args, target, keep)
         ctl.write(json.dumps({"target_pid": target.proc.pid,
+                              "cal": own_calibration(args.system),
+                              "target_cal": target.hello.get("cal"),
                               "workloads": [[w.op, w.label, w.nbytes, w.verified]
                                             for w in works]}) + "\n")
         ctl.flush()
@@ -443,6 +461,7 @@ class Pair:
             raise RuntimeError(f"{system}/{transport}: the initiator failed to start")
         hello = json.loads(line)
         self.target_pid = int(hello["target_pid"])
+        self.cal = hello.get("cal"), hello.get("target_cal")
         self.workloads = hello["workloads"]
         self.stop()
 
@@ -497,18 +516,20 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
             except (RuntimeError, OSError) as exc:
                 print(f"  {system}/{transport}: {exc}", file=sys.stderr)
                 continue
-            print(f"{system}/{transport}: ready in {time.perf_counter() - t0:.1f} s",
+            mine, theirs = pairs[-1].cal
+            print(f"{system}/{transport}: ready in {time.perf_counter() - t0:.1f} s"
+                  + (f"; calibration: initiator {mine}, target {theirs}" if mine else ""),
                   file=sys.stderr)
         if not pairs:
             return records
         for w, (op, label, nbytes, _) in enumerate(pairs[0].workloads):
-            for rep in range(args.reps):
-                shift = rep % len(pairs)
+            for rnd in range(args.reps * args.split):
+                shift = rnd % len(pairs)
                 for pair in pairs[shift:] + pairs[:shift]:
-                    n, dt, cpu = pair.run(w, args.slice)
+                    n, dt, cpu = pair.run(w, args.slice / args.split)
                     records.append({"system": pair.system, "transport": transport, "op": op,
-                                    "workload": label, "round": rep, "gbps": nbytes * n / dt / 1e9,
-                                    "cpu_us": cpu / n * 1e6,
+                                    "workload": label, "round": rnd, "gbps": nbytes * n / dt / 1e9,
+                                    "cpu_us": cpu / n * 1e6, "cal": pair.cal,
                                     "verified": bool(pair.workloads[w][3])})
             print(f"  {transport} {op} {label}: done", file=sys.stderr)
     finally:
@@ -580,13 +601,17 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
 
 
 def shared_inline(args: argparse.Namespace, systems: list[str]) -> str:
-    """With ``--inline shared``: one calibrated inline threshold (the largest
-    lone same-host copy an engine makes on the posting thread) for every
-    aioxfer process of the run, through $AIOXFER_INLINE_BYTES. Each engine
-    otherwise calibrates its own from a thread wake-up and a memcpy timed at
-    start-up, which on a busy machine lands on either side of 1 MiB from one
-    process to the next: the 1 MiB same-host rows then compare an inline copy
-    with a copy worker's (about 25 µs apart), not compat with native."""
+    """With ``--inline shared``: one calibration for every aioxfer process of
+    the run (the driver's: its measured thread wake-up and memcpy rate, given
+    to the others through $AIOXFER_WAKE_NS and $AIOXFER_COPY_MBPS, and the
+    inline threshold, the largest lone same-host copy an engine makes on the
+    posting thread, that follows from them, through $AIOXFER_INLINE_BYTES).
+    Each process otherwise measures its own at start-up: the wake-up (before
+    the engine measured it on one CPU) was 1.5-4 µs in some processes and
+    14-42 µs in others, with it poll_us (each agent's spin bound) 42-124 and
+    the inline threshold 2 or 4 MiB, and the memcpy rate moves the threshold
+    across a power of two on a busy machine: the rows then compared two
+    calibrations, not compat with native."""
     if os.environ.get("AIOXFER_INLINE_BYTES"):
         return f"{os.environ['AIOXFER_INLINE_BYTES']} ($AIOXFER_INLINE_BYTES)"
     if args.inline != "shared" or not {"compat", "native"} & set(systems):
@@ -595,8 +620,11 @@ def shared_inline(args: argparse.Namespace, systems: list[str]) -> str:
 
     cal = _cyx.calibration()
     os.environ["AIOXFER_INLINE_BYTES"] = str(cal["inline_bytes"])
-    return (f"{cal['inline_bytes']} bytes for every aioxfer process (calibrated once: "
-            f"wake-up {cal['wake_ns']} ns, memcpy {cal['copy_mbps']} MB/s)")
+    os.environ["AIOXFER_WAKE_NS"] = str(cal["wake_ns"])
+    os.environ["AIOXFER_COPY_MBPS"] = str(cal["copy_mbps"])
+    return (f"{cal['inline_bytes']} bytes, poll {cal['poll_us']} µs, for every aioxfer "
+            f"process (calibrated once: wake-up {cal['wake_ns']} ns, memcpy "
+            f"{cal['copy_mbps']} MB/s)")
 
 
 def driver(args: argparse.Namespace) -> None:
@@ -612,9 +640,10 @@ def driver(args: argparse.Namespace) -> None:
     records: list[dict[str, Any]] = []
     for transport in args.transports:
         records += measure(args, systems, transport, nixl_python)
-    print(f"\n{args.reps} turns of {args.slice} s per system and point, the systems taking "
+    print(f"\n{args.reps * args.split} turns of {args.slice / args.split:.3g} s per system and "
+          f"point, the systems taking "
           f"turns (the others stopped); GB/s: medians of the turns; ratios: compat's figure "
-          f"over the other's in the same rep, median; best turns: compat's best turn over "
+          f"over the other's in the same round, median; best turns: compat's best turn over "
           f"the other's; CPU µs/req: both processes' CPU time per request (initiator and "
           f"target), median of the turns: what other processes' load does not stretch. "
           f"Targets: compat ≥ 1× NIXL and ≥ 0.9× native.\n")
@@ -638,7 +667,11 @@ def main() -> None:
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     ap.add_argument("--ctl-fd", type=int, default=-1)
     ap.add_argument("--reps", type=int, default=7, help="turns per system and point")
-    ap.add_argument("--slice", type=float, default=0.25, help="seconds per turn")
+    ap.add_argument("--slice", type=float, default=0.25,
+                    help="seconds per system, point and rep (split into --split turns)")
+    ap.add_argument("--split", type=int, default=3,
+                    help="turns per system, point and rep: the systems alternate this many "
+                         "times within a rep, for ratios of turns closer in time")
     ap.add_argument("--ops", default="WRITE,READ")
     ap.add_argument("--only", default=",".join(SYSTEMS))
     ap.add_argument("--transports", default="shm,tcp")

@@ -806,6 +806,8 @@ void shm_submit(axf_engine *e, op *o, bool signal)
  * took ~50 us longer through a worker than copied inline, with a measured
  * wake-up of ~4 us. A constant: the engine cannot time its caller's loop. */
 #define CAL_LOOP_NS 40000u
+#define CAL_WAKE_MAX 1000000u
+#define CAL_MBPS_MAX 1000000u
 
 static axf_calibration cal_result;
 static pthread_once_t cal_once = PTHREAD_ONCE_INIT;
@@ -818,12 +820,25 @@ static int cal_u64_cmp(const void *a, const void *b)
 
 typedef struct cal_pong {
     int ping, pong;
+    int cpu;       /* both threads run here (-1: wherever the scheduler puts them) */
+    uint64_t res;  /* the pinger's answer: half the lower-quartile round trip */
 } cal_pong;
+
+static void cal_pin(int cpu)
+{
+    if (cpu < 0)
+        return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    (void)pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
 
 static void *cal_ponger(void *arg)
 {
     cal_pong *p = arg;
     uint64_t v;
+    cal_pin(p->cpu);
     for (int i = 0; i < CAL_PINGS; i++) {
         if (read(p->ping, &v, sizeof v) != sizeof v)
             break;
@@ -833,50 +848,81 @@ static void *cal_ponger(void *arg)
     return NULL;
 }
 
-/* Half the median round trip between two threads blocked on eventfds. */
-static uint64_t cal_wake_ns(void)
+static void *cal_pinger(void *arg)
 {
-    cal_pong p = {eventfd(0, EFD_CLOEXEC), eventfd(0, EFD_CLOEXEC)};
-    uint64_t rt[CAL_PINGS], res = 0;
+    cal_pong *p = arg;
+    uint64_t rt[CAL_PINGS];
     int n = 0;
     pthread_t th;
-    if (p.ping >= 0 && p.pong >= 0 && pthread_create(&th, NULL, cal_ponger, &p) == 0) {
-        for (; n < CAL_PINGS; n++) {
-            /* Apart, as transfers awaited one at a time are: the other
-             * thread's CPU has gone idle (in a VM, its vCPU halted), and
-             * waking it is what a handoff costs then. */
-            struct timespec gap = {0, 200000};
-            nanosleep(&gap, NULL);
-            uint64_t one = 1, v, t0 = axf_now_ns();
-            if (write(p.ping, &one, sizeof one) != sizeof one ||
-                read(p.pong, &v, sizeof v) != sizeof v)
-                break;
-            rt[n] = axf_now_ns() - t0;
-        }
-        if (n < CAL_PINGS) /* let the ponger out (it waits for the rest) */
-            for (int i = n; i < CAL_PINGS; i++) {
-                uint64_t one = 1;
-                if (write(p.ping, &one, sizeof one) != sizeof one)
-                    break;
-            }
-        pthread_join(th, NULL);
-        if (n) {
-            /* The lower quartile, not the median: on a busy machine other
-             * threads' time slices land in some round trips and only make
-             * them longer, which moved the threshold by 4x between runs. */
-            qsort(rt, (size_t)n, sizeof *rt, cal_u64_cmp);
-            res = rt[n / 4] / 2;
-        }
+    cal_pin(p->cpu);
+    if (pthread_create(&th, NULL, cal_ponger, p) != 0)
+        return NULL;
+    for (; n < CAL_PINGS; n++) {
+        /* Apart, as transfers awaited one at a time are: the CPU has gone
+         * idle in between (in a VM, its vCPU halted). */
+        struct timespec gap = {0, 200000};
+        nanosleep(&gap, NULL);
+        uint64_t one = 1, v, t0 = axf_now_ns();
+        if (write(p->ping, &one, sizeof one) != sizeof one ||
+            read(p->pong, &v, sizeof v) != sizeof v)
+            break;
+        rt[n] = axf_now_ns() - t0;
     }
+    if (n < CAL_PINGS) /* let the ponger out (it waits for the rest) */
+        for (int i = n; i < CAL_PINGS; i++) {
+            uint64_t one = 1;
+            if (write(p->ping, &one, sizeof one) != sizeof one)
+                break;
+        }
+    pthread_join(th, NULL);
+    if (n) {
+        /* The lower quartile, not the median: on a busy machine other
+         * threads' time slices land in some round trips and only make
+         * them longer, which moved the threshold by 4x between runs. */
+        qsort(rt, (size_t)n, sizeof *rt, cal_u64_cmp);
+        p->res = rt[n / 4] / 2;
+    }
+    return NULL;
+}
+
+/* A thread wake-up: half the lower-quartile round trip between two threads
+ * blocked on eventfds, both on one CPU (the caller's). Left to the
+ * scheduler, the ponger ran on the caller's CPU in some processes (a
+ * thread switch: 1.5-4 us on this 2-vCPU VM) and on the other vCPU in
+ * others (an IPI to a halted vCPU: 14-42 us), for all 32 round trips: the
+ * measurement was bimodal from one process to the next (7 of 8 processes
+ * of one compat bench run on the slow side, 4 of 12 started in a row),
+ * and with it poll_us (42-124) and, near a power of two, inline_bytes.
+ * One CPU is what the constants below were tuned with (CAL_LOOP_NS: a 1
+ * MiB write ~50 us slower through a worker, measured with a ~4 us
+ * wake-up). Pinned pingers (not the caller) so that the caller's affinity
+ * is left alone. */
+static uint64_t cal_wake_ns(void)
+{
+    cal_pong p = {eventfd(0, EFD_CLOEXEC), eventfd(0, EFD_CLOEXEC), -1, 0};
+    cpu_set_t allowed;
+    int cpu = sched_getcpu();
+    if (pthread_getaffinity_np(pthread_self(), sizeof allowed, &allowed) == 0) {
+        if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed))
+            for (cpu = 0; cpu < CPU_SETSIZE && !CPU_ISSET(cpu, &allowed); cpu++)
+                ;
+        p.cpu = cpu < CPU_SETSIZE ? cpu : -1;
+    }
+    pthread_t th;
+    if (p.ping >= 0 && p.pong >= 0 && pthread_create(&th, NULL, cal_pinger, &p) == 0)
+        pthread_join(th, NULL);
     if (p.ping >= 0)
         close(p.ping);
     if (p.pong >= 0)
         close(p.pong);
-    return res ? res : 20000; /* unmeasurable: assume a VM's */
+    return p.res ? p.res : 20000; /* unmeasurable: assume a VM's */
 }
 
-/* One thread's memcpy, bytes per microsecond (the best of a few runs over
- * buffers already faulted in). */
+/* One thread's memcpy, bytes per microsecond (the best of CAL_COPIES runs
+ * over buffers already faulted in). Best of 5 ranged 12.2-15.2 GB/s from
+ * one process to the next here, best of 16 13.5-15.7: the threshold's
+ * power of two is crossed at ~11.9 GB/s with a 2 us wake-up. */
+#define CAL_COPIES 16
 static uint64_t cal_copy_mbps(void)
 {
     uint8_t *a = malloc(CAL_COPY), *b = malloc(CAL_COPY);
@@ -884,7 +930,7 @@ static uint64_t cal_copy_mbps(void)
     if (a && b) {
         memset(a, 1, CAL_COPY);
         memset(b, 2, CAL_COPY);
-        for (int i = 0; i < 5; i++) {
+        for (int i = 0; i < CAL_COPIES; i++) {
             uint64_t t0 = axf_now_ns();
             memcpy(i & 1 ? a : b, i & 1 ? b : a, CAL_COPY);
             uint64_t dt = axf_now_ns() - t0;
@@ -899,11 +945,35 @@ static uint64_t cal_copy_mbps(void)
     return best ? best : 5000;
 }
 
+/* A measurement from the environment (a positive integer), else 0. */
+static uint64_t cal_env(const char *name)
+{
+    const char *env = getenv(name);
+    if (!env || !*env)
+        return 0;
+    char *end;
+    unsigned long long v = strtoull(env, &end, 0);
+    return *end == '\0' ? v : 0;
+}
+
 static void cal_run(void)
 {
     axf_calibration *c = &cal_result;
-    c->wake_ns = cal_wake_ns();
-    c->copy_mbps = cal_copy_mbps();
+    /* $AIOXFER_WAKE_NS and $AIOXFER_COPY_MBPS stand for the measurements
+     * (one calibration for several processes: benchmarks/peers/
+     * bench_nixl_compat.py gives its processes its own). */
+    c->wake_ns = cal_env("AIOXFER_WAKE_NS");
+    if (!c->wake_ns)
+        c->wake_ns = cal_wake_ns();
+    c->copy_mbps = cal_env("AIOXFER_COPY_MBPS");
+    if (!c->copy_mbps)
+        c->copy_mbps = cal_copy_mbps();
+    /* Bounded (what follows cannot overflow): a wake-up of at most a
+     * millisecond, a copy of at most a TB/s. */
+    if (c->wake_ns > CAL_WAKE_MAX)
+        c->wake_ns = CAL_WAKE_MAX;
+    if (c->copy_mbps > CAL_MBPS_MAX)
+        c->copy_mbps = CAL_MBPS_MAX;
     /* Two wake-ups and a loop iteration saved, at copy_mbps bytes per
      * microsecond; inline while the copy holds the caller's thread for at
      * most twice what it saves (a lone awaited request is faster done
@@ -924,13 +994,9 @@ static void cal_run(void)
     while (p2 < bytes)
         p2 *= 2;
     c->inline_bytes = p2;
-    const char *env = getenv("AIOXFER_INLINE_BYTES");
-    if (env && *env) {
-        char *end;
-        unsigned long long v = strtoull(env, &end, 0);
-        if (*end == '\0' && v)
-            c->inline_bytes = v;
-    }
+    uint64_t v = cal_env("AIOXFER_INLINE_BYTES");
+    if (v)
+        c->inline_bytes = v;
     /* Spinning is worth at most what blocking costs. */
     uint64_t us = saved_ns / 1000u;
     c->poll_us = (uint32_t)(us < 20 ? 20 : us > 200 ? 200 : us);
