@@ -18,11 +18,12 @@ one attempt, names resolved through discovery) and hands it addresses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from aioxfer import _cyx
@@ -368,9 +369,12 @@ class Connector:
             # The first rail's dialled early (of this incarnation) count.
             took = 0
             if early is not None:
-                for sock in await early.take(per - 1, meta.incarnation):
-                    self._engine.endpoint_add_conn(ep, sock.detach(), first)
-                    took += 1
+                # Each as soon as its handshake is done: the engine takes one
+                # (~0.05-0.15 ms) while the peer still answers the next.
+                async with contextlib.aclosing(early.arrivals(per - 1, meta.incarnation)) as socks:
+                    async for sock in socks:
+                        self._engine.endpoint_add_conn(ep, sock.detach(), first)
+                        took += 1
             dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
             starts = [sum(n for _, n in dial[:k]) for k in range(len(dial))]
             added = await asyncio.gather(
@@ -794,14 +798,18 @@ class _EarlyConns:
         if self._challenge is not None and not self._challenge.done():
             self._challenge.set_result(nonce)
 
-    async def take(self, n: int, incarnation: int) -> list[socket.socket]:
-        """Up to n of them, answered by that incarnation; network failures
-        only make them fewer."""
+    async def arrivals(self, n: int, incarnation: int) -> AsyncGenerator[socket.socket, None]:
+        """Up to n of them, answered by that incarnation, each once its
+        handshake is done (in the order they were dialled, as the peer
+        answers them); network failures only make them fewer. One the caller
+        does not detach is closed by close()."""
         self.start()
-        if not all(t.done() for t in self._tasks):  # (asyncio.wait costs a loop step)
-            await asyncio.wait(self._tasks)
-        got: list[socket.socket] = []
+        got = 0
         for t in self._tasks:
+            if got == n:
+                return
+            if not t.done():  # (asyncio.wait costs a loop step)
+                await asyncio.wait((t,))
             if t.cancelled():
                 continue
             exc = t.exception()
@@ -810,9 +818,9 @@ class _EarlyConns:
                     raise exc
                 continue
             sock, accept = t.result()
-            if len(got) < n and accept.incarnation == incarnation:
-                got.append(sock)
-        return got
+            if accept.incarnation == incarnation:
+                got += 1
+                yield sock
 
     async def close(self) -> None:
         """Closes what was not taken (a dial still running is cancelled: it

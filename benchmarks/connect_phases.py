@@ -90,8 +90,20 @@ class _EngineProxy:
         return getattr(self._eng, name)
 
 
+def _patch_select(prefix: str) -> None:
+    """PHASE_SELECT=1: the loop's waits in its selector (idle) as steps."""
+    if not os.environ.get("PHASE_SELECT"):
+        return
+    sel = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    _wrap_sync(sel, "select", prefix + "idle")
+
+
 def _patch(prefix: str) -> None:
     import aioxfer.connector as conn
+    import aioxfer.protocol as protocol
+
+    if os.environ.get("PHASE_DETAIL"):
+        _wrap_async(protocol, "recv_exact", prefix + "recv_exact")
     import aioxfer.dialing as dialing
     import aioxfer.serving as serving
 
@@ -129,6 +141,7 @@ async def _target(transport: str) -> None:
     import aioxfer
 
     _patch("T.")
+    _patch_select("T.")
     async with aioxfer.Agent("phase-target", **_agent_kw(transport)) as agent:
         agent.alloc(64 << 20, name="buf").numpy().fill(1)
         print(json.dumps({"address": agent.address}), flush=True)
@@ -145,6 +158,7 @@ async def _initiator(transport: str, address: str) -> None:
     import aioxfer
 
     _patch("I.")
+    _patch_select("I.")
     async with aioxfer.Agent("phase-init", **_agent_kw(transport, True)) as agent:
         cn = agent._connector
         cn._engine = _EngineProxy(agent._engine, "I.")  # type: ignore[assignment]
