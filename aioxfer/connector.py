@@ -181,19 +181,32 @@ class Connector:
         # or else 2 the tcp data connection's, 3.. the tcp rails' others.
         probe = cfg.local
         challenge: list[bytes] = []
+        # The connections dialled once the metadata is in (the peer's other
+        # tcp rails; the first rail's, where its early ones fell short) join
+        # too: up to MAX_CONNS - 1 more indexes, asked for only where the
+        # peer may have other rails (max_rails > 1). Those a single-rail peer
+        # leaves unused expire with the grant (the peer timeout), like the
+        # probe's unix-socket index when it takes tcp.
+        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
         try:
             if probe:
                 sock0, accept0, meta0 = await self._dialer.open_meta(
-                    address, "meta", meta=False, joins=1 + cfg.tcp_connections,
+                    address, "meta", meta=False, joins=1 + cfg.tcp_connections + later,
                     on_challenge=challenge.append,
                 )
             else:
+                def on_challenge(nonce: bytes) -> None:
+                    challenge.append(nonce)
+                    if early is not None:
+                        early.on_challenge(nonce)
+
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address,
                     "data",
                     meta=True,
-                    joins=early.joins if early is not None else 0,
-                    on_challenge=early.on_challenge if early is not None else None,
+                    joins=(early.joins if early is not None else 0)
+                    + (later if cfg.token is not None else 0),
+                    on_challenge=on_challenge,
                     on_dialled=early.start if early is not None else None,
                 )
         except BaseException:
@@ -251,7 +264,10 @@ class Connector:
                 )
             joins = None
             if challenge and local is None:  # the tcp rails' other connections join on
-                joins = (challenge[0], 3 if early is None else 2 + cfg.tcp_connections)
+                if probe:  # after the unix socket's (1), the data connection's (2), early ones'
+                    joins = (challenge[0], 3 if early is None else 2 + cfg.tcp_connections)
+                else:  # after the early ones' (1..)
+                    joins = (challenge[0], 1 if early is None else cfg.tcp_connections)
             return await self._connect_meta(address, meta, sock0, local, early, joins)
         finally:
             if sock0.fileno() >= 0:
