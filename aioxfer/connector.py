@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import os
 import socket
 import sys
@@ -438,7 +439,13 @@ class Connector:
         if self._embedded is not None:
             self._embedded.emit(PeerJoined(peer.name, peer.incarnation, address,
                                   tuple(sorted(peer._regions))))
-        _log.info(
+        # Logged from the loop's next iteration, not before the caller's
+        # first transfer is posted: a line costs ~0.05 ms rendered, a fresh
+        # process's first one ~0.15-0.25 ms (measured). A timer, not
+        # call_soon: a ready callback would keep that first transfer's await
+        # from polling for its completion (progress.Poller.spin_alone).
+        asyncio.get_running_loop().call_later(0, functools.partial(
+            _log.info,
             "peer.connected",
             agent=self._agent,
             peer=peer.name,
@@ -447,7 +454,7 @@ class Connector:
             conns=1 + sum(added),
             rails=len(rails),
             regions=len(peer._regions),
-        )
+        ))
         return peer
 
     def _local_path(self, local: _LocalLink) -> str | None:

@@ -17,7 +17,8 @@ duration (ms from the initiator's connect call), over the samples; --dump
 also one sample's raw timeline. PHASE_TCP_CONNS=n in the environment: the
 initiator's tcp_connections (a what-if: how much the other connections cost);
 PHASE_INIT_ALL=1: the initiator has every transport (with --transport tcp:
-it probes first, as an agent with a unix socket does, then takes tcp).
+it probes first, as an agent with a unix socket does, then takes tcp);
+PHASE_RAILS=n: the target listens on 127.0.0.1..n (n tcp rails).
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def _agent_kw(transport: str, initiator: bool = False) -> dict[str, Any]:
         kw = {}
     if initiator and os.environ.get("PHASE_TCP_CONNS"):  # what-if: fewer connections
         kw["tcp_connections"] = int(os.environ["PHASE_TCP_CONNS"])
+    if not initiator and os.environ.get("PHASE_RAILS"):  # the target listens on n loopbacks
+        kw["listen"] = [f"127.0.0.{i + 1}:0" for i in range(int(os.environ["PHASE_RAILS"]))]
     return kw
 
 
