@@ -65,6 +65,8 @@ from aioxfer.tags import Tags
 __all__ = ["ConnectConfig", "Connector", "cma_allowed"]
 
 _log = get_logger("aioxfer")
+# How long after a connect returned its peer.connected line is rendered.
+_LOG_DELAY = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,12 +441,14 @@ class Connector:
         if self._embedded is not None:
             self._embedded.emit(PeerJoined(peer.name, peer.incarnation, address,
                                   tuple(sorted(peer._regions))))
-        # Logged from the loop's next iteration, not before the caller's
-        # first transfer is posted: a line costs ~0.05 ms rendered, a fresh
-        # process's first one ~0.15-0.25 ms (measured). A timer, not
-        # call_soon: a ready callback would keep that first transfer's await
-        # from polling for its completion (progress.Poller.spin_alone).
-        asyncio.get_running_loop().call_later(0, functools.partial(
+        # Logged a moment later, not before the caller's first transfer is
+        # posted: a line costs ~0.05 ms rendered, a fresh process's first one
+        # ~0.15-0.25 ms (measured, benchmarks/connect_phases.py). A timer
+        # not due yet: one due at once runs before the caller resumes (this
+        # task's end reaches it through two callbacks), and a ready callback
+        # would keep that first transfer's await from polling for its
+        # completion (progress.Poller.spin_alone).
+        asyncio.get_running_loop().call_later(_LOG_DELAY, functools.partial(
             _log.info,
             "peer.connected",
             agent=self._agent,
