@@ -472,6 +472,9 @@ class Agent:
         agent and starts following the members (raises TransportError if etcd
         cannot be reached). Idempotent."""
         self._start()
+        # Made now: the first connect would otherwise make it (and Rails)
+        # before it dials.
+        self._connector  # noqa: B018 (a cached_property, made here)
         if self._cluster is not None:
             await self._cluster.joined()
         return self

@@ -18,11 +18,13 @@ one attempt, names resolved through discovery) and hands it addresses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import functools
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from aioxfer import _cyx
@@ -63,6 +65,8 @@ from aioxfer.tags import Tags
 __all__ = ["ConnectConfig", "Connector", "cma_allowed"]
 
 _log = get_logger("aioxfer")
+# How long after a connect returned its peer.connected line is rendered.
+_LOG_DELAY = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,19 +184,32 @@ class Connector:
         # or else 2 the tcp data connection's, 3.. the tcp rails' others.
         probe = cfg.local
         challenge: list[bytes] = []
+        # The connections dialled once the metadata is in (the peer's other
+        # tcp rails; the first rail's, where its early ones fell short) join
+        # too: up to MAX_CONNS - 1 more indexes, asked for only where the
+        # peer may have other rails (max_rails > 1). Those a single-rail peer
+        # leaves unused expire with the grant (the peer timeout), like the
+        # probe's unix-socket index when it takes tcp.
+        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
         try:
             if probe:
                 sock0, accept0, meta0 = await self._dialer.open_meta(
-                    address, "meta", meta=False, joins=1 + cfg.tcp_connections,
+                    address, "meta", meta=False, joins=1 + cfg.tcp_connections + later,
                     on_challenge=challenge.append,
                 )
             else:
+                def on_challenge(nonce: bytes) -> None:
+                    challenge.append(nonce)
+                    if early is not None:
+                        early.on_challenge(nonce)
+
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address,
                     "data",
                     meta=True,
-                    joins=early.joins if early is not None else 0,
-                    on_challenge=early.on_challenge if early is not None else None,
+                    joins=(early.joins if early is not None else 0)
+                    + (later if cfg.token is not None else 0),
+                    on_challenge=on_challenge,
                     on_dialled=early.start if early is not None else None,
                 )
         except BaseException:
@@ -250,7 +267,10 @@ class Connector:
                 )
             joins = None
             if challenge and local is None:  # the tcp rails' other connections join on
-                joins = (challenge[0], 3 if early is None else 2 + cfg.tcp_connections)
+                if probe:  # after the unix socket's (1), the data connection's (2), early ones'
+                    joins = (challenge[0], 3 if early is None else 2 + cfg.tcp_connections)
+                else:  # after the early ones' (1..)
+                    joins = (challenge[0], 1 if early is None else cfg.tcp_connections)
             return await self._connect_meta(address, meta, sock0, local, early, joins)
         finally:
             if sock0.fileno() >= 0:
@@ -368,9 +388,12 @@ class Connector:
             # The first rail's dialled early (of this incarnation) count.
             took = 0
             if early is not None:
-                for sock in await early.take(per - 1, meta.incarnation):
-                    self._engine.endpoint_add_conn(ep, sock.detach(), first)
-                    took += 1
+                # Each as soon as its handshake is done: the engine takes one
+                # (~0.05-0.15 ms) while the peer still answers the next.
+                async with contextlib.aclosing(early.arrivals(per - 1, meta.incarnation)) as socks:
+                    async for sock in socks:
+                        self._engine.endpoint_add_conn(ep, sock.detach(), first)
+                        took += 1
             dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
             starts = [sum(n for _, n in dial[:k]) for k in range(len(dial))]
             added = await asyncio.gather(
@@ -418,7 +441,15 @@ class Connector:
         if self._embedded is not None:
             self._embedded.emit(PeerJoined(peer.name, peer.incarnation, address,
                                   tuple(sorted(peer._regions))))
-        _log.info(
+        # Logged a moment later, not before the caller's first transfer is
+        # posted: a line costs ~0.05 ms rendered, a fresh process's first one
+        # ~0.15-0.25 ms (measured, benchmarks/connect_phases.py). A timer
+        # not due yet: one due at once runs before the caller resumes (this
+        # task's end reaches it through two callbacks), and a ready callback
+        # would keep that first transfer's await from polling for its
+        # completion (progress.Poller.spin_alone).
+        asyncio.get_running_loop().call_later(_LOG_DELAY, functools.partial(
+            _log.info,
             "peer.connected",
             agent=self._agent,
             peer=peer.name,
@@ -427,7 +458,7 @@ class Connector:
             conns=1 + sum(added),
             rails=len(rails),
             regions=len(peer._regions),
-        )
+        ))
         return peer
 
     def _local_path(self, local: _LocalLink) -> str | None:
@@ -794,14 +825,18 @@ class _EarlyConns:
         if self._challenge is not None and not self._challenge.done():
             self._challenge.set_result(nonce)
 
-    async def take(self, n: int, incarnation: int) -> list[socket.socket]:
-        """Up to n of them, answered by that incarnation; network failures
-        only make them fewer."""
+    async def arrivals(self, n: int, incarnation: int) -> AsyncGenerator[socket.socket, None]:
+        """Up to n of them, answered by that incarnation, each once its
+        handshake is done (in the order they were dialled, as the peer
+        answers them); network failures only make them fewer. One the caller
+        does not detach is closed by close()."""
         self.start()
-        if not all(t.done() for t in self._tasks):  # (asyncio.wait costs a loop step)
-            await asyncio.wait(self._tasks)
-        got: list[socket.socket] = []
+        got = 0
         for t in self._tasks:
+            if got == n:
+                return
+            if not t.done():  # (asyncio.wait costs a loop step)
+                await asyncio.wait((t,))
             if t.cancelled():
                 continue
             exc = t.exception()
@@ -810,9 +845,9 @@ class _EarlyConns:
                     raise exc
                 continue
             sock, accept = t.result()
-            if len(got) < n and accept.incarnation == incarnation:
-                got.append(sock)
-        return got
+            if accept.incarnation == incarnation:
+                got += 1
+                yield sock
 
     async def close(self) -> None:
         """Closes what was not taken (a dial still running is cancelled: it

@@ -17,7 +17,8 @@ duration (ms from the initiator's connect call), over the samples; --dump
 also one sample's raw timeline. PHASE_TCP_CONNS=n in the environment: the
 initiator's tcp_connections (a what-if: how much the other connections cost);
 PHASE_INIT_ALL=1: the initiator has every transport (with --transport tcp:
-it probes first, as an agent with a unix socket does, then takes tcp).
+it probes first, as an agent with a unix socket does, then takes tcp);
+PHASE_RAILS=n: the target listens on 127.0.0.1..n (n tcp rails).
 """
 
 from __future__ import annotations
@@ -90,8 +91,20 @@ class _EngineProxy:
         return getattr(self._eng, name)
 
 
+def _patch_select(prefix: str) -> None:
+    """PHASE_SELECT=1: the loop's waits in its selector (idle) as steps."""
+    if not os.environ.get("PHASE_SELECT"):
+        return
+    sel = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    _wrap_sync(sel, "select", prefix + "idle")
+
+
 def _patch(prefix: str) -> None:
     import aioxfer.connector as conn
+    import aioxfer.protocol as protocol
+
+    if os.environ.get("PHASE_DETAIL"):
+        _wrap_async(protocol, "recv_exact", prefix + "recv_exact")
     import aioxfer.dialing as dialing
     import aioxfer.serving as serving
 
@@ -122,6 +135,8 @@ def _agent_kw(transport: str, initiator: bool = False) -> dict[str, Any]:
         kw = {}
     if initiator and os.environ.get("PHASE_TCP_CONNS"):  # what-if: fewer connections
         kw["tcp_connections"] = int(os.environ["PHASE_TCP_CONNS"])
+    if not initiator and os.environ.get("PHASE_RAILS"):  # the target listens on n loopbacks
+        kw["listen"] = [f"127.0.0.{i + 1}:0" for i in range(int(os.environ["PHASE_RAILS"]))]
     return kw
 
 
@@ -129,6 +144,7 @@ async def _target(transport: str) -> None:
     import aioxfer
 
     _patch("T.")
+    _patch_select("T.")
     async with aioxfer.Agent("phase-target", **_agent_kw(transport)) as agent:
         agent.alloc(64 << 20, name="buf").numpy().fill(1)
         print(json.dumps({"address": agent.address}), flush=True)
@@ -145,6 +161,7 @@ async def _initiator(transport: str, address: str) -> None:
     import aioxfer
 
     _patch("I.")
+    _patch_select("I.")
     async with aioxfer.Agent("phase-init", **_agent_kw(transport, True)) as agent:
         cn = agent._connector
         cn._engine = _EngineProxy(agent._engine, "I.")  # type: ignore[assignment]

@@ -200,7 +200,10 @@ async def test_agent_connections_join(make_agent) -> None:
     """An agent's tcp connect: the first rail's other connections join."""
     target = await make_agent("target", token=TOKEN, transports=("tcp",))
     dst = target.alloc(8 * MiB, name="dst")
-    init = await make_agent("init", token=TOKEN, transports=("tcp",), tcp_connections=4)
+    # max_rails=1: it asks for no more joins than its first rail uses (the
+    # grant is then used up and gone).
+    init = await make_agent("init", token=TOKEN, transports=("tcp",), tcp_connections=4,
+                            limits=aioxfer.Limits(max_rails=1))
     peer = await within(init.connect(target.address))
     assert target._server.joins.joined == 3 and len(target._server.joins) == 0
     assert len(init._engine.endpoint_rails(peer._ep)) >= 1
@@ -289,3 +292,41 @@ async def test_failure_after_the_probe_closes_the_others(make_agent) -> None:
     target = await make_agent("target", token=TOKEN, transports=("tcp",))
     init = await make_agent("init", token=TOKEN, tcp_connections=4)
     await connects_after_the_metadata_fail_leaving_no_fd(target, init)
+
+
+@pytest.mark.parametrize("probe", [False, True], ids=["tcp-only", "probe-then-tcp"])
+async def test_other_rails_join(make_agent, probe: bool) -> None:
+    """A peer's other tcp rails, dialled once its metadata is in, join the
+    first connection's (or the probe's) Challenge too: every connection but
+    the first is authenticated by a join proof, none by a Proof round of
+    its own."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",),
+                              listen=["127.0.0.1:0", "127.0.0.2:0"])
+    dst = target.alloc(8 * MiB, name="dst")
+    kw = {} if probe else {"transports": ("tcp",)}
+    init = await make_agent("init", token=TOKEN, tcp_connections=2, **kw)
+    assert (init._local_sock is not None) == probe
+    peer = await within(init.connect(target.address))
+    assert peer.path == "tcp" and peer.rails == target.addresses
+    st = peer.statistics()
+    assert [r.connections for r in st.rails] == [2, 2]
+    # tcp-only: the first rail's other one and the second rail's two;
+    # probing first: its data connection as well.
+    assert target._server.joins.joined == 3 + probe
+    src = init.alloc(8 * MiB, name="src")
+    src.numpy()[:] = 3
+    await within(init.write(src[0:8 * MiB], peer.region("dst")[0:8 * MiB]))
+    assert (dst.numpy() == 3).all()
+
+
+async def test_other_rails_without_a_token(make_agent) -> None:
+    """Without a token nothing is granted: every rail's connections
+    handshake alone, and connect still reaches both rails."""
+    target = await make_agent("target", insecure_no_auth=True, transports=("tcp",),
+                              listen=["127.0.0.1:0", "127.0.0.2:0"])
+    target.alloc(MiB, name="dst")
+    init = await make_agent("init", insecure_no_auth=True, transports=("tcp",),
+                            tcp_connections=2)
+    peer = await within(init.connect(target.address))
+    assert [r.connections for r in peer.statistics().rails] == [2, 2]
+    assert target._server.joins.joined == 0 and len(target._server.joins) == 0
