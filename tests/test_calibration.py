@@ -62,8 +62,10 @@ def report(**env: str) -> dict:
               "AIOXFER_NIXL_PROGRESS", "AIOXFER_NIXL_TRANSPORTS"):
         full.pop(k, None)
     full.update(env)
+    # Not from the checkout's root: "-c" puts the working directory first on
+    # sys.path, and the source tree's aioxfer has no built extension.
     out = subprocess.run([sys.executable, "-c", _REPORT], env=full, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, cwd=os.path.dirname(__file__))
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
