@@ -55,6 +55,7 @@ PATH = "file"  # TransferResult.path of file transfers
 # every logical block size we know of divides it (the engine checks the
 # device's own, which may be smaller, again).
 DIRECT_ALIGN = 4096
+OFF_MAX = (1 << 63) - 1  # the largest off_t: no file region reaches past it
 
 
 def status() -> tuple[bool, str]:
@@ -82,6 +83,12 @@ def open_region_file(
     where = os.fspath(path)
     if size is not None and (not isinstance(size, int) or size <= 0):
         raise RegistrationError(f"cannot register {where!r}: size must be a positive int or None")
+    if size is not None and size > OFF_MAX:
+        # ftruncate would raise OverflowError (not an OSError) past off_t, and
+        # the engine's preads/pwrites take off_t offsets
+        raise RegistrationError(
+            f"cannot register {where!r}: size {size} is past the largest file offset ({OFF_MAX})"
+        )
     flags = os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     access = _cyx.ACCESS_READ | _cyx.ACCESS_WRITE
     try:

@@ -12,6 +12,7 @@ descriptor.
 from __future__ import annotations
 
 import mmap
+import operator
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,8 +43,14 @@ def _bounds(key: object, nbytes: int, what: str) -> tuple[int, int]:
         raise TypeError(f"{what} is sliced with [start:stop] (byte offsets), not {key!r}")
     if key.step is not None:
         raise ValueError(f"{what} slices take no step")
-    start = 0 if key.start is None else key.start.__index__()
-    stop = nbytes if key.stop is None else key.stop.__index__()
+    try:  # operator.index: a float or str bound is a TypeError, not an AttributeError
+        start = 0 if key.start is None else operator.index(key.start)
+        stop = nbytes if key.stop is None else operator.index(key.stop)
+    except TypeError:
+        raise TypeError(
+            f"{what} slice bounds must be integers (byte offsets), not "
+            f"[{key.start!r}:{key.stop!r}]"
+        ) from None
     if start < 0:
         start += nbytes
     if stop < 0:

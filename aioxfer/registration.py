@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import mmap
+import operator
 import os
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ _log = get_logger("aioxfer")
 # Regions a peer could still touch when their agent closed: kept referenced (so
 # their buffers are never freed and reused under a stopped peer's copies).
 _QUARANTINE: list[Region] = []
+_MAX_ALLOC = (1 << 63) - 1  # the largest off_t: a memfd cannot be sized past it
 
 
 class Pending(Protocol):
@@ -209,12 +211,21 @@ class Memory:
     def alloc(self, nbytes: int, name: str | None) -> Region:
         """Agent.alloc: a new zeroed, sealed memfd mapped shared."""
         self.check_open()
-        nbytes = int(nbytes)
+        try:  # an integer (of any kind), never a float or str quietly truncated
+            nbytes = operator.index(nbytes)
+        except TypeError:
+            raise TypeError(f"alloc takes a number of bytes, not {nbytes!r}") from None
         if nbytes <= 0:
             raise RegistrationError(f"cannot allocate {nbytes} bytes: size must be positive")
+        if nbytes > _MAX_ALLOC:
+            # past off_t, ftruncate raises OverflowError (not an OSError) and
+            # the memfd just created would leak
+            raise RegistrationError(f"cannot allocate {nbytes} bytes: more than {_MAX_ALLOC}")
         if name is not None:
             self.check_name(name)
-        label = f"aioxfer:{self._agent}:{name or 'alloc'}"[:200]
+        # The memfd's label is only a name in /proc: a NUL (fine in a region
+        # name) would make memfd_create raise ValueError.
+        label = f"aioxfer:{self._agent}:{name or 'alloc'}".replace("\0", "?")[:200]
         try:
             fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
@@ -225,7 +236,7 @@ class Memory:
             # SIGBUS (peers refuse memfds without these seals).
             seal(fd)
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
+        except (OSError, OverflowError, ValueError) as exc:
             os.close(fd)
             raise RegistrationError(f"cannot map a memfd of {nbytes} bytes: {exc}") from exc
         try:

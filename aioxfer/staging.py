@@ -22,7 +22,10 @@ passed to ``GpuFileStager`` as it is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
@@ -81,9 +84,17 @@ class PosixFile:
 
     def __init__(self, path: str | os.PathLike[str], *, size: int | None = None) -> None:
         self.path = os.fspath(path)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        if size is not None:
-            os.ftruncate(self._fd, size)
+        self._fd = -1
+        if size is not None and not 0 <= size < 1 << 63:
+            raise ValueError(f"size must be a non-negative file size, not {size}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if size is not None:
+                os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)  # never leaked by a failed constructor
+            raise
+        self._fd = fd
 
     def _check(self) -> int:
         if self._fd < 0:
@@ -93,21 +104,23 @@ class PosixFile:
     async def write_from(self, src: Segment, offset: int) -> None:
         fd = self._check()
         view = src.memoryview
+        stop = threading.Event()
 
         def run() -> None:
             done = 0
-            while done < len(view):
+            while done < len(view) and not stop.is_set():
                 done += os.pwrite(fd, view[done:], offset + done)
 
-        await asyncio.get_running_loop().run_in_executor(None, run)
+        await _on_thread(run, stop)
 
     async def read_into(self, dst: Segment, offset: int) -> None:
         fd = self._check()
         view = dst.memoryview
+        stop = threading.Event()
 
         def run() -> None:
             done = 0
-            while done < len(view):
+            while done < len(view) and not stop.is_set():
                 n = os.preadv(fd, [view[done:]], offset + done)
                 if n == 0:
                     raise TransportError(
@@ -116,12 +129,31 @@ class PosixFile:
                     )
                 done += n
 
-        await asyncio.get_running_loop().run_in_executor(None, run)
+        await _on_thread(run, stop)
 
     def close(self) -> None:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
+
+
+async def _on_thread(run: Callable[[], None], stop: threading.Event) -> None:
+    """Runs ``run`` on a worker thread. Cancelled, it tells ``run`` to stop
+    after its current pread/pwrite and waits for that before it raises
+    CancelledError: a syscall on a thread cannot be interrupted, and until it
+    returns it may still write into the caller's buffer (which the caller may
+    reuse as soon as the cancellation reaches it)."""
+    fut = asyncio.get_running_loop().run_in_executor(None, run)
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        stop.set()
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([fut])
+        if not fut.cancelled():
+            fut.exception()  # retrieved: what the stopped thread raised is moot
+        raise
 
 
 class GpuFileStager:

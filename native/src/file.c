@@ -659,8 +659,13 @@ static void file_op_free(axf_engine *e, op *o)
 static int file_region_add(axf_engine *e, region *r)
 {
     (void)e;
-    if (r->kind == AXF_MEM_FILE)
-        r->xp[AXF_EP_FILE] = (void *)(uintptr_t)file_dio_align(r->fd);
+    if (r->kind != AXF_MEM_FILE)
+        return AXF_OK;
+    /* pread/pwrite and io_uring take signed (off_t) offsets: a region
+     * reaching past the largest one could only fail at I/O time. */
+    if (r->foff > (uint64_t)INT64_MAX || r->len > (uint64_t)INT64_MAX - r->foff)
+        return AXF_E_INVALID;
+    r->xp[AXF_EP_FILE] = (void *)(uintptr_t)file_dio_align(r->fd);
     return AXF_OK;
 }
 

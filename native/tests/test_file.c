@@ -372,6 +372,35 @@ static int test_direct(void)
     return 0;
 }
 
+/* A file region must lie below the largest off_t: pread/pwrite (and io_uring)
+ * take signed offsets, so one reaching past it could only ever fail at I/O
+ * time. Refused when registered, with its fd closed; one ending at the limit
+ * registers. */
+static int test_region_past_off_t_refused(void)
+{
+    ffix f;
+    CHECK_EQ(ff_open(&f, "/tmp", 0, RW), 0);
+    uint64_t rid, key;
+    const uint64_t off_max = (uint64_t)INT64_MAX;
+    CHECK_EQ(axf_region_register_kind(f.t->e, AXF_MEM_FILE, off_max - 4095, 8192, RW, f.fd, &rid,
+                                      &key),
+             AXF_E_INVALID);
+    CHECK_EQ(axf_region_register_kind(f.t->e, AXF_MEM_FILE, 0, off_max + 1, RW, f.fd, &rid, &key),
+             AXF_E_INVALID);
+    CHECK_EQ(axf_region_register_kind(f.t->e, AXF_MEM_FILE, off_max + 1, 4096, RW, f.fd, &rid,
+                                      &key),
+             AXF_E_INVALID);
+    CHECK_EQ(axf_region_register_kind(f.t->e, AXF_MEM_FILE, off_max - 4096, 4096, RW, f.fd, &rid,
+                                      &key),
+             AXF_OK);
+    CHECK_EQ(axf_region_deregister(f.t->e, rid), AXF_OK);
+    axf_stats s;
+    axf_engine_stats(f.t->e, &s);
+    CHECK_EQ(s.regions, 3); /* the fixture's three */
+    ff_close(&f);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -385,6 +414,7 @@ int main(int argc, char **argv)
         T_CASE(test_cancel),
         T_CASE(test_shutdown_and_close),
         T_CASE(test_direct),
+        T_CASE(test_region_past_off_t_refused),
     };
     return T_RUN(argc, argv, cases);
 }
