@@ -306,12 +306,15 @@ size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags);
 
 /* This machine's costs, measured once per process (the first call, or the
  * first engine made with inline_bytes 0): a thread wake-up through an
- * eventfd (half a ping-pong between two threads), single-thread memcpy
- * bandwidth, and what follows from them: inline_bytes, the largest copy
- * cheaper on the posting thread than two wake-ups and an event-loop
- * iteration of the caller's (clamped to 64 KiB .. 64 MiB), and poll_us, a
- * poll bounded by that same cost (20 .. 200).
- * AIOXFER_INLINE_BYTES in the environment overrides inline_bytes. */
+ * eventfd (half a ping-pong between two threads pinned to the caller's CPU:
+ * left to the scheduler it was bimodal from one process to the next on a
+ * VM), single-thread memcpy bandwidth (best of 16), and what follows from
+ * them: inline_bytes, the largest copy cheaper on the posting thread than
+ * two wake-ups and an event-loop iteration of the caller's, rounded up to a
+ * power of two in 64 KiB .. 16 MiB, and poll_us, a poll bounded by that
+ * same cost (20 .. 200). In the environment, AIOXFER_WAKE_NS and
+ * AIOXFER_COPY_MBPS stand for the two measurements (one calibration shared
+ * by several processes), AIOXFER_INLINE_BYTES overrides inline_bytes. */
 typedef struct axf_calibration {
     uint64_t wake_ns;       /* one thread wake-up */
     uint64_t copy_mbps;     /* memcpy, MB/s, one thread, 4 MiB blocks */
