@@ -183,9 +183,14 @@ static int test_deferred_batch(void)
  * untouched ones on this one. */
 static int test_nohelp_doorbell_sends_no_large_frame(void)
 {
+    /* Its sending thread started (a quiet connection starts it after
+     * keepalive_ms / 2): its creation faults pages on no thread of ours. */
+    axf_config cfg = {.keepalive_ms = 20};
     pair p;
-    if (pair_open(&p, NULL, 1))
+    if (pair_open(&p, &cfg, 1))
         return 1;
+    struct timespec ts = {.tv_nsec = 60 * 1000000L};
+    nanosleep(&ts, NULL);
     axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
     CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 40,
                       AXF_POST_DEFER | AXF_POST_NOHELP),
