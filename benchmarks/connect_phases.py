@@ -18,7 +18,9 @@ also one sample's raw timeline. PHASE_TCP_CONNS=n in the environment: the
 initiator's tcp_connections (a what-if: how much the other connections cost);
 PHASE_INIT_ALL=1: the initiator has every transport (with --transport tcp:
 it probes first, as an agent with a unix socket does, then takes tcp);
-PHASE_RAILS=n: the target listens on 127.0.0.1..n (n tcp rails).
+PHASE_RAILS=n: the target listens on 127.0.0.1..n (n tcp rails);
+PHASE_WRITES=n: n writes, the later ones timed too (I.write2...);
+PHASE_IDLE_MS=ms: an idle pause before each write (threads long started).
 """
 
 from __future__ import annotations
@@ -173,12 +175,28 @@ async def _initiator(transport: str, address: str) -> None:
         t0 = time.monotonic_ns()
         peer = await agent.connect(address)
         t1 = time.monotonic_ns()
-        res = await agent.write(local[0:4096], peer.region("buf")[0:4096])
+        idle = float(os.environ.get("PHASE_IDLE_MS", "0"))
+        if idle:  # what-if: the connections' threads long started and idle
+            await asyncio.sleep(idle / 1000)
+            t1 = time.monotonic_ns()
+        xfer = agent.write(local[0:4096], peer.region("buf")[0:4096])
+        tp = time.monotonic_ns()
+        res = await xfer
         t2 = time.monotonic_ns()
         assert peer.path == transport, (peer.path, res.path)
         EVENTS.append(("I.connect", t0, t1))
         EVENTS.append(("I.write", t1, t2))
+        EVENTS.append(("I.write_post", t1, tp))  # agent.write's synchronous part
         EVENTS.append(("TOTAL", t0, t2))
+        for i in range(int(os.environ.get("PHASE_WRITES", "1")) - 1):  # the later writes
+            if idle:
+                await asyncio.sleep(idle / 1000)
+            t3 = time.monotonic_ns()
+            xfer = agent.write(local[0:4096], peer.region("buf")[4096 : 4096 * 2])
+            tp = time.monotonic_ns()
+            await xfer
+            EVENTS.append((f"I.write{i + 2}", t3, time.monotonic_ns()))
+            EVENTS.append((f"I.write{i + 2}_post", t3, tp))
         print(json.dumps({"events": EVENTS}), flush=True)
 
 

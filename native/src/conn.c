@@ -13,6 +13,7 @@
 #include <linux/futex.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sched.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -30,6 +31,7 @@
 #define INLINE_BULK ((1u << 20) + 4096u)  /* or one frame this large, alone */
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
 #define DISCARD_BYTES (64u << 10)
+#define TX_LAZY_MS 20u /* a quiet connection starts its sending thread after this */
 #define RX_AHEAD 4096u /* read ahead of a frame's end: the next one's header, usually */
 #define RX_STREAM_MIN (128u << 10) /* a large payload is polled for ... */
 #define RX_STREAM_IDLE_US 50u      /* ... while its bytes come (pauses under this) */
@@ -78,6 +80,9 @@ typedef struct conn_priv {
     uint32_t rb_pos, rb_len;
     bool kick_owed;
     bool tcp; /* a TCP socket (conn_start), not a unix-domain one: TCP options apply */
+    /* c.mu: its sending thread is counted (c.threads) but not started yet
+     * (tx_wake starts it). Only conn_new's connections have one to start. */
+    atomic_bool tx_owed;
     uint8_t rb[RX_AHEAD];
 } conn_priv;
 
@@ -310,10 +315,43 @@ void axf_notify_release(axf_engine *e, uint64_t tag, uint64_t n)
     pthread_mutex_unlock(&e->mu);
 }
 
+static void *tx_main(void *arg);
+
+/* The sending thread starts lazily, the first time it has work: a frame
+ * left queued (a posting thread sends small ones inline: conn_kick), a
+ * goodbye to flush, or, from the receiver, pings once the connection has
+ * been quiet for a while (rx_await). A connect and its first small
+ * transfers then create one thread per connection, not two (a clone and a
+ * stack: 0.06-0.7 ms each, measured, on the 2-core box competing with the
+ * connect's own work). c->mu held; callers may hold e->mu. A creation that
+ * fails marks the connection dead: its receiver leaves and does the
+ * sender's exit (tx_never_ran). */
+static void tx_wake(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    if (!atomic_load(&p->tx_owed)) {
+        pthread_cond_signal(&c->cv);
+        return;
+    }
+    if (c->dead)
+        return; /* the receiver does its exit */
+    atomic_store(&p->tx_owed, false);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t t;
+    int r = pthread_create(&t, &attr, tx_main, c);
+    pthread_attr_destroy(&attr);
+    if (r != 0) {
+        atomic_store(&p->tx_owed, true);
+        conn_mark_dead(c);
+    }
+}
+
 void conn_signal(conn *c)
 {
     pthread_mutex_lock(&c->mu);
-    pthread_cond_signal(&c->cv);
+    tx_wake(c);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -344,7 +382,7 @@ void conn_enqueue_reply(conn *c, sq_item *it, bool signal)
         c->head = it;
     c->tail = it;
     if (signal)
-        pthread_cond_signal(&c->cv);
+        tx_wake(c);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -402,7 +440,7 @@ void conn_enqueue_chain(conn *c, sq_item *first, sq_item *last, bool signal)
         c->head = first;
     c->tail = last;
     if (signal)
-        pthread_cond_signal(&c->cv);
+        tx_wake(c);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -418,7 +456,7 @@ void conn_close_after_flush(conn *c)
 {
     pthread_mutex_lock(&c->mu);
     atomic_store(&c->flush_close, true);
-    pthread_cond_signal(&c->cv);
+    tx_wake(c);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -796,7 +834,7 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         if (!c->head)
             c->tail = batch[keep - 1];
         c->head = head;
-        pthread_cond_signal(&c->cv); /* the sending thread takes it from here */
+        tx_wake(c); /* the sending thread takes it from here */
     }
     if (r) {
         ka_send_failed(c, r); /* before it is marked dead */
@@ -815,8 +853,8 @@ void conn_kick(conn *c)
     pthread_mutex_lock(&c->mu);
     if (!c->dead && !c->sending && c->head)
         (void)send_batch(c, true, &done);
-    if (c->head && !c->sending)
-        pthread_cond_signal(&c->cv);
+    if (c->head && !c->sending && !c->dead)
+        tx_wake(c);
     pthread_mutex_unlock(&c->mu);
     release_list(c->e, done);
 }
@@ -1682,12 +1720,35 @@ static bool rx_answered(conn *c, const wire_hdr *h)
  * not asleep in recv (a thread wake-up less per request: what NIXL's
  * always-polling progress thread saves, at a cost bounded per request and
  * none while the peer is idle or slow). */
+/* While the sending thread is not started: before a blocking read, waits
+ * for data at most until tx_at (the connection's start + TX_LAZY_MS, or
+ * keepalive_ms / 2 if less), and from then on starts it, so pings go out
+ * in time whatever the traffic. One wait, not a poll loop. */
+static void rx_await(conn *c, uint64_t tx_at, bool got)
+{
+    conn_priv *p = (conn_priv *)c;
+    uint64_t now = axf_now_us();
+    if (now < tx_at) {
+        if (got || p->rb_len)
+            return;
+        struct pollfd pf = {.fd = c->fd, .events = POLLIN};
+        if (poll(&pf, 1, (int)((tx_at - now + 999) / 1000)) != 0)
+            return; /* something to read (or the socket shut down) */
+    }
+    pthread_mutex_lock(&c->mu);
+    tx_wake(c);
+    pthread_mutex_unlock(&c->mu);
+}
+
 static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, int *io)
 {
     uint64_t answered = 0; /* when the last request was answered; 0: not just now */
     uint64_t gap = UINT64_MAX; /* moving average of answer -> next frame, us */
     uint32_t poll_max = c->e->cfg.target_poll_us; /* UINT32_MAX: never */
     conn_priv *p = (conn_priv *)c;
+    uint32_t lazy_ms = c->e->cfg.keepalive_ms / 2 < TX_LAZY_MS ? c->e->cfg.keepalive_ms / 2
+                                                                 : TX_LAZY_MS;
+    uint64_t tx_at = axf_now_us() + (uint64_t)lazy_ms * 1000u;
     for (;;) {
         if (!c->replay)
             rx_wait_room(c);
@@ -1701,6 +1762,8 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
         }
         if (!got && rx_may_park(c))
             rx_park(c);
+        if (atomic_load(&p->tx_owed))
+            rx_await(c, tx_at, got);
         if (!got) {
             *io = rx_read(c, h, sizeof *h);
             if (*io)
@@ -1734,6 +1797,21 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
     }
 }
 
+/* The sending thread's exit, for one that never ran (its creation failed):
+ * what it would have done on leaving a dead connection. */
+static void tx_never_ran(conn *c)
+{
+    conn_kill(c);
+    pthread_mutex_lock(&c->mu);
+    while (c->sending) /* an inline sender puts back or releases its own items */
+        pthread_cond_wait(&c->cv, &c->mu);
+    sq_item *rest = c->head;
+    c->head = c->tail = NULL;
+    pthread_mutex_unlock(&c->mu);
+    release_list(c->e, rest);
+    thread_exit(c);
+}
+
 static void *rx_main(void *arg)
 {
     conn *c = arg;
@@ -1761,6 +1839,11 @@ static void *rx_main(void *arg)
         cq_log(e, c->tag, "closing connection: %s", reason); /* e.g. out of memory */
     }
     conn_kill(c);
+    pthread_mutex_lock(&c->mu); /* dead: nobody starts it now */
+    bool tx_owed = atomic_exchange(&((conn_priv *)c)->tx_owed, false);
+    pthread_mutex_unlock(&c->mu);
+    if (tx_owed)
+        tx_never_ran(c);
     if (c->ep)
         initiator_conn_lost(c, proto);
     thread_exit(c);
@@ -1842,8 +1925,13 @@ int conn_replay(axf_engine *e, uint64_t tag, const uint8_t *buf, size_t len)
     return proto ? AXF_E_PROTOCOL : AXF_OK;
 }
 
-/* e->mu held. */
-conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
+/* e->mu held. A connection on the registry with its two threads counted
+ * (e->conn_threads, c->threads), none started yet: conn_launch (or, under
+ * the same hold, conn_start) starts them. Until then it is usable: frames
+ * queue and go out inline (conn_kick), a kill marks it dead (the threads
+ * then start, see it dead and leave), and engine shutdown waits for the
+ * counted threads, so it never frees one that has yet to start. */
+static conn *conn_new(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 {
     /* Each connection costs two threads and its buffers (a held one, a
      * pidfd): a peer (or many) cannot make us hold more than max_conns. */
@@ -1887,6 +1975,7 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     ka_arm_socket(c);
 
     ka_init(c);
+    atomic_init(&p->tx_owed, true); /* started on its first work (tx_wake) */
     atomic_init(&c->threads, 2);
     atomic_init(&c->refs, 2); /* the registry's, the threads' */
     pthread_mutex_lock(&e->th_mu);
@@ -1896,41 +1985,67 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     e->conns = c;
     atomic_fetch_add(&e->n_conns, 1);
 
+    *status = AXF_OK;
+    return c;
+}
+
+static int rx_create(conn *c)
+{
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_t t;
-    int started = 0;
-    if (pthread_create(&t, &attr, rx_main, c) == 0)
-        started++;
-    if (started && pthread_create(&t, &attr, tx_main, c) == 0)
-        started++;
+    int r = pthread_create(&t, &attr, rx_main, c);
     pthread_attr_destroy(&attr);
-    if (started == 0) {
-        /* Nothing runs: undo the accounting here (e->mu is held by our caller). */
-        e->conns = c->next_all;
-        atomic_fetch_sub(&e->n_conns, 1);
-        pthread_mutex_lock(&e->th_mu);
-        e->conn_threads -= 2;
-        pthread_mutex_unlock(&e->th_mu);
-        close(fd);
-        pthread_mutex_destroy(&c->mu);
-        pthread_cond_destroy(&c->cv);
-        pthread_cond_destroy(&c->room_cv);
-        free(p);
-        *status = AXF_E_NOMEM;
-        return NULL;
-    }
-    if (started == 1) {
-        /* The receiver runs alone: kill the socket so it exits and reports. */
-        conn_kill(c);
-        atomic_fetch_sub(&c->threads, 1);
-        pthread_mutex_lock(&e->th_mu);
-        e->conn_threads--;
-        pthread_mutex_unlock(&e->th_mu);
-    }
-    *status = AXF_OK;
-    return c;
+    return r;
+}
+
+/* e->mu held: a connection with its threads running (the receiver starts
+ * the sender), or NULL and nothing of it left. */
+conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
+{
+    conn *c = conn_new(e, ep, tag, fd, status);
+    if (!c || rx_create(c) == 0)
+        return c;
+    /* Nothing runs: undo the accounting here (e->mu is held by our caller). */
+    e->conns = c->next_all;
+    atomic_fetch_sub(&e->n_conns, 1);
+    pthread_mutex_lock(&e->th_mu);
+    e->conn_threads -= 2;
+    pthread_mutex_unlock(&e->th_mu);
+    close(fd);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    pthread_cond_destroy(&c->room_cv);
+    free((conn_priv *)c);
+    *status = AXF_E_NOMEM;
+    return NULL;
+}
+
+conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
+{
+    return conn_new(e, ep, tag, fd, status);
+}
+
+int conn_launch(conn *c)
+{
+    int r = rx_create(c);
+    if (r == 0)
+        return AXF_OK;
+    /* Both threads' exits, as if each had found it dead at once: the
+     * endpoint hears of it (a lost peer if it was its last), queued frames
+     * and expectations fail, the fd closes, shutdown stops waiting. */
+    cq_log(c->e, c->tag, "closing connection: cannot start its threads: %s", strerror(r));
+    conn_kill(c); /* dead: nobody starts its sender from now on */
+    pthread_mutex_lock(&c->mu);
+    bool tx_owed = atomic_exchange(&((conn_priv *)c)->tx_owed, false);
+    pthread_mutex_unlock(&c->mu);
+    if (tx_owed) /* else a posting thread started it: it leaves on its own */
+        tx_never_ran(c);
+    if (c->ep)
+        initiator_conn_lost(c, false);
+    thread_exit(c);
+    return AXF_E_NOMEM;
 }
 
 /* ------------------------------------------------------------ detached */

@@ -447,7 +447,16 @@ void rr_unmap_idle(endpoint *ep);
 void op_complete(axf_engine *e, op *o);         /* fails an op that queued nothing */
 
 /* conn.c */
+/* e->mu held: a connection running its threads (its receiver starts its
+ * sender), or NULL with *status. */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
+/* e->mu held: a connection on the registry, usable (frames queue, a kill
+ * holds), its threads counted but not started; then, with e->mu not held,
+ * conn_launch starts them (AXF_OK) or ends it as if they had found it dead
+ * (AXF_E_NOMEM: the endpoint hears of a lost connection). Nothing may free
+ * it in between: shutdown waits for its counted threads. */
+conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
+int conn_launch(conn *c);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
 /* A reply to the peer (READ response, acknowledgement): counted against
  * reply_queue_bytes until sent. */

@@ -11,6 +11,8 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <arpa/inet.h>
+#include <dirent.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sys/ioctl.h>
 #include <sys/resource.h>
@@ -181,9 +183,14 @@ static int test_deferred_batch(void)
  * untouched ones on this one. */
 static int test_nohelp_doorbell_sends_no_large_frame(void)
 {
+    /* Its sending thread started (a quiet connection starts it after
+     * keepalive_ms / 2): its creation faults pages on no thread of ours. */
+    axf_config cfg = {.keepalive_ms = 20};
     pair p;
-    if (pair_open(&p, NULL, 1))
+    if (pair_open(&p, &cfg, 1))
         return 1;
+    struct timespec ts = {.tv_nsec = 60 * 1000000L};
+    nanosleep(&ts, NULL);
     axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
     CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 40,
                       AXF_POST_DEFER | AXF_POST_NOHELP),
@@ -1588,6 +1595,192 @@ static int test_spinner_hands_back(void)
     return 0;
 }
 
+/* ------------------------------------------------------ thread start-up */
+
+/* pthread_create, interposed: once armed, lets fail_skip creations through
+ * and then fails the next fail_left with EAGAIN (as a process at its thread
+ * limit sees). Only the connection start-up tests arm it. */
+static atomic_int fail_skip, fail_left;
+
+int pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*fn)(void *), void *arg)
+{
+    static int (*real)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+    if (!real)
+        *(void **)&real = dlsym(RTLD_NEXT, "pthread_create");
+    if (atomic_load(&fail_left) > 0) {
+        if (atomic_load(&fail_skip) > 0)
+            atomic_fetch_sub(&fail_skip, 1);
+        else if (atomic_fetch_sub(&fail_left, 1) > 0)
+            return EAGAIN;
+    }
+    return real(t, attr, fn, arg);
+}
+
+static int count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    int n = 0;
+    if (!d)
+        return -1;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
+/* EOF on a raw peer's end within the test's timeout: the engine closed its end. */
+static bool raw_sees_eof(int fd)
+{
+    struct timeval tv = {.tv_sec = T_TIMEOUT_MS / 1000};
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char b[4096];
+    for (;;) {
+        ssize_t r = read(fd, b, sizeof b);
+        if (r == 0 || (r < 0 && errno == ECONNRESET))
+            return true;
+        if (r < 0)
+            return false;
+    }
+}
+
+/* A connection whose threads cannot start (the receiver's, created by the
+ * caller; the sender's, created by the receiver; an accepted one's) ends as
+ * if it had died at once: a typed error or a lost peer, its fd closed, the
+ * endpoint usable for a new connection, shutdown not waiting for threads
+ * that never ran. */
+static int test_thread_start_fails(void)
+{
+    int fds0 = count_fds();
+    tengine *a = t_engine(NULL);
+    CHECK(a);
+    uint64_t ep;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, A_TAG, 0, -1, &ep), AXF_OK);
+    uint8_t *buf = calloc(1, 65536);
+    CHECK(buf);
+    uint64_t rid, key;
+    CHECK_EQ(axf_region_register(a->e, buf, 65536, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &rid,
+                                 &key),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep, 1, 0x1234, 65536, AXF_ACCESS_WRITE, 0, -1), AXF_OK);
+    axf_completion c;
+    int sv[2];
+
+    /* The receiver cannot start: the caller hears of it, the peer sees EOF. */
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    atomic_store(&fail_skip, 0);
+    atomic_store(&fail_left, 1);
+    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, sv[0]), AXF_E_NOMEM);
+    CHECK_EQ(atomic_load(&fail_left), 0);
+    CHECK(raw_sees_eof(sv[1]));
+    close(sv[1]);
+    CHECK_EQ(t_wait(a, AXF_CQ_PEER_LOST, ep, &c), 0); /* it was its only connection */
+    axf_completion_free(&c);
+
+    /* A new endpoint; its connection's sender cannot start (the receiver
+     * creates it): the connection dies, a transfer on it fails typed. */
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, A_TAG + 1, 0, -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep, 1, 0x1234, 65536, AXF_ACCESS_WRITE, 0, -1), AXF_OK);
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    atomic_store(&fail_skip, 1);
+    atomic_store(&fail_left, 1);
+    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, sv[0]), AXF_OK);
+    CHECK(raw_sees_eof(sv[1]));
+    CHECK_EQ(atomic_load(&fail_left), 0);
+    close(sv[1]);
+    CHECK_EQ(t_wait(a, AXF_CQ_PEER_LOST, ep, &c), 0);
+    CHECK_EQ(c.status, AXF_E_PEER_LOST);
+    axf_completion_free(&c);
+    axf_desc d = {.lrid = rid, .rrid = 1, .rkey = 0x1234, .len = 16};
+    int st = axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 9101, 0);
+    if (st == AXF_OK) {
+        CHECK_EQ(t_wait(a, AXF_CQ_XFER, 9101, &c), 0);
+        st = c.status;
+        axf_completion_free(&c);
+    }
+    CHECK_EQ(st, AXF_E_PEER_LOST);
+
+    /* Accepted connections: neither thread, then only the sender. */
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    atomic_store(&fail_skip, 0);
+    atomic_store(&fail_left, 1);
+    CHECK_EQ(axf_accept_conn(a->e, sv[0], B_TAG, -1), AXF_E_NOMEM);
+    CHECK(raw_sees_eof(sv[1]));
+    close(sv[1]);
+    CHECK_EQ(t_wait(a, AXF_CQ_CONN_CLOSED, 0, &c), 0);
+    axf_completion_free(&c);
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    atomic_store(&fail_skip, 1);
+    atomic_store(&fail_left, 1);
+    CHECK_EQ(axf_accept_conn(a->e, sv[0], B_TAG, -1), AXF_OK);
+    CHECK(raw_sees_eof(sv[1]));
+    CHECK_EQ(atomic_load(&fail_left), 0);
+    close(sv[1]);
+    CHECK_EQ(t_wait(a, AXF_CQ_CONN_CLOSED, 0, &c), 0);
+    axf_completion_free(&c);
+    atomic_store(&fail_left, 0);
+
+    t_close(a); /* returns: no thread is waited for that never ran */
+    free(buf);
+    CHECK_EQ(count_fds(), fds0);
+    return 0;
+}
+
+/* Endpoint close and engine shutdown racing connections being added (each
+ * published before its threads start): every add is OK or a typed refusal,
+ * nothing hangs, no fd is left. */
+typedef struct adder {
+    tengine *a, *b;
+    uint64_t ep;
+    int ok, refused, bad;
+} adder;
+
+static void *adder_main(void *arg)
+{
+    adder *ad = arg;
+    for (int i = 0; i < 200; i++) {
+        int sv[2];
+        if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
+            break;
+        int st = axf_endpoint_add_conn(ad->a->e, ad->ep, sv[0]);
+        int bt = axf_accept_conn(ad->b->e, sv[1], B_TAG, -1);
+        if (st == AXF_OK)
+            ad->ok++;
+        else if (st == AXF_E_CLOSED || st == AXF_E_INVALID || st == AXF_E_NOTFOUND)
+            ad->refused++; /* closed, or every slot taken by a live connection */
+        else
+            ad->bad++;
+        if (bt != AXF_OK && bt != AXF_E_CLOSED)
+            ad->bad++;
+        if (st == AXF_E_CLOSED && bt == AXF_E_CLOSED)
+            break;
+    }
+    return NULL;
+}
+
+static int test_close_races_add_conn(void)
+{
+    int fds0 = count_fds();
+    for (int round = 0; round < 20; round++) {
+        adder ad = {.a = t_engine(NULL), .b = t_engine(NULL)};
+        CHECK(ad.a && ad.b);
+        CHECK_EQ(axf_endpoint_create(ad.a->e, AXF_EP_TCP, A_TAG, 0, -1, &ad.ep), AXF_OK);
+        pthread_t th;
+        CHECK_EQ(pthread_create(&th, NULL, adder_main, &ad), 0);
+        struct timespec ts = {.tv_nsec = (round % 5) * 200000L};
+        nanosleep(&ts, NULL);
+        if (round % 2 == 0)
+            CHECK_EQ(axf_endpoint_close(ad.a->e, ad.ep), AXF_OK);
+        axf_engine_shutdown(ad.b->e); /* the peer goes too, mid-adds */
+        axf_engine_shutdown(ad.a->e);
+        CHECK_EQ(pthread_join(th, NULL), 0);
+        CHECK_EQ(ad.bad, 0);
+        t_close(ad.a);
+        t_close(ad.b);
+    }
+    CHECK_EQ(count_fds(), fds0);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -1618,6 +1811,8 @@ int main(int argc, char **argv)
         T_CASE(test_vectored_groups_rerouted),
         T_CASE(test_spinner_reads_write_replies),
         T_CASE(test_spinner_hands_back),
+        T_CASE(test_thread_start_fails),
+        T_CASE(test_close_races_add_conn),
     };
     return T_RUN(argc, argv, cases);
 }
