@@ -278,3 +278,94 @@ def test_close_with_transfers_in_flight_leaves_no_fd_or_thread(agents: Any) -> N
         assert time.monotonic() < deadline, (_fds() - before_fds, threading.enumerate())
         time.sleep(0.05)
     del a, b
+
+
+def test_malformed_metadata_is_a_typed_error(agents: Any) -> None:
+    """Truncated, damaged or foreign metadata (found fine: typed errors)."""
+    a, b = agents(), agents()
+    good = b.get_agent_metadata()
+    bad = [b"", b"garbage", good[:len(good) // 2], good[:8], good[:8] + b"\xc1" * 40,
+           good[:9], _wire.MD_MAGIC + _wire.encoder.encode({"name": 5}),
+           _wire.MD_MAGIC + _wire.encoder.encode({"name": ""}),
+           _wire.MD_MAGIC + _wire.encoder.encode({"name": "x", "regions": [[1, 2]]})]
+    for md in bad:
+        with pytest.raises(NIXL_ERRORS):
+            a.add_remote_agent(md)
+    assert not a.check_remote_metadata("x")
+    assert a.add_remote_agent(good) == b.name.encode()
+
+
+def test_listener_survives_garbage_and_half_messages(agents: Any) -> None:
+    """Garbage, a header then a close, and an oversized length at the
+    metadata listener: each closes that connection only (found fine)."""
+    t, i = agents(enable_listen_thread=True, listen_port=0), agents()
+    port = t.agent.listen_port
+    for junk in (b"\x00\x00\x00\x05hello", b"\x00\x00\x10", b"\xff\xff\xff\xff" + b"x" * 64,
+                 b"\x00\x00\x00\x40" + b"y" * 10):
+        with socket.create_connection(("127.0.0.1", port), timeout=STEP) as s:
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(1 << 16):
+                pass
+    i.fetch_remote_metadata(t.name, "127.0.0.1", port)
+    deadline = time.monotonic() + STEP
+    while not i.check_remote_metadata(t.name):
+        assert time.monotonic() < deadline
+
+
+def test_threads_post_poll_release_and_churn_agents_at_once(agents: Any) -> None:
+    """Posting and polling, releasing, removing and re-adding the peer and
+    reading notifications from four threads: only NIXL errors, no deadlock
+    (found fine)."""
+    a, b = agents(), agents()
+    n = 1 << 16
+    x, y = Buf(n, 1), Buf(n, 2)
+    a.register_memory([(x.addr, n, 0, "")], "DRAM")
+    b.register_memory([(y.addr, n, 0, "")], "DRAM")
+    md = b.get_agent_metadata()
+    name = a.add_remote_agent(md)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    handles: list[Any] = []
+
+    def guard(fn: Any) -> Any:
+        def run() -> None:
+            while not stop.is_set():
+                try:
+                    fn()
+                except NIXL_ANY:
+                    pass
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+                    return
+        return run
+
+    def post() -> None:
+        h = a.initialize_xfer("WRITE", a.get_xfer_descs([(x.addr, 4096, 0)], "DRAM"),
+                              a.get_xfer_descs([(y.addr, 4096, 0)], "DRAM"), name, b"p")
+        handles.append(h)
+        a.transfer(h)
+        _settle(a, h)
+
+    def release() -> None:
+        if handles:
+            a.release_xfer_handle(handles.pop(0))
+        time.sleep(0.001)
+
+    def churn() -> None:
+        a.remove_remote_agent(name)
+        a.add_remote_agent(md)
+
+    def notifs() -> None:
+        b.get_new_notifs()
+        a.get_new_notifs()
+
+    threads = [threading.Thread(target=guard(f)) for f in (post, release, churn, notifs)]
+    for th in threads:
+        th.start()
+    time.sleep(2.0)
+    stop.set()
+    for th in threads:
+        th.join(STEP)
+    assert not any(th.is_alive() for th in threads)
+    assert not errors, errors
