@@ -1195,6 +1195,9 @@ class nixlAgent:
         self._last_empty_notif = 0.0
         self._last_md_poll = 0.0
         self._server: asyncio.AbstractServer | None = None
+        # The listener's requests being served and sent (fetch, push,
+        # invalidate): cancelled on close, with their sockets.
+        self._bg: set[asyncio.Task[Any]] = set()
         self.listen_port = 0
         endpoints = os.environ.get("NIXL_ETCD_ENDPOINTS")
         if endpoints is not None and not endpoints.strip():
@@ -1642,6 +1645,7 @@ class nixlAgent:
             me = ref()
             try:
                 if me is not None:
+                    me._track(asyncio.current_task())
                     await me._serve_md(reader, writer)
             finally:
                 writer.close()
@@ -1688,15 +1692,22 @@ class nixlAgent:
         if peer is not None:
             self._rt.spawn(peer.aclose())
 
+    def _track(self, task: asyncio.Task[Any] | None) -> None:
+        if task is not None:
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
+
     async def _request(self, ip: str, port: int, req: Any) -> _wire.Reply:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port),
-                                                _CONNECT_TIMEOUT)
-        try:
-            _write_frame(writer, _wire.encoder.encode(req))
-            await writer.drain()
-            reply = _wire.reply_decoder.decode(await _read_frame(reader))
-        finally:
-            writer.close()
+        # (Bounded as a whole: a listener that accepts and never answers
+        # must not hold the request and its socket for ever.)
+        async with asyncio.timeout(_CONNECT_TIMEOUT):
+            reader, writer = await asyncio.open_connection(ip, port)
+            try:
+                _write_frame(writer, _wire.encoder.encode(req))
+                await writer.drain()
+                reply = _wire.reply_decoder.decode(await _read_frame(reader))
+            finally:
+                writer.close()
         if not reply.ok:
             raise RuntimeError(reply.error)
         return reply
@@ -1709,7 +1720,7 @@ class nixlAgent:
                 _log(level, f"{what} failed: {exc}")
 
         with self._rt.locked():
-            self._rt.spawn(run())
+            self._track(self._rt.spawn(run()))
 
     def _store_or_raise(self, what: str) -> _CentralStore:
         if self._store is None:
@@ -2827,6 +2838,11 @@ class nixlAgent:
         self._closed = True
         if self._server is not None:
             self._server.close()
+        pending = [t for t in self._bg if t is not asyncio.current_task()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         agent, self._agent = self._agent, None
         self._ns = None
         if self._store is not None:

@@ -8,6 +8,8 @@ a real NIXL blob (or garbage) is refused with a clear error.
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 __all__ = [
@@ -99,7 +101,18 @@ def decode_md(blob: bytes) -> AgentMD:
         raise ValueError(f"damaged aioxfer.nixl agent metadata: {exc}") from None
     if not md.name:
         raise ValueError("aioxfer.nixl agent metadata without an agent name")
+    for r in md.regions:
+        # (Values a peer controls: each must fit the uint64 tables they are
+        # searched in, else numpy raises later, untyped.)
+        if not (0 <= r.addr and 0 <= r.nbytes and r.addr + r.nbytes <= _U64_MAX
+                and 0 <= r.dev <= _U64_MAX and 0 <= r.mem < 2**31):
+            raise ValueError(f"damaged aioxfer.nixl agent metadata: region {r.name!r} "
+                             f"(mem {r.mem}, {r.addr:#x}+{r.nbytes}, dev {r.dev}) does not "
+                             f"fit 64 bits")
     return md
+
+
+_U64_MAX = 2**64 - 1
 
 
 class DListBlob(msgspec.Struct, array_like=True, frozen=True):
@@ -134,23 +147,31 @@ def decode_dlist(data: bytes) -> DListBlob:
 # aioxfer carries notifications of 1..4096 bytes; NIXL's may be empty or much
 # larger (a pickled descriptor list). A message that fits and does not start
 # with NOTIF_MAGIC goes as it is (so plain aioxfer agents interoperate); any
-# other is framed: NOTIF_MAGIC + b"W" (whole) / b"F" (a fragment, more follow)
-# / b"L" (the last fragment) + bytes. Fragments of one message are sent in
-# order on one peer's connection; a WRITE carries the last one, so the message
-# is complete only once the WRITE's data is in place.
+# other is framed: NOTIF_MAGIC + b"W" (whole) + bytes, or NOTIF_MAGIC + b"F"
+# (a fragment, more follow) / b"L" (the last fragment) + the message's random
+# 8-byte id + bytes. Fragments of one message are sent in order on one peer's
+# connection; a WRITE carries the last one, so the message is complete only
+# once the WRITE's data is in place. The id keeps a message whose WRITE failed
+# after its first fragments went (they stay with the receiver, never to be
+# completed) out of the sender's next message; at most _MAX_PARTIAL such
+# messages per sender are kept.
 
 NOTIF_MAGIC = b"\xffAXN"
 NOTIF_MAX = 4096
-_CHUNK = NOTIF_MAX - len(NOTIF_MAGIC) - 1
+_ID = 8
+_CHUNK = NOTIF_MAX - len(NOTIF_MAGIC) - 1 - _ID
+_MAX_PARTIAL = 8
 
 
 def notif_frames(msg: bytes) -> list[bytes]:
     if 0 < len(msg) <= NOTIF_MAX and not msg.startswith(NOTIF_MAGIC):
         return [msg]
-    if len(msg) <= _CHUNK:
+    if len(msg) <= NOTIF_MAX - len(NOTIF_MAGIC) - 1:
         return [NOTIF_MAGIC + b"W" + msg]
+    mid = os.urandom(_ID)
     chunks = [msg[i:i + _CHUNK] for i in range(0, len(msg), _CHUNK)]
-    return [NOTIF_MAGIC + b"F" + c for c in chunks[:-1]] + [NOTIF_MAGIC + b"L" + chunks[-1]]
+    return ([NOTIF_MAGIC + b"F" + mid + c for c in chunks[:-1]]
+            + [NOTIF_MAGIC + b"L" + mid + chunks[-1]])
 
 
 class NotifAssembler:
@@ -159,20 +180,35 @@ class NotifAssembler:
     __slots__ = ("_partial",)
 
     def __init__(self) -> None:
-        self._partial: dict[str, list[bytes]] = {}
+        # sender -> message id -> its fragments so far (oldest message first)
+        self._partial: dict[str, dict[bytes, list[bytes]]] = {}
 
     def feed(self, sender: str, frame: bytes) -> bytes | None:
         if not frame.startswith(NOTIF_MAGIC):
             return frame
-        kind = frame[len(NOTIF_MAGIC):len(NOTIF_MAGIC) + 1]
-        body = frame[len(NOTIF_MAGIC) + 1:]
+        head = len(NOTIF_MAGIC)
+        kind = frame[head:head + 1]
         if kind == b"W":
-            return body
+            return frame[head + 1:]
+        if kind not in (b"F", b"L") or len(frame) < head + 1 + _ID:
+            return frame  # not ours after all: hand it over as it is
+        mid = frame[head + 1:head + 1 + _ID]
+        body = frame[head + 1 + _ID:]
+        partial = self._partial.get(sender)
         if kind == b"F":
-            self._partial.setdefault(sender, []).append(body)
-            return None
-        if kind == b"L":
-            parts = self._partial.pop(sender, [])
+            if partial is None:
+                partial = self._partial[sender] = {}
+            parts = partial.get(mid)
+            if parts is None:
+                while len(partial) >= _MAX_PARTIAL:  # (orphans of failed WRITEs)
+                    del partial[next(iter(partial))]
+                parts = partial[mid] = []
             parts.append(body)
-            return b"".join(parts)
-        return frame  # not ours after all: hand it over as it is
+            return None
+        parts = partial.pop(mid, None) if partial is not None else None
+        if partial is not None and not partial:
+            del self._partial[sender]
+        if parts is None:
+            return body
+        parts.append(body)
+        return b"".join(parts)
