@@ -838,6 +838,7 @@ class Agent:
             tasks=self._probes,
             closed=lambda: self._closed,
             timeout_status=_cyx.E_TIMEOUT,
+            loop=lambda: self._loop,
         )
 
     # ------------------------------------------------------------ data path

@@ -54,6 +54,7 @@ class Rails:
         "_tasks",
         "_closed",
         "_timeout_status",
+        "_loop",
     )
 
     def __init__(
@@ -68,6 +69,7 @@ class Rails:
         tasks: set[asyncio.Task[None]],
         closed: Callable[[], bool],
         timeout_status: int,
+        loop: Callable[[], asyncio.AbstractEventLoop | None] = lambda: None,
     ) -> None:
         self._agent = agent
         self._endpoint_rails = endpoint_rails
@@ -78,6 +80,7 @@ class Rails:
         self._tasks = tasks
         self._closed = closed
         self._timeout_status = timeout_status  # E_TIMEOUT: the rail stalled
+        self._loop = loop  # the agent's loop: probes run there, whoever drains
 
     def live(self, peer: Peer) -> dict[int, int]:
         """Live connections per rail index, as the engine sees them."""
@@ -111,9 +114,30 @@ class Rails:
         """Re-dials ``rail`` in the background (once at a time per rail)."""
         if self._closed() or not peer._probe_begin(rail):
             return
-        task = asyncio.get_running_loop().create_task(
-            self._probe(peer, rail), name=f"aioxfer-probe-{peer.name}-{rail}"
-        )
+        # A rail-down record may be drained by a thread that is not the
+        # agent's loop's (aioxfer.nixl's callers poll from their own threads,
+        # with no running loop, or with one of their own): the probe is
+        # started on the agent's loop, from that loop's thread.
+        loop = self._loop()
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None:
+            loop = running
+        if loop is None or loop.is_closed():
+            peer._probe_end(rail)
+            return
+        if loop is running:
+            self._spawn(loop, peer, rail)
+        else:
+            loop.call_soon_threadsafe(self._spawn, loop, peer, rail)
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, peer: Peer, rail: int) -> None:
+        if self._closed():
+            peer._probe_end(rail)
+            return
+        task = loop.create_task(self._probe(peer, rail), name=f"aioxfer-probe-{peer.name}-{rail}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

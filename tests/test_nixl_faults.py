@@ -148,14 +148,7 @@ def _fds() -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("transports", [
-    "",
-    pytest.param("tcp", marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-        "aioxfer/rails.py Rails.start_probe creates its re-dial task on "
-        "asyncio.get_running_loop(): from a NIXL caller's thread, draining the engine "
-        "under the runtime lock, that is no loop (RuntimeError out of "
-        "check_xfer_state) or the caller's own loop; it must use the agent's loop"))),
-])
+@pytest.mark.parametrize("transports", ["", "tcp"])
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
 def test_peer_killed_mid_transfer_fails_the_transfer_in_flight(transports: str, op: str,
                                                               monkeypatch: pytest.MonkeyPatch
