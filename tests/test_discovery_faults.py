@@ -1,0 +1,224 @@
+"""Discovery under faults, on a real etcd that the tests kill and restart.
+
+Each test here gets an etcd of its own (its own ports and data directory), so
+it can be ``kill -9``-ed and restarted, with or without its data, without
+disturbing the session's etcd that tests/test_discovery.py shares. Every value
+under the prefix is untrusted: hostile ones must be ignored with a log line,
+never end the watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import STEP, within
+from test_discovery import _free_ports, _healthy, is_, next_event
+
+import aioxfer
+from aioxfer.discovery import Etcd, PeerJoined, PeerLeft
+
+TTL = 2
+
+
+class EtcdProc:
+    """A single-node etcd on loopback that a test may kill and restart."""
+
+    def __init__(self, root: Path) -> None:
+        exe = shutil.which("etcd")
+        if exe is None:
+            pytest.skip("the etcd binary is not installed (Debian: apt-get install etcd-server)")
+        pytest.importorskip("aetcd", reason="the aetcd client is not installed")
+        self.exe, self.root = exe, root
+        self.client_port, self.peer_port = _free_ports(2)
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        client = f"http://{self.endpoint}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            self.exe, "--name", "faults", "--data-dir", str(self.root / "data"),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"faults={peer}", "--initial-cluster-state", "new",
+            "--heartbeat-interval", "10", "--election-timeout", "100",
+            "--logger", "zap", "--log-level", "warn",
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+        with open(self.root / "etcd.log", "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 30
+        while not _healthy(client):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited: {(self.root / 'etcd.log').read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("etcd not healthy within 30 s")
+            time.sleep(0.05)
+
+    def kill(self, wipe: bool = False) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.proc = None
+        if wipe:
+            shutil.rmtree(self.root / "data")
+
+
+@pytest.fixture
+def etcd_proc(tmp_path: Path) -> Iterator[EtcdProc]:
+    e = EtcdProc(tmp_path)
+    e.start()
+    try:
+        yield e
+    finally:
+        if e.proc is not None:
+            e.kill()
+
+
+def config(e: EtcdProc, **kw: Any) -> Etcd:
+    return Etcd(e.endpoint, prefix="/faults", ttl=TTL, timeout=kw.pop("timeout", 2.0), **kw)
+
+
+async def _client(e: EtcdProc) -> Any:
+    import aetcd  # type: ignore[import-untyped]
+
+    host, port = e.endpoint.rsplit(":", 1)
+    return aetcd.Client(host=host, port=int(port), timeout=STEP)
+
+
+async def etcd_get(e: EtcdProc, key: str) -> bytes | None:
+    async with await _client(e) as c:
+        kv = await c.get(key.encode())
+    return None if kv is None else bytes(kv.value)
+
+
+async def etcd_put(e: EtcdProc, key: bytes, value: bytes) -> None:
+    async with await _client(e) as c:
+        await c.put(key, value)
+
+
+async def in_thread(fn: Any, *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+# ----------------------------------------------------------------- etcd dies
+
+
+@pytest.mark.parametrize("wipe", [False, True], ids=["restart", "restart-empty"])
+async def test_membership_survives_etcd_kill9_and_restart(
+    etcd_proc: EtcdProc, make_agent: Any, wipe: bool
+) -> None:
+    """etcd killed and restarted (with its data, or empty: every lease and key
+    lost): members stay registered (re-registering if their lease is gone),
+    and the watch goes on reporting joins and leaves."""
+    disc = config(etcd_proc)
+    a = await make_agent("a", discovery=disc)
+    b = await make_agent("b", discovery=disc)
+    events = a.membership()
+    await next_event(events, is_(PeerJoined, b.name, b.incarnation), what="b joined")
+
+    await in_thread(etcd_proc.kill, wipe)
+    await asyncio.sleep(1.0)  # the agents notice: keepalives and the watch fail
+    await in_thread(etcd_proc.start)
+
+    # Both put themselves back (after a wipe their leases are gone).
+    for agent in (a, b):
+        await wait_registered(etcd_proc, disc, agent, 3 * STEP)
+    # The watch still works: a newcomer is seen, and so is its leaving.
+    c = await make_agent("c", discovery=disc)
+    await next_event(events, is_(PeerJoined, c.name, c.incarnation), seconds=3 * STEP,
+                     what="c joined after the restart")
+    c_name, c_inc = c.name, c.incarnation
+    await c.aclose()
+    await next_event(events, is_(PeerLeft, c_name, c_inc), what="c left after the restart")
+    assert a._membership._members.keys() >= {b.name}
+
+
+async def wait_registered(e: EtcdProc, disc: Etcd, agent: Any, seconds: float) -> None:
+    """Until etcd holds ``agent``'s key, in its incarnation."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            raw = await within(etcd_get(e, disc.key(agent.name)))
+        except Exception:
+            raw = None
+        if raw is not None and str(agent.incarnation).encode() in raw:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{agent.name} not registered within {seconds} s: {raw!r}")
+        await asyncio.sleep(0.1)
+
+
+# ----------------------------------------------------------------- hostile values
+
+
+def _meta_json(name: str, **over: Any) -> bytes:
+    """An AgentMeta as JSON, with fields overridden by anything (no validation)."""
+    import msgspec
+
+    fields: dict[str, Any] = dict(type="meta", version=3, name=name, incarnation=7,
+                                  host_id="h", pid=1, address="127.0.0.1:9",
+                                  transports=["tcp"], regions=[])
+    fields.update(over)
+    return msgspec.json.encode(fields)
+
+
+HOSTILE: dict[str, bytes] = {
+    "not-json": b"\xff\xfe\x00garbage",
+    "deep": b"[" * 200_000,
+    "deep-object": b'{"type":"meta","regions":' + b"[" * 200_000,
+    "wrong-type": b'{"type":"meta","name":5}',
+    "empty": b"",
+    "null": b"null",
+    "big-incarnation": _meta_json("big-incarnation", incarnation=1 << 70),
+    "negative-incarnation": _meta_json("negative-incarnation", incarnation=-1),
+    "other-name": _meta_json("someone-else"),
+    "bad-address": _meta_json("bad-address", address="no port here"),
+    "bad-port": _meta_json("bad-port", address="127.0.0.1:99999"),
+    "empty-address": _meta_json("empty-address", address=""),
+    # An address that is a name: connect() resolved it again, and again...
+    "self-address": _meta_json("self-address", address="self-address"),
+    "plus-port": _meta_json("plus-port", address="plus-port:+1"),
+    "nan-pid": b'{"type":"meta","version":3,"name":"nan-pid","incarnation":1,"host_id":"",'
+               b'"pid":1e999,"address":"127.0.0.1:1","transports":[],"regions":[]}',
+}
+
+
+async def test_hostile_values_never_end_the_watch(etcd_proc: EtcdProc, make_agent: Any) -> None:
+    """Whatever bytes sit under the prefix (at join, or put while watching):
+    each is ignored or reported as a member whose connect fails with an
+    XferError; the watch goes on and a real newcomer is still seen."""
+    disc = config(etcd_proc)
+    agents = f"{disc.prefix}/agents/"
+    # Some there before anyone joins (the first list), some put while watching.
+    items = list(HOSTILE.items())
+    for name, value in items[: len(items) // 2]:
+        await etcd_put(etcd_proc, (agents + name).encode(), value)
+    await etcd_put(etcd_proc, agents.encode() + b"\xff\xfe", b"{}")
+    a = await make_agent("a", discovery=disc)
+    events = a.membership()
+    for name, value in items[len(items) // 2:]:
+        await etcd_put(etcd_proc, (agents + name).encode(), value)
+    b = await make_agent("b", discovery=disc)
+    await next_event(events, is_(PeerJoined, b.name, b.incarnation), what="b joined")
+    for name in HOSTILE:
+        try:
+            await within(a.connect(name))
+        except aioxfer.XferError as exc:
+            if "address" in name:  # not a RecursionError after ~1000 etcd look-ups
+                assert isinstance(exc, aioxfer.ProtocolError), exc
+        else:
+            raise AssertionError(f"connect({name!r}) succeeded")
+    assert (await within(a.connect(b.name))).incarnation == b.incarnation
+    # Still watching after all that.
+    c = await make_agent("c", discovery=disc)
+    await next_event(events, is_(PeerJoined, c.name, c.incarnation), what="c joined")
