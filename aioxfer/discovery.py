@@ -332,6 +332,7 @@ class EtcdSession:
         for ep in self.config.endpoints:
             host, port = _parse_endpoint(ep)
             client = aetcd.Client(host=host, port=port, timeout=self.config.timeout)
+            lease = None
             try:
                 async with asyncio.timeout(self.config.timeout):
                     await client.connect()
@@ -341,6 +342,11 @@ class EtcdSession:
             except BaseException as exc:
                 with contextlib.suppress(Exception, TimeoutError):
                     async with asyncio.timeout(1.0):
+                        if lease is not None:
+                            # Our key may be in etcd already (cancelled or
+                            # failed after the put): revoking deletes it, so
+                            # the others never see a member that is not there.
+                            await client.revoke_lease(lease.id)
                         await client.close()
                 if not isinstance(exc, Exception):
                     raise  # cancelled: the agent closes

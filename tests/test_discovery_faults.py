@@ -222,3 +222,31 @@ async def test_hostile_values_never_end_the_watch(etcd_proc: EtcdProc, make_agen
     # Still watching after all that.
     c = await make_agent("c", discovery=disc)
     await next_event(events, is_(PeerJoined, c.name, c.incarnation), what="c joined")
+
+
+# ----------------------------------------------------------------- cancellation
+
+
+async def test_aclose_while_joining_leaves_no_key(etcd_proc: EtcdProc) -> None:
+    """An agent closed at any point of its join (here: after 0 to ~60 ms, which
+    covers connect, lease, put and list) leaves nothing in etcd: no key that
+    the others would see as a member until its lease expired."""
+    disc = config(etcd_proc)
+    # Enough members that listing them takes a while (the window after our put).
+    for i in range(400):
+        await etcd_put(etcd_proc, disc.key(f"m{i}").encode(),
+                       _meta_json(f"m{i}", regions=[], host_id="x" * 100))
+    outcomes = []
+    for step in range(40):
+        agent = aioxfer.Agent(f"j{step}", discovery=disc)
+        start = asyncio.get_running_loop().create_task(agent.start())
+        await asyncio.sleep(step * 0.0015)
+        await within(agent.aclose())
+        try:
+            await within(start)
+            outcomes.append("joined")
+        except (aioxfer.XferError, asyncio.CancelledError):
+            outcomes.append("cancelled")
+        raw = await etcd_get(etcd_proc, disc.key(agent.name))
+        assert raw is None, f"closed at {step * 1.5} ms ({outcomes[-1]}): its key stayed"
+    print(f"\n{outcomes.count('cancelled')} closed mid-join, {outcomes.count('joined')} after")
