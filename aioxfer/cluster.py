@@ -15,8 +15,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from aioxfer.dialing import parse_address
 from aioxfer.discovery import Etcd, EtcdSession
-from aioxfer.errors import ClosedResourceError, PeerLost, TransportError, XferError
+from aioxfer.errors import ClosedResourceError, PeerLost, ProtocolError, TransportError, XferError
 from aioxfer.log import get_logger
 
 if TYPE_CHECKING:
@@ -33,6 +34,22 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
     # keeps asyncio from logging it when nobody did.
     if not task.cancelled():
         task.exception()
+
+
+def _check_address(name: str, address: str) -> None:
+    """etcd's address for ``name`` is a "host:port" connect() dials, never a
+    name it would resolve again (an address naming its own agent recursed
+    without end) nor one it rejects with ValueError: anyone who can write the
+    prefix writes it."""
+    port = address.rpartition(":")[2]
+    try:
+        parse_address(address)
+        if not (port.isascii() and port.isdigit()):
+            raise ValueError(f"address {address!r} has no valid port")
+    except ValueError as exc:
+        raise ProtocolError(
+            f"etcd holds no usable address for agent {name!r}: {exc}", peer=name
+        ) from None
 
 
 class Cluster:
@@ -150,6 +167,7 @@ class Cluster:
                 f"not started yet, left, or its lease expired",
                 peer=name,
             )
+        _check_address(name, meta.address)
         known = self._peers_by_inc.get((name, meta.incarnation))
         if known is not None and not known.lost:
             return known

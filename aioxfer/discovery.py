@@ -266,6 +266,12 @@ class MemberListener(Protocol):
         """A member's key was deleted (it left, or its lease expired)."""
 
 
+# etcd's values are at most 1.5 MiB (its --max-request-bytes default): pages of
+# _LIST_PAGE keys fit in the receive bound, which a watch reply (events of many
+# revisions) may still exceed: the watch then restarts from a paged list.
+_LIST_PAGE = 32
+_GRPC_OPTIONS = {"grpc.max_receive_message_length": 64 << 20}
+
 _encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder(AgentMeta).decode
 
@@ -331,7 +337,9 @@ class EtcdSession:
         errors: list[str] = []
         for ep in self.config.endpoints:
             host, port = _parse_endpoint(ep)
-            client = aetcd.Client(host=host, port=port, timeout=self.config.timeout)
+            client = aetcd.Client(host=host, port=port, timeout=self.config.timeout,
+                                  options=_GRPC_OPTIONS)
+            lease = None
             try:
                 async with asyncio.timeout(self.config.timeout):
                     await client.connect()
@@ -341,6 +349,11 @@ class EtcdSession:
             except BaseException as exc:
                 with contextlib.suppress(Exception, TimeoutError):
                     async with asyncio.timeout(1.0):
+                        if lease is not None:
+                            # Our key may be in etcd already (cancelled or
+                            # failed after the put): revoking deletes it, so
+                            # the others never see a member that is not there.
+                            await client.revoke_lease(lease.id)
                         await client.close()
                 if not isinstance(exc, Exception):
                     raise  # cancelled: the agent closes
@@ -413,13 +426,27 @@ class EtcdSession:
         return self._decode(kv.key, kv.value)
 
     async def _list(self, client: Any) -> tuple[dict[str, AgentMeta], int]:
-        res = await client.get_prefix(self._agents)
+        """Every member at one revision, in pages: etcd takes values up to
+        1.5 MiB, so one reply for the whole prefix could exceed any gRPC
+        message bound (and then every join and every re-list failed)."""
+        from aetcd import rpc, utils
+
         members: dict[str, AgentMeta] = {}
-        for kv in res:
-            meta = self._decode(kv.key, kv.value)
-            if meta is not None and meta.name != self.name:
-                members[meta.name] = meta
-        return members, int(res.header.revision)
+        start, end = self._agents, utils.prefix_range_end(self._agents)
+        revision = 0
+        while True:
+            request = rpc.RangeRequest(key=start, range_end=end, limit=_LIST_PAGE,
+                                       revision=revision)
+            res = await client.kvstub.Range(request, timeout=self.config.timeout,
+                                            metadata=client.metadata)
+            revision = revision or int(res.header.revision)
+            for kv in res.kvs:
+                meta = self._decode(kv.key, kv.value)
+                if meta is not None and meta.name != self.name:
+                    members[meta.name] = meta
+            if not res.more or not res.kvs:
+                return members, revision
+            start = res.kvs[-1].key + b"\0"
 
     def _decode(self, key: bytes, value: bytes) -> AgentMeta | None:
         name = key[len(self._agents):].decode("utf-8", "replace")
