@@ -127,8 +127,10 @@ def test_write_past_rlimit_fsize_fails_typed_in_a_real_process(backend: str,
         asyncio.run(main())
         """
     )
+    # From tmp_path, not the checkout's root: "-c" puts the working directory
+    # first on sys.path, and the source tree's aioxfer has no built extension.
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "AIOXFER_FILE_IO": backend})
+                       env={**os.environ, "AIOXFER_FILE_IO": backend}, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["typed", "0", "size", str(MiB)], r.stdout + r.stderr
 
