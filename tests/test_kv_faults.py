@@ -154,11 +154,7 @@ async def test_cancelled_overflow_put_gives_host_slots_back(make_agent: MakeAgen
     keys = keys_for(8, 5)
     try:
         task = asyncio.ensure_future(store.put(keys, src[0:8 * BB]))
-        for _ in range(100_000):
-            if disk.counters.in_flight:
-                break
-            await asyncio.sleep(0)
-        assert disk.counters.in_flight, "the overflow write never started"
+        await until_in_flight(disk, "the overflow write")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await within(task)
@@ -166,6 +162,16 @@ async def test_cancelled_overflow_put_gives_host_slots_back(make_agent: MakeAgen
         assert len(host.free) + len(host.index) == host.n_slots, (len(host.free), host.index)
     finally:
         await store.aclose()
+
+
+async def until_in_flight(tier: kv.DiskTier, what: str) -> None:
+    """Loop turns until the tier has an operation in flight (``what``: the
+    operation awaited, named in the failure)."""
+    for _ in range(100_000):
+        if tier.counters.in_flight:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{what} never started")
 
 
 async def quiesce(store: kv.Store) -> None:
@@ -193,11 +199,7 @@ async def test_cancelled_write_through_leaves_blocks_for_write_back(make_agent: 
     keys = keys_for(8, 6)
     try:
         task = asyncio.ensure_future(store.put(keys, src[0:8 * BB]))
-        for _ in range(100_000):
-            if disk.counters.in_flight:
-                break
-            await asyncio.sleep(0)
-        assert disk.counters.in_flight, "the write-through never started"
+        await until_in_flight(disk, "the write-through")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await within(task)
@@ -314,11 +316,7 @@ async def test_remove_during_a_get_is_not_undone_by_its_promotion(make_agent: Ma
         assert all(await within(disk._write(keys, [src] * n, [i * BB for i in range(n)])))
         dst = agent.alloc(n * BB)
         t = asyncio.ensure_future(store.get(keys, dst[0:n * BB]))
-        for _ in range(100_000):
-            if disk.counters.in_flight:
-                break
-            await asyncio.sleep(0)
-        assert disk.counters.in_flight, "the disk read never started"
+        await until_in_flight(disk, "the disk read")
         assert await within(store.remove(keys)) == n
         await within(t)
         await within(quiesce(store))
@@ -345,11 +343,7 @@ async def test_remove_during_write_back_stays_removed(make_agent: MakeAgent,
         assert (await within(store.put(keys, src[0:n * BB]))).stored == n
         assert len(host.dirty) == n
         wb = asyncio.ensure_future(host._write_back(disk, list(keys)))
-        for _ in range(100_000):
-            if disk.counters.in_flight:
-                break
-            await asyncio.sleep(0)
-        assert disk.counters.in_flight, "the write-back never started"
+        await until_in_flight(disk, "the write-back")
         assert await within(store.remove(keys)) == n
         await within(wb)
         await within(quiesce(store))
