@@ -317,6 +317,19 @@ void axf_notify_release(axf_engine *e, uint64_t tag, uint64_t n)
 
 static void *tx_main(void *arg);
 
+/* A connection's thread (its receiver or sender), detached: each ends by
+ * itself (thread_exit). 0, or pthread_create's error. */
+static int conn_thread(conn *c, void *(*main)(void *))
+{
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t t;
+    int r = pthread_create(&t, &attr, main, c);
+    pthread_attr_destroy(&attr);
+    return r;
+}
+
 /* The sending thread starts lazily, the first time it has work: a frame
  * left queued (a posting thread sends small ones inline: conn_kick), a
  * goodbye to flush, or, from the receiver, pings once the connection has
@@ -336,13 +349,7 @@ static void tx_wake(conn *c)
     if (c->dead)
         return; /* the receiver does its exit */
     atomic_store(&p->tx_owed, false);
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_t t;
-    int r = pthread_create(&t, &attr, tx_main, c);
-    pthread_attr_destroy(&attr);
-    if (r != 0) {
+    if (conn_thread(c, tx_main) != 0) {
         atomic_store(&p->tx_owed, true);
         conn_mark_dead(c);
     }
@@ -1991,13 +1998,7 @@ static conn *conn_new(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *st
 
 static int rx_create(conn *c)
 {
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_t t;
-    int r = pthread_create(&t, &attr, rx_main, c);
-    pthread_attr_destroy(&attr);
-    return r;
+    return conn_thread(c, rx_main);
 }
 
 /* e->mu held: a connection with its threads running (the receiver starts
