@@ -31,7 +31,8 @@ import signal
 import subprocess
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -154,6 +155,23 @@ def verbs_provider(softverbs_provider: str, monkeypatch: pytest.MonkeyPatch) -> 
     the software verbs provider instead of libibverbs."""
     monkeypatch.setenv("AIOXFER_VERBS_PROVIDER", softverbs_provider)
     return softverbs_provider
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (root only): writes past its capacity fail with ENOSPC."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -352,23 +352,6 @@ async def test_close_with_transfers_in_flight(
     assert caught, "every close came after all the writes had finished"
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (root only): writes past its capacity fail with ENOSPC."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 async def test_io_error_is_typed(agent: Any, backend: str, small_tmpfs: Path,
                                  tmp_path: Path) -> None:
     f = agent.register_file(small_tmpfs / "big.bin", size=4 * MiB)  # sparse: fits until written

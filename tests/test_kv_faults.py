@@ -9,7 +9,7 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,25 +69,14 @@ async def test_concurrent_object_puts_keep_their_own_bytes(make_agent: MakeAgent
 
 
 @pytest.fixture
-def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (root only), filled to the last page by a file (removed
-    by the test to make room): every write needing a new page fails ENOSPC."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        (mnt / "kv").mkdir()
-        with open(mnt / "filler", "wb", buffering=0) as fh, contextlib.suppress(OSError):
-            while True:
-                fh.write(b"\xff" * 4096)
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def full_tmpfs(small_tmpfs: Path) -> Path:
+    """conftest's 1 MiB tmpfs, filled to the last page by a file (removed by
+    the test to make room): every write needing a new page fails ENOSPC."""
+    (small_tmpfs / "kv").mkdir()
+    with open(small_tmpfs / "filler", "wb", buffering=0) as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(b"\xff" * 4096)
+    return small_tmpfs
 
 
 async def test_disk_full_puts_are_dropped_and_counted(make_agent: MakeAgent,
