@@ -81,7 +81,7 @@ typedef struct conn_priv {
     bool kick_owed;
     bool tcp; /* a TCP socket (conn_start), not a unix-domain one: TCP options apply */
     /* c.mu: its sending thread is counted (c.threads) but not started yet
-     * (tx_wake starts it). Only conn_new's connections have one to start. */
+     * (tx_wake starts it). Only conn_open's connections have one to start. */
     atomic_bool tx_owed;
     uint8_t rb[RX_AHEAD];
 } conn_priv;
@@ -1938,7 +1938,7 @@ int conn_replay(axf_engine *e, uint64_t tag, const uint8_t *buf, size_t len)
  * queue and go out inline (conn_kick), a kill marks it dead (the threads
  * then start, see it dead and leave), and engine shutdown waits for the
  * counted threads, so it never frees one that has yet to start. */
-static conn *conn_new(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
+conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 {
     /* Each connection costs two threads and its buffers (a held one, a
      * pidfd): a peer (or many) cannot make us hold more than max_conns. */
@@ -2005,7 +2005,7 @@ static int rx_create(conn *c)
  * the sender), or NULL and nothing of it left. */
 conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 {
-    conn *c = conn_new(e, ep, tag, fd, status);
+    conn *c = conn_open(e, ep, tag, fd, status);
     if (!c || rx_create(c) == 0)
         return c;
     /* Nothing runs: undo the accounting here (e->mu is held by our caller). */
@@ -2021,11 +2021,6 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     free((conn_priv *)c);
     *status = AXF_E_NOMEM;
     return NULL;
-}
-
-conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
-{
-    return conn_new(e, ep, tag, fd, status);
 }
 
 int conn_launch(conn *c)
