@@ -75,6 +75,7 @@ class Cluster:
         "_closed",
         "session",
         "joining",
+        "_waiting",
     )
 
     def __init__(
@@ -97,6 +98,7 @@ class Cluster:
         self._closed = closed
         self.session: EtcdSession | None = None
         self.joining: asyncio.Task[None] | None = None
+        self._waiting = 0  # start()s awaiting the join
 
     # ------------------------------------------------------------ joining
 
@@ -108,9 +110,30 @@ class Cluster:
         self.joining.add_done_callback(_retrieve)
 
     async def joined(self) -> None:
-        """Waits until joined; raises what joining raised."""
-        if self.joining is not None:
-            await asyncio.shield(self.joining)
+        """Waits until joined; raises what joining raised.
+
+        Cancelled while it waits, and the only one waiting, it cancels the join
+        and waits for it to undo itself: a start() that was cancelled leaves
+        nothing joined (no key in etcd, no lease). A later start() joins
+        again."""
+        task = self.joining
+        if task is None:
+            return
+        if task.cancelled() and self.session is None and not self._closed():
+            self.join(asyncio.get_running_loop())  # an earlier start() was cancelled
+            task = self.joining
+            assert task is not None
+        self._waiting += 1
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done() and self._waiting == 1:
+                task.cancel()
+                # Bounded: the join's own undoing is (session.aclose).
+                await asyncio.wait([task])
+            raise
+        finally:
+            self._waiting -= 1
 
     async def _join(self) -> None:
         session = EtcdSession(self._discovery, self._agent, self._incarnation, self._members)
@@ -128,8 +151,14 @@ class Cluster:
                 _log.warning("discovery.join_failed", agent=self._agent, reason=str(error))
                 raise error from exc
             raise
+        try:
+            await self._members.reset(members)
+        except BaseException:
+            # Cancelled (or failed) before the keepalive runs: a key left on a
+            # lease nobody refreshes would show a member for a ttl.
+            await session.aclose()
+            raise
         self.session = session
-        await self._members.reset(members)
         session.start()
         self.changed()  # regions registered while we were joining
 

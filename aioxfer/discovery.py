@@ -270,7 +270,24 @@ class MemberListener(Protocol):
 # _LIST_PAGE keys fit in the receive bound, which a watch reply (events of many
 # revisions) may still exceed: the watch then restarts from a paged list.
 _LIST_PAGE = 32
-_GRPC_OPTIONS = {"grpc.max_receive_message_length": 64 << 20}
+
+
+def _grpc_options(ttl: int) -> dict[str, int]:
+    """gRPC channel arguments for one session's client.
+
+    Its own subchannel pool: gRPC shares a connection among every channel of
+    the process to the same target, so a client made right after etcd came
+    back (a newcomer joining) inherited the others' connection still waiting
+    out its reconnect backoff, and failed at once with "connection refused".
+    A reconnect backoff well under the lease ttl: gRPC's default grows to 120 s,
+    so after an outage of some seconds our leases, which etcd renews for one
+    ttl when it comes back, expired before we even tried to reach it again."""
+    return {
+        "grpc.max_receive_message_length": 64 << 20,
+        "grpc.use_local_subchannel_pool": 1,
+        "grpc.initial_reconnect_backoff_ms": 100,
+        "grpc.max_reconnect_backoff_ms": min(500, ttl * 250),
+    }
 
 _encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder(AgentMeta).decode
@@ -338,7 +355,7 @@ class EtcdSession:
         for ep in self.config.endpoints:
             host, port = _parse_endpoint(ep)
             client = aetcd.Client(host=host, port=port, timeout=self.config.timeout,
-                                  options=_GRPC_OPTIONS)
+                                  options=_grpc_options(self.config.ttl))
             lease = None
             try:
                 async with asyncio.timeout(self.config.timeout):
@@ -520,9 +537,7 @@ class EtcdSession:
         if current is not None:
             meta = self._decode(current.key, current.value)
             if meta is not None and meta.incarnation == self.incarnation:
-                # Ours after all (an earlier rejoin): keep alive the lease it is on.
-                self._mod_rev = int(current.mod_revision)
-                self._lease_id = int(current.lease)
+                await self._reclaim(current)
                 return
             self._superseded(meta)
             return
@@ -533,15 +548,60 @@ class EtcdSession:
         else:
             await self._rejoin()
 
+    async def _reclaim(self, current: Any) -> None:
+        """Our key holds our incarnation, but not as we last wrote it: an
+        earlier rejoin whose reply we lost (on a lease we granted and then
+        lost track of), or someone else's put (anyone who can write etcd may
+        put our incarnation, with another address, or with no lease: a key on
+        no lease outlives us). Ours again, with our value, on a lease we keep
+        alive; never adopting lease 0."""
+        c = self._client
+        held = int(current.lease)
+        lease = self._lease_id
+        if held and held != lease and await self._lease_alive(held):
+            lease = held  # the lease of that earlier rejoin: keep it alive
+        elif not await self._lease_alive(lease):
+            async with asyncio.timeout(self.config.timeout):
+                lease = int((await c.lease(self.config.ttl)).id)
+        value = self._value
+        if held == lease and bytes(current.value) == value:
+            self._lease_id, self._mod_rev = lease, int(current.mod_revision)
+            self._published = value
+            return
+        async with asyncio.timeout(self.config.timeout):
+            ok, resp = await c.transaction(
+                compare=[c.transactions.mod(self._key) == int(current.mod_revision)],
+                success=[c.transactions.put(self._key, value, lease=lease),
+                         c.transactions.get(self._key)],
+                failure=[c.transactions.get(self._key)],
+            )
+        self._lease_id = lease
+        now = _txn_kv(resp)
+        if ok and now is not None:
+            self._mod_rev = int(now.mod_revision)
+            self._published = value
+            if held != lease or bytes(current.value) != value:
+                _log.warning("discovery.reclaimed", agent=self.name, key=self._key.decode(),
+                             lease=f"{lease:#x}", reason="our key held our incarnation as "
+                             "we had not written it (lease or value): put ours back")
+            return
+        # Written again meanwhile: its watch event brings us back here (with
+        # a newer mod revision), or it is a deletion we handle as such.
+        self._mod_rev = max(self._mod_rev, int(current.mod_revision))
+
     def _superseded(self, meta: AgentMeta | None) -> None:
         self._state = "superseded"
         other = f"incarnation {meta.incarnation:#x}" if meta is not None else "something else"
         _log.warning("discovery.superseded", agent=self.name, key=self._key.decode(),
                      reason=f"the name is now held by {other}: no longer publishing")
 
-    async def _lease_alive(self) -> bool:
+    async def _lease_alive(self, lease: int | None = None) -> bool:
+        """Refreshes our lease (or ``lease``): whether it still lives."""
+        lease = self._lease_id if lease is None else lease
+        if not lease:
+            return False
         async with asyncio.timeout(self.config.timeout):
-            reply = await self._client.refresh_lease(self._lease_id)
+            reply = await self._client.refresh_lease(lease)
         return reply is not None and int(reply.TTL) > 0
 
     async def _rejoin(self) -> None:
@@ -605,7 +665,30 @@ class EtcdSession:
 
     async def _watch_loop(self) -> None:
         backoff = 0.1
+        relist = False
         while True:
+            if relist:
+                # Whatever was missed (events, compaction, an etcd restarted
+                # empty): list afresh and let the listener diff it against
+                # what it knew. The list's revision is ours only once the
+                # listener took all of it: a reset that failed midway lists
+                # again, rather than watching on from a revision whose members
+                # it never heard of.
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.ttl / 2)
+                try:
+                    async with asyncio.timeout(self.config.timeout):
+                        members, revision = await self._list(self._client)
+                    await self._listener.reset(members)
+                except asyncio.CancelledError:
+                    raise
+                except (Exception, TimeoutError) as exc:
+                    self._warn("discovery.watch_failed", _why(exc))
+                    continue
+                self._revision = revision
+                relist = False
+                backoff = 0.1
+                self._recovered("discovery.watch_failed")
             try:
                 await self._watch_from(self._revision + 1)
                 raise ConnectionError("the watch stream ended")
@@ -615,20 +698,7 @@ class EtcdSession:
                 if self._state == "closing":
                     return
                 self._warn("discovery.watch_failed", f"{_why(exc)}; listing again")
-            # Whatever was missed (events, compaction): list afresh and let the
-            # listener diff it against what it knew.
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.config.ttl / 2)
-            try:
-                async with asyncio.timeout(self.config.timeout):
-                    members, self._revision = await self._list(self._client)
-                await self._listener.reset(members)
-                backoff = 0.1
-                self._recovered("discovery.watch_failed")
-            except asyncio.CancelledError:
-                raise
-            except (Exception, TimeoutError) as exc:
-                self._warn("discovery.watch_failed", _why(exc))
+            relist = True
 
     async def _watch_from(self, revision: int) -> None:
         async with asyncio.timeout(self.config.timeout):
@@ -668,8 +738,18 @@ class EtcdSession:
             if meta is None:
                 return
             if name == self.name:
-                if meta.incarnation != self.incarnation and self._state == "joined":
-                    self._superseded(meta)
+                if meta.incarnation != self.incarnation:
+                    if self._state == "joined":
+                        self._superseded(meta)
+                    return
+                # Our incarnation, written by someone else (a put of ours has
+                # a mod revision we already know).
+                try:
+                    async with self._lock:
+                        if self._state == "joined" and int(ev.kv.mod_revision) > self._mod_rev:
+                            await self._reclaim(ev.kv)
+                except (Exception, TimeoutError) as exc:
+                    self._warn("discovery.keepalive_failed", _why(exc))
                 return
             await self._listener.put(meta)
         else:

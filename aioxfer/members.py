@@ -9,6 +9,7 @@ agent only through the narrow arguments it was built with, never its state.
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -34,6 +35,13 @@ __all__ = ["Members"]
 _log = get_logger("aioxfer")
 
 
+def _retrieve(task: asyncio.Task[None]) -> None:
+    # Reported (peer.refresh_failed) by whoever waited for it; retrieved here
+    # so that a refresh left behind by a close is never logged as unretrieved.
+    if not task.cancelled():
+        task.exception()
+
+
 class Members:
     """Etcd's members (all but this agent), fencing, and membership events.
 
@@ -51,6 +59,9 @@ class Members:
         "_refresh_peer",
         "_drop_peer",
         "_closed",
+        "_outbox",
+        "_workers",
+        "_refreshing",
     )
 
     def __init__(
@@ -69,6 +80,12 @@ class Members:
         self._refresh_peer = refresh_peer
         self._drop_peer = drop_peer
         self._closed = closed
+        # Per member with a metadata refresh on the side: its events in order
+        # (each with whether its live peers are refreshed before it is told),
+        # the task that tells them, and the refresh it waits for.
+        self._outbox: dict[str, list[tuple[MembershipEvent, bool]]] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._refreshing: dict[str, tuple[Peer, asyncio.Task[None]]] = {}
 
     # ------------------------------------------------------------ streams
 
@@ -81,6 +98,11 @@ class Members:
     def close(self) -> None:
         """The agent closed: every membership() iterator ends."""
         self._members.clear()
+        for _, task in self._refreshing.values():
+            task.cancel()
+        for task in self._workers.values():
+            task.cancel()
+        self._outbox.clear()
         for stream in list(self._subscribers):
             stream._end()
         self._subscribers.clear()
@@ -120,24 +142,23 @@ class Members:
             if not (added or removed or moved):
                 return
             # Connected peers learn the new regions from the peer itself (keys
-            # never come from etcd) before anyone hears of them.
-            for peer in self.live_peers(meta.name, meta.incarnation):
-                try:
-                    await self._refresh_peer(peer)
-                except XferError as exc:
-                    _log.info("peer.refresh_failed", agent=self._agent, peer=peer.name,
-                              reason=str(exc))
-            self.emit(
+            # never come from etcd) before anyone hears of them: on the side,
+            # since a frozen peer answers only at its peer timeout, and etcd's
+            # events (anyone's, and a forged PUT is one) must not wait for it.
+            self._report(
+                meta.name,
                 PeerUpdated(meta.name, meta.incarnation, meta.address, added, removed,
-                            old.address if moved else None)
+                            old.address if moved else None),
+                refresh=bool(self.live_peers(meta.name, meta.incarnation)),
             )
             return
         # A new member, or a new incarnation of one: whatever we hold of any
         # other incarnation of that name is fenced.
         self.fence(meta.name, meta.incarnation, None)
         if old is not None:
-            self.emit(PeerLeft(old.name, old.incarnation, old.address, "restarted"))
-        self.emit(PeerJoined(meta.name, meta.incarnation, meta.address, region_names(meta)))
+            self._report(meta.name, PeerLeft(old.name, old.incarnation, old.address, "restarted"))
+        self._report(meta.name,
+                     PeerJoined(meta.name, meta.incarnation, meta.address, region_names(meta)))
 
     async def deleted(self, name: str) -> None:
         old = self._members.pop(name, None)
@@ -145,7 +166,72 @@ class Members:
             return
         for peer in self.live_peers(name, old.incarnation):
             self._drop_peer(peer, "its etcd key was deleted (it left, or its lease expired)")
-        self.emit(PeerLeft(old.name, old.incarnation, old.address, "left"))
+        self._stop_refresh(name)
+        self._report(name, PeerLeft(old.name, old.incarnation, old.address, "left"))
+
+    # ------------------------------------------------------------ refreshing
+
+    def _report(self, name: str, event: MembershipEvent, refresh: bool = False) -> None:
+        """Emits ``event`` now, or, when ``refresh`` or when an earlier event
+        of ``name`` still waits for its refresh, once those refreshes are done
+        (a member's events stay in order)."""
+        box = self._outbox.get(name)
+        if box is None:
+            if not refresh:
+                self.emit(event)
+                return
+            box = self._outbox[name] = []
+            self._workers[name] = asyncio.get_running_loop().create_task(
+                self._tell(name, box), name=f"aioxfer-refresh-{self._agent}-{name}"
+            )
+        box.append((event, refresh))
+
+    async def _tell(self, name: str, box: list[tuple[MembershipEvent, bool]]) -> None:
+        """Refreshes ``name``'s live peers, then emits what waited for it; one
+        refresh for all the updates that came meanwhile."""
+        try:
+            while box:
+                batch = box[:]
+                del box[:]
+                updates = [ev for ev, refresh in batch if refresh]
+                if updates:
+                    await self._refresh(name, updates[-1].incarnation)
+                for ev, _ in batch:
+                    self.emit(ev)
+        finally:
+            if self._outbox.get(name) is box:
+                del self._outbox[name]
+                del self._workers[name]
+
+    async def _refresh(self, name: str, incarnation: int) -> None:
+        for peer in self.live_peers(name, incarnation):
+            task = asyncio.get_running_loop().create_task(self._refresh_one(peer))
+            task.add_done_callback(_retrieve)
+            self._refreshing[name] = (peer, task)
+            try:
+                # Bounded by the peer timeout; cut short when the member goes
+                # (its peer is dropped: there is nothing left to refresh).
+                await asyncio.wait([task])
+            finally:
+                task.cancel()
+                if self._refreshing.get(name, (None, None))[1] is task:
+                    del self._refreshing[name]
+            if task.cancelled():
+                continue
+            exc = task.exception()
+            if exc is not None:
+                _log.info("peer.refresh_failed", agent=self._agent, peer=peer.name,
+                          reason=str(exc) if isinstance(exc, XferError) else repr(exc))
+
+    async def _refresh_one(self, peer: Peer) -> None:
+        await self._refresh_peer(peer)
+
+    def _stop_refresh(self, name: str, peer: Peer | None = None) -> None:
+        """Cuts short the refresh of ``name``'s peer (``peer`` only, if given):
+        it was dropped."""
+        held = self._refreshing.get(name)
+        if held is not None and (peer is None or held[0] is peer):
+            held[1].cancel()
 
     # ------------------------------------------------------------ fencing
 
@@ -167,3 +253,4 @@ class Members:
                 continue
             p._mark_stale()
             self._drop_peer(p, "it restarted")
+            self._stop_refresh(name, p)

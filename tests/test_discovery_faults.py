@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import STEP, within
+from conftest import STEP, sigstop, wait_until, within
 from test_discovery import Member, _free_ports, _healthy, is_, next_event
 
 import aioxfer
@@ -113,8 +113,6 @@ async def in_thread(fn: Any, *args: Any) -> Any:
 # ----------------------------------------------------------------- etcd dies
 
 
-@pytest.mark.skip(reason="flaky (about 1 run in 4): the newcomer's join right after the etcd "
-                         "restart sometimes gets 'connection refused'; not yet understood")
 @pytest.mark.parametrize("wipe", [False, True], ids=["restart", "restart-empty"])
 async def test_membership_survives_etcd_kill9_and_restart(
     etcd_proc: EtcdProc, make_agent: Any, wipe: bool
@@ -310,3 +308,207 @@ async def test_join_with_more_than_grpc_default_message_of_members(
     await next_event(events, is_(PeerJoined, b.name, b.incarnation), what="b joined")
     expected = {f"big{i}" for i in range(4)} | {f"small{i}" for i in range(70)} | {b.name}
     assert {ev.name for ev in a.membership()._events} == expected
+
+
+async def test_leases_survive_an_etcd_outage(etcd_proc: EtcdProc, make_agent: Any) -> None:
+    """etcd down for 10 s, then back with its data: etcd renews every lease for
+    one ttl when it comes back, so a member that reaches it again within that
+    keeps its lease (and its key: nobody sees it leave). gRPC's reconnect
+    backoff had grown to seconds by then (its default tops out at 120 s): the
+    member tried again only after its lease had expired, and rejoined."""
+    disc = config(etcd_proc)
+    a = await make_agent("a", discovery=disc)
+    assert a._cluster.session is not None
+    lease = a._cluster.session._lease_id
+    await in_thread(etcd_proc.kill)
+    await asyncio.sleep(10.0)
+    await in_thread(etcd_proc.start)
+    await asyncio.sleep(3 * TTL)
+    await wait_registered(etcd_proc, disc, a, STEP)
+    assert a._cluster.session._lease_id == lease, "our lease expired after etcd came back"
+    async with await _client(etcd_proc) as c:
+        kv = await c.get(disc.key(a.name).encode())
+    assert kv is not None and int(kv.lease) == lease
+
+
+# ----------------------------------------------------------------- the watch loop
+
+
+class FlakyListener:
+    """A MemberListener (what EtcdSession reports to) whose first put and
+    first reset raise; reset raises midway, after taking its first member."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, Any] = {}
+        self.fail_put = self.fail_reset = 1
+
+    async def reset(self, members: dict[str, Any]) -> None:
+        for name in [n for n in self.members if n not in members]:
+            del self.members[name]
+        for i, name in enumerate(sorted(members)):
+            if i == 1 and self.fail_reset:
+                self.fail_reset -= 1
+                raise RuntimeError("reset failed midway")
+            self.members[name] = members[name]
+
+    async def put(self, meta: Any) -> None:
+        if self.fail_put:
+            self.fail_put -= 1
+            raise RuntimeError("put failed")
+        self.members[meta.name] = meta
+
+    async def deleted(self, name: str) -> None:
+        self.members.pop(name, None)
+
+
+async def test_relist_whose_reset_fails_midway_lists_again(etcd_proc: EtcdProc) -> None:
+    """A re-list (after the watch failed) whose reset raised midway: the session
+    took the list's revision before the reset finished, watched on from there,
+    and the members the reset had not reached stayed unknown to the listener
+    until some later re-list (none came)."""
+    from aioxfer.discovery import EtcdSession
+
+    disc = config(etcd_proc)
+    listener = FlakyListener()
+    session = EtcdSession(disc, "watcher", 1, listener)
+    await within(session.open(_meta_json("watcher", incarnation=1)))
+    session.start()
+    try:
+        names = [f"x{i}" for i in range(5)]
+        async with await _client(etcd_proc) as c:  # one revision: one watch reply
+            await c.transaction(compare=[], success=[
+                c.transactions.put(disc.key(n).encode(), _meta_json(n)) for n in names
+            ], failure=[])
+        await wait_until(lambda: listener.members.keys() >= set(names),
+                         what=f"every member known (have {sorted(listener.members)})")
+        assert listener.fail_put == listener.fail_reset == 0
+    finally:
+        await within(session.aclose())
+
+
+async def test_frozen_peer_refresh_never_stalls_membership(
+    etcd_proc: EtcdProc, make_agent: Any
+) -> None:
+    """A connected member's key changes (here: a forged PUT) while the member
+    is frozen: refreshing its metadata waits up to the peer timeout (60 s
+    here). It ran inside the watch loop, so every other membership event (a
+    newcomer, the frozen one's own lease expiry) waited as long. Now the
+    refresh runs on the side: the newcomer is seen at once, and the frozen
+    member's PeerUpdated then PeerLeft come, in that order, when its lease
+    expires."""
+    import msgspec
+
+    disc = config(etcd_proc)
+    a = await make_agent("a", discovery=disc, transports=("tcp",), peer_timeout=60.0)
+    events = a.membership()
+    m = await in_thread(lambda: Member(etcd=disc.endpoints[0], prefix=disc.prefix, ttl=TTL,
+                                       name="frozen", transports=("tcp",), peer_timeout=60.0))
+    try:
+        await next_event(events, is_(PeerJoined, "frozen", m.incarnation), what="joined")
+        peer = await within(a.connect("frozen"))
+        async with await _client(etcd_proc) as c:
+            kv = await c.get(disc.key("frozen").encode())
+        meta = msgspec.json.decode(kv.value)
+        meta["regions"].append({"name": "forged", "rid": 999, "key": 0, "nbytes": 64,
+                                "access": 3, "addr": 0})
+        sigstop(m.pid)
+        async with await _client(etcd_proc) as c:
+            await c.put(disc.key("frozen").encode(), msgspec.json.encode(meta), lease=kv.lease)
+        b = await make_agent("b", discovery=disc)
+        await next_event(events, is_(PeerJoined, b.name, b.incarnation),
+                         what="a newcomer while a frozen peer's refresh waits")
+        seen = []
+        async with asyncio.timeout(3 * STEP):
+            async for ev in events:
+                if ev.name == "frozen":
+                    seen.append(type(ev).__name__)
+                    if isinstance(ev, PeerLeft):
+                        break
+        assert seen == ["PeerUpdated", "PeerLeft"], seen
+        assert peer.lost
+    finally:
+        m.kill(signal.SIGKILL)
+        m.terminate()
+
+
+# ----------------------------------------------------------------- our own key
+
+
+async def test_forged_own_key_without_lease_is_taken_back(
+    etcd_proc: EtcdProc, make_agent: Any
+) -> None:
+    """Someone puts our key (our incarnation, another address) with no lease:
+    we put it back on our lease, with our value. It was adopted, lease 0 and
+    all: our key then outlived us (no lease to expire), and we kept a lease no
+    key was on."""
+    import msgspec
+
+    disc = config(etcd_proc)
+    a = await make_agent("a", discovery=disc)
+    session = a._cluster.session
+    lease = session._lease_id
+    key = disc.key(a.name).encode()
+    async with await _client(etcd_proc) as c:
+        kv = await c.get(key)
+        forged = msgspec.json.decode(kv.value)
+        forged["address"] = "127.0.0.1:1"
+        await c.put(key, msgspec.json.encode(forged))  # no lease
+    a.register(bytearray(64), name="after")  # a republication meets the forged key too
+
+    async def ours() -> bool:
+        async with await _client(etcd_proc) as c:
+            kv = await c.get(key)
+        if kv is None or int(kv.lease) == 0:
+            return False
+        meta = msgspec.json.decode(kv.value)
+        return (int(kv.lease) == session._lease_id
+                and meta["address"] == a.address
+                and [r["name"] for r in meta["regions"]] == ["after"])
+
+    deadline = time.monotonic() + STEP
+    while not await ours():
+        assert time.monotonic() < deadline, (
+            f"our key not taken back: lease {session._lease_id:#x} (was {lease:#x}), "
+            f"etcd holds {await etcd_get(etcd_proc, disc.key(a.name))!r}")
+        await asyncio.sleep(0.05)
+    await a.aclose()  # revoking our lease takes the key along
+    assert await etcd_get(etcd_proc, disc.key(a.name)) is None
+
+
+# ----------------------------------------------------------------- cancelled start
+
+
+async def test_cancelled_start_leaves_nothing_joined(etcd_proc: EtcdProc) -> None:
+    """An explicitly awaited start() cancelled at any point of its join: the
+    join stops with it (no key in etcd, nothing joined) and a later start()
+    joins. The join went on in the background after the cancellation."""
+    disc = config(etcd_proc)
+    for i in range(400):  # listing them takes a while: the window after our put
+        await etcd_put(etcd_proc, disc.key(f"m{i}").encode(),
+                       _meta_json(f"m{i}", regions=[], host_id="x" * 100))
+    outcomes = []
+    for step in range(30):
+        agent = aioxfer.Agent(f"s{step}", discovery=disc)
+        try:
+            start = asyncio.get_running_loop().create_task(agent.start())
+            await asyncio.sleep(step * 0.0015)
+            start.cancel()
+            try:
+                await within(start)
+                outcomes.append("joined")
+                continue
+            except asyncio.CancelledError:
+                outcomes.append("cancelled")
+            joining = agent._cluster.joining
+            if joining is not None:  # what a join left running would do meanwhile
+                await within(asyncio.wait([joining]))
+            raw = await etcd_get(etcd_proc, disc.key(agent.name))
+            assert raw is None, f"cancelled at {step * 1.5} ms: its key is in etcd"
+            assert agent._cluster.session is None
+            await within(agent.start())  # joins now
+            assert await etcd_get(etcd_proc, disc.key(agent.name)) is not None
+        finally:
+            await within(agent.aclose())
+        assert await etcd_get(etcd_proc, disc.key(agent.name)) is None
+    print(f"\n{outcomes.count('cancelled')} cancelled mid-join, {outcomes.count('joined')} after")
+    assert "cancelled" in outcomes
