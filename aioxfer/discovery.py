@@ -203,7 +203,8 @@ class Etcd:
 
     ``endpoints``: "host:port" or "http://host:port" of the cluster's members,
     tried in order when joining (the agent then stays with the first that
-    answered, retrying it while it is down). ``prefix``: where agents live
+    answered while it serves, and moves to another that answers when a lease
+    refresh through it fails). ``prefix``: where agents live
     (``{prefix}/agents/{name}``). ``ttl``: lease seconds (whole, at least 1):
     an agent that stops refreshing its lease (killed, frozen, cut off) is
     removed that long after its last refresh, and its peers fail their
@@ -648,6 +649,47 @@ class EtcdSession:
                 raise
             except (Exception, TimeoutError) as exc:
                 self._warn("discovery.keepalive_failed", _why(exc))
+                if len(self.config.endpoints) > 1:
+                    async with self._lock:
+                        await self._failover()
+
+    async def _failover(self) -> None:
+        """Our etcd endpoint failed us: moves the session to the first other
+        endpoint that answers (our lease and key live in the cluster, not in
+        one member). Staying with the first that answered at join meant that
+        one etcd member dying for good took our lease along with it (and,
+        with its members gone, every agent that had joined through it),
+        however healthy the rest of the cluster. The watch, on the old
+        client, ends as it closes: it lists again through the new one."""
+        import aetcd
+
+        eps = self.config.endpoints
+        at = eps.index(self._endpoint) if self._endpoint in eps else -1
+        for ep in eps[at + 1:] + eps[:at + 1]:
+            if ep == self._endpoint or self._state != "joined":
+                continue
+            host, port = _parse_endpoint(ep)
+            client = aetcd.Client(host=host, port=port, timeout=self.config.timeout,
+                                  options=_grpc_options(self.config.ttl))
+            try:
+                async with asyncio.timeout(self.config.timeout):
+                    await client.connect()
+                    await client.refresh_lease(self._lease_id)  # it answers
+            except BaseException as exc:
+                with contextlib.suppress(Exception, TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await client.close()
+                if not isinstance(exc, Exception):
+                    raise  # cancelled: we are closing
+                continue
+            old, self._client = self._client, client
+            _log.warning("discovery.failover", agent=self.name, etcd=ep, was=self._endpoint,
+                         reason="our etcd endpoint failed: using another")
+            self._endpoint = ep
+            with contextlib.suppress(Exception, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await old.close()
+            return
 
     def _warn(self, event: str, reason: str) -> None:
         # Once per kind of trouble until it clears, not once per retry.

@@ -512,3 +512,91 @@ async def test_cancelled_start_leaves_nothing_joined(etcd_proc: EtcdProc) -> Non
         assert await etcd_get(etcd_proc, disc.key(agent.name)) is None
     print(f"\n{outcomes.count('cancelled')} cancelled mid-join, {outcomes.count('joined')} after")
     assert "cancelled" in outcomes
+
+
+# ----------------------------------------------------------------- an etcd cluster
+
+
+class EtcdCluster:
+    """Three etcd members on loopback, each of which a test may kill."""
+
+    def __init__(self, root: Path, n: int = 3) -> None:
+        exe = shutil.which("etcd")
+        if exe is None:
+            pytest.skip("the etcd binary is not installed (Debian: apt-get install etcd-server)")
+        pytest.importorskip("aetcd", reason="the aetcd client is not installed")
+        ports = _free_ports(2 * n)
+        self.clients = [f"127.0.0.1:{p}" for p in ports[:n]]
+        peers = [f"http://127.0.0.1:{p}" for p in ports[n:]]
+        initial = ",".join(f"n{i}={peer}" for i, peer in enumerate(peers))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+        self.procs: list[subprocess.Popen[bytes] | None] = []
+        for i, (client, peer) in enumerate(zip(self.clients, peers, strict=True)):
+            url = f"http://{client}"
+            cmd = [
+                exe, "--name", f"n{i}", "--data-dir", str(root / f"data{i}"),
+                "--listen-client-urls", url, "--advertise-client-urls", url,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", initial, "--initial-cluster-state", "new",
+                "--heartbeat-interval", "20", "--election-timeout", "200",
+                "--logger", "zap", "--log-level", "warn",
+            ]
+            with open(root / f"etcd{i}.log", "ab") as log:
+                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                   env=env))
+        deadline = time.monotonic() + 30
+        for client in self.clients:
+            while not _healthy(f"http://{client}"):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("etcd cluster not healthy within 30 s")
+                time.sleep(0.05)
+
+    def kill(self, i: int) -> None:
+        proc = self.procs[i]
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        self.procs[i] = None
+
+    def stop(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if proc is not None:
+                self.kill(i)
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_path)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def test_member_fails_over_when_its_etcd_node_dies(
+    etcd_cluster: EtcdCluster, make_agent: Any
+) -> None:
+    """kill -9 of the etcd member an agent joined through, the other two
+    healthy: the agent moves to one of them, keeps its lease and key, and its
+    watch goes on. It kept retrying the dead one: its lease expired, the others
+    saw it leave, and it saw nobody join any more."""
+    disc = Etcd(etcd_cluster.clients, prefix="/faults", ttl=TTL, timeout=2.0)
+    a = await make_agent("a", discovery=disc)
+    session = a._cluster.session
+    assert session is not None and session._endpoint == etcd_cluster.clients[0]
+    lease = session._lease_id
+    events = a.membership()
+    await in_thread(etcd_cluster.kill, 0)
+    await asyncio.sleep(3 * TTL)
+    others = Etcd(etcd_cluster.clients[1:], prefix="/faults", ttl=TTL, timeout=2.0)
+    b = await make_agent("b", discovery=others)
+    await next_event(events, is_(PeerJoined, b.name, b.incarnation),
+                     what="a newcomer, seen through another etcd member")
+    import aetcd
+
+    host, port = etcd_cluster.clients[1].rsplit(":", 1)
+    async with aetcd.Client(host=host, port=int(port), timeout=STEP) as c:
+        kv = await c.get(disc.key(a.name).encode())
+    assert kv is not None and int(kv.lease) == lease == session._lease_id, (
+        "our lease expired while the rest of the etcd cluster was up")
