@@ -115,12 +115,14 @@ class Cluster:
         Cancelled while it waits, and the only one waiting, it cancels the join
         and waits for it to undo itself: a start() that was cancelled leaves
         nothing joined (no key in etcd, no lease). A later start() joins
-        again."""
+        again, as it does after a join that failed."""
         task = self.joining
         if task is None:
             return
-        if task.cancelled() and self.session is None and not self._closed():
-            self.join(asyncio.get_running_loop())  # an earlier start() was cancelled
+        if task.done() and self.session is None and not self._closed():
+            # An earlier start() was cancelled, or its join failed (etcd down):
+            # this one tries again, rather than raising that old error for ever.
+            self.join(asyncio.get_running_loop())
             task = self.joining
             assert task is not None
         self._waiting += 1

@@ -600,3 +600,22 @@ async def test_member_fails_over_when_its_etcd_node_dies(
         kv = await c.get(disc.key(a.name).encode())
     assert kv is not None and int(kv.lease) == lease == session._lease_id, (
         "our lease expired while the rest of the etcd cluster was up")
+
+
+async def test_start_again_after_a_failed_join_joins(etcd_proc: EtcdProc) -> None:
+    """start() failed (etcd down), etcd came back: start() again joins. It
+    raised the first join's error for ever (and connect(name) with it)."""
+    disc = config(etcd_proc, timeout=1.0)
+    await in_thread(etcd_proc.kill)
+    agent = aioxfer.Agent("late", discovery=disc)
+    try:
+        with pytest.raises(aioxfer.TransportError, match="cannot join"):
+            await within(agent.start())
+        await in_thread(etcd_proc.start)
+        await within(agent.start())
+        await wait_registered(etcd_proc, disc, agent, STEP)
+        peer_etcd = await etcd_get(etcd_proc, disc.key(agent.name))
+        assert peer_etcd is not None
+    finally:
+        await within(agent.aclose())
+    assert await etcd_get(etcd_proc, disc.key(agent.name)) is None
