@@ -129,10 +129,16 @@ class Cluster:
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
-            if not task.done() and self._waiting == 1:
-                task.cancel()
-                # Bounded: the join's own undoing is (session.aclose).
-                await asyncio.wait([task])
+            if self._waiting == 1:
+                if not task.done():
+                    task.cancel()
+                    # Bounded: the join's own undoing is (session.aclose).
+                    await asyncio.wait([task])
+                if not task.cancelled() and task.exception() is None:
+                    # It had just joined as we were cancelled: leave again.
+                    session, self.session = self.session, None
+                    if session is not None:
+                        await session.aclose()
             raise
         finally:
             self._waiting -= 1

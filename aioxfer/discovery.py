@@ -777,10 +777,10 @@ class EtcdSession:
         name = key[len(self._agents):].decode("utf-8", "replace")
         if ev.kind == "PUT":
             meta = self._decode(key, ev.kv.value)
-            if meta is None:
-                return
-            if name == self.name:
-                if meta.incarnation != self.incarnation:
+            if key == self._key:
+                if meta is None or meta.incarnation != self.incarnation:
+                    # (None: not an AgentMeta we can read, as when a
+                    # republication meets it: perhaps a newer version's)
                     if self._state == "joined":
                         self._superseded(meta)
                     return
@@ -793,9 +793,16 @@ class EtcdSession:
                 except (Exception, TimeoutError) as exc:
                     self._warn("discovery.keepalive_failed", _why(exc))
                 return
+            if meta is None:
+                # The key no longer holds a member we can read: as a list
+                # would say (it skips such values), that member is gone. Kept,
+                # it stayed a member for ever: the bad value, on no lease,
+                # never expires, so its real leaving never showed.
+                await self._listener.deleted(name)
+                return
             await self._listener.put(meta)
         else:
-            if name == self.name:
+            if key == self._key:
                 try:
                     async with self._lock:
                         if self._state == "joined" and int(ev.kv.mod_revision) > self._mod_rev:

@@ -619,3 +619,24 @@ async def test_start_again_after_a_failed_join_joins(etcd_proc: EtcdProc) -> Non
     finally:
         await within(agent.aclose())
     assert await etcd_get(etcd_proc, disc.key(agent.name)) is None
+
+
+async def test_bad_value_on_a_members_key_is_its_leaving(
+    etcd_proc: EtcdProc, make_agent: Any
+) -> None:
+    """A member's key overwritten with a value that is no AgentMeta (and on no
+    lease): a list skips it, so a newcomer does not see that member; the
+    watchers did keep it, for ever, since that key then never expires and the
+    member's real leaving (here: its aclose) deletes nothing."""
+    disc = config(etcd_proc)
+    a = await make_agent("a", discovery=disc)
+    b = await make_agent("b", discovery=disc)
+    events = a.membership()
+    await next_event(events, is_(PeerJoined, b.name, b.incarnation), what="b joined")
+    await etcd_put(etcd_proc, disc.key(b.name).encode(), HOSTILE["wrong-type"])
+    b_name, b_inc = b.name, b.incarnation
+    await b.aclose()
+    await next_event(events, is_(PeerLeft, b_name, b_inc), what="b's leaving")
+    assert b_name not in a._membership._members
+    c = await make_agent("c", discovery=disc)
+    assert b_name not in c._membership._members  # what a list says
