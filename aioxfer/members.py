@@ -103,6 +103,8 @@ class Members:
         for task in self._workers.values():
             task.cancel()
         self._outbox.clear()
+        self._workers.clear()
+        self._refreshing.clear()
         for stream in list(self._subscribers):
             stream._end()
         self._subscribers.clear()
