@@ -278,3 +278,38 @@ async def test_placement_with_offsets_past_the_senders_region(make_agent: MakeAg
         assert json.loads(p[2:2 + n]) == {"op": "ack", "req": 1}
         assert bytes(p[2 + n:]) == b"\x00\x00"
         assert len(host.free) == host.n_slots and not host.index
+
+
+async def test_store_with_a_peer_tier_closed_under_cancellation(make_agent: MakeAgent) -> None:
+    """Store.aclose() of a store with a PeerTier cancelled after 1, 2, 3, ...
+    loop turns: whatever the point, the close finishes what it started
+    (the cancel is raised after): the tier's control agent is closed, its
+    published regions and the host tier's memory are released, the host
+    tier no longer publishes (before: the close stopped at the await the
+    cancel hit, leaving all that behind; the next store of the group could
+    not even register its regions)."""
+    agent = await make_agent("member-k")
+    finished = 0
+    for turns in range(1, 400):  # (0: cancelled before it began, nothing to finish)
+        tier = kv.PeerTier(group="t")
+        host = kv.HostTier(8 * BB)
+        store = await within(kv.Store.open(agent, block_bytes=BB, tiers=[host, tier]))
+        assert tier.ctl is not None and tier.stage is not None and tier.index is not None
+        ctl, regions = tier.ctl, [tier.stage, tier.index.region, tier.meta_region]
+        closing = asyncio.ensure_future(store.aclose())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        closing.cancel()
+        try:
+            await within(closing)
+            finished += 1
+        except asyncio.CancelledError:
+            pass
+        assert store.closed, turns
+        assert ctl.closed, turns
+        assert all(r is not None and r.closed for r in regions), turns
+        assert host.region is not None and host.region.closed, turns
+        assert host.published is None, turns
+        if finished >= 2:
+            break
+    assert finished >= 2

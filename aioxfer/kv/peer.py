@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from aioxfer.errors import XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import entry_check
 from aioxfer.kv.errors import BlockMissing, BlockUnavailable
-from aioxfer.kv.tier import Tier, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region, RemoteRegion, SegmentList
 
@@ -197,23 +198,43 @@ class PeerTier(Tier):
                 await self._add_member(await agent.connect(address))
 
     async def _aclose(self) -> None:
+        """Stops serving and releases what the tier holds. Every step is taken
+        even when one before it fails or the close is cancelled at one of its
+        awaits (each runs to its end): the first failure, else the cancel, is
+        raised once all are done. (It stopped at the first: the control
+        agent, the published regions and the host tier's link to its index
+        were left behind.)"""
+        host = self.store._host
+        if host is not None:
+            host.publish(None)  # no await: done whatever follows
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         for fut in self._acks.values():
             if not fut.done():
                 fut.cancel()
-        if self.ctl is not None:
-            await self.ctl.aclose()
         from aioxfer.kv.store import _deregister
 
         agent = self.store.agent
+        steps: list[Awaitable[Any]] = []
+        if self._tasks:
+            steps.append(asyncio.gather(*self._tasks, return_exceptions=True))
+        if self.ctl is not None:
+            steps.append(self.ctl.aclose())
         for r in (self.meta_region, self.stage, self.index.region if self.index else None):
             if r is not None and not r.closed:
-                await _deregister(agent, r)
-        host = self.store._host
-        if host is not None:
-            host.publish(None)
+                steps.append(_deregister(agent, r))
+        first: Exception | None = None
+        cancelled = False
+        for step in steps:
+            try:
+                cancelled |= await finish_uncancelled(step)
+            except Exception as exc:
+                _log.warning("kv.peer_close_failed", tier=self.name, error=repr(exc))
+                first = first or exc
+        if first is not None:
+            raise first
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
