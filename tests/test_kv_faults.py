@@ -803,3 +803,76 @@ async def test_open_failing_reports_its_own_error_not_the_cleanups(make_agent: M
     assert "notadir" in str(ei.value)
     assert host.region is None or host.region.closed
     assert all(t._store is None for t in tiers)
+
+
+def immutable(path: Path, on: bool) -> None:
+    r = subprocess.run(["chattr", "+i" if on else "-i", str(path)], capture_output=True,
+                       text=True)
+    if on and r.returncode != 0:
+        pytest.skip(f"chattr +i failed here: {r.stderr.strip()}")
+
+
+async def test_removed_keys_stay_removed_when_their_segment_cannot_be_marked(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    """remove() of blocks in a sealed segment file made immutable (chattr +i:
+    their entries cannot be marked removed in place, EPERM): the remove
+    still succeeds (the keys are tombstoned in the tier's own file), and
+    after a restart, with the file writable again or not, they stay removed
+    while the rest of that segment is served; a key put again after that
+    survives the next restart; once marked in place, the tombstones are
+    retired. (Before: RemoveIncomplete, and the restart brought the removed
+    blocks back.)"""
+    if os.geteuid() != 0 or shutil.which("chattr") is None:
+        pytest.skip("needs root and chattr")
+    agent = await make_agent("kv")
+    path = tmp_path / "kv"
+
+    def tier() -> kv.DiskTier:
+        return kv.DiskTier(path, 64 * BB, segment_bytes=8 * BB)
+
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[tier()])
+    n = 12  # segment 0 sealed (8 blocks), segment 1 active
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 18)
+    src.numpy()[:] = data
+    keys = keys_for(n, 18)
+    seg0 = path / "seg-00000000.axkv"
+    try:
+        assert (await within(store.put(keys, src[0:n * BB], durable=True))).durable == n
+        immutable(seg0, True)
+        assert await within(store.remove(keys[:3])) == 3
+        assert (await store.lookup(keys[:3])).prefix == 0
+    finally:
+        try:
+            await store.aclose()
+        finally:
+            immutable(seg0, False)
+    immutable(seg0, True)  # still immutable at the restart
+    try:
+        store = await kv.Store.open(agent, block_bytes=BB, tiers=[tier()])
+        try:
+            assert (await store.lookup(keys[:3])).prefix == 0, "removed blocks came back"
+            dst = agent.alloc((n - 3) * BB)
+            res = await within(store.get(keys[3:], dst[0:(n - 3) * BB]))
+            assert res.prefix == n - 3 and np.array_equal(dst.numpy(), data[3 * BB:])
+        finally:
+            await store.aclose()
+    finally:
+        immutable(seg0, False)
+    disk = tier()
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[disk])
+    try:
+        assert (await store.lookup(keys[:3])).prefix == 0
+        await wait_until(lambda: not disk._tasks, what="the tombstoned records marked")
+        assert not (path / "tombstones.axkv").exists(), "tombstones not retired"
+        assert (await within(store.put(keys[:1], src[0:BB], durable=True))).durable == 1
+    finally:
+        await store.aclose()
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[tier()])
+    try:
+        dst = agent.alloc(BB)
+        res = await within(store.get(keys[:1], dst[0:BB]))
+        assert res.prefix == 1 and np.array_equal(dst.numpy(), data[:BB])
+        assert (await store.lookup(keys[1:3])).prefix == 0
+    finally:
+        await store.aclose()
