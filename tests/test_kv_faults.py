@@ -876,3 +876,62 @@ async def test_removed_keys_stay_removed_when_their_segment_cannot_be_marked(
         assert (await store.lookup(keys[1:3])).prefix == 0
     finally:
         await store.aclose()
+
+
+async def test_object_put_cancelled_while_the_server_hangs(make_agent: MakeAgent,
+                                                           own_s3: S3Server) -> None:
+    """The S3 server stops answering (SIGSTOP) under a durable put into the
+    object tier: cancelled, the put ends at once (before: it waited for its
+    PUTs, up to the client's timeouts, a minute here), stores nothing, and
+    its memory and the tier's stage are reused at once; once the server
+    runs again every object in the bucket is its key's block, and the tier
+    stores the next blocks."""
+    pytest.importorskip("obstore")
+    import signal
+
+    s3 = own_s3
+    bucket = s3.bucket()
+    agent = await make_agent("kv")
+    kw = dict(retry_timeout=60.0, max_retries=2, connect_timeout=60.0, read_timeout=60.0,
+              **s3.kwargs())
+    objs = agent.register_objects(f"s3://{bucket}/kv", **kw)
+    tier = kv.ObjectTier(objs, batch=4)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[tier])
+    n = 4
+    src = agent.alloc(2 * n * BB)
+    data = pattern(2 * n * BB, 19)
+    src.numpy()[:] = data
+    keys, later = keys_for(n, 19), keys_for(n, 20)
+    assert s3.proc is not None
+    try:
+        s3.proc.send_signal(signal.SIGSTOP)
+        try:
+            put = asyncio.ensure_future(store.put(keys, src[0:n * BB], durable=True))
+            await until_in_flight(tier, "the PUTs")
+            await asyncio.sleep(0.5)  # (the requests well inside the client, not a timing)
+            put.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await within(put, 10)
+            assert not [k for k in keys if k in tier.index]
+            src.numpy()[:n * BB] = 0  # reused by its owner
+            late = asyncio.ensure_future(store.put(later, src[n * BB:2 * n * BB], durable=True))
+            await until_in_flight(tier, "the next PUTs")
+        finally:
+            s3.proc.send_signal(signal.SIGCONT)
+        assert (await within(late, 60)).durable == n
+    finally:
+        await store.aclose()
+    agent2 = await make_agent("kv2")
+    objs2 = agent2.register_objects(f"s3://{bucket}/kv", **kw)
+    store2 = await kv.Store.open(agent2, block_bytes=BB, tiers=[kv.ObjectTier(objs2)])
+    try:
+        dst = agent2.alloc(BB)
+        for i, k in enumerate(keys + later):
+            res = await within(store2.get([k], dst[0:BB]), 60)
+            assert res.failed == (), res
+            if res.prefix:
+                assert np.array_equal(dst.numpy(), data[i * BB:(i + 1) * BB]), i
+            else:
+                assert k in keys, "a block the finished put stored is not in the bucket"
+    finally:
+        await store2.aclose()
