@@ -935,3 +935,47 @@ async def test_object_put_cancelled_while_the_server_hangs(make_agent: MakeAgent
                 assert k in keys, "a block the finished put stored is not in the bucket"
     finally:
         await store2.aclose()
+
+
+async def test_key_put_again_during_a_tombstoned_remove_survives_a_restart(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    """A key removed from an immutable segment (so tombstoned) is put again
+    while that remove still waits for the tier's header lock: the new
+    record is what the tier serves, and after a restart too (the tombstone
+    buries the removed record's sequence number, not the tier's latest)."""
+    if os.geteuid() != 0 or shutil.which("chattr") is None:
+        pytest.skip("needs root and chattr")
+    agent = await make_agent("kv")
+    path = tmp_path / "kv"
+    disk = kv.DiskTier(path, 64 * BB, segment_bytes=8 * BB)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[disk])
+    n = 10
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 21)
+    src.numpy()[:] = data
+    keys = keys_for(n, 21)
+    seg0 = path / "seg-00000000.axkv"
+    try:
+        assert (await within(store.put(keys, src[0:n * BB], durable=True))).durable == n
+        immutable(seg0, True)
+        assert disk.lock is not None
+        async with disk.lock:
+            rm = asyncio.ensure_future(store.remove(keys[:1]))
+            assert await turns_until(lambda: keys[0] not in disk.index)
+            assert await within(disk._write(keys[:1], [src], [0])) == [True]
+        assert await within(rm) == 1
+        assert disk.tombstoned == 1
+        assert (await store.lookup(keys[:1])).prefix == 1
+    finally:
+        try:
+            await store.aclose()
+        finally:
+            immutable(seg0, False)
+    store = await kv.Store.open(agent, block_bytes=BB, tiers=[
+        kv.DiskTier(path, 64 * BB, segment_bytes=8 * BB)])
+    try:
+        dst = agent.alloc(BB)
+        res = await within(store.get(keys[:1], dst[0:BB]))
+        assert res.prefix == 1 and np.array_equal(dst.numpy(), data[:BB])
+    finally:
+        await store.aclose()

@@ -26,9 +26,10 @@ marked removed on disk) and reported as BlockCorrupt, never delivered.
 A remove marks the entries removed in place. Where that fails (an I/O
 error, a segment file made read-only or immutable), the keys go into the
 tier's tombstone file (``tombstones.axkv``: entries of the same format, flag
-removed, each with the sequence number the tier had reached; appended and
+removed, each with the sequence number of the record removed; appended and
 synced) before the remove returns: on open, a record of a tombstoned key
-whose sequence number is not above its tombstone's is dead. The tombstones
+whose sequence number is not above its tombstone's (the removed record's)
+is dead. The tombstones
 are retired (the file deleted) once an open has marked those records
 removed in place. A remove raises only if neither could be written.
 
@@ -136,7 +137,7 @@ class _Seg:
 
     __slots__ = ("no", "path", "region", "slots", "slot_bytes", "hdr_off", "data_off",
                  "keys", "live", "nlive", "crc", "algo", "cursor", "pins", "last_access",
-                 "doomed", "image", "dirty", "writing", "length", "codec")
+                 "doomed", "image", "dirty", "writing", "length", "codec", "seqs")
 
     def __init__(self, no: int, path: str, slots: int, slot_bytes: int) -> None:
         self.no = no
@@ -153,6 +154,7 @@ class _Seg:
         self.algo = np.zeros(slots, dtype=np.uint8)
         self.length = np.zeros(slots, dtype=np.uint32)  # stored bytes (compressed or not)
         self.codec = np.zeros(slots, dtype=np.uint8)
+        self.seqs = np.zeros(slots, dtype=np.uint64)  # each record's sequence number
         self.cursor = slots  # next slot to fill; == slots: sealed
         self.pins = 0
         self.last_access = 0
@@ -389,6 +391,7 @@ class DiskTier(Tier):
             if bool((codec[idx] != 0).any()):
                 self.any_compressed = True
             seg.length[:n_entries] = ent["length"]
+            seg.seqs[:n_entries] = ent["seq"]
             seg.live[idx] = True
             seg.nlive = int(idx.size)
             if idx.size:
@@ -476,13 +479,14 @@ class DiskTier(Tier):
                 out[k] = q
         return out
 
-    def _write_tombstones(self, keys: list[bytes]) -> None:
-        """Appends tombstones for ``keys`` (at the sequence number reached now)
-        and syncs them (runs in a thread)."""
+    def _write_tombstones(self, keys: list[bytes], seqs: list[int]) -> None:
+        """Appends tombstones for ``keys``, each burying its records up to the
+        sequence number of the one removed (a later record of the key, put
+        again meanwhile, lives on), and syncs them (runs in a thread)."""
         n = len(keys)
         rec = np.zeros(n, dtype=ENTRY_DTYPE)
         rec["key"] = np.frombuffer(b"".join(keys), dtype="V32")
-        rec["seq"] = self.seq
+        rec["seq"] = np.array(seqs, dtype=np.uint64)
         rec["ns"] = self.ns
         rec["magic"] = ENTRY_MAGIC
         rec["version"] = ENTRY_VERSION
@@ -920,6 +924,7 @@ class DiskTier(Tier):
             seg.algo[slot] = ck.ALGO
             seg.length[slot] = bb if lengths is None else lengths[j]
             seg.codec[slot] = 0 if codecs is None else codecs[j]
+            seg.seqs[slot] = rec["seq"][j]
             seg.live[slot] = True
             seg.nlive += 1
             index[key] = (seg.no << 32) | slot
@@ -1184,6 +1189,7 @@ class DiskTier(Tier):
             by_seg.setdefault(loc >> 32, []).append(loc & 0xFFFFFFFF)
         assert self.lock is not None and self.stage is not None
         unmarked: list[bytes] = []
+        unmarked_seq: list[int] = []
         first: BaseException | None = None
         for no, slots in by_seg.items():
             seg = self.segs.get(no)
@@ -1204,6 +1210,7 @@ class DiskTier(Tier):
             except (XferError, OSError) as exc:
                 # Still live on disk: a restart would bring them back.
                 unmarked.extend(seg.keys[s].tobytes() for s in slots)
+                unmarked_seq.extend(int(seg.seqs[s]) for s in slots)
                 first = first or exc
                 continue
             if not seg.nlive and seg is not self.active:
@@ -1212,7 +1219,7 @@ class DiskTier(Tier):
             _log.warning("kv.disk_remove_unmarked", tier=self.name, blocks=len(unmarked),
                          error=repr(first))
             try:
-                await asyncio.to_thread(self._write_tombstones, unmarked)
+                await asyncio.to_thread(self._write_tombstones, unmarked, unmarked_seq)
             except OSError as exc:
                 self.counters.errors += 1
                 assert first is not None
