@@ -104,9 +104,21 @@ class AgentCollector(Collector):
     weakly: a closed, dropped agent disappears from the output)."""
 
     def __init__(self, *agents: Agent) -> None:
-        self._agents: weakref.WeakSet[Agent] = weakref.WeakSet(agents)
+        self._agents: weakref.WeakSet[Agent] = weakref.WeakSet()
+        for agent in agents:
+            self.add(agent)
 
     def add(self, agent: Agent) -> None:
+        """Adds ``agent``. Its name labels its samples: a second open agent of
+        the same name is refused (ValueError; the same series twice, and
+        Prometheus rejects the whole scrape), a closed one of that name is
+        replaced."""
+        for held in list(self._agents):
+            if held is not agent and held.name == agent.name:
+                if not held.closed:
+                    raise ValueError(f"this collector already exports an open agent named "
+                                     f"{agent.name!r}")
+                self._agents.discard(held)
         self._agents.add(agent)
 
     def remove(self, agent: Agent) -> None:

@@ -113,3 +113,30 @@ async def test_store_metrics_on_the_agent_endpoint(make_agent: MakeAgent) -> Non
         assert value(got, "aioxfer_kv_puts_total", **lab) == 4
         assert ("aioxfer_transfers_posted_total", (("agent", agent.name),)) in got
         await server.aclose()
+
+
+async def test_two_stores_of_one_name_are_not_exported_twice(make_agent: MakeAgent) -> None:
+    """Two open stores of one name in one collector would export every series
+    twice (Prometheus rejects such a scrape whole): the second is refused,
+    in the constructor and in add(); once the first is closed, a store of
+    its name replaces it. (Before: both were taken, every sample doubled.)"""
+    a = await make_agent("kv-a")
+    b = await make_agent("kv-b")
+    async with kv.Store.open(a, block_bytes=BB, tiers=[kv.HostTier(4 * BB)], name="s") as s1, \
+            kv.Store.open(b, block_bytes=BB, tiers=[kv.HostTier(4 * BB)], name="s") as s2:
+        with pytest.raises(ValueError, match="'s'"):
+            StoreCollector(s1, s2)
+        collector = StoreCollector(s1)
+        with pytest.raises(ValueError, match="'s'"):
+            collector.add(s2)
+        collector.add(s1)  # the same store again: no-op
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(collector)
+        text = generate_latest(registry).decode()
+        lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+        assert len(lines) == len(set(lines)) and any('store="s"' in ln for ln in lines)
+        await s1.aclose()
+        collector.add(s2)  # the closed one of that name makes way
+        text = generate_latest(registry).decode()
+        lines = [ln.rsplit(" ", 1)[0] for ln in text.splitlines() if ln and ln[0] != "#"]
+        assert len(lines) == len(set(lines)), "a series exported twice"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import sys
 import textwrap
 from collections.abc import Awaitable, Callable
@@ -278,3 +279,89 @@ async def test_placement_with_offsets_past_the_senders_region(make_agent: MakeAg
         assert json.loads(p[2:2 + n]) == {"op": "ack", "req": 1}
         assert bytes(p[2 + n:]) == b"\x00\x00"
         assert len(host.free) == host.n_slots and not host.index
+
+
+async def test_store_with_a_peer_tier_closed_under_cancellation(make_agent: MakeAgent) -> None:
+    """Store.aclose() of a store with a PeerTier cancelled after 1, 2, 3, ...
+    loop turns: whatever the point, the close finishes what it started
+    (the cancel is raised after): the tier's control agent is closed, its
+    published regions and the host tier's memory are released, the host
+    tier no longer publishes (before: the close stopped at the await the
+    cancel hit, leaving all that behind; the next store of the group could
+    not even register its regions)."""
+    agent = await make_agent("member-k")
+    finished = 0
+    for turns in range(1, 400):  # (0: cancelled before it began, nothing to finish)
+        tier = kv.PeerTier(group="t")
+        host = kv.HostTier(8 * BB)
+        store = await within(kv.Store.open(agent, block_bytes=BB, tiers=[host, tier]))
+        assert tier.ctl is not None and tier.stage is not None and tier.index is not None
+        ctl, regions = tier.ctl, [tier.stage, tier.index.region, tier.meta_region]
+        closing = asyncio.ensure_future(store.aclose())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        closing.cancel()
+        try:
+            await within(closing)
+            finished += 1
+        except asyncio.CancelledError:
+            pass
+        assert store.closed, turns
+        assert ctl.closed, turns
+        assert all(r is not None and r.closed for r in regions), turns
+        assert host.region is not None and host.region.closed, turns
+        assert host.published is None, turns
+        if finished >= 2:
+            break
+    assert finished >= 2
+
+
+async def test_a_flood_of_placements_starts_bounded_pulls(make_agent: MakeAgent) -> None:
+    """A peer floods the tier with 200 placement requests whose ``from`` is a
+    socket that accepts and never answers (each pull hangs connecting):
+    only max_pulls_per_peer of them are pulled at once, the rest refused and
+    counted (before: one task each, 200 pulls hanging); a good member's
+    placements beside the flood are still pulled and stored."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(256)
+    nowhere = f"127.0.0.1:{silent.getsockname()[1]}"
+    flooder = await make_agent("flooder")
+    src = flooder.alloc(4 * BB, name="src")
+    agent = await make_agent("member-l")
+    tier = kv.PeerTier(group="t", max_pulls=8, max_pulls_per_peer=2)
+    try:
+        async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(64 * BB), tier]):
+            assert tier.ctl is not None
+            ctl = await within(flooder.connect(tier.ctl.address))
+            body = b"".join(k + bytes(16) for k in keys_for(64))
+            n = 200
+            for req in range(n):
+                head = json.dumps({"op": "put", "req": req, "from": nowhere, "ctl": nowhere,
+                                   "region": src.name}).encode()
+                await within(ctl.notify(len(head).to_bytes(2, "little") + head + body))
+            def served() -> int:  # refused or pulling (before the limits: a task each)
+                ext = tier._extra()
+                return int(ext.get("pulls_refused", 0)) + int(ext.get("pulls_in_flight",
+                                                                      len(tier._tasks) - 2))
+
+            await wait_until(lambda: served() >= n, what="the flood served")
+            # serve loop, membership follower, 2 pulls, at most max_pulls refusals acking
+            assert len(tier._tasks) <= 2 + 2 + 8, len(tier._tasks)
+            ext = tier._extra()
+            assert ext["pulls_in_flight"] == 2 and ext["pulls_refused"] == n - 2
+            st = tier._statistics()
+            assert st.dropped_stores.get("pull_refused") == (n - 2) * 64
+            # A good member places blocks here while the flood's pulls hang.
+            agent2 = await make_agent("member-m")
+            src2 = agent2.alloc(16 * BB)
+            src2.numpy()[:] = pattern(16 * BB, 6)
+            tier2 = kv.PeerTier(group="t")
+            async with kv.Store.open(agent2, block_bytes=BB, tiers=[
+                    kv.HostTier(4 * BB, high_watermark=1.0, low_watermark=1.0), tier2]) as st2:
+                assert await within(tier2.join(agent.address))
+                put = await within(st2.put(keys_for(16), src2[0:16 * BB]))
+                assert put.stored == 16 and put.dropped == 0, put
+                assert tier.pulled == 12
+    finally:
+        silent.close()

@@ -14,6 +14,7 @@ import s3server
 from conftest import within
 from s3server import S3Server
 
+import aioxfer
 from aioxfer.errors import ObjectNotFound
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -143,3 +144,22 @@ def test_unused_metrics_are_not_loaded() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+async def test_two_agents_of_one_name_are_not_exported_twice() -> None:
+    """As for stores: a second open agent of a name already exported is
+    refused (its series would be exported twice); a closed one makes way.
+    (Before: both were taken, every agent sample doubled.)"""
+    async with aioxfer.Agent("twin") as a, aioxfer.Agent("twin") as b:
+        with pytest.raises(ValueError, match="'twin'"):
+            AgentCollector(a, b)
+        collector = AgentCollector(a)
+        with pytest.raises(ValueError, match="'twin'"):
+            collector.add(b)
+        await a.aclose()
+        collector.add(b)
+        registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        registry.register(collector)
+        text = prometheus_client.generate_latest(registry).decode()
+        series = [ln.rsplit(" ", 1)[0] for ln in text.splitlines() if ln and ln[0] != "#"]
+        assert series and len(series) == len(set(series)), "a series exported twice"

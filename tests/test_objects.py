@@ -19,7 +19,7 @@ from s3server import ACCESS_KEY, SECRET_KEY, S3Server
 
 import aioxfer
 from aioxfer.backends import registry
-from aioxfer.backends.objects import ObjectRegion, ObjectSegment, ObjectStat
+from aioxfer.backends.objects import OWNED_MAX, ObjectRegion, ObjectSegment, ObjectStat
 from aioxfer.errors import ObjectExists, ObjectNotFound
 
 pytest.importorskip("obstore")
@@ -456,16 +456,18 @@ async def test_transient_failures_are_retried(make_agent: MakeAgent, own_s3: S3S
     assert dst.obj == src.obj and on_disk(s3, objs, "k2") == bytes(src.obj)
 
 
-async def test_cancelled_put_has_let_go_of_the_source(make_agent: MakeAgent, s3: S3Server) -> None:
+@pytest.mark.parametrize("size", [4 * MiB, OWNED_MAX + MiB])
+async def test_cancelled_put_has_let_go_of_the_source(make_agent: MakeAgent, s3: S3Server,
+                                                      size: int) -> None:
     """A PUT cancelled after 0, 3, 6, ... loop turns: when the cancel reaches
-    the caller, obstore (which uploads from the caller's buffer, no copy, on
-    its own threads) no longer holds the buffer (the memoryview releases),
-    so the caller may reuse it at once: the object is then absent or exactly
-    the bytes it had when put, never the reused buffer's. (Before: the
-    upload still held an export of the buffer after the cancel.)"""
+    the caller, obstore (uploading on its own threads from a copy up to
+    OWNED_MAX bytes, past that from the caller's buffer) no longer holds the
+    buffer (the memoryview releases), so the caller may reuse it at once:
+    the object is then absent or exactly the bytes it had when put, never
+    the reused buffer's. (Before: the upload still held an export of the
+    buffer after the cancel.)"""
     agent, objs = await objects(make_agent, s3)
     backend = registry.instance(agent, "object")
-    size = 4 * MiB
     first = pattern(size, 21).tobytes()
     for turns in range(0, 36, 3):
         buf = bytearray(first)

@@ -153,6 +153,14 @@ class BackendTransfer(Transfer):
             self._task.cancel()
         return asyncio.Future.cancel(self, msg)
 
+    async def stopped(self) -> None:
+        """Waits until the transfer's I/O no longer touches its memory (at
+        once when it never started; after a ``cancel()``, when the backend
+        has let go of the buffers: the caller may reuse them then)."""
+        task = self._task
+        if task is not None and not task.done():
+            await asyncio.wait([task])
+
     def _cancel_local(self) -> None:
         if not self.done():
             asyncio.Future.cancel(self)

@@ -63,6 +63,9 @@ __all__ = ["ObjectBackend", "ObjectRegion", "ObjectSegment", "ObjectSegmentList"
 
 PART_SIZE = 8 << 20  # multipart part size (S3 minimum 5 MiB); larger objects go multipart
 _READ_BUFSIZE = 1 << 20
+# A PUT of up to this many bytes uploads from its own copy, so that a cancel
+# is prompt (see ObjectRegion._put); larger ones go from the caller's buffer.
+OWNED_MAX = 8 << 20
 _SIGN_TTL = timedelta(minutes=15)
 _SIGN_REUSE = 5 * 60.0  # a signed URL is reused while it has this long left
 _SIGNED_MAX = 4096  # cached signed URLs per region
@@ -315,28 +318,36 @@ class ObjectRegion(BackendRegion):
             raise _obstore_error(exc, doing, key, self.url) from None
 
     async def _put(self, src: memoryview, seg: ObjectSegment) -> None:
-        """PUTs ``src``. obstore uploads straight from the caller's buffer (it
-        holds an export of it, no copy) on its own threads, and cancelling its
-        future only asks those threads to stop: the upload could still read
-        the buffer after our caller saw the cancel, and reused or freed it
-        (torn bytes under the key, or a read of freed memory). So a cancelled
-        put waits for the request to end (its object may then be written)
-        and raises CancelledError once obstore has let go of the buffer."""
+        """PUTs ``src``. obstore uploads from the buffer it is given (holding
+        an export of it) on its own threads, and cancelling its future only
+        asks those threads to stop: the upload could still read the buffer
+        after our caller saw the cancel. An object of up to ``OWNED_MAX``
+        bytes is therefore copied first and uploaded from the copy: a cancel
+        is prompt (the request is abandoned; its object may still be
+        written), the caller's buffer already let go. A larger one (the copy
+        no longer cheap beside the upload) is uploaded from the caller's
+        buffer, and a cancelled put waits for the request to end (its object
+        may then be written) and raises CancelledError once obstore has let
+        go of the buffer (else torn bytes under the key, or a read of freed
+        memory)."""
         mode: Literal["create"] | None = "create" if seg.create else None
-        fut = asyncio.ensure_future(
-            self._obstore(
-                "write",
+        owned = src.nbytes <= OWNED_MAX
+        call = self._obstore(
+            "write",
+            seg.key,
+            obstore.put_async(
+                self._store,
                 seg.key,
-                obstore.put_async(
-                    self._store,
-                    seg.key,
-                    src,
-                    mode=mode,
-                    chunk_size=self._part_size,
-                    max_concurrency=4,
-                ),
-            )
+                bytes(src) if owned else src,
+                mode=mode,
+                chunk_size=self._part_size,
+                max_concurrency=4,
+            ),
         )
+        if owned:
+            await call
+            return
+        fut = asyncio.ensure_future(call)
         cancelled = False
         while not fut.done():
             try:

@@ -75,7 +75,10 @@ class Codec:
     def compress(self, src: memoryview) -> bytes:
         n = len(src)
         b = self.blosc
-        out: bytes = b.compress_ptr(_address(src), n // self.typesize, typesize=self.typesize,
+        # A block that is no whole number of elements goes byte by byte:
+        # blosc takes whole elements only, and would leave its tail out.
+        ts = self.typesize if n % self.typesize == 0 else 1
+        out: bytes = b.compress_ptr(_address(src), n // ts, typesize=ts,
                                     clevel=self.level, shuffle=b.SHUFFLE, cname=self.name)
         return out
 

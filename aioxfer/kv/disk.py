@@ -23,6 +23,16 @@ present twice keeps its highest sequence number. Payload checksums are
 verified on every read: a block that fails is quarantined (its entry is
 marked removed on disk) and reported as BlockCorrupt, never delivered.
 
+A remove marks the entries removed in place. Where that fails (an I/O
+error, a segment file made read-only or immutable), the keys go into the
+tier's tombstone file (``tombstones.axkv``: entries of the same format, flag
+removed, each with the sequence number of the record removed; appended and
+synced) before the remove returns: on open, a record of a tombstoned key
+whose sequence number is not above its tombstone's (the removed record's)
+is dead. The tombstones
+are retired (the file deleted) once an open has marked those records
+removed in place. A remove raises only if neither could be written.
+
 Space is reclaimed a segment at a time: when the tier is at capacity the
 least recently read sealed segment with no reader is deleted (its blocks
 become misses, counted as evictions "capacity"); removed blocks free their
@@ -68,6 +78,7 @@ _ALGO_SHIFT = 4
 _CODEC_SHIFT = 6  # flags bits 6-7: the block's codec (0: stored as is; kv.codec.CODECS)
 _CSTAGE_BLOCKS = 32  # compressed blocks staged at once (per direction)
 _SEG_RE = re.compile(r"^seg-(\d{8})\.axkv$")
+TOMBSTONES = "tombstones.axkv"
 _STAGE_SECTORS = 64
 _VERIFY_CHUNK = 128  # blocks per read chunk at least (see _read)
 
@@ -126,7 +137,7 @@ class _Seg:
 
     __slots__ = ("no", "path", "region", "slots", "slot_bytes", "hdr_off", "data_off",
                  "keys", "live", "nlive", "crc", "algo", "cursor", "pins", "last_access",
-                 "doomed", "image", "dirty", "writing", "length", "codec")
+                 "doomed", "image", "dirty", "writing", "length", "codec", "seqs")
 
     def __init__(self, no: int, path: str, slots: int, slot_bytes: int) -> None:
         self.no = no
@@ -143,6 +154,7 @@ class _Seg:
         self.algo = np.zeros(slots, dtype=np.uint8)
         self.length = np.zeros(slots, dtype=np.uint32)  # stored bytes (compressed or not)
         self.codec = np.zeros(slots, dtype=np.uint8)
+        self.seqs = np.zeros(slots, dtype=np.uint64)  # each record's sequence number
         self.cursor = slots  # next slot to fill; == slots: sealed
         self.pins = 0
         self.last_access = 0
@@ -268,6 +280,7 @@ class DiskTier(Tier):
         self._pending_flush: set[_Seg] = set()
         self._flusher: asyncio.Future[None] | None = None
         self.segment_failed = False  # the last _alloc could not make a segment
+        self.tombstoned = 0  # keys written to the tombstone file (see the module doc)
 
     # ------------------------------------------------------------ open / close
 
@@ -378,12 +391,14 @@ class DiskTier(Tier):
             if bool((codec[idx] != 0).any()):
                 self.any_compressed = True
             seg.length[:n_entries] = ent["length"]
+            seg.seqs[:n_entries] = ent["seq"]
             seg.live[idx] = True
             seg.nlive = int(idx.size)
             if idx.size:
                 self.seq = max(self.seq, int(ent["seq"][idx].max()))
             if not seg.nlive:
-                os.unlink(path)  # nothing left in it
+                with contextlib.suppress(OSError):  # (a read-only directory: skipped all the same)
+                    os.unlink(path)  # nothing left in it
                 continue
             seg.region = self.store.agent.register_file(path, direct=self.direct,
                                                         name=f"{self.store.name}.{self.name}.{no}")
@@ -391,11 +406,34 @@ class DiskTier(Tier):
             all_keys.append(ent["key"][idx])
             all_seq.append(ent["seq"][idx])
             all_loc.append((np.uint64(no) << np.uint64(32)) | idx.astype(np.uint64))
+        tomb = self._read_tombstones()
+        if tomb:
+            # New records must outnumber every tombstone (or the next open
+            # would take them for removed), even where no record is left.
+            self.seq = max(self.seq, max(tomb.values()))
         if not all_keys:
+            if tomb:
+                self._retire_tombstones()
             return
         keys_a = np.concatenate(all_keys)
         seq = np.concatenate(all_seq)
         loc = np.concatenate(all_loc)
+        if tomb:
+            buried = np.array([tomb.get(k, -1) >= q for k, q in zip(
+                np.ascontiguousarray(keys_a).tolist(), seq.tolist(), strict=True)], dtype=bool)
+            if buried.any():
+                gone = loc[buried].tolist()
+                for lo in gone:
+                    seg = self.segs[lo >> 32]
+                    seg.live[lo & 0xFFFFFFFF] = False
+                    seg.nlive -= 1
+                keys_a, seq, loc = keys_a[~buried], seq[~buried], loc[~buried]
+                # Marked removed in place now; the tombstones go once that worked.
+                self._spawn(self._bury(gone))
+            else:
+                self._retire_tombstones()
+            if not loc.size:
+                return
         if seq.size > 1 and not bool((seq[1:] > seq[:-1]).all()):
             # Later records must win in the dict: order by sequence (needed
             # only when concurrent writers filled slots out of order).
@@ -416,6 +454,67 @@ class DiskTier(Tier):
             # Marked removed on disk as well (see _publish), in the background.
             self._spawn(self._mark_removed(dead))
 
+    # ------------------------------------------------------------ tombstones
+
+    def _read_tombstones(self) -> dict[bytes, int]:
+        """key -> the highest sequence number its tombstones bury (records of
+        the key at or below it are dead); torn or foreign entries ignored."""
+        try:
+            with open(os.path.join(self.path, TOMBSTONES), "rb") as fh:
+                raw = fh.read()
+        except FileNotFoundError:
+            return {}
+        n = len(raw) // ENTRY
+        if not n:
+            return {}
+        rows = np.frombuffer(raw[:n * ENTRY], dtype=np.uint8).reshape(n, ENTRY)
+        ent = rows.view(ENTRY_DTYPE).ravel()
+        ok = ((ent["magic"] == ENTRY_MAGIC) & (ent["version"] == ENTRY_VERSION)
+              & (entry_check(rows) == ent["check"]) & (ent["ns"] == self.ns)
+              & ((ent["flags"] & F_REMOVED) != 0))
+        out: dict[bytes, int] = {}
+        for k, q in zip(np.ascontiguousarray(ent["key"][ok]).tolist(),
+                        ent["seq"][ok].tolist(), strict=True):
+            if q > out.get(k, -1):
+                out[k] = q
+        return out
+
+    def _write_tombstones(self, keys: list[bytes], seqs: list[int]) -> None:
+        """Appends tombstones for ``keys``, each burying its records up to the
+        sequence number of the one removed (a later record of the key, put
+        again meanwhile, lives on), and syncs them (runs in a thread)."""
+        n = len(keys)
+        rec = np.zeros(n, dtype=ENTRY_DTYPE)
+        rec["key"] = np.frombuffer(b"".join(keys), dtype="V32")
+        rec["seq"] = np.array(seqs, dtype=np.uint64)
+        rec["ns"] = self.ns
+        rec["magic"] = ENTRY_MAGIC
+        rec["version"] = ENTRY_VERSION
+        rec["flags"] = F_REMOVED
+        raw = rec.view(np.uint8).reshape(n, ENTRY)
+        rec["check"] = entry_check(raw)
+        path = os.path.join(self.path, TOMBSTONES)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            data = raw.tobytes()
+            while data:
+                data = data[os.write(fd, data):]
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def _retire_tombstones(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.path, TOMBSTONES))
+
+    async def _bury(self, locs: list[int]) -> None:
+        """Records an open found tombstoned: marked removed in place, then the
+        tombstone file goes (kept if that failed, or new tombstones came)."""
+        before = self.tombstoned
+        await self._mark_removed(locs)
+        if self.tombstoned == before:
+            self._retire_tombstones()
+
     # ------------------------------------------------------------ bookkeeping
 
     def _usage(self) -> tuple[int, int, int]:
@@ -429,7 +528,8 @@ class DiskTier(Tier):
         out: dict[str, int | float | str] = {
             "segments": len(self.segs), "rebuild_seconds": self.rebuild_seconds,
             "dropped_on_open": self.dropped_on_open,
-            "foreign_segments": self.foreign_segments, "checksum": ck.name()}
+            "foreign_segments": self.foreign_segments, "checksum": ck.name(),
+            "tombstoned": self.tombstoned}
         if self.codec is not None:
             g = self.codec_gate
             out.update(compress=self.codec.name, compress_on=int(g.on),
@@ -824,6 +924,7 @@ class DiskTier(Tier):
             seg.algo[slot] = ck.ALGO
             seg.length[slot] = bb if lengths is None else lengths[j]
             seg.codec[slot] = 0 if codecs is None else codecs[j]
+            seg.seqs[slot] = rec["seq"][j]
             seg.live[slot] = True
             seg.nlive += 1
             index[key] = (seg.no << 32) | slot
@@ -1087,6 +1188,9 @@ class DiskTier(Tier):
         for loc in locs:
             by_seg.setdefault(loc >> 32, []).append(loc & 0xFFFFFFFF)
         assert self.lock is not None and self.stage is not None
+        unmarked: list[bytes] = []
+        unmarked_seq: list[int] = []
+        first: BaseException | None = None
         for no, slots in by_seg.items():
             seg = self.segs.get(no)
             if seg is None:
@@ -1095,15 +1199,32 @@ class DiskTier(Tier):
                 if seg.live[s]:
                     seg.live[s] = False
                     seg.nlive -= 1
-            if seg.image is not None:  # the active segment: its image is the truth
-                for s in slots:
-                    _mark_entry_removed(seg.image[s * ENTRY:(s + 1) * ENTRY])
-                    seg.dirty.add(s * ENTRY // SECTOR)
-                await self._flush(seg, durable=False)
-            else:
-                await self._rewrite_sealed(seg, slots)
+            try:
+                if seg.image is not None:  # the active segment: its image is the truth
+                    for s in slots:
+                        _mark_entry_removed(seg.image[s * ENTRY:(s + 1) * ENTRY])
+                        seg.dirty.add(s * ENTRY // SECTOR)
+                    await self._flush(seg, durable=False)
+                else:
+                    await self._rewrite_sealed(seg, slots)
+            except (XferError, OSError) as exc:
+                # Still live on disk: a restart would bring them back.
+                unmarked.extend(seg.keys[s].tobytes() for s in slots)
+                unmarked_seq.extend(int(seg.seqs[s]) for s in slots)
+                first = first or exc
+                continue
             if not seg.nlive and seg is not self.active:
                 await self._drop_segment(seg, "removed")
+        if unmarked:
+            _log.warning("kv.disk_remove_unmarked", tier=self.name, blocks=len(unmarked),
+                         error=repr(first))
+            try:
+                await asyncio.to_thread(self._write_tombstones, unmarked, unmarked_seq)
+            except OSError as exc:
+                self.counters.errors += 1
+                assert first is not None
+                raise first from exc
+            self.tombstoned += len(unmarked)
 
     async def _rewrite_sealed(self, seg: _Seg, slots: list[int]) -> None:
         assert self.lock is not None and self.stage is not None and seg.region is not None

@@ -83,12 +83,25 @@ _TIER = ["store", "tier", "kind"]
 class StoreCollector(Collector):
     """A prometheus_client collector of one or more stores (held weakly: a
     dropped store disappears from the output; a closed one reports its last
-    counters)."""
+    counters until an open store of its name is added). Store names are
+    unique within a collector (see ``add``)."""
 
     def __init__(self, *stores: Store) -> None:
-        self._stores: weakref.WeakSet[Store] = weakref.WeakSet(stores)
+        self._stores: weakref.WeakSet[Store] = weakref.WeakSet()
+        for store in stores:
+            self.add(store)
 
     def add(self, store: Store) -> None:
+        """Adds ``store``. Its name labels its samples: a second open store of
+        the same name is refused (ValueError; the two would export the same
+        series twice, and Prometheus rejects the whole scrape), a closed one
+        of that name is replaced."""
+        for held in list(self._stores):
+            if held is not store and held.name == store.name:
+                if not held.closed:
+                    raise ValueError(f"this collector already exports an open store named "
+                                     f"{store.name!r}: give each store its own name")
+                self._stores.discard(held)
         self._stores.add(store)
 
     def remove(self, store: Store) -> None:

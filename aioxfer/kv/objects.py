@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from aioxfer.backends.base import BackendTransfer
 from aioxfer.errors import ObjectNotFound, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import ENTRY, ENTRY_DTYPE, ENTRY_MAGIC, ENTRY_VERSION, F_LIVE, entry_check
@@ -136,11 +137,12 @@ class ObjectTier(Tier):
     async def _write_batch(self, keys: list[bytes], regions: list[Region], offsets: list[int],
                            part: list[int], ok: list[bool]) -> bool:
         """PUTs blocks ``part`` through the stage (the caller holds its lock);
-        returns whether the caller was cancelled meanwhile. The PUTs are never
-        cut short: cancelled midway, a PUT's client could still be reading the
-        stage when the next batch refills it with other blocks, and upload
-        their bytes under this block's key (found corrupt, or never found:
-        a durable put lost)."""
+        returns whether the caller was cancelled meanwhile (then the PUTs not
+        finished are cancelled: a block not acknowledged is not stored). The
+        stage is handed on only once no PUT reads it: else the next batch
+        could refill it with other blocks while a PUT's client still reads
+        it, and upload their bytes under this block's key (found corrupt, or
+        never found: a durable put lost)."""
         bb = self.store.block_bytes
         rec = bb + TRAILER
         assert self.stage is not None
@@ -161,12 +163,25 @@ class ObjectTier(Tier):
                                     self.objs[self.object_key(keys[i])]))
         self.counters.writes += len(puts)
         self.counters.in_flight += len(puts)
-        gathered = asyncio.gather(*puts, return_exceptions=True)
+        cancelled = False
         try:
-            cancelled = await finish_uncancelled(gathered)
+            await asyncio.gather(*puts, return_exceptions=True)
+        except asyncio.CancelledError:
+            # The PUTs are cancelled with us (gather cancels them), and the
+            # stage is not handed on before none of them reads it any more:
+            # at once for a block the backend uploads from its own copy, at
+            # the end of its upload for one past OWNED_MAX.
+            cancelled = True
+            for p in puts:
+                p.cancel()
+            stopped = [p.stopped() for p in puts if isinstance(p, BackendTransfer)]
+            if stopped:
+                await finish_uncancelled(asyncio.gather(*stopped))
         finally:
             self.counters.in_flight -= len(puts)
-        for i, crc, r in zip(part, crcs, gathered.result(), strict=True):
+        results = [p.exception() if not p.cancelled() else asyncio.CancelledError()
+                   for p in puts]
+        for i, crc, r in zip(part, crcs, results, strict=True):
             if isinstance(r, BaseException):
                 self.counters.errors += 1
                 self.counters.dropped("io_error")

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from aioxfer.errors import XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import entry_check
 from aioxfer.kv.errors import BlockMissing, BlockUnavailable
-from aioxfer.kv.tier import Tier, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region, RemoteRegion, SegmentList
 
@@ -138,16 +139,29 @@ class PeerTier(Tier):
     stores of one group share blocks (and need the same block size);
     ``replicas``: owners per block; ``seeds``: addresses of members to connect
     to when the agent has no discovery (with etcd, members are found through
-    ``agent.membership()``)."""
+    ``agent.membership()``). ``max_pulls``: placements (requests of up to 64
+    blocks each) pulled here at once, at most ``max_pulls_per_peer`` of them
+    from one sending peer; a request past either is refused (acknowledged
+    with nothing stored, so its sender drops those blocks at once) and
+    counted (``pulls_refused``, dropped "pull_refused"): a flood from a
+    broken or hostile peer starts no unbounded work."""
 
     kind = "peer"
     probes = True
 
     def __init__(self, *, name: str = "peer", group: str = "kv", replicas: int = 1,
-                 seeds: list[str] | None = None) -> None:
+                 seeds: list[str] | None = None, max_pulls: int = 16,
+                 max_pulls_per_peer: int = 4) -> None:
         super().__init__(name)
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
+        if max_pulls < 1 or max_pulls_per_peer < 1:
+            raise ValueError("max_pulls and max_pulls_per_peer must be >= 1")
+        self.max_pulls = max_pulls
+        self.max_pulls_per_peer = max_pulls_per_peer
+        self._pulling: dict[str, int] = {}  # sending peer -> its pulls running here
+        self._acking = 0  # refusals being acknowledged
+        self.pulls_refused = 0
         self.group = group
         self.replicas = replicas
         self.seeds = list(seeds or [])
@@ -197,23 +211,43 @@ class PeerTier(Tier):
                 await self._add_member(await agent.connect(address))
 
     async def _aclose(self) -> None:
+        """Stops serving and releases what the tier holds. Every step is taken
+        even when one before it fails or the close is cancelled at one of its
+        awaits (each runs to its end): the first failure, else the cancel, is
+        raised once all are done. (It stopped at the first: the control
+        agent, the published regions and the host tier's link to its index
+        were left behind.)"""
+        host = self.store._host
+        if host is not None:
+            host.publish(None)  # no await: done whatever follows
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         for fut in self._acks.values():
             if not fut.done():
                 fut.cancel()
-        if self.ctl is not None:
-            await self.ctl.aclose()
         from aioxfer.kv.store import _deregister
 
         agent = self.store.agent
+        steps: list[Awaitable[Any]] = []
+        if self._tasks:
+            steps.append(asyncio.gather(*self._tasks, return_exceptions=True))
+        if self.ctl is not None:
+            steps.append(self.ctl.aclose())
         for r in (self.meta_region, self.stage, self.index.region if self.index else None):
             if r is not None and not r.closed:
-                await _deregister(agent, r)
-        host = self.store._host
-        if host is not None:
-            host.publish(None)
+                steps.append(_deregister(agent, r))
+        first: Exception | None = None
+        cancelled = False
+        for step in steps:
+            try:
+                cancelled |= await finish_uncancelled(step)
+            except Exception as exc:
+                _log.warning("kv.peer_close_failed", tier=self.name, error=repr(exc))
+                first = first or exc
+        if first is not None:
+            raise first
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -489,7 +523,44 @@ class PeerTier(Tier):
                     fut.set_result(body)
             elif head.get("op") == "put" and all(
                     isinstance(head.get(f), str) for f in ("from", "ctl", "region")):
-                self._spawn(self._pull(head, body))
+                sender = msg.peer_name
+                if (sum(self._pulling.values()) >= self.max_pulls
+                        or self._pulling.get(sender, 0) >= self.max_pulls_per_peer):
+                    self._refuse(head, len(body) // 48)
+                    continue
+                self._pulling[sender] = self._pulling.get(sender, 0) + 1
+                self._spawn(self._pull_from(sender, head, body))
+
+    def _refuse(self, head: dict[str, Any], n: int) -> None:
+        """A placement past the limits: nothing pulled; its sender is told so
+        (while the refusals being told stay under max_pulls; past that the
+        sender's wait for the ack ends it)."""
+        self.pulls_refused += 1
+        self.counters.dropped("pull_refused", n)
+        if self._acking < self.max_pulls:
+            self._acking += 1
+            self._spawn(self._ack(head, bytes(n), refusal=True))
+
+    async def _pull_from(self, sender: str, head: dict[str, Any], body: bytes) -> None:
+        try:
+            await self._pull(head, body)
+        finally:
+            c = self._pulling[sender] - 1
+            if c:
+                self._pulling[sender] = c
+            else:
+                del self._pulling[sender]
+
+    async def _ack(self, head: dict[str, Any], stored: bytes, *, refusal: bool = False) -> None:
+        try:
+            with contextlib.suppress(XferError, OSError, ValueError):
+                if self.ctl is not None:
+                    back = await self.ctl.connect(head["ctl"])
+                    ack = json.dumps({"op": "ack", "req": head["req"]}).encode()
+                    await back.notify(len(ack).to_bytes(2, "little") + ack + stored)
+        finally:
+            if refusal:
+                self._acking -= 1
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
@@ -549,14 +620,12 @@ class PeerTier(Tier):
         except (XferError, OSError, LookupError, ValueError) as exc:  # (a bad address)
             _log.info("kv.peer_pull_failed", tier=self.name, error=repr(exc))
         finally:
-            with contextlib.suppress(XferError, OSError, ValueError):
-                if self.ctl is not None:
-                    back = await self.ctl.connect(head["ctl"])
-                    ack = json.dumps({"op": "ack", "req": head["req"]}).encode()
-                    await back.notify(len(ack).to_bytes(2, "little") + ack + bytes(stored))
+            await self._ack(head, bytes(stored))
 
     def _usage(self) -> tuple[int, int, int]:
         return len(self.members), 0, 0
 
     def _extra(self) -> dict[str, int | float | str]:
-        return {"members": len(self.members), "pulled": self.pulled}
+        return {"members": len(self.members), "pulled": self.pulled,
+                "pulls_in_flight": sum(self._pulling.values()),
+                "pulls_refused": self.pulls_refused}

@@ -616,11 +616,17 @@ class Store:
         # Every tier is closed and all memory released even if one fails (a
         # tier left open keeps its files, tasks and registrations): the
         # first failure is raised once all of it is done.
+        # A cancel landing in a tier's close does not stop the rest either
+        # (the tiers after it left open, the host memory registered): it is
+        # raised once everything is closed, unless a failure comes first.
         first: BaseException | None = None
+        cancelled = False
         for tier in reversed(self.tiers):
             if tier._store is self:
                 try:
                     await tier._aclose()
+                except asyncio.CancelledError:
+                    cancelled = True
                 except Exception as exc:
                     _log.warning("kv.tier_close_failed", tier=tier.name, error=repr(exc))
                     first = first or exc
@@ -631,13 +637,15 @@ class Store:
                 [self._staging.region] if self._staging is not None else []):
             if region is not None and not region.closed:
                 try:
-                    await _deregister(self.agent, region)
+                    cancelled |= await finish_uncancelled(_deregister(self.agent, region))
                 except Exception as exc:
                     _log.warning("kv.deregister_failed", store=self.name, region=region.name,
                                  error=repr(exc))
                     first = first or exc
         if first is not None:
             raise first
+        if cancelled:
+            raise asyncio.CancelledError
 
     @property
     def closed(self) -> bool:
