@@ -1,0 +1,88 @@
+"""aioxfer.nixl under faults, second review (nixl_agent, its telemetry):
+hostile telemetry files and settings, an agent used after close, a peer
+frozen or killed around the agent's calls. A test whose docstring names
+what failed failed before its fix; "found fine" ones pass and stay as
+checks."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_nixl import Buf
+
+from aioxfer.nixl import _telemetry, nixl_agent, nixl_agent_config
+
+STEP = 20.0
+
+
+@pytest.fixture
+def agents() -> Iterator[Any]:
+    made: list[nixl_agent] = []
+
+    def make(**conf: Any) -> nixl_agent:
+        a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(**conf))
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.close()
+
+
+# ---------------------------------------------------------------- telemetry
+
+
+def _header(path: Any) -> tuple[int, ...]:
+    return struct.unpack_from("<QQiiQQ", path.read_bytes(), 0)
+
+
+def _event_at(path: Any, i: int) -> tuple[str, int]:
+    etype, value = struct.unpack_from("<I4xQ", path.read_bytes(), 40 + 16 * i)
+    return _telemetry.EVENT_NAMES[etype], value
+
+
+@pytest.mark.parametrize("write_pos", [4096 + 906, 2**63 + 17])
+def test_telemetry_ring_with_a_write_position_out_of_range_keeps_writing(
+        agents: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, write_pos: int) -> None:
+    """The ring's header is a shared file any reader can write: a
+    write_pos past the capacity (a buggy or hostile reader) was used as an
+    index as it was: numpy's ValueError out of the loop's flush timer, which
+    then never ran again (every later event of the agent lost), or events
+    written nowhere."""
+    monkeypatch.setenv("NIXL_TELEMETRY_DIR", str(tmp_path))
+    monkeypatch.setenv("NIXL_TELEMETRY_RUN_INTERVAL", "5")
+    a = agents(capture_telemetry=True)
+    path = tmp_path / a.name
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        struct.pack_into("<Q", mm, 0, write_pos)
+    buf = Buf(8192)
+    for n in (4096, 8192):
+        a.deregister_memory(a.register_memory([(buf.addr, n, 0, "")], "DRAM"))
+        deadline = time.monotonic() + STEP
+        while True:
+            wp, _, _, _, capacity, mask = _header(path)
+            if wp < capacity and _event_at(path, (wp - 1) & mask) == (
+                    "agent_memory_deregistered", n):
+                break
+            assert time.monotonic() < deadline, ("events not written", wp)
+            time.sleep(0.005)
+        assert _event_at(path, (wp - 2) & mask) == ("agent_memory_registered", n)
+
+
+@pytest.mark.parametrize("size", [2**59, 2**62, 2**64, 2**70])
+def test_telemetry_buffer_size_past_what_a_file_holds_refuses_the_agent_typed(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, size: int) -> None:
+    """NIXL_TELEMETRY_BUFFER_SIZE whose ring file is past off_t (or the
+    value past size_t) raised OverflowError out of os.ftruncate, untyped;
+    now RuntimeError, as NIXL's refusal of an exporter it cannot create (and
+    its 'out of range' for a value past size_t)."""
+    monkeypatch.setenv("NIXL_TELEMETRY_DIR", str(tmp_path))
+    monkeypatch.setenv("NIXL_TELEMETRY_BUFFER_SIZE", str(size))
+    with pytest.raises(RuntimeError):
+        nixl_agent(str(uuid.uuid4()), nixl_agent_config(capture_telemetry=True))
