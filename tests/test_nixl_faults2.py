@@ -126,3 +126,98 @@ def test_create_backend_after_close_is_refused_and_opens_nothing(agents: Any) ->
         if leaked is not None:  # (what the fix prevents: closed here by hand)
             a.agent._rt.run(leaked.aclose(), timeout=STEP)
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+# ---------------------------------------------------------------- a peer frozen or killed
+
+
+def _peer_and_request(transports: str, monkeypatch: pytest.MonkeyPatch,
+                      **conf: Any) -> tuple[Any, Any, Any, int, Buf]:
+    """A peer process (test_nixl_faults' big producer), an agent of ours and
+    a 64 MiB WRITE to it, done once (connected)."""
+    from conftest import PipeChild
+    from test_nixl_faults import BIG, big_producer_main
+
+    if transports:
+        monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", transports)
+    child = PipeChild(big_producer_main, transports, seconds=STEP)
+    name, md, raddr, pid = child.hello
+    a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(**conf))
+    buf = Buf(BIG)
+    a.register_memory([(buf.addr, BIG, 0, "")], "DRAM")
+    rname = a.add_remote_agent(md)
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(buf.addr, BIG, 0)], "DRAM"),
+                          a.get_xfer_descs([(raddr, BIG, 0)], "DRAM"), rname, b"w")
+    a.transfer(h)
+    deadline = time.monotonic() + STEP
+    while a.check_xfer_state(h) == "PROC":
+        assert time.monotonic() < deadline
+    return child, a, h, pid, buf
+
+
+@pytest.mark.parametrize("transports", ["", "tcp"])
+def test_peer_frozen_mid_transfer_fails_it_within_the_liveness_bound(
+        transports: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGSTOP of the peer with a WRITE in flight (its kernel still holds the
+    sockets open): the request ends with nixlRemoteDisconnectError once the
+    peer is silent past aioxfer's liveness bound (5 s), not PROC for ever;
+    notifying it then is refused typed; release and close return at once
+    (found fine)."""
+    import os
+    import signal
+
+    child, a, h, pid, _buf = _peer_and_request(transports, monkeypatch)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(nixl.nixlRemoteDisconnectError):
+            st = a.transfer(h)
+            while st == "PROC":
+                assert time.monotonic() - t0 < STEP, "stuck in PROC"
+                st = a.check_xfer_state(h)
+        with pytest.raises(nixl.nixlRemoteDisconnectError):
+            a.send_notif(child.hello[0], b"after")
+        h.release()
+        a.close()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        a.close()
+        child.close()
+
+
+@pytest.mark.parametrize("transports", ["", "tcp"])
+def test_peer_killed_under_future_and_await_and_counted_in_telemetry(
+        transports: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """SIGKILL of the peer right after a post: the request's future() and
+    ``await handle`` (aioxfer extensions) end with nixlRemoteDisconnectError
+    at once, and each failure is one agent_err_remote_disconnect event in
+    the telemetry file, as NIXL counts them (found fine)."""
+    import asyncio
+    import os
+    import signal
+
+    from test_nixl import _ring_events
+
+    monkeypatch.setenv("NIXL_TELEMETRY_DIR", str(tmp_path))
+    child, a, h, pid, _buf = _peer_and_request(transports, monkeypatch,
+                                               capture_telemetry=True)
+    try:
+        a.transfer(h)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(nixl.nixlRemoteDisconnectError):
+            h.future().result(STEP)
+
+        async def again() -> str:
+            a.transfer(h)
+            return await h
+
+        with pytest.raises(nixl.nixlRemoteDisconnectError):
+            asyncio.run(asyncio.wait_for(again(), STEP))
+        h.release()
+        a.close()
+        names = [e for e, _ in _ring_events(tmp_path / a.name)[1]]
+        assert names.count("agent_err_remote_disconnect") == 2, names
+        assert names.count("agent_tx_requests_num") == 1, names
+    finally:
+        a.close()
+        child.close()
