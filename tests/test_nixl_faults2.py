@@ -221,3 +221,91 @@ def test_peer_killed_under_future_and_await_and_counted_in_telemetry(
     finally:
         a.close()
         child.close()
+
+
+def named_peer_main(conn: Any, name: str, fill: int, transports: str) -> None:
+    """A peer named ``name`` with a 1 MiB buffer of ``fill``: answers "sum"
+    (its buffer's byte sum) and "quit"; killed by the tests."""
+    import ctypes
+    import os
+
+    if transports:
+        os.environ["AIOXFER_NIXL_TRANSPORTS"] = transports
+    from aioxfer.nixl import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config())
+    n = 1 << 20
+    pool = (ctypes.c_char * n)(*([fill] * n))
+    addr = ctypes.addressof(pool)
+    agent.register_memory([(addr, n, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), addr, os.getpid()))
+    while True:
+        agent.get_new_notifs()
+        if conn.poll(0.01):
+            msg = conn.recv()
+            if msg == "sum":
+                conn.send(sum(pool.raw))
+            elif msg == "quit":
+                agent.close()
+                conn.send("bye")
+                return
+
+
+@pytest.mark.parametrize("transports", ["", "tcp"])
+def test_peer_restarted_under_the_same_name_after_sigkill(
+        transports: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer SIGKILLed, then started again under the same name (a worker
+    restarting): after remove_remote_agent and add_remote_agent of its new
+    metadata, a READ reads the new process's memory and a WRITE lands there,
+    nothing of the dead one's connection or regions used."""
+    import os
+    import signal
+
+    from conftest import PipeChild
+
+    if transports:
+        monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", transports)
+    n = 1 << 20
+    pname = str(uuid.uuid4())
+    a = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
+    buf = Buf(n)
+    a.register_memory([(buf.addr, n, 0, "")], "DRAM")
+    first = PipeChild(named_peer_main, pname, 1, transports, seconds=STEP)
+    second = None
+    try:
+        md, raddr, pid = first.hello
+
+        def read(raddr: int) -> Any:
+            h = a.initialize_xfer("READ", a.get_xfer_descs([(buf.addr, n, 0)], "DRAM"),
+                                  a.get_xfer_descs([(raddr, n, 0)], "DRAM"), pname)
+            a.transfer(h)
+            deadline = time.monotonic() + STEP
+            while (st := a.check_xfer_state(h)) == "PROC":
+                assert time.monotonic() < deadline
+            return st, h
+
+        assert a.add_remote_agent(md) == pname.encode()
+        assert read(raddr)[0] == "DONE" and set(buf.np) == {1}
+        os.kill(pid, signal.SIGKILL)
+        first.proc.join(STEP)
+        second = PipeChild(named_peer_main, pname, 2, transports, seconds=STEP)
+        md2, raddr2, _ = second.hello
+        with pytest.raises(nixl.nixlRemoteDisconnectError):
+            read(raddr)  # (the dead one's, before its removal)
+        a.remove_remote_agent(pname)
+        assert a.add_remote_agent(md2) == pname.encode()
+        st, h = read(raddr2)
+        assert st == "DONE" and set(buf.np) == {2}
+        buf.np[:] = 3
+        w = a.initialize_xfer("WRITE", a.get_xfer_descs([(buf.addr, n, 0)], "DRAM"),
+                              a.get_xfer_descs([(raddr2, n, 0)], "DRAM"), pname)
+        a.transfer(w)
+        deadline = time.monotonic() + STEP
+        while a.check_xfer_state(w) == "PROC":
+            assert time.monotonic() < deadline
+        assert second.call("sum") == 3 * n
+    finally:
+        a.close()
+        first.close()
+        if second is not None:
+            second.close()
