@@ -107,7 +107,7 @@ def _env_int(name: str, default: int) -> int:
         out = int(value, 16) if value[:2] in ("0x", "0X") else int(value, 10)
     except ValueError:
         raise RuntimeError(f"Invalid integer string '{value}' for {name}") from None
-    if out < 0:
+    if not 0 <= out < 1 << 64:  # NIXL's size_t
         raise RuntimeError(f"Integer string '{value}' out of range for {name}")
     return out
 
@@ -160,7 +160,10 @@ class _Ring:
                                               offset=_HEADER.size)
 
     def push(self, types: list[int], values: list[int]) -> None:
-        w = int(self._pos[0])
+        # The header is in a shared file any reader may write: a position
+        # out of range (a buggy or hostile reader, another writer) is taken
+        # modulo the capacity, never used as an index as it is.
+        w = int(self._pos[0]) & self.mask
         free = (int(self._pos[1]) - w - 1) & self.mask
         n = min(free, len(types))  # the rest is lost, as in NIXL (a full ring)
         done = 0
@@ -233,7 +236,8 @@ class Telemetry:
             if self.capacity & (self.capacity - 1):
                 raise ValueError("Telemetry buffer size must be a power of 2")
             ring = _Ring(path, self.capacity)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, OverflowError) as exc:
+            # (OverflowError: a capacity whose file is past off_t)
             self._log("E", f"Failed to create exporter: {exc}")
             raise RuntimeError("Failed to create telemetry exporter: BUFFER") from None
         self._log("I", f"Telemetry enabled, using buffer path: {path} with size: "
@@ -277,8 +281,12 @@ class Telemetry:
             self._timer = self._loop.call_later(self.interval, self._tick)
 
     def _tick(self) -> None:
-        self.flush()
-        self._arm()
+        try:
+            self.flush()
+        except Exception as exc:  # (the sink fails, the agent does not)
+            self._log("E", f"telemetry: writing events failed: {exc!r}")
+        finally:
+            self._arm()
 
     def flush(self) -> None:
         ring = self.ring
