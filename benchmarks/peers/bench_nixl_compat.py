@@ -36,10 +36,11 @@ see shared_inline).
     valgrind --tool=callgrind --separate-threads=yes python benchmarks/peers/bench_nixl_compat.py \
         --role count --system compat --workload "READ 4 KiB" --count 5000  # and 1000: subtract
 
-``--aa SYSTEM`` is an A/A run: two pairs of one system, the first's
-figures over the second's, with the spread of the turns' ratios: what the
-machine's noise alone makes of a ratio now (a compat row that misses its
-target by less than an A/A run's spread is noise, not code).
+``--aa SYSTEM`` adds an A/A pair: a second pair of one system, taking turns
+with the others, the first's figures over the second's, with the spread of
+the turns' ratios: what the machine's noise alone makes of a ratio in the
+same run (a compat row that misses its target by less than that is noise,
+not code). ``--aa native --only native``: an A/A run alone.
 
 ``--nixl-python`` (default: $PEERS_VENVS/venv-nixl/bin/python, made by
 install.sh) runs the real NIXL side; this script must also be importable by
@@ -566,22 +567,18 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
             bad.add((*key, r["system"]))
     per: dict[tuple[Any, ...], float] = {(r["round"], r["transport"], r["op"], r["workload"],
                                           r["system"]): r["gbps"] for r in records}
-    # compat against the others, with the targets; an A/A run ([X, X']):
-    # the first against the second, no target.
-    me = "compat"
-    checks: list[tuple[str, float | None]] = [
-        (o, need) for o, need in (("nixl", 1.0), ("native", 0.9))
+    # compat against the others, with the targets; an A/A pair (X and X'):
+    # the first against the second, no target, with the spread of its turns.
+    comps: list[tuple[str, str, float | None]] = [
+        ("compat", o, need) for o, need in (("nixl", 1.0), ("native", 0.9))
         if "compat" in systems and o in systems]
-    if len(systems) == 2 and systems[1] == systems[0] + "'":
-        me, checks = systems[0], [(systems[1], None)]
+    comps += [(s[:-1], s, None) for s in systems if s.endswith("'") and s[:-1] in systems]
     ratio: dict[tuple[str, ...], list[float]] = {}
     for (rnd, tr, op, wl, sysname), v in per.items():
-        if sysname != me:
-            continue
-        for other, _ in checks:
+        for me, other, _ in comps:
             o = per.get((rnd, tr, op, wl, other))
-            if o:
-                ratio.setdefault((tr, op, wl, other), []).append(v / o)
+            if sysname == me and o:
+                ratio.setdefault((tr, op, wl, me, other), []).append(v / o)
 
     def name(o: str) -> str:
         return "NIXL" if o == "nixl" else o
@@ -590,10 +587,10 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
         return "" if need is None else " met" if m >= need else " MISSED"
 
     head = ["path", "op", "workload"] + [f"{s} GB/s" for s in systems]
-    head += [f"{me} ÷ {name(o)}" for o, _ in checks]
-    head += [f"best turns: {me} ÷ {name(o)}" for o, _ in checks]
-    if checks and checks[0][1] is None:
-        head += [f"{me} ÷ {name(checks[0][0])}: turns' ratios, 10th-90th percentile"]
+    head += [f"{me} ÷ {name(o)}" for me, o, _ in comps]
+    head += [f"best turns: {me} ÷ {name(o)}" for me, o, _ in comps]
+    head += [f"{me} ÷ {o}: turns' ratios, 10th-90th percentile"
+             for me, o, need in comps if need is None]
     head += [f"{s} CPU µs/req" for s in systems]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for tr, op, wl in rows:
@@ -604,8 +601,8 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
             if (tr, op, wl, s) in bad:
                 cell += " NOT VERIFIED"
             cells.append(cell)
-        for other, need in checks:
-            rs = ratio.get((tr, op, wl, other))
+        for me, other, need in comps:
+            rs = ratio.get((tr, op, wl, me, other))
             if rs:
                 m = statistics.median(rs)
                 cells.append(f"{m:.2f}×{verdict(m, need)}")
@@ -613,17 +610,18 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
                 cells.append("—")
         # The best turn of each: what each system does when the machine lets
         # it (a shared, busy machine slows single turns, never speeds them).
-        for other, need in checks:
+        for me, other, need in comps:
             mine, theirs = sums.get((tr, op, wl, me)), sums.get((tr, op, wl, other))
             if mine and theirs:
                 m = max(mine) / max(theirs)
                 cells.append(f"{m:.2f}×{verdict(m, need)}")
             else:
                 cells.append("—")
-        if checks and checks[0][1] is None:
-            rs = sorted(ratio.get((tr, op, wl, checks[0][0]), []))
-            cells.append(f"{rs[len(rs) // 10]:.2f}-{rs[(len(rs) * 9) // 10]:.2f}×"
-                         if rs else "—")
+        for me, other, need in comps:
+            if need is None:
+                rs = sorted(ratio.get((tr, op, wl, me, other), []))
+                cells.append(f"{rs[len(rs) // 10]:.2f}-{rs[(len(rs) * 9) // 10]:.2f}×"
+                             if rs else "—")
         for s in systems:
             vals = cpus.get((tr, op, wl, s))
             cells.append(f"{statistics.median(vals):.0f}" if vals else "—")
@@ -666,7 +664,9 @@ def driver(args: argparse.Namespace) -> None:
     if args.aa:
         if args.aa not in SYSTEMS:
             raise SystemExit(f"--aa: one of {', '.join(SYSTEMS)}")
-        systems = [args.aa, args.aa + "'"]
+        if args.aa not in systems:
+            systems.append(args.aa)
+        systems.append(args.aa + "'")
     if "nixl" in systems and not os.path.exists(nixl_python):
         print(f"no NIXL venv at {nixl_python} (benchmarks/peers/install.sh): skipping nixl",
               file=sys.stderr)
@@ -681,8 +681,9 @@ def driver(args: argparse.Namespace) -> None:
           f"over the other's in the same round, median; best turns: compat's best turn over "
           f"the other's; CPU µs/req: both processes' CPU time per request (initiator and "
           f"target), median of the turns: what other processes' load does not stretch. "
-          + (f"A/A: the same code in two process pairs, {systems[0]} and {systems[1]}.\n"
-             if args.aa else "Targets: compat ≥ 1× NIXL and ≥ 0.9× native.\n"))
+          + "Targets: compat ≥ 1× NIXL and ≥ 0.9× native."
+          + (f" A/A: {args.aa} and {args.aa}' run the same code (two process pairs): "
+             f"their ratios are what noise alone makes of one now.\n" if args.aa else "\n"))
     if inline:
         print(f"aioxfer's inline threshold: {inline}.\n")
     print(table(records, systems))
@@ -719,9 +720,10 @@ def main() -> None:
                     help="aioxfer's inline threshold: one calibration for every process "
                          "(shared) or each engine's own")
     ap.add_argument("--aa", default="",
-                    help="an A/A run: two pairs of this system (the second named with a "
-                         "'), the ratios the first's over the second's: how far apart two "
-                         "runs of the same code are on this machine now")
+                    help="an A/A pair: a second pair of this system (named with a ') taking "
+                         "turns with the others, its ratios the first's over the second's: how "
+                         "far apart two runs of the same code are on this machine now (with "
+                         "--only SYSTEM: an A/A run alone)")
     args = ap.parse_args()
     args.ops = args.ops.split(",")
     args.only = args.only.split(",")
