@@ -731,6 +731,9 @@ class nixlXferTelemetry:
 
 # ---------------------------------------------------------------- the agent
 
+# How long a refused request waits to see whether its peer is leaving (its
+# connections close just after its memory is released).
+_GONE_GRACE = 0.05
 _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
 _RELEASE_TIMEOUT = 60.0
 # A poller asking again within this many seconds (of its last call, or of the
@@ -1188,6 +1191,8 @@ class nixlAgent:
         self._reg_seq = itertools.count(1)
         self._table: _Table | None = None
         self._remotes: dict[str, _Remote] = {}
+        # agent name -> [its loads' lock, loads waiting or running]
+        self._loading: dict[str, list[Any]] = {}
         self._self_peer: aioxfer.Peer | None = None
         self._dlists: dict[int, _Prepped] = {}
         self._xfers: dict[int, _Xfer] = {}
@@ -1529,7 +1534,23 @@ class nixlAgent:
 
     async def _load(self, md: _wire.AgentMD) -> bytes:
         """Loads metadata (on the loop thread): connects when it carries the
-        connection info, imports the peer's new regions, records the ranges."""
+        connection info, imports the peer's new regions, records the ranges.
+        Loads of one agent run one after the other, as NIXL's (which hold the
+        agent's lock): two at once would each make a record of their own over
+        the one cached connection, the last replacing the first."""
+        entry = self._loading.get(md.name)
+        if entry is None:
+            entry = self._loading[md.name] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                return await self._load_one(md)
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._loading[md.name]
+
+    async def _load_one(self, md: _wire.AgentMD) -> bytes:
         rem = self._remotes.get(md.name)
         fresh = rem is None
         if rem is None:
@@ -1548,6 +1569,12 @@ class nixlAgent:
                     raise _error(-5, f"loadRemoteMD: the agent at {md.address} is {peer.name!r} "
                                      f"(incarnation {peer.incarnation:#x}), not {md.name!r} "
                                      f"({md.incarnation:#x}): stale metadata")
+                if rem.removed:
+                    # Removed while connecting: the load came first, the
+                    # removal after it; its connection goes with the record
+                    # (kept in it, nothing could ever close it).
+                    await peer.aclose()
+                    return md.name.encode()
                 if rem.peer is not None and rem.peer is not peer:
                     rem.gen += 1
                 rem.peer = peer
@@ -1561,12 +1588,13 @@ class nixlAgent:
                 await asyncio.wait_for(rem.peer.refresh(), _CONNECT_TIMEOUT)
             except (XferError, OSError, TimeoutError) as exc:
                 raise _error(-3, f"loadRemoteMD: cannot refresh agent {md.name!r}: {exc}") from None
+            if rem.removed:  # removed while refreshing (its connection closed with it)
+                return md.name.encode()
         if md.partial:
             rem.ranges.update((r.name, r) for r in md.regions)
         else:
             rem.ranges = {r.name: r for r in md.regions}
         rem.table = None
-        rem.removed = False
         if fresh:
             self._remotes[md.name] = rem
         return md.name.encode()
@@ -2403,10 +2431,30 @@ class nixlAgent:
         await agent.write(local, far, notify=frames[-1])
         return time.perf_counter()
 
+    def _denied_or_gone(self, x: _Xfer, exc: BaseException) -> BaseException:
+        """A request the peer refused (its memory released): when the peer is
+        closing, its connections go right after (an agent's close releases
+        its memory first, then closes), and the request failed because the
+        peer went away: NIXL_ERR_REMOTE_DISCONNECT, as NIXL users expect of a
+        peer that left, not the BACKEND error of a deregistration. Waits for
+        that at most _GONE_GRACE (once per failed post)."""
+        peer = x.peer
+        if peer is None or x.remote is None:
+            return exc
+        deadline = time.monotonic() + _GONE_GRACE
+        while not peer.lost:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return exc
+            self._rt.yield_to_loop(min(left, 0.005), lambda: peer.lost)
+        return PeerLost(f"{exc} (the peer left: its connection closed)")
+
     def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str) -> int:
         try:
             res = fut.result()
         except BaseException as exc:  # (the request's failure, or its cancel)
+            if isinstance(exc, AccessDenied) and x.failed is not fut:
+                exc = self._denied_or_gone(x, exc)
             err = (_error(_ERR_CANCELED, f"{what}: the transfer was cancelled")
                    if isinstance(exc, asyncio.CancelledError) else _from_xfer_error(exc, what))
             if x.failed is not fut:  # counted once per post, as NIXL's
@@ -2856,6 +2904,12 @@ class nixlAgent:
         if tel is not None:
             tel.close()  # the staged events written; the file stays, as NIXL's
         if agent is not None:
+            # Connections first, memory after: a peer's request in flight then
+            # fails as a disconnect (NIXL_ERR_REMOTE_DISCONNECT), what NIXL
+            # users take for a peer that left; the agent's close releases the
+            # memory first, and the peer saw "access denied" (deregistered).
+            for peer in agent.peers:
+                await peer.aclose()
             await agent.aclose()
 
     def __del__(self) -> None:

@@ -36,6 +36,12 @@ see shared_inline).
     valgrind --tool=callgrind --separate-threads=yes python benchmarks/peers/bench_nixl_compat.py \
         --role count --system compat --workload "READ 4 KiB" --count 5000  # and 1000: subtract
 
+``--aa SYSTEM`` adds an A/A pair: a second pair of one system, taking turns
+with the others, the first's figures over the second's, with the spread of
+the turns' ratios: what the machine's noise alone makes of a ratio in the
+same run (a compat row that misses its target by less than that is noise,
+not code). ``--aa native --only native``: an A/A run alone.
+
 ``--nixl-python`` (default: $PEERS_VENVS/venv-nixl/bin/python, made by
 install.sh) runs the real NIXL side; this script must also be importable by
 it (it imports aioxfer only in the aioxfer systems).
@@ -413,6 +419,7 @@ def count_main(args: argparse.Namespace) -> None:
                     await make()
 
             loop.run_until_complete(go(300))
+            t0 = time.perf_counter()
             loop.run_until_complete(go(args.count))
         else:
             def go_sync(n: int, once: Callable[[], Any] = w.once) -> None:
@@ -420,7 +427,12 @@ def count_main(args: argparse.Namespace) -> None:
                     once()
 
             go_sync(300)
+            t0 = time.perf_counter()
             go_sync(args.count)
+        # (Wall time, for a quick look; under callgrind, meaningless.)
+        print(f"{args.system} {args.workload}: "
+              f"{(time.perf_counter() - t0) / args.count * 1e6:.2f} µs per request",
+              file=sys.stderr, flush=True)
     finally:
         target.close()
     os._exit(0)
@@ -446,8 +458,8 @@ class Pair:
     """One system's initiator (and, through it, its target), stopped between turns."""
 
     def __init__(self, python: str, system: str, transport: str,
-                 args: argparse.Namespace) -> None:
-        self.system = system
+                 args: argparse.Namespace, label: str = "") -> None:
+        self.system = label or system  # (an A/A run's second pair: "<system>'")
         rfd, wfd = os.pipe()
         argv = [python, os.path.abspath(__file__), "--role", "initiator", "--system", system,
                 "--transport", transport, "--ops", ",".join(args.ops), "--ctl-fd", str(wfd)]
@@ -458,7 +470,7 @@ class Pair:
         self.ctl = os.fdopen(rfd)
         line = self.ctl.readline()
         if not line:
-            raise RuntimeError(f"{system}/{transport}: the initiator failed to start")
+            raise RuntimeError(f"{self.system}/{transport}: the initiator failed to start")
         hello = json.loads(line)
         self.target_pid = int(hello["target_pid"])
         self.cal = hello.get("cal"), hello.get("target_cal")
@@ -508,16 +520,17 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
     pairs: list[Pair] = []
     records: list[dict[str, Any]] = []
     try:
-        for system in systems:
+        for label in systems:
+            system = label.rstrip("'")
             t0 = time.perf_counter()
             python = nixl_python if system == "nixl" else sys.executable
             try:
-                pairs.append(Pair(python, system, transport, args))
+                pairs.append(Pair(python, system, transport, args, label))
             except (RuntimeError, OSError) as exc:
-                print(f"  {system}/{transport}: {exc}", file=sys.stderr)
+                print(f"  {label}/{transport}: {exc}", file=sys.stderr)
                 continue
             mine, theirs = pairs[-1].cal
-            print(f"{system}/{transport}: ready in {time.perf_counter() - t0:.1f} s"
+            print(f"{label}/{transport}: ready in {time.perf_counter() - t0:.1f} s"
                   + (f"; calibration: initiator {mine}, target {theirs}" if mine else ""),
                   file=sys.stderr)
         if not pairs:
@@ -554,19 +567,30 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
             bad.add((*key, r["system"]))
     per: dict[tuple[Any, ...], float] = {(r["round"], r["transport"], r["op"], r["workload"],
                                           r["system"]): r["gbps"] for r in records}
+    # compat against the others, with the targets; an A/A pair (X and X'):
+    # the first against the second, no target, with the spread of its turns.
+    comps: list[tuple[str, str, float | None]] = [
+        ("compat", o, need) for o, need in (("nixl", 1.0), ("native", 0.9))
+        if "compat" in systems and o in systems]
+    comps += [(s[:-1], s, None) for s in systems if s.endswith("'") and s[:-1] in systems]
     ratio: dict[tuple[str, ...], list[float]] = {}
     for (rnd, tr, op, wl, sysname), v in per.items():
-        if sysname != "compat":
-            continue
-        for other in ("nixl", "native"):
+        for me, other, _ in comps:
             o = per.get((rnd, tr, op, wl, other))
-            if o:
-                ratio.setdefault((tr, op, wl, other), []).append(v / o)
+            if sysname == me and o:
+                ratio.setdefault((tr, op, wl, me, other), []).append(v / o)
+
+    def name(o: str) -> str:
+        return "NIXL" if o == "nixl" else o
+
+    def verdict(m: float, need: float | None) -> str:
+        return "" if need is None else " met" if m >= need else " MISSED"
+
     head = ["path", "op", "workload"] + [f"{s} GB/s" for s in systems]
-    checks = [(o, need) for o, need in (("nixl", 1.0), ("native", 0.9))
-              if "compat" in systems and o in systems]
-    head += [f"compat ÷ {'NIXL' if o == 'nixl' else o}" for o, _ in checks]
-    head += [f"best turns: compat ÷ {'NIXL' if o == 'nixl' else o}" for o, _ in checks]
+    head += [f"{me} ÷ {name(o)}" for me, o, _ in comps]
+    head += [f"best turns: {me} ÷ {name(o)}" for me, o, _ in comps]
+    head += [f"{me} ÷ {o}: turns' ratios, 10th-90th percentile"
+             for me, o, need in comps if need is None]
     head += [f"{s} CPU µs/req" for s in systems]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for tr, op, wl in rows:
@@ -577,22 +601,27 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
             if (tr, op, wl, s) in bad:
                 cell += " NOT VERIFIED"
             cells.append(cell)
-        for other, need in checks:
-            rs = ratio.get((tr, op, wl, other))
+        for me, other, need in comps:
+            rs = ratio.get((tr, op, wl, me, other))
             if rs:
                 m = statistics.median(rs)
-                cells.append(f"{m:.2f}× {'met' if m >= need else 'MISSED'}")
+                cells.append(f"{m:.2f}×{verdict(m, need)}")
             else:
                 cells.append("—")
         # The best turn of each: what each system does when the machine lets
         # it (a shared, busy machine slows single turns, never speeds them).
-        for other, need in checks:
-            mine, theirs = sums.get((tr, op, wl, "compat")), sums.get((tr, op, wl, other))
+        for me, other, need in comps:
+            mine, theirs = sums.get((tr, op, wl, me)), sums.get((tr, op, wl, other))
             if mine and theirs:
                 m = max(mine) / max(theirs)
-                cells.append(f"{m:.2f}× {'met' if m >= need else 'MISSED'}")
+                cells.append(f"{m:.2f}×{verdict(m, need)}")
             else:
                 cells.append("—")
+        for me, other, need in comps:
+            if need is None:
+                rs = sorted(ratio.get((tr, op, wl, me, other), []))
+                cells.append(f"{rs[len(rs) // 10]:.2f}-{rs[(len(rs) * 9) // 10]:.2f}×"
+                             if rs else "—")
         for s in systems:
             vals = cpus.get((tr, op, wl, s))
             cells.append(f"{statistics.median(vals):.0f}" if vals else "—")
@@ -614,7 +643,7 @@ def shared_inline(args: argparse.Namespace, systems: list[str]) -> str:
     calibrations, not compat with native."""
     if os.environ.get("AIOXFER_INLINE_BYTES"):
         return f"{os.environ['AIOXFER_INLINE_BYTES']} ($AIOXFER_INLINE_BYTES)"
-    if args.inline != "shared" or not {"compat", "native"} & set(systems):
+    if args.inline != "shared" or not {"compat", "native"} & {s.rstrip("'") for s in systems}:
         return ""
     from aioxfer import _cyx
 
@@ -632,10 +661,16 @@ def driver(args: argparse.Namespace) -> None:
         os.environ.get("PEERS_VENVS", os.path.expanduser("~/.cache/aioxfer-peers")),
         "venv-nixl", "bin", "python")
     systems = [s for s in SYSTEMS if s in args.only]
+    if args.aa:
+        if args.aa not in SYSTEMS:
+            raise SystemExit(f"--aa: one of {', '.join(SYSTEMS)}")
+        if args.aa not in systems:
+            systems.append(args.aa)
+        systems.append(args.aa + "'")
     if "nixl" in systems and not os.path.exists(nixl_python):
         print(f"no NIXL venv at {nixl_python} (benchmarks/peers/install.sh): skipping nixl",
               file=sys.stderr)
-        systems.remove("nixl")
+        systems = [s for s in systems if s.rstrip("'") != "nixl"]
     inline = shared_inline(args, systems)
     records: list[dict[str, Any]] = []
     for transport in args.transports:
@@ -646,7 +681,9 @@ def driver(args: argparse.Namespace) -> None:
           f"over the other's in the same round, median; best turns: compat's best turn over "
           f"the other's; CPU µs/req: both processes' CPU time per request (initiator and "
           f"target), median of the turns: what other processes' load does not stretch. "
-          f"Targets: compat ≥ 1× NIXL and ≥ 0.9× native.\n")
+          + "Targets: compat ≥ 1× NIXL and ≥ 0.9× native."
+          + (f" A/A: {args.aa} and {args.aa}' run the same code (two process pairs): "
+             f"their ratios are what noise alone makes of one now.\n" if args.aa else "\n"))
     if inline:
         print(f"aioxfer's inline threshold: {inline}.\n")
     print(table(records, systems))
@@ -682,6 +719,11 @@ def main() -> None:
     ap.add_argument("--inline", default="shared", choices=["shared", "own"],
                     help="aioxfer's inline threshold: one calibration for every process "
                          "(shared) or each engine's own")
+    ap.add_argument("--aa", default="",
+                    help="an A/A pair: a second pair of this system (named with a ') taking "
+                         "turns with the others, its ratios the first's over the second's: how "
+                         "far apart two runs of the same code are on this machine now (with "
+                         "--only SYSTEM: an A/A run alone)")
     args = ap.parse_args()
     args.ops = args.ops.split(",")
     args.only = args.only.split(",")
