@@ -37,6 +37,8 @@ from aioxfer.protocol import (
 __all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple"]
 
 _log = get_logger("aioxfer")
+# Connections accepted in one step of the loop at most (the rest the next step).
+_ACCEPT_BURST = 32
 
 
 class Server:
@@ -112,30 +114,58 @@ class Server:
         self, loop: asyncio.AbstractEventLoop, lsock: socket.socket, *, local: bool = False
     ) -> None:
         """Accepts on lsock until cancelled (local: the unix socket, where the
-        kernel says who connects); each connection is served by its own task."""
+        kernel says who connects); each connection is served by its own task.
+
+        A reader callback accepts every connection waiting (up to a burst
+        bound) and starts their tasks in the same step: a dialer's several
+        connections arrive together and their handshakes run side by side
+        (loop.sock_accept took one a step, re-arming the reader each time, and
+        its task started a step after the accept)."""
+        fd = lsock.fileno()
+        stop: asyncio.Future[None] = loop.create_future()
         refused = 0
-        while True:
-            try:
-                sock, addr = await loop.sock_accept(lsock)
-            except OSError as exc:
-                if self._closed():
+
+        def resume() -> None:
+            if not stop.done():
+                loop.add_reader(fd, ready)
+
+        def ready() -> None:
+            nonlocal refused
+            for _ in range(_ACCEPT_BURST):
+                try:
+                    sock, addr = lsock.accept()
+                except (BlockingIOError, InterruptedError):
                     return
-                _log.warning("accept.failed", agent=self._agent, error=str(exc))
-                await asyncio.sleep(0.1)  # e.g. EMFILE: do not spin
-                continue
-            if len(self._tasks) >= self._max_handshakes:
-                # Each handshake holds a socket and a task until peer_timeout:
-                # over the cap a connection is closed at once (said once per burst).
-                sock.close()
-                refused += 1
-                if refused == 1:
-                    _log.warning("conn.refused", agent=self._agent, remote=fmt_sockaddr(addr),
-                                 reason=f"{self._max_handshakes} handshakes already running")
-                continue
-            refused = 0
-            task = loop.create_task(self._serve(loop, sock, addr, local=local))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+                except OSError as exc:
+                    if self._closed():
+                        if not stop.done():
+                            stop.set_result(None)
+                        return
+                    _log.warning("accept.failed", agent=self._agent, error=str(exc))
+                    loop.remove_reader(fd)  # e.g. EMFILE: do not spin
+                    loop.call_later(0.1, resume)
+                    return
+                if len(self._tasks) >= self._max_handshakes:
+                    # Each handshake holds a socket and a task until peer_timeout:
+                    # over the cap a connection is closed at once (said once per burst).
+                    sock.close()
+                    refused += 1
+                    if refused == 1:
+                        _log.warning("conn.refused", agent=self._agent,
+                                     remote=fmt_sockaddr(addr),
+                                     reason=f"{self._max_handshakes} handshakes already running")
+                    continue
+                refused = 0
+                task = loop.create_task(self._serve(loop, sock, addr, local=local))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+        loop.add_reader(fd, ready)
+        try:
+            await stop
+        finally:
+            if not loop.is_closed():
+                loop.remove_reader(fd)
 
     async def _serve(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any, *, local: bool
