@@ -81,6 +81,7 @@ __all__ = [
     "send_frame",
     "send_now",
     "server_handshake",
+    "server_join_now",
     "server_proof",
 ]
 
@@ -408,6 +409,61 @@ async def _server_handshake(
                 joins.revoke(nonce)  # a client that did not prove the token joins nothing
             raise
     await send_frame(loop, sock, accept)
+    return hello
+
+
+def server_join_now(
+    sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins
+) -> Hello | None:
+    """Server side, at once (no await): a "data" connection whose whole Hello
+    already waits in the socket and joins a live Challenge (see Joins) gets
+    Challenge{joined} and Accept in one send, and its Hello is returned.
+    Anything else (no token, a partial Hello, not a join, one that asks for
+    the metadata, a grant gone or a wrong proof, a send that would block)
+    returns None with nothing read: the caller runs server_handshake, which
+    reads the same Hello. A join is checked by peeking; its bytes are read
+    (exactly the frame: the engine's bytes follow) only once it is taken."""
+    if token is None:
+        return None
+    try:
+        head = sock.recv(4, socket.MSG_PEEK)
+        if len(head) < 4:
+            return None
+        n = int.from_bytes(head, "big")
+        if not 0 < n <= MAX_HANDSHAKE_FRAME:
+            return None
+        frame = sock.recv(4 + n, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return None
+    if len(frame) < 4 + n:
+        return None
+    try:
+        hello = decode_body(memoryview(frame)[4:])
+    except ProtocolError:
+        return None
+    if not (
+        isinstance(hello, Hello)
+        and hello.version == PROTOCOL_VERSION
+        and 0 < len(hello.name) <= MAX_NAME
+        and len(hello.nonce) == NONCE_BYTES
+        and 0 <= hello.incarnation < 1 << 64
+        and hello.purpose == "data"
+        and hello.byteorder == sys.byteorder
+        and not hello.meta
+        and hello.join
+    ):
+        return None
+    reply = encode_frame(
+        Challenge(nonce=secrets.token_bytes(NONCE_BYTES), proof=server_proof(token, hello.nonce),
+                  joined=True)
+    ) + encode_frame(accept)
+    # The reply is a few hundred bytes into an empty send buffer: it fits
+    # unless the socket is broken; then the join is not taken.
+    if not joins.take(hello, token):
+        return None
+    sock.recv_into(bytearray(4 + n), 4 + n)  # the peeked Hello, read for good
+    if send_now(sock, reply) < len(reply):
+        raise ProtocolError("the joined connection's Accept did not fit its send buffer")
     return hello
 
 

@@ -22,7 +22,7 @@ from aioxfer import _cyx
 from aioxfer.errors import ProtocolError
 from aioxfer.local import FDS_PER_MESSAGE, peer_cred, peer_pidfd, send_fds
 from aioxfer.log import get_logger
-from aioxfer.metadata import Accept, AgentMeta, VerbsAccept, VerbsConnect, VerbsQP
+from aioxfer.metadata import Accept, AgentMeta, Hello, VerbsAccept, VerbsConnect, VerbsQP
 from aioxfer.protocol import (
     META_GO,
     HandshakeRejected,
@@ -32,6 +32,7 @@ from aioxfer.protocol import (
     send_frame,
     send_now,
     server_handshake,
+    server_join_now,
 )
 
 __all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple"]
@@ -156,6 +157,8 @@ class Server:
                                      reason=f"{self._max_handshakes} handshakes already running")
                     continue
                 refused = 0
+                if not local and self._join_now(sock, addr):
+                    continue
                 task = loop.create_task(self._serve(loop, sock, addr, local=local))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -171,7 +174,6 @@ class Server:
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any, *, local: bool
     ) -> None:
         remote = fmt_sockaddr(addr)
-        handed = False
         pidfd = -1
         try:
             sock.setblocking(False)
@@ -220,20 +222,9 @@ class Server:
                 # it owes is settled by its ack or by its process's exit, never
                 # by a closed socket alone (a stopped process keeps its maps).
                 pidfd = peer_pidfd(sock, cred)
-            tag = self._tag_for(hello.name, hello.incarnation)
-            fd = sock.detach()
-            handed = True
-            # The engine owns fd and pidfd (and the queue pairs), also if this raises.
+            # _hand_over owns pidfd, the engine the fd (and the queue pairs).
             owned, pidfd = pidfd, -1
-            try:
-                if hello.purpose == "verbs":
-                    self._engine.verbs_accept_conn(fd, tag, handles)
-                else:
-                    self._engine.accept_conn(fd, tag, owned)
-            except BaseException:
-                self._tag_unref(tag)
-                raise
-            _log.debug("conn.accepted", agent=self._agent, peer=hello.name, remote=remote, tag=tag)
+            self._hand_over(sock, hello, remote, owned, handles)
         except HandshakeRejected as exc:
             _log.warning("conn.rejected", agent=self._agent, remote=remote, reason=str(exc))
         except ProtocolError as exc:
@@ -254,8 +245,56 @@ class Server:
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
-            if not handed:
-                sock.close()
+            sock.close()  # (nothing if the engine took it: detached)
+
+    def _hand_over(
+        self, sock: socket.socket, hello: Hello, remote: str, pidfd: int, handles: list[int]
+    ) -> None:
+        """The engine takes the handshaken connection (and pidfd, and the
+        queue pairs), also if this raises; pidfd is closed if it cannot."""
+        try:
+            tag = self._tag_for(hello.name, hello.incarnation)
+        except BaseException:
+            if pidfd >= 0:
+                os.close(pidfd)
+            raise
+        fd = sock.detach()
+        try:
+            if hello.purpose == "verbs":
+                self._engine.verbs_accept_conn(fd, tag, handles)
+            else:
+                self._engine.accept_conn(fd, tag, pidfd)
+        except BaseException:
+            self._tag_unref(tag)
+            raise
+        _log.debug("conn.accepted", agent=self._agent, peer=hello.name, remote=remote, tag=tag)
+
+    def _join_now(self, sock: socket.socket, addr: Any) -> bool:
+        """A tcp connection whose Hello joins a Challenge, served at once, in
+        the accepting step (protocol.server_join_now: the Hello came with the
+        connection, TCP_DEFER_ACCEPT, and needs one reply): no task, no
+        timer, no further step of the loop, on the way of each of a connect's
+        other connections. False, nothing read: anything else, for _serve."""
+        try:
+            sock.setblocking(False)
+            nodelay(sock)
+            hello = server_join_now(sock, token=self._token, accept=self._accept,
+                                    joins=self.joins)
+        except OSError:
+            return False  # _serve meets it again, and says so
+        except ProtocolError as exc:
+            _log.warning("conn.rejected", agent=self._agent, remote=fmt_sockaddr(addr),
+                         reason=str(exc))
+            sock.close()
+            return True
+        if hello is None:
+            return False
+        try:
+            self._hand_over(sock, hello, fmt_sockaddr(addr), -1, [])
+        except _cyx.NativeError as exc:
+            _log.warning("conn.failed", agent=self._agent, remote=fmt_sockaddr(addr),
+                         reason=str(exc))
+        return True
 
     async def _send_meta(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, local: bool
