@@ -73,6 +73,7 @@ __all__ = [
     "HandshakeRejected",
     "Joins",
     "client_handshake",
+    "client_join_now",
     "client_proof",
     "join_proof",
     "encode_frame",
@@ -283,26 +284,19 @@ def _unexpected(got: Frame, want: str) -> ProtocolError:
     return ProtocolError(f"expected {want}, got {type(got).__name__}")
 
 
-async def _client_handshake(
-    loop: asyncio.AbstractEventLoop,
-    sock: socket.socket,
+def _hello(
     *,
     name: str,
     incarnation: int,
     purpose: Purpose,
     token: bytes | None,
-    meta: bool,
-    accept_only: bool,
-    joins: int,
-    on_challenge: Callable[[bytes], None] | None,
-    join: tuple[bytes, int] | None,
-) -> Accept:
-    """See client_handshake."""
+    meta: bool = False,
+    accept_only: bool = False,
+    joins: int = 0,
+    join: tuple[bytes, int] | None = None,
+) -> tuple[bytes, bytes]:
+    """A client's Hello (a fresh nonce) as a frame; returns (nonce, frame)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    if token is None or not (purpose == "data" or accept_only):
-        joins = 0
-    if token is None or purpose != "data":
-        join = None
     hello = Hello(
         version=PROTOCOL_VERSION,
         name=name,
@@ -320,7 +314,57 @@ async def _client_handshake(
             hello, join=join[0], join_index=join[1],
             join_proof=join_proof(token, join[0], join[1], nonce, name),
         )
-    await send_frame(loop, sock, hello)
+    return nonce, encode_frame(hello)
+
+
+def client_join_now(
+    sock: socket.socket, *, name: str, incarnation: int, token: bytes, join: tuple[bytes, int]
+) -> tuple[bytes, bytes] | None:
+    """Sends a joining "data" Hello (join: the Challenge's nonce and our
+    index) on a connected non-blocking socket now, in this step: returns
+    (its nonce, what the socket did not take yet), for client_handshake's
+    ``sent``; None, nothing sent, when the socket takes nothing (not
+    connected yet, or broken: client_handshake then sends it)."""
+    nonce, frame = _hello(name=name, incarnation=incarnation, purpose="data", token=token,
+                          join=join)
+    try:
+        n = send_now(sock, frame)
+    except OSError:
+        return None
+    return None if n == 0 else (nonce, frame[n:])
+
+
+async def _client_handshake(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    *,
+    name: str,
+    incarnation: int,
+    purpose: Purpose,
+    token: bytes | None,
+    meta: bool,
+    accept_only: bool,
+    joins: int,
+    on_challenge: Callable[[bytes], None] | None,
+    join: tuple[bytes, int] | None,
+    sent: tuple[bytes, bytes] | None,
+    on_hello: Callable[[], None] | None,
+) -> Accept:
+    """See client_handshake."""
+    if token is None or not (purpose == "data" or accept_only):
+        joins = 0
+    if token is None or purpose != "data":
+        join = None
+    if sent is None:
+        nonce, frame = _hello(name=name, incarnation=incarnation, purpose=purpose, token=token,
+                              meta=meta, accept_only=accept_only, joins=joins, join=join)
+        await loop.sock_sendall(sock, frame)
+        if on_hello is not None:
+            on_hello()
+    else:  # client_join_now sent (the first part of) it
+        nonce, rest = sent
+        if rest:
+            await loop.sock_sendall(sock, rest)
     msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     if isinstance(msg, Challenge):
         if token is None:
@@ -333,9 +377,11 @@ async def _client_handshake(
             if join is None:
                 raise ProtocolError("peer accepted a join this connection did not ask for")
         else:
-            if on_challenge is not None and joins:
-                on_challenge(msg.nonce)  # our other connections may join it now
             await send_frame(loop, sock, Proof(proof=client_proof(token, msg.nonce, name)))
+            if on_challenge is not None and joins:
+                # Our other connections may join it now (their Hellos may
+                # go out in this step, behind the Proof: client_join_now).
+                on_challenge(msg.nonce)
         msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     elif isinstance(msg, Accept) and token is not None:
         raise AccessDenied("peer does not authenticate with a token, but this agent requires one")
@@ -480,13 +526,17 @@ async def client_handshake(
     joins: int = 0,
     on_challenge: Callable[[bytes], None] | None = None,
     join: tuple[bytes, int] | None = None,
+    sent: tuple[bytes, bytes] | None = None,
+    on_hello: Callable[[], None] | None = None,
 ) -> Accept:
     """Runs the client half; returns the server's Accept.
 
     joins/on_challenge (a first "data" connection, token only): this many
     other connections will join its Challenge; on_challenge(nonce) is called
     once the server proved itself in it. join: (that nonce, index 1..joins)
-    for one of those connections (see the module docstring).
+    for one of those connections (see the module docstring); sent: such a
+    connection's Hello was sent by client_join_now (its nonce, and the part
+    still to send). on_hello(): called once our Hello is out.
 
     meta ("data" only): ask for the server's metadata on this connection; if
     the Accept says it follows (``accept.meta``), the caller reads it
@@ -505,6 +555,7 @@ async def client_handshake(
         return await _client_handshake(
             loop, sock, name=name, incarnation=incarnation, purpose=purpose, token=token,
             meta=meta, accept_only=accept_only, joins=joins, on_challenge=on_challenge, join=join,
+            sent=sent, on_hello=on_hello,
         )
     except XferError:
         _shutdown(sock)

@@ -35,7 +35,7 @@ from aioxfer.protocol import (
     server_join_now,
 )
 
-__all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple"]
+__all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple", "writable"]
 
 _log = get_logger("aioxfer")
 # Connections accepted in one step of the loop at most (the rest the next step).
@@ -322,14 +322,14 @@ class Server:
                     socket.send_fds(sock, [b"F"], fds[i : i + FDS_PER_MESSAGE])
                     break
                 except (BlockingIOError, InterruptedError):
-                    await _writable(loop, sock)
+                    await writable(loop, sock)
                     waited = True
         while True:
             if waited:
                 self._check_current(meta, fds, local)
             if send_now(sock, META_GO):
                 return
-            await _writable(loop, sock)
+            await writable(loop, sock)
             waited = True
 
     def _check_current(self, meta: AgentMeta, fds: list[int], local: bool) -> None:
@@ -379,7 +379,8 @@ class Server:
         return handles
 
 
-async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+async def writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Until sock can be written to (or is connected, or has failed)."""
     fut: asyncio.Future[None] = loop.create_future()
     fd = sock.fileno()
 
