@@ -467,7 +467,8 @@ def server_join_now(
     Anything else (no token, a partial Hello, not a join, one that asks for
     the metadata, a grant gone or a wrong proof, a send that would block)
     returns None with nothing read: the caller runs server_handshake, which
-    reads the same Hello. A join is checked by peeking; its bytes are read
+    reads the same Hello. ProtocolError: taken, but the connection broke
+    (the caller closes it). A join is checked by peeking; its bytes are read
     (exactly the frame: the engine's bytes follow) only once it is taken."""
     if token is None:
         return None
@@ -479,7 +480,7 @@ def server_join_now(
         if not 0 < n <= MAX_HANDSHAKE_FRAME:
             return None
         frame = sock.recv(4 + n, socket.MSG_PEEK)
-    except (BlockingIOError, InterruptedError):
+    except OSError:  # nothing yet, or broken: server_handshake meets it
         return None
     if len(frame) < 4 + n:
         return None
@@ -507,9 +508,13 @@ def server_join_now(
     # unless the socket is broken; then the join is not taken.
     if not joins.take(hello, token):
         return None
-    sock.recv_into(bytearray(4 + n), 4 + n)  # the peeked Hello, read for good
-    if send_now(sock, reply) < len(reply):
-        raise ProtocolError("the joined connection's Accept did not fit its send buffer")
+    try:
+        if sock.recv_into(bytearray(4 + n), 4 + n) != 4 + n:  # the peeked Hello, for good
+            raise ProtocolError("the joining Hello shrank between its peek and its read")
+        if send_now(sock, reply) < len(reply):
+            raise ProtocolError("the joined connection's Accept did not fit its send buffer")
+    except OSError as exc:
+        raise ProtocolError(f"connection broken while it joined: {exc}") from None
     return hello
 
 

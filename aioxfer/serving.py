@@ -294,6 +294,10 @@ class Server:
         except _cyx.NativeError as exc:
             _log.warning("conn.failed", agent=self._agent, remote=fmt_sockaddr(addr),
                          reason=str(exc))
+        except Exception as exc:  # as _serve: never an error out of the accepting step
+            _log.warning("conn.rejected", agent=self._agent, remote=fmt_sockaddr(addr),
+                         reason=f"{type(exc).__name__}: {exc}")
+            sock.close()  # (nothing if the engine took it: detached)
         return True
 
     async def _send_meta(

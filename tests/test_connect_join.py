@@ -366,3 +366,24 @@ async def wait_conns(agent: aioxfer.Agent, n: int) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"the engine holds {agent.statistics().native_conns} connections")
+
+
+async def test_join_cut_at_once(make_agent) -> None:
+    """Joining Hellos whose connections are reset right after them (the
+    accepting step may find the Hello, the reset, or both): nothing breaks,
+    the agent still serves, and a join that was not taken still joins."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    target.alloc(MiB, name="dst")
+    loop = asyncio.get_running_loop()
+    first, nonce = await first_connection(target.address, 4)
+    with first:
+        for index in (1, 2, 3):
+            sock = await raw_connect(target.address)
+            await loop.sock_sendall(sock, join_hello(nonce, index))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+            sock.close()  # RST
+        await asyncio.sleep(0.1)
+        sock, chal = await send_join(target.address, join_hello(nonce, 4))
+        with sock:
+            assert chal.joined
+    await still_serves(make_agent, target.address, "dst", token=TOKEN)
