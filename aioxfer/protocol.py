@@ -458,6 +458,11 @@ async def _server_handshake(
     return hello
 
 
+# How a Hello that joins nothing encodes its "join" field (the empty default):
+# server_join_now leaves such a Hello to server_handshake without decoding it.
+_NO_JOIN = b"\xa4join\xc4\x00"
+
+
 def server_join_now(
     sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins
 ) -> Hello | None:
@@ -473,17 +478,14 @@ def server_join_now(
     if token is None:
         return None
     try:
-        head = sock.recv(4, socket.MSG_PEEK)
-        if len(head) < 4:
-            return None
-        n = int.from_bytes(head, "big")
-        if not 0 < n <= MAX_HANDSHAKE_FRAME:
-            return None
-        frame = sock.recv(4 + n, socket.MSG_PEEK)
+        frame = sock.recv(4 + MAX_HANDSHAKE_FRAME, socket.MSG_PEEK)
     except OSError:  # nothing yet, or broken: server_handshake meets it
         return None
-    if len(frame) < 4 + n:
+    n = int.from_bytes(frame[:4], "big")
+    if len(frame) < 4 or not 0 < n <= len(frame) - 4:
         return None
+    if _NO_JOIN in frame[4 : 4 + n]:
+        return None  # (a shortcut: an empty "join" as msgspec writes it)
     try:
         hello = decode_body(memoryview(frame)[4:])
     except ProtocolError:
