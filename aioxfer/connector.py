@@ -779,9 +779,19 @@ class _EarlyConns:
     closes whatever is not taken. joinable: once connected, each waits for
     the first connection's (or the probe's) Challenge (on_challenge) and
     joins it (indexes first_index, first_index + 1, ...) instead of running a
-    Proof round of its own."""
+    Proof round of its own.
 
-    __slots__ = ("_tasks", "_challenge", "_dialer", "_address", "_n", "_first", "joins")
+    Joinable ones to an IP literal are dialled at once (Dialer.dial_now),
+    their Hellos go out within on_challenge, in the step that sends the
+    first connection's Proof (Dialer.join_now), and arrivals reads their
+    answers itself, with no task of theirs to wake: the first connection's
+    reads seldom wait on a busy machine (the peer answers while we are
+    descheduled), so tasks of theirs ran only once its metadata was in,
+    and the peer served them after that. The others (a name, a dial that
+    failed at once, no token) open on their own tasks."""
+
+    __slots__ = ("_tasks", "_challenge", "_dialer", "_address", "_n", "_first", "_socks",
+                 "_sent", "_started", "joins")
 
     def __init__(
         self, dialer: Dialer, address: str, n: int, *, joinable: bool, first_index: int = 1
@@ -790,7 +800,11 @@ class _EarlyConns:
         self._address = address
         self._n = n
         self._first = first_index
-        self._tasks: list[asyncio.Task[tuple[socket.socket, Accept]]] = []
+        self._started = False
+        # Index i: its task, or its socket dialled at once (and what its Hello sent).
+        self._tasks: list[asyncio.Task[tuple[socket.socket, Accept]] | None] = [None] * n
+        self._socks: list[socket.socket | None] = [None] * n
+        self._sent: list[tuple[bytes, bytes] | None] = [None] * n
         self._challenge: asyncio.Future[bytes | None] | None = None
         self.joins = 0
         if joinable:
@@ -799,17 +813,20 @@ class _EarlyConns:
 
     def start(self) -> None:
         """Dials them (once: the first connection is up)."""
-        if self._tasks:
+        if self._started:
             return
+        self._started = True
         join = self._challenge is not None
-        self._tasks = [
-            asyncio.ensure_future(
-                self._dialer.open(
+        for i in range(self._n):
+            sock = self._dialer.dial_now(self._address) if join else None
+            if sock is not None:
+                self._socks[i] = sock
+            else:
+                self._tasks[i] = asyncio.ensure_future(self._dialer.open(
                     self._address, join=self._joiner(self._first + i) if join else None
-                )
-            )
-            for i in range(self._n)
-        ]
+                ))
+        if self._challenge is not None and self._challenge.done():
+            self._join_now(self._challenge.result())
 
     def _joiner(self, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:
         async def join() -> tuple[bytes, int] | None:
@@ -824,6 +841,30 @@ class _EarlyConns:
         was right), or None: the others handshake alone."""
         if self._challenge is not None and not self._challenge.done():
             self._challenge.set_result(nonce)
+            self._join_now(nonce)
+
+    def _join_now(self, nonce: bytes | None) -> None:
+        """The Hellos of those dialled at once and connected, sent now."""
+        if nonce is None:
+            return
+        for i, sock in enumerate(self._socks):
+            if sock is not None and self._sent[i] is None:
+                self._sent[i] = self._dialer.join_now(sock, (nonce, self._first + i))
+
+    async def _joined(self, i: int) -> tuple[socket.socket, Accept] | None:
+        """Index i's handshake, dialled at once, finished here (its Hello
+        sent now if it was not): None if it failed (on the network, or
+        refused by the peer)."""
+        sock = self._socks[i]
+        assert sock is not None and self._challenge is not None
+        sent = self._sent[i]
+        try:
+            return await self._dialer.open(
+                self._address, join=self._joiner(self._first + i), sock=sock,
+                sent=lambda: sent,
+            )
+        except (XferError, OSError):
+            return None
 
     async def arrivals(self, n: int, incarnation: int) -> AsyncGenerator[socket.socket, None]:
         """Up to n of them, answered by that incarnation, each once its
@@ -832,19 +873,25 @@ class _EarlyConns:
         does not detach is closed by close()."""
         self.start()
         got = 0
-        for t in self._tasks:
+        for i, t in enumerate(self._tasks):
             if got == n:
                 return
-            if not t.done():  # (asyncio.wait costs a loop step)
-                await asyncio.wait((t,))
-            if t.cancelled():
-                continue
-            exc = t.exception()
-            if exc is not None:
-                if not isinstance(exc, XferError | OSError):
-                    raise exc
-                continue
-            sock, accept = t.result()
+            if t is None:
+                res = await self._joined(i)
+                if res is None:
+                    continue
+            else:
+                if not t.done():  # (asyncio.wait costs a loop step)
+                    await asyncio.wait((t,))
+                if t.cancelled():
+                    continue
+                exc = t.exception()
+                if exc is not None:
+                    if not isinstance(exc, XferError | OSError):
+                        raise exc
+                    continue
+                res = t.result()
+            sock, accept = res
             if accept.incarnation == incarnation:
                 got += 1
                 yield sock
@@ -852,15 +899,19 @@ class _EarlyConns:
     async def close(self) -> None:
         """Closes what was not taken (a dial still running is cancelled: it
         closes its own socket)."""
-        for t in self._tasks:
+        tasks = [t for t in self._tasks if t is not None]
+        for t in tasks:
             t.cancel()
-        if not all(t.done() for t in self._tasks):
-            await asyncio.wait(self._tasks)
-        for t in self._tasks:
+        if not all(t.done() for t in tasks):
+            await asyncio.wait(tasks)
+        for t in tasks:
             if not t.cancelled() and t.exception() is None:
                 sock = t.result()[0]
                 if sock.fileno() >= 0:
                     sock.close()
+        for s in self._socks:  # dialled at once (detached: taken by the engine)
+            if s is not None and s.fileno() >= 0:
+                s.close()
 
 
 class _LocalLink:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,8 +22,15 @@ from typing import Any, Literal
 from aioxfer.errors import AccessDenied, ProtocolError, TransportError
 from aioxfer.local import local_address, peer_cred, recv_fds
 from aioxfer.metadata import Accept, AgentMeta, Purpose
-from aioxfer.protocol import MAX_META_FRAME, client_handshake, fetch_meta, recv_frame, recv_go
-from aioxfer.serving import nodelay
+from aioxfer.protocol import (
+    MAX_META_FRAME,
+    client_handshake,
+    client_join_now,
+    fetch_meta,
+    recv_frame,
+    recv_go,
+)
+from aioxfer.serving import nodelay, writable
 
 __all__ = ["Dialer", "joining", "numeric_addrinfo", "parse_address"]
 
@@ -130,6 +138,37 @@ class Dialer:
             return s
         raise error or OSError(f"no address for {host!r}")
 
+    def dial_now(self, address: str) -> socket.socket | None:
+        """A data connection to an IP literal's address, its connect started
+        now and not waited for (None: a name, or it failed at once): for
+        open(sock=...), and to send its Hello in a later step without
+        yielding (join_now)."""
+        host, port = parse_address(address)
+        infos = numeric_addrinfo(host, port)
+        if infos is None:
+            return None
+        family, type_, proto, _, sockaddr = infos[0]
+        s = socket.socket(family, type_, proto)
+        try:
+            s.setblocking(False)
+            nodelay(s)
+            err = s.connect_ex(sockaddr)
+        except OSError:
+            s.close()
+            return None
+        if err not in (0, errno.EINPROGRESS):
+            s.close()
+            return None
+        return s
+
+    def join_now(self, sock: socket.socket, join: tuple[bytes, int]) -> tuple[bytes, bytes] | None:
+        """Our joining Hello on sock (from dial_now), sent now if it is
+        connected (protocol.client_join_now): for open(sent=...)."""
+        if self._token is None:
+            return None
+        return client_join_now(sock, name=self._agent, incarnation=self._incarnation,
+                               token=self._token, join=join)
+
     @contextlib.asynccontextmanager
     async def control_errors(self, address: str, doing: str, what: str) -> AsyncIterator[None]:
         """Bounds a control-plane exchange by peer_timeout and names the peer in its errors."""
@@ -151,12 +190,17 @@ class Dialer:
         purpose: Literal["data", "verbs"] = "data",
         *,
         join: Callable[[], Awaitable[tuple[bytes, int] | None]] | None = None,
+        sock: socket.socket | None = None,
+        sent: Callable[[], tuple[bytes, bytes] | None] | None = None,
     ) -> tuple[socket.socket, Accept]:
         """A connected, handshaken data socket (non-blocking), and the peer's
         Accept (who answered: name and incarnation). join: awaited once the
         socket is connected; (nonce, index) joins that Challenge of a first
-        connection (protocol.Joins), None does the whole handshake."""
-        sock, accept, _ = await self.open_meta(address, purpose, meta=False, join=join)
+        connection (protocol.Joins), None does the whole handshake. sock: one
+        from dial_now (ours from here on: closed if this fails); sent(),
+        asked once join is known: what join_now sent on it (None: nothing)."""
+        sock, accept, _ = await self.open_meta(address, purpose, meta=False, join=join,
+                                               sock=sock, sent=sent)
         return sock, accept
 
     async def open_meta(
@@ -169,20 +213,32 @@ class Dialer:
         on_challenge: Callable[[bytes], None] | None = None,
         join: Callable[[], Awaitable[tuple[bytes, int] | None]] | None = None,
         on_dialled: Callable[[], None] | None = None,
+        sock: socket.socket | None = None,
+        sent: Callable[[], tuple[bytes, bytes] | None] | None = None,
     ) -> tuple[socket.socket, Accept, AgentMeta | None]:
         """open(), and with meta the peer's metadata on the same connection
         (None from a peer that does not send it there). Purpose "meta": only
         who answered (its Accept, Hello.accept_only); the peer's engine never
         holds the connection. joins/on_challenge: see client_handshake.
-        on_dialled(): called once connected, before the Hello is sent in
-        the same step (what it starts runs after the Hello is out)."""
+        on_dialled(): called once connected, right after our Hello went out
+        (what it dials or starts does not delay the Hello).
+        sock/sent: see open()."""
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
         async with self.control_errors(address, "connecting to", "connect to"):
-            sock = await self.dial(host, port)
+            early = sock is not None
             try:
-                if on_dialled is not None:
-                    on_dialled()
+                if sock is None:
+                    sock = await self.dial(host, port)
+                joined = None if join is None else await join()
+                hello = None if sent is None or joined is None else sent()
+                if early and hello is None:
+                    await _connected(loop, sock)
+            except BaseException:
+                if sock is not None:
+                    sock.close()
+                raise
+            try:
                 accept = await client_handshake(
                     loop,
                     sock,
@@ -194,7 +250,9 @@ class Dialer:
                     accept_only=purpose == "meta",
                     joins=joins,
                     on_challenge=on_challenge,
-                    join=None if join is None else await join(),
+                    join=joined,
+                    sent=hello,
+                    on_hello=on_dialled,
                 )
                 got = None
                 if meta and accept.meta:
@@ -217,6 +275,22 @@ class Dialer:
             finally:
                 sock.close()
         raise AssertionError("unreachable")  # for type checkers: the block returns or raises
+
+
+async def _connected(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Until sock's connect (started by dial_now, or done) has completed; its
+    error as an OSError."""
+    while True:
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            raise OSError(err, os.strerror(err))
+        try:
+            sock.getpeername()
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise
+        await writable(loop, sock)
 
 
 def joining(nonce: bytes, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:

@@ -73,6 +73,7 @@ __all__ = [
     "HandshakeRejected",
     "Joins",
     "client_handshake",
+    "client_join_now",
     "client_proof",
     "join_proof",
     "encode_frame",
@@ -81,6 +82,7 @@ __all__ = [
     "send_frame",
     "send_now",
     "server_handshake",
+    "server_join_now",
     "server_proof",
 ]
 
@@ -282,26 +284,19 @@ def _unexpected(got: Frame, want: str) -> ProtocolError:
     return ProtocolError(f"expected {want}, got {type(got).__name__}")
 
 
-async def _client_handshake(
-    loop: asyncio.AbstractEventLoop,
-    sock: socket.socket,
+def _hello(
     *,
     name: str,
     incarnation: int,
     purpose: Purpose,
     token: bytes | None,
-    meta: bool,
-    accept_only: bool,
-    joins: int,
-    on_challenge: Callable[[bytes], None] | None,
-    join: tuple[bytes, int] | None,
-) -> Accept:
-    """See client_handshake."""
+    meta: bool = False,
+    accept_only: bool = False,
+    joins: int = 0,
+    join: tuple[bytes, int] | None = None,
+) -> tuple[bytes, bytes]:
+    """A client's Hello (a fresh nonce) as a frame; returns (nonce, frame)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    if token is None or not (purpose == "data" or accept_only):
-        joins = 0
-    if token is None or purpose != "data":
-        join = None
     hello = Hello(
         version=PROTOCOL_VERSION,
         name=name,
@@ -319,7 +314,57 @@ async def _client_handshake(
             hello, join=join[0], join_index=join[1],
             join_proof=join_proof(token, join[0], join[1], nonce, name),
         )
-    await send_frame(loop, sock, hello)
+    return nonce, encode_frame(hello)
+
+
+def client_join_now(
+    sock: socket.socket, *, name: str, incarnation: int, token: bytes, join: tuple[bytes, int]
+) -> tuple[bytes, bytes] | None:
+    """Sends a joining "data" Hello (join: the Challenge's nonce and our
+    index) on a connected non-blocking socket now, in this step: returns
+    (its nonce, what the socket did not take yet), for client_handshake's
+    ``sent``; None, nothing sent, when the socket takes nothing (not
+    connected yet, or broken: client_handshake then sends it)."""
+    nonce, frame = _hello(name=name, incarnation=incarnation, purpose="data", token=token,
+                          join=join)
+    try:
+        n = send_now(sock, frame)
+    except OSError:
+        return None
+    return None if n == 0 else (nonce, frame[n:])
+
+
+async def _client_handshake(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    *,
+    name: str,
+    incarnation: int,
+    purpose: Purpose,
+    token: bytes | None,
+    meta: bool,
+    accept_only: bool,
+    joins: int,
+    on_challenge: Callable[[bytes], None] | None,
+    join: tuple[bytes, int] | None,
+    sent: tuple[bytes, bytes] | None,
+    on_hello: Callable[[], None] | None,
+) -> Accept:
+    """See client_handshake."""
+    if token is None or not (purpose == "data" or accept_only):
+        joins = 0
+    if token is None or purpose != "data":
+        join = None
+    if sent is None:
+        nonce, frame = _hello(name=name, incarnation=incarnation, purpose=purpose, token=token,
+                              meta=meta, accept_only=accept_only, joins=joins, join=join)
+        await loop.sock_sendall(sock, frame)
+        if on_hello is not None:
+            on_hello()
+    else:  # client_join_now sent (the first part of) it
+        nonce, rest = sent
+        if rest:
+            await loop.sock_sendall(sock, rest)
     msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     if isinstance(msg, Challenge):
         if token is None:
@@ -332,9 +377,11 @@ async def _client_handshake(
             if join is None:
                 raise ProtocolError("peer accepted a join this connection did not ask for")
         else:
-            if on_challenge is not None and joins:
-                on_challenge(msg.nonce)  # our other connections may join it now
             await send_frame(loop, sock, Proof(proof=client_proof(token, msg.nonce, name)))
+            if on_challenge is not None and joins:
+                # Our other connections may join it now (their Hellos may
+                # go out in this step, behind the Proof: client_join_now).
+                on_challenge(msg.nonce)
         msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     elif isinstance(msg, Accept) and token is not None:
         raise AccessDenied("peer does not authenticate with a token, but this agent requires one")
@@ -411,6 +458,68 @@ async def _server_handshake(
     return hello
 
 
+# How a Hello that joins nothing encodes its "join" field (the empty default):
+# server_join_now leaves such a Hello to server_handshake without decoding it.
+_NO_JOIN = b"\xa4join\xc4\x00"
+
+
+def server_join_now(
+    sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins
+) -> Hello | None:
+    """Server side, at once (no await): a "data" connection whose whole Hello
+    already waits in the socket and joins a live Challenge (see Joins) gets
+    Challenge{joined} and Accept in one send, and its Hello is returned.
+    Anything else (no token, a partial Hello, not a join, one that asks for
+    the metadata, a grant gone or a wrong proof, a send that would block)
+    returns None with nothing read: the caller runs server_handshake, which
+    reads the same Hello. ProtocolError: taken, but the connection broke
+    (the caller closes it). A join is checked by peeking; its bytes are read
+    (exactly the frame: the engine's bytes follow) only once it is taken."""
+    if token is None:
+        return None
+    try:
+        frame = sock.recv(4 + MAX_HANDSHAKE_FRAME, socket.MSG_PEEK)
+    except OSError:  # nothing yet, or broken: server_handshake meets it
+        return None
+    n = int.from_bytes(frame[:4], "big")
+    if len(frame) < 4 or not 0 < n <= len(frame) - 4:
+        return None
+    if _NO_JOIN in frame[4 : 4 + n]:
+        return None  # (a shortcut: an empty "join" as msgspec writes it)
+    try:
+        hello = decode_body(memoryview(frame)[4:])
+    except ProtocolError:
+        return None
+    if not (
+        isinstance(hello, Hello)
+        and hello.version == PROTOCOL_VERSION
+        and 0 < len(hello.name) <= MAX_NAME
+        and len(hello.nonce) == NONCE_BYTES
+        and 0 <= hello.incarnation < 1 << 64
+        and hello.purpose == "data"
+        and hello.byteorder == sys.byteorder
+        and not hello.meta
+        and hello.join
+    ):
+        return None
+    reply = encode_frame(
+        Challenge(nonce=secrets.token_bytes(NONCE_BYTES), proof=server_proof(token, hello.nonce),
+                  joined=True)
+    ) + encode_frame(accept)
+    # The reply is a few hundred bytes into an empty send buffer: it fits
+    # unless the socket is broken; then the join is not taken.
+    if not joins.take(hello, token):
+        return None
+    try:
+        if sock.recv_into(bytearray(4 + n), 4 + n) != 4 + n:  # the peeked Hello, for good
+            raise ProtocolError("the joining Hello shrank between its peek and its read")
+        if send_now(sock, reply) < len(reply):
+            raise ProtocolError("the joined connection's Accept did not fit its send buffer")
+    except OSError as exc:
+        raise ProtocolError(f"connection broken while it joined: {exc}") from None
+    return hello
+
+
 async def client_handshake(
     loop: asyncio.AbstractEventLoop,
     sock: socket.socket,
@@ -424,13 +533,17 @@ async def client_handshake(
     joins: int = 0,
     on_challenge: Callable[[bytes], None] | None = None,
     join: tuple[bytes, int] | None = None,
+    sent: tuple[bytes, bytes] | None = None,
+    on_hello: Callable[[], None] | None = None,
 ) -> Accept:
     """Runs the client half; returns the server's Accept.
 
     joins/on_challenge (a first "data" connection, token only): this many
     other connections will join its Challenge; on_challenge(nonce) is called
     once the server proved itself in it. join: (that nonce, index 1..joins)
-    for one of those connections (see the module docstring).
+    for one of those connections (see the module docstring); sent: such a
+    connection's Hello was sent by client_join_now (its nonce, and the part
+    still to send). on_hello(): called once our Hello is out.
 
     meta ("data" only): ask for the server's metadata on this connection; if
     the Accept says it follows (``accept.meta``), the caller reads it
@@ -449,6 +562,7 @@ async def client_handshake(
         return await _client_handshake(
             loop, sock, name=name, incarnation=incarnation, purpose=purpose, token=token,
             meta=meta, accept_only=accept_only, joins=joins, on_challenge=on_challenge, join=join,
+            sent=sent, on_hello=on_hello,
         )
     except XferError:
         _shutdown(sock)

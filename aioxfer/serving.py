@@ -22,7 +22,7 @@ from aioxfer import _cyx
 from aioxfer.errors import ProtocolError
 from aioxfer.local import FDS_PER_MESSAGE, peer_cred, peer_pidfd, send_fds
 from aioxfer.log import get_logger
-from aioxfer.metadata import Accept, AgentMeta, VerbsAccept, VerbsConnect, VerbsQP
+from aioxfer.metadata import Accept, AgentMeta, Hello, VerbsAccept, VerbsConnect, VerbsQP
 from aioxfer.protocol import (
     META_GO,
     HandshakeRejected,
@@ -32,11 +32,14 @@ from aioxfer.protocol import (
     send_frame,
     send_now,
     server_handshake,
+    server_join_now,
 )
 
-__all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple"]
+__all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple", "writable"]
 
 _log = get_logger("aioxfer")
+# Connections accepted in one step of the loop at most (the rest the next step).
+_ACCEPT_BURST = 32
 
 
 class Server:
@@ -112,36 +115,65 @@ class Server:
         self, loop: asyncio.AbstractEventLoop, lsock: socket.socket, *, local: bool = False
     ) -> None:
         """Accepts on lsock until cancelled (local: the unix socket, where the
-        kernel says who connects); each connection is served by its own task."""
+        kernel says who connects); each connection is served by its own task.
+
+        A reader callback accepts every connection waiting (up to a burst
+        bound) and starts their tasks in the same step: a dialer's several
+        connections arrive together and their handshakes run side by side
+        (loop.sock_accept took one a step, re-arming the reader each time, and
+        its task started a step after the accept)."""
+        fd = lsock.fileno()
+        stop: asyncio.Future[None] = loop.create_future()
         refused = 0
-        while True:
-            try:
-                sock, addr = await loop.sock_accept(lsock)
-            except OSError as exc:
-                if self._closed():
+
+        def resume() -> None:
+            if not stop.done():
+                loop.add_reader(fd, ready)
+
+        def ready() -> None:
+            nonlocal refused
+            for _ in range(_ACCEPT_BURST):
+                try:
+                    sock, addr = lsock.accept()
+                except (BlockingIOError, InterruptedError):
                     return
-                _log.warning("accept.failed", agent=self._agent, error=str(exc))
-                await asyncio.sleep(0.1)  # e.g. EMFILE: do not spin
-                continue
-            if len(self._tasks) >= self._max_handshakes:
-                # Each handshake holds a socket and a task until peer_timeout:
-                # over the cap a connection is closed at once (said once per burst).
-                sock.close()
-                refused += 1
-                if refused == 1:
-                    _log.warning("conn.refused", agent=self._agent, remote=fmt_sockaddr(addr),
-                                 reason=f"{self._max_handshakes} handshakes already running")
-                continue
-            refused = 0
-            task = loop.create_task(self._serve(loop, sock, addr, local=local))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+                except OSError as exc:
+                    if self._closed():
+                        if not stop.done():
+                            stop.set_result(None)
+                        return
+                    _log.warning("accept.failed", agent=self._agent, error=str(exc))
+                    loop.remove_reader(fd)  # e.g. EMFILE: do not spin
+                    loop.call_later(0.1, resume)
+                    return
+                if len(self._tasks) >= self._max_handshakes:
+                    # Each handshake holds a socket and a task until peer_timeout:
+                    # over the cap a connection is closed at once (said once per burst).
+                    sock.close()
+                    refused += 1
+                    if refused == 1:
+                        _log.warning("conn.refused", agent=self._agent,
+                                     remote=fmt_sockaddr(addr),
+                                     reason=f"{self._max_handshakes} handshakes already running")
+                    continue
+                refused = 0
+                if not local and self._join_now(sock, addr):
+                    continue
+                task = loop.create_task(self._serve(loop, sock, addr, local=local))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+        loop.add_reader(fd, ready)
+        try:
+            await stop
+        finally:
+            if not loop.is_closed():
+                loop.remove_reader(fd)
 
     async def _serve(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any, *, local: bool
     ) -> None:
         remote = fmt_sockaddr(addr)
-        handed = False
         pidfd = -1
         try:
             sock.setblocking(False)
@@ -190,20 +222,9 @@ class Server:
                 # it owes is settled by its ack or by its process's exit, never
                 # by a closed socket alone (a stopped process keeps its maps).
                 pidfd = peer_pidfd(sock, cred)
-            tag = self._tag_for(hello.name, hello.incarnation)
-            fd = sock.detach()
-            handed = True
-            # The engine owns fd and pidfd (and the queue pairs), also if this raises.
+            # _hand_over owns pidfd, the engine the fd (and the queue pairs).
             owned, pidfd = pidfd, -1
-            try:
-                if hello.purpose == "verbs":
-                    self._engine.verbs_accept_conn(fd, tag, handles)
-                else:
-                    self._engine.accept_conn(fd, tag, owned)
-            except BaseException:
-                self._tag_unref(tag)
-                raise
-            _log.debug("conn.accepted", agent=self._agent, peer=hello.name, remote=remote, tag=tag)
+            self._hand_over(sock, hello, remote, owned, handles)
         except HandshakeRejected as exc:
             _log.warning("conn.rejected", agent=self._agent, remote=remote, reason=str(exc))
         except ProtocolError as exc:
@@ -224,8 +245,60 @@ class Server:
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
-            if not handed:
-                sock.close()
+            sock.close()  # (nothing if the engine took it: detached)
+
+    def _hand_over(
+        self, sock: socket.socket, hello: Hello, remote: str, pidfd: int, handles: list[int]
+    ) -> None:
+        """The engine takes the handshaken connection (and pidfd, and the
+        queue pairs), also if this raises; pidfd is closed if it cannot."""
+        try:
+            tag = self._tag_for(hello.name, hello.incarnation)
+        except BaseException:
+            if pidfd >= 0:
+                os.close(pidfd)
+            raise
+        fd = sock.detach()
+        try:
+            if hello.purpose == "verbs":
+                self._engine.verbs_accept_conn(fd, tag, handles)
+            else:
+                self._engine.accept_conn(fd, tag, pidfd)
+        except BaseException:
+            self._tag_unref(tag)
+            raise
+        _log.debug("conn.accepted", agent=self._agent, peer=hello.name, remote=remote, tag=tag)
+
+    def _join_now(self, sock: socket.socket, addr: Any) -> bool:
+        """A tcp connection whose Hello joins a Challenge, served at once, in
+        the accepting step (protocol.server_join_now: the Hello came with the
+        connection, TCP_DEFER_ACCEPT, and needs one reply): no task, no
+        timer, no further step of the loop, on the way of each of a connect's
+        other connections. False, nothing read: anything else, for _serve."""
+        try:
+            sock.setblocking(False)
+            nodelay(sock)
+            hello = server_join_now(sock, token=self._token, accept=self._accept,
+                                    joins=self.joins)
+        except OSError:
+            return False  # _serve meets it again, and says so
+        except ProtocolError as exc:
+            _log.warning("conn.rejected", agent=self._agent, remote=fmt_sockaddr(addr),
+                         reason=str(exc))
+            sock.close()
+            return True
+        if hello is None:
+            return False
+        try:
+            self._hand_over(sock, hello, fmt_sockaddr(addr), -1, [])
+        except _cyx.NativeError as exc:
+            _log.warning("conn.failed", agent=self._agent, remote=fmt_sockaddr(addr),
+                         reason=str(exc))
+        except Exception as exc:  # as _serve: never an error out of the accepting step
+            _log.warning("conn.rejected", agent=self._agent, remote=fmt_sockaddr(addr),
+                         reason=f"{type(exc).__name__}: {exc}")
+            sock.close()  # (nothing if the engine took it: detached)
+        return True
 
     async def _send_meta(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, local: bool
@@ -253,14 +326,14 @@ class Server:
                     socket.send_fds(sock, [b"F"], fds[i : i + FDS_PER_MESSAGE])
                     break
                 except (BlockingIOError, InterruptedError):
-                    await _writable(loop, sock)
+                    await writable(loop, sock)
                     waited = True
         while True:
             if waited:
                 self._check_current(meta, fds, local)
             if send_now(sock, META_GO):
                 return
-            await _writable(loop, sock)
+            await writable(loop, sock)
             waited = True
 
     def _check_current(self, meta: AgentMeta, fds: list[int], local: bool) -> None:
@@ -310,7 +383,8 @@ class Server:
         return handles
 
 
-async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+async def writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Until sock can be written to (or is connected, or has failed)."""
     fut: asyncio.Future[None] = loop.create_future()
     fd = sock.fileno()
 

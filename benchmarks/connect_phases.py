@@ -105,8 +105,15 @@ def _patch(prefix: str) -> None:
     import aioxfer.connector as conn
     import aioxfer.protocol as protocol
 
-    if os.environ.get("PHASE_DETAIL"):
+    if os.environ.get("PHASE_DETAIL"):  # finer steps (recv_exact: each read of a frame)
+        import aioxfer.members as members
+        import aioxfer.peertable as peertable
+
         _wrap_async(protocol, "recv_exact", prefix + "recv_exact")
+        _wrap_sync(peertable.PeerTable, "add", prefix + "peers_add")
+        _wrap_sync(members.Members, "emit", prefix + "members_emit")
+        _wrap_sync(conn._LocalLink, "close", prefix + "local_close")
+        _wrap_async(conn._EarlyConns, "close", prefix + "early_close")
     import aioxfer.dialing as dialing
     import aioxfer.serving as serving
 

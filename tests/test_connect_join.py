@@ -330,3 +330,60 @@ async def test_other_rails_without_a_token(make_agent) -> None:
     peer = await within(init.connect(target.address))
     assert [r.connections for r in peer.statistics().rails] == [2, 2]
     assert target._server.joins.joined == 0 and len(target._server.joins) == 0
+
+
+@pytest.mark.parametrize("cut", [2, 4, 40], ids=["in-the-length", "length-only", "in-the-body"])
+async def test_join_hello_in_pieces(make_agent, cut: int) -> None:
+    """A join whose Hello is not all there when its connection is accepted
+    (the accepting step serves a whole one at once, serving.Server._join_now)
+    is served by the usual handshake, which reads the bytes the accepting
+    step only peeked at: it is joined all the same, and its engine takes it."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    target.alloc(MiB, name="dst")
+    loop = asyncio.get_running_loop()
+    first, nonce = await first_connection(target.address, 1)
+    with first:
+        hello = join_hello(nonce, 1)
+        sock = await raw_connect(target.address)
+        with sock:
+            await loop.sock_sendall(sock, hello[:cut])
+            await asyncio.sleep(0.05)  # accepted (TCP_DEFER_ACCEPT: some bytes came)
+            await loop.sock_sendall(sock, hello[cut:])
+            chal = await within(protocol.recv_frame(loop, sock))
+            assert isinstance(chal, metadata.Challenge) and chal.joined
+            accept = await within(protocol.recv_frame(loop, sock))
+            assert isinstance(accept, metadata.Accept) and accept.name == target.name
+            assert target._server.joins.joined == 1
+            await wait_conns(target, 1)
+    await still_serves(make_agent, target.address, "dst", token=TOKEN)
+
+
+async def wait_conns(agent: aioxfer.Agent, n: int) -> None:
+    """Until agent's engine holds n connections (it takes a joined one as
+    its Accept goes out)."""
+    for _ in range(200):
+        if agent.statistics().native_conns >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine holds {agent.statistics().native_conns} connections")
+
+
+async def test_join_cut_at_once(make_agent) -> None:
+    """Joining Hellos whose connections are reset right after them (the
+    accepting step may find the Hello, the reset, or both): nothing breaks,
+    the agent still serves, and a join that was not taken still joins."""
+    target = await make_agent("target", token=TOKEN, transports=("tcp",))
+    target.alloc(MiB, name="dst")
+    loop = asyncio.get_running_loop()
+    first, nonce = await first_connection(target.address, 4)
+    with first:
+        for index in (1, 2, 3):
+            sock = await raw_connect(target.address)
+            await loop.sock_sendall(sock, join_hello(nonce, index))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+            sock.close()  # RST
+        await asyncio.sleep(0.1)
+        sock, chal = await send_join(target.address, join_hello(nonce, 4))
+        with sock:
+            assert chal.joined
+    await still_serves(make_agent, target.address, "dst", token=TOKEN)
