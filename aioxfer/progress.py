@@ -21,16 +21,19 @@ that finds completions is always followed by a drain, so the records it saw
 are left unsignalled for that drain (``Engine.wait_polls``): no eventfd write
 and no read for them, two system calls fewer per request.
 
-A small request (up to 64 KiB) awaited alone (nothing else of the agent's in
-flight) is also polled for inside its ``await``, on asyncio's own loops, when
-the loop has nothing else ready (``Poller.spin_alone``): the await then
-returns without suspending, which saves the two loop iterations (a
-``select`` each, the task's wake-up handle) of the callback's way, most of
-what Python adds to a tcp round trip.
-Its bound is the peer's own: twice its latency average (at least ``poll_us``,
-at most ``ALONE_MAX_US``), so a slow peer is waited for by the loop as before;
-and the loop runs (its ``select``, its callbacks) at least every
-``ALONE_SPAN_US`` of such polling, as it does for the eager posts' streak.
+A request awaited alone (nothing else of the agent's in flight; up to
+``submission.SPIN_ALONE_MAX``, 1 MiB) is also polled for inside its ``await``,
+on asyncio's own loops, when the loop has nothing else ready
+(``Poller.spin_alone``): the await then returns without suspending, which
+saves the two loop iterations (a ``select`` each, the task's wake-up handle)
+of the callback's way, most of what Python adds to a tcp round trip.
+Its bound is the peer's own (``alone_us``): twice the time it takes, its
+latency average, or for a large request its bytes at its bandwidth average
+(at least ``poll_us``, at most ``ALONE_MAX_US``), so a slow peer is waited for
+by the loop as before; and the loop runs (its ``select``, its callbacks) at
+least every ``ALONE_SPAN_US`` of such polling, as it does for the eager
+posts' streak: that request's await suspends, and the loop's poll waits
+that bound for it once.
 
 As a target, the mode also says whether the engine's tcp receiver that just
 answered a request polls its socket for the peer's next one (the engine's
@@ -49,6 +52,8 @@ from collections.abc import Callable, Sized
 from time import perf_counter_ns
 from typing import Any, Final, Protocol
 
+from aioxfer.stats import BANDWIDTH_MIN
+
 PROGRESS_MODES: Final = ("adaptive", "sleep", "poll")
 POLL_SLICE_US: Final = 500  # "poll": one wait, then the loop's other callbacks run
 ALONE_MAX_US: Final = 1000  # the most one await spins for its request (spin_alone)
@@ -66,6 +71,29 @@ def check_mode(progress: object) -> str:
 def target_poll_us(mode: str) -> int:
     """The engine's ``target_poll_us`` for a progress mode."""
     return {"adaptive": TARGET_POLL_US, "poll": POLL_SLICE_US}.get(mode, _NEVER_US)
+
+
+def alone_us(t: Any, floor: int) -> int:
+    """How long an await polls for its lone transfer ``t`` (spin_alone),
+    microseconds: twice what the peer takes for it, at least ``floor`` (the
+    engine's ``poll_us``) and at most ALONE_MAX_US. What it takes: its
+    latency average (``t.peer._counters.latency``, s: small transfers), or
+    for a large transfer (BANDWIDTH_MIN or more), its bytes at the peer's
+    bandwidth average (``.bandwidth``, bytes/s), when that is longer: a 1 MiB
+    tcp request takes ~250 us where a small one takes ~25, and a poll
+    bounded by the small ones' ran out before most 1 MiB READs completed
+    (then the loop is woken for it: two loop iterations and a thread
+    wake-up)."""
+    c = t.peer._counters
+    us = int(c.latency * 2e6)
+    bw = c.bandwidth
+    if bw > 0.0 and t.nbytes >= BANDWIDTH_MIN:
+        sized = int(t.nbytes * 2e6 / bw)
+        if sized > us:
+            us = sized
+    if us <= floor:
+        return floor
+    return us if us < ALONE_MAX_US else ALONE_MAX_US
 
 
 class Polled(Protocol):
@@ -88,7 +116,7 @@ class Poller:
     ``sub.drain()`` is called next, always: ``Engine.wait_polls`` relies on it)."""
 
     __slots__ = ("_sub", "_wait", "_loop", "_budget", "_keep", "_scheduled", "_ready",
-                 "_spent_ns", "hits", "misses", "alone_hits", "alone_misses")
+                 "_spent_ns", "_next", "hits", "misses", "alone_hits", "alone_misses")
 
     def __init__(self, sub: Polled, wait: Callable[[int], int],
                  loop: asyncio.AbstractEventLoop, mode: str, poll_us: int) -> None:
@@ -104,6 +132,7 @@ class Poller:
         ready = getattr(loop, "_ready", None) if isinstance(loop, asyncio.BaseEventLoop) else None
         self._ready: Sized | None = ready if isinstance(ready, Sized) else None
         self._spent_ns = 0  # spin_alone's polling since the loop last ran _run
+        self._next = 0  # _run's bound once (us): a lone transfer spin_alone left to it
         self.hits = 0  # polls that found a completion
         self.misses = 0  # polls that ran out (then the eventfd wakes the loop)
         self.alone_hits = 0  # spin_alone polls that found it (the await did not suspend)
@@ -119,18 +148,18 @@ class Poller:
         """``t`` was just posted, awaited, with nothing else of the agent's in
         flight: polls for its completion here, before the await suspends, if
         the loop has nothing else to run (``flush_scheduled``: the
-        submission's own callback is one of the ready ones). Bounded by the
-        peer's latency average (``t.peer._counters.latency``, seconds) and by
-        ALONE_SPAN_US in a row without the loop running."""
+        submission's own callback is one of the ready ones). Bounded by
+        ``alone_us(t)`` and by ALONE_SPAN_US in a row without the loop
+        running; past that span the loop runs first, and its own poll
+        (``_run``) waits that long once instead of its usual bound."""
         ready = self._ready
-        if (ready is None or len(ready) > self._scheduled + flush_scheduled
-                or self._spent_ns > ALONE_SPAN_US * 1000):
+        if ready is None or len(ready) > self._scheduled + flush_scheduled:
+            return
+        budget = alone_us(t, self._budget)
+        if self._spent_ns > ALONE_SPAN_US * 1000:
+            self._next = budget
             return
         sub = self._sub
-        us = int(t.peer._counters.latency * 2e6)
-        budget = self._budget
-        if us > budget:
-            budget = us if us < ALONE_MAX_US else ALONE_MAX_US
         t0 = perf_counter_ns()
         got = self._wait(budget)
         self._spent_ns += perf_counter_ns() - t0
@@ -143,10 +172,11 @@ class Poller:
     def _run(self) -> None:
         self._scheduled = False
         self._spent_ns = 0  # the loop runs
+        budget, self._next = max(self._budget, self._next), 0
         sub = self._sub
         if sub.closed or not sub.inflight:
             return
-        if self._wait(self._budget):
+        if self._wait(budget):
             self.hits += 1
             sub.drain()
             if sub.inflight:
