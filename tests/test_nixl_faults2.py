@@ -91,12 +91,9 @@ def test_telemetry_buffer_size_past_what_a_file_holds_refuses_the_agent_typed(
 
 # ---------------------------------------------------------------- after close
 
-_CLOSED_FIX = ("_bindings (helper compat11's): registerMem and createBackend of a closed agent "
-               "raise nixlBackendError (see the nixlrev2 report's diff)")
 NIXL_ERRORS = tuple(getattr(nixl, n) for n in nixl.__all__ if n.endswith("Error"))
 
 
-@pytest.mark.xfail(strict=True, reason=_CLOSED_FIX)
 def test_register_memory_after_close_is_a_typed_error(agents: Any) -> None:
     """register_memory on a closed agent (or racing its close from another
     thread) raised AssertionError, untyped: its backends stay, its aioxfer
@@ -108,7 +105,6 @@ def test_register_memory_after_close_is_a_typed_error(agents: Any) -> None:
         a.register_memory([(buf.addr, 4096, 0, "")], "DRAM")
 
 
-@pytest.mark.xfail(strict=True, reason=_CLOSED_FIX)
 def test_create_backend_after_close_is_refused_and_opens_nothing(agents: Any) -> None:
     """create_backend("UCX") on a closed agent started a new aioxfer agent
     (listening sockets, accept tasks) that nothing ever closed: close() is
@@ -313,12 +309,7 @@ def test_peer_restarted_under_the_same_name_after_sigkill(
 
 # ---------------------------------------------------------------- handles of another agent
 
-_HANDLES_FIX = ("_bindings (helper compat11's): request and list numbers are per agent "
-                "(itertools.count(0x1000) each), so another agent's handle names one of this "
-                "agent's own; one process-wide count fixes it (diff in the nixlrev2 report)")
 
-
-@pytest.mark.xfail(strict=True, reason=_HANDLES_FIX)
 def test_a_handle_of_another_agent_never_posts_this_agents_request(agents: Any) -> None:
     """Two agents of one process number their requests alike: a.transfer(hb)
     with b's request silently posted a's own request of the same number (a's

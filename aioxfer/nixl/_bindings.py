@@ -1150,6 +1150,12 @@ def _indices(value: Any, what: str, n: int) -> npt.NDArray[np.int64]:
     return idx
 
 
+# Request, list and backend handles are numbered process-wide, as NIXL's
+# (pointers) are unique in a process: a handle of another agent must never
+# name one of this agent's own.
+_HANDLE_SEQ = itertools.count(0x1000)
+
+
 class nixlAgent:
     """NIXL's agent (the raw binding API), over one aioxfer.Agent."""
 
@@ -1186,7 +1192,7 @@ class nixlAgent:
         self._transports: tuple[str, ...] | None = None
         self._backends: dict[int, _Backend] = {}
         self._backend_of: dict[str, int] = {}  # the first backend of each type
-        self._handle_seq = itertools.count(0x1000)
+        self._handle_seq = _HANDLE_SEQ
         self._regs: list[_Reg] = []
         self._reg_seq = itertools.count(1)
         self._table: _Table | None = None
@@ -1246,6 +1252,8 @@ class nixlAgent:
 
     def createBackend(self, type_: str, params: dict[str, str] | None = None) -> int:
         params = dict(params or {})
+        if self._closed:  # (a new aioxfer agent here would never be closed)
+            raise _error(-3, "createBackend: the agent is closed")
         if type_ not in self.getAvailPlugins():
             raise _error(-4, f"createBackend: plugin {type_!r} not found")
         if any(b.type == type_ for b in self._backends.values()):
@@ -1367,7 +1375,8 @@ class nixlAgent:
             raise _error(-9, f"registerMem: aioxfer registers DRAM and VRAM through UCX, DRAM "
                              f"and FILE through POSIX, DRAM and OBJ through OBJ; not {mem.name}")
         agent = self._agent
-        assert agent is not None
+        if agent is None:
+            raise _error(-3, "registerMem: the agent is closed")
         new: list[_Reg] = []
         with self._rt.locked():
             try:
