@@ -342,6 +342,10 @@ class Agent:
             ),
             connecting=self._connecting_eps,
             region_freed=lambda rid: self._memory.freed(rid),
+            release=self._notify_release,
+            # A sender resends what a silent rail owed after its peer_timeout
+            # (ours, unless configured apart), a keepalive and slack later.
+            seen_for=2 * self._peer_timeout + keepalive + 5.0,
         )
         # data path: the batch, transfers in flight, admission, the drain
         self._sub = Submission(
