@@ -475,12 +475,36 @@ class Agent:
         connect, write or read). With discovery, also joins: publishes this
         agent and starts following the members (raises TransportError if etcd
         cannot be reached). Idempotent."""
-        self._start()
+        loop = self._start()
         # Made now: the first connect would otherwise make it (and Rails)
         # before it dials.
         self._connector  # noqa: B018 (a cached_property, made here)
-        if self._cluster is not None:
-            await self._cluster.joined()
+        cluster = self._cluster
+        while cluster is not None:
+            joining = cluster.joining
+            if joining is None or joining.cancelled():
+                # A start() cancelled earlier stopped that join: join afresh.
+                self._check_open()
+                cluster.join(loop)
+                joining = cluster.joining
+                assert joining is not None
+            try:
+                await cluster.joined()
+                break
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is not None and not me.cancelling() and joining.cancelled():
+                    # Not this caller's cancellation: the agent closed, or
+                    # another start() gave up on that join.
+                    if self._closed:
+                        raise ClosedResourceError(
+                            f"agent {self.name!r} was closed while joining"
+                        ) from None
+                    continue
+                # This caller gave up (cancelled, or its timeout): the agent
+                # does not go on joining behind its back.
+                joining.cancel()
+                raise
         return self
 
     def _start(self) -> asyncio.AbstractEventLoop:
