@@ -581,8 +581,15 @@ class Agent:
         # would post it first, and a copy finishing during the release wait
         # would report success from an agent being closed.
         self._sub.fail_pending()
+        cancelled: asyncio.CancelledError | None = None
         if self._loop is not None:
-            await self._memory.release_all()
+            try:
+                await self._memory.release_all()
+            except asyncio.CancelledError as exc:
+                # The caller gave up waiting for peers (its timeout): the
+                # agent closes all the same (what a peer holds is
+                # quarantined), then the cancellation goes on.
+                cancelled = exc
         self._closed = self._sub.closed = True
         tasks: list[asyncio.Task[Any]] = [
             task
@@ -606,6 +613,8 @@ class Agent:
                 await self._cluster.leave()
         finally:
             self._shutdown()
+        if cancelled is not None:
+            raise cancelled
 
     def _shutdown(self) -> None:
         sub = self._sub

@@ -9,8 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import within
+from test_notify_dedup import data_connection
 
 import aioxfer
+from aioxfer import registration
 from aioxfer.discovery import Etcd
 
 
@@ -53,3 +55,32 @@ async def test_cancelled_start_stops_joining_and_a_later_start_joins_again(
     finally:
         await within(agent.aclose(), 20)
     assert agent.closed
+
+
+async def test_aclose_cancelled_while_peers_hold_memory_still_closes() -> None:
+    """aclose() waits (up to close_timeout) for peers to release our memory;
+    cancelled in that wait (a caller's timeout), it still closes: the engine
+    shut, nothing served any more, what a peer could still touch quarantined
+    as when close_timeout runs out."""
+    agent = aioxfer.Agent("a", limits=aioxfer.Limits(revoke_timeout=30.0, close_timeout=30.0))
+    await agent.start()
+    region = agent.register(bytearray(1 << 20), name="dst")
+    sock = await data_connection(agent.address)  # acknowledges no revocation
+    try:
+        async with asyncio.timeout(5):
+            while agent.statistics().native_conns < 1:
+                await asyncio.sleep(0.01)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await agent.aclose()
+        assert agent.closed, "a cancelled aclose() left the agent open"
+        assert all(t.done() for t in agent._accept_tasks)
+        assert region._closed
+        assert any(r is region for r in registration._QUARANTINE), \
+            "memory a peer could still touch was not quarantined"
+        assert agent._engine.closed
+        await within(agent.aclose())  # idempotent
+    finally:
+        sock.close()
+        if not agent.closed:
+            await within(agent.aclose(), 40)

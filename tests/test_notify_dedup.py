@@ -24,13 +24,16 @@ MAGIC = 0x31465841
 F_NOTIFY = 5
 
 
-async def _data_connection(address: str) -> socket.socket:
+async def data_connection(address: str, name: str = "resender") -> socket.socket:
+    """A handshaken data connection to the agent at address, from nobody
+    (a raw socket: it sends what the test writes, reads and acknowledges
+    nothing)."""
     loop = asyncio.get_running_loop()
     host, port = address.rsplit(":", 1)
     sock = socket.socket()
     sock.setblocking(False)
     await within(loop.sock_connect(sock, (host, int(port))))
-    await within(protocol.client_handshake(loop, sock, name="resender", incarnation=7,
+    await within(protocol.client_handshake(loop, sock, name=name, incarnation=7,
                                            purpose="data", token=auth.default_token()))
     return sock
 
@@ -42,7 +45,7 @@ def _notify(op: int, payload: bytes) -> bytes:
 async def test_repeated_ids_delivered_once_credits_given_back(make_agent) -> None:
     cap = 4
     target = await make_agent("target", limits=aioxfer.Limits(max_notify_per_conn=cap))
-    sock = await _data_connection(target.address)
+    sock = await data_connection(target.address)
     loop = asyncio.get_running_loop()
     with sock:
         # 10 * cap copies of id 1: were each to hold a credit, the agent
@@ -59,7 +62,7 @@ async def test_repeated_ids_delivered_once_credits_given_back(make_agent) -> Non
 
 async def test_ids_remembered_stay_bounded(make_agent) -> None:
     target = await make_agent("target")
-    sock = await _data_connection(target.address)
+    sock = await data_connection(target.address)
     loop = asyncio.get_running_loop()
     n = events.NOTIFY_SEEN + 100
     with sock:
