@@ -84,3 +84,23 @@ async def test_aclose_cancelled_while_peers_hold_memory_still_closes() -> None:
         sock.close()
         if not agent.closed:
             await within(agent.aclose(), 40)
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("max_conns", 2.5), ("max_rails", True), ("max_handshakes", float("inf")),
+    ("max_notify_per_conn", 1 << 40), ("reply_queue_bytes", 1 << 64),
+    ("revoke_timeout", float("inf")), ("close_timeout", float("nan")),
+    ("rail_probe_max", 1e300), ("revoke_timeout", True), ("max_conns", 0),
+])
+def test_limits_refuse_what_the_engine_cannot_take(field: str, bad: object) -> None:
+    """Before, some of these were taken and failed later with OverflowError
+    (an infinite revoke_timeout, a count past 32 bits), or were silently
+    truncated (2.5 connections, True rails)."""
+    with pytest.raises(ValueError, match=f"Limits.{field}"):
+        aioxfer.Limits(**{field: bad})
+
+
+def test_limits_extremes_accepted() -> None:
+    lim = aioxfer.Limits(max_conns=(1 << 32) - 1, reply_queue_bytes=(1 << 63) - 1,
+                         revoke_timeout=0.001, close_timeout=4_000_000)
+    assert lim.max_conns == (1 << 32) - 1
