@@ -89,6 +89,7 @@ _log = get_logger("aioxfer")
 
 TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
 _NEVER_INLINE = (1 << 64) - 1  # the engine's inline_bytes for "never"
+_MAX_SECONDS = ((1 << 32) - 1) // 1000  # what the engine's 32-bit milliseconds hold
 
 _OK = _cyx.OK
 _OP_WRITE = _cyx.OP_WRITE
@@ -195,8 +196,9 @@ class Agent:
             raise ValueError(
                 f"transports must be a non-empty subset of {TRANSPORTS}, not {transports}"
             )
-        if not peer_timeout > 0 or not keepalive > 0:
-            raise ValueError("peer_timeout and keepalive must be positive (seconds)")
+        if not 0 < peer_timeout <= _MAX_SECONDS or not 0 < keepalive <= _MAX_SECONDS:
+            raise ValueError(f"peer_timeout and keepalive must be positive (seconds, at most "
+                             f"{_MAX_SECONDS}: the engine counts milliseconds in 32 bits)")
         if not 1 <= tcp_connections <= MAX_CONNS:
             raise ValueError(f"tcp_connections must be in 1..{MAX_CONNS}")
         if copy_workers < 1:
@@ -210,8 +212,11 @@ class Agent:
         for limit in (peer_max_bytes, peer_max_requests):
             if limit is not None and (not isinstance(limit, int) or limit < 1):
                 raise ValueError("peer_max_bytes and peer_max_requests are positive ints or None")
-        if not rail_probe > 0 or (stall_timeout is not None and not stall_timeout > 0):
-            raise ValueError("rail_probe and stall_timeout must be positive (seconds)")
+        if not 0 < rail_probe <= _MAX_SECONDS or (
+            stall_timeout is not None and not 0 < stall_timeout <= _MAX_SECONDS
+        ):
+            raise ValueError(f"rail_probe and stall_timeout must be positive (seconds, at most "
+                             f"{_MAX_SECONDS})")
         listens = [listen] if isinstance(listen, str) else list(listen)
         if not listens or len(listens) > MAX_CONNS:
             raise ValueError(f"listen is one address or a list of 1..{MAX_CONNS} addresses")

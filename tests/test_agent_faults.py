@@ -104,3 +104,13 @@ def test_limits_extremes_accepted() -> None:
     lim = aioxfer.Limits(max_conns=(1 << 32) - 1, reply_queue_bytes=(1 << 63) - 1,
                          revoke_timeout=0.001, close_timeout=4_000_000)
     assert lim.max_conns == (1 << 32) - 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"peer_timeout": float("inf")}, {"keepalive": float("nan")}, {"stall_timeout": 1e12},
+    {"rail_probe": float("inf")}, {"peer_timeout": 5_000_000},
+])
+def test_agent_seconds_refused_typed(kwargs: dict[str, float]) -> None:
+    """Before (NaN aside): OverflowError from the engine's constructor."""
+    with pytest.raises(ValueError, match="seconds"):
+        aioxfer.Agent("a", **kwargs)
