@@ -479,7 +479,8 @@ class Agent:
         """Starts serving (also done by ``async with`` and, lazily, by the first
         connect, write or read). With discovery, also joins: publishes this
         agent and starts following the members (raises TransportError if etcd
-        cannot be reached). Idempotent."""
+        cannot be reached; a later start() tries again, and a cancelled one
+        stops joining). Idempotent."""
         loop = self._start()
         # Made now: the first connect would otherwise make it (and Rails)
         # before it dials.
@@ -487,8 +488,11 @@ class Agent:
         cluster = self._cluster
         while cluster is not None:
             joining = cluster.joining
-            if joining is None or joining.cancelled():
-                # A start() cancelled earlier stopped that join: join afresh.
+            if joining is None or joining.cancelled() or (
+                joining.done() and joining.exception() is not None
+            ):
+                # A start() cancelled earlier stopped that join, or it failed
+                # (etcd unreachable then): join afresh.
                 self._check_open()
                 cluster.join(loop)
                 joining = cluster.joining

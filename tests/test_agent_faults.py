@@ -114,3 +114,20 @@ def test_agent_seconds_refused_typed(kwargs: dict[str, float]) -> None:
     """Before (NaN aside): OverflowError from the engine's constructor."""
     with pytest.raises(ValueError, match="seconds"):
         aioxfer.Agent("a", **kwargs)
+
+
+async def test_start_after_a_failed_join_tries_again(silent_etcd: str) -> None:
+    """etcd unreachable at start(): TransportError; a later start() joins
+    again (etcd may be back) rather than re-raising the first failure
+    forever, as it did before (the same exception object, no new attempt)."""
+    agent = aioxfer.Agent("a", discovery=Etcd(silent_etcd, timeout=0.3, ttl=5))
+    try:
+        with pytest.raises(aioxfer.TransportError) as first:
+            await within(agent.start(), 20)
+        failed = agent._cluster.joining
+        with pytest.raises(aioxfer.TransportError) as second:
+            await within(agent.start(), 20)
+        assert agent._cluster.joining is not failed, "start() did not try to join again"
+        assert second.value is not first.value
+    finally:
+        await within(agent.aclose(), 20)
