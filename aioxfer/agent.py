@@ -377,7 +377,7 @@ class Agent:
             closed=lambda: self._closed,
             submit=self._submit,
             refresh=lambda peer: self._connector.refresh(peer),
-            fail_queued=self._sub.fail_queued,
+            fail_queued=self._peer_gone,
             tag_unref=self._tag_unref,
             emit=None if discovery is not None else lambda e: self._membership.emit(e),
         )
@@ -759,6 +759,13 @@ class Agent:
             return self._memory.regions[name]
         except KeyError:
             raise KeyError(f"agent {self.name!r} has no region {name!r}") from None
+
+    def _peer_gone(self, peer: Peer) -> None:
+        """A peer was lost or closed (PeerTable.mark_lost): what waited in
+        our scheduler for it fails now, and its rails are re-dialled no more."""
+        self._sub.fail_queued(peer)
+        if "_rails" in self.__dict__:  # (a cached_property: made by the first connect)
+            self._rails.forget(peer)
 
     def _notify_release(self, tag: int) -> None:
         """The application took a notification that came on tag's connection:
