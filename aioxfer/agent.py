@@ -89,6 +89,7 @@ _log = get_logger("aioxfer")
 
 TRANSPORTS = ("shm", "tcp", "verbs", "cuda")
 _NEVER_INLINE = (1 << 64) - 1  # the engine's inline_bytes for "never"
+_MAX_SECONDS = ((1 << 32) - 1) // 1000  # what the engine's 32-bit milliseconds hold
 
 _OK = _cyx.OK
 _OP_WRITE = _cyx.OP_WRITE
@@ -195,8 +196,9 @@ class Agent:
             raise ValueError(
                 f"transports must be a non-empty subset of {TRANSPORTS}, not {transports}"
             )
-        if not peer_timeout > 0 or not keepalive > 0:
-            raise ValueError("peer_timeout and keepalive must be positive (seconds)")
+        if not 0 < peer_timeout <= _MAX_SECONDS or not 0 < keepalive <= _MAX_SECONDS:
+            raise ValueError(f"peer_timeout and keepalive must be positive (seconds, at most "
+                             f"{_MAX_SECONDS}: the engine counts milliseconds in 32 bits)")
         if not 1 <= tcp_connections <= MAX_CONNS:
             raise ValueError(f"tcp_connections must be in 1..{MAX_CONNS}")
         if copy_workers < 1:
@@ -210,8 +212,11 @@ class Agent:
         for limit in (peer_max_bytes, peer_max_requests):
             if limit is not None and (not isinstance(limit, int) or limit < 1):
                 raise ValueError("peer_max_bytes and peer_max_requests are positive ints or None")
-        if not rail_probe > 0 or (stall_timeout is not None and not stall_timeout > 0):
-            raise ValueError("rail_probe and stall_timeout must be positive (seconds)")
+        if not 0 < rail_probe <= _MAX_SECONDS or (
+            stall_timeout is not None and not 0 < stall_timeout <= _MAX_SECONDS
+        ):
+            raise ValueError(f"rail_probe and stall_timeout must be positive (seconds, at most "
+                             f"{_MAX_SECONDS})")
         listens = [listen] if isinstance(listen, str) else list(listen)
         if not listens or len(listens) > MAX_CONNS:
             raise ValueError(f"listen is one address or a list of 1..{MAX_CONNS} addresses")
@@ -342,6 +347,10 @@ class Agent:
             ),
             connecting=self._connecting_eps,
             region_freed=lambda rid: self._memory.freed(rid),
+            release=self._notify_release,
+            # A sender resends what a silent rail owed after its peer_timeout
+            # (ours, unless configured apart), a keepalive and slack later.
+            seen_for=2 * self._peer_timeout + keepalive + 5.0,
         )
         # data path: the batch, transfers in flight, admission, the drain
         self._sub = Submission(
@@ -368,7 +377,7 @@ class Agent:
             closed=lambda: self._closed,
             submit=self._submit,
             refresh=lambda peer: self._connector.refresh(peer),
-            fail_queued=self._sub.fail_queued,
+            fail_queued=self._peer_gone,
             tag_unref=self._tag_unref,
             emit=None if discovery is not None else lambda e: self._membership.emit(e),
         )
@@ -470,13 +479,41 @@ class Agent:
         """Starts serving (also done by ``async with`` and, lazily, by the first
         connect, write or read). With discovery, also joins: publishes this
         agent and starts following the members (raises TransportError if etcd
-        cannot be reached). Idempotent."""
-        self._start()
+        cannot be reached; a later start() tries again, and a cancelled one
+        stops joining). Idempotent."""
+        loop = self._start()
         # Made now: the first connect would otherwise make it (and Rails)
         # before it dials.
         self._connector  # noqa: B018 (a cached_property, made here)
-        if self._cluster is not None:
-            await self._cluster.joined()
+        cluster = self._cluster
+        while cluster is not None:
+            joining = cluster.joining
+            if joining is None or joining.cancelled() or (
+                joining.done() and joining.exception() is not None
+            ):
+                # A start() cancelled earlier stopped that join, or it failed
+                # (etcd unreachable then): join afresh.
+                self._check_open()
+                cluster.join(loop)
+                joining = cluster.joining
+                assert joining is not None
+            try:
+                await cluster.joined()
+                break
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is not None and not me.cancelling() and joining.cancelled():
+                    # Not this caller's cancellation: the agent closed, or
+                    # another start() gave up on that join.
+                    if self._closed:
+                        raise ClosedResourceError(
+                            f"agent {self.name!r} was closed while joining"
+                        ) from None
+                    continue
+                # This caller gave up (cancelled, or its timeout): the agent
+                # does not go on joining behind its back.
+                joining.cancel()
+                raise
         return self
 
     def _start(self) -> asyncio.AbstractEventLoop:
@@ -553,8 +590,15 @@ class Agent:
         # would post it first, and a copy finishing during the release wait
         # would report success from an agent being closed.
         self._sub.fail_pending()
+        cancelled: asyncio.CancelledError | None = None
         if self._loop is not None:
-            await self._memory.release_all()
+            try:
+                await self._memory.release_all()
+            except asyncio.CancelledError as exc:
+                # The caller gave up waiting for peers (its timeout): the
+                # agent closes all the same (what a peer holds is
+                # quarantined), then the cancellation goes on.
+                cancelled = exc
         self._closed = self._sub.closed = True
         tasks: list[asyncio.Task[Any]] = [
             task
@@ -578,6 +622,8 @@ class Agent:
                 await self._cluster.leave()
         finally:
             self._shutdown()
+        if cancelled is not None:
+            raise cancelled
 
     def _shutdown(self) -> None:
         sub = self._sub
@@ -713,6 +759,13 @@ class Agent:
             return self._memory.regions[name]
         except KeyError:
             raise KeyError(f"agent {self.name!r} has no region {name!r}") from None
+
+    def _peer_gone(self, peer: Peer) -> None:
+        """A peer was lost or closed (PeerTable.mark_lost): what waited in
+        our scheduler for it fails now, and its rails are re-dialled no more."""
+        self._sub.fail_queued(peer)
+        if "_rails" in self.__dict__:  # (a cached_property: made by the first connect)
+            self._rails.forget(peer)
 
     def _notify_release(self, tag: int) -> None:
         """The application took a notification that came on tag's connection:

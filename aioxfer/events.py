@@ -10,7 +10,9 @@ through the narrow arguments it was built with, never its state.
 
 from __future__ import annotations
 
+import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,11 @@ _log = get_logger("aioxfer")
 
 _CQ_NOTIFY = _cyx.CQ_NOTIFY
 _E_CLOSED = _cyx.E_CLOSED
+_monotonic = time.monotonic
+
+#: notification ids remembered per peer (see EngineEvents): at ~136 bytes
+#: each, about 1 MiB for a peer that notifies without pause.
+NOTIFY_SEEN = 8192
 
 
 class EngineEvents:
@@ -40,6 +47,15 @@ class EngineEvents:
     failed; ``connecting``: endpoints still connecting -> the status they were
     lost with (0 until then); ``region_freed(rid)``: no peer can touch that
     region any more.
+
+    A notification arrives once per sending: when a rail fails, the sender
+    sends again, on another rail, every notification that rail still owed it
+    an acknowledgement for, and one of those may have arrived already (only
+    its acknowledgement was lost). So notifications are delivered once per
+    (connection tag, the sender's request id): ``seen_for`` seconds (at least
+    the time a sender takes to give up on a silent rail: its peer_timeout)
+    and the last NOTIFY_SEEN of each peer are remembered; a copy is dropped
+    (logged) and its credit given back with ``release(tag)``.
     """
 
     __slots__ = (
@@ -52,6 +68,9 @@ class EngineEvents:
         "_rail_down",
         "_connecting",
         "_region_freed",
+        "_release",
+        "_seen_for",
+        "_seen",
     )
 
     def __init__(
@@ -66,6 +85,8 @@ class EngineEvents:
         rail_down: Callable[[Peer, int, int, int], None],
         connecting: dict[int, int],
         region_freed: Callable[[int], None],
+        release: Callable[[int], None],
+        seen_for: float,
     ) -> None:
         self._agent = agent
         self._tag_names = tag_names
@@ -76,6 +97,10 @@ class EngineEvents:
         self._rail_down = rail_down
         self._connecting = connecting
         self._region_freed = region_freed
+        self._release = release
+        self._seen_for = seen_for
+        # tag -> (request ids delivered, (forget at, id) in arrival order)
+        self._seen: dict[int, tuple[set[int], deque[tuple[float, int]]]] = {}
 
     def on_event(
         self,
@@ -93,7 +118,11 @@ class EngineEvents:
             name = self._tag_names.get(tag)
             if name is None:
                 name = f"tag-{tag}"  # a tag we never saw: should not happen
-            self._notify(Notification(name, payload or b""), tag)
+            if self._first(tag, id_):
+                self._notify(Notification(name, payload or b""), tag)
+            else:
+                _log.info("notify.duplicate", agent=self._agent, peer=name, id=id_)
+                self._release(tag)
             return
         if kind == _cyx.CQ_RAIL_DOWN:
             rpeer = self._peer_of(id_)
@@ -122,3 +151,20 @@ class EngineEvents:
         elif kind == _cyx.CQ_CONN_CLOSED:
             _log.debug("conn.closed", agent=self._agent, peer=self._tag_names.get(tag), tag=tag)
             self._tag_unref(tag)
+            if tag not in self._tag_names:  # the peer's last connection: forgotten
+                self._seen.pop(tag, None)
+
+    def _first(self, tag: int, id_: int) -> bool:
+        """Whether notification id_ of tag's peer is new (and remembers it)."""
+        now = _monotonic()
+        seen = self._seen.get(tag)
+        if seen is None:
+            seen = self._seen[tag] = (set(), deque())
+        ids, order = seen
+        while order and (order[0][0] <= now or len(order) >= NOTIFY_SEEN):
+            ids.discard(order.popleft()[1])
+        if id_ in ids:
+            return False
+        ids.add(id_)
+        order.append((now + self._seen_for, id_))
+        return True

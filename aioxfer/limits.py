@@ -16,6 +16,11 @@ from aioxfer.protocol import MAX_META_FRAME
 
 __all__ = ["Limits"]
 
+_U32 = (1 << 32) - 1
+_U64 = (1 << 63) - 1
+_BYTES = frozenset({"max_meta_bytes", "reply_queue_bytes"})
+_MAX_SECONDS = _U32 // 1000  # seconds the engine can count in milliseconds
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Limits:
@@ -49,5 +54,14 @@ class Limits:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not (isinstance(v, int | float) and v > 0):
-                raise ValueError(f"Limits.{f.name} must be positive, not {v!r}")
+            if f.type == "int":
+                # Counts and sizes: the engine takes them as 32- or 64-bit ints.
+                top = _U64 if f.name in _BYTES else _U32
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= top:
+                    raise ValueError(f"Limits.{f.name} must be a positive int up to {top}, "
+                                     f"not {v!r}")
+            elif (isinstance(v, bool) or not isinstance(v, int | float)
+                  or not 0 < v <= _MAX_SECONDS):
+                # (NaN fails the comparison; the engine takes milliseconds in 32 bits)
+                raise ValueError(f"Limits.{f.name} must be a positive number of seconds up "
+                                 f"to {_MAX_SECONDS}, not {v!r}")

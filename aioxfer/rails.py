@@ -11,6 +11,7 @@ the agent only through the narrow arguments it was built with.
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -55,6 +56,7 @@ class Rails:
         "_closed",
         "_timeout_status",
         "_loop",
+        "_running",
     )
 
     def __init__(
@@ -81,6 +83,8 @@ class Rails:
         self._closed = closed
         self._timeout_status = timeout_status  # E_TIMEOUT: the rail stalled
         self._loop = loop  # the agent's loop: probes run there, whoever drains
+        # peer -> its probes running (ended by forget() when the peer goes)
+        self._running: dict[Peer, set[asyncio.Task[None]]] = {}
 
     def live(self, peer: Peer) -> dict[int, int]:
         """Live connections per rail index, as the engine sees them."""
@@ -137,9 +141,39 @@ class Rails:
         if self._closed():
             peer._probe_end(rail)
             return
+        if peer.lost:
+            peer._probe_end(rail)
+            return
         task = loop.create_task(self._probe(peer, rail), name=f"aioxfer-probe-{peer.name}-{rail}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._running.setdefault(peer, set()).add(task)
+        task.add_done_callback(functools.partial(self._ended, peer))
+
+    def _ended(self, peer: Peer, task: asyncio.Task[None]) -> None:
+        running = self._running.get(peer)
+        if running is not None:
+            running.discard(task)
+            if not running:
+                del self._running[peer]
+
+    def forget(self, peer: Peer) -> None:
+        """The peer is lost or closed: its probes end now (not after their
+        backoff, up to probe_max, holding it). From any thread (a drain may
+        run on a caller's own, as in start_probe)."""
+        tasks = self._running.pop(peer, ())
+        if not tasks:
+            return
+        loop = self._loop()
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        for task in tasks:
+            if loop is None or loop is running:
+                task.cancel()
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
 
     async def dial(
         self,
@@ -155,14 +189,22 @@ class Rails:
         to endpoint ep as rail; closes the rest. Returns how many it added:
         network failures only make it fewer; the engine refusing raises.
         join (nonce, i): connection k joins that Challenge as index i + k."""
-        results = await asyncio.gather(
-            *(
+        opening = [
+            asyncio.ensure_future(
                 self._open_conn(address) if join is None
                 else self._open_conn(address, join=joining(join[0], join[1] + k))
-                for k in range(n)
-            ),
-            return_exceptions=True,
-        )
+            )
+            for k in range(n)
+        ]
+        try:
+            results = await asyncio.gather(*opening, return_exceptions=True)
+        except BaseException:
+            # Cancelled (the peer went, the agent closes): the openings still
+            # running close their own socket; those that finished, we close.
+            for t in opening:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    t.result()[0].close()
+            raise
         socks = [r[0] for r in results if isinstance(r, tuple)]
         added = 0
         try:

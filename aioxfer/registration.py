@@ -322,7 +322,9 @@ class Memory:
     async def release_all(self) -> None:
         """aclose(): deregisters every region and waits, bounded by
         close_timeout, until peers released them; what a peer still holds then
-        is quarantined (named in a warning). Returns at once with nothing to do."""
+        is quarantined (named in a warning). Returns at once with nothing to do.
+        Cancelled while waiting, it quarantines the same way, then raises
+        CancelledError (the agent closes anyway: the memory must stay put)."""
         if not (self.regions or self._freeing):
             return
         for region in list(self.regions.values()):
@@ -338,6 +340,10 @@ class Memory:
             pass
         finally:
             self._settled = None
+            self._quarantine_held()
+
+    def _quarantine_held(self) -> None:
+        """Regions a peer still holds are kept referenced for good (named)."""
         held = self._held()
         if held:
             names = sorted({self._tag_names.get(t, f"tag-{t}") for tags in held.values()

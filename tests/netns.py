@@ -653,6 +653,25 @@ class _Worker:
             return type(exc).__name__, str(exc)
         return "ok", str(res.path)
 
+    async def cmd_notify(self, address: str, payload: bytes) -> tuple[str, str]:
+        """One notification (peer.notify); ("ok", "") or (error type, message)."""
+        try:
+            await self.peers[address].notify(payload)
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+        return "ok", ""
+
+    async def cmd_notes(self, quiet: float) -> list[tuple[str, bytes]]:
+        """The notifications received until none came for ``quiet`` seconds."""
+        got: list[tuple[str, bytes]] = []
+        while True:
+            try:
+                async with asyncio.timeout(quiet):
+                    n = await self.agent.notifications.receive()
+            except TimeoutError:
+                return got
+            got.append((n.peer_name, n.payload))
+
     async def cmd_stream_start(self, address: str, src: str, dst: str, chunk: int,
                                nslots: int, window: int, max_bytes: int | None = None,
                                stop_on_error: bool = True) -> int:

@@ -294,15 +294,17 @@ async def test_notification_flood_pushes_back(make_agent) -> None:
     target = await make_agent("target", limits=aioxfer.Limits(max_notify_per_conn=cap))
     sock = await _data_connection(target.address)
     payload = b"n" * 4096
-    one = HDR.pack(MAGIC, F_NOTIFY, 0, 0, 0, 1, 0, 0, 0, 0, len(payload)) + payload
     sent = 0
     loop = asyncio.get_running_loop()
     with sock:
         # Send until the kernel buffers are full (the agent stopped reading),
-        # bounded at 5 s.
+        # bounded at 5 s. Each with a request id of its own, as a real sender
+        # (a repeated id is a copy resent after a rail failed: delivered once).
         try:
             async with asyncio.timeout(5):
                 while True:
+                    one = HDR.pack(MAGIC, F_NOTIFY, 0, 0, 0, sent + 1, 0, 0, 0, 0,
+                                   len(payload)) + payload
                     await loop.sock_sendall(sock, one)
                     sent += 1
         except TimeoutError:

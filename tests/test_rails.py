@@ -77,3 +77,22 @@ def test_listen_argument_checks() -> None:
         aioxfer.Agent("x", rail_probe=0)
     with pytest.raises(ValueError):
         aioxfer.Agent("x", stall_timeout=-1)
+
+
+async def test_probes_of_a_lost_peer_end_with_it(make_agent) -> None:
+    """A rail that never answers is re-dialled with backoff (up to
+    rail_probe_max between tries); once its peer is gone (closed here, or
+    lost) the probe ends at once instead of sleeping out its backoff (before:
+    up to rail_probe_max seconds, holding the Peer)."""
+    target = await make_agent("target", listen=["127.0.0.1:0", "127.0.0.3:0"],
+                              transports=("tcp",))
+    target._lsocks[1].close()  # nothing answers on the second rail
+    init = await make_agent("init", transports=("tcp",), rail_probe=0.1,
+                            limits=aioxfer.Limits(rail_probe_max=30.0))
+    peer = await within(init.connect(target.address))
+    assert not peer.statistics().rails[1].up
+    await asyncio.sleep(1.6)  # probes at 0.1, 0.3, 0.7, 1.5 s: the next waits 1.6 s
+    assert len(init._probes) == 1
+    await peer.aclose()
+    await asyncio.sleep(0.3)
+    assert not init._probes, "a lost peer's rail is still being probed"
