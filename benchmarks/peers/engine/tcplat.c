@@ -28,7 +28,7 @@ int main(int argc, char **argv){
   int pp[2]; pipe(pp); int qq[2]; pipe(qq);
   size_t REG=1<<20;
   pid_t pid=fork();
-  if(!pid){ axf_engine*e=axf_engine_create(NULL); uint8_t*buf=calloc(1,REG); uint64_t rid,key;
+  if(!pid){ axf_engine*e=axf_engine_create(NULL); uint8_t*buf=malloc(REG); memset(buf,5,REG); /* touched: a READ's source must not be the zero page */ uint64_t rid,key;
     axf_region_register(e,buf,REG,AXF_ACCESS_READ|AXF_ACCESS_WRITE,-1,&rid,&key);
     write(pp[1],&rid,8); write(pp[1],&key,8);
     for(int i=0;i<NC;i++){int fd=accept(ls,0,0); axf_accept_conn(e,fd,100+i,-1);}
@@ -36,7 +36,7 @@ int main(int argc, char **argv){
   uint64_t rid,key; read(pp[0],&rid,8); read(pp[0],&key,8);
   axf_engine*e=axf_engine_create(NULL); uint64_t ep; axf_endpoint_create(e,AXF_EP_TCP,1,0,-1,&ep);
   for(int i=0;i<NC;i++){int fd=socket(AF_INET,SOCK_STREAM,0); connect(fd,(void*)&a,sizeof a); axf_endpoint_add_conn(e,ep,fd);}
-  uint8_t*src=calloc(1,REG); uint64_t lrid,lkey; axf_region_register(e,src,REG,AXF_ACCESS_READ|AXF_ACCESS_WRITE,-1,&lrid,&lkey);
+  uint8_t*src=malloc(REG); memset(src,3,REG); /* touched: reads of untouched calloc memory all hit the zero page (flattered WRITE, tcp8) */ uint64_t lrid,lkey; axf_region_register(e,src,REG,AXF_ACCESS_READ|AXF_ACCESS_WRITE,-1,&lrid,&lkey);
   axf_endpoint_import(e,ep,rid,key,REG,AXF_ACCESS_READ|AXF_ACCESS_WRITE,0,-1);
   uint32_t pus=axf_engine_poll_us(e); if(getenv("TCPLAT_SPIN_US")) pus=(uint32_t)atoi(getenv("TCPLAT_SPIN_US")); /* spin_alone's bound: up to 1000 */ int efd=axf_engine_fd(e);
   uint64_t*s=malloc(sizeof(uint64_t)*N);
