@@ -1210,11 +1210,19 @@ rregion *rregion_new(uint64_t rid, uint64_t key, uint64_t len, uint32_t access, 
     return rr;
 }
 
+/* e->mu held. A region imported again under its id replaces the old one,
+ * whose mapping goes now if no op uses it (else with the endpoint): kept
+ * until the endpoint ended, a peer re-sending its metadata in a loop grew our
+ * mappings without bound. (The small record stays until the endpoint goes: an
+ * op releasing it reads it after dropping its use.) */
 void rregion_publish(endpoint *ep, rregion *rr)
 {
     rregion *old = rr_find(ep, rr->rid);
-    if (old)
+    if (old) {
         old->gone = true;
+        if (atomic_load(&old->users) == 0)
+            rr_unmap(old);
+    }
     rr->next = ep->rregions;
     ep->rregions = rr;
 }

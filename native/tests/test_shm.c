@@ -357,6 +357,61 @@ static int test_alone_shared_done_at_submit(void)
     return 0;
 }
 
+/* Lines of /proc/self/maps naming memfd `name`. */
+static int maps_of(const char *name)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f)
+        return -1;
+    char line[512];
+    int n = 0;
+    while (fgets(line, sizeof line, f))
+        n += strstr(line, name) != NULL;
+    fclose(f);
+    return n;
+}
+
+/* Rule: a region imported again under its id (the peer re-sent its
+ * metadata) replaces the old one; the old mapping goes once no op uses it.
+ * Before, every import stayed mapped until the endpoint closed: a peer that
+ * re-sent its metadata in a loop grew our address space without bound (200
+ * imports: 200 mappings of its memfd). An op holding the old one keeps it
+ * until it finishes. */
+static int test_reimport_unmaps_old(void)
+{
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    enum { LEN = 1 << 16 };
+    int mfd = memfd_create("axf-reimport", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(mfd >= 0);
+    CHECK_EQ(ftruncate(mfd, LEN), 0);
+    CHECK_EQ(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    uint8_t *src = malloc(LEN);
+    CHECK(src);
+    t_fill(src, LEN, 6);
+    uint64_t arid, akey, ep;
+    CHECK_EQ(axf_region_register(a->e, src, LEN, AXF_ACCESS_READ, -1, &arid, &akey), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
+    for (int i = 0; i < 200; i++)
+        CHECK_EQ(axf_endpoint_import(a->e, ep, 5, 55, LEN, AXF_ACCESS_WRITE, 0, mfd), AXF_OK);
+    CHECK_EQ(maps_of("axf-reimport"), 1);
+    axf_desc d = {.lrid = arid, .rrid = 5, .rkey = 55, .len = LEN};
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    uint8_t *chk = mmap(NULL, LEN, PROT_READ, MAP_SHARED, mfd, 0);
+    CHECK(chk != MAP_FAILED);
+    CHECK(memcmp(chk, src, LEN) == 0);
+    munmap(chk, LEN);
+    t_close(a);
+    t_close(b);
+    CHECK_EQ(maps_of("axf-reimport"), 0);
+    close(mfd);
+    free(src);
+    return 0;
+}
+
 static int test_memfd_region(void)
 {
     tengine *a = t_engine(NULL), *b = t_engine(NULL);
@@ -1368,6 +1423,7 @@ int main(int argc, char **argv)
         T_CASE(test_nohelp_doorbell_copies_nothing),
         T_CASE(test_alone_shared_done_at_submit),
         T_CASE(test_memfd_region),
+        T_CASE(test_reimport_unmaps_old),
         T_CASE(test_memfd_lazy_populate),
         T_CASE(test_access_checks),
         T_CASE(test_write_with_notify),
