@@ -641,6 +641,18 @@ void op_complete(axf_engine *e, op *o)
     op_finish_unlinked(e, o);
 }
 
+/* An op failed at descriptor index (whole-op failures, such as a lost peer,
+ * a close or a cancel, pass 0: the API shows an index only for descriptor
+ * statuses). The first failure in time is kept, status and index together,
+ * and later ones are dropped. Not the lowest failing index: once one copy
+ * fails the others stop at their next check (copy_may_go reads this status),
+ * so descriptors below it may never be tried, and a lower one that fails
+ * later may fail only because of the first (a revoked region, the peer
+ * gone). The lowest index would need every descriptor tried to the end, or
+ * would name one that never failed. What is checked at post (bounds, keys,
+ * access: op_resolve) is checked in order, so there the first failure is the
+ * lowest index. NIXL's API reports no index; ours (the completion's
+ * fail_index) says which descriptor failed the request. */
 void op_set_status(op *o, int status, uint64_t index)
 {
     int expected = AXF_OK;
