@@ -91,8 +91,9 @@ async def test_read_of_a_file_that_shrank_fails_typed_and_says_where(
     os.truncate(path, 3 * MiB + 100)  # shorter than the region now
     dst = agent.alloc(8 * MiB)
     # Two descriptors (not contiguous: never merged into one): the first inside
-    # what is left, the second reaching past its end.
-    with pytest.raises(aioxfer.TransportError) as ei:
+    # what is left, the second reaching past its end: the bytes are not there
+    # (AccessDenied, bounds; was a bare TransportError).
+    with pytest.raises(aioxfer.AccessDenied) as ei:
         await within(agent.read([dst[0:MiB], dst[2 * MiB:8 * MiB]], [f[0:MiB], f[MiB:7 * MiB]]))
     assert ei.value.fail_index == 1
     # Never a success with stale bytes: a read within what is left still works.

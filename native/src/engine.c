@@ -641,6 +641,18 @@ void op_complete(axf_engine *e, op *o)
     op_finish_unlinked(e, o);
 }
 
+/* An op failed at descriptor index (whole-op failures, such as a lost peer,
+ * a close or a cancel, pass 0: the API shows an index only for descriptor
+ * statuses). The first failure in time is kept, status and index together,
+ * and later ones are dropped. Not the lowest failing index: once one copy
+ * fails the others stop at their next check (copy_may_go reads this status),
+ * so descriptors below it may never be tried, and a lower one that fails
+ * later may fail only because of the first (a revoked region, the peer
+ * gone). The lowest index would need every descriptor tried to the end, or
+ * would name one that never failed. What is checked at post (bounds, keys,
+ * access: op_resolve) is checked in order, so there the first failure is the
+ * lowest index. NIXL's API reports no index; ours (the completion's
+ * fail_index) says which descriptor failed the request. */
 void op_set_status(op *o, int status, uint64_t index)
 {
     int expected = AXF_OK;
@@ -1210,11 +1222,19 @@ rregion *rregion_new(uint64_t rid, uint64_t key, uint64_t len, uint32_t access, 
     return rr;
 }
 
+/* e->mu held. A region imported again under its id replaces the old one,
+ * whose mapping goes now if no op uses it (else with the endpoint): kept
+ * until the endpoint ended, a peer re-sending its metadata in a loop grew our
+ * mappings without bound. (The small record stays until the endpoint goes: an
+ * op releasing it reads it after dropping its use.) */
 void rregion_publish(endpoint *ep, rregion *rr)
 {
     rregion *old = rr_find(ep, rr->rid);
-    if (old)
+    if (old) {
         old->gone = true;
+        if (atomic_load(&old->users) == 0)
+            rr_unmap(old);
+    }
     rr->next = ep->rregions;
     ep->rregions = rr;
 }
@@ -1477,8 +1497,14 @@ static int watch_scan(axf_engine *e, endpoint **finish, int *nfinish, int max_fi
 static void *watch_main(void *arg)
 {
     axf_engine *e = arg;
-    struct pollfd *pfd = NULL;
-    size_t cap = 0;
+    /* On the stack while it fits (a few same-host peers), so that the engine
+     * allocates nothing here that lives only in this thread's registers
+     * (libFuzzer's leak check, which runs while the thread is in poll,
+     * reported the first round's 8 bytes as a leak and stopped both frame
+     * fuzzers within seconds). */
+    enum { PFD_FIXED = 16 };
+    struct pollfd fixed[PFD_FIXED], *pfd = fixed;
+    size_t cap = PFD_FIXED;
     enum { MAX_FINISH = 64 };
     endpoint *finish[MAX_FINISH];
     pthread_mutex_lock(&e->mu);
@@ -1501,7 +1527,8 @@ static void *watch_main(void *arg)
         for (conn *c = e->conns; c; c = c->next_all)
             n += c->pidfd >= 0 && !atomic_load(&c->peer_exited);
         if (n > cap) {
-            struct pollfd *np = realloc(pfd, n * sizeof *np);
+            struct pollfd *np = pfd == fixed ? malloc(n * sizeof *np)
+                                             : realloc(pfd, n * sizeof *np);
             if (np) {
                 pfd = np;
                 cap = n;
@@ -1530,7 +1557,8 @@ static void *watch_main(void *arg)
         pthread_mutex_lock(&e->mu);
     }
     pthread_mutex_unlock(&e->mu);
-    free(pfd);
+    if (pfd != fixed)
+        free(pfd);
     return NULL;
 }
 

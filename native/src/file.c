@@ -15,8 +15,9 @@
  * Nothing spins. Every op holds one unit while chunks remain to be issued,
  * plus one per chunk in flight; completions go through op_unit_done. Short
  * transfers are resubmitted for the rest; a read that meets the end of the
- * file inside the registered bounds (the file shrank under us) and every
- * I/O error fail the op with AXF_E_TRANSPORT, the errno logged. */
+ * file inside the registered bounds (the file shrank under us) fails the op
+ * with AXF_E_ACCESS (the bytes are not there), every I/O error with
+ * AXF_E_TRANSPORT (EFAULT: AXF_E_ACCESS), the errno or file size logged. */
 #include "transport.h"
 
 #include <errno.h>
@@ -283,18 +284,31 @@ static int io_status(int err)
     return err == EFAULT ? AXF_E_ACCESS : err == ENOMEM ? AXF_E_NOMEM : AXF_E_TRANSPORT;
 }
 
+/* A chunk that failed: err is its errno, 0 when the call returned 0 bytes. A
+ * READ that got 0 met the end of the file inside the region's bounds (the
+ * file shrank under it): the bytes asked for are not there, a bounds failure
+ * like a far region too short for a same-host copy, AXF_E_ACCESS (it was
+ * AXF_E_TRANSPORT, which says nothing of what happened). */
 static void chunk_failed(axf_engine *e, fchunk *c, int err)
 {
     const char *what = c->o->opcode == AXF_OP_WRITE ? "write" : "read";
+    int fd = FOP(c->o)->fr[c->i]->fd;
     unsigned long long at = FOP(c->o)->fr[c->i]->foff + c->o->d[c->i].roff + c->off + c->done;
-    op_set_status(c->o, err ? io_status(err) : AXF_E_TRANSPORT, c->i);
+    unsigned long long left = c->len - c->done;
+    bool eof = !err && c->o->opcode == AXF_OP_READ;
+    op_set_status(c->o, err ? io_status(err) : eof ? AXF_E_ACCESS : AXF_E_TRANSPORT, c->i);
+    struct stat st;
     if (err)
         cq_log(e, c->o->ep->tag, "file: %s of %llu bytes at offset %llu failed: %s (errno %d)",
-               what, (unsigned long long)(c->len - c->done), at, strerror(err), err);
+               what, left, at, strerror(err), err);
+    else if (eof && fstat(fd, &st) == 0)
+        cq_log(e, c->o->ep->tag,
+               "file: read of %llu bytes at offset %llu met the end of the file at %llu: the "
+               "file is shorter than its region (it shrank?)",
+               left, at, (unsigned long long)st.st_size);
     else
-        cq_log(e, c->o->ep->tag, "file: %s at offset %llu %s", what, at,
-               c->o->opcode == AXF_OP_READ ? "met the end of the file (it shrank?)"
-                                           : "made no progress");
+        cq_log(e, c->o->ep->tag, "file: %s of %llu bytes at offset %llu %s", what, left, at,
+               eof ? "met the end of the file (it shrank?)" : "made no progress");
 }
 
 static void chunk_ok(fchunk *c)

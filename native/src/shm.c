@@ -397,9 +397,23 @@ void shm_unmap(rregion *rr)
     free(f);
 }
 
-static int cma_status(int err)
+/* A cross-memory-attach call failed with err: the process is gone
+ * (AXF_E_PEER_LOST), the range is not mapped there (EFAULT) or the kernel
+ * refuses us the process (EPERM: another user, a non-dumpable process,
+ * Yama's ptrace_scope), both AXF_E_ACCESS; else AXF_E_TRANSPORT. Said in a
+ * log record but for a lost peer (EPERM was AXF_E_TRANSPORT, with no reason
+ * anywhere). */
+static int cma_status(axf_engine *e, const op *o, int err)
 {
-    return err == ESRCH ? AXF_E_PEER_LOST : err == EFAULT ? AXF_E_ACCESS : AXF_E_TRANSPORT;
+    if (err == ESRCH)
+        return AXF_E_PEER_LOST;
+    cq_log(e, o->ep->tag, "shm: cross-memory %s of pid %d failed: %s (%s%s)",
+           o->opcode == AXF_OP_WRITE ? "write" : "read", (int)o->ep->pid, strerror(err),
+           err == EPERM ? "EPERM" : err == EFAULT ? "EFAULT" : "errno",
+           err == EPERM ? ": another user, a non-dumpable process or kernel.yama.ptrace_scope; "
+                          "a memfd pool needs no such permission"
+                        : "");
+    return err == EFAULT || err == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
 }
 
 /* May the op's copy go on? Checked before every chunk (not per byte): once
@@ -417,7 +431,8 @@ static int copy_may_go(const op *o)
 }
 
 /* Copies bytes [off, off+len) of descriptor i, chunk by chunk. */
-static int copy_piece(op *o, size_t i, uint64_t off, uint64_t len, uint64_t chunk)
+static int copy_piece(axf_engine *e, op *o, size_t i, uint64_t off, uint64_t len,
+                      uint64_t chunk)
 {
     const axf_desc *d = &o->d[i];
     rregion *rr = o->rr[i];
@@ -445,7 +460,7 @@ static int copy_piece(op *o, size_t i, uint64_t off, uint64_t len, uint64_t chun
                               ? process_vm_writev(o->ep->pid, &l, 1, &r, 1, 0)
                               : process_vm_readv(o->ep->pid, &l, 1, &r, 1, 0);
             if (got < 0)
-                return cma_status(errno);
+                return cma_status(e, o, errno);
             if ((uint64_t)got != n)
                 return AXF_E_ACCESS;
         }
@@ -459,7 +474,7 @@ static int copy_piece(op *o, size_t i, uint64_t off, uint64_t len, uint64_t chun
  * gathered into as few cross-memory-attach calls as possible, each call at
  * most a chunk. The checks run when the region changes and after each chunk's
  * worth of bytes, not per descriptor: a batch of small ones costs them once. */
-static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
+static int copy_run(axf_engine *e, op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
 {
     struct iovec lv[RUN_DESCS], rv[RUN_DESCS];
     size_t nv = 0, first = i0;
@@ -474,7 +489,7 @@ static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
                             : process_vm_readv(o->ep->pid, lv, nv, rv, nv, 0);
             if (n < 0 || (uint64_t)n != want) {
                 *fail = first;
-                return n < 0 ? cma_status(errno) : AXF_E_ACCESS;
+                return n < 0 ? cma_status(e, o, errno) : AXF_E_ACCESS;
             }
             nv = 0;
             want = 0;
@@ -484,7 +499,7 @@ static int copy_run(op *o, size_t i0, size_t i1, uint64_t chunk, uint64_t *fail)
         const axf_desc *d = &o->d[i];
         rregion *rr = o->rr[i];
         if (d->len > chunk) { /* chunk by chunk, checked in between */
-            int st = copy_piece(o, i, 0, d->len, chunk);
+            int st = copy_piece(e, o, i, 0, d->len, chunk);
             if (st != AXF_OK) {
                 *fail = i;
                 return st;
@@ -557,14 +572,14 @@ static void run_job(axf_engine *e, job *j)
     if (!atomic_load(&o->cancelled) && atomic_load(&o->status) == AXF_OK) {
         int st;
         if (j->len) {
-            st = copy_piece(o, j->i0, j->off, j->len, e->cfg.chunk_bytes);
+            st = copy_piece(e, o, j->i0, j->off, j->len, e->cfg.chunk_bytes);
             if (st == AXF_OK)
                 atomic_fetch_add(&o->nbytes, j->len);
             else
                 op_set_status(o, st, j->i0);
         } else {
             uint64_t fail = 0;
-            st = copy_run(o, j->i0, j->i1, e->cfg.chunk_bytes, &fail);
+            st = copy_run(e, o, j->i0, j->i1, e->cfg.chunk_bytes, &fail);
             if (st == AXF_OK) {
                 atomic_fetch_add(&o->nbytes, j->bytes);
             } else {
@@ -668,7 +683,7 @@ static void shm_destroy(axf_engine *e)
 int shm_copy_inline(axf_engine *e, op *o)
 {
     uint64_t fail = 0;
-    int st = copy_run(o, 0, o->n, e->cfg.chunk_bytes, &fail);
+    int st = copy_run(e, o, 0, o->n, e->cfg.chunk_bytes, &fail);
     if (st == AXF_E_PEER_LOST)
         peer_gone(e, o->ep);
     if (st != AXF_OK)

@@ -157,6 +157,7 @@ struct verbs_qp {
     vchain *posted_head, *posted_tail; /* in completion order */
     vchain *pend_head, *pend_tail;
     vqp *next_all;  /* vs->mu */
+    uint64_t gen;   /* which of ours it is, never reused (set before linked) */
     vqp *next_conn; /* accepting side: the connection's list; unbound list */
 };
 
@@ -229,6 +230,7 @@ struct verbs_state {
     bool stop;
     vmr *mrs[MR_BUCKETS];
     vqp *qps;      /* every queue pair not yet freed */
+    uint64_t qp_gens; /* the last queue pair's gen */
     vqp *unbound;  /* accepting side, not bound to a connection yet */
     uint64_t next_handle;
     vchain *fail;  /* chains to fail on the poller thread */
@@ -819,6 +821,7 @@ static vqp *qp_new(verbs_state *vs, int devi, endpoint *ep, char *why, size_t wh
         goto fail;
     }
     pthread_mutex_lock(&vs->mu);
+    q->gen = ++vs->qp_gens;
     q->next_all = vs->qps;
     vs->qps = q;
     pthread_mutex_unlock(&vs->mu);
@@ -1735,10 +1738,10 @@ static void dev_fatal(verbs_state *vs, int devi)
 
 /* An accepting-side queue pair failed on its own (asynchronous event type):
  * the connection it serves is killed (its end frees the queue pair). Found
- * under e->mu, which a connection's list is detached under before its queue
- * pairs are freed, and vs->mu (verbs_stop writes q->qp under it). */
-static void serving_failed(verbs_state *vs, const struct ibv_qp *bad_qp, const char *dev,
-                           int type)
+ * by gen (its address may be another queue pair's by now) under e->mu, which
+ * a connection's list is detached under before its queue pairs are freed,
+ * and vs->mu. */
+static void serving_failed(verbs_state *vs, uint64_t gen, const char *dev, int type)
 {
     axf_engine *e = vs->e;
     uint64_t tag = 0;
@@ -1747,7 +1750,7 @@ static void serving_failed(verbs_state *vs, const struct ibv_qp *bad_qp, const c
     conn *hit = NULL;
     for (conn *c = e->conns; c && !hit; c = c->next_all)
         for (vqp *q = VQP(c); q && !hit; q = q->next_conn)
-            if (q->qp == bad_qp)
+            if (q->gen == gen)
                 hit = c;
     pthread_mutex_unlock(&vs->mu);
     if (hit) {
@@ -1770,6 +1773,25 @@ static void handle_async(verbs_state *vs, int devi)
                                         type == IBV_EVENT_QP_ACCESS_ERR
                                     ? ev.element.qp
                                     : NULL;
+        /* Which of ours it is, found before the ack: until then the queue
+         * pair cannot be destroyed (destroy_qp waits for its events' acks),
+         * so no other can be at its address. After it, one destroyed
+         * meanwhile and a new one made at the same address would be failed
+         * in its place. Its gen names it from then on. (Nobody destroys a
+         * queue pair with vs->mu held while the poller runs: verbs_stop
+         * does so once it has joined the poller.) */
+        vqp *hit = NULL;
+        uint64_t serving = 0;
+        if (bad_qp) {
+            pthread_mutex_lock(&vs->mu);
+            for (vqp *q = vs->qps; q; q = q->next_all)
+                if (q->qp == bad_qp) {
+                    hit = q->ep ? q : NULL;
+                    serving = q->ep ? 0 : q->gen;
+                    break;
+                }
+            pthread_mutex_unlock(&vs->mu);
+        }
         if (vs->t.ack_async_event)
             vs->t.ack_async_event(&ev);
         if (type == IBV_EVENT_DEVICE_FATAL) {
@@ -1783,18 +1805,8 @@ static void handle_async(verbs_state *vs, int devi)
              * is killed instead, so that the peer, whose requests through it
              * would only fail once its retries ran out (~30 s), loses the
              * endpoint now. */
-            vqp *hit = NULL;
-            bool serving = false;
-            pthread_mutex_lock(&vs->mu);
-            for (vqp *q = vs->qps; q; q = q->next_all)
-                if (q->qp == bad_qp) {
-                    hit = q->ep ? q : NULL;
-                    serving = !q->ep;
-                    break;
-                }
-            pthread_mutex_unlock(&vs->mu);
             if (serving)
-                serving_failed(vs, bad_qp, d->name, (int)type);
+                serving_failed(vs, serving, d->name, (int)type);
             if (hit) {
                 pthread_mutex_lock(&hit->mu);
                 qp_to_error(hit);

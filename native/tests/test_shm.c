@@ -8,6 +8,8 @@
 #include "internal.h" /* wire layout, for the raw peers */
 
 #include <fcntl.h>
+#include <linux/capability.h>
+#include <sys/prctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -354,6 +356,61 @@ static int test_alone_shared_done_at_submit(void)
     }
     free(d);
     sp_close(&p);
+    return 0;
+}
+
+/* Lines of /proc/self/maps naming memfd `name`. */
+static int maps_of(const char *name)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f)
+        return -1;
+    char line[512];
+    int n = 0;
+    while (fgets(line, sizeof line, f))
+        n += strstr(line, name) != NULL;
+    fclose(f);
+    return n;
+}
+
+/* Rule: a region imported again under its id (the peer re-sent its
+ * metadata) replaces the old one; the old mapping goes once no op uses it.
+ * Before, every import stayed mapped until the endpoint closed: a peer that
+ * re-sent its metadata in a loop grew our address space without bound (200
+ * imports: 200 mappings of its memfd). An op holding the old one keeps it
+ * until it finishes. */
+static int test_reimport_unmaps_old(void)
+{
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    enum { LEN = 1 << 16 };
+    int mfd = memfd_create("axf-reimport", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(mfd >= 0);
+    CHECK_EQ(ftruncate(mfd, LEN), 0);
+    CHECK_EQ(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    uint8_t *src = malloc(LEN);
+    CHECK(src);
+    t_fill(src, LEN, 6);
+    uint64_t arid, akey, ep;
+    CHECK_EQ(axf_region_register(a->e, src, LEN, AXF_ACCESS_READ, -1, &arid, &akey), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
+    for (int i = 0; i < 200; i++)
+        CHECK_EQ(axf_endpoint_import(a->e, ep, 5, 55, LEN, AXF_ACCESS_WRITE, 0, mfd), AXF_OK);
+    CHECK_EQ(maps_of("axf-reimport"), 1);
+    axf_desc d = {.lrid = arid, .rrid = 5, .rkey = 55, .len = LEN};
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_OK);
+    axf_completion c;
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    uint8_t *chk = mmap(NULL, LEN, PROT_READ, MAP_SHARED, mfd, 0);
+    CHECK(chk != MAP_FAILED);
+    CHECK(memcmp(chk, src, LEN) == 0);
+    munmap(chk, LEN);
+    t_close(a);
+    t_close(b);
+    CHECK_EQ(maps_of("axf-reimport"), 0);
+    close(mfd);
+    free(src);
     return 0;
 }
 
@@ -1277,6 +1334,75 @@ static void stopped_child(int conn_fd, int report, uint8_t *target, size_t len)
         pause();
 }
 
+/* The initiator of test_cma_refused, in a child: without CAP_SYS_PTRACE,
+ * a cross-memory-attach WRITE into the non-dumpable target at addr. Exits
+ * with 0 when it failed AXF_E_ACCESS and said why in a log record; else 10
+ * + the status's magnitude, or 2..5 for a step that failed on the way. */
+static void cma_refused_child(pid_t target, uint64_t addr, size_t len)
+{
+    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct d[2];
+    if (syscall(SYS_capget, &h, d) != 0)
+        _exit(2);
+    d[CAP_SYS_PTRACE / 32].effective &= ~(1u << (CAP_SYS_PTRACE % 32));
+    if (syscall(SYS_capset, &h, d) != 0)
+        _exit(2);
+    tengine *t = t_engine(NULL);
+    uint8_t *src = calloc(1, len);
+    uint64_t ep, rid, key;
+    if (!t || !src ||
+        axf_endpoint_create(t->e, AXF_EP_SHM, 1, target, pidfd_of(target), &ep) != AXF_OK ||
+        axf_region_register(t->e, src, len, AXF_ACCESS_READ, -1, &rid, &key) != AXF_OK ||
+        axf_endpoint_import(t->e, ep, 9, 9, len, AXF_ACCESS_WRITE, addr, -1) != AXF_OK)
+        _exit(3);
+    axf_desc ds = {.lrid = rid, .rrid = 9, .rkey = 9, .len = len};
+    if (axf_post(t->e, ep, AXF_OP_WRITE, &ds, 1, NULL, 0, 1, 0) != AXF_OK)
+        _exit(4);
+    axf_completion c;
+    if (t_wait(t, AXF_CQ_XFER, 1, &c) != 0)
+        _exit(5);
+    if (c.status != AXF_E_ACCESS)
+        _exit(10 - c.status);
+    if (t_wait_any(t, AXF_CQ_LOG, &c) != 0 || !strstr((char *)c.payload, "EPERM"))
+        _exit(6);
+    _exit(0);
+}
+
+/* Rule: cross-memory attach refused by the kernel (EPERM: another user, a
+ * non-dumpable target, Yama's ptrace_scope) fails the op AXF_E_ACCESS with a
+ * log record that says so. It was AXF_E_TRANSPORT, with no reason anywhere. */
+static int test_cma_refused(void)
+{
+    enum { LEN = 4096 };
+    int pp[2];
+    CHECK_EQ(pipe(pp), 0);
+    pid_t target = fork();
+    CHECK(target >= 0);
+    if (target == 0) {
+        static uint8_t buf[LEN];
+        uint64_t addr = (uint64_t)(uintptr_t)buf;
+        if (prctl(PR_SET_DUMPABLE, 0) != 0 || write(pp[1], &addr, sizeof addr) != sizeof addr)
+            _exit(1);
+        for (;;)
+            pause();
+    }
+    uint64_t addr = 0;
+    CHECK_EQ(read(pp[0], &addr, sizeof addr), (ssize_t)sizeof addr);
+    close(pp[0]);
+    close(pp[1]);
+    pid_t ini = fork();
+    CHECK(ini >= 0);
+    if (ini == 0)
+        cma_refused_child(target, addr, LEN);
+    int ws = 0;
+    CHECK_EQ(waitpid(ini, &ws, 0), ini);
+    kill(target, SIGKILL);
+    waitpid(target, NULL, 0);
+    CHECK(WIFEXITED(ws));
+    CHECK_EQ(WEXITSTATUS(ws), 0);
+    return 0;
+}
+
 /* The issue's scenario, end to end: a same-host initiator process is
  * stopped for longer than our peer timeout with copies into our buffer
  * queued. We close its connection (silent) and deregister the buffer: it
@@ -1368,6 +1494,8 @@ int main(int argc, char **argv)
         T_CASE(test_nohelp_doorbell_copies_nothing),
         T_CASE(test_alone_shared_done_at_submit),
         T_CASE(test_memfd_region),
+        T_CASE(test_reimport_unmaps_old),
+        T_CASE(test_cma_refused),
         T_CASE(test_memfd_lazy_populate),
         T_CASE(test_access_checks),
         T_CASE(test_write_with_notify),

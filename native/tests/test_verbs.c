@@ -654,7 +654,8 @@ static int sv_load(void)
     return 0;
 }
 
-enum { EV_QP_FATAL = 1, EV_COMM_EST = 4, HOLD_MODIFY_ERR = 1, HOLD_REG_DMABUF = 2 };
+enum { EV_QP_FATAL = 1, EV_COMM_EST = 4, HOLD_MODIFY_ERR = 1, HOLD_REG_DMABUF = 2,
+       HOLD_ACK_ASYNC = 3 };
 
 /* Polls cond() every millisecond for up to T_TIMEOUT_MS; its last value. */
 static bool t_until(bool (*cond)(void))
@@ -799,6 +800,54 @@ static int test_async_error_new_qp(void)
     return 0;
 }
 
+static bool ack_held(void) { return sv.held() != 0; }
+static bool events_passed(void) { return sv.events_taken() >= ev_goal; }
+
+/* Rule: an asynchronous event names its queue pair by address, valid only
+ * until the event is acknowledged (destroy_qp waits for the ack; the provider
+ * may then reuse the memory for the next queue pair). The poller must find
+ * which of ours it is before acknowledging: here it is parked right after the
+ * ack of a QP_FATAL on an unbound accepting queue pair, which is then
+ * destroyed and a new initiator queue pair made at the same address (the
+ * provider reuses it); looked up after the ack, the event failed the new
+ * queue pair's endpoint (a PEER_LOST for a peer that is fine). */
+static int test_async_event_qp_reused(void)
+{
+    if (sv_load())
+        return 1;
+    tengine *a = t_engine(NULL);
+    CHECK(a);
+    char why[256];
+    CHECK(axf_verbs_enable(a->e, provider, why, sizeof why) > 0);
+    uint64_t ep1, ep2, h;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_VERBS, A_TAG, 0, -1, &ep1), AXF_OK);
+    axf_verbs_qp_info i1, ib, i2;
+    CHECK_EQ(axf_verbs_qp_create(a->e, ep1, 0, &i1), AXF_OK);
+    CHECK_EQ(axf_verbs_accept_qp(a->e, 0, &i1, &ib, &h), AXF_OK);
+    CHECK_EQ(sv.hold(HOLD_ACK_ASYNC, NULL, 0), 0);
+    static const int fatal[] = {EV_QP_FATAL};
+    CHECK_EQ(sv.qp_events("softverbs0", ib.qpn, fatal, 1), 0);
+    CHECK(t_until(ack_held));
+    CHECK_EQ(axf_verbs_qp_destroy(a->e, h), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_VERBS, B_TAG, 0, -1, &ep2), AXF_OK);
+    CHECK_EQ(axf_verbs_qp_create(a->e, ep2, 0, &i2), AXF_OK); /* at the freed address */
+    sv.release();
+    /* Events are handled in order: once this one is taken, the first is done. */
+    ev_goal = sv.events_taken() + 1;
+    static const int est[] = {EV_COMM_EST};
+    CHECK_EQ(sv.qp_events("softverbs0", i1.qpn, est, 1), 0);
+    CHECK(t_until(events_passed));
+    axf_completion c[16];
+    size_t n;
+    while ((n = axf_poll(a->e, c, 16)) > 0)
+        for (size_t k = 0; k < n; k++) {
+            CHECK(!(c[k].kind == AXF_CQ_PEER_LOST && c[k].id == ep2));
+            axf_completion_free(&c[k]);
+        }
+    t_close(a);
+    return 0;
+}
+
 struct dmabuf_reg {
     axf_engine *e;
     uint64_t rid;
@@ -925,6 +974,7 @@ int main(int argc, char **argv)
         T_CASE(test_partial_post_no_drain),
         T_CASE(test_async_error_accepting_qp),
         T_CASE(test_async_error_new_qp),
+        T_CASE(test_async_event_qp_reused),
         T_CASE(test_dmabuf_register_while_posting),
         T_CASE(test_device_fatal), /* last: the device stays dead */
     };

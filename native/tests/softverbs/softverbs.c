@@ -237,6 +237,11 @@ struct sv_conn {
 struct sv_qp {
     struct ibv_qp qp; /* qp.state is the state, under lock */
     sv_hub *hub;
+    /* Asynchronous events about it delivered (qp.mutex; qp.events_completed
+     * counts those acknowledged): destroy_qp waits until all are, as
+     * libibverbs' does, so that an event's QP stays valid until its ack. */
+    uint32_t events_reported;
+    sv_qp *next_free; /* g_qp_free */
     pthread_mutex_t lock;
     pthread_cond_t cond;
     struct ibv_qp_cap cap;
@@ -281,7 +286,7 @@ static bool g_refuse_in_error;         /* axf_softverbs_refuse_post_in_error; g_
  * INIT gets event g_init_type, delivered g_init_delay ms later; g_lock. */
 static int g_init_dev = -1, g_init_type, g_init_delay;
 /* axf_softverbs_hold: one call parked at its entry until released. */
-enum { SV_HOLD_NONE, SV_HOLD_MODIFY_ERR, SV_HOLD_REG_DMABUF };
+enum { SV_HOLD_NONE, SV_HOLD_MODIFY_ERR, SV_HOLD_REG_DMABUF, SV_HOLD_ACK_ASYNC };
 static pthread_mutex_t g_hold_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_hold_cond = PTHREAD_COND_INITIALIZER;
 static int g_hold_what;       /* armed; SV_HOLD_NONE once taken */
@@ -294,6 +299,10 @@ static bool g_held, g_released;
 static int g_held_flag; /* __atomic, relaxed */
 static struct sv_ctx *g_ctxs;          /* open contexts, for async events; g_lock */
 static uint64_t g_events_taken;        /* __atomic: asynchronous events delivered */
+/* Destroyed QPs' memory, reused (last in, first out) by the next create_qp,
+ * as a provider's QP table reuses its slots: a new QP can sit at the address
+ * of one destroyed a moment ago (and does here under ASan too); g_lock. */
+static sv_qp *g_qp_free;
 static sv_hub *g_hubs[SV_MAX_DEVICES];
 static pid_t g_hubs_pid;
 
@@ -1514,6 +1523,11 @@ static int sv_get_async_event(struct ibv_context *ctx, struct ibv_async_event *e
         e = c->events[0];
         memmove(c->events, c->events + 1, (size_t)--c->nevents * sizeof c->events[0]);
     }
+    if (e.qp) { /* its destroy_qp now waits for the ack (destroy purges the queue first) */
+        pthread_mutex_lock(&e.qp->mutex);
+        ((sv_qp *)e.qp)->events_reported++;
+        pthread_mutex_unlock(&e.qp->mutex);
+    }
     pthread_mutex_unlock(&g_lock);
     if (e.not_before) { /* a NIC that reports late: the caller waits, as in a blocking read */
         uint64_t now = sv_now_ms();
@@ -1533,9 +1547,21 @@ static int sv_get_async_event(struct ibv_context *ctx, struct ibv_async_event *e
     return 0;
 }
 
+static bool qp_event(enum ibv_event_type t)
+{
+    return t >= IBV_EVENT_QP_FATAL && t <= IBV_EVENT_PATH_MIG_ERR;
+}
+
 static void sv_ack_async_event(struct ibv_async_event *ev)
 {
-    (void)ev;
+    if (qp_event(ev->event_type)) {
+        struct ibv_qp *qp = ev->element.qp;
+        pthread_mutex_lock(&qp->mutex);
+        qp->events_completed++;
+        pthread_cond_broadcast(&qp->cond);
+        pthread_mutex_unlock(&qp->mutex);
+    }
+    hold_point(SV_HOLD_ACK_ASYNC, -1, 0); /* after the ack: the QP may go now */
 }
 
 static int sv_query_device(struct ibv_context *ctx, struct ibv_device_attr *a)
@@ -1956,7 +1982,15 @@ static struct ibv_qp *sv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *a
         cap.max_send_sge = 1;
     if (cap.max_recv_sge == 0)
         cap.max_recv_sge = 1;
-    sv_qp *q = calloc(1, sizeof *q);
+    pthread_mutex_lock(&g_lock);
+    sv_qp *q = g_qp_free;
+    if (q)
+        g_qp_free = q->next_free;
+    pthread_mutex_unlock(&g_lock);
+    if (q)
+        memset(q, 0, sizeof *q);
+    else
+        q = calloc(1, sizeof *q);
     if (!q) {
         errno = ENOMEM;
         return NULL;
@@ -2208,6 +2242,19 @@ static int sv_destroy_qp(struct ibv_qp *ibqp)
     q->destroying = true;
     pthread_mutex_unlock(&q->lock);
     pthread_mutex_unlock(&h->lock);
+    /* Its events not delivered yet are dropped (the kernel's are; here each
+     * becomes a port event nobody acts on, async_fd keeps its count);
+     * delivered ones are waited for. */
+    pthread_mutex_lock(&g_lock);
+    sv_ctx *c = (sv_ctx *)ibqp->context;
+    for (int i = 0; i < c->nevents; i++)
+        if (c->events[i].qp == ibqp)
+            c->events[i] = (struct sv_event){IBV_EVENT_PORT_ACTIVE, NULL, 0};
+    pthread_mutex_unlock(&g_lock);
+    pthread_mutex_lock(&ibqp->mutex);
+    while (ibqp->events_completed != q->events_reported)
+        pthread_cond_wait(&ibqp->cond, &ibqp->mutex);
+    pthread_mutex_unlock(&ibqp->mutex);
     qp_stop_io(q); /* outstanding WRs are dropped: no completions after destroy */
     __atomic_sub_fetch(&((sv_cq *)ibqp->send_cq)->nqp, 1, __ATOMIC_RELAXED);
     __atomic_sub_fetch(&((sv_cq *)ibqp->recv_cq)->nqp, 1, __ATOMIC_RELAXED);
@@ -2221,7 +2268,10 @@ static int sv_destroy_qp(struct ibv_qp *ibqp)
     free(q->sq_inl);
     free(q->rq);
     free(q->rq_sge);
-    free(q);
+    pthread_mutex_lock(&g_lock);
+    q->next_free = g_qp_free;
+    g_qp_free = q;
+    pthread_mutex_unlock(&g_lock);
     return 0;
 }
 
@@ -2575,14 +2625,16 @@ SV_EXPORT void axf_softverbs_refuse_post_in_error(int on)
 
 /* Test hook: parks one call at its entry until axf_softverbs_release():
  * what = 1: the next modify_qp to ERR of QP qpn of device dev (a slow
- * firmware command); what = 2: the next reg_dmabuf_mr (dev, qpn unused).
+ * firmware command); what = 2: the next reg_dmabuf_mr (dev, qpn unused);
+ * what = 3: the next ack_async_event, once it has acknowledged (the event's
+ * QP may be destroyed from then on; dev, qpn unused).
  * axf_softverbs_held() says whether a call is parked now. */
 SV_EXPORT int axf_softverbs_hold(int what, const char *dev, uint32_t qpn)
 {
     sv_device *d = what == SV_HOLD_MODIFY_ERR ? dev_named(dev) : NULL;
     if (what == SV_HOLD_MODIFY_ERR && !d)
         return -ENODEV;
-    if (what != SV_HOLD_MODIFY_ERR && what != SV_HOLD_REG_DMABUF)
+    if (what != SV_HOLD_MODIFY_ERR && what != SV_HOLD_REG_DMABUF && what != SV_HOLD_ACK_ASYNC)
         return -EINVAL;
     pthread_mutex_lock(&g_hold_lock);
     g_hold_what = what;
