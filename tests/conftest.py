@@ -174,6 +174,26 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.fixture
+def agents() -> Iterator[Any]:
+    """aioxfer.nixl's nixl_agent(**config) under a fresh name, for the nixl
+    tests; every agent made is closed after the test."""
+    import uuid
+
+    from aioxfer.nixl import nixl_agent, nixl_agent_config
+
+    made: list[Any] = []
+
+    def make(**conf: Any) -> Any:
+        a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(**conf))
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.close()
+
+
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
     if request.param == "verbs":

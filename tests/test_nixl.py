@@ -42,19 +42,6 @@ def _name() -> str:
     return str(uuid.uuid4())
 
 
-@pytest.fixture
-def agents() -> Iterator[Any]:
-    made: list[nixl_agent] = []
-
-    def make(**conf: Any) -> nixl_agent:
-        a = nixl_agent(_name(), nixl_agent_config(**conf))
-        made.append(a)
-        return a
-
-    yield make
-    for a in made:
-        a.close()
-
 
 class Buf:
     """A host buffer at a fixed address, with a numpy view."""

@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,19 +24,6 @@ STEP = 20.0
 NIXL_ERRORS = (nixl.nixlInvalidParamError, nixl.nixlNotFoundError, nixl.nixlBackendError,
                nixl.nixlMismatchError)
 
-
-@pytest.fixture
-def agents() -> Iterator[Any]:
-    made: list[nixl_agent] = []
-
-    def make(**conf: Any) -> nixl_agent:
-        a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(**conf))
-        made.append(a)
-        return a
-
-    yield make
-    for a in made:
-        a.close()
 
 
 @pytest.mark.parametrize("addr,nbytes,dev", [

@@ -10,7 +10,6 @@ import mmap
 import struct
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,19 +20,6 @@ from aioxfer.nixl import _telemetry, nixl_agent, nixl_agent_config
 
 STEP = 20.0
 
-
-@pytest.fixture
-def agents() -> Iterator[Any]:
-    made: list[nixl_agent] = []
-
-    def make(**conf: Any) -> nixl_agent:
-        a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(**conf))
-        made.append(a)
-        return a
-
-    yield make
-    for a in made:
-        a.close()
 
 
 # ---------------------------------------------------------------- telemetry

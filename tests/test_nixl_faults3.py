@@ -9,7 +9,6 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,19 +19,6 @@ from aioxfer.nixl import nixl_agent, nixl_agent_config
 
 STEP = 20.0
 
-
-@pytest.fixture
-def agents() -> Iterator[Any]:
-    made: list[nixl_agent] = []
-
-    def make(**conf: Any) -> nixl_agent:
-        a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(**conf))
-        made.append(a)
-        return a
-
-    yield make
-    for a in made:
-        a.close()
 
 
 def _both(f: Any, g: Any) -> list[Any]:
