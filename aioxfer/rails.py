@@ -122,11 +122,7 @@ class Rails:
         # agent's loop's (aioxfer.nixl's callers poll from their own threads,
         # with no running loop, or with one of their own): the probe is
         # started on the agent's loop, from that loop's thread.
-        loop = self._loop()
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        loop, running = self._loops()
         if loop is None:
             loop = running
         if loop is None or loop.is_closed():
@@ -136,6 +132,15 @@ class Rails:
             self._spawn(loop, peer, rail)
         else:
             loop.call_soon_threadsafe(self._spawn, loop, peer, rail)
+
+    def _loops(self) -> tuple[asyncio.AbstractEventLoop | None, asyncio.AbstractEventLoop | None]:
+        """The agent's loop, and the calling thread's running loop (None when
+        it runs none)."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        return self._loop(), running
 
     def _spawn(self, loop: asyncio.AbstractEventLoop, peer: Peer, rail: int) -> None:
         if self._closed():
@@ -164,11 +169,7 @@ class Rails:
         tasks = self._running.pop(peer, ())
         if not tasks:
             return
-        loop = self._loop()
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        loop, running = self._loops()
         for task in tasks:
             if loop is None or loop is running:
                 task.cancel()
