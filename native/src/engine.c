@@ -910,7 +910,10 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
         st = AXF_E_CLOSED;
     else if (!ep)
         st = ep_ended(e, ep_id) ? ep_ended_status(e, ep_id) : AXF_E_NOTFOUND;
-    else if (ep->dead || ep->closing)
+    else if (ep->dead || ep->closing || ep->lost_reported)
+        /* (lost_reported: the loss is in the queue, and a caller that read it
+         * must not get AXF_OK here; a verbs queue pair's failure reports it
+         * before the connections' end marks the endpoint dead) */
         st = ep->closing ? AXF_E_CLOSED : AXF_E_PEER_LOST;
     else if (atomic_load(&ep->exited))
         st = AXF_E_PEER_LOST;
