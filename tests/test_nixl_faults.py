@@ -103,6 +103,21 @@ def test_a_listener_that_never_answers_leaves_no_socket_after_close(agents: Any)
 BIG = 64 << 20
 
 
+def big_request(a: Any, md: bytes, raddr: int, op: str, n: int) -> tuple[Any, str, Any]:
+    """On agent a: a BIG host buffer registered, the peer's metadata md
+    loaded, and one request of n equal blocks between the buffer and the
+    peer's BIG region at raddr (notifying b"done"), prepared: (its handle,
+    the peer's name, the buffer, which must outlive the request)."""
+    buf = (ctypes.c_char * BIG)()
+    addr = ctypes.addressof(buf)
+    a.register_memory([(addr, BIG, 0, "")], "DRAM")
+    rname = a.add_remote_agent(md)
+    blk = BIG // n
+    local = a.get_xfer_descs([(addr + i * blk, blk, 0) for i in range(n)], "DRAM")
+    remote = a.get_xfer_descs([(raddr + i * blk, blk, 0) for i in range(n)], "DRAM")
+    return a.initialize_xfer(op, local, remote, rname, b"done"), rname, buf
+
+
 def big_producer_main(conn: Any, transports: str) -> None:
     """A peer with a large pool: answers "quit"; killed by the tests."""
     import ctypes
@@ -150,15 +165,7 @@ def test_peer_killed_mid_transfer_fails_the_transfer_in_flight(transports: str, 
     name, md, raddr, pid = child.hello
     a = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
     try:
-        buf = (ctypes.c_char * BIG)()
-        addr = ctypes.addressof(buf)
-        a.register_memory([(addr, BIG, 0, "")], "DRAM")
-        rname = a.add_remote_agent(md)
-        n = 256
-        blk = BIG // n
-        local = a.get_xfer_descs([(addr + i * blk, blk, 0) for i in range(n)], "DRAM")
-        remote = a.get_xfer_descs([(raddr + i * blk, blk, 0) for i in range(n)], "DRAM")
-        h = a.initialize_xfer(op, local, remote, rname, b"done")
+        h, rname, _buf = big_request(a, md, raddr, op, 256)
         states = []
         t0 = time.monotonic()
         try:

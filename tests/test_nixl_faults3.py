@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from test_nixl import Buf
+from test_nixl_faults import BIG, big_request
 
 import aioxfer.nixl as nixl
 from aioxfer.nixl import nixl_agent, nixl_agent_config
@@ -64,7 +65,6 @@ def test_concurrent_loads_of_one_agent_make_one_record(agents: Any) -> None:
         a.remove_remote_agent(b.name)
 
 
-BIG = 64 << 20
 
 
 def _closing_peer_main(conn: Any) -> None:
@@ -103,15 +103,7 @@ def test_peer_closing_with_a_tcp_transfer_in_flight_is_a_disconnect(
     md, raddr = child.hello
     a = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
     try:
-        buf = (ctypes.c_char * BIG)()
-        addr = ctypes.addressof(buf)
-        a.register_memory([(addr, BIG, 0, "")], "DRAM")
-        rname = a.add_remote_agent(md)
-        n = 64
-        blk = BIG // n
-        local = a.get_xfer_descs([(addr + i * blk, blk, 0) for i in range(n)], "DRAM")
-        remote = a.get_xfer_descs([(raddr + i * blk, blk, 0) for i in range(n)], "DRAM")
-        h = a.initialize_xfer(op, local, remote, rname, b"done")
+        h, rname, _buf = big_request(a, md, raddr, op, 64)
         st = a.transfer(h)
         assert child.call("close") == "closed"
         deadline = time.monotonic() + STEP
