@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import itertools
 import os
@@ -67,8 +68,10 @@ def _run(*argv: str, check: bool = True,
     return proc
 
 
+@functools.cache
 def unavailable() -> str | None:
-    """None when network namespaces can be made here, else why not."""
+    """None when network namespaces can be made here, else why not (probed
+    once per process: it makes a namespace and a veth pair)."""
     if not sys.platform.startswith("linux"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:

@@ -15,7 +15,6 @@ already delivered from rail 1, the copy resent on rail 2 is the same message.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Iterator
 
@@ -29,14 +28,10 @@ SLACK = 1.0
 PORT = 7100
 
 
-@functools.cache
-def _unavailable() -> str | None:
-    return netns.unavailable()
-
 
 @pytest.fixture
 def net() -> Iterator[Rails]:
-    reason = _unavailable()
+    reason = netns.unavailable()
     if reason:
         pytest.skip(f"netns tests need network namespaces: {reason}")
     if netns.firewall() is None:

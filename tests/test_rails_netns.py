@@ -21,7 +21,6 @@ plus slack for a recovered link).
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -41,14 +40,10 @@ WINDOW = 8  # writes in flight
 PORT = 7000
 
 
-@functools.cache
-def _unavailable() -> str | None:
-    return netns.unavailable()
-
 
 @pytest.fixture
 def net() -> Iterator[Rails]:
-    reason = _unavailable()
+    reason = netns.unavailable()
     if reason:
         pytest.skip(f"rails tests need network namespaces: {reason}")
     with netns.rails(2) as r:
