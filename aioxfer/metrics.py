@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -99,6 +99,28 @@ _BACKEND_GAUGES = (
 )
 
 
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+
+def add_named(held: weakref.WeakSet[Any], item: _Named, kind: str) -> None:
+    """Adds ``item`` (an agent, a store) to a collector's set, where its name
+    labels its samples: a second open one of the same name is refused
+    (ValueError: the same series twice, and Prometheus rejects the whole
+    scrape), a closed one of that name is replaced."""
+    for other in list(held):
+        if other is not item and other.name == item.name:
+            if not other.closed:
+                raise ValueError(f"this collector already exports an open {kind} named "
+                                 f"{item.name!r}: give each {kind} its own name")
+            held.discard(other)
+    held.add(item)
+
 class AgentCollector(Collector):
     """A prometheus_client collector of one or more agents' counters (held
     weakly: a closed, dropped agent disappears from the output)."""
@@ -113,13 +135,7 @@ class AgentCollector(Collector):
         the same name is refused (ValueError; the same series twice, and
         Prometheus rejects the whole scrape), a closed one of that name is
         replaced."""
-        for held in list(self._agents):
-            if held is not agent and held.name == agent.name:
-                if not held.closed:
-                    raise ValueError(f"this collector already exports an open agent named "
-                                     f"{agent.name!r}")
-                self._agents.discard(held)
-        self._agents.add(agent)
+        add_named(self._agents, agent, "agent")
 
     def remove(self, agent: Agent) -> None:
         self._agents.discard(agent)

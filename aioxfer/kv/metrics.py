@@ -36,6 +36,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from aioxfer.kv.stats import LatencyHistogram
+from aioxfer.metrics import add_named
 
 if TYPE_CHECKING:
     from aioxfer.kv.store import Store
@@ -96,13 +97,7 @@ class StoreCollector(Collector):
         the same name is refused (ValueError; the two would export the same
         series twice, and Prometheus rejects the whole scrape), a closed one
         of that name is replaced."""
-        for held in list(self._stores):
-            if held is not store and held.name == store.name:
-                if not held.closed:
-                    raise ValueError(f"this collector already exports an open store named "
-                                     f"{store.name!r}: give each store its own name")
-                self._stores.discard(held)
-        self._stores.add(store)
+        add_named(self._stores, store, "store")
 
     def remove(self, store: Store) -> None:
         self._stores.discard(store)
