@@ -22,6 +22,7 @@ import traceback
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -71,6 +72,27 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def etcd_command(exe: str, name: str, data_dir: Path, client: str, peer: str, *,
+                 initial: str | None = None, heartbeat_ms: int = 10) -> list[str]:
+    """The command line of one etcd member for the tests (client and peer:
+    its http:// URLs; initial: the whole cluster's name=peer list, this
+    member alone by default). Short raft timings (election 10 heartbeats): a
+    single node elects itself at once, and leases as short as 1 s are
+    allowed (etcd's minimum TTL follows the election timeout)."""
+    return [
+        exe, "--name", name, "--data-dir", str(data_dir),
+        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", initial or f"{name}={peer}", "--initial-cluster-state", "new",
+        "--heartbeat-interval", str(heartbeat_ms), "--election-timeout", str(10 * heartbeat_ms),
+        "--logger", "zap", "--log-level", "warn",
+    ]
+
+
+def etcd_env() -> dict[str, str]:
+    """The environment for a test etcd: none of the caller's ETCD* settings."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real single-node etcd on 127.0.0.1 (never the default ports, so a
@@ -83,19 +105,9 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     client_port, peer_port = _free_ports(2)
     client = f"http://127.0.0.1:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
-    # Short raft timings: a single node elects itself at once, and leases as
-    # short as 1 s are allowed (etcd's minimum TTL follows the election timeout).
-    cmd = [
-        exe, "--name", "aioxfer-test", "--data-dir", str(data / "data"),
-        "--listen-client-urls", client, "--advertise-client-urls", client,
-        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-        "--initial-cluster", f"aioxfer-test={peer}", "--initial-cluster-state", "new",
-        "--heartbeat-interval", "10", "--election-timeout", "100",
-        "--logger", "zap", "--log-level", "warn",
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+    cmd = etcd_command(exe, "aioxfer-test", data / "data", client, peer)
     with open(data / "etcd.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=etcd_env())
     try:
         deadline = time.monotonic() + 30
         while not _healthy(client):

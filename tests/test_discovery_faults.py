@@ -21,7 +21,15 @@ from typing import Any
 
 import pytest
 from conftest import STEP, sigstop, wait_until, within
-from test_discovery import Member, _free_ports, _healthy, is_, next_event
+from test_discovery import (
+    Member,
+    _free_ports,
+    _healthy,
+    etcd_command,
+    etcd_env,
+    is_,
+    next_event,
+)
 
 import aioxfer
 from aioxfer.discovery import Etcd, PeerJoined, PeerLeft
@@ -45,17 +53,10 @@ class EtcdProc:
     def start(self) -> None:
         client = f"http://{self.endpoint}"
         peer = f"http://127.0.0.1:{self.peer_port}"
-        cmd = [
-            self.exe, "--name", "faults", "--data-dir", str(self.root / "data"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"faults={peer}", "--initial-cluster-state", "new",
-            "--heartbeat-interval", "10", "--election-timeout", "100",
-            "--logger", "zap", "--log-level", "warn",
-        ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+        cmd = etcd_command(self.exe, "faults", self.root / "data", client, peer)
         with open(self.root / "etcd.log", "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env=etcd_env())
         deadline = time.monotonic() + 30
         while not _healthy(client):
             if self.proc.poll() is not None:
@@ -541,18 +542,11 @@ class EtcdCluster:
         self.clients = [f"127.0.0.1:{p}" for p in ports[:n]]
         peers = [f"http://127.0.0.1:{p}" for p in ports[n:]]
         initial = ",".join(f"n{i}={peer}" for i, peer in enumerate(peers))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+        env = etcd_env()
         self.procs: list[subprocess.Popen[bytes] | None] = []
         for i, (client, peer) in enumerate(zip(self.clients, peers, strict=True)):
-            url = f"http://{client}"
-            cmd = [
-                exe, "--name", f"n{i}", "--data-dir", str(root / f"data{i}"),
-                "--listen-client-urls", url, "--advertise-client-urls", url,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", initial, "--initial-cluster-state", "new",
-                "--heartbeat-interval", "20", "--election-timeout", "200",
-                "--logger", "zap", "--log-level", "warn",
-            ]
+            cmd = etcd_command(exe, f"n{i}", root / f"data{i}", f"http://{client}", peer,
+                               initial=initial, heartbeat_ms=20)
             with open(root / f"etcd{i}.log", "ab") as log:
                 self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                    env=env))
