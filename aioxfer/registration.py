@@ -45,6 +45,8 @@ class Pending(Protocol):
 
     def drain_once(self) -> int: ...
 
+    def hold_region(self, rid: int, then: Callable[[], None]) -> bool: ...
+
 
 class _Released:
     """deregister()'s answer where no event loop runs: already complete."""
@@ -103,6 +105,7 @@ class Memory:
         "_close_timeout",
         "regions",
         "_freeing",
+        "_held_back",
         "_settled",
     )
 
@@ -132,6 +135,10 @@ class Memory:
         self._close_timeout = close_timeout
         self.regions: dict[str, Region] = {}
         self._freeing: dict[int, Region] = {}  # deregistered, memory still ours to release
+        # Deregistered, the engine's deregistration held back until transfers
+        # made before it, still waiting for a peer's scheduler, are over
+        # (Submission.hold_region); also in _freeing.
+        self._held_back: dict[int, Region] = {}
         self._settled: asyncio.Event | None = None  # release_all: set on each freed region
 
     # ------------------------------------------------------------ names
@@ -297,10 +304,19 @@ class Memory:
         # flush are "already using it": they go to the engine first, so they
         # finish rather than fail against a region that vanished under them.
         self._pending.post_pending()
+        rid = region.rid
+        if self._pending.hold_region(rid, lambda: self._deregister_held(rid)):
+            # Some wait in a peer's scheduler (over its limits): the engine
+            # keeps the region until they are over. It is gone from our
+            # table and metadata now; peers that still hold its key reach
+            # it until then, as they would while those transfers ran.
+            self._held_back[rid] = region
+            self._changed()
+            return released
         try:
-            self._engine.deregister(region.rid)
+            self._engine.deregister(rid)
         except (ValueError, _cyx.NativeError) as exc:
-            self._freeing.pop(region.rid, None)
+            self._freeing.pop(rid, None)
             _resolve(released)
             raise RegistrationError(f"cannot deregister region {region.name!r}: {exc}") from None
         finally:
@@ -308,6 +324,24 @@ class Memory:
         if not self._started():
             self._pending.drain_once()  # not serving yet: no peer; the engine freed it already
         return released
+
+    def _deregister_held(self, rid: int) -> None:
+        """The transfers a deregistration waited for are over (or the agent
+        closes): the engine's deregistration now. Runs from the loop, where
+        nobody can take its error: logged, and the awaitable resolved (as
+        deregister() does before raising), the memory left to the engine's
+        close."""
+        region = self._held_back.pop(rid, None)
+        if region is None or self._closed():
+            return  # done already (release_all did it), or the engine is gone
+        try:
+            self._engine.deregister(rid)
+        except (ValueError, _cyx.NativeError) as exc:
+            self._freeing.pop(rid, None)
+            _log.warning("region.deregister_failed", agent=self._agent, region=region.name,
+                         error=str(exc))
+            if region._released is not None:
+                _resolve(region._released)
 
     def freed(self, rid: int) -> None:
         """The engine's CQ_REGION_FREED: no peer can touch region rid any more."""
@@ -330,6 +364,11 @@ class Memory:
         for region in list(self.regions.values()):
             with contextlib.suppress(RegistrationError):
                 self.deregister(region)
+        # Held back for transfers that waited in a scheduler: the agent
+        # failed those (Submission.fail_pending); any admitted meanwhile is
+        # posted, and the engine's count of its ops holds the region.
+        for rid in list(self._held_back):
+            self._deregister_held(rid)
         self._settled = asyncio.Event()
         try:
             async with asyncio.timeout(self._close_timeout):
@@ -374,6 +413,7 @@ class Memory:
         for region in list(self._freeing.values()):
             self._release_memory(region)
         self._freeing.clear()
+        self._held_back.clear()
 
     def _release_memory(self, region: Region) -> None:
         mm, fd = region._mmap, region._memfd

@@ -70,6 +70,27 @@ _E_PEER_LOST = _cyx.E_PEER_LOST
 _DESC_STATUSES = frozenset({_cyx.E_ACCESS, _cyx.E_INVALID, _cyx.E_TRANSPORT, _cyx.E_PROTOCOL})
 
 
+def _uses(descs: Any, rid: int) -> bool:
+    """Whether a request's descriptors (a 6-tuple, an (n, 6) uint64 array, or
+    None: a notification) read or write local region ``rid``."""
+    if type(descs) is tuple:
+        return bool(descs[0] == rid)
+    if descs is None:
+        return False
+    return bool((descs[:, 0] == rid).any())
+
+
+class _Hold:
+    """A deregistration held back (Submission.hold_region): ``then`` runs once
+    ``left`` transfers using the region are over."""
+
+    __slots__ = ("left", "then")
+
+    def __init__(self, left: int, then: Callable[[], None]) -> None:
+        self.left = left
+        self.then = then
+
+
 class Submission:
     """One agent's posted transfers: batch, in flight, admission, drain.
 
@@ -106,6 +127,7 @@ class Submission:
         "_flush_scheduled",
         "_pending_cancelled",
         "_eager_streak",
+        "_holds",
         "posted",
         "completed",
         "failed",
@@ -160,6 +182,10 @@ class Submission:
         # a coroutine whose awaits complete inside the post never yields, so
         # past a bound its next await waits for the loop (see EAGER_*).
         self._eager_streak = 0
+        # req id -> the deregistrations waiting for that transfer to be over
+        # (hold_region); empty but for a region deregistered while a request
+        # using it waited in a peer's scheduler.
+        self._holds: dict[int, list[_Hold]] = {}
         # The agent's totals (statistics()). ``posted`` is also the last
         # request id handed out (submit: ids are 1, 2, ...).
         self.posted = 0
@@ -256,6 +282,8 @@ class Submission:
         """An admitted transfer is over: what its peer's scheduler admits now
         goes to the engine (or fails, if the peer was lost meanwhile)."""
         t._admitted = False
+        if self._holds:
+            self._over(t)
         peer = t.peer
         assert peer._sched is not None
         c = peer._counters
@@ -283,6 +311,47 @@ class Submission:
         c.queued = 0
         c.queued_bytes = 0
         return queued
+
+    def hold_region(self, rid: int, then: Callable[[], None]) -> bool:
+        """Memory.deregister: whether transfers using local region ``rid``
+        have not reached the engine yet (waiting in a peer's scheduler, or
+        admitted from it into this iteration's batch by a completion the
+        deregistration's own post drained). Those were made before the
+        deregistration and must finish (Agent.deregister's promise), but the
+        engine forgets the region at once: posted later, they would fail
+        against the stale id. True: ``then()`` (the engine's deregistration)
+        runs, from the loop, once every one of them is over (completed,
+        failed, cancelled or dropped); once posted, the engine's own count of
+        ops on the region holds it. False: nothing to wait for."""
+        ts = [t for item, t in zip(self._pending, self._pending_t, strict=True)
+              if _uses(item[2], rid)]
+        for t in self.inflight.values():
+            item = t._queued_item
+            if item is not None and _uses(item[2], rid):
+                ts.append(t)
+        if not ts:
+            return False
+        hold = _Hold(len(ts), then)
+        for t in ts:
+            self._holds.setdefault(t.req_id, []).append(hold)
+        return True
+
+    def _over(self, t: Transfer) -> None:
+        """t is over (no post of it can come any more): the deregistrations
+        it held back go on once nothing else holds them. Called from the
+        drain's release callback (which may not post nor drain), so they
+        run from the loop; closed, at once (the engine is gone: Memory's
+        close settles them)."""
+        holds = self._holds.pop(t.req_id, None)
+        if holds is None:
+            return
+        for hold in holds:
+            hold.left -= 1
+            if hold.left == 0:
+                if self.closed or self._loop is None or self._loop.is_closed():
+                    hold.then()
+                else:
+                    self._loop.call_soon(hold.then)
 
     def fail_queued(self, peer: Peer) -> None:
         """The peer is lost: fails what waits in its scheduler (it never
@@ -442,6 +511,8 @@ class Submission:
             # cancels the future.
             c.failed += 1
             self.failed += 1
+            if self._holds:
+                self._over(t)
             return
         if t._posted:
             self._engine.cancel(t.req_id)
@@ -514,6 +585,8 @@ class Submission:
         peer = t.peer
         if t._admitted:
             self.release(t)
+        elif self._holds:
+            self._over(t)
         c = peer._counters
         c.inflight -= 1
         c.inflight_bytes -= t.nbytes
@@ -527,7 +600,17 @@ class Submission:
             t.set_exception(exc)
 
     def fail_pending(self) -> None:
-        """Closing: fails what was never handed to the engine (ClosedResourceError)."""
+        """Closing: fails what was never handed to the engine (ClosedResourceError):
+        what waits in the peers' schedulers, then this iteration's batch. The
+        queued go first: failing the batch releases its admitted transfers'
+        budgets, which would admit queued ones into a new batch, posted
+        (and maybe completed) during the close's wait for our memory."""
+        queued = [t for t in self.inflight.values() if t._queued_item is not None]
+        peers = {id(t.peer): t.peer for t in queued}
+        for peer in peers.values():
+            for q in self.unqueue_all(peer):
+                self.inflight.pop(q.req_id, None)
+                self.finish_failed(q, self.closed_error(q))
         pending, self._pending_t, self._pending = self._pending_t, [], []
         for t in pending:
             self.inflight.pop(t.req_id, None)

@@ -86,12 +86,6 @@ def test_limit_arguments_checked() -> None:
         aioxfer.Agent("x", peer_max_requests=-1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "aioxfer/submission.py (not this module's): a transfer waiting in the peer's "
-    "scheduler when its local region is deregistered is posted later with the stale "
-    "region id and fails AccessDenied ('bad key, bounds or permission', as if the peer "
-    "refused), though deregister() promises that transfers already using the region "
-    "finish first"))
 async def test_queued_transfer_of_a_deregistered_region_finishes(make_agent) -> None:
     target = await make_agent("target", transports=("tcp",))
     init = await make_agent("init", transports=("tcp",), peer_max_requests=1)
