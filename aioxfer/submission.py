@@ -16,6 +16,7 @@ call, and nothing runs per transfer that can run per batch.
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,16 @@ def _uses(descs: Any, rid: int) -> bool:
     if descs is None:
         return False
     return bool((descs[:, 0] == rid).any())
+
+
+def _priority(priority: object) -> int:
+    """A transfer's priority as an int (numpy's integers too), else TypeError."""
+    try:
+        return operator.index(priority)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"priority must be an integer, not {type(priority).__name__}"
+        ) from None
 
 
 class _Hold:
@@ -223,6 +234,12 @@ class Submission:
         iteration's batch (or its peer's scheduler queue, over the peer's
         limits; or failed, peer lost). _cyx.Submitter does the same for the
         usual request; keep the two in step."""
+        if type(priority) is not int and peer._sched is not None:
+            # Checked before anything is made or counted: the scheduler's
+            # heap raised only after the transfer was in flight (counted
+            # there for good, failed unretrieved at close); a float (NaN)
+            # would break its order.
+            priority = _priority(priority)
         make = self._make
         if make is None:
             self._start()  # calls started()
