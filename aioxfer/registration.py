@@ -389,10 +389,25 @@ class Memory:
                             for t in tags})
             for rid in held:
                 if rid in self._freeing:
-                    _QUARANTINE.append(self._freeing.pop(rid))  # its buffer is never released
+                    region = self._freeing.pop(rid)
+                    _QUARANTINE.append(region)  # its buffer is never released
+                    self._gave_up(region, names)
             _log.warning("agent.close_gave_up", agent=self._agent, peers=names,
                          regions=len(held), timeout=self._close_timeout,
                          reason="peers that could still touch our memory did not release it")
+
+    def _gave_up(self, region: Region, peers: list[str]) -> None:
+        """A quarantined region's deregister() awaitable: it never completes
+        as released (the memory is pinned for good, never to be reused), and
+        a task awaiting it must not hang: ClosedResourceError."""
+        released = region._released
+        if isinstance(released, asyncio.Future) and not released.done():
+            released.set_exception(ClosedResourceError(
+                f"agent {self._agent!r} closed while {', '.join(peers)} could still touch "
+                f"region {region.name!r}: its memory stays pinned for the life of this process"
+            ))
+            # (Nobody awaiting it logs nothing: the quarantine keeps the
+            # region, and its future, referenced for good.)
 
     def _held(self) -> dict[int, list[int]]:
         """Deregistered regions some connection still holds: rid -> tags."""
