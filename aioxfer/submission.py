@@ -76,8 +76,8 @@ def _uses(descs: Any, rid: int) -> bool:
     None: a notification) read or write local region ``rid``."""
     if type(descs) is tuple:
         return bool(descs[0] == rid)
-    if descs is None:
-        return False
+    if getattr(descs, "ndim", None) != 2:
+        return False  # None, or what the engine refuses at its post anyway
     return bool((descs[:, 0] == rid).any())
 
 
