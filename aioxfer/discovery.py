@@ -765,8 +765,9 @@ class EtcdSession:
                     continue
                 self._revision = revision
                 relist = False
-                backoff = 0.1
                 self._recovered("discovery.watch_failed")
+            loop = asyncio.get_running_loop()
+            since = loop.time()
             try:
                 await self._watch_from(self._revision + 1)
                 raise ConnectionError("the watch stream ended")
@@ -777,6 +778,12 @@ class EtcdSession:
                     return
                 self._warn("discovery.watch_failed", f"{_why(exc)}; listing again")
             relist = True
+            if loop.time() - since >= self.config.ttl:
+                # It had been watching a while: the trouble is new, list at
+                # once. Reset after each list that succeeded, a watch that
+                # etcd cancels as soon as it is made (a permission refused,
+                # say) listed the whole prefix ten times a second.
+                backoff = 0.1
 
     async def _watch_from(self, revision: int) -> None:
         """Follows the prefix from ``revision`` on one Watch stream of our

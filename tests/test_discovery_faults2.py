@@ -245,6 +245,9 @@ class WatchCancelProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.queues: list[tuple[asyncio.Queue[Any], set[int], set[int]]] = []
+        self.refuse = False  # cancel every watch as soon as it is created
+        self.calls: dict[str, int] = {}
+        self.cancels = 0
 
     async def start(self) -> str:
         import grpc
@@ -275,6 +278,7 @@ class WatchCancelProxy:
 
     def _unary(self, method: str) -> Any:
         async def forward(request: bytes, context: Any) -> bytes:
+            self.calls[method] = self.calls.get(method, 0) + 1
             call = self.channel.unary_unary(method)
             return await call(request, timeout=context.time_remaining(),
                               metadata=context.invocation_metadata())  # type: ignore[no-any-return]
@@ -304,13 +308,15 @@ class WatchCancelProxy:
                     if resp.created:
                         ids.add(resp.watch_id)
                     await queue.put(resp)
+                    if resp.created and self.refuse:
+                        self.cancel()
             finally:
                 await queue.put(None)
 
         task = asyncio.get_running_loop().create_task(pump())
         try:
             while (resp := await queue.get()) is not None:
-                if resp.watch_id in cancelled and not resp.canceled:
+                if resp.watch_id in cancelled and not (resp.canceled or resp.created):
                     continue  # etcd would send nothing more on a cancelled watch
                 yield resp
         finally:
@@ -325,6 +331,7 @@ class WatchCancelProxy:
         for queue, ids, cancelled in self.queues:
             for wid in ids - cancelled:
                 cancelled.add(wid)
+                self.cancels += 1
                 queue.put_nowait(rpc.WatchResponse(watch_id=wid, canceled=True,
                                                    cancel_reason="injected by the test"))
                 n += 1
@@ -360,3 +367,31 @@ async def test_watch_cancelled_by_the_server_lists_again(
     await b.aclose()
     await next_event(events, is_(PeerLeft, b.name), what="b's leaving, on the new watch")
 
+
+
+async def test_watch_that_etcd_keeps_cancelling_backs_off(
+    etcd_proc: EtcdProc, watch_proxy: WatchCancelProxy, make_agent: Any
+) -> None:
+    """Every new watch cancelled at once (as a permission etcd keeps refusing
+    would): each failure listed the whole prefix again after 0.1 s, since a
+    list that succeeded reset the backoff; every agent listed etcd ten times
+    a second for as long as it lasted. The backoff now resets only once a
+    watch has lived a while."""
+    disc = aioxfer.Etcd(watch_proxy.address, prefix="/faults", ttl=TTL,  # type: ignore[attr-defined]
+                        timeout=2.0)
+    a = await make_agent("a", discovery=disc)
+    events = a.membership()
+    watch_proxy.refuse = True
+    watch_proxy.cancel()
+    await wait_until(lambda: watch_proxy.cancels >= 2, STEP, what="a's watches refused")
+    ranges = "/etcdserverpb.KV/Range"
+    before = watch_proxy.calls.get(ranges, 0)
+    await asyncio.sleep(4.0)
+    lists = watch_proxy.calls.get(ranges, 0) - before
+    print(f"\n{lists} lists in 4 s of refused watches")
+    # Backoff 0.1, 0.2, 0.4, 0.8, then ttl / 2 (1 s): 6 or 7 lists.
+    assert lists <= 10, f"{lists} lists of the prefix in 4 s"
+    watch_proxy.refuse = False
+    b = await make_agent("b", discovery=config(etcd_proc))
+    await next_event(events, is_(PeerJoined, b.name, b.incarnation),
+                     seconds=STEP + TTL, what="b's joining once watches are allowed again")
