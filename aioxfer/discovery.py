@@ -632,12 +632,13 @@ class EtcdSession:
         _log.warning("discovery.superseded", agent=self.name, key=self._key.decode(),
                      reason=f"the name is now held by {other}: no longer publishing")
 
-    async def _lease_alive(self, lease: int | None = None) -> bool:
-        """Refreshes our lease (or ``lease``): whether it still lives."""
+    async def _lease_alive(self, lease: int | None = None, bound: float | None = None) -> bool:
+        """Refreshes our lease (or ``lease``): whether it still lives.
+        ``bound``: seconds to wait for the answer (the request timeout)."""
         lease = self._lease_id if lease is None else lease
         if not lease:
             return False
-        async with asyncio.timeout(self.config.timeout):
+        async with asyncio.timeout(self.config.timeout if bound is None else bound):
             reply = await self._client.refresh_lease(lease)
         return reply is not None and int(reply.TTL) > 0
 
@@ -667,6 +668,12 @@ class EtcdSession:
     async def _keepalive_loop(self) -> None:
         # A third of the ttl: two refreshes may be lost or late before the lease goes.
         interval = self.config.ttl / 3
+        # With another endpoint to move to, a refresh waits a third of the
+        # ttl, not the request timeout: an etcd node that hangs (frozen, or
+        # cut off without a reset) held the refresh for the whole timeout,
+        # and our lease had expired when we moved on. The failover's own
+        # refresh, through the next endpoint, waits the full timeout.
+        bound = min(self.config.timeout, interval) if len(self.config.endpoints) > 1 else None
         while True:
             await asyncio.sleep(interval)
             if self._state != "joined":
@@ -675,7 +682,7 @@ class EtcdSession:
                 async with self._lock:
                     if self._state != "joined":
                         continue
-                    if not await self._lease_alive():
+                    if not await self._lease_alive(bound=bound):
                         await self._rejoin()
                     elif self._value != self._published:
                         await self._put_owned()

@@ -13,8 +13,11 @@ send it.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from conftest import STEP, sigstop, wait_until, within
 from test_discovery import Member, is_, next_event
 from test_discovery_faults import (
     TTL,
+    EtcdCluster,
     EtcdProc,
     _client,
     _meta_json,
@@ -395,3 +399,63 @@ async def test_watch_that_etcd_keeps_cancelling_backs_off(
     b = await make_agent("b", discovery=config(etcd_proc))
     await next_event(events, is_(PeerJoined, b.name, b.incarnation),
                      seconds=STEP + TTL, what="b's joining once watches are allowed again")
+
+
+# ----------------------------------------------------------------- a hung etcd node
+
+
+def _status(client: str) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://{client}/v3/maintenance/status", data=b"{}",
+                                 method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_path)
+    try:
+        yield cluster
+    finally:
+        for proc in cluster.procs:
+            if proc is not None:
+                os.kill(proc.pid, signal.SIGCONT)
+        cluster.stop()
+
+
+async def test_member_fails_over_from_a_hung_etcd_node_within_its_lease(
+    etcd_cluster: EtcdCluster, make_agent: Any
+) -> None:
+    """The etcd node an agent joined through hangs (SIGSTOP: connections
+    accepted, nothing answered; a follower, so that no election renews the
+    leases), the other two healthy. Each lease refresh waited the whole
+    request timeout (here the ttl) before the agent moved to another node:
+    its lease had expired by then, and everyone saw it leave (and its peers
+    were dropped). A refresh now gives up after a third of the ttl when
+    there is another node to try."""
+    ttl, timeout = 3, 3.0
+    clients = etcd_cluster.clients
+    leader = _status(clients[0])["leader"]
+    frozen = next(i for i, c in enumerate(clients) if _status(c)["header"]["member_id"] != leader)
+    order = [clients[frozen]] + [c for i, c in enumerate(clients) if i != frozen]
+    disc = aioxfer.Etcd(order, prefix="/faults", ttl=ttl, timeout=timeout)
+    a = await make_agent("a", discovery=disc)
+    session = a._cluster.session
+    assert session is not None and session._endpoint == clients[frozen]
+    lease = session._lease_id
+    b = await make_agent("b", discovery=aioxfer.Etcd(order[1:], prefix="/faults", ttl=ttl,
+                                                     timeout=timeout))
+    events = b.membership()
+    await next_event(events, is_(PeerJoined, a.name, a.incarnation), what="a joined")
+    proc = etcd_cluster.procs[frozen]
+    assert proc is not None
+    await in_thread(sigstop, proc.pid)
+    try:
+        await asyncio.sleep(3 * ttl)
+        seen = list(events._events)
+        assert not [ev for ev in seen if isinstance(ev, PeerLeft)], (
+            f"a's lease expired while two of three etcd nodes were healthy: {seen}")
+        assert session._endpoint != clients[frozen]
+        assert session._lease_id == lease
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
