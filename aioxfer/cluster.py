@@ -12,6 +12,7 @@ built with, never its state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,7 @@ class Cluster:
         "session",
         "joining",
         "_waiting",
+        "_retry_now",
     )
 
     def __init__(
@@ -99,6 +101,9 @@ class Cluster:
         self.session: EtcdSession | None = None
         self.joining: asyncio.Task[None] | None = None
         self._waiting = 0  # start()s awaiting the join
+        # Set by a start() that comes while a lazy join waits to try again:
+        # it tries at once, rather than after the rest of its backoff.
+        self._retry_now = asyncio.Event()
 
     # ------------------------------------------------------------ joining
 
@@ -126,6 +131,7 @@ class Cluster:
             task = self.joining
             assert task is not None
         self._waiting += 1
+        self._retry_now.set()
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -139,11 +145,42 @@ class Cluster:
                     session, self.session = self.session, None
                     if session is not None:
                         await session.aclose()
+                        self._members.forget()
             raise
         finally:
             self._waiting -= 1
 
     async def _join(self) -> None:
+        """Joins; a lazy start's join (nobody awaits it) that fails tries
+        again in the background, with backoff, until it joins or the agent
+        closes: it was retried only by a later start() or connect(name), so
+        an agent started lazily while etcd was down never joined, however
+        long etcd had been back. A start() that waits gets the failure."""
+        backoff = 0.5
+        tries = 0
+        while True:
+            self._retry_now.clear()
+            tries += 1
+            try:
+                await self._join_once()
+                if tries > 1:
+                    _log.info("discovery.join_recovered", agent=self._agent, tries=tries)
+                return
+            except Exception as exc:
+                if self._closed() or isinstance(exc, ClosedResourceError):
+                    raise
+                if self._waiting:
+                    _log.warning("discovery.join_failed", agent=self._agent, reason=str(exc))
+                    raise
+                if tries == 1:  # once, not at every try while etcd is down
+                    _log.warning("discovery.join_failed", agent=self._agent,
+                                 reason=f"{exc}; trying again in the background")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff):
+                    await self._retry_now.wait()
+            backoff = min(backoff * 2, max(1.0, float(self._discovery.ttl)))
+
+    async def _join_once(self) -> None:
         session = EtcdSession(self._discovery, self._agent, self._incarnation, self._members)
         try:
             members = await session.open(self._published())
@@ -152,19 +189,20 @@ class Cluster:
         except BaseException as exc:
             await session.aclose()
             if isinstance(exc, Exception) and not isinstance(exc, XferError):
-                error = TransportError(
+                raise TransportError(
                     f"agent {self._agent!r} cannot join through etcd at "
                     f"{', '.join(self._discovery.endpoints)}: {exc}"
-                )
-                _log.warning("discovery.join_failed", agent=self._agent, reason=str(error))
-                raise error from exc
+                ) from exc
             raise
         try:
             await self._members.reset(members)
         except BaseException:
             # Cancelled (or failed) before the keepalive runs: a key left on a
-            # lease nobody refreshes would show a member for a ttl.
+            # lease nobody refreshes would show a member for a ttl, and the
+            # members the reset took would stay in membership() of an agent
+            # that never joined.
             await session.aclose()
+            self._members.forget()
             raise
         self.session = session
         session.start()

@@ -209,11 +209,18 @@ class Etcd:
     an agent that stops refreshing its lease (killed, frozen, cut off) is
     removed that long after its last refresh, and its peers fail their
     transfers to it with PeerLost. ``timeout``: bound on each etcd request.
+    ``keepalive``: seconds between gRPC pings on the connection to etcd while
+    a watch is open; a connection whose ping goes unanswered for ``timeout``
+    is dropped and dialled again (a partition that drops packets silently,
+    without a reset, otherwise left the watch waiting on a dead connection
+    for ever). etcd answers pings more often than its
+    ``--grpc-keepalive-min-time`` (5 s by default) by closing the connection:
+    keep it at or above that.
 
     Needs the ``aetcd`` package: ``pip install 'aioxfer[etcd]'``.
     """
 
-    __slots__ = ("endpoints", "prefix", "ttl", "timeout")
+    __slots__ = ("endpoints", "prefix", "ttl", "timeout", "keepalive")
 
     def __init__(
         self,
@@ -222,6 +229,7 @@ class Etcd:
         prefix: str = "/aioxfer",
         ttl: int = 5,
         timeout: float = 5.0,
+        keepalive: float = 10.0,
     ) -> None:
         if isinstance(endpoints, str):
             endpoints = [endpoints]
@@ -237,6 +245,8 @@ class Etcd:
                              f"not {ttl!r}")
         if not timeout > 0:
             raise ValueError("timeout must be positive (seconds)")
+        if not keepalive > 0:
+            raise ValueError("keepalive must be positive (seconds)")
         if importlib.util.find_spec("aetcd") is None:
             raise ImportError(
                 "aioxfer.discovery.Etcd needs the aetcd package: pip install 'aioxfer[etcd]'"
@@ -245,6 +255,7 @@ class Etcd:
         self.prefix: str = prefix.rstrip("/")
         self.ttl: int = math.ceil(ttl)
         self.timeout: float = float(timeout)
+        self.keepalive: float = float(keepalive)
 
     def key(self, name: str) -> str:
         """The etcd key an agent called ``name`` publishes under."""
@@ -257,8 +268,9 @@ class Etcd:
 class MemberListener(Protocol):
     """What a session reports to (the agent's aioxfer.members.Members)."""
 
-    async def reset(self, members: dict[str, AgentMeta]) -> None:
-        """etcd's full list of members (all but us)."""
+    async def reset(self, members: dict[str, AgentMeta], grace: float = 0.0) -> None:
+        """etcd's full list of members (all but us); one it lacks is gone
+        once ``grace`` seconds pass without its key coming back."""
 
     async def put(self, meta: AgentMeta) -> None:
         """A member joined, or its metadata changed."""
@@ -273,7 +285,7 @@ class MemberListener(Protocol):
 _LIST_PAGE = 32
 
 
-def _grpc_options(ttl: int) -> dict[str, int]:
+def _grpc_options(config: Etcd) -> dict[str, int]:
     """gRPC channel arguments for one session's client.
 
     Its own subchannel pool: gRPC shares a connection among every channel of
@@ -282,13 +294,29 @@ def _grpc_options(ttl: int) -> dict[str, int]:
     out its reconnect backoff, and failed at once with "connection refused".
     A reconnect backoff well under the lease ttl: gRPC's default grows to 120 s,
     so after an outage of some seconds our leases, which etcd renews for one
-    ttl when it comes back, expired before we even tried to reach it again."""
+    ttl when it comes back, expired before we even tried to reach it again.
+
+    Keepalive pings while a call (the watch) is open, answered within the
+    request timeout or the connection is dropped: a partition that drops
+    packets without a reset left the watch reading a dead connection for
+    ever (no timeout applies to a stream), and the unary calls on it timing
+    out one by one without ever redialling. No limit on pings without data:
+    gRPC's default (2) stopped pinging a quiet watch after the second ping.
+    A connection attempt is bounded by the request timeout too (gRPC's
+    default 20 s outlasted a short partition by its whole SYN backoff)."""
+    ttl, timeout_ms = config.ttl, int(config.timeout * 1000)
     return {
         "grpc.max_receive_message_length": 64 << 20,
         "grpc.use_local_subchannel_pool": 1,
         "grpc.initial_reconnect_backoff_ms": 100,
         "grpc.max_reconnect_backoff_ms": min(500, ttl * 250),
+        "grpc.min_reconnect_backoff_ms": timeout_ms,
+        "grpc.keepalive_time_ms": int(config.keepalive * 1000),
+        "grpc.keepalive_timeout_ms": timeout_ms,
+        "grpc.keepalive_permit_without_calls": 0,
+        "grpc.http2.max_pings_without_data": 0,
     }
+
 
 _encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder(AgentMeta).decode
@@ -345,6 +373,14 @@ class EtcdSession:
         # refreshing a lease our key is not on.
         self._lock = asyncio.Lock()
 
+    @property
+    def grace(self) -> float:
+        """How long a member a re-list lacks may take to put its key back
+        (etcd restarted without its data: each member finds its lease gone at
+        its next keepalive, within a third of its ttl, and puts its key
+        again, each step bounded by the request timeout)."""
+        return self.config.ttl + self.config.timeout
+
     # ------------------------------------------------------------ setup
 
     async def open(self, value: bytes) -> dict[str, AgentMeta]:
@@ -356,7 +392,7 @@ class EtcdSession:
         for ep in self.config.endpoints:
             host, port = _parse_endpoint(ep)
             client = aetcd.Client(host=host, port=port, timeout=self.config.timeout,
-                                  options=_grpc_options(self.config.ttl))
+                                  options=_grpc_options(self.config))
             lease = None
             try:
                 async with asyncio.timeout(self.config.timeout):
@@ -596,12 +632,13 @@ class EtcdSession:
         _log.warning("discovery.superseded", agent=self.name, key=self._key.decode(),
                      reason=f"the name is now held by {other}: no longer publishing")
 
-    async def _lease_alive(self, lease: int | None = None) -> bool:
-        """Refreshes our lease (or ``lease``): whether it still lives."""
+    async def _lease_alive(self, lease: int | None = None, bound: float | None = None) -> bool:
+        """Refreshes our lease (or ``lease``): whether it still lives.
+        ``bound``: seconds to wait for the answer (the request timeout)."""
         lease = self._lease_id if lease is None else lease
         if not lease:
             return False
-        async with asyncio.timeout(self.config.timeout):
+        async with asyncio.timeout(self.config.timeout if bound is None else bound):
             reply = await self._client.refresh_lease(lease)
         return reply is not None and int(reply.TTL) > 0
 
@@ -631,6 +668,12 @@ class EtcdSession:
     async def _keepalive_loop(self) -> None:
         # A third of the ttl: two refreshes may be lost or late before the lease goes.
         interval = self.config.ttl / 3
+        # With another endpoint to move to, a refresh waits a third of the
+        # ttl, not the request timeout: an etcd node that hangs (frozen, or
+        # cut off without a reset) held the refresh for the whole timeout,
+        # and our lease had expired when we moved on. The failover's own
+        # refresh, through the next endpoint, waits the full timeout.
+        bound = min(self.config.timeout, interval) if len(self.config.endpoints) > 1 else None
         while True:
             await asyncio.sleep(interval)
             if self._state != "joined":
@@ -639,7 +682,7 @@ class EtcdSession:
                 async with self._lock:
                     if self._state != "joined":
                         continue
-                    if not await self._lease_alive():
+                    if not await self._lease_alive(bound=bound):
                         await self._rejoin()
                     elif self._value != self._published:
                         await self._put_owned()
@@ -670,7 +713,7 @@ class EtcdSession:
                 continue
             host, port = _parse_endpoint(ep)
             client = aetcd.Client(host=host, port=port, timeout=self.config.timeout,
-                                  options=_grpc_options(self.config.ttl))
+                                  options=_grpc_options(self.config))
             try:
                 async with asyncio.timeout(self.config.timeout):
                     await client.connect()
@@ -721,7 +764,7 @@ class EtcdSession:
                 try:
                     async with asyncio.timeout(self.config.timeout):
                         members, revision = await self._list(self._client)
-                    await self._listener.reset(members)
+                    await self._listener.reset(members, self.grace)
                 except asyncio.CancelledError:
                     raise
                 except (Exception, TimeoutError) as exc:
@@ -729,8 +772,9 @@ class EtcdSession:
                     continue
                 self._revision = revision
                 relist = False
-                backoff = 0.1
                 self._recovered("discovery.watch_failed")
+            loop = asyncio.get_running_loop()
+            since = loop.time()
             try:
                 await self._watch_from(self._revision + 1)
                 raise ConnectionError("the watch stream ended")
@@ -741,42 +785,56 @@ class EtcdSession:
                     return
                 self._warn("discovery.watch_failed", f"{_why(exc)}; listing again")
             relist = True
+            if loop.time() - since >= self.config.ttl:
+                # It had been watching a while: the trouble is new, list at
+                # once. Reset after each list that succeeded, a watch that
+                # etcd cancels as soon as it is made (a permission refused,
+                # say) listed the whole prefix ten times a second.
+                backoff = 0.1
 
     async def _watch_from(self, revision: int) -> None:
-        async with asyncio.timeout(self.config.timeout):
-            watch = await self._client.watch_prefix(self._agents, start_revision=revision)
-        task = asyncio.current_task()
-        if self._state == "closing" or (task is not None and task.cancelling()):
-            # aetcd waits for the watch with asyncio.wait_for, which on Python
-            # 3.11 can swallow a cancellation that arrives as it completes: we
-            # would then wait on the new watch forever. Closing ends it.
-            raise asyncio.CancelledError
+        """Follows the prefix from ``revision`` on one Watch stream of our
+        own, until it fails. Not aetcd's watch: it ignored a server's cancel
+        (canceled without a compact revision: the stream stayed open, no
+        event ever came again, the members froze), and one whose start
+        revision was compacted raised only at its request timeout. Here
+        either ends the watch at once, and the loop lists again."""
+        from aetcd import rpc, utils
+
+        client = self._client
+        call = rpc.WatchStub(client.channel).Watch(metadata=client.metadata)
         try:
-            async for ev in watch:
-                self._revision = max(self._revision, int(ev.kv.mod_revision))
-                await self._on_event(ev)
+            await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+                key=self._agents, range_end=utils.prefix_range_end(self._agents),
+                start_revision=revision,
+            )))
+            replies = aiter(call)
+            async with asyncio.timeout(self.config.timeout):
+                created = await anext(replies, None)
+            if created is None or not created.created:
+                raise ConnectionError("etcd did not confirm the watch")
+            _check_watch(created)
+            async for resp in replies:
+                _check_watch(resp)
+                for ev in resp.events:
+                    self._revision = max(self._revision, int(ev.kv.mod_revision))
+                    await self._on_event(ev.type == _PUT, ev.kv)
+            raise ConnectionError("the watch stream ended")
         except asyncio.CancelledError:
-            # We are closing: closing the client ends the watch. Awaiting
-            # aetcd's watch.cancel() here can swallow this very cancellation
-            # (its stream teardown catches CancelledError), and aclose() then
-            # waited forever for this task (seen in CI).
-            raise
-        except BaseException:
-            await self._cancel_watch(watch)
-            raise
-        await self._cancel_watch(watch)
+            task = asyncio.current_task()
+            if self._state == "closing" or (task is not None and task.cancelling()):
+                raise
+            # gRPC raises CancelledError for a call cancelled under us: our
+            # client was closed (failover moved us to another endpoint).
+            raise ConnectionError("the watch was cancelled as its client closed") from None
+        finally:
+            call.cancel()
 
-    @staticmethod
-    async def _cancel_watch(watch: Any) -> None:
-        with contextlib.suppress(Exception, TimeoutError):
-            async with asyncio.timeout(1.0):
-                await watch.cancel()
-
-    async def _on_event(self, ev: Any) -> None:
-        key: bytes = ev.kv.key
+    async def _on_event(self, put: bool, kv: Any) -> None:
+        key: bytes = kv.key
         name = key[len(self._agents):].decode("utf-8", "replace")
-        if ev.kind == "PUT":
-            meta = self._decode(key, ev.kv.value)
+        if put:
+            meta = self._decode(key, kv.value)
             if key == self._key:
                 if meta is None or meta.incarnation != self.incarnation:
                     # (None: not an AgentMeta we can read, as when a
@@ -788,8 +846,8 @@ class EtcdSession:
                 # a mod revision we already know).
                 try:
                     async with self._lock:
-                        if self._state == "joined" and int(ev.kv.mod_revision) > self._mod_rev:
-                            await self._reclaim(ev.kv)
+                        if self._state == "joined" and int(kv.mod_revision) > self._mod_rev:
+                            await self._reclaim(kv)
                 except (Exception, TimeoutError) as exc:
                     self._warn("discovery.keepalive_failed", _why(exc))
                 return
@@ -805,12 +863,28 @@ class EtcdSession:
             if key == self._key:
                 try:
                     async with self._lock:
-                        if self._state == "joined" and int(ev.kv.mod_revision) > self._mod_rev:
+                        if self._state == "joined" and int(kv.mod_revision) > self._mod_rev:
                             await self._key_taken(None)
                 except (Exception, TimeoutError) as exc:
                     self._warn("discovery.keepalive_failed", _why(exc))
                 return
             await self._listener.deleted(name)
+
+
+_PUT = 0  # mvccpb.Event.EventType.PUT
+
+
+class WatchLost(ConnectionError):
+    """etcd ended our watch (compacted past our revision, or cancelled it)."""
+
+
+def _check_watch(resp: Any) -> None:
+    """Raises WatchLost when a watch reply says the watch is over."""
+    if resp.compact_revision:
+        raise WatchLost(f"etcd compacted its history past our revision "
+                        f"(to {resp.compact_revision})")
+    if resp.canceled:
+        raise WatchLost(f"etcd cancelled the watch: {resp.cancel_reason or 'no reason given'}")
 
 
 def _txn_kv(responses: list[Any]) -> Any:

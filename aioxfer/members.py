@@ -62,6 +62,7 @@ class Members:
         "_outbox",
         "_workers",
         "_refreshing",
+        "_missing",
     )
 
     def __init__(
@@ -86,6 +87,9 @@ class Members:
         self._outbox: dict[str, list[tuple[MembershipEvent, bool]]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._refreshing: dict[str, tuple[Peer, asyncio.Task[None]]] = {}
+        # Members a re-list did not find, each until its grace ends (or its
+        # key comes back): see reset().
+        self._missing: dict[str, asyncio.TimerHandle] = {}
 
     # ------------------------------------------------------------ streams
 
@@ -98,6 +102,7 @@ class Members:
     def close(self) -> None:
         """The agent closed: every membership() iterator ends."""
         self._members.clear()
+        self._forgive_all()
         for _, task in self._refreshing.values():
             task.cancel()
         for task in self._workers.values():
@@ -125,17 +130,50 @@ class Members:
     # ------------------------------------------------------------ etcd's view
     # (discovery.MemberListener: what an EtcdSession reports)
 
-    async def reset(self, members: dict[str, AgentMeta]) -> None:
+    async def reset(self, members: dict[str, AgentMeta], grace: float = 0.0) -> None:
         """etcd's full list (at join, and after a watch had to restart): what
-        we knew is brought in line with it."""
+        we knew is brought in line with it.
+
+        ``grace``: seconds a member missing from the list stays a member, so
+        that it may put its key back. An etcd restarted without its data
+        lists nobody at first: each member puts its key again only once its
+        keepalive finds its lease gone (within a third of its ttl), and
+        dropping them all at once failed every live peer's transfers."""
         for name in [n for n in self._members if n not in members]:
-            await self.deleted(name)
+            if grace <= 0:
+                await self.deleted(name)
+            elif name not in self._missing:
+                self._missing[name] = asyncio.get_running_loop().call_later(
+                    grace, self._grace_over, name)
         for meta in members.values():
             await self.put(meta)
+
+    def forget(self) -> None:
+        """We stopped following etcd (a join undone): every member we had
+        reported leaves our view (PeerLeft "left"), so that membership()
+        shows no member of a cluster we are not in. Peers stay connected:
+        nothing says they went."""
+        self._forgive_all()
+        members, self._members = self._members, {}
+        for old in members.values():
+            self._stop_refresh(old.name)
+            self._report(old.name, PeerLeft(old.name, old.incarnation, old.address, "left"))
+
+    def _forgive_all(self) -> None:
+        for handle in self._missing.values():
+            handle.cancel()
+        self._missing.clear()
+
+    def _grace_over(self, name: str) -> None:
+        if self._missing.pop(name, None) is not None:
+            self._delete(name)
 
     async def put(self, meta: AgentMeta) -> None:
         if self._closed():
             return
+        missing = self._missing.pop(meta.name, None)
+        if missing is not None:
+            missing.cancel()
         old = self._members.get(meta.name)
         self._members[meta.name] = meta
         if old is not None and old.incarnation == meta.incarnation:
@@ -163,6 +201,12 @@ class Members:
                      PeerJoined(meta.name, meta.incarnation, meta.address, region_names(meta)))
 
     async def deleted(self, name: str) -> None:
+        self._delete(name)
+
+    def _delete(self, name: str) -> None:
+        missing = self._missing.pop(name, None)
+        if missing is not None:
+            missing.cancel()
         old = self._members.pop(name, None)
         if old is None or self._closed():
             return

@@ -353,7 +353,7 @@ class FlakyListener:
         self.members: dict[str, Any] = {}
         self.fail_put = self.fail_reset = 1
 
-    async def reset(self, members: dict[str, Any]) -> None:
+    async def reset(self, members: dict[str, Any], grace: float = 0.0) -> None:
         for name in [n for n in self.members if n not in members]:
             del self.members[name]
         for i, name in enumerate(sorted(members)):
