@@ -79,6 +79,7 @@ uint64_t axf_shm_lazy_min = 1ull << 30;
 typedef struct shm_pop {
     uint8_t *map;
     uint64_t len;
+    int fd;                /* the peer's memfd (our dup) when it has holes: only its data */
     atomic_bool stop;      /* being unmapped: the populator lets go */
     struct shm_pop *next;  /* the populator's queue */
     _Atomic uint64_t bits[];
@@ -142,6 +143,56 @@ static void shm_populate(const shm_far *f, uint64_t off, uint64_t len)
         pop_range(f->pop, off, len);
 }
 
+/* Whether the peer's file has holes: pages it never wrote (a fresh or a
+ * sparse memfd). Populating a hole is not free as populating a page the
+ * peer has is: the kernel allocates and zeroes a page of the peer's file,
+ * charged to us, and it stays the peer's for as long as it keeps the file.
+ * A hostile same-host peer could hand us a 64 GiB memfd of holes and have us
+ * fill it (MAP_POPULATE, then the populator: tens of GiB of our memory for
+ * none of its own). Its data is populated as before; its holes are left to
+ * the page faults of the copies our own caller asks for. A pool its owner
+ * touched (the demo's decode pool, bench targets) has no hole: populated
+ * whole, as before. */
+static bool has_holes(int memfd)
+{
+    struct stat st;
+    return fstat(memfd, &st) != 0 || (uint64_t)st.st_blocks * 512u < (uint64_t)st.st_size;
+}
+
+/* Populates the pages of [m+off, m+off+len) that the file at mapping offset
+ * 0 has data for (SEEK_DATA / SEEK_HOLE), exactly those; with p, also marks
+ * the granules wholly populated. false when the kernel cannot (EINVAL:
+ * before 5.14). */
+static bool pop_data(int fd, uint8_t *m, uint64_t off, uint64_t len, shm_pop *p)
+{
+    uint64_t end = off + len;
+    while (off < end) {
+        off_t d = lseek(fd, (off_t)off, SEEK_DATA);
+        if (d < 0 || (uint64_t)d >= end)
+            return true; /* ENXIO: no data from off on */
+        off_t h = lseek(fd, d, SEEK_HOLE);
+        uint64_t a = (uint64_t)d & ~(uint64_t)4095, b = h < 0 || (uint64_t)h > end ? end
+                                                                                   : (uint64_t)h;
+        b = (b + 4095) & ~(uint64_t)4095;
+        if (b > end)
+            b = end;
+        if (b <= a)
+            b = a + 4096 < end ? a + 4096 : end;
+        if (madvise(m + a, b - a, MADV_POPULATE_READ) != 0) {
+            if (errno == EINVAL)
+                return false;
+        } else if (p) {
+            uint64_t g0 = (a + (1u << POP_SHIFT) - 1) >> POP_SHIFT;
+            uint64_t g1 = b == p->len ? ((b - 1) >> POP_SHIFT) + 1 : b >> POP_SHIFT;
+            for (uint64_t g = g0; g < g1; g++)
+                atomic_fetch_or_explicit(&p->bits[g / 64], 1ull << (g % 64),
+                                         memory_order_relaxed);
+        }
+        off = b;
+    }
+    return true;
+}
+
 /* The populator: one thread for the process, at a low priority (nice 10),
  * that populates lazily mapped regions front to back, so a pool connected to
  * and written later is populated by then (a copy populates what it needs
@@ -165,8 +216,13 @@ static void *pop_main(void *arg)
         pop_head = p->next;
         pop_busy = p;
         pthread_mutex_unlock(&pop_mu);
-        for (uint64_t off = 0; off < p->len && !atomic_load(&p->stop); off += POP_STEP)
-            pop_range(p, off, p->len - off < POP_STEP ? p->len - off : POP_STEP);
+        for (uint64_t off = 0; off < p->len && !atomic_load(&p->stop); off += POP_STEP) {
+            uint64_t n = p->len - off < POP_STEP ? p->len - off : POP_STEP;
+            if (p->fd >= 0)
+                (void)pop_data(p->fd, p->map, off, n, p);
+            else
+                pop_range(p, off, n);
+        }
         pthread_mutex_lock(&pop_mu);
         pop_busy = NULL;
         pthread_cond_broadcast(&pop_cv);
@@ -239,22 +295,26 @@ static void pop_cancel(shm_pop *p)
 }
 
 typedef struct pop_slice {
-    uint8_t *at;
-    uint64_t len;
+    uint8_t *map;
+    uint64_t off, len;
+    int fd; /* >= 0: only the file's data */
     int err;
 } pop_slice;
 
 static void *pop_slice_main(void *arg)
 {
     pop_slice *sl = arg;
-    sl->err = madvise(sl->at, sl->len, MADV_POPULATE_READ) == 0 ? 0 : errno;
+    if (sl->fd >= 0)
+        sl->err = pop_data(sl->fd, sl->map, sl->off, sl->len, NULL) ? 0 : EINVAL;
+    else
+        sl->err = madvise(sl->map + sl->off, sl->len, MADV_POPULATE_READ) == 0 ? 0 : errno;
     return NULL;
 }
 
 /* Populates [m, m+len) on several threads at once (one a core, up to
  * POP_PAR_MAX, at least POP_PAR_SLICE each; the caller takes a slice). false
  * when the kernel cannot (before 5.14). */
-static bool pop_parallel(uint8_t *m, uint64_t len)
+static bool pop_parallel(uint8_t *m, uint64_t len, int fd)
 {
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     uint64_t n = len / POP_PAR_SLICE;
@@ -270,7 +330,7 @@ static bool pop_parallel(uint8_t *m, uint64_t len)
     uint64_t step = (len / n + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1), off = 0;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t l = off >= len ? 0 : len - off < step ? len - off : step;
-        sl[i] = (pop_slice){.at = m + off, .len = l};
+        sl[i] = (pop_slice){.map = m, .off = off, .len = l, .fd = fd};
         off += l;
     }
     for (uint64_t i = 1; i < n; i++)
@@ -288,6 +348,16 @@ static bool pop_parallel(uint8_t *m, uint64_t len)
     return ok;
 }
 
+/* Maps the memfd behind rr into f, populating nothing (the copies fault). */
+static int map_plain(const rregion *rr, int memfd, int prot, shm_far *f)
+{
+    void *m = mmap(NULL, rr->len, prot, MAP_SHARED, memfd, 0);
+    if (m == MAP_FAILED)
+        return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
+    f->map = m;
+    return AXF_OK;
+}
+
 /* Maps the memfd behind rr into f. */
 static int map_fd(const rregion *rr, int memfd, shm_far *f)
 {
@@ -299,6 +369,7 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
         return AXF_E_ACCESS;
     bool rw = rr->access & AXF_ACCESS_WRITE;
     int prot = PROT_READ | (rw ? PROT_WRITE : 0);
+    int datafd = has_holes(memfd) ? memfd : -1; /* populate only its data */
     /* Populated now, as before, so that the first bulk writes take no page
      * faults; but from POP_PAR_MIN on by several threads at once (MAP_POPULATE
      * is one thread: ~5 ms for a 64 MiB pool, the most of connecting to it).
@@ -325,19 +396,23 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * pool 1.08x and 1.18x slower, not faster (interleaved, n=41 each, fresh
      * initiators, 2 cores at load 3-4): no CPU is idle to overlap with. A
      * kernel without MADV_POPULATE_READ (before 5.14) uses MAP_POPULATE
-     * throughout.
+     * throughout. A file with holes (has_holes) has only its data
+     * populated, at any size (by one thread below POP_PAR_MIN), or, before
+     * 5.14, none of it (MAP_POPULATE would fill the holes).
      * Mapped from the fd itself: never reopened by number through /proc. A
      * read-only fd, or one sealed against writing, fails here for a
      * writable region. */
-    if (rr->len >= POP_PAR_MIN && rr->len <= axf_shm_lazy_min) {
+    if ((rr->len >= POP_PAR_MIN || datafd >= 0) && rr->len <= axf_shm_lazy_min) {
         void *m = mmap(NULL, rr->len, prot, MAP_SHARED, memfd, 0);
         if (m == MAP_FAILED)
             return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
-        if (pop_parallel(m, rr->len)) {
+        if (pop_parallel(m, rr->len, datafd)) {
             f->map = m;
             return AXF_OK;
         }
         munmap(m, rr->len);
+        if (datafd >= 0) /* no MADV_POPULATE_READ: not MAP_POPULATE, which fills holes */
+            return map_plain(rr, memfd, prot, f);
     }
     if (rr->len > axf_shm_lazy_min) {
         uint64_t ngran = ((rr->len - 1) >> POP_SHIFT) + 1;
@@ -351,15 +426,34 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
         } else {
             p->map = m;
             p->len = rr->len;
+            p->fd = -1;
             atomic_init(&p->stop, false);
-            pop_range(p, 0, 1); /* the first granule, and whether the kernel can */
-            if ((atomic_load(&p->bits[0]) & 1) && pop_queue(p)) {
+            /* Whether the kernel can (a zero length is checked for the
+             * advice alone), then the first granule: its data only, when
+             * the file has holes (the populator keeps a dup of the fd). */
+            bool can = madvise(m, 0, MADV_POPULATE_READ) == 0;
+            if (can && datafd >= 0) {
+                p->fd = fcntl(datafd, F_DUPFD_CLOEXEC, 0);
+                can = p->fd >= 0;
+            }
+            if (can) {
+                if (p->fd >= 0)
+                    (void)pop_data(p->fd, m, 0, rr->len < (1u << POP_SHIFT) ? rr->len
+                                                                           : 1u << POP_SHIFT, p);
+                else
+                    pop_range(p, 0, 1);
+            }
+            if (can && pop_queue(p)) {
                 f->map = m;
                 f->pop = p;
                 return AXF_OK;
             }
+            if (p->fd >= 0)
+                close(p->fd);
             munmap(m, rr->len);
             free(p);
+            if (datafd >= 0)
+                return map_plain(rr, memfd, prot, f);
         }
     }
     void *m = mmap(NULL, rr->len, prot, MAP_SHARED | MAP_POPULATE, memfd, 0);
@@ -390,8 +484,11 @@ void shm_unmap(rregion *rr)
     if (!f)
         return;
     rr->xp[AXF_EP_SHM] = NULL;
-    if (f->pop)
+    if (f->pop) {
         pop_cancel(f->pop); /* before the mapping goes */
+        if (f->pop->fd >= 0)
+            close(f->pop->fd);
+    }
     munmap(f->map, rr->len);
     free(f->pop);
     free(f);

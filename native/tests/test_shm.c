@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 
@@ -598,6 +599,97 @@ static int test_memfd_lazy_populate(void)
     axf_shm_lazy_min = lazy_min;
     /* The same pool populated at map time by several threads (16 MiB and up). */
     return test_memfd_parallel_populate();
+}
+
+/* KiB resident in the mappings of memfd `name` whose address is not `not`
+ * (the owner's), from /proc/self/smaps. */
+static long rss_of(const char *name, const void *not)
+{
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f)
+        return -1;
+    char line[512];
+    bool in = false;
+    long kib = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '/')) {
+            in = strstr(line, name) && lo != (unsigned long)(uintptr_t)not;
+        } else if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2) {
+            in = false;
+        } else if (in && strncmp(line, "Rss:", 4) == 0) {
+            kib += strtol(line + 4, NULL, 10);
+        }
+    }
+    fclose(f);
+    return kib;
+}
+
+/* Rule: of a peer's memfd with holes only the pages it has (its data) are
+ * populated when we map it, never its holes: populating a hole allocates a
+ * page of the peer's file charged to us. Before, MAP_POPULATE (under 16
+ * MiB), the parallel populate (up to 1 GiB) and the populator (above) filled
+ * the whole file: a peer's 64 MiB sparse memfd became 64 MiB allocated at
+ * our cost, a 64 GiB one up to 64 GiB. Its data is still populated (the
+ * copies into it take no fault), at each size: 8 MiB, 40 MiB and lazily
+ * (the threshold lowered to 4 MiB). */
+static int sparse_case(uint64_t len, bool lazy)
+{
+    uint64_t lazy_min = axf_shm_lazy_min;
+    if (lazy)
+        axf_shm_lazy_min = 4u << 20;
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    int mfd = memfd_create("axf-test-sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(mfd >= 0);
+    CHECK_EQ(ftruncate(mfd, (off_t)len), 0);
+    CHECK_EQ(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    uint8_t *pool = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+    CHECK(pool != MAP_FAILED);
+    /* Its data: 1 MiB at 3 MiB + 4 KiB, and the last page. */
+    t_fill(pool + (3u << 20) + 4096, 1u << 20, 5);
+    t_fill(pool + len - 4096, 4096, 6);
+    uint64_t rid, key, ep;
+    CHECK_EQ(axf_region_register(b->e, pool, len, AXF_ACCESS_READ | AXF_ACCESS_WRITE, mfd, &rid,
+                                 &key),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 1, getpid(), -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep, rid, key, len, AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0,
+                                 mfd),
+             AXF_OK);
+    const long data_kib = (1 << 10) + 4;
+    long ours = 0;
+    for (int i = 0; i < 200 && (ours = rss_of("axf-test-sparse", pool)) < data_kib; i++)
+        usleep(10000); /* the populator, when lazy */
+    CHECK(ours >= data_kib);
+    struct stat st;
+    CHECK_EQ(fstat(mfd, &st), 0);
+    CHECK((uint64_t)st.st_blocks * 512u <= ((uint64_t)data_kib + 256) << 10);
+    /* A copy into a hole still works (it faults the page in). */
+    uint8_t src[4096];
+    t_fill(src, sizeof src, 9);
+    uint64_t srid, skey;
+    CHECK_EQ(axf_region_register(a->e, src, sizeof src, AXF_ACCESS_READ, -1, &srid, &skey), AXF_OK);
+    axf_desc w = {.lrid = srid, .rrid = rid, .rkey = key, .roff = 10u << 20 > len ? 64u << 10
+                                                                                  : 10u << 20,
+                  .len = sizeof src};
+    axf_completion c;
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &w, 1, NULL, 0, 4, 0), AXF_OK);
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 4, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(pool + w.roff, src, sizeof src) == 0);
+    t_close(a);
+    t_close(b);
+    munmap(pool, len);
+    close(mfd);
+    axf_shm_lazy_min = lazy_min;
+    return 0;
+}
+
+static int test_sparse_memfd_populates_data_only(void)
+{
+    return sparse_case(8u << 20, false) || sparse_case(40u << 20, false) ||
+           sparse_case((24u << 20) + 4096, true);
 }
 
 static int test_access_checks(void)
@@ -1497,6 +1589,7 @@ int main(int argc, char **argv)
         T_CASE(test_reimport_unmaps_old),
         T_CASE(test_cma_refused),
         T_CASE(test_memfd_lazy_populate),
+        T_CASE(test_sparse_memfd_populates_data_only),
         T_CASE(test_access_checks),
         T_CASE(test_write_with_notify),
         T_CASE(test_defer_holds_until_doorbell),
