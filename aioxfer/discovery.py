@@ -372,6 +372,15 @@ class EtcdSession:
         # One key operation at a time: a rejoin racing a put would leave us
         # refreshing a lease our key is not on.
         self._lock = asyncio.Lock()
+        # How long a lease refresh or a republication (which holds the lock
+        # the keepalive needs) waits, with another endpoint to move to: a
+        # third of the ttl, not the request timeout. An etcd node that hangs
+        # (frozen, or cut off without a reset) held each for the whole
+        # timeout, and our lease had expired when we moved on. The
+        # failover's own refresh, through the next endpoint, waits the full
+        # timeout.
+        self._quick = (min(config.timeout, config.ttl / 3) if len(config.endpoints) > 1
+                       else config.timeout)
 
     @property
     def grace(self) -> float:
@@ -555,7 +564,7 @@ class EtcdSession:
             return
         c = self._client
         value = self._value
-        async with asyncio.timeout(self.config.timeout):
+        async with asyncio.timeout(self._quick):
             ok, resp = await c.transaction(
                 compare=[c.transactions.mod(self._key) == self._mod_rev],
                 success=[c.transactions.put(self._key, value, lease=self._lease_id),
@@ -668,12 +677,7 @@ class EtcdSession:
     async def _keepalive_loop(self) -> None:
         # A third of the ttl: two refreshes may be lost or late before the lease goes.
         interval = self.config.ttl / 3
-        # With another endpoint to move to, a refresh waits a third of the
-        # ttl, not the request timeout: an etcd node that hangs (frozen, or
-        # cut off without a reset) held the refresh for the whole timeout,
-        # and our lease had expired when we moved on. The failover's own
-        # refresh, through the next endpoint, waits the full timeout.
-        bound = min(self.config.timeout, interval) if len(self.config.endpoints) > 1 else None
+        bound = self._quick
         while True:
             await asyncio.sleep(interval)
             if self._state != "joined":

@@ -423,8 +423,9 @@ def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
         cluster.stop()
 
 
+@pytest.mark.parametrize("publish", [False, True], ids=["idle", "publishing"])
 async def test_member_fails_over_from_a_hung_etcd_node_within_its_lease(
-    etcd_cluster: EtcdCluster, make_agent: Any
+    etcd_cluster: EtcdCluster, make_agent: Any, publish: bool
 ) -> None:
     """The etcd node an agent joined through hangs (SIGSTOP: connections
     accepted, nothing answered; a follower, so that no election renews the
@@ -432,7 +433,9 @@ async def test_member_fails_over_from_a_hung_etcd_node_within_its_lease(
     request timeout (here the ttl) before the agent moved to another node:
     its lease had expired by then, and everyone saw it leave (and its peers
     were dropped). A refresh now gives up after a third of the ttl when
-    there is another node to try."""
+    there is another node to try. Publishing: a region registered just as the
+    node hung; the republication held the session's lock (which the
+    keepalive needs) for the whole request timeout."""
     ttl, timeout = 3, 3.0
     clients = etcd_cluster.clients
     leader = _status(clients[0])["leader"]
@@ -451,11 +454,17 @@ async def test_member_fails_over_from_a_hung_etcd_node_within_its_lease(
     assert proc is not None
     await in_thread(sigstop, proc.pid)
     try:
+        if publish:
+            region = a.register(bytearray(4096), name="late")
         await asyncio.sleep(3 * ttl)
         seen = list(events._events)
         assert not [ev for ev in seen if isinstance(ev, PeerLeft)], (
             f"a's lease expired while two of three etcd nodes were healthy: {seen}")
         assert session._endpoint != clients[frozen]
         assert session._lease_id == lease
+        if publish:
+            await next_event(events, lambda ev: "late" in getattr(ev, "added", ()),
+                             what="a's new region, published through another node")
+            a.deregister(region)
     finally:
         os.kill(proc.pid, signal.SIGCONT)
