@@ -357,8 +357,8 @@ class Submission:
         """t is over (no post of it can come any more): the deregistrations
         it held back go on once nothing else holds them. Called from the
         drain's release callback (which may not post nor drain), so they
-        run from the loop; closed, at once (the engine is gone: Memory's
-        close settles them)."""
+        run from the loop; closed, at once (then they do nothing: the
+        close's release_all deregistered the region already)."""
         holds = self._holds.pop(t.req_id, None)
         if holds is None:
             return
