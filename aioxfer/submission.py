@@ -303,8 +303,12 @@ class Submission:
             self._over(t)
         peer = t.peer
         assert peer._sched is not None
+        self._admit(peer, peer._sched.release(t.nbytes))
+
+    def _admit(self, peer: Peer, admitted: list[Transfer]) -> None:
+        """Queued transfers the peer's scheduler admitted: into the batch."""
         c = peer._counters
-        for q in peer._sched.release(t.nbytes):
+        for q in admitted:
             item, q._queued_item = q._queued_item, None
             q._admitted = True
             c.queued -= 1
@@ -530,6 +534,9 @@ class Submission:
             self.failed += 1
             if self._holds:
                 self._over(t)
+            # What waited behind it may fit now (it was the head, waiting
+            # for budget): not until a completion, which may be far off.
+            self._admit(peer, peer._sched.admit_ready())
             return
         if t._posted:
             self._engine.cancel(t.req_id)
