@@ -9,7 +9,8 @@ so the agent drives it from the loop thread and tests drive it directly:
 - ``release(nbytes)`` when an admitted request finished (completed, failed or
   cancel confirmed): returns the queued items that fit now, in the order they
   must be posted.
-- ``discard(item)`` when a queued request is cancelled before it was admitted.
+- ``discard(item)`` when a queued request is cancelled before it was admitted;
+  then ``admit_ready()``: what was behind it may fit now.
 - ``drain()`` when the peer is lost or closed: every queued item, to be failed.
 
 Order: higher ``priority`` first, FIFO within a priority. The queue is strict:
@@ -173,8 +174,8 @@ class PeerScheduler(Generic[T]):
         """Removes a queued item (cancelled before admission); False if it is
         not queued (already admitted, drained, discarded, or never seen).
 
-        Items behind it that now fit are admitted by the next ``release``:
-        something is always in flight while anything is queued, so one comes.
+        Items behind it that now fit are admitted by ``admit_ready()`` (or
+        else by the next ``release``).
         """
         entry = self._entries.pop(item, None)
         if entry is None:
@@ -187,6 +188,13 @@ class PeerScheduler(Generic[T]):
             self._heap = [e for e in self._heap if self._entries.get(e[3]) is e]
             heapq.heapify(self._heap)
         return True
+
+    def admit_ready(self) -> list[T]:
+        """The queued items that fit now, admitted, in the order to post
+        them: after a ``discard`` of the head (a large request waiting for
+        budget), what was behind it need not wait for a ``release`` (which
+        a stalled request in flight may never give)."""
+        return self._admit_queued()
 
     def drain(self) -> list[T]:
         """Empties the queue (the peer was lost or closed) and returns what

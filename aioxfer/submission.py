@@ -303,8 +303,12 @@ class Submission:
             self._over(t)
         peer = t.peer
         assert peer._sched is not None
+        self._admit(peer, peer._sched.release(t.nbytes))
+
+    def _admit(self, peer: Peer, admitted: list[Transfer]) -> None:
+        """Queued transfers the peer's scheduler admitted: into the batch."""
         c = peer._counters
-        for q in peer._sched.release(t.nbytes):
+        for q in admitted:
             item, q._queued_item = q._queued_item, None
             q._admitted = True
             c.queued -= 1
@@ -357,8 +361,8 @@ class Submission:
         """t is over (no post of it can come any more): the deregistrations
         it held back go on once nothing else holds them. Called from the
         drain's release callback (which may not post nor drain), so they
-        run from the loop; closed, at once (the engine is gone: Memory's
-        close settles them)."""
+        run from the loop; closed, at once (then they do nothing: the
+        close's release_all deregistered the region already)."""
         holds = self._holds.pop(t.req_id, None)
         if holds is None:
             return
@@ -530,6 +534,9 @@ class Submission:
             self.failed += 1
             if self._holds:
                 self._over(t)
+            # What waited behind it may fit now (it was the head, waiting
+            # for budget): not until a completion, which may be far off.
+            self._admit(peer, peer._sched.admit_ready())
             return
         if t._posted:
             self._engine.cancel(t.req_id)

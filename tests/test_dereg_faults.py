@@ -80,3 +80,33 @@ async def test_a_deregistration_the_close_gave_up_on_does_not_hang(remote_agent:
     finally:
         loop.set_exception_handler(old_handler)
         ra.kill()
+
+
+async def test_cancelling_the_head_of_the_queue_admits_what_fits_behind_it(
+    make_agent: Any,
+) -> None:
+    """submission.Submission.cancel / scheduling.PeerScheduler.admit_ready: a
+    queued request cancelled at the head of its peer's queue (a large one,
+    waiting for budget) left the small ones behind it waiting, though they
+    fit at once, until some request in flight completed (a stalled one: no
+    bound at all)."""
+    target = await make_agent("target", transports=("tcp",))
+    init = await make_agent("init", transports=("tcp",), peer_max_bytes=40 * MiB)
+    dst = target.alloc(64 * MiB, name="dst")
+    peer = await within(init.connect(target.address))
+    src = init.register(bytearray(b"q" * (64 * MiB)))
+    remote = peer.region("dst")
+    first = init.write(src[0:32 * MiB], remote[0:32 * MiB])
+    big = init.write(src[0:16 * MiB], remote[32 * MiB:48 * MiB])  # 48 > 40: waits
+    small = init.write(src[0:4096], remote[60 * MiB:60 * MiB + 4096])  # FIFO: behind big
+    assert peer.statistics().queued == 2
+    assert big.cancel()
+    st = peer.statistics()
+    assert (st.queued, st.in_flight) == (0, 2), st  # small went, before first completed
+    assert not first.done()
+    await within(asyncio.gather(first, small))
+    with pytest.raises(asyncio.CancelledError):
+        await big
+    assert bytes(dst.memoryview[60 * MiB:60 * MiB + 4096]) == b"q" * 4096
+    st = peer.statistics()
+    assert (st.queued, st.in_flight, st.in_flight_bytes) == (0, 0, 0)

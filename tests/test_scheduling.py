@@ -134,6 +134,19 @@ def test_discard_head_then_release_admits_behind() -> None:
     assert s.release(50) == ["small"]
 
 
+def test_discard_head_then_admit_ready_admits_behind_at_once() -> None:
+    s: PeerScheduler[str] = PeerScheduler(max_bytes=100)
+    assert s.admit("a", 50)
+    assert not s.admit("big", 90)
+    assert not s.admit("small", 10)
+    assert not s.admit("medium", 45)
+    assert s.admit_ready() == []  # big at the head does not fit: nothing passes it
+    assert s.discard("big")
+    assert s.admit_ready() == ["small"]  # 50 + 10 fit, 50 + 10 + 45 do not
+    assert (s.in_flight_requests, s.in_flight_bytes, s.queued) == (2, 60, 1)
+    assert s.release(50) == ["medium"]
+
+
 def test_drain() -> None:
     s: PeerScheduler[str] = PeerScheduler(max_requests=1)
     assert s.admit("a", 1)
