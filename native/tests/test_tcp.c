@@ -1428,8 +1428,8 @@ static void *spin_main(void *arg) /* a second thread spinning in axf_wait */
 
 /* WRITEs awaited one at a time by spinning (4 KiB to 64 KiB on one
  * connection; 128 KiB in two 64 KiB chunks on two; the same with a second
- * thread spinning beside the awaiting one), READs among them (their
- * responses stay the receiver's): every byte lands, every status is OK, and
+ * thread spinning beside the awaiting one), READs among them (read by the
+ * spinner too: test_spinner_reads_read_replies): every byte lands, every status is OK, and
  * replies were read by the spinners (until they were, up to 2000 requests);
  * 1 MiB requests' halves (512 KiB groups, above HELP_BYTES_MAX) are not. */
 static int test_spinner_reads_write_replies(void)
@@ -1480,14 +1480,50 @@ static int test_spinner_reads_write_replies(void)
     return 0;
 }
 
+/* READs alone awaited one at a time by spinning (4 KiB to 16 KiB, one
+ * connection, then two): their responses are read by the spinner (its
+ * receiver parked after the first ones), every byte lands; a READ's woken
+ * receiver used to read every one of them (helped stayed 0). 64 KiB READs
+ * alone (above HELP_READ_MAX) stay the receivers'. */
+static int test_spinner_reads_read_replies(void)
+{
+    for (int variant = 0; variant < 3; variant++) {
+        int nconns = variant == 1 ? 2 : 1;
+        pair p;
+        if (pair_open(&p, NULL, nconns))
+            return 1;
+        bool helped = variant < 2;
+        uint64_t id = 9500;
+        for (int i = 0; i < (helped ? 2000 : 48) && (i < 24 || !helped ||
+                                                   !atomic_load(&p.a->e->helped)); i++) {
+            uint64_t len = variant == 2 ? 64u << 10 : 4096u * (1 + (uint64_t)(i % 4));
+            int32_t st = -1;
+            axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = len};
+            vary(p.bdst, len, i);
+            CHECK_EQ(axf_post(p.a->e, p.ep, AXF_OP_READ, &d, 1, NULL, 0, id, 0), AXF_OK);
+            CHECK_EQ(spin_for(p.a, id++, &st), 0);
+            CHECK_EQ(st, AXF_OK);
+            CHECK(memcmp(p.bdst, p.asrc, len) == 0);
+        }
+        CHECK_EQ(atomic_load(&p.a->e->helped) > 0, helped);
+        axf_stats s;
+        axf_engine_stats(p.a->e, &s);
+        CHECK_EQ(s.frames_rejected, 0);
+        CHECK_EQ(s.conns, (uint64_t)nconns);
+        pair_close(&p);
+    }
+    return 0;
+}
+
 /* The raw target of the spinner cases: answers WRITEs (reading their
  * payloads) until told what to do with the next one. */
 enum { F_NONE, F_BAD_MAGIC, F_WRONG_OP, F_HALF_HEADER, F_CLOSE, F_PING_FIRST, F_READ_RESP,
-       F_LATE };
+       F_LATE, F_READ_SPLIT, F_READ_OUTSIDE };
 typedef struct raw_target {
     int fd;
     atomic_int fault; /* for the next request */
-    atomic_bool go;   /* F_LATE: answer now */
+    atomic_bool go;   /* F_LATE, F_READ_SPLIT: answer now */
+    atomic_int reads; /* READs answered: the nth is filled with (j * 3 + n) */
     uint8_t payload[65536];
 } raw_target;
 
@@ -1500,6 +1536,33 @@ static void *raw_target_main(void *arg)
             return NULL;
         if (h.type == FR_PING)
             continue;
+        if (h.type == FR_READ_REQ) { /* answered from payload, a pattern per request */
+            if (h.len > sizeof t->payload)
+                return NULL;
+            uint64_t nth = (uint64_t)atomic_fetch_add(&t->reads, 1);
+            for (uint64_t j = 0; j < h.len; j++)
+                t->payload[j] = (uint8_t)(j * 3 + nth);
+            wire_hdr a = {.magic = AXF_MAGIC, .type = FR_READ_RESP, .op = h.op,
+                          .index = h.index, .rid = h.rid, .off = h.off, .len = h.len,
+                          .flags = (uint16_t)(h.flags & FL_LAST)};
+            int f = atomic_exchange(&t->fault, F_NONE);
+            size_t first = h.len;
+            if (f == F_READ_OUTSIDE)
+                a.off += sizeof t->payload; /* past the descriptor's range */
+            else if (f == F_READ_SPLIT)
+                first = h.len / 2;
+            if (send(t->fd, &a, sizeof a, MSG_NOSIGNAL) != (ssize_t)sizeof a ||
+                send(t->fd, t->payload, first, MSG_NOSIGNAL) != (ssize_t)first)
+                return NULL;
+            if (first < h.len) {
+                while (!atomic_load(&t->go))
+                    usleep(100);
+                if (send(t->fd, t->payload + first, h.len - first, MSG_NOSIGNAL) !=
+                    (ssize_t)(h.len - first))
+                    return NULL;
+            }
+            continue;
+        }
         if (h.type != FR_WRITE || h.len > sizeof t->payload ||
             (h.len && recv(t->fd, t->payload, h.len, MSG_WAITALL) != (ssize_t)h.len))
             return NULL;
@@ -1588,6 +1651,87 @@ static int test_spinner_hands_back(void)
             CHECK_EQ(s.frames_rejected, malformed ? 1u : 0u);
             shutdown(r.fd, SHUT_RDWR);
         }
+        pthread_join(th, NULL);
+        raw_close(&r);
+        free(t);
+    }
+    return 0;
+}
+
+typedef struct watchdog {
+    raw_target *t;
+    atomic_bool done, rescued;
+} watchdog;
+
+static void *watchdog_main(void *arg) /* lets a split READ response finish after 5 s */
+{
+    watchdog *w = arg;
+    for (int i = 0; i < 5000 && !atomic_load(&w->done); i++)
+        usleep(1000);
+    if (!atomic_load(&w->done)) {
+        atomic_store(&w->rescued, true);
+        atomic_store(&w->t->go, true);
+    }
+    return NULL;
+}
+
+/* A spinner reads a READ's response only once all of it is here and it fits
+ * what the connection expects: after responses were read by the spinner
+ * (its receiver parked), one whose second half is held back is not taken
+ * (the spinner's wait returns without it, not blocked on the socket until a
+ * watchdog sends the rest; the receiver then reads it whole: OK, every
+ * byte), and one outside its descriptor is the receiver's (rejected, the
+ * endpoint lost: PEER_LOST). */
+static int test_spinner_read_hands_back(void)
+{
+    static const int faults[] = {F_READ_SPLIT, F_READ_OUTSIDE};
+    for (size_t k = 0; k < sizeof faults / sizeof faults[0]; k++) {
+        int fault = faults[k];
+        raw_peer r;
+        if (raw_open(&r, NULL, 80 + k))
+            return 1;
+        raw_target *t = calloc(1, sizeof *t);
+        CHECK(t);
+        t->fd = r.fd;
+        pthread_t th;
+        CHECK_EQ(pthread_create(&th, NULL, raw_target_main, t), 0);
+        axf_desc d = {.lrid = r.rid, .rrid = 1, .rkey = 0x1234, .len = 4096};
+        uint64_t id = 200, nth = 0;
+        int32_t st = -1;
+        for (int i = 0; i < 2000 && (i < 4 || !atomic_load(&r.a->e->helped)); i++, id++, nth++) {
+            CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_READ, &d, 1, NULL, 0, id, 0), AXF_OK);
+            CHECK_EQ(spin_for(r.a, id, &st), 0);
+            CHECK_EQ(st, AXF_OK);
+            for (uint64_t j = 0; j < d.len; j++)
+                CHECK_EQ(r.buf[j], (uint8_t)(j * 3 + nth));
+        }
+        CHECK(atomic_load(&r.a->e->helped) > 0);
+        atomic_store(&t->fault, fault);
+        CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_READ, &d, 1, NULL, 0, id, 0), AXF_OK);
+        axf_stats s;
+        if (fault == F_READ_SPLIT) {
+            watchdog w = {.t = t};
+            pthread_t wt;
+            CHECK_EQ(pthread_create(&wt, NULL, watchdog_main, &w), 0);
+            (void)axf_wait(r.a->e, 20000); /* spins 20 ms: half a response is not its */
+            atomic_store(&w.done, true);
+            pthread_join(wt, NULL);
+            CHECK(!atomic_load(&w.rescued));
+            atomic_store(&t->go, true);
+            axf_completion c;
+            CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, id, &c), 0);
+            CHECK_EQ(c.status, AXF_OK);
+            for (uint64_t j = 0; j < d.len; j++)
+                CHECK_EQ(r.buf[j], (uint8_t)(j * 3 + nth));
+            axf_engine_stats(r.a->e, &s);
+            CHECK_EQ(s.frames_rejected, 0);
+        } else {
+            CHECK_EQ(spin_for(r.a, id, &st), 0);
+            CHECK_EQ(st, AXF_E_PEER_LOST);
+            axf_engine_stats(r.a->e, &s);
+            CHECK_EQ(s.frames_rejected, 1);
+        }
+        shutdown(r.fd, SHUT_RDWR);
         pthread_join(th, NULL);
         raw_close(&r);
         free(t);
@@ -1810,7 +1954,9 @@ int main(int argc, char **argv)
         T_CASE(test_vectored_frames_initiator),
         T_CASE(test_vectored_groups_rerouted),
         T_CASE(test_spinner_reads_write_replies),
+        T_CASE(test_spinner_reads_read_replies),
         T_CASE(test_spinner_hands_back),
+        T_CASE(test_spinner_read_hands_back),
         T_CASE(test_thread_start_fails),
         T_CASE(test_close_races_add_conn),
     };
