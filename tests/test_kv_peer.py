@@ -471,3 +471,51 @@ async def test_a_stopped_member_does_not_hold_up_placements(make_agent: MakeAgen
                 proc.kill()
                 await proc.wait()
 
+
+
+async def test_refused_placements_do_not_evict_clean_blocks(make_agent: MakeAgent) -> None:
+    """A member whose host tier is full of clean blocks (placed there by a
+    peer) is sent a placement whose blocks fail their checksums (a broken or
+    hostile sender): nothing is stored and the blocks it held are all still
+    there (before: room was made by evicting them before the pulled bytes
+    were verified). A good placement after it still gets room."""
+    from aioxfer.kv import checksum as ck
+    sender = await make_agent("sender2")
+    src = sender.alloc(8 * BB, name="src")
+    data = pattern(8 * BB, 11)
+    src.numpy()[:] = data
+    agent = await make_agent("member-p")
+    host = kv.HostTier(4 * BB, high_watermark=1.0, low_watermark=1.0)
+    tier = kv.PeerTier(group="t")
+    keys = keys_for(12)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[host, tier]) as store:
+        assert tier.ctl is not None
+        ctl = await within(sender.connect(tier.ctl.address))
+        notes = aiter(sender.notifications)
+
+        async def place(req: int, ks: list[bytes], blocks: list[int], crc_ok: bool) -> bytes:
+            head = json.dumps({"op": "put", "req": req, "from": sender.address,
+                               "ctl": sender.address, "region": src.name}).encode()
+            body = b"".join(
+                k + (b * BB).to_bytes(8, "little")
+                + ((ck.checksum(data[b * BB:(b + 1) * BB]) ^ (0 if crc_ok else 1))
+                   .to_bytes(4, "little")) + ck.ALGO.to_bytes(4, "little")
+                for k, b in zip(ks, blocks, strict=True))
+            await within(ctl.notify(len(head).to_bytes(2, "little") + head + body))
+            p = (await within(anext(notes))).payload
+            n = int.from_bytes(p[:2], "little")
+            assert json.loads(p[2:2 + n])["req"] == req
+            return bytes(p[2 + n:])
+
+        assert await place(1, keys[:4], [0, 1, 2, 3], True) == b"\x01" * 4
+        assert set(host.index) == set(keys[:4]) and not host.dirty
+        assert await place(2, keys[4:8], [4, 5, 6, 7], False) == b"\x00" * 4
+        assert set(host.index) == set(keys[:4]), "refused blocks evicted clean ones"
+        dst = agent.alloc(4 * BB)
+        res = await within(store.get(keys[:4], dst[0:4 * BB]))
+        assert res.prefix == 4 and np.array_equal(dst.numpy(), data[:4 * BB])
+        assert await place(3, keys[8:10], [4, 5], True) == b"\x01" * 2
+        assert keys[8] in host.index and keys[9] in host.index
+        res = await within(store.get(keys[8:10], dst[0:2 * BB]))
+        assert res.prefix == 2 and np.array_equal(dst.numpy()[:2 * BB], data[4 * BB:6 * BB])
+        assert store.statistics().pins == 0 and len(host.index) == 4

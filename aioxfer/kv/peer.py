@@ -170,7 +170,11 @@ class PeerTier(Tier):
     costs one ``ack_wait``, never a write-back or put held for each of its
     placements; a member that leaves (lost) fails its placements at once.
     Acknowledgements count only from the member asked, for a request
-    number drawn at random, with one byte 0/1 per block sent."""
+    number drawn at random, with one byte 0/1 per block sent.
+
+    ``pull_staging_blocks``: blocks placed here while the host tier has no
+    free slot are read into a staging area of this many blocks first and
+    verified there; only the good ones make room (evict clean cold blocks)."""
 
     kind = "peer"
     probes = True
@@ -178,12 +182,17 @@ class PeerTier(Tier):
     def __init__(self, *, name: str = "peer", group: str = "kv", replicas: int = 1,
                  seeds: list[str] | None = None, max_pulls: int = 16,
                  max_pulls_per_peer: int = 4, ack_wait: float = 1.0,
-                 ack_timeout: float = 10.0) -> None:
+                 ack_timeout: float = 10.0, pull_staging_blocks: int = 8) -> None:
         super().__init__(name)
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         if not 0 < ack_wait <= ack_timeout:
             raise ValueError("need 0 < ack_wait <= ack_timeout (seconds)")
+        if pull_staging_blocks < 1:
+            raise ValueError("pull_staging_blocks must be >= 1")
+        self.pull_staging_blocks = int(pull_staging_blocks)
+        self.pull_stage: Region | None = None
+        self.pull_lock = asyncio.Lock()
         self.ack_wait = float(ack_wait)
         self.ack_timeout = float(ack_timeout)
         if max_pulls < 1 or max_pulls_per_peer < 1:
@@ -226,6 +235,7 @@ class PeerTier(Tier):
         self.index = PeerIndex(idx_region, buckets)
         host.publish(self.index)
         self.stage = agent.alloc(max(_META_BYTES, 256 * WAYS * IENTRY))
+        self.pull_stage = agent.alloc(self.pull_staging_blocks * store.block_bytes)
         host_part = agent.address.rsplit(":", 1)[0]
         self.ctl = aioxfer.Agent(f"{agent.name}.kvctl", listen=f"{host_part}:0")
         await self.ctl.start()
@@ -264,7 +274,8 @@ class PeerTier(Tier):
             steps.append(asyncio.gather(*self._tasks, return_exceptions=True))
         if self.ctl is not None:
             steps.append(self.ctl.aclose())
-        for r in (self.meta_region, self.stage, self.index.region if self.index else None):
+        for r in (self.meta_region, self.stage, self.pull_stage,
+                  self.index.region if self.index else None):
             if r is not None and not r.closed:
                 steps.append(_deregister(agent, r))
         first: Exception | None = None
@@ -689,38 +700,99 @@ class PeerTier(Tier):
             for j, e in enumerate(entries):
                 if e[0] in host.index:
                     stored[j] = 1
-            slots = host._take(len(fresh))
-            fresh = fresh[: len(slots)]
-            if fresh:
-                try:
-                    t = agent.read(
-                        SegmentList(host.region,
-                                    np.array(slots, dtype=np.uint64) * np.uint64(bb),
-                                    np.full(len(slots), bb, dtype=np.uint64)),
-                        SegmentList(src,
-                                    np.array([entries[j][1] for j in fresh], dtype=np.uint64),
-                                    np.full(len(fresh), bb, dtype=np.uint64)))
-                except BaseException:
-                    host.give_back(slots)  # no read was posted
-                    raise
-                try:
-                    await asyncio.shield(t)  # our memory: never cancelled midway
-                except BaseException:
-                    t.add_done_callback(lambda _t: host.give_back(slots))
-                    raise
-                for j, s in zip(fresh, slots, strict=True):
-                    key, _off, crc, algo = entries[j]
-                    got = ck.checksum_with(algo, host.region.memoryview[s * bb:(s + 1) * bb])
-                    if got == crc and key not in host.index:
-                        host.insert(key, s, dirty=False)
-                        stored[j] = 1
-                        self.pulled += 1
-                    else:
-                        host.give_back([s])
+            # Free slots take the blocks straight (nothing is lost if they
+            # fail their checks); past them, the blocks pass through the
+            # tier's staging and room is made (clean cold blocks evicted)
+            # only for those that verified: a refused or broken placement
+            # never pushes good blocks out.
+            slots = host.take_free(len(fresh))
+            direct, rest = fresh[:len(slots)], fresh[len(slots):]
+            if direct:
+                await self._pull_direct(host, src, entries, direct, slots, stored)
+            for b in range(0, len(rest), self.pull_staging_blocks):
+                await self._pull_staged(host, src, entries,
+                                        rest[b:b + self.pull_staging_blocks], stored)
         except (XferError, OSError, LookupError, ValueError) as exc:  # (a bad address)
             _log.info("kv.peer_pull_failed", tier=self.name, error=repr(exc))
         finally:
             await self._ack(head, bytes(stored))
+
+    async def _pull_direct(self, host: HostTier, src: RemoteRegion,
+                           entries: list[tuple[bytes, int, int, int]], fresh: list[int],
+                           slots: list[int], stored: bytearray) -> None:
+        """Reads blocks into free host slots, verifies, publishes."""
+        bb = self.store.block_bytes
+        assert host.region is not None
+        try:
+            t = self.store.agent.read(
+                SegmentList(host.region, np.array(slots, dtype=np.uint64) * np.uint64(bb),
+                            np.full(len(slots), bb, dtype=np.uint64)),
+                SegmentList(src, np.array([entries[j][1] for j in fresh], dtype=np.uint64),
+                            np.full(len(fresh), bb, dtype=np.uint64)))
+        except BaseException:
+            host.give_back(slots)  # no read was posted
+            raise
+        try:
+            await asyncio.shield(t)  # our memory: never cancelled midway
+        except BaseException:
+            t.add_done_callback(lambda _t: host.give_back(slots))
+            raise
+        for j, s in zip(fresh, slots, strict=True):
+            key, _off, crc, algo = entries[j]
+            got = ck.checksum_with(algo, host.region.memoryview[s * bb:(s + 1) * bb])
+            if got == crc and key not in host.index:
+                host.insert(key, s, dirty=False)
+                stored[j] = 1
+                self.pulled += 1
+            else:
+                host.give_back([s])
+
+    async def _pull_staged(self, host: HostTier, src: RemoteRegion,
+                           entries: list[tuple[bytes, int, int, int]], fresh: list[int],
+                           stored: bytearray) -> None:
+        """Reads blocks into the pull staging, verifies them there, and only
+        then makes room for the good ones and copies them in."""
+        store = self.store
+        bb = store.block_bytes
+        stage = self.pull_stage
+        assert stage is not None and host.remote is not None
+        n = len(fresh)
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(bb)
+        lens = np.full(n, bb, dtype=np.uint64)
+        async with self.pull_lock:
+            # Never cut short: the next pull refills the staging.
+            await run_to_end(store.agent.read(
+                SegmentList(stage, offs, lens),
+                SegmentList(src, np.array([entries[j][1] for j in fresh], dtype=np.uint64),
+                            lens)))
+            good = []
+            for k, j in enumerate(fresh):
+                key, _off, crc, algo = entries[j]
+                if key not in host.index and ck.checksum_with(
+                        algo, stage.memoryview[k * bb:(k + 1) * bb]) == crc:
+                    good.append(k)
+            slots = host._take(len(good))  # accepted: now room is made
+            good = good[:len(slots)]
+            if not good:
+                return
+            t = store.agent.write(
+                SegmentList(stage, np.array(good, dtype=np.uint64) * np.uint64(bb),
+                            np.full(len(good), bb, dtype=np.uint64)),
+                SegmentList(host.remote, np.array(slots, dtype=np.uint64) * np.uint64(bb),
+                            np.full(len(good), bb, dtype=np.uint64)))
+            try:
+                await run_to_end(t)
+            except BaseException:
+                host.give_back(slots)
+                raise
+            for k, s in zip(good, slots, strict=True):
+                key = entries[fresh[k]][0]
+                if key not in host.index:
+                    host.insert(key, s, dirty=False)
+                    stored[fresh[k]] = 1
+                    self.pulled += 1
+                else:
+                    host.give_back([s])
 
     def _usage(self) -> tuple[int, int, int]:
         return len(self.members), 0, 0
