@@ -353,3 +353,169 @@ async def test_direct_io_on_a_loop_device(make_agent: MakeAgent, loop_ext4: Path
 
 def test_aioxfer_importable() -> None:
     assert aioxfer.kv is kv
+
+
+async def test_disk_tier_closed_under_cancellation(make_agent: MakeAgent, tmp_path: Path) -> None:
+    """Store.aclose() of a store with a DiskTier (dirty headers pending, a
+    background mark in flight) cancelled after 1, 2, 3, ... loop turns:
+    whatever the point, the tier's close finishes (the cancel is raised
+    after): its headers are written, every segment file and stage region
+    is deregistered (before: a cancel at one of its awaits stopped the
+    tier's close there, its files left registered and open), and a
+    restart finds every block."""
+    agent = await make_agent("kv")
+    n = 8
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 31)
+    src.numpy()[:] = data
+    finished = 0
+    for turns in range(1, 400):
+        path = tmp_path / f"kv{turns}"
+        tier = disk(path)
+        store = await within(kv.Store.open(agent, block_bytes=BB, tiers=[tier]))
+        keys = keys_for(n, turns)
+        assert (await within(store.put(keys, src[0:n * BB]))).stored == n
+        await within(store.remove(keys[:1]))
+        regions = [s.region for s in tier.segs.values()] + [tier.stage, tier.cstage_r]
+        closing = asyncio.ensure_future(store.aclose())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        closing.cancel()
+        try:
+            await within(closing)
+            finished += 1
+        except asyncio.CancelledError:
+            pass
+        assert store.closed, turns
+        assert all(r is not None and r.closed for r in regions), turns
+        async with kv.Store.open(agent, block_bytes=BB, tiers=[disk(path)]) as again:
+            dst = agent.alloc(n * BB)
+            res = await within(again.get(keys[1:], dst[0:(n - 1) * BB]))
+            assert res.prefix == n - 1, (turns, res)
+            assert np.array_equal(dst.numpy()[:(n - 1) * BB], data[BB:])
+            assert (await again.lookup(keys[:1])).prefix == 0
+            await _dereg(agent, dst)
+        if finished >= 2:
+            break
+    assert finished >= 2
+
+
+async def _dereg(agent: Any, region: Any) -> None:
+    from aioxfer.kv.store import _deregister
+    await _deregister(agent, region)
+
+
+REMOVER = textwrap.dedent('''
+    import asyncio, sys
+    import numpy as np
+    import aioxfer
+    from aioxfer import kv
+
+    BB = int(sys.argv[2])
+    N = 32
+
+    async def main():
+        async with aioxfer.Agent("remover") as agent:
+            src = agent.alloc(BB)
+            store = await kv.Store.open(agent, block_bytes=BB, tiers=[
+                kv.DiskTier(sys.argv[1], 1 << 30, segment_bytes=16 * BB)])
+            keys = kv.chain(np.arange(16 * N), block_tokens=16, namespace=b"tomb")
+
+            async def put(j, v):
+                src.numpy()[:] = np.random.default_rng(j * 100000 + v).integers(
+                    0, 256, BB, dtype=np.uint8)
+                res = await store.put(keys[j:j + 1], src[0:BB], durable=True)
+                assert res.durable == 1, res
+                print("P", j, v, flush=True)
+
+            for j in range(N):
+                await put(j, 0)
+            print("ready", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            # Every key removed, then every key put again, then removed...:
+            # at any point some keys stay removed (their first records,
+            # tombstoned, still live in the frozen files) and some are back.
+            for v in range(1, 100000):
+                for j in range(N):
+                    if v % 2:
+                        assert await store.remove(keys[j:j + 1]) == 1
+                        print("R", j, v, flush=True)
+                    else:
+                        await put(j, v)
+
+    asyncio.run(main())
+''')
+
+
+@pytest.mark.parametrize("kill_at", [13, 45, 77])
+async def test_kill_9_mid_removes_with_tombstones(make_agent: MakeAgent, tmp_path: Path,
+                                                   kill_at: int) -> None:
+    """A real process removes keys and puts them again (durable), one at a
+    time, over segment files made immutable (chattr +i) after they were
+    written, so the first removes of their keys go to the tombstone file;
+    it is killed with SIGKILL mid-way (a run per kill point: in the first
+    removes, in the puts after them, in the removes of those). A restart serves no key whose last
+    acknowledged operation was a remove, and every key whose last one was a
+    put with that put's bytes (the one operation in flight either way)."""
+    if os.geteuid() != 0 or shutil.which("chattr") is None:
+        pytest.skip("needs root and chattr")
+    from test_kv_faults import immutable
+    path = tmp_path / "kv"
+    script = tmp_path / "remover.py"
+    script.write_text(REMOVER)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), str(path), str(BB), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    last: dict[int, tuple[str, int]] = {}
+    order: list[tuple[str, int, int]] = []
+    frozen = []
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        async with asyncio.timeout(60):
+            while (line := await proc.stdout.readline()) != b"ready\n":
+                assert line, "the remover died on its own"
+                op, j, v = line.split()
+                last[int(j)] = (op.decode(), int(v))
+            frozen = sorted(path.glob("seg-*.axkv"))
+            assert len(frozen) == 2
+            for seg in frozen:
+                immutable(seg, True)
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+            while len(order) < kill_at:
+                line = await proc.stdout.readline()
+                if not line:
+                    assert proc.stderr is not None
+                    raise AssertionError(f"the remover died: {await proc.stderr.read()!r}")
+                op, j, v = line.split()
+                last[int(j)] = (op.decode(), int(v))
+                order.append((op.decode(), int(j), int(v)))
+    finally:
+        proc.kill()
+        await proc.wait()
+        for seg in frozen:
+            immutable(seg, False)
+    assert (path / "tombstones.axkv").exists()
+    op, j, v = order[-1]
+    in_flight = (j + 1) % 32  # the next operation's key
+    keys = kv.chain(np.arange(16 * 32), block_tokens=16, namespace=b"tomb")
+    agent = await make_agent("reader")
+    dst = agent.alloc(BB)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[
+            kv.DiskTier(path, 1 << 30, segment_bytes=16 * BB)]) as store:
+        for j in range(32):
+            res = await within(store.get(keys[j:j + 1], dst[0:BB]))
+            assert res.failed == (), (j, res)
+            op, v = last[j]
+            if res.prefix:
+                got = dst.numpy().copy()
+                ok = [w for w in sorted({0, v, v + 1}) if np.array_equal(
+                    got, np.random.default_rng(j * 100000 + w).integers(0, 256, BB,
+                                                                       dtype=np.uint8))]
+                assert ok, f"key {j}: bytes of no put of it (last acknowledged: {op} {v})"
+            if j == in_flight:
+                continue
+            if op == "R":
+                assert not res.prefix, f"key {j} removed (acknowledged) came back"
+            else:
+                assert res.prefix and ok == [v], f"key {j} put (v{v}, durable) lost: {ok}"

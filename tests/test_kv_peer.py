@@ -365,3 +365,157 @@ async def test_a_flood_of_placements_starts_bounded_pulls(make_agent: MakeAgent)
                 assert tier.pulled == 12
     finally:
         silent.close()
+
+
+def fake_member(agent: Any, ctl_address: str) -> None:
+    """Publishes on ``agent`` what a member of group "t" publishes, with its
+    control agent at ``ctl_address`` (one the test drives by hand)."""
+    pool = agent.alloc(16 * BB, name="pool")
+    agent.alloc(4 * 4 * 64, name="kvpeer.t.index")
+    raw = json.dumps({"v": 1, "ctl": ctl_address, "address": agent.address, "pool": pool.name,
+                      "index": "kvpeer.t.index", "buckets": 4, "block_bytes": BB}).encode()
+    meta = agent.alloc(4096, name="kvpeer.t.meta")
+    meta.numpy()[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+
+
+def ack_of(req: int, bitmap: bytes) -> bytes:
+    head = json.dumps({"op": "ack", "req": req}).encode()
+    return len(head).to_bytes(2, "little") + head + bitmap
+
+
+async def test_acks_count_only_from_the_member_asked(make_agent: MakeAgent) -> None:
+    """A placement sent to member B is acknowledged by another member (C,
+    hostile: it claims B stored everything) before B's own ack (nothing
+    stored) arrives: C's claim is ignored, B's answer counts (before: acks
+    were matched by request number alone, so C's forged ack made the writer
+    count the blocks as stored on B and drop them from its memory). An ack
+    from B whose bitmap is not one byte 0/1 per block claims nothing."""
+    b = await make_agent("fake-b")
+    b_ctl = await make_agent("fake-b.kvctl")
+    fake_member(b, b_ctl.address)
+    evil = await make_agent("evil-c")
+    agent = await make_agent("member-n")
+    src = agent.alloc(8 * BB)
+    src.numpy()[:] = pattern(8 * BB, 7)
+    keys = keys_for(8)
+    tier = kv.PeerTier(group="t")
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB), tier]):
+        assert await within(tier.join(b.address))
+        assert tier.ctl is not None
+        forger = await within(evil.connect(tier.ctl.address))
+        for answer in [b"\x00" * 8, b"\x01" * 7, b"\x02" * 8, b"\x01" * 9]:
+            writing = asyncio.ensure_future(tier._write(keys, [src] * 8,
+                                                        [i * BB for i in range(8)]))
+            note = await within(anext(aiter(b_ctl.notifications)))
+            p = note.payload
+            head = json.loads(p[2:2 + int.from_bytes(p[:2], "little")])
+            assert head["op"] == "put" and len(p) - 2 - int.from_bytes(p[:2], "little") == 8 * 48
+            await within(forger.notify(ack_of(head["req"], b"\x01" * 8)))
+            await asyncio.sleep(0.05)  # the forged ack is served first
+            back = await within(b_ctl.connect(head["ctl"]))
+            await within(back.notify(ack_of(head["req"], answer)))
+            assert await within(writing) == [False] * 8, answer
+
+
+async def test_a_stopped_member_does_not_hold_up_placements(make_agent: MakeAgent,
+                                                            tmp_path: Path) -> None:
+    """Member C (a real process) is SIGSTOPped (its agent is not yet known
+    lost: the writer's peer timeout is long): puts whose blocks overflow to
+    the peer tier return within the tier's ack_wait, the blocks owned by the
+    healthy member B are stored there, C's are dropped and counted, and
+    once C is known silent later placements do not wait for it at all
+    (before: every placement waited 10 s for C's ack, and the put with it).
+    C continued: its late acknowledgement makes it a target again."""
+    proc_b, addr_b = await start_member(tmp_path, "member-b2")
+    proc_c, addr_c = await start_member(tmp_path, "member-c2")
+    try:
+        agent = await make_agent("member-a2", peer_timeout=60.0)
+        n = 32
+        src = agent.alloc(n * BB)
+        src.numpy()[:] = pattern(n * BB, 8)
+        tier = kv.PeerTier(group="t", ack_wait=0.5)
+        async with kv.Store.open(agent, block_bytes=BB, tiers=[
+                kv.HostTier(2 * BB, high_watermark=1.0, low_watermark=1.0), tier]) as store:
+            assert await within(tier.join(addr_b)) and await within(tier.join(addr_c))
+            names = tier.member_names()
+            keys = kv.chain(np.arange(10**7, 10**7 + 16 * n), block_tokens=16, namespace=b"s")
+            put = await within(store.put(keys, src[0:n * BB]))  # both answer
+            assert put.dropped == 0, put
+            proc_c.send_signal(signal.SIGSTOP)
+            stored_b = 0
+            async with asyncio.timeout(5):  # one 10 s ack wait fails it
+                for r in range(3):
+                    keys = kv.chain(np.arange(16 * n * r, 16 * n * (r + 1)), block_tokens=16,
+                                    namespace=b"stop")
+                    put = await store.put(keys, src[0:n * BB])
+                    to_b = [i for i, k in enumerate(keys)
+                            if [o for o in owners(k, names, 2) if o != agent.name][0]
+                            == "member-b2"]
+                    got = [i for i, t in enumerate(put.tiers) if t == "peer"]
+                    assert set(to_b) - {0, 1} <= set(got), (r, to_b, got)  # (0, 1: host)
+                    assert not set(got) - set(to_b), (r, got)
+                    stored_b += len(got)
+            st = store.statistics().tiers["peer"]
+            assert st.dropped_stores.get("peer_stalled", 0) > 0, st.dropped_stores
+            assert stored_b > 0
+            proc_c.send_signal(signal.SIGCONT)
+            await within(wait_until(lambda: not tier.members["member-c2"].silent,
+                                    what="C heard from again"))
+            keys = kv.chain(np.arange(10**6, 10**6 + 16 * n), block_tokens=16, namespace=b"s")
+            put = await within(store.put(keys, src[0:n * BB]))
+            assert put.dropped == 0, put
+    finally:
+        for proc in (proc_b, proc_c):
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                await proc.wait()
+
+
+
+async def test_refused_placements_do_not_evict_clean_blocks(make_agent: MakeAgent) -> None:
+    """A member whose host tier is full of clean blocks (placed there by a
+    peer) is sent a placement whose blocks fail their checksums (a broken or
+    hostile sender): nothing is stored and the blocks it held are all still
+    there (before: room was made by evicting them before the pulled bytes
+    were verified). A good placement after it still gets room."""
+    from aioxfer.kv import checksum as ck
+    sender = await make_agent("sender2")
+    src = sender.alloc(8 * BB, name="src")
+    data = pattern(8 * BB, 11)
+    src.numpy()[:] = data
+    agent = await make_agent("member-p")
+    host = kv.HostTier(4 * BB, high_watermark=1.0, low_watermark=1.0)
+    tier = kv.PeerTier(group="t")
+    keys = keys_for(12)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[host, tier]) as store:
+        assert tier.ctl is not None
+        ctl = await within(sender.connect(tier.ctl.address))
+        notes = aiter(sender.notifications)
+
+        async def place(req: int, ks: list[bytes], blocks: list[int], crc_ok: bool) -> bytes:
+            head = json.dumps({"op": "put", "req": req, "from": sender.address,
+                               "ctl": sender.address, "region": src.name}).encode()
+            body = b"".join(
+                k + (b * BB).to_bytes(8, "little")
+                + ((ck.checksum(data[b * BB:(b + 1) * BB]) ^ (0 if crc_ok else 1))
+                   .to_bytes(4, "little")) + ck.ALGO.to_bytes(4, "little")
+                for k, b in zip(ks, blocks, strict=True))
+            await within(ctl.notify(len(head).to_bytes(2, "little") + head + body))
+            p = (await within(anext(notes))).payload
+            n = int.from_bytes(p[:2], "little")
+            assert json.loads(p[2:2 + n])["req"] == req
+            return bytes(p[2 + n:])
+
+        assert await place(1, keys[:4], [0, 1, 2, 3], True) == b"\x01" * 4
+        assert set(host.index) == set(keys[:4]) and not host.dirty
+        assert await place(2, keys[4:8], [4, 5, 6, 7], False) == b"\x00" * 4
+        assert set(host.index) == set(keys[:4]), "refused blocks evicted clean ones"
+        dst = agent.alloc(4 * BB)
+        res = await within(store.get(keys[:4], dst[0:4 * BB]))
+        assert res.prefix == 4 and np.array_equal(dst.numpy(), data[:4 * BB])
+        assert await place(3, keys[8:10], [4, 5], True) == b"\x01" * 2
+        assert keys[8] in host.index and keys[9] in host.index
+        res = await within(store.get(keys[8:10], dst[0:2 * BB]))
+        assert res.prefix == 2 and np.array_equal(dst.numpy()[:2 * BB], data[4 * BB:6 * BB])
+        assert store.statistics().pins == 0 and len(host.index) == 4

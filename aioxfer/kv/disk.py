@@ -55,7 +55,7 @@ import numpy.typing as npt
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
-from aioxfer.kv.tier import Tier, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region, SegmentList
 
@@ -314,15 +314,22 @@ class DiskTier(Tier):
         self.rebuild_seconds = loop.time() - t0
 
     async def _aclose(self) -> None:
+        """Waits for background work, writes the pending headers, then
+        deregisters every segment file and stage. A cancel landing at any of
+        these awaits does not stop the close there (each step runs to its end,
+        the cancel is raised once all are done): cut short, the tier's files
+        stayed registered (open) and its headers unwritten."""
+        cancelled = False
         for task in list(self._tasks):
-            await asyncio.gather(task, return_exceptions=True)
+            cancelled |= await finish_uncancelled(asyncio.gather(task, return_exceptions=True))
         if self._flusher is not None:
-            await asyncio.gather(self._flusher, return_exceptions=True)
+            cancelled |= await finish_uncancelled(
+                asyncio.gather(self._flusher, return_exceptions=True))
         if self.lock is not None:
             for seg in list(self.segs.values()):
                 if seg.image is not None:
                     try:
-                        await self._flush(seg, durable=False)
+                        cancelled |= await finish_uncancelled(self._flush(seg, durable=False))
                     except (XferError, OSError) as exc:
                         # (a full or failing disk) Its blocks are not found
                         # after a restart, as after a crash; the close goes on.
@@ -331,12 +338,20 @@ class DiskTier(Tier):
         from aioxfer.kv.store import _deregister
 
         agent = self.store.agent
-        for seg in list(self.segs.values()):
-            if seg.region is not None and not seg.region.closed:
-                await _deregister(agent, seg.region)
-        for r in (self.stage, self.cstage_w, self.cstage_r):
+        first: Exception | None = None
+        regions = [seg.region for seg in list(self.segs.values())]
+        for r in [*regions, self.stage, self.cstage_w, self.cstage_r]:
             if r is not None and not r.closed:
-                await _deregister(agent, r)
+                try:
+                    cancelled |= await finish_uncancelled(_deregister(agent, r))
+                except Exception as exc:
+                    _log.warning("kv.disk_close_failed", tier=self.name, region=r.name,
+                                 error=repr(exc))
+                    first = first or exc
+        if first is not None:
+            raise first
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _rebuild(self) -> None:
         """The index from every segment's header table (see the module doc)."""

@@ -202,6 +202,13 @@ class HostTier(Tier):
         else:
             self._release_slot(slot)
 
+    def take_free(self, k: int) -> list[int]:
+        """Up to k free slots now, evicting nothing."""
+        free = self.free
+        got = free[-k:][::-1] if k else []
+        del free[len(free) - len(got):]
+        return got
+
     def _take(self, k: int) -> list[int]:
         """Up to k free slots now, evicting clean unpinned cold blocks (no I/O,
         no await); never waits."""

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import secrets
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 import aioxfer
-from aioxfer.errors import XferError
+from aioxfer.errors import PeerLost, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import entry_check
 from aioxfer.kv.errors import BlockMissing, BlockUnavailable
@@ -132,6 +133,18 @@ class _Member:
         self.index: RemoteRegion = peer.region(meta["index"])
         self.buckets = int(meta["buckets"])
         self.ctl: aioxfer.Peer | None = None
+        # Placements sent and not yet acknowledged: request -> its future.
+        self.waiting: dict[int, asyncio.Future[bytes]] = {}
+        # Requests whose ack_wait passed unanswered; a late ack of one of
+        # them proves the member alive again.
+        self.late: set[int] = set()
+        # When it last let a placement's ack_wait pass (None: it answers):
+        # while set, no placement is sent to it (see PeerTier._place).
+        self.silent_since: float | None = None
+
+    @property
+    def silent(self) -> bool:
+        return self.silent_since is not None
 
 
 class PeerTier(Tier):
@@ -144,17 +157,44 @@ class PeerTier(Tier):
     from one sending peer; a request past either is refused (acknowledged
     with nothing stored, so its sender drops those blocks at once) and
     counted (``pulls_refused``, dropped "pull_refused"): a flood from a
-    broken or hostile peer starts no unbounded work."""
+    broken or hostile peer starts no unbounded work.
+
+    ``ack_wait``: how long a placement waits for its member's
+    acknowledgement (connecting to it included). Past it the blocks count as
+    not stored (dropped "ack_timeout"; the member may still take them: it
+    verifies what it reads, so a slot reused meanwhile is refused there) and
+    the member is *silent*: placements to it are skipped at once (dropped
+    "peer_stalled") until it answers again (a late ack), leaves, or
+    ``ack_timeout`` has passed (then one placement tries it again). One
+    stopped or wedged member (alive to the kernel, so not yet lost) thus
+    costs one ``ack_wait``, never a write-back or put held for each of its
+    placements; a member that leaves (lost) fails its placements at once.
+    Acknowledgements count only from the member asked, for a request
+    number drawn at random, with one byte 0/1 per block sent.
+
+    ``pull_staging_blocks``: blocks placed here while the host tier has no
+    free slot are read into a staging area of this many blocks first and
+    verified there; only the good ones make room (evict clean cold blocks)."""
 
     kind = "peer"
     probes = True
 
     def __init__(self, *, name: str = "peer", group: str = "kv", replicas: int = 1,
                  seeds: list[str] | None = None, max_pulls: int = 16,
-                 max_pulls_per_peer: int = 4) -> None:
+                 max_pulls_per_peer: int = 4, ack_wait: float = 1.0,
+                 ack_timeout: float = 10.0, pull_staging_blocks: int = 8) -> None:
         super().__init__(name)
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
+        if not 0 < ack_wait <= ack_timeout:
+            raise ValueError("need 0 < ack_wait <= ack_timeout (seconds)")
+        if pull_staging_blocks < 1:
+            raise ValueError("pull_staging_blocks must be >= 1")
+        self.pull_staging_blocks = int(pull_staging_blocks)
+        self.pull_stage: Region | None = None
+        self.pull_lock = asyncio.Lock()
+        self.ack_wait = float(ack_wait)
+        self.ack_timeout = float(ack_timeout)
         if max_pulls < 1 or max_pulls_per_peer < 1:
             raise ValueError("max_pulls and max_pulls_per_peer must be >= 1")
         self.max_pulls = max_pulls
@@ -175,8 +215,8 @@ class PeerTier(Tier):
         # meta): each reads into it and parses it after its read lands.
         self.stage_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._acks: dict[int, asyncio.Future[bytes]] = {}
-        self._next_req = 0
+        # (the member's control agent's name, request) -> the ack's future
+        self._acks: dict[tuple[str, int], asyncio.Future[bytes]] = {}
         self.pulled = 0  # blocks other members placed here
 
     # ------------------------------------------------------------ open / close
@@ -195,6 +235,7 @@ class PeerTier(Tier):
         self.index = PeerIndex(idx_region, buckets)
         host.publish(self.index)
         self.stage = agent.alloc(max(_META_BYTES, 256 * WAYS * IENTRY))
+        self.pull_stage = agent.alloc(self.pull_staging_blocks * store.block_bytes)
         host_part = agent.address.rsplit(":", 1)[0]
         self.ctl = aioxfer.Agent(f"{agent.name}.kvctl", listen=f"{host_part}:0")
         await self.ctl.start()
@@ -233,7 +274,8 @@ class PeerTier(Tier):
             steps.append(asyncio.gather(*self._tasks, return_exceptions=True))
         if self.ctl is not None:
             steps.append(self.ctl.aclose())
-        for r in (self.meta_region, self.stage, self.index.region if self.index else None):
+        for r in (self.meta_region, self.stage, self.pull_stage,
+                  self.index.region if self.index else None):
             if r is not None and not r.closed:
                 steps.append(_deregister(agent, r))
         first: Exception | None = None
@@ -263,6 +305,11 @@ class PeerTier(Tier):
                 gone = self.members.pop(ev.name, None)
                 if gone is not None:
                     _log.info("kv.peer_left", tier=self.name, member=ev.name)
+                    # Its placements end now (its acks will not come), not
+                    # after ack_wait each.
+                    for fut in gone.waiting.values():
+                        if not fut.done():
+                            fut.set_exception(PeerLost(f"member {ev.name!r} left"))
                     self.located = {k: v for k, v in self.located.items() if v[0] != ev.name}
                 continue
             if ev.name == agent.name or ev.name in self.members:
@@ -298,7 +345,12 @@ class PeerTier(Tier):
         member = self._member(peer, raw)
         if member is None:
             return None
+        old = self.members.get(peer.name)
         self.members[peer.name] = member
+        if old is not None:
+            for fut in old.waiting.values():  # its acks will not come (restarted)
+                if not fut.done():
+                    fut.set_exception(PeerLost(f"member {peer.name!r} was replaced"))
         _log.info("kv.peer_joined", tier=self.name, member=peer.name)
         return member
 
@@ -447,60 +499,106 @@ class PeerTier(Tier):
             self.counters.dropped("no_peer", len(keys))
             return ok
         bb = self.store.block_bytes
-        plan: dict[str, list[int]] = {}
+        # Per owner and source region (the owner reads one region by name
+        # per message): blocks of a caller's put may come from several.
+        plan: dict[tuple[str, int], list[int]] = {}
         for i, k in enumerate(keys):
             # The block leaves this store: its owners over all members, with
             # the next one in rendezvous order standing in for ourselves.
             targets = [o for o in owners(k, names, self.replicas + 1) if o != me]
             for o in targets[: self.replicas]:
-                plan.setdefault(o, []).append(i)
+                plan.setdefault((o, id(regions[i])), []).append(i)
         crcs = [ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb])
                 for i in range(len(keys))]
         sends = []
-        for name, idx in plan.items():
+        for (name, _r), idx in plan.items():
             for b in range(0, len(idx), _MAX_PER_MSG):
                 sends.append(self._place(name, idx[b:b + _MAX_PER_MSG], keys, regions,
                                          offsets, crcs))
         results = await asyncio.gather(*sends, return_exceptions=True)
+        why: dict[str, int] = {}
         for r in results:
             if isinstance(r, asyncio.CancelledError):
                 raise r
             if isinstance(r, BaseException):
                 self.counters.errors += 1
                 continue
-            for i in r:
+            stored, reason, n = r
+            for i in stored:
                 ok[i] = True
+            if n > len(stored):
+                why[reason] = why.get(reason, 0) + n - len(stored)
         self.counters.puts += sum(ok)
         self.counters.put_bytes += sum(ok) * bb
-        if not all(ok):
-            self.counters.dropped("peer_refused", ok.count(False))
+        missing = ok.count(False)
+        for reason, n in why.items():
+            n = min(n, missing)  # (replicas > 1: a block another owner took is stored)
+            if n:
+                self.counters.dropped(reason, n)
+                missing -= n
+        if missing:
+            self.counters.dropped("peer_refused", missing)
         return ok
 
     async def _place(self, name: str, idx: list[int], keys: list[bytes], regions: list[Region],
-                     offsets: list[int], crcs: list[int]) -> list[int]:
+                     offsets: list[int], crcs: list[int]) -> tuple[list[int], str, int]:
+        """One placement message to member ``name``: (the blocks it stored,
+        why the others were not, how many were sent)."""
         m = self.members.get(name)
         if m is None or self.ctl is None:
-            return []
-        if m.ctl is None:
-            m.ctl = await self.ctl.connect(m.meta["ctl"])
-        # One source region per message (the owner reads it by name).
+            return [], "peer_left", len(idx)
+        loop = asyncio.get_running_loop()
+        if m.silent_since is not None:
+            if loop.time() - m.silent_since < self.ack_timeout:
+                return [], "peer_stalled", len(idx)
+            m.silent_since = loop.time()  # this one tries it again; the others still skip
         region = regions[idx[0]]
-        idx = [i for i in idx if regions[i] is region]
-        self._next_req += 1
-        req = self._next_req
+        # Random, so that no other member can guess the request numbers it
+        # was not sent (its acks are matched on the sender too, see _serve).
+        req = secrets.randbits(62)
         head = json.dumps({"op": "put", "req": req, "from": self.store.agent.address,
                            "ctl": self.ctl.address, "region": region.name}).encode()
         body = b"".join(keys[i] + offsets[i].to_bytes(8, "little") + crcs[i].to_bytes(4, "little")
                         + ck.ALGO.to_bytes(4, "little") for i in idx)
-        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._acks[req] = fut
+        fut: asyncio.Future[bytes] = loop.create_future()
+        key: tuple[str, int] | None = None
         try:
-            await m.ctl.notify(len(head).to_bytes(2, "little") + head + body)
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(self.ack_wait):
+                if m.ctl is None or m.ctl.lost:
+                    m.ctl = await self.ctl.connect(m.meta["ctl"])
+                key = (m.ctl.name, req)
+                self._acks[key] = fut
+                m.waiting[req] = fut
+                await m.ctl.notify(len(head).to_bytes(2, "little") + head + body)
                 bitmap = await fut
+        except TimeoutError:
+            # Silent (stopped, wedged, or its control agent unreachable): its
+            # blocks are not stored as far as we know; nothing more is sent
+            # to it until it answers (a late ack of this request) or leaves.
+            _log.warning("kv.peer_ack_timeout", tier=self.name, member=name,
+                         seconds=self.ack_wait)
+            if m.silent_since is None:
+                m.silent_since = loop.time()
+            if key is not None:
+                m.late.add(req)
+            return [], "ack_timeout", len(idx)
+        except PeerLost:
+            return [], "peer_lost", len(idx)
+        except (XferError, OSError) as exc:  # its control agent cannot be reached
+            _log.info("kv.peer_place_failed", tier=self.name, member=name, error=repr(exc))
+            return [], "peer_unreachable", len(idx)
         finally:
-            self._acks.pop(req, None)
-        return [i for j, i in enumerate(idx) if j < len(bitmap) and bitmap[j]]
+            if key is not None:
+                self._acks.pop(key, None)
+            m.waiting.pop(req, None)
+        m.silent_since = None
+        if len(bitmap) != len(idx) or bitmap.strip(b"\x00\x01"):
+            # Not an answer to what was sent (a broken or hostile member):
+            # it claims nothing.
+            _log.warning("kv.peer_bad_ack", tier=self.name, member=name, blocks=len(idx),
+                         ack_bytes=len(bitmap))
+            return [], "bad_ack", len(idx)
+        return [i for i, b in zip(idx, bitmap, strict=True) if b], "peer_refused", len(idx)
 
     async def _serve(self) -> None:
         assert self.ctl is not None
@@ -518,9 +616,13 @@ class PeerTier(Tier):
             if not isinstance(head, dict) or type(head.get("req")) is not int:
                 continue
             if head.get("op") == "ack":
-                fut = self._acks.get(head["req"])
+                # Only the member the request went to answers it (another
+                # member's ack of it would make us drop blocks as stored).
+                fut = self._acks.get((msg.peer_name, head["req"]))
                 if fut is not None and not fut.done():
                     fut.set_result(body)
+                elif fut is None:
+                    self._late_ack(msg.peer_name, head["req"])
             elif head.get("op") == "put" and all(
                     isinstance(head.get(f), str) for f in ("from", "ctl", "region")):
                 sender = msg.peer_name
@@ -530,6 +632,15 @@ class PeerTier(Tier):
                     continue
                 self._pulling[sender] = self._pulling.get(sender, 0) + 1
                 self._spawn(self._pull_from(sender, head, body))
+
+    def _late_ack(self, ctl_name: str, req: int) -> None:
+        """An ack after its placement's ack_wait: the member is alive again."""
+        for m in self.members.values():
+            if m.ctl is not None and m.ctl.name == ctl_name and req in m.late:
+                m.late.discard(req)
+                m.silent_since = None
+                _log.info("kv.peer_answers_again", tier=self.name, member=m.name)
+                return
 
     def _refuse(self, head: dict[str, Any], n: int) -> None:
         """A placement past the limits: nothing pulled; its sender is told so
@@ -589,38 +700,99 @@ class PeerTier(Tier):
             for j, e in enumerate(entries):
                 if e[0] in host.index:
                     stored[j] = 1
-            slots = host._take(len(fresh))
-            fresh = fresh[: len(slots)]
-            if fresh:
-                try:
-                    t = agent.read(
-                        SegmentList(host.region,
-                                    np.array(slots, dtype=np.uint64) * np.uint64(bb),
-                                    np.full(len(slots), bb, dtype=np.uint64)),
-                        SegmentList(src,
-                                    np.array([entries[j][1] for j in fresh], dtype=np.uint64),
-                                    np.full(len(fresh), bb, dtype=np.uint64)))
-                except BaseException:
-                    host.give_back(slots)  # no read was posted
-                    raise
-                try:
-                    await asyncio.shield(t)  # our memory: never cancelled midway
-                except BaseException:
-                    t.add_done_callback(lambda _t: host.give_back(slots))
-                    raise
-                for j, s in zip(fresh, slots, strict=True):
-                    key, _off, crc, algo = entries[j]
-                    got = ck.checksum_with(algo, host.region.memoryview[s * bb:(s + 1) * bb])
-                    if got == crc and key not in host.index:
-                        host.insert(key, s, dirty=False)
-                        stored[j] = 1
-                        self.pulled += 1
-                    else:
-                        host.give_back([s])
+            # Free slots take the blocks straight (nothing is lost if they
+            # fail their checks); past them, the blocks pass through the
+            # tier's staging and room is made (clean cold blocks evicted)
+            # only for those that verified: a refused or broken placement
+            # never pushes good blocks out.
+            slots = host.take_free(len(fresh))
+            direct, rest = fresh[:len(slots)], fresh[len(slots):]
+            if direct:
+                await self._pull_direct(host, src, entries, direct, slots, stored)
+            for b in range(0, len(rest), self.pull_staging_blocks):
+                await self._pull_staged(host, src, entries,
+                                        rest[b:b + self.pull_staging_blocks], stored)
         except (XferError, OSError, LookupError, ValueError) as exc:  # (a bad address)
             _log.info("kv.peer_pull_failed", tier=self.name, error=repr(exc))
         finally:
             await self._ack(head, bytes(stored))
+
+    async def _pull_direct(self, host: HostTier, src: RemoteRegion,
+                           entries: list[tuple[bytes, int, int, int]], fresh: list[int],
+                           slots: list[int], stored: bytearray) -> None:
+        """Reads blocks into free host slots, verifies, publishes."""
+        bb = self.store.block_bytes
+        assert host.region is not None
+        try:
+            t = self.store.agent.read(
+                SegmentList(host.region, np.array(slots, dtype=np.uint64) * np.uint64(bb),
+                            np.full(len(slots), bb, dtype=np.uint64)),
+                SegmentList(src, np.array([entries[j][1] for j in fresh], dtype=np.uint64),
+                            np.full(len(fresh), bb, dtype=np.uint64)))
+        except BaseException:
+            host.give_back(slots)  # no read was posted
+            raise
+        try:
+            await asyncio.shield(t)  # our memory: never cancelled midway
+        except BaseException:
+            t.add_done_callback(lambda _t: host.give_back(slots))
+            raise
+        for j, s in zip(fresh, slots, strict=True):
+            key, _off, crc, algo = entries[j]
+            got = ck.checksum_with(algo, host.region.memoryview[s * bb:(s + 1) * bb])
+            if got == crc and key not in host.index:
+                host.insert(key, s, dirty=False)
+                stored[j] = 1
+                self.pulled += 1
+            else:
+                host.give_back([s])
+
+    async def _pull_staged(self, host: HostTier, src: RemoteRegion,
+                           entries: list[tuple[bytes, int, int, int]], fresh: list[int],
+                           stored: bytearray) -> None:
+        """Reads blocks into the pull staging, verifies them there, and only
+        then makes room for the good ones and copies them in."""
+        store = self.store
+        bb = store.block_bytes
+        stage = self.pull_stage
+        assert stage is not None and host.remote is not None
+        n = len(fresh)
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(bb)
+        lens = np.full(n, bb, dtype=np.uint64)
+        async with self.pull_lock:
+            # Never cut short: the next pull refills the staging.
+            await run_to_end(store.agent.read(
+                SegmentList(stage, offs, lens),
+                SegmentList(src, np.array([entries[j][1] for j in fresh], dtype=np.uint64),
+                            lens)))
+            good = []
+            for k, j in enumerate(fresh):
+                key, _off, crc, algo = entries[j]
+                if key not in host.index and ck.checksum_with(
+                        algo, stage.memoryview[k * bb:(k + 1) * bb]) == crc:
+                    good.append(k)
+            slots = host._take(len(good))  # accepted: now room is made
+            good = good[:len(slots)]
+            if not good:
+                return
+            t = store.agent.write(
+                SegmentList(stage, np.array(good, dtype=np.uint64) * np.uint64(bb),
+                            np.full(len(good), bb, dtype=np.uint64)),
+                SegmentList(host.remote, np.array(slots, dtype=np.uint64) * np.uint64(bb),
+                            np.full(len(good), bb, dtype=np.uint64)))
+            try:
+                await run_to_end(t)
+            except BaseException:
+                host.give_back(slots)
+                raise
+            for k, s in zip(good, slots, strict=True):
+                key = entries[fresh[k]][0]
+                if key not in host.index:
+                    host.insert(key, s, dirty=False)
+                    stored[fresh[k]] = 1
+                    self.pulled += 1
+                else:
+                    host.give_back([s])
 
     def _usage(self) -> tuple[int, int, int]:
         return len(self.members), 0, 0
