@@ -54,6 +54,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import mmap
 import os
 import signal
 import statistics
@@ -76,6 +77,54 @@ SYSTEMS = ["nixl", "compat", "native"]
 
 def size_name(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def buffer() -> np.ndarray:
+    """A BUF-byte buffer for a process to register, its pages as $BENCH_PAGES
+    says (``--pages``; "INITIATOR'S,TARGET'S" or one for both):
+
+    - ``huge`` (the default): 2 MiB-aligned, MADV_HUGEPAGE, touched, then
+      MADV_COLLAPSE (Linux 6.1) to insist where a fault got 4 KiB pages: all
+      in huge pages when the kernel has any;
+    - ``numpy``: np.empty, as vLLM's caches. numpy advises huge pages from 4
+      MiB, but its mapping is not 2 MiB-aligned: the part before the first 2
+      MiB boundary (0-2 MiB, 1128 KiB in initiators here, moving between
+      processes with their threads' stacks) stays in 4 KiB pages, and a fault
+      that finds no free huge page (a fragmented machine) falls back to 4 KiB
+      pages for the life of the process;
+    - ``small``: MADV_NOHUGEPAGE, all in 4 KiB pages.
+
+    Why it matters: a same-host copy between two processes' user memory is
+    process_vm_writev/readv, and the kernel pins the *target's* pages for
+    every call, a page-table walk and a reference per 4 KiB page, one per 2
+    MiB page. A target in 4 KiB pages made the same code 0.84x at 64 KiB and
+    0.77x at 1 MiB (0.93x at 16 MiB, 1.0x at 4 KiB; native pairs taking
+    turns, 2026-12-05); the initiator's pages moved it by 5 % at most. With
+    numpy buffers that decided a pair's speed for its whole life: A/A runs
+    (native ÷ native') had shown 1.18-1.19x on exactly those rows."""
+    hows = os.environ.get("BENCH_PAGES", "huge").split(",")
+    how = hows[-1] if _role == "target" else hows[0]
+    if how == "numpy":
+        return np.empty(BUF, dtype=np.uint8)
+    if how not in ("huge", "small"):
+        raise SystemExit(f"BENCH_PAGES: huge, numpy or small, not {how!r}")
+    huge = 2 << 20
+    mm = mmap.mmap(-1, BUF + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    _keep_maps.append(mm)
+    raw = np.frombuffer(mm, dtype=np.uint8)
+    off = -raw.ctypes.data % huge
+    mm.madvise(mmap.MADV_HUGEPAGE if how == "huge" else mmap.MADV_NOHUGEPAGE, off, BUF)
+    buf = raw[off:off + BUF]
+    buf[:] = 0
+    if how == "huge":
+        with contextlib.suppress(OSError):  # before 6.1 (EINVAL), or no huge page (EAGAIN)
+            mm.madvise(MADV_COLLAPSE, off, BUF)
+    return buf
+
+
+MADV_COLLAPSE = 25
+_keep_maps: list[mmap.mmap] = []
+_role = "driver"
 
 
 def fill(buf: np.ndarray, seed: int) -> None:
@@ -109,11 +158,48 @@ def own_calibration(system: str) -> dict[str, int] | None:
     return dict(_cyx.calibration())
 
 
+KPF_THP = 1 << 22
+
+
+def placement(buf: np.ndarray) -> dict[str, Any]:
+    """Where ``buf``'s pages are: its address within a 2 MiB page, and how many
+    KiB of its first 64 KiB, 1 MiB and all of it are transparent huge pages
+    (with /proc/kpageflags, root only; else the mapping's AnonHugePages)."""
+    addr, n = buf.ctypes.data, buf.nbytes
+    out: dict[str, Any] = {"mod2m_kib": (addr % (2 << 20)) >> 10}
+    try:
+        with open("/proc/self/pagemap", "rb") as pm, open("/proc/kpageflags", "rb") as kf:
+            huge = []
+            for page in range(addr >> 12, (addr + n + 4095) >> 12):
+                pm.seek(page * 8)
+                pfn = int.from_bytes(pm.read(8), "little") & ((1 << 55) - 1)
+                flags = 0
+                if pfn:
+                    kf.seek(pfn * 8)
+                    flags = int.from_bytes(kf.read(8), "little")
+                huge.append(bool(flags & KPF_THP))
+        for name, size in (("64k", 64 << 10), ("1m", 1 << 20), ("all", n)):
+            out[f"thp_{name}_kib"] = 4 * sum(huge[:(size + 4095) >> 12])
+    except OSError:
+        total = 0
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                m = line.split(" ", 1)[0].split("-")
+                if len(m) == 2 and all(c in "0123456789abcdef" for c in m[0] + m[1]):
+                    lo, hi = int(m[0], 16), int(m[1], 16)
+                    inside = lo < addr + n and hi > addr
+                elif inside and line.startswith("AnonHugePages:"):
+                    total += int(line.split()[1])
+        out["thp_mapping_kib"] = total
+    return out
+
+
 def target_main(args: argparse.Namespace) -> None:
     """Registers a 16 MiB buffer, sends its metadata and address on the
     control fd, then answers CRC requests from stdin until "exit"."""
     ctl = os.fdopen(args.ctl_fd, "w")
-    buf = np.empty(BUF, dtype=np.uint8)
+    buf = buffer()
     fill(buf, 3)
     keep: Any = None
     if args.system == "native":
@@ -124,7 +210,8 @@ def target_main(args: argparse.Namespace) -> None:
             async with aioxfer.Agent("target", **kwargs) as agent:
                 agent.register(buf, name="kv")
                 ctl.write(json.dumps({"address": agent.address, "addr": buf.ctypes.data,
-                                      "cal": own_calibration(args.system)}) + "\n")
+                                      "cal": own_calibration(args.system),
+                                      "pages": placement(buf)}) + "\n")
                 ctl.flush()
                 loop = asyncio.get_running_loop()
                 while True:
@@ -141,7 +228,7 @@ def target_main(args: argparse.Namespace) -> None:
     agent = nixl_agent("target", nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
     keep = agent.register_memory([(buf.ctypes.data, BUF, 0, "")], "DRAM")
     ctl.write(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data,
-                          "cal": own_calibration(args.system)}) + "\n")
+                          "cal": own_calibration(args.system), "pages": placement(buf)}) + "\n")
     ctl.flush()
     for line in sys.stdin:
         if not answer(line, buf, ctl):
@@ -238,7 +325,7 @@ def nixl_like_workloads(args: argparse.Namespace, target: Target, keep: list[Any
         from aioxfer.nixl import nixl_agent, nixl_agent_config
     agent = nixl_agent("initiator", nixl_agent_config(enable_prog_thread=False,
                                                       backends=["UCX"]))
-    buf = np.empty(BUF, dtype=np.uint8)
+    buf = buffer()
     fill(buf, 5)
     keep += [agent, buf]
     laddr, raddr = buf.ctypes.data, target.hello["addr"]
@@ -286,7 +373,7 @@ def native_workloads(args: argparse.Namespace, target: Target, loop: asyncio.Abs
 
     kwargs = {"transports": ("tcp",)} if args.transport == "tcp" else {}
     agent = aioxfer.Agent("initiator", **kwargs)
-    buf = np.empty(BUF, dtype=np.uint8)
+    buf = buffer()
     fill(buf, 5)
     keep += [agent, buf]
     region = agent.register(buf, name="kv")
@@ -374,6 +461,9 @@ def initiator_main(args: argparse.Namespace) -> None:
         ctl.write(json.dumps({"target_pid": target.proc.pid,
                               "cal": own_calibration(args.system),
                               "target_cal": target.hello.get("cal"),
+                              "pages": placement(next(k for k in keep
+                                                      if isinstance(k, np.ndarray))),
+                              "target_pages": target.hello.get("pages"),
                               "workloads": [[w.op, w.label, w.nbytes, w.verified]
                                             for w in works]}) + "\n")
         ctl.flush()
@@ -474,6 +564,7 @@ class Pair:
         hello = json.loads(line)
         self.target_pid = int(hello["target_pid"])
         self.cal = hello.get("cal"), hello.get("target_cal")
+        self.pages = hello.get("pages"), hello.get("target_pages")
         self.workloads = hello["workloads"]
         self.stop()
 
@@ -531,8 +622,15 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
                 continue
             mine, theirs = pairs[-1].cal
             print(f"{label}/{transport}: ready in {time.perf_counter() - t0:.1f} s"
-                  + (f"; calibration: initiator {mine}, target {theirs}" if mine else ""),
+                  + (f"; calibration: initiator {mine}, target {theirs}" if mine else "")
+                  + "; pages (initiator, target): " + json.dumps(pairs[-1].pages),
                   file=sys.stderr)
+            tpages = pairs[-1].pages[1] or {}
+            if tpages.get("thp_all_kib", BUF >> 10) < BUF >> 10 and \
+                    os.environ.get("BENCH_PAGES", "huge").split(",")[-1] == "huge":
+                print(f"  {label}/{transport}: WARNING: its target's buffer is not all in huge "
+                      f"pages (the kernel had none free?): its 64 KiB-16 MiB rows run slower "
+                      f"for this pair's life", file=sys.stderr)
         if not pairs:
             return records
         for w, (op, label, nbytes, _) in enumerate(pairs[0].workloads):
@@ -543,6 +641,7 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
                     records.append({"system": pair.system, "transport": transport, "op": op,
                                     "workload": label, "round": rnd, "gbps": nbytes * n / dt / 1e9,
                                     "cpu_us": cpu / n * 1e6, "cal": pair.cal,
+                                    "pages": pair.pages,
                                     "verified": bool(pair.workloads[w][3])})
             print(f"  {transport} {op} {label}: done", file=sys.stderr)
     finally:
@@ -686,6 +785,7 @@ def driver(args: argparse.Namespace) -> None:
              f"their ratios are what noise alone makes of one now.\n" if args.aa else "\n"))
     if inline:
         print(f"aioxfer's inline threshold: {inline}.\n")
+    print(f"registered buffers' pages: {os.environ.get('BENCH_PAGES', 'huge')} (--pages).\n")
     print(table(records, systems))
     failed = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records
               if not r["verified"]}
@@ -724,7 +824,15 @@ def main() -> None:
                          "turns with the others, its ratios the first's over the second's: how "
                          "far apart two runs of the same code are on this machine now (with "
                          "--only SYSTEM: an A/A run alone)")
+    ap.add_argument("--pages", default="",
+                    help="the registered buffers' pages: huge, numpy or small (see buffer()), "
+                         "every process's or INITIATOR'S,TARGET'S; default: $BENCH_PAGES, "
+                         "else huge")
     args = ap.parse_args()
+    global _role
+    _role = args.role
+    if args.pages:
+        os.environ["BENCH_PAGES"] = args.pages  # the children inherit it
     args.ops = args.ops.split(",")
     args.only = args.only.split(",")
     args.transports = args.transports.split(",")
