@@ -23,6 +23,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,7 +40,6 @@ TIMEOUT = 1.0
 KEEPALIVE = 1.0  # etcd started with --grpc-keepalive-min-time below it
 SLACK = 4.0  # a busy two-core box
 PORT = 2379
-ROOT = Path(__file__).resolve().parent.parent
 
 # A member, in its namespace: joins, prints (JSON lines on stdout) that it
 # joined, every membership event and every discovery.* log event, until its
@@ -105,12 +105,20 @@ class Child:
                  keepalive: float = KEEPALIVE) -> None:
         self.name = name
         self.lines: list[dict[str, Any]] = []
+        # Its stderr in a file the failure message quotes; run from "/" so
+        # that it imports the installed aioxfer, never the checkout's sources
+        # (CI installs a wheel: the checkout has no compiled extension).
+        self.stderr = tempfile.TemporaryFile()
         self.proc = net.popen(side, [sys.executable, "-c", CHILD, name, endpoint, str(TTL),
                                      str(TIMEOUT), str(keepalive)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, cwd=ROOT)
+                              stderr=self.stderr, cwd="/")
         self._cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
+
+    def _stderr_tail(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()[-2000:].decode(errors="replace")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -137,7 +145,7 @@ class Child:
         rec = await asyncio.get_running_loop().run_in_executor(None, self._wait, pred, seconds)
         if rec is None:
             raise AssertionError(f"{self.name}: no {what} within {seconds} s; "
-                                 f"saw {self.lines[-20:]}")
+                                 f"saw {self.lines[-20:]}; stderr: {self._stderr_tail()}")
         return rec
 
     def kill(self) -> None:
