@@ -1,7 +1,6 @@
-"""Dialer.dial (issue 13): a dial over loopback whose connect completes
-inside connect() does not wait a loop iteration for a writable event; the
-socket it returns is connected, non-blocking, TCP_NODELAY, and a refused
-connect still raises its error.
+"""Dialer.dial (issue 13, where a connect's dial may skip its wait for a
+writable event): the socket it returns is connected, non-blocking and
+TCP_NODELAY, and a refused connect raises its error.
 """
 
 from __future__ import annotations
