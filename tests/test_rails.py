@@ -36,11 +36,20 @@ async def test_two_rails_stripe_and_report(make_agent) -> None:
     assert st.reroutes == 0 and st.bandwidth > 0 and st.in_flight_bytes == 0
 
 
+async def _unlisten(agent, i: int) -> None:
+    """Listener i goes away: its accept loop ends (its reader removed) before
+    the socket closes, so no later socket reusing its fd number is read by it."""
+    task = agent._accept_tasks[i]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    agent._lsocks[i].close()
+
+
 async def test_unreachable_rail_left_out_and_probed(make_agent, capsys) -> None:
     target = await make_agent("target", listen=["127.0.0.1:0", "127.0.0.3:0"],
                               transports=("tcp",))
     # The second rail's listener goes away: nothing answers there any more.
-    target._lsocks[1].close()
+    await _unlisten(target, 1)
     init = await make_agent("init", transports=("tcp",), rail_probe=0.05)
     dst = target.alloc(8 * MiB, name="dst")
     peer = await within(init.connect(target.address))
@@ -86,7 +95,7 @@ async def test_probes_of_a_lost_peer_end_with_it(make_agent) -> None:
     up to rail_probe_max seconds, holding the Peer)."""
     target = await make_agent("target", listen=["127.0.0.1:0", "127.0.0.3:0"],
                               transports=("tcp",))
-    target._lsocks[1].close()  # nothing answers on the second rail
+    await _unlisten(target, 1)  # nothing answers on the second rail
     init = await make_agent("init", transports=("tcp",), rail_probe=0.1,
                             limits=aioxfer.Limits(rail_probe_max=30.0))
     peer = await within(init.connect(target.address))
