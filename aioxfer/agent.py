@@ -623,12 +623,18 @@ class Agent:
         for task in tasks:
             task.cancel()
         try:
-            # local backends (object storage, plugins): fail in flight, close clients
-            await _backends.aclose_agent(self)
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-            if self._cluster is not None:
-                await self._cluster.leave()
+            try:
+                # local backends (object storage, plugins): fail in flight, close clients
+                await _backends.aclose_agent(self)
+            finally:
+                # Even when a backend's close failed: the cancelled accept
+                # loops must take their readers off the listening sockets
+                # before _shutdown closes them (uvloop aborts the process on
+                # a closed fd still watched), and the cluster must be left.
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                if self._cluster is not None:
+                    await self._cluster.leave()
         finally:
             self._shutdown()
         if cancelled is not None:
@@ -658,10 +664,13 @@ class Agent:
         self._peers.clear()
         self._membership.close()
         self.notifications._close()
-        for lsock in self._lsocks:
+        for lsock in (*self._lsocks, self._local_sock):
+            if lsock is None:
+                continue
+            if self._loop is not None and not self._loop.is_closed():
+                # an accept loop cut short (a cancelled aclose) may still watch it
+                self._loop.remove_reader(lsock.fileno())
             lsock.close()
-        if self._local_sock is not None:
-            self._local_sock.close()
         _log.debug("agent.closed", agent=self.name)
 
     def __del__(self, _warn: Any = warnings.warn) -> None:
