@@ -134,6 +134,9 @@ class MemBackend(LocalBackend):
         self.now = 0
         self.peak = 0
         self.done: list[str] = []  # keys, in the order their puts finished
+        # Set: every op waits for it (a deadline test's op cannot finish
+        # first: 48 in-loop copies can take less than its 1 ms).
+        self.hold: asyncio.Event | None = None
 
     def register(self, name: str = "mem") -> MemRegion:
         region = MemRegion(self, name)
@@ -149,6 +152,8 @@ class MemBackend(LocalBackend):
         try:
             for _ in range(3):
                 await asyncio.sleep(0)
+            if self.hold is not None:
+                await self.hold.wait()
         finally:
             self.now -= 1
 
@@ -253,10 +258,14 @@ async def test_cancel_deadline_and_close(store: tuple[Any, Any]) -> None:
     await asyncio.sleep(0.05)
     assert not dst.numpy().any()
 
+    if isinstance(backend, MemBackend):
+        backend.hold = asyncio.Event()
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.001):
             await agent.read(dst.segments(offs, lens), region.segments(keys))
     await wait_until(lambda: backend.statistics().in_flight == 0, what="I/O stopped")
+    if isinstance(backend, MemBackend):
+        backend.hold = None
     assert backend.statistics().transfers_failed == 2
 
     t = agent.read(dst.segments(offs, lens), region.segments(keys))
