@@ -289,11 +289,21 @@ void conn_room(conn *c)
  * while this connection's replies or undelivered notifications are at their
  * bound. Our liveness check is a receive timeout, so a paused receiver is
  * never declared silent; our sender keeps sending keepalives meanwhile. */
+static void tx_wake(conn *c);
+
 static void rx_wait_room(conn *c)
 {
     if (rx_has_room(c)) /* the usual case: no lock */
         return;
     pthread_mutex_lock(&c->mu);
+    /* Our keepalives must go on while we hold the peer back, and the lazily
+     * started sender is otherwise started by this receiver only between
+     * reads (rx_await), which a paused receiver never reaches: a receiver
+     * that had answered everything inline paused with no sender, sent no
+     * ping, and its peer declared it silent (test_limits test_notify_credit
+     * on an idle machine, every run). */
+    if (atomic_load(&((conn_priv *)c)->tx_owed))
+        tx_wake(c);
     while (!c->dead && !rx_has_room(c)) {
         c->rx_paused = true;
         pthread_cond_wait(&c->room_cv, &c->mu);
