@@ -519,3 +519,36 @@ async def test_refused_placements_do_not_evict_clean_blocks(make_agent: MakeAgen
         res = await within(store.get(keys[8:10], dst[0:2 * BB]))
         assert res.prefix == 2 and np.array_equal(dst.numpy()[:2 * BB], data[4 * BB:6 * BB])
         assert store.statistics().pins == 0 and len(host.index) == 4
+
+
+async def test_store_close_with_a_stopped_member_is_bounded(make_agent: MakeAgent,
+                                                            tmp_path: Path) -> None:
+    """A same-host member that maps this store's memory is SIGSTOPped: it
+    holds that memory until it exits (the agent keeps it pinned meanwhile),
+    but Store.aclose() returns within a bound of the agent's close_timeout a
+    region and a caller's deadline around it works (before: it waited for the
+    member to exit, a cancel or timeout could not end it: a hang)."""
+    import aioxfer
+    proc, address = await start_member(tmp_path, "member-s")
+    try:
+        agent = await make_agent("member-t", peer_timeout=60.0,
+                                 limits=aioxfer.Limits(close_timeout=0.5))
+        src = agent.alloc(16 * BB)
+        src.numpy()[:] = pattern(16 * BB, 21)
+        tier = kv.PeerTier(group="t")
+        store = await within(kv.Store.open(agent, block_bytes=BB, tiers=[
+            kv.HostTier(4 * BB, high_watermark=1.0, low_watermark=1.0), tier]))
+        assert await within(tier.join(address))
+        put = await within(store.put(keys_for(16), src[0:16 * BB]))
+        assert put.dropped == 0, put
+        proc.send_signal(signal.SIGSTOP)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        async with asyncio.timeout(10):
+            await store.aclose()
+        assert store.closed and loop.time() - t0 < 10
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            await proc.wait()

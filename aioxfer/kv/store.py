@@ -1887,8 +1887,29 @@ async def _owned_read(tier: Tier, fetches: list[_Fetch], op: _Op,
 
 
 async def _deregister(agent: Agent, region: Region) -> None:
+    """Deregisters ``region`` (peers lose access now) and waits for its
+    release, at most the agent's ``limits.close_timeout``: a same-host peer
+    that maps it and is stopped holds it until that process exits, and the
+    close paths run this inside finish_uncancelled, so an unbounded wait
+    would be a close no cancel or deadline can end. Past the bound the agent
+    keeps the memory pinned until the peer lets go (and quarantines it at its
+    own close), so nothing reuses it meanwhile."""
     # agent.deregister returns an awaitable in newer versions: accept both.
     dereg: Any = agent.deregister
     result = dereg(region)
     if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-        await result
+        fut = asyncio.ensure_future(result)
+        limits = getattr(agent, "limits", None)
+        bound = getattr(limits, "close_timeout", None)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), bound)
+        except TimeoutError:
+            fut.add_done_callback(_retrieve)
+            _log.warning("kv.release_pending", region=region.name, timeout=bound,
+                         why="a peer still maps it (a stopped process?): the agent keeps "
+                             "it pinned until that peer lets go")
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # seen: a late failure is not "never retrieved"
