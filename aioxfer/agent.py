@@ -493,7 +493,14 @@ class Agent:
             # (benchmarks/connect_phases.py: I.connect -> I.Connector.connect
             # 0.15-0.19 ms, then ~0.03 ms). Serving has then begun when
             # start() returns, as it says.
-            await asyncio.sleep(0)
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                # The caller gave up before awaiting the join _start began:
+                # the agent does not go on joining behind its back.
+                if self._cluster is not None and self._cluster.joining is not None:
+                    self._cluster.joining.cancel()
+                raise
         cluster = self._cluster
         while cluster is not None:
             joining = cluster.joining
@@ -667,9 +674,10 @@ class Agent:
         for lsock in (*self._lsocks, self._local_sock):
             if lsock is None:
                 continue
-            if self._loop is not None and not self._loop.is_closed():
+            fd = lsock.fileno()  # -1: closed already
+            if fd >= 0 and self._loop is not None and not self._loop.is_closed():
                 # an accept loop cut short (a cancelled aclose) may still watch it
-                self._loop.remove_reader(lsock.fileno())
+                self._loop.remove_reader(fd)
             lsock.close()
         _log.debug("agent.closed", agent=self.name)
 
