@@ -335,19 +335,14 @@ class DiskTier(Tier):
                         # after a restart, as after a crash; the close goes on.
                         _log.warning("kv.disk_flush_failed", tier=self.name, segment=seg.no,
                                      error=repr(exc))
-        from aioxfer.kv.store import _deregister
+        from aioxfer.kv.store import _deregister_all
 
         agent = self.store.agent
-        first: Exception | None = None
         regions = [seg.region for seg in list(self.segs.values())]
-        for r in [*regions, self.stage, self.cstage_w, self.cstage_r]:
-            if r is not None and not r.closed:
-                try:
-                    cancelled |= await finish_uncancelled(_deregister(agent, r))
-                except Exception as exc:
-                    _log.warning("kv.disk_close_failed", tier=self.name, region=r.name,
-                                 error=repr(exc))
-                    first = first or exc
+        first, late = await _deregister_all(
+            agent, [*regions, self.stage, self.cstage_w, self.cstage_r],
+            "kv.disk_close_failed", tier=self.name)
+        cancelled |= late
         if first is not None:
             raise first
         if cancelled:

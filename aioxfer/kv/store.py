@@ -633,15 +633,11 @@ class Store:
                 finally:
                     tier._store = None
         self._closed = True
-        for region in [t.region for t in self.tiers if isinstance(t, HostTier)] + (
-                [self._staging.region] if self._staging is not None else []):
-            if region is not None and not region.closed:
-                try:
-                    cancelled |= await finish_uncancelled(_deregister(self.agent, region))
-                except Exception as exc:
-                    _log.warning("kv.deregister_failed", store=self.name, region=region.name,
-                                 error=repr(exc))
-                    first = first or exc
+        failed, late = await _deregister_all(
+            self.agent, [t.region for t in self.tiers if isinstance(t, HostTier)]
+            + ([self._staging.region] if self._staging is not None else []),
+            "kv.deregister_failed", store=self.name)
+        first, cancelled = first or failed, cancelled or late
         if first is not None:
             raise first
         if cancelled:
@@ -1908,6 +1904,26 @@ async def _deregister(agent: Agent, region: Region) -> None:
             _log.warning("kv.release_pending", region=region.name, timeout=bound,
                          why="a peer still maps it (a stopped process?): the agent keeps "
                              "it pinned until that peer lets go")
+
+
+async def _deregister_all(agent: Agent, regions: Sequence[Region | None], event: str,
+                          **fields: Any) -> tuple[Exception | None, bool]:
+    """A close's deregistrations: every open region of ``regions`` at once
+    (each release bounded as in _deregister: one bound in all, not one per
+    region), run to their end through a cancel. Failures are logged as
+    ``event``; returns the first, and whether a cancel arrived (the caller
+    raises it once the rest of its close is done)."""
+    open_ = [r for r in regions if r is not None and not r.closed]
+    if not open_:
+        return None, False
+    fut = asyncio.gather(*(_deregister(agent, r) for r in open_), return_exceptions=True)
+    cancelled = await finish_uncancelled(fut)
+    first: Exception | None = None
+    for region, res in zip(open_, fut.result(), strict=True):
+        if isinstance(res, Exception):
+            _log.warning(event, region=region.name, error=repr(res), **fields)
+            first = first or res
+    return first, cancelled
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
