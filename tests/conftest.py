@@ -216,6 +216,21 @@ async def within(aw: Awaitable[T], seconds: float = STEP) -> T:
         return await aw
 
 
+async def cancel_after(aw: Awaitable[Any], steps: int) -> bool:
+    """Runs ``aw`` as a task, cancels it after ``steps`` loop steps and waits
+    for it to end (under a deadline): True if it finished before the cancel
+    took, False if it ended cancelled. The cancellation sweeps' step."""
+    task = asyncio.ensure_future(aw)
+    for _ in range(steps):
+        await asyncio.sleep(0)
+    task.cancel()
+    try:
+        await within(task)
+        return True
+    except asyncio.CancelledError:
+        return False
+
+
 async def wait_until(
     pred: Callable[[], bool], seconds: float = STEP, what: str = "condition"
 ) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import pattern, within
+from conftest import cancel_after, pattern, within
 
 import aioxfer
 from aioxfer import kv
@@ -377,15 +377,7 @@ async def test_disk_tier_closed_under_cancellation(make_agent: MakeAgent, tmp_pa
         assert (await within(store.put(keys, src[0:n * BB]))).stored == n
         await within(store.remove(keys[:1]))
         regions = [s.region for s in tier.segs.values()] + [tier.stage, tier.cstage_r]
-        closing = asyncio.ensure_future(store.aclose())
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        closing.cancel()
-        try:
-            await within(closing)
-            finished += 1
-        except asyncio.CancelledError:
-            pass
+        finished += await cancel_after(store.aclose(), turns)
         assert store.closed, turns
         assert all(r is not None and r.closed for r in regions), turns
         async with kv.Store.open(agent, block_bytes=BB, tiers=[disk(path)]) as again:

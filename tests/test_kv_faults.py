@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import s3server
-from conftest import pattern, wait_until, within
+from conftest import cancel_after, pattern, wait_until, within
 from s3server import S3Server
 
 import aioxfer
@@ -502,13 +502,7 @@ async def test_put_and_get_cancelled_at_every_step(make_agent: MakeAgent, tmp_pa
             data = pattern(n * BB, 100 + turns)
             src.numpy()[:] = data
             keys = keys_for(n, 100 + turns)
-            task = asyncio.ensure_future(store.put(keys, src[0:n * BB]))
-            for _ in range(turns):
-                await asyncio.sleep(0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await within(task)
-                finished += 1
+            finished += await cancel_after(store.put(keys, src[0:n * BB]), turns)
             got = asyncio.ensure_future(store.get(keys, dst[0:n * BB]))
             for _ in range(turns // 2):
                 await asyncio.sleep(0)

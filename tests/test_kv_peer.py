@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from conftest import pattern, wait_until, within
+from conftest import cancel_after, pattern, wait_until, within
 
 from aioxfer import kv
 from aioxfer.kv.peer import owners
@@ -297,15 +297,7 @@ async def test_store_with_a_peer_tier_closed_under_cancellation(make_agent: Make
         store = await within(kv.Store.open(agent, block_bytes=BB, tiers=[host, tier]))
         assert tier.ctl is not None and tier.stage is not None and tier.index is not None
         ctl, regions = tier.ctl, [tier.stage, tier.index.region, tier.meta_region]
-        closing = asyncio.ensure_future(store.aclose())
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        closing.cancel()
-        try:
-            await within(closing)
-            finished += 1
-        except asyncio.CancelledError:
-            pass
+        finished += await cancel_after(store.aclose(), turns)
         assert store.closed, turns
         assert ctl.closed, turns
         assert all(r is not None and r.closed for r in regions), turns
