@@ -212,10 +212,7 @@ class HostTier(Tier):
     def _take(self, k: int) -> list[int]:
         """Up to k free slots now, evicting clean unpinned cold blocks (no I/O,
         no await); never waits."""
-        got: list[int] = []
-        free = self.free
-        while free and len(got) < k:
-            got.append(free.pop())
+        got = self.take_free(k)
         if len(got) < k:
             index, pins, dirty, demoting = self.index, self.pins, self.dirty, self.demoting
 
@@ -227,8 +224,7 @@ class HostTier(Tier):
             victims = self.policy.coldest(want, busy, _SCAN_FACTOR * want + 16)
             for key in victims:
                 self.evict(key, "capacity")
-            while free and len(got) < k:
-                got.append(free.pop())
+            got += self.take_free(k - len(got))
         return got
 
     async def reserve(self, k: int, wait: float) -> list[int]:
