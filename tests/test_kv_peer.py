@@ -544,3 +544,87 @@ async def test_store_close_with_a_stopped_member_is_bounded(make_agent: MakeAgen
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             await proc.wait()
+
+
+READER = textwrap.dedent('''
+    import asyncio, sys
+    import numpy as np
+    import aioxfer
+    from aioxfer import kv
+
+    async def main():
+        bb = int(sys.argv[2])
+        async with aioxfer.Agent(sys.argv[1], peer_timeout=60.0) as agent:
+            tier = kv.PeerTier(group="t")
+            async with kv.Store.open(agent, block_bytes=bb, tiers=[
+                    kv.HostTier(64 * bb), tier]) as store:
+                print(agent.address, flush=True)
+                loop = asyncio.get_running_loop()
+                address = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
+                await tier.join(address)            # reads the writer's meta region
+                keys = kv.chain(np.arange(16 * 16), block_tokens=16, namespace=b"peer-test")
+                dst = agent.alloc(16 * bb)
+                res = await store.get(keys, dst[0:16 * bb])  # its index, then its pool
+                print("got", res.prefix, flush=True)
+                await loop.run_in_executor(None, sys.stdin.readline)
+
+    asyncio.run(main())
+''')
+
+
+class _TimedPeerTier(kv.PeerTier):
+    """A PeerTier whose close is timed (the part of Store.aclose it takes)."""
+
+    close_took: float | None = None
+
+    async def _aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            await super()._aclose()
+        finally:
+            self.close_took = loop.time() - t0
+
+
+async def test_peer_tier_close_waits_once_for_a_stopped_member(make_agent: MakeAgent,
+                                                               tmp_path: Path) -> None:
+    """A same-host member that read this tier's meta and index regions and the
+    store's pool is SIGSTOPped (it then maps all four of the tier's regions):
+    each release waits close_timeout, and the tier's close starts its
+    deregistrations together and waits once: one close_timeout, not one per
+    region (before: one after another, 4 x close_timeout, 8 s here)."""
+    import aioxfer
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), "member-r", str(BB), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parent.parent))
+    assert proc.stdout is not None and proc.stdin is not None
+    bound = 2.0
+    try:
+        address = (await within(proc.stdout.readline(), 60)).decode().strip()
+        assert address, "the member did not start"
+        agent = await make_agent("member-w", peer_timeout=60.0,
+                                 limits=aioxfer.Limits(close_timeout=bound))
+        src = agent.alloc(16 * BB)
+        src.numpy()[:] = pattern(16 * BB, 22)
+        tier = _TimedPeerTier(group="t")
+        store = await within(kv.Store.open(agent, block_bytes=BB, tiers=[
+            kv.HostTier(64 * BB), tier]))
+        try:
+            assert (await within(store.put(keys_for(16), src[0:16 * BB]))).stored == 16
+            proc.stdin.write(agent.address.encode() + b"\n")
+            await proc.stdin.drain()
+            line = await within(proc.stdout.readline(), 30)
+            assert line.split() == [b"got", b"16"], line  # it read the index and the pool
+            proc.send_signal(signal.SIGSTOP)
+        finally:
+            async with asyncio.timeout(8 * bound):
+                await store.aclose()
+        assert tier.close_took is not None
+        assert tier.close_took < 1.6 * bound, tier.close_took
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            await proc.wait()

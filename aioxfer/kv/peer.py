@@ -266,18 +266,13 @@ class PeerTier(Tier):
         for fut in self._acks.values():
             if not fut.done():
                 fut.cancel()
-        from aioxfer.kv.store import _deregister
+        from aioxfer.kv.store import _deregister_all
 
-        agent = self.store.agent
         steps: list[Awaitable[Any]] = []
         if self._tasks:
             steps.append(asyncio.gather(*self._tasks, return_exceptions=True))
         if self.ctl is not None:
             steps.append(self.ctl.aclose())
-        for r in (self.meta_region, self.stage, self.pull_stage,
-                  self.index.region if self.index else None):
-            if r is not None and not r.closed:
-                steps.append(_deregister(agent, r))
         first: Exception | None = None
         cancelled = False
         for step in steps:
@@ -286,6 +281,16 @@ class PeerTier(Tier):
             except Exception as exc:
                 _log.warning("kv.peer_close_failed", tier=self.name, error=repr(exc))
                 first = first or exc
+        # The regions together, waited for once: each release waits up to
+        # close_timeout for a peer that maps it, and a stopped member maps
+        # all four (one after another that was 4 x close_timeout).
+        failed, stopped = await _deregister_all(
+            self.store.agent,
+            (self.meta_region, self.stage, self.pull_stage,
+             self.index.region if self.index else None),
+            "kv.peer_close_failed", tier=self.name)
+        first = first or failed
+        cancelled |= stopped
         if first is not None:
             raise first
         if cancelled:
