@@ -628,3 +628,57 @@ async def test_peer_tier_close_waits_once_for_a_stopped_member(make_agent: MakeA
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             await proc.wait()
+
+
+async def test_store_reopened_while_a_stopped_member_holds_the_old_one(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    """A store closed while a SIGSTOPped same-host member still maps its
+    memory (kept pinned by the agent until that member lets go) is opened
+    again in the same agent under the same names (kv.host, kv.staging,
+    kvpeer.t.*): it opens and works while the old memory waits."""
+    import aioxfer
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), "member-q", str(BB), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parent.parent))
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        address = (await within(proc.stdout.readline(), 60)).decode().strip()
+        assert address, "the member did not start"
+        agent = await make_agent("member-v", peer_timeout=60.0,
+                                 limits=aioxfer.Limits(close_timeout=0.5))
+        src = agent.alloc(16 * BB)
+        data = pattern(16 * BB, 23)
+        src.numpy()[:] = data
+        store = await within(kv.Store.open(agent, block_bytes=BB, tiers=[
+            kv.HostTier(64 * BB), kv.PeerTier(group="t")]))
+        try:
+            assert (await within(store.put(keys_for(16), src[0:16 * BB]))).stored == 16
+            proc.stdin.write(agent.address.encode() + b"\n")
+            await proc.stdin.drain()
+            line = await within(proc.stdout.readline(), 30)
+            assert line.split() == [b"got", b"16"], line
+            proc.send_signal(signal.SIGSTOP)
+        finally:
+            old = {r.name: r for r in agent.regions if r.name.startswith("kv")}
+            await within(store.aclose())
+        # Still pinned for the stopped member (deregister: the same awaitable).
+        assert old.keys() >= {"kv.host", "kvpeer.t.meta", "kvpeer.t.index"}, old
+        releases = [agent.deregister(r) for r in old.values()]
+        assert all(isinstance(f, asyncio.Future) and not f.done() for f in releases)
+        again = await within(kv.Store.open(agent, block_bytes=BB, tiers=[
+            kv.HostTier(64 * BB), kv.PeerTier(group="t")]))
+        try:
+            assert {r.name for r in agent.regions} >= old.keys()  # the same names, again
+            assert (await within(again.put(keys_for(16), src[0:16 * BB]))).stored == 16
+            dst = agent.alloc(16 * BB)
+            res = await within(again.get(keys_for(16), dst[0:16 * BB]))
+            assert res.prefix == 16 and np.array_equal(dst.numpy(), data)
+        finally:
+            await within(again.aclose())
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            await proc.wait()
