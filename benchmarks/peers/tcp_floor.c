@@ -17,11 +17,22 @@
  * Python) it cannot go below this. One JSON line on stdout:
  *   {"op": "WRITE", "size": S, "conns": N, "poll": P, "iters": I, "secs": T, "us_med": M}
  *
- *   tcp_floor WRITE|READ SIZE CONNS SECS [poll]
+ *   tcp_floor WRITE|READ SIZE CONNS SECS [poll] [auto] [zc]
+ *
+ * auto: the kernel's autotuned socket buffers instead of 4 MiB ones. zc:
+ * WRITE's parts are sent with MSG_ZEROCOPY, and each request also waits for
+ * the kernel's notification that the pages are released (what an engine
+ * must wait for before it may report the source reusable); the JSON line
+ * then says how many notifications said the kernel copied anyway
+ * ("zc_copied" of "zc_notes"): loopback delivery copies zerocopy pages
+ * (skb_orphan_frags_rx), so there it only adds the page pinning and the
+ * notifications, which is what it measures.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
+#include <linux/errqueue.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <pthread.h>
@@ -40,7 +51,8 @@
 #define MAX_SAMPLES (1 << 20)
 
 static size_t part;
-static int write_op, poll_rx;
+static int write_op, poll_rx, auto_buf, zc;
+static long zc_notes, zc_copied;
 
 static void die(const char *what)
 {
@@ -59,6 +71,8 @@ static void tune(int fd)
 {
     int one = 1, sz = 4 << 20;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (auto_buf)
+        return;
     setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof sz);
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
 }
@@ -79,11 +93,14 @@ static int recv_all(int fd, void *buf, size_t len)
     return 0;
 }
 
-static int send_all(int fd, const void *buf, size_t len)
+/* *calls: send calls made (a zerocopy notification id each), may be NULL. */
+static int send_all(int fd, const void *buf, size_t len, int flags, uint32_t *calls)
 {
     size_t sent = 0;
     while (sent < len) {
-        ssize_t r = send(fd, (const char *)buf + sent, len - sent, MSG_NOSIGNAL);
+        ssize_t r = send(fd, (const char *)buf + sent, len - sent, MSG_NOSIGNAL | flags);
+        if (calls && r > 0)
+            (*calls)++;
         if (r <= 0)
             return -1;
         sent += (size_t)r;
@@ -102,16 +119,42 @@ static void *serve(void *arg)
     memset(buf, 7, part);
     for (;;) {
         if (write_op) {
-            if (recv_all(fd, buf, part) || send_all(fd, &b, 1))
+            if (recv_all(fd, buf, part) || send_all(fd, &b, 1, 0, NULL))
                 break;
         } else {
-            if (recv_all(fd, &b, 1) || send_all(fd, buf, part))
+            if (recv_all(fd, &b, 1) || send_all(fd, buf, part, 0, NULL))
                 break;
         }
     }
     free(buf);
     close(fd);
     return NULL;
+}
+
+/* Waits until the kernel has released every zerocopy send of fd up to
+ * *next (the count of sends so far): reads its error queue's notifications. */
+static void zc_wait(int fd, uint32_t sends, uint32_t *done)
+{
+    while (*done < sends) {
+        char ctl[128];
+        struct msghdr m = {.msg_control = ctl, .msg_controllen = sizeof ctl};
+        if (recvmsg(fd, &m, MSG_ERRQUEUE) < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                die("recvmsg errqueue");
+            struct pollfd pf = {.fd = fd, .events = 0};
+            poll(&pf, 1, 100); /* POLLERR: a notification is queued */
+            continue;
+        }
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&m); cm; cm = CMSG_NXTHDR(&m, cm)) {
+            struct sock_extended_err ee;
+            memcpy(&ee, CMSG_DATA(cm), sizeof ee);
+            if (ee.ee_origin != SO_EE_ORIGIN_ZEROCOPY)
+                continue;
+            zc_notes++;
+            zc_copied += (ee.ee_code & SO_EE_CODE_ZEROCOPY_COPIED) != 0;
+            *done = ee.ee_data + 1; /* sends [ee_info, ee_data] are released */
+        }
+    }
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -122,11 +165,20 @@ static int cmp_double(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
-    if (argc != 5 && !(argc == 6 && strcmp(argv[5], "poll") == 0)) {
-        fprintf(stderr, "usage: tcp_floor WRITE|READ SIZE CONNS SECS [poll]\n");
+    if (argc < 5) {
+        fprintf(stderr, "usage: tcp_floor WRITE|READ SIZE CONNS SECS [poll] [auto] [zc]\n");
         return 2;
     }
-    poll_rx = argc == 6;
+    for (int i = 5; i < argc; i++) {
+        if (strcmp(argv[i], "poll") == 0)
+            poll_rx = 1;
+        else if (strcmp(argv[i], "auto") == 0)
+            auto_buf = 1;
+        else if (strcmp(argv[i], "zc") == 0)
+            zc = 1;
+        else
+            return 2;
+    }
     write_op = strcmp(argv[1], "WRITE") == 0;
     size_t size = strtoull(argv[2], NULL, 0);
     int conns = atoi(argv[3]);
@@ -166,7 +218,11 @@ int main(int argc, char **argv)
         tune(fds[i]);
         if (connect(fds[i], (struct sockaddr *)&sa, sizeof sa))
             die("connect");
+        int one = 1;
+        if (zc && setsockopt(fds[i], SOL_SOCKET, SO_ZEROCOPY, &one, sizeof one))
+            die("SO_ZEROCOPY");
     }
+    uint32_t zc_sends[MAX_CONNS] = {0}, zc_done[MAX_CONNS] = {0};
     char *buf = malloc(size);
     double *lat = malloc(sizeof(double) * MAX_SAMPLES);
     if (!buf || !lat)
@@ -180,7 +236,8 @@ int main(int argc, char **argv)
         double s = t;
         for (int i = 0; i < conns; i++) {
             const void *p = write_op ? buf + (size_t)i * part : &b;
-            if (send_all(fds[i], p, write_op ? part : 1))
+            int zflag = zc && write_op ? MSG_ZEROCOPY : 0;
+            if (send_all(fds[i], p, write_op ? part : 1, zflag, zflag ? &zc_sends[i] : NULL))
                 die("send");
         }
         for (int i = 0; i < conns; i++) {
@@ -188,6 +245,8 @@ int main(int argc, char **argv)
             if (recv_all(fds[i], p, write_op ? 1 : part))
                 die("recv");
         }
+        for (int i = 0; zc && i < conns; i++)
+            zc_wait(fds[i], zc_sends[i], &zc_done[i]);
         t = now_us();
         lat[iters++] = t - s;
     }
@@ -197,8 +256,10 @@ int main(int argc, char **argv)
     waitpid(pid, NULL, 0);
     qsort(lat, (size_t)iters, sizeof(double), cmp_double);
     printf("{\"op\": \"%s\", \"size\": %zu, \"conns\": %d, \"poll\": %d, \"iters\": %ld, "
-           "\"secs\": %.6f, \"us_med\": %.3f}\n",
-           write_op ? "WRITE" : "READ", size, conns, poll_rx, iters, total / 1e6, lat[iters / 2]);
+           "\"secs\": %.6f, \"us_med\": %.3f, \"auto\": %d, \"zc\": %d, \"zc_notes\": %ld, "
+           "\"zc_copied\": %ld}\n",
+           write_op ? "WRITE" : "READ", size, conns, poll_rx, iters, total / 1e6, lat[iters / 2],
+           auto_buf, zc, zc_notes, zc_copied);
     free(lat);
     free(buf);
     return 0;

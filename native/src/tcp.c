@@ -371,14 +371,28 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         free(g);
         return false;
     }
+    /* A lone WRITE cut in halves (tcp_chunk): the second half goes to its
+     * connection's sending thread at once, while this thread sends the
+     * first, so the two copies into the socket run side by side instead of
+     * one after the other here (the wake-up of that thread is hidden behind
+     * the first half's copy). Measured, 1 MiB WRITEs awaited one at a time
+     * through Python on the 2-vCPU VM's loopback, 10 interleaved pairs:
+     * 6.48 -> 6.87 GB/s median (pairwise 1.06x, 9 of 10 better), CPU per
+     * GB 0.160 -> 0.140 s; READ's halves are small requests (no copy to
+     * share: 0.95x, so not them), and larger WRITEs, whose other groups go
+     * to their sending threads after their first frame anyway, within noise
+     * (4 MiB 0.97x, 16 MiB 1.03x). */
+    bool halves = o->opcode == AXF_OP_WRITE && chunk < e->cfg.chunk_bytes;
+    int first_ci = t->sched[sched0 % AXF_SCHED];
     for (int ci = 0; ci < ep->nconns; ci++) {
         if (!g[ci].last)
             continue;
         g[ci].last->h.flags |= FL_LAST;
         g[ci].last->slot = ci;
         g[ci].last->group_bytes = g[ci].bytes;
-        conn_enqueue_chain(ep->conns[ci], g[ci].first, g[ci].last, signal);
-        if (!signal)
+        bool sig = signal || (halves && ci != first_ci);
+        conn_enqueue_chain(ep->conns[ci], g[ci].first, g[ci].last, sig);
+        if (!sig)
             mark_dirty(e, ep->conns[ci]);
     }
     free(g);
