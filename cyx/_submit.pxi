@@ -166,7 +166,10 @@ cdef class Submitter:
         cdef object make, counters  # owned: make() can run Python that rebinds them
         cdef object engine
         cdef long long posted, k_posted, k_inflight, k_bytes, n
-        if not self._ok or type(nbytes) is not int:
+        # A priority that is not an exact int (a float, None, a numpy
+        # integer) goes to the Python method, which checks it for every peer,
+        # with limits or not, before anything is made or counted.
+        if not self._ok or type(nbytes) is not int or type(priority) is not int:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
         if type(peer) is not self._peer_type:
             self._peer_ok = _offsets(type(peer), _Q_NAMES, self._q, _Q_FIELDS)
