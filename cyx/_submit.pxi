@@ -520,6 +520,8 @@ cdef class Poster:
         cdef PyObject *m
         cdef PyObject *path
         cdef PyObject *d[5]
+        cdef long long ln
+        cdef int ovf = 0
         if not self._ok or type(seg) is not self._seg_t or type(rseg) is not self._rseg_t:
             return None
         lr = axf_slot_ptr(seg, self._g[_G_REGION])
@@ -540,10 +542,18 @@ cdef class Poster:
                 != axf_slot_ptr(<object>rr, self._f[_F_KIND])
                 or axf_slot_ptr(<object>lr, self._l[_L_KIND]) == NULL):
             return None
-        if not <object>n or (n != m and <object>n != <object>m):
+        # Both exact ints: compared as C integers (a rich comparison and a
+        # truth test are ~250 instructions); one past 63 bits, or 0, goes to
+        # the Python method.
+        if n != m:
+            ln = PyLong_AsLongLongAndOverflow(<object>n, &ovf)
+            if ovf or ln <= 0 or ln != PyLong_AsLongLongAndOverflow(<object>m, &ovf) or ovf:
+                return None
+        elif PyLong_AsLongLongAndOverflow(<object>n, &ovf) <= 0 or ovf:
             return None
         path = axf_slot_ptr(<object>peer, self._h[_H_PATH])
-        if not axf_is_type(path, str) or <object>path == "cuda":  # its _path is set after
+        # (a str compared as one: its length first, no rich comparison)
+        if not axf_is_type(path, str) or <str>path == "cuda":  # its _path is set after
             return None
         d[0] = axf_slot_ptr(<object>lr, self._l[_L_RID])
         d[1] = axf_slot_ptr(seg, self._g[_G_OFFSET])
