@@ -74,7 +74,7 @@ from aioxfer.region import (
 from aioxfer.registration import Memory
 from aioxfer.serving import Server
 from aioxfer.stats import AgentStatistics, agent_statistics
-from aioxfer.submission import Submission
+from aioxfer.submission import Submission, as_priority
 from aioxfer.tags import Tags
 from aioxfer.transfer import Transfer
 
@@ -975,6 +975,8 @@ class Agent:
         else:
             backend = _backends.local_target(dst)  # a local backend's region (object storage)
             if backend is not None:
+                if type(priority) is not int:  # as submit checks it for a peer's requests
+                    priority = as_priority(priority)
                 return backend.post(self, "write", src, dst, notify, priority)
             peer, descs, nbytes = self._descs(src, dst, "write")
             descs, starts = _coalesce(descs)
@@ -1025,6 +1027,8 @@ class Agent:
         else:
             backend = _backends.local_target(src)  # a local backend's region (object storage)
             if backend is not None:
+                if type(priority) is not int:  # as submit checks it for a peer's requests
+                    priority = as_priority(priority)
                 return backend.post(self, "read", dst, src, None, priority)
             peer, descs, nbytes = self._descs(dst, src, "read")
             descs, starts = _coalesce(descs)

@@ -81,7 +81,7 @@ def _uses(descs: Any, rid: int) -> bool:
     return bool((descs[:, 0] == rid).any())
 
 
-def _priority(priority: object) -> int:
+def as_priority(priority: object) -> int:
     """A transfer's priority as an int (numpy's integers too), else TypeError."""
     try:
         return operator.index(priority)  # type: ignore[arg-type]
@@ -234,12 +234,14 @@ class Submission:
         iteration's batch (or its peer's scheduler queue, over the peer's
         limits; or failed, peer lost). _cyx.Submitter does the same for the
         usual request; keep the two in step."""
-        if type(priority) is not int and peer._sched is not None:
-            # Checked before anything is made or counted: the scheduler's
-            # heap raised only after the transfer was in flight (counted
-            # there for good, failed unretrieved at close); a float (NaN)
-            # would break its order.
-            priority = _priority(priority)
+        if type(priority) is not int:
+            # Checked before anything is made or counted, whether the peer
+            # has limits or not (a request's validity does not depend on
+            # them): the scheduler's heap raised only after the transfer was
+            # in flight (counted there for good, failed unretrieved at
+            # close); a float (NaN) would break its order. _cyx.Submitter
+            # sends every priority that is not an exact int here.
+            priority = as_priority(priority)
         make = self._make
         if make is None:
             self._start()  # calls started()

@@ -57,7 +57,7 @@ cdef inline object _new_instance(object cls):
 # a descriptor call: ~1.5 k instructions of an awaited 4 KiB write). A type
 # whose field is not a plain object slot takes the generic path.
 
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError
 from cpython.float cimport PyFloat_AS_DOUBLE
 
 cdef extern from *:
@@ -66,11 +66,15 @@ cdef extern from *:
        the batch lists a submit appends to again at once: freeing their
        arrays, as del does, then growing them again is ~300 instructions a
        request). The size is 0 before an item is released (a release may
-       run code that uses the list); a long list the usual way. */
+       run code that uses the list); a long list the usual way. Up to 256
+       items (a batch of 64 or 256 requests in flight: the slice deletion's
+       own malloc'd recycle array, the array freed, then regrown by eight
+       reallocs while the next batch is appended, were ~80 instructions a
+       request). */
     static int axf_list_empty(PyObject *lst) {
-        PyObject *keep[8];
+        PyObject *keep[256];
         Py_ssize_t i, n = PyList_GET_SIZE(lst);
-        if (n > 8)
+        if (n > 256)
             return PyList_SetSlice(lst, 0, n, NULL);
         for (i = 0; i < n; i++)
             keep[i] = PyList_GET_ITEM(lst, i);
@@ -82,7 +86,7 @@ cdef extern from *:
     """
     int axf_list_empty(list lst) except -1
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
-from cpython.long cimport PyLong_AsLongLong, PyLong_FromLongLong
+from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow, PyLong_FromLongLong
 from cpython.ref cimport PyObject
 
 cdef extern from *:
@@ -355,7 +359,10 @@ cdef class FutureMaker:
             axf_slot_init(_Future, f, _NO_ARGS, self._kw)
         else:
             if self._loop_dict is not None:
-                debug = PyDict_GetItem(self._loop_dict, "_debug")  # borrowed
+                # borrowed; GetItemWithError: PyDict_GetItem saves and
+                # restores the exception state around its lookup (~100
+                # instructions a future more on 3.11)
+                debug = PyDict_GetItemWithError(self._loop_dict, "_debug")
                 if debug == NULL or (<object>debug is not False and <object>debug):
                     axf_slot_init(_Future, f, _NO_ARGS, self._kw)
                 else:
@@ -405,11 +412,39 @@ cdef Py_ssize_t _await_posted = -1
 cdef Py_ssize_t _await_host = -1
 
 
+cdef extern from *:
+    """
+    /* Type tp's await slot (its own, a heap type's) set to f: what an
+       `await` of one of its instances calls, rather than the slot wrapper
+       that a class's __await__ in Python gets (slot_am_await: the method
+       looked up on the type, bound, called through vectorcall: ~150
+       instructions an await). Assigning or deleting tp.__await__ later
+       resets the slot as CPython always does. */
+    typedef PyObject *(*axf_unary)(PyObject *);
+    static int axf_set_am_await(PyObject *tp, axf_unary f) {
+        PyTypeObject *t = (PyTypeObject *)tp;
+        if (!(t->tp_flags & Py_TPFLAGS_HEAPTYPE) || t->tp_as_async == NULL)
+            return 0;
+        t->tp_as_async->am_await = f;
+        PyType_Modified(t);
+        return 1;
+    }
+    """
+    ctypedef object (*axf_unary)(object)
+    bint axf_set_am_await(object tp, axf_unary f)
+
+
 def eager_await(f):
     """``f.__await__()`` for an asyncio.Future subclass with fields
     ``_posted`` and ``_host`` (aioxfer.transfer.Transfer's, compiled):
     not posted and not done, ``f._host.eager(f)`` first; then the C
-    Future's own await iterator."""
+    Future's own await iterator. A class whose own ``__await__`` is this
+    function gets it as its C await slot at its first await (the same
+    function, without the slot wrapper's lookup and call)."""
+    return _eager_await(f)
+
+
+cdef object _eager_await(object f):
     global _await_type, _await_posted, _await_host
     cdef PyObject *v
     tp = type(f)
@@ -419,6 +454,8 @@ def eager_await(f):
         _await_posted = axf_slot_offset(tp, axf_type_lookup(tp, "_posted"))
         _await_host = axf_slot_offset(tp, axf_type_lookup(tp, "_host"))
         _await_type = tp
+        if tp.__dict__.get("__await__") is eager_await:
+            axf_set_am_await(tp, _eager_await)
     v = axf_slot_ptr(f, _await_posted) if _await_posted >= 0 else NULL
     posted = <object>v if v != NULL else f._posted
     if posted is not True and not posted and not _fut_done(f):
