@@ -42,6 +42,13 @@ the turns' ratios: what the machine's noise alone makes of a ratio in the
 same run (a compat row that misses its target by less than that is noise,
 not code). ``--aa native --only native``: an A/A run alone.
 
+``--same-memory`` runs compat and native in one process pair, between the
+same two buffers: with every buffer in huge pages, which physical pages a
+pair got still moves its 1 MiB copy by up to ~10 % (memcpy of 1 MiB into
+five buffers of one process: 32.8-36.0 µs, the same order on a repeat), for
+the pair's life, so that separate pairs' compat ÷ native at 1 MiB was
+0.94-1.09x from run to run with the same code; the same buffers: 1.01-1.02x.
+
 ``--nixl-python`` (default: $PEERS_VENVS/venv-nixl/bin/python, made by
 install.sh) runs the real NIXL side; this script must also be importable by
 it (it imports aioxfer only in the aioxfer systems).
@@ -52,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import functools
 import json
 import mmap
@@ -503,12 +511,15 @@ def initiator_main(args: argparse.Namespace) -> None:
     ctl = os.fdopen(args.ctl_fd, "w")
     target = Target(args)
     keep: list[Any] = []
-    loop = asyncio.new_event_loop() if args.system == "native" else None
+    loop = asyncio.new_event_loop() if args.system in ("native", "both") else None
     try:
-        if loop is not None:
-            works = native_workloads(args, target, loop, keep)
-        else:
-            works = nixl_like_workloads(args, target, keep)
+        # "both" (--same-memory): compat's workloads, then native's, between
+        # the same two buffers; the driver names native's by index + len/2.
+        shared = buffer() if args.system == "both" else None
+        nixl_like = [] if args.system == "native" else nixl_like_workloads(args, target, keep,
+                                                                           shared)
+        works = nixl_like + ([] if loop is None else native_workloads(args, target, loop, keep,
+                                                                      shared))
         ctl.write(json.dumps({"target_pid": target.proc.pid,
                               "cal": own_calibration(args.system),
                               "target_cal": target.hello.get("cal"),
@@ -523,7 +534,7 @@ def initiator_main(args: argparse.Namespace) -> None:
             if "w" not in cmd:
                 break
             w = works[cmd["w"]]
-            if loop is not None:
+            if loop is not None and cmd["w"] >= len(nixl_like):
                 turn = loop.run_until_complete(atimed(w.once, cmd["secs"], target.proc.pid))
             else:
                 turn = timed(w.once, cmd["secs"], target.proc.pid)
@@ -616,6 +627,7 @@ class Pair:
         self.cal = hello.get("cal"), hello.get("target_cal")
         self.pages = hello.get("pages"), hello.get("target_pages")
         self.workloads = hello["workloads"]
+        self.base = 0  # (view: the index of its first workload)
         self.stop()
 
     def stop(self) -> None:
@@ -626,11 +638,20 @@ class Pair:
         os.kill(self.target_pid, signal.SIGCONT)
         os.kill(self.proc.pid, signal.SIGCONT)
 
+    def view(self, system: str) -> Pair:
+        """This "both" pair as one of its two systems (--same-memory)."""
+        half = len(self.workloads) // 2
+        v = copy.copy(self)
+        v.system = system
+        v.base = half if system.rstrip("'") == "native" else 0
+        v.workloads = self.workloads[v.base:v.base + half]
+        return v
+
     def run(self, w: int, secs: float) -> dict[str, Any]:
         self.cont()
         try:
             assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps({"w": w, "secs": secs}) + "\n")
+            self.proc.stdin.write(json.dumps({"w": self.base + w, "secs": secs}) + "\n")
             self.proc.stdin.flush()
             line = self.ctl.readline()
             if not line:
@@ -660,12 +681,18 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
     pairs: list[Pair] = []
     records: list[dict[str, Any]] = []
     try:
+        both: Pair | None = None
         for label in systems:
             system = label.rstrip("'")
             t0 = time.perf_counter()
             python = nixl_python if system == "nixl" else sys.executable
             try:
-                pairs.append(Pair(python, system, transport, args, label))
+                if args.same_memory and label in ("compat", "native"):
+                    if both is None:
+                        both = Pair(python, "both", transport, args)
+                    pairs.append(both.view(label))
+                else:
+                    pairs.append(Pair(python, system, transport, args, label))
             except (RuntimeError, OSError) as exc:
                 print(f"  {label}/{transport}: {exc}", file=sys.stderr)
                 continue
@@ -870,7 +897,9 @@ def driver(args: argparse.Namespace) -> None:
              f"their ratios are what noise alone makes of one now.\n" if args.aa else "\n"))
     if inline:
         print(f"aioxfer's inline threshold: {inline}.\n")
-    print(f"registered buffers' pages: {os.environ.get('BENCH_PAGES', 'huge')} (--pages).\n")
+    print(f"registered buffers' pages: {os.environ.get('BENCH_PAGES', 'huge')} (--pages)"
+          + ("; compat and native: one process pair, the same two buffers (--same-memory)"
+             if args.same_memory else "") + ".\n")
     print(table(records, systems))
     failed = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records
               if not r["verified"]}
@@ -896,6 +925,11 @@ def main() -> None:
                          "times within a rep, for ratios of turns closer in time")
     ap.add_argument("--ops", default="WRITE,READ")
     ap.add_argument("--only", default=",".join(SYSTEMS))
+    ap.add_argument("--same-memory", action="store_true",
+                    help="compat and native in one process pair, between the same two "
+                         "buffers (the others, and an A/A pair, in their own): the pages' "
+                         "physical placement, which moves a 1 MiB copy by up to ~10 %% from "
+                         "one pair to the next, is then the same for both")
     ap.add_argument("--workloads", default="",
                     help="time only these workloads (labels, comma-separated: \"4 KiB,1 MiB\"); "
                          "every one is still prepared and checked")
