@@ -156,11 +156,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--slice", type=float, default=0.05)
     ap.add_argument("--only", default="", help="workload labels to run, comma-separated")
-    ap.add_argument("--same-memory", action="store_true",
-                    help="compat and native copy between the same two buffers (one target "
-                         "process serving its buffer through both APIs): the same physical "
-                         "pages, whose placement alone moves a 1 MiB copy by up to ~10 %%")
+    ap.add_argument("--memory", default="same", choices=["same", "separate"],
+                    help="same (the default): compat and native copy between the same two "
+                         "buffers (one target process serving its buffer through both APIs): "
+                         "the same physical pages, whose placement alone moves a 1 MiB copy "
+                         "by up to ~10 %%; separate: a buffer and a target each")
     args = ap.parse_args()
+    args.same_memory = args.memory == "same"
     args.ops = args.ops.split(",")
     if args.transport == "tcp":
         os.environ["AIOXFER_NIXL_TRANSPORTS"] = "tcp"

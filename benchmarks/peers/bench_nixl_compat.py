@@ -42,12 +42,13 @@ the turns' ratios: what the machine's noise alone makes of a ratio in the
 same run (a compat row that misses its target by less than that is noise,
 not code). ``--aa native --only native``: an A/A run alone.
 
-``--same-memory`` runs compat and native in one process pair, between the
-same two buffers: with every buffer in huge pages, which physical pages a
-pair got still moves its 1 MiB copy by up to ~10 % (memcpy of 1 MiB into
-five buffers of one process: 32.8-36.0 µs, the same order on a repeat), for
-the pair's life, so that separate pairs' compat ÷ native at 1 MiB was
-0.94-1.09x from run to run with the same code; the same buffers: 1.01-1.02x.
+compat and native run in one process pair, between the same two buffers
+(``--memory same``, the default; ``separate``: a pair each): with every
+buffer in huge pages, which physical pages a pair got still moves its 1 MiB
+copy by up to ~10 % (memcpy of 1 MiB into five buffers of one process:
+32.8-36.0 µs, the same order on a repeat), for the pair's life, so that
+separate pairs' compat ÷ native at 1 MiB was 0.94-1.12x from run to run with
+the same code (native ÷ native' 0.91-1.11x); the same buffers: 0.97-1.02x.
 
 ``--nixl-python`` (default: $PEERS_VENVS/venv-nixl/bin/python, made by
 install.sh) runs the real NIXL side; this script must also be importable by
@@ -213,8 +214,8 @@ def target_main(args: argparse.Namespace) -> None:
     hello: dict[str, Any] = {"addr": buf.ctypes.data, "cal": own_calibration(args.system),
                              "pages": placement(buf)}
     if args.system == "both":
-        # One buffer served by both of aioxfer's APIs (nixl_overhead.py
-        # --same-memory): compat and native then copy into the same pages.
+        # One buffer served by both of aioxfer's APIs (--memory same):
+        # compat and native then copy into the same pages.
         from aioxfer.nixl import nixl_agent, nixl_agent_config
 
         compat = nixl_agent("target", nixl_agent_config(enable_prog_thread=True,
@@ -513,7 +514,7 @@ def initiator_main(args: argparse.Namespace) -> None:
     keep: list[Any] = []
     loop = asyncio.new_event_loop() if args.system in ("native", "both") else None
     try:
-        # "both" (--same-memory): compat's workloads, then native's, between
+        # "both" (--memory same): compat's workloads, then native's, between
         # the same two buffers; the driver names native's by index + len/2.
         shared = buffer() if args.system == "both" else None
         nixl_like = [] if args.system == "native" else nixl_like_workloads(args, target, keep,
@@ -639,7 +640,7 @@ class Pair:
         os.kill(self.proc.pid, signal.SIGCONT)
 
     def view(self, system: str) -> Pair:
-        """This "both" pair as one of its two systems (--same-memory)."""
+        """This "both" pair as one of its two systems (--memory same)."""
         half = len(self.workloads) // 2
         v = copy.copy(self)
         v.system = system
@@ -898,7 +899,7 @@ def driver(args: argparse.Namespace) -> None:
     if inline:
         print(f"aioxfer's inline threshold: {inline}.\n")
     print(f"registered buffers' pages: {os.environ.get('BENCH_PAGES', 'huge')} (--pages)"
-          + ("; compat and native: one process pair, the same two buffers (--same-memory)"
+          + ("; compat and native: one process pair, the same two buffers (--memory same)"
              if args.same_memory else "") + ".\n")
     print(table(records, systems))
     failed = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records
@@ -925,11 +926,12 @@ def main() -> None:
                          "times within a rep, for ratios of turns closer in time")
     ap.add_argument("--ops", default="WRITE,READ")
     ap.add_argument("--only", default=",".join(SYSTEMS))
-    ap.add_argument("--same-memory", action="store_true",
-                    help="compat and native in one process pair, between the same two "
-                         "buffers (the others, and an A/A pair, in their own): the pages' "
-                         "physical placement, which moves a 1 MiB copy by up to ~10 %% from "
-                         "one pair to the next, is then the same for both")
+    ap.add_argument("--memory", default="same", choices=["same", "separate"],
+                    help="same (the default): compat and native in one process pair, between "
+                         "the same two buffers (NIXL, and an A/A pair, in their own): the "
+                         "pages' physical placement, which moves a 1 MiB copy by up to ~10 %% "
+                         "from one pair to the next, is then the same for both; separate: a "
+                         "pair each")
     ap.add_argument("--workloads", default="",
                     help="time only these workloads (labels, comma-separated: \"4 KiB,1 MiB\"); "
                          "every one is still prepared and checked")
@@ -958,6 +960,7 @@ def main() -> None:
     args.ops = args.ops.split(",")
     args.only = args.only.split(",")
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.same_memory = args.memory == "same"
     args.transports = args.transports.split(",")
     if args.role == "target":
         target_main(args)
