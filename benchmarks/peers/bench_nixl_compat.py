@@ -731,7 +731,7 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
                                     / 1e9,
                                     "switches_per_req": [turn["vol"] / n, turn["invol"] / n],
                                     "cal": pair.cal,
-                                    "pages": pair.pages,
+                                    "pages": pair.pages, "initiator_pid": pair.proc.pid,
                                     "verified": bool(pair.workloads[w][3])})
             print(f"  {transport} {op} {label}: done", file=sys.stderr)
     finally:
