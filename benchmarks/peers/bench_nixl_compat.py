@@ -42,6 +42,14 @@ the turns' ratios: what the machine's noise alone makes of a ratio in the
 same run (a compat row that misses its target by less than that is noise,
 not code). ``--aa native --only native``: an A/A run alone.
 
+compat and native run in one process pair, between the same two buffers
+(``--memory same``, the default; ``separate``: a pair each): with every
+buffer in huge pages, which physical pages a pair got still moves its 1 MiB
+copy by up to ~10 % (memcpy of 1 MiB into five buffers of one process:
+32.8-36.0 µs, the same order on a repeat), for the pair's life, so that
+separate pairs' compat ÷ native at 1 MiB was 0.94-1.12x from run to run with
+the same code (native ÷ native' 0.91-1.11x); the same buffers: 0.97-1.02x.
+
 ``--nixl-python`` (default: $PEERS_VENVS/venv-nixl/bin/python, made by
 install.sh) runs the real NIXL side; this script must also be importable by
 it (it imports aioxfer only in the aioxfer systems).
@@ -52,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import functools
 import json
 import mmap
@@ -202,16 +211,25 @@ def target_main(args: argparse.Namespace) -> None:
     buf = buffer()
     fill(buf, 3)
     keep: Any = None
-    if args.system == "native":
+    hello: dict[str, Any] = {"addr": buf.ctypes.data, "cal": own_calibration(args.system),
+                             "pages": placement(buf)}
+    if args.system == "both":
+        # One buffer served by both of aioxfer's APIs (--memory same):
+        # compat and native then copy into the same pages.
+        from aioxfer.nixl import nixl_agent, nixl_agent_config
+
+        compat = nixl_agent("target", nixl_agent_config(enable_prog_thread=True,
+                                                        backends=["UCX"]))
+        keep = compat.register_memory([(buf.ctypes.data, BUF, 0, "")], "DRAM")
+        hello["md"] = compat.get_agent_metadata().hex()
+    if args.system in ("native", "both"):
         import aioxfer
 
         async def serve() -> None:
             kwargs = {"transports": ("tcp",)} if args.transport == "tcp" else {}
             async with aioxfer.Agent("target", **kwargs) as agent:
                 agent.register(buf, name="kv")
-                ctl.write(json.dumps({"address": agent.address, "addr": buf.ctypes.data,
-                                      "cal": own_calibration(args.system),
-                                      "pages": placement(buf)}) + "\n")
+                ctl.write(json.dumps({**hello, "address": agent.address}) + "\n")
                 ctl.flush()
                 loop = asyncio.get_running_loop()
                 while True:
@@ -220,6 +238,9 @@ def target_main(args: argparse.Namespace) -> None:
                         return
 
         asyncio.run(serve())
+        if args.system == "both":
+            sys.stdout.flush()
+            os._exit(0)  # its compat agent left open, as the NIXL-shaped targets
         return
     if args.system == "nixl":
         from nixl._api import nixl_agent, nixl_agent_config
@@ -227,8 +248,7 @@ def target_main(args: argparse.Namespace) -> None:
         from aioxfer.nixl import nixl_agent, nixl_agent_config
     agent = nixl_agent("target", nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
     keep = agent.register_memory([(buf.ctypes.data, BUF, 0, "")], "DRAM")
-    ctl.write(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": buf.ctypes.data,
-                          "cal": own_calibration(args.system), "pages": placement(buf)}) + "\n")
+    ctl.write(json.dumps({**hello, "md": agent.get_agent_metadata().hex()}) + "\n")
     ctl.flush()
     for line in sys.stdin:
         if not answer(line, buf, ctl):
@@ -317,15 +337,16 @@ def check(target: Target, buf: np.ndarray, op: str, seed: int, kind: str,
     return gathered_crc(buf, li) == target.ask(cmd="crcs", idx=ri.tolist())
 
 
-def nixl_like_workloads(args: argparse.Namespace, target: Target, keep: list[Any]
-                        ) -> list[Workload]:
+def nixl_like_workloads(args: argparse.Namespace, target: Target, keep: list[Any],
+                        buf: np.ndarray | None = None) -> list[Workload]:
     if args.system == "nixl":
         from nixl._api import nixl_agent, nixl_agent_config
     else:
         from aioxfer.nixl import nixl_agent, nixl_agent_config
     agent = nixl_agent("initiator", nixl_agent_config(enable_prog_thread=False,
                                                       backends=["UCX"]))
-    buf = buffer()
+    if buf is None:
+        buf = buffer()
     fill(buf, 5)
     keep += [agent, buf]
     laddr, raddr = buf.ctypes.data, target.hello["addr"]
@@ -368,12 +389,13 @@ def nixl_like_workloads(args: argparse.Namespace, target: Target, keep: list[Any
 
 
 def native_workloads(args: argparse.Namespace, target: Target, loop: asyncio.AbstractEventLoop,
-                     keep: list[Any]) -> list[Workload]:
+                     keep: list[Any], buf: np.ndarray | None = None) -> list[Workload]:
     import aioxfer
 
     kwargs = {"transports": ("tcp",)} if args.transport == "tcp" else {}
     agent = aioxfer.Agent("initiator", **kwargs)
-    buf = buffer()
+    if buf is None:
+        buf = buffer()
     fill(buf, 5)
     keep += [agent, buf]
     region = agent.register(buf, name="kv")
@@ -409,55 +431,96 @@ async def _awaited(make: Callable[[], Any]) -> None:
     await make()
 
 
-def cpu_seconds(pid: int) -> float:
+def switches(pid: int) -> tuple[int, int]:
+    """Context switches of process ``pid``'s live threads: voluntary (it
+    slept) and involuntary (another thread took its CPU)."""
+    vol = invol = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches"):
+                    vol += int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches"):
+                    invol += int(line.split()[1])
+    return vol, invol
+
+
+def cpu_seconds(pid: int, field: int = 0) -> float:
     """CPU time of process ``pid``'s live threads, to the nanosecond
-    (schedstat; /proc/PID/stat counts 10 ms ticks)."""
+    (schedstat; /proc/PID/stat counts 10 ms ticks); with ``field=1``, the
+    time they waited runnable for a CPU that others held."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            total += int(f.read().split()[0])
+            total += int(f.read().split()[field])
     return total / 1e9
 
 
-def timed(once: Callable[[], None], secs: float, target: int) -> tuple[int, float, float]:
+def main_thread_waited() -> float:
+    """Seconds this process's main thread (the one posting and waiting, the
+    one a turn times) has spent runnable while other threads held the CPUs."""
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+def _usage(target: int) -> tuple[float, ...]:
+    return (cpu_seconds(os.getpid()), cpu_seconds(target), main_thread_waited(),
+            *switches(os.getpid()))
+
+
+def _turn(n: int, dt: float, before: tuple[float, ...], target: int) -> dict[str, Any]:
+    """A turn's figures: its requests and seconds; the CPU seconds of this
+    process and of the target, the seconds this process's main thread waited
+    for a CPU, and this process's voluntary and involuntary context
+    switches."""
+    after = _usage(target)
+    cpu, tcpu, runq, vol, invol = (a - b for a, b in zip(after, before, strict=True))
+    return {"n": n, "dt": dt, "cpu": cpu, "tcpu": tcpu, "runq": runq, "vol": vol,
+            "invol": invol}
+
+
+def timed(once: Callable[[], None], secs: float, target: int) -> dict[str, Any]:
     """Runs ``once`` for ``secs``: requests, seconds, and the CPU seconds both
     processes of the pair spent meanwhile (on a shared machine the fairer
     measure of cost: other processes' load stretches wall time, not CPU)."""
     once()  # warm: the first request after a pause
     n = 0
-    c0 = cpu_seconds(os.getpid()) + cpu_seconds(target)
+    before = _usage(target)
     t0 = time.perf_counter()
     while True:
         once()
         n += 1
         dt = time.perf_counter() - t0
         if dt >= secs:
-            return n, dt, cpu_seconds(os.getpid()) + cpu_seconds(target) - c0
+            return _turn(n, dt, before, target)
 
 
-async def atimed(make: Callable[[], Any], secs: float, target: int) -> tuple[int, float, float]:
+async def atimed(make: Callable[[], Any], secs: float, target: int) -> dict[str, Any]:
     await make()
     n = 0
-    c0 = cpu_seconds(os.getpid()) + cpu_seconds(target)
+    before = _usage(target)
     t0 = time.perf_counter()
     while True:
         await make()
         n += 1
         dt = time.perf_counter() - t0
         if dt >= secs:
-            return n, dt, cpu_seconds(os.getpid()) + cpu_seconds(target) - c0
+            return _turn(n, dt, before, target)
 
 
 def initiator_main(args: argparse.Namespace) -> None:
     ctl = os.fdopen(args.ctl_fd, "w")
     target = Target(args)
     keep: list[Any] = []
-    loop = asyncio.new_event_loop() if args.system == "native" else None
+    loop = asyncio.new_event_loop() if args.system in ("native", "both") else None
     try:
-        if loop is not None:
-            works = native_workloads(args, target, loop, keep)
-        else:
-            works = nixl_like_workloads(args, target, keep)
+        # "both" (--memory same): compat's workloads, then native's, between
+        # the same two buffers; the driver names native's by index + len/2.
+        shared = buffer() if args.system == "both" else None
+        nixl_like = [] if args.system == "native" else nixl_like_workloads(args, target, keep,
+                                                                           shared)
+        works = nixl_like + ([] if loop is None else native_workloads(args, target, loop, keep,
+                                                                      shared))
         ctl.write(json.dumps({"target_pid": target.proc.pid,
                               "cal": own_calibration(args.system),
                               "target_cal": target.hello.get("cal"),
@@ -472,12 +535,11 @@ def initiator_main(args: argparse.Namespace) -> None:
             if "w" not in cmd:
                 break
             w = works[cmd["w"]]
-            if loop is not None:
-                n, dt, cpu = loop.run_until_complete(atimed(w.once, cmd["secs"],
-                                                            target.proc.pid))
+            if loop is not None and cmd["w"] >= len(nixl_like):
+                turn = loop.run_until_complete(atimed(w.once, cmd["secs"], target.proc.pid))
             else:
-                n, dt, cpu = timed(w.once, cmd["secs"], target.proc.pid)
-            ctl.write(json.dumps({"n": n, "dt": dt, "cpu": cpu}) + "\n")
+                turn = timed(w.once, cmd["secs"], target.proc.pid)
+            ctl.write(json.dumps(turn) + "\n")
             ctl.flush()
     finally:
         target.close()
@@ -566,6 +628,7 @@ class Pair:
         self.cal = hello.get("cal"), hello.get("target_cal")
         self.pages = hello.get("pages"), hello.get("target_pages")
         self.workloads = hello["workloads"]
+        self.base = 0  # (view: the index of its first workload)
         self.stop()
 
     def stop(self) -> None:
@@ -576,17 +639,25 @@ class Pair:
         os.kill(self.target_pid, signal.SIGCONT)
         os.kill(self.proc.pid, signal.SIGCONT)
 
-    def run(self, w: int, secs: float) -> tuple[int, float, float]:
+    def view(self, system: str) -> Pair:
+        """This "both" pair as one of its two systems (--memory same)."""
+        half = len(self.workloads) // 2
+        v = copy.copy(self)
+        v.system = system
+        v.base = half if system.rstrip("'") == "native" else 0
+        v.workloads = self.workloads[v.base:v.base + half]
+        return v
+
+    def run(self, w: int, secs: float) -> dict[str, Any]:
         self.cont()
         try:
             assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps({"w": w, "secs": secs}) + "\n")
+            self.proc.stdin.write(json.dumps({"w": self.base + w, "secs": secs}) + "\n")
             self.proc.stdin.flush()
             line = self.ctl.readline()
             if not line:
                 raise RuntimeError(f"{self.system}: the initiator died")
-            ans = json.loads(line)
-            return int(ans["n"]), float(ans["dt"]), float(ans["cpu"])
+            return dict(json.loads(line))
         finally:
             if self.proc.poll() is None:
                 self.stop()
@@ -611,12 +682,18 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
     pairs: list[Pair] = []
     records: list[dict[str, Any]] = []
     try:
+        both: Pair | None = None
         for label in systems:
             system = label.rstrip("'")
             t0 = time.perf_counter()
             python = nixl_python if system == "nixl" else sys.executable
             try:
-                pairs.append(Pair(python, system, transport, args, label))
+                if args.same_memory and label in ("compat", "native"):
+                    if both is None:
+                        both = Pair(python, "both", transport, args)
+                    pairs.append(both.view(label))
+                else:
+                    pairs.append(Pair(python, system, transport, args, label))
             except (RuntimeError, OSError) as exc:
                 print(f"  {label}/{transport}: {exc}", file=sys.stderr)
                 continue
@@ -634,14 +711,27 @@ def measure(args: argparse.Namespace, systems: list[str], transport: str, nixl_p
         if not pairs:
             return records
         for w, (op, label, nbytes, _) in enumerate(pairs[0].workloads):
+            if args.workloads and label not in args.workloads:
+                continue
             for rnd in range(args.reps * args.split):
                 shift = rnd % len(pairs)
                 for pair in pairs[shift:] + pairs[:shift]:
-                    n, dt, cpu = pair.run(w, args.slice / args.split)
+                    turn = pair.run(w, args.slice / args.split)
+                    n, dt, cpu, tcpu = turn["n"], turn["dt"], turn["cpu"], turn["tcpu"]
                     records.append({"system": pair.system, "transport": transport, "op": op,
                                     "workload": label, "round": rnd, "gbps": nbytes * n / dt / 1e9,
-                                    "cpu_us": cpu / n * 1e6, "cal": pair.cal,
-                                    "pages": pair.pages,
+                                    "cpu_us": (cpu + tcpu) / n * 1e6,
+                                    "initiator_cpu_us": cpu / n * 1e6,
+                                    "target_cpu_us": tcpu / n * 1e6,
+                                    "runq_us": turn["runq"] / n * 1e6,
+                                    # the same turn less the time its main
+                                    # thread stood runnable on a CPU others
+                                    # held: what others' load added to it
+                                    "gbps_unwaited": nbytes * n / max(dt - turn["runq"], 1e-9)
+                                    / 1e9,
+                                    "switches_per_req": [turn["vol"] / n, turn["invol"] / n],
+                                    "cal": pair.cal,
+                                    "pages": pair.pages, "initiator_pid": pair.proc.pid,
                                     "verified": bool(pair.workloads[w][3])})
             print(f"  {transport} {op} {label}: done", file=sys.stderr)
     finally:
@@ -666,6 +756,14 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
             bad.add((*key, r["system"]))
     per: dict[tuple[Any, ...], float] = {(r["round"], r["transport"], r["op"], r["workload"],
                                           r["system"]): r["gbps"] for r in records}
+    unwaited: dict[tuple[Any, ...], float] = {
+        (r["round"], r["transport"], r["op"], r["workload"], r["system"]): r["gbps_unwaited"]
+        for r in records if "gbps_unwaited" in r}
+    waits: dict[tuple[str, ...], list[float]] = {}
+    for r in records:
+        if "runq_us" in r:
+            waits.setdefault((r["transport"], r["op"], r["workload"], r["system"]),
+                             []).append(r["runq_us"])
     # compat against the others, with the targets; an A/A pair (X and X'):
     # the first against the second, no target, with the spread of its turns.
     comps: list[tuple[str, str, float | None]] = [
@@ -673,11 +771,13 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
         if "compat" in systems and o in systems]
     comps += [(s[:-1], s, None) for s in systems if s.endswith("'") and s[:-1] in systems]
     ratio: dict[tuple[str, ...], list[float]] = {}
-    for (rnd, tr, op, wl, sysname), v in per.items():
-        for me, other, _ in comps:
-            o = per.get((rnd, tr, op, wl, other))
-            if sysname == me and o:
-                ratio.setdefault((tr, op, wl, me, other), []).append(v / o)
+    ratio_unwaited: dict[tuple[str, ...], list[float]] = {}
+    for into, of in ((ratio, per), (ratio_unwaited, unwaited)):
+        for (rnd, tr, op, wl, sysname), v in of.items():
+            for me, other, _ in comps:
+                o = of.get((rnd, tr, op, wl, other))
+                if sysname == me and o:
+                    into.setdefault((tr, op, wl, me, other), []).append(v / o)
 
     def name(o: str) -> str:
         return "NIXL" if o == "nixl" else o
@@ -688,9 +788,11 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
     head = ["path", "op", "workload"] + [f"{s} GB/s" for s in systems]
     head += [f"{me} ÷ {name(o)}" for me, o, _ in comps]
     head += [f"best turns: {me} ÷ {name(o)}" for me, o, _ in comps]
+    head += [f"{me} ÷ {name(o)}, CPU waits excluded" for me, o, _ in comps]
     head += [f"{me} ÷ {o}: turns' ratios, 10th-90th percentile"
              for me, o, need in comps if need is None]
     head += [f"{s} CPU µs/req" for s in systems]
+    head += [f"{s} waited µs/req" for s in systems]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for tr, op, wl in rows:
         cells = [tr, op, wl]
@@ -716,6 +818,12 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
                 cells.append(f"{m:.2f}×{verdict(m, need)}")
             else:
                 cells.append("—")
+        # Each turn less the time its main thread waited for a CPU (others'
+        # load on this shared machine), the ratios of the same rounds: the
+        # code's difference when turns were slowed unevenly.
+        for me, other, _ in comps:
+            rs = ratio_unwaited.get((tr, op, wl, me, other))
+            cells.append(f"{statistics.median(rs):.2f}×" if rs else "—")
         for me, other, need in comps:
             if need is None:
                 rs = sorted(ratio.get((tr, op, wl, me, other), []))
@@ -724,6 +832,9 @@ def table(records: list[dict[str, Any]], systems: list[str]) -> str:
         for s in systems:
             vals = cpus.get((tr, op, wl, s))
             cells.append(f"{statistics.median(vals):.0f}" if vals else "—")
+        for s in systems:
+            vals = waits.get((tr, op, wl, s))
+            cells.append(f"{statistics.median(vals):.1f}" if vals else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -779,13 +890,17 @@ def driver(args: argparse.Namespace) -> None:
           f"turns (the others stopped); GB/s: medians of the turns; ratios: compat's figure "
           f"over the other's in the same round, median; best turns: compat's best turn over "
           f"the other's; CPU µs/req: both processes' CPU time per request (initiator and "
-          f"target), median of the turns: what other processes' load does not stretch. "
+          f"target), median of the turns: what other processes' load does not stretch; "
+          f"CPU waits excluded: each turn less the time the initiator's main thread stood "
+          f"runnable while others held the CPUs (waited µs/req), the same rounds' ratio. "
           + "Targets: compat ≥ 1× NIXL and ≥ 0.9× native."
           + (f" A/A: {args.aa} and {args.aa}' run the same code (two process pairs): "
              f"their ratios are what noise alone makes of one now.\n" if args.aa else "\n"))
     if inline:
         print(f"aioxfer's inline threshold: {inline}.\n")
-    print(f"registered buffers' pages: {os.environ.get('BENCH_PAGES', 'huge')} (--pages).\n")
+    print(f"registered buffers' pages: {os.environ.get('BENCH_PAGES', 'huge')} (--pages)"
+          + ("; compat and native: one process pair, the same two buffers (--memory same)"
+             if args.same_memory else "") + ".\n")
     print(table(records, systems))
     failed = {(r["system"], r["transport"], r["op"], r["workload"]) for r in records
               if not r["verified"]}
@@ -800,7 +915,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", default="driver",
                     choices=["driver", "initiator", "target", "count"])
-    ap.add_argument("--system", default="compat", choices=SYSTEMS)
+    ap.add_argument("--system", default="compat", choices=[*SYSTEMS, "both"])
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     ap.add_argument("--ctl-fd", type=int, default=-1)
     ap.add_argument("--reps", type=int, default=7, help="turns per system and point")
@@ -811,6 +926,15 @@ def main() -> None:
                          "times within a rep, for ratios of turns closer in time")
     ap.add_argument("--ops", default="WRITE,READ")
     ap.add_argument("--only", default=",".join(SYSTEMS))
+    ap.add_argument("--memory", default="same", choices=["same", "separate"],
+                    help="same (the default): compat and native in one process pair, between "
+                         "the same two buffers (NIXL, and an A/A pair, in their own): the "
+                         "pages' physical placement, which moves a 1 MiB copy by up to ~10 %% "
+                         "from one pair to the next, is then the same for both; separate: a "
+                         "pair each")
+    ap.add_argument("--workloads", default="",
+                    help="time only these workloads (labels, comma-separated: \"4 KiB,1 MiB\"); "
+                         "every one is still prepared and checked")
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--nixl-python", default="")
     ap.add_argument("--json", default="", help="also write every record to this file")
@@ -835,6 +959,8 @@ def main() -> None:
         os.environ["BENCH_PAGES"] = args.pages  # the children inherit it
     args.ops = args.ops.split(",")
     args.only = args.only.split(",")
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.same_memory = args.memory == "same"
     args.transports = args.transports.split(",")
     if args.role == "target":
         target_main(args)
