@@ -339,10 +339,31 @@ async def test_handshakes_are_capped(make_agent) -> None:
     finally:
         for s in silent:
             s.close()
-    # Once the silent ones are gone, a real agent connects.
-    friend = await make_agent("friend")
+    # Once the silent ones are gone, a real agent connects. Gone means
+    # accepted too: closed ones still in the accept queue would be accepted
+    # together with the friend's connections, 8 of them would take every
+    # handshake slot until they read their EOF, and the friend's would be
+    # refused (the cap working as meant). The queue is first in, first out:
+    # once a marker dialled after them is answered (cut off, as the oversized
+    # frame above; or refused over the cap), every one before it was accepted.
+    await _accepted_up_to_here(host, int(port))
     await wait_until(lambda: len(target._serving) == 0, 5)
+    friend = await make_agent("friend")
     await within(friend.connect(target.address))
+
+
+async def _accepted_up_to_here(host: str, port: int) -> None:
+    """Returns once the listener at host:port accepted every connection made
+    before this call (a marker connection made now has been answered)."""
+    loop = asyncio.get_running_loop()
+    s = socket.create_connection((host, port))
+    s.setblocking(False)
+    with s:
+        try:
+            await loop.sock_sendall(s, struct.pack(">I", protocol.MAX_HANDSHAKE_FRAME + 1))
+            assert await within(loop.sock_recv(s, 1), 5) == b""
+        except ConnectionResetError:  # refused over the cap: accepted, then closed
+            pass
 
 
 async def test_deeply_nested_msgpack_is_a_protocol_error(make_agent, capsys) -> None:

@@ -80,6 +80,7 @@ async def initiator(args: argparse.Namespace, ctl: C.Ctl) -> str:
     base = dict(peer=args.label, transport=args.transport,
                 config=f"{args.transport},memory={args.memory},loop=asyncio,"
                 f"progress={args.progress or 'default'}")
+    await connect_samples(args, ctl, address, base)
     async with aioxfer.Agent("bench-initiator", **agent_kwargs(args)) as agent:
         # Which path a same-host row took depends on the calibrated threshold
         # (a lone request up to it is copied by the posting thread): record it.
@@ -87,15 +88,9 @@ async def initiator(args: argparse.Namespace, ctl: C.Ctl) -> str:
         local = region_of(agent, args)
         buf = local.numpy()
         buf.fill(2)
-
-        t = time.perf_counter()
         peer = await agent.connect(address)
         remote = peer.region("buf")
-        res = await agent.write(local[0:4096], remote[0:4096])
-        C.emit(**base, op="first_write_incl_connect", size=4096,
-               lat_us_med=(time.perf_counter() - t) * 1e6, path=res.path)
-        if peer.path != args.transport:
-            raise SystemExit(f"asked for {args.transport} but the peer's path is {peer.path}")
+        await agent.write(local[0:4096], remote[0:4096])
         base["path"] = peer.path
 
         await run_suite(agent, local, remote, base, ctl, buf, args.ops.split(","))
@@ -103,6 +98,30 @@ async def initiator(args: argparse.Namespace, ctl: C.Ctl) -> str:
         await post_rate(agent, local, remote, base, ctl, buf)
         register_1gib(agent, base)
         return address
+
+
+async def connect_samples(args: argparse.Namespace, ctl: C.Ctl, address: str,
+                          base: dict[str, Any]) -> None:
+    """connect + first 4 KiB write, C.CONNECT_SAMPLES times: each by a fresh
+    initiator agent (its region allocated and filled before the clock), to
+    the same target; the first is this process's first connect."""
+    samples, path = [], ""
+    for i in range(C.CONNECT_SAMPLES):
+        async with aioxfer.Agent(f"bench-connect-{i}", **agent_kwargs(args)) as agent:
+            local = region_of(agent, args)
+            src = local.numpy()
+            src.fill(2)
+            cs = C.ConnectSample(ctl)
+            cs.arm(src)
+            cs.start()
+            peer = await agent.connect(address)
+            res = await agent.write(local[0:4096], peer.region("buf")[0:4096])
+            cs.done()
+            samples.append(cs.finish())
+            if peer.path != args.transport:
+                raise SystemExit(f"asked for {args.transport} but the peer's path is {peer.path}")
+            path = res.path
+    C.emit_connect(base, samples, path=path)
 
 
 async def run_suite(agent: aioxfer.Agent, local: aioxfer.Region, remote: aioxfer.RemoteRegion,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -66,21 +65,38 @@ def initiator_main(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, ctl: C.Ctl) -> None:
     kind, session, raddr = ctl.recv()
     assert kind == "meta"
-    te = make_engine()
     buf = np.empty(C.BUF_SIZE, dtype=np.uint8)
     buf.fill(2)
     laddr = buf.ctypes.data
-    assert te.register_memory(laddr, C.BUF_SIZE) == 0
     base = dict(peer="mooncake", transport="tcp", config="tcp,P2PHANDSHAKE")
 
     def chk(rc: int) -> None:
         if rc != 0:
             raise RuntimeError(f"mooncake rc={rc}")
 
-    t = time.perf_counter()
+    # connect + first 4 KiB write: each sample a fresh engine (its memory
+    # registered before the clock; engines coexist in one process), whose
+    # first transfer to the session runs the P2P handshake (the target's
+    # segment descriptor) and opens its connection. transfer_sync_write
+    # returns once the body is in the local socket (the target sends no
+    # reply to a WRITE), so the sample also waits for the target to see the
+    # bytes (C.ConnectSample).
+    samples = []
+    for _ in range(C.CONNECT_SAMPLES):
+        eng = make_engine()
+        assert eng.register_memory(laddr, C.BUF_SIZE) == 0
+        cs = C.ConnectSample(ctl)
+        cs.arm(buf)
+        cs.start()
+        chk(eng.transfer_sync_write(session, laddr, raddr, 4096))
+        cs.done()
+        samples.append(cs.finish())
+        eng.unregister_memory(laddr)
+        del eng
+    C.emit_connect(base, samples)
+    te = make_engine()
+    assert te.register_memory(laddr, C.BUF_SIZE) == 0
     chk(te.transfer_sync_write(session, laddr, raddr, 4096))
-    C.emit(**base, op="first_write_incl_connect", size=4096,
-           lat_us_med=(time.perf_counter() - t) * 1e6)
 
     def single(op: str, size: int) -> C.Made:
         fn = te.transfer_sync_write if op == "WRITE" else te.transfer_sync_read

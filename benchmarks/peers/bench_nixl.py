@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
+from typing import Any
 
 import numpy as np
 
@@ -83,21 +83,19 @@ def initiator_main(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, ctl: C.Ctl) -> None:
     kind, meta, raddr = ctl.recv()
     assert kind == "meta"
-    agent = make_agent("initiator", args)
     buf = np.empty(C.BUF_SIZE, dtype=np.uint8)
     buf.fill(2)
     laddr = buf.ctypes.data
-    reg = agent.register_memory([(laddr, C.BUF_SIZE, 0, "")], "DRAM")
-    # Loading the target's metadata is part of connecting (Mooncake's and
-    # aioxfer's connect rows fetch theirs inside the timer): timed below.
-    t = time.perf_counter()
-    remote = agent.add_remote_agent(meta)
-    remote = remote.decode() if isinstance(remote, bytes) else remote
     tls = os.environ.get("UCX_TLS", "")
     config = f"UCX{':' + tls if tls else ''},progthr={args.prog_thread}"
     if args.ucx_err_mode:
         config += f",err={args.ucx_err_mode}"
     base = dict(peer="nixl", transport="ucx-tcp" if tls == "tcp" else "ucx", config=config)
+    connect_samples(args, ctl, meta, raddr, buf, base)
+    agent = make_agent("initiator", args)
+    reg = agent.register_memory([(laddr, C.BUF_SIZE, 0, "")], "DRAM")
+    remote = agent.add_remote_agent(meta)
+    remote = remote.decode() if isinstance(remote, bytes) else remote
 
     def handle(op: str, pairs: list[tuple[int, int, int]]) -> object:
         """pairs: (local offset, remote offset, length)."""
@@ -114,8 +112,6 @@ def run(args: argparse.Namespace, ctl: C.Ctl) -> None:
 
     h = handle("WRITE", [(0, 0, 4096)])
     run_once(h)
-    C.emit(**base, op="first_write_incl_connect", size=4096,
-           lat_us_med=(time.perf_counter() - t) * 1e6)
     h.release()
 
     def single(op: str, size: int) -> C.Made:
@@ -152,6 +148,40 @@ def run(args: argparse.Namespace, ctl: C.Ctl) -> None:
     # orderly teardown before os._exit
     agent.deregister_memory(reg)
     agent.remove_remote_agent(remote)
+
+
+def connect_samples(args: argparse.Namespace, ctl: C.Ctl, meta: bytes, raddr: int,
+                    buf: np.ndarray, base: dict[str, Any]) -> None:
+    """connect + first 4 KiB write, C.CONNECT_SAMPLES times: each by a fresh
+    agent (its UCX backend made and its memory registered before the clock).
+    Loading the target's metadata is part of connecting (Mooncake's and
+    aioxfer's fetch theirs inside the timer), then a handle, a WRITE polled
+    to DONE (UCX: remotely complete)."""
+    laddr = buf.ctypes.data
+    samples = []
+    for i in range(C.CONNECT_SAMPLES):
+        agent: Any = make_agent(f"initiator-c{i}", args)
+        reg = agent.register_memory([(laddr, C.BUF_SIZE, 0, "")], "DRAM")
+        cs = C.ConnectSample(ctl)
+        cs.arm(buf)
+        cs.start()
+        remote = agent.add_remote_agent(meta)
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        local = agent.get_xfer_descs([(laddr, 4096, 0)], "DRAM")
+        rem = agent.get_xfer_descs([(raddr, 4096, 0)], "DRAM")
+        h = agent.initialize_xfer("WRITE", local, rem, remote)
+        st = agent.transfer(h)
+        while st == "PROC":
+            st = agent.check_xfer_state(h)
+        cs.done()
+        if st != "DONE":
+            raise RuntimeError(f"NIXL transfer state {st}")
+        samples.append(cs.finish())
+        h.release()
+        agent.deregister_memory(reg)
+        agent.remove_remote_agent(remote)
+        del agent
+    C.emit_connect(base, samples)
 
 
 def main() -> None:

@@ -18,7 +18,20 @@ bytes, one outstanding), "WRITE_qd16" (16 x 4 KiB posted, then all awaited),
 "first_write_incl_connect".
 
 Knobs (environment): BENCH_MIN_SECS (seconds per point, default 1.0),
-BENCH_LAT_SAMPLES (4 KiB latency samples, default 2000), BENCH_RUN_ID, BENCH_PHASE.
+BENCH_LAT_SAMPLES (4 KiB latency samples, default 2000), BENCH_CONNECT_SAMPLES
+(fresh initiators timed for "first_write_incl_connect", default 15, the same
+for every system), BENCH_RUN_ID, BENCH_PHASE.
+
+"first_write_incl_connect" is timed the same way for every system: a fresh
+initiator (agent / engine, its memory registered before the clock starts)
+connects to the long-lived target and writes 4 KiB; a sample ends when the
+initiator saw its write complete AND the target saw the bytes in its buffer
+(connect_sample / the target's "watch"). The second condition matters for
+Mooncake: its TCP WRITE completes once the body is in the local socket (no
+reply from the target), so its own completion alone comes before the data has
+landed. Records carry the median ("lat_us_med"), the first sample (the
+process's first connect: "lat_us_first"), quartiles, and the median of each
+system's own completion ("own_us_med").
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ BATCH_DESC = 16 * KiB
 BATCH_BYTES = BATCH_N * BATCH_DESC
 MIN_SECS = float(os.environ.get("BENCH_MIN_SECS", "1.0"))
 LAT_SAMPLES = int(os.environ.get("BENCH_LAT_SAMPLES", "2000"))
+CONNECT_SAMPLES = int(os.environ.get("BENCH_CONNECT_SAMPLES", "15"))
 MAX_ITERS = 2_000_000
 RUN_ID = os.environ.get("BENCH_RUN_ID", "0")
 
@@ -281,9 +295,98 @@ def serve_check(msg: tuple[Any, ...], buf: np.ndarray, ctl: Ctl) -> bool:
     elif kind == "fill":  # ("fill", seed)
         fill_pattern(buf, msg[1])
         ctl.send("ok")
+    elif kind == "watch":  # ("watch", offset, n, crc): armed, then "landed" answers
+        _Watch.start(buf, msg[1], msg[2], msg[3])
+        ctl.send("armed")
+    elif kind == "landed":  # when the watched bytes were seen (monotonic ns), or None
+        ctl.send(_Watch.result())
     else:
         return False
     return True
+
+
+class _Watch:
+    """The target's watcher: a thread that polls [offset, offset+n) of its
+    buffer for an expected CRC every ~25 µs (its own timer slack lowered to
+    1 µs; a poll of 4 KiB costs ~1 µs, so it barely loads the machine) and
+    stamps CLOCK_MONOTONIC when it matches: when a write landed, whatever the
+    writing system calls complete. Gives up after 10 s (None)."""
+
+    thread: Any = None
+    seen: int | None = None
+
+    @classmethod
+    def start(cls, buf: np.ndarray, off: int, n: int, want: int) -> None:
+        import threading
+
+        cls.seen = None
+        view = buf[off:off + n]
+
+        def poll() -> None:
+            try:
+                import ctypes
+
+                ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK: 1 µs
+            except Exception:
+                pass
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                if zlib.crc32(memoryview(view)) == want:
+                    cls.seen = time.monotonic_ns()
+                    return
+                time.sleep(20e-6)
+
+        cls.thread = threading.Thread(target=poll, daemon=True)
+        cls.thread.start()
+
+    @classmethod
+    def result(cls) -> int | None:
+        if cls.thread is not None:
+            cls.thread.join()
+            cls.thread = None
+        return cls.seen
+
+
+class ConnectSample:
+    """One "first_write_incl_connect" sample (see the module docstring), as
+    the initiator takes it: ``arm(src)`` before the clock starts (src: the 4
+    KiB about to be written to the target's offset 0, filled here with a
+    pattern of its own), ``start()``, the system's connect + write, ``done()``
+    once the system says it completed; ``finish()`` then waits for the
+    target's stamp and returns (sample µs, the system's own µs)."""
+
+    seed = 1000
+
+    def __init__(self, ctl: Ctl) -> None:
+        self.ctl = ctl
+        self.t0 = self.t1 = 0
+
+    def arm(self, src: np.ndarray) -> None:
+        ConnectSample.seed += 1
+        src[:4 * KiB] = pattern(ConnectSample.seed, 0, 4 * KiB)
+        assert self.ctl.call("watch", 0, 4 * KiB, crc(src[:4 * KiB])) == "armed"
+
+    def start(self) -> None:
+        self.t0 = time.monotonic_ns()
+
+    def done(self) -> None:
+        self.t1 = time.monotonic_ns()
+
+    def finish(self) -> tuple[float, float]:
+        seen = self.ctl.call("landed")
+        if seen is None:
+            raise RuntimeError("the target never saw the first 4 KiB write land")
+        return (max(self.t1, seen) - self.t0) / 1e3, (self.t1 - self.t0) / 1e3
+
+
+def emit_connect(base: dict[str, Any], samples: list[tuple[float, float]], **extra: Any) -> None:
+    """The "first_write_incl_connect" record of ConnectSample results."""
+    lat = [s for s, _ in samples]
+    q = statistics.quantiles(lat, n=4) if len(lat) > 1 else [lat[0]] * 3
+    emit(**base, op="first_write_incl_connect", size=4 * KiB, samples=len(lat),
+         lat_us_med=statistics.median(lat), lat_us_q1=q[0], lat_us_q3=q[2],
+         lat_us_min=min(lat), lat_us_first=lat[0],
+         own_us_med=statistics.median(o for _, o in samples), **extra)
 
 
 def spawn_target(argv: list[str],
