@@ -179,7 +179,7 @@ typedef struct axf_stats {
     uint64_t ops_failed;
     uint64_t bytes;         /* bytes moved by completed ops */
     uint64_t frames_rejected; /* malformed frames that closed a connection */
-    uint64_t quarantined;       /* deregistered regions some peer may still touch */
+    uint64_t quarantined;       /* deregistered (or revoked) regions some peer may still touch */
     uint64_t quarantined_bytes; /* ... and their bytes */
     uint64_t held_conns;        /* closed same-host connections whose process lives and
                                    still holds a revocation (or may: no goodbye) */
@@ -212,6 +212,19 @@ int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64
  * a tcp peer that does not acknowledge within revoke_timeout_ms is
  * disconnected. Until then the region is quarantined (axf_stats). */
 int axf_region_deregister(axf_engine *e, uint64_t id);
+/* The peers' half of axf_region_deregister, now, while the region stays
+ * ours: from this call on no peer reaches it (a tcp peer's READ or WRITE
+ * with its key fails with AXF_E_ACCESS, as for a region that was never
+ * there), every connected peer is told to forget it and is waited for as
+ * deregistration waits (same-host peers stop copying into it and unmap it;
+ * RDMA and CUDA IPC peers let go of their keys and mappings), while our own
+ * posts, made before or after, still use it. axf_region_deregister later
+ * ends our use; AXF_CQ_REGION_FREED follows once both are over. For a
+ * deregistration that must wait for transfers of ours not yet posted.
+ * Idempotent; a file region (never a peer's) is left as it is.
+ * AXF_E_NOTFOUND: not registered; AXF_E_NOMEM: nothing changed. What a
+ * peer that ignores the revocation still reaches: see SECURITY.md. */
+int axf_region_revoke(axf_engine *e, uint64_t id);
 /* Which connections (their tags) a quarantined region still waits for:
  * fills up to max, returns how many there are (may exceed max), or
  * AXF_E_NOTFOUND when rid is not quarantined. */

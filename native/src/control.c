@@ -202,27 +202,27 @@ conn *notify_enqueue(axf_engine *e, op *o)
 
 /* ---------------------------------------------------------------- revoke: target */
 
-int axf_region_deregister(axf_engine *e, uint64_t id)
+/* engine.c's revocation mark (see region_get there). Declared here rather
+ * than in internal.h, which this change leaves alone: e->mu held. */
+bool region_revoked(const region *r);
+void region_mark_revoked(region *r);
+
+/* e->mu held; r is registered. Every peer that may still touch r is told to
+ * forget it (if its connection is up) and waited for: same-host peers copy
+ * into our memory without asking us. *held: some are, and the revocation
+ * took over one reference of r, dropped once the last of them acknowledged
+ * or is gone; else the caller drops it (unlocked: it may be r's last).
+ * Everything is allocated first: AXF_E_NOMEM changes nothing. *timed: a tcp
+ * peer got a deadline (the watcher must look). */
+static int revoke_peers(axf_engine *e, region *r, bool *held, bool *timed)
 {
-    pthread_mutex_lock(&e->mu);
-    region **p = &e->regions[id % AXF_REGION_BUCKETS];
-    while (*p && (*p)->id != id)
-        p = &(*p)->next;
-    region *r = *p;
-    if (!r) {
-        pthread_mutex_unlock(&e->mu);
-        return AXF_E_NOTFOUND;
-    }
-    /* Same-host peers copy into our memory without asking us: every peer
-     * that may still touch the region is told to forget it (if its
-     * connection is up) and waited for. Everything is allocated before the
-     * region leaves the registry, so a failure changes nothing. */
     size_t n = 0;
     for (conn *c = e->conns; c; c = c->next_all)
         n += !c->ep && !c->gone && r->kind != AXF_MEM_FILE; /* peers never reach files */
     revocation *rv = NULL;
     rv_wait **ws = NULL;
     sq_item **its = NULL;
+    *timed = *held = false;
     if (n) {
         rv = calloc(1, sizeof *rv);
         ws = calloc(n, sizeof *ws);
@@ -238,13 +238,10 @@ int axf_region_deregister(axf_engine *e, uint64_t id)
             free(ws);
             free(its);
             free(rv);
-            pthread_mutex_unlock(&e->mu);
             return AXF_E_NOMEM;
         }
     }
-    *p = r->next; /* unreachable from now on: new accesses fail */
     uint64_t now = axf_now_ms();
-    bool timed = false;
     size_t k = 0;
     for (conn *c = e->conns; c && n; c = c->next_all) {
         if (c->ep || c->gone || r->kind == AXF_MEM_FILE)
@@ -256,7 +253,7 @@ int axf_region_deregister(axf_engine *e, uint64_t id)
         w->next = c->revokes;
         c->revokes = w;
         rv->waiting++;
-        timed |= c->pidfd < 0;
+        *timed |= c->pidfd < 0;
         if (c->exited) { /* held: a closed same-host peer that may still copy */
             free(it);
             continue;
@@ -275,13 +272,65 @@ int axf_region_deregister(axf_engine *e, uint64_t id)
         e->quarantine = rv;
         e->quarantined++;
         e->quarantined_bytes += r->len;
+        *held = true;
+    }
+    return AXF_OK;
+}
+
+int axf_region_revoke(axf_engine *e, uint64_t id)
+{
+    pthread_mutex_lock(&e->mu);
+    region *r = e->regions[id % AXF_REGION_BUCKETS];
+    while (r && r->id != id)
+        r = r->next;
+    int st = r ? AXF_OK : AXF_E_NOTFOUND;
+    bool held = false, timed = false;
+    /* A file region is never a peer's: nothing to revoke (and the file
+     * transport's own look-ups must still find it). */
+    if (r && !region_revoked(r) && r->kind != AXF_MEM_FILE) {
+        atomic_fetch_add(&r->refs, 1); /* the revocation's: the registry keeps its own */
+        st = revoke_peers(e, r, &held, &timed);
+        if (st == AXF_OK)
+            region_mark_revoked(r); /* peers' look-ups miss it from now on */
+        if (!held)
+            atomic_fetch_sub(&r->refs, 1); /* the registry holds another: never the last */
     }
     pthread_mutex_unlock(&e->mu);
     if (timed)
         watch_wake(e); /* a new deadline */
-    if (!rv)
+    return st;
+}
+
+int axf_region_deregister(axf_engine *e, uint64_t id)
+{
+    pthread_mutex_lock(&e->mu);
+    region **p = &e->regions[id % AXF_REGION_BUCKETS];
+    while (*p && (*p)->id != id)
+        p = &(*p)->next;
+    region *r = *p;
+    if (!r) {
+        pthread_mutex_unlock(&e->mu);
+        return AXF_E_NOTFOUND;
+    }
+    bool held = false, timed = false;
+    if (region_revoked(r)) {
+        /* Every peer was told at its revocation, and none has learnt its key
+         * since (no look-up of a peer finds it): what is left is our own
+         * use. The registry's reference goes; our ops' hold it. */
+        *p = r->next;
+        pthread_mutex_unlock(&e->mu);
         region_unref(e, r);
-    return AXF_OK;
+        return AXF_OK;
+    }
+    int st = revoke_peers(e, r, &held, &timed); /* held: took the registry's reference */
+    if (st == AXF_OK)
+        *p = r->next; /* unreachable from now on: new accesses fail */
+    pthread_mutex_unlock(&e->mu);
+    if (timed)
+        watch_wake(e); /* a new deadline */
+    if (st == AXF_OK && !held)
+        region_unref(e, r);
+    return st;
 }
 
 /* Target side: one of the region's revocations is over. e->mu held. */

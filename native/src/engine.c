@@ -356,7 +356,25 @@ static void region_xp_free(axf_engine *e, region *r, const axf_transport *const 
             (*xi)->region_free(e, r);
 }
 
-region *region_get(axf_engine *e, uint64_t id)
+/* A revoked region (axf_region_revoke) stays registered for our own posts
+ * but answers no peer. Its mark sits in the region's private slot 0, which
+ * no transport has (endpoint kinds, the slots' indices, start at 1): the
+ * core's own. Set and read under e->mu only. */
+#define REGION_CORE_SLOT 0
+static void *const region_revoked_mark = (void *)(uintptr_t)1;
+
+bool region_revoked(const region *r)
+{
+    return r->xp[REGION_CORE_SLOT] == region_revoked_mark;
+}
+
+void region_mark_revoked(region *r)
+{
+    r->xp[REGION_CORE_SLOT] = region_revoked_mark;
+}
+
+/* Any registered region, revoked or not: our own ops' lookup. e->mu held. */
+static region *region_get_local(axf_engine *e, uint64_t id)
 {
     for (region *r = e->regions[id % AXF_REGION_BUCKETS]; r; r = r->next)
         if (r->id == id) {
@@ -364,6 +382,20 @@ region *region_get(axf_engine *e, uint64_t id)
             return r;
         }
     return NULL;
+}
+
+/* What a peer's access (the tcp target's frames) and the transports' own
+ * look-ups find: a revoked region is not there, as if deregistered, so a
+ * peer that kept its key gets the same AXF_E_ACCESS from the one check that
+ * runs before memory is touched. */
+region *region_get(axf_engine *e, uint64_t id)
+{
+    region *r = region_get_local(e, id);
+    if (r && region_revoked(r)) {
+        atomic_fetch_sub(&r->refs, 1); /* the registry holds another: never the last */
+        return NULL;
+    }
+    return r;
 }
 
 void region_unref(axf_engine *e, region *r)
@@ -802,7 +834,9 @@ static int op_resolve(axf_engine *e, op *o)
                 if (o->lregs[k]->id == d->lrid)
                     r = o->lregs[k];
             if (!r) {
-                r = region_get(e, d->lrid);
+                /* Revoked for peers, still ours: a transfer made before its
+                 * deregistration that reached the engine only now. */
+                r = region_get_local(e, d->lrid);
                 if (!r) {
                     o->fail_index = i;
                     return AXF_E_ACCESS;
