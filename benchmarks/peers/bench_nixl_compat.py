@@ -47,8 +47,8 @@ compat and native run in one process pair, between the same two buffers
 buffer in huge pages, which physical pages a pair got still moves its 1 MiB
 copy by up to ~10 % (memcpy of 1 MiB into five buffers of one process:
 32.8-36.0 µs, the same order on a repeat), for the pair's life, so that
-separate pairs' compat ÷ native at 1 MiB was 0.94-1.12x from run to run with
-the same code (native ÷ native' 0.91-1.11x); the same buffers: 0.97-1.02x.
+separate pairs' compat ÷ native at 1 MiB was 0.91-1.12x from run to run with
+the same code (native ÷ native' 0.86-1.11x); the same buffers: 0.97-1.02x.
 
 ``--nixl-python`` (default: $PEERS_VENVS/venv-nixl/bin/python, made by
 install.sh) runs the real NIXL side; this script must also be importable by
