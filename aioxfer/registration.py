@@ -300,19 +300,47 @@ class Memory:
             _resolve(released)
             return released
         self._freeing[region.rid] = region
-        # Transfers posted before this call but still batched for the next
-        # flush are "already using it": they go to the engine first, so they
-        # finish rather than fail against a region that vanished under them.
-        self._pending.post_pending()
+        try:
+            # Transfers posted before this call but still batched for the
+            # next flush are "already using it": they go to the engine
+            # first, so they finish rather than fail against a region that
+            # vanished under them.
+            self._pending.post_pending()
+        finally:
+            # Also when that post re-raised a drain callback's error (all
+            # was posted): the region has left our table, so it must leave
+            # the engine too, or peers would reach it for good and
+            # `released` never complete.
+            self._release_engine(region)
+        return released
+
+    def _release_engine(self, region: Region) -> None:
+        """deregister(), once what was batched is posted: the engine's
+        deregistration, or, while transfers that use the region still wait
+        for a peer's scheduler, its revocation now and the deregistration
+        once they are over."""
         rid = region.rid
+        released = region._released
+        assert released is not None
         if self._pending.hold_region(rid, lambda: self._deregister_held(rid)):
             # Some wait in a peer's scheduler (over its limits): the engine
-            # keeps the region until they are over. It is gone from our
-            # table and metadata now; peers that still hold its key reach
-            # it until then, as they would while those transfers ran.
+            # keeps the region for them until they are over. Peers lose it
+            # now: it is gone from our table and metadata, their accesses
+            # fail as for a deregistered region, and each is told to forget
+            # it (the engine's revocation).
             self._held_back[rid] = region
-            self._changed()
-            return released
+            try:
+                self._engine.revoke(rid)
+            except (ValueError, _cyx.NativeError) as exc:
+                # Not revoked (out of memory): the queued transfers must not
+                # keep it reachable. Deregistered now: they fail as if the
+                # region had gone before they were made.
+                self._held_back.pop(rid, None)
+                _log.warning("region.revoke_failed", agent=self._agent, region=region.name,
+                             error=str(exc))
+            else:
+                self._changed()
+                return
         try:
             self._engine.deregister(rid)
         except (ValueError, _cyx.NativeError) as exc:
@@ -323,7 +351,6 @@ class Memory:
             self._changed()  # it is gone from our metadata either way
         if not self._started():
             self._pending.drain_once()  # not serving yet: no peer; the engine freed it already
-        return released
 
     def _deregister_held(self, rid: int) -> None:
         """The transfers a deregistration waited for are over (or the agent

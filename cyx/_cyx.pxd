@@ -121,6 +121,7 @@ cdef extern from "aioxfer.h" nogil:
     int axf_region_register_kind(axf_engine *e, uint32_t kind, uint64_t addr, uint64_t len,
                                  uint32_t access, int fd, uint64_t *id_out, uint64_t *key_out)
     int axf_region_deregister(axf_engine *e, uint64_t id)
+    int axf_region_revoke(axf_engine *e, uint64_t id)
     int axf_region_holders(axf_engine *e, uint64_t rid, uint64_t *tags_out, size_t max)
 
     int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int pidfd,

@@ -363,6 +363,16 @@ cdef class Engine:
             raise ValueError(f"unknown region {rid}")
         _check(st, f"cannot deregister region {rid}")
 
+    def revoke(self, uint64_t rid):
+        """From now on no peer reaches region rid (their accesses fail as if
+        it were deregistered; each connected peer is told to forget it),
+        while our own transfers still use it until deregister()."""
+        self._open()
+        cdef int st = axf_region_revoke(self._e, rid)
+        if st == AXF_E_NOTFOUND:
+            raise ValueError(f"unknown region {rid}")
+        _check(st, f"cannot revoke region {rid}")
+
     def pinned_regions(self):
         """Buffers still held by _cyx (for leak checks)."""
         return len(self._pins)
