@@ -202,11 +202,6 @@ conn *notify_enqueue(axf_engine *e, op *o)
 
 /* ---------------------------------------------------------------- revoke: target */
 
-/* engine.c's revocation mark (see region_get there). Declared here rather
- * than in internal.h, which this change leaves alone: e->mu held. */
-bool region_revoked(const region *r);
-void region_mark_revoked(region *r);
-
 /* e->mu held; r is registered. Every peer that may still touch r is told to
  * forget it (if its connection is up) and waited for: same-host peers copy
  * into our memory without asking us. *held: some are, and the revocation

@@ -357,20 +357,15 @@ static void region_xp_free(axf_engine *e, region *r, const axf_transport *const 
 }
 
 /* A revoked region (axf_region_revoke) stays registered for our own posts
- * but answers no peer. Its mark sits in the region's private slot 0, which
- * no transport has (endpoint kinds, the slots' indices, start at 1): the
- * core's own. Set and read under e->mu only. */
-#define REGION_CORE_SLOT 0
-static void *const region_revoked_mark = (void *)(uintptr_t)1;
-
+ * but answers no peer. Set and read under e->mu only. */
 bool region_revoked(const region *r)
 {
-    return r->xp[REGION_CORE_SLOT] == region_revoked_mark;
+    return r->revoked;
 }
 
 void region_mark_revoked(region *r)
 {
-    r->xp[REGION_CORE_SLOT] = region_revoked_mark;
+    r->revoked = true;
 }
 
 /* Any registered region, revoked or not: our own ops' lookup. e->mu held. */

@@ -91,6 +91,8 @@ typedef struct region {
     int fd;          /* AXF_MEM_FILE: our duplicate of the file, else -1 */
     uint64_t foff;   /* AXF_MEM_FILE: where the region starts in the file */
     atomic_int refs; /* one for the registry while registered, one per user */
+    bool revoked;    /* e->mu: axf_region_revoke: peers' look-ups miss it (region_get),
+                        our own posts still use it */
     void *xp[AXF_XP_SLOTS]; /* each transport's own: RDMA registrations, a CUDA pin,
                                a file's O_DIRECT alignment */
     struct region *next;
@@ -375,6 +377,8 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);
 void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 region *region_get(axf_engine *e, uint64_t id); /* with e->mu held; takes a ref */
+bool region_revoked(const region *r); /* e->mu held: axf_region_revoke */
+void region_mark_revoked(region *r);
 void region_unref(axf_engine *e, region *r);
 op *op_find(axf_engine *e, uint64_t req_id);     /* with e->mu held */
 void op_set_status(op *o, int status, uint64_t index);
