@@ -81,6 +81,8 @@ async def initiator(args: argparse.Namespace, ctl: C.Ctl) -> str:
                 config=f"{args.transport},memory={args.memory},loop=asyncio,"
                 f"progress={args.progress or 'default'}")
     await connect_samples(args, ctl, address, base)
+    if C.CONNECT_ONLY:
+        return ""
     async with aioxfer.Agent("bench-initiator", **agent_kwargs(args)) as agent:
         # Which path a same-host row took depends on the calibrated threshold
         # (a lone request up to it is copied by the posting thread): record it.
@@ -265,6 +267,8 @@ def main() -> None:
     proc, ctl = C.spawn_target(argv)
     try:
         address = asyncio.run(initiator(args, ctl))
+        if not address:
+            return
         try:
             import uvloop
         except ImportError:

@@ -94,6 +94,8 @@ def run(args: argparse.Namespace, ctl: C.Ctl) -> None:
         eng.unregister_memory(laddr)
         del eng
     C.emit_connect(base, samples)
+    if C.CONNECT_ONLY:
+        return
     te = make_engine()
     assert te.register_memory(laddr, C.BUF_SIZE) == 0
     chk(te.transfer_sync_write(session, laddr, raddr, 4096))

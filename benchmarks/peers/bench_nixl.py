@@ -92,6 +92,8 @@ def run(args: argparse.Namespace, ctl: C.Ctl) -> None:
         config += f",err={args.ucx_err_mode}"
     base = dict(peer="nixl", transport="ucx-tcp" if tls == "tcp" else "ucx", config=config)
     connect_samples(args, ctl, meta, raddr, buf, base)
+    if C.CONNECT_ONLY:
+        return
     agent = make_agent("initiator", args)
     reg = agent.register_memory([(laddr, C.BUF_SIZE, 0, "")], "DRAM")
     remote = agent.add_remote_agent(meta)

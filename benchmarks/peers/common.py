@@ -20,7 +20,8 @@ bytes, one outstanding), "WRITE_qd16" (16 x 4 KiB posted, then all awaited),
 Knobs (environment): BENCH_MIN_SECS (seconds per point, default 1.0),
 BENCH_LAT_SAMPLES (4 KiB latency samples, default 2000), BENCH_CONNECT_SAMPLES
 (fresh initiators timed for "first_write_incl_connect", default 15, the same
-for every system), BENCH_RUN_ID, BENCH_PHASE.
+for every system), BENCH_CONNECT_ONLY=1 (that row only, then exit),
+BENCH_RUN_ID, BENCH_PHASE.
 
 "first_write_incl_connect" is timed the same way for every system: a fresh
 initiator (agent / engine, its memory registered before the clock starts)
@@ -61,6 +62,7 @@ BATCH_BYTES = BATCH_N * BATCH_DESC
 MIN_SECS = float(os.environ.get("BENCH_MIN_SECS", "1.0"))
 LAT_SAMPLES = int(os.environ.get("BENCH_LAT_SAMPLES", "2000"))
 CONNECT_SAMPLES = int(os.environ.get("BENCH_CONNECT_SAMPLES", "15"))
+CONNECT_ONLY = bool(os.environ.get("BENCH_CONNECT_ONLY"))
 MAX_ITERS = 2_000_000
 RUN_ID = os.environ.get("BENCH_RUN_ID", "0")
 

@@ -8,6 +8,7 @@ to log_<round>_<system>.txt beside them, the table to summary.md.
 
     python3 benchmarks/peers/run.py --aioxfer-python /path/to/venv/bin/python [--rounds 3]
     python3 benchmarks/peers/run.py --quick --rounds 1        # a smoke run: ~0.1 s per point
+    python3 benchmarks/peers/run.py --connect-only --no-limits --rounds 5   # that row only
 
 All traffic stays on 127.0.0.1: UCX_NET_DEVICES=lo, MC_TCP_BIND_ADDRESS=127.0.0.1,
 and every agent and socket binds 127.0.0.1.
@@ -130,9 +131,15 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(SYSTEMS),
                     help=f"systems to run (default: all of {','.join(SYSTEMS)})")
     ap.add_argument("--no-limits", action="store_true", help="skip the limits (ratios show –)")
+    ap.add_argument("--connect-samples", type=int, default=15,
+                    help="fresh initiators timed for connect + first 4 KiB write, the same "
+                    "for every system (default 15)")
+    ap.add_argument("--connect-only", action="store_true",
+                    help="only the connect + first 4 KiB write row (a few seconds a system)")
     ap.add_argument("--out", help="results folder (default: results/<timestamp>)")
     ap.add_argument("--timeout", type=float, help="seconds per system run (default 600; quick 180)")
     ns = ap.parse_args()
+    ns.no_limits = ns.no_limits or ns.connect_only
     only = [s for s in ns.only.split(",") if s]
     ns.mode_list = [m for m in ns.modes.split(",") if m and m != "adaptive"]
     bad_modes = set(ns.mode_list) - {"sleep", "poll"}
@@ -156,6 +163,9 @@ def main() -> int:
                MC_TCP_BIND_ADDRESS="127.0.0.1")
     min_secs = ns.min_secs if ns.min_secs is not None else (0.1 if ns.quick else 1.0)
     env["BENCH_MIN_SECS"] = str(min_secs)
+    env["BENCH_CONNECT_SAMPLES"] = str(ns.connect_samples)
+    if ns.connect_only:
+        env["BENCH_CONNECT_ONLY"] = "1"
     if ns.quick:
         env.update(BENCH_LAT_SAMPLES="200", IPERF_SECS="1")
     timeout = ns.timeout or (180.0 if ns.quick else 600.0)
