@@ -40,6 +40,7 @@ cdef extern from *:
     void axf_future_set_loop(object f, object loop)
 
 from asyncio import BaseEventLoop as _BaseEventLoop
+from asyncio import get_running_loop as _get_running_loop
 from asyncio import Future as _Future
 
 cdef tuple _NO_ARGS = ()

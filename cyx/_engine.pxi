@@ -805,6 +805,10 @@ cdef class Engine:
         cdef object t, peer = None, counters = None, path, r, key, tpeer, asked
         cdef object peer_path = None  # peer.path, read once per run of its records
         cdef list wake = None  # the done callbacks of the futures completed here
+        # A callback's error (slow, release) is reported once the whole batch
+        # is processed (_report_drain_error): raised at once, the records
+        # after it were freed unread and their transfers never resolved.
+        cdef object failed = None
         cdef Py_ssize_t completed = 0, done = 0
         cdef uint64_t total = 0, moved = 0, req_bytes = 0
         cdef double now, seconds, bw, latency = 0.0, bandwidth = 0.0
@@ -832,9 +836,13 @@ cdef class Engine:
                     if peer is not None:
                         _settle(counters, done, req_bytes, moved, latency, bandwidth)
                         peer = None
-                    slow(c.kind, c.status, c.id, c.tag, c.nbytes, c.fail_index,
-                         PyBytes_FromStringAndSize(<char *>c.payload, c.payload_len)
-                         if c.payload != NULL else None)
+                    try:
+                        slow(c.kind, c.status, c.id, c.tag, c.nbytes, c.fail_index,
+                             PyBytes_FromStringAndSize(<char *>c.payload, c.payload_len)
+                             if c.payload != NULL else None)
+                    except Exception as exc:
+                        if failed is None:
+                            failed = exc
                     continue
                 if type(t) is not _xfer_type:
                     _xfer_resolve(type(t))
@@ -842,7 +850,11 @@ cdef class Engine:
                     if peer is not None:
                         _settle(counters, done, req_bytes, moved, latency, bandwidth)
                         peer = None
-                    release(t)
+                    try:
+                        release(t)
+                    except Exception as exc:
+                        if failed is None:
+                            failed = exc
                 tpeer = _xfer_get(t, _T_PEER)
                 if tpeer is not peer:
                     if peer is not None:
@@ -892,6 +904,8 @@ cdef class Engine:
             for i in range(n):
                 axf_completion_free(&self._cq[i])
             self._polling = False
+        if failed is not None:
+            _report_drain_error(failed)
         return n, completed, total
 
     # -------------------------------------------------------------- verbs
@@ -1029,3 +1043,19 @@ cdef class Engine:
             "held_conns": s.held_conns,
             "conns_refused": s.conns_refused,
         }
+
+
+def _report_drain_error(exc):
+    """A completion callback's error, seen while draining the ring: to the
+    running loop's exception handler, as asyncio reports a callback's error,
+    not raised to whoever's call drained (a write() must not fail for another
+    record's callback, and the drain's counts must still reach its caller).
+    Raised only where no loop runs."""
+    try:
+        loop = _get_running_loop()
+    except RuntimeError:
+        raise exc from None
+    loop.call_exception_handler({
+        "message": "aioxfer: a completion callback raised while draining the engine's ring",
+        "exception": exc,
+    })
