@@ -54,7 +54,7 @@ from aioxfer.discovery import Etcd, Membership, PeerJoined
 from aioxfer.errors import ClosedResourceError, TransportError
 from aioxfer.events import EngineEvents
 from aioxfer.limits import Limits
-from aioxfer.local import listen_local
+from aioxfer.local import listen_abstract, listen_local, local_name_for
 from aioxfer.localmeta import LocalMeta
 from aioxfer.log import get_logger
 from aioxfer.members import Members
@@ -301,6 +301,19 @@ class Agent:
                 cma_allowed()  # probed once per process now, not on the first connect
             except OSError as exc:
                 _log.warning("local.unavailable", agent=self.name, reason=str(exc))
+        # And one named after each tcp address (local.local_name_for), served
+        # alike: a same-host peer that knows only our address dials it
+        # directly, skipping the tcp round that would tell it the name above.
+        self._direct_socks: list[socket.socket] = []
+        if self._local_sock is not None:
+            for bound in self.addresses:
+                try:
+                    self._direct_socks.append(
+                        listen_abstract(local_name_for(self._token, bound, os.geteuid()))
+                    )
+                except OSError as exc:  # taken (by a squatter): peers come by tcp first
+                    _log.debug("local.direct_unavailable", agent=self.name, address=bound,
+                               reason=str(exc))
         self._accept_msg = Accept(name=self.name, incarnation=self.incarnation,
                                   host_id=self._host_id, local=self._local_name)
         self._verbs_devices: list[str] = []
@@ -309,8 +322,9 @@ class Agent:
                 # Only verbs asked for: its absence is an error, else a fallback.
                 self._verbs_devices = self._enable_verbs(explicit=transports == ("verbs",))
             except BaseException:
-                for lsock in self._lsocks:
-                    lsock.close()
+                for listener in (*self._lsocks, self._local_sock, *self._direct_socks):
+                    if listener is not None:
+                        listener.close()
                 self._engine.close()
                 raise
             if not self._verbs_devices:
@@ -567,11 +581,12 @@ class Agent:
             loop.create_task(server.accept_loop(loop, lsock), name=f"aioxfer-accept-{self.name}")
             for lsock in self._lsocks
         ]
-        if self._local_sock is not None:
-            self._accept_tasks.append(loop.create_task(
-                server.accept_loop(loop, self._local_sock, local=True),
-                name=f"aioxfer-accept-local-{self.name}",
-            ))
+        for local in (self._local_sock, *self._direct_socks):
+            if local is not None:
+                self._accept_tasks.append(loop.create_task(
+                    server.accept_loop(loop, local, local=True),
+                    name=f"aioxfer-accept-local-{self.name}",
+                ))
         if self._cluster is not None:
             self._cluster.join(loop)  # start() awaits it; a lazy start does not
         _log.debug("agent.started", agent=self.name, address=self.address)
@@ -671,7 +686,7 @@ class Agent:
         self._peers.clear()
         self._membership.close()
         self.notifications._close()
-        for lsock in (*self._lsocks, self._local_sock):
+        for lsock in (*self._lsocks, self._local_sock, *self._direct_socks):
             if lsock is None:
                 continue
             fd = lsock.fileno()  # -1: closed already
@@ -690,6 +705,8 @@ class Agent:
         local = getattr(self, "_local_sock", None)
         if local is not None:
             local.close()
+        for direct in getattr(self, "_direct_socks", ()):
+            direct.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -41,7 +41,7 @@ from aioxfer.errors import (
     XferError,
     error_class,
 )
-from aioxfer.local import PeerCred, check_sealed, peer_cred, peer_pidfd
+from aioxfer.local import PeerCred, check_sealed, local_name_for, peer_cred, peer_pidfd
 from aioxfer.log import get_logger
 from aioxfer.members import Members
 from aioxfer.metadata import (
@@ -67,6 +67,10 @@ __all__ = ["ConnectConfig", "Connector", "cma_allowed"]
 _log = get_logger("aioxfer")
 # How long after a connect returned its peer.connected line is rendered.
 _LOG_DELAY = 0.001
+# The most a connect waits on a peer's address-named unix socket before it
+# takes the tcp probe instead: a real same-host peer answers in ~1 ms; only
+# a process squatting the name (SECURITY.md) or a stalled peer waits longer.
+_DIRECT_TIMEOUT = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +187,19 @@ class Connector:
         # each, no Proof round: protocol.Joins): index 1 the unix socket's,
         # or else 2 the tcp data connection's, 3.. the tcp rails' others.
         probe = cfg.local
+        if probe and cma_allowed():
+            # A same-host peer also listens on a unix socket named after its
+            # address (local.local_name_for): dialled first, it spares the tcp
+            # probe (~1 ms: connect, handshake, then this same unix round).
+            # Anything short of a vouched-for shm/cuda peer there (nobody,
+            # another user, an impostor, a stall) falls back to the probe.
+            direct = await self._open_direct(address)
+            if direct is not None:
+                try:
+                    assert direct.meta is not None
+                    return await self._connect_meta(address, direct.meta, None, direct)
+                finally:
+                    direct.close()
         challenge: list[bytes] = []
         # The connections dialled once the metadata is in (the peer's other
         # tcp rails; the first rail's, where its early ones fell short) join
@@ -284,11 +301,13 @@ class Connector:
         self,
         address: str,
         meta: AgentMeta,
-        sock0: socket.socket,
+        sock0: socket.socket | None,
         local: _LocalLink | None,
         early: _EarlyConns | None = None,
         joins: tuple[bytes, int] | None = None,
     ) -> Peer:
+        """sock0: the first tcp data connection (None: the peer came by its
+        unix socket alone, local)."""
         if self._embedded is not None:
             # Embedded, names need not be unique: only the same name at the same
             # address with another incarnation is a restart of a peer we had.
@@ -318,7 +337,7 @@ class Connector:
         self,
         address: str,
         meta: AgentMeta,
-        sock0: socket.socket,
+        sock0: socket.socket | None,
         path: str,
         local: _LocalLink | None,
         early: _EarlyConns | None = None,
@@ -383,6 +402,7 @@ class Connector:
             if local is not None:
                 self._engine.endpoint_add_conn(ep, local.take_data(), first)
             else:
+                assert sock0 is not None  # only a local link comes without one
                 self._engine.endpoint_add_conn(ep, sock0.detach(), first)
             # The rest of the connections, every rail at once: (rail, how many).
             # The first rail's dialled early (of this incarnation) count.
@@ -478,6 +498,61 @@ class Connector:
         if "tcp" in self._config.transports and "tcp" in meta.transports:
             return "tcp"
         return None
+
+    async def _open_direct(self, address: str) -> _LocalLink | None:
+        """The same-host link to the peer at address, over the unix socket
+        named after address (local.local_name_for), checked as _open_local
+        checks it: our uid by the kernel, the token handshake, sealed memfds,
+        the pidfd; and the metadata must list address among the peer's
+        rails. None (a debug line) on anything else, within _DIRECT_TIMEOUT:
+        the caller then takes the tcp probe, which answers for itself."""
+        cfg = self._config
+        loop = asyncio.get_running_loop()
+        link = _LocalLink()
+        result: _LocalLink | None = None
+        why = ""
+        try:
+            name = local_name_for(cfg.token, address, os.geteuid())
+            try:
+                link.data = await self._dialer.dial_local(name)
+            except OSError:
+                return None  # nobody listens there: not a same-host agent (or an old one)
+            async with asyncio.timeout(min(self._dialer.peer_timeout, _DIRECT_TIMEOUT)):
+                link.cred = peer_cred(link.data)
+                if link.cred.uid != os.geteuid():
+                    why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
+                    return None
+                accept = await client_handshake(
+                    loop, link.data, name=self._agent, incarnation=cfg.incarnation,
+                    purpose="data", token=cfg.token, meta=True,
+                )
+                if not accept.meta or accept.host_id != cfg.host_id:
+                    why = "it sends no metadata there, or is not on this host"
+                    return None
+                link.pidfd = peer_pidfd(link.data, link.cred)
+                link.meta, link.fds = await self._dialer.receive_meta(link.data, local=True)
+            meta = link.meta
+            if (meta.name, meta.incarnation) != (accept.name, accept.incarnation):
+                why = "its metadata is not the agent that answered"
+            elif address not in meta.rails:
+                why = f"its metadata does not list {address}"
+            elif meta.host_id != cfg.host_id:
+                why = "its metadata is not of this host"
+            elif self._local_path(link) is None:
+                why = "no same-host transport in common"
+            else:
+                result = link
+                return result
+            return None
+        except Exception as exc:  # noqa: BLE001 (any failure: the tcp probe decides)
+            why = f"{type(exc).__name__}: {exc}"
+            return None
+        finally:
+            if result is None:
+                link.close()
+                if why:
+                    _log.debug("local.direct_skipped", agent=self._agent, address=address,
+                               reason=why)
 
     async def _open_local(
         self, address: str, meta: Accept, join: tuple[bytes, int] | None = None

@@ -60,6 +60,10 @@ class Dialer:
         self._peer_timeout = peer_timeout
         self._max_meta_bytes = max_meta_bytes
 
+    @property
+    def peer_timeout(self) -> float:
+        return self._peer_timeout
+
     async def dial_local(self, name: str) -> socket.socket:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
+import hmac
 import os
 import secrets
 import socket
@@ -34,7 +36,9 @@ __all__ = [
     "REQUIRED_SEALS",
     "PeerCred",
     "check_sealed",
+    "listen_abstract",
     "listen_local",
+    "local_name_for",
     "peer_cred",
     "local_address",
     "peer_pidfd",
@@ -60,6 +64,26 @@ def listen_local(uid: int) -> tuple[socket.socket, str]:
     it, which is right, since neither can their shm). Returns it and its name
     without the leading NUL."""
     name = f"aioxfer-{uid}-{secrets.token_hex(12)}"
+    return listen_abstract(name), name
+
+
+def local_name_for(token: bytes | None, address: str, uid: int) -> str:
+    """The abstract name an agent of uid listening at address (its tcp
+    "host:port", as it advertises it) also listens on, so that a same-host
+    peer that knows only that address dials it directly, without first
+    asking over tcp for the random name of listen_local (a tcp connect and
+    handshake, ~1 ms of a first connect). Keyed by the token: without it
+    nobody can tell the name; without a token it can be guessed, and taken
+    first by another process, which then only delays connects to the tcp
+    path (the kernel's uid check and the handshake refuse any impostor:
+    SECURITY.md)."""
+    digest = hmac.new(token or b"", b"local-v1" + address.encode(), hashlib.sha256)
+    return f"aioxfer-{uid}-{digest.hexdigest()[:24]}"
+
+
+def listen_abstract(name: str) -> socket.socket:
+    """A listening, non-blocking abstract unix socket bound to name (OSError
+    EADDRINUSE where another socket holds it)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.bind("\0" + name)
@@ -68,7 +92,7 @@ def listen_local(uid: int) -> tuple[socket.socket, str]:
     except BaseException:
         sock.close()
         raise
-    return sock, name
+    return sock
 
 
 def local_address(name: str) -> str:
