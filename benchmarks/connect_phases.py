@@ -124,6 +124,7 @@ def _patch(prefix: str) -> None:
     for m in ("dial", "dial_local", "receive_meta", "fetch_meta", "fetch_local_meta"):
         _wrap_async(dialing.Dialer, m, prefix + m)
     _wrap_async(conn.Connector, "_open_local", prefix + "open_local")
+    _wrap_async(conn.Connector, "_open_direct", prefix + "open_direct")
     _wrap_async(conn.Connector, "connect", prefix + "Connector.connect")
     _wrap_async(dialing.Dialer, "open_meta", prefix + "open_meta")
     _wrap_sync(conn.Connector, "_apply_regions", prefix + "apply_regions")

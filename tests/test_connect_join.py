@@ -224,9 +224,17 @@ async def test_no_token_no_joins(make_agent) -> None:
     assert peer.path == "tcp"
 
 
-async def test_same_host_connect_joins_the_probe(make_agent) -> None:
+async def test_same_host_connect_joins_the_probe(make_agent, monkeypatch) -> None:
     """A same-host connect's unix-socket connection joins the tcp probe's
-    Challenge (the kernel still checks who connects there)."""
+    Challenge (the kernel still checks who connects there): the probe path,
+    taken where the address-named unix socket is not (Connector._open_direct;
+    tests/test_conn12_direct.py covers the fallback with a real squatter)."""
+    from aioxfer import connector
+
+    async def no_direct(self, address):
+        return None
+
+    monkeypatch.setattr(connector.Connector, "_open_direct", no_direct)
     target = await make_agent("target", token=TOKEN)
     dst = target.alloc(MiB, name="dst")
     init = await make_agent("init", token=TOKEN)
