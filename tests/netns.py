@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -49,8 +48,6 @@ from collections.abc import Iterator
 from typing import Any
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-CLONE_NEWNET = 0x40000000
-PR_SET_PDEATHSIG = 1
 CMD_TIMEOUT = 10.0  # bound of one ip/nft/tc command
 _counter = itertools.count()
 
@@ -120,19 +117,6 @@ class Rail:
     addr_a: str  # "10.77.i.1"
     addr_b: str
     subnet: str  # "10.77.i.0/24"
-
-
-def _netns_preexec(nsfd: int, parent: int) -> Any:
-    """For Popen: enter the network namespace, die with the parent."""
-    def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            os._exit(120)
-        if os.getppid() != parent:  # the parent died before prctl
-            os._exit(121)
-        if libc.setns(nsfd, CLONE_NEWNET) != 0:
-            os._exit(122)
-    return preexec
 
 
 class Rails:
@@ -232,14 +216,17 @@ class Rails:
     # -------------------------------------------------------- processes
 
     def popen(self, side: str, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
-        """Starts argv inside namespace ``side``; it is SIGKILLed when this
-        process dies, and by :meth:`close`. Call from the main thread (the
-        death signal follows the thread that started it)."""
-        fd = os.open(f"/run/netns/{self.ns(side)}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            proc = subprocess.Popen(argv, preexec_fn=_netns_preexec(fd, os.getpid()), **kw)
-        finally:
-            os.close(fd)
+        """Starts argv inside namespace ``side``; it is SIGKILLed when the
+        thread that started it ends (PR_SET_PDEATHSIG), and by :meth:`close`.
+
+        Through nsenter and setpriv, not a preexec_fn: a preexec_fn makes
+        subprocess fork() (no vfork), which runs gRPC's fork handlers in a
+        process where an earlier test's etcd client left gRPC threads: once
+        in CI the child stalled in them and never exec'd etcd ("skipping
+        fork() handlers", then an epoll_wait error, in its log)."""
+        cmd = ["nsenter", f"--net=/run/netns/{self.ns(side)}", "--",
+               "setpriv", "--pdeathsig", "KILL", "--", *argv]
+        proc = subprocess.Popen(cmd, **kw)
         self._procs.append(proc)
         return proc
 
