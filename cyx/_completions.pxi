@@ -540,13 +540,13 @@ cdef inline bint _slot_int(object o, Py_ssize_t off, long long *out) except -1:
     """*out = o's slot at off, if it holds an exact int within 62 bits."""
     cdef PyObject *v = axf_slot_ptr(o, off)
     cdef long long x
+    cdef int ovf = 0
     if v == NULL or type(<object>v) is not int:
         return False
-    x = PyLong_AsLongLong(<object>v)
-    if x == -1 and PyErr_Occurred():
-        PyErr_Clear()
-        return False
-    if x > (1LL << 62) or x < -(1LL << 62):
+    # (AndOverflow: PyLong_AsLongLong, declared except? -1, would raise
+    # OverflowError here for an int past 63 bits, not take the Python path.)
+    x = PyLong_AsLongLongAndOverflow(<object>v, &ovf)
+    if ovf or x > (1LL << 62) or x < -(1LL << 62):
         return False
     out[0] = x
     return True

@@ -458,7 +458,7 @@ cdef inline object _nx_field(object agent, str name):
     if _na_dict:
         dp = _PyObject_GetDictPtr(agent)
         if dp != NULL and dp[0] != NULL:
-            v = PyDict_GetItem(<object>dp[0], name)
+            v = PyDict_GetItemWithError(<object>dp[0], name)
             if v != NULL:
                 return <object>v
     return getattr(agent, name)
@@ -484,7 +484,7 @@ cdef PyObject *_nx_in(object xfers, object handle) except? NULL:
         _nh_type = type(handle)
     v = axf_slot_ptr(handle, _nh_off) if _nh_off >= 0 else NULL
     number = <object>v if v != NULL else handle._handle
-    return PyDict_GetItem(xfers, number) if type(xfers) is dict else NULL
+    return PyDict_GetItemWithError(xfers, number) if type(xfers) is dict else NULL
 
 
 cdef PyObject *_nx_request(object agent, object handle) except? NULL:
@@ -814,7 +814,7 @@ def nixl_state(agent, handle):
             sel = n.sel
             # (Runtime.claim's usual case inline: the fd claimed before,
             # lingering; else its method.)
-            v = PyDict_GetItem(n.claims, fd)
+            v = PyDict_GetItemWithError(n.claims, fd)
             c = <object>v if v != NULL else None
             if c is not None and _cl_slots(c):
                 active = _slot_obj(c, _cl_off[_CL_ACTIVE])
@@ -987,7 +987,7 @@ cdef int _ns_slept(object agent, NixlCache n, object x, object fut, object parts
                     n.drain()
             finally:
                 if claimed:
-                    v = PyDict_GetItem(n.claims, fd)
+                    v = PyDict_GetItemWithError(n.claims, fd)
                     _ns_release(n, fd, c if (c is not None and v == <PyObject *>c) else None)
             if parts is not None and _ns_data_done(fut, parts):
                 # (What _state_py does after its wait; after the claim's
@@ -1045,7 +1045,7 @@ cdef int _ns_release(NixlCache n, object fd, object c) except -1:
         if n.sel_dict:
             dp = _PyObject_GetDictPtr(sel)
             if dp != NULL and dp[0] != NULL:
-                v = PyDict_GetItem(<object>dp[0], "sleep_until")
+                v = PyDict_GetItemWithError(<object>dp[0], "sleep_until")
         sleep_until = <object>v if v != NULL else sel.sleep_until
         su = sleep_until
         if not (su > until + linger):

@@ -82,6 +82,7 @@ cdef bint _alone_max(object sub, Py_ssize_t off, long long *out) except -1:
     return True
 
 
+from cpython.long cimport PyLong_AsSsize_t
 from types import MethodType as _MethodType  # what a bound FutureMaker.make is
 
 
@@ -226,8 +227,8 @@ cdef class Submitter:
                     and _slot_obj(sub, self._s[_S_CLOSED]) is False
                     and _slot_obj(sub, self._s[_S_PENDING_CANCELLED]) is False):
                 self._direct = True
-                self._post(engine, None, None, inflight, len(<dict>inflight) == 1, t,
-                           (_slot_obj(peer, self._q[_Q_EP]), opcode, descs, req_id))
+                self._post_one(engine, inflight, len(<dict>inflight) == 1, t,
+                               _slot_obj(peer, self._q[_Q_EP]), opcode, descs, req_id)
                 return t
         (<list>pending).append(
             (_slot_obj(peer, self._q[_Q_EP]), opcode, descs, notify, req_id))
@@ -340,10 +341,8 @@ cdef class Submitter:
                 <dict>inflight, _slot_obj(sub, self._s[_S_ON_RECORD]),
                 _slot_obj(sub, self._s[_S_RELEASE]),
                 self._result_type, self._weight, self._bandwidth_min, self._poll_max)
-            if res[1] or res[2]:
-                axf_slot_put(sub, self._s[_S_COMPLETED],
-                             _slot_obj(sub, self._s[_S_COMPLETED]) + res[1])
-                axf_slot_put(sub, self._s[_S_BYTES], _slot_obj(sub, self._s[_S_BYTES]) + res[2])
+            _add_total(sub, self._s[_S_COMPLETED], res[1])
+            _add_total(sub, self._s[_S_BYTES], res[2])
             if res[0] < self._poll_max:
                 return None
             rounds -= 1
@@ -351,38 +350,52 @@ cdef class Submitter:
         return None
 
     cdef bint _post(self, object engine, object pending, object ts, object inflight,
-                    bint alone, object t=None, tuple one=None) except -1:
+                    bint alone) except -1:
         """Submission.post_pending(alone) once its checks passed (the agent
         open, nothing cancelled, pending not empty): the batch posted and
-        drained in one native call, the counts, the poller kicked when
-        something stays in flight (then True). Or, pending and ts None,
-        transfer t alone (one: its ep, opcode, descs and id), not batched."""
+        drained in one native call, then _posted."""
+        cdef object sub = self._sub
+        cdef object res
+        try:
+            res = (<Engine>engine)._post_drain(
+                <list>pending, <list>ts, <dict>inflight,
+                _slot_obj(sub, self._s[_S_ON_RECORD]),
+                _slot_obj(sub, self._s[_S_RELEASE]),
+                self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
+        except Exception as exc:
+            sub._post_raised(ts, exc)
+            return False
+        return self._posted(<tuple>res, ts, inflight)
+
+    cdef bint _post_one(self, object engine, object inflight, bint alone, object t,
+                        object ep, object opcode, object descs, object req_id) except -1:
+        """_post of transfer t alone (ep, opcode, descs, req_id: its item),
+        not batched: its fields passed as they are (no item tuple made and
+        freed per request)."""
+        cdef object sub = self._sub
+        cdef object res
+        try:
+            res = (<Engine>engine)._post_one_drain(
+                ep, opcode, descs, req_id, t, <dict>inflight,
+                _slot_obj(sub, self._s[_S_ON_RECORD]),
+                _slot_obj(sub, self._s[_S_RELEASE]),
+                self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
+        except Exception as exc:
+            sub._post_raised([t], exc)
+            return False
+        return self._posted(<tuple>res, None, inflight, t)
+
+    cdef bint _posted(self, tuple res, object ts, object inflight, object t=None) except -1:
+        """The end of _post and _post_one: the counts (or the refusal of
+        ts, else of [t]), the poller kicked when something stays in flight
+        (then True)."""
         cdef object sub = self._sub
         cdef PyObject *v
-        cdef object res, statuses
-        try:
-            if t is None:
-                res = (<Engine>engine)._post_drain(
-                    <list>pending, <list>ts, <dict>inflight,
-                    _slot_obj(sub, self._s[_S_ON_RECORD]),
-                    _slot_obj(sub, self._s[_S_RELEASE]),
-                    self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
-            else:
-                res = (<Engine>engine)._post_one_drain(
-                    one[0], one[1], one[2], one[3], t, <dict>inflight,
-                    _slot_obj(sub, self._s[_S_ON_RECORD]),
-                    _slot_obj(sub, self._s[_S_RELEASE]),
-                    self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
-        except Exception as exc:
-            sub._post_raised(ts if t is None else [t], exc)
-            return False
-        statuses = res[0]
+        cdef object statuses = res[0]
         if statuses is None:
-            axf_slot_put(sub, self._s[_S_COMPLETED],
-                         _slot_obj(sub, self._s[_S_COMPLETED]) + res[2])
-            axf_slot_put(sub, self._s[_S_BYTES],
-                         _slot_obj(sub, self._s[_S_BYTES]) + res[3])
-            if res[1] >= self._poll_max:
+            _add_total(sub, self._s[_S_COMPLETED], res[2])
+            _add_total(sub, self._s[_S_BYTES], res[3])
+            if PyLong_AsSsize_t(res[1]) >= self._poll_max:
                 sub.drain()  # more remain
         else:
             sub._refused(ts if t is None else [t], statuses)
@@ -392,6 +405,24 @@ cdef class Submitter:
         if v != NULL and <object>v is not None:
             (<object>v).kick()  # poll for the rest before the loop blocks
         return True
+
+
+cdef int _add_total(object o, Py_ssize_t off, object d) except -1:
+    """o's int field at slot offset off += d (a count the engine returned,
+    an int): as C integers while both are within 2**62 (the generic add and
+    its type dispatch cost ~150 instructions a total, two totals per post
+    and per drain), else Python's +; nothing to do for 0."""
+    cdef long long cur, dv
+    cdef int ovf = 0
+    if type(d) is int:
+        dv = PyLong_AsLongLongAndOverflow(d, &ovf)
+        if dv == 0 and not ovf:
+            return 0
+        if 0 < dv < (1LL << 62) and _slot_int(o, off, &cur):
+            axf_slot_put(o, off, PyLong_FromLongLong(cur + dv))
+            return 0
+    axf_slot_put(o, off, _slot_obj(o, off) + d)
+    return 0
 
 
 # ------------------------------------------------------------------ post
