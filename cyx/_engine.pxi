@@ -897,13 +897,17 @@ cdef class Engine:
                     else:
                         t.set_result(r)
         finally:
-            if peer is not None:
-                _settle(counters, done, req_bytes, moved, latency, bandwidth)
-            if wake:
-                _schedule_callbacks(wake)
-            for i in range(n):
-                axf_completion_free(&self._cq[i])
-            self._polling = False
+            try:
+                if peer is not None:
+                    _settle(counters, done, req_bytes, moved, latency, bandwidth)
+                if wake:
+                    _schedule_callbacks(wake)
+            finally:
+                # Even if the counters' settle raised: else the records leak
+                # and every later drain says it is not reentrant.
+                for i in range(n):
+                    axf_completion_free(&self._cq[i])
+                self._polling = False
         if failed is not None:
             _report_drain_error(failed)
         return n, completed, total
