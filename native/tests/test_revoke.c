@@ -93,6 +93,21 @@ static int wait_settled(tengine *o, uint64_t rid)
  * it forgot r (refused at its post) and where it did not (a stale import:
  * the owner's check refuses it); the owner's own ops on r go on, before and
  * after, and r is freed only once deregistered. */
+/* The owner's own ops on its revoked region r still run, both ways (r the
+ * local side), and r is still registered (no freed record). */
+static int owner_ops_go_on(duo *d)
+{
+    t_fill(d->r, REG, 5);
+    axf_desc ow = {.lrid = d->rid, .rrid = d->xid, .rkey = d->xkey, .len = REG};
+    CHECK_EQ(op_status(d->o, d->o_ep, AXF_OP_WRITE, &ow, 10), AXF_OK);
+    CHECK(memcmp(d->r, d->x, REG) == 0);
+    t_fill(d->x, REG, 6);
+    CHECK_EQ(op_status(d->o, d->o_ep, AXF_OP_READ, &ow, 11), AXF_OK);
+    CHECK(memcmp(d->r, d->x, REG) == 0);
+    CHECK(t_quiet(d->o, AXF_CQ_REGION_FREED, d->rid, 50));
+    return 0;
+}
+
 static int revoke_peer_refused_owner_goes_on(int kind)
 {
     duo d;
@@ -128,17 +143,10 @@ static int revoke_peer_refused_owner_goes_on(int kind)
     }
     CHECK(t_all(d.r, REG, 0)); /* nothing of the peer's landed */
 
-    /* The owner's own ops on r: both ways, r as the local side. */
-    t_fill(d.r, REG, 5);
-    axf_desc ow = {.lrid = d.rid, .rrid = d.xid, .rkey = d.xkey, .len = REG};
-    CHECK_EQ(op_status(d.o, d.o_ep, AXF_OP_WRITE, &ow, 10), AXF_OK);
-    CHECK(memcmp(d.r, d.x, REG) == 0);
-    t_fill(d.x, REG, 6);
-    CHECK_EQ(op_status(d.o, d.o_ep, AXF_OP_READ, &ow, 11), AXF_OK);
-    CHECK(memcmp(d.r, d.x, REG) == 0);
-    CHECK(t_quiet(d.o, AXF_CQ_REGION_FREED, d.rid, 50)); /* still registered */
+    CHECK_EQ(owner_ops_go_on(&d), 0); /* the owner's own ops on r */
 
     /* An op of the owner's in flight at the deregistration holds r. */
+    axf_desc ow = {.lrid = d.rid, .rrid = d.xid, .rkey = d.xkey, .len = REG};
     CHECK_EQ(axf_post(d.o->e, d.o_ep, AXF_OP_WRITE, &ow, 1, NULL, 0, 12, 0), AXF_OK);
     CHECK_EQ(axf_region_deregister(d.o->e, d.rid), AXF_OK);
     axf_completion c;
@@ -255,14 +263,7 @@ static int test_revoke_verbs(void)
     CHECK_EQ(axf_post(d.p->e, d.p_ep, AXF_OP_READ, &pw, 1, NULL, 0, 3, 0), AXF_E_ACCESS);
     CHECK(t_all(d.r, REG, 0));
 
-    t_fill(d.r, REG, 5);
-    axf_desc ow = {.lrid = d.rid, .rrid = d.xid, .rkey = d.xkey, .len = REG};
-    CHECK_EQ(op_status(d.o, d.o_ep, AXF_OP_WRITE, &ow, 10), AXF_OK);
-    CHECK(memcmp(d.r, d.x, REG) == 0);
-    t_fill(d.x, REG, 6);
-    CHECK_EQ(op_status(d.o, d.o_ep, AXF_OP_READ, &ow, 11), AXF_OK);
-    CHECK(memcmp(d.r, d.x, REG) == 0);
-    CHECK(t_quiet(d.o, AXF_CQ_REGION_FREED, d.rid, 50));
+    CHECK_EQ(owner_ops_go_on(&d), 0);
     CHECK_EQ(axf_region_deregister(d.o->e, d.rid), AXF_OK);
     axf_completion c;
     CHECK_EQ(t_wait(d.o, AXF_CQ_REGION_FREED, d.rid, &c), 0);
