@@ -10,7 +10,10 @@ check_xfer_state() until DONE (NIXL's fastest way to repeat a transfer).
     UCX_NET_DEVICES=lo UCX_TLS=tcp python bench_nixl.py --prog-thread target   # over TCP
 
 UCX transports come from the UCX_* environment. With UCX_TLS=tcp the target's
-progress thread must run (RMA is emulated with active messages).
+progress thread must run: UCT tcp implements a put natively (a PUT_REQ header,
+then the payload), and the put completes only when the target's PUT_ACK comes
+back, sent once the payload is in the destination (src/uct/tcp/tcp_ep.c): the
+same remote completion as aioxfer's WRITE.
 
 UCX_TLS=tcp is TCP only (checked with strace -f and perf sched events on
 this script, WRITE and READ, 4 KiB to 64 MiB): no process_vm_writev but
