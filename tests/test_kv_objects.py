@@ -225,3 +225,27 @@ async def test_concurrent_puts_of_the_same_blocks_upload_each_once(make_agent: M
         assert res.prefix == n and np.array_equal(dst.numpy(), data)
     finally:
         await store.aclose()
+
+
+async def test_overlapping_tier_writes_of_one_key_upload_it_once(make_agent: MakeAgent,
+                                                                 s3: S3Server) -> None:
+    """Two ObjectTier writes of the same blocks at once (below the store,
+    which dedupes its own puts): the one that waited for the staging lock
+    finds them stored and uploads nothing; it decided what to upload before
+    taking the lock, and PUT every key a second time."""
+    bucket = s3.bucket()
+    agent, store, _objs = await store_with_objects(make_agent, s3, bucket)
+    tier = next(t for t in store.tiers if isinstance(t, kv.ObjectTier))
+    n = 4
+    src = agent.alloc(n * BB)
+    src.numpy()[:] = pattern(n * BB, 13)
+    keys = keys_for(n, seed=13)
+    try:
+        offsets = [i * BB for i in range(n)]
+        a, b = await within(asyncio.gather(tier._write(keys, [src] * n, offsets),
+                                           tier._write(keys, [src] * n, offsets)))
+        assert a == [True] * n and b == [True] * n
+        assert tier.counters.writes == n, tier.counters.writes
+        assert ": Deleted" not in s3.log.read_text()  # no key was written twice
+    finally:
+        await store.aclose()

@@ -120,10 +120,13 @@ class ObjectTier(Tier):
 
     async def _write(self, keys: list[bytes], regions: list[Region], offsets: list[int],
                      *, durable: bool = False) -> list[bool]:
-        ok = [k in self.index for k in keys]
-        todo = [i for i, good in enumerate(ok) if not good]
         assert self.stage is not None
         async with self.stage_lock:
+            # Decided under the lock: a write that waited for it skips what
+            # the one before it stored meanwhile (keys name their contents),
+            # rather than PUT the same key again.
+            ok = [k in self.index for k in keys]
+            todo = [i for i, good in enumerate(ok) if not good]
             cancelled = False
             for b in range(0, len(todo), self.batch):
                 cancelled = await self._write_batch(keys, regions, offsets, todo[b:b + self.batch],
