@@ -282,11 +282,11 @@ int axf_region_revoke(axf_engine *e, uint64_t id)
     bool held = false, timed = false;
     /* A file region is never a peer's: nothing to revoke (and the file
      * transport's own look-ups must still find it). */
-    if (r && !region_revoked(r) && r->kind != AXF_MEM_FILE) {
+    if (r && !r->revoked && r->kind != AXF_MEM_FILE) {
         atomic_fetch_add(&r->refs, 1); /* the revocation's: the registry keeps its own */
         st = revoke_peers(e, r, &held, &timed);
         if (st == AXF_OK)
-            region_mark_revoked(r); /* peers' look-ups miss it from now on */
+            r->revoked = true; /* peers' look-ups miss it from now on */
         if (!held)
             atomic_fetch_sub(&r->refs, 1); /* the registry holds another: never the last */
     }
@@ -308,7 +308,7 @@ int axf_region_deregister(axf_engine *e, uint64_t id)
         return AXF_E_NOTFOUND;
     }
     bool held = false, timed = false;
-    if (region_revoked(r)) {
+    if (r->revoked) {
         /* Every peer was told at its revocation, and none has learnt its key
          * since (no look-up of a peer finds it): what is left is our own
          * use. The registry's reference goes; our ops' hold it. */

@@ -356,18 +356,6 @@ static void region_xp_free(axf_engine *e, region *r, const axf_transport *const 
             (*xi)->region_free(e, r);
 }
 
-/* A revoked region (axf_region_revoke) stays registered for our own posts
- * but answers no peer. Set and read under e->mu only. */
-bool region_revoked(const region *r)
-{
-    return r->revoked;
-}
-
-void region_mark_revoked(region *r)
-{
-    r->revoked = true;
-}
-
 /* Any registered region, revoked or not: our own ops' lookup. e->mu held. */
 static region *region_get_local(axf_engine *e, uint64_t id)
 {
@@ -386,7 +374,7 @@ static region *region_get_local(axf_engine *e, uint64_t id)
 region *region_get(axf_engine *e, uint64_t id)
 {
     region *r = region_get_local(e, id);
-    if (r && region_revoked(r)) {
+    if (r && r->revoked) {
         atomic_fetch_sub(&r->refs, 1); /* the registry holds another: never the last */
         return NULL;
     }

@@ -377,8 +377,6 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);
 void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 region *region_get(axf_engine *e, uint64_t id); /* with e->mu held; takes a ref */
-bool region_revoked(const region *r); /* e->mu held: axf_region_revoke */
-void region_mark_revoked(region *r);
 void region_unref(axf_engine *e, region *r);
 op *op_find(axf_engine *e, uint64_t req_id);     /* with e->mu held */
 void op_set_status(op *o, int status, uint64_t index);
