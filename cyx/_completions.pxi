@@ -616,6 +616,11 @@ cdef list _take_callbacks(object fut, list wake):
     cdef object cb, ctx, loop
     if not cbs:
         return wake
+    # A copy: with no first callback (fut_callback0 cleared by a
+    # remove_done_callback) the C Future hands out its own list, which the
+    # removals below shrink while they walk it: every other callback was
+    # skipped, left on the future, and run twice (its own wake-up too).
+    cbs = list(cbs)
     if wake is None:
         wake = []
     loop = fut.get_loop()
