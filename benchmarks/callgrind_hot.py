@@ -12,7 +12,10 @@ runs differenced give the instructions per request, free of start-up:
 
 ``--wrap`` runs it all under callgrind itself and prints that figure.
 Workloads: await-{write,read}-{4k,64k} (one request awaited at a time),
-qd{64,256}-write-4k (posted, then awaited in order; per request); ``--uvloop``.
+qd{64,256}-write-4k (posted, then awaited in order; per request); ``--uvloop``;
+``--transport tcp`` (both agents tcp only: a request's user-space
+instructions; the initiator's poll for the reply, ``axf_wait_ex``, spins
+a varying number of rounds, so subtract its inclusive count).
 """
 
 from __future__ import annotations
@@ -31,15 +34,19 @@ import aioxfer
 BUF = 4 << 20
 
 
-async def target() -> None:
-    async with aioxfer.Agent("cg-target") as agent:
+def agent_kwargs(transport: str) -> dict[str, Any]:
+    return {"transports": ("tcp",)} if transport == "tcp" else {}
+
+
+async def target(transport: str) -> None:
+    async with aioxfer.Agent("cg-target", **agent_kwargs(transport)) as agent:
         agent.alloc(BUF, name="buf")
         print(agent.address, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
 
-async def initiator(address: str, workload: str, count: int) -> None:
-    async with aioxfer.Agent("cg-initiator") as agent:
+async def initiator(address: str, workload: str, count: int, transport: str) -> None:
+    async with aioxfer.Agent("cg-initiator", **agent_kwargs(transport)) as agent:
         local = agent.alloc(BUF, name="buf")
         peer = await agent.connect(address)
         remote = peer.region("buf")
@@ -81,30 +88,34 @@ def main() -> None:
     ap.add_argument("--workload", default="await-write-4k")
     ap.add_argument("--count", type=int, default=2000)
     ap.add_argument("--uvloop", action="store_true")
+    ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     ap.add_argument("--wrap", action="store_true",
                     help="run twice under callgrind (count, 5 x count): instructions per request")
     args = ap.parse_args()
     if args.role == "target":
-        asyncio.run(target())
+        asyncio.run(target(args.transport))
         return
     if args.wrap:
         tot: dict[int, int] = {}
         for n in (args.count, 5 * args.count):
             with tempfile.NamedTemporaryFile(prefix="cg.", dir="/tmp") as f:
                 argv = [sys.executable, os.path.abspath(__file__), "--workload", args.workload,
-                        "--count", str(n)] + (["--uvloop"] if args.uvloop else [])
+                        "--count", str(n), "--transport", args.transport]
+                argv += ["--uvloop"] if args.uvloop else []
                 subprocess.run(["valgrind", "--tool=callgrind", "-q",
                                 f"--callgrind-out-file={f.name}", *argv], check=True)
                 tot[n] = total(f.name)
         per = (tot[5 * args.count] - tot[args.count]) / (4 * args.count)
-        print(f"{args.workload}{' uvloop' if args.uvloop else ''}: {per:.0f} instructions/request")
+        print(f"{args.workload}{' uvloop' if args.uvloop else ''} {args.transport}: "
+              f"{per:.0f} instructions/request")
         return
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "target"],
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "target",
+                             "--transport", args.transport],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdin is not None
     address = proc.stdout.readline().strip()
     try:
-        run: Any = initiator(address, args.workload, args.count)
+        run: Any = initiator(address, args.workload, args.count, args.transport)
         if args.uvloop:
             import uvloop
 

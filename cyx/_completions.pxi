@@ -39,6 +39,23 @@ cdef extern from *:
     PyObject *axf_future_loop(object f)
     void axf_future_set_loop(object f, object loop)
 
+cdef extern from *:
+    """
+    /* The C Future's done callbacks: its fields fut_callback0 (the first)
+       and fut_callbacks (a list of the rest), the second and fourth after
+       the loop in FutureObj_HEAD (CPython 3.11 to 3.14); NULL each when it
+       has none. Read only once _probe_cb_fields saw them there. */
+    static inline PyObject *axf_future_field(PyObject *f, int i) {
+        return ((PyObject **)((char *)f + sizeof(PyObject)))[i];
+    }
+    static inline int axf_future_has_callbacks(PyObject *f) {
+        PyObject **p = (PyObject **)((char *)f + sizeof(PyObject));
+        return p[1] != NULL || p[3] != NULL;
+    }
+    """
+    PyObject *axf_future_field(object f, int i)
+    bint axf_future_has_callbacks(object f)
+
 from asyncio import BaseEventLoop as _BaseEventLoop
 from asyncio import get_running_loop as _get_running_loop
 from asyncio import Future as _Future
@@ -113,6 +130,11 @@ cdef extern from *:
     static inline PyObject *axf_slot_ptr(PyObject *o, Py_ssize_t off) {
         return *(PyObject **)((char *)o + off);
     }
+    /* o's slot at off, borrowed; NULL when off < 0 (not a plain slot) or
+       unset (then the caller takes the generic way). */
+    static inline PyObject *axf_slot_get(PyObject *o, Py_ssize_t off) {
+        return off >= 0 ? *(PyObject **)((char *)o + off) : NULL;
+    }
     static inline void axf_slot_put(PyObject *o, Py_ssize_t off, PyObject *v) {
         PyObject **p = (PyObject **)((char *)o + off);
         PyObject *old = *p;
@@ -123,6 +145,7 @@ cdef extern from *:
     """
     Py_ssize_t axf_slot_offset(object tp, PyObject *descr)
     PyObject *axf_slot_ptr(object o, Py_ssize_t off)
+    PyObject *axf_slot_get(object o, Py_ssize_t off)
     void axf_slot_put(object o, Py_ssize_t off, object v)
     PyObject *axf_type_lookup(object tp, object name)
 
@@ -233,6 +256,10 @@ cdef inline object _xfer_get(object t, int field):
         v = axf_slot_ptr(t, off)
         if v != NULL:
             return <object>v
+    return _xfer_getattr(t, field)
+
+
+cdef object _xfer_getattr(object t, int field):
     return getattr(t, _T_NAMES[field])  # unset (AttributeError) or not a slot
 
 
@@ -608,12 +635,48 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
 _remove_done_callback = _Future.remove_done_callback
 
 
+cdef int _cb_fields = -1  # _probe_cb_fields' answer (-1: not asked yet)
+
+
+cdef bint _probe_cb_fields(object loop) except -1:
+    """Whether a future's done callbacks are where axf_future_has_callbacks
+    looks (the C Future of CPython 3.11-3.14): seen there on a probe."""
+    cdef object f, a, b
+    if getattr(_Future, "__module__", None) != "_asyncio":
+        return False
+    f = _Future(loop=loop)
+    a, b = object(), object()
+    if axf_future_field(f, 1) != NULL or axf_future_field(f, 3) != NULL:
+        return False
+    f.add_done_callback(a)
+    if axf_future_field(f, 1) != <PyObject *>a or axf_future_field(f, 3) != NULL:
+        return False
+    f.add_done_callback(b)
+    if (axf_future_field(f, 1) != <PyObject *>a or axf_future_field(f, 3) == NULL
+            or type(<object>axf_future_field(f, 3)) is not list
+            or len(<list>axf_future_field(f, 3)) != 1):
+        return False
+    f.remove_done_callback(a)
+    f.remove_done_callback(b)
+    return not axf_future_has_callbacks(f)
+
+
 cdef list _take_callbacks(object fut, list wake):
     """fut's done callbacks, off it and into wake (made if None) as
     (callback, context, fut, loop); fut is not done yet (it is about to be).
     Returns wake."""
-    cdef object cbs = fut._callbacks
-    cdef object cb, ctx, loop
+    global _cb_fields
+    cdef object cbs, cb, ctx, loop
+    # A future completed before anyone awaited it (what an awaited lone
+    # request's drain and a burst posted by its first await complete) has
+    # no callbacks: seen in its fields, not through ``fut._callbacks`` (an
+    # attribute lookup and, with callbacks, a new list: ~150 instructions
+    # a record).
+    if _cb_fields < 0:
+        _cb_fields = _probe_cb_fields(fut.get_loop())
+    if _cb_fields and not axf_future_has_callbacks(fut):
+        return wake
+    cbs = fut._callbacks
     if not cbs:
         return wake
     # A copy: with no first callback (fut_callback0 cleared by a

@@ -803,6 +803,7 @@ cdef class Engine:
         cdef size_t n, i
         cdef axf_completion *c
         cdef object t, peer = None, counters = None, path, r, key, tpeer, asked
+        cdef PyObject *v
         cdef object peer_path = None  # peer.path, read once per run of its records
         cdef list wake = None  # the done callbacks of the futures completed here
         # A callback's error (slow, release) is reported once the whole batch
@@ -846,7 +847,13 @@ cdef class Engine:
                     continue
                 if type(t) is not _xfer_type:
                     _xfer_resolve(type(t))
-                if _xfer_get(t, _T_ADMITTED):
+                # The transfer's fields read through their slots here, not
+                # by _xfer_get calls (five a record, which the C compiler
+                # left out of line): _xfer_getattr only where one is unset
+                # or not a plain slot. _admitted, only tested, borrowed.
+                v = axf_slot_get(t, _xfer_off[_T_ADMITTED])
+                if (<object>v is not False and <object>v) if v != NULL else \
+                        _xfer_getattr(t, _T_ADMITTED):
                     if peer is not None:
                         _settle(counters, done, req_bytes, moved, latency, bandwidth)
                         peer = None
@@ -855,7 +862,8 @@ cdef class Engine:
                     except Exception as exc:
                         if failed is None:
                             failed = exc
-                tpeer = _xfer_get(t, _T_PEER)
+                v = axf_slot_get(t, _xfer_off[_T_PEER])
+                tpeer = <object>v if v != NULL else _xfer_getattr(t, _T_PEER)
                 if tpeer is not peer:
                     if peer is not None:
                         _settle(counters, done, req_bytes, moved, latency, bandwidth)
@@ -867,19 +875,24 @@ cdef class Engine:
                     bandwidth = _counters_float(counters, _C_BANDWIDTH)
                     peer_path = _peer_get(peer, _P_PATH)
                 done += 1
-                asked = _xfer_get(t, _T_NBYTES)
+                v = axf_slot_get(t, _xfer_off[_T_NBYTES])
+                asked = <object>v if v != NULL else _xfer_getattr(t, _T_NBYTES)
                 req_bytes += <uint64_t>asked
                 moved += c.nbytes
                 completed += 1
                 total += c.nbytes
-                seconds = now - <double>_xfer_get(t, _T_T0)
+                v = axf_slot_get(t, _xfer_off[_T_T0])
+                seconds = now - (PyFloat_AS_DOUBLE(<object>v) if v != NULL
+                                 and type(<object>v) is float
+                                 else <double>_xfer_get(t, _T_T0))
                 if c.nbytes >= bandwidth_min:
                     bw = c.nbytes / seconds if seconds > 0 else 0.0
                     bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + weight * bw
                 else:
                     latency = seconds if latency == 0.0 else keep * latency + weight * seconds
                 if not (_fut_done(t) if _xfer_future else t.done()):
-                    path = _xfer_get(t, _T_PATH)
+                    v = axf_slot_get(t, _xfer_off[_T_PATH])
+                    path = <object>v if v != NULL else _xfer_getattr(t, _T_PATH)
                     if path is None:
                         path = peer_path
                     # On success fail_index counts the reroutes. nbytes: the
