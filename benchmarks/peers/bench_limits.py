@@ -10,9 +10,10 @@
   tcpfloor  one request at a time over TCP loopback in plain C (tcp_floor.c, built
           here with cc): WRITE = payload then a one-byte answer, READ = one-byte
           request then the payload, over 1 and 2 connections (the payload split in
-          halves), receivers asleep in recv or polling it; the best of the four per
-          size is the floor a one-at-a-time tcp row can be held against: iperf3
-          streams, a request/answer protocol cannot
+          halves), receivers asleep in recv or polling it, at 4 KiB, 64 KiB, 1 MiB
+          and the batch's 4 MiB (also over 4 connections); the best per size is the
+          floor a one-at-a-time tcp row can be held against: iperf3 streams, a
+          request/answer protocol cannot
 
     python bench_limits.py [memcpy,cma,iperf3,tcpfloor]
 """
@@ -183,12 +184,18 @@ def bench_tcp_floor() -> None:
     exe = build_tcp_floor()
     base = dict(peer="limit", transport="tcp-loopback")
     for op in ("WRITE", "READ"):
-        for size in (4 * C.KiB, 64 * C.KiB, C.MiB):
+        for size in (4 * C.KiB, 64 * C.KiB, C.MiB, C.BATCH_BYTES):
             if exe is None:
                 C.emit(**base, op=f"reqack_{op}", size=size, error="no C compiler")
                 continue
             best: dict[str, float] | None = None
-            for conns, poll in ((1, ""), (2, ""), (1, "poll"), (2, "poll")):
+            # The batch's bytes (4 MiB) are spread over as many connections
+            # as aioxfer's default (4) too: the request/answer floor its batch
+            # row can be held against beside iperf3's stream.
+            shapes = ((1, ""), (2, ""), (1, "poll"), (2, "poll"))
+            if size == C.BATCH_BYTES:
+                shapes += ((4, ""),)
+            for conns, poll in shapes:
                 argv = [exe, op, str(size), str(conns), str(C.MIN_SECS), poll]
                 out = subprocess.run([a for a in argv if a], capture_output=True, timeout=120,
                                      check=True)

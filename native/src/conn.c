@@ -32,6 +32,7 @@
 #define INLINE_BULK ((1u << 20) + 4096u)  /* or one frame this large, alone */
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
 #define DISCARD_BYTES (64u << 10)
+#define REFUSED_LOG_MS 1000u /* a connection logs a refused access at most this often */
 #define TX_LAZY_MS 20u /* a quiet connection starts its sending thread after this */
 #define RX_AHEAD 4096u /* read ahead of a frame's end: the next one's header, usually */
 #define RX_STREAM_MIN (128u << 10) /* a large payload is polled for ... */
@@ -85,6 +86,10 @@ typedef struct conn_priv {
     /* c.mu: its sending thread is counted (c.threads) but not started yet
      * (tx_wake starts it). Only conn_open's connections have one to start. */
     atomic_bool tx_owed;
+    /* The receiver's: refused accesses logged at most once per
+     * REFUSED_LOG_MS (refused_logged), the others counted (refused_quiet). */
+    bool refused_logged;
+    uint64_t refused_ms, refused_quiet;
     uint8_t rb[RX_AHEAD];
 } conn_priv;
 
@@ -971,6 +976,49 @@ static region *target_region(axf_engine *e, const wire_hdr *h, uint32_t need)
     return r;
 }
 
+/* Why region rid refuses [off, off + len) for need, for the log: looked up
+ * again (only on this failure path), so that the checks that pass stay one
+ * look-up. The key itself is never logged. */
+static const char *refusal_reason(axf_engine *e, uint64_t rid, uint64_t key, uint32_t need,
+                                  uint64_t off, uint64_t len)
+{
+    pthread_mutex_lock(&e->mu);
+    region *r = region_get(e, rid);
+    pthread_mutex_unlock(&e->mu);
+    if (!r)
+        return "unknown or revoked region";
+    const char *why = r->key != key            ? "wrong key"
+                      : !(r->access & need)    ? "access not granted"
+                      : r->kind != AXF_MEM_HOST ? "not host memory"
+                      : off > r->len || len > r->len - off ? "out of the region's bounds"
+                                                           : "changed while checked";
+    region_unref(e, r);
+    return why;
+}
+
+/* A peer's access that the target refused (AXF_E_ACCESS answered): said in
+ * the log, as a malformed frame is, but at most once per REFUSED_LOG_MS on a
+ * connection, with the count of those refused quietly since; a peer probing
+ * keys cannot flood the log. */
+static void refused_access(conn *c, const char *what, uint64_t rid, uint64_t key, uint32_t need,
+                           uint64_t off, uint64_t len)
+{
+    conn_priv *p = (conn_priv *)c;
+    uint64_t now = axf_now_ms();
+    if (p->refused_logged && now - p->refused_ms < REFUSED_LOG_MS) {
+        p->refused_quiet++;
+        return;
+    }
+    cq_log(c->e, c->tag,
+           "refused a %s frame for region %llu at offset %llu, %llu bytes: %s (%llu more frames "
+           "refused since the last such line)",
+           what, (unsigned long long)rid, (unsigned long long)off, (unsigned long long)len,
+           refusal_reason(c->e, rid, key, need, off, len), (unsigned long long)p->refused_quiet);
+    p->refused_logged = true;
+    p->refused_ms = now;
+    p->refused_quiet = 0;
+}
+
 /* A vectored frame's segments, each looked up and checked as target_region
  * does (one hold of e->mu for all): n when every one is, their refs in
  * regs; else the first that is not, and no ref is held. */
@@ -1092,8 +1140,11 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                 if (*io)
                     return "connection lost inside a WRITE payload";
                 c->grp_bytes += h->len;
-            } else if ((*io = reject_write(c, scratch, h->len, segs[ok].index))) {
-                return "connection lost inside a rejected WRITE payload";
+            } else {
+                refused_access(c, "WRITE", segs[ok].rid, segs[ok].key, AXF_ACCESS_WRITE,
+                               segs[ok].off, segs[ok].len);
+                if ((*io = reject_write(c, scratch, h->len, segs[ok].index)))
+                    return "connection lost inside a rejected WRITE payload";
             }
         } else {
             region *r = target_region(e, h, AXF_ACCESS_WRITE);
@@ -1103,8 +1154,10 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                 if (*io)
                     return "connection lost inside a WRITE payload";
                 c->grp_bytes += h->len;
-            } else if ((*io = reject_write(c, scratch, h->len, h->index))) {
-                return "connection lost inside a rejected WRITE payload";
+            } else {
+                refused_access(c, "WRITE", h->rid, h->key, AXF_ACCESS_WRITE, h->off, h->len);
+                if ((*io = reject_write(c, scratch, h->len, h->index)))
+                    return "connection lost inside a rejected WRITE payload";
             }
         }
         if (h->flags & FL_LAST) {
@@ -1168,6 +1221,8 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                 resp->h.len = h->len;
                 resp->plen = h->len;
             } else {
+                refused_access(c, "READ", segs[ok].rid, segs[ok].key, AXF_ACCESS_READ,
+                               segs[ok].off, segs[ok].len);
                 resp->h.status = AXF_E_ACCESS;
                 resp->h.index = segs[ok].index;
             }
@@ -1198,6 +1253,7 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
                 resp->plen = h->len;
                 resp->h.len = h->len;
             } else {
+                refused_access(c, "READ", h->rid, h->key, AXF_ACCESS_READ, h->off, h->len);
                 resp->h.status = AXF_E_ACCESS;
             }
         }

@@ -1190,6 +1190,103 @@ static int test_vectored_frames_target(void)
     return 0;
 }
 
+/* A refused access (unknown region, wrong key, out of bounds: AXF_E_ACCESS
+ * answered, the connection kept) is said in the target's log, naming the
+ * region and why, at most once a second per connection: the rest are counted
+ * and the next line says how many. A raw initiator on a socketpair. */
+static bool log_has(const axf_completion *c, const char *s)
+{
+    return c->payload && memmem(c->payload, c->payload_len, s, strlen(s)) != NULL;
+}
+
+static int refused_write(int fd, uint64_t op, uint64_t rid, uint64_t key, uint64_t off)
+{
+    uint8_t data[16] = {0};
+    wire_hdr h = {.magic = AXF_MAGIC, .type = FR_WRITE, .flags = FL_LAST, .op = op,
+                  .rid = rid, .key = key, .off = off, .len = sizeof data};
+    CHECK_EQ(write(fd, &h, sizeof h), (ssize_t)sizeof h);
+    CHECK_EQ(write(fd, data, sizeof data), (ssize_t)sizeof data);
+    wire_hdr r;
+    if (raw_reply(fd, &r))
+        return 1;
+    CHECK_EQ(r.type, FR_WRITE_ACK);
+    CHECK_EQ(r.op, op);
+    CHECK_EQ(r.status, AXF_E_ACCESS);
+    return 0;
+}
+
+static int test_refused_access_logged(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 1))
+        return 1;
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_accept_conn(p.b->e, sv[1], 81, -1), AXF_OK);
+    int fd = sv[0];
+    axf_completion c;
+
+    uint64_t t0 = t_now_ms();
+    if (refused_write(fd, 1, p.brid + 1000, p.bkey, 0))
+        return 1;
+    CHECK_EQ(t_wait_any(p.b, AXF_CQ_LOG, &c), 0);
+    CHECK_EQ(c.tag, 81);
+    char want[96];
+    snprintf(want, sizeof want, "refused a WRITE frame for region %llu",
+             (unsigned long long)(p.brid + 1000));
+    CHECK(log_has(&c, want));
+    CHECK(log_has(&c, "unknown or revoked region"));
+    CHECK(log_has(&c, "(0 more"));
+    axf_completion_free(&c);
+
+    /* Within the second: refused, answered, not logged. A wrong key, an
+     * access past the end, a READ and a vectored WRITE. */
+    if (refused_write(fd, 2, p.brid, p.bkey ^ 1, 0) || refused_write(fd, 3, p.brid, p.bkey, REG))
+        return 1;
+    wire_hdr h = {.magic = AXF_MAGIC, .type = FR_READ_REQ, .flags = FL_LAST, .op = 4,
+                  .rid = p.brid, .key = p.bkey ^ 1, .len = 64};
+    CHECK_EQ(write(fd, &h, sizeof h), (ssize_t)sizeof h);
+    wire_hdr r;
+    if (raw_reply(fd, &r))
+        return 1;
+    CHECK_EQ(r.type, FR_READ_RESP);
+    CHECK_EQ(r.status, AXF_E_ACCESS);
+    uint8_t data[32] = {0};
+    wire_seg w[2] = {{.index = 0, .rid = p.brid, .key = p.bkey, .off = 0, .len = 16},
+                     {.index = 1, .rid = p.brid, .key = p.bkey ^ 1, .off = 16, .len = 16}};
+    h = (wire_hdr){.magic = AXF_MAGIC, .type = FR_WRITEV, .flags = FL_LAST, .op = 5, .len = 32};
+    if (send_vec(fd, &h, w, 2, data, 32) || raw_reply(fd, &r))
+        return 1;
+    CHECK_EQ(r.status, AXF_E_ACCESS);
+    CHECK_EQ(r.index, 1);
+    bool within_second = t_now_ms() - t0 < 800; /* else a line was due: not checked */
+    if (within_second)
+        CHECK(t_quiet(p.b, AXF_CQ_LOG, 0, 100));
+
+    /* A second later: logged again, with what was counted meanwhile. */
+    usleep(1100 * 1000);
+    if (refused_write(fd, 6, p.brid, p.bkey, REG - 8))
+        return 1;
+    CHECK_EQ(t_wait_any(p.b, AXF_CQ_LOG, &c), 0);
+    CHECK_EQ(c.tag, 81);
+    CHECK(log_has(&c, "out of the region's bounds"));
+    if (within_second)
+        CHECK(log_has(&c, "(4 more frames refused"));
+    axf_completion_free(&c);
+
+    /* The connection serves the region all along. */
+    h = (wire_hdr){.magic = AXF_MAGIC, .type = FR_WRITE, .flags = FL_LAST, .op = 7,
+                   .rid = p.brid, .key = p.bkey, .off = 0, .len = 16};
+    CHECK_EQ(write(fd, &h, sizeof h), (ssize_t)sizeof h);
+    CHECK_EQ(write(fd, data, 16), 16);
+    if (raw_reply(fd, &r))
+        return 1;
+    CHECK_EQ(r.status, AXF_OK);
+    close(fd);
+    pair_close(&p);
+    return 0;
+}
+
 /* Malformed vectored frames close the connection before any memory is
  * touched: no segments, too many, an empty one, lengths that do not sum to
  * the header's, segments on a frame type that has none, an aborted one with
@@ -1951,6 +2048,7 @@ int main(int argc, char **argv)
         T_CASE(test_large_write_in_pieces),
         T_CASE(test_vectored_frames_target),
         T_CASE(test_vectored_frames_malformed),
+        T_CASE(test_refused_access_logged),
         T_CASE(test_vectored_frames_initiator),
         T_CASE(test_vectored_groups_rerouted),
         T_CASE(test_spinner_reads_write_replies),
