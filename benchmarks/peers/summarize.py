@@ -156,9 +156,10 @@ class Results:
         request/answer floor of a one-at-a-time row (which="floor")."""
         v = self.value
         if which == "floor":
-            if path != "tcp" or key not in (*FLOOR_SIZES, "lat"):
+            if path != "tcp" or key not in (*FLOOR_SIZES, "lat", "batch"):
                 return None, ""
-            size, field = (4 * KiB, "lat_us_med") if key == "lat" else (key, "gbps")
+            size, field = ((4 * KiB, "lat_us_med") if key == "lat"
+                           else (BATCH, "gbps") if key == "batch" else (key, "gbps"))
             return v(run, "limit", "tcp-loopback", f"reqack_{op}", size, field), "floor"
         ops_per_s = 1e9 / (4 * KiB)  # GB/s of 4 KiB copies -> copies/s
         if path == "same":
@@ -338,11 +339,11 @@ def floor_table(res: Results) -> list[str]:
            "|---|---|---|" + "---:|" * len(shown)]
     rows = 0
     for op in ("WRITE", "READ"):
-        for key in (*FLOOR_SIZES, "lat"):
+        for key in (*FLOOR_SIZES, "lat", "batch"):
             fl = res.med([res.limit(r, "tcp", op, key, "floor")[0] for r in res.runs])
             if fl is None:
                 continue
-            size = 4 * KiB if key == "lat" else key
+            size = 4 * KiB if key == "lat" else BATCH if key == "batch" else key
             conns = sorted({f"{res.idx[k].get('conns')}{'p' if res.idx[k].get('polled') else ''}"
                             for k in res.idx
                             if k[1:] == ("limit", "tcp-loopback", f"reqack_{op}", size)})
