@@ -20,7 +20,9 @@ PHASE_INIT_ALL=1: the initiator has every transport (with --transport tcp:
 it probes first, as an agent with a unix socket does, then takes tcp);
 PHASE_RAILS=n: the target listens on 127.0.0.1..n (n tcp rails);
 PHASE_WRITES=n: n writes, the later ones timed too (I.write2...);
-PHASE_IDLE_MS=ms: an idle pause before each write (threads long started).
+PHASE_IDLE_MS=ms: an idle pause before each write (threads long started);
+PHASE_POOL_MIB=n: the target's region is n MiB, not 64 (a what-if: with a
+small one the shm row is the handshake without the pool's populate).
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ async def _target(transport: str) -> None:
     _patch("T.")
     _patch_select("T.")
     async with aioxfer.Agent("phase-target", **_agent_kw(transport)) as agent:
-        agent.alloc(64 << 20, name="buf").numpy().fill(1)
+        pool = int(os.environ.get("PHASE_POOL_MIB", "64")) << 20
+        agent.alloc(pool, name="buf").numpy().fill(1)
         print(json.dumps({"address": agent.address}), flush=True)
         loop = asyncio.get_running_loop()
         while True:
