@@ -116,6 +116,29 @@ class FutureMaker(Generic[_F]):
     ) -> FutureMaker[_F]: ...
     def make(self, a: Any, b: Any, c: Any, d: Any, e: Any) -> _F: ...
 
+class Poller:
+    # Subclassed by aioxfer.progress.Poller (its constants passed here).
+    hits: int
+    misses: int
+    alone_hits: int
+    alone_misses: int
+    def __init__(
+        self,
+        sub: Any,
+        wait: Callable[[int], int],
+        loop: Any,
+        mode: str,
+        poll_us: int,
+        poll_slice_us: int,
+        alone_max_us: int,
+        alone_span_us: int,
+        bandwidth_min: int,
+    ) -> None: ...
+    def alone_bound(self, t: Any) -> int: ...
+    def kick(self) -> None: ...
+    def spin_alone(self, t: Any, flush_scheduled: bool) -> None: ...
+    def _run(self) -> None: ...
+
 # @cython.final: cannot be subclassed.
 @final
 class Submitter:

@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sized
-from time import perf_counter_ns
 from typing import Any, Final, Protocol
 
+from aioxfer import _cyx
 from aioxfer.stats import BANDWIDTH_MIN
 
 PROGRESS_MODES: Final = ("adaptive", "sleep", "poll")
@@ -84,6 +84,8 @@ def alone_us(t: Any, floor: int) -> int:
     bounded by the small ones' ran out before most 1 MiB READs completed
     (then the loop is woken for it: two loop iterations and a thread
     wake-up)."""
+    # The compiled Poller computes the same (_cyx.Poller.alone_bound): keep
+    # the two in step (tests/test_py14_poller.py compares them).
     c = t.peer._counters
     us = int(c.latency * 2e6)
     bw = c.bandwidth
@@ -108,80 +110,37 @@ class Polled(Protocol):
     def drain(self) -> None: ...
 
 
-class Poller:
+class Poller(_cyx.Poller):
     """One agent's bounded poll of its engine's ring (modes adaptive, poll).
 
     ``sub``: the agent's transfers in flight and their drain; ``wait(us)``: the
     engine's bounded wait for a completion (nonzero: one came, and
-    ``sub.drain()`` is called next, always: ``Engine.wait_polls`` relies on it)."""
+    ``sub.drain()`` is called next, always: ``Engine.wait_polls`` relies on it).
 
-    __slots__ = ("_sub", "_wait", "_loop", "_budget", "_keep", "_scheduled", "_ready",
-                 "_spent_ns", "_next", "hits", "misses", "alone_hits", "alone_misses")
+    Compiled (``_cyx.Poller``, with this module's constants): the submission
+    path calls ``kick`` and ``spin_alone`` without a Python frame, and an
+    ``Engine.wait_polls`` is called as the engine's own wait. Its methods:
+
+    - ``kick()``: transfers are in flight: poll before the loop blocks
+      (``_run`` scheduled once).
+    - ``spin_alone(t, flush_scheduled)``: ``t`` was just posted, awaited,
+      with nothing else of the agent's in flight: polls for its completion
+      here, before the await suspends, if the loop has nothing else to run
+      (``flush_scheduled``: the submission's own callback is one of the
+      ready ones). Bounded by ``alone_us(t)`` and by ALONE_SPAN_US in a row
+      without the loop running; past that span the loop runs first, and its
+      own poll (``_run``) waits that long once instead of its usual bound.
+    - ``_run()``: the loop's poll, ``poll_us`` (or what spin_alone left to
+      it); then a drain, or a miss (in "poll": polled again).
+
+    Counts: ``hits``/``misses`` (the loop's polls that found a completion /
+    ran out, then the eventfd wakes the loop), ``alone_hits``/
+    ``alone_misses`` (spin_alone's: the await did not suspend / the
+    callback's way)."""
+
+    __slots__ = ()
 
     def __init__(self, sub: Polled, wait: Callable[[int], int],
                  loop: asyncio.AbstractEventLoop, mode: str, poll_us: int) -> None:
-        self._sub = sub
-        self._wait = wait
-        self._loop = loop
-        self._keep = mode == "poll"  # poll on after a miss
-        self._budget = max(int(poll_us), POLL_SLICE_US) if self._keep else int(poll_us)
-        self._scheduled = False
-        # asyncio's own loops: their queue of ready callbacks (spin_alone
-        # polls only while it holds nothing but ours); other loops (uvloop,
-        # whose queue is not visible): None, no spin_alone.
-        ready = getattr(loop, "_ready", None) if isinstance(loop, asyncio.BaseEventLoop) else None
-        self._ready: Sized | None = ready if isinstance(ready, Sized) else None
-        self._spent_ns = 0  # spin_alone's polling since the loop last ran _run
-        self._next = 0  # _run's bound once (us): a lone transfer spin_alone left to it
-        self.hits = 0  # polls that found a completion
-        self.misses = 0  # polls that ran out (then the eventfd wakes the loop)
-        self.alone_hits = 0  # spin_alone polls that found it (the await did not suspend)
-        self.alone_misses = 0  # spin_alone polls that ran out (then the callback's way)
-
-    def kick(self) -> None:
-        """Transfers are in flight: poll before the loop blocks."""
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self._run)
-
-    def spin_alone(self, t: Any, flush_scheduled: bool) -> None:
-        """``t`` was just posted, awaited, with nothing else of the agent's in
-        flight: polls for its completion here, before the await suspends, if
-        the loop has nothing else to run (``flush_scheduled``: the
-        submission's own callback is one of the ready ones). Bounded by
-        ``alone_us(t)`` and by ALONE_SPAN_US in a row without the loop
-        running; past that span the loop runs first, and its own poll
-        (``_run``) waits that long once instead of its usual bound."""
-        ready = self._ready
-        if ready is None or len(ready) > self._scheduled + flush_scheduled:
-            return
-        budget = alone_us(t, self._budget)
-        if self._spent_ns > ALONE_SPAN_US * 1000:
-            self._next = budget
-            return
-        sub = self._sub
-        t0 = perf_counter_ns()
-        got = self._wait(budget)
-        self._spent_ns += perf_counter_ns() - t0
-        if got:
-            self.alone_hits += 1
-            sub.drain()
-        else:
-            self.alone_misses += 1
-
-    def _run(self) -> None:
-        self._scheduled = False
-        self._spent_ns = 0  # the loop runs
-        budget, self._next = max(self._budget, self._next), 0
-        sub = self._sub
-        if sub.closed or not sub.inflight:
-            return
-        if self._wait(budget):
-            self.hits += 1
-            sub.drain()
-            if sub.inflight:
-                self.kick()
-        else:
-            self.misses += 1
-            if self._keep:
-                self.kick()
+        super().__init__(sub, wait, loop, mode, poll_us, POLL_SLICE_US, ALONE_MAX_US,
+                         ALONE_SPAN_US, BANDWIDTH_MIN)

@@ -285,7 +285,11 @@ cdef class Submitter:
         # then the await may not suspend.
         v = axf_slot_ptr(sub, self._s[_S_POLLER])
         if n == 1 and nbytes <= self._spin_alone_max and v != NULL and <object>v is not None:
-            (<object>v).spin_alone(t, _slot_obj(sub, self._s[_S_FLUSH_SCHEDULED]))
+            if isinstance(<object>v, Poller):  # aioxfer.progress's: called directly
+                (<Poller>v)._spin_alone(
+                    t, _slot_obj(sub, self._s[_S_FLUSH_SCHEDULED]) is True)
+            else:
+                (<object>v).spin_alone(t, _slot_obj(sub, self._s[_S_FLUSH_SCHEDULED]))
         return None
 
     def flush(self):
@@ -402,8 +406,11 @@ cdef class Submitter:
         if not inflight:
             return False
         v = axf_slot_ptr(sub, self._s[_S_POLLER])
-        if v != NULL and <object>v is not None:
-            (<object>v).kick()  # poll for the rest before the loop blocks
+        if v != NULL and <object>v is not None:  # poll for the rest before the loop blocks
+            if isinstance(<object>v, Poller):
+                (<Poller>v)._kick()
+            else:
+                (<object>v).kick()
         return True
 
 
