@@ -46,6 +46,19 @@ _U64 = np.dtype(np.uint64)  # what a uint64 array's dtype is (compared by identi
 _max = np.maximum.reduce
 
 
+def _gone_error(rr: RemoteRegion) -> Exception:
+    """Why remote region ``rr``, dropped from its peer's table, cannot be used.
+    A peer that deregisters its regions as it closes publishes that before
+    its departure: whichever of the two reached us first, a peer that is gone
+    now is the reason (PeerLost), not the deregistration."""
+    if rr.peer.lost:
+        return rr.peer._lost_error()
+    return AccessDenied(
+        f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
+        peer=rr.peer.name,
+    )
+
+
 def check_pair(local: Any, remote: Any, i: int, *, owner: object, peers: object) -> None:
     """Checks pair i of a request (types, owners, bounds, paths), raising what is wrong.
     ``owner``: the agent whose regions the local side must be in; ``peers``: its peer
@@ -60,10 +73,7 @@ def check_pair(local: Any, remote: Any, i: int, *, owner: object, peers: object)
     lr._check()
     rr = remote.region
     if rr._gone:
-        raise AccessDenied(
-            f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
-            peer=rr.peer.name,
-        )
+        raise _gone_error(rr)
     if rr.peer._host is not peers:
         raise ValueError(f"remote segment {i} belongs to a peer of another agent")
     # GPU memory travels its own path (cuda) or RDMA (GPUDirect: the
@@ -156,10 +166,7 @@ def from_vectors(
                 peer=rr.peer.name,
             )
     if rr._gone:
-        raise AccessDenied(
-            f"remote region {rr.name!r} of peer {rr.peer.name!r} was deregistered by its owner",
-            peer=rr.peer.name,
-        )
+        raise _gone_error(rr)
     descs = pair_descs(local, lr.rid, remote, rr.rid, rr.key, "remote")
     return rr.peer, descs, local.nbytes
 
