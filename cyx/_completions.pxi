@@ -52,9 +52,19 @@ cdef extern from *:
         PyObject **p = (PyObject **)((char *)f + sizeof(PyObject));
         return p[1] != NULL || p[3] != NULL;
     }
+    /* Takes them off as the C Future's own future_schedule_callbacks does
+       before it schedules them: no remove_done_callback, whose comparisons
+       run a callback's __eq__ (which may raise, or change the list). */
+    static inline void axf_future_clear_callbacks(PyObject *f) {
+        PyObject **p = (PyObject **)((char *)f + sizeof(PyObject));
+        Py_CLEAR(p[1]);
+        Py_CLEAR(p[2]);
+        Py_CLEAR(p[3]);
+    }
     """
     PyObject *axf_future_field(object f, int i)
     bint axf_future_has_callbacks(object f)
+    void axf_future_clear_callbacks(object f)
 
 from asyncio import BaseEventLoop as _BaseEventLoop
 from asyncio import get_running_loop as _get_running_loop
@@ -633,6 +643,7 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
 # compiled) 25.7 k -> 26.6 k, so the agent sets it on asyncio's loops only.
 
 _remove_done_callback = _Future.remove_done_callback
+from contextvars import copy_context as _copy_context
 
 
 cdef int _cb_fields = -1  # _probe_cb_fields' answer (-1: not asked yet)
@@ -641,15 +652,17 @@ cdef int _cb_fields = -1  # _probe_cb_fields' answer (-1: not asked yet)
 cdef bint _probe_cb_fields(object loop) except -1:
     """Whether a future's done callbacks are where axf_future_has_callbacks
     looks (the C Future of CPython 3.11-3.14): seen there on a probe."""
-    cdef object f, a, b
+    cdef object f, a, b, ctx
     if getattr(_Future, "__module__", None) != "_asyncio":
         return False
     f = _Future(loop=loop)
     a, b = object(), object()
     if axf_future_field(f, 1) != NULL or axf_future_field(f, 3) != NULL:
         return False
-    f.add_done_callback(a)
-    if axf_future_field(f, 1) != <PyObject *>a or axf_future_field(f, 3) != NULL:
+    ctx = _copy_context()
+    f.add_done_callback(a, context=ctx)
+    if (axf_future_field(f, 1) != <PyObject *>a or axf_future_field(f, 2) != <PyObject *>ctx
+            or axf_future_field(f, 3) != NULL):
         return False
     f.add_done_callback(b)
     if (axf_future_field(f, 1) != <PyObject *>a or axf_future_field(f, 3) == NULL
@@ -674,7 +687,18 @@ cdef list _take_callbacks(object fut, list wake):
     # a record).
     if _cb_fields < 0:
         _cb_fields = _probe_cb_fields(fut.get_loop())
-    if _cb_fields and not axf_future_has_callbacks(fut):
+    if _cb_fields:
+        if not axf_future_has_callbacks(fut):
+            return wake
+        cbs = fut._callbacks
+        axf_future_clear_callbacks(fut)
+        if not cbs:
+            return wake
+        if wake is None:
+            wake = []
+        loop = fut.get_loop()
+        for cb, ctx in cbs:
+            wake.append((cb, ctx, fut, loop))
         return wake
     cbs = fut._callbacks
     if not cbs:

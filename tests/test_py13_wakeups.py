@@ -70,3 +70,42 @@ async def test_callbacks_in_the_futures_fields_are_batched(make_agent, per: int,
     # Named: it ran in the drain's handle (a loop's own handle does not name it).
     assert caught[0].get("future") is ts[4]
     assert np.array_equal(dst.numpy()[:n * 4 * KiB], src.numpy()[:n * 4 * KiB])
+
+
+class _RaisingEq:
+    """A done callback whose ``==`` raises for anything but itself: what
+    remove_done_callback's comparisons would run."""
+
+    def __call__(self, fut: object) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        raise RuntimeError("__eq__ of a callback")
+
+    __hash__ = object.__hash__
+
+
+async def test_a_callbacks_raising_eq_leaves_the_batch_whole(make_agent) -> None:
+    """The drain takes a transfer's callbacks off it as the C Future does
+    before scheduling them (its fields cleared), not by remove_done_callback:
+    that compared callbacks (a raising ``__eq__`` escaped the drain, whose
+    finally freed the rest of the batch's records unread: 4 of 16 transfers
+    never completed; rev13's finding)."""
+    tkw = transport_kwargs("tcp")
+    target = await make_agent("target", progress="sleep", **tkw)
+    init = await make_agent("init", progress="sleep", **tkw)
+    peer = await within(init.connect(target.address))
+    target.alloc(256 * KiB, name="dst")
+    await within(peer.refresh())
+    remote = peer.region("dst")
+    src = init.register(pattern(256 * KiB, 13), name="src")
+    ts = [init.write(src[i * 4 * KiB:(i + 1) * 4 * KiB], remote[i * 4 * KiB:(i + 1) * 4 * KiB])
+          for i in range(16)]
+    ran: list[object] = []
+    ts[0].add_done_callback(_RaisingEq())
+    ts[0].add_done_callback(ran.append)
+    done, pending = await asyncio.wait(ts, timeout=10)
+    assert not pending, f"{len(pending)} transfers never completed"
+    await wait_until(lambda: ran == [ts[0]], what="the second callback ran once")

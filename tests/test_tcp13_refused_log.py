@@ -1,6 +1,6 @@
 """A tcp target that refuses a peer's access (a revoked or unknown region:
 AccessDenied answered, the connection kept) says so in the agent's log,
-naming the region and why, at most once a second per connection: a peer
+naming the region and why, at most once a second for the engine: a peer
 probing keys cannot flood the log, and the next line counts what was refused
 quietly meanwhile. It said nothing before (dereg11's note)."""
 

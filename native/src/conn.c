@@ -86,10 +86,6 @@ typedef struct conn_priv {
     /* c.mu: its sending thread is counted (c.threads) but not started yet
      * (tx_wake starts it). Only conn_open's connections have one to start. */
     atomic_bool tx_owed;
-    /* The receiver's: refused accesses logged at most once per
-     * REFUSED_LOG_MS (refused_logged), the others counted (refused_quiet). */
-    bool refused_logged;
-    uint64_t refused_ms, refused_quiet;
     uint8_t rb[RX_AHEAD];
 } conn_priv;
 
@@ -952,13 +948,28 @@ static void *tx_main(void *arg)
     return NULL;
 }
 
-/* Whether region r (held) may be accessed at [off, off + len) for need. */
-static bool region_fits(const region *r, uint64_t key, uint32_t need, uint64_t off, uint64_t len)
+/* Why region r (held) may not be accessed at [off, off + len) for need
+ * (for the log), or NULL when it may: one list of the checks, so that the
+ * log's reason cannot drift from the check that refused. */
+static const char *region_refusal(const region *r, uint64_t key, uint32_t need, uint64_t off,
+                                  uint64_t len)
 {
+    if (r->key != key)
+        return "wrong key";
+    if (!(r->access & need))
+        return "access not granted";
+    if (off > r->len || len > r->len - off)
+        return "out of the region's bounds";
     /* The socket path reads and writes host memory only: a GPU or file
      * region is never a target of its frames. */
-    return r->key == key && (r->access & need) && off <= r->len && len <= r->len - off &&
-           r->kind == AXF_MEM_HOST;
+    if (r->kind != AXF_MEM_HOST)
+        return "not host memory";
+    return NULL;
+}
+
+static bool region_fits(const region *r, uint64_t key, uint32_t need, uint64_t off, uint64_t len)
+{
+    return !region_refusal(r, key, need, off, len);
 }
 
 /* Looks up a local region for a remote access; returns it with a ref, or NULL. */
@@ -987,36 +998,34 @@ static const char *refusal_reason(axf_engine *e, uint64_t rid, uint64_t key, uin
     pthread_mutex_unlock(&e->mu);
     if (!r)
         return "unknown or revoked region";
-    const char *why = r->key != key            ? "wrong key"
-                      : !(r->access & need)    ? "access not granted"
-                      : r->kind != AXF_MEM_HOST ? "not host memory"
-                      : off > r->len || len > r->len - off ? "out of the region's bounds"
-                                                           : "changed while checked";
+    const char *why = region_refusal(r, key, need, off, len);
     region_unref(e, r);
-    return why;
+    return why ? why : "changed while checked";
 }
 
 /* A peer's access that the target refused (AXF_E_ACCESS answered): said in
- * the log, as a malformed frame is, but at most once per REFUSED_LOG_MS on a
- * connection, with the count of those refused quietly since; a peer probing
- * keys cannot flood the log. */
+ * the log, as a malformed frame is, but at most once per REFUSED_LOG_MS for
+ * the whole engine (a peer may open max_conns connections), with the count
+ * of those refused quietly since; a peer probing keys cannot flood the log.
+ * The window test is now < last + window, not now - last < window: another
+ * receiver may have stored a later `last` than this thread's `now`. */
 static void refused_access(conn *c, const char *what, uint64_t rid, uint64_t key, uint32_t need,
                            uint64_t off, uint64_t len)
 {
-    conn_priv *p = (conn_priv *)c;
-    uint64_t now = axf_now_ms();
-    if (p->refused_logged && now - p->refused_ms < REFUSED_LOG_MS) {
-        p->refused_quiet++;
+    axf_engine *e = c->e;
+    unsigned long long now = axf_now_ms() + 1, last = atomic_load(&e->refused_ms);
+    /* One receiver wins the line; the others (and the rest of the window)
+     * count. */
+    if ((last && now < last + REFUSED_LOG_MS) ||
+        !atomic_compare_exchange_strong(&e->refused_ms, &last, now)) {
+        atomic_fetch_add(&e->refused_quiet, 1);
         return;
     }
-    cq_log(c->e, c->tag,
+    cq_log(e, c->tag,
            "refused a %s frame for region %llu at offset %llu, %llu bytes: %s (%llu more frames "
            "refused since the last such line)",
            what, (unsigned long long)rid, (unsigned long long)off, (unsigned long long)len,
-           refusal_reason(c->e, rid, key, need, off, len), (unsigned long long)p->refused_quiet);
-    p->refused_logged = true;
-    p->refused_ms = now;
-    p->refused_quiet = 0;
+           refusal_reason(e, rid, key, need, off, len), atomic_exchange(&e->refused_quiet, 0));
 }
 
 /* A vectored frame's segments, each looked up and checked as target_region

@@ -360,6 +360,10 @@ struct axf_engine {
     void *xp[AXF_XP_SLOTS];
 
     atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
+    /* Refused accesses (conn.c refused_access): when the last was logged
+     * (ms + 1; 0: never), and how many were counted quietly since. The
+     * engine's, not a connection's: a peer may open max_conns of them. */
+    atomic_ullong refused_ms, refused_quiet;
     atomic_ullong conns_refused, held_conns;
 };
 

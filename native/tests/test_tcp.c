@@ -1192,7 +1192,7 @@ static int test_vectored_frames_target(void)
 
 /* A refused access (unknown region, wrong key, out of bounds: AXF_E_ACCESS
  * answered, the connection kept) is said in the target's log, naming the
- * region and why, at most once a second per connection: the rest are counted
+ * region and why, at most once a second for the engine: the rest are counted
  * and the next line says how many. A raw initiator on a socketpair. */
 static bool log_has(const axf_completion *c, const char *s)
 {
@@ -1283,6 +1283,39 @@ static int test_refused_access_logged(void)
         return 1;
     CHECK_EQ(r.status, AXF_OK);
     close(fd);
+    pair_close(&p);
+    return 0;
+}
+
+/* A peer that opens many connections (up to max_conns) gets no more refusal
+ * lines a second than one connection does. */
+static int test_refused_log_many_conns(void)
+{
+    pair p;
+    if (pair_open(&p, NULL, 1))
+        return 1;
+    enum { N = 8 };
+    int fds[N];
+    for (int i = 0; i < N; i++) {
+        int sv[2];
+        CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+        CHECK_EQ(axf_accept_conn(p.b->e, sv[1], 90 + (uint64_t)i, -1), AXF_OK);
+        fds[i] = sv[0];
+    }
+    for (int i = 0; i < N; i++)
+        if (refused_write(fds[i], 1, p.brid, p.bkey ^ 1, 0))
+            return 1;
+    int lines = 0;
+    axf_completion c;
+    while (t_wait_ex(p.b, AXF_CQ_LOG, true, 0, &c, 300) == 0) {
+        if (log_has(&c, "refused a"))
+            lines++;
+        axf_completion_free(&c);
+    }
+    fprintf(stderr, "refusal lines from %d connections within a second: %d\n", N, lines);
+    CHECK_EQ(lines, 1);
+    for (int i = 0; i < N; i++)
+        close(fds[i]);
     pair_close(&p);
     return 0;
 }
@@ -2049,6 +2082,7 @@ int main(int argc, char **argv)
         T_CASE(test_vectored_frames_target),
         T_CASE(test_vectored_frames_malformed),
         T_CASE(test_refused_access_logged),
+        T_CASE(test_refused_log_many_conns),
         T_CASE(test_vectored_frames_initiator),
         T_CASE(test_vectored_groups_rerouted),
         T_CASE(test_spinner_reads_write_replies),
