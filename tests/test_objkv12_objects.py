@@ -15,15 +15,17 @@ client's connection is cut.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import s3server
-from conftest import pattern, within
+from conftest import pattern, wait_until, within
 from s3server import FaultProxy, S3Server
 
+import aioxfer
 from aioxfer import kv
 from aioxfer.backends import registry
 
@@ -140,3 +142,129 @@ async def test_a_bucket_down_ends_the_read_after_one_round(make_agent: MakeAgent
         assert backend.statistics().transfers_posted - before == 1
     finally:
         await store.aclose()
+
+
+# ------------------------------------------------------------------ puts
+
+
+async def test_a_put_whose_answer_was_lost_is_not_sent_again(make_agent: MakeAgent,
+                                                             s3: S3Server,
+                                                             proxy: FaultProxy) -> None:
+    """The server stores block 1 and its answer never reaches the client: the
+    put asks the key with a HEAD, finds its bytes there and acknowledges it;
+    one PUT of it reached the server. (Before: obstore PUT it again.)"""
+    bucket = s3.bucket()
+    agent, store, tier = await object_store(make_agent, proxy.kwargs(), bucket)
+    n = 4
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 9)
+    src.numpy()[:] = data
+    keys = keys_for(n, seed=9)
+    proxy.put_fault[object_path(tier, keys[1])] = "cut"
+    try:
+        put = await within(store.put(keys, src[0:n * BB]))
+        assert put.stored == n, put
+        assert proxy.puts[object_path(tier, keys[1])] == 1
+        dst = agent.alloc(n * BB)
+        res = await within(store.get(keys, dst[0:n * BB]))
+        assert res.prefix == n and np.array_equal(dst.numpy(), data)
+    finally:
+        await store.aclose()
+    assert replaced(s3, bucket) == []
+
+
+async def test_a_put_still_running_at_the_server_is_not_sent_again(make_agent: MakeAgent,
+                                                                   s3: S3Server,
+                                                                   proxy: FaultProxy) -> None:
+    """Block 2's PUT is cut on the client's side while the server still
+    receives it: not acknowledged (the put drops it) and not sent again
+    while the first attempt may still be running there; the server then
+    finishes it, and the object is whole. (Before: obstore sent a second
+    PUT of the key at once: two PUTs of it at the server.)"""
+    bucket = s3.bucket()
+    agent, store, tier = await object_store(make_agent, proxy.kwargs(), bucket)
+    n = 4
+    src = agent.alloc(n * BB)
+    data = pattern(n * BB, 10)
+    src.numpy()[:] = data
+    keys = keys_for(n, seed=10)
+    held = object_path(tier, keys[2])
+    proxy.put_fault[held] = "hold"
+    try:
+        put = await within(store.put(keys, src[0:n * BB]))
+        assert proxy.overlaps == []
+        assert proxy.puts[held] == 1
+        assert put.stored == n - 1 and put.tiers[2] is None, put
+        await wait_until(lambda: s3.file(bucket, held).exists(), what="the held PUT's object")
+        dst = agent.alloc(n * BB)
+        res = await within(store.get(keys, dst[0:n * BB]))
+        # The tier did not count it stored, and a get probes the bucket for
+        # it: the object the server finished is found, whole.
+        assert res.prefix == n, res
+        assert np.array_equal(dst.numpy(), data)
+    finally:
+        await store.aclose()
+
+
+async def test_answered_and_refused_puts_are_sent_again(make_agent: MakeAgent, s3: S3Server,
+                                                        proxy: FaultProxy) -> None:
+    """A PUT the server answered 503 (SlowDown), or one whose connection was
+    refused, is over for sure: it is sent again, with backoff, within the
+    retry budget."""
+    bucket = s3.bucket()
+    agent = await make_agent("puts")
+    objs = agent.register_objects(f"s3://{bucket}/p", **proxy.kwargs())
+    backend = registry.instance(agent, "object")
+    src = agent.alloc(BB)
+    src.numpy()[:] = pattern(BB, 11)
+    proxy.put_fault["p/slow"] = "503"
+    await within(agent.write(src[:], objs["slow"]))
+    assert backend.statistics().retries == 1 and proxy.puts["p/slow"] == 1
+    assert s3.file(bucket, "p/slow").read_bytes() == bytes(src.obj)
+    dead = agent.register_objects(f"s3://{bucket}/p", name="dead", max_retries=2,
+                                  **{**s3.kwargs(), "endpoint":
+                                     f"http://127.0.0.1:{s3server.free_port()}"})
+    with pytest.raises(aioxfer.TransportError):
+        await within(agent.write(src[:], dead["refused"]))
+    assert backend.statistics().retries == 1 + 2
+
+
+async def test_acknowledged_blocks_survive_puts_cut_at_random(make_agent: MakeAgent,
+                                                              s3: S3Server) -> None:
+    """A third of the first PUTs of each key are cut (the answer lost, or the
+    client cut off while the server still receives it). Every block a put
+    acknowledged reads back whole, no key had two PUTs at the server at
+    once, and none was replaced (rclone logs a replaced key as "Deleted")."""
+    px = FaultProxy(s3, hold=0.3, rate=0.33, seed=12)
+    await px.start()
+    bucket = s3.bucket()
+    n = 96
+    try:
+        agent, store, _tier = await object_store(make_agent, px.kwargs(), bucket)
+        src = agent.alloc(n * BB)
+        data = pattern(n * BB, 12)
+        src.numpy()[:] = data
+        keys = keys_for(n, seed=12)
+        try:
+            put = await within(store.put(keys, src[0:n * BB]), 60)
+            stored = [i for i, t in enumerate(put.tiers) if t is not None]
+            assert len(stored) < n  # some outcomes stayed unknown: the test bites
+            assert px.overlaps == [] and max(px.puts.values()) == 1
+        finally:
+            await store.aclose()
+        await asyncio.sleep(px.hold + 0.2)  # the held PUTs are over at the server
+        # A store that reads the bucket directly finds every acknowledged block.
+        agent2, store2, _ = await object_store(make_agent, s3.kwargs(), bucket)
+        try:
+            dst = agent2.alloc(n * BB)
+            for i in stored:
+                res = await within(store2.get([keys[i]], dst[i * BB:(i + 1) * BB]))
+                assert res.prefix == 1, (i, res)
+            got = dst.numpy()
+            for i in stored:
+                assert np.array_equal(got[i * BB:(i + 1) * BB], data[i * BB:(i + 1) * BB]), i
+        finally:
+            await store2.aclose()
+    finally:
+        await px.aclose()
+    assert replaced(s3, bucket) == []
