@@ -378,8 +378,8 @@ class ObjectRegion(BackendRegion):
         PUTs returned 200; tests/repro_rclone_samekey.py). Our rule: an
         attempt is sent again only when it is known to be over: it never
         reached the server (the connection was refused), or the server
-        answered it (a 5xx, 429; not 502 or 504, a gateway's answers while
-        the server may still run it). When its outcome is unknown (the
+        answered it (500, 503, 429, 408; not 502 or 504, a gateway's answers
+        while the server may still run it). When its outcome is unknown (the
         connection cut after the request went out, a timeout) the key is
         asked for with a HEAD: there with our bytes (size and MD5 e-tag), the
         put succeeded; else it fails with TransportError and the object may
