@@ -345,7 +345,8 @@ class ObjectTier(Tier):
                 todo = [i for i in rest if not intact(i)]  # else delivered before it stopped
                 if todo and len(todo) == len(rest) and not isinstance(exc, ObjectNotFound):
                     for i in todo:
-                        errs[i] = self._unavailable(exc)
+                        errs[i] = self._unavailable(exc, "not read: the bucket failed a GET "
+                                                         "beside it and delivered nothing")
                     break
                 continue
             read = todo
@@ -383,9 +384,9 @@ class ObjectTier(Tier):
             return BlockMissing(f"object tier {self.name!r}: {self.object_key(key)} is gone")
         return self._unavailable(exc)
 
-    def _unavailable(self, exc: XferError) -> BlockUnavailable:
+    def _unavailable(self, exc: XferError, why: str = "") -> BlockUnavailable:
         self.counters.errors += 1
-        e = BlockUnavailable(f"object tier {self.name!r}: {exc}")
+        e = BlockUnavailable(f"object tier {self.name!r}: {why + ': ' if why else ''}{exc}")
         e.__cause__ = exc
         return e
 
