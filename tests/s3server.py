@@ -207,7 +207,6 @@ class FaultProxy:
     - ``fail_get``: keys (paths under the bucket, e.g. "kvtest/ab/cd") whose
       GETs it answers itself with HTTP 500 InternalError, as a server that
       cannot read one object does (rclone's 500 for a broken key);
-      ``fail_head``: the same for HEADs;
     - ``put_fault``: key -> "cut": the PUT reaches the server, which stores
       it, and its answer is dropped with the client's connection cut (the
       client cannot know that the object was written); "503": answered here
@@ -233,7 +232,6 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self._faulted: set[str] = set()
         self.fail_get: set[str] = set()
-        self.fail_head: set[str] = set()
         self.put_fault: dict[str, str] = {}
         self.puts: dict[str, int] = {}
         self.overlaps: list[str] = []
@@ -291,11 +289,6 @@ class FaultProxy:
                         raise AssertionError("FaultProxy handles Content-Length bodies only")
                 body = await cr.readexactly(clen)
                 method, key = self._key(head)
-                if method == "HEAD" and key in self.fail_head:
-                    cw.write(b"HTTP/1.1 500 Internal Server Error\r\nConnection: close\r\n"
-                             b"Content-Length: 0\r\n\r\n")
-                    await cw.drain()
-                    return
                 if method == "GET" and key in self.fail_get:
                     self.failed_gets += 1
                     msg = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"

@@ -229,25 +229,6 @@ async def test_answered_and_refused_puts_are_sent_again(make_agent: MakeAgent, s
     assert backend.statistics().retries == 1 + 2
 
 
-async def test_a_put_sent_again_is_checked_before_it_counts(make_agent: MakeAgent,
-                                                           s3: S3Server,
-                                                           proxy: FaultProxy) -> None:
-    """A PUT answered 503 and sent again is acknowledged by the server, which
-    then does not serve the object (as rclone left a key after PUTs that
-    created a directory at once: repro_rclone_samekey.py newdir): the write
-    fails, not acknowledged. (Before: acknowledged, the object unreadable.)"""
-    bucket = s3.bucket()
-    agent = await make_agent("puts")
-    objs = agent.register_objects(f"s3://{bucket}/p", **proxy.kwargs(), max_retries=1)
-    src = agent.alloc(BB)
-    src.numpy()[:] = pattern(BB, 13)
-    proxy.put_fault["p/broken"] = "503"
-    proxy.fail_head.add("p/broken")
-    with pytest.raises(aioxfer.TransportError, match="does not serve"):
-        await within(agent.write(src[:], objs["broken"]))
-    assert proxy.puts["p/broken"] == 1
-
-
 async def test_acknowledged_blocks_survive_puts_cut_at_random(make_agent: MakeAgent,
                                                               s3: S3Server) -> None:
     """A third of the first PUTs of each key are cut (the answer lost, or the

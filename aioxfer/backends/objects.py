@@ -384,8 +384,7 @@ class ObjectRegion(BackendRegion):
         asked for with a HEAD: there with our bytes (size and MD5 e-tag), the
         put succeeded; else it fails with TransportError and the object may
         still be written later (the caller puts it again if it must: by then
-        the earlier attempt has had time to end). A PUT acknowledged after
-        earlier attempts failed is checked the same way before it counts."""
+        the earlier attempt has had time to end)."""
         key = seg.key
         retry = self._retry
         deadline = time.monotonic() + retry.retry_timeout
@@ -394,17 +393,6 @@ class ObjectRegion(BackendRegion):
             try:
                 await self._upload(owned, obstore.put_async(
                     self._put_store, key, body, mode=mode, use_multipart=False))
-                if attempt and not await self._landed(key, body, pause=False):
-                    # Sent again after a 5xx, the server said 200 and then
-                    # does not serve it (rclone 1.75: PUTs that create a
-                    # directory at once answer 500, and one sent again can
-                    # leave the key unreadable: repro_rclone_samekey.py
-                    # newdir): not acknowledged.
-                    raise TransportError(
-                        f"write of object {key!r} in {self.url}: the server acknowledged the "
-                        f"PUT sent again ({attempt} earlier attempts failed) but does not "
-                        f"serve the object with these bytes"
-                    )
                 return
             except (obx.BaseError, OSError) as exc:  # obstore raises FileNotFoundError too
                 err = _obstore_error(exc, "write", key, self.url)
@@ -428,16 +416,14 @@ class ObjectRegion(BackendRegion):
             attempt += 1
             await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
 
-    async def _landed(self, key: str, body: bytes | memoryview, pause: bool = True) -> bool:
+    async def _landed(self, key: str, body: bytes | memoryview) -> bool:
         """Whether ``key`` holds ``body``, after a PUT of it whose outcome is
-        unknown, or one acknowledged after earlier attempts failed: its size
-        and e-tag (the MD5 of a single-part object's bytes on AWS, MinIO,
-        Ceph and rclone; an e-tag of another kind, as with SSE-KMS, cannot
-        say, and the put counts as failed). Asked after a short ``pause``,
-        so that a PUT the server was finishing has landed; a HEAD is a read:
-        obstore's own retries are safe for it."""
-        if pause:
-            await asyncio.sleep(self._retry.initial)
+        unknown: its size and e-tag (the MD5 of a single-part object's bytes
+        on AWS, MinIO, Ceph and rclone; an e-tag of another kind, as with
+        SSE-KMS, cannot say, and the put counts as failed). Asked after a
+        short pause, so that a PUT the server was finishing has landed; a
+        HEAD is a read: obstore's own retries are safe for it."""
+        await asyncio.sleep(self._retry.initial)
         try:
             meta = await obstore.head_async(self._store, key)
         except (obx.BaseError, OSError):
