@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aioxfer.dialing import parse_address
-from aioxfer.discovery import Etcd, EtcdSession
+from aioxfer.discovery import Etcd, EtcdSession, retrieve_exception
 from aioxfer.errors import ClosedResourceError, PeerLost, ProtocolError, TransportError, XferError
 from aioxfer.log import get_logger
 
@@ -28,13 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["Cluster"]
 
 _log = get_logger("aioxfer")
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    # The exception is re-raised to whoever awaits start(); retrieving it here
-    # keeps asyncio from logging it when nobody did.
-    if not task.cancelled():
-        task.exception()
 
 
 def _check_address(name: str, address: str) -> None:
@@ -112,7 +105,9 @@ class Cluster:
         start() awaits it (``joined``); a lazy start (first connect, write or
         read) lets it run in the background."""
         self.joining = loop.create_task(self._join(), name=f"aioxfer-join-{self._agent}")
-        self.joining.add_done_callback(_retrieve)
+        # Its exception is raised to whoever awaits start() (joined());
+        # retrieved so that asyncio does not log it when nobody did.
+        self.joining.add_done_callback(retrieve_exception)
 
     async def joined(self) -> None:
         """Waits until joined; raises what joining raised.

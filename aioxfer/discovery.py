@@ -50,6 +50,16 @@ _log = get_logger("aioxfer.discovery")
 MAX_BACKLOG = 10_000
 
 
+def retrieve_exception(fut: asyncio.Future[Any]) -> None:
+    """A done callback for a future or task whose waiter may be gone (left
+    behind by a close, a cancel or a bounded wait): fetches its exception so
+    that asyncio does not log it as never retrieved. Whoever still awaits it
+    gets the exception all the same. (Shared by members, cluster and
+    kv.store.)"""
+    if not fut.cancelled():
+        fut.exception()
+
+
 # ---------------------------------------------------------------- events
 
 

@@ -22,6 +22,7 @@ from aioxfer.discovery import (
     PeerUpdated,
     diff_regions,
     region_names,
+    retrieve_exception,
 )
 from aioxfer.errors import XferError
 from aioxfer.log import get_logger
@@ -33,13 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["Members"]
 
 _log = get_logger("aioxfer")
-
-
-def _retrieve(task: asyncio.Task[None]) -> None:
-    # Reported (peer.refresh_failed) by whoever waited for it; retrieved here
-    # so that a refresh left behind by a close is never logged as unretrieved.
-    if not task.cancelled():
-        task.exception()
 
 
 class Members:
@@ -252,7 +246,10 @@ class Members:
     async def _refresh(self, name: str, incarnation: int) -> None:
         for peer in self.live_peers(name, incarnation):
             task = asyncio.get_running_loop().create_task(self._refresh_one(peer))
-            task.add_done_callback(_retrieve)
+            # Reported (peer.refresh_failed) by whoever waited for it;
+            # retrieved so that a refresh left behind by a close is never
+            # logged as unretrieved.
+            task.add_done_callback(retrieve_exception)
             self._refreshing[name] = (peer, task)
             try:
                 # Bounded by the peer timeout; cut short when the member goes

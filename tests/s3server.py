@@ -12,7 +12,9 @@ by default; DEBUG names the VFS steps, such as why a GET's open failed),
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,6 +24,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -193,3 +196,189 @@ def own_s3(tmp_path: Path) -> Iterator[S3Server]:
 
 def environ_without_aws() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+
+class FaultProxy:
+    """An HTTP/1.1 proxy on loopback in front of an S3Server that injects
+    faults request by request (S3 clients send one request at a time per
+    connection, each with a Content-Length body: all bytes the server sends
+    after a request, until the next one, answer it).
+
+    - ``fail_get``: keys (paths under the bucket, e.g. "kvtest/ab/cd") whose
+      GETs it answers itself with HTTP 500 InternalError, as a server that
+      cannot read one object does (rclone's 500 for a broken key);
+    - ``put_fault``: key -> "cut": the PUT reaches the server, which stores
+      it, and its answer is dropped with the client's connection cut (the
+      client cannot know that the object was written); "503": answered here
+      with 503 SlowDown, never sent to the server; "hold": the PUT's last
+      body byte is held back from the server for ``hold`` seconds while the
+      client's connection is cut (the server is still receiving it: an
+      attempt whose outcome is unknown and not over yet), then sent. Each
+      key's fault applies to its first PUT only;
+    - ``rate``: the first PUT of any other key meets one of ``kinds`` with
+      this probability (a seeded draw).
+
+    ``puts`` counts the PUTs of each key that reached the server;
+    ``overlaps`` lists the keys a PUT reached the server for while an earlier
+    PUT of the same key was still unanswered there: two PUTs of one key at
+    once, what breaks rclone (see repro_rclone_samekey.py)."""
+
+    def __init__(self, target: S3Server, hold: float = 1.0, rate: float = 0.0,
+                 kinds: tuple[str, ...] = ("cut", "hold"), seed: int = 0) -> None:
+        self.target = target
+        self.hold = hold
+        self.rate = rate
+        self.kinds = kinds
+        self.rng = random.Random(seed)
+        self._faulted: set[str] = set()
+        self.fail_get: set[str] = set()
+        self.put_fault: dict[str, str] = {}
+        self.puts: dict[str, int] = {}
+        self.overlaps: list[str] = []
+        self.failed_gets = 0
+        self._open: dict[str, int] = {}  # PUTs of a key still unanswered at the server
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kwargs(self) -> dict[str, str]:
+        return {**self.target.kwargs(), "endpoint": self.endpoint}
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def aclose(self) -> None:
+        """Stops listening and cuts every connection (held PUTs are not sent
+        on: their server-side connection is cut too)."""
+        if self._server is not None:
+            self._server.close()
+        for w in list(self._writers):
+            w.transport.abort()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
+
+    def _key(self, head: bytes) -> tuple[str, str]:
+        method, target = head.split(b"\r\n", 1)[0].decode().split(" ")[:2]
+        path = unquote(target.split("?", 1)[0]).lstrip("/")
+        return method, path.split("/", 1)[1] if "/" in path else ""
+
+    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        sr: asyncio.StreamReader | None = None
+        sw: asyncio.StreamWriter | None = None
+        self._writers.add(cw)
+        try:
+            sr, sw = await asyncio.open_connection("127.0.0.1", self.target.port)
+            self._writers.add(sw)
+            while True:
+                head = await cr.readuntil(b"\r\n\r\n")
+                clen = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        clen = int(value)
+                    elif name.strip().lower() == b"transfer-encoding":
+                        raise AssertionError("FaultProxy handles Content-Length bodies only")
+                body = await cr.readexactly(clen)
+                method, key = self._key(head)
+                if method == "GET" and key in self.fail_get:
+                    self.failed_gets += 1
+                    msg = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
+                    cw.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml"
+                             b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(msg), msg))
+                    await cw.drain()
+                    return
+                if method != "PUT" or "uploadId=" in head.split(b"\r\n", 1)[0].decode():
+                    sw.write(head + body)
+                    await sw.drain()
+                    if not await self._relay_answer(sr, cw, method):
+                        return
+                    continue
+                fault = self.put_fault.pop(key, None)
+                if fault is None and key not in self._faulted and self.rng.random() < self.rate:
+                    fault = self.rng.choice(self.kinds)
+                if fault is not None:
+                    self._faulted.add(key)
+                if fault == "503":  # answered here: it never reaches the server
+                    msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+                    cw.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                             b"application/xml\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(msg), msg))
+                    await cw.drain()
+                    continue
+                self.puts[key] = self.puts.get(key, 0) + 1
+                if self._open.get(key):
+                    self.overlaps.append(key)
+                self._open[key] = self._open.get(key, 0) + 1
+                try:
+                    if fault == "hold":
+                        sw.write(head + body[:-1])
+                        await sw.drain()
+                        cw.transport.abort()
+                        await asyncio.sleep(self.hold)
+                        sw.write(body[-1:])
+                        await sw.drain()
+                        await sr.read(1)  # the server answered: the PUT is over there
+                        return
+                    sw.write(head + body)
+                    await sw.drain()
+                    if fault == "cut":
+                        await sr.read(1)
+                        cw.transport.abort()
+                        return
+                    if not await self._relay_answer(sr, cw, method):
+                        return
+                finally:
+                    self._open[key] -= 1
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            for w in (sw, cw):
+                if w is not None:
+                    w.transport.abort()
+                    self._writers.discard(w)
+            self._tasks.discard(task)
+
+    @staticmethod
+    async def _relay_answer(sr: asyncio.StreamReader, cw: asyncio.StreamWriter,
+                            method: str) -> bool:
+        """Relays the server's answer to the request just sent: its head, then
+        its body (Content-Length or chunked; none for HEAD, 204 or 304).
+        False when the server closed."""
+        try:
+            head = await sr.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return False
+        status = int(head.split(b" ", 2)[1])
+        clen = 0
+        chunked = False
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                clen = int(value)
+            elif name.strip().lower() == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+        cw.write(head)
+        if method == "HEAD" or status in (204, 304):
+            pass
+        elif chunked:
+            while True:
+                size_line = await sr.readuntil(b"\r\n")
+                cw.write(size_line)
+                size = int(size_line.split(b";")[0], 16)
+                cw.write(await sr.readexactly(size + 2))
+                if size == 0:
+                    break
+        elif clen:
+            cw.write(await sr.readexactly(clen))
+        await cw.drain()
+        return True

@@ -24,17 +24,21 @@ Failures are typed: a missing key (or bucket) is ObjectNotFound, bad
 credentials AccessDenied, a conditional create of an existing key
 ObjectExists, an endpoint that is down or drops the connection TransportError
 once the bounded retries (``max_retries``, within ``retry_timeout`` seconds,
-exponential backoff with jitter) are spent.
+exponential backoff with jitter) are spent. A PUT is sent again only once
+the attempt before it is known to be over (refused, or answered); a PUT
+whose outcome is unknown (its connection cut, a timeout) is checked with a
+HEAD and otherwise fails, never sent twice at once (ObjectRegion._put_single).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import random
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -207,6 +211,7 @@ class ObjectRegion(BackendRegion):
         name: str,
         url: str,
         store: S3Store,
+        put_store: S3Store,
         retry: _Retry,
         part_size: int,
         connect_timeout: float,
@@ -215,6 +220,7 @@ class ObjectRegion(BackendRegion):
         super().__init__(backend, name)
         self.url = url
         self._store = store
+        self._put_store = put_store  # no retries of its own: see _put_single
         self._retry = retry
         self._part_size = part_size
         self._timeout = aiohttp.ClientTimeout(
@@ -329,24 +335,26 @@ class ObjectRegion(BackendRegion):
         buffer, and a cancelled put waits for the request to end (its object
         may then be written) and raises CancelledError once obstore has let
         go of the buffer (else torn bytes under the key, or a read of freed
-        memory)."""
+        memory).
+
+        An object of up to ``part_size`` bytes is one PUT request, sent again
+        only when the earlier attempt is known to be over (see _put_single);
+        a larger one is a multipart upload with obstore's own retries."""
         mode: Literal["create"] | None = "create" if seg.create else None
         owned = src.nbytes <= OWNED_MAX
-        call = self._obstore(
-            "write",
-            seg.key,
-            obstore.put_async(
-                self._store,
-                seg.key,
-                bytes(src) if owned else src,
-                mode=mode,
-                chunk_size=self._part_size,
-                max_concurrency=4,
-            ),
-        )
-        if owned:
-            await call
+        body = bytes(src) if owned else src
+        if src.nbytes <= self._part_size:
+            await self._put_single(body, seg, mode, owned)
             return
+        await self._upload(owned, self._obstore("write", seg.key, obstore.put_async(
+            self._store, seg.key, body, mode=mode, chunk_size=self._part_size,
+            max_concurrency=4)))
+
+    async def _upload(self, owned: bool, call: Awaitable[Any]) -> Any:
+        """Awaits an upload; one from the caller's buffer (not ``owned``) is
+        waited for to its end through a cancel (see _put)."""
+        if owned:
+            return await call
         fut = asyncio.ensure_future(call)
         cancelled = False
         while not fut.done():
@@ -358,7 +366,72 @@ class ObjectRegion(BackendRegion):
             if not fut.cancelled():
                 fut.exception()  # retrieved: the caller gets the cancel
             raise asyncio.CancelledError
-        fut.result()
+        return fut.result()
+
+    async def _put_single(self, body: bytes | memoryview, seg: ObjectSegment,
+                          mode: Literal["create"] | None, owned: bool) -> None:
+        """One PUT request, through a client that never retries by itself
+        (obstore's retries send a PUT again when its answer was lost or timed
+        out, while the first may still be running at the server: two PUTs of
+        one key at once, which some servers get wrong: rclone serve s3 1.75
+        then answers 500 to every GET of the key, or loses it, after both
+        PUTs returned 200; tests/repro_rclone_samekey.py). Our rule: an
+        attempt is sent again only when it is known to be over: it never
+        reached the server (the connection was refused), or the server
+        answered it (500, 503, 429, 408; not 502 or 504, a gateway's answers
+        while the server may still run it). When its outcome is unknown (the
+        connection cut after the request went out, a timeout) the key is
+        asked for with a HEAD: there with our bytes (size and MD5 e-tag), the
+        put succeeded; else it fails with TransportError and the object may
+        still be written later (the caller puts it again if it must: by then
+        the earlier attempt has had time to end)."""
+        key = seg.key
+        retry = self._retry
+        deadline = time.monotonic() + retry.retry_timeout
+        attempt = 0
+        while True:
+            try:
+                await self._upload(owned, obstore.put_async(
+                    self._put_store, key, body, mode=mode, use_multipart=False))
+                return
+            except (obx.BaseError, OSError) as exc:  # obstore raises FileNotFoundError too
+                err = _obstore_error(exc, "write", key, self.url)
+                if not isinstance(err, TransportError):
+                    raise err from None
+                outcome = _put_outcome(exc)
+                why = _describe(exc)
+            if outcome == "unknown":
+                if await self._landed(key, body):
+                    return
+                raise TransportError(
+                    f"write of object {key!r} in {self.url}: the PUT's outcome is unknown "
+                    f"({why}) and the object is not there with these bytes; not "
+                    f"sent again while that PUT may still run at the server (it may yet "
+                    f"store the object)"
+                )
+            if attempt >= retry.max_retries or time.monotonic() >= deadline:
+                raise err
+            self.backend.note_retry()
+            pause = retry.delay(attempt)
+            attempt += 1
+            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+
+    async def _landed(self, key: str, body: bytes | memoryview) -> bool:
+        """Whether ``key`` holds ``body``, after a PUT of it whose outcome is
+        unknown: its size and e-tag (the MD5 of a single-part object's bytes
+        on AWS, MinIO, Ceph and rclone; an e-tag of another kind, as with
+        SSE-KMS, cannot say, and the put counts as failed). Asked after a
+        short pause, so that a PUT the server was finishing has landed; a
+        HEAD is a read: obstore's own retries are safe for it."""
+        await asyncio.sleep(self._retry.initial)
+        try:
+            meta = await obstore.head_async(self._store, key)
+        except (obx.BaseError, OSError):
+            return False  # not there, or the server cannot say: not known written
+        if int(meta["size"]) != len(body):
+            return False
+        e_tag = (meta.get("e_tag") or "").strip('"').lower()
+        return e_tag == hashlib.md5(body, usedforsecurity=False).hexdigest()
 
     async def _sign(self, key: str) -> str:
         now = time.monotonic()
@@ -488,6 +561,32 @@ class ObjectRegion(BackendRegion):
             )
 
 
+# How obstore (object_store) reports a failed request: the kind of an HTTP
+# transport error (Connect: no connection was made, the request never left),
+# or the status the server answered.
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+_HTTP_STATUS = re.compile(r"non-2xx status code: (\d{3})")
+# Answers after which the server is done with the request; 502 and 504 come
+# from a gateway that may have left the server still running it.
+_ANSWERED_RETRY = frozenset({408, 429, 500, 503})
+
+
+def _put_outcome(exc: BaseException) -> Literal["unsent", "answered", "unknown"]:
+    """What a failed PUT attempt did at the server, from obstore's error:
+    "unsent" (the connection was never made), "answered" (the server answered
+    with a status worth another attempt), "unknown" (the request may have
+    reached the server and still be running there, or have stored the
+    object: a cut connection, a timeout, anything not recognised)."""
+    text = str(exc)
+    status = _HTTP_STATUS.search(text)
+    if status is not None:
+        return "answered" if int(status[1]) in _ANSWERED_RETRY else "unknown"
+    kind = _HTTP_KIND.search(text)
+    if kind is not None and kind[1] == "Connect":
+        return "unsent"
+    return "unknown"
+
+
 class _Transient(Exception):
     """A failure worth retrying (5xx, 429, a connection cut short)."""
 
@@ -599,8 +698,9 @@ class ObjectBackend(LocalBackend):
         }
         if (endpoint or "").startswith("http://"):
             client["allow_http"] = True
-        # obstore's own retries (PUT, HEAD, DELETE) bounded like ours: its
-        # default retries a dead endpoint for three minutes.
+        # obstore's own retries (HEAD, DELETE, multipart uploads) bounded like
+        # ours: its default retries a dead endpoint for three minutes. A
+        # single PUT goes through a second client without them (_put_single).
         retry_config: dict[str, Any] = {
             "max_retries": max_retries,
             "retry_timeout": timedelta(seconds=retry_timeout),
@@ -611,12 +711,15 @@ class ObjectBackend(LocalBackend):
             },
         }
         try:
-            store = S3Store(
-                bucket,
-                prefix=prefix,
-                client_options=client,  # type: ignore[arg-type]
-                retry_config=retry_config,  # type: ignore[arg-type]
-                **config,
+            store, put_store = (
+                S3Store(
+                    bucket,
+                    prefix=prefix,
+                    client_options=client,  # type: ignore[arg-type]
+                    retry_config=retries,  # type: ignore[arg-type]
+                    **config,
+                )
+                for retries in (retry_config, {**retry_config, "max_retries": 0})
             )
         except (obx.BaseError, ValueError, TypeError) as exc:
             raise RegistrationError(f"cannot register {url!r}: {_describe(exc)}") from None
@@ -629,6 +732,7 @@ class ObjectBackend(LocalBackend):
             name,
             url,
             store,
+            put_store,
             _Retry(max_retries, retry_timeout),
             part_size,
             connect_timeout,

@@ -297,6 +297,24 @@ class ObjectTier(Tier):
 
     async def _read(self, locs: list[Any], regions: list[Region],
                     offsets: list[int]) -> list[XferError | None]:
+        """GETs the blocks straight into the caller's memory, each verified
+        against its CRC. A block's failure is that block's alone:
+
+        - gone (another store removed or quarantined it): BlockMissing, a miss;
+        - corrupt: BlockCorrupt, quarantined;
+        - the bucket failed to deliver it (an HTTP error after the object
+          backend's bounded retries, a server down or cut off): BlockUnavailable.
+          The block stays in this tier (it is not known lost: a later get
+          reads it again), the get's prefix ends before it, and it is up to
+          the caller to retry the get later or to recompute.
+
+        One batched read first (one request of many GETs); it stops at its
+        first failure and cancels the GETs in flight, so what it delivered
+        is then learned from the blocks' CRCs in the caller's memory, and
+        the rest is read again as one batch, without the failed block. A
+        round that delivered nothing, failing other than NotFound, ends the
+        reading (the bucket is failing as a whole: another round would only
+        wait out the backend's retries again)."""
         bb = self.store.block_bytes
         n = len(locs)
         errs: list[XferError | None] = [None] * n
@@ -304,42 +322,37 @@ class ObjectTier(Tier):
         crcs = [loc[1] for loc in locs]
         agent = self.store.agent
         self.counters.reads += 1
-        got_all = True
-        try:
-            await asyncio.gather(agent.read(
-                [r[o:o + bb] for r, o in zip(regions, offsets, strict=True)],
-                self.objs.segments([self.object_key(k) for k in keys], [0] * n, [bb] * n)))
-        except ObjectNotFound:
-            # One of them is gone (another store removed or quarantined it):
-            # a miss for that block, not a failure of the read. Which one is
-            # learned block by block; the others are delivered.
-            got_all = False
-        except XferError as exc:
-            self.counters.errors += 1
-            e = BlockUnavailable(f"object tier {self.name!r}: {exc}")
-            e.__cause__ = exc
-            return [e] * n
-        if not got_all:
-            one = await asyncio.gather(*[
-                agent.read(regions[i][offsets[i]:offsets[i] + bb],
-                           self.objs[self.object_key(keys[i])][0:bb]) for i in range(n)],
-                return_exceptions=True)
-            for i, r in enumerate(one):
-                if isinstance(r, ObjectNotFound):
-                    self.index.pop(keys[i], None)
-                    errs[i] = BlockMissing(f"object tier {self.name!r}: "
-                                           f"{self.object_key(keys[i])} is gone")
-                elif isinstance(r, XferError):
-                    self.counters.errors += 1
-                    e = BlockUnavailable(f"object tier {self.name!r}: {r}")
-                    e.__cause__ = r
-                    errs[i] = e
-                elif isinstance(r, BaseException):
-                    raise r
-        bad = []
-        for i in range(n):
-            if errs[i] is not None:
+
+        def intact(i: int) -> bool:
+            return bool(ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb]) == crcs[i])
+
+        todo = list(range(n))  # neither delivered nor failed yet
+        read: list[int] = []  # read whole by a round: verified below
+        while todo:
+            try:
+                await agent.read([regions[i][offsets[i]:offsets[i] + bb] for i in todo],
+                                 self.objs.segments([self.object_key(keys[i]) for i in todo],
+                                                    [0] * len(todo), [bb] * len(todo)))
+            except XferError as exc:
+                f = exc.fail_index
+                if f is None or not 0 <= f < len(todo):  # (the agent closed: not one block's)
+                    for i in todo:
+                        errs[i] = self._unavailable(exc)
+                    break
+                failed = todo[f]
+                errs[failed] = self._read_failed(keys[failed], exc)
+                rest = [i for i in todo if i != failed]
+                todo = [i for i in rest if not intact(i)]  # else delivered before it stopped
+                if todo and len(todo) == len(rest) and not isinstance(exc, ObjectNotFound):
+                    for i in todo:
+                        errs[i] = self._unavailable(exc, "not read: the bucket failed a GET "
+                                                         "beside it and delivered nothing")
+                    break
                 continue
+            read = todo
+            break
+        bad = []
+        for i in read:
             got = ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb])
             if got != crcs[i]:
                 self.counters.checksum_failures += 1
@@ -362,6 +375,20 @@ class ObjectTier(Tier):
                 _log.warning("kv.object_quarantine_failed", tier=self.name, blocks=len(bad),
                              error=repr(exc))
         return errs
+
+    def _read_failed(self, key: bytes, exc: XferError) -> XferError:
+        """The error of the block whose GET failed with ``exc``."""
+        if isinstance(exc, ObjectNotFound):
+            # Another store removed or quarantined it: a miss, not a failure.
+            self.index.pop(key, None)
+            return BlockMissing(f"object tier {self.name!r}: {self.object_key(key)} is gone")
+        return self._unavailable(exc)
+
+    def _unavailable(self, exc: XferError, why: str = "") -> BlockUnavailable:
+        self.counters.errors += 1
+        e = BlockUnavailable(f"object tier {self.name!r}: {why + ': ' if why else ''}{exc}")
+        e.__cause__ = exc
+        return e
 
     async def _remove(self, keys: list[bytes]) -> int:
         """Forgets the keys (not served, not probed back in until put again)

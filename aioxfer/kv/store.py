@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aioxfer.agent import Agent
+from aioxfer.discovery import retrieve_exception
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded, RemoveIncomplete
 from aioxfer.kv.host import HostTier
@@ -1900,7 +1901,7 @@ async def _deregister(agent: Agent, region: Region) -> None:
         try:
             await asyncio.wait_for(asyncio.shield(fut), bound)
         except TimeoutError:
-            fut.add_done_callback(_retrieve)
+            fut.add_done_callback(retrieve_exception)  # a late failure: not "never retrieved"
             _log.warning("kv.release_pending", region=region.name, timeout=bound,
                          why="a peer still maps it (a stopped process?): the agent keeps "
                              "it pinned until that peer lets go")
@@ -1924,8 +1925,3 @@ async def _deregister_all(agent: Agent, regions: Sequence[Region | None], event:
             _log.warning(event, region=region.name, error=repr(res), **fields)
             first = first or res
     return first, cancelled
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()  # seen: a late failure is not "never retrieved"
