@@ -233,7 +233,10 @@ async def test_object_server_killed_mid_get(make_agent: MakeAgent, own_s3: S3Ser
         res = await within(t, 60)
         assert res.prefix < n
         assert all(isinstance(f.error, kv.BlockUnavailable) for f in res.failed), res.failed
-        assert not [k for k in keys[res.prefix:] if k in host.index]
+        # Nothing cut short is promoted: no block that failed is in host
+        # memory (blocks past the prefix that arrived whole, as their CRCs
+        # show, may be; the get below checks the bytes of every block).
+        assert res.failed and not [f.key for f in res.failed if f.key in host.index]
         await within(quiesce(store))
         assert backend.statistics().in_flight == 0
         s3.start()
