@@ -40,6 +40,7 @@ cdef class Prepared:
     cdef Py_ssize_t _rr_gone
     cdef Submitter _submitter  # submit and flush are its own (else None): called directly
     cdef object _starts  # a vector pair's merged descriptors' first indices (or None)
+    cdef object _done_t  # a Transfer of an earlier post that succeeded: see _post_repost
 
     def __cinit__(self, agent, op, local, remote, slow, submit, flush, peer, opcode, descs,
                   nbytes, int priority, lr, rr):
@@ -132,6 +133,29 @@ cdef class Prepared:
             self._flush()
         return t
 
+    cdef object _post_repost(self):
+        """_post(True) for aioxfer.nixl's plain repost (_cyx.nixl_transfer),
+        which reads of what it returns only whether and how it ended: a post
+        that completes inside (AXF_POST_DONE) makes no Transfer and returns
+        the one of an earlier post that succeeded (_done_t: done, its result
+        that post's), the transfer still counted as any (_post_small).
+        Anything else as _post(True)."""
+        cdef PyObject *closed
+        cdef PyObject *gone
+        if (self._done_t is not None and self._lr_closed >= 0 and self._starts is None
+                and self._submitter is not None):
+            closed = axf_slot_ptr(self._lr, self._lr_closed)
+            gone = axf_slot_ptr(self._rr, self._rr_gone)
+            if (closed != NULL and <object>closed is False and gone != NULL
+                    and <object>gone is False and self._submitter._sub_open()):
+                t = _post_small(self, self._submitter)
+                if t is not None:
+                    return t
+        t = self._post(True)
+        if self._done_t is None and type(t) is _xfer_type and _fut_state(t) == 1:
+            self._done_t = t
+        return t
+
     def __repr__(self):
         return f"<Prepared {self.op} of {self.nbytes} bytes>"
 
@@ -221,6 +245,156 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
             if st == AXF_POST_DONE:
                 _done_inline(<Engine>engine, s, <dict>inflight, t, req_id)
             res = (<Engine>engine)._posted_drain(
+                False, <dict>inflight, _slot_obj(sub, s._s[_S_ON_RECORD]),
+                _slot_obj(sub, s._s[_S_RELEASE]), s._result_type, s._weight,
+                s._bandwidth_min, s._poll_max)
+        else:
+            res = ([st], 0, 0, 0)
+    except Exception as exc:  # (as Submitter._post_one)
+        sub._post_raised([t], exc)
+        return t
+    s._posted(<tuple>res, None, inflight, t)
+    return t
+
+
+# aioxfer.nixl's repost of a small request (Prepared._post_repost): posted
+# before its Transfer is made, made only when the post did not complete
+# inside (AXF_POST_DONE), so that the usual same-host repost makes and frees
+# no future, no result, no inflight entry (~2 k instructions of a 4 KiB
+# request: callgrind). Safe only while no other thread can drain the ring
+# between the post and the Transfer's entry into inflight (a record drained
+# before it would be dropped as not ours): the GIL is kept throughout (one
+# descriptor up to _GIL_KEPT_BYTES: posted without releasing it), the
+# FutureMaker makes the Transfer without a Python frame (its loop's debug
+# mode off: Future.__init__ runs Python, whose eval loop may hand the GIL
+# over), and the cyclic GC is off for that stretch (a collection runs
+# finalizers: Python code). Anything else: None, nothing done (the caller
+# posts the usual way).
+
+cdef extern from "Python.h":
+    int PyGC_Disable()
+    int PyGC_Enable()
+
+
+cdef object _post_small(Prepared p, Submitter s):
+    """p's post(True) as _post_now's, its Transfer made after the post and
+    only if it did not complete inside (then p._done_t is returned); None
+    when it cannot be posted so (nothing done)."""
+    cdef object sub = s._sub
+    cdef object peer = p._peer, nbytes = p.nbytes, descs = p._descs
+    cdef PyObject *v
+    cdef object counters, engine, inflight, pending, pending_t, t = None, req_id, res
+    cdef FutureMaker mk
+    cdef Engine e
+    cdef _slot *sl
+    cdef long long posted, k_posted, k_inflight, k_bytes, n
+    cdef double t0, now, seconds, latency, bandwidth, keep, bw
+    cdef uint32_t flags = AXF_POST_DEFER | AXF_POST_POLL | AXF_POST_INLINE
+    cdef int st
+    cdef int gc_was
+    if (not s._ok or type(nbytes) is not int or type(p.priority) is not int
+            or type(peer) is not s._peer_type or not s._peer_ok or s._maker is None
+            or not s._counters_ok):
+        return None
+    mk = <FutureMaker>s._maker
+    if mk._loop is None or mk._loop_dict is None:
+        return None
+    v = PyDict_GetItemWithError(mk._loop_dict, "_debug")
+    if v == NULL or <object>v is not False:
+        return None
+    v = axf_slot_ptr(sub, s._s[_S_ENGINE])
+    engine = <object>v if v != NULL else None
+    inflight = _slot_obj(sub, s._s[_S_INFLIGHT])
+    pending = _slot_obj(sub, s._s[_S_PENDING])
+    pending_t = _slot_obj(sub, s._s[_S_PENDING_T])
+    if (_slot_obj(sub, s._s[_S_MAKE]) is not s._make_seen
+            or type(engine) is not Engine or (<Engine>engine)._polling
+            or (<Engine>engine)._posting or (<Engine>engine)._e == NULL
+            or type(inflight) is not dict or type(pending) is not list
+            or type(pending_t) is not list or pending or pending_t
+            or _slot_obj(sub, s._s[_S_CLOSED]) is not False
+            or _slot_obj(sub, s._s[_S_PENDING_CANCELLED]) is not False
+            or _slot_obj(peer, s._q[_Q_LOST]) is not False
+            or axf_slot_ptr(peer, s._q[_Q_SCHED]) == NULL
+            or _slot_obj(peer, s._q[_Q_SCHED]) is not None
+            or axf_slot_ptr(peer, s._q[_Q_EP]) == NULL):
+        return None
+    counters = _slot_obj(peer, s._q[_Q_COUNTERS])
+    if counters is None or type(counters) is not s._counters_type:
+        return None
+    n = PyLong_AsLongLong(nbytes)
+    if (n <= 0 or n > _GIL_KEPT_BYTES
+            or not _slot_int(sub, s._s[_S_POSTED], &posted)
+            or not _slot_int(counters, s._k[_K_POSTED], &k_posted)
+            or not _slot_int(counters, s._k[_K_INFLIGHT], &k_inflight)
+            or not _slot_int(counters, s._k[_K_INFLIGHT_BYTES], &k_bytes)):
+        return None
+    e = <Engine>engine
+    e._ensure_slots(1)
+    sl = e._slots
+    _descs_in(descs, &sl.one, &sl.descs, &sl.n)  # (descs, held by p, keeps its memory)
+    if sl.descs != &sl.one or sl.one.len != <uint64_t>n:
+        return None  # (not one descriptor of the request's bytes)
+    if not inflight:
+        flags |= AXF_POST_ALONE
+    # Counted as Submitter._submit counts it (its Transfer, if any, later).
+    t0 = _perf_counter()
+    req_id = PyLong_FromLongLong(posted + 1)
+    axf_slot_put(sub, s._s[_S_POSTED], req_id)
+    axf_slot_put(counters, s._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
+    axf_slot_put(counters, s._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
+    axf_slot_put(counters, s._k[_K_INFLIGHT_BYTES], PyLong_FromLongLong(k_bytes + n))
+    gc_was = PyGC_Disable()
+    try:
+        try:
+            sl.ep = _slot_obj(peer, s._q[_Q_EP])
+            sl.op = p._opcode
+            sl.req_id = req_id
+            sl.notify = NULL
+            sl.notify_len = 0
+            e._posting = True
+            try:
+                e._post_slots(1, flags, <uint64_t>n)  # (the GIL kept: n <= _GIL_KEPT_BYTES)
+            finally:
+                e._posting = False
+            st = e._slots[0].status
+        except Exception as exc:  # (nothing posted: as Submitter._post_one's refusal)
+            t = mk._make(sub, req_id, p.op, peer, nbytes)
+            (<dict>inflight)[req_id] = t
+            sub._post_raised([t], exc)
+            return t
+        if st == AXF_POST_DONE:
+            # Engine._drain's tally of one successful record (_done_inline's,
+            # without a Transfer: no result, no future to resolve).
+            now = _perf_counter()
+            seconds = now - t0
+            latency = _counters_float(counters, _C_LATENCY)
+            bandwidth = _counters_float(counters, _C_BANDWIDTH)
+            keep = 1.0 - s._weight
+            if <uint64_t>n >= s._bandwidth_min:
+                bw = n / seconds if seconds > 0 else 0.0
+                bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + s._weight * bw
+            else:
+                latency = seconds if latency == 0.0 else keep * latency + s._weight * seconds
+            _settle(counters, 1, <uint64_t>n, <uint64_t>n, latency, bandwidth)
+            _add_total(sub, s._s[_S_COMPLETED], 1)
+            _add_total(sub, s._s[_S_BYTES], nbytes)
+            return p._done_t
+        # In flight (or refused): its Transfer, as _submit makes it, in
+        # inflight before anything can drain its record.
+        t = mk._make(sub, req_id, p.op, peer, nbytes)
+        if type(t) is not _xfer_type:
+            _xfer_resolve(type(t))
+        if _xfer_off[_T_T0] >= 0:
+            axf_slot_put(t, _xfer_off[_T_T0], t0)
+        (<dict>inflight)[req_id] = t
+    finally:
+        if gc_was:
+            PyGC_Enable()
+    try:
+        if st == AXF_OK:
+            _mark_posted(t)
+            res = e._posted_drain(
                 False, <dict>inflight, _slot_obj(sub, s._s[_S_ON_RECORD]),
                 _slot_obj(sub, s._s[_S_RELEASE]), s._result_type, s._weight,
                 s._bandwidth_min, s._poll_max)
@@ -739,7 +913,7 @@ def nixl_transfer(agent, handle, notif_msg=b""):
             t0 = PyFloat_FromDouble(_perf_counter())
             axf_slot_put(x, _nx_off[_NX_T0], t0)
             try:
-                fut = (<Prepared>prep)._post(True)
+                fut = (<Prepared>prep)._post_repost()
             except Exception as exc:
                 axf_slot_put(x, _nx_off[_NX_FUT], None)
                 err = exc

@@ -9,6 +9,7 @@ finish inside goes through the ring as before."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import pytest
@@ -101,8 +102,9 @@ async def test_posts_past_what_is_copied_inside_complete_through_the_ring(
 
 def test_nixl_transfer_done_inside_is_awaitable_and_counted(agents: Any) -> None:
     """aioxfer.nixl: transfer() of a 4 KiB request answers DONE (copied
-    inside, no record), ``await handle`` still answers DONE, and the aioxfer
-    agent's statistics count every post."""
+    inside, no record; from the second post on no Transfer made either:
+    Prepared._post_repost), ``await handle`` still answers DONE, and the
+    aioxfer agent's statistics count every post."""
     import ctypes
 
     a = agents()
@@ -131,9 +133,99 @@ def test_nixl_transfer_done_inside_is_awaitable_and_counted(agents: Any) -> None
         return await h  # type: ignore[no-any-return]
 
     assert asyncio.run(awaited()) == "DONE"
+    # The repost turns the cyclic GC off around its post and back on, and
+    # leaves it off for a caller who turned it off.
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        assert a.transfer(h) == "DONE"
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    k += 1
     s1 = inner.statistics()
     assert s1.transfers_posted - s0.transfers_posted == k
     assert s1.transfers_completed - s0.transfers_completed == k
     assert s1.bytes - s0.bytes == k * 4096
     assert s1.in_flight == 0
     h.release()
+
+
+def test_nixl_reposts_over_tcp_are_counted_and_move_the_data(
+        agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over tcp a repost never completes inside: posted the usual way (its
+    Transfer made first), completed through the ring; each post is counted
+    once and moves its data."""
+    import ctypes
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
+    a = agents()
+    b = agents()
+    n = 1 << 16
+    xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
+    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
+    a.register_memory([(xa, n, 0, "")], "DRAM")
+    b.register_memory([(ya, n, 0, "")], "DRAM")
+    name = a.add_remote_agent(b.get_agent_metadata())
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(xa, 4096, 0)], "DRAM"),
+                          a.get_xfer_descs([(ya, 4096, 0)], "DRAM"), name)
+    inner = a.agent._agent
+    assert inner.transports == ("tcp",)
+    s0 = inner.statistics()
+    k = 30
+    for i in range(k):
+        xs[0:4096] = bytes([i + 1]) * 4096
+        st = a.transfer(h)
+        while st != "DONE":
+            st = a.check_xfer_state(h)
+        assert ys[0:4096] == bytes([i + 1]) * 4096
+    s1 = inner.statistics()
+    assert s1.transfers_completed - s0.transfers_completed == k
+    assert s1.bytes - s0.bytes == k * 4096 and s1.in_flight == 0
+    assert gc.isenabled()
+    h.release()
+
+
+def test_nixl_reposts_done_inside_then_peer_gone_raise_as_the_python_path(
+        agents: Any) -> None:
+    """After reposts that completed inside (no Transfer made), the peer
+    closes: the compiled repost raises what the Python method's raises for
+    a twin request (the engine's refusal, or the peer already lost), and a
+    refused post leaves nothing in flight."""
+    import ctypes
+    import time
+
+    a = agents()
+    b = agents()
+    n = 1 << 16
+    xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
+    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
+    a.register_memory([(xa, n, 0, "")], "DRAM")
+    b.register_memory([(ya, n, 0, "")], "DRAM")
+    name = a.add_remote_agent(b.get_agent_metadata())
+    inner = a.agent._agent
+    if inner.transports[0] != "shm":
+        pytest.skip(f"not over shm: {inner.transports}")
+
+    def make() -> Any:
+        return a.initialize_xfer("WRITE", a.get_xfer_descs([(xa, 4096, 0)], "DRAM"),
+                                 a.get_xfer_descs([(ya, 4096, 0)], "DRAM"), name)
+
+    h, h2 = make(), make()
+    a.agent._xfers[h2._handle].prep = None  # the Python method's post
+    for _ in range(5):
+        assert a.transfer(h) == "DONE"
+        assert a.transfer(h2) == "DONE"
+    b.close()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert a.transfer(h2) == "DONE"
+        except Exception as exc:
+            py_exc = exc
+            break
+        assert time.monotonic() < deadline, "the closed peer was never seen"
+        time.sleep(0.01)
+    with pytest.raises(type(py_exc)):
+        a.transfer(h)
+    assert not inner._sub.inflight and inner.statistics().in_flight == 0
