@@ -379,18 +379,34 @@ cdef object _post_small(Prepared p, Submitter s):
             _settle(counters, 1, <uint64_t>n, <uint64_t>n, latency, bandwidth)
             _add_total(sub, s._s[_S_COMPLETED], 1)
             _add_total(sub, s._s[_S_BYTES], nbytes)
-            return p._done_t
-        # In flight (or refused): its Transfer, as _submit makes it, in
-        # inflight before anything can drain its record.
-        t = mk._make(sub, req_id, p.op, peer, nbytes)
-        if type(t) is not _xfer_type:
-            _xfer_resolve(type(t))
-        if _xfer_off[_T_T0] >= 0:
-            axf_slot_put(t, _xfer_off[_T_T0], t0)
-        (<dict>inflight)[req_id] = t
+            t = p._done_t
+        else:
+            # In flight (or refused): its Transfer, as _submit makes it, in
+            # inflight before anything can drain its record.
+            t = mk._make(sub, req_id, p.op, peer, nbytes)
+            if type(t) is not _xfer_type:
+                _xfer_resolve(type(t))
+            if _xfer_off[_T_T0] >= 0:
+                axf_slot_put(t, _xfer_off[_T_T0], t0)
+            (<dict>inflight)[req_id] = t
     finally:
         if gc_was:
             PyGC_Enable()
+    if st == AXF_POST_DONE:
+        # The ring looked at all the same, as after any post: what this
+        # thread pushed quietly meanwhile (a region freed by the request's
+        # end) is drained now, nothing else would signal it; and with
+        # others in flight, the poller kicked (Submitter._posted). Neither,
+        # the usual repost: nothing more to do (the look is a read of the
+        # ring's count, no lock).
+        if not inflight and axf_wait_ex(e._e, 0, AXF_WAIT_POLLS) == 0:
+            return t
+        res = e._posted_drain(
+            False, <dict>inflight, _slot_obj(sub, s._s[_S_ON_RECORD]),
+            _slot_obj(sub, s._s[_S_RELEASE]), s._result_type, s._weight,
+            s._bandwidth_min, s._poll_max)
+        s._posted(<tuple>res, None, inflight)
+        return t
     try:
         if st == AXF_OK:
             _mark_posted(t)
