@@ -36,6 +36,8 @@ cdef extern from *:
     _Static_assert(AXF_POST_POLL == 2, "cyx/_abi.pxi is stale (AXF_POST_POLL): run tools/gen_abi.py");
     _Static_assert(AXF_POST_ALONE == 4, "cyx/_abi.pxi is stale (AXF_POST_ALONE): run tools/gen_abi.py");
     _Static_assert(AXF_POST_NOHELP == 8, "cyx/_abi.pxi is stale (AXF_POST_NOHELP): run tools/gen_abi.py");
+    _Static_assert(AXF_POST_INLINE == 16, "cyx/_abi.pxi is stale (AXF_POST_INLINE): run tools/gen_abi.py");
+    _Static_assert(AXF_POST_DONE == 1, "cyx/_abi.pxi is stale (AXF_POST_DONE): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_XFER == 1, "cyx/_abi.pxi is stale (AXF_CQ_XFER): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_NOTIFY == 2, "cyx/_abi.pxi is stale (AXF_CQ_NOTIFY): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_PEER_LOST == 3, "cyx/_abi.pxi is stale (AXF_CQ_PEER_LOST): run tools/gen_abi.py");
@@ -82,6 +84,8 @@ POST_DEFER = 1
 POST_POLL = 2
 POST_ALONE = 4
 POST_NOHELP = 8
+POST_INLINE = 16
+POST_DONE = 1
 CQ_XFER = 1
 CQ_NOTIFY = 2
 CQ_PEER_LOST = 3

@@ -40,6 +40,7 @@ cdef class Prepared:
     cdef Py_ssize_t _rr_gone
     cdef Submitter _submitter  # submit and flush are its own (else None): called directly
     cdef object _starts  # a vector pair's merged descriptors' first indices (or None)
+    cdef object _done_t  # a Transfer of an earlier post that succeeded: see _post_repost
 
     def __cinit__(self, agent, op, local, remote, slow, submit, flush, peer, opcode, descs,
                   nbytes, int priority, lr, rr):
@@ -114,9 +115,8 @@ cdef class Prepared:
                     return t
                 if self._submitter is not None:
                     if now:
-                        return self._submitter._submit_now(self._peer, self._opcode,
-                                                           self._descs, self.nbytes, self.op,
-                                                           self.priority)
+                        return _post_now(self._submitter, self._peer, self._opcode,
+                                         self._descs, self.nbytes, self.op, self.priority)
                     return self._submitter._submit(self._peer, self._opcode, self._descs,
                                                    None, self.nbytes, self.op, self.priority,
                                                    False)
@@ -133,8 +133,379 @@ cdef class Prepared:
             self._flush()
         return t
 
+    cdef object _post_repost(self):
+        """_post(True) for aioxfer.nixl's plain repost (_cyx.nixl_transfer),
+        which reads of what it returns only whether and how it ended: a post
+        that completes inside (AXF_POST_DONE) makes no Transfer and returns
+        the one of an earlier post that succeeded (_done_t: done, its result
+        that post's), the transfer still counted as any (_post_small).
+        Anything else as _post(True)."""
+        cdef PyObject *closed
+        cdef PyObject *gone
+        if (self._done_t is not None and self._lr_closed >= 0 and self._starts is None
+                and self._submitter is not None):
+            closed = axf_slot_ptr(self._lr, self._lr_closed)
+            gone = axf_slot_ptr(self._rr, self._rr_gone)
+            if (closed != NULL and <object>closed is False and gone != NULL
+                    and <object>gone is False and self._submitter._sub_open()):
+                t = _post_small(self, self._submitter)
+                if t is not None:
+                    return t
+        t = self._post(True)
+        if self._done_t is None and type(t) is _xfer_type and _fut_state(t) == 1:
+            self._done_t = t
+        return t
+
     def __repr__(self):
         return f"<Prepared {self.op} of {self.nbytes} bytes>"
+
+
+# ------------------------------------------------------------------ done inside the post
+# Prepared.post(now=True) (aioxfer.nixl's repost) with nothing else batched:
+# Submitter._submit_now's request, posted with AXF_POST_INLINE. A same-host
+# copy done inside the post (a small request, alone) then comes back as
+# AXF_POST_DONE with no completion record: its transfer completed here as
+# Engine._drain completes one from its record (out of inflight, the peer's
+# counters settled, its result set, the agent's totals), without the
+# record's push into the ring, the poll that takes it back, the drain's
+# batch around it and the record's free (~2 k instructions of a 4 KiB
+# request: callgrind). The request is counted and put in flight before the
+# post, as _submit does, so that whatever the post does not finish inside
+# (a copy the workers take, a failure, a queued request) completes through
+# the ring as before; the ring is still looked at after the post (a
+# completion that came meanwhile is drained, as _posted_drain does).
+# Anything else that _submit_now would not post on its own goes to it.
+
+cdef extern from "aioxfer.h":
+    enum:
+        AXF_POST_INLINE
+        AXF_POST_DONE
+
+
+cdef object _post_now(Submitter s, object peer, object opcode, object descs, object nbytes,
+                      object op, object priority):
+    """s._submit_now(peer, opcode, descs, nbytes, op, priority), the post's
+    own completion taken inside it when it can be (see above)."""
+    cdef object sub = s._sub
+    cdef PyObject *v
+    cdef object counters, engine, inflight, pending, pending_t, t, req_id, res
+    cdef long long posted, k_posted, k_inflight, k_bytes, n
+    cdef int st
+    if not s._ok or type(nbytes) is not int or type(priority) is not int:
+        return s._submit_now(peer, opcode, descs, nbytes, op, priority)
+    if type(peer) is not s._peer_type:
+        s._peer_ok = _offsets(type(peer), _Q_NAMES, s._q, _Q_FIELDS)
+        s._peer_type = type(peer)
+    v = axf_slot_ptr(sub, s._s[_S_ENGINE])
+    engine = <object>v if v != NULL else None
+    inflight = _slot_obj(sub, s._s[_S_INFLIGHT])
+    pending = _slot_obj(sub, s._s[_S_PENDING])
+    pending_t = _slot_obj(sub, s._s[_S_PENDING_T])
+    # (The checks of _submit and of its post on its own; its FutureMaker
+    # resolved by an earlier _submit, else that one's.)
+    if (not s._peer_ok or s._maker is None
+            or _slot_obj(sub, s._s[_S_MAKE]) is not s._make_seen
+            or type(engine) is not Engine or (<Engine>engine)._polling
+            or (<Engine>engine)._e == NULL
+            or type(inflight) is not dict or type(pending) is not list
+            or type(pending_t) is not list or pending or pending_t
+            or _slot_obj(sub, s._s[_S_CLOSED]) is not False
+            or _slot_obj(sub, s._s[_S_PENDING_CANCELLED]) is not False
+            or _slot_obj(peer, s._q[_Q_LOST]) is not False
+            or axf_slot_ptr(peer, s._q[_Q_SCHED]) == NULL
+            or _slot_obj(peer, s._q[_Q_SCHED]) is not None
+            or axf_slot_ptr(peer, s._q[_Q_EP]) == NULL):
+        return s._submit_now(peer, opcode, descs, nbytes, op, priority)
+    counters = _slot_obj(peer, s._q[_Q_COUNTERS])
+    if counters is None:
+        return s._submit_now(peer, opcode, descs, nbytes, op, priority)
+    if type(counters) is not s._counters_type:
+        s._counters_ok = _offsets(type(counters), _K_NAMES, s._k, _K_FIELDS)
+        s._counters_type = type(counters)
+    n = PyLong_AsLongLong(nbytes)
+    if (not s._counters_ok or n < 0 or n > (1LL << 62)
+            or not _slot_int(sub, s._s[_S_POSTED], &posted)
+            or not _slot_int(counters, s._k[_K_POSTED], &k_posted)
+            or not _slot_int(counters, s._k[_K_INFLIGHT], &k_inflight)
+            or not _slot_int(counters, s._k[_K_INFLIGHT_BYTES], &k_bytes)):
+        return s._submit_now(peer, opcode, descs, nbytes, op, priority)
+    # As Submitter._submit does it, in its order.
+    req_id = PyLong_FromLongLong(posted + 1)
+    axf_slot_put(sub, s._s[_S_POSTED], req_id)
+    t = (<FutureMaker>s._maker)._make(sub, req_id, op, peer, nbytes)
+    axf_slot_put(counters, s._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
+    axf_slot_put(counters, s._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
+    axf_slot_put(counters, s._k[_K_INFLIGHT_BYTES], PyLong_FromLongLong(k_bytes + n))
+    (<dict>inflight)[req_id] = t
+    try:
+        st = _post_inline(<Engine>engine, _slot_obj(peer, s._q[_Q_EP]), opcode, descs, req_id,
+                          len(<dict>inflight) == 1)
+        if st == AXF_POST_DONE or st == AXF_OK:
+            _mark_posted(t)
+            if st == AXF_POST_DONE:
+                _done_inline(<Engine>engine, s, <dict>inflight, t, req_id)
+            res = (<Engine>engine)._posted_drain(
+                False, <dict>inflight, _slot_obj(sub, s._s[_S_ON_RECORD]),
+                _slot_obj(sub, s._s[_S_RELEASE]), s._result_type, s._weight,
+                s._bandwidth_min, s._poll_max)
+        else:
+            res = ([st], 0, 0, 0)
+    except Exception as exc:  # (as Submitter._post_one)
+        sub._post_raised([t], exc)
+        return t
+    s._posted(<tuple>res, None, inflight, t)
+    return t
+
+
+# aioxfer.nixl's repost of a small request (Prepared._post_repost): posted
+# before its Transfer is made, made only when the post did not complete
+# inside (AXF_POST_DONE), so that the usual same-host repost makes and frees
+# no future, no result, no inflight entry (~2 k instructions of a 4 KiB
+# request: callgrind). Safe only while no other thread can drain the ring
+# between the post and the Transfer's entry into inflight (a record drained
+# before it would be dropped as not ours): the GIL is kept throughout (one
+# descriptor up to _GIL_KEPT_BYTES: posted without releasing it), the
+# FutureMaker makes the Transfer without a Python frame (its loop's debug
+# mode off: Future.__init__ runs Python, whose eval loop may hand the GIL
+# over), and the cyclic GC is off for that stretch (a collection runs
+# finalizers: Python code). Anything else: None, nothing done (the caller
+# posts the usual way).
+
+cdef extern from "Python.h":
+    int PyGC_Disable()
+    int PyGC_Enable()
+
+
+cdef object _post_small(Prepared p, Submitter s):
+    """p's post(True) as _post_now's, its Transfer made after the post and
+    only if it did not complete inside (then p._done_t is returned); None
+    when it cannot be posted so (nothing done)."""
+    cdef object sub = s._sub
+    cdef object peer = p._peer, nbytes = p.nbytes, descs = p._descs
+    cdef PyObject *v
+    cdef object counters, engine, inflight, pending, pending_t, t = None, req_id, res
+    cdef FutureMaker mk
+    cdef Engine e
+    cdef _slot *sl
+    cdef long long posted, k_posted, k_inflight, k_bytes, n
+    cdef double t0, now, seconds, latency, bandwidth, keep, bw
+    cdef uint32_t flags = AXF_POST_DEFER | AXF_POST_POLL | AXF_POST_INLINE
+    cdef int st
+    cdef int gc_was
+    if (not s._ok or type(nbytes) is not int or type(p.priority) is not int
+            or type(peer) is not s._peer_type or not s._peer_ok or s._maker is None
+            or not s._counters_ok):
+        return None
+    mk = <FutureMaker>s._maker
+    if mk._loop is None or mk._loop_dict is None:
+        return None
+    v = PyDict_GetItemWithError(mk._loop_dict, "_debug")
+    if v == NULL or <object>v is not False:
+        return None
+    v = axf_slot_ptr(sub, s._s[_S_ENGINE])
+    engine = <object>v if v != NULL else None
+    inflight = _slot_obj(sub, s._s[_S_INFLIGHT])
+    pending = _slot_obj(sub, s._s[_S_PENDING])
+    pending_t = _slot_obj(sub, s._s[_S_PENDING_T])
+    if (_slot_obj(sub, s._s[_S_MAKE]) is not s._make_seen
+            or type(engine) is not Engine or (<Engine>engine)._polling
+            or (<Engine>engine)._posting or (<Engine>engine)._e == NULL
+            or type(inflight) is not dict or type(pending) is not list
+            or type(pending_t) is not list or pending or pending_t
+            or _slot_obj(sub, s._s[_S_CLOSED]) is not False
+            or _slot_obj(sub, s._s[_S_PENDING_CANCELLED]) is not False
+            or _slot_obj(peer, s._q[_Q_LOST]) is not False
+            or axf_slot_ptr(peer, s._q[_Q_SCHED]) == NULL
+            or _slot_obj(peer, s._q[_Q_SCHED]) is not None
+            or axf_slot_ptr(peer, s._q[_Q_EP]) == NULL):
+        return None
+    counters = _slot_obj(peer, s._q[_Q_COUNTERS])
+    if counters is None or type(counters) is not s._counters_type:
+        return None
+    n = PyLong_AsLongLong(nbytes)
+    if (n <= 0 or n > _GIL_KEPT_BYTES
+            or not _slot_int(sub, s._s[_S_POSTED], &posted)
+            or not _slot_int(counters, s._k[_K_POSTED], &k_posted)
+            or not _slot_int(counters, s._k[_K_INFLIGHT], &k_inflight)
+            or not _slot_int(counters, s._k[_K_INFLIGHT_BYTES], &k_bytes)):
+        return None
+    e = <Engine>engine
+    e._ensure_slots(1)
+    sl = e._slots
+    _descs_in(descs, &sl.one, &sl.descs, &sl.n)  # (descs, held by p, keeps its memory)
+    if sl.descs != &sl.one or sl.one.len != <uint64_t>n:
+        return None  # (not one descriptor of the request's bytes)
+    if not inflight:
+        flags |= AXF_POST_ALONE
+    # Counted as Submitter._submit counts it (its Transfer, if any, later).
+    t0 = _perf_counter()
+    req_id = PyLong_FromLongLong(posted + 1)
+    axf_slot_put(sub, s._s[_S_POSTED], req_id)
+    axf_slot_put(counters, s._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
+    axf_slot_put(counters, s._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
+    axf_slot_put(counters, s._k[_K_INFLIGHT_BYTES], PyLong_FromLongLong(k_bytes + n))
+    gc_was = PyGC_Disable()
+    try:
+        try:
+            sl.ep = _slot_obj(peer, s._q[_Q_EP])
+            sl.op = p._opcode
+            sl.req_id = req_id
+            sl.notify = NULL
+            sl.notify_len = 0
+            e._posting = True
+            try:
+                e._post_slots(1, flags, <uint64_t>n)  # (the GIL kept: n <= _GIL_KEPT_BYTES)
+            finally:
+                e._posting = False
+            st = e._slots[0].status
+        except Exception as exc:  # (nothing posted: as Submitter._post_one's refusal)
+            t = mk._make(sub, req_id, p.op, peer, nbytes)
+            (<dict>inflight)[req_id] = t
+            sub._post_raised([t], exc)
+            return t
+        if st == AXF_POST_DONE:
+            # Engine._drain's tally of one successful record (_done_inline's,
+            # without a Transfer: no result, no future to resolve).
+            now = _perf_counter()
+            seconds = now - t0
+            latency = _counters_float(counters, _C_LATENCY)
+            bandwidth = _counters_float(counters, _C_BANDWIDTH)
+            keep = 1.0 - s._weight
+            if <uint64_t>n >= s._bandwidth_min:
+                bw = n / seconds if seconds > 0 else 0.0
+                bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + s._weight * bw
+            else:
+                latency = seconds if latency == 0.0 else keep * latency + s._weight * seconds
+            _settle(counters, 1, <uint64_t>n, <uint64_t>n, latency, bandwidth)
+            _add_total(sub, s._s[_S_COMPLETED], 1)
+            _add_total(sub, s._s[_S_BYTES], nbytes)
+            t = p._done_t
+        else:
+            # In flight (or refused): its Transfer, as _submit makes it, in
+            # inflight before anything can drain its record.
+            t = mk._make(sub, req_id, p.op, peer, nbytes)
+            if type(t) is not _xfer_type:
+                _xfer_resolve(type(t))
+            if _xfer_off[_T_T0] >= 0:
+                axf_slot_put(t, _xfer_off[_T_T0], t0)
+            (<dict>inflight)[req_id] = t
+    finally:
+        if gc_was:
+            PyGC_Enable()
+    if st == AXF_POST_DONE:
+        # The ring looked at all the same, as after any post: what this
+        # thread pushed quietly meanwhile (a region freed by the request's
+        # end) is drained now, nothing else would signal it; and with
+        # others in flight, the poller kicked (Submitter._posted). Neither,
+        # the usual repost: nothing more to do (the look is a read of the
+        # ring's count, no lock).
+        if not inflight and axf_wait_ex(e._e, 0, AXF_WAIT_POLLS) == 0:
+            return t
+        res = e._posted_drain(
+            False, <dict>inflight, _slot_obj(sub, s._s[_S_ON_RECORD]),
+            _slot_obj(sub, s._s[_S_RELEASE]), s._result_type, s._weight,
+            s._bandwidth_min, s._poll_max)
+        s._posted(<tuple>res, None, inflight)
+        return t
+    try:
+        if st == AXF_OK:
+            _mark_posted(t)
+            res = e._posted_drain(
+                False, <dict>inflight, _slot_obj(sub, s._s[_S_ON_RECORD]),
+                _slot_obj(sub, s._s[_S_RELEASE]), s._result_type, s._weight,
+                s._bandwidth_min, s._poll_max)
+        else:
+            res = ([st], 0, 0, 0)
+    except Exception as exc:  # (as Submitter._post_one)
+        sub._post_raised([t], exc)
+        return t
+    s._posted(<tuple>res, None, inflight, t)
+    return t
+
+
+cdef int _post_inline(Engine e, object ep, object opcode, object descs, object req_id,
+                      bint alone) except? -100:
+    """Engine._post_one_drain's post (not nested: the caller checked), with
+    AXF_POST_INLINE: the request's status, or AXF_POST_DONE."""
+    cdef uint32_t flags = AXF_POST_DEFER | AXF_POST_POLL | AXF_POST_INLINE
+    cdef _slot *sl
+    if alone:
+        flags |= AXF_POST_ALONE
+    e._open()
+    if e._posting:
+        raise RuntimeError("Engine.post_many() is not reentrant")
+    e._posting = True
+    try:
+        e._ensure_slots(1)
+        sl = e._slots
+        sl.ep = ep
+        sl.op = opcode
+        sl.req_id = req_id
+        sl.notify = NULL
+        sl.notify_len = 0
+        _descs_in(descs, &sl.one, &sl.descs, &sl.n)
+        # (descs, held by the caller, keeps an array's memory alive.)
+        e._post_slots(1, flags, sl.one.len if sl.descs == &sl.one
+                      and sl.one.len <= _GIL_KEPT_BYTES else _GIL_KEPT_BYTES + 1)
+    finally:
+        e._posting = False
+    return e._slots[0].status
+
+
+cdef int _done_inline(Engine e, Submitter s, dict inflight, object t, object req_id) except -1:
+    """Engine._drain's completion of a successful record of transfer t
+    (every byte it asked moved, no reroute), for a post that completed
+    inside (AXF_POST_DONE, no record): the same effects, in its order."""
+    cdef object sub = s._sub
+    cdef object peer, counters, path, r, asked
+    cdef object failed = None
+    cdef list wake = None
+    cdef double now = _perf_counter(), seconds, bw, latency, bandwidth
+    cdef double weight = s._weight, keep = 1.0 - s._weight
+    cdef uint64_t nb
+    if inflight.pop(req_id, None) is None:
+        return 0  # (not ours any more: the drain drops such a record)
+    if type(t) is not _xfer_type:
+        _xfer_resolve(type(t))
+    if _xfer_get(t, _T_ADMITTED):
+        try:
+            _slot_obj(sub, s._s[_S_RELEASE])(t)
+        except Exception as exc:
+            failed = exc
+    peer = _xfer_get(t, _T_PEER)
+    counters = _peer_get(peer, _P_COUNTERS)
+    latency = _counters_float(counters, _C_LATENCY)
+    bandwidth = _counters_float(counters, _C_BANDWIDTH)
+    asked = _xfer_get(t, _T_NBYTES)
+    nb = <uint64_t>asked
+    seconds = now - <double>_xfer_get(t, _T_T0)
+    if nb >= s._bandwidth_min:
+        bw = nb / seconds if seconds > 0 else 0.0
+        bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + weight * bw
+    else:
+        latency = seconds if latency == 0.0 else keep * latency + weight * seconds
+    try:
+        if not (_fut_done(t) if _xfer_future else t.done()):
+            path = _xfer_get(t, _T_PATH)
+            if path is None:
+                path = _peer_get(peer, _P_PATH)
+            r = _make_result(s._result_type, asked, seconds, path, 0)
+            if _xfer_future and e.batch_wakeups:
+                wake = _take_callbacks(t, wake)
+                _fut_set_result(t, r)
+            elif _xfer_future:
+                _fut_set_result(t, r)
+            else:
+                t.set_result(r)
+    finally:
+        _settle(counters, 1, nb, nb, latency, bandwidth)
+        if wake:
+            _schedule_callbacks(wake)
+    _add_total(sub, s._s[_S_COMPLETED], 1)
+    _add_total(sub, s._s[_S_BYTES], asked)
+    if failed is not None:
+        _report_drain_error(failed)
+    return 0
 
 
 cdef Submitter _submitter_behind(object submit, object flush):
@@ -558,7 +929,7 @@ def nixl_transfer(agent, handle, notif_msg=b""):
             t0 = PyFloat_FromDouble(_perf_counter())
             axf_slot_put(x, _nx_off[_NX_T0], t0)
             try:
-                fut = (<Prepared>prep)._post(True)
+                fut = (<Prepared>prep)._post_repost()
             except Exception as exc:
                 axf_slot_put(x, _nx_off[_NX_FUT], None)
                 err = exc

@@ -86,6 +86,16 @@ const char *axf_strerror(int status);
                               64 KiB queued on a connection): the copy workers and
                               sending threads do it. Its own copy still runs inline
                               as the other flags say. */
+#define AXF_POST_INLINE 16u /* with AXF_POST_POLL: a request that completes successfully
+                               on the calling thread inside this call (a same-host copy
+                               done inline) pushes no completion record: axf_post
+                               returns AXF_POST_DONE instead of AXF_OK, and the request
+                               is over, every byte it asked moved (a caller that
+                               polls for its own request at once would otherwise
+                               push, poll and free that record). Any other outcome
+                               (queued, done by another thread, failed, a bound
+                               notification) is reported as without this flag. */
+#define AXF_POST_DONE 1 /* axf_post's answer for AXF_POST_INLINE's case: not a status */
 
 /* Completion kinds. */
 #define AXF_CQ_XFER 1         /* id = request id; status, nbytes, fail_index (on
@@ -285,8 +295,10 @@ int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd);
 void axf_notify_release(axf_engine *e, uint64_t tag, uint64_t n);
 
 /* Posts one request. Returns AXF_OK when queued; an error when rejected at once
- * (nothing queued, no completion will come). Checks local bounds, imported
- * remote bounds and keys before anything moves. */
+ * (nothing queued, no completion will come); AXF_POST_DONE (only with
+ * AXF_POST_INLINE) when it completed inside the call, with no completion
+ * record. Checks local bounds, imported remote bounds and keys before
+ * anything moves. */
 int axf_post(axf_engine *e, uint64_t ep, int op, const axf_desc *descs, size_t n,
              const void *notify, size_t notify_len, uint64_t req_id, uint32_t flags);
 void axf_doorbell(axf_engine *e);

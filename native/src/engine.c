@@ -72,11 +72,23 @@ _Thread_local bool axf_cq_quiet;
  * holding the GIL, would stall them for as long as it helped: up to
  * inline_bytes of others' copies, a 1 MiB frame). */
 _Thread_local bool axf_no_help;
+/* Set by axf_post (AXF_POST_INLINE) around its submit: the successful
+ * completion of request take_id, made quietly on this thread, is not pushed
+ * (taken is set instead) and axf_post reports it. */
+static _Thread_local struct {
+    bool armed, taken;
+    uint64_t id;
+} cq_take;
 
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
 {
     uint8_t *copy = NULL;
+    if (cq_take.armed && axf_cq_quiet && kind == AXF_CQ_XFER && status == AXF_OK &&
+        id == cq_take.id && !plen) {
+        cq_take.taken = true; /* counted by op_finish_now already; its caller is told */
+        return;
+    }
     if (plen) {
         copy = malloc(plen);
         if (copy)
@@ -981,13 +993,24 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     bool no_help = axf_no_help;
     if (flags & AXF_POST_NOHELP)
         axf_no_help = true;
+    /* (Only with AXF_POST_POLL: the completion the submit makes quietly, on
+     * this thread, is the one its caller polls for at once.) */
+    bool take = (flags & (AXF_POST_INLINE | AXF_POST_POLL)) == (AXF_POST_INLINE | AXF_POST_POLL);
+    if (take) {
+        cq_take.armed = true;
+        cq_take.taken = false;
+        cq_take.id = req_id;
+    }
     bool finish_now = !ep->xp->submit(e, o, flags);
+    bool taken = take && cq_take.taken;
+    if (take)
+        cq_take.armed = cq_take.taken = false;
     axf_no_help = no_help;
     if (!(atomic_load_explicit(&e->bells, memory_order_acquire) & bell))
         atomic_fetch_or_explicit(&e->bells, bell, memory_order_acq_rel);
     if (finish_now)
-        op_complete(e, o);
-    return AXF_OK;
+        op_complete(e, o); /* (not taken: no longer armed) */
+    return taken ? AXF_POST_DONE : AXF_OK;
 }
 
 void axf_doorbell(axf_engine *e)

@@ -2,6 +2,8 @@
  * REGION_FREED completion, argument checks at post, shutdown semantics. */
 #include "harness.h"
 
+#include <sys/socket.h>
+
 static int test_strerror(void)
 {
 #define T_STR(name, value, text) CHECK(strcmp(axf_strerror(value), text) == 0);
@@ -214,6 +216,96 @@ static int test_quarantine_without_peers(void)
     return 0;
 }
 
+/* AXF_POST_INLINE (with AXF_POST_POLL): a request whose copy completes
+ * successfully on the calling thread, inside axf_post, is reported by its
+ * return value (AXF_POST_DONE) and pushes no record; anything else (no
+ * AXF_POST_POLL, a bound notification, a copy left to the workers, a
+ * refusal) is reported as without the flag. */
+static int test_post_inline_done(void)
+{
+    enum { N = 1u << 20 };
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    uint8_t *src = calloc(1, N), *dst = calloc(1, N);
+    CHECK(src && dst);
+    uint64_t ep, arid, akey, brid, bkey;
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_SHM, 21, getpid(), -1, &ep), AXF_OK);
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, sv[0]), AXF_OK);
+    CHECK_EQ(axf_accept_conn(b->e, sv[1], 22, -1), AXF_OK);
+    CHECK_EQ(axf_region_register(a->e, src, N, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &arid,
+                                 &akey),
+             AXF_OK);
+    CHECK_EQ(axf_region_register(b->e, dst, N, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &brid,
+                                 &bkey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_import(a->e, ep, brid, bkey, N, AXF_ACCESS_READ | AXF_ACCESS_WRITE,
+                                 (uint64_t)(uintptr_t)dst, -1),
+             AXF_OK);
+    t_fill(src, N, 3);
+    const uint32_t in = AXF_POST_INLINE | AXF_POST_POLL | AXF_POST_ALONE;
+    axf_desc d = {.lrid = arid, .loff = 64, .rrid = brid, .rkey = bkey, .roff = 128, .len = 4096};
+    axf_stats s;
+    axf_completion c;
+
+    /* Done inside: its bytes there, counted, no record. */
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, in), AXF_POST_DONE);
+    CHECK(memcmp(dst + d.roff, src + d.loff, d.len) == 0);
+    axf_engine_stats(a->e, &s);
+    CHECK_EQ(s.ops, 0);
+    CHECK_EQ(s.ops_completed, 1);
+    CHECK_EQ(s.bytes, 4096);
+    CHECK_EQ(axf_wait(a->e, 0), 0);
+    CHECK(t_quiet(a, AXF_CQ_XFER, 1, 50));
+    /* A READ too, and its id free again at once. */
+    memset(src + d.loff, 0, d.len);
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_READ, &d, 1, NULL, 0, 1, in), AXF_POST_DONE);
+    CHECK(memcmp(dst + d.roff, src + d.loff, d.len) == 0);
+    CHECK(t_quiet(a, AXF_CQ_XFER, 1, 50));
+
+    /* Without AXF_POST_POLL: the record, as before. */
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 2,
+                      AXF_POST_INLINE | AXF_POST_ALONE),
+             AXF_OK);
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 2, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, 4096);
+
+    /* A bound notification: the data is in place at return; the record
+     * follows the notification (strictly after the data), as before. */
+    memset(dst, 0, N);
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, "n", 1, 3, in), AXF_OK);
+    CHECK(memcmp(dst + d.roff, src + d.loff, d.len) == 0);
+    CHECK_EQ(t_wait_any(b, AXF_CQ_NOTIFY, &c), 0);
+    axf_completion_free(&c);
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 3, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+
+    /* Not alone and past the batch's inline size: the workers copy it, the
+     * record comes from them. */
+    axf_desc big = {.lrid = arid, .loff = 0, .rrid = brid, .rkey = bkey, .roff = 0, .len = N};
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &big, 1, NULL, 0, 4,
+                      AXF_POST_INLINE | AXF_POST_POLL),
+             AXF_OK);
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 4, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK(memcmp(dst, src, N) == 0);
+
+    /* Refused at post: its status, no record. */
+    d.rkey ^= 1;
+    CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 5, in), AXF_E_ACCESS);
+    CHECK(t_quiet(a, AXF_CQ_XFER, 5, 50));
+    axf_engine_stats(a->e, &s);
+    CHECK_EQ(s.ops, 0);
+    CHECK_EQ(s.ops_completed, 5);
+    t_close(a);
+    t_close(b);
+    free(src);
+    free(dst);
+    return 0;
+}
+
 static int test_config_defaults(void)
 {
     axf_config cfg = {.copy_workers = 1, .chunk_bytes = 4096, .inline_bytes = UINT64_MAX,
@@ -241,6 +333,7 @@ int main(int argc, char **argv)
         T_CASE(test_shutdown_frees_regions),
         T_CASE(test_quarantine_without_peers),
         T_CASE(test_config_defaults),
+        T_CASE(test_post_inline_done),
     };
     return T_RUN(argc, argv, cases);
 }
