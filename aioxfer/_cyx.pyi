@@ -12,7 +12,7 @@ from typing import Any, Final, Generic, Self, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import Buffer
+from typing_extensions import Buffer, disjoint_base
 
 _F = TypeVar("_F", bound=Future[Any])
 
@@ -118,6 +118,7 @@ class FutureMaker(Generic[_F]):
     ) -> FutureMaker[_F]: ...
     def make(self, a: Any, b: Any, c: Any, d: Any, e: Any) -> _F: ...
 
+@disjoint_base
 class Poller:
     # Subclassed by aioxfer.progress.Poller (its constants passed here).
     hits: int

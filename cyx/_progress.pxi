@@ -30,6 +30,8 @@ cdef inline long long _mono_ns() noexcept nogil:
     return <long long>ts.tv_sec * 1000000000LL + ts.tv_nsec
 
 
+# Not picklable (it holds a loop and an engine): no __reduce_cython__.
+@cython.auto_pickle(False)
 cdef class Poller:
     """``Poller(sub, wait, loop, mode, poll_us, poll_slice_us, alone_max_us,
     alone_span_us, bandwidth_min)``: see aioxfer.progress.Poller, which
