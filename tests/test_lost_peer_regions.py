@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from conftest import wait_until, within
 
 import aioxfer
-from tests.conftest import wait_until, within
 
 
 async def test_a_dropped_region_of_a_lost_peer_fails_peer_lost(make_agent: Any) -> None:
