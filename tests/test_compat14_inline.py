@@ -100,21 +100,28 @@ async def test_posts_past_what_is_copied_inside_complete_through_the_ring(
     assert a1.bytes - a0.bytes == N and a1.in_flight == 0
 
 
+def _nixl_pair(agents: Any, n: int = 1 << 16) -> tuple[Any, Any, Any, Any, int, int, Any]:
+    """Two aioxfer.nixl agents a and b, each with n bytes of ctypes memory
+    registered (xs, ys at addresses xa, ya; returned to keep them alive),
+    and b's name as a knows it."""
+    import ctypes
+
+    a = agents()
+    b = agents()
+    xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
+    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
+    a.register_memory([(xa, n, 0, "")], "DRAM")
+    b.register_memory([(ya, n, 0, "")], "DRAM")
+    return a, b, xs, ys, xa, ya, a.add_remote_agent(b.get_agent_metadata())
+
+
 def test_nixl_transfer_done_inside_is_awaitable_and_counted(agents: Any) -> None:
     """aioxfer.nixl: transfer() of a 4 KiB request answers DONE (copied
     inside, no record; from the second post on no Transfer made either:
     Prepared._post_repost), ``await handle`` still answers DONE, and the
     aioxfer agent's statistics count every post."""
-    import ctypes
 
-    a = agents()
-    b = agents()
-    n = 1 << 16
-    xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
-    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
-    a.register_memory([(xa, n, 0, "")], "DRAM")
-    b.register_memory([(ya, n, 0, "")], "DRAM")
-    name = a.add_remote_agent(b.get_agent_metadata())
+    a, b, xs, ys, xa, ya, name = _nixl_pair(agents)
     h = a.initialize_xfer("WRITE", a.get_xfer_descs([(xa, 4096, 0)], "DRAM"),
                           a.get_xfer_descs([(ya + 4096, 4096, 0)], "DRAM"), name)
     inner = a.agent._agent
@@ -156,17 +163,9 @@ def test_nixl_reposts_over_tcp_are_counted_and_move_the_data(
     """Over tcp a repost never completes inside: posted the usual way (its
     Transfer made first), completed through the ring; each post is counted
     once and moves its data."""
-    import ctypes
 
     monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
-    a = agents()
-    b = agents()
-    n = 1 << 16
-    xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
-    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
-    a.register_memory([(xa, n, 0, "")], "DRAM")
-    b.register_memory([(ya, n, 0, "")], "DRAM")
-    name = a.add_remote_agent(b.get_agent_metadata())
+    a, b, xs, ys, xa, ya, name = _nixl_pair(agents)
     h = a.initialize_xfer("WRITE", a.get_xfer_descs([(xa, 4096, 0)], "DRAM"),
                           a.get_xfer_descs([(ya, 4096, 0)], "DRAM"), name)
     inner = a.agent._agent
@@ -192,17 +191,9 @@ def test_nixl_reposts_done_inside_then_peer_gone_raise_as_the_python_path(
     closes: the compiled repost raises what the Python method's raises for
     a twin request (the engine's refusal, or the peer already lost), and a
     refused post leaves nothing in flight."""
-    import ctypes
     import time
 
-    a = agents()
-    b = agents()
-    n = 1 << 16
-    xs, ys = (ctypes.c_char * n)(), (ctypes.c_char * n)()
-    xa, ya = ctypes.addressof(xs), ctypes.addressof(ys)
-    a.register_memory([(xa, n, 0, "")], "DRAM")
-    b.register_memory([(ya, n, 0, "")], "DRAM")
-    name = a.add_remote_agent(b.get_agent_metadata())
+    a, b, xs, ys, xa, ya, name = _nixl_pair(agents)
     inner = a.agent._agent
     if inner.transports[0] != "shm":
         pytest.skip(f"not over shm: {inner.transports}")
