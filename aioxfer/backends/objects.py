@@ -400,6 +400,8 @@ class ObjectRegion(BackendRegion):
                     raise err from None
                 outcome = _put_outcome(exc)
                 why = _describe(exc)
+            if outcome == "refused":
+                raise err
             if outcome == "unknown":
                 if await self._landed(key, body):
                     return
@@ -565,24 +567,32 @@ class ObjectRegion(BackendRegion):
 # transport error (Connect: no connection was made, the request never left),
 # or the status the server answered.
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+# hyper's connector failed (DNS, TCP, TLS, or its connect timeout, which
+# object_store reports as kind Timeout): the request never left either.
+_CONNECT_STAGE = re.compile(r"legacy::Error\(\s*Connect\b")
 _HTTP_STATUS = re.compile(r"non-2xx status code: (\d{3})")
 # Answers after which the server is done with the request; 502 and 504 come
 # from a gateway that may have left the server still running it.
 _ANSWERED_RETRY = frozenset({408, 429, 500, 503})
 
 
-def _put_outcome(exc: BaseException) -> Literal["unsent", "answered", "unknown"]:
+def _put_outcome(exc: BaseException) -> Literal["unsent", "answered", "refused", "unknown"]:
     """What a failed PUT attempt did at the server, from obstore's error:
-    "unsent" (the connection was never made), "answered" (the server answered
-    with a status worth another attempt), "unknown" (the request may have
-    reached the server and still be running there, or have stored the
-    object: a cut connection, a timeout, anything not recognised)."""
+    "unsent" (the connection was never made, a connect timeout included),
+    "answered" (the server answered with a status worth another attempt),
+    "refused" (it answered with a final status: nothing to wait or look for),
+    "unknown" (the request may have reached the server and still be running
+    there, or have stored the object: a cut connection, a timeout, a
+    gateway's 502 / 504, anything not recognised)."""
     text = str(exc)
     status = _HTTP_STATUS.search(text)
     if status is not None:
-        return "answered" if int(status[1]) in _ANSWERED_RETRY else "unknown"
+        code = int(status[1])
+        if code in _ANSWERED_RETRY:
+            return "answered"
+        return "unknown" if code in (502, 504) else "refused"
     kind = _HTTP_KIND.search(text)
-    if kind is not None and kind[1] == "Connect":
+    if (kind is not None and kind[1] == "Connect") or _CONNECT_STAGE.search(text):
         return "unsent"
     return "unknown"
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aioxfer.backends.base import BackendTransfer
-from aioxfer.errors import ObjectNotFound, XferError
+from aioxfer.errors import ObjectNotFound, TransportError, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import ENTRY, ENTRY_DTYPE, ENTRY_MAGIC, ENTRY_VERSION, F_LIVE, entry_check
 from aioxfer.kv.disk import ns_tag as _ns_tag
@@ -312,9 +312,10 @@ class ObjectTier(Tier):
         first failure and cancels the GETs in flight, so what it delivered
         is then learned from the blocks' CRCs in the caller's memory, and
         the rest is read again as one batch, without the failed block. A
-        round that delivered nothing, failing other than NotFound, ends the
-        reading (the bucket is failing as a whole: another round would only
-        wait out the backend's retries again)."""
+        round that delivered nothing and failed with a TransportError ends
+        the reading (the bucket is failing as a whole: another round would
+        only wait out the backend's retries again); a failure of one object's
+        own (not found, access denied, too large) costs only that block."""
         bb = self.store.block_bytes
         n = len(locs)
         errs: list[XferError | None] = [None] * n
@@ -343,7 +344,7 @@ class ObjectTier(Tier):
                 errs[failed] = self._read_failed(keys[failed], exc)
                 rest = [i for i in todo if i != failed]
                 todo = [i for i in rest if not intact(i)]  # else delivered before it stopped
-                if todo and len(todo) == len(rest) and not isinstance(exc, ObjectNotFound):
+                if todo and len(todo) == len(rest) and isinstance(exc, TransportError):
                     for i in todo:
                         errs[i] = self._unavailable(exc, "not read: the bucket failed a GET "
                                                          "beside it and delivered nothing")
