@@ -290,8 +290,9 @@ cdef object _post_small(Prepared p, Submitter s):
     cdef long long posted, k_posted, k_inflight, k_bytes, n
     cdef double t0, now, seconds, latency, bandwidth, keep, bw
     cdef uint32_t flags = AXF_POST_DEFER | AXF_POST_POLL | AXF_POST_INLINE
-    cdef int st
+    cdef int st = 0
     cdef int gc_was
+    cdef object err = None
     if (not s._ok or type(nbytes) is not int or type(p.priority) is not int
             or type(peer) is not s._peer_type or not s._peer_ok or s._maker is None
             or not s._counters_ok):
@@ -358,12 +359,11 @@ cdef object _post_small(Prepared p, Submitter s):
             finally:
                 e._posting = False
             st = e._slots[0].status
-        except Exception as exc:  # (nothing posted: as Submitter._post_one's refusal)
-            t = mk._make(sub, req_id, p.op, peer, nbytes)
-            (<dict>inflight)[req_id] = t
-            sub._post_raised([t], exc)
-            return t
-        if st == AXF_POST_DONE:
+        except Exception as exc:  # (nothing posted: refused below, the GC back on)
+            err = exc
+        if err is not None:
+            pass  # (refused after the finally)
+        elif st == AXF_POST_DONE:
             # Engine._drain's tally of one successful record (_done_inline's,
             # without a Transfer: no result, no future to resolve).
             now = _perf_counter()
@@ -392,6 +392,14 @@ cdef object _post_small(Prepared p, Submitter s):
     finally:
         if gc_was:
             PyGC_Enable()
+    if err is not None:
+        # As Submitter._post_one's refusal; after the stretch without the GC,
+        # as it runs Python (finish_failed, the loop's call_soon): another
+        # thread may take the GIL there (rev14).
+        t = mk._make(sub, req_id, p.op, peer, nbytes)
+        (<dict>inflight)[req_id] = t
+        sub._post_raised([t], err)
+        return t
     if st == AXF_POST_DONE:
         # The ring looked at all the same, as after any post: what this
         # thread pushed quietly meanwhile (a region freed by the request's
