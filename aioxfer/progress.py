@@ -27,7 +27,7 @@ on asyncio's own loops, when the loop has nothing else ready
 (``Poller.spin_alone``): the await then returns without suspending, which
 saves the two loop iterations (a ``select`` each, the task's wake-up handle)
 of the callback's way, most of what Python adds to a tcp round trip.
-Its bound is the peer's own (``alone_us``): twice the time it takes, its
+Its bound is the peer's own (``Poller.alone_bound``): twice the time it takes, its
 latency average, or for a large request its bytes at its bandwidth average
 (at least ``poll_us``, at most ``ALONE_MAX_US``), so a slow peer is waited for
 by the loop as before; and the loop runs (its ``select``, its callbacks) at
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sized
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 from aioxfer import _cyx
 from aioxfer.stats import BANDWIDTH_MIN
@@ -71,31 +71,6 @@ def check_mode(progress: object) -> str:
 def target_poll_us(mode: str) -> int:
     """The engine's ``target_poll_us`` for a progress mode."""
     return {"adaptive": TARGET_POLL_US, "poll": POLL_SLICE_US}.get(mode, _NEVER_US)
-
-
-def alone_us(t: Any, floor: int) -> int:
-    """How long an await polls for its lone transfer ``t`` (spin_alone),
-    microseconds: twice what the peer takes for it, at least ``floor`` (the
-    engine's ``poll_us``) and at most ALONE_MAX_US. What it takes: its
-    latency average (``t.peer._counters.latency``, s: small transfers), or
-    for a large transfer (BANDWIDTH_MIN or more), its bytes at the peer's
-    bandwidth average (``.bandwidth``, bytes/s), when that is longer: a 1 MiB
-    tcp request takes ~250 us where a small one takes ~25, and a poll
-    bounded by the small ones' ran out before most 1 MiB READs completed
-    (then the loop is woken for it: two loop iterations and a thread
-    wake-up)."""
-    # The compiled Poller computes the same (_cyx.Poller.alone_bound): keep
-    # the two in step (tests/test_py14_poller.py compares them).
-    c = t.peer._counters
-    us = int(c.latency * 2e6)
-    bw = c.bandwidth
-    if bw > 0.0 and t.nbytes >= BANDWIDTH_MIN:
-        sized = int(t.nbytes * 2e6 / bw)
-        if sized > us:
-            us = sized
-    if us <= floor:
-        return floor
-    return us if us < ALONE_MAX_US else ALONE_MAX_US
 
 
 class Polled(Protocol):
@@ -127,7 +102,7 @@ class Poller(_cyx.Poller):
       with nothing else of the agent's in flight: polls for its completion
       here, before the await suspends, if the loop has nothing else to run
       (``flush_scheduled``: the submission's own callback is one of the
-      ready ones). Bounded by ``alone_us(t)`` and by ALONE_SPAN_US in a row
+      ready ones). Bounded by ``alone_bound(t)`` and by ALONE_SPAN_US in a row
       without the loop running; past that span the loop runs first, and its
       own poll (``_run``) waits that long once instead of its usual bound.
     - ``_run()``: the loop's poll, ``poll_us`` (or what spin_alone left to

@@ -5,7 +5,7 @@
 
 # ------------------------------------------------------------------ progress
 # aioxfer.progress.Poller's work, compiled: every request awaited alone goes
-# through spin_alone (and alone_us) and every post that leaves something in
+# through spin_alone (and its bound) and every post that leaves something in
 # flight through kick, then the loop through _run. As Python methods these
 # were ~1-2 k instructions a tcp request (three frames, the counters' two
 # attribute reads, perf_counter_ns twice, the bound wait's call); here the
@@ -113,8 +113,16 @@ cdef class Poller:
         return 0
 
     cdef long long _alone_us(self, object t) except -1:
-        """aioxfer.progress.alone_us(t, self._budget), its counters' two
-        fields read through their slots when they are plain float slots."""
+        """How long an await polls for its lone transfer t (spin_alone),
+        microseconds: twice what the peer takes for it, at least the budget
+        (poll_us) and at most alone_max_us. What it takes: its latency
+        average (t.peer._counters.latency, s: small transfers), or for a
+        large transfer (bandwidth_min or more) its bytes at the peer's
+        bandwidth average (.bandwidth, bytes/s) when that is longer: a 1 MiB
+        tcp request takes ~250 us where a small one takes ~25, and a poll
+        bounded by the small ones' ran out before most 1 MiB READs completed.
+        The counters' two fields read through their slots when they are
+        plain float slots, else as attributes."""
         cdef object peer, c
         cdef PyObject *lat
         cdef PyObject *bwp
@@ -149,8 +157,7 @@ cdef class Poller:
         return us if us < self._alone_max_us else self._alone_max_us
 
     def alone_bound(self, t):
-        """spin_alone's bound for t, microseconds (what aioxfer.progress.alone_us
-        gives with this poller's budget as floor)."""
+        """spin_alone's bound for t, microseconds (_alone_us)."""
         return self._alone_us(t)
 
     def spin_alone(self, t, flush_scheduled):

@@ -483,31 +483,42 @@ async def test_peer_death_during_inline_copies(make_agent, remote_agent, region:
     ra.terminate()
 
 
-def test_alone_us_bounds_a_lone_await_by_what_the_peer_takes() -> None:
-    """spin_alone's bound (progress.alone_us): twice the peer's latency
-    average for a small transfer; for a large one (BANDWIDTH_MIN or more),
+def test_alone_bound_bounds_a_lone_await_by_what_the_peer_takes() -> None:
+    """spin_alone's bound (Poller.alone_bound, a budget of 43 us): twice the
+    peer's latency average for a small transfer; for a large one (BANDWIDTH_MIN or more),
     twice its bytes at the peer's bandwidth average when that is longer (a
     1 MiB tcp request polled only for the small ones' latency ran out before
     most completed); never under the floor, never over ALONE_MAX_US."""
     from types import SimpleNamespace
 
-    from aioxfer.progress import ALONE_MAX_US, alone_us
+    from aioxfer.progress import ALONE_MAX_US, Poller
     from aioxfer.stats import BANDWIDTH_MIN
+
+    class Sub:
+        closed = False
+        inflight: dict[int, object] = {}
+
+        def drain(self) -> None:
+            pass
 
     def lone(nbytes: int, latency: float, bandwidth: float) -> SimpleNamespace:
         counters = SimpleNamespace(latency=latency, bandwidth=bandwidth)
         return SimpleNamespace(nbytes=nbytes, peer=SimpleNamespace(_counters=counters))
 
-    floor = 43
-    assert alone_us(lone(4096, 20e-6, 4e9), floor) == 43  # 2 x 20 us < floor
-    assert alone_us(lone(4096, 30e-6, 4e9), floor) == 60
+    loop = asyncio.new_event_loop()
+    poller = Poller(Sub(), lambda us: 0, loop, "adaptive", 43)
+    loop.close()
+
+    bound = poller.alone_bound  # the floor: its budget, 43 us
+    assert bound(lone(4096, 20e-6, 4e9)) == 43  # 2 x 20 us < floor
+    assert bound(lone(4096, 30e-6, 4e9)) == 60
     # a small transfer is never sized by bandwidth, however slow the peer
-    assert alone_us(lone(BANDWIDTH_MIN - 1, 20e-6, 1e6), floor) == 43
+    assert bound(lone(BANDWIDTH_MIN - 1, 20e-6, 1e6)) == 43
     # 1 MiB at 4 GB/s: 2 x 262 us
-    assert alone_us(lone(1 << 20, 20e-6, 4e9), floor) == int((1 << 20) * 2e6 / 4e9)
+    assert bound(lone(1 << 20, 20e-6, 4e9)) == int((1 << 20) * 2e6 / 4e9)
     # the latency average wins when longer; no bandwidth measured yet: latency
-    assert alone_us(lone(1 << 20, 400e-6, 4e9), floor) == 800
-    assert alone_us(lone(1 << 20, 20e-6, 0.0), floor) == 43
+    assert bound(lone(1 << 20, 400e-6, 4e9)) == 800
+    assert bound(lone(1 << 20, 20e-6, 0.0)) == 43
     # capped
-    assert alone_us(lone(1 << 20, 20e-6, 1e9), floor) == ALONE_MAX_US
-    assert alone_us(lone(4096, 1.0, 4e9), floor) == ALONE_MAX_US
+    assert bound(lone(1 << 20, 20e-6, 1e9)) == ALONE_MAX_US
+    assert bound(lone(4096, 1.0, 4e9)) == ALONE_MAX_US
