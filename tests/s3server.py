@@ -198,6 +198,17 @@ def environ_without_aws() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
 
 
+async def _s3_error(cw: asyncio.StreamWriter, status: bytes, code: bytes,
+                    close: bool = False) -> None:
+    """Answers a request with an S3 error (``status``: b"503 Service
+    Unavailable"; ``code``: S3's error code), injected by the proxy; with
+    ``close`` the connection is said to end after it."""
+    msg = b"<Error><Code>%s</Code><Message>injected</Message></Error>" % code
+    cw.write(b"HTTP/1.1 %s\r\nContent-Type: application/xml\r\n%sContent-Length: %d\r\n\r\n%s"
+             % (status, b"Connection: close\r\n" if close else b"", len(msg), msg))
+    await cw.drain()
+
+
 class FaultProxy:
     """An HTTP/1.1 proxy on loopback in front of an S3Server that injects
     faults request by request (S3 clients send one request at a time per
@@ -291,11 +302,8 @@ class FaultProxy:
                 method, key = self._key(head)
                 if method == "GET" and key in self.fail_get:
                     self.failed_gets += 1
-                    msg = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
-                    cw.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml"
-                             b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                             % (len(msg), msg))
-                    await cw.drain()
+                    await _s3_error(cw, b"500 Internal Server Error", b"InternalError",
+                                    close=True)
                     return
                 if method != "PUT" or "uploadId=" in head.split(b"\r\n", 1)[0].decode():
                     sw.write(head + body)
@@ -309,11 +317,7 @@ class FaultProxy:
                 if fault is not None:
                     self._faulted.add(key)
                 if fault == "503":  # answered here: it never reaches the server
-                    msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-                    cw.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
-                             b"application/xml\r\nContent-Length: %d\r\n\r\n%s"
-                             % (len(msg), msg))
-                    await cw.drain()
+                    await _s3_error(cw, b"503 Service Unavailable", b"SlowDown")
                     continue
                 self.puts[key] = self.puts.get(key, 0) + 1
                 if self._open.get(key):
