@@ -572,6 +572,16 @@ READER = textwrap.dedent('''
 ''')
 
 
+async def _start_reader(tmp_path: Path, name: str) -> asyncio.subprocess.Process:
+    """A same-host member running READER as agent ``name`` (pipes: stdin
+    and stdout)."""
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    return await asyncio.create_subprocess_exec(
+        sys.executable, str(script), name, str(BB), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parent.parent))
+
+
 class _TimedPeerTier(kv.PeerTier):
     """A PeerTier whose close is timed (the part of Store.aclose it takes)."""
 
@@ -594,11 +604,7 @@ async def test_peer_tier_close_waits_once_for_a_stopped_member(make_agent: MakeA
     deregistrations together and waits once: one close_timeout, not one per
     region (before: one after another, 4 x close_timeout, 8 s here)."""
     import aioxfer
-    script = tmp_path / "reader.py"
-    script.write_text(READER)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), "member-r", str(BB), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parent.parent))
+    proc = await _start_reader(tmp_path, "member-r")
     assert proc.stdout is not None and proc.stdin is not None
     bound = 2.0
     try:
@@ -637,11 +643,7 @@ async def test_store_reopened_while_a_stopped_member_holds_the_old_one(
     again in the same agent under the same names (kv.host, kv.staging,
     kvpeer.t.*): it opens and works while the old memory waits."""
     import aioxfer
-    script = tmp_path / "reader.py"
-    script.write_text(READER)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), "member-q", str(BB), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parent.parent))
+    proc = await _start_reader(tmp_path, "member-q")
     assert proc.stdout is not None and proc.stdin is not None
     try:
         address = (await within(proc.stdout.readline(), 60)).decode().strip()
