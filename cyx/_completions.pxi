@@ -600,6 +600,21 @@ cdef inline int _put_float(object o, Py_ssize_t off, double v) except -1:
     return 0
 
 
+cdef inline void _average_in(double *latency, double *bandwidth, uint64_t nbytes,
+                             double seconds, uint64_t bandwidth_min, double weight) noexcept:
+    """One request that completed in ``seconds`` into its peer's moving
+    averages (weight: the newest sample's share; 0.0: none yet, the sample
+    is taken): a large one (bandwidth_min or more) into the bandwidth
+    average, bytes/s; a small one into the latency average, s. The rule of
+    Engine._drain and of the posts completed inside (_prepared.pxi)."""
+    cdef double bw
+    if nbytes >= bandwidth_min:
+        bw = nbytes / seconds if seconds > 0 else 0.0
+        bandwidth[0] = bw if bandwidth[0] == 0.0 else (1.0 - weight) * bandwidth[0] + weight * bw
+    else:
+        latency[0] = seconds if latency[0] == 0.0 else (1.0 - weight) * latency[0] + weight * seconds
+
+
 cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t moved,
                  double latency, double bandwidth) except -1:
     """Engine.drain's per-peer tally of ``done`` completed transfers

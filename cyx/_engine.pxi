@@ -812,8 +812,7 @@ cdef class Engine:
         cdef object failed = None
         cdef Py_ssize_t completed = 0, done = 0
         cdef uint64_t total = 0, moved = 0, req_bytes = 0
-        cdef double now, seconds, bw, latency = 0.0, bandwidth = 0.0
-        cdef double keep = 1.0 - weight
+        cdef double now, seconds, latency = 0.0, bandwidth = 0.0
         if self._e == NULL:
             return 0, 0, 0
         n = self._poll_batch(max, "drain")
@@ -885,11 +884,7 @@ cdef class Engine:
                 seconds = now - (PyFloat_AS_DOUBLE(<object>v) if v != NULL
                                  and type(<object>v) is float
                                  else <double>_xfer_get(t, _T_T0))
-                if c.nbytes >= bandwidth_min:
-                    bw = c.nbytes / seconds if seconds > 0 else 0.0
-                    bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + weight * bw
-                else:
-                    latency = seconds if latency == 0.0 else keep * latency + weight * seconds
+                _average_in(&latency, &bandwidth, c.nbytes, seconds, bandwidth_min, weight)
                 if not (_fut_done(t) if _xfer_future else t.done()):
                     v = axf_slot_get(t, _xfer_off[_T_PATH])
                     path = <object>v if v != NULL else _xfer_getattr(t, _T_PATH)

@@ -288,7 +288,7 @@ cdef object _post_small(Prepared p, Submitter s):
     cdef Engine e
     cdef _slot *sl
     cdef long long posted, k_posted, k_inflight, k_bytes, n
-    cdef double t0, now, seconds, latency, bandwidth, keep, bw
+    cdef double t0, now, seconds, latency, bandwidth
     cdef uint32_t flags = AXF_POST_DEFER | AXF_POST_POLL | AXF_POST_INLINE
     cdef int st = 0
     cdef int gc_was
@@ -370,12 +370,7 @@ cdef object _post_small(Prepared p, Submitter s):
             seconds = now - t0
             latency = _counters_float(counters, _C_LATENCY)
             bandwidth = _counters_float(counters, _C_BANDWIDTH)
-            keep = 1.0 - s._weight
-            if <uint64_t>n >= s._bandwidth_min:
-                bw = n / seconds if seconds > 0 else 0.0
-                bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + s._weight * bw
-            else:
-                latency = seconds if latency == 0.0 else keep * latency + s._weight * seconds
+            _average_in(&latency, &bandwidth, <uint64_t>n, seconds, s._bandwidth_min, s._weight)
             _settle(counters, 1, <uint64_t>n, <uint64_t>n, latency, bandwidth)
             _add_total(sub, s._s[_S_COMPLETED], 1)
             _add_total(sub, s._s[_S_BYTES], nbytes)
@@ -468,8 +463,7 @@ cdef int _done_inline(Engine e, Submitter s, dict inflight, object t, object req
     cdef object peer, counters, path, r, asked
     cdef object failed = None
     cdef list wake = None
-    cdef double now = _perf_counter(), seconds, bw, latency, bandwidth
-    cdef double weight = s._weight, keep = 1.0 - s._weight
+    cdef double now = _perf_counter(), seconds, latency, bandwidth
     cdef uint64_t nb
     if inflight.pop(req_id, None) is None:
         return 0  # (not ours any more: the drain drops such a record)
@@ -487,11 +481,7 @@ cdef int _done_inline(Engine e, Submitter s, dict inflight, object t, object req
     asked = _xfer_get(t, _T_NBYTES)
     nb = <uint64_t>asked
     seconds = now - <double>_xfer_get(t, _T_T0)
-    if nb >= s._bandwidth_min:
-        bw = nb / seconds if seconds > 0 else 0.0
-        bandwidth = bw if bandwidth == 0.0 else keep * bandwidth + weight * bw
-    else:
-        latency = seconds if latency == 0.0 else keep * latency + weight * seconds
+    _average_in(&latency, &bandwidth, nb, seconds, s._bandwidth_min, s._weight)
     try:
         if not (_fut_done(t) if _xfer_future else t.done()):
             path = _xfer_get(t, _T_PATH)
