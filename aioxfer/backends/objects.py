@@ -38,7 +38,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Awaitable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -197,6 +197,32 @@ class _Retry:
     def delay(self, attempt: int) -> float:
         # full jitter (AWS's "exponential backoff and jitter")
         return random.uniform(0.0, min(self.cap, self.initial * (2**attempt)))
+
+
+class _Attempts:
+    """One request's attempts under a _Retry: up to ``max_retries`` more
+    after the first, all within ``retry_timeout`` seconds of its start."""
+
+    __slots__ = ("_retry", "_note", "_deadline", "made")
+
+    def __init__(self, retry: _Retry, note_retry: Callable[[], None]) -> None:
+        self._retry = retry
+        self._note = note_retry
+        self._deadline = time.monotonic() + retry.retry_timeout
+        self.made = 1  # attempts made so far
+
+    async def another(self) -> bool:
+        """After a failed attempt: False when the budget is spent; else the
+        retry counted (note_retry) and its backoff waited (never past the
+        deadline), True: make the next attempt."""
+        retries = self.made - 1
+        if retries >= self._retry.max_retries or time.monotonic() >= self._deadline:
+            return False
+        self._note()
+        pause = self._retry.delay(retries)
+        self.made += 1
+        await asyncio.sleep(min(pause, max(0.0, self._deadline - time.monotonic())))
+        return True
 
 
 class ObjectRegion(BackendRegion):
@@ -386,9 +412,7 @@ class ObjectRegion(BackendRegion):
         still be written later (the caller puts it again if it must: by then
         the earlier attempt has had time to end)."""
         key = seg.key
-        retry = self._retry
-        deadline = time.monotonic() + retry.retry_timeout
-        attempt = 0
+        attempts = _Attempts(self._retry, self.backend.note_retry)
         while True:
             try:
                 await self._upload(owned, obstore.put_async(
@@ -411,12 +435,8 @@ class ObjectRegion(BackendRegion):
                     f"sent again while that PUT may still run at the server (it may yet "
                     f"store the object)"
                 )
-            if attempt >= retry.max_retries or time.monotonic() >= deadline:
+            if not await attempts.another():
                 raise err
-            self.backend.note_retry()
-            pause = retry.delay(attempt)
-            attempt += 1
-            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
 
     async def _landed(self, key: str, body: bytes | memoryview) -> bool:
         """Whether ``key`` holds ``body``, after a PUT of it whose outcome is
@@ -469,9 +489,7 @@ class ObjectRegion(BackendRegion):
         n = len(dst)
         ranged = not seg.whole
         headers = {"Range": f"bytes={seg.offset}-{seg.offset + n - 1}"} if ranged else None
-        retry = self._retry
-        deadline = time.monotonic() + retry.retry_timeout
-        attempt = 0
+        attempts = _Attempts(self._retry, self.backend.note_retry)
         while True:
             try:
                 url = await self._sign(seg.key)
@@ -479,15 +497,11 @@ class ObjectRegion(BackendRegion):
                     await self._receive(resp, dst, seg, ranged)
                 return
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
-                if attempt >= retry.max_retries or time.monotonic() >= deadline:
+                if not await attempts.another():
                     raise TransportError(
                         f"read of object {seg.key!r} from {self.url} failed after "
-                        f"{attempt + 1} attempts: {_describe(exc)}"
+                        f"{attempts.made} attempts: {_describe(exc)}"
                     ) from None
-                self.backend.note_retry()
-                pause = retry.delay(attempt)
-                attempt += 1
-                await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
 
     async def _receive(
         self, resp: aiohttp.ClientResponse, dst: memoryview, seg: ObjectSegment, ranged: bool
