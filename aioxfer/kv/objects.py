@@ -324,8 +324,9 @@ class ObjectTier(Tier):
         agent = self.store.agent
         self.counters.reads += 1
 
-        def intact(i: int) -> bool:
-            return bool(ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb]) == crcs[i])
+        def crc(i: int) -> int:
+            """Block i's CRC as it lies in the caller's memory."""
+            return int(ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb]))
 
         todo = list(range(n))  # neither delivered nor failed yet
         read: list[int] = []  # read whole by a round: verified below
@@ -343,7 +344,7 @@ class ObjectTier(Tier):
                 failed = todo[f]
                 errs[failed] = self._read_failed(keys[failed], exc)
                 rest = [i for i in todo if i != failed]
-                todo = [i for i in rest if not intact(i)]  # else delivered before it stopped
+                todo = [i for i in rest if crc(i) != crcs[i]]  # else delivered before it stopped
                 if todo and len(todo) == len(rest) and isinstance(exc, TransportError):
                     for i in todo:
                         errs[i] = self._unavailable(exc, "not read: the bucket failed a GET "
@@ -354,7 +355,7 @@ class ObjectTier(Tier):
             break
         bad = []
         for i in read:
-            got = ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb])
+            got = crc(i)
             if got != crcs[i]:
                 self.counters.checksum_failures += 1
                 errs[i] = BlockCorrupt(f"object tier {self.name!r}: {self.object_key(keys[i])}: "
