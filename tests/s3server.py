@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -250,8 +250,18 @@ class FaultProxy:
       with 503 SlowDown, never sent to the server; "hold": the PUT's last
       body byte is held back from the server for ``hold`` seconds while the
       client's connection is cut (the server is still receiving it: an
-      attempt whose outcome is unknown and not over yet), then sent. Each
-      key's fault applies to its first PUT only;
+      attempt whose outcome is unknown and not over yet), then sent;
+      "drop": the client's connection is cut once the PUT was read, the PUT
+      never sent on (an outcome unknown to the client, no object: a reset
+      in the network); "502": answered here with 502 Bad Gateway, never
+      sent on (a gateway's answer: the outcome unknown to the client);
+      "412": answered here with 412 PreconditionFailed, never sent on (a
+      conditional create finding the key taken); "taken": sent on (the
+      server stores it) and answered 412 to the client (a conditional
+      create finding the key taken, as when an earlier attempt of the same
+      bytes landed just before it).
+      Each key's fault applies to its first PUT only; "drop,502" gives
+      its first two PUTs one fault each, in turn;
     - ``rate``: the first PUT of any other key meets one of ``kinds`` with
       this probability (a seeded draw).
 
@@ -338,6 +348,8 @@ class FaultProxy:
                         return
                     continue
                 fault = self.put_fault.pop(key, None)
+                if fault is not None and "," in fault:
+                    fault, self.put_fault[key] = fault.split(",", 1)
                 if fault is None and key not in self._faulted and self.rng.random() < self.rate:
                     fault = self.rng.choice(self.kinds)
                 if fault is not None:
@@ -345,6 +357,15 @@ class FaultProxy:
                 if fault == "503":  # answered here: it never reaches the server
                     await _s3_error(cw, b"503 Service Unavailable", b"SlowDown")
                     continue
+                if fault == "502":
+                    await _s3_error(cw, b"502 Bad Gateway", b"BadGateway")
+                    continue
+                if fault == "412":
+                    await _s3_error(cw, b"412 Precondition Failed", b"PreconditionFailed")
+                    continue
+                if fault == "drop":
+                    cw.transport.abort()
+                    return
                 self.puts[key] = self.puts.get(key, 0) + 1
                 if self._open.get(key):
                     self.overlaps.append(key)
@@ -365,6 +386,10 @@ class FaultProxy:
                         await sr.read(1)
                         cw.transport.abort()
                         return
+                    if fault == "taken":
+                        await self._relay_answer(sr, None, method)
+                        await _s3_error(cw, b"412 Precondition Failed", b"PreconditionFailed")
+                        continue
                     if not await self._relay_answer(sr, cw, method):
                         return
                 finally:
@@ -379,11 +404,11 @@ class FaultProxy:
             self._tasks.discard(task)
 
     @staticmethod
-    async def _relay_answer(sr: asyncio.StreamReader, cw: asyncio.StreamWriter,
+    async def _relay_answer(sr: asyncio.StreamReader, cw: asyncio.StreamWriter | None,
                             method: str) -> bool:
         """Relays the server's answer to the request just sent: its head, then
-        its body (Content-Length or chunked; none for HEAD, 204 or 304).
-        False when the server closed."""
+        its body (Content-Length or chunked; none for HEAD, 204 or 304); with
+        no ``cw``, reads it and drops it. False when the server closed."""
         try:
             head = await sr.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError:
@@ -397,18 +422,20 @@ class FaultProxy:
                 clen = int(value)
             elif name.strip().lower() == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
-        cw.write(head)
+        write: Callable[[bytes], object] = cw.write if cw is not None else bytes
+        write(head)
         if method == "HEAD" or status in (204, 304):
             pass
         elif chunked:
             while True:
                 size_line = await sr.readuntil(b"\r\n")
-                cw.write(size_line)
+                write(size_line)
                 size = int(size_line.split(b";")[0], 16)
-                cw.write(await sr.readexactly(size + 2))
+                write(await sr.readexactly(size + 2))
                 if size == 0:
                     break
         elif clen:
-            cw.write(await sr.readexactly(clen))
-        await cw.drain()
+            write(await sr.readexactly(clen))
+        if cw is not None:
+            await cw.drain()
         return True

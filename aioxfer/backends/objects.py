@@ -27,7 +27,32 @@ once the bounded retries (``max_retries``, within ``retry_timeout`` seconds,
 exponential backoff with jitter) are spent. A PUT is sent again only once
 the attempt before it is known to be over (refused, or answered); a PUT
 whose outcome is unknown (its connection cut, a timeout) is checked with a
-HEAD and otherwise fails, never sent twice at once (ObjectRegion._put_single).
+HEAD and otherwise fails, never sent twice at once (ObjectRegion._put_single),
+unless ``resend_unknown_puts`` (below) says otherwise.
+
+Options of ``register_objects`` (beside the endpoint and credentials):
+
+- ``part_size`` (8 MiB, at least 5 MiB): larger objects are multipart
+  uploads (with obstore's own retries), smaller ones one PUT;
+- ``max_retries`` (4), ``retry_timeout`` (10 s): each request's retry budget
+  (GETs, single PUTs, and obstore's HEAD, DELETE and multipart requests);
+- ``connect_timeout`` (2 s), ``read_timeout`` (15 s): per connection and
+  per read of an answer;
+- ``resend_unknown_puts`` (False): a single PUT whose outcome is unknown (a
+  reset or cut connection after the request went out, a read timeout, a
+  gateway's 502 or 504) and whose object a HEAD then does not find with its
+  bytes is sent again within the retry budget, as obstore's own retries
+  would, instead of failing with TransportError. Off by default: the first
+  attempt may still be running at the server when the second arrives (a
+  timeout or a cut on the client's side says nothing of the server's side),
+  and two PUTs of one key at once are what some S3 servers get wrong
+  (rclone serve s3 1.75 then answers 500 to every GET of the key, or loses
+  it after both PUTs returned 200: tests/repro_rclone_samekey.py). Turn it
+  on against stores that serialise writes of one key (AWS S3, GCS, Azure
+  through an S3 gateway; MinIO), where a transient network blip should cost
+  a resend, not a failed write. A conditional create (``objs.create(key)``)
+  sent again that finds the key taken counts as written when the key holds
+  its bytes (the earlier attempt landed meanwhile).
 """
 
 from __future__ import annotations
@@ -242,6 +267,7 @@ class ObjectRegion(BackendRegion):
         part_size: int,
         connect_timeout: float,
         read_timeout: float,
+        resend_unknown_puts: bool = False,
     ) -> None:
         super().__init__(backend, name)
         self.url = url
@@ -249,6 +275,7 @@ class ObjectRegion(BackendRegion):
         self._put_store = put_store  # no retries of its own: see _put_single
         self._retry = retry
         self._part_size = part_size
+        self._resend_unknown = resend_unknown_puts
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             connect=connect_timeout,
@@ -410,9 +437,14 @@ class ObjectRegion(BackendRegion):
         asked for with a HEAD: there with our bytes (size and MD5 e-tag), the
         put succeeded; else it fails with TransportError and the object may
         still be written later (the caller puts it again if it must: by then
-        the earlier attempt has had time to end)."""
+        the earlier attempt has had time to end). With ``resend_unknown_puts``
+        it is sent again instead, within the same retry budget (the store is
+        trusted with two PUTs of one key at once); a conditional create sent
+        again after an unknown outcome that finds the key taken succeeded
+        when the key holds our bytes (the earlier attempt landed)."""
         key = seg.key
         attempts = _Attempts(self._retry, self.backend.note_retry)
+        unknown_before = False  # an earlier attempt's outcome is unknown
         while True:
             try:
                 await self._upload(owned, obstore.put_async(
@@ -421,6 +453,9 @@ class ObjectRegion(BackendRegion):
             except (obx.BaseError, OSError) as exc:  # obstore raises FileNotFoundError too
                 err = _obstore_error(exc, "write", key, self.url)
                 if not isinstance(err, TransportError):
+                    if (isinstance(err, ObjectExists) and unknown_before
+                            and await self._landed(key, body)):
+                        return
                     raise err from None
                 outcome = _put_outcome(exc)
                 why = _describe(exc)
@@ -429,11 +464,19 @@ class ObjectRegion(BackendRegion):
             if outcome == "unknown":
                 if await self._landed(key, body):
                     return
-                raise TransportError(
+                unknown_before = True
+                if not self._resend_unknown:
+                    raise TransportError(
+                        f"write of object {key!r} in {self.url}: the PUT's outcome is unknown "
+                        f"({why}) and the object is not there with these bytes; not sent "
+                        f"again while that PUT may still run at the server (it may yet store "
+                        f"the object; register_objects(..., resend_unknown_puts=True) sends "
+                        f"it again)"
+                    )
+                err = TransportError(
                     f"write of object {key!r} in {self.url}: the PUT's outcome is unknown "
-                    f"({why}) and the object is not there with these bytes; not "
-                    f"sent again while that PUT may still run at the server (it may yet "
-                    f"store the object)"
+                    f"({why}) and the object is not there with these bytes; the retry "
+                    f"budget is spent"
                 )
             if not await attempts.another():
                 raise err
@@ -691,8 +734,10 @@ class ObjectBackend(LocalBackend):
         retry_timeout: float = 10.0,
         connect_timeout: float = 2.0,
         read_timeout: float = 15.0,
+        resend_unknown_puts: bool = False,
     ) -> ObjectRegion:
-        """See ``Agent.register_objects``."""
+        """See ``Agent.register_objects`` and this module's docstring (the
+        options)."""
         parts = urlsplit(url)
         if parts.scheme not in ("s3", "s3a") or not parts.netloc:
             raise RegistrationError(f"cannot register {url!r}: expected s3://bucket[/prefix]")
@@ -761,6 +806,7 @@ class ObjectBackend(LocalBackend):
             part_size,
             connect_timeout,
             read_timeout,
+            bool(resend_unknown_puts),
         )
         self._add_region(objs)
         return objs
