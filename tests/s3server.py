@@ -154,7 +154,9 @@ class S3Server:
         request has touched the bucket, so rclone's first listing of it
         (cached, 5 min) shows them. Not a way around a fault a test means to
         meet: the client's resend of a PUT answered 500 is tested through
-        FaultProxy, which injects it."""
+        FaultProxy, which injects it. A directory given here can no longer be
+        written as an object key (rclone: "can't move object - incompatible
+        remotes"): give only the directories of keys, never a key."""
         bucket = self._buckets.pop()
         for d in dirs:
             (self.root / bucket / d.strip("/")).mkdir(parents=True, exist_ok=True)

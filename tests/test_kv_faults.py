@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import s3server
 from conftest import cancel_after, pattern, wait_until, within
-from s3server import S3Server
+from s3server import S3Server, tier_dir
 
 import aioxfer
 from aioxfer import kv
@@ -40,7 +40,7 @@ async def test_concurrent_object_puts_keep_their_own_bytes(make_agent: MakeAgent
     (the tier's staging memory is not refilled by the second while the first
     one's PUTs still read it), as a second store reading them back sees."""
     pytest.importorskip("obstore")
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kvtest"))
     agent = await make_agent("kv")
     objs = agent.register_objects(f"s3://{bucket}/kvtest", **s3.kwargs())
     store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs, batch=4)])
@@ -212,7 +212,8 @@ async def test_object_server_killed_mid_get(make_agent: MakeAgent, own_s3: S3Ser
     bb = 1 << 20
     n = 48
     agent = await make_agent("kv")
-    objs = agent.register_objects(f"s3://{s3.bucket()}/kv", retry_timeout=2.0, max_retries=2,
+    bucket = s3.bucket(tier_dir("kv"))
+    objs = agent.register_objects(f"s3://{bucket}/kv", retry_timeout=2.0, max_retries=2,
                                   **s3.kwargs())
     host = kv.HostTier(2 * n * bb)
     store = await kv.Store.open(agent, block_bytes=bb, tiers=[host, kv.ObjectTier(objs)])
@@ -256,7 +257,7 @@ async def test_failed_quarantine_delete_keeps_the_good_blocks(make_agent: MakeAg
     pytest.importorskip("obstore")
     if os.geteuid() != 0 or shutil.which("chattr") is None:
         pytest.skip("needs root and chattr (an immutable directory)")
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kvtest"))
     agent = await make_agent("kv")
     objs = agent.register_objects(f"s3://{bucket}/kvtest", max_retries=1, retry_timeout=1.0,
                                   **s3.kwargs())
@@ -445,7 +446,8 @@ async def test_object_server_down_is_a_miss_not_a_failed_get(make_agent: MakeAge
     pytest.importorskip("obstore")
     s3 = own_s3
     agent = await make_agent("kv")
-    objs = agent.register_objects(f"s3://{s3.bucket()}/kv", retry_timeout=1.0, max_retries=1,
+    bucket = s3.bucket(tier_dir("kv"))
+    objs = agent.register_objects(f"s3://{bucket}/kv", retry_timeout=1.0, max_retries=1,
                                   connect_timeout=0.5, **s3.kwargs())
     host = kv.HostTier(16 * BB)
     tier = kv.ObjectTier(objs)
@@ -592,7 +594,7 @@ async def test_object_puts_cancelled_at_every_step(make_agent: MakeAgent, s3: S3
     pytest.importorskip("obstore")
     from aioxfer.backends import registry
 
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kvtest"))
     agent = await make_agent("kv")
     objs = agent.register_objects(f"s3://{bucket}/kvtest", **s3.kwargs())
     tier = kv.ObjectTier(objs, batch=2)
@@ -651,7 +653,7 @@ async def test_remove_with_the_object_server_down(make_agent: MakeAgent,
     until a second remove() deletes them."""
     pytest.importorskip("obstore")
     s3 = own_s3
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kv"))
     agent = await make_agent("kv")
     kw = dict(retry_timeout=1.0, max_retries=1, connect_timeout=0.5, **s3.kwargs())
     objs = agent.register_objects(f"s3://{bucket}/kv", **kw)
@@ -750,7 +752,7 @@ async def test_object_removed_by_another_store_is_a_miss(make_agent: MakeAgent,
     whole read (before: every block of the batch BlockUnavailable, prefix
     0, though only one object was gone); put again, it is served again."""
     pytest.importorskip("obstore")
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kv"))
     agent = await make_agent("kv")
     objs = agent.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
     store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs)])
@@ -887,7 +889,7 @@ async def test_object_put_cancelled_while_the_server_hangs(make_agent: MakeAgent
     import signal
 
     s3 = own_s3
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kv"))
     agent = await make_agent("kv")
     kw = dict(retry_timeout=60.0, max_retries=2, connect_timeout=60.0, read_timeout=60.0,
               **s3.kwargs())

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import s3server
 from conftest import pattern, within
-from s3server import S3Server
+from s3server import S3Server, tier_dir
 
 from aioxfer import kv
-from aioxfer.kv.disk import ns_tag
 
 pytest.importorskip("obstore")
 pytest.importorskip("aiohttp")
@@ -35,11 +34,8 @@ def keys_for(n: int, seed: int = 0) -> list[bytes]:
 
 async def store_with_objects(make_agent: MakeAgent, s3: S3Server, bucket: str,
                              host: bool = False) -> tuple[Any, kv.Store, Any]:
-    # The tier's directory made first, on disk, before rclone has looked at
-    # a new bucket: rclone serve s3 1.75 answers 500 (Dir.Rename error) to
-    # some of several PUTs that create one new directory at once, and may
-    # leave an acknowledged key unreadable (test_objkv12_objects.tier_bucket).
-    (s3.root / bucket / "kvtest" / "kv" / f"{ns_tag(b''):08x}").mkdir(parents=True, exist_ok=True)
+    # ``bucket`` holds the tier's directory (s3.bucket(tier_dir("kvtest"))):
+    # see S3Server.bucket.
     agent = await make_agent("kv")
     objs = agent.register_objects(f"s3://{bucket}/kvtest", **s3.kwargs())
     tiers: list[kv.Tier] = [kv.HostTier(8 * BB)] if host else []
@@ -49,7 +45,7 @@ async def store_with_objects(make_agent: MakeAgent, s3: S3Server, bucket: str,
 
 
 async def test_put_get_and_found_by_another_store(make_agent: MakeAgent, s3: S3Server) -> None:
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kvtest"))
     agent, store, _objs = await store_with_objects(make_agent, s3, bucket)
     src = agent.alloc(12 * BB)
     data = pattern(12 * BB, 1)
@@ -80,7 +76,7 @@ async def test_put_get_and_found_by_another_store(make_agent: MakeAgent, s3: S3S
 
 
 async def test_corrupt_object_is_quarantined(make_agent: MakeAgent, s3: S3Server) -> None:
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kvtest"))
     agent, store, _objs = await store_with_objects(make_agent, s3, bucket)
     tier = store.tiers[-1]
     assert isinstance(tier, kv.ObjectTier)
@@ -105,7 +101,7 @@ async def test_corrupt_object_is_quarantined(make_agent: MakeAgent, s3: S3Server
 
 async def test_host_tier_writes_back_to_object_storage(make_agent: MakeAgent,
                                                        s3: S3Server) -> None:
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kvtest"))
     agent, store, _objs = await store_with_objects(make_agent, s3, bucket, host=True)
     src = agent.alloc(24 * BB)
     data = pattern(24 * BB, 3)
@@ -129,7 +125,8 @@ async def test_statistics_of_a_closed_store(make_agent: MakeAgent, s3: S3Server)
     before, the object tier's usage asked the store it no longer belonged
     to and statistics() raised RuntimeError (failing the whole scrape)."""
     agent = await make_agent("kv")
-    objs = agent.register_objects(f"s3://{s3.bucket()}/kv", **s3.kwargs())
+    bucket = s3.bucket(tier_dir("kv"))
+    objs = agent.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
     store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs)])
     src = agent.alloc(2 * BB)
     src.numpy()[:] = pattern(2 * BB, 9)
@@ -147,7 +144,7 @@ async def test_another_store_finds_a_prefix_longer_than_a_batch(make_agent: Make
     first lookup and get find all 40 (before: 16, the probe's one batch per
     call: a long prompt's prefix came back a batch at a time, the rest
     recomputed)."""
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kv"))
     agent = await make_agent("kv")
     objs = agent.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
     store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs, batch=16)])
@@ -178,7 +175,7 @@ async def test_blocks_put_by_another_store_after_a_miss_are_found(make_agent: Ma
     it finds them (before: a key once found absent was never asked of the
     bucket again until this store put it itself). A removed key is found
     again the same way once another store puts it back."""
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kv"))
     agent = await make_agent("kv")
     objs = agent.register_objects(f"s3://{bucket}/kv", **s3.kwargs())
     store = await kv.Store.open(agent, block_bytes=BB, tiers=[kv.ObjectTier(objs)])
@@ -212,7 +209,7 @@ async def test_concurrent_puts_of_the_same_blocks_upload_each_once(make_agent: M
     then moving the new upload into place, so a GET of the key meanwhile gets
     HTTP 500 (lstat: no such file) or NoSuchKey, and overlapping PUTs of one
     key can leave it unreadable (tests/repro_rclone_samekey.py)."""
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kvtest"))
     agent, store, _objs = await store_with_objects(make_agent, s3, bucket)
     n = 8
     src = agent.alloc(n * BB)
@@ -239,7 +236,7 @@ async def test_overlapping_tier_writes_of_one_key_upload_it_once(make_agent: Mak
     which dedupes its own puts): the one that waited for the staging lock
     finds them stored and uploads nothing; it decided what to upload before
     taking the lock, and PUT every key a second time."""
-    bucket = s3.bucket()
+    bucket = s3.bucket(tier_dir("kvtest"))
     agent, store, _objs = await store_with_objects(make_agent, s3, bucket)
     tier = next(t for t in store.tiers if isinstance(t, kv.ObjectTier))
     n = 4

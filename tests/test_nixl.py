@@ -1154,7 +1154,7 @@ def test_obj_backend_puts_and_gets_objects(agents: Any, s3: S3Server) -> None:  
     pytest.importorskip("obstore")
     pytest.importorskip("aiohttp")
     srv = s3
-    bucket = srv.bucket()
+    bucket = srv.bucket("kv")  # (made first: see S3Server.bucket)
     a = agents(backends=[])
     assert "OBJ" in a.get_plugin_list()
     a.create_backend("OBJ", {"bucket": bucket, "endpoint_override": srv.endpoint,

@@ -23,12 +23,11 @@ import numpy as np
 import pytest
 import s3server
 from conftest import pattern, wait_until, within
-from s3server import FaultProxy, S3Server
+from s3server import FaultProxy, S3Server, tier_dir
 
 import aioxfer
 from aioxfer import kv
 from aioxfer.backends import registry
-from aioxfer.kv.disk import ns_tag
 
 pytest.importorskip("obstore")
 pytest.importorskip("aiohttp")
@@ -73,15 +72,10 @@ def replaced(s3: S3Server, bucket: str) -> list[str]:
 
 
 def tier_bucket(s3: S3Server) -> str:
-    """A new bucket with the tier's directory already in it: rclone serve s3
-    1.75 answers 500 (Dir.Rename error) to some of several PUTs that create
-    one new directory at once, and the PUT it fails may be the one a test
-    holds (CI saw it in the held-PUT test; tests/repro_rclone_samekey.py
-    newdir). Made on disk before rclone has looked at the bucket, so that
-    its first listing shows it."""
-    bucket = s3.bucket()
-    (s3.root / bucket / "kvtest" / "kv" / f"{ns_tag(b''):08x}").mkdir(parents=True)
-    return bucket
+    """A new bucket with the tier's directory and "p" already in it (see
+    S3Server.bucket): the PUT rclone 1.75 fails may be the one a test holds
+    (CI saw it in the held-PUT test)."""
+    return s3.bucket(tier_dir("kvtest"), "p")
 
 
 def object_path(tier: kv.ObjectTier, key: bytes) -> str:
