@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -220,6 +220,17 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 def own_s3(tmp_path: Path) -> Iterator[S3Server]:
     """A server of the test's own (to kill and restart)."""
     yield from server(tmp_path)
+
+
+@pytest.fixture
+async def fault_proxy(s3: S3Server) -> AsyncIterator[FaultProxy]:
+    """A FaultProxy in front of the module's server (``s3``), no fault set."""
+    px = FaultProxy(s3)
+    await px.start()
+    try:
+        yield px
+    finally:
+        await px.aclose()
 
 
 def environ_without_aws() -> dict[str, str]:

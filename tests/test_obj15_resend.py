@@ -11,7 +11,7 @@ not exist before (register_objects refused the keyword).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -26,20 +26,13 @@ from aioxfer.errors import ObjectExists
 pytest.importorskip("obstore")
 pytest.importorskip("aiohttp")
 
-s3 = s3server.s3  # the fixture, by name
+s3 = s3server.s3  # the fixtures, by name
+proxy = s3server.fault_proxy
 
 N = 16 << 10
 MakeAgent = Callable[..., Awaitable[Any]]
 
 
-@pytest.fixture
-async def proxy(s3: S3Server) -> AsyncIterator[FaultProxy]:
-    px = FaultProxy(s3)
-    await px.start()
-    try:
-        yield px
-    finally:
-        await px.aclose()
 
 
 async def region(make_agent: MakeAgent, s3: S3Server, proxy: FaultProxy,

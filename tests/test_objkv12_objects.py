@@ -16,7 +16,7 @@ client's connection is cut.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,8 @@ from aioxfer.backends import registry
 pytest.importorskip("obstore")
 pytest.importorskip("aiohttp")
 
-s3 = s3server.s3  # the fixture, by name
+s3 = s3server.s3  # the fixtures, by name
+proxy = s3server.fault_proxy
 own_s3 = s3server.own_s3
 
 BB = 16 << 10
@@ -44,14 +45,6 @@ def keys_for(n: int, seed: int) -> list[bytes]:
                     namespace=b"objkv12")
 
 
-@pytest.fixture
-async def proxy(s3: S3Server) -> AsyncIterator[FaultProxy]:
-    px = FaultProxy(s3)
-    await px.start()
-    try:
-        yield px
-    finally:
-        await px.aclose()
 
 
 async def object_store(make_agent: MakeAgent, endpoint: dict[str, str], bucket: str,
