@@ -48,9 +48,9 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   and two PUTs of one key at once are what some S3 servers get wrong
   (rclone serve s3 1.75 then answers 500 to every GET of the key, or loses
   it after both PUTs returned 200: tests/repro_rclone_samekey.py). Turn it
-  on against stores that serialise writes of one key (AWS S3, GCS, Azure
-  through an S3 gateway; MinIO), where a transient network blip should cost
-  a resend, not a failed write. A conditional create (``objs.create(key)``)
+  on against a store that applies overlapping PUTs of one key one after the
+  other (AWS S3: the last one wins), where a transient network blip should
+  cost a resend, not a failed write. A conditional create (``objs.create(key)``)
   sent again that finds the key taken counts as written when the key holds
   its bytes (the earlier attempt landed meanwhile).
 """
