@@ -35,8 +35,9 @@ above). This script has not reproduced that part (0 of 4800 keys).
 
 With ``premade`` every directory is made first (S3Server.bucket(*dirs), as
 the tests' buckets are): the same PUTs then find their directory there, and
-the 500s are gone: 0 of 4800 in each of two runs, against 1 and 7 of 4800
-without in the same runs, alternated (6 and 41 in objkv12's runs).
+the 500s are gone: 0 of 4800 in each of five runs, against 1, 7, 41, 10
+and 9 of 4800 without in five runs alternated with them (6 and 41 in
+objkv12's runs).
 """
 
 from __future__ import annotations
