@@ -45,8 +45,6 @@ def keys_for(n: int, seed: int) -> list[bytes]:
                     namespace=b"objkv12")
 
 
-
-
 async def object_store(make_agent: MakeAgent, endpoint: dict[str, str], bucket: str,
                        **kwargs: Any) -> tuple[Any, kv.Store, kv.ObjectTier]:
     agent = await make_agent("kv")
