@@ -41,27 +41,33 @@ cdef extern from *:
 
 cdef extern from *:
     """
-    /* The C Future's done callbacks: its fields fut_callback0 (the first)
-       and fut_callbacks (a list of the rest), the second and fourth after
-       the loop in FutureObj_HEAD (CPython 3.11 to 3.14); NULL each when it
-       has none. Read only once _probe_cb_fields saw them there. */
+    /* The C Future's done callbacks: its fields fut_callback0 (the first),
+       fut_context0 (its context) and fut_callbacks (a list of the rest),
+       the second, third and fourth after the loop in FutureObj_HEAD
+       (CPython 3.11 to 3.14), by these indices from the loop's; NULL each
+       when it has none. Read only once _probe_cb_fields saw them there. */
+    enum { AXF_FUT_CALLBACK0 = 1, AXF_FUT_CONTEXT0 = 2, AXF_FUT_CALLBACKS = 3 };
     static inline PyObject *axf_future_field(PyObject *f, int i) {
         return ((PyObject **)((char *)f + sizeof(PyObject)))[i];
     }
     static inline int axf_future_has_callbacks(PyObject *f) {
         PyObject **p = (PyObject **)((char *)f + sizeof(PyObject));
-        return p[1] != NULL || p[3] != NULL;
+        return p[AXF_FUT_CALLBACK0] != NULL || p[AXF_FUT_CALLBACKS] != NULL;
     }
     /* Takes them off as the C Future's own future_schedule_callbacks does
        before it schedules them: no remove_done_callback, whose comparisons
        run a callback's __eq__ (which may raise, or change the list). */
     static inline void axf_future_clear_callbacks(PyObject *f) {
         PyObject **p = (PyObject **)((char *)f + sizeof(PyObject));
-        Py_CLEAR(p[1]);
-        Py_CLEAR(p[2]);
-        Py_CLEAR(p[3]);
+        Py_CLEAR(p[AXF_FUT_CALLBACK0]);
+        Py_CLEAR(p[AXF_FUT_CONTEXT0]);
+        Py_CLEAR(p[AXF_FUT_CALLBACKS]);
     }
     """
+    enum:
+        AXF_FUT_CALLBACK0
+        AXF_FUT_CONTEXT0
+        AXF_FUT_CALLBACKS
     PyObject *axf_future_field(object f, int i)
     bint axf_future_has_callbacks(object f)
     void axf_future_clear_callbacks(object f)
@@ -672,17 +678,20 @@ cdef bint _probe_cb_fields(object loop) except -1:
         return False
     f = _Future(loop=loop)
     a, b = object(), object()
-    if axf_future_field(f, 1) != NULL or axf_future_field(f, 3) != NULL:
+    if (axf_future_field(f, AXF_FUT_CALLBACK0) != NULL
+            or axf_future_field(f, AXF_FUT_CALLBACKS) != NULL):
         return False
     ctx = _copy_context()
     f.add_done_callback(a, context=ctx)
-    if (axf_future_field(f, 1) != <PyObject *>a or axf_future_field(f, 2) != <PyObject *>ctx
-            or axf_future_field(f, 3) != NULL):
+    if (axf_future_field(f, AXF_FUT_CALLBACK0) != <PyObject *>a
+            or axf_future_field(f, AXF_FUT_CONTEXT0) != <PyObject *>ctx
+            or axf_future_field(f, AXF_FUT_CALLBACKS) != NULL):
         return False
     f.add_done_callback(b)
-    if (axf_future_field(f, 1) != <PyObject *>a or axf_future_field(f, 3) == NULL
-            or type(<object>axf_future_field(f, 3)) is not list
-            or len(<list>axf_future_field(f, 3)) != 1):
+    if (axf_future_field(f, AXF_FUT_CALLBACK0) != <PyObject *>a
+            or axf_future_field(f, AXF_FUT_CALLBACKS) == NULL
+            or type(<object>axf_future_field(f, AXF_FUT_CALLBACKS)) is not list
+            or len(<list>axf_future_field(f, AXF_FUT_CALLBACKS)) != 1):
         return False
     f.remove_done_callback(a)
     f.remove_done_callback(b)
@@ -718,19 +727,79 @@ cdef list _take_callbacks(object fut, list wake):
     cbs = fut._callbacks
     if not cbs:
         return wake
+    return _take_callbacks_removing(fut, wake, cbs)
+
+
+# The first error _take_callbacks_removing met (a callback's __eq__ raising in
+# remove_done_callback), for its caller to report as the drain reports its
+# callbacks' errors (its `failed`): it returns the wake list, not raises.
+cdef object _take_error = None
+
+
+cdef list _take_callbacks_removing(object fut, list wake, object cbs):
+    """_take_callbacks for a future whose callback fields were not probed
+    (not the C Future of CPython 3.11-3.14): each taken off by
+    remove_done_callback. One that stays on the future (its removal raised:
+    a callback's ``__eq__`` runs in its comparisons) is left to the future,
+    which schedules it itself once done, and the error goes to _take_error:
+    raised from here, it escaped the drain, whose finally freed the batch's
+    other records unread."""
+    global _take_error
+    cdef object cb, ctx, loop, left, err = None
+    cdef dict stay
+    cdef tuple key
     # A copy: with no first callback (fut_callback0 cleared by a
     # remove_done_callback) the C Future hands out its own list, which the
     # removals below shrink while they walk it: every other callback was
     # skipped, left on the future, and run twice (its own wake-up too).
     cbs = list(cbs)
-    if wake is None:
-        wake = []
+    for cb, ctx in cbs:
+        try:
+            _remove_done_callback(fut, cb)
+        except Exception as exc:
+            if err is None:
+                err = exc
+    stay = None
+    if err is not None:
+        if _take_error is None:
+            _take_error = err
+        # What is still on the future (by identity, counted): run by it, not
+        # by the drain's handle, so that nothing runs twice.
+        left = fut._callbacks
+        stay = {}
+        for cb, ctx in (left or ()):
+            key = (id(cb), id(ctx))
+            stay[key] = stay.get(key, 0) + 1
     loop = fut.get_loop()
     for cb, ctx in cbs:
+        if stay:
+            key = (id(cb), id(ctx))
+            if stay.get(key, 0) > 0:
+                stay[key] -= 1
+                continue
+        if wake is None:
+            wake = []
         wake.append((cb, ctx, fut, loop))
-    for cb, ctx in cbs:
-        _remove_done_callback(fut, cb)
     return wake
+
+
+cdef inline object _take_callbacks_error():
+    """The error _take_callbacks_removing kept (None: none), now cleared."""
+    global _take_error
+    cdef object err = _take_error
+    if err is not None:
+        _take_error = None
+    return err
+
+
+def _force_cb_fields(int value):
+    """Sets _take_callbacks' probe answer (1: the C Future's fields, 0: the
+    remove_done_callback path, -1: probe again at the next drain); returns
+    the previous one. For tests of the path other futures take."""
+    global _cb_fields
+    cdef int prev = _cb_fields
+    _cb_fields = value
+    return prev
 
 
 cdef int _schedule_callbacks(list wake) except -1:

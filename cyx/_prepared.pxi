@@ -490,6 +490,10 @@ cdef int _done_inline(Engine e, Submitter s, dict inflight, object t, object req
             r = _make_result(s._result_type, asked, seconds, path, 0)
             if _xfer_future and e.batch_wakeups:
                 wake = _take_callbacks(t, wake)
+                if _take_error is not None:  # (the remove_done_callback path's)
+                    exc = _take_callbacks_error()
+                    if failed is None:
+                        failed = exc
                 _fut_set_result(t, r)
             elif _xfer_future:
                 _fut_set_result(t, r)
