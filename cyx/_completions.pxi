@@ -120,7 +120,8 @@ cdef extern from *:
     """
     int axf_list_empty(list lst) except -1
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
-from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow, PyLong_FromLongLong
+from cpython.long cimport (PyLong_AsLongLong, PyLong_AsLongLongAndOverflow, PyLong_FromLongLong,
+                           PyLong_FromUnsignedLongLong)
 from cpython.ref cimport PyObject
 
 cdef extern from *:
@@ -509,6 +510,230 @@ cdef object _eager_await(object f):
     return axf_base_await(_Future, f)
 
 
+# ------------------------------------------------------------------ counters
+# A peer's live counters (aioxfer.stats.PeerCounters is this class). Held as
+# Python ints in a dataclass, every request's submit (posted, inflight,
+# inflight_bytes up), drain (inflight, inflight_bytes down, completed, bytes
+# up) and aioxfer.nixl's repost read each as a C integer and made a new int
+# for it (~1.2 k instructions a compat request for the in-flight +1 then -1
+# alone). Here the eight counts are C integers the compiled paths add to,
+# and Python reads and writes them as int attributes as before. A count past
+# +-2**62 (a test, or years of bytes) is kept as a Python int: all eight
+# then live in a list (_big) and every path takes Python's arithmetic, back
+# to C integers once they all fit again.
+
+cdef enum:
+    _PK_POSTED = 0
+    _PK_COMPLETED = 1
+    _PK_FAILED = 2
+    _PK_BYTES = 3
+    _PK_INFLIGHT = 4
+    _PK_INFLIGHT_BYTES = 5
+    _PK_QUEUED = 6
+    _PK_QUEUED_BYTES = 7
+    _PK_INTS = 8
+
+_PK_NAMES = ("posted", "completed", "failed", "bytes", "inflight", "inflight_bytes", "queued",
+             "queued_bytes")
+
+cdef extern from *:
+    """
+    /* A C count's bound: |count| < 2**62 and |delta| <= 2**62, so that a
+       sum cannot overflow a long long before it is checked. */
+    #define AXF_PK_LIMIT (1LL << 62)
+    """
+    long long _PK_LIMIT "AXF_PK_LIMIT"
+
+from cpython.number cimport PyNumber_Index
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class PeerCounters:
+    """The live counters of one peer, typed: what the submission path and the
+    completion drain (``Engine.drain``, which settles them once per batch
+    and peer) update, and ``Peer.statistics()`` snapshots. Not public.
+
+    ``posted``, ``completed``, ``failed``, ``bytes``: its transfers;
+    ``inflight``/``inflight_bytes``: admitted to the engine and not yet
+    confirmed finished; ``queued``/``queued_bytes``: waiting in the peer's
+    scheduler; ``bandwidth`` (bytes/s) and ``latency`` (s): moving averages
+    (see aioxfer.stats.ESTIMATE_WEIGHT), 0.0 until a sample. The counts are
+    ints (any integer, numpy's too, is taken as its int), the averages
+    floats; the compiled paths add to the counts as C integers."""
+
+    cdef long long _v[_PK_INTS]
+    cdef list _big  # None while every count is in _v, else all eight as ints
+    cdef public double bandwidth
+    cdef public double latency
+
+    def __init__(self, posted=0, completed=0, failed=0, bytes=0, inflight=0,
+                 inflight_bytes=0, queued=0, queued_bytes=0, double bandwidth=0.0,
+                 double latency=0.0):
+        cdef Py_ssize_t i
+        self._big = None
+        for i in range(_PK_INTS):
+            self._v[i] = 0
+        _pk_set(self, _PK_POSTED, posted)
+        _pk_set(self, _PK_COMPLETED, completed)
+        _pk_set(self, _PK_FAILED, failed)
+        _pk_set(self, _PK_BYTES, bytes)
+        _pk_set(self, _PK_INFLIGHT, inflight)
+        _pk_set(self, _PK_INFLIGHT_BYTES, inflight_bytes)
+        _pk_set(self, _PK_QUEUED, queued)
+        _pk_set(self, _PK_QUEUED_BYTES, queued_bytes)
+        self.bandwidth = bandwidth
+        self.latency = latency
+
+    @property
+    def posted(self):
+        return _pk_get(self, _PK_POSTED)
+
+    @posted.setter
+    def posted(self, value):
+        _pk_set(self, _PK_POSTED, value)
+
+    @property
+    def completed(self):
+        return _pk_get(self, _PK_COMPLETED)
+
+    @completed.setter
+    def completed(self, value):
+        _pk_set(self, _PK_COMPLETED, value)
+
+    @property
+    def failed(self):
+        return _pk_get(self, _PK_FAILED)
+
+    @failed.setter
+    def failed(self, value):
+        _pk_set(self, _PK_FAILED, value)
+
+    @property
+    def bytes(self):
+        return _pk_get(self, _PK_BYTES)
+
+    @bytes.setter
+    def bytes(self, value):
+        _pk_set(self, _PK_BYTES, value)
+
+    @property
+    def inflight(self):
+        return _pk_get(self, _PK_INFLIGHT)
+
+    @inflight.setter
+    def inflight(self, value):
+        _pk_set(self, _PK_INFLIGHT, value)
+
+    @property
+    def inflight_bytes(self):
+        return _pk_get(self, _PK_INFLIGHT_BYTES)
+
+    @inflight_bytes.setter
+    def inflight_bytes(self, value):
+        _pk_set(self, _PK_INFLIGHT_BYTES, value)
+
+    @property
+    def queued(self):
+        return _pk_get(self, _PK_QUEUED)
+
+    @queued.setter
+    def queued(self, value):
+        _pk_set(self, _PK_QUEUED, value)
+
+    @property
+    def queued_bytes(self):
+        return _pk_get(self, _PK_QUEUED_BYTES)
+
+    @queued_bytes.setter
+    def queued_bytes(self, value):
+        _pk_set(self, _PK_QUEUED_BYTES, value)
+
+    def settle(self, done, req_bytes, moved, double latency, double bandwidth):
+        """The tally of ``done`` transfers completed (``req_bytes`` asked,
+        ``moved`` moved) and the moving averages after them, per peer and
+        drained batch: what Engine.drain applies (compiled) once per run of
+        one peer's records."""
+        _pk_add_obj(self, _PK_INFLIGHT, -done)
+        _pk_add_obj(self, _PK_INFLIGHT_BYTES, -req_bytes)
+        _pk_add_obj(self, _PK_COMPLETED, done)
+        _pk_add_obj(self, _PK_BYTES, moved)
+        self.latency = latency
+        self.bandwidth = bandwidth
+
+    def _fields(self):
+        return tuple([_pk_get(self, i) for i in range(_PK_INTS)]) + (self.bandwidth,
+                                                                      self.latency)
+
+    def __repr__(self):
+        f = self._fields()
+        return "PeerCounters(" + ", ".join(
+            [f"{n}={v!r}" for n, v in zip(_PK_NAMES + ("bandwidth", "latency"), f)]) + ")"
+
+    def __eq__(self, other):
+        if type(other) is not PeerCounters:
+            return NotImplemented
+        return self._fields() == (<PeerCounters>other)._fields()
+
+    __hash__ = None  # mutable, compared by value (as the dataclass was)
+
+
+cdef object _pk_get(PeerCounters c, int i):
+    if c._big is None:
+        return PyLong_FromLongLong(c._v[i])
+    return c._big[i]
+
+
+cdef int _pk_set(PeerCounters c, int i, object value) except -1:
+    """c's count i = value (an integer: int(value) as operator.index gives it)."""
+    cdef object x = PyNumber_Index(value)
+    cdef long long ll
+    cdef int ovf = 0
+    cdef Py_ssize_t k
+    if type(x) is not int:
+        x = int(x)  # (an int subclass: stored as its value)
+    ll = PyLong_AsLongLongAndOverflow(x, &ovf)
+    if c._big is None:
+        if not ovf and -_PK_LIMIT < ll < _PK_LIMIT:
+            c._v[i] = ll
+            return 0
+        c._big = [PyLong_FromLongLong(c._v[k]) for k in range(_PK_INTS)]
+    c._big[i] = x
+    for k in range(_PK_INTS):
+        ll = PyLong_AsLongLongAndOverflow(c._big[k], &ovf)
+        if ovf or not (-_PK_LIMIT < ll < _PK_LIMIT):
+            return 0
+    for k in range(_PK_INTS):  # all fit again
+        c._v[k] = PyLong_AsLongLong(c._big[k])
+    c._big = None
+    return 0
+
+
+cdef inline int _pk_add(PeerCounters c, int i, long long d) except -1:
+    """c's count i += d, |d| <= 2**62: a C addition while it fits."""
+    cdef long long r
+    if c._big is None:
+        r = c._v[i] + d
+        if -_PK_LIMIT < r < _PK_LIMIT:
+            c._v[i] = r
+            return 0
+        return _pk_set(c, i, PyLong_FromLongLong(r))
+    return _pk_set(c, i, c._big[i] + d)
+
+
+cdef int _pk_add_obj(PeerCounters c, int i, object d) except -1:
+    """c's count i += d, any integer d."""
+    return _pk_set(c, i, _pk_get(c, i) + PyNumber_Index(d))
+
+
+cdef inline int _pk_add_u(PeerCounters c, int i, uint64_t d, bint down) except -1:
+    """c's count i += d (-= d when down), d unsigned."""
+    if d <= <uint64_t>_PK_LIMIT:
+        return _pk_add(c, i, -<long long>d if down else <long long>d)
+    return _pk_add_obj(c, i, -PyLong_FromUnsignedLongLong(d) if down
+                       else PyLong_FromUnsignedLongLong(d))
+
+
 # ------------------------------------------------------------------ settle
 
 _C_NAMES = ("inflight", "inflight_bytes", "completed", "bytes", "latency", "bandwidth")
@@ -543,6 +768,9 @@ cdef double _counters_float(object counters, int field) except? -1.0:
     """counters.latency or .bandwidth (field), through its slot when it holds
     a float."""
     cdef PyObject *v
+    if type(counters) is PeerCounters:
+        return ((<PeerCounters>counters).latency if field == _C_LATENCY
+                else (<PeerCounters>counters).bandwidth)
     if type(counters) is not _counters_type:
         _counters_resolve(type(counters))
     if _counters_off[field] >= 0:
@@ -632,6 +860,16 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
     transfer's completion), else by the counters' own settle(), which does
     the same."""
     cdef long long v[4]
+    cdef PeerCounters pc
+    if type(counters) is PeerCounters:  # its counts are C integers
+        pc = <PeerCounters>counters
+        _pk_add(pc, _PK_INFLIGHT, -<long long>done)
+        _pk_add_u(pc, _PK_INFLIGHT_BYTES, req_bytes, True)
+        _pk_add(pc, _PK_COMPLETED, done)
+        _pk_add_u(pc, _PK_BYTES, moved, False)
+        pc.latency = latency
+        pc.bandwidth = bandwidth
+        return 0
     if type(counters) is not _counters_type:
         _counters_resolve(type(counters))
     if (_counters_fast and req_bytes < (1ULL << 62) and moved < (1ULL << 62)

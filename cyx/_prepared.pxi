@@ -189,7 +189,7 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
     cdef object sub = s._sub
     cdef PyObject *v
     cdef object counters, engine, inflight, pending, pending_t, t, req_id, res
-    cdef long long posted, k_posted, k_inflight, k_bytes, n
+    cdef long long posted, n
     cdef int st
     if not s._ok or type(nbytes) is not int or type(priority) is not int:
         return s._submit_now(peer, opcode, descs, nbytes, op, priority)
@@ -219,23 +219,15 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
     counters = _slot_obj(peer, s._q[_Q_COUNTERS])
     if counters is None:
         return s._submit_now(peer, opcode, descs, nbytes, op, priority)
-    if type(counters) is not s._counters_type:
-        s._counters_ok = _offsets(type(counters), _K_NAMES, s._k, _K_FIELDS)
-        s._counters_type = type(counters)
     n = PyLong_AsLongLong(nbytes)
-    if (not s._counters_ok or n < 0 or n > (1LL << 62)
-            or not _slot_int(sub, s._s[_S_POSTED], &posted)
-            or not _slot_int(counters, s._k[_K_POSTED], &k_posted)
-            or not _slot_int(counters, s._k[_K_INFLIGHT], &k_inflight)
-            or not _slot_int(counters, s._k[_K_INFLIGHT_BYTES], &k_bytes)):
+    if (type(counters) is not PeerCounters or n < 0 or n > (1LL << 62)
+            or not _slot_int(sub, s._s[_S_POSTED], &posted)):
         return s._submit_now(peer, opcode, descs, nbytes, op, priority)
     # As Submitter._submit does it, in its order.
     req_id = PyLong_FromLongLong(posted + 1)
     axf_slot_put(sub, s._s[_S_POSTED], req_id)
     t = (<FutureMaker>s._maker)._make(sub, req_id, op, peer, nbytes)
-    axf_slot_put(counters, s._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
-    axf_slot_put(counters, s._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
-    axf_slot_put(counters, s._k[_K_INFLIGHT_BYTES], PyLong_FromLongLong(k_bytes + n))
+    _pk_count_in(<PeerCounters>counters, n)
     (<dict>inflight)[req_id] = t
     try:
         st = _post_inline(<Engine>engine, _slot_obj(peer, s._q[_Q_EP]), opcode, descs, req_id,
@@ -287,15 +279,14 @@ cdef object _post_small(Prepared p, Submitter s):
     cdef FutureMaker mk
     cdef Engine e
     cdef _slot *sl
-    cdef long long posted, k_posted, k_inflight, k_bytes, n
+    cdef long long posted, n
     cdef double t0, now, seconds, latency, bandwidth
     cdef uint32_t flags = AXF_POST_DEFER | AXF_POST_POLL | AXF_POST_INLINE
     cdef int st = 0
     cdef int gc_was
     cdef object err = None
     if (not s._ok or type(nbytes) is not int or type(p.priority) is not int
-            or type(peer) is not s._peer_type or not s._peer_ok or s._maker is None
-            or not s._counters_ok):
+            or type(peer) is not s._peer_type or not s._peer_ok or s._maker is None):
         return None
     mk = <FutureMaker>s._maker
     if mk._loop is None or mk._loop_dict is None:
@@ -321,14 +312,12 @@ cdef object _post_small(Prepared p, Submitter s):
             or axf_slot_ptr(peer, s._q[_Q_EP]) == NULL):
         return None
     counters = _slot_obj(peer, s._q[_Q_COUNTERS])
-    if counters is None or type(counters) is not s._counters_type:
+    # (Its counts C integers: nothing in the stretch below runs Python.)
+    if type(counters) is not PeerCounters or (<PeerCounters>counters)._big is not None:
         return None
     n = PyLong_AsLongLong(nbytes)
     if (n <= 0 or n > _GIL_KEPT_BYTES
-            or not _slot_int(sub, s._s[_S_POSTED], &posted)
-            or not _slot_int(counters, s._k[_K_POSTED], &k_posted)
-            or not _slot_int(counters, s._k[_K_INFLIGHT], &k_inflight)
-            or not _slot_int(counters, s._k[_K_INFLIGHT_BYTES], &k_bytes)):
+            or not _slot_int(sub, s._s[_S_POSTED], &posted)):
         return None
     e = <Engine>engine
     e._ensure_slots(1)
@@ -342,9 +331,7 @@ cdef object _post_small(Prepared p, Submitter s):
     t0 = _perf_counter()
     req_id = PyLong_FromLongLong(posted + 1)
     axf_slot_put(sub, s._s[_S_POSTED], req_id)
-    axf_slot_put(counters, s._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
-    axf_slot_put(counters, s._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
-    axf_slot_put(counters, s._k[_K_INFLIGHT_BYTES], PyLong_FromLongLong(k_bytes + n))
+    _pk_count_in(<PeerCounters>counters, n)
     gc_was = PyGC_Disable()
     try:
         try:

@@ -46,13 +46,14 @@ cdef enum:
 
 _Q_NAMES = ("_counters", "_lost", "_ep", "_sched")
 
-cdef enum:
-    _K_POSTED = 0
-    _K_INFLIGHT = 1
-    _K_INFLIGHT_BYTES = 2
-    _K_FIELDS = 3
 
-_K_NAMES = ("posted", "inflight", "inflight_bytes")
+cdef inline int _pk_count_in(PeerCounters c, long long n) except -1:
+    """A request of n bytes (0 <= n <= 2**62) posted to c's peer, in flight:
+    what Submission.submit adds to its counters."""
+    _pk_add(c, _PK_POSTED, 1)
+    _pk_add(c, _PK_INFLIGHT, 1)
+    _pk_add(c, _PK_INFLIGHT_BYTES, n)
+    return 0
 
 
 cdef inline object _slot_obj(object o, Py_ssize_t off):
@@ -113,9 +114,6 @@ cdef class Submitter:
     cdef object _peer_type
     cdef bint _peer_ok
     cdef Py_ssize_t _q[_Q_FIELDS]
-    cdef object _counters_type
-    cdef bint _counters_ok
-    cdef Py_ssize_t _k[_K_FIELDS]
     cdef object _make_seen  # sub._make as last seen, and its FutureMaker (or None)
     cdef object _maker
     cdef bint _direct  # _submit(now=True) posted the request itself
@@ -166,7 +164,7 @@ cdef class Submitter:
         cdef PyObject *v
         cdef object make, counters  # owned: make() can run Python that rebinds them
         cdef object engine
-        cdef long long posted, k_posted, k_inflight, k_bytes, n
+        cdef long long posted, n
         # A priority that is not an exact int (a float, None, a numpy
         # integer) goes to the Python method, which checks it for every peer,
         # with limits or not, before anything is made or counted.
@@ -186,15 +184,9 @@ cdef class Submitter:
         counters = _slot_obj(peer, self._q[_Q_COUNTERS])
         if counters is None:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
-        if type(counters) is not self._counters_type:
-            self._counters_ok = _offsets(type(counters), _K_NAMES, self._k, _K_FIELDS)
-            self._counters_type = type(counters)
         n = PyLong_AsLongLong(nbytes)
-        if (not self._counters_ok or n < 0 or n > (1LL << 62)
-                or not _slot_int(sub, self._s[_S_POSTED], &posted)
-                or not _slot_int(counters, self._k[_K_POSTED], &k_posted)
-                or not _slot_int(counters, self._k[_K_INFLIGHT], &k_inflight)
-                or not _slot_int(counters, self._k[_K_INFLIGHT_BYTES], &k_bytes)):
+        if (type(counters) is not PeerCounters or n < 0 or n > (1LL << 62)
+                or not _slot_int(sub, self._s[_S_POSTED], &posted)):
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
         inflight = _slot_obj(sub, self._s[_S_INFLIGHT])
         pending = _slot_obj(sub, self._s[_S_PENDING])
@@ -214,10 +206,7 @@ cdef class Submitter:
             t = (<FutureMaker>self._maker)._make(sub, req_id, op, peer, nbytes)
         else:
             t = make(sub, req_id, op, peer, nbytes)
-        axf_slot_put(counters, self._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
-        axf_slot_put(counters, self._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
-        axf_slot_put(counters, self._k[_K_INFLIGHT_BYTES],
-                     PyLong_FromLongLong(k_bytes + n))
+        _pk_count_in(<PeerCounters>counters, n)
         (<dict>inflight)[req_id] = t
         if now and not <list>pending and not <list>pending_t and notify is None:
             # Nothing batched: posted now on its own (flush's checks).
