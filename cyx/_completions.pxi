@@ -710,15 +710,20 @@ cdef int _pk_set(PeerCounters c, int i, object value) except -1:
 
 
 cdef inline int _pk_add(PeerCounters c, int i, long long d) except -1:
-    """c's count i += d, |d| <= 2**62: a C addition while it fits."""
+    """c's count i += d, |d| <= 2**62: a C addition while it fits (inline:
+    the rest out of line)."""
     cdef long long r
     if c._big is None:
         r = c._v[i] + d
         if -_PK_LIMIT < r < _PK_LIMIT:
             c._v[i] = r
             return 0
-        return _pk_set(c, i, PyLong_FromLongLong(r))
-    return _pk_set(c, i, c._big[i] + d)
+    return _pk_add_slow(c, i, d)
+
+
+cdef int _pk_add_slow(PeerCounters c, int i, long long d) except -1:
+    """_pk_add past 2**62: Python's ints."""
+    return _pk_set(c, i, _pk_get(c, i) + d)
 
 
 cdef int _pk_add_obj(PeerCounters c, int i, object d) except -1:
@@ -863,12 +868,24 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
     cdef PeerCounters pc
     if type(counters) is PeerCounters:  # its counts are C integers
         pc = <PeerCounters>counters
+        pc.latency = latency
+        pc.bandwidth = bandwidth
+        if pc._big is None and req_bytes < <uint64_t>_PK_LIMIT and moved < <uint64_t>_PK_LIMIT:
+            v[0] = pc._v[_PK_INFLIGHT] - done
+            v[1] = pc._v[_PK_INFLIGHT_BYTES] - <long long>req_bytes
+            v[2] = pc._v[_PK_COMPLETED] + done
+            v[3] = pc._v[_PK_BYTES] + <long long>moved
+            if (-_PK_LIMIT < v[0] and -_PK_LIMIT < v[1] and v[2] < _PK_LIMIT
+                    and v[3] < _PK_LIMIT and done >= 0):
+                pc._v[_PK_INFLIGHT] = v[0]
+                pc._v[_PK_INFLIGHT_BYTES] = v[1]
+                pc._v[_PK_COMPLETED] = v[2]
+                pc._v[_PK_BYTES] = v[3]
+                return 0
         _pk_add(pc, _PK_INFLIGHT, -<long long>done)
         _pk_add_u(pc, _PK_INFLIGHT_BYTES, req_bytes, True)
         _pk_add(pc, _PK_COMPLETED, done)
         _pk_add_u(pc, _PK_BYTES, moved, False)
-        pc.latency = latency
-        pc.bandwidth = bandwidth
         return 0
     if type(counters) is not _counters_type:
         _counters_resolve(type(counters))

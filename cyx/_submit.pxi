@@ -49,7 +49,15 @@ _Q_NAMES = ("_counters", "_lost", "_ep", "_sched")
 
 cdef inline int _pk_count_in(PeerCounters c, long long n) except -1:
     """A request of n bytes (0 <= n <= 2**62) posted to c's peer, in flight:
-    what Submission.submit adds to its counters."""
+    what Submission.submit adds to its counters (C additions while they
+    stay within 2**62)."""
+    if (c._big is None and c._v[_PK_POSTED] < _PK_LIMIT - 1
+            and c._v[_PK_INFLIGHT] < _PK_LIMIT - 1
+            and c._v[_PK_INFLIGHT_BYTES] + n < _PK_LIMIT):
+        c._v[_PK_POSTED] += 1
+        c._v[_PK_INFLIGHT] += 1
+        c._v[_PK_INFLIGHT_BYTES] += n
+        return 0
     _pk_add(c, _PK_POSTED, 1)
     _pk_add(c, _PK_INFLIGHT, 1)
     _pk_add(c, _PK_INFLIGHT_BYTES, n)
