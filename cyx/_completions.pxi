@@ -858,12 +858,12 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
                  double latency, double bandwidth) except -1:
     """Engine.drain's per-peer tally of ``done`` completed transfers
     (``req_bytes`` asked, ``moved`` moved) onto the peer's counters
-    (aioxfer.stats.PeerCounters, a typed record, not the Peer): inflight and
-    inflight_bytes down, completed and bytes up, latency and bandwidth set.
-    Through the fields' slots when they are plain ones holding ints (a
-    Python call costs ~2 k instructions, most of an awaited small
-    transfer's completion), else by the counters' own settle(), which does
-    the same."""
+    (PeerCounters, not the Peer): inflight and inflight_bytes down,
+    completed and bytes up, latency and bandwidth set. PeerCounters' counts
+    as C integers; other counters' through their slots when they are plain
+    ones holding ints (a Python call costs ~2 k instructions, most of an
+    awaited small transfer's completion), else by their own settle(), which
+    does the same."""
     cdef long long v[4]
     cdef PeerCounters pc
     if type(counters) is PeerCounters:  # its counts are C integers
