@@ -189,7 +189,8 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
     cdef object sub = s._sub
     cdef PyObject *v
     cdef object counters, engine, inflight, pending, pending_t, t, req_id, res
-    cdef long long posted, n
+    cdef long long n
+    cdef object totals
     cdef int st
     if not s._ok or type(nbytes) is not int or type(priority) is not int:
         return s._submit_now(peer, opcode, descs, nbytes, op, priority)
@@ -220,12 +221,11 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
     if counters is None:
         return s._submit_now(peer, opcode, descs, nbytes, op, priority)
     n = PyLong_AsLongLong(nbytes)
-    if (type(counters) is not PeerCounters or n < 0 or n > (1LL << 62)
-            or not _slot_int(sub, s._s[_S_POSTED], &posted)):
+    totals = _totals_of(sub, s._s[_S_TOTALS])
+    if type(counters) is not PeerCounters or n < 0 or n > (1LL << 62) or totals is None:
         return s._submit_now(peer, opcode, descs, nbytes, op, priority)
     # As Submitter._submit does it, in its order.
-    req_id = PyLong_FromLongLong(posted + 1)
-    axf_slot_put(sub, s._s[_S_POSTED], req_id)
+    req_id = _next_req_id(<PeerCounters>totals)
     t = (<FutureMaker>s._maker)._make(sub, req_id, op, peer, nbytes)
     _pk_count_in(<PeerCounters>counters, n)
     (<dict>inflight)[req_id] = t
@@ -279,7 +279,8 @@ cdef object _post_small(Prepared p, Submitter s):
     cdef FutureMaker mk
     cdef Engine e
     cdef _slot *sl
-    cdef long long posted, n
+    cdef long long n
+    cdef object totals
     cdef double t0, now, seconds, latency, bandwidth
     cdef uint32_t flags = AXF_POST_DEFER | AXF_POST_POLL | AXF_POST_INLINE
     cdef int st = 0
@@ -316,8 +317,8 @@ cdef object _post_small(Prepared p, Submitter s):
     if type(counters) is not PeerCounters or (<PeerCounters>counters)._big is not None:
         return None
     n = PyLong_AsLongLong(nbytes)
-    if (n <= 0 or n > _GIL_KEPT_BYTES
-            or not _slot_int(sub, s._s[_S_POSTED], &posted)):
+    totals = _totals_of(sub, s._s[_S_TOTALS])
+    if n <= 0 or n > _GIL_KEPT_BYTES or totals is None:
         return None
     e = <Engine>engine
     e._ensure_slots(1)
@@ -329,8 +330,7 @@ cdef object _post_small(Prepared p, Submitter s):
         flags |= AXF_POST_ALONE
     # Counted as Submitter._submit counts it (its Transfer, if any, later).
     t0 = _perf_counter()
-    req_id = PyLong_FromLongLong(posted + 1)
-    axf_slot_put(sub, s._s[_S_POSTED], req_id)
+    req_id = _next_req_id(<PeerCounters>totals)
     _pk_count_in(<PeerCounters>counters, n)
     gc_was = PyGC_Disable()
     try:
@@ -359,8 +359,8 @@ cdef object _post_small(Prepared p, Submitter s):
             bandwidth = _counters_float(counters, _C_BANDWIDTH)
             _average_in(&latency, &bandwidth, <uint64_t>n, seconds, s._bandwidth_min, s._weight)
             _settle(counters, 1, <uint64_t>n, <uint64_t>n, latency, bandwidth)
-            _add_total(sub, s._s[_S_COMPLETED], 1)
-            _add_total(sub, s._s[_S_BYTES], nbytes)
+            _add_total(sub, s._s[_S_TOTALS], _PK_COMPLETED, 1)
+            _add_total(sub, s._s[_S_TOTALS], _PK_BYTES, nbytes)
             t = p._done_t
         else:
             # In flight (or refused): its Transfer, as _submit makes it, in
@@ -490,8 +490,8 @@ cdef int _done_inline(Engine e, Submitter s, dict inflight, object t, object req
         _settle(counters, 1, nb, nb, latency, bandwidth)
         if wake:
             _schedule_callbacks(wake)
-    _add_total(sub, s._s[_S_COMPLETED], 1)
-    _add_total(sub, s._s[_S_BYTES], asked)
+    _add_total(sub, s._s[_S_TOTALS], _PK_COMPLETED, 1)
+    _add_total(sub, s._s[_S_TOTALS], _PK_BYTES, asked)
     if failed is not None:
         _report_drain_error(failed)
     return 0

@@ -99,3 +99,29 @@ async def test_compiled_paths_cross_62_bits_exactly(make_agent: MakeAgent, start
     assert (st.transfers_posted, st.transfers_completed, st.bytes) == (
         s0[0] - start + 8, s0[1] + 8, s0[2] - start + 3 * 4096 + 5 * 1000)
     assert st.latency > 0.0
+
+
+async def test_agent_totals_are_exact_across_62_bits(make_agent: MakeAgent) -> None:
+    """The agent's totals (Submission.posted, .completed, .failed, .bytes:
+    properties over a PeerCounters record the compiled paths add to).
+    ``posted`` is the last request id: ids stay consecutive where the
+    compiled submit hands over to the Python one past 2**62 and back."""
+    init, local, remote, _k = await _setup(make_agent)
+    sub = init._sub
+    base = sub.posted
+    ts = [init.write(local[0:4096], remote[0:4096])]
+    assert ts[0].req_id == base + 1 and sub.posted == base + 1
+    sub.posted = (1 << 62) - 3
+    ts = [init.write(local[i * 4096:(i + 1) * 4096], remote[0:4096]) for i in range(4)]
+    assert [t.req_id for t in ts] == [(1 << 62) - 2 + i for i in range(4)]
+    assert [(await within(t)).nbytes for t in ts] == [4096] * 4
+    assert sub.posted == (1 << 62) + 1 and type(sub.posted) is int
+    sub.posted = 100
+    t = init.write(local[0:4096], remote[0:4096])
+    assert t.req_id == 101 and (await within(t)).nbytes == 4096
+    s = init.statistics()
+    assert (s.transfers_posted, s.in_flight) == (101, 101 - s.transfers_completed)
+    sub.failed += 1
+    assert init.statistics().transfers_failed == 1
+    sub.failed -= 1
+    sub.posted = sub.completed + sub.failed  # (the ids moved: none in flight)
