@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from aioxfer import _cyx
+
 __all__ = ["AgentStatistics", "PeerStatistics", "RailStatistics"]
 
 # The moving averages routers estimate completion times from (policy, applied
@@ -31,43 +33,10 @@ class TransferCounters:
         return self.posted - self.completed - self.failed
 
 
-@dataclass(slots=True)
-class PeerCounters:
-    """The live counters of one peer, typed: what the submission path and the
-    completion drain (``Engine.drain``, which calls ``settle`` once per batch
-    and peer) update, and ``Peer.statistics()`` snapshots. Not public.
-
-    ``inflight``/``inflight_bytes``: admitted to the engine and not yet
-    confirmed finished; ``queued``/``queued_bytes``: waiting in the peer's
-    scheduler; ``bandwidth`` (bytes/s) and ``latency`` (s): moving averages
-    (see ESTIMATE_WEIGHT), 0.0 until a sample."""
-
-    posted: int = 0
-    completed: int = 0
-    failed: int = 0
-    bytes: int = 0
-    inflight: int = 0
-    inflight_bytes: int = 0
-    queued: int = 0
-    queued_bytes: int = 0
-    bandwidth: float = 0.0
-    latency: float = 0.0
-
-    def settle(
-        self, done: int, req_bytes: int, moved: int, latency: float, bandwidth: float
-    ) -> None:
-        """The tally of ``done`` transfers completed (``req_bytes`` asked,
-        ``moved`` moved) and the moving averages after them, per peer and
-        drained batch. Engine.drain writes these six fields through their
-        slots when they are plain int/float slots (as here) and calls this
-        method only otherwise (a subclass with properties): the fallback that
-        keeps the drain from depending on the record's layout."""
-        self.inflight -= done
-        self.inflight_bytes -= req_bytes
-        self.completed += done
-        self.bytes += moved
-        self.latency = latency
-        self.bandwidth = bandwidth
+# The live counters of one peer (see its docstring): a compiled class, its
+# counts C integers that the submit, the drain and aioxfer.nixl's repost add
+# to without making an int each (they were a dataclass's Python ints).
+PeerCounters = _cyx.PeerCounters
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,27 +41,33 @@ cdef extern from *:
 
 cdef extern from *:
     """
-    /* The C Future's done callbacks: its fields fut_callback0 (the first)
-       and fut_callbacks (a list of the rest), the second and fourth after
-       the loop in FutureObj_HEAD (CPython 3.11 to 3.14); NULL each when it
-       has none. Read only once _probe_cb_fields saw them there. */
+    /* The C Future's done callbacks: its fields fut_callback0 (the first),
+       fut_context0 (its context) and fut_callbacks (a list of the rest),
+       the second, third and fourth after the loop in FutureObj_HEAD
+       (CPython 3.11 to 3.14), by these indices from the loop's; NULL each
+       when it has none. Read only once _probe_cb_fields saw them there. */
+    enum { AXF_FUT_CALLBACK0 = 1, AXF_FUT_CONTEXT0 = 2, AXF_FUT_CALLBACKS = 3 };
     static inline PyObject *axf_future_field(PyObject *f, int i) {
         return ((PyObject **)((char *)f + sizeof(PyObject)))[i];
     }
     static inline int axf_future_has_callbacks(PyObject *f) {
         PyObject **p = (PyObject **)((char *)f + sizeof(PyObject));
-        return p[1] != NULL || p[3] != NULL;
+        return p[AXF_FUT_CALLBACK0] != NULL || p[AXF_FUT_CALLBACKS] != NULL;
     }
     /* Takes them off as the C Future's own future_schedule_callbacks does
        before it schedules them: no remove_done_callback, whose comparisons
        run a callback's __eq__ (which may raise, or change the list). */
     static inline void axf_future_clear_callbacks(PyObject *f) {
         PyObject **p = (PyObject **)((char *)f + sizeof(PyObject));
-        Py_CLEAR(p[1]);
-        Py_CLEAR(p[2]);
-        Py_CLEAR(p[3]);
+        Py_CLEAR(p[AXF_FUT_CALLBACK0]);
+        Py_CLEAR(p[AXF_FUT_CONTEXT0]);
+        Py_CLEAR(p[AXF_FUT_CALLBACKS]);
     }
     """
+    enum:
+        AXF_FUT_CALLBACK0
+        AXF_FUT_CONTEXT0
+        AXF_FUT_CALLBACKS
     PyObject *axf_future_field(object f, int i)
     bint axf_future_has_callbacks(object f)
     void axf_future_clear_callbacks(object f)
@@ -114,7 +120,8 @@ cdef extern from *:
     """
     int axf_list_empty(list lst) except -1
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
-from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow, PyLong_FromLongLong
+from cpython.long cimport (PyLong_AsLongLong, PyLong_AsLongLongAndOverflow, PyLong_FromLongLong,
+                           PyLong_FromUnsignedLongLong)
 from cpython.ref cimport PyObject
 
 cdef extern from *:
@@ -503,6 +510,235 @@ cdef object _eager_await(object f):
     return axf_base_await(_Future, f)
 
 
+# ------------------------------------------------------------------ counters
+# A peer's live counters (aioxfer.stats.PeerCounters is this class). Held as
+# Python ints in a dataclass, every request's submit (posted, inflight,
+# inflight_bytes up), drain (inflight, inflight_bytes down, completed, bytes
+# up) and aioxfer.nixl's repost read each as a C integer and made a new int
+# for it (~1.2 k instructions a compat request for the in-flight +1 then -1
+# alone). Here the eight counts are C integers the compiled paths add to,
+# and Python reads and writes them as int attributes as before. A count past
+# +-2**62 (a test, or years of bytes) is kept as a Python int: all eight
+# then live in a list (_big) and every path takes Python's arithmetic, back
+# to C integers once they all fit again.
+
+cdef enum:
+    _PK_POSTED = 0
+    _PK_COMPLETED = 1
+    _PK_FAILED = 2
+    _PK_BYTES = 3
+    _PK_INFLIGHT = 4
+    _PK_INFLIGHT_BYTES = 5
+    _PK_QUEUED = 6
+    _PK_QUEUED_BYTES = 7
+    _PK_INTS = 8
+
+_PK_NAMES = ("posted", "completed", "failed", "bytes", "inflight", "inflight_bytes", "queued",
+             "queued_bytes")
+
+cdef extern from *:
+    """
+    /* A C count's bound: |count| < 2**62 and |delta| <= 2**62, so that a
+       sum cannot overflow a long long before it is checked. */
+    #define AXF_PK_LIMIT (1LL << 62)
+    """
+    long long _PK_LIMIT "AXF_PK_LIMIT"
+
+from cpython.number cimport PyNumber_Index
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class PeerCounters:
+    """The live counters of one peer, typed: what the submission path and the
+    completion drain (``Engine.drain``, which settles them once per batch
+    and peer) update, and ``Peer.statistics()`` snapshots. Not public.
+
+    ``posted``, ``completed``, ``failed``, ``bytes``: its transfers;
+    ``inflight``/``inflight_bytes``: admitted to the engine and not yet
+    confirmed finished; ``queued``/``queued_bytes``: waiting in the peer's
+    scheduler; ``bandwidth`` (bytes/s) and ``latency`` (s): moving averages
+    (see aioxfer.stats.ESTIMATE_WEIGHT), 0.0 until a sample. The counts are
+    ints (any integer, numpy's too, is taken as its int), the averages
+    floats; the compiled paths add to the counts as C integers."""
+
+    cdef long long _v[_PK_INTS]
+    cdef list _big  # None while every count is in _v, else all eight as ints
+    cdef public double bandwidth
+    cdef public double latency
+
+    def __init__(self, posted=0, completed=0, failed=0, bytes=0, inflight=0,
+                 inflight_bytes=0, queued=0, queued_bytes=0, double bandwidth=0.0,
+                 double latency=0.0):
+        cdef Py_ssize_t i
+        self._big = None
+        for i in range(_PK_INTS):
+            self._v[i] = 0
+        _pk_set(self, _PK_POSTED, posted)
+        _pk_set(self, _PK_COMPLETED, completed)
+        _pk_set(self, _PK_FAILED, failed)
+        _pk_set(self, _PK_BYTES, bytes)
+        _pk_set(self, _PK_INFLIGHT, inflight)
+        _pk_set(self, _PK_INFLIGHT_BYTES, inflight_bytes)
+        _pk_set(self, _PK_QUEUED, queued)
+        _pk_set(self, _PK_QUEUED_BYTES, queued_bytes)
+        self.bandwidth = bandwidth
+        self.latency = latency
+
+    @property
+    def posted(self):
+        return _pk_get(self, _PK_POSTED)
+
+    @posted.setter
+    def posted(self, value):
+        _pk_set(self, _PK_POSTED, value)
+
+    @property
+    def completed(self):
+        return _pk_get(self, _PK_COMPLETED)
+
+    @completed.setter
+    def completed(self, value):
+        _pk_set(self, _PK_COMPLETED, value)
+
+    @property
+    def failed(self):
+        return _pk_get(self, _PK_FAILED)
+
+    @failed.setter
+    def failed(self, value):
+        _pk_set(self, _PK_FAILED, value)
+
+    @property
+    def bytes(self):
+        return _pk_get(self, _PK_BYTES)
+
+    @bytes.setter
+    def bytes(self, value):
+        _pk_set(self, _PK_BYTES, value)
+
+    @property
+    def inflight(self):
+        return _pk_get(self, _PK_INFLIGHT)
+
+    @inflight.setter
+    def inflight(self, value):
+        _pk_set(self, _PK_INFLIGHT, value)
+
+    @property
+    def inflight_bytes(self):
+        return _pk_get(self, _PK_INFLIGHT_BYTES)
+
+    @inflight_bytes.setter
+    def inflight_bytes(self, value):
+        _pk_set(self, _PK_INFLIGHT_BYTES, value)
+
+    @property
+    def queued(self):
+        return _pk_get(self, _PK_QUEUED)
+
+    @queued.setter
+    def queued(self, value):
+        _pk_set(self, _PK_QUEUED, value)
+
+    @property
+    def queued_bytes(self):
+        return _pk_get(self, _PK_QUEUED_BYTES)
+
+    @queued_bytes.setter
+    def queued_bytes(self, value):
+        _pk_set(self, _PK_QUEUED_BYTES, value)
+
+    def settle(self, done, req_bytes, moved, double latency, double bandwidth):
+        """The tally of ``done`` transfers completed (``req_bytes`` asked,
+        ``moved`` moved) and the moving averages after them, per peer and
+        drained batch: what Engine.drain applies (compiled) once per run of
+        one peer's records."""
+        _pk_add_obj(self, _PK_INFLIGHT, -done)
+        _pk_add_obj(self, _PK_INFLIGHT_BYTES, -req_bytes)
+        _pk_add_obj(self, _PK_COMPLETED, done)
+        _pk_add_obj(self, _PK_BYTES, moved)
+        self.latency = latency
+        self.bandwidth = bandwidth
+
+    def _fields(self):
+        return tuple([_pk_get(self, i) for i in range(_PK_INTS)]) + (self.bandwidth,
+                                                                      self.latency)
+
+    def __repr__(self):
+        f = self._fields()
+        return "PeerCounters(" + ", ".join(
+            [f"{n}={v!r}" for n, v in zip(_PK_NAMES + ("bandwidth", "latency"), f)]) + ")"
+
+    def __eq__(self, other):
+        if type(other) is not PeerCounters:
+            return NotImplemented
+        return self._fields() == (<PeerCounters>other)._fields()
+
+    __hash__ = None  # mutable, compared by value (as the dataclass was)
+
+
+cdef object _pk_get(PeerCounters c, int i):
+    if c._big is None:
+        return PyLong_FromLongLong(c._v[i])
+    return c._big[i]
+
+
+cdef int _pk_set(PeerCounters c, int i, object value) except -1:
+    """c's count i = value (an integer: int(value) as operator.index gives it)."""
+    cdef object x = PyNumber_Index(value)
+    cdef long long ll
+    cdef int ovf = 0
+    cdef Py_ssize_t k
+    if type(x) is not int:
+        x = int(x)  # (an int subclass: stored as its value)
+    ll = PyLong_AsLongLongAndOverflow(x, &ovf)
+    if c._big is None:
+        if not ovf and -_PK_LIMIT < ll < _PK_LIMIT:
+            c._v[i] = ll
+            return 0
+        c._big = [PyLong_FromLongLong(c._v[k]) for k in range(_PK_INTS)]
+    c._big[i] = x
+    for k in range(_PK_INTS):
+        ll = PyLong_AsLongLongAndOverflow(c._big[k], &ovf)
+        if ovf or not (-_PK_LIMIT < ll < _PK_LIMIT):
+            return 0
+    for k in range(_PK_INTS):  # all fit again
+        c._v[k] = PyLong_AsLongLong(c._big[k])
+    c._big = None
+    return 0
+
+
+cdef inline int _pk_add(PeerCounters c, int i, long long d) except -1:
+    """c's count i += d, |d| <= 2**62: a C addition while it fits (inline:
+    the rest out of line)."""
+    cdef long long r
+    if c._big is None:
+        r = c._v[i] + d
+        if -_PK_LIMIT < r < _PK_LIMIT:
+            c._v[i] = r
+            return 0
+    return _pk_add_slow(c, i, d)
+
+
+cdef int _pk_add_slow(PeerCounters c, int i, long long d) except -1:
+    """_pk_add past 2**62: Python's ints."""
+    return _pk_set(c, i, _pk_get(c, i) + d)
+
+
+cdef int _pk_add_obj(PeerCounters c, int i, object d) except -1:
+    """c's count i += d, any integer d."""
+    return _pk_set(c, i, _pk_get(c, i) + PyNumber_Index(d))
+
+
+cdef inline int _pk_add_u(PeerCounters c, int i, uint64_t d, bint down) except -1:
+    """c's count i += d (-= d when down), d unsigned."""
+    if d <= <uint64_t>_PK_LIMIT:
+        return _pk_add(c, i, -<long long>d if down else <long long>d)
+    return _pk_add_obj(c, i, -PyLong_FromUnsignedLongLong(d) if down
+                       else PyLong_FromUnsignedLongLong(d))
+
+
 # ------------------------------------------------------------------ settle
 
 _C_NAMES = ("inflight", "inflight_bytes", "completed", "bytes", "latency", "bandwidth")
@@ -537,6 +773,9 @@ cdef double _counters_float(object counters, int field) except? -1.0:
     """counters.latency or .bandwidth (field), through its slot when it holds
     a float."""
     cdef PyObject *v
+    if type(counters) is PeerCounters:
+        return ((<PeerCounters>counters).latency if field == _C_LATENCY
+                else (<PeerCounters>counters).bandwidth)
     if type(counters) is not _counters_type:
         _counters_resolve(type(counters))
     if _counters_off[field] >= 0:
@@ -619,13 +858,35 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
                  double latency, double bandwidth) except -1:
     """Engine.drain's per-peer tally of ``done`` completed transfers
     (``req_bytes`` asked, ``moved`` moved) onto the peer's counters
-    (aioxfer.stats.PeerCounters, a typed record, not the Peer): inflight and
-    inflight_bytes down, completed and bytes up, latency and bandwidth set.
-    Through the fields' slots when they are plain ones holding ints (a
-    Python call costs ~2 k instructions, most of an awaited small
-    transfer's completion), else by the counters' own settle(), which does
-    the same."""
+    (PeerCounters, not the Peer): inflight and inflight_bytes down,
+    completed and bytes up, latency and bandwidth set. PeerCounters' counts
+    as C integers; other counters' through their slots when they are plain
+    ones holding ints (a Python call costs ~2 k instructions, most of an
+    awaited small transfer's completion), else by their own settle(), which
+    does the same."""
     cdef long long v[4]
+    cdef PeerCounters pc
+    if type(counters) is PeerCounters:  # its counts are C integers
+        pc = <PeerCounters>counters
+        pc.latency = latency
+        pc.bandwidth = bandwidth
+        if pc._big is None and req_bytes < <uint64_t>_PK_LIMIT and moved < <uint64_t>_PK_LIMIT:
+            v[0] = pc._v[_PK_INFLIGHT] - done
+            v[1] = pc._v[_PK_INFLIGHT_BYTES] - <long long>req_bytes
+            v[2] = pc._v[_PK_COMPLETED] + done
+            v[3] = pc._v[_PK_BYTES] + <long long>moved
+            if (-_PK_LIMIT < v[0] and -_PK_LIMIT < v[1] and v[2] < _PK_LIMIT
+                    and v[3] < _PK_LIMIT and done >= 0):
+                pc._v[_PK_INFLIGHT] = v[0]
+                pc._v[_PK_INFLIGHT_BYTES] = v[1]
+                pc._v[_PK_COMPLETED] = v[2]
+                pc._v[_PK_BYTES] = v[3]
+                return 0
+        _pk_add(pc, _PK_INFLIGHT, -<long long>done)
+        _pk_add_u(pc, _PK_INFLIGHT_BYTES, req_bytes, True)
+        _pk_add(pc, _PK_COMPLETED, done)
+        _pk_add_u(pc, _PK_BYTES, moved, False)
+        return 0
     if type(counters) is not _counters_type:
         _counters_resolve(type(counters))
     if (_counters_fast and req_bytes < (1ULL << 62) and moved < (1ULL << 62)
@@ -672,17 +933,20 @@ cdef bint _probe_cb_fields(object loop) except -1:
         return False
     f = _Future(loop=loop)
     a, b = object(), object()
-    if axf_future_field(f, 1) != NULL or axf_future_field(f, 3) != NULL:
+    if (axf_future_field(f, AXF_FUT_CALLBACK0) != NULL
+            or axf_future_field(f, AXF_FUT_CALLBACKS) != NULL):
         return False
     ctx = _copy_context()
     f.add_done_callback(a, context=ctx)
-    if (axf_future_field(f, 1) != <PyObject *>a or axf_future_field(f, 2) != <PyObject *>ctx
-            or axf_future_field(f, 3) != NULL):
+    if (axf_future_field(f, AXF_FUT_CALLBACK0) != <PyObject *>a
+            or axf_future_field(f, AXF_FUT_CONTEXT0) != <PyObject *>ctx
+            or axf_future_field(f, AXF_FUT_CALLBACKS) != NULL):
         return False
     f.add_done_callback(b)
-    if (axf_future_field(f, 1) != <PyObject *>a or axf_future_field(f, 3) == NULL
-            or type(<object>axf_future_field(f, 3)) is not list
-            or len(<list>axf_future_field(f, 3)) != 1):
+    if (axf_future_field(f, AXF_FUT_CALLBACK0) != <PyObject *>a
+            or axf_future_field(f, AXF_FUT_CALLBACKS) == NULL
+            or type(<object>axf_future_field(f, AXF_FUT_CALLBACKS)) is not list
+            or len(<list>axf_future_field(f, AXF_FUT_CALLBACKS)) != 1):
         return False
     f.remove_done_callback(a)
     f.remove_done_callback(b)
@@ -718,19 +982,79 @@ cdef list _take_callbacks(object fut, list wake):
     cbs = fut._callbacks
     if not cbs:
         return wake
+    return _take_callbacks_removing(fut, wake, cbs)
+
+
+# The first error _take_callbacks_removing met (a callback's __eq__ raising in
+# remove_done_callback), for its caller to report as the drain reports its
+# callbacks' errors (its `failed`): it returns the wake list, not raises.
+cdef object _take_error = None
+
+
+cdef list _take_callbacks_removing(object fut, list wake, object cbs):
+    """_take_callbacks for a future whose callback fields were not probed
+    (not the C Future of CPython 3.11-3.14): each taken off by
+    remove_done_callback. One that stays on the future (its removal raised:
+    a callback's ``__eq__`` runs in its comparisons) is left to the future,
+    which schedules it itself once done, and the error goes to _take_error:
+    raised from here, it escaped the drain, whose finally freed the batch's
+    other records unread."""
+    global _take_error
+    cdef object cb, ctx, loop, left, err = None
+    cdef dict stay
+    cdef tuple key
     # A copy: with no first callback (fut_callback0 cleared by a
     # remove_done_callback) the C Future hands out its own list, which the
     # removals below shrink while they walk it: every other callback was
     # skipped, left on the future, and run twice (its own wake-up too).
     cbs = list(cbs)
-    if wake is None:
-        wake = []
+    for cb, ctx in cbs:
+        try:
+            _remove_done_callback(fut, cb)
+        except Exception as exc:
+            if err is None:
+                err = exc
+    stay = None
+    if err is not None:
+        if _take_error is None:
+            _take_error = err
+        # What is still on the future (by identity, counted): run by it, not
+        # by the drain's handle, so that nothing runs twice.
+        left = fut._callbacks
+        stay = {}
+        for cb, ctx in (left or ()):
+            key = (id(cb), id(ctx))
+            stay[key] = stay.get(key, 0) + 1
     loop = fut.get_loop()
     for cb, ctx in cbs:
+        if stay:
+            key = (id(cb), id(ctx))
+            if stay.get(key, 0) > 0:
+                stay[key] -= 1
+                continue
+        if wake is None:
+            wake = []
         wake.append((cb, ctx, fut, loop))
-    for cb, ctx in cbs:
-        _remove_done_callback(fut, cb)
     return wake
+
+
+cdef inline object _take_callbacks_error():
+    """The error _take_callbacks_removing kept (None: none), now cleared."""
+    global _take_error
+    cdef object err = _take_error
+    if err is not None:
+        _take_error = None
+    return err
+
+
+def _force_cb_fields(int value):
+    """Sets _take_callbacks' probe answer (1: the C Future's fields, 0: the
+    remove_done_callback path, -1: probe again at the next drain); returns
+    the previous one. For tests of the path other futures take."""
+    global _cb_fields
+    cdef int prev = _cb_fields
+    _cb_fields = value
+    return prev
 
 
 cdef int _schedule_callbacks(list wake) except -1:

@@ -899,6 +899,10 @@ cdef class Engine:
                                      seconds, path, c.fail_index)
                     if _xfer_future and self.batch_wakeups:
                         wake = _take_callbacks(t, wake)
+                        if _take_error is not None:  # (the remove_done_callback path's)
+                            exc = _take_callbacks_error()
+                            if failed is None:
+                                failed = exc
                         _fut_set_result(t, r)
                     elif _xfer_future:
                         _fut_set_result(t, r)

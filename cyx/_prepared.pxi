@@ -189,7 +189,8 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
     cdef object sub = s._sub
     cdef PyObject *v
     cdef object counters, engine, inflight, pending, pending_t, t, req_id, res
-    cdef long long posted, k_posted, k_inflight, k_bytes, n
+    cdef long long n
+    cdef object totals
     cdef int st
     if not s._ok or type(nbytes) is not int or type(priority) is not int:
         return s._submit_now(peer, opcode, descs, nbytes, op, priority)
@@ -219,23 +220,14 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
     counters = _slot_obj(peer, s._q[_Q_COUNTERS])
     if counters is None:
         return s._submit_now(peer, opcode, descs, nbytes, op, priority)
-    if type(counters) is not s._counters_type:
-        s._counters_ok = _offsets(type(counters), _K_NAMES, s._k, _K_FIELDS)
-        s._counters_type = type(counters)
     n = PyLong_AsLongLong(nbytes)
-    if (not s._counters_ok or n < 0 or n > (1LL << 62)
-            or not _slot_int(sub, s._s[_S_POSTED], &posted)
-            or not _slot_int(counters, s._k[_K_POSTED], &k_posted)
-            or not _slot_int(counters, s._k[_K_INFLIGHT], &k_inflight)
-            or not _slot_int(counters, s._k[_K_INFLIGHT_BYTES], &k_bytes)):
+    totals = _totals_of(sub, s._s[_S_TOTALS])
+    if type(counters) is not PeerCounters or n < 0 or n > (1LL << 62) or totals is None:
         return s._submit_now(peer, opcode, descs, nbytes, op, priority)
     # As Submitter._submit does it, in its order.
-    req_id = PyLong_FromLongLong(posted + 1)
-    axf_slot_put(sub, s._s[_S_POSTED], req_id)
+    req_id = _next_req_id(<PeerCounters>totals)
     t = (<FutureMaker>s._maker)._make(sub, req_id, op, peer, nbytes)
-    axf_slot_put(counters, s._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
-    axf_slot_put(counters, s._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
-    axf_slot_put(counters, s._k[_K_INFLIGHT_BYTES], PyLong_FromLongLong(k_bytes + n))
+    _pk_count_in(<PeerCounters>counters, n)
     (<dict>inflight)[req_id] = t
     try:
         st = _post_inline(<Engine>engine, _slot_obj(peer, s._q[_Q_EP]), opcode, descs, req_id,
@@ -287,15 +279,15 @@ cdef object _post_small(Prepared p, Submitter s):
     cdef FutureMaker mk
     cdef Engine e
     cdef _slot *sl
-    cdef long long posted, k_posted, k_inflight, k_bytes, n
+    cdef long long n
+    cdef object totals
     cdef double t0, now, seconds, latency, bandwidth
     cdef uint32_t flags = AXF_POST_DEFER | AXF_POST_POLL | AXF_POST_INLINE
     cdef int st = 0
     cdef int gc_was
     cdef object err = None
     if (not s._ok or type(nbytes) is not int or type(p.priority) is not int
-            or type(peer) is not s._peer_type or not s._peer_ok or s._maker is None
-            or not s._counters_ok):
+            or type(peer) is not s._peer_type or not s._peer_ok or s._maker is None):
         return None
     mk = <FutureMaker>s._maker
     if mk._loop is None or mk._loop_dict is None:
@@ -321,14 +313,12 @@ cdef object _post_small(Prepared p, Submitter s):
             or axf_slot_ptr(peer, s._q[_Q_EP]) == NULL):
         return None
     counters = _slot_obj(peer, s._q[_Q_COUNTERS])
-    if counters is None or type(counters) is not s._counters_type:
+    # (Its counts C integers: nothing in the stretch below runs Python.)
+    if type(counters) is not PeerCounters or (<PeerCounters>counters)._big is not None:
         return None
     n = PyLong_AsLongLong(nbytes)
-    if (n <= 0 or n > _GIL_KEPT_BYTES
-            or not _slot_int(sub, s._s[_S_POSTED], &posted)
-            or not _slot_int(counters, s._k[_K_POSTED], &k_posted)
-            or not _slot_int(counters, s._k[_K_INFLIGHT], &k_inflight)
-            or not _slot_int(counters, s._k[_K_INFLIGHT_BYTES], &k_bytes)):
+    totals = _totals_of(sub, s._s[_S_TOTALS])
+    if n <= 0 or n > _GIL_KEPT_BYTES or totals is None:
         return None
     e = <Engine>engine
     e._ensure_slots(1)
@@ -340,11 +330,8 @@ cdef object _post_small(Prepared p, Submitter s):
         flags |= AXF_POST_ALONE
     # Counted as Submitter._submit counts it (its Transfer, if any, later).
     t0 = _perf_counter()
-    req_id = PyLong_FromLongLong(posted + 1)
-    axf_slot_put(sub, s._s[_S_POSTED], req_id)
-    axf_slot_put(counters, s._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
-    axf_slot_put(counters, s._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
-    axf_slot_put(counters, s._k[_K_INFLIGHT_BYTES], PyLong_FromLongLong(k_bytes + n))
+    req_id = _next_req_id(<PeerCounters>totals)
+    _pk_count_in(<PeerCounters>counters, n)
     gc_was = PyGC_Disable()
     try:
         try:
@@ -372,8 +359,8 @@ cdef object _post_small(Prepared p, Submitter s):
             bandwidth = _counters_float(counters, _C_BANDWIDTH)
             _average_in(&latency, &bandwidth, <uint64_t>n, seconds, s._bandwidth_min, s._weight)
             _settle(counters, 1, <uint64_t>n, <uint64_t>n, latency, bandwidth)
-            _add_total(sub, s._s[_S_COMPLETED], 1)
-            _add_total(sub, s._s[_S_BYTES], nbytes)
+            _add_total(sub, s._s[_S_TOTALS], _PK_COMPLETED, 1)
+            _add_total(sub, s._s[_S_TOTALS], _PK_BYTES, nbytes)
             t = p._done_t
         else:
             # In flight (or refused): its Transfer, as _submit makes it, in
@@ -490,6 +477,10 @@ cdef int _done_inline(Engine e, Submitter s, dict inflight, object t, object req
             r = _make_result(s._result_type, asked, seconds, path, 0)
             if _xfer_future and e.batch_wakeups:
                 wake = _take_callbacks(t, wake)
+                if _take_error is not None:  # (the remove_done_callback path's)
+                    exc = _take_callbacks_error()
+                    if failed is None:
+                        failed = exc
                 _fut_set_result(t, r)
             elif _xfer_future:
                 _fut_set_result(t, r)
@@ -499,8 +490,8 @@ cdef int _done_inline(Engine e, Submitter s, dict inflight, object t, object req
         _settle(counters, 1, nb, nb, latency, bandwidth)
         if wake:
             _schedule_callbacks(wake)
-    _add_total(sub, s._s[_S_COMPLETED], 1)
-    _add_total(sub, s._s[_S_BYTES], asked)
+    _add_total(sub, s._s[_S_TOTALS], _PK_COMPLETED, 1)
+    _add_total(sub, s._s[_S_TOTALS], _PK_BYTES, asked)
     if failed is not None:
         _report_drain_error(failed)
     return 0

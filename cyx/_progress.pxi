@@ -112,26 +112,13 @@ cdef class Poller:
             self._loop.call_soon(self._run_cb)
         return 0
 
-    cdef long long _alone_us(self, object t) except -1:
-        """How long an await polls for its lone transfer t (spin_alone),
-        microseconds: twice what the peer takes for it, at least the budget
-        (poll_us) and at most alone_max_us. What it takes: its latency
-        average (t.peer._counters.latency, s: small transfers), or for a
-        large transfer (bandwidth_min or more) its bytes at the peer's
-        bandwidth average (.bandwidth, bytes/s) when that is longer: a 1 MiB
-        tcp request takes ~250 us where a small one takes ~25, and a poll
-        bounded by the small ones' ran out before most 1 MiB READs completed.
-        The counters' two fields read through their slots when they are
-        plain float slots, else as attributes."""
-        cdef object peer, c
+    cdef tuple _averages(self, object c):
+        """(latency, bandwidth) of peer counters c that are not PeerCounters:
+        through their slots when they are plain float slots, else as
+        attributes."""
         cdef PyObject *lat
         cdef PyObject *bwp
-        cdef double latency, bw, nb
-        cdef long long us, sized
-        if type(t) is not _xfer_type:
-            _xfer_resolve(type(t))
-        peer = _xfer_get(t, _T_PEER)
-        c = peer._counters
+        cdef double latency, bw
         if type(c) is not self._counters_type:
             self._counters_ok = _offsets(type(c), _PC_NAMES, self._c, _PC_FIELDS)
             self._counters_type = type(c)
@@ -145,6 +132,31 @@ cdef class Poller:
             bw = PyFloat_AS_DOUBLE(<object>bwp)
         else:
             bw = c.bandwidth
+        return latency, bw
+
+    cdef long long _alone_us(self, object t) except -1:
+        """How long an await polls for its lone transfer t (spin_alone),
+        microseconds: twice what the peer takes for it, at least the budget
+        (poll_us) and at most alone_max_us. What it takes: its latency
+        average (t.peer._counters.latency, s: small transfers), or for a
+        large transfer (bandwidth_min or more) its bytes at the peer's
+        bandwidth average (.bandwidth, bytes/s) when that is longer: a 1 MiB
+        tcp request takes ~250 us where a small one takes ~25, and a poll
+        bounded by the small ones' ran out before most 1 MiB READs completed.
+        PeerCounters' two fields are C doubles; other counters' are read
+        by _averages."""
+        cdef object peer, c
+        cdef double latency, bw, nb
+        cdef long long us, sized
+        if type(t) is not _xfer_type:
+            _xfer_resolve(type(t))
+        peer = _xfer_get(t, _T_PEER)
+        c = _peer_get(peer, _P_COUNTERS)
+        if type(c) is PeerCounters:  # (its averages are C doubles)
+            latency = (<PeerCounters>c).latency
+            bw = (<PeerCounters>c).bandwidth
+        else:
+            latency, bw = self._averages(c)
         us = <long long>(latency * 2e6)
         if bw > 0.0:
             nb = _xfer_get(t, _T_NBYTES)

@@ -14,7 +14,7 @@
 # slot holding what is expected) goes to the Python method, which does all.
 
 cdef enum:
-    _S_POSTED = 0
+    _S_TOTALS = 0
     _S_INFLIGHT = 1
     _S_PENDING = 2
     _S_PENDING_T = 3
@@ -25,17 +25,15 @@ cdef enum:
     _S_ALONE_MAX = 8
     _S_CLOSED = 9
     _S_PENDING_CANCELLED = 10
-    _S_COMPLETED = 11
-    _S_BYTES = 12
-    _S_ENGINE = 13
-    _S_ON_RECORD = 14
-    _S_RELEASE = 15
-    _S_POLLER = 16
-    _S_FIELDS = 17
+    _S_ENGINE = 11
+    _S_ON_RECORD = 12
+    _S_RELEASE = 13
+    _S_POLLER = 14
+    _S_FIELDS = 15
 
-_S_NAMES = ("posted", "inflight", "_pending", "_pending_t", "_flush_scheduled", "_make", "_loop",
-            "_eager_streak", "alone_max", "closed", "_pending_cancelled", "completed", "bytes",
-            "_engine", "_on_record_cb", "_release_cb", "_poller")
+_S_NAMES = ("_totals", "inflight", "_pending", "_pending_t", "_flush_scheduled", "_make",
+            "_loop", "_eager_streak", "alone_max", "closed", "_pending_cancelled", "_engine",
+            "_on_record_cb", "_release_cb", "_poller")
 
 cdef enum:
     _Q_COUNTERS = 0
@@ -46,13 +44,22 @@ cdef enum:
 
 _Q_NAMES = ("_counters", "_lost", "_ep", "_sched")
 
-cdef enum:
-    _K_POSTED = 0
-    _K_INFLIGHT = 1
-    _K_INFLIGHT_BYTES = 2
-    _K_FIELDS = 3
 
-_K_NAMES = ("posted", "inflight", "inflight_bytes")
+cdef inline int _pk_count_in(PeerCounters c, long long n) except -1:
+    """A request of n bytes (0 <= n <= 2**62) posted to c's peer, in flight:
+    what Submission.submit adds to its counters (C additions while they
+    stay within 2**62)."""
+    if (c._big is None and c._v[_PK_POSTED] < _PK_LIMIT - 1
+            and c._v[_PK_INFLIGHT] < _PK_LIMIT - 1
+            and c._v[_PK_INFLIGHT_BYTES] + n < _PK_LIMIT):
+        c._v[_PK_POSTED] += 1
+        c._v[_PK_INFLIGHT] += 1
+        c._v[_PK_INFLIGHT_BYTES] += n
+        return 0
+    _pk_add(c, _PK_POSTED, 1)
+    _pk_add(c, _PK_INFLIGHT, 1)
+    _pk_add(c, _PK_INFLIGHT_BYTES, n)
+    return 0
 
 
 cdef inline object _slot_obj(object o, Py_ssize_t off):
@@ -113,9 +120,6 @@ cdef class Submitter:
     cdef object _peer_type
     cdef bint _peer_ok
     cdef Py_ssize_t _q[_Q_FIELDS]
-    cdef object _counters_type
-    cdef bint _counters_ok
-    cdef Py_ssize_t _k[_K_FIELDS]
     cdef object _make_seen  # sub._make as last seen, and its FutureMaker (or None)
     cdef object _maker
     cdef bint _direct  # _submit(now=True) posted the request itself
@@ -166,7 +170,8 @@ cdef class Submitter:
         cdef PyObject *v
         cdef object make, counters  # owned: make() can run Python that rebinds them
         cdef object engine
-        cdef long long posted, k_posted, k_inflight, k_bytes, n
+        cdef long long n
+        cdef object totals
         # A priority that is not an exact int (a float, None, a numpy
         # integer) goes to the Python method, which checks it for every peer,
         # with limits or not, before anything is made or counted.
@@ -186,15 +191,9 @@ cdef class Submitter:
         counters = _slot_obj(peer, self._q[_Q_COUNTERS])
         if counters is None:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
-        if type(counters) is not self._counters_type:
-            self._counters_ok = _offsets(type(counters), _K_NAMES, self._k, _K_FIELDS)
-            self._counters_type = type(counters)
         n = PyLong_AsLongLong(nbytes)
-        if (not self._counters_ok or n < 0 or n > (1LL << 62)
-                or not _slot_int(sub, self._s[_S_POSTED], &posted)
-                or not _slot_int(counters, self._k[_K_POSTED], &k_posted)
-                or not _slot_int(counters, self._k[_K_INFLIGHT], &k_inflight)
-                or not _slot_int(counters, self._k[_K_INFLIGHT_BYTES], &k_bytes)):
+        totals = _totals_of(sub, self._s[_S_TOTALS])
+        if type(counters) is not PeerCounters or n < 0 or n > (1LL << 62) or totals is None:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
         inflight = _slot_obj(sub, self._s[_S_INFLIGHT])
         pending = _slot_obj(sub, self._s[_S_PENDING])
@@ -202,8 +201,7 @@ cdef class Submitter:
         if type(inflight) is not dict or type(pending) is not list or type(pending_t) is not list:
             return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
         # As Submission.submit does it, in its order.
-        req_id = PyLong_FromLongLong(posted + 1)
-        axf_slot_put(sub, self._s[_S_POSTED], req_id)
+        req_id = _next_req_id(<PeerCounters>totals)
         if make is not self._make_seen:  # a FutureMaker's bound make: called directly
             self._make_seen = make
             self._maker = None
@@ -214,10 +212,7 @@ cdef class Submitter:
             t = (<FutureMaker>self._maker)._make(sub, req_id, op, peer, nbytes)
         else:
             t = make(sub, req_id, op, peer, nbytes)
-        axf_slot_put(counters, self._k[_K_POSTED], PyLong_FromLongLong(k_posted + 1))
-        axf_slot_put(counters, self._k[_K_INFLIGHT], PyLong_FromLongLong(k_inflight + 1))
-        axf_slot_put(counters, self._k[_K_INFLIGHT_BYTES],
-                     PyLong_FromLongLong(k_bytes + n))
+        _pk_count_in(<PeerCounters>counters, n)
         (<dict>inflight)[req_id] = t
         if now and not <list>pending and not <list>pending_t and notify is None:
             # Nothing batched: posted now on its own (flush's checks).
@@ -345,8 +340,8 @@ cdef class Submitter:
                 <dict>inflight, _slot_obj(sub, self._s[_S_ON_RECORD]),
                 _slot_obj(sub, self._s[_S_RELEASE]),
                 self._result_type, self._weight, self._bandwidth_min, self._poll_max)
-            _add_total(sub, self._s[_S_COMPLETED], res[1])
-            _add_total(sub, self._s[_S_BYTES], res[2])
+            _add_total(sub, self._s[_S_TOTALS], _PK_COMPLETED, res[1])
+            _add_total(sub, self._s[_S_TOTALS], _PK_BYTES, res[2])
             if res[0] < self._poll_max:
                 return None
             rounds -= 1
@@ -397,8 +392,8 @@ cdef class Submitter:
         cdef PyObject *v
         cdef object statuses = res[0]
         if statuses is None:
-            _add_total(sub, self._s[_S_COMPLETED], res[2])
-            _add_total(sub, self._s[_S_BYTES], res[3])
+            _add_total(sub, self._s[_S_TOTALS], _PK_COMPLETED, res[2])
+            _add_total(sub, self._s[_S_TOTALS], _PK_BYTES, res[3])
             if PyLong_AsSsize_t(res[1]) >= self._poll_max:
                 sub.drain()  # more remain
         else:
@@ -414,22 +409,43 @@ cdef class Submitter:
         return True
 
 
-cdef int _add_total(object o, Py_ssize_t off, object d) except -1:
-    """o's int field at slot offset off += d (a count the engine returned,
-    an int): as C integers while both are within 2**62 (the generic add and
-    its type dispatch cost ~150 instructions a total, two totals per post
-    and per drain), else Python's +; nothing to do for 0."""
-    cdef long long cur, dv
+cdef int _add_total(object sub, Py_ssize_t off, int i, object d) except -1:
+    """The Submission's total i (_PK_COMPLETED, _PK_BYTES: its _totals, a
+    PeerCounters at slot offset off) += d (a count the engine returned, an
+    int): a C addition while it fits (the generic add and its type dispatch,
+    then a new int, cost ~85 instructions a total, two totals per post and
+    per drain); nothing to do for 0."""
+    cdef PyObject *v = axf_slot_ptr(sub, off)
+    cdef long long dv
     cdef int ovf = 0
+    if v == NULL or type(<object>v) is not PeerCounters:
+        setattr(sub, _PK_NAMES[i], getattr(sub, _PK_NAMES[i]) + d)  # (not ours: as Python)
+        return 0
     if type(d) is int:
         dv = PyLong_AsLongLongAndOverflow(d, &ovf)
-        if dv == 0 and not ovf:
+        if not ovf and 0 <= dv <= _PK_LIMIT:
+            if dv:
+                _pk_add(<PeerCounters><object>v, i, dv)
             return 0
-        if 0 < dv < (1LL << 62) and _slot_int(o, off, &cur):
-            axf_slot_put(o, off, PyLong_FromLongLong(cur + dv))
-            return 0
-    axf_slot_put(o, off, _slot_obj(o, off) + d)
-    return 0
+    return _pk_add_obj(<PeerCounters><object>v, i, d)
+
+
+cdef inline object _totals_of(object sub, Py_ssize_t off):
+    """The Submission's totals (_totals, a PeerCounters), when its next
+    request id is a C integer; else None (the Python method then counts)."""
+    cdef PyObject *v = axf_slot_ptr(sub, off)
+    if (v == NULL or type(<object>v) is not PeerCounters
+            or (<PeerCounters><object>v)._big is not None
+            or (<PeerCounters><object>v)._v[_PK_POSTED] >= _PK_LIMIT - 1):
+        return None
+    return <object>v
+
+
+cdef inline object _next_req_id(PeerCounters totals):
+    """totals.posted += 1, the new value: the request id Submission.submit
+    hands out (totals from _totals_of)."""
+    totals._v[_PK_POSTED] += 1
+    return PyLong_FromLongLong(totals._v[_PK_POSTED])
 
 
 # ------------------------------------------------------------------ post
