@@ -15,7 +15,9 @@
  *
  * Whatever a transfer engine adds (headers, bounds checks, completion rings,
  * Python) it cannot go below this. One JSON line on stdout:
- *   {"op": "WRITE", "size": S, "conns": N, "poll": P, "iters": I, "secs": T, "us_med": M}
+ *   {"op": "WRITE", "size": S, "conns": N, "poll": P, "iters": I, "secs": T, "us_med": M,
+ *    "send_us_med": the median time of a request's sends (WRITE: the copies into the
+ *    sockets; READ: the one-byte requests), ...}
  *
  *   tcp_floor WRITE|READ SIZE CONNS SECS [poll] [auto] [zc]
  *
@@ -225,7 +227,8 @@ int main(int argc, char **argv)
     uint32_t zc_sends[MAX_CONNS] = {0}, zc_done[MAX_CONNS] = {0};
     char *buf = malloc(size);
     double *lat = malloc(sizeof(double) * MAX_SAMPLES);
-    if (!buf || !lat)
+    double *snd = malloc(sizeof(double) * MAX_SAMPLES);
+    if (!buf || !lat || !snd)
         die("malloc");
     memset(buf, 3, size);
 
@@ -240,6 +243,7 @@ int main(int argc, char **argv)
             if (send_all(fds[i], p, write_op ? part : 1, zflag, zflag ? &zc_sends[i] : NULL))
                 die("send");
         }
+        snd[iters] = now_us() - s; /* the sends' part of it */
         for (int i = 0; i < conns; i++) {
             void *p = write_op ? &b : buf + (size_t)i * part;
             if (recv_all(fds[i], p, write_op ? 1 : part))
@@ -255,12 +259,15 @@ int main(int argc, char **argv)
         close(fds[i]);
     waitpid(pid, NULL, 0);
     qsort(lat, (size_t)iters, sizeof(double), cmp_double);
+    qsort(snd, (size_t)iters, sizeof(double), cmp_double);
     printf("{\"op\": \"%s\", \"size\": %zu, \"conns\": %d, \"poll\": %d, \"iters\": %ld, "
-           "\"secs\": %.6f, \"us_med\": %.3f, \"auto\": %d, \"zc\": %d, \"zc_notes\": %ld, "
+           "\"secs\": %.6f, \"us_med\": %.3f, \"send_us_med\": %.3f, \"auto\": %d, \"zc\": %d, \"zc_notes\": %ld, "
            "\"zc_copied\": %ld}\n",
            write_op ? "WRITE" : "READ", size, conns, poll_rx, iters, total / 1e6, lat[iters / 2],
+           snd[iters / 2],
            auto_buf, zc, zc_notes, zc_copied);
     free(lat);
+    free(snd);
     free(buf);
     return 0;
 }

@@ -299,12 +299,18 @@ static void mark_dirty(axf_engine *e, conn *c)
  * a halted vCPU's wake-up costs ~20-30 us): in 23 % of requests both sends
  * ran on one CPU (median 192 us against 148), in 35 % both target receivers
  * (170 against 142); the best tenth take 75-90 us (11-14 GB/s). The floor's
- * and NIXL's pollers never sleep, so are never placed. Measured and left
+ * and NIXL's pollers never sleep, so are never placed; but one sender's copy
+ * bounds them: tcp_floor's 1 MiB request (one connection, polled) is 127-133
+ * us of send in 131 (send_us_med), where two senders in parallel can do a
+ * request in 75-90. Whole on one connection our target's poll does catch the
+ * header (9 us after the post, other CPU: NIXL's shape), but the 1 MiB
+ * sendmsg took 159 us median (p90 327; 4.5 GB/s). Measured and left
  * (interleaved, quiet runs): the posting thread sending both halves 0.82x
  * (its receivers then woken onto its CPU), the halves kept on two
- * connections 0.98x, sending threads SCHED_BATCH (no wake-up preemption)
- * 1.12x then 0.90x (noise), no spin for these waits 0.74x, nanosleep in the
- * spin 0.63x. */
+ * connections 0.98x, the sending thread's affinity set to the posting
+ * thread's other CPU before its wake-up 0.89x, sending threads SCHED_BATCH
+ * (no wake-up preemption) 1.12x then 0.90x (noise), no spin for these
+ * waits 0.74x, nanosleep in the spin 0.63x. */
 static uint64_t tcp_chunk(axf_engine *e, const op *o)
 {
     uint64_t chunk = e->cfg.chunk_bytes;
