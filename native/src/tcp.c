@@ -302,7 +302,10 @@ static void mark_dirty(axf_engine *e, conn *c)
  * and NIXL's pollers never sleep, so are never placed; but one sender's copy
  * bounds them: tcp_floor's 1 MiB request (one connection, polled) is 127-133
  * us of send in 131 (send_us_med), where two senders in parallel can do a
- * request in 75-90. Whole on one connection our target's poll does catch the
+ * request in 75-90; tcp_floor in our shape (two connections, the second
+ * part sent by a thread woken per request: `senders`) measured 97-115 us
+ * polled and 112-154 blocking, against 142-168 for us in the same runs. Whole
+ * on one connection our target's poll does catch the
  * header (9 us after the post, other CPU: NIXL's shape), but the 1 MiB
  * sendmsg took 159 us median (p90 327; 4.5 GB/s). Measured and left
  * (interleaved, quiet runs): the posting thread sending both halves 0.82x
