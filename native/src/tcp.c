@@ -313,7 +313,10 @@ static void mark_dirty(axf_engine *e, conn *c)
  * connections 0.98x, the sending thread's affinity set to the posting
  * thread's other CPU before its wake-up 0.89x, sending threads SCHED_BATCH
  * (no wake-up preemption) 1.12x then 0.90x (noise), no spin for these
- * waits 0.74x, nanosleep in the spin 0.63x. */
+ * waits 0.74x, nanosleep in the spin 0.63x; two receivers of an engine
+ * polling at once (rx_spinners up to 2, for the next request and the
+ * payload) 1.24x and 1.23x (4 and 7 pairs) then 0.92x (4 pairs): worth a
+ * steadier machine before taking it, with its cost for requests in flight. */
 static uint64_t tcp_chunk(axf_engine *e, const op *o)
 {
     uint64_t chunk = e->cfg.chunk_bytes;
