@@ -408,8 +408,8 @@ enum {
     TR_RX_BLOCK,   /* a receiver blocks in recv for a header */
     TR_STREAM_B,   /* rx_stream: a = 1 when it polled */
     TR_STREAM_E,
-    TR_WAIT_B,     /* axf_wait_ex's spin (engine.c: points not on main) */
-    TR_WAIT_E,
+    TR_WAIT_B,     /* axf_wait_ex's spin: a = its bound, us */
+    TR_WAIT_E,     /* a = the records ready when it stopped */
     TR_CQ_PUSH,    /* a = whether it wrote the eventfd */
     TR_SPIN_B,     /* rx_spin_one: a = its bound, us (0: another receiver spins) */
     TR_SPIN_E,     /* a = what rx_spin returned */
