@@ -571,19 +571,38 @@ static int read_full(int fd, struct iovec *iov, int cnt)
     return 0;
 }
 
+/* How many receivers of an engine may poll at once (rx_stream, rx_spin_one;
+ * the others block in recv). Many connections busy at once need no polling:
+ * their requests queue up, and every poller takes a CPU from the copies.
+ * One: two (the next request's receiver and the payload's) measured no
+ * steady gain (tcp15; tcp_chunk's comment has the figures). */
+#define RX_SPINNERS_MAX 1
+
+/* A place among the engine's polling receivers, else false at once. */
+static bool spin_take(axf_engine *e)
+{
+    int n = atomic_load(&e->rx_spinners);
+    while (n < RX_SPINNERS_MAX)
+        if (atomic_compare_exchange_weak(&e->rx_spinners, &n, n + 1))
+            return true;
+    return false;
+}
+
+static void spin_give(axf_engine *e) { atomic_fetch_sub(&e->rx_spinners, 1); }
+
 /* For a large payload (a WRITE's at a target, a READ response's at an
  * initiator) that its sender is still sending: non-blocking reads, the CPU
  * yielded between them, while bytes keep coming. Asleep in recv, the
  * receiver is woken several times per MiB, a scheduling round trip each, and
  * copies in bursts behind the sender instead of alongside it (what NIXL's
  * polling target does). Bounded: inside a frame only, while its bytes
- * arrive, by one receiver of the engine at a time (e->rx_spinners, shared
- * with rx_spin). Moves *iov past what it read; *err: -errno or -EPIPE, else 0. */
+ * arrive, by RX_SPINNERS_MAX receivers of the engine at a time (spin_take,
+ * shared with rx_spin_one). Moves *iov past what it read; *err: -errno or
+ * -EPIPE, else 0. */
 static void rx_stream(conn *c, struct iovec **iov, int *cnt, int *err)
 {
-    int none = 0;
     *err = 0;
-    if (c->replay || !atomic_compare_exchange_strong(&c->e->rx_spinners, &none, 1)) {
+    if (c->replay || !spin_take(c->e)) {
         AXF_TR(TR_STREAM_B, c->fd, 0, 0);
         return;
     }
@@ -613,7 +632,7 @@ static void rx_stream(conn *c, struct iovec **iov, int *cnt, int *err)
         sched_yield(); /* the sender may need this CPU */
     }
     AXF_TR(TR_STREAM_E, c->fd, 0, (uint64_t)*cnt);
-    atomic_store(&c->e->rx_spinners, 0);
+    spin_give(c->e);
 }
 
 /* The receiver's reads: the iovecs filled (a vectored frame's segments
@@ -1701,19 +1720,18 @@ static int rx_spin(conn *c, wire_hdr *h, uint32_t us)
     }
 }
 
-/* rx_spin by one receiver of the engine at a time (many connections busy
- * at once need no polling: their requests queue up), else 0 at once. */
+/* rx_spin by RX_SPINNERS_MAX receivers of the engine at a time (spin_take),
+ * else 0 at once. */
 static int rx_spin_one(conn *c, wire_hdr *h, uint32_t us)
 {
-    int none = 0;
-    if (!atomic_compare_exchange_strong(&c->e->rx_spinners, &none, 1)) {
+    if (!spin_take(c->e)) {
         AXF_TR(TR_SPIN_B, c->fd, 0, 0);
         return 0;
     }
     AXF_TR(TR_SPIN_B, c->fd, 0, us);
     int got = rx_spin(c, h, us);
     AXF_TR(TR_SPIN_E, c->fd, 0, (uint64_t)(int64_t)got);
-    atomic_store(&c->e->rx_spinners, 0);
+    spin_give(c->e);
     return got;
 }
 

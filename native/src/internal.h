@@ -317,8 +317,8 @@ struct axf_engine {
     atomic_int cq_spinners; /* threads spinning in axf_wait: they write a push's eventfd */
     atomic_size_t cq_ready; /* cq_count, readable without cq_mu (axf_wait spins on it) */
     uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
-    atomic_int rx_spinners; /* receivers polling for a peer's next request (conn.c rx_spin):
-                               one at a time */
+    atomic_int rx_spinners; /* receivers polling for a peer's next request (conn.c spin_take):
+                               at most RX_SPINNERS_MAX */
     /* Initiator receivers parked while a thread spinning in axf_wait reads
      * their replies (conn.c conn_help): help_mu guards the list. */
     pthread_mutex_t help_mu;

@@ -315,8 +315,15 @@ static void mark_dirty(axf_engine *e, conn *c)
  * (no wake-up preemption) 1.12x then 0.90x (noise), no spin for these
  * waits 0.74x, nanosleep in the spin 0.63x; two receivers of an engine
  * polling at once (rx_spinners up to 2, for the next request and the
- * payload) 1.24x and 1.23x (4 and 7 pairs) then 0.92x (4 pairs): worth a
- * steadier machine before taking it, with its cost for requests in flight. */
+ * payload) 1.24x and 1.23x (4 and 7 pairs) then 0.92x (4 pairs); decided
+ * by tcp15 (conn.c RX_SPINNERS_MAX 1 against 2, two wheels, 12 interleaved
+ * quiet locked pairs of the peers' tcp run, medians of per-pair gains,
+ * [min..max], pairs > 1): 1 MiB WRITE 1.01x [0.81..1.17] 6/12 (6.59 -> 6.60
+ * GB/s), CPU per GB 0.258 -> 0.263; 1 MiB READ 1.05x [0.84..1.27] 9/12; 64
+ * KiB WRITE 1.01x; 4 KiB p50 1.01x (8.96 us both); 16 MiB WRITE 1.01x, READ
+ * 0.99x; 4 KiB x 256 in flight 1.01x [0.87..1.13], x 64 0.98x; batch WRITE
+ * 1.02x, READ 1.08x [0.53..1.55] 9/12: no steady gain for the WRITE it was
+ * for, so one poller (READ's may be a lead of its own). */
 static uint64_t tcp_chunk(axf_engine *e, const op *o)
 {
     uint64_t chunk = e->cfg.chunk_bytes;
