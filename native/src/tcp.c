@@ -322,8 +322,11 @@ static void mark_dirty(axf_engine *e, conn *c)
  * GB/s), CPU per GB 0.258 -> 0.263; 1 MiB READ 1.05x [0.84..1.27] 9/12; 64
  * KiB WRITE 1.01x; 4 KiB p50 1.01x (8.96 us both); 16 MiB WRITE 1.01x, READ
  * 0.99x; 4 KiB x 256 in flight 1.01x [0.87..1.13], x 64 0.98x; batch WRITE
- * 1.02x, READ 1.08x [0.53..1.55] 9/12: no steady gain for the WRITE it was
- * for, so one poller (READ's may be a lead of its own). */
+ * 1.02x, READ 1.08x [0.53..1.55] 9/12; tcp14's own loop (1 MiB awaited
+ * one at a time, 1.5 s a run, 12 pairs) 0.92x and 0.88x (two sets of 6, 3
+ * of 12 above 1, CPU per GB 0.265 -> 0.286), READ 1.06x [0.93..1.17] in 6:
+ * no steady gain for the WRITE it was for, so one poller (READ's may be a
+ * lead of its own). */
 static uint64_t tcp_chunk(axf_engine *e, const op *o)
 {
     uint64_t chunk = e->cfg.chunk_bytes;
