@@ -15,9 +15,17 @@
  *
  * Whatever a transfer engine adds (headers, bounds checks, completion rings,
  * Python) it cannot go below this. One JSON line on stdout:
- *   {"op": "WRITE", "size": S, "conns": N, "poll": P, "iters": I, "secs": T, "us_med": M}
+ *   {"op": "WRITE", "size": S, "conns": N, "poll": P, "iters": I, "secs": T, "us_med": M,
+ *    "send_us_med": the median time of a request's sends (WRITE: the copies into the
+ *    sockets, the first part's with senders; READ: the one-byte requests), ...}
  *
- *   tcp_floor WRITE|READ SIZE CONNS SECS [poll] [auto] [zc]
+ *   tcp_floor WRITE|READ SIZE CONNS SECS [poll] [auto] [zc] [senders]
+ *
+ * senders: WRITE's parts after the first are each sent by a thread of their
+ * own, woken through a condition variable per request (what aioxfer's lone
+ * 1 MiB WRITE does: the posting thread sends the first half, a connection's
+ * sending thread the second); the request also waits for those threads to
+ * be back from their sends.
  *
  * auto: the kernel's autotuned socket buffers instead of 4 MiB ones. zc:
  * WRITE's parts are sent with MSG_ZEROCOPY, and each request also waits for
@@ -38,6 +46,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,7 +60,7 @@
 #define MAX_SAMPLES (1 << 20)
 
 static size_t part;
-static int write_op, poll_rx, auto_buf, zc;
+static int write_op, poll_rx, auto_buf, zc, senders;
 static long zc_notes, zc_copied;
 
 static void die(const char *what)
@@ -106,6 +115,36 @@ static int send_all(int fd, const void *buf, size_t len, int flags, uint32_t *ca
         sent += (size_t)r;
     }
     return 0;
+}
+
+/* A sending thread of the initiator ("senders"): sends its part each time
+ * go moves on (-1: leave), then says so in done. */
+typedef struct sender {
+    pthread_t th;
+    int fd;
+    const char *p;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    atomic_long go, done;
+} sender;
+
+static void *send_part(void *arg)
+{
+    sender *h = arg;
+    long seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&h->mu);
+        long g;
+        while ((g = atomic_load(&h->go)) == seen)
+            pthread_cond_wait(&h->cv, &h->mu);
+        pthread_mutex_unlock(&h->mu);
+        if (g < 0)
+            return NULL;
+        seen = g;
+        if (send_all(h->fd, h->p, part, 0, NULL))
+            die("send");
+        atomic_store(&h->done, g);
+    }
 }
 
 /* One target thread: serves its connection until the initiator closes it. */
@@ -166,7 +205,7 @@ static int cmp_double(const void *a, const void *b)
 int main(int argc, char **argv)
 {
     if (argc < 5) {
-        fprintf(stderr, "usage: tcp_floor WRITE|READ SIZE CONNS SECS [poll] [auto] [zc]\n");
+        fprintf(stderr, "usage: tcp_floor WRITE|READ SIZE CONNS SECS [poll] [auto] [zc] [senders]\n");
         return 2;
     }
     for (int i = 5; i < argc; i++) {
@@ -176,6 +215,8 @@ int main(int argc, char **argv)
             auto_buf = 1;
         else if (strcmp(argv[i], "zc") == 0)
             zc = 1;
+        else if (strcmp(argv[i], "senders") == 0)
+            senders = 1;
         else
             return 2;
     }
@@ -225,21 +266,40 @@ int main(int argc, char **argv)
     uint32_t zc_sends[MAX_CONNS] = {0}, zc_done[MAX_CONNS] = {0};
     char *buf = malloc(size);
     double *lat = malloc(sizeof(double) * MAX_SAMPLES);
-    if (!buf || !lat)
+    double *snd = malloc(sizeof(double) * MAX_SAMPLES);
+    if (!buf || !lat || !snd)
         die("malloc");
     memset(buf, 3, size);
+    static sender hs[MAX_CONNS];
+    if (senders && (!write_op || zc))
+        return 2;
+    for (int i = 1; senders && i < conns; i++) {
+        hs[i].fd = fds[i];
+        hs[i].p = buf + (size_t)i * part;
+        pthread_mutex_init(&hs[i].mu, NULL);
+        pthread_cond_init(&hs[i].cv, NULL);
+        if (pthread_create(&hs[i].th, NULL, send_part, &hs[i]))
+            die("pthread_create");
+    }
 
     long iters = 0;
     double t0 = now_us(), end = t0 + secs * 1e6, t = t0;
     char b = 1;
     while (t < end && iters < MAX_SAMPLES) {
         double s = t;
-        for (int i = 0; i < conns; i++) {
+        for (int i = 1; senders && i < conns; i++) {
+            pthread_mutex_lock(&hs[i].mu);
+            atomic_store(&hs[i].go, iters + 1);
+            pthread_cond_signal(&hs[i].cv);
+            pthread_mutex_unlock(&hs[i].mu);
+        }
+        for (int i = 0; i < (senders ? 1 : conns); i++) {
             const void *p = write_op ? buf + (size_t)i * part : &b;
             int zflag = zc && write_op ? MSG_ZEROCOPY : 0;
             if (send_all(fds[i], p, write_op ? part : 1, zflag, zflag ? &zc_sends[i] : NULL))
                 die("send");
         }
+        snd[iters] = now_us() - s; /* the sends' part of it */
         for (int i = 0; i < conns; i++) {
             void *p = write_op ? &b : buf + (size_t)i * part;
             if (recv_all(fds[i], p, write_op ? 1 : part))
@@ -247,20 +307,33 @@ int main(int argc, char **argv)
         }
         for (int i = 0; zc && i < conns; i++)
             zc_wait(fds[i], zc_sends[i], &zc_done[i]);
+        for (int i = 1; senders && i < conns; i++)
+            while (atomic_load(&hs[i].done) != iters + 1)
+                sched_yield(); /* back from its send (normally long since) */
         t = now_us();
         lat[iters++] = t - s;
     }
     double total = t - t0;
+    for (int i = 1; senders && i < conns; i++) {
+        pthread_mutex_lock(&hs[i].mu);
+        atomic_store(&hs[i].go, -1);
+        pthread_cond_signal(&hs[i].cv);
+        pthread_mutex_unlock(&hs[i].mu);
+        pthread_join(hs[i].th, NULL);
+    }
     for (int i = 0; i < conns; i++)
         close(fds[i]);
     waitpid(pid, NULL, 0);
     qsort(lat, (size_t)iters, sizeof(double), cmp_double);
+    qsort(snd, (size_t)iters, sizeof(double), cmp_double);
     printf("{\"op\": \"%s\", \"size\": %zu, \"conns\": %d, \"poll\": %d, \"iters\": %ld, "
-           "\"secs\": %.6f, \"us_med\": %.3f, \"auto\": %d, \"zc\": %d, \"zc_notes\": %ld, "
-           "\"zc_copied\": %ld}\n",
+           "\"secs\": %.6f, \"us_med\": %.3f, \"send_us_med\": %.3f, \"auto\": %d, \"zc\": %d, \"zc_notes\": %ld, "
+           "\"zc_copied\": %ld, \"senders\": %d}\n",
            write_op ? "WRITE" : "READ", size, conns, poll_rx, iters, total / 1e6, lat[iters / 2],
-           auto_buf, zc, zc_notes, zc_copied);
+           snd[iters / 2],
+           auto_buf, zc, zc_notes, zc_copied, senders);
     free(lat);
+    free(snd);
     free(buf);
     return 0;
 }

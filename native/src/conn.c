@@ -25,6 +25,54 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef AXF_TCP_TRACE
+#include <sys/mman.h>
+#endif
+
+#ifdef AXF_TCP_TRACE
+typedef struct tr_rec {
+    uint64_t ns, op, a;
+    uint32_t tid;
+    uint8_t ev, cpu;
+    int16_t fd;
+} tr_rec;
+#define TR_CAP (1u << 21)
+static tr_rec *tr_buf;
+static atomic_size_t tr_n;
+static pthread_once_t tr_once = PTHREAD_ONCE_INIT;
+
+static void tr_open(void)
+{
+    const char *dir = getenv("AXF_TCP_TRACE");
+    char path[512];
+    if (!dir || snprintf(path, sizeof path, "%s/trace.%d", dir, (int)getpid()) >= (int)sizeof path)
+        return;
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return;
+    if (ftruncate(fd, (off_t)(TR_CAP * sizeof(tr_rec))) == 0) {
+        void *m = mmap(NULL, TR_CAP * sizeof(tr_rec), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (m != MAP_FAILED)
+            tr_buf = m;
+    }
+    close(fd);
+}
+
+void axf_trace(uint32_t ev, int fd, uint64_t op, uint64_t a)
+{
+    static _Thread_local uint32_t tid;
+    pthread_once(&tr_once, tr_open);
+    if (!tr_buf)
+        return;
+    size_t i = atomic_fetch_add(&tr_n, 1);
+    if (i >= TR_CAP)
+        return;
+    if (!tid)
+        tid = (uint32_t)syscall(SYS_gettid);
+    tr_buf[i] = (tr_rec){.ns = axf_now_ns(), .op = op, .a = a, .tid = tid, .ev = (uint8_t)ev,
+                         .cpu = (uint8_t)sched_getcpu(), .fd = (int16_t)fd};
+}
+#endif
 
 #define TX_BATCH 64
 #define TX_IOV (2 * TX_BATCH + AXF_MAX_SEGS) /* a sendmsg's iovecs at most */
@@ -523,20 +571,42 @@ static int read_full(int fd, struct iovec *iov, int cnt)
     return 0;
 }
 
+/* How many receivers of an engine may poll at once (rx_stream, rx_spin_one;
+ * the others block in recv). Many connections busy at once need no polling:
+ * their requests queue up, and every poller takes a CPU from the copies.
+ * One: two (the next request's receiver and the payload's) measured no
+ * steady gain (tcp15; tcp_chunk's comment has the figures). */
+#define RX_SPINNERS_MAX 1
+
+/* A place among the engine's polling receivers, else false at once. */
+static bool spin_take(axf_engine *e)
+{
+    int n = atomic_load(&e->rx_spinners);
+    while (n < RX_SPINNERS_MAX)
+        if (atomic_compare_exchange_weak(&e->rx_spinners, &n, n + 1))
+            return true;
+    return false;
+}
+
+static void spin_give(axf_engine *e) { atomic_fetch_sub(&e->rx_spinners, 1); }
+
 /* For a large payload (a WRITE's at a target, a READ response's at an
  * initiator) that its sender is still sending: non-blocking reads, the CPU
  * yielded between them, while bytes keep coming. Asleep in recv, the
  * receiver is woken several times per MiB, a scheduling round trip each, and
  * copies in bursts behind the sender instead of alongside it (what NIXL's
  * polling target does). Bounded: inside a frame only, while its bytes
- * arrive, by one receiver of the engine at a time (e->rx_spinners, shared
- * with rx_spin). Moves *iov past what it read; *err: -errno or -EPIPE, else 0. */
+ * arrive, by RX_SPINNERS_MAX receivers of the engine at a time (spin_take,
+ * shared with rx_spin_one). Moves *iov past what it read; *err: -errno or
+ * -EPIPE, else 0. */
 static void rx_stream(conn *c, struct iovec **iov, int *cnt, int *err)
 {
-    int none = 0;
     *err = 0;
-    if (c->replay || !atomic_compare_exchange_strong(&c->e->rx_spinners, &none, 1))
+    if (c->replay || !spin_take(c->e)) {
+        AXF_TR(TR_STREAM_B, c->fd, 0, 0);
         return;
+    }
+    AXF_TR(TR_STREAM_B, c->fd, 0, 1);
     uint64_t idle_from = 0;
     while (*cnt) {
         struct msghdr m = {.msg_iov = *iov, .msg_iovlen = (size_t)*cnt};
@@ -561,7 +631,8 @@ static void rx_stream(conn *c, struct iovec **iov, int *cnt, int *err)
             break;
         sched_yield(); /* the sender may need this CPU */
     }
-    atomic_store(&c->e->rx_spinners, 0);
+    AXF_TR(TR_STREAM_E, c->fd, 0, (uint64_t)*cnt);
+    spin_give(c->e);
 }
 
 /* The receiver's reads: the iovecs filled (a vectored frame's segments
@@ -826,7 +897,10 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         }
     }
     uint64_t sent = 0;
+    AXF_TR(TR_SEND_B, c->fd, keep ? batch[0]->h.op : 0,
+           (keep ? iov_total(iov, niov) : 0) | (uint64_t)nowait << 62);
     int r = niov ? send_iov(c, iov, niov, nowait, &sent) : 0;
+    AXF_TR(TR_SEND_E, c->fd, keep ? batch[0]->h.op : 0, sent);
     uint64_t now = axf_now_us();
 
     pthread_mutex_lock(&c->mu);
@@ -935,6 +1009,7 @@ static void *tx_main(void *arg)
             ts.tv_nsec -= 1000000000L;
         }
         pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+        AXF_TR(TR_TX_WAKE, c->fd, 0, 0);
     }
     /* An inline sender may still be in send_batch: it puts back or releases
      * its own items. */
@@ -1496,7 +1571,9 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
         /* A group of one large response: a request awaited alone, or half of one. */
         bool ack_now = h->type == FR_READ_RESP && h->len >= ACK_NOW_MIN && x->bytes == h->len;
         expect_free(x);
+        AXF_TR(TR_UNIT_B, c->fd, h->op, 0);
         op_unit_done(c->e, o);
+        AXF_TR(TR_UNIT_E, c->fd, h->op, 0);
         if (ack_now)
             rx_ack_now(c);
     }
@@ -1643,15 +1720,18 @@ static int rx_spin(conn *c, wire_hdr *h, uint32_t us)
     }
 }
 
-/* rx_spin by one receiver of the engine at a time (many connections busy
- * at once need no polling: their requests queue up), else 0 at once. */
+/* rx_spin by RX_SPINNERS_MAX receivers of the engine at a time (spin_take),
+ * else 0 at once. */
 static int rx_spin_one(conn *c, wire_hdr *h, uint32_t us)
 {
-    int none = 0;
-    if (!atomic_compare_exchange_strong(&c->e->rx_spinners, &none, 1))
+    if (!spin_take(c->e)) {
+        AXF_TR(TR_SPIN_B, c->fd, 0, 0);
         return 0;
+    }
+    AXF_TR(TR_SPIN_B, c->fd, 0, us);
     int got = rx_spin(c, h, us);
-    atomic_store(&c->e->rx_spinners, 0);
+    AXF_TR(TR_SPIN_E, c->fd, 0, (uint64_t)(int64_t)got);
+    spin_give(c->e);
     return got;
 }
 
@@ -1780,6 +1860,7 @@ static bool help_read(conn *c)
         (void)ka_heard(c, &h);
         bool proto = false;
         int io = 0;
+        AXF_TR(TR_HELP, c->fd, h.op, h.type);
         if (!conn_rx_frame(c, &h, NULL, &proto, &io)) {
             atomic_fetch_add(&c->e->helped, 1);
             if (h.len <= HELP_BYTES_MAX)
@@ -1892,15 +1973,21 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
                 return "connection lost";
             }
         }
-        if (!got && rx_may_park(c))
+        if (!got && rx_may_park(c)) {
+            AXF_TR(TR_PARK_B, c->fd, 0, 0);
             rx_park(c);
+            AXF_TR(TR_PARK_E, c->fd, 0, 0);
+        }
         if (atomic_load(&p->tx_owed))
             rx_await(c, tx_at, got);
         if (!got) {
+            AXF_TR(TR_RX_BLOCK, c->fd, 0, p->rb_len);
             *io = rx_read(c, h, sizeof *h);
             if (*io)
                 return "connection lost";
         }
+        AXF_TR(TR_RX_HDR, c->fd, h->op,
+               h->type | (uint64_t)(got > 0) << 16 | (uint64_t)(h->off >> 12) << 20);
         if (answered) {
             uint64_t d = axf_now_us() - answered;
             gap = gap == UINT64_MAX ? d : (3 * gap + d) / 4;
@@ -1913,6 +2000,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
             return "bad frame magic";
         }
         const char *reason = conn_rx_frame(c, h, scratch, proto, io);
+        AXF_TR(TR_RX_DONE, c->fd, h->op, h->type);
         if (reason)
             return reason;
         if (p->kick_owed && !rx_reply_may_wait(c)) {

@@ -130,6 +130,7 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
         signal = false; /* a thread spinning in axf_wait sees it, and signals when it stops */
     if (signal)
         e->cq_signalled = true;
+    AXF_TR(TR_CQ_PUSH, -1, id, signal);
     /* Written before unlocking: a poll that takes this record (and clears
      * the eventfd under cq_mu) cannot run between our push and our write, so
      * the write never outlives the record it announces (a stale wake-up),
@@ -200,6 +201,7 @@ size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
     bool spun = false;
     if (!n && max_us) {
         atomic_fetch_add_explicit(&e->cq_spinners, 1, memory_order_seq_cst);
+        AXF_TR(TR_WAIT_B, -1, 0, max_us);
         uint64_t until = axf_now_us() + max_us;
         for (unsigned spin = 1;; spin++) {
             cpu_relax();
@@ -222,6 +224,7 @@ size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
          * write it below. seq_cst on both sides (cq_push stores cq_ready,
          * then loads cq_spinners): either that push saw no spinner and
          * signalled, or this load sees its record (or a poll took it). */
+        AXF_TR(TR_WAIT_E, -1, 0, n);
         int left = atomic_fetch_sub_explicit(&e->cq_spinners, 1, memory_order_seq_cst) - 1;
         n = atomic_load_explicit(&e->cq_ready, memory_order_seq_cst);
         spun = true;

@@ -317,8 +317,8 @@ struct axf_engine {
     atomic_int cq_spinners; /* threads spinning in axf_wait: they write a push's eventfd */
     atomic_size_t cq_ready; /* cq_count, readable without cq_mu (axf_wait spins on it) */
     uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
-    atomic_int rx_spinners; /* receivers polling for a peer's next request (conn.c rx_spin):
-                               one at a time */
+    atomic_int rx_spinners; /* receivers polling for a peer's next request (conn.c spin_take):
+                               at most RX_SPINNERS_MAX */
     /* Initiator receivers parked while a thread spinning in axf_wait reads
      * their replies (conn.c conn_help): help_mu guards the list. */
     pthread_mutex_t help_mu;
@@ -387,6 +387,41 @@ void op_set_status(op *o, int status, uint64_t index);
 void op_unit_done(axf_engine *e, op *o);
 void op_unpin(axf_engine *e, op *o); /* a queued frame of it is gone */
 void endpoint_conn_finished(axf_engine *e, endpoint *ep);
+/* conn.c: a timeline of the tcp path, for measuring only (tcp14): built
+ * with -Dc_args=-DAXF_TCP_TRACE, each AXF_TR appends (CLOCK_MONOTONIC ns,
+ * thread, CPU, event, request, fd, a value) to a file mapped from
+ * $AXF_TCP_TRACE/trace.<pid> (written even if the process is killed);
+ * without the flag it compiles to nothing. benchmarks/tcp14_timeline.py
+ * runs requests and reads both processes' files into one timeline. */
+enum {
+    TR_POST = 1,   /* tcp_stripe: a = the chunk size */
+    TR_SEND_B,     /* send_batch: a = bytes | nowait << 62 */
+    TR_SEND_E,     /* a = bytes sent */
+    TR_TX_WAKE,    /* the sending thread out of its wait */
+    TR_RX_HDR,     /* a receiver has a header: a = type | spun << 16 | (off >> 12) << 20 */
+    TR_RX_DONE,    /* ... and served its frame: a = type */
+    TR_UNIT_B,     /* op_unit_done on the initiator */
+    TR_UNIT_E,
+    TR_HELP,       /* a spinner read a reply */
+    TR_PARK_B,
+    TR_PARK_E,
+    TR_RX_BLOCK,   /* a receiver blocks in recv for a header */
+    TR_STREAM_B,   /* rx_stream: a = 1 when it polled */
+    TR_STREAM_E,
+    TR_WAIT_B,     /* axf_wait_ex's spin: a = its bound, us */
+    TR_WAIT_E,     /* a = the records ready when it stopped */
+    TR_CQ_PUSH,    /* a = whether it wrote the eventfd */
+    TR_SPIN_B,     /* rx_spin_one: a = its bound, us (0: another receiver spins) */
+    TR_SPIN_E,     /* a = what rx_spin returned */
+    TR_SIG_B,      /* tcp_stripe: a group queued with its sending thread woken */
+    TR_SIG_E,
+};
+#ifdef AXF_TCP_TRACE
+void axf_trace(uint32_t ev, int fd, uint64_t op, uint64_t a);
+#define AXF_TR(ev, fd, op, a) axf_trace((ev), (fd), (op), (a))
+#else
+#define AXF_TR(ev, fd, op, a) ((void)0)
+#endif
 /* e->mu held: every transport undoes what it mapped of rr. */
 void rr_unmap(rregion *rr);
 /* control.c: the control channel (keepalive, notify, revoke, goodbye) */

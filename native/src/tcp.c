@@ -282,7 +282,51 @@ static void mark_dirty(axf_engine *e, conn *c)
  * (10/16, 11/16, 9/16 of it) 0.87x, 0.89x, 0.91x; SO_RCVLOWAT on the
  * peer's blocking payload read (its receiver already wakes once) 1.02x with
  * a stall. In the same locked runs main made 6.4-7.7 GB/s, the C floor
- * (tcp_floor, one connection, both sides polling) 7.7-7.9, NIXL-tcp 8.0-8.3. */
+ * (tcp_floor, one connection, both sides polling) 7.7-7.9, NIXL-tcp 8.0-8.3.
+ * Where the time goes (tcp14, timeline of 2000 such WRITEs from an
+ * AXF_TCP_TRACE build, benchmarks/tcp14_timeline.py; us after the post,
+ * medians of one quiet run at 6.7 GB/s): the posting thread sends its half
+ * at 3 (wakes the sending thread first: 1.6, but 90 at p90, when that thread
+ * is woken onto its CPU and runs its whole half first), the sending thread
+ * wakes at 26 and sends to 80, the target's receivers get the halves'
+ * headers at 53 and 92 (asleep in recv: never caught by their poll, the
+ * halves alternate over the four connections) and have them at 102 and 139,
+ * the second acknowledgement is read at 148, the completion pushed at 150,
+ * Python returns at 154. The copies (two sends, two receives of 512 KiB: ~170
+ * us of CPU) need both vCPUs, but this VM (kernel sched_vcpu_pack=15, guest
+ * halt polling off) wakes a thread on the CPU of its waker or on a busy one,
+ * and the awaiting thread spins on its own (needed: without that spin 0.74x,
+ * a halted vCPU's wake-up costs ~20-30 us): in 23 % of requests both sends
+ * ran on one CPU (median 192 us against 148), in 35 % both target receivers
+ * (170 against 142); the best tenth take 75-90 us (11-14 GB/s). The floor's
+ * and NIXL's pollers never sleep, so are never placed; but one sender's copy
+ * bounds them: tcp_floor's 1 MiB request (one connection, polled) is 127-133
+ * us of send in 131 (send_us_med), where two senders in parallel can do a
+ * request in 75-90; tcp_floor in our shape (two connections, the second
+ * part sent by a thread woken per request: `senders`) measured 97-115 us
+ * polled and 112-154 blocking, against 142-168 for us in the same runs. Whole
+ * on one connection our target's poll does catch the
+ * header (9 us after the post, other CPU: NIXL's shape), but the 1 MiB
+ * sendmsg took 159 us median (p90 327; 4.5 GB/s). Measured and left
+ * (interleaved, quiet runs): the posting thread sending both halves 0.82x
+ * (its receivers then woken onto its CPU), the halves kept on two
+ * connections 0.98x, the sending thread's affinity set to the posting
+ * thread's other CPU before its wake-up 0.89x, sending threads SCHED_BATCH
+ * (no wake-up preemption) 1.12x then 0.90x (noise), no spin for these
+ * waits 0.74x, nanosleep in the spin 0.63x; two receivers of an engine
+ * polling at once (rx_spinners up to 2, for the next request and the
+ * payload) 1.24x and 1.23x (4 and 7 pairs) then 0.92x (4 pairs); decided
+ * by tcp15 (conn.c RX_SPINNERS_MAX 1 against 2, two wheels, 12 interleaved
+ * quiet locked pairs of the peers' tcp run, medians of per-pair gains,
+ * [min..max], pairs > 1): 1 MiB WRITE 1.01x [0.81..1.17] 6/12 (6.59 -> 6.60
+ * GB/s), CPU per GB 0.258 -> 0.263; 1 MiB READ 1.05x [0.84..1.27] 9/12; 64
+ * KiB WRITE 1.01x; 4 KiB p50 1.01x (8.96 us both); 16 MiB WRITE 1.01x, READ
+ * 0.99x; 4 KiB x 256 in flight 1.01x [0.87..1.13], x 64 0.98x; batch WRITE
+ * 1.02x, READ 1.08x [0.53..1.55] 9/12; tcp14's own loop (1 MiB awaited
+ * one at a time, 1.5 s a run, 12 pairs) 0.92x and 0.88x (two sets of 6, 3
+ * of 12 above 1, CPU per GB 0.265 -> 0.286), READ 1.06x [0.93..1.17] in 6:
+ * no steady gain for the WRITE it was for, so one poller (READ's may be a
+ * lead of its own). */
 static uint64_t tcp_chunk(axf_engine *e, const op *o)
 {
     uint64_t chunk = e->cfg.chunk_bytes;
@@ -310,6 +354,7 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         return false;
     }
     uint64_t chunk = tcp_chunk(e, o);
+    AXF_TR(TR_POST, -1, o->req_id, chunk);
     bool one = o->n == 0 || (o->n == 1 && o->d[0].len <= chunk);
     /* A lone one-chunk request (nothing else of the endpoint's in flight)
      * goes on the connection the last request went on, not the next one in
@@ -401,7 +446,11 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
         g[ci].last->slot = ci;
         g[ci].last->group_bytes = g[ci].bytes;
         bool sig = signal || (halves && ci != first_ci);
+        if (sig)
+            AXF_TR(TR_SIG_B, -1, o->req_id, (uint64_t)ci);
         conn_enqueue_chain(ep->conns[ci], g[ci].first, g[ci].last, sig);
+        if (sig)
+            AXF_TR(TR_SIG_E, -1, o->req_id, (uint64_t)ci);
         if (!sig)
             mark_dirty(e, ep->conns[ci]);
     }
