@@ -423,7 +423,7 @@ async def test_ranged_reads_with_206_and_conditional_create(
 
 
 async def test_region_closed_with_reads_in_flight(make_agent: MakeAgent, s3: S3Server) -> None:
-    agent, objs = await objects(make_agent, s3)
+    agent, objs = await objects(make_agent, s3, dirs=("r",))
     n, size = 96, MiB
     src = agent.register(bytearray(pattern(n * size, 22).tobytes()))
     keys = [f"r/{i}" for i in range(n)]

@@ -47,7 +47,7 @@ static void tr_open(void)
     char path[512];
     if (!dir || snprintf(path, sizeof path, "%s/trace.%d", dir, (int)getpid()) >= (int)sizeof path)
         return;
-    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd < 0)
         return;
     if (ftruncate(fd, (off_t)(TR_CAP * sizeof(tr_rec))) == 0) {
