@@ -30,6 +30,35 @@ def removal_path() -> Iterator[None]:
         _cyx._force_cb_fields(previous)
 
 
+async def _writes_over_tcp(make_agent, seed: int):
+    """An initiator (progress "sleep": the drain's batched wake-ups) writing
+    4 KiB pieces of a 256 KiB source to a target's region over tcp: the
+    initiator, a function making the i-th piece's transfer, and a list of the
+    loop's exception-handler contexts (caught from here on; restore() puts
+    the previous handler back)."""
+    tkw = transport_kwargs("tcp")
+    target = await make_agent("target", progress="sleep", **tkw)
+    init = await make_agent("init", progress="sleep", **tkw)
+    assert init._sub._engine.batch_wakeups
+    peer = await within(init.connect(target.address))
+    target.alloc(256 * KiB, name="dst")
+    await within(peer.refresh())
+    remote = peer.region("dst")
+    src = init.register(pattern(256 * KiB, seed), name="src")
+    loop = asyncio.get_running_loop()
+    caught: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: caught.append(context))
+
+    def write(i: int):
+        return init.write(src[i * 4 * KiB:(i + 1) * 4 * KiB], remote[i * 4 * KiB:(i + 1) * 4 * KiB])
+
+    def restore() -> None:
+        loop.set_exception_handler(previous)
+
+    return write, caught, restore
+
+
 class _RaisingEq:
     """A done callback whose ``==`` raises for anything but itself."""
 
@@ -50,22 +79,9 @@ class _RaisingEq:
 @pytest.mark.parametrize("raising_first", [True, False])
 async def test_removal_path_reports_a_raising_eq_and_completes_the_batch(
         make_agent, removal_path: None, raising_first: bool) -> None:
-    tkw = transport_kwargs("tcp")
-    target = await make_agent("target", progress="sleep", **tkw)
-    init = await make_agent("init", progress="sleep", **tkw)
-    assert init._sub._engine.batch_wakeups
-    peer = await within(init.connect(target.address))
-    target.alloc(256 * KiB, name="dst")
-    await within(peer.refresh())
-    remote = peer.region("dst")
-    src = init.register(pattern(256 * KiB, 7), name="src")
-    loop = asyncio.get_running_loop()
-    caught: list[dict[str, object]] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: caught.append(context))
+    write, caught, restore = await _writes_over_tcp(make_agent, 7)
     try:
-        ts = [init.write(src[i * 4 * KiB:(i + 1) * 4 * KiB],
-                         remote[i * 4 * KiB:(i + 1) * 4 * KiB]) for i in range(16)]
+        ts = [write(i) for i in range(16)]
         ran: list[object] = []
         cbs = [_RaisingEq(ran), lambda fut: ran.append(("plain", fut))]
         for cb in cbs if raising_first else cbs[::-1]:
@@ -75,7 +91,7 @@ async def test_removal_path_reports_a_raising_eq_and_completes_the_batch(
         await wait_until(lambda: len(ran) >= 2, what="both callbacks ran")
         await asyncio.sleep(0.05)  # and neither runs twice
     finally:
-        loop.set_exception_handler(previous)
+        restore()
     assert sorted(ran, key=str) == sorted([("eq", ts[0]), ("plain", ts[0])], key=str)
     errors = [c.get("exception") for c in caught]
     assert any(isinstance(e, RuntimeError) and "__eq__" in str(e) for e in errors), caught
@@ -86,22 +102,10 @@ async def test_removal_path_reports_a_raising_eq_and_completes_the_batch(
 async def test_removal_path_batches_plain_callbacks(make_agent, removal_path: None) -> None:
     """Without a raising ``__eq__`` the removal path batches every callback
     into the drain's handle, each run once (an error named with its future)."""
-    tkw = transport_kwargs("tcp")
-    target = await make_agent("target", progress="sleep", **tkw)
-    init = await make_agent("init", progress="sleep", **tkw)
-    peer = await within(init.connect(target.address))
-    target.alloc(256 * KiB, name="dst")
-    await within(peer.refresh())
-    remote = peer.region("dst")
-    src = init.register(pattern(256 * KiB, 9), name="src")
-    loop = asyncio.get_running_loop()
-    caught: list[dict[str, object]] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: caught.append(context))
+    write, caught, restore = await _writes_over_tcp(make_agent, 9)
     ran: list[tuple[int, int]] = []
     try:
-        ts = [init.write(src[i * 4 * KiB:(i + 1) * 4 * KiB],
-                         remote[i * 4 * KiB:(i + 1) * 4 * KiB]) for i in range(8)]
+        ts = [write(i) for i in range(8)]
         for i, t in enumerate(ts):
             for k in range(3):
                 def cb(fut: object, i: int = i, k: int = k) -> None:
@@ -114,7 +118,7 @@ async def test_removal_path_batches_plain_callbacks(make_agent, removal_path: No
         await wait_until(lambda: len(ran) >= 24, what="every callback ran")
         await asyncio.sleep(0.05)
     finally:
-        loop.set_exception_handler(previous)
+        restore()
     assert sorted(ran) == [(i, k) for i in range(8) for k in range(3)]
     assert len(caught) == 1 and isinstance(caught[0]["exception"], ValueError)
     assert caught[0].get("future") is ts[2]  # run in the drain's handle
