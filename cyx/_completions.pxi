@@ -741,48 +741,18 @@ cdef inline int _pk_add_u(PeerCounters c, int i, uint64_t d, bint down) except -
 
 # ------------------------------------------------------------------ settle
 
-_C_NAMES = ("inflight", "inflight_bytes", "completed", "bytes", "latency", "bandwidth")
-
 cdef enum:
-    _C_INFLIGHT = 0
-    _C_INFLIGHT_BYTES = 1
-    _C_COMPLETED = 2
-    _C_BYTES = 3
-    _C_LATENCY = 4
-    _C_BANDWIDTH = 5
-    _C_FIELDS = 6
-
-cdef object _counters_type = None
-cdef Py_ssize_t _counters_off[_C_FIELDS]
-cdef bint _counters_fast = False
-
-
-cdef int _counters_resolve(object tp) except -1:
-    global _counters_type, _counters_fast
-    cdef Py_ssize_t i
-    _counters_fast = True
-    for i in range(_C_FIELDS):
-        _counters_off[i] = axf_slot_offset(tp, axf_type_lookup(tp, _C_NAMES[i]))
-        if _counters_off[i] < 0:
-            _counters_fast = False
-    _counters_type = tp
-    return 0
+    _C_LATENCY = 0
+    _C_BANDWIDTH = 1
 
 
 cdef double _counters_float(object counters, int field) except? -1.0:
-    """counters.latency or .bandwidth (field), through its slot when it holds
-    a float."""
-    cdef PyObject *v
+    """counters.latency or .bandwidth (field): PeerCounters' C doubles, else
+    the attribute (a stand-in's, in tests)."""
     if type(counters) is PeerCounters:
         return ((<PeerCounters>counters).latency if field == _C_LATENCY
                 else (<PeerCounters>counters).bandwidth)
-    if type(counters) is not _counters_type:
-        _counters_resolve(type(counters))
-    if _counters_off[field] >= 0:
-        v = axf_slot_ptr(counters, _counters_off[field])
-        if v != NULL and type(<object>v) is float:
-            return PyFloat_AS_DOUBLE(<object>v)
-    return getattr(counters, _C_NAMES[field])
+    return getattr(counters, "latency" if field == _C_LATENCY else "bandwidth")
 
 
 # A transfer's peer (aioxfer.peer.Peer): the two fields the drain reads per
@@ -828,17 +798,6 @@ cdef inline bint _slot_int(object o, Py_ssize_t off, long long *out) except -1:
     return True
 
 
-cdef inline int _put_float(object o, Py_ssize_t off, double v) except -1:
-    """o's slot at off = v, left as it is when it holds that float already
-    (a small transfer leaves the bandwidth average alone, a large one the
-    latency's: no float made and freed for it)."""
-    cdef PyObject *p = axf_slot_ptr(o, off)
-    if p != NULL and type(<object>p) is float and PyFloat_AS_DOUBLE(<object>p) == v:
-        return 0
-    axf_slot_put(o, off, v)
-    return 0
-
-
 cdef inline void _average_in(double *latency, double *bandwidth, uint64_t nbytes,
                              double seconds, uint64_t bandwidth_min, double weight) noexcept:
     """One request that completed in ``seconds`` into its peer's moving
@@ -860,10 +819,9 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
     (``req_bytes`` asked, ``moved`` moved) onto the peer's counters
     (PeerCounters, not the Peer): inflight and inflight_bytes down,
     completed and bytes up, latency and bandwidth set. PeerCounters' counts
-    as C integers; other counters' through their slots when they are plain
-    ones holding ints (a Python call costs ~2 k instructions, most of an
-    awaited small transfer's completion), else by their own settle(), which
-    does the same."""
+    as C integers (a Python call costs ~2 k instructions, most of an awaited
+    small transfer's completion); any other counters (a stand-in) by their
+    own settle(), which does the same."""
     cdef long long v[4]
     cdef PeerCounters pc
     if type(counters) is PeerCounters:  # its counts are C integers
@@ -886,22 +844,6 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
         _pk_add_u(pc, _PK_INFLIGHT_BYTES, req_bytes, True)
         _pk_add(pc, _PK_COMPLETED, done)
         _pk_add_u(pc, _PK_BYTES, moved, False)
-        return 0
-    if type(counters) is not _counters_type:
-        _counters_resolve(type(counters))
-    if (_counters_fast and req_bytes < (1ULL << 62) and moved < (1ULL << 62)
-            and _slot_int(counters, _counters_off[_C_INFLIGHT], &v[0])
-            and _slot_int(counters, _counters_off[_C_INFLIGHT_BYTES], &v[1])
-            and _slot_int(counters, _counters_off[_C_COMPLETED], &v[2])
-            and _slot_int(counters, _counters_off[_C_BYTES], &v[3])):
-        axf_slot_put(counters, _counters_off[_C_INFLIGHT], PyLong_FromLongLong(v[0] - done))
-        axf_slot_put(counters, _counters_off[_C_INFLIGHT_BYTES],
-                     PyLong_FromLongLong(v[1] - <long long>req_bytes))
-        axf_slot_put(counters, _counters_off[_C_COMPLETED], PyLong_FromLongLong(v[2] + done))
-        axf_slot_put(counters, _counters_off[_C_BYTES],
-                     PyLong_FromLongLong(v[3] + <long long>moved))
-        _put_float(counters, _counters_off[_C_LATENCY], latency)
-        _put_float(counters, _counters_off[_C_BANDWIDTH], bandwidth)
         return 0
     counters.settle(done, req_bytes, moved, latency, bandwidth)
     return 0

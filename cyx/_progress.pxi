@@ -13,13 +13,6 @@
 # its wait_polls. aioxfer.progress.Poller subclasses this with its constants
 # and its documentation: what a Poller does is described there.
 
-cdef enum:
-    _PC_LATENCY = 0
-    _PC_BANDWIDTH = 1
-    _PC_FIELDS = 2
-
-_PC_NAMES = ("latency", "bandwidth")
-
 from collections.abc import Sized as _Sized
 
 
@@ -52,9 +45,6 @@ cdef class Poller:
     cdef long long _alone_max_us
     cdef long long _alone_span_us
     cdef double _bandwidth_min
-    cdef object _counters_type  # the peer counters' type _c is for
-    cdef bint _counters_ok  # their latency and bandwidth are plain slots
-    cdef Py_ssize_t _c[_PC_FIELDS]
     cdef public long long hits  # polls that found a completion
     cdef public long long misses  # polls that ran out (then the eventfd wakes the loop)
     cdef public long long alone_hits  # spin_alone polls that found it
@@ -112,28 +102,6 @@ cdef class Poller:
             self._loop.call_soon(self._run_cb)
         return 0
 
-    cdef tuple _averages(self, object c):
-        """(latency, bandwidth) of peer counters c that are not PeerCounters:
-        through their slots when they are plain float slots, else as
-        attributes."""
-        cdef PyObject *lat
-        cdef PyObject *bwp
-        cdef double latency, bw
-        if type(c) is not self._counters_type:
-            self._counters_ok = _offsets(type(c), _PC_NAMES, self._c, _PC_FIELDS)
-            self._counters_type = type(c)
-        lat = axf_slot_ptr(c, self._c[_PC_LATENCY]) if self._counters_ok else NULL
-        bwp = axf_slot_ptr(c, self._c[_PC_BANDWIDTH]) if self._counters_ok else NULL
-        if lat != NULL and type(<object>lat) is float:
-            latency = PyFloat_AS_DOUBLE(<object>lat)
-        else:
-            latency = c.latency
-        if bwp != NULL and type(<object>bwp) is float:
-            bw = PyFloat_AS_DOUBLE(<object>bwp)
-        else:
-            bw = c.bandwidth
-        return latency, bw
-
     cdef long long _alone_us(self, object t) except -1:
         """How long an await polls for its lone transfer t (spin_alone),
         microseconds: twice what the peer takes for it, at least the budget
@@ -143,8 +111,8 @@ cdef class Poller:
         bandwidth average (.bandwidth, bytes/s) when that is longer: a 1 MiB
         tcp request takes ~250 us where a small one takes ~25, and a poll
         bounded by the small ones' ran out before most 1 MiB READs completed.
-        PeerCounters' two fields are C doubles; other counters' are read
-        by _averages."""
+        PeerCounters' two fields are C doubles; other counters' (a
+        stand-in, in tests) are read as attributes."""
         cdef object peer, c
         cdef double latency, bw, nb
         cdef long long us, sized
@@ -156,7 +124,7 @@ cdef class Poller:
             latency = (<PeerCounters>c).latency
             bw = (<PeerCounters>c).bandwidth
         else:
-            latency, bw = self._averages(c)
+            latency, bw = c.latency, c.bandwidth
         us = <long long>(latency * 2e6)
         if bw > 0.0:
             nb = _xfer_get(t, _T_NBYTES)
