@@ -53,6 +53,25 @@ def _check_u64(*values: int) -> None:
         if v > _U64_MAX:
             raise ValueError(f"{v} does not fit in an unsigned 64-bit integer")
 
+
+def _check_address(a: str) -> None:
+    """A peer's "host:port" as dialling parses it (dialing.parse_address) and
+    the resolver takes it: else a rail of a peer's metadata failed connect()
+    with a builtin ValueError or UnicodeError (idna), not a ProtocolError."""
+    host, sep, port = a.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    ok = bool(sep and host and port.isascii() and port.isdigit() and int(port) <= 65535
+              and "\x00" not in host)
+    if ok:
+        try:
+            host.encode("idna")
+        except UnicodeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{a!r} is not a host:port address")
+
+
 I32 = Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Address = Annotated[str, msgspec.Meta(max_length=MAX_ADDRESS)]
@@ -203,6 +222,8 @@ class AgentMeta(msgspec.Struct, tag="meta", frozen=True):
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
+        for a in ([self.address] if self.address else []) + self.rails:
+            _check_address(a)
 
 
 class VerbsQP(msgspec.Struct, frozen=True):
