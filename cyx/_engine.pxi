@@ -22,6 +22,10 @@ cdef class Engine:
     # handle, not one each (_completions.pxi: worth it where call_soon is
     # Python, asyncio's own loops; not on uvloop's). Set by the agent.
     cdef public bint batch_wakeups
+    # The first error a drain's _take_callbacks met on its removal path (a
+    # callback's __eq__ raising in remove_done_callback), until that drain
+    # reports it (_take_callbacks_error): this engine's, never another's.
+    cdef object _take_error
 
     def __cinit__(self, uint32_t copy_workers=0, uint64_t chunk_bytes=0,
                   uint64_t inline_bytes=0, uint32_t keepalive_ms=0,
@@ -898,9 +902,9 @@ cdef class Engine:
                                      and <uint64_t>asked == c.nbytes else c.nbytes,
                                      seconds, path, c.fail_index)
                     if _xfer_future and self.batch_wakeups:
-                        wake = _take_callbacks(t, wake)
-                        if _take_error is not None:  # (the remove_done_callback path's)
-                            exc = _take_callbacks_error()
+                        wake = _take_callbacks(t, wake, self)
+                        if self._take_error is not None:  # (the remove_done_callback path's)
+                            exc = _take_callbacks_error(self)
                             if failed is None:
                                 failed = exc
                         _fut_set_result(t, r)

@@ -476,9 +476,9 @@ cdef int _done_inline(Engine e, Submitter s, dict inflight, object t, object req
                 path = _peer_get(peer, _P_PATH)
             r = _make_result(s._result_type, asked, seconds, path, 0)
             if _xfer_future and e.batch_wakeups:
-                wake = _take_callbacks(t, wake)
-                if _take_error is not None:  # (the remove_done_callback path's)
-                    exc = _take_callbacks_error()
+                wake = _take_callbacks(t, wake, e)
+                if e._take_error is not None:  # (the remove_done_callback path's)
+                    exc = _take_callbacks_error(e)
                     if failed is None:
                         failed = exc
                 _fut_set_result(t, r)
