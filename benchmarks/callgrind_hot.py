@@ -7,17 +7,28 @@ the main thread's are counted (``--separate-threads=yes``, its file ``-01``):
 the engine's and the event loop's helper threads wake and spin a varying
 number of times per run (counting every thread swung the figure by ~3,500
 instructions a request between runs of one build), and the main thread runs
-the whole Python/Cython submit -> complete -> await path:
+the whole Python/Cython submit -> complete -> await path. Both runs take one
+PYTHONHASHSEED: with str hashes randomized per process, the probes of a
+string-keyed lookup made per request (the loop's and other dicts) collide or
+not by chance, which moved the main thread's figure by up to ~260
+instructions a request (qd64-write-4k: unicodekeys_lookup_unicode alone
+6-78 per request in three runs):
 
     for n in 2000 10000; do
-        valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file=/tmp/cg.$n \\
+        PYTHONHASHSEED=0 valgrind --tool=callgrind --separate-threads=yes \\
+            --callgrind-out-file=/tmp/cg.$n \\
             python benchmarks/callgrind_hot.py --workload await-write-4k --count $n
     done
     # (total(/tmp/cg.10000-01) - total(/tmp/cg.2000-01)) / 8000, from callgrind_annotate
 
-``--wrap`` runs it all under callgrind itself and prints that figure
-(``--repeat R``: R such figures, and their spread; ``--keep DIR``: keep the
-5N run's main-thread file for ``callgrind_annotate``). Workloads:
+``--wrap`` runs it all under callgrind itself and prints that figure, with
+PYTHONHASHSEED ``--hashseed`` (0); ``--repeat R``: R such figures, with
+seeds hashseed, hashseed + 1, ... (the spread over hash layouts: compare
+builds over the same seeds); ``--top K``: also the K
+functions whose own instructions per request grew most between the two
+runs, i.e. where a request's instructions go; ``--inclusive``: the same
+with callees included; ``--keep PREFIX``: keep both main-thread files,
+PREFIX.n and PREFIX.5n, for ``callgrind_annotate``). Workloads:
 await-{write,read}-{4k,64k} (one request awaited at a time),
 qd{64,256}-write-4k (posted, then awaited in order; per request),
 compat-{write,read}-4k (aioxfer.nixl, vLLM's shape: one prepared request
@@ -145,10 +156,26 @@ def total(path: str) -> int:
     return int(m.group(1).replace(",", ""))
 
 
-def per_request(args: argparse.Namespace, keep: str = "") -> float:
+def functions(path: str, inclusive: bool) -> dict[str, int]:
+    """Instructions per function (self, or with callees) of a callgrind file."""
+    argv = ["callgrind_annotate", "--threshold=100"]
+    argv += ["--inclusive=yes"] if inclusive else []
+    out = subprocess.run([*argv, path], capture_output=True, text=True).stdout
+    per: dict[str, int] = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*([\d,]+) \([ \d.]+%\)\s+(.*)$", line)
+        if m and "PROGRAM TOTALS" not in line:
+            name = re.sub(r" \[.*\]$", "", m.group(2))
+            name = re.sub(r"^/tmp/python-build[^ ]*?/Python-[\d.]+/", "", name)
+            per[name] = per.get(name, 0) + int(m.group(1).replace(",", ""))
+    return per
+
+
+def per_request(args: argparse.Namespace, seed: int, keep: str = "") -> float:
     """One figure: the main thread's instructions at count and 5 x count,
-    differenced, per request."""
+    differenced, per request (--top: and the functions' figures, printed)."""
     tot: dict[int, int] = {}
+    funcs: dict[int, dict[str, int]] = {}
     for n in (args.count, 5 * args.count):
         d = tempfile.mkdtemp(prefix="cg.", dir="/tmp")
         try:
@@ -157,14 +184,23 @@ def per_request(args: argparse.Namespace, keep: str = "") -> float:
             argv += ["--uvloop"] if args.uvloop else []
             subprocess.run(["valgrind", "--tool=callgrind", "-q", "--separate-threads=yes",
                             f"--callgrind-out-file={d}/cg.out", *argv], check=True,
-                           stdout=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL,
+                           env=dict(os.environ, PYTHONHASHSEED=str(seed)))
             main_file = f"{d}/cg.out-01"
             assert os.path.exists(main_file), sorted(glob.glob(f"{d}/*"))
             tot[n] = total(main_file)
-            if keep and n != args.count:
-                shutil.copy(main_file, keep)
+            if args.top:
+                funcs[n] = functions(main_file, args.inclusive)
+            if keep:
+                shutil.copy(main_file, f"{keep}.{'n' if n == args.count else '5n'}")
         finally:
             shutil.rmtree(d)
+    if args.top:
+        big, small = funcs[5 * args.count], funcs[args.count]
+        rows = sorted(((big.get(k, 0) - small.get(k, 0)) / (4 * args.count), k)
+                      for k in set(big) | set(small))
+        for v, k in reversed(rows[-args.top:]):
+            print(f"{v:9.1f}  {k[:160]}")
     return (tot[5 * args.count] - tot[args.count]) / (4 * args.count)
 
 
@@ -179,9 +215,14 @@ def main() -> None:
     ap.add_argument("--wrap", action="store_true",
                     help="run twice under callgrind (count, 5 x count): the main thread's "
                          "instructions per request")
-    ap.add_argument("--repeat", type=int, default=1, help="--wrap: this many figures")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="--wrap: this many figures (hash seeds hashseed, hashseed + 1, ...)")
+    ap.add_argument("--hashseed", type=int, default=0, help="--wrap: PYTHONHASHSEED of the runs")
+    ap.add_argument("--top", type=int, default=0,
+                    help="--wrap: print the K functions with the most instructions per request")
+    ap.add_argument("--inclusive", action="store_true", help="--top: with their callees")
     ap.add_argument("--keep", default="",
-                    help="--wrap: copy the 5 x count run's main-thread file here")
+                    help="--wrap: keep the main-thread files as KEEP.n and KEEP.5n")
     args = ap.parse_args()
     if args.role == "target":
         asyncio.run(target(args.transport))
@@ -190,13 +231,17 @@ def main() -> None:
         compat_target(args.transport)
         return
     if args.wrap:
-        figs = [per_request(args, args.keep) for _ in range(args.repeat)]
+        figs = [per_request(args, args.hashseed + i, f"{args.keep}.{args.hashseed + i}"
+                            if args.keep and args.repeat > 1 else args.keep)
+                for i in range(args.repeat)]
         label = f"{args.workload}{' uvloop' if args.uvloop else ''} {args.transport}"
         if len(figs) == 1:
-            print(f"{label}: {figs[0]:.0f} instructions/request (main thread)")
+            print(f"{label}: {figs[0]:.0f} instructions/request (main thread, "
+                  f"hash seed {args.hashseed})")
         else:
             print(f"{label}: median {statistics.median(figs):.0f} instructions/request "
-                  f"(main thread), {min(figs):.0f}-{max(figs):.0f} over {len(figs)} runs: "
+                  f"(main thread), {min(figs):.0f}-{max(figs):.0f} over {len(figs)} hash seeds "
+                  f"from {args.hashseed}: "
                   + " ".join(f"{f:.0f}" for f in figs))
         return
     compat = args.workload.startswith("compat-")
