@@ -52,53 +52,6 @@ cdef int _descs_view(object descs, const axf_desc **out, size_t *n) except -1:
     return 0
 
 
-from cpython.ref cimport PyObject
-
-
-cdef extern from *:
-    """
-    /* o's value when o is an exact int of at most 60 bits (3.11: two
-       30-bit digits; 3.12+: a compact int), not negative: 1 and *out set;
-       else 0 (the caller converts as Cython does, raising what it raises). */
-    static inline int axf_u64_small(PyObject *o, uint64_t *out) {
-        if (!PyLong_CheckExact(o))
-            return 0;
-    #if PY_VERSION_HEX >= 0x030C0000
-        if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
-            Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject *)o);
-            if (v < 0)
-                return 0;
-            *out = (uint64_t)v;
-            return 1;
-        }
-        return 0;
-    #else
-        switch (Py_SIZE(o)) {
-        case 0: *out = 0; return 1;
-        case 1: *out = ((PyLongObject *)o)->ob_digit[0]; return 1;
-        case 2:
-            *out = ((uint64_t)((PyLongObject *)o)->ob_digit[1] << PyLong_SHIFT)
-                   | ((PyLongObject *)o)->ob_digit[0];
-            return 1;
-        default: return 0;
-        }
-    #endif
-    }
-    """
-    bint axf_u64_small(PyObject *o, uint64_t *out)
-    PyObject *axf_tuple_item "PyTuple_GET_ITEM"(object t, Py_ssize_t i)
-
-
-cdef inline int _u64_in(PyObject *o, uint64_t *out) except -1:
-    """*out = the uint64 o is (borrowed), as Cython's conversion gives it
-    (its errors too: TypeError, OverflowError), small exact ints inline: the
-    conversion's call and reference counting were ~10-20 instructions a
-    field, nine fields a request."""
-    if not axf_u64_small(o, out):
-        out[0] = <uint64_t><object>o
-    return 0
-
-
 cdef int _descs_in(object descs, axf_desc *one, const axf_desc **out, size_t *n) except -1:
     """A descriptor array (_descs_view), or one descriptor as a 6-tuple
     (lrid, loff, rrid, rkey, roff, len) copied into *one: a single-segment
@@ -109,12 +62,12 @@ cdef int _descs_in(object descs, axf_desc *one, const axf_desc **out, size_t *n)
     d = <tuple>descs
     if len(d) != DESC_FIELDS:
         raise ValueError(f"a descriptor tuple has {DESC_FIELDS} fields, not {len(d)}")
-    _u64_in(axf_tuple_item(d, 0), &one.lrid)
-    _u64_in(axf_tuple_item(d, 1), &one.loff)
-    _u64_in(axf_tuple_item(d, 2), &one.rrid)
-    _u64_in(axf_tuple_item(d, 3), &one.rkey)
-    _u64_in(axf_tuple_item(d, 4), &one.roff)
-    _u64_in(axf_tuple_item(d, 5), &one.len)
+    one.lrid = d[0]
+    one.loff = d[1]
+    one.rrid = d[2]
+    one.rkey = d[3]
+    one.roff = d[4]
+    one.len = d[5]
     out[0] = one
     n[0] = 1
     return 0

@@ -566,9 +566,9 @@ cdef class Engine:
                 if len(item) != 5:
                     raise ValueError(f"a posted item has 5 fields, not {len(item)}")
                 s = &self._slots[i]
-                _u64_in(axf_tuple_item(item, 0), &s.ep)
+                s.ep = item[0]
                 s.op = item[1]
-                _u64_in(axf_tuple_item(item, 4), &s.req_id)
+                s.req_id = item[4]
                 s.notify = NULL
                 s.notify_len = 0
                 descs = item[2]
@@ -703,9 +703,9 @@ cdef class Engine:
         try:
             self._ensure_slots(1)
             s = self._slots
-            _u64_in(<PyObject *>ep, &s.ep)
+            s.ep = ep
             s.op = op
-            _u64_in(<PyObject *>req_id, &s.req_id)
+            s.req_id = req_id
             s.notify = NULL
             s.notify_len = 0
             _descs_in(descs, &s.one, &s.descs, &s.n)
