@@ -437,14 +437,14 @@ cdef int _add_total(object sub, Py_ssize_t off, int i, object d) except -1:
 cdef int _add_totals(object sub, Py_ssize_t off, const _drained *d) except -1:
     """A drain's completed transfers and their bytes (d) added to the
     Submission's totals (_add_total's, from C integers: no int made per
-    count while the totals are C integers; nothing to do for a drain that
-    completed nothing)."""
+    count while the totals are C integers, nothing to do for a drain that
+    completed nothing; other totals as _add_total adds to them)."""
     cdef PyObject *v = axf_slot_ptr(sub, off)
     cdef PeerCounters c
-    if d.completed == 0 and d.nbytes == 0:
-        return 0
     if v != NULL and type(<object>v) is PeerCounters:
         c = <PeerCounters><object>v
+        if d.completed == 0 and d.nbytes == 0:
+            return 0
         if (c._big is None and d.completed <= _PK_LIMIT and d.nbytes <= <uint64_t>_PK_LIMIT
                 and c._v[_PK_COMPLETED] + d.completed < _PK_LIMIT
                 and c._v[_PK_BYTES] + <long long>d.nbytes < _PK_LIMIT):
