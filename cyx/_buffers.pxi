@@ -81,6 +81,12 @@ cdef inline bytes _notify_bytes(object notify):
     return bytes(memoryview(notify))
 
 
+ctypedef struct _drained:  # what a drain took: Engine.drain's (records, completed, bytes)
+    Py_ssize_t records
+    Py_ssize_t completed
+    uint64_t nbytes
+
+
 ctypedef struct _slot:
     axf_desc one  # storage of a single descriptor given as a tuple
     uint64_t ep

@@ -861,6 +861,7 @@ cdef int _settle(object counters, Py_ssize_t done, uint64_t req_bytes, uint64_t 
 # compiled) 25.7 k -> 26.6 k, so the agent sets it on asyncio's loops only.
 
 _remove_done_callback = _Future.remove_done_callback
+cdef class Engine  # (_engine.pxi, included after this file: its _take_error slot)
 from contextvars import copy_context as _copy_context
 
 
@@ -895,10 +896,11 @@ cdef bint _probe_cb_fields(object loop) except -1:
     return not axf_future_has_callbacks(f)
 
 
-cdef list _take_callbacks(object fut, list wake):
+cdef list _take_callbacks(object fut, list wake, Engine eng):
     """fut's done callbacks, off it and into wake (made if None) as
     (callback, context, fut, loop); fut is not done yet (it is about to be).
-    Returns wake."""
+    Returns wake. eng: the engine whose drain completes fut (where the
+    removal path leaves its error, _take_callbacks_error)."""
     global _cb_fields
     cdef object cbs, cb, ctx, loop
     # A future completed before anyone awaited it (what an awaited lone
@@ -924,24 +926,21 @@ cdef list _take_callbacks(object fut, list wake):
     cbs = fut._callbacks
     if not cbs:
         return wake
-    return _take_callbacks_removing(fut, wake, cbs)
+    return _take_callbacks_removing(fut, wake, cbs, eng)
 
 
-# The first error _take_callbacks_removing met (a callback's __eq__ raising in
-# remove_done_callback), for its caller to report as the drain reports its
-# callbacks' errors (its `failed`): it returns the wake list, not raises.
-cdef object _take_error = None
-
-
-cdef list _take_callbacks_removing(object fut, list wake, object cbs):
+cdef list _take_callbacks_removing(object fut, list wake, object cbs, Engine eng):
     """_take_callbacks for a future whose callback fields were not probed
     (not the C Future of CPython 3.11-3.14): each taken off by
     remove_done_callback. One that stays on the future (its removal raised:
     a callback's ``__eq__`` runs in its comparisons) is left to the future,
-    which schedules it itself once done, and the error goes to _take_error:
-    raised from here, it escaped the drain, whose finally freed the batch's
-    other records unread."""
-    global _take_error
+    which schedules it itself once done, and the first error goes to
+    eng._take_error, for the drain to report as it reports its callbacks'
+    errors (its ``failed``): raised from here, it escaped the drain, whose
+    finally freed the batch's other records unread. The engine's own slot,
+    not one of the module: a finalizer or a property run by what follows
+    (``fut._callbacks``, allocations that collect garbage) may drain another
+    engine in between, which then took this error for its own."""
     cdef object cb, ctx, loop, left, err = None
     cdef dict stay
     cdef tuple key
@@ -958,8 +957,8 @@ cdef list _take_callbacks_removing(object fut, list wake, object cbs):
                 err = exc
     stay = None
     if err is not None:
-        if _take_error is None:
-            _take_error = err
+        if eng._take_error is None:
+            eng._take_error = err
         # What is still on the future (by identity, counted): run by it, not
         # by the drain's handle, so that nothing runs twice.
         left = fut._callbacks
@@ -980,12 +979,12 @@ cdef list _take_callbacks_removing(object fut, list wake, object cbs):
     return wake
 
 
-cdef inline object _take_callbacks_error():
-    """The error _take_callbacks_removing kept (None: none), now cleared."""
-    global _take_error
-    cdef object err = _take_error
+cdef inline object _take_callbacks_error(Engine eng):
+    """The error _take_callbacks_removing kept for eng (None: none), now
+    cleared."""
+    cdef object err = eng._take_error
     if err is not None:
-        _take_error = None
+        eng._take_error = None
     return err
 
 

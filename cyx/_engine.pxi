@@ -22,6 +22,10 @@ cdef class Engine:
     # handle, not one each (_completions.pxi: worth it where call_soon is
     # Python, asyncio's own loops; not on uvloop's). Set by the agent.
     cdef public bint batch_wakeups
+    # The first error a drain's _take_callbacks met on its removal path (a
+    # callback's __eq__ raising in remove_done_callback), until that drain
+    # reports it (_take_callbacks_error): this engine's, never another's.
+    cdef object _take_error
 
     def __cinit__(self, uint32_t copy_workers=0, uint64_t chunk_bytes=0,
                   uint64_t inline_bytes=0, uint32_t keepalive_ms=0,
@@ -633,18 +637,27 @@ cdef class Engine:
         and items and ts were emptied before the drain: the caller's batch
         lists, reusable), else post_many's list and nothing drained, marked
         or emptied (0, 0, 0)."""
-        return self._post_drain(items, ts, inflight, slow, release, result_type, weight,
-                                bandwidth_min, max, alone)
+        cdef _drained d
+        statuses = self._post_drain(items, ts, inflight, slow, release, result_type, weight,
+                                    bandwidth_min, max, alone, &d)
+        return statuses, d.records, d.completed, d.nbytes
 
-    cdef tuple _post_drain(self, list items, list ts, dict inflight, object slow,
-                           object release, object result_type, double weight,
-                           uint64_t bandwidth_min, Py_ssize_t max, bint alone):
+    cdef object _post_drain(self, list items, list ts, dict inflight, object slow,
+                            object release, object result_type, double weight,
+                            uint64_t bandwidth_min, Py_ssize_t max, bint alone, _drained *d):
+        """post_drain's work: its statuses (None: all accepted), the drain's
+        counts in *d (zeros when nothing was drained). C results, not a
+        tuple: the submission path's callers add them to the agent's totals
+        as C integers (a tuple and three ints made and freed per post, ~250
+        instructions of an awaited small request)."""
         cdef Py_ssize_t count, i
         cdef object t
+        d.records = d.completed = 0
+        d.nbytes = 0
         self._open()
         count = len(items)
         if count == 0:
-            return None, 0, 0, 0
+            return None
         if len(ts) != count:
             raise ValueError("post_drain: one transfer per item")
         # Inside a drain (a callback of its posting again): no drain here,
@@ -655,7 +668,7 @@ cdef class Engine:
         self._post_items(items, count, not nested, alone)
         for i in range(count):
             if self._slots[i].status != AXF_OK:
-                return [self._slots[i].status for i in range(count)], 0, 0, 0
+                return [self._slots[i].status for i in range(count)]
         for i in range(count):
             _mark_posted(ts[i])
         # Posted: the engine copied the descriptors; the batch lists are the
@@ -663,19 +676,22 @@ cdef class Engine:
         # callbacks goes into them).
         axf_list_empty(items)  # del items[:], its allocation kept
         axf_list_empty(ts)
-        return self._posted_drain(nested, inflight, slow, release, result_type, weight,
-                                  bandwidth_min, max)
+        self._posted_drain(nested, inflight, slow, release, result_type, weight,
+                           bandwidth_min, max, d)
+        return None
 
-    cdef tuple _post_one_drain(self, object ep, object op, object descs, object req_id,
-                               object t, dict inflight, object slow, object release,
-                               object result_type, double weight, uint64_t bandwidth_min,
-                               Py_ssize_t max, bint alone):
-        """_post_drain([(ep, op, descs, None, req_id)], [t], ...) without the
-        batch lists (Submitter's post of one request when nothing else is
-        batched: no item tuple, no lists to fill and empty)."""
+    cdef object _post_one_drain(self, object ep, object op, object descs, object req_id,
+                                object t, dict inflight, object slow, object release,
+                                object result_type, double weight, uint64_t bandwidth_min,
+                                Py_ssize_t max, bint alone, _drained *d):
+        """_post_drain([(ep, op, descs, None, req_id)], [t], ..., d) without
+        the batch lists (Submitter's post of one request when nothing else
+        is batched: no item tuple, no lists to fill and empty)."""
         cdef uint32_t flags
         cdef _slot *s
         cdef bint nested
+        d.records = d.completed = 0
+        d.nbytes = 0
         self._open()
         nested = self._polling
         flags = AXF_POST_DEFER | (0 if nested else AXF_POST_POLL)
@@ -699,28 +715,29 @@ cdef class Engine:
         finally:
             self._posting = False
         if self._slots[0].status != AXF_OK:
-            return [self._slots[0].status], 0, 0, 0
+            return [self._slots[0].status]
         _mark_posted(t)
-        return self._posted_drain(nested, inflight, slow, release, result_type, weight,
-                                  bandwidth_min, max)
+        self._posted_drain(nested, inflight, slow, release, result_type, weight,
+                           bandwidth_min, max, d)
+        return None
 
-    cdef tuple _posted_drain(self, bint nested, dict inflight, object slow, object release,
-                             object result_type, double weight, uint64_t bandwidth_min,
-                             Py_ssize_t max):
-        """The end of _post_drain once all was posted: the ring drained,
-        unless nested (see there) or nothing is in it."""
+    cdef int _posted_drain(self, bint nested, dict inflight, object slow, object release,
+                           object result_type, double weight, uint64_t bandwidth_min,
+                           Py_ssize_t max, _drained *d) except -1:
+        """The end of _post_drain once all was posted: the ring drained into
+        *d, unless nested (see there) or nothing is in it (*d zeros)."""
+        d.records = d.completed = 0
+        d.nbytes = 0
         if nested:
-            return None, 0, 0, 0
+            return 0
         # Nothing in the ring (a remote request, a copy on a worker): no poll,
         # whose lock and eventfd read (to clear a wake-up nobody made) cost
         # two syscalls' worth on the way of every tcp request. axf_wait_ex(0,
         # POLLS) reads the ring's count without its lock; a stale wake-up is
         # cleared by the drain that it causes.
         if axf_wait_ex(self._e, 0, AXF_WAIT_POLLS) == 0:
-            return None, 0, 0, 0
-        n, completed, total = self._drain(inflight, slow, release, result_type, weight,
-                                          bandwidth_min, max)
-        return None, n, completed, total
+            return 0
+        return self._drain(inflight, slow, release, result_type, weight, bandwidth_min, max, d)
 
     def doorbell(self):
         self._open()
@@ -796,10 +813,14 @@ cdef class Engine:
         ``slow`` and ``release`` always see them up to date. Not reentrant:
         neither callback may poll or drain.
         """
-        return self._drain(inflight, slow, release, result_type, weight, bandwidth_min, max)
+        cdef _drained d
+        self._drain(inflight, slow, release, result_type, weight, bandwidth_min, max, &d)
+        return d.records, d.completed, d.nbytes
 
-    cdef tuple _drain(self, dict inflight, object slow, object release, object result_type,
-                      double weight, uint64_t bandwidth_min, Py_ssize_t max):
+    cdef int _drain(self, dict inflight, object slow, object release, object result_type,
+                    double weight, uint64_t bandwidth_min, Py_ssize_t max,
+                    _drained *d) except -1:
+        """drain's work, its (records, completed, bytes) into *d."""
         cdef size_t n, i
         cdef axf_completion *c
         cdef object t, peer = None, counters = None, path, r, key, tpeer, asked
@@ -813,11 +834,13 @@ cdef class Engine:
         cdef Py_ssize_t completed = 0, done = 0
         cdef uint64_t total = 0, moved = 0, req_bytes = 0
         cdef double now, seconds, latency = 0.0, bandwidth = 0.0
+        d.records = d.completed = 0
+        d.nbytes = 0
         if self._e == NULL:
-            return 0, 0, 0
+            return 0
         n = self._poll_batch(max, "drain")
         if n == 0:
-            return 0, 0, 0
+            return 0
         # One clock reading for the batch: every record in it was complete
         # before the poll, and what is measured is post -> seen by the loop.
         now = _perf_counter()
@@ -898,9 +921,9 @@ cdef class Engine:
                                      and <uint64_t>asked == c.nbytes else c.nbytes,
                                      seconds, path, c.fail_index)
                     if _xfer_future and self.batch_wakeups:
-                        wake = _take_callbacks(t, wake)
-                        if _take_error is not None:  # (the remove_done_callback path's)
-                            exc = _take_callbacks_error()
+                        wake = _take_callbacks(t, wake, self)
+                        if self._take_error is not None:  # (the remove_done_callback path's)
+                            exc = _take_callbacks_error(self)
                             if failed is None:
                                 failed = exc
                         _fut_set_result(t, r)
@@ -920,9 +943,12 @@ cdef class Engine:
                 for i in range(n):
                     axf_completion_free(&self._cq[i])
                 self._polling = False
+        d.records = <Py_ssize_t>n
+        d.completed = completed
+        d.nbytes = total
         if failed is not None:
             _report_drain_error(failed)
-        return n, completed, total
+        return 0
 
     # -------------------------------------------------------------- verbs
 

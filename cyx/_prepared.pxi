@@ -188,7 +188,8 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
     own completion taken inside it when it can be (see above)."""
     cdef object sub = s._sub
     cdef PyObject *v
-    cdef object counters, engine, inflight, pending, pending_t, t, req_id, res
+    cdef object counters, engine, inflight, pending, pending_t, t, req_id, statuses
+    cdef _drained d
     cdef long long n
     cdef object totals
     cdef int st
@@ -229,6 +230,9 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
     t = (<FutureMaker>s._maker)._make(sub, req_id, op, peer, nbytes)
     _pk_count_in(<PeerCounters>counters, n)
     (<dict>inflight)[req_id] = t
+    statuses = None
+    d.records = d.completed = 0
+    d.nbytes = 0
     try:
         st = _post_inline(<Engine>engine, _slot_obj(peer, s._q[_Q_EP]), opcode, descs, req_id,
                           len(<dict>inflight) == 1)
@@ -236,16 +240,16 @@ cdef object _post_now(Submitter s, object peer, object opcode, object descs, obj
             _mark_posted(t)
             if st == AXF_POST_DONE:
                 _done_inline(<Engine>engine, s, <dict>inflight, t, req_id)
-            res = (<Engine>engine)._posted_drain(
+            (<Engine>engine)._posted_drain(
                 False, <dict>inflight, _slot_obj(sub, s._s[_S_ON_RECORD]),
                 _slot_obj(sub, s._s[_S_RELEASE]), s._result_type, s._weight,
-                s._bandwidth_min, s._poll_max)
+                s._bandwidth_min, s._poll_max, &d)
         else:
-            res = ([st], 0, 0, 0)
+            statuses = [st]
     except Exception as exc:  # (as Submitter._post_one)
         sub._post_raised([t], exc)
         return t
-    s._posted(<tuple>res, None, inflight, t)
+    s._posted(statuses, &d, None, inflight, t)
     return t
 
 
@@ -275,7 +279,8 @@ cdef object _post_small(Prepared p, Submitter s):
     cdef object sub = s._sub
     cdef object peer = p._peer, nbytes = p.nbytes, descs = p._descs
     cdef PyObject *v
-    cdef object counters, engine, inflight, pending, pending_t, t = None, req_id, res
+    cdef object counters, engine, inflight, pending, pending_t, t = None, req_id, statuses
+    cdef _drained d
     cdef FutureMaker mk
     cdef Engine e
     cdef _slot *sl
@@ -391,25 +396,28 @@ cdef object _post_small(Prepared p, Submitter s):
         # ring's count, no lock).
         if not inflight and axf_wait_ex(e._e, 0, AXF_WAIT_POLLS) == 0:
             return t
-        res = e._posted_drain(
+        e._posted_drain(
             False, <dict>inflight, _slot_obj(sub, s._s[_S_ON_RECORD]),
             _slot_obj(sub, s._s[_S_RELEASE]), s._result_type, s._weight,
-            s._bandwidth_min, s._poll_max)
-        s._posted(<tuple>res, None, inflight)
+            s._bandwidth_min, s._poll_max, &d)
+        s._posted(None, &d, None, inflight)
         return t
+    statuses = None
+    d.records = d.completed = 0
+    d.nbytes = 0
     try:
         if st == AXF_OK:
             _mark_posted(t)
-            res = e._posted_drain(
+            e._posted_drain(
                 False, <dict>inflight, _slot_obj(sub, s._s[_S_ON_RECORD]),
                 _slot_obj(sub, s._s[_S_RELEASE]), s._result_type, s._weight,
-                s._bandwidth_min, s._poll_max)
+                s._bandwidth_min, s._poll_max, &d)
         else:
-            res = ([st], 0, 0, 0)
+            statuses = [st]
     except Exception as exc:  # (as Submitter._post_one)
         sub._post_raised([t], exc)
         return t
-    s._posted(<tuple>res, None, inflight, t)
+    s._posted(statuses, &d, None, inflight, t)
     return t
 
 
@@ -476,9 +484,9 @@ cdef int _done_inline(Engine e, Submitter s, dict inflight, object t, object req
                 path = _peer_get(peer, _P_PATH)
             r = _make_result(s._result_type, asked, seconds, path, 0)
             if _xfer_future and e.batch_wakeups:
-                wake = _take_callbacks(t, wake)
-                if _take_error is not None:  # (the remove_done_callback path's)
-                    exc = _take_callbacks_error()
+                wake = _take_callbacks(t, wake, e)
+                if e._take_error is not None:  # (the remove_done_callback path's)
+                    exc = _take_callbacks_error(e)
                     if failed is None:
                         failed = exc
                 _fut_set_result(t, r)

@@ -89,7 +89,7 @@ cdef bint _alone_max(object sub, Py_ssize_t off, long long *out) except -1:
     return True
 
 
-from cpython.long cimport PyLong_AsSsize_t
+from cpython.long cimport PyLong_FromSsize_t, PyLong_FromUnsignedLongLong
 from types import MethodType as _MethodType  # what a bound FutureMaker.make is
 
 
@@ -326,7 +326,8 @@ cdef class Submitter:
     cdef object _drain_now(self):
         cdef object sub = self._sub
         cdef PyObject *v
-        cdef object engine, inflight, res
+        cdef object engine, inflight
+        cdef _drained d
         cdef int rounds = self._poll_rounds
         if not self._ok:
             return sub._drain_py()
@@ -336,13 +337,12 @@ cdef class Submitter:
         if type(engine) is not Engine or type(inflight) is not dict:
             return sub._drain_py()
         while rounds:
-            res = (<Engine>engine)._drain(
+            (<Engine>engine)._drain(
                 <dict>inflight, _slot_obj(sub, self._s[_S_ON_RECORD]),
                 _slot_obj(sub, self._s[_S_RELEASE]),
-                self._result_type, self._weight, self._bandwidth_min, self._poll_max)
-            _add_total(sub, self._s[_S_TOTALS], _PK_COMPLETED, res[1])
-            _add_total(sub, self._s[_S_TOTALS], _PK_BYTES, res[2])
-            if res[0] < self._poll_max:
+                self._result_type, self._weight, self._bandwidth_min, self._poll_max, &d)
+            _add_totals(sub, self._s[_S_TOTALS], &d)
+            if d.records < self._poll_max:
                 return None
             rounds -= 1
         _slot_obj(sub, self._s[_S_LOOP]).call_soon(sub.drain)  # more remain: the loop breathes
@@ -354,17 +354,19 @@ cdef class Submitter:
         open, nothing cancelled, pending not empty): the batch posted and
         drained in one native call, then _posted."""
         cdef object sub = self._sub
-        cdef object res
+        cdef object statuses
+        cdef _drained d
         try:
-            res = (<Engine>engine)._post_drain(
+            statuses = (<Engine>engine)._post_drain(
                 <list>pending, <list>ts, <dict>inflight,
                 _slot_obj(sub, self._s[_S_ON_RECORD]),
                 _slot_obj(sub, self._s[_S_RELEASE]),
-                self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
+                self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone,
+                &d)
         except Exception as exc:
             sub._post_raised(ts, exc)
             return False
-        return self._posted(<tuple>res, ts, inflight)
+        return self._posted(statuses, &d, ts, inflight)
 
     cdef bint _post_one(self, object engine, object inflight, bint alone, object t,
                         object ep, object opcode, object descs, object req_id) except -1:
@@ -372,29 +374,31 @@ cdef class Submitter:
         not batched: its fields passed as they are (no item tuple made and
         freed per request)."""
         cdef object sub = self._sub
-        cdef object res
+        cdef object statuses
+        cdef _drained d
         try:
-            res = (<Engine>engine)._post_one_drain(
+            statuses = (<Engine>engine)._post_one_drain(
                 ep, opcode, descs, req_id, t, <dict>inflight,
                 _slot_obj(sub, self._s[_S_ON_RECORD]),
                 _slot_obj(sub, self._s[_S_RELEASE]),
-                self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone)
+                self._result_type, self._weight, self._bandwidth_min, self._poll_max, alone,
+                &d)
         except Exception as exc:
             sub._post_raised([t], exc)
             return False
-        return self._posted(<tuple>res, None, inflight, t)
+        return self._posted(statuses, &d, None, inflight, t)
 
-    cdef bint _posted(self, tuple res, object ts, object inflight, object t=None) except -1:
-        """The end of _post and _post_one: the counts (or the refusal of
-        ts, else of [t]), the poller kicked when something stays in flight
-        (then True)."""
+    cdef bint _posted(self, object statuses, const _drained *d, object ts, object inflight,
+                      object t=None) except -1:
+        """The end of _post and _post_one: statuses None (all posted), the
+        drain's counts d added to the totals, else the refusal of ts (else
+        of [t]); the poller kicked when something stays in flight (then
+        True)."""
         cdef object sub = self._sub
         cdef PyObject *v
-        cdef object statuses = res[0]
         if statuses is None:
-            _add_total(sub, self._s[_S_TOTALS], _PK_COMPLETED, res[2])
-            _add_total(sub, self._s[_S_TOTALS], _PK_BYTES, res[3])
-            if PyLong_AsSsize_t(res[1]) >= self._poll_max:
+            _add_totals(sub, self._s[_S_TOTALS], d)
+            if d.records >= self._poll_max:
                 sub.drain()  # more remain
         else:
             sub._refused(ts if t is None else [t], statuses)
@@ -428,6 +432,28 @@ cdef int _add_total(object sub, Py_ssize_t off, int i, object d) except -1:
                 _pk_add(<PeerCounters><object>v, i, dv)
             return 0
     return _pk_add_obj(<PeerCounters><object>v, i, d)
+
+
+cdef int _add_totals(object sub, Py_ssize_t off, const _drained *d) except -1:
+    """A drain's completed transfers and their bytes (d) added to the
+    Submission's totals (_add_total's, from C integers: no int made per
+    count while the totals are C integers, nothing to do for a drain that
+    completed nothing; other totals as _add_total adds to them)."""
+    cdef PyObject *v = axf_slot_ptr(sub, off)
+    cdef PeerCounters c
+    if v != NULL and type(<object>v) is PeerCounters:
+        c = <PeerCounters><object>v
+        if d.completed == 0 and d.nbytes == 0:
+            return 0
+        if (c._big is None and d.completed <= _PK_LIMIT and d.nbytes <= <uint64_t>_PK_LIMIT
+                and c._v[_PK_COMPLETED] + d.completed < _PK_LIMIT
+                and c._v[_PK_BYTES] + <long long>d.nbytes < _PK_LIMIT):
+            c._v[_PK_COMPLETED] += d.completed
+            c._v[_PK_BYTES] += <long long>d.nbytes
+            return 0
+    _add_total(sub, off, _PK_COMPLETED, PyLong_FromSsize_t(d.completed))
+    _add_total(sub, off, _PK_BYTES, PyLong_FromUnsignedLongLong(d.nbytes))
+    return 0
 
 
 cdef inline object _totals_of(object sub, Py_ssize_t off):
