@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import enum
+import hmac
 import inspect
 import itertools
 import os
@@ -52,6 +53,7 @@ from aioxfer import (
     XferError,
     _cyx,
 )
+from aioxfer.auth import default_token
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
 from aioxfer.progress import ALONE_MAX_US, POLL_SLICE_US, check_mode
@@ -1001,8 +1003,17 @@ class _Remote:
 
     def get_table(self) -> _Table:
         if self.table is None:
+            # Only ranges the peer's own metadata (fetched over its
+            # authenticated connection) vouches for: the region of that name
+            # at that address and size. Metadata blobs (a listener's reply,
+            # the central store, an application's) are not authenticated: a
+            # forged range must resolve to nothing, never aim our transfers
+            # at another of the peer's regions.
+            known = self.peer.regions if self.peer is not None else {}
             self.table = _Table([(r.mem, r.addr, r.nbytes, r.dev, r.name)
-                                 for r in self.ranges.values()])
+                                 for r in self.ranges.values()
+                                 if (rr := known.get(r.name)) is not None
+                                 and rr.addr == r.addr and rr.nbytes == r.nbytes])
         return self.table
 
 
@@ -1202,10 +1213,14 @@ class nixlAgent:
         self._self_peer: aioxfer.Peer | None = None
         self._dlists: dict[int, _Prepped] = {}
         self._xfers: dict[int, _Xfer] = {}
-        self._assembler = _wire.NotifAssembler()
+        self._assembler = _wire.NotifAssembler(_notif_dropped)
         self._last_empty_notif = 0.0
         self._last_md_poll = 0.0
         self._server: asyncio.AbstractServer | None = None
+        self._listen_conns = 0  # listener connections being served (_wire.MAX_LISTEN_CONNS)
+        # The token listener requests prove (_wire.LISTEN_NONCE), resolved
+        # once: the aioxfer agent's, which _start_agent gives it.
+        self._token: bytes | None = None
         # The listener's requests being served and sent (fetch, push,
         # invalidate): cancelled on close, with their sockets.
         self._bg: set[asyncio.Task[Any]] = set()
@@ -1324,7 +1339,8 @@ class nixlAgent:
             # need, on the rare rounds it wakes for, and its kick from a
             # caller's post would be a callback scheduled across threads for
             # nothing.
-            agent = aioxfer.Agent(self._name, progress=progress, **kwargs)
+            agent = aioxfer.Agent(self._name, progress=progress, token=self._listen_token(),
+                                  **kwargs)
             agent.progress = "sleep"
         except (XferError, ValueError, OSError) as exc:
             raise _error(-3, f"createBackend UCX: {exc}") from None
@@ -1681,9 +1697,20 @@ class nixlAgent:
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             me = ref()
             try:
-                if me is not None:
+                if me is None:
+                    return
+                # (Bounded: clients that connect and never finish a request
+                # must not hold a task and a socket each without limit.)
+                if me._listen_conns >= _wire.MAX_LISTEN_CONNS:
+                    _log("W", f"metadata listener: over {_wire.MAX_LISTEN_CONNS} connections "
+                              f"at once, one refused")
+                    return
+                me._listen_conns += 1
+                try:
                     me._track(asyncio.current_task())
                     await me._serve_md(reader, writer)
+                finally:
+                    me._listen_conns -= 1
             finally:
                 writer.close()
 
@@ -1694,10 +1721,22 @@ class nixlAgent:
         self.listen_port = self._server.sockets[0].getsockname()[1]
         _log("I", f"MD listener is listening on port {self.listen_port}")
 
+    def _listen_token(self) -> bytes:
+        """The token of this agent's aioxfer agent (made or to be made): what
+        listener requests, sent and served, are authenticated with."""
+        if self._token is None:
+            self._token = default_token()
+        return self._token
+
     async def _serve_md(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(_CONNECT_TIMEOUT):
-                req = _wire.request_decoder.decode(await _read_frame(reader))
+                token = self._listen_token()
+                nonce = os.urandom(_wire.LISTEN_NONCE)
+                writer.write(nonce)
+                await writer.drain()
+                body = await _read_authenticated(reader, token, nonce)
+                req = _wire.request_decoder.decode(body)
                 if isinstance(req, _wire.Push):
                     md = _wire.decode_md(req.md)
                     if md.name == self._name:
@@ -1738,9 +1777,11 @@ class nixlAgent:
         # (Bounded as a whole: a listener that accepts and never answers
         # must not hold the request and its socket for ever.)
         async with asyncio.timeout(_CONNECT_TIMEOUT):
+            token = self._listen_token()
             reader, writer = await asyncio.open_connection(ip, port)
             try:
-                _write_frame(writer, _wire.encoder.encode(req))
+                nonce = await reader.readexactly(_wire.LISTEN_NONCE)
+                writer.write(_wire.listen_request(token, nonce, _wire.encoder.encode(req)))
                 await writer.drain()
                 reply = _wire.reply_decoder.decode(await _read_frame(reader))
             finally:
@@ -3037,6 +3078,28 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
     if n > _wire.MAX_FRAME:
         raise ValueError(f"frame of {n} bytes is over the limit")
     return await reader.readexactly(n)
+
+
+async def _read_authenticated(reader: asyncio.StreamReader, token: bytes, nonce: bytes) -> bytes:
+    """A listener request from a client that knows ``token`` (see
+    _wire.LISTEN_NONCE); ValueError for any other."""
+    head = await reader.readexactly(4 + _wire.LISTEN_MAC)
+    if not hmac.compare_digest(head[4:], _wire.listen_len_mac(token, nonce, head[:4])):
+        raise ValueError("a request from a client without this agent's token")
+    n = int.from_bytes(head[:4], "big")
+    if n > _wire.MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes is over the limit")
+    data = await reader.readexactly(n + _wire.LISTEN_MAC)
+    body = data[:n]
+    if not hmac.compare_digest(data[n:], _wire.listen_body_mac(token, nonce, body)):
+        raise ValueError("a request whose body does not match its proof")
+    return body
+
+
+def _notif_dropped(sender: str, nbytes: int) -> None:
+    _log("W", f"notifications: a message of agent {sender!r} never finished, dropped with the "
+              f"{nbytes} bytes of it received (bounds: {_wire._MAX_PARTIAL} messages, "
+              f"{_wire._MAX_PARTIAL_BYTES >> 20} MiB per sender)")
 
 
 def _write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:

@@ -35,6 +35,7 @@ import collections
 import fnmatch
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable
 
@@ -145,8 +146,16 @@ class _Ring:
         self.capacity = capacity
         self.mask = capacity - 1
         size = _HEADER.size + _EVENT.itemsize * capacity
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        # NIXL_TELEMETRY_DIR is often shared (/tmp) and the agent's name
+        # predictable: a link planted there must not be followed (we would
+        # truncate and write whatever it names), nor a file another user made
+        # (or anything but a file) be taken over. Readers advance read_pos, so
+        # they open the file for writing: they are this user, hence 0600.
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise OSError(f"{path} is not a file of this user")
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

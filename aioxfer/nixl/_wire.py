@@ -8,7 +8,10 @@ a real NIXL blob (or garbage) is refused with a clear error.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+from collections.abc import Callable
 
 import msgspec
 
@@ -31,6 +34,39 @@ MD_MAGIC = b"AXFNIXL1"
 DL_MAGIC = b"AXFNXDL1"
 # Listener frames: 4-byte big-endian length, then one msgpack message.
 MAX_FRAME = 64 << 20
+# A listener request proves knowledge of the agent's token (the token of its
+# aioxfer agent, which every connection it makes needs anyway), as aioxfer's
+# own handshake does: the listener first sends LISTEN_NONCE fresh random
+# bytes; the client then sends the length, HMAC(token, len ctx + nonce +
+# length), the body, HMAC(token, body ctx + nonce + body). The first MAC is
+# checked before the body is read, so a client without the token makes the
+# listener hold 4 + LISTEN_MAC bytes, not MAX_FRAME; the nonce makes a
+# recorded request useless on another connection. Replies are plain frames
+# (no TLS, as aioxfer's: see SECURITY.md); what a reply says is checked
+# where it is used (the connection to the address it gives authenticates,
+# and only ranges the peer itself advertised are used).
+LISTEN_NONCE = 16
+LISTEN_MAC = 32
+_LISTEN_LEN_CTX = b"aioxfer-nixl-listen-len-v1\x00"
+_LISTEN_BODY_CTX = b"aioxfer-nixl-listen-body-v1\x00"
+# Listener connections served at once; more are closed at accept (each is
+# bounded in time by the listener's request timeout).
+MAX_LISTEN_CONNS = 64
+
+
+def listen_len_mac(token: bytes, nonce: bytes, head: bytes) -> bytes:
+    return hmac.new(token, _LISTEN_LEN_CTX + nonce + head, hashlib.sha256).digest()
+
+
+def listen_body_mac(token: bytes, nonce: bytes, body: bytes) -> bytes:
+    return hmac.new(token, _LISTEN_BODY_CTX + nonce + body, hashlib.sha256).digest()
+
+
+def listen_request(token: bytes, nonce: bytes, body: bytes) -> bytes:
+    """A request as a client with ``token`` sends it after ``nonce``."""
+    head = len(body).to_bytes(4, "big")
+    return (head + listen_len_mac(token, nonce, head) + body
+            + listen_body_mac(token, nonce, body))
 
 
 class RegionMD(msgspec.Struct, array_like=True, frozen=True):
@@ -154,13 +190,18 @@ def decode_dlist(data: bytes) -> DListBlob:
 # once the WRITE's data is in place. The id keeps a message whose WRITE failed
 # after its first fragments went (they stay with the receiver, never to be
 # completed) out of the sender's next message; at most _MAX_PARTIAL such
-# messages per sender are kept.
+# messages, and _MAX_PARTIAL_BYTES of their fragments, are kept per sender:
+# past either bound the oldest message is dropped (logged), and the rest of
+# its fragments, when they come, with it (never handed over as a truncated
+# message).
 
 NOTIF_MAGIC = b"\xffAXN"
 NOTIF_MAX = 4096
 _ID = 8
 _CHUNK = NOTIF_MAX - len(NOTIF_MAGIC) - 1 - _ID
 _MAX_PARTIAL = 8
+_MAX_PARTIAL_BYTES = 64 << 20  # per sender: a peer never sending a last fragment
+_MAX_DROPPED = 64  # per sender: ids of dropped messages whose fragments are ignored
 
 
 def notif_frames(msg: bytes) -> list[bytes]:
@@ -174,14 +215,40 @@ def notif_frames(msg: bytes) -> list[bytes]:
             + [NOTIF_MAGIC + b"L" + mid + chunks[-1]])
 
 
-class NotifAssembler:
-    """Turns received frames back into messages, per sender."""
+class _Sender:
+    """What one sender's messages not yet whole hold."""
 
-    __slots__ = ("_partial",)
+    __slots__ = ("partial", "held", "dropped")
 
     def __init__(self) -> None:
-        # sender -> message id -> its fragments so far (oldest message first)
-        self._partial: dict[str, dict[bytes, list[bytes]]] = {}
+        self.partial: dict[bytes, list[bytes]] = {}  # id -> fragments (oldest first)
+        self.held = 0  # bytes of those fragments
+        self.dropped: dict[bytes, None] = {}  # ids dropped, their fragments ignored
+
+
+class NotifAssembler:
+    """Turns received frames back into messages, per sender. ``on_drop(sender,
+    nbytes)`` is told of each partial message dropped at a bound."""
+
+    __slots__ = ("_senders", "_on_drop")
+
+    def __init__(self, on_drop: Callable[[str, int], None] | None = None) -> None:
+        self._senders: dict[str, _Sender] = {}
+        self._on_drop = on_drop
+
+    def held(self) -> int:
+        """Bytes of fragments held, all senders."""
+        return sum(s.held for s in self._senders.values())
+
+    def _drop_oldest(self, sender: str, st: _Sender) -> None:
+        mid = next(iter(st.partial))
+        nbytes = sum(map(len, st.partial.pop(mid)))
+        st.held -= nbytes
+        st.dropped[mid] = None
+        while len(st.dropped) > _MAX_DROPPED:
+            del st.dropped[next(iter(st.dropped))]
+        if self._on_drop is not None:
+            self._on_drop(sender, nbytes)
 
     def feed(self, sender: str, frame: bytes) -> bytes | None:
         if not frame.startswith(NOTIF_MAGIC):
@@ -194,20 +261,37 @@ class NotifAssembler:
             return frame  # not ours after all: hand it over as it is
         mid = frame[head + 1:head + 1 + _ID]
         body = frame[head + 1 + _ID:]
-        partial = self._partial.get(sender)
+        st = self._senders.get(sender)
         if kind == b"F":
-            if partial is None:
-                partial = self._partial[sender] = {}
-            parts = partial.get(mid)
+            if st is None:
+                st = self._senders[sender] = _Sender()
+            elif mid in st.dropped:
+                return None  # the rest of a message dropped at a bound
+            parts = st.partial.get(mid)
             if parts is None:
-                while len(partial) >= _MAX_PARTIAL:  # (orphans of failed WRITEs)
-                    del partial[next(iter(partial))]
-                parts = partial[mid] = []
+                while len(st.partial) >= _MAX_PARTIAL:  # (orphans of failed WRITEs)
+                    self._drop_oldest(sender, st)
+                parts = st.partial[mid] = []
             parts.append(body)
+            st.held += len(body)
+            # (A peer that never sends a message's last fragment must not
+            # grow our memory without bound: this message goes too, once it
+            # is the oldest.)
+            while st.held > _MAX_PARTIAL_BYTES:
+                self._drop_oldest(sender, st)
             return None
-        parts = partial.pop(mid, None) if partial is not None else None
-        if partial is not None and not partial:
-            del self._partial[sender]
+        if st is None:
+            return body
+        parts = st.partial.pop(mid, None)
+        dropped = parts is None and mid in st.dropped
+        if dropped:
+            del st.dropped[mid]
+        elif parts is not None:
+            st.held -= sum(map(len, parts))
+        if not st.partial and not st.dropped:
+            del self._senders[sender]
+        if dropped:
+            return None
         if parts is None:
             return body
         parts.append(body)
