@@ -54,7 +54,7 @@ def _check_u64(*values: int) -> None:
             raise ValueError(f"{v} does not fit in an unsigned 64-bit integer")
 
 
-def _check_address(a: str) -> None:
+def check_address(a: str) -> None:
     """A peer's "host:port" as dialling parses it (dialing.parse_address) and
     the resolver takes it: else a rail of a peer's metadata failed connect()
     with a builtin ValueError or UnicodeError (idna), not a ProtocolError."""
@@ -223,7 +223,7 @@ class AgentMeta(msgspec.Struct, tag="meta", frozen=True):
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
         for a in ([self.address] if self.address else []) + self.rails:
-            _check_address(a)
+            check_address(a)
 
 
 class VerbsQP(msgspec.Struct, frozen=True):

@@ -43,3 +43,23 @@ def test_decoding_checks_address_and_rails(bad: str) -> None:
         msgspec.structs.force_setattr(m, field, bad if field == "address" else [bad])
         with pytest.raises(msgspec.ValidationError, match="host:port"):
             msgspec.msgpack.decode(msgspec.msgpack.encode(m), type=metadata.AgentMeta)
+
+
+COMPAT_BAD = ["not-an-address", "host:99999", "h:-1", "\x00:1", "a" * 300 + ":1", ":"]
+
+
+@pytest.mark.parametrize("bad", COMPAT_BAD)
+def test_compat_metadata_with_a_malformed_address_is_invalid(bad: str) -> None:
+    """aioxfer.nixl: loadRemoteMD of metadata whose address is not host:port
+    raises NIXL's invalid-parameter error (it raised the dialling code's
+    builtin ValueError or UnicodeError: rev16), and dials nothing."""
+    from aioxfer.nixl import _wire, nixl_agent, nixl_agent_config
+    from aioxfer.nixl._bindings import nixlInvalidParamError
+
+    a = nixl_agent("m16-compat", nixl_agent_config(enable_listen_thread=False))
+    try:
+        md = _wire.encode_md(_wire.AgentMD("m16-other", address=bad, incarnation=1))
+        with pytest.raises(nixlInvalidParamError, match="address"):
+            a.add_remote_agent(md)
+    finally:
+        a.close()

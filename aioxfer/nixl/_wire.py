@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from aioxfer.metadata import check_address
+
 __all__ = [
     "MD_MAGIC",
     "AgentMD",
@@ -137,6 +139,13 @@ def decode_md(blob: bytes) -> AgentMD:
         raise ValueError(f"damaged aioxfer.nixl agent metadata: {exc}") from None
     if not md.name:
         raise ValueError("aioxfer.nixl agent metadata without an agent name")
+    if md.address:
+        # (Dialled by loadRemoteMD: else a bad one raised the dialling code's
+        # builtin ValueError or UnicodeError, not NIXL's invalid-parameter.)
+        try:
+            check_address(md.address)
+        except ValueError as exc:
+            raise ValueError(f"damaged aioxfer.nixl agent metadata: address {exc}") from None
     for r in md.regions:
         # (Values a peer controls: each must fit the uint64 tables they are
         # searched in, else numpy raises later, untyped.)
