@@ -62,3 +62,53 @@ def test_agent_built_through_a_replaced_nixlAgent_factory(
         a.release_xfer_handle(h)
     finally:
         a.close()
+
+
+# Two shim agents in one process: connecting logs aioxfer's info line
+# peer.connected on stderr; NIXL itself prints nothing there at its default.
+_SHIM_PAIR = (
+    "import os, nixl\n"
+    "assert nixl.nixl_agent is __import__('aioxfer.nixl').nixl.nixl_agent\n"
+    "print('env', os.environ.get('AIOXFER_LOG_LEVEL'))\n"
+    "a = nixl.nixl_agent('A'); b = nixl.nixl_agent('B')\n"
+    "a.add_remote_agent(b.get_agent_metadata())\n"
+    "a.send_notif('B', b'x')\n"
+    "import time\n"
+    "deadline = time.monotonic() + 20\n"
+    "while not b.get_new_notifs() and time.monotonic() < deadline: pass\n"
+    "a.close(); b.close()\n"
+    "print('done')\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("env", "shown"),
+    [
+        ({}, False),  # NIXL's default, WARN
+        ({"NIXL_LOG_LEVEL": "INFO"}, True),
+        ({"NIXL_LOG_LEVEL": "ERROR"}, False),
+        ({"NIXL_LOG_LEVEL": "bogus"}, False),  # counted as the default, as NIXL does
+        ({"AIOXFER_LOG_LEVEL": "info"}, True),  # aioxfer's own setting wins
+        ({"NIXL_LOG_LEVEL": "INFO", "AIOXFER_LOG_LEVEL": "error"}, False),
+    ],
+)
+def test_shim_shows_aioxfer_lines_at_nixls_log_level(env: dict[str, str], shown: bool) -> None:
+    """A NIXL script run through the shim prints what it prints on NIXL:
+    aioxfer's structured lines follow NIXL_LOG_LEVEL (they printed at info
+    level by default: peer.connected/peer.closed lines in every example's
+    output), and the environment the script (and its children) sees is not
+    changed."""
+    import os
+    import subprocess
+    import sys
+
+    import aioxfer.nixl
+
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("NIXL_LOG_LEVEL", "AIOXFER_LOG_LEVEL")}
+    out = subprocess.run([sys.executable, "-c", _SHIM_PAIR], capture_output=True, text=True,
+                         cwd="/", timeout=60,
+                         env={**base, **env, "PYTHONPATH": aioxfer.nixl.shim_path()})
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr
+    assert f"env {env.get('AIOXFER_LOG_LEVEL')}" in out.stdout
+    assert ("peer.connected" in out.stderr) is shown, out.stderr

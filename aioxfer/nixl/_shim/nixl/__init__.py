@@ -1,11 +1,32 @@
 """The opt-in shim: with this directory's parent on sys.path (``PYTHONPATH="$(python
 -m aioxfer.nixl)"``), ``import nixl`` is aioxfer.nixl, and nixl._api,
 nixl._bindings, nixl._utils, nixl.logging its submodules (one class object per
-name, so what aioxfer.nixl raises is what ``except nixl...`` catches)."""
+name, so what aioxfer.nixl raises is what ``except nixl...`` catches).
 
+A script run this way is a NIXL script: aioxfer's own structured log lines
+(``peer.connected`` and the like, on stderr) are shown at the threshold of
+NIXL's native lines, ``NIXL_LOG_LEVEL`` (default WARN), unless
+``AIOXFER_LOG_LEVEL`` says otherwise. aioxfer fixes its level when its
+modules are first imported, so it is set here, before that, and the
+environment is left as it was (children are not told)."""
+
+import os
 import sys
 
-import aioxfer.nixl as _impl
+# NIXL_LOG_LEVEL's names as aioxfer.log's levels; an unknown value counts as
+# the default, as NIXL's own logging does.
+_LEVELS = {"TRACE": "debug", "DEBUG": "debug", "INFO": "info", "WARN": "warning",
+           "ERROR": "error", "FATAL": "critical"}
+
+if "aioxfer" not in sys.modules and "AIOXFER_LOG_LEVEL" not in os.environ:
+    os.environ["AIOXFER_LOG_LEVEL"] = _LEVELS.get(
+        os.environ.get("NIXL_LOG_LEVEL", "").strip().upper(), "warning")
+    try:
+        import aioxfer  # noqa: F401  (its modules make their loggers now, at that level)
+    finally:
+        del os.environ["AIOXFER_LOG_LEVEL"]
+
+import aioxfer.nixl as _impl  # noqa: E402
 
 _AIOXFER_SHIM = True
 # Replace this module by the real package before anything else binds to it.
