@@ -65,7 +65,8 @@ def test_agent_built_through_a_replaced_nixlAgent_factory(
 
 
 # Two shim agents in one process: connecting logs aioxfer's info line
-# peer.connected on stderr; NIXL itself prints nothing there at its default.
+# peer.connected on stderr, one leaving while still added its warning
+# peer.lost; NIXL itself prints nothing there at its default.
 _SHIM_PAIR = (
     "import os, nixl\n"
     "assert nixl.nixl_agent is __import__('aioxfer.nixl').nixl.nixl_agent\n"
@@ -76,7 +77,14 @@ _SHIM_PAIR = (
     "import time\n"
     "deadline = time.monotonic() + 20\n"
     "while not b.get_new_notifs() and time.monotonic() < deadline: pass\n"
-    "a.close(); b.close()\n"
+    # B leaves while A still has it: aioxfer logs the warning peer.lost.
+    "b.close()\n"
+    "while time.monotonic() < deadline:\n"
+    "    try:\n"
+    "        a.send_notif('B', b'y')\n"
+    "    except nixl.nixlRemoteDisconnectError:\n"
+    "        break\n"
+    "a.close()\n"
     "print('done')\n"
 )
 
@@ -84,20 +92,23 @@ _SHIM_PAIR = (
 @pytest.mark.parametrize(
     ("env", "shown"),
     [
-        ({}, False),  # NIXL's default, WARN
-        ({"NIXL_LOG_LEVEL": "INFO"}, True),
-        ({"NIXL_LOG_LEVEL": "ERROR"}, False),
-        ({"NIXL_LOG_LEVEL": "bogus"}, False),  # counted as the default, as NIXL does
-        ({"AIOXFER_LOG_LEVEL": "info"}, True),  # aioxfer's own setting wins
-        ({"NIXL_LOG_LEVEL": "INFO", "AIOXFER_LOG_LEVEL": "error"}, False),
+        ({}, ()),  # NIXL's default, WARN
+        ({"NIXL_LOG_LEVEL": "INFO"}, ("peer.connected", "peer.lost")),
+        ({"NIXL_LOG_LEVEL": "WARN"}, ()),
+        ({"NIXL_LOG_LEVEL": "ERROR"}, ()),
+        ({"NIXL_LOG_LEVEL": "bogus"}, ()),  # counted as the default, as NIXL does
+        ({"AIOXFER_LOG_LEVEL": "info"}, ("peer.connected", "peer.lost")),  # aioxfer's wins
+        ({"AIOXFER_LOG_LEVEL": "warning"}, ("peer.lost",)),
+        ({"NIXL_LOG_LEVEL": "INFO", "AIOXFER_LOG_LEVEL": "error"}, ()),
     ],
 )
-def test_shim_shows_aioxfer_lines_at_nixls_log_level(env: dict[str, str], shown: bool) -> None:
+def test_shim_shows_aioxfer_lines_at_nixls_log_level(env: dict[str, str],
+                                                     shown: tuple[str, ...]) -> None:
     """A NIXL script run through the shim prints what it prints on NIXL:
-    aioxfer's structured lines follow NIXL_LOG_LEVEL (they printed at info
-    level by default: peer.connected/peer.closed lines in every example's
-    output), and the environment the script (and its children) sees is not
-    changed."""
+    aioxfer's structured lines follow NIXL_LOG_LEVEL, errors only at its
+    default (they printed from info level: peer.connected/peer.closed lines
+    in every example's output, peer.lost where a target exits first), and
+    the environment the script (and its children) sees is not changed."""
     import os
     import subprocess
     import sys
@@ -111,4 +122,5 @@ def test_shim_shows_aioxfer_lines_at_nixls_log_level(env: dict[str, str], shown:
                          env={**base, **env, "PYTHONPATH": aioxfer.nixl.shim_path()})
     assert out.returncode == 0 and "done" in out.stdout, out.stderr
     assert f"env {env.get('AIOXFER_LOG_LEVEL')}" in out.stdout
-    assert ("peer.connected" in out.stderr) is shown, out.stderr
+    for event in ("peer.connected", "peer.lost"):
+        assert (event in out.stderr) is (event in shown), out.stderr
