@@ -124,3 +124,34 @@ def test_shim_shows_aioxfer_lines_at_nixls_log_level(env: dict[str, str],
     assert f"env {env.get('AIOXFER_LOG_LEVEL')}" in out.stdout
     for event in ("peer.connected", "peer.lost"):
         assert (event in out.stderr) is (event in shown), out.stderr
+
+
+@pytest.mark.parametrize("level", ["WARN", "INFO"])
+def test_desc_list_print_is_nixls(capfd: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch, level: str) -> None:
+    """print() of a descriptor list writes NIXL's one stdout line, the memory
+    type as a number, and each descriptor as a native INFO line on stderr
+    (seen at NIXL_LOG_LEVEL=INFO only), as NIXL 1.5.1 does; it printed the
+    type's name and every descriptor on stdout."""
+    monkeypatch.setenv("NIXL_LOG_LEVEL", level)
+    _bindings.nixlXferDList(_bindings.DRAM_SEG, [(1000, 105, 0), (2000, 30, 1)]).print()
+    _bindings.nixlRegDList(_bindings.VRAM_SEG, [(4096, 8, 2, b"ab")]).print()
+    out, err = capfd.readouterr()
+    assert out == "DescList of mem type 0\nDescList of mem type 1\n"
+    descs = [ln.split("] ", 1)[1] for ln in err.splitlines() if ln.startswith("I")]
+    if level == "INFO":
+        assert descs == ["Desc (1000, 105) from devID 0", "Desc (2000, 30) from devID 1",
+                         "Desc (4096, 8) from devID 2, Metadata: ab"]
+    else:
+        assert descs == [] and err == ""
+
+
+def test_unknown_backend_logs_nixls_words(capfd: pytest.CaptureFixture[str]) -> None:
+    a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[]))
+    try:
+        with pytest.raises(_bindings.nixlNotFoundError, match="^NIXL_ERR_NOT_FOUND"):
+            a.create_backend("UVX")
+        err = capfd.readouterr().err
+        assert "createBackend: unsupported backend 'UVX'" in err, err
+    finally:
+        a.close()
