@@ -12,6 +12,9 @@
 - ``RemoteAgent`` runs an agent in a separate process (multiprocessing spawn)
   and drives it through a pipe.
 - Every wait is bounded: ``within()`` and ``wait_until()``.
+- A test during which an S3 server of tests/s3server.py logged rclone's
+  "Dir.Rename error" fails, naming ``S3Server.bucket(dir)`` (see
+  RCLONE_DIR_RENAME).
 - Event loops: every async test of the suites in ``BOTH_LOOPS`` runs on the
   stdlib asyncio loop *and* on uvloop (test ids ``[asyncio]`` / ``[uvloop]``,
   through pytest-asyncio's ``pytest_asyncio_loop_factories`` hook); the other
