@@ -58,7 +58,7 @@ def test_four_threads_post_poll_and_read_notifs_while_a_peer_churns(
         c.register_memory([(cdst.addr, BLK, 0, "")], "DRAM")
         b_name = a.add_remote_agent(b.get_agent_metadata())
         b.add_remote_agent(a.get_agent_metadata())  # B's messages to A need A's address
-        c_md = c.get_agent_metadata()
+        b_md, c_md = b.get_agent_metadata(), c.get_agent_metadata()
         local = a.prep_xfer_dlist("", [(src.addr + k * BLK, BLK, 0) for k in range(WORKERS)],
                                   "DRAM")
         remote = a.prep_xfer_dlist(b_name, [(dst.addr + k * BLK, BLK, 0)
@@ -110,6 +110,10 @@ def test_four_threads_post_poll_and_read_notifs_while_a_peer_churns(
                     with pytest.raises(nixlNotFoundError):
                         a.prep_xfer_dlist(name, [(cdst.addr, BLK, 0)], "DRAM")
                     assert not a.check_remote_metadata(name)
+                    # The busy peer's metadata loaded again (a second
+                    # handshake): its name back, the workers' requests unharmed.
+                    assert a.add_remote_agent(b_md) == b_name
+                    assert a.check_remote_metadata(b_name)
                     churns[0] += 1
             except BaseException as exc:
                 errors.append(exc)
