@@ -41,6 +41,11 @@ DEFAULT_COMM_PORT = nixlBind.DEFAULT_COMM_PORT
 nixl_backend_handle = int
 
 _STATE = {0: "DONE", 1: "PROC"}  # any other status: "ERR"
+# The native agent class as imported: nixl_agent builds its agent through
+# the module attribute nixlBind.nixlAgent at call time (NIXL's test_nixl_api
+# replaces that attribute by a plain function), so the class to test an agent
+# against must be taken now, not read back from that attribute.
+_NativeAgent = nixlBind.nixlAgent
 
 
 def _is_tensor(obj: object) -> bool:
@@ -227,8 +232,8 @@ class nixl_agent:
         # The per-request calls, bound to the agent's own (same arguments,
         # same results): a Python frame fewer per post and per poll. Not
         # where a subclass overrides them, or where the agent is not ours
-        # (NIXL's tests replace nixlBind.nixlAgent).
-        if isinstance(self.agent, nixlBind.nixlAgent):
+        # (nixlBind.nixlAgent replaced by a factory of something else).
+        if isinstance(self.agent, _NativeAgent):
             cls = type(self)
             if cls.transfer is nixl_agent.transfer:
                 self.transfer = self.agent.xferTransfer  # type: ignore[method-assign]

@@ -483,9 +483,11 @@ class nixlXferDList(_DList):
     __hash__ = None  # type: ignore[assignment]
 
     def print(self) -> None:
-        print(f"DescList of mem type {self._type.name}")
+        # As NIXL: the list's line on stdout (its memory type as a number),
+        # each descriptor a native INFO line (shown at NIXL_LOG_LEVEL=INFO).
         for a, n, d in self._a.tolist():
-            print(f"    Desc (addr: {a:#x}, len: {n}, devID: {d})")
+            _log("I", f"Desc ({a}, {n}) from devID {d}")
+        print(f"DescList of mem type {int(self._type)}", flush=True)
 
     def __repr__(self) -> str:
         return f"<nixlXferDList {self._type.name} n={self._a.shape[0]}>"
@@ -584,9 +586,10 @@ class nixlRegDList(_DList):
     __hash__ = None  # type: ignore[assignment]
 
     def print(self) -> None:
-        print(f"DescList of mem type {self._type.name}")
         for (a, n, d), m in zip(self._a.tolist(), self._metas, strict=True):
-            print(f"    Desc (addr: {a:#x}, len: {n}, devID: {d}, metaInfo: {m!r})")
+            meta = m.decode(errors="backslashreplace")
+            _log("I", f"Desc ({a}, {n}) from devID {d}, Metadata: {meta}")
+        print(f"DescList of mem type {int(self._type)}", flush=True)
 
     def __repr__(self) -> str:
         return f"<nixlRegDList {self._type.name} n={self._a.shape[0]}>"
@@ -654,9 +657,9 @@ class nixlRemoteDList:
     __hash__ = None  # type: ignore[assignment]
 
     def print(self) -> None:
-        print(f"DescList of mem type {self._type.name}")
         for a, n, d, name in self._descs:
-            print(f"    Desc (addr: {a:#x}, len: {n}, devID: {d}, agent: {name})")
+            _log("I", f"Desc ({a}, {n}) from devID {d}, Remote agent: {name}")
+        print(f"DescList of mem type {int(self._type)}", flush=True)
 
 
 # ---------------------------------------------------------------- config, telemetry
@@ -1270,7 +1273,7 @@ class nixlAgent:
         if self._closed:  # (a new aioxfer agent here would never be closed)
             raise _error(-3, "createBackend: the agent is closed")
         if type_ not in self.getAvailPlugins():
-            raise _error(-4, f"createBackend: plugin {type_!r} not found")
+            raise _error(-4, f"createBackend: unsupported backend '{type_}'")  # NIXL's words
         if any(b.type == type_ for b in self._backends.values()):
             raise _error(-2, f"createBackend: backend {type_} already created")
         effective = dict(_PLUGINS[type_][0])
