@@ -71,6 +71,9 @@ _LOG_DELAY = 0.001
 # takes the tcp probe instead: a real same-host peer answers in ~1 ms; only
 # a process squatting the name (SECURITY.md) or a stalled peer waits longer.
 _DIRECT_TIMEOUT = 1.0
+# How long after a tcp connect returned its other connections begin to join
+# (Connector._join_rest): requests posted meanwhile go on the first one.
+_JOIN_DELAY = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,9 @@ class Connector:
     peer by address, PeerJoined/PeerUpdated), None with discovery;
     ``connecting``: endpoint -> status, for endpoints being connected (the
     agent's drain records a peer lost meanwhile there); ``closed()``: whether
-    the agent is closed.
+    the agent is closed; ``background``: the agent's set of background tasks
+    (cancelled and awaited at close), where a tcp peer's connections after
+    its first one join.
     """
 
     __slots__ = (
@@ -125,6 +130,7 @@ class Connector:
         "_embedded",
         "_connecting",
         "_closed",
+        "_background",
     )
 
     def __init__(
@@ -140,6 +146,7 @@ class Connector:
         embedded: Members | None,
         connecting: dict[int, int],
         closed: Callable[[], bool],
+        background: set[asyncio.Task[None]],
     ) -> None:
         self._agent = agent
         self._config = config
@@ -151,6 +158,7 @@ class Connector:
         self._embedded = embedded
         self._connecting = connecting
         self._closed = closed
+        self._background = background
 
     def _check_open(self) -> None:
         if self._closed():
@@ -215,18 +223,13 @@ class Connector:
                     on_challenge=challenge.append,
                 )
             else:
-                def on_challenge(nonce: bytes) -> None:
-                    challenge.append(nonce)
-                    if early is not None:
-                        early.on_challenge(nonce)
-
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address,
                     "data",
                     meta=True,
                     joins=(early.joins if early is not None else 0)
                     + (later if cfg.token is not None else 0),
-                    on_challenge=on_challenge,
+                    on_challenge=challenge.append,
                     on_dialled=early.start if early is not None else None,
                 )
         except BaseException:
@@ -234,7 +237,12 @@ class Connector:
                 await early.close()
             raise
         if early is not None:
-            early.on_challenge(None)  # none came (a peer without a token): they handshake alone
+            # Their Hellos go out once the metadata is in, not beside the
+            # Proof: the peer would answer them before the Proof (its accept
+            # step comes first), ~0.2 ms on the way of the metadata, while
+            # they are added in the background now (_join_rest). None: no
+            # Challenge came (a peer without a token): they handshake alone.
+            early.on_challenge(challenge[0] if challenge else None)
         local: _LocalLink | None = None
         try:
             if (
@@ -262,13 +270,14 @@ class Connector:
                         self._dialer, address, cfg.tcp_connections - 1,
                         joinable=bool(challenge), first_index=3,
                     )
-                    early.on_challenge(challenge[0] if challenge else None)
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address,
                     meta=True,
                     join=joining(challenge[0], 2) if challenge else None,
                     on_dialled=early.start if early is not None else None,
                 )
+                if early is not None:  # (their Hellos once the metadata is in, as above)
+                    early.on_challenge(challenge[0] if challenge else None)
             if local is not None:
                 assert local.meta is not None
                 meta = local.meta
@@ -294,7 +303,7 @@ class Connector:
                 sock0.close()
             if local is not None:
                 local.close()
-            if early is not None:
+            if early is not None and not early.kept:
                 await early.close()
 
     async def _connect_meta(
@@ -404,29 +413,12 @@ class Connector:
             else:
                 assert sock0 is not None  # only a local link comes without one
                 self._engine.endpoint_add_conn(ep, sock0.detach(), first)
-            # The rest of the connections, every rail at once: (rail, how many).
-            # The first rail's dialled early (of this incarnation) count.
-            took = 0
-            if early is not None:
-                # Each as soon as its handshake is done: the engine takes one
-                # (~0.05-0.15 ms) while the peer still answers the next.
-                async with contextlib.aclosing(early.arrivals(per - 1, meta.incarnation)) as socks:
-                    async for sock in socks:
-                        self._engine.endpoint_add_conn(ep, sock.detach(), first)
-                        took += 1
-            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
-            starts = [sum(n for _, n in dial[:k]) for k in range(len(dial))]
-            added = await asyncio.gather(
-                *(
-                    self._rails.dial(
-                        ep, i, rails[i], n, meta.incarnation,
-                        None if joins is None else (joins[0], joins[1] + start),
-                    )
-                    for (i, n), start in zip(dial, starts, strict=True)
-                )
-            )
-            reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
-            added = [*added, took]
+            # The rest of a tcp peer's connections (the first rail's others,
+            # every other rail's) join in the background: the peer is usable
+            # over its first one, and the engine stripes over whatever is live
+            # when a request is posted (~0.4 ms of a connect: the peer answers
+            # the joins one after another, the engine takes each in turn).
+            joining = path == "tcp" and (early is not None or per > 1 or len(rails) > 1)
             if verbs:
                 await self._connect_verbs(ep, address, meta)
             self._check_open()
@@ -452,15 +444,95 @@ class Connector:
                 ) from None
             raise
         self._peers.add(peer, address)
+        if self._embedded is not None:
+            self._embedded.emit(PeerJoined(peer.name, peer.incarnation, address,
+                                  tuple(sorted(peer._regions))))
+        if joining:
+            if early is not None:
+                early.kept = True  # closed by the task below, not by connect()
+            task = asyncio.get_running_loop().create_task(
+                self._join_rest(peer, first, early, joins),
+                name=f"aioxfer-join-{meta.name}",
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        else:
+            self._log_connected(peer, 1)
+        return peer
+
+    async def _join_rest(
+        self,
+        peer: Peer,
+        first: int,
+        early: _EarlyConns | None,
+        joins: tuple[bytes, int] | None,
+    ) -> None:
+        """A tcp peer's connections after its first one, added as they come
+        (the first rail's early ones first, then every rail at once: (rail,
+        how many)). A connection that does not come is handled as a lost
+        one is: its rail is re-dialled in the background (Rails), down if it
+        has none; the peer is lost only when its last connection is. Ends
+        quietly once the peer is lost or closed (the engine refuses to add)."""
+        ep, rails, per = peer._ep, peer._rails, peer._rail_conns
+        # Not before the caller's first requests had the two processes' CPUs:
+        # the peer answers each join and its engine starts the connection's
+        # threads, which on a 2-vCPU host landed in a first 4 KiB write's
+        # window (0.18 -> 0.40-0.53 ms: the whole gain gone; measured,
+        # benchmarks/connect_phases.py). Their Hellos go out only now.
+        await asyncio.sleep(_JOIN_DELAY)
+        took = 0
+        added: list[int] = []
+        try:
+            try:
+                if early is not None:
+                    # Each as soon as its handshake is done: the engine takes one
+                    # (~0.05-0.15 ms) while the peer still answers the next.
+                    async with contextlib.aclosing(
+                        early.arrivals(per - 1, peer.incarnation)
+                    ) as socks:
+                        async for sock in socks:
+                            if peer._lost:
+                                return  # (closed by early.close)
+                            self._engine.endpoint_add_conn(ep, sock.detach(), first)
+                            took += 1
+            finally:
+                if early is not None:
+                    await early.close()
+            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
+            starts = [sum(n for _, n in dial[:k]) for k in range(len(dial))]
+            if dial and not peer._lost:
+                added = await asyncio.gather(
+                    *(
+                        self._rails.dial(
+                            ep, i, rails[i], n, peer.incarnation,
+                            None if joins is None else (joins[0], joins[1] + start),
+                        )
+                        for (i, n), start in zip(dial, starts, strict=True)
+                    )
+                )
+        except _cyx.NativeError as exc:
+            if not (peer._lost or self._closed() or exc.status == _cyx.E_CLOSED):
+                _log.warning("conn.join_failed", agent=self._agent, peer=peer.name,
+                             address=peer.address, reason=str(exc))
+            return
+        if peer._lost or self._closed():
+            return
+        reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
         for i in range(len(rails)):
             if i not in reached:  # unreachable now: probed until it answers
                 peer._rails_down.add(i)
                 _log.warning("rail.down", agent=self._agent, peer=peer.name, address=rails[i],
                              reason="unreachable at connect", moved=0)
                 self._rails.start_probe(peer, i)
-        if self._embedded is not None:
-            self._embedded.emit(PeerJoined(peer.name, peer.incarnation, address,
-                                  tuple(sorted(peer._regions))))
+        live = self._rails.live(peer)
+        for i in sorted(reached):
+            if live.get(i, 0) < per:  # some did not come: topped up as after a loss
+                _log.warning("conn.join_failed", agent=self._agent, peer=peer.name,
+                             address=rails[i], reason=f"{live.get(i, 0)} of {per} connections up")
+                self._rails.start_probe(peer, i)
+        self._log_connected(peer, 1 + took + sum(added))
+
+    def _log_connected(self, peer: Peer, conns: int) -> None:
         # Logged a moment later, not before the caller's first transfer is
         # posted: a line costs ~0.05 ms rendered, a fresh process's first one
         # ~0.15-0.25 ms (measured, benchmarks/connect_phases.py). A timer
@@ -473,13 +545,12 @@ class Connector:
             "peer.connected",
             agent=self._agent,
             peer=peer.name,
-            address=address,
-            path=path,
-            conns=1 + sum(added),
-            rails=len(rails),
+            address=peer.address,
+            path=peer.path,
+            conns=conns,
+            rails=len(peer._rails),
             regions=len(peer._regions),
         ))
-        return peer
 
     def _local_path(self, local: _LocalLink) -> str | None:
         """The same-host path the peer behind local would get, or None."""
@@ -856,17 +927,16 @@ class _EarlyConns:
     joins it (indexes first_index, first_index + 1, ...) instead of running a
     Proof round of its own.
 
-    Joinable ones to an IP literal are dialled at once (Dialer.dial_now),
-    their Hellos go out within on_challenge, in the step that sends the
-    first connection's Proof (Dialer.join_now), and arrivals reads their
-    answers itself, with no task of theirs to wake: the first connection's
-    reads seldom wait on a busy machine (the peer answers while we are
-    descheduled), so tasks of theirs ran only once its metadata was in,
-    and the peer served them after that. The others (a name, a dial that
-    failed at once, no token) open on their own tasks."""
+    Joinable ones to an IP literal are dialled at once (Dialer.dial_now:
+    the peer's kernel holds them, TCP_DEFER_ACCEPT, until a Hello comes),
+    their Hellos go out when arrivals starts (Dialer.join_now), which reads
+    their answers itself, with no task of theirs to wake. The others (a
+    name, a dial that failed at once, no token) open on their own tasks,
+    also started by arrivals: the peer serves none of them before the
+    connected peer's background joining (Connector._join_rest) asks."""
 
     __slots__ = ("_tasks", "_challenge", "_dialer", "_address", "_n", "_first", "_socks",
-                 "_sent", "_started", "joins")
+                 "_sent", "_started", "_nonce", "joins", "kept")
 
     def __init__(
         self, dialer: Dialer, address: str, n: int, *, joinable: bool, first_index: int = 1
@@ -881,27 +951,36 @@ class _EarlyConns:
         self._socks: list[socket.socket | None] = [None] * n
         self._sent: list[tuple[bytes, bytes] | None] = [None] * n
         self._challenge: asyncio.Future[bytes | None] | None = None
+        self._nonce: bytes | None = None
         self.joins = 0
+        # Handed to the connected peer's background joining (which closes them).
+        self.kept = False
         if joinable:
             self._challenge = asyncio.get_running_loop().create_future()
             self.joins = n
 
     def start(self) -> None:
-        """Dials them (once: the first connection is up)."""
-        if self._started:
+        """Dials those that can be dialled at once (once: the first
+        connection is up); their Hellos wait for arrivals."""
+        if self._started or self._challenge is None:
             return
         self._started = True
+        for i in range(self._n):
+            self._socks[i] = self._dialer.dial_now(self._address)
+
+    def _go(self) -> None:
+        """The handshakes begin: the Hellos of those dialled at once, tasks
+        for the others."""
+        self.start()
+        if self._challenge is not None and not self._challenge.done():
+            self._challenge.set_result(self._nonce)
+        self._join_now(self._nonce)
         join = self._challenge is not None
         for i in range(self._n):
-            sock = self._dialer.dial_now(self._address) if join else None
-            if sock is not None:
-                self._socks[i] = sock
-            else:
+            if self._socks[i] is None and self._tasks[i] is None:
                 self._tasks[i] = asyncio.ensure_future(self._dialer.open(
                     self._address, join=self._joiner(self._first + i) if join else None
                 ))
-        if self._challenge is not None and self._challenge.done():
-            self._join_now(self._challenge.result())
 
     def _joiner(self, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:
         async def join() -> tuple[bytes, int] | None:
@@ -913,10 +992,8 @@ class _EarlyConns:
 
     def on_challenge(self, nonce: bytes | None) -> None:
         """The first connection's Challenge nonce (checked: its server proof
-        was right), or None: the others handshake alone."""
-        if self._challenge is not None and not self._challenge.done():
-            self._challenge.set_result(nonce)
-            self._join_now(nonce)
+        was right), or None: the others handshake alone (from arrivals on)."""
+        self._nonce = nonce
 
     def _join_now(self, nonce: bytes | None) -> None:
         """The Hellos of those dialled at once and connected, sent now."""
@@ -946,7 +1023,7 @@ class _EarlyConns:
         handshake is done (in the order they were dialled, as the peer
         answers them); network failures only make them fewer. One the caller
         does not detach is closed by close()."""
-        self.start()
+        self._go()
         got = 0
         for i, t in enumerate(self._tasks):
             if got == n:

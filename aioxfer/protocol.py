@@ -69,6 +69,7 @@ __all__ = [
     "MAX_META_FRAME",
     "NONCE_BYTES",
     "META_GO",
+    "ClosedSilently",
     "FrameTooLarge",
     "HandshakeRejected",
     "Joins",
@@ -463,6 +464,12 @@ async def _server_handshake(
 _NO_JOIN = b"\xa4join\xc4\x00"
 
 
+class ClosedSilently(ProtocolError):
+    """A connection closed before sending a byte: nothing was asked of us.
+    A tcp connect's other connections are dialled early and joined later
+    (connector._EarlyConns): an agent closing in between closes them so."""
+
+
 def server_join_now(
     sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins
 ) -> Hello | None:
@@ -473,14 +480,17 @@ def server_join_now(
     the metadata, a grant gone or a wrong proof, a send that would block)
     returns None with nothing read: the caller runs server_handshake, which
     reads the same Hello. ProtocolError: taken, but the connection broke
-    (the caller closes it). A join is checked by peeking; its bytes are read
-    (exactly the frame: the engine's bytes follow) only once it is taken."""
+    (the caller closes it); ClosedSilently: it closed before a byte came.
+    A join is checked by peeking; its bytes are read (exactly the frame:
+    the engine's bytes follow) only once it is taken."""
     if token is None:
         return None
     try:
         frame = sock.recv(4 + MAX_HANDSHAKE_FRAME, socket.MSG_PEEK)
     except OSError:  # nothing yet, or broken: server_handshake meets it
         return None
+    if not frame:
+        raise ClosedSilently("connection closed before its Hello")
     n = int.from_bytes(frame[:4], "big")
     if len(frame) < 4 or not 0 < n <= len(frame) - 4:
         return None

@@ -25,6 +25,7 @@ from aioxfer.log import get_logger
 from aioxfer.metadata import Accept, AgentMeta, Hello, VerbsAccept, VerbsConnect, VerbsQP
 from aioxfer.protocol import (
     META_GO,
+    ClosedSilently,
     HandshakeRejected,
     Joins,
     encode_frame,
@@ -282,6 +283,12 @@ class Server:
                                     joins=self.joins)
         except OSError:
             return False  # _serve meets it again, and says so
+        except ClosedSilently:
+            # Nothing asked: a client's early-dialled connection its agent
+            # closed before using (or a port check); not a rejected handshake.
+            _log.debug("conn.closed_silently", agent=self._agent, remote=fmt_sockaddr(addr))
+            sock.close()
+            return True
         except ProtocolError as exc:
             _log.warning("conn.rejected", agent=self._agent, remote=fmt_sockaddr(addr),
                          reason=str(exc))
