@@ -452,6 +452,9 @@ class Connector:
             )
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+            # Cancelled when the peer is lost or closed (Rails.forget), not
+            # left waiting out the joins' timeouts with their sockets.
+            self._rails.track(peer, task)
         else:
             self._log_connected(peer, 1)
         return peer
@@ -475,11 +478,13 @@ class Connector:
         # threads, which on a 2-vCPU host landed in a first 4 KiB write's
         # window (0.18 -> 0.40-0.53 ms: the whole gain gone; measured,
         # benchmarks/connect_phases.py). Their Hellos go out only now.
-        await asyncio.sleep(_JOIN_DELAY)
         took = 0
         added: list[int] = []
         try:
             try:
+                # Inside the try: cancelled here (the peer closed, the agent
+                # closing), the early connections are closed all the same.
+                await asyncio.sleep(_JOIN_DELAY)
                 if early is not None:
                     # Each as soon as its handshake is done: the engine takes one
                     # (~0.05-0.15 ms) while the peer still answers the next.
@@ -1023,12 +1028,20 @@ class _EarlyConns:
         answers them); network failures only make them fewer. One the caller
         does not detach is closed by close()."""
         self._go()
+        # Their Hellos went out at once: one bound for all their answers, not
+        # one peer timeout each, one after another (a peer that never answers
+        # a join held the connect's joins (n - 1) x peer_timeout).
+        deadline = asyncio.get_running_loop().time() + self._dialer.peer_timeout
         got = 0
         for i, t in enumerate(self._tasks):
             if got == n:
                 return
             if t is None:
-                res = await self._joined(i)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        res = await self._joined(i)
+                except TimeoutError:
+                    res = None
                 if res is None:
                     continue
             else:
