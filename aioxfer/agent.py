@@ -916,6 +916,7 @@ class Agent:
             connecting=self._connecting_eps,
             closed=lambda: self._closed,
             background=self._probes,
+            admit=self._sub._admit,
         )
 
     # ------------------------------------------------------------ rails
