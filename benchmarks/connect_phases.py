@@ -131,6 +131,7 @@ def _patch(prefix: str) -> None:
     _wrap_async(dialing.Dialer, "open_meta", prefix + "open_meta")
     _wrap_sync(conn.Connector, "_apply_regions", prefix + "apply_regions")
     _wrap_async(serving.Server, "_send_meta", prefix + "send_meta")
+    _wrap_sync(serving.Server, "_join_now", prefix + "join_now")  # the accepting step's part
     _wrap_async(serving.Server, "_serve", prefix + "serve")
     init = serving.Server.__init__
 
