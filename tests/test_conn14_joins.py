@@ -3,7 +3,8 @@ the peer's other connections join in the background (Connector._join_rest),
 requests posted meanwhile go on the live ones, and a join that fails is
 handled as a lost connection is (its rail topped up again; the peer lost
 only with its last connection). Faults during the joins: the peer killed,
-the agent closed, the connect cancelled; nothing may leak or hang."""
+the agent closed; nothing may leak or hang (cancelled connects and silent
+connections: test_conn14_connect)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import signal
 
 import pytest
-from conftest import cancel_after, sigstop, wait_until, within
+from conftest import sigstop, wait_until, within
 
 import aioxfer
 from aioxfer.errors import PeerLost, ProtocolError
@@ -110,43 +111,3 @@ async def test_close_during_the_joins(make_agent, remote_agent) -> None:
         assert _fds() <= before
     finally:
         ra.kill(signal.SIGCONT)
-
-
-@pytest.mark.parametrize("steps", [1, 3, 6, 12, 30])
-async def test_cancelled_connect_leaves_nothing(make_agent, remote_agent, steps: int) -> None:
-    """A connect cancelled at various points (before or after its first
-    connection is up) leaves no socket open and no task running, and the
-    next connect gets all the connections."""
-    ra = await remote_agent(size=MiB, transports=("tcp",))
-    init = await make_agent("init", transports=("tcp",), tcp_connections=4)
-    # A connect and close first: what the agent opens once, on its first
-    # connect, is not counted as left open.
-    await within((await within(init.connect(ra.address))).aclose())
-    await wait_until(lambda: not init.peers and not init._probes, 5, what="closed")
-    before = _fds()
-    # True: it finished before the cancel took (a connect to a fast loopback
-    # peer may take under 6 steps): a live peer then, closed here first.
-    finished = await cancel_after(init._connector.connect(ra.address), steps)
-    await wait_until(lambda: not init._probes, 10, what="the joining task ended")
-    assert finished or not init.peers  # cancelled: no peer left behind
-    for p in init.peers:
-        await within(p.aclose())
-    await wait_until(lambda: _fds() <= before, 5, what="every socket closed")
-    peer = await within(init.connect(ra.address))
-    await wait_until(lambda: _conns(peer) == [4], 5, what="the joins")
-
-
-async def test_an_early_connection_closed_unused_is_not_a_warning(make_agent, capsys) -> None:
-    """A connection that closes before sending a byte (a client's early
-    connection its agent closed unused) is dropped without a warning."""
-    import socket
-
-    target = await make_agent("target", transports=("tcp",))
-    host, port = target.address.rsplit(":", 1)
-    for _ in range(3):
-        socket.create_connection((host, int(port))).close()
-    await asyncio.sleep(0.2)
-    init = await make_agent("init", transports=("tcp",))
-    await within(init.connect(target.address))  # the target's loop served the closed ones
-    err = capsys.readouterr().err
-    assert "conn.rejected" not in err, err
