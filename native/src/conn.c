@@ -76,6 +76,12 @@ void axf_trace(uint32_t ev, int fd, uint64_t op, uint64_t a)
 
 #define TX_BATCH 64
 #define TX_IOV (2 * TX_BATCH + AXF_MAX_SEGS) /* a sendmsg's iovecs at most */
+/* A sending thread's batch holds no more than this many bytes (one frame
+ * at least): what it took off the queue is committed to one blocking
+ * sendmsg, so what stays queued is what a joining connection can take over
+ * (conn_spread). Two default chunks: a batch's vectored 1 MiB frames were
+ * two to a batch already (TX_IOV); plain 1 MiB frames went 64 at a time. */
+#define TX_BATCH_BYTES (2u << 20)
 #define INLINE_SEND ((64u << 10) + 4096u) /* small frames sent on the caller's thread, in all */
 #define INLINE_BULK ((1u << 20) + 4096u)  /* or one frame this large, alone */
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
@@ -865,7 +871,7 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         sq_item *it = c->head;
         uint64_t size = item_size(it) - it->sent;
         int need = 2 + (int)it->h.nseg; /* iovecs it takes at most */
-        if (n && nv + need > TX_IOV)
+        if (n && (nv + need > TX_IOV || bytes >= TX_BATCH_BYTES))
             break;
         /* AXF_POST_NOHELP: no large frame on the caller's thread. A large
          * vectored WRITE (a batch's 1 MiB frame per connection) goes only
