@@ -915,8 +915,6 @@ class Agent:
             embedded=self._membership if self._cluster is None else None,
             connecting=self._connecting_eps,
             closed=lambda: self._closed,
-            background=self._probes,
-            admit=self._sub._admit,
         )
 
     # ------------------------------------------------------------ rails

@@ -26,7 +26,6 @@ import socket
 import sys
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from aioxfer import _cyx
 from aioxfer import verbs as _verbs
@@ -59,12 +58,9 @@ from aioxfer.peertable import PeerTable
 from aioxfer.protocol import client_handshake, recv_frame, send_frame
 from aioxfer.rails import Rails
 from aioxfer.region import RemoteRegion
-from aioxfer.scheduling import JoinGate, PeerScheduler
+from aioxfer.scheduling import PeerScheduler
 from aioxfer.serving import qp_tuple
 from aioxfer.tags import Tags
-
-if TYPE_CHECKING:
-    from aioxfer.transfer import Transfer
 
 __all__ = ["ConnectConfig", "Connector", "cma_allowed"]
 
@@ -76,17 +72,10 @@ _LOG_DELAY = 0.001
 # a process squatting the name (SECURITY.md) or a stalled peer waits longer.
 _DIRECT_TIMEOUT = 1.0
 # How long after a tcp connect returned its other connections begin to join
-# (Connector._join_rest): requests posted meanwhile go on the first one.
+# (Connector._join_rest): requests posted meanwhile go on the first one, and
+# what of them is still queued when a connection joins is spread over it too
+# (the engine's conn_spread).
 _JOIN_DELAY = 0.001
-# While they join, a request of at least _JOIN_BULK bytes waits for them
-# (JoinGate: posted over the first connection alone it stays there, the
-# engine stripes a request over the connections live at its post): two
-# 1 MiB tcp chunks (native's default chunk_bytes), the least that a second
-# connection could share. Not longer than _JOIN_WAIT past connect: the
-# joins take ~0.5-1.5 ms after _JOIN_DELAY; a peer slow to answer them is
-# used over what is up.
-_JOIN_BULK = 2 << 20
-_JOIN_WAIT = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +116,7 @@ class Connector:
     peer by address, PeerJoined/PeerUpdated), None with discovery;
     ``connecting``: endpoint -> status, for endpoints being connected (the
     agent's drain records a peer lost meanwhile there); ``closed()``: whether
-    the agent is closed; ``background``: the agent's set of background tasks
-    (cancelled and awaited at close), where a tcp peer's connections after
-    its first one join; ``admit(peer, transfers)``: the submission's, posts
-    transfers a peer's scheduler held (its JoinGate's, once they joined).
+    the agent is closed.
     """
 
     __slots__ = (
@@ -144,8 +130,6 @@ class Connector:
         "_embedded",
         "_connecting",
         "_closed",
-        "_background",
-        "_admit",
     )
 
     def __init__(
@@ -161,8 +145,6 @@ class Connector:
         embedded: Members | None,
         connecting: dict[int, int],
         closed: Callable[[], bool],
-        background: set[asyncio.Task[None]],
-        admit: Callable[[Peer, list[Transfer]], None],
     ) -> None:
         self._agent = agent
         self._config = config
@@ -174,8 +156,6 @@ class Connector:
         self._embedded = embedded
         self._connecting = connecting
         self._closed = closed
-        self._background = background
-        self._admit = admit
 
     def _check_open(self) -> None:
         if self._closed():
@@ -463,28 +443,14 @@ class Connector:
         if joining:
             if early is not None:
                 early.kept = True  # closed by the task below, not by connect()
-            loop = asyncio.get_running_loop()
-            gate: JoinGate[Transfer] = JoinGate(_JOIN_BULK)
-            if peer._sched is None:  # (a peer with limits keeps its scheduler: JoinGate)
-                peer._sched = gate
-            timer = loop.call_later(_JOIN_WAIT, self._open_gate, peer, gate)
-            task = loop.create_task(
-                self._join_rest(peer, first, early, joins, gate),
+            task = asyncio.get_running_loop().create_task(
+                self._join_rest(peer, first, early, joins),
                 name=f"aioxfer-join-{meta.name}",
             )
-
-            def joined(_task: asyncio.Task[None]) -> None:
-                # However the joins end (joined, failed, the peer lost or
-                # closed, the task cancelled at the agent's close): the bulk
-                # requests go on (or failed already: the peer lost drained them).
-                timer.cancel()
-                self._open_gate(peer, gate)
-
-            task.add_done_callback(joined)
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-            # Cancelled when the peer is lost or closed (Rails.forget), not
-            # left waiting out the joins' timeouts with their sockets.
+            # One of the agent's background tasks (cancelled and awaited at
+            # its close), cancelled when the peer is lost or closed
+            # (Rails.forget), not left waiting out the joins' timeouts with
+            # their sockets.
             self._rails.track(peer, task)
         else:
             self._log_connected(peer, 1)
@@ -496,37 +462,31 @@ class Connector:
         first: int,
         early: _EarlyConns | None,
         joins: tuple[bytes, int] | None,
-        gate: JoinGate[Transfer],
     ) -> None:
         """A tcp peer's connections after its first one, added as they come
         (the first rail's early ones first, then every rail at once: (rail,
         how many)). A connection that does not come is handled as a lost
         one is: its rail is re-dialled in the background (Rails), down if it
         has none; the peer is lost only when its last connection is. Ends
-        quietly once the peer is lost or closed (the engine refuses to add)."""
+        quietly once the peer is lost or closed (the engine refuses to add).
+        What the peer's requests posted meanwhile still have queued on the
+        connections up is spread over each one as it joins (native
+        conn_spread): the engine stripes a request over the connections live
+        at its post, and conn14's early bulk writes, left on the first one,
+        made the tcp demo 0.84x."""
         ep, rails, per = peer._ep, peer._rails, peer._rail_conns
         # Not before the caller's first requests had the two processes' CPUs:
         # the peer answers each join and its engine starts the connection's
         # threads, which on a 2-vCPU host landed in a first 4 KiB write's
         # window (0.18 -> 0.40-0.53 ms: the whole gain gone; measured,
-        # benchmarks/connect_phases.py). Their Hellos go out only now; at
-        # once if a bulk request waits for them (gate.wake: no small one's
-        # window to keep clear then).
-        loop = asyncio.get_running_loop()
-        wake: asyncio.Future[None] = loop.create_future()
-        gate.wake = functools.partial(_set_none, wake)
-        timer = loop.call_later(_JOIN_DELAY, gate.wake)
+        # benchmarks/connect_phases.py). Their Hellos go out only now.
         took = 0
         added: list[int] = []
         try:
             try:
                 # Inside the try: cancelled here (the peer closed, the agent
                 # closing), the early connections are closed all the same.
-                try:
-                    await wake
-                finally:
-                    timer.cancel()
-                    gate.wake = None
+                await asyncio.sleep(_JOIN_DELAY)
                 if early is not None:
                     # Each as soon as its handshake is done: the engine takes one
                     # (~0.05-0.15 ms) while the peer still answers the next.
@@ -574,22 +534,6 @@ class Connector:
                              address=rails[i], reason=f"{live.get(i, 0)} of {per} connections up")
                 self._rails.start_probe(peer, i)
         self._log_connected(peer, 1 + took + sum(added))
-
-    def _open_gate(self, peer: Peer, gate: JoinGate[Transfer]) -> None:
-        """The joins ended or took too long: the peer's requests go back on
-        the compiled submit path, and what the gate held is posted now (over
-        the connections live now)."""
-        if peer._sched is not gate:
-            return
-        peer._sched = None
-        go, passed = gate.open()
-        self._admit(peer, go)
-        # Admitted by the gate (the submission counts them in its budget):
-        # no scheduler to release them to now.
-        for t in passed:
-            t._admitted = False
-        for t in go:
-            t._admitted = False
 
     def _log_connected(self, peer: Peer, conns: int) -> None:
         # Logged a moment later, not before the caller's first transfer is
@@ -977,11 +921,6 @@ def cma_allowed() -> bool:
     if scope >= 2 or (scope == 1 and os.geteuid() != 0):
         return False
     return _cma_works()
-
-
-def _set_none(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class _EarlyConns:

@@ -9,7 +9,7 @@ from aioxfer.stats import PeerCounters, PeerStatistics, RailStatistics
 
 if TYPE_CHECKING:
     from aioxfer.errors import XferError
-    from aioxfer.scheduling import JoinGate, PeerScheduler
+    from aioxfer.scheduling import PeerScheduler
     from aioxfer.transfer import Transfer
 
 __all__ = ["Peer"]
@@ -119,9 +119,7 @@ class Peer:
         self._rails_down: set[int] = set()
         self._probing: set[int] = set()
         self._reroutes = 0
-        # The agent's per-peer limits; a JoinGate (wrapping them) while a tcp
-        # peer's connections after its first one join (Connector).
-        self._sched: PeerScheduler[Transfer] | JoinGate[Transfer] | None = None
+        self._sched: PeerScheduler[Transfer] | None = None  # the agent's per-peer limits
 
     @property
     def lost(self) -> bool:

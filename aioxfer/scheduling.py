@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Generic, TypeVar
 
-__all__ = ["JoinGate", "PeerScheduler"]
+__all__ = ["PeerScheduler"]
 
 T = TypeVar("T", bound=Hashable)
 
@@ -241,70 +241,3 @@ class PeerScheduler(Generic[T]):
             self._take(head[2])
             admitted.append(head[3])
         return admitted
-
-
-
-class JoinGate(Generic[T]):
-    """A tcp peer's scheduler while its connections after the first one join
-    (Connector._join_rest), for a peer without limits: a bulk request
-    (``nbytes >= bulk``) waits here until they joined, since the engine
-    stripes a request over the connections live when it is posted (posted
-    over the first one alone, the demo's first bulk writes stayed on it:
-    0.84-0.94x its throughput). Anything smaller goes at once (a first 4 KiB
-    write is what connect's latency is for); requests carry no order between
-    them (the engine's connections do not).
-
-    Only while installed as ``peer._sched`` (a few ms at most): None there
-    otherwise keeps the peer's requests on the compiled submit path. A peer
-    with limits keeps its PeerScheduler (strict order, admission at once
-    when it fits: a gate would reorder or hold what it admits). ``passed``:
-    what the gate admitted (``_admitted`` set by the submission), whose flag
-    the caller clears on open: with no scheduler left their release would
-    find none."""
-
-    __slots__ = ("bulk", "_waiting", "passed", "wake")
-
-    def __init__(self, bulk: int) -> None:
-        self.bulk = bulk
-        self._waiting: list[T] = []  # FIFO
-        self.passed: list[T] = []
-        # Set by the joining while it waits to begin: a bulk request waiting
-        # calls it (then they begin at once).
-        self.wake: Callable[[], None] | None = None
-
-    @property
-    def queued(self) -> int:
-        return len(self._waiting)
-
-    def admit(self, item: T, nbytes: int, priority: int = 0) -> bool:
-        if nbytes >= self.bulk:
-            self._waiting.append(item)
-            if self.wake is not None:
-                self.wake()
-            return False
-        self.passed.append(item)
-        return True
-
-    def release(self, nbytes: int) -> list[T]:
-        return []
-
-    def discard(self, item: T) -> bool:
-        for i, w in enumerate(self._waiting):
-            if w is item:
-                del self._waiting[i]
-                return True
-        return False
-
-    def admit_ready(self) -> list[T]:
-        return []
-
-    def drain(self) -> list[T]:
-        out, self._waiting = self._waiting, []
-        return out
-
-    def open(self) -> tuple[list[T], list[T]]:
-        """The gate is done: (what it held, to post now in order, and what it
-        passed). The caller takes it off the peer first."""
-        held, self._waiting = self._waiting, []
-        passed, self.passed = self.passed, []
-        return held, passed
