@@ -71,6 +71,11 @@ _LOG_DELAY = 0.001
 # takes the tcp probe instead: a real same-host peer answers in ~1 ms; only
 # a process squatting the name (SECURITY.md) or a stalled peer waits longer.
 _DIRECT_TIMEOUT = 1.0
+# How long after a tcp connect returned its other connections begin to join
+# (Connector._join_rest): requests posted meanwhile go on the first one, and
+# what of them is still queued when a connection joins is spread over it too
+# (the engine's conn_spread).
+_JOIN_DELAY = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,11 +174,10 @@ class Connector:
         cfg = self._config
         early: _EarlyConns | None = None
         if not cfg.local and "verbs" not in cfg.transports and cfg.tcp_connections > 1:
-            # Only tcp can come of it: the first rail's other connections are
-            # dialled beside the first one (added once regions are in), as
-            # soon as its Hello is out (their dials would delay it).
-            # With a token they join the first one's Challenge (one round trip
-            # each, no Proof round: protocol.Joins).
+            # Only tcp can come of it: the first rail's other connections
+            # join once connect returned (_join_rest). With a token they join
+            # the first one's Challenge (one round trip each, no Proof round:
+            # protocol.Joins), which is asked for now.
             early = _EarlyConns(
                 self._dialer, address, cfg.tcp_connections - 1, joinable=cfg.token is not None
             )
@@ -215,26 +219,25 @@ class Connector:
                     on_challenge=challenge.append,
                 )
             else:
-                def on_challenge(nonce: bytes) -> None:
-                    challenge.append(nonce)
-                    if early is not None:
-                        early.on_challenge(nonce)
-
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address,
                     "data",
                     meta=True,
                     joins=(early.joins if early is not None else 0)
                     + (later if cfg.token is not None else 0),
-                    on_challenge=on_challenge,
-                    on_dialled=early.start if early is not None else None,
+                    on_challenge=challenge.append,
                 )
         except BaseException:
             if early is not None:
                 await early.close()
             raise
         if early is not None:
-            early.on_challenge(None)  # none came (a peer without a token): they handshake alone
+            # Their Hellos go out once the metadata is in, not beside the
+            # Proof: the peer would answer them before the Proof (its accept
+            # step comes first), ~0.2 ms on the way of the metadata, while
+            # they are added in the background now (_join_rest). None: no
+            # Challenge came (a peer without a token): they handshake alone.
+            early.on_challenge(challenge[0] if challenge else None)
         local: _LocalLink | None = None
         try:
             if (
@@ -256,19 +259,18 @@ class Connector:
                 sock0.close()
                 if "verbs" not in cfg.transports and cfg.tcp_connections > 1:
                     # Only tcp can come of it now: as below, the first rail's
-                    # other connections are dialled beside the data connection
-                    # (joining the probe's Challenge as 3..).
+                    # other connections join later (the probe's Challenge, as 3..).
                     early = _EarlyConns(
                         self._dialer, address, cfg.tcp_connections - 1,
                         joinable=bool(challenge), first_index=3,
                     )
-                    early.on_challenge(challenge[0] if challenge else None)
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address,
                     meta=True,
                     join=joining(challenge[0], 2) if challenge else None,
-                    on_dialled=early.start if early is not None else None,
                 )
+                if early is not None:  # (their Hellos once the metadata is in, as above)
+                    early.on_challenge(challenge[0] if challenge else None)
             if local is not None:
                 assert local.meta is not None
                 meta = local.meta
@@ -294,7 +296,7 @@ class Connector:
                 sock0.close()
             if local is not None:
                 local.close()
-            if early is not None:
+            if early is not None and not early.kept:
                 await early.close()
 
     async def _connect_meta(
@@ -404,29 +406,12 @@ class Connector:
             else:
                 assert sock0 is not None  # only a local link comes without one
                 self._engine.endpoint_add_conn(ep, sock0.detach(), first)
-            # The rest of the connections, every rail at once: (rail, how many).
-            # The first rail's dialled early (of this incarnation) count.
-            took = 0
-            if early is not None:
-                # Each as soon as its handshake is done: the engine takes one
-                # (~0.05-0.15 ms) while the peer still answers the next.
-                async with contextlib.aclosing(early.arrivals(per - 1, meta.incarnation)) as socks:
-                    async for sock in socks:
-                        self._engine.endpoint_add_conn(ep, sock.detach(), first)
-                        took += 1
-            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
-            starts = [sum(n for _, n in dial[:k]) for k in range(len(dial))]
-            added = await asyncio.gather(
-                *(
-                    self._rails.dial(
-                        ep, i, rails[i], n, meta.incarnation,
-                        None if joins is None else (joins[0], joins[1] + start),
-                    )
-                    for (i, n), start in zip(dial, starts, strict=True)
-                )
-            )
-            reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
-            added = [*added, took]
+            # The rest of a tcp peer's connections (the first rail's others,
+            # every other rail's) join in the background: the peer is usable
+            # over its first one, and the engine stripes over whatever is live
+            # when a request is posted (~0.4 ms of a connect: the peer answers
+            # the joins one after another, the engine takes each in turn).
+            joining = path == "tcp" and (early is not None or per > 1 or len(rails) > 1)
             if verbs:
                 await self._connect_verbs(ep, address, meta)
             self._check_open()
@@ -452,15 +437,105 @@ class Connector:
                 ) from None
             raise
         self._peers.add(peer, address)
+        if self._embedded is not None:
+            self._embedded.emit(PeerJoined(peer.name, peer.incarnation, address,
+                                  tuple(sorted(peer._regions))))
+        if joining:
+            if early is not None:
+                early.kept = True  # closed by the task below, not by connect()
+            task = asyncio.get_running_loop().create_task(
+                self._join_rest(peer, first, early, joins),
+                name=f"aioxfer-join-{meta.name}",
+            )
+            # One of the agent's background tasks (cancelled and awaited at
+            # its close), cancelled when the peer is lost or closed
+            # (Rails.forget), not left waiting out the joins' timeouts with
+            # their sockets.
+            self._rails.track(peer, task)
+        else:
+            self._log_connected(peer, 1)
+        return peer
+
+    async def _join_rest(
+        self,
+        peer: Peer,
+        first: int,
+        early: _EarlyConns | None,
+        joins: tuple[bytes, int] | None,
+    ) -> None:
+        """A tcp peer's connections after its first one, added as they come
+        (the first rail's early ones first, then every rail at once: (rail,
+        how many)). A connection that does not come is handled as a lost
+        one is: its rail is re-dialled in the background (Rails), down if it
+        has none; the peer is lost only when its last connection is. Ends
+        quietly once the peer is lost or closed (the engine refuses to add).
+        What the peer's requests posted meanwhile still have queued on the
+        connections up is spread over each one as it joins (native
+        conn_spread): the engine stripes a request over the connections live
+        at its post, and conn14's early bulk writes, left on the first one,
+        made the tcp demo 0.84x."""
+        ep, rails, per = peer._ep, peer._rails, peer._rail_conns
+        # Not before the caller's first requests had the two processes' CPUs:
+        # the peer answers each join and its engine starts the connection's
+        # threads, which on a 2-vCPU host landed in a first 4 KiB write's
+        # window (0.18 -> 0.40-0.53 ms: the whole gain gone; measured,
+        # benchmarks/connect_phases.py). Their Hellos go out only now.
+        took = 0
+        added: list[int] = []
+        try:
+            try:
+                # Inside the try: cancelled here (the peer closed, the agent
+                # closing), the early connections are closed all the same.
+                await asyncio.sleep(_JOIN_DELAY)
+                if early is not None:
+                    # Each as soon as its handshake is done: the engine takes one
+                    # (~0.05-0.15 ms) while the peer still answers the next.
+                    async with contextlib.aclosing(
+                        early.arrivals(per - 1, peer.incarnation)
+                    ) as socks:
+                        async for sock in socks:
+                            if peer._lost:
+                                return  # (closed by early.close)
+                            self._engine.endpoint_add_conn(ep, sock.detach(), first)
+                            took += 1
+            finally:
+                if early is not None:
+                    await early.close()
+            dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
+            starts = [sum(n for _, n in dial[:k]) for k in range(len(dial))]
+            if dial and not peer._lost:
+                added = await asyncio.gather(
+                    *(
+                        self._rails.dial(
+                            ep, i, rails[i], n, peer.incarnation,
+                            None if joins is None else (joins[0], joins[1] + start),
+                        )
+                        for (i, n), start in zip(dial, starts, strict=True)
+                    )
+                )
+        except _cyx.NativeError as exc:
+            if not (peer._lost or self._closed() or exc.status == _cyx.E_CLOSED):
+                _log.warning("conn.join_failed", agent=self._agent, peer=peer.name,
+                             address=peer.address, reason=str(exc))
+            return
+        if peer._lost or self._closed():
+            return
+        reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
         for i in range(len(rails)):
             if i not in reached:  # unreachable now: probed until it answers
                 peer._rails_down.add(i)
                 _log.warning("rail.down", agent=self._agent, peer=peer.name, address=rails[i],
                              reason="unreachable at connect", moved=0)
                 self._rails.start_probe(peer, i)
-        if self._embedded is not None:
-            self._embedded.emit(PeerJoined(peer.name, peer.incarnation, address,
-                                  tuple(sorted(peer._regions))))
+        live = self._rails.live(peer)
+        for i in sorted(reached):
+            if live.get(i, 0) < per:  # some did not come: topped up as after a loss
+                _log.warning("conn.join_failed", agent=self._agent, peer=peer.name,
+                             address=rails[i], reason=f"{live.get(i, 0)} of {per} connections up")
+                self._rails.start_probe(peer, i)
+        self._log_connected(peer, 1 + took + sum(added))
+
+    def _log_connected(self, peer: Peer, conns: int) -> None:
         # Logged a moment later, not before the caller's first transfer is
         # posted: a line costs ~0.05 ms rendered, a fresh process's first one
         # ~0.15-0.25 ms (measured, benchmarks/connect_phases.py). A timer
@@ -473,13 +548,12 @@ class Connector:
             "peer.connected",
             agent=self._agent,
             peer=peer.name,
-            address=address,
-            path=path,
-            conns=1 + sum(added),
-            rails=len(rails),
+            address=peer.address,
+            path=peer.path,
+            conns=conns,
+            rails=len(peer._rails),
             regions=len(peer._regions),
         ))
-        return peer
 
     def _local_path(self, local: _LocalLink) -> str | None:
         """The same-host path the peer behind local would get, or None."""
@@ -850,23 +924,26 @@ def cma_allowed() -> bool:
 
 
 class _EarlyConns:
-    """Data connections to a tcp peer dialled before its metadata arrived;
-    closes whatever is not taken. joinable: once connected, each waits for
+    """The first rail's other data connections to a tcp peer, whose joins
+    were asked for in the first connection's Hello; closes whatever is not
+    taken. joinable: once connected, each waits for
     the first connection's (or the probe's) Challenge (on_challenge) and
     joins it (indexes first_index, first_index + 1, ...) instead of running a
     Proof round of its own.
 
-    Joinable ones to an IP literal are dialled at once (Dialer.dial_now),
-    their Hellos go out within on_challenge, in the step that sends the
-    first connection's Proof (Dialer.join_now), and arrivals reads their
-    answers itself, with no task of theirs to wake: the first connection's
-    reads seldom wait on a busy machine (the peer answers while we are
-    descheduled), so tasks of theirs ran only once its metadata was in,
-    and the peer served them after that. The others (a name, a dial that
-    failed at once, no token) open on their own tasks."""
+    Nothing is dialled before arrivals, called by the connected peer's
+    background joining (Connector._join_rest): dialled beside the first
+    connection (on its Hello) they cost its handshake the dials' CPU and
+    saved nothing once the joins no longer delay connect (connect_phases
+    tcp n=25 x2: 1.86 / 1.82 ms without, 2.14 / 1.81 with), and an agent
+    closed before the joins opened nothing. Joinable ones to an IP literal
+    are dialled then (Dialer.dial_now), their Hellos sent at once
+    (Dialer.join_now), and arrivals reads their answers itself, with no
+    task of theirs to wake; the others (a name, a dial that failed at
+    once, no token) open on their own tasks."""
 
     __slots__ = ("_tasks", "_challenge", "_dialer", "_address", "_n", "_first", "_socks",
-                 "_sent", "_started", "joins")
+                 "_sent", "_started", "_nonce", "joins", "kept")
 
     def __init__(
         self, dialer: Dialer, address: str, n: int, *, joinable: bool, first_index: int = 1
@@ -881,27 +958,35 @@ class _EarlyConns:
         self._socks: list[socket.socket | None] = [None] * n
         self._sent: list[tuple[bytes, bytes] | None] = [None] * n
         self._challenge: asyncio.Future[bytes | None] | None = None
+        self._nonce: bytes | None = None
         self.joins = 0
+        # Handed to the connected peer's background joining (which closes them).
+        self.kept = False
         if joinable:
             self._challenge = asyncio.get_running_loop().create_future()
             self.joins = n
 
     def start(self) -> None:
-        """Dials them (once: the first connection is up)."""
-        if self._started:
+        """Dials those that can be dialled at once (once)."""
+        if self._started or self._challenge is None:
             return
         self._started = True
+        for i in range(self._n):
+            self._socks[i] = self._dialer.dial_now(self._address)
+
+    def _go(self) -> None:
+        """The handshakes begin: the Hellos of those dialled at once, tasks
+        for the others."""
+        self.start()
+        if self._challenge is not None and not self._challenge.done():
+            self._challenge.set_result(self._nonce)
+        self._join_now(self._nonce)
         join = self._challenge is not None
         for i in range(self._n):
-            sock = self._dialer.dial_now(self._address) if join else None
-            if sock is not None:
-                self._socks[i] = sock
-            else:
+            if self._socks[i] is None and self._tasks[i] is None:
                 self._tasks[i] = asyncio.ensure_future(self._dialer.open(
                     self._address, join=self._joiner(self._first + i) if join else None
                 ))
-        if self._challenge is not None and self._challenge.done():
-            self._join_now(self._challenge.result())
 
     def _joiner(self, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:
         async def join() -> tuple[bytes, int] | None:
@@ -913,10 +998,8 @@ class _EarlyConns:
 
     def on_challenge(self, nonce: bytes | None) -> None:
         """The first connection's Challenge nonce (checked: its server proof
-        was right), or None: the others handshake alone."""
-        if self._challenge is not None and not self._challenge.done():
-            self._challenge.set_result(nonce)
-            self._join_now(nonce)
+        was right), or None: the others handshake alone (from arrivals on)."""
+        self._nonce = nonce
 
     def _join_now(self, nonce: bytes | None) -> None:
         """The Hellos of those dialled at once and connected, sent now."""
@@ -946,13 +1029,21 @@ class _EarlyConns:
         handshake is done (in the order they were dialled, as the peer
         answers them); network failures only make them fewer. One the caller
         does not detach is closed by close()."""
-        self.start()
+        self._go()
+        # Their Hellos went out at once: one bound for all their answers, not
+        # one peer timeout each, one after another (a peer that never answers
+        # a join held the connect's joins (n - 1) x peer_timeout).
+        deadline = asyncio.get_running_loop().time() + self._dialer.peer_timeout
         got = 0
         for i, t in enumerate(self._tasks):
             if got == n:
                 return
             if t is None:
-                res = await self._joined(i)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        res = await self._joined(i)
+                except TimeoutError:
+                    res = None
                 if res is None:
                     continue
             else:

@@ -47,6 +47,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 
@@ -70,6 +71,7 @@ __all__ = [
     "NONCE_BYTES",
     "META_GO",
     "ClosedSilently",
+    "HelloTaken",
     "FrameTooLarge",
     "HandshakeRejected",
     "Joins",
@@ -83,6 +85,7 @@ __all__ = [
     "send_frame",
     "send_now",
     "server_handshake",
+    "server_hello_now",
     "server_join_now",
     "server_proof",
 ]
@@ -400,8 +403,13 @@ async def _server_handshake(
     token: bytes | None,
     accept: Accept,
     joins: Joins | None,
+    taken: HelloTaken | None = None,
 ) -> Hello:
     """See server_handshake."""
+    if taken is not None:  # (server_hello_now: the Hello read, the Challenge sent)
+        await _proof_round(loop, sock, taken, token, joins)
+        await send_frame(loop, sock, taken.accept)
+        return taken.hello
     hello = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     if not isinstance(hello, Hello):
         raise _unexpected(hello, "Hello")
@@ -431,32 +439,123 @@ async def _server_handshake(
                 + encode_frame(accept),
             )
             return hello
-        granted = (
-            joins is not None
-            and hello.joins > 0
-            and (hello.purpose == "data" or (hello.purpose == "meta" and hello.accept_only))
-        )
-        if granted and joins is not None:
-            joins.grant(nonce, hello)
+        taken = HelloTaken(hello, nonce, accept, _grant(hello, nonce, joins))
         try:
             await send_frame(loop, sock, Challenge(nonce=nonce, proof=proof))
-            try:
-                answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
-            except ProtocolError as exc:
-                raise HandshakeRejected(
-                    f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
-                ) from None
-            if not isinstance(answer, Proof):
-                raise _unexpected(answer, "Proof")
-            if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.name)):
-                await _reject(loop, sock, "bad token")
-                raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
         except BaseException:
-            if granted and joins is not None:
-                joins.revoke(nonce)  # a client that did not prove the token joins nothing
+            if taken.granted and joins is not None:
+                joins.revoke(nonce)
             raise
+        await _proof_round(loop, sock, taken, token, joins)
     await send_frame(loop, sock, accept)
     return hello
+
+
+class HelloTaken(NamedTuple):
+    """A first connection's Hello, checked and read, and our Challenge (nonce)
+    sent: what the Proof round goes on from. granted: its Challenge may be
+    joined (Joins.grant); accept: what we answer once it proved the token."""
+
+    hello: Hello
+    nonce: bytes
+    accept: Accept
+    granted: bool
+
+
+def _grant(hello: Hello, nonce: bytes, joins: Joins | None) -> bool:
+    """Grants hello's Challenge to the joins it announced, where it may have any."""
+    granted = (
+        joins is not None
+        and hello.joins > 0
+        and (hello.purpose == "data" or (hello.purpose == "meta" and hello.accept_only))
+    )
+    if granted and joins is not None:
+        joins.grant(nonce, hello)
+    return granted
+
+
+async def _proof_round(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    taken: HelloTaken,
+    token: bytes | None,
+    joins: Joins | None,
+) -> None:
+    """Our Challenge is out: the client's Proof, checked (the grant revoked
+    if it does not come right)."""
+    assert token is not None
+    hello, nonce = taken.hello, taken.nonce
+    try:
+        try:
+            answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
+        except ProtocolError as exc:
+            raise HandshakeRejected(
+                f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
+            ) from None
+        if not isinstance(answer, Proof):
+            raise _unexpected(answer, "Proof")
+        if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.name)):
+            await _reject(loop, sock, "bad token")
+            raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
+    except BaseException:
+        if taken.granted and joins is not None:
+            joins.revoke(nonce)  # a client that did not prove the token joins nothing
+        raise
+
+
+def server_hello_now(
+    sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins | None
+) -> HelloTaken | None:
+    """Server side, at once (no await), in the accepting step: a first
+    connection's Hello (not a join: server_join_now's), whole in the socket
+    (TCP_DEFER_ACCEPT: it came with the connection) and passing every check
+    server_handshake makes, is read and answered by our Challenge: the
+    Proof round then goes on in server_handshake(taken=...). Saves the
+    Challenge a loop step and a task step. Anything else (no token, a
+    partial Hello, any check failing, a join) returns None with nothing
+    read: server_handshake reads it and answers as before (Reject included).
+    ProtocolError: taken, but the connection broke (the caller closes it)."""
+    if token is None:
+        return None
+    try:
+        frame = sock.recv(4 + MAX_HANDSHAKE_FRAME, socket.MSG_PEEK)
+    except OSError:
+        return None
+    n = int.from_bytes(frame[:4], "big")
+    if len(frame) < 4 or not 0 < n <= len(frame) - 4:
+        return None
+    try:
+        hello = decode_body(memoryview(frame)[4 : 4 + n])
+    except ProtocolError:
+        return None
+    if not (
+        isinstance(hello, Hello)
+        and hello.version == PROTOCOL_VERSION
+        and 0 < len(hello.name) <= MAX_NAME
+        and len(hello.nonce) == NONCE_BYTES
+        and 0 <= hello.incarnation < 1 << 64
+        and (hello.purpose not in ("data", "verbs") or hello.byteorder == sys.byteorder)
+        and not hello.join
+    ):
+        return None
+    if hello.meta and hello.purpose == "data":
+        accept = msgspec.structs.replace(accept, meta=True)  # the caller sends it
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    challenge = encode_frame(Challenge(nonce=nonce, proof=server_proof(token, hello.nonce)))
+    taken = HelloTaken(hello, nonce, accept, _grant(hello, nonce, joins))
+    try:
+        if sock.recv_into(bytearray(4 + n), 4 + n) != 4 + n:  # the peeked Hello, for good
+            raise ProtocolError("the Hello shrank between its peek and its read")
+        # A few dozen bytes into an empty send buffer: they fit unless it broke.
+        if send_now(sock, challenge) < len(challenge):
+            raise ProtocolError("the Challenge did not fit an empty send buffer")
+    except (OSError, ProtocolError) as exc:
+        if taken.granted and joins is not None:
+            joins.revoke(nonce)
+        if isinstance(exc, ProtocolError):
+            raise
+        raise ProtocolError(f"connection broken during its handshake: {exc}") from None
+    return taken
 
 
 # How a Hello that joins nothing encodes its "join" field (the empty default):
@@ -586,17 +685,20 @@ async def server_handshake(
     token: bytes | None,
     accept: Accept,
     joins: Joins | None = None,
+    taken: HelloTaken | None = None,
 ) -> Hello:
     """Runs the server half up to and including sending ``accept`` (with
     ``meta=True`` when the client asked for the metadata on a "data"
     connection: the caller then sends it, see META_GO). joins: where the
     Challenges other connections may join are kept (None: no joins).
+    taken: server_hello_now read the Hello and sent the Challenge.
 
     Raises HandshakeRejected (after sending Reject) when authentication fails,
     ProtocolError on anything malformed; either way the socket is shut down.
     """
     try:
-        return await _server_handshake(loop, sock, token=token, accept=accept, joins=joins)
+        return await _server_handshake(loop, sock, token=token, accept=accept, joins=joins,
+                                       taken=taken)
     except XferError:
         _shutdown(sock)
         raise

@@ -155,6 +155,18 @@ class Rails:
         self._running.setdefault(peer, set()).add(task)
         task.add_done_callback(functools.partial(self._ended, peer))
 
+    def track(self, peer: Peer, task: asyncio.Task[None]) -> None:
+        """A background task of the peer's (its connections joining): one of
+        the agent's (tasks: cancelled and awaited at its close) that forget()
+        cancels with its probes."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if peer.lost:
+            task.cancel()
+            return
+        self._running.setdefault(peer, set()).add(task)
+        task.add_done_callback(functools.partial(self._ended, peer))
+
     def _ended(self, peer: Peer, task: asyncio.Task[None]) -> None:
         running = self._running.get(peer)
         if running is not None:

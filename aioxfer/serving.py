@@ -27,12 +27,14 @@ from aioxfer.protocol import (
     META_GO,
     ClosedSilently,
     HandshakeRejected,
+    HelloTaken,
     Joins,
     encode_frame,
     recv_frame,
     send_frame,
     send_now,
     server_handshake,
+    server_hello_now,
     server_join_now,
 )
 
@@ -158,9 +160,14 @@ class Server:
                                      reason=f"{self._max_handshakes} handshakes already running")
                     continue
                 refused = 0
-                if not local and self._join_now(sock, addr):
-                    continue
-                task = loop.create_task(self._serve(loop, sock, addr, local=local))
+                taken = None
+                if not local:
+                    if self._join_now(sock, addr):
+                        continue
+                    taken = self._hello_now(sock, addr)
+                    if sock.fileno() < 0:  # broke while taken (logged)
+                        continue
+                task = loop.create_task(self._serve(loop, sock, addr, local=local, taken=taken))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -172,8 +179,16 @@ class Server:
                 loop.remove_reader(fd)
 
     async def _serve(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any, *, local: bool
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        addr: Any,
+        *,
+        local: bool,
+        taken: HelloTaken | None = None,
     ) -> None:
+        """One connection's handshake and what it asked for (taken: its Hello
+        read and our Challenge sent in the accepting step, _hello_now)."""
         remote = fmt_sockaddr(addr)
         pidfd = -1
         try:
@@ -197,6 +212,7 @@ class Server:
                     token=self._token,
                     accept=self._accept,
                     joins=self.joins,
+                    taken=taken,
                 )
                 if hello.purpose == "meta":
                     if hello.accept_only:
@@ -306,6 +322,21 @@ class Server:
                          reason=f"{type(exc).__name__}: {exc}")
             sock.close()  # (nothing if the engine took it: detached)
         return True
+
+    def _hello_now(self, sock: socket.socket, addr: Any) -> HelloTaken | None:
+        """A first connection's Hello read and our Challenge sent in the
+        accepting step (protocol.server_hello_now; its task goes on from the
+        Proof): the Challenge leaves a loop step and a task step sooner.
+        None: anything else, nothing read, for _serve; or it broke once
+        taken: closed (and logged) here."""
+        try:
+            return server_hello_now(sock, token=self._token, accept=self._accept,
+                                    joins=self.joins)
+        except ProtocolError as exc:
+            _log.warning("conn.rejected", agent=self._agent, remote=fmt_sockaddr(addr),
+                         reason=str(exc))
+            sock.close()
+            return None
 
     async def _send_meta(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, local: bool

@@ -22,7 +22,9 @@ PHASE_RAILS=n: the target listens on 127.0.0.1..n (n tcp rails);
 PHASE_WRITES=n: n writes, the later ones timed too (I.write2...);
 PHASE_IDLE_MS=ms: an idle pause before each write (threads long started);
 PHASE_POOL_MIB=n: the target's region is n MiB, not 64 (a what-if: with a
-small one the shm row is the handshake without the pool's populate).
+small one the shm row is the handshake without the pool's populate);
+PHASE_GC_KEEP=1: no gc.collect() before the clock (see _initiator). The
+collector's passes show as steps (I.gc0, T.gc1, ... by generation).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import os
 import statistics
@@ -103,7 +106,22 @@ def _patch_select(prefix: str) -> None:
     _wrap_sync(sel, "select", prefix + "idle")
 
 
+def _patch_gc(prefix: str) -> None:
+    """The garbage collector's passes as steps (gc0, gc1, gc2 by generation):
+    a pass that lands in the timed window moves it by its length."""
+    began: list[int] = []
+
+    def cb(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began.append(time.monotonic_ns())
+        elif began:
+            EVENTS.append((f"{prefix}gc{info['generation']}", began.pop(), time.monotonic_ns()))
+
+    gc.callbacks.append(cb)
+
+
 def _patch(prefix: str) -> None:
+    _patch_gc(prefix)
     import aioxfer.connector as conn
     import aioxfer.protocol as protocol
 
@@ -131,6 +149,7 @@ def _patch(prefix: str) -> None:
     _wrap_async(dialing.Dialer, "open_meta", prefix + "open_meta")
     _wrap_sync(conn.Connector, "_apply_regions", prefix + "apply_regions")
     _wrap_async(serving.Server, "_send_meta", prefix + "send_meta")
+    _wrap_sync(serving.Server, "_join_now", prefix + "join_now")  # the accepting step's part
     _wrap_async(serving.Server, "_serve", prefix + "serve")
     init = serving.Server.__init__
 
@@ -183,6 +202,15 @@ async def _initiator(transport: str, address: str) -> None:
         rails._add_conn = _EngineProxy(agent._engine, "I.").endpoint_add_conn
         local = agent.alloc(64 << 20, name="buf")
         local.numpy().fill(2)
+        # Every build from the same collector state: in a fresh process the
+        # allocations since start (which differ by build: a class more at
+        # import) decide whether a young-generation pass (~0.06-0.2 ms here)
+        # lands inside the connect; conn15's 0.15-0.2 ms over conn14 was one
+        # (the gc0 step at 0.27 ms, in every sample). The connect and its
+        # write allocate ~100 tracked objects net, far from a pass then.
+        # PHASE_GC_KEEP=1: as before (no collection first).
+        if not os.environ.get("PHASE_GC_KEEP"):
+            gc.collect()
         t0 = time.monotonic_ns()
         peer = await agent.connect(address)
         t1 = time.monotonic_ns()

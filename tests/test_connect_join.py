@@ -17,7 +17,7 @@ import socket
 import sys
 
 import pytest
-from conftest import within
+from conftest import wait_until, within
 from test_connect_meta import connects_after_the_metadata_fail_leaving_no_fd
 from test_security import closed_by_peer, raw_connect, still_serves
 
@@ -205,7 +205,9 @@ async def test_agent_connections_join(make_agent) -> None:
     init = await make_agent("init", token=TOKEN, transports=("tcp",), tcp_connections=4,
                             limits=aioxfer.Limits(max_rails=1))
     peer = await within(init.connect(target.address))
-    assert target._server.joins.joined == 3 and len(target._server.joins) == 0
+    # They join in the background, after connect returned (Connector._join_rest).
+    await wait_until(lambda: target._server.joins.joined == 3, 5, what="the joins")
+    assert len(target._server.joins) == 0
     assert len(init._engine.endpoint_rails(peer._ep)) >= 1
     src = init.alloc(8 * MiB, name="src")
     src.numpy()[:] = 7
@@ -287,7 +289,7 @@ async def test_tcp_after_the_probe_joins_it(make_agent) -> None:
     init = await make_agent("init", token=TOKEN, tcp_connections=4)
     peer = await within(init.connect(target.address))
     assert peer.path == "tcp"
-    assert target._server.joins.joined == 4
+    await wait_until(lambda: target._server.joins.joined == 4, 5, what="the joins")
     src = init.alloc(8 * MiB, name="src")
     src.numpy()[:] = 9
     await within(init.write(src[0:8 * MiB], peer.region("dst")[0:8 * MiB]))
@@ -316,8 +318,8 @@ async def test_other_rails_join(make_agent, probe: bool) -> None:
     assert (init._local_sock is not None) == probe
     peer = await within(init.connect(target.address))
     assert peer.path == "tcp" and peer.rails == target.addresses
-    st = peer.statistics()
-    assert [r.connections for r in st.rails] == [2, 2]
+    await wait_until(lambda: [r.connections for r in peer.statistics().rails] == [2, 2], 5,
+                     what="the joins")
     # tcp-only: the first rail's other one and the second rail's two;
     # probing first: its data connection as well.
     assert target._server.joins.joined == 3 + probe
@@ -336,7 +338,8 @@ async def test_other_rails_without_a_token(make_agent) -> None:
     init = await make_agent("init", insecure_no_auth=True, transports=("tcp",),
                             tcp_connections=2)
     peer = await within(init.connect(target.address))
-    assert [r.connections for r in peer.statistics().rails] == [2, 2]
+    await wait_until(lambda: [r.connections for r in peer.statistics().rails] == [2, 2], 5,
+                     what="the joins")
     assert target._server.joins.joined == 0 and len(target._server.joins) == 0
 
 

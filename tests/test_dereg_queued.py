@@ -197,6 +197,10 @@ async def test_close_fails_a_queued_transfer_as_closed(make_agent: Any) -> None:
         make_agent, limits=aioxfer.Limits(revoke_timeout=1.0))
     small = init.register(bytearray(4096))
     queued = init.write(small[0:4096], peer.region("dst")[40 * MiB:40 * MiB + 4096])
+    # The peer's connections after its first one join after connect returned
+    # (Connector._join_rest): counted once they did.
+    await wait_until(lambda: not any(t.get_name().startswith("aioxfer-join")
+                                     for t in init._probes), what="the joins")
     conns = init.statistics().native_conns
     with await _silent_connection(init.address):
         await wait_until(lambda: init.statistics().native_conns == conns + 1, what="connected")

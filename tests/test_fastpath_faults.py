@@ -71,7 +71,9 @@ async def test_peer_killed_with_both_halves_in_flight(make_agent, remote_agent, 
     peer = await within(init.connect(ra.address))
     assert peer.path == "tcp"
     remote = peer.region("user")
-    await within(init.write(buf[0:MiB], remote[0:MiB]))  # warm: connections up
+    # The connections join once connect returned (Connector._join_rest).
+    await wait_until(lambda: peer.statistics().rails[0].connections == 4, 10, what="the joins")
+    await within(init.write(buf[0:MiB], remote[0:MiB]))  # warm
     sigstop(ra.pid)
     try:
         t0 = time.monotonic()

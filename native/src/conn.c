@@ -76,6 +76,12 @@ void axf_trace(uint32_t ev, int fd, uint64_t op, uint64_t a)
 
 #define TX_BATCH 64
 #define TX_IOV (2 * TX_BATCH + AXF_MAX_SEGS) /* a sendmsg's iovecs at most */
+/* A sending thread's batch holds no more than this many bytes (one frame
+ * at least): what it took off the queue is committed to one blocking
+ * sendmsg, so what stays queued is what a joining connection can take over
+ * (conn_spread). Two default chunks: a batch's vectored 1 MiB frames were
+ * two to a batch already (TX_IOV); plain 1 MiB frames went 64 at a time. */
+#define TX_BATCH_BYTES (2u << 20)
 #define INLINE_SEND ((64u << 10) + 4096u) /* small frames sent on the caller's thread, in all */
 #define INLINE_BULK ((1u << 20) + 4096u)  /* or one frame this large, alone */
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
@@ -115,7 +121,10 @@ typedef struct expect {
     size_t nchunks;
     uint64_t bytes;    /* READ: received so far; counted only once the group is whole */
     uint64_t req_bytes; /* what the group asks for: all it ever reports (never the
-                           peer's word) */
+                           peer's word); cut by conn_spread (c.mu) */
+    uint32_t frames;   /* a data group's frames, queued or sent (conn_spread) */
+    size_t count;      /* a data group's chunks: its first count of slot's or of chunks
+                          (conn_spread moves its tail elsewhere); c.mu, e->mu to cut */
     bool failed;       /* READ: a response said the group failed (its bytes fall short) */
     uint64_t t_enq;    /* queued at (us): for the rate measurement */
     struct expect *next;
@@ -456,16 +465,39 @@ void conn_enqueue_reply(conn *c, sq_item *it, bool signal)
     pthread_mutex_unlock(&c->mu);
 }
 
+/* An initiator's data frame (a request's chunks). */
+static bool item_data(const sq_item *it)
+{
+    uint16_t t = it->h.type;
+    return it->op && (t == FR_WRITE || t == FR_WRITEV || t == FR_READ_REQ || t == FR_READV);
+}
+
+/* The reply an initiator's queued frame is answered by (an expectation is
+ * recorded for it), or 0: none. */
+static uint16_t item_want(const sq_item *it)
+{
+    if (it->op && it->h.type == FR_NOTIFY)
+        return FR_NOTIFY_ACK;
+    if (it->op && (it->h.flags & FL_LAST))
+        return it->h.type == FR_WRITE || it->h.type == FR_WRITEV ? FR_WRITE_ACK : FR_READ_RESP;
+    return 0;
+}
+
 void conn_enqueue_chain(conn *c, sq_item *first, sq_item *last, bool signal)
 {
     conn_priv *p = (conn_priv *)c;
     sq_item *it = last; /* the frame a reply answers: a LAST frame or a notification */
+    uint32_t frames = 0;
+    size_t chunks = 0;
+    if (item_data(last)) /* (a data group's chain is its frames) */
+        for (sq_item *f = first;; f = f->next) {
+            frames++;
+            chunks += f->h.nseg ? f->h.nseg : 1;
+            if (f == last)
+                break;
+        }
     pthread_mutex_lock(&c->mu);
-    uint16_t want = 0;
-    if (it->op && it->h.type == FR_NOTIFY)
-        want = FR_NOTIFY_ACK;
-    else if (it->op && (it->h.flags & FL_LAST))
-        want = it->h.type == FR_WRITE || it->h.type == FR_WRITEV ? FR_WRITE_ACK : FR_READ_RESP;
+    uint16_t want = item_want(it);
     if (want) {
         /* Recorded even on a dead connection: its failure path (which runs
          * after, under e->mu like every enqueue of an initiator frame) then
@@ -488,6 +520,8 @@ void conn_enqueue_chain(conn *c, sq_item *first, sq_item *last, bool signal)
         x->req_bytes = it->group_bytes;
         x->chunks = it->chunks;
         x->nchunks = it->nchunks;
+        x->frames = frames;
+        x->count = chunks;
         x->t_enq = axf_now_us();
         it->chunks = NULL;
         if (!p->ex_head)
@@ -837,7 +871,7 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         sq_item *it = c->head;
         uint64_t size = item_size(it) - it->sent;
         int need = 2 + (int)it->h.nseg; /* iovecs it takes at most */
-        if (n && nv + need > TX_IOV)
+        if (n && (nv + need > TX_IOV || bytes >= TX_BATCH_BYTES))
             break;
         /* AXF_POST_NOHELP: no large frame on the caller's thread. A large
          * vectored WRITE (a batch's 1 MiB frame per connection) goes only
@@ -1538,11 +1572,10 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
             x->bytes += h->len;
         }
     } else if (h->type == FR_WRITE_ACK) {
-        /* Its byte count is the peer's word: ours is what the group asked. */
+        /* Its byte count is the peer's word: ours is what the group asked
+         * (read under c->mu below: conn_spread may cut a group). */
         if (h->status != AXF_OK)
             op_set_status(o, h->status, h->index < o->n ? h->index : 0);
-        else
-            x->bytes = x->req_bytes;
     }
     /* The target answers every READ request of a group once, in order: a
      * group that did not fail is answered with exactly the bytes it asked
@@ -1557,6 +1590,8 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
     }
     if (last) {
         pthread_mutex_lock(&c->mu);
+        if (h->type == FR_WRITE_ACK && h->status == AXF_OK)
+            x->bytes = x->req_bytes;
         p->ex_head = x->next;
         if (!p->ex_head)
             p->ex_tail = NULL;
@@ -1638,7 +1673,7 @@ static void initiator_conn_lost(conn *c, bool proto)
                     conn_signal(to);
                 ok = to != NULL;
             } else {
-                ok = ep->xp->reroute(e, o, x->slot, x->chunks, x->nchunks);
+                ok = ep->xp->reroute(e, o, x->slot, x->chunks, x->nchunks, 0, x->count, 0);
             }
         }
         if (ok) {
@@ -1672,6 +1707,225 @@ static void initiator_conn_lost(conn *c, bool proto)
         expect_free(finished);
         op_unit_done(e, o);
         finished = n;
+    }
+}
+
+/* ------------------------------------------------------------ joins */
+
+/* A group (or its tail) conn_spread took off a connection's queue, queued
+ * anew over the live connections once every queue was looked at. */
+struct spread_job {
+    op *o;
+    int slot;
+    const chunk_ref *list; /* the group's chunk list (x's or own), or NULL: its slot's */
+    size_t n, from, to;    /* the chunks [from, to) of it that move */
+    expect *x;             /* a whole group's expectation, taken off the list */
+    chunk_ref *own;        /* a cut group's moved chunks, copied */
+    struct spread_job *next;
+};
+
+static void spread_job_free(struct spread_job *j)
+{
+    if (j->x)
+        expect_free(j->x);
+    free(j->own);
+    free(j);
+}
+
+/* Takes c's queued frames that may move off it (conn_spread), under c->mu:
+ * a group none of whose frames was sent (and whose reply is not the next
+ * one awaited, which the receiver may be reading against), whole, its
+ * expectation with it; of a WRITE group being sent, the frames after its
+ * first unsent one, which then ends the group (FL_LAST: the peer
+ * acknowledges what came before it), the moved part counted as one more
+ * unit of the op until it is queued elsewhere. A READ group's requests are
+ * headers that leave at once: moved only whole, never cut (its responses
+ * are counted against the expectation without c->mu). Each one a job
+ * appended at **tail; its frames onto left->dropped. */
+static void spread_take(conn *c, struct spread_job ***tail, conn_spread_left *left)
+{
+    conn_priv *p = (conn_priv *)c;
+    pthread_mutex_lock(&c->mu);
+    if (c->dead || !c->head) {
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    /* The queued frames that bear an expectation have the list's last ones,
+     * in order (both recorded in one hold of c->mu, conn_enqueue_chain). */
+    size_t nq = 0, nx = 0;
+    for (sq_item *it = c->head; it; it = it->next)
+        nq += item_want(it) != 0;
+    for (expect *x = p->ex_head; x; x = x->next)
+        nx++;
+    if (nq > nx) { /* a peer answered what it was not sent: leave it be */
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    expect **xl = &p->ex_head, *xprev = NULL;
+    for (size_t k = 0; k < nx - nq; k++) {
+        xprev = *xl;
+        xl = &(*xl)->next;
+    }
+    sq_item **link = &c->head, *before = NULL; /* before: the item *link is in (NULL: head) */
+    while (*link) {
+        sq_item *f0 = *link;
+        if (!item_data(f0)) {
+            if (item_want(f0)) {
+                xprev = *xl;
+                xl = &(*xl)->next;
+            }
+            before = f0;
+            link = &f0->next;
+            continue;
+        }
+        /* A group's queued frames: f0 up to its LAST one, one after another. */
+        sq_item *last = f0;
+        uint32_t m = 1;
+        while (!(last->h.flags & FL_LAST) && last->next && last->next->op == f0->op &&
+               item_data(last->next)) {
+            last = last->next;
+            m++;
+        }
+        expect *x = *xl;
+        if (!(last->h.flags & FL_LAST) || !x || x->op != f0->op || x->type != item_want(last))
+            break; /* (not a queue conn_enqueue_chain made: leave the rest) */
+        op *o = f0->op;
+        bool write = f0->h.type == FR_WRITE || f0->h.type == FR_WRITEV;
+        bool whole = m == x->frames && !f0->sent && x != p->ex_head;
+        uint32_t keep = f0->sent ? 1 : 0; /* a cut group's frames before its new LAST one */
+        struct spread_job *j = NULL;
+        if (!atomic_load(&o->cancelled) && atomic_load(&o->status) == AXF_OK &&
+            (whole || (write && keep + 1 < m)))
+            j = calloc(1, sizeof *j);
+        if (j && whole) {
+            *link = last->next;
+            if (c->tail == last)
+                c->tail = before;
+            last->next = left->dropped;
+            left->dropped = f0;
+            *xl = x->next;
+            if (p->ex_tail == x)
+                p->ex_tail = xprev;
+            *j = (struct spread_job){.o = o, .slot = x->slot, .list = x->chunks,
+                                     .n = x->nchunks, .from = 0, .to = x->count, .x = x};
+            **tail = j;
+            *tail = &j->next;
+            continue; /* *link and *xl are the next ones now */
+        }
+        sq_item *kf = f0; /* the group's new last frame (keep + 1 < m: more follow) */
+        size_t mc = 0;
+        uint64_t mb = 0;
+        if (j) {
+            for (uint32_t k = 0; k < keep; k++)
+                kf = kf->next;
+            for (sq_item *f = kf->next;; f = f->next) {
+                mc += f->h.nseg ? f->h.nseg : 1;
+                mb += f->h.len;
+                if (f == last)
+                    break;
+            }
+            if (mc > x->count || mb > x->req_bytes) { /* (never: made by conn_enqueue_chain) */
+                free(j);
+                j = NULL;
+            }
+        }
+        if (j && x->chunks) { /* the list's tail is x's: copied, x may go first */
+            j->own = malloc(mc * sizeof *j->own);
+            if (j->own)
+                memcpy(j->own, x->chunks + (x->count - mc), mc * sizeof *j->own);
+            else {
+                free(j);
+                j = NULL;
+            }
+        }
+        if (j) {
+            sq_item *moved = kf->next;
+            kf->next = last->next;
+            if (c->tail == last)
+                c->tail = kf;
+            kf->h.flags |= FL_LAST;
+            last->next = left->dropped;
+            left->dropped = moved;
+            j->o = o;
+            j->slot = x->slot;
+            if (j->own) {
+                j->list = j->own;
+                j->n = mc;
+                j->to = mc;
+            } else {
+                j->from = x->count - mc;
+                j->to = x->count;
+            }
+            x->count -= mc;
+            x->req_bytes -= mb;
+            x->frames -= m - keep - 1;
+            /* Before kf can be sent and answered: the op stays unfinished. */
+            atomic_fetch_add(&o->remaining, 1);
+            **tail = j;
+            *tail = &j->next;
+            last = kf;
+        }
+        xprev = x;
+        xl = &x->next;
+        before = last;
+        link = &last->next;
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+void conn_spread(axf_engine *e, endpoint *ep, conn_spread_left *left)
+{
+    memset(left, 0, sizeof *left);
+    int live = 0;
+    for (int i = 0; i < ep->nconns; i++)
+        live += !atomic_load(&ep->conns[i]->down);
+    if (!ep->xp->reroute || ep->dead || ep->closing || e->shut || live < 2)
+        return;
+    struct spread_job *jobs = NULL, **tail = &jobs;
+    for (int i = 0; i < ep->nconns; i++)
+        if (!atomic_load(&ep->conns[i]->down) && ep->conns[i]->fd >= 0)
+            spread_take(ep->conns[i], &tail, left);
+    if (!jobs)
+        return;
+    /* Queued anew in the order they were queued, over every live
+     * connection (by the endpoint's schedule, which counts the new one). */
+    struct spread_job **ftail = &left->failed;
+    for (struct spread_job *j = jobs, *next; j; j = next) {
+        next = j->next;
+        j->next = NULL;
+        if (ep->xp->reroute(e, j->o, j->slot, j->list, j->n, j->from, j->to,
+                            AXF_MOVE_SPREAD)) {
+            spread_job_free(j);
+            continue;
+        }
+        if (atomic_load(&j->o->status) == AXF_OK) /* (out of memory set its own) */
+            op_set_status(j->o, AXF_E_PEER_LOST, 0);
+        *ftail = j; /* its unit ends once e->mu is released */
+        ftail = &j->next;
+    }
+    for (int i = 0; i < ep->nconns; i++)
+        if (!atomic_load(&ep->conns[i]->down)) {
+            conn_ref(ep->conns[i]);
+            left->wake[left->nwake++] = ep->conns[i];
+        }
+}
+
+void conn_spread_end(axf_engine *e, conn_spread_left *left)
+{
+    release_list(e, left->dropped);
+    for (struct spread_job *j = left->failed, *next; j; j = next) {
+        next = j->next;
+        op *o = j->o;
+        spread_job_free(j);
+        op_unit_done(e, o);
+    }
+    for (int i = 0; i < left->nwake; i++) {
+        conn *c = left->wake[i];
+        pthread_mutex_lock(&c->mu);
+        if (!c->dead && c->head && !c->sending)
+            tx_wake(c);
+        pthread_mutex_unlock(&c->mu);
+        conn_unref(c);
     }
 }
 

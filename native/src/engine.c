@@ -1226,10 +1226,18 @@ int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep_id, int fd, uint32_t r
     if (slot == ep->nconns)
         ep->nconns++;
     ep_conns_changed(ep); /* e.g. stripe over it too from now on */
+    /* What was posted before it joined and still waits on the others'
+     * queues goes over it too: a tcp peer's connections after its first one
+     * join after connect returned (aioxfer's connector), and bulk requests
+     * posted meanwhile would else stay on the first one to the end. */
+    conn_spread_left left;
+    conn_spread(e, ep, &left);
     pthread_mutex_unlock(&e->mu);
     /* Its threads start unlocked (their creation costs 0.06-0.7 ms, which
      * nobody else waits for on e->mu): it is usable meanwhile (conn_open). */
-    return conn_launch(c);
+    int r = conn_launch(c);
+    conn_spread_end(e, &left); /* (the connections woken, its sender started) */
+    return r;
 }
 
 size_t axf_endpoint_rails(axf_engine *e, uint64_t ep_id, axf_rail_stats *out, size_t max)

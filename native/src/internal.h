@@ -499,6 +499,23 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
 int conn_launch(conn *c);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
+/* What conn_spread leaves for after e->mu: frames it took off queues (to
+ * release), groups it could not move (their unit to end, failed), and the
+ * endpoint's live connections (held) to wake. */
+typedef struct conn_spread_left {
+    sq_item *dropped;
+    struct spread_job *failed;
+    conn *wake[AXF_MAX_CONNS];
+    int nwake;
+} conn_spread_left;
+/* e->mu held: a connection joined ep. The WRITE frames still queued on its
+ * other live connections (never sent: whole groups, and the tail of a group
+ * being sent) are queued anew over every live connection, the new one too
+ * (the transport's reroute, AXF_MOVE_SPREAD): requests posted before the
+ * join no longer wait behind one connection. conn_spread_end, once e->mu
+ * is released, finishes it. */
+void conn_spread(axf_engine *e, endpoint *ep, conn_spread_left *left);
+void conn_spread_end(axf_engine *e, conn_spread_left *left);
 /* A reply to the peer (READ response, acknowledgement): counted against
  * reply_queue_bytes until sent. */
 void conn_enqueue_reply(conn *c, sq_item *it, bool signal);

@@ -459,21 +459,26 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
 }
 
 
-/* Queues a rerouted group's chunks (list, or the chunks of schedule slot
- * `slot`) on the live connections; false when none is left. e->mu held. */
-static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n)
+/* Queues chunks [from, to) of a group of o (a failed connection's, or the
+ * unsent part of one a joining connection spreads: AXF_MOVE_SPREAD) on the
+ * live connections, by the endpoint's schedule; false when none is left.
+ * e->mu held. (transport.h: reroute) */
+static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n,
+                        size_t from, size_t to, uint32_t how)
 {
     endpoint *ep = o->ep;
     tcp_ep *t = TEP(ep);
     if (!sched_ready(ep))
         return false;
+    bool spread = how & AXF_MOVE_SPREAD;
     /* The op's own chunk size: the slot's chunks are found again by it. */
     uint64_t chunk = TOP(o) ? TOP(o)->chunk : e->cfg.chunk_bytes, i, off;
     uint32_t start = (uint32_t)t->rr_next;
     size_t cnt[AXF_MAX_CONNS] = {0}, fill[AXF_MAX_CONNS] = {0}, total = 0;
     chunk_iter it = {.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
-    while (chunk_next(&it, &i, &off))
-        cnt[t->sched[(start + total++) % AXF_SCHED]]++;
+    for (size_t k = 0; k < to && chunk_next(&it, &i, &off); k++)
+        if (k >= from)
+            cnt[t->sched[(start + total++) % AXF_SCHED]]++;
     if (!total)
         return false;
     chunk_ref *lists[AXF_MAX_CONNS] = {0};
@@ -486,8 +491,10 @@ static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, s
             ok = (lists[ci] = malloc(cnt[ci] * sizeof *lists[ci])) != NULL;
         }
     it = (chunk_iter){.o = o, .list = list, .n = n, .slot = slot, .chunk = chunk};
-    for (size_t j = 0; ok && chunk_next(&it, &i, &off); j++) {
-        int ci = t->sched[(start + j) % AXF_SCHED];
+    for (size_t k = 0, j = 0; ok && k < to && chunk_next(&it, &i, &off); k++) {
+        if (k < from)
+            continue;
+        int ci = t->sched[(start + j++) % AXF_SCHED];
         lists[ci][fill[ci]++] = (chunk_ref){.i = i, .off = off};
         ok = grp_add(&g[ci], o, i, off, chunk);
     }
@@ -502,9 +509,10 @@ static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, s
         op_set_status(o, AXF_E_NOMEM, 0);
         return false;
     }
-    /* The failed group's unit becomes these groups' units. */
+    /* The moved part's unit becomes these groups' units. */
     atomic_fetch_add(&o->remaining, groups - 1);
-    o->reroutes++;
+    if (!spread)
+        o->reroutes++;
     for (int ci = 0; ci < ep->nconns; ci++) {
         if (!g[ci].last)
             continue;
@@ -513,7 +521,7 @@ static bool tcp_reroute(axf_engine *e, op *o, int slot, const chunk_ref *list, s
         g[ci].last->chunks = lists[ci];
         g[ci].last->nchunks = cnt[ci];
         g[ci].last->group_bytes = g[ci].bytes;
-        conn_enqueue_chain(ep->conns[ci], g[ci].first, g[ci].last, true);
+        conn_enqueue_chain(ep->conns[ci], g[ci].first, g[ci].last, !spread);
     }
     t->rr_next = (int)((start + total) % AXF_SCHED);
     free(g);

@@ -23,6 +23,9 @@
  * transport (native/src/mock.c, mock.h). */
 #define AXF_EP_MOCK 7
 
+/* reroute's how. */
+#define AXF_MOVE_SPREAD 1u
+
 /* caps */
 enum {
     /* Same host: the endpoint names a process (pid, pidfd), its copies reach
@@ -102,11 +105,18 @@ typedef struct axf_transport {
     bool (*submit)(axf_engine *e, op *o, uint32_t flags);
     /* An op of its endpoint is freed with op->priv set (resolve or submit set it). */
     void (*op_free)(axf_engine *e, op *o);
-    /* e->mu held: a failed connection's unfinished group (a schedule slot of
-     * the op, or a chunk list) moves to the endpoint's other live
-     * connections; false when none is left. Without it, a failed
-     * connection fails the whole endpoint. */
-    bool (*reroute)(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n);
+    /* e->mu held: chunks [from, to) of a group of o (the chunks of its
+     * schedule slot `slot` in order, or list[0, n)) are queued anew over the
+     * endpoint's live connections, their new groups taking over one unit of
+     * o->remaining; false when nothing was queued (none live, or out of
+     * memory: o's status set then). A failed connection's unfinished group
+     * (how 0: counted as rerouted, the connections signalled), or, with
+     * AXF_MOVE_SPREAD, the unsent part of one on a live connection when
+     * another joined (conn.c conn_spread: not counted, queued unsignalled,
+     * the caller wakes the connections). Without it, a failed connection
+     * fails the whole endpoint and a joining one takes new requests only. */
+    bool (*reroute)(axf_engine *e, op *o, int slot, const chunk_ref *list, size_t n, size_t from,
+                    size_t to, uint32_t how);
     void (*doorbell)(axf_engine *e);
 } axf_transport;
 

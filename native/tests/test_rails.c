@@ -8,6 +8,7 @@
 
 #include "internal.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #define REG (8u << 20)
@@ -350,10 +351,212 @@ static int test_many_chunk_reads_in_flight(void)
     return 0;
 }
 
+/* ------------------------------------------------ a connection joins
+ * (conn.c conn_spread): what a WRITE still has queued on the endpoint's
+ * other connections is queued anew over all of them, the new one too. */
+
+/* The dark rail's silence never ends it within a test (peer_timeout_ms): what
+ * reaches another connection was moved there by the join, not rerouted off
+ * a rail that timed out. */
+#define JOIN_CFG {.chunk_bytes = 64u << 10, .peer_timeout_ms = 60000}
+
+/* Bytes acknowledged on the connection of rail `rail`, polled until at
+ * least min or ms passed. */
+static uint64_t rail_bytes(rails *r, uint32_t rail, uint64_t min, int ms)
+{
+    uint64_t until = t_now_ms() + (uint64_t)ms, got = 0;
+    for (;;) {
+        axf_rail_stats st[8];
+        size_t n = axf_endpoint_rails(r->a->e, r->ep, st, 8);
+        got = 0;
+        for (size_t i = 0; i < n; i++)
+            if (st[i].rail == rail && st[i].live)
+                got = st[i].bytes;
+        if (got >= min || t_now_ms() > until)
+            return got;
+        usleep(1000);
+    }
+}
+
+/* A frame header from a raw end (pings skipped), within the test timeout. */
+static int raw_hdr(int fd, wire_hdr *h)
+{
+    uint64_t until = t_now_ms() + T_TIMEOUT_MS;
+    do {
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        uint64_t now = t_now_ms();
+        CHECK(now < until);
+        CHECK_EQ(poll(&pf, 1, (int)(until - now)), 1);
+        CHECK_EQ(recv(fd, h, sizeof *h, MSG_WAITALL), (ssize_t)sizeof *h);
+        CHECK_EQ(h->magic, AXF_MAGIC);
+    } while (h->type == FR_PING);
+    return 0;
+}
+
+/* A WRITE of 128 chunks posted on one connection whose peer does not read
+ * (its socket full, the rest queued), then a served connection joins: the
+ * queued chunks go over both, the new one's land while the first is still
+ * dark, and once it is served the request completes with every byte once.
+ * Before conn_spread the new connection carried nothing of it. */
+static int test_queued_write_spreads_to_a_joining_rail(void)
+{
+    axf_config cfg = JOIN_CFG;
+    rails r;
+    if (rails_open(&r, &cfg, 0, 1))
+        return 1;
+    axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG};
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, "done", 4, 1, 0), AXF_OK);
+    CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 100));
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_add_rail_conn(r.a->e, r.ep, sv[0], 11), AXF_OK);
+    CHECK_EQ(axf_accept_conn(r.b->e, sv[1], 6, -1), AXF_OK);
+    uint64_t moved = rail_bytes(&r, 11, 1, T_TIMEOUT_MS);
+    printf("  the joining rail carried %llu of %u bytes while the first was dark\n",
+           (unsigned long long)moved, REG);
+    CHECK(moved > 0);
+    CHECK(moved < REG);
+    CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 20));
+    CHECK_EQ(axf_accept_conn(r.b->e, r.dark[0], 6, -1), AXF_OK); /* served at last */
+    r.dark[0] = -1;
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_OK);
+    CHECK_EQ(c.nbytes, REG);
+    CHECK_EQ(c.fail_index, 0); /* nothing rerouted: moved, not failed over */
+    CHECK(memcmp(r.dst, r.src, REG) == 0);
+    CHECK_EQ(t_wait_any(r.b, AXF_CQ_NOTIFY, &c), 0); /* after all of it */
+    axf_completion_free(&c);
+    axf_rail_stats st[4];
+    CHECK_EQ(axf_endpoint_rails(r.a->e, r.ep, st, 4), 2);
+    CHECK_EQ(st[0].bytes + st[1].bytes, REG);
+    CHECK_EQ(st[0].reroutes + st[1].reroutes, 0);
+    rails_close(&r);
+    return 0;
+}
+
+/* A READ queued behind a stuck WRITE (every group of it unsent) moves as a
+ * whole when a connection joins; both complete exactly once the first one
+ * is served. */
+static int test_queued_read_moves_whole(void)
+{
+    axf_config cfg = JOIN_CFG;
+    rails r;
+    if (rails_open(&r, &cfg, 0, 1))
+        return 1;
+    t_fill(r.dst + REG / 2, REG / 2, 81);
+    axf_desc w = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG / 2};
+    axf_desc rd = {.lrid = r.arid, .loff = REG / 2, .rrid = r.brid, .rkey = r.bkey,
+                   .roff = REG / 2, .len = REG / 2};
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &w, 1, NULL, 0, 1, 0), AXF_OK);
+    CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 100)); /* its socket full */
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_READ, &rd, 1, NULL, 0, 2, 0), AXF_OK);
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_add_rail_conn(r.a->e, r.ep, sv[0], 11), AXF_OK);
+    CHECK_EQ(axf_accept_conn(r.b->e, sv[1], 6, -1), AXF_OK);
+    CHECK(rail_bytes(&r, 11, 1, T_TIMEOUT_MS) > 0);
+    CHECK_EQ(axf_accept_conn(r.b->e, r.dark[0], 6, -1), AXF_OK);
+    r.dark[0] = -1;
+    axf_completion c;
+    for (uint64_t id = 1; id <= 2; id++) {
+        CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, id, &c), 0);
+        CHECK_EQ(c.status, AXF_OK);
+        CHECK_EQ(c.nbytes, REG / 2);
+    }
+    CHECK(memcmp(r.dst, r.src, REG) == 0); /* written half, read half */
+    axf_rail_stats st[4];
+    CHECK_EQ(axf_endpoint_rails(r.a->e, r.ep, st, 4), 2);
+    CHECK_EQ(st[0].bytes + st[1].bytes, REG);
+    rails_close(&r);
+    return 0;
+}
+
+/* The joining connection takes moved chunks, then fails before answering:
+ * they are moved again (to the first one, rerouted as any failed
+ * connection's) and land once; if the first one fails too, the request
+ * fails typed (peer lost), never hangs. */
+static int test_spread_chunks_on_a_joining_rail_that_fails(void)
+{
+    for (int both = 0; both < 2; both++) {
+        axf_config cfg = JOIN_CFG;
+        rails r;
+        if (rails_open(&r, &cfg, 0, 1))
+            return 1;
+        axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG};
+        CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_OK);
+        CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 100));
+        int sv[2];
+        CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+        CHECK_EQ(axf_endpoint_add_rail_conn(r.a->e, r.ep, sv[0], 11), AXF_OK);
+        wire_hdr h;
+        if (raw_hdr(sv[1], &h))
+            return 1;
+        CHECK(h.type == FR_WRITE && h.op == 1); /* moved chunks came to it */
+        close(sv[1]); /* it breaks with them unanswered */
+        axf_completion c;
+        CHECK_EQ(t_wait(r.a, AXF_CQ_RAIL_DOWN, r.ep, &c), 0);
+        CHECK_EQ(c.fail_index, 11);
+        CHECK(c.nbytes >= 1); /* its groups moved (back to the first) */
+        CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 20));
+        if (both) {
+            close(r.dark[0]);
+            r.dark[0] = -1;
+            CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
+            CHECK_EQ(c.status, AXF_E_PEER_LOST);
+            CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+        } else {
+            CHECK_EQ(axf_accept_conn(r.b->e, r.dark[0], 6, -1), AXF_OK);
+            r.dark[0] = -1;
+            CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
+            CHECK_EQ(c.status, AXF_OK);
+            CHECK_EQ(c.nbytes, REG);
+            CHECK(c.fail_index >= 1); /* the groups it rerouted */
+            CHECK(memcmp(r.dst, r.src, REG) == 0);
+        }
+        rails_close(&r);
+    }
+    return 0;
+}
+
+/* A request cancelled once its queued chunks were spread completes
+ * cancelled (what was sent of it acknowledged, the rest never sent). */
+static int test_spread_request_cancelled(void)
+{
+    axf_config cfg = JOIN_CFG;
+    rails r;
+    if (rails_open(&r, &cfg, 0, 1))
+        return 1;
+    axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG};
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, NULL, 0, 1, 0), AXF_OK);
+    CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 100));
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    CHECK_EQ(axf_endpoint_add_rail_conn(r.a->e, r.ep, sv[0], 11), AXF_OK);
+    int joined = sv[1];
+    wire_hdr h;
+    if (raw_hdr(joined, &h))
+        return 1;
+    CHECK(h.type == FR_WRITE && h.op == 1);
+    CHECK_EQ(axf_cancel(r.a->e, 1), AXF_OK);
+    CHECK_EQ(axf_accept_conn(r.b->e, r.dark[0], 6, -1), AXF_OK);
+    r.dark[0] = -1;
+    close(joined); /* the rest of its part never answered: moved, then aborted */
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_E_CANCELLED);
+    rails_close(&r);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
         T_CASE(test_write_rerouted_off_a_failed_rail),
+        T_CASE(test_queued_write_spreads_to_a_joining_rail),
+        T_CASE(test_queued_read_moves_whole),
+        T_CASE(test_spread_chunks_on_a_joining_rail_that_fails),
+        T_CASE(test_spread_request_cancelled),
         T_CASE(test_read_rerouted_and_rail_added_back),
         T_CASE(test_lone_request_halves),
         T_CASE(test_last_rail_lost_fails_the_endpoint),
