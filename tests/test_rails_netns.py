@@ -129,7 +129,13 @@ async def stream(net: Rails) -> AsyncIterator[Stream]:
         s = Stream(init, target)
         st = await s.stats()
         assert [r["address"] for r in st["rails"]] == listen, st["rails"]
-        assert all(r["up"] and r["connections"] == CONNS for r in st["rails"]), st["rails"]
+        # A tcp connect returns once its first connection is up; the others
+        # (every rail's) join in the background (Connector._join_rest).
+        deadline = time.monotonic() + 10
+        while not all(r["up"] and r["connections"] == CONNS for r in st["rails"]):
+            assert time.monotonic() < deadline, st["rails"]
+            await asyncio.sleep(0.05)
+            st = await s.stats()
         yield s
     finally:
         finals = await netns.close_all(agents)
