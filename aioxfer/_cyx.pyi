@@ -7,8 +7,8 @@ from aioxfer/_abi.py, generated from native/include/aioxfer.h
 """
 
 from asyncio import Future
-from collections.abc import Callable, Generator, Iterable
-from typing import Any, ClassVar, Final, Generic, Self, SupportsIndex, TypeVar, final
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any, ClassVar, Final, Generic, Self, SupportsIndex, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -198,6 +198,22 @@ class Poller:
     def kick(self) -> None: ...
     def spin_alone(self, t: Any, flush_scheduled: bool) -> None: ...
     def _run(self) -> None: ...
+
+# @cython.final: cannot be subclassed. A batch item of Agent.write/read's
+# usual case; reads as the tuple (ep, op, (lrid, loff, rrid, rkey, roff,
+# len), None, req_id). Made only by the Poster (__init__ raises TypeError).
+@final
+class PostItem:
+    def __init__(self) -> None: ...
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> Any: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Any, ...]: ...
+    def __iter__(self) -> Iterator[Any]: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __ne__(self, other: object) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
 
 # @cython.final: cannot be subclassed.
 @final

@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Submission"]
 
-# What Engine.post_many takes per request: (endpoint, opcode, descs, notify, id).
-Item = tuple[int, int, Any, "bytes | None", int]
+# What Engine.post_many takes per request: (endpoint, opcode, descs, notify, id),
+# or a _cyx.PostItem (Agent.write/read's usual case: the same fields as C
+# integers, no tuples made; it reads as that tuple, its descs a 6-tuple).
+Item = tuple[int, int, Any, "bytes | None", int] | _cyx.PostItem
 # A completion record Engine.drain does not settle itself (Engine.drain's ``slow``).
 OnRecord = Callable[[int, int, int, int, int, int, "bytes | None"], None]
 

@@ -97,3 +97,54 @@ ctypedef struct _slot:
     size_t notify_len
     uint64_t req_id
     int status
+
+
+@cython.final
+@cython.freelist(64)
+@cython.auto_pickle(False)
+cdef class PostItem:
+    """A batched request of one descriptor and no notification, as C
+    integers: what Poster (Agent.write/read's usual case) puts into the
+    Submission's batch in place of the item tuple ``(ep, op, (lrid, loff,
+    rrid, rkey, roff, len), None, req_id)`` and its descriptor tuple (the two
+    made and freed per request, ~250 instructions of a small one; this one
+    comes from a free list and holds no object). The engine's post copies it
+    into its slot. Read from Python it is that tuple (len, indexing,
+    slicing, ==), built on demand: what Submission.hold_region and tests
+    read of a batch item."""
+
+    cdef axf_desc one
+    cdef uint64_t ep
+    cdef uint64_t req_id
+    cdef int op
+
+    def __init__(self):
+        raise TypeError("PostItem is made by aioxfer's write and read, not directly")
+
+    cdef tuple _tuple(self):
+        return (self.ep, self.op,
+                (self.one.lrid, self.one.loff, self.one.rrid, self.one.rkey, self.one.roff,
+                 self.one.len),
+                None, self.req_id)
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return self._tuple()[i]
+
+    def __iter__(self):
+        return iter(self._tuple())
+
+    def __eq__(self, other):
+        if type(other) is PostItem:
+            other = (<PostItem>other)._tuple()
+        return self._tuple() == other
+
+    def __ne__(self, other):
+        return not (self == other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"PostItem{self._tuple()!r}"

@@ -562,10 +562,24 @@ cdef class Engine:
             self._ensure_slots(<size_t>count)
             for i in range(count):
                 it = items[i]
+                s = &self._slots[i]
+                if type(it) is PostItem:  # Poster's: C fields, checked when made
+                    s.one = (<PostItem>it).one
+                    s.ep = (<PostItem>it).ep
+                    s.op = (<PostItem>it).op
+                    s.req_id = (<PostItem>it).req_id
+                    s.descs = &s.one
+                    s.n = 1
+                    s.notify = NULL
+                    s.notify_len = 0
+                    if s.one.len <= _GIL_KEPT_BYTES:
+                        small += s.one.len
+                    else:
+                        small = _GIL_KEPT_BYTES + 1
+                    continue
                 item = <tuple>it if type(it) is tuple else tuple(it)
                 if len(item) != 5:
                     raise ValueError(f"a posted item has 5 fields, not {len(item)}")
-                s = &self._slots[i]
                 s.ep = item[0]
                 s.op = item[1]
                 s.req_id = item[4]

@@ -164,8 +164,21 @@ cdef class Submitter:
         self._direct = False
         return t
 
+    cdef object _slow_item(self, object peer, object opcode, object descs, object notify,
+                           object nbytes, object op, object priority, PostItem item):
+        """The Python method's submit, of descs (else of item's descriptor,
+        as the tuple Poster would have passed)."""
+        if item is not None:
+            descs = item._tuple()[2]
+        return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+
     cdef object _submit(self, object peer, object opcode, object descs, object notify,
-                        object nbytes, object op, object priority, bint now):
+                        object nbytes, object op, object priority, bint now,
+                        PostItem item=None):
+        """submit(...); with item (Poster's: its descriptor and op set,
+        descs and notify None, now False), item goes into the batch, its ep
+        and req_id filled here, and wherever the request takes another way
+        its descriptor goes as the tuple Poster would have passed."""
         cdef object sub = self._sub
         cdef PyObject *v
         cdef object make, counters  # owned: make() can run Python that rebinds them
@@ -176,7 +189,7 @@ cdef class Submitter:
         # integer) goes to the Python method, which checks it for every peer,
         # with limits or not, before anything is made or counted.
         if not self._ok or type(nbytes) is not int or type(priority) is not int:
-            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+            return self._slow_item(peer, opcode, descs, notify, nbytes, op, priority, item)
         if type(peer) is not self._peer_type:
             self._peer_ok = _offsets(type(peer), _Q_NAMES, self._q, _Q_FIELDS)
             self._peer_type = type(peer)
@@ -187,21 +200,23 @@ cdef class Submitter:
                 or axf_slot_ptr(peer, self._q[_Q_SCHED]) == NULL
                 or _slot_obj(peer, self._q[_Q_SCHED]) is not None
                 or axf_slot_ptr(peer, self._q[_Q_EP]) == NULL):
-            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+            return self._slow_item(peer, opcode, descs, notify, nbytes, op, priority, item)
         counters = _slot_obj(peer, self._q[_Q_COUNTERS])
         if counters is None:
-            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+            return self._slow_item(peer, opcode, descs, notify, nbytes, op, priority, item)
         n = PyLong_AsLongLong(nbytes)
         totals = _totals_of(sub, self._s[_S_TOTALS])
         if type(counters) is not PeerCounters or n < 0 or n > (1LL << 62) or totals is None:
-            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+            return self._slow_item(peer, opcode, descs, notify, nbytes, op, priority, item)
         inflight = _slot_obj(sub, self._s[_S_INFLIGHT])
         pending = _slot_obj(sub, self._s[_S_PENDING])
         pending_t = _slot_obj(sub, self._s[_S_PENDING_T])
         if type(inflight) is not dict or type(pending) is not list or type(pending_t) is not list:
-            return self._slow(peer, opcode, descs, notify, nbytes, op, priority)
+            return self._slow_item(peer, opcode, descs, notify, nbytes, op, priority, item)
         # As Submission.submit does it, in its order.
         req_id = _next_req_id(<PeerCounters>totals)
+        if item is not None:
+            item.req_id = <uint64_t>(<PeerCounters>totals)._v[_PK_POSTED]
         if make is not self._make_seen:  # a FutureMaker's bound make: called directly
             self._make_seen = make
             self._maker = None
@@ -214,7 +229,7 @@ cdef class Submitter:
             t = make(sub, req_id, op, peer, nbytes)
         _pk_count_in(<PeerCounters>counters, n)
         (<dict>inflight)[req_id] = t
-        if now and not <list>pending and not <list>pending_t and notify is None:
+        if now and item is None and not <list>pending and not <list>pending_t and notify is None:
             # Nothing batched: posted now on its own (flush's checks).
             v = axf_slot_ptr(sub, self._s[_S_ENGINE])
             engine = <object>v if v != NULL else None
@@ -225,8 +240,14 @@ cdef class Submitter:
                 self._post_one(engine, inflight, len(<dict>inflight) == 1, t,
                                _slot_obj(peer, self._q[_Q_EP]), opcode, descs, req_id)
                 return t
-        (<list>pending).append(
-            (_slot_obj(peer, self._q[_Q_EP]), opcode, descs, notify, req_id))
+        if item is None:
+            (<list>pending).append(
+                (_slot_obj(peer, self._q[_Q_EP]), opcode, descs, notify, req_id))
+        elif axf_u64_exact(axf_slot_ptr(peer, self._q[_Q_EP]), &item.ep):
+            (<list>pending).append(item)
+        else:  # (an endpoint that is not a uint64: the post fails it, as before)
+            (<list>pending).append(
+                (_slot_obj(peer, self._q[_Q_EP]), opcode, item._tuple()[2], None, req_id))
         (<list>pending_t).append(t)
         v = axf_slot_ptr(sub, self._s[_S_FLUSH_SCHEDULED])
         if v == NULL or <object>v is not True:
@@ -528,6 +549,32 @@ cdef extern from *:
     bint axf_is_type(PyObject *o, object tp)
     PyObject *_py_false "Py_False"  # (<PyObject *>False is the C int 0)
 
+cdef extern from *:
+    """
+    /* *out = o when o (borrowed, may be NULL) is an exact int within
+       0..2**64-1: 1; else 0, no error set (the caller keeps the object, and
+       the post converts it and raises what it raised before). Linux's
+       unsigned long is 64 bits: PyLong_AsUnsignedLong's digit loop, not
+       PyLong_AsUnsignedLongLong's byte-array conversion past one digit. */
+    static inline int axf_u64_exact(PyObject *o, uint64_t *out) {
+        unsigned long v;
+        if (o == NULL || !PyLong_CheckExact(o))
+            return 0;
+    #if ULONG_MAX == UINT64_MAX
+        v = PyLong_AsUnsignedLong(o);
+    #else
+        v = PyLong_AsUnsignedLongLong(o);
+    #endif
+        if (v == (unsigned long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        *out = (uint64_t)v;
+        return 1;
+    }
+    """
+    bint axf_u64_exact(PyObject *o, uint64_t *out)
+
 cdef object _OP_WRITE_OBJ = AXF_OP_WRITE
 cdef object _OP_READ_OBJ = AXF_OP_READ
 
@@ -577,18 +624,19 @@ cdef class Poster:
 
     def write(self, src, dst, *, notify=None, priority=0):
         if notify is None:
-            t = self._one(src, dst, _OP_WRITE_OBJ, "write", priority)
+            t = self._one(src, dst, _OP_WRITE_OBJ, "write", priority, AXF_OP_WRITE)
             if t is not None:
                 return t
         return self._slow_write(self._agent, src, dst, notify=notify, priority=priority)
 
     def read(self, dst, src, *, priority=0):
-        t = self._one(dst, src, _OP_READ_OBJ, "read", priority)
+        t = self._one(dst, src, _OP_READ_OBJ, "read", priority, AXF_OP_READ)
         if t is not None:
             return t
         return self._slow_read(self._agent, dst, src, priority=priority)
 
-    cdef object _one(self, object seg, object rseg, object opcode, object op, object priority):
+    cdef object _one(self, object seg, object rseg, object opcode, object op, object priority,
+                     int opc):
         """The request of local seg and far rseg, submitted, if it is the
         usual case the Python method's checks pass for at once; else None.
         Its fields read as borrowed references (no reference counting for
@@ -600,6 +648,7 @@ cdef class Poster:
         cdef PyObject *m
         cdef PyObject *path
         cdef PyObject *d[5]
+        cdef PostItem item
         cdef long long ln
         cdef int ovf = 0
         if not self._ok or type(seg) is not self._seg_t or type(rseg) is not self._rseg_t:
@@ -642,6 +691,16 @@ cdef class Poster:
         d[4] = axf_slot_ptr(rseg, self._rg[_G_OFFSET])
         if d[0] == NULL or d[1] == NULL or d[2] == NULL or d[3] == NULL or d[4] == NULL:
             return None  # unset: the Python method raises what it raises
+        # Every field a uint64 (what they always are): the request goes into
+        # the batch as a PostItem, no descriptor or item tuple made; else as
+        # the tuple (the post converts its fields and fails it as before).
+        item = PostItem.__new__(PostItem)
+        if (axf_u64_exact(d[0], &item.one.lrid) and axf_u64_exact(d[1], &item.one.loff)
+                and axf_u64_exact(d[2], &item.one.rrid) and axf_u64_exact(d[3], &item.one.rkey)
+                and axf_u64_exact(d[4], &item.one.roff) and axf_u64_exact(n, &item.one.len)):
+            item.op = opc
+            return self._submitter._submit(<object>peer, opcode, None, None, <object>n, op,
+                                           priority, False, item)
         return self._submitter._submit(
             <object>peer, opcode,
             (<object>d[0], <object>d[1], <object>d[2], <object>d[3], <object>d[4], <object>n),
