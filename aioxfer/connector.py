@@ -943,7 +943,7 @@ class _EarlyConns:
     once, no token) open on their own tasks."""
 
     __slots__ = ("_tasks", "_challenge", "_dialer", "_address", "_n", "_first", "_socks",
-                 "_sent", "_started", "_nonce", "joins", "kept")
+                 "_sent", "_nonce", "joins", "kept")
 
     def __init__(
         self, dialer: Dialer, address: str, n: int, *, joinable: bool, first_index: int = 1
@@ -952,7 +952,6 @@ class _EarlyConns:
         self._address = address
         self._n = n
         self._first = first_index
-        self._started = False
         # Index i: its task, or its socket dialled at once (and what its Hello sent).
         self._tasks: list[asyncio.Task[tuple[socket.socket, Accept]] | None] = [None] * n
         self._socks: list[socket.socket | None] = [None] * n
@@ -966,20 +965,15 @@ class _EarlyConns:
             self._challenge = asyncio.get_running_loop().create_future()
             self.joins = n
 
-    def start(self) -> None:
-        """Dials those that can be dialled at once (once)."""
-        if self._started or self._challenge is None:
-            return
-        self._started = True
-        for i in range(self._n):
-            self._socks[i] = self._dialer.dial_now(self._address)
-
     def _go(self) -> None:
-        """The handshakes begin: the Hellos of those dialled at once, tasks
-        for the others."""
-        self.start()
-        if self._challenge is not None and not self._challenge.done():
-            self._challenge.set_result(self._nonce)
+        """The handshakes begin (once, from arrivals): joinable ones are
+        dialled at once where they can be and their Hellos sent, tasks open
+        the others."""
+        if self._challenge is not None:
+            for i in range(self._n):
+                self._socks[i] = self._dialer.dial_now(self._address)
+            if not self._challenge.done():
+                self._challenge.set_result(self._nonce)
         self._join_now(self._nonce)
         join = self._challenge is not None
         for i in range(self._n):

@@ -225,7 +225,6 @@ class Dialer:
         joins: int = 0,
         on_challenge: Callable[[bytes], None] | None = None,
         join: Callable[[], Awaitable[tuple[bytes, int] | None]] | None = None,
-        on_dialled: Callable[[], None] | None = None,
         sock: socket.socket | None = None,
         sent: Callable[[], tuple[bytes, bytes] | None] | None = None,
     ) -> tuple[socket.socket, Accept, AgentMeta | None]:
@@ -233,8 +232,6 @@ class Dialer:
         (None from a peer that does not send it there). Purpose "meta": only
         who answered (its Accept, Hello.accept_only); the peer's engine never
         holds the connection. joins/on_challenge: see client_handshake.
-        on_dialled(): called once connected, right after our Hello went out
-        (what it dials or starts does not delay the Hello).
         sock/sent: see open()."""
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
@@ -265,7 +262,6 @@ class Dialer:
                     on_challenge=on_challenge,
                     join=joined,
                     sent=hello,
-                    on_hello=on_dialled,
                 )
                 got = None
                 if meta and accept.meta:

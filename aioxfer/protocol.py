@@ -352,7 +352,6 @@ async def _client_handshake(
     on_challenge: Callable[[bytes], None] | None,
     join: tuple[bytes, int] | None,
     sent: tuple[bytes, bytes] | None,
-    on_hello: Callable[[], None] | None,
 ) -> Accept:
     """See client_handshake."""
     if token is None or not (purpose == "data" or accept_only):
@@ -363,8 +362,6 @@ async def _client_handshake(
         nonce, frame = _hello(name=name, incarnation=incarnation, purpose=purpose, token=token,
                               meta=meta, accept_only=accept_only, joins=joins, join=join)
         await loop.sock_sendall(sock, frame)
-        if on_hello is not None:
-            on_hello()
     else:  # client_join_now sent (the first part of) it
         nonce, rest = sent
         if rest:
@@ -643,7 +640,6 @@ async def client_handshake(
     on_challenge: Callable[[bytes], None] | None = None,
     join: tuple[bytes, int] | None = None,
     sent: tuple[bytes, bytes] | None = None,
-    on_hello: Callable[[], None] | None = None,
 ) -> Accept:
     """Runs the client half; returns the server's Accept.
 
@@ -652,7 +648,7 @@ async def client_handshake(
     once the server proved itself in it. join: (that nonce, index 1..joins)
     for one of those connections (see the module docstring); sent: such a
     connection's Hello was sent by client_join_now (its nonce, and the part
-    still to send). on_hello(): called once our Hello is out.
+    still to send).
 
     meta ("data" only): ask for the server's metadata on this connection; if
     the Accept says it follows (``accept.meta``), the caller reads it
@@ -671,7 +667,7 @@ async def client_handshake(
         return await _client_handshake(
             loop, sock, name=name, incarnation=incarnation, purpose=purpose, token=token,
             meta=meta, accept_only=accept_only, joins=joins, on_challenge=on_challenge, join=join,
-            sent=sent, on_hello=on_hello,
+            sent=sent,
         )
     except XferError:
         _shutdown(sock)
