@@ -1893,8 +1893,10 @@ void conn_spread(axf_engine *e, endpoint *ep, conn_spread_left *left)
     for (struct spread_job *j = jobs, *next; j; j = next) {
         next = j->next;
         j->next = NULL;
-        if (ep->xp->reroute(e, j->o, j->slot, j->list, j->n, j->from, j->to,
-                            AXF_MOVE_SPREAD)) {
+        if (e->faults && e->faults->spread_nomem) /* (test only) */
+            op_set_status(j->o, AXF_E_NOMEM, 0);
+        else if (ep->xp->reroute(e, j->o, j->slot, j->list, j->n, j->from, j->to,
+                                 AXF_MOVE_SPREAD)) {
             spread_job_free(j);
             continue;
         }
@@ -1902,6 +1904,10 @@ void conn_spread(axf_engine *e, endpoint *ep, conn_spread_left *left)
             op_set_status(j->o, AXF_E_PEER_LOST, 0);
         *ftail = j; /* its unit ends once e->mu is released */
         ftail = &j->next;
+    }
+    if (left->failed) { /* until their units ended: endpoint_conn_finished then */
+        ep->live_conns++;
+        left->held = ep;
     }
     for (int i = 0; i < ep->nconns; i++)
         if (!atomic_load(&ep->conns[i]->down)) {
@@ -1912,13 +1918,16 @@ void conn_spread(axf_engine *e, endpoint *ep, conn_spread_left *left)
 
 void conn_spread_end(axf_engine *e, conn_spread_left *left)
 {
-    release_list(e, left->dropped);
+    /* The failed groups' units first: the moved frames still pin their ops
+     * (an op a unit finishes here completes only once they are released),
+     * and the endpoint, held, is not lost meanwhile (nothing claims them). */
     for (struct spread_job *j = left->failed, *next; j; j = next) {
         next = j->next;
         op *o = j->o;
         spread_job_free(j);
         op_unit_done(e, o);
     }
+    release_list(e, left->dropped);
     for (int i = 0; i < left->nwake; i++) {
         conn *c = left->wake[i];
         pthread_mutex_lock(&c->mu);
@@ -1927,6 +1936,8 @@ void conn_spread_end(axf_engine *e, conn_spread_left *left)
         pthread_mutex_unlock(&c->mu);
         conn_unref(c);
     }
+    if (left->held) /* as its last connection would, if all left meanwhile */
+        endpoint_conn_finished(e, left->held);
 }
 
 const char *conn_rx_frame(conn *c, const wire_hdr *h, uint8_t *scratch, bool *proto, int *io)

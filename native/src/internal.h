@@ -365,7 +365,23 @@ struct axf_engine {
      * engine's, not a connection's: a peer may open max_conns of them. */
     atomic_ullong refused_ms, refused_quiet;
     atomic_ullong conns_refused, held_conns;
+    /* Test-only faults (set by the native tests through mock.h's
+     * axf_mock_faults; NULL in every other engine): looked at on rare paths
+     * only (a connection joining), never per request. */
+    const struct axf_faults *faults;
 };
+
+/* What a test makes fail or wait (axf_engine.faults). */
+typedef struct axf_faults {
+    /* conn_spread's reroute of a moved group fails as if out of memory (its
+     * only failure while a connection is live). */
+    bool spread_nomem;
+    /* Called in axf_endpoint_add_rail_conn between conn_spread and
+     * conn_spread_end (e->mu not held, the joining connection's threads
+     * started): the window in which everything else may happen. */
+    void (*spread_gap)(void *arg);
+    void *arg;
+} axf_faults;
 
 /* engine.c */
 /* Set around a completion the posting thread makes itself and polls next
@@ -500,13 +516,17 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
 int conn_launch(conn *c);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
 /* What conn_spread leaves for after e->mu: frames it took off queues (to
- * release), groups it could not move (their unit to end, failed), and the
- * endpoint's live connections (held) to wake. */
+ * release), groups it could not move (their unit to end, failed), the
+ * endpoint's live connections (held) to wake, and the endpoint, held as a
+ * connection holds it (live_conns) while a failed group's unit is to end:
+ * else, if every connection exits first, the loss claims and finishes the
+ * op and the unit's end touches it after its free. */
 typedef struct conn_spread_left {
     sq_item *dropped;
     struct spread_job *failed;
     conn *wake[AXF_MAX_CONNS];
     int nwake;
+    endpoint *held;
 } conn_spread_left;
 /* e->mu held: a connection joined ep. The WRITE frames still queued on its
  * other live connections (never sent: whole groups, and the tail of a group

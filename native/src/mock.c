@@ -226,6 +226,13 @@ static void mock_destroy(axf_engine *e)
     e->xp[AXF_EP_MOCK] = NULL;
 }
 
+void axf_mock_faults(axf_engine *e, const axf_faults *f)
+{
+    pthread_mutex_lock(&e->mu);
+    e->faults = f;
+    pthread_mutex_unlock(&e->mu);
+}
+
 const axf_transport axf_xp_mock = {
     .abi = AXF_TRANSPORT_ABI,
     .name = "mock",

@@ -29,4 +29,9 @@ int axf_mock_deliver(axf_engine *e, uint64_t peer, const wire_hdr *h);
 /* The connection ends (as when its socket fails). */
 int axf_mock_close(axf_engine *e, uint64_t peer);
 
+/* Test-only faults (internal.h axf_faults) for engine e from now on, or
+ * none (NULL); f must outlive its use. Not in the engine's API: only the
+ * native tests' library has it. */
+void axf_mock_faults(axf_engine *e, const axf_faults *f);
+
 #endif

@@ -7,8 +7,10 @@
 #include "harness.h"
 
 #include "internal.h"
+#include "mock.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/socket.h>
 
 #define REG (8u << 20)
@@ -549,6 +551,63 @@ static int test_spread_request_cancelled(void)
     return 0;
 }
 
+/* A group the join could not move (its reroute failed: out of memory, the
+ * test's fault) ends its unit once e->mu is released (conn_spread_end). The
+ * peer dies in that window: every connection of the endpoint exits first.
+ * The request still completes once, with the first failure, and the peer
+ * is reported lost. Before conn_spread held the endpoint over that window,
+ * the last connection out claimed the op, the moved frames' release freed
+ * it, and the unit's end then touched it (ASan: heap use after free in
+ * op_unit_done). */
+typedef struct peer_dies {
+    rails *r;
+    int joined;     /* the joining connection's far end */
+    bool timed_out; /* A's connection threads did not all exit */
+} peer_dies;
+
+static void peer_dies_in_the_gap(void *arg)
+{
+    peer_dies *g = arg;
+    close(g->r->dark[0]);
+    g->r->dark[0] = -1;
+    close(g->joined);
+    g->joined = -1;
+    axf_engine *e = g->r->a->e;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += T_TIMEOUT_MS / 1000;
+    pthread_mutex_lock(&e->th_mu);
+    while (e->conn_threads > 0 && !g->timed_out)
+        g->timed_out = pthread_cond_timedwait(&e->th_cv, &e->th_mu, &until) == ETIMEDOUT;
+    pthread_mutex_unlock(&e->th_mu);
+}
+
+static int test_spread_fails_while_the_peer_dies(void)
+{
+    axf_config cfg = JOIN_CFG;
+    rails r;
+    if (rails_open(&r, &cfg, 0, 1))
+        return 1;
+    axf_desc d = {.lrid = r.arid, .rrid = r.brid, .rkey = r.bkey, .len = REG};
+    CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_WRITE, &d, 1, "done", 4, 1, 0), AXF_OK);
+    CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 100)); /* its socket full, groups queued */
+    int sv[2];
+    CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    peer_dies g = {.r = &r, .joined = sv[1]};
+    axf_faults f = {.spread_nomem = true, .spread_gap = peer_dies_in_the_gap, .arg = &g};
+    axf_mock_faults(r.a->e, &f);
+    CHECK_EQ(axf_endpoint_add_rail_conn(r.a->e, r.ep, sv[0], 11), AXF_OK);
+    axf_mock_faults(r.a->e, NULL);
+    CHECK(!g.timed_out);
+    axf_completion c;
+    CHECK_EQ(t_wait(r.a, AXF_CQ_XFER, 1, &c), 0);
+    CHECK_EQ(c.status, AXF_E_NOMEM); /* the first failure: its move's */
+    CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+    CHECK(t_quiet(r.a, AXF_CQ_XFER, 1, 50)); /* once */
+    rails_close(&r);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -557,6 +616,7 @@ int main(int argc, char **argv)
         T_CASE(test_queued_read_moves_whole),
         T_CASE(test_spread_chunks_on_a_joining_rail_that_fails),
         T_CASE(test_spread_request_cancelled),
+        T_CASE(test_spread_fails_while_the_peer_dies),
         T_CASE(test_read_rerouted_and_rail_added_back),
         T_CASE(test_lone_request_halves),
         T_CASE(test_last_rail_lost_fails_the_endpoint),
