@@ -481,7 +481,13 @@ class Connector:
         # window (0.18 -> 0.40-0.53 ms: the whole gain gone; measured,
         # benchmarks/connect_phases.py). Their Hellos go out only now.
         took = 0
+        dial: list[tuple[int, int]] = []
         added: list[int] = []
+        # What went wrong that was not the engine refusing (an error nothing
+        # expected, out of a dial or an early connection): said, then the
+        # rails topped up as after a loss, never left in this task unretrieved
+        # with no peer.connected line.
+        failed: list[str] = []
         try:
             try:
                 # Inside the try: cancelled here (the peer closed, the agent
@@ -504,36 +510,55 @@ class Connector:
             dial = [(i, n) for i in range(len(rails)) if (n := per - (i == first) * (1 + took))]
             starts = [sum(n for _, n in dial[:k]) for k in range(len(dial))]
             if dial and not peer._lost:
-                added = await asyncio.gather(
+                # Each to its end: one that fails leaves none of the others
+                # adding connections behind the re-dials started below.
+                got = await asyncio.gather(
                     *(
                         self._rails.dial(
                             ep, i, rails[i], n, peer.incarnation,
                             None if joins is None else (joins[0], joins[1] + start),
                         )
                         for (i, n), start in zip(dial, starts, strict=True)
-                    )
+                    ),
+                    return_exceptions=True,
                 )
+                for r in got:
+                    if isinstance(r, _cyx.NativeError) or not isinstance(r, int | Exception):
+                        raise r
+                added = [r if isinstance(r, int) else 0 for r in got]
+                failed += [f"{type(r).__name__}: {r}" for r in got if isinstance(r, Exception)]
         except _cyx.NativeError as exc:
             if not (peer._lost or self._closed() or exc.status == _cyx.E_CLOSED):
                 _log.warning("conn.join_failed", agent=self._agent, peer=peer.name,
                              address=peer.address, reason=str(exc))
             return
+        except Exception as exc:
+            failed.append(f"{type(exc).__name__}: {exc}")
         if peer._lost or self._closed():
             return
-        reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
+        live = self._rails.live(peer)
+        if failed:
+            _log.warning("conn.join_failed", agent=self._agent, peer=peer.name,
+                         address=peer.address, reason="; ".join(failed))
+            # (a dial that failed may have added some first: the engine's count)
+            reached = {first} | {i for i, k in live.items() if k}
+            conns = sum(live.values())
+        else:
+            reached = {first} | {i for (i, _), k in zip(dial, added, strict=True) if k}
+            conns = 1 + took + sum(added)
         for i in range(len(rails)):
             if i not in reached:  # unreachable now: probed until it answers
                 peer._rails_down.add(i)
                 _log.warning("rail.down", agent=self._agent, peer=peer.name, address=rails[i],
-                             reason="unreachable at connect", moved=0)
+                             reason="not joined" if failed else "unreachable at connect",
+                             moved=0)
                 self._rails.start_probe(peer, i)
-        live = self._rails.live(peer)
         for i in sorted(reached):
             if live.get(i, 0) < per:  # some did not come: topped up as after a loss
                 _log.warning("conn.join_failed", agent=self._agent, peer=peer.name,
                              address=rails[i], reason=f"{live.get(i, 0)} of {per} connections up")
                 self._rails.start_probe(peer, i)
-        self._log_connected(peer, 1 + took + sum(added))
+        self._log_connected(peer, conns)
 
     def _log_connected(self, peer: Peer, conns: int) -> None:
         # Logged a moment later, not before the caller's first transfer is

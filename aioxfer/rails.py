@@ -57,6 +57,7 @@ class Rails:
         "_timeout_status",
         "_loop",
         "_running",
+        "_joining",
     )
 
     def __init__(
@@ -85,6 +86,8 @@ class Rails:
         self._loop = loop  # the agent's loop: probes run there, whoever drains
         # peer -> its probes running (ended by forget() when the peer goes)
         self._running: dict[Peer, set[asyncio.Task[None]]] = {}
+        # peer -> its connections' background joining (track), while it runs
+        self._joining: dict[Peer, asyncio.Task[None]] = {}
 
     def live(self, peer: Peer) -> dict[int, int]:
         """Live connections per rail index, as the engine sees them."""
@@ -158,7 +161,7 @@ class Rails:
     def track(self, peer: Peer, task: asyncio.Task[None]) -> None:
         """A background task of the peer's (its connections joining): one of
         the agent's (tasks: cancelled and awaited at its close) that forget()
-        cancels with its probes."""
+        cancels with its probes. The peer's re-dials wait for it to end."""
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if peer.lost:
@@ -166,6 +169,12 @@ class Rails:
             return
         self._running.setdefault(peer, set()).add(task)
         task.add_done_callback(functools.partial(self._ended, peer))
+        self._joining[peer] = task
+        task.add_done_callback(functools.partial(self._joined, peer))
+
+    def _joined(self, peer: Peer, task: asyncio.Task[None]) -> None:
+        if self._joining.get(peer) is task:
+            del self._joining[peer]
 
     def _ended(self, peer: Peer, task: asyncio.Task[None]) -> None:
         running = self._running.get(peer)
@@ -248,6 +257,13 @@ class Rails:
         try:
             while not (peer.lost or self._closed()):
                 await asyncio.sleep(delay)
+                join = self._joining.get(peer)
+                if join is not None and not join.done():
+                    # The peer's connections are still joining: those not
+                    # added yet would count as missing here and the rail end
+                    # with more than asked for (the engine caps an endpoint
+                    # at 16). What they leave missing is counted after them.
+                    await asyncio.wait((join,))
                 if peer.lost or self._closed():
                     return
                 need = peer._rail_conns - self.live(peer).get(rail, 0)
