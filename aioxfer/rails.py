@@ -101,8 +101,8 @@ class Rails:
         """The engine lost a connection of ``rail`` (CQ_RAIL_DOWN) and moved
         ``moved`` request groups to the others."""
         peer._rerouted(moved)
-        if not 0 <= rail < len(peer.rails):
-            return
+        if status == _cyx.E_CLOSED or not 0 <= rail < len(peer.rails):
+            return  # (E_CLOSED: the peer's agent closes and said so: nothing to re-dial)
         address = peer.rails[rail]
         reason = "stalled" if status == self._timeout_status else "broken or silent"
         if moved:

@@ -556,6 +556,23 @@ void conn_kill(conn *c)
     pthread_mutex_unlock(&c->mu);
 }
 
+void conn_say_bye(conn *c)
+{
+    pthread_mutex_lock(&c->mu);
+    /* Nobody sending and the head frame untouched: the stream is between
+     * frames. Otherwise (or if the socket takes only part of it) the peer
+     * sees the connection end as before: a loss. */
+    if (!c->dead && c->fd >= 0 && !c->sending && !(c->head && c->head->sent)) {
+        wire_hdr h;
+        ka_ping_frame(c, &h);
+        h.flags = FL_BYE;
+        (void)send(c->fd, &h, sizeof h, MSG_DONTWAIT | MSG_NOSIGNAL);
+    }
+    conn_mark_dead(c);
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
 void conn_close_after_flush(conn *c)
 {
     pthread_mutex_lock(&c->mu);
@@ -1625,8 +1642,10 @@ static void initiator_conn_lost(conn *c, bool proto)
     axf_engine *e = c->e;
     endpoint *ep = c->ep;
     conn_priv *p = (conn_priv *)c;
-    bool stalled = atomic_load(&c->stalled);
+    bool stalled = atomic_load(&c->stalled), bye = atomic_load(&c->bye_heard);
     pthread_mutex_lock(&e->mu);
+    if (bye)
+        ep->peer_bye = true;
     pthread_mutex_lock(&c->mu);
     bool lost_expect = p->ex_lost;
     pthread_mutex_unlock(&c->mu);
@@ -1694,7 +1713,8 @@ static void initiator_conn_lost(conn *c, bool proto)
     if (stalled)
         cq_log(e, c->tag, "closing connection: no progress for %u ms", e->cfg.stall_ms);
     /* The rail first, so a caller woken by a failed transfer sees it down. */
-    cq_push(e, AXF_CQ_RAIL_DOWN, stalled ? AXF_E_TIMEOUT : AXF_E_PEER_LOST, ep_id, tag, nmoved,
+    cq_push(e, AXF_CQ_RAIL_DOWN,
+            stalled ? AXF_E_TIMEOUT : bye ? AXF_E_CLOSED : AXF_E_PEER_LOST, ep_id, tag, nmoved,
             rail, NULL, 0);
     while (moved) {
         expect *n = moved->next;
@@ -2258,8 +2278,14 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
             gap = gap == UINT64_MAX ? d : (3 * gap + d) / 4;
             answered = 0;
         }
-        if (ka_heard(c, h))
-            continue; /* a ping: nothing more */
+        if (ka_heard(c, h)) { /* a ping: nothing more */
+            if (!(h->flags & FL_BYE) || !c->ep)
+                continue;
+            /* The peer's goodbye: its last frame, the connection ends here
+             * (never a connection that goes on marked closed). */
+            atomic_store(&c->bye_heard, true);
+            return BYE_REASON;
+        }
         if (h->magic != AXF_MAGIC) {
             *proto = true;
             return "bad frame magic";
@@ -2312,7 +2338,8 @@ static void *rx_main(void *arg)
         reason = rx_loop(c, scratch, &h, &proto, &io);
     free(scratch);
     pthread_mutex_lock(&c->mu);
-    bool by_us = c->dead; /* closed locally (shutdown, endpoint close) */
+    /* closed locally (shutdown, endpoint close), or by the peer's goodbye */
+    bool by_us = c->dead || atomic_load(&c->bye_heard);
     pthread_mutex_unlock(&c->mu);
     if (proto) {
         atomic_fetch_add(&e->rejected, 1);

@@ -715,7 +715,8 @@ static void op_data_done(axf_engine *e, op *o)
          * completion (a caller woken by the failure sees the peer lost). */
         if (!ep->closing && !ep->lost_reported) {
             ep->lost_reported = true;
-            cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, 0, NULL, 0);
+            cq_push(e, AXF_CQ_PEER_LOST, AXF_E_PEER_LOST, ep->id, ep->tag, 0, ep->peer_bye,
+                    NULL, 0);
         }
     }
     if (o->notify && atomic_load(&o->status) == AXF_OK && !atomic_load(&o->cancelled)) {
@@ -764,7 +765,9 @@ void endpoint_conn_finished(axf_engine *e, endpoint *ep)
          * it was, it could precede it). cq_push takes only cq_mu. */
         if (!ep->lost_reported) {
             ep->lost_reported = true;
-            cq_push(e, AXF_CQ_PEER_LOST, st, ep->id, ep->tag, 0, 0, NULL, 0);
+            /* fail_index 1: it said goodbye (its agent closed), nothing failed */
+            cq_push(e, AXF_CQ_PEER_LOST, st, ep->id, ep->tag, 0, ep->peer_bye && !ep->closing,
+                    NULL, 0);
         }
         ep->dead = true;
         atomic_store(&ep->halt, true); /* copies stop between chunks */
@@ -1652,7 +1655,9 @@ void axf_engine_shutdown(axf_engine *e)
     /* Connections of same-host endpoints stay up until our copies stopped:
      * then they say goodbye. */
     for (conn *c = e->conns; c; c = c->next_all)
-        if (!c->ep || !ep_same_host(c->ep))
+        if (!c->ep)
+            conn_say_bye(c); /* its initiator sees us close, not fail */
+        else if (!ep_same_host(c->ep))
             conn_kill(c);
     pthread_mutex_unlock(&e->mu);
 

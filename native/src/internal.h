@@ -51,7 +51,11 @@ enum {
     FR_READV,
     FR_READV_RESP,
 };
-enum { FL_LAST = 1, FL_ABORT = 2 };
+/* FL_BYE, on a PING, target -> initiator: the target's engine shuts down
+ * (its agent closes); the connection ends right after, nothing failed. The
+ * last frame it sends, at a frame boundary. An engine that predates it reads
+ * a ping. */
+enum { FL_LAST = 1, FL_ABORT = 2, FL_BYE = 4 };
 #define AXF_MAGIC 0x31465841u /* "AXF1" */
 
 typedef struct wire_hdr {
@@ -155,6 +159,8 @@ typedef struct endpoint {
     atomic_bool halt;
     atomic_bool exited;  /* its pidfd reported the process gone */
     bool bye_sent;       /* e->mu: goodbye queued on its live connections */
+    bool peer_bye;       /* e->mu: a connection of it heard the peer's goodbye (FL_BYE):
+                            its loss is reported as a close (AXF_CQ_PEER_LOST fail_index 1) */
     struct conn *conns[AXF_MAX_CONNS];
     int nconns, live_conns;
     uint64_t reroutes; /* groups moved off failed connections (e->mu) */
@@ -246,6 +252,7 @@ typedef struct conn {
     bool sending;            /* c->mu: a thread is sending from this queue */
     atomic_bool down;        /* dead, as others see it without c->mu */
     atomic_bool stalled;     /* killed by stall detection */
+    atomic_bool bye_heard;   /* initiator: the peer said goodbye on it (FL_BYE) */
     /* The keepalive's time stamps (control.c's; conn.c reports to it). */
     struct {
         uint64_t last_send_ms;     /* c->mu: last frame sent, pings included */
@@ -515,6 +522,10 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
 int conn_launch(conn *c);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
+/* An accepted connection ends, its engine shutting down: a goodbye (a PING
+ * with FL_BYE) goes first if the socket is at a frame boundary and takes it
+ * now (never waits), so the initiator reports a close, not a loss. */
+void conn_say_bye(conn *c);
 /* What conn_spread leaves for after e->mu: frames it took off queues (to
  * release), groups it could not move (their unit to end, failed), the
  * endpoint's live connections (held) to wake, and the endpoint, held as a

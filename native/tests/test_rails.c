@@ -608,6 +608,49 @@ static int test_spread_fails_while_the_peer_dies(void)
     return 0;
 }
 
+/* The target's engine shuts down (its agent closes cleanly): it says
+ * goodbye on each accepted connection (a PING with FL_BYE), so the
+ * initiator reports its rails closed (AXF_E_CLOSED, not lost) and the
+ * endpoint closed by the peer (AXF_CQ_PEER_LOST with fail_index 1). A
+ * target whose connections just end (a crash: the dark rails' ends closed)
+ * is still a loss (fail_index 0). Before FL_BYE both read alike. */
+static int test_target_goodbye_reported_as_a_close(void)
+{
+    for (int crash = 0; crash < 2; crash++) {
+        axf_config cfg = {.chunk_bytes = 64u << 10};
+        rails r;
+        if (rails_open(&r, &cfg, crash ? 0 : 3, crash ? 3 : 0))
+            return 1;
+        if (crash) {
+            for (int i = 0; i < r.ndark; i++) {
+                close(r.dark[i]);
+                r.dark[i] = -1;
+            }
+        } else {
+            t_close(r.b);
+            r.b = NULL;
+        }
+        axf_completion c;
+        CHECK_EQ(t_wait(r.a, AXF_CQ_PEER_LOST, r.ep, &c), 0);
+        CHECK_EQ(c.status, AXF_E_PEER_LOST); /* (its requests fail as lost all the same) */
+        CHECK_EQ(c.fail_index, crash ? 0 : 1);
+        t_drain(r.a);
+        int downs = 0;
+        for (size_t i = 0; i < r.a->n; i++) {
+            const axf_completion *q = &r.a->q[i];
+            if (q->kind == AXF_CQ_RAIL_DOWN) {
+                downs++;
+                CHECK_EQ(q->status, crash ? AXF_E_PEER_LOST : AXF_E_CLOSED);
+            }
+            CHECK(crash || q->kind != AXF_CQ_LOG); /* nothing said about a clean close */
+        }
+        printf("  %s: %d rail-down records before the endpoint's\n", crash ? "crash" : "goodbye",
+               downs);
+        rails_close(&r);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
@@ -617,6 +660,7 @@ int main(int argc, char **argv)
         T_CASE(test_spread_chunks_on_a_joining_rail_that_fails),
         T_CASE(test_spread_request_cancelled),
         T_CASE(test_spread_fails_while_the_peer_dies),
+        T_CASE(test_target_goodbye_reported_as_a_close),
         T_CASE(test_read_rerouted_and_rail_added_back),
         T_CASE(test_lone_request_halves),
         T_CASE(test_last_rail_lost_fails_the_endpoint),
