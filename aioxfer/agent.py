@@ -355,7 +355,9 @@ class Agent:
             tag_unref=self._tag_unref,
             notify=self.notifications._put,
             peer_of=lambda ep: self._peers.by_ep.get(ep),
-            peer_lost=lambda peer, status, log: self._peers.mark_lost(peer, status, log=log),
+            peer_lost=lambda peer, status, log, bye: self._peers.mark_lost(
+                peer, status, log=log, bye=bye
+            ),
             rail_down=lambda peer, rail, moved, status: self._rails.on_down(
                 peer, rail, moved, status
             ),

@@ -94,7 +94,7 @@ class PeerLeft:
     """A member left. ``reason``: "left" (etcd: its key was deleted, by its
     ``aclose()`` or by its lease expiring), "restarted" (a new incarnation took
     its name), "lost" (embedded: its connection died or went silent), "closed"
-    (embedded: we closed the peer)."""
+    (embedded: we closed the peer, or its agent closed and said goodbye)."""
 
     name: str
     incarnation: int

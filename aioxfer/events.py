@@ -42,10 +42,11 @@ class EngineEvents:
     ``agent``: its name (logs); ``tag_names``: connection tag -> peer name;
     ``tag_unref(tag)``: a connection holding a tag closed; ``notify(message,
     tag)``: queues a notification for the application; ``peer_of(ep)``: the
-    live Peer of an endpoint, or None; ``peer_lost(peer, status, log)``: marks
-    it lost; ``rail_down(peer, rail, moved, status)``: a rail of a tcp peer
-    failed; ``connecting``: endpoints still connecting -> the status they were
-    lost with (0 until then); ``region_freed(rid)``: no peer can touch that
+    live Peer of an endpoint, or None; ``peer_lost(peer, status, log, bye)``:
+    marks it lost (bye: it said goodbye, its agent closed); ``rail_down(peer,
+    rail, moved, status)``: a rail of a tcp peer failed; ``connecting``:
+    endpoints still connecting -> the status they were lost with (0 until
+    then); ``region_freed(rid)``: no peer can touch that
     region any more.
 
     A notification arrives once per sending: when a rail fails, the sender
@@ -81,7 +82,7 @@ class EngineEvents:
         tag_unref: Callable[[int], None],
         notify: Callable[[Notification, int], None],
         peer_of: Callable[[int], Peer | None],
-        peer_lost: Callable[[Peer, int, bool], None],
+        peer_lost: Callable[[Peer, int, bool, bool], None],
         rail_down: Callable[[Peer, int, int, int], None],
         connecting: dict[int, int],
         region_freed: Callable[[int], None],
@@ -132,7 +133,8 @@ class EngineEvents:
         if kind == _cyx.CQ_PEER_LOST:
             peer = self._peer_of(id_)
             if peer is not None:
-                self._peer_lost(peer, status, status != _E_CLOSED)
+                # fail_index 1: the peer said goodbye (its engine shut down)
+                self._peer_lost(peer, status, status != _E_CLOSED, fail_index == 1)
             elif id_ in self._connecting:
                 self._connecting[id_] = status
         elif kind == _cyx.CQ_REGION_FREED:

@@ -108,9 +108,12 @@ class PeerTable:
 
     # ------------------------------------------------------------ losing peers
 
-    def mark_lost(self, peer: Peer, status: int, *, log: bool = True) -> None:
+    def mark_lost(self, peer: Peer, status: int, *, log: bool = True, bye: bool = False) -> None:
+        """bye: the peer said goodbye (its agent closed cleanly): reported as
+        closed, not lost (its transfers in flight still fail PeerLost)."""
         if peer._lost:
             return
+        bye = bye and not peer._stale
         peer._lost = True
         peer._lost_status = status
         self._fail_queued(peer)  # never reached the engine: fail them here
@@ -122,7 +125,11 @@ class PeerTable:
             del self.by_inc[key]
         for addr in [a for a, p in self.by_addr.items() if p is peer]:
             del self.by_addr[addr]
-        if log:
+        if log and bye:
+            _log.info("peer.closed", agent=self._agent, peer=peer.name, address=peer.address,
+                      path=peer.path, reason="closed by the peer",
+                      in_flight=peer._counters.inflight)
+        elif log:
             _log.warning(
                 "peer.stale" if peer._stale else "peer.lost",
                 agent=self._agent,
@@ -133,7 +140,7 @@ class PeerTable:
                 in_flight=peer._counters.inflight,
             )
         if self._emit is not None and not self._closed():
-            reason = "restarted" if peer._stale else "closed" if peer._closed else "lost"
+            reason = "restarted" if peer._stale else "closed" if peer._closed or bye else "lost"
             self._emit(PeerLeft(peer.name, peer.incarnation, peer.address, reason))
 
     def drop(self, peer: Peer, reason: str) -> None:

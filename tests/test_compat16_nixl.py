@@ -65,8 +65,9 @@ def test_agent_built_through_a_replaced_nixlAgent_factory(
 
 
 # Two shim agents in one process: connecting logs aioxfer's info line
-# peer.connected on stderr, one leaving while still added its warning
-# peer.lost; NIXL itself prints nothing there at its default.
+# peer.connected on stderr, one closing while still added its info line
+# peer.closed (it said goodbye: not the warning peer.lost); NIXL itself
+# prints nothing there at its default.
 _SHIM_PAIR = (
     "import os, nixl\n"
     "assert nixl.nixl_agent is __import__('aioxfer.nixl').nixl.nixl_agent\n"
@@ -77,7 +78,7 @@ _SHIM_PAIR = (
     "import time\n"
     "deadline = time.monotonic() + 20\n"
     "while not b.get_new_notifs() and time.monotonic() < deadline: pass\n"
-    # B leaves while A still has it: aioxfer logs the warning peer.lost.
+    # B closes while A still has it: aioxfer logs peer.closed (info).
     "b.close()\n"
     "while time.monotonic() < deadline:\n"
     "    try:\n"
@@ -93,12 +94,12 @@ _SHIM_PAIR = (
     ("env", "shown"),
     [
         ({}, ()),  # NIXL's default, WARN
-        ({"NIXL_LOG_LEVEL": "INFO"}, ("peer.connected", "peer.lost")),
+        ({"NIXL_LOG_LEVEL": "INFO"}, ("peer.connected", "peer.closed")),
         ({"NIXL_LOG_LEVEL": "WARN"}, ()),
         ({"NIXL_LOG_LEVEL": "ERROR"}, ()),
         ({"NIXL_LOG_LEVEL": "bogus"}, ()),  # counted as the default, as NIXL does
-        ({"AIOXFER_LOG_LEVEL": "info"}, ("peer.connected", "peer.lost")),  # aioxfer's wins
-        ({"AIOXFER_LOG_LEVEL": "warning"}, ("peer.lost",)),
+        ({"AIOXFER_LOG_LEVEL": "info"}, ("peer.connected", "peer.closed")),  # aioxfer's wins
+        ({"AIOXFER_LOG_LEVEL": "warning"}, ()),  # (no warning: a clean close)
         ({"NIXL_LOG_LEVEL": "INFO", "AIOXFER_LOG_LEVEL": "error"}, ()),
     ],
 )
@@ -122,7 +123,7 @@ def test_shim_shows_aioxfer_lines_at_nixls_log_level(env: dict[str, str],
                          env={**base, **env, "PYTHONPATH": aioxfer.nixl.shim_path()})
     assert out.returncode == 0 and "done" in out.stdout, out.stderr
     assert f"env {env.get('AIOXFER_LOG_LEVEL')}" in out.stdout
-    for event in ("peer.connected", "peer.lost"):
+    for event in ("peer.connected", "peer.closed", "peer.lost"):
         assert (event in out.stderr) is (event in shown), out.stderr
 
 

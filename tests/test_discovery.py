@@ -369,9 +369,9 @@ async def test_embedded_membership_follows_connections(make_agent: Any) -> None:
     assert ev.added == ("kv",) and ev.removed == ()
     late = a.membership()  # starts from the current members
     assert await within(late.__anext__()) == PeerJoined(b.name, b.incarnation, b.address, ("kv",))
-    await b.aclose()
+    await b.aclose()  # it says goodbye: closed, not lost
     ev = await next_event(first, is_(PeerLeft, b.name), what="PeerLeft")
-    assert ev.reason == "lost" and ev.incarnation == b.incarnation
+    assert ev.reason == "closed" and ev.incarnation == b.incarnation
     await a.aclose()  # every iterator ends, after what was queued
     assert [type(e) async for e in second] == [PeerUpdated, PeerLeft]
     assert [type(e) async for e in late] == [PeerLeft]

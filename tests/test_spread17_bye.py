@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
 from conftest import wait_until, within
 
 from aioxfer.discovery import PeerLeft
@@ -61,11 +60,6 @@ async def test_killed_peer_is_still_lost(make_agent, remote_agent, capsys) -> No
                 break
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs aioxfer/events.py, peertable.py and agent.py to read AXF_CQ_PEER_LOST's "
-    "fail_index 1 (the peer said goodbye) as a close: diff in spread17's report",
-)
 async def test_clean_close_reported_as_closed(make_agent, remote_agent, capsys) -> None:
     """The survivor reports a peer that closed cleanly as closed (an info
     line, PeerLeft reason "closed"), not lost (a peer.lost warning)."""

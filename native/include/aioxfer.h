@@ -101,7 +101,8 @@ const char *axf_strerror(int status);
 #define AXF_CQ_XFER 1         /* id = request id; status, nbytes, fail_index (on
                                  success: how many of its groups were rerouted) */
 #define AXF_CQ_NOTIFY 2       /* tag = connection tag; payload */
-#define AXF_CQ_PEER_LOST 3    /* id = endpoint id; tag; status = reason */
+#define AXF_CQ_PEER_LOST 3    /* id = endpoint id; tag; status = reason; fail_index 1: the
+                                 peer said goodbye (its engine shut down): closed, not failed */
 #define AXF_CQ_REGION_FREED 4 /* id = region id; status AXF_OK: its memory is no longer
                                  touched; AXF_E_CLOSED: the engine shut down while peers
                                  could still touch it (quarantined, given up: never reuse
@@ -110,7 +111,8 @@ const char *axf_strerror(int status);
 #define AXF_CQ_CONN_CLOSED 6  /* tag = connection tag (accepted side) */
 #define AXF_CQ_RAIL_DOWN 7    /* id = endpoint id; tag; fail_index = rail; nbytes = request
                                  groups moved to other connections; status = why
-                                 (AXF_E_PEER_LOST: broken or silent, AXF_E_TIMEOUT: stalled) */
+                                 (AXF_E_PEER_LOST: broken or silent, AXF_E_TIMEOUT: stalled,
+                                 AXF_E_CLOSED: the peer said goodbye on it) */
 
 #define AXF_MAX_NOTIFY 4096u
 
