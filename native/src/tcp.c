@@ -378,7 +378,11 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
      * onto the sender's vCPU or a halted one, 14.2 or 41 us median run to
      * run; both on one vCPU 1.10x [0.97..1.11] in 3 pairs); the awaiting
      * thread peeking for the acknowledgement four times as often (engine.c
-     * spin & 3: 1.03x two vCPUs, 1.04x one, 3 pairs each, p50 1.00-1.01x). */
+     * spin & 3: 1.03x two vCPUs, 1.04x one, 3 pairs each, p50 1.00-1.01x);
+     * the target's poll bound raised (conn.c RX_SPIN_MIN_US 10 -> 50 us, so
+     * that a preempted initiator still finds it polling: a tenth of these
+     * requests take ~60 us here, and in a third of those the poll had
+     * ended) 1.017x in 8 pairs, 4 above 1. */
     bool lone = one && o->n == 1 && atomic_load(&ep->ops_alive) <= 1;
     uint32_t sched0 = (uint32_t)(lone ? (t->rr_next + AXF_SCHED - 1) % AXF_SCHED : t->rr_next);
     if (!one) {
