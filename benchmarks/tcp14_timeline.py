@@ -18,7 +18,11 @@ send), S = a connection's sending thread (its wake-up and send), TA/TB = the
 target's receivers of the halves at offsets 0 and size/2 (header, payload
 served, acknowledgement sent), I.ackK = the initiator's K-th acknowledgement
 read (by a receiver, or by the spinning thread: HELP), py_t0/py_t1 = Python
-before the call and after the await.
+before the call and after the await; then each request's Python time by
+placement: the posting thread and the target's receiver of its (first) frame
+on one CPU or on two (tcp17: on this VM a 64 KiB WRITE takes ~16 us on one,
+~22 on two). --progress / --target-progress set each side's Agent(progress=),
+--cpus I,T pins this process to CPU I and the target's to T.
 """
 
 from __future__ import annotations
@@ -54,21 +58,30 @@ def cpu_of(pid: int) -> float:
     return (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def target() -> None:
-    async with aioxfer.Agent("tl-target", transports=("tcp",)) as agent:
+async def target(a: argparse.Namespace) -> None:
+    if a.cpus:
+        os.sched_setaffinity(0, {int(a.cpus.split(",")[1])})
+    kw = {"progress": a.progress} if a.progress else {}
+    async with aioxfer.Agent("tl-target", transports=("tcp",), **kw) as agent:
         agent.alloc(64 << 20, name="buf").numpy().fill(1)
         print(agent.address, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
 
 async def initiator(a: argparse.Namespace) -> None:
-    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "target"],
+    targ = ["--progress", a.target_progress] if a.target_progress else []
+    if a.cpus:  # this process on the first, the target's on the second (inherited by threads)
+        ini, tgt = (int(x) for x in a.cpus.split(","))
+        targ += ["--cpus", f"{tgt},{tgt}"]
+        os.sched_setaffinity(0, {ini})
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "target", *targ],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert p.stdout is not None and p.stdin is not None
     addr = p.stdout.readline().decode().strip()
     t0s: list[int] = []
     t1s: list[int] = []
-    async with aioxfer.Agent("tl-init", transports=("tcp",)) as agent:
+    kw = {"progress": a.progress} if a.progress else {}
+    async with aioxfer.Agent("tl-init", transports=("tcp",), **kw) as agent:
         local = agent.alloc(64 << 20, name="buf")
         local.numpy().fill(2)
         peer = await agent.connect(addr)
@@ -139,8 +152,13 @@ def analyze(d: str, stamps: str) -> None:
     posts = [x for x in iall if x[4] == EV["POST"]][-n:]
     rows: dict[str, list[float]] = collections.defaultdict(list)
     cnt: collections.Counter[str] = collections.Counter()
+    placed: dict[str, list[float]] = collections.defaultdict(list)
     for i, p in enumerate(posts):
         ns0, ptid = p[0], p[3]
+        ta_cpu = next((e[6] for e in top.get(p[1], []) if e[4] == EV["RX_HDR"]), None)
+        where = "one CPU" if ta_cpu == p[6] else "two CPUs"
+        placed[f"posting thread and target receiver on {where}"].append(
+            (st["t1"][i] - st["t0"][i]) / 1e3)
 
         def rel(t: int, ns0: int = ns0) -> float:
             return (t - ns0) / 1e3
@@ -194,6 +212,9 @@ def analyze(d: str, stamps: str) -> None:
         print(f"  {name:28s} n={len(v):5d} {statistics.median(v):8.1f} {q[0]:8.1f} {q[-1]:8.1f}")
     for what, c in sorted(cnt.items()):
         print(f"  {what}: {c}")
+    for what, v in sorted(placed.items()):  # Python's own time, post to return
+        print(f"  {what}: {len(v)} requests, median {statistics.median(v):.1f} us, "
+              f"mean {statistics.fmean(v):.1f}")
 
 
 def main() -> None:
@@ -204,12 +225,18 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=0, help="requests (0: for --secs)")
     ap.add_argument("--secs", type=float, default=1.0)
     ap.add_argument("--stamps", help="file for Python's per-request times")
+    ap.add_argument("--progress", choices=["adaptive", "sleep", "poll"],
+                    help="this process's Agent(progress=...) (default: the agent's default)")
+    ap.add_argument("--target-progress", choices=["adaptive", "sleep", "poll"],
+                    help="the target's Agent(progress=...)")
+    ap.add_argument("--cpus", metavar="I,T",
+                    help="pin this process to CPU I and the target to CPU T (placement A/Bs)")
     ap.add_argument("--analyze", metavar="DIR", help="read DIR's traces with --stamps")
     a = ap.parse_args()
     if a.analyze:
         analyze(a.analyze, a.stamps)
     else:
-        asyncio.run(target() if a.role == "target" else initiator(a))
+        asyncio.run(target(a) if a.role == "target" else initiator(a))
 
 
 if __name__ == "__main__":

@@ -360,7 +360,29 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
      * goes on the connection the last request went on, not the next one in
      * the rotation: its threads on both sides ran last (warm caches, and the
      * scheduler keeps them near the threads they talk to). Measured, 4 KiB
-     * awaited round trips, 4 connections: ~31 us rotating, ~27 us on one. */
+     * awaited round trips, 4 connections: ~31 us rotating, ~27 us on one.
+     * A lone 64 KiB WRITE (tcp17; benchmarks/tcp17_placement.py pins the two
+     * processes): what it costs is where the two sides run. One frame, sent
+     * by the posting thread, caught by the target's poll, its acknowledgement
+     * read by the awaiting thread; on two vCPUs of this VM the payload's cache
+     * lines cross between them twice (the send 8.5-8.7 us, the receive
+     * 6.3-6.7, against 3.9 and 2.3-2.6 on one vCPU; a plain memcpy ping-pong
+     * of 64 KiB between two threads: 11-14 us a round on two vCPUs, 3.7-3.8
+     * on one), so the plain-C request/answer floor (tcp_floor, polled) is
+     * 17.8-18.8 us median on two vCPUs and 9.3-9.8 on one, aioxfer 21.4-23.0
+     * and 15.0-16.6: the side-by-side row's GB/s is the placement the
+     * scheduler chose (kept while both sides poll). Measured and left: the
+     * payload sent in 2 or 4 pieces so the receiver copies alongside (floor,
+     * two vCPUs: 18.0-18.5 against 18.4-19.5 us, 4 pieces 22.8-24.1); the
+     * target not polling (Agent(progress="sleep"): its receiver is woken
+     * onto the sender's vCPU or a halted one, 14.2 or 41 us median run to
+     * run; both on one vCPU 1.10x [0.97..1.11] in 3 pairs); the awaiting
+     * thread peeking for the acknowledgement four times as often (engine.c
+     * spin & 3: 1.03x two vCPUs, 1.04x one, 3 pairs each, p50 1.00-1.01x);
+     * the target's poll bound raised (conn.c RX_SPIN_MIN_US 10 -> 50 us, so
+     * that a preempted initiator still finds it polling: a tenth of these
+     * requests take ~60 us here, and in a third of those the poll had
+     * ended) 1.017x in 8 pairs, 4 above 1. */
     bool lone = one && o->n == 1 && atomic_load(&ep->ops_alive) <= 1;
     uint32_t sched0 = (uint32_t)(lone ? (t->rr_next + AXF_SCHED - 1) % AXF_SCHED : t->rr_next);
     if (!one) {
