@@ -12,6 +12,7 @@ import asyncio
 import ctypes
 import gc
 import os
+import random
 import re
 import socket
 import struct
@@ -319,6 +320,67 @@ def test_malformed_frames_are_refused_logged_and_freed(target: Target, capfd: An
     lines = _listener_lines(capfd.readouterr().err)
     assert any(reason.lower() in ln.lower() and re.search(r"127\.0\.0\.1:\d+", ln)
                for ln in lines), "\n".join(lines[-10:])
+
+
+def test_random_hostile_streams(target: Target, capfd: Any) -> None:
+    """300 clients from a seeded generator: a request (Fetch, Invalidate of
+    an agent it does not know, a Push of its own metadata) made with the
+    token or another one, intact or with bytes flipped or cut short, sent in
+    random pieces, then half-closed, closed or reset. Only an intact
+    request with the token is answered (a Push of an agent's own metadata
+    not even then); every other gets nothing but the nonce. Each listener
+    line names the client and a reason; afterwards a client with the token
+    is served and everything is given back."""
+    rng = random.Random(17)
+    fds, tasks, readers = _fds(), target.tasks(), _live(asyncio.StreamReader)
+    own = target.core.getLocalMD()
+    reqs = [target.fetch, _wire.Invalidate(name="nobody"), _wire.Push(md=own)]
+    answered = 0
+    for _ in range(300):
+        with _connect(target.port) as s:
+            nonce = _nonce(s)
+            req = rng.choice(reqs)
+            token = target.token if rng.random() < 0.7 else b"another token"
+            data = bytearray(_wire.listen_request(token, nonce, _wire.encoder.encode(req)))
+            intact = token == target.token
+            how = rng.randrange(3)
+            if how == 1:
+                for _ in range(rng.randint(1, 3)):
+                    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+                intact = False
+            elif how == 2:
+                del data[rng.randrange(len(data)):]
+                intact = False
+            try:
+                while data:
+                    k = rng.randint(1, 64)
+                    s.sendall(data[:k])
+                    del data[:k]
+                    if rng.random() < 0.05:
+                        time.sleep(0.001)
+            except (BrokenPipeError, ConnectionResetError):
+                assert not intact
+            end = rng.randrange(3)
+            if end == 0:
+                try:
+                    s.shutdown(socket.SHUT_WR)
+                    got = _recv_all(s)
+                except OSError:  # (reset already: the listener closed it)
+                    got = b""
+                if intact and not isinstance(req, _wire.Push):
+                    n = int.from_bytes(got[:4], "big")
+                    assert len(got) == 4 + n, got
+                    assert _wire.reply_decoder.decode(got[4:]).ok
+                    answered += 1
+                else:
+                    assert got == b"", (req, intact, got)
+            elif end == 2:
+                _reset(s)
+    assert answered >= 10
+    assert target.served()
+    target.settled(fds, tasks, readers)
+    for ln in _listener_lines(capfd.readouterr().err):
+        assert re.search(r"metadata listener: 127\.0\.0\.1:\d+: \S", ln), ln
 
 
 def test_memory_of_dropped_big_frames_is_given_back(target: Target) -> None:
