@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import logging
 import os
 import random
 import re
@@ -199,8 +200,8 @@ def test_a_flood_of_connections_beyond_the_cap(target: Target) -> None:
         while flood.poll() is None:
             # (A client with the token may lose its place to 64 connections
             # accepted before its first bytes: a retry gets in.)
-            assert any(target.served() for _ in range(3)), \
-                "a client with the token refused three times running during a flood"
+            assert any(target.served() for _ in range(5)), \
+                "a client with the token refused five times running during a flood"
             served += 1
         out, _ = flood.communicate(timeout=STEP)
     finally:
@@ -459,3 +460,40 @@ def test_a_flood_of_bad_connections_logs_a_bounded_number_of_lines(target: Targe
     assert any(re.search(r"\d+ more listener warnings not logged", ln)
                for ln in lines), "\n".join(lines)
     assert target.served()
+
+
+def test_closing_with_stalled_clients_is_quiet_and_complete(agents: Any, capfd: Any,
+                                                            caplog: Any) -> None:
+    """An agent closed while clients without the token held listener
+    connections (more than the cap, some mid-proof) logged an error with a
+    traceback per connection ('Exception in callback ... CancelledError',
+    asyncio's logger: Python 3.11's streams report a cancelled handler task
+    as an error). Now close() ends them quietly, every client sees its
+    connection closed, and their sockets are given back."""
+    t = Target(agents)
+    fds = _fds()  # (with the agent's own: the process's runtime may keep some)
+    stalled = [_connect(t.port) for _ in range(MAX + 16)]
+    try:
+        for s in stalled:
+            s.settimeout(STEP)
+            _nonce(s)
+        for s in stalled[-10:]:
+            s.sendall(b"\0" * 20)  # (part of a proof)
+        _until(lambda: t.core._listen_conns == MAX, "the stalled clients not all served")
+        capfd.readouterr()
+        t0 = time.monotonic()
+        t.nixl.close()
+        assert time.monotonic() - t0 < 5
+        for s in stalled:
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        for s in stalled:
+            s.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in callback" not in err, err[-3000:]
+    errors = [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    assert not errors, f"{len(errors)} asyncio errors, the first: {errors[0].getMessage()}"
+    _until(lambda: _fds() <= fds, f"{_fds() - fds} file descriptors not closed")

@@ -1715,6 +1715,11 @@ class nixlAgent:
                                        lambda: me._listen_slots.proved(task))
                 finally:
                     me._listen_slots.release(task)
+            except asyncio.CancelledError:
+                # (Cancelled by close(): this task ends here, quietly. Python
+                # 3.11's streams report a cancelled handler task as an error,
+                # with its traceback: one per client connected at close.)
+                pass
             finally:
                 writer.close()
 
