@@ -47,7 +47,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 import msgspec
 
@@ -500,6 +500,37 @@ async def _proof_round(
         raise
 
 
+def _peeked(sock: socket.socket) -> bytes | None:
+    """What waits in the socket, up to a handshake frame, peeked (nothing
+    read); None when nothing does yet or the socket broke (server_handshake
+    meets either)."""
+    try:
+        return sock.recv(4 + MAX_HANDSHAKE_FRAME, socket.MSG_PEEK)
+    except OSError:
+        return None
+
+
+def _whole_frame(peeked: bytes) -> int:
+    """The length of the frame ``peeked`` starts with when all of it (a
+    non-empty body) is there, else 0."""
+    n = int.from_bytes(peeked[:4], "big")
+    return n if len(peeked) >= 4 and 0 < n <= len(peeked) - 4 else 0
+
+
+def _hello_passes(frame: object) -> TypeGuard[Hello]:
+    """A Hello passing the checks server_handshake makes of every one
+    (version, name, nonce, incarnation): server_hello_now and server_join_now
+    take a peeked Hello only then, and leave any other to server_handshake,
+    which answers it (a Reject, an error)."""
+    return (
+        isinstance(frame, Hello)
+        and frame.version == PROTOCOL_VERSION
+        and 0 < len(frame.name) <= MAX_NAME
+        and len(frame.nonce) == NONCE_BYTES
+        and 0 <= frame.incarnation < 1 << 64
+    )
+
+
 def server_hello_now(
     sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins | None
 ) -> HelloTaken | None:
@@ -514,23 +545,15 @@ def server_hello_now(
     ProtocolError: taken, but the connection broke (the caller closes it)."""
     if token is None:
         return None
-    try:
-        frame = sock.recv(4 + MAX_HANDSHAKE_FRAME, socket.MSG_PEEK)
-    except OSError:
-        return None
-    n = int.from_bytes(frame[:4], "big")
-    if len(frame) < 4 or not 0 < n <= len(frame) - 4:
+    frame = _peeked(sock)
+    if frame is None or not (n := _whole_frame(frame)):
         return None
     try:
         hello = decode_body(memoryview(frame)[4 : 4 + n])
     except ProtocolError:
         return None
     if not (
-        isinstance(hello, Hello)
-        and hello.version == PROTOCOL_VERSION
-        and 0 < len(hello.name) <= MAX_NAME
-        and len(hello.nonce) == NONCE_BYTES
-        and 0 <= hello.incarnation < 1 << 64
+        _hello_passes(hello)
         and (hello.purpose not in ("data", "verbs") or hello.byteorder == sys.byteorder)
         and not hello.join
     ):
@@ -581,14 +604,13 @@ def server_join_now(
     the engine's bytes follow) only once it is taken."""
     if token is None:
         return None
-    try:
-        frame = sock.recv(4 + MAX_HANDSHAKE_FRAME, socket.MSG_PEEK)
-    except OSError:  # nothing yet, or broken: server_handshake meets it
+    frame = _peeked(sock)
+    if frame is None:
         return None
     if not frame:
         raise ClosedSilently("connection closed before its Hello")
-    n = int.from_bytes(frame[:4], "big")
-    if len(frame) < 4 or not 0 < n <= len(frame) - 4:
+    n = _whole_frame(frame)
+    if not n:
         return None
     if _NO_JOIN in frame[4 : 4 + n]:
         return None  # (a shortcut: an empty "join" as msgspec writes it)
@@ -597,11 +619,7 @@ def server_join_now(
     except ProtocolError:
         return None
     if not (
-        isinstance(hello, Hello)
-        and hello.version == PROTOCOL_VERSION
-        and 0 < len(hello.name) <= MAX_NAME
-        and len(hello.nonce) == NONCE_BYTES
-        and 0 <= hello.incarnation < 1 << 64
+        _hello_passes(hello)
         and hello.purpose == "data"
         and hello.byteorder == sys.byteorder
         and not hello.meta

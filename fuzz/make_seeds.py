@@ -143,6 +143,12 @@ def metadata_seeds() -> dict[str, bytes]:
     return seeds()
 
 
+def nixl_wire_seeds() -> dict[str, bytes]:
+    from fuzz_nixl_wire import seeds
+
+    return seeds()
+
+
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build-fuzz" / "seeds"
     sys.path.insert(0, str(Path(__file__).parent))
@@ -151,6 +157,7 @@ def main() -> None:
         ("initiator_frames", initiator_seeds),
         ("handshake", handshake_seeds),
         ("metadata", metadata_seeds),
+        ("nixl_wire", nixl_wire_seeds),
     ]:
         d = out / harness
         d.mkdir(parents=True, exist_ok=True)

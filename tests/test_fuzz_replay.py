@@ -2,8 +2,8 @@
 (fuzz/make_seeds.py) through the same harnesses benchmarks/fuzz.sh fuzzes
 with, so every input that once found new coverage keeps running in CI:
 
-- the Python harnesses (handshake over a real socketpair, metadata decoders)
-  in this process, against the installed package;
+- the Python harnesses (handshake over a real socketpair, metadata decoders,
+  aioxfer.nixl's wire formats) in this process, against the installed package;
 - the native frame-parser harnesses through a replay build
   (native/fuzz/build.sh --replay: the harnesses with a plain main(), under
   ASan/UBSan and LeakSanitizer), so no libFuzzer runtime is needed here.
@@ -44,6 +44,7 @@ def _inputs(harness: str) -> list[tuple[str, bytes]]:
         "initiator_frames": seeds.initiator_seeds,
         "handshake": seeds.handshake_seeds,
         "metadata": seeds.metadata_seeds,
+        "nixl_wire": seeds.nixl_wire_seeds,
     }[harness]
     out = [(f"seed-{k}", v) for k, v in make().items()]
     d = CORPUS / harness
@@ -52,7 +53,7 @@ def _inputs(harness: str) -> list[tuple[str, bytes]]:
     return out
 
 
-@pytest.mark.parametrize("harness", ["handshake", "metadata"])
+@pytest.mark.parametrize("harness", ["handshake", "metadata", "nixl_wire"])
 def test_python_corpus_replays(harness: str) -> None:
     mod = _harness(f"fuzz_{harness}")
     inputs = _inputs(harness)

@@ -1220,7 +1220,8 @@ class nixlAgent:
         self._last_empty_notif = 0.0
         self._last_md_poll = 0.0
         self._server: asyncio.AbstractServer | None = None
-        self._listen_conns = 0  # listener connections being served (_wire.MAX_LISTEN_CONNS)
+        self._listen_slots = _ListenSlots()  # listener connections being served
+        self._listen_log = _ListenLog()
         # The token listener requests prove (_wire.LISTEN_NONCE), resolved
         # once: the aioxfer agent's, which _start_agent gives it.
         self._token: bytes | None = None
@@ -1699,21 +1700,26 @@ class nixlAgent:
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             me = ref()
+            task = asyncio.current_task()
             try:
-                if me is None:
+                if me is None or task is None:
                     return
                 # (Bounded: clients that connect and never finish a request
                 # must not hold a task and a socket each without limit.)
-                if me._listen_conns >= _wire.MAX_LISTEN_CONNS:
-                    _log("W", f"metadata listener: over {_wire.MAX_LISTEN_CONNS} connections "
-                              f"at once, one refused")
+                who = _client_of(writer)
+                if not me._listen_slots.admit(task, who, reader, writer, me._listen_log):
                     return
-                me._listen_conns += 1
                 try:
-                    me._track(asyncio.current_task())
-                    await me._serve_md(reader, writer)
+                    me._track(task)
+                    await me._serve_md(reader, writer, who,
+                                       lambda: me._listen_slots.proved(task))
                 finally:
-                    me._listen_conns -= 1
+                    me._listen_slots.release(task)
+            except asyncio.CancelledError:
+                # (Cancelled by close(): this task ends here, quietly. Python
+                # 3.11's streams report a cancelled handler task as an error,
+                # with its traceback: one per client connected at close.)
+                pass
             finally:
                 writer.close()
 
@@ -1731,14 +1737,27 @@ class nixlAgent:
             self._token = default_token()
         return self._token
 
-    async def _serve_md(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    @property
+    def _listen_conns(self) -> int:
+        """Listener connections being served (at most _wire.MAX_LISTEN_CONNS)."""
+        return len(self._listen_slots.live)
+
+    async def _serve_md(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        who: str, proved: Callable[[], None]) -> None:
+        """One listener request from client ``who``; ``proved()`` once it has
+        shown it holds the token. Whatever goes wrong is logged (with who
+        and why: a TimeoutError or a closed connection says nothing by
+        itself) and closes this connection only."""
+        timeout = _CONNECT_TIMEOUT
+        stage = "no whole request"
         try:
-            async with asyncio.timeout(_CONNECT_TIMEOUT):
+            async with asyncio.timeout(timeout):
                 token = self._listen_token()
                 nonce = os.urandom(_wire.LISTEN_NONCE)
                 writer.write(nonce)
                 await writer.drain()
-                body = await _read_authenticated(reader, token, nonce)
+                body = await _read_authenticated(reader, token, nonce, proved)
+                stage = "its request not served"
                 req = _wire.request_decoder.decode(body)
                 if isinstance(req, _wire.Push):
                     md = _wire.decode_md(req.md)
@@ -1757,8 +1776,16 @@ class nixlAgent:
                     reply = _wire.Reply(ok=True)
                 _write_frame(writer, _wire.encoder.encode(reply))
                 await writer.drain()
+        except _Evicted:
+            pass
+        except TimeoutError:
+            self._listen_log(f"{who}: {stage} within {timeout:g} s, closed")
+        except asyncio.IncompleteReadError as exc:
+            self._listen_log(f"{who}: closed after {len(exc.partial)} of {exc.expected} bytes "
+                             f"of a request")
         except Exception as exc:  # one bad request: log it, keep serving
-            _log("W", f"metadata listener: request failed: {exc}")
+            if not isinstance(reader.exception(), _Evicted):  # (then said already)
+                self._listen_log(f"{who}: request failed: {exc or type(exc).__name__}")
 
     def _forget(self, name: str) -> None:
         """A peer invalidated its metadata: drop it (on the loop thread)."""
@@ -3083,12 +3110,16 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(n)
 
 
-async def _read_authenticated(reader: asyncio.StreamReader, token: bytes, nonce: bytes) -> bytes:
+async def _read_authenticated(reader: asyncio.StreamReader, token: bytes, nonce: bytes,
+                              proved: Callable[[], None] | None = None) -> bytes:
     """A listener request from a client that knows ``token`` (see
-    _wire.LISTEN_NONCE); ValueError for any other."""
+    _wire.LISTEN_NONCE); ValueError for any other. ``proved()`` is called
+    once the client has shown it holds the token (the length's MAC)."""
     head = await reader.readexactly(4 + _wire.LISTEN_MAC)
     if not hmac.compare_digest(head[4:], _wire.listen_len_mac(token, nonce, head[:4])):
         raise ValueError("a request from a client without this agent's token")
+    if proved is not None:
+        proved()
     n = int.from_bytes(head[:4], "big")
     if n > _wire.MAX_FRAME:
         raise ValueError(f"frame of {n} bytes is over the limit")
@@ -3097,6 +3128,99 @@ async def _read_authenticated(reader: asyncio.StreamReader, token: bytes, nonce:
     if not hmac.compare_digest(data[n:], _wire.listen_body_mac(token, nonce, body)):
         raise ValueError("a request whose body does not match its proof")
     return body
+
+
+def _client_of(writer: asyncio.StreamWriter) -> str:
+    """A listener client's address, as the log names it."""
+    addr = writer.get_extra_info("peername")
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = str(addr[0])
+        return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
+    return "client"
+
+
+class _Evicted(Exception):
+    """A listener connection closed to make room for a new one (logged then)."""
+
+
+class _ListenSlots:
+    """The metadata listener's connections being served: at most
+    _wire.MAX_LISTEN_CONNS. When all are taken, a new connection takes the
+    place of the oldest one that has not proved the token (closed, logged);
+    only when every one has is the new one refused. Refusing it whatever the
+    others were let MAX_LISTEN_CONNS clients without the token, connected and
+    trickling a byte at a time (or none), keep a client with it out for as
+    long as the listener's request timeout, again and again. Now they would
+    have to open MAX_LISTEN_CONNS connections between a token holder's
+    connect and its first bytes (one round trip). (Measured against another
+    process holding 300 connections, opening ~150 a second: 1 refusal in
+    ~3,000 requests with the token; 2 of 3 were refused when a connection
+    had 1 s to prove the token before it could be pushed out.)"""
+
+    __slots__ = ("live", "waiting")
+
+    def __init__(self) -> None:
+        self.live: set[asyncio.Task[Any]] = set()
+        # Those that have not proved the token, oldest first: their client
+        # and streams.
+        self.waiting: dict[asyncio.Task[Any],
+                           tuple[str, asyncio.StreamReader, asyncio.StreamWriter]] = {}
+
+    def admit(self, task: asyncio.Task[Any], who: str, reader: asyncio.StreamReader,
+              writer: asyncio.StreamWriter, log: Callable[[str], None]) -> bool:
+        if len(self.live) >= _wire.MAX_LISTEN_CONNS:
+            if not self.waiting:
+                log(f"{who}: refused, {_wire.MAX_LISTEN_CONNS} connections at once, each "
+                    f"with the token")
+                return False
+            old, (old_who, old_reader, old_writer) = next(iter(self.waiting.items()))
+            self.release(old)
+            # Its socket closed now; its task ends at its read, quietly (not
+            # cancelled: asyncio's streams report a cancelled handler task as
+            # an error in the loop's handler, holding its frames).
+            old_reader.set_exception(_Evicted())
+            old_writer.transport.abort()
+            log(f"{old_who}: closed to make room for {who} ({_wire.MAX_LISTEN_CONNS} "
+                f"connections at once; it was the oldest that had not proved the token)")
+        self.live.add(task)
+        self.waiting[task] = (who, reader, writer)
+        return True
+
+    def proved(self, task: asyncio.Task[Any]) -> None:
+        self.waiting.pop(task, None)
+
+    def release(self, task: asyncio.Task[Any]) -> None:
+        self.live.discard(task)
+        self.waiting.pop(task, None)
+
+
+# Listener warnings written per second at most; the next one written says how
+# many were left out (a client looping connect-close made a line each).
+_LISTEN_LOG_BURST = 10
+
+
+class _ListenLog:
+    """The metadata listener's warnings, at most _LISTEN_LOG_BURST a second."""
+
+    __slots__ = ("second", "n", "left_out")
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.n = 0
+        self.left_out = 0
+
+    def __call__(self, message: str) -> None:
+        second = int(time.monotonic())
+        if second != self.second:
+            self.second, self.n = second, 0
+        self.n += 1
+        if self.n > _LISTEN_LOG_BURST:
+            self.left_out += 1
+            return
+        if self.left_out:
+            message += f" ({self.left_out} more listener warnings not logged)"
+            self.left_out = 0
+        _log("W", f"metadata listener: {message}")
 
 
 def _notif_dropped(sender: str, nbytes: int) -> None:

@@ -1,0 +1,432 @@
+#!/usr/bin/env python3
+"""atheris (libFuzzer for Python) harness: what aioxfer.nixl decodes from
+the outside (aioxfer/nixl/_wire.py, and the listener's framing and the
+descriptor-list decoding built on it).
+
+Byte 0 of an input picks the decoder (bits 0-2) and its options (bits 3-7),
+the rest is what a peer controls:
+  0 (and 6, 7): a metadata blob, as add_remote_agent / loadRemoteMD, a
+     listener Push, a Fetch reply or the central store hand it to decode_md
+     (bit 3: MD_MAGIC is put in front, so mutations reach the msgpack);
+  1: a serialized descriptor list for deserialize_descs (bit 3: DL_MAGIC in
+     front);
+  2: a listener request body (request_decoder; a Push's md as in 0);
+  3: a listener reply body (reply_decoder; an ok reply's md as in 0);
+  4: a listener request stream as a client sends it after the nonce, read
+     by the listener's _read_authenticated (token TOKEN, nonce NONCE): the
+     4-byte length, then the rest; bit 3: the harness puts the genuine
+     length MAC after the length (else the input's bytes are the MAC),
+     bit 4: and the genuine body MAC after the announced body;
+  5: notification frames from two senders into a NotifAssembler (bounds
+     shrunk so the drop paths run; see _frames for the record format); bit
+     3: the rest, repeated 1 + (bits 4-7) times, is a message a sender
+     frames (notif_frames) and the assembler must give back whole.
+Contract: every input decodes or raises the documented error: ValueError
+from decode_md / decode_dlist (loadRemoteMD turns it into
+NIXL_ERR_INVALID_PARAM), msgspec.DecodeError from the listener's decoders
+(the listener logs it and closes that connection), nixlInvalidParamError from
+deserialize_descs, ValueError or asyncio.IncompleteReadError from the
+listener's framing; whatever decodes re-encodes to something that decodes
+equal and can be used as the agent uses it (a peer's address dialled, its
+regions put in the uint64 range tables); the framing returns a body only
+when both MACs were made with the token and reads no more than the length
+and its MAC from a client without it; the assembler never hands over a
+message that is not what its sender framed (never a truncated one while its
+id is remembered), and stays within its bounds. Anything else raises out of
+check() (atheris reports it and saves the input), unless it is a known,
+reported issue (fuzz/known_issues.py) and AXF_FUZZ_TOLERATE_KNOWN=1.
+
+Run: python fuzz/fuzz_nixl_wire.py [libFuzzer flags] CORPUS_DIR
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import known_issues  # noqa: E402
+
+TOKEN = b"fuzz-token"
+NONCE = b"N" * 16
+_m: Any = None
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def load() -> None:
+    global _m, _loop
+    if _m is not None:
+        return
+    import types
+
+    import msgspec
+    import numpy as np
+
+    import aioxfer.dialing as dialing
+    import aioxfer.metadata as metadata
+    from aioxfer.nixl import _api, _bindings, _wire
+
+    _m = types.SimpleNamespace(msgspec=msgspec, np=np, dialing=dialing, metadata=metadata,
+                               api=_api, bindings=_bindings, wire=_wire)
+    _loop = asyncio.new_event_loop()
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def _md(blob: bytes) -> None:
+    w = _m.wire
+    try:
+        md = w.decode_md(blob)
+    except ValueError:
+        return
+    if not isinstance(md, w.AgentMD) or not md.name:
+        raise AssertionError(f"decode_md returned {md!r}")
+    again = w.decode_md(w.encode_md(md))
+    if again != md:
+        raise AssertionError(f"metadata round trip changed it: {md!r} -> {again!r}")
+    md.name.encode()  # loadRemoteMD returns it encoded
+    if md.address:
+        _m.dialing.parse_address(md.address)  # what loadRemoteMD's connect dials
+    # As the agent uses a peer's ranges: a table of them (uint64 arrays),
+    # each range found by a descriptor spanning it.
+    table = _m.bindings._Table([(r.mem, r.addr, r.nbytes, r.dev, r.name) for r in md.regions])
+    np = _m.np
+    for r in md.regions[:8]:
+        descs = np.array([[r.addr, r.nbytes, r.dev]], dtype=np.uint64)
+        at = table.locate(r.mem, descs)
+        if at is None:
+            raise AssertionError(f"a range of the metadata is not found in its table: {r!r}")
+
+
+# ---------------------------------------------------------------- descriptor lists
+
+
+def _dlist(blob: bytes) -> None:
+    api, b = _m.api, _m.bindings
+    try:
+        dl = api.nixl_agent.deserialize_descs(None, blob)  # (uses nothing of the agent)
+    except b.nixlInvalidParamError:
+        return
+    if not isinstance(dl, b.nixlXferDList | b.nixlRegDList):
+        raise AssertionError(f"deserialize_descs returned {dl!r}")
+    again = api.nixl_agent.deserialize_descs(None, api.nixl_agent.get_serialized_descs(None, dl))
+    if type(again) is not type(dl) or again.getType() != dl.getType() or not (
+            again._a == dl._a).all() or getattr(again, "_metas", None) != getattr(
+            dl, "_metas", None):
+        raise AssertionError("descriptor list round trip changed it")
+    dl.descCount()
+    for i in range(min(dl.descCount(), 4)):
+        dl[i]
+
+
+# ---------------------------------------------------------------- listener messages
+
+
+def _request(body: bytes) -> None:
+    w, ms = _m.wire, _m.msgspec
+    try:
+        req = w.request_decoder.decode(body)
+    except ms.DecodeError:
+        return
+    if w.request_decoder.decode(w.encoder.encode(req)) != req:
+        raise AssertionError(f"request round trip changed it: {req!r}")
+    if isinstance(req, w.Push):
+        _md(req.md)
+    elif isinstance(req, w.Fetch | w.Invalidate):
+        req.name.encode()
+    else:
+        raise AssertionError(f"request_decoder returned {req!r}")
+
+
+def _reply(body: bytes) -> None:
+    w, ms = _m.wire, _m.msgspec
+    try:
+        rep = w.reply_decoder.decode(body)
+    except ms.DecodeError:
+        return
+    if w.reply_decoder.decode(w.encoder.encode(rep)) != rep:
+        raise AssertionError(f"reply round trip changed it: {rep!r}")
+    if rep.ok:
+        _md(rep.md)
+
+
+async def _read(stream: bytes) -> bytes:
+    reader = asyncio.StreamReader()
+    reader.feed_data(stream)
+    reader.feed_eof()
+    try:
+        return await _m.bindings._read_authenticated(reader, TOKEN, NONCE)
+    except ValueError as exc:
+        if "without this agent's token" in str(exc):
+            # (Refused on the length's MAC: nothing past it was read.)
+            left = len(reader._buffer)  # type: ignore[attr-defined]
+            if left != max(len(stream) - 4 - _m.wire.LISTEN_MAC, 0):
+                raise AssertionError(f"read {len(stream) - left} bytes of a client "
+                                     "without the token") from None
+        raise
+
+
+def _framing(opts: int, data: bytes) -> None:
+    assert _loop is not None
+    w = _m.wire
+    head, rest = data[:4], data[4:]
+    stream = head
+    n = int.from_bytes(head, "big") if len(head) == 4 else -1
+    genuine = False
+    if opts & 8 and len(head) == 4:
+        stream += w.listen_len_mac(TOKEN, NONCE, head)
+        if opts & 16 and n <= len(rest):
+            stream += rest[:n] + w.listen_body_mac(TOKEN, NONCE, rest[:n]) + rest[n:]
+            genuine = True
+        else:
+            stream += rest
+    else:
+        stream += rest
+    try:
+        body = _loop.run_until_complete(asyncio.wait_for(_read(stream), 5))
+    except (ValueError, asyncio.IncompleteReadError):
+        if genuine and n <= w.MAX_FRAME:
+            raise AssertionError("a genuine request refused") from None
+        return
+    except TimeoutError:
+        raise AssertionError("the listener's framing waits 5 s after the client hung up"
+                             ) from None
+    if not genuine or body != rest[:n]:
+        raise AssertionError(f"a request without the token's proofs read: {body!r}")
+
+
+# ---------------------------------------------------------------- notifications
+
+
+def _frames(data: bytes) -> list[tuple[str, bytes]]:
+    """Records: a header byte (sender: bit 0; kind: bits 1-3; message id:
+    bits 4-7, more ids than _MAX_PARTIAL), a length byte, that many payload
+    bytes. Kinds: 0 the payload as the frame, 1 whole (W), 2 fragment (F),
+    3 last fragment (L), 4 the magic then the payload (any kind byte, any
+    length), 5-7 F, L, F."""
+    w = _m.wire
+    out = []
+    i = 0
+    while i + 2 <= len(data):
+        h, n = data[i], data[i + 1]
+        pay = data[i + 2:i + 2 + n]
+        i += 2 + n
+        sender, kind, mid = f"s{h & 1}", (h >> 1) & 7, bytes([h >> 4]) * w._ID
+        if kind == 0:
+            frame = pay
+        elif kind == 1:
+            frame = w.NOTIF_MAGIC + b"W" + pay
+        elif kind == 4:
+            frame = w.NOTIF_MAGIC + pay
+        else:
+            frame = w.NOTIF_MAGIC + (b"L" if kind in (3, 6) else b"F") + mid + pay
+        out.append((sender, frame))
+    return out
+
+
+def _notifs(opts: int, data: bytes) -> None:
+    w = _m.wire
+    if opts & 8:
+        msg = data * (1 + (opts >> 4))
+        asm = w.NotifAssembler()
+        frames = w.notif_frames(msg)
+        if any(not 0 < len(f) <= w.NOTIF_MAX for f in frames):
+            raise AssertionError(f"a frame of a size aioxfer does not carry: {len(msg)} bytes")
+        got = [m for f in frames if (m := asm.feed("s", f)) is not None]
+        if got != [msg] or asm.held():
+            raise AssertionError(f"{len(msg)} bytes framed, {list(map(len, got))} given back")
+        return
+    saved = w._MAX_PARTIAL_BYTES, w._MAX_DROPPED
+    # Small bounds (the real ones take 64 MiB of fragments): every drop path runs.
+    w._MAX_PARTIAL_BYTES, w._MAX_DROPPED = 600, 3
+    try:
+        _assemble(_frames(data))
+    finally:
+        w._MAX_PARTIAL_BYTES, w._MAX_DROPPED = saved
+
+
+def _assemble(frames: list[tuple[str, bytes]]) -> None:
+    w = _m.wire
+    drops: list[tuple[str, int]] = []
+    asm = w.NotifAssembler(lambda s, n: drops.append((s, n)))
+    magic, idn = w.NOTIF_MAGIC, w._ID
+    sent: dict[tuple[str, bytes], list[bytes]] = {}  # fragments since the id's last L
+    # Ids dropped (some of their fragments lost): the sender's drop count
+    # when it went. Its rest must be ignored while fewer than _MAX_DROPPED
+    # of that sender's messages were dropped after it (it is remembered).
+    tainted: dict[tuple[str, bytes], int] = {}
+    ndropped: dict[str, int] = {}
+
+    def partials() -> set[tuple[str, bytes]]:
+        return {(s, mid) for s, st in asm._senders.items() for mid in st.partial}
+
+    for sender, frame in frames:
+        st = asm._senders.get(sender)
+        before = partials()
+        kind = frame[len(magic):len(magic) + 1]
+        mid = frame[len(magic) + 1:len(magic) + 1 + idn]
+        remembered = st is not None and mid in st.dropped
+        ndrops = len(drops)
+        out = asm.feed(sender, frame)
+        key = (sender, mid)
+        if not frame.startswith(magic):
+            want: Any = frame
+        elif kind == b"W":
+            want = frame[len(magic) + 1:]
+        elif kind not in (b"F", b"L") or len(frame) < len(magic) + 1 + idn:
+            want = frame
+        else:
+            body = frame[len(magic) + 1 + idn:]
+            if kind == b"F":
+                sent.setdefault(key, []).append(body)
+                want = None
+            else:
+                full = b"".join(sent.pop(key, [])) + body
+                if key in tainted:
+                    must = ndropped[sender] - tainted.pop(key) < w._MAX_DROPPED
+                    if must or remembered:
+                        want = None  # the rest of a dropped message: ignored
+                    elif out is not None and not full.endswith(out):
+                        raise AssertionError(f"{sender}: a message not of its fragments: "
+                                             f"{out!r}, sent {full!r}")
+                    else:
+                        want = out  # forgotten id: its tail, as documented
+                else:
+                    want = full
+        if out != want:
+            raise AssertionError(f"{sender} frame {frame!r}: got {out!r}, want {want!r}")
+        # Messages dropped at a bound: gone from the partial ones without
+        # their last fragment (an F may drop its own message, new or not).
+        after = partials()
+        framed = frame.startswith(magic) and kind in (b"F", b"L") and len(mid) == idn
+        if framed and kind == b"F":
+            lost = (before - after) | ({key} if key not in after and not remembered else set())
+        else:
+            lost = before - after - {key}
+        if len(drops) - ndrops != len(lost):
+            raise AssertionError(f"{len(drops) - ndrops} drops told, {len(lost)} messages "
+                                 f"dropped")
+        if lost:
+            first = ndropped.get(sender, 0) + 1  # (the order within one feed unknown)
+            ndropped[sender] = first - 1 + len(lost)
+            tainted.update((k, first) for k in lost)
+        total = 0
+        for s, stt in asm._senders.items():
+            held = sum(len(p) for parts in stt.partial.values() for p in parts)
+            if held != stt.held or held > w._MAX_PARTIAL_BYTES:
+                raise AssertionError(f"{s}: holds {held}, counted {stt.held}")
+            if len(stt.partial) > w._MAX_PARTIAL or len(stt.dropped) > w._MAX_DROPPED:
+                raise AssertionError(f"{s}: {len(stt.partial)} partial, {len(stt.dropped)} "
+                                     f"dropped ids")
+            if stt.partial.keys() & stt.dropped.keys():
+                raise AssertionError(f"{s}: an id both partial and dropped")
+            total += held
+        if asm.held() != total:
+            raise AssertionError(f"held() {asm.held()}, fragments {total}")
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def _run(data: bytes) -> None:
+    w = _m.wire
+    opts, rest = data[0], data[1:]
+    mode = opts & 7
+    if mode == 1:
+        _dlist((w.DL_MAGIC if opts & 8 else b"") + rest)
+    elif mode == 2:
+        _request(rest)
+    elif mode == 3:
+        _reply(rest)
+    elif mode == 4:
+        _framing(opts, rest)
+    elif mode == 5:
+        _notifs(opts, rest)
+    else:
+        _md((w.MD_MAGIC if opts & 8 else b"") + rest)
+
+
+def check(data: bytes) -> str | None:
+    """Runs one input. None: it held; a KNOWN name: a known issue (tolerated
+    only when the caller allows); raises on a new finding."""
+    load()
+    if not data:
+        return None
+    try:
+        _run(data)
+    except Exception as exc:
+        known = known_issues.classify(exc)
+        if known is None:
+            raise
+        return known
+    return None
+
+
+def seeds() -> dict[str, bytes]:
+    """Well-formed inputs of every mode: the metadata of an agent (whole,
+    partial, descriptors only), descriptor lists, each listener request and
+    reply, a genuine framed request, notifications whole and in fragments."""
+    import numpy as np
+
+    from aioxfer.nixl import _bindings as b
+    from aioxfer.nixl import _wire as w
+
+    regions = [w.RegionMD("r0", 0, 0x7F0000000000, 4096, 0),
+               w.RegionMD("r1", 1, 0x10000, 1 << 20, 3)]
+    md = w.AgentMD("worker-0", "127.0.0.1:5000", 0xABCDEF, regions)
+    partial = w.AgentMD("worker-0", "", 0, regions[:1], True)
+    blob = w.encode_md(md)
+    arr = np.array([[0x1000, 64, 0], [0x2000, 128, 1]], dtype=np.uint64)
+    xfer = w.encode_dlist(w.DListBlob("xfer", 0, arr.tobytes()))
+    reg = w.encode_dlist(w.DListBlob("reg", 1, arr.tobytes(), [b"", b"m"]))
+    enc = w.encoder.encode
+    push = enc(w.Push(md=blob))
+    out = {
+        "md": b"\x08" + blob[len(w.MD_MAGIC):],
+        "md-raw": b"\0" + blob,
+        "md-partial": b"\x08" + w.encode_md(partial)[len(w.MD_MAGIC):],
+        "md-ipv6": b"\x08" + w.encode_md(w.AgentMD("a", "[::1]:7", 1))[len(w.MD_MAGIC):],
+        "dlist-xfer": b"\x09" + xfer[len(w.DL_MAGIC):],
+        "dlist-reg": b"\x09" + reg[len(w.DL_MAGIC):],
+        "dlist-raw": b"\x01" + xfer,
+        "push": b"\2" + push,
+        "fetch": b"\2" + enc(w.Fetch(name="worker-0", label="l")),
+        "invalidate": b"\2" + enc(w.Invalidate(name="worker-0")),
+        "reply-md": b"\3" + enc(w.Reply(ok=True, md=blob)),
+        "reply-error": b"\3" + enc(w.Reply(ok=False, error="no")),
+        "framed-genuine": bytes([4 | 8 | 16]) + len(push).to_bytes(4, "big") + push,
+        "framed-forged-body": bytes([4 | 8]) + len(push).to_bytes(4, "big") + push + b"m" * 32,
+        "framed-forged": bytes([4]) + (1 << 20).to_bytes(4, "big") + b"m" * 32,
+    }
+    del b
+    msg = bytes(range(200))
+
+    def rec(sender: int, kind: int, mid: int, pay: bytes) -> bytes:
+        return bytes([sender | kind << 1 | mid << 4, len(pay)]) + pay
+
+    out["notif-plain"] = b"\5" + rec(0, 0, 0, b"hello") + rec(1, 1, 0, b"")
+    out["notif-fragments"] = (b"\5" + rec(0, 2, 1, msg) + rec(0, 2, 1, msg)
+                              + rec(1, 2, 2, msg) + rec(0, 3, 1, msg) + rec(1, 3, 2, b"x"))
+    out["notif-bounds"] = b"\5" + b"".join(rec(0, 2, i, msg) for i in range(8)) + b"".join(
+        rec(0, 3, i, b"end") for i in range(8))
+    out["notif-many-ids"] = b"\5" + b"".join(rec(1, 2, i, b"ab") for i in range(16)) + b"".join(
+        rec(1, 3, i, b"end") for i in range(16))
+    out["notif-framed-small"] = bytes([5 | 8]) + b"a message"
+    out["notif-framed-large"] = bytes([5 | 8 | 15 << 4]) + bytes(range(256)) * 2
+    out["notif-framed-magic"] = bytes([5 | 8]) + w.NOTIF_MAGIC + b"L" + b"x" * 20
+    out["md-no-name"] = b"\x08" + w.encode_md(w.AgentMD(""))[len(w.MD_MAGIC):]
+    return out
+
+
+def main() -> None:
+    from instrument import fuzz
+
+    load()
+    fuzz(check, _m.wire, _m.bindings, _m.api, _m.metadata)
+
+
+if __name__ == "__main__":
+    main()
