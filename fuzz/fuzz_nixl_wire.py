@@ -239,13 +239,13 @@ def _notifs(opts: int, data: bytes) -> None:
         if got != [msg] or asm.held():
             raise AssertionError(f"{len(msg)} bytes framed, {list(map(len, got))} given back")
         return
-    saved = w._MAX_PARTIAL_BYTES, w._MAX_DROPPED
+    saved = w._MAX_PARTIAL_BYTES, w._MAX_DROPPED, w._MAX_HELD_BYTES
     # Small bounds (the real ones take 64 MiB of fragments): every drop path runs.
-    w._MAX_PARTIAL_BYTES, w._MAX_DROPPED = 600, 3
+    w._MAX_PARTIAL_BYTES, w._MAX_DROPPED, w._MAX_HELD_BYTES = 600, 3, 1000
     try:
         _assemble(_frames(data))
     finally:
-        w._MAX_PARTIAL_BYTES, w._MAX_DROPPED = saved
+        w._MAX_PARTIAL_BYTES, w._MAX_DROPPED, w._MAX_HELD_BYTES = saved
 
 
 def _assemble(frames: list[tuple[str, bytes]]) -> None:
@@ -309,10 +309,12 @@ def _assemble(frames: list[tuple[str, bytes]]) -> None:
         if len(drops) - ndrops != len(lost):
             raise AssertionError(f"{len(drops) - ndrops} drops told, {len(lost)} messages "
                                  f"dropped")
-        if lost:
-            first = ndropped.get(sender, 0) + 1  # (the order within one feed unknown)
-            ndropped[sender] = first - 1 + len(lost)
-            tainted.update((k, first) for k in lost)
+        # (The all-senders bound may drop another sender's message.)
+        for s in {k[0] for k in lost}:
+            mine = [k for k in lost if k[0] == s]
+            first = ndropped.get(s, 0) + 1  # (the order within one feed unknown)
+            ndropped[s] = first - 1 + len(mine)
+            tainted.update((k, first) for k in mine)
         total = 0
         for s, stt in asm._senders.items():
             held = sum(len(p) for parts in stt.partial.values() for p in parts)
@@ -324,7 +326,7 @@ def _assemble(frames: list[tuple[str, bytes]]) -> None:
             if stt.partial.keys() & stt.dropped.keys():
                 raise AssertionError(f"{s}: an id both partial and dropped")
             total += held
-        if asm.held() != total:
+        if asm.held() != total or total > w._MAX_HELD_BYTES:
             raise AssertionError(f"held() {asm.held()}, fragments {total}")
 
 

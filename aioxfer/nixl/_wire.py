@@ -202,7 +202,10 @@ def decode_dlist(data: bytes) -> DListBlob:
 # messages, and _MAX_PARTIAL_BYTES of their fragments, are kept per sender:
 # past either bound the oldest message is dropped (logged), and the rest of
 # its fragments, when they come, with it (never handed over as a truncated
-# message).
+# message). All senders together keep at most _MAX_HELD_BYTES: past it the
+# oldest message of the sender holding most goes (senders that die mid-message
+# are never told of, and each new name, as in an elastic cluster or from a
+# peer connecting under many, would else keep its own 64 MiB for good).
 
 NOTIF_MAGIC = b"\xffAXN"
 NOTIF_MAX = 4096
@@ -211,6 +214,7 @@ _CHUNK = NOTIF_MAX - len(NOTIF_MAGIC) - 1 - _ID
 _MAX_PARTIAL = 8
 _MAX_PARTIAL_BYTES = 64 << 20  # per sender: a peer never sending a last fragment
 _MAX_DROPPED = 64  # per sender: ids of dropped messages whose fragments are ignored
+_MAX_HELD_BYTES = 256 << 20  # all senders together
 
 
 def notif_frames(msg: bytes) -> list[bytes]:
@@ -239,20 +243,22 @@ class NotifAssembler:
     """Turns received frames back into messages, per sender. ``on_drop(sender,
     nbytes)`` is told of each partial message dropped at a bound."""
 
-    __slots__ = ("_senders", "_on_drop")
+    __slots__ = ("_senders", "_on_drop", "_held")
 
     def __init__(self, on_drop: Callable[[str, int], None] | None = None) -> None:
         self._senders: dict[str, _Sender] = {}
         self._on_drop = on_drop
+        self._held = 0  # bytes of fragments held, all senders
 
     def held(self) -> int:
         """Bytes of fragments held, all senders."""
-        return sum(s.held for s in self._senders.values())
+        return self._held
 
     def _drop_oldest(self, sender: str, st: _Sender) -> None:
         mid = next(iter(st.partial))
         nbytes = sum(map(len, st.partial.pop(mid)))
         st.held -= nbytes
+        self._held -= nbytes
         st.dropped[mid] = None
         while len(st.dropped) > _MAX_DROPPED:
             del st.dropped[next(iter(st.dropped))]
@@ -283,11 +289,15 @@ class NotifAssembler:
                 parts = st.partial[mid] = []
             parts.append(body)
             st.held += len(body)
+            self._held += len(body)
             # (A peer that never sends a message's last fragment must not
             # grow our memory without bound: this message goes too, once it
             # is the oldest.)
             while st.held > _MAX_PARTIAL_BYTES:
                 self._drop_oldest(sender, st)
+            while self._held > _MAX_HELD_BYTES:
+                hog, hst = max(self._senders.items(), key=lambda kv: kv[1].held)
+                self._drop_oldest(hog, hst)
             return None
         if st is None:
             return body
@@ -296,7 +306,9 @@ class NotifAssembler:
         if dropped:
             del st.dropped[mid]
         elif parts is not None:
-            st.held -= sum(map(len, parts))
+            n = sum(map(len, parts))
+            st.held -= n
+            self._held -= n
         if not st.partial and not st.dropped:
             del self._senders[sender]
         if dropped:
