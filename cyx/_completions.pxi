@@ -455,6 +455,22 @@ cdef Py_ssize_t _maker_offset(object cls, object name) except -1:
 cdef object _await_type = None
 cdef Py_ssize_t _await_posted = -1
 cdef Py_ssize_t _await_host = -1
+# The host type last seen by _eager_await, and whether its eager is
+# submission_eager as an attribute lookup finds it (then called directly).
+cdef object _await_host_type = None
+cdef bint _await_host_sub = False
+
+cdef extern from *:
+    """
+    /* tp's instances have no __dict__ and take their attributes by the
+       generic lookup: a method found on the type is what an instance's
+       attribute lookup finds. */
+    static inline int axf_plain_getattr(PyObject *tp) {
+        PyTypeObject *t = (PyTypeObject *)tp;
+        return t->tp_dictoffset == 0 && t->tp_getattro == PyObject_GenericGetAttr;
+    }
+    """
+    bint axf_plain_getattr(object tp)
 
 
 cdef extern from *:
@@ -506,8 +522,24 @@ cdef object _eager_await(object f):
     if posted is not True and not posted and not _fut_done(f):
         v = axf_slot_ptr(f, _await_host) if _await_host >= 0 else NULL
         host = <object>v if v != NULL else f._host
-        host.eager(f)
+        if type(host) is not _await_host_type:
+            _await_host_resolve(type(host))
+        if _await_host_sub:
+            # Submission.eager is submission_eager: its Submitter's _eager,
+            # called directly (no method lookup, bound call and argument
+            # parsing: ~150 instructions an awaited request).
+            _submitter_of(host)._eager(f)
+        else:
+            host.eager(f)
     return axf_base_await(_Future, f)
+
+
+cdef int _await_host_resolve(object tp) except -1:
+    global _await_host_type, _await_host_sub
+    _await_host_sub = (axf_plain_getattr(tp)
+                       and axf_type_lookup(tp, "eager") == <PyObject *>submission_eager)
+    _await_host_type = tp
+    return 0
 
 
 # ------------------------------------------------------------------ counters
