@@ -8,6 +8,7 @@ from aioxfer/_abi.py, generated from native/include/aioxfer.h
 
 from asyncio import Future
 from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Generic, Self, SupportsIndex, TypeVar, final, overload
 
 import numpy as np
@@ -198,6 +199,17 @@ class Poller:
     def kick(self) -> None: ...
     def spin_alone(self, t: Any, flush_scheduled: bool) -> None: ...
     def _run(self) -> None: ...
+
+# @cython.final: cannot be subclassed. aioxfer.TransferResult (its tp_name
+# aioxfer.transfer's): a frozen dataclass to its users, whose fields, params,
+# signature and dunders the compiled class carries.
+@final
+@dataclass(frozen=True)
+class TransferResult:
+    nbytes: int
+    seconds: float
+    path: str
+    reroutes: int = 0
 
 # @cython.final: cannot be subclassed. A batch item of Agent.write/read's
 # usual case; reads as the tuple (ep, op, (lrid, loff, rrid, rkey, roff,

@@ -291,12 +291,122 @@ cdef inline int _mark_posted(object t) except -1:
     return 0
 
 
+# ------------------------------------------------------------------ results
+# aioxfer.TransferResult (aioxfer.transfer's public name for this class): what
+# an awaited transfer returns. It was a frozen slots dataclass: made (a GC
+# allocation, its type's reference, four slot stores) and freed (the generic
+# subtype_dealloc of a heap type) per request, ~400 instructions of an awaited
+# 4 KiB request. Compiled, from a free list, with the dataclass's public
+# behaviour: the same fields and constructor, dataclasses.fields, replace,
+# asdict and astuple (its __dataclass_fields__ and __dataclass_params__ are a
+# frozen dataclass's of the same fields), frozen (FrozenInstanceError), ==
+# and hash over the fields, its repr, __match_args__, copy and pickle.
+
+import dataclasses as _dataclasses
+import inspect as _inspect
+
+# A frozen dataclass of the same fields (their annotations the strings that
+# aioxfer.transfer's, under `from __future__ import annotations`, were): the
+# dataclass machinery's view of TransferResult comes from it.
+_RESULT_SPEC = _dataclasses.make_dataclass(
+    "TransferResult",
+    [("nbytes", "int"), ("seconds", "float"), ("path", "str"),
+     ("reroutes", "int", _dataclasses.field(default=0))],
+    frozen=True, slots=True)
+
+cdef extern from *:
+    """
+    /* The compiled TransferResult's name as its instances show it (repr,
+       __module__, pickle's reference): aioxfer.transfer's, where it is
+       public, not the extension's internal _cyx. A static type's
+       __module__ and __qualname__ are read from tp_name. */
+    static void axf_set_type_name(PyObject *tp, const char *name) {
+        ((PyTypeObject *)tp)->tp_name = name;
+        PyType_Modified((PyTypeObject *)tp);
+    }
+    """
+    void axf_set_type_name(object tp, const char *name)
+
+
+@cython.final
+@cython.freelist(64)
+@cython.auto_pickle(False)
+cdef class TransferResult:
+    """What a finished transfer moved: bytes, seconds from post to completion,
+    the transport that carried it ("shm" or "tcp"), and how many of its parts
+    were moved to another rail when theirs failed (tcp)."""
+
+    cdef readonly object nbytes
+    cdef readonly object seconds
+    cdef readonly object path
+    cdef readonly object reroutes
+
+    __match_args__ = ("nbytes", "seconds", "path", "reroutes")
+    __dataclass_fields__ = _RESULT_SPEC.__dataclass_fields__
+    __dataclass_params__ = _RESULT_SPEC.__dataclass_params__
+    # inspect.signature(TransferResult): the dataclass's (a compiled
+    # class's __init__ has none to read)
+    __signature__ = _inspect.signature(_RESULT_SPEC)
+
+    def __init__(self, nbytes, seconds, path, reroutes=0):
+        self.nbytes = nbytes
+        self.seconds = seconds
+        self.path = path
+        self.reroutes = reroutes
+
+    def __setattr__(self, name, value):
+        raise _dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise _dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    cdef tuple _fields(self):
+        return (self.nbytes, self.seconds, self.path, self.reroutes)
+
+    def __eq__(self, other):
+        if type(other) is not TransferResult:
+            return NotImplemented
+        return self._fields() == (<TransferResult>other)._fields()
+
+    def __ne__(self, other):
+        if type(other) is not TransferResult:
+            return NotImplemented
+        return self._fields() != (<TransferResult>other)._fields()
+
+    def __hash__(self):
+        return hash(self._fields())
+
+    def __repr__(self):
+        return (f"{type(self).__qualname__}(nbytes={self.nbytes!r}, "
+                f"seconds={self.seconds!r}, path={self.path!r}, reroutes={self.reroutes!r})")
+
+    def __reduce__(self):
+        return TransferResult, self._fields()
+
+    def __setstate__(self, state):
+        # (a pickle of the dataclass this was: copyreg's __newobj__, then its
+        # fields' values as a list)
+        self.nbytes, self.seconds, self.path, self.reroutes = state
+
+
+axf_set_type_name(TransferResult, "aioxfer.transfer.TransferResult")
+
+
 cdef object _make_result(object result_type, object nbytes, object seconds, object path,
                          object reroutes):
     """result_type(nbytes, seconds, path, reroutes) without its Python-level
     __init__ (a frozen dataclass's costs as much as the rest of the
-    completion): its slots set as that __init__ sets them."""
+    completion): its slots set as that __init__ sets them; the compiled
+    TransferResult's fields set directly, from its free list."""
     cdef object r
+    cdef TransferResult tr
+    if result_type is TransferResult:
+        tr = TransferResult.__new__(TransferResult)
+        tr.nbytes = nbytes
+        tr.seconds = seconds
+        tr.path = path
+        tr.reroutes = reroutes
+        return tr
     if result_type is not _result_type:
         _result_resolve(result_type)
     r = _new_instance(result_type)
