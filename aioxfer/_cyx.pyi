@@ -9,6 +9,7 @@ from aioxfer/_abi.py, generated from native/include/aioxfer.h
 from asyncio import Future
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
+from inspect import Signature
 from typing import Any, ClassVar, Final, Generic, Self, SupportsIndex, TypeVar, final, overload
 
 import numpy as np
@@ -210,6 +211,7 @@ class TransferResult:
     seconds: float
     path: str
     reroutes: int = 0
+    __signature__: ClassVar[Signature]  # the dataclass's, for inspect.signature
 
 # @cython.final: cannot be subclassed. A batch item of Agent.write/read's
 # usual case; reads as the tuple (ep, op, (lrid, loff, rrid, rkey, roff,
