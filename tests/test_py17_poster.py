@@ -33,7 +33,7 @@ async def test_write_and_read_are_bound_to_the_poster(
     sub = init._sub
     local.numpy()[:4096] = 5
     # Two positional arguments, keywords, and the Python method's shapes.
-    calls = [
+    calls: list[Callable[[], Any]] = [
         lambda: init.write(local[0:4096], remote[0:4096]),
         lambda: init.write(local[0:4096], remote[4096:8192], priority=3),
         lambda: init.write(src=local[0:4096], dst=remote[8192:12288]),
@@ -50,12 +50,15 @@ async def test_write_and_read_are_bound_to_the_poster(
     assert (await poster.write(local[0:8], remote[0:8])).nbytes == 8
     # Calls the signatures refuse: TypeError, nothing posted.
     posted = sub.posted
-    for bad in (lambda: init.write(local[0:8]),
-                lambda: init.write(local[0:8], remote[0:8], 1),
-                lambda: init.write(local[0:8], remote[0:8], bogus=1),
-                lambda: init.read(local[0:8], remote[0:8], notify=b"n"),
-                lambda: init.read(),
-                lambda: init.write(local[0:8], dst=remote[0:8], src=local[0:8])):
+    bad_calls: list[Callable[[], Any]] = [
+        lambda: init.write(local[0:8]),
+        lambda: init.write(local[0:8], remote[0:8], 1),
+        lambda: init.write(local[0:8], remote[0:8], bogus=1),
+        lambda: init.read(local[0:8], remote[0:8], notify=b"n"),
+        lambda: init.read(),
+        lambda: init.write(local[0:8], dst=remote[0:8], src=local[0:8]),
+    ]
+    for bad in bad_calls:
         with pytest.raises(TypeError):
             bad()
     assert sub.posted == posted
