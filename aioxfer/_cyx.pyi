@@ -6,6 +6,7 @@ from aioxfer/_abi.py, generated from native/include/aioxfer.h
 (tools/gen_abi.py): the same values _cyx exports.
 """
 
+import sys
 from asyncio import Future
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
@@ -212,6 +213,8 @@ class TransferResult:
     path: str
     reroutes: int = 0
     __signature__: ClassVar[Signature]  # the dataclass's, for inspect.signature
+    if sys.version_info < (3, 13):  # (a dataclass's own from 3.13)
+        def __replace__(self, **changes: Any) -> TransferResult: ...
 
 # @cython.final: cannot be subclassed. A batch item of Agent.write/read's
 # usual case; reads as the tuple (ep, op, (lrid, loff, rrid, rkey, roff,

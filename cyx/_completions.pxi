@@ -383,6 +383,10 @@ cdef class TransferResult:
     def __reduce__(self):
         return TransferResult, self._fields()
 
+    def __replace__(self, **changes):
+        # copy.replace (Python 3.13+), as a dataclass has it
+        return _dataclasses.replace(self, **changes)
+
     def __setstate__(self, state):
         # (a pickle of the dataclass this was: copyreg's __newobj__, then its
         # fields' values as a list)

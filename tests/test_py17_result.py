@@ -70,6 +70,7 @@ def test_it_behaves_as_the_dataclass(args: tuple[Any, ...], kw: dict[str, Any]) 
     other = dataclasses.replace(new, path="elsewhere")
     assert type(other) is TransferResult and other.path == "elsewhere" and other != new
     assert _same_repr(other, dataclasses.replace(old, path="elsewhere"))
+    assert new.__replace__(reroutes=9) == dataclasses.replace(new, reroutes=9)  # copy.replace
     for c in (copy.copy(new), copy.deepcopy(new), pickle.loads(pickle.dumps(new))):
         assert type(c) is TransferResult and c == new
     match new:
