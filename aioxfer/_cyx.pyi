@@ -6,8 +6,11 @@ from aioxfer/_abi.py, generated from native/include/aioxfer.h
 (tools/gen_abi.py): the same values _cyx exports.
 """
 
+import sys
 from asyncio import Future
 from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass
+from inspect import Signature
 from typing import Any, ClassVar, Final, Generic, Self, SupportsIndex, TypeVar, final, overload
 
 import numpy as np
@@ -199,6 +202,20 @@ class Poller:
     def spin_alone(self, t: Any, flush_scheduled: bool) -> None: ...
     def _run(self) -> None: ...
 
+# @cython.final: cannot be subclassed. aioxfer.TransferResult (its tp_name
+# aioxfer.transfer's): a frozen dataclass to its users, whose fields, params,
+# signature and dunders the compiled class carries.
+@final
+@dataclass(frozen=True)
+class TransferResult:
+    nbytes: int
+    seconds: float
+    path: str
+    reroutes: int = 0
+    __signature__: ClassVar[Signature]  # the dataclass's, for inspect.signature
+    if sys.version_info < (3, 13):  # (a dataclass's own from 3.13)
+        def __replace__(self, **changes: Any) -> TransferResult: ...
+
 # @cython.final: cannot be subclassed. A batch item of Agent.write/read's
 # usual case; reads as the tuple (ep, op, (lrid, loff, rrid, rkey, roff,
 # len), None, req_id). Made only by the Poster (__init__ raises TypeError).
@@ -266,11 +283,19 @@ class Poster:
         rregion_t: type,
         peer_t: type,
     ) -> Poster: ...
-    def write(self, src: Any, dst: Any, *, notify: Any = None, priority: Any = 0) -> Any: ...
-    def read(self, dst: Any, src: Any, *, priority: Any = 0) -> Any: ...
+    # write(src, dst, *, notify=None, priority=0) and read(dst, src, *,
+    # priority=0), bound to the Poster; _write and _read with their full
+    # signatures (where a call that is not two positional arguments goes).
+    @property
+    def write(self) -> Callable[..., Any]: ...
+    @property
+    def read(self) -> Callable[..., Any]: ...
+    def _write(self, src: Any, dst: Any, *, notify: Any = None, priority: Any = 0) -> Any: ...
+    def _read(self, dst: Any, src: Any, *, priority: Any = 0) -> Any: ...
 
 def submission_eager(sub: Any, t: Any) -> None: ...
 def submission_flush(sub: Any) -> None: ...
+def submission_scheduled_flush(sub: Any) -> None: ...
 def submission_drain(sub: Any) -> None: ...
 
 class NativeError(Exception):

@@ -416,9 +416,14 @@ class Submission:
             self.inflight.pop(q.req_id, None)
             self.finish_failed(q, peer._lost_error())
 
-    def _flush(self) -> None:
-        """One native call for everything submitted this loop iteration (the
-        callback submit schedules)."""
+    # _flush: one native call for everything submitted this loop iteration
+    # (the callback submit schedules): _cyx.Submitter's _scheduled_flush of
+    # self._fast, called as a method without a Python frame; _flush_py is
+    # what it does.
+    _flush = _cyx.submission_scheduled_flush
+
+    def _flush_py(self) -> None:
+        """_flush in Python."""
         self._flush_scheduled = False
         self._eager_streak = 0  # the loop ran: eager posts may go on
         self.post_pending()

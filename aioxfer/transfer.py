@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from aioxfer import _cyx
@@ -50,18 +49,12 @@ class _Detached:
 DETACHED: TransferHost = _Detached()
 
 
-@dataclass(frozen=True, slots=True)
-class TransferResult:
-    """What a finished transfer moved: bytes, seconds from post to completion,
-    the transport that carried it ("shm" or "tcp"), and how many of its parts
-    were moved to another rail when theirs failed (tcp)."""
-
-    # _cyx.Engine.drain builds these without calling __init__ (it sets the
-    # four fields as the generated __init__ would): no __post_init__ here.
-    nbytes: int
-    seconds: float
-    path: str
-    reroutes: int = 0
+# What a finished transfer moved: bytes, seconds from post to completion, the
+# transport that carried it ("shm" or "tcp"), and how many of its parts were
+# moved to another rail when theirs failed (tcp). A frozen dataclass's public
+# behaviour (fields, dataclasses.replace/asdict, ==, hash, repr, pickle),
+# compiled: made and freed once per request (cyx/_completions.pxi).
+TransferResult = _cyx.TransferResult
 
 
 class Transfer(asyncio.Future[TransferResult]):

@@ -291,12 +291,126 @@ cdef inline int _mark_posted(object t) except -1:
     return 0
 
 
+# ------------------------------------------------------------------ results
+# aioxfer.TransferResult (aioxfer.transfer's public name for this class): what
+# an awaited transfer returns. It was a frozen slots dataclass: made (a GC
+# allocation, its type's reference, four slot stores) and freed (the generic
+# subtype_dealloc of a heap type) per request, ~400 instructions of an awaited
+# 4 KiB request. Compiled, from a free list, with the dataclass's public
+# behaviour: the same fields and constructor, dataclasses.fields, replace,
+# asdict and astuple (its __dataclass_fields__ and __dataclass_params__ are a
+# frozen dataclass's of the same fields), frozen (FrozenInstanceError), ==
+# and hash over the fields, its repr, __match_args__, copy and pickle.
+
+import dataclasses as _dataclasses
+import inspect as _inspect
+
+# A frozen dataclass of the same fields (their annotations the strings that
+# aioxfer.transfer's, under `from __future__ import annotations`, were): the
+# dataclass machinery's view of TransferResult comes from it.
+_RESULT_SPEC = _dataclasses.make_dataclass(
+    "TransferResult",
+    [("nbytes", "int"), ("seconds", "float"), ("path", "str"),
+     ("reroutes", "int", _dataclasses.field(default=0))],
+    frozen=True, slots=True)
+
+cdef extern from *:
+    """
+    /* The compiled TransferResult's name as its instances show it (repr,
+       __module__, pickle's reference): aioxfer.transfer's, where it is
+       public, not the extension's internal _cyx. A static type's
+       __module__ and __qualname__ are read from tp_name. */
+    static void axf_set_type_name(PyObject *tp, const char *name) {
+        ((PyTypeObject *)tp)->tp_name = name;
+        PyType_Modified((PyTypeObject *)tp);
+    }
+    """
+    void axf_set_type_name(object tp, const char *name)
+
+
+@cython.final
+@cython.freelist(64)
+@cython.auto_pickle(False)
+cdef class TransferResult:
+    """What a finished transfer moved: bytes, seconds from post to completion,
+    the transport that carried it ("shm" or "tcp"), and how many of its parts
+    were moved to another rail when theirs failed (tcp)."""
+
+    cdef readonly object nbytes
+    cdef readonly object seconds
+    cdef readonly object path
+    cdef readonly object reroutes
+
+    __match_args__ = ("nbytes", "seconds", "path", "reroutes")
+    __dataclass_fields__ = _RESULT_SPEC.__dataclass_fields__
+    __dataclass_params__ = _RESULT_SPEC.__dataclass_params__
+    # inspect.signature(TransferResult): the dataclass's (a compiled
+    # class's __init__ has none to read)
+    __signature__ = _inspect.signature(_RESULT_SPEC)
+
+    def __init__(self, nbytes, seconds, path, reroutes=0):
+        self.nbytes = nbytes
+        self.seconds = seconds
+        self.path = path
+        self.reroutes = reroutes
+
+    def __setattr__(self, name, value):
+        raise _dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise _dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    cdef tuple _fields(self):
+        return (self.nbytes, self.seconds, self.path, self.reroutes)
+
+    def __eq__(self, other):
+        if type(other) is not TransferResult:
+            return NotImplemented
+        return self._fields() == (<TransferResult>other)._fields()
+
+    def __ne__(self, other):
+        if type(other) is not TransferResult:
+            return NotImplemented
+        return self._fields() != (<TransferResult>other)._fields()
+
+    def __hash__(self):
+        return hash(self._fields())
+
+    def __repr__(self):
+        return (f"{type(self).__qualname__}(nbytes={self.nbytes!r}, "
+                f"seconds={self.seconds!r}, path={self.path!r}, reroutes={self.reroutes!r})")
+
+    def __reduce__(self):
+        return TransferResult, self._fields()
+
+    def __replace__(self, **changes):
+        # copy.replace (Python 3.13+), as a dataclass has it
+        return _dataclasses.replace(self, **changes)
+
+    def __setstate__(self, state):
+        # (a pickle of the dataclass this was: copyreg's __newobj__, then its
+        # fields' values as a list)
+        self.nbytes, self.seconds, self.path, self.reroutes = state
+
+
+axf_set_type_name(TransferResult, "aioxfer.transfer.TransferResult")
+
+
 cdef object _make_result(object result_type, object nbytes, object seconds, object path,
                          object reroutes):
     """result_type(nbytes, seconds, path, reroutes) without its Python-level
     __init__ (a frozen dataclass's costs as much as the rest of the
-    completion): its slots set as that __init__ sets them."""
+    completion): its slots set as that __init__ sets them; the compiled
+    TransferResult's fields set directly, from its free list."""
     cdef object r
+    cdef TransferResult tr
+    if result_type is TransferResult:
+        tr = TransferResult.__new__(TransferResult)
+        tr.nbytes = nbytes
+        tr.seconds = seconds
+        tr.path = path
+        tr.reroutes = reroutes
+        return tr
     if result_type is not _result_type:
         _result_resolve(result_type)
     r = _new_instance(result_type)
@@ -455,6 +569,22 @@ cdef Py_ssize_t _maker_offset(object cls, object name) except -1:
 cdef object _await_type = None
 cdef Py_ssize_t _await_posted = -1
 cdef Py_ssize_t _await_host = -1
+# The host type last seen by _eager_await, and whether its eager is
+# submission_eager as an attribute lookup finds it (then called directly).
+cdef object _await_host_type = None
+cdef bint _await_host_sub = False
+
+cdef extern from *:
+    """
+    /* tp's instances have no __dict__ and take their attributes by the
+       generic lookup: a method found on the type is what an instance's
+       attribute lookup finds. */
+    static inline int axf_plain_getattr(PyObject *tp) {
+        PyTypeObject *t = (PyTypeObject *)tp;
+        return t->tp_dictoffset == 0 && t->tp_getattro == PyObject_GenericGetAttr;
+    }
+    """
+    bint axf_plain_getattr(object tp)
 
 
 cdef extern from *:
@@ -506,8 +636,24 @@ cdef object _eager_await(object f):
     if posted is not True and not posted and not _fut_done(f):
         v = axf_slot_ptr(f, _await_host) if _await_host >= 0 else NULL
         host = <object>v if v != NULL else f._host
-        host.eager(f)
+        if type(host) is not _await_host_type:
+            _await_host_resolve(type(host))
+        if _await_host_sub:
+            # Submission.eager is submission_eager: its Submitter's _eager,
+            # called directly (no method lookup, bound call and argument
+            # parsing: ~150 instructions an awaited request).
+            _submitter_of(host)._eager(f)
+        else:
+            host.eager(f)
     return axf_base_await(_Future, f)
+
+
+cdef int _await_host_resolve(object tp) except -1:
+    global _await_host_type, _await_host_sub
+    _await_host_sub = (axf_plain_getattr(tp)
+                       and axf_type_lookup(tp, "eager") == <PyObject *>submission_eager)
+    _await_host_type = tp
+    return 0
 
 
 # ------------------------------------------------------------------ counters

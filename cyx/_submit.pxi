@@ -80,12 +80,20 @@ cdef bint _offsets(object tp, tuple names, Py_ssize_t *out, Py_ssize_t n) except
     return True
 
 
-cdef bint _alone_max(object sub, Py_ssize_t off, long long *out) except -1:
-    """*out = Submission.alone_max, clamped to 2**62 (2**64 - 1: never)."""
+cdef inline bint _alone_max(object sub, Py_ssize_t off, long long *out) except -1:
+    """*out = Submission.alone_max, clamped to 2**62 (2**64 - 1: never);
+    False for a negative one or not an exact int. Compared as a C integer
+    (the two rich comparisons with Python ints were ~80 instructions of an
+    awaited request)."""
     cdef PyObject *v = axf_slot_ptr(sub, off)
-    if v == NULL or type(<object>v) is not int or <object>v < 0:
+    cdef long long x
+    cdef int ovf = 0
+    if v == NULL or type(<object>v) is not int:
         return False
-    out[0] = (1LL << 62) if <object>v > (1 << 62) else PyLong_AsLongLong(<object>v)
+    x = PyLong_AsLongLongAndOverflow(<object>v, &ovf)
+    if ovf < 0 or (ovf == 0 and x < 0):
+        return False
+    out[0] = (1LL << 62) if ovf > 0 or x > (1LL << 62) else x
     return True
 
 
@@ -334,6 +342,36 @@ cdef class Submitter:
                                len(<list>pending_t) == 1 == len(<dict>inflight))
                 return None
         sub._flush_now()  # the Python version, which does all
+        return None
+
+    cdef object _scheduled_flush(self):
+        """Submission._flush (what a batch's first submit schedules on the
+        loop), in its order: _flush_scheduled and _eager_streak reset (the
+        loop ran), then post_pending() (not alone) for the usual case, else
+        the Python post_pending, which does all. Once a loop iteration with
+        a batch: the Python methods' two frames, post_drain's call and the
+        totals' properties were ~2.5 k instructions (an awaited request in
+        every EAGER_STREAK, a batch of 64 in flight)."""
+        cdef object sub = self._sub
+        cdef PyObject *v
+        cdef object engine, pending, pending_t, inflight
+        if not self._ok:
+            return sub._flush_py()
+        axf_slot_put(sub, self._s[_S_FLUSH_SCHEDULED], False)
+        axf_slot_put(sub, self._s[_S_EAGER_STREAK], 0)
+        v = axf_slot_ptr(sub, self._s[_S_ENGINE])
+        engine = <object>v if v != NULL else None
+        pending = _slot_obj(sub, self._s[_S_PENDING])
+        pending_t = _slot_obj(sub, self._s[_S_PENDING_T])
+        inflight = _slot_obj(sub, self._s[_S_INFLIGHT])
+        if (type(engine) is Engine and type(pending) is list and type(pending_t) is list
+                and type(inflight) is dict
+                and _slot_obj(sub, self._s[_S_CLOSED]) is False
+                and _slot_obj(sub, self._s[_S_PENDING_CANCELLED]) is False):
+            if pending:
+                self._post(engine, pending, pending_t, inflight, False)
+            return None
+        sub.post_pending()
         return None
 
     def drain(self):
@@ -622,14 +660,30 @@ cdef class Poster:
                     and _offsets(rregion_t, _F_NAMES, self._f, _F_FIELDS)
                     and _offsets(peer_t, _H_NAMES, self._h, _H_FIELDS))
 
-    def write(self, src, dst, *, notify=None, priority=0):
+    # write and read: what the agent binds as its write and read, callables
+    # (bound to this Poster) whose call with two positional arguments and no
+    # keyword goes straight to _one (axf_poster_fast): the method wrapper's
+    # parsing of the keyword-only parameters, their defaults and references
+    # were ~100 instructions of an awaited small request. Any other call goes
+    # to _write / _read, the same methods with their full signatures.
+    @property
+    def write(self):
+        """write(src, dst, *, notify=None, priority=0), bound to this Poster."""
+        return axf_poster_method(0, self)
+
+    @property
+    def read(self):
+        """read(dst, src, *, priority=0), bound to this Poster."""
+        return axf_poster_method(1, self)
+
+    def _write(self, src, dst, *, notify=None, priority=0):
         if notify is None:
             t = self._one(src, dst, _OP_WRITE_OBJ, "write", priority, AXF_OP_WRITE)
             if t is not None:
                 return t
         return self._slow_write(self._agent, src, dst, notify=notify, priority=priority)
 
-    def read(self, dst, src, *, priority=0):
+    def _read(self, dst, src, *, priority=0):
         t = self._one(dst, src, _OP_READ_OBJ, "read", priority, AXF_OP_READ)
         if t is not None:
             return t
@@ -707,6 +761,79 @@ cdef class Poster:
             None, <object>n, op, priority, False)
 
 
+cdef object _poster_write2(object p, object src, object dst):
+    """Poster._write(src, dst): notify None, priority 0."""
+    t = (<Poster>p)._one(src, dst, _OP_WRITE_OBJ, "write", 0, AXF_OP_WRITE)
+    if t is not None:
+        return t
+    return (<Poster>p)._slow_write((<Poster>p)._agent, src, dst, notify=None, priority=0)
+
+
+cdef object _poster_read2(object p, object dst, object src):
+    """Poster._read(dst, src): priority 0."""
+    t = (<Poster>p)._one(dst, src, _OP_READ_OBJ, "read", 0, AXF_OP_READ)
+    if t is not None:
+        return t
+    return (<Poster>p)._slow_read((<Poster>p)._agent, dst, src, priority=0)
+
+
+cdef extern from *:
+    """
+    /* A Poster's write and read as the agent binds them: builtin methods
+       (self: the Poster) taking vectorcall arguments. Two positional
+       arguments and no keyword: the compiled two-argument function (set
+       once at import); else the Poster's _write / _read with the same
+       arguments (their full signatures: keywords, errors). */
+    typedef PyObject *(*axf_call2)(PyObject *, PyObject *, PyObject *);
+    static axf_call2 axf_poster_two[2];
+    static PyObject *axf_poster_full_name[2];
+
+    static PyObject *axf_poster_call(int i, PyObject *self, PyObject *const *args,
+                                     Py_ssize_t nargs, PyObject *kwnames) {
+        PyObject *m, *r;
+        if (nargs == 2 && kwnames == NULL)
+            return axf_poster_two[i](self, args[0], args[1]);
+        m = PyObject_GetAttr(self, axf_poster_full_name[i]);
+        if (m == NULL)
+            return NULL;
+        r = PyObject_Vectorcall(m, args, nargs, kwnames);
+        Py_DECREF(m);
+        return r;
+    }
+    static PyObject *axf_poster_write_call(PyObject *self, PyObject *const *args,
+                                           Py_ssize_t nargs, PyObject *kwnames) {
+        return axf_poster_call(0, self, args, nargs, kwnames);
+    }
+    static PyObject *axf_poster_read_call(PyObject *self, PyObject *const *args,
+                                          Py_ssize_t nargs, PyObject *kwnames) {
+        return axf_poster_call(1, self, args, nargs, kwnames);
+    }
+    static PyMethodDef axf_poster_defs[2] = {
+        {"write", (PyCFunction)(void (*)(void))axf_poster_write_call,
+         METH_FASTCALL | METH_KEYWORDS,
+         "write(src, dst, *, notify=None, priority=0): Agent.write's usual case"},
+        {"read", (PyCFunction)(void (*)(void))axf_poster_read_call,
+         METH_FASTCALL | METH_KEYWORDS,
+         "read(dst, src, *, priority=0): Agent.read's usual case"},
+    };
+    static int axf_poster_init(axf_call2 w, axf_call2 r) {
+        axf_poster_two[0] = w;
+        axf_poster_two[1] = r;
+        axf_poster_full_name[0] = PyUnicode_InternFromString("_write");
+        axf_poster_full_name[1] = PyUnicode_InternFromString("_read");
+        return axf_poster_full_name[0] != NULL && axf_poster_full_name[1] != NULL ? 0 : -1;
+    }
+    static PyObject *axf_poster_method(int i, PyObject *poster) {
+        return PyCFunction_NewEx(&axf_poster_defs[i], poster, NULL);
+    }
+    """
+    ctypedef object (*axf_call2)(object, object, object)
+    int axf_poster_init(axf_call2 w, axf_call2 r) except -1
+    object axf_poster_method(int i, object poster)
+
+axf_poster_init(_poster_write2, _poster_read2)
+
+
 cdef object _fast_type = None  # the Submission type _fast_off is of
 cdef Py_ssize_t _fast_off = -1
 
@@ -735,6 +862,13 @@ def submission_flush(sub):
     """Submission.flush (a method: bound to the Submission): its Submitter's
     flush(), the Submitter found in its ``_fast`` slot."""
     return _submitter_of(sub)._flush_now()
+
+
+def submission_scheduled_flush(sub):
+    """Submission._flush (a method: bound to the Submission, what a batch's
+    first submit schedules): its Submitter's _scheduled_flush(), the
+    Submitter found in its ``_fast`` slot."""
+    return _submitter_of(sub)._scheduled_flush()
 
 
 def submission_drain(sub):
