@@ -1,0 +1,92 @@
+"""rev17's PeerTier findings, with real agents: a put and a member's
+placement storing one key at once (the host tier lost the first slot for
+good), Store.remove with a PeerTier (NotImplementedError), and placements to
+a member killed with SIGKILL ("Future exception was never retrieved")."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from conftest import within
+
+from aioxfer import kv
+
+BB = 64 << 10
+MakeAgent = Callable[..., Awaitable[Any]]
+
+
+def keys_for(lo: int, n: int, ns: bytes = b"kv17") -> list[bytes]:
+    return kv.chain(np.arange(16 * lo, 16 * (lo + n)), block_tokens=16, namespace=ns)
+
+
+def lost_slots(host: kv.HostTier) -> list[int]:
+    used = set(host.free) | set(host.index.values())
+    return [s for s in range(host.n_slots) if s not in used]
+
+
+async def test_put_racing_a_members_placement_of_the_same_keys_keeps_every_slot(
+        make_agent: MakeAgent) -> None:
+    """B places blocks on A (PeerTier._write: A pulls them into its host
+    tier) while A puts the same keys: both fill a slot for one key. Before,
+    the second HostTier.insert overwrote index[key] and the first slot was
+    neither free nor indexed for good (56 of 64 slots after 300 rounds):
+    now the later one goes back, the put counts it stored, the block reads
+    back right and every slot is free or indexed."""
+    a = await make_agent("dup-a")
+    b = await make_agent("dup-b")
+    n = 8
+    ta, tb = kv.PeerTier(group="dup"), kv.PeerTier(group="dup")
+    host = kv.HostTier(64 * BB)
+    async with kv.Store.open(a, block_bytes=BB, tiers=[host, ta]) as sa, \
+            kv.Store.open(b, block_bytes=BB, tiers=[kv.HostTier(64 * BB), tb]):
+        assert await within(ta.join(b.address))
+        assert await within(tb.join(a.address))
+        srca, srcb = a.alloc(n * BB), b.alloc(n * BB)
+        dst = a.alloc(n * BB)
+        rng = random.Random(1)
+        for rnd in range(80):
+            keys = keys_for(rnd * n, n)
+            data = np.frombuffer(rng.randbytes(n * BB), dtype=np.uint8)
+            srca.numpy()[:] = data
+            srcb.numpy()[:] = data
+            place = asyncio.ensure_future(tb._write(keys, [srcb] * n, [i * BB for i in range(n)]))
+            for _ in range(rng.randrange(0, 6)):
+                await asyncio.sleep(0)
+            res = await within(sa.put(keys, srca[0:n * BB]))
+            assert res.stored + res.present == n and res.dropped == 0, res
+            await within(place)
+            if rnd % 10 == 0:
+                got = await within(sa.get(keys, dst[0:n * BB]))
+                assert got.prefix == n and np.array_equal(dst.numpy(), data)
+        async def settled() -> bool:  # no pull, put or demotion under way
+            return not host.demoting and not ta._pulling and sa.statistics().pins == 0
+        for _ in range(200):
+            if await settled():
+                break
+            await asyncio.sleep(0.01)
+        assert not lost_slots(host), (
+            f"{len(lost_slots(host))} of {host.n_slots} host slots neither free nor indexed")
+        assert host.n_slots == len(host.free) + len(host.index)
+
+
+async def test_host_insert_of_a_key_held_in_another_slot_gives_that_slot_back(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    """HostTier.insert is the one place every writer publishes through: a
+    second insert of one key (any caller) gives its slot back and keeps the
+    first, marked to be written back when the second was."""
+    agent = await make_agent("dup-host")
+    host = kv.HostTier(4 * BB)
+    disk = kv.DiskTier(tmp_path / "kv", 8 * BB, segment_bytes=4 * BB)
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[host, disk]):
+        key = keys_for(0, 1)[0]
+        s1, s2 = host.take_free(2)
+        assert host.insert(key, s1, dirty=False)
+        assert not host.insert(key, s2, dirty=True)
+        assert host.index[key] == s1 and s2 in host.free
+        assert s1 in host.dirty  # the second writer's copy was to go below
+        assert host.n_slots == len(host.free) + len(host.index)
