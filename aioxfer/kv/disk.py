@@ -646,27 +646,45 @@ class DiskTier(Tier):
             self.active = None
         from aioxfer.kv.store import _deregister
 
-        if seg.region is not None and not seg.region.closed:
-            await _deregister(self.store.agent, seg.region)
+        # Out of segs already: its file goes even if this await is cancelled
+        # (a put cancelled while _new_segment makes room), or it stays on
+        # disk, counted nowhere, and its blocks (evicted, or removed since)
+        # are indexed again at the next open. The registration holds its own
+        # fd: unlinking while its release is pending is safe.
         try:
-            os.unlink(seg.path)
-        except FileNotFoundError:
-            pass
+            if seg.region is not None and not seg.region.closed:
+                await _deregister(self.store.agent, seg.region)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(seg.path)
 
     async def _alloc(self, k: int) -> list[tuple[_Seg, int]]:
         out: list[tuple[_Seg, int]] = []
-        while len(out) < k:
-            seg = self.active
-            if seg is None or seg.cursor >= seg.slots:
-                self.active = None  # full: sealed once its last writer has published
-                seg = await self._new_segment()
-                if seg is None:
-                    break
-                self.active = seg
-            take = min(k - len(out), seg.slots - seg.cursor)
-            out.extend((seg, seg.cursor + j) for j in range(take))
-            seg.cursor += take
-            seg.writing += take
+        try:
+            while len(out) < k:
+                seg = self.active
+                if seg is None or seg.cursor >= seg.slots:
+                    self.active = None  # full: sealed once its last writer has published
+                    seg = await self._new_segment()
+                    if seg is None:
+                        break
+                    self.active = seg
+                take = min(k - len(out), seg.slots - seg.cursor)
+                out.extend((seg, seg.cursor + j) for j in range(take))
+                seg.cursor += take
+                seg.writing += take
+        except BaseException:
+            # Cancelled while _new_segment made room (its eviction's
+            # deregistration, or the wait for the header flusher): the slots
+            # taken so far are nobody's (their cursor stays past them, never
+            # reused; their entries stay empty). Else their segments keep
+            # ``writing`` raised for good: never evicted nor sealed, the tier
+            # runs out of room.
+            for seg, _slot in out:
+                seg.writing -= 1
+            for seg in {p[0] for p in out}:
+                self._maybe_seal(seg)
+            raise
         return out
 
     # ------------------------------------------------------------ write

@@ -1908,6 +1908,10 @@ async def _deregister(agent: Agent, region: Region) -> None:
         bound = getattr(limits, "close_timeout", None)
         try:
             await asyncio.wait_for(asyncio.shield(fut), bound)
+        except asyncio.CancelledError:
+            # The release goes on (shielded); its late failure is nobody's.
+            fut.add_done_callback(retrieve_exception)
+            raise
         except TimeoutError:
             fut.add_done_callback(retrieve_exception)  # a late failure: not "never retrieved"
             _log.warning("kv.release_pending", region=region.name, timeout=bound,
