@@ -90,3 +90,31 @@ async def test_host_insert_of_a_key_held_in_another_slot_gives_that_slot_back(
         assert host.index[key] == s1 and s2 in host.free
         assert s1 in host.dirty  # the second writer's copy was to go below
         assert host.n_slots == len(host.free) + len(host.index)
+
+
+async def test_remove_with_a_peer_tier_reaches_the_tiers_below(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    """Store.remove on host + PeerTier + disk, the blocks in host memory and
+    on disk: it returns (before: NotImplementedError out of PeerTier, after
+    the host tier had dropped them) and the disk copies are gone too, also
+    after a restart."""
+    agent = await make_agent("rm-peer", listen="127.0.0.1:0")
+    bb = 16 << 10
+    keys = keys_for(0, 4, b"kv17-rm")
+    path = tmp_path / "kv"
+    disk = kv.DiskTier(path, 64 * bb, segment_bytes=8 * bb)
+    async with kv.Store.open(agent, block_bytes=bb, tiers=[
+            kv.HostTier(16 * bb), kv.PeerTier(group="rm"), disk]) as store:
+        src = agent.alloc(4 * bb)
+        res = await within(store.put(keys, src[0:4 * bb]))
+        assert res.stored == 4
+        # On disk too (as after a demotion or a restart).
+        assert all(await within(disk._write(keys, [src] * 4, [i * bb for i in range(4)],
+                                            durable=True)))
+        assert (await within(store.lookup(keys))).tiers == ("host",) * 4
+        assert await within(store.remove(keys)) == 8
+        assert (await within(store.lookup(keys))).prefix == 0
+        assert not disk.index
+    disk2 = kv.DiskTier(path, 64 * bb, segment_bytes=8 * bb)
+    async with kv.Store.open(agent, block_bytes=bb, tiers=[disk2]) as store:
+        assert (await within(store.lookup(keys))).prefix == 0

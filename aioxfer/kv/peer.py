@@ -799,6 +799,17 @@ class PeerTier(Tier):
                 else:
                     host.give_back([s])
 
+    async def _remove(self, keys: list[bytes]) -> int:
+        """Store.remove: forgets where the keys were found. The copies in
+        other members' host tiers are theirs (no write into another
+        member's index from here): they age out there, by its eviction.
+        Without it Tier._remove raised NotImplementedError out of
+        Store.remove, after the host tier had dropped the keys and before
+        the tiers below this one were asked."""
+        for k in keys:
+            self.located.pop(k, None)
+        return 0
+
     def _usage(self) -> tuple[int, int, int]:
         return len(self.members), 0, 0
 
