@@ -6,7 +6,11 @@ a member killed with SIGKILL ("Future exception was never retrieved")."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import signal
+import sys
+import textwrap
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -118,3 +122,97 @@ async def test_remove_with_a_peer_tier_reaches_the_tiers_below(
     disk2 = kv.DiskTier(path, 64 * bb, segment_bytes=8 * bb)
     async with kv.Store.open(agent, block_bytes=bb, tiers=[disk2]) as store:
         assert (await within(store.lookup(keys))).prefix == 0
+
+
+MEMBER = textwrap.dedent('''
+    import asyncio, sys
+    import aioxfer
+    from aioxfer import kv
+
+    async def main():
+        async with aioxfer.Agent(sys.argv[1]) as agent:
+            async with kv.Store.open(agent, block_bytes=int(sys.argv[2]), tiers=[
+                    kv.HostTier(64 * int(sys.argv[2])), kv.PeerTier(group="lost")]):
+                print(agent.address, flush=True)
+                await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+    asyncio.run(main())
+''')
+
+
+async def start_member(script: Path, name: str, bb: int) -> tuple[Any, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), name, str(bb), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.stdout is not None
+    address = (await within(proc.stdout.readline(), 60)).decode().strip()
+    assert address, "the member did not start"
+    return proc, address
+
+
+async def test_placement_to_a_replaced_then_killed_member_leaves_no_stray_exception(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    """A placement's notification to a member (a real process, stopped: it
+    neither takes nor answers it) is in flight when a new incarnation of
+    that member joins: the old one's waiting future fails (PeerLost, "was
+    replaced") while the placement still awaits the notification; the old
+    process is then killed (SIGKILL) and the notification fails. Before,
+    nobody retrieved the future's PeerLost: asyncio reported "Future
+    exception was never retrieved" (a loop exception-handler call; rev17
+    saw it in its kill -9 chaos run)."""
+    script = tmp_path / "member.py"
+    script.write_text(MEMBER)
+    bb = 16 << 10
+    procs: list[Any] = []
+    try:
+        proc, address = await start_member(script, "kv17-lost", bb)
+        procs.append(proc)
+        agent = await make_agent("kv17-placer", peer_timeout=30.0)
+        calls: list[dict[str, Any]] = []
+        loop = asyncio.get_running_loop()
+        fixture_handler = loop.get_exception_handler()
+        loop.set_exception_handler(lambda _loop, ctx: calls.append(ctx))
+        tier = kv.PeerTier(group="lost", ack_wait=30.0, ack_timeout=30.0)
+        try:
+            async with kv.Store.open(agent, block_bytes=bb, tiers=[
+                    kv.HostTier(16 * bb), tier]):
+                assert await within(tier.join(address))
+                m = tier.members["kv17-lost"]
+                src = agent.alloc(8 * bb)
+                keys = keys_for(0, 16, b"kv17-lost")
+                # One answered first: the control connection to it is up.
+                assert all(await within(tier._write(keys[8:], [src] * 8,
+                                                    [i * bb for i in range(8)])))
+                proc.send_signal(signal.SIGSTOP)
+                stat = Path(f"/proc/{proc.pid}/stat")
+                for _ in range(500):  # stopped before the notification goes
+                    if stat.read_text().rsplit(")", 1)[1].split()[0] == "T":
+                        break
+                    await asyncio.sleep(0.01)
+                place = asyncio.ensure_future(
+                    tier._write(keys[:8], [src] * 8, [i * bb for i in range(8)]))
+                for _ in range(500):
+                    if m.waiting:
+                        break
+                    await asyncio.sleep(0.01)
+                assert m.waiting, "no placement waits for the member"
+                proc2, address2 = await start_member(script, "kv17-lost", bb)
+                procs.append(proc2)
+                assert await within(tier.join(address2))
+                assert tier.members["kv17-lost"] is not m
+                assert not place.done()
+                assert m.waiting and all(f.done() for f in m.waiting.values())
+                proc.kill()
+                assert not any(await within(place, 30))
+                del m, place
+                gc.collect()
+                await asyncio.sleep(0.1)
+                gc.collect()
+        finally:
+            loop.set_exception_handler(fixture_handler)
+        assert not calls, f"loop exception handler called: {calls!r}"
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+            await p.wait()

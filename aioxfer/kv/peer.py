@@ -596,6 +596,15 @@ class PeerTier(Tier):
             if key is not None:
                 self._acks.pop(key, None)
             m.waiting.pop(req, None)
+            # _follow or _add_member may have failed it (the member left or
+            # was replaced) while the notification was still in flight and
+            # then failed, or the timeout or a cancel ended this placement
+            # first: retrieved here, else asyncio logs "Future exception was
+            # never retrieved" (a loop exception-handler call).
+            if fut.done() and not fut.cancelled():
+                fut.exception()
+            else:
+                fut.cancel()
         m.silent_since = None
         if len(bitmap) != len(idx) or bitmap.strip(b"\x00\x01"):
             # Not an answer to what was sent (a broken or hostile member):
