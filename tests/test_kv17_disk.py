@@ -141,3 +141,42 @@ async def test_durable_puts_under_capacity_pressure_fail_no_header_flush(
     disk2 = kv.DiskTier(path, 16 * BB, segment_bytes=4 * BB)
     async with kv.Store.open(agent, block_bytes=BB, tiers=[disk2]):
         assert set(disk2.index) == held, "durable blocks held before the restart lost"
+
+
+async def test_remove_does_not_drop_a_segment_a_put_still_writes(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    """A segment of 4: put A fills 2 slots, a durable put B takes the last 2
+    and writes, put C starts the next segment; A's keys are removed while B
+    is still writing: the segment has no live block and is not the active
+    one. Before, remove dropped it anyway: B's sync failed on the unlinked
+    file (its blocks dropped as io_error), or B's blocks were indexed in a
+    segment gone (KeyError on a get, seen in rev17's chaos script). Now it
+    stays until B is done; B's blocks are stored and read back."""
+    agent = await make_agent("kv17-rm-writer")
+    disk = kv.DiskTier(tmp_path / "kv", 64 * BB, segment_bytes=4 * BB)
+    keys = keys_for(5 * 100, b"kv17-rm-writer")
+    async with kv.Store.open(agent, block_bytes=BB, tiers=[disk]) as store:
+        src, dst = agent.alloc(4 * BB), agent.alloc(4 * BB)
+        src.numpy()[:] = np.frombuffer(np.random.default_rng(5).bytes(4 * BB), dtype=np.uint8)
+        raced = 0
+        for r in range(100):
+            ka, kb, kc = keys[5 * r:5 * r + 2], keys[5 * r + 2:5 * r + 4], keys[5 * r + 4:5 * r + 5]
+            assert (await within(store.put(ka, src[0:2 * BB]))).stored == 2
+            seg = disk.active
+            assert seg is not None
+            tb = asyncio.ensure_future(store.put(kb, src[0:2 * BB], durable=True))
+            tc = asyncio.ensure_future(store.put(kc, src[0:BB]))
+            for _ in range(100):
+                await asyncio.sleep(0)
+                if disk.active is not seg and seg.writing:
+                    break
+            raced += bool(seg.writing)
+            assert await within(store.remove(ka)) == 2
+            rb = await within(tb)
+            assert (await within(tc)).stored == 1
+            assert (rb.stored, rb.durable) == (2, 2), (r, rb)
+            res = await within(store.get(kb, dst[0:2 * BB]))
+            assert res.prefix == 2 and np.array_equal(dst.numpy()[:2 * BB], src.numpy()[:2 * BB])
+        assert raced, "no remove ran while B was writing"
+        st = store.statistics().tiers["disk"]
+        assert st.errors == 0 and "io_error" not in st.dropped_stores, st

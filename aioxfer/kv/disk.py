@@ -1271,7 +1271,10 @@ class DiskTier(Tier):
                 unmarked_seq.extend(int(seg.seqs[s]) for s in slots)
                 first = first or exc
                 continue
-            if not seg.nlive and seg is not self.active:
+            if not seg.nlive and seg is not self.active and not seg.writing:
+                # (A put still writing into it publishes there next: dropped
+                # now, its blocks would be indexed in a segment gone, or fail
+                # their durable sync; left to capacity eviction instead.)
                 await self._drop_segment(seg, "removed")
         if unmarked:
             _log.warning("kv.disk_remove_unmarked", tier=self.name, blocks=len(unmarked),
