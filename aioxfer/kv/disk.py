@@ -278,6 +278,11 @@ class DiskTier(Tier):
         self.foreign_segments = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending_flush: set[_Seg] = set()
+        # Durable puts making their segments' headers durable (those
+        # segments count them as writers meanwhile), and the event set as
+        # each ends: a put making room waits for one, as for the flusher.
+        self._durable_flushes = 0
+        self._durable_flushed = asyncio.Event()
         self._flusher: asyncio.Future[None] | None = None
         self.segment_failed = False  # the last _alloc could not make a segment
         self.tombstoned = 0  # keys written to the tombstone file (see the module doc)
@@ -593,6 +598,13 @@ class DiskTier(Tier):
                     # evictable in one header write: wait for it, not drop.
                     await asyncio.wait([flusher])
                     continue
+                if self._durable_flushes:
+                    # The same for segments a durable put holds while it
+                    # flushes their headers (an fdatasync; they wait for
+                    # nothing else): evictable once it is done.
+                    self._durable_flushed.clear()
+                    await self._durable_flushed.wait()
+                    continue
                 return None
             await self._drop_segment(victims[0], "capacity")
         no = self.next_no
@@ -646,27 +658,45 @@ class DiskTier(Tier):
             self.active = None
         from aioxfer.kv.store import _deregister
 
-        if seg.region is not None and not seg.region.closed:
-            await _deregister(self.store.agent, seg.region)
+        # Out of segs already: its file goes even if this await is cancelled
+        # (a put cancelled while _new_segment makes room), or it stays on
+        # disk, counted nowhere, and its blocks (evicted, or removed since)
+        # are indexed again at the next open. The registration holds its own
+        # fd: unlinking while its release is pending is safe.
         try:
-            os.unlink(seg.path)
-        except FileNotFoundError:
-            pass
+            if seg.region is not None and not seg.region.closed:
+                await _deregister(self.store.agent, seg.region)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(seg.path)
 
     async def _alloc(self, k: int) -> list[tuple[_Seg, int]]:
         out: list[tuple[_Seg, int]] = []
-        while len(out) < k:
-            seg = self.active
-            if seg is None or seg.cursor >= seg.slots:
-                self.active = None  # full: sealed once its last writer has published
-                seg = await self._new_segment()
-                if seg is None:
-                    break
-                self.active = seg
-            take = min(k - len(out), seg.slots - seg.cursor)
-            out.extend((seg, seg.cursor + j) for j in range(take))
-            seg.cursor += take
-            seg.writing += take
+        try:
+            while len(out) < k:
+                seg = self.active
+                if seg is None or seg.cursor >= seg.slots:
+                    self.active = None  # full: sealed once its last writer has published
+                    seg = await self._new_segment()
+                    if seg is None:
+                        break
+                    self.active = seg
+                take = min(k - len(out), seg.slots - seg.cursor)
+                out.extend((seg, seg.cursor + j) for j in range(take))
+                seg.cursor += take
+                seg.writing += take
+        except BaseException:
+            # Cancelled while _new_segment made room (its eviction's
+            # deregistration, or the wait for the header flusher): the slots
+            # taken so far are nobody's (their cursor stays past them, never
+            # reused; their entries stay empty). Else their segments keep
+            # ``writing`` raised for good: never evicted nor sealed, the tier
+            # runs out of room.
+            for seg, _slot in out:
+                seg.writing -= 1
+            for seg in {p[0] for p in out}:
+                self._maybe_seal(seg)
+            raise
         return out
 
     # ------------------------------------------------------------ write
@@ -697,50 +727,68 @@ class DiskTier(Tier):
             why = "io_error" if self.segment_failed else "no_room"
             self.counters.dropped(why, len(todo) - len(places))
         todo = todo[: len(places)]
-        try:
-            gate = self.codec_gate
-            if gate is not None and gate.compress_next():
-                written = await self._write_compressed(keys, regions, offsets, todo, places,
-                                                       durable)
-            else:
-                t0 = time.perf_counter()
-                written = await self._write_slots(keys, regions, offsets, todo, places,
-                                                  durable)
-                if gate is not None and not durable:
-                    gate.note_raw(len(written) * bb, time.perf_counter() - t0)
-        finally:
-            for seg, _slot in places:
-                seg.writing -= 1
-        for i in written:
-            ok[i] = True
         segs = {p[0] for p in places}
-        if durable:
-            place_of = dict(zip(todo, places, strict=False))
-            for seg in segs:
-                try:
-                    await self._flush(seg, durable=True)
-                except (XferError, OSError) as exc:
-                    # The headers could not be made durable (ENOSPC for a
-                    # header sector, EIO): the blocks are not stored, as if
-                    # their data write had failed, and not indexed (their
-                    # entries, if written later, say removed).
-                    lost = [i for i in written if ok[i] and place_of[i][0] is seg]
-                    self._unpublish([keys[i] for i in lost], [place_of[i] for i in lost])
-                    for i in lost:
-                        ok[i] = False
-                    written = [i for i in written if ok[i]]
-                    self.counters.errors += 1
-                    self.counters.dropped("io_error", len(lost))
-                    _log.warning("kv.disk_header_failed", tier=self.name, segment=seg.no,
-                                 blocks=len(lost), error=repr(exc))
-                    continue
-                self._maybe_seal(seg)
-        else:
-            # Not promised durable: the headers follow in the background (still
-            # only after their data, which is complete by now).
-            self._pending_flush.update(segs)
-            if self._flusher is None or self._flusher.done():
-                self._flusher = asyncio.ensure_future(self._flush_pending())
+        # A durable put's segments count it as a writer until their headers
+        # are durable too: else another put's _new_segment may evict one
+        # between the data and the header flush (its file gone: the flush
+        # failed with FileNotFoundError, the blocks dropped as io_error).
+        held = True
+        flushing = False
+        try:
+            try:
+                gate = self.codec_gate
+                if gate is not None and gate.compress_next():
+                    written = await self._write_compressed(keys, regions, offsets, todo,
+                                                           places, durable)
+                else:
+                    t0 = time.perf_counter()
+                    written = await self._write_slots(keys, regions, offsets, todo, places,
+                                                      durable)
+                    if gate is not None and not durable:
+                        gate.note_raw(len(written) * bb, time.perf_counter() - t0)
+            finally:
+                if not durable:
+                    held = False
+                    for seg, _slot in places:
+                        seg.writing -= 1
+            for i in written:
+                ok[i] = True
+            if durable:
+                place_of = dict(zip(todo, places, strict=False))
+                self._durable_flushes += 1
+                flushing = True
+                for seg in segs:
+                    try:
+                        await self._flush(seg, durable=True)
+                    except (XferError, OSError) as exc:
+                        # The headers could not be made durable (ENOSPC for a
+                        # header sector, EIO): the blocks are not stored, as if
+                        # their data write had failed, and not indexed (their
+                        # entries, if written later, say removed).
+                        lost = [i for i in written if ok[i] and place_of[i][0] is seg]
+                        self._unpublish([keys[i] for i in lost], [place_of[i] for i in lost])
+                        for i in lost:
+                            ok[i] = False
+                        written = [i for i in written if ok[i]]
+                        self.counters.errors += 1
+                        self.counters.dropped("io_error", len(lost))
+                        _log.warning("kv.disk_header_failed", tier=self.name, segment=seg.no,
+                                     blocks=len(lost), error=repr(exc))
+            else:
+                # Not promised durable: the headers follow in the background
+                # (still only after their data, which is complete by now).
+                self._pending_flush.update(segs)
+                if self._flusher is None or self._flusher.done():
+                    self._flusher = asyncio.ensure_future(self._flush_pending())
+        finally:
+            if held:
+                for seg, _slot in places:
+                    seg.writing -= 1
+                for seg in segs:
+                    self._maybe_seal(seg)  # full, its last writer done, headers on disk
+            if flushing:
+                self._durable_flushes -= 1
+                self._durable_flushed.set()
         self.counters.puts += len(written)
         self.counters.put_bytes += len(written) * bb
         return ok
@@ -1223,7 +1271,10 @@ class DiskTier(Tier):
                 unmarked_seq.extend(int(seg.seqs[s]) for s in slots)
                 first = first or exc
                 continue
-            if not seg.nlive and seg is not self.active:
+            if not seg.nlive and seg is not self.active and not seg.writing:
+                # (A put still writing into it publishes there next: dropped
+                # now, its blocks would be indexed in a segment gone, or fail
+                # their durable sync; left to capacity eviction instead.)
                 await self._drop_segment(seg, "removed")
         if unmarked:
             _log.warning("kv.disk_remove_unmarked", tier=self.name, blocks=len(unmarked),

@@ -175,8 +175,20 @@ class HostTier(Tier):
         crc = ck.checksum(self.region.memoryview[slot * bb:(slot + 1) * bb])
         self.published.add(key, slot, crc)
 
-    def insert(self, key: bytes, slot: int, *, dirty: bool) -> None:
-        """Publishes a filled slot under ``key``."""
+    def insert(self, key: bytes, slot: int, *, dirty: bool) -> bool:
+        """Publishes a filled slot under ``key``; False when ``key`` is here
+        already in another slot (two writers filled it at once: a put and a
+        member's placement, which checks the index, not the store's
+        ``_filling``). The one published first stays (readers may hold it),
+        ``slot`` goes back; the copies are the same block (the key names its
+        content). A second ``index[key] = slot`` would orphan the first
+        slot: neither free nor indexed, for good."""
+        old = self.index.get(key)
+        if old is not None and old != slot:
+            if dirty:
+                self.mark_unwritten(key)
+            self._release_slot(slot)
+            return False
         self.index[key] = slot
         self.policy.insert(key)
         self.slot_key[slot] = key
@@ -185,6 +197,16 @@ class HostTier(Tier):
         if self.published is not None:
             self._publish_one(key, slot)
         self._maybe_demote()
+        return True
+
+    def mark_unwritten(self, key: bytes) -> None:
+        """``key``'s copy here is to reach the tier below (a put's), though
+        the copy kept may be a member's clean one (dropped on eviction):
+        written back unless that tier holds it already."""
+        store = self._store
+        lower = store._next_storing_tier(self) if store is not None else None
+        if lower is not None and lower._locate(key) is None:
+            self.dirty.add(self.index[key])
 
     def evict(self, key: bytes, reason: str) -> None:
         slot = self.index.pop(key)

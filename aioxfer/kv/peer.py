@@ -596,6 +596,15 @@ class PeerTier(Tier):
             if key is not None:
                 self._acks.pop(key, None)
             m.waiting.pop(req, None)
+            # _follow or _add_member may have failed it (the member left or
+            # was replaced) while the notification was still in flight and
+            # then failed, or the timeout or a cancel ended this placement
+            # first: retrieved here, else asyncio logs "Future exception was
+            # never retrieved" (a loop exception-handler call).
+            if fut.done() and not fut.cancelled():
+                fut.exception()
+            else:
+                fut.cancel()
         m.silent_since = None
         if len(bitmap) != len(idx) or bitmap.strip(b"\x00\x01"):
             # Not an answer to what was sent (a broken or hostile member):
@@ -798,6 +807,17 @@ class PeerTier(Tier):
                     self.pulled += 1
                 else:
                     host.give_back([s])
+
+    async def _remove(self, keys: list[bytes]) -> int:
+        """Store.remove: forgets where the keys were found. The copies in
+        other members' host tiers are theirs (no write into another
+        member's index from here): they age out there, by its eviction.
+        Without it Tier._remove raised NotImplementedError out of
+        Store.remove, after the host tier had dropped the keys and before
+        the tiers below this one were asked."""
+        for k in keys:
+            self.located.pop(k, None)
+        return 0
 
     def _usage(self) -> tuple[int, int, int]:
         return len(self.members), 0, 0

@@ -1336,12 +1336,20 @@ class Store:
         lower = self._next_storing_tier(host)
         through = lower is not None and (host.write_through or durable)
         stored_i: list[int] = []
+        arrived = 0  # keys another writer put in host memory meanwhile
         for (_region, idx), r in zip(groups, results, strict=True):
             for i in idx:
                 if r is None:
-                    host.insert(keys[i], slot_of[i], dirty=lower is not None and not through)
                     tiers_out[i] = host.name
-                    stored_i.append(i)
+                    if host.insert(keys[i], slot_of[i], dirty=lower is not None and not through):
+                        stored_i.append(i)
+                        continue
+                    # The key arrived in another slot while we copied (a
+                    # member's placement): ours went back. Not written through
+                    # nor counted durable here: left to write-back instead.
+                    arrived += 1
+                    if through:
+                        host.mark_unwritten(keys[i])
                 else:
                     host.counters.errors += 1
                     host.counters.dropped("copy_failed")
@@ -1372,7 +1380,7 @@ class Store:
                 durable_n = 0
         if durable and stored_around and getattr(lower, "durable", False):
             durable_n += stored_around
-        return len(stored_i) + stored_around, durable_n
+        return len(stored_i) + stored_around + arrived, durable_n
 
     # ------------------------------------------------------------ prefetch
 
@@ -1900,6 +1908,10 @@ async def _deregister(agent: Agent, region: Region) -> None:
         bound = getattr(limits, "close_timeout", None)
         try:
             await asyncio.wait_for(asyncio.shield(fut), bound)
+        except asyncio.CancelledError:
+            # The release goes on (shielded); its late failure is nobody's.
+            fut.add_done_callback(retrieve_exception)
+            raise
         except TimeoutError:
             fut.add_done_callback(retrieve_exception)  # a late failure: not "never retrieved"
             _log.warning("kv.release_pending", region=region.name, timeout=bound,
