@@ -569,9 +569,12 @@ cdef Py_ssize_t _maker_offset(object cls, object name) except -1:
 cdef object _await_type = None
 cdef Py_ssize_t _await_posted = -1
 cdef Py_ssize_t _await_host = -1
-# The host type last seen by _eager_await, and whether its eager is
-# submission_eager as an attribute lookup finds it (then called directly).
+# The host type last seen by _eager_await, its version tag then, and
+# whether its eager is submission_eager as an attribute lookup finds it (then
+# called directly). The tag changes when the type or a base is modified (an
+# eager patched on Submission later: looked up again, rev17b).
 cdef object _await_host_type = None
+cdef unsigned int _await_host_ver = 0
 cdef bint _await_host_sub = False
 
 cdef extern from *:
@@ -585,6 +588,17 @@ cdef extern from *:
     }
     """
     bint axf_plain_getattr(object tp)
+
+
+cdef extern from *:
+    """
+    /* tp's version tag: 0 once it or a base was modified (PyType_Modified),
+       a new one after its next method-cache lookup. */
+    static inline unsigned int axf_type_version(PyObject *tp) {
+        return ((PyTypeObject *)tp)->tp_version_tag;
+    }
+    """
+    unsigned int axf_type_version(object tp)
 
 
 cdef extern from *:
@@ -636,8 +650,10 @@ cdef object _eager_await(object f):
     if posted is not True and not posted and not _fut_done(f):
         v = axf_slot_ptr(f, _await_host) if _await_host >= 0 else NULL
         host = <object>v if v != NULL else f._host
-        if type(host) is not _await_host_type:
-            _await_host_resolve(type(host))
+        htp = type(host)
+        if (htp is not _await_host_type or _await_host_ver == 0
+                or axf_type_version(htp) != _await_host_ver):
+            _await_host_resolve(htp)
         if _await_host_sub:
             # Submission.eager is submission_eager: its Submitter's _eager,
             # called directly (no method lookup, bound call and argument
@@ -649,10 +665,11 @@ cdef object _eager_await(object f):
 
 
 cdef int _await_host_resolve(object tp) except -1:
-    global _await_host_type, _await_host_sub
+    global _await_host_type, _await_host_sub, _await_host_ver
     _await_host_sub = (axf_plain_getattr(tp)
                        and axf_type_lookup(tp, "eager") == <PyObject *>submission_eager)
     _await_host_type = tp
+    _await_host_ver = axf_type_version(tp)  # (the lookup gave it one; 0: looked up each time)
     return 0
 
 

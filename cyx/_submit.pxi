@@ -811,10 +811,10 @@ cdef extern from *:
     static PyMethodDef axf_poster_defs[2] = {
         {"write", (PyCFunction)(void (*)(void))axf_poster_write_call,
          METH_FASTCALL | METH_KEYWORDS,
-         "write(src, dst, *, notify=None, priority=0): Agent.write's usual case"},
+         "write($self, src, dst, *, notify=None, priority=0)\\n--\\n\\nAgent.write's usual case"},
         {"read", (PyCFunction)(void (*)(void))axf_poster_read_call,
          METH_FASTCALL | METH_KEYWORDS,
-         "read(dst, src, *, priority=0): Agent.read's usual case"},
+         "read($self, dst, src, *, priority=0)\\n--\\n\\nAgent.read's usual case"},
     };
     static int axf_poster_init(axf_call2 w, axf_call2 r) {
         axf_poster_two[0] = w;

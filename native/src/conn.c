@@ -1652,7 +1652,11 @@ static void initiator_conn_lost(conn *c, bool proto)
     bool others = false;
     for (int i = 0; i < ep->nconns; i++)
         others |= ep->conns[i] != c && !atomic_load(&ep->conns[i]->down);
-    if (proto || lost_expect || !others || ep->closing || e->shut ||
+    /* A goodbye ends the endpoint, not one connection (the peer's engine
+     * shuts down: its other connections end too). Handled per connection, a
+     * peer saying it on one left that rail short for good (no re-dial after
+     * a close) and a later real loss reported as a close (rev17b). */
+    if (proto || lost_expect || !others || bye || ep->closing || e->shut ||
         !ep->xp->reroute) {
         if (stalled) { /* its requests time out; the endpoint's others are lost with it */
             pthread_mutex_lock(&c->mu);
