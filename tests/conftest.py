@@ -340,6 +340,17 @@ async def wait_until(
         await asyncio.sleep(0.01)
 
 
+async def pair_64k(make_agent: Callable[..., Awaitable[Any]]) -> tuple[Any, Any, Any, Any]:
+    """An initiator connected to a target (make_agent's): (initiator, peer,
+    its 64 KiB local region "l", the target's 64 KiB region "r")."""
+    target = await make_agent("target")
+    init = await make_agent("init")
+    peer = await init.connect(target.address)
+    target.alloc(1 << 16, name="r")
+    await peer.refresh()
+    return init, peer, init.alloc(1 << 16, name="l"), peer.region("r")
+
+
 def stats_dict(agent: Any) -> dict[str, Any]:
     s = agent.statistics()
     return dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(vars(s))

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from conftest import pair_64k
 
 from aioxfer import _cyx
 from aioxfer.submission import Submission
@@ -21,12 +22,7 @@ from aioxfer.transfer import Transfer
 async def test_eager_patched_after_the_first_await_is_called(
     make_agent: Callable[..., Awaitable[Any]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    target = await make_agent("target")
-    init = await make_agent("init")
-    peer = await init.connect(target.address)
-    target.alloc(1 << 16, name="r")
-    await peer.refresh()
-    local, remote = init.alloc(1 << 16, name="l"), peer.region("r")
+    init, _peer, local, remote = await pair_64k(make_agent)
     await init.write(local[0:4096], remote[0:4096])  # the host type remembered
     seen: list[int] = []
 

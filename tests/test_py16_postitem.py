@@ -12,24 +12,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from conftest import pair_64k
 
 import aioxfer
 from aioxfer import _cyx
 
 
-async def _pair(make_agent: Callable[..., Awaitable[Any]]) -> tuple[Any, Any, Any, Any]:
-    target = await make_agent("target")
-    init = await make_agent("init")
-    peer = await init.connect(target.address)
-    target.alloc(1 << 16, name="r")
-    await peer.refresh()
-    return init, peer, init.alloc(1 << 16, name="l"), peer.region("r")
-
-
 async def test_a_write_batches_a_post_item_that_reads_as_its_tuple(
     make_agent: Callable[..., Awaitable[Any]],
 ) -> None:
-    init, peer, local, remote = await _pair(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     local.numpy()[:] = 7
     t = init.write(local[0:4096], remote[8192:12288])
@@ -65,7 +57,7 @@ async def test_hold_region_finds_a_batched_post_item(
 ) -> None:
     """Submission.hold_region reads a batch item's descriptors as item[2]:
     a PostItem's local region is found there."""
-    init, peer, local, remote = await _pair(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     t = init.write(local[0:4096], remote[0:4096])
     assert type(sub._pending[0]) is _cyx.PostItem
@@ -83,7 +75,7 @@ async def test_a_field_that_is_not_a_uint64_fails_the_post_as_before(
     """A segment field out of uint64 range (set by hand here): the compiled
     write batches the tuple item, and the post fails the transfer with the
     error the Python method's request gets."""
-    init, peer, local, remote = await _pair(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     errors = []
     for write in (init.write, aioxfer.Agent.write.__get__(init)):

@@ -8,18 +8,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from conftest import pair_64k
+
 from aioxfer import _cyx
 from aioxfer.submission import Submission
 from aioxfer.transfer import Transfer
-
-
-async def _pair(make_agent: Callable[..., Awaitable[Any]]) -> tuple[Any, Any, Any, Any]:
-    target = await make_agent("target")
-    init = await make_agent("init")
-    peer = await init.connect(target.address)
-    target.alloc(1 << 16, name="r")
-    await peer.refresh()
-    return init, peer, init.alloc(1 << 16, name="l"), peer.region("r")
 
 
 class Counting(Submission):
@@ -37,7 +30,7 @@ class Counting(Submission):
 async def test_a_host_with_its_own_eager_gets_it_called(
     make_agent: Callable[..., Awaitable[Any]],
 ) -> None:
-    init, peer, local, remote = await _pair(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     assert type(sub).eager is _cyx.submission_eager
     for _ in range(3):  # the direct call (and the host type it remembers)

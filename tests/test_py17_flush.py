@@ -11,25 +11,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from conftest import pair_64k
 
 from aioxfer import _cyx
 from aioxfer.submission import Submission
-
-
-async def _pair(make_agent: Callable[..., Awaitable[Any]]) -> tuple[Any, Any, Any, Any]:
-    target = await make_agent("target")
-    init = await make_agent("init")
-    peer = await init.connect(target.address)
-    target.alloc(1 << 16, name="r")
-    await peer.refresh()
-    return init, peer, init.alloc(1 << 16, name="l"), peer.region("r")
 
 
 async def test_the_scheduled_flush_posts_the_batch(
     make_agent: Callable[..., Awaitable[Any]],
 ) -> None:
     assert Submission._flush is _cyx.submission_scheduled_flush
-    init, peer, local, remote = await _pair(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     local.numpy()[:] = 3
     sub._eager_streak = 5
@@ -50,7 +42,7 @@ async def test_the_scheduled_flush_posts_the_batch(
 async def test_a_cancelled_transfer_in_the_batch_is_dropped(
     make_agent: Callable[..., Awaitable[Any]],
 ) -> None:
-    init, peer, local, remote = await _pair(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     ts = [init.write(local[i * 4096:(i + 1) * 4096], remote[i * 4096:(i + 1) * 4096])
           for i in range(3)]
@@ -68,7 +60,7 @@ async def test_a_cancelled_transfer_in_the_batch_is_dropped(
 async def test_a_flush_after_close_posts_nothing(
     make_agent: Callable[..., Awaitable[Any]],
 ) -> None:
-    init, peer, local, remote = await _pair(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     t = init.write(local[0:4096], remote[0:4096])
     sub.closed = True  # (what aclose sets first)

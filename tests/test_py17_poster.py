@@ -9,23 +9,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from conftest import pair_64k
 
 from aioxfer import _cyx
-
-
-async def _pair(make_agent: Callable[..., Awaitable[Any]]) -> tuple[Any, Any, Any, Any]:
-    target = await make_agent("target")
-    init = await make_agent("init")
-    peer = await init.connect(target.address)
-    target.alloc(1 << 16, name="r")
-    await peer.refresh()
-    return init, peer, init.alloc(1 << 16, name="l"), peer.region("r")
 
 
 async def test_write_and_read_are_bound_to_the_poster(
     make_agent: Callable[..., Awaitable[Any]],
 ) -> None:
-    init, peer, local, remote = await _pair(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     poster = init.write.__self__
     assert type(poster) is _cyx.Poster and init.read.__self__ is poster
     assert init.write.__name__ == "write" and init.read.__name__ == "read"
