@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import pair_64k
 
 import aioxfer
 from aioxfer import _cyx
@@ -236,23 +237,12 @@ def test_compiled_coalesce_agrees_with_numpy() -> None:
         _cyx.coalesce(np.zeros((3, 5), dtype=np.uint64))
 
 
-async def _pair_64k(make_agent: Callable[..., Awaitable[Any]]) -> tuple[Any, Any, Any, Any]:
-    """An initiator connected to a target: (initiator, peer, 64 KiB local
-    region, the target's 64 KiB region)."""
-    target = await make_agent("target")
-    init = await make_agent("init")
-    peer = await init.connect(target.address)
-    target.alloc(1 << 16, name="r")
-    await peer.refresh()
-    return init, peer, init.alloc(1 << 16, name="l"), peer.region("r")
-
-
 async def test_compiled_submit_does_what_the_python_one_does(
     make_agent: Callable[..., Awaitable[Any]],
 ) -> None:
     """Submission.submit (_cyx.Submitter) and the Python method it stands
     for (_submit_py): the same transfer, counts, batch item and flush."""
-    init, peer, local, remote = await _pair_64k(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     assert sub._make is not None and peer._sched is None and peer._lost is False
     c = peer._counters
@@ -283,7 +273,7 @@ async def test_compiled_eager_does_what_the_python_one_does(
     counts; past the streak, neither posts."""
     from aioxfer import submission
 
-    init, peer, local, remote = await _pair_64k(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     local.numpy()[:] = 7
     sub = init._sub
     await asyncio.sleep(0)  # the loop ran: no streak
@@ -313,7 +303,7 @@ async def test_compiled_flush_does_what_the_python_one_does(
     request posted alone (copied and completed inside the call), two
     requests posted together, the same counts; nothing pending, nothing
     done."""
-    init, peer, local, remote = await _pair_64k(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     local.numpy()[:] = 9
     sub = init._sub
     deltas = []
@@ -337,7 +327,7 @@ async def test_compiled_drain_does_what_the_python_one_does(
 ) -> None:
     """Submission.drain (_cyx.Submitter.drain) and _drain_py: the same
     transfers completed with their results, the same agent and peer counts."""
-    init, peer, local, remote = await _pair_64k(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     deltas = []
     for drain in (sub.drain, sub._drain_py):
@@ -366,7 +356,7 @@ async def test_prepared_post_now_with_nothing_batched_skips_the_batch(
     posts its request on its own: no batch item, no flush scheduled, the
     same transfer and counts as a write flushed at once; with something
     batched, the batch goes first, both in one post (as flush does)."""
-    init, peer, local, remote = await _pair_64k(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     local.numpy()[:] = 7
     sub = init._sub
     p = init.prepare("write", local[0:4096], remote[0:4096])
@@ -395,7 +385,7 @@ async def test_compiled_write_and_read_do_what_the_python_ones_do(
     """Agent.write/read's usual case (_cyx.Poster) and the Python methods it
     stands for: the same transfer, batch item and bytes moved; every other
     shape or a failing check goes to the Python method (the same errors)."""
-    init, peer, local, remote = await _pair_64k(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     assert init.write.__self__ is init.read.__self__  # the Poster's, bound per agent
     assert type(init.write.__self__) is _cyx.Poster
     sub = init._sub
@@ -462,7 +452,7 @@ async def test_compiled_submit_calls_a_replaced_make(
     """Submitter calls a FutureMaker's make directly (no method call), and
     whatever else Submission._make is set to as it is: a replaced one is
     called, the FutureMaker's again once it is back."""
-    init, peer, local, remote = await _pair_64k(make_agent)
+    init, peer, local, remote = await pair_64k(make_agent)
     sub = init._sub
     own = sub._make
     calls: list[int] = []
