@@ -12,11 +12,19 @@
  * leaves as it came. Pointer queries use cuPointerGetAttribute, which needs
  * no context (unified addressing); a call that needs one pushes the context
  * the memory belongs to (CU_POINTER_ATTRIBUTE_CONTEXT) and pops it after, as
- * UCX does. A device's primary context is retained (activated: hundreds of
- * MB of device memory) only to allocate on it (axf_cuda_alloc) or when this
- * process moves bytes on that device with no memory of its own there (host
- * memory <-> a peer's GPU memory). Only the engine's own CUDA threads keep a
- * context current.
+ * UCX does. What outlives one call (streams, events, IPC mappings, host
+ * pins) lives in the device's primary context, retained by us for the life
+ * of the process: a context we hold a reference on. Never in the context of
+ * the application's memory, which may be one it made itself (cuCtxCreate)
+ * and destroys when it likes; the driver then frees everything made in it,
+ * under every engine of the process. Copies between that memory and ours
+ * need no shared context (unified addressing). The primary context is
+ * retained (activated: hundreds of MB of device memory, where the
+ * application did not activate it already) only to allocate on a device
+ * (axf_cuda_alloc), when this process moves bytes on it, or when GPU memory
+ * of a device whose primary context is active already is registered (so that
+ * host pools can be pinned ahead of their first copy). Only the engine's own
+ * CUDA threads keep a context current.
  *
  * The copy path: an AXF_EP_CUDA endpoint is a same-host endpoint (host-only
  * ops run as shm copies) that also reaches a peer's GPU memory through CUDA IPC
@@ -127,6 +135,8 @@ enum {
     X(DeviceGetUuidV1, "cuDeviceGetUuid", 0, CUresult, (CUuuid *, CUdevice))                       \
     X(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 1, CUresult, (CUcontext *, CUdevice))    \
     X(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", 1, CUresult, (CUdevice))            \
+    X(DevicePrimaryCtxGetState, "cuDevicePrimaryCtxGetState", 0, CUresult,                         \
+      (CUdevice, unsigned int *, int *))                                                           \
     X(CtxSetCurrent, "cuCtxSetCurrent", 1, CUresult, (CUcontext))                                  \
     X(CtxPushCurrent, "cuCtxPushCurrent_v2", 1, CUresult, (CUcontext))                             \
     X(CtxPopCurrent, "cuCtxPopCurrent_v2", 1, CUresult, (CUcontext *))                             \
@@ -168,11 +178,11 @@ typedef struct cu_driver {
     int status; /* AXF_OK once loaded and initialised */
     char why[256];
     int ndev, version;
-    /* The context our own threads use per device: the context of the first
-     * memory of ours seen there, else its primary context, retained by us
-     * (retained[]) for the life of the process. drv_mu. */
+    /* The context our own threads use per device: its primary context,
+     * retained by us at first need for the life of the process (NULL until
+     * then). Only a context we hold a reference on: see the top of the file.
+     * drv_mu. */
     CUcontext dev_ctx[AXF_CUDA_MAX_DEVICES];
-    bool retained[AXF_CUDA_MAX_DEVICES];
     _Atomic int poisoned; /* a sticky error: the CUresult */
     char poison_why[160];
 } cu_driver;
@@ -325,23 +335,21 @@ static void ctx_pop(void)
     drv.CtxPopCurrent(&c);
 }
 
-/* The context the engine's threads use on dev (see cu_driver.dev_ctx);
- * `hint`: a context of memory of ours on dev, preferred. NULL on failure. */
-static CUcontext dev_context(int dev, CUcontext hint)
+/* The context the engine's threads use on dev: its primary context,
+ * retained once (cu_driver.dev_ctx). Never the context of the memory an op
+ * moves: the application may destroy that one, and with it every stream,
+ * event, IPC mapping and pin made in it (rev18 #5). NULL on failure. */
+static CUcontext dev_context(int dev)
 {
     if (dev < 0 || dev >= drv.ndev)
         return NULL;
     pthread_mutex_lock(&drv_mu);
-    if (!drv.dev_ctx[dev] && hint)
-        drv.dev_ctx[dev] = hint;
     if (!drv.dev_ctx[dev]) {
         CUdevice d;
         CUcontext c = NULL;
         if (drv.DeviceGet(&d, dev) == CUDA_SUCCESS &&
-            drv.DevicePrimaryCtxRetain(&c, d) == CUDA_SUCCESS) {
+            drv.DevicePrimaryCtxRetain(&c, d) == CUDA_SUCCESS)
             drv.dev_ctx[dev] = c;
-            drv.retained[dev] = true;
-        }
     }
     CUcontext c = drv.dev_ctx[dev];
     pthread_mutex_unlock(&drv_mu);
@@ -436,12 +444,19 @@ int axf_cuda_pointer(uint64_t ptr, uint64_t len, int *device, uint64_t *base, ui
     int st = span_check(ptr, len, &a);
     if (st != AXF_OK)
         return st;
-    /* The application's context on that device: what our threads will use
-     * there (no primary context of ours needed). */
-    pthread_mutex_lock(&drv_mu);
-    if (!drv.dev_ctx[a.dev])
-        drv.dev_ctx[a.dev] = a.ctx;
-    pthread_mutex_unlock(&drv_mu);
+    /* Where the application runs in the device's primary context (the
+     * runtime API, PyTorch) it is active already and retaining it costs a
+     * count: the engine then has a context for pinning host pools ahead of
+     * their first copy (pin_ahead). Not where it is inactive (the
+     * application's own context): that waits for the first copy. */
+    unsigned flags = 0;
+    int active = 0;
+    if (drv.DevicePrimaryCtxGetState) {
+        CUdevice d;
+        if (drv.DeviceGet(&d, a.dev) == CUDA_SUCCESS &&
+            drv.DevicePrimaryCtxGetState(d, &flags, &active) == CUDA_SUCCESS && active)
+            dev_context(a.dev);
+    }
     if (device)
         *device = a.dev;
     if (base)
@@ -585,7 +600,7 @@ int axf_cuda_alloc(int device, uint64_t len, uint64_t *ptr)
         return AXF_E_INVALID;
     /* Allocating on a device needs a context there: its primary context
      * (what the runtime API and PyTorch use), retained once. */
-    CUcontext c = dev_context(device, NULL);
+    CUcontext c = dev_context(device);
     if (ctx_push(c) != AXF_OK)
         return AXF_E_TRANSPORT;
     CUdeviceptr p = 0;
@@ -1000,22 +1015,17 @@ static uint64_t rptr(const op *o, size_t i, int dev)
 }
 
 /* The device whose stream copies op o: where its local GPU memory is, else
- * where the peer's is; *hint: the context of our memory there, if any. */
-static int op_device(const op *o, CUcontext *hint)
+ * where the peer's is. */
+static int op_device(const op *o)
 {
-    *hint = NULL;
     ptr_attr a;
     for (size_t i = 0; i < o->n; i++)
-        if (desc_local_gpu(o, i) && ptr_query((uint64_t)(uintptr_t)o->laddr[i], &a)) {
-            *hint = a.ctx;
+        if (desc_local_gpu(o, i) && ptr_query((uint64_t)(uintptr_t)o->laddr[i], &a))
             return a.dev;
-        }
     for (size_t i = 0; i < o->n; i++) {
         cuda_rmap *cm = CU_RM(o->rr[i]);
-        if (cm && cm->own && ptr_query(cm->own_ptr, &a)) {
-            *hint = a.ctx;
+        if (cm && cm->own && ptr_query(cm->own_ptr, &a))
             return a.dev;
-        }
         if (cm && !cm->own && cm->home >= 0)
             return cm->home;
     }
@@ -1149,9 +1159,8 @@ static void submit_one(struct axf_cuda *c, cuda_job *j, bool caller)
         handoff(c, j);
         return;
     }
-    CUcontext hint;
-    int dev = op_device(o, &hint);
-    CUcontext ctx = dev_context(dev, hint);
+    int dev = op_device(o);
+    CUcontext ctx = dev_context(dev);
     if (!ctx || (caller ? ctx_push(ctx) != AXF_OK : drv.CtxSetCurrent(ctx) != CUDA_SUCCESS)) {
         snprintf(why, sizeof why, "no usable context on device %d", dev);
         op_fail(c, o, AXF_E_TRANSPORT, 0, why);
@@ -1545,8 +1554,7 @@ static bool caller_may_submit(struct axf_cuda *c, const op *o)
         if (!CU_RM(rr) && (!shm_far_map(rr) || !pin_held(rr)))
             return false;
     }
-    CUcontext hint;
-    int dev = op_device(o, &hint);
+    int dev = op_device(o);
     if (dev < 0 || dev >= drv.ndev || !c->stream[dev])
         return false;
     for (size_t i = 0; i < o->n; i++) {

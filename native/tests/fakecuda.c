@@ -17,6 +17,13 @@
  *   (unified addressing). fakecuda_ctx_current / fakecuda_primary_refs let a
  *   test check that a library left the caller's context and the devices'
  *   primary contexts as it found them.
+ * - Contexts of the application's own (cuCtxCreate, pushed current as the
+ *   real call does): cuCtxDestroy frees what was made in it (its device
+ *   memory, the IPC mappings opened into it, its host registrations) and
+ *   leaves its streams and events refusing work: a copy, an event record or
+ *   query there, or any call made with it current, fails
+ *   CUDA_ERROR_INVALID_CONTEXT. Destroyed handles are never reused, so a
+ *   library that kept one finds it dead rather than someone else's.
  * - Device memory is NOT CPU-accessible: an allocation is a memfd mapped twice,
  *   once PROT_NONE at the "device address" (a CPU load or store there faults,
  *   as on a real GPU's unified address space) and once read-write for this
@@ -126,8 +133,10 @@ enum {
 #define MAX_DEV 8
 #define STACK 16
 
-/* A context. Only primary contexts exist here (what the runtime API and
- * aioxfer use); handles stay valid, an inactive one refuses work. */
+/* A context: a device's primary one (refs: how often retained), or one
+ * made by cuCtxCreate (refs 1 until cuCtxDestroy). Handles stay valid
+ * (never freed or reused); one with no refs (an inactive primary context, a
+ * destroyed one) refuses work. */
 typedef struct fctx {
     int dev;
     int refs; /* mu */
@@ -151,6 +160,9 @@ static bool inited;
 static int ndev = 2;
 static bool no_dmabuf, no_p2p;
 static fctx primary[MAX_DEV];
+#define MAX_CREATED 64
+static fctx created[MAX_CREATED]; /* cuCtxCreate's, in order; mu */
+static int ncreated;
 static bool peer_on[MAX_DEV][MAX_DEV]; /* [from][to]: contexts of `from` reach `to`'s memory */
 static _Atomic CUresult sticky;        /* set by any stream thread */
 static _Atomic int sync_copies;
@@ -186,7 +198,7 @@ static CUresult need_ctx(fctx **out)
     int refs = c->refs;
     pthread_mutex_unlock(&mu);
     if (refs <= 0)
-        return E_INVALID_CONTEXT; /* a released primary context: inactive */
+        return E_INVALID_CONTEXT; /* a released primary context, a destroyed one */
     *out = c;
     return OK;
 }
@@ -390,7 +402,21 @@ EXPORT CUresult cuDevicePrimaryCtxGetState(int dev, unsigned int *flags, int *ac
 static bool ctx_valid(const void *c)
 {
     const fctx *f = c;
-    return f >= primary && f < primary + ndev;
+    if (f >= primary && f < primary + ndev)
+        return true;
+    pthread_mutex_lock(&mu);
+    bool made = f >= created && f < created + ncreated;
+    pthread_mutex_unlock(&mu);
+    return made;
+}
+
+/* Whether context c may have work done in it (refs: mu). */
+static bool ctx_alive(fctx *c)
+{
+    pthread_mutex_lock(&mu);
+    bool alive = c && c->refs > 0;
+    pthread_mutex_unlock(&mu);
+    return alive;
 }
 
 EXPORT CUresult cuCtxGetCurrent(void **ctx)
@@ -435,6 +461,30 @@ EXPORT CUresult cuCtxPopCurrent_v2(void **ctx)
     fctx *c = stack[--depth];
     if (ctx)
         *ctx = c;
+    return OK;
+}
+
+/* An application's own context on dev, made current (pushed) on the calling
+ * thread, as the real call does. */
+EXPORT CUresult cuCtxCreate_v2(void **out, unsigned int flags, int dev)
+{
+    CHECK_INIT();
+    (void)flags;
+    if (dev < 0 || dev >= ndev)
+        return E_INVALID_DEVICE;
+    if (depth == STACK)
+        return E_OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    fctx *c = ncreated < MAX_CREATED ? &created[ncreated++] : NULL;
+    if (c) {
+        c->dev = dev;
+        c->refs = 1;
+    }
+    pthread_mutex_unlock(&mu);
+    if (!c)
+        return E_OUT_OF_MEMORY;
+    stack[depth++] = c;
+    *out = c;
     return OK;
 }
 
@@ -781,6 +831,7 @@ EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p)
 typedef struct pinned {
     uint8_t *p;
     size_t n;
+    fctx *ctx; /* registered in; gone with it */
     struct pinned *next;
 } pinned;
 static pinned *pins;
@@ -813,7 +864,6 @@ EXPORT CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags)
 {
     CHECK_INIT();
     NEED_CTX(c);
-    (void)c;
     if (!p || !n)
         return E_INVALID_VALUE;
     /* The driver pins pages for the device to write: a read-only mapping
@@ -830,6 +880,7 @@ EXPORT CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags)
     if (q) {
         q->p = p;
         q->n = n;
+        q->ctx = c;
         q->next = pins;
         pins = q;
     }
@@ -1077,6 +1128,7 @@ typedef struct event {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     unsigned pending; /* records not reached yet */
+    fctx *ctx;        /* made in: refuses work once that is destroyed */
 } event;
 
 typedef struct item {
@@ -1092,6 +1144,7 @@ typedef struct stream {
     item *head, *tail;
     bool stop, busy;
     int dev;
+    fctx *ctx; /* made in: refuses work once that is destroyed */
     pthread_t th;
 } stream;
 
@@ -1140,6 +1193,7 @@ EXPORT CUresult cuStreamCreate(void **out, unsigned int flags)
     if (!s)
         return E_OUT_OF_MEMORY;
     s->dev = c->dev;
+    s->ctx = c;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_cond_init(&s->idle, NULL);
@@ -1182,6 +1236,8 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *
     stream *s = hs;
     if (!s)
         return E_INVALID_VALUE;
+    if (!ctx_alive(s->ctx))
+        return E_INVALID_CONTEXT; /* a stream of a destroyed context */
     copy_tid = (long)syscall(SYS_gettid);
     uint8_t *d, *sp;
     bool pageable;
@@ -1214,6 +1270,8 @@ EXPORT CUresult cuStreamSynchronize(void *hs)
     stream *s = hs;
     if (!s)
         return E_INVALID_VALUE;
+    if (!ctx_alive(s->ctx))
+        return E_INVALID_CONTEXT;
     stream_drain(s);
     return sticky;
 }
@@ -1239,13 +1297,13 @@ EXPORT CUresult cuEventCreate(void **out, unsigned int flags)
 {
     CHECK_INIT();
     NEED_CTX(c);
-    (void)c;
     (void)flags;
     event *e = calloc(1, sizeof *e);
     if (!e)
         return E_OUT_OF_MEMORY;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
+    e->ctx = c;
     event_creates++;
     *out = e;
     return OK;
@@ -1255,6 +1313,9 @@ EXPORT CUresult cuEventRecord(void *he, void *hs)
 {
     CHECK_INIT();
     event *e = he;
+    stream *s = hs;
+    if (!ctx_alive(e->ctx) || (s && !ctx_alive(s->ctx)))
+        return E_INVALID_CONTEXT;
     item *it = calloc(1, sizeof *it);
     if (!it)
         return E_OUT_OF_MEMORY;
@@ -1284,6 +1345,8 @@ static bool event_drain(event *e) /* whether it had to sleep */
 
 EXPORT CUresult cuEventSynchronize(void *he)
 {
+    if (!ctx_alive(((event *)he)->ctx))
+        return E_INVALID_CONTEXT;
     if (event_drain(he))
         event_sleeps++;
     return sticky;
@@ -1293,6 +1356,8 @@ EXPORT CUresult cuEventQuery(void *he)
 {
     event *e = he;
     event_queries++;
+    if (!ctx_alive(e->ctx))
+        return E_INVALID_CONTEXT;
     CUresult fail = atomic_exchange(&query_error, OK);
     if (fail != OK)
         return fail;
@@ -1312,5 +1377,61 @@ EXPORT CUresult cuEventDestroy_v2(void *he)
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);
+    return OK;
+}
+
+/* ---------------------------------------------------------------- destroying a context */
+
+/* Destroys a context made by cuCtxCreate, whatever still uses it (the
+ * driver's rule: "regardless of how many threads it is current to"): its
+ * device memory and the IPC mappings opened into it are freed, its host
+ * registrations dropped, its streams and events refuse work from now on. Off
+ * the calling thread's stack if on top, as the real call pops it. */
+EXPORT CUresult cuCtxDestroy_v2(void *ctx)
+{
+    CHECK_INIT();
+    fctx *c = ctx;
+    pthread_mutex_lock(&mu);
+    bool made = c >= created && c < created + ncreated;
+    if (!made || c->refs <= 0) { /* a primary context, or destroyed already */
+        pthread_mutex_unlock(&mu);
+        return E_INVALID_CONTEXT;
+    }
+    c->refs = 0;
+    alloc *gone = NULL;
+    for (alloc **pp = &allocs; *pp;) {
+        alloc *a = *pp;
+        if (a->ctx == c) {
+            *pp = a->next;
+            a->next = gone;
+            gone = a;
+        } else {
+            pp = &a->next;
+        }
+    }
+    pinned *dropped = NULL;
+    for (pinned **pp = &pins; *pp;) {
+        pinned *q = *pp;
+        if (q->ctx == c) {
+            *pp = q->next;
+            q->next = dropped;
+            dropped = q;
+        } else {
+            pp = &q->next;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    while (gone) {
+        alloc *a = gone;
+        gone = a->next;
+        alloc_unmap(a, !a->imported && !a->managed); /* an arena range stays reserved */
+    }
+    while (dropped) {
+        pinned *q = dropped;
+        dropped = q->next;
+        free(q);
+    }
+    if (depth && stack[depth - 1] == c)
+        depth--;
     return OK;
 }

@@ -925,6 +925,112 @@ static int test_stop_races_lone_posts(void)
     return 0;
 }
 
+typedef int (*cu_create_fn)(void **, unsigned int, int);
+typedef int (*cu_alloc_fn)(uint64_t *, size_t);
+typedef int (*cu_free_fn)(uint64_t);
+
+/* Moves len bytes host -> GPU memory g (registered by b, imported by a over
+ * a loopback CUDA endpoint) and back into a second host buffer: both copies
+ * must arrive. */
+static int gpu_round_trip(tengine *a, tengine *b, uint64_t g, size_t len, uint64_t id)
+{
+    uint8_t *src = malloc(len), *back = calloc(1, len);
+    CHECK(src && back);
+    t_fill(src, len, (int)id);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    uint64_t srid, skey, brid, bkey, grid, gkey, ep;
+    CHECK_EQ(axf_region_register(a->e, src, len, rw, -1, &srid, &skey), AXF_OK);
+    CHECK_EQ(axf_region_register(a->e, back, len, rw, -1, &brid, &bkey), AXF_OK);
+    CHECK_EQ(axf_region_register_kind(b->e, AXF_MEM_CUDA, g, len, rw, -1, &grid, &gkey), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, id, getpid(), -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, grid, gkey, len, rw, g, NULL, 0, NULL), AXF_OK);
+    axf_desc w = {.lrid = srid, .rrid = grid, .rkey = gkey, .len = len};
+    if (post_wait(a, ep, AXF_OP_WRITE, &w, 1, id, AXF_OK))
+        return 1;
+    axf_desc r = {.lrid = brid, .rrid = grid, .rkey = gkey, .len = len};
+    if (post_wait(a, ep, AXF_OP_READ, &r, 1, id + 1, AXF_OK))
+        return 1;
+    CHECK(memcmp(src, back, len) == 0);
+    /* everything that refers to g goes before g may */
+    CHECK_EQ(axf_endpoint_forget(a->e, ep, grid), AXF_OK);
+    CHECK_EQ(axf_endpoint_close(a->e, ep), AXF_OK);
+    CHECK_EQ(axf_region_deregister(b->e, grid), AXF_OK);
+    CHECK_EQ(axf_region_deregister(a->e, srid), AXF_OK);
+    CHECK_EQ(axf_region_deregister(a->e, brid), AXF_OK);
+    free(src);
+    free(back);
+    return 0;
+}
+
+/* Rule: the engine keeps no context it does not own. An application's own
+ * context (cuCtxCreate: not the device's primary one) whose memory was moved
+ * once and which the application then destroyed must not be what later
+ * streams, events and copies on that device run in, in any engine: with the
+ * primary context's memory they still work, in the engine that moved the
+ * first memory and in a new one. (Run alone too, "cuda_fake_appctx": in a
+ * fresh process, where nothing has made the engine use the primary context
+ * of that device before.) */
+static int test_app_context_destroyed(void)
+{
+    cu_create_fn create = (cu_create_fn)(uintptr_t)drv_sym("cuCtxCreate_v2");
+    cu_ctx_in_fn destroy = (cu_ctx_in_fn)(uintptr_t)drv_sym("cuCtxDestroy_v2");
+    cu_ctx_fn pop = (cu_ctx_fn)(uintptr_t)drv_sym("cuCtxPopCurrent_v2");
+    cu_ctx_in_fn push = (cu_ctx_in_fn)(uintptr_t)drv_sym("cuCtxPushCurrent_v2");
+    cu_retain_fn retain = (cu_retain_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRetain");
+    cu_release_fn release = (cu_release_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRelease_v2");
+    cu_alloc_fn cualloc = (cu_alloc_fn)(uintptr_t)drv_sym("cuMemAlloc_v2");
+    cu_free_fn cufree = (cu_free_fn)(uintptr_t)drv_sym("cuMemFree_v2");
+    CHECK(create && destroy && pop && push && retain && release && cualloc && cufree);
+    enum { LEN = 1 << 20 };
+    int dev = ndevices() - 1;
+    void *none = cur_ctx();
+    /* The application's own context, its memory, moved once. */
+    void *app = NULL, *popped = NULL;
+    CHECK_EQ(create(&app, 0, dev), 0); /* made current on this thread */
+    uint64_t gx = 0;
+    CHECK_EQ(cualloc(&gx, LEN), 0);
+    CHECK_EQ(pop(&popped), 0);
+    CHECK(popped == app);
+    CTX_SAME(none);
+    tengine *a = t_engine(NULL), *b = t_engine(NULL);
+    CHECK(a && b);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+    CHECK_EQ(gpu_round_trip(a, b, gx, LEN, 10), 0);
+    CTX_SAME(none);
+    /* Gone, with its memory (cuCtxDestroy frees it). */
+    CHECK_EQ(destroy(app), 0);
+    CTX_SAME(none);
+    /* Memory of the device's primary context, as the runtime API makes it. */
+    void *prim = NULL;
+    uint64_t gp = 0;
+    CHECK_EQ(retain(&prim, dev), 0);
+    CHECK_EQ(push(prim), 0);
+    CHECK_EQ(cualloc(&gp, LEN), 0);
+    CHECK_EQ(pop(&popped), 0);
+    CHECK(popped == prim);
+    /* the engine that moved the first memory, and a new one */
+    CHECK_EQ(gpu_round_trip(a, b, gp, LEN, 20), 0);
+    tengine *c = t_engine(NULL);
+    CHECK(c);
+    CHECK_EQ(axf_cuda_enable(c->e, why, sizeof why), AXF_OK);
+    CHECK_EQ(gpu_round_trip(c, b, gp, LEN, 30), 0);
+    /* and what needs a context of the engine's own: an allocation */
+    uint64_t g2 = 0;
+    CHECK_EQ(axf_cuda_alloc(dev, 4096, &g2), AXF_OK);
+    CHECK_EQ(axf_cuda_free(g2), AXF_OK);
+    CTX_SAME(none);
+    t_close(a);
+    t_close(b);
+    t_close(c);
+    CHECK_EQ(push(prim), 0);
+    CHECK_EQ(cufree(gp), 0);
+    CHECK_EQ(pop(&popped), 0);
+    CHECK_EQ(release(dev), 0);
+    CTX_SAME(none);
+    return 0;
+}
+
 /* Rule: a sticky error (an illegal address on the device) poisons every
  * context of the process, the application's too: latched, reported with its
  * name, and no GPU op is attempted after it. Last: it stays for the process. */
@@ -969,6 +1075,7 @@ int main(int argc, char **argv)
             T_CASE(test_caller_submits),
             T_CASE(test_stop_waits_for_lone_poster),
             T_CASE(test_stop_races_lone_posts),
+            T_CASE(test_app_context_destroyed),
             T_CASE(test_sticky_error_latched), /* last: the process stays poisoned */
         };
         return T_RUN(argc - 1, argv + 1, gpu);
