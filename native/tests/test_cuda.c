@@ -1031,6 +1031,83 @@ static int test_app_context_destroyed(void)
     return 0;
 }
 
+/* Rule: registering GPU memory of a device whose primary context the
+ * application uses (the runtime API, PyTorch) gives the engine a context of
+ * its own there at once (host pools are pinned ahead of their first copy);
+ * registering memory of an application's own context activates nothing.
+ * Alone, in a fresh process ("cuda_fake_register_ctx"): before this, no
+ * engine has a context anywhere. */
+static int test_register_takes_active_primary(void)
+{
+    cu_create_fn create = (cu_create_fn)(uintptr_t)drv_sym("cuCtxCreate_v2");
+    cu_ctx_in_fn destroy = (cu_ctx_in_fn)(uintptr_t)drv_sym("cuCtxDestroy_v2");
+    cu_ctx_fn pop = (cu_ctx_fn)(uintptr_t)drv_sym("cuCtxPopCurrent_v2");
+    cu_ctx_in_fn push = (cu_ctx_in_fn)(uintptr_t)drv_sym("cuCtxPushCurrent_v2");
+    cu_retain_fn retain = (cu_retain_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRetain");
+    cu_release_fn release = (cu_release_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRelease_v2");
+    cu_alloc_fn cualloc = (cu_alloc_fn)(uintptr_t)drv_sym("cuMemAlloc_v2");
+    cu_free_fn cufree = (cu_free_fn)(uintptr_t)drv_sym("cuMemFree_v2");
+    CHECK(create && destroy && pop && push && retain && release && cualloc && cufree);
+    if (pinned_now() < 0 || primary_refs(0) < 0 || ndevices() < 2)
+        return 0; /* counted by the software driver only */
+    if (primary_refs(0) || primary_refs(1))
+        return 0; /* not a fresh process: earlier cases retained contexts */
+    enum { LEN = 1 << 20 };
+    void *popped = NULL;
+    /* device 0: the application's own context; registering its memory
+     * leaves device 0's primary context inactive */
+    void *app = NULL;
+    uint64_t gx = 0;
+    CHECK_EQ(create(&app, 0, 0), 0);
+    CHECK_EQ(cualloc(&gx, LEN), 0);
+    CHECK_EQ(pop(&popped), 0);
+    CHECK_EQ(axf_cuda_pointer(gx, LEN, NULL, NULL, NULL), AXF_OK);
+    CHECK_EQ(primary_refs(0), 0);
+    tengine *a = t_engine(NULL);
+    CHECK(a);
+    char why[256];
+    CHECK_EQ(axf_cuda_enable(a->e, why, sizeof why), AXF_OK);
+    uint8_t *pool = calloc(1, LEN);
+    CHECK(pool);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    uint64_t hrid, hkey;
+    int before = pinned_now();
+    /* no context of the engine's yet: the pin waits for the first copy */
+    CHECK_EQ(axf_region_register(a->e, pool, LEN, rw, -1, &hrid, &hkey), AXF_OK);
+    CHECK_EQ(axf_cuda_pin_region(a->e, hrid), AXF_OK);
+    usleep(50 * 1000);
+    CHECK_EQ(pinned_now(), before);
+    CHECK_EQ(axf_region_deregister(a->e, hrid), AXF_OK);
+    /* device 1: the primary context, active (the application's) */
+    void *prim = NULL;
+    uint64_t gp = 0;
+    CHECK_EQ(retain(&prim, 1), 0);
+    CHECK_EQ(push(prim), 0);
+    CHECK_EQ(cualloc(&gp, LEN), 0);
+    CHECK_EQ(pop(&popped), 0);
+    CHECK_EQ(primary_refs(1), 1);
+    CHECK_EQ(axf_cuda_pointer(gp, LEN, NULL, NULL, NULL), AXF_OK);
+    CHECK_EQ(primary_refs(1), 2); /* ours, held for the life of the process */
+    CHECK_EQ(axf_cuda_pointer(gp, LEN, NULL, NULL, NULL), AXF_OK);
+    CHECK_EQ(primary_refs(1), 2); /* once */
+    CHECK_EQ(primary_refs(0), 0);
+    CHECK_EQ(axf_region_register(a->e, pool, LEN, rw, -1, &hrid, &hkey), AXF_OK);
+    CHECK_EQ(axf_cuda_pin_region(a->e, hrid), AXF_OK);
+    uint64_t until = t_now_ms() + T_TIMEOUT_MS;
+    while (pinned_now() == before && t_now_ms() < until)
+        usleep(1000);
+    CHECK_EQ(pinned_now(), before + 1); /* ahead of any copy */
+    t_close(a);
+    CHECK_EQ(pinned_now(), before);
+    CHECK_EQ(push(prim), 0);
+    CHECK_EQ(cufree(gp), 0);
+    CHECK_EQ(pop(&popped), 0);
+    CHECK_EQ(release(1), 0);
+    CHECK_EQ(destroy(app), 0);
+    free(pool);
+    return 0;
+}
+
 /* Rule: a sticky error (an illegal address on the device) poisons every
  * context of the process, the application's too: latched, reported with its
  * name, and no GPU op is attempted after it. Last: it stays for the process. */
@@ -1076,6 +1153,7 @@ int main(int argc, char **argv)
             T_CASE(test_stop_waits_for_lone_poster),
             T_CASE(test_stop_races_lone_posts),
             T_CASE(test_app_context_destroyed),
+            T_CASE(test_register_takes_active_primary),
             T_CASE(test_sticky_error_latched), /* last: the process stays poisoned */
         };
         return T_RUN(argc - 1, argv + 1, gpu);
