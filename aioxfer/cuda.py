@@ -222,7 +222,7 @@ def _from_cai(cai: dict[str, Any]) -> GpuMemory:
     ptr, readonly = cai["data"]
     count = math.prod(shape)
     strides = cai.get("strides")
-    if strides is not None and count > 1 and tuple(strides) != _c_strides(shape, itemsize):
+    if strides is not None and not _c_contiguous(shape, tuple(int(s) for s in strides), itemsize):
         raise NotContiguous(f"strides {tuple(strides)} are not C-contiguous for shape {shape}")
     nbytes = count * itemsize
     if nbytes <= 0 or not ptr:
@@ -230,13 +230,23 @@ def _from_cai(cai: dict[str, Any]) -> GpuMemory:
     return GpuMemory("cuda", int(ptr), nbytes, bool(readonly))
 
 
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    out = []
+def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether byte ``strides`` lay ``shape`` out as one C-order block. The
+    stride of a dimension of size 1 is never stepped over, so any value is
+    fine there (a transposed column vector: shape (1, N), strides (1, 1)),
+    as numpy, PyTorch and DLPack producers leave it arbitrary; an array of
+    at most one element has no layout at all (its strides say nothing: an
+    empty one is refused as empty, later)."""
+    if len(strides) != len(shape):
+        return False
+    if math.prod(shape) <= 1:
+        return True
     step = itemsize
-    for n in reversed(shape):
-        out.append(step)
+    for n, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if n != 1 and stride != step:
+            return False
         step *= n
-    return tuple(reversed(out))
+    return True
 
 
 class _DLDevice(ctypes.Structure):
@@ -277,10 +287,12 @@ def _from_dlpack(obj: Any, kind: Literal["cuda", "host"]) -> GpuMemory:
     shape = tuple(t.shape[i] for i in range(t.ndim))
     itemsize = (t.dtype.bits * t.dtype.lanes + 7) // 8
     count = math.prod(shape)
-    if t.strides and count > 1:
+    if t.strides:  # NULL: C-contiguous (DLPack before 1.0 allows it)
         strides = tuple(t.strides[i] * itemsize for i in range(t.ndim))
-        if strides != _c_strides(shape, itemsize):
-            raise NotContiguous(f"DLPack strides are not C-contiguous for shape {shape}")
+        if not _c_contiguous(shape, strides, itemsize):
+            raise NotContiguous(
+                f"DLPack strides {strides} (bytes) are not C-contiguous for shape {shape}"
+            )
     nbytes = count * itemsize
     ptr = (t.data or 0) + t.byte_offset
     del capsule
