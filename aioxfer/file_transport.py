@@ -28,6 +28,7 @@ an implementation detail, never listed in ``agent.peers``.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from collections.abc import Sequence
@@ -75,11 +76,20 @@ def devices() -> list[str]:
 # ---------------------------------------------------------------- registration
 
 
+# (st_dev, st_ino) of a file open_region_file created: what discard_created
+# removes, and only while the path still names that file.
+Created = tuple[int, int]
+
+
 def open_region_file(
     path: str | os.PathLike[str], size: int | None, direct: bool
-) -> tuple[int, int, int]:
-    """Opens (creating a regular file if missing, growing it to ``size``) and
-    returns (fd, nbytes, access). Raises RegistrationError."""
+) -> tuple[int, int, int, Created | None]:
+    """Opens (creating a regular file if missing and ``size`` is given, growing
+    it to ``size``) and returns (fd, nbytes, access, created): ``created``
+    names the file this call made, for the caller to remove
+    (``discard_created``) if its registration fails after all. Raises
+    RegistrationError, having removed a file it created; a file that was there
+    before is never removed."""
     where = os.fspath(path)
     if size is not None and (not isinstance(size, int) or size <= 0):
         raise RegistrationError(f"cannot register {where!r}: size must be a positive int or None")
@@ -91,8 +101,18 @@ def open_region_file(
         )
     flags = os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     access = _cyx.ACCESS_READ | _cyx.ACCESS_WRITE
+    created: Created | None = None
     try:
-        fd = os.open(where, flags | os.O_RDWR | os.O_CREAT, 0o644)
+        # Not O_CREAT: a file is made only where size= says how big, and only
+        # by O_EXCL (_create), so that a failure later removes what this call
+        # made and nothing else.
+        fd = os.open(where, flags | os.O_RDWR)
+    except FileNotFoundError:
+        if size is None:
+            raise RegistrationError(
+                f"cannot register {where!r}: no such file; pass size= to create it"
+            ) from None
+        fd, created = _create(where, direct)
     except OSError as exc:
         if direct and exc.errno == errno.EINVAL:
             raise RegistrationError(
@@ -132,11 +152,59 @@ def open_region_file(
             )
     except OSError as exc:
         os.close(fd)
+        discard_created(where, created)
         raise RegistrationError(f"cannot size {where!r}: {exc.strerror}") from None
     except BaseException:
         os.close(fd)
+        discard_created(where, created)
         raise
-    return fd, size, access
+    return fd, size, access, created
+
+
+def _create(where: str, direct: bool) -> tuple[int, Created | None]:
+    """A new regular file at ``where`` (O_EXCL), open read-write (O_DIRECT when
+    ``direct``): (fd, its identity); (fd, None) when another process made it
+    meanwhile and it was opened as an existing file."""
+    try:
+        fd = os.open(where, os.O_CLOEXEC | os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:  # made since our first open: it is not ours to remove
+        try:
+            return os.open(where, os.O_CLOEXEC | os.O_RDWR | (os.O_DIRECT if direct else 0)), None
+        except OSError as exc:
+            raise RegistrationError(f"cannot open {where!r}: {exc.strerror}") from None
+    except OSError as exc:
+        raise RegistrationError(f"cannot create {where!r}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    created = (st.st_dev, st.st_ino)
+    if direct:
+        # O_DIRECT set on this descriptor rather than by a second open of the
+        # path, which might meanwhile name another file. A filesystem that
+        # refuses it refuses F_SETFL (EINVAL) as it refuses open(O_DIRECT).
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError as exc:
+            os.close(fd)
+            discard_created(where, created)
+            if exc.errno == errno.EINVAL:
+                raise RegistrationError(
+                    f"cannot register {where!r}: its filesystem refuses O_DIRECT (direct=True)"
+                ) from None
+            raise RegistrationError(f"cannot open {where!r}: {exc.strerror}") from None
+    return fd, created
+
+
+def discard_created(where: str, created: Created | None) -> None:
+    """Removes the file open_region_file created at ``where`` (after a failed
+    registration), if the path still names it: never a file that replaced it.
+    Best effort: the registration's own error is what the caller reports."""
+    if created is None:
+        return
+    try:
+        st = os.lstat(where)
+        if (st.st_dev, st.st_ino) == created:
+            os.unlink(where)
+    except OSError:
+        pass
 
 
 def register_file(
@@ -150,11 +218,15 @@ def register_file(
     host.check_open()
     if name is not None:
         host.check_name(name)
-    fd, nbytes, access = open_region_file(path, size, direct)
+    fd, nbytes, access, created = open_region_file(path, size, direct)
     try:
         rid, key = host.engine.register_file(fd, 0, nbytes, access)
     except _cyx.NativeError as exc:
+        discard_created(os.fspath(path), created)
         raise RegistrationError(f"cannot register {os.fspath(path)!r}: {exc}") from None
+    except BaseException:
+        discard_created(os.fspath(path), created)
+        raise
     finally:
         os.close(fd)  # the engine keeps its own duplicate
     if name is None:
