@@ -980,7 +980,11 @@ static int test_app_context_destroyed(void)
     cu_release_fn release = (cu_release_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRelease_v2");
     cu_alloc_fn cualloc = (cu_alloc_fn)(uintptr_t)drv_sym("cuMemAlloc_v2");
     cu_free_fn cufree = (cu_free_fn)(uintptr_t)drv_sym("cuMemFree_v2");
-    CHECK(create && destroy && pop && push && retain && release && cualloc && cufree);
+    if (!create || !destroy) { /* a driver without them (the software one has them) */
+        CHECK(!drv_sym("fakecuda_sync_copies"));
+        return 0;
+    }
+    CHECK(pop && push && retain && release && cualloc && cufree);
     enum { LEN = 1 << 20 };
     int dev = ndevices() - 1;
     void *none = cur_ctx();
@@ -1047,7 +1051,11 @@ static int test_register_takes_active_primary(void)
     cu_release_fn release = (cu_release_fn)(uintptr_t)drv_sym("cuDevicePrimaryCtxRelease_v2");
     cu_alloc_fn cualloc = (cu_alloc_fn)(uintptr_t)drv_sym("cuMemAlloc_v2");
     cu_free_fn cufree = (cu_free_fn)(uintptr_t)drv_sym("cuMemFree_v2");
-    CHECK(create && destroy && pop && push && retain && release && cualloc && cufree);
+    if (!create || !destroy) { /* a driver without them (the software one has them) */
+        CHECK(!drv_sym("fakecuda_sync_copies"));
+        return 0;
+    }
+    CHECK(pop && push && retain && release && cualloc && cufree);
     if (pinned_now() < 0 || primary_refs(0) < 0 || ndevices() < 2)
         return 0; /* counted by the software driver only */
     if (primary_refs(0) || primary_refs(1))
