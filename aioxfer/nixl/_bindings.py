@@ -3292,8 +3292,9 @@ class _ListenConn(asyncio.BufferedProtocol):
             # bytes through one buffer for all connections, so a short one
             # ends in an orderly close as when asyncio's streams had read
             # it all. Past that, it is reset.
-            fd = t.get_extra_info("socket").fileno()
-            for _ in range(_LISTEN_DISCARD // len(_LISTEN_SCRATCH)):
+            sock = t.get_extra_info("socket")
+            fd = -1 if sock is None else sock.fileno()
+            for _ in range(_LISTEN_DISCARD // len(_LISTEN_SCRATCH) if fd >= 0 else 0):
                 try:
                     if os.readv(fd, [_LISTEN_SCRATCH]) < len(_LISTEN_SCRATCH):
                         break
