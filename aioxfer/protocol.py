@@ -615,7 +615,10 @@ def server_join_now(
     if _NO_JOIN in frame[4 : 4 + n]:
         return None  # (a shortcut: an empty "join" as msgspec writes it)
     try:
-        hello = decode_body(memoryview(frame)[4:])
+        # (Exactly the frame, as server_hello_now: all that was peeked made
+        # a Hello with anything behind it fail to decode, "trailing
+        # characters", and take server_handshake's slower path.)
+        hello = decode_body(memoryview(frame)[4 : 4 + n])
     except ProtocolError:
         return None
     if not (

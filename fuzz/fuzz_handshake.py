@@ -14,7 +14,14 @@ stream the other side sends (then it hangs up):
          for "peer" incarnation 7, 3 joins), as if that client's first
          connection had been challenged; (client, data): this is a first
          connection that 3 others will join (joins=3, on_challenge);
-  bit 5 (client, data): this connection joins (GRANT, index 1).
+  bit 5 (client, data): this connection joins (GRANT, index 1);
+  bit 6 (server, token): the accepting step's shortcuts first, as
+         serving.py takes them: server_join_now when the join table is held
+         (bit 4), else server_hello_now; then server_handshake, if the
+         connection is not served already. Each reads exactly the Hello's
+         frame when it takes it (the rest stays in the socket, byte for
+         byte, for the engine or the Proof round) and nothing when it does
+         not.
 Contract: the handshake returns what it promises (a Hello that passed every
 check, an Accept, an AgentMeta) or raises an XferError (AccessDenied,
 ProtocolError); it never authenticates a peer that did not prove the token
@@ -71,16 +78,80 @@ def _joined_with_the_token(hello: Any) -> bool:
     )
 
 
-async def _server(sock: socket.socket, token: bytes | None, with_joins: bool) -> None:
+def _waiting(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(MAX_INPUT, socket.MSG_PEEK)
+    except BlockingIOError:
+        return b""
+
+
+def _at_once(sock: socket.socket, token: bytes | None, joins: Any) -> tuple[Any, Any]:
+    """serving.py's accepting step: (a join served, a first Hello taken),
+    at most one of them; checks what each read of the socket."""
+    p, md = _m.protocol, _m.metadata
+    before = _waiting(sock)
+    accept = md.Accept(name="server", incarnation=1)
+    if joins is not None:
+        got = p.server_join_now(sock, token=token, accept=accept, joins=joins)
+    else:
+        got = p.server_hello_now(sock, token=token, accept=accept, joins=None)
+    after = _waiting(sock)
+    if got is None:
+        if after != before:
+            raise AssertionError(f"not taken, yet {len(before) - len(after)} bytes read")
+        if _takes(before, token, joins):
+            raise AssertionError("a whole Hello it takes, with what follows it, not taken")
+        return None, None
+    n = 4 + int.from_bytes(before[:4], "big")
+    if after != before[n:]:
+        raise AssertionError(f"taken, and {len(before) - len(after)} bytes read of a "
+                             f"{n}-byte Hello frame with {len(before) - n} behind it")
+    hello = got if joins is not None else got.hello
+    if hello != p.decode_body(before[4:n]):
+        raise AssertionError(f"taken a Hello that is not its frame's: {hello!r}")
+    return (got, None) if joins is not None else (None, got)
+
+
+def _takes(data: bytes, token: bytes | None, joins: Any) -> bool:
+    """Whether the accepting step must take the Hello that data starts with
+    (whatever follows it): whole, passing every check, with the token; for
+    server_join_now a join of the known grant proved with the token."""
+    p = _m.protocol
+    n = int.from_bytes(data[:4], "big")
+    if token is None or len(data) < 4 or not 0 < n <= min(len(data) - 4, p.MAX_HANDSHAKE_FRAME):
+        return False
+    try:
+        h = p.decode_body(data[4:4 + n])
+    except _m.errors.ProtocolError:
+        return False
+    if not p._hello_passes(h):
+        return False
+    native = h.byteorder == sys.byteorder
+    if joins is None:
+        return not h.join and (native or h.purpose not in ("data", "verbs"))
+    # (server_join_now's shortcut skips a frame holding an empty "join" as
+    # msgspec writes it: a nonce may hold those 7 bytes too, 1 in 2**50 of
+    # random ones; then it is left to server_handshake, as harmless.)
+    return (h.purpose == "data" and native and not h.meta and _joined_with_the_token(h)
+            and p._NO_JOIN not in data[4:4 + n])
+
+
+async def _server(sock: socket.socket, token: bytes | None, with_joins: bool,
+                  now: bool) -> None:
     p, md = _m.protocol, _m.metadata
     joins = None
     if with_joins:
         joins = p.Joins(ttl=60.0, cap=4)
         joins.grant(GRANT, md.Hello(version=md.PROTOCOL_VERSION, name="peer", incarnation=7,
                                     purpose="data", nonce=b"n" * 16, joins=3))
-    hello = await p.server_handshake(
-        _loop, sock, token=token, accept=md.Accept(name="server", incarnation=1), joins=joins
-    )
+    joined, taken = _at_once(sock, token, joins) if now else (None, None)
+    if joined is not None:
+        hello = joined
+    else:
+        hello = await p.server_handshake(
+            _loop, sock, token=token, accept=md.Accept(name="server", incarnation=1),
+            joins=joins, taken=taken,
+        )
     if token is not None and not (joins is not None and _joined_with_the_token(hello)):
         raise AssertionError(f"a client without the token got in: {hello!r}")
     if not isinstance(hello, md.Hello):
@@ -122,7 +193,7 @@ def _run(data: bytes) -> None:
         theirs.shutdown(socket.SHUT_WR)
         ours.setblocking(False)
         coro = (_client(ours, token, (opts >> 2) & 3, opts) if opts & 1
-                else _server(ours, token, bool(opts & 16)))
+                else _server(ours, token, bool(opts & 16), bool(opts & 64)))
         try:
             _loop.run_until_complete(asyncio.wait_for(coro, 5))
         except _m.errors.XferError:
@@ -212,6 +283,10 @@ def seeds() -> dict[str, bytes]:
                              nonce=b"n" * 16, joins=3))
         + encode_frame(Proof(proof=b"p" * 32)),
         "server-join": bytes([2 | 16]) + join(1),
+        # the accepting step's shortcuts (bit 6), with bytes behind the Hello
+        "server-join-at-once": bytes([2 | 16 | 64]) + join(1) + b"engine bytes",
+        "server-hello-at-once": bytes([2 | 64]) + hello("data")
+        + encode_frame(Proof(proof=b"p" * 32)),
         "server-join-forged": bytes([2 | 16]) + join(2, b"f" * 32),
         "server-join-past-count": bytes([2 | 16]) + join(4),
         "client-first-of-joins": bytes([1 | 2 | 1 << 2 | 16])

@@ -16,7 +16,11 @@ the rest is what a peer controls:
      by the listener's _read_authenticated (token TOKEN, nonce NONCE): the
      4-byte length, then the rest; bit 3: the harness puts the genuine
      length MAC after the length (else the input's bytes are the MAC),
-     bit 4: and the genuine body MAC after the announced body;
+     bit 4: and the genuine body MAC after the announced body; bit 5:
+     read as well through the listener's own connection (_ListenConn, fed
+     by a stand-in transport in pieces of 1 + (bits 6-7) * 13 bytes, each
+     at most what its read still needs): it must end as the stream reader
+     did and never take a byte the read did not ask for;
   5: notification frames from two senders into a NotifAssembler (bounds
      shrunk so the drop paths run; see _frames for the record format); bit
      3: the rest, repeated 1 + (bits 4-7) times, is a message a sender
@@ -169,6 +173,85 @@ async def _read(stream: bytes) -> bytes:
         raise
 
 
+class _Transport:
+    """What _ListenConn uses of its transport, and whether it reads."""
+
+    def __init__(self) -> None:
+        self.reading = True  # (as a real one, until connection_made pauses it)
+        self.closed = False
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = not self.closed
+
+    def abort(self) -> None:
+        self.closed, self.reading = True, False
+
+    close = abort
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+async def _read_conn(stream: bytes, piece: int) -> tuple[bytes | BaseException, int]:
+    """The listener's framing over a _ListenConn given stream in pieces:
+    (the body or the exception, bytes it took from the stream)."""
+    conn = _m.bindings._ListenConn(None)
+    t = _Transport()
+    conn.transport = t
+    t.pause_reading()
+    task = asyncio.ensure_future(_m.bindings._read_authenticated(conn, TOKEN, NONCE))
+    pos = 0
+    ended = False
+    while not task.done():
+        await asyncio.sleep(0)
+        if task.done() or not t.reading:
+            continue
+        if pos < len(stream):
+            buf = conn.get_buffer(-1)
+            if not len(buf):
+                raise AssertionError("an empty buffer while reading (the transport's fatal error)")
+            k = min(piece, len(buf), len(stream) - pos)
+            buf[:k] = stream[pos:pos + k]
+            pos += k
+            conn.buffer_updated(k)
+        elif not ended:
+            ended = True
+            conn.eof_received()
+            conn.connection_lost(None)
+    try:
+        return task.result(), pos
+    except (ValueError, asyncio.IncompleteReadError) as exc:
+        return exc, pos
+
+
+def _framing_conn(stream: bytes, piece: int, n: int) -> None:
+    assert _loop is not None
+    w = _m.wire
+    want: bytes | BaseException
+    try:
+        want = _loop.run_until_complete(_read(stream))
+    except (ValueError, asyncio.IncompleteReadError) as exc:
+        want = exc
+    try:
+        got, took = _loop.run_until_complete(asyncio.wait_for(_read_conn(stream, piece), 5))
+    except TimeoutError:
+        raise AssertionError("_ListenConn's read still waiting 5 s after the stream ended"
+                             ) from None
+    if type(got) is not type(want) or (isinstance(got, bytes) and got != want) or \
+            str(got) != str(want):
+        raise AssertionError(f"_ListenConn read {got!r}, the stream reader {want!r}")
+    # Bytes asked for: the length and its MAC, then (proved) the body and its.
+    proved = len(stream) >= 4 + w.LISTEN_MAC and not (
+        isinstance(got, ValueError) and "without this agent's token" in str(got))
+    asked = 4 + w.LISTEN_MAC + (n + w.LISTEN_MAC if proved and n <= w.MAX_FRAME else 0)
+    if took != min(asked, len(stream)):
+        raise AssertionError(f"_ListenConn took {took} bytes of {len(stream)}, "
+                             f"{asked} asked for")
+
+
 def _framing(opts: int, data: bytes) -> None:
     assert _loop is not None
     w = _m.wire
@@ -185,6 +268,8 @@ def _framing(opts: int, data: bytes) -> None:
             stream += rest
     else:
         stream += rest
+    if opts & 32:
+        _framing_conn(stream, 1 + (opts >> 6) * 13, n)
     try:
         body = _loop.run_until_complete(asyncio.wait_for(_read(stream), 5))
     except (ValueError, asyncio.IncompleteReadError):
@@ -402,6 +487,12 @@ def seeds() -> dict[str, bytes]:
         "framed-genuine": bytes([4 | 8 | 16]) + len(push).to_bytes(4, "big") + push,
         "framed-forged-body": bytes([4 | 8]) + len(push).to_bytes(4, "big") + push + b"m" * 32,
         "framed-forged": bytes([4]) + (1 << 20).to_bytes(4, "big") + b"m" * 32,
+        # the same three through the listener's connection, in 1- and 40-byte pieces
+        "conn-genuine": bytes([4 | 8 | 16 | 32]) + len(push).to_bytes(4, "big") + push
+        + b"more",
+        "conn-forged-body": bytes([4 | 8 | 32 | 3 << 6]) + len(push).to_bytes(4, "big") + push
+        + b"m" * 32,
+        "conn-forged": bytes([4 | 32 | 3 << 6]) + (1 << 20).to_bytes(4, "big") + b"m" * 80,
     }
     del b
     msg = bytes(range(200))

@@ -33,9 +33,9 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from time import perf_counter as _perf_counter
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -1698,7 +1698,7 @@ class nixlAgent:
         host = os.environ.get("AIOXFER_NIXL_LISTEN_HOST", "127.0.0.1")
         ref = weakref.ref(self)
 
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def serve(conn: _ListenConn) -> None:
             me = ref()
             task = asyncio.current_task()
             try:
@@ -1706,25 +1706,23 @@ class nixlAgent:
                     return
                 # (Bounded: clients that connect and never finish a request
                 # must not hold a task and a socket each without limit.)
-                who = _client_of(writer)
-                if not me._listen_slots.admit(task, who, reader, writer, me._listen_log):
+                who = conn.who
+                if not me._listen_slots.admit(task, conn, me._listen_log):
                     return
                 try:
                     me._track(task)
-                    await me._serve_md(reader, writer, who,
-                                       lambda: me._listen_slots.proved(task))
+                    await me._serve_md(conn, who, lambda: me._listen_slots.proved(task))
                 finally:
                     me._listen_slots.release(task)
             except asyncio.CancelledError:
-                # (Cancelled by close(): this task ends here, quietly. Python
-                # 3.11's streams report a cancelled handler task as an error,
-                # with its traceback: one per client connected at close.)
+                # (Cancelled by close(): this task ends here, quietly.)
                 pass
             finally:
-                writer.close()
+                conn.close()
 
         try:
-            self._server = await asyncio.start_server(serve, host, port)
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: _ListenConn(serve), host, port)
         except OSError as exc:
             raise _error(-3, f"metadata listener cannot listen on {host}:{port}: {exc}") from None
         self.listen_port = self._server.sockets[0].getsockname()[1]
@@ -1742,8 +1740,7 @@ class nixlAgent:
         """Listener connections being served (at most _wire.MAX_LISTEN_CONNS)."""
         return len(self._listen_slots.live)
 
-    async def _serve_md(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        who: str, proved: Callable[[], None]) -> None:
+    async def _serve_md(self, conn: _ListenConn, who: str, proved: Callable[[], None]) -> None:
         """One listener request from client ``who``; ``proved()`` once it has
         shown it holds the token. Whatever goes wrong is logged (with who
         and why: a TimeoutError or a closed connection says nothing by
@@ -1754,9 +1751,9 @@ class nixlAgent:
             async with asyncio.timeout(timeout):
                 token = self._listen_token()
                 nonce = os.urandom(_wire.LISTEN_NONCE)
-                writer.write(nonce)
-                await writer.drain()
-                body = await _read_authenticated(reader, token, nonce, proved)
+                conn.write(nonce)
+                await conn.drain()
+                body = await _read_authenticated(conn, token, nonce, proved)
                 stage = "its request not served"
                 req = _wire.request_decoder.decode(body)
                 if isinstance(req, _wire.Push):
@@ -1774,8 +1771,8 @@ class nixlAgent:
                 else:
                     self._forget(req.name)
                     reply = _wire.Reply(ok=True)
-                _write_frame(writer, _wire.encoder.encode(reply))
-                await writer.drain()
+                _write_frame(conn, _wire.encoder.encode(reply))
+                await conn.drain()
         except _Evicted:
             pass
         except TimeoutError:
@@ -1784,7 +1781,7 @@ class nixlAgent:
             self._listen_log(f"{who}: closed after {len(exc.partial)} of {exc.expected} bytes "
                              f"of a request")
         except Exception as exc:  # one bad request: log it, keep serving
-            if not isinstance(reader.exception(), _Evicted):  # (then said already)
+            if not conn.evicted:  # (then said already)
                 self._listen_log(f"{who}: request failed: {exc or type(exc).__name__}")
 
     def _forget(self, name: str) -> None:
@@ -3110,13 +3107,20 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(n)
 
 
-async def _read_authenticated(reader: asyncio.StreamReader, token: bytes, nonce: bytes,
+class _Reads(Protocol):
+    """What _read_authenticated reads from: a listener connection
+    (_ListenConn), or a StreamReader (fuzz/fuzz_nixl_wire.py)."""
+
+    async def readexactly(self, n: int) -> bytes | bytearray: ...
+
+
+async def _read_authenticated(reader: _Reads, token: bytes, nonce: bytes,
                               proved: Callable[[], None] | None = None) -> bytes:
     """A listener request from a client that knows ``token`` (see
     _wire.LISTEN_NONCE); ValueError for any other. ``proved()`` is called
     once the client has shown it holds the token (the length's MAC)."""
     head = await reader.readexactly(4 + _wire.LISTEN_MAC)
-    if not hmac.compare_digest(head[4:], _wire.listen_len_mac(token, nonce, head[:4])):
+    if not hmac.compare_digest(head[4:], _wire.listen_len_mac(token, nonce, bytes(head[:4]))):
         raise ValueError("a request from a client without this agent's token")
     if proved is not None:
         proved()
@@ -3124,15 +3128,15 @@ async def _read_authenticated(reader: asyncio.StreamReader, token: bytes, nonce:
     if n > _wire.MAX_FRAME:
         raise ValueError(f"frame of {n} bytes is over the limit")
     data = await reader.readexactly(n + _wire.LISTEN_MAC)
-    body = data[:n]
+    body = bytes(memoryview(data)[:n])
     if not hmac.compare_digest(data[n:], _wire.listen_body_mac(token, nonce, body)):
         raise ValueError("a request whose body does not match its proof")
     return body
 
 
-def _client_of(writer: asyncio.StreamWriter) -> str:
+def _client_of(transport: asyncio.BaseTransport) -> str:
     """A listener client's address, as the log names it."""
-    addr = writer.get_extra_info("peername")
+    addr = transport.get_extra_info("peername")
     if isinstance(addr, tuple) and len(addr) >= 2:
         host = str(addr[0])
         return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
@@ -3141,6 +3145,173 @@ def _client_of(writer: asyncio.StreamWriter) -> str:
 
 class _Evicted(Exception):
     """A listener connection closed to make room for a new one (logged then)."""
+
+
+class _ListenConn(asyncio.BufferedProtocol):
+    """One metadata listener connection, read only as asked: the transport
+    receives straight into the buffer of the one read waiting, never more
+    than that read still needs, and reading stays paused while no read
+    waits. So a client that has not proved the token makes the agent hold
+    the 4 + LISTEN_MAC bytes it owes for the frame's head, whatever it
+    sends; the rest stays in the kernel (what the socket's receive window
+    took: we never read it, so it does not grow). asyncio's streams read up
+    to 256 KiB a time and went on reading until 128 KiB waited: 64
+    connections at a time sending garbage had the agent's allocations peak
+    5.9-8.4 MiB up (its RSS 6.2-9.0 MiB) before their checks ran; now
+    0.7 MiB (RSS 1.0-1.2 MiB) (tests/test_fuzz18_listener.py). A token
+    holder's frame, up to _wire.MAX_FRAME, lands in one buffer of its size
+    (allocated once its length was proved), no chunks to join."""
+
+    __slots__ = ("serve", "transport", "who", "task", "evicted", "_buf", "_got", "_read",
+                 "_end", "_lost", "_paused", "_drained")
+
+    def __init__(self, serve: Callable[[_ListenConn], Coroutine[Any, Any, None]]) -> None:
+        self.serve = serve
+        self.transport: asyncio.Transport | None = None
+        self.who = "client"
+        self.task: asyncio.Task[None] | None = None
+        self.evicted = False  # closed to make room for another (_ListenSlots)
+        # The read waiting: its buffer, how much of it came, woken when all
+        # did or no more will.
+        self._buf = bytearray()
+        self._got = 0
+        self._read: asyncio.Future[None] | None = None
+        # Why no more bytes will come (None while they may): the error,
+        # _Evicted, or _EndOfStream for the client's end of its stream.
+        self._end: BaseException | None = None
+        self._lost = False  # the connection gone (connection_lost)
+        self._paused = False  # writing (the transport's buffer is full)
+        self._drained: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------ the transport's calls
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.pause_reading()  # until a read asks for bytes
+        self.who = _client_of(transport)
+        # (Held here too: the loop keeps only a weak reference to a task.)
+        self.task = asyncio.get_running_loop().create_task(self.serve(self))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        # (Called only while reading, that is while a read waits for the
+        # rest of its buffer; an empty one would be a fatal error for the
+        # transport, and cannot be.)
+        return memoryview(self._buf)[self._got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._got += nbytes
+        if self._got >= len(self._buf):
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self._wake()
+
+    def eof_received(self) -> bool:
+        self._wake(end=True)
+        return True  # (half-closed: a reply may still go out; serve closes)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self._wake(exc, end=True)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    # ------------------------------------------------ the serving task's side
+
+    def _wake(self, exc: BaseException | None = None, end: bool = False) -> None:
+        if end and self._end is None and not self.evicted:
+            self._end = exc if exc is not None else _EndOfStream()
+        if self._read is not None and not self._read.done():
+            self._read.set_result(None)
+
+    async def readexactly(self, n: int) -> bytearray:
+        """Exactly n bytes; IncompleteReadError when the client's stream
+        ends first, the connection's error when it broke, _Evicted when its
+        place was given to another."""
+        assert self.transport is not None
+        if self._end is None and n > 0:
+            self._buf, self._got = bytearray(n), 0
+            self._read = asyncio.get_running_loop().create_future()
+            self.transport.resume_reading()
+            try:
+                await self._read
+            finally:
+                self._read = None
+                self.transport.pause_reading()  # (no read waits: cancelled, or done)
+        buf, got = self._buf, self._got
+        self._buf, self._got = bytearray(), 0
+        if got >= n:
+            return buf
+        end = self._end
+        if end is None or isinstance(end, _EndOfStream):
+            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+        raise end
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self._paused and not self._lost:
+            self._drained = asyncio.get_running_loop().create_future()
+            try:
+                await self._drained
+            finally:
+                self._drained = None
+        if self._lost:
+            raise ConnectionResetError("connection lost")
+
+    def fail(self, exc: BaseException) -> None:
+        """Closes the connection now (its socket reset): its read, waiting
+        or next, raises exc."""
+        if self._end is None:
+            self._end = exc
+        self._wake()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        """Closes it once what was written has gone out; at once (reset)
+        when the client does not read what it was sent."""
+        t = self.transport
+        if t is None:
+            return
+        if self._paused:
+            t.abort()
+            return
+        if not self._lost and not t.is_closing():
+            # A socket closed with bytes unread ends in a reset: what the
+            # client sent that was not read (a refused request's rest,
+            # typically) is read now and dropped, up to _LISTEN_DISCARD
+            # bytes through one buffer for all connections, so a short one
+            # ends in an orderly close as when asyncio's streams had read
+            # it all. Past that, it is reset.
+            sock = t.get_extra_info("socket")
+            fd = -1 if sock is None else sock.fileno()
+            for _ in range(_LISTEN_DISCARD // len(_LISTEN_SCRATCH) if fd >= 0 else 0):
+                try:
+                    if os.readv(fd, [_LISTEN_SCRATCH]) < len(_LISTEN_SCRATCH):
+                        break
+                except OSError:  # (nothing more now, or broken: closed alike)
+                    break
+        t.close()
+
+
+# See _ListenConn.close (used on the loop thread only).
+_LISTEN_DISCARD = 64 << 10
+_LISTEN_SCRATCH = bytearray(16 << 10)
+
+
+class _EndOfStream(Exception):
+    """_ListenConn: its client closed its side."""
 
 
 class _ListenSlots:
@@ -3161,29 +3332,28 @@ class _ListenSlots:
 
     def __init__(self) -> None:
         self.live: set[asyncio.Task[Any]] = set()
-        # Those that have not proved the token, oldest first: their client
-        # and streams.
-        self.waiting: dict[asyncio.Task[Any],
-                           tuple[str, asyncio.StreamReader, asyncio.StreamWriter]] = {}
+        # Those that have not proved the token, oldest first.
+        self.waiting: dict[asyncio.Task[Any], _ListenConn] = {}
 
-    def admit(self, task: asyncio.Task[Any], who: str, reader: asyncio.StreamReader,
-              writer: asyncio.StreamWriter, log: Callable[[str], None]) -> bool:
+    def admit(self, task: asyncio.Task[Any], conn: _ListenConn,
+              log: Callable[[str], None]) -> bool:
         if len(self.live) >= _wire.MAX_LISTEN_CONNS:
             if not self.waiting:
-                log(f"{who}: refused, {_wire.MAX_LISTEN_CONNS} connections at once, each "
+                log(f"{conn.who}: refused, {_wire.MAX_LISTEN_CONNS} connections at once, each "
                     f"with the token")
                 return False
-            old, (old_who, old_reader, old_writer) = next(iter(self.waiting.items()))
+            old, old_conn = next(iter(self.waiting.items()))
             self.release(old)
             # Its socket closed now; its task ends at its read, quietly (not
-            # cancelled: asyncio's streams report a cancelled handler task as
-            # an error in the loop's handler, holding its frames).
-            old_reader.set_exception(_Evicted())
-            old_writer.transport.abort()
-            log(f"{old_who}: closed to make room for {who} ({_wire.MAX_LISTEN_CONNS} "
-                f"connections at once; it was the oldest that had not proved the token)")
+            # cancelled: the task's close path is the same either way, and
+            # its read says why).
+            old_conn.evicted = True
+            old_conn.fail(_Evicted())
+            log(f"{old_conn.who}: closed to make room for {conn.who} "
+                f"({_wire.MAX_LISTEN_CONNS} connections at once; it was the oldest that had "
+                f"not proved the token)")
         self.live.add(task)
-        self.waiting[task] = (who, reader, writer)
+        self.waiting[task] = conn
         return True
 
     def proved(self, task: asyncio.Task[Any]) -> None:
@@ -3194,25 +3364,28 @@ class _ListenSlots:
         self.waiting.pop(task, None)
 
 
-# Listener warnings written per second at most; the next one written says how
-# many were left out (a client looping connect-close made a line each).
+# Listener warnings written per window at most (_LISTEN_LOG_BURST per
+# _LISTEN_LOG_WINDOW seconds); the next one written says how many were left
+# out (a client looping connect-close made a line each). The window is read
+# at each warning: tests shorten it rather than sleep a second past it.
 _LISTEN_LOG_BURST = 10
+_LISTEN_LOG_WINDOW = 1.0
 
 
 class _ListenLog:
-    """The metadata listener's warnings, at most _LISTEN_LOG_BURST a second."""
+    """The metadata listener's warnings, at most _LISTEN_LOG_BURST a window."""
 
-    __slots__ = ("second", "n", "left_out")
+    __slots__ = ("window", "n", "left_out")
 
     def __init__(self) -> None:
-        self.second = -1
+        self.window = -1
         self.n = 0
         self.left_out = 0
 
     def __call__(self, message: str) -> None:
-        second = int(time.monotonic())
-        if second != self.second:
-            self.second, self.n = second, 0
+        window = int(time.monotonic() / _LISTEN_LOG_WINDOW)
+        if window != self.window:
+            self.window, self.n = window, 0
         self.n += 1
         if self.n > _LISTEN_LOG_BURST:
             self.left_out += 1
@@ -3229,5 +3402,5 @@ def _notif_dropped(sender: str, nbytes: int) -> None:
               f"{_wire._MAX_PARTIAL_BYTES >> 20} MiB per sender)")
 
 
-def _write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
+def _write_frame(writer: _ListenConn, data: bytes) -> None:
     writer.write(len(data).to_bytes(4, "big") + data)
