@@ -355,8 +355,8 @@ class Agent:
             tag_unref=self._tag_unref,
             notify=self.notifications._put,
             peer_of=lambda ep: self._peers.by_ep.get(ep),
-            peer_lost=lambda peer, status, log, bye: self._peers.mark_lost(
-                peer, status, log=log, bye=bye
+            peer_lost=lambda ep, status, log, bye: self._peers.lost_record(
+                ep, status, log=log, bye=bye
             ),
             rail_down=lambda peer, rail, moved, status: self._rails.on_down(
                 peer, rail, moved, status
@@ -376,7 +376,7 @@ class Agent:
             # A lone request up to this is posted at its await (Submission.eager).
             alone_max=self.inline_bytes,
             on_event=self._events.on_event,
-            peer_lost=lambda peer, status: self._peers.mark_lost(peer, status),
+            peer_lost=lambda peer, status: self._peers.refused(peer, status),
             describe=_describe,
         )
         # Bound once: write/read call it once per transfer.
