@@ -533,8 +533,9 @@ class Agent:
                 await cluster.joined()
                 break
             except asyncio.CancelledError:
-                me = asyncio.current_task()
-                if me is not None and not me.cancelling() and joining.cancelled():
+                # (The task not kept in a local: its CancelledError's
+                # traceback holds this frame, a cycle; see _caller_cancelling.)
+                if not _caller_cancelling() and joining.cancelled():
                     # Not this caller's cancellation: the agent closed, or
                     # another start() gave up on that join.
                     if self._closed:
@@ -1258,6 +1259,15 @@ def _describe(t: Transfer) -> str:
     if t.peer.path == file_transport.PATH:
         return f"{t.op} of {t.nbytes} bytes {prep} a file region"
     return f"{t.op} of {t.nbytes} bytes {prep} peer {t.peer.name!r}"
+
+
+def _caller_cancelling() -> bool:
+    """Whether the current task is being cancelled (or there is none). Asked
+    in a frame of its own: a task kept in a local of the frame that re-raises
+    its CancelledError is a cycle (task -> error -> traceback -> frame ->
+    task) that holds all that frame holds until the next garbage collection."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def _is_address(target: str) -> bool:
