@@ -8,6 +8,7 @@ end first."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 from conftest import wait_until, within
@@ -69,7 +70,8 @@ async def test_clean_close_under_posts_is_closed(make_agent, remote_agent, capsy
     for _ in range(ROUNDS):
         reason, err, failed = await _round(make_agent, remote_agent, capsys)
         reasons.append(reason)
-        print(reason, sorted(failed))
+        # (past capsys, which each round empties: seen with -s)
+        sys.__stdout__.write(f"round: {reason} {sorted(failed)}\n")
         # In flight or refused: PeerLost. (AccessDenied too, for now: the
         # closing target revokes its regions before its engine says goodbye,
         # and refuses the frames that arrive in between: see the report.)
