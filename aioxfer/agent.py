@@ -355,8 +355,8 @@ class Agent:
             tag_unref=self._tag_unref,
             notify=self.notifications._put,
             peer_of=lambda ep: self._peers.by_ep.get(ep),
-            peer_lost=lambda peer, status, log, bye: self._peers.mark_lost(
-                peer, status, log=log, bye=bye
+            peer_lost=lambda ep, status, log, bye: self._peers.lost_record(
+                ep, status, log=log, bye=bye
             ),
             rail_down=lambda peer, rail, moved, status: self._rails.on_down(
                 peer, rail, moved, status
@@ -376,7 +376,7 @@ class Agent:
             # A lone request up to this is posted at its await (Submission.eager).
             alone_max=self.inline_bytes,
             on_event=self._events.on_event,
-            peer_lost=lambda peer, status: self._peers.mark_lost(peer, status),
+            peer_lost=lambda peer, status: self._peers.refused(peer, status),
             describe=_describe,
         )
         # Bound once: write/read call it once per transfer.
@@ -533,8 +533,9 @@ class Agent:
                 await cluster.joined()
                 break
             except asyncio.CancelledError:
-                me = asyncio.current_task()
-                if me is not None and not me.cancelling() and joining.cancelled():
+                # (The task not kept in a local: its CancelledError's
+                # traceback holds this frame, a cycle; see _caller_cancelling.)
+                if not _caller_cancelling() and joining.cancelled():
                     # Not this caller's cancellation: the agent closed, or
                     # another start() gave up on that join.
                     if self._closed:
@@ -1258,6 +1259,15 @@ def _describe(t: Transfer) -> str:
     if t.peer.path == file_transport.PATH:
         return f"{t.op} of {t.nbytes} bytes {prep} a file region"
     return f"{t.op} of {t.nbytes} bytes {prep} peer {t.peer.name!r}"
+
+
+def _caller_cancelling() -> bool:
+    """Whether the current task is being cancelled (or there is none). Asked
+    in a frame of its own: a task kept in a local of the frame that re-raises
+    its CancelledError is a cycle (task -> error -> traceback -> frame ->
+    task) that holds all that frame holds until the next garbage collection."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def _is_address(target: str) -> bool:

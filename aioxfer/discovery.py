@@ -835,8 +835,12 @@ class EtcdSession:
                     await self._on_event(ev.type == _PUT, ev.kv)
             raise ConnectionError("the watch stream ended")
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self._state == "closing" or (task is not None and task.cancelling()):
+            # (Not the task in a local: the CancelledError's traceback holds
+            # this frame and the task holds the error, a cycle that kept this
+            # frame's call, its client's channel, its connection to etcd and
+            # gRPC's pollers open after the agent closed, until the next
+            # garbage collection: spread18.)
+            if self._state == "closing" or _cancelling():
                 raise
             # gRPC raises CancelledError for a call cancelled under us: our
             # client was closed (failover moved us to another endpoint).
@@ -907,6 +911,13 @@ def _txn_kv(responses: list[Any]) -> Any:
         if isinstance(r, list):
             return r[0][1] if r else None
     return None
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled (asked in a frame of its
+    own: see _watch_from)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _why(exc: BaseException) -> str:

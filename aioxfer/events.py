@@ -42,8 +42,10 @@ class EngineEvents:
     ``agent``: its name (logs); ``tag_names``: connection tag -> peer name;
     ``tag_unref(tag)``: a connection holding a tag closed; ``notify(message,
     tag)``: queues a notification for the application; ``peer_of(ep)``: the
-    live Peer of an endpoint, or None; ``peer_lost(peer, status, log, bye)``:
-    marks it lost (bye: it said goodbye, its agent closed); ``rail_down(peer,
+    live Peer of an endpoint, or None; ``peer_lost(ep, status, log, bye)``:
+    the engine's loss record of an endpoint: marks its peer lost, or reports
+    one already marked at a refused post (bye: it said goodbye, its agent
+    closed); False if no peer has that endpoint; ``rail_down(peer,
     rail, moved, status)``: a rail of a tcp peer failed; ``connecting``:
     endpoints still connecting -> the status they were lost with (0 until
     then); ``region_freed(rid)``: no peer can touch that
@@ -82,7 +84,7 @@ class EngineEvents:
         tag_unref: Callable[[int], None],
         notify: Callable[[Notification, int], None],
         peer_of: Callable[[int], Peer | None],
-        peer_lost: Callable[[Peer, int, bool, bool], None],
+        peer_lost: Callable[[int, int, bool, bool], bool],
         rail_down: Callable[[Peer, int, int, int], None],
         connecting: dict[int, int],
         region_freed: Callable[[int], None],
@@ -131,11 +133,9 @@ class EngineEvents:
                 self._rail_down(rpeer, fail_index, nbytes, status)
             return
         if kind == _cyx.CQ_PEER_LOST:
-            peer = self._peer_of(id_)
-            if peer is not None:
-                # fail_index 1: the peer said goodbye (its engine shut down)
-                self._peer_lost(peer, status, status != _E_CLOSED, fail_index == 1)
-            elif id_ in self._connecting:
+            # fail_index 1: the peer said goodbye (its engine shut down)
+            known = self._peer_lost(id_, status, status != _E_CLOSED, fail_index == 1)
+            if not known and id_ in self._connecting:
                 self._connecting[id_] = status
         elif kind == _cyx.CQ_REGION_FREED:
             self._region_freed(id_)

@@ -62,6 +62,7 @@ class PeerTable:
         "by_ep",
         "by_inc",
         "by_name",
+        "unreported",
     )
 
     def __init__(
@@ -89,6 +90,10 @@ class PeerTable:
         self.by_inc: dict[tuple[str, int], Peer] = {}
         # every Peer made per name, lost ones too: a new incarnation fences them all
         self.by_name: dict[str, weakref.WeakSet[Peer]] = {}
+        # endpoint -> a peer marked lost at a refused post (refused) whose
+        # loss the engine has not reported yet: its report waits for the
+        # record, which says whether it said goodbye.
+        self.unreported: dict[int, Peer] = {}
 
     def add(self, peer: Peer, address: str) -> None:
         """A peer just connected (at ``address``)."""
@@ -102,6 +107,11 @@ class PeerTable:
 
     def clear(self) -> None:
         """The agent closed (its peers are marked lost first)."""
+        for peer in self.unreported.values():
+            # (the engine, shut down and drained, never reported it: should
+            # not happen) said as what we know: lost
+            self._report(peer, log=True, bye=False)
+        self.unreported.clear()
         self.by_addr.clear()
         self.by_inc.clear()
         self.by_name.clear()
@@ -113,7 +123,38 @@ class PeerTable:
         closed, not lost (its transfers in flight still fail PeerLost)."""
         if peer._lost:
             return
-        bye = bye and not peer._stale
+        self._forget(peer, status)
+        self._report(peer, log=log, bye=bye)
+
+    def lost_record(self, ep: int, status: int, *, log: bool, bye: bool) -> bool:
+        """The engine's loss record of endpoint ep (EngineEvents): marks its
+        peer lost, or says how a peer marked lost at a refused post ended.
+        False: no peer of ours has that endpoint (one still connecting)."""
+        peer = self.by_ep.get(ep)
+        if peer is not None:
+            self.mark_lost(peer, status, log=log, bye=bye)
+            return True
+        peer = self.unreported.pop(ep, None)
+        if peer is None:
+            return False
+        self._report(peer, log=log, bye=bye)
+        return True
+
+    def refused(self, peer: Peer, status: int) -> None:
+        """The engine refused a post to peer (AXF_E_PEER_LOST) before its
+        loss record reached us: the endpoint is dead, and the record is on
+        its way (or in the ring, not drained yet). The peer is lost now, so
+        that a retry never picks it again; how it ended (a goodbye: closed,
+        else lost) is said when the record comes, from what the engine
+        recorded (mark_lost). Said here, it was always a loss (spread18)."""
+        if peer._lost:
+            return
+        self._forget(peer, status)
+        self.unreported[peer._ep] = peer
+
+    def _forget(self, peer: Peer, status: int) -> None:
+        """Marks peer lost: fails what waits in its scheduler, drops it from
+        the tables."""
         peer._lost = True
         peer._lost_status = status
         self._fail_queued(peer)  # never reached the engine: fail them here
@@ -125,6 +166,10 @@ class PeerTable:
             del self.by_inc[key]
         for addr in [a for a, p in self.by_addr.items() if p is peer]:
             del self.by_addr[addr]
+
+    def _report(self, peer: Peer, *, log: bool, bye: bool) -> None:
+        """Says that peer (marked lost) is gone: a log line, PeerLeft."""
+        bye = bye and not peer._stale
         if log and bye:
             _log.info("peer.closed", agent=self._agent, peer=peer.name, address=peer.address,
                       path=peer.path, reason="closed by the peer",
@@ -136,7 +181,7 @@ class PeerTable:
                 peer=peer.name,
                 address=peer.address,
                 path=peer.path,
-                reason=peer._lost_reason or _cyx.strerror(status),
+                reason=peer._lost_reason or _cyx.strerror(peer._lost_status),
                 in_flight=peer._counters.inflight,
             )
         if self._emit is not None and not self._closed():

@@ -115,7 +115,8 @@ class Submission:
     inline threshold); ``on_event(kind, status, id, tag, nbytes, fail_index,
     payload)``: every completion record that is not a transfer's (notifications,
     engine events); ``peer_lost(peer, status)``: the engine refused a post
-    because the peer is gone before its loss record reached us;
+    because the peer is gone before its loss record reached us (marks it
+    lost; the record, drained later, says how it ended);
     ``describe(t)``: how errors name a transfer.
     """
 
@@ -536,7 +537,8 @@ class Submission:
                 self.finish_failed(t, self.error(t, st, None, "rejected"))
                 if st == _E_PEER_LOST and not t.peer._lost:
                     # The engine found the peer dead before its loss record
-                    # reached us: say so now, so a retry never picks it again.
+                    # reached us: lost now, so a retry never picks it again;
+                    # said (closed or lost) when the record comes.
                     self._peer_lost(t.peer, st)
             else:
                 t._posted = True

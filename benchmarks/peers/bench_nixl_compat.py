@@ -239,8 +239,9 @@ def target_main(args: argparse.Namespace) -> None:
 
         asyncio.run(serve())
         if args.system == "both":
+            compat.close()  # (see below)
             sys.stdout.flush()
-            os._exit(0)  # its compat agent left open, as the NIXL-shaped targets
+            os._exit(0)  # as the NIXL-shaped targets
         return
     if args.system == "nixl":
         from nixl._api import nixl_agent, nixl_agent_config
@@ -254,6 +255,12 @@ def target_main(args: argparse.Namespace) -> None:
         if not answer(line, buf, ctl):
             break
     del keep
+    if args.system != "nixl":
+        # os._exit skips the compat agent's close at interpreter exit: its
+        # engine never said goodbye and the initiator, still up, logged
+        # rail.down + peer.lost for a target that ended cleanly. Closed
+        # here (aioxfer.nixl's close; NIXL's agent has none), it is a close.
+        agent.close()
     sys.stdout.flush()
     os._exit(0)  # NIXL's wheel may crash in exit-time destructors
 
