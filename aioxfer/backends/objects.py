@@ -514,7 +514,11 @@ class ObjectRegion(BackendRegion):
         e_tag = (meta.get("e_tag") or "").strip('"').lower()
         return e_tag == hashlib.md5(body, usedforsecurity=False).hexdigest()
 
-    async def _sign(self, key: str) -> tuple[str, bool]:
+    async def _sign(self, key: str) -> str:
+        """A presigned GET URL of ``key`` (see _presign)."""
+        return (await self._presign(key))[0]
+
+    async def _presign(self, key: str) -> tuple[str, bool]:
         """A presigned GET URL of ``key`` and whether it came from the cache
         (reused while it has more than _SIGN_REUSE seconds left)."""
         now = time.monotonic()
@@ -566,7 +570,7 @@ class ObjectRegion(BackendRegion):
             # new one's __context__.
             failed: str
             try:
-                url, cached = await self._sign(seg.key)
+                url, cached = await self._presign(seg.key)
                 async with self._http().get(
                     url, headers=headers, allow_redirects=False
                 ) as resp:
