@@ -19,6 +19,9 @@ intermediate object. That path exists because some S3 servers (rclone's)
 answer a ranged GET with ``200`` and an exact ``Content-Range`` instead of
 ``206``, which obstore rejects; here a ``200`` is taken when its
 ``Content-Range`` and length are exactly what was asked, a ``206`` as usual.
+A presigned URL is a bearer credential (for 15 minutes): a GET follows no
+redirect (a 3xx fails the read), and error texts leave signed queries out.
+A 403 to a URL reused from the cache of signed URLs signs it again, once.
 
 Failures are typed: a missing key (or bucket) is ObjectNotFound, bad
 credentials AccessDenied, a conditional create of an existing key
@@ -742,9 +745,17 @@ _SIGNED_PARAM = re.compile(
 )
 
 
+_SIGNING = re.compile(r"x-amz-|signature=|awsaccesskeyid=", re.IGNORECASE)
+
+
 def _unsigned(text: str) -> str:
-    """``text`` with every URL's query and every signing parameter left out."""
-    text = _URL_QUERY.sub(r"\1?(query omitted)", text)
+    """``text`` with the query of every presigned URL left out (one with
+    any signing parameter: ``X-Amz-*``, ``Signature``, ``AWSAccessKeyId``;
+    others, such as an ``uploadId``, stay) and, anywhere else, the value of
+    every secret signing parameter."""
+    text = _URL_QUERY.sub(
+        lambda m: f"{m[1]}?(signed query omitted)" if _SIGNING.search(m[0]) else m[0], text
+    )
     return _SIGNED_PARAM.sub(r"\1=(omitted)", text)
 
 
