@@ -40,7 +40,12 @@ Options of ``register_objects`` (beside the endpoint and credentials):
 - ``max_retries`` (4), ``retry_timeout`` (10 s): each request's retry budget
   (GETs, single PUTs, and obstore's HEAD, DELETE and multipart requests);
 - ``connect_timeout`` (2 s), ``read_timeout`` (15 s): per connection and
-  per read of an answer;
+  per read of an answer. They also bound how long a cancel or
+  ``agent.aclose()`` waits for a write in flight to a server that stopped
+  answering: the upload reads from the caller's memory (or must be
+  completed or aborted) until its request times out; a multipart one then
+  sends its abort, which waits as long again (measured against a stopped
+  rclone: 30 s for a 24 MiB write with the defaults);
 - ``resend_unknown_puts`` (False): a single PUT whose outcome is unknown (a
   reset or cut connection after the request went out, a read timeout, a
   gateway's 502 or 504) and whose object a HEAD then does not find with its
