@@ -328,6 +328,10 @@ async def test_dot_segments_refused_up_front(make_agent: MakeAgent, key: str) ->
     for call in (objs.stat, objs.delete):
         with pytest.raises(ValueError, match="'.' or '..' segments"):
             await call(key)
+    # obstore drops a trailing '/' ("a/" would alias "a"): refused as well
+    for key in ("a/", "b/c/"):
+        with pytest.raises(ValueError, match="no trailing '/'"):
+            objs[key]
     # names that merely contain dots are keys like any other
     for ok in ("a..b", ".hidden", "a/.b", "..a/b", "%2e%2e/x"):
         assert objs[ok].key == ok

@@ -217,6 +217,11 @@ def _check_key(key: object) -> str:
         raise TypeError(f"object keys are str, not {type(key).__name__}")
     if not key or key.startswith("/") or "//" in key:
         raise ValueError(f"invalid object key {key!r}: non-empty, no leading '/' nor '//'")
+    if key.endswith("/"):
+        # obstore drops a trailing '/': "a/" would be the object "a"
+        raise ValueError(
+            f"invalid object key {key!r}: no trailing '/' (it would name {key.rstrip('/')!r})"
+        )
     if any(part in (".", "..") for part in key.split("/")):
         # obstore cannot make a path of them (its PUT fails, its signer
         # raises TypeError), and a '..' would climb out of the prefix on
