@@ -19,6 +19,9 @@ intermediate object. That path exists because some S3 servers (rclone's)
 answer a ranged GET with ``200`` and an exact ``Content-Range`` instead of
 ``206``, which obstore rejects; here a ``200`` is taken when its
 ``Content-Range`` and length are exactly what was asked, a ``206`` as usual.
+A presigned URL is a bearer credential (for 15 minutes): a GET follows no
+redirect (a 3xx fails the read), and error texts leave signed queries out.
+A 403 to a URL reused from the cache of signed URLs signs it again, once.
 
 Failures are typed: a missing key (or bucket) is ObjectNotFound, bad
 credentials AccessDenied, a conditional create of an existing key
@@ -37,7 +40,12 @@ Options of ``register_objects`` (beside the endpoint and credentials):
 - ``max_retries`` (4), ``retry_timeout`` (10 s): each request's retry budget
   (GETs, single PUTs, and obstore's HEAD, DELETE and multipart requests);
 - ``connect_timeout`` (2 s), ``read_timeout`` (15 s): per connection and
-  per read of an answer;
+  per read of an answer. They also bound how long a cancel or
+  ``agent.aclose()`` waits for a write in flight to a server that stopped
+  answering: the upload reads from the caller's memory (or must be
+  completed or aborted) until its request times out; a multipart one then
+  sends its abort, which waits as long again (measured against a stopped
+  rclone: 30 s for a 24 MiB write with the defaults);
 - ``resend_unknown_puts`` (False): a single PUT whose outcome is unknown (a
   reset or cut connection after the request went out, a read timeout, a
   gateway's 502 or 504) and whose object a HEAD then does not find with its
@@ -209,6 +217,16 @@ def _check_key(key: object) -> str:
         raise TypeError(f"object keys are str, not {type(key).__name__}")
     if not key or key.startswith("/") or "//" in key:
         raise ValueError(f"invalid object key {key!r}: non-empty, no leading '/' nor '//'")
+    if key.endswith("/"):
+        # obstore drops a trailing '/': "a/" would be the object "a"
+        raise ValueError(
+            f"invalid object key {key!r}: no trailing '/' (it would name {key.rstrip('/')!r})"
+        )
+    if any(part in (".", "..") for part in key.split("/")):
+        # obstore cannot make a path of them (its PUT fails, its signer
+        # raises TypeError), and a '..' would climb out of the prefix on
+        # stores that map keys to files.
+        raise ValueError(f"invalid object key {key!r}: no '.' or '..' segments")
     return key
 
 
@@ -374,7 +392,8 @@ class ObjectRegion(BackendRegion):
         try:
             return await call
         except (obx.BaseError, OSError) as exc:  # obstore raises FileNotFoundError too
-            raise _obstore_error(exc, doing, key, self.url) from None
+            err = _obstore_error(exc, doing, key, self.url)
+        raise err  # outside the except: obstore's error is not even its context
 
     async def _put(self, src: memoryview, seg: ObjectSegment) -> None:
         """PUTs ``src``. obstore uploads from the buffer it is given (holding
@@ -382,8 +401,8 @@ class ObjectRegion(BackendRegion):
         asks those threads to stop: the upload could still read the buffer
         after our caller saw the cancel. An object of up to ``OWNED_MAX``
         bytes is therefore copied first and uploaded from the copy: a cancel
-        is prompt (the request is abandoned; its object may still be
-        written), the caller's buffer already let go. A larger one (the copy
+        of its single PUT is prompt (the request is abandoned; its object may
+        still be written), the caller's buffer already let go. A larger one (the copy
         no longer cheap beside the upload) is uploaded from the caller's
         buffer, and a cancelled put waits for the request to end (its object
         may then be written) and raises CancelledError once obstore has let
@@ -392,20 +411,30 @@ class ObjectRegion(BackendRegion):
 
         An object of up to ``part_size`` bytes is one PUT request, sent again
         only when the earlier attempt is known to be over (see _put_single);
-        a larger one is a multipart upload with obstore's own retries."""
+        a larger one is a multipart upload with obstore's own retries.
+
+        A multipart upload is waited for to its end through a cancel, whatever
+        its size, owned copy or not: obstore completes it, or aborts it when
+        it fails, but an upload whose future is dropped is neither (its parts
+        stay stored, and billed, at the server until a lifecycle rule clears
+        them). The cost: a cancelled write of more than ``part_size`` bytes
+        raises CancelledError only once its upload is over, up to the time of
+        the whole upload (each request bounded by ``read_timeout`` and the
+        retry budget), and its object may then be written."""
         mode: Literal["create"] | None = "create" if seg.create else None
         owned = src.nbytes <= OWNED_MAX
         body = bytes(src) if owned else src
         if src.nbytes <= self._part_size:
             await self._put_single(body, seg, mode, owned)
             return
-        await self._upload(owned, self._obstore("write", seg.key, obstore.put_async(
+        await self._upload(False, self._obstore("write", seg.key, obstore.put_async(
             self._store, seg.key, body, mode=mode, chunk_size=self._part_size,
             max_concurrency=4)))
 
     async def _upload(self, owned: bool, call: Awaitable[Any]) -> Any:
-        """Awaits an upload; one from the caller's buffer (not ``owned``) is
-        waited for to its end through a cancel (see _put)."""
+        """Awaits an upload; one not ``owned`` (from the caller's buffer, or
+        any multipart upload) is waited for to its end through a cancel (see
+        _put)."""
         if owned:
             return await call
         fut = asyncio.ensure_future(call)
@@ -499,16 +528,22 @@ class ObjectRegion(BackendRegion):
         return e_tag == hashlib.md5(body, usedforsecurity=False).hexdigest()
 
     async def _sign(self, key: str) -> str:
+        """A presigned GET URL of ``key`` (see _presign)."""
+        return (await self._presign(key))[0]
+
+    async def _presign(self, key: str) -> tuple[str, bool]:
+        """A presigned GET URL of ``key`` and whether it came from the cache
+        (reused while it has more than _SIGN_REUSE seconds left)."""
         now = time.monotonic()
         hit = self._signed.get(key)
         if hit is not None and hit[1] - now > _SIGN_REUSE:
-            return hit[0]
+            return hit[0], True
         signing = obstore.sign_async(self._store, "GET", key, _SIGN_TTL)
-        url = await self._obstore("sign", key, signing)
+        url = str(await self._obstore("sign", key, signing))
         if len(self._signed) >= _SIGNED_MAX:
             self._signed.clear()
         self._signed[key] = (url, now + _SIGN_TTL.total_seconds())
-        return str(url)
+        return url, False
 
     def _http(self) -> aiohttp.ClientSession:
         session = self._session
@@ -529,22 +564,44 @@ class ObjectRegion(BackendRegion):
         return session
 
     async def _get(self, dst: memoryview, seg: ObjectSegment) -> None:
+        """A GET of ``seg`` through a presigned URL, straight into ``dst``.
+        Redirects are not followed (a 3xx fails the read): the URL carries
+        its credentials in its query, and a redirect would hand them, or a
+        loop of requests, to wherever it points. A 403 to a URL from the
+        cache (signed up to _SIGN_TTL ago, with credentials since rotated)
+        drops it and signs again, once, before it is AccessDenied. Error
+        texts leave the URL's query out (_describe)."""
         n = len(dst)
         ranged = not seg.whole
         headers = {"Range": f"bytes={seg.offset}-{seg.offset + n - 1}"} if ranged else None
         attempts = _Attempts(self._retry, self.backend.note_retry)
+        resigned = False
+        cached = False
         while True:
+            # The error is raised outside the except clause: aiohttp's
+            # exception (whose text may hold the URL) is then not even the
+            # new one's __context__.
+            failed: str
             try:
-                url = await self._sign(seg.key)
-                async with self._http().get(url, headers=headers) as resp:
+                url, cached = await self._presign(seg.key)
+                async with self._http().get(
+                    url, headers=headers, allow_redirects=False
+                ) as resp:
                     await self._receive(resp, dst, seg, ranged)
                 return
+            except AccessDenied:
+                if not cached or resigned:
+                    raise
+                resigned = True
+                self._signed.pop(seg.key, None)
+                continue
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
-                if not await attempts.another():
-                    raise TransportError(
-                        f"read of object {seg.key!r} from {self.url} failed after "
-                        f"{attempts.made} attempts: {_describe(exc)}"
-                    ) from None
+                failed = _describe(exc)
+            if not await attempts.another():
+                raise TransportError(
+                    f"read of object {seg.key!r} from {self.url} failed after "
+                    f"{attempts.made} attempts: {failed}"
+                )
 
     async def _receive(
         self, resp: aiohttp.ClientResponse, dst: memoryview, seg: ObjectSegment, ranged: bool
@@ -564,6 +621,13 @@ class ObjectRegion(BackendRegion):
             if status == 416:
                 raise XferError(
                     f"{what}: bytes [{seg.offset}:{seg.offset + n}] are past the object's end"
+                )
+            if 300 <= status < 400:
+                where = urlsplit(resp.headers.get("Location", ""))
+                to = f" to {where.scheme}://{where.netloc}" if where.netloc else ""
+                raise XferError(
+                    f"{what}: the server redirected (HTTP {status}{to}) a signed request; "
+                    f"redirects are not followed (is the endpoint or region right?)"
                 )
             raise XferError(f"{what}: HTTP {status} {code}".rstrip())
         length = resp.content_length
@@ -604,6 +668,22 @@ class ObjectRegion(BackendRegion):
         while pos < n:
             chunk = await content.readany()
             if not chunk:
+                if length is None and "chunked" in resp.headers.get(
+                    "Transfer-Encoding", ""
+                ).lower():
+                    # Its last chunk came: the body is whole, and short (a
+                    # chunked body cut off raises ClientPayloadError
+                    # instead, and is retried).
+                    if ranged:
+                        raise ProtocolError(
+                            f"read of object {seg.key!r}: {pos} bytes in answer to a "
+                            f"range of {n}"
+                        )
+                    raise XferError(
+                        f"read of object {seg.key!r}: the object is {pos} bytes, the "
+                        f"destination {n}: read a range of it (objs[key][a:b]) or into "
+                        f"{pos} bytes"
+                    )
                 raise _Transient(f"connection ended after {pos} of {n} bytes")
             end = pos + len(chunk)
             if end > n:
@@ -663,9 +743,54 @@ def _xml_code(body: str) -> str:
     return m[1] if m else ""
 
 
+# A presigned URL is a bearer credential for its lifetime (_SIGN_TTL): its
+# query (X-Amz-Credential, -Security-Token, -Signature) must reach no error
+# text, log line or metric. aiohttp puts whole request URLs in some errors
+# ("Connection timeout to host <url>", redirect and response errors).
+_URL_QUERY = re.compile(r"((?:https?|s3a?)://[^\s?#'\"<>]*)\?[^\s'\"<>]*")
+_SIGNED_PARAM = re.compile(
+    r"(X-Amz-(?:Signature|Credential|Security-Token)|Signature|AWSAccessKeyId)"
+    r"=[^&\s'\"<>]*",
+    re.IGNORECASE,
+)
+
+
+_SIGNING = re.compile(r"x-amz-|signature=|awsaccesskeyid=", re.IGNORECASE)
+
+
+def _unsigned(text: str) -> str:
+    """``text`` with the query of every presigned URL left out (one with
+    any signing parameter: ``X-Amz-*``, ``Signature``, ``AWSAccessKeyId``;
+    others, such as an ``uploadId``, stay) and, anywhere else, the value of
+    every secret signing parameter."""
+    text = _URL_QUERY.sub(
+        lambda m: f"{m[1]}?(signed query omitted)" if _SIGNING.search(m[0]) else m[0], text
+    )
+    return _SIGNED_PARAM.sub(r"\1=(omitted)", text)
+
+
 def _describe(exc: BaseException) -> str:
+    """The first line of an error's text, signed queries left out (_unsigned)."""
     text = str(exc) or type(exc).__name__
-    return text.splitlines()[0] if text else type(exc).__name__
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return _unsigned(first)
+
+
+async def _typed(move: Awaitable[None], doing: str, seg: ObjectSegment) -> None:
+    """Awaits a put or get; an error other than an XferError (from aiohttp,
+    obstore or a bug of ours) becomes an XferError whose text leaves signed
+    queries out, the original neither its cause nor its context (the base
+    backend would keep it as the cause: its text, or its request's URL, could
+    carry a presigned URL into a traceback or a log)."""
+    failed: str
+    try:
+        await move
+        return
+    except XferError:
+        raise
+    except Exception as exc:
+        failed = f"{type(exc).__name__}: {_describe(exc)}"
+    raise XferError(f"{doing} of object {seg.key!r} in {seg.region.url} failed: {failed}")
 
 
 def _obstore_error(exc: BaseException, doing: str, key: str, url: str) -> XferError:
@@ -714,10 +839,10 @@ class ObjectBackend(LocalBackend):
             )
 
     async def put(self, src: memoryview, far: ObjectSegment) -> None:
-        await far.region._put(src, far)
+        await _typed(far.region._put(src, far), "write", far)
 
     async def get(self, dst: memoryview, far: ObjectSegment) -> None:
-        await far.region._get(dst, far)
+        await _typed(far.region._get(dst, far), "read", far)
 
     def register(
         self,

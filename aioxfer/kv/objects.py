@@ -41,6 +41,9 @@ __all__ = ["ObjectTier"]
 
 _log = get_logger("aioxfer.kv")
 TRAILER = ENTRY
+# ObjectTier.missing is swept of expired entries once it holds more than
+# this many (and twice as many as after its last sweep).
+_SWEEP_MIN = 1024
 _ALGO_SHIFT = 4
 
 
@@ -76,6 +79,11 @@ class ObjectTier(Tier):
         # meanwhile), or removed or quarantined by this tier (inf while their
         # objects may still be there; until put again).
         self.missing: dict[bytes, float] = {}
+        # Probed-and-absent entries stay until asked again: with ever new
+        # keys (one per new prompt) they are swept (_sweep) whenever the
+        # dict has doubled since the last sweep, so it stays within twice
+        # its live entries (and _SWEEP_MIN) at an amortised O(1) per miss.
+        self._sweep_at = _SWEEP_MIN
         self.absent_ttl = float(absent_ttl)
         self.block_bytes = 0
 
@@ -206,6 +214,8 @@ class ObjectTier(Tier):
         n = self._known_prefix(keys)
         now = time.monotonic()
         missing = self.missing
+        if len(missing) > self._sweep_at:
+            self._sweep(now)
 
         def skip(k: bytes) -> bool:
             t = missing.get(k)
@@ -244,6 +254,14 @@ class ObjectTier(Tier):
                 break  # (deleted meanwhile: asked again next time)
             n = m
         return n
+
+    def _sweep(self, now: float) -> None:
+        """Drops the absent entries whose ``absent_ttl`` ran out (the inf
+        ones, removed or quarantined by this tier, stay)."""
+        missing = self.missing
+        for k in [k for k, until in missing.items() if until < now]:
+            del missing[k]
+        self._sweep_at = max(_SWEEP_MIN, 2 * len(missing))
 
     def _probe_failed(self, keys: list[bytes], exc: XferError) -> int:
         """The bucket could not be asked (the server down, access denied):
