@@ -569,6 +569,40 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
     return queued;
 }
 
+/* The one-copy send's window (conn.c, "one-copy send"): read once, at
+ * engine creation, from AIOXFER_TCP_SPLICE: unset or "1" the measured
+ * default, "0" off (the kill switch: every payload is copied by sendmsg, as
+ * before), "MIN-MAX" or "MIN-MAX-REQMAX" (bytes) another window, for
+ * measuring. A frame's payload goes spliced when it is MIN..MAX bytes and
+ * its request REQMAX at most. */
+#define SPLICE_MIN_DEFAULT (64u << 10)
+#define SPLICE_MAX_DEFAULT (1u << 20)
+#define SPLICE_REQ_MAX_DEFAULT (1u << 20)
+static int tcp_enable(axf_engine *e)
+{
+    e->splice_min = SPLICE_MIN_DEFAULT;
+    e->splice_max = SPLICE_MAX_DEFAULT;
+    e->splice_req_max = SPLICE_REQ_MAX_DEFAULT;
+    const char *v = getenv("AIOXFER_TCP_SPLICE");
+    if (!v || !*v || strcmp(v, "1") == 0)
+        return AXF_OK;
+    char *end;
+    unsigned long long lo = strtoull(v, &end, 10), hi = 0, req = UINT64_MAX;
+    if (*end == '-') {
+        hi = strtoull(end + 1, &end, 10);
+        if (*end == '-')
+            req = strtoull(end + 1, &end, 10);
+    }
+    if (*end || hi < lo || (lo == 0 && hi == 0)) { /* "0", or not understood: off */
+        e->splice_min = e->splice_max = e->splice_req_max = 0;
+        return AXF_OK;
+    }
+    e->splice_min = lo ? lo : 1;
+    e->splice_max = hi;
+    e->splice_req_max = req;
+    return AXF_OK;
+}
+
 static int tcp_ep_open(axf_engine *e, endpoint *ep)
 {
     (void)e;
@@ -595,6 +629,7 @@ const axf_transport axf_xp_tcp = {
     .abi = AXF_TRANSPORT_ABI,
     .name = "tcp",
     .ep_kind = AXF_EP_TCP,
+    .enable = tcp_enable,
     .caps = AXF_XP_CAP_NEEDS_CONN | AXF_XP_CAP_NOTIFY | AXF_XP_CAP_REAPABLE,
     .local_mem = AXF_MEM_BIT(AXF_MEM_HOST),
     .far_mem = AXF_MEM_BIT(AXF_MEM_HOST),
