@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 
 import pytest
-from conftest import digest, pattern, wait_until, within
+from conftest import digest, pattern, sigstop, wait_until, within
 
 from aioxfer import PeerLost, XferError, auth
 
@@ -157,3 +158,28 @@ async def test_kill9_midstream(make_agent, remote_agent) -> None:
     assert any(isinstance(r, XferError) for r in results), "the kill landed after every op"
     assert took < 5, took
     await wait_until(lambda: pipes() == base, 10, "the pipes closed")
+
+
+async def test_target_stopped_then_resumed(make_agent, remote_agent) -> None:
+    """The target stops reading (SIGSTOP) while spliced WRITEs are posted:
+    the sockets fill, the posting thread's sends stop where the socket has
+    no room and the sending threads wait; once it runs again every WRITE
+    completes with its bytes in place."""
+    ra = await remote_agent(size=17 * MiB, transports=("tcp",))
+    agent = await make_agent("init", transports=("tcp",))
+    peer = await within(agent.connect(ra.address))
+    src = agent.register(bytearray(16 * MiB))
+    src.memoryview[:] = pattern(16 * MiB, 77).tobytes()
+    rr = peer.region("user")
+    await within(agent.write(src[0:MiB], rr[0:MiB]))
+    sigstop(ra.pid)
+    try:
+        ts = [agent.write(src[k * MiB + 5:(k + 1) * MiB], rr[k * MiB + 11:(k + 1) * MiB + 6])
+              for k in range(16)]
+        await asyncio.sleep(0.3)
+    finally:
+        os.kill(ra.pid, signal.SIGCONT)
+    await within(asyncio.gather(*ts), 30)
+    for k in range(16):
+        want = digest(src.memoryview[k * MiB + 5:(k + 1) * MiB])
+        assert await ra.call("digest", "user", k * MiB + 11, MiB - 5) == want, k

@@ -1204,7 +1204,9 @@ static int send_vec(conn *c, struct iovec *iov, uint8_t *spl, int cnt, bool nowa
                 r = 0;
                 continue;
             }
-            if (used < run) /* nowait: no room, or bytes left in the pipe */
+            /* nowait: no room, or bytes left in the pipe (they go before
+             * anything else: the next frame waits for the sending thread) */
+            if (used < run || p->spl_in)
                 goto out;
             continue;
         }
