@@ -23,9 +23,9 @@ from aioxfer import PeerLost, XferError, auth
 
 MiB = 1 << 20
 NOBODY = 65534
-# The window's edges (64 KiB .. 1 MiB a frame and a request), either side.
-EDGES = [4096, (64 << 10) - 1, 64 << 10, (64 << 10) + 1, 100_000, 333_333, MiB - 1, MiB,
-         MiB + 1, 3 * MiB + 5]
+# The window's edges (64 KiB .. 512 KiB a frame and a request), either side.
+EDGES = [4096, (64 << 10) - 1, 64 << 10, (64 << 10) + 1, 100_000, 333_333, (512 << 10) - 1,
+         512 << 10, (512 << 10) + 1, MiB, 3 * MiB + 5]
 
 
 def pipes() -> int:
@@ -95,7 +95,7 @@ async def test_source_rewritten_after_complete(make_agent, remote_agent) -> None
     rr = peer.region("user")
     mv = src.memoryview
     for i in range(24):
-        n = (MiB, 256 << 10, 64 << 10)[i % 3]
+        n = (512 << 10, 256 << 10, 64 << 10)[i % 3]
         data = pattern(n, 700 + i).tobytes()
         mv[:n] = data
         roff = (i % 7) * MiB
@@ -144,10 +144,11 @@ async def test_kill9_midstream(make_agent, remote_agent) -> None:
     base = pipes()  # after the spawn (its sentinel is a pipe)
     src = agent.register(bytearray(16 * MiB))
     rr = peer.region("user")
-    await within(agent.write(src[0:MiB], rr[0:MiB]))  # a pipe exists now
+    half = 512 << 10  # the window's top
+    await within(agent.write(src[0:half], rr[0:half]))  # a pipe exists now
     assert pipes() > base
-    ts = [agent.write(src[(k % 16) * MiB:(k % 16 + 1) * MiB], rr[(k % 16) * MiB:(k % 16 + 1) * MiB])
-          for k in range(64)]
+    ts = [agent.write(src[(k % 32) * half:(k % 32 + 1) * half],
+                      rr[(k % 32) * half:(k % 32 + 1) * half]) for k in range(128)]
     await asyncio.sleep(0.002)
     ra.kill()
     t0 = asyncio.get_running_loop().time()
@@ -171,15 +172,16 @@ async def test_target_stopped_then_resumed(make_agent, remote_agent) -> None:
     src = agent.register(bytearray(16 * MiB))
     src.memoryview[:] = pattern(16 * MiB, 77).tobytes()
     rr = peer.region("user")
-    await within(agent.write(src[0:MiB], rr[0:MiB]))
+    half = 512 << 10
+    await within(agent.write(src[0:half], rr[0:half]))
     sigstop(ra.pid)
     try:
-        ts = [agent.write(src[k * MiB + 5:(k + 1) * MiB], rr[k * MiB + 11:(k + 1) * MiB + 6])
+        ts = [agent.write(src[k * MiB + 5:k * MiB + half], rr[k * MiB + 11:k * MiB + half + 6])
               for k in range(16)]
         await asyncio.sleep(0.3)
     finally:
         os.kill(ra.pid, signal.SIGCONT)
     await within(asyncio.gather(*ts), 30)
     for k in range(16):
-        want = digest(src.memoryview[k * MiB + 5:(k + 1) * MiB])
-        assert await ra.call("digest", "user", k * MiB + 11, MiB - 5) == want, k
+        want = digest(src.memoryview[k * MiB + 5:k * MiB + half])
+        assert await ra.call("digest", "user", k * MiB + 11, half - 5) == want, k
