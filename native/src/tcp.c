@@ -580,7 +580,11 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
  * off, against one target process, WRITEs awaited one at a time, rows
  * alternated 8-12 times, medians of per-pair ratios): single-frame
  * requests of 64 KiB 1.15x [0.63..1.42] (8/10 better), 128 KiB 1.38x, 256
- * KiB 1.16x, 512 KiB 1.12x, CPU per GB 1.10-1.22x lower; but a lone 1 MiB
+ * KiB 1.16x, 512 KiB 1.12x, CPU per GB 1.10-1.22x lower (with this window
+ * built, three more runs: 64 KiB 1.22x and 1.17x [0.97..1.26] 11/12, 128
+ * KiB 1.49x 12/12, 256 KiB 1.13x and 1.50x, 384 KiB 1.49x 12/12, 512 KiB
+ * 1.06x and 1.42x 12/12, CPU per GB 1.18-1.51x lower; one disturbed run
+ * 256 KiB 0.78x, 512 KiB 0.58x; 4 KiB p50 1.007x); but a lone 1 MiB
  * request (tcp_chunk's two 512 KiB halves, the posting thread's inline and
  * a sending thread's) 0.71x [0.58..1.16] in 12 and 0.93x in 8 (both sends
  * end early, the awaiting thread spins beside the target's two receivers
