@@ -11,10 +11,14 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -143,6 +147,16 @@ typedef struct conn_priv {
     /* c.mu: its sending thread is counted (c.threads) but not started yet
      * (tx_wake starts it). Only conn_open's connections have one to start. */
     atomic_bool tx_owed;
+    /* The one-copy send (tcp18, initiator tcp connections only): spl_ok,
+     * the kernel said at conn_open that the peer's socket is our uid's
+     * over loopback (splice_peer_ok); its pipe (spl_fd), made on first use
+     * (spl_pipe; spl_nopipe: it could not be, this connection copies), and
+     * spl_in, bytes of the head frame in that pipe and not yet in the
+     * socket (not counted in its sent): they go first. The pipe's fields
+     * belong to whoever holds c->sending. */
+    bool spl_ok, spl_pipe, spl_nopipe;
+    int spl_fd[2];
+    uint32_t spl_in;
     uint8_t rb[RX_AHEAD];
 } conn_priv;
 
@@ -199,8 +213,9 @@ static uint64_t item_size(const sq_item *it)
 }
 
 /* The iovecs of what of an item is not sent yet (past it->sent), at most max
- * of them: how many, or -1 when they do not fit. */
-static int item_iov(const sq_item *it, struct iovec *iov, int max)
+ * of them: how many, or -1 when they do not fit. *pay: the first of them
+ * that is payload (after the header and segment table). */
+static int item_iov(const sq_item *it, struct iovec *iov, int max, int *pay)
 {
     uint64_t skip = it->sent;
     int n = 0;
@@ -218,8 +233,10 @@ static int item_iov(const sq_item *it, struct iovec *iov, int max)
         }                                                                  \
     } while (0)
     PUT(&it->h, sizeof it->h);
-    if (it->h.nseg) {
+    if (it->h.nseg)
         PUT(it->segs, (uint64_t)it->h.nseg * sizeof(wire_seg));
+    *pay = n;
+    if (it->h.nseg) {
         for (uint32_t j = 0; it->pieces && j < it->h.nseg; j++)
             PUT(it->pieces[j], it->segs[j].len);
     } else if (it->plen) {
@@ -821,6 +838,406 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
     return 0;
 }
 
+/* ------------------------------------------------ one-copy send (tcp18)
+ *
+ * Over loopback a WRITE's payload used to be copied twice: sendmsg copies
+ * the initiator's registered memory into skbs, the target's recv copies it
+ * out. vmsplice (user pages -> a pipe) and splice (pipe -> socket) queue
+ * skbs that reference our pages instead, and loopback delivers them as
+ * they are (MSG_ZEROCOPY would not do: loopback delivery copies zerocopy
+ * frags, skb_orphan_frags_rx; spliced page frags are not copied), so only
+ * the target copies. Measured in the plain-C floor (benchmarks/peers/
+ * tcp_floor.c `splice`, kernel 6.18, 2 vCPUs, 6 interleaved pairs): 1 MiB
+ * WRITE 1.66x (one connection, polled), 1.85x (two, a sending thread),
+ * 64 KiB 1.32x, CPU per GB about halved; but a 16 MiB send on one
+ * connection 0.74x and a READ's response 0.70x. The window (tcp.c
+ * tcp_enable) is from the engine's own measurement.
+ *
+ * Why only to a same-uid peer over loopback (decided per connection, at
+ * conn_open, from the kernel: splice_peer_ok). Until the peer reads them,
+ * its socket's receive queue holds references to our pages. A hostile
+ * receiver could acknowledge a WRITE without reading it; we complete it,
+ * the caller reuses the buffer, and the peer then reads the new contents:
+ * memory it was never sent. A process of our own uid on this host can read
+ * our memory anyway (process_vm_readv, /proc/pid/mem: the shm transport's
+ * cross-memory attach rests on the same trust), so for it nothing new is
+ * exposed. So: both ends local (loopback, or our own address: the same
+ * network namespace by construction), and sock_diag (NETLINK_SOCK_DIAG,
+ * the exact 4-tuple of the peer's socket, our own reversed) says that
+ * socket's owner is our euid. A uid the peer reports is never used.
+ * Anything else (another uid, a remote address, diag unavailable or
+ * failing): the copy, as before.
+ *
+ * Why only WRITE payloads, sent by the initiator: a target splicing a READ
+ * response would let the bytes be read after its access check and after a
+ * deregistration that waited for the response to be sent (a TOCTOU), and
+ * the floor measured it slower anyway. Target replies never come here
+ * (send_batch's spl_frame: an initiator's op, FR_WRITE or FR_WRITEV).
+ *
+ * The release rule holds unchanged: a WRITE completes on its group's
+ * acknowledgement, which the target sends once it has read the group's
+ * frames (in order on this stream, spliced pages included) into its
+ * memory, and not before every frame of it has left the send queue
+ * (op->pins); the op holds its regions (op->lregs) until then. What today
+ * treats "sent" as "no longer read": releasing an item once sendmsg took
+ * it (sq_release: op_unpin; its region holds are only the target's READ
+ * responses', never spliced) and an op whose group was acknowledged or
+ * failed completing once its frames left (op_unpin). With splice the pages
+ * are read later, but before the acknowledgement, so the first is safe as
+ * long as the peer is honest, which the uid check stands for. When a
+ * connection fails before the acknowledgement (the op fails, or its group
+ * is sent again elsewhere), what was spliced may still be read by a peer
+ * that is alive (a silent one: the copy path's bytes may also still land
+ * then): it reads the pages as they are then, not as posted, but it is a
+ * process of our uid, and a killed peer's socket frees its queue.
+ *
+ * Errors: a vmsplice that fails (EFAULT or EINVAL on an odd mapping,
+ * ENOMEM) sends the rest of that frame by copy; a pipe that cannot be made
+ * (EMFILE, ENFILE) leaves the connection on the copy for good. Bytes left
+ * in the pipe when a send stops (spl_in) go into the same socket before
+ * anything else (send_vec drains first). The pipe closes with the socket
+ * (thread_exit); one at most per connection (e->splice_pipes counts them).
+ * A splice to a socket cannot be told not to wait (SPLICE_F_NONBLOCK is
+ * about the pipe; O_NONBLOCK on the socket would also stop its receiver's
+ * blocking reads), so a caller's nowait send splices only what the
+ * socket's own accounting says it takes now (spl_room). And splice raises
+ * SIGPIPE on a closed peer (no MSG_NOSIGNAL for it): blocked around it and
+ * consumed (spl_sig_*). */
+#define SPL_PIPE_BYTES (256u << 10) /* per connection; the user's pipe pages are limited
+                                       (fs/pipe-user-pages-soft, 64 MiB by default) */
+#define SPL_IOV 64                  /* iovecs to one vmsplice */
+#define SPL_ROOM_MIN 4096u          /* a nowait splice needs this much room at least */
+
+static bool addr_local(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
+{
+    if (a->ss_family == AF_INET) {
+        const struct sockaddr_in *x = (const void *)a, *y = (const void *)b;
+        uint32_t ax = ntohl(x->sin_addr.s_addr), bx = ntohl(y->sin_addr.s_addr);
+        return ((ax >> 24) == 127 && (bx >> 24) == 127) || ax == bx;
+    }
+    const struct sockaddr_in6 *x = (const void *)a, *y = (const void *)b;
+    static const uint8_t v4m[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    bool lx = IN6_IS_ADDR_LOOPBACK(&x->sin6_addr) ||
+              (memcmp(&x->sin6_addr, v4m, 12) == 0 && x->sin6_addr.s6_addr[12] == 127);
+    bool ly = IN6_IS_ADDR_LOOPBACK(&y->sin6_addr) ||
+              (memcmp(&y->sin6_addr, v4m, 12) == 0 && y->sin6_addr.s6_addr[12] == 127);
+    return (lx && ly) || memcmp(&x->sin6_addr, &y->sin6_addr, sizeof x->sin6_addr) == 0;
+}
+
+/* True when the kernel says the peer of TCP socket fd is a socket of our
+ * euid on this host (the reasons: the block comment above). */
+static bool splice_peer_ok(int fd)
+{
+    struct sockaddr_storage me, peer;
+    socklen_t ml = sizeof me, pl = sizeof peer;
+    if (getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
+        getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 || me.ss_family != peer.ss_family ||
+        (me.ss_family != AF_INET && me.ss_family != AF_INET6) || !addr_local(&me, &peer))
+        return false;
+    struct {
+        struct nlmsghdr n;
+        struct inet_diag_req_v2 r;
+    } q;
+    memset(&q, 0, sizeof q);
+    q.n.nlmsg_len = sizeof q;
+    q.n.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+    q.n.nlmsg_flags = NLM_F_REQUEST; /* no NLM_F_DUMP: the one socket of this exact tuple */
+    q.r.sdiag_family = (uint8_t)me.ss_family;
+    q.r.sdiag_protocol = IPPROTO_TCP;
+    q.r.idiag_states = ~0u;
+    q.r.id.idiag_cookie[0] = q.r.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+    if (me.ss_family == AF_INET) { /* the peer's socket: its source is our destination */
+        const struct sockaddr_in *m = (const void *)&me, *pr = (const void *)&peer;
+        q.r.id.idiag_sport = pr->sin_port;
+        q.r.id.idiag_dport = m->sin_port;
+        memcpy(q.r.id.idiag_src, &pr->sin_addr, 4);
+        memcpy(q.r.id.idiag_dst, &m->sin_addr, 4);
+    } else {
+        const struct sockaddr_in6 *m = (const void *)&me, *pr = (const void *)&peer;
+        q.r.id.idiag_sport = pr->sin6_port;
+        q.r.id.idiag_dport = m->sin6_port;
+        memcpy(q.r.id.idiag_src, &pr->sin6_addr, 16);
+        memcpy(q.r.id.idiag_dst, &m->sin6_addr, 16);
+    }
+    int nl = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+    if (nl < 0)
+        return false;
+    struct timeval tv = {.tv_sec = 1};
+    (void)setsockopt(nl, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    struct sockaddr_nl k = {.nl_family = AF_NETLINK};
+    union {
+        struct nlmsghdr n;
+        uint8_t b[1024];
+    } a;
+    ssize_t r = -1;
+    if (sendto(nl, &q, sizeof q, 0, (struct sockaddr *)&k, sizeof k) == (ssize_t)sizeof q)
+        do
+            r = recv(nl, &a, sizeof a, 0);
+        while (r < 0 && errno == EINTR);
+    close(nl);
+    if (r < (ssize_t)NLMSG_LENGTH(sizeof(struct inet_diag_msg)) ||
+        a.n.nlmsg_type != SOCK_DIAG_BY_FAMILY || a.n.nlmsg_len > (size_t)r ||
+        a.n.nlmsg_len < NLMSG_LENGTH(sizeof(struct inet_diag_msg)))
+        return false; /* NLMSG_ERROR (no such socket, no diag), or short */
+    const struct inet_diag_msg *d = NLMSG_DATA(&a.n);
+    /* The kernel looked the tuple up exactly; checked again all the same. */
+    if (d->id.idiag_sport != q.r.id.idiag_sport || d->id.idiag_dport != q.r.id.idiag_dport ||
+        memcmp(d->id.idiag_src, q.r.id.idiag_src, sizeof d->id.idiag_src) != 0 ||
+        memcmp(d->id.idiag_dst, q.r.id.idiag_dst, sizeof d->id.idiag_dst) != 0)
+        return false;
+    return d->idiag_uid == (uint32_t)geteuid();
+}
+
+/* The connection's pipe, made on first use: false when it cannot be. */
+static bool spl_pipe_get(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    if (p->spl_pipe)
+        return true;
+    if (p->spl_nopipe)
+        return false;
+    /* Non-blocking: a vmsplice never waits for room (the pipe is empty when
+     * we fill it), a splice from it never waits for bytes. */
+    if (pipe2(p->spl_fd, O_CLOEXEC | O_NONBLOCK) != 0) {
+        p->spl_nopipe = true; /* EMFILE, ENFILE: this connection copies */
+        return false;
+    }
+    (void)fcntl(p->spl_fd[1], F_SETPIPE_SZ, (int)SPL_PIPE_BYTES); /* else the default 64 KiB */
+    p->spl_pipe = true;
+    atomic_fetch_add(&c->e->splice_pipes, 1);
+    return true;
+}
+
+static void spl_pipe_close(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    if (!p->spl_pipe)
+        return;
+    close(p->spl_fd[0]);
+    close(p->spl_fd[1]);
+    p->spl_pipe = false;
+    p->spl_in = 0;
+    atomic_fetch_sub(&c->e->splice_pipes, 1);
+}
+
+/* What the socket takes now without waiting, by its own accounting (its
+ * send buffer less what it holds queued), halved for the skbs' overhead. */
+static uint64_t spl_room(int fd)
+{
+    uint32_t mi[SK_MEMINFO_VARS];
+    socklen_t l = sizeof mi;
+    if (getsockopt(fd, SOL_SOCKET, SO_MEMINFO, mi, &l) != 0 ||
+        l < (SK_MEMINFO_WMEM_QUEUED + 1) * sizeof mi[0] ||
+        mi[SK_MEMINFO_WMEM_QUEUED] >= mi[SK_MEMINFO_SNDBUF])
+        return 0;
+    return (mi[SK_MEMINFO_SNDBUF] - mi[SK_MEMINFO_WMEM_QUEUED]) / 2;
+}
+
+/* SIGPIPE around splices (a closed peer raises it: splice has no
+ * MSG_NOSIGNAL): blocked for the calling thread, and one raised meanwhile
+ * consumed before the mask is restored, unless one was pending before. */
+typedef struct spl_sig {
+    sigset_t old;
+    bool had, on;
+} spl_sig;
+
+static void spl_sig_begin(spl_sig *g)
+{
+    sigset_t pipe_set, pend;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    g->on = pthread_sigmask(SIG_BLOCK, &pipe_set, &g->old) == 0;
+    g->had = sigpending(&pend) == 0 && sigismember(&pend, SIGPIPE);
+}
+
+static void spl_sig_end(spl_sig *g, bool epipe)
+{
+    if (!g->on)
+        return;
+    if (epipe && !g->had) {
+        sigset_t pipe_set;
+        sigemptyset(&pipe_set);
+        sigaddset(&pipe_set, SIGPIPE);
+        struct timespec zero = {0, 0};
+        while (sigtimedwait(&pipe_set, NULL, &zero) < 0 && errno == EINTR)
+            ;
+    }
+    pthread_sigmask(SIG_SETMASK, &g->old, NULL);
+}
+
+/* Moves the pipe's bytes (spl_in) into the socket; more: more of the
+ * stream follows at once. 0: all went; 1: nowait, some are left (the
+ * socket has no room now); or -errno. */
+static int spl_drain(conn *c, bool more, bool nowait, uint64_t *sent)
+{
+    conn_priv *p = (conn_priv *)c;
+    while (p->spl_in) {
+        size_t len = p->spl_in;
+        if (nowait) {
+            uint64_t room = spl_room(c->fd);
+            if (room < SPL_ROOM_MIN)
+                return 1;
+            if (len > room)
+                len = (size_t)room;
+        }
+        bool tail = len < p->spl_in;
+        ssize_t w = splice(p->spl_fd[0], NULL, c->fd, NULL, len,
+                           SPLICE_F_NONBLOCK | (more || tail ? SPLICE_F_MORE : 0));
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN && nowait)
+                return 1;
+            if (errno == EAGAIN && ka_send_waits(c))
+                continue;
+            return -errno;
+        }
+        if (w == 0)
+            return -EPIPE;
+        p->spl_in -= (uint32_t)w;
+        *sent += (uint64_t)w;
+    }
+    return 0;
+}
+
+/* A frame's payload, n iovecs, by vmsplice into the pipe and splice into
+ * the socket. *used: bytes of the iovecs taken (into the socket, or left
+ * in the pipe: spl_in). 0: all taken, or nowait: as much as the socket
+ * had room for; 1: vmsplice (or the pipe) refused: the rest goes by copy;
+ * or -errno. */
+static int spl_run(conn *c, const struct iovec *iov, int n, bool more, bool nowait,
+                   uint64_t *sent, size_t *used)
+{
+    conn_priv *p = (conn_priv *)c;
+    axf_engine *e = c->e;
+    *used = 0;
+    if (!spl_pipe_get(c))
+        return 1;
+    int i = 0;
+    size_t off = 0; /* into iov[i] */
+    bool any = false;
+    while (i < n) {
+        size_t cap = SIZE_MAX;
+        if (nowait) {
+            uint64_t room = spl_room(c->fd);
+            if (room < SPL_ROOM_MIN)
+                break;
+            cap = (size_t)room;
+        }
+        struct iovec v[SPL_IOV];
+        int k = 0;
+        size_t tot = 0;
+        for (int j = i; j < n && k < SPL_IOV && tot < cap; j++) {
+            size_t o = j == i ? off : 0, l = iov[j].iov_len - o;
+            if (l > cap - tot)
+                l = cap - tot;
+            v[k].iov_base = (uint8_t *)iov[j].iov_base + o;
+            v[k++].iov_len = l;
+            tot += l;
+        }
+        ssize_t r = vmsplice(p->spl_fd[1], v, (unsigned long)k, SPLICE_F_NONBLOCK);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) { /* EFAULT, EINVAL (an odd mapping), ENOMEM: copy the rest */
+            atomic_fetch_add(&e->splice_fallbacks, 1);
+            return 1;
+        }
+        any = true;
+        atomic_fetch_add(&e->spliced_bytes, (uint64_t)r);
+        p->spl_in = (uint32_t)r;
+        *used += (size_t)r;
+        size_t adv = (size_t)r;
+        while (i < n && adv >= iov[i].iov_len - off) {
+            adv -= iov[i].iov_len - off;
+            off = 0;
+            i++;
+        }
+        off += adv;
+        int d = spl_drain(c, more || i < n, nowait, sent);
+        if (d)
+            return d < 0 ? d : 0; /* nowait: the rest of the pipe waits (spl_in) */
+    }
+    if (any)
+        atomic_fetch_add(&e->spliced_frames, 1);
+    return 0;
+}
+
+/* send_iov with a splice mark per iovec (spl[k]: iov[k] is payload to
+ * splice), the pipe's leftover sent first. Same contract: 0 (all sent, or
+ * nowait: what the socket took), or -errno. */
+static int send_vec(conn *c, struct iovec *iov, uint8_t *spl, int cnt, bool nowait,
+                    uint64_t *sent)
+{
+    conn_priv *p = (conn_priv *)c;
+    if (!p->spl_in && !memchr(spl, 1, (size_t)cnt))
+        return send_iov(c, iov, cnt, nowait, sent);
+    spl_sig g;
+    spl_sig_begin(&g);
+    int r = 0;
+    if (p->spl_in) { /* the head frame's bytes in the pipe come first */
+        size_t had = p->spl_in;
+        r = spl_drain(c, cnt > 0, nowait, sent);
+        if (r) {
+            r = r < 0 ? r : 0;
+            goto out;
+        }
+        struct iovec *v0 = iov;
+        iov_skip(&iov, &cnt, had);
+        spl += iov - v0;
+    }
+    while (cnt > 0) {
+        int k = 1;
+        while (k < cnt && spl[k] == spl[0])
+            k++;
+        bool more = k < cnt;
+        if (spl[0]) {
+            size_t used = 0, run = iov_total(iov, k);
+            r = spl_run(c, iov, k, more, nowait, sent, &used);
+            if (r < 0)
+                goto out;
+            struct iovec *v0 = iov;
+            iov_skip(&iov, &cnt, used);
+            spl += iov - v0;
+            if (r == 1) { /* the rest of this frame by copy */
+                for (int j = 0; j < cnt && spl[j]; j++)
+                    spl[j] = 0;
+                r = 0;
+                continue;
+            }
+            /* nowait: no room, or bytes left in the pipe (they go before
+             * anything else: the next frame waits for the sending thread) */
+            if (used < run || p->spl_in)
+                goto out;
+            continue;
+        }
+        /* The header (and segment table), or copied payloads: MSG_MORE while
+         * a spliced payload follows, so they share a segment. */
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+        ssize_t w = sendmsg(c->fd, &m,
+                            MSG_NOSIGNAL | (nowait ? MSG_DONTWAIT : 0) | (more ? MSG_MORE : 0));
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            if (nowait && (errno == EAGAIN || errno == EWOULDBLOCK))
+                goto out;
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && ka_send_waits(c))
+                continue;
+            r = -errno;
+            goto out;
+        }
+        *sent += (uint64_t)w;
+        size_t total = iov_total(iov, k);
+        struct iovec *v0 = iov;
+        iov_skip(&iov, &cnt, (size_t)w);
+        spl += iov - v0;
+        if ((size_t)w < total && nowait)
+            goto out;
+    }
+out:
+    spl_sig_end(&g, r == -EPIPE);
+    return r;
+}
+
 /* ------------------------------------------------------------ threads */
 
 static void thread_exit(conn *c)
@@ -838,6 +1255,7 @@ static void thread_exit(conn *c)
             x = n;
         }
         close(c->fd);
+        spl_pipe_close(c); /* what was left in it is never sent */
         atomic_fetch_sub(&e->n_conns, 1);
         if (!c->ep) {
             /* What transports hung on it first (verbs: its queue pairs):
@@ -882,6 +1300,9 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
 {
     sq_item *batch[TX_BATCH];
     struct iovec iov[TX_IOV];
+    uint8_t spl[TX_IOV]; /* iov[k] is payload to splice (send_vec) */
+    conn_priv *p = (conn_priv *)c;
+    axf_engine *e = c->e;
     int n = 0, nv = 0;
     uint64_t bytes = 0, cap = 0; /* cap: send no more than this (0: all) */
     while (c->head && n < TX_BATCH && !cap) {
@@ -935,7 +1356,15 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
             it->plen = 0;
         }
         batch[keep++] = it;
-        niov += item_iov(it, iov + niov, TX_IOV - niov); /* fits: counted above */
+        int pay = 0, k = item_iov(it, iov + niov, TX_IOV - niov, &pay); /* fits: counted */
+        /* The one-copy send (see "one-copy send" above): an initiator's
+         * WRITE payload in the window, to a peer the kernel vouched for. */
+        bool sp = p->spl_ok && it->op && (it->h.type == FR_WRITE || it->h.type == FR_WRITEV) &&
+                  !(it->h.flags & FL_ABORT) && it->plen >= e->splice_min &&
+                  it->plen <= e->splice_max && it->op->total <= e->splice_req_max;
+        for (int j = 0; j < k; j++)
+            spl[niov + j] = sp && j >= pay;
+        niov += k;
     }
     if (cap) { /* the first cap bytes only */
         uint64_t left = cap;
@@ -950,7 +1379,7 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
     uint64_t sent = 0;
     AXF_TR(TR_SEND_B, c->fd, keep ? batch[0]->h.op : 0,
            (keep ? iov_total(iov, niov) : 0) | (uint64_t)nowait << 62);
-    int r = niov ? send_iov(c, iov, niov, nowait, &sent) : 0;
+    int r = niov || p->spl_in ? send_vec(c, iov, spl, niov, nowait, &sent) : 0;
     AXF_TR(TR_SEND_E, c->fd, keep ? batch[0]->h.op : 0, sent);
     uint64_t now = axf_now_us();
 
@@ -2490,6 +2919,10 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
              (domain == AF_INET || domain == AF_INET6);
     if (p->tcp)
         (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    /* The one-copy send's check, once, from the kernel (splice_peer_ok): an
+     * initiator's TCP connection, the switch on. A netlink round trip (tens
+     * of us) at connect time, never per frame. */
+    p->spl_ok = p->tcp && ep && e->splice_max && splice_peer_ok(fd);
     ka_arm_socket(c);
 
     ka_init(c);

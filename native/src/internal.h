@@ -367,6 +367,15 @@ struct axf_engine {
     void *xp[AXF_XP_SLOTS];
 
     atomic_ullong n_regions, n_ops, n_conns, posted, completed, failed, bytes, rejected;
+    /* tcp18: WRITE payloads of [splice_min, splice_max] bytes a frame go to a
+     * same-uid loopback peer by vmsplice + splice (conn.c, "one-copy send");
+     * splice_max 0: off (AIOXFER_TCP_SPLICE=0). Set once by the tcp
+     * transport's enable (tcp.c tcp_enable). The counters are the tests' and
+     * the benchmarks' (frames that went spliced, frames that fell back to the
+     * copy after a failed vmsplice or pipe, pipes open now). */
+    uint64_t splice_min, splice_max, splice_req_max; /* req_max: the request's total */
+    atomic_ullong spliced_frames, spliced_bytes, splice_fallbacks;
+    atomic_int splice_pipes;
     /* Refused accesses (conn.c refused_access): when the last was logged
      * (ms + 1; 0: never), and how many were counted quietly since. The
      * engine's, not a connection's: a peer may open max_conns of them. */
