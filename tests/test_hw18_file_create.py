@@ -121,6 +121,7 @@ def _engine_refuses(path: Path, direct: bool = False) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-c", _ENGINE_REFUSES, str(path), "1" if direct else "0"],
         capture_output=True, text=True, timeout=60,
+        cwd=path.parent,  # not the checkout: its unbuilt aioxfer/ would shadow the installed one
     )
     assert out.returncode == 0, out.stderr
     result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
@@ -150,7 +151,7 @@ def test_created_file_registers_and_stays(tmp_path: Path) -> None:
     code = _ENGINE_REFUSES.replace("(free + 1, hard)", "(soft, hard)")
     path = tmp_path / "ok.bin"
     out = subprocess.run([sys.executable, "-c", code, str(path), "0"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.splitlines()[-1])
     assert result == {"error": None, "exists": True, "regions": 1}

@@ -36,11 +36,12 @@ print("initiator done", file=sys.stderr, flush=True)
 
 
 @pytest.mark.parametrize("system", ["compat", "both"])
-def test_compat_target_leaves_cleanly(system: str) -> None:
+def test_compat_target_leaves_cleanly(system: str, tmp_path: Path) -> None:
     """Before: rail.down and peer.lost warnings, no peer.closed."""
     env = dict(os.environ, AIOXFER_NIXL_TRANSPORTS="tcp", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-c", CHILD.format(peers=str(PEERS), system=system)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+                          capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)  # not the checkout: `-c` puts cwd first on sys.path
     err = proc.stderr
     assert proc.returncode == 0 and "initiator done" in err, err[-4000:]
     assert "peer.connected" in err, err[-4000:]
