@@ -734,6 +734,7 @@ class DiskTier(Tier):
         # failed with FileNotFoundError, the blocks dropped as io_error).
         held = True
         flushing = False
+        interrupted = False  # a durable header flush cut short (cancelled)
         try:
             try:
                 gate = self.codec_gate
@@ -757,6 +758,7 @@ class DiskTier(Tier):
                 place_of = dict(zip(todo, places, strict=False))
                 self._durable_flushes += 1
                 flushing = True
+                interrupted = True
                 for seg in segs:
                     try:
                         await self._flush(seg, durable=True)
@@ -774,18 +776,28 @@ class DiskTier(Tier):
                         self.counters.dropped("io_error", len(lost))
                         _log.warning("kv.disk_header_failed", tier=self.name, segment=seg.no,
                                      blocks=len(lost), error=repr(exc))
+                interrupted = False
             else:
                 # Not promised durable: the headers follow in the background
                 # (still only after their data, which is complete by now).
-                self._pending_flush.update(segs)
-                if self._flusher is None or self._flusher.done():
-                    self._flusher = asyncio.ensure_future(self._flush_pending())
+                self._schedule_flush(segs)
         finally:
             if held:
                 for seg, _slot in places:
                     seg.writing -= 1
                 for seg in segs:
                     self._maybe_seal(seg)  # full, its last writer done, headers on disk
+            if interrupted:
+                # Cancelled while its header flush waited for the header lock
+                # or wrote (the sectors went back into ``dirty``), or before
+                # it reached a later segment: the blocks are published (this
+                # process serves them; a later durable put of the key finds
+                # it present) but their entries are not on disk, and nothing
+                # else would write them until another put flushed the same
+                # segment (a full one: never; a crash lost them, and the
+                # segment was never sealed). Scheduled like a non-durable
+                # put's headers.
+                self._schedule_flush([s for s in segs if s.dirty])
             if flushing:
                 self._durable_flushes -= 1
                 self._durable_flushed.set()
@@ -1006,6 +1018,15 @@ class DiskTier(Tier):
             if seg.image is not None:
                 _mark_entry_removed(seg.image[slot * ENTRY:(slot + 1) * ENTRY])
                 seg.dirty.add(slot * ENTRY // SECTOR)
+
+    def _schedule_flush(self, segs: Any) -> None:
+        """The segments' dirty headers go to disk in the background (the
+        flusher: one at a time, sealing each segment once it is done)."""
+        if not segs:
+            return
+        self._pending_flush.update(segs)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush_pending())
 
     def _maybe_seal(self, seg: _Seg) -> None:
         if seg.cursor >= seg.slots and not seg.writing and not seg.dirty:
