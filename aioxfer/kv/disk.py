@@ -55,7 +55,7 @@ import numpy.typing as npt
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
-from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region, SegmentList
 
@@ -1117,11 +1117,12 @@ class DiskTier(Tier):
         try:
             for no, part, t in chunks:
                 try:
-                    # Through gather, not `await t`: a transfer awaited alone
+                    # Through shield, not `await t`: a transfer awaited alone
                     # may be posted (and a small one finished) inside the
                     # await, before other gets of this loop pass could find
-                    # it in flight and coalesce with it.
-                    await asyncio.gather(t)
+                    # it in flight and coalesce with it. Shielded: a cancel
+                    # must not cut it short (see below).
+                    await asyncio.shield(t)
                 except XferError as r:
                     self.counters.errors += 1
                     e = BlockUnavailable(f"disk tier {self.name!r}: reading segment {no} "
@@ -1148,8 +1149,11 @@ class DiskTier(Tier):
             if comp:
                 await self._read_compressed(comp, locs, regions, offsets, errs, bad)
         except BaseException:
-            for _no, _part, t in chunks:
-                t.cancel()  # the caller's memory: cancelled with the caller
+            # The caller's memory: a cancelled read's bytes may still land
+            # (a cancelled Transfer says nothing of when they stop), so the
+            # chunks posted run to their end (a device read each) before
+            # the caller hears; only then may it reuse its memory.
+            await landed(*(t for _no, _part, t in chunks))
             raise
         if bad:
             self._quarantine([locs[i] for i in bad])
