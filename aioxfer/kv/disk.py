@@ -55,7 +55,7 @@ import numpy.typing as npt
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
-from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region, SegmentList
 
@@ -224,7 +224,11 @@ class DiskTier(Tier):
     the tier's own uncompressed writes (``statistics()`` extra: compress_on,
     compress_ratio, compress_gbps, raw_write_gbps). Slots keep their size:
     compression saves device bandwidth, not capacity. Records say how they
-    were stored, so a tier reopened with other settings reads them all."""
+    were stored, so a tier reopened with other settings reads them all.
+    ``room_wait``: how long a put that finds every segment still being
+    written (none evictable) waits for a writer to finish before its blocks
+    are dropped (``dropped_stores["no_room"]``); only a put holding no slot
+    of its own waits (see _alloc), so writers never wait on each other."""
 
     kind = "disk"
     durable = True
@@ -233,8 +237,11 @@ class DiskTier(Tier):
                  name: str = "disk", namespace: bytes | str = b"",
                  segment_bytes: int = 256 << 20, admit: str = "always",
                  compress: str | None = None, compress_typesize: int = 2,
-                 compress_min_ratio: float = 1.15) -> None:
+                 compress_min_ratio: float = 1.15, room_wait: float = 1.0) -> None:
         super().__init__(name)
+        if room_wait < 0:
+            raise ValueError("room_wait must be >= 0 (seconds)")
+        self.room_wait = float(room_wait)
         if capacity <= 0:
             raise ValueError("capacity must be positive (bytes)")
         if admit not in ("always", "reused"):
@@ -283,6 +290,9 @@ class DiskTier(Tier):
         # each ends: a put making room waits for one, as for the flusher.
         self._durable_flushes = 0
         self._durable_flushed = asyncio.Event()
+        # Set whenever a writer lets go of its slots or a segment goes: a
+        # put that found no room waits on it (bounded by room_wait).
+        self._room = asyncio.Event()
         self._flusher: asyncio.Future[None] | None = None
         self.segment_failed = False  # the last _alloc could not make a segment
         self.tombstoned = 0  # keys written to the tombstone file (see the module doc)
@@ -645,6 +655,7 @@ class DiskTier(Tier):
             seg.doomed = True  # dropped by the last unpin
             return
         del self.segs[seg.no]
+        self._room.set()  # room for a new segment
         base = np.uint64(seg.no) << np.uint64(32)
         n = 0
         for slot in np.flatnonzero(seg.live).tolist():
@@ -672,6 +683,7 @@ class DiskTier(Tier):
 
     async def _alloc(self, k: int) -> list[tuple[_Seg, int]]:
         out: list[tuple[_Seg, int]] = []
+        deadline: float | None = None
         try:
             while len(out) < k:
                 seg = self.active
@@ -679,7 +691,21 @@ class DiskTier(Tier):
                     self.active = None  # full: sealed once its last writer has published
                     seg = await self._new_segment()
                     if seg is None:
-                        break
+                        # No room: every segment is pinned or still being
+                        # written. Only a put holding no slot waits for a
+                        # writer to finish: one holding slots is a writer
+                        # itself (others may wait for it; two such waiting
+                        # on each other, or one on its own slots, would
+                        # never end). Writers only write and flush (I/O, the
+                        # header lock): none waits on a waiter, so the wait
+                        # ends when one of them does, or at room_wait.
+                        if out or self.segment_failed:
+                            break
+                        if deadline is None:
+                            deadline = asyncio.get_running_loop().time() + self.room_wait
+                        if not await self._wait_for_room(deadline):
+                            break
+                        continue
                     self.active = seg
                 take = min(k - len(out), seg.slots - seg.cursor)
                 out.extend((seg, seg.cursor + j) for j in range(take))
@@ -692,12 +718,36 @@ class DiskTier(Tier):
             # reused; their entries stay empty). Else their segments keep
             # ``writing`` raised for good: never evicted nor sealed, the tier
             # runs out of room.
-            for seg, _slot in out:
-                seg.writing -= 1
+            self._let_go(out)
             for seg in {p[0] for p in out}:
                 self._maybe_seal(seg)
             raise
         return out
+
+    def _let_go(self, places: list[tuple[_Seg, int]]) -> None:
+        """The slots' writer is done with them: their segments may be
+        evicted or sealed, and a put waiting for room looks again."""
+        for seg, _slot in places:
+            seg.writing -= 1
+        if places:
+            self._room.set()
+
+    async def _wait_for_room(self, deadline: float) -> bool:
+        """Waits (until ``deadline``, loop time) for a writer to let go of
+        its slots; False at once when no segment has a writer (nothing will
+        free up) or the deadline has passed."""
+        if not any(s.writing for s in self.segs.values()):
+            return False
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        self._room.clear()
+        try:
+            async with asyncio.timeout(left):
+                await self._room.wait()
+        except TimeoutError:
+            return False
+        return True
 
     # ------------------------------------------------------------ write
 
@@ -727,6 +777,10 @@ class DiskTier(Tier):
             why = "io_error" if self.segment_failed else "no_room"
             self.counters.dropped(why, len(todo) - len(places))
         todo = todo[: len(places)]
+        if not todo:
+            # Nothing to write: never into the write path (a compressing
+            # one would wait for the stage another writer holds).
+            return ok
         segs = {p[0] for p in places}
         # A durable put's segments count it as a writer until their headers
         # are durable too: else another put's _new_segment may evict one
@@ -734,6 +788,7 @@ class DiskTier(Tier):
         # failed with FileNotFoundError, the blocks dropped as io_error).
         held = True
         flushing = False
+        interrupted = False  # a durable header flush cut short (cancelled)
         try:
             try:
                 gate = self.codec_gate
@@ -749,14 +804,14 @@ class DiskTier(Tier):
             finally:
                 if not durable:
                     held = False
-                    for seg, _slot in places:
-                        seg.writing -= 1
+                    self._let_go(places)
             for i in written:
                 ok[i] = True
             if durable:
                 place_of = dict(zip(todo, places, strict=False))
                 self._durable_flushes += 1
                 flushing = True
+                interrupted = True
                 for seg in segs:
                     try:
                         await self._flush(seg, durable=True)
@@ -774,18 +829,27 @@ class DiskTier(Tier):
                         self.counters.dropped("io_error", len(lost))
                         _log.warning("kv.disk_header_failed", tier=self.name, segment=seg.no,
                                      blocks=len(lost), error=repr(exc))
+                interrupted = False
             else:
                 # Not promised durable: the headers follow in the background
                 # (still only after their data, which is complete by now).
-                self._pending_flush.update(segs)
-                if self._flusher is None or self._flusher.done():
-                    self._flusher = asyncio.ensure_future(self._flush_pending())
+                self._schedule_flush(segs)
         finally:
             if held:
-                for seg, _slot in places:
-                    seg.writing -= 1
+                self._let_go(places)
                 for seg in segs:
                     self._maybe_seal(seg)  # full, its last writer done, headers on disk
+            if interrupted:
+                # Cancelled while its header flush waited for the header lock
+                # or wrote (the sectors went back into ``dirty``), or before
+                # it reached a later segment: the blocks are published (this
+                # process serves them; a later durable put of the key finds
+                # it present) but their entries are not on disk, and nothing
+                # else would write them until another put flushed the same
+                # segment (a full one: never; a crash lost them, and the
+                # segment was never sealed). Scheduled like a non-durable
+                # put's headers.
+                self._schedule_flush([s for s in segs if s.dirty])
             if flushing:
                 self._durable_flushes -= 1
                 self._durable_flushed.set()
@@ -1007,6 +1071,15 @@ class DiskTier(Tier):
                 _mark_entry_removed(seg.image[slot * ENTRY:(slot + 1) * ENTRY])
                 seg.dirty.add(slot * ENTRY // SECTOR)
 
+    def _schedule_flush(self, segs: Any) -> None:
+        """The segments' dirty headers go to disk in the background (the
+        flusher: one at a time, sealing each segment once it is done)."""
+        if not segs:
+            return
+        self._pending_flush.update(segs)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush_pending())
+
     def _maybe_seal(self, seg: _Seg) -> None:
         if seg.cursor >= seg.slots and not seg.writing and not seg.dirty:
             seg.image = None  # sealed: its whole table is on disk
@@ -1096,11 +1169,12 @@ class DiskTier(Tier):
         try:
             for no, part, t in chunks:
                 try:
-                    # Through gather, not `await t`: a transfer awaited alone
+                    # Through shield, not `await t`: a transfer awaited alone
                     # may be posted (and a small one finished) inside the
                     # await, before other gets of this loop pass could find
-                    # it in flight and coalesce with it.
-                    await asyncio.gather(t)
+                    # it in flight and coalesce with it. Shielded: a cancel
+                    # must not cut it short (see below).
+                    await asyncio.shield(t)
                 except XferError as r:
                     self.counters.errors += 1
                     e = BlockUnavailable(f"disk tier {self.name!r}: reading segment {no} "
@@ -1127,8 +1201,11 @@ class DiskTier(Tier):
             if comp:
                 await self._read_compressed(comp, locs, regions, offsets, errs, bad)
         except BaseException:
-            for _no, _part, t in chunks:
-                t.cancel()  # the caller's memory: cancelled with the caller
+            # The caller's memory: a cancelled read's bytes may still land
+            # (a cancelled Transfer says nothing of when they stop), so the
+            # chunks posted run to their end (a device read each) before
+            # the caller hears; only then may it reuse its memory.
+            await landed(*(t for _no, _part, t in chunks))
             raise
         if bad:
             self._quarantine([locs[i] for i in bad])

@@ -30,7 +30,7 @@ from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import ENTRY, ENTRY_DTYPE, ENTRY_MAGIC, ENTRY_VERSION, F_LIVE, entry_check
 from aioxfer.kv.disk import ns_tag as _ns_tag
 from aioxfer.kv.errors import BlockCorrupt, BlockMissing, BlockUnavailable
-from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region
 
@@ -349,11 +349,14 @@ class ObjectTier(Tier):
         todo = list(range(n))  # neither delivered nor failed yet
         read: list[int] = []  # read whole by a round: verified below
         while todo:
-            try:
-                await agent.read([regions[i][offsets[i]:offsets[i] + bb] for i in todo],
-                                 self.objs.segments([self.object_key(keys[i]) for i in todo],
-                                                    [0] * len(todo), [bb] * len(todo)))
-            except XferError as exc:
+            # Into the caller's memory: a cancel waits for the round to end
+            # (see kv.tier.landed) so no GET writes there once it returns.
+            [res] = await landed(agent.read(
+                [regions[i][offsets[i]:offsets[i] + bb] for i in todo],
+                self.objs.segments([self.object_key(keys[i]) for i in todo],
+                                   [0] * len(todo), [bb] * len(todo))))
+            if isinstance(res, XferError):
+                exc = res
                 f = exc.fail_index
                 if f is None or not 0 <= f < len(todo):  # (the agent closed: not one block's)
                     for i in todo:
@@ -369,6 +372,8 @@ class ObjectTier(Tier):
                                                          "beside it and delivered nothing")
                     break
                 continue
+            if isinstance(res, BaseException):
+                raise res
             read = todo
             break
         bad = []

@@ -43,7 +43,7 @@ from aioxfer.errors import PeerLost, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import entry_check
 from aioxfer.kv.errors import BlockMissing, BlockUnavailable
-from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.region import Region, RemoteRegion, SegmentList
 
@@ -467,7 +467,10 @@ class PeerTier(Tier):
                 transfers.append(agent.read(regions[i][offsets[i]:offsets[i] + bb],
                                             m.pool[slot * bb:(slot + 1) * bb]))
             self.counters.reads += len(transfers)
-            results = await asyncio.gather(*transfers, return_exceptions=True)
+            # Into the caller's memory: a cancel waits for them to end (the
+            # owner's answers, or the agent's stall/liveness bounds), so the
+            # caller never reuses memory a late answer still writes.
+            results = await landed(*transfers)
             for i, r in zip(idx, results, strict=True):
                 key_loc = locs[i]
                 if isinstance(r, asyncio.CancelledError):

@@ -46,7 +46,7 @@ from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded, 
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES
 from aioxfer.kv.stats import StoreStatistics
-from aioxfer.kv.tier import Tier, finish_uncancelled, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
 from aioxfer.log import get_logger
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, Segment, SegmentList
@@ -401,12 +401,15 @@ async def _await_owned(transfers: list[Transfer], op: _Op,
 
 
 class _Waiter:
-    __slots__ = ("region", "offset", "future")
+    __slots__ = ("region", "offset", "future", "copy")
 
     def __init__(self, region: Region, offset: int, future: asyncio.Future[None]) -> None:
         self.region = region
         self.offset = offset
         self.future = future
+        # The copy a delivery posted into this waiter's memory: a cancelled
+        # follower waits for it to end before its get raises.
+        self.copy: Transfer | None = None
 
 
 class _Fetch:
@@ -895,6 +898,15 @@ class Store:
         errors: dict[int, tuple[str, XferError]] = {}
         waits: list[Awaitable[Any]] = []
         host_groups: list[tuple[list[int], Transfer]] = []
+        # Everything posted into the caller's memory is waited for when the
+        # get is cancelled, before CancelledError reaches the caller: a
+        # cancelled Transfer resolves at once while its bytes may still land
+        # (DESIGN: memory of a cancelled op stays in use until the engine
+        # confirms it untouched), and a caller must be able to reuse ``dst``
+        # once its get is over. The host copies are never cancelled (a
+        # memcpy's time), the tiers' reads wait for theirs (kv.tier.landed),
+        # and a follower waits for the copy a delivery posted for it.
+        host_copies: list[Transfer] = []
         if host_i:
             assert host is not None and host.remote is not None
             slot_of = dict(zip(host_i, host_slots, strict=True))
@@ -903,22 +915,32 @@ class Store:
                 copy = self.agent.read(_seglist(region, [blk.offsets[i] for i in idx], bb),
                                        _seglist(host.remote, [slot_of[i] * bb for i in idx], bb))
                 host_groups.append((idx, copy))
-                waits.append(copy)
+                host_copies.append(copy)
             host.counters.reads += len(host_groups)
         fetch_runs = [self._run_fetches(tier, [f for _i, f in items], blk, op)
                       for tier, items in leads.items()]
-        waits.extend(fetch_runs)
-        waits.extend(w.future for _i, _f, w in follows)
+        n_waits = len(host_copies) + len(fetch_runs) + len(follows)
         try:
-            if len(waits) == 1:
+            if n_waits == 1 and host_copies:
+                # The hot path (one host hit): posted as an awaited transfer
+                # is (a small same-host copy completes inside the post, and
+                # nothing suspends), awaited through landed if still running.
+                copy = host_copies[0]
+                _eager(copy)
+                results: list[Any] = [copy.exception()] if copy.done() else await landed(copy)
+            elif n_waits == 1:
+                aw = fetch_runs[0] if fetch_runs else follows[0][2].future
                 try:
-                    await waits[0]
-                    results: list[Any] = [None]
+                    await aw
+                    results = [None]
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
                     results = [exc]
-            elif waits:
+            elif n_waits:
+                waits.extend(asyncio.shield(c) for c in host_copies)
+                waits.extend(fetch_runs)
+                waits.extend(w.future for _i, _f, w in follows)
                 results = await asyncio.gather(*waits, return_exceptions=True)
             else:
                 results = []
@@ -930,6 +952,14 @@ class Store:
                 idle = [f for _i, f in items if not f.reading]
                 if idle:
                     self._hand_over(tier, idle)
+            # The fetch runs have ended (gather answers a cancel once its
+            # children are done; awaited alone, inline): what is left to
+            # land is the host copies and the followers' delivered copies.
+            landing = [c for c in host_copies if not c.done()]
+            landing += [w.copy for _i, _f, w in follows
+                        if w.copy is not None and not w.copy.done()]
+            if landing:
+                await landed(*landing)
             raise
         if host_groups:
             assert host is not None
@@ -1101,9 +1131,12 @@ class Store:
                             rr = self._remotes.get(f.region)
                             if rr is None or rr.gone:
                                 rr = await self._remote(f.region)
+                                if w.future.done():
+                                    continue  # cancelled meanwhile: its memory is its own again
                             src, off = rr, f.offset
                         copy = self.agent.read(w.region[w.offset:w.offset + bb],
                                                src[off:off + bb])
+                        w.copy = copy
                     except (XferError, KeyError, ValueError) as exc:
                         err = BlockUnavailable(f"coalesced copy failed: {exc}")
                         err.__cause__ = exc
@@ -1870,6 +1903,15 @@ class LayerStream:
         # A loop left with `break` and no aclose(): the pins still go.
         if not getattr(self, "_closed", True):
             self._finish()
+
+
+def _eager(t: Transfer) -> None:
+    """Has the agent post ``t`` as it posts an awaited transfer, without
+    awaiting it: Transfer.__await__'s first step is the agent's eager post
+    (awaited alone and small, a same-host copy then completes inside the
+    post). The await proper goes through kv.tier.landed, which a cancel does
+    not cut short; awaited directly, a cancel would cancel ``t``."""
+    t.__await__()
 
 
 class _Replan(Exception):

@@ -114,3 +114,19 @@ async def run_to_end(aw: Awaitable[Any]) -> Any:
     if await finish_uncancelled(fut):
         raise asyncio.CancelledError
     return fut.result()
+
+
+async def landed(*transfers: Awaitable[Any]) -> list[Any]:
+    """Awaits transfers that write a caller's memory; per transfer its result
+    or the exception it failed with. Cancelled, it does not cut them short:
+    a cancelled Transfer resolves at once while the engine may still write
+    its destination (the engine's confirmation, AXF_E_CANCELLED, is not
+    visible through it), so the caller could reuse memory that is still
+    being written. It waits for them to end instead, then raises
+    CancelledError: once that reaches the caller its memory is no longer
+    written. Bounded by the engine's own paths (the agent's stall_timeout,
+    peer liveness, its close) and a local backend's timeouts."""
+    fut = asyncio.gather(*transfers, return_exceptions=True)
+    if await finish_uncancelled(fut):
+        raise asyncio.CancelledError
+    return list(fut.result())
