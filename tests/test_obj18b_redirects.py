@@ -15,7 +15,6 @@ none with the token, a signature or an Authorization header).
 
 from __future__ import annotations
 
-import asyncio
 import email.utils
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
