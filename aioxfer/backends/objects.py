@@ -22,6 +22,15 @@ answer a ranged GET with ``200`` and an exact ``Content-Range`` instead of
 A presigned URL is a bearer credential (for 15 minutes): a GET follows no
 redirect (a 3xx fails the read), and error texts leave signed queries out.
 A 403 to a URL reused from the cache of signed URLs signs it again, once.
+``stat`` (HEAD) and ``delete`` (a DELETE per key) go the same way, presigned
+and sent with aiohttp, following no redirect: obstore (reqwest) follows one,
+to another host too, sending the session token (``x-amz-security-token``;
+only Authorization is dropped) and taking that host's answer. A single PUT
+and a multipart upload's part PUTs are not followed by obstore. Left: the
+create, complete and abort requests of a multipart upload (objects above
+``part_size``) still go through obstore and follow a redirect (obstore
+0.12 has no option against it and presigns no URL with a query such as
+``?uploads``; tests/test_obj18b_redirects.py, xfail).
 
 Failures are typed: a missing key (or bucket) is ObjectNotFound, bad
 credentials AccessDenied, a conditional create of an existing key
@@ -66,6 +75,7 @@ Options of ``register_objects`` (beside the endpoint and credentials):
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import hashlib
 import os
 import random
@@ -74,7 +84,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -109,6 +119,7 @@ _SIGNED_MAX = 4096  # cached signed URLs per region
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,7 +312,7 @@ class ObjectRegion(BackendRegion):
             sock_read=read_timeout,
         )
         self._session: aiohttp.ClientSession | None = None
-        self._signed: dict[str, tuple[str, float]] = {}
+        self._signed: dict[tuple[str, str], tuple[str, float]] = {}
 
     # ------------------------------------------------------------ segments
 
@@ -359,23 +370,25 @@ class ObjectRegion(BackendRegion):
 
     async def _stat_one(self, key: str) -> ObjectStat:
         async with self.backend._slots.held():
-            try:
-                meta = await self._obstore("stat", key, obstore.head_async(self._store, key))
-            except ObjectNotFound:
-                return ObjectStat(key, False)
-        return ObjectStat(
-            key, True, int(meta["size"]), meta.get("e_tag"), meta.get("last_modified")
-        )
+            found = await self._head(key, "stat")
+        return found if found is not None else ObjectStat(key, False)
 
     async def delete(self, keys: str | Iterable[str]) -> None:
-        """Deletes one key or many (missing keys are not an error, as in S3)."""
+        """Deletes one key or many (missing keys are not an error, as in S3):
+        a DELETE request per key, with the backend's bounded concurrency."""
         self._check()
         ks = [_check_key(keys)] if isinstance(keys, str) else [_check_key(k) for k in keys]
-        if not ks:
-            return
+        await asyncio.gather(*(self._delete_one(k) for k in dict.fromkeys(ks)))
+
+    async def _delete_one(self, key: str) -> None:
         async with self.backend._slots.held():
-            what = ks[0] if len(ks) == 1 else f"{len(ks)} keys"
-            await self._obstore("delete", what, obstore.delete_async(self._store, ks))
+            await self._signed_request("DELETE", key, "delete", self._deleted)
+
+    @staticmethod
+    def _deleted(resp: aiohttp.ClientResponse, key: str, what: str, code: str) -> None:
+        if resp.status == 404 and code == "NoSuchBucket":
+            raise ObjectNotFound(f"{what}: no such bucket ({code})")
+        # 200, 204; a 404 of the key: gone, as asked
 
     async def aclose(self) -> None:
         """Forgets the region and closes its HTTP connections: its reads in
@@ -516,34 +529,113 @@ class ObjectRegion(BackendRegion):
         on AWS, MinIO, Ceph and rclone; an e-tag of another kind, as with
         SSE-KMS, cannot say, and the put counts as failed). Asked after a
         short pause, so that a PUT the server was finishing has landed; a
-        HEAD is a read: obstore's own retries are safe for it."""
+        HEAD is a read: retried as reads are (_head)."""
         await asyncio.sleep(self._retry.initial)
         try:
-            meta = await obstore.head_async(self._store, key)
-        except (obx.BaseError, OSError):
-            return False  # not there, or the server cannot say: not known written
-        if int(meta["size"]) != len(body):
-            return False
-        e_tag = (meta.get("e_tag") or "").strip('"').lower()
+            found = await self._head(key, "check of the write")
+        except XferError:
+            return False  # the server cannot say: not known written
+        if found is None or found.size != len(body):
+            return False  # not there, or not with these bytes
+        e_tag = (found.e_tag or "").strip('"').lower()
         return e_tag == hashlib.md5(body, usedforsecurity=False).hexdigest()
 
     async def _sign(self, key: str) -> str:
         """A presigned GET URL of ``key`` (see _presign)."""
         return (await self._presign(key))[0]
 
-    async def _presign(self, key: str) -> tuple[str, bool]:
-        """A presigned GET URL of ``key`` and whether it came from the cache
-        (reused while it has more than _SIGN_REUSE seconds left)."""
+    async def _presign(
+        self, key: str, method: Literal["GET", "HEAD", "DELETE"] = "GET"
+    ) -> tuple[str, bool]:
+        """A presigned ``method`` URL of ``key`` and whether it came from the
+        cache (reused while it has more than _SIGN_REUSE seconds left)."""
         now = time.monotonic()
-        hit = self._signed.get(key)
+        hit = self._signed.get((method, key))
         if hit is not None and hit[1] - now > _SIGN_REUSE:
             return hit[0], True
-        signing = obstore.sign_async(self._store, "GET", key, _SIGN_TTL)
+        signing = obstore.sign_async(self._store, method, key, _SIGN_TTL)
         url = str(await self._obstore("sign", key, signing))
         if len(self._signed) >= _SIGNED_MAX:
             self._signed.clear()
-        self._signed[key] = (url, now + _SIGN_TTL.total_seconds())
+        self._signed[(method, key)] = (url, now + _SIGN_TTL.total_seconds())
         return url, False
+
+    async def _head(self, key: str, doing: str) -> ObjectStat | None:
+        """A HEAD of ``key`` through a presigned URL: its ObjectStat, or None
+        when it does not exist."""
+        return await self._signed_request("HEAD", key, doing, self._headed)
+
+    @staticmethod
+    def _headed(
+        resp: aiohttp.ClientResponse, key: str, what: str, code: str
+    ) -> ObjectStat | None:
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise XferError(f"{what}: HTTP {resp.status} {code}".rstrip())
+        size = resp.headers.get("Content-Length", "")
+        if not size.isdigit():
+            raise ProtocolError(f"{what}: HTTP 200 to a HEAD without a Content-Length")
+        modified: datetime | None = None
+        try:
+            modified = email.utils.parsedate_to_datetime(resp.headers.get("Last-Modified", ""))
+        except (TypeError, ValueError):
+            pass
+        return ObjectStat(key, True, int(size), resp.headers.get("ETag"), modified)
+
+    async def _signed_request(
+        self,
+        method: Literal["HEAD", "DELETE"],
+        key: str,
+        doing: str,
+        answer: Callable[[aiohttp.ClientResponse, str, str, str], _T],
+    ) -> _T:
+        """A bodiless request of ``key`` (HEAD, DELETE) through a presigned
+        URL, sent with aiohttp, not obstore: obstore (reqwest) follows a
+        redirect, to another host too, and there sends the session token
+        (``x-amz-security-token``; it drops only Authorization) and takes its
+        answer (a HEAD found, a DELETE done, at a host that is not the
+        store). Here a 3xx fails the request, as for reads (_get). Retried as
+        reads are (5xx, 429, 408, a connection error or timeout), within the
+        region's retry budget; a 403 to a cached URL signs again, once.
+        ``answer(resp, key, what, code)`` makes the result of any other status
+        than those (``code``: the S3 error code in the body, if any)."""
+        what = f"{doing} of object {key!r} in {self.url}"
+        attempts = _Attempts(self._retry, self.backend.note_retry)
+        resigned = False
+        while True:
+            failed: str  # raised outside the except clause, as in _get
+            try:
+                url, cached = await self._presign(key, method)
+                # read_until_eof=False for a HEAD: aiohttp's response parser
+                # does not know the request's method, and would otherwise
+                # take an answer without Content-Length (rclone's 404) as a
+                # body read to EOF: the connection closed, a new one per miss.
+                async with self._http().request(
+                    method, url, allow_redirects=False, read_until_eof=method != "HEAD"
+                ) as resp:
+                    status = resp.status
+                    code = ""
+                    if status >= 300 and method != "HEAD":
+                        body = (await resp.content.read(4096)).decode("utf-8", "replace")
+                        code = _xml_code(body)
+                    if status in _TRANSIENT_HTTP:
+                        raise _Transient(f"HTTP {status} {code}".strip())
+                    if status in (401, 403):
+                        raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
+                    if 300 <= status < 400:
+                        raise _redirected(what, status, resp)
+                    return answer(resp, key, what, code)
+            except AccessDenied:
+                if not cached or resigned:
+                    raise
+                resigned = True
+                self._signed.pop((method, key), None)
+                continue
+            except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
+                failed = _describe(exc)
+            if not await attempts.another():
+                raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
 
     def _http(self) -> aiohttp.ClientSession:
         session = self._session
@@ -593,7 +685,7 @@ class ObjectRegion(BackendRegion):
                 if not cached or resigned:
                     raise
                 resigned = True
-                self._signed.pop(seg.key, None)
+                self._signed.pop(("GET", seg.key), None)
                 continue
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
@@ -623,12 +715,7 @@ class ObjectRegion(BackendRegion):
                     f"{what}: bytes [{seg.offset}:{seg.offset + n}] are past the object's end"
                 )
             if 300 <= status < 400:
-                where = urlsplit(resp.headers.get("Location", ""))
-                to = f" to {where.scheme}://{where.netloc}" if where.netloc else ""
-                raise XferError(
-                    f"{what}: the server redirected (HTTP {status}{to}) a signed request; "
-                    f"redirects are not followed (is the endpoint or region right?)"
-                )
+                raise _redirected(what, status, resp)
             raise XferError(f"{what}: HTTP {status} {code}".rstrip())
         length = resp.content_length
         if ranged:
@@ -732,6 +819,15 @@ def _put_outcome(exc: BaseException) -> Literal["unsent", "answered", "refused",
     if (kind is not None and kind[1] == "Connect") or _CONNECT_STAGE.search(text):
         return "unsent"
     return "unknown"
+
+
+def _redirected(what: str, status: int, resp: aiohttp.ClientResponse) -> XferError:
+    where = urlsplit(resp.headers.get("Location", ""))
+    to = f" to {where.scheme}://{where.netloc}" if where.netloc else ""
+    return XferError(
+        f"{what}: the server redirected (HTTP {status}{to}) a signed request; "
+        f"redirects are not followed (is the endpoint or region right?)"
+    )
 
 
 class _Transient(Exception):
