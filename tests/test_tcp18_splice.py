@@ -8,6 +8,8 @@ one pipe per connection, on its first spliced frame, and nothing else in this
 process opens pipes while these tests write, so the pipes in /proc/self/fd
 say it (a same-uid peer gets them, another uid's never; before tcp18 none at
 all: test_same_uid_splices_other_uid_copies fails there on the first half).
+The one-copy send is off by default (rev18b: tcp.c tcp_enable): these tests
+turn it on (AIOXFER_TCP_SPLICE=1, read when an engine is made).
 """
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ NOBODY = 65534
 # The window's edges (64 KiB .. 512 KiB a frame and a request), either side.
 EDGES = [4096, (64 << 10) - 1, 64 << 10, (64 << 10) + 1, 100_000, 333_333, (512 << 10) - 1,
          512 << 10, (512 << 10) + 1, MiB, 3 * MiB + 5]
+
+
+@pytest.fixture(autouse=True)
+def splice_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOXFER_TCP_SPLICE", "1")
 
 
 def pipes() -> int:

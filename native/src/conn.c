@@ -891,6 +891,15 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * then): it reads the pages as they are then, not as posted, but it is a
  * process of our uid, and a killed peer's socket frees its queue.
  *
+ * Known limits (rev18b), why it is off by default (tcp.c tcp_enable): a
+ * WRITE failed or cancelled before its acknowledgement lands later with the
+ * buffer's bytes of that moment if the peer still reads it; the uid check
+ * vouches for the process that created (accepted) the peer socket, not one
+ * it was passed to or one that dropped privileges after accepting (inetd's
+ * pattern), and "same uid can read our memory anyway" does not hold for
+ * uid 0 across pid namespaces sharing a network namespace (containers of
+ * one pod), nor under Yama ptrace_scope >= 1 or PR_SET_DUMPABLE 0.
+ *
  * Errors: a vmsplice that fails (EFAULT or EINVAL on an odd mapping,
  * ENOMEM) sends the rest of that frame by copy; a pipe that cannot be made
  * (EMFILE, ENFILE) leaves the connection on the copy for good. Bytes left
@@ -1002,7 +1011,16 @@ static bool spl_pipe_get(conn *c)
         p->spl_nopipe = true; /* EMFILE, ENFILE: this connection copies */
         return false;
     }
-    (void)fcntl(p->spl_fd[1], F_SETPIPE_SZ, (int)SPL_PIPE_BYTES); /* else the default 64 KiB */
+    /* A uid over fs/pipe-user-pages-soft gets a 2-slot pipe and EPERM here
+     * (rev18b #3): 8 KiB a round trip of vmsplice + splice costs more than
+     * the copy, so such a connection copies. */
+    if (fcntl(p->spl_fd[1], F_SETPIPE_SZ, (int)SPL_PIPE_BYTES) < (int)SPL_PIPE_BYTES) {
+        close(p->spl_fd[0]);
+        close(p->spl_fd[1]);
+        p->spl_fd[0] = p->spl_fd[1] = -1;
+        p->spl_nopipe = true;
+        return false;
+    }
     p->spl_pipe = true;
     atomic_fetch_add(&c->e->splice_pipes, 1);
     return true;

@@ -570,10 +570,17 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
 }
 
 /* The one-copy send's window (conn.c, "one-copy send"): read once, at
- * engine creation, from AIOXFER_TCP_SPLICE: unset or "1" the measured
- * default, "0" off (the kill switch: every payload is copied by sendmsg, as
- * before), "MIN-MAX" or "MIN-MAX-REQMAX" (bytes) another window, for
- * measuring. A frame's payload goes spliced when it is MIN..MAX bytes and
+ * engine creation, from AIOXFER_TCP_SPLICE: unset or "0" off (every payload
+ * is copied by sendmsg), "1" the measured window below, "MIN-MAX" or
+ * "MIN-MAX-REQMAX" (bytes) another window, for measuring. Off by default
+ * (rev18b): a spliced WRITE that fails or is cancelled before its
+ * acknowledgement (a stalled target, a timeout) is released while the
+ * peer's receive queue still references our pages, so if the peer reads
+ * them later it applies the buffer's bytes of that moment, never posted to
+ * that address (the copy path would land the posted bytes: "may still
+ * land"). On by default only once such an op stays pinned until the kernel
+ * shows the pages unread-and-dropped (sock_diag: the peer socket gone, or
+ * its receive queue and our send queue empty). A frame's payload goes spliced when it is MIN..MAX bytes and
  * its request REQMAX at most.
  * The default, measured (tcp18, wheels of this branch, 2 vCPUs, kernel
  * 6.18; in-process A/B: two initiator agents in one process, splice on and
@@ -606,8 +613,12 @@ static int tcp_enable(axf_engine *e)
     e->splice_max = SPLICE_MAX_DEFAULT;
     e->splice_req_max = SPLICE_REQ_MAX_DEFAULT;
     const char *v = getenv("AIOXFER_TCP_SPLICE");
-    if (!v || !*v || strcmp(v, "1") == 0)
+    if (v && strcmp(v, "1") == 0)
         return AXF_OK;
+    if (!v || !*v) { /* the default: off (the comment above) */
+        e->splice_min = e->splice_max = e->splice_req_max = 0;
+        return AXF_OK;
+    }
     char *end;
     unsigned long long lo = strtoull(v, &end, 10), hi = 0, req = UINT64_MAX;
     if (*end == '-') {

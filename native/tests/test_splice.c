@@ -6,8 +6,9 @@
  * splice_fallbacks) say which path ran; the bytes are compared at the
  * target. SIGPIPE is left at its default in every case here: a splice into
  * a closed socket raises it, and the engine must keep it from killing us.
- * Run with AIOXFER_TCP_SPLICE=0 too (meson test splice-off): then nothing
- * may be spliced and every case still passes. */
+ * Run with AIOXFER_TCP_SPLICE=1 (meson test splice) and with it unset, the
+ * default, and 0 (splice-default, splice-off): then nothing may be spliced
+ * and every case still passes. */
 #include "harness.h"
 
 #include "internal.h"
@@ -26,8 +27,8 @@
 
 static bool splice_on(void)
 {
-    const char *v = getenv("AIOXFER_TCP_SPLICE");
-    return !v || strcmp(v, "0") != 0;
+    const char *v = getenv("AIOXFER_TCP_SPLICE"); /* off unless asked for */
+    return v && *v && strcmp(v, "0") != 0;
 }
 
 /* A connected TCP loopback pair: *a the connecting end, *b the accepted. */
