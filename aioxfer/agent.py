@@ -624,6 +624,12 @@ class Agent:
         # would post it first, and a copy finishing during the release wait
         # would report success from an agent being closed.
         self._sub.fail_pending()
+        # Network peers hear our goodbye before the release revokes their
+        # regions: their writes in flight then fail as a close (PeerLost,
+        # "closed"), not as accesses refused to revoked regions. Same-host
+        # peers keep their connections (they may still copy into our memory
+        # and the release waits for them there): _shutdown says theirs.
+        self._engine.bye_network()
         cancelled: asyncio.CancelledError | None = None
         if self._loop is not None:
             try:
