@@ -770,8 +770,9 @@ class Agent:
     ) -> Region:
         """Registers a file (created if missing when ``size`` is given, and
         grown to it; None: its current size, the file must exist; a failed
-        registration removes only a file it created) or a block device (its size, or its first ``size`` bytes)
-        as a region of memory kind "file". ``write(host_seg, region[a:b])``
+        registration removes only a file it created) or a block device (its
+        size, or its first ``size`` bytes) as a region of memory kind "file".
+        ``write(host_seg, region[a:b])``
         writes host memory into it, ``read(host_seg, region[a:b])`` reads it
         into host memory (TransferResult.path "file"). ``direct``: O_DIRECT;
         offsets, lengths and host addresses must then be block aligned. Never

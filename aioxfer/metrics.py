@@ -273,7 +273,7 @@ def _this_task() -> asyncio.Task[None]:
     MetricsServer._handle)."""
     task = asyncio.current_task()
     assert task is not None
-    return task  # type: ignore[return-value]
+    return task
 
 
 async def serve_metrics(agent: Agent, port: int, host: str = "127.0.0.1") -> MetricsServer:

@@ -15,7 +15,6 @@ import pytest
 from conftest import within
 from test_discovery import (  # noqa: F401  (the fixtures)
     TTL,
-    Member,
     etcd,
     etcd_server,
     is_,
@@ -27,8 +26,8 @@ import aioxfer
 from aioxfer.discovery import Etcd, PeerJoined, PeerLeft
 
 
-async def _connected(make_agent: Any, member: Any, etcd: Etcd, transports: tuple[str, ...],
-                     name: str) -> tuple[Any, Any, Any, Any]:
+async def _connected(make_agent: Any, member: Any, etcd: Etcd,  # noqa: F811
+                     transports: tuple[str, ...], name: str) -> tuple[Any, Any, Any, Any]:
     a = await make_agent("a", discovery=etcd, transports=transports)
     events = a.membership()
     tgt = await member(name, transports=transports, size=1 << 16)
@@ -41,7 +40,8 @@ async def _connected(make_agent: Any, member: Any, etcd: Etcd, transports: tuple
 
 @pytest.mark.parametrize("transports", [("shm",), ("tcp",)])
 async def test_clean_leave_is_logged_as_a_leave(
-    make_agent: Any, member: Any, etcd: Etcd, capsys: Any, transports: tuple[str, ...]
+    make_agent: Any, member: Any, etcd: Etcd, capsys: Any,  # noqa: F811
+    transports: tuple[str, ...],
 ) -> None:
     """Before (shm): peer.lost warning with "its etcd key was deleted"."""
     a, events, tgt, peer = await _connected(make_agent, member, etcd, transports, "tgt")
@@ -60,7 +60,8 @@ async def test_clean_leave_is_logged_as_a_leave(
 
 @pytest.mark.parametrize("transports", [("shm",), ("tcp",)])
 async def test_killed_member_is_still_a_loss(
-    make_agent: Any, member: Any, etcd: Etcd, capsys: Any, transports: tuple[str, ...]
+    make_agent: Any, member: Any, etcd: Etcd, capsys: Any,  # noqa: F811
+    transports: tuple[str, ...],
 ) -> None:
     """kill -9: no goodbye; logged as a loss (peer.lost), PeerLeft "left"
     once its lease expires."""
@@ -75,5 +76,3 @@ async def test_killed_member_is_still_a_loss(
     assert "peer.lost" in err, err
     assert "peer.closed" not in err, err
 
-
-_ = Member  # (re-exported fixture type, kept for readers)
