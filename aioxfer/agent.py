@@ -624,6 +624,12 @@ class Agent:
         # would post it first, and a copy finishing during the release wait
         # would report success from an agent being closed.
         self._sub.fail_pending()
+        # Network peers hear our goodbye before the release revokes their
+        # regions: their writes in flight then fail as a close (PeerLost,
+        # "closed"), not as accesses refused to revoked regions. Same-host
+        # peers keep their connections (they may still copy into our memory
+        # and the release waits for them there): _shutdown says theirs.
+        self._engine.bye_network()
         cancelled: asyncio.CancelledError | None = None
         if self._loop is not None:
             try:
@@ -655,13 +661,20 @@ class Agent:
                 # Even when a backend's close failed: the cancelled accept
                 # loops must take their readers off the listening sockets
                 # before _shutdown closes them (uvloop aborts the process on
-                # a closed fd still watched), and the cluster must be left.
+                # a closed fd still watched).
                 if tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            try:
+                self._shutdown()
+            finally:
+                # The lease last, even when the shutdown failed: our peers
+                # hear our engine's goodbye (same-host ones only at its
+                # shutdown) before etcd tells them our key is gone, which
+                # they take for a loss of a peer still connected (a
+                # peer.lost warning for a clean leave: close18).
                 if self._cluster is not None:
                     await self._cluster.leave()
-        finally:
-            self._shutdown()
         if cancelled is not None:
             raise cancelled
 

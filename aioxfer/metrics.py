@@ -213,6 +213,7 @@ class MetricsServer:
         sock = next(iter(server.sockets))
         self.host, self.port = sock.getsockname()[:2]
         self._conns: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     @property
     def url(self) -> str:
@@ -220,15 +221,18 @@ class MetricsServer:
 
     async def aclose(self) -> None:
         """Stops serving. Idempotent."""
+        self._closing = True
         self._server.close()
         for task in list(self._conns):
             task.cancel()
         await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._conns.add(task)
+        # (The task is never kept in a local here: a CancelledError raised
+        # through this frame holds it in its traceback and the task holds
+        # the error, a cycle keeping the task, its reader, writer and socket
+        # until the next garbage collection: close18.)
+        self._conns.add(_this_task())
         try:
             async with asyncio.timeout(10.0):  # a client that sends nothing is dropped
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -251,11 +255,25 @@ class MetricsServer:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
                 ConnectionError):
             pass
+        except asyncio.CancelledError:
+            # Ours (aclose): the scrape just ends. A task ending cancelled
+            # here makes asyncio's start_server callback (3.11) call its
+            # exception(), which raises, logged as "Exception in callback".
+            if not self._closing:
+                raise
         finally:
-            self._conns.discard(task)
+            self._conns.discard(_this_task())
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+def _this_task() -> asyncio.Task[None]:
+    """The running handler's task, asked for in a frame of its own (see
+    MetricsServer._handle)."""
+    task = asyncio.current_task()
+    assert task is not None
+    return task
 
 
 async def serve_metrics(agent: Agent, port: int, host: str = "127.0.0.1") -> MetricsServer:

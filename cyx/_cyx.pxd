@@ -113,6 +113,7 @@ cdef extern from "aioxfer.h" nogil:
     axf_engine *axf_engine_create(const axf_config *cfg)
     int axf_engine_fd(axf_engine *e)
     void axf_engine_shutdown(axf_engine *e)
+    int axf_engine_bye_network(axf_engine *e)
     void axf_engine_destroy(axf_engine *e)
     void axf_engine_stats(axf_engine *e, axf_stats *out)
 

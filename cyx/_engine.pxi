@@ -219,6 +219,22 @@ cdef class Engine:
         self._busy -= 1
         return n
 
+    def bye_network(self):
+        """Says goodbye on each accepted network (not same-host) connection
+        and ends it, waiting a little for its threads to leave: before the
+        regions are released on close, so that those peers see a close and
+        not refused accesses. Same-host peers and our own connections are
+        left to shutdown(). No-op once shut down or closed."""
+        cdef axf_engine *e = self._e
+        if e == NULL:
+            return
+        self._busy += 1
+        try:
+            with nogil:
+                axf_engine_bye_network(e)
+        finally:
+            self._busy -= 1
+
     def shutdown(self):
         """Fails everything pending with E_CLOSED and frees every region; the
         records still have to be polled. Idempotent; no-op once closed."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from conftest import within
-from test_notify_dedup import data_connection
+from conftest import SAME_HOST, sigstop, within
 
 import aioxfer
 from aioxfer import registration
@@ -57,19 +57,21 @@ async def test_cancelled_start_stops_joining_and_a_later_start_joins_again(
     assert agent.closed
 
 
-async def test_aclose_cancelled_while_peers_hold_memory_still_closes() -> None:
+async def test_aclose_cancelled_while_peers_hold_memory_still_closes(remote_agent: Any) -> None:
     """aclose() waits (up to close_timeout) for peers to release our memory;
     cancelled in that wait (a caller's timeout), it still closes: the engine
     shut, nothing served any more, what a peer could still touch quarantined
-    as when close_timeout runs out."""
+    as when close_timeout runs out. The peer: a stopped same-host process
+    that maps our memory (a network peer no longer holds it: since close18,
+    aclose ends network connections with a goodbye before the release)."""
     agent = aioxfer.Agent("a", limits=aioxfer.Limits(revoke_timeout=30.0, close_timeout=30.0))
     await agent.start()
-    region = agent.register(bytearray(1 << 20), name="dst")
-    sock = await data_connection(agent.address)  # acknowledges no revocation
+    region = agent.alloc(1 << 20, name="dst")
+    ra = await remote_agent(size=1 << 20, name="sleeper")
     try:
-        async with asyncio.timeout(5):
-            while agent.statistics().native_conns < 1:
-                await asyncio.sleep(0.01)
+        assert await ra.call("connect", agent.address) == SAME_HOST
+        await ra.call("flood", agent.address, "pool", "dst", 1 << 20)
+        sigstop(ra.pid)
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.5):
                 await agent.aclose()
@@ -81,7 +83,7 @@ async def test_aclose_cancelled_while_peers_hold_memory_still_closes() -> None:
         assert agent._engine.closed
         await within(agent.aclose())  # idempotent
     finally:
-        sock.close()
+        ra.kill()
         if not agent.closed:
             await within(agent.aclose(), 40)
 

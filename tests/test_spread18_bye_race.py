@@ -72,10 +72,10 @@ async def test_clean_close_under_posts_is_closed(make_agent, remote_agent, capsy
         reasons.append(reason)
         # (past capsys, which each round empties: seen with -s)
         sys.__stdout__.write(f"round: {reason} {sorted(failed)}\n")
-        # In flight or refused: PeerLost. (AccessDenied too, for now: the
-        # closing target revokes its regions before its engine says goodbye,
-        # and refuses the frames that arrive in between: see the report.)
-        assert failed <= {"PeerLost", "AccessDenied"}, failed
+        # In flight or refused: PeerLost only. (Before close18, AccessDenied
+        # in 11 of 12 rounds: the closing target revoked its regions before
+        # its engine said goodbye and refused the frames in between.)
+        assert failed <= {"PeerLost"}, failed
         if reason == "closed":
             assert "peer.closed" in err and "peer.lost" not in err, err
     lost = reasons.count("lost")

@@ -203,6 +203,13 @@ int axf_engine_fd(axf_engine *e);
 /* Stops every connection and worker, fails pending ops with AXF_E_CLOSED and
  * frees every region (their completions go to the ring). Idempotent. */
 void axf_engine_shutdown(axf_engine *e);
+/* Before releasing every region on close: says goodbye on each accepted
+ * network (not same-host) connection and ends it, then waits (at most
+ * min(peer_timeout, 1 s)) for its threads to leave, so that those peers see
+ * a close (AXF_CQ_PEER_LOST, goodbye) and not refused accesses. Same-host
+ * peers and our own connections are left to axf_engine_shutdown.
+ * AXF_E_CLOSED after shutdown. */
+int axf_engine_bye_network(axf_engine *e);
 void axf_engine_destroy(axf_engine *e); /* after shutdown and a final poll */
 void axf_engine_stats(axf_engine *e, axf_stats *out);
 

@@ -1636,6 +1636,55 @@ static void *watch_main(void *arg)
 
 /* ---------------------------------------------------------------- shutdown */
 
+/* Before the agent revokes its regions on close: a network peer (no pidfd:
+ * it reaches our memory only through frames we serve) hears our goodbye
+ * now, so that what it has in flight fails as a close (PEER_LOST, goodbye
+ * flag) and not as refused accesses to regions we are about to revoke.
+ * Same-host peers keep their connections: they may still copy into our
+ * memory, and the revocation has to wait for them on those connections
+ * (axf_engine_shutdown says their goodbye after that). Our own outgoing
+ * connections are shutdown's too. Then it waits (up to min(peer_timeout,
+ * 1 s)) for those connections' threads to leave: a frame the peer sent
+ * before the goodbye is served (or dropped) while its region is still
+ * registered, not refused by the release that follows. */
+int axf_engine_bye_network(axf_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    if (e->shut) {
+        pthread_mutex_unlock(&e->mu);
+        return AXF_E_CLOSED;
+    }
+    for (conn *c = e->conns; c; c = c->next_all)
+        if (!c->ep && c->pidfd < 0)
+            conn_say_bye(c);
+    pthread_mutex_unlock(&e->mu);
+    uint32_t grace_ms = e->cfg.peer_timeout_ms < 1000 ? e->cfg.peer_timeout_ms : 1000;
+    uint64_t until = axf_now_ms() + grace_ms;
+    for (;;) {
+        bool all_out = true;
+        pthread_mutex_lock(&e->mu);
+        for (conn *c = e->conns; c && all_out; c = c->next_all)
+            all_out = c->ep || c->pidfd >= 0 || c->exited;
+        pthread_mutex_unlock(&e->mu);
+        uint64_t now = axf_now_ms();
+        if (all_out || now >= until)
+            return AXF_OK;
+        /* A thread leaving signals th_cv; one that left between the look
+         * above and this wait is caught by the slice's end. */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts); /* th_cv's clock */
+        long slice_ms = until - now < 10 ? (long)(until - now) : 10;
+        ts.tv_nsec += slice_ms * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_mutex_lock(&e->th_mu);
+        (void)pthread_cond_timedwait(&e->th_cv, &e->th_mu, &ts);
+        pthread_mutex_unlock(&e->th_mu);
+    }
+}
+
 void axf_engine_shutdown(axf_engine *e)
 {
     pthread_mutex_lock(&e->mu);
