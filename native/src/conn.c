@@ -90,7 +90,6 @@ void axf_trace(uint32_t ev, int fd, uint64_t op, uint64_t a)
 #define INLINE_BULK ((1u << 20) + 4096u)  /* or one frame this large, alone */
 #define RATE_WINDOW_US 20000u   /* rate samples span at least this much busy time */
 #define DISCARD_BYTES (64u << 10)
-#define REFUSED_LOG_MS 1000u /* a connection logs a refused access at most this often */
 #define TX_LAZY_MS 20u /* a quiet connection starts its sending thread after this */
 #define RX_AHEAD 4096u /* read ahead of a frame's end: the next one's header, usually */
 #define RX_STREAM_MIN (128u << 10) /* a large payload is polled for ... */
@@ -1577,7 +1576,7 @@ static const char *refusal_reason(axf_engine *e, uint64_t rid, uint64_t key, uin
 }
 
 /* A peer's access that the target refused (AXF_E_ACCESS answered): said in
- * the log, as a malformed frame is, but at most once per REFUSED_LOG_MS for
+ * the log, as a malformed frame is, but at most once per e->refused_log_ms for
  * the whole engine (a peer may open max_conns connections), with the count
  * of those refused quietly since; a peer probing keys cannot flood the log.
  * The window test is now < last + window, not now - last < window: another
@@ -1589,7 +1588,7 @@ static void refused_access(conn *c, const char *what, uint64_t rid, uint64_t key
     unsigned long long now = axf_now_ms() + 1, last = atomic_load(&e->refused_ms);
     /* One receiver wins the line; the others (and the rest of the window)
      * count. */
-    if ((last && now < last + REFUSED_LOG_MS) ||
+    if ((last && now < last + e->refused_log_ms) ||
         !atomic_compare_exchange_strong(&e->refused_ms, &last, now)) {
         atomic_fetch_add(&e->refused_quiet, 1);
         return;

@@ -296,6 +296,14 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         e->cfg.reply_queue_bytes = 64u << 20;
     if (!e->cfg.target_poll_us)
         e->cfg.target_poll_us = 100;
+    e->refused_log_ms = 1000;
+    const char *rl = getenv("AIOXFER_REFUSED_LOG_MS");
+    if (rl && *rl) {
+        char *end;
+        unsigned long long ms = strtoull(rl, &end, 10);
+        if (!*end && ms)
+            e->refused_log_ms = ms;
+    }
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->efd < 0) {
         free(e);

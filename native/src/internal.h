@@ -380,6 +380,9 @@ struct axf_engine {
      * (ms + 1; 0: never), and how many were counted quietly since. The
      * engine's, not a connection's: a peer may open max_conns of them. */
     atomic_ullong refused_ms, refused_quiet;
+    /* Their log line's window: 1000 ms, or AIOXFER_REFUSED_LOG_MS at the
+     * engine's creation (tests shorten it rather than sleep past it). */
+    unsigned long long refused_log_ms;
     atomic_ullong conns_refused, held_conns;
     /* Test-only faults (set by the native tests through mock.h's
      * axf_mock_faults; NULL in every other engine): looked at on rare paths
