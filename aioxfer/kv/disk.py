@@ -1089,9 +1089,18 @@ class DiskTier(Tier):
             seg = self._pending_flush.pop()
             try:
                 await self._flush(seg, durable=False)
-            except Exception as exc:  # the next flush retries (dirty kept)
-                _log.warning("kv.disk_flush_failed", tier=self.name, error=repr(exc))
-                return
+            except Exception as exc:  # the next flush of it retries (dirty kept)
+                # On to the others, not return: a segment queued here is no
+                # eviction victim (its headers are "on their way") and only
+                # this task takes it off the queue; stopped here, the rest
+                # stayed unevictable until another put restarted the flusher,
+                # and a put at capacity dropped its blocks as no_room
+                # meanwhile. Each gets its own try (one file's error need
+                # not be the next one's); on a failing disk that is one
+                # failed header write per queued segment, then none.
+                _log.warning("kv.disk_flush_failed", tier=self.name, segment=seg.no,
+                             error=repr(exc))
+                continue
             self._maybe_seal(seg)
 
     async def _flush(self, seg: _Seg, *, durable: bool) -> None:

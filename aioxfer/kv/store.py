@@ -1552,7 +1552,9 @@ class Store:
         once it is handed out, two ahead of the one awaited (one transfer
         per layer and dst region). Layers are yielded in order, each once
         it has landed. Leave the loop early, or cancel the task iterating
-        it, and what has not landed is cancelled and the pins released
+        it, and the stream ends once the layers already posted into ``dst``
+        have landed (at most the window: no copy writes ``dst`` once the
+        close or the cancellation returns) and the pins are released
         (``aclose()``, or ``async with``, for a loop left with ``break``)."""
         self._check_open()
         # The keys are checked where they are used, not in a pass here (~10
@@ -1680,7 +1682,8 @@ def _target_groups(arg: Any, n: int, length: int, what: str, agent: Agent) -> li
 
 class LayerStream:
     """The async iterator ``Store.stream`` returns (also an async context
-    manager: leaving it cancels what has not landed and releases pins).
+    manager: leaving it waits for the layers posted into dst to land, then
+    releases pins).
 
     Time to the first layer is what a decoder waits for, so everything
     before layer 0's copy is kept to whole-array work: the targets are
@@ -1863,10 +1866,16 @@ class LayerStream:
                 # the last.
                 self._post_upto(layer + _STREAM_WINDOW)
             for t in self._pending[layer]:
-                try:
-                    await t
-                except XferError as exc:
-                    raise BlockUnavailable(f"layer {layer} copy failed: {exc}") from exc
+                # Posted as an awaited transfer is (layer 0 alone and small:
+                # done inside the post, nothing suspends), then awaited
+                # through landed: a cancel here must not cancel a copy into
+                # dst (its bytes may still land: see _close).
+                _eager(t)
+                res = t.exception() if t.done() else (await landed(t))[0]
+                if isinstance(res, XferError):
+                    raise BlockUnavailable(f"layer {layer} copy failed: {res}") from res
+                if isinstance(res, BaseException):
+                    raise res
             self._next = layer + 1
             if self._next >= self.layers:
                 self._finish()
@@ -1874,30 +1883,52 @@ class LayerStream:
                 asyncio.get_running_loop().call_soon(self._open_window)
             return LayerResult(layer, self.prefix, self.prefix * self.layer_bytes)
         except BaseException:
-            self._finish()
+            await self._close()
             raise
 
-    def _finish(self) -> None:
+    def _finish(self, cancel: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
-        for posted in self._pending[self._next:]:
-            for t in posted:
-                t.cancel()  # the caller's memory: cancelling is the caller's choice
+        if cancel:
+            # Only where nobody can wait (a stream collected unclosed): its
+            # layers may still land in dst, which no caller awaits any more.
+            for posted in self._pending[self._next:]:
+                for t in posted:
+                    t.cancel()
         try:
             if self.prefix is not None:
                 self._note_hits()
         finally:
             self._op.finish()  # the pins go whatever happened above
 
+    async def _close(self) -> None:
+        """Ends the stream once nothing it posted writes ``dst``: the layers
+        in flight are waited for, not cancelled (a cancelled Transfer
+        resolves at once while its bytes may still land, and the caller
+        reuses ``dst`` once its close, or its cancellation, returns). At
+        most the window's layers, each one local copy; a cancel meanwhile
+        still waits for them (kv.tier.landed), then is raised. The pins go
+        after: the copies read the pinned host slots until they end."""
+        if self._closed:
+            return
+        self._closed = True  # (no window is posted from here on: _open_window)
+        posted = [t for ts in self._pending[self._next:] for t in ts if not t.done()]
+        try:
+            if posted:
+                await landed(*posted)
+        finally:
+            self._closed = False
+            self._finish(cancel=False)
+
     async def aclose(self) -> None:
-        self._finish()
+        await self._close()
 
     async def __aenter__(self) -> LayerStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._finish()
+        await self._close()
 
     def __del__(self) -> None:
         # A loop left with `break` and no aclose(): the pins still go.
