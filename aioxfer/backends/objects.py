@@ -378,7 +378,14 @@ class ObjectRegion(BackendRegion):
         a DELETE request per key, with the backend's bounded concurrency."""
         self._check()
         ks = [_check_key(keys)] if isinstance(keys, str) else [_check_key(k) for k in keys]
-        await asyncio.gather(*(self._delete_one(k) for k in dict.fromkeys(ks)))
+        # Every DELETE runs to its end before we report: a plain gather raises
+        # the first failure while the others go on retrying, and one landing
+        # later (the server back) deleted what the caller was told had failed.
+        done = await asyncio.gather(*(self._delete_one(k) for k in dict.fromkeys(ks)),
+                                    return_exceptions=True)
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
 
     async def _delete_one(self, key: str) -> None:
         async with self.backend._slots.held():
