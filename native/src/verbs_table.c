@@ -11,6 +11,7 @@
 #include "verbs_table.h"
 
 #include <dlfcn.h>
+#include <stddef.h>
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
@@ -54,6 +55,46 @@ static void say(char *why, size_t n, const char *fmt, const char *a, const char 
 {
     if (why && n)
         snprintf(why, n, fmt, a, b ? b : "");
+}
+
+#define STR_(x) #x
+#define STR(x) STR_(x)
+#define VERSION_TEXT STR(AXF_VERBS_TABLE_VERSION)
+
+/* Every entry verbs.c calls without looking first: a provider that leaves
+ * one NULL is refused at load, naming it, rather than crashing the process
+ * at the first close, deregistration or queue pair teardown. The optional
+ * ones (reg_dmabuf_mr, query_gid_type, post_recv) are looked at before each
+ * call; the asynchronous-event pair is optional as a pair only (events
+ * taken and never acknowledged would hold destroy_qp forever). */
+#define ENTRY(f) {#f, offsetof(axf_verbs_table, f)}
+static const struct {
+    const char *name;
+    size_t off;
+} required[] = {
+    ENTRY(get_device_list), ENTRY(free_device_list), ENTRY(get_device_name),
+    ENTRY(open_device),     ENTRY(close_device),     ENTRY(query_device),
+    ENTRY(query_port),      ENTRY(query_gid),        ENTRY(alloc_pd),
+    ENTRY(dealloc_pd),      ENTRY(reg_mr),           ENTRY(dereg_mr),
+    ENTRY(create_comp_channel), ENTRY(destroy_comp_channel), ENTRY(create_cq),
+    ENTRY(destroy_cq),      ENTRY(req_notify_cq),    ENTRY(get_cq_event),
+    ENTRY(ack_cq_events),   ENTRY(poll_cq),          ENTRY(create_qp),
+    ENTRY(modify_qp),       ENTRY(destroy_qp),       ENTRY(post_send),
+};
+#undef ENTRY
+
+const char *axf_verbs_table_missing(const axf_verbs_table *t)
+{
+    for (size_t i = 0; i < sizeof required / sizeof required[0]; i++) {
+        void (*f)(void);
+        memcpy(&f, (const char *)t + required[i].off, sizeof f);
+        if (!f)
+            return required[i].name;
+    }
+    if (!t->get_async_event != !t->ack_async_event)
+        return t->get_async_event ? "ack_async_event (get_async_event is given)"
+                                  : "get_async_event (ack_async_event is given)";
+    return NULL;
 }
 
 /* dlsym into a function pointer without a cast warning. */
@@ -123,6 +164,11 @@ static int load_libibverbs(axf_verbs_table *t, char *why, size_t why_len)
     t->post_recv = w_post_recv;
     t->poll_cq = w_poll_cq;
     t->req_notify_cq = w_req_notify_cq;
+    const char *missing = axf_verbs_table_missing(t);
+    if (missing) { /* only the async pair can be: the rest were required above */
+        say(why, why_len, "libibverbs.so.1: %s missing%s", missing, NULL);
+        return -ENOSYS;
+    }
     return 0;
 }
 
@@ -148,11 +194,15 @@ static int load_provider(const char *path, axf_verbs_table *t, char *why, size_t
         say(why, why_len, "verbs provider %s failed: %s", path, strerror(r < 0 ? -r : r));
         return r < 0 ? r : -r;
     }
-    if (t->version != AXF_VERBS_TABLE_VERSION || !t->get_device_list || !t->open_device ||
-        !t->alloc_pd || !t->reg_mr || !t->create_cq || !t->create_qp || !t->modify_qp ||
-        !t->post_send || !t->poll_cq || !t->req_notify_cq || !t->get_cq_event ||
-        !t->create_comp_channel) {
-        say(why, why_len, "verbs provider %s: table version or entries missing%s", path, NULL);
+    if (t->version != AXF_VERBS_TABLE_VERSION) {
+        char v[16];
+        snprintf(v, sizeof v, "%u", (unsigned)t->version);
+        say(why, why_len, "verbs provider %s: table version %s, not " VERSION_TEXT, path, v);
+        return -ENOSYS;
+    }
+    const char *missing = axf_verbs_table_missing(t);
+    if (missing) {
+        say(why, why_len, "verbs provider %s: table entry %s missing", path, missing);
         return -ENOSYS;
     }
     if (!t->provider)

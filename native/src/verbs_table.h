@@ -82,4 +82,8 @@ typedef int (*axf_verbs_provider_fn)(axf_verbs_table *table);
  * Returns 0, or -errno with a reason in why (dlerror text). */
 int axf_verbs_load(const char *path, axf_verbs_table *table, char *why, size_t why_len);
 
+/* The name of the first entry the transport needs that `table` leaves NULL
+ * (or a mismatched optional pair), NULL when none. */
+const char *axf_verbs_table_missing(const axf_verbs_table *table);
+
 #endif

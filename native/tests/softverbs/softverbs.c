@@ -2448,6 +2448,9 @@ SV_EXPORT int axf_softverbs_device_fatal(const char *dev)
     return 0;
 }
 
+static pthread_mutex_t g_omit_lock = PTHREAD_MUTEX_INITIALIZER;
+static char g_omit[8][32]; /* axf_softverbs_omit */
+
 SV_EXPORT int axf_verbs_provider(axf_verbs_table *t)
 {
     if (!t)
@@ -2485,7 +2488,38 @@ SV_EXPORT int axf_verbs_provider(axf_verbs_table *t)
     t->destroy_qp = sv_destroy_qp;
     t->post_send = sv_post_send;
     t->post_recv = sv_post_recv;
+    /* A provider that leaves entries out (axf_softverbs_omit): the loader
+     * must refuse it, naming the entry, rather than crash at its first use. */
+    pthread_mutex_lock(&g_omit_lock);
+    for (size_t i = 0; i < sizeof g_omit / sizeof g_omit[0] && g_omit[i][0]; i++) {
+#define OMIT(f)                                                                                    \
+    if (!strcmp(g_omit[i], #f))                                                                    \
+        t->f = NULL;
+        OMIT(get_device_list) OMIT(free_device_list) OMIT(get_device_name) OMIT(open_device)
+        OMIT(close_device) OMIT(query_device) OMIT(query_port) OMIT(query_gid) OMIT(alloc_pd)
+        OMIT(dealloc_pd) OMIT(reg_mr) OMIT(reg_dmabuf_mr) OMIT(query_gid_type)
+        OMIT(get_async_event) OMIT(ack_async_event) OMIT(dereg_mr) OMIT(create_comp_channel)
+        OMIT(destroy_comp_channel) OMIT(create_cq) OMIT(destroy_cq) OMIT(req_notify_cq)
+        OMIT(get_cq_event) OMIT(ack_cq_events) OMIT(poll_cq) OMIT(create_qp) OMIT(modify_qp)
+        OMIT(destroy_qp) OMIT(post_send) OMIT(post_recv)
+#undef OMIT
+    }
+    pthread_mutex_unlock(&g_omit_lock);
     return 0;
+}
+
+/* The next tables axf_verbs_provider fills leave out the entries named in
+ * `names` (comma-separated table field names; NULL or "" for none). */
+SV_EXPORT void axf_softverbs_omit(const char *names)
+{
+    pthread_mutex_lock(&g_omit_lock);
+    memset(g_omit, 0, sizeof g_omit);
+    for (size_t i = 0; names && *names && i < sizeof g_omit / sizeof g_omit[0]; i++) {
+        size_t n = strcspn(names, ",");
+        snprintf(g_omit[i], sizeof g_omit[i], "%.*s", (int)n, names);
+        names += n + (names[n] == ',');
+    }
+    pthread_mutex_unlock(&g_omit_lock);
 }
 
 /* Cuts (up = 0) or restores (up = 1) the link of device `dev` in this process:
