@@ -1478,25 +1478,32 @@ int axf_cuda_enable(axf_engine *e, char *why, size_t why_len)
     pthread_cond_init(&c->wcv, NULL);
     e->xp[AXF_EP_CUDA] = c;
     c->started = true;
+    st = AXF_OK;
     if (pthread_create(&c->submitter, NULL, submit_main, c) != 0) {
-        e->xp[AXF_EP_CUDA] = NULL;
-        pthread_mutex_unlock(&e->mu);
-        free(c);
-        return AXF_E_NOMEM;
-    }
-    if (pthread_create(&c->waiter, NULL, wait_main, c) != 0) {
+        st = AXF_E_NOMEM;
+    } else if (pthread_create(&c->waiter, NULL, wait_main, c) != 0) {
+        /* Nothing reached the submitter yet (e->mu is held: no poster found
+         * c): it leaves at once. */
         pthread_mutex_lock(&c->mu);
         c->stop = true;
         pthread_cond_broadcast(&c->cv);
         pthread_mutex_unlock(&c->mu);
         pthread_join(c->submitter, NULL);
+        st = AXF_E_NOMEM;
+    }
+    if (st != AXF_OK) {
+        /* Every failure undoes all of the above, as cuda_free would (no
+         * stream or event exists yet): the engine is as it was, and a later
+         * enable starts afresh. */
         e->xp[AXF_EP_CUDA] = NULL;
-        pthread_mutex_unlock(&e->mu);
+        pthread_mutex_destroy(&c->mu);
+        pthread_mutex_destroy(&c->smu);
+        pthread_cond_destroy(&c->cv);
+        pthread_cond_destroy(&c->wcv);
         free(c);
-        return AXF_E_NOMEM;
     }
     pthread_mutex_unlock(&e->mu);
-    return AXF_OK;
+    return st;
 }
 
 static bool cuda_ready(axf_engine *e) { return CU_OF(e) != NULL; }

@@ -1138,6 +1138,123 @@ static int test_sticky_error_latched(void)
     return 0;
 }
 
+/* ---------------------------------------------------------------- failures of axf_cuda_enable */
+
+/* What the engine's thread creation and lock set-up do on the thread that
+ * arms them: the N-th pthread_create fails (EAGAIN, as it does at the
+ * process's thread limit), and mutex/condition inits and destroys are
+ * counted. Defined here, they take the place of libc's for the engine
+ * (linked statically into this program) and forward to the real ones. The
+ * driver cannot make these fail; only the thread that calls enable counts,
+ * so the driver's and the engine's other threads are untouched. */
+static _Thread_local int create_fail_at, creates, mx_inits, mx_destroys, cv_inits, cv_destroys;
+static _Thread_local bool counting;
+
+#define REAL(name, type)                                                                   \
+    static type real_;                                                                     \
+    if (!real_) {                                                                          \
+        void *p_ = dlsym(RTLD_NEXT, name);                                                 \
+        memcpy(&real_, &p_, sizeof p_);                                                    \
+    }
+
+typedef int (*create_fn)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+int pthread_create(pthread_t *t, const pthread_attr_t *a, void *(*fn)(void *), void *arg)
+{
+    REAL("pthread_create", create_fn);
+    if (counting && ++creates == create_fail_at)
+        return EAGAIN;
+    return real_(t, a, fn, arg);
+}
+
+typedef int (*mx_init_fn)(pthread_mutex_t *, const pthread_mutexattr_t *);
+int pthread_mutex_init(pthread_mutex_t *m, const pthread_mutexattr_t *a)
+{
+    REAL("pthread_mutex_init", mx_init_fn);
+    mx_inits += counting;
+    return real_(m, a);
+}
+
+typedef int (*mx_destroy_fn)(pthread_mutex_t *);
+int pthread_mutex_destroy(pthread_mutex_t *m)
+{
+    REAL("pthread_mutex_destroy", mx_destroy_fn);
+    mx_destroys += counting;
+    return real_(m);
+}
+
+typedef int (*cv_init_fn)(pthread_cond_t *, const pthread_condattr_t *);
+int pthread_cond_init(pthread_cond_t *c, const pthread_condattr_t *a)
+{
+    REAL("pthread_cond_init", cv_init_fn);
+    cv_inits += counting;
+    return real_(c, a);
+}
+
+typedef int (*cv_destroy_fn)(pthread_cond_t *);
+int pthread_cond_destroy(pthread_cond_t *c)
+{
+    REAL("pthread_cond_destroy", cv_destroy_fn);
+    cv_destroys += counting;
+    return real_(c);
+}
+#undef REAL
+
+/* Rule: an axf_cuda_enable that fails (its submit thread, then its wait
+ * thread, not created) undoes all it set up: every mutex and condition it
+ * initialised is destroyed, the engine is left without CUDA state, and a
+ * later enable works and moves bytes. (Under ASan, LSan checks the rest.) */
+static int test_enable_failure_undone(void)
+{
+    tengine *t = t_engine(NULL);
+    CHECK(t);
+    char why[256];
+    for (int at = 1; at <= 2; at++) {
+        creates = mx_inits = mx_destroys = cv_inits = cv_destroys = 0;
+        create_fail_at = at;
+        counting = true;
+        int st = axf_cuda_enable(t->e, why, sizeof why);
+        counting = false;
+        printf("    thread %d not created: %d; mutexes %d made %d destroyed, conditions %d/%d\n",
+               at, st, mx_inits, mx_destroys, cv_inits, cv_destroys);
+        CHECK_EQ(st, AXF_E_NOMEM);
+        CHECK_EQ(creates, at);
+        CHECK(mx_inits > 0 && cv_inits > 0);
+        CHECK_EQ(mx_destroys, mx_inits);
+        CHECK_EQ(cv_destroys, cv_inits);
+        /* No CUDA state left behind: an endpoint cannot open. */
+        uint64_t ep = 0;
+        CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_E_TRANSPORT);
+    }
+    CHECK_EQ(axf_cuda_enable(t->e, why, sizeof why), AXF_OK);
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, 1 << 16, &g), AXF_OK);
+    uint8_t *src = malloc(1 << 16), *dst = calloc(1, 1 << 16);
+    CHECK(src && dst);
+    t_fill(src, 1 << 16, 7);
+    uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+    uint64_t srid, skey, grid, gkey, drid, dkey;
+    CHECK_EQ(axf_region_register(t->e, src, 1 << 16, rw, -1, &srid, &skey), AXF_OK);
+    CHECK_EQ(axf_region_register(t->e, dst, 1 << 16, rw, -1, &drid, &dkey), AXF_OK);
+    CHECK_EQ(axf_region_register_kind(t->e, AXF_MEM_CUDA, g, 1 << 16, rw, -1, &grid, &gkey),
+             AXF_OK);
+    uint64_t ep = 0;
+    CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(t->e, ep, grid, gkey, 1 << 16, rw, g, NULL, 0, NULL),
+             AXF_OK);
+    axf_desc w = {.lrid = srid, .rrid = grid, .rkey = gkey, .len = 1 << 16};
+    if (post_wait(t, ep, AXF_OP_WRITE, &w, 1, 1, AXF_OK))
+        return 1;
+    axf_desc r = {.lrid = drid, .rrid = grid, .rkey = gkey, .len = 1 << 16};
+    if (post_wait(t, ep, AXF_OP_READ, &r, 1, 2, AXF_OK))
+        return 1;
+    CHECK(memcmp(src, dst, 1 << 16) == 0);
+    t_close(t);
+    CHECK_EQ(axf_cuda_free(g), AXF_OK);
+    free(src);
+    free(dst);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--driver") == 0) {
@@ -1162,6 +1279,7 @@ int main(int argc, char **argv)
             T_CASE(test_stop_races_lone_posts),
             T_CASE(test_app_context_destroyed),
             T_CASE(test_register_takes_active_primary),
+            T_CASE(test_enable_failure_undone),
             T_CASE(test_sticky_error_latched), /* last: the process stays poisoned */
         };
         return T_RUN(argc - 1, argv + 1, gpu);
