@@ -423,6 +423,10 @@ static int span_check(uint64_t ptr, uint64_t len, ptr_attr *first)
         return AXF_E_INVALID;
     if (first->managed)
         return AXF_E_INVALID; /* CPU-accessible: register it as host memory */
+    /* A range that wraps past the top of the address space would pass the
+     * end test below (ptr + len small) and reach the driver as a huge size. */
+    if (ptr + len < ptr)
+        return AXF_E_ACCESS;
     uint64_t end = first->base + first->size;
     while (ptr + len > end) {
         ptr_attr next;

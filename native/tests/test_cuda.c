@@ -1138,6 +1138,32 @@ static int test_sticky_error_latched(void)
     return 0;
 }
 
+/* Rule: a range whose end wraps past the top of the address space is refused
+ * by every call that checks ranges (describe said "device 0,
+ * allocation ..." and answered AXF_OK; the dmabuf export asked the driver
+ * for some 2^64 bytes). */
+static int test_wrapping_range_refused(void)
+{
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, 1 << 16, &g), AXF_OK);
+    uint64_t wrap = UINT64_MAX - g + 2; /* g + wrap == 1 */
+    char why[256] = "";
+    int st = axf_cuda_describe(g, wrap, why, sizeof why);
+    printf("    describe: %d (%s)\n", st, why);
+    CHECK_EQ(st, AXF_E_ACCESS);
+    int fd = -1;
+    uint64_t off = 0;
+    st = axf_cuda_dmabuf_range(g, wrap, &fd, &off, why, sizeof why);
+    printf("    dmabuf range: %d (%s)\n", st, why);
+    CHECK_EQ(st, AXF_E_INVALID);
+    CHECK_EQ(fd, -1);
+    CHECK_EQ(axf_cuda_pointer(g, wrap, NULL, NULL, NULL), AXF_E_INVALID);
+    /* Ranges inside it are still fine. */
+    CHECK_EQ(axf_cuda_describe(g, 1 << 16, why, sizeof why), AXF_OK);
+    CHECK_EQ(axf_cuda_free(g), AXF_OK);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- failures of axf_cuda_enable */
 
 /* What the engine's thread creation and lock set-up do on the thread that
@@ -1280,6 +1306,7 @@ int main(int argc, char **argv)
             T_CASE(test_app_context_destroyed),
             T_CASE(test_register_takes_active_primary),
             T_CASE(test_enable_failure_undone),
+            T_CASE(test_wrapping_range_refused),
             T_CASE(test_sticky_error_latched), /* last: the process stays poisoned */
         };
         return T_RUN(argc - 1, argv + 1, gpu);
