@@ -22,6 +22,20 @@ The registered object is held until the engine confirms nothing touches its
 memory any more. aioxfer copies on its own CUDA streams: memory your kernels
 write must be complete (``torch.cuda.synchronize()`` or an event) before a
 transfer reads it, as with any other consumer.
+
+Contexts: aioxfer never changes the calling thread's current context, and
+its own streams, events, IPC mappings and host pins live in each device's
+*primary* context, which it retains for the life of the process. An
+application that uses only contexts of its own (``cuCtxCreate``) therefore
+gets the device's primary context activated (on real hardware, hundreds of
+MB of device memory for its state) at the first transfer that copies on that
+device. Registering, exporting or describing memory does not activate it
+(allocating a ``DeviceBuffer`` does: it allocates there); where the primary
+context is active already (the runtime API, PyTorch, CuPy) retaining it
+costs only a count. Why not the application's context: the application may
+destroy it whenever it likes, and the driver then frees everything made in
+it, under every engine of the process; the primary context is one aioxfer
+holds a reference on.
 """
 
 from __future__ import annotations
