@@ -1105,6 +1105,19 @@ static int test_register_takes_active_primary(void)
     while (pinned_now() == before && t_now_ms() < until)
         usleep(1000);
     CHECK_EQ(pinned_now(), before + 1); /* ahead of any copy */
+    /* The first transfer that copies on device 0 (memory of the application's
+     * own context there) activates device 0's primary context: the engine's
+     * stream lives in it (documented in aioxfer/cuda.py). */
+    CHECK_EQ(primary_refs(0), 0);
+    uint64_t grid, gkey, ep = 0;
+    CHECK_EQ(axf_region_register_kind(a->e, AXF_MEM_CUDA, gx, LEN, rw, -1, &grid, &gkey), AXF_OK);
+    CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_cuda(a->e, ep, grid, gkey, LEN, rw, gx, NULL, 0, NULL), AXF_OK);
+    CHECK_EQ(primary_refs(0), 0);
+    axf_desc w = {.lrid = hrid, .rrid = grid, .rkey = gkey, .len = LEN};
+    if (post_wait(a, ep, AXF_OP_WRITE, &w, 1, 1, AXF_OK))
+        return 1;
+    CHECK_EQ(primary_refs(0), 1);
     t_close(a);
     CHECK_EQ(pinned_now(), before);
     CHECK_EQ(push(prim), 0);
