@@ -67,6 +67,10 @@
  *   (cuEventCreate calls that made one), fakecuda_copy_tid (the
  *   kernel thread id of the last cuMemcpyAsync's caller), fakecuda_query_tid
  *   (of the last cuEventQuery's that found its event reached).
+ * - Faults on demand: fakecuda_fail_next_call(name, r) makes the next call of
+ *   the driver function `name` (cuStreamCreate, cuEventCreate, cuEventRecord,
+ *   cuMemcpyAsync, cuMemHostRegister_v2), from any thread, fail with r and
+ *   do nothing, as the real one does when it runs out of resources.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -170,6 +174,10 @@ static _Atomic unsigned event_delay_us; /* FAKECUDA_EVENT_DELAY_US */
 static _Atomic int event_sleeps, event_queries, event_creates;
 static _Atomic long copy_tid, query_tid;
 static _Atomic CUresult query_error; /* fakecuda_fail_next_query */
+/* fakecuda_fail_next_call: the function's name and what it returns once */
+static pthread_mutex_t fail_mu = PTHREAD_MUTEX_INITIALIZER;
+static char fail_name[40];
+static CUresult fail_result;
 /* fakecuda_gate_error_text: cuGetErrorString waits while the gate is shut */
 static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
@@ -210,6 +218,26 @@ static alloc *find(uint64_t p) /* mu held */
             return a;
     return NULL;
 }
+
+/* What the call `name` returns instead of running: once, when armed. */
+static CUresult injected(const char *name)
+{
+    CUresult r = OK;
+    pthread_mutex_lock(&fail_mu);
+    if (fail_name[0] && strcmp(fail_name, name) == 0) {
+        r = fail_result;
+        fail_name[0] = 0;
+    }
+    pthread_mutex_unlock(&fail_mu);
+    return r;
+}
+
+#define INJECTED(name)                  \
+    do {                                \
+        CUresult f_ = injected(name);   \
+        if (f_ != OK)                   \
+            return f_;                  \
+    } while (0)
 
 #define CHECK_INIT()                  \
     do {                              \
@@ -588,6 +616,24 @@ EXPORT void fakecuda_fail_next_query(int r)
     query_error = r;
 }
 
+/* The next call of driver function `name` fails with r (0: disarms). */
+EXPORT void fakecuda_fail_next_call(const char *name, int r)
+{
+    pthread_mutex_lock(&fail_mu);
+    snprintf(fail_name, sizeof fail_name, "%s", r && name ? name : "");
+    fail_result = r;
+    pthread_mutex_unlock(&fail_mu);
+}
+
+/* Whether the armed failure is still to happen. */
+EXPORT int fakecuda_fail_pending(void)
+{
+    pthread_mutex_lock(&fail_mu);
+    int armed = fail_name[0] != 0;
+    pthread_mutex_unlock(&fail_mu);
+    return armed;
+}
+
 /* Shut: every cuGetErrorString waits until it opens again (a test holds a
  * thread that reports an error at that point). */
 EXPORT void fakecuda_gate_error_text(int shut)
@@ -863,6 +909,7 @@ static bool range_writable(const uint8_t *p, size_t n)
 EXPORT CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags)
 {
     CHECK_INIT();
+    INJECTED("cuMemHostRegister_v2");
     NEED_CTX(c);
     if (!p || !n)
         return E_INVALID_VALUE;
@@ -1187,6 +1234,7 @@ static void *stream_main(void *arg)
 EXPORT CUresult cuStreamCreate(void **out, unsigned int flags)
 {
     CHECK_INIT();
+    INJECTED("cuStreamCreate");
     NEED_CTX(c);
     (void)flags;
     stream *s = calloc(1, sizeof *s);
@@ -1231,6 +1279,7 @@ static void stream_drain(stream *s)
 EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *hs)
 {
     CHECK_INIT();
+    INJECTED("cuMemcpyAsync");
     NEED_CTX(c);
     (void)c;
     stream *s = hs;
@@ -1296,6 +1345,7 @@ EXPORT CUresult cuStreamDestroy_v2(void *hs)
 EXPORT CUresult cuEventCreate(void **out, unsigned int flags)
 {
     CHECK_INIT();
+    INJECTED("cuEventCreate");
     NEED_CTX(c);
     (void)flags;
     event *e = calloc(1, sizeof *e);
@@ -1312,6 +1362,7 @@ EXPORT CUresult cuEventCreate(void **out, unsigned int flags)
 EXPORT CUresult cuEventRecord(void *he, void *hs)
 {
     CHECK_INIT();
+    INJECTED("cuEventRecord");
     event *e = he;
     stream *s = hs;
     if (!ctx_alive(e->ctx) || (s && !ctx_alive(s->ctx)))

@@ -1177,6 +1177,72 @@ static int test_wrapping_range_refused(void)
     return 0;
 }
 
+/* Rule: a driver call failing in the middle of the copy path fails only the
+ * op that met it, with the right status, and leaks nothing (under ASan, LSan
+ * checks): no stream (the op fails, the next one makes it), no event or no
+ * record of it (the stream is synchronised instead: the op succeeds), a
+ * copy refused (the op fails), host memory not page-locked (copied pageable:
+ * the op succeeds). Each on a fresh engine, then a second op there works and
+ * the bytes are checked. The software driver's faults only. */
+static int test_driver_call_fails(void)
+{
+    void (*fail_next)(const char *, int);
+    int (*pending)(void);
+    void *f = drv_sym("fakecuda_fail_next_call"), *p = drv_sym("fakecuda_fail_pending");
+    if (!f || !p)
+        return 0; /* not something to provoke on a real GPU */
+    memcpy(&fail_next, &f, sizeof f);
+    memcpy(&pending, &p, sizeof p);
+    static const struct {
+        const char *call;
+        int want;
+    } cases[] = {
+        {"cuStreamCreate", AXF_E_TRANSPORT}, {"cuEventCreate", AXF_OK},
+        {"cuEventRecord", AXF_OK},           {"cuMemcpyAsync", AXF_E_TRANSPORT},
+        {"cuMemHostRegister_v2", AXF_OK},
+    };
+    enum { LEN = 1 << 16 };
+    uint64_t g = 0;
+    CHECK_EQ(axf_cuda_alloc(0, LEN, &g), AXF_OK);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        tengine *t = t_engine(NULL);
+        CHECK(t);
+        char why[256];
+        CHECK_EQ(axf_cuda_enable(t->e, why, sizeof why), AXF_OK);
+        uint8_t *src = malloc(LEN), *dst = calloc(1, LEN);
+        CHECK(src && dst);
+        t_fill(src, LEN, (int)i + 3);
+        uint32_t rw = AXF_ACCESS_READ | AXF_ACCESS_WRITE;
+        uint64_t srid, skey, drid, dkey, grid, gkey, ep = 0;
+        CHECK_EQ(axf_region_register(t->e, src, LEN, rw, -1, &srid, &skey), AXF_OK);
+        CHECK_EQ(axf_region_register(t->e, dst, LEN, rw, -1, &drid, &dkey), AXF_OK);
+        CHECK_EQ(axf_region_register_kind(t->e, AXF_MEM_CUDA, g, LEN, rw, -1, &grid, &gkey),
+                 AXF_OK);
+        CHECK_EQ(axf_endpoint_create(t->e, AXF_EP_CUDA, 5, getpid(), -1, &ep), AXF_OK);
+        CHECK_EQ(axf_endpoint_import_cuda(t->e, ep, grid, gkey, LEN, rw, g, NULL, 0, NULL),
+                 AXF_OK);
+        axf_desc w = {.lrid = srid, .rrid = grid, .rkey = gkey, .len = LEN};
+        fail_next(cases[i].call, 2 /* CUDA_ERROR_OUT_OF_MEMORY */);
+        int st = post_wait(t, ep, AXF_OP_WRITE, &w, 1, 1, cases[i].want);
+        int missed = pending();
+        fail_next(NULL, 0);
+        printf("    %s failing: %s\n", cases[i].call, st ? "wrong status" : "ok");
+        CHECK_EQ(st, 0);
+        CHECK_EQ(missed, 0); /* the op did meet the failure */
+        if (post_wait(t, ep, AXF_OP_WRITE, &w, 1, 2, AXF_OK))
+            return 1;
+        axf_desc r = {.lrid = drid, .rrid = grid, .rkey = gkey, .len = LEN};
+        if (post_wait(t, ep, AXF_OP_READ, &r, 1, 3, AXF_OK))
+            return 1;
+        CHECK(memcmp(src, dst, LEN) == 0);
+        t_close(t);
+        free(src);
+        free(dst);
+    }
+    CHECK_EQ(axf_cuda_free(g), AXF_OK);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- failures of axf_cuda_enable */
 
 /* What the engine's thread creation and lock set-up do on the thread that
@@ -1320,6 +1386,7 @@ int main(int argc, char **argv)
             T_CASE(test_register_takes_active_primary),
             T_CASE(test_enable_failure_undone),
             T_CASE(test_wrapping_range_refused),
+            T_CASE(test_driver_call_fails),
             T_CASE(test_sticky_error_latched), /* last: the process stays poisoned */
         };
         return T_RUN(argc - 1, argv + 1, gpu);
