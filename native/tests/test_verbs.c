@@ -657,6 +657,49 @@ static int test_partial_post(void)
     return 0;
 }
 
+/* Rule: what a peer says about its region's verbs keys is checked before any
+ * request is built from it: a remote address whose range would wrap past the
+ * top of the address space, no keys, more devices than there can be; and
+ * queue pair parameters out of range (a 24-bit QP number or PSN, an MTU
+ * enum outside 256..4096) are refused at connect. */
+static int test_peer_values_checked(void)
+{
+    vpair p;
+    CHECK_EQ(vpair_open(&p, NULL), 0);
+    enum { RID = 777, LEN = 8192 };
+    CHECK_EQ(axf_endpoint_import(p.a->e, p.ep, RID, 5, LEN, RW, 0, -1), AXF_OK);
+    uint64_t addrs[AXF_VERBS_MAX_DEVICES + 1];
+    uint32_t rkeys[AXF_VERBS_MAX_DEVICES + 1];
+    for (int i = 0; i <= AXF_VERBS_MAX_DEVICES; i++) {
+        addrs[i] = 1u << 20;
+        rkeys[i] = 1;
+    }
+    addrs[p.ndev - 1] = UINT64_MAX - LEN + 2; /* its last byte past 2^64 */
+    CHECK_EQ(axf_endpoint_import_verbs(p.a->e, p.ep, RID, addrs, rkeys, (size_t)p.ndev),
+             AXF_E_INVALID);
+    addrs[p.ndev - 1] = UINT64_MAX - LEN; /* ends below the top: addressable */
+    CHECK_EQ(axf_endpoint_import_verbs(p.a->e, p.ep, RID, addrs, rkeys, (size_t)p.ndev), AXF_OK);
+    CHECK_EQ(axf_endpoint_import_verbs(p.a->e, p.ep, RID, addrs, rkeys, 0), AXF_E_INVALID);
+    CHECK_EQ(axf_endpoint_import_verbs(p.a->e, p.ep, RID, addrs, rkeys,
+                                       AXF_VERBS_MAX_DEVICES + 1),
+             AXF_E_INVALID);
+    axf_verbs_qp_info out, bad;
+    uint64_t h = 0;
+    static const struct {
+        uint32_t qpn, psn, mtu;
+    } wrong[] = {{1u << 24, 1, 3}, {1, 1u << 24, 3}, {1, 1, 0}, {1, 1, 6}};
+    for (size_t i = 0; i < sizeof wrong / sizeof wrong[0]; i++) {
+        memset(&bad, 0, sizeof bad);
+        bad.port = 1;
+        bad.qpn = wrong[i].qpn;
+        bad.psn = wrong[i].psn;
+        bad.mtu = wrong[i].mtu;
+        CHECK_EQ(axf_verbs_accept_qp(p.b->e, 0, &bad, &out, &h), AXF_E_PROTOCOL);
+    }
+    vpair_close(&p);
+    return 0;
+}
+
 /* Rule: the two ends of a queue pair must agree on link layer and GID type;
  * a peer that says otherwise is refused at connect, not left to time out. */
 static int test_qp_mismatch_refused(void)
@@ -1046,6 +1089,7 @@ int main(int argc, char **argv)
         T_CASE(test_read_depth),
         T_CASE(test_partial_post),
         T_CASE(test_qp_mismatch_refused),
+        T_CASE(test_peer_values_checked),
         T_CASE(test_partial_post_no_drain),
         T_CASE(test_async_error_accepting_qp),
         T_CASE(test_async_error_new_qp),
