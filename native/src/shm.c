@@ -71,8 +71,24 @@ typedef struct shm_state {
 #define POP_PAR_MIN (16u << 20)      /* populated at map time by several threads from here */
 #define POP_PAR_SLICE (16u << 20)    /* ... each at least this much */
 #define POP_PAR_MAX 8                /* ... at most this many */
-/* Mappings larger than this are populated lazily (tests lower it). */
+/* Mappings larger than this are populated lazily (tests lower it;
+ * $AIOXFER_SHM_LAZY_MIN, read at the first mapping, sets it: see map_fd). */
 uint64_t axf_shm_lazy_min = 1ull << 30;
+static pthread_once_t lazy_env_once = PTHREAD_ONCE_INIT;
+
+static void lazy_env(void)
+{
+    /* Bytes, a plain unsigned integer (0: every pool lazily); anything else
+     * is ignored. Read once: a pool's mapping never changes mode. */
+    const char *env = getenv("AIOXFER_SHM_LAZY_MIN");
+    if (!env || *env < '0' || *env > '9')
+        return;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(env, &end, 10);
+    if (*end == '\0' && errno == 0)
+        axf_shm_lazy_min = v;
+}
 
 /* A lazily populated mapping: which granules are populated, one bit each.
  * What it maps is copied here, so the populator never reads the rregion. */
@@ -369,6 +385,7 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
         return AXF_E_ACCESS;
     bool rw = rr->access & AXF_ACCESS_WRITE;
     int prot = PROT_READ | (rw ? PROT_WRITE : 0);
+    pthread_once(&lazy_env_once, lazy_env);
     int datafd = has_holes(memfd) ? memfd : -1; /* populate only its data */
     /* Populated now, as before, so that the first bulk writes take no page
      * faults; but from POP_PAR_MIN on by several threads at once (MAP_POPULATE
