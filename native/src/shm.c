@@ -439,7 +439,15 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * helper threads, to finish while connect returned and the first write
      * was posted (~0.5 ms of Python): connect + first 4 KiB write to a 64 MiB
      * pool 1.08x and 1.18x slower, not faster (interleaved, n=41 each, fresh
-     * initiators, 2 cores at load 3-4): no CPU is idle to overlap with. A
+     * initiators, 2 cores at load 3-4): no CPU is idle to overlap with.
+     * $AIOXFER_SHM_LAZY_MIN (lazy_env) lets a caller take the other side of
+     * the trade (2026-12-06, 2 shared cores, interleaved with main's wheel:
+     * =0 made connect + first 4 KiB write to a 64 MiB pool 2.15 vs 4.99 ms,
+     * n=30 each, and the Python demo's window 0.75x, 15 triples, medians).
+     * Two populating threads gain little here anyway (64 MiB: 2.39 vs 2.86
+     * ms, medians of 41, load average 3.5 on 2 vCPUs) and the fds come only
+     * with the metadata, the handshake's last message: nothing is left to
+     * overlap with but ~0.3 ms of Python. A
      * kernel without MADV_POPULATE_READ (before 5.14) uses MAP_POPULATE
      * throughout. A file with holes (has_holes) has only its data
      * populated, at any size (by one thread below POP_PAR_MIN), or, before
