@@ -71,8 +71,24 @@ typedef struct shm_state {
 #define POP_PAR_MIN (16u << 20)      /* populated at map time by several threads from here */
 #define POP_PAR_SLICE (16u << 20)    /* ... each at least this much */
 #define POP_PAR_MAX 8                /* ... at most this many */
-/* Mappings larger than this are populated lazily (tests lower it). */
+/* Mappings larger than this are populated lazily (tests lower it;
+ * $AIOXFER_SHM_LAZY_MIN, read at the first mapping, sets it: see map_fd). */
 uint64_t axf_shm_lazy_min = 1ull << 30;
+static pthread_once_t lazy_env_once = PTHREAD_ONCE_INIT;
+
+static void lazy_env(void)
+{
+    /* Bytes, a plain unsigned integer (0: every pool lazily); anything else
+     * is ignored. Read once: a pool's mapping never changes mode. */
+    const char *env = getenv("AIOXFER_SHM_LAZY_MIN");
+    if (!env || *env < '0' || *env > '9')
+        return;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(env, &end, 10);
+    if (*end == '\0' && errno == 0)
+        axf_shm_lazy_min = v;
+}
 
 /* A lazily populated mapping: which granules are populated, one bit each.
  * What it maps is copied here, so the populator never reads the rregion. */
@@ -85,6 +101,22 @@ typedef struct shm_pop {
     _Atomic uint64_t bits[];
 } shm_pop;
 
+/* Populates [m, m+len) by reading a byte of each page: the page faults
+ * that maps them (with the kernel's fault-around) run under the mapping's
+ * own lock, where MADV_POPULATE_READ holds the whole process's mmap_lock
+ * for reading. The populator runs at a low priority and is often
+ * preempted: inside madvise it held that lock meanwhile, and every mmap,
+ * munmap or mprotect of any other thread (a thread's stack, malloc's
+ * arenas, the loop's own allocations) waited for it to be scheduled again
+ * (AIOXFER_SHM_LAZY_MIN=0, connect + first 4 KiB write to a 64 MiB pool:
+ * 1-3 ms more in half of the samples, after the import returned). The
+ * mapping is of a sealed memfd at least its length (map_fd): no SIGBUS. */
+static void touch_pages(const uint8_t *m, uint64_t len)
+{
+    for (uint64_t o = 0; o < len; o += 4096)
+        (void)*(const volatile uint8_t *)(m + o);
+}
+
 /* Populates the granules of [off, off+len) not populated yet, consecutive
  * ones in one call: a copy then takes no page fault per page. Measured on
  * 512 MiB of a written memfd (kernel 6.18): MAP_POPULATE 43 ms,
@@ -93,7 +125,7 @@ typedef struct shm_pop {
  * MADV_POPULATE_WRITE 112 ms, a write fault per page 190 ms. On the copying
  * thread, so the copy workers populate in parallel, each its own pieces. A
  * failed call leaves its granules to the page faults. */
-static void pop_range(shm_pop *p, uint64_t off, uint64_t len)
+static void pop_range(shm_pop *p, uint64_t off, uint64_t len, bool touch)
 {
     if (!len)
         return;
@@ -107,7 +139,12 @@ static void pop_range(shm_pop *p, uint64_t off, uint64_t len)
             uint64_t a = run << POP_SHIFT, b = g << POP_SHIFT;
             if (b > p->len)
                 b = p->len;
-            if (madvise(p->map + a, b - a, MADV_POPULATE_READ) == 0)
+            bool ok = true;
+            if (touch)
+                touch_pages(p->map + a, b - a);
+            else
+                ok = madvise(p->map + a, b - a, MADV_POPULATE_READ) == 0;
+            if (ok)
                 for (uint64_t k = run; k < g; k++)
                     atomic_fetch_or_explicit(&p->bits[k / 64], 1ull << (k % 64),
                                              memory_order_relaxed);
@@ -140,7 +177,7 @@ uint8_t *shm_far_map(const rregion *rr)
 static void shm_populate(const shm_far *f, uint64_t off, uint64_t len)
 {
     if (f->pop)
-        pop_range(f->pop, off, len);
+        pop_range(f->pop, off, len, false);
 }
 
 /* Whether the peer's file has holes: pages it never wrote (a fresh or a
@@ -163,7 +200,7 @@ static bool has_holes(int memfd)
  * 0 has data for (SEEK_DATA / SEEK_HOLE), exactly those; with p, also marks
  * the granules wholly populated. false when the kernel cannot (EINVAL:
  * before 5.14). */
-static bool pop_data(int fd, uint8_t *m, uint64_t off, uint64_t len, shm_pop *p)
+static bool pop_data(int fd, uint8_t *m, uint64_t off, uint64_t len, shm_pop *p, bool touch)
 {
     uint64_t end = off + len;
     while (off < end) {
@@ -178,7 +215,12 @@ static bool pop_data(int fd, uint8_t *m, uint64_t off, uint64_t len, shm_pop *p)
             b = end;
         if (b <= a)
             b = a + 4096 < end ? a + 4096 : end;
-        if (madvise(m + a, b - a, MADV_POPULATE_READ) != 0) {
+        bool done = true;
+        if (touch)
+            touch_pages(m + a, b - a);
+        else if (madvise(m + a, b - a, MADV_POPULATE_READ) != 0)
+            done = false;
+        if (!done) {
             if (errno == EINVAL)
                 return false;
         } else if (p) {
@@ -196,8 +238,10 @@ static bool pop_data(int fd, uint8_t *m, uint64_t off, uint64_t len, shm_pop *p)
 /* The populator: one thread for the process, at a low priority (nice 10),
  * that populates lazily mapped regions front to back, so a pool connected to
  * and written later is populated by then (a copy populates what it needs
- * itself, first). Unmapping waits for it to let go of the mapping (at most
- * one POP_STEP). */
+ * itself, first, by madvise: a running, normal-priority thread holding the
+ * mmap_lock for one granule). It touches pages (touch_pages), never holding
+ * the mmap_lock while preempted. Unmapping waits for it to let go of the
+ * mapping (at most one POP_STEP). */
 #define POP_STEP (1u << 20)
 static pthread_mutex_t pop_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pop_cv = PTHREAD_COND_INITIALIZER;
@@ -219,9 +263,9 @@ static void *pop_main(void *arg)
         for (uint64_t off = 0; off < p->len && !atomic_load(&p->stop); off += POP_STEP) {
             uint64_t n = p->len - off < POP_STEP ? p->len - off : POP_STEP;
             if (p->fd >= 0)
-                (void)pop_data(p->fd, p->map, off, n, p);
+                (void)pop_data(p->fd, p->map, off, n, p, true);
             else
-                pop_range(p, off, n);
+                pop_range(p, off, n, true);
         }
         pthread_mutex_lock(&pop_mu);
         pop_busy = NULL;
@@ -305,7 +349,7 @@ static void *pop_slice_main(void *arg)
 {
     pop_slice *sl = arg;
     if (sl->fd >= 0)
-        sl->err = pop_data(sl->fd, sl->map, sl->off, sl->len, NULL) ? 0 : EINVAL;
+        sl->err = pop_data(sl->fd, sl->map, sl->off, sl->len, NULL, false) ? 0 : EINVAL;
     else
         sl->err = madvise(sl->map + sl->off, sl->len, MADV_POPULATE_READ) == 0 ? 0 : errno;
     return NULL;
@@ -369,6 +413,7 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
         return AXF_E_ACCESS;
     bool rw = rr->access & AXF_ACCESS_WRITE;
     int prot = PROT_READ | (rw ? PROT_WRITE : 0);
+    pthread_once(&lazy_env_once, lazy_env);
     int datafd = has_holes(memfd) ? memfd : -1; /* populate only its data */
     /* Populated now, as before, so that the first bulk writes take no page
      * faults; but from POP_PAR_MIN on by several threads at once (MAP_POPULATE
@@ -394,7 +439,15 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * helper threads, to finish while connect returned and the first write
      * was posted (~0.5 ms of Python): connect + first 4 KiB write to a 64 MiB
      * pool 1.08x and 1.18x slower, not faster (interleaved, n=41 each, fresh
-     * initiators, 2 cores at load 3-4): no CPU is idle to overlap with. A
+     * initiators, 2 cores at load 3-4): no CPU is idle to overlap with.
+     * $AIOXFER_SHM_LAZY_MIN (lazy_env) lets a caller take the other side of
+     * the trade (2026-12-06, 2 shared cores, interleaved with main's wheel:
+     * =0 made connect + first 4 KiB write to a 64 MiB pool 2.15 vs 4.99 ms,
+     * n=30 each, and the Python demo's window 0.75x, 15 triples, medians).
+     * Two populating threads gain little here anyway (64 MiB: 2.39 vs 2.86
+     * ms, medians of 41, load average 3.5 on 2 vCPUs) and the fds come only
+     * with the metadata, the handshake's last message: nothing is left to
+     * overlap with but ~0.3 ms of Python. A
      * kernel without MADV_POPULATE_READ (before 5.14) uses MAP_POPULATE
      * throughout. A file with holes (has_holes) has only its data
      * populated, at any size (by one thread below POP_PAR_MIN), or, before
@@ -438,10 +491,11 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
             }
             if (can) {
                 if (p->fd >= 0)
-                    (void)pop_data(p->fd, m, 0, rr->len < (1u << POP_SHIFT) ? rr->len
-                                                                           : 1u << POP_SHIFT, p);
+                    (void)pop_data(p->fd, m, 0,
+                                   rr->len < (1u << POP_SHIFT) ? rr->len : 1u << POP_SHIFT, p,
+                                   false);
                 else
-                    pop_range(p, 0, 1);
+                    pop_range(p, 0, 1, false);
             }
             if (can && pop_queue(p)) {
                 f->map = m;
