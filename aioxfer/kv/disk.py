@@ -80,6 +80,11 @@ _CSTAGE_BLOCKS = 32  # compressed blocks staged at once (per direction)
 _SEG_RE = re.compile(r"^seg-(\d{8})\.axkv$")
 TOMBSTONES = "tombstones.axkv"
 _STAGE_SECTORS = 64
+# A background header flush that failed (ENOSPC, EIO) is tried again after
+# this delay, doubled at each failure in a row up to _FLUSH_RETRY_MAX: its
+# entries are in memory only meanwhile, and a crash would lose them.
+_FLUSH_RETRY_FIRST = 0.05
+_FLUSH_RETRY_MAX = 5.0
 _VERIFY_CHUNK = 128  # blocks per read chunk at least (see _read)
 
 ENTRY_DTYPE = np.dtype([
@@ -294,6 +299,12 @@ class DiskTier(Tier):
         # put that found no room waits on it (bounded by room_wait).
         self._room = asyncio.Event()
         self._flusher: asyncio.Future[None] | None = None
+        # Segments whose header flush failed, the timer that queues them
+        # again (no put need come to flush them) and its next delay.
+        self._flush_retry: set[_Seg] = set()
+        self._flush_retry_timer: asyncio.TimerHandle | None = None
+        self._flush_retry_delay = _FLUSH_RETRY_FIRST
+        self._closing = False
         self.segment_failed = False  # the last _alloc could not make a segment
         self.tombstoned = 0  # keys written to the tombstone file (see the module doc)
 
@@ -335,6 +346,7 @@ class DiskTier(Tier):
         the cancel is raised once all are done): cut short, the tier's files
         stayed registered (open) and its headers unwritten."""
         cancelled = False
+        self._closing = True  # (no flush retry is scheduled from here on: the close flushes)
         for task in list(self._tasks):
             cancelled |= await finish_uncancelled(asyncio.gather(task, return_exceptions=True))
         if self._flusher is not None:
@@ -350,6 +362,10 @@ class DiskTier(Tier):
                         # after a restart, as after a crash; the close goes on.
                         _log.warning("kv.disk_flush_failed", tier=self.name, segment=seg.no,
                                      error=repr(exc))
+        if self._flush_retry_timer is not None:
+            self._flush_retry_timer.cancel()
+            self._flush_retry_timer = None
+        self._flush_retry.clear()
         from aioxfer.kv.store import _deregister_all
 
         agent = self.store.agent
@@ -829,6 +845,9 @@ class DiskTier(Tier):
                         self.counters.dropped("io_error", len(lost))
                         _log.warning("kv.disk_header_failed", tier=self.name, segment=seg.no,
                                      blocks=len(lost), error=repr(exc))
+                        # Its sectors stay dirty: other puts' entries, and
+                        # these blocks' (marked removed): written later.
+                        self._flush_failed(seg)
                 interrupted = False
             else:
                 # Not promised durable: the headers follow in the background
@@ -1084,12 +1103,35 @@ class DiskTier(Tier):
         if seg.cursor >= seg.slots and not seg.writing and not seg.dirty:
             seg.image = None  # sealed: its whole table is on disk
 
+    def _flush_failed(self, seg: _Seg) -> None:
+        """``seg``'s header flush failed (its sectors are still dirty): it is
+        flushed again after a backoff, whether or not another put comes (a
+        full segment gets none: its entries stayed in memory only, lost to a
+        crash, and it was never sealed)."""
+        self._flush_retry.add(seg)
+        if self._flush_retry_timer is None and not self._closing:
+            delay = self._flush_retry_delay
+            self._flush_retry_delay = min(delay * 2, _FLUSH_RETRY_MAX)
+            self._flush_retry_timer = asyncio.get_running_loop().call_later(
+                delay, self._retry_flush)
+
+    def _retry_flush(self) -> None:
+        self._flush_retry_timer = None
+        segs = [s for s in self._flush_retry
+                if s.dirty and s.image is not None and self.segs.get(s.no) is s]
+        self._flush_retry.clear()
+        if not self._closing:
+            # Queued as a put's headers are: while queued the segment is not
+            # evicted (as before the failure); a failure again comes back here.
+            self._schedule_flush(segs)
+
     async def _flush_pending(self) -> None:
+        failed = False
         while self._pending_flush:
             seg = self._pending_flush.pop()
             try:
                 await self._flush(seg, durable=False)
-            except Exception as exc:  # the next flush of it retries (dirty kept)
+            except Exception as exc:  # tried again after a backoff (dirty kept)
                 # On to the others, not return: a segment queued here is no
                 # eviction victim (its headers are "on their way") and only
                 # this task takes it off the queue; stopped here, the rest
@@ -1099,9 +1141,13 @@ class DiskTier(Tier):
                 # not be the next one's); on a failing disk that is one
                 # failed header write per queued segment, then none.
                 _log.warning("kv.disk_flush_failed", tier=self.name, segment=seg.no,
-                             error=repr(exc))
+                             error=repr(exc), retry_in=self._flush_retry_delay)
+                failed = True
+                self._flush_failed(seg)
                 continue
             self._maybe_seal(seg)
+        if not failed:
+            self._flush_retry_delay = _FLUSH_RETRY_FIRST  # the disk takes headers again
 
     async def _flush(self, seg: _Seg, *, durable: bool) -> None:
         """Writes the segment's dirty header sectors (one writer at a time)."""
