@@ -233,7 +233,10 @@ class DiskTier(Tier):
     ``room_wait``: how long a put that finds every segment still being
     written (none evictable) waits for a writer to finish before its blocks
     are dropped (``dropped_stores["no_room"]``); only a put holding no slot
-    of its own waits (see _alloc), so writers never wait on each other."""
+    of its own waits (see _alloc), so writers never wait on each other. The
+    same bound holds for a put waiting for segments' header flushes (the
+    background flusher's, durable puts'): they make those segments
+    evictable, and a stalled one drops the put's blocks at ``room_wait``."""
 
     kind = "disk"
     durable = True
@@ -609,9 +612,12 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------ segments
 
-    async def _new_segment(self) -> _Seg | None:
+    async def _new_segment(self, deadline: float) -> _Seg | None:
         """A fresh active segment; evicts the least recently read sealed one
-        first when at capacity. None: no room (every segment has readers)."""
+        first when at capacity. None: no room (every segment has readers),
+        or the segments' header flushes it waited for (they become evictable
+        then) did not end by ``deadline`` (loop time: the put's room_wait)."""
+        loop = asyncio.get_running_loop()
         while len(self.segs) >= self.max_segments:
             victims = sorted((s for s in self.segs.values()
                               if s is not self.active and not s.pins and not s.doomed
@@ -619,17 +625,32 @@ class DiskTier(Tier):
                              key=lambda s: s.last_access)
             if not victims:
                 flusher = self._flusher
+                # Bounded as a wait for a writer is (_wait_for_room): a
+                # header write stalled on a failing or hung device would
+                # otherwise hold the put (and its caller) as long as it
+                # stalls, where other room failures drop at room_wait.
+                left = deadline - loop.time()
                 if self._pending_flush and flusher is not None and not flusher.done():
                     # Segments whose headers are on their way become
                     # evictable in one header write: wait for it, not drop.
-                    await asyncio.wait([flusher])
+                    if left <= 0:
+                        return None
+                    await asyncio.wait([flusher], timeout=left)
+                    if not flusher.done():
+                        return None
                     continue
                 if self._durable_flushes:
                     # The same for segments a durable put holds while it
                     # flushes their headers (an fdatasync; they wait for
                     # nothing else): evictable once it is done.
+                    if left <= 0:
+                        return None
                     self._durable_flushed.clear()
-                    await self._durable_flushed.wait()
+                    try:
+                        async with asyncio.timeout(left):
+                            await self._durable_flushed.wait()
+                    except TimeoutError:
+                        return None
                     continue
                 return None
             await self._drop_segment(victims[0], "capacity")
@@ -705,7 +726,11 @@ class DiskTier(Tier):
                 seg = self.active
                 if seg is None or seg.cursor >= seg.slots:
                     self.active = None  # full: sealed once its last writer has published
-                    seg = await self._new_segment()
+                    if deadline is None:
+                        # From the put's first need of a segment: every wait
+                        # for room (flushes, writers) within one room_wait.
+                        deadline = asyncio.get_running_loop().time() + self.room_wait
+                    seg = await self._new_segment(deadline)
                     if seg is None:
                         # No room: every segment is pinned or still being
                         # written. Only a put holding no slot waits for a
@@ -717,8 +742,6 @@ class DiskTier(Tier):
                         # ends when one of them does, or at room_wait.
                         if out or self.segment_failed:
                             break
-                        if deadline is None:
-                            deadline = asyncio.get_running_loop().time() + self.room_wait
                         if not await self._wait_for_room(deadline):
                             break
                         continue
