@@ -1966,9 +1966,10 @@ class LayerStream:
             return
         posted = self._in_flight()
         if posted and not _wait_here(self.store.agent, posted):
-            _log.warning("kv.stream_abandoned", layers_in_flight=len(posted),
-                         why="a stream dropped unclosed whose copies could not be waited "
-                             "for here: they may still write dst (use aclose or async with)")
+            with contextlib.suppress(Exception):  # (at interpreter exit: logging may be gone)
+                _log.warning("kv.stream_abandoned", transfers=len(posted),
+                             why="a stream dropped unclosed whose copies could not be waited "
+                                 "for here: they may still write dst (use aclose or async with)")
         self._finish()
 
 
