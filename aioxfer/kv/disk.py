@@ -80,6 +80,11 @@ _CSTAGE_BLOCKS = 32  # compressed blocks staged at once (per direction)
 _SEG_RE = re.compile(r"^seg-(\d{8})\.axkv$")
 TOMBSTONES = "tombstones.axkv"
 _STAGE_SECTORS = 64
+# A background header flush that failed (ENOSPC, EIO) is tried again after
+# this delay, doubled at each failure in a row up to _FLUSH_RETRY_MAX: its
+# entries are in memory only meanwhile, and a crash would lose them.
+_FLUSH_RETRY_FIRST = 0.05
+_FLUSH_RETRY_MAX = 5.0
 _VERIFY_CHUNK = 128  # blocks per read chunk at least (see _read)
 
 ENTRY_DTYPE = np.dtype([
@@ -228,7 +233,10 @@ class DiskTier(Tier):
     ``room_wait``: how long a put that finds every segment still being
     written (none evictable) waits for a writer to finish before its blocks
     are dropped (``dropped_stores["no_room"]``); only a put holding no slot
-    of its own waits (see _alloc), so writers never wait on each other."""
+    of its own waits (see _alloc), so writers never wait on each other. The
+    same bound holds for a put waiting for segments' header flushes (the
+    background flusher's, durable puts'): they make those segments
+    evictable, and a stalled one drops the put's blocks at ``room_wait``."""
 
     kind = "disk"
     durable = True
@@ -294,6 +302,12 @@ class DiskTier(Tier):
         # put that found no room waits on it (bounded by room_wait).
         self._room = asyncio.Event()
         self._flusher: asyncio.Future[None] | None = None
+        # Segments whose header flush failed, the timer that queues them
+        # again (no put need come to flush them) and its next delay.
+        self._flush_retry: set[_Seg] = set()
+        self._flush_retry_timer: asyncio.TimerHandle | None = None
+        self._flush_retry_delay = _FLUSH_RETRY_FIRST
+        self._closing = False
         self.segment_failed = False  # the last _alloc could not make a segment
         self.tombstoned = 0  # keys written to the tombstone file (see the module doc)
 
@@ -335,6 +349,7 @@ class DiskTier(Tier):
         the cancel is raised once all are done): cut short, the tier's files
         stayed registered (open) and its headers unwritten."""
         cancelled = False
+        self._closing = True  # (no flush retry is scheduled from here on: the close flushes)
         for task in list(self._tasks):
             cancelled |= await finish_uncancelled(asyncio.gather(task, return_exceptions=True))
         if self._flusher is not None:
@@ -350,6 +365,10 @@ class DiskTier(Tier):
                         # after a restart, as after a crash; the close goes on.
                         _log.warning("kv.disk_flush_failed", tier=self.name, segment=seg.no,
                                      error=repr(exc))
+        if self._flush_retry_timer is not None:
+            self._flush_retry_timer.cancel()
+            self._flush_retry_timer = None
+        self._flush_retry.clear()
         from aioxfer.kv.store import _deregister_all
 
         agent = self.store.agent
@@ -593,9 +612,12 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------ segments
 
-    async def _new_segment(self) -> _Seg | None:
+    async def _new_segment(self, deadline: float) -> _Seg | None:
         """A fresh active segment; evicts the least recently read sealed one
-        first when at capacity. None: no room (every segment has readers)."""
+        first when at capacity. None: no room (every segment has readers),
+        or the segments' header flushes it waited for (they become evictable
+        then) did not end by ``deadline`` (loop time: the put's room_wait)."""
+        loop = asyncio.get_running_loop()
         while len(self.segs) >= self.max_segments:
             victims = sorted((s for s in self.segs.values()
                               if s is not self.active and not s.pins and not s.doomed
@@ -603,17 +625,32 @@ class DiskTier(Tier):
                              key=lambda s: s.last_access)
             if not victims:
                 flusher = self._flusher
+                # Bounded as a wait for a writer is (_wait_for_room): a
+                # header write stalled on a failing or hung device would
+                # otherwise hold the put (and its caller) as long as it
+                # stalls, where other room failures drop at room_wait.
+                left = deadline - loop.time()
                 if self._pending_flush and flusher is not None and not flusher.done():
                     # Segments whose headers are on their way become
                     # evictable in one header write: wait for it, not drop.
-                    await asyncio.wait([flusher])
+                    if left <= 0:
+                        return None
+                    await asyncio.wait([flusher], timeout=left)
+                    if not flusher.done():
+                        return None
                     continue
                 if self._durable_flushes:
                     # The same for segments a durable put holds while it
                     # flushes their headers (an fdatasync; they wait for
                     # nothing else): evictable once it is done.
+                    if left <= 0:
+                        return None
                     self._durable_flushed.clear()
-                    await self._durable_flushed.wait()
+                    try:
+                        async with asyncio.timeout(left):
+                            await self._durable_flushed.wait()
+                    except TimeoutError:
+                        return None
                     continue
                 return None
             await self._drop_segment(victims[0], "capacity")
@@ -689,7 +726,11 @@ class DiskTier(Tier):
                 seg = self.active
                 if seg is None or seg.cursor >= seg.slots:
                     self.active = None  # full: sealed once its last writer has published
-                    seg = await self._new_segment()
+                    if deadline is None:
+                        # From the put's first need of a segment: every wait
+                        # for room (flushes, writers) within one room_wait.
+                        deadline = asyncio.get_running_loop().time() + self.room_wait
+                    seg = await self._new_segment(deadline)
                     if seg is None:
                         # No room: every segment is pinned or still being
                         # written. Only a put holding no slot waits for a
@@ -701,8 +742,6 @@ class DiskTier(Tier):
                         # ends when one of them does, or at room_wait.
                         if out or self.segment_failed:
                             break
-                        if deadline is None:
-                            deadline = asyncio.get_running_loop().time() + self.room_wait
                         if not await self._wait_for_room(deadline):
                             break
                         continue
@@ -829,6 +868,9 @@ class DiskTier(Tier):
                         self.counters.dropped("io_error", len(lost))
                         _log.warning("kv.disk_header_failed", tier=self.name, segment=seg.no,
                                      blocks=len(lost), error=repr(exc))
+                        # Its sectors stay dirty: other puts' entries, and
+                        # these blocks' (marked removed): written later.
+                        self._flush_failed(seg)
                 interrupted = False
             else:
                 # Not promised durable: the headers follow in the background
@@ -1084,12 +1126,35 @@ class DiskTier(Tier):
         if seg.cursor >= seg.slots and not seg.writing and not seg.dirty:
             seg.image = None  # sealed: its whole table is on disk
 
+    def _flush_failed(self, seg: _Seg) -> None:
+        """``seg``'s header flush failed (its sectors are still dirty): it is
+        flushed again after a backoff, whether or not another put comes (a
+        full segment gets none: its entries stayed in memory only, lost to a
+        crash, and it was never sealed)."""
+        self._flush_retry.add(seg)
+        if self._flush_retry_timer is None and not self._closing:
+            delay = self._flush_retry_delay
+            self._flush_retry_delay = min(delay * 2, _FLUSH_RETRY_MAX)
+            self._flush_retry_timer = asyncio.get_running_loop().call_later(
+                delay, self._retry_flush)
+
+    def _retry_flush(self) -> None:
+        self._flush_retry_timer = None
+        segs = [s for s in self._flush_retry
+                if s.dirty and s.image is not None and self.segs.get(s.no) is s]
+        self._flush_retry.clear()
+        if not self._closing:
+            # Queued as a put's headers are: while queued the segment is not
+            # evicted (as before the failure); a failure again comes back here.
+            self._schedule_flush(segs)
+
     async def _flush_pending(self) -> None:
+        failed = False
         while self._pending_flush:
             seg = self._pending_flush.pop()
             try:
                 await self._flush(seg, durable=False)
-            except Exception as exc:  # the next flush of it retries (dirty kept)
+            except Exception as exc:  # tried again after a backoff (dirty kept)
                 # On to the others, not return: a segment queued here is no
                 # eviction victim (its headers are "on their way") and only
                 # this task takes it off the queue; stopped here, the rest
@@ -1099,9 +1164,13 @@ class DiskTier(Tier):
                 # not be the next one's); on a failing disk that is one
                 # failed header write per queued segment, then none.
                 _log.warning("kv.disk_flush_failed", tier=self.name, segment=seg.no,
-                             error=repr(exc))
+                             error=repr(exc), retry_in=self._flush_retry_delay)
+                failed = True
+                self._flush_failed(seg)
                 continue
             self._maybe_seal(seg)
+        if not failed:
+            self._flush_retry_delay = _FLUSH_RETRY_FIRST  # the disk takes headers again
 
     async def _flush(self, seg: _Seg, *, durable: bool) -> None:
         """Writes the segment's dirty header sectors (one writer at a time)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 import weakref
 from collections import deque
@@ -1555,7 +1556,11 @@ class Store:
         it, and the stream ends once the layers already posted into ``dst``
         have landed (at most the window: no copy writes ``dst`` once the
         close or the cancellation returns) and the pins are released
-        (``aclose()``, or ``async with``, for a loop left with ``break``)."""
+        (``aclose()``, or ``async with``, for a loop left with ``break``).
+        ``async for ... in store.stream(...)`` left by ``break`` without
+        either drops the stream at the break, and it waits there for its
+        copies (see LayerStream.__del__); a stream the caller still holds
+        a reference to is not dropped by the break: close it."""
         self._check_open()
         # The keys are checked where they are used, not in a pass here (~10
         # us of a first layer's ~250, cold): a key the host tier holds is one
@@ -1721,6 +1726,7 @@ class LayerStream:
         self._next = 0
         self._noted = False  # hits told to the policy and the counters
         self._closed = False
+        self._orphans: list[Transfer] = []  # posted by a _post that then failed
 
     def _begin(self) -> bool:
         """Every block in host memory (the usual stream): pins them and posts
@@ -1824,8 +1830,13 @@ class LayerStream:
                         dst = dst + d
                 posted.append(post("read", region, remote, dst, src, lb))
         except BaseException:
-            for t in posted:
-                t.cancel()
+            # One region's post failed after others' were posted: those
+            # are not cancelled (a cancelled Transfer resolves at once while
+            # the engine may still write dst) but kept, and the close waits
+            # for them as for whole layers. (Today they are still in the
+            # loop iteration's batch, which a cancel drops unposted; kept,
+            # this does not depend on when the agent hands a batch over.)
+            self._orphans.extend(posted)
             raise
         self._pending.append(posted)
 
@@ -1880,7 +1891,11 @@ class LayerStream:
             if self._next >= self.layers:
                 self._finish()
             elif not layer:
-                asyncio.get_running_loop().call_soon(self._open_window)
+                # Through a weak reference: a strong one (the bound method)
+                # kept a stream left by ``break`` right after layer 0 alive
+                # until the callback had posted the window into dst, after
+                # the caller's loop had ended (see __del__).
+                asyncio.get_running_loop().call_soon(_open_window, weakref.ref(self))
             return LayerResult(layer, self.prefix, self.prefix * self.layer_bytes)
         except BaseException:
             await self._close()
@@ -1891,16 +1906,20 @@ class LayerStream:
             return
         self._closed = True
         if cancel:
-            # Only where nobody can wait (a stream collected unclosed): its
-            # layers may still land in dst, which no caller awaits any more.
-            for posted in self._pending[self._next:]:
-                for t in posted:
-                    t.cancel()
+            # Only where nobody can wait (see __del__): its layers may still
+            # land in dst, which no caller awaits any more.
+            for t in self._in_flight():
+                t.cancel()
         try:
             if self.prefix is not None:
                 self._note_hits()
         finally:
             self._op.finish()  # the pins go whatever happened above
+
+    def _in_flight(self) -> list[Transfer]:
+        """What the stream posted into dst and nobody awaited to its end."""
+        return [t for ts in (*self._pending[self._next:], self._orphans) for t in ts
+                if not t.done()]
 
     async def _close(self) -> None:
         """Ends the stream once nothing it posted writes ``dst``: the layers
@@ -1913,7 +1932,7 @@ class LayerStream:
         if self._closed:
             return
         self._closed = True  # (no window is posted from here on: _open_window)
-        posted = [t for ts in self._pending[self._next:] for t in ts if not t.done()]
+        posted = self._in_flight()
         try:
             if posted:
                 await landed(*posted)
@@ -1931,9 +1950,74 @@ class LayerStream:
         await self._close()
 
     def __del__(self) -> None:
-        # A loop left with `break` and no aclose(): the pins still go.
-        if not getattr(self, "_closed", True):
-            self._finish()
+        """A stream dropped unclosed: ``async for`` left by ``break`` (or an
+        exception in the loop's body) without aclose/``async with``. CPython
+        drops it at the break itself (the loop held the only reference), so
+        the code after the loop runs only once this returns: what it posted
+        into dst is waited for here, synchronously (a __del__ cannot await),
+        by driving the agent's completions until those copies are over. They
+        are local copies (the host tier is this agent's own memory), at most
+        the window's layers. Where that cannot be done (no running loop, a
+        closed agent, a collection inside the agent's own completion drain,
+        or the copies still running after _ABANDON_WAIT) they are cancelled
+        as before and may still land: only aclose/``async with`` guarantee
+        dst is no longer written. The pins go either way."""
+        if getattr(self, "_closed", True):
+            return
+        posted = self._in_flight()
+        if posted and not _wait_here(self.store.agent, posted):
+            with contextlib.suppress(Exception):  # (at interpreter exit: logging may be gone)
+                _log.warning("kv.stream_abandoned", transfers=len(posted),
+                             why="a stream dropped unclosed whose copies could not be waited "
+                                 "for here: they may still write dst (use aclose or async with)")
+        self._finish()
+
+
+_ABANDON_WAIT = 2.0  # s: how long a dropped stream waits for its copies
+
+
+def _open_window(ref: weakref.ReferenceType[LayerStream]) -> None:
+    stream = ref()
+    if stream is not None:
+        stream._open_window()
+
+
+def _wait_here(agent: Agent, transfers: list[Transfer]) -> bool:
+    """Runs the agent's completions from here (no await) until every one of
+    ``transfers`` is done: True, or False where that cannot be done here or
+    not within _ABANDON_WAIT. For a caller that cannot await (a __del__)
+    and must not return while they may still write memory."""
+    if _collecting:
+        return False  # inside a collection: maybe inside the drain itself
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False  # not on a loop's thread: its completions are not ours to take
+    if agent.closed or getattr(agent, "_loop", loop) is not loop:
+        return False
+    deadline = time.monotonic() + _ABANDON_WAIT
+    try:
+        agent.flush()  # (any not yet handed to the engine go now, not at the loop's turn)
+        while True:
+            agent.poll()
+            if all(t.done() for t in transfers):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            agent.wait(1000)
+    except Exception:  # (a drain already running below us refuses a second one)
+        return False
+
+
+_collecting = False
+
+
+def _gc_phase(phase: str, info: dict[str, Any]) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+gc.callbacks.append(_gc_phase)
 
 
 def _eager(t: Transfer) -> None:
