@@ -84,6 +84,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from urllib.parse import urlsplit
 
@@ -388,11 +389,12 @@ class ObjectRegion(BackendRegion):
                 raise r
 
     async def _delete_one(self, key: str) -> None:
+        what = f"delete of object {key!r} in {self.url}"
         async with self.backend._slots.held():
-            await self._signed_request("DELETE", key, "delete", self._deleted)
+            await self._signed_request("DELETE", key, what, partial(self._deleted, what))
 
     @staticmethod
-    def _deleted(resp: aiohttp.ClientResponse, key: str, what: str, code: str) -> None:
+    async def _deleted(what: str, resp: aiohttp.ClientResponse, code: str) -> None:
         if resp.status == 404 and code == "NoSuchBucket":
             raise ObjectNotFound(f"{what}: no such bucket ({code})")
         # 200, 204; a 404 of the key: gone, as asked
@@ -570,11 +572,12 @@ class ObjectRegion(BackendRegion):
     async def _head(self, key: str, doing: str) -> ObjectStat | None:
         """A HEAD of ``key`` through a presigned URL: its ObjectStat, or None
         when it does not exist."""
-        return await self._signed_request("HEAD", key, doing, self._headed)
+        what = f"{doing} of object {key!r} in {self.url}"
+        return await self._signed_request("HEAD", key, what, partial(self._headed, key, what))
 
     @staticmethod
-    def _headed(
-        resp: aiohttp.ClientResponse, key: str, what: str, code: str
+    async def _headed(
+        key: str, what: str, resp: aiohttp.ClientResponse, code: str
     ) -> ObjectStat | None:
         if resp.status == 404:
             return None
@@ -592,26 +595,35 @@ class ObjectRegion(BackendRegion):
 
     async def _signed_request(
         self,
-        method: Literal["HEAD", "DELETE"],
+        method: Literal["GET", "HEAD", "DELETE"],
         key: str,
-        doing: str,
-        answer: Callable[[aiohttp.ClientResponse, str, str, str], _T],
+        what: str,
+        answer: Callable[[aiohttp.ClientResponse, str], Awaitable[_T]],
+        headers: dict[str, str] | None = None,
     ) -> _T:
-        """A bodiless request of ``key`` (HEAD, DELETE) through a presigned
-        URL, sent with aiohttp, not obstore: obstore (reqwest) follows a
-        redirect, to another host too, and there sends the session token
+        """A request of ``key`` (GET, HEAD, DELETE) through a presigned URL,
+        sent with aiohttp, not obstore: obstore (reqwest) follows a redirect,
+        to another host too, and there sends the session token
         (``x-amz-security-token``; it drops only Authorization) and takes its
         answer (a HEAD found, a DELETE done, at a host that is not the
-        store). Here a 3xx fails the request, as for reads (_get). Retried as
-        reads are (5xx, 429, 408, a connection error or timeout), within the
-        region's retry budget; a 403 to a cached URL signs again, once.
-        ``answer(resp, key, what, code)`` makes the result of any other status
-        than those (``code``: the S3 error code in the body, if any)."""
-        what = f"{doing} of object {key!r} in {self.url}"
+        store). Redirects are not followed (a 3xx fails the request): the URL
+        carries its credentials in its query, and a redirect would hand them,
+        or a loop of requests, to wherever it points. Retried (5xx, 429, 408,
+        a connection error or timeout, a _Transient raised by ``answer``)
+        within the region's retry budget. A 401 or 403 is AccessDenied; to a
+        URL from the cache (signed up to _SIGN_TTL ago, with credentials
+        since rotated) it drops the URL and signs again, once, first.
+        ``answer(resp, code)`` makes the result of any other status
+        (``code``: the S3 error code of the body of an answer of 300 or
+        more, read unless the request is a HEAD; else ""). Error texts leave
+        the URL's query out (_describe); ``what`` names the request in them."""
         attempts = _Attempts(self._retry, self.backend.note_retry)
         resigned = False
         while True:
-            failed: str  # raised outside the except clause, as in _get
+            # The error is raised outside the except clause: aiohttp's
+            # exception (whose text may hold the URL) is then not even the
+            # new one's __context__.
+            failed: str
             try:
                 url, cached = await self._presign(key, method)
                 # read_until_eof=False for a HEAD: aiohttp's response parser
@@ -619,7 +631,8 @@ class ObjectRegion(BackendRegion):
                 # take an answer without Content-Length (rclone's 404) as a
                 # body read to EOF: the connection closed, a new one per miss.
                 async with self._http().request(
-                    method, url, allow_redirects=False, read_until_eof=method != "HEAD"
+                    method, url, headers=headers, allow_redirects=False,
+                    read_until_eof=method != "HEAD",
                 ) as resp:
                     status = resp.status
                     code = ""
@@ -632,7 +645,7 @@ class ObjectRegion(BackendRegion):
                         raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
                     if 300 <= status < 400:
                         raise _redirected(what, status, resp)
-                    return answer(resp, key, what, code)
+                    return await answer(resp, code)
             except AccessDenied:
                 if not cached or resigned:
                     raise
@@ -663,66 +676,39 @@ class ObjectRegion(BackendRegion):
         return session
 
     async def _get(self, dst: memoryview, seg: ObjectSegment) -> None:
-        """A GET of ``seg`` through a presigned URL, straight into ``dst``.
-        Redirects are not followed (a 3xx fails the read): the URL carries
-        its credentials in its query, and a redirect would hand them, or a
-        loop of requests, to wherever it points. A 403 to a URL from the
-        cache (signed up to _SIGN_TTL ago, with credentials since rotated)
-        drops it and signs again, once, before it is AccessDenied. Error
-        texts leave the URL's query out (_describe)."""
+        """A GET of ``seg`` through a presigned URL (_signed_request: no
+        redirect followed, retries, a 403 to a cached URL signs again once),
+        straight into ``dst``."""
         n = len(dst)
         ranged = not seg.whole
         headers = {"Range": f"bytes={seg.offset}-{seg.offset + n - 1}"} if ranged else None
-        attempts = _Attempts(self._retry, self.backend.note_retry)
-        resigned = False
-        cached = False
-        while True:
-            # The error is raised outside the except clause: aiohttp's
-            # exception (whose text may hold the URL) is then not even the
-            # new one's __context__.
-            failed: str
-            try:
-                url, cached = await self._presign(seg.key)
-                async with self._http().get(
-                    url, headers=headers, allow_redirects=False
-                ) as resp:
-                    await self._receive(resp, dst, seg, ranged)
-                return
-            except AccessDenied:
-                if not cached or resigned:
-                    raise
-                resigned = True
-                self._signed.pop(("GET", seg.key), None)
-                continue
-            except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
-                failed = _describe(exc)
-            if not await attempts.another():
-                raise TransportError(
-                    f"read of object {seg.key!r} from {self.url} failed after "
-                    f"{attempts.made} attempts: {failed}"
-                )
+        what = f"read of object {seg.key!r} from {self.url}"
+        await self._signed_request(
+            "GET", seg.key, what, partial(self._receive, dst, seg, ranged, what), headers
+        )
 
     async def _receive(
-        self, resp: aiohttp.ClientResponse, dst: memoryview, seg: ObjectSegment, ranged: bool
+        self,
+        dst: memoryview,
+        seg: ObjectSegment,
+        ranged: bool,
+        what: str,
+        resp: aiohttp.ClientResponse,
+        code: str,
     ) -> None:
         n = len(dst)
         status = resp.status
         if status not in (200, 206):
-            body = (await resp.content.read(4096)).decode("utf-8", "replace")
-            code = _xml_code(body)
-            if status in _TRANSIENT_HTTP:
-                raise _Transient(f"HTTP {status} {code}".strip())
-            what = f"read of object {seg.key!r} from {self.url}"
+            # (_signed_request answered the transient, 401/403 and 3xx ones)
+            if status < 300:  # its body not read for a code there
+                body = (await resp.content.read(4096)).decode("utf-8", "replace")
+                code = _xml_code(body)
             if status == 404:
                 raise ObjectNotFound(f"{what}: no such key ({code or 'HTTP 404'})")
-            if status in (401, 403):
-                raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
             if status == 416:
                 raise XferError(
                     f"{what}: bytes [{seg.offset}:{seg.offset + n}] are past the object's end"
                 )
-            if 300 <= status < 400:
-                raise _redirected(what, status, resp)
             raise XferError(f"{what}: HTTP {status} {code}".rstrip())
         length = resp.content_length
         if ranged:
