@@ -30,7 +30,11 @@ and a multipart upload's part PUTs are not followed by obstore. Left: the
 create, complete and abort requests of a multipart upload (objects above
 ``part_size``) still go through obstore and follow a redirect (obstore
 0.12 has no option against it and presigns no URL with a query such as
-``?uploads``; tests/test_obj18b_redirects.py, xfail).
+``?uploads``; tests/test_obj18b_redirects.py, xfail). So that a redirected
+complete answered by another host is not taken for a written object, a
+multipart write ends with a HEAD of the key (presigned, no redirect): the
+object must be there with the written size (and the e-tag the complete
+answered, where the store's e-tags compare), else the write fails (ObjectRegion._check_completed).
 
 Failures are typed: a missing key (or bucket) is ObjectNotFound, bad
 credentials AccessDenied, a conditional create of an existing key
@@ -442,16 +446,60 @@ class ObjectRegion(BackendRegion):
         them). The cost: a cancelled write of more than ``part_size`` bytes
         raises CancelledError only once its upload is over, up to the time of
         the whole upload (each request bounded by ``read_timeout`` and the
-        retry budget), and its object may then be written."""
+        retry budget), and its object may then be written. A multipart
+        upload reported complete is then checked with a HEAD
+        (_check_completed)."""
         mode: Literal["create"] | None = "create" if seg.create else None
         owned = src.nbytes <= OWNED_MAX
         body = bytes(src) if owned else src
         if src.nbytes <= self._part_size:
             await self._put_single(body, seg, mode, owned)
             return
-        await self._upload(False, self._obstore("write", seg.key, obstore.put_async(
+        done = await self._upload(False, self._obstore("write", seg.key, obstore.put_async(
             self._store, seg.key, body, mode=mode, chunk_size=self._part_size,
             max_concurrency=4)))
+        await self._check_completed(seg.key, src.nbytes, done.get("e_tag"))
+
+    async def _check_completed(self, key: str, size: int, e_tag: str | None) -> None:
+        """After a multipart upload obstore reported complete: a HEAD of
+        ``key`` (presigned, following no redirect: _signed_request) must find
+        the object with ``size`` bytes and the e-tag the complete answered
+        (when both sides have one of one kind), else XferError. obstore follows a
+        redirect of the upload's create, complete and abort requests (to
+        another host too, with the session token: tests/test_obj18b_redirects.py),
+        and takes that host's answer: a complete redirected there "succeeds"
+        while the store never completed the upload (the object absent, or an
+        older one). One HEAD per object of more than ``part_size`` bytes.
+        Credentials allowed to write but not to read (the HEAD refused,
+        AccessDenied) cannot check: the write counts as done, as obstore
+        said. A failure of the HEAD itself (TransportError) fails the write:
+        its outcome is not known. Another writer's PUT of the same key landing
+        between the complete and the HEAD reads as a mismatch too (the
+        caller's object is then not there anyway)."""
+        what = f"multipart write of object {key!r} in {self.url}"
+        try:
+            found = await self._head(key, "check of the multipart write")
+        except AccessDenied:
+            return
+        if found is None:
+            raise XferError(
+                f"{what}: the upload was answered as complete, but the store has no such "
+                f"object (was the complete redirected to another host?)"
+            )
+        if found.size != size:
+            raise XferError(
+                f"{what}: the upload of {size} bytes was answered as complete, but the "
+                f"store holds {found.size} bytes under the key"
+            )
+        want, got = _etag(e_tag), _etag(found.e_tag)
+        # Compared only when both are of one kind: rclone answers the complete
+        # with a multipart e-tag (MD5 of the parts' MD5s, "-<parts>") and a
+        # HEAD with the MD5 of the whole object.
+        if want and got and ("-" in want) == ("-" in got) and want != got:
+            raise XferError(
+                f"{what}: the upload was answered as complete with e-tag {want}, but the "
+                f"store's object has {got}"
+            )
 
     async def _upload(self, owned: bool, call: Awaitable[Any]) -> Any:
         """Awaits an upload; one not ``owned`` (from the caller's buffer, or
@@ -821,6 +869,14 @@ def _redirected(what: str, status: int, resp: aiohttp.ClientResponse) -> XferErr
         f"{what}: the server redirected (HTTP {status}{to}) a signed request; "
         f"redirects are not followed (is the endpoint or region right?)"
     )
+
+
+def _etag(e_tag: str | None) -> str:
+    """An e-tag as compared: without its quotes and weak marker, lower case."""
+    e = (e_tag or "").strip()
+    if e.startswith("W/"):
+        e = e[2:]
+    return e.strip('"').lower()
 
 
 class _Transient(Exception):
