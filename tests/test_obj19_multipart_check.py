@@ -183,3 +183,35 @@ async def test_write_only_credentials_still_write(make_agent: MakeAgent,
     src = agent.alloc(11 * MiB)
     await within(agent.write(src[:], objs["k"]), 20)
     assert len(store.objects["/bkt/pre/k"][0]) == 11 * MiB
+
+
+async def test_many_keys_signed_at_once_keep_the_403_rule(make_agent: MakeAgent,
+                                                          fake_s3: MakeFake) -> None:
+    # stat and delete of many keys sign the keys in one call: a 403 to a URL
+    # just signed so is final (one request a key), one to a URL reused from
+    # the cache signs again once (two).
+    from aioxfer.errors import AccessDenied
+
+    refuse = [True]
+
+    async def handle(req: Any) -> Any:
+        await req.read()
+        if refuse[0]:
+            return web.Response(status=403, text="<Error><Code>AccessDenied</Code></Error>")
+        return await s3_answer(req)
+
+    srv = await fake_s3(handle)
+    agent = await make_agent("o")
+    objs = register(agent, srv.endpoint)
+    keys = ["a", "b", "c"]
+    for call, method in ((objs.stat, "HEAD"), (objs.delete, "DELETE")):
+        refuse[0] = True
+        with pytest.raises(AccessDenied):
+            await within(call(keys), 10)
+        assert [srv.hits[(method, k)] for k in keys] == [1, 1, 1]
+        with pytest.raises(AccessDenied):  # the URLs are cached now
+            await within(call(keys), 10)
+        assert [srv.hits[(method, k)] for k in keys] == [3, 3, 3]
+        refuse[0] = False  # and a cached URL that works is used as is
+        await within(call(keys), 10)
+        assert [srv.hits[(method, k)] for k in keys] == [4, 4, 4]
