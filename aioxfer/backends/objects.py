@@ -371,12 +371,11 @@ class ObjectRegion(BackendRegion):
         if isinstance(keys, str):
             return await self._stat_one(_check_key(keys))
         ks = [_check_key(k) for k in keys]
-        signed = await self._presign_many(ks, "HEAD")
-        return list(await asyncio.gather(*(self._stat_one(k, signed.get(k)) for k in ks)))
+        return list(await asyncio.gather(*(self._stat_one(k) for k in ks)))
 
-    async def _stat_one(self, key: str, signed: tuple[str, bool] | None = None) -> ObjectStat:
+    async def _stat_one(self, key: str) -> ObjectStat:
         async with self.backend._slots.held():
-            found = await self._head(key, "stat", signed)
+            found = await self._head(key, "stat")
         return found if found is not None else ObjectStat(key, False)
 
     async def delete(self, keys: str | Iterable[str]) -> None:
@@ -384,22 +383,19 @@ class ObjectRegion(BackendRegion):
         a DELETE request per key, with the backend's bounded concurrency."""
         self._check()
         ks = [_check_key(keys)] if isinstance(keys, str) else [_check_key(k) for k in keys]
-        ks = list(dict.fromkeys(ks))
-        signed = await self._presign_many(ks, "DELETE")
         # Every DELETE runs to its end before we report: a plain gather raises
         # the first failure while the others go on retrying, and one landing
         # later (the server back) deleted what the caller was told had failed.
-        done = await asyncio.gather(*(self._delete_one(k, signed.get(k)) for k in ks),
+        done = await asyncio.gather(*(self._delete_one(k) for k in dict.fromkeys(ks)),
                                     return_exceptions=True)
         for r in done:
             if isinstance(r, BaseException):
                 raise r
 
-    async def _delete_one(self, key: str, signed: tuple[str, bool] | None) -> None:
+    async def _delete_one(self, key: str) -> None:
         what = f"delete of object {key!r} in {self.url}"
         async with self.backend._slots.held():
-            await self._signed_request("DELETE", key, what, partial(self._deleted, what),
-                                       signed=signed)
+            await self._signed_request("DELETE", key, what, partial(self._deleted, what))
 
     @staticmethod
     async def _deleted(what: str, resp: aiohttp.ClientResponse, code: str) -> None:
@@ -621,47 +617,11 @@ class ObjectRegion(BackendRegion):
         self._signed[(method, key)] = (url, now + _SIGN_TTL.total_seconds())
         return url, False
 
-    async def _presign_many(
-        self, keys: list[str], method: Literal["HEAD", "DELETE"]
-    ) -> dict[str, tuple[str, bool]]:
-        """Presigned ``method`` URLs of ``keys`` (as _presign: URL, from the
-        cache) for the requests of one stat or delete of many keys: the keys
-        not in the cache are signed in one call to obstore (one hop to its
-        runtime, not one per key: 64 keys 1.5 ms, not 6.4 ms). An
-        error here is left to each key's request, which signs again."""
-        if len(keys) < 2:
-            return {}
-        now = time.monotonic()
-        out: dict[str, tuple[str, bool]] = {}
-        fresh: list[str] = []
-        for k in keys:
-            hit = self._signed.get((method, k))
-            if hit is not None and hit[1] - now > _SIGN_REUSE:
-                out[k] = (hit[0], True)
-            else:
-                fresh.append(k)
-        if fresh:
-            try:
-                urls = await obstore.sign_async(self._store, method, fresh, _SIGN_TTL)
-            except (obx.BaseError, OSError, ValueError, TypeError):
-                return out
-            if len(self._signed) + len(fresh) > _SIGNED_MAX:
-                self._signed.clear()
-            until = now + _SIGN_TTL.total_seconds()
-            for k, url in zip(fresh, urls, strict=True):
-                self._signed[(method, k)] = (str(url), until)
-                out[k] = (str(url), False)
-        return out
-
-    async def _head(
-        self, key: str, doing: str, signed: tuple[str, bool] | None = None
-    ) -> ObjectStat | None:
-        """A HEAD of ``key`` through a presigned URL (``signed``: see
-        _signed_request): its ObjectStat, or None when it does not exist."""
+    async def _head(self, key: str, doing: str) -> ObjectStat | None:
+        """A HEAD of ``key`` through a presigned URL: its ObjectStat, or None
+        when it does not exist."""
         what = f"{doing} of object {key!r} in {self.url}"
-        return await self._signed_request(
-            "HEAD", key, what, partial(self._headed, key, what), signed=signed
-        )
+        return await self._signed_request("HEAD", key, what, partial(self._headed, key, what))
 
     @staticmethod
     async def _headed(
@@ -688,7 +648,6 @@ class ObjectRegion(BackendRegion):
         what: str,
         answer: Callable[[aiohttp.ClientResponse, str], Awaitable[_T]],
         headers: dict[str, str] | None = None,
-        signed: tuple[str, bool] | None = None,
     ) -> _T:
         """A request of ``key`` (GET, HEAD, DELETE) through a presigned URL,
         sent with aiohttp, not obstore: obstore (reqwest) follows a redirect,
@@ -705,9 +664,7 @@ class ObjectRegion(BackendRegion):
         ``answer(resp, code)`` makes the result of any other status
         (``code``: the S3 error code of the body of an answer of 300 or
         more, read unless the request is a HEAD; else ""). Error texts leave
-        the URL's query out (_describe); ``what`` names the request in them.
-        ``signed``: the first attempt's URL and whether it came from the
-        cache, when the caller signed it already (_presign_many)."""
+        the URL's query out (_describe); ``what`` names the request in them."""
         attempts = _Attempts(self._retry, self.backend.note_retry)
         resigned = False
         while True:
@@ -716,10 +673,7 @@ class ObjectRegion(BackendRegion):
             # new one's __context__.
             failed: str
             try:
-                if signed is None:
-                    url, cached = await self._presign(key, method)
-                else:
-                    (url, cached), signed = signed, None
+                url, cached = await self._presign(key, method)
                 # read_until_eof=False for a HEAD: aiohttp's response parser
                 # does not know the request's method, and would otherwise
                 # take an answer without Content-Length (rclone's 404) as a
