@@ -187,9 +187,9 @@ async def test_write_only_credentials_still_write(make_agent: MakeAgent,
 
 async def test_many_keys_signed_at_once_keep_the_403_rule(make_agent: MakeAgent,
                                                           fake_s3: MakeFake) -> None:
-    # stat and delete of many keys sign the keys in one call: a 403 to a URL
-    # just signed so is final (one request a key), one to a URL reused from
-    # the cache signs again once (two).
+    # stat and delete of many keys (a request a key, through the shared
+    # signed-request loop): a 403 to a URL just signed is final (one request
+    # a key), one to a URL reused from the cache signs again once (two).
     from aioxfer.errors import AccessDenied
 
     refuse = [True]
