@@ -215,3 +215,31 @@ async def test_many_keys_signed_at_once_keep_the_403_rule(make_agent: MakeAgent,
         refuse[0] = False  # and a cached URL that works is used as is
         await within(call(keys), 10)
         assert [srv.hits[(method, k)] for k in keys] == [4, 4, 4]
+
+
+async def test_stat_of_many_keys_reports_once_every_head_ended(make_agent: MakeAgent,
+                                                                fake_s3: MakeFake) -> None:
+    # One key refused at once, another answered late: stat raises the
+    # refusal only once the late HEAD is over (it used to raise at once and
+    # leave that request running after the caller had its answer, as
+    # delete did before 02c49c0).
+    import asyncio
+
+    from aioxfer.errors import AccessDenied
+
+    ended: list[str] = []
+
+    async def handle(req: Any) -> Any:
+        key = req.path.rsplit("/", 1)[-1]
+        if key == "slow":
+            await asyncio.sleep(0.5)
+            ended.append(key)
+            return await s3_answer(req)
+        return web.Response(status=403)
+
+    srv = await fake_s3(handle)
+    agent = await make_agent("o")
+    objs = register(agent, srv.endpoint)
+    with pytest.raises(AccessDenied):
+        await within(objs.stat(["denied", "slow"]), 10)
+    assert ended == ["slow"]
