@@ -16,6 +16,12 @@ unless ``--endpoint`` names another (then also ``--bucket``, and credentials
 from the AWS environment variables).
 
     python benchmarks/object_bench.py [--reps 8] [--json]
+
+``--latency``: instead, per-request latency of this build (one process: run
+it under two builds alternately, against one server given by ``--endpoint``,
+for an A/B): a 4 KiB and a 1 MiB GET awaited one at a time, a 4 KiB stat,
+a 24 MiB multipart write (part_size 8 MiB: three parts) and a delete of 64
+keys; the median of ``--reps`` of each, in microseconds, as one JSON line.
 """
 
 from __future__ import annotations
@@ -206,12 +212,55 @@ async def _kv_object_tier(agent: aioxfer.Agent, objs: Any, plain_put: Any, plain
     return row
 
 
+async def latency(endpoint: str, bucket: str, creds: dict[str, str], reps: int
+                  ) -> dict[str, float]:
+    """Median microseconds per operation (see the module docstring)."""
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, t0: float) -> None:
+        times.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
+
+    run = f"lat{os.getpid()}"
+    async with aioxfer.Agent("object-latency") as agent:
+        objs = agent.register_objects(f"s3://{bucket}/{run}", endpoint=endpoint,
+                                      region="us-east-1", **creds)
+        small, big, mpu = agent.alloc(4 * KiB), agent.alloc(MiB), agent.alloc(24 * MiB)
+        mpu.numpy()[:] = 1
+        await agent.write(small[:], objs["small"])
+        await agent.write(big[:], objs["big"])
+        dels = [f"d/{i}" for i in range(64)]
+        for rep in range(-2, reps):  # two warm-up rounds, not counted
+            for _ in range(10):
+                t0 = time.perf_counter()
+                await agent.read(small[:], objs["small"])
+                timed("get_4k", t0)
+            t0 = time.perf_counter()
+            await agent.read(big[:], objs["big"])
+            timed("get_1m", t0)
+            t0 = time.perf_counter()
+            await objs.stat("small")
+            timed("stat", t0)
+            t0 = time.perf_counter()
+            await agent.write(mpu[:], objs["mpu"])
+            timed("mpu_put_24m", t0)
+            await agent.write([small[:]] * len(dels), objs.segments(dels))
+            t0 = time.perf_counter()
+            await objs.delete(dels)
+            timed("delete_64", t0)
+            if rep < 0:
+                times.clear()
+        await objs.delete(["small", "big", "mpu"])
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--endpoint")
     ap.add_argument("--bucket", default="bench")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--latency", action="store_true",
+                    help="per-request latency of this build (one JSON line)")
     args = ap.parse_args()
     proc = None
     tmp = None
@@ -225,6 +274,9 @@ def main() -> None:
         creds = {k: os.environ[v] for k, v in (("access_key_id", "AWS_ACCESS_KEY_ID"),
                                                ("secret_access_key", "AWS_SECRET_ACCESS_KEY"))}
     try:
+        if args.latency:
+            print(json.dumps(asyncio.run(latency(endpoint, bucket, creds, args.reps))))
+            return
         rows = asyncio.run(bench(endpoint, bucket, creds, args.reps))
     finally:
         if proc is not None:

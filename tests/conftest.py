@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import email.utils
 import hashlib
 import multiprocessing as mp
 import os
@@ -741,3 +742,133 @@ def sigstop(pid: int) -> None:
             return
         assert time.monotonic() < deadline, f"pid {pid} not stopped: {states}"
         time.sleep(0.001)
+
+
+# --------------------------------------------------------------- fake S3 endpoints
+# Hostile or scripted S3 endpoints for the object backend's tests (redirects,
+# odd answers, credentials that must go nowhere): aiohttp servers on
+# loopback. aiohttp is an optional dependency (the "objects" extra): it is
+# imported when a server starts, and the tests that use one importorskip it.
+
+_S3_NOW = email.utils.formatdate(usegmt=True)
+
+
+def s3_stage(req: Any) -> str:
+    """Which request of an S3 operation ``req`` (an aiohttp request) is:
+    head, get, put, delete, bulk_delete, create_mpu, upload_part,
+    complete_mpu, abort, or "other <METHOD>"."""
+    q = req.query
+    if req.method == "HEAD":
+        return "head"
+    if req.method == "GET":
+        return "get"
+    if req.method == "POST" and "delete" in q:
+        return "bulk_delete"
+    if req.method == "DELETE" and "uploadId" in q:
+        return "abort"
+    if req.method == "DELETE":
+        return "delete"
+    if req.method == "POST" and "uploads" in q:
+        return "create_mpu"
+    if req.method == "PUT" and "partNumber" in q:
+        return "upload_part"
+    if req.method == "POST" and "uploadId" in q:
+        return "complete_mpu"
+    if req.method == "PUT":
+        return "put"
+    return f"other {req.method}"
+
+
+async def s3_answer(req: Any, size: int = 4096) -> Any:
+    """What a willing S3 server answers ``req`` (no signature checked, nothing
+    stored): every object exists with ``size`` zero bytes."""
+    from aiohttp import web
+
+    await req.read()
+    what = s3_stage(req)
+    meta = {"ETag": '"0123456789abcdef0123456789abcdef"', "Last-Modified": _S3_NOW}
+    if what == "head":
+        return web.Response(headers={**meta, "Content-Length": str(size)})
+    if what == "get":
+        rng = req.headers.get("Range")
+        if rng:
+            a, b = (int(x) for x in rng.split("=")[1].split("-"))
+            return web.Response(status=206, body=bytes(b - a + 1), headers={
+                **meta, "Content-Range": f"bytes {a}-{b}/{size}"})
+        return web.Response(body=bytes(size), headers=meta)
+    if what == "bulk_delete":
+        return web.Response(content_type="application/xml", text=(
+            '<?xml version="1.0" encoding="UTF-8"?>'
+            '<DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"></DeleteResult>'))
+    if what == "create_mpu":
+        return web.Response(content_type="application/xml", text=(
+            '<?xml version="1.0" encoding="UTF-8"?><InitiateMultipartUploadResult>'
+            "<Bucket>bkt</Bucket><Key>pre/k</Key><UploadId>UP1</UploadId>"
+            "</InitiateMultipartUploadResult>"))
+    if what == "complete_mpu":
+        return web.Response(content_type="application/xml", text=(
+            '<?xml version="1.0" encoding="UTF-8"?><CompleteMultipartUploadResult>'
+            '<Bucket>bkt</Bucket><Key>pre/k</Key><ETag>"e-2"</ETag>'
+            "</CompleteMultipartUploadResult>"))
+    if what in ("delete", "abort"):
+        return web.Response(status=204)
+    return web.Response(headers=meta)  # put, upload_part
+
+
+class FakeS3:
+    """An aiohttp server on loopback in the place of an S3 endpoint (or of
+    the host a redirect points at): ``handler(request)`` answers every
+    request (it may be replaced while the server runs). Each request is
+    recorded: ``hits[(method, last path segment)]`` counts them, ``seen``
+    lists (s3_stage, path and query, headers) in arrival order."""
+
+    def __init__(self, handler: Callable[[Any], Awaitable[Any]]) -> None:
+        self.handler = handler
+        self.hits: dict[tuple[str, str], int] = {}
+        self.seen: list[tuple[str, str, dict[str, str]]] = []
+        self.runner: Any = None
+        self.port = 0
+
+    async def _handle(self, req: Any) -> Any:
+        key = (req.method, req.path.rsplit("/", 1)[-1])
+        self.hits[key] = self.hits.get(key, 0) + 1
+        self.seen.append((s3_stage(req), req.path_qs, dict(req.headers)))
+        return await self.handler(req)
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)  # multipart parts
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def aclose(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+async def fake_s3() -> AsyncIterator[Callable[[Callable[[Any], Awaitable[Any]]],
+                                              Awaitable[FakeS3]]]:
+    """Factory: ``await fake_s3(handler)``, a started FakeS3; closed at teardown."""
+    made: list[FakeS3] = []
+
+    async def make(handler: Callable[[Any], Awaitable[Any]]) -> FakeS3:
+        f = FakeS3(handler)
+        made.append(f)
+        await f.start()
+        return f
+
+    try:
+        yield make
+    finally:
+        for f in reversed(made):
+            await f.aclose()

@@ -3,9 +3,9 @@ and no log line, signed GETs follow no redirect, a 403 to a cached URL signs
 again once, short chunked reads are a size mismatch, '.'/'..' keys are
 refused up front, a cancelled multipart write leaves no upload open.
 
-The hostile endpoints are aiohttp servers (or a bare listener) on loopback
-started by each test; the multipart test runs against real ``rclone serve
-s3`` (tests/s3server.py) and lists uploads with boto3."""
+The hostile endpoints are aiohttp servers on loopback (conftest's fake_s3)
+or a bare listener, started by each test; the multipart test runs against
+real ``rclone serve s3`` (tests/s3server.py) and lists uploads with boto3."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import email.utils
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -55,55 +55,6 @@ def assert_clean(texts: list[str]) -> None:
     for text in texts:
         for secret in SECRETS:
             assert secret not in text, f"{secret!r} in {text!r}"
-
-
-class Fake:
-    """An aiohttp server on loopback; ``handler(request, hits)`` answers,
-    ``hits[key]`` counts the requests per (method, last path segment)."""
-
-    def __init__(self, handler: Callable[[Any, dict[tuple[str, str], int]], Awaitable[Any]]):
-        self.handler = handler
-        self.hits: dict[tuple[str, str], int] = {}
-        self.queries: list[str] = []
-        self.runner: Any = None
-        self.port = 0
-
-    async def _handle(self, req: Any) -> Any:
-        key = (req.method, req.path.rsplit("/", 1)[-1])
-        self.hits[key] = self.hits.get(key, 0) + 1
-        self.queries.append(req.query_string)
-        return await self.handler(req, self.hits)
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def aclose(self) -> None:
-        await self.runner.cleanup()
-
-
-@pytest.fixture
-async def fakes() -> AsyncIterator[Callable[..., Awaitable[Fake]]]:
-    made: list[Fake] = []
-
-    async def make(handler: Any) -> Fake:
-        f = Fake(handler)
-        await f.start()
-        made.append(f)
-        return f
-
-    yield make
-    for f in made:
-        await f.aclose()
 
 
 @pytest.fixture
@@ -162,18 +113,18 @@ async def test_connect_timeout_leaks_no_credentials(make_agent: MakeAgent,
         ls.close()
 
 
-async def test_redirect_not_followed_nor_leaked(make_agent: MakeAgent, fakes: Any,
+async def test_redirect_not_followed_nor_leaked(make_agent: MakeAgent, fake_s3: Any,
                                                 logs: Callable[[], list[str]]) -> None:
-    other = await fakes(lambda req, hits: _ok(req, 4096))  # where a redirect points
+    other = await fake_s3(lambda req: _ok(req, 4096))  # where a redirect points
 
-    async def handle(req: Any, hits: dict[tuple[str, str], int]) -> Any:
+    async def handle(req: Any) -> Any:
         key = req.path.rsplit("/", 1)[-1]
         if key == "loop":  # to itself, query and all (aiohttp follows 10)
             raise web.HTTPTemporaryRedirect(location=str(req.url))
         # elsewhere, with the signed query: the credentials would go along
         raise web.HTTPTemporaryRedirect(location=f"{other.endpoint}{req.path_qs}")
 
-    fake = await fakes(handle)
+    fake = await fake_s3(handle)
     agent = await make_agent("o")
     objs = register(agent, fake.endpoint, max_retries=4, retry_timeout=10.0)
     dst = agent.alloc(4096)
@@ -194,7 +145,7 @@ async def _ok(req: Any, size: int) -> Any:
                                             "Last-Modified": email.utils.formatdate(usegmt=True)})
 
 
-async def test_kv_probe_log_leaks_no_credentials(make_agent: MakeAgent, fakes: Any,
+async def test_kv_probe_log_leaks_no_credentials(make_agent: MakeAgent, fake_s3: Any,
                                                  logs: Callable[[], list[str]]) -> None:
     # The KV object tier logs a failed probe (kv.object_probe_failed, with
     # the error's repr): a HEAD finds the block, the GET of its trailer is
@@ -203,14 +154,14 @@ async def test_kv_probe_log_leaks_no_credentials(make_agent: MakeAgent, fakes: A
     from aioxfer.kv.objects import TRAILER
     bb = 4096
 
-    async def handle(req: Any, hits: dict[tuple[str, str], int]) -> Any:
+    async def handle(req: Any) -> Any:
         if req.method == "HEAD":
             return web.Response(headers={
                 "Content-Length": str(bb + TRAILER), "ETag": '"e"',
                 "Last-Modified": email.utils.formatdate(usegmt=True)})
         raise web.HTTPTemporaryRedirect(location=str(req.url))
 
-    fake = await fakes(handle)
+    fake = await fake_s3(handle)
     agent = await make_agent("kv")
     objs = register(agent, fake.endpoint, max_retries=1, retry_timeout=3.0)
     tier = kv.ObjectTier(objs)
@@ -226,21 +177,21 @@ async def test_kv_probe_log_leaks_no_credentials(make_agent: MakeAgent, fakes: A
     assert_clean(lines)
 
 
-async def test_403_on_cached_url_signs_again_once(make_agent: MakeAgent, fakes: Any) -> None:
+async def test_403_on_cached_url_signs_again_once(make_agent: MakeAgent, fake_s3: Any) -> None:
     # The server accepts only URLs signed at or after ``cutoff`` (as after a
     # credential rotation): a URL from the signer's cache made before then
     # is answered 403. The signer is obstore's own, not replaced.
     cutoff = [""]
     dates: list[str] = []
 
-    async def handle(req: Any, hits: dict[tuple[str, str], int]) -> Any:
+    async def handle(req: Any) -> Any:
         date = req.query.get("X-Amz-Date", "")
         dates.append(date)
         if date < cutoff[0] or req.path.endswith("/never"):
             return web.Response(status=403, text="<Error><Code>AccessDenied</Code></Error>")
         return await _ok(req, 4096)
 
-    fake = await fakes(handle)
+    fake = await fake_s3(handle)
     agent = await make_agent("o")
     objs = register(agent, fake.endpoint, max_retries=0)
     dst = agent.alloc(4096)
@@ -264,8 +215,8 @@ async def test_403_on_cached_url_signs_again_once(make_agent: MakeAgent, fakes: 
     assert fake.hits[("GET", "k")] == 6
 
 
-async def test_short_chunked_read_is_size_mismatch(make_agent: MakeAgent, fakes: Any) -> None:
-    async def handle(req: Any, hits: dict[tuple[str, str], int]) -> Any:
+async def test_short_chunked_read_is_size_mismatch(make_agent: MakeAgent, fake_s3: Any) -> None:
+    async def handle(req: Any) -> Any:
         # the object is 1000 bytes, sent chunked (no Content-Length)
         resp = web.StreamResponse(status=200)
         resp.enable_chunked_encoding()
@@ -274,7 +225,7 @@ async def test_short_chunked_read_is_size_mismatch(make_agent: MakeAgent, fakes:
         await resp.write_eof()
         return resp
 
-    fake = await fakes(handle)
+    fake = await fake_s3(handle)
     agent = await make_agent("o")
     objs = register(agent, fake.endpoint, max_retries=4, retry_timeout=10.0)
     dst = agent.alloc(4096)

@@ -15,12 +15,12 @@ none with the token, a signature or an Authorization header).
 
 from __future__ import annotations
 
-import email.utils
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from conftest import within
+from conftest import FakeS3, s3_answer, within
+from conftest import s3_stage as stage
 
 from aioxfer.errors import XferError
 
@@ -32,100 +32,16 @@ MiB = 1 << 20
 TOKEN = "SESSION-TOKEN-SECRET-obj18b"
 CREDS = dict(access_key_id="AKIDOBJ18BEXAMPLE", secret_access_key="SECRETKEY-obj18b",
              session_token=TOKEN, region="us-east-1")
-_NOW = email.utils.formatdate(usegmt=True)
-
-
-def stage(req: Any) -> str:
-    """Which request of an operation ``req`` is."""
-    q = req.query
-    if req.method == "HEAD":
-        return "head"
-    if req.method == "GET":
-        return "get"
-    if req.method == "POST" and "delete" in q:
-        return "bulk_delete"
-    if req.method == "DELETE" and "uploadId" in q:
-        return "abort"
-    if req.method == "DELETE":
-        return "delete"
-    if req.method == "POST" and "uploads" in q:
-        return "create_mpu"
-    if req.method == "PUT" and "partNumber" in q:
-        return "upload_part"
-    if req.method == "POST" and "uploadId" in q:
-        return "complete_mpu"
-    if req.method == "PUT":
-        return "put"
-    return f"other {req.method}"
-
-
-async def s3_answer(req: Any, size: int = 4096) -> Any:
-    """What a willing S3 server answers (no checks of any signature)."""
-    await req.read()
-    what = stage(req)
-    meta = {"ETag": '"0123456789abcdef0123456789abcdef"', "Last-Modified": _NOW}
-    if what == "head":
-        return web.Response(headers={**meta, "Content-Length": str(size)})
-    if what == "get":
-        rng = req.headers.get("Range")
-        if rng:
-            a, b = (int(x) for x in rng.split("=")[1].split("-"))
-            return web.Response(status=206, body=bytes(b - a + 1), headers={
-                **meta, "Content-Range": f"bytes {a}-{b}/{size}"})
-        return web.Response(body=bytes(size), headers=meta)
-    if what == "bulk_delete":
-        return web.Response(content_type="application/xml", text=(
-            '<?xml version="1.0" encoding="UTF-8"?>'
-            '<DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"></DeleteResult>'))
-    if what == "create_mpu":
-        return web.Response(content_type="application/xml", text=(
-            '<?xml version="1.0" encoding="UTF-8"?><InitiateMultipartUploadResult>'
-            "<Bucket>bkt</Bucket><Key>pre/k</Key><UploadId>UP1</UploadId>"
-            "</InitiateMultipartUploadResult>"))
-    if what == "complete_mpu":
-        return web.Response(content_type="application/xml", text=(
-            '<?xml version="1.0" encoding="UTF-8"?><CompleteMultipartUploadResult>'
-            '<Bucket>bkt</Bucket><Key>pre/k</Key><ETag>"e-2"</ETag>'
-            "</CompleteMultipartUploadResult>"))
-    if what in ("delete", "abort"):
-        return web.Response(status=204)
-    return web.Response(headers=meta)  # put, upload_part
-
-
-class Server:
-    def __init__(self, handler: Callable[[Any], Awaitable[Any]]) -> None:
-        self.handler = handler
-        self.seen: list[tuple[str, str, dict[str, str]]] = []
-        self.runner: Any = None
-        self.port = 0
-
-    async def _handle(self, req: Any) -> Any:
-        self.seen.append((stage(req), req.path_qs, dict(req.headers)))
-        return await self.handler(req)
-
-    async def start(self) -> None:
-        app = web.Application(client_max_size=64 * MiB)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
 @pytest.fixture
-async def pair() -> AsyncIterator[Callable[[set[str]], Awaitable[tuple[Server, Server]]]]:
+def pair(fake_s3: Callable[..., Awaitable[FakeS3]]
+         ) -> Callable[[set[str]], Awaitable[tuple[FakeS3, FakeS3]]]:
     """``await pair(stages)``: (first, other); the first redirects the
     requests of ``stages`` to ``other`` and answers the rest itself."""
-    made: list[Server] = []
 
-    async def make(redirected: set[str]) -> tuple[Server, Server]:
-        other = Server(s3_answer)
-        await other.start()
+    async def make(redirected: set[str]) -> tuple[FakeS3, FakeS3]:
+        other = await fake_s3(s3_answer)
 
         async def first(req: Any) -> Any:
             if stage(req) in redirected:
@@ -136,17 +52,12 @@ async def pair() -> AsyncIterator[Callable[[set[str]], Awaitable[tuple[Server, S
                     location=f"http://localhost:{other.port}{req.path_qs}")
             return await s3_answer(req)
 
-        srv = Server(first)
-        await srv.start()
-        made.extend((other, srv))
-        return srv, other
+        return await fake_s3(first), other
 
-    yield make
-    for s in made:
-        await s.runner.cleanup()
+    return make
 
 
-def leaked(other: Server) -> list[str]:
+def leaked(other: FakeS3) -> list[str]:
     """The requests ``other`` saw, each with what it carried of the credentials."""
     out = []
     for what, path_qs, headers in other.seen:

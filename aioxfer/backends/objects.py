@@ -30,7 +30,14 @@ and a multipart upload's part PUTs are not followed by obstore. Left: the
 create, complete and abort requests of a multipart upload (objects above
 ``part_size``) still go through obstore and follow a redirect (obstore
 0.12 has no option against it and presigns no URL with a query such as
-``?uploads``; tests/test_obj18b_redirects.py, xfail).
+``?uploads``; tests/test_obj18b_redirects.py, xfail). So that a redirected
+complete answered by another host is not taken for a written object, a
+multipart write ends with a HEAD of the key (presigned, no redirect): the
+object must be there with the written size (and the e-tag the complete
+answered, where the store's e-tags compare), else the write fails
+(ObjectRegion._check_completed). Its cost: one HEAD per object of more than
+``part_size`` bytes (a metadata lookup on AWS S3; rclone serve s3 hashes the
+object's file to answer the first HEAD after a write: 24 MiB took 47 ms).
 
 Failures are typed: a missing key (or bucket) is ObjectNotFound, bad
 credentials AccessDenied, a conditional create of an existing key
@@ -84,6 +91,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from urllib.parse import urlsplit
 
@@ -366,7 +374,16 @@ class ObjectRegion(BackendRegion):
         if isinstance(keys, str):
             return await self._stat_one(_check_key(keys))
         ks = [_check_key(k) for k in keys]
-        return list(await asyncio.gather(*(self._stat_one(k) for k in ks)))
+        # Every HEAD runs to its end before we report (as delete's DELETEs):
+        # a plain gather raises the first failure while the others go on
+        # (retrying, signing again) after the caller was answered.
+        done = await asyncio.gather(*(self._stat_one(k) for k in ks), return_exceptions=True)
+        out: list[ObjectStat] = []
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
+            out.append(r)
+        return out
 
     async def _stat_one(self, key: str) -> ObjectStat:
         async with self.backend._slots.held():
@@ -388,11 +405,12 @@ class ObjectRegion(BackendRegion):
                 raise r
 
     async def _delete_one(self, key: str) -> None:
+        what = f"delete of object {key!r} in {self.url}"
         async with self.backend._slots.held():
-            await self._signed_request("DELETE", key, "delete", self._deleted)
+            await self._signed_request("DELETE", key, what, partial(self._deleted, what))
 
     @staticmethod
-    def _deleted(resp: aiohttp.ClientResponse, key: str, what: str, code: str) -> None:
+    async def _deleted(what: str, resp: aiohttp.ClientResponse, code: str) -> None:
         if resp.status == 404 and code == "NoSuchBucket":
             raise ObjectNotFound(f"{what}: no such bucket ({code})")
         # 200, 204; a 404 of the key: gone, as asked
@@ -440,16 +458,60 @@ class ObjectRegion(BackendRegion):
         them). The cost: a cancelled write of more than ``part_size`` bytes
         raises CancelledError only once its upload is over, up to the time of
         the whole upload (each request bounded by ``read_timeout`` and the
-        retry budget), and its object may then be written."""
+        retry budget), and its object may then be written. A multipart
+        upload reported complete is then checked with a HEAD
+        (_check_completed)."""
         mode: Literal["create"] | None = "create" if seg.create else None
         owned = src.nbytes <= OWNED_MAX
         body = bytes(src) if owned else src
         if src.nbytes <= self._part_size:
             await self._put_single(body, seg, mode, owned)
             return
-        await self._upload(False, self._obstore("write", seg.key, obstore.put_async(
+        done = await self._upload(False, self._obstore("write", seg.key, obstore.put_async(
             self._store, seg.key, body, mode=mode, chunk_size=self._part_size,
             max_concurrency=4)))
+        await self._check_completed(seg.key, src.nbytes, done.get("e_tag"))
+
+    async def _check_completed(self, key: str, size: int, e_tag: str | None) -> None:
+        """After a multipart upload obstore reported complete: a HEAD of
+        ``key`` (presigned, following no redirect: _signed_request) must find
+        the object with ``size`` bytes and the e-tag the complete answered
+        (when both sides have one of one kind), else XferError. obstore follows a
+        redirect of the upload's create, complete and abort requests (to
+        another host too, with the session token: tests/test_obj18b_redirects.py),
+        and takes that host's answer: a complete redirected there "succeeds"
+        while the store never completed the upload (the object absent, or an
+        older one). One HEAD per object of more than ``part_size`` bytes.
+        Credentials allowed to write but not to read (the HEAD refused,
+        AccessDenied) cannot check: the write counts as done, as obstore
+        said. A failure of the HEAD itself (TransportError) fails the write:
+        its outcome is not known. Another writer's PUT of the same key landing
+        between the complete and the HEAD reads as a mismatch too (the
+        caller's object is then not there anyway)."""
+        what = f"multipart write of object {key!r} in {self.url}"
+        try:
+            found = await self._head(key, "check of the multipart write")
+        except AccessDenied:
+            return
+        if found is None:
+            raise XferError(
+                f"{what}: the upload was answered as complete, but the store has no such "
+                f"object (was the complete redirected to another host?)"
+            )
+        if found.size != size:
+            raise XferError(
+                f"{what}: the upload of {size} bytes was answered as complete, but the "
+                f"store holds {found.size} bytes under the key"
+            )
+        want, got = _etag(e_tag), _etag(found.e_tag)
+        # Compared only when both are of one kind: rclone answers the complete
+        # with a multipart e-tag (MD5 of the parts' MD5s, "-<parts>") and a
+        # HEAD with the MD5 of the whole object.
+        if want and got and ("-" in want) == ("-" in got) and want != got:
+            raise XferError(
+                f"{what}: the upload was answered as complete with e-tag {want}, but the "
+                f"store's object has {got}"
+            )
 
     async def _upload(self, owned: bool, call: Awaitable[Any]) -> Any:
         """Awaits an upload; one not ``owned`` (from the caller's buffer, or
@@ -570,11 +632,12 @@ class ObjectRegion(BackendRegion):
     async def _head(self, key: str, doing: str) -> ObjectStat | None:
         """A HEAD of ``key`` through a presigned URL: its ObjectStat, or None
         when it does not exist."""
-        return await self._signed_request("HEAD", key, doing, self._headed)
+        what = f"{doing} of object {key!r} in {self.url}"
+        return await self._signed_request("HEAD", key, what, partial(self._headed, key, what))
 
     @staticmethod
-    def _headed(
-        resp: aiohttp.ClientResponse, key: str, what: str, code: str
+    async def _headed(
+        key: str, what: str, resp: aiohttp.ClientResponse, code: str
     ) -> ObjectStat | None:
         if resp.status == 404:
             return None
@@ -592,26 +655,35 @@ class ObjectRegion(BackendRegion):
 
     async def _signed_request(
         self,
-        method: Literal["HEAD", "DELETE"],
+        method: Literal["GET", "HEAD", "DELETE"],
         key: str,
-        doing: str,
-        answer: Callable[[aiohttp.ClientResponse, str, str, str], _T],
+        what: str,
+        answer: Callable[[aiohttp.ClientResponse, str], Awaitable[_T]],
+        headers: dict[str, str] | None = None,
     ) -> _T:
-        """A bodiless request of ``key`` (HEAD, DELETE) through a presigned
-        URL, sent with aiohttp, not obstore: obstore (reqwest) follows a
-        redirect, to another host too, and there sends the session token
+        """A request of ``key`` (GET, HEAD, DELETE) through a presigned URL,
+        sent with aiohttp, not obstore: obstore (reqwest) follows a redirect,
+        to another host too, and there sends the session token
         (``x-amz-security-token``; it drops only Authorization) and takes its
         answer (a HEAD found, a DELETE done, at a host that is not the
-        store). Here a 3xx fails the request, as for reads (_get). Retried as
-        reads are (5xx, 429, 408, a connection error or timeout), within the
-        region's retry budget; a 403 to a cached URL signs again, once.
-        ``answer(resp, key, what, code)`` makes the result of any other status
-        than those (``code``: the S3 error code in the body, if any)."""
-        what = f"{doing} of object {key!r} in {self.url}"
+        store). Redirects are not followed (a 3xx fails the request): the URL
+        carries its credentials in its query, and a redirect would hand them,
+        or a loop of requests, to wherever it points. Retried (5xx, 429, 408,
+        a connection error or timeout, a _Transient raised by ``answer``)
+        within the region's retry budget. A 401 or 403 is AccessDenied; to a
+        URL from the cache (signed up to _SIGN_TTL ago, with credentials
+        since rotated) it drops the URL and signs again, once, first.
+        ``answer(resp, code)`` makes the result of any other status
+        (``code``: the S3 error code of the body of an answer of 300 or
+        more, read unless the request is a HEAD; else ""). Error texts leave
+        the URL's query out (_describe); ``what`` names the request in them."""
         attempts = _Attempts(self._retry, self.backend.note_retry)
         resigned = False
         while True:
-            failed: str  # raised outside the except clause, as in _get
+            # The error is raised outside the except clause: aiohttp's
+            # exception (whose text may hold the URL) is then not even the
+            # new one's __context__.
+            failed: str
             try:
                 url, cached = await self._presign(key, method)
                 # read_until_eof=False for a HEAD: aiohttp's response parser
@@ -619,7 +691,8 @@ class ObjectRegion(BackendRegion):
                 # take an answer without Content-Length (rclone's 404) as a
                 # body read to EOF: the connection closed, a new one per miss.
                 async with self._http().request(
-                    method, url, allow_redirects=False, read_until_eof=method != "HEAD"
+                    method, url, headers=headers, allow_redirects=False,
+                    read_until_eof=method != "HEAD",
                 ) as resp:
                     status = resp.status
                     code = ""
@@ -632,7 +705,7 @@ class ObjectRegion(BackendRegion):
                         raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
                     if 300 <= status < 400:
                         raise _redirected(what, status, resp)
-                    return answer(resp, key, what, code)
+                    return await answer(resp, code)
             except AccessDenied:
                 if not cached or resigned:
                     raise
@@ -663,66 +736,39 @@ class ObjectRegion(BackendRegion):
         return session
 
     async def _get(self, dst: memoryview, seg: ObjectSegment) -> None:
-        """A GET of ``seg`` through a presigned URL, straight into ``dst``.
-        Redirects are not followed (a 3xx fails the read): the URL carries
-        its credentials in its query, and a redirect would hand them, or a
-        loop of requests, to wherever it points. A 403 to a URL from the
-        cache (signed up to _SIGN_TTL ago, with credentials since rotated)
-        drops it and signs again, once, before it is AccessDenied. Error
-        texts leave the URL's query out (_describe)."""
+        """A GET of ``seg`` through a presigned URL (_signed_request: no
+        redirect followed, retries, a 403 to a cached URL signs again once),
+        straight into ``dst``."""
         n = len(dst)
         ranged = not seg.whole
         headers = {"Range": f"bytes={seg.offset}-{seg.offset + n - 1}"} if ranged else None
-        attempts = _Attempts(self._retry, self.backend.note_retry)
-        resigned = False
-        cached = False
-        while True:
-            # The error is raised outside the except clause: aiohttp's
-            # exception (whose text may hold the URL) is then not even the
-            # new one's __context__.
-            failed: str
-            try:
-                url, cached = await self._presign(seg.key)
-                async with self._http().get(
-                    url, headers=headers, allow_redirects=False
-                ) as resp:
-                    await self._receive(resp, dst, seg, ranged)
-                return
-            except AccessDenied:
-                if not cached or resigned:
-                    raise
-                resigned = True
-                self._signed.pop(("GET", seg.key), None)
-                continue
-            except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
-                failed = _describe(exc)
-            if not await attempts.another():
-                raise TransportError(
-                    f"read of object {seg.key!r} from {self.url} failed after "
-                    f"{attempts.made} attempts: {failed}"
-                )
+        what = f"read of object {seg.key!r} from {self.url}"
+        await self._signed_request(
+            "GET", seg.key, what, partial(self._receive, dst, seg, ranged, what), headers
+        )
 
     async def _receive(
-        self, resp: aiohttp.ClientResponse, dst: memoryview, seg: ObjectSegment, ranged: bool
+        self,
+        dst: memoryview,
+        seg: ObjectSegment,
+        ranged: bool,
+        what: str,
+        resp: aiohttp.ClientResponse,
+        code: str,
     ) -> None:
         n = len(dst)
         status = resp.status
         if status not in (200, 206):
-            body = (await resp.content.read(4096)).decode("utf-8", "replace")
-            code = _xml_code(body)
-            if status in _TRANSIENT_HTTP:
-                raise _Transient(f"HTTP {status} {code}".strip())
-            what = f"read of object {seg.key!r} from {self.url}"
+            # (_signed_request answered the transient, 401/403 and 3xx ones)
+            if status < 300:  # its body not read for a code there
+                body = (await resp.content.read(4096)).decode("utf-8", "replace")
+                code = _xml_code(body)
             if status == 404:
                 raise ObjectNotFound(f"{what}: no such key ({code or 'HTTP 404'})")
-            if status in (401, 403):
-                raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
             if status == 416:
                 raise XferError(
                     f"{what}: bytes [{seg.offset}:{seg.offset + n}] are past the object's end"
                 )
-            if 300 <= status < 400:
-                raise _redirected(what, status, resp)
             raise XferError(f"{what}: HTTP {status} {code}".rstrip())
         length = resp.content_length
         if ranged:
@@ -835,6 +881,14 @@ def _redirected(what: str, status: int, resp: aiohttp.ClientResponse) -> XferErr
         f"{what}: the server redirected (HTTP {status}{to}) a signed request; "
         f"redirects are not followed (is the endpoint or region right?)"
     )
+
+
+def _etag(e_tag: str | None) -> str:
+    """An e-tag as compared: without its quotes and weak marker, lower case."""
+    e = (e_tag or "").strip()
+    if e.startswith("W/"):
+        e = e[2:]
+    return e.strip('"').lower()
 
 
 class _Transient(Exception):
