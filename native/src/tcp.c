@@ -345,9 +345,13 @@ static uint64_t tcp_chunk(axf_engine *e, const op *o)
      * one socket while the peer's polling receiver copies it out (NIXL's
      * and tcp_floor's shape, two threads busy on two vCPUs), where the
      * halves kept four threads (two senders, two receivers) on them.
-     * Measured (1 MiB WRITEs one at a time, interleaved): whole 1.54x the
-     * halves under bbr (7/8 pairs), 1.42x under reno alone; READ's halves
-     * stay (whole 0.96x, the halves under reno 1.13x). */
+     * Measured (1 MiB WRITEs awaited one at a time through Python,
+     * benchmarks/tcp14_timeline.py, interleaved, medians of per-pair
+     * ratios, 2 vCPUs): reno and whole 1.54x main (7/8 pairs), the wheels
+     * 1.53x (8/8: 4.36 -> 6.86 GB/s, CPU per GB 0.39 -> 0.29; NIXL-tcp 6.15
+     * in the same rounds), reno with halves 1.08x; whole under bbr lost, as
+     * tcp13 found. READ keeps its halves (whole under reno 0.96x main, the
+     * halves under reno 1.13x). */
     if (live < 2 || (o->opcode == AXF_OP_WRITE && o->d[0].len <= WHOLE_MAX && loop == live))
         return chunk;
     return (o->d[0].len / 2 + 4095) & ~(uint64_t)4095;
