@@ -945,7 +945,10 @@ static bool addr_local(const struct sockaddr_storage *a, const struct sockaddr_s
  * interleaved, medians of per-pair ratios): reno alone 1.08x (8/10 pairs
  * better) and 1.09x, CPU per GB 0.35 -> 0.26; with the request whole on
  * one connection (tcp.c tcp_chunk) 1.54x (7/8), 1.10x NIXL-tcp in the same
- * rounds, where the whole frame under bbr lost (0.76x, as tcp13 found).
+ * rounds, where the whole frame under bbr lost (as tcp13 found). Wheels
+ * against main's, 8 pairs each: 1.53x (8/8) and 1.30x (7/8), NIXL-tcp
+ * 1.12x and 1.02x in the same rounds; 16 MiB WRITE 1.48x, READ 1.54x
+ * (4/4); 4 KiB, 64 KiB, 1 MiB READ within noise.
  * Reno is the one the kernel lets any process choose (the others may need
  * CAP_NET_ADMIN or tcp_allowed_congestion_control). Other routes keep the
  * system's choice. true: set. */
