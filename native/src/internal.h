@@ -303,6 +303,10 @@ typedef struct conn {
     atomic_int rx_hold;
     atomic_ullong help_us;
     struct conn *next_all;
+    /* tcp19: a TCP connection through the loopback device whose congestion
+     * control conn_open set to e->tcp_loop_cc (set before it is used, read
+     * only after): tcp.c sends a lone 1 MiB WRITE on it whole. */
+    bool loop_cc;
 } conn;
 
 
@@ -374,6 +378,10 @@ struct axf_engine {
      * the benchmarks' (frames that went spliced, frames that fell back to the
      * copy after a failed vmsplice or pipe, pipes open now). */
     uint64_t splice_min, splice_max, splice_req_max; /* req_max: the request's total */
+    /* tcp19: the congestion control of TCP connections through the loopback
+     * device (conn.c conn_open; "" leaves the system's). Set once by the tcp
+     * transport's enable from AIOXFER_TCP_LOOPBACK_CC (tcp.c tcp_enable). */
+    char tcp_loop_cc[16];
     atomic_ullong spliced_frames, spliced_bytes, splice_fallbacks;
     atomic_int splice_pipes;
     /* Refused accesses (conn.c refused_access): when the last was logged

@@ -11,6 +11,7 @@
 /* A lone request of one descriptor at least this large (up to chunk_bytes)
  * goes as two halves on two connections (tcp_chunk). */
 #define SPLIT_MIN (1u << 20)
+#define WHOLE_MAX (1u << 20) /* tcp_chunk: the lone WRITEs measured whole (tcp19) */
 
 /* An endpoint's (endpoint->priv): chunks are striped over its live
  * connections by this schedule (slot -> connection index), weighted by each
@@ -333,10 +334,25 @@ static uint64_t tcp_chunk(axf_engine *e, const op *o)
     if (o->n != 1 || o->d[0].len < SPLIT_MIN || o->d[0].len > chunk ||
         atomic_load(&o->ep->ops_alive) > 1)
         return chunk;
-    int live = 0;
+    int live = 0, loop = 0;
     for (int i = 0; i < o->ep->nconns; i++)
-        live += !atomic_load(&o->ep->conns[i]->down);
-    if (live < 2)
+        if (!atomic_load(&o->ep->conns[i]->down)) {
+            live++;
+            loop += o->ep->conns[i]->loop_cc;
+        }
+    /* tcp19: a WRITE up to WHOLE_MAX over connections without bbr's pacing
+     * (conn.c loop_cc_set) goes whole: the posting thread copies it into
+     * one socket while the peer's polling receiver copies it out (NIXL's
+     * and tcp_floor's shape, two threads busy on two vCPUs), where the
+     * halves kept four threads (two senders, two receivers) on them.
+     * Measured (1 MiB WRITEs awaited one at a time through Python,
+     * benchmarks/tcp14_timeline.py, interleaved, medians of per-pair
+     * ratios, 2 vCPUs): reno and whole 1.54x main (7/8 pairs), the wheels
+     * 1.53x (8/8: 4.36 -> 6.86 GB/s, CPU per GB 0.39 -> 0.29; NIXL-tcp 6.15
+     * in the same rounds), reno with halves 1.08x; whole under bbr lost, as
+     * tcp13 found. READ keeps its halves (whole under reno 0.96x main, the
+     * halves under reno 1.13x). */
+    if (live < 2 || (o->opcode == AXF_OP_WRITE && o->d[0].len <= WHOLE_MAX && loop == live))
         return chunk;
     return (o->d[0].len / 2 + 4095) & ~(uint64_t)4095;
 }
@@ -609,6 +625,13 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
 #define SPLICE_REQ_MAX_DEFAULT (512u << 10)
 static int tcp_enable(axf_engine *e)
 {
+    /* conn.c loop_cc_set: "reno" by default; "" or "0" leave the system's. */
+    const char *cc = getenv("AIOXFER_TCP_LOOPBACK_CC");
+    if (!cc)
+        cc = "reno";
+    if (strcmp(cc, "0") == 0 || strlen(cc) >= sizeof e->tcp_loop_cc)
+        cc = "";
+    memcpy(e->tcp_loop_cc, cc, strlen(cc) + 1);
     e->splice_min = SPLICE_MIN_DEFAULT;
     e->splice_max = SPLICE_MAX_DEFAULT;
     e->splice_req_max = SPLICE_REQ_MAX_DEFAULT;
