@@ -76,7 +76,11 @@ async def pair(make_agent: Any) -> tuple[Any, Any, Any, bytearray, int]:
     src = agent.register(bytearray(os.urandom(2 * MiB)))
     await within(agent.write(src[0:4096], peer.region("dst")[0:4096]))
     port = int(target.address.rsplit(":", 1)[1])
-    # The connections after the first join in the background.
+    # The connections after the first join in the background: the engine's
+    # (a joining socket is in /proc before conn_open set its congestion
+    # control and before tcp_chunk counts it live), then both ends' sockets.
+    await wait_until(lambda: peer.statistics().rails[0].connections == 4, 10,
+                     what="the joins, in the engine")
     await wait_until(lambda: len(sockets(port)) == 8, what="4 connections, both ends")
     return agent, peer, src, dst, port
 
