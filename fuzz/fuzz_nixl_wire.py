@@ -221,10 +221,16 @@ async def _read_conn(stream: bytes, piece: int) -> tuple[bytes | BaseException, 
             ended = True
             conn.eof_received()
             conn.connection_lost(None)
-    try:
+    # (The task's exception as it is, not raised here: raised, its
+    # traceback would take this frame, which holds the task, which holds
+    # the exception: a cycle pinning the read's buffers until a full
+    # collection: the harness's RSS grew 75 -> 1,033 MB in 95 k runs.)
+    exc = task.exception()
+    if exc is None:
         return task.result(), pos
-    except (ValueError, asyncio.IncompleteReadError) as exc:
+    if isinstance(exc, ValueError | asyncio.IncompleteReadError):
         return exc, pos
+    raise exc
 
 
 def _framing_conn(stream: bytes, piece: int, n: int) -> None:
@@ -234,7 +240,9 @@ def _framing_conn(stream: bytes, piece: int, n: int) -> None:
     try:
         want = _loop.run_until_complete(_read(stream))
     except (ValueError, asyncio.IncompleteReadError) as exc:
-        want = exc
+        # (Kept without its traceback: that holds this frame, which holds
+        # want: a cycle, as above.)
+        want = exc.with_traceback(None)
     try:
         got, took = _loop.run_until_complete(asyncio.wait_for(_read_conn(stream, piece), 5))
     except TimeoutError:

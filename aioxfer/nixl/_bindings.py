@@ -1817,6 +1817,10 @@ class nixlAgent:
         stage = "no connection"
         conn: _ReplyConn | None = None
         ok = False
+        # (Each error is raised anew past the try, not within an except: a
+        # context would keep the read's frames, and with them its buffers,
+        # for as long as the error is kept.)
+        failed: tuple[type[Exception], str] | None = None
         try:
             async with asyncio.timeout(_CONNECT_TIMEOUT):
                 token = self._listen_token()
@@ -1831,22 +1835,28 @@ class nixlAgent:
                 body = await _read_reply(conn, bound, where)
                 ok = True
         except TimeoutError:
-            raise TimeoutError(f"{where}: {stage} within {_CONNECT_TIMEOUT:g} s") from None
+            failed = TimeoutError, f"{where}: {stage} within {_CONNECT_TIMEOUT:g} s"
         except asyncio.IncompleteReadError as exc:
-            raise ConnectionError(f"{where}: closed after {len(exc.partial)} of the "
-                                  f"{exc.expected} bytes it owed ({stage})") from None
+            failed = ConnectionError, (f"{where}: closed after {len(exc.partial)} of the "
+                                       f"{exc.expected} bytes it owed ({stage})")
         except ConnectionError as exc:
-            raise type(exc)(f"{where}: {exc} ({stage})") from None
+            failed = type(exc), f"{where}: {exc} ({stage})"
         finally:
             if conn is not None:
                 if ok:
                     conn.close()
                 elif conn.transport is not None:
                     conn.transport.abort()  # (whatever it still sends: not read)
+                conn = None  # (with a read's buffer, when one was cut short)
+        if failed is not None:
+            raise failed[0](failed[1])
         try:
             reply: _wire.Reply = _wire.reply_decoder.decode(body)
         except ValueError as exc:  # (msgspec.DecodeError)
-            raise ValueError(f"{where}: a reply that does not decode: {exc}") from None
+            failed = ValueError, f"{where}: a reply that does not decode: {exc}"
+        del body
+        if failed is not None:
+            raise failed[0](failed[1])
         if not reply.ok:
             raise RuntimeError(f"{where}: {reply.error}")
         return reply
@@ -3276,9 +3286,15 @@ class _ListenConn(asyncio.BufferedProtocol):
         self._buf, self._got = bytearray(), 0
         if got >= n:
             return buf
+        # (Not kept by this frame past here: the error's traceback keeps
+        # the frame, and whoever keeps the error, a task, a log record or a
+        # reference cycle, kept the read's whole buffer, zero-filled up to
+        # n, where what came is all the error says.)
+        partial = bytes(memoryview(buf)[:got])
+        del buf
         end = self._end
         if end is None or isinstance(end, _EndOfStream):
-            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+            raise asyncio.IncompleteReadError(partial, n)
         raise end
 
     def write(self, data: bytes) -> None:
@@ -3393,16 +3409,19 @@ async def _read_reply(conn: _ReplyConn, bound: int, where: str) -> bytes | bytea
                          f"reply to this request may have")
     parts: list[bytearray] = []
     got = 0
-    try:
-        while True:
+    while got < n or not parts:
+        try:
             parts.append(await conn.readexactly(min(n - got, max(got, _REPLY_PART))))
-            got += len(parts[-1])
-            if got >= n:
-                break
-    except asyncio.IncompleteReadError as exc:
-        raise ConnectionError(f"closed after {got + len(exc.partial)} of the {n} bytes of "
-                              f"its reply's body") from None
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+        except asyncio.IncompleteReadError as exc:
+            got += len(exc.partial)
+            break
+        got += len(parts[-1])
+    else:
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+    # (Raised outside the except, what came dropped first: the error's
+    # traceback keeps this frame, and its context the read's.)
+    parts.clear()
+    raise ConnectionError(f"closed after {got} of the {n} bytes of its reply's body")
 
 
 # See _ListenConn.close (used on the loop thread only).
