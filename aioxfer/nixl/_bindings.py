@@ -1839,8 +1839,9 @@ class nixlAgent:
         except asyncio.IncompleteReadError as exc:
             failed = ConnectionError, (f"{where}: closed after {len(exc.partial)} of the "
                                        f"{exc.expected} bytes it owed ({stage})")
-        except ConnectionError as exc:
-            failed = type(exc), f"{where}: {exc} ({stage})"
+        except OSError as exc:  # (refused, reset, unreachable, a name not found)
+            failed = (type(exc) if isinstance(exc, ConnectionError) else ConnectionError,
+                      f"{where}: {exc} ({stage})")
         finally:
             if conn is not None:
                 if ok:
