@@ -1801,20 +1801,65 @@ class nixlAgent:
             task.add_done_callback(self._bg.discard)
 
     async def _request(self, ip: str, port: int, req: Any) -> _wire.Reply:
-        # (Bounded as a whole: a listener that accepts and never answers
-        # must not hold the request and its socket for ever.)
-        async with asyncio.timeout(_CONNECT_TIMEOUT):
-            token = self._listen_token()
-            reader, writer = await asyncio.open_connection(ip, port)
-            try:
-                nonce = await reader.readexactly(_wire.LISTEN_NONCE)
-                writer.write(_wire.listen_request(token, nonce, _wire.encoder.encode(req)))
-                await writer.drain()
-                reply = _wire.reply_decoder.decode(await _read_frame(reader))
-            finally:
-                writer.close()
+        """``req`` sent to the metadata listener at ip:port, its reply.
+        Bounded in time as a whole (_CONNECT_TIMEOUT, from the connect to
+        the reply's last byte: a listener that accepts and never answers,
+        or trickles, must not hold the request and its socket for ever) and
+        in memory (_ReplyConn; what is held follows what the listener sent,
+        never more than the bound of a reply to ``req``, _reply_bound).
+        Raises, each error naming the listener: TimeoutError (no whole
+        reply in time), ConnectionError (no connection, or closed or reset
+        before a whole reply), ValueError (a reply announced over its bound,
+        or one that does not decode), RuntimeError (the listener's refusal:
+        its text)."""
+        where = f"metadata listener {_host_port(ip, port)}"
+        bound = _reply_bound(req)
+        stage = "no connection"
+        conn: _ReplyConn | None = None
+        ok = False
+        # (Each error is raised anew past the try, not within an except: a
+        # context would keep the read's frames, and with them its buffers,
+        # for as long as the error is kept.)
+        failed: tuple[type[Exception], str] | None = None
+        try:
+            async with asyncio.timeout(_CONNECT_TIMEOUT):
+                token = self._listen_token()
+                _, conn = await asyncio.get_running_loop().create_connection(
+                    _ReplyConn, ip, port)
+                stage = "no nonce"
+                nonce = bytes(await conn.readexactly(_wire.LISTEN_NONCE))
+                conn.write(_wire.listen_request(token, nonce, _wire.encoder.encode(req)))
+                stage = "the request not taken"
+                await conn.drain()
+                stage = "no whole reply"
+                body = await _read_reply(conn, bound, where)
+                ok = True
+        except TimeoutError:
+            failed = TimeoutError, f"{where}: {stage} within {_CONNECT_TIMEOUT:g} s"
+        except asyncio.IncompleteReadError as exc:
+            failed = ConnectionError, (f"{where}: closed after {len(exc.partial)} of the "
+                                       f"{exc.expected} bytes it owed ({stage})")
+        except OSError as exc:  # (refused, reset, unreachable, a name not found)
+            failed = (type(exc) if isinstance(exc, ConnectionError) else ConnectionError,
+                      f"{where}: {exc} ({stage})")
+        finally:
+            if conn is not None:
+                if ok:
+                    conn.close()
+                elif conn.transport is not None:
+                    conn.transport.abort()  # (whatever it still sends: not read)
+                conn = None  # (with a read's buffer, when one was cut short)
+        if failed is not None:
+            raise failed[0](failed[1])
+        try:
+            reply: _wire.Reply = _wire.reply_decoder.decode(body)
+        except ValueError as exc:  # (msgspec.DecodeError)
+            failed = ValueError, f"{where}: a reply that does not decode: {exc}"
+        del body
+        if failed is not None:
+            raise failed[0](failed[1])
         if not reply.ok:
-            raise RuntimeError(reply.error)
+            raise RuntimeError(f"{where}: {reply.error}")
         return reply
 
     def _background(self, what: str, coro: Any, level: str = "E") -> None:
@@ -3099,14 +3144,6 @@ def _memory(mem: nixl_mem_t, addr: int, nbytes: int) -> Any:
     return (ctypes.c_char * nbytes).from_address(addr)
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readexactly(4)
-    n = int.from_bytes(head, "big")
-    if n > _wire.MAX_FRAME:
-        raise ValueError(f"frame of {n} bytes is over the limit")
-    return await reader.readexactly(n)
-
-
 class _Reads(Protocol):
     """What _read_authenticated reads from: a listener connection
     (_ListenConn), or a StreamReader (fuzz/fuzz_nixl_wire.py)."""
@@ -3250,9 +3287,15 @@ class _ListenConn(asyncio.BufferedProtocol):
         self._buf, self._got = bytearray(), 0
         if got >= n:
             return buf
+        # (Not kept by this frame past here: the error's traceback keeps
+        # the frame, and whoever keeps the error, a task, a log record or a
+        # reference cycle, kept the read's whole buffer, zero-filled up to
+        # n, where what came is all the error says.)
+        partial = bytes(memoryview(buf)[:got])
+        del buf
         end = self._end
         if end is None or isinstance(end, _EndOfStream):
-            raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+            raise asyncio.IncompleteReadError(partial, n)
         raise end
 
     def write(self, data: bytes) -> None:
@@ -3303,6 +3346,83 @@ class _ListenConn(asyncio.BufferedProtocol):
                 except OSError:  # (nothing more now, or broken: closed alike)
                     break
         t.close()
+
+
+class _ReplyConn(_ListenConn):
+    """The client's side of a listener request (_request), read only as
+    asked, as the listener's own connections are (_ListenConn): the
+    transport receives straight into the buffer of the read waiting,
+    never more than it still needs. With asyncio's streams a listener
+    that answered with megabytes (an oversized or bogus length, garbage,
+    bytes past its reply) made each request hold what they read ahead
+    before any check ran (up to 256 KiB a read, reading on until 128 KiB
+    waited: 8 requests to a flooding listener peaked 1.0 MiB up, now
+    42 KiB), and a reply's whole announced length was read before the
+    length was checked against what the request may get (_reply_bound: a
+    Push answered with 32 MiB peaked 66 MiB, now 10 KiB;
+    tests/test_fuzz19_request.py)."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(_no_serve)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.pause_reading()  # until a read asks for bytes
+        self.who = _client_of(transport)  # (the listener, here)
+
+
+async def _no_serve(conn: _ListenConn) -> None:
+    """(_ReplyConn: the request's own task reads; nothing is served.)"""
+
+
+# A reply's body is read in parts, the first this big and each next one as
+# big as all before it: what a request holds follows what the listener has
+# sent (at most twice that, plus this), not the length it announced. (One
+# buffer of the announced length, zero-filled at once, would let a listener
+# make every request hold up to _wire.MAX_FRAME by saying so.)
+_REPLY_PART = 64 << 10
+
+
+def _reply_bound(req: Any) -> int:
+    """The most a reply to ``req`` may have: a Fetch's carries the
+    listener's metadata (up to _wire.MAX_FRAME, as a Push's request);
+    any other's is an acknowledgement or an error text."""
+    return _wire.MAX_FRAME if isinstance(req, _wire.Fetch) else _wire.MAX_ACK
+
+
+def _host_port(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+async def _read_reply(conn: _ReplyConn, bound: int, where: str) -> bytes | bytearray:
+    """A reply frame's body (4-byte big-endian length, then that many
+    bytes): ValueError when the length is over ``bound`` (nothing of the
+    body read), ConnectionError when the listener closes within the body
+    (without ``where``: the caller adds it), IncompleteReadError within the
+    length."""
+    head = await conn.readexactly(4)
+    n = int.from_bytes(head, "big")
+    if n > bound:
+        raise ValueError(f"{where}: a reply of {n} bytes announced, over the {bound} a "
+                         f"reply to this request may have")
+    parts: list[bytearray] = []
+    got = 0
+    while got < n or not parts:
+        try:
+            parts.append(await conn.readexactly(min(n - got, max(got, _REPLY_PART))))
+        except asyncio.IncompleteReadError as exc:
+            got += len(exc.partial)
+            break
+        got += len(parts[-1])
+    else:
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+    # (Raised outside the except, what came dropped first: the error's
+    # traceback keeps this frame, and its context the read's.)
+    parts.clear()
+    raise ConnectionError(f"closed after {got} of the {n} bytes of its reply's body")
 
 
 # See _ListenConn.close (used on the loop thread only).

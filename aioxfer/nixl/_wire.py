@@ -51,6 +51,10 @@ LISTEN_NONCE = 16
 LISTEN_MAC = 32
 _LISTEN_LEN_CTX = b"aioxfer-nixl-listen-len-v1\x00"
 _LISTEN_BODY_CTX = b"aioxfer-nixl-listen-body-v1\x00"
+# The most a reply to a Push or an Invalidate may have (an acknowledgement,
+# or an error text): a client reads no more of a reply announced longer. A
+# Fetch's reply carries the listener's metadata: up to MAX_FRAME.
+MAX_ACK = 64 << 10
 # Listener connections served at once; more are closed at accept (each is
 # bounded in time by the listener's request timeout).
 MAX_LISTEN_CONNS = 64
