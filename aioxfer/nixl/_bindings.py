@@ -741,6 +741,12 @@ class nixlXferTelemetry:
 _GONE_GRACE = 0.05
 _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
 _RELEASE_TIMEOUT = 60.0
+# How long releaseXferReq of a request in flight waits for the engine to
+# confirm that the cancelled request no longer touches its memory: the
+# aioxfer agent's stall_timeout (30 s, its default, which these agents use)
+# bounds how long a connection may owe a record with nothing moving, plus a
+# margin. Past it, the release raises and keeps the handle (nixl-api.md).
+_STOP_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CANCEL_TIMEOUT", "35"))
 # A poller asking again within this many seconds (of its last call, or of the
 # start of the post it polls: a caller that checks as soon as it posted) is
 # in a tight loop: it waits for the engine itself (see _wait_completion), or
@@ -1071,7 +1077,7 @@ class _Xfer:
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
                  "failed", "spin", "slow", "skipped", "plain", "lat",
-                 "budget", "prep")
+                 "budget", "prep", "tail")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -1125,6 +1131,9 @@ class _Xfer:
         # That repost prepared (Agent.prepare), where the agent could: its
         # post, one compiled call (else post(*one), then a flush).
         self.prep: Any = None
+        # The aioxfer transfer a task of the request posted (_framed_write,
+        # _object_io: x.fut is that task): what a release waits for.
+        self.tail: Any = None
 
 
 _MAX_INDEX = np.maximum.reduce
@@ -2421,6 +2430,7 @@ class nixlAgent:
         agent = self._agent
         assert agent is not None
         x.parts = []
+        x.tail = None
         if x.objects:  # the object backend posts on its loop, in a task of its own
             return self._rt.spawn(self._object_io(x))
         frames = _wire.notif_frames(msg) if (msg and not x.file) else []
@@ -2497,7 +2507,8 @@ class nixlAgent:
         agent = self._agent
         assert agent is not None
         local, far = x.groups[0]
-        await (agent.write(local, far) if x.write else agent.read(local, far))
+        x.tail = t = agent.write(local, far) if x.write else agent.read(local, far)
+        await t
         return time.perf_counter()
 
     async def _framed_write(self, x: _Xfer, frames: list[bytes]) -> float:
@@ -2505,7 +2516,8 @@ class nixlAgent:
         assert agent is not None and peer is not None
         await asyncio.gather(*(peer.notify(f) for f in frames[:-1]))
         local, far = x.groups[0]
-        await agent.write(local, far, notify=frames[-1])
+        x.tail = t = agent.write(local, far, notify=frames[-1])
+        await t
         return time.perf_counter()
 
     def _denied_or_gone(self, x: _Xfer, exc: BaseException) -> BaseException:
@@ -2868,25 +2880,77 @@ class nixlAgent:
         return x.backend
 
     def releaseXferReq(self, reqh: int) -> int:
-        x = self._xfers.pop(reqh, None)  # (atomic: no lock needed to take it out)
+        """Frees a request. One in flight is cancelled, and the call returns
+        only once the engine confirmed that nothing of it touches its memory
+        any more (the cancel, or the outcome it reached first): the caller
+        may reuse the memory at once (vLLM and Dynamo hand an aborted
+        request's blocks to the next one). If that takes longer than
+        _STOP_TIMEOUT (a peer that stalls), nixlBackendError, and the handle
+        is kept: a later release tries again (nixl-api.md). On the loop
+        thread, or within a section that holds the runtime lock (a handle
+        dropped there), it only cancels: waiting there would hold up the
+        engine's drain it waits for."""
+        x = self._xfers.get(reqh)
         if x is None:
             if self._closed:  # everything was released with the agent
                 return 0
             raise _error(-2, f"releaseXferReq: unknown transfer handle {int(reqh):#x}")
         fut = x.fut
-        if fut is not None and not fut.done():
-            rt = self._rt
-            rt.lock.acquire()
-            try:
-                if not fut.done():
-                    # aioxfer can always cancel: memory stays pinned until the
-                    # engine confirms nothing touches it any more.
-                    for part in x.parts:
-                        part.cancel()
-                    fut.cancel()
-            finally:
-                rt.leave()
+        # (A request done, not by a cancel, of one aioxfer call: its record
+        # was taken, nothing to wait for; the usual release.)
+        if fut is not None and (not fut.done() or fut.cancelled() or x.parts
+                                or x.tail is not None):
+            self._stop(x, reqh)
+        self._xfers.pop(reqh, None)
         return 0  # NIXL_SUCCESS
+
+    def _stop(self, x: _Xfer, reqh: int) -> None:
+        """releaseXferReq of a request that may be in flight: cancels what of
+        its current post is not done, then waits (this thread takes the
+        engine's completions, as a poller does: _wait_completion) until
+        none of its aioxfer transfers is busy. Raises nixlBackendError if
+        that takes past _STOP_TIMEOUT."""
+        rt = self._rt
+        lock = rt.lock
+        # (Held by this thread already: the loop thread, or a section that
+        # dropped a handle; the engine's drain must not be re-entered, nor
+        # the loop held up.)
+        nested = lock._is_owned()
+        lock.acquire()
+        try:
+            fut = x.fut
+            assert fut is not None
+            ts = [t for t in (fut, *x.parts, x.tail) if isinstance(t, Transfer)]
+            # aioxfer can always cancel: memory stays pinned until the engine
+            # confirms nothing touches it any more. (Parts still running
+            # after another part failed, too.)
+            for t in ts:
+                if not t.done():
+                    t.cancel()
+            if not fut.done():
+                fut.cancel()
+            moving = [t for t in ts if t.busy]
+        finally:
+            rt.leave()
+        if not moving or nested:
+            return
+
+        def settled() -> bool:
+            return not any(t.busy for t in moving)
+
+        deadline = time.monotonic() + _STOP_TIMEOUT
+        while not settled():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._agent is None:
+                break
+            self._wait_completion(min(left, _ENGINE_WAIT * 20), settled)
+        if self._agent is not None and not settled():
+            self._count(int(NIXL_ERR_BACKEND))
+            raise _error(int(NIXL_ERR_BACKEND),
+                         f"releaseXferReq: transfer handle {int(reqh):#x} was cancelled but "
+                         f"the engine did not confirm it within {_STOP_TIMEOUT:g} s (its "
+                         f"memory may still be written or read); the handle is kept: "
+                         f"release it again later")
 
     # ------------------------------------------------------------ notifications
 
