@@ -98,8 +98,6 @@ _FORKED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="rev19 #2: a forked child inherits the parent's "
-                                       "runtime, whose loop thread it does not have")
 def test_agent_in_a_forked_child() -> None:
     env = dict(os.environ, AIOXFER_NIXL_CONNECT_TIMEOUT="2")
     out = subprocess.run([sys.executable, "-c", _FORKED], cwd="/", env=env, timeout=STEP * 2,
@@ -123,8 +121,6 @@ def leaver_main(conn: Any) -> None:
     conn.recv()
 
 
-@pytest.mark.xfail(strict=True, reason="rev19 #3: a future settled on the loop thread spins "
-                                       "_GONE_GRACE there and reports nixlBackendError")
 def test_future_of_a_read_from_a_leaving_peer_is_a_disconnect() -> None:
     """check_xfer_state reports a READ from a peer that closed mid-way as
     nixlRemoteDisconnectError (_denied_or_gone waits up to _GONE_GRACE for the

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import enum
 import hmac
@@ -1077,7 +1078,7 @@ class _Xfer:
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
                  "failed", "spin", "slow", "skipped", "plain", "lat",
-                 "budget", "prep", "tail")
+                 "budget", "prep", "tail", "gone")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -1134,6 +1135,9 @@ class _Xfer:
         # The aioxfer transfer a task of the request posted (_framed_write,
         # _object_io: x.fut is that task): what a release waits for.
         self.tail: Any = None
+        # Whether the failed post (failed) was refused because its peer left
+        # (_denied_or_gone, decided once per post: every later answer the same).
+        self.gone = False
 
 
 _MAX_INDEX = np.maximum.reduce
@@ -2520,30 +2524,74 @@ class nixlAgent:
         await t
         return time.perf_counter()
 
-    def _denied_or_gone(self, x: _Xfer, exc: BaseException) -> BaseException:
+    def _denied_or_gone(self, x: _Xfer, exc: BaseException, wait: bool = True
+                        ) -> BaseException:
         """A request the peer refused (its memory released): when the peer is
         closing, its connections go right after (an agent's close releases
         its memory first, then closes), and the request failed because the
         peer went away: NIXL_ERR_REMOTE_DISCONNECT, as NIXL users expect of a
         peer that left, not the BACKEND error of a deregistration. Waits for
-        that at most _GONE_GRACE (once per failed post)."""
+        that at most _GONE_GRACE, once per failed post (``wait`` False: a
+        future's, whose wait ran on the loop, _settle_gone, only looks). Not
+        on the loop thread: the wait yields to it, which sees the close."""
         peer = x.peer
         if peer is None or x.remote is None:
             return exc
         deadline = time.monotonic() + _GONE_GRACE
         while not peer.lost:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or not wait:
                 return exc
             self._rt.yield_to_loop(min(left, 0.005), lambda: peer.lost)
         return PeerLost(f"{exc} (the peer left: its connection closed)")
 
-    def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str) -> int:
+    def _gone_unknown(self, x: _Xfer, fut: asyncio.Future[Any]) -> bool:
+        """Whether the failed post ``fut`` is a refusal whose peer may yet
+        turn out to be leaving (_denied_or_gone would wait)."""
+        if fut.cancelled() or x.failed is fut:
+            return False
+        peer = x.peer
+        return (isinstance(fut.exception(), AccessDenied) and peer is not None
+                and x.remote is not None and not peer.lost)
+
+    async def _settle_gone(self, x: _Xfer, fut: asyncio.Future[Any],
+                           out: concurrent.futures.Future[str]) -> None:
+        """xferFuture's settle of a refusal, on the loop thread: the wait of
+        _denied_or_gone as a coroutine (spun there, it held the loop, which
+        then could not see the close: nixlBackendError after a 50 ms stall,
+        rev19 #3), then the same answer as check_xfer_state's."""
+        peer = x.peer
+        assert peer is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _GONE_GRACE
+        while not peer.lost and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        self._settle_out(x, fut, out, wait=False)
+
+    def _settle_out(self, x: _Xfer, fut: asyncio.Future[Any],
+                    out: concurrent.futures.Future[str], wait: bool = True) -> None:
+        """xferFuture's ``out`` from its post's outcome ``fut``."""
+        if out.done():
+            return
+        try:
+            self._finish(x, fut, "xferFuture", wait)
+        except Exception as exc:  # noqa: BLE001 (handed to the awaiter)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                out.set_exception(exc)  # (unless cancelled meanwhile)
+        else:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                out.set_result("DONE")
+
+    def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str, wait: bool = True) -> int:
         try:
             res = fut.result()
         except BaseException as exc:  # (the request's failure, or its cancel)
-            if isinstance(exc, AccessDenied) and x.failed is not fut:
-                exc = self._denied_or_gone(x, exc)
+            if isinstance(exc, AccessDenied):
+                if x.failed is not fut:
+                    exc = self._denied_or_gone(x, exc, wait)
+                    x.gone = isinstance(exc, PeerLost)
+                elif x.gone:
+                    exc = PeerLost(f"{exc} (the peer left: its connection closed)")
             err = (_error(_ERR_CANCELED, f"{what}: the transfer was cancelled")
                    if isinstance(exc, asyncio.CancelledError) else _from_xfer_error(exc, what))
             if x.failed is not fut:  # counted once per post, as NIXL's
@@ -2812,14 +2860,12 @@ class nixlAgent:
             rt.expire_lingering()
 
             def settle(f: asyncio.Future[Any]) -> None:
-                if out.done():
-                    return
-                try:
-                    self._finish(x, f, "xferFuture")
-                except Exception as exc:  # noqa: BLE001 (handed to the awaiter)
-                    out.set_exception(exc)
+                # (On the loop thread: a refusal's wait for the peer's close
+                # runs as a task there, not spun in this callback.)
+                if not out.done() and self._gone_unknown(x, f):
+                    self._track(rt.spawn(self._settle_gone(x, f, out)))
                 else:
-                    out.set_result("DONE")
+                    self._settle_out(x, f, out)
 
             def cancelled(o: concurrent.futures.Future[str]) -> None:
                 if o.cancelled():
@@ -2827,11 +2873,17 @@ class nixlAgent:
                         if not fut.done():
                             fut.cancel()
 
-            if fut.done():
-                settle(fut)
-            else:
+            done = fut.done()
+            if not done:
                 fut.add_done_callback(settle)
                 out.add_done_callback(cancelled)
+        if done:
+            # Here, the lock let go: on a caller's thread a refusal's wait
+            # yields to the loop thread, which sees the peer's close.
+            if rt.on_loop():
+                settle(fut)
+            else:
+                self._settle_out(x, fut, out)
         return out
 
     def statistics(self) -> Any:
