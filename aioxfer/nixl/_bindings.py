@@ -2942,18 +2942,21 @@ class nixlAgent:
         thread, or within a section that holds the runtime lock (a handle
         dropped there), it only cancels: waiting there would hold up the
         engine's drain it waits for."""
-        x = self._xfers.get(reqh)
+        xfers = self._xfers
+        x = xfers.pop(reqh, None)  # (atomic: no lock needed to take it out)
         if x is None:
             if self._closed:  # everything was released with the agent
                 return 0
             raise _error(-2, f"releaseXferReq: unknown transfer handle {int(reqh):#x}")
         fut = x.fut
-        # (A request done, not by a cancel, of one aioxfer call: its record
-        # was taken, nothing to wait for; the usual release.)
-        if fut is not None and (not fut.done() or fut.cancelled() or x.parts
-                                or x.tail is not None):
+        # (A request of one aioxfer call done, not by a cancel: its record
+        # was taken, nothing to wait for; the usual release, as cheap as it
+        # was before the wait: measured.)
+        if fut is not None and (x.parts or x.tail is not None or not fut.done()
+                                or fut.cancelled()):
+            xfers[reqh] = x  # kept while it stops, and if it cannot
             self._stop(x, reqh)
-        self._xfers.pop(reqh, None)
+            xfers.pop(reqh, None)
         return 0  # NIXL_SUCCESS
 
     def _stop(self, x: _Xfer, reqh: int) -> None:
