@@ -1,5 +1,5 @@
-"""rev19's reproductions, copied by nixl19 for aioxfer.nixl (strict xfail: each fails on main
-085d2b6; remove the mark with the fix).
+"""rev19's reproductions for aioxfer.nixl, copied by nixl19 (each failed on main
+085d2b6; their strict-xfail marks removed with the fixes on branch nixl19).
 
 - release_xfer_handle of a READ in flight returns at once while the engine
   still writes the cancelled READ's data into the destination: a caller that
