@@ -67,6 +67,12 @@ _MADE_FIXED: dict[str, object] = {
     "_starts": None,
     "_path": None,
 }
+# Transfer._admitted of a transfer that is not in its peer's scheduler budget
+# but that someone awaits settled() of: truthy, so that whatever takes it out
+# of inflight calls release(t) (the compiled drain and inline completion do so
+# only for an admitted one), which wakes the waiters and releases no budget.
+_SETTLE_ONLY: Any = type("_SettleOnly", (), {"__slots__": (), "__repr__":
+                                             lambda self: "<settle only>"})()
 _CQ_XFER = _cyx.CQ_XFER
 _E_CANCELLED = _cyx.E_CANCELLED
 _E_CLOSED = _cyx.E_CLOSED
@@ -143,6 +149,7 @@ class Submission:
         "_pending_cancelled",
         "_eager_streak",
         "_holds",
+        "_settling",
         "_totals",
     )
 
@@ -198,6 +205,9 @@ class Submission:
         # (hold_region); empty but for a region deregistered while a request
         # using it waited in a peer's scheduler.
         self._holds: dict[int, list[_Hold]] = {}
+        # req id -> the futures of settled() waiting for that transfer to
+        # leave the engine (empty but while someone waits: see busy).
+        self._settling: dict[int, list[asyncio.Future[None]]] = {}
         # The agent's totals (statistics()): posted, completed, failed,
         # bytes (the properties below), kept as C integers in a PeerCounters
         # record that the compiled submit and drain add to (a Python int
@@ -333,10 +343,16 @@ class Submission:
 
     def release(self, t: Transfer) -> None:
         """An admitted transfer is over: what its peer's scheduler admits now
-        goes to the engine (or fails, if the peer was lost meanwhile)."""
+        goes to the engine (or fails, if the peer was lost meanwhile). Also
+        called for a transfer awaited by settled() (_SETTLE_ONLY)."""
+        admitted = t._admitted
         t._admitted = False
+        if self._settling:
+            self._settled(t)
         if self._holds:
             self._over(t)
+        if admitted is _SETTLE_ONLY:
+            return
         peer = t.peer
         assert peer._sched is not None
         self._admit(peer, peer._sched.release(t.nbytes))
@@ -409,6 +425,34 @@ class Submission:
                     hold.then()
                 else:
                     self._loop.call_soon(hold.then)
+
+    def busy(self, t: Transfer) -> bool:
+        """TransferHost: whether the engine may still touch ``t``'s memory:
+        in inflight (its record not taken yet) and posted, or still to be
+        posted (in this iteration's batch or its peer's scheduler, not
+        cancelled: a cancelled one is dropped unposted)."""
+        return self.inflight.get(t.req_id) is t and (t._posted or not t._cancel_requested)
+
+    def settled(self, t: Transfer) -> asyncio.Future[None]:
+        """TransferHost: a future that ends when busy(t) is False."""
+        fut: asyncio.Future[None] = t.get_loop().create_future()
+        if not self.busy(t):
+            fut.set_result(None)
+            return fut
+        self._settling.setdefault(t.req_id, []).append(fut)
+        if t._admitted is False and t._queued_item is None:
+            # (A queued one is admitted, _admitted True, before its post;
+            # one dropped from the queue wakes them in cancel or finish_failed.)
+            t._admitted = _SETTLE_ONLY
+        return fut
+
+    def _settled(self, t: Transfer) -> None:
+        """t left inflight: its settled() futures end."""
+        futs = self._settling.pop(t.req_id, None)
+        if futs is not None:
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(None)
 
     def fail_queued(self, peer: Peer) -> None:
         """The peer is lost: fails what waits in its scheduler (it never
@@ -576,6 +620,8 @@ class Submission:
             self.failed += 1
             if self._holds:
                 self._over(t)
+            if self._settling:
+                self._settled(t)
             # What waited behind it may fit now (it was the head, waiting
             # for budget): not until a completion, which may be far off.
             self._admit(peer, peer._sched.admit_ready())
@@ -651,8 +697,11 @@ class Submission:
         peer = t.peer
         if t._admitted:
             self.release(t)
-        elif self._holds:
-            self._over(t)
+        else:
+            if self._holds:
+                self._over(t)
+            if self._settling:
+                self._settled(t)
         c = peer._counters
         c.inflight -= 1
         c.inflight_bytes -= t.nbytes

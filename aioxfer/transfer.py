@@ -32,6 +32,12 @@ class TransferHost(Protocol):
         """``t.cancel()`` was called on ``t``, not done: stop it (the engine
         confirms later) or drop it before it is posted."""
 
+    def busy(self, t: Transfer) -> bool:
+        """Whether the engine may still read or write ``t``'s memory."""
+
+    def settled(self, t: Transfer) -> asyncio.Future[None]:
+        """A future that ends once ``busy(t)`` is False."""
+
 
 class _Detached:
     """The host of a Transfer that no engine runs (a local backend's: it is
@@ -44,6 +50,14 @@ class _Detached:
 
     def cancel(self, t: Transfer) -> None:
         pass
+
+    def busy(self, t: Transfer) -> bool:
+        return False
+
+    def settled(self, t: Transfer) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = t.get_loop().create_future()
+        fut.set_result(None)
+        return fut
 
 
 DETACHED: TransferHost = _Detached()
@@ -67,7 +81,9 @@ class Transfer(asyncio.Future[TransferResult]):
     Cancelling it (``cancel()``, or cancelling the task that awaits it, e.g. by
     ``asyncio.timeout``) raises CancelledError in the awaiter at once and asks the
     engine to stop; the memory involved stays pinned, and the transfer counts as
-    in flight, until the engine confirms it no longer touches it.
+    in flight, until the engine confirms it no longer touches it:
+    ``await t.settled()`` waits for that (before the memory is reused for
+    something else, e.g. a cancelled READ's destination).
     """
 
     __slots__ = (
@@ -130,6 +146,25 @@ class Transfer(asyncio.Future[TransferResult]):
             self._cancel_requested = True
             self._host.cancel(self)
         return super().cancel(msg)
+
+    @property
+    def busy(self) -> bool:
+        """Whether the engine may still read or write this transfer's memory:
+        from its submit until its completion record is taken (a transfer
+        done, other than by a cancel, is not busy; a cancelled one is until
+        the engine confirms the cancel, or reports the outcome it reached
+        first). Loop thread only, as the rest of the agent."""
+        return self._host.busy(self)
+
+    def settled(self) -> asyncio.Future[None]:
+        """A future (of the agent's loop) that ends when the engine no longer
+        touches this transfer's memory (``busy`` is False): at once if it
+        never reached the engine (cancelled before its post, or refused).
+        Unlike the transfer itself it ends only then, also after a cancel,
+        so the memory can be reused once it has; it never fails (the
+        transfer's own outcome is the transfer's), and cancelling it stops
+        only this wait. Loop thread only."""
+        return self._host.settled(self)
 
     def _cancel_local(self) -> None:
         # The engine confirmed the cancel (or it never reached the engine).

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import enum
 import hmac
@@ -741,6 +742,12 @@ class nixlXferTelemetry:
 _GONE_GRACE = 0.05
 _CONNECT_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CONNECT_TIMEOUT", "30"))
 _RELEASE_TIMEOUT = 60.0
+# How long releaseXferReq of a request in flight waits for the engine to
+# confirm that the cancelled request no longer touches its memory: the
+# aioxfer agent's stall_timeout (30 s, its default, which these agents use)
+# bounds how long a connection may owe a record with nothing moving, plus a
+# margin. Past it, the release raises and keeps the handle (nixl-api.md).
+_STOP_TIMEOUT = float(os.environ.get("AIOXFER_NIXL_CANCEL_TIMEOUT", "35"))
 # A poller asking again within this many seconds (of its last call, or of the
 # start of the post it polls: a caller that checks as soon as it posted) is
 # in a tight loop: it waits for the engine itself (see _wait_completion), or
@@ -1071,7 +1078,7 @@ class _Xfer:
                  "t0", "start_us", "post_s", "xfer_s", "last_poll", "backend",
                  "file", "one", "write", "post", "objects", "parts", "frames", "notifying",
                  "failed", "spin", "slow", "skipped", "plain", "lat",
-                 "budget", "prep")
+                 "budget", "prep", "tail", "gone")
 
     def __init__(self, op: int, peer: aioxfer.Peer | None, remote: _Remote | None, gen: int,
                  groups: list[tuple[Any, Any]], notif: bytes, ndesc: int, nbytes: int,
@@ -1125,6 +1132,12 @@ class _Xfer:
         # That repost prepared (Agent.prepare), where the agent could: its
         # post, one compiled call (else post(*one), then a flush).
         self.prep: Any = None
+        # The aioxfer transfer a task of the request posted (_framed_write,
+        # _object_io: x.fut is that task): what a release waits for.
+        self.tail: Any = None
+        # Whether the failed post (failed) was refused because its peer left
+        # (_denied_or_gone, decided once per post: every later answer the same).
+        self.gone = False
 
 
 _MAX_INDEX = np.maximum.reduce
@@ -2466,6 +2479,7 @@ class nixlAgent:
         agent = self._agent
         assert agent is not None
         x.parts = []
+        x.tail = None
         if x.objects:  # the object backend posts on its loop, in a task of its own
             return self._rt.spawn(self._object_io(x))
         frames = _wire.notif_frames(msg) if (msg and not x.file) else []
@@ -2542,7 +2556,8 @@ class nixlAgent:
         agent = self._agent
         assert agent is not None
         local, far = x.groups[0]
-        await (agent.write(local, far) if x.write else agent.read(local, far))
+        x.tail = t = agent.write(local, far) if x.write else agent.read(local, far)
+        await t
         return time.perf_counter()
 
     async def _framed_write(self, x: _Xfer, frames: list[bytes]) -> float:
@@ -2550,33 +2565,78 @@ class nixlAgent:
         assert agent is not None and peer is not None
         await asyncio.gather(*(peer.notify(f) for f in frames[:-1]))
         local, far = x.groups[0]
-        await agent.write(local, far, notify=frames[-1])
+        x.tail = t = agent.write(local, far, notify=frames[-1])
+        await t
         return time.perf_counter()
 
-    def _denied_or_gone(self, x: _Xfer, exc: BaseException) -> BaseException:
+    def _denied_or_gone(self, x: _Xfer, exc: BaseException, wait: bool = True
+                        ) -> BaseException:
         """A request the peer refused (its memory released): when the peer is
         closing, its connections go right after (an agent's close releases
         its memory first, then closes), and the request failed because the
         peer went away: NIXL_ERR_REMOTE_DISCONNECT, as NIXL users expect of a
         peer that left, not the BACKEND error of a deregistration. Waits for
-        that at most _GONE_GRACE (once per failed post)."""
+        that at most _GONE_GRACE, once per failed post (``wait`` False: a
+        future's, whose wait ran on the loop, _settle_gone, only looks). Not
+        on the loop thread: the wait yields to it, which sees the close."""
         peer = x.peer
         if peer is None or x.remote is None:
             return exc
         deadline = time.monotonic() + _GONE_GRACE
         while not peer.lost:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or not wait:
                 return exc
             self._rt.yield_to_loop(min(left, 0.005), lambda: peer.lost)
         return PeerLost(f"{exc} (the peer left: its connection closed)")
 
-    def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str) -> int:
+    def _gone_unknown(self, x: _Xfer, fut: asyncio.Future[Any]) -> bool:
+        """Whether the failed post ``fut`` is a refusal whose peer may yet
+        turn out to be leaving (_denied_or_gone would wait)."""
+        if fut.cancelled() or x.failed is fut:
+            return False
+        peer = x.peer
+        return (isinstance(fut.exception(), AccessDenied) and peer is not None
+                and x.remote is not None and not peer.lost)
+
+    async def _settle_gone(self, x: _Xfer, fut: asyncio.Future[Any],
+                           out: concurrent.futures.Future[str]) -> None:
+        """xferFuture's settle of a refusal, on the loop thread: the wait of
+        _denied_or_gone as a coroutine (spun there, it held the loop, which
+        then could not see the close: nixlBackendError after a 50 ms stall,
+        rev19 #3), then the same answer as check_xfer_state's."""
+        peer = x.peer
+        assert peer is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _GONE_GRACE
+        while not peer.lost and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        self._settle_out(x, fut, out, wait=False)
+
+    def _settle_out(self, x: _Xfer, fut: asyncio.Future[Any],
+                    out: concurrent.futures.Future[str], wait: bool = True) -> None:
+        """xferFuture's ``out`` from its post's outcome ``fut``."""
+        if out.done():
+            return
+        try:
+            self._finish(x, fut, "xferFuture", wait)
+        except Exception as exc:  # noqa: BLE001 (handed to the awaiter)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                out.set_exception(exc)  # (unless cancelled meanwhile)
+        else:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                out.set_result("DONE")
+
+    def _finish(self, x: _Xfer, fut: asyncio.Future[Any], what: str, wait: bool = True) -> int:
         try:
             res = fut.result()
         except BaseException as exc:  # (the request's failure, or its cancel)
-            if isinstance(exc, AccessDenied) and x.failed is not fut:
-                exc = self._denied_or_gone(x, exc)
+            if isinstance(exc, AccessDenied):
+                if x.failed is not fut:
+                    exc = self._denied_or_gone(x, exc, wait)
+                    x.gone = isinstance(exc, PeerLost)
+                elif x.gone:
+                    exc = PeerLost(f"{exc} (the peer left: its connection closed)")
             err = (_error(_ERR_CANCELED, f"{what}: the transfer was cancelled")
                    if isinstance(exc, asyncio.CancelledError) else _from_xfer_error(exc, what))
             if x.failed is not fut:  # counted once per post, as NIXL's
@@ -2845,14 +2905,12 @@ class nixlAgent:
             rt.expire_lingering()
 
             def settle(f: asyncio.Future[Any]) -> None:
-                if out.done():
-                    return
-                try:
-                    self._finish(x, f, "xferFuture")
-                except Exception as exc:  # noqa: BLE001 (handed to the awaiter)
-                    out.set_exception(exc)
+                # (On the loop thread: a refusal's wait for the peer's close
+                # runs as a task there, not spun in this callback.)
+                if not out.done() and self._gone_unknown(x, f):
+                    self._track(rt.spawn(self._settle_gone(x, f, out)))
                 else:
-                    out.set_result("DONE")
+                    self._settle_out(x, f, out)
 
             def cancelled(o: concurrent.futures.Future[str]) -> None:
                 if o.cancelled():
@@ -2860,11 +2918,17 @@ class nixlAgent:
                         if not fut.done():
                             fut.cancel()
 
-            if fut.done():
-                settle(fut)
-            else:
+            done = fut.done()
+            if not done:
                 fut.add_done_callback(settle)
                 out.add_done_callback(cancelled)
+        if done:
+            # Here, the lock let go: on a caller's thread a refusal's wait
+            # yields to the loop thread, which sees the peer's close.
+            if rt.on_loop():
+                settle(fut)
+            else:
+                self._settle_out(x, fut, out)
         return out
 
     def statistics(self) -> Any:
@@ -2913,25 +2977,80 @@ class nixlAgent:
         return x.backend
 
     def releaseXferReq(self, reqh: int) -> int:
-        x = self._xfers.pop(reqh, None)  # (atomic: no lock needed to take it out)
+        """Frees a request. One in flight is cancelled, and the call returns
+        only once the engine confirmed that nothing of it touches its memory
+        any more (the cancel, or the outcome it reached first): the caller
+        may reuse the memory at once (vLLM and Dynamo hand an aborted
+        request's blocks to the next one). If that takes longer than
+        _STOP_TIMEOUT (a peer that stalls), nixlBackendError, and the handle
+        is kept: a later release tries again (nixl-api.md). On the loop
+        thread, or within a section that holds the runtime lock (a handle
+        dropped there), it only cancels: waiting there would hold up the
+        engine's drain it waits for."""
+        xfers = self._xfers
+        x = xfers.pop(reqh, None)  # (atomic: no lock needed to take it out)
         if x is None:
             if self._closed:  # everything was released with the agent
                 return 0
             raise _error(-2, f"releaseXferReq: unknown transfer handle {int(reqh):#x}")
         fut = x.fut
-        if fut is not None and not fut.done():
-            rt = self._rt
-            rt.lock.acquire()
-            try:
-                if not fut.done():
-                    # aioxfer can always cancel: memory stays pinned until the
-                    # engine confirms nothing touches it any more.
-                    for part in x.parts:
-                        part.cancel()
-                    fut.cancel()
-            finally:
-                rt.leave()
+        # (A request of one aioxfer call done, not by a cancel: its record
+        # was taken, nothing to wait for; the usual release, as cheap as it
+        # was before the wait: measured.)
+        if fut is not None and (x.parts or x.tail is not None or not fut.done()
+                                or fut.cancelled()):
+            xfers[reqh] = x  # kept while it stops, and if it cannot
+            self._stop(x, reqh)
+            xfers.pop(reqh, None)
         return 0  # NIXL_SUCCESS
+
+    def _stop(self, x: _Xfer, reqh: int) -> None:
+        """releaseXferReq of a request that may be in flight: cancels what of
+        its current post is not done, then waits (this thread takes the
+        engine's completions, as a poller does: _wait_completion) until
+        none of its aioxfer transfers is busy. Raises nixlBackendError if
+        that takes past _STOP_TIMEOUT."""
+        rt = self._rt
+        lock = rt.lock
+        # (Held by this thread already: the loop thread, or a section that
+        # dropped a handle; the engine's drain must not be re-entered, nor
+        # the loop held up.)
+        nested = lock._is_owned()
+        lock.acquire()
+        try:
+            fut = x.fut
+            assert fut is not None
+            ts = [t for t in (fut, *x.parts, x.tail) if isinstance(t, Transfer)]
+            # aioxfer can always cancel: memory stays pinned until the engine
+            # confirms nothing touches it any more. (Parts still running
+            # after another part failed, too.)
+            for t in ts:
+                if not t.done():
+                    t.cancel()
+            if not fut.done():
+                fut.cancel()
+            moving = [t for t in ts if t.busy]
+        finally:
+            rt.leave()
+        if not moving or nested:
+            return
+
+        def settled() -> bool:
+            return not any(t.busy for t in moving)
+
+        deadline = time.monotonic() + _STOP_TIMEOUT
+        while not settled():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._agent is None:
+                break
+            self._wait_completion(min(left, _ENGINE_WAIT * 20), settled)
+        if self._agent is not None and not settled():
+            self._count(int(NIXL_ERR_BACKEND))
+            raise _error(int(NIXL_ERR_BACKEND),
+                         f"releaseXferReq: transfer handle {int(reqh):#x} was cancelled but "
+                         f"the engine did not confirm it within {_STOP_TIMEOUT:g} s (its "
+                         f"memory may still be written or read); the handle is kept: "
+                         f"release it again later")
 
     # ------------------------------------------------------------ notifications
 

@@ -409,6 +409,8 @@ _runtime_lock = threading.Lock()
 
 
 def runtime() -> Runtime:
+    """The process's runtime, started on first use (in a forked child: its
+    own, see _forget_after_fork)."""
     global _runtime
     rt = _runtime
     if rt is None:
@@ -417,6 +419,29 @@ def runtime() -> Runtime:
                 _runtime = Runtime()
             rt = _runtime
     return rt
+
+
+def _forget_after_fork() -> None:
+    """In the child of os.fork(): the parent's runtime is forgotten, and the
+    child's first use of aioxfer.nixl starts a runtime of its own (a loop
+    thread, a lock, a new agent's engine).
+
+    The child has only the forking thread: the parent's loop thread, and
+    every agent's engine threads, do not exist there, and the runtime lock
+    may be held by a thread that is gone. Objects made before the fork (a
+    nixl_agent, its handles and descriptor lists) keep the parent's runtime
+    and engine and cannot be used in the child (a call may block or fail);
+    make new agents there. (Before this, the child's first agent waited on
+    the parent's loop for 2 x AIOXFER_NIXL_CONNECT_TIMEOUT, then raised
+    TimeoutError: rev19 #2.) Nothing of the parent's runtime is closed or
+    freed here: the parent still uses it, and what the child holds of it
+    (fds, memory) goes with the child."""
+    global _runtime, _runtime_lock
+    _runtime = None
+    _runtime_lock = threading.Lock()  # (a thread of the parent may have held it)
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 async def wait_bounded(aw: Awaitable[T], timeout: float) -> T:
