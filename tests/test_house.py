@@ -100,7 +100,7 @@ def test_no_cyx_code_writes_peer_fields() -> None:
 
 def test_transfer_reaches_its_host_only_through_transfer_host() -> None:
     allowed = _protocol_members(TransferHost)
-    assert allowed == {"eager", "cancel"}
+    assert allowed == {"eager", "cancel", "busy", "settled"}
     used = _self_attr_calls(transfer, "_host")
     assert used and used <= allowed, sorted(used - allowed)
     for name in allowed:  # Submission implements it
