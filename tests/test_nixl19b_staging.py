@@ -34,8 +34,18 @@ async def test_cancelled_file_read_lands_nothing_after_the_cancel(
     side = FileRegion(agent.register_file(path))
     host = agent.alloc(SIZE)
     mem = np.frombuffer(host.memoryview, dtype=np.uint8)
+    posted: list[Any] = []
+    read = agent.read
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        t = read(*args, **kwargs)  # the real read: only its Transfer is kept
+        posted.append(t)
+        return t
+
+    monkeypatch.setattr(agent, "read", spy)
     late = []
-    for delay in (0.001, 0.002, 0.003, 0.005, 0.008, 0.001, 0.002, 0.003):
+    busy = []
+    for delay in (0, 0.001, 0.002, 0.003, 0.005, 0.008, 0.001, 0.002):
         mem[:] = 0
         task = asyncio.ensure_future(side.read_into(host[0:SIZE], 0))
         await asyncio.sleep(delay)
@@ -44,8 +54,9 @@ async def test_cancelled_file_read_lands_nothing_after_the_cancel(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        busy.append(posted[-1].busy)
         # The caller may reuse the bounce slot now: nothing may land in it.
         mem[:] = 0
         await asyncio.sleep(0.05)
         late.append(int(np.count_nonzero(mem)))
-    assert late and not any(late), late
+    assert late and not any(busy) and not any(late), (busy, late)
