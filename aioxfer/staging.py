@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from aioxfer.agent import Agent
     from aioxfer.peer import Peer
     from aioxfer.region import Region, RemoteRegion, Segment
+    from aioxfer.transfer import Transfer
 
 __all__ = ["PATH", "FileRegion", "FileSide", "GpuFileStager", "PosixFile", "StagedResult"]
 
@@ -73,10 +74,10 @@ class FileRegion:
         self.region = region
 
     async def write_from(self, src: Segment, offset: int) -> None:
-        await self.region.agent.write(src, self.region[offset : offset + src.length])
+        await _whole(self.region.agent.write(src, self.region[offset : offset + src.length]))
 
     async def read_into(self, dst: Segment, offset: int) -> None:
-        await self.region.agent.read(dst, self.region[offset : offset + dst.length])
+        await _whole(self.region.agent.read(dst, self.region[offset : offset + dst.length]))
 
 
 class PosixFile:
@@ -135,6 +136,22 @@ class PosixFile:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
+
+
+async def _whole(t: Transfer) -> None:
+    """Awaits ``t``. Cancelled, it waits until the engine no longer touches
+    t's memory (``t.settled()``: a cancelled transfer's copy may still land
+    until the engine confirms the cancel) before it raises CancelledError,
+    as ``_on_thread`` does for a thread's syscall: the caller reuses the
+    buffer as soon as the cancellation reaches it."""
+    try:
+        await t
+    except asyncio.CancelledError:
+        settled = t.settled()
+        while not settled.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([settled])
+        raise
 
 
 async def _on_thread(run: Callable[[], None], stop: threading.Event) -> None:
@@ -254,12 +271,15 @@ class GpuFileStager:
                 n = min(self._slot_bytes, seg.length - done)
                 local = bounce[base : base + n]
                 staged = remote[base : base + n]
+                # (Each half waits, when cancelled, until its bytes no
+                # longer move: the slot goes back to the pool below, and the
+                # next move's page must not meet this one's late copy.)
                 if to_file:
-                    await self._agent.write(seg[done : done + n], staged)
+                    await _whole(self._agent.write(seg[done : done + n], staged))
                     await self._file.write_from(local, offset + done)
                 else:
                     await self._file.read_into(local, offset + done)
-                    await self._agent.read(seg[done : done + n], staged)
+                    await _whole(self._agent.read(seg[done : done + n], staged))
                 done += n
         finally:
             self._free.put_nowait(slot)

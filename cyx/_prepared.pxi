@@ -917,8 +917,11 @@ def nixl_transfer(agent, handle, notif_msg=b""):
     try:
         fut = _slot_obj(x, _nx_off[_NX_FUT])
         rem = _slot_obj(x, _nx_off[_NX_REMOTE])
-        if fut is not None and _fut_state(fut) == 0:
-            punt = True  # (refused there: still in flight)
+        if fut is not None and _fut_state(fut) != 1:
+            # (Refused there: still in flight; or, the last post cancelled
+            # or failed, while the engine may still move its data: the
+            # Transfers' busy. Checked there, off this path.)
+            punt = True
         elif rem is not None and _nx_gen(rem) != _slot_obj(x, _nx_off[_NX_GEN]):
             punt = True  # (refused there: removed or re-registered)
         else:

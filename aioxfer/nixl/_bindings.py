@@ -21,6 +21,7 @@ chosen per peer); "POSIX" answers ``queryMem`` for files.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -761,6 +762,13 @@ _TIGHT_POLL = 0.0002
 # say), _TIGHT_WAIT.
 _TIGHT_WAIT = 0.001
 _ENGINE_WAIT = 0.005
+# What an agent keeps of the notifications nobody has taken yet (getNotifs):
+# NIXL keeps them all; we keep up to this many bytes of messages (each
+# counted _NOTIF_COST more, for a store of many tiny ones), then drop the
+# oldest, logged. The same bound as the assembler's partial messages.
+_NOTIF_STORE_BYTES = _wire._MAX_HELD_BYTES
+_NOTIF_COST = 64
+_NOTIF_PUMP_PAUSE = 0.002  # s: see _pump_notifs
 # A request that completed later than this many spins after its post, on
 # _SPIN_MISSES posts running, is not spun for on its next posts, but for one
 # in _SPIN_PROBE (see _wait_completion and _spin_wanted).
@@ -1230,6 +1238,13 @@ class nixlAgent:
         self._dlists: dict[int, _Prepped] = {}
         self._xfers: dict[int, _Xfer] = {}
         self._assembler = _wire.NotifAssembler(_notif_dropped)
+        # Messages taken from the aioxfer agent's queue, not yet handed to
+        # getNotifs (rev19 #2): see _pump_notifs. (sender, message), in
+        # arrival order; _notif_held bounds them (_NOTIF_STORE_BYTES).
+        self._notif_store: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._notif_held = 0
+        self._notif_lost = 0  # messages dropped at the bound, not yet logged
+        self._notif_lost_logged = -1.0
         self._last_empty_notif = 0.0
         self._last_md_poll = 0.0
         self._server: asyncio.AbstractServer | None = None
@@ -1367,6 +1382,8 @@ class nixlAgent:
             self._rt.run(agent.aclose(), timeout=_CONNECT_TIMEOUT)
             raise
         self._agent = agent
+        with self._rt.locked():
+            self._track(self._rt.spawn(self._pump_notifs(agent.notifications)))
         self._flush_fn = agent.flush
         self._poll_fn = agent.poll
         self._fd = agent.fileno()
@@ -2328,6 +2345,8 @@ class nixlAgent:
             fut = x.fut
             if fut is not None and not fut.done():
                 raise _error(-7, "postXferReq: the transfer is still in flight")
+            if fut is not None and (fut.cancelled() or fut.exception() is not None):
+                _refuse_if_moving(x)
             rem = x.remote
             # (Removing a remote bumps its gen: a remote removed, or
             # re-registered, goes to _post_general, which raises.) A peer
@@ -2414,6 +2433,8 @@ class nixlAgent:
             fut = x.fut
             if fut is not None and not fut.done():
                 raise _error(-7, "postXferReq: the transfer is still in flight")
+            if fut is not None and (fut.cancelled() or fut.exception() is not None):
+                _refuse_if_moving(x)
             rem = x.remote
             # (Removing a remote bumps its gen: one comparison covers both.)
             if rem is not None and rem.gen != x.gen:
@@ -3054,13 +3075,74 @@ class nixlAgent:
 
     # ------------------------------------------------------------ notifications
 
+    async def _pump_notifs(self, queue: aioxfer.Notifications) -> None:
+        """Moves notifications out of the aioxfer agent's queue as they come
+        (a task on the loop, lock held), so that the engine never stops
+        reading a connection for them (rev19 #2): aioxfer bounds what waits
+        there per connection (Limits.max_notify_per_conn) and stops reading
+        that connection, its data included, until the application takes
+        some; NIXL's transfers never wait for the target to read its
+        notifications (a target that polls memory may never call
+        getNotifs). Each message still comes after its data (the engine
+        queues it only then) and in arrival order."""
+        while True:
+            try:
+                n = await queue.receive()
+            except ClosedResourceError:
+                return
+            self._keep_notif(n.peer_name, n.payload)
+            self._take_notifs(queue)
+            # A pause before the next wait: a target that reads its
+            # notifications takes them itself (getNotifs), and a wake-up of
+            # this task per notification (a callback scheduled from the
+            # poster's thread, the loop thread woken) made a WRITE with a
+            # notification ~1.7x slower; at most one per pause now, and what
+            # a connection gathers meanwhile stays far below its
+            # max_notify_per_conn.
+            await asyncio.sleep(_NOTIF_PUMP_PAUSE)
+
+    def _keep_notif(self, sender: str, frame: bytes) -> None:
+        # (lock held)
+        msg = self._assembler.feed(sender, frame)
+        if msg is not None:
+            self._notif_store.append((sender, msg))
+            self._notif_held += len(msg) + _NOTIF_COST
+            if self._notif_held > _NOTIF_STORE_BYTES:
+                self._drop_notifs()
+
+    def _take_notifs(self, queue: aioxfer.Notifications) -> None:
+        """What the agent's queue holds, into the store (lock held)."""
+        while len(queue):
+            try:
+                n = queue.receive_nowait()
+            except (asyncio.QueueEmpty, ClosedResourceError):
+                break
+            self._keep_notif(n.peer_name, n.payload)
+
+    def _drop_notifs(self) -> None:
+        """Past the bound, the oldest messages go (logged at most once a
+        second): memory must not grow without bound for a target that never
+        reads (NIXL's would); the data path never waits for it either."""
+        store = self._notif_store
+        while self._notif_held > _NOTIF_STORE_BYTES and store:
+            _, msg = store.popleft()
+            self._notif_held -= len(msg) + _NOTIF_COST
+            self._notif_lost += 1
+        now = time.monotonic()
+        if now - self._notif_lost_logged >= 1.0:
+            self._notif_lost_logged = now
+            _log("W", f"notifications: {self._notif_lost} messages nobody took dropped, the "
+                      f"oldest first (bound: {_NOTIF_STORE_BYTES >> 20} MiB of messages not "
+                      f"yet taken by getNotifs, counting {_NOTIF_COST} bytes each)")
+            self._notif_lost = 0
+
     def getNotifs(self, notif_map: dict[str, list[bytes]], backends: Any = ()
                   ) -> dict[str, list[bytes]]:
         agent = self._agent
         if agent is None:
             return notif_map
         queue = agent.notifications
-        if not len(queue):
+        if not len(queue) and not self._notif_store:
             rt = self._rt
             # Take what the engine has now (the loop thread may not be
             # watching its fd: a tight poller's claim lingers).
@@ -3070,22 +3152,22 @@ class nixlAgent:
                 finally:
                     rt.leave()
             now = time.perf_counter()
-            if len(queue):
+            if len(queue) or self._notif_store:
                 pass
             elif now - self._last_empty_notif < _TIGHT_POLL:
-                self._wait_completion(_ENGINE_WAIT, queue.__len__)
+                self._wait_completion(_ENGINE_WAIT,
+                                      lambda: len(queue) or self._notif_store)
             self._last_empty_notif = time.perf_counter()
-            if not len(queue):
+            if not len(queue) and not self._notif_store:
                 return notif_map
         with self._rt.locked():
-            while True:
-                try:
-                    n = queue.receive_nowait()
-                except (asyncio.QueueEmpty, ClosedResourceError):
-                    break
-                msg = self._assembler.feed(n.peer_name, n.payload)
-                if msg is not None:
-                    notif_map.setdefault(n.peer_name, []).append(msg)
+            # (The pump may not have run yet: what the queue holds came after
+            # what the store holds.)
+            self._take_notifs(queue)
+            store, self._notif_store = self._notif_store, collections.deque()
+            self._notif_held = 0
+        for sender, msg in store:
+            notif_map.setdefault(sender, []).append(msg)
         return notif_map
 
     def genNotif(self, remote_agent: Any, msg: Any, backends: Any = ()) -> int:
@@ -3633,6 +3715,20 @@ class _ListenLog:
             message += f" ({self.left_out} more listener warnings not logged)"
             self.left_out = 0
         _log("W", f"metadata listener: {message}")
+
+
+def _refuse_if_moving(x: _Xfer) -> None:
+    """A repost of ``x`` whose last post ended cancelled (future().cancel(),
+    a release that only cancelled) or failed (a part failed, others still
+    running) is refused while the engine may still move that post's bytes
+    (rev19 #1's repost case): the old data could land over the new. Its
+    Transfers tell (busy until the engine confirms). Lock held."""
+    fut = x.fut
+    for t in (fut, *x.parts, x.tail):
+        if isinstance(t, Transfer) and t.busy:
+            raise _error(-7, "postXferReq: the transfer's previous post was cancelled or "
+                             "failed, but the engine has not confirmed yet that it no longer "
+                             "moves its data: retry")
 
 
 def _notif_dropped(sender: str, nbytes: int) -> None:

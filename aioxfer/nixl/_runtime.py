@@ -330,6 +330,12 @@ class Runtime:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
+            # (On 3.11 that is the builtin TimeoutError: the coroutine's own
+            # one too. A finished future raised it itself, or finished just
+            # after the wait gave up: its result or error as it is, and
+            # nothing to cancel.)
+            if fut.done():
+                return fut.result()
             fut.cancel()
             raise TimeoutError(f"no answer within {timeout} s") from None
 
