@@ -858,10 +858,14 @@ static int rmap_open(cuda_rmap *cm, int dev, CUcontext ctx, char *why, size_t wh
             snprintf(why, why_len, "cuIpcOpenMemHandle on device %d: %s", dev,
                      cu_err(r, b, sizeof b));
             st = AXF_E_TRANSPORT;
-        } else if ((r = drv.MemGetAddressRange(&b2, &m->size, m->base)) != CUDA_SUCCESS ||
-                   b2 != m->base) {
+        } else if ((r = drv.MemGetAddressRange(&b2, &m->size, m->base)) != CUDA_SUCCESS) {
             snprintf(why, why_len, "cuMemGetAddressRange of an IPC mapping: %s",
                      cu_err(r, b, sizeof b));
+            drv.IpcCloseMemHandle(m->base);
+            st = AXF_E_TRANSPORT;
+        } else if (b2 != m->base) {
+            snprintf(why, why_len, "an IPC mapping at 0x%llx lies inside an allocation at 0x%llx",
+                     (unsigned long long)m->base, (unsigned long long)b2);
             drv.IpcCloseMemHandle(m->base);
             st = AXF_E_TRANSPORT;
         }

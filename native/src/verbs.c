@@ -2008,9 +2008,13 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
                     }
                 }
             if (st != AXF_OK) {
+                /* region_release_all wants vs->mu (mr_put); order e->mu, then
+                 * vs->mu, as region_register takes it above */
+                pthread_mutex_lock(&vs->mu);
                 for (size_t b = 0; b < AXF_REGION_BUCKETS; b++)
                     for (region *r = e->regions[b]; r; r = r->next)
                         region_release_all(vs, r);
+                pthread_mutex_unlock(&vs->mu);
                 e->xp[AXF_EP_VERBS] = NULL;
             }
         }
