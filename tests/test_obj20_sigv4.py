@@ -278,12 +278,13 @@ CREDS = dict(access_key_id="AKIDOBJ20", secret_access_key="SECRET-obj20",
              session_token="TOKEN-obj20", region="us-east-1")
 
 
-async def _store(make_agent: MakeAgent, fake_s3: MakeFake) -> tuple[Store, FakeS3, Any, Any]:
+async def _store(make_agent: MakeAgent, fake_s3: MakeFake, **kw: Any
+                 ) -> tuple[Store, FakeS3, Any, Any]:
     store = Store()
     srv = await fake_s3(store)
     agent = await make_agent("o")
     objs = agent.register_objects("s3://bkt/pre", endpoint=srv.endpoint, **CREDS,
-                                  part_size=5 * MiB, max_retries=2, retry_timeout=5.0)
+                                  part_size=5 * MiB, max_retries=2, retry_timeout=5.0, **kw)
     return store, srv, agent, objs
 
 
@@ -337,4 +338,19 @@ async def test_lost_complete_is_not_a_written_object(make_agent: MakeAgent, fake
     match = "no such object" if older is None else f"holds {older} bytes"
     with pytest.raises(XferError, match=match):
         await within(agent.write(src[:], objs["k"]), 30)
+    assert [s[0] for s in srv.seen][-3:] == ["complete_mpu", "complete_mpu", "head"]
+
+
+async def test_check_multipart_false_skips_the_head(make_agent: MakeAgent,
+                                                    fake_s3: MakeFake) -> None:
+    # check_multipart=False: no HEAD after a complete the store answered;
+    # one still after a complete whose outcome is not known (sent again, it
+    # found no such upload: the first had completed it).
+    store, srv, agent, objs = await _store(make_agent, fake_s3, check_multipart=False)
+    src = agent.register(bytearray(pattern(11 * MiB, 4).tobytes()))
+    await within(agent.write(src[:], objs["k"]), 30)
+    assert store.objects["/bkt/pre/k"] == bytes(src.obj)
+    assert "head" not in [s[0] for s in srv.seen]
+    store.faults["complete_mpu"] = ["500-after"]
+    await within(agent.write(src[:], objs["k2"]), 30)
     assert [s[0] for s in srv.seen][-3:] == ["complete_mpu", "complete_mpu", "head"]
