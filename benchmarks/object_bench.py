@@ -19,7 +19,8 @@ from the AWS environment variables).
 
 ``--latency``: instead, per-request latency of this build (one process: run
 it under two builds alternately, against one server given by ``--endpoint``,
-for an A/B): a 4 KiB and a 1 MiB GET awaited one at a time, a 4 KiB stat,
+for an A/B): a 4 KiB and a 1 MiB GET awaited one at a time, a 4 KiB GET of
+a key not read before (its URL signed: none cached), a 4 KiB stat,
 a 24 MiB multipart write (part_size 8 MiB: three parts) and a delete of 64
 keys; the median of ``--reps`` of each, in microseconds, as one JSON line.
 """
@@ -229,11 +230,19 @@ async def latency(endpoint: str, bucket: str, creds: dict[str, str], reps: int
         await agent.write(small[:], objs["small"])
         await agent.write(big[:], objs["big"])
         dels = [f"d/{i}" for i in range(64)]
+        # keys read once each: their GETs sign a URL (none cached yet)
+        fresh = [f"f/{i}" for i in range(10 * (reps + 2))]
+        await agent.write([small[:]] * len(fresh), objs.segments(fresh))
         for rep in range(-2, reps):  # two warm-up rounds, not counted
             for _ in range(10):
                 t0 = time.perf_counter()
                 await agent.read(small[:], objs["small"])
                 timed("get_4k", t0)
+            for _ in range(10):
+                key = fresh.pop()
+                t0 = time.perf_counter()
+                await agent.read(small[:], objs[key])
+                timed("get_4k_uncached", t0)
             t0 = time.perf_counter()
             await agent.read(big[:], objs["big"])
             timed("get_1m", t0)
@@ -249,7 +258,7 @@ async def latency(endpoint: str, bucket: str, creds: dict[str, str], reps: int
             timed("delete_64", t0)
             if rep < 0:
                 times.clear()
-        await objs.delete(["small", "big", "mpu"])
+        await objs.delete(["small", "big", "mpu", *(f"f/{i}" for i in range(10 * (reps + 2)))])
     return {k: statistics.median(v) for k, v in times.items()}
 
 

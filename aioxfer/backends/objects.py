@@ -11,8 +11,8 @@ Credentials not given come from the standard AWS environment variables
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
 ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``), as obstore reads them.
 
-Writes go through obstore (a buffer of registered memory is handed over
-without a copy; multipart uploads for large objects). Reads fetch a
+Single PUTs go through obstore (a buffer of registered memory is handed
+over without a copy). Reads fetch a
 presigned GET URL (obstore signs it) with aiohttp and copy each received
 chunk straight into the registered destination: one copy per byte, no
 intermediate object. That path exists because some S3 servers (rclone's)
@@ -26,18 +26,25 @@ A 403 to a URL reused from the cache of signed URLs signs it again, once.
 and sent with aiohttp, following no redirect: obstore (reqwest) follows one,
 to another host too, sending the session token (``x-amz-security-token``;
 only Authorization is dropped) and taking that host's answer. A single PUT
-and a multipart upload's part PUTs are not followed by obstore. Left: the
-create, complete and abort requests of a multipart upload (objects above
-``part_size``) still go through obstore and follow a redirect (obstore
-0.12 has no option against it and presigns no URL with a query such as
-``?uploads``; tests/test_obj18b_redirects.py, xfail). So that a redirected
-complete answered by another host is not taken for a written object, a
-multipart write ends with a HEAD of the key (presigned, no redirect): the
-object must be there with the written size (and the e-tag the complete
-answered, where the store's e-tags compare), else the write fails
-(ObjectRegion._check_completed). Its cost: one HEAD per object of more than
-``part_size`` bytes (a metadata lookup on AWS S3; rclone serve s3 hashes the
-object's file to answer the first HEAD after a write: 24 MiB took 47 ms).
+is not followed by obstore. A multipart upload (objects above
+``part_size``) is ours: its create, part, complete and abort requests are
+signed here (AWS Signature V4, aioxfer.backends.sigv4: obstore 0.12 neither
+presigns a URL with a query such as ``?uploads`` nor has an option against
+redirects) and sent with aiohttp, following no redirect
+(tests/test_obj18b_redirects.py), each retried within the retry budget;
+its parts go from the caller's memory (or the owned copy), up to 4 at once.
+That needs the credentials to be static (given, or from the environment);
+with credentials obstore finds otherwise (instance metadata, web identity)
+obstore's multipart upload is used, which follows a redirect of those
+requests. A multipart write ends with a HEAD of the key (presigned, no
+redirect; ``check_multipart``, below): the object must be there with the written size (and the e-tag
+the complete answered, where the store's e-tags compare), else the write
+fails (ObjectRegion._check_completed): a complete answered by a host that
+is not the store (obstore's upload), or answered 500 once it was done and
+then no longer known when sent again, is then judged by the store itself.
+Its cost: one HEAD per object of more than ``part_size`` bytes (a metadata
+lookup on AWS S3; rclone serve s3 hashes the object's file to answer the
+first HEAD after a write: 24 MiB took 47 ms).
 
 Failures are typed: a missing key (or bucket) is ObjectNotFound, bad
 credentials AccessDenied, a conditional create of an existing key
@@ -52,9 +59,10 @@ unless ``resend_unknown_puts`` (below) says otherwise.
 Options of ``register_objects`` (beside the endpoint and credentials):
 
 - ``part_size`` (8 MiB, at least 5 MiB): larger objects are multipart
-  uploads (with obstore's own retries), smaller ones one PUT;
+  uploads of parts of this size, smaller ones one PUT;
 - ``max_retries`` (4), ``retry_timeout`` (10 s): each request's retry budget
-  (GETs, single PUTs, and obstore's HEAD, DELETE and multipart requests);
+  (every request: GETs, HEADs, DELETEs, PUTs, each request of a multipart
+  upload);
 - ``connect_timeout`` (2 s), ``read_timeout`` (15 s): per connection and
   per read of an answer. They also bound how long a cancel or
   ``agent.aclose()`` waits for a write in flight to a server that stopped
@@ -62,6 +70,14 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   completed or aborted) until its request times out; a multipart one then
   sends its abort, which waits as long again (measured against a stopped
   rclone: 30 s for a 24 MiB write with the defaults);
+- ``check_multipart`` (True): whether a multipart write ends with a HEAD
+  of the key (above). False skips it where the upload was ours (static
+  credentials) and the endpoint itself answered its complete, as against
+  a store trusted to mean its answers: one request less per object above
+  ``part_size`` (rclone serve s3 hashes the file to answer it: 47 ms of a
+  24 MiB write). Still made when it is needed to know: a complete sent
+  again that finds no such upload (the first may have completed it), or
+  obstore's upload (other credentials; it follows redirects);
 - ``resend_unknown_puts`` (False): a single PUT whose outcome is unknown (a
   reset or cut connection after the request went out, a read timeout, a
   gateway's 502 or 504) and whose object a HEAD then does not find with its
@@ -84,6 +100,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import hashlib
+import html
 import os
 import random
 import re
@@ -93,13 +110,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
+from xml.sax.saxutils import escape as xml_escape
 
 import aiohttp
 import obstore
+import yarl
 from obstore import exceptions as obx
 from obstore.store import S3Store
 
+from aioxfer.backends import sigv4
 from aioxfer.backends.base import BackendRegion, LocalBackend, Op
 from aioxfer.errors import (
     AccessDenied,
@@ -305,6 +325,8 @@ class ObjectRegion(BackendRegion):
         connect_timeout: float,
         read_timeout: float,
         resend_unknown_puts: bool = False,
+        static_keys: tuple[str, str] | None = None,
+        check_multipart: bool = True,
     ) -> None:
         super().__init__(backend, name)
         self.url = url
@@ -313,6 +335,14 @@ class ObjectRegion(BackendRegion):
         self._retry = retry
         self._part_size = part_size
         self._resend_unknown = resend_unknown_puts
+        # (access key id, secret) when the credentials are static (given, or
+        # from the environment): our own requests are then signed here
+        # (_own_target); else only obstore can sign.
+        self._static_keys = static_keys
+        self._check_multipart = check_multipart
+        # our multipart uploads in flight: aclose lets them end (they send
+        # through this region's HTTP session) before closing it
+        self._uploads: set[asyncio.Task[str | None]] = set()
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             connect=connect_timeout,
@@ -420,6 +450,9 @@ class ObjectRegion(BackendRegion):
         flight fail with ClosedResourceError, its writes in flight finish.
         Idempotent."""
         await super().aclose()
+        if self._uploads:
+            # (asyncio.wait: a cancel of aclose does not cancel them)
+            await asyncio.wait(set(self._uploads))
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -449,11 +482,12 @@ class ObjectRegion(BackendRegion):
 
         An object of up to ``part_size`` bytes is one PUT request, sent again
         only when the earlier attempt is known to be over (see _put_single);
-        a larger one is a multipart upload with obstore's own retries.
+        a larger one is a multipart upload of ours (_multipart; obstore's
+        where the credentials are not static: _own_target).
 
         A multipart upload is waited for to its end through a cancel, whatever
-        its size, owned copy or not: obstore completes it, or aborts it when
-        it fails, but an upload whose future is dropped is neither (its parts
+        its size, owned copy or not: it is completed, or aborted when it
+        fails, but an upload dropped midway is neither (its parts
         stay stored, and billed, at the server until a lifecycle rule clears
         them). The cost: a cancelled write of more than ``part_size`` bytes
         raises CancelledError only once its upload is over, up to the time of
@@ -467,10 +501,161 @@ class ObjectRegion(BackendRegion):
         if src.nbytes <= self._part_size:
             await self._put_single(body, seg, mode, owned)
             return
-        done = await self._upload(False, self._obstore("write", seg.key, obstore.put_async(
-            self._store, seg.key, body, mode=mode, chunk_size=self._part_size,
-            max_concurrency=4)))
-        await self._check_completed(seg.key, src.nbytes, done.get("e_tag"))
+        target = None if mode == "create" else self._own_target(seg.key)
+        e_tag: str | None
+        if target is not None:
+            task = asyncio.ensure_future(self._multipart(target, body, seg.key))
+            self._uploads.add(task)
+            task.add_done_callback(self._uploads.discard)
+            e_tag = await self._upload(False, task)
+            if e_tag is not None and not self._check_multipart:
+                return  # the store itself answered the complete (no redirect followed)
+        else:
+            # A conditional create is one PUT (obstore's put with a mode
+            # uploads in one request whatever the size); credentials that are
+            # not static leave obstore's multipart upload, which follows a
+            # redirect of its create, complete and abort requests.
+            done = await self._upload(False, self._obstore("write", seg.key, obstore.put_async(
+                self._store, seg.key, body, mode=mode, chunk_size=self._part_size,
+                max_concurrency=4)))
+            e_tag = done.get("e_tag")
+        await self._check_completed(seg.key, src.nbytes, e_tag)
+
+    def _own_target(self, key: str) -> _Target | None:
+        """Where and how to send our own signed requests of ``key``: its URL
+        (scheme, host and path exactly as obstore makes them, from a URL
+        obstore presigns: endpoint, bucket, prefix, key encoding), the
+        credentials and region obstore signs with. None when they are not
+        static (obstore's other providers: instance metadata, web identity)
+        or not the ones we know the secret of."""
+        if self._static_keys is None:
+            return None
+        key_id, secret = self._static_keys
+        try:
+            # synchronous: with static credentials obstore signs locally (~20 us)
+            signed = obstore.sign(self._store, "PUT", key, _SIGN_TTL)
+        except (obx.BaseError, OSError, ValueError, TypeError):
+            return None
+        parts = urlsplit(str(signed))
+        query = dict(parse_qsl(parts.query))
+        scope = query.get("X-Amz-Credential", "").split("/")
+        if len(scope) != 5 or scope[0] != key_id:
+            return None
+        creds = sigv4.Credentials(key_id, secret, query.get("X-Amz-Security-Token"))
+        return _Target(f"{parts.scheme}://{parts.netloc}{parts.path}", creds, scope[2])
+
+    async def _multipart(self, target: _Target, body: bytes | memoryview, key: str) -> str | None:
+        """A multipart upload of ``body`` to ``key``, every request signed here
+        and sent with aiohttp, following no redirect (_own_request): create
+        (``POST ?uploads``), the parts (``PUT ?partNumber=&uploadId=``, up to
+        4 at once, each retried on its own: a part sent again replaces
+        itself), complete (``POST ?uploadId=``). Any failure aborts the
+        upload (``DELETE ?uploadId=``; its own failure leaves the parts for
+        the store's lifecycle rules, the first error is raised). The e-tag
+        the complete answered ("" if none), or None when its outcome is not
+        known (see _completed): the HEAD that follows then says."""
+        what = f"multipart write of object {key!r} in {self.url}"
+        upload_id = await self._own_request(
+            target, "POST", [("uploads", "")], f"{what} (create)", _created)
+        try:
+            view = memoryview(body).cast("B")
+            size = self._part_size
+            count = -(-len(view) // size)
+            tags: list[str] = [""] * count
+            failures: list[BaseException] = []
+            todo = iter(range(count))
+
+            async def worker() -> None:
+                for i in todo:
+                    if failures:
+                        return
+                    try:
+                        tags[i] = await self._own_request(
+                            target, "PUT",
+                            [("partNumber", str(i + 1)), ("uploadId", upload_id)],
+                            f"{what} (part {i + 1} of {count})", _part_done,
+                            body=view[i * size:(i + 1) * size],
+                            payload_hash=sigv4.UNSIGNED_PAYLOAD)
+                    except BaseException as exc:
+                        failures.append(exc)
+                        return
+
+            await asyncio.gather(*(worker() for _ in range(min(4, count))))
+            if failures:
+                raise failures[0]
+            xml = "".join(
+                f"<Part><PartNumber>{i + 1}</PartNumber><ETag>{xml_escape(t)}</ETag></Part>"
+                for i, t in enumerate(tags))
+            data = (
+                '<CompleteMultipartUpload xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                f"{xml}</CompleteMultipartUpload>").encode()
+            return await self._own_request(
+                target, "POST", [("uploadId", upload_id)], f"{what} (complete)", _completed,
+                body=data, payload_hash=hashlib.sha256(data).hexdigest())
+        except BaseException:
+            try:
+                await self._own_request(
+                    target, "DELETE", [("uploadId", upload_id)], f"{what} (abort)", _aborted)
+            except XferError:
+                pass  # the first failure is the one to report
+            raise
+
+    async def _own_request(
+        self,
+        target: _Target,
+        method: Literal["POST", "PUT", "DELETE"],
+        params: list[tuple[str, str]],
+        what: str,
+        answer: Callable[[str, aiohttp.ClientResponse, str, str, int], Awaitable[_T]],
+        body: bytes | memoryview | None = None,
+        payload_hash: str = sigv4.EMPTY_SHA256,
+    ) -> _T:
+        """A request of ``target`` with query ``params``, signed here (SigV4,
+        headers) and sent with aiohttp following no redirect (a 3xx fails
+        it: the session token travels in a header, and another host's answer
+        would count). Retried (5xx, 429, 408, a connection error or timeout,
+        an S3 error in a 200's body, a _Transient from ``answer``) within the
+        region's retry budget, signed again each time. 401 and 403 are
+        AccessDenied. ``answer(what, resp, text, code, attempt)`` makes the result
+        of any other status: ``text`` is the body (read for a POST and for an
+        answer of 300 or more, else ""), ``code`` its S3 error code, ``attempt``
+        the attempt's number (1 for the first)."""
+        url = f"{target.url}?{sigv4.canonical_query(params)}"
+        attempts = _Attempts(self._retry, self.backend.note_retry)
+        while True:
+            failed: str
+            try:
+                headers = sigv4.sign_headers(
+                    method, url, target.creds, target.region, payload_hash=payload_hash)
+                data: Any = None
+                if body is not None:
+                    # Content-Length given and the body streamed: aiohttp
+                    # sends it as is (not chunked), from the caller's memory
+                    # a MiB at a time (the socket's flow control applies).
+                    headers["Content-Length"] = str(len(body))
+                    data = _chunks(body)
+                async with self._http().request(
+                    method, yarl.URL(url, encoded=True), headers=headers, data=data,
+                    allow_redirects=False,
+                ) as resp:
+                    status = resp.status
+                    text = ""
+                    if status >= 300 or method == "POST":
+                        # a POST's answer is small XML (create, complete);
+                        # S3 may answer a complete 200 with an error in it
+                        text = (await resp.content.read(1 << 16)).decode("utf-8", "replace")
+                    code = _xml_code(text) if "<Error" in text else ""
+                    if status in _TRANSIENT_HTTP or (status == 200 and code):
+                        raise _Transient(f"HTTP {status} {code}".strip())
+                    if status in (401, 403):
+                        raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
+                    if 300 <= status < 400:
+                        raise _redirected(what, status, resp)
+                    return await answer(what, resp, text, code, attempts.made)
+            except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
+                failed = _describe(exc)
+            if not await attempts.another():
+                raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
 
     async def _check_completed(self, key: str, size: int, e_tag: str | None) -> None:
         """After a multipart upload obstore reported complete: a HEAD of
@@ -622,12 +807,26 @@ class ObjectRegion(BackendRegion):
         hit = self._signed.get((method, key))
         if hit is not None and hit[1] - now > _SIGN_REUSE:
             return hit[0], True
-        signing = obstore.sign_async(self._store, method, key, _SIGN_TTL)
-        url = str(await self._obstore("sign", key, signing))
+        if self._static_keys is not None:
+            # Static credentials: obstore signs locally (~15 us), so here at
+            # once; sign_async's hop to obstore's runtime and back costs
+            # ~190 us (much of an uncached 4 KiB GET). Our own signer
+            # (sigv4.presign) would take ~30 us in Python.
+            url = self._sign_now(method, key)
+        else:
+            signing = obstore.sign_async(self._store, method, key, _SIGN_TTL)
+            url = str(await self._obstore("sign", key, signing))
         if len(self._signed) >= _SIGNED_MAX:
             self._signed.clear()
         self._signed[(method, key)] = (url, now + _SIGN_TTL.total_seconds())
         return url, False
+
+    def _sign_now(self, method: Literal["GET", "HEAD", "DELETE"], key: str) -> str:
+        try:
+            return str(obstore.sign(self._store, method, key, _SIGN_TTL))
+        except (obx.BaseError, OSError) as exc:
+            err = _obstore_error(exc, "sign", key, self.url)
+        raise err  # outside the except: obstore's error is not even its context
 
     async def _head(self, key: str, doing: str) -> ObjectStat | None:
         """A HEAD of ``key`` through a presigned URL: its ObjectStat, or None
@@ -874,6 +1073,74 @@ def _put_outcome(exc: BaseException) -> Literal["unsent", "answered", "refused",
     return "unknown"
 
 
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """An object's URL (no query) and what signs requests of it."""
+
+    url: str
+    creds: sigv4.Credentials
+    region: str
+
+
+async def _chunks(body: bytes | memoryview) -> Any:
+    """``body`` a MiB at a time (views, no copies), for aiohttp to send."""
+    view = memoryview(body)
+    for at in range(0, len(view), _READ_BUFSIZE):
+        yield view[at:at + _READ_BUFSIZE]
+
+
+def _xml_text(text: str, tag: str) -> str | None:
+    m = re.search(f"<{tag}>([^<]*)</{tag}>", text)
+    return None if m is None else html.unescape(m[1])
+
+
+def _failed(what: str, resp: aiohttp.ClientResponse, code: str) -> XferError:
+    if resp.status == 404:
+        return ObjectNotFound(f"{what}: not found ({code or 'HTTP 404'})")
+    return XferError(f"{what}: HTTP {resp.status} {code}".rstrip())
+
+
+async def _created(
+    what: str, resp: aiohttp.ClientResponse, text: str, code: str, attempt: int
+) -> str:
+    if resp.status != 200:
+        raise _failed(what, resp, code)
+    upload_id = _xml_text(text, "UploadId")
+    if not upload_id:
+        raise ProtocolError(f"{what}: HTTP 200 without an UploadId")
+    return upload_id
+
+
+async def _part_done(
+    what: str, resp: aiohttp.ClientResponse, text: str, code: str, attempt: int
+) -> str:
+    if resp.status != 200:
+        raise _failed(what, resp, code)
+    e_tag = resp.headers.get("ETag")
+    if not e_tag:
+        raise ProtocolError(f"{what}: HTTP 200 without an ETag")
+    return e_tag
+
+
+async def _completed(
+    what: str, resp: aiohttp.ClientResponse, text: str, code: str, attempt: int
+) -> str | None:
+    if resp.status == 404 and code == "NoSuchUpload" and attempt > 1:
+        # An earlier attempt (its answer lost) may have completed it: the
+        # HEAD that follows every multipart write (_check_completed) says.
+        return None
+    if resp.status != 200:
+        raise _failed(what, resp, code)
+    return _xml_text(text, "ETag") or ""
+
+
+async def _aborted(
+    what: str, resp: aiohttp.ClientResponse, text: str, code: str, attempt: int
+) -> None:
+    if resp.status not in (200, 204, 404):
+        raise _failed(what, resp, code)
+
+
 def _redirected(what: str, status: int, resp: aiohttp.ClientResponse) -> XferError:
     where = urlsplit(resp.headers.get("Location", ""))
     to = f" to {where.scheme}://{where.netloc}" if where.netloc else ""
@@ -1017,6 +1284,7 @@ class ObjectBackend(LocalBackend):
         connect_timeout: float = 2.0,
         read_timeout: float = 15.0,
         resend_unknown_puts: bool = False,
+        check_multipart: bool = True,
     ) -> ObjectRegion:
         """See ``Agent.register_objects`` and this module's docstring (the
         options)."""
@@ -1078,6 +1346,10 @@ class ObjectBackend(LocalBackend):
             name, k = url, 1
             while name in self._regions:
                 name, k = f"{url}#{k}", k + 1
+        # Static credentials (given, or from the environment as obstore reads
+        # them): the multipart upload's requests are then signed here.
+        key_id = access_key_id or os.environ.get("AWS_ACCESS_KEY_ID")
+        secret = secret_access_key or os.environ.get("AWS_SECRET_ACCESS_KEY")
         objs = ObjectRegion(
             self,
             name,
@@ -1089,6 +1361,8 @@ class ObjectBackend(LocalBackend):
             connect_timeout,
             read_timeout,
             bool(resend_unknown_puts),
+            (key_id, secret) if key_id and secret else None,
+            bool(check_multipart),
         )
         self._add_region(objs)
         return objs
