@@ -8,8 +8,9 @@ unmapped too early only made the call fail (ENOMEM); a touched page of an
 unmapped range is a SIGSEGV of the whole process. Here an initiator (its own
 process, the variable read at its first mapping) connects to a 96 MiB pool
 and closes the peer at once, over and over, then connects again and the
-pool's owner is SIGKILLed while it populates: the initiator must live,
-the bytes it wrote must land, and its fds and mappings must go back.
+pool's owner is SIGKILLed while it populates: the initiator must live
+(a write after the loss fails PeerLost or lands), and its fds and
+mappings must go back.
 """
 from __future__ import annotations
 
@@ -17,10 +18,8 @@ import asyncio
 import os
 import signal
 import sys
-from typing import Any
 
 from conftest import PipeChild
-
 from test_conn19_populator import pool_peer_main  # the same pool owner
 
 MiB = 1 << 20
