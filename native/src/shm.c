@@ -20,6 +20,7 @@
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -410,6 +411,13 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
         return AXF_E_ACCESS; /* not a memfd, or one its owner may still resize */
     struct stat st;
     if (fstat(memfd, &st) != 0 || st.st_size < 0 || (uint64_t)st.st_size < rr->len)
+        return AXF_E_ACCESS;
+    /* Seals do not hold a hugetlbfs file's pages: its owner can punch them
+     * out (fallocate) and keep every free huge page, and our next fault
+     * there is SIGBUS (a copy's, or the populator's touch). Our pools are
+     * never there (registration.py alloc). */
+    struct statfs sf;
+    if (fstatfs(memfd, &sf) != 0 || sf.f_type == 0x958458f6 /* HUGETLBFS_MAGIC */)
         return AXF_E_ACCESS;
     bool rw = rr->access & AXF_ACCESS_WRITE;
     int prot = PROT_READ | (rw ? PROT_WRITE : 0);
