@@ -2020,7 +2020,16 @@ class LayerStream:
         closed agent, a collection inside the agent's own completion drain,
         or the copies still running after _ABANDON_WAIT) they are cancelled
         as before and may still land: only aclose/``async with`` guarantee
-        dst is no longer written. The pins go either way."""
+        dst is no longer written. The pins go either way.
+
+        Measured (kv20; 8 blocks of 8 MiB, 4 layers, 40 breaks each): left
+        after layer 0 nothing is in flight yet (0.05 ms); after layer 1 the
+        window's two layers (32 MiB) are: 3.5 ms median, 24 ms max over
+        loopback TCP, 0.55 / 38 ms over shared memory, the loop blocked as
+        long. A scheduled task instead would not block the loop, but the
+        code after the loop would see dst change (test_kv19_stream); a
+        shorter bound changes only a stalled engine's case (then the
+        copies may land after the break instead). Left as it is."""
         if getattr(self, "_closed", True):
             return
         posted = self._in_flight()
