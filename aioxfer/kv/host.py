@@ -114,6 +114,10 @@ class HostTier(Tier):
         self._kick = asyncio.Event()
 
     async def _aclose(self) -> None:
+        await self._stop_demoter()
+
+    async def _stop_demoter(self) -> None:
+        """Stops the write-back (Store.aclose: before the tiers it writes to close)."""
         if self._demoter is not None:
             self._demoter.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -174,7 +174,18 @@ class PeerTier(Tier):
 
     ``pull_staging_blocks``: blocks placed here while the host tier has no
     free slot are read into a staging area of this many blocks first and
-    verified there; only the good ones make room (evict clean cold blocks)."""
+    verified there; only the good ones make room (evict clean cold blocks).
+
+    ``place_staging_blocks``: blocks of a caller's memory (a put that
+    overflows the host tier) are copied into a tier-owned area of this many
+    blocks first (allocated at the first such put), and their owners pull
+    them from there: once a put has returned or raised, its ``src`` is never
+    read again, whatever its owners do. (They pulled from ``src`` itself: an
+    owner stopped past ``ack_wait``, or sent a placement of a cancelled put,
+    read it later, while the caller was reusing it.) A late pull now reads
+    store memory, which the owner verifies (a slot reused meanwhile fails
+    its checksum there, as for host slots written back). Such puts take the
+    area one at a time, up to this many blocks per round."""
 
     kind = "peer"
     probes = True
@@ -182,7 +193,8 @@ class PeerTier(Tier):
     def __init__(self, *, name: str = "peer", group: str = "kv", replicas: int = 1,
                  seeds: list[str] | None = None, max_pulls: int = 16,
                  max_pulls_per_peer: int = 4, ack_wait: float = 1.0,
-                 ack_timeout: float = 10.0, pull_staging_blocks: int = 8) -> None:
+                 ack_timeout: float = 10.0, pull_staging_blocks: int = 8,
+                 place_staging_blocks: int = 64) -> None:
         super().__init__(name)
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
@@ -191,6 +203,11 @@ class PeerTier(Tier):
         if pull_staging_blocks < 1:
             raise ValueError("pull_staging_blocks must be >= 1")
         self.pull_staging_blocks = int(pull_staging_blocks)
+        if place_staging_blocks < 1:
+            raise ValueError("place_staging_blocks must be >= 1")
+        self.place_staging_blocks = int(place_staging_blocks)
+        self.place_stage: Region | None = None  # see the class doc; made at first use
+        self.place_lock = asyncio.Lock()
         self.pull_stage: Region | None = None
         self.pull_lock = asyncio.Lock()
         self.ack_wait = float(ack_wait)
@@ -286,7 +303,7 @@ class PeerTier(Tier):
         # all four (one after another that was 4 x close_timeout).
         failed, stopped = await _deregister_all(
             self.store.agent,
-            (self.meta_region, self.stage, self.pull_stage,
+            (self.meta_region, self.stage, self.pull_stage, self.place_stage,
              self.index.region if self.index else None),
             "kv.peer_close_failed", tier=self.name)
         first = first or failed
@@ -499,13 +516,77 @@ class PeerTier(Tier):
 
     async def _write(self, keys: list[bytes], regions: list[Region], offsets: list[int],
                      *, durable: bool = False) -> list[bool]:
-        """Sends each block to its owner(s): the owner pulls it from our memory."""
+        """Sends each block to its owner(s): the owner pulls it from store
+        memory (the host tier's, or the placement staging a caller's blocks
+        are copied into first: see the class doc)."""
+        ok = [False] * len(keys)
+        if len(self.member_names()) < 2:
+            self.counters.dropped("no_peer", len(keys))
+            return ok
+        host = self.store._host
+        own = host.region if host is not None else None
+        mine = [i for i, r in enumerate(regions) if r is own]
+        theirs = [i for i, r in enumerate(regions) if r is not own]
+        if mine:
+            sub = await self._place_all([keys[i] for i in mine], [regions[i] for i in mine],
+                                        [offsets[i] for i in mine])
+            for i, good in zip(mine, sub, strict=True):
+                ok[i] = good
+        step = self.place_staging_blocks
+        for b in range(0, len(theirs), step):
+            part = theirs[b:b + step]
+            # The area is held until this round's placements have ended
+            # (acknowledged, timed out, or failed): a later round's blocks
+            # then replace these under a late owner's pull, which fails
+            # its checksum and stores nothing.
+            async with self.place_lock:
+                staged = await self._stage_in(part, regions, offsets)
+                if not staged:
+                    continue
+                stage = self.place_stage
+                assert stage is not None
+                bb = self.store.block_bytes
+                sub = await self._place_all([keys[part[k]] for k in staged], [stage] * len(staged),
+                                            [k * bb for k in staged])
+            for k, good in zip(staged, sub, strict=True):
+                ok[part[k]] = good
+        return ok
+
+    async def _stage_in(self, part: list[int], regions: list[Region],
+                        offsets: list[int]) -> list[int]:
+        """Copies blocks ``part`` of the caller's memory into the placement
+        staging (block k of part at slot k); the k copied. Never cut short: a
+        cancelled put raises once the copies have ended (they read ``src``)."""
+        from aioxfer.kv.store import _groups, _seglist
+
+        store = self.store
+        bb = store.block_bytes
+        if self.place_stage is None:
+            self.place_stage = store.agent.alloc(
+                self.place_staging_blocks * bb, name=f"kvpeer.{self.group}.{store.name}.place")
+        remote = await store._remote(self.place_stage)
+        slot = {i: k for k, i in enumerate(part)}
+        groups = _groups(regions, part)
+        copies = [store.agent.write(_seglist(region, [offsets[i] for i in idx], bb),
+                                    _seglist(remote, [slot[i] * bb for i in idx], bb))
+                  for region, idx in groups]
+        results = await run_to_end(asyncio.gather(*copies, return_exceptions=True))
+        staged: list[int] = []
+        for (_region, idx), r in zip(groups, results, strict=True):
+            if isinstance(r, BaseException):
+                self.counters.errors += 1
+                self.counters.dropped("copy_failed", len(idx))
+                continue
+            staged.extend(slot[i] for i in idx)
+        return sorted(staged)
+
+    async def _place_all(self, keys: list[bytes], regions: list[Region],
+                         offsets: list[int]) -> list[bool]:
+        """The placements of blocks in store memory; per block whether it is
+        stored on an owner."""
         ok = [False] * len(keys)
         names = self.member_names()
         me = self.store.agent.name
-        if len(names) < 2:
-            self.counters.dropped("no_peer", len(keys))
-            return ok
         bb = self.store.block_bytes
         # Per owner and source region (the owner reads one region by name
         # per message): blocks of a caller's put may come from several.
