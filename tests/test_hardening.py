@@ -209,9 +209,13 @@ async def test_deregister_waits_for_a_stopped_same_host_peer(make_agent, remote_
     ra = await remote_agent(size=4 * MiB, peer_timeout=0.5, keepalive=0.1)
     assert await ra.call("connect", target.address) == SAME_HOST
     await ra.call("flood", target.address, "pool", "dst", 4 * MiB)
+    assert target.statistics().native_conns == 1
     sigstop(ra.pid)
     try:
-        await asyncio.sleep(1.5)  # > peer_timeout: the target drops its socket
+        # Past peer_timeout the target drops its socket (its connection
+        # closed: waited for, not slept past).
+        await wait_until(lambda: target.statistics().native_conns == 0, 10,
+                         what="the stopped peer's connection dropped")
         released = target.deregister(pool)
         await asyncio.sleep(1.0)
         assert not released.done(), "released while a stopped peer still maps the memory"
