@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import email.utils
 import hashlib
@@ -34,8 +35,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -257,14 +260,15 @@ def verbs_provider(softverbs_provider: str, monkeypatch: pytest.MonkeyPatch) -> 
     return softverbs_provider
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (root only): writes past its capacity fail with ENOSPC."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "full"
+@contextlib.contextmanager
+def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (mount's spelling: "1m", "16m") mounted at ``mnt``
+    (made here) for the block; skips the test where none can be mounted
+    (not root, no mount(8), a container that refuses)."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
@@ -272,6 +276,31 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (root only): writes past its capacity fail with ENOSPC."""
+    with mounted_tmpfs(tmp_path / "full", "1m") as mnt:
+        yield mnt
+
+
+@pytest.fixture
+def disk_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs (root only) for a kv.DiskTier that is then filled to
+    its last page (fill_fs): a segment file is sparse, so a header sector
+    written into a hole then fails with ENOSPC."""
+    with mounted_tmpfs(tmp_path / "mnt", "16m") as mnt:
+        yield mnt
+
+
+def fill_fs(path: Path) -> None:
+    """Writes ``path`` until its filesystem has no page left."""
+    chunk = b"\xff" * 4096
+    with open(path, "wb", buffering=0) as fh:
+        with contextlib.suppress(OSError):
+            while True:
+                fh.write(chunk)
 
 
 @pytest.fixture
@@ -744,6 +773,307 @@ def sigstop(pid: int) -> None:
         time.sleep(0.001)
 
 
+def queued_conns(port: int, min_bytes: int) -> int:
+    """Established IPv4 connections whose local port is ``port`` with at
+    least ``min_bytes`` unread in their receive queue (/proc/net/tcp): what
+    a SIGSTOPped peer has not read of the requests sent to it."""
+    n = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            cols = line.split()
+            lport = int(cols[1].rsplit(":", 1)[1], 16)
+            rxq = int(cols[4].split(":")[1], 16)
+            n += cols[3] == "01" and lport == port and rxq >= min_bytes
+    return n
+
+
+@dataclasses.dataclass
+class TcpVictim:
+    """A remote agent over tcp (``ra``, listening on ``port``) and this
+    process's initiator ``init`` connected to it (``peer``, every connection
+    joined), with ``buf`` registered as "src" before the connect (``fds0``
+    and ``regions0``: this process's fds and init's native regions then)."""
+    ra: RemoteAgent
+    port: int
+    init: Any
+    buf: Any
+    peer: Any
+    fds0: int
+    regions0: int
+
+    async def kill_under(self, post: Callable[[], Any], queued: Callable[[], bool],
+                         what: str, then: Callable[[], None] | None = None) -> None:
+        """Stops the peer (SIGSTOP), posts a request (``post()``), waits
+        until ``queued()`` (what reached the stopped peer; ``then()`` checks
+        it further), and SIGKILLs the peer: the request must fail with
+        PeerLost within 10 s of its post, and nothing stay in flight."""
+        from aioxfer import PeerLost
+
+        sigstop(self.ra.pid)
+        try:
+            t0 = time.monotonic()
+            t = post()
+            await wait_until(queued, 10, what=what)
+            if then is not None:
+                then()
+            assert not t.done()
+            self.ra.kill(signal.SIGKILL)
+            with pytest.raises(PeerLost):
+                await within(t, 10)
+            assert time.monotonic() - t0 < 10
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.ra.pid, signal.SIGCONT)
+        await wait_until(lambda: self.init.statistics().in_flight == 0
+                         and self.init.statistics().native_ops == 0, 10,
+                         what="nothing in flight")
+
+
+async def tcp_victim(make_agent: Callable[..., Awaitable[Any]],
+                     remote_agent: Callable[..., Awaitable[RemoteAgent]],
+                     src: Any, size: int = 2 << 20, warm: int = 1 << 20) -> TcpVictim:
+    """A TcpVictim: the remote agent's regions ``size`` bytes, ``src`` (a
+    writable buffer) registered as init's "src", and its first ``warm``
+    bytes written once to the peer's "user" (warm). init's keepalive is
+    30 s, so no ping lands in a stopped peer's queues while a test looks."""
+    ra = await remote_agent(size=size, transports=("tcp",))
+    port = int(ra.address.rsplit(":", 1)[1])
+    init = await make_agent("init", transports=("tcp",), keepalive=30.0, peer_timeout=120.0)
+    buf = init.register(src, name="src")
+    fds0, regions0 = len(os.listdir("/proc/self/fd")), init.statistics().native_regions
+    peer = await within(init.connect(ra.address))
+    assert peer.path == "tcp"
+    # The connections join once connect returned (Connector._join_rest).
+    await wait_until(lambda: peer.statistics().rails[0].connections == 4, 10, what="the joins")
+    await within(init.write(buf[0:warm], peer.region("user")[0:warm]))  # warm
+    return TcpVictim(ra, port, init, buf, peer, fds0, regions0)
+
+
+# --------------------------------------------------------------- aioxfer.nixl peers
+
+NIXL_BIG = 64 << 20
+
+
+def nixl_pattern(nbytes: int) -> np.ndarray:
+    """The producer's bytes: a pattern with no zero byte (so a zeroed
+    destination shows every byte that landed)."""
+    return (np.arange(nbytes) % 251 + 1).astype(np.uint8)
+
+
+def nixl_producer_main(conn: Any, nbytes: int = NIXL_BIG) -> None:
+    """A PipeChild: a remote aioxfer.nixl agent over tcp with ``nbytes`` of
+    nixl_pattern registered; its hello is (name, metadata, address)."""
+    os.environ["AIOXFER_NIXL_TRANSPORTS"] = "tcp"
+    from aioxfer.nixl import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
+    pool = nixl_pattern(nbytes)
+    agent.register_memory(agent.get_reg_descs([(pool.ctypes.data, nbytes, 0, "")], "DRAM"))
+    conn.send((agent.name, agent.get_agent_metadata(), pool.ctypes.data))
+    while conn.recv() != "quit":
+        pass
+    agent.close()
+    conn.send("bye")
+
+
+@dataclasses.dataclass
+class NixlReader:
+    """This process's aioxfer.nixl ``agent`` (tcp) with ``kv`` (zeroed,
+    registered) and the producer child (``producer``, its agent ``name``,
+    its pattern at ``raddr``) added as a remote agent."""
+    agent: Any
+    producer: PipeChild
+    name: str
+    raddr: int
+    kv: np.ndarray
+    stopped: bool = False
+
+    def read_handle(self) -> Any:
+        """A handle that READs the producer's whole pattern into kv."""
+        a, n = self.agent, len(self.kv)
+        return a.initialize_xfer("READ", a.get_xfer_descs([(self.kv.ctypes.data, n, 0)], "DRAM"),
+                                 a.get_xfer_descs([(self.raddr, n, 0)], "DRAM"), self.name)
+
+    def stop(self) -> None:
+        """SIGSTOPs the producer (its answers stall; no wait for its threads)."""
+        os.kill(self.producer.proc.pid, signal.SIGSTOP)
+        self.stopped = True
+
+    def cont(self) -> None:
+        os.kill(self.producer.proc.pid, signal.SIGCONT)
+        self.stopped = False
+
+
+@contextlib.contextmanager
+def nixl_reader(monkeypatch: pytest.MonkeyPatch, nbytes: int = NIXL_BIG,
+                seconds: float = 30.0) -> Iterator[NixlReader]:
+    """A NixlReader over tcp (AIOXFER_NIXL_TRANSPORTS, set for this test)
+    reading from a nixl_producer_main child; at the end the producer is let
+    go on if stopped, the agent closed and the child ended."""
+    from aioxfer.nixl import nixl_agent, nixl_agent_config
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
+    producer = PipeChild(nixl_producer_main, nbytes, seconds=seconds)
+    try:
+        name, md, raddr = producer.hello
+        agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
+        reader = NixlReader(agent, producer, name, raddr, np.zeros(nbytes, dtype=np.uint8))
+        try:
+            agent.register_memory(agent.get_reg_descs([(reader.kv.ctypes.data, nbytes, 0, "")],
+                                                      "DRAM"))
+            agent.add_remote_agent(md)
+            yield reader
+        finally:
+            if reader.stopped:
+                reader.cont()
+            agent.close()
+    finally:
+        producer.close()
+
+
+# --------------------------------------------------------------- kv helpers
+
+
+def kv_block(i: int, nbytes: int) -> np.ndarray:
+    """Block ``i`` of a kv writer child (KV_WRITER_HEAD's block(i))."""
+    return np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+# The start of a kv writer child's script (ScriptChild): argv is the tier's
+# directory, the block size and the block count; source() fills blocks
+# kv_block(i) into a region and keys them (kv.chain of 16 tokens a block);
+# line() reads the next line the test sends.
+KV_WRITER_HEAD = textwrap.dedent('''
+    import asyncio, sys, time
+    import numpy as np
+    import aioxfer
+    from aioxfer import kv
+
+    PATH, BB, N = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+    def source(agent, namespace):
+        src = agent.alloc(N * BB)
+        for i in range(N):
+            src.numpy()[i * BB:(i + 1) * BB] = np.random.default_rng(i).integers(
+                0, 256, BB, dtype=np.uint8)
+        return src, kv.chain(np.arange(16 * N), block_tokens=16, namespace=namespace)
+
+    async def line():
+        return (await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)).strip()
+''')
+
+
+async def check_kv_blocks(make_agent: Callable[..., Awaitable[Any]], name: str, tier: Any,
+                          n: int, nbytes: int, namespace: bytes, context: str = "") -> None:
+    """A store of this process on ``tier`` (a kv writer child's, reopened)
+    holds all ``n`` blocks kv_block(i) under the writer's keys."""
+    from aioxfer import kv
+
+    agent = await make_agent(name)
+    dst = agent.alloc(n * nbytes)
+    keys = kv.chain(np.arange(16 * n), block_tokens=16, namespace=namespace)
+    async with kv.Store.open(agent, block_bytes=nbytes, tiers=[tier]) as store:
+        res = await within(store.get(keys, dst[0:n * nbytes]))
+        assert res.failed == ()
+        assert res.prefix == n, f"{res.prefix} of {n} blocks survived the kill {context}"
+        for i in range(n):
+            assert np.array_equal(dst.numpy()[i * nbytes:(i + 1) * nbytes], kv_block(i, nbytes))
+
+
+class ScriptChild:
+    """A Python script run as a child process (asyncio), talked to in lines:
+    ``line()`` is its next stdout line (its death fails the test with its
+    stderr), ``expect(word)`` one that must start with ``word``, ``send``
+    writes one to its stdin; ``lines`` keeps what it said."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+
+    async def line(self) -> str:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        raw = await self.proc.stdout.readline()
+        if not raw:
+            err = (await self.proc.stderr.read()).decode()
+            raise AssertionError(f"the child died: {self.lines} {err[-3000:]}")
+        self.lines.append(raw.decode().strip())
+        return self.lines[-1]
+
+    async def expect(self, word: str) -> list[str]:
+        got = (await self.line()).split()
+        assert got[0] == word, self.lines
+        return got[1:]
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+
+
+@contextlib.asynccontextmanager
+async def script_child(text: str, *args: str, cwd: Path) -> AsyncIterator[ScriptChild]:
+    """Runs ``text`` (written to cwd/child.py; cwd outside the checkout, so
+    the installed aioxfer is the one imported) with ``args``; SIGKILLed at
+    the end of the block (a kill -9, never a clean exit)."""
+    script = cwd / "child.py"
+    script.write_text(text)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), *args, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=str(cwd))
+    try:
+        yield ScriptChild(proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+
+
+# The LayerStream tests' geometry (test_kv18b_stream_cancel, test_kv19_stream):
+# STREAM_N blocks of STREAM_BB in STREAM_LAYERS layers, so one layer's
+# transfer moves 16 MiB (slow enough over loopback tcp to be caught in
+# flight); each case repeats STREAM_TRIALS times (before the fixes a trial
+# caught bytes landing late in about half the runs).
+STREAM_BB = 8 << 20
+STREAM_N = 8
+STREAM_LAYERS = 4
+STREAM_TRIALS = 6
+
+
+async def kv_stream_store(make_agent: Callable[..., Awaitable[Any]], name: str, tag: str,
+                          seed: int, n: int = STREAM_N, nbytes: int = STREAM_BB,
+                          transports: tuple[str, ...] = ("tcp",)) -> tuple[Any, Any, list[bytes]]:
+    """(agent, store, keys): an agent reaching its own HostTier over
+    ``transports`` (loopback tcp by default: copies slow enough to be caught
+    in flight; inline_bytes=0, so none is copied inside its post), holding
+    ``n`` blocks of ``nbytes`` (pattern(seed)) under keys namespaced ``tag``."""
+    from aioxfer import kv
+
+    agent = await make_agent(name, transports=transports, inline_bytes=0)
+    src = agent.alloc(n * nbytes)
+    src.numpy()[:] = pattern(n * nbytes, seed)
+    keys = kv.chain(np.arange(16 * n), block_tokens=16, namespace=tag.encode())
+    store = await within(kv.Store.open(agent, block_bytes=nbytes, tiers=[kv.HostTier(n * nbytes)]))
+    put = await within(store.put(keys, src[0:n * nbytes]))
+    assert put.stored == n, put
+    return agent, store, keys
+
+
+async def copy_started(view: np.ndarray, at: int, fill: int = 0xA5) -> None:
+    """Until the byte at ``at`` of ``view`` (filled with ``fill``; the first
+    byte of a layer not awaited yet) has landed: a copy of it then runs."""
+    deadline = time.monotonic() + 30
+    while view[at] == fill:
+        assert time.monotonic() < deadline, "the layer's copy never started"
+        await asyncio.sleep(0)
+
+
+async def engine_settled(agent: Any) -> None:
+    """Until nothing is in flight in ``agent``'s engine, then 0.2 s more
+    (for anything a late completion still writes)."""
+    await within(wait_until(lambda: agent.statistics().in_flight == 0,
+                            what="the engine idle"))
+    await asyncio.sleep(0.2)
+
+
 # --------------------------------------------------------------- fake S3 endpoints
 # Hostile or scripted S3 endpoints for the object backend's tests (redirects,
 # odd answers, credentials that must go nowhere): aiohttp servers on
@@ -753,30 +1083,28 @@ def sigstop(pid: int) -> None:
 _S3_NOW = email.utils.formatdate(usegmt=True)
 
 
+# (method, query parameter or None, stage), first match wins: a DELETE or a
+# POST names its stage by a query parameter; a PUT with partNumber is a part.
+_S3_STAGES = (
+    ("HEAD", None, "head"),
+    ("GET", None, "get"),
+    ("POST", "delete", "bulk_delete"),
+    ("POST", "uploads", "create_mpu"),
+    ("POST", "uploadId", "complete_mpu"),
+    ("DELETE", "uploadId", "abort"),
+    ("DELETE", None, "delete"),
+    ("PUT", "partNumber", "upload_part"),
+    ("PUT", None, "put"),
+)
+
+
 def s3_stage(req: Any) -> str:
     """Which request of an S3 operation ``req`` (an aiohttp request) is:
     head, get, put, delete, bulk_delete, create_mpu, upload_part,
     complete_mpu, abort, or "other <METHOD>"."""
-    q = req.query
-    if req.method == "HEAD":
-        return "head"
-    if req.method == "GET":
-        return "get"
-    if req.method == "POST" and "delete" in q:
-        return "bulk_delete"
-    if req.method == "DELETE" and "uploadId" in q:
-        return "abort"
-    if req.method == "DELETE":
-        return "delete"
-    if req.method == "POST" and "uploads" in q:
-        return "create_mpu"
-    if req.method == "PUT" and "partNumber" in q:
-        return "upload_part"
-    if req.method == "POST" and "uploadId" in q:
-        return "complete_mpu"
-    if req.method == "PUT":
-        return "put"
-    return f"other {req.method}"
+    return next((stage for method, param, stage in _S3_STAGES
+                 if req.method == method and (param is None or param in req.query)),
+                f"other {req.method}")
 
 
 async def s3_answer(req: Any, size: int = 4096) -> Any:

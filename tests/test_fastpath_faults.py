@@ -11,7 +11,6 @@ processes, sockets and (for the link) network namespaces.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
@@ -22,7 +21,7 @@ from typing import Any
 import netns
 import numpy as np
 import pytest
-from conftest import digest, pattern, sigstop, wait_until, within
+from conftest import digest, pattern, queued_conns, sigstop, tcp_victim, wait_until, within
 from test_security import HDR, MAGIC, data_connection, frame, region_meta
 
 import aioxfer
@@ -34,21 +33,6 @@ F_WRITE, F_WRITE_ACK, F_READ_REQ, F_READ_RESP, F_PING, F_REVOKE, F_REVOKE_ACK = 
 
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def _queued_conns(port: int, min_bytes: int) -> int:
-    """Established IPv4 connections whose local port is ``port`` with at
-    least ``min_bytes`` unread in their receive queue (/proc/net/tcp)."""
-    n = 0
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            cols = line.split()
-            lport = int(cols[1].rsplit(":", 1)[1], 16)
-            rxq = int(cols[4].split(":")[1], 16)
-            if cols[3] == "01" and lport == port and rxq >= min_bytes:
-                n += 1
-    return n
 
 
 # ------------------------------------------------- a peer killed under the halves
@@ -66,44 +50,23 @@ async def test_peer_killed_with_both_halves_in_flight(make_agent, remote_agent, 
     bound, nothing stays in flight, the connections' fds are closed, and a
     new peer at once gets the same request right."""
     monkeypatch.setenv("AIOXFER_TCP_LOOPBACK_CC", "0")  # read when an engine is made
-    ra = await remote_agent(size=2 * MiB, transports=("tcp",))
-    port = int(ra.address.rsplit(":", 1)[1])
-    # keepalive: no ping lands in the stopped peer's queues while we look.
-    init = await make_agent("init", transports=("tcp",), keepalive=30.0, peer_timeout=120.0)
     data = pattern(MiB, seed=5)
-    buf = init.register(data.copy(), name="src")
-    fds0, regions0 = _fds(), init.statistics().native_regions
-    peer = await within(init.connect(ra.address))
-    assert peer.path == "tcp"
-    remote = peer.region("user")
-    # The connections join once connect returned (Connector._join_rest).
-    await wait_until(lambda: peer.statistics().rails[0].connections == 4, 10, what="the joins")
-    await within(init.write(buf[0:MiB], remote[0:MiB]))  # warm
-    sigstop(ra.pid)
-    try:
-        t0 = time.monotonic()
-        if op == "write":
-            t = init.write(buf[0:MiB], remote[0:MiB])
-            need = 32 << 10  # a half's payload arriving
-        else:
-            t = init.read(buf[0:MiB], remote[0:MiB])
-            need = HDR.size  # a half's request frame
-        # Both halves reached the stopped peer, each on its own connection.
-        await wait_until(lambda: _queued_conns(port, need) >= 2, 10,
-                         what=f"two halves of the lone {op} queued at the stopped peer")
-        assert not t.done()
-        ra.kill(signal.SIGKILL)
-        with pytest.raises(PeerLost):
-            await within(t, 10)
-        assert time.monotonic() - t0 < 10
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(ra.pid, signal.SIGCONT)
-    await wait_until(lambda: init.statistics().in_flight == 0
-                     and init.statistics().native_ops == 0, 10, what="nothing in flight")
+    v = await tcp_victim(make_agent, remote_agent, data.copy())
+    init, buf, fds0, ra = v.init, v.buf, v.fds0, v.ra
+    remote = v.peer.region("user")
+    if op == "write":
+        post = init.write
+        need = 32 << 10  # a half's payload arriving
+    else:
+        post = init.read
+        need = HDR.size  # a half's request frame
+    # Both halves reach the stopped peer, each on its own connection.
+    await v.kill_under(lambda: post(buf[0:MiB], remote[0:MiB]),
+                       lambda: queued_conns(v.port, need) >= 2,
+                       f"two halves of the lone {op} queued at the stopped peer")
     await wait_until(lambda: init.statistics().native_conns == 0, 10, what="connections closed")
     await wait_until(lambda: _fds() <= fds0, 10, what=f"fds back to {fds0} (now {_fds()})")
-    assert init.statistics().native_regions == regions0
+    assert init.statistics().native_regions == v.regions0
     ra.terminate()
     # The agent is fine: a new peer gets the same lone request, whole.
     ra2 = await remote_agent(size=2 * MiB, transports=("tcp",))

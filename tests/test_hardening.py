@@ -209,9 +209,13 @@ async def test_deregister_waits_for_a_stopped_same_host_peer(make_agent, remote_
     ra = await remote_agent(size=4 * MiB, peer_timeout=0.5, keepalive=0.1)
     assert await ra.call("connect", target.address) == SAME_HOST
     await ra.call("flood", target.address, "pool", "dst", 4 * MiB)
+    assert target.statistics().native_conns == 1
     sigstop(ra.pid)
     try:
-        await asyncio.sleep(1.5)  # > peer_timeout: the target drops its socket
+        # Past peer_timeout the target drops its socket (its connection
+        # closed: waited for, not slept past).
+        await wait_until(lambda: target.statistics().native_conns == 0, 10,
+                         what="the stopped peer's connection dropped")
         released = target.deregister(pool)
         await asyncio.sleep(1.0)
         assert not released.done(), "released while a stopped peer still maps the memory"
@@ -297,16 +301,21 @@ async def test_notification_flood_pushes_back(make_agent) -> None:
     sent = 0
     loop = asyncio.get_running_loop()
     with sock:
-        # Send until the kernel buffers are full (the agent stopped reading),
-        # bounded at 5 s. Each with a request id of its own, as a real sender
-        # (a repeated id is a copy resent after a rail failed: delivered once).
+        # Send until the kernel buffers are full (the agent stopped reading):
+        # one send that has not gone out within a second (a send takes
+        # microseconds while the agent reads), bounded at 5 s in all, so a
+        # sender that never feels backpressure still runs to 5 s, as before
+        # (it waited the whole 5 s every time). Each with a request id of its
+        # own, as a real sender (a repeated id is a copy resent after a rail
+        # failed: delivered once).
+        deadline = loop.time() + 5
         try:
-            async with asyncio.timeout(5):
-                while True:
-                    one = HDR.pack(MAGIC, F_NOTIFY, 0, 0, 0, sent + 1, 0, 0, 0, 0,
-                                   len(payload)) + payload
+            while (left := deadline - loop.time()) > 0:
+                one = HDR.pack(MAGIC, F_NOTIFY, 0, 0, 0, sent + 1, 0, 0, 0, 0,
+                               len(payload)) + payload
+                async with asyncio.timeout(min(left, 1.0)):
                     await loop.sock_sendall(sock, one)
-                    sent += 1
+                sent += 1
         except TimeoutError:
             pass
         await asyncio.sleep(0.2)

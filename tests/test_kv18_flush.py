@@ -15,38 +15,23 @@ test kills it with SIGKILL and reopens the directory in its own process."""
 from __future__ import annotations
 
 import asyncio
-import signal
-import sys
 import textwrap
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from conftest import within
+from conftest import KV_WRITER_HEAD, check_kv_blocks, script_child
 
 from aioxfer import kv
 
 BB = 16 << 10
 MakeAgent = Callable[..., Awaitable[Any]]
 
-WRITER = textwrap.dedent('''
-    import asyncio, sys, time
-    import numpy as np
-    import aioxfer
-    from aioxfer import kv
-
-    BB = int(sys.argv[2])
-    N = int(sys.argv[3])
-
+WRITER = KV_WRITER_HEAD + textwrap.dedent('''
     async def main():
         async with aioxfer.Agent("kv18-writer") as agent:
-            src = agent.alloc(N * BB)
-            for i in range(N):
-                src.numpy()[i * BB:(i + 1) * BB] = np.random.default_rng(i).integers(
-                    0, 256, BB, dtype=np.uint8)
-            keys = kv.chain(np.arange(16 * N), block_tokens=16, namespace=b"kv18-flush")
-            disk = kv.DiskTier(sys.argv[1], 1 << 28, segment_bytes=4 * BB)  # 4 slots each
+            src, keys = source(agent, b"kv18-flush")
+            disk = kv.DiskTier(PATH, 1 << 28, segment_bytes=4 * BB)  # 4 slots each
             store = await kv.Store.open(agent, block_bytes=BB, tiers=[disk])
             await disk.lock.acquire()  # no header writer gets past it now
             put = asyncio.ensure_future(store.put(keys, src[0:N * BB], durable=True))
@@ -88,38 +73,14 @@ async def test_cancelled_durable_flush_reaches_disk_without_another_put(
     first. Their headers reach the file with no other put (before: 2 dirty
     sectors left, the full segment never sealed, 0 of 6 found after kill -9)."""
     n = 6
-    script = tmp_path / "writer.py"
-    script.write_text(WRITER)
     path = tmp_path / "kv"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), str(path), str(BB), str(n),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
-    lines: list[str] = []
-    try:
-        async with asyncio.timeout(60):
-            while len(lines) < 3:
-                line = await proc.stdout.readline()
-                if not line:
-                    err = (await proc.stderr.read()).decode()
-                    raise AssertionError(f"the writer died: {lines} {err[-3000:]}")
-                lines.append(line.decode().strip())
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        await proc.wait()
+    async with script_child(WRITER, str(path), str(BB), str(n),
+                            cwd=tmp_path) as writer, asyncio.timeout(60):
+        lines = [await writer.line() for _ in range(3)]
     assert lines[0] == "put cancelled", lines
     # Held, and so not written again: the caller's second durable put is told
     # "present", durable 0 (the first one raised CancelledError).
     assert lines[1] == f"again 0 {n} 0", lines
-    agent = await make_agent("kv18-reader")
-    dst = agent.alloc(n * BB)
-    keys = kv.chain(np.arange(16 * n), block_tokens=16, namespace=b"kv18-flush")
-    async with kv.Store.open(agent, block_bytes=BB, tiers=[
-            kv.DiskTier(path, 1 << 28, segment_bytes=4 * BB)]) as store:
-        res = await within(store.get(keys, dst[0:n * BB]))
-        assert res.failed == ()
-        assert res.prefix == n, f"{res.prefix} of {n} blocks survived the kill"
-        for i in range(n):
-            want = np.random.default_rng(i).integers(0, 256, BB, dtype=np.uint8)
-            assert np.array_equal(dst.numpy()[i * BB:(i + 1) * BB], want)
+    await check_kv_blocks(make_agent, "kv18-reader",
+                          kv.DiskTier(path, 1 << 28, segment_bytes=4 * BB), n, BB, b"kv18-flush")
     assert lines[2] == "state 0 0", f"headers left dirty / a full segment unsealed: {lines}"

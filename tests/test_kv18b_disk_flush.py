@@ -13,17 +13,13 @@ first header sector needs a page the filesystem no longer has (ENOSPC)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import subprocess
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
-from conftest import pattern, wait_until, within
+from conftest import fill_fs, pattern, wait_until, within
 
 from aioxfer import kv
 
@@ -32,35 +28,10 @@ SLOTS = 4  # blocks per segment
 MakeAgent = Callable[..., Awaitable[Any]]
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("needs root and mount")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _fill(path: Path) -> None:
-    """Writes ``path`` until the filesystem has no page left."""
-    chunk = b"\xff" * 4096
-    with open(path, "wb", buffering=0) as fh:
-        with contextlib.suppress(OSError):
-            while True:
-                fh.write(chunk)
-
-
 async def test_segments_queued_behind_a_failed_header_flush_become_evictable(
-        make_agent: MakeAgent, small_tmpfs: Path) -> None:
+        make_agent: MakeAgent, disk_tmpfs: Path) -> None:
     agent = await make_agent("kv18b")
-    tier = kv.DiskTier(small_tmpfs / "kv", 6 * SLOTS * BB + 6 * (SLOTS + 2) * 4096,
+    tier = kv.DiskTier(disk_tmpfs / "kv", 6 * SLOTS * BB + 6 * (SLOTS + 2) * 4096,
                        segment_bytes=SLOTS * BB)
     async with kv.Store.open(agent, block_bytes=BB, tiers=[tier]) as store:
         cap = tier.max_segments
@@ -77,7 +48,7 @@ async def test_segments_queued_behind_a_failed_header_flush_become_evictable(
             put = await within(store.put(keys[:n], src[0:n * BB]))
             assert put.stored == n, put
             assert len(tier._pending_flush) >= 2, tier._pending_flush
-            _fill(small_tmpfs / "filler")
+            fill_fs(disk_tmpfs / "filler")
         finally:
             tier.lock.release()
         flusher = tier._flusher
@@ -87,7 +58,7 @@ async def test_segments_queued_behind_a_failed_header_flush_become_evictable(
         assert any(s.dirty for s in tier.segs.values()), "no header flush failed"
         # Room again on the filesystem: what holds a put back now is only
         # whether the tier finds segments to evict.
-        os.unlink(small_tmpfs / "filler")
+        os.unlink(disk_tmpfs / "filler")
         stuck = len(tier._pending_flush)  # (left queued with no flusher running)
         put2 = await within(store.put(keys[n:n + 2 * SLOTS], src[n * BB:(n + 2 * SLOTS) * BB]),
                             60)

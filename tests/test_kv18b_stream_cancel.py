@@ -13,51 +13,26 @@ with layers of 16 MiB per transfer."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import pattern, wait_until, within
+from conftest import STREAM_BB as BB
+from conftest import STREAM_LAYERS as LAYERS
+from conftest import STREAM_N as N
+from conftest import STREAM_TRIALS as TRIALS
+from conftest import copy_started, engine_settled, kv_stream_store, within
 
-from aioxfer import kv
-
-BB = 8 << 20
-N = 8
-LAYERS = 4
 LB = BB // LAYERS
-# Before the fix a trial caught bytes landing after the close in about
-# half the runs (1-2 MiB each, one transfer's chunks in progress).
-TRIALS = 6
+# (Before the fix a trial caught bytes landing after the close in about
+# half the runs: 1-2 MiB each, one transfer's chunks in progress.)
 MakeAgent = Callable[..., Awaitable[Any]]
 
 
 async def _setup(make_agent: MakeAgent, tag: str) -> tuple[Any, Any, list[bytes], Any]:
-    agent = await make_agent("kv18b", transports=("tcp",), inline_bytes=0)
-    src = agent.alloc(N * BB)
-    src.numpy()[:] = pattern(N * BB, 181)
-    keys = kv.chain(np.arange(16 * N), block_tokens=16, namespace=tag.encode())
-    store = await within(kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(N * BB)]))
-    put = await within(store.put(keys, src[0:N * BB]))
-    assert put.stored == N, put
-    dst = agent.alloc(N * BB)
-    return agent, store, keys, dst
-
-
-async def _copy_started(view: np.ndarray, at: int) -> None:
-    """Until the byte at ``at`` (the first of a layer not awaited yet) has
-    landed: a copy of that layer is then running."""
-    deadline = time.monotonic() + 30
-    while view[at] == 0xA5:
-        assert time.monotonic() < deadline, "the layer's copy never started"
-        await asyncio.sleep(0)
-
-
-async def _settled(agent: Any) -> None:
-    await within(wait_until(lambda: agent.statistics().in_flight == 0,
-                            what="the engine idle"))
-    await asyncio.sleep(0.2)  # (anything a late completion still writes)
+    agent, store, keys = await kv_stream_store(make_agent, "kv18b", tag, 181)
+    return agent, store, keys, agent.alloc(N * BB)
 
 
 @pytest.mark.parametrize("how", ["aclose", "aexit"])
@@ -77,15 +52,15 @@ async def test_closed_stream_returns_only_once_dst_is_no_longer_written(
             if how == "aclose":
                 first = await within(stream.__anext__())
                 assert first.layer == 0
-                await _copy_started(view, LB)
+                await copy_started(view, LB)
                 await stream.aclose()
             else:
                 async with stream:
                     first = await within(stream.__anext__())
                     assert first.layer == 0
-                    await _copy_started(view, LB)
+                    await copy_started(view, LB)
             snap = view.copy()
-            await _settled(agent)
+            await engine_settled(agent)
             changed.append(int((view != snap).sum()))
         assert changed == [0] * TRIALS, f"bytes of dst changed after the close: {changed}"
     finally:
@@ -119,12 +94,12 @@ async def test_cancelled_stream_returns_only_once_dst_is_no_longer_written(
 
             task = asyncio.ensure_future(reader(view, snap, started))
             await within(started.wait())
-            await _copy_started(view, LB)
+            await copy_started(view, LB)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await within(task, 30)
             assert snap, "the reader did not see its cancellation"
-            await _settled(agent)
+            await engine_settled(agent)
             changed.append(int((view != snap[0]).sum()))
         assert changed == [0] * TRIALS, f"bytes of dst changed after the cancellation: {changed}"
     finally:

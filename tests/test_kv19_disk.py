@@ -21,21 +21,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import shutil
-import signal
-import subprocess
-import sys
 import textwrap
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import pattern, within
+from conftest import KV_WRITER_HEAD, check_kv_blocks, fill_fs, pattern, script_child, within
 
 from aioxfer import kv
 from aioxfer.kv.disk import SECTOR, _Seg
@@ -45,52 +40,13 @@ SLOTS = 4
 MakeAgent = Callable[..., Awaitable[Any]]
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("needs root and mount")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _fill(path: Path) -> None:
-    """Writes ``path`` until the filesystem has no page left."""
-    chunk = b"\xff" * 4096
-    with open(path, "wb", buffering=0) as fh:
-        with contextlib.suppress(OSError):
-            while True:
-                fh.write(chunk)
-
-
-WRITER = textwrap.dedent('''
-    import asyncio, sys, time
-    import numpy as np
-    import aioxfer
-    from aioxfer import kv
-
-    BB = int(sys.argv[2])
-    N = int(sys.argv[3])
+WRITER = KV_WRITER_HEAD + textwrap.dedent('''
     SLOTS = int(sys.argv[4])
-
-    async def line():
-        return (await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)).strip()
 
     async def main():
         async with aioxfer.Agent("kv19-writer") as agent:
-            src = agent.alloc(N * BB)
-            for i in range(N):
-                src.numpy()[i * BB:(i + 1) * BB] = np.random.default_rng(i).integers(
-                    0, 256, BB, dtype=np.uint8)
-            keys = kv.chain(np.arange(16 * N), block_tokens=16, namespace=b"kv19-retry")
-            disk = kv.DiskTier(sys.argv[1], 1 << 22, segment_bytes=SLOTS * BB)
+            src, keys = source(agent, b"kv19-retry")
+            disk = kv.DiskTier(PATH, 1 << 22, segment_bytes=SLOTS * BB)
             store = await kv.Store.open(agent, block_bytes=BB, tiers=[disk])
             await disk.lock.acquire()  # the headers queue up, unwritten (holes)
             put = await store.put(keys, src[0:N * BB])
@@ -117,58 +73,28 @@ WRITER = textwrap.dedent('''
 
 
 async def test_failed_header_flush_is_retried_without_another_put(
-        make_agent: MakeAgent, small_tmpfs: Path, tmp_path: Path) -> None:
+        make_agent: MakeAgent, disk_tmpfs: Path, tmp_path: Path) -> None:
     """8 blocks in two full segments, their header writes failed with
     ENOSPC; room comes back and no put follows. The headers reach the file
     on their own, and all 8 blocks survive a kill -9 (before: 0 of 8, the
     sectors still dirty 15 s after the room came back)."""
     n = 2 * SLOTS
-    script = tmp_path / "writer.py"
-    script.write_text(WRITER)
-    path = small_tmpfs / "kv"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), str(path), str(BB), str(n), str(SLOTS),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, cwd=str(tmp_path))
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    lines: list[str] = []
-
-    async def expect(word: str) -> list[str]:
-        line = await proc.stdout.readline()  # type: ignore[union-attr]
-        if not line:
-            err = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
-            raise AssertionError(f"the writer died: {lines} {err[-3000:]}")
-        lines.append(line.decode().strip())
-        got = lines[-1].split()
-        assert got[0] == word, lines
-        return got[1:]
-
-    try:
-        async with asyncio.timeout(60):
-            stored, queued = map(int, await expect("queued"))
-            assert stored == n and queued == 2, lines
-            _fill(small_tmpfs / "filler")
-            proc.stdin.write(b"filled\n")
-            (dirty,) = map(int, await expect("failed"))
-            assert dirty >= 2, f"no header flush failed: {lines}"
-            os.unlink(small_tmpfs / "filler")
-            proc.stdin.write(b"freed\n")
-            state = await expect("state")
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        await proc.wait()
-    agent = await make_agent("kv19-reader")
-    dst = agent.alloc(n * BB)
-    keys = kv.chain(np.arange(16 * n), block_tokens=16, namespace=b"kv19-retry")
-    async with kv.Store.open(agent, block_bytes=BB, tiers=[
-            kv.DiskTier(path, 1 << 22, segment_bytes=SLOTS * BB)]) as store:
-        res = await within(store.get(keys, dst[0:n * BB]))
-        assert res.failed == ()
-        assert res.prefix == n, f"{res.prefix} of {n} blocks survived the kill ({lines})"
-        for i in range(n):
-            want = np.random.default_rng(i).integers(0, 256, BB, dtype=np.uint8)
-            assert np.array_equal(dst.numpy()[i * BB:(i + 1) * BB], want)
-    assert state[0] == "0", f"header sectors still dirty: {lines}"
+    path = disk_tmpfs / "kv"
+    async with script_child(WRITER, str(path), str(BB), str(n), str(SLOTS),
+                            cwd=tmp_path) as writer, asyncio.timeout(60):
+        stored, queued = map(int, await writer.expect("queued"))
+        assert stored == n and queued == 2, writer.lines
+        fill_fs(disk_tmpfs / "filler")
+        writer.send("filled")
+        (dirty,) = map(int, await writer.expect("failed"))
+        assert dirty >= 2, f"no header flush failed: {writer.lines}"
+        os.unlink(disk_tmpfs / "filler")
+        writer.send("freed")
+        state = await writer.expect("state")
+    await check_kv_blocks(make_agent, "kv19-reader",
+                          kv.DiskTier(path, 1 << 22, segment_bytes=SLOTS * BB),
+                          n, BB, b"kv19-retry", f"({writer.lines})")
+    assert state[0] == "0", f"header sectors still dirty: {writer.lines}"
 
 
 def tier_of(path: Path, segments: int, slots: int, **kw: Any) -> kv.DiskTier:

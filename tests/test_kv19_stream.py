@@ -24,47 +24,23 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
 import pytest
-from conftest import pattern, wait_until, within
+from conftest import STREAM_BB as BB
+from conftest import STREAM_LAYERS as LAYERS
+from conftest import STREAM_N as N
+from conftest import STREAM_TRIALS as TRIALS
+from conftest import copy_started, engine_settled, kv_stream_store, within
 
-from aioxfer import kv
-
-BB = 8 << 20
-N = 8
-LAYERS = 4
 LB = BB // LAYERS
-TRIALS = 6
 MakeAgent = Callable[..., Awaitable[Any]]
 
 
 async def _setup(make_agent: MakeAgent, tag: str,
                  transports: tuple[str, ...] = ("tcp",)) -> tuple[Any, Any, list[bytes]]:
-    agent = await make_agent("kv19", transports=transports, inline_bytes=0)
-    src = agent.alloc(N * BB)
-    src.numpy()[:] = pattern(N * BB, 191)
-    keys = kv.chain(np.arange(16 * N), block_tokens=16, namespace=tag.encode())
-    store = await within(kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(N * BB)]))
-    put = await within(store.put(keys, src[0:N * BB]))
-    assert put.stored == N, put
-    return agent, store, keys
-
-
-async def _copy_started(view: np.ndarray, at: int) -> None:
-    deadline = time.monotonic() + 30
-    while view[at] == 0xA5:
-        assert time.monotonic() < deadline, "the layer's copy never started"
-        await asyncio.sleep(0)
-
-
-async def _settled(agent: Any) -> None:
-    await within(wait_until(lambda: agent.statistics().in_flight == 0,
-                            what="the engine idle"))
-    await asyncio.sleep(0.2)  # (anything a late completion still writes)
+    return await kv_stream_store(make_agent, "kv19", tag, 191, transports=transports)
 
 
 @pytest.mark.parametrize("transports", [("tcp",), ("shm", "tcp")])
@@ -89,11 +65,11 @@ async def test_break_out_of_async_for_leaves_nothing_landing_in_dst(
                 got = layer.layer
                 if got == after:
                     if after:
-                        await _copy_started(view, (after + 1) * LB)
+                        await copy_started(view, (after + 1) * LB)
                     break
             assert got == after
             snap = view.copy()  # what the code after the loop sees
-            await _settled(agent)
+            await engine_settled(agent)
             changed.append(int((view != snap).sum()))
         assert changed == [0] * TRIALS, f"bytes of dst changed after the break: {changed}"
         # The pins went with the stream: every block is still readable and
@@ -119,7 +95,7 @@ async def test_stream_dropped_by_the_garbage_collector_still_lets_go(
         stream.cycle = stream  # type: ignore[attr-defined]
         del stream
         gc.collect()
-        await _settled(agent)
+        await engine_settled(agent)
         assert store._host is not None and store._host.pinned == 0
         out = agent.alloc(N * BB)
         assert (await within(store.get(keys, out[0:N * BB]))).prefix == N
@@ -152,7 +128,7 @@ async def test_a_failed_post_midway_waits_for_what_it_posted(make_agent: MakeAge
                 await within(stream.__anext__())
             assert not isinstance(err.value, AssertionError), err.value
             snap = view.copy()  # what the caller sees when the error reaches it
-            await _settled(agent)
+            await engine_settled(agent)
             changed.append(int((view != snap).sum()))
             assert store._host is not None and store._host.pinned == 0
             await within(agent.deregister(a))

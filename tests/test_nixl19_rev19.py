@@ -25,57 +25,29 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import PipeChild
+from conftest import NIXL_BIG, PipeChild, nixl_reader
 
 STEP = 30.0
-BIG = 64 << 20
-
-
-def producer_main(conn: Any) -> None:
-    """A remote agent over tcp with BIG bytes of a non-zero pattern."""
-    os.environ["AIOXFER_NIXL_TRANSPORTS"] = "tcp"
-    from aioxfer.nixl import nixl_agent, nixl_agent_config
-
-    agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
-    pool = (np.arange(BIG) % 251 + 1).astype(np.uint8)  # no zero byte
-    agent.register_memory(agent.get_reg_descs([(pool.ctypes.data, BIG, 0, "")], "DRAM"))
-    conn.send((agent.name, agent.get_agent_metadata(), pool.ctypes.data))
-    while conn.recv() != "quit":
-        pass
-    agent.close()
-    conn.send("bye")
+BIG = NIXL_BIG
 
 
 def test_released_read_writes_nothing_after_release_returns(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from aioxfer.nixl import nixl_agent, nixl_agent_config
-
-    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
-    producer = PipeChild(producer_main, seconds=STEP)
-    name, md, raddr = producer.hello
-    agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
-    try:
-        kv = np.zeros(BIG, dtype=np.uint8)
-        agent.register_memory(agent.get_reg_descs([(kv.ctypes.data, BIG, 0, "")], "DRAM"))
-        agent.add_remote_agent(md)
+    with nixl_reader(monkeypatch, BIG, seconds=STEP) as r:
+        agent, kv = r.agent, r.kv
         late: list[tuple[int, int]] = []
-        for r in range(6):
-            h = agent.initialize_xfer("READ", agent.get_xfer_descs([(kv.ctypes.data, BIG, 0)],
-                                                                   "DRAM"),
-                                      agent.get_xfer_descs([(raddr, BIG, 0)], "DRAM"), name)
+        for rnd in range(6):
+            h = r.read_handle()
             if agent.transfer(h) == "DONE":
                 continue  # (finished inside the post: nothing to cancel)
-            time.sleep(0.001 * r)
+            time.sleep(0.001 * rnd)
             agent.release_xfer_handle(h)  # returned: the block is the caller's again
             kv[:] = 0
             time.sleep(0.05)
             n = int(np.count_nonzero(kv))
             if n:
-                late.append((r, n))
+                late.append((rnd, n))
         assert not late, f"(round, bytes) landed after release returned: {late}"
-    finally:
-        agent.close()
-        producer.close()
 
 
 _FORKED = textwrap.dedent("""

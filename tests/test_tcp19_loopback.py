@@ -12,18 +12,13 @@ and the 1 MiB WRITE reached the target on two connections.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import struct
-import time
 from typing import Any
 
 import pytest
-from conftest import digest, sigstop, wait_until, within
-
-from aioxfer import PeerLost
+from conftest import digest, queued_conns, tcp_victim, wait_until, within
 
 MiB = 1 << 20
 # struct tcp_info: tcpi_bytes_received (u64) comes after 8 one-byte fields,
@@ -140,49 +135,20 @@ async def test_lone_write_halves_without_reno(make_agent: Any,
     assert at_target[-1] >= MiB // 2 and at_target[-2] >= MiB // 2, at_target
 
 
-def queued_conns(port: int, min_bytes: int) -> int:
-    """Established sockets on local port holding >= min_bytes unread (the
-    stopped peer's receive queues, /proc/net/tcp)."""
-    n = 0
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            cols = line.split()
-            lport = int(cols[1].rsplit(":", 1)[1], 16)
-            rxq = int(cols[4].split(":")[1], 16)
-            n += cols[3] == "01" and lport == port and rxq >= min_bytes
-    return n
-
-
 async def test_peer_killed_under_a_whole_write(make_agent: Any, remote_agent: Any) -> None:
     """The whole 1 MiB WRITE queued at a stopped peer (one connection), the
     peer then SIGKILLed: the request fails with PeerLost within a bound,
     nothing stays in flight, and a new peer gets the same WRITE right."""
-    ra = await remote_agent(size=2 * MiB, transports=("tcp",))
-    port = int(ra.address.rsplit(":", 1)[1])
-    init = await make_agent("init", transports=("tcp",), keepalive=30.0, peer_timeout=120.0)
     data = os.urandom(MiB)
-    buf = init.register(bytearray(data), name="src")
-    peer = await within(init.connect(ra.address))
-    await wait_until(lambda: peer.statistics().rails[0].connections == 4, 10, what="the joins")
-    await within(init.write(buf[0:MiB], peer.region("user")[0:MiB]))  # warm
-    sigstop(ra.pid)
-    try:
-        t0 = time.monotonic()
-        t = init.write(buf[0:MiB], peer.region("user")[0:MiB])
-        await wait_until(lambda: queued_conns(port, 32 << 10) >= 1, 10, what="the WRITE queued")
-        assert queued_conns(port, 32 << 10) == 1  # whole, on one connection
-        assert not t.done()
-        ra.kill(signal.SIGKILL)
-        with pytest.raises(PeerLost):
-            await within(t, 10)
-        assert time.monotonic() - t0 < 10
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(ra.pid, signal.SIGCONT)
-    await wait_until(lambda: init.statistics().in_flight == 0
-                     and init.statistics().native_ops == 0, 10, what="nothing in flight")
-    ra.terminate()
+    v = await tcp_victim(make_agent, remote_agent, bytearray(data))
+    init, buf, peer = v.init, v.buf, v.peer
+
+    def whole() -> None:
+        assert queued_conns(v.port, 32 << 10) == 1  # whole, on one connection
+
+    await v.kill_under(lambda: init.write(buf[0:MiB], peer.region("user")[0:MiB]),
+                       lambda: queued_conns(v.port, 32 << 10) >= 1, "the WRITE queued", whole)
+    v.ra.terminate()
     ra2 = await remote_agent(size=2 * MiB, transports=("tcp",))
     peer2 = await within(init.connect(ra2.address))
     res = await within(init.write(buf[0:MiB], peer2.region("user")[0:MiB]))
