@@ -305,7 +305,9 @@ def _error(status: int, detail: str = "") -> Exception:
     """The exception NIXL raises for ``status``; its message starts with the
     status name, as NIXL's, followed by what went wrong."""
     cls, name = _ERRORS[status]
-    _log("E", detail or name)
+    # (Limited: a caller retrying a refused call in a loop, as a repost of a
+    # handle still in flight, made ~12 k identical lines in 15 s; rev19 #6.)
+    _log_limited(("E", status, detail), "E", detail or name)
     return cls(f"{name}: {detail}" if detail else name)
 
 
@@ -339,11 +341,43 @@ def _log(letter: str, message: str) -> None:
     micros = int((now % 1) * 1e6)
     line = (f"{letter}{stamp}.{micros:06d} {threading.get_native_id():>7} "
             f"aioxfer_nixl] {message}\n")
+    # (Never raises: it runs on the loop thread too, inside the notification
+    # pump and the assembler's bounds, which a failure here would end. The
+    # stream may be None, a process started with fd 2 closed, or whatever
+    # object the application put there.)
     try:
         sys.stderr.write(line)
         sys.stderr.flush()
-    except (OSError, ValueError):
+    except Exception:
         pass
+
+
+# What _log_limited saw: key -> [when its last line was written, lines
+# dropped since]. Bounded: past _LIMITED_KEYS keys it starts over (at worst a
+# few more lines).
+_limited: dict[Any, list[float]] = {}
+_limited_lock = threading.Lock()
+_LIMITED_KEYS = 256
+_LIMIT_PERIOD = 1.0  # s
+
+
+def _log_limited(key: Any, letter: str, message: str) -> None:
+    """_log, at most one line per ``key`` and _LIMIT_PERIOD; the next line
+    written says how many were left out meanwhile."""
+    now = time.monotonic()
+    with _limited_lock:
+        seen = _limited.get(key)
+        if seen is not None and now - seen[0] < _LIMIT_PERIOD:
+            seen[1] += 1
+            return
+        if seen is None and len(_limited) >= _LIMITED_KEYS:
+            _limited.clear()
+        skipped, since = (0, now) if seen is None else (int(seen[1]), seen[0])
+        _limited[key] = [now, 0]
+    if skipped:
+        message = (f"{message} ({skipped} more like this in the last {now - since:.1f} s "
+                   f"not shown)")
+    _log(letter, message)
 
 
 # ---------------------------------------------------------------- descriptor lists
@@ -3090,8 +3124,16 @@ class nixlAgent:
                 n = await queue.receive()
             except ClosedResourceError:
                 return
-            self._keep_notif(n.peer_name, n.payload)
-            self._take_notifs(queue)
+            try:
+                self._keep_notif(n.peer_name, n.payload)
+                self._take_notifs(queue)
+            except Exception as exc:
+                # Whatever a frame or its bookkeeping raised, the pump goes
+                # on: were it to end, this agent's peers would stall again at
+                # max_notify_per_conn unread notifications, and silently.
+                _log_limited(("pump", id(self)), "E",
+                             f"notifications: one dropped, the pump goes on: "
+                             f"{type(exc).__name__}: {exc}")
             # A pause before the next wait: a target that reads its
             # notifications takes them itself (getNotifs), and a wake-up of
             # this task per notification (a callback scheduled from the
