@@ -2408,7 +2408,6 @@ class nixlAgent:
                 err = _from_xfer_error(exc, "postXferReq")
                 self._count_exc(err)
                 raise err from None
-            rt._foreign = False  # (the agent's flush, scheduled: nothing left for it)
             # A check right after this call is a tight poll (a long post,
             # 256 tcp descriptors or 16 MiB sent from this thread, stamped
             # from its start, made the first check a mere look: PROC, and
@@ -2499,7 +2498,6 @@ class nixlAgent:
                     fut = x.post(*x.one) if not msg or x.file else x.post(*x.one, notify=msg)
                     x.fut = fut
                     self._flush_fn()
-                    rt._foreign = False
                 else:
                     x.fut = fut = self._post(x, msg)
             except (XferError, ValueError, TypeError) as exc:
@@ -2544,8 +2542,7 @@ class nixlAgent:
             return self._rt.spawn(self._framed_write(x, frames))
         post = agent.write if x.write else agent.read
         parts = [post(local, far) for local, far in x.groups]
-        self._flush_fn()
-        self._rt.forget_foreign()  # the flush the parts scheduled: nothing left for it
+        self._flush_fn()  # (the flush the parts scheduled finds nothing: see _Loop)
         # Done when every part is and then the notification was sent: a
         # future settled by whoever sees it first (a poller, from its own
         # thread; the loop thread, through the parts' callbacks, if nobody
