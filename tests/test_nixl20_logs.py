@@ -168,3 +168,58 @@ def test_refused_reposts_log_a_line_a_second(
             os.kill(sink.proc.pid, signal.SIGCONT)
         agent.close()
         sink.close()
+
+
+@pytest.mark.parametrize("how", ["close", "remove", "release"])
+def test_an_unread_failure_is_not_reported_by_asyncio(
+        how: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A request in flight when the agent closes or its remote is removed,
+    or one failed and released unchecked, whose outcome nobody reads:
+    asyncio printed
+    "Transfer exception was never retrieved" (with a traceback) when the
+    failed Transfer was collected. NIXL users do not know asyncio."""
+    import gc
+    import logging
+
+    from aioxfer.nixl import nixl_agent, nixl_agent_config
+
+    monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", "tcp")
+    sink = PipeChild(sink_main, seconds=STEP)
+    name, md, raddr = sink.hello
+    agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
+    stopped = False
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    try:
+        src = np.ones(BIG, dtype=np.uint8)
+        agent.register_memory(agent.get_reg_descs([(src.ctypes.data, BIG, 0, "")], "DRAM"))
+        agent.add_remote_agent(md)
+        h = agent.initialize_xfer("WRITE", agent.get_xfer_descs([(src.ctypes.data, BIG, 0)],
+                                                                "DRAM"),
+                                  agent.get_xfer_descs([(raddr, BIG, 0)], "DRAM"), name)
+        os.kill(sink.proc.pid, signal.SIGSTOP)
+        stopped = True
+        assert agent.transfer(h) == "PROC"
+        if how == "close":
+            agent.close()
+        elif how == "remove":
+            agent.remove_remote_agent(name)
+            time.sleep(0.5)
+            agent.release_xfer_handle(h)
+        else:
+            # Failed (its peer killed), never checked, then released.
+            os.kill(sink.proc.pid, signal.SIGKILL)
+            stopped = False
+            time.sleep(1.0)
+            agent.release_xfer_handle(h)
+        del h
+        agent.close()
+        for _ in range(3):
+            gc.collect()
+            time.sleep(0.1)
+        never = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+        assert not never, never
+    finally:
+        if stopped:
+            os.kill(sink.proc.pid, signal.SIGCONT)
+        agent.close()
+        sink.close()

@@ -1702,6 +1702,9 @@ class nixlAgent:
             rem.removed = True
             rem.gen += 1
             peer, rem.peer = rem.peer, None
+            for x in self._xfers.values():
+                if x.remote is rem:
+                    _unwatched(x)
         if peer is not None:
             if self._rt.on_loop():
                 self._rt.spawn(peer.aclose())
@@ -3054,6 +3057,10 @@ class nixlAgent:
             xfers[reqh] = x  # kept while it stops, and if it cannot
             self._stop(x, reqh)
             xfers.pop(reqh, None)
+            with self._rt.locked():
+                _unwatched(x)
+        elif fut is not None and not fut.cancelled():
+            fut.exception()  # (done: nobody reads it now)
         return 0  # NIXL_SUCCESS
 
     def _stop(self, x: _Xfer, reqh: int) -> None:
@@ -3257,6 +3264,8 @@ class nixlAgent:
         self._ns = None
         if self._store is not None:
             await self._store.close()
+        for x in self._xfers.values():
+            _unwatched(x)
         self._xfers.clear()
         self._dlists.clear()
         self._remotes.clear()
@@ -3768,6 +3777,25 @@ def _refuse_if_moving(x: _Xfer) -> None:
             raise _error(-7, "postXferReq: the transfer's previous post was cancelled or "
                              "failed, but the engine has not confirmed yet that it no longer "
                              "moves its data: retry")
+
+
+def _retrieve(f: asyncio.Future[Any]) -> None:
+    if not f.cancelled():
+        f.exception()
+
+
+def _unwatched(x: _Xfer) -> None:
+    """The request's outcome will be read by nobody (its handle released,
+    its agent or its remote gone): its failure is retrieved here, not
+    reported at garbage collection ("Transfer exception was never
+    retrieved" on stderr: asyncio's, which NIXL users do not know). Lock
+    held."""
+    for f in (x.fut, *(x.parts or ()), x.tail):
+        if isinstance(f, asyncio.Future):
+            if f.done():
+                _retrieve(f)
+            else:
+                f.add_done_callback(_retrieve)
 
 
 def _notif_dropped(sender: str, nbytes: int) -> None:
