@@ -202,6 +202,10 @@ class GpuFileStager:
         self._peer: Peer | None = None
         self._free: asyncio.Queue[int] = asyncio.Queue()
         self._closed = False
+        # Moves begun (waiting for a slot or moving), and what aclose waits on
+        # until none is left: the bounce buffer goes only after the last.
+        self._moves = 0
+        self._idle: asyncio.Event | None = None
 
     async def start(self) -> GpuFileStager:
         if self._bounce is not None:
@@ -235,11 +239,19 @@ class GpuFileStager:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
+        """Refuses new moves, and those still waiting for a slot
+        (ClosedResourceError); waits for those moving to end, then releases
+        the bounce buffer: a move's copies and file I/O use it to their end
+        (a cancelled move's included: see _whole). Concurrent calls all
+        wait."""
         self._closed = True
-        if self._bounce is not None and not self._agent.closed:
-            self._agent.deregister(self._bounce)
+        if self._moves:
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+        bounce, self._bounce = self._bounce, None
+        if bounce is not None and not self._agent.closed:
+            self._agent.deregister(bounce)
 
     def _ready(self) -> tuple[Region, RemoteRegion]:
         if self._closed:
@@ -263,8 +275,21 @@ class GpuFileStager:
         if offset < 0:
             raise ValueError("file offset must not be negative")
         t0 = perf_counter()
+        self._moves += 1
+        try:
+            await self._move_in_slot(seg, offset, bounce, remote, to_file)
+        finally:
+            self._moves -= 1
+            if not self._moves and self._idle is not None:
+                self._idle.set()
+        return StagedResult(seg.length, perf_counter() - t0)
+
+    async def _move_in_slot(self, seg: Segment, offset: int, bounce: Region,
+                            remote: RemoteRegion, to_file: bool) -> None:
         slot = await self._free.get()
         try:
+            if self._closed:  # (closed while this move waited for the slot)
+                raise ClosedResourceError("GPU <-> file stager is closed")
             base = slot * self._slot_bytes
             done = 0
             while done < seg.length:
@@ -283,4 +308,3 @@ class GpuFileStager:
                 done += n
         finally:
             self._free.put_nowait(slot)
-        return StagedResult(seg.length, perf_counter() - t0)

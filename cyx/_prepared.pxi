@@ -935,8 +935,6 @@ def nixl_transfer(agent, handle, notif_msg=b""):
                 err = exc
             else:
                 axf_slot_put(x, _nx_off[_NX_FUT], fut)
-                # (The agent's flush, scheduled: nothing left for it.)
-                axf_slot_put(rt, _nr_off[_NR_FOREIGN], False)
                 # The caller's last call ended now (see _transfer_py).
                 axf_slot_put(x, _nx_off[_NX_LAST_POLL], PyFloat_FromDouble(_perf_counter()))
     finally:

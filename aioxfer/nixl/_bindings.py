@@ -305,7 +305,9 @@ def _error(status: int, detail: str = "") -> Exception:
     """The exception NIXL raises for ``status``; its message starts with the
     status name, as NIXL's, followed by what went wrong."""
     cls, name = _ERRORS[status]
-    _log("E", detail or name)
+    # (Limited: a caller retrying a refused call in a loop, as a repost of a
+    # handle still in flight, made ~12 k identical lines in 15 s; rev19 #6.)
+    _log_limited(("E", status, detail), "E", detail or name)
     return cls(f"{name}: {detail}" if detail else name)
 
 
@@ -339,11 +341,43 @@ def _log(letter: str, message: str) -> None:
     micros = int((now % 1) * 1e6)
     line = (f"{letter}{stamp}.{micros:06d} {threading.get_native_id():>7} "
             f"aioxfer_nixl] {message}\n")
+    # (Never raises: it runs on the loop thread too, inside the notification
+    # pump and the assembler's bounds, which a failure here would end. The
+    # stream may be None, a process started with fd 2 closed, or whatever
+    # object the application put there.)
     try:
         sys.stderr.write(line)
         sys.stderr.flush()
-    except (OSError, ValueError):
+    except Exception:
         pass
+
+
+# What _log_limited saw: key -> [when its last line was written, lines
+# dropped since]. Bounded: past _LIMITED_KEYS keys it starts over (at worst a
+# few more lines).
+_limited: dict[Any, list[float]] = {}
+_limited_lock = threading.Lock()
+_LIMITED_KEYS = 256
+_LIMIT_PERIOD = 1.0  # s
+
+
+def _log_limited(key: Any, letter: str, message: str) -> None:
+    """_log, at most one line per ``key`` and _LIMIT_PERIOD; the next line
+    written says how many were left out meanwhile."""
+    now = time.monotonic()
+    with _limited_lock:
+        seen = _limited.get(key)
+        if seen is not None and now - seen[0] < _LIMIT_PERIOD:
+            seen[1] += 1
+            return
+        if seen is None and len(_limited) >= _LIMITED_KEYS:
+            _limited.clear()
+        skipped, since = (0, now) if seen is None else (int(seen[1]), seen[0])
+        _limited[key] = [now, 0]
+    if skipped:
+        message = (f"{message} ({skipped} more like this in the last {now - since:.1f} s "
+                   f"not shown)")
+    _log(letter, message)
 
 
 # ---------------------------------------------------------------- descriptor lists
@@ -1668,6 +1702,9 @@ class nixlAgent:
             rem.removed = True
             rem.gen += 1
             peer, rem.peer = rem.peer, None
+            for x in self._xfers.values():
+                if x.remote is rem:
+                    _unwatched(x)
         if peer is not None:
             if self._rt.on_loop():
                 self._rt.spawn(peer.aclose())
@@ -2374,7 +2411,6 @@ class nixlAgent:
                 err = _from_xfer_error(exc, "postXferReq")
                 self._count_exc(err)
                 raise err from None
-            rt._foreign = False  # (the agent's flush, scheduled: nothing left for it)
             # A check right after this call is a tight poll (a long post,
             # 256 tcp descriptors or 16 MiB sent from this thread, stamped
             # from its start, made the first check a mere look: PROC, and
@@ -2465,7 +2501,6 @@ class nixlAgent:
                     fut = x.post(*x.one) if not msg or x.file else x.post(*x.one, notify=msg)
                     x.fut = fut
                     self._flush_fn()
-                    rt._foreign = False
                 else:
                     x.fut = fut = self._post(x, msg)
             except (XferError, ValueError, TypeError) as exc:
@@ -2510,8 +2545,7 @@ class nixlAgent:
             return self._rt.spawn(self._framed_write(x, frames))
         post = agent.write if x.write else agent.read
         parts = [post(local, far) for local, far in x.groups]
-        self._flush_fn()
-        self._rt.forget_foreign()  # the flush the parts scheduled: nothing left for it
+        self._flush_fn()  # (the flush the parts scheduled finds nothing: see _Loop)
         # Done when every part is and then the notification was sent: a
         # future settled by whoever sees it first (a poller, from its own
         # thread; the loop thread, through the parts' callbacks, if nobody
@@ -3023,6 +3057,10 @@ class nixlAgent:
             xfers[reqh] = x  # kept while it stops, and if it cannot
             self._stop(x, reqh)
             xfers.pop(reqh, None)
+            with self._rt.locked():
+                _unwatched(x)
+        elif fut is not None and not fut.cancelled():
+            fut.exception()  # (done: nobody reads it now)
         return 0  # NIXL_SUCCESS
 
     def _stop(self, x: _Xfer, reqh: int) -> None:
@@ -3090,8 +3128,16 @@ class nixlAgent:
                 n = await queue.receive()
             except ClosedResourceError:
                 return
-            self._keep_notif(n.peer_name, n.payload)
-            self._take_notifs(queue)
+            try:
+                self._keep_notif(n.peer_name, n.payload)
+                self._take_notifs(queue)
+            except Exception as exc:
+                # Whatever a frame or its bookkeeping raised, the pump goes
+                # on: were it to end, this agent's peers would stall again at
+                # max_notify_per_conn unread notifications, and silently.
+                _log_limited(("pump", id(self)), "E",
+                             f"notifications: one dropped, the pump goes on: "
+                             f"{type(exc).__name__}: {exc}")
             # A pause before the next wait: a target that reads its
             # notifications takes them itself (getNotifs), and a wake-up of
             # this task per notification (a callback scheduled from the
@@ -3218,6 +3264,8 @@ class nixlAgent:
         self._ns = None
         if self._store is not None:
             await self._store.close()
+        for x in self._xfers.values():
+            _unwatched(x)
         self._xfers.clear()
         self._dlists.clear()
         self._remotes.clear()
@@ -3729,6 +3777,25 @@ def _refuse_if_moving(x: _Xfer) -> None:
             raise _error(-7, "postXferReq: the transfer's previous post was cancelled or "
                              "failed, but the engine has not confirmed yet that it no longer "
                              "moves its data: retry")
+
+
+def _retrieve(f: asyncio.Future[Any]) -> None:
+    if not f.cancelled():
+        f.exception()
+
+
+def _unwatched(x: _Xfer) -> None:
+    """The request's outcome will be read by nobody (its handle released,
+    its agent or its remote gone): its failure is retrieved here, not
+    reported at garbage collection ("Transfer exception was never
+    retrieved" on stderr: asyncio's, which NIXL users do not know). Lock
+    held."""
+    for f in (x.fut, *(x.parts or ()), x.tail):
+        if isinstance(f, asyncio.Future):
+            if f.done():
+                _retrieve(f)
+            else:
+                f.add_done_callback(_retrieve)
 
 
 def _notif_dropped(sender: str, nbytes: int) -> None:

@@ -188,16 +188,28 @@ class _LockedSelector(selectors.BaseSelector):
             self.sleep_until = 0.0
 
 
+# An agent's end-of-iteration flush (Submission._flush, bound): what a post
+# from a caller's thread schedules; the compat layer flushes itself right after
+# (one call), so the scheduled one finds nothing and needs no wake-up.
+_FLUSH = _cyx.submission_scheduled_flush
+
+
 class _Loop(asyncio.SelectorEventLoop):
     """Notes callbacks scheduled from another thread (a caller holding the
-    runtime lock), so that the runtime wakes the loop for them."""
+    runtime lock), so that the runtime wakes the loop for them; all but an
+    agent's flush (_FLUSH). The callers' posts used to clear the mark after
+    their own flush instead, which also dropped the wake-up for other
+    transfers' completions their drain had scheduled (rev19 #5: a
+    future()/await user waited up to ~20 ms, the loop asleep until a
+    poller's claim lingered out)."""
 
     _rt: Runtime
 
-    def call_soon(self, *args: Any, **kwargs: Any) -> asyncio.Handle:  # type: ignore[override]
-        if threading.get_ident() != self._rt.loop_ident:
+    def call_soon(self, callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:  # type: ignore[override]
+        if (threading.get_ident() != self._rt.loop_ident
+                and getattr(callback, "__func__", None) is not _FLUSH):
             self._rt._foreign = True
-        return super().call_soon(*args, **kwargs)
+        return super().call_soon(callback, *args, **kwargs)
 
     def call_at(self, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:  # type: ignore[override]
         if threading.get_ident() != self._rt.loop_ident:
@@ -301,11 +313,6 @@ class Runtime:
         self.lock.release()
         if wake:
             self.wake()
-
-    def forget_foreign(self) -> None:
-        """What this section scheduled needs no prompt run (a transfer it
-        already posted and completed leaves only the agent's no-op flush)."""
-        self._foreign = False
 
     def wake(self) -> None:
         self.loop.call_soon_threadsafe(_nothing)
