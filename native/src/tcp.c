@@ -388,7 +388,13 @@ static uint64_t tcp_chunk(axf_engine *e, const op *o)
  * in, with or without polling) 0.70x-0.75x, on two 0.99x. On a loaded
  * machine (compilers on both vCPUs) the stripes' many threads take a
  * larger share of the CPUs than the two busy threads of one connection:
- * measured so 0.6x, on a shape that iperf3 shares. */
+ * measured so 0.6x, on a shape that iperf3 shares. Wheels (this against
+ * main's, tcp20_batch.py alternated, medians of per-pair ratios): the
+ * batch WRITE 1.18x (5/5, CPU per GB 0.328 -> 0.318), 1.22x (4/4, 0.435 ->
+ * 0.372; iperf3 right after each run: 0.82x -> 1.04x of it) and 1.20x
+ * (5/6) on a loaded stretch; 2 MiB in one descriptor 1.11x (4/5, the
+ * median request 0.89-0.95x the time), 4 MiB 1.05x (3/3); unchanged paths
+ * within noise: 16 MiB 1.01x, the READ batch 1.10x [0.83..1.43]. */
 static int solo_conn(const op *o)
 {
     endpoint *ep = o->ep;
