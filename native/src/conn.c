@@ -1368,7 +1368,11 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
          * connections' sending threads copy them side by side, where the
          * posting thread would copy them one after the other, while the
          * peer's receiver has its first bytes meanwhile. */
-        if (nowait && !n && !axf_no_help && it->h.type == FR_WRITEV && size > INLINE_SEND) {
+        if (nowait && !axf_no_help && it->op && it->op->tcp_whole) {
+            /* A lone WRITE kept on this connection (tcp.c solo_conn): all
+             * of it from the posting thread, as the socket takes it. */
+        } else if (nowait && !n && !axf_no_help && it->h.type == FR_WRITEV &&
+                   size > INLINE_SEND) {
             cap = INLINE_SEND;
         } else if (nowait && bytes + size > (n || axf_no_help || it->h.type == FR_WRITEV
                                                  ? INLINE_SEND
@@ -1480,6 +1484,16 @@ void conn_kick(conn *c)
     pthread_mutex_lock(&c->mu);
     if (!c->dead && !c->sending && c->head)
         (void)send_batch(c, true, &done);
+    /* A lone WRITE sent whole (tcp.c solo_conn, up to 4 MiB) takes a
+     * send_batch per TX_BATCH_BYTES: on while the socket takes each batch
+     * whole (a short send left the rest with the sending thread, woken). */
+    for (sq_item *was = NULL; !c->dead && !c->sending && c->head && c->head != was &&
+                              !c->head->sent && c->head->op && c->head->op->tcp_whole &&
+                              !axf_no_help;) {
+        was = c->head;
+        if (send_batch(c, true, &done))
+            break;
+    }
     if (c->head && !c->sending && !c->dead)
         tx_wake(c);
     pthread_mutex_unlock(&c->mu);

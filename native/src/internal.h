@@ -203,6 +203,8 @@ typedef struct op {
     uint64_t total;           /* bytes its descriptors ask for: what it reports done */
     bool claimed;
     bool counted; /* registered: holds one of ep->ops_alive */
+    bool tcp_whole; /* tcp: a lone WRITE of several chunks kept on one connection,
+                       sent whole by the posting thread (tcp.c solo_conn) */
     /* One descriptor (the frequent small request): d, laddr, rr, lregs and
      * rregs point at these instead of at five allocations of one element. */
     axf_desc d1;

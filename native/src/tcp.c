@@ -12,6 +12,7 @@
  * goes as two halves on two connections (tcp_chunk). */
 #define SPLIT_MIN (1u << 20)
 #define WHOLE_MAX (1u << 20) /* tcp_chunk: the lone WRITEs measured whole (tcp19) */
+#define SOLO_MAX (4u << 20)  /* solo_conn: lone WRITEs of several chunks on one connection (tcp20) */
 
 /* An endpoint's (endpoint->priv): chunks are striped over its live
  * connections by this schedule (slot -> connection index), weighted by each
@@ -357,6 +358,63 @@ static uint64_t tcp_chunk(axf_engine *e, const op *o)
     return (o->d[0].len / 2 + 4095) & ~(uint64_t)4095;
 }
 
+/* The one connection a lone WRITE of several chunks (a batch of many
+ * descriptors, a request of 1-4 MiB) goes on, or -1 (striped by the
+ * schedule, as before): up to SOLO_MAX bytes, nothing else of the
+ * endpoint's in flight, every live connection through loopback with
+ * loop_cc (conn.c loop_cc_set). Its frames are then sent whole by the
+ * posting thread (conn.c send_batch, op->tcp_whole) while the peer's one
+ * receiver copies them out: two threads busy on two vCPUs, iperf3's shape
+ * (one stream, one writer, one reader), where the stripes over four
+ * connections kept nine (four sending threads woken, four receivers, the
+ * awaiting spinner; ~11 voluntary switches per request, ~1.1 with this).
+ * The connection is the one the last lone request went on (warm threads,
+ * as for a lone one-chunk request: tcp_stripe). Measured (256 x 16 KiB
+ * WRITEs awaited one at a time through Python, benchmarks/tcp20_batch.py,
+ * one build with the shapes switchable, interleaved, medians of per-pair
+ * ratios, 2 vCPUs): one connection, sent whole by the posting thread 1.15x
+ * (5/5) and 1.18x (4/4), 16 MiB requests so 1.09x (3/3) and 1.03x (2/3);
+ * one connection, sent by its sending thread (the spinner, the sender and
+ * the receiver on two vCPUs) 1.02x; two connections, their sending threads
+ * 0.89x and 1.20x (noise); the target polling the payload as it streams
+ * (rx_stream) beside it 1.09x-1.27x, not steadier: left; the awaiting
+ * thread reading the 4 MiB acknowledgement (help_ack) 0.86x; the posting
+ * thread sending the first 4 MiB of a 16 MiB request and its sending thread
+ * the rest 0.86x. So up to 4 MiB (~0.7 ms of the posting thread, where
+ * the caller awaits the request anyway): larger requests keep the stripes
+ * (sending 16 MiB whole would hold an event loop's thread ~2.5 ms for
+ * 1.03-1.09x). A READ keeps the stripes: on one connection (the target's
+ * receiver sending every response, the initiator's receiver copying them
+ * in, with or without polling) 0.70x-0.75x, on two 0.99x. On a loaded
+ * machine (compilers on both vCPUs) the stripes' many threads take a
+ * larger share of the CPUs than the two busy threads of one connection:
+ * measured so 0.6x, on a shape that iperf3 shares. Wheels (this against
+ * main's, tcp20_batch.py alternated, medians of per-pair ratios): the
+ * batch WRITE 1.18x (5/5, CPU per GB 0.328 -> 0.318), 1.22x (4/4, 0.435 ->
+ * 0.372; iperf3 right after each run: 0.82x -> 1.04x of it) and 1.20x
+ * (5/6) on a loaded stretch; 2 MiB in one descriptor 1.11x (4/5, the
+ * median request 0.89-0.95x the time), 4 MiB 1.05x (3/3); unchanged paths
+ * within noise: 16 MiB 1.01x, the READ batch 1.10x [0.83..1.43]. */
+static int solo_conn(const op *o)
+{
+    endpoint *ep = o->ep;
+    if (o->opcode != AXF_OP_WRITE || o->total > SOLO_MAX || atomic_load(&ep->ops_alive) > 1)
+        return -1;
+    const tcp_ep *t = TEP(ep);
+    int last = t->sched[(t->rr_next + AXF_SCHED - 1) % AXF_SCHED], pick = -1;
+    for (int i = 0; i < ep->nconns; i++) {
+        int ci = (last + i) % ep->nconns;
+        const conn *c = ep->conns[ci];
+        if (atomic_load(&c->down))
+            continue;
+        if (!c->loop_cc)
+            return -1;
+        if (pick < 0)
+            pick = ci;
+    }
+    return pick;
+}
+
 /* Stripes a new op's chunks over the live connections by the endpoint's
  * schedule: one group per connection used, its LAST frame acknowledged once.
  * Returns false when nothing could be queued (the caller completes the op). */
@@ -401,6 +459,8 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
      * ended) 1.017x in 8 pairs, 4 above 1. */
     bool lone = one && o->n == 1 && atomic_load(&ep->ops_alive) <= 1;
     uint32_t sched0 = (uint32_t)(lone ? (t->rr_next + AXF_SCHED - 1) % AXF_SCHED : t->rr_next);
+    const uint8_t *sched = t->sched;
+    bool solo = false;
     if (!one) {
         tcp_op *to = malloc(sizeof *to);
         if (!to) {
@@ -408,10 +468,18 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
             atomic_store(&o->remaining, 1);
             return false;
         }
-        memcpy(to->sched, t->sched, AXF_SCHED);
+        int sc = solo_conn(o);
+        if (sc >= 0) { /* its own schedule: every slot that connection (a reroute finds it so) */
+            memset(to->sched, sc, AXF_SCHED);
+            sched0 = 0;
+            solo = o->tcp_whole = true;
+        } else {
+            memcpy(to->sched, t->sched, AXF_SCHED);
+        }
         to->sched0 = sched0;
         to->chunk = chunk;
         o->priv = to;
+        sched = to->sched;
     }
     if (one) { /* the frequent small request: one frame, nothing to pack */
         int ci = t->sched[sched0 % AXF_SCHED];
@@ -444,7 +512,7 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
     int used = 0;
     bool ok = true;
     while (ok && chunk_next(&ci_, &i, &off)) {
-        int ci = t->sched[(sched0 + k++) % AXF_SCHED];
+        int ci = sched[(sched0 + k++) % AXF_SCHED];
         ok = grp_add(&g[ci], o, i, off, chunk);
     }
     for (int ci = 0; ok && ci < ep->nconns; ci++)
@@ -456,7 +524,7 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
     }
     for (int ci = 0; ci < ep->nconns; ci++)
         used += g[ci].last != NULL;
-    if (!lone)
+    if (!lone && !solo)
         t->rr_next = (int)((sched0 + k) % AXF_SCHED);
     /* Set before any group is queued: replies may come at once. */
     atomic_store(&o->remaining, used ? used : 1);
@@ -476,7 +544,7 @@ static bool tcp_stripe(axf_engine *e, op *o, bool signal) /* e->mu held */
      * to their sending threads after their first frame anyway, within noise
      * (4 MiB 0.97x, 16 MiB 1.03x). */
     bool halves = o->opcode == AXF_OP_WRITE && chunk < e->cfg.chunk_bytes;
-    int first_ci = t->sched[sched0 % AXF_SCHED];
+    int first_ci = sched[sched0 % AXF_SCHED];
     for (int ci = 0; ci < ep->nconns; ci++) {
         if (!g[ci].last)
             continue;
