@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import digest, sigstop, wait_until, within
-from test_tcp19_loopback import pair, queued_conns, sockets
+from conftest import digest, queued_conns, sigstop, wait_until, within
+from test_tcp19_loopback import pair, sockets
 
 import aioxfer
 from aioxfer import PeerLost
