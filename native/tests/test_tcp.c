@@ -1869,6 +1869,198 @@ static int test_spinner_read_hands_back(void)
     return 0;
 }
 
+/* tcp19b (help_ack): over a TCP connection through loopback, reno set by
+ * the engine (conn.c loop_cc_set), a spinner reads 1 MiB WRITEs'
+ * acknowledgements itself (HELP_LOOP_MAX); each hostile or odd reply on that
+ * path then: one whose byte count is the peer's UINT64_MAX (OK, our count
+ * reported), one sent before the payload was read (OK: the peer's word; the
+ * connection stays in step), one split across a pause (the receiver's, OK),
+ * a failed one with an index far out of range (that status, the connection
+ * goes on), one for another request (rejected: PEER_LOST), and the peer
+ * closing with the reply half sent (PEER_LOST). A raw target on a loopback
+ * TCP socket. */
+enum { G_NONE, G_HUGE_LEN, G_EARLY, G_SPLIT, G_ERR_STATUS, G_WRONG_OP, G_HALF_CLOSE };
+typedef struct big_target {
+    int fd;
+    atomic_int fault;
+    uint8_t sink[65536];
+} big_target;
+
+static int tcp_loop_pair(int *a, int *b)
+{
+    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(l >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
+    CHECK_EQ(listen(l, 1), 0);
+    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
+    *a = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(*a >= 0);
+    CHECK_EQ(connect(*a, (struct sockaddr *)&sa, sizeof sa), 0);
+    *b = accept4(l, NULL, NULL, SOCK_CLOEXEC);
+    CHECK(*b >= 0);
+    close(l);
+    return 0;
+}
+
+static void *big_target_main(void *arg)
+{
+    big_target *t = arg;
+    uint64_t group = 0; /* bytes of the group so far (one ack at its LAST frame) */
+    bool first = true, acked = false;
+    int f = G_NONE;
+    for (;;) {
+        wire_hdr h;
+        if (recv(t->fd, &h, sizeof h, MSG_WAITALL) != (ssize_t)sizeof h)
+            return NULL;
+        if (h.type == FR_PING)
+            continue;
+        if (h.type != FR_WRITE)
+            return NULL;
+        wire_hdr a = {.magic = AXF_MAGIC, .type = FR_WRITE_ACK, .op = h.op};
+        if (first) {
+            f = atomic_exchange(&t->fault, G_NONE);
+            acked = false;
+            if (f == G_EARLY) { /* before any of the group's payload is read */
+                a.len = h.len;
+                if (send(t->fd, &a, sizeof a, MSG_NOSIGNAL) != (ssize_t)sizeof a)
+                    return NULL;
+                acked = true;
+            }
+        }
+        for (uint64_t left = h.len; left;) {
+            size_t n = left < sizeof t->sink ? (size_t)left : sizeof t->sink;
+            if (recv(t->fd, t->sink, n, MSG_WAITALL) != (ssize_t)n)
+                return NULL;
+            left -= n;
+        }
+        group += h.len;
+        first = (h.flags & FL_LAST) != 0;
+        if (!first)
+            continue;
+        a.len = group;
+        group = 0;
+        if (acked)
+            continue;
+        if (f == G_HUGE_LEN) {
+            a.len = UINT64_MAX;
+        } else if (f == G_ERR_STATUS) {
+            a.status = AXF_E_ACCESS;
+            a.index = UINT64_MAX;
+        } else if (f == G_WRONG_OP) {
+            a.op = h.op + 999;
+        } else if (f == G_SPLIT || f == G_HALF_CLOSE) {
+            if (send(t->fd, &a, 24, MSG_NOSIGNAL) != 24)
+                return NULL;
+            usleep(3000); /* the spinner peeks the first part meanwhile */
+            if (f == G_HALF_CLOSE) {
+                shutdown(t->fd, SHUT_RDWR);
+                return NULL;
+            }
+            if (send(t->fd, (uint8_t *)&a + 24, sizeof a - 24, MSG_NOSIGNAL) !=
+                (ssize_t)(sizeof a - 24))
+                return NULL;
+            continue;
+        }
+        if (send(t->fd, &a, sizeof a, MSG_NOSIGNAL) != (ssize_t)sizeof a)
+            return NULL;
+    }
+}
+
+/* spin_for, and the completion's byte count. */
+static int spin_for_n(tengine *t, uint64_t id, int32_t *status, uint64_t *nbytes)
+{
+    uint64_t deadline = t_now_ms() + T_TIMEOUT_MS;
+    for (;;) {
+        (void)axf_wait(t->e, 20000);
+        t_drain(t);
+        for (size_t i = 0; i < t->n; i++) {
+            if (t->q[i].kind == AXF_CQ_XFER && t->q[i].id == id) {
+                *status = t->q[i].status;
+                *nbytes = t->q[i].nbytes;
+                memmove(&t->q[i], &t->q[i + 1], (t->n - i - 1) * sizeof t->q[0]);
+                t->n--;
+                return 0;
+            }
+        }
+        CHECK(t_now_ms() < deadline);
+    }
+}
+
+static int test_spinner_reads_loop_acks(void)
+{
+    static const int faults[] = {G_NONE,       G_HUGE_LEN, G_EARLY,     G_SPLIT,
+                                 G_ERR_STATUS, G_WRONG_OP, G_HALF_CLOSE};
+    for (size_t k = 0; k < sizeof faults / sizeof faults[0]; k++) {
+        int fault = faults[k];
+        tengine *a = t_engine(NULL);
+        CHECK(a);
+        uint64_t ep, rid, key;
+        int mine, theirs;
+        if (tcp_loop_pair(&mine, &theirs))
+            return 1;
+        CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, 120 + k, 0, -1, &ep), AXF_OK);
+        CHECK_EQ(axf_endpoint_add_conn(a->e, ep, mine), AXF_OK);
+        char cc[16] = {0};
+        socklen_t cl = sizeof cc;
+        CHECK_EQ(getsockopt(mine, IPPROTO_TCP, TCP_CONGESTION, cc, &cl), 0);
+        uint8_t *buf = calloc(1, REG);
+        CHECK(buf);
+        CHECK_EQ(axf_region_register(a->e, buf, REG, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &rid,
+                                     &key),
+                 AXF_OK);
+        CHECK_EQ(axf_endpoint_import(a->e, ep, 1, 0x1234, REG, AXF_ACCESS_READ | AXF_ACCESS_WRITE,
+                                     0, -1),
+                 AXF_OK);
+        big_target *t = calloc(1, sizeof *t);
+        CHECK(t);
+        t->fd = theirs;
+        pthread_t th;
+        CHECK_EQ(pthread_create(&th, NULL, big_target_main, t), 0);
+        axf_desc d = {.lrid = rid, .rrid = 1, .rkey = 0x1234, .len = REG};
+        uint64_t id = 300, n = 0;
+        int32_t st = -1;
+        for (int i = 0; i < 2000 && (i < 4 || !atomic_load(&a->e->helped)); i++, id++) {
+            CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, id, 0), AXF_OK);
+            CHECK_EQ(spin_for_n(a, id, &st, &n), 0);
+            CHECK_EQ(st, AXF_OK);
+            CHECK_EQ(n, (uint64_t)REG);
+        }
+        CHECK(atomic_load(&a->e->helped) > 0); /* the 1 MiB acks read by the spinner */
+        atomic_store(&t->fault, fault);
+        CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, id, 0), AXF_OK);
+        CHECK_EQ(spin_for_n(a, id, &st, &n), 0);
+        axf_stats s;
+        axf_engine_stats(a->e, &s);
+        if (fault == G_WRONG_OP || fault == G_HALF_CLOSE) {
+            CHECK_EQ(st, AXF_E_PEER_LOST);
+            axf_completion c;
+            CHECK_EQ(t_wait(a, AXF_CQ_PEER_LOST, ep, &c), 0);
+            CHECK_EQ(s.frames_rejected, fault == G_WRONG_OP ? 1u : 0u);
+        } else {
+            CHECK_EQ(st, fault == G_ERR_STATUS ? AXF_E_ACCESS : AXF_OK);
+            if (fault != G_ERR_STATUS)
+                CHECK_EQ(n, (uint64_t)REG); /* ours, never the peer's word */
+            CHECK_EQ(s.frames_rejected, 0);
+            for (int i = 0; i < 8; i++) { /* the connection goes on, in step */
+                id++;
+                CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, id, 0), AXF_OK);
+                CHECK_EQ(spin_for_n(a, id, &st, &n), 0);
+                CHECK_EQ(st, AXF_OK);
+            }
+        }
+        CHECK(strcmp(cc, "reno") == 0);
+        shutdown(theirs, SHUT_RDWR);
+        pthread_join(th, NULL);
+        t_close(a);
+        close(theirs);
+        free(t);
+        free(buf);
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------ thread start-up */
 
 /* pthread_create, interposed: once armed, lets fail_skip creations through
@@ -2088,6 +2280,7 @@ int main(int argc, char **argv)
         T_CASE(test_spinner_reads_write_replies),
         T_CASE(test_spinner_reads_read_replies),
         T_CASE(test_spinner_hands_back),
+        T_CASE(test_spinner_reads_loop_acks),
         T_CASE(test_spinner_read_hands_back),
         T_CASE(test_thread_start_fails),
         T_CASE(test_close_races_add_conn),
