@@ -2647,22 +2647,25 @@ static bool help_ack(const conn *c, uint64_t len)
 }
 
 /* A READ response whose payload is still coming (HELP_WAIT), as this thread
- * last peeked it: its connection, the bytes readable then, since when. */
+ * last peeked it: its connection and request, the bytes readable then, since
+ * when. */
 static _Thread_local struct {
     const conn *c;
+    uint64_t op;
     int avail;
     uint64_t since;
 } help_wait;
 
-/* Whether the response that c's spinner waits for has stopped coming: no
+/* Whether the response h that c's spinner waits for has stopped coming: no
  * byte more for HELP_STALL_US (its sender preempted or stopped, or a receive
  * window too small for it: the bytes come only as they are read). Then its
  * receiver reads it, as it would have without the spinner. */
-static bool help_stalled(const conn *c, int avail)
+static bool help_stalled(const conn *c, const wire_hdr *h, int avail)
 {
     uint64_t now = axf_now_us();
-    if (help_wait.c != c || help_wait.avail != avail) {
+    if (help_wait.c != c || help_wait.op != h->op || help_wait.avail != avail) {
         help_wait.c = c;
+        help_wait.op = h->op;
         help_wait.avail = avail;
         help_wait.since = now;
         return false;
@@ -2687,7 +2690,7 @@ static bool help_read(conn *c)
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
         back = RX_PARKED; /* nothing yet */
     } else if (takes == HELP_WAIT) {
-        back = help_stalled(c, avail) ? RX_SELF : RX_PARKED;
+        back = help_stalled(c, &h, avail) ? RX_SELF : RX_PARKED;
     } else if (takes == HELP_YES &&
                recv(c->fd, &h, sizeof h, MSG_DONTWAIT) == (ssize_t)sizeof h) {
         (void)ka_heard(c, &h);
