@@ -166,6 +166,11 @@ async def test_hostile_response_to_a_lone_64k_read(make_agent, capsys, mode: str
             except aioxfer.XferError as e:  # typed, and promptly (within)
                 err = e
                 break
+            assert np.all(local.numpy()[SIZE:2 * SIZE] == 0x11), f"READ {k}: wrong bytes"
+            if k == proxy.nth - 1 and mode == "die-mid-payload":
+                # One connection lost, the others live: the READ went again
+                # on another (rerouted), and completed with the right bytes.
+                break
             assert k < proxy.nth - 1 or mode == "extra-bytes", f"READ {k} succeeded"
         assert proxy.done.is_set(), "the proxy never saw the response it rewrites"
         got = local.numpy()
@@ -175,17 +180,19 @@ async def test_hostile_response_to_a_lone_64k_read(make_agent, capsys, mode: str
         # extra-bytes: the response itself is right (its READ completes), and
         # its extra bytes are read as the next frame's header: not one, the
         # connection closes and the next READ fails.
-        assert err is not None, "a wrong response completed the READ"
+        assert err is not None or mode == "die-mid-payload", "a wrong response completed it"
         why = {"short": "malformed frame: READ responses short of what the group asked",
                "long": "malformed frame: READ response outside its request",
                "extra-bytes": "malformed frame: bad frame magic",
-               "die-mid-payload": "peer.lost"}[mode]
+               # the endpoint lost, or (rerouted) that rail
+               "die-mid-payload": ("peer.lost", "broken or silent")}[mode]
+        whys = (why,) if isinstance(why, str) else why
         logged = ""
         for _ in range(100):
             logged += capsys.readouterr().err
-            if why in logged:
+            if any(w in logged for w in whys):
                 break
             await asyncio.sleep(0.05)
-        assert why in logged, logged
+        assert any(w in logged for w in whys), logged
     finally:
         await proxy.close()
