@@ -100,6 +100,8 @@ void axf_trace(uint32_t ev, int fd, uint64_t op, uint64_t a)
                               (or could have been) this recently (conn_help) ... */
 #define HELP_BYTES_MAX (128u << 10) /* ... replies to groups up to this large */
 #define HELP_READ_MAX (16u << 10) /* a READ's response, of a request alone, read by a spinner */
+#define HELP_READ_LOOP_MAX (64u << 10) /* ... on a loop_cc connection (help_resp) */
+#define HELP_STALL_US 50u /* ... whose payload, still coming, stopped coming (help_stalled) */
 #define HELP_LOOP_MAX (1u << 20) /* ... and WRITE acks of groups up to this on a loop_cc
                                     connection (help_ack) */
 /* Larger groups' replies (a lone 1 MiB request's two 512 KiB halves) stay
@@ -2586,21 +2588,41 @@ static bool read_alone(const conn *c)
     return atomic_load(&c->ep->ops_alive) <= 1;
 }
 
+/* Whether a READ's response of len bytes, of a request alone, is read by a
+ * spinner (help_takes) and parks the receiver for one (rx_loop): up to
+ * HELP_READ_MAX, and on a loop_cc connection up to HELP_READ_LOOP_MAX (read20:
+ * a lone 64 KiB READ's response comes in one or two loopback segments, both
+ * sent by the target's single inline send, so the spinner that waits for all
+ * of it waits about as long as a receiver blocked in recv would, without the
+ * receiver's wake-up). Measured (wheels, 2 vCPUs, a noisy shared VM):
+ * tcp14_timeline 64 KiB READs, voluntary switches per request 1.0 -> 0.04-0.07
+ * (4939 of 5000 responses read by the spinner, traced); peers/run.py tcp,
+ * 3 interleaved rounds against main's wheel (one with the order swapped):
+ * READ 64 KiB 1.28x median (1.19-1.64x), 1.77x Mooncake (1.32-1.88); the
+ * other one-at-a-time rows 0.92-1.16x (noise). */
+static bool help_resp(const conn *c, uint64_t len)
+{
+    return len <= HELP_READ_MAX || (c->loop_cc && len <= HELP_READ_LOOP_MAX);
+}
+
+enum { HELP_NO, HELP_WAIT, HELP_YES };
+
 /* Whether h (peeked) is what the spinner reads: a reply that completes the
  * group the connection expects next, well formed: a WRITE acknowledgement
  * (a header alone: its len is the peer's byte count), or a small READ's one
  * response (its group's last frame and all of its bytes, inside the
  * descriptor) whose payload is here already (avail: the bytes readable), so
- * that reading it never waits for the peer. */
-static bool help_takes(conn *c, const wire_hdr *h, int avail)
+ * that reading it never waits for the peer: HELP_YES. HELP_WAIT: such a
+ * response whose payload is still coming (nothing is read: the spinner peeks
+ * again, help_read). */
+static int help_takes(conn *c, const wire_hdr *h, int avail)
 {
     if (h->magic != AXF_MAGIC || h->nseg || !valid_status(h->status))
-        return false;
+        return HELP_NO;
     bool ack = h->type == FR_WRITE_ACK;
     if (!ack && (h->type != FR_READ_RESP || !(h->flags & FL_LAST) || h->status != AXF_OK ||
-                 !h->len || h->len > HELP_READ_MAX || avail < 0 ||
-                 (uint64_t)avail < sizeof *h + h->len))
-        return false;
+                 !h->len || !help_resp(c, h->len) || avail < 0))
+        return HELP_NO;
     conn_priv *p = (conn_priv *)c;
     pthread_mutex_lock(&c->mu);
     const expect *x = p->ex_head;
@@ -2612,7 +2634,9 @@ static bool help_takes(conn *c, const wire_hdr *h, int avail)
              h->off - d->roff <= d->len && h->len <= d->len - (h->off - d->roff);
     }
     pthread_mutex_unlock(&c->mu);
-    return ok;
+    if (!ok)
+        return HELP_NO;
+    return ack || (uint64_t)avail >= sizeof *h + h->len ? HELP_YES : HELP_WAIT;
 }
 
 /* The bytes readable on c's socket for a READ response peeked (h): its
@@ -2641,8 +2665,36 @@ static bool help_ack(const conn *c, uint64_t len)
     return len <= HELP_BYTES_MAX || (c->loop_cc && len <= HELP_LOOP_MAX);
 }
 
-/* A spinner reads c's reply if one is here and it is one it takes (help_takes);
- * anything else goes back to the receiver. e->help_mu held. */
+/* A READ response whose payload is still coming (HELP_WAIT), as this thread
+ * last peeked it: its connection and request, the bytes readable then, since
+ * when. */
+static _Thread_local struct {
+    const conn *c;
+    uint64_t op;
+    int avail;
+    uint64_t since;
+} help_wait;
+
+/* Whether the response h that c's spinner waits for has stopped coming: no
+ * byte more for HELP_STALL_US (its sender preempted or stopped, or a receive
+ * window too small for it: the bytes come only as they are read). Then its
+ * receiver reads it, as it would have without the spinner. */
+static bool help_stalled(const conn *c, const wire_hdr *h, int avail)
+{
+    uint64_t now = axf_now_us();
+    if (help_wait.c != c || help_wait.op != h->op || help_wait.avail != avail) {
+        help_wait.c = c;
+        help_wait.op = h->op;
+        help_wait.avail = avail;
+        help_wait.since = now;
+        return false;
+    }
+    return now - help_wait.since >= HELP_STALL_US;
+}
+
+/* A spinner reads c's reply if one is here and it is one it takes (help_takes),
+ * peeks again later at a READ response still coming, and leaves anything else
+ * to the receiver. e->help_mu held. */
 static bool help_read(conn *c)
 {
     int parked = RX_PARKED;
@@ -2652,9 +2704,13 @@ static bool help_read(conn *c)
     int back = RX_SELF;
     bool got = false;
     ssize_t r = recv(c->fd, &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
+    int avail = r == (ssize_t)sizeof h ? help_avail(c, &h) : -1;
+    int takes = r == (ssize_t)sizeof h ? help_takes(c, &h, avail) : HELP_NO;
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
         back = RX_PARKED; /* nothing yet */
-    } else if (r == (ssize_t)sizeof h && help_takes(c, &h, help_avail(c, &h)) &&
+    } else if (takes == HELP_WAIT) {
+        back = help_stalled(c, &h, avail) ? RX_SELF : RX_PARKED;
+    } else if (takes == HELP_YES &&
                recv(c->fd, &h, sizeof h, MSG_DONTWAIT) == (ssize_t)sizeof h) {
         (void)ka_heard(c, &h);
         bool proto = false;
@@ -2819,7 +2875,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
         if (c->ep && atomic_load(&c->e->cq_spinners) &&
             (h->type == FR_WRITE_ACK ? help_ack(c, h->len)
                                      : h->type == FR_READ_RESP && (h->flags & FL_LAST) &&
-                                           h->len <= HELP_READ_MAX && read_alone(c)))
+                                           help_resp(c, h->len) && read_alone(c)))
             atomic_store(&c->help_us, axf_now_us());
     }
 }
