@@ -126,11 +126,6 @@ async def _setup(make_agent: MakeAgent, fake_s3: MakeFake, **kw: Any
     return store, srv, agent, objs
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rev21 #1: objects._own_request reads a POST's answer with one "
-    "content.read(1 << 16): a complete answered 200 + whitespace, its <Error> "
-    "later, is taken as completed (no e-tag); check_multipart=False returns "
-    "with no object written"))
 @pytest.mark.parametrize("older", [False, True])
 async def test_complete_error_after_whitespace_unchecked(
         make_agent: MakeAgent, fake_s3: MakeFake, older: bool) -> None:
@@ -149,10 +144,6 @@ async def test_complete_error_after_whitespace_unchecked(
             f"under the key after {store.completes} complete(s)")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rev21 #1: with the HEAD check, an older object of the same size passes "
-    "it (the complete's whitespace-then-<Error> answer read as completed with "
-    "no e-tag): the write returns, the older bytes stay"))
 async def test_complete_error_after_whitespace_older_same_size(
         make_agent: MakeAgent, fake_s3: MakeFake) -> None:
     store, srv, agent, objs = await _setup(make_agent, fake_s3)
@@ -169,10 +160,6 @@ async def test_complete_error_after_whitespace_older_same_size(
             f"write returned, the older object stays ({store.completes} complete(s) sent)")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rev21 #2: a create answered 200 in two pieces (the UploadId in the "
-    "second) fails the write with ProtocolError 'HTTP 200 without an "
-    "UploadId' (one content.read(1 << 16)), not retried"))
 async def test_create_answer_in_two_pieces(make_agent: MakeAgent, fake_s3: MakeFake) -> None:
     store, srv, agent, objs = await _setup(make_agent, fake_s3)
     store.slow.add("create_mpu")

@@ -39,10 +39,6 @@ async def _consume(stream: Any) -> int:
     return n
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rev21 #3: Store.aclose does not wait for a LayerStream (store.stream is "
-    "not an operation it counts; _start calls the uncounted _prefetch): the "
-    "tiers close under the stream's disk reads"))
 async def test_close_under_a_stream_from_disk(make_agent: MakeAgent, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     agent = await make_agent("rev21-stream")

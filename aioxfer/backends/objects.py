@@ -643,7 +643,7 @@ class ObjectRegion(BackendRegion):
                     if status >= 300 or method == "POST":
                         # a POST's answer is small XML (create, complete);
                         # S3 may answer a complete 200 with an error in it
-                        text = (await resp.content.read(1 << 16)).decode("utf-8", "replace")
+                        text = (await _answer_body(resp)).decode("utf-8", "replace")
                     code = _xml_code(text) if "<Error" in text else ""
                     if status in _TRANSIENT_HTTP or (status == 200 and code):
                         raise _Transient(f"HTTP {status} {code}".strip())
@@ -1100,6 +1100,23 @@ def _failed(what: str, resp: aiohttp.ClientResponse, code: str) -> XferError:
     return XferError(f"{what}: HTTP {resp.status} {code}".rstrip())
 
 
+_ANSWER_MAX = 1 << 16  # an S3 XML answer we read (create, complete, errors)
+
+
+async def _answer_body(resp: aiohttp.ClientResponse) -> bytes:
+    """The whole body of a small XML answer, up to _ANSWER_MAX bytes (the
+    rest, if any, is not read): content.read(n) returns what has arrived so
+    far, and S3 sends a complete's 200 with whitespace first, its outcome
+    (result or <Error>) later in the same body (rev21 #1/#2)."""
+    got = bytearray()
+    while len(got) < _ANSWER_MAX:
+        chunk = await resp.content.read(_ANSWER_MAX - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return bytes(got)
+
+
 async def _created(
     what: str, resp: aiohttp.ClientResponse, text: str, code: str, attempt: int
 ) -> str:
@@ -1131,6 +1148,11 @@ async def _completed(
         return None
     if resp.status != 200:
         raise _failed(what, resp, code)
+    if "<CompleteMultipartUploadResult" not in text:
+        # Not an answer S3 gives to a complete that is done (a proxy's page,
+        # a body cut short): its outcome is not known; sent again, it
+        # completes or finds no such upload (then the HEAD says).
+        raise _Transient("HTTP 200 without a CompleteMultipartUploadResult")
     return _xml_text(text, "ETag") or ""
 
 

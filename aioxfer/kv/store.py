@@ -1813,7 +1813,13 @@ class LayerStream:
             # Some blocks are below host memory: they come up first (and
             # may be stored under these keys: each one checked).
             store._keys(keys)
-            await store._prefetch(keys)
+            # An operation of the store's while it brings blocks up
+            # (Store.aclose waits for it; refused once closing: rev21 #3).
+            store._op_begin()
+            try:
+                await store._prefetch(keys)
+            finally:
+                store._op_end()
             found = list(map(host.index.get, keys))
         m = found.index(None) if None in found else len(found)
         self._pin_and_post(host, found[:m])  # type: ignore[arg-type]
