@@ -1,6 +1,8 @@
 /* A completion record is never lost when the completion ring cannot grow
  * (rev20 #2): every post then either completes (its record is polled) or is
- * refused with AXF_E_NOMEM. The ring's growth is made to fail by an
+ * refused with AXF_E_NOMEM; likewise a region's and an endpoint's end
+ * (AXF_CQ_REGION_FREED, AXF_CQ_PEER_LOST), which are refused at their
+ * creation when the ring cannot hold their record. The ring's growth is made to fail by an
  * interposed malloc that refuses exactly the size of the ring's next array
  * (2048 records), and nothing else. Over the mock transport (mock.c): the
  * test finishes every op itself, so the ring fills deterministically. */
@@ -73,11 +75,28 @@ static int test_ring_growth_fails(void)
     CHECK_EQ(axf_mock_pending(e, pend, N), n_ok);
     for (size_t i = 0; i < n_ok; i++)
         CHECK_EQ(axf_mock_complete(e, pend[i], AXF_OK, 64), AXF_OK);
+    /* With the ring full and unable to grow: a new region or endpoint is
+     * refused (its end's record would have no room), and the ends of the
+     * ones we have are still reported. */
+    uint64_t rid2, key2, ep2;
+    int st_region = axf_region_register(e, src, sizeof src, AXF_ACCESS_READ, -1, &rid2, &key2);
+    int st_ep = axf_endpoint_create(e, AXF_EP_MOCK, 43, 0, -1, &ep2);
+    CHECK_EQ(axf_region_deregister(e, lrid), AXF_OK);
+    CHECK_EQ(axf_endpoint_close(e, ep), AXF_OK);
     /* Every accepted post's record, once; none for a refused one. */
-    static axf_completion c[N];
-    size_t got = axf_poll(e, c, N);
+    static axf_completion c[N + 2];
+    size_t got = axf_poll(e, c, N + 2);
     static int seen[N];
+    int region_freed = 0, peer_lost = 0;
     for (size_t k = 0; k < got; k++) {
+        if (c[k].kind == AXF_CQ_REGION_FREED && c[k].id == lrid) {
+            region_freed++;
+            continue;
+        }
+        if (c[k].kind == AXF_CQ_PEER_LOST && c[k].id == ep) {
+            peer_lost++;
+            continue;
+        }
         CHECK_EQ(c[k].kind, AXF_CQ_XFER);
         CHECK(c[k].id >= 1000 && c[k].id < 1000 + N);
         CHECK(accepted[c[k].id - 1000]);
@@ -86,11 +105,22 @@ static int test_ring_growth_fails(void)
     fprintf(stderr, "posted %zu, refused %zu (NOMEM), completions %zu, mallocs refused %d\n", n_ok,
             n_nomem, got, atomic_load(&refused));
     CHECK(atomic_load(&refused) > 0); /* the growth was attempted and failed */
-    CHECK_EQ(got, n_ok);
+    CHECK_EQ(got, n_ok + 2); /* first, what was lost */
+    CHECK_EQ(region_freed, 1);
+    CHECK_EQ(peer_lost, 1);
+    CHECK_EQ(st_region, AXF_E_NOMEM);
+    CHECK_EQ(st_ep, AXF_E_NOMEM);
     for (size_t i = 0; i < N; i++)
         CHECK_EQ(seen[i], accepted[i] ? 1 : 0);
     /* Memory back: posts are accepted again and complete. */
     atomic_store(&fail_size, 0);
+    CHECK_EQ(axf_region_register(e, src, sizeof src, AXF_ACCESS_READ | AXF_ACCESS_WRITE, -1, &lrid,
+                                 &lkey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_create(e, AXF_EP_MOCK, 44, 0, -1, &ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(e, ep, FAR_RID, FAR_KEY, FAR_LEN,
+                                 AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0x100000, -1),
+             AXF_OK);
     for (uint64_t i = 0; i < 1500; i++) {
         axf_desc d = {.lrid = lrid, .rrid = FAR_RID, .rkey = FAR_KEY, .len = 64};
         CHECK_EQ(axf_post(e, ep, AXF_OP_WRITE, &d, 1, NULL, 0, 5000 + i, 0), AXF_OK);
