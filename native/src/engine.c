@@ -1471,7 +1471,11 @@ int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
     if (pidfd >= 0 && pidfd_pid(pidfd) == -2)
         st = AXF_E_INVALID; /* not a pidfd (one whose process is gone is fine: the watcher sees it) */
     pthread_mutex_lock(&e->mu);
-    if (st == AXF_OK && e->shut)
+    /* Nor once the close began (bye_network): a peer accepted then would
+     * not have heard the goodbye the others did, and would be served by an
+     * engine releasing its regions, its accesses refused as if revoked
+     * rather than told the agent is closing (close18 (b)). */
+    if (st == AXF_OK && (e->shut || e->bye))
         st = AXF_E_CLOSED;
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
@@ -1730,6 +1734,7 @@ int axf_engine_bye_network(axf_engine *e)
         pthread_mutex_unlock(&e->mu);
         return AXF_E_CLOSED;
     }
+    e->bye = true;
     for (conn *c = e->conns; c; c = c->next_all)
         if (!c->ep && c->pidfd < 0)
             conn_say_bye(c);

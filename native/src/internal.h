@@ -322,6 +322,9 @@ struct axf_engine {
     conn *conns;
     uint64_t next_rid, next_ep;
     bool shut;
+    /* axf_engine_bye_network ran: the engine is closing (its network peers
+     * told goodbye, its regions being released); no new peer is served. */
+    bool bye;
 
     pthread_mutex_t cq_mu;
     bool cq_signalled; /* efd written (or about to be) since axf_poll last cleared it */
