@@ -337,8 +337,14 @@ struct axf_engine {
      * growing the ring (so transiently negative). The ring grows where a
      * record is promised (a post, an endpoint, a region), where a failure can
      * be returned, never in cq_push: a record once promised is never lost. */
+    /* On a cache line of its own (64 bytes of padding either side, the
+     * engine being only malloc-aligned): the posting and polling thread
+     * writes it per request, and the pushers' cq_mu and cq_ready, and the
+     * receivers' counters below, stay off that line. */
+    char cq_free_pad0[64];
     atomic_llong cq_free;
     atomic_ullong cq_dropped; /* unpromised records (logs, notifications, ...) lost to OOM */
+    char cq_free_pad1[64];
     uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
     atomic_int rx_spinners; /* receivers polling for a peer's next request (conn.c spin_take):
                                at most RX_SPINNERS_MAX */
