@@ -80,6 +80,46 @@ static _Thread_local struct {
     uint64_t id;
 } cq_take;
 
+/* cq_mu held: the ring twice as large (1024 records at first). */
+static int cq_grow(axf_engine *e)
+{
+    size_t ncap = e->cq_cap ? e->cq_cap * 2 : 1024;
+    axf_completion *n = malloc(ncap * sizeof *n);
+    if (!n)
+        return AXF_E_NOMEM;
+    for (size_t i = 0; i < e->cq_count; i++)
+        n[i] = e->cq[(e->cq_head + i) % e->cq_cap];
+    free(e->cq);
+    e->cq = n;
+    atomic_fetch_add_explicit(&e->cq_free, (long long)(ncap - e->cq_cap), memory_order_relaxed);
+    e->cq_cap = ncap;
+    e->cq_head = 0;
+    return AXF_OK;
+}
+
+/* The fast path is one atomic subtraction: a positive count before it means
+ * a slot nobody else holds or claims (claims only subtract), whatever runs
+ * beside it. Else the ring grows, under cq_mu, until the count is back to
+ * zero or more: every claim made so far is then backed by a slot. */
+int cq_reserve(axf_engine *e)
+{
+    if (atomic_fetch_sub_explicit(&e->cq_free, 1, memory_order_relaxed) > 0)
+        return AXF_OK;
+    int st = AXF_OK;
+    pthread_mutex_lock(&e->cq_mu);
+    while (atomic_load_explicit(&e->cq_free, memory_order_relaxed) < 0) {
+        if (cq_grow(e) != AXF_OK) {
+            atomic_fetch_add_explicit(&e->cq_free, 1, memory_order_relaxed);
+            st = AXF_E_NOMEM;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->cq_mu);
+    return st;
+}
+
+void cq_unreserve(axf_engine *e) { atomic_fetch_add_explicit(&e->cq_free, 1, memory_order_relaxed); }
+
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
 {
@@ -87,6 +127,17 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
     if (cq_take.armed && axf_cq_quiet && kind == AXF_CQ_XFER && status == AXF_OK &&
         id == cq_take.id && !plen) {
         cq_take.taken = true; /* counted by op_finish_now already; its caller is told */
+        cq_unreserve(e);      /* its post's promise, not needed */
+        return;
+    }
+    /* Records of these kinds had their slot promised when their object was
+     * made (a post, an endpoint, a region): they always fit. The others (a
+     * log, a peer's notification, a connection closed, a rail down) claim
+     * one now; if the ring cannot grow they are lost, and counted. */
+    bool promised =
+        kind == AXF_CQ_XFER || kind == AXF_CQ_PEER_LOST || kind == AXF_CQ_REGION_FREED;
+    if (!promised && cq_reserve(e) != AXF_OK) {
+        atomic_fetch_add(&e->cq_dropped, 1);
         return;
     }
     if (plen) {
@@ -97,20 +148,14 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
             plen = 0;
     }
     pthread_mutex_lock(&e->cq_mu);
-    if (e->cq_count == e->cq_cap) {
-        size_t ncap = e->cq_cap ? e->cq_cap * 2 : 1024;
-        axf_completion *n = malloc(ncap * sizeof *n);
-        if (!n) { /* cannot happen in practice; drop the payload, keep the record */
-            pthread_mutex_unlock(&e->cq_mu);
-            free(copy);
-            return;
-        }
-        for (size_t i = 0; i < e->cq_count; i++)
-            n[i] = e->cq[(e->cq_head + i) % e->cq_cap];
-        free(e->cq);
-        e->cq = n;
-        e->cq_cap = ncap;
-        e->cq_head = 0;
+    if (e->cq_count == e->cq_cap && cq_grow(e) != AXF_OK) {
+        /* Not reached: every record's slot was promised or claimed above.
+         * Were one pushed without (a bug), it is lost rather than written
+         * past the ring. */
+        pthread_mutex_unlock(&e->cq_mu);
+        free(copy);
+        atomic_fetch_add(&e->cq_dropped, 1);
+        return;
     }
     /* One eventfd write per drain: none while one is pending, none for a
      * record the posting thread is about to poll itself. */
@@ -166,6 +211,7 @@ size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
         e->cq_head = (e->cq_head + n) % e->cq_cap;
         e->cq_count -= n;
         atomic_store_explicit(&e->cq_ready, e->cq_count, memory_order_release);
+        atomic_fetch_add_explicit(&e->cq_free, (long long)n, memory_order_relaxed);
     }
     bool signal = false;
     if (e->cq_count == 0) {
@@ -420,6 +466,13 @@ void region_unref(axf_engine *e, region *r)
 
 static int region_add(axf_engine *e, region *r, uint64_t *id_out, uint64_t *key_out)
 {
+    /* Its AXF_CQ_REGION_FREED's slot, promised while a failure can be told. */
+    if (cq_reserve(e) != AXF_OK) {
+        if (r->fd >= 0)
+            close(r->fd);
+        free(r);
+        return AXF_E_NOMEM;
+    }
     r->key = random_u64();
     atomic_init(&r->refs, 1);
     /* Every transport sees it before anyone can reach it. */
@@ -430,6 +483,7 @@ static int region_add(axf_engine *e, region *r, uint64_t *id_out, uint64_t *key_
             if (r->fd >= 0)
                 close(r->fd);
             free(r);
+            cq_unreserve(e);
             return xst;
         }
     }
@@ -440,6 +494,7 @@ static int region_add(axf_engine *e, region *r, uint64_t *id_out, uint64_t *key_
         if (r->fd >= 0)
             close(r->fd);
         free(r);
+        cq_unreserve(e);
         return AXF_E_CLOSED;
     }
     r->id = e->next_rid++;
@@ -986,6 +1041,11 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     }
     if (st == AXF_OK && ep->xp->check)
         st = ep->xp->check(o);
+    /* Its completion's slot in the ring, promised now: here a failure is
+     * the caller's AXF_E_NOMEM; once completed, the op is gone and its
+     * record could not be pushed again (rev20 #2: a Transfer never done). */
+    if (st == AXF_OK)
+        st = cq_reserve(e);
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
         op_free(e, o);
@@ -1151,6 +1211,12 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
     endpoint *ep = st == AXF_OK ? calloc(1, sizeof *ep) : NULL;
     if (st == AXF_OK && !ep)
         st = AXF_E_NOMEM;
+    /* Its AXF_CQ_PEER_LOST's slot (one per endpoint: lost_reported),
+     * promised while a failure can be told. */
+    if (st == AXF_OK && cq_reserve(e) != AXF_OK) {
+        free(ep);
+        st = AXF_E_NOMEM;
+    }
     if (st != AXF_OK) {
         if (pidfd >= 0)
             close(pidfd);
@@ -1169,6 +1235,7 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
         if (pidfd >= 0)
             close(pidfd);
         free(ep);
+        cq_unreserve(e);
         return AXF_E_CLOSED;
     }
     /* Its transport starts on demand, or refuses (not enabled). */
@@ -1178,6 +1245,7 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
         if (pidfd >= 0)
             close(pidfd);
         free(ep);
+        cq_unreserve(e);
         return fst;
     }
     ep->id = e->next_ep++;
@@ -1403,7 +1471,11 @@ int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
     if (pidfd >= 0 && pidfd_pid(pidfd) == -2)
         st = AXF_E_INVALID; /* not a pidfd (one whose process is gone is fine: the watcher sees it) */
     pthread_mutex_lock(&e->mu);
-    if (st == AXF_OK && e->shut)
+    /* Nor once the close began (bye_network): a peer accepted then would
+     * not have heard the goodbye the others did, and would be served by an
+     * engine releasing its regions, its accesses refused as if revoked
+     * rather than told the agent is closing (close18 (b)). */
+    if (st == AXF_OK && (e->shut || e->bye))
         st = AXF_E_CLOSED;
     if (st != AXF_OK) {
         pthread_mutex_unlock(&e->mu);
@@ -1662,6 +1734,7 @@ int axf_engine_bye_network(axf_engine *e)
         pthread_mutex_unlock(&e->mu);
         return AXF_E_CLOSED;
     }
+    e->bye = true;
     for (conn *c = e->conns; c; c = c->next_all)
         if (!c->ep && c->pidfd < 0)
             conn_say_bye(c);

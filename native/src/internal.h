@@ -322,6 +322,9 @@ struct axf_engine {
     conn *conns;
     uint64_t next_rid, next_ep;
     bool shut;
+    /* axf_engine_bye_network ran: the engine is closing (its network peers
+     * told goodbye, its regions being released); no new peer is served. */
+    bool bye;
 
     pthread_mutex_t cq_mu;
     bool cq_signalled; /* efd written (or about to be) since axf_poll last cleared it */
@@ -329,6 +332,19 @@ struct axf_engine {
     size_t cq_head, cq_count, cq_cap;
     atomic_int cq_spinners; /* threads spinning in axf_wait: they write a push's eventfd */
     atomic_size_t cq_ready; /* cq_count, readable without cq_mu (axf_wait spins on it) */
+    /* Slots of the ring neither holding a record nor promised to one:
+     * cq_cap - cq_count - reservations (cq_reserve), less claims still
+     * growing the ring (so transiently negative). The ring grows where a
+     * record is promised (a post, an endpoint, a region), where a failure can
+     * be returned, never in cq_push: a record once promised is never lost. */
+    /* On a cache line of its own (64 bytes of padding either side, the
+     * engine being only malloc-aligned): the posting and polling thread
+     * writes it per request, and the pushers' cq_mu and cq_ready, and the
+     * receivers' counters below, stay off that line. */
+    char cq_free_pad0[64];
+    atomic_llong cq_free;
+    atomic_ullong cq_dropped; /* unpromised records (logs, notifications, ...) lost to OOM */
+    char cq_free_pad1[64];
     uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
     atomic_int rx_spinners; /* receivers polling for a peer's next request (conn.c spin_take):
                                at most RX_SPINNERS_MAX */
@@ -425,6 +441,12 @@ uint64_t axf_now_us(void);
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);
 void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Promises one record's slot in the completion ring: AXF_OK, or AXF_E_NOMEM
+ * (the ring could not grow). Each promise is either kept by cq_push of a
+ * promised kind (AXF_CQ_XFER, AXF_CQ_PEER_LOST, AXF_CQ_REGION_FREED) or
+ * handed back with cq_unreserve. */
+int cq_reserve(axf_engine *e);
+void cq_unreserve(axf_engine *e);
 region *region_get(axf_engine *e, uint64_t id); /* with e->mu held; takes a ref */
 void region_unref(axf_engine *e, region *r);
 op *op_find(axf_engine *e, uint64_t req_id);     /* with e->mu held */
