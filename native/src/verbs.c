@@ -1110,7 +1110,7 @@ int axf_verbs_accept_conn(axf_engine *e, int fd, uint64_t tag, const uint64_t *q
     int st = missing ? AXF_E_NOTFOUND : AXF_OK;
     conn *c = NULL;
     pthread_mutex_lock(&e->mu);
-    if (st == AXF_OK && e->shut)
+    if (st == AXF_OK && (e->shut || e->bye)) /* closing: as axf_accept_conn (cq21) */
         st = AXF_E_CLOSED;
     if (st == AXF_OK) {
         c = conn_start(e, NULL, tag, fd, &st);
