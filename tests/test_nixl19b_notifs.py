@@ -10,6 +10,7 @@ The compat layer now moves them out of the agent's queue as they arrive.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from typing import Any
@@ -22,11 +23,16 @@ STEP = 30.0
 COUNT = 1100  # past max_notify_per_conn (1024)
 
 
-def quiet_main(conn: Any, transports: str) -> None:
+def quiet_main(conn: Any, transports: str, no_stderr: bool = False) -> None:
     """A remote agent that reads no notification until told to (NIXL queues
-    them without bound; its peers' transfers never wait for it to)."""
+    them without bound; its peers' transfers never wait for it to).
+    no_stderr: a process without stderr (what Python sets when fd 2 is
+    closed at its start)."""
     if transports:
         os.environ["AIOXFER_NIXL_TRANSPORTS"] = transports
+    if no_stderr:
+        os.close(2)
+        sys.stderr = None  # type: ignore[assignment]
     from aioxfer.nixl import nixl_agent, nixl_agent_config
 
     agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
@@ -43,6 +49,18 @@ def quiet_main(conn: Any, transports: str) -> None:
         conn.send((got, int(pool[:4096].sum())))
     agent.close()
     conn.send("bye")
+
+
+def write_notified(agent: Any, h: Any) -> None:
+    """COUNT WRITEs of handle h, one at a time, each with its notification
+    req-<i>; each must be DONE within 10 s."""
+    for i in range(COUNT):
+        state = agent.transfer(h, b"req-%d" % i)
+        deadline = time.monotonic() + 10.0
+        while state == "PROC":
+            assert time.monotonic() < deadline, f"WRITE {i} still in flight after 10 s"
+            state = agent.check_xfer_state(h)
+        assert state == "DONE"
 
 
 @pytest.mark.parametrize("transports", ["", "tcp"])
@@ -62,13 +80,7 @@ def test_writes_to_a_target_that_reads_no_notifications(
         h = agent.initialize_xfer("WRITE", agent.get_xfer_descs([(src.ctypes.data, 4096, 0)],
                                                                 "DRAM"),
                                   agent.get_xfer_descs([(raddr, 4096, 0)], "DRAM"), name)
-        for i in range(COUNT):
-            state = agent.transfer(h, b"req-%d" % i)
-            deadline = time.monotonic() + 10.0
-            while state == "PROC":
-                assert time.monotonic() < deadline, f"WRITE {i} still in flight after 10 s"
-                state = agent.check_xfer_state(h)
-            assert state == "DONE"
+        write_notified(agent, h)
         agent.release_xfer_handle(h)
         # Nothing was lost while nobody read: all of them, in order, each
         # after its data.

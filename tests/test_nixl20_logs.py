@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import time
 import uuid
 from typing import Any
@@ -23,34 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import PipeChild
-
-STEP = 30.0
-COUNT = 1100  # past max_notify_per_conn (1024)
-
-
-def quiet_main(conn: Any, transports: str) -> None:
-    """A target that reads no notification until told to, in a process
-    without stderr (what Python sets when fd 2 is closed at its start)."""
-    if transports:
-        os.environ["AIOXFER_NIXL_TRANSPORTS"] = transports
-    os.close(2)
-    sys.stderr = None  # type: ignore[assignment]
-    from aioxfer.nixl import nixl_agent, nixl_agent_config
-
-    agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
-    pool = np.zeros(1 << 20, dtype=np.uint8)
-    agent.register_memory(agent.get_reg_descs([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM"))
-    conn.send((agent.name, agent.get_agent_metadata(), pool.ctypes.data))
-    while (msg := conn.recv()) != "quit":
-        assert msg == "read"
-        got: list[bytes] = []
-        deadline = time.monotonic() + STEP
-        while len(got) < COUNT and time.monotonic() < deadline:
-            for msgs in agent.get_new_notifs().values():
-                got.extend(msgs)
-        conn.send(got)
-    agent.close()
-    conn.send("bye")
+from test_nixl19b_notifs import COUNT, STEP, quiet_main, write_notified
 
 
 def send_raw(agent: Any, name: str, frames: list[bytes]) -> None:
@@ -70,7 +42,7 @@ def test_pump_survives_what_a_hostile_sender_makes_it_log(
 
     if transports:
         monkeypatch.setenv("AIOXFER_NIXL_TRANSPORTS", transports)
-    quiet = PipeChild(quiet_main, transports, seconds=STEP)
+    quiet = PipeChild(quiet_main, transports, True, seconds=STEP)
     name, md, raddr = quiet.hello
     agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
     try:
@@ -85,16 +57,10 @@ def test_pump_survives_what_a_hostile_sender_makes_it_log(
         h = agent.initialize_xfer("WRITE", agent.get_xfer_descs([(src.ctypes.data, 4096, 0)],
                                                                 "DRAM"),
                                   agent.get_xfer_descs([(raddr, 4096, 0)], "DRAM"), name)
-        for i in range(COUNT):
-            state = agent.transfer(h, b"req-%d" % i)
-            deadline = time.monotonic() + 10.0
-            while state == "PROC":
-                assert time.monotonic() < deadline, f"WRITE {i} still in flight after 10 s"
-                state = agent.check_xfer_state(h)
-            assert state == "DONE"
+        write_notified(agent, h)
         agent.release_xfer_handle(h)
         # All of them, in order; nothing of the unfinished ones.
-        assert quiet.call("read") == [b"req-%d" % i for i in range(COUNT)]
+        assert quiet.call("read")[0] == [b"req-%d" % i for i in range(COUNT)]
     finally:
         agent.close()
         quiet.close()
