@@ -645,12 +645,9 @@ class ObjectRegion(BackendRegion):
                         # S3 may answer a complete 200 with an error in it
                         text = (await _answer_body(resp)).decode("utf-8", "replace")
                     code = _xml_code(text) if "<Error" in text else ""
-                    if status in _TRANSIENT_HTTP or (status == 200 and code):
-                        raise _Transient(f"HTTP {status} {code}".strip())
-                    if status in (401, 403):
-                        raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
-                    if 300 <= status < 400:
-                        raise _redirected(what, status, resp)
+                    if status == 200 and code:
+                        raise _Transient(f"HTTP {status} {code}")
+                    _refuse_status(what, resp, code)
                     return await answer(what, resp, text, code, attempts.made)
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
@@ -898,12 +895,7 @@ class ObjectRegion(BackendRegion):
                     if status >= 300 and method != "HEAD":
                         body = (await resp.content.read(4096)).decode("utf-8", "replace")
                         code = _xml_code(body)
-                    if status in _TRANSIENT_HTTP:
-                        raise _Transient(f"HTTP {status} {code}".strip())
-                    if status in (401, 403):
-                        raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
-                    if 300 <= status < 400:
-                        raise _redirected(what, status, resp)
+                    _refuse_status(what, resp, code)
                     return await answer(resp, code)
             except AccessDenied:
                 if not cached or resigned:
@@ -1161,6 +1153,20 @@ async def _aborted(
 ) -> None:
     if resp.status not in (200, 204, 404):
         raise _failed(what, resp, code)
+
+
+def _refuse_status(what: str, resp: aiohttp.ClientResponse, code: str) -> None:
+    """What our own requests (signed here or presigned) do with an answer's
+    status before the caller reads it: transient ones are retried
+    (_Transient), 401/403 are AccessDenied, a redirect fails (never
+    followed)."""
+    status = resp.status
+    if status in _TRANSIENT_HTTP:
+        raise _Transient(f"HTTP {status} {code}".strip())
+    if status in (401, 403):
+        raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
+    if 300 <= status < 400:
+        raise _redirected(what, status, resp)
 
 
 def _redirected(what: str, status: int, resp: aiohttp.ClientResponse) -> XferError:
