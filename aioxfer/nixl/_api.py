@@ -328,8 +328,17 @@ class nixl_agent:
     def prep_xfer_dlist(self, agent_name: str | bytes, xfer_list: Any,
                         mem_type: str | None = None, backends: list[str] | None = None
                         ) -> nixl_prepped_dlist_handle:
-        descs = self.get_xfer_descs(xfer_list, mem_type)
         handles = self._handles(backends)
+        if (isinstance(xfer_list, np.ndarray) and xfer_list.ndim == 2
+                and xfer_list.shape[1] == 5):
+            # NIXL 1.5.1's strided (compressed) form: (addr, len, devId,
+            # stride, count) rows; it carries no memory type.
+            if mem_type is None:
+                raise ValueError("Please specify a mem type for strided descriptors")
+            name = nixlBind.NIXL_INIT_AGENT if agent_name in ("NIXL_INIT_AGENT", "") else agent_name
+            handle = self.agent.prepXferDlist(name, self.nixl_mems[mem_type], xfer_list, handles)
+            return nixl_prepped_dlist_handle(self.agent, handle)
+        descs = self.get_xfer_descs(xfer_list, mem_type)
         if agent_name in ("NIXL_INIT_AGENT", ""):
             handle = self.agent.prepXferDlist(descs, handles)
         else:
@@ -500,6 +509,9 @@ class nixl_agent:
             logger.error("RegList type detected for transfer, please use XferList")
             return None
         if isinstance(descs, np.ndarray):
+            # NIXL reads descs[0] before it looks at the type: an empty (or
+            # 0-d) array raises numpy's IndexError, as an empty list does.
+            descs[0]  # noqa: B018
             if mem_type is not None and descs.ndim == 2 and descs.shape[1] == 3:
                 return nixlBind.nixlXferDList(self.nixl_mems[mem_type], descs)
             if mem_type is None:
@@ -557,6 +569,9 @@ class nixl_agent:
             logger.error("XferList type detected for registration, please use RegList")
             return None
         if isinstance(descs, np.ndarray):
+            # NIXL reads descs[0] before it looks at the type: an empty (or
+            # 0-d) array raises numpy's IndexError, as an empty list does.
+            descs[0]  # noqa: B018
             if mem_type is not None and descs.ndim == 2 and descs.shape[1] == 3:
                 return nixlBind.nixlRegDList(self.nixl_mems[mem_type], descs)
             if mem_type is None:

@@ -29,6 +29,7 @@ import enum
 import hmac
 import inspect
 import itertools
+import operator
 import os
 import select
 import sys
@@ -116,7 +117,18 @@ __all__ = [
 # ---------------------------------------------------------------- constants
 
 
-class nixl_mem_t(enum.IntEnum):
+class _NixlEnum(enum.IntEnum):
+    """NIXL's pybind11 enums print as ``nixl_mem_t.DRAM_SEG`` (str, format,
+    %s), where Python's IntEnum prints ``0``; they still compare and convert
+    as ints here."""
+
+    __str__ = enum.Enum.__str__
+
+    def __format__(self, spec: str) -> str:
+        return str(self) if not spec else int.__format__(self, spec)
+
+
+class nixl_mem_t(_NixlEnum):
     DRAM_SEG = 0
     VRAM_SEG = 1
     BLK_SEG = 2
@@ -131,7 +143,7 @@ OBJ_SEG = nixl_mem_t.OBJ_SEG
 FILE_SEG = nixl_mem_t.FILE_SEG
 
 
-class nixl_xfer_op_t(enum.IntEnum):
+class nixl_xfer_op_t(_NixlEnum):
     NIXL_READ = 0
     NIXL_WRITE = 1
 
@@ -140,7 +152,7 @@ NIXL_READ = nixl_xfer_op_t.NIXL_READ
 NIXL_WRITE = nixl_xfer_op_t.NIXL_WRITE
 
 
-class nixl_status_t(enum.IntEnum):
+class nixl_status_t(_NixlEnum):
     NIXL_IN_PROG = 1
     NIXL_SUCCESS = 0
     NIXL_ERR_NOT_POSTED = -1
@@ -171,7 +183,7 @@ _ERR_CANCELED = -11
 _ERR_NO_TELEMETRY = -12
 
 
-class nixl_thread_sync_t(enum.IntEnum):
+class nixl_thread_sync_t(_NixlEnum):
     NIXL_THREAD_SYNC_NONE = 0
     NIXL_THREAD_SYNC_STRICT = 1
     NIXL_THREAD_SYNC_RW = 2
@@ -184,7 +196,7 @@ NIXL_THREAD_SYNC_RW = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
 NIXL_THREAD_SYNC_DEFAULT = nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT
 
 
-class nixl_cost_t(enum.IntEnum):
+class nixl_cost_t(_NixlEnum):
     NIXL_COST_ANALYTICAL_BACKEND = 0
 
 
@@ -417,14 +429,84 @@ def _meta_bytes(meta: Any) -> bytes:
         return bytes(meta)
     if isinstance(meta, str):
         return meta.encode()
-    raise TypeError(f"descriptor meta info must be str or bytes, not {type(meta).__name__}")
+    raise _cast_error(meta, "descriptor meta info is str or bytes")
+
+
+_U64_MAX = 2**64 - 1
+
+
+def _cast_error(v: Any, why: str) -> RuntimeError:
+    """What NIXL's pybind11 layer raises for a descriptor field it cannot
+    convert (a float, a string, a negative or too large number, meta info
+    that is not text): RuntimeError with pybind11's words, our reason after."""
+    return RuntimeError(f"Unable to cast Python instance of type {type(v)!r} to C++ type '?' "
+                        f"(#define PYBIND11_DETAILED_ERROR_MESSAGES or compile in debug mode "
+                        f"for details): {why}, not {v!r}")
 
 
 def _u(v: Any) -> int:
-    i = int(v)
-    if i < 0:
-        raise TypeError(f"descriptor field {v!r} is negative")
+    """A descriptor field as pybind11 converts it to uint64_t: ints (and
+    numpy integers, bools) in range; numbers with __int__ but no __index__
+    (numpy floats) through int(); never a Python float or a string (int()
+    would truncate 1.5 to 1, or parse "12", silently: a wrong address)."""
+    if type(v) is int:
+        if 0 <= v <= _U64_MAX:
+            return v
+        raise _cast_error(v, "a descriptor field is an unsigned 64-bit integer")
+    if isinstance(v, float | str | bytes | bytearray):
+        raise _cast_error(v, "a descriptor field is an unsigned 64-bit integer")
+    try:
+        i = operator.index(v)
+    except TypeError:
+        try:
+            i = int(v)
+        except (TypeError, ValueError):
+            raise _cast_error(v, "a descriptor field is an unsigned 64-bit integer") from None
+    if not 0 <= i <= _U64_MAX:
+        raise _cast_error(v, "a descriptor field is an unsigned 64-bit integer")
     return i
+
+
+# Blocks one strided (Nx5) list may expand to: each costs ~50 bytes here
+# (NIXL keeps the rows compressed); 2**24 blocks, ~800 MiB, bounds what a
+# typo in a count can allocate.
+_STRIDED_MAX_BLOCKS = 1 << 24
+
+
+def _strided_rows(descs: Any) -> npt.NDArray[np.uint64]:
+    """NIXL's strided descriptor rows (addr, len, devId, stride, count) as the
+    (n, 3) rows of their blocks, row by row: what indices of a list prepared
+    from them count. Refused as NIXL 1.5.1 refuses them (observed): a dtype
+    other than uint64/int64 ValueError; a count of 0 or a stride shorter
+    than the block (overlapping blocks, stride 0 included) NOT_FOUND, like
+    blocks outside registered memory."""
+    if not (isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 5):
+        raise ValueError("descs must be a Nx5 numpy array")
+    if descs.dtype != np.uint64 and descs.dtype != np.int64:
+        raise ValueError("descs must be a Nx5 numpy array of uint64 or int64")
+    rows = descs.astype(np.uint64)
+    total = 0
+    for i, (_, n, _, stride, count) in enumerate(rows.tolist()):
+        if count == 0 or stride < n:
+            raise _error(-4, f"prepXferDlist: strided row {i}: {count} blocks of {n} bytes "
+                             f"{stride} apart (a count of 0, or blocks that overlap)")
+        total += count
+    if total > _STRIDED_MAX_BLOCKS:
+        raise _error(-2, f"prepXferDlist: a strided list of {total} blocks (at most "
+                         f"{_STRIDED_MAX_BLOCKS} here)")
+    counts = rows[:, 4].astype(np.int64)
+    row_of = np.repeat(np.arange(rows.shape[0]), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    k = (np.arange(total, dtype=np.int64) - first).astype(np.uint64)
+    # (A block past 2**64 wraps here and then lies outside every registered
+    # region: refused there as NOT_FOUND.)
+    with np.errstate(over="ignore"):
+        addrs = rows[row_of, 0] + k * rows[row_of, 3]
+    out = np.empty((total, 3), dtype=np.uint64)
+    out[:, 0] = addrs
+    out[:, 1] = rows[row_of, 1]
+    out[:, 2] = rows[row_of, 2]
+    return out
 
 
 class _DList:
@@ -1613,8 +1695,14 @@ class nixlAgent:
         return self._md(self._partial_regs(descs), bool(inc_conn_info), True)
 
     def loadRemoteMD(self, metadata: bytes) -> bytes:
+        if isinstance(metadata, str):
+            metadata = metadata.encode()  # (NIXL's binding takes str as its UTF-8 bytes)
         try:
             md = _wire.decode_md(metadata)
+        except _wire.NotMetadata as exc:
+            # NIXL: metadata that does not deserialise is NIXL_ERR_MISMATCH
+            # (observed on 1.5.1 for b"", b"garbage" and a str).
+            raise _error(-5, f"loadRemoteMD: {exc}") from None
         except ValueError as exc:
             raise _error(-2, f"loadRemoteMD: {exc}") from None
         if md.name == self._name:
@@ -2011,16 +2099,25 @@ class nixlAgent:
     # ------------------------------------------------------------ descriptor preparation
 
     def prepXferDlist(self, *args: Any, **kwargs: Any) -> int:
-        """prepXferDlist(agent_name, descs, backends=[]) or prepXferDlist(descs, backends=[])."""
+        """prepXferDlist(agent_name, descs, backends=[]), prepXferDlist(descs,
+        backends=[]), or NIXL 1.5.1's strided form prepXferDlist(agent_name,
+        mem_type, Nx5 array, backends=[]): rows (addr, len, devId, stride,
+        count), each ``count`` blocks of ``len`` bytes ``stride`` apart,
+        indexed one after the other in row order."""
         agent_name: Any = kwargs.pop("agent_name", None)
         if args and isinstance(args[0], str | bytes):
             agent_name, args = args[0], args[1:]
-        descs = kwargs.pop("descs", args[0] if args else None)
-        if not isinstance(descs, nixlXferDList):
-            raise TypeError(f"prepXferDlist takes a nixlXferDList, not {type(descs).__name__}")
         name = NIXL_INIT_AGENT if agent_name is None else _name(agent_name)
-        mem = descs.getType()
-        arr = descs._a
+        if len(args) >= 2 and isinstance(args[1], np.ndarray) and not isinstance(
+                args[0], nixlXferDList):
+            mem, arr = _mem(args[0]), _strided_rows(args[1])
+        else:
+            descs = kwargs.pop("descs", args[0] if args else None)
+            if not isinstance(descs, nixlXferDList):
+                raise TypeError(f"prepXferDlist takes a nixlXferDList, not "
+                                f"{type(descs).__name__}")
+            mem = descs.getType()
+            arr = descs._a
         try:
             return self._prep(name, mem, arr)
         except nixlNotFoundError:
@@ -2475,9 +2572,17 @@ class nixlAgent:
             # (Removing a remote bumps its gen: one comparison covers both.)
             if rem is not None and rem.gen != x.gen:
                 x.fut = None
+                if rem.removed:
+                    # NIXL 1.5.1: a request made before remove_remote_agent
+                    # (or the peer's invalidate) is refused as NOT_FOUND, its
+                    # agent's metadata gone; a peer that died is below.
+                    self._count(-4)
+                    raise _error(-4, f"postXferReq: remote agent '{rem.name}' was removed "
+                                     f"after the transfer request was made")
                 self._count(_ERR_REMOTE_DISCONNECT)
                 raise _error(_ERR_REMOTE_DISCONNECT, f"postXferReq: remote agent "
-                                                     f"'{rem.name}' was removed")
+                                                     f"'{rem.name}' was re-registered after "
+                                                     f"the transfer request was made")
             peer = x.peer
             if peer is not None and peer.lost:
                 x.fut = None

@@ -29,6 +29,7 @@ __all__ = [
     "decode_md",
     "encode_md",
     "notif_frames",
+    "NotMetadata",
     "NotifAssembler",
 ]
 
@@ -129,18 +130,25 @@ def encode_md(md: AgentMD) -> bytes:
     return MD_MAGIC + encoder.encode(md)
 
 
+class NotMetadata(ValueError):
+    """Bytes that do not decode as compat metadata at all (NIXL's
+    deserialisation failure: NIXL_ERR_MISMATCH), as opposed to metadata whose
+    decoded values are refused (NIXL_ERR_INVALID_PARAM)."""
+
+
 def decode_md(blob: bytes) -> AgentMD:
-    """Raises ValueError for anything that is not compat metadata."""
+    """Raises NotMetadata for bytes that are not compat metadata, ValueError
+    for compat metadata with values that cannot be used."""
     blob = bytes(blob)
     if not blob.startswith(MD_MAGIC):
-        raise ValueError(
+        raise NotMetadata(
             "not aioxfer.nixl agent metadata (from real NIXL, or damaged): "
             "compat agents load only each other's metadata"
         )
     try:
         md = _md_decoder.decode(blob[len(MD_MAGIC):])
     except msgspec.DecodeError as exc:
-        raise ValueError(f"damaged aioxfer.nixl agent metadata: {exc}") from None
+        raise NotMetadata(f"damaged aioxfer.nixl agent metadata: {exc}") from None
     if not md.name:
         raise ValueError("aioxfer.nixl agent metadata without an agent name")
     if md.address:
