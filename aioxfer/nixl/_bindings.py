@@ -373,20 +373,26 @@ _LIMITED_KEYS = 256
 _LIMIT_PERIOD = 1.0  # s
 
 
-def _log_limited(key: Any, letter: str, message: str) -> None:
-    """_log, at most one line per ``key`` and _LIMIT_PERIOD; the next line
-    written says how many were left out meanwhile."""
+def _log_limited(key: Any, letter: str, message: str | Callable[[int], str],
+                 count: int = 1) -> None:
+    """_log, at most one line per ``key`` and _LIMIT_PERIOD. A call stands
+    for ``count`` events. With a str, the next line written says how many
+    events were left out meanwhile; with a callable, the line is
+    ``message(n)``, n the events of this call and of those held back (a
+    count that is the line's subject: notifications dropped)."""
     now = time.monotonic()
     with _limited_lock:
         seen = _limited.get(key)
         if seen is not None and now - seen[0] < _LIMIT_PERIOD:
-            seen[1] += 1
+            seen[1] += count
             return
         if seen is None and len(_limited) >= _LIMITED_KEYS:
             _limited.clear()
         skipped, since = (0, now) if seen is None else (int(seen[1]), seen[0])
         _limited[key] = [now, 0]
-    if skipped:
+    if not isinstance(message, str):
+        message = message(skipped + count)
+    elif skipped:
         message = (f"{message} ({skipped} more like this in the last {now - since:.1f} s "
                    f"not shown)")
     _log(letter, message)
@@ -1359,8 +1365,6 @@ class nixlAgent:
         # arrival order; _notif_held bounds them (_NOTIF_STORE_BYTES).
         self._notif_store: collections.deque[tuple[str, bytes]] = collections.deque()
         self._notif_held = 0
-        self._notif_lost = 0  # messages dropped at the bound, not yet logged
-        self._notif_lost_logged = -1.0
         self._last_empty_notif = 0.0
         self._last_md_poll = 0.0
         self._server: asyncio.AbstractServer | None = None
@@ -3275,17 +3279,12 @@ class nixlAgent:
         second): memory must not grow without bound for a target that never
         reads (NIXL's would); the data path never waits for it either."""
         store = self._notif_store
+        dropped = 0
         while self._notif_held > _NOTIF_STORE_BYTES and store:
             _, msg = store.popleft()
             self._notif_held -= len(msg) + _NOTIF_COST
-            self._notif_lost += 1
-        now = time.monotonic()
-        if now - self._notif_lost_logged >= 1.0:
-            self._notif_lost_logged = now
-            _log("W", f"notifications: {self._notif_lost} messages nobody took dropped, the "
-                      f"oldest first (bound: {_NOTIF_STORE_BYTES >> 20} MiB of messages not "
-                      f"yet taken by getNotifs, counting {_NOTIF_COST} bytes each)")
-            self._notif_lost = 0
+            dropped += 1
+        _log_limited(("notifications dropped", id(self)), "W", _dropped_line, dropped)
 
     def getNotifs(self, notif_map: dict[str, list[bytes]], backends: Any = ()
                   ) -> dict[str, list[bytes]]:
@@ -3451,6 +3450,13 @@ def _close_later(coro: Any) -> None:
     task = asyncio.get_running_loop().create_task(coro)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     runtime().track_closing(task)
+
+
+def _dropped_line(n: int) -> str:
+    """_drop_notifs' log line, n messages dropped since the last one."""
+    return (f"notifications: {n} messages nobody took dropped, the oldest first (bound: "
+            f"{_NOTIF_STORE_BYTES >> 20} MiB of messages not yet taken by getNotifs, counting "
+            f"{_NOTIF_COST} bytes each)")
 
 
 async def _notify_all(peer: aioxfer.Peer, frames: list[bytes]) -> None:
