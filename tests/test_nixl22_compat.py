@@ -5,7 +5,8 @@ on aioxfer.nixl before this change: malformed metadata (NIXL_ERR_MISMATCH),
 descriptor fields pybind11 cannot convert (RuntimeError; a float was
 truncated to an address here), empty numpy descriptor arrays (IndexError),
 a request made before remove_remote_agent (NOT_FOUND), the strided Nx5 form
-of prep_xfer_dlist (refused here), and how the enums print.
+of prep_xfer_dlist (refused here), how the enums print, and the order of
+POSIX's memory types.
 
 The script runs on aioxfer.nixl through the shim in a child process; when the
 real NIXL venv of benchmarks/peers/install.sh is present (as on this
@@ -84,6 +85,9 @@ case("xd_np_empty", lambda: A.get_xfer_descs(np.zeros((0, 3), np.uint64), "DRAM"
 case("rd_np_empty", lambda: A.get_reg_descs(np.zeros((0, 3), np.uint64), "DRAM") is not None)
 case("xd_list_empty", lambda: A.get_xfer_descs([], "DRAM") is not None)
 
+# A plugin's memory types, in NIXL's order.
+case("posix_mem_types", lambda: A.get_plugin_mem_types("POSIX"))
+
 # How the enums print.
 case("enum_str", lambda: [str(nb.DRAM_SEG), f"{nb.NIXL_WRITE}", "%s" % nb.NIXL_SUCCESS])
 case("enum_int", lambda: [int(nb.FILE_SEG), nb.DRAM_SEG == 0])
@@ -147,6 +151,7 @@ RECORDED: dict[str, list[Any]] = {
     "xd_np_empty": ["raise", "IndexError"],
     "rd_np_empty": ["raise", "IndexError"],
     "xd_list_empty": ["raise", "IndexError"],
+    "posix_mem_types": ["ok", ["DRAM_SEG", "FILE_SEG"]],
     "enum_str": ["ok", ["nixl_mem_t.DRAM_SEG", "nixl_xfer_op_t.NIXL_WRITE",
                         "nixl_status_t.NIXL_SUCCESS"]],
     "enum_int": ["ok", [4, True]],

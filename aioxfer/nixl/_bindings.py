@@ -219,7 +219,7 @@ _PLUGINS: dict[str, tuple[dict[str, str], list[str]]] = {
             "kernel_queue_size": "256",
             "ios_pool_size": "65536",
         },
-        ["FILE_SEG", "DRAM_SEG"],
+        ["DRAM_SEG", "FILE_SEG"],  # (NIXL's order)
     ),
     # S3-compatible object storage through aioxfer's object backend (offered
     # where its extra, obstore and aiohttp, is installed). NIXL's parameters:
