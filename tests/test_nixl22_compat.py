@@ -5,8 +5,9 @@ on aioxfer.nixl before this change: malformed metadata (NIXL_ERR_MISMATCH),
 descriptor fields pybind11 cannot convert (RuntimeError; a float was
 truncated to an address here), empty numpy descriptor arrays (IndexError),
 a request made before remove_remote_agent (NOT_FOUND), the strided Nx5 form
-of prep_xfer_dlist (refused here), how the enums print, and the order of
-POSIX's memory types.
+of prep_xfer_dlist (refused here), how the enums print, the order of
+POSIX's memory types, and the metadata calls without an address or a central
+store (NIXL_ERR_INVALID_PARAM).
 
 The script runs on aioxfer.nixl through the shim in a child process; when the
 real NIXL venv of benchmarks/peers/install.sh is present (as on this
@@ -85,6 +86,14 @@ case("xd_np_empty", lambda: A.get_xfer_descs(np.zeros((0, 3), np.uint64), "DRAM"
 case("rd_np_empty", lambda: A.get_reg_descs(np.zeros((0, 3), np.uint64), "DRAM") is not None)
 case("xd_list_empty", lambda: A.get_xfer_descs([], "DRAM") is not None)
 
+# The metadata calls without an address and without NIXL_ETCD_ENDPOINTS
+# (the test runs the script with it unset).
+rd = A.get_reg_descs([(pa, N, 0, "")], "DRAM")
+case("send_local_no_addr", lambda: A.send_local_metadata())
+case("fetch_no_addr", lambda: A.fetch_remote_metadata("B"))
+case("invalidate_no_addr", lambda: A.invalidate_local_metadata())
+case("send_partial_no_addr", lambda: A.send_partial_agent_metadata(rd))
+
 # A plugin's memory types, in NIXL's order.
 case("posix_mem_types", lambda: A.get_plugin_mem_types("POSIX"))
 
@@ -151,6 +160,10 @@ RECORDED: dict[str, list[Any]] = {
     "xd_np_empty": ["raise", "IndexError"],
     "rd_np_empty": ["raise", "IndexError"],
     "xd_list_empty": ["raise", "IndexError"],
+    "send_local_no_addr": ["raise", "nixlInvalidParamError"],
+    "fetch_no_addr": ["raise", "nixlInvalidParamError"],
+    "invalidate_no_addr": ["raise", "nixlInvalidParamError"],
+    "send_partial_no_addr": ["raise", "nixlInvalidParamError"],
     "posix_mem_types": ["ok", ["DRAM_SEG", "FILE_SEG"]],
     "enum_str": ["ok", ["nixl_mem_t.DRAM_SEG", "nixl_xfer_op_t.NIXL_WRITE",
                         "nixl_status_t.NIXL_SUCCESS"]],
@@ -191,14 +204,15 @@ def _differences(got: dict[str, list[Any]]) -> list[str]:
 
 
 def test_aioxfer_nixl_answers_as_nixl_did(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": aioxfer.nixl.shim_path()}
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_ETCD_ENDPOINTS"}
+    env["PYTHONPATH"] = aioxfer.nixl.shim_path()
     got = _run(sys.executable, env, tmp_path)
     assert not _differences(got), "\n".join(_differences(got))
 
 
 @pytest.mark.skipif(not REAL_NIXL_PY.exists(), reason="real NIXL's venv is not installed here")
 def test_real_nixl_still_answers_as_recorded(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NIXL_ETCD_ENDPOINTS")}
     # (Loopback only; with libibverbs present real NIXL's UCX crashes at exit.)
     env.update(UCX_NET_DEVICES="lo", UCX_MODULES="^ib")
     got = _run(str(REAL_NIXL_PY), env, tmp_path)

@@ -2033,7 +2033,8 @@ class nixlAgent:
 
     def _store_or_raise(self, what: str) -> _CentralStore:
         if self._store is None:
-            raise _error(-9, f"{what}: no peer address given and no central metadata store "
+            # (NIXL 1.5.1, observed: NIXL_ERR_INVALID_PARAM, listener or not.)
+            raise _error(-2, f"{what}: no peer address given and no central metadata store "
                              f"(NIXL_ETCD_ENDPOINTS) configured")
         return self._store
 
