@@ -217,3 +217,39 @@ def test_real_nixl_still_answers_as_recorded(tmp_path: Path) -> None:
     env.update(UCX_NET_DEVICES="lo", UCX_MODULES="^ib")
     got = _run(str(REAL_NIXL_PY), env, tmp_path)
     assert not _differences(got), "\n".join(_differences(got))
+
+
+def test_telemetry_names_the_backend_as_newer_nixl_does() -> None:
+    """NIXL after 1.5.1 (ai-dynamo/nixl test/python/test_nixl_api.py,
+    _run_xfer_telemetry_check) asserts ``telem.backendName == backend_name``
+    of a finished request; 1.5.1's record has no such field, so the check is
+    ours only (an AttributeError before)."""
+    import ctypes
+    import time
+    import uuid
+
+    from aioxfer.nixl import nixl_agent, nixl_agent_config
+
+    a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(capture_telemetry=True))
+    b = nixl_agent(str(uuid.uuid4()), nixl_agent_config())
+    try:
+        src, dst = (ctypes.c_char * 128)(), (ctypes.c_char * 128)()
+        ps, pd = ctypes.addressof(src), ctypes.addressof(dst)
+        a.register_memory([(ps, 128, 0, "")], "DRAM")
+        b.register_memory([(pd, 128, 0, "")], "DRAM")
+        a.add_remote_agent(b.get_agent_metadata())
+        h = a.initialize_xfer("WRITE", a.get_xfer_descs([(ps, 64, 0), (ps + 64, 64, 0)], "DRAM"),
+                              a.get_xfer_descs([(pd, 64, 0), (pd + 64, 64, 0)], "DRAM"), b.name,
+                              b"telem_msg")
+        assert a.transfer(h) in ("DONE", "PROC")
+        deadline = time.monotonic() + 20
+        while (st := a.check_xfer_state(h)) == "PROC":
+            assert time.monotonic() < deadline
+        assert st == "DONE"
+        telem = a.get_xfer_telemetry(h)
+        assert telem.backendName == "UCX" == a.query_xfer_backend(h)
+        assert telem.descCount == 2 and telem.totalBytes == 128
+        h.release()
+    finally:
+        a.close()
+        b.close()

@@ -821,17 +821,20 @@ class nixlXferTelemetry:
     1 µs counts 1; the transfer time is the engine's, from post to
     completion, not from post to the poll that saw it as NIXL's),
     ``totalBytes``, ``descCount`` (descriptors requested, before any
-    merging). All 0 while the request is in flight."""
+    merging). All 0 while the request is in flight. ``backendName`` (the
+    backend that ran it, "UCX", "POSIX", "OBJ"; "" while in flight) is what
+    NIXL after 1.5.1 adds, and its API test checks."""
 
-    __slots__ = ("_start", "_post", "_xfer", "_bytes", "_count")
+    __slots__ = ("_start", "_post", "_xfer", "_bytes", "_count", "_backend")
 
     def __init__(self, startTime: int = 0, postDuration: int = 0, xferDuration: int = 0,
-                 totalBytes: int = 0, descCount: int = 0) -> None:
+                 totalBytes: int = 0, descCount: int = 0, backendName: str = "") -> None:
         self._start = startTime
         self._post = postDuration
         self._xfer = xferDuration
         self._bytes = totalBytes
         self._count = descCount
+        self._backend = backendName
 
     @property
     def startTime(self) -> int:
@@ -853,9 +856,14 @@ class nixlXferTelemetry:
     def descCount(self) -> int:
         return self._count
 
+    @property
+    def backendName(self) -> str:
+        return self._backend
+
     def __repr__(self) -> str:
         return (f"nixlXferTelemetry(startTime={self._start}, postDuration={self._post}, "
-                f"xferDuration={self._xfer}, totalBytes={self._bytes}, descCount={self._count})")
+                f"xferDuration={self._xfer}, totalBytes={self._bytes}, descCount={self._count}, "
+                f"backendName={self._backend!r})")
 
 
 # ---------------------------------------------------------------- the agent
@@ -3120,7 +3128,9 @@ class nixlAgent:
         self._finish(x, fut, "getXferTelemetry")  # raises what the request failed with
         if x.xfer_s < 0:
             x.xfer_s = _seconds(x, fut.result())
-        return nixlXferTelemetry(x.start_us, *_durations(x), x.nbytes, x.ndesc)
+        b = self._backends.get(x.backend)
+        return nixlXferTelemetry(x.start_us, *_durations(x), x.nbytes, x.ndesc,
+                                 b.type if b is not None else "")
 
     def estimateXferCost(self, req_handle: int) -> tuple[int, int, int]:
         x = self._xfers.get(int(req_handle))
