@@ -262,7 +262,7 @@ def test_nixl_plain_reposts_go_through_the_compiled_path_and_fail_as_before(
         h3 = a.initialize_xfer("WRITE", a.get_xfer_descs([(xa, 64, 0)], "DRAM"),
                                a.get_xfer_descs([(ya, 64, 0)], "DRAM"), name)
         a.remove_remote_agent(name)
-        with pytest.raises(nixl.nixlRemoteDisconnectError):
+        with pytest.raises(nixl.nixlNotFoundError):  # NIXL 1.5.1's answer (nixl22)
             a.transfer(h3)
         h2.release()
         h3.release()
