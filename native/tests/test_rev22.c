@@ -18,13 +18,36 @@
 #define REG (1u << 20)
 
 /* Promises outstanding: slots neither holding a record nor free. */
-static long long promised(axf_engine *e)
+static long long promised_raw(axf_engine *e)
 {
     pthread_mutex_lock(&e->cq_mu);
     long long v = (long long)e->cq_cap - (long long)e->cq_count -
                   atomic_load_explicit(&e->cq_free, memory_order_relaxed);
     pthread_mutex_unlock(&e->cq_mu);
     return v;
+}
+
+/* Less what a new engine holds already (an engine may hold a slot of its
+ * own from the start, as nat22's drop note does): what its objects promised. */
+static axf_engine *base_e[4];
+static long long base_n[4];
+
+static void promised_base(axf_engine *e)
+{
+    for (int i = 0; i < 4; i++)
+        if (!base_e[i] || base_e[i] == e) {
+            base_e[i] = e;
+            base_n[i] = promised_raw(e);
+            return;
+        }
+}
+
+static long long promised(axf_engine *e)
+{
+    for (int i = 0; i < 4; i++)
+        if (base_e[i] == e)
+            return promised_raw(e) - base_n[i];
+    return promised_raw(e);
 }
 
 /* Consumes every record there is now (their payloads freed). */
@@ -52,6 +75,8 @@ static int test_promises_balance(void)
 {
     tengine *a = t_engine(NULL), *b = t_engine(NULL);
     CHECK(a && b);
+    promised_base(a->e);
+    promised_base(b->e);
     uint8_t *asrc = calloc(1, REG), *bdst = calloc(1, REG);
     CHECK(asrc && bdst);
     t_fill(asrc, REG, 22);
@@ -239,6 +264,8 @@ static int test_promises_at_shutdown(void)
 {
     tengine *a = t_engine(NULL), *b = t_engine(NULL);
     CHECK(a && b);
+    memset(base_e, 0, sizeof base_e);
+    promised_base(a->e);
     uint8_t *asrc = calloc(1, REG), *bdst = calloc(1, REG);
     CHECK(asrc && bdst);
     uint64_t arid, akey, brid, bkey, ep, ep_idle;
