@@ -1114,6 +1114,7 @@ cdef class Engine:
             "quarantined_bytes": s.quarantined_bytes,
             "held_conns": s.held_conns,
             "conns_refused": s.conns_refused,
+            "cq_dropped": s.cq_dropped,
         }
 
 

@@ -196,6 +196,12 @@ typedef struct axf_stats {
     uint64_t held_conns;        /* closed same-host connections whose process lives and
                                    still holds a revocation (or may: no goodbye) */
     uint64_t conns_refused;     /* connections refused at max_conns */
+    uint64_t cq_dropped;        /* completion records lost: the ring was full and could not
+                                   grow (out of memory). Only records no post, endpoint or
+                                   region had promised a slot to: logs, peers'
+                                   notifications (their credit is given back), accepted
+                                   connections' closes, rails down. Logged once a second
+                                   at most (an AXF_CQ_LOG record of its own). */
 } axf_stats;
 
 axf_engine *axf_engine_create(const axf_config *cfg);
