@@ -158,6 +158,7 @@ cdef extern from "aioxfer.h" nogil:
         uint32_t poll_us
         uint32_t reserved
     void axf_calibrate(axf_calibration *out)
+    void axf_env_read()
     uint64_t axf_engine_inline_bytes(axf_engine *e)
     uint32_t axf_engine_poll_us(axf_engine *e)
     void axf_completion_free(axf_completion *c)

@@ -363,6 +363,12 @@ typedef struct axf_calibration {
     uint32_t reserved;
 } axf_calibration;
 void axf_calibrate(axf_calibration *out);
+/* Reads the process-wide settings from the environment ($AIOXFER_SHM_LAZY_MIN,
+ * $AIOXFER_WAKE_NS, $AIOXFER_COPY_MBPS), once per process: the first engine
+ * creation or axf_calibrate does it on its own thread otherwise. A caller
+ * whose other threads may write the environment calls it where none can
+ * (Python: with the GIL held, as os.environ's writes are). */
+void axf_env_read(void);
 /* What this engine runs with: the inline threshold, the poll bound. */
 uint64_t axf_engine_inline_bytes(axf_engine *e);
 uint32_t axf_engine_poll_us(axf_engine *e);
