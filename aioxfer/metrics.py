@@ -48,6 +48,7 @@ _AGENT_COUNTERS = (
     ("bytes", "bytes", "Bytes moved by completed transfers"),
     ("native_bytes", "native_bytes", "Bytes the engine moved"),
     ("frames_rejected", "frames_rejected", "Malformed or unauthorised frames the engine dropped"),
+    ("records_lost", "records_lost", "Completion records lost: the ring full and out of memory"),
 )
 _AGENT_GAUGES = (
     ("in_flight", "in_flight", "Transfers posted and not yet finished"),

@@ -110,6 +110,10 @@ class AgentStatistics:
     native_bytes: int
     frames_rejected: int
     pinned_regions: int
+    # Completion records the engine lost (its ring full and out of memory):
+    # peers' notifications, connection closes, rails down, log lines. Each
+    # loss is also logged (engine.log, at most once a second).
+    records_lost: int = 0
 
 
 def agent_statistics(
@@ -141,4 +145,5 @@ def agent_statistics(
         native_bytes=native.get("bytes", 0),
         frames_rejected=native.get("frames_rejected", 0),
         pinned_regions=pinned_regions,
+        records_lost=native.get("cq_dropped", 0),
     )

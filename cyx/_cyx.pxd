@@ -109,6 +109,7 @@ cdef extern from "aioxfer.h" nogil:
         uint64_t quarantined_bytes
         uint64_t held_conns
         uint64_t conns_refused
+        uint64_t cq_dropped
 
     axf_engine *axf_engine_create(const axf_config *cfg)
     int axf_engine_fd(axf_engine *e)
@@ -157,6 +158,7 @@ cdef extern from "aioxfer.h" nogil:
         uint32_t poll_us
         uint32_t reserved
     void axf_calibrate(axf_calibration *out)
+    void axf_env_read()
     uint64_t axf_engine_inline_bytes(axf_engine *e)
     uint32_t axf_engine_poll_us(axf_engine *e)
     void axf_completion_free(axf_completion *c)

@@ -201,6 +201,7 @@ def calibration():
     same-host copy up to this runs on the posting thread) and poll_us (the
     bound of one busy-poll of the ring)."""
     cdef axf_calibration c
+    axf_env_read()  # with the GIL: no os.environ write runs beside its getenv
     with nogil:
         axf_calibrate(&c)
     return {"wake_ns": c.wake_ns, "copy_mbps": c.copy_mbps,

@@ -52,6 +52,10 @@ cdef class Engine:
         if self._cq == NULL:
             raise MemoryError()
         self._cq_cap = POLL_DEFAULT
+        # The process-wide settings from the environment, read here with the
+        # GIL held (os.environ's writes hold it too), not by the native
+        # engine on a thread of its own where they raced such a write.
+        axf_env_read()
         with nogil:
             self._e = axf_engine_create(&cfg)
         if self._e == NULL:
@@ -1114,6 +1118,7 @@ cdef class Engine:
             "quarantined_bytes": s.quarantined_bytes,
             "held_conns": s.held_conns,
             "conns_refused": s.conns_refused,
+            "cq_dropped": s.cq_dropped,
         }
 
 

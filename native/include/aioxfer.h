@@ -196,6 +196,12 @@ typedef struct axf_stats {
     uint64_t held_conns;        /* closed same-host connections whose process lives and
                                    still holds a revocation (or may: no goodbye) */
     uint64_t conns_refused;     /* connections refused at max_conns */
+    uint64_t cq_dropped;        /* completion records lost: the ring was full and could not
+                                   grow (out of memory). Only records no post, endpoint or
+                                   region had promised a slot to: logs, peers'
+                                   notifications (their credit is given back), accepted
+                                   connections' closes, rails down. Logged once a second
+                                   at most (an AXF_CQ_LOG record of its own). */
 } axf_stats;
 
 axf_engine *axf_engine_create(const axf_config *cfg);
@@ -357,6 +363,12 @@ typedef struct axf_calibration {
     uint32_t reserved;
 } axf_calibration;
 void axf_calibrate(axf_calibration *out);
+/* Reads the process-wide settings from the environment ($AIOXFER_SHM_LAZY_MIN,
+ * $AIOXFER_WAKE_NS, $AIOXFER_COPY_MBPS), once per process: the first engine
+ * creation or axf_calibrate does it on its own thread otherwise. A caller
+ * whose other threads may write the environment calls it where none can
+ * (Python: with the GIL held, as os.environ's writes are). */
+void axf_env_read(void);
 /* What this engine runs with: the inline threshold, the poll bound. */
 uint64_t axf_engine_inline_bytes(axf_engine *e);
 uint32_t axf_engine_poll_us(axf_engine *e);

@@ -120,38 +120,16 @@ int cq_reserve(axf_engine *e)
 
 void cq_unreserve(axf_engine *e) { atomic_fetch_add_explicit(&e->cq_free, 1, memory_order_relaxed); }
 
-void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
-             uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
+/* cq_mu not held: the record in a slot already promised or claimed, its
+ * payload (malloc'd, or NULL) handed over to the ring. */
+static void cq_put(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
+                   uint64_t nbytes, uint64_t fail_index, uint8_t *copy, size_t plen)
 {
-    uint8_t *copy = NULL;
-    if (cq_take.armed && axf_cq_quiet && kind == AXF_CQ_XFER && status == AXF_OK &&
-        id == cq_take.id && !plen) {
-        cq_take.taken = true; /* counted by op_finish_now already; its caller is told */
-        cq_unreserve(e);      /* its post's promise, not needed */
-        return;
-    }
-    /* Records of these kinds had their slot promised when their object was
-     * made (a post, an endpoint, a region): they always fit. The others (a
-     * log, a peer's notification, a connection closed, a rail down) claim
-     * one now; if the ring cannot grow they are lost, and counted. */
-    bool promised =
-        kind == AXF_CQ_XFER || kind == AXF_CQ_PEER_LOST || kind == AXF_CQ_REGION_FREED;
-    if (!promised && cq_reserve(e) != AXF_OK) {
-        atomic_fetch_add(&e->cq_dropped, 1);
-        return;
-    }
-    if (plen) {
-        copy = malloc(plen);
-        if (copy)
-            memcpy(copy, payload, plen);
-        else
-            plen = 0;
-    }
     pthread_mutex_lock(&e->cq_mu);
     if (e->cq_count == e->cq_cap && cq_grow(e) != AXF_OK) {
-        /* Not reached: every record's slot was promised or claimed above.
-         * Were one pushed without (a bug), it is lost rather than written
-         * past the ring. */
+        /* Not reached: every record's slot was promised or claimed. Were one
+         * pushed without (a bug), it is lost rather than written past the
+         * ring. */
         pthread_mutex_unlock(&e->cq_mu);
         free(copy);
         atomic_fetch_add(&e->cq_dropped, 1);
@@ -186,6 +164,103 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
         (void)r; /* EAGAIN means the counter is already non-zero: still signalled */
     }
     pthread_mutex_unlock(&e->cq_mu);
+}
+
+enum { DROP_NOTE_NONE, DROP_NOTE_ARMING, DROP_NOTE_ARMED };
+#define DROP_NOTE_LEN 256
+#define DROP_NOTE_EVERY_MS 1000
+
+/* Holds the drop note's slot and payload again (axf_poll, cq_mu not held,
+ * after it freed slots): at most once per DROP_NOTE_EVERY_MS, so a ring that
+ * keeps overflowing costs one log line a second, with the running count. */
+static void drop_note_arm(axf_engine *e)
+{
+    int none = DROP_NOTE_NONE;
+    if (axf_now_ms() - atomic_load(&e->drop_note_ms) < DROP_NOTE_EVERY_MS ||
+        !atomic_compare_exchange_strong(&e->drop_note, &none, DROP_NOTE_ARMING))
+        return;
+    char *buf = e->drop_note_buf ? e->drop_note_buf : malloc(DROP_NOTE_LEN);
+    if (!buf || cq_reserve(e) != AXF_OK) {
+        e->drop_note_buf = buf;
+        atomic_store(&e->drop_note, DROP_NOTE_NONE);
+        return;
+    }
+    e->drop_note_buf = buf;
+    atomic_store(&e->drop_note, DROP_NOTE_ARMED);
+}
+
+static const char *cq_kind_name(uint32_t kind)
+{
+    switch (kind) {
+    case AXF_CQ_NOTIFY:
+        return "a notification from this peer (its sender was told it arrived)";
+    case AXF_CQ_CONN_CLOSED:
+        return "this peer's connection closed";
+    case AXF_CQ_RAIL_DOWN:
+        return "a rail of this peer down";
+    case AXF_CQ_LOG:
+        return "a log line";
+    default:
+        return "a record";
+    }
+}
+
+/* A record with no slot (the ring full and unable to grow): counted, its
+ * credit given back, and said once by the drop note if it is armed. */
+static void cq_drop(axf_engine *e, uint32_t kind, uint64_t tag)
+{
+    unsigned long long n = atomic_fetch_add(&e->cq_dropped, 1) + 1;
+    /* A peer's notification holds one of its connection's credits
+     * (max_notify_per_conn) until the application releases it, which it
+     * cannot for one it never saw: given back here, else the receiver pauses
+     * for good once max_notify_per_conn of them were lost, and every later
+     * request of that peer's connection waits forever. */
+    if (kind == AXF_CQ_NOTIFY)
+        axf_notify_release(e, tag, 1);
+    int armed = DROP_NOTE_ARMED;
+    if (!atomic_compare_exchange_strong(&e->drop_note, &armed, DROP_NOTE_ARMING))
+        return; /* noted less than a second ago (or being armed): counted only */
+    /* Ours alone while ARMING: the buffer and the slot (promised when armed). */
+    char *buf = e->drop_note_buf;
+    e->drop_note_buf = NULL;
+    atomic_store(&e->drop_note_ms, axf_now_ms());
+    atomic_store(&e->drop_note, DROP_NOTE_NONE);
+    int len = snprintf(buf, DROP_NOTE_LEN,
+                       "completion ring full and out of memory: records lost so far: %llu "
+                       "(axf_stats cq_dropped), the last %s",
+                       n, cq_kind_name(kind));
+    size_t plen = len < 0 ? 0 : (size_t)len < DROP_NOTE_LEN ? (size_t)len : DROP_NOTE_LEN - 1;
+    cq_put(e, AXF_CQ_LOG, 0, 0, tag, 0, 0, (uint8_t *)buf, plen);
+}
+
+void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
+             uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
+{
+    uint8_t *copy = NULL;
+    if (cq_take.armed && axf_cq_quiet && kind == AXF_CQ_XFER && status == AXF_OK &&
+        id == cq_take.id && !plen) {
+        cq_take.taken = true; /* counted by op_finish_now already; its caller is told */
+        cq_unreserve(e);      /* its post's promise, not needed */
+        return;
+    }
+    /* Records of these kinds had their slot promised when their object was
+     * made (a post, an endpoint, a region): they always fit. The others (a
+     * log, a peer's notification, a connection closed, a rail down) claim
+     * one now; if the ring cannot grow they are lost, counted and noted. */
+    bool promised =
+        kind == AXF_CQ_XFER || kind == AXF_CQ_PEER_LOST || kind == AXF_CQ_REGION_FREED;
+    if (!promised && cq_reserve(e) != AXF_OK) {
+        cq_drop(e, kind, tag);
+        return;
+    }
+    if (plen) {
+        copy = malloc(plen);
+        if (copy)
+            memcpy(copy, payload, plen);
+        else
+            plen = 0;
+    }
+    cq_put(e, kind, status, id, tag, nbytes, fail_index, copy, plen);
 }
 
 void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...)
@@ -236,6 +311,10 @@ size_t axf_poll(axf_engine *e, axf_completion *out, size_t max)
         ssize_t r = write(e->efd, &one, sizeof one);
         (void)r;
     }
+    /* The drop note was used (records were lost): held again now that slots
+     * are free, at most once a second. One relaxed load otherwise. */
+    if (n && atomic_load_explicit(&e->drop_note, memory_order_relaxed) == DROP_NOTE_NONE)
+        drop_note_arm(e);
     return n;
 }
 
@@ -387,6 +466,7 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         return NULL;
     }
     e->watch_started = true;
+    drop_note_arm(e); /* if it cannot be held now, the first poll that frees a slot does */
     return e;
 }
 
@@ -404,6 +484,7 @@ void axf_engine_stats(axf_engine *e, axf_stats *s)
     s->bytes = atomic_load(&e->bytes);
     s->frames_rejected = atomic_load(&e->rejected);
     s->conns_refused = atomic_load(&e->conns_refused);
+    s->cq_dropped = atomic_load(&e->cq_dropped);
     s->held_conns = atomic_load(&e->held_conns);
     pthread_mutex_lock(&e->mu);
     s->quarantined = e->quarantined;
@@ -1735,12 +1816,47 @@ int axf_engine_bye_network(axf_engine *e)
         return AXF_E_CLOSED;
     }
     e->bye = true;
-    for (conn *c = e->conns; c; c = c->next_all)
-        if (!c->ep && c->pidfd < 0)
-            conn_say_bye(c);
-    pthread_mutex_unlock(&e->mu);
     uint32_t grace_ms = e->cfg.peer_timeout_ms < 1000 ? e->cfg.peer_timeout_ms : 1000;
     uint64_t until = axf_now_ms() + grace_ms;
+    /* The goodbye is sent only between frames with nobody sending
+     * (conn_say_bye); one said while a sender still held the connection
+     * (a reply just written, its thread not yet back to clear its flag; a
+     * keepalive) was skipped, and the peer saw a loss, not a close
+     * (test_bye, 2 of 100 runs beside CPU hogs). So each is said outside
+     * e->mu, once its sender let go, waited for within the grace below (a
+     * peer that does not read keeps it: then skipped, as before). No
+     * connection is added meanwhile (e->bye refuses them). */
+    size_t n = 0, cap = 0;
+    for (conn *c = e->conns; c; c = c->next_all)
+        cap += !c->ep && c->pidfd < 0;
+    conn **say = cap ? malloc(cap * sizeof *say) : NULL;
+    for (conn *c = e->conns; c; c = c->next_all) {
+        if (c->ep || c->pidfd >= 0)
+            continue;
+        if (say) {
+            conn_ref(c);
+            say[n++] = c;
+        } else {
+            conn_say_bye(c); /* out of memory: at once, as before */
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    for (size_t i = 0; i < n; i++) {
+        conn *c = say[i];
+        for (;;) {
+            pthread_mutex_lock(&c->mu);
+            /* (a frame partly sent goes back to the head for the sending
+             * thread: busy too) */
+            bool busy = !c->dead && (c->sending || (c->head && c->head->sent));
+            pthread_mutex_unlock(&c->mu);
+            if (!busy || axf_now_ms() >= until)
+                break;
+            usleep(200);
+        }
+        conn_say_bye(c);
+        conn_unref(c);
+    }
+    free(say);
     for (;;) {
         bool all_out = true;
         pthread_mutex_lock(&e->mu);
@@ -1935,6 +2051,7 @@ void axf_engine_destroy(axf_engine *e)
     for (size_t i = 0; i < e->cq_count; i++)
         free(e->cq[(e->cq_head + i) % e->cq_cap].payload);
     free(e->cq);
+    free(e->drop_note_buf);
     free(e->lost_bits);
     close(e->efd);
     close(e->watch_efd);

@@ -344,6 +344,13 @@ struct axf_engine {
     char cq_free_pad0[64];
     atomic_llong cq_free;
     atomic_ullong cq_dropped; /* unpromised records (logs, notifications, ...) lost to OOM */
+    /* The drop note (engine.c cq_drop): one LOG record saying records were
+     * lost, its ring slot and payload held in advance (so it is never lost
+     * itself): DROP_NOTE_ARMED while held, taken by the first drop, held
+     * again by axf_poll at most once a second (rate-limited). */
+    atomic_int drop_note;
+    char *drop_note_buf;
+    atomic_ullong drop_note_ms; /* when the last note was pushed (ms) */
     char cq_free_pad1[64];
     uint32_t poll_us;       /* the calibrated bound of a poll (axf_engine_poll_us) */
     atomic_int rx_spinners; /* receivers polling for a peer's next request (conn.c spin_take):

@@ -73,9 +73,12 @@ typedef struct shm_state {
 #define POP_PAR_SLICE (16u << 20)    /* ... each at least this much */
 #define POP_PAR_MAX 8                /* ... at most this many */
 /* Mappings larger than this are populated lazily (tests lower it;
- * $AIOXFER_SHM_LAZY_MIN, read at the first mapping, sets it: see map_fd). */
+ * $AIOXFER_SHM_LAZY_MIN sets it, read by axf_env_read: see map_fd). */
 uint64_t axf_shm_lazy_min = 1ull << 30;
-static pthread_once_t lazy_env_once = PTHREAD_ONCE_INIT;
+/* The process-wide settings from the environment (axf_env_read), read once:
+ * $AIOXFER_SHM_LAZY_MIN and the calibration's stand-ins. */
+static pthread_once_t env_once = PTHREAD_ONCE_INIT;
+static uint64_t env_wake_ns, env_copy_mbps;
 
 static void lazy_env(void)
 {
@@ -421,7 +424,6 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
         return AXF_E_ACCESS;
     bool rw = rr->access & AXF_ACCESS_WRITE;
     int prot = PROT_READ | (rw ? PROT_WRITE : 0);
-    pthread_once(&lazy_env_once, lazy_env);
     int datafd = has_holes(memfd) ? memfd : -1; /* populate only its data */
     /* Populated now, as before, so that the first bulk writes take no page
      * faults; but from POP_PAR_MIN on by several threads at once (MAP_POPULATE
@@ -448,7 +450,8 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * was posted (~0.5 ms of Python): connect + first 4 KiB write to a 64 MiB
      * pool 1.08x and 1.18x slower, not faster (interleaved, n=41 each, fresh
      * initiators, 2 cores at load 3-4): no CPU is idle to overlap with.
-     * $AIOXFER_SHM_LAZY_MIN (lazy_env) lets a caller take the other side of
+     * $AIOXFER_SHM_LAZY_MIN (lazy_env, read when the engine was created)
+     * lets a caller take the other side of
      * the trade (2026-12-06, 2 shared cores, interleaved with main's wheel:
      * =0 made connect + first 4 KiB write to a 64 MiB pool 2.15 vs 4.99 ms,
      * n=30 each, and the Python demo's window 0.75x, 15 triples, medians).
@@ -1130,16 +1133,31 @@ static uint64_t cal_env(const char *name)
     return *end == '\0' ? v : 0;
 }
 
+static void env_read(void)
+{
+    lazy_env();
+    env_wake_ns = cal_env("AIOXFER_WAKE_NS");
+    env_copy_mbps = cal_env("AIOXFER_COPY_MBPS");
+}
+
+/* getenv only here, once, on the thread that first creates an engine or
+ * calibrates (or that calls this itself: the Python extension does, with the
+ * GIL held): never on whichever thread happens to map a peer's pool first,
+ * where it raced a Python thread writing os.environ (putenv may move the
+ * environment under a concurrent getenv). */
+void axf_env_read(void) { pthread_once(&env_once, env_read); }
+
 static void cal_run(void)
 {
     axf_calibration *c = &cal_result;
+    axf_env_read();
     /* $AIOXFER_WAKE_NS and $AIOXFER_COPY_MBPS stand for the measurements
      * (one calibration for several processes: benchmarks/peers/
      * bench_nixl_compat.py gives its processes its own). */
-    c->wake_ns = cal_env("AIOXFER_WAKE_NS");
+    c->wake_ns = env_wake_ns;
     if (!c->wake_ns)
         c->wake_ns = cal_wake_ns();
-    c->copy_mbps = cal_env("AIOXFER_COPY_MBPS");
+    c->copy_mbps = env_copy_mbps;
     if (!c->copy_mbps)
         c->copy_mbps = cal_copy_mbps();
     /* Bounded (what follows cannot overflow): a wake-up of at most a
@@ -1205,6 +1223,7 @@ void axf_calibrate(axf_calibration *out)
 
 static int shm_enable(axf_engine *e)
 {
+    axf_env_read(); /* on the creating thread, before any pool is mapped */
     const axf_calibration *cal = shm_calibration();
     if (!e->cfg.inline_bytes)
         e->cfg.inline_bytes = cal->inline_bytes;

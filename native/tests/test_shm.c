@@ -1576,8 +1576,61 @@ static int stopped_parent(pid_t child, int conn_fd, int report, uint8_t *buf, si
     return 0;
 }
 
+/* $AIOXFER_SHM_LAZY_MIN is read on the thread that creates the engine (or
+ * by axf_env_read), not on whichever thread maps a peer's pool first: that
+ * one raced a Python thread writing os.environ. Shown in a fresh process
+ * (the setting is read once per process): the variable set while the engine
+ * is created, gone (as a concurrent unsetenv would leave it) when the pool
+ * is mapped; the pool is mapped with the value from creation. Before, the
+ * read at the first mapping saw no variable: 1 GiB, the pool populated. */
+static int lazy_env_child(void)
+{
+    CHECK_EQ(setenv("AIOXFER_SHM_LAZY_MIN", "4194304", 1), 0);
+    memfd_pool m;
+    memset(&m, 0, sizeof m);
+    m.len = 8u << 20;
+    m.a = t_engine(NULL);
+    m.b = t_engine(NULL);
+    CHECK(m.a && m.b);
+    CHECK_EQ(unsetenv("AIOXFER_SHM_LAZY_MIN"), 0);
+    m.mfd = memfd_create("axf-test-pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    CHECK(m.mfd >= 0);
+    CHECK_EQ(ftruncate(m.mfd, (off_t)m.len), 0);
+    CHECK_EQ(fcntl(m.mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    m.pool = mmap(NULL, m.len, PROT_READ | PROT_WRITE, MAP_SHARED, m.mfd, 0);
+    CHECK(m.pool != MAP_FAILED);
+    CHECK_EQ(axf_region_register(m.b->e, m.pool, m.len, AXF_ACCESS_READ | AXF_ACCESS_WRITE, m.mfd,
+                                 &m.brid, &m.bkey),
+             AXF_OK);
+    CHECK_EQ(axf_endpoint_create(m.a->e, AXF_EP_SHM, 1, getpid(), -1, &m.ep), AXF_OK);
+    CHECK_EQ(axf_endpoint_import(m.a->e, m.ep, m.brid, m.bkey, m.len, AXF_ACCESS_READ, 0, m.mfd),
+             AXF_OK);
+    CHECK_EQ(axf_shm_lazy_min, 4u << 20);
+    m.src = NULL;
+    mp_close(&m);
+    return 0;
+}
+
+static int test_lazy_min_read_at_creation(void)
+{
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        char *argv[] = {"test_shm", "--lazy-env-child", NULL};
+        execv("/proc/self/exe", argv);
+        _exit(127);
+    }
+    int ws;
+    CHECK_EQ(waitpid(pid, &ws, 0), pid);
+    CHECK(WIFEXITED(ws));
+    CHECK_EQ(WEXITSTATUS(ws), 0);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "--lazy-env-child") == 0)
+        return lazy_env_child() ? 1 : 0;
     static const t_case cases[] = {
         T_CASE(test_inline_write_known_at_submit),
         T_CASE(test_alone_copied_at_submit),
@@ -1586,6 +1639,7 @@ int main(int argc, char **argv)
         T_CASE(test_nohelp_doorbell_copies_nothing),
         T_CASE(test_alone_shared_done_at_submit),
         T_CASE(test_memfd_region),
+        T_CASE(test_lazy_min_read_at_creation),
         T_CASE(test_reimport_unmaps_old),
         T_CASE(test_cma_refused),
         T_CASE(test_memfd_lazy_populate),
