@@ -33,12 +33,16 @@ presigns a URL with a query such as ``?uploads`` nor has an option against
 redirects) and sent with aiohttp, following no redirect
 (tests/test_obj18b_redirects.py), each retried within the retry budget;
 its parts go from the caller's memory (or the owned copy), up to 4 at once.
-That needs the credentials to be static (given, or from the environment);
-with credentials obstore finds otherwise (instance metadata, web identity)
-obstore's multipart upload is used, which follows a redirect of those
-requests. A multipart write ends with a HEAD of the key (presigned, no
-redirect; ``check_multipart``, below): the object must be there with the written size (and the e-tag
-the complete answered, where the store's e-tags compare), else the write
+That needs credentials we can sign with: static ones (given, or from the
+environment), or a ``credential_provider`` (below), asked for them by each
+request (cached until 5 minutes before they expire). With credentials
+obstore finds itself (instance metadata, web identity: it keeps their
+secret to itself) obstore's multipart upload is used, which follows a
+redirect of those requests; such a source can be brought onto our own
+requests by wrapping it in a ``credential_provider``. A multipart write
+ends with a HEAD of the key (presigned, no redirect; ``check_multipart``,
+below): the object must be there with the written size (and the e-tag the
+complete answered, where the store's e-tags compare), else the write
 fails (ObjectRegion._check_completed): a complete answered by a host that
 is not the store (obstore's upload), or answered 500 once it was done and
 then no longer known when sent again, is then judged by the store itself.
@@ -64,12 +68,21 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   (every request: GETs, HEADs, DELETEs, PUTs, each request of a multipart
   upload);
 - ``connect_timeout`` (2 s), ``read_timeout`` (15 s): per connection and
-  per read of an answer. They also bound how long a cancel or
+  per read of an answer. Each attempt of a request of ours (GET, HEAD,
+  DELETE, the multipart upload's) is also bounded as a whole:
+  ``connect_timeout + read_timeout + bytes / min_rate`` seconds, its wait
+  for a pooled connection included (the bytes it sends or receives; a
+  complete counts the whole object, as the store's work on it grows with
+  it), so that a server trickling a byte now and then (each read in time)
+  cannot hold a request for ever: it then fails as a timeout, retried
+  within the budget, then TransportError. They also bound how long a cancel or
   ``agent.aclose()`` waits for a write in flight to a server that stopped
   answering: the upload reads from the caller's memory (or must be
   completed or aborted) until its request times out; a multipart one then
   sends its abort, which waits as long again (measured against a stopped
   rclone: 30 s for a 24 MiB write with the defaults);
+- ``min_rate`` (64 KiB/s): the slowest a request's bytes may move (above);
+  lower it for links where one connection's share is slower than that;
 - ``check_multipart`` (True): whether a multipart write ends with a HEAD
   of the key (above). False skips it where the upload was ours (static
   credentials) and the endpoint itself answered its complete, as against
@@ -78,6 +91,20 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   24 MiB write). Still made when it is needed to know: a complete sent
   again that finds no such upload (the first may have completed it), or
   obstore's upload (other credentials; it follows redirects);
+- ``part_md5`` (False): each part of a multipart upload carries
+  Content-MD5, which the store checks (AWS, MinIO, Ceph, rclone: 400
+  BadDigest, the part is then sent again within the retry budget): bytes
+  changed on the way (plain http through a faulty proxy) are refused
+  instead of stored. Off by default, as obstore's uploads: parts go
+  UNSIGNED-PAYLOAD, and the MD5 costs CPU (hashlib's MD5 ran at 0.26 GB/s
+  per core here, hashed on a worker thread beside the sends; measured cost
+  in benchmarks/object_bench.py --part-md5). Over https, TLS already
+  protects the bytes on the way. Single PUTs (obstore's) are not covered;
+- ``credential_provider`` (None): obstore's S3CredentialProvider (a
+  callable answering, or returning an awaitable of, a dict with
+  access_key_id, secret_access_key, token, expires_at), instead of the
+  keys: obstore signs with it, and so does our own multipart upload
+  (no redirect followed, the token sent only to the endpoint);
 - ``resend_unknown_puts`` (False): a single PUT whose outcome is unknown (a
   reset or cut connection after the request went out, a read timeout, a
   gateway's 502 or 504) and whose object a HEAD then does not find with its
