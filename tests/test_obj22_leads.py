@@ -111,6 +111,7 @@ class Trickler:
         self.requests: list[bytes] = []
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.port = 0
 
     async def start(self) -> None:
@@ -126,8 +127,15 @@ class Trickler:
             self._server.close()
         for w in list(self._writers):
             w.transport.abort()
+        for task in list(self._tasks):  # still dripping: stopped, waited for
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
 
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
         self._writers.add(w)
         try:
             head = await r.readuntil(b"\r\n\r\n")
@@ -149,11 +157,13 @@ class Trickler:
                 w.write(drip[i:i + 1])
                 await w.drain()
                 await asyncio.sleep(self.every)
-        except (ConnectionError, asyncio.IncompleteReadError, OSError):
-            pass
+        except (ConnectionError, asyncio.IncompleteReadError, OSError,
+                asyncio.CancelledError):
+            pass  # (a cancel by aclose: ended quietly, not left to the loop's callback)
         finally:
             w.transport.abort()
             self._writers.discard(w)
+            self._tasks.discard(task)
 
 
 @pytest.fixture
