@@ -83,7 +83,8 @@ def start_rclone(root: Path) -> tuple[subprocess.Popen[bytes], str, dict[str, st
 
 
 async def bench(
-    endpoint: str, bucket: str, creds: dict[str, str], reps: int
+    endpoint: str, bucket: str, creds: dict[str, str], reps: int,
+    options: dict[str, Any] | None = None, only: str | None = None,
 ) -> list[dict[str, Any]]:
     store = S3Store(
         bucket, prefix="plain", endpoint=endpoint, region="us-east-1",
@@ -109,8 +110,10 @@ async def bench(
     rows = []
     async with aioxfer.Agent("object-bench") as agent:
         objs = agent.register_objects(f"s3://{bucket}/ours", endpoint=endpoint,
-                                      region="us-east-1", **creds)
+                                      region="us-east-1", **creds, **(options or {}))
         for label, size, n in CASES:
+            if only is not None and only not in label:
+                continue
             total = size * n
             data = np.frombuffer(np.random.default_rng(1).bytes(total), dtype=np.uint8)
             src = agent.register(bytearray(data.tobytes()))
@@ -153,7 +156,8 @@ async def bench(
             agent.deregister(dst)
             await objs.delete(keys)
             await obstore.delete_async(store, keys)
-        rows.append(await _kv_object_tier(agent, objs, plain_put, plain_get, reps))
+        if only is None or "kv" in only:
+            rows.append(await _kv_object_tier(agent, objs, plain_put, plain_get, reps))
     return rows
 
 
@@ -270,7 +274,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--latency", action="store_true",
                     help="per-request latency of this build (one JSON line)")
+    ap.add_argument("--part-md5", action="store_true",
+                    help="register_objects(part_md5=True): Content-MD5 on each multipart part")
+    ap.add_argument("--only", help="only the cases whose label holds this text ('kv': its row)")
     args = ap.parse_args()
+    options = {"part_md5": True} if args.part_md5 else {}
     proc = None
     tmp = None
     if args.endpoint is None:
@@ -286,7 +294,7 @@ def main() -> None:
         if args.latency:
             print(json.dumps(asyncio.run(latency(endpoint, bucket, creds, args.reps))))
             return
-        rows = asyncio.run(bench(endpoint, bucket, creds, args.reps))
+        rows = asyncio.run(bench(endpoint, bucket, creds, args.reps, options, args.only))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -33,12 +33,16 @@ presigns a URL with a query such as ``?uploads`` nor has an option against
 redirects) and sent with aiohttp, following no redirect
 (tests/test_obj18b_redirects.py), each retried within the retry budget;
 its parts go from the caller's memory (or the owned copy), up to 4 at once.
-That needs the credentials to be static (given, or from the environment);
-with credentials obstore finds otherwise (instance metadata, web identity)
-obstore's multipart upload is used, which follows a redirect of those
-requests. A multipart write ends with a HEAD of the key (presigned, no
-redirect; ``check_multipart``, below): the object must be there with the written size (and the e-tag
-the complete answered, where the store's e-tags compare), else the write
+That needs credentials we can sign with: static ones (given, or from the
+environment), or a ``credential_provider`` (below), asked for them by each
+request (cached until 5 minutes before they expire). With credentials
+obstore finds itself (instance metadata, web identity: it keeps their
+secret to itself) obstore's multipart upload is used, which follows a
+redirect of those requests; such a source can be brought onto our own
+requests by wrapping it in a ``credential_provider``. A multipart write
+ends with a HEAD of the key (presigned, no redirect; ``check_multipart``,
+below): the object must be there with the written size (and the e-tag the
+complete answered, where the store's e-tags compare), else the write
 fails (ObjectRegion._check_completed): a complete answered by a host that
 is not the store (obstore's upload), or answered 500 once it was done and
 then no longer known when sent again, is then judged by the store itself.
@@ -64,12 +68,21 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   (every request: GETs, HEADs, DELETEs, PUTs, each request of a multipart
   upload);
 - ``connect_timeout`` (2 s), ``read_timeout`` (15 s): per connection and
-  per read of an answer. They also bound how long a cancel or
+  per read of an answer. Each attempt of a request of ours (GET, HEAD,
+  DELETE, the multipart upload's) is also bounded as a whole:
+  ``connect_timeout + read_timeout + bytes / min_rate`` seconds, its wait
+  for a pooled connection included (the bytes it sends or receives; a
+  complete counts the whole object, as the store's work on it grows with
+  it), so that a server trickling a byte now and then (each read in time)
+  cannot hold a request for ever: it then fails as a timeout, retried
+  within the budget, then TransportError. They also bound how long a cancel or
   ``agent.aclose()`` waits for a write in flight to a server that stopped
   answering: the upload reads from the caller's memory (or must be
   completed or aborted) until its request times out; a multipart one then
   sends its abort, which waits as long again (measured against a stopped
   rclone: 30 s for a 24 MiB write with the defaults);
+- ``min_rate`` (64 KiB/s): the slowest a request's bytes may move (above);
+  lower it for links where one connection's share is slower than that;
 - ``check_multipart`` (True): whether a multipart write ends with a HEAD
   of the key (above). False skips it where the upload was ours (static
   credentials) and the endpoint itself answered its complete, as against
@@ -78,6 +91,20 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   24 MiB write). Still made when it is needed to know: a complete sent
   again that finds no such upload (the first may have completed it), or
   obstore's upload (other credentials; it follows redirects);
+- ``part_md5`` (False): each part of a multipart upload carries
+  Content-MD5, which the store checks (AWS, MinIO, Ceph, rclone: 400
+  BadDigest, the part is then sent again within the retry budget): bytes
+  changed on the way (plain http through a faulty proxy) are refused
+  instead of stored. Off by default, as obstore's uploads: parts go
+  UNSIGNED-PAYLOAD, and the MD5 costs CPU (hashlib's MD5 ran at 0.26 GB/s
+  per core here, hashed on a worker thread beside the sends; measured cost
+  in benchmarks/object_bench.py --part-md5). Over https, TLS already
+  protects the bytes on the way. Single PUTs (obstore's) are not covered;
+- ``credential_provider`` (None): obstore's S3CredentialProvider (a
+  callable answering, or returning an awaitable of, a dict with
+  access_key_id, secret_access_key, token, expires_at), instead of the
+  keys: obstore signs with it, and so does our own multipart upload
+  (no redirect followed, the token sent only to the endpoint);
 - ``resend_unknown_puts`` (False): a single PUT whose outcome is unknown (a
   reset or cut connection after the request went out, a read timeout, a
   gateway's 502 or 504) and whose object a HEAD then does not find with its
@@ -98,9 +125,11 @@ Options of ``register_objects`` (beside the endpoint and credentials):
 from __future__ import annotations
 
 import asyncio
+import base64
 import email.utils
 import hashlib
 import html
+import inspect
 import os
 import random
 import re
@@ -141,6 +170,9 @@ _READ_BUFSIZE = 1 << 20
 # A PUT of up to this many bytes uploads from its own copy, so that a cancel
 # is prompt (see ObjectRegion._put); larger ones go from the caller's buffer.
 OWNED_MAX = 8 << 20
+# The slowest a request's bytes may move (sent or received) before the
+# request counts as stalled: its whole-request bound (_timeout_for).
+MIN_RATE = 64 << 10
 _SIGN_TTL = timedelta(minutes=15)
 _SIGN_REUSE = 5 * 60.0  # a signed URL is reused while it has this long left
 _SIGNED_MAX = 4096  # cached signed URLs per region
@@ -327,6 +359,9 @@ class ObjectRegion(BackendRegion):
         resend_unknown_puts: bool = False,
         static_keys: tuple[str, str] | None = None,
         check_multipart: bool = True,
+        min_rate: float = MIN_RATE,
+        part_md5: bool = False,
+        credential_provider: Callable[[], Any] | None = None,
     ) -> None:
         super().__init__(backend, name)
         self.url = url
@@ -340,6 +375,14 @@ class ObjectRegion(BackendRegion):
         # (_own_target); else only obstore can sign.
         self._static_keys = static_keys
         self._check_multipart = check_multipart
+        self._part_md5 = part_md5
+        # obstore's S3CredentialProvider: a callable answering an S3Credential
+        # (a dict: access_key_id, secret_access_key, token, expires_at), or
+        # an awaitable of one. Our own requests sign with what it answers
+        # (_provided), cached until 5 minutes before it expires.
+        self._provider = credential_provider
+        self._provided_creds: tuple[sigv4.Credentials, float | None] | None = None
+        self._providing: asyncio.Lock | None = None
         # our multipart uploads in flight: aclose lets them end (they send
         # through this region's HTTP session) before closing it
         self._uploads: set[asyncio.Task[str | None]] = set()
@@ -349,6 +392,11 @@ class ObjectRegion(BackendRegion):
             sock_connect=connect_timeout,
             sock_read=read_timeout,
         )
+        # Each request of ours is bounded as a whole (_timeout_for): sock_read
+        # alone lets a server that trickles a byte now and then (or reads
+        # our body that slowly) hold a request for ever.
+        self._base_total = connect_timeout + read_timeout
+        self._min_rate = min_rate
         self._session: aiohttp.ClientSession | None = None
         self._signed: dict[tuple[str, str], tuple[str, float]] = {}
 
@@ -448,14 +496,37 @@ class ObjectRegion(BackendRegion):
     async def aclose(self) -> None:
         """Forgets the region and closes its HTTP connections: its reads in
         flight fail with ClosedResourceError, its writes in flight finish.
-        Idempotent."""
+        Idempotent. A cancel of aclose is not a way to leave the connections
+        open: cancelled while multipart uploads still run (they send through
+        the session, their abort too), the session is closed when the last
+        of them ends; cancelled after that, its close still runs to its end
+        (shielded) before the cancel is raised."""
         await super().aclose()
-        if self._uploads:
-            # (asyncio.wait: a cancel of aclose does not cancel them)
-            await asyncio.wait(set(self._uploads))
+        try:
+            if self._uploads:
+                # (asyncio.wait: a cancel of aclose does not cancel them)
+                await asyncio.wait(set(self._uploads))
+        finally:
+            if self._uploads:
+                self._close_when_idle()
+            else:
+                await _shielded(self._close_session())
+
+    async def _close_session(self) -> None:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+    def _close_when_idle(self) -> None:
+        """Closes the session once every upload in flight has ended (aclose
+        was cancelled while they ran)."""
+        def ended(_: object) -> None:
+            if not self._uploads:
+                _background(self._close_session())
+
+        for task in set(self._uploads):
+            # after _uploads.discard (added when the task was made)
+            task.add_done_callback(ended)
 
     # ------------------------------------------------------------ data path
 
@@ -501,7 +572,7 @@ class ObjectRegion(BackendRegion):
         if src.nbytes <= self._part_size:
             await self._put_single(body, seg, mode, owned)
             return
-        target = None if mode == "create" else self._own_target(seg.key)
+        target = None if mode == "create" else await self._own_target(seg.key)
         e_tag: str | None
         if target is not None:
             task = asyncio.ensure_future(self._multipart(target, body, seg.key))
@@ -521,13 +592,25 @@ class ObjectRegion(BackendRegion):
             e_tag = done.get("e_tag")
         await self._check_completed(seg.key, src.nbytes, e_tag)
 
-    def _own_target(self, key: str) -> _Target | None:
+    async def _own_target(self, key: str) -> _Target | None:
         """Where and how to send our own signed requests of ``key``: its URL
         (scheme, host and path exactly as obstore makes them, from a URL
         obstore presigns: endpoint, bucket, prefix, key encoding), the
-        credentials and region obstore signs with. None when they are not
-        static (obstore's other providers: instance metadata, web identity)
-        or not the ones we know the secret of."""
+        credentials and region obstore signs with. With a
+        ``credential_provider`` the credentials are what it answers, asked
+        for by each request (_provided). None when they are neither static
+        nor provided (obstore's other sources: instance metadata, web
+        identity) or not the ones we know the secret of."""
+        if self._provider is not None:
+            try:
+                signed = await obstore.sign_async(self._store, "PUT", key, _SIGN_TTL)
+            except (obx.BaseError, OSError, ValueError, TypeError):
+                return None
+            parts = urlsplit(str(signed))
+            scope = dict(parse_qsl(parts.query)).get("X-Amz-Credential", "").split("/")
+            if len(scope) != 5:
+                return None
+            return _Target(f"{parts.scheme}://{parts.netloc}{parts.path}", None, scope[2])
         if self._static_keys is None:
             return None
         key_id, secret = self._static_keys
@@ -570,12 +653,20 @@ class ObjectRegion(BackendRegion):
                     if failures:
                         return
                     try:
+                        part = view[i * size:(i + 1) * size]
+                        extra = None
+                        if self._part_md5:
+                            # The store refuses a part whose bytes changed on
+                            # the way (BadDigest: sent again). Hashed on a
+                            # worker thread (hashlib lets go of the GIL).
+                            digest = await asyncio.to_thread(_md5_b64, part)
+                            extra = {"Content-MD5": digest}
                         tags[i] = await self._own_request(
                             target, "PUT",
                             [("partNumber", str(i + 1)), ("uploadId", upload_id)],
                             f"{what} (part {i + 1} of {count})", _part_done,
-                            body=view[i * size:(i + 1) * size],
-                            payload_hash=sigv4.UNSIGNED_PAYLOAD)
+                            body=part, payload_hash=sigv4.UNSIGNED_PAYLOAD,
+                            headers=extra)
                     except BaseException as exc:
                         failures.append(exc)
                         return
@@ -589,9 +680,11 @@ class ObjectRegion(BackendRegion):
             data = (
                 '<CompleteMultipartUpload xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
                 f"{xml}</CompleteMultipartUpload>").encode()
+            # (a complete may take the store a while, more for a larger
+            # object: its bound grows with the object's size)
             return await self._own_request(
                 target, "POST", [("uploadId", upload_id)], f"{what} (complete)", _completed,
-                body=data, payload_hash=hashlib.sha256(data).hexdigest())
+                body=data, payload_hash=hashlib.sha256(data).hexdigest(), moves=len(view))
         except BaseException:
             try:
                 await self._own_request(
@@ -609,11 +702,15 @@ class ObjectRegion(BackendRegion):
         answer: Callable[[str, aiohttp.ClientResponse, str, str, int], Awaitable[_T]],
         body: bytes | memoryview | None = None,
         payload_hash: str = sigv4.EMPTY_SHA256,
+        headers: dict[str, str] | None = None,
+        moves: int | None = None,
     ) -> _T:
         """A request of ``target`` with query ``params``, signed here (SigV4,
-        headers) and sent with aiohttp following no redirect (a 3xx fails
-        it: the session token travels in a header, and another host's answer
-        would count). Retried (5xx, 429, 408, a connection error or timeout,
+        headers; ``headers`` signed too) and sent with aiohttp following no
+        redirect (a 3xx fails it: the session token travels in a header, and
+        another host's answer would count). Each attempt is bounded as a
+        whole (_timeout_for ``moves`` bytes: the body's length unless
+        given). Retried (5xx, 429, 408, a connection error or timeout,
         an S3 error in a 200's body, a _Transient from ``answer``) within the
         region's retry budget, signed again each time. 401 and 403 are
         AccessDenied. ``answer(what, resp, text, code, attempt)`` makes the result
@@ -621,22 +718,26 @@ class ObjectRegion(BackendRegion):
         answer of 300 or more, else ""), ``code`` its S3 error code, ``attempt``
         the attempt's number (1 for the first)."""
         url = f"{target.url}?{sigv4.canonical_query(params)}"
+        timeout = self._timeout_for(
+            moves if moves is not None else 0 if body is None else len(body))
         attempts = _Attempts(self._retry, self.backend.note_retry)
         while True:
             failed: str
             try:
-                headers = sigv4.sign_headers(
-                    method, url, target.creds, target.region, payload_hash=payload_hash)
+                creds = target.creds if target.creds is not None else await self._provided()
+                sent = sigv4.sign_headers(
+                    method, url, creds, target.region, headers=headers,
+                    payload_hash=payload_hash)
                 data: Any = None
                 if body is not None:
                     # Content-Length given and the body streamed: aiohttp
                     # sends it as is (not chunked), from the caller's memory
                     # a MiB at a time (the socket's flow control applies).
-                    headers["Content-Length"] = str(len(body))
+                    sent["Content-Length"] = str(len(body))
                     data = _chunks(body)
                 async with self._http().request(
-                    method, yarl.URL(url, encoded=True), headers=headers, data=data,
-                    allow_redirects=False,
+                    method, yarl.URL(url, encoded=True), headers=sent, data=data,
+                    allow_redirects=False, timeout=timeout,
                 ) as resp:
                     status = resp.status
                     text = ""
@@ -856,6 +957,7 @@ class ObjectRegion(BackendRegion):
         what: str,
         answer: Callable[[aiohttp.ClientResponse, str], Awaitable[_T]],
         headers: dict[str, str] | None = None,
+        moves: int = 0,
     ) -> _T:
         """A request of ``key`` (GET, HEAD, DELETE) through a presigned URL,
         sent with aiohttp, not obstore: obstore (reqwest) follows a redirect,
@@ -871,8 +973,11 @@ class ObjectRegion(BackendRegion):
         since rotated) it drops the URL and signs again, once, first.
         ``answer(resp, code)`` makes the result of any other status
         (``code``: the S3 error code of the body of an answer of 300 or
-        more, read unless the request is a HEAD; else ""). Error texts leave
+        more, read whole up to _ANSWER_MAX bytes unless the request is a
+        HEAD; else ""). Each attempt is bounded as a whole (_timeout_for
+        ``moves``: the bytes a GET receives). Error texts leave
         the URL's query out (_describe); ``what`` names the request in them."""
+        timeout = self._timeout_for(moves)
         attempts = _Attempts(self._retry, self.backend.note_retry)
         resigned = False
         while True:
@@ -888,12 +993,15 @@ class ObjectRegion(BackendRegion):
                 # body read to EOF: the connection closed, a new one per miss.
                 async with self._http().request(
                     method, url, headers=headers, allow_redirects=False,
-                    read_until_eof=method != "HEAD",
+                    read_until_eof=method != "HEAD", timeout=timeout,
                 ) as resp:
                     status = resp.status
                     code = ""
                     if status >= 300 and method != "HEAD":
-                        body = (await resp.content.read(4096)).decode("utf-8", "replace")
+                        # whole: one read returns what has arrived so far,
+                        # and an error split across packets would lose its
+                        # code (a DELETE's NoSuchBucket read as done)
+                        body = (await _answer_body(resp)).decode("utf-8", "replace")
                         code = _xml_code(body)
                     _refuse_status(what, resp, code)
                     return await answer(resp, code)
@@ -907,6 +1015,46 @@ class ObjectRegion(BackendRegion):
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+
+    def _timeout_for(self, moves: int) -> aiohttp.ClientTimeout:
+        """The bound of one attempt of a request that moves ``moves`` bytes
+        (sent or received): connect_timeout + read_timeout + moves /
+        min_rate seconds in all (its wait for a pooled connection
+        included), beside the per-read bound: a server that answers (or
+        reads our body) a byte now and then is not stuck on for ever."""
+        return aiohttp.ClientTimeout(
+            total=self._base_total + moves / self._min_rate,
+            connect=self._timeout.connect,
+            sock_connect=self._timeout.sock_connect,
+            sock_read=self._timeout.sock_read,
+        )
+
+    async def _provided(self) -> sigv4.Credentials:
+        """The credentials ``credential_provider`` answers, asked again once
+        they are within 5 minutes of their expiry (as obstore does); one
+        call at a time."""
+        if self._providing is None:
+            self._providing = asyncio.Lock()
+        async with self._providing:
+            hit = self._provided_creds
+            if hit is not None and (hit[1] is None or hit[1] - time.time() > 300):
+                return hit[0]
+            assert self._provider is not None
+            got = self._provider()
+            if inspect.isawaitable(got):
+                got = await got
+            try:
+                creds = sigv4.Credentials(
+                    str(got["access_key_id"]), str(got["secret_access_key"]),
+                    None if got.get("token") is None else str(got["token"]))
+                expires = got.get("expires_at")
+                until = None if expires is None else float(expires.timestamp())
+            except (KeyError, TypeError, AttributeError, ValueError):
+                raise AccessDenied(
+                    f"{self.url}: the credential provider answered no S3Credential "
+                    f"(access_key_id, secret_access_key, token, expires_at)") from None
+            self._provided_creds = (creds, until)
+            return creds
 
     def _http(self) -> aiohttp.ClientSession:
         session = self._session
@@ -935,7 +1083,7 @@ class ObjectRegion(BackendRegion):
         headers = {"Range": f"bytes={seg.offset}-{seg.offset + n - 1}"} if ranged else None
         what = f"read of object {seg.key!r} from {self.url}"
         await self._signed_request(
-            "GET", seg.key, what, partial(self._receive, dst, seg, ranged, what), headers
+            "GET", seg.key, what, partial(self._receive, dst, seg, ranged, what), headers, n
         )
 
     async def _receive(
@@ -952,7 +1100,7 @@ class ObjectRegion(BackendRegion):
         if status not in (200, 206):
             # (_signed_request answered the transient, 401/403 and 3xx ones)
             if status < 300:  # its body not read for a code there
-                body = (await resp.content.read(4096)).decode("utf-8", "replace")
+                body = (await _answer_body(resp)).decode("utf-8", "replace")
                 code = _xml_code(body)
             if status == 404:
                 raise ObjectNotFound(f"{what}: no such key ({code or 'HTTP 404'})")
@@ -1067,11 +1215,38 @@ def _put_outcome(exc: BaseException) -> Literal["unsent", "answered", "refused",
 
 @dataclass(frozen=True, slots=True)
 class _Target:
-    """An object's URL (no query) and what signs requests of it."""
+    """An object's URL (no query) and what signs requests of it (``creds``
+    None: what the region's credential_provider answers, per request)."""
 
     url: str
-    creds: sigv4.Credentials
+    creds: sigv4.Credentials | None
     region: str
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def _background(call: Awaitable[None]) -> None:
+    """Runs ``call`` to its end with nobody awaiting it (a session's close
+    after a cancelled aclose), holding the task until then."""
+    task = asyncio.ensure_future(call)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
+async def _shielded(call: Awaitable[None]) -> None:
+    """Awaits ``call`` to its end through cancels (each one raised once it is
+    over): a session's close that must not be left half done."""
+    fut = asyncio.ensure_future(call)
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancelled = True
+    fut.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _chunks(body: bytes | memoryview) -> Any:
@@ -1120,9 +1295,18 @@ async def _created(
     return upload_id
 
 
+def _md5_b64(data: memoryview) -> str:
+    """A Content-MD5 header's value: the base64 of the bytes' MD5."""
+    return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+
+
 async def _part_done(
     what: str, resp: aiohttp.ClientResponse, text: str, code: str, attempt: int
 ) -> str:
+    if resp.status == 400 and code == "BadDigest":
+        # Content-MD5 (part_md5) did not match what arrived: the bytes
+        # changed on the way; the part is sent again.
+        raise _Transient(f"HTTP 400 {code}")
     if resp.status != 200:
         raise _failed(what, resp, code)
     e_tag = resp.headers.get("ETag")
@@ -1313,6 +1497,9 @@ class ObjectBackend(LocalBackend):
         read_timeout: float = 15.0,
         resend_unknown_puts: bool = False,
         check_multipart: bool = True,
+        min_rate: float = MIN_RATE,
+        part_md5: bool = False,
+        credential_provider: Callable[[], Any] | None = None,
     ) -> ObjectRegion:
         """See ``Agent.register_objects`` and this module's docstring (the
         options)."""
@@ -1323,6 +1510,10 @@ class ObjectBackend(LocalBackend):
             raise RegistrationError("part_size must be at least 5 MiB (the S3 minimum)")
         if max_retries < 0 or not retry_timeout > 0 or not connect_timeout > 0:
             raise RegistrationError("max_retries >= 0; retry_timeout, connect_timeout > 0")
+        if not min_rate > 0:
+            raise RegistrationError("min_rate > 0 (bytes per second)")
+        if credential_provider is not None and not callable(credential_provider):
+            raise RegistrationError("credential_provider is a callable (obstore's)")
         bucket = parts.netloc
         prefix = parts.path.strip("/") or None
         if endpoint is None:  # as obstore would find it, to know whether it is plain HTTP
@@ -1336,6 +1527,7 @@ class ObjectBackend(LocalBackend):
             ("secret_access_key", secret_access_key),
             ("session_token", session_token),
             ("region", region),
+            ("credential_provider", credential_provider),
         ):
             if value is not None:
                 config[key] = value
@@ -1378,6 +1570,8 @@ class ObjectBackend(LocalBackend):
         # them): the multipart upload's requests are then signed here.
         key_id = access_key_id or os.environ.get("AWS_ACCESS_KEY_ID")
         secret = secret_access_key or os.environ.get("AWS_SECRET_ACCESS_KEY")
+        if credential_provider is not None:
+            key_id = secret = None  # the provider's, asked for per request
         objs = ObjectRegion(
             self,
             name,
@@ -1391,6 +1585,9 @@ class ObjectBackend(LocalBackend):
             bool(resend_unknown_puts),
             (key_id, secret) if key_id and secret else None,
             bool(check_multipart),
+            float(min_rate),
+            bool(part_md5),
+            credential_provider,
         )
         self._add_region(objs)
         return objs
