@@ -552,16 +552,13 @@ def _grant(hello: Hello, nonce: bytes, joins: Joins | None) -> bool:
 def server_greet_now(sock: socket.socket, *, token: bytes | None) -> bytes:
     """Server side, at once (no await), as the connection is accepted and
     before a byte of it is read: our Challenge (a fresh nonce with a token,
-    none without). Returns the nonce, for server_handshake. ProtocolError:
-    the socket broke (a few dozen bytes into an empty send buffer fit
-    otherwise; the caller closes it)."""
+    none without). Returns the nonce, for server_handshake. OSError: the
+    socket broke; ProtocolError: the Challenge did not fit (a few dozen
+    bytes into an empty send buffer fit otherwise); the caller closes it."""
     nonce = secrets.token_bytes(NONCE_BYTES) if token is not None else b""
     frame = encode_frame(Challenge(version=PROTOCOL_VERSION, nonce=nonce))
-    try:
-        if send_now(sock, frame) < len(frame):
-            raise ProtocolError("the Challenge did not fit an empty send buffer")
-    except OSError as exc:
-        raise ProtocolError(f"connection broken before its handshake: {exc}") from None
+    if send_now(sock, frame) < len(frame):  # (OSError: broken, as it is)
+        raise ProtocolError("the Challenge did not fit an empty send buffer")
     return nonce
 
 

@@ -364,11 +364,14 @@ class Server:
         try:
             sock.setblocking(False)
             return server_greet_now(sock, token=self._token)
-        except (OSError, ProtocolError) as exc:
+        except OSError as exc:  # (reset at once: as _serve says a broken one)
+            _log.info("conn.failed", agent=self._agent, remote=fmt_sockaddr(addr),
+                      reason=str(exc))
+        except ProtocolError as exc:
             _log.warning("conn.rejected", agent=self._agent, remote=fmt_sockaddr(addr),
                          reason=str(exc))
-            sock.close()
-            return None
+        sock.close()
+        return None
 
     def _refusal(self) -> str | None:
         """Why a handshake is refused at its Accept (None: it is not)."""
