@@ -245,8 +245,9 @@ class _Grant:
 class Joins:
     """Server side: the Challenges a client's other connections may join.
 
-    A Challenge sent to a "data" (or accept_only "meta") Hello that asks for
-    ``joins`` is granted here: for ``ttl`` seconds, each join_index 1..joins
+    The Challenge of a connection whose "data" (or accept_only "meta")
+    Hello asks for ``joins`` is granted here once that Hello is read: for
+    ``ttl`` seconds, each join_index 1..joins
     may be accepted once, on a "data" Hello of the same name and incarnation,
     with a join proof over the Challenge's nonce; the grant is revoked when
     the client fails its own Proof. At most ``cap`` grants are live (the oldest goes first): an
