@@ -32,7 +32,10 @@ __all__ = [
 # SCM_RIGHTS); every connection authenticates by default.
 # 3: tcp frames may be vectored (FR_WRITEV, FR_READV, FR_READV_RESP: several
 # chunks of a request in one frame), which a version-2 engine rejects.
-PROTOCOL_VERSION = 3
+# 4: the server speaks first (Challenge at accept), its proof moved into
+# Accept; an older peer meets a frame it cannot decode, or a Reject naming
+# the version, never a wait.
+PROTOCOL_VERSION = 4
 
 # Bounds a peer's messages are validated against while decoding (a violation is
 # a ProtocolError, never an OverflowError or a huge allocation later on).
@@ -104,8 +107,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     joins: Annotated[int, msgspec.Meta(ge=0, le=MAX_JOINS)] = 0
     # One of those connections: the first one's Challenge.nonce, which of its
     # ``joins`` this is (1-based), and HMAC(token, join context + join +
-    # join_index + nonce + name). Accepted once: Challenge.joined, then
-    # Accept, no Proof round; anything else gets the usual Challenge.
+    # join_index + nonce + name). Accepted once: Accept at once, no Proof;
+    # anything else gets its Challenge again and proves the token.
     join: Nonce = b""
     join_index: Annotated[int, msgspec.Meta(ge=0, le=MAX_JOINS)] = 0
     join_proof: Nonce = b""
@@ -115,21 +118,21 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 
 
 class Challenge(msgspec.Struct, tag="challenge", frozen=True):
-    """Server to client when the server has a token.
+    """The server's first frame, sent as it accepts, before it reads a byte.
 
-    ``proof`` = HMAC(token, server context + client nonce): the server shows it
-    knows the token too; ``nonce`` is what the client must answer.
+    ``nonce``: what the client must prove the token over (empty when the
+    server has no token); ``version``: the server's PROTOCOL_VERSION, so a
+    client of another version stops with a clear error. Sent again on a
+    connection whose join was not honoured: prove the token after all.
     """
 
+    version: I32
     nonce: Nonce
-    proof: Nonce
-    # Hello.join was accepted: Accept follows, the client sends no Proof
-    # (``nonce`` is unused then).
-    joined: bool = False
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):
-    """Client's answer: HMAC(token, client context + server nonce + client name)."""
+    """Client's answer: HMAC(token, client context + server nonce + client
+    nonce + client name)."""
 
     proof: Nonce
 
@@ -146,6 +149,10 @@ class Accept(msgspec.Struct, tag="accept", frozen=True):
     # The AgentMeta the client asked for (Hello.meta) follows (an older server
     # ignores the request: then the client fetches it on its own connection).
     meta: bool = False
+    # With a token: HMAC(token, server context + client nonce + server
+    # nonce), the server's proof that it knows the token too. The client
+    # checks it before it trusts anything of this Accept or after it.
+    proof: Nonce = b""
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)

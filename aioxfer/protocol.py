@@ -8,12 +8,14 @@ frame, never more: a "data" connection is handed to the native engine right
 after the handshake, and whatever Python had read past it would be lost to the
 engine.
 
-Handshake (client left, server right)::
+Handshake (client left, server right): the server speaks first, so a
+connection costs one round trip after the connect::
 
-    Hello{version, name, incarnation, purpose, nonce_c}  ->
-                   <- Challenge{nonce_s, HMAC(token, SERVER_CTX + nonce_c)}   (token only)
-    Proof{HMAC(token, CLIENT_CTX + nonce_s + name)}       ->                  (token only)
-                   <- Accept{name, incarnation}  |  Reject{reason}, close
+                   <- Challenge{version, nonce_s}       (at accept, before reading)
+    Hello{version, name, incarnation, purpose, nonce_c}  ->   (at connect, not waiting)
+    Proof{HMAC(token, CLIENT_CTX + nonce_s + nonce_c + name)}  ->   (token only)
+                   <- Accept{name, incarnation, proof}  |  Reject{reason}, close
+                      proof = HMAC(token, SERVER_CTX + nonce_c + nonce_s)
     "meta":        <- AgentMeta, close
     "data":        native engine frames both ways from here on
     "data", Hello.meta (Accept.meta says it follows):
@@ -22,19 +24,29 @@ Handshake (client left, server right)::
     "verbs":       VerbsConnect{client's queue pairs}  ->
                    <- VerbsAccept{server's queue pairs}, then as "data"
 
+Without a token Challenge.nonce is empty, no Proof is sent and Accept.proof
+is empty; a client with a token refuses such a server, a client without one
+refuses a server with one. The client sends its Proof before the server
+proved itself (SECURITY.md, "The order of the proofs"), and checks
+Accept.proof before it uses anything the server sent. The Hello goes at
+connect, not after the Challenge: a server of an older version, which reads
+first, answers it with a Reject naming the version instead of both sides
+waiting (TCP_DEFER_ACCEPT also accepts a tcp connection only once its first
+bytes came).
+
 A client's other "data" connections to the same peer may join the Challenge
 of its first connection, "data" or an accept_only "meta" probe (token only;
 on the unix socket too, where the kernel still vouches for the user): the
-first Hello says how many (``joins``); once the client has checked that
-Challenge's server proof, each other connection (index i, 1-based) sends
+first Hello says how many (``joins``); once the client has checked the
+server's proof in that connection's Accept, each other connection (index i, 1-based) sends
 ``Hello{..., join=nonce_s, join_index=i, join_proof}`` with
-``join_proof = HMAC(token, JOIN_CTX + nonce_s + i + nonce_c + name)`` and
-gets ``Challenge{joined, HMAC(token, SERVER_CTX + nonce_c)}`` and Accept
-together: one round trip, no Proof. The server honours a join only for a
-Challenge it issued to that name and incarnation for that many joins, each
-index once, within its peer timeout (:class:`Joins`); anything else (replayed,
-forged, expired, another name, a wrong proof) gets the usual Challenge, so it
-still has to prove the token over a fresh nonce.
+``join_proof = HMAC(token, JOIN_CTX + nonce_s + i + nonce_c + name)``; the
+server answers its own Challenge and the proved Accept together: no Proof.
+The server honours a join only for a Challenge it issued to that name and
+incarnation for that many joins, each index once, within its peer timeout
+(:class:`Joins`), revoked when the first connection fails its Proof;
+anything else (replayed, forged, expired, another name, a wrong proof) gets
+its Challenge again and must prove the token over that fresh nonce.
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import NamedTuple, TypeGuard
+from typing import TypeGuard
 
 import msgspec
 
@@ -71,7 +83,6 @@ __all__ = [
     "NONCE_BYTES",
     "META_GO",
     "ClosedSilently",
-    "HelloTaken",
     "FrameTooLarge",
     "HandshakeRejected",
     "Joins",
@@ -85,7 +96,7 @@ __all__ = [
     "send_frame",
     "send_now",
     "server_handshake",
-    "server_hello_now",
+    "server_greet_now",
     "server_join_now",
     "server_proof",
 ]
@@ -105,9 +116,11 @@ MAX_NAME = 256
 # was deregistered meanwhile), so a region deregistered later is revoked on it.
 # A server that cannot vouch for that closes the connection instead.
 META_GO = b"\x01"
-_SERVER_CTX = b"aioxfer-server-v1\x00"
-_CLIENT_CTX = b"aioxfer-client-v1\x00"
-_JOIN_CTX = b"aioxfer-join-v1\x00"
+# v2: the order of protocol version 4 (the server speaks first); a proof
+# made for the old order never passes for the new one.
+_SERVER_CTX = b"aioxfer-server-v2\x00"
+_CLIENT_CTX = b"aioxfer-client-v2\x00"
+_JOIN_CTX = b"aioxfer-join-v2\x00"
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
@@ -198,12 +211,16 @@ def token_bytes(token: str | bytes | None) -> bytes | None:
     return out
 
 
-def server_proof(token: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(token, _SERVER_CTX + client_nonce, hashlib.sha256).digest()
+def server_proof(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """Accept.proof: over the client's nonce (fresh: no recorded Accept
+    answers it) and ours (binds it to this connection's Challenge)."""
+    return hmac.new(token, _SERVER_CTX + client_nonce + server_nonce, hashlib.sha256).digest()
 
 
-def client_proof(token: bytes, server_nonce: bytes, name: str) -> bytes:
-    return hmac.new(token, _CLIENT_CTX + server_nonce + name.encode(), hashlib.sha256).digest()
+def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes, name: str) -> bytes:
+    return hmac.new(
+        token, _CLIENT_CTX + server_nonce + client_nonce + name.encode(), hashlib.sha256
+    ).digest()
 
 
 def join_proof(token: bytes, join: bytes, index: int, client_nonce: bytes, name: str) -> bytes:
@@ -228,8 +245,9 @@ class _Grant:
 class Joins:
     """Server side: the Challenges a client's other connections may join.
 
-    A Challenge sent to a "data" (or accept_only "meta") Hello that asks for
-    ``joins`` is granted here: for ``ttl`` seconds, each join_index 1..joins
+    The Challenge of a connection whose "data" (or accept_only "meta")
+    Hello asks for ``joins`` is granted here once that Hello is read: for
+    ``ttl`` seconds, each join_index 1..joins
     may be accepted once, on a "data" Hello of the same name and incarnation,
     with a join proof over the Challenge's nonce; the grant is revoked when
     the client fails its own Proof. At most ``cap`` grants are live (the oldest goes first): an
@@ -338,6 +356,28 @@ def client_join_now(
     return None if n == 0 else (nonce, frame[n:])
 
 
+def _check_challenge(msg: Frame, token: bytes | None) -> bytes:
+    """The server's first frame: its nonce, once it is one we can answer."""
+    if isinstance(msg, Reject):
+        # (A server of protocol version 3 or older reads our Hello first and
+        # answers this, naming the version.)
+        raise AccessDenied(f"peer refused the connection: {msg.reason}")
+    if not isinstance(msg, Challenge):
+        raise _unexpected(msg, "Challenge")
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer speaks protocol version {msg.version}, this agent {PROTOCOL_VERSION}"
+        )
+    if token is None:
+        if msg.nonce:
+            raise AccessDenied("peer requires a token and this agent has none")
+    elif not msg.nonce:
+        raise AccessDenied("peer does not authenticate with a token, but this agent requires one")
+    elif len(msg.nonce) != NONCE_BYTES:
+        raise ProtocolError(f"challenge nonce must be {NONCE_BYTES} bytes")
+    return msg.nonce
+
+
 async def _client_handshake(
     loop: asyncio.AbstractEventLoop,
     sock: socket.socket,
@@ -361,36 +401,68 @@ async def _client_handshake(
     if sent is None:
         nonce, frame = _hello(name=name, incarnation=incarnation, purpose=purpose, token=token,
                               meta=meta, accept_only=accept_only, joins=joins, join=join)
+        # The Hello goes at once, not after the server's Challenge: a server
+        # of an older version, which waits for it, answers with a Reject
+        # naming the version instead of both sides waiting; and our Proof
+        # is then all that is left to send when the Challenge comes.
         await loop.sock_sendall(sock, frame)
     else:  # client_join_now sent (the first part of) it
         nonce, rest = sent
         if rest:
             await loop.sock_sendall(sock, rest)
-    msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
-    if isinstance(msg, Challenge):
-        if token is None:
-            raise AccessDenied("peer requires a token and this agent has none")
-        if not hmac.compare_digest(msg.proof, server_proof(token, nonce)):
-            raise AccessDenied("peer failed to prove it knows the token")
-        if len(msg.nonce) != NONCE_BYTES:
-            raise ProtocolError(f"challenge nonce must be {NONCE_BYTES} bytes")
-        if msg.joined:
-            if join is None:
-                raise ProtocolError("peer accepted a join this connection did not ask for")
+    server_nonce = _check_challenge(await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME), token)
+    msg: Frame | None = None
+    if token is not None:
+        if join is not None:
+            # Joined: the Accept comes at once; not honoured: the Challenge
+            # again, and we prove the token as a first connection does.
+            msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
+            if isinstance(msg, Challenge):
+                if msg.nonce != server_nonce:
+                    raise ProtocolError("peer changed its challenge")
+                msg = None
+        if msg is None:
+            # Our proof goes out before the server proved itself (in its
+            # Accept): one round trip instead of two. What a server without
+            # the token gets is an HMAC over the nonce it chose, which it can
+            # only relay to the real server (SECURITY.md: "The order").
+            await loop.sock_sendall(
+                sock, encode_frame(Proof(proof=client_proof(token, server_nonce, nonce, name)))
+            )
+            msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
         else:
-            await send_frame(loop, sock, Proof(proof=client_proof(token, msg.nonce, name)))
-            if on_challenge is not None and joins:
-                # Our other connections may join it now (their Hellos may
-                # go out in this step, behind the Proof: client_join_now).
-                on_challenge(msg.nonce)
+            joins = 0  # (joined: nothing of ours to join)
+    else:
         msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
-    elif isinstance(msg, Accept) and token is not None:
-        raise AccessDenied("peer does not authenticate with a token, but this agent requires one")
     if isinstance(msg, Reject):
         raise AccessDenied(f"peer refused the connection: {msg.reason}")
     if not isinstance(msg, Accept):
         raise _unexpected(msg, "Accept")
+    # Before anything of the Accept (or the metadata and memfds after it) is
+    # used: the server proves it knows the token, over our fresh nonce.
+    if token is not None and not hmac.compare_digest(
+        msg.proof, server_proof(token, nonce, server_nonce)
+    ):
+        raise AccessDenied("peer failed to prove it knows the token")
+    if on_challenge is not None and joins:
+        # Our other connections may join its Challenge now: their join
+        # proofs go only to a server that proved the token.
+        on_challenge(server_nonce)
     return msg
+
+
+def _check_hello(hello: Frame) -> Hello:
+    """The checks every Hello passes before anything else (ProtocolError:
+    malformed; the version and byte order are answered by _server_handshake)."""
+    if not isinstance(hello, Hello):
+        raise _unexpected(hello, "Hello")
+    if not hello.name or len(hello.name) > MAX_NAME:
+        raise ProtocolError(f"agent name must be 1..{MAX_NAME} characters")
+    if len(hello.nonce) != NONCE_BYTES:
+        raise ProtocolError(f"hello nonce must be {NONCE_BYTES} bytes, not {len(hello.nonce)}")
+    if not 0 <= hello.incarnation < 1 << 64:
+        raise ProtocolError("incarnation must be an unsigned 64-bit integer")
+    return hello
 
 
 async def _server_handshake(
@@ -400,63 +472,70 @@ async def _server_handshake(
     token: bytes | None,
     accept: Accept,
     joins: Joins | None,
-    taken: HelloTaken | None = None,
+    nonce: bytes | None,
+    refuse: Callable[[], str | None] | None,
 ) -> Hello:
     """See server_handshake."""
-    if taken is not None:  # (server_hello_now: the Hello read, the Challenge sent)
-        await _proof_round(loop, sock, taken, token, joins)
-        await send_frame(loop, sock, taken.accept)
-        return taken.hello
+    if nonce is None:
+        nonce = server_greet_now(sock, token=token)
     hello = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
-    if not isinstance(hello, Hello):
-        raise _unexpected(hello, "Hello")
-    if hello.version != PROTOCOL_VERSION:
+    if isinstance(hello, Hello) and hello.version != PROTOCOL_VERSION:
         await _reject(loop, sock, f"protocol version {hello.version} is not {PROTOCOL_VERSION}")
         raise ProtocolError(f"client speaks protocol version {hello.version}")
-    if not hello.name or len(hello.name) > MAX_NAME:
-        raise ProtocolError(f"agent name must be 1..{MAX_NAME} characters")
-    if len(hello.nonce) != NONCE_BYTES:
-        raise ProtocolError(f"hello nonce must be {NONCE_BYTES} bytes, not {len(hello.nonce)}")
-    if not 0 <= hello.incarnation < 1 << 64:
-        raise ProtocolError("incarnation must be an unsigned 64-bit integer")
+    hello = _check_hello(hello)
     if hello.purpose in ("data", "verbs") and hello.byteorder != sys.byteorder:
         await _reject(loop, sock, f"byte order {hello.byteorder} is not {sys.byteorder}")
         raise ProtocolError(f"client byte order {hello.byteorder} is not {sys.byteorder}")
     if hello.meta and hello.purpose == "data":
         accept = msgspec.structs.replace(accept, meta=True)  # the caller sends it
-    if token is not None:
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        proof = server_proof(token, hello.nonce)
-        data = hello.purpose == "data" and joins is not None
-        if data and hello.join and joins is not None and joins.take(hello, token):
+    if token is None:
+        await _refuse(loop, sock, refuse)
+        await send_frame(loop, sock, accept)
+        return hello
+    if hello.join:
+        if hello.purpose == "data" and joins is not None and joins.take(hello, token):
             # Authenticated by its join proof: no Proof round.
-            await loop.sock_sendall(
-                sock,
-                encode_frame(Challenge(nonce=nonce, proof=proof, joined=True))
-                + encode_frame(accept),
-            )
+            await _refuse(loop, sock, refuse)
+            await send_frame(loop, sock, _proved(accept, token, hello.nonce, nonce))
             return hello
-        taken = HelloTaken(hello, nonce, accept, _grant(hello, nonce, joins))
+        # Not honoured (replayed, forged, expired, another name): it proves
+        # the token over our nonce after all.
+        await send_frame(loop, sock, Challenge(version=PROTOCOL_VERSION, nonce=nonce))
+    granted = _grant(hello, nonce, joins)
+    try:
         try:
-            await send_frame(loop, sock, Challenge(nonce=nonce, proof=proof))
-        except BaseException:
-            if taken.granted and joins is not None:
-                joins.revoke(nonce)
-            raise
-        await _proof_round(loop, sock, taken, token, joins)
-    await send_frame(loop, sock, accept)
+            answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
+        except ProtocolError as exc:
+            raise HandshakeRejected(
+                f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
+            ) from None
+        if not isinstance(answer, Proof):
+            raise _unexpected(answer, "Proof")
+        if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.nonce,
+                                                              hello.name)):
+            await _reject(loop, sock, "bad token")
+            raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
+    except BaseException:
+        if granted and joins is not None:
+            joins.revoke(nonce)  # a client that did not prove the token joins nothing
+        raise
+    await _refuse(loop, sock, refuse)
+    await send_frame(loop, sock, _proved(accept, token, hello.nonce, nonce))
     return hello
 
 
-class HelloTaken(NamedTuple):
-    """A first connection's Hello, checked and read, and our Challenge (nonce)
-    sent: what the Proof round goes on from. granted: its Challenge may be
-    joined (Joins.grant); accept: what we answer once it proved the token."""
+async def _refuse(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, refuse: Callable[[], str | None] | None
+) -> None:
+    """Right before the Accept: a Reject instead, when refuse() says why."""
+    reason = None if refuse is None else refuse()
+    if reason is not None:
+        await _reject(loop, sock, reason)
+        raise HandshakeRejected(reason)
 
-    hello: Hello
-    nonce: bytes
-    accept: Accept
-    granted: bool
+
+def _proved(accept: Accept, token: bytes, client_nonce: bytes, nonce: bytes) -> Accept:
+    return msgspec.structs.replace(accept, proof=server_proof(token, client_nonce, nonce))
 
 
 def _grant(hello: Hello, nonce: bytes, joins: Joins | None) -> bool:
@@ -471,33 +550,17 @@ def _grant(hello: Hello, nonce: bytes, joins: Joins | None) -> bool:
     return granted
 
 
-async def _proof_round(
-    loop: asyncio.AbstractEventLoop,
-    sock: socket.socket,
-    taken: HelloTaken,
-    token: bytes | None,
-    joins: Joins | None,
-) -> None:
-    """Our Challenge is out: the client's Proof, checked (the grant revoked
-    if it does not come right)."""
-    assert token is not None
-    hello, nonce = taken.hello, taken.nonce
-    try:
-        try:
-            answer = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
-        except ProtocolError as exc:
-            raise HandshakeRejected(
-                f"agent {hello.name!r} did not authenticate (no or wrong token?): {exc}"
-            ) from None
-        if not isinstance(answer, Proof):
-            raise _unexpected(answer, "Proof")
-        if not hmac.compare_digest(answer.proof, client_proof(token, nonce, hello.name)):
-            await _reject(loop, sock, "bad token")
-            raise HandshakeRejected(f"agent {hello.name!r} failed token authentication")
-    except BaseException:
-        if taken.granted and joins is not None:
-            joins.revoke(nonce)  # a client that did not prove the token joins nothing
-        raise
+def server_greet_now(sock: socket.socket, *, token: bytes | None) -> bytes:
+    """Server side, at once (no await), as the connection is accepted and
+    before a byte of it is read: our Challenge (a fresh nonce with a token,
+    none without). Returns the nonce, for server_handshake. OSError: the
+    socket broke; ProtocolError: the Challenge did not fit (a few dozen
+    bytes into an empty send buffer fit otherwise); the caller closes it."""
+    nonce = secrets.token_bytes(NONCE_BYTES) if token is not None else b""
+    frame = encode_frame(Challenge(version=PROTOCOL_VERSION, nonce=nonce))
+    if send_now(sock, frame) < len(frame):  # (OSError: broken, as it is)
+        raise ProtocolError("the Challenge did not fit an empty send buffer")
+    return nonce
 
 
 def _peeked(sock: socket.socket) -> bytes | None:
@@ -519,9 +582,9 @@ def _whole_frame(peeked: bytes) -> int:
 
 def _hello_passes(frame: object) -> TypeGuard[Hello]:
     """A Hello passing the checks server_handshake makes of every one
-    (version, name, nonce, incarnation): server_hello_now and server_join_now
-    take a peeked Hello only then, and leave any other to server_handshake,
-    which answers it (a Reject, an error)."""
+    (version, name, nonce, incarnation): server_join_now takes a peeked
+    Hello only then, and leaves any other to server_handshake, which
+    answers it (a Reject, an error)."""
     return (
         isinstance(frame, Hello)
         and frame.version == PROTOCOL_VERSION
@@ -529,53 +592,6 @@ def _hello_passes(frame: object) -> TypeGuard[Hello]:
         and len(frame.nonce) == NONCE_BYTES
         and 0 <= frame.incarnation < 1 << 64
     )
-
-
-def server_hello_now(
-    sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins | None
-) -> HelloTaken | None:
-    """Server side, at once (no await), in the accepting step: a first
-    connection's Hello (not a join: server_join_now's), whole in the socket
-    (TCP_DEFER_ACCEPT: it came with the connection) and passing every check
-    server_handshake makes, is read and answered by our Challenge: the
-    Proof round then goes on in server_handshake(taken=...). Saves the
-    Challenge a loop step and a task step. Anything else (no token, a
-    partial Hello, any check failing, a join) returns None with nothing
-    read: server_handshake reads it and answers as before (Reject included).
-    ProtocolError: taken, but the connection broke (the caller closes it)."""
-    if token is None:
-        return None
-    frame = _peeked(sock)
-    if frame is None or not (n := _whole_frame(frame)):
-        return None
-    try:
-        hello = decode_body(memoryview(frame)[4 : 4 + n])
-    except ProtocolError:
-        return None
-    if not (
-        _hello_passes(hello)
-        and (hello.purpose not in ("data", "verbs") or hello.byteorder == sys.byteorder)
-        and not hello.join
-    ):
-        return None
-    if hello.meta and hello.purpose == "data":
-        accept = msgspec.structs.replace(accept, meta=True)  # the caller sends it
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    challenge = encode_frame(Challenge(nonce=nonce, proof=server_proof(token, hello.nonce)))
-    taken = HelloTaken(hello, nonce, accept, _grant(hello, nonce, joins))
-    try:
-        if sock.recv_into(bytearray(4 + n), 4 + n) != 4 + n:  # the peeked Hello, for good
-            raise ProtocolError("the Hello shrank between its peek and its read")
-        # A few dozen bytes into an empty send buffer: they fit unless it broke.
-        if send_now(sock, challenge) < len(challenge):
-            raise ProtocolError("the Challenge did not fit an empty send buffer")
-    except (OSError, ProtocolError) as exc:
-        if taken.granted and joins is not None:
-            joins.revoke(nonce)
-        if isinstance(exc, ProtocolError):
-            raise
-        raise ProtocolError(f"connection broken during its handshake: {exc}") from None
-    return taken
 
 
 # How a Hello that joins nothing encodes its "join" field (the empty default):
@@ -592,16 +608,18 @@ class ClosedSilently(ProtocolError):
 def server_join_now(
     sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins
 ) -> Hello | None:
-    """Server side, at once (no await): a "data" connection whose whole Hello
-    already waits in the socket and joins a live Challenge (see Joins) gets
-    Challenge{joined} and Accept in one send, and its Hello is returned.
+    """Server side, at once (no await), as the connection is accepted: a
+    "data" connection whose whole Hello already waits in the socket
+    (TCP_DEFER_ACCEPT) and joins a live Challenge (see Joins) gets our
+    Challenge and its proved Accept in one send, and its Hello is returned.
     Anything else (no token, a partial Hello, not a join, one that asks for
     the metadata, a grant gone or a wrong proof, a send that would block)
-    returns None with nothing read: the caller runs server_handshake, which
-    reads the same Hello. ProtocolError: taken, but the connection broke
-    (the caller closes it); ClosedSilently: it closed before a byte came.
-    A join is checked by peeking; its bytes are read (exactly the frame:
-    the engine's bytes follow) only once it is taken."""
+    returns None with nothing read or sent: the caller greets it
+    (server_greet_now) and runs server_handshake, which reads the same
+    Hello. ProtocolError: taken, but the connection broke (the caller
+    closes it); ClosedSilently: it closed before a byte came. A join is
+    checked by peeking; its bytes are read (exactly the frame: the engine's
+    bytes follow) only once it is taken."""
     if token is None:
         return None
     frame = _peeked(sock)
@@ -615,9 +633,9 @@ def server_join_now(
     if _NO_JOIN in frame[4 : 4 + n]:
         return None  # (a shortcut: an empty "join" as msgspec writes it)
     try:
-        # (Exactly the frame, as server_hello_now: all that was peeked made
-        # a Hello with anything behind it fail to decode, "trailing
-        # characters", and take server_handshake's slower path.)
+        # (Exactly the frame: all that was peeked made a Hello with anything
+        # behind it fail to decode, "trailing characters", and take
+        # server_handshake's slower path.)
         hello = decode_body(memoryview(frame)[4 : 4 + n])
     except ProtocolError:
         return None
@@ -629,10 +647,10 @@ def server_join_now(
         and hello.join
     ):
         return None
-    reply = encode_frame(
-        Challenge(nonce=secrets.token_bytes(NONCE_BYTES), proof=server_proof(token, hello.nonce),
-                  joined=True)
-    ) + encode_frame(accept)
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    reply = encode_frame(Challenge(version=PROTOCOL_VERSION, nonce=nonce)) + encode_frame(
+        _proved(accept, token, hello.nonce, nonce)
+    )
     # The reply is a few hundred bytes into an empty send buffer: it fits
     # unless the socket is broken; then the join is not taken.
     if not joins.take(hello, token):
@@ -662,25 +680,24 @@ async def client_handshake(
     join: tuple[bytes, int] | None = None,
     sent: tuple[bytes, bytes] | None = None,
 ) -> Accept:
-    """Runs the client half; returns the server's Accept.
+    """Runs the client half; returns the server's Accept, its proof checked.
 
     joins/on_challenge (a first "data" connection, token only): this many
     other connections will join its Challenge; on_challenge(nonce) is called
-    once the server proved itself in it. join: (that nonce, index 1..joins)
-    for one of those connections (see the module docstring); sent: such a
-    connection's Hello was sent by client_join_now (its nonce, and the part
-    still to send).
+    once the server proved itself in its Accept. join: (that nonce, index 1..joins) for one of
+    those connections (see the module docstring); sent: such a connection's
+    Hello was sent by client_join_now (its nonce, and the part still to send).
 
     meta ("data" only): ask for the server's metadata on this connection; if
     the Accept says it follows (``accept.meta``), the caller reads it
     (``recv_frame``; memfds on a unix socket; ``recv_go``) before the engine
     takes the connection. accept_only ("meta" only): the Accept is all we
-    want; the server closes after it (an older one sends its metadata, which
-    the caller leaves unread).
+    want; the server closes after it.
 
     Raises AccessDenied when the server rejects us, when its proof is wrong, when
     it wants a token we do not have, or when we have a token and it does not
-    authenticate (a server that skips the challenge cannot prove who it is).
+    authenticate (a server that skips the challenge cannot prove who it is);
+    ProtocolError when it speaks another protocol version.
     On failure the socket is shut down (the caller still owns and closes it), so
     the other side sees the end at once instead of waiting for its timeout.
     """
@@ -702,20 +719,23 @@ async def server_handshake(
     token: bytes | None,
     accept: Accept,
     joins: Joins | None = None,
-    taken: HelloTaken | None = None,
+    nonce: bytes | None = None,
+    refuse: Callable[[], str | None] | None = None,
 ) -> Hello:
     """Runs the server half up to and including sending ``accept`` (with
     ``meta=True`` when the client asked for the metadata on a "data"
     connection: the caller then sends it, see META_GO). joins: where the
     Challenges other connections may join are kept (None: no joins).
-    taken: server_hello_now read the Hello and sent the Challenge.
+    nonce: server_greet_now sent our Challenge (None: it is sent here first).
+    refuse(): asked right before the Accept; a reason refuses the handshake
+    with it (a Reject, HandshakeRejected), e.g. once the agent is closing.
 
     Raises HandshakeRejected (after sending Reject) when authentication fails,
     ProtocolError on anything malformed; either way the socket is shut down.
     """
     try:
         return await _server_handshake(loop, sock, token=token, accept=accept, joins=joins,
-                                       taken=taken)
+                                       nonce=nonce, refuse=refuse)
     except XferError:
         _shutdown(sock)
         raise

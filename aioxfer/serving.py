@@ -20,21 +20,28 @@ from typing import Any
 
 from aioxfer import _cyx
 from aioxfer.errors import ProtocolError
-from aioxfer.local import FDS_PER_MESSAGE, peer_cred, peer_pidfd, send_fds
+from aioxfer.local import FDS_PER_MESSAGE, PeerCred, peer_cred, peer_pidfd, send_fds
 from aioxfer.log import get_logger
-from aioxfer.metadata import Accept, AgentMeta, Hello, VerbsAccept, VerbsConnect, VerbsQP
+from aioxfer.metadata import (
+    Accept,
+    AgentMeta,
+    Hello,
+    Reject,
+    VerbsAccept,
+    VerbsConnect,
+    VerbsQP,
+)
 from aioxfer.protocol import (
     META_GO,
     ClosedSilently,
     HandshakeRejected,
-    HelloTaken,
     Joins,
     encode_frame,
     recv_frame,
     send_frame,
     send_now,
+    server_greet_now,
     server_handshake,
-    server_hello_now,
     server_join_now,
 )
 
@@ -77,6 +84,7 @@ class Server:
         "_tasks",
         "_closed",
         "joins",
+        "closing",
     )
 
     def __init__(
@@ -113,6 +121,11 @@ class Server:
         # trip each instead of two: a tcp connect's other connections, a
         # same-host connect's unix socket): as many live as handshakes may run.
         self.joins = Joins(ttl=peer_timeout, cap=max_handshakes)
+        # Set by the agent as its close begins (before its goodbye to the
+        # network): from then on a handshake is refused with a Reject that
+        # says so, instead of an Accept followed by a connection the closing
+        # engine drops (the peer would think it connected, then lose us).
+        self.closing = False
 
     async def accept_loop(
         self, loop: asyncio.AbstractEventLoop, lsock: socket.socket, *, local: bool = False
@@ -160,14 +173,22 @@ class Server:
                                      reason=f"{self._max_handshakes} handshakes already running")
                     continue
                 refused = 0
-                taken = None
-                if not local:
-                    if self._join_now(sock, addr):
+                cred = None
+                if local:
+                    # Who connected, as the kernel says, before we send a
+                    # byte: only our own user gets the same-host path.
+                    cred = self._local_cred(sock, addr)
+                    if cred is None:  # refused (logged, closed)
                         continue
-                    taken = self._hello_now(sock, addr)
-                    if sock.fileno() < 0:  # broke while taken (logged)
-                        continue
-                task = loop.create_task(self._serve(loop, sock, addr, local=local, taken=taken))
+                if self.closing or self._closed():
+                    self._refuse_now(sock, addr)
+                    continue
+                if not local and self._join_now(sock, addr):
+                    continue
+                nonce = self._greet_now(sock, addr)
+                if nonce is None:  # broke before its handshake (logged, closed)
+                    continue
+                task = loop.create_task(self._serve(loop, sock, addr, cred=cred, nonce=nonce))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -184,26 +205,17 @@ class Server:
         sock: socket.socket,
         addr: Any,
         *,
-        local: bool,
-        taken: HelloTaken | None = None,
+        cred: PeerCred | None,
+        nonce: bytes,
     ) -> None:
-        """One connection's handshake and what it asked for (taken: its Hello
-        read and our Challenge sent in the accepting step, _hello_now)."""
-        remote = fmt_sockaddr(addr)
+        """One connection's handshake and what it asked for (nonce: of our
+        Challenge, sent in the accepting step, _greet_now; cred: who
+        connected on the unix socket, our own user: _local_cred)."""
+        local = cred is not None
+        remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
         pidfd = -1
         try:
-            sock.setblocking(False)
-            cred = None
-            if local:
-                # Who connected, as the kernel says: only our own user gets the
-                # same-host path (another user's agents connect over tcp).
-                cred = peer_cred(sock)
-                remote = f"local pid {cred.pid} uid {cred.uid}"
-                if cred.uid != os.geteuid():
-                    raise HandshakeRejected(
-                        f"uid {cred.uid} is not this agent's user: same-host access refused"
-                    )
-            else:
+            if not local:
                 nodelay(sock)
             async with asyncio.timeout(self._peer_timeout):
                 hello = await server_handshake(
@@ -212,7 +224,8 @@ class Server:
                     token=self._token,
                     accept=self._accept,
                     joins=self.joins,
-                    taken=taken,
+                    nonce=nonce,
+                    refuse=self._refusal,
                 )
                 if hello.purpose == "meta":
                     if hello.accept_only:
@@ -323,20 +336,60 @@ class Server:
             sock.close()  # (nothing if the engine took it: detached)
         return True
 
-    def _hello_now(self, sock: socket.socket, addr: Any) -> HelloTaken | None:
-        """A first connection's Hello read and our Challenge sent in the
-        accepting step (protocol.server_hello_now; its task goes on from the
-        Proof): the Challenge leaves a loop step and a task step sooner.
-        None: anything else, nothing read, for _serve; or it broke once
-        taken: closed (and logged) here."""
+    def _local_cred(self, sock: socket.socket, addr: Any) -> PeerCred | None:
+        """The kernel's word on who connected to the unix socket, when it is
+        our own user (another user's agents connect over tcp); else None,
+        closed before a byte of ours was sent (logged)."""
         try:
-            return server_hello_now(sock, token=self._token, accept=self._accept,
-                                    joins=self.joins)
-        except ProtocolError as exc:
+            cred = peer_cred(sock)
+        except (OSError, ProtocolError) as exc:
             _log.warning("conn.rejected", agent=self._agent, remote=fmt_sockaddr(addr),
                          reason=str(exc))
             sock.close()
             return None
+        if cred.uid != os.geteuid():
+            _log.warning("conn.rejected", agent=self._agent,
+                         remote=f"local pid {cred.pid} uid {cred.uid}",
+                         reason=f"uid {cred.uid} is not this agent's user: "
+                                "same-host access refused")
+            sock.close()
+            return None
+        return cred
+
+    def _greet_now(self, sock: socket.socket, addr: Any) -> bytes | None:
+        """Our Challenge sent in the accepting step, before a byte of the
+        connection is read (protocol.server_greet_now): the client has our
+        nonce one round trip sooner than if we waited for its Hello. Its
+        nonce; None: the socket broke, closed (and logged) here."""
+        try:
+            sock.setblocking(False)
+            return server_greet_now(sock, token=self._token)
+        except OSError as exc:  # (reset at once: as _serve says a broken one)
+            _log.info("conn.failed", agent=self._agent, remote=fmt_sockaddr(addr),
+                      reason=str(exc))
+        except ProtocolError as exc:
+            _log.warning("conn.rejected", agent=self._agent, remote=fmt_sockaddr(addr),
+                         reason=str(exc))
+        sock.close()
+        return None
+
+    def _refusal(self) -> str | None:
+        """Why a handshake is refused at its Accept (None: it is not)."""
+        if self.closing or self._closed():
+            return f"agent {self._agent!r} is closing"
+        return None
+
+    def _refuse_now(self, sock: socket.socket, addr: Any) -> None:
+        """A connection accepted while we close: a Reject in place of our
+        Challenge (the client raises AccessDenied naming it), then closed."""
+        reason = self._refusal() or "closing"
+        try:
+            sock.setblocking(False)
+            send_now(sock, encode_frame(Reject(reason=reason)))
+        except OSError:
+            pass
+        _log.info("conn.refused", agent=self._agent, remote=fmt_sockaddr(addr), reason=reason)
+        sock.close()
 
     async def _send_meta(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, local: bool

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """atheris (libFuzzer for Python) harness: the connection handshake
-(aioxfer/protocol.py: length-prefixed frames, Hello / Challenge / Proof /
-Accept / Reject, the HMAC proofs) from either side, over a real socketpair.
+(aioxfer/protocol.py: length-prefixed frames, Challenge / Hello / Proof /
+Accept / Reject, the HMAC proofs; the server speaks first) from either side,
+over a real socketpair.
 
 Byte 0 of an input picks the side and its settings, the rest is the byte
 stream the other side sends (then it hangs up):
@@ -15,13 +16,13 @@ stream the other side sends (then it hangs up):
          connection had been challenged; (client, data): this is a first
          connection that 3 others will join (joins=3, on_challenge);
   bit 5 (client, data): this connection joins (GRANT, index 1);
-  bit 6 (server, token): the accepting step's shortcuts first, as
-         serving.py takes them: server_join_now when the join table is held
-         (bit 4), else server_hello_now; then server_handshake, if the
-         connection is not served already. Each reads exactly the Hello's
-         frame when it takes it (the rest stays in the socket, byte for
-         byte, for the engine or the Proof round) and nothing when it does
-         not.
+  bit 6 (server, token): the accepting step first, as serving.py takes
+         it: server_join_now when the join table is held (bit 4), then
+         server_greet_now (our Challenge, nothing read); then
+         server_handshake, if the connection is not served already.
+         server_join_now reads exactly the Hello's frame when it takes it
+         (the rest stays in the socket, byte for byte, for the engine) and
+         nothing when it does not.
 Contract: the handshake returns what it promises (a Hello that passed every
 check, an Accept, an AgentMeta) or raises an XferError (AccessDenied,
 ProtocolError); it never authenticates a peer that did not prove the token
@@ -86,30 +87,30 @@ def _waiting(sock: socket.socket) -> bytes:
 
 
 def _at_once(sock: socket.socket, token: bytes | None, joins: Any) -> tuple[Any, Any]:
-    """serving.py's accepting step: (a join served, a first Hello taken),
-    at most one of them; checks what each read of the socket."""
+    """serving.py's accepting step: (a join served, or the nonce of the
+    Challenge sent); checks what each read of the socket."""
     p, md = _m.protocol, _m.metadata
     before = _waiting(sock)
     accept = md.Accept(name="server", incarnation=1)
     if joins is not None:
         got = p.server_join_now(sock, token=token, accept=accept, joins=joins)
-    else:
-        got = p.server_hello_now(sock, token=token, accept=accept, joins=None)
-    after = _waiting(sock)
-    if got is None:
+        after = _waiting(sock)
+        if got is not None:
+            n = 4 + int.from_bytes(before[:4], "big")
+            if after != before[n:]:
+                raise AssertionError(f"taken, and {len(before) - len(after)} bytes read of a "
+                                     f"{n}-byte Hello frame with {len(before) - n} behind it")
+            if got != p.decode_body(before[4:n]):
+                raise AssertionError(f"taken a Hello that is not its frame's: {got!r}")
+            return got, None
         if after != before:
             raise AssertionError(f"not taken, yet {len(before) - len(after)} bytes read")
         if _takes(before, token, joins):
             raise AssertionError("a whole Hello it takes, with what follows it, not taken")
-        return None, None
-    n = 4 + int.from_bytes(before[:4], "big")
-    if after != before[n:]:
-        raise AssertionError(f"taken, and {len(before) - len(after)} bytes read of a "
-                             f"{n}-byte Hello frame with {len(before) - n} behind it")
-    hello = got if joins is not None else got.hello
-    if hello != p.decode_body(before[4:n]):
-        raise AssertionError(f"taken a Hello that is not its frame's: {hello!r}")
-    return (got, None) if joins is not None else (None, got)
+    nonce = p.server_greet_now(sock, token=token)
+    if _waiting(sock) != before:
+        raise AssertionError("the Challenge went out, and bytes were read")
+    return None, nonce
 
 
 def _takes(data: bytes, token: bytes | None, joins: Any) -> bool:
@@ -127,8 +128,6 @@ def _takes(data: bytes, token: bytes | None, joins: Any) -> bool:
     if not p._hello_passes(h):
         return False
     native = h.byteorder == sys.byteorder
-    if joins is None:
-        return not h.join and (native or h.purpose not in ("data", "verbs"))
     # (server_join_now's shortcut skips a frame holding an empty "join" as
     # msgspec writes it: a nonce may hold those 7 bytes too, 1 in 2**50 of
     # random ones; then it is left to server_handshake, as harmless.)
@@ -144,13 +143,13 @@ async def _server(sock: socket.socket, token: bytes | None, with_joins: bool,
         joins = p.Joins(ttl=60.0, cap=4)
         joins.grant(GRANT, md.Hello(version=md.PROTOCOL_VERSION, name="peer", incarnation=7,
                                     purpose="data", nonce=b"n" * 16, joins=3))
-    joined, taken = _at_once(sock, token, joins) if now else (None, None)
+    joined, nonce = _at_once(sock, token, joins) if now else (None, None)
     if joined is not None:
         hello = joined
     else:
         hello = await p.server_handshake(
             _loop, sock, token=token, accept=md.Accept(name="server", incarnation=1),
-            joins=joins, taken=taken,
+            joins=joins, nonce=nonce,
         )
     if token is not None and not (joins is not None and _joined_with_the_token(hello)):
         raise AssertionError(f"a client without the token got in: {hello!r}")
@@ -272,7 +271,14 @@ def seeds() -> dict[str, bytes]:
         "client-fetch-meta": bytes([1 | 3 << 2]) + accept + encode_frame(meta),
         "client-reject": b"\1" + encode_frame(Reject(reason="no")),
         "client-token": b"\3"
-        + encode_frame(Challenge(nonce=b"s" * 16, proof=b"p" * 32))
+        + encode_frame(Challenge(version=v, nonce=b"s" * 16))
+        + encode_frame(Accept(name="server", incarnation=1, proof=b"p" * 32)),
+        "client-old-server": b"\3"
+        + encode_frame(Reject(reason="protocol version 4 is not 3")),
+        "client-other-version": b"\3"
+        + encode_frame(Challenge(version=v + 1, nonce=b"s" * 16)),
+        "client-no-token": b"\1"
+        + encode_frame(Challenge(version=v, nonce=b""))
         + accept,
         # joins: a first connection's Hello asking for 3, a join the grant
         # honours (the one way in with a token), one with a forged proof, one
@@ -287,14 +293,20 @@ def seeds() -> dict[str, bytes]:
         "server-join-at-once": bytes([2 | 16 | 64]) + join(1) + b"engine bytes",
         "server-hello-at-once": bytes([2 | 64]) + hello("data")
         + encode_frame(Proof(proof=b"p" * 32)),
+        "server-old-client": b"\2"
+        + encode_frame(Hello(version=v - 1, name="peer", incarnation=7, purpose="data",
+                             nonce=b"n" * 16)),
         "server-join-forged": bytes([2 | 16]) + join(2, b"f" * 32),
         "server-join-past-count": bytes([2 | 16]) + join(4),
         "client-first-of-joins": bytes([1 | 2 | 1 << 2 | 16])
-        + encode_frame(Challenge(nonce=b"s" * 16, proof=b"p" * 32))
-        + accept,
+        + encode_frame(Challenge(version=v, nonce=b"s" * 16))
+        + encode_frame(Accept(name="server", incarnation=1, proof=b"p" * 32)),
         "client-join": bytes([1 | 2 | 1 << 2 | 32])
-        + encode_frame(Challenge(nonce=b"s" * 16, proof=b"p" * 32, joined=True))
-        + accept,
+        + encode_frame(Challenge(version=v, nonce=b"s" * 16))
+        + encode_frame(Accept(name="server", incarnation=1, proof=b"p" * 32)),
+        "client-join-refused": bytes([1 | 2 | 1 << 2 | 32])
+        + encode_frame(Challenge(version=v, nonce=b"s" * 16)) * 2
+        + encode_frame(Accept(name="server", incarnation=1, proof=b"p" * 32)),
     }
     return out
 

@@ -140,7 +140,7 @@ def seeds() -> dict[str, bytes]:
         "hello": Hello(
             version=PROTOCOL_VERSION, name="a", incarnation=1, purpose="data", nonce=b"n" * 16
         ),
-        "challenge": Challenge(nonce=b"n" * 16, proof=b"p" * 32),
+        "challenge": Challenge(version=4, nonce=b"n" * 16),
         "proof": Proof(proof=b"p" * 32),
         "accept": Accept(name="b", incarnation=2, host_id="h", local="aioxfer-b"),
         "reject": Reject(reason="bad token"),

@@ -162,9 +162,14 @@ async def test_handshake_tokens() -> None:
 
 def test_hmac_proofs_bind_context() -> None:
     n = b"n" * protocol.NONCE_BYTES
-    assert protocol.server_proof(b"t", n) != protocol.client_proof(b"t", n, "")
-    assert protocol.client_proof(b"t", n, "a") != protocol.client_proof(b"t", n, "b")
-    assert protocol.client_proof(b"t", n, "a") != protocol.client_proof(b"u", n, "a")
+    m = b"m" * protocol.NONCE_BYTES
+    assert protocol.server_proof(b"t", n, n) != protocol.client_proof(b"t", n, n, "")
+    assert protocol.client_proof(b"t", n, m, "a") != protocol.client_proof(b"t", n, m, "b")
+    assert protocol.client_proof(b"t", n, m, "a") != protocol.client_proof(b"u", n, m, "a")
+    # Both nonces count, each in its place (a proof over one connection's
+    # pair never passes for another's, nor with the two swapped).
+    assert protocol.client_proof(b"t", n, m, "a") != protocol.client_proof(b"t", m, n, "a")
+    assert protocol.server_proof(b"t", n, m) != protocol.server_proof(b"t", m, n)
 
 
 # --------------------------------------------------------------- regions

@@ -5,8 +5,9 @@ client that was challenged, once per index, while the grant lives.
 Raw sockets against a real agent: the first connection runs the real client
 handshake asking for joins; the others are built by hand, so that replayed,
 forged, expired, renamed, out-of-range and wrongly keyed joins can be sent.
-Each of those must get the usual Challenge (a fresh nonce, no ``joined``),
-and a wrong Proof then gets a Reject, as any unauthenticated client.
+Each of those must get its Challenge again instead of an Accept (it must
+prove the token over that nonce), and a wrong Proof then gets a Reject, as
+any unauthenticated client.
 """
 
 from __future__ import annotations
@@ -53,22 +54,32 @@ def join_hello(join: bytes, index: int, *, name: str = "raw", incarnation: int =
     ))
 
 
-async def send_join(address: str, hello: bytes) -> tuple[socket.socket, metadata.Challenge]:
+async def send_join(address: str, hello: bytes) -> tuple[socket.socket, bool]:
+    """Sends hello on a new connection: it and whether its join was honoured
+    (the server's Challenge, then at once an Accept proved over hello's
+    nonce and that Challenge's; not honoured: the same Challenge again)."""
     loop = asyncio.get_running_loop()
     sock = await raw_connect(address)
     await loop.sock_sendall(sock, hello)
     chal = await within(protocol.recv_frame(loop, sock))
-    assert isinstance(chal, metadata.Challenge)
-    return sock, chal
+    assert isinstance(chal, metadata.Challenge) and len(chal.nonce) == protocol.NONCE_BYTES
+    reply = await within(protocol.recv_frame(loop, sock))
+    if isinstance(reply, metadata.Challenge):
+        assert reply == chal
+        return sock, False
+    assert isinstance(reply, metadata.Accept)
+    # The server proved itself over this connection's own nonce.
+    assert reply.proof == protocol.server_proof(TOKEN, metadata_hello(hello).nonce, chal.nonce)
+    return sock, True
 
 
 async def refused(address: str, hello: bytes) -> None:
-    """hello's join is not honoured: the usual Challenge, and a client that
+    """hello's join is not honoured: its Challenge again, and a client that
     cannot answer it is rejected."""
     loop = asyncio.get_running_loop()
-    sock, chal = await send_join(address, hello)
+    sock, joined = await send_join(address, hello)
     with sock:
-        assert not chal.joined
+        assert not joined
         await loop.sock_sendall(sock, protocol.encode_frame(metadata.Proof(proof=b"\0" * 32)))
         reply = await within(protocol.recv_frame(loop, sock))
         assert isinstance(reply, metadata.Reject)
@@ -78,29 +89,21 @@ async def refused(address: str, hello: bytes) -> None:
 async def test_join_is_one_round_trip_once(make_agent) -> None:
     target = await make_agent("target", token=TOKEN, transports=("tcp",))
     target.alloc(MiB, name="dst")
-    loop = asyncio.get_running_loop()
     first, nonce = await first_connection(target.address, 2)
     socks = [first]
     try:
         hello = join_hello(nonce, 1)
-        sock, chal = await send_join(target.address, hello)
+        sock, joined = await send_join(target.address, hello)
         socks.append(sock)
-        assert chal.joined
-        accept = await within(protocol.recv_frame(loop, sock))
-        assert isinstance(accept, metadata.Accept) and accept.name == target.name
-        # The server proved itself over this connection's own nonce.
-        assert chal.proof == protocol.server_proof(
-            TOKEN, metadata_hello(hello).nonce
-        )
+        assert joined  # (send_join checked the Accept's proof)
         assert target._server.joins.joined == 1
         # The same Hello again (a replay), and index 1 with a fresh nonce: used up.
         await refused(target.address, hello)
         await refused(target.address, join_hello(nonce, 1))
         # Index 2 is still there, once; then the grant is gone.
-        sock, chal = await send_join(target.address, join_hello(nonce, 2))
+        sock, joined = await send_join(target.address, join_hello(nonce, 2))
         socks.append(sock)
-        assert chal.joined
-        assert isinstance(await within(protocol.recv_frame(loop, sock)), metadata.Accept)
+        assert joined
         assert target._server.joins.joined == 2 and len(target._server.joins) == 0
     finally:
         for s in socks:
@@ -145,9 +148,9 @@ async def test_bad_join_gets_the_usual_challenge(make_agent, case: str) -> None:
         await refused(target.address, hello)
         assert target._server.joins.joined == 0
         # The refused attempt used nothing up: the real index 1 still joins.
-        sock, chal = await send_join(target.address, join_hello(nonce, 1))
+        sock, joined = await send_join(target.address, join_hello(nonce, 1))
         with sock:
-            assert chal.joined
+            assert joined
     await still_serves(make_agent, target.address, "dst", token=TOKEN)
 
 
@@ -162,7 +165,7 @@ async def test_no_join_without_a_proven_first_connection(make_agent) -> None:
             nonce=os.urandom(protocol.NONCE_BYTES), byteorder=sys.byteorder, joins=2,
         )))
         chal = await within(protocol.recv_frame(loop, sock))
-        assert isinstance(chal, metadata.Challenge) and not chal.joined
+        assert isinstance(chal, metadata.Challenge)
         await loop.sock_sendall(sock, protocol.encode_frame(metadata.Proof(proof=b"\0" * 32)))
         assert isinstance(await within(protocol.recv_frame(loop, sock)), metadata.Reject)
         assert await closed_by_peer(sock)
@@ -188,9 +191,9 @@ async def test_grants_are_bounded(make_agent) -> None:
     try:
         assert len(target._server.joins) == 4
         await refused(target.address, join_hello(firsts[0][1], 1))  # evicted
-        sock, chal = await send_join(target.address, join_hello(firsts[-1][1], 1))
+        sock, joined = await send_join(target.address, join_hello(firsts[-1][1], 1))
         with sock:
-            assert chal.joined
+            assert joined
     finally:
         for sock, _ in firsts:
             sock.close()
@@ -275,9 +278,9 @@ async def test_probe_grant_is_not_a_data_connection(make_agent) -> None:
         join_proof=hello.join_proof,
     ))
     await refused(target.address, meta_join)
-    sock, chal = await send_join(target.address, join_hello(got[0], 1))
+    sock, joined = await send_join(target.address, join_hello(got[0], 1))
     with sock:
-        assert chal.joined
+        assert joined
 
 
 async def test_tcp_after_the_probe_joins_it(make_agent) -> None:
@@ -361,9 +364,11 @@ async def test_join_hello_in_pieces(make_agent, cut: int) -> None:
             await asyncio.sleep(0.05)  # accepted (TCP_DEFER_ACCEPT: some bytes came)
             await loop.sock_sendall(sock, hello[cut:])
             chal = await within(protocol.recv_frame(loop, sock))
-            assert isinstance(chal, metadata.Challenge) and chal.joined
+            assert isinstance(chal, metadata.Challenge)
             accept = await within(protocol.recv_frame(loop, sock))
             assert isinstance(accept, metadata.Accept) and accept.name == target.name
+            assert accept.proof == protocol.server_proof(
+                TOKEN, metadata_hello(hello).nonce, chal.nonce)
             assert target._server.joins.joined == 1
             await wait_conns(target, 1)
     await still_serves(make_agent, target.address, "dst", token=TOKEN)
@@ -394,7 +399,7 @@ async def test_join_cut_at_once(make_agent) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
             sock.close()  # RST
         await asyncio.sleep(0.1)
-        sock, chal = await send_join(target.address, join_hello(nonce, 4))
+        sock, joined = await send_join(target.address, join_hello(nonce, 4))
         with sock:
-            assert chal.joined
+            assert joined
     await still_serves(make_agent, target.address, "dst", token=TOKEN)

@@ -1,13 +1,15 @@
-"""protocol.server_join_now and server_hello_now take a Hello that waits
-whole in the socket at accept, over real loopback sockets (fuzz18). Both
-decode exactly the one frame they then read: server_join_now decoded
-everything it had peeked, so a joining Hello with any byte behind it (the
-start of what follows it: the engine's frames, once accepted) failed to
-decode ("trailing characters") and took the slower path through
-server_handshake, while server_hello_now took its Hello alike."""
+"""protocol.server_join_now takes a Hello that waits whole in the socket at
+accept, over real loopback sockets (fuzz18). It decodes exactly the one
+frame it then reads: server_join_now decoded everything it had peeked, so a
+joining Hello with any byte behind it (the start of what follows it: the
+engine's frames, once accepted) failed to decode ("trailing characters")
+and took the slower path through server_handshake. A first connection's
+handshake (conn22: the server's Challenge first) reads exactly its Hello
+and Proof alike."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import socket
 import sys
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from aioxfer import protocol
-from aioxfer.metadata import PROTOCOL_VERSION, Accept, Challenge, Hello
+from aioxfer.metadata import PROTOCOL_VERSION, Accept, Challenge, Hello, Proof
 
 TOKEN = b"fuzz18 token"
 NAME = "client-0"
@@ -76,7 +78,7 @@ TRAILING = [b"\0", b"\x00\x00\x00\x10" + b"E" * 16, secrets.token_bytes(3000)]
 def test_a_join_hello_with_bytes_behind_it_is_taken_at_once(
         pair: tuple[socket.socket, socket.socket], after: bytes) -> None:
     """A joining Hello for a live grant, with bytes behind it: taken in the
-    accepting step (Challenge{joined} and Accept sent), exactly its frame
+    accepting step (Challenge and a proved Accept sent), exactly its frame
     read, the bytes behind it left in the socket for whoever comes next.
     Before: None (not taken), the Hello left to server_handshake."""
     client, server = pair
@@ -100,26 +102,32 @@ def test_a_join_hello_with_bytes_behind_it_is_taken_at_once(
     # Exactly the Hello was read: what follows it is still there, whole.
     assert server.recv(len(after) + 1, socket.MSG_PEEK) == after
     ch, acc = _recv_frames(client, 2)
-    assert isinstance(ch, Challenge) and ch.joined
-    assert ch.proof == protocol.server_proof(TOKEN, nonce)
-    assert acc == accept
+    assert isinstance(ch, Challenge) and isinstance(acc, Accept)
+    assert acc.proof == protocol.server_proof(TOKEN, nonce, ch.nonce)
+    assert acc == Accept(name="server", incarnation=1, proof=acc.proof)
 
 
 @pytest.mark.parametrize("after", TRAILING, ids=["one-byte", "a-frame", "3000-bytes"])
-def test_a_first_hello_with_bytes_behind_it_is_taken_at_once(
+async def test_a_first_hello_with_bytes_behind_it_is_taken_exactly(
         pair: tuple[socket.socket, socket.socket], after: bytes) -> None:
-    """server_hello_now, the same case for a first connection (its Proof
-    behind it): taken, exactly its frame read (as before: the two agree)."""
+    """A first connection: our Challenge goes before a byte is read
+    (server_greet_now); then its Hello and Proof with bytes behind them:
+    exactly those two frames read, the bytes behind left for the engine."""
     client, server = pair
-    nonce, frame = protocol._hello(name=NAME, incarnation=INC, purpose="data", token=TOKEN)
-    client.sendall(frame + after)
-    _waiting(server, len(frame) + len(after))
-    taken = protocol.server_hello_now(server, token=TOKEN, accept=Accept(name="server"),
-                                      joins=None)
-    assert taken is not None and taken.hello.nonce == nonce
-    assert server.recv(len(after) + 1, socket.MSG_PEEK) == after
+    snonce = protocol.server_greet_now(server, token=TOKEN)
     (ch,) = _recv_frames(client, 1)
-    assert isinstance(ch, Challenge) and not ch.joined and ch.nonce == taken.nonce
+    assert ch == Challenge(version=PROTOCOL_VERSION, nonce=snonce)
+    nonce, frame = protocol._hello(name=NAME, incarnation=INC, purpose="data", token=TOKEN)
+    proof = protocol.encode_frame(Proof(proof=protocol.client_proof(TOKEN, snonce, nonce, NAME)))
+    client.sendall(frame + proof + after)
+    _waiting(server, len(frame) + len(proof) + len(after))
+    hello = await asyncio.wait_for(protocol.server_handshake(
+        asyncio.get_running_loop(), server, token=TOKEN, accept=Accept(name="server"),
+        nonce=snonce), 5)
+    assert hello.nonce == nonce
+    assert server.recv(len(after) + 1, socket.MSG_PEEK) == after
+    (acc,) = _recv_frames(client, 1)
+    assert isinstance(acc, Accept) and acc.proof == protocol.server_proof(TOKEN, nonce, snonce)
 
 
 def test_a_join_hello_cut_short_is_left_unread(pair: tuple[socket.socket, socket.socket]

@@ -148,6 +148,10 @@ async def test_wrong_protocol_version_rejected(make_agent) -> None:
         hello = metadata.Hello(version=999, name="future", incarnation=1, purpose="data",
                                nonce=b"n" * protocol.NONCE_BYTES)
         await loop.sock_sendall(sock, protocol.encode_frame(hello))
+        # (The server speaks first: its Challenge, then the answer to our Hello.)
+        chal = await within(protocol.recv_frame(loop, sock))
+        assert isinstance(chal, metadata.Challenge)
+        assert chal.version == metadata.PROTOCOL_VERSION
         reply = await within(protocol.recv_frame(loop, sock))
         assert isinstance(reply, metadata.Reject) and "version" in reply.reason
         assert await closed_by_peer(sock)
