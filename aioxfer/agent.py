@@ -624,6 +624,11 @@ class Agent:
         # would post it first, and a copy finishing during the release wait
         # would report success from an agent being closed.
         self._sub.fail_pending()
+        # From here on a late peer's handshake is refused with a Reject that
+        # names the close (before: Accepted, then dropped by the engine after
+        # its goodbye: the peer thought it connected, then lost us).
+        if self._server is not None:
+            self._server.closing = True
         # Network peers hear our goodbye before the release revokes their
         # regions: their writes in flight then fail as a close (PeerLost,
         # "closed"), not as accesses refused to revoked regions. Same-host

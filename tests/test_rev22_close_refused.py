@@ -23,11 +23,6 @@ MiB = 1 << 20
 
 
 @pytest.mark.skipif(not hasattr(Server, "closing"), reason="no Server.closing (before conn22)")
-@pytest.mark.xfail(hasattr(Server, "closing"), strict=True, reason=(
-    "rev22 #2 (conn22): nothing sets Server.closing (agent.aclose does not): during the "
-    "close's release window the late peer's handshake is Accepted, its connection then "
-    "dropped by the closing engine (conn.failed 'cannot accept a connection: closed'); "
-    "its connect returns a Peer that is lost at once"))
 async def test_connect_during_close_is_refused_by_name(make_agent, remote_agent) -> None:
     target = aioxfer.Agent("target", peer_timeout=0.5, keepalive=0.1,
                            limits=aioxfer.Limits(close_timeout=4.0))
