@@ -17,7 +17,10 @@ slots, disk segments) is pinned by that operation and released when it ends
 (completed, failed or cancelled). A transfer that writes store memory is
 never cancelled midway: a cancelled operation returns at once and its pins
 are released when that transfer completes, so a slot can never be reused
-while the engine still writes into it. ``max_pinned_bytes`` caps what all
+while the engine still writes into it. A put's copies read the caller's
+``src``: a cancelled put cancels them and raises only once the engine has
+let go of them (kv.tier.settle_on_cancel), so src is never read once put
+has returned or raised. ``max_pinned_bytes`` caps what all
 operations pin together; over it an operation waits up to ``pin_wait``
 seconds (asleep on an event, never spinning) and then raises
 PinLimitExceeded.
@@ -47,7 +50,7 @@ from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded, 
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES
 from aioxfer.kv.stats import StoreStatistics
-from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end, settle_on_cancel
 from aioxfer.log import get_logger
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, Segment, SegmentList
@@ -1416,7 +1419,18 @@ class Store:
                 _seglist(region, [blk.offsets[i] for i in idx], bb),
                 _seglist(host.remote, [slot_of[i] * bb for i in idx], bb)))
         host.counters.writes += len(transfers)
-        results = await _await_owned(transfers, op, lambda: host.give_back(slots))
+        try:
+            # These copies read ``src``: a cancelled put raises only once the
+            # engine has let go of them (kv22: through _await_owned it raised
+            # at once while the copies ran on, and a marker written into src
+            # after the put raised reached the host slots, ~70-130 MiB of a
+            # 128 MiB put, every cancel after the first loop step, shm and
+            # tcp alike). The slots go back then: nothing writes them any more.
+            got = await settle_on_cancel(transfers)
+        except BaseException:
+            host.give_back(slots)
+            raise
+        results = [r if isinstance(r, BaseException) else None for r in got]
         host.counters.write_latency.add(time.perf_counter() - t0)
         lower = self._next_storing_tier(host)
         through = lower is not None and (host.write_through or durable)
