@@ -55,7 +55,7 @@ import numpy.typing as npt
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
-from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end, settle_on_cancel
 from aioxfer.log import get_logger
 from aioxfer.region import Region, SegmentList
 
@@ -928,7 +928,14 @@ class DiskTier(Tier):
         # Checksums while the engine writes: both only read the source.
         crcs = [ck.checksum(regions[i].memoryview[offsets[i]:offsets[i] + bb]) for i in todo]
         try:
-            results = await asyncio.gather(*transfers, return_exceptions=True)
+            # Cancelled, the put does not raise before the engine has let go
+            # of ``src`` (kv22: cut short by gather's cancel, it raised while
+            # chunks already issued, up to the file transport's queue depth of
+            # 1 MiB each, still read the caller's memory: a marker written
+            # into src after the put raised reached the segment file, 5 of 6
+            # delays). The file transport stops issuing chunks at the cancel,
+            # so this waits for those in flight only.
+            results = await settle_on_cancel(transfers)
         finally:
             self.counters.in_flight -= len(todo)
         self.counters.write_latency.add(loop.time() - t0)

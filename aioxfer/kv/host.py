@@ -23,12 +23,11 @@ Policy, all counted in ``statistics()``:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.policy import POLICIES, EvictionPolicy, make_policy
-from aioxfer.kv.tier import Tier
+from aioxfer.kv.tier import Tier, finish_uncancelled
 from aioxfer.log import get_logger
 from aioxfer.region import Region, RemoteRegion
 
@@ -117,12 +116,22 @@ class HostTier(Tier):
         await self._stop_demoter()
 
     async def _stop_demoter(self) -> None:
-        """Stops the write-back (Store.aclose: before the tiers it writes to close)."""
-        if self._demoter is not None:
-            self._demoter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._demoter
+        """Stops the write-back (Store.aclose: before the tiers it writes to
+        close) and waits for it to end, through a cancel of the caller, which
+        is raised once it has (kv22: a suppress(CancelledError) around the
+        wait swallowed the caller's cancel with the demoter's own, and a
+        cancelled Store.aclose returned as if it had not been)."""
+        task = self._demoter
+        if task is None:
+            return
+        task.cancel()
+        # (gather: the demoter's own CancelledError, or a failure, is its
+        # result here, never raised as ours.)
+        cancelled = await finish_uncancelled(asyncio.gather(task, return_exceptions=True))
+        if self._demoter is task:
             self._demoter = None
+        if cancelled:
+            raise asyncio.CancelledError
 
     # ------------------------------------------------------------ bookkeeping
 

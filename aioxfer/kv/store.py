@@ -17,7 +17,10 @@ slots, disk segments) is pinned by that operation and released when it ends
 (completed, failed or cancelled). A transfer that writes store memory is
 never cancelled midway: a cancelled operation returns at once and its pins
 are released when that transfer completes, so a slot can never be reused
-while the engine still writes into it. ``max_pinned_bytes`` caps what all
+while the engine still writes into it. A put's copies read the caller's
+``src``: a cancelled put cancels them and raises only once the engine has
+let go of them (kv.tier.settle_on_cancel), so src is never read once put
+has returned or raised. ``max_pinned_bytes`` caps what all
 operations pin together; over it an operation waits up to ``pin_wait``
 seconds (asleep on an event, never spinning) and then raises
 PinLimitExceeded.
@@ -47,7 +50,7 @@ from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded, 
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES
 from aioxfer.kv.stats import StoreStatistics
-from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
+from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end, settle_on_cancel
 from aioxfer.log import get_logger
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, Segment, SegmentList
@@ -550,6 +553,14 @@ class Store:
         # event set when the last ends: aclose waits for them (see there).
         self._ops = 0
         self._ops_idle: asyncio.Event | None = None
+        # The close (one task, shared by every aclose call; see aclose), its
+        # flush while it runs, and whether a cancelled aclose asked it to
+        # skip the rest of the flush.
+        self._closer: asyncio.Task[None] | None = None
+        self._flushing: asyncio.Future[None] | None = None
+        self._hurry = False
+        # Streams not yet ended: the close ends them before host memory goes.
+        self._streams: weakref.WeakSet[LayerStream] = weakref.WeakSet()
 
     @classmethod
     def open(
@@ -620,30 +631,70 @@ class Store:
         had closed (it failed with ClosedResourceError, its headers lost),
         or a put's copy into memory already released. The host tier's
         write-back stops before the tiers below it close, for the same
-        reason."""
-        if self._closed:
-            return
-        self._refusing = True
+        reason. Streams still open are ended (see LayerStream): the copies
+        they posted are waited for, their pins released, and their next
+        step raises ClosedResourceError.
+
+        Cancelled, the close still ends before CancelledError is raised: the
+        store is closed when the cancel reaches the caller (tasks stopped,
+        tiers closed, memory released), never left refusing calls but open.
+        The cancel cuts the flush short (dirty host blocks not yet written
+        back are dropped, as with ``flush=False``, and logged as
+        ``kv.close_flush_cut``); the rest is bounded as above (the wait for
+        operations in flight included). Concurrent calls share one close."""
+        closer = self._closer
+        if closer is None:
+            if self._closed:
+                return
+            self._refusing = True
+            closer = self._closer = asyncio.get_running_loop().create_task(
+                self._close(flush), name=f"aioxfer-kv-close-{self.name}")
+        elif closer.done():
+            return  # (its failure, if any, went to the call that closed)
+        cancelled = False
+        while True:
+            try:
+                await asyncio.shield(closer)
+                break
+            except asyncio.CancelledError:
+                if closer.done():
+                    raise  # the close itself was cancelled (its loop going away)
+                # The close goes on to its end (kv22: cut short here, the
+                # store refused every call but held its tasks, tiers and
+                # memory until a second aclose): only the flush is dropped.
+                cancelled = True
+                self._hurry = True
+                if self._flushing is not None:
+                    self._flushing.cancel()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _close(self, flush: bool) -> None:
+        """aclose's work, in a task of its own (a cancelled aclose waits for
+        it to end; see there)."""
         if self._ops:
             assert self._ops_idle is not None
             self._ops_idle.clear()
             while self._ops:
                 await self._ops_idle.wait()
         host = self._host
-        if flush and host is not None and self._opened and not self._closing:
+        if flush and host is not None and self._opened and not self._closing and not self._hurry:
             lower = self._next_storing_tier(host)
             if lower is not None and host.dirty:
-                keys = [k for k, s in host.index.items() if s in host.dirty]
-                for i in range(0, len(keys), 256):
-                    await host._write_back(lower, keys[i:i + 256], evict=False)
+                self._flushing = asyncio.ensure_future(self._flush_host(host, lower))
+                (res,) = await asyncio.gather(self._flushing, return_exceptions=True)
+                self._flushing = None
+                if isinstance(res, BaseException):
+                    _log.warning("kv.close_flush_cut", store=self.name, lower=lower.name,
+                                 dirty_blocks=len(host.dirty), error=repr(res))
         self._closing = True
+        # Streams still open: their copies read host memory released below.
+        for stream in list(self._streams):
+            await stream._close(store_closed=True)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if host is not None and host._store is self:
-            # Its demoter writes into the tiers below: stopped before they close.
-            await host._stop_demoter()
         # Every tier is closed and all memory released even if one fails (a
         # tier left open keeps its files, tasks and registrations): the
         # first failure is raised once all of it is done.
@@ -652,6 +703,12 @@ class Store:
         # raised once everything is closed, unless a failure comes first.
         first: BaseException | None = None
         cancelled = False
+        if host is not None and host._store is self:
+            # Its demoter writes into the tiers below: stopped before they close.
+            try:
+                await host._stop_demoter()
+            except asyncio.CancelledError:
+                cancelled = True
         for tier in reversed(self.tiers):
             if tier._store is self:
                 try:
@@ -673,6 +730,11 @@ class Store:
             raise first
         if cancelled:
             raise asyncio.CancelledError
+
+    async def _flush_host(self, host: HostTier, lower: Tier) -> None:
+        keys = [k for k, s in host.index.items() if s in host.dirty]
+        for i in range(0, len(keys), 256):
+            await host._write_back(lower, keys[i:i + 256], evict=False)
 
     @property
     def closed(self) -> bool:
@@ -1416,7 +1478,18 @@ class Store:
                 _seglist(region, [blk.offsets[i] for i in idx], bb),
                 _seglist(host.remote, [slot_of[i] * bb for i in idx], bb)))
         host.counters.writes += len(transfers)
-        results = await _await_owned(transfers, op, lambda: host.give_back(slots))
+        try:
+            # These copies read ``src``: a cancelled put raises only once the
+            # engine has let go of them (kv22: through _await_owned it raised
+            # at once while the copies ran on, and a marker written into src
+            # after the put raised reached the host slots, ~70-130 MiB of a
+            # 128 MiB put, every cancel after the first loop step, shm and
+            # tcp alike). The slots go back then: nothing writes them any more.
+            got = await settle_on_cancel(transfers)
+        except BaseException:
+            host.give_back(slots)
+            raise
+        results = [r if isinstance(r, BaseException) else None for r in got]
         host.counters.write_latency.add(time.perf_counter() - t0)
         lower = self._next_storing_tier(host)
         through = lower is not None and (host.write_through or durable)
@@ -1785,7 +1858,9 @@ class LayerStream:
         self._next = 0
         self._noted = False  # hits told to the policy and the counters
         self._closed = False
+        self._store_closed = False  # ended by Store.aclose: the next step raises
         self._orphans: list[Transfer] = []  # posted by a _post that then failed
+        store._streams.add(self)
 
     def _begin(self) -> bool:
         """Every block in host memory (the usual stream): pins them and posts
@@ -1928,6 +2003,12 @@ class LayerStream:
 
     async def __anext__(self) -> LayerResult:
         if self._closed:
+            if self._store_closed:
+                # Not StopAsyncIteration: a loop that simply ended would
+                # take the layers never delivered for delivered.
+                raise ClosedResourceError(f"store {self.store.name!r} closed under the stream "
+                                          f"(layers {self._next}..{self.layers - 1} not "
+                                          f"delivered)")
             raise StopAsyncIteration
         try:
             if self.prefix is None and not self._begin():
@@ -1975,6 +2056,17 @@ class LayerStream:
             # land in dst, which no caller awaits any more.
             for t in self._in_flight():
                 t.cancel()
+        # Layers posted that nobody will await (the window past a failed
+        # layer, or past the close): a failure of theirs is retrieved here,
+        # not reported by the loop as "exception was never retrieved" (kv22:
+        # seen for a stream whose store closed under it).
+        for ts in (*self._pending[self._next:], self._orphans):
+            for t in ts:
+                if t.done():
+                    _retrieve(t)
+                else:
+                    t.add_done_callback(_retrieve)
+        self.store._streams.discard(self)
         try:
             if self.prefix is not None:
                 self._note_hits()
@@ -1986,14 +2078,21 @@ class LayerStream:
         return [t for ts in (*self._pending[self._next:], self._orphans) for t in ts
                 if not t.done()]
 
-    async def _close(self) -> None:
+    async def _close(self, store_closed: bool = False) -> None:
         """Ends the stream once nothing it posted writes ``dst``: the layers
         in flight are waited for, not cancelled (a cancelled Transfer
         resolves at once while its bytes may still land, and the caller
         reuses ``dst`` once its close, or its cancellation, returns). At
         most the window's layers, each one local copy; a cancel meanwhile
         still waits for them (kv.tier.landed), then is raised. The pins go
-        after: the copies read the pinned host slots until they end."""
+        after: the copies read the pinned host slots until they end.
+        ``store_closed``: Store.aclose ends it (before the host memory goes:
+        kv22, a stream left open through the close had its later layers
+        refused by the engine, BlockUnavailable "access denied", and one
+        such failure never retrieved); its next step raises
+        ClosedResourceError."""
+        if store_closed:
+            self._store_closed = True
         if self._closed:
             return
         self._closed = True  # (no window is posted from here on: _open_window)
@@ -2048,6 +2147,11 @@ class LayerStream:
 
 
 _ABANDON_WAIT = 2.0  # s: how long a dropped stream waits for its copies
+
+
+def _retrieve(t: asyncio.Future[Any]) -> None:
+    if not t.cancelled():
+        t.exception()
 
 
 def _open_window(ref: weakref.ReferenceType[LayerStream]) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aioxfer.errors import XferError
 from aioxfer.kv.stats import TierCounters, TierStatistics, snapshot
 from aioxfer.region import Region
+from aioxfer.transfer import Transfer
 
 if TYPE_CHECKING:
     from aioxfer.kv.store import Store
@@ -139,3 +140,29 @@ async def landed(*transfers: Awaitable[Any]) -> list[Any]:
     if await finish_uncancelled(fut):
         raise asyncio.CancelledError
     return list(fut.result())
+
+
+async def settle_on_cancel(transfers: Sequence[Transfer]) -> list[Any]:
+    """Awaits transfers that read a caller's memory (a put's ``src``); per
+    transfer its result or the exception it failed with. Cancelled, it
+    cancels them (the engine stops what it has not started: a file write's
+    chunks not yet issued) and waits, through any further cancel, until the
+    engine no longer touches their memory (``Transfer.settled``), then
+    raises CancelledError: once that reaches the caller, ``src`` is never
+    read again. (Unlike ``landed``, which lets transfers that write a
+    caller's memory run to their end, a put's cut short loses nothing: the
+    blocks it did not finish are not stored.)"""
+    fut = asyncio.gather(*transfers, return_exceptions=True)
+    try:
+        return list(await asyncio.shield(fut))
+    except asyncio.CancelledError:
+        for t in transfers:
+            t.cancel()
+        fut.add_done_callback(_retrieved)
+        await finish_uncancelled(asyncio.gather(*(t.settled() for t in transfers)))
+        raise
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
