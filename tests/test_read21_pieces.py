@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -94,12 +95,35 @@ class PiecesProxy(Proxy):
         return whole[:start], whole[start:start + HDR.size + SIZE], whole[start + HDR.size + SIZE:]
 
 
+class ProxyThread:
+    """The proxy on its own thread and event loop: the test's loop is then
+    free to await each READ alone (its thread spins for the response and
+    reads it: the path under test), not busy forwarding its bytes."""
+
+    def __init__(self, proxy: PiecesProxy) -> None:
+        self.proxy = proxy
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call(self.proxy.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
 async def _run(make_agent, capsys, first: int, pause: float, die: bool) -> None:
     target = await make_agent("target", transports=("tcp",))
     src = target.alloc(SIZE, name="src")
     src.numpy()[:] = pattern()
     proxy = PiecesProxy(target.address, nth=3, first=first, pause=pause, die=die)
-    addr = await proxy.start()
+    pt = ProxyThread(proxy)
+    addr = await asyncio.to_thread(pt.call, proxy.start())
     try:
         init = await make_agent("init", transports=("tcp",))
         local = init.alloc(4 * SIZE, name="dst")
@@ -136,8 +160,7 @@ async def _run(make_agent, capsys, first: int, pause: float, die: bool) -> None:
             await asyncio.sleep(0.05)
         assert any(w in logged for w in whys) or err is not None, logged
     finally:
-        with contextlib.suppress(Exception):
-            await proxy.close()
+        await asyncio.to_thread(pt.close)
 
 
 @pytest.mark.parametrize("first", [1, 4 * KiB + 3, SIZE // 2, SIZE - 1])
