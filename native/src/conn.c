@@ -2691,7 +2691,8 @@ static bool help_ack(const conn *c, uint64_t len)
  * small: the bytes come only as they are read); RX_PARKED: peek again.
  * Measured (wheels, peers/run.py tcp, 4 interleaved rounds against read20's,
  * order swapped in two, 2 vCPUs, noisy): READ 64 KiB 1.06x median
- * (0.93-1.61), 1.67x Mooncake (2x not reached); the other rows 0.87-1.18x,
+ * (0.93-1.61), 2.05x Mooncake (1.64-2.70; read20 1.72x in the same rounds,
+ * Mooncake itself 0.90-1.43 GB/s); the other rows 0.94-1.19x,
  * noise (paths this does not touch moved as much). */
 static int help_more(conn *c, bool *got)
 {
