@@ -963,17 +963,38 @@ static bool addr_local(const struct sockaddr_storage *a, const struct sockaddr_s
  * (4/4); 4 KiB, 64 KiB, 1 MiB READ within noise.
  * Reno is the one the kernel lets any process choose (the others may need
  * CAP_NET_ADMIN or tcp_allowed_congestion_control). Other routes keep the
- * system's choice. true: set. */
+ * system's choice.
+ *
+ * true (c->loop_cc: the whole-WRITE, whole-batch and loopback help_ack /
+ * help_resp shapes) when the connection is through loopback AND the
+ * congestion control the kernel reports in use on it afterwards does not
+ * pace (read22): AIOXFER_TCP_LOOPBACK_CC=bbr leaves bbr, under which those
+ * shapes were measured to stall (above; tcp13), so they stay off whatever
+ * the setting's name. "" or "0" (no setting: the system's choice kept) and
+ * a setsockopt the kernel refused keep them off, as before. In the kernel
+ * only bbr asks for TCP's internal pacing (sk_pacing_status
+ * SK_PACING_NEEDED, tcp_bbr.c); the others (reno, cubic, ...) send as the
+ * window allows, the shape these were measured with. bbr's later versions
+ * keep the name as a prefix (bbr2, bbr3). */
+static bool cc_paces(const char *name)
+{
+    return strncmp(name, "bbr", 3) == 0;
+}
+
 static bool loop_cc_set(axf_engine *e, int fd)
 {
     struct sockaddr_storage me, peer;
     socklen_t ml = sizeof me, pl = sizeof peer;
     if (!e->tcp_loop_cc[0] || getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
         getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 || me.ss_family != peer.ss_family ||
-        (me.ss_family != AF_INET && me.ss_family != AF_INET6) || !addr_local(&me, &peer))
+        (me.ss_family != AF_INET && me.ss_family != AF_INET6) || !addr_local(&me, &peer) ||
+        setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, e->tcp_loop_cc,
+                   (socklen_t)strlen(e->tcp_loop_cc)) != 0)
         return false;
-    return setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, e->tcp_loop_cc,
-                      (socklen_t)strlen(e->tcp_loop_cc)) == 0;
+    char used[32] = {0};
+    socklen_t ul = sizeof used - 1;
+    return getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, used, &ul) == 0 && used[0] &&
+           !cc_paces(used);
 }
 
 /* True when the kernel says the peer of TCP socket fd is a socket of our
