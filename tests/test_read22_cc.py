@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from test_tcp19_loopback import MiB, lone, pair, sockets
 
-KINDS = open("/proc/sys/net/ipv4/tcp_available_congestion_control").read().split()
+with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as _f:
+    KINDS = _f.read().split()
 
 
 @pytest.mark.skipif("bbr" not in KINDS, reason="bbr is not available in this kernel")
