@@ -40,3 +40,13 @@ async def test_cubic_by_name_goes_whole(make_agent: Any,
         pytest.skip("this process may not choose cubic (tcp_allowed_congestion_control)")
     at_target, _ = await lone(make_agent, "WRITE")
     assert at_target[-1] >= MiB and at_target[-2] < 4096, at_target  # one connection
+
+
+@pytest.mark.skipif("bbr" not in KINDS, reason="bbr is not available in this kernel")
+async def test_bbr_by_name_keeps_the_read_halves(make_agent: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lone 1 MiB READ, whole over reno since read22, keeps its halves
+    under bbr too."""
+    monkeypatch.setenv("AIOXFER_TCP_LOOPBACK_CC", "bbr")
+    _, at_init = await lone(make_agent, "READ")
+    assert at_init[-1] >= MiB // 2 and at_init[-2] >= MiB // 2, at_init  # two connections
