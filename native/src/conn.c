@@ -100,8 +100,8 @@ void axf_trace(uint32_t ev, int fd, uint64_t op, uint64_t a)
                               (or could have been) this recently (conn_help) ... */
 #define HELP_BYTES_MAX (128u << 10) /* ... replies to groups up to this large */
 #define HELP_READ_MAX (16u << 10) /* a READ's response, of a request alone, read by a spinner */
-#define HELP_READ_LOOP_MAX (64u << 10) /* ... on a loop_cc connection (help_resp) */
-#define HELP_STALL_US 50u /* ... whose payload, still coming, stopped coming (help_stalled) */
+#define HELP_READ_LOOP_MAX (1u << 20) /* ... on a loop_cc connection (help_resp) */
+#define HELP_STALL_US 50u /* ... whose payload, still coming, stopped coming (help_more) */
 #define HELP_LOOP_MAX (1u << 20) /* ... and WRITE acks of groups up to this on a loop_cc
                                     connection (help_ack) */
 /* Larger groups' replies (a lone 1 MiB request's two 512 KiB halves) stay
@@ -160,6 +160,14 @@ typedef struct conn_priv {
     bool spl_ok, spl_pipe, spl_nopipe;
     int spl_fd[2];
     uint32_t spl_in;
+    /* A lone READ's response taken by a spinner as it comes (help_more):
+     * its header (read, checked by help_takes) and mid_have bytes of its
+     * payload copied to their destination, the last of them at mid_since.
+     * Whoever holds the socket (rx_hold) owns these; the receiver handed it
+     * back finishes the frame (rx_loop, rx_initiator). */
+    bool mid;
+    wire_hdr mid_h;
+    uint64_t mid_have, mid_since;
     uint8_t rb[RX_AHEAD];
 } conn_priv;
 
@@ -955,17 +963,38 @@ static bool addr_local(const struct sockaddr_storage *a, const struct sockaddr_s
  * (4/4); 4 KiB, 64 KiB, 1 MiB READ within noise.
  * Reno is the one the kernel lets any process choose (the others may need
  * CAP_NET_ADMIN or tcp_allowed_congestion_control). Other routes keep the
- * system's choice. true: set. */
+ * system's choice.
+ *
+ * true (c->loop_cc: the whole-WRITE, whole-batch and loopback help_ack /
+ * help_resp shapes) when the connection is through loopback AND the
+ * congestion control the kernel reports in use on it afterwards does not
+ * pace (read22): AIOXFER_TCP_LOOPBACK_CC=bbr leaves bbr, under which those
+ * shapes were measured to stall (above; tcp13), so they stay off whatever
+ * the setting's name. "" or "0" (no setting: the system's choice kept) and
+ * a setsockopt the kernel refused keep them off, as before. In the kernel
+ * only bbr asks for TCP's internal pacing (sk_pacing_status
+ * SK_PACING_NEEDED, tcp_bbr.c); the others (reno, cubic, ...) send as the
+ * window allows, the shape these were measured with. bbr's later versions
+ * keep the name as a prefix (bbr2, bbr3). */
+static bool cc_paces(const char *name)
+{
+    return strncmp(name, "bbr", 3) == 0;
+}
+
 static bool loop_cc_set(axf_engine *e, int fd)
 {
     struct sockaddr_storage me, peer;
     socklen_t ml = sizeof me, pl = sizeof peer;
     if (!e->tcp_loop_cc[0] || getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
         getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 || me.ss_family != peer.ss_family ||
-        (me.ss_family != AF_INET && me.ss_family != AF_INET6) || !addr_local(&me, &peer))
+        (me.ss_family != AF_INET && me.ss_family != AF_INET6) || !addr_local(&me, &peer) ||
+        setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, e->tcp_loop_cc,
+                   (socklen_t)strlen(e->tcp_loop_cc)) != 0)
         return false;
-    return setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, e->tcp_loop_cc,
-                      (socklen_t)strlen(e->tcp_loop_cc)) == 0;
+    char used[32] = {0};
+    socklen_t ul = sizeof used - 1;
+    return getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, used, &ul) == 0 && used[0] &&
+           !cc_paces(used);
 }
 
 /* True when the kernel says the peer of TCP socket fd is a socket of our
@@ -2043,7 +2072,12 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
                 *proto = true;
                 return "READ responses past what the group asked for";
             }
-            *io = rx_read(c, o->laddr[h->index] + (h->off - d->roff), h->len);
+            /* Its first bytes copied already by a spinner (help_more). */
+            uint64_t have = p->mid ? p->mid_have : 0;
+            p->mid = false;
+            p->mid_have = 0;
+            if (have < h->len)
+                *io = rx_read(c, o->laddr[h->index] + (h->off - d->roff) + have, h->len - have);
             if (*io)
                 return "connection lost inside a READ payload";
             x->bytes += h->len;
@@ -2526,7 +2560,7 @@ static int rx_spin_one(conn *c, wire_hdr *h, uint32_t us)
 static bool rx_may_park(conn *c)
 {
     conn_priv *p = (conn_priv *)c;
-    if (!c->ep || c->replay || p->rb_len ||
+    if (!c->ep || c->replay || p->rb_len || p->mid ||
         c->e->cfg.target_poll_us == UINT32_MAX)
         return false;
     uint64_t last = atomic_load(&c->help_us);
@@ -2599,7 +2633,14 @@ static bool read_alone(const conn *c)
  * (4939 of 5000 responses read by the spinner, traced); peers/run.py tcp,
  * 3 interleaved rounds against main's wheel (one with the order swapped):
  * READ 64 KiB 1.28x median (1.19-1.64x), 1.77x Mooncake (1.32-1.88); the
- * other one-at-a-time rows 0.92-1.16x (noise). */
+ * other one-at-a-time rows 0.92-1.16x (noise). read22: up to 1 MiB, a lone
+ * READ that tcp.c tcp_chunk now sends whole on one loop_cc connection; the
+ * spinner copies its response as it comes (help_more), the target's one
+ * receiver sending it: two busy threads (iperf3's shape) where the halves
+ * woke two receivers on each side. Measured (one wheel, the shapes
+ * switchable, tcp20_batch.py --size 1048576, 4 interleaved pairs, 2 vCPUs):
+ * the median 1 MiB READ 238.8 -> 206.5 us (1.21x, 4/4), GB/s 1.26x (3/4),
+ * voluntary switches per request 2.05 -> 0.92. */
 static bool help_resp(const conn *c, uint64_t len)
 {
     return len <= HELP_READ_MAX || (c->loop_cc && len <= HELP_READ_LOOP_MAX);
@@ -2665,31 +2706,58 @@ static bool help_ack(const conn *c, uint64_t len)
     return len <= HELP_BYTES_MAX || (c->loop_cc && len <= HELP_LOOP_MAX);
 }
 
-/* A READ response whose payload is still coming (HELP_WAIT), as this thread
- * last peeked it: its connection and request, the bytes readable then, since
- * when. */
-static _Thread_local struct {
-    const conn *c;
-    uint64_t op;
-    int avail;
-    uint64_t since;
-} help_wait;
-
-/* Whether the response h that c's spinner waits for has stopped coming: no
- * byte more for HELP_STALL_US (its sender preempted or stopped, or a receive
- * window too small for it: the bytes come only as they are read). Then its
- * receiver reads it, as it would have without the spinner. */
-static bool help_stalled(const conn *c, const wire_hdr *h, int avail)
+/* A spinner's read of a lone READ's response still coming (HELP_WAIT; its
+ * header read already, p->mid): copies what is readable of its payload to
+ * its destination (help_takes checked that it all lands inside it), and
+ * once all of it is here completes it as its receiver would (got). The
+ * payload copied as it comes overlaps the target's send of its last
+ * segment (read21: a 64 KiB response comes in two loopback segments, and
+ * read20's spinner waited for both before copying either). Hands the
+ * socket back to its receiver (RX_SELF), which reads the rest, when the
+ * peer closed or failed (the receiver finds it so), or when no byte came for
+ * HELP_STALL_US (the sender preempted or stopped, or a receive window too
+ * small: the bytes come only as they are read); RX_PARKED: peek again.
+ * Measured (wheels, peers/run.py tcp, 4 interleaved rounds against read20's,
+ * order swapped in two, 2 vCPUs, noisy): READ 64 KiB 1.06x median
+ * (0.93-1.61), 2.05x Mooncake (1.64-2.70; read20 1.72x in the same rounds,
+ * Mooncake itself 0.90-1.43 GB/s); the other rows 0.94-1.19x,
+ * noise (paths this does not touch moved as much). */
+static int help_more(conn *c, bool *got)
 {
+    conn_priv *p = (conn_priv *)c;
+    wire_hdr h = p->mid_h;
+    pthread_mutex_lock(&c->mu);
+    const op *o = p->ex_head->op; /* the head: only the socket's holder pops it */
+    pthread_mutex_unlock(&c->mu);
+    const axf_desc *d = &o->d[h.index];
     uint64_t now = axf_now_us();
-    if (help_wait.c != c || help_wait.op != h->op || help_wait.avail != avail) {
-        help_wait.c = c;
-        help_wait.op = h->op;
-        help_wait.avail = avail;
-        help_wait.since = now;
-        return false;
+    while (p->mid_have < h.len) {
+        ssize_t r = recv(c->fd, o->laddr[h.index] + (h.off - d->roff) + p->mid_have,
+                         (size_t)(h.len - p->mid_have), MSG_DONTWAIT);
+        if (r > 0) {
+            p->mid_have += (uint64_t)r;
+            p->mid_since = now;
+        } else if (r < 0 && errno == EINTR) {
+            continue;
+        } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            return now - p->mid_since >= HELP_STALL_US ? RX_SELF : RX_PARKED;
+        } else {
+            return RX_SELF; /* closed or failed: its receiver finds it so */
+        }
     }
-    return now - help_wait.since >= HELP_STALL_US;
+    bool proto = false;
+    int io = 0;
+    AXF_TR(TR_HELP, c->fd, h.op, h.type);
+    if (conn_rx_frame(c, &h, NULL, &proto, &io)) {
+        /* Not reached (help_takes checked it all): the receiver finds the
+         * connection shut and closes it. */
+        shutdown(c->fd, SHUT_RDWR);
+        return RX_SELF;
+    }
+    atomic_fetch_add(&c->e->helped, 1);
+    atomic_store(&c->help_us, axf_now_us());
+    *got = true;
+    return atomic_load(&c->down) ? RX_SELF : RX_PARKED;
 }
 
 /* A spinner reads c's reply if one is here and it is one it takes (help_takes),
@@ -2703,13 +2771,27 @@ static bool help_read(conn *c)
     wire_hdr h;
     int back = RX_SELF;
     bool got = false;
+    if (((conn_priv *)c)->mid) {
+        back = help_more(c, &got);
+        goto out;
+    }
     ssize_t r = recv(c->fd, &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
     int avail = r == (ssize_t)sizeof h ? help_avail(c, &h) : -1;
     int takes = r == (ssize_t)sizeof h ? help_takes(c, &h, avail) : HELP_NO;
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
         back = RX_PARKED; /* nothing yet */
     } else if (takes == HELP_WAIT) {
-        back = help_stalled(c, &h, avail) ? RX_SELF : RX_PARKED;
+        if (recv(c->fd, &h, sizeof h, MSG_DONTWAIT) == (ssize_t)sizeof h) {
+            conn_priv *p = (conn_priv *)c;
+            (void)ka_heard(c, &h);
+            p->mid_h = h;
+            p->mid_have = 0;
+            p->mid_since = axf_now_us();
+            p->mid = true;
+            back = help_more(c, &got);
+        } else {
+            shutdown(c->fd, SHUT_RDWR); /* not reached: the header was peeked whole */
+        }
     } else if (takes == HELP_YES &&
                recv(c->fd, &h, sizeof h, MSG_DONTWAIT) == (ssize_t)sizeof h) {
         (void)ka_heard(c, &h);
@@ -2735,6 +2817,7 @@ static bool help_read(conn *c)
      * it reads one that a spinner could have (rx_loop sets help_us). Parked
      * again at once, it was handed back each of a burst's replies in turn:
      * 4 KiB READs 64 in flight measured 0.61x through Python. */
+out:
     if (back == RX_SELF && !got)
         atomic_store(&c->help_us, 0);
     atomic_store(&c->rx_hold, back);
@@ -2835,6 +2918,12 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
         }
         if (atomic_load(&p->tx_owed))
             rx_await(c, tx_at, got);
+        if (!got && p->mid) {
+            /* A READ response a spinner began and handed back (help_more):
+             * its rest is read below (rx_initiator), its checks done again. */
+            *h = p->mid_h;
+            got = 1;
+        }
         if (!got) {
             AXF_TR(TR_RX_BLOCK, c->fd, 0, p->rb_len);
             *io = rx_read(c, h, sizeof *h);

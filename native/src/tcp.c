@@ -11,7 +11,7 @@
 /* A lone request of one descriptor at least this large (up to chunk_bytes)
  * goes as two halves on two connections (tcp_chunk). */
 #define SPLIT_MIN (1u << 20)
-#define WHOLE_MAX (1u << 20) /* tcp_chunk: the lone WRITEs measured whole (tcp19) */
+#define WHOLE_MAX (1u << 20) /* tcp_chunk: lone WRITEs (tcp19) and READs (read22) whole */
 #define SOLO_MAX (4u << 20)  /* solo_conn: lone WRITEs of several chunks on one connection (tcp20) */
 
 /* An endpoint's (endpoint->priv): chunks are striped over its live
@@ -351,9 +351,12 @@ static uint64_t tcp_chunk(axf_engine *e, const op *o)
      * ratios, 2 vCPUs): reno and whole 1.54x main (7/8 pairs), the wheels
      * 1.53x (8/8: 4.36 -> 6.86 GB/s, CPU per GB 0.39 -> 0.29; NIXL-tcp 6.15
      * in the same rounds), reno with halves 1.08x; whole under bbr lost, as
-     * tcp13 found. READ keeps its halves (whole under reno 0.96x main, the
-     * halves under reno 1.13x). */
-    if (live < 2 || (o->opcode == AXF_OP_WRITE && o->d[0].len <= WHOLE_MAX && loop == live))
+     * tcp13 found. A READ kept its halves (whole under reno, its response
+     * read by a receiver, 0.96x main; the halves under reno 1.13x) until
+     * read22: whole, its response copied by the awaiting thread as it comes
+     * (conn.c help_resp, HELP_READ_LOOP_MAX), the median 1 MiB READ 1.21x
+     * (4/4 pairs), voluntary switches per request 2.05 -> 0.92. */
+    if (live < 2 || (o->d[0].len <= WHOLE_MAX && loop == live))
         return chunk;
     return (o->d[0].len / 2 + 4095) & ~(uint64_t)4095;
 }

@@ -1648,7 +1648,8 @@ static int test_spinner_reads_read_replies(void)
 /* The raw target of the spinner cases: answers WRITEs (reading their
  * payloads) until told what to do with the next one. */
 enum { F_NONE, F_BAD_MAGIC, F_WRONG_OP, F_HALF_HEADER, F_CLOSE, F_PING_FIRST, F_READ_RESP,
-       F_LATE, F_READ_SPLIT, F_READ_OUTSIDE };
+       F_LATE, F_READ_SPLIT, F_READ_OUTSIDE, F_READ_PIECES, F_READ_PIECES_LATE,
+       F_READ_PIECES_CLOSE };
 typedef struct raw_target {
     int fd;
     atomic_int fault; /* for the next request */
@@ -1681,6 +1682,33 @@ static void *raw_target_main(void *arg)
                 a.off += sizeof t->payload; /* past the descriptor's range */
             else if (f == F_READ_SPLIT)
                 first = h.len / 2;
+            if (f == F_READ_PIECES || f == F_READ_PIECES_LATE || f == F_READ_PIECES_CLOSE) {
+                if (send(t->fd, &a, sizeof a, MSG_NOSIGNAL) != (ssize_t)sizeof a)
+                    return NULL;
+                /* PIECES: 8 pieces ~10 us apart (busy: usleep's slack is
+                 * longer than the spinner's stall bound); LATE, CLOSE: 1001
+                 * bytes, 5 ms, then the rest or a close. */
+                size_t step = f == F_READ_PIECES ? (size_t)h.len / 8 + 1 : 1001;
+                for (size_t at = 0; at < h.len;) {
+                    size_t n = h.len - at < step ? (size_t)h.len - at : step;
+                    if (at && f == F_READ_PIECES) {
+                        uint64_t until = axf_now_us() + 10;
+                        while (axf_now_us() < until)
+                            ;
+                    } else if (at) {
+                        usleep(5000);
+                        if (f == F_READ_PIECES_CLOSE) {
+                            shutdown(t->fd, SHUT_RDWR);
+                            return NULL;
+                        }
+                        n = (size_t)h.len - at;
+                    }
+                    if (send(t->fd, t->payload + at, n, MSG_NOSIGNAL) != (ssize_t)n)
+                        return NULL;
+                    at += n;
+                }
+                continue;
+            }
             if (send(t->fd, &a, sizeof a, MSG_NOSIGNAL) != (ssize_t)sizeof a ||
                 send(t->fd, t->payload, first, MSG_NOSIGNAL) != (ssize_t)first)
                 return NULL;
@@ -1861,6 +1889,68 @@ static int test_spinner_read_hands_back(void)
             axf_engine_stats(r.a->e, &s);
             CHECK_EQ(s.frames_rejected, 1);
         }
+        shutdown(r.fd, SHUT_RDWR);
+        pthread_join(th, NULL);
+        raw_close(&r);
+        free(t);
+    }
+    return 0;
+}
+
+/* read21 (help_more): a spinner takes a lone READ's response as it comes,
+ * its header first and the payload's pieces as they arrive, each copied to
+ * its own place: sent in 8 pieces ~10 us apart, every byte right (and the
+ * spinner, not the receiver, completed it at least once in 50 tries:
+ * helped); its first 1001 bytes then 5 ms of nothing, the spinner hands the
+ * frame back mid-payload and the receiver reads the rest into the right
+ * place (OK, every byte); the peer closing mid-payload, PEER_LOST. Never a
+ * byte outside the descriptor (the region's bytes past it stay 0). */
+static int test_spinner_reads_read_pieces(void)
+{
+    static const int faults[] = {F_READ_PIECES, F_READ_PIECES_LATE, F_READ_PIECES_CLOSE};
+    for (size_t k = 0; k < sizeof faults / sizeof faults[0]; k++) {
+        int fault = faults[k];
+        raw_peer r;
+        if (raw_open(&r, NULL, 140 + k))
+            return 1;
+        raw_target *t = calloc(1, sizeof *t);
+        CHECK(t);
+        t->fd = r.fd;
+        pthread_t th;
+        CHECK_EQ(pthread_create(&th, NULL, raw_target_main, t), 0);
+        axf_desc d = {.lrid = r.rid, .rrid = 1, .rkey = 0x1234, .len = 12288};
+        uint64_t id = 400, nth = 0;
+        int32_t st = -1;
+        for (int i = 0; i < 2000 && (i < 4 || !atomic_load(&r.a->e->helped)); i++, id++, nth++) {
+            CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_READ, &d, 1, NULL, 0, id, 0), AXF_OK);
+            CHECK_EQ(spin_for(r.a, id, &st), 0);
+            CHECK_EQ(st, AXF_OK);
+        }
+        CHECK(atomic_load(&r.a->e->helped) > 0);
+        bool by_spinner = false;
+        for (int i = 0; i < (fault == F_READ_PIECES ? 50 : 1); i++, id++, nth++) {
+            memset(r.buf, 0, d.len);
+            uint64_t helped = atomic_load(&r.a->e->helped);
+            atomic_store(&t->fault, fault);
+            CHECK_EQ(axf_post(r.a->e, r.ep, AXF_OP_READ, &d, 1, NULL, 0, id, 0), AXF_OK);
+            CHECK_EQ(spin_for(r.a, id, &st), 0);
+            for (uint64_t j = d.len; j < 65536; j++)
+                CHECK_EQ(r.buf[j], 0);
+            if (fault == F_READ_PIECES_CLOSE) {
+                CHECK_EQ(st, AXF_E_PEER_LOST);
+                break;
+            }
+            CHECK_EQ(st, AXF_OK);
+            for (uint64_t j = 0; j < d.len; j++)
+                CHECK_EQ(r.buf[j], (uint8_t)(j * 3 + nth));
+            by_spinner |= atomic_load(&r.a->e->helped) > helped;
+            if (by_spinner)
+                break;
+        }
+        CHECK(by_spinner || fault != F_READ_PIECES);
+        axf_stats s;
+        axf_engine_stats(r.a->e, &s);
+        CHECK_EQ(s.frames_rejected, 0);
         shutdown(r.fd, SHUT_RDWR);
         pthread_join(th, NULL);
         raw_close(&r);
@@ -2281,6 +2371,7 @@ int main(int argc, char **argv)
         T_CASE(test_spinner_reads_read_replies),
         T_CASE(test_spinner_hands_back),
         T_CASE(test_spinner_reads_loop_acks),
+        T_CASE(test_spinner_reads_read_pieces),
         T_CASE(test_spinner_read_hands_back),
         T_CASE(test_thread_start_fails),
         T_CASE(test_close_races_add_conn),
