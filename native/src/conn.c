@@ -1932,19 +1932,28 @@ static const char *rx_target(conn *c, const wire_hdr *h, uint8_t *scratch, bool 
         *io = rx_read(c, scratch, h->len);
         if (*io)
             return "connection lost inside a NOTIFY payload";
+        /* Its record's slot before its acknowledgement: one that cannot be
+         * delivered (the ring full and out of memory) is never acknowledged;
+         * the connection closes and its sender's transfer fails (or moves to
+         * another rail) rather than completing for a notification nobody
+         * will see. */
+        if (cq_reserve(e) != AXF_OK)
+            return "out of memory: no room for a notification";
         /* Everything sent before this frame on every connection of the request
          * was acknowledged before the initiator sent it: data is in memory. */
         /* The acknowledgement is queued before the application can see the
          * notification, so a receiver that closes right after receive() does
          * not usually leave it unsent. */
         sq_item *ack = sq_new(FR_NOTIFY_ACK, h->op);
-        if (!ack)
+        if (!ack) {
+            cq_unreserve(e);
             return "out of memory";
+        }
         conn_enqueue_reply(c, ack, false);
         conn_kick(c);
         /* One credit, until the application consumed it (axf_notify_release). */
         atomic_fetch_add(&c->notify_out, 1);
-        cq_push(e, AXF_CQ_NOTIFY, AXF_OK, h->op, c->tag, 0, 0, scratch, h->len);
+        cq_push_claimed(e, AXF_CQ_NOTIFY, AXF_OK, h->op, c->tag, 0, 0, scratch, h->len);
         return NULL;
     }
     case FR_REVOKE_ACK:

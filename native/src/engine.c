@@ -263,6 +263,20 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
     cq_put(e, kind, status, id, tag, nbytes, fail_index, copy, plen);
 }
 
+void cq_push_claimed(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
+                     uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
+{
+    uint8_t *copy = NULL;
+    if (plen) {
+        copy = malloc(plen);
+        if (copy)
+            memcpy(copy, payload, plen);
+        else
+            plen = 0;
+    }
+    cq_put(e, kind, status, id, tag, nbytes, fail_index, copy, plen);
+}
+
 void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...)
 {
     char buf[512];

@@ -454,6 +454,10 @@ void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...) __attribute__((fo
  * handed back with cq_unreserve. */
 int cq_reserve(axf_engine *e);
 void cq_unreserve(axf_engine *e);
+/* A record whose slot its producer claimed itself with cq_reserve, before
+ * committing to it (conn.c: a peer's notification, before acknowledging it). */
+void cq_push_claimed(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
+                     uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);
 region *region_get(axf_engine *e, uint64_t id); /* with e->mu held; takes a ref */
 void region_unref(axf_engine *e, region *r);
 op *op_find(axf_engine *e, uint64_t req_id);     /* with e->mu held */
