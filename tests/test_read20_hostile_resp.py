@@ -33,6 +33,7 @@ SIZE = 64 * KiB
 F_READ_RESP = 4
 LEN_AT = HDR.size - 8  # the header's last field: the payload's length
 PATTERN = struct.pack("<IH", MAGIC, F_READ_RESP)
+HOLD_S = 0.05  # a held-back tail that may begin a header, at most (Proxy._read)
 
 
 class Proxy:
@@ -67,11 +68,29 @@ class Proxy:
         self.tasks += [asyncio.create_task(self._pipe(cr, tw, tamper=False)),
                        asyncio.create_task(self._pipe(tr, cw, tamper=True))]
 
+    async def _read(self, r: asyncio.StreamReader, w: asyncio.StreamWriter,
+                    buf: bytearray) -> bytes:
+        """r's next bytes. A tail _scan held back only because it may begin
+        a header (shorter than one's first bytes) goes on when nothing follows
+        within HOLD_S: handshake frames end in random bytes (the server's
+        Challenge in its nonce, since protocol 4), and one ending like a
+        header's first byte (1 in 256) would otherwise wait for bytes its
+        sender never sends: it waits for the answer (the connect then timed out)."""
+        while True:
+            if not buf or len(buf) >= len(PATTERN):
+                return await r.read(1 << 16)
+            try:
+                return await asyncio.wait_for(r.read(1 << 16), HOLD_S)
+            except TimeoutError:
+                w.write(bytes(buf))
+                buf.clear()
+                await w.drain()
+
     async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, tamper: bool) -> None:
         buf = bytearray()
         try:
             while True:
-                b = await r.read(1 << 16)
+                b = await self._read(r, w, buf)
                 if not b:
                     break
                 if not tamper or self.done.is_set():

@@ -50,7 +50,7 @@ class PiecesProxy(Proxy):
         buf = bytearray()
         try:
             while True:
-                b = await r.read(1 << 16)
+                b = await self._read(r, w, buf)
                 if not b:
                     break
                 if not tamper or self.done.is_set():
