@@ -252,6 +252,25 @@ def softverbs_provider(tmp_path_factory: pytest.TempPathFactory) -> str:
     return out
 
 
+FAKECUDA_SRC = os.path.join(REPO, "native", "tests", "fakecuda.c")
+
+
+@pytest.fixture(scope="session")
+def fakecuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The software CUDA driver of native/tests/fakecuda.c (device memory =
+    shared memfd mappings, streams = threads, IPC through /proc), compiled
+    once per session: AIOXFER_CUDA_DRIVER=<it> in a child's environment runs
+    the engine's CUDA path without a GPU. Skips where no C compiler is."""
+    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang")
+               if c and shutil.which(c)), None)
+    if cc is None:
+        pytest.skip("no C compiler to build the software CUDA driver")
+    lib = tmp_path_factory.mktemp("fakecuda") / "libfakecuda.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), FAKECUDA_SRC, "-lpthread"],
+                   check=True, timeout=120)
+    return lib
+
+
 @pytest.fixture
 def verbs_provider(softverbs_provider: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """Agents made while this is active (and processes spawned meanwhile) load

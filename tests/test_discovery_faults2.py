@@ -56,8 +56,21 @@ def etcd_proc(tmp_path: Path) -> Iterator[EtcdProc]:
 # ----------------------------------------------------------------- lazy join
 
 
+async def first_join_failed(capsys: pytest.CaptureFixture[str]) -> None:
+    """Until a lazy join's first try failed: it says so once, in a warning
+    logged just before its backoff (aioxfer's log goes to sys.stderr).
+    Was a fixed 1.5 s sleep: the first try fails at once with etcd down."""
+    seen: list[str] = []
+
+    def failed() -> bool:
+        seen.append(capsys.readouterr().err)
+        return "discovery.join_failed" in "".join(seen)
+
+    await wait_until(failed, STEP, what="the lazy join's first try failed")
+
+
 async def test_lazy_start_retries_a_failed_join_in_the_background(
-    etcd_proc: EtcdProc, make_agent: Any
+    etcd_proc: EtcdProc, make_agent: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An agent started lazily (its first connect) while etcd was down: its
     join failed in the background, and nothing tried again until a start()
@@ -70,7 +83,7 @@ async def test_lazy_start_retries_a_failed_join_in_the_background(
         await within(lazy.connect(plain.address))  # starts it, and its join
         joining = lazy._cluster.joining
         assert joining is not None
-        await asyncio.sleep(1.5)  # the first try failed meanwhile (etcd down)
+        await first_join_failed(capsys)  # etcd down
         assert lazy._cluster.session is None
         await in_thread(etcd_proc.start)
         t0 = time.monotonic()
@@ -86,7 +99,9 @@ async def test_lazy_start_retries_a_failed_join_in_the_background(
     await drain_grpc()
 
 
-async def test_start_during_a_lazy_joins_backoff_still_raises(etcd_proc: EtcdProc) -> None:
+async def test_start_during_a_lazy_joins_backoff_still_raises(
+    etcd_proc: EtcdProc, capsys: pytest.CaptureFixture[str]
+) -> None:
     """start() while the lazy join waits to try again: it gets that try's
     failure (the contract: start() raises when etcd cannot be reached), at
     once, not after the rest of the backoff nor never."""
@@ -95,7 +110,8 @@ async def test_start_during_a_lazy_joins_backoff_still_raises(etcd_proc: EtcdPro
     agent = aioxfer.Agent("lazy2", discovery=disc)
     try:
         agent._start()  # what a lazy start does
-        await asyncio.sleep(1.5)
+        # Logged with no await before the backoff's: the join waits in it now.
+        await first_join_failed(capsys)
         with pytest.raises(aioxfer.TransportError, match="cannot join"):
             await within(agent.start(), 5.0)
     finally:
