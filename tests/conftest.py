@@ -423,14 +423,13 @@ async def settle(loop: asyncio.AbstractEventLoop) -> None:
     close leaves behind (futures it failed wake their tasks, a task that then
     ends in an exception nobody retrieves is reported when it is freed)
     reaches the loop's exception handler before make_agent judges it. Was a
-    fixed 0.05 s sleep per test (~45 s of the suite); this returns after a
+    fixed 0.05 s sleep per test (~41 s over the suite's 819 asyncio ones); it returns after a
     few loop steps when nothing is left.
 
     The stdlib loop's queues are read (``_ready``, ``_scheduled``); uvloop
     shows neither, so there the fixed sleep stays."""
     ready = getattr(loop, "_ready", None)
-    scheduled = getattr(loop, "_scheduled", None)
-    if ready is None or scheduled is None:
+    if ready is None or not hasattr(loop, "_scheduled"):
         await asyncio.sleep(SETTLE_TIMERS)
         return
     horizon = loop.time() + SETTLE_TIMERS
@@ -442,7 +441,9 @@ async def settle(loop: asyncio.AbstractEventLoop) -> None:
             return  # something keeps the loop busy (a spinning poll): as long as the sleep
         if ready:
             continue
-        due = [h.when() for h in scheduled if not h.cancelled() and h.when() <= horizon]
+        # Read afresh: the loop rebuilds this list when it sheds cancelled timers.
+        due = [h.when() for h in loop._scheduled  # type: ignore[attr-defined]
+               if not h.cancelled() and h.when() <= horizon]
         if not due:
             return
         await asyncio.sleep(max(0.0, min(due) - loop.time()))
