@@ -21,6 +21,7 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -616,23 +617,13 @@ async def test_gpu_peer_killed(make_agent: Any, gpu_child: Any) -> None:
 # ------------------------------------------------------------ the GPU tests, here
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def test_gpu_tests_on_the_software_driver(tmp_path: Any) -> None:
+def test_gpu_tests_on_the_software_driver(tmp_path: Any, fakecuda: Path) -> None:
     """Runs the ``gpu`` tests above, the conformance suite over "cuda" and
     test_nixl_cuda's VRAM tests in fresh processes whose driver is
     native/tests/fakecuda.c (device memory = shared memfd mappings, streams =
     threads, IPC through /proc): the engine's CUDA path, IPC import cache,
     event waits, revocation and peer death run on machines without a GPU."""
-    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and _which(c)), None)
-    if cc is None:
-        pytest.skip("no C compiler to build the software CUDA driver")
-    lib = tmp_path / "libfakecuda.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib),
-                    os.path.join(REPO, "native", "tests", "fakecuda.c"), "-lpthread"],
-                   check=True, timeout=120)
-    env = dict(os.environ, AIOXFER_CUDA_DRIVER=str(lib))
+    env = dict(os.environ, AIOXFER_CUDA_DRIVER=str(fakecuda))
     here = os.path.dirname(os.path.abspath(__file__))
     # the GPU tests, then the conformance suite over the "cuda" path
     # and NIXL's VRAM segments through aioxfer.nixl (torch is not here)
@@ -646,8 +637,3 @@ def test_gpu_tests_on_the_software_driver(tmp_path: Any) -> None:
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
         assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
 
-
-def _which(cmd: str) -> bool:
-    import shutil
-
-    return shutil.which(cmd) is not None

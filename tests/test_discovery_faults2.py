@@ -56,8 +56,21 @@ def etcd_proc(tmp_path: Path) -> Iterator[EtcdProc]:
 # ----------------------------------------------------------------- lazy join
 
 
+async def first_join_failed(capsys: pytest.CaptureFixture[str]) -> None:
+    """Until a lazy join's first try failed: it says so once, in a warning
+    logged just before its backoff (aioxfer's log goes to sys.stderr).
+    Was a fixed 1.5 s sleep: the first try fails at once with etcd down."""
+    seen: list[str] = []
+
+    def failed() -> bool:
+        seen.append(capsys.readouterr().err)
+        return "discovery.join_failed" in "".join(seen)
+
+    await wait_until(failed, STEP, what="the lazy join's first try failed")
+
+
 async def test_lazy_start_retries_a_failed_join_in_the_background(
-    etcd_proc: EtcdProc, make_agent: Any
+    etcd_proc: EtcdProc, make_agent: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An agent started lazily (its first connect) while etcd was down: its
     join failed in the background, and nothing tried again until a start()
@@ -70,7 +83,7 @@ async def test_lazy_start_retries_a_failed_join_in_the_background(
         await within(lazy.connect(plain.address))  # starts it, and its join
         joining = lazy._cluster.joining
         assert joining is not None
-        await asyncio.sleep(1.5)  # the first try failed meanwhile (etcd down)
+        await first_join_failed(capsys)  # etcd down
         assert lazy._cluster.session is None
         await in_thread(etcd_proc.start)
         t0 = time.monotonic()
@@ -86,7 +99,9 @@ async def test_lazy_start_retries_a_failed_join_in_the_background(
     await drain_grpc()
 
 
-async def test_start_during_a_lazy_joins_backoff_still_raises(etcd_proc: EtcdProc) -> None:
+async def test_start_during_a_lazy_joins_backoff_still_raises(
+    etcd_proc: EtcdProc, capsys: pytest.CaptureFixture[str]
+) -> None:
     """start() while the lazy join waits to try again: it gets that try's
     failure (the contract: start() raises when etcd cannot be reached), at
     once, not after the rest of the backoff nor never."""
@@ -95,7 +110,8 @@ async def test_start_during_a_lazy_joins_backoff_still_raises(etcd_proc: EtcdPro
     agent = aioxfer.Agent("lazy2", discovery=disc)
     try:
         agent._start()  # what a lazy start does
-        await asyncio.sleep(1.5)
+        # Logged with no await before the backoff's: the join waits in it now.
+        await first_join_failed(capsys)
         with pytest.raises(aioxfer.TransportError, match="cannot join"):
             await within(agent.start(), 5.0)
     finally:
@@ -393,11 +409,13 @@ async def test_watch_that_etcd_keeps_cancelling_backs_off(
     await wait_until(lambda: watch_proxy.cancels >= 2, STEP, what="a's watches refused")
     ranges = "/etcdserverpb.KV/Range"
     before = watch_proxy.calls.get(ranges, 0)
-    await asyncio.sleep(4.0)
+    # 2 s (was 4 s): past the backoff's growth (two refusals are behind us,
+    # the next waits 0.4, 0.8, then ttl / 2 = 1 s): 3 or 4 lists; the bug's
+    # list every 0.1 s makes ~20, still twice the bound.
+    await asyncio.sleep(2.0)
     lists = watch_proxy.calls.get(ranges, 0) - before
-    print(f"\n{lists} lists in 4 s of refused watches")
-    # Backoff 0.1, 0.2, 0.4, 0.8, then ttl / 2 (1 s): 6 or 7 lists.
-    assert lists <= 10, f"{lists} lists of the prefix in 4 s"
+    print(f"\n{lists} lists in 2 s of refused watches")
+    assert lists <= 10, f"{lists} lists of the prefix in 2 s"
     watch_proxy.refuse = False
     b = await make_agent("b", discovery=config(etcd_proc))
     await next_event(events, is_(PeerJoined, b.name, b.incarnation),

@@ -11,14 +11,9 @@ threads), in a fresh process (the driver is chosen when aioxfer loads it).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r'''
 import asyncio, sys
@@ -90,19 +85,6 @@ async def main():
 
 asyncio.run(main())
 '''
-
-
-@pytest.fixture(scope="module")
-def fakecuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc = next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang")
-               if c and shutil.which(c)), None)
-    if cc is None:
-        pytest.skip("no C compiler to build the software CUDA driver")
-    lib = tmp_path_factory.mktemp("fakecuda") / "libfakecuda.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib),
-                    os.path.join(REPO, "native", "tests", "fakecuda.c"), "-lpthread"],
-                   check=True, timeout=120)
-    return lib
 
 
 def test_aclose_waits_for_moves_and_refuses_queued_ones(fakecuda: Path, tmp_path: Path) -> None:

@@ -351,14 +351,18 @@ async def test_lone_tcp_requests_polled_in_their_await(make_agent, progress: str
     await idle(init)
 
 
+# asyncio's loop only: the await's poll needs the loop's ready queue, which
+# uvloop does not show (there the loop's callback polls every size, as
+# test_lone_tcp_requests_polled_in_their_await checks); was a uvloop case
+# that only skipped.
+@pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_lone_tcp_requests_up_to_spin_alone_max_are_polled(make_agent) -> None:
     """A lone awaited tcp request up to SPIN_ALONE_MAX (1 MiB: the loop's
     wake-up for it is a fifth of its time) is polled for in its await; a
     larger one is waited for by the loop. Bytes exact either way."""
     from aioxfer.submission import SPIN_ALONE_MAX
 
-    if not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
-        pytest.skip("uvloop's ready queue is not visible: its callback polls")
+    assert isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop)
     # Both posted eagerly, alone (within inline_bytes, whatever the machine
     # calibrates): only the size decides the poll.
     init, target, peer = await _pair(make_agent, "tcp", progress="adaptive",
