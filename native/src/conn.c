@@ -47,9 +47,9 @@ static pthread_once_t tr_once = PTHREAD_ONCE_INIT;
 
 static void tr_open(void)
 {
-    const char *dir = getenv("AXF_TCP_TRACE");
-    char path[512];
-    if (!dir || snprintf(path, sizeof path, "%s/trace.%d", dir, (int)getpid()) >= (int)sizeof path)
+    char dir[AXF_ENV_VAL_MAX]; /* the snapshot's (engine.c axf_env_read), not getenv */
+    char path[AXF_ENV_VAL_MAX + 32];
+    if (!axf_env_value(AXF_ENV_TCP_TRACE, dir) || snprintf(path, sizeof path, "%s/trace.%d", dir, (int)getpid()) >= (int)sizeof path)
         return;
     int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd < 0)
