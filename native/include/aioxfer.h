@@ -363,11 +363,15 @@ typedef struct axf_calibration {
     uint32_t reserved;
 } axf_calibration;
 void axf_calibrate(axf_calibration *out);
-/* Reads the process-wide settings from the environment ($AIOXFER_SHM_LAZY_MIN,
- * $AIOXFER_WAKE_NS, $AIOXFER_COPY_MBPS), once per process: the first engine
- * creation or axf_calibrate does it on its own thread otherwise. A caller
- * whose other threads may write the environment calls it where none can
- * (Python: with the GIL held, as os.environ's writes are). */
+/* Snapshots the environment variables the library reads (README's
+ * AIOXFER_* settings), each call. Every engine created after it reads that
+ * snapshot, never the environment: the per-engine settings as they were at
+ * the last call, the process-wide ones ($AIOXFER_SHM_LAZY_MIN, the
+ * calibration's, $AIOXFER_CUDA_DRIVER) from the first snapshot taken. Until
+ * the first call, each engine creation takes the snapshot itself on its own
+ * thread. A caller whose other threads may write the environment calls it
+ * where none can, before each engine's creation (Python: with the GIL held,
+ * as os.environ's writes are): no getenv then runs on any other thread. */
 void axf_env_read(void);
 /* What this engine runs with: the inline threshold, the poll bound. */
 uint64_t axf_engine_inline_bytes(axf_engine *e);

@@ -47,9 +47,9 @@ static pthread_once_t tr_once = PTHREAD_ONCE_INIT;
 
 static void tr_open(void)
 {
-    const char *dir = getenv("AXF_TCP_TRACE");
-    char path[512];
-    if (!dir || snprintf(path, sizeof path, "%s/trace.%d", dir, (int)getpid()) >= (int)sizeof path)
+    char dir[AXF_ENV_VAL_MAX]; /* the snapshot's (engine.c axf_env_read), not getenv */
+    char path[AXF_ENV_VAL_MAX + 32];
+    if (!axf_env_value(AXF_ENV_TCP_TRACE, dir) || snprintf(path, sizeof path, "%s/trace.%d", dir, (int)getpid()) >= (int)sizeof path)
         return;
     int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd < 0)
@@ -152,7 +152,7 @@ typedef struct conn_priv {
     atomic_bool tx_owed;
     /* The one-copy send (tcp18, initiator tcp connections only): spl_ok,
      * the kernel said at conn_open that the peer's socket is our uid's
-     * over loopback (splice_peer_ok); its pipe (spl_fd), made on first use
+     * over loopback (conn_path); its pipe (spl_fd), made on first use
      * (spl_pipe; spl_nopipe: it could not be, this connection copies), and
      * spl_in, bytes of the head frame in that pipe and not yet in the
      * socket (not counted in its sent): they go first. The pipe's fields
@@ -865,15 +865,15 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * tcp_enable) is from the engine's own measurement.
  *
  * Why only to a same-uid peer over loopback (decided per connection, at
- * conn_open, from the kernel: splice_peer_ok). Until the peer reads them,
+ * conn_open, from the kernel: conn_path). Until the peer reads them,
  * its socket's receive queue holds references to our pages. A hostile
  * receiver could acknowledge a WRITE without reading it; we complete it,
  * the caller reuses the buffer, and the peer then reads the new contents:
  * memory it was never sent. A process of our own uid on this host can read
  * our memory anyway (process_vm_readv, /proc/pid/mem: the shm transport's
  * cross-memory attach rests on the same trust), so for it nothing new is
- * exposed. So: both ends local (loopback, or our own address: the same
- * network namespace by construction), and sock_diag (NETLINK_SOCK_DIAG,
+ * exposed. So: both ends local (loopback, or the same address with the
+ * peer's socket in our own network namespace), and sock_diag (NETLINK_SOCK_DIAG,
  * the exact 4-tuple of the peer's socket, our own reversed) says that
  * socket's owner is our euid. A uid the peer reports is never used.
  * Anything else (another uid, a remote address, diag unavailable or
@@ -928,12 +928,15 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
 #define SPL_IOV 64                  /* iovecs to one vmsplice */
 #define SPL_ROOM_MIN 4096u          /* a nowait splice needs this much room at least */
 
-static bool addr_local(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
+/* Both ends on a loopback address (127/8, ::1, v4-mapped 127/8): each
+ * network namespace has its own loopback, so the peer is on this host, in
+ * our namespace. The fast path: no lookup. */
+static bool addr_loopback(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
 {
     if (a->ss_family == AF_INET) {
         const struct sockaddr_in *x = (const void *)a, *y = (const void *)b;
         uint32_t ax = ntohl(x->sin_addr.s_addr), bx = ntohl(y->sin_addr.s_addr);
-        return ((ax >> 24) == 127 && (bx >> 24) == 127) || ax == bx;
+        return (ax >> 24) == 127 && (bx >> 24) == 127;
     }
     const struct sockaddr_in6 *x = (const void *)a, *y = (const void *)b;
     static const uint8_t v4m[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
@@ -941,7 +944,17 @@ static bool addr_local(const struct sockaddr_storage *a, const struct sockaddr_s
               (memcmp(&x->sin6_addr, v4m, 12) == 0 && x->sin6_addr.s6_addr[12] == 127);
     bool ly = IN6_IS_ADDR_LOOPBACK(&y->sin6_addr) ||
               (memcmp(&y->sin6_addr, v4m, 12) == 0 && y->sin6_addr.s6_addr[12] == 127);
-    return (lx && ly) || memcmp(&x->sin6_addr, &y->sin6_addr, sizeof x->sin6_addr) == 0;
+    return lx && ly;
+}
+
+static bool addr_equal(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
+{
+    if (a->ss_family == AF_INET)
+        return ((const struct sockaddr_in *)(const void *)a)->sin_addr.s_addr ==
+               ((const struct sockaddr_in *)(const void *)b)->sin_addr.s_addr;
+    return memcmp(&((const struct sockaddr_in6 *)(const void *)a)->sin6_addr,
+                  &((const struct sockaddr_in6 *)(const void *)b)->sin6_addr,
+                  sizeof(struct in6_addr)) == 0;
 }
 
 /* Through the loopback device (tcp19): a TCP connection between two
@@ -981,15 +994,10 @@ static bool cc_paces(const char *name)
     return strncmp(name, "bbr", 3) == 0;
 }
 
-static bool loop_cc_set(axf_engine *e, int fd)
+static bool loop_cc_set(axf_engine *e, int fd) /* fd's path local (conn_open) */
 {
-    struct sockaddr_storage me, peer;
-    socklen_t ml = sizeof me, pl = sizeof peer;
-    if (!e->tcp_loop_cc[0] || getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
-        getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 || me.ss_family != peer.ss_family ||
-        (me.ss_family != AF_INET && me.ss_family != AF_INET6) || !addr_local(&me, &peer) ||
-        setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, e->tcp_loop_cc,
-                   (socklen_t)strlen(e->tcp_loop_cc)) != 0)
+    if (!e->tcp_loop_cc[0] || setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, e->tcp_loop_cc,
+                                         (socklen_t)strlen(e->tcp_loop_cc)) != 0)
         return false;
     char used[32] = {0};
     socklen_t ul = sizeof used - 1;
@@ -997,16 +1005,14 @@ static bool loop_cc_set(axf_engine *e, int fd)
            !cc_paces(used);
 }
 
-/* True when the kernel says the peer of TCP socket fd is a socket of our
- * euid on this host (the reasons: the block comment above). */
-static bool splice_peer_ok(int fd)
+/* The peer's socket of a TCP connection looked up by its exact tuple (ours
+ * reversed) with sock_diag, which answers for our own network namespace
+ * only: true when found there, *uid its owner's euid (the kernel's word,
+ * never the peer's). One netlink round trip. */
+static bool peer_diag(const struct sockaddr_storage *mep, const struct sockaddr_storage *peerp,
+                      uint32_t *uid)
 {
-    struct sockaddr_storage me, peer;
-    socklen_t ml = sizeof me, pl = sizeof peer;
-    if (getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
-        getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 || me.ss_family != peer.ss_family ||
-        (me.ss_family != AF_INET && me.ss_family != AF_INET6) || !addr_local(&me, &peer))
-        return false;
+    const struct sockaddr_storage me = *mep, peer = *peerp;
     struct {
         struct nlmsghdr n;
         struct inet_diag_req_v2 r;
@@ -1058,7 +1064,43 @@ static bool splice_peer_ok(int fd)
         memcmp(d->id.idiag_src, q.r.id.idiag_src, sizeof d->id.idiag_src) != 0 ||
         memcmp(d->id.idiag_dst, q.r.id.idiag_dst, sizeof d->id.idiag_dst) != 0)
         return false;
-    return d->idiag_uid == (uint32_t)geteuid();
+    *uid = d->idiag_uid;
+    return true;
+}
+
+/* Where a TCP connection's peer is, decided once at conn_open, never per
+ * frame: local (through this host's loopback device: loop_cc_set's shapes
+ * and congestion control) when both ends are loopback addresses, or when
+ * both have the same address AND sock_diag finds the peer's socket in our
+ * own network namespace. Equal addresses alone do not say it: two network
+ * namespaces (containers) behind NAT may each have the same address, and
+ * then a real path, a veth or a NIC, got the loopback's shapes and reno.
+ * spl_ok (the one-copy send, see above): local, and the peer's socket is
+ * our euid's. At most one netlink round trip (tens of us) at connect. */
+static void conn_path(int fd, bool want_spl, bool *local, bool *spl_ok)
+{
+    *local = *spl_ok = false;
+    struct sockaddr_storage me, peer;
+    socklen_t ml = sizeof me, pl = sizeof peer;
+    if (getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
+        getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 || me.ss_family != peer.ss_family ||
+        (me.ss_family != AF_INET && me.ss_family != AF_INET6))
+        return;
+    uint32_t uid = 0;
+    bool found = false;
+    if (addr_loopback(&me, &peer)) {
+        *local = true;
+    } else if (addr_equal(&me, &peer)) {
+        found = peer_diag(&me, &peer, &uid);
+        *local = found;
+        if (!found)
+            return;
+    } else {
+        return;
+    }
+    if (want_spl && !found)
+        found = peer_diag(&me, &peer, &uid);
+    *spl_ok = want_spl && found && uid == (uint32_t)geteuid();
 }
 
 /* The connection's pipe, made on first use: false when it cannot be. */
@@ -3154,11 +3196,13 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
              (domain == AF_INET || domain == AF_INET6);
     if (p->tcp)
         (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    c->loop_cc = p->tcp && loop_cc_set(e, fd);
-    /* The one-copy send's check, once, from the kernel (splice_peer_ok): an
-     * initiator's TCP connection, the switch on. A netlink round trip (tens
-     * of us) at connect time, never per frame. */
-    p->spl_ok = p->tcp && ep && e->splice_max && splice_peer_ok(fd);
+    /* Its path, once (conn_path): the loopback shapes, and the one-copy
+     * send's check for an initiator's TCP connection with the switch on. */
+    bool local = false, spl_ok = false;
+    if (p->tcp)
+        conn_path(fd, ep && e->splice_max, &local, &spl_ok);
+    c->loop_cc = local && loop_cc_set(e, fd);
+    p->spl_ok = spl_ok;
     ka_arm_socket(c);
 
     ka_init(c);

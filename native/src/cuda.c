@@ -229,21 +229,21 @@ static void drv_load(void)
 {
     /* AIOXFER_CUDA_DRIVER names another library (tests use a missing path to
      * exercise the absent-driver path on any machine). */
-    const char *path = getenv("AIOXFER_CUDA_DRIVER");
-    if (!path || !*path)
-        path = "libcuda.so.1";
+    char env[AXF_ENV_VAL_MAX]; /* the snapshot's (engine.c axf_env_read), not getenv */
+    const char *path = axf_env_value(AXF_ENV_CUDA_DRIVER, env) && *env ? env : "libcuda.so.1";
     drv.status = AXF_E_TRANSPORT;
     drv.lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!drv.lib) {
         const char *err = dlerror();
-        snprintf(drv.why, sizeof drv.why, "no CUDA driver: cannot load %s (%s)", path,
+        snprintf(drv.why, sizeof drv.why, "no CUDA driver: cannot load %.200s (%s)", path,
                  err ? err : "not found");
         return;
     }
 #define CU_LOOKUP(field, sym, req, ret, params)                                             \
     *(void **)&drv.field = dlsym(drv.lib, sym);                                             \
     if (req && !drv.field) {                                                                \
-        snprintf(drv.why, sizeof drv.why, "CUDA driver %s lacks %s (too old)", path, sym); \
+        snprintf(drv.why, sizeof drv.why, "CUDA driver %.160s lacks %s (too old)",          \
+                 path, sym);                                                                \
         return;                                                                             \
     }
     CU_FUNCS(CU_LOOKUP)
@@ -253,7 +253,7 @@ static void drv_load(void)
     if (!drv.DeviceGetUuid)
         drv.DeviceGetUuid = drv.DeviceGetUuidV1;
     if (!drv.IpcOpenMemHandle || !drv.DeviceGetUuid) {
-        snprintf(drv.why, sizeof drv.why, "CUDA driver %s lacks IPC or UUID calls (too old)",
+        snprintf(drv.why, sizeof drv.why, "CUDA driver %.160s lacks IPC or UUID calls (too old)",
                  path);
         return;
     }

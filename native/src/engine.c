@@ -408,6 +408,83 @@ void axf_completion_free(axf_completion *c)
     c->payload_len = 0;
 }
 
+/* ----------------------------------------------------------- environment */
+
+static const char *const env_names[AXF_ENV_N] = {
+    [AXF_ENV_REFUSED_LOG_MS] = "AIOXFER_REFUSED_LOG_MS",
+    [AXF_ENV_TCP_LOOPBACK_CC] = "AIOXFER_TCP_LOOPBACK_CC",
+    [AXF_ENV_TCP_SPLICE] = "AIOXFER_TCP_SPLICE",
+    [AXF_ENV_FILE_IO] = "AIOXFER_FILE_IO",
+    [AXF_ENV_VERBS_TIMEOUT] = "AIOXFER_VERBS_TIMEOUT",
+    [AXF_ENV_VERBS_RETRY_CNT] = "AIOXFER_VERBS_RETRY_CNT",
+    [AXF_ENV_VERBS_TC] = "AIOXFER_VERBS_TC",
+    [AXF_ENV_VERBS_SL] = "AIOXFER_VERBS_SL",
+    [AXF_ENV_VERBS_GID_INDEX] = "AIOXFER_VERBS_GID_INDEX",
+    [AXF_ENV_VERBS_RELAXED_ORDERING] = "AIOXFER_VERBS_RELAXED_ORDERING",
+    [AXF_ENV_VERBS_DEVICES] = "AIOXFER_VERBS_DEVICES",
+    [AXF_ENV_CUDA_DRIVER] = "AIOXFER_CUDA_DRIVER",
+    [AXF_ENV_TCP_TRACE] = "AXF_TCP_TRACE",
+    [AXF_ENV_SHM_LAZY_MIN] = "AIOXFER_SHM_LAZY_MIN",
+    [AXF_ENV_WAKE_NS] = "AIOXFER_WAKE_NS",
+    [AXF_ENV_COPY_MBPS] = "AIOXFER_COPY_MBPS",
+    [AXF_ENV_INLINE_BYTES] = "AIOXFER_INLINE_BYTES",
+};
+
+/* The process's snapshot: taken by axf_env_read (each call), or by an
+ * engine's creation or a process-wide reader when nobody has called it. */
+static pthread_mutex_t env_mu = PTHREAD_MUTEX_INITIALIZER;
+static axf_env env_snap;
+static bool env_taken, env_explicit;
+
+static void env_snapshot(void) /* env_mu held: the only getenv of the library */
+{
+    env_snap.set = 0;
+    for (int k = 0; k < AXF_ENV_N; k++) {
+        const char *v = getenv(env_names[k]);
+        size_t n = v ? strlen(v) : 0;
+        env_snap.val[k][0] = 0;
+        if (!v || n >= AXF_ENV_VAL_MAX)
+            continue;
+        memcpy(env_snap.val[k], v, n + 1);
+        env_snap.set |= 1u << k;
+    }
+    env_taken = true;
+}
+
+void axf_env_read(void)
+{
+    pthread_mutex_lock(&env_mu);
+    env_snapshot();
+    env_explicit = true;
+    pthread_mutex_unlock(&env_mu);
+    shm_env_read(); /* the process-wide ones, from the first snapshot */
+}
+
+void axf_env_take(axf_env *out, bool creating)
+{
+    pthread_mutex_lock(&env_mu);
+    if (!env_taken || (creating && !env_explicit))
+        env_snapshot();
+    memcpy(out, &env_snap, sizeof *out);
+    pthread_mutex_unlock(&env_mu);
+}
+
+const char *axf_env_get(const axf_env *env, int which)
+{
+    return env->set & (1u << which) ? env->val[which] : NULL;
+}
+
+bool axf_env_value(int which, char *out)
+{
+    pthread_mutex_lock(&env_mu);
+    if (!env_taken)
+        env_snapshot();
+    bool set = env_snap.set & (1u << which);
+    memcpy(out, env_snap.val[which], AXF_ENV_VAL_MAX);
+    pthread_mutex_unlock(&env_mu);
+    return set;
+}
+
 /* ---------------------------------------------------------------- engine */
 
 axf_engine *axf_engine_create(const axf_config *cfg)
@@ -436,7 +513,8 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     if (!e->cfg.target_poll_us)
         e->cfg.target_poll_us = 100;
     e->refused_log_ms = 1000;
-    const char *rl = getenv("AIOXFER_REFUSED_LOG_MS");
+    axf_env_take(&e->env, true); /* before any transport's enable reads it */
+    const char *rl = axf_env_get(&e->env, AXF_ENV_REFUSED_LOG_MS);
     if (rl && *rl) {
         char *end;
         unsigned long long ms = strtoull(rl, &end, 10);

@@ -92,9 +92,9 @@ typedef struct file_xport {
  * device's queue full and wins twice over on 4 KiB. So by default the ring
  * takes ops whose file regions are all O_DIRECT, the pool the rest.
  * AIOXFER_FILE_IO=threads: the pool only; =uring: the ring for everything. */
-static int file_mode(void)
+static int file_mode(const axf_env *env)
 {
-    const char *v = getenv("AIOXFER_FILE_IO");
+    const char *v = axf_env_get(env, AXF_ENV_FILE_IO);
     if (v && strcmp(v, "threads") == 0)
         return MODE_THREADS;
     if (v && strcmp(v, "uring") == 0)
@@ -103,9 +103,8 @@ static int file_mode(void)
 }
 
 /* Tries a ring; on success it is left initialised in *ring (when non-NULL). */
-static bool uring_try(void *ring_out, char *why, size_t cap)
+static bool uring_try(int mode, void *ring_out, char *why, size_t cap)
 {
-    int mode = file_mode();
     if (mode == MODE_THREADS) {
         snprintf(why, cap, "thread pool: forced by AIOXFER_FILE_IO=threads");
         return false;
@@ -145,8 +144,17 @@ int axf_file_info(axf_engine *e, char *buf, size_t cap)
         buf = why;
         cap = sizeof why;
     }
-    if (!e)
-        return uring_try(NULL, buf, cap) ? 1 : 0;
+    if (!e) { /* what an engine created now would use */
+        axf_env *env = malloc(sizeof *env);
+        if (!env) {
+            snprintf(buf, cap, "out of memory");
+            return -1;
+        }
+        axf_env_take(env, true);
+        int r = uring_try(file_mode(env), NULL, buf, cap) ? 1 : 0;
+        free(env);
+        return r;
+    }
     pthread_mutex_lock(&e->mu);
     file_xport *f = e->xp[AXF_EP_FILE];
     int r = f ? (f->uring ? 1 : 0) : -1;
@@ -480,9 +488,9 @@ static int file_start(axf_engine *e) /* e->mu held */
     pthread_mutex_init(&f->mu, NULL);
     pthread_cond_init(&f->cv, NULL);
     f->wake_fd = -1;
-    f->mode = file_mode();
+    f->mode = file_mode(&e->env); /* as it was at the engine's creation */
 #ifdef AXF_HAVE_URING
-    f->uring = uring_try(&f->ring, f->why, sizeof f->why);
+    f->uring = uring_try(f->mode, &f->ring, f->why, sizeof f->why);
     if (f->uring) {
         f->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         if (f->wake_fd < 0) {
@@ -495,7 +503,7 @@ static int file_start(axf_engine *e) /* e->mu held */
         f->free_slots[k] = k;
     f->nfree = QDEPTH;
 #else
-    uring_try(NULL, f->why, sizeof f->why);
+    uring_try(f->mode, NULL, f->why, sizeof f->why);
 #endif
     e->xp[AXF_EP_FILE] = f;
     /* The pool always runs (buffered I/O, and every op without a ring). */

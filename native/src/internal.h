@@ -312,6 +312,52 @@ typedef struct conn {
 } conn;
 
 
+/* ------------------------------------------------------------ environment
+ * Every variable the native code reads, snapshotted by axf_env_read (the
+ * Python extension calls it with the GIL held, before each engine's
+ * creation) or, before any such call, by each engine's creation on its own
+ * thread. Nothing else calls getenv: a getenv on a thread not holding the GIL
+ * raced a Python thread writing os.environ (putenv may free or move what
+ * getenv returned). */
+enum {
+    AXF_ENV_REFUSED_LOG_MS,
+    AXF_ENV_TCP_LOOPBACK_CC,
+    AXF_ENV_TCP_SPLICE,
+    AXF_ENV_FILE_IO,
+    AXF_ENV_VERBS_TIMEOUT,
+    AXF_ENV_VERBS_RETRY_CNT,
+    AXF_ENV_VERBS_TC,
+    AXF_ENV_VERBS_SL,
+    AXF_ENV_VERBS_GID_INDEX,
+    AXF_ENV_VERBS_RELAXED_ORDERING,
+    AXF_ENV_VERBS_DEVICES,
+    AXF_ENV_CUDA_DRIVER,
+    AXF_ENV_TCP_TRACE,
+    AXF_ENV_SHM_LAZY_MIN,
+    AXF_ENV_WAKE_NS,
+    AXF_ENV_COPY_MBPS,
+    AXF_ENV_INLINE_BYTES,
+    AXF_ENV_N
+};
+#define AXF_ENV_VAL_MAX 512 /* a longer value counts as unset */
+typedef struct axf_env {
+    uint32_t set; /* bit k: variable k was set */
+    char val[AXF_ENV_N][AXF_ENV_VAL_MAX];
+} axf_env;
+/* A copy of the process's snapshot (taken now when none was). `creating`:
+ * an engine's creation, which takes a fresh one while nobody has called
+ * axf_env_read (a C program's engines each see the environment as it is at
+ * their creation, as before). */
+void axf_env_take(axf_env *out, bool creating);
+/* Variable `which` of `env`, NULL when unset. */
+const char *axf_env_get(const axf_env *env, int which);
+/* One value of the process's snapshot, copied into out[AXF_ENV_VAL_MAX]
+ * (taken now when none was); false when unset. For the process-wide
+ * settings (the CUDA driver's path, the trace directory, shm's). */
+bool axf_env_value(int which, char *out);
+/* shm.c: the process-wide settings read from the first snapshot, once. */
+void shm_env_read(void);
+
 struct axf_engine {
     axf_config cfg;
     int efd;
@@ -421,6 +467,10 @@ struct axf_engine {
      * axf_mock_faults; NULL in every other engine): looked at on rare paths
      * only (a connection joining), never per request. */
     const struct axf_faults *faults;
+    /* The environment as it was at the engine's creation (axf_env_take):
+     * what its transports read later (the file transport's start, verbs'
+     * enable), never getenv. */
+    axf_env env;
 };
 
 /* What a test makes fail or wait (axf_engine.faults). */

@@ -84,8 +84,8 @@ static void lazy_env(void)
 {
     /* Bytes, a plain unsigned integer (0: every pool lazily); anything else
      * is ignored. Read once: a pool's mapping never changes mode. */
-    const char *env = getenv("AIOXFER_SHM_LAZY_MIN");
-    if (!env || *env < '0' || *env > '9')
+    char env[AXF_ENV_VAL_MAX];
+    if (!axf_env_value(AXF_ENV_SHM_LAZY_MIN, env) || *env < '0' || *env > '9')
         return;
     char *end;
     errno = 0;
@@ -1123,34 +1123,35 @@ static uint64_t cal_copy_mbps(void)
 }
 
 /* A measurement from the environment (a positive integer), else 0. */
-static uint64_t cal_env(const char *name)
+static uint64_t cal_env(int which)
 {
-    const char *env = getenv(name);
-    if (!env || !*env)
+    char env[AXF_ENV_VAL_MAX];
+    if (!axf_env_value(which, env) || !*env)
         return 0;
     char *end;
     unsigned long long v = strtoull(env, &end, 0);
     return *end == '\0' ? v : 0;
 }
 
+static uint64_t env_inline_bytes;
+
 static void env_read(void)
 {
     lazy_env();
-    env_wake_ns = cal_env("AIOXFER_WAKE_NS");
-    env_copy_mbps = cal_env("AIOXFER_COPY_MBPS");
+    env_wake_ns = cal_env(AXF_ENV_WAKE_NS);
+    env_copy_mbps = cal_env(AXF_ENV_COPY_MBPS);
+    env_inline_bytes = cal_env(AXF_ENV_INLINE_BYTES);
 }
 
-/* getenv only here, once, on the thread that first creates an engine or
- * calibrates (or that calls this itself: the Python extension does, with the
- * GIL held): never on whichever thread happens to map a peer's pool first,
- * where it raced a Python thread writing os.environ (putenv may move the
- * environment under a concurrent getenv). */
-void axf_env_read(void) { pthread_once(&env_once, env_read); }
+/* Once per process, from the environment's snapshot (engine.c axf_env_read:
+ * taken with the GIL held where Python calls it), never by getenv on
+ * whichever thread happens to map a peer's pool first. */
+void shm_env_read(void) { pthread_once(&env_once, env_read); }
 
 static void cal_run(void)
 {
     axf_calibration *c = &cal_result;
-    axf_env_read();
+    shm_env_read();
     /* $AIOXFER_WAKE_NS and $AIOXFER_COPY_MBPS stand for the measurements
      * (one calibration for several processes: benchmarks/peers/
      * bench_nixl_compat.py gives its processes its own). */
@@ -1186,9 +1187,8 @@ static void cal_run(void)
     while (p2 < bytes)
         p2 *= 2;
     c->inline_bytes = p2;
-    uint64_t v = cal_env("AIOXFER_INLINE_BYTES");
-    if (v)
-        c->inline_bytes = v;
+    if (env_inline_bytes)
+        c->inline_bytes = env_inline_bytes;
     /* Spinning is worth at most what blocking costs. */
     uint64_t us = saved_ns / 1000u;
     c->poll_us = (uint32_t)(us < 20 ? 20 : us > 200 ? 200 : us);
@@ -1223,7 +1223,7 @@ void axf_calibrate(axf_calibration *out)
 
 static int shm_enable(axf_engine *e)
 {
-    axf_env_read(); /* on the creating thread, before any pool is mapped */
+    shm_env_read(); /* on the creating thread, before any pool is mapped */
     const axf_calibration *cal = shm_calibration();
     if (!e->cfg.inline_bytes)
         e->cfg.inline_bytes = cal->inline_bytes;

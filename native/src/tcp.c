@@ -697,7 +697,7 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
 static int tcp_enable(axf_engine *e)
 {
     /* conn.c loop_cc_set: "reno" by default; "" or "0" leave the system's. */
-    const char *cc = getenv("AIOXFER_TCP_LOOPBACK_CC");
+    const char *cc = axf_env_get(&e->env, AXF_ENV_TCP_LOOPBACK_CC);
     if (!cc)
         cc = "reno";
     if (strcmp(cc, "0") == 0 || strlen(cc) >= sizeof e->tcp_loop_cc)
@@ -706,7 +706,7 @@ static int tcp_enable(axf_engine *e)
     e->splice_min = SPLICE_MIN_DEFAULT;
     e->splice_max = SPLICE_MAX_DEFAULT;
     e->splice_req_max = SPLICE_REQ_MAX_DEFAULT;
-    const char *v = getenv("AIOXFER_TCP_SPLICE");
+    const char *v = axf_env_get(&e->env, AXF_ENV_TCP_SPLICE);
     if (v && strcmp(v, "1") == 0)
         return AXF_OK;
     if (!v || !*v) { /* the default: off (the comment above) */

@@ -178,9 +178,9 @@ typedef struct verbs_settings {
     char devices[256]; /* AIOXFER_VERBS_DEVICES: comma-separated allow-list; empty: all */
 } verbs_settings;
 
-static int env_int(const char *name, int dflt, int lo, int hi)
+static int env_int(const axf_env *env, int which, int dflt, int lo, int hi)
 {
-    const char *v = getenv(name);
+    const char *v = axf_env_get(env, which);
     if (!v || !*v)
         return dflt;
     char *end;
@@ -188,15 +188,18 @@ static int env_int(const char *name, int dflt, int lo, int hi)
     return *end || n < lo || n > hi ? dflt : (int)n;
 }
 
-static void settings_read(verbs_settings *s)
+/* From the engine's snapshot of the environment (its creation's), or for a
+ * probe the process's (engine.c axf_env_take): never getenv here, on a
+ * thread that does not hold the GIL. */
+static void settings_read(const axf_env *env, verbs_settings *s)
 {
-    s->timeout = (uint8_t)env_int("AIOXFER_VERBS_TIMEOUT", 20, 1, 31);
-    s->retry_cnt = (uint8_t)env_int("AIOXFER_VERBS_RETRY_CNT", 7, 0, 7);
-    s->tc = (uint8_t)env_int("AIOXFER_VERBS_TC", 0, 0, 255);
-    s->sl = (uint8_t)env_int("AIOXFER_VERBS_SL", 0, 0, 15);
-    s->gid_index = env_int("AIOXFER_VERBS_GID_INDEX", -1, 0, 255);
-    s->relaxed = env_int("AIOXFER_VERBS_RELAXED_ORDERING", 1, 0, 1) == 1;
-    const char *d = getenv("AIOXFER_VERBS_DEVICES");
+    s->timeout = (uint8_t)env_int(env, AXF_ENV_VERBS_TIMEOUT, 20, 1, 31);
+    s->retry_cnt = (uint8_t)env_int(env, AXF_ENV_VERBS_RETRY_CNT, 7, 0, 7);
+    s->tc = (uint8_t)env_int(env, AXF_ENV_VERBS_TC, 0, 0, 255);
+    s->sl = (uint8_t)env_int(env, AXF_ENV_VERBS_SL, 0, 0, 15);
+    s->gid_index = env_int(env, AXF_ENV_VERBS_GID_INDEX, -1, 0, 255);
+    s->relaxed = env_int(env, AXF_ENV_VERBS_RELAXED_ORDERING, 1, 0, 1) == 1;
+    const char *d = axf_env_get(env, AXF_ENV_VERBS_DEVICES);
     snprintf(s->devices, sizeof s->devices, "%s", d ? d : "");
 }
 
@@ -449,7 +452,9 @@ int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *w
     size_t used = 0;
     char reason[160] = "";
     verbs_settings set;
-    settings_read(&set);
+    axf_env env; /* what an engine created now would use */
+    axf_env_take(&env, true);
+    settings_read(&env, &set);
     for (int i = 0; i < n; i++) {
         vdev v;
         char r[160];
@@ -1918,7 +1923,7 @@ int axf_verbs_enable(axf_engine *e, const char *provider, char *why, size_t why_
         return AXF_E_NOMEM;
     vs->e = e;
     vs->epfd = vs->wakefd = -1;
-    settings_read(&vs->set);
+    settings_read(&e->env, &vs->set);
     pthread_mutex_init(&vs->mu, NULL);
     pthread_cond_init(&vs->cv, NULL);
     int st = load_table(provider, &vs->t, buf, sizeof buf);
