@@ -27,10 +27,10 @@ on asyncio's own loops, when the loop has nothing else ready
 (``Poller.spin_alone``): the await then returns without suspending, which
 saves the two loop iterations (a ``select`` each, the task's wake-up handle)
 of the callback's way, most of what Python adds to a tcp round trip.
-Its bound is the peer's own (``Poller.alone_bound``): twice the time it takes, its
-latency average, or for a large request its bytes at its bandwidth average
-(at least ``poll_us``, at most ``ALONE_MAX_US``), so a slow peer is waited for
-by the loop as before; and the loop runs (its ``select``, its callbacks) at
+Its bound is the peer's own (``Poller.alone_bound``): ``ALONE_LATENCIES`` times
+its latency average, or for a large request twice its bytes at its bandwidth
+average (at least ``poll_us``, at most ``ALONE_MAX_US``), so a slow peer is
+waited for by the loop as before; and the loop runs (its ``select``, its callbacks) at
 least every ``ALONE_SPAN_US`` of such polling, as it does for the eager
 posts' streak: that request's await suspends, and the loop's poll waits
 that bound for it once.
@@ -57,6 +57,17 @@ from aioxfer.stats import BANDWIDTH_MIN
 PROGRESS_MODES: Final = ("adaptive", "sleep", "poll")
 POLL_SLICE_US: Final = 500  # "poll": one wait, then the loop's other callbacks run
 ALONE_MAX_US: Final = 1000  # the most one await spins for its request (spin_alone)
+# spin_alone's bound for a small request, in the peer's latency averages. A
+# spin's bound is wall-clock time, and the spinning thread yields its CPU
+# while it waits (sched_yield: the completion may need that CPU): on a busy
+# host it can be off the CPU for longer than a request takes. With 2 (twice
+# the average, ~50 us for a 25 us tcp 64 KiB WRITE) 0.5-1.5 % of lone 64 KiB
+# tcp requests ran out of it (one such preemption) and went the loop's way
+# (its poll, then the eventfd's wake-up), 4-7 % of the time of the whole
+# run; with 5 (~125 us) 0.01-0.07 % did (py23, 5 interleaved pairs on the
+# 2-vCPU VM). A request that completes sooner stops the spin at once: the
+# bound only costs CPU for a late one (and ALONE_MAX_US, ALONE_SPAN_US cap it).
+ALONE_LATENCIES: Final = 5
 ALONE_SPAN_US: Final = 1000  # spin_alone's time in a row without the loop running
 TARGET_POLL_US: Final = 100  # "adaptive": a target polls for requests that come this soon
 _NEVER_US: Final = (1 << 32) - 1  # the engine's target_poll_us for "never"
@@ -118,4 +129,4 @@ class Poller(_cyx.Poller):
     def __init__(self, sub: Polled, wait: Callable[[int], int],
                  loop: asyncio.AbstractEventLoop, mode: str, poll_us: int) -> None:
         super().__init__(sub, wait, loop, mode, poll_us, POLL_SLICE_US, ALONE_MAX_US,
-                         ALONE_SPAN_US, BANDWIDTH_MIN)
+                         ALONE_SPAN_US, BANDWIDTH_MIN, ALONE_LATENCIES)

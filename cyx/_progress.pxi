@@ -27,8 +27,9 @@ cdef inline long long _mono_ns() noexcept nogil:
 @cython.auto_pickle(False)
 cdef class Poller:
     """``Poller(sub, wait, loop, mode, poll_us, poll_slice_us, alone_max_us,
-    alone_span_us, bandwidth_min)``: see aioxfer.progress.Poller, which
-    passes the last four (its constants and stats.BANDWIDTH_MIN)."""
+    alone_span_us, bandwidth_min, alone_latencies=2)``: see
+    aioxfer.progress.Poller, which passes the last five (its constants and
+    stats.BANDWIDTH_MIN)."""
 
     cdef object _sub
     cdef object _wait
@@ -45,13 +46,14 @@ cdef class Poller:
     cdef long long _alone_max_us
     cdef long long _alone_span_us
     cdef double _bandwidth_min
+    cdef double _alone_latencies  # a small lone request's bound: this many latency averages
     cdef public long long hits  # polls that found a completion
     cdef public long long misses  # polls that ran out (then the eventfd wakes the loop)
     cdef public long long alone_hits  # spin_alone polls that found it
     cdef public long long alone_misses  # spin_alone polls that ran out
 
     def __init__(self, sub, wait, loop, str mode, poll_us, poll_slice_us, alone_max_us,
-                 alone_span_us, bandwidth_min):
+                 alone_span_us, bandwidth_min, alone_latencies=2):
         self._sub = sub
         self._wait = wait
         self._engine = None
@@ -74,6 +76,7 @@ cdef class Poller:
         self._alone_max_us = int(alone_max_us)
         self._alone_span_us = int(alone_span_us)
         self._bandwidth_min = float(bandwidth_min)
+        self._alone_latencies = float(alone_latencies)
         self.hits = self.misses = self.alone_hits = self.alone_misses = 0
 
     cdef size_t _wait_us(self, long long us) except? 0:
@@ -104,12 +107,12 @@ cdef class Poller:
 
     cdef long long _alone_us(self, object t) except -1:
         """How long an await polls for its lone transfer t (spin_alone),
-        microseconds: twice what the peer takes for it, at least the budget
-        (poll_us) and at most alone_max_us. What it takes: its latency
-        average (t.peer._counters.latency, s: small transfers), or for a
-        large transfer (bandwidth_min or more) its bytes at the peer's
-        bandwidth average (.bandwidth, bytes/s) when that is longer: a 1 MiB
-        tcp request takes ~250 us where a small one takes ~25, and a poll
+        microseconds: alone_latencies times the peer's latency average
+        (t.peer._counters.latency, s: what a small transfer takes), or for a
+        large transfer (bandwidth_min or more) twice its bytes at the peer's
+        bandwidth average (.bandwidth, bytes/s) when that is longer; at
+        least the budget (poll_us) and at most alone_max_us. A 1 MiB tcp
+        request takes ~250 us where a small one takes ~25, and a poll
         bounded by the small ones' ran out before most 1 MiB READs completed.
         PeerCounters' two fields are C doubles; other counters' (a
         stand-in, in tests) are read as attributes."""
@@ -125,7 +128,7 @@ cdef class Poller:
             bw = (<PeerCounters>c).bandwidth
         else:
             latency, bw = c.latency, c.bandwidth
-        us = <long long>(latency * 2e6)
+        us = <long long>(latency * (self._alone_latencies * 1e6))
         if bw > 0.0:
             nb = _xfer_get(t, _T_NBYTES)
             if nb >= self._bandwidth_min:
