@@ -10,6 +10,7 @@ def cuda_probe():
     cdef int n = 0
     cdef int st
     why[0] = 0
+    axf_env_read()  # with the GIL: $AIOXFER_CUDA_DRIVER, never getenv off it
     with nogil:
         st = axf_cuda_probe(why, sizeof(why), &n)
     return st, why.decode("utf-8", "replace"), n

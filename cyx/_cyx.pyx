@@ -189,6 +189,7 @@ def file_backend():
     """(io_uring?, one line): the file I/O backend a new engine would choose now."""
     cdef char buf[160]
     cdef int r
+    axf_env_read()  # with the GIL: the environment as it is now, no getenv beside a write
     with nogil:
         r = axf_file_info(NULL, buf, sizeof(buf))
     return r == 1, buf.decode("utf-8", "replace")

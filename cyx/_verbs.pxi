@@ -21,6 +21,7 @@ def verbs_probe(provider=None):
     cdef int n
     names[0] = 0
     why[0] = 0
+    axf_env_read()  # with the GIL: the AIOXFER_VERBS_* settings as they are now
     with nogil:
         n = axf_verbs_probe(cp, names, sizeof(names), why, sizeof(why))
     text = names.decode("utf-8", "replace")

@@ -488,14 +488,14 @@ async def test_peer_death_during_inline_copies(make_agent, remote_agent, region:
 
 
 def test_alone_bound_bounds_a_lone_await_by_what_the_peer_takes() -> None:
-    """spin_alone's bound (Poller.alone_bound, a budget of 43 us): twice the
-    peer's latency average for a small transfer; for a large one (BANDWIDTH_MIN or more),
+    """spin_alone's bound (Poller.alone_bound, a budget of 43 us): ALONE_LATENCIES
+    times the peer's latency average for a small transfer; for a large one (BANDWIDTH_MIN or more),
     twice its bytes at the peer's bandwidth average when that is longer (a
     1 MiB tcp request polled only for the small ones' latency ran out before
     most completed); never under the floor, never over ALONE_MAX_US."""
     from types import SimpleNamespace
 
-    from aioxfer.progress import ALONE_MAX_US, Poller
+    from aioxfer.progress import ALONE_LATENCIES, ALONE_MAX_US, Poller
     from aioxfer.stats import BANDWIDTH_MIN
 
     class Sub:
@@ -514,15 +514,15 @@ def test_alone_bound_bounds_a_lone_await_by_what_the_peer_takes() -> None:
     loop.close()
 
     bound = poller.alone_bound  # the floor: its budget, 43 us
-    assert bound(lone(4096, 20e-6, 4e9)) == 43  # 2 x 20 us < floor
-    assert bound(lone(4096, 30e-6, 4e9)) == 60
+    assert bound(lone(4096, 5e-6, 4e9)) == 43  # 5 x 5 us < floor
+    assert bound(lone(4096, 30e-6, 4e9)) == int(30 * ALONE_LATENCIES) == 150
     # a small transfer is never sized by bandwidth, however slow the peer
-    assert bound(lone(BANDWIDTH_MIN - 1, 20e-6, 1e6)) == 43
+    assert bound(lone(BANDWIDTH_MIN - 1, 5e-6, 1e6)) == 43
     # 1 MiB at 4 GB/s: 2 x 262 us
     assert bound(lone(1 << 20, 20e-6, 4e9)) == int((1 << 20) * 2e6 / 4e9)
     # the latency average wins when longer; no bandwidth measured yet: latency
-    assert bound(lone(1 << 20, 400e-6, 4e9)) == 800
-    assert bound(lone(1 << 20, 20e-6, 0.0)) == 43
+    assert bound(lone(1 << 20, 160e-6, 4e9)) == 800
+    assert bound(lone(1 << 20, 5e-6, 0.0)) == 43
     # capped
     assert bound(lone(1 << 20, 20e-6, 1e9)) == ALONE_MAX_US
     assert bound(lone(4096, 1.0, 4e9)) == ALONE_MAX_US

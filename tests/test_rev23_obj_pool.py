@@ -46,9 +46,6 @@ def slow_parts(active: list[int]) -> Callable[[Any], Awaitable[Any]]:
     return handler
 
 
-@pytest.mark.xfail(strict=True, reason="rev23 #obj-pool: a part waiting for one of the "
-                   "region's pooled connections times out on its whole-request bound "
-                   "(the fix: a semaphore of the pool's size taken before the timed request)")
 async def test_queued_parts_are_not_timed_out_by_their_wait_for_a_connection(
         make_agent: Callable[..., Awaitable[Any]],
         fake_s3: Callable[[Callable[[Any], Awaitable[Any]]], Awaitable[FakeS3]]) -> None:

@@ -70,8 +70,9 @@ Options of ``register_objects`` (beside the endpoint and credentials):
 - ``connect_timeout`` (2 s), ``read_timeout`` (15 s): per connection and
   per read of an answer. Each attempt of a request of ours (GET, HEAD,
   DELETE, the multipart upload's) is also bounded as a whole:
-  ``connect_timeout + read_timeout + bytes / min_rate`` seconds, its wait
-  for a pooled connection included (the bytes it sends or receives; a
+  ``connect_timeout + read_timeout + bytes / min_rate`` seconds, from
+  when it has one of the region's connections (its wait for one, behind
+  our own requests, not counted: the bytes it sends or receives; a
   complete counts the whole object, as the store's work on it grows with
   it), so that a server trickling a byte now and then (each read in time)
   cannot hold a request for ever: it then fails as a timeout, retried
@@ -398,6 +399,11 @@ class ObjectRegion(BackendRegion):
         self._base_total = connect_timeout + read_timeout
         self._min_rate = min_rate
         self._session: aiohttp.ClientSession | None = None
+        # One per connection of the session's pool, taken before a request's
+        # clock starts (_pooled): a request waiting for one of our own
+        # connections is not timed out by that wait (aiohttp counts it in
+        # ClientTimeout's connect and total), only by the server's pace.
+        self._conns: asyncio.Semaphore | None = None
         self._signed: dict[tuple[str, str], tuple[str, float]] = {}
 
     # ------------------------------------------------------------ segments
@@ -735,7 +741,7 @@ class ObjectRegion(BackendRegion):
                     # a MiB at a time (the socket's flow control applies).
                     sent["Content-Length"] = str(len(body))
                     data = _chunks(body)
-                async with self._http().request(
+                async with self._pooled(), self._http().request(
                     method, yarl.URL(url, encoded=True), headers=sent, data=data,
                     allow_redirects=False, timeout=timeout,
                 ) as resp:
@@ -991,7 +997,7 @@ class ObjectRegion(BackendRegion):
                 # does not know the request's method, and would otherwise
                 # take an answer without Content-Length (rclone's 404) as a
                 # body read to EOF: the connection closed, a new one per miss.
-                async with self._http().request(
+                async with self._pooled(), self._http().request(
                     method, url, headers=headers, allow_redirects=False,
                     read_until_eof=method != "HEAD", timeout=timeout,
                 ) as resp:
@@ -1019,8 +1025,8 @@ class ObjectRegion(BackendRegion):
     def _timeout_for(self, moves: int) -> aiohttp.ClientTimeout:
         """The bound of one attempt of a request that moves ``moves`` bytes
         (sent or received): connect_timeout + read_timeout + moves /
-        min_rate seconds in all (its wait for a pooled connection
-        included), beside the per-read bound: a server that answers (or
+        min_rate seconds in all (from when it holds a connection of the
+        pool: _pooled), beside the per-read bound: a server that answers (or
         reads our body) a byte now and then is not stuck on for ever."""
         return aiohttp.ClientTimeout(
             total=self._base_total + moves / self._min_rate,
@@ -1055,6 +1061,13 @@ class ObjectRegion(BackendRegion):
                     f"(access_key_id, secret_access_key, token, expires_at)") from None
             self._provided_creds = (creds, until)
             return creds
+
+    def _pooled(self) -> asyncio.Semaphore:
+        """A connection of the pool (its size: the connector's limit) held
+        for one request, waited for before its timeouts start."""
+        if self._conns is None:
+            self._conns = asyncio.Semaphore(self.backend.max_concurrency)
+        return self._conns
 
     def _http(self) -> aiohttp.ClientSession:
         session = self._session
