@@ -23,7 +23,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import pytest
 from conftest import FakeS3, s3_answer, s3_stage, within
 
 MiB = 1 << 20
