@@ -457,7 +457,6 @@ void axf_env_read(void)
     env_snapshot();
     env_explicit = true;
     pthread_mutex_unlock(&env_mu);
-    shm_env_read(); /* the process-wide ones, from the first snapshot */
 }
 
 void axf_env_take(axf_env *out, bool creating)

@@ -356,7 +356,6 @@ const char *axf_env_get(const axf_env *env, int which);
  * settings (the CUDA driver's path, the trace directory, shm's). */
 bool axf_env_value(int which, char *out);
 /* shm.c: the process-wide settings read from the first snapshot, once. */
-void shm_env_read(void);
 
 struct axf_engine {
     axf_config cfg;

@@ -73,9 +73,10 @@ typedef struct shm_state {
 #define POP_PAR_SLICE (16u << 20)    /* ... each at least this much */
 #define POP_PAR_MAX 8                /* ... at most this many */
 /* Mappings larger than this are populated lazily (tests lower it;
- * $AIOXFER_SHM_LAZY_MIN sets it, read by axf_env_read: see map_fd). */
+ * $AIOXFER_SHM_LAZY_MIN sets it, from axf_env_read's snapshot: see map_fd). */
 uint64_t axf_shm_lazy_min = 1ull << 30;
-/* The process-wide settings from the environment (axf_env_read), read once:
+/* The process-wide settings from the environment's snapshot (axf_env_read),
+ * read once, by the first shm_enable or calibration (shm_env_read):
  * $AIOXFER_SHM_LAZY_MIN and the calibration's stand-ins. */
 static pthread_once_t env_once = PTHREAD_ONCE_INIT;
 static uint64_t env_wake_ns, env_copy_mbps;
@@ -1146,7 +1147,7 @@ static void env_read(void)
 /* Once per process, from the environment's snapshot (engine.c axf_env_read:
  * taken with the GIL held where Python calls it), never by getenv on
  * whichever thread happens to map a peer's pool first. */
-void shm_env_read(void) { pthread_once(&env_once, env_read); }
+static void shm_env_read(void) { pthread_once(&env_once, env_read); }
 
 static void cal_run(void)
 {
