@@ -42,8 +42,9 @@ _TOKEN_BYTES = 32
 # helps against aioxfer only). Change any of these and the key changes:
 # bump metadata.PROTOCOL_VERSION with them. scrypt with N=2**14, r=8, p=1:
 # 16 MiB (128 * N * r) and ~40 ms per derivation on a 2-vCPU VM (2026-12,
-# OpenSSL through hashlib); N=2**15 costs 32 MiB, over OpenSSL's default
-# maxmem, and ~90 ms.
+# OpenSSL through hashlib; 50-100 ms while other processes load it), so an
+# offline guess costs that instead of one HMAC (~0.3 us in C); N=2**15
+# takes 32 MiB and ~90 ms.
 KDF_SALT = b"aioxfer token key, scrypt v1"
 KDF_N = 1 << 14
 KDF_R = 8
