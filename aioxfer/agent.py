@@ -41,7 +41,7 @@ from aioxfer import _cyx, descriptors, file_transport
 from aioxfer import progress as _progress
 from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS  # connections one endpoint may have
-from aioxfer.auth import default_token
+from aioxfer.auth import default_token, hmac_key
 from aioxfer.backends import registry as _backends
 from aioxfer.backends.host import BackendHost
 from aioxfer.cluster import Cluster
@@ -240,7 +240,9 @@ class Agent:
                 raise ValueError("give either token= or insecure_no_auth=True, not both")
             self._token: bytes | None = None
         else:
-            self._token = token_bytes(token) if token is not None else default_token()
+            # Every HMAC keys on the stretched token (auth.hmac_key: derived
+            # once per token per process, here, never per connection).
+            self._token = hmac_key(token_bytes(token) if token is not None else default_token())
         self._peer_timeout = float(peer_timeout)
         self._dialer = Dialer(
             name,

@@ -12,19 +12,57 @@ agent the same ``token=`` (or ``AIOXFER_TOKEN``).
 
 Unauthenticated access is possible only by asking for it by name:
 ``Agent(..., insecure_no_auth=True)``.
+
+No HMAC is keyed on the token itself but on :func:`hmac_key` of it, a
+stretched key (scrypt): whoever a client dials receives a proof it could
+test token guesses against offline (SECURITY.md, "The order of the
+proofs"), and each guess then costs a derivation, not one HMAC.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import secrets
 import stat
 from pathlib import Path
 
-__all__ = ["TOKEN_ENV", "default_token", "token_path"]
+__all__ = ["KDF_N", "KDF_P", "KDF_R", "KDF_SALT", "TOKEN_ENV", "default_token", "hmac_key",
+           "token_path"]
 
 TOKEN_ENV = "AIOXFER_TOKEN"
 _TOKEN_BYTES = 32
+
+# The stretching of the token into the key of every HMAC (handshake and join
+# proofs, the same-host socket names, the NIXL listener's MACs). The salt is
+# fixed, not per agent: both sides of a handshake derive the key alone, from
+# the token only; it names aioxfer and the KDF's version, so our keys are no
+# other program's scrypt of the same secret (an attacker's table for aioxfer
+# helps against aioxfer only). Change any of these and the key changes:
+# bump metadata.PROTOCOL_VERSION with them. scrypt with N=2**14, r=8, p=1:
+# 16 MiB (128 * N * r) and ~40 ms per derivation on a 2-vCPU VM (2026-12,
+# OpenSSL through hashlib; 50-100 ms while other processes load it), so an
+# offline guess costs that instead of one HMAC (~0.3 us in C); N=2**15
+# takes 32 MiB and ~90 ms.
+KDF_SALT = b"aioxfer token key, scrypt v1"
+KDF_N = 1 << 14
+KDF_R = 8
+KDF_P = 1
+_KDF_MAXMEM = 2 * 128 * KDF_N * KDF_R  # twice what it needs (OpenSSL counts a little more)
+
+
+@functools.lru_cache(maxsize=64)
+def hmac_key(token: bytes) -> bytes:
+    """The key every HMAC over the token uses: scrypt(token, KDF_SALT,
+    N=KDF_N, r=KDF_R, p=KDF_P), 32 bytes. Derived once per token per
+    process (cached: an agent derives it when it is made, once, never per
+    connection; many agents of one token share it)."""
+    if not token:
+        raise ValueError("token must not be empty")
+    return hashlib.scrypt(
+        bytes(token), salt=KDF_SALT, n=KDF_N, r=KDF_R, p=KDF_P, maxmem=_KDF_MAXMEM, dklen=32
+    )
 
 
 def token_path() -> Path:

@@ -72,8 +72,10 @@ def local_name_for(token: bytes | None, address: str, uid: int) -> str:
     "host:port", as it advertises it) also listens on, so that a same-host
     peer that knows only that address dials it directly, without first
     asking over tcp for the random name of listen_local (a tcp connect and
-    handshake, ~1 ms of a first connect). Keyed by the token: without it
-    nobody can tell the name; without a token it can be guessed, and taken
+    handshake, ~1 ms of a first connect). Keyed by the agent's key
+    (auth.hmac_key of its token: the name is public in /proc/net/unix, so
+    each guess of a weak token costs a derivation): without it nobody can
+    tell the name; without a token it can be guessed, and taken
     first by another process, which then only delays connects to the tcp
     path (the kernel's uid check and the handshake refuse any impostor:
     SECURITY.md)."""

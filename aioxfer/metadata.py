@@ -35,7 +35,11 @@ __all__ = [
 # 4: the server speaks first (Challenge at accept), its proof moved into
 # Accept; an older peer meets a frame it cannot decode, or a Reject naming
 # the version, never a wait.
-PROTOCOL_VERSION = 4
+# 5: every HMAC keys on the stretched token (auth.hmac_key: scrypt), not on
+# the token itself. A version-4 peer's proofs would only fail as a bad token
+# (AccessDenied): the version makes either side name it instead (the client
+# checks the Challenge's version before it sends a proof).
+PROTOCOL_VERSION = 5
 
 # Bounds a peer's messages are validated against while decoding (a violation is
 # a ProtocolError, never an OverflowError or a huge allocation later on).
@@ -106,7 +110,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     # server's peer timeout.
     joins: Annotated[int, msgspec.Meta(ge=0, le=MAX_JOINS)] = 0
     # One of those connections: the first one's Challenge.nonce, which of its
-    # ``joins`` this is (1-based), and HMAC(token, join context + join +
+    # ``joins`` this is (1-based), and HMAC(key, join context + join +
     # join_index + nonce + name). Accepted once: Accept at once, no Proof;
     # anything else gets its Challenge again and proves the token.
     join: Nonce = b""
@@ -131,8 +135,8 @@ class Challenge(msgspec.Struct, tag="challenge", frozen=True):
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):
-    """Client's answer: HMAC(token, client context + server nonce + client
-    nonce + client name)."""
+    """Client's answer: HMAC(key, client context + server nonce + client
+    nonce + client name), key = auth.hmac_key(token) (as in every proof)."""
 
     proof: Nonce
 
@@ -149,7 +153,7 @@ class Accept(msgspec.Struct, tag="accept", frozen=True):
     # The AgentMeta the client asked for (Hello.meta) follows (an older server
     # ignores the request: then the client fetches it on its own connection).
     meta: bool = False
-    # With a token: HMAC(token, server context + client nonce + server
+    # With a token: HMAC(key, server context + client nonce + server
     # nonce), the server's proof that it knows the token too. The client
     # checks it before it trusts anything of this Accept or after it.
     proof: Nonce = b""

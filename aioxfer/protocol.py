@@ -24,7 +24,9 @@ connection costs one round trip after the connect::
     "verbs":       VerbsConnect{client's queue pairs}  ->
                    <- VerbsAccept{server's queue pairs}, then as "data"
 
-Without a token Challenge.nonce is empty, no Proof is sent and Accept.proof
+``token`` here and in every function below is the agent's key,
+auth.hmac_key(token) (scrypt), never the token itself. Without a token
+Challenge.nonce is empty, no Proof is sent and Accept.proof
 is empty; a client with a token refuses such a server, a client without one
 refuses a server with one. The client sends its Proof before the server
 proved itself (SECURITY.md, "The order of the proofs"), and checks

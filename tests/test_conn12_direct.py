@@ -31,7 +31,8 @@ def _free_address() -> str:
 
 
 def _name(address: str) -> str:
-    return local.local_name_for(auth.default_token(), address, os.geteuid())
+    # (the agent's key, as an agent computes the name)
+    return local.local_name_for(auth.hmac_key(auth.default_token()), address, os.geteuid())
 
 
 @pytest.fixture
@@ -205,7 +206,8 @@ async def test_fallback_probe_still_joins_its_challenge(make_agent, probes) -> N
     before: its unix-socket connection joins the probe's Challenge (index 1)."""
     token = b"conn12-token"
     address = _free_address()
-    squat = _Squatter(local.local_name_for(token, address, os.geteuid()), "garbage")
+    squat = _Squatter(local.local_name_for(auth.hmac_key(token), address, os.geteuid()),
+                      "garbage")
     squat.task = asyncio.get_running_loop().create_task(squat.serve())
     try:
         target = await make_agent("target", listen=address, token=token)

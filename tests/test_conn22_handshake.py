@@ -24,10 +24,13 @@ import pytest
 from conftest import wait_until, within
 from test_security import closed_by_peer, raw_connect, still_serves
 
-from aioxfer import AccessDenied, ProtocolError, XferError, metadata, protocol
+from aioxfer import AccessDenied, ProtocolError, XferError, auth, metadata, protocol
 
 MiB = 1 << 20
 TOKEN = b"conn22-token"
+# What the proofs are keyed on: the stretched token, as an agent made with
+# token=TOKEN keys them (protocol version 5).
+KEY = auth.hmac_key(TOKEN)
 
 
 def hello(name: str = "raw", nonce: bytes | None = None, **kw) -> metadata.Hello:
@@ -61,9 +64,9 @@ async def test_challenge_comes_first_and_one_reply_authenticates(make_agent) -> 
     with sock:
         chal = await challenge(sock)  # we sent nothing
         h = hello()
-        acc = await answer(sock, h, protocol.client_proof(TOKEN, chal.nonce, h.nonce, h.name))
+        acc = await answer(sock, h, protocol.client_proof(KEY, chal.nonce, h.nonce, h.name))
         assert isinstance(acc, metadata.Accept) and acc.name == target.name
-        assert acc.proof == protocol.server_proof(TOKEN, h.nonce, chal.nonce)
+        assert acc.proof == protocol.server_proof(KEY, h.nonce, chal.nonce)
 
 
 async def test_replayed_hello_and_proof_are_rejected(make_agent) -> None:
@@ -75,7 +78,7 @@ async def test_replayed_hello_and_proof_are_rejected(make_agent) -> None:
     with first:
         chal = await challenge(first)
         h = hello()
-        proof = protocol.client_proof(TOKEN, chal.nonce, h.nonce, h.name)
+        proof = protocol.client_proof(KEY, chal.nonce, h.nonce, h.name)
         assert isinstance(await answer(first, h, proof), metadata.Accept)
     again = await raw_connect(target.address)
     with again:
@@ -96,10 +99,10 @@ async def test_proof_over_another_connections_nonce_is_rejected(make_agent) -> N
         chal_a, chal_b = await challenge(a), await challenge(b)
         assert chal_a.nonce != chal_b.nonce
         h = hello()
-        reply = await answer(a, h, protocol.client_proof(TOKEN, chal_b.nonce, h.nonce, h.name))
+        reply = await answer(a, h, protocol.client_proof(KEY, chal_b.nonce, h.nonce, h.name))
         assert isinstance(reply, metadata.Reject)
         h2 = hello()
-        ok = await answer(b, h2, protocol.client_proof(TOKEN, chal_b.nonce, h2.nonce, h2.name))
+        ok = await answer(b, h2, protocol.client_proof(KEY, chal_b.nonce, h2.nonce, h2.name))
         assert isinstance(ok, metadata.Accept)
 
 
@@ -112,15 +115,16 @@ async def test_proof_bound_to_something_else_is_rejected(make_agent, case: str) 
         chal = await challenge(sock)
         h = hello()
         if case == "other-hello-nonce":  # made for a Hello with another nonce
-            proof = protocol.client_proof(TOKEN, chal.nonce, os.urandom(16), h.name)
+            proof = protocol.client_proof(KEY, chal.nonce, os.urandom(16), h.name)
         elif case == "other-name":
-            proof = protocol.client_proof(TOKEN, chal.nonce, h.nonce, "someone-else")
+            proof = protocol.client_proof(KEY, chal.nonce, h.nonce, "someone-else")
         elif case == "nonces-swapped":
-            proof = protocol.client_proof(TOKEN, h.nonce, chal.nonce, h.name)
+            proof = protocol.client_proof(KEY, h.nonce, chal.nonce, h.name)
         elif case == "server-proof":  # the server's own proof reflected back
-            proof = protocol.server_proof(TOKEN, h.nonce, chal.nonce)
+            proof = protocol.server_proof(KEY, h.nonce, chal.nonce)
         else:
-            proof = protocol.client_proof(b"another token", chal.nonce, h.nonce, h.name)
+            proof = protocol.client_proof(auth.hmac_key(b"another token"), chal.nonce, h.nonce,
+                                          h.name)
         reply = await answer(sock, h, proof)
         assert isinstance(reply, metadata.Reject) and reply.reason == "bad token"
 
@@ -253,8 +257,8 @@ async def _no_token(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
     (_garbage, ProtocolError, "malformed"),
     (_huge, ProtocolError, "outside"),
     (_accept_first, ProtocolError, "expected Challenge"),
-    (_old_version, AccessDenied, "protocol version 4 is not 3"),
-    (_newer_version, ProtocolError, "protocol version 5"),
+    (_old_version, AccessDenied, f"protocol version {metadata.PROTOCOL_VERSION} is not 3"),
+    (_newer_version, ProtocolError, f"protocol version {metadata.PROTOCOL_VERSION + 1}"),
     (_no_token, AccessDenied, "does not authenticate"),
 ], ids=["garbage", "huge-frame", "accept-first", "old-version", "newer-version", "no-token"])
 async def test_server_speaking_wrong_first_is_a_typed_error(
@@ -306,7 +310,7 @@ async def test_closing_during_a_handshake_refuses_its_accept(make_agent) -> None
         chal = await challenge(sock)
         target._server.closing = True
         h = hello()
-        reply = await answer(sock, h, protocol.client_proof(TOKEN, chal.nonce, h.nonce, h.name))
+        reply = await answer(sock, h, protocol.client_proof(KEY, chal.nonce, h.nonce, h.name))
         assert isinstance(reply, metadata.Reject) and "is closing" in reply.reason
         assert await closed_by_peer(sock)
     assert target.statistics().native_conns == 0

@@ -23,10 +23,13 @@ from test_connect_meta import connects_after_the_metadata_fail_leaving_no_fd
 from test_security import closed_by_peer, raw_connect, still_serves
 
 import aioxfer
-from aioxfer import metadata, protocol
+from aioxfer import auth, metadata, protocol
 
 MiB = 1 << 20
 TOKEN = b"join-test-token"
+# What the proofs are keyed on: the stretched token, as an agent made with
+# token=TOKEN keys them (protocol version 5).
+KEY = auth.hmac_key(TOKEN)
 
 
 async def first_connection(
@@ -37,7 +40,7 @@ async def first_connection(
     sock = await raw_connect(address)
     got: list[bytes] = []
     await within(protocol.client_handshake(
-        loop, sock, name=name, incarnation=incarnation, purpose="data", token=TOKEN,
+        loop, sock, name=name, incarnation=incarnation, purpose="data", token=KEY,
         joins=joins, on_challenge=got.append,
     ))
     assert len(got) == 1
@@ -45,7 +48,7 @@ async def first_connection(
 
 
 def join_hello(join: bytes, index: int, *, name: str = "raw", incarnation: int = 7,
-               token: bytes = TOKEN, nonce: bytes | None = None) -> bytes:
+               token: bytes = KEY, nonce: bytes | None = None) -> bytes:
     nonce = nonce or os.urandom(protocol.NONCE_BYTES)
     return protocol.encode_frame(metadata.Hello(
         version=metadata.PROTOCOL_VERSION, name=name, incarnation=incarnation,
@@ -69,7 +72,7 @@ async def send_join(address: str, hello: bytes) -> tuple[socket.socket, bool]:
         return sock, False
     assert isinstance(reply, metadata.Accept)
     # The server proved itself over this connection's own nonce.
-    assert reply.proof == protocol.server_proof(TOKEN, metadata_hello(hello).nonce, chal.nonce)
+    assert reply.proof == protocol.server_proof(KEY, metadata_hello(hello).nonce, chal.nonce)
     return sock, True
 
 
@@ -129,7 +132,7 @@ async def test_bad_join_gets_the_usual_challenge(make_agent, case: str) -> None:
         if case == "forged-nonce":
             hello = join_hello(os.urandom(protocol.NONCE_BYTES), 1)
         elif case == "wrong-token":
-            hello = join_hello(nonce, 1, token=b"another user's token")
+            hello = join_hello(nonce, 1, token=auth.hmac_key(b"another user's token"))
         elif case == "other-name":
             hello = join_hello(nonce, 1, name="intruder")
         elif case == "other-incarnation":
@@ -261,13 +264,13 @@ async def test_probe_grant_is_not_a_data_connection(make_agent) -> None:
     loop = asyncio.get_running_loop()
     sock = await raw_connect(target.address)
     with sock:
-        await within(protocol.fetch_meta(loop, sock, name="raw", incarnation=7, token=TOKEN))
+        await within(protocol.fetch_meta(loop, sock, name="raw", incarnation=7, token=KEY))
     assert len(target._server.joins) == 0
     sock = await raw_connect(target.address)
     got: list[bytes] = []
     with sock:
         await within(protocol.client_handshake(
-            loop, sock, name="raw", incarnation=7, purpose="meta", token=TOKEN,
+            loop, sock, name="raw", incarnation=7, purpose="meta", token=KEY,
             accept_only=True, joins=1, on_challenge=got.append,
         ))
     assert len(got) == 1 and len(target._server.joins) == 1
@@ -368,7 +371,7 @@ async def test_join_hello_in_pieces(make_agent, cut: int) -> None:
             accept = await within(protocol.recv_frame(loop, sock))
             assert isinstance(accept, metadata.Accept) and accept.name == target.name
             assert accept.proof == protocol.server_proof(
-                TOKEN, metadata_hello(hello).nonce, chal.nonce)
+                KEY, metadata_hello(hello).nonce, chal.nonce)
             assert target._server.joins.joined == 1
             await wait_conns(target, 1)
     await still_serves(make_agent, target.address, "dst", token=TOKEN)

@@ -83,7 +83,7 @@ async def test_accept_only_gets_the_accept_and_the_end(make_agent) -> None:
     try:
         accept = await within(protocol.client_handshake(
             loop, sock, name="raw", incarnation=1, purpose="meta",
-            token=auth.default_token(), accept_only=True,
+            token=auth.hmac_key(auth.default_token()), accept_only=True,
         ))
         assert (accept.name, accept.local) == (target.name, target._accept_msg.local)
         assert await within(loop.sock_recv(sock, 1)) == b""
@@ -120,7 +120,7 @@ async def test_deregistered_while_metadata_waits_closes(make_agent) -> None:
         await loop.sock_connect(sock, local.local_address(target._accept_msg.local))
         accept = await within(protocol.client_handshake(
             loop, sock, name="raw", incarnation=1, purpose="data",
-            token=auth.default_token(), meta=True,
+            token=auth.hmac_key(auth.default_token()), meta=True,
         ))
         assert accept.meta
         # The server took its snapshot in the step that sent Accept, and now

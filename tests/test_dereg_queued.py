@@ -184,7 +184,8 @@ async def _silent_connection(address: str) -> socket.socket:
     sock.setblocking(False)
     await within(loop.sock_connect(sock, (host, int(port))))
     await within(protocol.client_handshake(loop, sock, name="silent", incarnation=9,
-                                           purpose="data", token=auth.default_token()))
+                                           purpose="data",
+                                           token=auth.hmac_key(auth.default_token())))
     return sock
 
 

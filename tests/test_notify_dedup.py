@@ -34,7 +34,8 @@ async def data_connection(address: str, name: str = "resender") -> socket.socket
     sock.setblocking(False)
     await within(loop.sock_connect(sock, (host, int(port))))
     await within(protocol.client_handshake(loop, sock, name=name, incarnation=7,
-                                           purpose="data", token=auth.default_token()))
+                                           purpose="data",
+                                           token=auth.hmac_key(auth.default_token())))
     return sock
 
 

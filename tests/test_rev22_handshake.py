@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from conftest import within
 
-from aioxfer import AccessDenied, metadata, protocol
+from aioxfer import AccessDenied, auth, metadata, protocol
 
 MakeAgent = Callable[..., Awaitable[Any]]
 TOKEN = b"s3cret"
@@ -262,8 +262,9 @@ async def test_recorded_handshake_replayed_is_refused(make_agent: MakeAgent) -> 
 
 
 def _candidates(token: bytes, nonces: list[bytes], names: list[bytes]) -> set[bytes]:
-    """HMAC(token, context + nonces in any order + name): what a proof of
-    either protocol order is made of."""
+    """HMAC(token or its stretched key, context + nonces in any order +
+    name): what a proof of either protocol order (and either key, protocol
+    version 5 keys on auth.hmac_key) is made of."""
     out = set()
     contexts = [b"aioxfer-%s-v%d\x00" % (who, v) for who in (b"server", b"client", b"join")
                 for v in (1, 2)]
@@ -272,7 +273,8 @@ def _candidates(token: bytes, nonces: list[bytes], names: list[bytes]) -> set[by
             for order in itertools.permutations(nonces, k):
                 for name in [b"", *names]:
                     msg = ctx + b"".join(order) + name
-                    out.add(hmac.new(token, msg, hashlib.sha256).digest())
+                    for key in (token, auth.hmac_key(token)):
+                        out.add(hmac.new(key, msg, hashlib.sha256).digest())
     return out
 
 

@@ -64,7 +64,8 @@ async def recv_native(sock: socket.socket) -> tuple:
 
 
 async def data_connection(address: str, name: str = "raw", token: bytes | None = None):
-    token = token or auth.default_token()  # this user's: what a default agent expects
+    # this user's: what a default agent expects, as its key (hmac_key)
+    token = auth.hmac_key(token or auth.default_token())
     loop = asyncio.get_running_loop()
     sock = await raw_connect(address)
     await within(protocol.client_handshake(loop, sock, name=name, incarnation=7,
@@ -73,7 +74,7 @@ async def data_connection(address: str, name: str = "raw", token: bytes | None =
 
 
 async def region_meta(address: str, name: str, token: bytes | None = None):
-    token = token or auth.default_token()
+    token = auth.hmac_key(token or auth.default_token())
     loop = asyncio.get_running_loop()
     sock = await raw_connect(address)
     with sock:

@@ -171,7 +171,7 @@ async def test_bad_queue_pair_exchange_is_refused(verbs_provider: str, make_agen
     sock.setblocking(False)
     try:
         await within(client_handshake(loop, sock, name="rogue", incarnation=1, purpose="verbs",
-                                      token=auth.default_token()))
+                                      token=auth.hmac_key(auth.default_token())))
         await send_frame(loop, sock, VerbsConnect(qps=[VerbsQP(*q) for q in qps]))
         # Refused: the server closes; accepted (the last case): nothing moves.
         with contextlib.suppress(OSError, TimeoutError):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from aioxfer.auth import hmac_key
 from aioxfer.metadata import check_address
 
 __all__ = [
@@ -40,8 +41,9 @@ MAX_FRAME = 64 << 20
 # A listener request proves knowledge of the agent's token (the token of its
 # aioxfer agent, which every connection it makes needs anyway), as aioxfer's
 # own handshake does: the listener first sends LISTEN_NONCE fresh random
-# bytes; the client then sends the length, HMAC(token, len ctx + nonce +
-# length), the body, HMAC(token, body ctx + nonce + body). The first MAC is
+# bytes; the client then sends the length, HMAC(key, len ctx + nonce +
+# length), the body, HMAC(key, body ctx + nonce + body), key =
+# auth.hmac_key(token). The first MAC is
 # checked before the body is read, so a client without the token makes the
 # listener hold 4 + LISTEN_MAC bytes, not MAX_FRAME; the nonce makes a
 # recorded request useless on another connection. Replies are plain frames
@@ -62,11 +64,14 @@ MAX_LISTEN_CONNS = 64
 
 
 def listen_len_mac(token: bytes, nonce: bytes, head: bytes) -> bytes:
-    return hmac.new(token, _LISTEN_LEN_CTX + nonce + head, hashlib.sha256).digest()
+    # Keyed on the stretched token, as aioxfer's handshake (auth.hmac_key,
+    # cached: the agent derived it when it was made): a listener a client
+    # dials by mistake gets a MAC that costs a derivation per token guess.
+    return hmac.new(hmac_key(token), _LISTEN_LEN_CTX + nonce + head, hashlib.sha256).digest()
 
 
 def listen_body_mac(token: bytes, nonce: bytes, body: bytes) -> bytes:
-    return hmac.new(token, _LISTEN_BODY_CTX + nonce + body, hashlib.sha256).digest()
+    return hmac.new(hmac_key(token), _LISTEN_BODY_CTX + nonce + body, hashlib.sha256).digest()
 
 
 def listen_request(token: bytes, nonce: bytes, body: bytes) -> bytes:
