@@ -99,6 +99,7 @@ async def initiator(a: argparse.Namespace) -> None:
     assert p.stdout is not None and p.stdin is not None
     addr = p.stdout.readline().decode().strip()
     lat: list[int] = []
+    t0s: list[int] = []
     kw = {"progress": a.progress} if a.progress else {}
     async with aioxfer.Agent("t24-init", transports=("tcp",), **kw) as agent:
         local = agent.alloc(64 << 20, name="buf")
@@ -120,6 +121,7 @@ async def initiator(a: argparse.Namespace) -> None:
             t0 = mono()
             await xfer(ls, rs)
             lat.append(mono() - t0)
+            t0s.append(t0)
         wall = time.perf_counter() - w0
         pst = {k: getattr(po, k, 0) - pst0[k] for k in names}
         ru1, c1 = resource.getrusage(resource.RUSAGE_SELF), cpu_of(p.pid)
@@ -128,6 +130,10 @@ async def initiator(a: argparse.Namespace) -> None:
     p.stdin.flush()
     p.wait()
     n = len(lat)
+    if a.stamps:  # for benchmarks/tcp24_tail.py (perf_counter_ns is CLOCK_MONOTONIC, the trace's)
+        with open(a.stamps, "w") as f:
+            json.dump({"t0": t0s, "t1": [x + d for x, d in zip(t0s, lat, strict=True)],
+                       "init_pid": os.getpid(), "target_pid": p.pid}, f)
     s = sorted(x / 1e3 for x in lat)
     cpu = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime + c1 - c0
     iv, ii, ith = diff(ti0, ti1, n, wall)
@@ -189,6 +195,7 @@ def main() -> None:
     ap.add_argument("--secs", type=float, default=1.5)
     ap.add_argument("--progress", choices=["adaptive", "sleep", "poll"])
     ap.add_argument("--target-progress", choices=["adaptive", "sleep", "poll"])
+    ap.add_argument("--stamps", help="file for the per-request times (tcp24_tail.py)")
     ap.add_argument("--pythons", help="A,B,...: alternate these builds (see above)")
     ap.add_argument("--labels")
     ap.add_argument("--env", help="per build NAME=V,...; builds separated by ';'")
