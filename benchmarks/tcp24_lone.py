@@ -179,12 +179,12 @@ def pairs(a: argparse.Namespace) -> None:
         if not rs:
             continue
         med = {k: round(statistics.median(r[k] for r in rs), 3) for k in keys}
-        line = f"{labels[i]}: " + " ".join(f"{k}={v}" for k, v in med.items())
+        summary = f"{labels[i]}: " + " ".join(f"{k}={v}" for k, v in med.items())
         if i and res[0]:
             q = sorted(r["gbps"] / r0["gbps"] for r, r0 in zip(rs, res[0], strict=False))
-            line += f" | gbps/{labels[0]} median {statistics.median(q):.3f} " \
-                    f"[{q[0]:.2f}..{q[-1]:.2f}] {sum(x > 1 for x in q)}/{len(q)}"
-        print(line, flush=True)
+            summary += f" | gbps/{labels[0]} median {statistics.median(q):.3f} " \
+                   f"[{q[0]:.2f}..{q[-1]:.2f}] {sum(x > 1 for x in q)}/{len(q)}"
+        print(summary, flush=True)
 
 
 def main() -> None:
