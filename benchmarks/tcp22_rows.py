@@ -79,7 +79,8 @@ def systems(ns: argparse.Namespace) -> dict[str, tuple[str, str, list[str], dict
                      ["--prog-thread", "target"], {"UCX_TLS": "tcp"}),
     }
     if ns.b:
-        out["B"] = (ns.b, "bench_aioxfer.py", ["--transport", "tcp", "--label", "B"], {})
+        benv = dict(kv.split("=", 1) for kv in ns.b_env.split(",") if kv)
+        out["B"] = (ns.b, "bench_aioxfer.py", ["--transport", "tcp", "--label", "B"], benv)
     return {k: out[k] for k in ns.systems.split(",") if k in out}
 
 
@@ -146,6 +147,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--a", help="Python of build A (e.g. main's wheel venv)")
     ap.add_argument("--b", help="Python of build B")
+    ap.add_argument("--b-env", default="",
+                    help="NAME=V,... for build B only (tcp24: one wheel, a setting switched)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--first-round", type=int, default=0)
     ap.add_argument("--sizes", default=f"{64 * KiB},{MiB}")
