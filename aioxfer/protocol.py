@@ -61,7 +61,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import TypeGuard
+from typing import NoReturn, TypeGuard
 
 import msgspec
 
@@ -88,6 +88,7 @@ __all__ = [
     "FrameTooLarge",
     "HandshakeRejected",
     "Joins",
+    "OtherVersion",
     "client_handshake",
     "client_join_now",
     "client_proof",
@@ -166,14 +167,53 @@ async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: in
     return buf
 
 
+class OtherVersion(ProtocolError):
+    """A handshake frame none of ours decodes, from a peer that names
+    another protocol version in it (``version``): a version whose frames
+    changed shape is named, not reported as a malformed frame."""
+
+    def __init__(self, version: int, detail: str) -> None:
+        super().__init__(detail)
+        self.version = version
+
+
+def _other_version(body: bytes | bytearray | memoryview) -> int | None:
+    """The "version" field of a frame that did not decode as one of ours,
+    read leniently (any msgpack map), when it names a version other than
+    ours; else None. Only on that failure path: a handshake frame is at
+    most MAX_HANDSHAKE_FRAME bytes, so this costs the good path nothing."""
+    try:
+        obj = msgspec.msgpack.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    v = obj.get("version") if isinstance(obj, dict) else None
+    if isinstance(v, int) and not isinstance(v, bool) and v != PROTOCOL_VERSION:
+        return v
+    return None
+
+
 async def recv_frame(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, max_frame: int = MAX_FRAME
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    max_frame: int = MAX_FRAME,
+    *,
+    versioned: bool = False,
 ) -> Frame:
+    """One frame. versioned (the first frame of a handshake, either side):
+    one that does not decode but names another protocol version raises
+    OtherVersion."""
     head = await recv_exact(loop, sock, 4)
     n = int.from_bytes(head, "big")
     if n == 0 or n > max_frame:
         raise FrameTooLarge(f"frame length {n} is outside 1..{max_frame}")
-    return decode_body(await recv_exact(loop, sock, n))
+    body = await recv_exact(loop, sock, n)
+    try:
+        return decode_body(body)
+    except ProtocolError as exc:
+        v = _other_version(body) if versioned else None
+        if v is None:
+            raise
+        raise OtherVersion(v, str(exc)) from None
 
 
 async def send_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, msg: Frame) -> None:
@@ -412,7 +452,15 @@ async def _client_handshake(
         nonce, rest = sent
         if rest:
             await loop.sock_sendall(sock, rest)
-    server_nonce = _check_challenge(await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME), token)
+    try:
+        first = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, versioned=True)
+    except OtherVersion as exc:
+        # (e.g. a Challenge of a later version that changed shape: its
+        # version named, as _check_challenge names that of one we decode)
+        raise ProtocolError(
+            f"peer speaks protocol version {exc.version}, this agent {PROTOCOL_VERSION}"
+        ) from None
+    server_nonce = _check_challenge(first, token)
     msg: Frame | None = None
     if token is not None:
         if join is not None:
@@ -480,10 +528,12 @@ async def _server_handshake(
     """See server_handshake."""
     if nonce is None:
         nonce = server_greet_now(sock, token=token)
-    hello = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
+    try:
+        hello = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, versioned=True)
+    except OtherVersion as exc:  # a Hello of another version that changed shape
+        await _refuse_version(loop, sock, exc.version)
     if isinstance(hello, Hello) and hello.version != PROTOCOL_VERSION:
-        await _reject(loop, sock, f"protocol version {hello.version} is not {PROTOCOL_VERSION}")
-        raise ProtocolError(f"client speaks protocol version {hello.version}")
+        await _refuse_version(loop, sock, hello.version)
     hello = _check_hello(hello)
     if hello.purpose in ("data", "verbs") and hello.byteorder != sys.byteorder:
         await _reject(loop, sock, f"byte order {hello.byteorder} is not {sys.byteorder}")
@@ -524,6 +574,15 @@ async def _server_handshake(
     await _refuse(loop, sock, refuse)
     await send_frame(loop, sock, _proved(accept, token, hello.nonce, nonce))
     return hello
+
+
+async def _refuse_version(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, version: int
+) -> NoReturn:
+    """A client of another protocol version: a Reject naming both (its
+    agent raises AccessDenied with it), then ProtocolError here."""
+    await _reject(loop, sock, f"protocol version {version} is not {PROTOCOL_VERSION}")
+    raise ProtocolError(f"client speaks protocol version {version}")
 
 
 async def _refuse(

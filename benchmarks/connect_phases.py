@@ -25,6 +25,9 @@ PHASE_POOL_MIB=n: the target's region is n MiB, not 64 (a what-if: with a
 small one the shm row is the handshake without the pool's populate);
 PHASE_GC_KEEP=1: no gc.collect() before the clock (see _initiator). The
 collector's passes show as steps (I.gc0, T.gc1, ... by generation).
+I.cpu_process / I.cpu_loop_thread: the initiator's CPU time (rusage) over
+the connect + first write, its whole process and its loop's thread (shown
+as a step's duration; _sys: its kernel part).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import functools
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -211,6 +215,8 @@ async def _initiator(transport: str, address: str) -> None:
         # PHASE_GC_KEEP=1: as before (no collection first).
         if not os.environ.get("PHASE_GC_KEEP"):
             gc.collect()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        m0 = resource.getrusage(resource.RUSAGE_THREAD)
         t0 = time.monotonic_ns()
         peer = await agent.connect(address)
         t1 = time.monotonic_ns()
@@ -227,6 +233,17 @@ async def _initiator(transport: str, address: str) -> None:
         EVENTS.append(("I.write", t1, t2))
         EVENTS.append(("I.write_post", t1, tp))  # agent.write's synchronous part
         EVENTS.append(("TOTAL", t0, t2))
+        # CPU over the same window (rusage, µs resolution), as steps whose
+        # "duration" is CPU time: the process (its engine threads too) and
+        # the loop's thread alone. Near the TOTAL means the initiator's own
+        # work, not waiting for the target, is the window (conn24: ~1.2-1.3
+        # ms of the loop thread's CPU in a 1.4-1.9 ms window, warm agents).
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        m1 = resource.getrusage(resource.RUSAGE_THREAD)
+        for name, a, b in (("I.cpu_process", r0, r1), ("I.cpu_loop_thread", m0, m1)):
+            user, kernel = b.ru_utime - a.ru_utime, b.ru_stime - a.ru_stime
+            EVENTS.append((name, t0, t0 + int((user + kernel) * 1e9)))
+            EVENTS.append((name + "_sys", t0, t0 + int(kernel * 1e9)))
         for i in range(int(os.environ.get("PHASE_WRITES", "1")) - 1):  # the later writes
             if idle:
                 await asyncio.sleep(idle / 1000)
