@@ -252,6 +252,10 @@ typedef struct conn {
     sq_item *head, *tail;
     bool dead;               /* c->mu */
     bool sending;            /* c->mu: a thread is sending from this queue */
+    /* c->mu: a goodbye is owed (conn_say_bye found a frame partly sent, or
+     * the socket full): no frame starts any more; the sending thread says it
+     * once the stream is between frames, then the connection ends. */
+    bool bye_owed;
     atomic_bool down;        /* dead, as others see it without c->mu */
     atomic_bool stalled;     /* killed by stall detection */
     atomic_bool bye_heard;   /* initiator: the peer said goodbye on it (FL_BYE) */
@@ -626,10 +630,14 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
 int conn_launch(conn *c);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
-/* An accepted connection ends, its engine shutting down: a goodbye (a PING
- * with FL_BYE) goes first if the socket is at a frame boundary and takes it
- * now (never waits), so the initiator reports a close, not a loss. */
-void conn_say_bye(conn *c);
+/* An accepted connection ends, its engine closing: a goodbye (a PING with
+ * FL_BYE) goes first, so the initiator reports a close, not a loss. Said
+ * now if the stream is between frames and the socket takes it at once.
+ * Else, with owe, it is owed: the connection stays up (no new frame starts)
+ * until its sender finished the frame it is in and the goodbye went out
+ * (engine shutdown ends it anyway); without owe the connection ends now,
+ * the goodbye skipped (the peer sees a loss). */
+void conn_say_bye(conn *c, bool owe);
 /* What conn_spread leaves for after e->mu: frames it took off queues (to
  * release), groups it could not move (their unit to end, failed), the
  * endpoint's live connections (held) to wake, and the endpoint, held as a
