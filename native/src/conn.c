@@ -1421,7 +1421,9 @@ static void thread_exit(conn *c)
         pthread_mutex_unlock(&e->mu);
         if (c->ep)
             endpoint_conn_finished(e, c->ep);
-        else
+        else if (c->closed_slot) /* promised at conn_open: never lost */
+            cq_push_claimed(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
+        else /* a detached one (conn_detached): claims its slot now */
             cq_push(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
         conn_unref(c); /* the threads' reference */
     }
@@ -3218,8 +3220,19 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
         *status = AXF_E_LIMIT;
         return NULL;
     }
+    /* An accepted connection's end is told (AXF_CQ_CONN_CLOSED: the
+     * application drops what it keeps for the peer's tag): its ring slot is
+     * promised now, where a failure can still be returned, so the record is
+     * never lost to a ring that cannot grow. */
+    if (!ep && cq_reserve(e) != AXF_OK) {
+        close(fd);
+        *status = AXF_E_NOMEM;
+        return NULL;
+    }
     conn_priv *p = calloc(1, sizeof *p);
     if (!p) {
+        if (!ep)
+            cq_unreserve(e);
         close(fd);
         *status = AXF_E_NOMEM;
         return NULL;
@@ -3230,6 +3243,7 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     c->tag = tag;
     c->fd = fd;
     c->pidfd = -1;
+    c->closed_slot = !ep;
     pthread_mutex_init(&c->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -3292,6 +3306,8 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     e->conn_threads -= 2;
     pthread_mutex_unlock(&e->th_mu);
     close(fd);
+    if (c->closed_slot)
+        cq_unreserve(e); /* its end is never told: it never began */
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->room_cv);

@@ -244,9 +244,11 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
         return;
     }
     /* Records of these kinds had their slot promised when their object was
-     * made (a post, an endpoint, a region): they always fit. The others (a
-     * log, a peer's notification, a connection closed, a rail down) claim
-     * one now; if the ring cannot grow they are lost, counted and noted. */
+     * made (a post, an endpoint, a region): they always fit, as do those
+     * pushed by cq_push_claimed (a peer's notification, an accepted
+     * connection's end). The others (a log, a rail down, a detached
+     * connection's end) claim one now; if the ring cannot grow they are
+     * lost, counted and noted. */
     bool promised =
         kind == AXF_CQ_XFER || kind == AXF_CQ_PEER_LOST || kind == AXF_CQ_REGION_FREED;
     if (!promised && cq_reserve(e) != AXF_OK) {

@@ -256,6 +256,9 @@ typedef struct conn {
      * the socket full): no frame starts any more; the sending thread says it
      * once the stream is between frames, then the connection ends. */
     bool bye_owed;
+    /* Accepted by conn_open: its AXF_CQ_CONN_CLOSED's ring slot is promised
+     * (cq_reserve), pushed claimed by its last thread's exit. */
+    bool closed_slot;
     atomic_bool down;        /* dead, as others see it without c->mu */
     atomic_bool stalled;     /* killed by stall detection */
     atomic_bool bye_heard;   /* initiator: the peer said goodbye on it (FL_BYE) */
@@ -508,7 +511,8 @@ void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...) __attribute__((fo
 int cq_reserve(axf_engine *e);
 void cq_unreserve(axf_engine *e);
 /* A record whose slot its producer claimed itself with cq_reserve, before
- * committing to it (conn.c: a peer's notification, before acknowledging it). */
+ * committing to it (conn.c: a peer's notification, before acknowledging it;
+ * an accepted connection's AXF_CQ_CONN_CLOSED, at conn_open). */
 void cq_push_claimed(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
                      uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);
 region *region_get(axf_engine *e, uint64_t id); /* with e->mu held; takes a ref */
