@@ -202,6 +202,10 @@ typedef struct axf_stats {
                                    notifications (their credit is given back), accepted
                                    connections' closes, rails down. Logged once a second
                                    at most (an AXF_CQ_LOG record of its own). */
+    uint64_t helped;            /* tcp replies (acknowledgements, READ responses, a lone
+                                   READ's response up to 1 MiB as it arrives) read off the
+                                   socket by the thread awaiting them, not by the
+                                   connection's receiver (axf_wait's spin) */
 } axf_stats;
 
 axf_engine *axf_engine_create(const axf_config *cfg);

@@ -578,6 +578,7 @@ void axf_engine_stats(axf_engine *e, axf_stats *s)
     s->frames_rejected = atomic_load(&e->rejected);
     s->conns_refused = atomic_load(&e->conns_refused);
     s->cq_dropped = atomic_load(&e->cq_dropped);
+    s->helped = atomic_load(&e->helped);
     s->held_conns = atomic_load(&e->held_conns);
     pthread_mutex_lock(&e->mu);
     s->quarantined = e->quarantined;

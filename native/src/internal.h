@@ -412,7 +412,7 @@ struct axf_engine {
     pthread_mutex_t help_mu;
     struct conn *help[AXF_HELP_MAX];
     atomic_int nhelp;
-    atomic_ullong helped; /* replies a spinner read (the tests see it) */
+    atomic_ullong helped; /* replies a spinner read (axf_stats helped) */
 
 
     pthread_mutex_t th_mu;
