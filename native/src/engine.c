@@ -432,25 +432,81 @@ static const char *const env_names[AXF_ENV_N] = {
     [AXF_ENV_INLINE_BYTES] = "AIOXFER_INLINE_BYTES",
 };
 
+/* The variables read through axf_env_value (process-wide, into a buffer of
+ * AXF_ENV_VAL_MAX): a longer value is ignored there, and logged by engines. */
+#define ENV_PROCESS_WIDE                                                                   \
+    ((1u << AXF_ENV_CUDA_DRIVER) | (1u << AXF_ENV_TCP_TRACE) | (1u << AXF_ENV_SHM_LAZY_MIN) | \
+     (1u << AXF_ENV_WAKE_NS) | (1u << AXF_ENV_COPY_MBPS) | (1u << AXF_ENV_INLINE_BYTES))
+
+/* One snapshot. Each engine carried 17 slots of 512 bytes (8.7 KiB), and a
+ * value of 512 bytes or more read as unset, silently: now the values are
+ * packed at their lengths (NUL-terminated) in one block, made once per
+ * distinct environment (interned: an unchanged environment read again, as
+ * before every Python engine, reuses its block) and never freed, so an
+ * engine, a probe, a copy on the stack point at it without owning it. The
+ * blocks number the distinct environments the process read. */
+struct axf_env_block {
+    struct axf_env_block *next; /* env_mu: the interned list */
+    uint32_t set;               /* bit k: variable k was set */
+    uint32_t off[AXF_ENV_N], len[AXF_ENV_N];
+    size_t size; /* bytes of data */
+    char data[];
+};
+
 /* The process's snapshot: taken by axf_env_read (each call), or by an
  * engine's creation or a process-wide reader when nobody has called it. */
 static pthread_mutex_t env_mu = PTHREAD_MUTEX_INITIALIZER;
-static axf_env env_snap;
+static struct axf_env_block *env_blocks; /* every one made */
+static const struct axf_env_block *env_cur;
 static bool env_taken, env_explicit;
 
 static void env_snapshot(void) /* env_mu held: the only getenv of the library */
 {
-    env_snap.set = 0;
+    const char *v[AXF_ENV_N];
+    uint32_t len[AXF_ENV_N], set = 0;
+    size_t size = 0;
     for (int k = 0; k < AXF_ENV_N; k++) {
-        const char *v = getenv(env_names[k]);
-        size_t n = v ? strlen(v) : 0;
-        env_snap.val[k][0] = 0;
-        if (!v || n >= AXF_ENV_VAL_MAX)
-            continue;
-        memcpy(env_snap.val[k], v, n + 1);
-        env_snap.set |= 1u << k;
+        v[k] = getenv(env_names[k]);
+        size_t n = v[k] ? strlen(v[k]) : 0;
+        if (n > UINT32_MAX - 1)
+            v[k] = NULL; /* (not reached: the kernel caps a variable far below) */
+        len[k] = v[k] ? (uint32_t)n : 0;
+        if (v[k]) {
+            set |= 1u << k;
+            size += n + 1;
+        }
     }
     env_taken = true;
+    for (struct axf_env_block *b = env_blocks; b; b = b->next) {
+        if (b->set != set || b->size != size)
+            continue;
+        int k = 0;
+        while (k < AXF_ENV_N &&
+               (!(set & (1u << k)) ||
+                (b->len[k] == len[k] && memcmp(b->data + b->off[k], v[k], len[k]) == 0)))
+            k++;
+        if (k == AXF_ENV_N) {
+            env_cur = b;
+            return;
+        }
+    }
+    struct axf_env_block *b = malloc(sizeof *b + size);
+    if (!b) /* the previous snapshot stays (none: nothing set) */
+        return;
+    b->set = set;
+    b->size = size;
+    size_t at = 0;
+    for (int k = 0; k < AXF_ENV_N; k++) {
+        b->off[k] = (uint32_t)at;
+        b->len[k] = len[k];
+        if (!(set & (1u << k)))
+            continue;
+        memcpy(b->data + at, v[k], len[k] + 1);
+        at += len[k] + 1;
+    }
+    b->next = env_blocks;
+    env_blocks = b;
+    env_cur = b;
 }
 
 void axf_env_read(void)
@@ -466,13 +522,14 @@ void axf_env_take(axf_env *out, bool creating)
     pthread_mutex_lock(&env_mu);
     if (!env_taken || (creating && !env_explicit))
         env_snapshot();
-    memcpy(out, &env_snap, sizeof *out);
+    out->b = env_cur;
     pthread_mutex_unlock(&env_mu);
 }
 
 const char *axf_env_get(const axf_env *env, int which)
 {
-    return env->set & (1u << which) ? env->val[which] : NULL;
+    const struct axf_env_block *b = env->b;
+    return b && (b->set & (1u << which)) ? b->data + b->off[which] : NULL;
 }
 
 bool axf_env_value(int which, char *out)
@@ -480,10 +537,26 @@ bool axf_env_value(int which, char *out)
     pthread_mutex_lock(&env_mu);
     if (!env_taken)
         env_snapshot();
-    bool set = env_snap.set & (1u << which);
-    memcpy(out, env_snap.val[which], AXF_ENV_VAL_MAX);
+    const struct axf_env_block *b = env_cur;
+    bool set = b && (b->set & (1u << which)) && b->len[which] < AXF_ENV_VAL_MAX;
+    if (set)
+        memcpy(out, b->data + b->off[which], b->len[which] + 1);
+    else
+        out[0] = 0;
     pthread_mutex_unlock(&env_mu);
     return set;
+}
+
+/* A new engine's log: each process-wide value of its snapshot too long for
+ * its readers (ignored there: their defaults apply). Said per engine (the
+ * application sees it wherever it looks), not dropped silently. */
+static void env_check(axf_engine *e)
+{
+    const struct axf_env_block *b = e->env.b;
+    for (int k = 0; b && k < AXF_ENV_N; k++)
+        if ((ENV_PROCESS_WIDE & b->set & (1u << k)) && b->len[k] >= AXF_ENV_VAL_MAX)
+            cq_log(e, 0, "environment: %s is %u bytes long, more than the %d it may have: ignored",
+                   env_names[k], (unsigned)b->len[k], AXF_ENV_VAL_MAX - 1);
 }
 
 /* ---------------------------------------------------------------- engine */
@@ -560,6 +633,7 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     }
     e->watch_started = true;
     drop_note_arm(e); /* if it cannot be held now, the first poll that frees a slot does */
+    env_check(e);
     return e;
 }
 

@@ -346,10 +346,17 @@ enum {
     AXF_ENV_INLINE_BYTES,
     AXF_ENV_N
 };
-#define AXF_ENV_VAL_MAX 512 /* a longer value counts as unset */
+/* The most a process-wide value may have, its NUL included (axf_env_value's
+ * out: a path, PATH_MAX); a longer one is ignored there, and every engine
+ * created with it logs so (engine.c env_check). */
+#define AXF_ENV_VAL_MAX 4096
+/* A snapshot (engine.c): one block per distinct environment, each value at
+ * its length, immutable and kept for the process's life, so that a copy of
+ * an axf_env is a pointer, owned by nobody (engines, probes: no release).
+ * NULL: nothing set. */
+struct axf_env_block;
 typedef struct axf_env {
-    uint32_t set; /* bit k: variable k was set */
-    char val[AXF_ENV_N][AXF_ENV_VAL_MAX];
+    const struct axf_env_block *b;
 } axf_env;
 /* A copy of the process's snapshot (taken now when none was). `creating`:
  * an engine's creation, which takes a fresh one while nobody has called
@@ -359,8 +366,9 @@ void axf_env_take(axf_env *out, bool creating);
 /* Variable `which` of `env`, NULL when unset. */
 const char *axf_env_get(const axf_env *env, int which);
 /* One value of the process's snapshot, copied into out[AXF_ENV_VAL_MAX]
- * (taken now when none was); false when unset. For the process-wide
- * settings (the CUDA driver's path, the trace directory, shm's). */
+ * (taken now when none was); false when unset, or too long for out (logged
+ * by engines: engine.c env_check). For the process-wide settings (the CUDA
+ * driver's path, the trace directory, shm's). */
 bool axf_env_value(int which, char *out);
 /* shm.c: the process-wide settings read from the first snapshot, once. */
 
