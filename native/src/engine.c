@@ -357,8 +357,16 @@ size_t axf_wait_ex(axf_engine *e, uint32_t max_us, uint32_t flags)
                 /* The completion comes from a thread that may share this
                  * CPU (few cores, or a busy host): let it run. */
                 sched_yield();
-                if (axf_now_us() >= until)
+                if (axf_now_us() >= until) {
+                    /* What the yield let arrive (often: a preempted spin
+                     * gets the CPU back once the peer answered) is read
+                     * here, not by a receiver woken as we leave: one
+                     * wake-up fewer for that request. */
+                    if (!atomic_load_explicit(&e->cq_ready, memory_order_acquire))
+                        (void)conn_help(e);
+                    n = atomic_load_explicit(&e->cq_ready, memory_order_acquire);
                     break;
+                }
             }
         }
         /* Leaving: a push that saw us skipped its eventfd write, so we
