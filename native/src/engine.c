@@ -176,9 +176,20 @@ enum { DROP_NOTE_NONE, DROP_NOTE_ARMING, DROP_NOTE_ARMED };
 static void drop_note_arm(axf_engine *e)
 {
     int none = DROP_NOTE_NONE;
-    if (axf_now_ms() - atomic_load(&e->drop_note_ms) < DROP_NOTE_EVERY_MS ||
-        !atomic_compare_exchange_strong(&e->drop_note, &none, DROP_NOTE_ARMING))
+    if (axf_now_ms() - atomic_load(&e->drop_note_ms) < DROP_NOTE_EVERY_MS)
         return;
+    if (e->faults && e->faults->drop_note_gap) /* (test only) */
+        e->faults->drop_note_gap(e->faults->arg);
+    if (!atomic_compare_exchange_strong(&e->drop_note, &none, DROP_NOTE_ARMING))
+        return;
+    /* Again, the note ours: the look above may predate a note taken since
+     * (another poll re-armed it, a drop used it): the NONE claimed here is
+     * then that drop's, stored after its time, so this load sees it. Else
+     * re-armed at once, the next drop logged a second line that second. */
+    if (axf_now_ms() - atomic_load(&e->drop_note_ms) < DROP_NOTE_EVERY_MS) {
+        atomic_store(&e->drop_note, DROP_NOTE_NONE);
+        return;
+    }
     char *buf = e->drop_note_buf ? e->drop_note_buf : malloc(DROP_NOTE_LEN);
     if (!buf || cq_reserve(e) != AXF_OK) {
         e->drop_note_buf = buf;

@@ -497,6 +497,10 @@ typedef struct axf_faults {
      * started): the window in which everything else may happen. */
     void (*spread_gap)(void *arg);
     void *arg;
+    /* Called in axf_poll's re-arming of the drop note (engine.c
+     * drop_note_arm) once it found the last note a second old, before it
+     * claims the note: where another poll and a drop may run. */
+    void (*drop_note_gap)(void *arg);
 } axf_faults;
 
 /* engine.c */
