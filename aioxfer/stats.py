@@ -114,6 +114,11 @@ class AgentStatistics:
     # peers' notifications, connection closes, rails down, log lines. Each
     # loss is also logged (engine.log, at most once a second).
     records_lost: int = 0
+    # tcp replies (acknowledgements, READ responses: a lone READ's up to
+    # 1 MiB as it arrives) that the thread awaiting the transfer read off the
+    # socket itself, a thread hand-off fewer each, instead of the
+    # connection's receiver.
+    replies_read_by_waiter: int = 0
 
 
 def agent_statistics(
@@ -146,4 +151,5 @@ def agent_statistics(
         frames_rejected=native.get("frames_rejected", 0),
         pinned_regions=pinned_regions,
         records_lost=native.get("cq_dropped", 0),
+        replies_read_by_waiter=native.get("helped", 0),
     )

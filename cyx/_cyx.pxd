@@ -110,6 +110,7 @@ cdef extern from "aioxfer.h" nogil:
         uint64_t held_conns
         uint64_t conns_refused
         uint64_t cq_dropped
+        uint64_t helped
 
     axf_engine *axf_engine_create(const axf_config *cfg)
     int axf_engine_fd(axf_engine *e)

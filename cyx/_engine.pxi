@@ -1119,6 +1119,7 @@ cdef class Engine:
             "held_conns": s.held_conns,
             "conns_refused": s.conns_refused,
             "cq_dropped": s.cq_dropped,
+            "helped": s.helped,
         }
 
 

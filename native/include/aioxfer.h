@@ -202,6 +202,10 @@ typedef struct axf_stats {
                                    notifications (their credit is given back), accepted
                                    connections' closes, rails down. Logged once a second
                                    at most (an AXF_CQ_LOG record of its own). */
+    uint64_t helped;            /* tcp replies (acknowledgements, READ responses, a lone
+                                   READ's response up to 1 MiB as it arrives) read off the
+                                   socket by the thread awaiting them, not by the
+                                   connection's receiver (axf_wait's spin) */
 } axf_stats;
 
 axf_engine *axf_engine_create(const axf_config *cfg);
@@ -303,7 +307,8 @@ int axf_endpoint_close(axf_engine *e, uint64_t ep);
  * the engine from the call on. With it, revocations sent on this connection
  * settle only when acknowledged, when the peer says goodbye, or when that
  * process exits: not when the socket closes. -1 for tcp. AXF_E_LIMIT beyond
- * max_conns. */
+ * max_conns; AXF_E_NOMEM when the completion ring cannot hold the record of
+ * its end (AXF_CQ_CONN_CLOSED, promised now as a post's is). */
 int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd);
 /* The application consumed n notifications that arrived on connections
  * tagged tag: their receivers may read again (see max_notify_per_conn). */

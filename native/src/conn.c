@@ -584,18 +584,40 @@ void conn_kill(conn *c)
     pthread_mutex_unlock(&c->mu);
 }
 
-void conn_say_bye(conn *c)
+/* c->mu held: a frame is partly on the wire (a thread sending, the head
+ * frame partly sent and left for the sending thread, or its bytes in the
+ * splice pipe): nothing else may go on the stream until it is whole. */
+static bool conn_mid_frame(const conn *c)
+{
+    return c->sending || (c->head && c->head->sent) || ((const conn_priv *)c)->spl_in;
+}
+
+void conn_say_bye(conn *c, bool owe)
 {
     pthread_mutex_lock(&c->mu);
-    /* Nobody sending and the head frame untouched: the stream is between
-     * frames. Otherwise (or if the socket takes only part of it) the peer
-     * sees the connection end as before: a loss. */
-    if (!c->dead && c->fd >= 0 && !c->sending && !(c->head && c->head->sent)) {
+    if (!c->dead && c->fd >= 0 && !conn_mid_frame(c)) {
+        /* Between frames: the goodbye now, if the socket takes it whole. */
         wire_hdr h;
         ka_ping_frame(c, &h);
         h.flags = FL_BYE;
-        (void)send(c->fd, &h, sizeof h, MSG_DONTWAIT | MSG_NOSIGNAL);
+        ssize_t r = send(c->fd, &h, sizeof h, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r == (ssize_t)sizeof h || !owe || r > 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+            goto dead;
+        /* The socket is full (a reply just written, a slow reader): owed,
+         * for the sending thread to say as soon as there is room. */
+    } else if (c->dead || c->fd < 0 || !owe) {
+        goto dead; /* (the goodbye skipped: the peer sees a loss) */
     }
+    /* A frame partly sent, or no room: the goodbye is owed. Its sender (or
+     * the sending thread, woken) finishes the frame, starts no other, and
+     * says it (tx_main); the connection ends then. Waiting here instead
+     * (bye_network's grace) left the peer a loss whenever the frame took
+     * longer: a large response to a slow reader. */
+    c->bye_owed = true;
+    tx_wake(c);
+    pthread_mutex_unlock(&c->mu);
+    return;
+dead:
     conn_mark_dead(c);
     pthread_cond_signal(&c->cv);
     pthread_mutex_unlock(&c->mu);
@@ -1399,7 +1421,9 @@ static void thread_exit(conn *c)
         pthread_mutex_unlock(&e->mu);
         if (c->ep)
             endpoint_conn_finished(e, c->ep);
-        else
+        else if (c->closed_slot) /* promised at conn_open: never lost */
+            cq_push_claimed(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
+        else /* a detached one (conn_detached): claims its slot now */
             cq_push(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
         conn_unref(c); /* the threads' reference */
     }
@@ -1431,6 +1455,10 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
     uint64_t bytes = 0, cap = 0; /* cap: send no more than this (0: all) */
     while (c->head && n < TX_BATCH && !cap) {
         sq_item *it = c->head;
+        /* A goodbye owed: only the rest of a frame partly sent goes, then
+         * the goodbye (tx_main); no other frame starts. */
+        if (c->bye_owed && (n || !(it->sent || p->spl_in)))
+            break;
         uint64_t size = item_size(it) - it->sent;
         int need = 2 + (int)it->h.nseg; /* iovecs it takes at most */
         if (n && (nv + need > TX_IOV || bytes >= TX_BATCH_BYTES))
@@ -1544,6 +1572,8 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         ka_send_failed(c, r); /* before it is marked dead */
         conn_mark_dead(c);
     }
+    if (c->bye_owed && !c->dead && !conn_mid_frame(c))
+        tx_wake(c); /* the frame is out: the sending thread says the goodbye */
     if (c->dead) /* the sending thread may be waiting for us to leave */
         pthread_cond_broadcast(&c->cv);
     return r;
@@ -1573,6 +1603,27 @@ void conn_kick(conn *c)
     release_list(c->e, done);
 }
 
+/* The owed goodbye (conn_say_bye), c->mu held, the stream between frames
+ * and nobody sending: said on the sending thread, waiting for room as a
+ * frame does (bounded as a frame's send is: a peer that neither reads nor
+ * pings, or the engine's shutdown, ends it), then the connection ends. */
+static void bye_owed_send(conn *c)
+{
+    c->bye_owed = false;
+    c->sending = true; /* nothing else goes on the stream meanwhile */
+    pthread_mutex_unlock(&c->mu);
+    wire_hdr h;
+    ka_ping_frame(c, &h);
+    h.flags = FL_BYE;
+    struct iovec v = {.iov_base = &h, .iov_len = sizeof h};
+    uint64_t sent = 0;
+    (void)send_iov(c, &v, 1, false, &sent);
+    pthread_mutex_lock(&c->mu);
+    c->sending = false;
+    conn_mark_dead(c);
+    pthread_cond_broadcast(&c->cv); /* an inline sender waiting to leave */
+}
+
 static void *tx_main(void *arg)
 {
     conn *c = arg;
@@ -1581,6 +1632,10 @@ static void *tx_main(void *arg)
     pthread_mutex_lock(&c->mu);
     ka_restart(c);
     while (!c->dead) {
+        if (c->bye_owed && !conn_mid_frame(c)) {
+            bye_owed_send(c); /* the connection ends with it */
+            break;
+        }
         if (atomic_load(&c->flush_close) && !c->head && !c->sending) {
             conn_mark_dead(c); /* the goodbye is out: nothing follows it */
             break;
@@ -3165,8 +3220,19 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
         *status = AXF_E_LIMIT;
         return NULL;
     }
+    /* An accepted connection's end is told (AXF_CQ_CONN_CLOSED: the
+     * application drops what it keeps for the peer's tag): its ring slot is
+     * promised now, where a failure can still be returned, so the record is
+     * never lost to a ring that cannot grow. */
+    if (!ep && cq_reserve(e) != AXF_OK) {
+        close(fd);
+        *status = AXF_E_NOMEM;
+        return NULL;
+    }
     conn_priv *p = calloc(1, sizeof *p);
     if (!p) {
+        if (!ep)
+            cq_unreserve(e);
         close(fd);
         *status = AXF_E_NOMEM;
         return NULL;
@@ -3177,6 +3243,7 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     c->tag = tag;
     c->fd = fd;
     c->pidfd = -1;
+    c->closed_slot = !ep;
     pthread_mutex_init(&c->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -3239,6 +3306,8 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     e->conn_threads -= 2;
     pthread_mutex_unlock(&e->th_mu);
     close(fd);
+    if (c->closed_slot)
+        cq_unreserve(e); /* its end is never told: it never began */
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     pthread_cond_destroy(&c->room_cv);

@@ -252,6 +252,13 @@ typedef struct conn {
     sq_item *head, *tail;
     bool dead;               /* c->mu */
     bool sending;            /* c->mu: a thread is sending from this queue */
+    /* c->mu: a goodbye is owed (conn_say_bye found a frame partly sent, or
+     * the socket full): no frame starts any more; the sending thread says it
+     * once the stream is between frames, then the connection ends. */
+    bool bye_owed;
+    /* Accepted by conn_open: its AXF_CQ_CONN_CLOSED's ring slot is promised
+     * (cq_reserve), pushed claimed by its last thread's exit. */
+    bool closed_slot;
     atomic_bool down;        /* dead, as others see it without c->mu */
     atomic_bool stalled;     /* killed by stall detection */
     atomic_bool bye_heard;   /* initiator: the peer said goodbye on it (FL_BYE) */
@@ -339,10 +346,17 @@ enum {
     AXF_ENV_INLINE_BYTES,
     AXF_ENV_N
 };
-#define AXF_ENV_VAL_MAX 512 /* a longer value counts as unset */
+/* The most a process-wide value may have, its NUL included (axf_env_value's
+ * out: a path, PATH_MAX); a longer one is ignored there, and every engine
+ * created with it logs so (engine.c env_check). */
+#define AXF_ENV_VAL_MAX 4096
+/* A snapshot (engine.c): one block per distinct environment, each value at
+ * its length, immutable and kept for the process's life, so that a copy of
+ * an axf_env is a pointer, owned by nobody (engines, probes: no release).
+ * NULL: nothing set. */
+struct axf_env_block;
 typedef struct axf_env {
-    uint32_t set; /* bit k: variable k was set */
-    char val[AXF_ENV_N][AXF_ENV_VAL_MAX];
+    const struct axf_env_block *b;
 } axf_env;
 /* A copy of the process's snapshot (taken now when none was). `creating`:
  * an engine's creation, which takes a fresh one while nobody has called
@@ -352,8 +366,9 @@ void axf_env_take(axf_env *out, bool creating);
 /* Variable `which` of `env`, NULL when unset. */
 const char *axf_env_get(const axf_env *env, int which);
 /* One value of the process's snapshot, copied into out[AXF_ENV_VAL_MAX]
- * (taken now when none was); false when unset. For the process-wide
- * settings (the CUDA driver's path, the trace directory, shm's). */
+ * (taken now when none was); false when unset, or too long for out (logged
+ * by engines: engine.c env_check). For the process-wide settings (the CUDA
+ * driver's path, the trace directory, shm's). */
 bool axf_env_value(int which, char *out);
 /* shm.c: the process-wide settings read from the first snapshot, once. */
 
@@ -405,7 +420,7 @@ struct axf_engine {
     pthread_mutex_t help_mu;
     struct conn *help[AXF_HELP_MAX];
     atomic_int nhelp;
-    atomic_ullong helped; /* replies a spinner read (the tests see it) */
+    atomic_ullong helped; /* replies a spinner read (axf_stats helped) */
 
 
     pthread_mutex_t th_mu;
@@ -482,6 +497,10 @@ typedef struct axf_faults {
      * started): the window in which everything else may happen. */
     void (*spread_gap)(void *arg);
     void *arg;
+    /* Called in axf_poll's re-arming of the drop note (engine.c
+     * drop_note_arm) once it found the last note a second old, before it
+     * claims the note: where another poll and a drop may run. */
+    void (*drop_note_gap)(void *arg);
 } axf_faults;
 
 /* engine.c */
@@ -504,7 +523,8 @@ void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...) __attribute__((fo
 int cq_reserve(axf_engine *e);
 void cq_unreserve(axf_engine *e);
 /* A record whose slot its producer claimed itself with cq_reserve, before
- * committing to it (conn.c: a peer's notification, before acknowledging it). */
+ * committing to it (conn.c: a peer's notification, before acknowledging it;
+ * an accepted connection's AXF_CQ_CONN_CLOSED, at conn_open). */
 void cq_push_claimed(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
                      uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);
 region *region_get(axf_engine *e, uint64_t id); /* with e->mu held; takes a ref */
@@ -626,10 +646,14 @@ conn *conn_start(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
 conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status);
 int conn_launch(conn *c);
 void conn_enqueue(conn *c, sq_item *it, bool signal); /* callers may hold e->mu */
-/* An accepted connection ends, its engine shutting down: a goodbye (a PING
- * with FL_BYE) goes first if the socket is at a frame boundary and takes it
- * now (never waits), so the initiator reports a close, not a loss. */
-void conn_say_bye(conn *c);
+/* An accepted connection ends, its engine closing: a goodbye (a PING with
+ * FL_BYE) goes first, so the initiator reports a close, not a loss. Said
+ * now if the stream is between frames and the socket takes it at once.
+ * Else, with owe, it is owed: the connection stays up (no new frame starts)
+ * until its sender finished the frame it is in and the goodbye went out
+ * (engine shutdown ends it anyway); without owe the connection ends now,
+ * the goodbye skipped (the peer sees a loss). */
+void conn_say_bye(conn *c, bool owe);
 /* What conn_spread leaves for after e->mu: frames it took off queues (to
  * release), groups it could not move (their unit to end, failed), the
  * endpoint's live connections (held) to wake, and the endpoint, held as a
