@@ -49,6 +49,8 @@ _AGENT_COUNTERS = (
     ("native_bytes", "native_bytes", "Bytes the engine moved"),
     ("frames_rejected", "frames_rejected", "Malformed or unauthorised frames the engine dropped"),
     ("records_lost", "records_lost", "Completion records lost: the ring full and out of memory"),
+    ("replies_read_by_waiter", "replies_read_by_waiter",
+     "tcp replies the awaiting thread read off the socket itself"),
 )
 _AGENT_GAUGES = (
     ("in_flight", "in_flight", "Transfers posted and not yet finished"),
