@@ -34,8 +34,7 @@ redirects) and sent with aiohttp, following no redirect
 (tests/test_obj18b_redirects.py), each retried within the retry budget;
 its parts go from the caller's memory (or the owned copy), up to 4 at once.
 That needs credentials we can sign with: static ones (given, or from the
-environment), or a ``credential_provider`` (below), asked for them by each
-request (cached until 5 minutes before they expire). With credentials
+environment), or a ``credential_provider`` (below). With credentials
 obstore finds itself (instance metadata, web identity: it keeps their
 secret to itself) obstore's multipart upload is used, which follows a
 redirect of those requests; such a source can be brought onto our own
@@ -59,6 +58,19 @@ the attempt before it is known to be over (refused, or answered); a PUT
 whose outcome is unknown (its connection cut, a timeout) is checked with a
 HEAD and otherwise fails, never sent twice at once (ObjectRegion._put_single),
 unless ``resend_unknown_puts`` (below) says otherwise.
+
+Single PUTs are obstore's requests, not ours: ``part_md5`` and
+``min_rate`` do not apply to them. Their bounds are obstore's client's:
+``connect_timeout``, and ``read_timeout`` counted from the request's start
+until its answer begins, the sending of its body included (measured: an 8 MiB PUT to a server reading
+request bodies at 128 KiB/s, twice ``min_rate``, failed after 15.0 s, the
+read_timeout, its outcome unknown), within obstore's own whole-request
+limit (its default, 30 s). So a single PUT must reach the store in
+``read_timeout``: one of ``part_size`` bytes needs a link of at least
+``part_size / read_timeout`` (8 MiB / 15 s: 0.56 MB/s), where our own
+requests (a multipart upload's parts of the same size) need ``min_rate``.
+On slower links raise ``read_timeout`` (it also bounds each read of our
+GETs and HEADs) or lower ``part_size`` to 5 MiB.
 
 Options of ``register_objects`` (beside the endpoint and credentials):
 
@@ -100,12 +112,24 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   UNSIGNED-PAYLOAD, and the MD5 costs CPU (hashlib's MD5 ran at 0.26 GB/s
   per core here, hashed on a worker thread beside the sends; measured cost
   in benchmarks/object_bench.py --part-md5). Over https, TLS already
-  protects the bytes on the way. Single PUTs (obstore's) are not covered;
+  protects the bytes on the way. Single PUTs (obstore's: objects of up to
+  ``part_size`` bytes, and conditional creates) are not covered (below);
 - ``credential_provider`` (None): obstore's S3CredentialProvider (a
   callable answering, or returning an awaitable of, a dict with
   access_key_id, secret_access_key, token, expires_at), instead of the
-  keys: obstore signs with it, and so does our own multipart upload
-  (no redirect followed, the token sent only to the endpoint);
+  keys: obstore signs with what it answers, and so does our own multipart
+  upload (no redirect followed, the token sent only to the endpoint). One
+  cache serves both (obstore is handed it as its provider: _Provided), so
+  the provider is asked once per refresh: until ``refresh_threshold`` (the
+  provider's attribute, a timedelta, as obstore reads it; else 5 minutes)
+  before ``expires_at``, or for half of the time left of credentials that
+  already expire within that threshold; ``expires_at`` None: until
+  refused. A request refused with them (401/403: expired, rotated or
+  revoked credentials) drops them and is sent once more with what the
+  provider answers then (once: credentials that are refused again fail
+  with AccessDenied). ``expires_at`` must be an aware datetime
+  (``datetime.now(UTC) + ...``): a naive one is refused (AccessDenied), as
+  obstore refuses it;
 - ``resend_unknown_puts`` (False): a single PUT whose outcome is unknown (a
   reset or cut connection after the request went out, a read timeout, a
   gateway's 502 or 504) and whose object a HEAD then does not find with its
@@ -502,7 +526,9 @@ class ObjectRegion(BackendRegion):
 
     async def aclose(self) -> None:
         """Forgets the region and closes its HTTP connections: its reads in
-        flight fail with ClosedResourceError, its writes in flight finish.
+        flight fail with ClosedResourceError, its writes in flight finish
+        (a multipart one with its HEAD check: they end before the session
+        closes).
         Idempotent. A cancel of aclose is not a way to leave the connections
         open: cancelled while multipart uploads still run (they send through
         the session, their abort too), the session is closed when the last
