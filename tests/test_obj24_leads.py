@@ -244,3 +244,19 @@ async def test_naive_expires_at_refused(make_agent: MakeAgent, s3: S3Server) -> 
     src = agent.alloc(12 * MiB)
     with pytest.raises(AccessDenied, match="time zone"):
         await within(agent.write(src[:], objs["k"]), 30)
+
+
+async def test_failing_provider_is_access_denied(make_agent: MakeAgent, s3: S3Server) -> None:
+    # its error typed as obstore types it (Unauthenticated: AccessDenied)
+    # for every request, ours included; its text kept
+    agent = await make_agent("o")
+
+    def broken() -> Any:
+        raise RuntimeError("no route to the credential service")
+
+    objs = provided(agent, s3, broken)  # type: ignore[arg-type]
+    with pytest.raises(AccessDenied, match="no route to the credential service"):
+        await within(objs.stat("k"))
+    src = agent.alloc(12 * MiB)
+    with pytest.raises(AccessDenied, match="no route to the credential service"):
+        await within(agent.write(src[:], objs["k"]), 30)

@@ -61,16 +61,17 @@ unless ``resend_unknown_puts`` (below) says otherwise.
 
 Single PUTs are obstore's requests, not ours: ``part_md5`` and
 ``min_rate`` do not apply to them. Their bounds are obstore's client's:
-``connect_timeout``, and ``read_timeout`` counted from the request's start
-until its answer begins, the sending of its body included (measured: an 8 MiB PUT to a server reading
-request bodies at 128 KiB/s, twice ``min_rate``, failed after 15.0 s, the
-read_timeout, its outcome unknown), within obstore's own whole-request
-limit (its default, 30 s). So a single PUT must reach the store in
-``read_timeout``: one of ``part_size`` bytes needs a link of at least
-``part_size / read_timeout`` (8 MiB / 15 s: 0.56 MB/s), where our own
-requests (a multipart upload's parts of the same size) need ``min_rate``.
-On slower links raise ``read_timeout`` (it also bounds each read of our
-GETs and HEADs) or lower ``part_size`` to 5 MiB.
+``connect_timeout``, and ``read_timeout`` counted from the request's
+start until its answer begins, the sending of its body included
+(measured: an 8 MiB PUT to a server reading request bodies at 128 KiB/s,
+twice ``min_rate``, failed after 15.0 s, the read_timeout, its outcome
+unknown), within obstore's own whole-request limit (its default, 30 s).
+So a single PUT must reach the store in ``read_timeout``: one of
+``part_size`` bytes needs a link of at least ``part_size / read_timeout``
+(8 MiB / 15 s: 0.56 MB/s), where our own requests (a multipart upload's
+parts of the same size) need ``min_rate``. On slower links raise
+``read_timeout`` (it also bounds each read of our GETs and HEADs) or
+lower ``part_size`` to 5 MiB.
 
 Options of ``register_objects`` (beside the endpoint and credentials):
 
@@ -1364,9 +1365,19 @@ class _Provided:
             hit = self._hit()
             if hit is not None:
                 return hit
-            got = self._provider()
-            if inspect.isawaitable(got):
-                got = await got
+            failed: str
+            try:
+                got = self._provider()
+                if inspect.isawaitable(got):
+                    got = await got
+            except Exception as exc:
+                # typed as obstore types it (UnauthenticatedError), for our
+                # requests and obstore's alike
+                failed = f"{type(exc).__name__}: {_describe(exc)}"
+            else:
+                failed = ""
+            if failed:
+                raise AccessDenied(f"{self._url}: the credential provider failed: {failed}")
             creds, expires = self._credential(got)
             refresh: float | None = None
             if expires is not None:
