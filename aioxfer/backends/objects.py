@@ -34,8 +34,7 @@ redirects) and sent with aiohttp, following no redirect
 (tests/test_obj18b_redirects.py), each retried within the retry budget;
 its parts go from the caller's memory (or the owned copy), up to 4 at once.
 That needs credentials we can sign with: static ones (given, or from the
-environment), or a ``credential_provider`` (below), asked for them by each
-request (cached until 5 minutes before they expire). With credentials
+environment), or a ``credential_provider`` (below). With credentials
 obstore finds itself (instance metadata, web identity: it keeps their
 secret to itself) obstore's multipart upload is used, which follows a
 redirect of those requests; such a source can be brought onto our own
@@ -59,6 +58,20 @@ the attempt before it is known to be over (refused, or answered); a PUT
 whose outcome is unknown (its connection cut, a timeout) is checked with a
 HEAD and otherwise fails, never sent twice at once (ObjectRegion._put_single),
 unless ``resend_unknown_puts`` (below) says otherwise.
+
+Single PUTs are obstore's requests, not ours: ``part_md5`` and
+``min_rate`` do not apply to them. Their bounds are obstore's client's:
+``connect_timeout``, and ``read_timeout`` counted from the request's
+start until its answer begins, the sending of its body included
+(measured: an 8 MiB PUT to a server reading request bodies at 128 KiB/s,
+twice ``min_rate``, failed after 15.0 s, the read_timeout, its outcome
+unknown), within obstore's own whole-request limit (its default, 30 s).
+So a single PUT must reach the store in ``read_timeout``: one of
+``part_size`` bytes needs a link of at least ``part_size / read_timeout``
+(8 MiB / 15 s: 0.56 MB/s), where our own requests (a multipart upload's
+parts of the same size) need ``min_rate``. On slower links raise
+``read_timeout`` (it also bounds each read of our GETs and HEADs) or
+lower ``part_size`` to 5 MiB.
 
 Options of ``register_objects`` (beside the endpoint and credentials):
 
@@ -100,12 +113,24 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   UNSIGNED-PAYLOAD, and the MD5 costs CPU (hashlib's MD5 ran at 0.26 GB/s
   per core here, hashed on a worker thread beside the sends; measured cost
   in benchmarks/object_bench.py --part-md5). Over https, TLS already
-  protects the bytes on the way. Single PUTs (obstore's) are not covered;
+  protects the bytes on the way. Single PUTs (obstore's: objects of up to
+  ``part_size`` bytes, and conditional creates) are not covered (below);
 - ``credential_provider`` (None): obstore's S3CredentialProvider (a
   callable answering, or returning an awaitable of, a dict with
   access_key_id, secret_access_key, token, expires_at), instead of the
-  keys: obstore signs with it, and so does our own multipart upload
-  (no redirect followed, the token sent only to the endpoint);
+  keys: obstore signs with what it answers, and so does our own multipart
+  upload (no redirect followed, the token sent only to the endpoint). One
+  cache serves both (obstore is handed it as its provider: _Provided), so
+  the provider is asked once per refresh: until ``refresh_threshold`` (the
+  provider's attribute, a timedelta, as obstore reads it; else 5 minutes)
+  before ``expires_at``, or for half of the time left of credentials that
+  already expire within that threshold; ``expires_at`` None: until
+  refused. A request refused with them (401/403: expired, rotated or
+  revoked credentials) drops them and is sent once more with what the
+  provider answers then (once: credentials that are refused again fail
+  with AccessDenied). ``expires_at`` must be an aware datetime
+  (``datetime.now(UTC) + ...``): a naive one is refused (AccessDenied), as
+  obstore refuses it;
 - ``resend_unknown_puts`` (False): a single PUT whose outcome is unknown (a
   reset or cut connection after the request went out, a read timeout, a
   gateway's 502 or 504) and whose object a HEAD then does not find with its
@@ -127,6 +152,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import email.utils
 import hashlib
 import html
@@ -137,7 +163,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from urllib.parse import parse_qsl, urlsplit
@@ -149,6 +175,7 @@ import yarl
 from obstore import exceptions as obx
 from obstore.store import S3Store
 
+from aioxfer._uncancelled import run_to_end
 from aioxfer.backends import sigv4
 from aioxfer.backends.base import BackendRegion, LocalBackend, Op
 from aioxfer.errors import (
@@ -362,7 +389,7 @@ class ObjectRegion(BackendRegion):
         check_multipart: bool = True,
         min_rate: float = MIN_RATE,
         part_md5: bool = False,
-        credential_provider: Callable[[], Any] | None = None,
+        credential_provider: _Provided | None = None,
     ) -> None:
         super().__init__(backend, name)
         self.url = url
@@ -377,16 +404,13 @@ class ObjectRegion(BackendRegion):
         self._static_keys = static_keys
         self._check_multipart = check_multipart
         self._part_md5 = part_md5
-        # obstore's S3CredentialProvider: a callable answering an S3Credential
-        # (a dict: access_key_id, secret_access_key, token, expires_at), or
-        # an awaitable of one. Our own requests sign with what it answers
-        # (_provided), cached until 5 minutes before it expires.
-        self._provider = credential_provider
-        self._provided_creds: tuple[sigv4.Credentials, float | None] | None = None
-        self._providing: asyncio.Lock | None = None
-        # our multipart uploads in flight: aclose lets them end (they send
-        # through this region's HTTP session) before closing it
-        self._uploads: set[asyncio.Task[str | None]] = set()
+        # What the credential_provider answers, cached for our requests and
+        # obstore's alike (obstore is handed the cache as its provider).
+        self._creds = credential_provider
+        # our multipart writes in flight (the upload and its HEAD check):
+        # aclose lets them end (they send through this region's HTTP
+        # session) before closing it
+        self._uploads: set[asyncio.Task[None]] = set()
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             connect=connect_timeout,
@@ -404,7 +428,9 @@ class ObjectRegion(BackendRegion):
         # connections is not timed out by that wait (aiohttp counts it in
         # ClientTimeout's connect and total), only by the server's pace.
         self._conns: asyncio.Semaphore | None = None
-        self._signed: dict[tuple[str, str], tuple[str, float]] = {}
+        # presigned URLs: (url, good until, generation of the provided
+        # credentials that signed it; 0 without a provider)
+        self._signed: dict[tuple[str, str], tuple[str, float, int]] = {}
 
     # ------------------------------------------------------------ segments
 
@@ -501,7 +527,9 @@ class ObjectRegion(BackendRegion):
 
     async def aclose(self) -> None:
         """Forgets the region and closes its HTTP connections: its reads in
-        flight fail with ClosedResourceError, its writes in flight finish.
+        flight fail with ClosedResourceError, its writes in flight finish
+        (a multipart one with its HEAD check: they end before the session
+        closes).
         Idempotent. A cancel of aclose is not a way to leave the connections
         open: cancelled while multipart uploads still run (they send through
         the session, their abort too), the session is closed when the last
@@ -516,7 +544,7 @@ class ObjectRegion(BackendRegion):
             if self._uploads:
                 self._close_when_idle()
             else:
-                await _shielded(self._close_session())
+                await run_to_end(self._close_session())
 
     async def _close_session(self) -> None:
         session, self._session = self._session, None
@@ -579,12 +607,23 @@ class ObjectRegion(BackendRegion):
             await self._put_single(body, seg, mode, owned)
             return
         target = None if mode == "create" else await self._own_target(seg.key)
+        # The upload and its HEAD check are one task, which aclose waits
+        # for before it closes the session: the check of a write that
+        # aclose let finish is then made too (it sends through the session).
+        task = asyncio.ensure_future(self._upload_checked(target, body, seg.key, mode))
+        self._uploads.add(task)
+        task.add_done_callback(self._uploads.discard)
+        await self._upload(False, task)
+
+    async def _upload_checked(self, target: _Target | None, body: bytes | memoryview,
+                              key: str, mode: Literal["create"] | None) -> None:
+        """A write of more than ``part_size`` bytes (see _put): our multipart
+        upload to ``target``, else obstore's put, then its HEAD check."""
+        _UPLOADING.set(self)  # (this task's context: its requests' tasks inherit it)
+        size = memoryview(body).nbytes
         e_tag: str | None
         if target is not None:
-            task = asyncio.ensure_future(self._multipart(target, body, seg.key))
-            self._uploads.add(task)
-            task.add_done_callback(self._uploads.discard)
-            e_tag = await self._upload(False, task)
+            e_tag = await self._multipart(target, body, key)
             if e_tag is not None and not self._check_multipart:
                 return  # the store itself answered the complete (no redirect followed)
         else:
@@ -592,11 +631,11 @@ class ObjectRegion(BackendRegion):
             # uploads in one request whatever the size); credentials that are
             # not static leave obstore's multipart upload, which follows a
             # redirect of its create, complete and abort requests.
-            done = await self._upload(False, self._obstore("write", seg.key, obstore.put_async(
-                self._store, seg.key, body, mode=mode, chunk_size=self._part_size,
-                max_concurrency=4)))
+            done = await self._obstore("write", key, obstore.put_async(
+                self._store, key, body, mode=mode, chunk_size=self._part_size,
+                max_concurrency=4))
             e_tag = done.get("e_tag")
-        await self._check_completed(seg.key, src.nbytes, e_tag)
+        await self._check_completed(key, size, e_tag)
 
     async def _own_target(self, key: str) -> _Target | None:
         """Where and how to send our own signed requests of ``key``: its URL
@@ -607,8 +646,10 @@ class ObjectRegion(BackendRegion):
         for by each request (_provided). None when they are neither static
         nor provided (obstore's other sources: instance metadata, web
         identity) or not the ones we know the secret of."""
-        if self._provider is not None:
+        if self._creds is not None:
             try:
+                # (obstore signs with what our cache of the provider's
+                # credentials answers: the provider is not asked again)
                 signed = await obstore.sign_async(self._store, "PUT", key, _SIGN_TTL)
             except (obx.BaseError, OSError, ValueError, TypeError):
                 return None
@@ -727,10 +768,15 @@ class ObjectRegion(BackendRegion):
         timeout = self._timeout_for(
             moves if moves is not None else 0 if body is None else len(body))
         attempts = _Attempts(self._retry, self.backend.note_retry)
+        refreshed = False
         while True:
             failed: str
+            creds = target.creds
+            generation = 0
+            if creds is None:
+                assert self._creds is not None
+                creds, generation = await self._creds.get()
             try:
-                creds = target.creds if target.creds is not None else await self._provided()
                 sent = sigv4.sign_headers(
                     method, url, creds, target.region, headers=headers,
                     payload_hash=payload_hash)
@@ -756,10 +802,34 @@ class ObjectRegion(BackendRegion):
                         raise _Transient(f"HTTP {status} {code}")
                     _refuse_status(what, resp, code)
                     return await answer(what, resp, text, code, attempts.made)
+            except AccessDenied:
+                if target.creds is not None or refreshed:
+                    raise
+                # Provided credentials refused (expired, rotated, revoked
+                # before their expires_at): dropped, and the request sent
+                # once more with what the provider answers now.
+                refreshed = True
+                self._creds_refused(generation)
+                continue
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+
+    def _creds_refused(self, generation: int) -> None:
+        """A request signed with the provided credentials of ``generation``
+        was refused (401/403): they are dropped from the cache (if still
+        there), as are the URLs presigned with them."""
+        if self._creds is not None:
+            self._creds.drop(generation)
+            for k in [k for k, v in self._signed.items() if v[2] == generation]:
+                del self._signed[k]
+
+    @property
+    def _provided_creds(self) -> tuple[sigv4.Credentials, float | None] | None:
+        """The provided credentials cached now and when they are asked for
+        again (time.time(); None: never), or None."""
+        return None if self._creds is None else self._creds.cached
 
     async def _check_completed(self, key: str, size: int, e_tag: str | None) -> None:
         """After a multipart upload obstore reported complete: a HEAD of
@@ -845,13 +915,23 @@ class ObjectRegion(BackendRegion):
         key = seg.key
         attempts = _Attempts(self._retry, self.backend.note_retry)
         unknown_before = False  # an earlier attempt's outcome is unknown
+        refreshed = False
         while True:
+            generation = 0
+            if self._creds is not None:
+                # cached now: obstore signs with these (it asks our cache)
+                generation = (await self._creds.get())[1]
             try:
                 await self._upload(owned, obstore.put_async(
                     self._put_store, key, body, mode=mode, use_multipart=False))
                 return
             except (obx.BaseError, OSError) as exc:  # obstore raises FileNotFoundError too
                 err = _obstore_error(exc, "write", key, self.url)
+                if isinstance(err, AccessDenied) and self._creds is not None and not refreshed:
+                    # refused, so over: sent once more with fresh credentials
+                    refreshed = True
+                    self._creds_refused(generation)
+                    continue
                 if not isinstance(err, TransportError):
                     if (isinstance(err, ObjectExists) and unknown_before
                             and await self._landed(key, body)):
@@ -904,13 +984,20 @@ class ObjectRegion(BackendRegion):
 
     async def _presign(
         self, key: str, method: Literal["GET", "HEAD", "DELETE"] = "GET"
-    ) -> tuple[str, bool]:
-        """A presigned ``method`` URL of ``key`` and whether it came from the
-        cache (reused while it has more than _SIGN_REUSE seconds left)."""
+    ) -> tuple[str, bool, int]:
+        """A presigned ``method`` URL of ``key``, whether it came from the
+        cache (reused while it has more than _SIGN_REUSE seconds left and,
+        with a credential_provider, was signed with the credentials cached
+        now) and the generation of the provided credentials that signed it
+        (0 without a provider)."""
         now = time.monotonic()
         hit = self._signed.get((method, key))
-        if hit is not None and hit[1] - now > _SIGN_REUSE:
-            return hit[0], True
+        generation = 0
+        if self._creds is not None:
+            # the credentials obstore signs with now (it asks our cache)
+            generation = (await self._creds.get())[1]
+        if hit is not None and hit[1] - now > _SIGN_REUSE and hit[2] == generation:
+            return hit[0], True, generation
         if self._static_keys is not None:
             # Static credentials: obstore signs locally (~15 us), so here at
             # once; sign_async's hop to obstore's runtime and back costs
@@ -922,8 +1009,8 @@ class ObjectRegion(BackendRegion):
             url = str(await self._obstore("sign", key, signing))
         if len(self._signed) >= _SIGNED_MAX:
             self._signed.clear()
-        self._signed[(method, key)] = (url, now + _SIGN_TTL.total_seconds())
-        return url, False
+        self._signed[(method, key)] = (url, now + _SIGN_TTL.total_seconds(), generation)
+        return url, False, generation
 
     def _sign_now(self, method: Literal["GET", "HEAD", "DELETE"], key: str) -> str:
         try:
@@ -976,7 +1063,9 @@ class ObjectRegion(BackendRegion):
         a connection error or timeout, a _Transient raised by ``answer``)
         within the region's retry budget. A 401 or 403 is AccessDenied; to a
         URL from the cache (signed up to _SIGN_TTL ago, with credentials
-        since rotated) it drops the URL and signs again, once, first.
+        since rotated), or to one signed with provided credentials (then
+        dropped from their cache: _creds_refused), it drops the URL and
+        signs again, once, first.
         ``answer(resp, code)`` makes the result of any other status
         (``code``: the S3 error code of the body of an answer of 300 or
         more, read whole up to _ANSWER_MAX bytes unless the request is a
@@ -991,8 +1080,8 @@ class ObjectRegion(BackendRegion):
             # exception (whose text may hold the URL) is then not even the
             # new one's __context__.
             failed: str
+            url, cached, generation = await self._presign(key, method)
             try:
-                url, cached = await self._presign(key, method)
                 # read_until_eof=False for a HEAD: aiohttp's response parser
                 # does not know the request's method, and would otherwise
                 # take an answer without Content-Length (rclone's 404) as a
@@ -1012,10 +1101,14 @@ class ObjectRegion(BackendRegion):
                     _refuse_status(what, resp, code)
                     return await answer(resp, code)
             except AccessDenied:
-                if not cached or resigned:
+                if resigned or not (cached or self._creds is not None):
                     raise
+                # Signed up to _SIGN_TTL ago (credentials since rotated), or
+                # with provided credentials that are refused now: signed
+                # again, once (with what the provider answers now).
                 resigned = True
                 self._signed.pop((method, key), None)
+                self._creds_refused(generation)
                 continue
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
@@ -1035,33 +1128,6 @@ class ObjectRegion(BackendRegion):
             sock_read=self._timeout.sock_read,
         )
 
-    async def _provided(self) -> sigv4.Credentials:
-        """The credentials ``credential_provider`` answers, asked again once
-        they are within 5 minutes of their expiry (as obstore does); one
-        call at a time."""
-        if self._providing is None:
-            self._providing = asyncio.Lock()
-        async with self._providing:
-            hit = self._provided_creds
-            if hit is not None and (hit[1] is None or hit[1] - time.time() > 300):
-                return hit[0]
-            assert self._provider is not None
-            got = self._provider()
-            if inspect.isawaitable(got):
-                got = await got
-            try:
-                creds = sigv4.Credentials(
-                    str(got["access_key_id"]), str(got["secret_access_key"]),
-                    None if got.get("token") is None else str(got["token"]))
-                expires = got.get("expires_at")
-                until = None if expires is None else float(expires.timestamp())
-            except (KeyError, TypeError, AttributeError, ValueError):
-                raise AccessDenied(
-                    f"{self.url}: the credential provider answered no S3Credential "
-                    f"(access_key_id, secret_access_key, token, expires_at)") from None
-            self._provided_creds = (creds, until)
-            return creds
-
     def _pooled(self) -> asyncio.Semaphore:
         """A connection of the pool (its size: the connector's limit) held
         for one request, waited for before its timeouts start."""
@@ -1072,7 +1138,11 @@ class ObjectRegion(BackendRegion):
     def _http(self) -> aiohttp.ClientSession:
         session = self._session
         if session is None or session.closed:
-            self._check()  # closed: no new session (nobody would close it)
+            if _UPLOADING.get() is not self:
+                # closed: no new session (nobody would close it). A write
+                # aclose waits for (its task in _uploads) may still make
+                # one: aclose closes it once the write is over.
+                self._check()
             connector = aiohttp.TCPConnector(
                 limit=self.backend.max_concurrency, enable_cleanup_closed=True
             )
@@ -1236,6 +1306,144 @@ class _Target:
     region: str
 
 
+# A provider's credentials are asked for again this long before they expire
+# (obstore's default; a provider's own ``refresh_threshold`` overrides it).
+_REFRESH_THRESHOLD = 300.0
+
+
+class _Provided:
+    """The credentials a region's ``credential_provider`` answers, cached
+    for every request of the region: those signed here (``get``) and
+    obstore's, which is handed this object as its credential provider
+    (``__call__``). One cache, so the provider is asked once per refresh
+    (with obstore's cache beside ours it was asked twice), and a refusal
+    (``drop``) reaches obstore's requests too: each answer we give obstore
+    expires at once, so obstore asks this cache (no call of the provider
+    while it holds credentials) for every request it signs.
+
+    Cached until ``refresh_threshold`` (the provider's attribute, a
+    timedelta, as obstore reads it; else 5 minutes) before ``expires_at``,
+    or, for credentials that already expire within that threshold, for
+    half of the time they have left (they were asked for again by every
+    request: the threshold was already past). ``expires_at`` None: for
+    ever (until refused). A naive ``expires_at`` is refused, as obstore
+    refuses it ("expected a datetime with non-None tzinfo"): its time zone
+    cannot be guessed (obstore's own providers make theirs aware before
+    they answer)."""
+
+    __slots__ = ("_provider", "_url", "_threshold", "cached", "_generation", "_lock", "config")
+
+    def __init__(self, provider: Callable[[], Any], url: str) -> None:
+        self._provider = provider
+        self._url = url
+        threshold = getattr(provider, "refresh_threshold", None)
+        self._threshold = (_REFRESH_THRESHOLD if threshold is None
+                           else float(threshold.total_seconds()))
+        # (credentials, when to ask again: time.time(), None for never)
+        self.cached: tuple[sigv4.Credentials, float | None] | None = None
+        self._generation = 0  # counts the provider's answers
+        self._lock: asyncio.Lock | None = None
+        # obstore reads a provider's ``config`` (S3 options it brings):
+        # passed on
+        self.config = getattr(provider, "config", None)
+
+    def _hit(self) -> tuple[sigv4.Credentials, int] | None:
+        cached = self.cached
+        if cached is None or (cached[1] is not None and time.time() >= cached[1]):
+            return None
+        return cached[0], self._generation
+
+    async def get(self) -> tuple[sigv4.Credentials, int]:
+        """The credentials to sign with and their generation (for ``drop``);
+        the provider asked when none are cached, one call at a time."""
+        hit = self._hit()
+        if hit is not None:
+            return hit
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            hit = self._hit()
+            if hit is not None:
+                return hit
+            failed: str
+            try:
+                got = self._provider()
+                if inspect.isawaitable(got):
+                    got = await got
+            except Exception as exc:
+                # typed as obstore types it (UnauthenticatedError), for our
+                # requests and obstore's alike
+                failed = f"{type(exc).__name__}: {_describe(exc)}"
+            else:
+                failed = ""
+            if failed:
+                raise AccessDenied(f"{self._url}: the credential provider failed: {failed}")
+            creds, expires = self._credential(got)
+            refresh: float | None = None
+            if expires is not None:
+                left = expires - time.time()
+                refresh = expires - (
+                    self._threshold if left > self._threshold else max(0.0, left / 2))
+            self._generation += 1
+            self.cached = (creds, refresh)
+            return creds, self._generation
+
+    def drop(self, generation: int) -> None:
+        """Forgets the cached credentials if they are still those of
+        ``generation`` (refused by the store): the next request asks the
+        provider."""
+        if self.cached is not None and self._generation == generation:
+            self.cached = None
+
+    def _credential(self, got: Any) -> tuple[sigv4.Credentials, float | None]:
+        try:
+            creds = sigv4.Credentials(
+                str(got["access_key_id"]), str(got["secret_access_key"]),
+                None if got.get("token") is None else str(got["token"]))
+            expires = got.get("expires_at")
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise AccessDenied(
+                f"{self._url}: the credential provider answered no S3Credential "
+                f"(access_key_id, secret_access_key, token, expires_at)") from None
+        if expires is None:
+            return creds, None
+        if not isinstance(expires, datetime):
+            raise AccessDenied(
+                f"{self._url}: the credential provider's expires_at is a "
+                f"{type(expires).__name__}, not a datetime")
+        if expires.utcoffset() is None:
+            raise AccessDenied(
+                f"{self._url}: the credential provider's expires_at ({expires}) has no "
+                f"time zone (obstore refuses such a credential too): answer an aware "
+                f"datetime, such as datetime.now(UTC) + timedelta(hours=1)")
+        return creds, expires.timestamp()
+
+    def __call__(self) -> Any:
+        """obstore's S3CredentialProvider: the cached credentials (a dict),
+        or an awaitable of them when the provider must be asked."""
+        hit = self._hit()
+        if hit is not None:
+            return self._for_obstore(hit[0])
+        return self._later()
+
+    async def _later(self) -> dict[str, Any]:
+        return self._for_obstore((await self.get())[0])
+
+    @staticmethod
+    def _for_obstore(creds: sigv4.Credentials) -> dict[str, Any]:
+        # expiring now: obstore keeps them for no further request, and asks
+        # again (this cache) for its next one
+        return {"access_key_id": creds.access_key_id,
+                "secret_access_key": creds.secret_access_key,
+                "token": creds.token, "expires_at": datetime.now(UTC)}
+
+
+# The region whose write (_upload_checked, a task in its _uploads) the
+# current task serves: its requests may open the region's session after
+# aclose began (aclose waits for them, then closes it).
+_UPLOADING: contextvars.ContextVar[ObjectRegion | None] = contextvars.ContextVar(
+    "aioxfer_object_uploading", default=None)
+
 _BACKGROUND: set[asyncio.Task[None]] = set()
 
 
@@ -1245,21 +1453,6 @@ def _background(call: Awaitable[None]) -> None:
     task = asyncio.ensure_future(call)
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
-
-
-async def _shielded(call: Awaitable[None]) -> None:
-    """Awaits ``call`` to its end through cancels (each one raised once it is
-    over): a session's close that must not be left half done."""
-    fut = asyncio.ensure_future(call)
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            cancelled = True
-    fut.result()
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 async def _chunks(body: bytes | memoryview) -> Any:
@@ -1527,8 +1720,12 @@ class ObjectBackend(LocalBackend):
             raise RegistrationError("min_rate > 0 (bytes per second)")
         if credential_provider is not None and not callable(credential_provider):
             raise RegistrationError("credential_provider is a callable (obstore's)")
+        if not isinstance(getattr(credential_provider, "refresh_threshold", None),
+                          timedelta | None):
+            raise RegistrationError("credential_provider.refresh_threshold is a timedelta")
         bucket = parts.netloc
         prefix = parts.path.strip("/") or None
+        provided = None if credential_provider is None else _Provided(credential_provider, url)
         if endpoint is None:  # as obstore would find it, to know whether it is plain HTTP
             endpoint = next(
                 (os.environ[v] for v in _ENDPOINT_VARS if os.environ.get(v)), None
@@ -1540,7 +1737,7 @@ class ObjectBackend(LocalBackend):
             ("secret_access_key", secret_access_key),
             ("session_token", session_token),
             ("region", region),
-            ("credential_provider", credential_provider),
+            ("credential_provider", provided),
         ):
             if value is not None:
                 config[key] = value
@@ -1600,7 +1797,7 @@ class ObjectBackend(LocalBackend):
             bool(check_multipart),
             float(min_rate),
             bool(part_md5),
-            credential_provider,
+            provided,
         )
         self._add_region(objs)
         return objs
