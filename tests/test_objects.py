@@ -480,7 +480,13 @@ async def test_cancelled_put_has_let_go_of_the_source(make_agent: MakeAgent, s3:
         t = asyncio.ensure_future(backend.put(mv, objs[f"cx/{turns}"]))
         for _ in range(turns):
             await asyncio.sleep(0)
-        t.cancel()
+        if not t.cancel():
+            # The put finished within these turns (a quiet machine, or a
+            # slow one's longer turns): nothing to cancel at this or any
+            # later count. Not a failure (it failed 3 of 5 runs at load 4.6).
+            await t
+            mv.release()
+            break
         with pytest.raises(asyncio.CancelledError):
             await within(t)
         mv.release()  # BufferError while obstore still holds it
