@@ -113,32 +113,36 @@ def mapping_by_name(name: str) -> dict[str, Any]:
     return {}
 
 
-async def owner_pool(make_agent: Any) -> tuple[Any, Any, np.ndarray]:
+async def owner_pool(make_agent: Any, size: int = POOL) -> tuple[Any, Any, np.ndarray]:
     owner = await make_agent("thpowner")
-    pool = owner.alloc(POOL, name="thp")
+    pool = owner.alloc(size, name="thp")
     view = pool.numpy()
-    view[:] = pattern(POOL, seed=24)  # the first touch: the pages are allocated now
+    view[:] = pattern(size, seed=24)  # the first touch: the pages are allocated now
     return owner, pool, view
 
 
-async def test_pool_is_huge_page_backed_on_both_sides(make_agent) -> None:
+# 8 MiB: map_fd's MAP_POPULATE path; 32 MiB: pop_parallel's (its probe of
+# the first 2 MiB finds huge pages and populates the rest on one thread).
+@pytest.mark.parametrize("size", [POOL, 32 * MiB], ids=["map-populate", "parallel"])
+async def test_pool_is_huge_page_backed_on_both_sides(make_agent, size: int) -> None:
     if not thp_allowed():
         pytest.skip(f"shmem THP off on this host ({THP_SYSFS}: {shmem_thp_mode()}); "
                     "'advise' is the deployment setting that enables it")
-    owner, pool, view = await owner_pool(make_agent)
+    owner, pool, view = await owner_pool(make_agent, size)
     mine = smaps_of(view.ctypes.data)
     assert mine["start"] % (2 * MiB) == 0, mine
     # Every 2 MiB of the owner's pool is one huge page, mapped by a PMD.
-    assert mine.get("ShmemPmdMapped", 0) * 1024 == POOL, mine
+    assert mine.get("ShmemPmdMapped", 0) * 1024 == size, mine
     loop = asyncio.get_running_loop()
     child = await loop.run_in_executor(None, PipeChild, initiator_main)
     try:
         assert await loop.run_in_executor(None, child.call, ("connect", owner.address)) == "shm"
-        theirs = await loop.run_in_executor(None, child.call, ("smaps", "aioxfer:thpowner:thp"))
+        name = f"/memfd:aioxfer:{owner.name}:thp "
+        theirs = await loop.run_in_executor(None, child.call, ("smaps", name))
         # The peer's mapping (map_fd's populate) is PMD-mapped too: aligned,
         # and all of it, with no small-page entry left.
         assert theirs and theirs["start"] % (2 * MiB) == 0, theirs
-        assert theirs.get("ShmemPmdMapped", 0) * 1024 == POOL, theirs
+        assert theirs.get("ShmemPmdMapped", 0) * 1024 == size, theirs
         data = pattern(4096, seed=25).tobytes()
         await loop.run_in_executor(None, child.call, ("write", 3 * MiB, data))
         assert view[3 * MiB:3 * MiB + 4096].tobytes() == data
