@@ -72,7 +72,6 @@ typedef struct shm_state {
 #define POP_PAR_MIN (16u << 20)      /* populated at map time by several threads from here */
 #define POP_PAR_SLICE (16u << 20)    /* ... each at least this much */
 #define POP_PAR_MAX 8                /* ... at most this many */
-#define POP_HUGE_NS 8000u            /* 2 MiB populated faster: huge pages (pop_parallel) */
 /* Mappings larger than this are populated lazily (tests lower it;
  * $AIOXFER_SHM_LAZY_MIN sets it, from axf_env_read's snapshot: see map_fd). */
 uint64_t axf_shm_lazy_min = 1ull << 30;
@@ -366,27 +365,6 @@ static void *pop_slice_main(void *arg)
  * when the kernel cannot (before 5.14). */
 static bool pop_parallel(uint8_t *m, uint64_t len, int fd)
 {
-    /* A pool of shmem huge pages (registration.py _advise_huge, map_shared)
-     * maps by one PMD per 2 MiB, ~1 us each: then the helper threads cost
-     * more than the whole populate (their creation and, on busy cores, their
-     * wait for a CPU). Its first 2 MiB tell which kind it is: 512 small
-     * pages take tens of us (fault-around maps 16 a fault), one huge page
-     * one fault. Timed, so a preempted probe only means the parallel path,
-     * as before; a fast one, the rest on this thread. A 64 MiB pool of huge
-     * pages, connect's import: 0.16 ms with the threads (2 vCPUs, load 2.5). */
-    const uint64_t huge = 2u << 20;
-    if (fd < 0 && len >= 2 * huge) {
-        uint64_t t0 = axf_now_ns();
-        if (madvise(m, huge, MADV_POPULATE_READ) != 0) {
-            if (errno == EINVAL)
-                return false; /* before 5.14 */
-        } else if (axf_now_ns() - t0 < POP_HUGE_NS) {
-            return madvise(m + huge, len - huge, MADV_POPULATE_READ) == 0 || errno != EINVAL;
-        } else { /* small pages: the rest in parallel, as before */
-            m += huge;
-            len -= huge;
-        }
-    }
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     uint64_t n = len / POP_PAR_SLICE;
     if (cpus > 0 && n > (uint64_t)cpus)
