@@ -405,7 +405,11 @@ static bool pop_parallel(uint8_t *m, uint64_t len, int fd)
  * an aligned address (do_set_pmd), and it aligns a shmem mapping itself only
  * while shmem_enabled is not "never" (shmem_get_unmapped_area), which may
  * have changed since the owner's pages were allocated. Populating a 64 MiB
- * pool so mapped took 26-36 us instead of 2.5-9.9 ms (2 vCPUs, Linux 6.18).
+ * pool so mapped took 26-36 us instead of 2.5-9.9 ms (2 vCPUs, Linux 6.18),
+ * and connect + first 4 KiB write to it 2.0-2.3 ms instead of 5.0 (main's
+ * build, interleaved, n=15-21; docs/shm-huge-pages.md); at "never" 1.00-1.08x
+ * main's, within the noise. Copies gain little: the 256 x 16 KiB batch
+ * 1.02-1.06x, the demo within its noise (bound by memory bandwidth).
  * No MADV_HUGEPAGE here: huge pages already in the file map by PMD without
  * it, and with it a copy of ours into a hole of the peer's file would
  * allocate (and charge us for) 2 MiB where it wrote 4 KiB. Costs an
