@@ -397,10 +397,52 @@ static bool pop_parallel(uint8_t *m, uint64_t len, int fd)
     return ok;
 }
 
+/* mmap(NULL, len, prot, MAP_SHARED | flags, fd, 0) at an address that is a
+ * multiple of 2 MiB when len is at least that. A pool its owner allocated as
+ * shmem transparent huge pages (registration.py _advise_huge, where the
+ * host's shmem_enabled allows it) is then mapped by one PMD entry per 2 MiB
+ * when populated, not 512 PTEs: the kernel maps a huge page by PMD only at
+ * an aligned address (do_set_pmd), and it aligns a shmem mapping itself only
+ * while shmem_enabled is not "never" (shmem_get_unmapped_area), which may
+ * have changed since the owner's pages were allocated. Populating a 64 MiB
+ * pool so mapped took 26-36 us instead of 2.5-9.9 ms (2 vCPUs, Linux 6.18),
+ * and connect + first 4 KiB write to it 2.0-2.3 ms instead of 5.0 (main's
+ * build, interleaved, n=15-21; docs/shm-huge-pages.md); at "never" 1.00-1.08x
+ * main's, within the noise. Copies gain little: the 256 x 16 KiB batch
+ * 1.02-1.06x, the demo within its noise (bound by memory bandwidth).
+ * No MADV_HUGEPAGE here: huge pages already in the file map by PMD without
+ * it, and with it a copy of ours into a hole of the peer's file would
+ * allocate (and charge us for) 2 MiB where it wrote 4 KiB. Costs an
+ * address-space reservation and two munmaps; with small pages it changes
+ * nothing but the address. */
+static void *map_shared(uint64_t len, int prot, int flags, int fd)
+{
+    const uint64_t huge = 2u << 20;
+    if (len < huge)
+        return mmap(NULL, len, prot, MAP_SHARED | flags, fd, 0);
+    uint8_t *r = mmap(NULL, len + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                      -1, 0);
+    if (r == MAP_FAILED) /* no room for the slack: any address */
+        return mmap(NULL, len, prot, MAP_SHARED | flags, fd, 0);
+    uint8_t *a = (uint8_t *)(((uintptr_t)r + huge - 1) & ~(uintptr_t)(huge - 1));
+    void *m = mmap(a, len, prot, MAP_SHARED | MAP_FIXED | flags, fd, 0);
+    if (m == MAP_FAILED) {
+        int err = errno;
+        munmap(r, len + huge);
+        errno = err;
+        return MAP_FAILED;
+    }
+    if (a > r)
+        munmap(r, (size_t)(a - r));
+    if (a + len < r + len + huge)
+        munmap(a + len, (size_t)(r + len + huge - (a + len)));
+    return m;
+}
+
 /* Maps the memfd behind rr into f, populating nothing (the copies fault). */
 static int map_plain(const rregion *rr, int memfd, int prot, shm_far *f)
 {
-    void *m = mmap(NULL, rr->len, prot, MAP_SHARED, memfd, 0);
+    void *m = map_shared(rr->len, prot, 0, memfd);
     if (m == MAP_FAILED)
         return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
     f->map = m;
@@ -468,7 +510,7 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * read-only fd, or one sealed against writing, fails here for a
      * writable region. */
     if ((rr->len >= POP_PAR_MIN || datafd >= 0) && rr->len <= axf_shm_lazy_min) {
-        void *m = mmap(NULL, rr->len, prot, MAP_SHARED, memfd, 0);
+        void *m = map_shared(rr->len, prot, 0, memfd);
         if (m == MAP_FAILED)
             return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
         if (pop_parallel(m, rr->len, datafd)) {
@@ -482,7 +524,7 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
     if (rr->len > axf_shm_lazy_min) {
         uint64_t ngran = ((rr->len - 1) >> POP_SHIFT) + 1;
         shm_pop *p = calloc(1, sizeof *p + (ngran + 63) / 64 * sizeof p->bits[0]);
-        void *m = p ? mmap(NULL, rr->len, prot, MAP_SHARED, memfd, 0) : MAP_FAILED;
+        void *m = p ? map_shared(rr->len, prot, 0, memfd) : MAP_FAILED;
         if (m == MAP_FAILED) {
             int err = errno;
             free(p);
@@ -522,7 +564,7 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
                 return map_plain(rr, memfd, prot, f);
         }
     }
-    void *m = mmap(NULL, rr->len, prot, MAP_SHARED | MAP_POPULATE, memfd, 0);
+    void *m = map_shared(rr->len, prot, MAP_POPULATE, memfd);
     if (m == MAP_FAILED)
         return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
     f->map = m;
