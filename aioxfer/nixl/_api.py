@@ -688,8 +688,10 @@ class nixl_agent:
             if descs.dtype.str not in _SERIAL_DTYPES or descs.ndim not in (1, 2):
                 raise TypeError(f"cannot serialize a {descs.ndim}-dimensional {descs.dtype} "
                                 f"array: descriptor arrays are 1 or 2-dimensional, of integers")
-            blob = _wire.DListBlob("ndarray", 0, np.ascontiguousarray(descs).tobytes(),
-                                   dtype=descs.dtype.str, shape=list(descs.shape))
+            # (In this host's byte order, as NIXL's pickle gives it back.)
+            native = np.ascontiguousarray(descs, dtype=descs.dtype.newbyteorder("="))
+            blob = _wire.DListBlob("ndarray", 0, native.tobytes(), dtype=native.dtype.str,
+                                   shape=list(descs.shape))
         elif isinstance(descs, list | tuple):
             rows = [_serial_row(i, r) for i, r in enumerate(descs)]
             blob = _wire.DListBlob("list" if isinstance(descs, list) else "tuple", 0, b"",
