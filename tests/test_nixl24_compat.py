@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -237,10 +238,12 @@ def agent() -> Any:
 
 
 def _blob(**kw: Any) -> bytes:
-    fields: dict[str, Any] = {"kind": "ndarray", "mem": 0, "descs": b"\0" * 24,
-                              "dtype": "<u8", "shape": [1, 3]}
+    """A serialized list as the wire has it (msgpack array of the fields, in
+    DListBlob's order), built by hand: what a peer may send."""
+    fields: dict[str, Any] = {"kind": "ndarray", "mem": 0, "descs": b"\0" * 24, "metas": [],
+                              "dtype": "<u8", "shape": [1, 3], "rows": [], "inner": ""}
     fields.update(kw)
-    return _wire.encode_dlist(_wire.DListBlob(**fields))
+    return _wire.DL_MAGIC + msgspec.msgpack.encode(list(fields.values()))
 
 
 @pytest.mark.parametrize("blob", [
