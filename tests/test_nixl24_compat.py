@@ -36,8 +36,8 @@ import numpy as np
 import pytest
 
 import aioxfer.nixl
-from aioxfer.nixl import _wire, nixl_agent, nixl_agent_config
 from aioxfer.nixl import _bindings as nb
+from aioxfer.nixl import _wire, nixl_agent, nixl_agent_config
 
 REAL_NIXL_PY = Path("/root/.cache/aioxfer-peers/venv-nixl/bin/python")
 

@@ -59,8 +59,9 @@ def _is_tensor(obj: object) -> bool:
 
 # The numpy types get_serialized_descs carries (integers, either byte order):
 # np.dtype() of a type string from the wire is only ever one of these.
-_SERIAL_DTYPES = {np.dtype(f"{k}{n}").newbyteorder(o).str: np.dtype(f"{k}{n}").newbyteorder(o)
-                  for k in "iu" for n in (1, 2, 4, 8) for o in "<>"}
+_SERIAL_DTYPES = {d.str: d for t in (np.int8, np.int16, np.int32, np.int64, np.uint8,
+                                      np.uint16, np.uint32, np.uint64)
+                  for d in (np.dtype(t).newbyteorder("<"), np.dtype(t).newbyteorder(">"))}
 _I64_MIN = -(2**63)
 _U64_LIMIT = 2**64
 
