@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
+import operator
 import sys
 from collections.abc import Generator
 from enum import Enum
@@ -18,6 +20,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from aioxfer.nixl import _bindings as nixlBind
 from aioxfer.nixl import _wire
@@ -52,6 +55,71 @@ def _is_tensor(obj: object) -> bool:
     # Only if torch is already imported: importing it here would cost ~1 s.
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
+
+
+# The numpy types get_serialized_descs carries (integers, either byte order):
+# np.dtype() of a type string from the wire is only ever one of these.
+_SERIAL_DTYPES = {d.str: d for t in (np.int8, np.int16, np.int32, np.int64, np.uint8,
+                                      np.uint16, np.uint32, np.uint64)
+                  for d in (np.dtype(t).newbyteorder("<"), np.dtype(t).newbyteorder(">"))}
+_I64_MIN = -(2**63)
+_U64_LIMIT = 2**64
+
+
+def _serial_field(i: int, v: Any) -> int:
+    """A descriptor tuple's integer field as msgpack carries it (numpy
+    integers become ints; a float, a string, an int out of msgpack's range
+    refused: pickle would carry them, no descriptor has them)."""
+    if isinstance(v, float | str | bytes | bytearray):
+        raise TypeError(f"cannot serialize descriptor {i}: field {v!r} is not an integer")
+    try:
+        n = operator.index(v)
+    except TypeError:
+        raise TypeError(f"cannot serialize descriptor {i}: field {v!r} is not an "
+                        f"integer") from None
+    if not _I64_MIN <= n < _U64_LIMIT:
+        raise TypeError(f"cannot serialize descriptor {i}: field {n} is out of range")
+    return n
+
+
+def _serial_row(i: int, r: Any) -> list[int | str | bytes]:
+    if not isinstance(r, tuple | list) or len(r) not in (3, 4):
+        raise TypeError(f"cannot serialize descriptor {i}: {r!r} is not a tuple of (addr, "
+                        f"len, devId) or (addr, len, devId, meta)")
+    row: list[int | str | bytes] = [_serial_field(i, v) for v in r[:3]]
+    if len(r) == 4:
+        meta = r[3]
+        if isinstance(meta, bytearray | memoryview):
+            meta = bytes(meta)
+        if not isinstance(meta, str | bytes):
+            raise TypeError(f"cannot serialize descriptor {i}: meta {meta!r} is not str or bytes")
+        row.append(meta)
+    return row
+
+
+def _serial_array(blob: _wire.DListBlob) -> npt.NDArray[Any]:
+    dt = _SERIAL_DTYPES.get(blob.dtype)
+    if dt is None:
+        raise ValueError(f"array of type {blob.dtype!r}")
+    shape = blob.shape
+    if len(shape) not in (1, 2) or any(d < 0 for d in shape):
+        raise ValueError(f"array of shape {shape}")
+    if math.prod(shape) * dt.itemsize != len(blob.descs):
+        raise ValueError(f"array of shape {shape} in {len(blob.descs)} bytes")
+    return np.frombuffer(blob.descs, dtype=dt).reshape(shape).copy()
+
+
+def _serial_rows(blob: _wire.DListBlob) -> list[Any] | tuple[Any, ...]:
+    if len(blob.inner) != len(blob.rows):
+        raise ValueError("descriptor rows and their kinds differ in number")
+    out: list[Any] = []
+    for row, kind in zip(blob.rows, blob.inner, strict=True):
+        if (len(row) not in (3, 4) or kind not in "tl"
+                or not all(type(v) is int for v in row[:3])
+                or (len(row) == 4 and type(row[3]) not in (str, bytes))):
+            raise ValueError("damaged descriptor row")
+        out.append(tuple(row) if kind == "t" else row)
+    return out if blob.kind == "list" else tuple(out)
 
 
 class nixl_prepped_dlist_handle:
@@ -606,19 +674,44 @@ class nixl_agent:
 
     def get_serialized_descs(self, descs: Any) -> bytes:
         """A descriptor list as bytes for a peer (msgspec, not pickle: the
-        peer's deserialize_descs runs no code from the wire)."""
+        peer's deserialize_descs runs no code from the wire). NIXL pickles
+        anything; here what describes descriptors comes back as it went: a
+        nixlXferDList or nixlRegDList, an integer numpy array of one or two
+        dimensions (Nx3, a strided Nx5), a list or tuple of descriptor
+        tuples (or lists) of three integers and maybe a meta (str, bytes);
+        anything else is refused (TypeError)."""
         if isinstance(descs, nixlBind.nixlRegDList):
             blob = _wire.DListBlob("reg", int(descs.getType()), descs._a.tobytes(),
                                    list(descs._metas))
         elif isinstance(descs, nixlBind.nixlXferDList):
             blob = _wire.DListBlob("xfer", int(descs.getType()), descs._a.tobytes())
+        elif isinstance(descs, np.ndarray):
+            if descs.dtype.str not in _SERIAL_DTYPES or descs.ndim not in (1, 2):
+                raise TypeError(f"cannot serialize a {descs.ndim}-dimensional {descs.dtype} "
+                                f"array: descriptor arrays are 1 or 2-dimensional, of integers")
+            # (In this host's byte order, as NIXL's pickle gives it back.)
+            native = np.ascontiguousarray(descs, dtype=descs.dtype.newbyteorder("="))
+            blob = _wire.DListBlob("ndarray", 0, native.tobytes(), dtype=native.dtype.str,
+                                   shape=list(descs.shape))
+        elif isinstance(descs, list | tuple):
+            rows = [_serial_row(i, r) for i, r in enumerate(descs)]
+            blob = _wire.DListBlob("list" if isinstance(descs, list) else "tuple", 0, b"",
+                                   rows=rows,
+                                   inner="".join("l" if isinstance(r, list) else "t"
+                                                 for r in descs))
         else:
-            raise TypeError(f"cannot serialize {type(descs).__name__}: a NIXL descriptor list")
+            raise TypeError(f"cannot serialize {type(descs).__name__}: a NIXL descriptor list, "
+                            f"an integer numpy array or a list of descriptor tuples (never "
+                            f"pickled: the bytes come from a peer)")
         return _wire.encode_dlist(blob)
 
     def deserialize_descs(self, serialized_descs: bytes) -> Any:
         try:
             blob = _wire.decode_dlist(serialized_descs)
+            if blob.kind == "ndarray":
+                return _serial_array(blob)
+            if blob.kind in ("list", "tuple"):
+                return _serial_rows(blob)
             if len(blob.descs) % 24:
                 raise ValueError("descriptor array of a wrong size")
             arr = np.frombuffer(blob.descs, dtype=np.uint64).reshape(-1, 3).copy()

@@ -479,40 +479,52 @@ def _u(v: Any) -> int:
 _STRIDED_MAX_BLOCKS = 1 << 24
 
 
-def _strided_rows(descs: Any) -> npt.NDArray[np.uint64]:
-    """NIXL's strided descriptor rows (addr, len, devId, stride, count) as the
-    (n, 3) rows of their blocks, row by row: what indices of a list prepared
-    from them count. Refused as NIXL 1.5.1 refuses them (observed): a dtype
-    other than uint64/int64 ValueError; a count of 0 or a stride shorter
-    than the block (overlapping blocks, stride 0 included) NOT_FOUND, like
-    blocks outside registered memory."""
+def _strided_rows(descs: Any) -> tuple[npt.NDArray[np.uint64] | None, npt.NDArray[np.uint64]]:
+    """NIXL's strided descriptor rows (addr, len, devId, stride, count) as
+    their spans (addr, bytes from the first block's start to the last
+    block's end, devId), one per row, and the (n, 3) rows of their blocks,
+    row by row: what indices of a list prepared from them count (None past
+    _STRIDED_MAX_BLOCKS blocks: refused once the spans are found registered).
+
+    Refused as NIXL 1.5.1 refuses them (observed): a dtype other than
+    uint64/int64 ValueError; a count of 0 or a stride shorter than the block
+    (overlapping blocks, stride 0 included) NOT_FOUND, like blocks outside
+    registered memory (and, in _prepped, a span not inside one registered
+    region, as NIXL checks the whole span: blocks in two regions, or across
+    a gap, NOT_FOUND). A row whose span passes 2**64 is refused NOT_FOUND
+    too: NIXL 1.5.1 accepts it (its arithmetic wraps: a row at 2**64 - 16 of
+    two blocks prepared though nothing is registered there, an int64 row of
+    stride -32 as blocks going down), and here the wrapped blocks would have
+    been looked up where they landed (a negative stride inside a region was
+    accepted, silently); no such row describes memory anyone registered."""
     if not (isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 5):
         raise ValueError("descs must be a Nx5 numpy array")
     if descs.dtype != np.uint64 and descs.dtype != np.int64:
         raise ValueError("descs must be a Nx5 numpy array of uint64 or int64")
-    rows = descs.astype(np.uint64)
+    rows = descs.astype(np.uint64)  # (an int64 -32 is 2**64 - 32, as NIXL reads it)
+    spans = np.empty((rows.shape[0], 4), dtype=np.uint64)
     total = 0
-    for i, (_, n, _, stride, count) in enumerate(rows.tolist()):
+    for i, (addr, n, dev, stride, count) in enumerate(rows.tolist()):
         if count == 0 or stride < n:
             raise _error(-4, f"prepXferDlist: strided row {i}: {count} blocks of {n} bytes "
                              f"{stride} apart (a count of 0, or blocks that overlap)")
+        span = (count - 1) * stride + n  # (Python ints: no wrap)
+        if addr + span > _U64_MAX + 1:
+            raise _error(-4, f"prepXferDlist: strided row {i}: {count} blocks of {n} bytes "
+                             f"{stride} apart from {addr:#x} end past 2**64")
+        spans[i] = (addr, span, dev, count)
         total += count
     if total > _STRIDED_MAX_BLOCKS:
-        raise _error(-2, f"prepXferDlist: a strided list of {total} blocks (at most "
-                         f"{_STRIDED_MAX_BLOCKS} here)")
+        return None, spans
     counts = rows[:, 4].astype(np.int64)
     row_of = np.repeat(np.arange(rows.shape[0]), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     k = (np.arange(total, dtype=np.int64) - first).astype(np.uint64)
-    # (A block past 2**64 wraps here and then lies outside every registered
-    # region: refused there as NOT_FOUND.)
-    with np.errstate(over="ignore"):
-        addrs = rows[row_of, 0] + k * rows[row_of, 3]
     out = np.empty((total, 3), dtype=np.uint64)
-    out[:, 0] = addrs
+    out[:, 0] = rows[row_of, 0] + k * rows[row_of, 3]  # (no wrap: the spans fit)
     out[:, 1] = rows[row_of, 1]
     out[:, 2] = rows[row_of, 2]
-    return out
+    return out, spans
 
 
 class _DList:
@@ -2121,9 +2133,12 @@ class nixlAgent:
         if args and isinstance(args[0], str | bytes):
             agent_name, args = args[0], args[1:]
         name = NIXL_INIT_AGENT if agent_name is None else _name(agent_name)
+        spans: npt.NDArray[np.uint64] | None = None
+        arr: npt.NDArray[np.uint64] | None
         if len(args) >= 2 and isinstance(args[1], np.ndarray) and not isinstance(
                 args[0], nixlXferDList):
-            mem, arr = _mem(args[0]), _strided_rows(args[1])
+            mem = _mem(args[0])
+            arr, spans = _strided_rows(args[1])
         else:
             descs = kwargs.pop("descs", args[0] if args else None)
             if not isinstance(descs, nixlXferDList):
@@ -2132,7 +2147,7 @@ class nixlAgent:
             mem = descs.getType()
             arr = descs._a
         try:
-            return self._prep(name, mem, arr)
+            return self._prep(name, mem, arr, spans)
         except nixlNotFoundError:
             if self._tel is not None:
                 self._tel.error(-4)
@@ -2143,30 +2158,44 @@ class nixlAgent:
             self._last_md_poll = time.perf_counter()
             raise
 
-    def _prep(self, name: str, mem: nixl_mem_t, arr: npt.NDArray[np.uint64]) -> int:
+    def _prep(self, name: str, mem: nixl_mem_t, arr: npt.NDArray[np.uint64] | None,
+              spans: npt.NDArray[np.uint64] | None = None) -> int:
+        """Prepares ``arr``'s descriptors; for a strided list, ``spans`` (one
+        per row, each inside one registered region as NIXL requires, or
+        NOT_FOUND) and ``arr`` its blocks (None: too many, refused)."""
         with self._rt.locked():
             if name in (NIXL_INIT_AGENT, "NIXL_INIT_AGENT"):
                 table = self._local_table()
-                prepped = self._prepped(None, False, mem, arr, table, "local")
+                prepped = self._prepped(None, False, mem, arr, table, "local", spans)
             elif name == self._name:
                 if self._agent is None and mem != FILE_SEG:
                     raise _error(-4, "prepXferDlist: no UCX backend for loopback")
-                prepped = self._prepped(None, True, mem, arr, self._local_table(), "loopback")
+                prepped = self._prepped(None, True, mem, arr, self._local_table(), "loopback",
+                                        spans)
             else:
                 rem = self._remotes.get(name)
                 if rem is None or rem.removed:
                     raise _error(-4, f"prepXferDlist: remote agent {name!r} not found (metadata "
                                      f"not loaded, or removed)")
                 prepped = self._prepped(rem, False, mem, arr, rem.get_table(),
-                                        f"agent '{name}'")
+                                        f"agent '{name}'", spans)
             handle = next(self._handle_seq)
             self._dlists[handle] = prepped
         return handle
 
     def _prepped(self, rem: _Remote | None, loopback: bool, mem: nixl_mem_t,
-                 arr: npt.NDArray[np.uint64], table: _Table, whose: str) -> _Prepped:
-        idx = table.locate(int(mem), arr)
-        if idx is None:
+                 arr: npt.NDArray[np.uint64] | None, table: _Table, whose: str,
+                 spans: npt.NDArray[np.uint64] | None = None) -> _Prepped:
+        if spans is None:
+            idx = table.locate(int(mem), arr) if arr is not None else None
+        else:
+            # A strided row's blocks lie in the region that holds its span.
+            sidx = table.locate(int(mem), spans)
+            if sidx is not None and arr is None:
+                raise _error(-2, f"prepXferDlist: a strided list of more than "
+                                 f"{_STRIDED_MAX_BLOCKS} blocks (the most here)")
+            idx = None if sidx is None else np.repeat(sidx, spans[:, 3].astype(np.intp))
+        if idx is None or arr is None:
             raise _error(-4, f"prepXferDlist: failed to prepare the descriptors for any of the "
                              f"specified or potential backends for {whose}: not inside memory "
                              f"it registered (or its metadata was not loaded yet)")

@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -179,12 +180,25 @@ _U64_MAX = 2**64 - 1
 
 class DListBlob(msgspec.Struct, array_like=True, frozen=True):
     """A serialized descriptor list: kind ("xfer", "reg"), mem type, the (n, 3)
-    uint64 array's bytes, and (reg lists) each descriptor's meta bytes."""
+    uint64 array's bytes, and (reg lists) each descriptor's meta bytes.
+
+    NIXL's get_serialized_descs pickles whatever it is given; of that, the
+    descriptor-shaped inputs come back here as they went (the fields after
+    ``metas``, absent from the lists' blobs, which older peers still read):
+    kind "ndarray", an integer numpy array: ``descs`` its bytes in C order,
+    ``dtype`` its numpy type string, ``shape``; kind "list" or "tuple", a
+    list (tuple) of descriptor tuples: ``rows``, each three integers and
+    maybe a meta (str or bytes), and ``inner`` one letter per row, "t" a
+    tuple, "l" a list."""
 
     kind: str
     mem: int
     descs: bytes
     metas: list[bytes] = []
+    dtype: str = ""
+    shape: list[int] = []
+    rows: list[list[Any]] = []  # (checked by the reader: ints, then str or bytes)
+    inner: str = ""
 
 
 _dl_decoder = msgspec.msgpack.Decoder(DListBlob)
