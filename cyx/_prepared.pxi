@@ -998,6 +998,7 @@ cdef long _ns_spin_probe = 0
 cdef object _ns_linger = None
 cdef long long _ns_spin_max = 0
 cdef long long _ns_alone_max_us = 0
+cdef double _ns_alone_lat = 2e6  # spin_alone's bound per second of average latency
 cdef double _ns_engine_wait = 0.0
 
 
@@ -1117,7 +1118,7 @@ def nixl_state(agent, handle):
     nixlAgent): ``check_xfer_state(handle)``, "DONE" or "PROC"."""
     global _ns_type, _ns_ok, _ns_cls, _ns_transfer, _ns_tight_poll, _ns_spin_keep
     global _ns_spin_misses, _ns_spin_probe, _ns_linger, _ns_spin_max, _ns_alone_max_us
-    global _ns_engine_wait, _nr_type, _nr_ok
+    global _ns_engine_wait, _ns_alone_lat, _nr_type, _nr_ok
     cdef PyObject *v
     cdef object x, fut, rt, lock, sel, fd, f2, c, nso, active
     cdef NixlCache n
@@ -1130,7 +1131,7 @@ def nixl_state(agent, handle):
     if type(agent) is not _ns_cls:
         consts = type(agent)._nx_consts
         (_ns_transfer, _ns_tight_poll, _ns_spin_keep, _ns_spin_misses, _ns_spin_probe,
-         _ns_linger, _ns_spin_max, _ns_alone_max_us, _ns_engine_wait) = consts
+         _ns_linger, _ns_spin_max, _ns_alone_max_us, _ns_engine_wait, _ns_alone_lat) = consts
         _ns_cls = type(agent)
     _na_types(agent)
     nso = _nx_field(agent, "_ns")
@@ -1249,7 +1250,7 @@ cdef int _ns_note_latency(object x, double took) except -1:
     lat = took if lat == 0.0 else lat + (took - lat) * 0.125
     axf_slot_put(x, _ns_off[_NS_LAT], PyFloat_FromDouble(lat))
     if <long long>_slot_obj(x, _ns_off[_NS_NBYTES]) <= _ns_spin_max:
-        budget = <long long>(lat * 2e6)
+        budget = <long long>(lat * _ns_alone_lat)
         axf_slot_put(x, _ns_off[_NS_BUDGET],
                      budget if budget < _ns_alone_max_us else _ns_alone_max_us)
     return 0

@@ -59,7 +59,7 @@ from aioxfer import (
 from aioxfer.auth import default_token
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
-from aioxfer.progress import ALONE_MAX_US, POLL_SLICE_US, check_mode
+from aioxfer.progress import ALONE_LATENCIES, ALONE_MAX_US, POLL_SLICE_US, check_mode
 from aioxfer.submission import SPIN_ALONE_MAX
 
 __all__ = [
@@ -967,15 +967,18 @@ def _note_latency(x: _Xfer, seconds: float) -> None:
     """Folds one post's time to completion into x.lat (1/8 weight) and sets
     how long a tight poller spins for it (x.budget, when more than the
     engine's poll_us): for a request up to SPIN_ALONE_MAX (as the agent's
-    spin_alone), twice that average, at most ALONE_MAX_US: what a coroutine
-    awaiting it alone spins (there bounded by its peer's latency). With
+    spin_alone), ALONE_LATENCIES times that average, at most ALONE_MAX_US:
+    what a coroutine awaiting it alone spins (aioxfer.progress says why 5,
+    not 2: a spin's bound is wall-clock time, and a preempted spinner ran
+    out of twice the average on a busy host). A completion stops the spin
+    at once, so the larger bound only costs CPU for a late request. With
     poll_us alone, a tcp round trip longer than that (about two thread
     wake-ups) was slept for on the engine's fd: a wake-up per request more
     than a coroutine's await."""
     lat = x.lat
     x.lat = lat = seconds if not lat else lat + (seconds - lat) * 0.125
     if x.nbytes <= SPIN_ALONE_MAX:
-        us = int(lat * 2e6)
+        us = int(lat * (ALONE_LATENCIES * 1e6))
         x.budget = us if us < ALONE_MAX_US else ALONE_MAX_US
 
 
@@ -2866,7 +2869,8 @@ class nixlAgent:
     xferState = _cyx.nixl_state
     # What _cyx.nixl_state reads of this module, once per class.
     _nx_consts = (Transfer, _TIGHT_POLL, float(_SPIN_KEEP), _SPIN_MISSES, _SPIN_PROBE,
-                  _LINGER, SPIN_ALONE_MAX, ALONE_MAX_US, _ENGINE_WAIT)
+                  _LINGER, SPIN_ALONE_MAX, ALONE_MAX_US, _ENGINE_WAIT,
+                  ALONE_LATENCIES * 1e6)
 
     def _nixl_cache(self) -> _cyx.NixlCache:
         """What xferState reads of this agent's fields per check (the
