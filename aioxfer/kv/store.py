@@ -641,7 +641,11 @@ class Store:
         The cancel cuts the flush short (dirty host blocks not yet written
         back are dropped, as with ``flush=False``, and logged as
         ``kv.close_flush_cut``); the rest is bounded as above (the wait for
-        operations in flight included). Concurrent calls share one close."""
+        operations in flight included). Concurrent calls share one close.
+        A cancelled caller gets CancelledError even when the close then
+        fails (the failure is its ``__cause__``, logged as
+        ``kv.close_failed``); callers waiting for it uncancelled get the
+        failure."""
         closer = self._closer
         if closer is None:
             if self._closed:
@@ -656,6 +660,18 @@ class Store:
             try:
                 await asyncio.shield(closer)
                 break
+            except Exception as exc:
+                if not cancelled:
+                    raise
+                # A caller cancelled meanwhile is told of its cancel (kv22:
+                # it got the close's failure instead, and a caller that
+                # handles its own cancel never learned that it happened);
+                # the failure is its cause, logged here, and raised to the
+                # callers still waiting uncancelled.
+                _log.warning("kv.close_failed", store=self.name, error=repr(exc),
+                             why="the caller of aclose was cancelled: CancelledError raised "
+                                 "to it, this failure as its cause")
+                raise asyncio.CancelledError from exc
             except asyncio.CancelledError:
                 if closer.done():
                     raise  # the close itself was cancelled (its loop going away)
