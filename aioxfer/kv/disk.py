@@ -133,6 +133,33 @@ async def _staged(t: Any) -> None:
     await run_to_end(t)
 
 
+# A view of a stage (numpy or memoryview) is never held in a coroutine's
+# frame across an await: a cancelled or failed operation's traceback keeps
+# that frame, and the view in it, alive, and the region's release at the
+# close then cannot unmap it (kv24: the header stage's mapping and fd stayed
+# open after the close, for as long as a caller kept a cut put's exception).
+# Sync helpers take their views and drop them on return.
+
+
+def _fill_stage(stage: Region, image: npt.NDArray[np.uint8], sectors: list[int]) -> None:
+    """The header image's ``sectors`` into the stage, one after another."""
+    view = stage.numpy()
+    for j, s in enumerate(sectors):
+        view[j * SECTOR:(j + 1) * SECTOR] = image[s * SECTOR:(s + 1) * SECTOR]
+
+
+def _mark_in_stage(stage: Region, chunk: list[int], slots: list[int]) -> None:
+    """Marks ``slots``' entries removed in the header sectors ``chunk`` read
+    into the stage."""
+    view = stage.numpy()
+    pos = {sec: j for j, sec in enumerate(chunk)}
+    for s in slots:
+        sec = s * ENTRY // SECTOR
+        if sec in pos:
+            off = pos[sec] * SECTOR + (s * ENTRY) % SECTOR
+            _mark_entry_removed(view[off:off + ENTRY])
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -951,7 +978,7 @@ class DiskTier(Tier):
             # bytes that are on disk too.
             try:
                 for seg in {places[j][0] for j in written}:
-                    await asyncio.to_thread(_fdatasync, seg.path)
+                    await run_to_end(asyncio.to_thread(_fdatasync, seg.path))
             except OSError as exc:
                 self.counters.errors += 1
                 self.counters.dropped("io_error", len(written))
@@ -980,9 +1007,9 @@ class DiskTier(Tier):
         codecs: list[int] = []
         crcs: list[int] = []
         async with self.clock_w:
-            sv = stage.numpy()
-            smv = stage.memoryview
             for c0 in range(0, len(todo), _CSTAGE_BLOCKS):
+                sv = stage.numpy()  # (dropped before the await below: see _fill_stage)
+                smv = stage.memoryview
                 js = list(range(c0, min(len(todo), c0 + _CSTAGE_BLOCKS)))
                 t0 = time.perf_counter()
                 blobs = []
@@ -1008,6 +1035,7 @@ class DiskTier(Tier):
                         lens.append(bb)
                         cids.append(0)
                 crc_c = [ck.checksum(smv[k * sb:k * sb + L]) for k, L in enumerate(lens)]
+                del sv, smv
                 gate.note_compressed(len(js) * bb, n_out + (len(js) * bb - n_in), dt)
                 by_seg: dict[int, list[int]] = {}
                 for k, j in enumerate(js):
@@ -1044,7 +1072,7 @@ class DiskTier(Tier):
         if durable and done_j:
             try:
                 for seg in {places[j][0] for j in done_j}:
-                    await asyncio.to_thread(_fdatasync, seg.path)
+                    await run_to_end(asyncio.to_thread(_fdatasync, seg.path))
             except OSError as exc:
                 self.counters.errors += 1
                 self.counters.dropped("io_error", len(done_j))
@@ -1187,9 +1215,7 @@ class DiskTier(Tier):
                     and not seg.region.closed:
                 sectors = sorted(seg.dirty)[:_STAGE_SECTORS]
                 seg.dirty.difference_update(sectors)
-                stage = self.stage.numpy()
-                for j, s in enumerate(sectors):
-                    stage[j * SECTOR:(j + 1) * SECTOR] = seg.image[s * SECTOR:(s + 1) * SECTOR]
+                _fill_stage(self.stage, seg.image, sectors)
                 m = len(sectors)
                 try:
                     await _staged(self.store.agent.write(
@@ -1207,7 +1233,7 @@ class DiskTier(Tier):
                     seg.dirty.update(sectors)  # written next time
                     raise
             if durable:
-                await asyncio.to_thread(_fdatasync, seg.path)
+                await run_to_end(asyncio.to_thread(_fdatasync, seg.path))
 
     # ------------------------------------------------------------ read
 
@@ -1316,7 +1342,6 @@ class DiskTier(Tier):
         stage = self.cstage_r
         assert stage is not None and self.clock_r is not None
         agent = self.store.agent
-        smv = stage.memoryview
         async with self.clock_r:
             for c0 in range(0, len(idx), _CSTAGE_BLOCKS):
                 part = idx[c0:c0 + _CSTAGE_BLOCKS]
@@ -1338,6 +1363,7 @@ class DiskTier(Tier):
                 self.counters.reads += len(reads)
                 results = asyncio.gather(*(t for _n, _k, t in reads), return_exceptions=True)
                 await _staged(results)  # the stage is reused by the next chunk: never cut short
+                smv = stage.memoryview  # (no await from here to its del: see _fill_stage)
                 for (no, ks, _t), r in zip(reads, results.result(), strict=True):
                     if isinstance(r, BaseException):
                         self.counters.errors += 1
@@ -1381,6 +1407,8 @@ class DiskTier(Tier):
                             errs[i] = BlockCorrupt(f"{where}: does not decompress to "
                                                    f"{bb} bytes; quarantined")
                             bad.append(i)
+                del smv
+                stored = dst = memoryview(b"")  # (the caller's and the stage's views dropped)
 
     def _quarantine(self, locs: list[int]) -> None:
         for loc in locs:
@@ -1442,7 +1470,8 @@ class DiskTier(Tier):
             _log.warning("kv.disk_remove_unmarked", tier=self.name, blocks=len(unmarked),
                          error=repr(first))
             try:
-                await asyncio.to_thread(self._write_tombstones, unmarked, unmarked_seq)
+                await run_to_end(asyncio.to_thread(self._write_tombstones, unmarked,
+                                                      unmarked_seq))
             except OSError as exc:
                 self.counters.errors += 1
                 assert first is not None
@@ -1470,13 +1499,7 @@ class DiskTier(Tier):
                     if self.segs.get(seg.no) is not seg:
                         return
                     raise
-                stage = self.stage.numpy()
-                pos = {sec: j for j, sec in enumerate(chunk)}
-                for s in slots:
-                    sec = s * ENTRY // SECTOR
-                    if sec in pos:
-                        off = pos[sec] * SECTOR + (s * ENTRY) % SECTOR
-                        _mark_entry_removed(stage[off:off + ENTRY])
+                _mark_in_stage(self.stage, chunk, slots)
                 try:
                     await _staged(agent.write(local, remote))
                 except ClosedResourceError:

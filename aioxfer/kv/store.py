@@ -477,6 +477,52 @@ class _Staging:
 # ---------------------------------------------------------------- the store
 
 
+class _Running:
+    """One operation of a store in its caller's task (Store._running): counted
+    (aclose waits for the count to reach 0), its task known (a cancelled
+    aclose cancels it: Store._cut_operations). A cancel of the store's is
+    the caller's ClosedResourceError; the task's cancel count is restored
+    (Task.uncancel, as asyncio.timeout does), so the caller's own timeouts
+    and cancels still count right. A cancel of the caller's own arriving as
+    well stays a CancelledError."""
+
+    __slots__ = ("store", "task")
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.task: asyncio.Task[Any] | None = None
+
+    def __enter__(self) -> None:
+        store = self.store
+        store._check_open()
+        store._ops += 1
+        task = self.task = asyncio.current_task()
+        if task is not None:
+            store._op_tasks[task] = store._op_tasks.get(task, 0) + 1
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        store = self.store
+        store._ops -= 1
+        if not store._ops and store._ops_idle is not None:
+            store._ops_idle.set()
+        task = self.task
+        if task is None:
+            return
+        left = store._op_tasks[task] - 1
+        if left:
+            store._op_tasks[task] = left
+            return
+        del store._op_tasks[task]
+        if task not in store._cut:
+            return
+        store._cut.discard(task)
+        if task.uncancel() == 0 and typ is asyncio.CancelledError:
+            raise ClosedResourceError(
+                f"store {store.name!r} closed under this operation (a cancelled aclose "
+                f"cancels the operations in flight)") from exc
+
+
 class _Opening:
     """``await Store.open(...)`` or ``async with Store.open(...) as store``."""
 
@@ -553,6 +599,10 @@ class Store:
         # event set when the last ends: aclose waits for them (see there).
         self._ops = 0
         self._ops_idle: asyncio.Event | None = None
+        # The tasks those operations run in (how many each), and those a
+        # cancelled aclose cancelled (see _cut_operations).
+        self._op_tasks: dict[asyncio.Task[Any], int] = {}
+        self._cut: set[asyncio.Task[Any]] = set()
         # The close (one task, shared by every aclose call; see aclose), its
         # flush while it runs, and whether a cancelled aclose asked it to
         # skip the rest of the flush.
@@ -640,8 +690,18 @@ class Store:
         tiers closed, memory released), never left refusing calls but open.
         The cancel cuts the flush short (dirty host blocks not yet written
         back are dropped, as with ``flush=False``, and logged as
-        ``kv.close_flush_cut``); the rest is bounded as above (the wait for
-        operations in flight included). Concurrent calls share one close."""
+        ``kv.close_flush_cut``) and cancels the operations in flight
+        rather than waiting for them: each settles as a cancelled operation
+        does (a put's copies from ``src`` stopped and waited for until the
+        engine lets go; a get's reads into ``dst`` waited for) and raises
+        ClosedResourceError to its caller (a cancel of its own meanwhile
+        stays CancelledError). The rest is bounded as above (the tiers'
+        releases by the agent's close_timeout). Concurrent calls share one
+        close.
+        A cancelled caller gets CancelledError even when the close then
+        fails (the failure is its ``__cause__``, logged as
+        ``kv.close_failed``); callers waiting for it uncancelled get the
+        failure."""
         closer = self._closer
         if closer is None:
             if self._closed:
@@ -656,6 +716,18 @@ class Store:
             try:
                 await asyncio.shield(closer)
                 break
+            except Exception as exc:
+                if not cancelled:
+                    raise
+                # A caller cancelled meanwhile is told of its cancel (kv22:
+                # it got the close's failure instead, and a caller that
+                # handles its own cancel never learned that it happened);
+                # the failure is its cause, logged here, and raised to the
+                # callers still waiting uncancelled.
+                _log.warning("kv.close_failed", store=self.name, error=repr(exc),
+                             why="the caller of aclose was cancelled: CancelledError raised "
+                                 "to it, this failure as its cause")
+                raise asyncio.CancelledError from exc
             except asyncio.CancelledError:
                 if closer.done():
                     raise  # the close itself was cancelled (its loop going away)
@@ -666,6 +738,7 @@ class Store:
                 self._hurry = True
                 if self._flushing is not None:
                     self._flushing.cancel()
+                self._cut_operations()
         if cancelled:
             raise asyncio.CancelledError
 
@@ -746,15 +819,24 @@ class Store:
         if not self._opened:
             raise RuntimeError("the store is not open: `await kv.Store.open(...)` first")
 
-    def _op_begin(self) -> None:
-        """An operation starts (aclose waits for it): refused once closing."""
-        self._check_open()
-        self._ops += 1
+    def _running(self) -> _Running:
+        """``with store._running():`` around an operation (aclose waits for
+        it; refused once closing; cut short by a cancelled aclose)."""
+        return _Running(self)
 
-    def _op_end(self) -> None:
-        self._ops -= 1
-        if not self._ops and self._ops_idle is not None:
-            self._ops_idle.set()
+    def _cut_operations(self) -> None:
+        """A cancelled aclose: the operations in flight are cancelled rather
+        than waited for (kv22: the cancelled close still waited for them,
+        each up to its own bounds: a put to a stopped peer member its
+        ack_wait, a get its stall bounds). Each settles as a cancelled one
+        does (a put's copies from src cancelled and waited for until the
+        engine lets go, a get's reads into dst waited for), and its caller
+        gets ClosedResourceError, not a cancel it did not ask for
+        (_Running.__exit__)."""
+        me = asyncio.current_task()
+        for task in list(self._op_tasks):
+            if task is not me and task not in self._cut and task.cancel():
+                self._cut.add(task)
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -867,11 +949,8 @@ class Store:
 
     async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Which leading keys the store holds, and where (no data moves)."""
-        self._op_begin()
-        try:
+        with self._running():
             return await self._lookup(list(keys))
-        finally:
-            self._op_end()
 
     async def _lookup(self, keys: list[bytes]) -> LookupResult:
         probes: list[Any] = []
@@ -908,11 +987,8 @@ class Store:
         Segment per key, a SegmentList, or one Segment of all blocks; the
         agent's registered host memory), verified. Stops at the first miss;
         ``res.prefix`` says how many leading blocks are good."""
-        self._op_begin()
-        try:
+        with self._running():
             return await self._get_op(self._keys(keys), dst)
-        finally:
-            self._op_end()
 
     async def _get_op(self, keys: list[bytes], dst: Any) -> GetResult:
         blk = _Blocks.of(dst, len(keys), self.block_bytes, "dst")
@@ -1382,11 +1458,8 @@ class Store:
         shapes as ``get``'s ``dst``) in the fastest tier with room. Keys the
         store holds already are not written again. ``durable=True``: returns
         once the blocks are also on the first durable tier (disk, fsynced)."""
-        self._op_begin()
-        try:
+        with self._running():
             return await self._put_op(self._keys(keys), src, durable)
-        finally:
-            self._op_end()
 
     async def _put_op(self, keys: list[bytes], src: Any, durable: bool) -> PutResult:
         n = len(keys)
@@ -1548,11 +1621,8 @@ class Store:
         is done. Blocks another get is fetching already are left to that get's
         promotion. Cancelling stops the wait at once; reads already posted
         into host memory still complete and are kept (their pins go then)."""
-        self._op_begin()
-        try:
+        with self._running():
             return await self._prefetch(self._keys(keys), tier)
-        finally:
-            self._op_end()
 
     async def _prefetch(self, keys: list[bytes], tier: str = "host") -> int:
         host = self._host
@@ -1708,11 +1778,8 @@ class Store:
         (``removed``, the failed ``tiers``, the first error as ``__cause__``):
         the blocks may still be in that storage, where another store can
         find them; remove them again once it is back."""
-        self._op_begin()
-        try:
+        with self._running():
             return await self._remove(self._keys(keys))
-        finally:
-            self._op_end()
 
     async def _remove(self, keys: list[bytes]) -> int:
         removed = 0
@@ -1890,11 +1957,8 @@ class LayerStream:
             store._keys(keys)
             # An operation of the store's while it brings blocks up
             # (Store.aclose waits for it; refused once closing: rev21 #3).
-            store._op_begin()
-            try:
+            with store._running():
                 await store._prefetch(keys)
-            finally:
-                store._op_end()
             found = list(map(host.index.get, keys))
         m = found.index(None) if None in found else len(found)
         self._pin_and_post(host, found[:m])  # type: ignore[arg-type]
