@@ -52,10 +52,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from aioxfer._uncancelled import finish_uncancelled, run_to_end
 from aioxfer.errors import ClosedResourceError, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.errors import BlockCorrupt, BlockUnavailable
-from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end, settle_on_cancel
+from aioxfer.kv.tier import Tier, landed, settle_on_cancel
 from aioxfer.log import get_logger
 from aioxfer.region import Region, SegmentList
 

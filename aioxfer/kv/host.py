@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from aioxfer._uncancelled import finish_uncancelled
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.policy import POLICIES, EvictionPolicy, make_policy
-from aioxfer.kv.tier import Tier, finish_uncancelled
+from aioxfer.kv.tier import Tier
 from aioxfer.log import get_logger
 from aioxfer.region import Region, RemoteRegion
 

@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from aioxfer._uncancelled import finish_uncancelled, run_to_end
 from aioxfer.backends.base import BackendTransfer
 from aioxfer.errors import ObjectNotFound, TransportError, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import ENTRY, ENTRY_DTYPE, ENTRY_MAGIC, ENTRY_VERSION, F_LIVE, entry_check
 from aioxfer.kv.disk import ns_tag as _ns_tag
 from aioxfer.kv.errors import BlockCorrupt, BlockMissing, BlockUnavailable
-from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
+from aioxfer.kv.tier import Tier, landed
 from aioxfer.log import get_logger
 from aioxfer.region import Region
 

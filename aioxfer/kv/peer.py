@@ -39,11 +39,12 @@ import numpy as np
 import numpy.typing as npt
 
 import aioxfer
+from aioxfer._uncancelled import finish_uncancelled, run_to_end
 from aioxfer.errors import PeerLost, XferError
 from aioxfer.kv import checksum as ck
 from aioxfer.kv.disk import entry_check
 from aioxfer.kv.errors import BlockMissing, BlockUnavailable
-from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end
+from aioxfer.kv.tier import Tier, landed
 from aioxfer.log import get_logger
 from aioxfer.region import Region, RemoteRegion, SegmentList
 

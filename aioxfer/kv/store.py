@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from aioxfer._uncancelled import finish_uncancelled, run_to_end
 from aioxfer.agent import Agent
 from aioxfer.discovery import retrieve_exception
 from aioxfer.errors import ClosedResourceError, XferError
@@ -50,7 +51,7 @@ from aioxfer.kv.errors import BlockMissing, BlockUnavailable, PinLimitExceeded, 
 from aioxfer.kv.host import HostTier
 from aioxfer.kv.keys import KEY_BYTES
 from aioxfer.kv.stats import StoreStatistics
-from aioxfer.kv.tier import Tier, finish_uncancelled, landed, run_to_end, settle_on_cancel
+from aioxfer.kv.tier import Tier, landed, settle_on_cancel
 from aioxfer.log import get_logger
 from aioxfer.peer import Peer
 from aioxfer.region import Region, RemoteRegion, Segment, SegmentList

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from aioxfer._uncancelled import finish_uncancelled
 from aioxfer.errors import XferError
 from aioxfer.kv.stats import TierCounters, TierStatistics, snapshot
 from aioxfer.region import Region
@@ -88,33 +89,6 @@ class Tier:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
-
-
-async def finish_uncancelled(aw: Awaitable[Any]) -> bool:
-    """Runs ``aw`` to its end even if the caller is cancelled meanwhile (store
-    memory that a transfer still reads or writes is never handed on midway);
-    raises what ``aw`` raised, else returns whether a cancel arrived (the
-    caller raises it once it has finished what must not be cut short)."""
-    fut = asyncio.ensure_future(aw)
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            cancelled = True
-    fut.result()
-    return cancelled
-
-
-async def run_to_end(aw: Awaitable[Any]) -> Any:
-    """Awaits ``aw`` without ever cutting it short: a cancelled caller waits
-    for it to end and then raises CancelledError. For work that must not stop
-    midway: a transfer through a staging buffer the next writer refills, or a
-    delivery whose copies read memory its owner frees once we return."""
-    fut = asyncio.ensure_future(aw)
-    if await finish_uncancelled(fut):
-        raise asyncio.CancelledError
-    return fut.result()
 
 
 async def landed(*transfers: Awaitable[Any]) -> list[Any]:
