@@ -390,7 +390,8 @@ def test_nixl_tight_checks_go_through_the_compiled_path_with_the_python_states(
             if x.lat:
                 assert type(x.spin) is bool and type(x.slow) is int and type(x.skipped) is int
                 assert type(x.lat) is float and type(x.budget) is int
-                assert x.budget == min(int(x.lat * 2e6), _bindings.ALONE_MAX_US)
+                assert x.budget == min(int(x.lat * (_bindings.ALONE_LATENCIES * 1e6)),
+                                        _bindings.ALONE_MAX_US)
         # Done, then asked again: "DONE" from both.
         assert a.check_xfer_state(hc) == ba._state_py(hc) == "DONE"
         # Not posted, or unknown: the same errors.
