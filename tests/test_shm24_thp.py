@@ -82,10 +82,11 @@ def initiator_main(conn: Any) -> None:
             view = local.numpy()
             remote = None
             while True:
-                cmd, *args = await loop.run_in_executor(None, conn.recv)
-                if cmd == "quit":
+                msg = await loop.run_in_executor(None, conn.recv)
+                if msg == "quit":  # PipeChild.close's message: a bare string
                     conn.send(None)
                     return
+                cmd, *args = msg
                 if cmd == "connect":
                     peer = await within(agent.connect(args[0]))
                     remote = peer.region("thp")
