@@ -213,7 +213,7 @@ static int bye_to_slow_reader(int snd)
     CHECK_EQ(t_wait(d.p, AXF_CQ_XFER, 10, &x), 0);
     fprintf(stderr,
             "snd %d: bye_network took %" PRIu64 " ms; peer: fail_index %" PRIu64
-            ", status %d; the READ: status %d; the relay's read of o: %s\n",
+            ", status %d; the READ: status %d; the relay on o's socket: %s\n",
             snd, took, c.fail_index, c.status, x.status,
             atomic_load(&d.rl.o_err) ? strerror(atomic_load(&d.rl.o_err)) : "no error");
     CHECK_EQ(atomic_load(&d.rl.o_err), 0); /* o did not abort (RST) the connection */
