@@ -329,11 +329,11 @@ static void conn_mark_dead(conn *c)
  * Linux: TCPAbortOnData), and the reset drops what is still queued to
  * send: the tail of the frame and the goodbye, for a slow reader that
  * pinged or a peer that pipelined another request meanwhile (native
- * test_rev24_bye_tcp: a loss). So the receiver reads on, serving as while
- * the goodbye was owed (its replies are dropped: the connection is dead),
- * until the peer, having read the goodbye, closes (or falls silent for the
- * peer timeout); any later kill (engine shutdown, a revocation's deadline)
- * cuts it both ways at once (conn_mark_dead). */
+ * test_rev24_bye_tcp: a loss). So the receiver reads on, dropping what it
+ * reads (rx_drain: nothing is served after the goodbye), until the peer,
+ * having read the goodbye, closes (or falls silent for the peer timeout);
+ * any later kill (engine shutdown, a revocation's deadline) cuts it both
+ * ways at once (conn_mark_dead). */
 static void conn_bye_out(conn *c)
 {
     if (c->dead)
@@ -3037,6 +3037,23 @@ static void rx_await(conn *c, uint64_t tx_at, bool got)
     pthread_mutex_unlock(&c->mu);
 }
 
+/* A target connection dead after our goodbye (conn_bye_out; or dead any
+ * other way: its socket is shut for reading then, and this ends at once):
+ * what the peer still sends is read and dropped, never served (a WRITE
+ * landing in our memory after we said goodbye), until it closes, falls
+ * silent (SO_RCVTIMEO) or the connection is cut (conn_mark_dead). */
+static const char *rx_drain(conn *c, uint8_t *scratch, int *io)
+{
+    ((conn_priv *)c)->rb_len = 0; /* read ahead: dropped as well */
+    for (;;) {
+        ssize_t r = recv(c->fd, scratch, DISCARD_BYTES, 0);
+        if (r > 0 || (r < 0 && errno == EINTR))
+            continue;
+        *io = r < 0 ? -errno : 0;
+        return "connection lost";
+    }
+}
+
 static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, int *io)
 {
     uint64_t answered = 0; /* when the last request was answered; 0: not just now */
@@ -3047,6 +3064,8 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
                                                                  : TX_LAZY_MS;
     uint64_t tx_at = axf_now_us() + (uint64_t)lazy_ms * 1000u;
     for (;;) {
+        if (!c->ep && atomic_load(&c->down))
+            return rx_drain(c, scratch, io);
         if (!c->replay)
             rx_wait_room(c);
         int got = 0;
@@ -3095,6 +3114,8 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
             *proto = true;
             return "bad frame magic";
         }
+        if (!c->ep && atomic_load(&c->down)) /* (it may have come while we waited for it) */
+            return rx_drain(c, scratch, io);
         const char *reason = conn_rx_frame(c, h, scratch, proto, io);
         AXF_TR(TR_RX_DONE, c->fd, h->op, h->type);
         if (reason)

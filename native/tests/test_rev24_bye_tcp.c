@@ -172,10 +172,30 @@ static void pair_close(pair *d)
     free(d->s);
 }
 
+/* p's WRITEs into o's w, 20 ms after it starts, while o's goodbye goes
+ * out slowly (p has not read it yet: the endpoint is up). */
+typedef struct writer {
+    pair *d;
+    pthread_t t;
+} writer;
+
+static void *writer_main(void *arg)
+{
+    writer *wr = arg;
+    pair *d = wr->d;
+    usleep(20 * 1000);
+    for (uint64_t req = 1000; req < 1010; req++) {
+        axf_desc wd = {.lrid = d->sid, .rrid = d->wid, .rkey = d->wkey, .len = 4096};
+        (void)axf_post(d->p->e, d->p_ep, AXF_OP_WRITE, &wd, 1, NULL, 0, req, 0);
+        usleep(10 * 1000);
+    }
+    return NULL;
+}
+
 /* o says goodbye while its 1 MiB response goes out over the slow link; p
  * must see a close (fail_index 1) and, the frame having been started, the
- * READ whole. */
-static int bye_to_slow_reader(int snd)
+ * READ whole; what p sends after the goodbye is not served. */
+static int bye_to_slow_reader(int snd, bool owed)
 {
     pair d;
     if (pair_open(&d, snd))
@@ -185,7 +205,12 @@ static int bye_to_slow_reader(int snd)
     CHECK_EQ(axf_post(d.p->e, d.p_ep, AXF_OP_READ, &rd, 1, NULL, 0, 10, 0), AXF_OK);
     usleep(150 * 1000); /* the response is on its way, ~0.15 MB of it through */
     uint64_t t0 = t_now_ms();
+    writer wr = {.d = &d};
+    if (!owed) /* WRITEs from 20 ms on: after the goodbye, said at once */
+        CHECK_EQ(pthread_create(&wr.t, NULL, writer_main, &wr), 0);
     CHECK_EQ(axf_engine_bye_network(d.o->e), AXF_OK);
+    if (!owed)
+        pthread_join(wr.t, NULL);
     uint64_t took = t_now_ms() - t0;
     /* p goes on sending (small WRITEs every 20 ms, as a busy peer
      * pipelines requests) until it hears the goodbye: they reach o after
@@ -220,6 +245,13 @@ static int bye_to_slow_reader(int snd)
     CHECK_EQ(c.fail_index, 1);             /* a close, not a loss */
     CHECK_EQ(x.status, AXF_OK);
     CHECK(memcmp(d.x, d.r, REG) == 0);
+    if (!owed) {
+        /* Said at once: the writer's WRITEs reached o after its goodbye
+         * (p still reading the response): none was served (o's receiver
+         * only drains until p closes). */
+        static const uint8_t zero[4096];
+        CHECK(memcmp(d.w, zero, sizeof zero) == 0);
+    }
     pair_close(&d);
     return 0;
 }
@@ -227,13 +259,13 @@ static int bye_to_slow_reader(int snd)
 /* o's send buffer smaller than the frame: the goodbye is owed (nat24). */
 static int test_owed_goodbye_to_a_slow_pinging_reader(void)
 {
-    return bye_to_slow_reader(128 * 1024);
+    return bye_to_slow_reader(128 * 1024, true);
 }
 
 /* The whole frame in o's socket already: the goodbye is said at once. */
 static int test_goodbye_at_once_to_a_slow_pinging_reader(void)
 {
-    return bye_to_slow_reader(4 << 20);
+    return bye_to_slow_reader(4 << 20, false);
 }
 
 int main(int argc, char **argv)
