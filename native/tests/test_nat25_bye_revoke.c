@@ -199,6 +199,14 @@ static int test_owed_goodbye_stuck_region_released_at_peer_timeout(void)
     CHECK_EQ(quarantined(d.o), 0);
     CHECK(took >= PEER_MS - 100); /* the goodbye had its time */
     CHECK(took < PEER_MS + 1500);  /* before: REVOKE_MS */
+    /* o says why it ended the connection: the goodbye, not a revocation
+     * "not acknowledged" (before: that, although the frame never went). */
+    axf_completion lg;
+    CHECK_EQ(t_wait_ex(d.o, AXF_CQ_LOG, true, 0, &lg, 1000), 0);
+    fprintf(stderr, "o's log: %.*s\n", (int)lg.payload_len, (char *)lg.payload);
+    CHECK(lg.payload_len > 0 && strstr((char *)lg.payload, "goodbye") != NULL);
+    CHECK(strstr((char *)lg.payload, "not acknowledged") == NULL);
+    axf_completion_free(&lg);
     atomic_store(&d.rl.hold, false);
     axf_completion c;
     CHECK_EQ(t_wait(d.p, AXF_CQ_PEER_LOST, d.p_ep, &c), 0);
