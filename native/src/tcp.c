@@ -692,8 +692,8 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
  * (header-sized copies cost less than the pipe's syscalls) and above, the
  * copy. */
 #define SPLICE_MIN_DEFAULT (64u << 10)
-#define SPLICE_MAX_DEFAULT (512u << 10)
-#define SPLICE_REQ_MAX_DEFAULT (512u << 10)
+#define SPLICE_MAX_DEFAULT (1u << 20)
+#define SPLICE_REQ_MAX_DEFAULT (1u << 20)
 static int tcp_enable(axf_engine *e)
 {
     /* conn.c loop_cc_set: "reno" by default; "" or "0" leave the system's. */
