@@ -709,10 +709,8 @@ static int tcp_enable(axf_engine *e)
     const char *v = axf_env_get(&e->env, AXF_ENV_TCP_SPLICE);
     if (v && strcmp(v, "1") == 0)
         return AXF_OK;
-    if (!v || !*v) { /* the default: off (the comment above) */
-        e->splice_min = e->splice_max = e->splice_req_max = 0;
+    if (!v || !*v) /* the default: on, the window above (tcp26) */
         return AXF_OK;
-    }
     char *end;
     unsigned long long lo = strtoull(v, &end, 10), hi = 0, req = UINT64_MAX;
     if (*end == '-') {
