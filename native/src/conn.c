@@ -937,31 +937,40 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * the floor measured it slower anyway. Target replies never come here
  * (send_batch's spl_frame: an initiator's op, FR_WRITE or FR_WRITEV).
  *
- * The release rule holds unchanged: a WRITE completes on its group's
+ * The release rule (tcp26): a WRITE completes on its group's
  * acknowledgement, which the target sends once it has read the group's
  * frames (in order on this stream, spliced pages included) into its
  * memory, and not before every frame of it has left the send queue
- * (op->pins); the op holds its regions (op->lregs) until then. What today
- * treats "sent" as "no longer read": releasing an item once sendmsg took
- * it (sq_release: op_unpin; its region holds are only the target's READ
- * responses', never spliced) and an op whose group was acknowledged or
- * failed completing once its frames left (op_unpin). With splice the pages
- * are read later, but before the acknowledgement, so the first is safe as
- * long as the peer is honest, which the uid check stands for. When a
- * connection fails before the acknowledgement (the op fails, or its group
- * is sent again elsewhere), what was spliced may still be read by a peer
- * that is alive (a silent one: the copy path's bytes may also still land
- * then): it reads the pages as they are then, not as posted, but it is a
- * process of our uid, and a killed peer's socket frees its queue.
+ * (op->pins); the op holds its regions (op->lregs) until then. Sent is
+ * not read with splice: a spliced frame's item, once sent, keeps its op's
+ * pin as a hold on its connection (spl_keep) until that op's groups here
+ * are acknowledged (spl_read_take). When the connection fails first (the
+ * stall timeout of a stopped target, a lost or closed endpoint; the op
+ * fails, or its group is sent again elsewhere), the peer may still read
+ * the pages later, as they are then. So the holds stay until the kernel
+ * shows every byte we put in the socket read or dropped (spl_settle,
+ * polled: our send queue empty or purged, and the peer's socket gone or
+ * its receive queue empty): the op's completion and its region holds (a
+ * deregistration waits for them) come only then, with its failure. Why no
+ * prompt end: an abortive close does not drop the pages (a reset socket's
+ * receive queue stays readable: recv returns it before ECONNRESET, kernel
+ * 6.18, and the reset unhashes the socket, so sock_diag stops seeing it),
+ * nothing else of ours can take them back from a live peer, and with the
+ * copy the posted bytes may still land as well. A stopped peer so holds a
+ * failed WRITE's completion (and its memory) until it resumes and reads,
+ * or exits; the engine's shutdown gives up after a second, logged. For
+ * the same reason a connection that may splice shuts only its reading
+ * side when it dies (conn_mark_dead) and closes after settling: with our
+ * FIN out and reading shut, the peer's next bytes draw our kernel's reset.
  *
- * Known limits (rev18b), why it is off by default (tcp.c tcp_enable): a
- * WRITE failed or cancelled before its acknowledgement lands later with the
- * buffer's bytes of that moment if the peer still reads it; the uid check
- * vouches for the process that created (accepted) the peer socket, not one
- * it was passed to or one that dropped privileges after accepting (inetd's
- * pattern), and "same uid can read our memory anyway" does not hold for
- * uid 0 across pid namespaces sharing a network namespace (containers of
- * one pod), nor under Yama ptrace_scope >= 1 or PR_SET_DUMPABLE 0.
+ * Known limits: the uid check vouches for the process that created
+ * (accepted) the peer socket, not one it was passed to or one that dropped
+ * privileges after accepting (inetd's pattern); a peer that acknowledges
+ * without reading (dishonest) reads later contents, which the uid check
+ * stands for. Where the kernel says "our uid cannot read our memory", no
+ * splice (spl_peer_may_read): we are not dumpable, or Yama's ptrace_scope
+ * is 1 or more. Not told: uid 0 across pid namespaces sharing a network
+ * namespace (containers of one pod): see tcp.c tcp_enable.
  *
  * Errors: a vmsplice that fails (EFAULT or EINVAL on an odd mapping,
  * ENOMEM) sends the rest of that frame by copy; a pipe that cannot be made
@@ -1120,11 +1129,12 @@ static int peer_diag_q(const struct sockaddr_storage *mep, const struct sockaddr
         a.n.nlmsg_len < NLMSG_LENGTH(sizeof(struct inet_diag_msg)))
         return -1; /* short, or odd */
     const struct inet_diag_msg *d = NLMSG_DATA(&a.n);
-    /* The kernel looked the tuple up exactly; checked again all the same. */
+    /* The kernel's lookup falls back to a listener on the port (inet_lookup):
+     * another socket's answer means the connection's own is gone. */
     if (d->id.idiag_sport != q.r.id.idiag_sport || d->id.idiag_dport != q.r.id.idiag_dport ||
         memcmp(d->id.idiag_src, q.r.id.idiag_src, sizeof d->id.idiag_src) != 0 ||
         memcmp(d->id.idiag_dst, q.r.id.idiag_dst, sizeof d->id.idiag_dst) != 0)
-        return -1;
+        return 0;
     *uid = d->idiag_uid;
     *state = d->idiag_state;
     *rqueue = d->idiag_rqueue;
@@ -1730,7 +1740,11 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
                   it->plen <= e->splice_max && it->op->total <= e->splice_req_max;
         for (int j = 0; j < k; j++)
             spl[niov + j] = sp && j >= pay;
-        if (sp && !it->spl_c) { /* the pin's rule changes (spl_keep): set before any byte goes */
+        if (sp && it->spl_c != c) { /* the pin's rule changes (spl_keep): set before any
+                                       byte goes; a frame put back unsent may have moved
+                                       here (conn_spread): this stream's peer reads it */
+            if (it->spl_c)
+                conn_unref(it->spl_c);
             conn_ref(c);
             it->spl_c = c;
         }
