@@ -687,14 +687,17 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
  * the handshake's claimed peer pid, checked by its /proc/PID/fd holding the
  * inode and /proc/PID/ns/pid equal to ours.
  * The window ("1"): 64 KiB..1 MiB frames of requests up to 1 MiB (tcp26,
- * benchmarks/peers/run.py --only nixl_tcp,aioxfer_tcp,before_tcp, 3
- * rotated rounds, wheels: this against main 07d60a7): WRITE 1 MiB one at a
- * time 1.66x NIXL-tcp (main 1.17x at the last stop), 1.20x main, 64 KiB
- * 1.34x main, CPU per GB 0.216 against 0.279 (1 MiB), 0.63 against 0.83
- * (64 KiB); rows without spliced frames (4 KiB, 16 MiB, batches, READs)
- * within noise. The last stop's figure for this window: 1.28x NIXL-tcp,
- * main 1.10x. The earlier window (tcp18, below) splices only up to 512 KiB:
- * a lone 1 MiB request (its whole frame, tcp_chunk) then copies.
+ * wheels against main 07d60a7's, 2 vCPUs shared with other builds).
+ * benchmarks/peers/run.py --only nixl_tcp,aioxfer_tcp,before_tcp, two runs
+ * of 3 rotated rounds: WRITE 1 MiB one at a time 1.66x and 1.23x NIXL-tcp
+ * (main in the same rounds 1.28x and 1.18x), 1.20x and 1.05x main; 64 KiB
+ * 1.34x and 1.25x main; CPU per GB at 1 MiB 0.216 against 0.279; rows
+ * without spliced frames (4 KiB, 16 MiB, batches, READs) within noise.
+ * benchmarks/tcp24_lone.py, 1 MiB WRITE, medians of per-pair ratios: 1.12x
+ * [1.02..1.27] 7/7 (CPU per GB 0.241 against 0.287), 1.05x [0.91..1.18]
+ * 5/7, 1.10x [0.31..1.25] 3/5; tcp18's window in the same rounds 0.88x
+ * [0.81..1.05], though it splices nothing of a 1 MiB request (REQMAX 512
+ * KiB): this machine's noise; READ 1 MiB 1.06x, off 1.02x.
  * tcp18's window, measured (tcp18, wheels of its branch, 2 vCPUs, kernel
  * 6.18; in-process A/B: two initiator agents in one process, splice on and
  * off, against one target process, WRITEs awaited one at a time, rows
