@@ -14,6 +14,7 @@
 #include <linux/inet_diag.h>
 #include <linux/netlink.h>
 #include <linux/sock_diag.h>
+#include <linux/sockios.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -24,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -160,6 +162,15 @@ typedef struct conn_priv {
     bool spl_ok, spl_pipe, spl_nopipe;
     int spl_fd[2];
     uint32_t spl_in;
+    /* Spliced pages still owed (tcp26, "one-copy send": the release rule):
+     * one entry per spliced frame sent, holding its op's pin, until the
+     * group's acknowledgement says the peer read it, or the connection's
+     * end finds them read or dropped (spl_settle: spl_settled set, entries
+     * that come later are settled at once). c.mu. The tuple sock_diag is
+     * asked about (conn_path: the socket may be reset by then). */
+    sq_item *spl_holds;
+    bool spl_settled;
+    struct sockaddr_storage spl_me, spl_peer;
     /* A lone READ's response taken by a spinner as it comes (help_more):
      * its header (read, checked by help_takes) and mid_have bytes of its
      * payload copied to their destination, the last of them at mid_since.
@@ -170,6 +181,8 @@ typedef struct conn_priv {
     uint64_t mid_have, mid_since;
     uint8_t rb[RX_AHEAD];
 } conn_priv;
+
+static bool spl_keep(conn *c, sq_item *it);
 
 static void expect_free(expect *x)
 {
@@ -194,10 +207,20 @@ static void sq_release(axf_engine *e, sq_item *it)
         region_unref(e, it->reg);
     for (uint32_t j = 0; j < it->nregs; j++)
         region_unref(e, it->regs[j]);
-    if (it->op)
-        op_unpin(e, it->op);
     free(it->owned);
     free(it->chunks);
+    it->owned = NULL;
+    it->chunks = NULL;
+    if (it->spl_c) { /* spliced: the item, with its op's pin, may stay as a hold */
+        conn *c = it->spl_c;
+        it->spl_c = NULL;
+        bool kept = it->op && spl_keep(c, it);
+        conn_unref(c); /* a kept item is the connection's: its threads' reference holds it */
+        if (kept)
+            return;
+    }
+    if (it->op)
+        op_unpin(e, it->op);
     free(it);
 }
 
@@ -309,7 +332,14 @@ static void conn_mark_dead(conn *c)
     atomic_store(&c->down, true);
     if (c->ep)
         ep_conns_changed(c->ep);
-    shutdown(c->fd, SHUT_RDWR); /* wakes both threads out of their syscalls */
+    /* Wakes both threads out of their syscalls (a send waits SO_SNDTIMEO at
+     * most, then sees it down). A connection that may splice shuts only its
+     * reading side here, the rest at its close (thread_exit, after
+     * spl_settle): a FIN of ours with reading shut makes our kernel answer
+     * the peer's next bytes with a reset, which unhashes the peer's socket
+     * (sock_diag no longer finds it) while its receive queue, our spliced
+     * pages in it, stays readable. */
+    shutdown(c->fd, ((conn_priv *)c)->spl_ok ? SHUT_RD : SHUT_RDWR);
     pthread_cond_broadcast(&c->room_cv); /* and a receiver paused for room */
     rx_unpark(c); /* and one parked for a spinning thread (conn_help) */
 }
@@ -907,31 +937,40 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * the floor measured it slower anyway. Target replies never come here
  * (send_batch's spl_frame: an initiator's op, FR_WRITE or FR_WRITEV).
  *
- * The release rule holds unchanged: a WRITE completes on its group's
+ * The release rule (tcp26): a WRITE completes on its group's
  * acknowledgement, which the target sends once it has read the group's
  * frames (in order on this stream, spliced pages included) into its
  * memory, and not before every frame of it has left the send queue
- * (op->pins); the op holds its regions (op->lregs) until then. What today
- * treats "sent" as "no longer read": releasing an item once sendmsg took
- * it (sq_release: op_unpin; its region holds are only the target's READ
- * responses', never spliced) and an op whose group was acknowledged or
- * failed completing once its frames left (op_unpin). With splice the pages
- * are read later, but before the acknowledgement, so the first is safe as
- * long as the peer is honest, which the uid check stands for. When a
- * connection fails before the acknowledgement (the op fails, or its group
- * is sent again elsewhere), what was spliced may still be read by a peer
- * that is alive (a silent one: the copy path's bytes may also still land
- * then): it reads the pages as they are then, not as posted, but it is a
- * process of our uid, and a killed peer's socket frees its queue.
+ * (op->pins); the op holds its regions (op->lregs) until then. Sent is
+ * not read with splice: a spliced frame's item, once sent, keeps its op's
+ * pin as a hold on its connection (spl_keep) until that op's groups here
+ * are acknowledged (spl_read_take). When the connection fails first (the
+ * stall timeout of a stopped target, a lost or closed endpoint; the op
+ * fails, or its group is sent again elsewhere), the peer may still read
+ * the pages later, as they are then. So the holds stay until the kernel
+ * shows every byte we put in the socket read or dropped (spl_settle,
+ * polled: our send queue empty or purged, and the peer's socket gone or
+ * its receive queue empty): the op's completion and its region holds (a
+ * deregistration waits for them) come only then, with its failure. Why no
+ * prompt end: an abortive close does not drop the pages (a reset socket's
+ * receive queue stays readable: recv returns it before ECONNRESET, kernel
+ * 6.18, and the reset unhashes the socket, so sock_diag stops seeing it),
+ * nothing else of ours can take them back from a live peer, and with the
+ * copy the posted bytes may still land as well. A stopped peer so holds a
+ * failed WRITE's completion (and its memory) until it resumes and reads,
+ * or exits; the engine's shutdown gives up after a second, logged. For
+ * the same reason a connection that may splice shuts only its reading
+ * side when it dies (conn_mark_dead) and closes after settling: with our
+ * FIN out and reading shut, the peer's next bytes draw our kernel's reset.
  *
- * Known limits (rev18b), why it is off by default (tcp.c tcp_enable): a
- * WRITE failed or cancelled before its acknowledgement lands later with the
- * buffer's bytes of that moment if the peer still reads it; the uid check
- * vouches for the process that created (accepted) the peer socket, not one
- * it was passed to or one that dropped privileges after accepting (inetd's
- * pattern), and "same uid can read our memory anyway" does not hold for
- * uid 0 across pid namespaces sharing a network namespace (containers of
- * one pod), nor under Yama ptrace_scope >= 1 or PR_SET_DUMPABLE 0.
+ * Known limits: the uid check vouches for the process that created
+ * (accepted) the peer socket, not one it was passed to or one that dropped
+ * privileges after accepting (inetd's pattern); a peer that acknowledges
+ * without reading (dishonest) reads later contents, which the uid check
+ * stands for. Where the kernel says "our uid cannot read our memory", no
+ * splice (spl_peer_may_read): we are not dumpable, or Yama's ptrace_scope
+ * is 1 or more. Not told: uid 0 across pid namespaces sharing a network
+ * namespace (containers of one pod): see tcp.c tcp_enable.
  *
  * Errors: a vmsplice that fails (EFAULT or EINVAL on an odd mapping,
  * ENOMEM) sends the rest of that frame by copy; a pipe that cannot be made
@@ -1031,8 +1070,12 @@ static bool loop_cc_set(axf_engine *e, int fd) /* fd's path local (conn_open) */
  * reversed) with sock_diag, which answers for our own network namespace
  * only: true when found there, *uid its owner's euid (the kernel's word,
  * never the peer's). One netlink round trip. */
-static bool peer_diag(const struct sockaddr_storage *mep, const struct sockaddr_storage *peerp,
-                      uint32_t *uid)
+/* The peer's socket as sock_diag sees it (the exact 4-tuple, our own
+ * reversed): 1 found (*uid, *state, *rqueue: its owner, TCP state, bytes in
+ * its receive queue not yet read), 0 the kernel has no such socket, -1 no
+ * answer (no diag, no fd, a short or odd reply). */
+static int peer_diag_q(const struct sockaddr_storage *mep, const struct sockaddr_storage *peerp,
+                       uint32_t *uid, uint8_t *state, uint32_t *rqueue)
 {
     const struct sockaddr_storage me = *mep, peer = *peerp;
     struct {
@@ -1062,7 +1105,7 @@ static bool peer_diag(const struct sockaddr_storage *mep, const struct sockaddr_
     }
     int nl = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
     if (nl < 0)
-        return false;
+        return -1;
     struct timeval tv = {.tv_sec = 1};
     (void)setsockopt(nl, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     struct sockaddr_nl k = {.nl_family = AF_NETLINK};
@@ -1076,18 +1119,58 @@ static bool peer_diag(const struct sockaddr_storage *mep, const struct sockaddr_
             r = recv(nl, &a, sizeof a, 0);
         while (r < 0 && errno == EINTR);
     close(nl);
+    if (r >= (ssize_t)NLMSG_LENGTH(sizeof(struct nlmsgerr)) && a.n.nlmsg_type == NLMSG_ERROR &&
+        a.n.nlmsg_len <= (size_t)r) {
+        const struct nlmsgerr *er = NLMSG_DATA(&a.n);
+        return er->error == -ENOENT ? 0 : -1; /* ENOENT: no socket of this tuple */
+    }
     if (r < (ssize_t)NLMSG_LENGTH(sizeof(struct inet_diag_msg)) ||
         a.n.nlmsg_type != SOCK_DIAG_BY_FAMILY || a.n.nlmsg_len > (size_t)r ||
         a.n.nlmsg_len < NLMSG_LENGTH(sizeof(struct inet_diag_msg)))
-        return false; /* NLMSG_ERROR (no such socket, no diag), or short */
+        return -1; /* short, or odd */
     const struct inet_diag_msg *d = NLMSG_DATA(&a.n);
-    /* The kernel looked the tuple up exactly; checked again all the same. */
+    /* The kernel's lookup falls back to a listener on the port (inet_lookup):
+     * another socket's answer means the connection's own is gone. */
     if (d->id.idiag_sport != q.r.id.idiag_sport || d->id.idiag_dport != q.r.id.idiag_dport ||
         memcmp(d->id.idiag_src, q.r.id.idiag_src, sizeof d->id.idiag_src) != 0 ||
         memcmp(d->id.idiag_dst, q.r.id.idiag_dst, sizeof d->id.idiag_dst) != 0)
-        return false;
+        return 0;
     *uid = d->idiag_uid;
-    return true;
+    *state = d->idiag_state;
+    *rqueue = d->idiag_rqueue;
+    return 1;
+}
+
+static bool peer_diag(const struct sockaddr_storage *mep, const struct sockaddr_storage *peerp,
+                      uint32_t *uid)
+{
+    uint8_t state;
+    uint32_t rq;
+    return peer_diag_q(mep, peerp, uid, &state, &rq) == 1;
+}
+
+/* "A process of our uid can read our memory anyway" (the one-copy send's
+ * premise, above), as far as the kernel lets us check it (tcp26): not when
+ * we are not dumpable (PR_SET_DUMPABLE 0, or a set-id exec: the same uid
+ * may not ptrace us then, nor process_vm_readv or /proc/pid/mem us), nor
+ * under Yama's ptrace_scope 1 or more (only our declared tracer or, at 1,
+ * an ancestor may: not a peer that accepted our connection; a missing file
+ * is no Yama). Read per connection (at conn_open): prctl can change it.
+ * uid 0 across pid namespaces (containers of one pod sharing a network
+ * namespace) is not told here: sock_diag names the socket's owner uid, not
+ * its process, and finding the process (every /proc/PID/fd of the host)
+ * costs a scan per connect; see tcp.c tcp_enable. */
+static bool spl_peer_may_read(void)
+{
+    if (prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 1)
+        return false;
+    char buf[8] = {0};
+    int f = open("/proc/sys/kernel/yama/ptrace_scope", O_RDONLY | O_CLOEXEC);
+    if (f < 0)
+        return errno == ENOENT; /* no Yama; unreadable: not vouched for */
+    ssize_t r = read(f, buf, sizeof buf - 1);
+    close(f);
+    return r > 0 && buf[0] == '0';
 }
 
 /* Where a TCP connection's peer is, decided once at conn_open, never per
@@ -1099,11 +1182,14 @@ static bool peer_diag(const struct sockaddr_storage *mep, const struct sockaddr_
  * then a real path, a veth or a NIC, got the loopback's shapes and reno.
  * spl_ok (the one-copy send, see above): local, and the peer's socket is
  * our euid's. At most one netlink round trip (tens of us) at connect. */
-static void conn_path(int fd, bool want_spl, bool *local, bool *spl_ok)
+static void conn_path(int fd, bool want_spl, bool *local, bool *spl_ok,
+                      struct sockaddr_storage *mep, struct sockaddr_storage *peerp)
 {
     *local = *spl_ok = false;
     struct sockaddr_storage me, peer;
     socklen_t ml = sizeof me, pl = sizeof peer;
+    memset(&me, 0, sizeof me);
+    memset(&peer, 0, sizeof peer);
     if (getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
         getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 || me.ss_family != peer.ss_family ||
         (me.ss_family != AF_INET && me.ss_family != AF_INET6))
@@ -1122,7 +1208,9 @@ static void conn_path(int fd, bool want_spl, bool *local, bool *spl_ok)
     }
     if (want_spl && !found)
         found = peer_diag(&me, &peer, &uid);
-    *spl_ok = want_spl && found && uid == (uint32_t)geteuid();
+    *spl_ok = want_spl && found && uid == (uint32_t)geteuid() && spl_peer_may_read();
+    *mep = me; /* the spliced pages' settling asks about this tuple (spl_settle) */
+    *peerp = peer;
 }
 
 /* The connection's pipe, made on first use: false when it cannot be. */
@@ -1164,6 +1252,136 @@ static void spl_pipe_close(conn *c)
     p->spl_pipe = false;
     p->spl_in = 0;
     atomic_fetch_sub(&c->e->splice_pipes, 1);
+}
+
+/* The release rule with splice (tcp26). A spliced frame's item, once sent,
+ * keeps its op's pin as a hold on its connection (c.mu) while a group of
+ * that op is still owed here: only its acknowledgement, sent by the target
+ * after reading the group's frames in order, says the pages were read.
+ * Taken over: true (the item is the connection's now). An op with nothing
+ * owed here was acknowledged already (its reply can beat the release of a
+ * frame sent inline), or the connection settled (spl_settle): released. A
+ * dead connection not yet settled keeps it for spl_settle. */
+static bool spl_keep(conn *c, sq_item *it)
+{
+    conn_priv *p = (conn_priv *)c;
+    pthread_mutex_lock(&c->mu);
+    bool owed = false;
+    if (!p->spl_settled) {
+        owed = c->dead; /* its expectations may be gone with it: spl_settle decides */
+        for (expect *x = p->ex_head; x && !owed; x = x->next)
+            owed = x->op == it->op;
+    }
+    if (owed) {
+        it->next = p->spl_holds;
+        p->spl_holds = it;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return owed;
+}
+
+/* c.mu held, a group of o acknowledged (its expectation taken off): o's
+ * holds once nothing of o is owed here any more (another group of o on
+ * this connection, a rerouted one, may follow its frames). */
+static sq_item *spl_read_take(conn *c, op *o)
+{
+    conn_priv *p = (conn_priv *)c;
+    for (expect *x = p->ex_head; x; x = x->next)
+        if (x->op == o)
+            return NULL;
+    sq_item *out = NULL, **pp = &p->spl_holds;
+    while (*pp) {
+        sq_item *it = *pp;
+        if (it->op == o) {
+            *pp = it->next;
+            it->next = out;
+            out = it;
+        } else {
+            pp = &it->next;
+        }
+    }
+    return out;
+}
+
+static void spl_release(axf_engine *e, sq_item *it)
+{
+    while (it) {
+        sq_item *n = it->next;
+        op_unpin(e, it->op);
+        free(it);
+        it = n;
+    }
+}
+
+/* Every byte this connection put in its socket read by the peer or dropped,
+ * as the kernel says: our send queue empty (or purged: our socket reset,
+ * which only the peer's end can cause while we hold our fd and have not
+ * sent a FIN: conn_mark_dead) and the peer's socket gone (closed: its
+ * receive queue freed) or its receive queue empty. */
+static bool spl_pages_free(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    struct tcp_info ti;
+    socklen_t tl = sizeof ti;
+    memset(&ti, 0, sizeof ti);
+    if (getsockopt(c->fd, IPPROTO_TCP, TCP_INFO, &ti, &tl) != 0)
+        return false;
+    int outq = 0;
+    if (ti.tcpi_state != TCP_CLOSE && (ioctl(c->fd, SIOCOUTQ, &outq) != 0 || outq != 0))
+        return false;
+    uint32_t uid = 0, rq = 0;
+    uint8_t st = 0;
+    int f = peer_diag_q(&p->spl_me, &p->spl_peer, &uid, &st, &rq);
+    return f == 0 || (f == 1 && rq == 0);
+}
+
+/* A dead connection's last thread, before its close: its holds (frames of
+ * groups never acknowledged, their ops failed or moved) are released only
+ * once spl_pages_free: until then the ops do not complete and their regions
+ * stay held, so the caller cannot reuse or deregister the memory a stopped
+ * peer would still read (rev18b). An abortive close would not end it (the
+ * peer's queue stays readable after our reset), so we wait: polled, from
+ * 1 ms up to 50 ms apart. Given up only at the engine's shutdown after a
+ * second (logged: a peer that never reads nor closes cannot hold a
+ * process's exit). */
+static void spl_settle(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    axf_engine *e = c->e;
+    uint64_t wait_us = 1000, shut_at = 0;
+    bool logged = false;
+    for (;;) {
+        pthread_mutex_lock(&c->mu);
+        bool any = p->spl_holds != NULL;
+        pthread_mutex_unlock(&c->mu);
+        if (!any || spl_pages_free(c))
+            break;
+        pthread_mutex_lock(&e->mu);
+        bool shut = e->shut;
+        pthread_mutex_unlock(&e->mu);
+        uint64_t now = axf_now_us();
+        if (shut && !shut_at)
+            shut_at = now;
+        if (shut_at && now - shut_at > 1000000u) {
+            cq_log(e, c->tag, "closing: spliced pages of failed writes still unread by the peer");
+            break;
+        }
+        if (!logged && wait_us >= 50000u) {
+            logged = true;
+            cq_log(e, c->tag, "connection lost: its failed writes complete once the peer "
+                              "has read or dropped their spliced pages");
+        }
+        struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)wait_us * 1000L};
+        nanosleep(&ts, NULL);
+        if (wait_us < 50000u)
+            wait_us *= 2;
+    }
+    pthread_mutex_lock(&c->mu);
+    p->spl_settled = true;
+    sq_item *held = p->spl_holds;
+    p->spl_holds = NULL;
+    pthread_mutex_unlock(&c->mu);
+    spl_release(e, held);
 }
 
 /* What the socket takes now without waiting, by its own accounting (its
@@ -1400,6 +1618,8 @@ static void thread_exit(conn *c)
             expect_free(x);
             x = n;
         }
+        if (p->spl_ok)
+            spl_settle(c); /* before the close: its reset would hide the peer's queue */
         close(c->fd);
         spl_pipe_close(c); /* what was left in it is never sent */
         atomic_fetch_sub(&e->n_conns, 1);
@@ -1520,6 +1740,14 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
                   it->plen <= e->splice_max && it->op->total <= e->splice_req_max;
         for (int j = 0; j < k; j++)
             spl[niov + j] = sp && j >= pay;
+        if (sp && it->spl_c != c) { /* the pin's rule changes (spl_keep): set before any
+                                       byte goes; a frame put back unsent may have moved
+                                       here (conn_spread): this stream's peer reads it */
+            if (it->spl_c)
+                conn_unref(it->spl_c);
+            conn_ref(c);
+            it->spl_c = c;
+        }
         niov += k;
     }
     if (cap) { /* the first cap bytes only */
@@ -2254,7 +2482,9 @@ static const char *rx_initiator(conn *c, const wire_hdr *h, bool *proto, int *io
             c->win_busy_us += axf_now_us() - c->busy_since_us;
             c->busy_since_us = 0;
         }
+        sq_item *read = p->spl_holds ? spl_read_take(c, o) : NULL;
         pthread_mutex_unlock(&c->mu);
+        spl_release(c->e, read);
         atomic_fetch_add(&o->nbytes, x->bytes);
         /* A group of one large response: a request awaited alone, or half of one. */
         bool ack_now = h->type == FR_READ_RESP && h->len >= ACK_NOW_MIN && x->bytes == h->len;
@@ -3267,7 +3497,7 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
      * send's check for an initiator's TCP connection with the switch on. */
     bool local = false, spl_ok = false;
     if (p->tcp)
-        conn_path(fd, ep && e->splice_max, &local, &spl_ok);
+        conn_path(fd, ep && e->splice_max, &local, &spl_ok, &p->spl_me, &p->spl_peer);
     c->loop_cc = local && loop_cc_set(e, fd);
     p->spl_ok = spl_ok;
     ka_arm_socket(c);

@@ -239,6 +239,10 @@ typedef struct sq_item {
     size_t nchunks;
     uint64_t group_bytes; /* initiator LAST frames: bytes its group asks for */
     uint32_t reply_cost;  /* target replies: what it counts in conn->reply_bytes */
+    /* An initiator WRITE frame whose payload went (or may have gone) by
+     * splice on this connection (referenced): once sent, it stays as a hold
+     * with its op's pin until the peer read the pages (conn.c spl_keep). */
+    struct conn *spl_c;
     struct sq_item *next;
 } sq_item;
 

@@ -657,19 +657,48 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
 }
 
 /* The one-copy send's window (conn.c, "one-copy send"): read once, at
- * engine creation, from AIOXFER_TCP_SPLICE: unset or "0" off (every payload
- * is copied by sendmsg), "1" the measured window below, "MIN-MAX" or
- * "MIN-MAX-REQMAX" (bytes) another window, for measuring. Off by default
- * (rev18b): a spliced WRITE that fails or is cancelled before its
- * acknowledgement (a stalled target, a timeout) is released while the
- * peer's receive queue still references our pages, so if the peer reads
- * them later it applies the buffer's bytes of that moment, never posted to
- * that address (the copy path would land the posted bytes: "may still
- * land"). On by default only once such an op stays pinned until the kernel
- * shows the pages unread-and-dropped (sock_diag: the peer socket gone, or
- * its receive queue and our send queue empty). A frame's payload goes spliced when it is MIN..MAX bytes and
- * its request REQMAX at most.
- * The default, measured (tcp18, wheels of this branch, 2 vCPUs, kernel
+ * engine creation, from AIOXFER_TCP_SPLICE: unset or "0" off (every
+ * payload is copied by sendmsg), "1" the window below, "MIN-MAX" or
+ * "MIN-MAX-REQMAX" (bytes) another window. A frame's payload goes spliced
+ * when it is MIN..MAX bytes and its request REQMAX at most.
+ * Safe since tcp26: a spliced WRITE that fails or is cancelled before its
+ * acknowledgement stays pinned (its completion and region holds wait)
+ * until the kernel shows its pages read or dropped (conn.c, spl_settle);
+ * before (rev18b) such an op was released while the peer's receive queue
+ * still referenced our pages, and a peer reading them later applied the
+ * buffer's bytes of that moment. Still off by default, for what that
+ * costs: no failure can be both prompt and safe (an abortive close leaves
+ * the peer's queue readable), so a stopped peer's failed spliced WRITEs
+ * complete only once it resumes and reads, or exits: the peer-lost report
+ * within peer_timeout (tests/test_liveness.py's stopped peer, 8 x 64 KiB,
+ * due by 2.2 s: not ended at 7.2 s), an endpoint's close with bulk writes at a
+ * stopped peer (test_conn16_spread) wait with it. On by default needs the
+ * failure reported at once and the memory released later (a second
+ * completion record: Transfer.settled), which the engine and Python do not
+ * have yet.
+ * uid 0 across pid namespaces (tcp26, decided): still spliced. sock_diag
+ * says the peer socket's owner uid, not its process; telling whether a
+ * uid-0 peer shares our pid namespace (so could read our memory anyway)
+ * needs the process holding the socket's inode: a scan of every
+ * /proc/PID/fd, measured 2.4-2.7 ms here (164 processes, 814 fds) against a
+ * whole tcp connect + first write of ~2 ms, more on a busy host. What it
+ * would guard since tcp26 is only a peer that acknowledges without reading
+ * (a failed op's pages are no longer released early). The cheap way, left:
+ * the handshake's claimed peer pid, checked by its /proc/PID/fd holding the
+ * inode and /proc/PID/ns/pid equal to ours.
+ * The window ("1"): 64 KiB..1 MiB frames of requests up to 1 MiB (tcp26,
+ * wheels against main 07d60a7's, 2 vCPUs shared with other builds).
+ * benchmarks/peers/run.py --only nixl_tcp,aioxfer_tcp,before_tcp, two runs
+ * of 3 rotated rounds: WRITE 1 MiB one at a time 1.66x and 1.23x NIXL-tcp
+ * (main in the same rounds 1.28x and 1.18x), 1.20x and 1.05x main; 64 KiB
+ * 1.34x and 1.25x main; CPU per GB at 1 MiB 0.216 against 0.279; rows
+ * without spliced frames (4 KiB, 16 MiB, batches, READs) within noise.
+ * benchmarks/tcp24_lone.py, 1 MiB WRITE, medians of per-pair ratios: 1.12x
+ * [1.02..1.27] 7/7 (CPU per GB 0.241 against 0.287), 1.05x [0.91..1.18]
+ * 5/7, 1.10x [0.31..1.25] 3/5; tcp18's window in the same rounds 0.88x
+ * [0.81..1.05], though it splices nothing of a 1 MiB request (REQMAX 512
+ * KiB): this machine's noise; READ 1 MiB 1.06x, off 1.02x.
+ * tcp18's window, measured (tcp18, wheels of its branch, 2 vCPUs, kernel
  * 6.18; in-process A/B: two initiator agents in one process, splice on and
  * off, against one target process, WRITEs awaited one at a time, rows
  * alternated 8-12 times, medians of per-pair ratios): single-frame
@@ -688,12 +717,12 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
  * the peers harness, 3 pairs against main): 16 MiB 0.73x, 64 MiB 0.70x,
  * 256 x 16 KiB batch 0.48x, CPU per GB at 16 MiB 1.5x higher (a long
  * stream of spliced skbs on each connection: the plain-C floor's 16 MiB
- * 0.74x too). So: frames of 64..512 KiB of requests up to 512 KiB; below
+ * 0.74x too). So tcp18 chose frames of 64..512 KiB of requests up to 512 KiB; below
  * (header-sized copies cost less than the pipe's syscalls) and above, the
  * copy. */
 #define SPLICE_MIN_DEFAULT (64u << 10)
-#define SPLICE_MAX_DEFAULT (512u << 10)
-#define SPLICE_REQ_MAX_DEFAULT (512u << 10)
+#define SPLICE_MAX_DEFAULT (1u << 20)
+#define SPLICE_REQ_MAX_DEFAULT (1u << 20)
 static int tcp_enable(axf_engine *e)
 {
     /* conn.c loop_cc_set: "reno" by default; "" or "0" leave the system's. */
@@ -709,7 +738,7 @@ static int tcp_enable(axf_engine *e)
     const char *v = axf_env_get(&e->env, AXF_ENV_TCP_SPLICE);
     if (v && strcmp(v, "1") == 0)
         return AXF_OK;
-    if (!v || !*v) { /* the default: off (the comment above) */
+    if (!v || !*v) { /* the default: off (the comment above: a stopped peer's failures) */
         e->splice_min = e->splice_max = e->splice_req_max = 0;
         return AXF_OK;
     }
