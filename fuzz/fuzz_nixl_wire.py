@@ -77,7 +77,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import known_issues  # noqa: E402
 
-TOKEN = b"fuzz-token"
+TOKEN = b"fuzz-token-nixl-wire"  # (16 bytes or more: no auth.short_token line)
 NONCE = b"N" * 16
 _m: Any = None
 _loop: asyncio.AbstractEventLoop | None = None
