@@ -2022,7 +2022,7 @@ class nixlAgent:
                 token = self._listen_token()
                 _, conn = await asyncio.get_running_loop().create_connection(
                     _ReplyConn, ip, port)
-                stage = "no greeting"
+                stage = "no nonce"  # (the greeting: tests and logs know it so)
                 nonce = bytes(await conn.readexactly(_wire.LISTEN_NONCE))
                 version = _wire.greeting_version(nonce)
                 if version != _wire.WIRE_VERSION:
