@@ -21,15 +21,19 @@ proofs"), and each guess then costs a derivation, not one HMAC.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import os
 import secrets
 import stat
+import threading
 from pathlib import Path
 
-__all__ = ["KDF_N", "KDF_P", "KDF_R", "KDF_SALT", "TOKEN_ENV", "default_token", "hmac_key",
-           "token_path"]
+from aioxfer.log import get_logger
+
+__all__ = ["KDF_N", "KDF_P", "KDF_R", "KDF_SALT", "SHORT_TOKEN", "TOKEN_ENV", "default_token",
+           "hmac_key", "key_if_derived", "key_soon", "token_path"]
 
 TOKEN_ENV = "AIOXFER_TOKEN"
 _TOKEN_BYTES = 32
@@ -50,6 +54,18 @@ KDF_N = 1 << 14
 KDF_R = 8
 KDF_P = 1
 _KDF_MAXMEM = 2 * 128 * KDF_N * KDF_R  # twice what it needs (OpenSSL counts a little more)
+_log = get_logger("aioxfer")
+
+
+# A token shorter than this is warned about once per process (auth.short_token,
+# its length only), never refused: see _derive.
+SHORT_TOKEN = 16
+_lock = threading.Lock()
+# Each token's derivation, under way or done (at most _KEEP done ones kept):
+# every caller of one token in this process shares it, whichever thread
+# started it, so a token is derived once per process.
+_derivations: dict[bytes, concurrent.futures.Future[bytes]] = {}
+_KEEP = 64
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,11 +73,73 @@ def hmac_key(token: bytes) -> bytes:
     """The key every HMAC over the token uses: scrypt(token, KDF_SALT,
     N=KDF_N, r=KDF_R, p=KDF_P), 32 bytes. Derived once per token per
     process (cached: an agent derives it when it is made, once, never per
-    connection; many agents of one token share it)."""
+    connection; many agents of one token share it), on the caller's thread
+    unless a derivation of it is under way already (key_soon): then this
+    waits for that one."""
+    return _derivation(bytes(token), threaded=False).result()
+
+
+def key_soon(token: bytes) -> concurrent.futures.Future[bytes]:
+    """The key of ``token`` (as hmac_key), derived on a thread of its own
+    when no derivation of it has begun in this process: for a caller on an
+    event loop's thread, which awaits it (asyncio.wrap_future) rather than
+    blocking the loop for the derivation (~45 ms of a core). Done at once
+    when it was derived already."""
+    return _derivation(bytes(token), threaded=True)
+
+
+def key_if_derived(token: bytes) -> bytes | None:
+    """The key of ``token`` when this process has derived it already, else None
+    (nothing is started)."""
+    with _lock:
+        fut = _derivations.get(bytes(token))
+    if fut is None or not fut.done() or fut.exception() is not None:
+        return None
+    return fut.result()
+
+
+def _derivation(token: bytes, *, threaded: bool) -> concurrent.futures.Future[bytes]:
     if not token:
         raise ValueError("token must not be empty")
+    with _lock:
+        fut = _derivations.get(token)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            return fut
+        fut = concurrent.futures.Future()
+        _derivations[token] = fut
+        done = [t for t, f in _derivations.items() if f.done()]
+        for t in done[:max(0, len(done) - _KEEP)]:
+            del _derivations[t]
+    if threaded:
+        threading.Thread(target=_derive, args=(token, fut), name="aioxfer-token-key",
+                         daemon=True).start()
+    else:
+        _derive(token, fut)
+    return fut
+
+
+def _derive(token: bytes, fut: concurrent.futures.Future[bytes]) -> None:
+    if len(token) < SHORT_TOKEN:
+        # Warned, not refused: length is no measure of a secret (16
+        # characters of a sentence are weak, 12 random bytes are not), a
+        # refusal by length would turn away working deployments while
+        # vouching for long weak tokens, and scrypt makes each guess cost a
+        # derivation whatever the length. The line says the length only.
+        _log.warning("auth.short_token", length=len(token), advice=(
+            f"a token shorter than {SHORT_TOKEN} bytes: an offline guess costs one scrypt "
+            f"(~25 a second on a core), so a short or chosen token may fall; use a random one, "
+            f"e.g. secrets.token_hex(32), as the default per-user token is"))
+    try:
+        key = _scrypt(token)
+    except BaseException as exc:  # (MemoryError; a caller waiting gets it)
+        fut.set_exception(exc)
+        return
+    fut.set_result(key)
+
+
+def _scrypt(token: bytes) -> bytes:
     return hashlib.scrypt(
-        bytes(token), salt=KDF_SALT, n=KDF_N, r=KDF_R, p=KDF_P, maxmem=_KDF_MAXMEM, dklen=32
+        token, salt=KDF_SALT, n=KDF_N, r=KDF_R, p=KDF_P, maxmem=_KDF_MAXMEM, dklen=32
     )
 
 

@@ -5,7 +5,7 @@ descriptor-list decoding built on it).
 
 Byte 0 of an input picks the decoder (bits 0-2) and its options (bits 3-7),
 the rest is what a peer controls:
-  0 (and 7): a metadata blob, as add_remote_agent / loadRemoteMD, a
+  0: a metadata blob, as add_remote_agent / loadRemoteMD, a
      listener Push, a Fetch reply or the central store hand it to decode_md
      (bit 3: MD_MAGIC is put in front, so mutations reach the msgpack);
   1: a serialized descriptor list for deserialize_descs (bit 3: DL_MAGIC in
@@ -30,6 +30,19 @@ the rest is what a peer controls:
      IncompleteReadError when the stream ends first; it never takes a
      byte past the reply, and never holds a buffer bigger than what came
      of the body (or _REPLY_PART);
+  7: the listener wire's versions (WIRE_VERSION): bit 3 clear, the rest
+     read as a listener greeting (greeting_version: 1 without the magic,
+     else the version it says) and, after NOTICE_MAGIC, as a client's
+     version notice read by _read_authenticated: ListenerVersionError
+     naming the notice's version, nothing past its LISTEN_HEAD bytes
+     read; bit 3 set, a version-1 client's request (the 4-byte length,
+     then the rest; the genuine version-1 length MAC put after the length,
+     bit 4: and the genuine version-1 body MAC after the announced body),
+     read by _read_authenticated (bit 5: through _ListenConn too, in
+     pieces as in 4): never a body; the version-1 refusal only once the
+     announced body and its MAC were read whole, over MAX_FRAME refused
+     with nothing of the body read, IncompleteReadError when the stream
+     ends first;
   5: notification frames from two senders into a NotifAssembler (bounds
      shrunk so the drop paths run; see _frames for the record format); bit
      3: the rest, repeated 1 + (bits 4-7) times, is a message a sender
@@ -48,6 +61,8 @@ message that is not what its sender framed (never a truncated one while its
 id is remembered), and stays within its bounds. Anything else raises out of
 check() (atheris reports it and saves the input), unless it is a known,
 reported issue (fuzz/known_issues.py) and AXF_FUZZ_TOLERATE_KNOWN=1.
+(Mode 7 was an alias of 0 until the listener wire's version 2: the nine
+committed inputs that started with it now feed the version checks.)
 
 Run: python fuzz/fuzz_nixl_wire.py [libFuzzer flags] CORPUS_DIR
 """
@@ -62,7 +77,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import known_issues  # noqa: E402
 
-TOKEN = b"fuzz-token"
+TOKEN = b"fuzz-token-nixl-wire"  # (16 bytes or more: no auth.short_token line)
 NONCE = b"N" * 16
 _m: Any = None
 _loop: asyncio.AbstractEventLoop | None = None
@@ -72,17 +87,20 @@ def load() -> None:
     global _m, _loop
     if _m is not None:
         return
+    import hmac
     import types
 
     import msgspec
     import numpy as np
 
+    import aioxfer.auth as auth
     import aioxfer.dialing as dialing
     import aioxfer.metadata as metadata
     from aioxfer.nixl import _api, _bindings, _wire
 
     _m = types.SimpleNamespace(msgspec=msgspec, np=np, dialing=dialing, metadata=metadata,
-                               api=_api, bindings=_bindings, wire=_wire)
+                               api=_api, bindings=_bindings, wire=_wire, auth=auth,
+                               hmac=hmac)
     _loop = asyncio.new_event_loop()
 
 
@@ -250,7 +268,8 @@ async def _feed(conn: Any, coro: Any, stream: bytes, piece: int,
     exc = task.exception()
     if exc is None:
         return task.result(), pos
-    if isinstance(exc, ValueError | ConnectionError | asyncio.IncompleteReadError):
+    if isinstance(exc, ValueError | ConnectionError | asyncio.IncompleteReadError
+                  | _m.wire.ListenerVersionError):
         return exc, pos
     raise exc
 
@@ -261,7 +280,7 @@ def _framing_conn(stream: bytes, piece: int, n: int) -> None:
     want: bytes | BaseException
     try:
         want = _loop.run_until_complete(_read(stream))
-    except (ValueError, asyncio.IncompleteReadError) as exc:
+    except (ValueError, asyncio.IncompleteReadError, _m.wire.ListenerVersionError) as exc:
         # (Kept without its traceback: that holds this frame, which holds
         # want: a cycle, as above.)
         want = exc.with_traceback(None)
@@ -302,9 +321,11 @@ def _framing(opts: int, data: bytes) -> None:
         _framing_conn(stream, 1 + (opts >> 6) * 13, n)
     try:
         body = _loop.run_until_complete(asyncio.wait_for(_read(stream), 5))
-    except (ValueError, asyncio.IncompleteReadError):
+    except (ValueError, asyncio.IncompleteReadError, w.ListenerVersionError) as exc:
         if genuine and n <= w.MAX_FRAME:
             raise AssertionError("a genuine request refused") from None
+        if isinstance(exc, w.ListenerVersionError) and w.notice_version(stream) is None:
+            raise AssertionError(f"{exc!r} for a stream that is no version notice") from None
         return
     except TimeoutError:
         raise AssertionError("the listener's framing waits 5 s after the client hung up"
@@ -480,6 +501,78 @@ def _assemble(frames: list[tuple[str, bytes]]) -> None:
             raise AssertionError(f"held() {asm.held()}, fragments {total}")
 
 
+# ---------------------------------------------------------------- wire versions
+
+
+async def _read_left(stream: bytes) -> tuple[bytes | BaseException, int]:
+    """_read_authenticated over a stream reader: (the body or the
+    exception, bytes it took)."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(stream)
+    reader.feed_eof()
+    try:
+        got: bytes | BaseException = await _m.bindings._read_authenticated(reader, TOKEN, NONCE)
+    except (ValueError, asyncio.IncompleteReadError, _m.wire.ListenerVersionError) as exc:
+        got = exc.with_traceback(None)
+    return got, len(stream) - len(reader._buffer)  # type: ignore[attr-defined]
+
+
+def _versions(opts: int, rest: bytes) -> None:
+    assert _loop is not None
+    w = _m.wire
+    if not opts & 8:
+        g = rest[:w.LISTEN_NONCE]
+        v = w.greeting_version(g)
+        if len(g) != w.LISTEN_NONCE or not g.startswith(w.GREETING_MAGIC):
+            if v != 1:
+                raise AssertionError(f"greeting {g!r} read as version {v}, not 1")
+        elif v != int.from_bytes(g[4:6], "big"):
+            raise AssertionError(f"greeting {g!r} read as version {v}")
+        stream = w.NOTICE_MAGIC + rest
+        got, took = _loop.run_until_complete(asyncio.wait_for(_read_left(stream), 5))
+        if len(stream) < w.LISTEN_HEAD:
+            ok = isinstance(got, asyncio.IncompleteReadError) and took == len(stream)
+        else:
+            ok = (type(got) is w.ListenerVersionError and took == w.LISTEN_HEAD
+                  and f"version {w.notice_version(stream)} " in str(got))
+        if not ok:
+            raise AssertionError(f"a version notice read as {got!r}, {took} bytes taken")
+        return
+    head, body = rest[:4], rest[4:]
+    stream = head
+    n = int.from_bytes(head, "big") if len(head) == 4 else -1
+    if len(head) == 4:
+        stream += w.v1_len_mac(TOKEN, NONCE, head)
+        if opts & 16 and 0 <= n <= len(body):
+            key = _m.auth.hmac_key(TOKEN)
+            stream += body[:n] + _m.hmac.new(key, w._V1_BODY_CTX + NONCE + body[:n],
+                                             "sha256").digest() + body[n:]
+        else:
+            stream += body
+    else:
+        stream += body
+    got, took = _loop.run_until_complete(asyncio.wait_for(_read_left(stream), 5))
+    whole = w.LISTEN_HEAD + n + w.LISTEN_MAC
+    if n < 0 or len(stream) < w.LISTEN_HEAD:
+        ok = isinstance(got, asyncio.IncompleteReadError)
+    elif n > w.MAX_FRAME:
+        ok = isinstance(got, ValueError) and "over the limit" in str(got) \
+            and took == w.LISTEN_HEAD
+    elif len(stream) < whole:
+        ok = isinstance(got, asyncio.IncompleteReadError) and took == len(stream)
+    else:
+        ok = type(got) is _m.bindings._OlderClient and took == whole
+    if not ok:
+        raise AssertionError(f"a version-1 request ({n} bytes announced, {len(stream)} sent) "
+                             f"read as {got!r}, {took} bytes taken")
+    if opts & 32:
+        conn_got, conn_took = _loop.run_until_complete(asyncio.wait_for(
+            _read_conn(stream, 1 + (opts >> 6) * 13), 5))
+        if type(conn_got) is not type(got) or str(conn_got) != str(got) or conn_took != took:
+            raise AssertionError(f"_ListenConn read {conn_got!r} ({conn_took} bytes), the "
+                                 f"stream reader {got!r} ({took})")
+
+
 # ---------------------------------------------------------------- entry points
 
 
@@ -499,6 +592,8 @@ def _run(data: bytes) -> None:
         _notifs(opts, rest)
     elif mode == 6:
         _reply_framing(opts, rest)
+    elif mode == 7:
+        _versions(opts, rest)
     else:
         _md((w.MD_MAGIC if opts & 8 else b"") + rest)
 
@@ -585,6 +680,22 @@ def seeds() -> dict[str, bytes]:
     out["notif-framed-small"] = bytes([5 | 8]) + b"a message"
     out["notif-framed-large"] = bytes([5 | 8 | 15 << 4]) + bytes(range(256)) * 2
     out["notif-framed-magic"] = bytes([5 | 8]) + w.NOTIF_MAGIC + b"L" + b"x" * 20
+    # the listener wire's versions (mode 7): greetings of version 1 (no
+    # magic), 2 and a later one, with the notice after them; version-1
+    # requests whole (answered with a refusal), cut short, over the limit,
+    # and through the listener's connection in 1- and 40-byte pieces
+    fetch = enc(w.Fetch(name="worker-0"))
+    out["version-greeting-v1"] = b"\7" + b"r" * w.LISTEN_NONCE
+    out["version-greeting-v2"] = b"\7" + w.greeting()[:6] + b"g" * 10 + w.version_notice()[4:]
+    out["version-notice-v3"] = (b"\7" + w.GREETING_MAGIC + (3).to_bytes(2, "big") + b"n" * 10
+                                + b"\0" * 20)
+    out["version-notice-short"] = b"\7" + b"\0\3"
+    out["v1-request"] = bytes([7 | 8 | 16]) + len(fetch).to_bytes(4, "big") + fetch + b"more"
+    out["v1-request-cut"] = bytes([7 | 8 | 16]) + (1 << 10).to_bytes(4, "big") + fetch
+    out["v1-request-over"] = bytes([7 | 8]) + (w.MAX_FRAME + 1).to_bytes(4, "big") + b"o" * 40
+    out["v1-request-conn"] = bytes([7 | 8 | 16 | 32]) + len(fetch).to_bytes(4, "big") + fetch
+    out["v1-request-conn-40"] = (bytes([7 | 8 | 16 | 32 | 3 << 6]) + len(push).to_bytes(4, "big")
+                                 + push)
     out["md-no-name"] = b"\x08" + w.encode_md(w.AgentMD(""))[len(w.MD_MAGIC):]
     return out
 

@@ -56,7 +56,7 @@ from aioxfer import (
     XferError,
     _cyx,
 )
-from aioxfer.auth import default_token
+from aioxfer.auth import default_token, hmac_key
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
 from aioxfer.progress import ALONE_LATENCIES, ALONE_MAX_US, POLL_SLICE_US, check_mode
@@ -1411,6 +1411,10 @@ class nixlAgent:
         # Whether finished requests are events to write (a telemetry sink).
         self._tel_events = self._tel is not None and self._tel.ring is not None
         if config.useListenThread:
+            # The key the listener's MACs use (auth.hmac_key: a scrypt, ~45
+            # ms), derived here on the caller's thread, not on the loop's at
+            # the first request (the aioxfer agent made below takes it cached).
+            hmac_key(self._listen_token())
             try:
                 self._rt.run(self._start_listener(int(config.listenPort)),
                              timeout=_CONNECT_TIMEOUT)
@@ -1932,10 +1936,17 @@ class nixlAgent:
         try:
             async with asyncio.timeout(timeout):
                 token = self._listen_token()
-                nonce = os.urandom(_wire.LISTEN_NONCE)
+                nonce = _wire.greeting()
                 conn.write(nonce)
                 await conn.drain()
-                body = await _read_authenticated(conn, token, nonce, proved)
+                try:
+                    body = await _read_authenticated(conn, token, nonce, proved)
+                except _OlderClient:
+                    # (Its listener error text: what a version-1 client raises.)
+                    _write_frame(conn, _wire.encoder.encode(
+                        _wire.Reply(ok=False, error=_wire.older_client_refusal())))
+                    await conn.drain()
+                    raise
                 stage = "its request not served"
                 req = _wire.request_decoder.decode(body)
                 if isinstance(req, _wire.Push):
@@ -1957,6 +1968,8 @@ class nixlAgent:
                 await conn.drain()
         except _Evicted:
             pass
+        except _wire.ListenerVersionError as exc:
+            self._listen_log(f"{who}: {exc}")
         except TimeoutError:
             self._listen_log(f"{who}: {stage} within {timeout:g} s, closed")
         except asyncio.IncompleteReadError as exc:
@@ -1993,7 +2006,8 @@ class nixlAgent:
         reply in time), ConnectionError (no connection, or closed or reset
         before a whole reply), ValueError (a reply announced over its bound,
         or one that does not decode), RuntimeError (the listener's refusal:
-        its text)."""
+        its text), _wire.ListenerVersionError (a listener of another wire
+        version: at its greeting, before any proof is sent)."""
         where = f"metadata listener {_host_port(ip, port)}"
         bound = _reply_bound(req)
         stage = "no connection"
@@ -2008,14 +2022,29 @@ class nixlAgent:
                 token = self._listen_token()
                 _, conn = await asyncio.get_running_loop().create_connection(
                     _ReplyConn, ip, port)
-                stage = "no nonce"
+                stage = "no nonce"  # (the greeting: tests and logs know it so)
                 nonce = bytes(await conn.readexactly(_wire.LISTEN_NONCE))
-                conn.write(_wire.listen_request(token, nonce, _wire.encoder.encode(req)))
-                stage = "the request not taken"
-                await conn.drain()
-                stage = "no whole reply"
-                body = await _read_reply(conn, bound, where)
-                ok = True
+                version = _wire.greeting_version(nonce)
+                if version != _wire.WIRE_VERSION:
+                    # Checked before a proof goes: a listener of another
+                    # version gets none, only a notice naming ours (that
+                    # version 1 logs too: _wire.older_listener_notice).
+                    conn.write(_wire.older_listener_notice(token, nonce) if version == 1
+                               else _wire.version_notice())
+                    stage = "the version notice not taken"
+                    await conn.drain()
+                    ok = True  # (closed, not reset: the notice goes first)
+                    older = " (an older aioxfer.nixl)" if version < _wire.WIRE_VERSION else ""
+                    failed = _wire.ListenerVersionError, (
+                        f"{where} speaks listener wire version {version}{older}, this agent "
+                        f"{_wire.WIRE_VERSION}: use one aioxfer version on both sides")
+                else:
+                    conn.write(_wire.listen_request(token, nonce, _wire.encoder.encode(req)))
+                    stage = "the request not taken"
+                    await conn.drain()
+                    stage = "no whole reply"
+                    body = await _read_reply(conn, bound, where)
+                    ok = True
         except TimeoutError:
             failed = TimeoutError, f"{where}: {stage} within {_CONNECT_TIMEOUT:g} s"
         except asyncio.IncompleteReadError as exc:
@@ -3558,21 +3587,48 @@ class _Reads(Protocol):
 async def _read_authenticated(reader: _Reads, token: bytes, nonce: bytes,
                               proved: Callable[[], None] | None = None) -> bytes:
     """A listener request from a client that knows ``token`` (see
-    _wire.LISTEN_NONCE); ValueError for any other. ``proved()`` is called
-    once the client has shown it holds the token (the length's MAC)."""
-    head = await reader.readexactly(4 + _wire.LISTEN_MAC)
-    if not hmac.compare_digest(head[4:], _wire.listen_len_mac(token, nonce, bytes(head[:4]))):
-        raise ValueError("a request from a client without this agent's token")
+    _wire.LISTEN_NONCE; ``nonce`` the greeting sent); ValueError for any
+    other, _wire.ListenerVersionError for a client of another listener wire
+    version (a version 1 client's request read whole first: it is answered).
+    ``proved()`` is called once the client has shown it holds the token (the
+    length's MAC)."""
+    head = await reader.readexactly(_wire.LISTEN_HEAD)
+    version = _wire.notice_version(head)
+    if version is not None:
+        raise _wire.ListenerVersionError(
+            f"a client of listener wire version {version} (this agent speaks "
+            f"{_wire.WIRE_VERSION}: use one aioxfer version on both sides); it stopped at the "
+            f"greeting")
+    length = bytes(head[:4])
+    older = False
+    if not hmac.compare_digest(head[4:], _wire.listen_len_mac(token, nonce, length)):
+        # (A second MAC only for a request the first refused: a client of
+        # version 1, which does not read our greeting's version, is told
+        # why, not refused as a bad token.)
+        if not hmac.compare_digest(head[4:], _wire.v1_len_mac(token, nonce, length)):
+            raise ValueError("a request from a client without this agent's token")
+        older = True
     if proved is not None:
         proved()
-    n = int.from_bytes(head[:4], "big")
+    n = int.from_bytes(length, "big")
     if n > _wire.MAX_FRAME:
         raise ValueError(f"frame of {n} bytes is over the limit")
     data = await reader.readexactly(n + _wire.LISTEN_MAC)
+    if older:
+        # (Read whole, so that closing after the refusal resets nothing the
+        # client has not read: it would lose the refusal.)
+        raise _OlderClient(
+            f"a client of listener wire version 1 (an older aioxfer.nixl; this agent speaks "
+            f"{_wire.WIRE_VERSION}: use one aioxfer version on both sides), told so")
     body = bytes(memoryview(data)[:n])
     if not hmac.compare_digest(data[n:], _wire.listen_body_mac(token, nonce, body)):
         raise ValueError("a request whose body does not match its proof")
     return body
+
+
+class _OlderClient(_wire.ListenerVersionError):
+    """A version-1 client with the token, its request read: it is answered
+    with _wire.older_client_refusal()."""
 
 
 def _client_of(transport: asyncio.BaseTransport) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from aioxfer.auth import hmac_key
+from aioxfer.errors import ProtocolError
 from aioxfer.metadata import check_address
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "DListBlob",
     "Fetch",
     "Invalidate",
+    "ListenerVersionError",
     "Push",
     "RegionMD",
     "Reply",
@@ -41,20 +43,47 @@ DL_MAGIC = b"AXFNXDL1"
 MAX_FRAME = 64 << 20
 # A listener request proves knowledge of the agent's token (the token of its
 # aioxfer agent, which every connection it makes needs anyway), as aioxfer's
-# own handshake does: the listener first sends LISTEN_NONCE fresh random
-# bytes; the client then sends the length, HMAC(key, len ctx + nonce +
-# length), the body, HMAC(key, body ctx + nonce + body), key =
-# auth.hmac_key(token). The first MAC is
-# checked before the body is read, so a client without the token makes the
-# listener hold 4 + LISTEN_MAC bytes, not MAX_FRAME; the nonce makes a
-# recorded request useless on another connection. Replies are plain frames
-# (no TLS, as aioxfer's: see SECURITY.md); what a reply says is checked
-# where it is used (the connection to the address it gives authenticates,
-# and only ranges the peer itself advertised are used).
-LISTEN_NONCE = 16
+# own handshake does: the listener first sends its greeting (LISTEN_NONCE
+# bytes: GREETING_MAGIC, its wire version, fresh random bytes); the client
+# then sends the length, HMAC(key, len ctx + greeting + length), the body,
+# HMAC(key, body ctx + greeting + body), key = auth.hmac_key(token), the
+# contexts naming the wire version. The first MAC is checked before the body
+# is read, so a client without the token makes the listener hold 4 +
+# LISTEN_MAC bytes, not MAX_FRAME; the fresh bytes make a recorded request
+# useless on another connection. Replies are plain frames (no TLS, as
+# aioxfer's: see SECURITY.md); what a reply says is checked where it is used
+# (the connection to the address it gives authenticates, and only ranges the
+# peer itself advertised are used).
+#
+# Versions (WIRE_VERSION). Version 1 (aioxfer.nixl up to main 07d60a7) had
+# no version field: its greeting was 16 random bytes and its contexts end in
+# "-v1". From version 2 on, the greeting's layout never changes (it is what
+# each side reads leniently), and both directions of a mismatch end at once,
+# named on both sides, never as a bad token:
+# - the client reads the greeting's version before it sends a proof; of
+#   another version it sends a VersionNotice (LISTEN_MAGIC bytes, which no
+#   listener of version 2 or later reads as a length: the first byte is
+#   0xff, over any MAX_FRAME) and raises ListenerVersionError; the listener
+#   logs the client's version. A greeting without GREETING_MAGIC is version
+#   1's: the client sends it a version-1 request (its MACs) whose message
+#   type names our version, which a version-1 listener logs as an invalid
+#   value ("Invalid value 'aioxfer.nixl listener wire version 2 ...'");
+# - a version-1 client uses the greeting as its nonce and MACs with the
+#   "-v1" contexts: the listener, its MAC over our greeting matching those,
+#   reads the request (bounded as any) and answers a refusal (Reply ok=False)
+#   naming both versions, which a version-1 client raises as the listener's
+#   refusal text; a request without a MAC of either kind is refused as
+#   before ("without this agent's token").
+WIRE_VERSION = 2
+GREETING_MAGIC = b"AXNL"
+NOTICE_MAGIC = b"\xffAXV"
+LISTEN_NONCE = 16  # the greeting's length: version 1's nonce, so its clients read it whole
 LISTEN_MAC = 32
-_LISTEN_LEN_CTX = b"aioxfer-nixl-listen-len-v1\x00"
-_LISTEN_BODY_CTX = b"aioxfer-nixl-listen-body-v1\x00"
+LISTEN_HEAD = 4 + LISTEN_MAC  # a request's length and its MAC; a VersionNotice's size
+_LISTEN_LEN_CTX = b"aioxfer-nixl-listen-len-v2\x00"
+_LISTEN_BODY_CTX = b"aioxfer-nixl-listen-body-v2\x00"
+_V1_LEN_CTX = b"aioxfer-nixl-listen-len-v1\x00"
+_V1_BODY_CTX = b"aioxfer-nixl-listen-body-v1\x00"
 # The most a reply to a Push or an Invalidate may have (an acknowledgement,
 # or an error text): a client reads no more of a reply announced longer. A
 # Fetch's reply carries the listener's metadata: up to MAX_FRAME.
@@ -62,6 +91,62 @@ MAX_ACK = 64 << 10
 # Listener connections served at once; more are closed at accept (each is
 # bounded in time by the listener's request timeout).
 MAX_LISTEN_CONNS = 64
+
+
+class ListenerVersionError(ProtocolError):
+    """The other end of a metadata listener connection speaks another
+    listener wire version (named in the message): a client of one aioxfer
+    version fetching from or pushing to an agent of another."""
+
+
+def greeting() -> bytes:
+    """What the listener sends first: GREETING_MAGIC, WIRE_VERSION (2 bytes,
+    big-endian), fresh random bytes; LISTEN_NONCE bytes in all."""
+    return (GREETING_MAGIC + WIRE_VERSION.to_bytes(2, "big")
+            + os.urandom(LISTEN_NONCE - len(GREETING_MAGIC) - 2))
+
+
+def greeting_version(data: bytes) -> int:
+    """The wire version a listener's greeting says; 1 for one without
+    GREETING_MAGIC (version 1's greeting was random bytes only)."""
+    if len(data) != LISTEN_NONCE or not data.startswith(GREETING_MAGIC):
+        return 1
+    return int.from_bytes(data[len(GREETING_MAGIC):len(GREETING_MAGIC) + 2], "big")
+
+
+def version_notice() -> bytes:
+    """What a client sends a listener of another version (2 or later)
+    instead of a request: NOTICE_MAGIC, its version, zeros; LISTEN_HEAD
+    bytes, the listener's first read."""
+    return (NOTICE_MAGIC + WIRE_VERSION.to_bytes(2, "big")
+            + bytes(LISTEN_HEAD - len(NOTICE_MAGIC) - 2))
+
+
+def notice_version(head: bytes | bytearray) -> int | None:
+    """The version a client's VersionNotice says, None when ``head`` is not one."""
+    if len(head) < len(NOTICE_MAGIC) + 2 or not head.startswith(NOTICE_MAGIC):
+        return None
+    return int.from_bytes(head[len(NOTICE_MAGIC):len(NOTICE_MAGIC) + 2], "big")
+
+
+def older_listener_notice(token: bytes, nonce: bytes) -> bytes:
+    """A version-1 request (its MACs over ``nonce``, the greeting of a
+    listener of version 1) whose message type names our version: such a
+    listener cannot decode it and logs the value it refused."""
+    body = encoder.encode({"type": f"aioxfer.nixl listener wire version {WIRE_VERSION} "
+                                   f"(this listener speaks version 1: use one aioxfer "
+                                   f"version on both sides)"})
+    head = len(body).to_bytes(4, "big")
+    key = hmac_key(token)
+    return (head + hmac.new(key, _V1_LEN_CTX + nonce + head, hashlib.sha256).digest() + body
+            + hmac.new(key, _V1_BODY_CTX + nonce + body, hashlib.sha256).digest())
+
+
+def older_client_refusal() -> str:
+    """The refusal a version-1 client is answered with (its listener error text)."""
+    return (f"this metadata listener speaks listener wire version {WIRE_VERSION}, the "
+            f"client version 1 (an older aioxfer.nixl): use one aioxfer version on both "
+            f"sides")
 
 
 def listen_len_mac(token: bytes, nonce: bytes, head: bytes) -> bytes:
@@ -75,8 +160,13 @@ def listen_body_mac(token: bytes, nonce: bytes, body: bytes) -> bytes:
     return hmac.new(hmac_key(token), _LISTEN_BODY_CTX + nonce + body, hashlib.sha256).digest()
 
 
+def v1_len_mac(token: bytes, nonce: bytes, head: bytes) -> bytes:
+    """A version-1 client's length MAC (how a listener tells one)."""
+    return hmac.new(hmac_key(token), _V1_LEN_CTX + nonce + head, hashlib.sha256).digest()
+
+
 def listen_request(token: bytes, nonce: bytes, body: bytes) -> bytes:
-    """A request as a client with ``token`` sends it after ``nonce``."""
+    """A request as a client with ``token`` sends it after the greeting ``nonce``."""
     head = len(body).to_bytes(4, "big")
     return (head + listen_len_mac(token, nonce, head) + body
             + listen_body_mac(token, nonce, body))
