@@ -24,6 +24,7 @@ backends reach).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -41,7 +42,7 @@ from aioxfer import _cyx, descriptors, file_transport
 from aioxfer import progress as _progress
 from aioxfer import verbs as _verbs
 from aioxfer._abi import MAX_CONNS  # connections one endpoint may have
-from aioxfer.auth import default_token, hmac_key
+from aioxfer.auth import default_token, hmac_key, key_if_derived, key_soon
 from aioxfer.backends import registry as _backends
 from aioxfer.backends.host import BackendHost
 from aioxfer.cluster import Cluster
@@ -235,22 +236,28 @@ class Agent:
         self.name = name
         self.incarnation = secrets.randbits(64)
         self.transports: tuple[str, ...] = transports
+        self._key_pending: concurrent.futures.Future[bytes] | None = None
         if insecure_no_auth:
             if token is not None:
                 raise ValueError("give either token= or insecure_no_auth=True, not both")
             self._token: bytes | None = None
         else:
             # Every HMAC keys on the stretched token (auth.hmac_key: derived
-            # once per token per process, here, never per connection).
-            self._token = hmac_key(token_bytes(token) if token is not None else default_token())
+            # once per token per process, never per connection). Made inside
+            # a running event loop, the agent has it derived on a thread
+            # (auth.key_soon) that start() and connect() await before
+            # anything uses it: the loop is not blocked for the derivation
+            # (~45 ms); elsewhere it is derived here.
+            raw = token_bytes(token) if token is not None else None
+            raw = raw if raw is not None else default_token()
+            self._token = key_if_derived(raw)
+            if self._token is None:
+                if _loop_running():
+                    self._key_pending = key_soon(raw)
+                else:
+                    self._token = hmac_key(raw)
         self._peer_timeout = float(peer_timeout)
-        self._dialer = Dialer(
-            name,
-            incarnation=self.incarnation,
-            token=self._token,
-            peer_timeout=self._peer_timeout,
-            max_meta_bytes=limits.max_meta_bytes,
-        )
+        self._max_meta = limits.max_meta_bytes
         self._tcp_connections = int(tcp_connections)
         self._rail_probe = float(rail_probe)
         self._limits = (peer_max_bytes, peer_max_requests)
@@ -307,15 +314,8 @@ class Agent:
         # alike: a same-host peer that knows only our address dials it
         # directly, skipping the tcp round that would tell it the name above.
         self._direct_socks: list[socket.socket] = []
-        if self._local_sock is not None:
-            for bound in self.addresses:
-                try:
-                    self._direct_socks.append(
-                        listen_abstract(local_name_for(self._token, bound, os.geteuid()))
-                    )
-                except OSError as exc:  # taken (by a squatter): peers come by tcp first
-                    _log.debug("local.direct_unavailable", agent=self.name, address=bound,
-                               reason=str(exc))
+        if self._key_pending is None:
+            self._listen_direct()
         self._accept_msg = Accept(name=self.name, incarnation=self.incarnation,
                                   host_id=self._host_id, local=self._local_name)
         self._verbs_devices: list[str] = []
@@ -499,6 +499,8 @@ class Agent:
         agent and starts following the members (raises TransportError if etcd
         cannot be reached; a later start() tries again, and a cancelled one
         stops joining). Idempotent."""
+        if self._key_pending is not None:
+            await asyncio.wrap_future(self._key_pending)
         fresh = self._loop is None
         loop = self._start()
         # Made now: the first connect would otherwise make it (and Rails)
@@ -551,7 +553,42 @@ class Agent:
                 raise
         return self
 
+    def _listen_direct(self) -> None:
+        """The abstract sockets named after our tcp addresses (their names
+        need the key)."""
+        if self._local_sock is not None:
+            for bound in self.addresses:
+                try:
+                    self._direct_socks.append(
+                        listen_abstract(local_name_for(self._token, bound, os.geteuid()))
+                    )
+                except OSError as exc:  # taken (by a squatter): peers come by tcp first
+                    _log.debug("local.direct_unavailable", agent=self.name, address=bound,
+                               reason=str(exc))
+
+    def _take_key(self) -> None:
+        """The key derived on a thread (see __init__), taken in: start() and
+        connect() awaited it; any other first use waits for it here."""
+        pending = self._key_pending
+        if pending is not None:
+            self._token = pending.result()
+            self._key_pending = None
+            self._listen_direct()
+
+    @functools.cached_property
+    def _dialer(self) -> Dialer:
+        """Made at the first use (after the key: _take_key)."""
+        self._take_key()
+        return Dialer(
+            self.name,
+            incarnation=self.incarnation,
+            token=self._token,
+            peer_timeout=self._peer_timeout,
+            max_meta_bytes=self._max_meta,
+        )
+
     def _start(self) -> asyncio.AbstractEventLoop:
+        self._take_key()
         loop = asyncio.get_running_loop()
         if self._loop is not None:
             if self._loop is not loop:
@@ -889,6 +926,8 @@ class Agent:
                 )
             await self.start()
             return await self._cluster.connect(address, self.connect)
+        if self._key_pending is not None:
+            await asyncio.wrap_future(self._key_pending)
         loop = self._start()
         peer = self._peers.by_addr.get(address)
         if peer is not None and not peer._lost:
@@ -918,6 +957,7 @@ class Agent:
     @functools.cached_property
     def _connector(self) -> Connector:
         """The connect-flow collaborator, made on first use."""
+        self._take_key()  # (never made with no key while one is derived)
         return Connector(
             self.name,
             config=ConnectConfig(
@@ -1281,6 +1321,14 @@ def _describe(t: Transfer) -> str:
     if t.peer.path == file_transport.PATH:
         return f"{t.op} of {t.nbytes} bytes {prep} a file region"
     return f"{t.op} of {t.nbytes} bytes {prep} peer {t.peer.name!r}"
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _caller_cancelling() -> bool:

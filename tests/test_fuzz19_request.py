@@ -71,7 +71,7 @@ def one(c):
             c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             c.close()
             return
-        c.sendall(os.urandom(16))
+        c.sendall(b"AXNL\x00\x02" + os.urandom(10))  # a greeting of listener wire version 2
         if mode == "flood":  # garbage from the nonce on, as fast as it is taken
             flood(c)
         request(c)

@@ -166,7 +166,7 @@ srv = socket.create_server(("127.0.0.1", 0))
 print(srv.getsockname()[1], flush=True)
 while True:
     c, _ = srv.accept()
-    c.sendall(b"n" * 16)
+    c.sendall(b"AXNL\x00\x02" + b"n" * 10)  # a greeting of listener wire version 2
     head = c.recv(36, socket.MSG_WAITALL)
     n = int.from_bytes(head[:4], "big") + 32
     while n > 0:
