@@ -28,7 +28,12 @@ check, an Accept, an AgentMeta) or raises an XferError (AccessDenied,
 ProtocolError); it never authenticates a peer that did not prove the token
 (with a token, no input can succeed, the nonces being random, except a join
 of the known grant whose proof is made with the token: a seed does that);
-it never hangs once the peer hung up (5 s). Anything else raises
+it never hangs once the peer hung up (5 s); a first frame (whole, in
+bounds) that names another protocol version (a Hello or Challenge of
+another version, or, protocol 5's lenient read, any msgpack map with an
+integer "version" that none of our frames decodes) is named: the server
+answers it with a Reject naming that version after its Challenge, the
+client raises a ProtocolError naming it. Anything else raises
 out of check(), unless it is a known, reported issue (fuzz/known_issues.py)
 and AXF_FUZZ_TOLERATE_KNOWN=1.
 
@@ -182,6 +187,70 @@ async def _client(sock: socket.socket, token: bytes | None, mode: int, opts: int
         raise AssertionError(f"expected {want.__name__}, got {got!r}")
 
 
+def _names_version(stream: bytes, client: bool) -> int | None:
+    """The protocol version (not ours) the first frame of ``stream`` names,
+    when it is whole and in bounds: a Hello (we are the server) or a
+    Challenge (the client) that decodes, or any msgpack map with an integer
+    "version" that none of our frames decodes (read here without
+    protocol.py's helpers: the oracle for its lenient read)."""
+    p, md = _m.protocol, _m.metadata
+    n = int.from_bytes(stream[:4], "big")
+    if len(stream) < 4 or not 0 < n <= min(len(stream) - 4, p.MAX_HANDSHAKE_FRAME):
+        return None
+    body = stream[4:4 + n]
+    try:
+        frame = p.decode_body(body)
+    except _m.errors.ProtocolError:
+        import msgspec
+
+        try:
+            obj = msgspec.msgpack.decode(body)
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        v = obj.get("version") if isinstance(obj, dict) else None
+        if type(v) is not int or v == md.PROTOCOL_VERSION:
+            return None
+        return v
+    want = md.Challenge if client else md.Hello
+    if isinstance(frame, want) and frame.version != md.PROTOCOL_VERSION:
+        return int(frame.version)
+    return None
+
+
+def _check_named(version: int, client: bool, failed: BaseException | None,
+                 theirs: socket.socket) -> None:
+    """A peer of another protocol version was told so, by version."""
+    p, md = _m.protocol, _m.metadata
+    if client:
+        if not isinstance(failed, _m.errors.ProtocolError) or (
+                f"protocol version {version}, this agent" not in str(failed)):
+            raise AssertionError(f"a server of protocol version {version}: the client "
+                                 f"raised {failed!r}, not a ProtocolError naming it")
+        return
+    theirs.setblocking(False)
+    got = bytearray()
+    while True:
+        try:
+            chunk = theirs.recv(MAX_INPUT)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        got += chunk
+    frames = []
+    while len(got) >= 4:
+        n = int.from_bytes(got[:4], "big")
+        frames.append(p.decode_body(bytes(got[4:4 + n])))
+        del got[:4 + n]
+    if (len(frames) != 2 or not isinstance(frames[0], md.Challenge)
+            or not isinstance(frames[1], md.Reject)
+            or f"protocol version {version} " not in frames[1].reason
+            or not isinstance(failed, _m.errors.ProtocolError)):
+        raise AssertionError(f"a client of protocol version {version}: the server sent "
+                             f"{frames!r} and raised {failed!r}, not a Challenge and a "
+                             f"Reject naming it")
+
+
 def _run(data: bytes) -> None:
     assert _loop is not None
     opts, stream = data[0], data[1:MAX_INPUT]
@@ -193,12 +262,16 @@ def _run(data: bytes) -> None:
         ours.setblocking(False)
         coro = (_client(ours, token, (opts >> 2) & 3, opts) if opts & 1
                 else _server(ours, token, bool(opts & 16), bool(opts & 64)))
+        failed: BaseException | None = None
         try:
             _loop.run_until_complete(asyncio.wait_for(coro, 5))
-        except _m.errors.XferError:
-            pass  # refused: what a hostile peer should get
+        except _m.errors.XferError as exc:
+            failed = exc  # refused: what a hostile peer should get
         except TimeoutError:
             raise AssertionError("handshake still waiting 5 s after the peer hung up") from None
+        version = _names_version(stream, opts & 1 == 1)
+        if version is not None:
+            _check_named(version, opts & 1 == 1, failed, theirs)
     finally:
         ours.close()
         theirs.close()
@@ -234,6 +307,12 @@ def seeds() -> dict[str, bytes]:
     from aioxfer.protocol import encode_frame
 
     v = PROTOCOL_VERSION
+
+    def _frame(obj: object) -> bytes:
+        import msgspec
+
+        body = msgspec.msgpack.encode(obj)
+        return len(body).to_bytes(4, "big") + body
 
     def hello(purpose: str) -> bytes:
         return encode_frame(
@@ -277,6 +356,13 @@ def seeds() -> dict[str, bytes]:
         + encode_frame(Reject(reason="protocol version 4 is not 3")),
         "client-other-version": b"\3"
         + encode_frame(Challenge(version=v + 1, nonce=b"s" * 16)),
+        # protocol 5's lenient read: a first frame of another version whose
+        # shape changed (none of ours decodes it) still names its version
+        "client-other-shape": b"\3" + _frame({"type": "challenge", "version": v + 1,
+                                               "nonce": 7, "suite": "x"}),
+        "server-other-shape": b"\2" + _frame({"type": "hello", "version": v + 1,
+                                              "name": ["peer"], "nonce": b"n" * 16}),
+        "server-untagged-version": b"\0" + _frame({"version": v - 1}),
         "client-no-token": b"\1"
         + encode_frame(Challenge(version=v, nonce=b""))
         + accept,

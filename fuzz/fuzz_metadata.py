@@ -6,7 +6,9 @@ Byte 0 of an input picks the decoder, the rest is what a peer controls:
         aioxfer.metadata Structs: what arrives on every connection, pre-auth);
   odd:  an etcd value for discovery's JSON decoder of AgentMeta (what any
         writer to the etcd prefix controls).
-Contract: decode_body returns a Frame or raises ProtocolError; the JSON
+Contract: decode_body returns a Frame or raises ProtocolError (then
+protocol 5's lenient version read of that body names exactly the integer
+"version" of a msgpack map, when not ours, and never raises); the JSON
 decoder returns an AgentMeta or raises msgspec.DecodeError (what discovery
 catches); whatever decodes re-encodes to something that decodes equal; the
 discovery helpers that read a member's regions accept whatever decoded.
@@ -52,12 +54,30 @@ def _msgpack(body: bytes) -> None:
     try:
         frame = p.decode_body(body)
     except _m.errors.ProtocolError:
+        _lenient_version(body)
         return
     again = p.decode_body(p.encode_frame(frame)[4:])
     if again != frame:
         raise AssertionError(f"msgpack round trip changed the frame: {frame!r} -> {again!r}")
     if isinstance(frame, _m.metadata.AgentMeta):
         _members(frame)
+
+
+def _lenient_version(body: bytes) -> None:
+    """Protocol 5's lenient read of a handshake frame none of ours decodes
+    (protocol._other_version): the integer "version" of any msgpack map when
+    it is not ours, else None; never an error (it runs on bytes from a peer
+    that has proved nothing)."""
+    ms, md = _m.msgspec, _m.metadata
+    got = _m.protocol._other_version(body)
+    try:
+        obj = ms.msgpack.decode(body)
+    except (ms.DecodeError, RecursionError):
+        obj = None
+    v = obj.get("version") if isinstance(obj, dict) else None
+    want = v if type(v) is int and v != md.PROTOCOL_VERSION else None
+    if got != want or type(got) is not type(want):
+        raise AssertionError(f"lenient version read {got!r}, the frame names {v!r}")
 
 
 def _json(value: bytes) -> None:
@@ -151,6 +171,11 @@ def seeds() -> dict[str, bytes]:
     enc = msgspec.msgpack.Encoder()
     out = {f"msgpack-{k}": b"\0" + enc.encode(v) for k, v in frames.items()}
     out["json-meta"] = b"\1" + msgspec.json.encode(meta)
+    # frames of another version whose shape changed: protocol 5's lenient
+    # read names their version (a map of any keys; "version" a bool is none)
+    out["msgpack-other-shape"] = b"\0" + enc.encode(
+        {"type": "hello", "version": PROTOCOL_VERSION + 1, "name": 7})
+    out["msgpack-bool-version"] = b"\0" + enc.encode({"version": True, 1: [2.5]})
     return out
 
 
