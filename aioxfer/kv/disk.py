@@ -424,8 +424,14 @@ class DiskTier(Tier):
             try:
                 with open(path, "rb") as fh:
                     sb = _parse_superblock(fh.read(SECTOR))
+                    # A slot count the file cannot hold the header table of
+                    # (each segment is made its full size at once) is no
+                    # segment of ours: sizing the index arrays and the header
+                    # read by it would let any file in the directory claim
+                    # 2**32 slots (MemoryError out of open).
                     if sb is None or sb["block_bytes"] != block_bytes or sb["ns"] != self.ns \
-                            or sb["slot_bytes"] != self.slot_bytes:
+                            or sb["slot_bytes"] != self.slot_bytes \
+                            or SECTOR + sb["slots"] * ENTRY > os.fstat(fh.fileno()).st_size:
                         self.foreign_segments += 1
                         continue
                     seg = _Seg(no, path, sb["slots"], sb["slot_bytes"])

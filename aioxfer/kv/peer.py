@@ -394,7 +394,9 @@ class PeerTier(Tier):
             if member.index.nbytes < buckets * WAYS * IENTRY:
                 raise ValueError(f"index region of {member.index.nbytes} bytes for "
                                  f"{buckets} buckets")
-        except (ValueError, TypeError, KeyError) as exc:  # JSON/UTF-8 errors are ValueErrors
+        # (JSON/UTF-8 errors are ValueErrors; JSON nested past the recursion
+        # limit is a RecursionError)
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
             _log.warning("kv.peer_meta_unreadable", tier=self.name, member=peer.name,
                          error=repr(exc))
             return None
@@ -710,8 +712,8 @@ class PeerTier(Tier):
                 n = int.from_bytes(p[:2], "little")
                 head = json.loads(p[2:2 + n])
                 body = p[2 + n:]
-            except ValueError:  # UnicodeDecodeError and JSONDecodeError too
-                continue
+            except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError
+                continue  # (RecursionError: JSON nested past the interpreter's limit)
             if not isinstance(head, dict) or type(head.get("req")) is not int:
                 continue
             if head.get("op") == "ack":

@@ -306,6 +306,8 @@ def decode_dlist(data: bytes) -> DListBlob:
         return _dl_decoder.decode(data[len(DL_MAGIC):])
     except msgspec.DecodeError as exc:
         raise ValueError(f"damaged serialized descriptor list: {exc}") from None
+    except RecursionError:  # a row (rows: Any) nested past the interpreter's limit
+        raise ValueError("damaged serialized descriptor list: nested too deeply") from None
 
 
 # ---------------------------------------------------------------- notifications
