@@ -242,6 +242,21 @@ def test_real_old_listener(agents: Any, monkeypatch: pytest.MonkeyPatch) -> None
     old = subprocess.Popen([python, "-c", _OLD_LISTENER], cwd="/", env=_env(),
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
+    # The old listener's stderr read as it comes: it logs the request
+    # after our client has already raised, so it is told to quit only
+    # once its line is in (or STEP passed).
+    got: list[str] = []
+    seen = threading.Event()
+
+    def read_err() -> None:
+        assert old.stderr is not None
+        for ln in old.stderr:
+            got.append(ln)
+            if "Invalid value" in ln or "without this agent's token" in ln:
+                seen.set()
+
+    reader = threading.Thread(target=read_err, daemon=True)
+    reader.start()
     try:
         assert old.stdout is not None
         line = ""
@@ -253,8 +268,13 @@ def test_real_old_listener(agents: Any, monkeypatch: pytest.MonkeyPatch) -> None
         exc = _fetch_from(client, port)
         assert isinstance(exc, _wire.ListenerVersionError), exc
         assert "listener wire version 1" in str(exc), exc
+        seen.wait(STEP)
     finally:
-        _, err = old.communicate("", timeout=STEP)
+        assert old.stdin is not None
+        old.stdin.close()
+        old.wait(timeout=STEP)
+        reader.join(STEP)
+    err = "".join(got)
     lines = _lines(err)
     assert any("Invalid value 'aioxfer.nixl listener wire version 2" in ln for ln in lines), err
     assert not any("without this agent's token" in ln for ln in lines), err
