@@ -255,7 +255,12 @@ class PeerTier(Tier):
         self.stage = agent.alloc(max(_META_BYTES, 256 * WAYS * IENTRY))
         self.pull_stage = agent.alloc(self.pull_staging_blocks * store.block_bytes)
         host_part = agent.address.rsplit(":", 1)[0]
-        self.ctl = aioxfer.Agent(f"{agent.name}.kvctl", listen=f"{host_part}:0")
+        # Its timeouts are the store agent's (it used the defaults whatever
+        # those were: a member stopped was taken for lost after 5 s here
+        # while the store's agent, configured for 1 s, had long let it go;
+        # an ack to a stopped writer held a pull for as long).
+        self.ctl = aioxfer.Agent(f"{agent.name}.kvctl", listen=f"{host_part}:0",
+                                 peer_timeout=agent._peer_timeout, limits=agent.limits)
         await self.ctl.start()
         meta = {"v": 1, "ctl": self.ctl.address, "address": agent.address,
                 "pool": host.region.name, "index": f"{pfx}.index", "buckets": buckets,
