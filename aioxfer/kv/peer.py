@@ -391,10 +391,14 @@ class PeerTier(Tier):
         # The regions together, waited for once: each release waits up to
         # close_timeout for a peer that maps it, and a stopped member maps
         # all four (one after another that was 4 x close_timeout).
+        # The index's rows are a numpy view of its region: dropped first (the
+        # host tier let go of it above), or the region stayed mapped for as
+        # long as the tier object lived, after its release.
+        index_region = self.index.region if self.index is not None else None
+        self.index = None
         failed, stopped = await _deregister_all(
             self.store.agent,
-            (self.meta_region, self.stage, self.pull_stage, self.place_stage,
-             self.index.region if self.index else None),
+            (self.meta_region, self.stage, self.pull_stage, self.place_stage, index_region),
             "kv.peer_close_failed", tier=self.name)
         first = first or failed
         cancelled |= stopped
@@ -540,6 +544,7 @@ class PeerTier(Tier):
                     continue  # it left or failed: its blocks are misses
                 raw = self.stage.numpy()
                 hits = [parse_bucket(raw[j * bsz:(j + 1) * bsz], k) for j, k in enumerate(ks)]
+                del raw  # a view of the stage: not held over the next member's await
             slots = m.pool.nbytes // self.store.block_bytes
             for k, hit in zip(ks, hits, strict=True):
                 if hit is None:
