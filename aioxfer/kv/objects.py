@@ -146,15 +146,13 @@ class ObjectTier(Tier):
             raise asyncio.CancelledError
         return ok
 
-    async def _write_batch(self, keys: list[bytes], regions: list[Region], offsets: list[int],
-                           part: list[int], ok: list[bool]) -> bool:
-        """PUTs blocks ``part`` through the stage (the caller holds its lock);
-        returns whether the caller was cancelled meanwhile (then the PUTs not
-        finished are cancelled: a block not acknowledged is not stored). The
-        stage is handed on only once no PUT reads it: else the next batch
-        could refill it with other blocks while a PUT's client still reads
-        it, and upload their bytes under this block's key (found corrupt, or
-        never found: a durable put lost)."""
+    def _fill_stage(self, keys: list[bytes], regions: list[Region], offsets: list[int],
+                    part: list[int]) -> tuple[list[Any], list[int]]:
+        """Copies blocks ``part`` and their trailers into the stage and posts
+        their PUTs. Apart from the awaits that follow: its views of the
+        stage and of the caller's memory end here, never held across an
+        await (a cancel's traceback kept such a view, and the mapping with
+        it, alive past the region's release; kv24 in disk.py)."""
         bb = self.store.block_bytes
         rec = bb + TRAILER
         assert self.stage is not None
@@ -173,6 +171,18 @@ class ObjectTier(Tier):
             stage[j * rec + bb:(j + 1) * rec] = self._trailer(keys[i], crc)
             puts.append(agent.write(self.stage[j * rec:(j + 1) * rec],
                                     self.objs[self.object_key(keys[i])]))
+        return puts, crcs
+
+    async def _write_batch(self, keys: list[bytes], regions: list[Region], offsets: list[int],
+                           part: list[int], ok: list[bool]) -> bool:
+        """PUTs blocks ``part`` through the stage (the caller holds its lock);
+        returns whether the caller was cancelled meanwhile (then the PUTs not
+        finished are cancelled: a block not acknowledged is not stored). The
+        stage is handed on only once no PUT reads it: else the next batch
+        could refill it with other blocks while a PUT's client still reads
+        it, and upload their bytes under this block's key (found corrupt, or
+        never found: a durable put lost)."""
+        puts, crcs = self._fill_stage(keys, regions, offsets, part)
         self.counters.writes += len(puts)
         self.counters.in_flight += len(puts)
         cancelled = False
@@ -202,7 +212,7 @@ class ObjectTier(Tier):
             self.missing.pop(keys[i], None)
             ok[i] = True
             self.counters.puts += 1
-            self.counters.put_bytes += bb
+            self.counters.put_bytes += self.store.block_bytes
         return cancelled
 
     # ------------------------------------------------------------ probe

@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import secrets
+from collections import deque
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,15 @@ def _bucket(key: bytes, nb: int) -> int:
 
 def _score(key: bytes, member: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + member.encode(), digest_size=8).digest(), "little")
+
+
+def _count(counts: dict[str, int], name: str, by: int) -> None:
+    """counts[name] += by, the entry dropped at 0."""
+    c = counts.get(name, 0) + by
+    if c:
+        counts[name] = c
+    else:
+        counts.pop(name, None)
 
 
 def owners(key: bytes, members: list[str], replicas: int) -> list[str]:
@@ -125,8 +135,62 @@ def parse_bucket(raw: npt.NDArray[np.uint8], key: bytes) -> tuple[int, int, int]
     return None
 
 
+class _Slots:
+    """``n`` numbered slots handed out first come, first served: ``take(k)``
+    waits until every request before it has been served and ``k`` slots are
+    free (a large request is never passed by smaller ones after it, so none
+    starves). A request cancelled while it waits leaves the queue (and wakes
+    those it held up); one cancelled after its slots were granted, before
+    it resumed, gives them back."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.free: list[int] = list(range(n))
+        self._waiters: deque[tuple[int, asyncio.Future[list[int]]]] = deque()
+
+    async def take(self, k: int) -> list[int]:
+        if not 1 <= k <= self.n:
+            raise ValueError(f"take({k}) of {self.n} slots")
+        if not self._waiters and len(self.free) >= k:
+            return self._grab(k)
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        entry = (k, fut)
+        self._waiters.append(entry)
+        try:
+            return await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.give_back(fut.result())  # granted, but we are not there to use them
+            else:
+                with contextlib.suppress(ValueError):  # (_wake may have dropped it)
+                    self._waiters.remove(entry)
+                self._wake()  # it may have held up those after it
+            raise
+
+    def give_back(self, slots: list[int]) -> None:
+        self.free.extend(slots)
+        self._wake()
+
+    def _grab(self, k: int) -> list[int]:
+        got = self.free[-k:]
+        del self.free[-k:]
+        return got
+
+    def _wake(self) -> None:
+        while self._waiters:
+            k, fut = self._waiters[0]
+            if fut.done():  # cancelled, not yet removed by its taker
+                self._waiters.popleft()
+                continue
+            if len(self.free) < k:
+                return
+            self._waiters.popleft()
+            fut.set_result(self._grab(k))
+
+
 class _Member:
-    def __init__(self, name: str, peer: aioxfer.Peer, meta: dict[str, Any]) -> None:
+    def __init__(self, name: str, peer: aioxfer.Peer, meta: dict[str, Any],
+                 sends: int) -> None:
         self.name = name
         self.peer = peer
         self.meta = meta
@@ -142,6 +206,10 @@ class _Member:
         # When it last let a placement's ack_wait pass (None: it answers):
         # while set, no placement is sent to it (see PeerTier._place).
         self.silent_since: float | None = None
+        # Placements to it in flight at once: at most what it pulls from one
+        # peer (its max_pulls_per_peer, published in its meta), so that our
+        # own placements are never refused there for arriving together.
+        self.sending = _Slots(sends)
 
     @property
     def silent(self) -> bool:
@@ -185,8 +253,15 @@ class PeerTier(Tier):
     owner stopped past ``ack_wait``, or sent a placement of a cancelled put,
     read it later, while the caller was reusing it.) A late pull now reads
     store memory, which the owner verifies (a slot reused meanwhile fails
-    its checksum there, as for host slots written back). Such puts take the
-    area one at a time, up to this many blocks per round."""
+    its checksum there, as for host slots written back). Concurrent puts
+    share the area: each round of a put (up to this many blocks) takes
+    slots of its own, first come, first served, and holds them until its
+    placements have ended; rounds of several puts are in flight together.
+    (They took the whole area one at a time: 8 concurrent puts of 8 blocks
+    were 8 placements one after another.) A writer keeps at most its
+    member's ``max_pulls_per_peer`` (published in its meta) placements in
+    flight to it, write-backs included, so that none is refused for
+    arriving together with the others."""
 
     kind = "peer"
     probes = True
@@ -208,7 +283,8 @@ class PeerTier(Tier):
             raise ValueError("place_staging_blocks must be >= 1")
         self.place_staging_blocks = int(place_staging_blocks)
         self.place_stage: Region | None = None  # see the class doc; made at first use
-        self.place_lock = asyncio.Lock()
+        # Its blocks, handed to the puts' rounds first come, first served.
+        self.place_slots = _Slots(self.place_staging_blocks)
         self.pull_stage: Region | None = None
         self.pull_lock = asyncio.Lock()
         self.ack_wait = float(ack_wait)
@@ -217,7 +293,15 @@ class PeerTier(Tier):
             raise ValueError("max_pulls and max_pulls_per_peer must be >= 1")
         self.max_pulls = max_pulls
         self.max_pulls_per_peer = max_pulls_per_peer
-        self._pulling: dict[str, int] = {}  # sending peer -> its pulls running here
+        self._pulling: dict[str, int] = {}  # sending peer -> its pulls reading here
+        # sending peer -> its pulls done reading whose ack is being sent: no
+        # longer counted above (notify returns once the peer has the ack,
+        # and the sender, acknowledged, may send its next placement before
+        # our notify returns: it was refused then, its blocks dropped), and
+        # bounded apart, at max_pulls from one peer (an ack can hang in its
+        # connect while the sender sends more).
+        self._answering: dict[str, int] = {}
+        self._pull_tasks: dict[asyncio.Task[Any], str] = {}  # a pull reading -> its sender
         self._acking = 0  # refusals being acknowledged
         self.pulls_refused = 0
         self.group = group
@@ -255,11 +339,16 @@ class PeerTier(Tier):
         self.stage = agent.alloc(max(_META_BYTES, 256 * WAYS * IENTRY))
         self.pull_stage = agent.alloc(self.pull_staging_blocks * store.block_bytes)
         host_part = agent.address.rsplit(":", 1)[0]
-        self.ctl = aioxfer.Agent(f"{agent.name}.kvctl", listen=f"{host_part}:0")
+        # Its timeouts are the store agent's (it used the defaults whatever
+        # those were: a member stopped was taken for lost after 5 s here
+        # while the store's agent, configured for 1 s, had long let it go;
+        # an ack to a stopped writer held a pull for as long).
+        self.ctl = aioxfer.Agent(f"{agent.name}.kvctl", listen=f"{host_part}:0",
+                                 peer_timeout=agent._peer_timeout, limits=agent.limits)
         await self.ctl.start()
         meta = {"v": 1, "ctl": self.ctl.address, "address": agent.address,
                 "pool": host.region.name, "index": f"{pfx}.index", "buckets": buckets,
-                "block_bytes": store.block_bytes}
+                "block_bytes": store.block_bytes, "pulls_per_peer": self.max_pulls_per_peer}
         blob = json.dumps(meta).encode()
         self.meta_region = agent.alloc(_META_BYTES, name=f"{pfx}.meta")
         self.meta_region.numpy()[: len(blob)] = np.frombuffer(blob, dtype=np.uint8)
@@ -302,10 +391,14 @@ class PeerTier(Tier):
         # The regions together, waited for once: each release waits up to
         # close_timeout for a peer that maps it, and a stopped member maps
         # all four (one after another that was 4 x close_timeout).
+        # The index's rows are a numpy view of its region: dropped first (the
+        # host tier let go of it above), or the region stayed mapped for as
+        # long as the tier object lived, after its release.
+        index_region = self.index.region if self.index is not None else None
+        self.index = None
         failed, stopped = await _deregister_all(
             self.store.agent,
-            (self.meta_region, self.stage, self.pull_stage, self.place_stage,
-             self.index.region if self.index else None),
+            (self.meta_region, self.stage, self.pull_stage, self.place_stage, index_region),
             "kv.peer_close_failed", tier=self.name)
         first = first or failed
         cancelled |= stopped
@@ -390,7 +483,11 @@ class PeerTier(Tier):
             if (not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 1
                     or buckets & (buckets - 1) or not isinstance(meta["ctl"], str)):
                 raise ValueError(f"bad geometry: buckets={buckets!r}")
-            member = _Member(peer.name, peer, meta)
+            # (a member that does not say pulls as many as we would)
+            sends = meta.get("pulls_per_peer", self.max_pulls_per_peer)
+            if not isinstance(sends, int) or isinstance(sends, bool) or sends < 1:
+                raise ValueError(f"bad pulls_per_peer: {sends!r}")
+            member = _Member(peer.name, peer, meta, min(sends, 1024))
             if member.index.nbytes < buckets * WAYS * IENTRY:
                 raise ValueError(f"index region of {member.index.nbytes} bytes for "
                                  f"{buckets} buckets")
@@ -449,6 +546,7 @@ class PeerTier(Tier):
                     continue  # it left or failed: its blocks are misses
                 raw = self.stage.numpy()
                 hits = [parse_bucket(raw[j * bsz:(j + 1) * bsz], k) for j, k in enumerate(ks)]
+                del raw  # a view of the stage: not held over the next member's await
             slots = m.pool.nbytes // self.store.block_bytes
             for k, hit in zip(ks, hits, strict=True):
                 if hit is None:
@@ -536,30 +634,57 @@ class PeerTier(Tier):
             for i, good in zip(mine, sub, strict=True):
                 ok[i] = good
         step = self.place_staging_blocks
-        for b in range(0, len(theirs), step):
-            part = theirs[b:b + step]
-            # The area is held until this round's placements have ended
-            # (acknowledged, timed out, or failed): a later round's blocks
-            # then replace these under a late owner's pull, which fails
-            # its checksum and stores nothing.
-            async with self.place_lock:
-                staged = await self._stage_in(part, regions, offsets)
-                if not staged:
-                    continue
-                stage = self.place_stage
-                assert stage is not None
-                bb = self.store.block_bytes
-                sub = await self._place_all([keys[part[k]] for k in staged], [stage] * len(staged),
-                                            [k * bb for k in staged])
-            for k, good in zip(staged, sub, strict=True):
-                ok[part[k]] = good
+        parts = [theirs[b:b + step] for b in range(0, len(theirs), step)]
+        if len(parts) == 1:
+            rounds: list[Any] = [await self._place_round(parts[0], keys, regions, offsets)]
+        elif parts:
+            # A put's rounds queue for the staging in order, each placed as
+            # soon as it has its slots (several in flight). A cancel reaches
+            # them all and raises once each has ended (copies from src
+            # included: _stage_in), never while one still reads src.
+            rounds = await asyncio.gather(*(self._place_round(p, keys, regions, offsets)
+                                            for p in parts), return_exceptions=True)
+            for r in rounds:
+                if isinstance(r, BaseException):
+                    raise r
+        else:
+            rounds = []
+        for r in rounds:
+            for i, good in r:
+                ok[i] = good
         return ok
 
-    async def _stage_in(self, part: list[int], regions: list[Region],
+    async def _place_round(self, part: list[int], keys: list[bytes], regions: list[Region],
+                           offsets: list[int]) -> list[tuple[int, bool]]:
+        """Blocks ``part`` of a caller's memory (at most place_staging_blocks):
+        copied into staging slots of their own, placed from there; (block,
+        stored) for those copied. Rounds of concurrent puts run together,
+        each on its own slots (they took the whole area, one at a time: 8
+        concurrent puts of 8 blocks were 8 placements one after another).
+        The slots are held until the round's placements have ended
+        (acknowledged, timed out, or failed): a later round's blocks then
+        replace these under a late owner's pull, which fails its checksum
+        and stores nothing."""
+        slots = await self.place_slots.take(len(part))
+        try:
+            staged = await self._stage_in(part, slots, regions, offsets)
+            if not staged:
+                return []
+            stage = self.place_stage
+            assert stage is not None
+            bb = self.store.block_bytes
+            sub = await self._place_all([keys[part[k]] for k in staged], [stage] * len(staged),
+                                        [slots[k] * bb for k in staged])
+        finally:
+            self.place_slots.give_back(slots)
+        return [(part[k], good) for k, good in zip(staged, sub, strict=True)]
+
+    async def _stage_in(self, part: list[int], slots: list[int], regions: list[Region],
                         offsets: list[int]) -> list[int]:
         """Copies blocks ``part`` of the caller's memory into the placement
-        staging (block k of part at slot k); the k copied. Never cut short: a
-        cancelled put raises once the copies have ended (they read ``src``)."""
+        staging (block k of part at slot ``slots[k]``); the k copied. Never
+        cut short: a cancelled put raises once the copies have ended (they
+        read ``src``)."""
         from aioxfer.kv.store import _groups, _seglist
 
         store = self.store
@@ -571,7 +696,7 @@ class PeerTier(Tier):
         slot = {i: k for k, i in enumerate(part)}
         groups = _groups(regions, part)
         copies = [store.agent.write(_seglist(region, [offsets[i] for i in idx], bb),
-                                    _seglist(remote, [slot[i] * bb for i in idx], bb))
+                                    _seglist(remote, [slots[slot[i]] * bb for i in idx], bb))
                   for region, idx in groups]
         results = await run_to_end(asyncio.gather(*copies, return_exceptions=True))
         staged: list[int] = []
@@ -639,6 +764,21 @@ class PeerTier(Tier):
         m = self.members.get(name)
         if m is None or self.ctl is None:
             return [], "peer_left", len(idx)
+        # In turn with our other placements to it (see _Member.sending): one
+        # past its max_pulls_per_peer would be refused there (its blocks
+        # dropped) for no fault of either side.
+        sending = await m.sending.take(1)
+        try:
+            if self.members.get(name) is not m:  # it left or was replaced meanwhile
+                return [], "peer_left", len(idx)
+            return await self._place_to(m, name, idx, keys, regions, offsets, crcs)
+        finally:
+            m.sending.give_back(sending)
+
+    async def _place_to(self, m: _Member, name: str, idx: list[int], keys: list[bytes],
+                        regions: list[Region], offsets: list[int],
+                        crcs: list[int]) -> tuple[list[int], str, int]:
+        assert self.ctl is not None
         loop = asyncio.get_running_loop()
         if m.silent_since is not None:
             if loop.time() - m.silent_since < self.ack_timeout:
@@ -728,10 +868,11 @@ class PeerTier(Tier):
                     isinstance(head.get(f), str) for f in ("from", "ctl", "region")):
                 sender = msg.peer_name
                 if (sum(self._pulling.values()) >= self.max_pulls
-                        or self._pulling.get(sender, 0) >= self.max_pulls_per_peer):
+                        or self._pulling.get(sender, 0) >= self.max_pulls_per_peer
+                        or self._answering.get(sender, 0) >= self.max_pulls):
                     self._refuse(head, len(body) // 48)
                     continue
-                self._pulling[sender] = self._pulling.get(sender, 0) + 1
+                _count(self._pulling, sender, 1)
                 self._spawn(self._pull_from(sender, head, body))
 
     def _late_ack(self, ctl_name: str, req: int) -> None:
@@ -754,16 +895,22 @@ class PeerTier(Tier):
             self._spawn(self._ack(head, bytes(n), refusal=True))
 
     async def _pull_from(self, sender: str, head: dict[str, Any], body: bytes) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._pull_tasks[task] = sender
         try:
             await self._pull(head, body)
         finally:
-            c = self._pulling[sender] - 1
-            if c:
-                self._pulling[sender] = c
-            else:
-                del self._pulling[sender]
+            if self._pull_tasks.pop(task, None) is not None:  # (ended before its ack)
+                _count(self._pulling, sender, -1)
 
     async def _ack(self, head: dict[str, Any], stored: bytes, *, refusal: bool = False) -> None:
+        # A pull's ack: its reading is over, from now on it counts as answering.
+        task = asyncio.current_task()
+        sender = None if refusal or task is None else self._pull_tasks.pop(task, None)
+        if sender is not None:
+            _count(self._pulling, sender, -1)
+            _count(self._answering, sender, 1)
         try:
             with contextlib.suppress(XferError, OSError, ValueError):
                 if self.ctl is not None:
@@ -773,6 +920,8 @@ class PeerTier(Tier):
         finally:
             if refusal:
                 self._acking -= 1
+            if sender is not None:
+                _count(self._answering, sender, -1)
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
@@ -912,4 +1061,5 @@ class PeerTier(Tier):
     def _extra(self) -> dict[str, int | float | str]:
         return {"members": len(self.members), "pulled": self.pulled,
                 "pulls_in_flight": sum(self._pulling.values()),
+                "pulls_answering": sum(self._answering.values()),
                 "pulls_refused": self.pulls_refused}

@@ -496,26 +496,23 @@ class _Running:
     def __enter__(self) -> None:
         store = self.store
         store._check_open()
-        store._ops += 1
+        # (None: a coroutine driven by hand, outside any task: counted, and
+        # waited for, but it cannot be cancelled by a cancelled aclose)
         task = self.task = asyncio.current_task()
-        if task is not None:
-            store._op_tasks[task] = store._op_tasks.get(task, 0) + 1
+        store._op_tasks[task] = store._op_tasks.get(task, 0) + 1
 
     def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
         store = self.store
-        store._ops -= 1
-        if not store._ops and store._ops_idle is not None:
-            store._ops_idle.set()
         task = self.task
-        if task is None:
-            return
         left = store._op_tasks[task] - 1
         if left:
             store._op_tasks[task] = left
             return
         del store._op_tasks[task]
-        if task not in store._cut:
+        if not store._op_tasks and store._ops_idle is not None:
+            store._ops_idle.set()
+        if task is None or task not in store._cut:
             return
         store._cut.discard(task)
         if task.uncancel() == 0 and typ is asyncio.CancelledError:
@@ -596,13 +593,13 @@ class Store:
         self._refusing = False
         self._closing = False
         self._closed = False
-        # Operations in flight (put, get, lookup, prefetch, remove) and the
+        # Operations in flight (put, get, lookup, prefetch, remove): the
+        # tasks they run in, how many each (None: outside any task), and the
         # event set when the last ends: aclose waits for them (see there).
-        self._ops = 0
+        # (A separate count of them, kept beside, could only disagree.)
+        self._op_tasks: dict[asyncio.Task[Any] | None, int] = {}
         self._ops_idle: asyncio.Event | None = None
-        # The tasks those operations run in (how many each), and those a
-        # cancelled aclose cancelled (see _cut_operations).
-        self._op_tasks: dict[asyncio.Task[Any], int] = {}
+        # The tasks a cancelled aclose cancelled (see _cut_operations).
         self._cut: set[asyncio.Task[Any]] = set()
         # The close (one task, shared by every aclose call; see aclose), its
         # flush while it runs, and whether a cancelled aclose asked it to
@@ -746,10 +743,10 @@ class Store:
     async def _close(self, flush: bool) -> None:
         """aclose's work, in a task of its own (a cancelled aclose waits for
         it to end; see there)."""
-        if self._ops:
+        if self._op_tasks:
             assert self._ops_idle is not None
             self._ops_idle.clear()
-            while self._ops:
+            while self._op_tasks:
                 await self._ops_idle.wait()
         host = self._host
         if flush and host is not None and self._opened and not self._closing and not self._hurry:
@@ -836,7 +833,7 @@ class Store:
         (_Running.__exit__)."""
         me = asyncio.current_task()
         for task in list(self._op_tasks):
-            if task is not me and task not in self._cut and task.cancel():
+            if task is not None and task is not me and task not in self._cut and task.cancel():
                 self._cut.add(task)
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
