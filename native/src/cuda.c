@@ -225,12 +225,8 @@ static CUresult cu_check(CUresult r)
     return r;
 }
 
-static void drv_load(void)
+static void drv_load_from(const char *path)
 {
-    /* AIOXFER_CUDA_DRIVER names another library (tests use a missing path to
-     * exercise the absent-driver path on any machine). */
-    char env[AXF_ENV_VAL_MAX]; /* the snapshot's (engine.c axf_env_read), not getenv */
-    const char *path = axf_env_value(AXF_ENV_CUDA_DRIVER, env) && *env ? env : "libcuda.so.1";
     drv.status = AXF_E_TRANSPORT;
     drv.lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!drv.lib) {
@@ -277,6 +273,19 @@ static void drv_load(void)
     snprintf(drv.why, sizeof drv.why, "CUDA driver %d.%d, %d device(s)", drv.version / 1000,
              drv.version % 1000 / 10, drv.ndev);
     drv.status = AXF_OK;
+}
+
+static void drv_load(void)
+{
+    /* AIOXFER_CUDA_DRIVER names another library (tests use a missing path to
+     * exercise the absent-driver path on any machine): the snapshot's
+     * (engine.c axf_env_read), not getenv, read in place (a path may be 4 KiB:
+     * no copy on the stack of whichever thread asks first). */
+    axf_env env;
+    axf_env_take(&env, false);
+    const char *v = axf_env_wide(&env, AXF_ENV_CUDA_DRIVER);
+    drv_load_from(v && *v ? v : "libcuda.so.1");
+    axf_env_release(&env);
 }
 
 static int drv_ready(void)

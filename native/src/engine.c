@@ -241,7 +241,26 @@ static void cq_drop(axf_engine *e, uint32_t kind, uint64_t tag)
                        "(axf_stats cq_dropped), the last %s",
                        n, cq_kind_name(kind));
     size_t plen = len < 0 ? 0 : (size_t)len < DROP_NOTE_LEN ? (size_t)len : DROP_NOTE_LEN - 1;
+    buf[plen] = 0; /* as every payload (payload_copy): snprintf's, unless it failed */
     cq_put(e, AXF_CQ_LOG, 0, 0, tag, 0, 0, (uint8_t *)buf, plen);
+}
+
+/* A record's payload: its bytes and a NUL after them, not counted in
+ * payload_len (nat26: the contract, aioxfer.h axf_completion). A log's text
+ * then reads as a C string: test_file.c's strstr on a log's payload read
+ * past its end, and an application doing so would too. A notification's
+ * bytes may hold NULs of their own: payload_len is still their length.
+ * Out of memory: no payload (*plen 0), the record itself still told. */
+static uint8_t *payload_copy(const void *payload, size_t *plen)
+{
+    uint8_t *copy = malloc(*plen + 1);
+    if (!copy) {
+        *plen = 0;
+        return NULL;
+    }
+    memcpy(copy, payload, *plen);
+    copy[*plen] = 0;
+    return copy;
 }
 
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
@@ -266,13 +285,8 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
         cq_drop(e, kind, tag);
         return;
     }
-    if (plen) {
-        copy = malloc(plen);
-        if (copy)
-            memcpy(copy, payload, plen);
-        else
-            plen = 0;
-    }
+    if (plen)
+        copy = payload_copy(payload, &plen);
     cq_put(e, kind, status, id, tag, nbytes, fail_index, copy, plen);
 }
 
@@ -280,13 +294,8 @@ void cq_push_claimed(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, 
                      uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen)
 {
     uint8_t *copy = NULL;
-    if (plen) {
-        copy = malloc(plen);
-        if (copy)
-            memcpy(copy, payload, plen);
-        else
-            plen = 0;
-    }
+    if (plen)
+        copy = payload_copy(payload, &plen);
     cq_put(e, kind, status, id, tag, nbytes, fail_index, copy, plen);
 }
 
@@ -466,11 +475,19 @@ static const char *const env_names[AXF_ENV_N] = {
  * value of 512 bytes or more read as unset, silently: now the values are
  * packed at their lengths (NUL-terminated) in one block, made once per
  * distinct environment (interned: an unchanged environment read again, as
- * before every Python engine, reuses its block) and never freed, so an
- * engine, a probe, a copy on the stack point at it without owning it. The
- * blocks number the distinct environments the process read. */
+ * before every Python engine, reuses its block) and immutable, so that an
+ * engine, a probe, a process-wide reader hold a pointer to it.
+ *
+ * Its life (nat26; before, never freed: one block per distinct environment
+ * the process ever read, the values' bytes included, each as long as the
+ * kernel lets a variable be): counted references, one for being the
+ * process's current snapshot (env_cur) and one per axf_env taken
+ * (axf_env_take: an engine's for its life, a probe's for its call). The
+ * last one let go frees it, so what stays is the current block and those
+ * of live engines. */
 struct axf_env_block {
-    struct axf_env_block *next; /* env_mu: the interned list */
+    struct axf_env_block *next; /* env_mu: the interned list (every live block) */
+    size_t refs;                /* env_mu */
     uint32_t set;               /* bit k: variable k was set */
     uint32_t off[AXF_ENV_N], len[AXF_ENV_N];
     size_t size; /* bytes of data */
@@ -480,9 +497,31 @@ struct axf_env_block {
 /* The process's snapshot: taken by axf_env_read (each call), or by an
  * engine's creation or a process-wide reader when nobody has called it. */
 static pthread_mutex_t env_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct axf_env_block *env_blocks; /* every one made */
-static const struct axf_env_block *env_cur;
+static struct axf_env_block *env_blocks; /* every live one */
+static struct axf_env_block *env_cur;    /* holds a reference (NULL: none taken yet) */
 static bool env_taken, env_explicit;
+
+static void env_unref(struct axf_env_block *b) /* env_mu held */
+{
+    if (--b->refs)
+        return;
+    struct axf_env_block **p = &env_blocks;
+    while (*p != b)
+        p = &(*p)->next;
+    *p = b->next;
+    free(b);
+}
+
+/* b becomes the current snapshot (its reference moves from the old one). */
+static void env_set_cur(struct axf_env_block *b) /* env_mu held */
+{
+    if (b == env_cur)
+        return;
+    b->refs++;
+    if (env_cur)
+        env_unref(env_cur);
+    env_cur = b;
+}
 
 static void env_snapshot(void) /* env_mu held: the only getenv of the library */
 {
@@ -510,13 +549,14 @@ static void env_snapshot(void) /* env_mu held: the only getenv of the library */
                 (b->len[k] == len[k] && memcmp(b->data + b->off[k], v[k], len[k]) == 0)))
             k++;
         if (k == AXF_ENV_N) {
-            env_cur = b;
+            env_set_cur(b);
             return;
         }
     }
     struct axf_env_block *b = malloc(sizeof *b + size);
     if (!b) /* the previous snapshot stays (none: nothing set) */
         return;
+    b->refs = 0;
     b->set = set;
     b->size = size;
     size_t at = 0;
@@ -530,7 +570,7 @@ static void env_snapshot(void) /* env_mu held: the only getenv of the library */
     }
     b->next = env_blocks;
     env_blocks = b;
-    env_cur = b;
+    env_set_cur(b);
 }
 
 void axf_env_read(void)
@@ -547,7 +587,32 @@ void axf_env_take(axf_env *out, bool creating)
     if (!env_taken || (creating && !env_explicit))
         env_snapshot();
     out->b = env_cur;
+    if (env_cur)
+        env_cur->refs++;
     pthread_mutex_unlock(&env_mu);
+}
+
+void axf_env_release(axf_env *env)
+{
+    /* Not const to us: the block's count is ours (env_mu), its values are
+     * what the holders may not change. */
+    struct axf_env_block *b = (struct axf_env_block *)(uintptr_t)env->b;
+    env->b = NULL;
+    if (!b)
+        return;
+    pthread_mutex_lock(&env_mu);
+    env_unref(b);
+    pthread_mutex_unlock(&env_mu);
+}
+
+size_t axf_env_blocks(void)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&env_mu);
+    for (struct axf_env_block *b = env_blocks; b; b = b->next)
+        n++;
+    pthread_mutex_unlock(&env_mu);
+    return n;
 }
 
 const char *axf_env_get(const axf_env *env, int which)
@@ -556,19 +621,25 @@ const char *axf_env_get(const axf_env *env, int which)
     return b && (b->set & (1u << which)) ? b->data + b->off[which] : NULL;
 }
 
+const char *axf_env_wide(const axf_env *env, int which)
+{
+    const struct axf_env_block *b = env->b;
+    return b && (b->set & (1u << which)) && b->len[which] < AXF_ENV_VAL_MAX
+               ? b->data + b->off[which]
+               : NULL;
+}
+
 bool axf_env_value(int which, char *out)
 {
-    pthread_mutex_lock(&env_mu);
-    if (!env_taken)
-        env_snapshot();
-    const struct axf_env_block *b = env_cur;
-    bool set = b && (b->set & (1u << which)) && b->len[which] < AXF_ENV_VAL_MAX;
-    if (set)
-        memcpy(out, b->data + b->off[which], b->len[which] + 1);
+    axf_env env;
+    axf_env_take(&env, false);
+    const char *v = axf_env_wide(&env, which);
+    if (v)
+        memcpy(out, v, strlen(v) + 1);
     else
         out[0] = 0;
-    pthread_mutex_unlock(&env_mu);
-    return set;
+    axf_env_release(&env);
+    return v != NULL;
 }
 
 /* A new engine's log: each process-wide value of its snapshot too long for
@@ -621,12 +692,14 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     }
     e->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->efd < 0) {
+        axf_env_release(&e->env);
         free(e);
         return NULL;
     }
     e->watch_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->watch_efd < 0) {
         close(e->efd);
+        axf_env_release(&e->env);
         free(e);
         return NULL;
     }
@@ -652,6 +725,7 @@ axf_engine *axf_engine_create(const axf_config *cfg)
         }
         close(e->efd);
         close(e->watch_efd);
+        axf_env_release(&e->env);
         free(e);
         return NULL;
     }
@@ -2224,5 +2298,6 @@ void axf_engine_destroy(axf_engine *e)
     pthread_mutex_destroy(&e->th_mu);
     pthread_mutex_destroy(&e->help_mu);
     pthread_cond_destroy(&e->th_cv);
+    axf_env_release(&e->env); /* the transports are gone: nothing reads it now */
     free(e);
 }

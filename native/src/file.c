@@ -145,15 +145,11 @@ int axf_file_info(axf_engine *e, char *buf, size_t cap)
         cap = sizeof why;
     }
     if (!e) { /* what an engine created now would use */
-        axf_env *env = malloc(sizeof *env);
-        if (!env) {
-            snprintf(buf, cap, "out of memory");
-            return -1;
-        }
-        axf_env_take(env, true);
-        int r = uring_try(file_mode(env), NULL, buf, cap) ? 1 : 0;
-        free(env);
-        return r;
+        axf_env env; /* a pointer (once 8.7 KiB, then malloc'd here) */
+        axf_env_take(&env, true);
+        int mode = file_mode(&env);
+        axf_env_release(&env);
+        return uring_try(mode, NULL, buf, cap) ? 1 : 0;
     }
     pthread_mutex_lock(&e->mu);
     file_xport *f = e->xp[AXF_EP_FILE];

@@ -355,25 +355,33 @@ enum {
  * created with it logs so (engine.c env_check). */
 #define AXF_ENV_VAL_MAX 4096
 /* A snapshot (engine.c): one block per distinct environment, each value at
- * its length, immutable and kept for the process's life, so that a copy of
- * an axf_env is a pointer, owned by nobody (engines, probes: no release).
- * NULL: nothing set. */
+ * its length, immutable; an axf_env is a pointer to one and holds a
+ * reference (axf_env_take), let go by axf_env_release: the block lives while
+ * it is the process's current snapshot or an axf_env holds it (an engine:
+ * its life; a probe, a process-wide reader: its call). NULL: nothing set. */
 struct axf_env_block;
 typedef struct axf_env {
     const struct axf_env_block *b;
 } axf_env;
-/* A copy of the process's snapshot (taken now when none was). `creating`:
- * an engine's creation, which takes a fresh one while nobody has called
- * axf_env_read (a C program's engines each see the environment as it is at
- * their creation, as before). */
+/* The process's snapshot (taken now when none was), one reference held.
+ * `creating`: an engine's creation, which takes a fresh one while nobody has
+ * called axf_env_read (a C program's engines each see the environment as it
+ * is at their creation, as before). */
 void axf_env_take(axf_env *out, bool creating);
-/* Variable `which` of `env`, NULL when unset. */
+/* Lets go of what axf_env_take gave (env->b is NULL after; NULL: nothing). */
+void axf_env_release(axf_env *env);
+/* Variable `which` of `env`, NULL when unset; valid while env is held. */
 const char *axf_env_get(const axf_env *env, int which);
-/* One value of the process's snapshot, copied into out[AXF_ENV_VAL_MAX]
- * (taken now when none was); false when unset, or too long for out (logged
- * by engines: engine.c env_check). For the process-wide settings (the CUDA
- * driver's path, the trace directory, shm's). */
+/* A process-wide setting (the CUDA driver's path, the trace directory,
+ * shm's) of a taken snapshot, as its readers take it: NULL when unset or
+ * AXF_ENV_VAL_MAX bytes or longer (logged by engines: engine.c env_check).
+ * Read in place, no copy: a reader on a small thread stack needs no buffer. */
+const char *axf_env_wide(const axf_env *env, int which);
+/* The same, copied into out[AXF_ENV_VAL_MAX] (4 KiB: not for small stacks);
+ * false when unset or too long. */
 bool axf_env_value(int which, char *out);
+/* The live blocks (tests: what the process keeps). */
+size_t axf_env_blocks(void);
 /* shm.c: the process-wide settings read from the first snapshot, once. */
 
 struct axf_engine {

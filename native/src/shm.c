@@ -85,14 +85,17 @@ static void lazy_env(void)
 {
     /* Bytes, a plain unsigned integer (0: every pool lazily); anything else
      * is ignored. Read once: a pool's mapping never changes mode. */
-    char env[AXF_ENV_VAL_MAX];
-    if (!axf_env_value(AXF_ENV_SHM_LAZY_MIN, env) || *env < '0' || *env > '9')
-        return;
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(env, &end, 10);
-    if (*end == '\0' && errno == 0)
-        axf_shm_lazy_min = v;
+    axf_env env; /* read in place: no 4 KiB copy on whichever thread maps first */
+    axf_env_take(&env, false);
+    const char *s = axf_env_wide(&env, AXF_ENV_SHM_LAZY_MIN);
+    if (s && *s >= '0' && *s <= '9') {
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(s, &end, 10);
+        if (*end == '\0' && errno == 0)
+            axf_shm_lazy_min = v;
+    }
+    axf_env_release(&env);
 }
 
 /* A lazily populated mapping: which granules are populated, one bit each.
@@ -1168,12 +1171,18 @@ static uint64_t cal_copy_mbps(void)
 /* A measurement from the environment (a positive integer), else 0. */
 static uint64_t cal_env(int which)
 {
-    char env[AXF_ENV_VAL_MAX];
-    if (!axf_env_value(which, env) || !*env)
-        return 0;
-    char *end;
-    unsigned long long v = strtoull(env, &end, 0);
-    return *end == '\0' ? v : 0;
+    axf_env env; /* read in place: no 4 KiB copy on the stack */
+    axf_env_take(&env, false);
+    const char *s = axf_env_wide(&env, which);
+    unsigned long long v = 0;
+    if (s && *s) {
+        char *end;
+        v = strtoull(s, &end, 0);
+        if (*end != '\0')
+            v = 0;
+    }
+    axf_env_release(&env);
+    return v;
 }
 
 static uint64_t env_inline_bytes;
