@@ -178,7 +178,10 @@ typedef struct axf_completion {
     uint64_t nbytes;
     uint64_t fail_index;
     uint32_t payload_len;
-    uint8_t *payload; /* malloc'd; released by axf_completion_free */
+    /* malloc'd (NULL: none), payload_len bytes followed by a NUL not counted
+     * in payload_len (a log's text is a C string; a notification's bytes may
+     * hold NULs of their own); released by axf_completion_free */
+    uint8_t *payload;
 } axf_completion;
 
 typedef struct axf_stats {

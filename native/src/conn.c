@@ -49,11 +49,19 @@ static pthread_once_t tr_once = PTHREAD_ONCE_INIT;
 
 static void tr_open(void)
 {
-    char dir[AXF_ENV_VAL_MAX]; /* the snapshot's (engine.c axf_env_read), not getenv */
-    char path[AXF_ENV_VAL_MAX + 32];
-    if (!axf_env_value(AXF_ENV_TCP_TRACE, dir) || snprintf(path, sizeof path, "%s/trace.%d", dir, (int)getpid()) >= (int)sizeof path)
+    /* The snapshot's (engine.c axf_env_read), not getenv, read in place: no
+     * 8 KiB on the stack of the connection thread that traces first. */
+    axf_env env;
+    axf_env_take(&env, false);
+    const char *dir = axf_env_wide(&env, AXF_ENV_TCP_TRACE);
+    char *path = NULL;
+    if (!dir || asprintf(&path, "%s/trace.%d", dir, (int)getpid()) < 0)
+        path = NULL;
+    axf_env_release(&env);
+    if (!path)
         return;
     int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    free(path);
     if (fd < 0)
         return;
     if (ftruncate(fd, (off_t)(TR_CAP * sizeof(tr_rec))) == 0) {

@@ -454,7 +454,8 @@ int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *w
     verbs_settings set;
     axf_env env; /* what an engine created now would use */
     axf_env_take(&env, true);
-    settings_read(&env, &set);
+    settings_read(&env, &set); /* copies what it keeps */
+    axf_env_release(&env);
     for (int i = 0; i < n; i++) {
         vdev v;
         char r[160];

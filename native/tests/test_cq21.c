@@ -11,7 +11,7 @@
 
 #include <stdatomic.h>
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) /* TSan's malloc too */
 #define CQ21_ASAN 1
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer)
