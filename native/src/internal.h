@@ -256,6 +256,10 @@ typedef struct conn {
      * the socket full): no frame starts any more; the sending thread says it
      * once the stream is between frames, then the connection ends. */
     bool bye_owed;
+    /* c->mu: dead after our goodbye went into the socket, shut for writing
+     * only while its receiver reads on until the peer closes (conn.c
+     * conn_bye_out); the next kill shuts it for reading too. */
+    bool bye_linger;
     /* Accepted by conn_open: its AXF_CQ_CONN_CLOSED's ring slot is promised
      * (cq_reserve), pushed claimed by its last thread's exit. */
     bool closed_slot;
