@@ -260,6 +260,11 @@ typedef struct conn {
      * only while its receiver reads on until the peer closes (conn.c
      * conn_bye_out); the next kill shuts it for reading too. */
     bool bye_linger;
+    /* e->mu: when a network peer's connection that bye_network said or owed
+     * its goodbye on is ended whatever it is doing (0: no such deadline): an
+     * owed goodbye whose frame never finishes, or a peer that does not close
+     * after it, holds the close no longer (engine.c watch_scan). */
+    uint64_t bye_due_ms;
     /* Accepted by conn_open: its AXF_CQ_CONN_CLOSED's ring slot is promised
      * (cq_reserve), pushed claimed by its last thread's exit. */
     bool closed_slot;
