@@ -339,6 +339,7 @@ static void conn_bye_out(conn *c)
     if (c->dead)
         return;
     c->dead = true;
+    atomic_store(&c->bye_said, true); /* before down: the receiver looks at down first */
     atomic_store(&c->down, true);
     c->bye_linger = true;
     shutdown(c->fd, SHUT_WR);
@@ -3037,11 +3038,22 @@ static void rx_await(conn *c, uint64_t tx_at, bool got)
     pthread_mutex_unlock(&c->mu);
 }
 
-/* A target connection dead after our goodbye (conn_bye_out; or dead any
- * other way: its socket is shut for reading then, and this ends at once):
- * what the peer still sends is read and dropped, never served (a WRITE
- * landing in our memory after we said goodbye), until it closes, falls
- * silent (SO_RCVTIMEO) or the connection is cut (conn_mark_dead). */
+/* A target connection after our goodbye (conn_bye_out): what the peer
+ * still sends is read and dropped, never served (a WRITE landing in our
+ * memory after we said goodbye), until it closes, falls silent (SO_RCVTIMEO)
+ * or the connection is cut (conn_mark_dead). Only after our goodbye: a
+ * connection dead any other way (our sender's EPIPE, a kill) still reads and
+ * serves what is queued until EOF, as before rev24; a shutdown for reading
+ * does not discard what is queued (unix or tcp). Draining those too threw
+ * away a same-host peer's FR_BYE queued behind its last frames, the one
+ * word besides its exit that it let go of our memory: its revocations were
+ * held until the process exited (close_timeout, 10 s, in an agent whose
+ * peer is in its own process: native test_bye26_release). */
+static bool rx_after_bye(conn *c)
+{
+    return atomic_load(&c->down) && atomic_load(&c->bye_said);
+}
+
 static const char *rx_drain(conn *c, uint8_t *scratch, int *io)
 {
     ((conn_priv *)c)->rb_len = 0; /* read ahead: dropped as well */
@@ -3064,7 +3076,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
                                                                  : TX_LAZY_MS;
     uint64_t tx_at = axf_now_us() + (uint64_t)lazy_ms * 1000u;
     for (;;) {
-        if (!c->ep && atomic_load(&c->down))
+        if (!c->ep && rx_after_bye(c))
             return rx_drain(c, scratch, io);
         if (!c->replay)
             rx_wait_room(c);
@@ -3114,7 +3126,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
             *proto = true;
             return "bad frame magic";
         }
-        if (!c->ep && atomic_load(&c->down)) /* (it may have come while we waited for it) */
+        if (!c->ep && rx_after_bye(c)) /* (it may have come while we waited for it) */
             return rx_drain(c, scratch, io);
         const char *reason = conn_rx_frame(c, h, scratch, proto, io);
         AXF_TR(TR_RX_DONE, c->fd, h->op, h->type);
