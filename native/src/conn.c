@@ -339,7 +339,7 @@ static void conn_bye_out(conn *c)
     if (c->dead)
         return;
     c->dead = true;
-    atomic_store(&c->bye_said, true); /* before down: the receiver looks at down first */
+    atomic_store(&c->bye_said, true);
     atomic_store(&c->down, true);
     c->bye_linger = true;
     shutdown(c->fd, SHUT_WR);
@@ -422,7 +422,7 @@ static void rx_wait_room(conn *c)
      * on an idle machine, every run). */
     if (atomic_load(&((conn_priv *)c)->tx_owed))
         tx_wake(c);
-    while (!c->dead && !rx_has_room(c)) {
+    while (!c->dead && !atomic_load(&c->bye_said) && !rx_has_room(c)) {
         c->rx_paused = true;
         pthread_cond_wait(&c->room_cv, &c->mu);
     }
@@ -650,8 +650,14 @@ void conn_say_bye(conn *c, bool owe)
      * the sending thread, woken) finishes the frame, starts no other, and
      * says it (tx_main); the connection ends then. Waiting here instead
      * (bye_network's grace) left the peer a loss whenever the frame took
-     * longer: a large response to a slow reader. */
+     * longer: a large response to a slow reader. Nothing the peer sends
+     * from now on is served (rx_drain): it fails as a close when the
+     * goodbye reaches it, and a request served meanwhile landed in our
+     * memory (a WRITE) while its reply, queued behind the goodbye, was never
+     * sent (native test_bye26_owed). */
     c->bye_owed = true;
+    atomic_store(&c->bye_said, true);
+    pthread_cond_broadcast(&c->room_cv); /* a receiver paused for room drains */
     tx_wake(c);
     pthread_mutex_unlock(&c->mu);
     return;
@@ -3038,20 +3044,21 @@ static void rx_await(conn *c, uint64_t tx_at, bool got)
     pthread_mutex_unlock(&c->mu);
 }
 
-/* A target connection after our goodbye (conn_bye_out): what the peer
- * still sends is read and dropped, never served (a WRITE landing in our
- * memory after we said goodbye), until it closes, falls silent (SO_RCVTIMEO)
- * or the connection is cut (conn_mark_dead). Only after our goodbye: a
- * connection dead any other way (our sender's EPIPE, a kill) still reads and
- * serves what is queued until EOF, as before rev24; a shutdown for reading
- * does not discard what is queued (unix or tcp). Draining those too threw
+/* A target connection after our goodbye (said: conn_bye_out, or owed:
+ * conn_say_bye): what the peer still sends is read and dropped, never
+ * served (a WRITE landing in our memory after we said goodbye), until it
+ * closes, falls silent (SO_RCVTIMEO) or the connection is cut
+ * (conn_mark_dead). Only after our goodbye: a connection dead any other
+ * way (our sender's EPIPE, a kill) still reads and serves what was queued
+ * before it died until EOF, as before rev24 (a shutdown for reading leaves
+ * what is queued readable). Draining those too threw
  * away a same-host peer's FR_BYE queued behind its last frames, the one
  * word besides its exit that it let go of our memory: its revocations were
  * held until the process exited (close_timeout, 10 s, in an agent whose
  * peer is in its own process: native test_bye26_release). */
 static bool rx_after_bye(conn *c)
 {
-    return atomic_load(&c->down) && atomic_load(&c->bye_said);
+    return atomic_load(&c->bye_said);
 }
 
 static const char *rx_drain(conn *c, uint8_t *scratch, int *io)
@@ -3177,7 +3184,7 @@ static void *rx_main(void *arg)
     free(scratch);
     pthread_mutex_lock(&c->mu);
     /* closed locally (shutdown, endpoint close), or by the peer's goodbye */
-    bool by_us = c->dead || atomic_load(&c->bye_heard);
+    bool by_us = c->dead || atomic_load(&c->bye_heard) || atomic_load(&c->bye_said);
     pthread_mutex_unlock(&c->mu);
     if (proto) {
         atomic_fetch_add(&e->rejected, 1);

@@ -260,11 +260,12 @@ typedef struct conn {
      * only while its receiver reads on until the peer closes (conn.c
      * conn_bye_out); the next kill shuts it for reading too. */
     bool bye_linger;
-    /* Our goodbye went into the socket (conn_bye_out; set once, before
-     * `down`): from then on the receiver serves nothing the peer sends, it
-     * drains (conn.c rx_drain). Only then: a connection dead any other way
-     * still serves what is queued until EOF (a same-host peer's FR_BYE
-     * behind it settles its revocations: native test_bye26_release). */
+    /* Our goodbye went into the socket (conn_bye_out) or is owed
+     * (conn_say_bye); set once: from then on the receiver serves nothing the
+     * peer sends, it drains (conn.c rx_drain). Only then: a connection dead
+     * any other way still serves what is queued until EOF (a same-host
+     * peer's FR_BYE behind it settles its revocations: native
+     * test_bye26_release). */
     atomic_bool bye_said;
     /* e->mu: when a network peer's connection that bye_network said or owed
      * its goodbye on is ended whatever it is doing (0: no such deadline): an
