@@ -46,7 +46,11 @@ class Limits:
     #: before it is disconnected (then it cannot touch that memory any more).
     revoke_timeout: float = 10.0
     #: seconds aclose() waits for peers to release our memory before it gives up
-    #: on them (naming them) and closes anyway.
+    #: on them (naming them) and closes anyway. A network peer's connection
+    #: itself is ended at most min(peer_timeout, revoke_timeout) after the
+    #: close began (a goodbye still owed, or a peer that never closes after
+    #: it), and its revocations settle then; a same-host peer that mapped our
+    #: memory is released only by its acknowledgement or its process's exit.
     close_timeout: float = 10.0
     #: the longest wait between re-dials of a failed rail (doubling from rail_probe).
     rail_probe_max: float = 30.0

@@ -334,8 +334,17 @@ static void rx_unpark(conn *c)
 
 static void conn_mark_dead(conn *c)
 {
-    if (c->dead)
+    if (c->dead) {
+        /* Dead after our goodbye, its receiver still reading (conn_bye_out):
+         * now cut both ways. Its receiver's own exit comes here too (rx_main's
+         * conn_kill, before the fd is closed), so the fd is never touched
+         * once closed. */
+        if (c->bye_linger) {
+            c->bye_linger = false;
+            shutdown(c->fd, SHUT_RDWR);
+        }
         return;
+    }
     c->dead = true;
     atomic_store(&c->down, true);
     if (c->ep)
@@ -350,6 +359,29 @@ static void conn_mark_dead(conn *c)
     shutdown(c->fd, ((conn_priv *)c)->spl_ok ? SHUT_RD : SHUT_RDWR);
     pthread_cond_broadcast(&c->room_cv); /* and a receiver paused for room */
     rx_unpark(c); /* and one parked for a spinning thread (conn_help) */
+}
+
+/* c->mu held: our goodbye is in the socket, the connection ends. Shut for
+ * writing only (a FIN after the goodbye), not for reading: the kernel
+ * resets a TCP socket shut for reading that receives data (RFC 1122;
+ * Linux: TCPAbortOnData), and the reset drops what is still queued to
+ * send: the tail of the frame and the goodbye, for a slow reader that
+ * pinged or a peer that pipelined another request meanwhile (native
+ * test_rev24_bye_tcp: a loss). So the receiver reads on, dropping what it
+ * reads (rx_drain: nothing is served after the goodbye), until the peer,
+ * having read the goodbye, closes (or falls silent for the peer timeout);
+ * any later kill (engine shutdown, a revocation's deadline) cuts it both
+ * ways at once (conn_mark_dead). */
+static void conn_bye_out(conn *c)
+{
+    if (c->dead)
+        return;
+    c->dead = true;
+    atomic_store(&c->bye_said, true);
+    atomic_store(&c->down, true);
+    c->bye_linger = true;
+    shutdown(c->fd, SHUT_WR);
+    pthread_cond_broadcast(&c->room_cv); /* a receiver paused for room reads on */
 }
 
 void conn_ref(conn *c)
@@ -428,7 +460,7 @@ static void rx_wait_room(conn *c)
      * on an idle machine, every run). */
     if (atomic_load(&((conn_priv *)c)->tx_owed))
         tx_wake(c);
-    while (!c->dead && !rx_has_room(c)) {
+    while (!c->dead && !atomic_load(&c->bye_said) && !rx_has_room(c)) {
         c->rx_paused = true;
         pthread_cond_wait(&c->room_cv, &c->mu);
     }
@@ -639,7 +671,13 @@ void conn_say_bye(conn *c, bool owe)
         ka_ping_frame(c, &h);
         h.flags = FL_BYE;
         ssize_t r = send(c->fd, &h, sizeof h, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (r == (ssize_t)sizeof h || !owe || r > 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+        if (r == (ssize_t)sizeof h) {
+            conn_bye_out(c);
+            pthread_cond_signal(&c->cv);
+            pthread_mutex_unlock(&c->mu);
+            return;
+        }
+        if (!owe || r > 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
             goto dead;
         /* The socket is full (a reply just written, a slow reader): owed,
          * for the sending thread to say as soon as there is room. */
@@ -650,8 +688,14 @@ void conn_say_bye(conn *c, bool owe)
      * the sending thread, woken) finishes the frame, starts no other, and
      * says it (tx_main); the connection ends then. Waiting here instead
      * (bye_network's grace) left the peer a loss whenever the frame took
-     * longer: a large response to a slow reader. */
+     * longer: a large response to a slow reader. Nothing the peer sends
+     * from now on is served (rx_drain): it fails as a close when the
+     * goodbye reaches it, and a request served meanwhile landed in our
+     * memory (a WRITE) while its reply, queued behind the goodbye, was never
+     * sent (native test_bye26_owed). */
     c->bye_owed = true;
+    atomic_store(&c->bye_said, true);
+    pthread_cond_broadcast(&c->room_cv); /* a receiver paused for room drains */
     tx_wake(c);
     pthread_mutex_unlock(&c->mu);
     return;
@@ -1853,10 +1897,13 @@ static void bye_owed_send(conn *c)
     h.flags = FL_BYE;
     struct iovec v = {.iov_base = &h, .iov_len = sizeof h};
     uint64_t sent = 0;
-    (void)send_iov(c, &v, 1, false, &sent);
+    int r = send_iov(c, &v, 1, false, &sent);
     pthread_mutex_lock(&c->mu);
     c->sending = false;
-    conn_mark_dead(c);
+    if (r == 0)
+        conn_bye_out(c);
+    else
+        conn_mark_dead(c);
     pthread_cond_broadcast(&c->cv); /* an inline sender waiting to leave */
 }
 
@@ -3235,6 +3282,35 @@ static void rx_await(conn *c, uint64_t tx_at, bool got)
     pthread_mutex_unlock(&c->mu);
 }
 
+/* A target connection after our goodbye (said: conn_bye_out, or owed:
+ * conn_say_bye): what the peer still sends is read and dropped, never
+ * served (a WRITE landing in our memory after we said goodbye), until it
+ * closes, falls silent (SO_RCVTIMEO) or the connection is cut
+ * (conn_mark_dead). Only after our goodbye: a connection dead any other
+ * way (our sender's EPIPE, a kill) still reads and serves what was queued
+ * before it died until EOF, as before rev24 (a shutdown for reading leaves
+ * what is queued readable). Draining those too threw
+ * away a same-host peer's FR_BYE queued behind its last frames, the one
+ * word besides its exit that it let go of our memory: its revocations were
+ * held until the process exited (close_timeout, 10 s, in an agent whose
+ * peer is in its own process: native test_bye26_release). */
+static bool rx_after_bye(conn *c)
+{
+    return atomic_load(&c->bye_said);
+}
+
+static const char *rx_drain(conn *c, uint8_t *scratch, int *io)
+{
+    ((conn_priv *)c)->rb_len = 0; /* read ahead: dropped as well */
+    for (;;) {
+        ssize_t r = recv(c->fd, scratch, DISCARD_BYTES, 0);
+        if (r > 0 || (r < 0 && errno == EINTR))
+            continue;
+        *io = r < 0 ? -errno : 0;
+        return "connection lost";
+    }
+}
+
 static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, int *io)
 {
     uint64_t answered = 0; /* when the last request was answered; 0: not just now */
@@ -3245,6 +3321,8 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
                                                                  : TX_LAZY_MS;
     uint64_t tx_at = axf_now_us() + (uint64_t)lazy_ms * 1000u;
     for (;;) {
+        if (!c->ep && rx_after_bye(c))
+            return rx_drain(c, scratch, io);
         if (!c->replay)
             rx_wait_room(c);
         int got = 0;
@@ -3293,6 +3371,8 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
             *proto = true;
             return "bad frame magic";
         }
+        if (!c->ep && rx_after_bye(c)) /* (it may have come while we waited for it) */
+            return rx_drain(c, scratch, io);
         const char *reason = conn_rx_frame(c, h, scratch, proto, io);
         AXF_TR(TR_RX_DONE, c->fd, h->op, h->type);
         if (reason)
@@ -3342,7 +3422,7 @@ static void *rx_main(void *arg)
     free(scratch);
     pthread_mutex_lock(&c->mu);
     /* closed locally (shutdown, endpoint close), or by the peer's goodbye */
-    bool by_us = c->dead || atomic_load(&c->bye_heard);
+    bool by_us = c->dead || atomic_load(&c->bye_heard) || atomic_load(&c->bye_said);
     pthread_mutex_unlock(&c->mu);
     if (proto) {
         atomic_fetch_add(&e->rejected, 1);

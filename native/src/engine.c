@@ -1949,6 +1949,27 @@ static int watch_scan(axf_engine *e, endpoint **finish, int *nfinish, int max_fi
                 conn_peer_exited(e, c); /* may drop it from the registry */
             continue;
         }
+        if (c->bye_due_ms && !c->exited && c->bye_due_ms > now) {
+            /* Our goodbye said or owed at the close (bye_network): the
+             * connection ends at this deadline at the latest, its
+             * revocations with it. A revocation queued at the close (behind
+             * an owed goodbye: never sent) has its own deadline later than
+             * this one; only one sent before the close may be due earlier. */
+            next = next < c->bye_due_ms ? next : c->bye_due_ms;
+        } else if (c->bye_due_ms && !c->exited) {
+            pthread_mutex_lock(&c->mu);
+            bool owed = c->bye_owed, linger = c->bye_linger;
+            pthread_mutex_unlock(&c->mu);
+            if (owed)
+                cq_log(e, c->tag, "closing connection: our goodbye still owed (a frame not out) "
+                                  "at the close's deadline");
+            else if (linger)
+                cq_log(e, c->tag, "closing connection: the peer did not close after our goodbye "
+                                  "by the close's deadline");
+            c->bye_due_ms = 0; /* once: its threads are leaving */
+            conn_kill(c);
+            continue;
+        }
         if (c->exited || atomic_load(&c->down))
             continue;
         pthread_mutex_lock(&c->mu);
@@ -2091,10 +2112,26 @@ int axf_engine_bye_network(axf_engine *e)
      * loss, not a close: nat22 waited for such senders within the grace
      * below, still a loss past it (native test_nat24_bye). No connection is
      * added meanwhile (e->bye refuses them). */
+    /* Each also gets its deadline (watch_scan): min(peer timeout, revoke
+     * timeout) from now. The revocations that the close's release_all
+     * queues behind an owed goodbye never go out, and none can be
+     * acknowledged after a goodbye; they settle when the connection ends
+     * (revokes_drop: a tcp peer touches our memory only through frames our
+     * receiver serves). Without the deadline the watcher ended it at
+     * revoke_timeout only, logging a revocation not acknowledged, and a
+     * close_timeout no longer than that quarantined the region for good
+     * (native test_nat25_bye_revoke). */
+    uint32_t due_ms = e->cfg.peer_timeout_ms < e->cfg.revoke_timeout_ms
+                          ? e->cfg.peer_timeout_ms
+                          : e->cfg.revoke_timeout_ms;
+    uint64_t due = axf_now_ms() + due_ms;
     for (conn *c = e->conns; c; c = c->next_all)
-        if (!c->ep && c->pidfd < 0)
+        if (!c->ep && c->pidfd < 0) {
+            c->bye_due_ms = due;
             conn_say_bye(c, true);
+        }
     pthread_mutex_unlock(&e->mu);
+    watch_wake(e); /* the new deadlines */
     for (;;) {
         bool all_out = true;
         pthread_mutex_lock(&e->mu);

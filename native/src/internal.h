@@ -260,6 +260,22 @@ typedef struct conn {
      * the socket full): no frame starts any more; the sending thread says it
      * once the stream is between frames, then the connection ends. */
     bool bye_owed;
+    /* c->mu: dead after our goodbye went into the socket, shut for writing
+     * only while its receiver reads on until the peer closes (conn.c
+     * conn_bye_out); the next kill shuts it for reading too. */
+    bool bye_linger;
+    /* Our goodbye went into the socket (conn_bye_out) or is owed
+     * (conn_say_bye); set once: from then on the receiver serves nothing the
+     * peer sends, it drains (conn.c rx_drain). Only then: a connection dead
+     * any other way still serves what is queued until EOF (a same-host
+     * peer's FR_BYE behind it settles its revocations: native
+     * test_bye26_release). */
+    atomic_bool bye_said;
+    /* e->mu: when a network peer's connection that bye_network said or owed
+     * its goodbye on is ended whatever it is doing (0: no such deadline): an
+     * owed goodbye whose frame never finishes, or a peer that does not close
+     * after it, holds the close no longer (engine.c watch_scan). */
+    uint64_t bye_due_ms;
     /* Accepted by conn_open: its AXF_CQ_CONN_CLOSED's ring slot is promised
      * (cq_reserve), pushed claimed by its last thread's exit. */
     bool closed_slot;
