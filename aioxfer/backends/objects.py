@@ -11,10 +11,8 @@ Credentials not given come from the standard AWS environment variables
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
 ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``), as obstore reads them.
 
-Single PUTs go through obstore (a buffer of registered memory is handed
-over without a copy). Reads fetch a
-presigned GET URL (obstore signs it) with aiohttp and copy each received
-chunk straight into the registered destination: one copy per byte, no
+Reads fetch a presigned GET URL (obstore signs it) with aiohttp and copy
+each received chunk straight into the registered destination: one copy per byte, no
 intermediate object. That path exists because some S3 servers (rclone's)
 answer a ranged GET with ``200`` and an exact ``Content-Range`` instead of
 ``206``, which obstore rejects; here a ``200`` is taken when its
@@ -25,21 +23,25 @@ A 403 to a URL reused from the cache of signed URLs signs it again, once.
 ``stat`` (HEAD) and ``delete`` (a DELETE per key) go the same way, presigned
 and sent with aiohttp, following no redirect: obstore (reqwest) follows one,
 to another host too, sending the session token (``x-amz-security-token``;
-only Authorization is dropped) and taking that host's answer. A single PUT
-is not followed by obstore. A multipart upload (objects above
-``part_size``) is ours: its create, part, complete and abort requests are
-signed here (AWS Signature V4, aioxfer.backends.sigv4: obstore 0.12 neither
+only Authorization is dropped) and taking that host's answer. Writes are
+ours too: a single PUT (objects of up to ``part_size`` bytes, and
+conditional creates of any size) and a multipart upload (objects above
+``part_size``: its create, part, complete and abort requests) are signed
+here (AWS Signature V4, aioxfer.backends.sigv4: obstore 0.12 neither
 presigns a URL with a query such as ``?uploads`` nor has an option against
 redirects) and sent with aiohttp, following no redirect
 (tests/test_obj18b_redirects.py), each retried within the retry budget;
-its parts go from the caller's memory (or the owned copy), up to 4 at once.
+a body goes from the caller's memory (or the owned copy), a multipart
+upload's parts up to 4 at once.
 That needs credentials we can sign with: static ones (given, or from the
 environment), or a ``credential_provider`` (below). With credentials
 obstore finds itself (instance metadata, web identity: it keeps their
-secret to itself) obstore's multipart upload is used, which follows a
-redirect of those requests; such a source can be brought onto our own
-requests by wrapping it in a ``credential_provider``. A multipart write
-ends with a HEAD of the key (presigned, no redirect; ``check_multipart``,
+secret to itself) obstore's PUT and multipart upload are used (the
+latter follows a redirect of its requests; ``part_md5`` and ``min_rate``
+do not apply to them, and a single PUT must then reach the store within
+``read_timeout``, its body's sending included); such a source can be
+brought onto our own requests by wrapping it in a ``credential_provider``.
+A multipart write ends with a HEAD of the key (presigned, no redirect; ``check_multipart``,
 below): the object must be there with the written size (and the e-tag the
 complete answered, where the store's e-tags compare), else the write
 fails (ObjectRegion._check_completed): a complete answered by a host that
@@ -57,21 +59,19 @@ exponential backoff with jitter) are spent. A PUT is sent again only once
 the attempt before it is known to be over (refused, or answered); a PUT
 whose outcome is unknown (its connection cut, a timeout) is checked with a
 HEAD and otherwise fails, never sent twice at once (ObjectRegion._put_single),
-unless ``resend_unknown_puts`` (below) says otherwise.
+unless ``resend_unknown_puts`` (below) says otherwise. A conditional
+create whose outcome is unknown is never sent blindly: the HEAD finding
+the key with our bytes means it landed; with other bytes, ObjectExists
+(a store that ignores If-None-Match, as rclone does, would otherwise have
+the resend replace another writer's object).
 
-Single PUTs are obstore's requests, not ours: ``part_md5`` and
-``min_rate`` do not apply to them. Their bounds are obstore's client's:
-``connect_timeout``, and ``read_timeout`` counted from the request's
-start until its answer begins, the sending of its body included
-(measured: an 8 MiB PUT to a server reading request bodies at 128 KiB/s,
-twice ``min_rate``, failed after 15.0 s, the read_timeout, its outcome
-unknown), within obstore's own whole-request limit (its default, 30 s).
-So a single PUT must reach the store in ``read_timeout``: one of
-``part_size`` bytes needs a link of at least ``part_size / read_timeout``
-(8 MiB / 15 s: 0.56 MB/s), where our own requests (a multipart upload's
-parts of the same size) need ``min_rate``. On slower links raise
-``read_timeout`` (it also bounds each read of our GETs and HEADs) or
-lower ``part_size`` to 5 MiB.
+A single PUT's bounds are those of our other requests: ``connect_timeout``,
+``read_timeout`` for its answer once its body is out (and for each
+read), and the whole attempt ``connect_timeout + read_timeout + bytes /
+min_rate``: a body the store reads slowly but at ``min_rate`` or better
+is sent (obstore's PUT, used before, counted its read_timeout from the
+request's start, body included: an 8 MiB PUT to a server reading at
+128 KiB/s failed after 15 s).
 
 Options of ``register_objects`` (beside the endpoint and credentials):
 
@@ -82,7 +82,7 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   upload);
 - ``connect_timeout`` (2 s), ``read_timeout`` (15 s): per connection and
   per read of an answer. Each attempt of a request of ours (GET, HEAD,
-  DELETE, the multipart upload's) is also bounded as a whole:
+  DELETE, a single PUT, the multipart upload's) is also bounded as a whole:
   ``connect_timeout + read_timeout + bytes / min_rate`` seconds, from
   when it has one of the region's connections (its wait for one, behind
   our own requests, not counted: the bytes it sends or receives; a
@@ -113,8 +113,10 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   UNSIGNED-PAYLOAD, and the MD5 costs CPU (hashlib's MD5 ran at 0.26 GB/s
   per core here, hashed on a worker thread beside the sends; measured cost
   in benchmarks/object_bench.py --part-md5). Over https, TLS already
-  protects the bytes on the way. Single PUTs (obstore's: objects of up to
-  ``part_size`` bytes, and conditional creates) are not covered (below);
+  protects the bytes on the way. A single PUT (objects of up to
+  ``part_size`` bytes, and conditional creates) carries Content-MD5 too
+  (BadDigest: sent again, the store refused it); only obstore's PUT and
+  upload (credentials we cannot sign with, above) go without;
 - ``credential_provider`` (None): obstore's S3CredentialProvider (a
   callable answering, or returning an awaitable of, a dict with
   access_key_id, secret_access_key, token, expires_at), instead of the
@@ -528,8 +530,9 @@ class ObjectRegion(BackendRegion):
     async def aclose(self) -> None:
         """Forgets the region and closes its HTTP connections: its reads in
         flight fail with ClosedResourceError, its writes in flight finish
-        (a multipart one with its HEAD check: they end before the session
-        closes).
+        (every write from its start, signing included; a multipart one with
+        its HEAD check: they end before the session closes); a write that
+        starts once aclose began fails with ClosedResourceError.
         Idempotent. A cancel of aclose is not a way to leave the connections
         open: cancelled while multipart uploads still run (they send through
         the session, their abort too), the session is closed when the last
@@ -572,23 +575,23 @@ class ObjectRegion(BackendRegion):
         raise err  # outside the except: obstore's error is not even its context
 
     async def _put(self, src: memoryview, seg: ObjectSegment) -> None:
-        """PUTs ``src``. obstore uploads from the buffer it is given (holding
-        an export of it) on its own threads, and cancelling its future only
-        asks those threads to stop: the upload could still read the buffer
-        after our caller saw the cancel. An object of up to ``OWNED_MAX``
-        bytes is therefore copied first and uploaded from the copy: a cancel
-        of its single PUT is prompt (the request is abandoned; its object may
-        still be written), the caller's buffer already let go. A larger one (the copy
-        no longer cheap beside the upload) is uploaded from the caller's
+        """PUTs ``src``. A request sending from the caller's buffer could
+        still read it after our caller saw a cancel (aiohttp's writes in
+        progress, obstore's threads: cancelling its future only asks them
+        to stop). An object of up to ``OWNED_MAX`` bytes is therefore copied
+        first and uploaded from the copy: a cancel of its single PUT is
+        prompt (the request is abandoned; its object may still be written),
+        the caller's buffer already let go. A larger one (the copy no
+        longer cheap beside the upload) is uploaded from the caller's
         buffer, and a cancelled put waits for the request to end (its object
-        may then be written) and raises CancelledError once obstore has let
-        go of the buffer (else torn bytes under the key, or a read of freed
+        may then be written) and raises CancelledError once it has let go
+        of the buffer (else torn bytes under the key, or a read of freed
         memory).
 
-        An object of up to ``part_size`` bytes is one PUT request, sent again
-        only when the earlier attempt is known to be over (see _put_single);
-        a larger one is a multipart upload of ours (_multipart; obstore's
-        where the credentials are not static: _own_target).
+        An object of up to ``part_size`` bytes (or a conditional create) is
+        one PUT request, sent again only when the earlier attempt is known
+        to be over (see _put_single); a larger one is a multipart upload of
+        ours (_multipart; obstore's where we cannot sign: _own_target).
 
         A multipart upload is waited for to its end through a cancel, whatever
         its size, owned copy or not: it is completed, or aborted when it
