@@ -209,16 +209,17 @@ async def test_part_md5_covers_a_single_put(make_agent: MakeAgent, s3: S3Server,
 # --- 2. a create whose outcome is unknown, the key another writer's ------------
 
 
+@pytest.mark.parametrize("ours", [False, True], ids=["obstore", "ours"])
 async def test_unknown_create_finding_other_bytes_is_object_exists(
-        make_agent: MakeAgent, s3: S3Server, proxy: FaultProxy) -> None:
+        make_agent: MakeAgent, s3: S3Server, proxy: FaultProxy, ours: bool) -> None:
     # failed before: the HEAD found the key without our bytes and the
     # create was sent again (resend_unknown_puts): rclone ignores
     # If-None-Match, so it replaced the other writer's object and the
-    # write succeeded.
+    # write succeeded. (A 16 KiB PUT is obstore's; part_md5 makes it ours.)
     bucket = s3.bucket("c")
     agent = await make_agent("o")
     objs = agent.register_objects(f"s3://{bucket}/c", **proxy.kwargs(),
-                                  resend_unknown_puts=True)
+                                  resend_unknown_puts=True, part_md5=ours)
     n = 16 << 10
     theirs, mine = agent.alloc(n), agent.alloc(n)
     theirs.numpy()[:] = pattern(n, 1)
@@ -295,3 +296,35 @@ async def test_aclose_waits_for_a_write_still_signing(make_agent: MakeAgent,
     await within(t)
     assert s3.file(bucket, "a/k").read_bytes() == bytes(src.numpy())
     assert objs._session is None
+
+
+# --- our single PUT's attempts sorted as obstore's were -------------------------
+
+
+@pytest.mark.parametrize("fault, resend, ok, puts", [
+    ("drop", False, False, 0),  # unknown, not there: not sent again
+    ("502", False, False, 0),   # a gateway's: unknown
+    ("cut", False, True, 1),    # unknown, the HEAD finds our bytes
+    ("503", False, True, 1),    # answered, so over: sent again
+    ("drop", True, True, 1),    # unknown, sent again when asked
+])
+async def test_our_single_put_sorts_its_failures(make_agent: MakeAgent, s3: S3Server,
+                                                 proxy: FaultProxy, fault: str,
+                                                 resend: bool, ok: bool, puts: int) -> None:
+    # (guard: these held for obstore's PUT; part_md5 makes a 16 KiB PUT ours)
+    bucket = s3.bucket("f")
+    agent = await make_agent("o")
+    objs = agent.register_objects(f"s3://{bucket}/f", **proxy.kwargs(), part_md5=True,
+                                  resend_unknown_puts=resend)
+    n = 16 << 10
+    src = agent.alloc(n)
+    src.numpy()[:] = pattern(n, 9)
+    proxy.put_fault["f/k"] = fault
+    if ok:
+        await within(agent.write(src[:], objs["k"]))
+        assert s3.file(bucket, "f/k").read_bytes() == bytes(src.numpy())
+    else:
+        with pytest.raises(Exception, match="resend_unknown_puts"):
+            await within(agent.write(src[:], objs["k"]))
+        assert not s3.file(bucket, "f/k").exists()
+    assert proxy.puts.get("f/k", 0) == puts and proxy.overlaps == []
