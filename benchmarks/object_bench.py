@@ -20,7 +20,8 @@ from the AWS environment variables).
 ``--latency``: instead, per-request latency of this build (one process: run
 it under two builds alternately, against one server given by ``--endpoint``,
 for an A/B): a 4 KiB and a 1 MiB GET awaited one at a time, a 4 KiB GET of
-a key not read before (its URL signed: none cached), a 4 KiB stat,
+a key not read before (its URL signed: none cached), a 4 KiB and a 1 MiB
+single PUT awaited one at a time, a 4 KiB stat,
 a 24 MiB multipart write (part_size 8 MiB: three parts) and a delete of 64
 keys; the median of ``--reps`` of each, in microseconds, as one JSON line.
 """
@@ -250,6 +251,13 @@ async def latency(endpoint: str, bucket: str, creds: dict[str, str], reps: int
             t0 = time.perf_counter()
             await agent.read(big[:], objs["big"])
             timed("get_1m", t0)
+            for _ in range(10):  # single PUTs, one at a time
+                t0 = time.perf_counter()
+                await agent.write(small[:], objs["p4k"])
+                timed("put_4k", t0)
+            t0 = time.perf_counter()
+            await agent.write(big[:], objs["p1m"])
+            timed("put_1m", t0)
             t0 = time.perf_counter()
             await objs.stat("small")
             timed("stat", t0)
@@ -262,7 +270,8 @@ async def latency(endpoint: str, bucket: str, creds: dict[str, str], reps: int
             timed("delete_64", t0)
             if rep < 0:
                 times.clear()
-        await objs.delete(["small", "big", "mpu", *(f"f/{i}" for i in range(10 * (reps + 2)))])
+        await objs.delete(["small", "big", "mpu", "p4k", "p1m",
+                           *(f"f/{i}" for i in range(10 * (reps + 2)))])
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -11,10 +11,8 @@ Credentials not given come from the standard AWS environment variables
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
 ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``), as obstore reads them.
 
-Single PUTs go through obstore (a buffer of registered memory is handed
-over without a copy). Reads fetch a
-presigned GET URL (obstore signs it) with aiohttp and copy each received
-chunk straight into the registered destination: one copy per byte, no
+Reads fetch a presigned GET URL (obstore signs it) with aiohttp and copy
+each received chunk straight into the registered destination: one copy per byte, no
 intermediate object. That path exists because some S3 servers (rclone's)
 answer a ranged GET with ``200`` and an exact ``Content-Range`` instead of
 ``206``, which obstore rejects; here a ``200`` is taken when its
@@ -25,21 +23,26 @@ A 403 to a URL reused from the cache of signed URLs signs it again, once.
 ``stat`` (HEAD) and ``delete`` (a DELETE per key) go the same way, presigned
 and sent with aiohttp, following no redirect: obstore (reqwest) follows one,
 to another host too, sending the session token (``x-amz-security-token``;
-only Authorization is dropped) and taking that host's answer. A single PUT
-is not followed by obstore. A multipart upload (objects above
-``part_size``) is ours: its create, part, complete and abort requests are
-signed here (AWS Signature V4, aioxfer.backends.sigv4: obstore 0.12 neither
+only Authorization is dropped) and taking that host's answer. Writes are
+ours too: a single PUT (objects of up to ``part_size`` bytes, and
+conditional creates of any size) of more than ``min_rate * read_timeout``
+bytes (960 KiB by default) or with ``part_md5``, and a multipart upload
+(objects above ``part_size``: its create, part, complete and abort
+requests) are signed here (AWS Signature V4, aioxfer.backends.sigv4: obstore 0.12 neither
 presigns a URL with a query such as ``?uploads`` nor has an option against
 redirects) and sent with aiohttp, following no redirect
 (tests/test_obj18b_redirects.py), each retried within the retry budget;
-its parts go from the caller's memory (or the owned copy), up to 4 at once.
+a body goes from the caller's memory (or the owned copy), a multipart
+upload's parts up to 4 at once.
 That needs credentials we can sign with: static ones (given, or from the
 environment), or a ``credential_provider`` (below). With credentials
 obstore finds itself (instance metadata, web identity: it keeps their
-secret to itself) obstore's multipart upload is used, which follows a
-redirect of those requests; such a source can be brought onto our own
-requests by wrapping it in a ``credential_provider``. A multipart write
-ends with a HEAD of the key (presigned, no redirect; ``check_multipart``,
+secret to itself) obstore's PUT and multipart upload are used (the
+latter follows a redirect of its requests; ``part_md5`` and ``min_rate``
+do not apply to them, and a single PUT must then reach the store within
+``read_timeout``, its body's sending included); such a source can be
+brought onto our own requests by wrapping it in a ``credential_provider``.
+A multipart write ends with a HEAD of the key (presigned, no redirect; ``check_multipart``,
 below): the object must be there with the written size (and the e-tag the
 complete answered, where the store's e-tags compare), else the write
 fails (ObjectRegion._check_completed): a complete answered by a host that
@@ -57,21 +60,24 @@ exponential backoff with jitter) are spent. A PUT is sent again only once
 the attempt before it is known to be over (refused, or answered); a PUT
 whose outcome is unknown (its connection cut, a timeout) is checked with a
 HEAD and otherwise fails, never sent twice at once (ObjectRegion._put_single),
-unless ``resend_unknown_puts`` (below) says otherwise.
+unless ``resend_unknown_puts`` (below) says otherwise. A conditional
+create whose outcome is unknown is never sent blindly: the HEAD finding
+the key with our bytes means it landed; with other bytes, ObjectExists
+(a store that ignores If-None-Match, as rclone does, would otherwise have
+the resend replace another writer's object).
 
-Single PUTs are obstore's requests, not ours: ``part_md5`` and
-``min_rate`` do not apply to them. Their bounds are obstore's client's:
-``connect_timeout``, and ``read_timeout`` counted from the request's
-start until its answer begins, the sending of its body included
-(measured: an 8 MiB PUT to a server reading request bodies at 128 KiB/s,
-twice ``min_rate``, failed after 15.0 s, the read_timeout, its outcome
-unknown), within obstore's own whole-request limit (its default, 30 s).
-So a single PUT must reach the store in ``read_timeout``: one of
-``part_size`` bytes needs a link of at least ``part_size / read_timeout``
-(8 MiB / 15 s: 0.56 MB/s), where our own requests (a multipart upload's
-parts of the same size) need ``min_rate``. On slower links raise
-``read_timeout`` (it also bounds each read of our GETs and HEADs) or
-lower ``part_size`` to 5 MiB.
+A single PUT of ours is bounded as our other requests: ``connect_timeout``,
+``read_timeout`` for its answer once its body is out (and for each
+read), and the whole attempt ``connect_timeout + read_timeout + bytes /
+min_rate``: a body the store reads slowly but at ``min_rate`` or better
+is sent. A smaller one (up to ``min_rate * read_timeout`` bytes, without
+``part_md5``) is obstore's request, sorted by the same rules: obstore's
+client counts ``read_timeout`` from the request's start, its body's
+sending included, which for that size asks no more of the link than
+``min_rate`` does, and it costs less CPU per request than ours (256 PUTs
+of 64 KiB at once: ours went at 0.72-0.87x of obstore's). Before, every
+single PUT was obstore's: an 8 MiB one to a server reading at 128 KiB/s
+failed after 15 s.
 
 Options of ``register_objects`` (beside the endpoint and credentials):
 
@@ -82,7 +88,7 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   upload);
 - ``connect_timeout`` (2 s), ``read_timeout`` (15 s): per connection and
   per read of an answer. Each attempt of a request of ours (GET, HEAD,
-  DELETE, the multipart upload's) is also bounded as a whole:
+  DELETE, a single PUT, the multipart upload's) is also bounded as a whole:
   ``connect_timeout + read_timeout + bytes / min_rate`` seconds, from
   when it has one of the region's connections (its wait for one, behind
   our own requests, not counted: the bytes it sends or receives; a
@@ -113,8 +119,11 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   UNSIGNED-PAYLOAD, and the MD5 costs CPU (hashlib's MD5 ran at 0.26 GB/s
   per core here, hashed on a worker thread beside the sends; measured cost
   in benchmarks/object_bench.py --part-md5). Over https, TLS already
-  protects the bytes on the way. Single PUTs (obstore's: objects of up to
-  ``part_size`` bytes, and conditional creates) are not covered (below);
+  protects the bytes on the way. A single PUT (objects of up to
+  ``part_size`` bytes, and conditional creates) is then ours, whatever
+  its size, and carries Content-MD5 too (BadDigest: sent again, the store
+  refused it); only obstore's PUT and upload (credentials we cannot sign
+  with, above) go without;
 - ``credential_provider`` (None): obstore's S3CredentialProvider (a
   callable answering, or returning an awaitable of, a dict with
   access_key_id, secret_access_key, token, expires_at), instead of the
@@ -206,6 +215,9 @@ _SIGN_REUSE = 5 * 60.0  # a signed URL is reused while it has this long left
 _SIGNED_MAX = 4096  # cached signed URLs per region
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+# Keys that obstore's path encoding (object_store: each segment
+# percent-encoded but for alphanumerics and "-._~") leaves as they are
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9._/-]+")
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _T = TypeVar("_T")
 
@@ -422,12 +434,22 @@ class ObjectRegion(BackendRegion):
         # our body that slowly) hold a request for ever.
         self._base_total = connect_timeout + read_timeout
         self._min_rate = min_rate
+        # A single PUT of up to this many bytes is obstore's (without
+        # part_md5): its read_timeout, counted from the request's start, the
+        # body's sending included, asks no more of the link than min_rate
+        # does (n / read_timeout <= min_rate), and its client costs less
+        # CPU per request than ours (aiohttp, signed in Python): 256 PUTs
+        # of 64 KiB at once went at 0.72-0.87x of obstore's through ours.
+        # Larger ones are ours: their bound is min_rate, not read_timeout.
+        self._obstore_put_max = int(min_rate * read_timeout)
         self._session: aiohttp.ClientSession | None = None
         # One per connection of the session's pool, taken before a request's
         # clock starts (_pooled): a request waiting for one of our own
         # connections is not timed out by that wait (aiohttp counts it in
         # ClientTimeout's connect and total), only by the server's pace.
         self._conns: asyncio.Semaphore | None = None
+        # _own_target's answer less its key (the URL up to the key)
+        self._target_base: _Target | None = None
         # presigned URLs: (url, good until, generation of the provided
         # credentials that signed it; 0 without a provider)
         self._signed: dict[tuple[str, str], tuple[str, float, int]] = {}
@@ -528,8 +550,9 @@ class ObjectRegion(BackendRegion):
     async def aclose(self) -> None:
         """Forgets the region and closes its HTTP connections: its reads in
         flight fail with ClosedResourceError, its writes in flight finish
-        (a multipart one with its HEAD check: they end before the session
-        closes).
+        (every write from its start, signing included; a multipart one with
+        its HEAD check: they end before the session closes); a write that
+        starts once aclose began fails with ClosedResourceError.
         Idempotent. A cancel of aclose is not a way to leave the connections
         open: cancelled while multipart uploads still run (they send through
         the session, their abort too), the session is closed when the last
@@ -572,23 +595,23 @@ class ObjectRegion(BackendRegion):
         raise err  # outside the except: obstore's error is not even its context
 
     async def _put(self, src: memoryview, seg: ObjectSegment) -> None:
-        """PUTs ``src``. obstore uploads from the buffer it is given (holding
-        an export of it) on its own threads, and cancelling its future only
-        asks those threads to stop: the upload could still read the buffer
-        after our caller saw the cancel. An object of up to ``OWNED_MAX``
-        bytes is therefore copied first and uploaded from the copy: a cancel
-        of its single PUT is prompt (the request is abandoned; its object may
-        still be written), the caller's buffer already let go. A larger one (the copy
-        no longer cheap beside the upload) is uploaded from the caller's
+        """PUTs ``src``. A request sending from the caller's buffer could
+        still read it after our caller saw a cancel (aiohttp's writes in
+        progress, obstore's threads: cancelling its future only asks them
+        to stop). An object of up to ``OWNED_MAX`` bytes is therefore copied
+        first and uploaded from the copy: a cancel of its single PUT is
+        prompt (the request is abandoned; its object may still be written),
+        the caller's buffer already let go. A larger one (the copy no
+        longer cheap beside the upload) is uploaded from the caller's
         buffer, and a cancelled put waits for the request to end (its object
-        may then be written) and raises CancelledError once obstore has let
-        go of the buffer (else torn bytes under the key, or a read of freed
+        may then be written) and raises CancelledError once it has let go
+        of the buffer (else torn bytes under the key, or a read of freed
         memory).
 
-        An object of up to ``part_size`` bytes is one PUT request, sent again
-        only when the earlier attempt is known to be over (see _put_single);
-        a larger one is a multipart upload of ours (_multipart; obstore's
-        where the credentials are not static: _own_target).
+        An object of up to ``part_size`` bytes (or a conditional create) is
+        one PUT request, sent again only when the earlier attempt is known
+        to be over (see _put_single); a larger one is a multipart upload of
+        ours (_multipart; obstore's where we cannot sign: _own_target).
 
         A multipart upload is waited for to its end through a cancel, whatever
         its size, owned copy or not: it is completed, or aborted when it
@@ -600,44 +623,87 @@ class ObjectRegion(BackendRegion):
         retry budget), and its object may then be written. A multipart
         upload reported complete is then checked with a HEAD
         (_check_completed)."""
+        # A write that starts once aclose began fails as documented (the
+        # session it would send through is closed, or closing).
+        self._check()
         mode: Literal["create"] | None = "create" if seg.create else None
         owned = src.nbytes <= OWNED_MAX
         body = bytes(src) if owned else src
-        if src.nbytes <= self._part_size:
-            await self._put_single(body, seg, mode, owned)
-            return
-        target = None if mode == "create" else await self._own_target(seg.key)
-        # The upload and its HEAD check are one task, which aclose waits
-        # for before it closes the session: the check of a write that
-        # aclose let finish is then made too (it sends through the session).
-        task = asyncio.ensure_future(self._upload_checked(target, body, seg.key, mode))
+        single = src.nbytes <= self._part_size or mode == "create"
+        # The whole write (where to send it, its requests, a multipart one's
+        # HEAD check) is one task, which aclose waits for before it closes
+        # the session: a write still signing (_own_target, a provider asked)
+        # when aclose starts is then a write in flight like any other.
+        task = asyncio.ensure_future(self._write(body, seg.key, mode, owned, single))
         self._uploads.add(task)
         task.add_done_callback(self._uploads.discard)
-        await self._upload(False, task)
+        if single:
+            # a cancel reaches the task: an attempt of an owned body is
+            # abandoned at once, one from the caller's buffer ends first
+            # (_put_single), and no further attempt is made
+            await task
+        else:
+            await self._upload(False, task)
 
-    async def _upload_checked(self, target: _Target | None, body: bytes | memoryview,
-                              key: str, mode: Literal["create"] | None) -> None:
-        """A write of more than ``part_size`` bytes (see _put): our multipart
-        upload to ``target``, else obstore's put, then its HEAD check."""
+    async def _write(self, body: bytes | memoryview, key: str,
+                     mode: Literal["create"] | None, owned: bool, single: bool) -> None:
+        """The task of one write (see _put): one PUT (_put_single: ours,
+        or obstore's: see _obstore_put_max), else a multipart upload (ours,
+        or obstore's) and its HEAD check."""
         _UPLOADING.set(self)  # (this task's context: its requests' tasks inherit it)
         size = memoryview(body).nbytes
+        if single:
+            # A conditional create is one PUT whatever its size (up to S3's
+            # 5 GiB for one PUT), as obstore's put with a mode was.
+            target = None
+            if self._part_md5 or size > self._obstore_put_max:
+                target = await self._own_target(key)
+            await self._put_single(body, key, mode, owned, target)
+            return
+        target = await self._own_target(key)
         e_tag: str | None
         if target is not None:
             e_tag = await self._multipart(target, body, key)
             if e_tag is not None and not self._check_multipart:
                 return  # the store itself answered the complete (no redirect followed)
         else:
-            # A conditional create is one PUT (obstore's put with a mode
-            # uploads in one request whatever the size); credentials that are
-            # not static leave obstore's multipart upload, which follows a
-            # redirect of its create, complete and abort requests.
-            done = await self._obstore("write", key, obstore.put_async(
-                self._store, key, body, mode=mode, chunk_size=self._part_size,
-                max_concurrency=4))
+            # Credentials we cannot sign with (obstore's other sources), or
+            # a provider's whose signing by obstore failed: obstore's
+            # multipart upload, which follows a redirect of its create,
+            # complete and abort requests (the HEAD check below judges).
+            # Refused with provided credentials: sent once more with fresh
+            # ones, as our requests are (a refused upload was not completed).
+            refusal = _Refusal()
+            while True:
+                generation = 0 if self._creds is None else (await self._creds.get())[1]
+                try:
+                    done = await self._obstore("write", key, obstore.put_async(
+                        self._store, key, body, chunk_size=self._part_size,
+                        max_concurrency=4))
+                    break
+                except AccessDenied:
+                    if not self._send_again_refused(refusal, generation):
+                        raise
             e_tag = done.get("e_tag")
         await self._check_completed(key, size, e_tag)
 
     async def _own_target(self, key: str) -> _Target | None:
+        """_own_target_signed's answer; for a key of characters that no URL
+        encoding changes (_PLAIN_KEY: kv's keys, most others) made from the
+        first such answer's (its URL less its key, the same credentials and
+        region): obstore's signing per write (~60 us here; with a provider
+        a hop to its runtime and back) was a third of a lone 4 KiB PUT's
+        own cost."""
+        base = self._target_base
+        plain = _PLAIN_KEY.fullmatch(key) is not None
+        if base is not None and plain:
+            return _Target(base.url + key, base.creds, base.region)
+        target = await self._own_target_signed(key)
+        if target is not None and plain and target.url.endswith("/" + key):
+            self._target_base = _Target(target.url[:-len(key)], target.creds, target.region)
+        return target
+
+    async def _own_target_signed(self, key: str) -> _Target | None:
         """Where and how to send our own signed requests of ``key``: its URL
         (scheme, host and path exactly as obstore makes them, from a URL
         obstore presigns: endpoint, bucket, prefix, key encoding), the
@@ -768,7 +834,7 @@ class ObjectRegion(BackendRegion):
         timeout = self._timeout_for(
             moves if moves is not None else 0 if body is None else len(body))
         attempts = _Attempts(self._retry, self.backend.note_retry)
-        refreshed = False
+        refusal = _Refusal()
         while True:
             failed: str
             creds = target.creds
@@ -803,18 +869,31 @@ class ObjectRegion(BackendRegion):
                     _refuse_status(what, resp, code)
                     return await answer(what, resp, text, code, attempts.made)
             except AccessDenied:
-                if target.creds is not None or refreshed:
+                if not self._send_again_refused(refusal, generation):
                     raise
-                # Provided credentials refused (expired, rotated, revoked
-                # before their expires_at): dropped, and the request sent
-                # once more with what the provider answers now.
-                refreshed = True
-                self._creds_refused(generation)
                 continue
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+
+    def _send_again_refused(self, refusal: _Refusal, generation: int,
+                            stale_url: tuple[str, str] | None = None) -> bool:
+        """After a request was refused (401/403, AccessDenied): whether to
+        send it once more. Yes, once per request (``refusal``), when it was
+        signed with provided credentials (they may have expired, been
+        rotated or revoked before their expires_at: those of
+        ``generation`` are dropped, and the next attempt signs with what
+        the provider answers then) or with a presigned URL from the cache
+        (``stale_url``: dropped and signed again). Static credentials
+        refused are refused: AccessDenied."""
+        if refusal.spent or (self._creds is None and stale_url is None):
+            return False
+        refusal.spent = True
+        if stale_url is not None:
+            self._signed.pop(stale_url, None)
+        self._creds_refused(generation)
+        return True
 
     def _creds_refused(self, generation: int) -> None:
         """A request signed with the provided credentials of ``generation``
@@ -891,92 +970,200 @@ class ObjectRegion(BackendRegion):
             raise asyncio.CancelledError
         return fut.result()
 
-    async def _put_single(self, body: bytes | memoryview, seg: ObjectSegment,
-                          mode: Literal["create"] | None, owned: bool) -> None:
-        """One PUT request, through a client that never retries by itself
-        (obstore's retries send a PUT again when its answer was lost or timed
-        out, while the first may still be running at the server: two PUTs of
-        one key at once, which some servers get wrong: rclone serve s3 1.75
-        then answers 500 to every GET of the key, or loses it, after both
-        PUTs returned 200; tests/repro_rclone_samekey.py). Our rule: an
+    async def _put_single(self, body: bytes | memoryview, key: str,
+                          mode: Literal["create"] | None, owned: bool,
+                          target: _Target | None) -> None:
+        """One PUT request: ours with a ``target`` (signed here, sent with
+        aiohttp following no redirect, its bytes bound by ``min_rate`` as
+        our other requests, Content-MD5 with ``part_md5``; _write gives one
+        for a body of more than _obstore_put_max bytes, or with
+        ``part_md5``, where we can sign), else obstore's, through a client
+        that never retries by itself.
+        A client's own retries send a PUT again when its answer was lost or
+        timed out, while the first may still be running at the server: two
+        PUTs of one key at once, which some servers get wrong (rclone serve
+        s3 1.75 then answers 500 to every GET of the key, or loses it, after
+        both PUTs returned 200; tests/repro_rclone_samekey.py). Our rule: an
         attempt is sent again only when it is known to be over: it never
-        reached the server (the connection was refused), or the server
-        answered it (500, 503, 429, 408; not 502 or 504, a gateway's answers
-        while the server may still run it). When its outcome is unknown (the
-        connection cut after the request went out, a timeout) the key is
-        asked for with a HEAD: there with our bytes (size and MD5 e-tag), the
-        put succeeded; else it fails with TransportError and the object may
-        still be written later (the caller puts it again if it must: by then
-        the earlier attempt has had time to end). With ``resend_unknown_puts``
-        it is sent again instead, within the same retry budget (the store is
-        trusted with two PUTs of one key at once); a conditional create sent
-        again after an unknown outcome that finds the key taken succeeded
-        when the key holds our bytes (the earlier attempt landed)."""
-        key = seg.key
+        reached the server (no connection was made), or the server answered
+        it (500, 503, 429, 408, a BadDigest; not 502 or 504, a gateway's
+        answers while the server may still run it). When its outcome is
+        unknown (the connection cut after the request went out, a timeout)
+        the key is asked for with a HEAD: there with our bytes (size and MD5
+        e-tag), the put succeeded; else it fails with TransportError and the
+        object may still be written later (the caller puts it again if it
+        must: by then the earlier attempt has had time to end). With
+        ``resend_unknown_puts`` it is sent again instead, within the same
+        retry budget (the store is trusted with two PUTs of one key at
+        once); a conditional create is never sent blindly: after an unknown
+        outcome the HEAD must not find the key (found with our bytes: it
+        landed, done; with others: ObjectExists), and one sent again that
+        finds the key taken succeeded when the key holds our bytes (the
+        earlier attempt landed). A 401/403 with provided credentials is
+        sent once more with fresh ones (_send_again_refused: refused, so
+        over). An attempt from the caller's buffer (not ``owned``) runs to
+        its end through a cancel (_upload)."""
+        what = f"write of object {key!r} in {self.url}"
+        headers: dict[str, str] = {}
+        if mode == "create":
+            headers["If-None-Match"] = "*"
+        if target is not None and self._part_md5:
+            # (an object of up to part_size bytes, a create up to any size:
+            # hashed on a worker thread, as a multipart upload's parts)
+            headers["Content-MD5"] = await asyncio.to_thread(_md5_b64, memoryview(body))
         attempts = _Attempts(self._retry, self.backend.note_retry)
+        refusal = _Refusal()
         unknown_before = False  # an earlier attempt's outcome is unknown
-        refreshed = False
         while True:
             generation = 0
+            creds = None if target is None else target.creds
             if self._creds is not None:
-                # cached now: obstore signs with these (it asks our cache)
-                generation = (await self._creds.get())[1]
+                # cached now: we sign with these, and so does obstore (it
+                # asks our cache)
+                creds, generation = await self._creds.get()
             try:
-                await self._upload(owned, obstore.put_async(
-                    self._put_store, key, body, mode=mode, use_multipart=False))
+                if target is None:
+                    await self._upload(owned, self._obstore_put(body, key, mode))
+                else:
+                    assert creds is not None
+                    await self._upload(owned, self._own_put(
+                        target, creds, body, headers, mode, what))
                 return
-            except (obx.BaseError, OSError) as exc:  # obstore raises FileNotFoundError too
-                err = _obstore_error(exc, "write", key, self.url)
-                if isinstance(err, AccessDenied) and self._creds is not None and not refreshed:
-                    # refused, so over: sent once more with fresh credentials
-                    refreshed = True
-                    self._creds_refused(generation)
-                    continue
-                if not isinstance(err, TransportError):
-                    if (isinstance(err, ObjectExists) and unknown_before
-                            and await self._landed(key, body)):
-                        return
-                    raise err from None
-                outcome = _put_outcome(exc)
-                why = _describe(exc)
+            except AccessDenied:
+                if not self._send_again_refused(refusal, generation):
+                    raise
+                continue
+            except ObjectExists:
+                if unknown_before and await self._landed(key, body):
+                    return
+                raise
+            except _PutFailed as exc:
+                outcome, why, err = exc.outcome, exc.why, exc.err
             if outcome == "refused":
                 raise err
             if outcome == "unknown":
-                if await self._landed(key, body):
+                found = await self._landed(key, body, mode == "create")
+                if found:
                     return
                 unknown_before = True
                 if not self._resend_unknown:
                     raise TransportError(
-                        f"write of object {key!r} in {self.url}: the PUT's outcome is unknown "
+                        f"{what}: the PUT's outcome is unknown "
                         f"({why}) and the object is not there with these bytes; not sent "
                         f"again while that PUT may still run at the server (it may yet store "
                         f"the object; register_objects(..., resend_unknown_puts=True) sends "
                         f"it again)"
                     )
                 err = TransportError(
-                    f"write of object {key!r} in {self.url}: the PUT's outcome is unknown "
+                    f"{what}: the PUT's outcome is unknown "
                     f"({why}) and the object is not there with these bytes; the retry "
                     f"budget is spent"
                 )
             if not await attempts.another():
                 raise err
 
-    async def _landed(self, key: str, body: bytes | memoryview) -> bool:
+    async def _obstore_put(self, body: bytes | memoryview, key: str,
+                           mode: Literal["create"] | None) -> None:
+        """One attempt of a single PUT through obstore (credentials we cannot
+        sign with): its failures typed, a TransportError sorted (_PutFailed,
+        _put_outcome)."""
+        failed: _PutFailed
+        try:
+            await obstore.put_async(self._put_store, key, body, mode=mode, use_multipart=False)
+            return
+        except (obx.BaseError, OSError) as exc:  # obstore raises FileNotFoundError too
+            err = _obstore_error(exc, "write", key, self.url)
+            if not isinstance(err, TransportError):
+                raise err from None
+            failed = _PutFailed(_put_outcome(exc), _describe(exc), err)
+        raise failed  # outside the except: obstore's error is not even its context
+
+    async def _own_put(self, target: _Target, creds: sigv4.Credentials,
+                       body: bytes | memoryview, headers: dict[str, str],
+                       mode: Literal["create"] | None, what: str) -> None:
+        """One attempt of a single PUT of ours: signed here (SigV4 headers,
+        the body UNSIGNED-PAYLOAD as a multipart upload's parts), sent with
+        aiohttp following no redirect, bound as a whole (_timeout_for the
+        body's bytes). A final answer raises its typed error (AccessDenied,
+        ObjectExists, ObjectNotFound, XferError); any other failure
+        _PutFailed, sorted: "unsent" (no connection was made), "answered"
+        (the server answered with a status worth another attempt),
+        "unknown" (the request may have reached the server: a cut, a
+        timeout, a gateway's 502 / 504).
+
+        (aiohttp sends an idempotent method such as PUT once more by itself
+        when a reused keep-alive connection turns out closed, but not once
+        any of a streamed body went out: the server cannot have stored an
+        object whose bytes it never got.)"""
+        n = memoryview(body).nbytes
+        sent = sigv4.sign_headers("PUT", target.url, creds, target.region, headers=headers,
+                                  payload_hash=sigv4.UNSIGNED_PAYLOAD)
+        sent["Content-Length"] = str(n)
+        failed: _PutFailed
+        try:
+            async with self._pooled(), self._http().request(
+                "PUT", yarl.URL(target.url, encoded=True), headers=sent, data=_chunks(body),
+                allow_redirects=False, timeout=self._timeout_for(n),
+            ) as resp:
+                status = resp.status
+                if status == 200:
+                    return
+                code = _xml_code((await _answer_body(resp)).decode("utf-8", "replace"))
+                said = f"HTTP {status} {code}".strip()
+                if status in (401, 403):
+                    raise AccessDenied(f"{what}: access denied ({code or f'HTTP {status}'})")
+                if 300 <= status < 400:
+                    raise _redirected(what, status, resp)
+                if mode == "create" and status == 412:
+                    raise ObjectExists(f"{what}: the key exists (conditional create)")
+                if (status in _ANSWERED_RETRY or (status == 400 and code == "BadDigest")
+                        or (status == 409 and code == "ConditionalRequestConflict")):
+                    # answered, so over: BadDigest (part_md5) says the bytes
+                    # changed on the way; a conflict, that another
+                    # conditional write of the key was under way
+                    failed = _PutFailed("answered", said,
+                                        TransportError(f"{what} failed: {said}"))
+                elif status in (502, 504):
+                    failed = _PutFailed("unknown", said, TransportError(f"{what} failed: {said}"))
+                elif status == 404:
+                    raise ObjectNotFound(f"{what}: no such bucket ({code or 'HTTP 404'})")
+                else:
+                    raise XferError(f"{what}: {said}")
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # no connection was made: the request never left
+            why = _describe(exc)
+            failed = _PutFailed("unsent", why, TransportError(f"{what} failed: {why}"))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            why = _describe(exc)
+            failed = _PutFailed("unknown", why, TransportError(f"{what} failed: {why}"))
+        raise failed
+
+    async def _landed(self, key: str, body: bytes | memoryview, create: bool = False) -> bool:
         """Whether ``key`` holds ``body``, after a PUT of it whose outcome is
         unknown: its size and e-tag (the MD5 of a single-part object's bytes
         on AWS, MinIO, Ceph and rclone; an e-tag of another kind, as with
         SSE-KMS, cannot say, and the put counts as failed). Asked after a
         short pause, so that a PUT the server was finishing has landed; a
-        HEAD is a read: retried as reads are (_head)."""
+        HEAD is a read: retried as reads are (_head). For a conditional
+        ``create``, a key found with other bytes (an MD5 e-tag that is not
+        theirs, or another size) is ObjectExists: another writer's object,
+        which no attempt of this create may replace."""
         await asyncio.sleep(self._retry.initial)
         try:
             found = await self._head(key, "check of the write")
         except XferError:
             return False  # the server cannot say: not known written
-        if found is None or found.size != len(body):
-            return False  # not there, or not with these bytes
-        e_tag = (found.e_tag or "").strip('"').lower()
-        return e_tag == hashlib.md5(body, usedforsecurity=False).hexdigest()
+        if found is None:
+            return False
+        e_tag = _etag(found.e_tag)
+        if found.size == len(body) and e_tag == hashlib.md5(
+                body, usedforsecurity=False).hexdigest():
+            return True
+        if create and (found.size != len(body) or re.fullmatch(r"[0-9a-f]{32}", e_tag)):
+            raise ObjectExists(
+                f"write of object {key!r} in {self.url}: the key exists with other bytes "
+                f"(conditional create)")
+        return False  # not with these bytes (or an e-tag that cannot say)
 
     async def _sign(self, key: str) -> str:
         """A presigned GET URL of ``key`` (see _presign)."""
@@ -1074,7 +1261,7 @@ class ObjectRegion(BackendRegion):
         the URL's query out (_describe); ``what`` names the request in them."""
         timeout = self._timeout_for(moves)
         attempts = _Attempts(self._retry, self.backend.note_retry)
-        resigned = False
+        refusal = _Refusal()
         while True:
             # The error is raised outside the except clause: aiohttp's
             # exception (whose text may hold the URL) is then not even the
@@ -1101,14 +1288,11 @@ class ObjectRegion(BackendRegion):
                     _refuse_status(what, resp, code)
                     return await answer(resp, code)
             except AccessDenied:
-                if resigned or not (cached or self._creds is not None):
+                # A URL signed up to _SIGN_TTL ago (credentials since
+                # rotated) is signed again, once, as are provided ones.
+                if not self._send_again_refused(
+                        refusal, generation, (method, key) if cached else None):
                     raise
-                # Signed up to _SIGN_TTL ago (credentials since rotated), or
-                # with provided credentials that are refused now: signed
-                # again, once (with what the provider answers now).
-                resigned = True
-                self._signed.pop((method, key), None)
-                self._creds_refused(generation)
                 continue
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
@@ -1438,7 +1622,7 @@ class _Provided:
                 "token": creds.token, "expires_at": datetime.now(UTC)}
 
 
-# The region whose write (_upload_checked, a task in its _uploads) the
+# The region whose write (_write, a task in its _uploads) the
 # current task serves: its requests may open the region's session after
 # aclose began (aclose waits for them, then closes it).
 _UPLOADING: contextvars.ContextVar[ObjectRegion | None] = contextvars.ContextVar(
@@ -1578,6 +1762,29 @@ def _etag(e_tag: str | None) -> str:
 
 class _Transient(Exception):
     """A failure worth retrying (5xx, 429, a connection cut short)."""
+
+
+class _Refusal:
+    """Whether a request was already sent once more after a 401/403
+    (ObjectRegion._send_again_refused): at most once per request."""
+
+    __slots__ = ("spent",)
+
+    def __init__(self) -> None:
+        self.spent = False
+
+
+class _PutFailed(Exception):
+    """A PUT attempt that failed for a reason other than a final answer:
+    ``outcome`` as _put_outcome sorts it, ``why`` its description (signed
+    queries left out), ``err`` the error to raise if no attempt follows."""
+
+    def __init__(self, outcome: Literal["unsent", "answered", "refused", "unknown"],
+                 why: str, err: XferError) -> None:
+        super().__init__(why)
+        self.outcome = outcome
+        self.why = why
+        self.err = err
 
 
 def _xml_code(body: str) -> str:
