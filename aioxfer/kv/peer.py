@@ -342,9 +342,17 @@ class PeerTier(Tier):
         # Its timeouts are the store agent's (it used the defaults whatever
         # those were: a member stopped was taken for lost after 5 s here
         # while the store's agent, configured for 1 s, had long let it go;
-        # an ack to a stopped writer held a pull for as long).
+        # an ack to a stopped writer held a pull for as long). So are its
+        # credentials: the store agent's key (or none, insecure_no_auth),
+        # not the default token ($AIOXFER_TOKEN or the token file), which
+        # members given token= with other token files do not share (their
+        # control agents could not reach each other: every placement
+        # failed), and which the application did not choose.
         self.ctl = aioxfer.Agent(f"{agent.name}.kvctl", listen=f"{host_part}:0",
-                                 peer_timeout=agent._peer_timeout, limits=agent.limits)
+                                 peer_timeout=agent._peer_timeout,
+                                 keepalive=agent._keepalive,
+                                 stall_timeout=agent._stall_timeout, limits=agent.limits,
+                                 _credentials_of=agent)
         await self.ctl.start()
         meta = {"v": 1, "ctl": self.ctl.address, "address": agent.address,
                 "pool": host.region.name, "index": f"{pfx}.index", "buckets": buckets,
