@@ -11,13 +11,16 @@ import asyncio
 import contextlib
 import json
 import socket
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 from conftest import wait_until, within
+from test_discovery import TTL, etcd_server  # noqa: F401 (the fixture)
 
 from aioxfer import kv
+from aioxfer.discovery import Etcd
 
 BB = 16 << 10
 MakeAgent = Callable[..., Awaitable[Any]]
@@ -96,3 +99,31 @@ async def test_a_placement_from_a_member_at_its_own_addresses_is_pulled(
         res = await within(sb.put(keys, src[0:4 * BB]))
         assert res.stored == 4 and not res.dropped, (res, tb.counters.dropped_stores)
         assert ta.pulled >= 1 and ta.pulls_refused == 0
+
+
+async def test_with_discovery_a_placement_from_an_unjoined_sender_needs_etcds_address(
+        make_agent: MakeAgent, etcd_server: str) -> None:  # noqa: F811 (imported above)
+    """With discovery, a placement from an agent the tier has not taken as a
+    member: from one etcd holds, "from" must be the address etcd holds for
+    it; from one etcd does not hold, nothing is dialled (before: both
+    dialled the test's port)."""
+    etcd = Etcd(etcd_server, prefix=f"/aioxfer-test/kv27-{uuid.uuid4().hex[:12]}", ttl=TTL)
+    a = await make_agent("kv27d-a", discovery=etcd)
+    c = await make_agent("kv27d-c", discovery=etcd)  # in etcd, no PeerTier: no member
+    d = await make_agent("kv27d-d")  # not in etcd
+    ta = kv.PeerTier(group="kv27d")
+    async with kv.Store.open(a, block_bytes=BB, tiers=[kv.HostTier(8 * BB), ta]), \
+            listener() as (elsewhere, accepted):
+        assert ta.ctl is not None
+        head = {"op": "put", "req": 1, "from": elsewhere, "ctl": elsewhere, "region": "r"}
+        raw = json.dumps(head).encode()
+        body = bytes(48)
+        for n, sender in enumerate((c, d), 1):
+            to_a = await within(sender.connect(ta.ctl.address))
+            await within(to_a.notify(len(raw).to_bytes(2, "little") + raw + body))
+            await within(wait_until(lambda n=n: ta.pulls_refused == n,  # type: ignore[misc]
+                                    seconds=10, what="the placement refused"), 20)
+        await asyncio.sleep(0.3)
+        assert accepted == [], "A dialled the address it was sent"
+        assert ta.counters.dropped_stores == {"placement_unvouched": 2}
+        assert c.name not in ta.members
