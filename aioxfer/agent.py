@@ -184,6 +184,7 @@ class Agent:
         limits: Limits | None = None,
         progress: str = "adaptive",
         inline_bytes: int | None = None,
+        _credentials_of: Agent | None = None,
     ) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= 256:
             raise ValueError("agent name must be a string of 1..256 characters")
@@ -237,10 +238,21 @@ class Agent:
         self.incarnation = secrets.randbits(64)
         self.transports: tuple[str, ...] = transports
         self._key_pending: concurrent.futures.Future[bytes] | None = None
-        if insecure_no_auth:
+        if _credentials_of is not None:
+            # (private: a sibling agent of the library's own, e.g. a KV
+            # PeerTier's control agent) Exactly that agent's credentials: its
+            # derived key, or the derivation under way for it (both take the
+            # same key from it), or no authentication if it has none. Never
+            # re-derived from a token: the agent does not keep the raw one,
+            # and $AIOXFER_TOKEN / the token file may be another secret.
+            if token is not None or insecure_no_auth:
+                raise ValueError("_credentials_of takes no token= or insecure_no_auth")
+            self._token: bytes | None = _credentials_of._token
+            self._key_pending = _credentials_of._key_pending
+        elif insecure_no_auth:
             if token is not None:
                 raise ValueError("give either token= or insecure_no_auth=True, not both")
-            self._token: bytes | None = None
+            self._token = None
         else:
             # Every HMAC keys on the stretched token (auth.hmac_key: derived
             # once per token per process, never per connection). Made inside
@@ -257,6 +269,9 @@ class Agent:
                 else:
                     self._token = hmac_key(raw)
         self._peer_timeout = float(peer_timeout)
+        # (kept for the library's sibling agents, see _credentials_of)
+        self._keepalive = float(keepalive)
+        self._stall_timeout = None if stall_timeout is None else float(stall_timeout)
         self._max_meta = limits.max_meta_bytes
         self._tcp_connections = int(tcp_connections)
         self._rail_probe = float(rail_probe)

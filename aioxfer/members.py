@@ -10,6 +10,7 @@ agent only through the narrow arguments it was built with, never its state.
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -34,6 +35,13 @@ if TYPE_CHECKING:
 __all__ = ["Members"]
 
 _log = get_logger("aioxfer")
+
+
+def _debug_on() -> bool:
+    """Whether _log writes debug lines (True where the logger cannot say: an
+    application's own structlog configuration without is_enabled_for)."""
+    enabled = getattr(_log, "is_enabled_for", None)
+    return True if enabled is None else bool(enabled(logging.DEBUG))
 
 
 class Members:
@@ -118,8 +126,12 @@ class Members:
     def emit(self, event: MembershipEvent) -> None:
         for sub in list(self._subscribers):
             sub._put(event)
-        _log.debug("membership." + type(event).__name__, agent=self._agent, peer=event.name,
-                   incarnation=f"{event.incarnation:#x}", address=event.address)
+        # Its fields are formatted only for a debug log that is written (they
+        # were on every event, each PeerUpdated of every region change).
+        if _debug_on():
+            _log.debug("membership." + type(event).__name__, agent=self._agent,
+                       peer=event.name, incarnation=f"{event.incarnation:#x}",
+                       address=event.address)
 
     # ------------------------------------------------------------ etcd's view
     # (discovery.MemberListener: what an EtcdSession reports)

@@ -344,6 +344,21 @@ class Joins:
         return True
 
 
+# The most of a server's Reject reason that its AccessDenied (and so every log
+# line naming it) carries.
+_REASON_CHARS = 200
+
+
+def _refused(reason: str) -> AccessDenied:
+    """The AccessDenied of a server's Reject. Its reason is the server's text
+    (up to 1024 characters, newlines, terminal escapes and bidi controls
+    included): shown escaped (repr) and cut to _REASON_CHARS, so that a
+    hostile server can neither forge log lines nor flood them through it."""
+    more = len(reason) - _REASON_CHARS
+    cut = f" (and {more} more characters)" if more > 0 else ""
+    return AccessDenied(f"peer refused the connection: {reason[:_REASON_CHARS]!r}{cut}")
+
+
 def _unexpected(got: Frame, want: str) -> ProtocolError:
     return ProtocolError(f"expected {want}, got {type(got).__name__}")
 
@@ -403,7 +418,7 @@ def _check_challenge(msg: Frame, token: bytes | None) -> bytes:
     if isinstance(msg, Reject):
         # (A server of protocol version 3 or older reads our Hello first and
         # answers this, naming the version.)
-        raise AccessDenied(f"peer refused the connection: {msg.reason}")
+        raise _refused(msg.reason)
     if not isinstance(msg, Challenge):
         raise _unexpected(msg, "Challenge")
     if msg.version != PROTOCOL_VERSION:
@@ -485,7 +500,7 @@ async def _client_handshake(
     else:
         msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME)
     if isinstance(msg, Reject):
-        raise AccessDenied(f"peer refused the connection: {msg.reason}")
+        raise _refused(msg.reason)
     if not isinstance(msg, Accept):
         raise _unexpected(msg, "Accept")
     # Before anything of the Accept (or the metadata and memfds after it) is

@@ -215,8 +215,8 @@ class Server:
         remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
         pidfd = -1
         try:
-            if not local:
-                nodelay(sock)
+            # (a tcp connection's TCP_NODELAY is set already: _join_now saw
+            # it first; one setsockopt per handshake was made twice)
             async with asyncio.timeout(self._peer_timeout):
                 hello = await server_handshake(
                     loop,
@@ -305,9 +305,11 @@ class Server:
         connection, TCP_DEFER_ACCEPT, and needs one reply): no task, no
         timer, no further step of the loop, on the way of each of a connect's
         other connections. False, nothing read: anything else, for _serve."""
+        # TCP_NODELAY first, whatever follows: _serve, which serves it when
+        # this does not, counts on it (nodelay never raises).
+        nodelay(sock)
         try:
             sock.setblocking(False)
-            nodelay(sock)
             hello = server_join_now(sock, token=self._token, accept=self._accept,
                                     joins=self.joins)
         except OSError:

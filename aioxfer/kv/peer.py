@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 __all__ = ["PeerIndex", "PeerTier", "owners"]
 
 _log = get_logger("aioxfer.kv")
+# A member's control agent is its store agent's name and this.
+_CTL = ".kvctl"
 WAYS = 4
 IENTRY = 64
 IDX_DTYPE = np.dtype([("key", "V32"), ("slot", "<u4"), ("crc", "<u4"), ("gen", "<u8"),
@@ -342,9 +344,17 @@ class PeerTier(Tier):
         # Its timeouts are the store agent's (it used the defaults whatever
         # those were: a member stopped was taken for lost after 5 s here
         # while the store's agent, configured for 1 s, had long let it go;
-        # an ack to a stopped writer held a pull for as long).
-        self.ctl = aioxfer.Agent(f"{agent.name}.kvctl", listen=f"{host_part}:0",
-                                 peer_timeout=agent._peer_timeout, limits=agent.limits)
+        # an ack to a stopped writer held a pull for as long). So are its
+        # credentials: the store agent's key (or none, insecure_no_auth),
+        # not the default token ($AIOXFER_TOKEN or the token file), which
+        # members given token= with other token files do not share (their
+        # control agents could not reach each other: every placement
+        # failed), and which the application did not choose.
+        self.ctl = aioxfer.Agent(f"{agent.name}{_CTL}", listen=f"{host_part}:0",
+                                 peer_timeout=agent._peer_timeout,
+                                 keepalive=agent._keepalive,
+                                 stall_timeout=agent._stall_timeout, limits=agent.limits,
+                                 _credentials_of=agent)
         await self.ctl.start()
         meta = {"v": 1, "ctl": self.ctl.address, "address": agent.address,
                 "pool": host.region.name, "index": f"{pfx}.index", "buckets": buckets,
@@ -867,6 +877,10 @@ class PeerTier(Tier):
             elif head.get("op") == "put" and all(
                     isinstance(head.get(f), str) for f in ("from", "ctl", "region")):
                 sender = msg.peer_name
+                why = self._unvouched(sender, head)
+                if why is not None:
+                    self._refuse_unvouched(sender, head, why, len(body) // 48)
+                    continue
                 if (sum(self._pulling.values()) >= self.max_pulls
                         or self._pulling.get(sender, 0) >= self.max_pulls_per_peer
                         or self._answering.get(sender, 0) >= self.max_pulls):
@@ -874,6 +888,43 @@ class PeerTier(Tier):
                     continue
                 _count(self._pulling, sender, 1)
                 self._spawn(self._pull_from(sender, head, body))
+
+    def _unvouched(self, sender: str, head: dict[str, Any]) -> str | None:
+        """Why a placement from the agent ``sender`` names addresses we will
+        not dial (None: we may). A placement makes us connect to its "from"
+        (to pull) and its "ctl" (to acknowledge): from a member we know (its
+        control agent, or its store agent itself), both must be what it
+        published (its meta, as read at its join: "address" and "ctl"), else
+        any holder of the token could make this agent dial any host and
+        port. With discovery, a sender we have not joined yet must be one of
+        etcd's members, at the address etcd holds for it. Embedded, a sender
+        we never connected to (it joined us) has no published address we
+        know: its addresses are dialled as sent (how a member that joined
+        us introduces itself)."""
+        name = sender[:-len(_CTL)] if sender.endswith(_CTL) else sender
+        known = self.members.get(name)
+        if known is not None and not known.peer.lost:
+            if head["from"] not in {known.peer.address, known.meta.get("address")}:
+                return "its address is not the member's"
+            if head["ctl"] != known.meta["ctl"]:
+                return "its control address is not the member's"
+            return None
+        if self.store.agent._cluster is not None:
+            for ev in self.store.agent._membership.snapshot():
+                if ev.name == name:
+                    return None if ev.address == head["from"] else (
+                        "its address is not the one discovery holds")
+            return "not a member (discovery)"
+        return None
+
+    def _refuse_unvouched(self, sender: str, head: dict[str, Any], why: str, n: int) -> None:
+        """A placement naming addresses that are not its member's: nothing is
+        dialled, neither to pull nor to acknowledge (the sender's ack_wait
+        ends it there)."""
+        self.pulls_refused += 1
+        self.counters.dropped("placement_unvouched", n)
+        _log.warning("kv.peer_placement_refused", tier=self.name, sender=repr(sender), reason=why,
+                     address=repr(head["from"][:200]), ctl=repr(head["ctl"][:200]))
 
     def _late_ack(self, ctl_name: str, req: int) -> None:
         """An ack after its placement's ack_wait: the member is alive again."""
