@@ -9,6 +9,7 @@ CancelledError (the default per-user token: every agent made afterwards)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import threading
 from typing import Any
@@ -62,3 +63,41 @@ def test_the_shared_derivation_cannot_be_cancelled() -> None:
     fut = auth.key_soon(token)
     assert not fut.cancel()
     assert fut.result(timeout=30) == auth.hmac_key(token)
+
+
+def abstract_listeners() -> set[str]:
+    """This process's listening abstract unix sockets (their names)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    names = set()
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            parts = line.split()
+            # Num RefCount Protocol Flags Type St Inode Path; St 01: listening
+            if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("@"):
+                names.add(parts[7])
+    return names
+
+
+async def test_closed_before_its_key_came_listens_on_nothing() -> None:
+    """An agent made in a running loop, closed before start(): a later
+    start() (or connect()) raises ClosedResourceError and opens nothing.
+    Before: it took the key in first (_start -> _take_key) and listened on
+    the abstract sockets named after its addresses, which nothing closed
+    (aclose had run; __del__ skips a closed agent)."""
+    before = abstract_listeners()
+    a = aioxfer.Agent("rev27-closed", token=secrets.token_hex(16), listen="127.0.0.1:0")
+    assert a._key_pending is not None
+    await within(a.aclose())
+    with pytest.raises(aioxfer.ClosedResourceError):
+        await within(a.start())
+    with pytest.raises(aioxfer.ClosedResourceError):
+        await within(a.connect("127.0.0.1:1"))
+    assert abstract_listeners() - before == set()
