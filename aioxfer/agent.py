@@ -588,7 +588,8 @@ class Agent:
         if pending is not None:
             self._token = pending.result()
             self._key_pending = None
-            self._listen_direct()
+            if not self._closed:  # (closed: aclose closed the others, nothing closes these)
+                self._listen_direct()
 
     @functools.cached_property
     def _dialer(self) -> Dialer:

@@ -106,6 +106,12 @@ def _derivation(token: bytes, *, threaded: bool) -> concurrent.futures.Future[by
         if fut is not None and not (fut.done() and fut.exception() is not None):
             return fut
         fut = concurrent.futures.Future()
+        # Running from now on, so that nobody can cancel it: it is every
+        # caller's of this token, and asyncio.wrap_future passes an awaiting
+        # task's cancel on to it (a cancelled start() cancelled it: the
+        # thread's set_result raised, and every later use of the token in
+        # this process raised CancelledError).
+        fut.set_running_or_notify_cancel()
         _derivations[token] = fut
         done = [t for t, f in _derivations.items() if f.done()]
         for t in done[:max(0, len(done) - _KEEP)]:

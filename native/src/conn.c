@@ -356,7 +356,15 @@ static void conn_mark_dead(conn *c)
      * the peer's next bytes with a reset, which unhashes the peer's socket
      * (sock_diag no longer finds it) while its receive queue, our spliced
      * pages in it, stays readable. */
-    shutdown(c->fd, ((conn_priv *)c)->spl_ok ? SHUT_RD : SHUT_RDWR);
+    /* Except at the engine's shutdown (conn_kill under e->mu, which set
+     * e->shut; read atomically for the callers that do not hold it): a
+     * sending thread then sits out SO_SNDTIMEO (peer_timeout, 5 s by
+     * default; one call after another) in a send to a stopped peer, and the
+     * shutdown, on the caller's thread (Agent.aclose: the event loop's),
+     * waits for it: 10-16 s measured (rev27), against 0 s with splice off.
+     * spl_settle gives up a second after the shutdown anyway. */
+    bool rd_only = ((conn_priv *)c)->spl_ok && !__atomic_load_n(&c->e->shut, __ATOMIC_RELAXED);
+    shutdown(c->fd, rd_only ? SHUT_RD : SHUT_RDWR);
     pthread_cond_broadcast(&c->room_cv); /* and a receiver paused for room */
     rx_unpark(c); /* and one parked for a spinning thread (conn_help) */
 }
