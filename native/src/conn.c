@@ -1011,13 +1011,16 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * (op->pins); the op holds its regions (op->lregs) until then. Sent is
  * not read with splice: a spliced frame's item, once sent, keeps its op's
  * pin as a hold on its connection (spl_keep) until that op's groups here
- * are acknowledged (spl_read_take). When the connection fails first (the
+ * are acknowledged (spl_read_take), or the last of them here moves off
+ * whole (spread_take: a joining connection's spread; tcp27, else the op
+ * stayed pinned until this connection died). When the connection fails first (the
  * stall timeout of a stopped target, a lost or closed endpoint; the op
  * fails, or its group is sent again elsewhere), the peer may still read
  * the pages later, as they are then. So the holds stay until the kernel
  * shows every byte we put in the socket read or dropped (spl_settle,
  * polled: our send queue empty or purged, and the peer's socket gone or
- * its receive queue empty): the op's completion and its region holds (a
+ * its receive queue empty; and no inline sender still between its unlock
+ * and its release, spl_late, tcp27): the op's completion and its region holds (a
  * deregistration waits for them) come only then, with its failure. Why no
  * prompt end: an abortive close does not drop the pages (a reset socket's
  * receive queue stays readable: recv returns it before ECONNRESET, kernel
