@@ -178,6 +178,13 @@ typedef struct conn_priv {
      * asked about (conn_path: the socket may be reset by then). */
     sq_item *spl_holds;
     bool spl_settled;
+    /* Spliced items an inline sender (conn_kick) took off the queue as sent
+     * and releases after unlocking c.mu (tcp27): spl_settle waits for them
+     * to be kept or released first, else they would find the connection
+     * settled with nothing held and go at once, the peer not done with
+     * their pages (rev18b's bug in a window of microseconds). c.mu; c.cv
+     * broadcast when it drops to 0. */
+    uint32_t spl_late;
     struct sockaddr_storage spl_me, spl_peer;
     /* A lone READ's response taken by a spinner as it comes (help_more):
      * its header (read, checked by help_takes) and mid_have bytes of its
@@ -1004,13 +1011,16 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * (op->pins); the op holds its regions (op->lregs) until then. Sent is
  * not read with splice: a spliced frame's item, once sent, keeps its op's
  * pin as a hold on its connection (spl_keep) until that op's groups here
- * are acknowledged (spl_read_take). When the connection fails first (the
+ * are acknowledged (spl_read_take), or the last of them here moves off
+ * whole (spread_take: a joining connection's spread; tcp27, else the op
+ * stayed pinned until this connection died). When the connection fails first (the
  * stall timeout of a stopped target, a lost or closed endpoint; the op
  * fails, or its group is sent again elsewhere), the peer may still read
  * the pages later, as they are then. So the holds stay until the kernel
  * shows every byte we put in the socket read or dropped (spl_settle,
  * polled: our send queue empty or purged, and the peer's socket gone or
- * its receive queue empty): the op's completion and its region holds (a
+ * its receive queue empty; and no inline sender still between its unlock
+ * and its release, spl_late, tcp27): the op's completion and its region holds (a
  * deregistration waits for them) come only then, with its failure. Why no
  * prompt end: an abortive close does not drop the pages (a reset socket's
  * receive queue stays readable: recv returns it before ECONNRESET, kernel
@@ -1412,6 +1422,8 @@ static void spl_settle(conn *c)
     bool logged = false;
     for (;;) {
         pthread_mutex_lock(&c->mu);
+        while (p->spl_late) /* an inline sender's spliced items: kept, or released */
+            pthread_cond_wait(&c->cv, &c->mu);
         bool any = p->spl_holds != NULL;
         pthread_mutex_unlock(&c->mu);
         if (!any || spl_pages_free(c))
@@ -1437,6 +1449,8 @@ static void spl_settle(conn *c)
             wait_us *= 2;
     }
     pthread_mutex_lock(&c->mu);
+    while (p->spl_late) /* (a shutdown's give-up: still none released early) */
+        pthread_cond_wait(&c->cv, &c->mu);
     p->spl_settled = true;
     sq_item *held = p->spl_holds;
     p->spl_holds = NULL;
@@ -1887,8 +1901,31 @@ void conn_kick(conn *c)
     }
     if (c->head && !c->sending && !c->dead)
         tx_wake(c);
+    /* Spliced items sent here are released (spl_keep) after the unlock, not
+     * on one of the connection's threads: counted until then, so that its
+     * last thread's spl_settle waits for them (spl_late). */
+    conn_priv *p = (conn_priv *)c;
+    uint32_t late = 0;
+    if (p->spl_ok) {
+        for (sq_item *it = done; it; it = it->next)
+            late += it->spl_c == c;
+        if (late) {
+            p->spl_late += late;
+            conn_ref(c); /* the items' references go with them */
+        }
+    }
     pthread_mutex_unlock(&c->mu);
+    if (late && c->e->faults && c->e->faults->kick_release_gap) /* (test only) */
+        c->e->faults->kick_release_gap(c->e->faults->arg);
     release_list(c->e, done);
+    if (late) {
+        pthread_mutex_lock(&c->mu);
+        p->spl_late -= late;
+        if (!p->spl_late)
+            pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        conn_unref(c);
+    }
 }
 
 /* The owed goodbye (conn_say_bye), c->mu held, the stream between frames
@@ -2761,6 +2798,15 @@ static void spread_take(conn *c, struct spread_job ***tail, conn_spread_left *le
                 p->ex_tail = xprev;
             *j = (struct spread_job){.o = o, .slot = x->slot, .list = x->chunks,
                                      .n = x->nchunks, .from = 0, .to = x->count, .x = x};
+            /* o's spliced frames of groups acknowledged here wait as holds
+             * while a group of o is owed here (spl_keep): this may have been
+             * the last, and no acknowledgement here would free them now
+             * (tcp27). Released by conn_spread_end, e->mu no longer held. */
+            for (sq_item *r = p->spl_holds ? spl_read_take(c, o) : NULL, *rn; r; r = rn) {
+                rn = r->next;
+                r->next = left->spl_read;
+                left->spl_read = r;
+            }
             **tail = j;
             *tail = &j->next;
             continue; /* *link and *xl are the next ones now */
@@ -2881,6 +2927,7 @@ void conn_spread_end(axf_engine *e, conn_spread_left *left)
         op_unit_done(e, o);
     }
     release_list(e, left->dropped);
+    spl_release(e, left->spl_read);
     for (int i = 0; i < left->nwake; i++) {
         conn *c = left->wake[i];
         pthread_mutex_lock(&c->mu);

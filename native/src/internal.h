@@ -529,6 +529,10 @@ typedef struct axf_faults {
      * drop_note_arm) once it found the last note a second old, before it
      * claims the note: where another poll and a drop may run. */
     void (*drop_note_gap)(void *arg);
+    /* Called in conn_kick after it unlocked c->mu holding spliced items it
+     * sent, before it releases them (conn.c spl_late): where the
+     * connection's threads may end. */
+    void (*kick_release_gap)(void *arg);
 } axf_faults;
 
 /* engine.c */
@@ -690,6 +694,7 @@ void conn_say_bye(conn *c, bool owe);
  * op and the unit's end touches it after its free. */
 typedef struct conn_spread_left {
     sq_item *dropped;
+    sq_item *spl_read; /* spliced holds whose op's last group here moved off (conn.c) */
     struct spread_job *failed;
     conn *wake[AXF_MAX_CONNS];
     int nwake;
