@@ -1009,8 +1009,11 @@ class ObjectRegion(BackendRegion):
             headers["If-None-Match"] = "*"
         if target is not None and self._part_md5:
             # (an object of up to part_size bytes, a create up to any size:
-            # hashed on a worker thread, as a multipart upload's parts)
-            headers["Content-MD5"] = await asyncio.to_thread(_md5_b64, memoryview(body))
+            # hashed on a worker thread, as a multipart upload's parts; from
+            # the caller's buffer it is waited for through a cancel, as the
+            # upload: the thread reads that buffer to its end)
+            headers["Content-MD5"] = await self._upload(
+                owned, asyncio.to_thread(_md5_b64, memoryview(body)))
         attempts = _Attempts(self._retry, self.backend.note_retry)
         refusal = _Refusal()
         unknown_before = False  # an earlier attempt's outcome is unknown

@@ -965,7 +965,10 @@ class PeerTier(Tier):
         try:
             with contextlib.suppress(XferError, OSError, ValueError):
                 if self.ctl is not None:
-                    back = await self.ctl.connect(head["ctl"])
+                    ctl = self._ack_address(head)
+                    if ctl is None:
+                        return  # (the sender's ack_wait ends it)
+                    back = await self.ctl.connect(ctl)
                     ack = json.dumps({"op": "ack", "req": head["req"]}).encode()
                     await back.notify(len(ack).to_bytes(2, "little") + ack + stored)
         finally:
@@ -973,6 +976,17 @@ class PeerTier(Tier):
                 self._acking -= 1
             if sender is not None:
                 _count(self._answering, sender, -1)
+
+    def _ack_address(self, head: dict[str, Any]) -> str | None:
+        """Where a placement's ack may go: its "ctl" when that is what the
+        member at its "from" published (read at its join; _pull joins an
+        unjoined discovery sender first); embedded, an unknown sender's as
+        sent (see _unvouched); with discovery, nowhere else (rev28: the ack
+        went to any "ctl" a placement named, even after a failed pull)."""
+        for m in self.members.values():
+            if not m.peer.lost and head["from"] in {m.peer.address, m.meta.get("address")}:
+                return head["ctl"] if head["ctl"] == m.meta["ctl"] else None
+        return None if self.store.agent._cluster is not None else head["ctl"]
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
