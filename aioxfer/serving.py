@@ -20,7 +20,7 @@ from typing import Any
 
 from aioxfer import _cyx
 from aioxfer.errors import ProtocolError
-from aioxfer.local import FDS_PER_MESSAGE, PeerCred, peer_cred, peer_pidfd, send_fds
+from aioxfer.local import FDS_PER_MESSAGE, PeerCred, peer_cred, peer_pidfd
 from aioxfer.log import get_logger
 from aioxfer.metadata import (
     Accept,
@@ -231,9 +231,12 @@ class Server:
                     if hello.accept_only:
                         return
                     if local:
-                        meta, fds = self._local_meta()
-                        await send_frame(loop, sock, meta)
-                        await send_fds(loop, sock, fds)
+                        # As a "data" connection's, checked against our
+                        # regions whenever its send waited: a region
+                        # deregistered meanwhile had its memfd closed, and the
+                        # number, reused by our next open, was passed as its
+                        # (tests/test_rev29_metafds).
+                        await self._send_meta(loop, sock, local, go=False)
                     else:
                         await send_frame(loop, sock, self._meta())
                     return
@@ -394,7 +397,8 @@ class Server:
         sock.close()
 
     async def _send_meta(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, local: bool
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, local: bool, *,
+        go: bool = True,
     ) -> None:
         """The metadata a "data" client asked for (Hello.meta), its memfds on
         the unix socket, then META_GO. A region the metadata names and
@@ -403,7 +407,8 @@ class Server:
         against our regions again before each further memfd and before
         META_GO (sent in the same step as the check), and the connection is
         closed when it changed. Usually nothing waits: a snapshot, its sends
-        and the hand-over to the engine happen in one step of the loop."""
+        and the hand-over to the engine happen in one step of the loop.
+        go False (a "meta" connection): no META_GO, nothing handed over."""
         meta, fds = self._local_meta() if local else (self._meta(), [])
         frame = encode_frame(meta)
         waited = False
@@ -421,7 +426,7 @@ class Server:
                 except (BlockingIOError, InterruptedError):
                     await writable(loop, sock)
                     waited = True
-        while True:
+        while go:
             if waited:
                 self._check_current(meta, fds, local)
             if send_now(sock, META_GO):
