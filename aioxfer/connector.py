@@ -852,7 +852,13 @@ class Connector:
             # (tests/test_rev29_refresh). A snapshot taken after our import
             # settles it: what it no longer lists is forgotten; what it lists
             # is revoked, if ever, after our import, so our engine sees that.
-            meta, fds = await self._fetch(peer)
+            try:
+                meta, fds = await self._fetch(peer)
+            except BaseException:
+                # Not settled (cancelled, the peer gone): not kept either;
+                # the next refresh imports them again.
+                self._forget_regions(peer, new)
+                raise
             for fd in fds or ():
                 os.close(fd)
             if peer._lost:

@@ -14,6 +14,7 @@ released (a Python object freed, reused, or unmapped).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -81,3 +82,47 @@ async def test_a_region_registered_after_the_connect_is_still_imported(make_agen
     await within(a.write(src[0:64], peer.region("late")[0:64]))
     assert bytes(buf[:64]) == b"\x5a" * 64
     assert isinstance(peer.region("late"), aioxfer.RemoteRegion)
+
+
+async def test_a_refresh_cancelled_before_it_settled_keeps_no_new_region(
+    make_agent: Any,
+) -> None:
+    """Cancelled while it checks what it imported (a caller's timeout), a
+    refresh keeps none of it: unchecked, it may be a region its owner has
+    back (the next refresh imports what is really there)."""
+    b = await make_agent("b")
+    a = await make_agent("a")
+    peer = await within(a.connect(b.address))
+    if peer.path != "shm":
+        pytest.skip(f"same-host path not available here ({peer.path})")
+    buf = bytearray(4096)
+    late = b.register(buf, name="late")
+    snap = b._localmeta.local()
+    await within(b.deregister(late))
+    server = b._server
+    real = server._local_meta
+    calls: list[int] = []
+    task: asyncio.Task[None] | None = None
+
+    def stale_then_cancel() -> tuple[Any, list[int]]:
+        calls.append(1)
+        if len(calls) == 1:
+            return snap  # (as above: a snapshot delivered late)
+        assert task is not None
+        task.cancel()  # the caller gives up while the check is on its way
+        return real()
+
+    server._local_meta = stale_then_cancel
+    try:
+        task = asyncio.ensure_future(peer.refresh())
+        with pytest.raises(asyncio.CancelledError):
+            await within(task)
+    finally:
+        server._local_meta = real
+    assert calls, "the refresh did not fetch the snapshot"
+    assert "late" not in peer.regions, "an unchecked import was kept"
+    src = a.register(bytearray(b"\xa5" * 4096))
+    await within(peer.refresh())
+    assert "late" not in peer.regions
+    del src
+    assert bytes(buf[:64]) == bytes(64)
