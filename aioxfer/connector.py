@@ -833,9 +833,9 @@ class Connector:
         self._check_open()
         if peer._lost:
             raise peer._lost_error()
+        meta, fds = await self._fetch(peer)
         before = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
         had = {(rid, rr.key) for rid, rr in peer._by_rid.items()}
-        meta, fds = await self._fetch(peer)
         try:
             await self._refresh_with(peer, meta, fds)
         finally:
