@@ -741,11 +741,13 @@ class Connector:
                 sock.close()
 
     def _apply_regions(
-        self, peer: Peer, regions: list[RegionMeta], fds: list[int] | None = None
+        self, peer: Peer, regions: list[RegionMeta], fds: list[int] | None = None,
+        imported: list[tuple[int, int]] | None = None,
     ) -> None:
         """Imports regions new to us and forgets the ones the peer dropped.
         fds: a same-host peer's memfds as the kernel passed them (the caller
-        closes them; the engine keeps its own mapping)."""
+        closes them; the engine keeps its own mapping). imported: gets the
+        (rid, key) of each region imported."""
         eng = self._engine
         ep = peer._ep
         wanted = {(m.rid, m.key): m for m in regions}
@@ -767,6 +769,8 @@ class Connector:
                     old.name = m.name
                     peer._regions[m.name] = old
                 continue
+            if imported is not None:
+                imported.append((m.rid, m.key))
             if m.kind != "host":
                 self._import_device_region(peer, m)
                 continue
@@ -835,14 +839,18 @@ class Connector:
             raise peer._lost_error()
         meta, fds = await self._fetch(peer)
         before = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
-        had = {(rid, rr.key) for rid, rr in peer._by_rid.items()}
+        imported: list[tuple[int, int]] = []
         try:
-            await self._refresh_with(peer, meta, fds)
+            await self._refresh_with(peer, meta, fds, imported)
+        except BaseException:
+            if peer._local:  # (what it imported before it failed: unchecked, as below)
+                self._forget_regions(peer, set(imported))
+            raise
         finally:
             for fd in fds or ():
                 os.close(fd)
-        new = {(rid, rr.key) for rid, rr in peer._by_rid.items()} - had
-        if new and peer._local:
+        if imported and peer._local:
+            new = set(imported)
             # A same-host peer's memory is copied into by our engine, which
             # the owner holds back only by its revocations (on every
             # connection it accepted). One deregistered after the snapshot
@@ -914,12 +922,15 @@ class Connector:
                 except _cyx.NativeError:
                     pass
 
-    async def _refresh_with(self, peer: Peer, meta: AgentMeta, fds: list[int] | None) -> None:
+    async def _refresh_with(
+        self, peer: Peer, meta: AgentMeta, fds: list[int] | None,
+        imported: list[tuple[int, int]] | None = None,
+    ) -> None:
         if peer._lost:
             raise peer._lost_error()
         self._check_same(peer, meta)
         try:
-            self._apply_regions(peer, meta.regions, fds)
+            self._apply_regions(peer, meta.regions, fds, imported)
         except _cyx.NativeError as exc:
             raise error_class(exc.status)(
                 f"cannot refresh peer {peer.name!r}: {exc}", status=exc.status, peer=peer.name
