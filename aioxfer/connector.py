@@ -884,18 +884,22 @@ class Connector:
                 ))
 
     async def _fetch(self, peer: Peer) -> tuple[AgentMeta, list[int] | None]:
-        """peer's metadata as it serves it now (and a same-host peer's memfds)."""
-        if peer._local:
-            try:
+        """peer's metadata as it serves it now (and a same-host peer's memfds).
+        A fetch that failed once the peer is known lost raises its error
+        (PeerLost...), not the fetch's: a tcp peer's too (a frozen one's
+        fetch timed out after its keepalives had declared it lost:
+        tests/test_rev29_refresh_lost)."""
+        try:
+            if peer._local:
                 async with self._dialer.control_errors(peer.address, "fetching metadata from",
                                                 "fetch metadata from"):
                     return await self._dialer.fetch_local_meta(peer._local, peer.pid)
-            except (OSError, ProtocolError, TransportError) as exc:
-                if not peer._lost:
-                    raise
-                raise peer._lost_error() from exc
-        host, port = parse_address(peer.address)
-        return await self._dialer.fetch_meta(host, port, peer.address), None
+            host, port = parse_address(peer.address)
+            return await self._dialer.fetch_meta(host, port, peer.address), None
+        except (OSError, ProtocolError, TransportError) as exc:
+            if not peer._lost:
+                raise
+            raise peer._lost_error() from exc
 
     def _check_same(self, peer: Peer, meta: AgentMeta) -> None:
         """StalePeer (the peer dropped as restarted) unless meta is peer's."""
