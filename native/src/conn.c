@@ -681,21 +681,36 @@ void conn_say_bye(conn *c, bool owe)
 {
     pthread_mutex_lock(&c->mu);
     if (!c->dead && c->fd >= 0 && !conn_mid_frame(c)) {
-        /* Between frames: the goodbye now, if the socket takes it whole. */
+        /* Between frames (or inside our goodbye, c->bye_off: a second call,
+         * the shutdown's after bye_network's): the goodbye now, if the
+         * socket takes it (its rest) whole. */
         wire_hdr h;
         ka_ping_frame(c, &h);
         h.flags = FL_BYE;
-        ssize_t r = send(c->fd, &h, sizeof h, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (r == (ssize_t)sizeof h) {
+        size_t off = c->bye_off;
+        ssize_t r = send(c->fd, (uint8_t *)&h + off, sizeof h - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r == (ssize_t)(sizeof h - off)) {
             conn_bye_out(c);
             pthread_cond_signal(&c->cv);
             pthread_mutex_unlock(&c->mu);
             return;
         }
-        if (!owe || r > 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+        if (r > 0) {
+            /* Part of it is in the socket (TCP took what its last segment
+             * had room for): the stream is inside the goodbye now, so it is
+             * finished whatever owe says, by the sending thread from where
+             * it stopped (bye_owed_send); cutting it here left the peer a
+             * truncated header (nat28). */
+            c->bye_off = (uint8_t)(off + (size_t)r);
+        } else if (!owe || (errno != EAGAIN && errno != EWOULDBLOCK)) {
             goto dead;
+        }
         /* The socket is full (a reply just written, a slow reader): owed,
          * for the sending thread to say as soon as there is room. */
+    } else if (c->bye_off && !c->dead && c->fd >= 0) {
+        /* Our goodbye's rest is being sent (bye_owed_send): it ends it. */
+        pthread_mutex_unlock(&c->mu);
+        return;
     } else if (c->dead || c->fd < 0 || !owe) {
         goto dead; /* (the goodbye skipped: the peer sees a loss) */
     }
@@ -1936,11 +1951,14 @@ static void bye_owed_send(conn *c)
 {
     c->bye_owed = false;
     c->sending = true; /* nothing else goes on the stream meanwhile */
+    /* What conn_say_bye put in the socket already: the same header (a
+     * function of the engine's settings), sent on from there. */
+    size_t off = c->bye_off;
     pthread_mutex_unlock(&c->mu);
     wire_hdr h;
     ka_ping_frame(c, &h);
     h.flags = FL_BYE;
-    struct iovec v = {.iov_base = &h, .iov_len = sizeof h};
+    struct iovec v = {.iov_base = (uint8_t *)&h + off, .iov_len = sizeof h - off};
     uint64_t sent = 0;
     int r = send_iov(c, &v, 1, false, &sent);
     pthread_mutex_lock(&c->mu);

@@ -260,6 +260,10 @@ typedef struct conn {
      * the socket full): no frame starts any more; the sending thread says it
      * once the stream is between frames, then the connection ends. */
     bool bye_owed;
+    /* c->mu: bytes of our goodbye's header already in the socket (a send
+     * that TCP split: conn_say_bye), the rest owed (bye_owed_send); 0 when
+     * none. Nothing else goes on the stream before its rest. */
+    uint8_t bye_off;
     /* c->mu: dead after our goodbye went into the socket, shut for writing
      * only while its receiver reads on until the peer closes (conn.c
      * conn_bye_out); the next kill shuts it for reading too. */
