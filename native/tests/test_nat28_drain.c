@@ -43,8 +43,10 @@ static int next_frame(int fd, uint16_t type, wire_hdr *out)
 }
 
 /* word: FR_REVOKE_ACK or FR_BYE, queued after a WRITE of region s, both
- * behind the paused receiver, when the engine shuts down. */
-static int word_after_goodbye(uint16_t word)
+ * behind the paused receiver, when the engine shuts down. broken: a header
+ * with a bad magic between them ends the framing: the word is read raw and
+ * dropped (the region given up, as before). */
+static int word_after_goodbye(uint16_t word, bool broken)
 {
     axf_config cfg = {.max_notify_per_conn = 1};
     tengine *o = t_engine(&cfg);
@@ -82,15 +84,24 @@ static int word_after_goodbye(uint16_t word)
     /* Queued behind the pause: a WRITE of s whose payload is a BYE header
      * (framing: it is skipped as payload, not taken as a frame), then the
      * word. */
-    uint8_t q[3 * sizeof(wire_hdr)];
+    uint8_t q[4 * sizeof(wire_hdr)];
+    size_t n = 0;
     wire_hdr wh = {.magic = AXF_MAGIC, .type = FR_WRITE, .flags = FL_LAST, .op = 2, .rid = sid,
                    .key = skey, .len = sizeof(wire_hdr)};
     wire_hdr fake = {.magic = AXF_MAGIC, .type = FR_BYE};
+    wire_hdr bad = {.magic = AXF_MAGIC ^ 1, .type = FR_PING};
     wire_hdr wd = {.magic = AXF_MAGIC, .type = word, .rid = rid};
-    memcpy(q, &wh, sizeof wh);
-    memcpy(q + sizeof wh, &fake, sizeof fake);
-    memcpy(q + 2 * sizeof wh, &wd, sizeof wd);
-    CHECK(put(fd, q, sizeof q));
+    memcpy(q + n, &wh, sizeof wh);
+    n += sizeof wh;
+    memcpy(q + n, &fake, sizeof fake);
+    n += sizeof fake;
+    if (broken) {
+        memcpy(q + n, &bad, sizeof bad);
+        n += sizeof bad;
+    }
+    memcpy(q + n, &wd, sizeof wd);
+    n += sizeof wd;
+    CHECK(put(fd, q, n));
     usleep(50 * 1000);
     axf_stats st;
     axf_engine_stats(o->e, &st);
@@ -100,7 +111,7 @@ static int word_after_goodbye(uint16_t word)
     CHECK_EQ(t_wait(o, AXF_CQ_REGION_FREED, rid, &c), 0);
     fprintf(stderr, "%s after the goodbye: region freed with status %d\n",
             word == FR_BYE ? "BYE" : "REVOKE_ACK", c.status);
-    CHECK_EQ(c.status, AXF_OK); /* before: AXF_E_CLOSED, given up */
+    CHECK_EQ(c.status, broken ? AXF_E_CLOSED : AXF_OK); /* before: AXF_E_CLOSED, given up */
     CHECK(t_all(s, sizeof s, 0x22)); /* the WRITE was not served */
     /* What the peer got: our goodbye, then EOF. */
     if (next_frame(fd, FR_PING, &h))
@@ -111,14 +122,16 @@ static int word_after_goodbye(uint16_t word)
     return 0;
 }
 
-static int test_revoke_ack_after_goodbye(void) { return word_after_goodbye(FR_REVOKE_ACK); }
-static int test_bye_after_goodbye(void) { return word_after_goodbye(FR_BYE); }
+static int test_revoke_ack_after_goodbye(void) { return word_after_goodbye(FR_REVOKE_ACK, false); }
+static int test_bye_after_goodbye(void) { return word_after_goodbye(FR_BYE, false); }
+static int test_broken_framing_drops_the_rest(void) { return word_after_goodbye(FR_BYE, true); }
 
 int main(int argc, char **argv)
 {
     static const t_case cases[] = {
         T_CASE(test_revoke_ack_after_goodbye),
         T_CASE(test_bye_after_goodbye),
+        T_CASE(test_broken_framing_drops_the_rest),
     };
     return T_RUN(argc, argv, cases);
 }
