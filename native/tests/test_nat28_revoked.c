@@ -215,7 +215,7 @@ static bool landed(const uint8_t *r, const uint8_t *want, size_t n)
  * then reuses r, and what the peer sends after that never reaches it. */
 static int deadline_mid_write(bool tcp)
 {
-    axf_config cfg = {.revoke_timeout_ms = 400, .target_poll_us = UINT32_MAX};
+    axf_config cfg = {.revoke_timeout_ms = 1000, .target_poll_us = UINT32_MAX};
     tengine *o = t_engine(&cfg);
     CHECK(o);
     uint8_t *r = malloc(BIG), *pat = malloc(BIG);
@@ -255,7 +255,7 @@ static int deadline_mid_write(bool tcp)
     fprintf(stderr, "%s: region freed %" PRIu64 " ms after its revocation\n", tcp ? "tcp" : "unix",
             took);
     CHECK_EQ(c.status, AXF_OK);
-    CHECK(took >= 350);
+    CHECK(took >= 950);
     CHECK(memcmp(r, pat, BIG / 2 + BIG / 4) == 0);
     CHECK(t_all(r + BIG / 2 + BIG / 4, BIG / 4, 0x11));
     CHECK(log_has(o, "not acknowledged"));
