@@ -681,21 +681,36 @@ void conn_say_bye(conn *c, bool owe)
 {
     pthread_mutex_lock(&c->mu);
     if (!c->dead && c->fd >= 0 && !conn_mid_frame(c)) {
-        /* Between frames: the goodbye now, if the socket takes it whole. */
+        /* Between frames (or inside our goodbye, c->bye_off: a second call,
+         * the shutdown's after bye_network's): the goodbye now, if the
+         * socket takes it (its rest) whole. */
         wire_hdr h;
         ka_ping_frame(c, &h);
         h.flags = FL_BYE;
-        ssize_t r = send(c->fd, &h, sizeof h, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (r == (ssize_t)sizeof h) {
+        size_t off = c->bye_off;
+        ssize_t r = send(c->fd, (uint8_t *)&h + off, sizeof h - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r == (ssize_t)(sizeof h - off)) {
             conn_bye_out(c);
             pthread_cond_signal(&c->cv);
             pthread_mutex_unlock(&c->mu);
             return;
         }
-        if (!owe || r > 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+        if (r > 0) {
+            /* Part of it is in the socket (TCP took what its last segment
+             * had room for): the stream is inside the goodbye now, so it is
+             * finished whatever owe says, by the sending thread from where
+             * it stopped (bye_owed_send); cutting it here left the peer a
+             * truncated header (nat28). */
+            c->bye_off = (uint8_t)(off + (size_t)r);
+        } else if (!owe || (errno != EAGAIN && errno != EWOULDBLOCK)) {
             goto dead;
+        }
         /* The socket is full (a reply just written, a slow reader): owed,
          * for the sending thread to say as soon as there is room. */
+    } else if (c->bye_off && !c->dead && c->fd >= 0) {
+        /* Our goodbye's rest is being sent (bye_owed_send): it ends it. */
+        pthread_mutex_unlock(&c->mu);
+        return;
     } else if (c->dead || c->fd < 0 || !owe) {
         goto dead; /* (the goodbye skipped: the peer sees a loss) */
     }
@@ -1936,11 +1951,14 @@ static void bye_owed_send(conn *c)
 {
     c->bye_owed = false;
     c->sending = true; /* nothing else goes on the stream meanwhile */
+    /* What conn_say_bye put in the socket already: the same header (a
+     * function of the engine's settings), sent on from there. */
+    size_t off = c->bye_off;
     pthread_mutex_unlock(&c->mu);
     wire_hdr h;
     ka_ping_frame(c, &h);
     h.flags = FL_BYE;
-    struct iovec v = {.iov_base = &h, .iov_len = sizeof h};
+    struct iovec v = {.iov_base = (uint8_t *)&h + off, .iov_len = sizeof h - off};
     uint64_t sent = 0;
     int r = send_iov(c, &v, 1, false, &sent);
     pthread_mutex_lock(&c->mu);
@@ -3354,8 +3372,71 @@ static bool rx_after_bye(conn *c)
     return atomic_load(&c->bye_said);
 }
 
-static const char *rx_drain(conn *c, uint8_t *scratch, int *io)
+/* The bytes after header h that a drained frame carries (its payload,
+ * a vectored frame's segment table), or false for a header whose framing
+ * cannot be trusted: its bounds are the serving path's. */
+static bool drain_skip(const wire_hdr *h, uint64_t *skip)
 {
+    bool abort = h->flags & FL_ABORT;
+    uint64_t table = (uint64_t)h->nseg * sizeof(wire_seg);
+    switch (h->type) {
+    case FR_WRITE:
+        *skip = h->len;
+        return !h->nseg && h->len <= AXF_MAX_FRAME && (!abort || !h->len);
+    case FR_WRITEV:
+        *skip = table + h->len;
+        return abort ? !h->len && !h->nseg
+                     : h->nseg && h->nseg <= AXF_MAX_SEGS && h->len <= AXF_MAX_FRAME;
+    case FR_READV:
+        *skip = table;
+        return abort ? !h->len && !h->nseg : h->nseg && h->nseg <= AXF_MAX_SEGS;
+    case FR_NOTIFY:
+        *skip = h->len;
+        return h->len && h->len <= AXF_MAX_NOTIFY;
+    case FR_READ_REQ:
+    case FR_PING:
+    case FR_REVOKE_ACK:
+    case FR_BYE:
+        *skip = 0;
+        return !h->nseg && (h->type == FR_READ_REQ || h->type == FR_PING || !h->len);
+    default:
+        return false;
+    }
+}
+
+/* After our goodbye (rx_after_bye; h: a frame's header read already, or
+ * NULL between frames): nothing the peer sends is served, with two
+ * exceptions that only let go of our memory and touch none of it: a
+ * REVOKE_ACK settles its revocation, a BYE all of the connection's and ends
+ * it. Dropped with the rest, a same-host peer's (ours to wait for until it
+ * acknowledges, says goodbye or exits) left its region quarantined until
+ * the engine's shutdown gave it up (AXF_CQ_REGION_FREED AXF_E_CLOSED: never
+ * to be reused), when our goodbye and its word crossed (native test
+ * nat28_drain). The frames are followed by their headers' lengths, as the
+ * serving path bounds them; a header that breaks them (or a bad magic)
+ * ends the framing: the rest is read raw and dropped. An acknowledgement
+ * of no revocation here is dropped too (the connection ends anyway). */
+static const char *rx_drain(conn *c, uint8_t *scratch, const wire_hdr *first, int *io)
+{
+    wire_hdr h;
+    uint64_t skip = 0;
+    for (const wire_hdr *at = first;; at = NULL) {
+        if (!at) {
+            if ((*io = rx_read(c, &h, sizeof h)))
+                return "connection lost";
+            at = &h;
+        }
+        if (at->magic != AXF_MAGIC || !drain_skip(at, &skip))
+            break;
+        if (at->type == FR_REVOKE_ACK) {
+            (void)revoke_acked(c->e, c, at->rid);
+        } else if (at->type == FR_BYE) {
+            bye_received(c->e, c);
+            return BYE_REASON;
+        } else if (skip && (*io = discard(c, scratch, skip))) {
+            return "connection lost";
+        }
+    }
     ((conn_priv *)c)->rb_len = 0; /* read ahead: dropped as well */
     for (;;) {
         ssize_t r = recv(c->fd, scratch, DISCARD_BYTES, 0);
@@ -3377,7 +3458,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
     uint64_t tx_at = axf_now_us() + (uint64_t)lazy_ms * 1000u;
     for (;;) {
         if (!c->ep && rx_after_bye(c))
-            return rx_drain(c, scratch, io);
+            return rx_drain(c, scratch, NULL, io);
         if (!c->replay)
             rx_wait_room(c);
         int got = 0;
@@ -3427,7 +3508,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
             return "bad frame magic";
         }
         if (!c->ep && rx_after_bye(c)) /* (it may have come while we waited for it) */
-            return rx_drain(c, scratch, io);
+            return rx_drain(c, scratch, h, io);
         const char *reason = conn_rx_frame(c, h, scratch, proto, io);
         AXF_TR(TR_RX_DONE, c->fd, h->op, h->type);
         if (reason)

@@ -22,8 +22,9 @@
  * timeout). A ping carries its sender's peer_timeout_ms (in len), and the
  * side that hears it pings at a third of that when its own keepalive is
  * longer: agents configured apart (one with a 1 s timeout, one with the
- * default 1 s keepalive) would otherwise drop each other's idle connections. Progress is a frame of ours sent, or a reply received: pings are
- * liveness, not progress. With stall detection (stall_ms), a connection that
+ * default 1 s keepalive) would otherwise drop each other's idle
+ * connections. Progress is a frame of ours sent, or a reply received: pings
+ * are liveness, not progress. With stall detection (stall_ms), a connection that
  * owes us replies and made no progress either way for stall_ms is stalled,
  * and so is a blocking send that moved nothing for that long (a peer that
  * pings but does not read). */

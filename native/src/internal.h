@@ -260,6 +260,10 @@ typedef struct conn {
      * the socket full): no frame starts any more; the sending thread says it
      * once the stream is between frames, then the connection ends. */
     bool bye_owed;
+    /* c->mu: bytes of our goodbye's header already in the socket (a send
+     * that TCP split: conn_say_bye), the rest owed (bye_owed_send); 0 when
+     * none. Nothing else goes on the stream before its rest. */
+    uint8_t bye_off;
     /* c->mu: dead after our goodbye went into the socket, shut for writing
      * only while its receiver reads on until the peer closes (conn.c
      * conn_bye_out); the next kill shuts it for reading too. */
@@ -547,7 +551,8 @@ uint64_t axf_now_ns(void); /* CLOCK_MONOTONIC */
 uint64_t axf_now_us(void);
 void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t tag,
              uint64_t nbytes, uint64_t fail_index, const void *payload, size_t plen);
-void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void cq_log(axf_engine *e, uint64_t tag, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 /* Promises one record's slot in the completion ring: AXF_OK, or AXF_E_NOMEM
  * (the ring could not grow). Each promise is either kept by cq_push of a
  * promised kind (AXF_CQ_XFER, AXF_CQ_PEER_LOST, AXF_CQ_REGION_FREED) or

@@ -175,7 +175,13 @@ typedef struct verbs_settings {
     uint8_t sl;        /* AIOXFER_VERBS_SL: service level; 0 */
     int gid_index;     /* AIOXFER_VERBS_GID_INDEX: -1 picks by type (RoCE v2, routable) */
     bool relaxed;      /* AIOXFER_VERBS_RELAXED_ORDERING: 1 (tried, dropped if refused) */
-    char devices[256]; /* AIOXFER_VERBS_DEVICES: comma-separated allow-list; empty: all */
+    /* AIOXFER_VERBS_DEVICES: comma-separated allow-list; NULL or empty: all.
+     * Read in place in the environment snapshot it came from, any length
+     * (a copy into 256 bytes cut a longer list: the devices named past it
+     * were refused): valid while that snapshot is held, an engine's for
+     * its life, a probe's for its call (axf_verbs_probe releases it after
+     * its devices are opened). */
+    const char *devices;
 } verbs_settings;
 
 static int env_int(const axf_env *env, int which, int dflt, int lo, int hi)
@@ -199,14 +205,13 @@ static void settings_read(const axf_env *env, verbs_settings *s)
     s->sl = (uint8_t)env_int(env, AXF_ENV_VERBS_SL, 0, 0, 15);
     s->gid_index = env_int(env, AXF_ENV_VERBS_GID_INDEX, -1, 0, 255);
     s->relaxed = env_int(env, AXF_ENV_VERBS_RELAXED_ORDERING, 1, 0, 1) == 1;
-    const char *d = axf_env_get(env, AXF_ENV_VERBS_DEVICES);
-    snprintf(s->devices, sizeof s->devices, "%s", d ? d : "");
+    s->devices = axf_env_get(env, AXF_ENV_VERBS_DEVICES);
 }
 
 /* Whether device `name` is in the allow-list (empty: every device). */
 static bool device_allowed(const verbs_settings *s, const char *name)
 {
-    if (!s->devices[0])
+    if (!s->devices || !s->devices[0])
         return true;
     size_t n = strlen(name);
     for (const char *p = s->devices; *p;) {
@@ -454,8 +459,7 @@ int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *w
     verbs_settings set;
     axf_env env; /* what an engine created now would use */
     axf_env_take(&env, true);
-    settings_read(&env, &set); /* copies what it keeps */
-    axf_env_release(&env);
+    settings_read(&env, &set); /* set.devices points into env: held until the loop is done */
     for (int i = 0; i < n; i++) {
         vdev v;
         char r[160];
@@ -476,6 +480,7 @@ int axf_verbs_probe(const char *provider, char *names, size_t names_len, char *w
         t.close_device(v.ctx);
         usable++;
     }
+    axf_env_release(&env);
     t.free_device_list(list);
     if (usable)
         snprintf(why, why_len, "%s: %d device%s", t.provider, usable, usable == 1 ? "" : "s");
