@@ -1973,7 +1973,12 @@ static int watch_scan(axf_engine *e, endpoint **finish, int *nfinish, int max_fi
         if (c->exited || atomic_load(&c->down))
             continue;
         pthread_mutex_lock(&c->mu);
-        bool paused = c->rx_paused;
+        /* Paused for our replies (the peer does not take them) is the
+         * peer's doing: its time runs. A peer that takes them at a trickle,
+         * enough to keep our sender from timing out, held its revocations
+         * (over verbs: its queue pairs, so the revoked memory) for as long
+         * as it liked (nat28). */
+        bool paused = c->rx_paused && atomic_load(&c->reply_bytes) < e->cfg.reply_queue_bytes;
         pthread_mutex_unlock(&c->mu);
         if (paused && c->revokes) {
             /* We are not reading it (backpressure): its acknowledgement may
