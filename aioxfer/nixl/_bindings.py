@@ -57,6 +57,7 @@ from aioxfer import (
     _cyx,
 )
 from aioxfer.auth import default_token, hmac_key
+from aioxfer.log import escape
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
 from aioxfer.progress import ALONE_LATENCIES, ALONE_MAX_US, POLL_SLICE_US, check_mode
@@ -351,8 +352,10 @@ def _log(letter: str, message: str) -> None:
     now = time.time()
     stamp = time.strftime("%m%d %H:%M:%S", time.localtime(now))
     micros = int((now % 1) * 1e6)
+    # (Escaped: messages carry what peers sent, agent names and refusal
+    # texts, which must not end this line or forge another: aioxfer.log.)
     line = (f"{letter}{stamp}.{micros:06d} {threading.get_native_id():>7} "
-            f"aioxfer_nixl] {message}\n")
+            f"aioxfer_nixl] {escape(message)}\n")
     # (Never raises: it runs on the loop thread too, inside the notification
     # pump and the assembler's bounds, which a failure here would end. The
     # stream may be None, a process started with fd 2 closed, or whatever
