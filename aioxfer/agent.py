@@ -600,6 +600,13 @@ class Agent:
             await asyncio.wrap_future(key)
 
     @property
+    def _key_pending(self) -> concurrent.futures.Future[bytes] | None:
+        """The derivation while it is under way or not yet taken in (a view
+        of _key, for tests and the library's sibling agents), else None."""
+        key = self._key
+        return key if isinstance(key, concurrent.futures.Future) else None
+
+    @property
     def _token(self) -> bytes | None:
         """The key every HMAC uses; None only for insecure_no_auth. A key
         derived on a thread is taken in at the first read after it is done
