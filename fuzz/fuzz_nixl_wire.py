@@ -30,7 +30,7 @@ the rest is what a peer controls:
      IncompleteReadError when the stream ends first; it never takes a
      byte past the reply, and never holds a buffer bigger than what came
      of the body (or _REPLY_PART); bit 4 (wire version 3): the reply's MAC
-     read after it and checked (_read_proved_reply, the request's body MAC
+     read with it and checked (_read_proved_reply, the request's body MAC
      REQ_MAC), bit 5: the harness puts the genuine MAC there (else the
      input's bytes are the MAC): a body only with the genuine MAC, else
      ValueError with the whole reply read and nothing past it;
@@ -393,8 +393,8 @@ def _proved_reply(opts: int, stream: bytes, bound: int, n: int) -> None:
     after the announced body (else the input's bytes are the MAC). A body
     only with the genuine MAC; ValueError for a whole reply with another
     (everything of it read, nothing past it), as for a length over the
-    bound (nothing past the length); ConnectionError or
-    IncompleteReadError when the stream ends first."""
+    bound (nothing past the length); ConnectionError when the stream ends
+    within the body or the MAC, IncompleteReadError within the length."""
     assert _loop is not None
     b, w = _m.bindings, _m.wire
     genuine = None
@@ -419,15 +419,15 @@ def _proved_reply(opts: int, stream: bytes, bound: int, n: int) -> None:
     elif len(stream) - 4 < n:
         want, want_took = ConnectionError, len(stream)
     elif len(stream) - 4 - n < w.LISTEN_MAC:
-        want, want_took = asyncio.IncompleteReadError, len(stream)
+        want, want_took = ConnectionError, len(stream)
     elif stream[4 + n:4 + n + w.LISTEN_MAC] == genuine:
         want, want_took = bytes, 4 + n + w.LISTEN_MAC
     else:
         want, want_took = ValueError, 4 + n + w.LISTEN_MAC
-    if type(got) is not want and not (want is bytes and isinstance(got, bytes | bytearray)):
+    if type(got) is not want and not (want is bytes and isinstance(got, memoryview)):
         raise AssertionError(f"_read_proved_reply gave {got!r} for a length of {n} "
                              f"(bound {bound}), {len(stream)} bytes sent")
-    if want is bytes and got != stream[4:4 + n]:
+    if want is bytes and bytes(got) != stream[4:4 + n]:
         raise AssertionError("_read_proved_reply's body is not the one sent")
     if want is ValueError and n <= bound and "without this agent's token" not in str(got):
         raise AssertionError(f"a reply with another MAC refused as {got!r}")

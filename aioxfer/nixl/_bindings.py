@@ -3871,10 +3871,12 @@ def _host_port(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-async def _read_reply(conn: _ReplyConn, bound: int, where: str) -> bytes | bytearray:
+async def _read_reply(conn: _ReplyConn, bound: int, where: str,
+                      tail: int = 0) -> bytes | bytearray:
     """A reply frame's body (4-byte big-endian length, then that many
-    bytes): ValueError when the length is over ``bound`` (nothing of the
-    body read), ConnectionError when the listener closes within the body
+    bytes) and the ``tail`` bytes after it, in one buffer: ValueError when
+    the length is over ``bound`` (nothing of the body read),
+    ConnectionError when the listener closes within the body or the tail
     (without ``where``: the caller adds it), IncompleteReadError within the
     length."""
     head = await conn.readexactly(4)
@@ -3882,11 +3884,13 @@ async def _read_reply(conn: _ReplyConn, bound: int, where: str) -> bytes | bytea
     if n > bound:
         raise ValueError(f"{where}: a reply of {n} bytes announced, over the {bound} a "
                          f"reply to this request may have")
+    # (The tail read with the body's last part: one read, not one more wake-up.)
+    total = n + tail
     parts: list[bytearray] = []
     got = 0
-    while got < n or not parts:
+    while got < total or not parts:
         try:
-            parts.append(await conn.readexactly(min(n - got, max(got, _REPLY_PART))))
+            parts.append(await conn.readexactly(min(total - got, max(got, _REPLY_PART))))
         except asyncio.IncompleteReadError as exc:
             got += len(exc.partial)
             break
@@ -3896,22 +3900,26 @@ async def _read_reply(conn: _ReplyConn, bound: int, where: str) -> bytes | bytea
     # (Raised outside the except, what came dropped first: the error's
     # traceback keeps this frame, and its context the read's.)
     parts.clear()
-    raise ConnectionError(f"closed after {got} of the {n} bytes of its reply's body")
+    if got < n:
+        raise ConnectionError(f"closed after {got} of the {n} bytes of its reply's body")
+    raise ConnectionError(f"closed after its reply's body, {got - n} of the {tail} bytes "
+                          f"after it")
 
 
 async def _read_proved_reply(conn: _ReplyConn, bound: int, where: str, token: bytes,
-                             nonce: bytes, request_mac: bytes) -> bytes | bytearray:
-    """_read_reply's body, then its MAC (_wire.reply_mac: the reply to the
-    request whose body MAC was ``request_mac``, after the greeting
+                             nonce: bytes, request_mac: bytes) -> memoryview:
+    """_read_reply's body (a view) and its MAC (_wire.reply_mac: the reply
+    to the request whose body MAC was ``request_mac``, after the greeting
     ``nonce``): ValueError when it is not the one a holder of ``token``
     makes (nothing of the body decoded: metadata, a refusal or an
     acknowledgement from whoever answered on that port is not believed),
-    IncompleteReadError when the listener closes within the MAC."""
-    body = await _read_reply(conn, bound, where)
-    mac = await conn.readexactly(_wire.LISTEN_MAC)
-    if not hmac.compare_digest(mac, _wire.reply_mac(
-            token, nonce, request_mac, len(body).to_bytes(4, "big"), body)):
-        del body  # (the error's traceback keeps this frame)
+    ConnectionError when the listener closes within the body or the MAC."""
+    data = memoryview(await _read_reply(conn, bound, where, _wire.LISTEN_MAC))
+    n = len(data) - _wire.LISTEN_MAC
+    body = data[:n]
+    if not hmac.compare_digest(data[n:], _wire.reply_mac(
+            token, nonce, request_mac, n.to_bytes(4, "big"), body)):
+        del body, data  # (the error's traceback keeps this frame)
         raise ValueError(f"{where}: a reply without this agent's token (not from the agent "
                          f"that listens there, or altered on the way): refused")
     return body

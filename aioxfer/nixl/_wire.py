@@ -193,7 +193,7 @@ def listen_request(token: bytes, nonce: bytes, body: bytes) -> bytes:
 
 
 def reply_mac(token: bytes, nonce: bytes, request_mac: bytes, head: bytes,
-              body: bytes | bytearray) -> bytes:
+              body: bytes | bytearray | memoryview) -> bytes:
     """The MAC of a reply (its length ``head`` and ``body``) to the request
     whose body MAC was ``request_mac``, on the connection greeted with
     ``nonce``."""
