@@ -102,6 +102,12 @@ Local = Segment | Sequence[Segment] | SegmentList
 Remote = RemoteSegment | Segment | Sequence[RemoteSegment] | Sequence[Segment] | SegmentList
 
 
+class _KeyPending(RuntimeError):
+    """An agent made inside a running event loop was used before its
+    token's key was derived (start() and connect() await it): raised, not
+    waited for, because the wait would block that loop (see Agent._token)."""
+
+
 class Agent:
     """One participant: registers memory, serves its metadata, connects to peers,
     posts transfers.
@@ -237,7 +243,13 @@ class Agent:
         self.name = name
         self.incarnation = secrets.randbits(64)
         self.transports: tuple[str, ...] = transports
-        self._key_pending: concurrent.futures.Future[bytes] | None = None
+        # The key every HMAC uses, in one field whose type says its state:
+        # bytes (derived), a Future (still being derived: read through
+        # _token, which refuses to block on it), None (insecure_no_auth
+        # only). Before, None meant either of the last two (told apart by
+        # a second field), so a reader that skipped the check read a
+        # pending key as no authentication.
+        self._key: bytes | concurrent.futures.Future[bytes] | None
         if _credentials_of is not None:
             # (private: a sibling agent of the library's own, e.g. a KV
             # PeerTier's control agent) Exactly that agent's credentials: its
@@ -247,12 +259,11 @@ class Agent:
             # and $AIOXFER_TOKEN / the token file may be another secret.
             if token is not None or insecure_no_auth:
                 raise ValueError("_credentials_of takes no token= or insecure_no_auth")
-            self._token: bytes | None = _credentials_of._token
-            self._key_pending = _credentials_of._key_pending
+            self._key = _credentials_of._key
         elif insecure_no_auth:
             if token is not None:
                 raise ValueError("give either token= or insecure_no_auth=True, not both")
-            self._token = None
+            self._key = None
         else:
             # Every HMAC keys on the stretched token (auth.hmac_key: derived
             # once per token per process, never per connection). Made inside
@@ -262,12 +273,13 @@ class Agent:
             # (~45 ms); elsewhere it is derived here.
             raw = token_bytes(token) if token is not None else None
             raw = raw if raw is not None else default_token()
-            self._token = key_if_derived(raw)
-            if self._token is None:
-                if _loop_running():
-                    self._key_pending = key_soon(raw)
-                else:
-                    self._token = hmac_key(raw)
+            derived = key_if_derived(raw)
+            if derived is not None:
+                self._key = derived
+            elif _loop_running():
+                self._key = key_soon(raw)
+            else:
+                self._key = hmac_key(raw)
         self._peer_timeout = float(peer_timeout)
         # (kept for the library's sibling agents, see _credentials_of)
         self._keepalive = float(keepalive)
@@ -329,7 +341,7 @@ class Agent:
         # alike: a same-host peer that knows only our address dials it
         # directly, skipping the tcp round that would tell it the name above.
         self._direct_socks: list[socket.socket] = []
-        if self._key_pending is None:
+        if not isinstance(self._key, concurrent.futures.Future):
             self._listen_direct()
         self._accept_msg = Accept(name=self.name, incarnation=self.incarnation,
                                   host_id=self._host_id, local=self._local_name)
@@ -514,8 +526,7 @@ class Agent:
         agent and starts following the members (raises TransportError if etcd
         cannot be reached; a later start() tries again, and a cancelled one
         stops joining). Idempotent."""
-        if self._key_pending is not None:
-            await asyncio.wrap_future(self._key_pending)
+        await self._key_derived()
         fresh = self._loop is None
         loop = self._start()
         # Made now: the first connect would otherwise make it (and Rails)
@@ -581,20 +592,43 @@ class Agent:
                     _log.debug("local.direct_unavailable", agent=self.name, address=bound,
                                reason=str(exc))
 
-    def _take_key(self) -> None:
-        """The key derived on a thread (see __init__), taken in: start() and
-        connect() awaited it; any other first use waits for it here."""
-        pending = self._key_pending
-        if pending is not None:
-            self._token = pending.result()
-            self._key_pending = None
-            if not self._closed:  # (closed: aclose closed the others, nothing closes these)
-                self._listen_direct()
+    async def _key_derived(self) -> None:
+        """Waits (without blocking the loop) for a key still being derived
+        on its thread (see __init__); at once when there is none to wait for."""
+        key = self._key
+        if isinstance(key, concurrent.futures.Future) and not key.done():
+            await asyncio.wrap_future(key)
+
+    @property
+    def _key_pending(self) -> concurrent.futures.Future[bytes] | None:
+        """The derivation while it is under way or not yet taken in (a view
+        of _key, for tests and the library's sibling agents), else None."""
+        key = self._key
+        return key if isinstance(key, concurrent.futures.Future) else None
+
+    @property
+    def _token(self) -> bytes | None:
+        """The key every HMAC uses; None only for insecure_no_auth. A key
+        derived on a thread is taken in at the first read after it is done
+        (start() and connect() await that: _key_derived); read before, this
+        raises _KeyPending rather than block the caller (the event loop's
+        thread, where such an agent was made) for the derivation or be read
+        as no authentication."""
+        key = self._key
+        if not isinstance(key, concurrent.futures.Future):
+            return key
+        if not key.done():
+            raise _KeyPending(
+                f"agent {self.name!r}: its token's key is still being derived (made inside "
+                f"a running event loop): await start() first")
+        self._key = derived = key.result()  # (the derivation's error, if it failed)
+        if not self._closed:  # (closed: aclose closed the others, nothing closes these)
+            self._listen_direct()
+        return derived
 
     @functools.cached_property
     def _dialer(self) -> Dialer:
-        """Made at the first use (after the key: _take_key)."""
-        self._take_key()
+        """Made at the first use (after the key: _token raises before)."""
         return Dialer(
             self.name,
             incarnation=self.incarnation,
@@ -604,7 +638,7 @@ class Agent:
         )
 
     def _start(self) -> asyncio.AbstractEventLoop:
-        self._take_key()
+        self._token  # noqa: B018 (the key taken in, or _KeyPending: never started without it)
         loop = asyncio.get_running_loop()
         if self._loop is not None:
             if self._loop is not loop:
@@ -942,8 +976,7 @@ class Agent:
                 )
             await self.start()
             return await self._cluster.connect(address, self.connect)
-        if self._key_pending is not None:
-            await asyncio.wrap_future(self._key_pending)
+        await self._key_derived()
         loop = self._start()
         peer = self._peers.by_addr.get(address)
         if peer is not None and not peer._lost:
@@ -973,7 +1006,6 @@ class Agent:
     @functools.cached_property
     def _connector(self) -> Connector:
         """The connect-flow collaborator, made on first use."""
-        self._take_key()  # (never made with no key while one is derived)
         return Connector(
             self.name,
             config=ConnectConfig(

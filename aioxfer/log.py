@@ -11,6 +11,16 @@ or call :func:`configure`. Events are named ``object.what`` (``peer.connected``,
 ``peer.lost``, ``conn.rejected``) and carry their details as key/values. Below the
 level, a call is one method call that formats nothing; the data path does not
 log at all.
+
+Values in log lines often come from peers (agent names, a refusal's reason,
+a KV key): the console format writes every value and the event with their
+control characters and bidirectional-text overrides escaped (``\\x0a``,
+``\\x1b``, ``\\u202e``; :func:`escape`), so that no peer can forge, end or
+hide a line; ordinary text, non-ASCII letters included, is written as it is.
+The json format is escaped by json itself (ASCII only). When the application
+configured structlog, its processors render aioxfer's events and are its
+to make safe (structlog's ConsoleRenderer writes strings as they are: add
+:func:`escape_values` before the renderer).
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ["configure", "get_logger"]
+__all__ = ["configure", "escape", "escape_values", "get_logger"]
 
 _state: dict[str, Any] = {}
 
@@ -35,6 +45,64 @@ class _Stderr:
         print(message, file=sys.stderr, flush=True)
 
     log = debug = info = warn = warning = error = err = critical = fatal = exception = msg
+
+
+def _escape_char(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
+def escape(text: str) -> str:
+    """``text`` with every character that is not printable (str.isprintable:
+    control characters, line and paragraph separators, format characters
+    such as the bidirectional overrides U+202A-U+202E and U+2066-U+2069,
+    unassigned code points) written as a Python escape; ``text`` itself
+    when it has none (one C-speed scan)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape_char(c) for c in text)
+
+
+class _Shown:
+    """A value as the console renderer is to write it: its text exactly
+    (structlog's ConsoleRenderer writes a value that is not a str as its
+    repr, and one that is as it is or as its repr by what it contains:
+    this is neither re-quoted nor re-escaped)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    __str__ = __repr__
+
+
+def escape_values(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """A structlog processor for a console renderer, which writes some
+    strings and objects' own reprs as they are: each value (and the event)
+    with a character that is not printable is replaced by text without
+    one, a str by its repr (quoted, escaped as :func:`escape` does), any
+    other value by its repr, escaped; printable values pass untouched (one
+    scan each). A rendered traceback (``exception``, ``stack``) keeps its
+    line breaks, each line escaped."""
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            if value.isprintable():
+                continue
+            if key in ("exception", "stack"):
+                event_dict[key] = "\n".join(map(escape, value.split("\n")))
+            elif key == "event":
+                event_dict[key] = _Shown(escape(value))
+            else:
+                event_dict[key] = _Shown(repr(value))
+        elif not isinstance(value, (int, float, bool, type(None))):
+            text = repr(value)
+            if not text.isprintable():
+                event_dict[key] = _Shown(escape(text))
+    return event_dict
 
 
 def _level(value: str | int | None) -> int:
@@ -61,7 +129,9 @@ def configure(*, level: str | int | None = None, json: bool | None = None) -> No
     if json:
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        processors.append(structlog.dev.ConsoleRenderer(colors=False))
+        # (Tracebacks rendered to text first, so that they are escaped too.)
+        processors += [structlog.processors.format_exc_info, escape_values,
+                       structlog.dev.ConsoleRenderer(colors=False)]
     _state["processors"] = processors
     _state["wrapper"] = structlog.make_filtering_bound_logger(_level(level))
     _state["logger"] = _Stderr()

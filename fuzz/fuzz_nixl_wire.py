@@ -29,7 +29,11 @@ the rest is what a peer controls:
      (nothing past the length read) over it, ConnectionError or
      IncompleteReadError when the stream ends first; it never takes a
      byte past the reply, and never holds a buffer bigger than what came
-     of the body (or _REPLY_PART);
+     of the body (or _REPLY_PART); bit 4 (wire version 3): the reply's MAC
+     read with it and checked (_read_proved_reply, the request's body MAC
+     REQ_MAC), bit 5: the harness puts the genuine MAC there (else the
+     input's bytes are the MAC): a body only with the genuine MAC, else
+     ValueError with the whole reply read and nothing past it;
   7: the listener wire's versions (WIRE_VERSION): bit 3 clear, the rest
      read as a listener greeting (greeting_version: 1 without the magic,
      else the version it says) and, after NOTICE_MAGIC, as a client's
@@ -184,12 +188,21 @@ def _reply(body: bytes) -> None:
         _md(rep.md)
 
 
+async def _body(reader: Any) -> bytes:
+    """_read_authenticated's body; the MAC it returns with it must be the
+    body's (what the listener's reply MAC covers)."""
+    body, mac = await _m.bindings._read_authenticated(reader, TOKEN, NONCE)
+    if mac != _m.wire.listen_body_mac(TOKEN, NONCE, body):
+        raise AssertionError(f"_read_authenticated returned {mac!r}, not the body's MAC")
+    return body
+
+
 async def _read(stream: bytes) -> bytes:
     reader = asyncio.StreamReader()
     reader.feed_data(stream)
     reader.feed_eof()
     try:
-        return await _m.bindings._read_authenticated(reader, TOKEN, NONCE)
+        return await _body(reader)
     except ValueError as exc:
         if "without this agent's token" in str(exc):
             # (Refused on the length's MAC: nothing past it was read.)
@@ -226,8 +239,7 @@ async def _read_conn(stream: bytes, piece: int) -> tuple[bytes | BaseException, 
     """The listener's framing over a _ListenConn given stream in pieces:
     (the body or the exception, bytes it took from the stream)."""
     conn = _m.bindings._ListenConn(None)
-    return await _feed(conn, _m.bindings._read_authenticated(conn, TOKEN, NONCE), stream,
-                       piece)
+    return await _feed(conn, _body(conn), stream, piece)
 
 
 async def _feed(conn: Any, coro: Any, stream: bytes, piece: int,
@@ -340,6 +352,9 @@ def _reply_framing(opts: int, stream: bytes) -> None:
     b, w = _m.bindings, _m.wire
     bound = w.MAX_FRAME if opts & 8 else w.MAX_ACK
     n = int.from_bytes(stream[:4], "big") if len(stream) >= 4 else -1
+    if opts & 16:
+        _proved_reply(opts, stream, bound, n)
+        return
     conn = b._ReplyConn()
     part = b._REPLY_PART
     try:
@@ -366,6 +381,58 @@ def _reply_framing(opts: int, stream: bytes) -> None:
         raise AssertionError("_read_reply's body is not the one sent")
     if took != want_took:
         raise AssertionError(f"_read_reply took {took} bytes of {len(stream)}, "
+                             f"{want_took} were its")
+
+
+REQ_MAC = b"R" * 32  # (mode 6, bit 4: the request's body MAC a reply answers)
+
+
+def _proved_reply(opts: int, stream: bytes, bound: int, n: int) -> None:
+    """Mode 6 with bit 4: the reply read and its MAC checked, as _request
+    does (_read_proved_reply); bit 5: the harness puts the genuine MAC
+    after the announced body (else the input's bytes are the MAC). A body
+    only with the genuine MAC; ValueError for a whole reply with another
+    (everything of it read, nothing past it), as for a length over the
+    bound (nothing past the length); ConnectionError when the stream ends
+    within the body or the MAC, IncompleteReadError within the length."""
+    assert _loop is not None
+    b, w = _m.bindings, _m.wire
+    genuine = None
+    if 0 <= n <= bound and len(stream) - 4 >= n:
+        genuine = w.reply_mac(TOKEN, NONCE, REQ_MAC, stream[:4], stream[4:4 + n])
+        if opts & 32:
+            stream = stream[:4 + n] + genuine + stream[4 + n:]
+    conn = b._ReplyConn()
+    part = b._REPLY_PART
+    try:
+        got, took = _loop.run_until_complete(asyncio.wait_for(_feed(
+            conn, b._read_proved_reply(conn, bound, "listener", TOKEN, NONCE, REQ_MAC), stream,
+            1 + (opts >> 6) * 13, lambda pos: max(part, pos - 4)), 5))
+    except TimeoutError:
+        raise AssertionError("_read_proved_reply still waiting 5 s after the stream ended"
+                             ) from None
+    if n < 0:
+        want: Any = asyncio.IncompleteReadError
+        want_took = len(stream)
+    elif n > bound:
+        want, want_took = ValueError, 4
+    elif len(stream) - 4 < n:
+        want, want_took = ConnectionError, len(stream)
+    elif len(stream) - 4 - n < w.LISTEN_MAC:
+        want, want_took = ConnectionError, len(stream)
+    elif stream[4 + n:4 + n + w.LISTEN_MAC] == genuine:
+        want, want_took = bytes, 4 + n + w.LISTEN_MAC
+    else:
+        want, want_took = ValueError, 4 + n + w.LISTEN_MAC
+    if type(got) is not want and not (want is bytes and isinstance(got, memoryview)):
+        raise AssertionError(f"_read_proved_reply gave {got!r} for a length of {n} "
+                             f"(bound {bound}), {len(stream)} bytes sent")
+    if want is bytes and bytes(got) != stream[4:4 + n]:
+        raise AssertionError("_read_proved_reply's body is not the one sent")
+    if want is ValueError and n <= bound and "without this agent's token" not in str(got):
+        raise AssertionError(f"a reply with another MAC refused as {got!r}")
+    if took != want_took:
+        raise AssertionError(f"_read_proved_reply took {took} bytes of {len(stream)}, "
                              f"{want_took} were its")
 
 
@@ -511,7 +578,7 @@ async def _read_left(stream: bytes) -> tuple[bytes | BaseException, int]:
     reader.feed_data(stream)
     reader.feed_eof()
     try:
-        got: bytes | BaseException = await _m.bindings._read_authenticated(reader, TOKEN, NONCE)
+        got: bytes | BaseException = await _body(reader)
     except (ValueError, asyncio.IncompleteReadError, _m.wire.ListenerVersionError) as exc:
         got = exc.with_traceback(None)
     return got, len(stream) - len(reader._buffer)  # type: ignore[attr-defined]
@@ -663,6 +730,15 @@ def seeds() -> dict[str, bytes]:
         "reply-framed-ack": bytes([6 | 3 << 6]) + len(ack).to_bytes(4, "big") + ack,
         "reply-framed-cut": bytes([6 | 8 | 3 << 6]) + (1 << 20).to_bytes(4, "big") + b"c" * 90,
         "reply-framed-over": bytes([6]) + (1 << 20).to_bytes(4, "big") + b"o" * 90,
+        # replies with their MAC (wire version 3): genuine (bytes after
+        # it), forged, cut within the MAC, in 1- and 40-byte pieces
+        "reply-proved": bytes([6 | 8 | 16 | 32]) + len(reply_md).to_bytes(4, "big") + reply_md
+        + b"more",
+        "reply-proved-ack": bytes([6 | 16 | 32 | 3 << 6]) + len(ack).to_bytes(4, "big") + ack,
+        "reply-proved-forged": bytes([6 | 8 | 16]) + len(reply_md).to_bytes(4, "big") + reply_md
+        + b"f" * 32,
+        "reply-proved-cut": bytes([6 | 16 | 3 << 6]) + len(ack).to_bytes(4, "big") + ack
+        + b"c" * 20,
     }
     del b
     msg = bytes(range(200))

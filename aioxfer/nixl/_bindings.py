@@ -40,6 +40,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from time import perf_counter as _perf_counter
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -57,6 +58,7 @@ from aioxfer import (
     _cyx,
 )
 from aioxfer.auth import default_token, hmac_key
+from aioxfer.log import escape
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
 from aioxfer.progress import ALONE_LATENCIES, ALONE_MAX_US, POLL_SLICE_US, check_mode
@@ -351,8 +353,10 @@ def _log(letter: str, message: str) -> None:
     now = time.time()
     stamp = time.strftime("%m%d %H:%M:%S", time.localtime(now))
     micros = int((now % 1) * 1e6)
+    # (Escaped: messages carry what peers sent, agent names and refusal
+    # texts, which must not end this line or forge another: aioxfer.log.)
     line = (f"{letter}{stamp}.{micros:06d} {threading.get_native_id():>7} "
-            f"aioxfer_nixl] {message}\n")
+            f"aioxfer_nixl] {escape(message)}\n")
     # (Never raises: it runs on the loop thread too, inside the notification
     # pump and the assembler's bounds, which a failure here would end. The
     # stream may be None, a process started with fd 2 closed, or whatever
@@ -1940,7 +1944,7 @@ class nixlAgent:
                 conn.write(nonce)
                 await conn.drain()
                 try:
-                    body = await _read_authenticated(conn, token, nonce, proved)
+                    body, req_mac = await _read_authenticated(conn, token, nonce, proved)
                 except _OlderClient:
                     # (Its listener error text: what a version-1 client raises.)
                     _write_frame(conn, _wire.encoder.encode(
@@ -1964,7 +1968,8 @@ class nixlAgent:
                 else:
                     self._forget(req.name)
                     reply = _wire.Reply(ok=True)
-                _write_frame(conn, _wire.encoder.encode(reply))
+                # (Proved, whatever it says: _wire's version 3.)
+                conn.write(_wire.reply_frame(token, nonce, req_mac, _wire.encoder.encode(reply)))
                 await conn.drain()
         except _Evicted:
             pass
@@ -2039,11 +2044,18 @@ class nixlAgent:
                         f"{where} speaks listener wire version {version}{older}, this agent "
                         f"{_wire.WIRE_VERSION}: use one aioxfer version on both sides")
                 else:
-                    conn.write(_wire.listen_request(token, nonce, _wire.encoder.encode(req)))
+                    # (A fresh nonce per request: a reply recorded on an
+                    # earlier connection, replayed by whoever answers with
+                    # the greeting it came after, does not prove this one.)
+                    request = _wire.listen_request(token, nonce, _wire.encoder.encode(
+                        msgspec.structs.replace(req, nonce=os.urandom(_wire.CLIENT_NONCE))))
+                    req_mac = request[-_wire.LISTEN_MAC:]
+                    conn.write(request)
+                    del request
                     stage = "the request not taken"
                     await conn.drain()
                     stage = "no whole reply"
-                    body = await _read_reply(conn, bound, where)
+                    body = await _read_proved_reply(conn, bound, where, token, nonce, req_mac)
                     ok = True
         except TimeoutError:
             failed = TimeoutError, f"{where}: {stage} within {_CONNECT_TIMEOUT:g} s"
@@ -3585,9 +3597,10 @@ class _Reads(Protocol):
 
 
 async def _read_authenticated(reader: _Reads, token: bytes, nonce: bytes,
-                              proved: Callable[[], None] | None = None) -> bytes:
+                              proved: Callable[[], None] | None = None) -> tuple[bytes, bytes]:
     """A listener request from a client that knows ``token`` (see
-    _wire.LISTEN_NONCE; ``nonce`` the greeting sent); ValueError for any
+    _wire.LISTEN_NONCE; ``nonce`` the greeting sent): its body and its
+    body's MAC (what the reply's MAC covers); ValueError for any
     other, _wire.ListenerVersionError for a client of another listener wire
     version (a version 1 client's request read whole first: it is answered).
     ``proved()`` is called once the client has shown it holds the token (the
@@ -3621,9 +3634,10 @@ async def _read_authenticated(reader: _Reads, token: bytes, nonce: bytes,
             f"a client of listener wire version 1 (an older aioxfer.nixl; this agent speaks "
             f"{_wire.WIRE_VERSION}: use one aioxfer version on both sides), told so")
     body = bytes(memoryview(data)[:n])
-    if not hmac.compare_digest(data[n:], _wire.listen_body_mac(token, nonce, body)):
+    mac = bytes(memoryview(data)[n:])
+    if not hmac.compare_digest(mac, _wire.listen_body_mac(token, nonce, body)):
         raise ValueError("a request whose body does not match its proof")
-    return body
+    return body, mac
 
 
 class _OlderClient(_wire.ListenerVersionError):
@@ -3857,10 +3871,12 @@ def _host_port(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-async def _read_reply(conn: _ReplyConn, bound: int, where: str) -> bytes | bytearray:
+async def _read_reply(conn: _ReplyConn, bound: int, where: str,
+                      tail: int = 0) -> bytes | bytearray:
     """A reply frame's body (4-byte big-endian length, then that many
-    bytes): ValueError when the length is over ``bound`` (nothing of the
-    body read), ConnectionError when the listener closes within the body
+    bytes) and the ``tail`` bytes after it, in one buffer: ValueError when
+    the length is over ``bound`` (nothing of the body read),
+    ConnectionError when the listener closes within the body or the tail
     (without ``where``: the caller adds it), IncompleteReadError within the
     length."""
     head = await conn.readexactly(4)
@@ -3868,11 +3884,13 @@ async def _read_reply(conn: _ReplyConn, bound: int, where: str) -> bytes | bytea
     if n > bound:
         raise ValueError(f"{where}: a reply of {n} bytes announced, over the {bound} a "
                          f"reply to this request may have")
+    # (The tail read with the body's last part: one read, not one more wake-up.)
+    total = n + tail
     parts: list[bytearray] = []
     got = 0
-    while got < n or not parts:
+    while got < total or not parts:
         try:
-            parts.append(await conn.readexactly(min(n - got, max(got, _REPLY_PART))))
+            parts.append(await conn.readexactly(min(total - got, max(got, _REPLY_PART))))
         except asyncio.IncompleteReadError as exc:
             got += len(exc.partial)
             break
@@ -3882,7 +3900,29 @@ async def _read_reply(conn: _ReplyConn, bound: int, where: str) -> bytes | bytea
     # (Raised outside the except, what came dropped first: the error's
     # traceback keeps this frame, and its context the read's.)
     parts.clear()
-    raise ConnectionError(f"closed after {got} of the {n} bytes of its reply's body")
+    if got < n:
+        raise ConnectionError(f"closed after {got} of the {n} bytes of its reply's body")
+    raise ConnectionError(f"closed after its reply's body, {got - n} of the {tail} bytes "
+                          f"after it")
+
+
+async def _read_proved_reply(conn: _ReplyConn, bound: int, where: str, token: bytes,
+                             nonce: bytes, request_mac: bytes) -> memoryview:
+    """_read_reply's body (a view) and its MAC (_wire.reply_mac: the reply
+    to the request whose body MAC was ``request_mac``, after the greeting
+    ``nonce``): ValueError when it is not the one a holder of ``token``
+    makes (nothing of the body decoded: metadata, a refusal or an
+    acknowledgement from whoever answered on that port is not believed),
+    ConnectionError when the listener closes within the body or the MAC."""
+    data = memoryview(await _read_reply(conn, bound, where, _wire.LISTEN_MAC))
+    n = len(data) - _wire.LISTEN_MAC
+    body = data[:n]
+    if not hmac.compare_digest(data[n:], _wire.reply_mac(
+            token, nonce, request_mac, n.to_bytes(4, "big"), body)):
+        del body, data  # (the error's traceback keeps this frame)
+        raise ValueError(f"{where}: a reply without this agent's token (not from the agent "
+                         f"that listens there, or altered on the way): refused")
+    return body
 
 
 # See _ListenConn.close (used on the loop thread only).

@@ -26,6 +26,7 @@ __all__ = [
     "DListBlob",
     "Fetch",
     "Invalidate",
+    "CLIENT_NONCE",
     "ListenerVersionError",
     "Push",
     "RegionMD",
@@ -47,13 +48,23 @@ MAX_FRAME = 64 << 20
 # bytes: GREETING_MAGIC, its wire version, fresh random bytes); the client
 # then sends the length, HMAC(key, len ctx + greeting + length), the body,
 # HMAC(key, body ctx + greeting + body), key = auth.hmac_key(token), the
-# contexts naming the wire version. The first MAC is checked before the body
+# contexts naming the wire version that made them. The first MAC is checked before the body
 # is read, so a client without the token makes the listener hold 4 +
 # LISTEN_MAC bytes, not MAX_FRAME; the fresh bytes make a recorded request
-# useless on another connection. Replies are plain frames (no TLS, as
-# aioxfer's: see SECURITY.md); what a reply says is checked where it is used
-# (the connection to the address it gives authenticates, and only ranges the
-# peer itself advertised are used).
+# useless on another connection. Each request carries a fresh client
+# nonce (its ``nonce`` field, CLIENT_NONCE random bytes) and each reply is
+# proved too (version 3): 4-byte length, body, HMAC(key, reply ctx +
+# greeting + the request's body MAC + length + body); the request's body
+# MAC covers the greeting and the client's nonce, so a reply is good for
+# that one request only, and only from a holder of the token. Before
+# version 3 replies were plain frames: whoever answered a client's
+# connection (a process squatting on the listener's port while the agent
+# was down, a man in the middle) had its metadata, its refusal or its
+# acknowledgement believed; the client now refuses such a reply (a
+# ValueError naming the listener) before decoding it. No TLS (as aioxfer's
+# own: see SECURITY.md): a reply is proved, not hidden. What a reply says
+# is checked where it is used too (the connection to the address it gives
+# authenticates, and only ranges the peer itself advertised are used).
 #
 # Versions (WIRE_VERSION). Version 1 (aioxfer.nixl up to main 07d60a7) had
 # no version field: its greeting was 16 random bytes and its contexts end in
@@ -74,7 +85,12 @@ MAX_FRAME = 64 << 20
 #   naming both versions, which a version-1 client raises as the listener's
 #   refusal text; a request without a MAC of either kind is refused as
 #   before ("without this agent's token").
-WIRE_VERSION = 2
+#
+# Version 3 (this one) adds the client's nonce to the request's body and the
+# reply's MAC; a request's layout and its MAC contexts are version 2's
+# (named "-v2"): a client checks the greeting's version before it sends
+# one, so no request of one version reaches a listener of another.
+WIRE_VERSION = 3
 GREETING_MAGIC = b"AXNL"
 NOTICE_MAGIC = b"\xffAXV"
 LISTEN_NONCE = 16  # the greeting's length: version 1's nonce, so its clients read it whole
@@ -82,6 +98,8 @@ LISTEN_MAC = 32
 LISTEN_HEAD = 4 + LISTEN_MAC  # a request's length and its MAC; a VersionNotice's size
 _LISTEN_LEN_CTX = b"aioxfer-nixl-listen-len-v2\x00"
 _LISTEN_BODY_CTX = b"aioxfer-nixl-listen-body-v2\x00"
+_REPLY_CTX = b"aioxfer-nixl-listen-reply-v3\x00"
+CLIENT_NONCE = 16  # the request's own fresh bytes (its ``nonce``): what binds a reply to it
 _V1_LEN_CTX = b"aioxfer-nixl-listen-len-v1\x00"
 _V1_BODY_CTX = b"aioxfer-nixl-listen-body-v1\x00"
 # The most a reply to a Push or an Invalidate may have (an acknowledgement,
@@ -166,10 +184,28 @@ def v1_len_mac(token: bytes, nonce: bytes, head: bytes) -> bytes:
 
 
 def listen_request(token: bytes, nonce: bytes, body: bytes) -> bytes:
-    """A request as a client with ``token`` sends it after the greeting ``nonce``."""
+    """A request as a client with ``token`` sends it after the greeting
+    ``nonce``; its last LISTEN_MAC bytes are its body's MAC (what the
+    reply's proves it answers: reply_frame)."""
     head = len(body).to_bytes(4, "big")
     return (head + listen_len_mac(token, nonce, head) + body
             + listen_body_mac(token, nonce, body))
+
+
+def reply_mac(token: bytes, nonce: bytes, request_mac: bytes, head: bytes,
+              body: bytes | bytearray | memoryview) -> bytes:
+    """The MAC of a reply (its length ``head`` and ``body``) to the request
+    whose body MAC was ``request_mac``, on the connection greeted with
+    ``nonce``."""
+    mac = hmac.new(hmac_key(token), _REPLY_CTX + nonce + request_mac + head, hashlib.sha256)
+    mac.update(body)
+    return mac.digest()
+
+
+def reply_frame(token: bytes, nonce: bytes, request_mac: bytes, body: bytes) -> bytes:
+    """A reply as a listener with ``token`` sends it: length, body, MAC."""
+    head = len(body).to_bytes(4, "big")
+    return head + body + reply_mac(token, nonce, request_mac, head, body)
 
 
 class RegionMD(msgspec.Struct, array_like=True, frozen=True):
@@ -195,17 +231,23 @@ class AgentMD(msgspec.Struct, frozen=True):
     partial: bool = False
 
 
+# (``nonce``: the client's fresh CLIENT_NONCE bytes, which the reply's MAC
+# covers through the request's; the listener reads it as any other byte of
+# the body: it protects the client, which made it.)
 class Push(msgspec.Struct, tag="push", frozen=True):
     md: bytes
+    nonce: bytes = b""
 
 
 class Fetch(msgspec.Struct, tag="fetch", frozen=True):
     name: str
     label: str = ""
+    nonce: bytes = b""
 
 
 class Invalidate(msgspec.Struct, tag="invalidate", frozen=True):
     name: str
+    nonce: bytes = b""
 
 
 class Reply(msgspec.Struct, tag="reply", frozen=True):
