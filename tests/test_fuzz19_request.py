@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from aioxfer import auth
 from aioxfer.nixl import _bindings, _wire
 
 TIMEOUT = 1.5  # the requests' timeout here (_CONNECT_TIMEOUT, 30 s by default)
@@ -33,8 +34,10 @@ STEP = 20.0
 # A hostile listener in another process (stdlib only): serves every
 # connection as argv[1] says, until killed. Prints its port.
 _HOSTILE = r"""
-import os, socket, struct, sys, threading, time
+import hashlib, hmac, os, socket, struct, sys, threading, time
 mode, arg = sys.argv[1], sys.argv[2]
+# (Our listener wire version and the token's key, for an honest reply's MAC.)
+version, key = int(sys.argv[3]), bytes.fromhex(sys.argv[4])
 srv = socket.socket()
 srv.bind(("127.0.0.1", 0))
 srv.listen(256)
@@ -46,11 +49,14 @@ held = []
 def request(c):  # what a client sends after the nonce: length, MAC, body, MAC
     head = c.recv(36, socket.MSG_WAITALL)
     n = int.from_bytes(head[:4], "big")
+    tail = b""
     while n + 32 > 0:
         got = c.recv(min(n + 32, 1 << 16))
         if not got:
             raise OSError("client gone")
         n -= len(got)
+        tail = (tail + got)[-32:]
+    return tail  # the body's MAC (what a reply's MAC covers)
 
 def flood(c, n=None):
     while n is None or n > 0:
@@ -71,10 +77,11 @@ def one(c):
             c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             c.close()
             return
-        c.sendall(b"AXNL\x00\x02" + os.urandom(10))  # a greeting of listener wire version 2
+        greeting = b"AXNL" + version.to_bytes(2, "big") + os.urandom(10)
+        c.sendall(greeting)
         if mode == "flood":  # garbage from the nonce on, as fast as it is taken
             flood(c)
-        request(c)
+        req_mac = request(c)
         if mode == "mute":  # takes the request, never answers
             return
         if mode == "trickle":  # a 1000-byte reply's length, then a byte every 50 ms
@@ -96,8 +103,10 @@ def one(c):
         elif mode == "short":  # a length, 10 bytes, closed
             c.sendall(int(arg).to_bytes(4, "big") + b"x" * 10)
             c.close()
-        elif mode == "reply":  # the frame in file arg, in 1000-byte pieces
+        elif mode == "reply":  # the frame in file arg and its MAC, in 1000-byte pieces
             data = open(arg, "rb").read()
+            data += hmac.new(key, b"aioxfer-nixl-listen-reply-v3\x00" + greeting + req_mac
+                             + data, hashlib.sha256).digest()
             for i in range(0, len(data), 1000):
                 c.sendall(data[i:i + 1000])
     except OSError:
@@ -112,7 +121,9 @@ while True:
 class Hostile:
     def __init__(self, mode: str, arg: str = "") -> None:
         # (cwd outside the checkout: the child needs only the stdlib.)
-        self.proc = subprocess.Popen([sys.executable, "-c", _HOSTILE, mode, arg], cwd="/",
+        key = auth.hmac_key(auth.default_token()).hex()  # (the core agents' token)
+        self.proc = subprocess.Popen([sys.executable, "-c", _HOSTILE, mode, arg,
+                                      str(_wire.WIRE_VERSION), key], cwd="/",
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
@@ -199,7 +210,8 @@ CASES = {
     "reply-over-max-frame": ("announce", str(_wire.MAX_FRAME + 1), _fetch, ValueError,
                              f"a reply of {_wire.MAX_FRAME + 1} bytes announced, over the "
                              f"{_wire.MAX_FRAME}"),
-    "lies-short-then-floods": ("lie", "10", _fetch, ValueError, "a reply that does not decode"),
+    "lies-short-then-floods": ("lie", "10", _fetch, ValueError,
+                               "a reply without this agent's token"),
     "closes-within-the-reply": ("short", "100000", _fetch, ConnectionError,
                                 "closed after 10 of the 100000 bytes"),
     "stalls-within-a-long-reply": ("stall", f"{8 << 20},{1 << 20}", _fetch, TimeoutError,

@@ -166,7 +166,7 @@ srv = socket.create_server(("127.0.0.1", 0))
 print(srv.getsockname()[1], flush=True)
 while True:
     c, _ = srv.accept()
-    c.sendall(b"AXNL\x00\x02" + b"n" * 10)  # a greeting of listener wire version 2
+    c.sendall(b"AXNL" + int(sys.argv[2]).to_bytes(2, "big") + b"n" * 10)  # our version's
     head = c.recv(36, socket.MSG_WAITALL)
     n = int.from_bytes(head[:4], "big") + 32
     while n > 0:
@@ -179,7 +179,8 @@ while True:
 
 @pytest.fixture
 def cut_listener(request: pytest.FixtureRequest) -> Iterator[int]:
-    proc = subprocess.Popen([sys.executable, "-c", _CUT, request.param], cwd="/",
+    proc = subprocess.Popen([sys.executable, "-c", _CUT, request.param,
+                             str(_wire.WIRE_VERSION)], cwd="/",
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

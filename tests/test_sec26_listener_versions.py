@@ -80,7 +80,8 @@ def test_an_older_client_is_told_the_versions(listener: Any, capfd: Any) -> None
     assert len(got) == 4 + n, got
     reply = _wire.reply_decoder.decode(got[4:])
     assert not reply.ok
-    assert "listener wire version 2" in reply.error and "client version 1" in reply.error
+    assert f"listener wire version {_wire.WIRE_VERSION}" in reply.error
+    assert "client version 1" in reply.error
     with socket.create_connection(("127.0.0.1", port), timeout=STEP) as s:
         greeting = s.recv(_wire.LISTEN_NONCE, socket.MSG_WAITALL)
         s.sendall(_v1_request(auth.hmac_key(b"another token"), greeting, fetch))
@@ -161,7 +162,8 @@ def test_a_client_names_an_older_listener_and_sends_it_no_proof(
     try:
         exc = _fetch_from(client, old.port)
         assert isinstance(exc, _wire.ListenerVersionError)
-        assert "listener wire version 1" in str(exc) and "this agent 2" in str(exc), exc
+        assert "listener wire version 1" in str(exc), exc
+        assert f"this agent {_wire.WIRE_VERSION}" in str(exc), exc
         assert old.done.wait(STEP)
     finally:
         old.close()
@@ -172,7 +174,7 @@ def test_a_client_names_an_older_listener_and_sends_it_no_proof(
                            hashlib.sha256).digest()
     assert mac != _wire.listen_len_mac(TOKEN.encode(), nonce, head)
     body = old.got[_wire.LISTEN_HEAD:_wire.LISTEN_HEAD + n]
-    with pytest.raises(ValueError, match="Invalid value 'aioxfer.nixl listener wire version 2"):
+    with pytest.raises(ValueError, match=f"Invalid value 'aioxfer.nixl listener wire version {_wire.WIRE_VERSION}"):
         _wire.request_decoder.decode(body)
 
 
@@ -180,11 +182,13 @@ def test_a_client_names_a_newer_listener_and_sends_only_its_notice(
         agents: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
     client = agents()
-    newer = _RawListener(_wire.GREETING_MAGIC + (3).to_bytes(2, "big") + os.urandom(10))
+    later = _wire.WIRE_VERSION + 1
+    newer = _RawListener(_wire.GREETING_MAGIC + later.to_bytes(2, "big") + os.urandom(10))
     try:
         exc = _fetch_from(client, newer.port)
         assert isinstance(exc, _wire.ListenerVersionError)
-        assert "listener wire version 3" in str(exc) and "this agent 2" in str(exc), exc
+        assert f"listener wire version {later}" in str(exc), exc
+        assert f"this agent {_wire.WIRE_VERSION}" in str(exc), exc
         assert newer.done.wait(STEP)
     finally:
         newer.close()
@@ -276,7 +280,8 @@ def test_real_old_listener(agents: Any, monkeypatch: pytest.MonkeyPatch) -> None
         reader.join(STEP)
     err = "".join(got)
     lines = _lines(err)
-    assert any("Invalid value 'aioxfer.nixl listener wire version 2" in ln for ln in lines), err
+    want = f"Invalid value 'aioxfer.nixl listener wire version {_wire.WIRE_VERSION}"
+    assert any(want in ln for ln in lines), err
     assert not any("without this agent's token" in ln for ln in lines), err
 
 
@@ -291,8 +296,8 @@ def test_real_old_client(listener: Any, capfd: Any) -> None:
                            str(listener.agent.listen_port)], cwd="/", env=_env(),
                           capture_output=True, text=True, timeout=60)
     assert done.stdout.splitlines()[-1] == "not loaded", (done.stdout, done.stderr)
-    assert "this metadata listener speaks listener wire version 2, the client version 1" \
-        in done.stderr, done.stderr
+    assert (f"this metadata listener speaks listener wire version {_wire.WIRE_VERSION}, the "
+            f"client version 1") in done.stderr, done.stderr
     assert time.monotonic() - t0 < 30
     deadline = time.monotonic() + STEP
     lines: list[str] = []
