@@ -84,6 +84,12 @@ def _count(counts: dict[str, int], name: str, by: int) -> None:
         counts.pop(name, None)
 
 
+def _member_name(sender: str) -> str:
+    """The member a placement's or ack's sender speaks for: a store agent's
+    control agent is its name and _CTL; a plain agent speaks for itself."""
+    return sender[:-len(_CTL)] if sender.endswith(_CTL) else sender
+
+
 def owners(key: bytes, members: list[str], replicas: int) -> list[str]:
     """The ``replicas`` members that own ``key`` (highest score first)."""
     return sorted(members, key=lambda m: _score(key, m), reverse=True)[:replicas]
@@ -451,6 +457,14 @@ class PeerTier(Tier):
     async def _add_member(self, peer: aioxfer.Peer) -> _Member | None:
         agent = self.store.agent
         if peer.name == agent.name and peer.incarnation == agent.incarnation:
+            return None
+        if not peer.name.isprintable():
+            # A member's name goes into log lines (kv.peer_joined, ...) as
+            # it is: one with a newline or a terminal escape could forge or
+            # hide lines there (kv28). Agents are named by their
+            # applications: such a name is broken or hostile, no member.
+            _log.warning("kv.peer_name_refused", tier=self.name, member=repr(peer.name),
+                         reason="control characters")
             return None
         known = self.members.get(peer.name)
         if known is not None and known.peer is peer:
@@ -884,24 +898,38 @@ class PeerTier(Tier):
                 if (sum(self._pulling.values()) >= self.max_pulls
                         or self._pulling.get(sender, 0) >= self.max_pulls_per_peer
                         or self._answering.get(sender, 0) >= self.max_pulls):
-                    self._refuse(head, len(body) // 48)
+                    self._refuse(sender, head, len(body) // 48)
                     continue
                 _count(self._pulling, sender, 1)
                 self._spawn(self._pull_from(sender, head, body))
 
-    def _unvouched(self, sender: str, head: dict[str, Any]) -> str | None:
+    def _unvouched(self, sender: str, head: dict[str, Any], *, ack: bool = False,
+                   reached: str | None = None) -> str | None:
         """Why a placement from the agent ``sender`` names addresses we will
         not dial (None: we may). A placement makes us connect to its "from"
-        (to pull) and its "ctl" (to acknowledge): from a member we know (its
-        control agent, or its store agent itself), both must be what it
-        published (its meta, as read at its join: "address" and "ctl"), else
-        any holder of the token could make this agent dial any host and
-        port. With discovery, a sender we have not joined yet must be one of
-        etcd's members, at the address etcd holds for it. Embedded, a sender
-        we never connected to (it joined us) has no published address we
-        know: its addresses are dialled as sent (how a member that joined
-        us introduces itself)."""
-        name = sender[:-len(_CTL)] if sender.endswith(_CTL) else sender
+        (to pull) and its "ctl" (to acknowledge), else any holder of the
+        token could make this agent dial any host and port. Asked twice:
+        as it arrives, for "from", and again before its ack (``ack``), for
+        "ctl" too (``reached``: the name of the agent the pull found at
+        "from", None if it reached none). From a member we know (its control
+        agent, or its store agent itself), both must be what it published
+        (its meta, as read at its join: "address" and "ctl"); by the ack a
+        sender that is a member has been joined by the pull (_pull), so its
+        published "ctl" is checked then. With discovery, a sender we have
+        not joined must be one of etcd's members, at the address etcd holds
+        for it. Embedded, a sender we never connected to (it joined us) has
+        no published address we know: its "from" is dialled as sent, and
+        the pull goes on only if the agent there is the sender's store agent
+        (its name, proven by the token in the handshake: _pull), which is
+        how a member that joined us introduces itself. The ack of a sender
+        that is still no member goes only to the sender itself, found at
+        "from" (a plain agent placing its own memory), nowhere else (rev28,
+        kv28: it went to any "ctl" such a placement named, even after a
+        failed pull or a refusal). Names with control characters are no
+        members' (kv28: they went raw into log lines)."""
+        name = _member_name(sender)
+        if not sender.isprintable():
+            return "its name has control characters"
         known = self.members.get(name)
         if known is not None and not known.peer.lost:
             if head["from"] not in {known.peer.address, known.meta.get("address")}:
@@ -910,11 +938,14 @@ class PeerTier(Tier):
                 return "its control address is not the member's"
             return None
         if self.store.agent._cluster is not None:
-            for ev in self.store.agent._membership.snapshot():
-                if ev.name == name:
-                    return None if ev.address == head["from"] else (
-                        "its address is not the one discovery holds")
-            return "not a member (discovery)"
+            held = next((ev.address for ev in self.store.agent._membership.snapshot()
+                         if ev.name == name), None)
+            if held is None:
+                return "not a member (discovery)"
+            if held != head["from"]:
+                return "its address is not the one discovery holds"
+        if ack and (reached != sender or head["ctl"] != head["from"]):
+            return "its control address is not the member's"
         return None
 
     def _refuse_unvouched(self, sender: str, head: dict[str, Any], why: str, n: int) -> None:
@@ -935,7 +966,7 @@ class PeerTier(Tier):
                 _log.info("kv.peer_answers_again", tier=self.name, member=m.name)
                 return
 
-    def _refuse(self, head: dict[str, Any], n: int) -> None:
+    def _refuse(self, sender: str, head: dict[str, Any], n: int) -> None:
         """A placement past the limits: nothing pulled; its sender is told so
         (while the refusals being told stay under max_pulls; past that the
         sender's wait for the ack ends it)."""
@@ -943,54 +974,53 @@ class PeerTier(Tier):
         self.counters.dropped("pull_refused", n)
         if self._acking < self.max_pulls:
             self._acking += 1
-            self._spawn(self._ack(head, bytes(n), refusal=True))
+            self._spawn(self._ack(sender, head, bytes(n), refusal=True))
 
     async def _pull_from(self, sender: str, head: dict[str, Any], body: bytes) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._pull_tasks[task] = sender
         try:
-            await self._pull(head, body)
+            await self._pull(sender, head, body)
         finally:
             if self._pull_tasks.pop(task, None) is not None:  # (ended before its ack)
                 _count(self._pulling, sender, -1)
 
-    async def _ack(self, head: dict[str, Any], stored: bytes, *, refusal: bool = False) -> None:
+    async def _ack(self, sender: str, head: dict[str, Any], stored: bytes, *,
+                   refusal: bool = False, reached: str | None = None) -> None:
+        """Answers a placement at its "ctl", if that is an address we may
+        dial (_unvouched, asked again now: ``reached`` is the agent the pull
+        found at "from"); else nothing is sent (the sender's ack_wait ends
+        it there)."""
         # A pull's ack: its reading is over, from now on it counts as answering.
         task = asyncio.current_task()
-        sender = None if refusal or task is None else self._pull_tasks.pop(task, None)
-        if sender is not None:
-            _count(self._pulling, sender, -1)
-            _count(self._answering, sender, 1)
+        pulled = None if refusal or task is None else self._pull_tasks.pop(task, None)
+        if pulled is not None:
+            _count(self._pulling, pulled, -1)
+            _count(self._answering, pulled, 1)
         try:
             with contextlib.suppress(XferError, OSError, ValueError):
                 if self.ctl is not None:
-                    ctl = self._ack_address(head)
-                    if ctl is None:
-                        return  # (the sender's ack_wait ends it)
-                    back = await self.ctl.connect(ctl)
+                    why = self._unvouched(sender, head, ack=True, reached=reached)
+                    if why is not None:
+                        _log.info("kv.peer_ack_withheld", tier=self.name, sender=repr(sender),
+                                  reason=why, ctl=repr(head["ctl"][:200]))
+                        return
+                    back = await self.ctl.connect(head["ctl"])
                     ack = json.dumps({"op": "ack", "req": head["req"]}).encode()
                     await back.notify(len(ack).to_bytes(2, "little") + ack + stored)
         finally:
             if refusal:
                 self._acking -= 1
-            if sender is not None:
-                _count(self._answering, sender, -1)
+            if pulled is not None:
+                _count(self._answering, pulled, -1)
 
-    def _ack_address(self, head: dict[str, Any]) -> str | None:
-        """Where a placement's ack may go: its "ctl" when that is what the
-        member at its "from" published (read at its join; _pull joins an
-        unjoined discovery sender first); embedded, an unknown sender's as
-        sent (see _unvouched); with discovery, nowhere else (rev28: the ack
-        went to any "ctl" a placement named, even after a failed pull)."""
-        for m in self.members.values():
-            if not m.peer.lost and head["from"] in {m.peer.address, m.meta.get("address")}:
-                return head["ctl"] if head["ctl"] == m.meta["ctl"] else None
-        return None if self.store.agent._cluster is not None else head["ctl"]
-
-    async def _pull(self, head: dict[str, Any], body: bytes) -> None:
+    async def _pull(self, sender: str, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
-        host tier, verify, publish, acknowledge."""
+        host tier, verify, publish, acknowledge. The agent found at "from"
+        must be the sender's store agent (kv28: any agent there was read
+        from, and joined as a member: a token holder could make us copy a
+        third agent's memory, and have the ack sent wherever it named)."""
         store = self.store
         host: HostTier | None = store._host
         agent = store.agent
@@ -1000,8 +1030,18 @@ class PeerTier(Tier):
                     int.from_bytes(body[j + 44:j + 48], "little"))
                    for j in range(0, len(body) - 47, 48)]
         stored = bytearray(len(entries))
+        reached: str | None = None
+        refused = False
         try:
             peer = await agent.connect(head["from"])
+            if peer.name != _member_name(sender):
+                # Nothing read, nothing sent back: not even a member's ack
+                # (its "from" names another agent: broken or forged).
+                refused = True
+                self._refuse_unvouched(
+                    sender, head, f"the agent at its address is {peer.name!r}", len(entries))
+                return
+            reached = peer.name
             await self._add_member(peer)
             try:
                 src = peer.region(head["region"])
@@ -1030,7 +1070,8 @@ class PeerTier(Tier):
         except (XferError, OSError, LookupError, ValueError) as exc:  # (a bad address)
             _log.info("kv.peer_pull_failed", tier=self.name, error=repr(exc))
         finally:
-            await self._ack(head, bytes(stored))
+            if not refused:
+                await self._ack(sender, head, bytes(stored), reached=reached)
 
     async def _pull_direct(self, host: HostTier, src: RemoteRegion,
                            entries: list[tuple[bytes, int, int, int]], fresh: list[int],
