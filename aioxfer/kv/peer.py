@@ -981,7 +981,7 @@ class PeerTier(Tier):
         assert task is not None
         self._pull_tasks[task] = sender
         try:
-            await self._pull(sender, head, body)
+            await self._pull(head, body)
         finally:
             if self._pull_tasks.pop(task, None) is not None:  # (ended before its ack)
                 _count(self._pulling, sender, -1)
@@ -1015,12 +1015,15 @@ class PeerTier(Tier):
             if pulled is not None:
                 _count(self._answering, pulled, -1)
 
-    async def _pull(self, sender: str, head: dict[str, Any], body: bytes) -> None:
+    async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
         host tier, verify, publish, acknowledge. The agent found at "from"
         must be the sender's store agent (kv28: any agent there was read
         from, and joined as a member: a token holder could make us copy a
         third agent's memory, and have the ack sent wherever it named)."""
+        task = asyncio.current_task()
+        assert task is not None
+        sender = self._pull_tasks[task]  # (set by _pull_from, which runs this)
         store = self.store
         host: HostTier | None = store._host
         agent = store.agent
