@@ -159,7 +159,7 @@ class _Slots:
     async def take(self, k: int) -> list[int]:
         if not 1 <= k <= self.n:
             raise ValueError(f"take({k}) of {self.n} slots")
-        if not self._waiters and len(self.free) >= k:
+        if self.ready(k):
             return self._grab(k)
         fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         entry = (k, fut)
@@ -174,6 +174,10 @@ class _Slots:
                     self._waiters.remove(entry)
                 self._wake()  # it may have held up those after it
             raise
+
+    def ready(self, k: int) -> bool:
+        """Whether take(k) would be served at once."""
+        return not self._waiters and len(self.free) >= k
 
     def give_back(self, slots: list[int]) -> None:
         self.free.extend(slots)
@@ -237,10 +241,12 @@ class PeerTier(Tier):
     broken or hostile peer starts no unbounded work.
 
     ``ack_wait``: how long a placement waits for its member's
-    acknowledgement (connecting to it included). Past it the blocks count as
+    acknowledgement (its turn behind our other placements to that member
+    and connecting to it included). Past it the blocks count as
     not stored (dropped "ack_timeout"; the member may still take them: it
     verifies what it reads, so a slot reused meanwhile is refused there) and
-    the member is *silent*: placements to it are skipped at once (dropped
+    the member (if that placement had not waited for its turn) is
+    *silent*: placements to it are skipped at once (dropped
     "peer_stalled") until it answers again (a late ack), leaves, or
     ``ack_timeout`` has passed (then one placement tries it again). One
     stopped or wedged member (alive to the kernel, so not yet lost) thus
@@ -788,20 +794,36 @@ class PeerTier(Tier):
         m = self.members.get(name)
         if m is None or self.ctl is None:
             return [], "peer_left", len(idx)
+        # ack_wait bounds the whole placement, its turn included (kv28: the
+        # turn was waited for outside it, so a slow member that answers
+        # each placement just within ack_wait held the last of n queued
+        # ones n ack_waits, and the put or write-back with it).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ack_wait
+        queued = not m.sending.ready(1)
         # In turn with our other placements to it (see _Member.sending): one
         # past its max_pulls_per_peer would be refused there (its blocks
         # dropped) for no fault of either side.
-        sending = await m.sending.take(1)
+        try:
+            async with asyncio.timeout_at(deadline):
+                sending = await m.sending.take(1)
+        except TimeoutError:
+            # Not sent: its turn never came (the member answers, slowly, or
+            # a placement before it is finding it silent).
+            return [], "ack_timeout", len(idx)
         try:
             if self.members.get(name) is not m:  # it left or was replaced meanwhile
                 return [], "peer_left", len(idx)
-            return await self._place_to(m, name, idx, keys, regions, offsets, crcs)
+            return await self._place_to(m, name, idx, keys, regions, offsets, crcs,
+                                        deadline, queued)
         finally:
             m.sending.give_back(sending)
 
     async def _place_to(self, m: _Member, name: str, idx: list[int], keys: list[bytes],
-                        regions: list[Region], offsets: list[int],
-                        crcs: list[int]) -> tuple[list[int], str, int]:
+                        regions: list[Region], offsets: list[int], crcs: list[int],
+                        deadline: float, queued: bool) -> tuple[list[int], str, int]:
+        """_place's message, sent and answered by ``deadline``; ``queued``:
+        it waited for its turn, so it had less than ack_wait to itself."""
         assert self.ctl is not None
         loop = asyncio.get_running_loop()
         if m.silent_since is not None:
@@ -819,7 +841,7 @@ class PeerTier(Tier):
         fut: asyncio.Future[bytes] = loop.create_future()
         key: tuple[str, int] | None = None
         try:
-            async with asyncio.timeout(self.ack_wait):
+            async with asyncio.timeout_at(deadline):
                 if m.ctl is None or m.ctl.lost:
                     m.ctl = await self.ctl.connect(m.meta["ctl"])
                 key = (m.ctl.name, req)
@@ -832,8 +854,13 @@ class PeerTier(Tier):
             # blocks are not stored as far as we know; nothing more is sent
             # to it until it answers (a late ack of this request) or leaves.
             _log.warning("kv.peer_ack_timeout", tier=self.name, member=name,
-                         seconds=self.ack_wait)
-            if m.silent_since is None:
+                         seconds=self.ack_wait, queued=queued)
+            # Silent only when a placement that had the whole ack_wait to
+            # itself went unanswered: one that waited for its turn behind
+            # others had less (a member answering each in time is no
+            # silent one, and skipping it would drop placements for
+            # ack_timeout).
+            if m.silent_since is None and not queued:
                 m.silent_since = loop.time()
             if key is not None:
                 m.late.add(req)
