@@ -362,7 +362,15 @@ class PeerTier(Tier):
         # members given token= with other token files do not share (their
         # control agents could not reach each other: every placement
         # failed), and which the application did not choose.
+        # It only sends and receives notifications (small, a few a
+        # placement) and has no memory of its own: one tcp connection a
+        # peer, one copy worker, and the store agent's transports but verbs
+        # and cuda (kv28: the defaults gave it 4 connections a peer, each
+        # with its thread, both ways: 105 threads in a writer with 3 members
+        # over tcp, 86 with one connection).
+        transports = tuple(t for t in agent.transports if t in ("shm", "tcp")) or ("tcp",)
         self.ctl = aioxfer.Agent(f"{agent.name}{_CTL}", listen=f"{host_part}:0",
+                                 transports=transports, tcp_connections=1, copy_workers=1,
                                  peer_timeout=agent._peer_timeout,
                                  keepalive=agent._keepalive,
                                  stall_timeout=agent._stall_timeout, limits=agent.limits,
