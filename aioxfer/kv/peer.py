@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import random
 import secrets
 from collections import deque
 from collections.abc import Awaitable
@@ -65,6 +66,10 @@ IDX_DTYPE = np.dtype([("key", "V32"), ("slot", "<u4"), ("crc", "<u4"), ("gen", "
 assert IDX_DTYPE.itemsize == IENTRY
 _META_BYTES = 4096
 _MAX_PER_MSG = 64  # (key, offset, crc) entries per control message (<= 4 KiB)
+# A placement refused as "busy" (see _refuse) is sent again after a random
+# pause of 0.5-1.5 x this, doubled each time up to _BUSY_PAUSE_MAX (seconds).
+_BUSY_PAUSE = 0.002
+_BUSY_PAUSE_MAX = 0.05
 
 
 def _bucket(key: bytes, nb: int) -> int:
@@ -211,7 +216,7 @@ class _Member:
         self.buckets = int(meta["buckets"])
         self.ctl: aioxfer.Peer | None = None
         # Placements sent and not yet acknowledged: request -> its future.
-        self.waiting: dict[int, asyncio.Future[bytes]] = {}
+        self.waiting: dict[int, asyncio.Future[tuple[bytes, bool]]] = {}
         # Requests whose ack_wait passed unanswered; a late ack of one of
         # them proves the member alive again.
         self.late: set[int] = set()
@@ -236,9 +241,11 @@ class PeerTier(Tier):
     ``agent.membership()``). ``max_pulls``: placements (requests of up to 64
     blocks each) pulled here at once, at most ``max_pulls_per_peer`` of them
     from one sending peer; a request past either is refused (acknowledged
-    with nothing stored, so its sender drops those blocks at once) and
-    counted (``pulls_refused``, dropped "pull_refused"): a flood from a
-    broken or hostile peer starts no unbounded work.
+    with nothing stored and "busy": its sender sends it again after a short
+    random pause, until its ack_wait is over, then drops those blocks,
+    "peer_busy"; counted there as ``busy_retries``) and counted here
+    (``pulls_refused``, dropped "pull_refused"): a flood from a broken or
+    hostile peer starts no unbounded work.
 
     ``ack_wait``: how long a placement waits for its member's
     acknowledgement (its turn behind our other placements to that member
@@ -332,7 +339,9 @@ class PeerTier(Tier):
         self.stage_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         # (the member's control agent's name, request) -> the ack's future
-        self._acks: dict[tuple[str, int], asyncio.Future[bytes]] = {}
+        # (an ack is its bitmap and whether it says "busy": see _refuse)
+        self._acks: dict[tuple[str, int], asyncio.Future[tuple[bytes, bool]]] = {}
+        self.busy_retries = 0  # placements sent again after a "busy" refusal
         self.pulled = 0  # blocks other members placed here
 
     # ------------------------------------------------------------ open / close
@@ -822,8 +831,21 @@ class PeerTier(Tier):
         try:
             if self.members.get(name) is not m:  # it left or was replaced meanwhile
                 return [], "peer_left", len(idx)
-            return await self._place_to(m, name, idx, keys, regions, offsets, crcs,
-                                        deadline, queued)
+            pause = _BUSY_PAUSE
+            while True:
+                got = await self._place_to(m, name, idx, keys, regions, offsets, crcs,
+                                           deadline, queued)
+                # Refused for the member's pull limits, not for its blocks
+                # (kv28: more writers than its max_pulls allows at once had
+                # placements refused and their blocks dropped): sent again,
+                # after a short random pause, until the deadline.
+                wait = pause * (0.5 + random.random())
+                if got[1] != "peer_busy" or loop.time() + wait >= deadline:
+                    return got
+                self.busy_retries += 1
+                await asyncio.sleep(wait)
+                pause = min(2 * pause, _BUSY_PAUSE_MAX)
+                queued = True  # (it has had part of its ack_wait)
         finally:
             m.sending.give_back(sending)
 
@@ -846,7 +868,7 @@ class PeerTier(Tier):
                            "ctl": self.ctl.address, "region": region.name}).encode()
         body = b"".join(keys[i] + offsets[i].to_bytes(8, "little") + crcs[i].to_bytes(4, "little")
                         + ck.ALGO.to_bytes(4, "little") for i in idx)
-        fut: asyncio.Future[bytes] = loop.create_future()
+        fut: asyncio.Future[tuple[bytes, bool]] = loop.create_future()
         key: tuple[str, int] | None = None
         try:
             async with asyncio.timeout_at(deadline):
@@ -856,7 +878,7 @@ class PeerTier(Tier):
                 self._acks[key] = fut
                 m.waiting[req] = fut
                 await m.ctl.notify(len(head).to_bytes(2, "little") + head + body)
-                bitmap = await fut
+                bitmap, busy = await fut
         except TimeoutError:
             # Silent (stopped, wedged, or its control agent unreachable): its
             # blocks are not stored as far as we know; nothing more is sent
@@ -898,7 +920,11 @@ class PeerTier(Tier):
             _log.warning("kv.peer_bad_ack", tier=self.name, member=name, blocks=len(idx),
                          ack_bytes=len(bitmap))
             return [], "bad_ack", len(idx)
-        return [i for i, b in zip(idx, bitmap, strict=True) if b], "peer_refused", len(idx)
+        # A refusal past the member's pull limits says so ("busy": all its
+        # max_pulls taken, as by more writers than max_pulls /
+        # max_pulls_per_peer at once): _place sends it again.
+        why = "peer_busy" if busy and not bitmap.strip(b"\x00") else "peer_refused"
+        return [i for i, b in zip(idx, bitmap, strict=True) if b], why, len(idx)
 
     async def _serve(self) -> None:
         assert self.ctl is not None
@@ -920,7 +946,7 @@ class PeerTier(Tier):
                 # member's ack of it would make us drop blocks as stored).
                 fut = self._acks.get((msg.peer_name, head["req"]))
                 if fut is not None and not fut.done():
-                    fut.set_result(body)
+                    fut.set_result((body, head.get("busy") is True))
                 elif fut is None:
                     self._late_ack(msg.peer_name, head["req"])
             elif head.get("op") == "put" and all(
@@ -1004,7 +1030,9 @@ class PeerTier(Tier):
     def _refuse(self, sender: str, head: dict[str, Any], n: int) -> None:
         """A placement past the limits: nothing pulled; its sender is told so
         (while the refusals being told stay under max_pulls; past that the
-        sender's wait for the ack ends it)."""
+        sender's wait for the ack ends it), with "busy" in the ack: its
+        blocks were not looked at, so the sender may send them again (an
+        older sender reads it as any refusal: its blocks dropped)."""
         self.pulls_refused += 1
         self.counters.dropped("pull_refused", n)
         if self._acking < self.max_pulls:
@@ -1034,7 +1062,9 @@ class PeerTier(Tier):
             _count(self._pulling, pulled, -1)
             _count(self._answering, pulled, 1)
         try:
-            with contextlib.suppress(XferError, OSError, ValueError):
+            with contextlib.suppress(XferError, OSError, LookupError, ValueError):
+                if refusal:
+                    reached = await self._introduce(sender, head)
                 if self.ctl is not None:
                     why = self._unvouched(sender, head, ack=True, reached=reached)
                     if why is not None:
@@ -1042,13 +1072,34 @@ class PeerTier(Tier):
                                   reason=why, ctl=repr(head["ctl"][:200]))
                         return
                     back = await self.ctl.connect(head["ctl"])
-                    ack = json.dumps({"op": "ack", "req": head["req"]}).encode()
+                    answer: dict[str, Any] = {"op": "ack", "req": head["req"]}
+                    if refusal:
+                        answer["busy"] = True  # (see _refuse)
+                    ack = json.dumps(answer).encode()
                     await back.notify(len(ack).to_bytes(2, "little") + ack + stored)
         finally:
             if refusal:
                 self._acking -= 1
             if pulled is not None:
                 _count(self._answering, pulled, -1)
+
+    async def _introduce(self, sender: str, head: dict[str, Any]) -> str | None:
+        """Before a refusal's ack: a sender that is no member yet is joined
+        as a pull would join it (its "from" dialled, the agent there
+        checked to be the sender's, its meta read), so that the ack can go
+        to the control address it published (else it would get none, and
+        wait out its ack_wait: a writer whose first placement met the
+        limits took the owner for silent). The agent found at "from", if
+        it is the sender's (None: none or another)."""
+        name = _member_name(sender)
+        known = self.members.get(name)
+        if known is not None and not known.peer.lost:
+            return None  # (vouched by what it published)
+        peer = await self.store.agent.connect(head["from"])
+        if peer.name != name:
+            return None
+        await self._add_member(peer)
+        return peer.name
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
@@ -1206,4 +1257,4 @@ class PeerTier(Tier):
         return {"members": len(self.members), "pulled": self.pulled,
                 "pulls_in_flight": sum(self._pulling.values()),
                 "pulls_answering": sum(self._answering.values()),
-                "pulls_refused": self.pulls_refused}
+                "pulls_refused": self.pulls_refused, "busy_retries": self.busy_retries}
