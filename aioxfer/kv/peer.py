@@ -373,13 +373,14 @@ class PeerTier(Tier):
         # failed), and which the application did not choose.
         # It only sends and receives notifications (small, a few a
         # placement) and has no memory of its own: one tcp connection a
-        # peer, one copy worker, and the store agent's transports but verbs
-        # and cuda (kv28: the defaults gave it 4 connections a peer, each
-        # with its thread, both ways: 105 threads in a writer with 3 members
-        # over tcp, 86 with one connection).
+        # peer, and the store agent's transports but verbs and cuda (kv28:
+        # the defaults gave it 4 connections a peer over tcp, each with its
+        # thread, both ways). Its copy workers stay 2: with one, 8
+        # concurrent overflow puts were ~25 % slower a round on one host
+        # (benchmarks/kv26_overflow.py, 5 pairs).
         transports = tuple(t for t in agent.transports if t in ("shm", "tcp")) or ("tcp",)
         self.ctl = aioxfer.Agent(f"{agent.name}{_CTL}", listen=f"{host_part}:0",
-                                 transports=transports, tcp_connections=1, copy_workers=1,
+                                 transports=transports, tcp_connections=1,
                                  peer_timeout=agent._peer_timeout,
                                  keepalive=agent._keepalive,
                                  stall_timeout=agent._stall_timeout, limits=agent.limits,
