@@ -823,8 +823,11 @@ class PeerTier(Tier):
         # past its max_pulls_per_peer would be refused there (its blocks
         # dropped) for no fault of either side.
         try:
-            async with asyncio.timeout_at(deadline):
-                sending = await m.sending.take(1)
+            if queued:
+                async with asyncio.timeout_at(deadline):
+                    sending = await m.sending.take(1)
+            else:
+                sending = await m.sending.take(1)  # (served at once: no timer)
         except TimeoutError:
             # Not sent: its turn never came (the member answers, slowly, or
             # a placement before it is finding it silent).
