@@ -101,12 +101,16 @@ async def test_a_placement_from_a_member_at_its_own_addresses_is_pulled(
         assert ta.pulled >= 1 and ta.pulls_refused == 0
 
 
+@pytest.mark.parametrize("field", ["from", "ctl"])
 async def test_with_discovery_a_placement_from_an_unjoined_sender_needs_etcds_address(
-        make_agent: MakeAgent, etcd_server: str) -> None:  # noqa: F811 (imported above)
+        make_agent: MakeAgent, etcd_server: str, field: str) -> None:  # noqa: F811
     """With discovery, a placement from an agent the tier has not taken as a
-    member: from one etcd holds, "from" must be the address etcd holds for
-    it; from one etcd does not hold, nothing is dialled (before: both
-    dialled the test's port)."""
+    member, ``field`` a port of the test's, the other the sender's own
+    address: from one etcd holds, "from" must be the address etcd holds
+    for it, and its "ctl" is no member's (kv28: this case named both
+    fields the test's port, so the refusal of "from" hid whether "ctl" was
+    dialled; rev28's test_rev28_ctl found it was); from one etcd does not
+    hold, nothing is dialled (before: both dialled the test's port)."""
     etcd = Etcd(etcd_server, prefix=f"/aioxfer-test/kv27-{uuid.uuid4().hex[:12]}", ttl=TTL)
     a = await make_agent("kv27d-a", discovery=etcd)
     c = await make_agent("kv27d-c", discovery=etcd)  # in etcd, no PeerTier: no member
@@ -115,15 +119,23 @@ async def test_with_discovery_a_placement_from_an_unjoined_sender_needs_etcds_ad
     async with kv.Store.open(a, block_bytes=BB, tiers=[kv.HostTier(8 * BB), ta]), \
             listener() as (elsewhere, accepted):
         assert ta.ctl is not None
-        head = {"op": "put", "req": 1, "from": elsewhere, "ctl": elsewhere, "region": "r"}
-        raw = json.dumps(head).encode()
+        await within(wait_until(lambda: any(ev.name == c.name
+                                            for ev in a._membership.snapshot()),
+                                seconds=10, what="c in etcd"), 20)
         body = bytes(48)
-        for n, sender in enumerate((c, d), 1):
+        for sender in (c, d):
+            head = {"op": "put", "req": 1, "from": sender.address, "ctl": sender.address,
+                    "region": "r"}
+            head[field] = elsewhere
+            raw = json.dumps(head).encode()
             to_a = await within(sender.connect(ta.ctl.address))
             await within(to_a.notify(len(raw).to_bytes(2, "little") + raw + body))
-            await within(wait_until(lambda n=n: ta.pulls_refused == n,  # type: ignore[misc]
-                                    seconds=10, what="the placement refused"), 20)
-        await asyncio.sleep(0.3)
-        assert accepted == [], "A dialled the address it was sent"
-        assert ta.counters.dropped_stores == {"placement_unvouched": 2}
+        # "from" refused for both; "ctl": d refused, c's pull tried (it is
+        # at its etcd address) and found no region "r", its ack withheld.
+        refused = 2 if field == "from" else 1
+        await within(wait_until(lambda: ta.pulls_refused == refused, seconds=10,
+                                what="the placements refused"), 20)
+        await asyncio.sleep(0.5)
+        assert accepted == [], f"A dialled the {field!r} address it was sent"
+        assert ta.counters.dropped_stores == {"placement_unvouched": refused}
         assert c.name not in ta.members

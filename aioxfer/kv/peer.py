@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import random
 import secrets
 from collections import deque
 from collections.abc import Awaitable
@@ -65,6 +66,10 @@ IDX_DTYPE = np.dtype([("key", "V32"), ("slot", "<u4"), ("crc", "<u4"), ("gen", "
 assert IDX_DTYPE.itemsize == IENTRY
 _META_BYTES = 4096
 _MAX_PER_MSG = 64  # (key, offset, crc) entries per control message (<= 4 KiB)
+# A placement refused as "busy" (see _refuse) is sent again after a random
+# pause of 0.5-1.5 x this, doubled each time up to _BUSY_PAUSE_MAX (seconds).
+_BUSY_PAUSE = 0.002
+_BUSY_PAUSE_MAX = 0.05
 
 
 def _bucket(key: bytes, nb: int) -> int:
@@ -82,6 +87,12 @@ def _count(counts: dict[str, int], name: str, by: int) -> None:
         counts[name] = c
     else:
         counts.pop(name, None)
+
+
+def _member_name(sender: str) -> str:
+    """The member a placement's or ack's sender speaks for: a store agent's
+    control agent is its name and _CTL; a plain agent speaks for itself."""
+    return sender[:-len(_CTL)] if sender.endswith(_CTL) else sender
 
 
 def owners(key: bytes, members: list[str], replicas: int) -> list[str]:
@@ -153,7 +164,7 @@ class _Slots:
     async def take(self, k: int) -> list[int]:
         if not 1 <= k <= self.n:
             raise ValueError(f"take({k}) of {self.n} slots")
-        if not self._waiters and len(self.free) >= k:
+        if self.ready(k):
             return self._grab(k)
         fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         entry = (k, fut)
@@ -168,6 +179,10 @@ class _Slots:
                     self._waiters.remove(entry)
                 self._wake()  # it may have held up those after it
             raise
+
+    def ready(self, k: int) -> bool:
+        """Whether take(k) would be served at once."""
+        return not self._waiters and len(self.free) >= k
 
     def give_back(self, slots: list[int]) -> None:
         self.free.extend(slots)
@@ -201,7 +216,7 @@ class _Member:
         self.buckets = int(meta["buckets"])
         self.ctl: aioxfer.Peer | None = None
         # Placements sent and not yet acknowledged: request -> its future.
-        self.waiting: dict[int, asyncio.Future[bytes]] = {}
+        self.waiting: dict[int, asyncio.Future[tuple[bytes, bool]]] = {}
         # Requests whose ack_wait passed unanswered; a late ack of one of
         # them proves the member alive again.
         self.late: set[int] = set()
@@ -226,15 +241,19 @@ class PeerTier(Tier):
     ``agent.membership()``). ``max_pulls``: placements (requests of up to 64
     blocks each) pulled here at once, at most ``max_pulls_per_peer`` of them
     from one sending peer; a request past either is refused (acknowledged
-    with nothing stored, so its sender drops those blocks at once) and
-    counted (``pulls_refused``, dropped "pull_refused"): a flood from a
-    broken or hostile peer starts no unbounded work.
+    with nothing stored and "busy": its sender sends it again after a short
+    random pause, until its ack_wait is over, then drops those blocks,
+    "peer_busy"; counted there as ``busy_retries``) and counted here
+    (``pulls_refused``, dropped "pull_refused"): a flood from a broken or
+    hostile peer starts no unbounded work.
 
     ``ack_wait``: how long a placement waits for its member's
-    acknowledgement (connecting to it included). Past it the blocks count as
+    acknowledgement (its turn behind our other placements to that member
+    and connecting to it included). Past it the blocks count as
     not stored (dropped "ack_timeout"; the member may still take them: it
     verifies what it reads, so a slot reused meanwhile is refused there) and
-    the member is *silent*: placements to it are skipped at once (dropped
+    the member (if that placement had not waited for its turn) is
+    *silent*: placements to it are skipped at once (dropped
     "peer_stalled") until it answers again (a late ack), leaves, or
     ``ack_timeout`` has passed (then one placement tries it again). One
     stopped or wedged member (alive to the kernel, so not yet lost) thus
@@ -320,7 +339,9 @@ class PeerTier(Tier):
         self.stage_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         # (the member's control agent's name, request) -> the ack's future
-        self._acks: dict[tuple[str, int], asyncio.Future[bytes]] = {}
+        # (an ack is its bitmap and whether it says "busy": see _refuse)
+        self._acks: dict[tuple[str, int], asyncio.Future[tuple[bytes, bool]]] = {}
+        self.busy_retries = 0  # placements sent again after a "busy" refusal
         self.pulled = 0  # blocks other members placed here
 
     # ------------------------------------------------------------ open / close
@@ -350,7 +371,16 @@ class PeerTier(Tier):
         # members given token= with other token files do not share (their
         # control agents could not reach each other: every placement
         # failed), and which the application did not choose.
+        # It only sends and receives notifications (small, a few a
+        # placement) and has no memory of its own: one tcp connection a
+        # peer, and the store agent's transports but verbs and cuda (kv28:
+        # the defaults gave it 4 connections a peer over tcp, each with its
+        # thread, both ways). Its copy workers stay 2: with one, 8
+        # concurrent overflow puts were ~25 % slower a round on one host
+        # (benchmarks/kv26_overflow.py, 5 pairs).
+        transports = tuple(t for t in agent.transports if t in ("shm", "tcp")) or ("tcp",)
         self.ctl = aioxfer.Agent(f"{agent.name}{_CTL}", listen=f"{host_part}:0",
+                                 transports=transports, tcp_connections=1,
                                  peer_timeout=agent._peer_timeout,
                                  keepalive=agent._keepalive,
                                  stall_timeout=agent._stall_timeout, limits=agent.limits,
@@ -451,6 +481,14 @@ class PeerTier(Tier):
     async def _add_member(self, peer: aioxfer.Peer) -> _Member | None:
         agent = self.store.agent
         if peer.name == agent.name and peer.incarnation == agent.incarnation:
+            return None
+        if not peer.name.isprintable():
+            # A member's name goes into log lines (kv.peer_joined, ...) as
+            # it is: one with a newline or a terminal escape could forge or
+            # hide lines there (kv28). Agents are named by their
+            # applications: such a name is broken or hostile, no member.
+            _log.warning("kv.peer_name_refused", tier=self.name, member=repr(peer.name),
+                         reason="control characters")
             return None
         known = self.members.get(peer.name)
         if known is not None and known.peer is peer:
@@ -774,20 +812,52 @@ class PeerTier(Tier):
         m = self.members.get(name)
         if m is None or self.ctl is None:
             return [], "peer_left", len(idx)
+        # ack_wait bounds the whole placement, its turn included (kv28: the
+        # turn was waited for outside it, so a slow member that answers
+        # each placement just within ack_wait held the last of n queued
+        # ones n ack_waits, and the put or write-back with it).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ack_wait
+        queued = not m.sending.ready(1)
         # In turn with our other placements to it (see _Member.sending): one
         # past its max_pulls_per_peer would be refused there (its blocks
         # dropped) for no fault of either side.
-        sending = await m.sending.take(1)
+        try:
+            if queued:
+                async with asyncio.timeout_at(deadline):
+                    sending = await m.sending.take(1)
+            else:
+                sending = await m.sending.take(1)  # (served at once: no timer)
+        except TimeoutError:
+            # Not sent: its turn never came (the member answers, slowly, or
+            # a placement before it is finding it silent).
+            return [], "ack_timeout", len(idx)
         try:
             if self.members.get(name) is not m:  # it left or was replaced meanwhile
                 return [], "peer_left", len(idx)
-            return await self._place_to(m, name, idx, keys, regions, offsets, crcs)
+            pause = _BUSY_PAUSE
+            while True:
+                got = await self._place_to(m, name, idx, keys, regions, offsets, crcs,
+                                           deadline, queued)
+                # Refused for the member's pull limits, not for its blocks
+                # (kv28: more writers than its max_pulls allows at once had
+                # placements refused and their blocks dropped): sent again,
+                # after a short random pause, until the deadline.
+                wait = pause * (0.5 + random.random())
+                if got[1] != "peer_busy" or loop.time() + wait >= deadline:
+                    return got
+                self.busy_retries += 1
+                await asyncio.sleep(wait)
+                pause = min(2 * pause, _BUSY_PAUSE_MAX)
+                queued = True  # (it has had part of its ack_wait)
         finally:
             m.sending.give_back(sending)
 
     async def _place_to(self, m: _Member, name: str, idx: list[int], keys: list[bytes],
-                        regions: list[Region], offsets: list[int],
-                        crcs: list[int]) -> tuple[list[int], str, int]:
+                        regions: list[Region], offsets: list[int], crcs: list[int],
+                        deadline: float, queued: bool) -> tuple[list[int], str, int]:
+        """_place's message, sent and answered by ``deadline``; ``queued``:
+        it waited for its turn, so it had less than ack_wait to itself."""
         assert self.ctl is not None
         loop = asyncio.get_running_loop()
         if m.silent_since is not None:
@@ -802,24 +872,29 @@ class PeerTier(Tier):
                            "ctl": self.ctl.address, "region": region.name}).encode()
         body = b"".join(keys[i] + offsets[i].to_bytes(8, "little") + crcs[i].to_bytes(4, "little")
                         + ck.ALGO.to_bytes(4, "little") for i in idx)
-        fut: asyncio.Future[bytes] = loop.create_future()
+        fut: asyncio.Future[tuple[bytes, bool]] = loop.create_future()
         key: tuple[str, int] | None = None
         try:
-            async with asyncio.timeout(self.ack_wait):
+            async with asyncio.timeout_at(deadline):
                 if m.ctl is None or m.ctl.lost:
                     m.ctl = await self.ctl.connect(m.meta["ctl"])
                 key = (m.ctl.name, req)
                 self._acks[key] = fut
                 m.waiting[req] = fut
                 await m.ctl.notify(len(head).to_bytes(2, "little") + head + body)
-                bitmap = await fut
+                bitmap, busy = await fut
         except TimeoutError:
             # Silent (stopped, wedged, or its control agent unreachable): its
             # blocks are not stored as far as we know; nothing more is sent
             # to it until it answers (a late ack of this request) or leaves.
             _log.warning("kv.peer_ack_timeout", tier=self.name, member=name,
-                         seconds=self.ack_wait)
-            if m.silent_since is None:
+                         seconds=self.ack_wait, queued=queued)
+            # Silent only when a placement that had the whole ack_wait to
+            # itself went unanswered: one that waited for its turn behind
+            # others had less (a member answering each in time is no
+            # silent one, and skipping it would drop placements for
+            # ack_timeout).
+            if m.silent_since is None and not queued:
                 m.silent_since = loop.time()
             if key is not None:
                 m.late.add(req)
@@ -849,7 +924,11 @@ class PeerTier(Tier):
             _log.warning("kv.peer_bad_ack", tier=self.name, member=name, blocks=len(idx),
                          ack_bytes=len(bitmap))
             return [], "bad_ack", len(idx)
-        return [i for i, b in zip(idx, bitmap, strict=True) if b], "peer_refused", len(idx)
+        # A refusal past the member's pull limits says so ("busy": all its
+        # max_pulls taken, as by more writers than max_pulls /
+        # max_pulls_per_peer at once): _place sends it again.
+        why = "peer_busy" if busy and not bitmap.strip(b"\x00") else "peer_refused"
+        return [i for i, b in zip(idx, bitmap, strict=True) if b], why, len(idx)
 
     async def _serve(self) -> None:
         assert self.ctl is not None
@@ -871,7 +950,7 @@ class PeerTier(Tier):
                 # member's ack of it would make us drop blocks as stored).
                 fut = self._acks.get((msg.peer_name, head["req"]))
                 if fut is not None and not fut.done():
-                    fut.set_result(body)
+                    fut.set_result((body, head.get("busy") is True))
                 elif fut is None:
                     self._late_ack(msg.peer_name, head["req"])
             elif head.get("op") == "put" and all(
@@ -884,24 +963,38 @@ class PeerTier(Tier):
                 if (sum(self._pulling.values()) >= self.max_pulls
                         or self._pulling.get(sender, 0) >= self.max_pulls_per_peer
                         or self._answering.get(sender, 0) >= self.max_pulls):
-                    self._refuse(head, len(body) // 48)
+                    self._refuse(sender, head, len(body) // 48)
                     continue
                 _count(self._pulling, sender, 1)
                 self._spawn(self._pull_from(sender, head, body))
 
-    def _unvouched(self, sender: str, head: dict[str, Any]) -> str | None:
+    def _unvouched(self, sender: str, head: dict[str, Any], *, ack: bool = False,
+                   reached: str | None = None) -> str | None:
         """Why a placement from the agent ``sender`` names addresses we will
         not dial (None: we may). A placement makes us connect to its "from"
-        (to pull) and its "ctl" (to acknowledge): from a member we know (its
-        control agent, or its store agent itself), both must be what it
-        published (its meta, as read at its join: "address" and "ctl"), else
-        any holder of the token could make this agent dial any host and
-        port. With discovery, a sender we have not joined yet must be one of
-        etcd's members, at the address etcd holds for it. Embedded, a sender
-        we never connected to (it joined us) has no published address we
-        know: its addresses are dialled as sent (how a member that joined
-        us introduces itself)."""
-        name = sender[:-len(_CTL)] if sender.endswith(_CTL) else sender
+        (to pull) and its "ctl" (to acknowledge), else any holder of the
+        token could make this agent dial any host and port. Asked twice:
+        as it arrives, for "from", and again before its ack (``ack``), for
+        "ctl" too (``reached``: the name of the agent the pull found at
+        "from", None if it reached none). From a member we know (its control
+        agent, or its store agent itself), both must be what it published
+        (its meta, as read at its join: "address" and "ctl"); by the ack a
+        sender that is a member has been joined by the pull (_pull), so its
+        published "ctl" is checked then. With discovery, a sender we have
+        not joined must be one of etcd's members, at the address etcd holds
+        for it. Embedded, a sender we never connected to (it joined us) has
+        no published address we know: its "from" is dialled as sent, and
+        the pull goes on only if the agent there is the sender's store agent
+        (its name, proven by the token in the handshake: _pull), which is
+        how a member that joined us introduces itself. The ack of a sender
+        that is still no member goes only to the sender itself, found at
+        "from" (a plain agent placing its own memory), nowhere else (rev28,
+        kv28: it went to any "ctl" such a placement named, even after a
+        failed pull or a refusal). Names with control characters are no
+        members' (kv28: they went raw into log lines)."""
+        name = _member_name(sender)
+        if not sender.isprintable():
+            return "its name has control characters"
         known = self.members.get(name)
         if known is not None and not known.peer.lost:
             if head["from"] not in {known.peer.address, known.meta.get("address")}:
@@ -910,11 +1003,14 @@ class PeerTier(Tier):
                 return "its control address is not the member's"
             return None
         if self.store.agent._cluster is not None:
-            for ev in self.store.agent._membership.snapshot():
-                if ev.name == name:
-                    return None if ev.address == head["from"] else (
-                        "its address is not the one discovery holds")
-            return "not a member (discovery)"
+            held = next((ev.address for ev in self.store.agent._membership.snapshot()
+                         if ev.name == name), None)
+            if held is None:
+                return "not a member (discovery)"
+            if held != head["from"]:
+                return "its address is not the one discovery holds"
+        if ack and (reached != sender or head["ctl"] != head["from"]):
+            return "its control address is not the member's"
         return None
 
     def _refuse_unvouched(self, sender: str, head: dict[str, Any], why: str, n: int) -> None:
@@ -935,15 +1031,17 @@ class PeerTier(Tier):
                 _log.info("kv.peer_answers_again", tier=self.name, member=m.name)
                 return
 
-    def _refuse(self, head: dict[str, Any], n: int) -> None:
+    def _refuse(self, sender: str, head: dict[str, Any], n: int) -> None:
         """A placement past the limits: nothing pulled; its sender is told so
         (while the refusals being told stay under max_pulls; past that the
-        sender's wait for the ack ends it)."""
+        sender's wait for the ack ends it), with "busy" in the ack: its
+        blocks were not looked at, so the sender may send them again (an
+        older sender reads it as any refusal: its blocks dropped)."""
         self.pulls_refused += 1
         self.counters.dropped("pull_refused", n)
         if self._acking < self.max_pulls:
             self._acking += 1
-            self._spawn(self._ack(head, bytes(n), refusal=True))
+            self._spawn(self._ack(sender, head, bytes(n), refusal=True))
 
     async def _pull_from(self, sender: str, head: dict[str, Any], body: bytes) -> None:
         task = asyncio.current_task()
@@ -955,42 +1053,67 @@ class PeerTier(Tier):
             if self._pull_tasks.pop(task, None) is not None:  # (ended before its ack)
                 _count(self._pulling, sender, -1)
 
-    async def _ack(self, head: dict[str, Any], stored: bytes, *, refusal: bool = False) -> None:
+    async def _ack(self, sender: str, head: dict[str, Any], stored: bytes, *,
+                   refusal: bool = False, reached: str | None = None) -> None:
+        """Answers a placement at its "ctl", if that is an address we may
+        dial (_unvouched, asked again now: ``reached`` is the agent the pull
+        found at "from"); else nothing is sent (the sender's ack_wait ends
+        it there)."""
         # A pull's ack: its reading is over, from now on it counts as answering.
         task = asyncio.current_task()
-        sender = None if refusal or task is None else self._pull_tasks.pop(task, None)
-        if sender is not None:
-            _count(self._pulling, sender, -1)
-            _count(self._answering, sender, 1)
+        pulled = None if refusal or task is None else self._pull_tasks.pop(task, None)
+        if pulled is not None:
+            _count(self._pulling, pulled, -1)
+            _count(self._answering, pulled, 1)
         try:
-            with contextlib.suppress(XferError, OSError, ValueError):
+            with contextlib.suppress(XferError, OSError, LookupError, ValueError):
+                if refusal:
+                    reached = await self._introduce(sender, head)
                 if self.ctl is not None:
-                    ctl = self._ack_address(head)
-                    if ctl is None:
-                        return  # (the sender's ack_wait ends it)
-                    back = await self.ctl.connect(ctl)
-                    ack = json.dumps({"op": "ack", "req": head["req"]}).encode()
+                    why = self._unvouched(sender, head, ack=True, reached=reached)
+                    if why is not None:
+                        _log.info("kv.peer_ack_withheld", tier=self.name, sender=repr(sender),
+                                  reason=why, ctl=repr(head["ctl"][:200]))
+                        return
+                    back = await self.ctl.connect(head["ctl"])
+                    answer: dict[str, Any] = {"op": "ack", "req": head["req"]}
+                    if refusal:
+                        answer["busy"] = True  # (see _refuse)
+                    ack = json.dumps(answer).encode()
                     await back.notify(len(ack).to_bytes(2, "little") + ack + stored)
         finally:
             if refusal:
                 self._acking -= 1
-            if sender is not None:
-                _count(self._answering, sender, -1)
+            if pulled is not None:
+                _count(self._answering, pulled, -1)
 
-    def _ack_address(self, head: dict[str, Any]) -> str | None:
-        """Where a placement's ack may go: its "ctl" when that is what the
-        member at its "from" published (read at its join; _pull joins an
-        unjoined discovery sender first); embedded, an unknown sender's as
-        sent (see _unvouched); with discovery, nowhere else (rev28: the ack
-        went to any "ctl" a placement named, even after a failed pull)."""
-        for m in self.members.values():
-            if not m.peer.lost and head["from"] in {m.peer.address, m.meta.get("address")}:
-                return head["ctl"] if head["ctl"] == m.meta["ctl"] else None
-        return None if self.store.agent._cluster is not None else head["ctl"]
+    async def _introduce(self, sender: str, head: dict[str, Any]) -> str | None:
+        """Before a refusal's ack: a sender that is no member yet is joined
+        as a pull would join it (its "from" dialled, the agent there
+        checked to be the sender's, its meta read), so that the ack can go
+        to the control address it published (else it would get none, and
+        wait out its ack_wait: a writer whose first placement met the
+        limits took the owner for silent). The agent found at "from", if
+        it is the sender's (None: none or another)."""
+        name = _member_name(sender)
+        known = self.members.get(name)
+        if known is not None and not known.peer.lost:
+            return None  # (vouched by what it published)
+        peer = await self.store.agent.connect(head["from"])
+        if peer.name != name:
+            return None
+        await self._add_member(peer)
+        return peer.name
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
-        host tier, verify, publish, acknowledge."""
+        host tier, verify, publish, acknowledge. The agent found at "from"
+        must be the sender's store agent (kv28: any agent there was read
+        from, and joined as a member: a token holder could make us copy a
+        third agent's memory, and have the ack sent wherever it named)."""
+        task = asyncio.current_task()
+        assert task is not None
+        sender = self._pull_tasks[task]  # (set by _pull_from, which runs this)
         store = self.store
         host: HostTier | None = store._host
         agent = store.agent
@@ -1000,8 +1123,18 @@ class PeerTier(Tier):
                     int.from_bytes(body[j + 44:j + 48], "little"))
                    for j in range(0, len(body) - 47, 48)]
         stored = bytearray(len(entries))
+        reached: str | None = None
+        refused = False
         try:
             peer = await agent.connect(head["from"])
+            if peer.name != _member_name(sender):
+                # Nothing read, nothing sent back: not even a member's ack
+                # (its "from" names another agent: broken or forged).
+                refused = True
+                self._refuse_unvouched(
+                    sender, head, f"the agent at its address is {peer.name!r}", len(entries))
+                return
+            reached = peer.name
             await self._add_member(peer)
             try:
                 src = peer.region(head["region"])
@@ -1030,7 +1163,8 @@ class PeerTier(Tier):
         except (XferError, OSError, LookupError, ValueError) as exc:  # (a bad address)
             _log.info("kv.peer_pull_failed", tier=self.name, error=repr(exc))
         finally:
-            await self._ack(head, bytes(stored))
+            if not refused:
+                await self._ack(sender, head, bytes(stored), reached=reached)
 
     async def _pull_direct(self, host: HostTier, src: RemoteRegion,
                            entries: list[tuple[bytes, int, int, int]], fresh: list[int],
@@ -1127,4 +1261,4 @@ class PeerTier(Tier):
         return {"members": len(self.members), "pulled": self.pulled,
                 "pulls_in_flight": sum(self._pulling.values()),
                 "pulls_answering": sum(self._answering.values()),
-                "pulls_refused": self.pulls_refused}
+                "pulls_refused": self.pulls_refused, "busy_retries": self.busy_retries}
