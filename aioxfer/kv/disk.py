@@ -353,7 +353,9 @@ class DiskTier(Tier):
         self.lock = asyncio.Lock()
         if self.admit == "reused" and store._host is not None:
             store._host.track_reuse = True
-        os.makedirs(self.path, exist_ok=True)
+        # Private: the directory is trusted (SECURITY.md, the disk tier's
+        # directory): a new one only its user can reach, files likewise.
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
         self.stage = store.agent.alloc(_STAGE_SECTORS * SECTOR,
                                        name=f"{store.name}.{self.name}.hdr")
         # Compressed blocks always pass through a tier-owned stage (blocks
@@ -572,7 +574,7 @@ class DiskTier(Tier):
         raw = rec.view(np.uint8).reshape(n, ENTRY)
         rec["check"] = entry_check(raw)
         path = os.path.join(self.path, TOMBSTONES)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             data = raw.tobytes()
             while data:
@@ -694,7 +696,7 @@ class DiskTier(Tier):
         seg = _Seg(no, path, self.slots_per_seg, self.slot_bytes)
         sb = _superblock(seg, self.store.block_bytes, self.ns)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 os.pwrite(fd, sb + bytes(SECTOR - len(sb)), 0)
                 os.ftruncate(fd, seg.file_bytes)
