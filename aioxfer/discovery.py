@@ -108,7 +108,8 @@ MembershipEvent = PeerJoined | PeerUpdated | PeerLeft
 class Membership:
     """The async iterator ``agent.membership()`` returns: a PeerJoined for every
     current member first, then each change as it happens. Any number may be
-    iterated at once; each gets every event. Ends when the agent closes or on
+    iterated at once; each gets every event, and is iterated by one task at a
+    time (a second task waiting on the same one gets RuntimeError). Ends when the agent closes or on
     ``aclose()`` (also ``async with``). A consumer that falls more than
     ``MAX_BACKLOG`` events behind gets an XferError and should iterate a new
     ``agent.membership()``."""
