@@ -19,7 +19,8 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal
 
-from aioxfer.errors import AccessDenied, ProtocolError, TransportError
+from aioxfer.discovery import port_number
+from aioxfer.errors import AccessDenied, ProtocolError, TransportError, XferError
 from aioxfer.local import local_address, peer_cred, recv_fds
 from aioxfer.metadata import Accept, AgentMeta, Purpose
 from aioxfer.protocol import (
@@ -188,14 +189,21 @@ class Dialer:
         try:
             async with asyncio.timeout(self._peer_timeout):
                 yield
+        except AccessDenied as exc:
+            # Named after the address, and still the error it was: its
+            # status, peer, op and fail_index kept (type(exc)(msg) dropped them).
+            raise type(exc)(f"connecting to {address}: {exc}", status=exc.status,
+                            peer=exc.peer, op=exc.op, fail_index=exc.fail_index) from None
+        except XferError:
+            # Already typed: a TransferTimeout (the engine's stall detection)
+            # is also a TimeoutError, and was relabelled as our peer timeout.
+            raise
         except TimeoutError:
             raise TransportError(
                 f"{doing} {address} timed out after {self._peer_timeout} s"
             ) from None
         except OSError as exc:
             raise TransportError(f"cannot {what} {address}: {exc}") from exc
-        except AccessDenied as exc:
-            raise type(exc)(f"connecting to {address}: {exc}") from None
 
     async def open(
         self,
@@ -319,11 +327,8 @@ def parse_address(address: str) -> tuple[str, int]:
         raise ValueError(f'address {address!r} is not "host:port"')
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    try:
-        portnum = int(port)
-    except ValueError:
-        raise ValueError(f"address {address!r} has no valid port") from None
-    if not 0 <= portnum <= 65535:
+    portnum = port_number(port)
+    if portnum is None:
         raise ValueError(f"address {address!r} has no valid port")
     return host, portnum
 

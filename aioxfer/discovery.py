@@ -108,7 +108,8 @@ MembershipEvent = PeerJoined | PeerUpdated | PeerLeft
 class Membership:
     """The async iterator ``agent.membership()`` returns: a PeerJoined for every
     current member first, then each change as it happens. Any number may be
-    iterated at once; each gets every event. Ends when the agent closes or on
+    iterated at once; each gets every event, and is iterated by one task at a
+    time (a second task waiting on the same one gets RuntimeError). Ends when the agent closes or on
     ``aclose()`` (also ``async with``). A consumer that falls more than
     ``MAX_BACKLOG`` events behind gets an XferError and should iterate a new
     ``agent.membership()``."""
@@ -136,12 +137,21 @@ class Membership:
                 )
             if self._ended:
                 raise StopAsyncIteration
+            if self._waiter is not None:
+                # One waiter only: a second task's waiter replaced the first
+                # one's, which then never woke (not even at aclose or the
+                # agent's close). Said, as asyncio's StreamReader says it.
+                raise RuntimeError(
+                    "this membership() iterator is already being iterated by another "
+                    "task; call agent.membership() once per consumer"
+                )
             waiter = asyncio.get_running_loop().create_future()
             self._waiter = waiter
             try:
                 await waiter
             finally:
-                self._waiter = None
+                if self._waiter is waiter:
+                    self._waiter = None
         return self._events.popleft()
 
     def _put(self, event: MembershipEvent) -> None:
@@ -195,6 +205,22 @@ def diff_regions(old: AgentMeta, new: AgentMeta) -> tuple[tuple[str, ...], tuple
 # ---------------------------------------------------------------- etcd
 
 
+def port_number(port: str, *, zero: bool = True) -> int | None:
+    """A "host:port"'s port: ASCII digits only, at most 65535 (and not 0
+    unless ``zero``: a listen address's "any free port"); None otherwise.
+    int() alone took "+80", " 80", "8_0" and non-ASCII digits ("٨٠"), which
+    etcd's endpoints (_parse_endpoint: here, since dialing.parse_address
+    shares it) and metadata.check_address refused: one rule for every
+    address."""
+    if not (port.isascii() and port.isdigit()):
+        return None
+    digits = port.lstrip("0") or "0"  # zeros in front as metadata.check_address takes them
+    if len(digits) > 5:  # (and never int() of a thousand digits)
+        return None
+    n = int(digits)
+    return n if (zero or n > 0) and n <= 65535 else None
+
+
 def _parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not isinstance(endpoint, str):
         raise TypeError(f'an etcd endpoint is a "host:port" string, not {type(endpoint).__name__}')
@@ -203,9 +229,12 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
         raise ValueError(f"etcd endpoint {endpoint!r}: TLS is not supported yet; use http://")
     ep = ep.removeprefix("http://").rstrip("/")
     host, sep, port = ep.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # The port as dialing.parse_address takes it (port_number), but never 0:
+    # an endpoint is dialled. (str.isdigit alone took "²", which int() refuses.)
+    portnum = port_number(port, zero=False)
+    if not sep or not host or portnum is None:
         raise ValueError(f'etcd endpoint {endpoint!r} is not "host:port" or "http://host:port"')
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), portnum
 
 
 class Etcd:

@@ -32,6 +32,9 @@ _log = get_logger("aioxfer")
 _E_CLOSED = _cyx.E_CLOSED
 _E_PEER_LOST = _cyx.E_PEER_LOST
 
+# by_name's least size at which add() sweeps it (PeerTable._sweep)
+_SWEEP_MIN = 64
+
 # (rail, live, bytes, rate in bytes/ms, reroutes) per connection (Engine.endpoint_rails)
 RailConn = tuple[int, bool, int, int, int]
 
@@ -62,6 +65,7 @@ class PeerTable:
         "by_ep",
         "by_inc",
         "by_name",
+        "_sweep_at",
         "unreported",
     )
 
@@ -90,6 +94,9 @@ class PeerTable:
         self.by_inc: dict[tuple[str, int], Peer] = {}
         # every Peer made per name, lost ones too: a new incarnation fences them all
         self.by_name: dict[str, weakref.WeakSet[Peer]] = {}
+        # by_name's size at which add() next drops the names whose Peers are
+        # all gone (a WeakSet empties, its key stays): see add().
+        self._sweep_at = _SWEEP_MIN
         # endpoint -> a peer marked lost at a refused post (refused) whose
         # loss the engine has not reported yet: its report waits for the
         # record, which says whether it said goodbye.
@@ -100,7 +107,23 @@ class PeerTable:
         self.by_addr[address] = peer
         self.by_ep[peer._ep] = peer
         self.by_inc[(peer.name, peer.incarnation)] = peer
-        self.by_name.setdefault(peer.name, weakref.WeakSet()).add(peer)
+        peers = self.by_name.get(peer.name)
+        if peers is None:
+            if len(self.by_name) >= self._sweep_at:
+                self._sweep()
+            peers = self.by_name[peer.name] = weakref.WeakSet()
+        peers.add(peer)
+
+    def _sweep(self) -> None:
+        """Drops the names none of whose Peers is left (collected): a cluster
+        whose names churn (a new name per restart or per job) grew by_name
+        by one empty WeakSet per name ever connected, for ever. Amortised:
+        the next sweep waits until the table has doubled, so by_name stays
+        within twice the names with a Peer alive (or _SWEEP_MIN). In place:
+        Members holds this very dict."""
+        for name in [n for n, peers in self.by_name.items() if not peers]:
+            del self.by_name[name]
+        self._sweep_at = max(_SWEEP_MIN, 2 * len(self.by_name))
 
     def live(self) -> list[Peer]:
         return list(self.by_ep.values())
@@ -115,6 +138,7 @@ class PeerTable:
         self.by_addr.clear()
         self.by_inc.clear()
         self.by_name.clear()
+        self._sweep_at = _SWEEP_MIN
 
     # ------------------------------------------------------------ losing peers
 
