@@ -657,25 +657,27 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
 }
 
 /* The one-copy send's window (conn.c, "one-copy send"): read once, at
- * engine creation, from AIOXFER_TCP_SPLICE: unset or "0" off (every
- * payload is copied by sendmsg), "1" the window below, "MIN-MAX" or
+ * engine creation, from AIOXFER_TCP_SPLICE: unset or "1" the window below
+ * (on by default since spl28), "0" off (every payload is copied by
+ * sendmsg), "MIN-MAX" or
  * "MIN-MAX-REQMAX" (bytes) another window. A frame's payload goes spliced
  * when it is MIN..MAX bytes and its request REQMAX at most.
  * Safe since tcp26: a spliced WRITE that fails or is cancelled before its
- * acknowledgement stays pinned (its completion and region holds wait)
- * until the kernel shows its pages read or dropped (conn.c, spl_settle);
- * before (rev18b) such an op was released while the peer's receive queue
- * still referenced our pages, and a peer reading them later applied the
- * buffer's bytes of that moment. Still off by default, for what that
- * costs: no failure can be both prompt and safe (an abortive close leaves
- * the peer's queue readable), so a stopped peer's failed spliced WRITEs
- * complete only once it resumes and reads, or exits: the peer-lost report
- * within peer_timeout (tests/test_liveness.py's stopped peer, 8 x 64 KiB,
- * due by 2.2 s: not ended at 7.2 s), an endpoint's close with bulk writes at a
- * stopped peer (test_conn16_spread) wait with it. On by default needs the
- * failure reported at once and the memory released later (a second
- * completion record: Transfer.settled), which the engine and Python do not
- * have yet.
+ * acknowledgement keeps its memory held (its region holds) until the
+ * kernel shows its pages read or dropped (conn.c, spl_settle); before
+ * (rev18b) such an op was released while the peer's receive queue still
+ * referenced our pages, and a peer reading them later applied the
+ * buffer's bytes of that moment. No release can be both prompt and safe
+ * (an abortive close leaves the peer's queue readable), so a stopped
+ * peer's spliced pages stay held until it resumes and reads, or exits.
+ * Prompt since spl28, and so on by default: the failure is told at once
+ * (AXF_CQ_XFER_HELD: the transfer fails on time, Transfer.busy stays
+ * true) and the memory released later by a second record
+ * (AXF_CQ_XFER_FREED: Transfer.settled() ends, a deregistration goes
+ * on). tcp26 kept it off because the one record waited for the memory:
+ * a stopped peer's loss (tests/test_liveness.py, due by 2.2 s: not ended
+ * at 7.2 s) and an endpoint's close with bulk writes at it
+ * (test_conn16_spread) waited with it.
  * uid 0 across pid namespaces (tcp26, decided): still spliced. sock_diag
  * says the peer socket's owner uid, not its process; telling whether a
  * uid-0 peer shares our pid namespace (so could read our memory anyway)
@@ -736,12 +738,8 @@ static int tcp_enable(axf_engine *e)
     e->splice_max = SPLICE_MAX_DEFAULT;
     e->splice_req_max = SPLICE_REQ_MAX_DEFAULT;
     const char *v = axf_env_get(&e->env, AXF_ENV_TCP_SPLICE);
-    if (v && strcmp(v, "1") == 0)
+    if (!v || !*v || strcmp(v, "1") == 0) /* the default: on, this window (spl28) */
         return AXF_OK;
-    if (!v || !*v) { /* the default: off (the comment above: a stopped peer's failures) */
-        e->splice_min = e->splice_max = e->splice_req_max = 0;
-        return AXF_OK;
-    }
     char *end;
     unsigned long long lo = strtoull(v, &end, 10), hi = 0, req = UINT64_MAX;
     if (*end == '-') {
