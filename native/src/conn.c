@@ -171,7 +171,7 @@ typedef struct conn_priv {
     int spl_fd[2];
     uint32_t spl_in;
     /* Spliced pages still owed (tcp26, "one-copy send": the release rule):
-     * one entry per spliced frame sent, holding its op's pin, until the
+     * one entry per spliced frame sent, holding its op's memory, until the
      * group's acknowledgement says the peer read it, or the connection's
      * end finds them read or dropped (spl_settle: spl_settled set, entries
      * that come later are settled at once). c.mu. The tuple sock_diag is
@@ -1057,8 +1057,9 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * frames (in order on this stream, spliced pages included) into its
  * memory, and not before every frame of it has left the send queue
  * (op->pins); the op holds its regions (op->lregs) until then. Sent is
- * not read with splice: a spliced frame's item, once sent, keeps its op's
- * pin as a hold on its connection (spl_keep) until that op's groups here
+ * not read with splice: a spliced frame's item, once sent, stays as a hold
+ * on its op's memory (op->mem; its pin given back, spl28) on its
+ * connection (spl_keep) until that op's groups here
  * are acknowledged (spl_read_take), or the last of them here moves off
  * whole (spread_take: a joining connection's spread; tcp27, else the op
  * stayed pinned until this connection died). When the connection fails first (the
@@ -1068,18 +1069,22 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * shows every byte we put in the socket read or dropped (spl_settle,
  * polled: our send queue empty or purged, and the peer's socket gone or
  * its receive queue empty; and no inline sender still between its unlock
- * and its release, spl_late, tcp27): the op's completion and its region holds (a
- * deregistration waits for them) come only then, with its failure. Why no
- * prompt end: an abortive close does not drop the pages (a reset socket's
+ * and its release, spl_late, tcp27): the op's region holds (a
+ * deregistration waits for them) are released only then. Its outcome is
+ * told at once (spl28: AXF_CQ_XFER_HELD, engine.c op_finish_now), the
+ * release later (AXF_CQ_XFER_FREED); the connection's end reaches its
+ * endpoint before it settles (thread_exit). Why no prompt release: an abortive close does not drop the pages (a reset socket's
  * receive queue stays readable: recv returns it before ECONNRESET, kernel
  * 6.18, and the reset unhashes the socket, so sock_diag stops seeing it),
  * nothing else of ours can take them back from a live peer, and with the
  * copy the posted bytes may still land as well. A stopped peer so holds a
- * failed WRITE's completion (and its memory) until it resumes and reads,
- * or exits; the engine's shutdown gives up after a second, logged. For
+ * failed WRITE's memory until it resumes and reads, or exits; the engine's
+ * shutdown gives up after a second, logged. For
  * the same reason a connection that may splice shuts only its reading
  * side when it dies (conn_mark_dead) and closes after settling: with our
  * FIN out and reading shut, the peer's next bytes draw our kernel's reset.
+ * That shutdown does not wake a blocked send, so such a connection waits
+ * for room in slices (send_waits).
  *
  * Known limits: the uid check vouches for the process that created
  * (accepted) the peer socket, not one it was passed to or one that dropped
@@ -1373,7 +1378,7 @@ static void spl_pipe_close(conn *c)
 }
 
 /* The release rule with splice (tcp26). A spliced frame's item, once sent,
- * keeps its op's pin as a hold on its connection (c.mu) while a group of
+ * stays a hold on its op's memory on its connection (c.mu) while a group of
  * that op is still owed here: only its acknowledgement, sent by the target
  * after reading the group's frames in order, says the pages were read.
  * Taken over: true (the item is the connection's now). An op with nothing

@@ -249,7 +249,7 @@ typedef struct sq_item {
     uint32_t reply_cost;  /* target replies: what it counts in conn->reply_bytes */
     /* An initiator WRITE frame whose payload went (or may have gone) by
      * splice on this connection (referenced): once sent, it stays as a hold
-     * with its op's pin until the peer read the pages (conn.c spl_keep). */
+     * on its op's memory until the peer read the pages (conn.c spl_keep). */
     struct conn *spl_c;
     struct sq_item *next;
 } sq_item;
