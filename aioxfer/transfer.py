@@ -87,7 +87,7 @@ class Transfer(asyncio.Future[TransferResult]):
 
     The same holds for a WRITE that fails (or is cancelled) after the tcp
     path's one-copy send handed pages of its buffer to a same-host peer
-    (64 KiB-1 MiB writes over loopback; off with ``AIOXFER_TCP_SPLICE=0``):
+    (256 KiB-1 MiB writes over loopback; off with ``AIOXFER_TCP_SPLICE=0``):
     the transfer fails on time, but a peer that is stopped, or slow to read,
     may still read those pages and apply them at their destination as they
     are then. The engine keeps the memory held (``busy`` stays True, a

@@ -1,5 +1,5 @@
 """spl28: the one-copy send on by default, prompt and safe. A WRITE whose
-pages went spliced to a same-host peer (64 KiB-1 MiB over loopback) and
+pages went spliced to a same-host peer (256 KiB-1 MiB over loopback) and
 that fails before its acknowledgement (the target stopped: the stall
 timeout) fails on time (the engine's AXF_CQ_XFER_HELD), but its memory
 stays the engine's: ``Transfer.busy`` stays True, ``settled()`` and a
@@ -39,7 +39,7 @@ def pipes() -> int:
 
 
 @pytest.mark.parametrize("end", ["resumed", "killed"])
-@pytest.mark.parametrize("n", [64 << 10, 1 << 20])
+@pytest.mark.parametrize("n", [256 << 10, 1 << 20])
 async def test_failed_spliced_write_fails_at_once_memory_held(
         make_agent, remote_agent, monkeypatch, n: int, end: str) -> None:
     monkeypatch.delenv("AIOXFER_TCP_SPLICE", raising=False)  # the default
