@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import operator
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,9 @@ _MADE_FIXED: dict[str, object] = {
 _SETTLE_ONLY: Any = type("_SettleOnly", (), {"__slots__": (), "__repr__":
                                              lambda self: "<settle only>"})()
 _CQ_XFER = _cyx.CQ_XFER
+_CQ_XFER_HELD = _cyx.CQ_XFER_HELD
+_CQ_XFER_FREED = _cyx.CQ_XFER_FREED
+_E_OK = _cyx.OK
 _E_CANCELLED = _cyx.E_CANCELLED
 _E_CLOSED = _cyx.E_CLOSED
 _E_PEER_LOST = _cyx.E_PEER_LOST
@@ -143,6 +147,7 @@ class Submission:
         "closed",
         "alone_max",
         "inflight",
+        "_held",
         "_pending",
         "_pending_t",
         "_flush_scheduled",
@@ -193,6 +198,12 @@ class Submission:
         self.closed = False  # the agent closed: nothing more is posted
         self.alone_max = alone_max
         self.inflight: dict[int, Transfer] = {}  # req id -> transfer, until its completion
+        # req id -> a transfer over (its outcome told: CQ_XFER_HELD) whose
+        # memory the engine still holds: pages of it sent by the one-copy
+        # send (tcp, loopback) that a failed connection's peer may still
+        # read. Busy until CQ_XFER_FREED (not in inflight: nothing is in
+        # flight, so no poller spins for it and no post counts it).
+        self._held: dict[int, Transfer] = {}
         self._pending: list[Item] = []  # this loop iteration's batch
         self._pending_t: list[Transfer] = []
         self._flush_scheduled = False
@@ -431,7 +442,10 @@ class Submission:
         in inflight (its record not taken yet) and posted, or still to be
         posted (in this iteration's batch or its peer's scheduler, not
         cancelled: a cancelled one is dropped unposted)."""
-        return self.inflight.get(t.req_id) is t and (t._posted or not t._cancel_requested)
+        rid = t.req_id
+        return (self.inflight.get(rid) is t and (t._posted or not t._cancel_requested)) or (
+            self._held.get(rid) is t
+        )
 
     def settled(self, t: Transfer) -> asyncio.Future[None]:
         """TransferHost: a future that ends when busy(t) is False."""
@@ -447,7 +461,10 @@ class Submission:
         return fut
 
     def _settled(self, t: Transfer) -> None:
-        """t left inflight: its settled() futures end."""
+        """t left inflight: its settled() futures end (a held one's at its
+        CQ_XFER_FREED)."""
+        if self._held and self._held.get(t.req_id) is t:
+            return
         futs = self._settling.pop(t.req_id, None)
         if futs is not None:
             for fut in futs:
@@ -682,7 +699,14 @@ class Submission:
         """A completion record Engine.drain does not settle itself: a failed
         or cancelled transfer here, the rest to the agent's on_event."""
         if kind != _CQ_XFER:
-            self._on_event(kind, status, rid, tag, nbytes, fail_index, payload)
+            if kind == _CQ_XFER_HELD:
+                self._on_held(status, rid, nbytes, fail_index)
+            elif kind == _CQ_XFER_FREED:
+                t = self._held.pop(rid, None)
+                if t is not None:
+                    self._settled(t)
+            else:
+                self._on_event(kind, status, rid, tag, nbytes, fail_index, payload)
             return
         t = self.inflight.pop(rid, None)
         if t is None:
@@ -691,6 +715,36 @@ class Submission:
             self.finish_failed(t, None)
         else:
             self.finish_failed(t, self.error(t, status, fail_index, "failed"))
+
+    def _on_held(self, status: int, rid: int, nbytes: int, fail_index: int) -> None:
+        """CQ_XFER_HELD: the transfer is over (its outcome, told now: a
+        failure on time though a stopped peer holds its pages), its memory
+        still the engine's until CQ_XFER_FREED (busy, settled())."""
+        t = self.inflight.pop(rid, None)
+        if t is None:
+            return
+        self._held[rid] = t
+        if status != _E_OK:
+            if status == _E_CANCELLED and t._cancel_requested:
+                self.finish_failed(t, None)
+            else:
+                self.finish_failed(t, self.error(t, status, fail_index, "failed"))
+            return
+        # Succeeded (a group rerouted off a connection whose peer may still
+        # read its pages): as the compiled drain completes one.
+        peer = t.peer
+        if t._admitted:
+            self.release(t)
+        c = peer._counters
+        c.inflight -= 1
+        c.inflight_bytes -= t.nbytes
+        c.completed += 1
+        c.bytes += nbytes
+        self.completed += 1
+        self.bytes += nbytes
+        if not t.done():
+            path = t._path if t._path is not None else peer.path
+            t.set_result(TransferResult(nbytes, time.perf_counter() - t._t0, path, fail_index))
 
     def finish_failed(self, t: Transfer, exc: BaseException | None) -> None:
         """Counts t as failed and fails (exc) or cancels (None) its future."""
@@ -733,7 +787,12 @@ class Submission:
 
     def fail_inflight(self) -> None:
         """Closed: fails what the engine, shut down and drained, never
-        reported on (should not happen) with ClosedResourceError."""
+        reported on (should not happen) with ClosedResourceError; held
+        transfers whose CQ_XFER_FREED never came (the shut-down engine gave
+        up on their pages) settle."""
+        held, self._held = self._held, {}
+        for t in held.values():
+            self._settled(t)
         for t in list(self.inflight.values()):
             self.inflight.pop(t.req_id, None)
             self.finish_failed(t, self.closed_error(t))

@@ -84,6 +84,16 @@ class Transfer(asyncio.Future[TransferResult]):
     in flight, until the engine confirms it no longer touches it:
     ``await t.settled()`` waits for that (before the memory is reused for
     something else, e.g. a cancelled READ's destination).
+
+    The same holds for a WRITE that fails (or is cancelled) after the tcp
+    path's one-copy send handed pages of its buffer to a same-host peer
+    (256 KiB-1 MiB writes over loopback; off with ``AIOXFER_TCP_SPLICE=0``):
+    the transfer fails on time, but a peer that is stopped, or slow to read,
+    may still read those pages and apply them at their destination as they
+    are then. The engine keeps the memory held (``busy`` stays True, a
+    deregistration of it waits) until the kernel shows the pages read or
+    dropped (the peer resumed and read, or exited); reuse such a buffer only
+    after ``await t.settled()``, else bytes never sent may land at the peer.
     """
 
     __slots__ = (
@@ -153,7 +163,9 @@ class Transfer(asyncio.Future[TransferResult]):
         from its submit until its completion record is taken (a transfer
         done, other than by a cancel, is not busy; a cancelled one is until
         the engine confirms the cancel, or reports the outcome it reached
-        first). Loop thread only, as the rest of the agent."""
+        first; a failed one whose pages a peer may still read, see the
+        class, until the engine releases them). Loop thread only, as the
+        rest of the agent."""
         return self._host.busy(self)
 
     def settled(self) -> asyncio.Future[None]:

@@ -45,6 +45,8 @@ cdef extern from *:
     _Static_assert(AXF_CQ_LOG == 5, "cyx/_abi.pxi is stale (AXF_CQ_LOG): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_CONN_CLOSED == 6, "cyx/_abi.pxi is stale (AXF_CQ_CONN_CLOSED): run tools/gen_abi.py");
     _Static_assert(AXF_CQ_RAIL_DOWN == 7, "cyx/_abi.pxi is stale (AXF_CQ_RAIL_DOWN): run tools/gen_abi.py");
+    _Static_assert(AXF_CQ_XFER_HELD == 8, "cyx/_abi.pxi is stale (AXF_CQ_XFER_HELD): run tools/gen_abi.py");
+    _Static_assert(AXF_CQ_XFER_FREED == 9, "cyx/_abi.pxi is stale (AXF_CQ_XFER_FREED): run tools/gen_abi.py");
     _Static_assert(AXF_MAX_NOTIFY == 4096, "cyx/_abi.pxi is stale (AXF_MAX_NOTIFY): run tools/gen_abi.py");
     _Static_assert(AXF_WAIT_POLLS == 1, "cyx/_abi.pxi is stale (AXF_WAIT_POLLS): run tools/gen_abi.py");
     _Static_assert(AXF_VERBS_MAX_DEVICES == 8, "cyx/_abi.pxi is stale (AXF_VERBS_MAX_DEVICES): run tools/gen_abi.py");
@@ -93,6 +95,8 @@ CQ_REGION_FREED = 4
 CQ_LOG = 5
 CQ_CONN_CLOSED = 6
 CQ_RAIL_DOWN = 7
+CQ_XFER_HELD = 8
+CQ_XFER_FREED = 9
 MAX_NOTIFY = 4096
 WAIT_POLLS = 1
 VERBS_MAX_DEVICES = 8

@@ -51,6 +51,8 @@ cdef extern from "aioxfer.h" nogil:
     uint32_t AXF_CQ_LOG
     uint32_t AXF_CQ_CONN_CLOSED
     uint32_t AXF_CQ_RAIL_DOWN
+    uint32_t AXF_CQ_XFER_HELD
+    uint32_t AXF_CQ_XFER_FREED
 
     uint32_t AXF_MAX_NOTIFY
 

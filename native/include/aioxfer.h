@@ -113,6 +113,14 @@ const char *axf_strerror(int status);
                                  groups moved to other connections; status = why
                                  (AXF_E_PEER_LOST: broken or silent, AXF_E_TIMEOUT: stalled,
                                  AXF_E_CLOSED: the peer said goodbye on it) */
+#define AXF_CQ_XFER_HELD 8    /* as AXF_CQ_XFER (the request is over: status, nbytes,
+                                 fail_index), but the engine still holds its local memory:
+                                 pages of it sent by the one-copy send (tcp, loopback) that
+                                 a peer may still read. Do not reuse, free or deregister
+                                 that memory (a deregistration waits) until
+                                 AXF_CQ_XFER_FREED with the same id */
+#define AXF_CQ_XFER_FREED 9   /* id = request id, after its AXF_CQ_XFER_HELD: its memory is
+                                 no longer touched (its regions released) */
 
 #define AXF_MAX_NOTIFY 4096u
 

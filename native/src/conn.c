@@ -171,7 +171,7 @@ typedef struct conn_priv {
     int spl_fd[2];
     uint32_t spl_in;
     /* Spliced pages still owed (tcp26, "one-copy send": the release rule):
-     * one entry per spliced frame sent, holding its op's pin, until the
+     * one entry per spliced frame sent, holding its op's memory, until the
      * group's acknowledgement says the peer read it, or the connection's
      * end finds them read or dropped (spl_settle: spl_settled set, entries
      * that come later are settled at once). c.mu. The tuple sock_diag is
@@ -186,6 +186,10 @@ typedef struct conn_priv {
      * broadcast when it drops to 0. */
     uint32_t spl_late;
     struct sockaddr_storage spl_me, spl_peer;
+    /* A connection that may splice waits for room in slices (send_waits):
+     * when its blocked send's wait began (ms; 0: it moved since). Whoever
+     * holds c->sending owns it. */
+    uint64_t snd_wait0;
     /* A lone READ's response taken by a spinner as it comes (help_more):
      * its header (read, checked by help_takes) and mid_have bytes of its
      * payload copied to their destination, the last of them at mid_since.
@@ -198,6 +202,16 @@ typedef struct conn_priv {
 } conn_priv;
 
 static bool spl_keep(conn *c, sq_item *it);
+
+#define SPL_SNDTIMEO_MS 100u /* a splicing connection's send timeout slice (send_waits) */
+
+/* The send timeout ka_arm_socket arms: the stall time, or the peer timeout. */
+static uint32_t snd_armed_ms(const conn *c)
+{
+    const axf_config *cfg = &c->e->cfg;
+    return cfg->stall_ms && cfg->stall_ms < cfg->peer_timeout_ms ? cfg->stall_ms
+                                                                 : cfg->peer_timeout_ms;
+}
 
 static void expect_free(expect *x)
 {
@@ -226,13 +240,19 @@ static void sq_release(axf_engine *e, sq_item *it)
     free(it->chunks);
     it->owned = NULL;
     it->chunks = NULL;
-    if (it->spl_c) { /* spliced: the item, with its op's pin, may stay as a hold */
+    if (it->spl_c) { /* spliced: the item may stay as a hold on its op's memory */
         conn *c = it->spl_c;
+        op *o = it->op;
         it->spl_c = NULL;
-        bool kept = it->op && spl_keep(c, it);
+        bool kept = o && spl_keep(c, it);
         conn_unref(c); /* a kept item is the connection's: its threads' reference holds it */
-        if (kept)
+        if (kept) {
+            /* Its pin given back (spl28): the op may be over now, its
+             * memory held by the kept item (op.mem). The item may be gone
+             * already (released by another thread); o is not: this pin. */
+            op_unpin(e, o);
             return;
+        }
     }
     if (it->op)
         op_unpin(e, it->op);
@@ -946,6 +966,33 @@ static int discard(conn *c, uint8_t *scratch, uint64_t len)
     return 0;
 }
 
+/* A blocking send's SO_SNDTIMEO ran out (EAGAIN): wait on? A connection
+ * that may splice has it armed in slices of SPL_SNDTIMEO_MS (conn_open,
+ * spl28): its death shuts only its reading (conn_mark_dead: no FIN while
+ * spliced pages may be unread), which does not wake a blocked send, and a
+ * sender that sat out the whole timeout (min(stall, peer timeout)) held
+ * its connection's end, so its endpoint's loss and its ops' failure, for
+ * that long. Sliced, it looks at down between slices (then EPIPE, as the
+ * shutdown gives a copying connection) and waits the armed time in all as
+ * before. Otherwise as ka_send_waits. */
+static bool send_waits(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    if (p->spl_ok) {
+        if (atomic_load(&c->down)) {
+            errno = EPIPE;
+            return false;
+        }
+        uint64_t now = axf_now_ms();
+        if (!p->snd_wait0)
+            p->snd_wait0 = now - SPL_SNDTIMEO_MS; /* one slice waited already */
+        if (now - p->snd_wait0 < snd_armed_ms(c))
+            return true;
+        p->snd_wait0 = now; /* a whole timeout: as an unsliced send's */
+    }
+    return ka_send_waits(c);
+}
+
 /* Sends the iovecs whole (blocking, up to SO_SNDTIMEO) or, nowait, as much
  * as the socket takes now. *sent: bytes sent. 0, or -errno.
  * A blocking send that the socket refused for SO_SNDTIMEO goes on waiting
@@ -962,10 +1009,11 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
                 continue;
             if (nowait && (errno == EAGAIN || errno == EWOULDBLOCK))
                 return 0;
-            if ((errno == EAGAIN || errno == EWOULDBLOCK) && ka_send_waits(c))
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && send_waits(c))
                 continue;
             return -errno;
         }
+        ((conn_priv *)c)->snd_wait0 = 0;
         *sent += (uint64_t)r;
         size_t done = (size_t)r;
         while (cnt > 0 && done >= iov->iov_len) {
@@ -1024,8 +1072,9 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * frames (in order on this stream, spliced pages included) into its
  * memory, and not before every frame of it has left the send queue
  * (op->pins); the op holds its regions (op->lregs) until then. Sent is
- * not read with splice: a spliced frame's item, once sent, keeps its op's
- * pin as a hold on its connection (spl_keep) until that op's groups here
+ * not read with splice: a spliced frame's item, once sent, stays as a hold
+ * on its op's memory (op->mem; its pin given back, spl28) on its
+ * connection (spl_keep) until that op's groups here
  * are acknowledged (spl_read_take), or the last of them here moves off
  * whole (spread_take: a joining connection's spread; tcp27, else the op
  * stayed pinned until this connection died). When the connection fails first (the
@@ -1035,18 +1084,22 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * shows every byte we put in the socket read or dropped (spl_settle,
  * polled: our send queue empty or purged, and the peer's socket gone or
  * its receive queue empty; and no inline sender still between its unlock
- * and its release, spl_late, tcp27): the op's completion and its region holds (a
- * deregistration waits for them) come only then, with its failure. Why no
- * prompt end: an abortive close does not drop the pages (a reset socket's
+ * and its release, spl_late, tcp27): the op's region holds (a
+ * deregistration waits for them) are released only then. Its outcome is
+ * told at once (spl28: AXF_CQ_XFER_HELD, engine.c op_finish_now), the
+ * release later (AXF_CQ_XFER_FREED); the connection's end reaches its
+ * endpoint before it settles (thread_exit). Why no prompt release: an abortive close does not drop the pages (a reset socket's
  * receive queue stays readable: recv returns it before ECONNRESET, kernel
  * 6.18, and the reset unhashes the socket, so sock_diag stops seeing it),
  * nothing else of ours can take them back from a live peer, and with the
  * copy the posted bytes may still land as well. A stopped peer so holds a
- * failed WRITE's completion (and its memory) until it resumes and reads,
- * or exits; the engine's shutdown gives up after a second, logged. For
+ * failed WRITE's memory until it resumes and reads, or exits; the engine's
+ * shutdown gives up after a second, logged. For
  * the same reason a connection that may splice shuts only its reading
  * side when it dies (conn_mark_dead) and closes after settling: with our
  * FIN out and reading shut, the peer's next bytes draw our kernel's reset.
+ * That shutdown does not wake a blocked send, so such a connection waits
+ * for room in slices (send_waits).
  *
  * Known limits: the uid check vouches for the process that created
  * (accepted) the peer socket, not one it was passed to or one that dropped
@@ -1340,7 +1393,7 @@ static void spl_pipe_close(conn *c)
 }
 
 /* The release rule with splice (tcp26). A spliced frame's item, once sent,
- * keeps its op's pin as a hold on its connection (c.mu) while a group of
+ * stays a hold on its op's memory on its connection (c.mu) while a group of
  * that op is still owed here: only its acknowledgement, sent by the target
  * after reading the group's frames in order, says the pages were read.
  * Taken over: true (the item is the connection's now). An op with nothing
@@ -1358,6 +1411,7 @@ static bool spl_keep(conn *c, sq_item *it)
             owed = x->op == it->op;
     }
     if (owed) {
+        op_mem_hold(it->op); /* before it is on the list: spl_release may take it at once */
         it->next = p->spl_holds;
         p->spl_holds = it;
     }
@@ -1392,7 +1446,7 @@ static void spl_release(axf_engine *e, sq_item *it)
 {
     while (it) {
         sq_item *n = it->next;
-        op_unpin(e, it->op);
+        op_mem_unref(e, it->op);
         free(it);
         it = n;
     }
@@ -1455,8 +1509,8 @@ static void spl_settle(conn *c)
         }
         if (!logged && wait_us >= 50000u) {
             logged = true;
-            cq_log(e, c->tag, "connection lost: its failed writes complete once the peer "
-                              "has read or dropped their spliced pages");
+            cq_log(e, c->tag, "connection lost: its failed writes' memory is released once "
+                              "the peer has read or dropped their spliced pages");
         }
         struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)wait_us * 1000L};
         nanosleep(&ts, NULL);
@@ -1541,12 +1595,13 @@ static int spl_drain(conn *c, bool more, bool nowait, uint64_t *sent)
                 continue;
             if (errno == EAGAIN && nowait)
                 return 1;
-            if (errno == EAGAIN && ka_send_waits(c))
+            if (errno == EAGAIN && send_waits(c))
                 continue;
             return -errno;
         }
         if (w == 0)
             return -EPIPE;
+        p->snd_wait0 = 0;
         p->spl_in -= (uint32_t)w;
         *sent += (uint64_t)w;
     }
@@ -1673,11 +1728,12 @@ static int send_vec(conn *c, struct iovec *iov, uint8_t *spl, int cnt, bool nowa
                 continue;
             if (nowait && (errno == EAGAIN || errno == EWOULDBLOCK))
                 goto out;
-            if ((errno == EAGAIN || errno == EWOULDBLOCK) && ka_send_waits(c))
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && send_waits(c))
                 continue;
             r = -errno;
             goto out;
         }
+        p->snd_wait0 = 0;
         *sent += (uint64_t)w;
         size_t total = iov_total(iov, k);
         struct iovec *v0 = iov;
@@ -1707,11 +1763,19 @@ static void thread_exit(conn *c)
             expect_free(x);
             x = n;
         }
-        if (p->spl_ok)
-            spl_settle(c); /* before the close: its reset would hide the peer's queue */
-        close(c->fd);
-        spl_pipe_close(c); /* what was left in it is never sent */
-        atomic_fetch_sub(&e->n_conns, 1);
+        /* A connection that may have spliced (an initiator's) settles its
+         * holds before its close (its reset would hide the peer's queue),
+         * but after its endpoint hears of it (spl28): the ops failed with it
+         * complete now (AXF_CQ_XFER_HELD where a peer may still read their
+         * pages), their memory only once spl_settle releases the holds
+         * (AXF_CQ_XFER_FREED). Before, their failure and the endpoint's loss
+         * waited for a stopped peer to resume or exit. */
+        bool settle = p->spl_ok;
+        if (!settle) {
+            close(c->fd);
+            spl_pipe_close(c); /* what was left in it is never sent */
+            atomic_fetch_sub(&e->n_conns, 1);
+        }
         if (!c->ep) {
             /* What transports hung on it first (verbs: its queue pairs):
              * then nothing reaches us */
@@ -1734,6 +1798,12 @@ static void thread_exit(conn *c)
             cq_push_claimed(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
         else /* a detached one (conn_detached): claims its slot now */
             cq_push(e, AXF_CQ_CONN_CLOSED, AXF_OK, 0, c->tag, 0, 0, NULL, 0);
+        if (settle) { /* c->ep may be freed from here on: spl_settle does not use it */
+            spl_settle(c);
+            close(c->fd);
+            spl_pipe_close(c);
+            atomic_fetch_sub(&e->n_conns, 1);
+        }
         conn_unref(c); /* the threads' reference */
     }
     pthread_mutex_lock(&e->th_mu);
@@ -3725,6 +3795,10 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     c->loop_cc = local && loop_cc_set(e, fd);
     p->spl_ok = spl_ok;
     ka_arm_socket(c);
+    if (spl_ok && snd_armed_ms(c) > SPL_SNDTIMEO_MS) { /* sliced (send_waits) */
+        struct timeval stv = {.tv_sec = 0, .tv_usec = SPL_SNDTIMEO_MS * 1000};
+        (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &stv, sizeof stv);
+    }
 
     ka_init(c);
     atomic_init(&p->tx_owed, true); /* started on its first work (tx_wake) */

@@ -280,7 +280,8 @@ void cq_push(axf_engine *e, uint32_t kind, int32_t status, uint64_t id, uint64_t
      * connection's end) claim one now; if the ring cannot grow they are
      * lost, counted and noted. */
     bool promised =
-        kind == AXF_CQ_XFER || kind == AXF_CQ_PEER_LOST || kind == AXF_CQ_REGION_FREED;
+        kind == AXF_CQ_XFER || kind == AXF_CQ_PEER_LOST || kind == AXF_CQ_REGION_FREED ||
+        kind == AXF_CQ_XFER_HELD || kind == AXF_CQ_XFER_FREED;
     if (!promised && cq_reserve(e) != AXF_OK) {
         cq_drop(e, kind, tag);
         return;
@@ -1025,13 +1026,34 @@ static void op_dealloc(axf_engine *e, op *o)
     free(o);
 }
 
-static void op_free(axf_engine *e, op *o)
+/* An op's local regions: once released, a deregistration may go on. */
+static void op_lregs_release(axf_engine *e, op *o)
 {
     for (size_t i = 0; i < o->nlregs; i++)
         region_unref(e, o->lregs[i]);
+}
+
+/* Everything of an op but its local regions and its record: its transport's
+ * state, its remote regions, its notification, and its endpoint's count,
+ * its last touch of the endpoint (which may be freed from then on). */
+static void op_drop_ep(axf_engine *e, op *o)
+{
     if (o->priv)
         o->ep->xp->op_free(e, o);
     op_release_remote(e, o);
+    free(o->notify);
+    o->notify = NULL;
+    endpoint *ep = o->counted ? o->ep : NULL;
+    o->counted = false;
+    /* Read first: once the count is down, the watcher may free a finished
+     * endpoint. */
+    bool ending = ep && atomic_load(&ep->halt);
+    if (ep && atomic_fetch_sub(&ep->ops_alive, 1) == 1 && ending)
+        watch_wake(e);
+}
+
+static void op_dealloc_all(axf_engine *e, op *o)
+{
     if (o->d != &o->d1) { /* else the op's own one-descriptor storage */
         free(o->d);
         free(o->laddr);
@@ -1039,17 +1061,24 @@ static void op_free(axf_engine *e, op *o)
         free(o->rregs);
         free(o->lregs);
     }
-    free(o->notify);
-    endpoint *ep = o->counted ? o->ep : NULL;
     op_dealloc(e, o);
-    /* The op's last touch of its endpoint (read first: once the count is
-     * down, the watcher may free a finished endpoint). */
-    bool ending = ep && atomic_load(&ep->halt);
-    if (ep && atomic_fetch_sub(&ep->ops_alive, 1) == 1 && ending)
-        watch_wake(e);
 }
 
-/* Pushes the completion and frees an op: nothing refers to it any more. */
+static void op_free(axf_engine *e, op *o)
+{
+    op_lregs_release(e, o);
+    op_drop_ep(e, o);
+    op_dealloc_all(e, o);
+}
+
+/* Pushes the completion and frees an op: nothing refers to it any more but
+ * spliced frames of it whose pages a peer may still read (op.mem, conn.c
+ * spl_keep): then the op is over now, told at once (AXF_CQ_XFER_HELD, its
+ * outcome), and its local regions stay held until the last of those goes
+ * (op_mem_unref: AXF_CQ_XFER_FREED). So a failure is prompt and the memory
+ * safe: the caller may not reuse it, nor can it be deregistered, before
+ * the second record. Without a slot for that record (the ring cannot grow)
+ * the one record waits for the memory, as before spl28. */
 static void op_finish_now(axf_engine *e, op *o)
 {
     int st = atomic_load(&o->status);
@@ -1058,12 +1087,50 @@ static void op_finish_now(axf_engine *e, op *o)
     uint64_t nbytes = atomic_load(&o->nbytes), req_id = o->req_id, tag = o->ep->tag;
     nbytes = st == AXF_OK || nbytes > o->total ? o->total : nbytes;
     uint64_t fail_index = st == AXF_OK ? o->reroutes : o->fail_index;
-    op_free(e, o); /* before the completion: its regions are released first */
+    bool holds = atomic_load(&o->mem) > 1;
+    if (!holds)
+        op_free(e, o); /* before the completion: its regions are released first */
     atomic_fetch_add(st == AXF_OK ? &e->completed : &e->failed, 1);
     if (st == AXF_OK)
         atomic_fetch_add(&e->bytes, nbytes);
     atomic_fetch_sub(&e->n_ops, 1);
-    cq_push(e, AXF_CQ_XFER, st, req_id, tag, nbytes, fail_index, NULL, 0);
+    if (!holds) {
+        cq_push(e, AXF_CQ_XFER, st, req_id, tag, nbytes, fail_index, NULL, 0);
+        return;
+    }
+    /* No hold is added from here on: one comes only from a frame of it
+     * (a pin), and none is left. */
+    o->held = cq_reserve(e) == AXF_OK; /* the second record's slot */
+    o->fin_tag = tag;
+    atomic_store(&o->nbytes, nbytes);
+    o->fail_index = fail_index;
+    op_drop_ep(e, o);
+    if (o->held)
+        cq_push(e, AXF_CQ_XFER_HELD, st, req_id, tag, nbytes, fail_index, NULL, 0);
+    op_mem_unref(e, o); /* its own hold last: the second record follows the first */
+}
+
+void op_mem_hold(op *o)
+{
+    atomic_fetch_add(&o->mem, 1);
+}
+
+/* A hold on an op's memory gone; the last one (its completion pushed and no
+ * spliced pages of it left with a peer) releases its regions and frees it. */
+void op_mem_unref(axf_engine *e, op *o)
+{
+    if (atomic_fetch_sub(&o->mem, 1) != 1)
+        return;
+    bool held = o->held;
+    int st = atomic_load(&o->status);
+    uint64_t req_id = o->req_id, tag = o->fin_tag, nbytes = atomic_load(&o->nbytes),
+             fail_index = o->fail_index;
+    op_lregs_release(e, o);
+    op_dealloc_all(e, o);
+    if (held)
+        cq_push(e, AXF_CQ_XFER_FREED, AXF_OK, req_id, tag, 0, 0, NULL, 0);
+    else
+        cq_push(e, AXF_CQ_XFER, st, req_id, tag, nbytes, fail_index, NULL, 0);
 }
 
 void op_unpin(axf_engine *e, op *o)
@@ -1330,6 +1397,7 @@ int axf_post(axf_engine *e, uint64_t ep_id, int opcode, const axf_desc *descs, s
     if (!o)
         return AXF_E_NOMEM;
     atomic_init(&o->pins, 1);
+    atomic_init(&o->mem, 1);
     o->req_id = req_id;
     o->opcode = opcode;
     o->n = n;

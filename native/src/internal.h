@@ -197,6 +197,14 @@ typedef struct op {
     atomic_int cancelled;
     atomic_ullong nbytes;
     atomic_int pins; /* 1 until the op is over, +1 per frame of it in a send queue */
+    /* Its local memory's holds (spl28): 1 until its completion is pushed,
+     * +1 per spliced frame of it kept until the peer read its pages (conn.c
+     * spl_keep; the frame's pin is given back then, so a failure is told at
+     * once). Its regions are released and the op freed when it drops to 0:
+     * after an AXF_CQ_XFER_HELD record, with AXF_CQ_XFER_FREED (op_mem_unref). */
+    atomic_uint mem;
+    bool held;        /* its completion was AXF_CQ_XFER_HELD: AXF_CQ_XFER_FREED follows */
+    uint64_t fin_tag; /* its endpoint's tag, kept for the record pushed at the last hold */
     uint64_t fail_index;
     int phase; /* 0: data, 1: notification sent */
     uint32_t reroutes;        /* groups moved off failed connections (e->mu) */
@@ -241,7 +249,7 @@ typedef struct sq_item {
     uint32_t reply_cost;  /* target replies: what it counts in conn->reply_bytes */
     /* An initiator WRITE frame whose payload went (or may have gone) by
      * splice on this connection (referenced): once sent, it stays as a hold
-     * with its op's pin until the peer read the pages (conn.c spl_keep). */
+     * on its op's memory until the peer read the pages (conn.c spl_keep). */
     struct conn *spl_c;
     struct sq_item *next;
 } sq_item;
@@ -570,6 +578,10 @@ op *op_find(axf_engine *e, uint64_t req_id);     /* with e->mu held */
 void op_set_status(op *o, int status, uint64_t index);
 void op_unit_done(axf_engine *e, op *o);
 void op_unpin(axf_engine *e, op *o); /* a queued frame of it is gone */
+/* The one-copy send's holds on an op's local memory (op.mem): conn.c keeps
+ * one per spliced frame whose pages the peer may still read. */
+void op_mem_hold(op *o);
+void op_mem_unref(axf_engine *e, op *o);
 void endpoint_conn_finished(axf_engine *e, endpoint *ep);
 /* conn.c: a timeline of the tcp path, for measuring only (tcp14): built
  * with -Dc_args=-DAXF_TCP_TRACE, each AXF_TR appends (CLOCK_MONOTONIC ns,

@@ -657,25 +657,27 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
 }
 
 /* The one-copy send's window (conn.c, "one-copy send"): read once, at
- * engine creation, from AIOXFER_TCP_SPLICE: unset or "0" off (every
- * payload is copied by sendmsg), "1" the window below, "MIN-MAX" or
+ * engine creation, from AIOXFER_TCP_SPLICE: unset the default window below
+ * (on by default since spl28), "1" tcp26's opt-in window (frames from 64
+ * KiB), "0" off (every payload is copied by sendmsg), "MIN-MAX" or
  * "MIN-MAX-REQMAX" (bytes) another window. A frame's payload goes spliced
  * when it is MIN..MAX bytes and its request REQMAX at most.
  * Safe since tcp26: a spliced WRITE that fails or is cancelled before its
- * acknowledgement stays pinned (its completion and region holds wait)
- * until the kernel shows its pages read or dropped (conn.c, spl_settle);
- * before (rev18b) such an op was released while the peer's receive queue
- * still referenced our pages, and a peer reading them later applied the
- * buffer's bytes of that moment. Still off by default, for what that
- * costs: no failure can be both prompt and safe (an abortive close leaves
- * the peer's queue readable), so a stopped peer's failed spliced WRITEs
- * complete only once it resumes and reads, or exits: the peer-lost report
- * within peer_timeout (tests/test_liveness.py's stopped peer, 8 x 64 KiB,
- * due by 2.2 s: not ended at 7.2 s), an endpoint's close with bulk writes at a
- * stopped peer (test_conn16_spread) wait with it. On by default needs the
- * failure reported at once and the memory released later (a second
- * completion record: Transfer.settled), which the engine and Python do not
- * have yet.
+ * acknowledgement keeps its memory held (its region holds) until the
+ * kernel shows its pages read or dropped (conn.c, spl_settle); before
+ * (rev18b) such an op was released while the peer's receive queue still
+ * referenced our pages, and a peer reading them later applied the
+ * buffer's bytes of that moment. No release can be both prompt and safe
+ * (an abortive close leaves the peer's queue readable), so a stopped
+ * peer's spliced pages stay held until it resumes and reads, or exits.
+ * Prompt since spl28, and so on by default: the failure is told at once
+ * (AXF_CQ_XFER_HELD: the transfer fails on time, Transfer.busy stays
+ * true) and the memory released later by a second record
+ * (AXF_CQ_XFER_FREED: Transfer.settled() ends, a deregistration goes
+ * on). tcp26 kept it off because the one record waited for the memory:
+ * a stopped peer's loss (tests/test_liveness.py, due by 2.2 s: not ended
+ * at 7.2 s) and an endpoint's close with bulk writes at it
+ * (test_conn16_spread) waited with it.
  * uid 0 across pid namespaces (tcp26, decided): still spliced. sock_diag
  * says the peer socket's owner uid, not its process; telling whether a
  * uid-0 peer shares our pid namespace (so could read our memory anyway)
@@ -686,7 +688,15 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
  * (a failed op's pages are no longer released early). The cheap way, left:
  * the handshake's claimed peer pid, checked by its /proc/PID/fd holding the
  * inode and /proc/PID/ns/pid equal to ours.
- * The window ("1"): 64 KiB..1 MiB frames of requests up to 1 MiB (tcp26,
+ * The default window (spl28): 256 KiB..1 MiB frames of requests up to 1
+ * MiB. spl28 measured tcp26's 64 KiB floor slower than the copy at 64 KiB
+ * on this 2-vCPU VM (busy: other builds beside it): benchmarks/tcp24_lone.py
+ * WRITE 64 KiB, main's copy ÷ spliced: spliced 0.718x [0.42..0.88], 0 of 6
+ * pairs faster, CPU per GB 0.47 against 0.35 (a sending thread woken per
+ * request: 1.9 voluntary switches per request, 0.02 copying); the peers
+ * harness' 64 KiB row 0.56-0.98x in 3 rounds; 256 KiB 1.037x [1.00..1.27]
+ * 3/5 (p50 36.8 against 40.9 us), 1 MiB 1.014x [0.94..1.15] 4/6.
+ * tcp26's window ("1"): 64 KiB..1 MiB frames of requests up to 1 MiB (tcp26,
  * wheels against main 07d60a7's, 2 vCPUs shared with other builds).
  * benchmarks/peers/run.py --only nixl_tcp,aioxfer_tcp,before_tcp, two runs
  * of 3 rotated rounds: WRITE 1 MiB one at a time 1.66x and 1.23x NIXL-tcp
@@ -720,7 +730,8 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
  * 0.74x too). So tcp18 chose frames of 64..512 KiB of requests up to 512 KiB; below
  * (header-sized copies cost less than the pipe's syscalls) and above, the
  * copy. */
-#define SPLICE_MIN_DEFAULT (64u << 10)
+#define SPLICE_MIN_DEFAULT (256u << 10)
+#define SPLICE_MIN_ONE (64u << 10) /* "1": tcp26's opt-in window */
 #define SPLICE_MAX_DEFAULT (1u << 20)
 #define SPLICE_REQ_MAX_DEFAULT (1u << 20)
 static int tcp_enable(axf_engine *e)
@@ -736,10 +747,10 @@ static int tcp_enable(axf_engine *e)
     e->splice_max = SPLICE_MAX_DEFAULT;
     e->splice_req_max = SPLICE_REQ_MAX_DEFAULT;
     const char *v = axf_env_get(&e->env, AXF_ENV_TCP_SPLICE);
-    if (v && strcmp(v, "1") == 0)
+    if (!v || !*v) /* the default: on, this window (spl28) */
         return AXF_OK;
-    if (!v || !*v) { /* the default: off (the comment above: a stopped peer's failures) */
-        e->splice_min = e->splice_max = e->splice_req_max = 0;
+    if (strcmp(v, "1") == 0) {
+        e->splice_min = SPLICE_MIN_ONE;
         return AXF_OK;
     }
     char *end;

@@ -27,8 +27,8 @@
 
 static bool splice_on(void)
 {
-    const char *v = getenv("AIOXFER_TCP_SPLICE"); /* off unless asked for */
-    return v && *v && strcmp(v, "0") != 0;
+    const char *v = getenv("AIOXFER_TCP_SPLICE"); /* on unless "0" (spl28) */
+    return !v || strcmp(v, "0") != 0;
 }
 
 /* A connected TCP loopback pair: *a the connecting end, *b the accepted. */

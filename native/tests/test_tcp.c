@@ -2066,7 +2066,7 @@ static int spin_for_n(tengine *t, uint64_t id, int32_t *status, uint64_t *nbytes
         (void)axf_wait(t->e, 20000);
         t_drain(t);
         for (size_t i = 0; i < t->n; i++) {
-            if (t->q[i].kind == AXF_CQ_XFER && t->q[i].id == id) {
+            if (t_match(&t->q[i], AXF_CQ_XFER, false, id)) {
                 *status = t->q[i].status;
                 *nbytes = t->q[i].nbytes;
                 memmove(&t->q[i], &t->q[i + 1], (t->n - i - 1) * sizeof t->q[0]);

@@ -75,9 +75,9 @@ static void peer_ends_in_the_gap(void *arg)
 
 /* A WRITE spliced and sent whole from the posting thread (conn_kick); the
  * connection ends while the posting thread is between its unlock and the
- * release. The op must not complete while the peer's receive queue still
- * holds the spliced bytes unread; once the peer drains it, it fails (the
- * peer is lost), promptly. */
+ * release. The op's memory must not be released while the peer's receive
+ * queue still holds the spliced bytes unread; once the peer drains it, it
+ * is (AXF_CQ_XFER_FREED), promptly. */
 static int test_kick_release_race(void)
 {
     signal(SIGPIPE, SIG_DFL);
@@ -110,8 +110,12 @@ static int test_kick_release_race(void)
     printf("  windows %d, spliced frames %" PRIu64 ", ended in the window: %d\n", g.calls,
            (uint64_t)atomic_load(&a->e->spliced_frames), (int)g.ended_in_gap);
     CHECK(g.calls >= 1); /* the frame went spliced, from the posting thread */
-    /* The peer has read nothing: no completion, whatever the threads did. */
-    CHECK(t_quiet(a, AXF_CQ_XFER, 4242, 600));
+    /* The op fails at once (spl28: AXF_CQ_XFER_HELD), but the peer has read
+     * nothing: its memory stays held, whatever the threads did. */
+    axf_completion h;
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER_HELD, 4242, &h), 0);
+    CHECK(h.status != AXF_OK);
+    CHECK(t_quiet(a, AXF_CQ_XFER_FREED, 4242, 600));
     CHECK(!g.ended_in_gap); /* the last thread waited for the late items */
     /* The peer drains its queue: the pages are free, the op fails now. */
     static uint8_t buf[256 << 10];
@@ -128,8 +132,7 @@ static int test_kick_release_race(void)
             usleep(1000);
     }
     axf_completion c;
-    CHECK_EQ(t_wait(a, AXF_CQ_XFER, 4242, &c), 0);
-    CHECK(c.status != AXF_OK);
+    CHECK_EQ(t_wait(a, AXF_CQ_XFER_FREED, 4242, &c), 0);
     axf_mock_faults(a->e, NULL);
     close(y);
     t_close(a);
