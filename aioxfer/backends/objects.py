@@ -213,7 +213,18 @@ MIN_RATE = 64 << 10
 _SIGN_TTL = timedelta(minutes=15)
 _SIGN_REUSE = 5 * 60.0  # a signed URL is reused while it has this long left
 _SIGNED_MAX = 4096  # cached signed URLs per region
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+# (at most 20 digits: S3's 5 TiB objects need 13, and int() refuses a
+# string of more than 4300 with ValueError)
+_CONTENT_RANGE = re.compile(r"bytes (\d{1,20})-(\d{1,20})/(\d{1,20}|\*)")
+# An entity-tag as RFC 9110 writes it (ASCII, no space or inner quote; a
+# store's e-tags are MD5 hex, "-N" for multipart), or unquoted as some
+# servers send it; anything else is a ProtocolError where it is read: it
+# would be compared (a HEAD's, _landed, _check_completed) or sent back in a
+# complete's XML (a part's).
+_ETAG = re.compile(r'(?:W/)?"[\x21\x23-\x7e]{0,1024}"|[\x21\x23-\x7e]{1,1024}')
+# An upload id as sent back in a query: printable ASCII (AWS's, MinIO's,
+# Ceph's, rclone's are base64 or hex), bounded
+_UPLOAD_ID = re.compile(r"[\x21-\x7e]{1,1024}")
 _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 # Keys that obstore's path encoding (object_store: each segment
 # percent-encoded but for alphanumerics and "-._~") leaves as they are
@@ -872,10 +883,14 @@ class ObjectRegion(BackendRegion):
                 if not self._send_again_refused(refusal, generation):
                     raise
                 continue
+            except aiohttp.ClientResponseError as exc:
+                failed = _malformed(exc)
+                break
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+        raise ProtocolError(f"{what}: {failed}")
 
     def _send_again_refused(self, refusal: _Refusal, generation: int,
                             stale_url: tuple[str, str] | None = None) -> bool:
@@ -1048,7 +1063,8 @@ class ObjectRegion(BackendRegion):
                     return
                 unknown_before = True
                 if not self._resend_unknown:
-                    raise TransportError(
+                    # (a malformed answer stays a ProtocolError)
+                    raise (ProtocolError if isinstance(err, ProtocolError) else TransportError)(
                         f"{what}: the PUT's outcome is unknown "
                         f"({why}) and the object is not there with these bytes; not sent "
                         f"again while that PUT may still run at the server (it may yet store "
@@ -1134,6 +1150,11 @@ class ObjectRegion(BackendRegion):
             # no connection was made: the request never left
             why = _describe(exc)
             failed = _PutFailed("unsent", why, TransportError(f"{what} failed: {why}"))
+        except aiohttp.ClientResponseError as exc:
+            # an answer came, one that cannot be read: whether it said the
+            # object was stored is not known (the HEAD says)
+            why = _malformed(exc)
+            failed = _PutFailed("unknown", why, ProtocolError(f"{what}: {why}"))
         except (aiohttp.ClientError, TimeoutError) as exc:
             why = _describe(exc)
             failed = _PutFailed("unknown", why, TransportError(f"{what} failed: {why}"))
@@ -1226,12 +1247,17 @@ class ObjectRegion(BackendRegion):
         size = resp.headers.get("Content-Length", "")
         if not size.isdigit():
             raise ProtocolError(f"{what}: HTTP 200 to a HEAD without a Content-Length")
+        e_tag = resp.headers.get("ETag")
+        if e_tag is not None and _ETAG.fullmatch(e_tag) is None:
+            raise ProtocolError(f"{what}: HTTP 200 with a malformed ETag {e_tag[:80]!r}")
         modified: datetime | None = None
         try:
+            # (informative only: one that cannot be read is left out; a
+            # year past 9999 is OverflowError, not ValueError)
             modified = email.utils.parsedate_to_datetime(resp.headers.get("Last-Modified", ""))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError, IndexError):
             pass
-        return ObjectStat(key, True, int(size), resp.headers.get("ETag"), modified)
+        return ObjectStat(key, True, int(size), e_tag, modified)
 
     async def _signed_request(
         self,
@@ -1297,10 +1323,14 @@ class ObjectRegion(BackendRegion):
                         refusal, generation, (method, key) if cached else None):
                     raise
                 continue
+            except aiohttp.ClientResponseError as exc:
+                failed = _malformed(exc)
+                break
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+        raise ProtocolError(f"{what}: {failed}")
 
     def _timeout_for(self, moves: int) -> aiohttp.ClientTimeout:
         """The bound of one attempt of a request that moves ``moves`` bytes
@@ -1650,8 +1680,11 @@ async def _chunks(body: bytes | memoryview) -> Any:
 
 
 def _xml_text(text: str, tag: str) -> str | None:
+    """The text of the first element ``tag`` of an S3 answer, its XML
+    references decoded (a complete's ETag comes as ``&quot;...&quot;``),
+    without whitespace around it (an indented answer); None if none."""
     m = re.search(f"<{tag}>([^<]*)</{tag}>", text)
-    return None if m is None else html.unescape(m[1])
+    return None if m is None else html.unescape(m[1]).strip()
 
 
 def _failed(what: str, resp: aiohttp.ClientResponse, code: str) -> XferError:
@@ -1685,6 +1718,8 @@ async def _created(
     upload_id = _xml_text(text, "UploadId")
     if not upload_id:
         raise ProtocolError(f"{what}: HTTP 200 without an UploadId")
+    if _UPLOAD_ID.fullmatch(upload_id) is None:
+        raise ProtocolError(f"{what}: HTTP 200 with a malformed UploadId {upload_id[:80]!r}")
     return upload_id
 
 
@@ -1753,6 +1788,10 @@ async def _part_done(
     e_tag = resp.headers.get("ETag")
     if not e_tag:
         raise ProtocolError(f"{what}: HTTP 200 without an ETag")
+    if _ETAG.fullmatch(e_tag) is None:
+        # sent back in the complete's XML: a control character would make
+        # it malformed XML, a non-ASCII one could not even be encoded
+        raise ProtocolError(f"{what}: HTTP 200 with a malformed ETag {e_tag[:80]!r}")
     return e_tag
 
 
@@ -1770,7 +1809,12 @@ async def _completed(
         # a body cut short): its outcome is not known; sent again, it
         # completes or finds no such upload (then the HEAD says).
         raise _Transient("HTTP 200 without a CompleteMultipartUploadResult")
-    return _xml_text(text, "ETag") or ""
+    e_tag = _xml_text(text, "ETag") or ""
+    if e_tag and _ETAG.fullmatch(e_tag) is None:
+        # compared with the HEAD's (_check_completed): the upload's outcome
+        # is known (completed), the answer not to be trusted
+        raise ProtocolError(f"{what}: HTTP 200 with a malformed ETag {e_tag[:80]!r}")
+    return e_tag
 
 
 async def _aborted(
@@ -1795,8 +1839,11 @@ def _refuse_status(what: str, resp: aiohttp.ClientResponse, code: str) -> None:
 
 
 def _redirected(what: str, status: int, resp: aiohttp.ClientResponse) -> XferError:
-    where = urlsplit(resp.headers.get("Location", ""))
-    to = f" to {where.scheme}://{where.netloc}" if where.netloc else ""
+    try:
+        where = urlsplit(resp.headers.get("Location", ""))
+        to = f" to {where.scheme}://{where.netloc}" if where.netloc else ""
+    except ValueError:  # ("http://[x": an IPv6 literal unclosed) only not named
+        to = " to a malformed Location"
     return XferError(
         f"{what}: the server redirected (HTTP {status}{to}) a signed request; "
         f"redirects are not followed (is the endpoint or region right?)"
@@ -1836,6 +1883,15 @@ class _PutFailed(Exception):
         self.outcome = outcome
         self.why = why
         self.err = err
+
+
+def _malformed(exc: aiohttp.ClientResponseError) -> str:
+    """What aiohttp's parser refused in an answer (a malformed status line
+    or header, e.g. a Content-Length it cannot read: aiohttp raises
+    ClientResponseError for those, and for nothing else we ask of it, with
+    neither raise_for_status nor redirects): a ProtocolError's text, not a
+    transport failure to retry."""
+    return f"the server's answer is malformed ({_describe(exc)})"
 
 
 def _xml_code(body: str) -> str:
