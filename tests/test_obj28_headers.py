@@ -21,6 +21,7 @@ ones): before, several escaped as other errors:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -47,9 +48,13 @@ class FakeS3:
     default a well-formed multipart upload (create, parts, complete, abort)
     and HEADs that find nothing; ``requests`` lists (method, path, query)."""
 
-    def __init__(self, answer: Callable[[str, str, dict[str, str], bytes], Answer | None]
-                 ) -> None:
+    def __init__(self, answer: Callable[[str, str, dict[str, str], bytes], Answer | None],
+                 close: Callable[[int, str], str | None] | None = None) -> None:
         self.answer = answer
+        # close(i, method) for the i-th request (from 0) of a connection,
+        # once its head is read: "head" aborts the connection there (its
+        # body unread), "body" once its body is read (unanswered)
+        self.close = close
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
@@ -73,7 +78,7 @@ class FakeS3:
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         self._writers.add(w)
         try:
-            while True:
+            for i in itertools.count():
                 head = await r.readuntil(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
                 method, target = lines[0].split(" ")[:2]
@@ -82,9 +87,16 @@ class FakeS3:
                     name, _, value = line.partition(":")
                     if name.strip().lower() == "content-length":
                         clen = int(value)
-                body = await r.readexactly(clen)
+                closing = None if self.close is None else self.close(i, method)
                 parts = urlsplit(target)
                 query = dict(parse_qsl(parts.query, keep_blank_values=True))
+                if closing == "head":
+                    self.requests.append((f"{method} (closed: head)", parts.path, query))
+                    return
+                body = await r.readexactly(clen)
+                if closing == "body":
+                    self.requests.append((f"{method} (closed: body)", parts.path, query))
+                    return
                 self.requests.append((method, parts.path, query))
                 got = self.answer(method, parts.path, query, body)
                 if got is None:

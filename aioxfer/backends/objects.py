@@ -1744,36 +1744,31 @@ class _Digest:
     thread reads that buffer, which the caller may reuse once the write
     returns."""
 
-    __slots__ = ("_body", "_owned", "_digest")
+    __slots__ = ("_body", "_owned", "_b64")
 
     def __init__(self, body: bytes | memoryview, owned: bool) -> None:
         self._body = body
         self._owned = owned
-        self._digest: bytes | None = None
+        self._b64: str | None = None
 
     @property
     def nbytes(self) -> int:
         return memoryview(self._body).nbytes
 
-    async def _get(self, region: ObjectRegion) -> bytes:
-        if self._digest is None:
+    async def b64(self, region: ObjectRegion) -> str:
+        """The MD5 as a Content-MD5 header's value (base64)."""
+        if self._b64 is None:
             view = memoryview(self._body)
             if view.nbytes <= _MD5_INLINE:
-                self._digest = _md5(view)
+                self._b64 = _md5_b64(view)
             else:
-                self._digest = await region._upload(
-                    self._owned, asyncio.to_thread(_md5, view))
-        return self._digest
-
-    async def b64(self, region: ObjectRegion) -> str:
-        return base64.b64encode(await self._get(region)).decode()
+                self._b64 = await region._upload(
+                    self._owned, asyncio.to_thread(_md5_b64, view))
+        return self._b64
 
     async def hex(self, region: ObjectRegion) -> str:
-        return (await self._get(region)).hex()
-
-
-def _md5(data: memoryview) -> bytes:
-    return hashlib.md5(data, usedforsecurity=False).digest()
+        """The MD5 in hex, as an MD5 e-tag is."""
+        return base64.b64decode(await self.b64(region)).hex()
 
 
 async def _part_done(
