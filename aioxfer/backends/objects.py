@@ -67,10 +67,13 @@ the key with our bytes means it landed; with other bytes, ObjectExists
 the resend replace another writer's object).
 
 A single PUT of ours is bounded as our other requests: ``connect_timeout``,
-``read_timeout`` for its answer once its body is out (and for each
-read), and the whole attempt ``connect_timeout + read_timeout + bytes /
-min_rate``: a body the store reads slowly but at ``min_rate`` or better
-is sent. A smaller one (up to ``min_rate * read_timeout`` bytes, without
+``read_timeout`` for its answer once the store has taken its body (the
+kernel's send queue empty, not merely the last byte queued: up to a send
+buffer of 4 MiB may wait there; while it drains, ``read_timeout`` without
+progress), ``read_timeout`` for each read, and the whole attempt
+``connect_timeout + read_timeout + bytes / min_rate``: a body the store
+reads slowly but at ``min_rate`` or better is sent (a multipart upload's
+parts alike). A smaller one (up to ``min_rate * read_timeout`` bytes, without
 ``part_md5``) is obstore's request, sorted by the same rules: obstore's
 client counts ``read_timeout`` from the request's start, its body's
 sending included, which for that size asks no more of the link than
@@ -163,12 +166,15 @@ import asyncio
 import base64
 import contextvars
 import email.utils
+import fcntl
 import hashlib
 import html
 import inspect
 import os
 import random
 import re
+import sys
+import termios
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -444,6 +450,8 @@ class ObjectRegion(BackendRegion):
         # alone lets a server that trickles a byte now and then (or reads
         # our body that slowly) hold a request for ever.
         self._base_total = connect_timeout + read_timeout
+        # how long a body's bytes queued in the kernel may go unread (_Body)
+        self._stall = read_timeout
         self._min_rate = min_rate
         # A single PUT of up to this many bytes is obstore's (without
         # part_md5): its read_timeout, counted from the request's start, the
@@ -863,7 +871,7 @@ class ObjectRegion(BackendRegion):
                     # sends it as is (not chunked), from the caller's memory
                     # a MiB at a time (the socket's flow control applies).
                     sent["Content-Length"] = str(len(body))
-                    data = _chunks(body)
+                    data = _Body(body, self._stall)
                 async with self._pooled(), self._http().request(
                     method, yarl.URL(url, encoded=True), headers=sent, data=data,
                     allow_redirects=False, timeout=timeout,
@@ -1119,7 +1127,8 @@ class ObjectRegion(BackendRegion):
         failed: _PutFailed
         try:
             async with self._pooled(), self._http().request(
-                "PUT", yarl.URL(target.url, encoded=True), headers=sent, data=_chunks(body),
+                "PUT", yarl.URL(target.url, encoded=True), headers=sent,
+                data=_Body(body, self._stall),
                 allow_redirects=False, timeout=self._timeout_for(n),
             ) as resp:
                 status = resp.status
@@ -1672,11 +1681,76 @@ def _background(call: Awaitable[None]) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
-async def _chunks(body: bytes | memoryview) -> Any:
-    """``body`` a MiB at a time (views, no copies), for aiohttp to send."""
-    view = memoryview(body)
-    for at in range(0, len(view), _READ_BUFSIZE):
-        yield view[at:at + _READ_BUFSIZE]
+class _Body(aiohttp.payload.Payload):
+    """A request's body, sent from ``body`` (the caller's memory or the
+    owned copy) a MiB at a time, no copies, once: consumed as its write
+    starts. (aiohttp sends an idempotent request again by itself when a
+    kept-alive connection turns out closed, but only while its body is not
+    consumed, and a request's head is buffered until its body's first
+    write: nothing of it had left. A bytes body would be sent again whole,
+    tests/test_obj28_keepalive.py.)
+
+    Its write ends once the kernel has handed every byte to the server (the
+    socket's send queue empty: _unsent), not when the last one is queued:
+    aiohttp starts the answer's ``read_timeout`` when the write ends, and up
+    to a send buffer (4 MiB here) was still queued then: a server reading
+    those bytes at ``min_rate`` or better, but slower than 4 MiB per
+    ``read_timeout``, timed out (tests/test_obj28_tail.py). The wait is
+    bounded by progress: no byte taken by the server for ``stall`` seconds
+    is a TimeoutError (the request's outcome unknown), as a read is."""
+
+    _autoclose = True  # (nothing to close)
+
+    def __init__(self, body: bytes | memoryview, stall: float) -> None:
+        view = memoryview(body)
+        super().__init__(view, content_type="application/octet-stream")
+        self._view = view
+        self._stall = stall
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        raise TypeError("a streamed request body is not decoded")
+
+    async def write(self, writer: Any) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        self._consumed = True
+        view = self._view
+        for at in range(0, len(view), _READ_BUFSIZE):
+            await writer.write(view[at:at + _READ_BUFSIZE])
+        transport = writer.transport
+        if transport is None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return
+        left = transport.get_write_buffer_size() + _unsent(sock.fileno())
+        pause = 0.001
+        moved = time.monotonic()
+        while left > 0:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            now = transport.get_write_buffer_size() + _unsent(sock.fileno())
+            if now < left:
+                moved = time.monotonic()
+            elif time.monotonic() - moved > self._stall:
+                raise TimeoutError(
+                    f"the server took none of the body's last {now} bytes for "
+                    f"{self._stall:g} s")
+            left = now
+
+
+def _unsent(fd: int) -> int:
+    """The bytes of a TCP socket's send queue the peer has not acknowledged
+    (Linux's SIOCOUTQ); 0 where that cannot be asked (another system, a
+    socket already closed): the write then ends as it always did."""
+    if sys.platform != "linux" or fd < 0:
+        return 0
+    try:
+        got = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int.from_bytes(got, sys.byteorder, signed=True)
 
 
 def _xml_text(text: str, tag: str) -> str | None:
