@@ -450,8 +450,11 @@ class ObjectRegion(BackendRegion):
         # alone lets a server that trickles a byte now and then (or reads
         # our body that slowly) hold a request for ever.
         self._base_total = connect_timeout + read_timeout
-        # how long a body's bytes queued in the kernel may go unread (_Body)
+        # how long a body's bytes queued in the kernel may go unread, and
+        # how many may be left queued when its answer wait starts (_Body):
+        # taken at min_rate within half of read_timeout
         self._stall = read_timeout
+        self._slack = int(min_rate * read_timeout / 2)
         self._min_rate = min_rate
         # A single PUT of up to this many bytes is obstore's (without
         # part_md5): its read_timeout, counted from the request's start, the
@@ -871,7 +874,7 @@ class ObjectRegion(BackendRegion):
                     # sends it as is (not chunked), from the caller's memory
                     # a MiB at a time (the socket's flow control applies).
                     sent["Content-Length"] = str(len(body))
-                    data = _Body(body, self._stall)
+                    data = _Body(body, self._stall, self._slack)
                 async with self._pooled(), self._http().request(
                     method, yarl.URL(url, encoded=True), headers=sent, data=data,
                     allow_redirects=False, timeout=timeout,
@@ -1128,7 +1131,7 @@ class ObjectRegion(BackendRegion):
         try:
             async with self._pooled(), self._http().request(
                 "PUT", yarl.URL(target.url, encoded=True), headers=sent,
-                data=_Body(body, self._stall),
+                data=_Body(body, self._stall, self._slack),
                 allow_redirects=False, timeout=self._timeout_for(n),
             ) as resp:
                 status = resp.status
@@ -1690,22 +1693,26 @@ class _Body(aiohttp.payload.Payload):
     write: nothing of it had left. A bytes body would be sent again whole,
     tests/test_obj28_keepalive.py.)
 
-    Its write ends once the kernel has handed every byte to the server (the
-    socket's send queue empty: _unsent), not when the last one is queued:
+    Its write ends once the kernel has handed all but ``slack`` bytes to
+    the server (the socket's send queue: _unsent; ``slack``: what min_rate
+    moves in half of read_timeout), not when the last one is queued:
     aiohttp starts the answer's ``read_timeout`` when the write ends, and up
     to a send buffer (4 MiB here) was still queued then: a server reading
     those bytes at ``min_rate`` or better, but slower than 4 MiB per
-    ``read_timeout``, timed out (tests/test_obj28_tail.py). The wait is
-    bounded by progress: no byte taken by the server for ``stall`` seconds
-    is a TimeoutError (the request's outcome unknown), as a read is."""
+    ``read_timeout``, timed out (tests/test_obj28_tail.py). (Waiting for
+    the queue to be empty would hold each request's end, its connection,
+    for a poll step.) The wait is bounded by progress: no byte taken by the
+    server for ``stall`` seconds is a TimeoutError (the request's outcome
+    unknown), as a read is."""
 
     _autoclose = True  # (nothing to close)
 
-    def __init__(self, body: bytes | memoryview, stall: float) -> None:
+    def __init__(self, body: bytes | memoryview, stall: float, slack: int) -> None:
         view = memoryview(body)
         super().__init__(view, content_type="application/octet-stream")
         self._view = view
         self._stall = stall
+        self._slack = slack
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         raise TypeError("a streamed request body is not decoded")
@@ -1727,7 +1734,7 @@ class _Body(aiohttp.payload.Payload):
         left = transport.get_write_buffer_size() + _unsent(sock.fileno())
         pause = 0.001
         moved = time.monotonic()
-        while left > 0:
+        while left > self._slack:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.05)
             now = transport.get_write_buffer_size() + _unsent(sock.fileno())
