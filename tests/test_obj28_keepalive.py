@@ -4,8 +4,8 @@ aiohttp 3.14 sends an idempotent request (GET, HEAD, PUT, DELETE) once more
 by itself when its connection turns out closed (ClientOSError,
 ServerDisconnectedError), on a new one, unless its body payload is
 ``consumed``. Every request of ours with a body (a single PUT, a multipart
-upload's parts and complete) streams it from an async generator
-(objects._chunks): aiohttp marks that payload consumed as its write starts,
+upload's parts and complete) streams it once
+(objects._Body): aiohttp honours its ``consumed``, set as its write starts,
 and a request's head is buffered until that first write, so a resend is
 only ever of a request none of whose bytes left. POSTs (create, complete)
 are never sent again by aiohttp. What is resent silently is a request
