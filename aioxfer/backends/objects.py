@@ -67,10 +67,13 @@ the key with our bytes means it landed; with other bytes, ObjectExists
 the resend replace another writer's object).
 
 A single PUT of ours is bounded as our other requests: ``connect_timeout``,
-``read_timeout`` for its answer once its body is out (and for each
-read), and the whole attempt ``connect_timeout + read_timeout + bytes /
-min_rate``: a body the store reads slowly but at ``min_rate`` or better
-is sent. A smaller one (up to ``min_rate * read_timeout`` bytes, without
+``read_timeout`` for its answer once the store has taken its body (the
+kernel's send queue empty, not merely the last byte queued: up to a send
+buffer of 4 MiB may wait there; while it drains, ``read_timeout`` without
+progress), ``read_timeout`` for each read, and the whole attempt
+``connect_timeout + read_timeout + bytes / min_rate``: a body the store
+reads slowly but at ``min_rate`` or better is sent (a multipart upload's
+parts alike). A smaller one (up to ``min_rate * read_timeout`` bytes, without
 ``part_md5``) is obstore's request, sorted by the same rules: obstore's
 client counts ``read_timeout`` from the request's start, its body's
 sending included, which for that size asks no more of the link than
@@ -163,12 +166,15 @@ import asyncio
 import base64
 import contextvars
 import email.utils
+import fcntl
 import hashlib
 import html
 import inspect
 import os
 import random
 import re
+import sys
+import termios
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -213,7 +219,18 @@ MIN_RATE = 64 << 10
 _SIGN_TTL = timedelta(minutes=15)
 _SIGN_REUSE = 5 * 60.0  # a signed URL is reused while it has this long left
 _SIGNED_MAX = 4096  # cached signed URLs per region
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+# (at most 20 digits: S3's 5 TiB objects need 13, and int() refuses a
+# string of more than 4300 with ValueError)
+_CONTENT_RANGE = re.compile(r"bytes (\d{1,20})-(\d{1,20})/(\d{1,20}|\*)")
+# An entity-tag as RFC 9110 writes it (ASCII, no space or inner quote; a
+# store's e-tags are MD5 hex, "-N" for multipart), or unquoted as some
+# servers send it; anything else is a ProtocolError where it is read: it
+# would be compared (a HEAD's, _landed, _check_completed) or sent back in a
+# complete's XML (a part's).
+_ETAG = re.compile(r'(?:W/)?"[\x21\x23-\x7e]{0,1024}"|[\x21\x23-\x7e]{1,1024}')
+# An upload id as sent back in a query: printable ASCII (AWS's, MinIO's,
+# Ceph's, rclone's are base64 or hex), bounded
+_UPLOAD_ID = re.compile(r"[\x21-\x7e]{1,1024}")
 _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 # Keys that obstore's path encoding (object_store: each segment
 # percent-encoded but for alphanumerics and "-._~") leaves as they are
@@ -433,6 +450,11 @@ class ObjectRegion(BackendRegion):
         # alone lets a server that trickles a byte now and then (or reads
         # our body that slowly) hold a request for ever.
         self._base_total = connect_timeout + read_timeout
+        # how long a body's bytes queued in the kernel may go unread, and
+        # how many may be left queued when its answer wait starts (_Body):
+        # taken at min_rate within half of read_timeout
+        self._stall = read_timeout
+        self._slack = int(min_rate * read_timeout / 2)
         self._min_rate = min_rate
         # A single PUT of up to this many bytes is obstore's (without
         # part_md5): its read_timeout, counted from the request's start, the
@@ -852,7 +874,7 @@ class ObjectRegion(BackendRegion):
                     # sends it as is (not chunked), from the caller's memory
                     # a MiB at a time (the socket's flow control applies).
                     sent["Content-Length"] = str(len(body))
-                    data = _chunks(body)
+                    data = _Body(body, self._stall, self._slack)
                 async with self._pooled(), self._http().request(
                     method, yarl.URL(url, encoded=True), headers=sent, data=data,
                     allow_redirects=False, timeout=timeout,
@@ -872,10 +894,14 @@ class ObjectRegion(BackendRegion):
                 if not self._send_again_refused(refusal, generation):
                     raise
                 continue
+            except aiohttp.ClientResponseError as exc:
+                failed = _malformed(exc)
+                break
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+        raise ProtocolError(f"{what}: {failed}")
 
     def _send_again_refused(self, refusal: _Refusal, generation: int,
                             stale_url: tuple[str, str] | None = None) -> bool:
@@ -1007,13 +1033,11 @@ class ObjectRegion(BackendRegion):
         headers: dict[str, str] = {}
         if mode == "create":
             headers["If-None-Match"] = "*"
+        digest = _Digest(body, owned)
         if target is not None and self._part_md5:
             # (an object of up to part_size bytes, a create up to any size:
-            # hashed on a worker thread, as a multipart upload's parts; from
-            # the caller's buffer it is waited for through a cancel, as the
-            # upload: the thread reads that buffer to its end)
-            headers["Content-MD5"] = await self._upload(
-                owned, asyncio.to_thread(_md5_b64, memoryview(body)))
+            # hashed on a worker thread, as a multipart upload's parts)
+            headers["Content-MD5"] = await digest.b64(self)
         attempts = _Attempts(self._retry, self.backend.note_retry)
         refusal = _Refusal()
         unknown_before = False  # an earlier attempt's outcome is unknown
@@ -1037,7 +1061,7 @@ class ObjectRegion(BackendRegion):
                     raise
                 continue
             except ObjectExists:
-                if unknown_before and await self._landed(key, body):
+                if unknown_before and await self._landed(key, digest):
                     return
                 raise
             except _PutFailed as exc:
@@ -1045,12 +1069,13 @@ class ObjectRegion(BackendRegion):
             if outcome == "refused":
                 raise err
             if outcome == "unknown":
-                found = await self._landed(key, body, mode == "create")
+                found = await self._landed(key, digest, mode == "create")
                 if found:
                     return
                 unknown_before = True
                 if not self._resend_unknown:
-                    raise TransportError(
+                    # (a malformed answer stays a ProtocolError)
+                    raise (ProtocolError if isinstance(err, ProtocolError) else TransportError)(
                         f"{what}: the PUT's outcome is unknown "
                         f"({why}) and the object is not there with these bytes; not sent "
                         f"again while that PUT may still run at the server (it may yet store "
@@ -1105,7 +1130,8 @@ class ObjectRegion(BackendRegion):
         failed: _PutFailed
         try:
             async with self._pooled(), self._http().request(
-                "PUT", yarl.URL(target.url, encoded=True), headers=sent, data=_chunks(body),
+                "PUT", yarl.URL(target.url, encoded=True), headers=sent,
+                data=_Body(body, self._stall, self._slack),
                 allow_redirects=False, timeout=self._timeout_for(n),
             ) as resp:
                 status = resp.status
@@ -1136,12 +1162,17 @@ class ObjectRegion(BackendRegion):
             # no connection was made: the request never left
             why = _describe(exc)
             failed = _PutFailed("unsent", why, TransportError(f"{what} failed: {why}"))
+        except aiohttp.ClientResponseError as exc:
+            # an answer came, one that cannot be read: whether it said the
+            # object was stored is not known (the HEAD says)
+            why = _malformed(exc)
+            failed = _PutFailed("unknown", why, ProtocolError(f"{what}: {why}"))
         except (aiohttp.ClientError, TimeoutError) as exc:
             why = _describe(exc)
             failed = _PutFailed("unknown", why, TransportError(f"{what} failed: {why}"))
         raise failed
 
-    async def _landed(self, key: str, body: bytes | memoryview, create: bool = False) -> bool:
+    async def _landed(self, key: str, digest: _Digest, create: bool = False) -> bool:
         """Whether ``key`` holds ``body``, after a PUT of it whose outcome is
         unknown: its size and e-tag (the MD5 of a single-part object's bytes
         on AWS, MinIO, Ceph and rclone; an e-tag of another kind, as with
@@ -1150,7 +1181,9 @@ class ObjectRegion(BackendRegion):
         HEAD is a read: retried as reads are (_head). For a conditional
         ``create``, a key found with other bytes (an MD5 e-tag that is not
         theirs, or another size) is ObjectExists: another writer's object,
-        which no attempt of this create may replace."""
+        which no attempt of this create may replace. The body's MD5 is
+        hashed off the event loop (_Digest: a create's body may be 5 GiB,
+        seconds of hashing), once per write."""
         await asyncio.sleep(self._retry.initial)
         try:
             found = await self._head(key, "check of the write")
@@ -1159,10 +1192,10 @@ class ObjectRegion(BackendRegion):
         if found is None:
             return False
         e_tag = _etag(found.e_tag)
-        if found.size == len(body) and e_tag == hashlib.md5(
-                body, usedforsecurity=False).hexdigest():
+        size = digest.nbytes
+        if found.size == size and e_tag == await digest.hex(self):
             return True
-        if create and (found.size != len(body) or re.fullmatch(r"[0-9a-f]{32}", e_tag)):
+        if create and (found.size != size or re.fullmatch(r"[0-9a-f]{32}", e_tag)):
             raise ObjectExists(
                 f"write of object {key!r} in {self.url}: the key exists with other bytes "
                 f"(conditional create)")
@@ -1226,12 +1259,17 @@ class ObjectRegion(BackendRegion):
         size = resp.headers.get("Content-Length", "")
         if not size.isdigit():
             raise ProtocolError(f"{what}: HTTP 200 to a HEAD without a Content-Length")
+        e_tag = resp.headers.get("ETag")
+        if e_tag is not None and _ETAG.fullmatch(e_tag) is None:
+            raise ProtocolError(f"{what}: HTTP 200 with a malformed ETag {e_tag[:80]!r}")
         modified: datetime | None = None
         try:
+            # (informative only: one that cannot be read is left out; a
+            # year past 9999 is OverflowError, not ValueError)
             modified = email.utils.parsedate_to_datetime(resp.headers.get("Last-Modified", ""))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError, IndexError):
             pass
-        return ObjectStat(key, True, int(size), resp.headers.get("ETag"), modified)
+        return ObjectStat(key, True, int(size), e_tag, modified)
 
     async def _signed_request(
         self,
@@ -1297,10 +1335,14 @@ class ObjectRegion(BackendRegion):
                         refusal, generation, (method, key) if cached else None):
                     raise
                 continue
+            except aiohttp.ClientResponseError as exc:
+                failed = _malformed(exc)
+                break
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+        raise ProtocolError(f"{what}: {failed}")
 
     def _timeout_for(self, moves: int) -> aiohttp.ClientTimeout:
         """The bound of one attempt of a request that moves ``moves`` bytes
@@ -1642,16 +1684,88 @@ def _background(call: Awaitable[None]) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
-async def _chunks(body: bytes | memoryview) -> Any:
-    """``body`` a MiB at a time (views, no copies), for aiohttp to send."""
-    view = memoryview(body)
-    for at in range(0, len(view), _READ_BUFSIZE):
-        yield view[at:at + _READ_BUFSIZE]
+class _Body(aiohttp.payload.Payload):
+    """A request's body, sent from ``body`` (the caller's memory or the
+    owned copy) a MiB at a time, no copies, once: consumed as its write
+    starts. (aiohttp sends an idempotent request again by itself when a
+    kept-alive connection turns out closed, but only while its body is not
+    consumed, and a request's head is buffered until its body's first
+    write: nothing of it had left. A bytes body would be sent again whole,
+    tests/test_obj28_keepalive.py.)
+
+    Its write ends once the kernel has handed all but ``slack`` bytes to
+    the server (the socket's send queue: _unsent; ``slack``: what min_rate
+    moves in half of read_timeout), not when the last one is queued:
+    aiohttp starts the answer's ``read_timeout`` when the write ends, and up
+    to a send buffer (4 MiB here) was still queued then: a server reading
+    those bytes at ``min_rate`` or better, but slower than 4 MiB per
+    ``read_timeout``, timed out (tests/test_obj28_tail.py). (Waiting for
+    the queue to be empty would hold each request's end, its connection,
+    for a poll step.) The wait is bounded by progress: no byte taken by the
+    server for ``stall`` seconds is a TimeoutError (the request's outcome
+    unknown), as a read is."""
+
+    _autoclose = True  # (nothing to close)
+
+    def __init__(self, body: bytes | memoryview, stall: float, slack: int) -> None:
+        view = memoryview(body)
+        super().__init__(view, content_type="application/octet-stream")
+        self._view = view
+        self._stall = stall
+        self._slack = slack
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        raise TypeError("a streamed request body is not decoded")
+
+    async def write(self, writer: Any) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        self._consumed = True
+        view = self._view
+        for at in range(0, len(view), _READ_BUFSIZE):
+            await writer.write(view[at:at + _READ_BUFSIZE])
+        transport = writer.transport
+        if transport is None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return
+        left = transport.get_write_buffer_size() + _unsent(sock.fileno())
+        pause = 0.001
+        moved = time.monotonic()
+        while left > self._slack:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            now = transport.get_write_buffer_size() + _unsent(sock.fileno())
+            if now < left:
+                moved = time.monotonic()
+            elif time.monotonic() - moved > self._stall:
+                raise TimeoutError(
+                    f"the server took none of the body's last {now} bytes for "
+                    f"{self._stall:g} s")
+            left = now
+
+
+def _unsent(fd: int) -> int:
+    """The bytes of a TCP socket's send queue the peer has not acknowledged
+    (Linux's SIOCOUTQ); 0 where that cannot be asked (another system, a
+    socket already closed): the write then ends as it always did."""
+    if sys.platform != "linux" or fd < 0:
+        return 0
+    try:
+        got = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int.from_bytes(got, sys.byteorder, signed=True)
 
 
 def _xml_text(text: str, tag: str) -> str | None:
+    """The text of the first element ``tag`` of an S3 answer, its XML
+    references decoded (a complete's ETag comes as ``&quot;...&quot;``),
+    without whitespace around it (an indented answer); None if none."""
     m = re.search(f"<{tag}>([^<]*)</{tag}>", text)
-    return None if m is None else html.unescape(m[1])
+    return None if m is None else html.unescape(m[1]).strip()
 
 
 def _failed(what: str, resp: aiohttp.ClientResponse, code: str) -> XferError:
@@ -1685,12 +1799,57 @@ async def _created(
     upload_id = _xml_text(text, "UploadId")
     if not upload_id:
         raise ProtocolError(f"{what}: HTTP 200 without an UploadId")
+    if _UPLOAD_ID.fullmatch(upload_id) is None:
+        raise ProtocolError(f"{what}: HTTP 200 with a malformed UploadId {upload_id[:80]!r}")
     return upload_id
 
 
 def _md5_b64(data: memoryview) -> str:
     """A Content-MD5 header's value: the base64 of the bytes' MD5."""
     return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+
+
+# Bodies up to this size are hashed on the loop's thread: a worker thread's
+# hop costs more than their MD5 (~1.7 ms a MiB here, hashlib's 0.6 GB/s).
+_MD5_INLINE = 256 << 10
+
+
+class _Digest:
+    """The MD5 of one write's body (a single PUT's), hashed at most once,
+    when first asked for: for its Content-MD5 (``part_md5``) and for the
+    check after an unknown outcome (_landed), which reuses it. A body over
+    _MD5_INLINE bytes is hashed on a worker thread (hashlib lets go of the
+    GIL), never on the event loop's thread: a create's body may be 5 GiB,
+    seconds of a blocked loop. From the caller's buffer (not ``owned``) the
+    hash is waited for through a cancel, as the upload (_upload): the
+    thread reads that buffer, which the caller may reuse once the write
+    returns."""
+
+    __slots__ = ("_body", "_owned", "_b64")
+
+    def __init__(self, body: bytes | memoryview, owned: bool) -> None:
+        self._body = body
+        self._owned = owned
+        self._b64: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return memoryview(self._body).nbytes
+
+    async def b64(self, region: ObjectRegion) -> str:
+        """The MD5 as a Content-MD5 header's value (base64)."""
+        if self._b64 is None:
+            view = memoryview(self._body)
+            if view.nbytes <= _MD5_INLINE:
+                self._b64 = _md5_b64(view)
+            else:
+                self._b64 = await region._upload(
+                    self._owned, asyncio.to_thread(_md5_b64, view))
+        return self._b64
+
+    async def hex(self, region: ObjectRegion) -> str:
+        """The MD5 in hex, as an MD5 e-tag is."""
+        return base64.b64decode(await self.b64(region)).hex()
 
 
 async def _part_done(
@@ -1705,6 +1864,10 @@ async def _part_done(
     e_tag = resp.headers.get("ETag")
     if not e_tag:
         raise ProtocolError(f"{what}: HTTP 200 without an ETag")
+    if _ETAG.fullmatch(e_tag) is None:
+        # sent back in the complete's XML: a control character would make
+        # it malformed XML, a non-ASCII one could not even be encoded
+        raise ProtocolError(f"{what}: HTTP 200 with a malformed ETag {e_tag[:80]!r}")
     return e_tag
 
 
@@ -1722,7 +1885,12 @@ async def _completed(
         # a body cut short): its outcome is not known; sent again, it
         # completes or finds no such upload (then the HEAD says).
         raise _Transient("HTTP 200 without a CompleteMultipartUploadResult")
-    return _xml_text(text, "ETag") or ""
+    e_tag = _xml_text(text, "ETag") or ""
+    if e_tag and _ETAG.fullmatch(e_tag) is None:
+        # compared with the HEAD's (_check_completed): the upload's outcome
+        # is known (completed), the answer not to be trusted
+        raise ProtocolError(f"{what}: HTTP 200 with a malformed ETag {e_tag[:80]!r}")
+    return e_tag
 
 
 async def _aborted(
@@ -1747,8 +1915,11 @@ def _refuse_status(what: str, resp: aiohttp.ClientResponse, code: str) -> None:
 
 
 def _redirected(what: str, status: int, resp: aiohttp.ClientResponse) -> XferError:
-    where = urlsplit(resp.headers.get("Location", ""))
-    to = f" to {where.scheme}://{where.netloc}" if where.netloc else ""
+    try:
+        where = urlsplit(resp.headers.get("Location", ""))
+        to = f" to {where.scheme}://{where.netloc}" if where.netloc else ""
+    except ValueError:  # ("http://[x": an IPv6 literal unclosed) only not named
+        to = " to a malformed Location"
     return XferError(
         f"{what}: the server redirected (HTTP {status}{to}) a signed request; "
         f"redirects are not followed (is the endpoint or region right?)"
@@ -1788,6 +1959,15 @@ class _PutFailed(Exception):
         self.outcome = outcome
         self.why = why
         self.err = err
+
+
+def _malformed(exc: aiohttp.ClientResponseError) -> str:
+    """What aiohttp's parser refused in an answer (a malformed status line
+    or header, e.g. a Content-Length it cannot read: aiohttp raises
+    ClientResponseError for those, and for nothing else we ask of it, with
+    neither raise_for_status nor redirects): a ProtocolError's text, not a
+    transport failure to retry."""
+    return f"the server's answer is malformed ({_describe(exc)})"
 
 
 def _xml_code(body: str) -> str:
