@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""atheris (libFuzzer for Python) harness: the KV disk tier's reading of its
+directory (aioxfer/kv/disk.py): a segment file's superblock (geometry, CRC)
+and header table (64-byte entries: key, sequence, namespace, lengths,
+checksum, flags, entry check), the tombstone file, and (blosc) the stored
+form of a compressed block. What is on disk may be torn by a crash, garbled
+by the device, or written by anyone with the directory.
+
+Set up once: a real agent, and a template segment a real Store wrote (block
+size 4 KiB, 4 slots a segment; 3 keys put durable, one removed, one put
+compressed where blosc is installed): its geometry and slot data are what an
+input's table describes. Byte 0 of an input picks:
+  bit 0: the rest after the segment part is also the tombstone file;
+  bit 3: the template is the segment holding the compressed block (else
+         the one holding 3 blocks as they are, one removed);
+  bit 1: the input is a compressed block (from byte 1 on): Codec
+         ("lz4", "zstd": bit 2).decompress_into a 4 KiB destination
+         between guard bytes (blosc's C code on stored bytes);
+then byte 1 is the file's length (255: whole, else that many 255ths of
+it: a torn tail), bytes 2..49 the superblock's 48 bytes, bytes 50..51 how
+many bytes of header table follow (little-endian), then those, then the
+tombstone file. The file is the template with these bytes in place.
+Contract: the tier opens (a foreign, torn or garbled file is skipped or its
+entries dropped, counted, never an error out of Store.open); every key it
+indexes is served or reported failed (BlockCorrupt, BlockUnavailable: in
+GetResult.failed), and what is served matches its recorded checksum; the
+store closes cleanly. A decompression writes nothing outside its
+destination and returns the destination's length or -1. Anything else
+raises out of check(), unless it is a known, reported issue
+(fuzz/known_issues.py) and AXF_FUZZ_TOLERATE_KNOWN=1.
+
+Run: python fuzz/fuzz_kv_disk.py [libFuzzer flags] CORPUS_DIR   (see benchmarks/fuzz.sh)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import known_issues  # noqa: E402
+
+BB = 4096
+SLOTS = 4
+GUARD = 64
+SEG = "seg-00000000.axkv"
+_m: Any = None
+
+
+def _tier(path: str, compress: str | None = None) -> Any:
+    return _m.kv.DiskTier(path, 1 << 24, segment_bytes=SLOTS * BB, compress=compress)
+
+
+def _keys() -> list[bytes]:
+    import numpy as np
+
+    return list(_m.kv.chain(np.arange(16 * 6), block_tokens=16, namespace=b"fz28-disk"))
+
+
+def load() -> None:
+    global _m
+    if _m is not None:
+        return
+    import types
+
+    import numpy as np
+
+    import aioxfer
+    import aioxfer.kv as kv
+    import aioxfer.kv.codec as codec
+    import aioxfer.kv.disk as disk
+    import aioxfer.kv.errors as kverrors
+
+    loop = asyncio.new_event_loop()
+    ns = types.SimpleNamespace(kv=kv, disk=disk, codec=codec, kverrors=kverrors, loop=loop,
+                               np=np)
+    ns.tmp = tempfile.mkdtemp(prefix="fz28-kv-disk-")
+    ns.work = os.path.join(ns.tmp, "work")
+    _m = ns
+
+    async def setup() -> None:
+        ns.agent = aioxfer.Agent("fz-kv-disk")
+        await ns.agent.__aenter__()
+        ns.dst = ns.agent.alloc(8 * BB)
+        src = ns.agent.alloc(6 * BB)
+        src.numpy()[:] = np.arange(6 * BB, dtype=np.uint32).astype(np.uint8)
+        src.numpy()[4 * BB:] = 7  # compressible
+        keys = _keys()
+        tpl = os.path.join(ns.tmp, "template")
+        async with kv.Store.open(ns.agent, block_bytes=BB, tiers=[_tier(tpl)]) as store:
+            await store.put(keys[:3], src[0:3 * BB], durable=True)
+            await store.remove(keys[1:2])
+        ns.compressed = False
+        if codec.available():
+            # (a tier that compresses: the next segment's block is stored compressed)
+            async with kv.Store.open(ns.agent, block_bytes=BB,
+                                     tiers=[_tier(tpl, "lz4")]) as store:
+                await store.put(keys[4:5], src[4 * BB:5 * BB], durable=True)
+                ns.compressed = True
+        with open(os.path.join(tpl, SEG), "rb") as fh:
+            ns.template = fh.read()
+        ns.seg1 = None
+        if os.path.exists(os.path.join(tpl, "seg-00000001.axkv")):
+            with open(os.path.join(tpl, "seg-00000001.axkv"), "rb") as fh:
+                ns.seg1 = fh.read()
+
+    loop.run_until_complete(setup())
+
+
+def _compose(data: bytes, base: bytes) -> tuple[bytes, bytes]:
+    """The segment file (``base`` with the input's bytes in place) and the
+    rest of ``data`` (the tombstone file, when the mode says so)."""
+    tpl = bytearray(base)
+    size = data[0] if data else 255
+    sb = data[1:49]
+    n = int.from_bytes(data[49:51], "little")
+    table = data[51:51 + n]
+    rest = data[51 + n:]
+    tpl[:len(sb)] = sb
+    at = _m.disk.SECTOR
+    room = max(0, min(len(table), len(tpl) - at))
+    tpl[at:at + room] = table[:room]
+    if size != 255:
+        del tpl[len(tpl) * size // 255:]
+    return bytes(tpl), rest
+
+
+async def _open_and_read(seg: bytes, tomb: bytes | None) -> None:
+    kv = _m.kv
+    work = _m.work
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    with open(os.path.join(work, SEG), "wb") as fh:
+        fh.write(seg)
+    if tomb is not None:
+        with open(os.path.join(work, _m.disk.TOMBSTONES), "wb") as fh:
+            fh.write(tomb)
+    tier = _tier(work)
+    async with kv.Store.open(_m.agent, block_bytes=BB, tiers=[tier]) as store:
+        keys = list(tier.index)
+        if len(keys) > SLOTS:
+            raise AssertionError(f"{len(tier.index)} keys indexed from one segment of {SLOTS}")
+        for key in keys:  # one at a time: a get stops at its first miss
+            loc = tier.index.get(key)
+            res = await store.get([key], _m.dst[0:BB])
+            if res.prefix == 1:
+                seg_ = tier.segs[loc >> 32]
+                slot = loc & 0xFFFFFFFF
+                got = _m.disk.ck.checksum_with(int(seg_.algo[slot]), _m.dst.memoryview[0:BB]) \
+                    if not seg_.codec[slot] else None
+                if got is not None and got != int(seg_.crc[slot]):
+                    raise AssertionError(f"served a block whose checksum {got:#x} is not "
+                                         f"the recorded {int(seg_.crc[slot]):#x}")
+            elif not res.failed and key in tier.index:
+                raise AssertionError(f"an indexed key neither served nor failed: {res!r}")
+            for f in res.failed:
+                if not isinstance(f.error, (_m.kverrors.BlockCorrupt,
+                                            _m.kverrors.BlockUnavailable)):
+                    raise AssertionError(f"failed with {f.error!r}")
+        st = store.statistics().tiers["disk"]
+        if st.blocks != len(tier.index):
+            raise AssertionError(f"statistics say {st.blocks} blocks, the index {len(tier.index)}")
+
+
+def _segment(data: bytes, mode: int) -> None:
+    seg, rest = _compose(data, _m.seg1 if mode & 8 and _m.seg1 is not None else _m.template)
+    _m.loop.run_until_complete(asyncio.wait_for(
+        _open_and_read(seg, rest if mode & 1 else None), 30))
+
+
+def _decompress(data: bytes, zstd: bool) -> None:
+    if not _m.codec.available():
+        return
+    np = _m.np
+    dec = _m.codec.Codec("zstd" if zstd else "lz4")
+    buf = np.full(BB + 2 * GUARD, 0xA5, dtype=np.uint8)
+    dst = memoryview(buf)[GUARD:GUARD + BB]
+    got = dec.decompress_into(memoryview(data), dst)
+    if got not in (BB, -1):
+        raise AssertionError(f"decompress_into returned {got}")
+    if (buf[:GUARD] != 0xA5).any() or (buf[GUARD + BB:] != 0xA5).any():
+        raise AssertionError("decompression wrote outside its destination")
+
+
+def check(data: bytes) -> str | None:
+    """Runs one input. None: it held; a KNOWN name: a known issue (tolerated
+    only when the caller allows); raises on a new finding."""
+    load()
+    if not data:
+        return None
+    try:
+        if data[0] & 2:
+            _decompress(data[1:], bool(data[0] & 4))
+        else:
+            _segment(data[1:], data[0])
+    except Exception as exc:
+        known = known_issues.classify(exc)
+        if known is None:
+            raise
+        return known
+    return None
+
+
+def _input(seg: bytes, *, size: int = 255, mode: int = 0, tomb: bytes = b"") -> bytes:
+    """The input whose file is ``seg`` (its superblock and header table)."""
+    sector = 4096
+    sb = seg[:48]
+    table = seg[sector:sector + SLOTS * 64]
+    return bytes([mode, size]) + sb + len(table).to_bytes(2, "little") + table + tomb
+
+
+def seeds() -> dict[str, bytes]:
+    """The template segment as written, torn, with tombstones, and the
+    compressed block it stores."""
+    load()
+    seg = _m.template
+    out = {
+        "segment": _input(seg),
+        "segment-torn": _input(seg, size=200),
+        "segment-empty-table": bytes([0, 255]) + seg[:48] + b"\0\0",
+    }
+    # A tombstone of the first key (the entry of slot 0, flagged removed)
+    first = bytearray(seg[4096:4096 + 64])
+    first[59] = 0x02 | (first[59] & ~0x03 & 0xFF)
+    import numpy as np
+
+    row = np.frombuffer(bytes(first), dtype=np.uint8).reshape(1, 64)
+    first[60:64] = int(_m.disk.entry_check(row)[0]).to_bytes(4, "little")
+    out["segment-tombstoned"] = _input(seg, mode=1, tomb=bytes(first))
+    if _m.seg1 is not None:
+        s1 = _m.seg1
+        out["segment-compressed"] = _input(s1, mode=8)
+        ent = np.frombuffer(s1[4096:4096 + 64], dtype=_m.disk.ENTRY_DTYPE)[0]
+        data_off = int.from_bytes(s1[32:40], "little")
+        stored = s1[data_off:data_off + int(ent["length"])]
+        out["lz4-block"] = b"\2" + stored
+        out["zstd-block"] = b"\6" + _m.codec.Codec("zstd").compress(
+            memoryview(bytes(range(256)) * 16))
+    return out
+
+
+def main() -> None:
+    from instrument import fuzz
+
+    import aioxfer.log
+
+    aioxfer.log.configure(level="critical")  # a warning per input costs more than the input
+    load()
+    fuzz(check, _m.disk, _m.codec)
+
+
+if __name__ == "__main__":
+    main()
