@@ -13,6 +13,10 @@ input's table describes. Byte 0 of an input picks:
   bit 0: the rest after the segment part is also the tombstone file;
   bit 3: the template is the segment holding the compressed block (else
          the one holding 3 blocks as they are, one removed);
+  bits 4-6: checks made right over the input's bytes, as anyone writing
+         the directory can (not a torn write): bit 4 the superblock's CRC,
+         bit 5 each entry's check, bit 6 each entry's payload checksum
+         (see _seal): garbled fields behind valid checks;
   bit 1: the input is a compressed block (from byte 1 on): Codec
          ("lz4", "zstd": bit 2).decompress_into a 4 KiB destination
          between guard bytes (blosc's C code on stored bytes);
@@ -23,8 +27,9 @@ tombstone file. The file is the template with these bytes in place.
 Contract: the tier opens (a foreign, torn or garbled file is skipped or its
 entries dropped, counted, never an error out of Store.open); every key it
 indexes is served or reported failed (BlockCorrupt, BlockUnavailable: in
-GetResult.failed), and what is served matches its recorded checksum; the
-store closes cleanly. A decompression writes nothing outside its
+GetResult.failed), and what is served matches its recorded checksum; a put
+of a new block after that returns (stored or dropped); the store closes
+cleanly. A decompression writes nothing outside its
 destination and returns the destination's length or -1. Anything else
 raises out of check(), unless it is a known, reported issue
 (fuzz/known_issues.py) and AXF_FUZZ_TOLERATE_KNOWN=1.
@@ -112,7 +117,7 @@ def load() -> None:
     loop.run_until_complete(setup())
 
 
-def _compose(data: bytes, base: bytes) -> tuple[bytes, bytes]:
+def _compose(data: bytes, base: bytes, mode: int) -> tuple[bytes, bytes]:
     """The segment file (``base`` with the input's bytes in place) and the
     rest of ``data`` (the tombstone file, when the mode says so)."""
     tpl = bytearray(base)
@@ -125,9 +130,37 @@ def _compose(data: bytes, base: bytes) -> tuple[bytes, bytes]:
     at = _m.disk.SECTOR
     room = max(0, min(len(table), len(tpl) - at))
     tpl[at:at + room] = table[:room]
+    _seal(tpl, base, mode)
     if size != 255:
         del tpl[len(tpl) * size // 255:]
     return bytes(tpl), rest
+
+
+def _seal(f: bytearray, base: bytes, mode: int) -> None:
+    """What a writer of the directory (not a torn write) can do: the checks
+    made right over whatever the input put there. Mode bit 6: each entry's
+    payload checksum that of its slot's bytes (its length of them, by its
+    algorithm); bit 5: each entry's check; bit 4: the superblock's CRC.
+    The template's geometry says where entries and slots are."""
+    import zlib
+
+    np, disk = _m.np, _m.disk
+    sector, entry = disk.SECTOR, disk.ENTRY
+    data_off = int.from_bytes(base[32:40], "little")
+    slot_bytes = int.from_bytes(base[16:20], "little")
+    for i in range(SLOTS):
+        e = sector + i * entry
+        if mode & 64:
+            length = min(int.from_bytes(f[e + 44:e + 48], "little"), slot_bytes)
+            at = data_off + i * slot_bytes
+            got = disk.ck.checksum_with((f[e + 59] >> 4) & 3, memoryview(bytes(f[at:at + length])))
+            if got is not None:
+                f[e + 48:e + 52] = got.to_bytes(4, "little")
+        if mode & 32:
+            row = np.frombuffer(bytes(f[e:e + entry]), dtype=np.uint8).reshape(1, entry)
+            f[e + 60:e + 64] = int(disk.entry_check(row)[0]).to_bytes(4, "little")
+    if mode & 16:
+        f[44:48] = zlib.crc32(bytes(f[:44])).to_bytes(4, "little")
 
 
 async def _open_and_read(seg: bytes, tomb: bytes | None) -> None:
@@ -162,13 +195,19 @@ async def _open_and_read(seg: bytes, tomb: bytes | None) -> None:
                 if not isinstance(f.error, (_m.kverrors.BlockCorrupt,
                                             _m.kverrors.BlockUnavailable)):
                     raise AssertionError(f"failed with {f.error!r}")
+        # A put after it: whatever the directory held, new blocks are stored
+        # (or dropped, said in the result), never an error.
+        put = await store.put(_keys()[5:6], _m.dst[BB:2 * BB])
+        if put.stored + put.present + put.dropped != 1:
+            raise AssertionError(f"a put of one block: {put!r}")
         st = store.statistics().tiers["disk"]
         if st.blocks != len(tier.index):
             raise AssertionError(f"statistics say {st.blocks} blocks, the index {len(tier.index)}")
 
 
 def _segment(data: bytes, mode: int) -> None:
-    seg, rest = _compose(data, _m.seg1 if mode & 8 and _m.seg1 is not None else _m.template)
+    seg, rest = _compose(data, _m.seg1 if mode & 8 and _m.seg1 is not None else _m.template,
+                         mode)
     _m.loop.run_until_complete(asyncio.wait_for(
         _open_and_read(seg, rest if mode & 1 else None), 30))
 
@@ -231,10 +270,12 @@ def seeds() -> dict[str, bytes]:
 
     row = np.frombuffer(bytes(first), dtype=np.uint8).reshape(1, 64)
     first[60:64] = int(_m.disk.entry_check(row)[0]).to_bytes(4, "little")
+    out["segment-sealed"] = _input(seg, mode=16 | 32 | 64)
     out["segment-tombstoned"] = _input(seg, mode=1, tomb=bytes(first))
     if _m.seg1 is not None:
         s1 = _m.seg1
         out["segment-compressed"] = _input(s1, mode=8)
+        out["segment-compressed-sealed"] = _input(s1, mode=8 | 16 | 32 | 64)
         ent = np.frombuffer(s1[4096:4096 + 64], dtype=_m.disk.ENTRY_DTYPE)[0]
         data_off = int.from_bytes(s1[32:40], "little")
         stored = s1[data_off:data_off + int(ent["length"])]
