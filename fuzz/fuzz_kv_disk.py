@@ -17,6 +17,10 @@ input's table describes. Byte 0 of an input picks:
          the directory can (not a torn write): bit 4 the superblock's CRC,
          bit 5 each entry's check, bit 6 each entry's payload checksum
          (see _seal): garbled fields behind valid checks;
+  bit 7: instead of bytes in place, the rest of the input is field edits
+         of the template (3 bytes each: see _edited), every check then made
+         right: values at their edges (0, 2**32 - 1, 2**64 - 1, the block
+         size...) that byte mutations rarely make while the checks hold;
   bit 1: the input is a compressed block (from byte 1 on): Codec
          ("lz4", "zstd": bit 2).decompress_into a 4 KiB destination
          between guard bytes (blosc's C code on stored bytes);
@@ -205,7 +209,49 @@ async def _open_and_read(seg: bytes, tomb: bytes | None) -> None:
             raise AssertionError(f"statistics say {st.blocks} blocks, the index {len(tier.index)}")
 
 
+# entry fields (offset, size) and superblock fields an edit (bit 7) sets
+_ENTRY_FIELDS = [(32, 8), (40, 4), (44, 4), (48, 4), (52, 4), (56, 2), (58, 1), (59, 1)]
+_SB_FIELDS = [(8, 4), (12, 4), (16, 4), (20, 4), (24, 8), (32, 8), (40, 4)]
+
+
+def _interesting(choice: int, size: int) -> int:
+    top = (1 << (8 * size)) - 1
+    vals = [0, 1, 2, 3, 0x7F, 0x80, 0xFF, BB - 1, BB, BB + 1, 2 * BB, 4096, 8192,
+            (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 63) - 1, 1 << 63,
+            top - 1, top]
+    if choice < len(vals):
+        return vals[choice] & top
+    return (choice * 0x9E3779B97F4A7C15) & top
+
+
+def _edited(data: bytes, base: bytes) -> bytes:
+    """Mode bit 7: the template with field edits, each 3 bytes of ``data``
+    (target: entry 0-3 or 4 = the superblock, or 5 = copy an entry's key to
+    another; field; value choice), its checks then made right (all of _seal)."""
+    f = bytearray(base)
+    sector, entry = _m.disk.SECTOR, _m.disk.ENTRY
+    for i in range(0, len(data) - 2, 3):
+        target, field, choice = data[i] % 6, data[i + 1], data[i + 2]
+        if target == 4:
+            off, size = _SB_FIELDS[field % len(_SB_FIELDS)]
+            f[off:off + size] = _interesting(choice, size).to_bytes(size, "little")
+        elif target == 5:
+            a, b = sector + (field & 3) * entry, sector + ((field >> 2) & 3) * entry
+            f[b:b + 32] = f[a:a + 32]
+        else:
+            off, size = _ENTRY_FIELDS[field % len(_ENTRY_FIELDS)]
+            at = sector + target * entry + off
+            f[at:at + size] = _interesting(choice, size).to_bytes(size, "little")
+    _seal(f, base, 16 | 32 | 64)
+    return bytes(f)
+
+
 def _segment(data: bytes, mode: int) -> None:
+    if mode & 128:
+        base = _m.seg1 if mode & 8 and _m.seg1 is not None else _m.template
+        seg = _edited(data, base)
+        _m.loop.run_until_complete(asyncio.wait_for(_open_and_read(seg, None), 30))
+        return
     seg, rest = _compose(data, _m.seg1 if mode & 8 and _m.seg1 is not None else _m.template,
                          mode)
     _m.loop.run_until_complete(asyncio.wait_for(
@@ -271,6 +317,9 @@ def seeds() -> dict[str, bytes]:
     row = np.frombuffer(bytes(first), dtype=np.uint8).reshape(1, 64)
     first[60:64] = int(_m.disk.entry_check(row)[0]).to_bytes(4, "little")
     out["segment-sealed"] = _input(seg, mode=16 | 32 | 64)
+    out["edit-none"] = bytes([128])
+    out["edit-compressed-length"] = bytes([128 | 8, 0, 2, 7])  # entry 0's length: BB - 1
+    out["edit-copy-key"] = bytes([128, 5, 0b0100, 0])  # entry 0's key onto entry 1
     out["segment-tombstoned"] = _input(seg, mode=1, tomb=bytes(first))
     if _m.seg1 is not None:
         s1 = _m.seg1

@@ -18,7 +18,8 @@ send); the rest is the answer to every request it makes:
 Every region has max_retries=0 and short timeouts: one answer per request.
 Contract: the operation returns, or raises an XferError (ProtocolError,
 ObjectNotFound, AccessDenied...: what the caller handles), within 10 s;
-a read that returns was answered 200 or 206; a stat that returns says the
+a read that returns was answered 200 or 206 and (an answer framed as is)
+delivered its body's bytes; a stat that returns says the
 key exists with the size the answer gave, or that it does not exist.
 Anything else raises out of check(), unless it is a known, reported issue
 (fuzz/known_issues.py) and AXF_FUZZ_TOLERATE_KNOWN=1.
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import known_issues  # noqa: E402
 
 MiB = 1 << 20
+DATA = bytes(i % 251 for i in range(4096))  # an object's bytes, as the seeds answer them
 OPS = ("read-range", "read", "stat", "write-md5", "write-multipart")
 CREDS = dict(access_key_id="AKIDFUZZEXAMPLE", secret_access_key="fuzz-secret",
              region="us-east-1")
@@ -120,9 +122,19 @@ async def _op(op: int) -> Any:
     return await agent.write(buf[0:6 * MiB], objs["k"])
 
 
+def _identity_body(answer: bytes) -> bytes | None:
+    """The body of ``answer`` when it is framed as is (no Transfer-Encoding):
+    what a read that returns must have delivered, byte for byte."""
+    head, sep, body = answer.partition(b"\r\n\r\n")
+    if not sep or b"transfer-encoding" in head.lower():
+        return None
+    return body
+
+
 def _run(op: int, answer: bytes) -> None:
     _m.ep.answer = answer
     _m.ep.requests.clear()
+    _m.buf.numpy()[:4096] = 0xA5  # (what no answer of these seeds carries)
     try:
         got = _m.loop.run_until_complete(asyncio.wait_for(_op(op), 10))
     except _m.errors.XferError:
@@ -132,6 +144,10 @@ def _run(op: int, answer: bytes) -> None:
     status = _status(answer)
     if op in (0, 1) and status not in (200, 206):
         raise AssertionError(f"{OPS[op]} returned {got!r} on an answer of status {status}")
+    body = _identity_body(answer)
+    n = 100 if op == 0 else 4096
+    if op in (0, 1) and body is not None and bytes(_m.buf.memoryview[:n]) != body[:n]:
+        raise AssertionError(f"{OPS[op]} returned {got!r}, its bytes not the answer's body")
     if op == 2 and not (status == 200 and got.exists and isinstance(got.size, int)
                         and got.size >= 0 or status == 404 and not got.exists):
         raise AssertionError(f"stat returned {got!r} on an answer of status {status}")
@@ -168,16 +184,16 @@ def seeds() -> dict[str, bytes]:
     out = {
         "read-range-206": b"\0" + _answer("206 Partial Content",
                                           {**etag, "Content-Range": "bytes 10-109/4096"},
-                                          bytes(100)),
+                                          DATA[10:110]),
         "read-range-200": b"\0" + _answer("200 OK", {**etag, "Content-Range": "bytes 10-109/*"},
-                                          bytes(100)),
+                                          DATA[10:110]),
         "read-range-past": b"\0" + _answer("206 Partial Content",
                                            {**etag, "Content-Range": "bytes 10-49/50"}, bytes(40)),
         "read-404": b"\0" + _answer("404 Not Found", xml, err % b"NoSuchKey"),
         "read-416": b"\0" + _answer("416 Range Not Satisfiable", xml, err % b"InvalidRange"),
-        "read-whole": b"\1" + _answer("200 OK", etag, bytes(4096)),
+        "read-whole": b"\1" + _answer("200 OK", etag, DATA),
         "read-chunked": b"\1" + b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-        b"1000\r\n" + bytes(4096) + b"\r\n0\r\n\r\n",
+        b"1000\r\n" + DATA + b"\r\n0\r\n\r\n",
         "read-403": b"\1" + _answer("403 Forbidden", xml, err % b"AccessDenied"),
         "read-redirect": b"\1" + _answer("307 Temporary Redirect",
                                          {"Location": "http://localhost:1/x"}),
