@@ -3,11 +3,12 @@
 passes the 32-bit check) or a tombstone whose sequence number is at the top
 of its 64-bit field. The index rebuild took it as the tier's highest
 sequence number, so every put after the open raised OverflowError out of
-numpy (the next number, 2**64, has no uint64) instead of storing its blocks;
-a number just below the top wrapped the new records' numbers round to 0, so
-a later open took them for older than what they replaced (a re-put key read
-back its old bytes, a tombstoned key's new records were taken for buried).
-Such an entry is no record of ours: dropped on open like a torn one. Real
+numpy (the next number, 2**64, has no uint64) instead of storing its blocks
+(for some numbers below the top, numpy wraps the new records' numbers round
+to 0 instead: np.arange(2**64 - 2, 2**64 + 2, dtype=np.uint64) ends 0, 1, and
+records numbered below what they replace lose to it at the next open; not
+exercised here). Such an entry is no record of ours: dropped on open like a
+torn one. Real
 agent and store, files rewritten as kv/disk.py's own functions write them."""
 
 from __future__ import annotations
