@@ -9,7 +9,8 @@
 # corpus size and crashes.
 #
 #   benchmarks/fuzz.sh [HARNESS...]   target_frames initiator_frames handshake
-#                                     metadata nixl_wire (default: all, one after the other)
+#                                     metadata nixl_wire kv_peer kv_disk objects
+#                                     (default: all, one after the other)
 #   RUNS=10000000      executions per harness
 #   MAX_TIME=0         seconds per harness (0: no limit)
 #   MERGE=1            afterwards, minimize what was found into the committed
@@ -39,7 +40,7 @@ MAX_TIME=${MAX_TIME:-0}
 MERGE=${MERGE:-0}
 OUT=${OUT:-build-fuzz}
 PY=${PYTHON:-python3}
-ALL=(target_frames initiator_frames handshake metadata nixl_wire)
+ALL=(target_frames initiator_frames handshake metadata nixl_wire kv_peer kv_disk objects)
 HARNESSES=("$@")
 [ ${#HARNESSES[@]} -eq 0 ] && HARNESSES=("${ALL[@]}")
 
@@ -48,7 +49,7 @@ native_needed=0
 for h in "${HARNESSES[@]}"; do
     case $h in
     target_frames | initiator_frames) native_needed=1 ;;
-    handshake | metadata | nixl_wire) ;;
+    handshake | metadata | nixl_wire | kv_peer | kv_disk | objects) ;;
     *) echo "unknown harness: $h (one of: ${ALL[*]})" >&2; exit 2 ;;
     esac
 done
@@ -85,7 +86,7 @@ python_cov() {
 }
 PYCOV_ENV=(env)
 for h in "${HARNESSES[@]}"; do
-    if [ "$h" = handshake ] || [ "$h" = metadata ] || [ "$h" = nixl_wire ]; then
+    if [ "$h" != target_frames ] && [ "$h" != initiator_frames ]; then
         python_cov || echo "note: no coverage-instrumented msgspec (see $OUT/pycov/build.log):" \
             "the Python harnesses are guided by Python coverage only"
         break

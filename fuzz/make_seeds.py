@@ -157,6 +157,24 @@ def nixl_wire_seeds() -> dict[str, bytes]:
     return seeds()
 
 
+def kv_peer_seeds() -> dict[str, bytes]:
+    from fuzz_kv_peer import seeds
+
+    return seeds()
+
+
+def kv_disk_seeds() -> dict[str, bytes]:
+    from fuzz_kv_disk import seeds
+
+    return seeds()
+
+
+def objects_seeds() -> dict[str, bytes]:
+    from fuzz_objects import seeds
+
+    return seeds()
+
+
 def reversion(corpus: Path) -> int:
     """Beside each input of ``corpus`` naming an older protocol version, a
     copy naming the current one (see the module doc); returns how many were
@@ -192,6 +210,9 @@ def main() -> None:
         ("handshake", handshake_seeds),
         ("metadata", metadata_seeds),
         ("nixl_wire", nixl_wire_seeds),
+        ("kv_peer", kv_peer_seeds),
+        ("kv_disk", kv_disk_seeds),
+        ("objects", objects_seeds),
     ]:
         d = out / harness
         d.mkdir(parents=True, exist_ok=True)
