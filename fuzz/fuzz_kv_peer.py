@@ -13,7 +13,7 @@ names the seeds' metas give). Byte 0 of an input picks what the rest is (by its 
         head, where _serve would take it as a placement from that member
         (op "put"; "from", "ctl", "region" strings; an int "req"), is
         judged as _serve and _ack judge it: _unvouched (whether we may dial
-        its addresses) and _ack_address (where its ack may go), for the
+        its addresses, and, asked again before the ack, send the ack), for the
         member's store agent and its control agent as the sender;
   1:    a whole control notification, parsed as _serve parses it (length,
         JSON head, entries), judged the same way when it is a placement
@@ -23,8 +23,9 @@ names the seeds' metas give). Byte 0 of an input picks what the rest is (by its 
         byte-level mutation of JSON text rarely reaches while the text
         stays JSON.
 Contract: _member returns a member or None (a broken or hostile meta is no
-member, never an error out of join); _unvouched returns a reason or None;
-_ack_address returns an address or None; a placement from a known member
+member, never an error out of join); _unvouched returns a reason or None
+(before the ack, from no member: vouched only for the sender found at its
+own "from" with "ctl" the same); a placement from a known member
 whose addresses are its own is vouched for, one naming others is not; none
 of them raises (an error in _serve ends the tier's serving loop for good:
 every placement after it is dropped). Nothing is dialled. Anything else
@@ -114,15 +115,17 @@ def _judge(member: Any, head: Any) -> None:
             if (why is None) != own:
                 raise AssertionError(f"placement {head!r} from {sender!r}: vouched={why is None}, "
                                      f"its addresses the member's: {own}")
-        to = t._ack_address(head)
-        # from the member: its own ctl or nowhere; from no member we know
-        # (embedded, no discovery): as sent (how a member that joined us
-        # introduces itself)
-        want = (head["ctl"] if head["ctl"] == member.meta["ctl"] else None) \
-            if head["from"] in (member.peer.address, member.meta.get("address")) \
-            else head["ctl"]
-        if to != want:
-            raise AssertionError(f"placement {head!r}: its ack to {to!r}, not {want!r}")
+        # Asked again before the ack (ack=True): from a sender that is no
+        # member we know (embedded, no discovery) the ack goes only to the
+        # sender itself, found at "from", with "ctl" that same address.
+        stranger = "stranger-" + name
+        for reached in (stranger, None, name):
+            why = t._unvouched(stranger, head, ack=True, reached=reached)
+            want = stranger.isprintable() and reached == stranger \
+                and head["ctl"] == head["from"]
+            if (why is None) != want:
+                raise AssertionError(f"placement {head!r} from {stranger!r} reaching "
+                                     f"{reached!r}: ack vouched={why is None}, not {want}")
     finally:
         if old is None:
             t.members.pop(name, None)

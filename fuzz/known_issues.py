@@ -11,39 +11,21 @@ here and the finding moves into the corpus).
 from __future__ import annotations
 
 import os
-import traceback
 
 # Fixed: "deep-nesting" (JSON nested ~1000 levels deep raised
 # RecursionError out of discovery's etcd value decoder; now a DecodeError,
 # its input is in fuzz/corpus/metadata/).
-KNOWN: dict[str, str] = {
-    # fz28 (fuzz_kv_peer.py; tests/test_fz28_kv_peer.py, a strict xfail until
-    # the fix in aioxfer/kv/peer.py lands: then this entry matches nothing)
-    "kv-peer-unhashable-address": (
-        "a member's published meta whose 'address' is a JSON list or object is a member; "
-        "judging a placement puts that address in a set: TypeError out of "
-        "PeerTier._unvouched/_ack_address (the serving loop ends, acks are never sent)"
-    ),
-    # fz28 (fuzz_kv_disk.py; tests/test_fz28_kv_disk.py, a strict xfail until
-    # the fix in aioxfer/kv/disk.py lands)
-    "kv-disk-seq-overflow": (
-        "an intact entry or tombstone with a sequence number near 2**64 becomes the tier's "
-        "highest: every later put raises OverflowError in DiskTier._publish"
-    ),
-}
+# Fixed: "kv-peer-unhashable-address" (fz28: a member's published meta whose
+# 'address' was a JSON list or object was a member; judging a placement put
+# it in a set: TypeError ended PeerTier._serve) and "kv-disk-seq-overflow"
+# (fz28: an intact entry or tombstone with a sequence number near 2**64
+# became the tier's highest: every later put raised OverflowError).
+KNOWN: dict[str, str] = {}
 
 
 def classify(exc: BaseException) -> str | None:
     """The KNOWN entry this exception is, or None (a new finding)."""
-    if isinstance(exc, TypeError) and str(exc).startswith("unhashable type"):
-        frames = traceback.extract_tb(exc.__traceback__)
-        if any(f.filename.endswith("kv/peer.py") and f.name in ("_unvouched", "_ack_address")
-               for f in frames):
-            return "kv-peer-unhashable-address"
-    if isinstance(exc, OverflowError):
-        frames = traceback.extract_tb(exc.__traceback__)
-        if any(f.filename.endswith("kv/disk.py") and f.name == "_publish" for f in frames):
-            return "kv-disk-seq-overflow"
+    del exc
     return None
 
 

@@ -62,9 +62,6 @@ def tombstone(seg: Path, slot: int, seq: int) -> bytes:
     return raw.tobytes()
 
 
-@pytest.mark.xfail(strict=True, reason="fix in aioxfer/kv/disk.py (kv28): the rebuild must "
-                   "drop entries and tombstones whose sequence number is past 2**63 (diff in "
-                   "fz28's report)")
 @pytest.mark.parametrize("where", ["entry", "tombstone", "entry-near-top"])
 async def test_a_sequence_number_at_the_top_leaves_puts_working(
         make_agent: MakeAgent, tmp_path: Path, where: str) -> None:

@@ -46,8 +46,6 @@ async def hostile_member(make_agent: MakeAgent, group: str, address: Any) -> Any
     return bad
 
 
-@pytest.mark.xfail(strict=True, reason="fix in aioxfer/kv/peer.py (kv28): PeerTier._member "
-                   "must refuse a meta whose 'address' is not a string (diff in fz28's report)")
 @pytest.mark.parametrize("address", [["127.0.0.1:1"], {"a": 1}])
 async def test_a_meta_with_an_unhashable_address_is_no_member(
         make_agent: MakeAgent, address: Any) -> None:

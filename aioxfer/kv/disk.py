@@ -87,6 +87,10 @@ _STAGE_SECTORS = 64
 _FLUSH_RETRY_FIRST = 0.05
 _FLUSH_RETRY_MAX = 5.0
 _VERIFY_CHUNK = 128  # blocks per read chunk at least (see _read)
+# Sequence numbers we write stay below this (one per record: never reached);
+# an entry or tombstone naming one at or past it is no record of ours: taken
+# as the tier's highest, the next ones would pass 2**64 (fz28).
+_SEQ_END = np.uint64(1 << 63)
 
 ENTRY_DTYPE = np.dtype([
     ("key", "V32"), ("seq", "<u8"), ("ns", "<u4"), ("length", "<u4"), ("crc", "<u4"),
@@ -450,7 +454,7 @@ class DiskTier(Tier):
             raw = table[: n_entries * ENTRY].reshape(n_entries, ENTRY)
             ent = raw.view(ENTRY_DTYPE).ravel()
             intact = ((ent["magic"] == ENTRY_MAGIC) & (ent["version"] == ENTRY_VERSION)
-                      & (entry_check(raw) == ent["check"]))
+                      & (entry_check(raw) == ent["check"]) & (ent["seq"] < _SEQ_END))
             codec = (ent["flags"] >> _CODEC_SHIFT) & 0x3
             sized = ((codec == 0) & (ent["length"] == block_bytes)) | (
                 (codec != 0) & (ent["orig"] == block_bytes) & (ent["length"] > 0)
@@ -551,6 +555,7 @@ class DiskTier(Tier):
         ent = rows.view(ENTRY_DTYPE).ravel()
         ok = ((ent["magic"] == ENTRY_MAGIC) & (ent["version"] == ENTRY_VERSION)
               & (entry_check(rows) == ent["check"]) & (ent["ns"] == self.ns)
+              & (ent["seq"] < _SEQ_END)
               & ((ent["flags"] & F_REMOVED) != 0))
         out: dict[bytes, int] = {}
         for k, q in zip(np.ascontiguousarray(ent["key"][ok]).tolist(),

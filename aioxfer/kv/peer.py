@@ -531,6 +531,9 @@ class PeerTier(Tier):
             if (not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 1
                     or buckets & (buckets - 1) or not isinstance(meta["ctl"], str)):
                 raise ValueError(f"bad geometry: buckets={buckets!r}")
+            # (compared with placements' "from" in sets: _unvouched; fz28)
+            if not isinstance(meta.get("address", ""), str):
+                raise ValueError(f"bad address: {meta['address']!r:.100}")
             # (a member that does not say pulls as many as we would)
             sends = meta.get("pulls_per_peer", self.max_pulls_per_peer)
             if not isinstance(sends, int) or isinstance(sends, bool) or sends < 1:
