@@ -898,6 +898,12 @@ class Connector:
             self._forget_regions(peer, (new | {(rid, key) for _, rid, key in theirs}) - listed)
         if self._embedded is not None:
             after = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
+            if theirs:
+                # (Another refresh's imports: that one reports them, if kept;
+                # forgotten here, they were never reported as added.)
+                skip = {rid for _, rid, _ in theirs}
+                before = {n for n in before if n[1] not in skip}
+                after = {n for n in after if n[1] not in skip}
             if before != after:
                 self._embedded.emit(PeerUpdated(
                     peer.name, peer.incarnation, peer.address,
