@@ -15,6 +15,7 @@ landed in memory the owner had released.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -64,6 +65,7 @@ async def test_a_concurrent_refresh_does_not_return_an_unchecked_region(
             self._local_meta = real_meta
 
     monkeypatch.setattr(Server, "_send_meta", send_meta)
+    events = a.membership()
     first = asyncio.ensure_future(peer.refresh())
     try:
         await within(checking.wait())
@@ -88,3 +90,12 @@ async def test_a_concurrent_refresh_does_not_return_an_unchecked_region(
         await within(first)
     assert "late" not in peer.regions
     assert len(calls) >= 3
+    # What the refreshes reported (embedded membership): "late" was never
+    # kept, so neither added nor removed.
+    seen: list[Any] = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            seen.append(await asyncio.wait_for(events.__anext__(), 0.3))
+    await events.aclose()
+    assert not [ev for ev in seen if isinstance(ev, aioxfer.PeerUpdated)
+                and "late" in (*ev.added, *ev.removed)], seen
