@@ -174,7 +174,8 @@ def test_a_client_names_an_older_listener_and_sends_it_no_proof(
                            hashlib.sha256).digest()
     assert mac != _wire.listen_len_mac(TOKEN.encode(), nonce, head)
     body = old.got[_wire.LISTEN_HEAD:_wire.LISTEN_HEAD + n]
-    with pytest.raises(ValueError, match=f"Invalid value 'aioxfer.nixl listener wire version {_wire.WIRE_VERSION}"):
+    with pytest.raises(ValueError, match=f"Invalid value 'aioxfer.nixl listener wire version "
+                                         f"{_wire.WIRE_VERSION}"):
         _wire.request_decoder.decode(body)
 
 
