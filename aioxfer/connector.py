@@ -860,8 +860,11 @@ class Connector:
         # is still on its way: ours to check as well. Found imported already,
         # they were returned unchecked (rev31: a write by our caller landed in
         # memory the owner had back; tests/test_rev31_refresh_concurrent).
-        theirs = {(peer._ep, m.rid, m.key) for m in meta.regions
-                  if (peer._ep, m.rid, m.key) in self._unchecked} - mine
+        # (Usually none is being checked: then no pass over the snapshot.)
+        theirs: set[tuple[int, int, int]] = set()
+        if self._unchecked:
+            theirs = {(peer._ep, m.rid, m.key) for m in meta.regions
+                      if (peer._ep, m.rid, m.key) in self._unchecked} - mine
         if mine or theirs:
             new = {(rid, key) for _, rid, key in mine}
             for k in mine:  # (no await since the import: none checked it yet)
