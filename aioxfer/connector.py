@@ -130,6 +130,7 @@ class Connector:
         "_embedded",
         "_connecting",
         "_closed",
+        "_unchecked",
     )
 
     def __init__(
@@ -156,6 +157,10 @@ class Connector:
         self._embedded = embedded
         self._connecting = connecting
         self._closed = closed
+        # (endpoint, rid, key) -> refreshes that imported that region of a
+        # same-host peer and are still checking it (refresh): another
+        # refresh whose snapshot names it checks it too before it returns.
+        self._unchecked: dict[tuple[int, int, int], int] = {}
 
     def _check_open(self) -> None:
         if self._closed():
@@ -849,8 +854,21 @@ class Connector:
         finally:
             for fd in fds or ():
                 os.close(fd)
-        if imported and peer._local:
-            new = set(imported)
+        # (A tcp peer's regions need no check: see below.)
+        mine = {(peer._ep, rid, key) for rid, key in imported} if peer._local else set()
+        # Named by our snapshot too, imported by another refresh whose check
+        # is still on its way: ours to check as well. Found imported already,
+        # they were returned unchecked (rev31: a write by our caller landed in
+        # memory the owner had back; tests/test_rev31_refresh_concurrent).
+        # (Usually none is being checked: then no pass over the snapshot.)
+        theirs: set[tuple[int, int, int]] = set()
+        if self._unchecked:
+            theirs = {(peer._ep, m.rid, m.key) for m in meta.regions
+                      if (peer._ep, m.rid, m.key) in self._unchecked} - mine
+        if mine or theirs:
+            new = {(rid, key) for _, rid, key in mine}
+            for k in mine:  # (no await since the import: none checked it yet)
+                self._unchecked[k] = self._unchecked.get(k, 0) + 1
             # A same-host peer's memory is copied into by our engine, which
             # the owner holds back only by its revocations (on every
             # connection it accepted). One deregistered after the snapshot
@@ -861,21 +879,34 @@ class Connector:
             # settles it: what it no longer lists is forgotten; what it lists
             # is revoked, if ever, after our import, so our engine sees that.
             try:
-                meta, fds = await self._fetch(peer)
-            except BaseException:
-                # Not settled (cancelled, the peer gone): not kept either;
-                # the next refresh imports them again.
-                self._forget_regions(peer, new)
-                raise
+                try:
+                    meta, fds = await self._fetch(peer)
+                except BaseException:
+                    # Not settled (cancelled, the peer gone): not kept either;
+                    # the next refresh imports them again. (Another's are
+                    # left to its own check.)
+                    self._forget_regions(peer, new)
+                    raise
+            finally:
+                for k in mine:
+                    left = self._unchecked.pop(k) - 1
+                    if left:
+                        self._unchecked[k] = left
             for fd in fds or ():
                 os.close(fd)
             if peer._lost:
                 raise peer._lost_error()
             self._check_same(peer, meta)
             listed = {(m.rid, m.key) for m in meta.regions}
-            self._forget_regions(peer, new - listed)
+            self._forget_regions(peer, (new | {(rid, key) for _, rid, key in theirs}) - listed)
         if self._embedded is not None:
             after = {(rr.name, rid) for rid, rr in peer._by_rid.items()}
+            if theirs:
+                # (Another refresh's imports: that one reports them, if kept;
+                # forgotten here, they were never reported as added.)
+                skip = {rid for _, rid, _ in theirs}
+                before = {n for n in before if n[1] not in skip}
+                after = {n for n in after if n[1] not in skip}
             if before != after:
                 self._embedded.emit(PeerUpdated(
                     peer.name, peer.incarnation, peer.address,
