@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from conftest import pattern, within
-from test_kv26_place import BB, Member, fake_member, keys_of
+from test_kv26_place import BB, Member, at_turns, fake_member, keys_of
 
 from aioxfer import kv
 
@@ -41,10 +41,13 @@ async def test_queued_placements_to_a_slow_member_end_within_ack_wait(
     src = agent.alloc(4 * 4 * BB)
     src.numpy()[:] = pattern(4 * 4 * BB, 28)
 
+    slow = [True]
+
     async def answer_slowly() -> None:
         while True:
             head, body = await member.next(60.0)
-            await asyncio.sleep(0.6)
+            if slow[0]:
+                await asyncio.sleep(0.6)
             await member.ack(head, body)
 
     async def put(p: int) -> tuple[list[bool], float]:
@@ -56,11 +59,22 @@ async def test_queued_placements_to_a_slow_member_end_within_ack_wait(
         assert await within(tier.join(b.address))
         answering = asyncio.ensure_future(answer_slowly())
         try:
-            results = await within(asyncio.gather(put(0), put(1), put(2)), 20)
+            # Called in this order, each at its turn before the next (a
+            # put's copy into the staging is a real transfer: on a loaded
+            # machine a later one may finish first, CI: put 1 went first).
+            calls = []
+            for p in range(3):
+                calls.append(asyncio.ensure_future(put(p)))
+                await at_turns(tier, b.name, p + 1)
+            results = await within(asyncio.gather(*calls), 20)
             took = [round(t, 2) for _, t in results]
             assert max(took) < wait + 0.4, f"puts took {took} s with ack_wait {wait} s"
             assert results[0][0] == [True] * 4, results
             assert not tier.members[b.name].silent
+            # (its answers prompt now: a placement still in the member's
+            # backlog, e.g. the third put's if it was sent right at its
+            # deadline, would otherwise hold the fourth past its ack_wait)
+            slow[0] = False
             got, _t = await within(put(3), 20)
             assert got == [True] * 4
             assert tier.counters.dropped_stores.get("peer_stalled", 0) == 0
