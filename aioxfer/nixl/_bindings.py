@@ -3245,9 +3245,17 @@ class nixlAgent:
         fut = x.fut
         # (A request of one aioxfer call done, not by a cancel: its record
         # was taken, nothing to wait for; the usual release, as cheap as it
-        # was before the wait: measured.)
+        # was before the wait: measured. But for one still busy: a WRITE
+        # whose pages the one-copy send handed to a same-host peer, over
+        # (CQ_XFER_HELD) while the engine holds its memory until the peer
+        # read or dropped them (CQ_XFER_FREED). Released at once, the
+        # caller's next bytes in that buffer landed at a stopped peer once
+        # it resumed (rev32: tests/test_rev32_nixl_held). Once done, busy
+        # only goes from True to False: read off the loop thread, a stale
+        # True only makes this release wait for nothing.)
         if fut is not None and (x.parts or x.tail is not None or not fut.done()
-                                or fut.cancelled()):
+                                or fut.cancelled()
+                                or (isinstance(fut, Transfer) and fut.busy)):
             xfers[reqh] = x  # kept while it stops, and if it cannot
             self._stop(x, reqh)
             xfers.pop(reqh, None)

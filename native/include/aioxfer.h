@@ -113,8 +113,10 @@ const char *axf_strerror(int status);
                                  groups moved to other connections; status = why
                                  (AXF_E_PEER_LOST: broken or silent, AXF_E_TIMEOUT: stalled,
                                  AXF_E_CLOSED: the peer said goodbye on it) */
-#define AXF_CQ_XFER_HELD 8    /* as AXF_CQ_XFER (the request is over: status, nbytes,
-                                 fail_index), but the engine still holds its local memory:
+#define AXF_CQ_XFER_HELD 8    /* as AXF_CQ_XFER for a failed or cancelled request (it is
+                                 over: status, nbytes, fail_index; a success is told only
+                                 once its memory is free), but the engine still holds its
+                                 local memory:
                                  pages of it sent by the one-copy send (tcp, loopback) that
                                  a peer may still read. Do not reuse, free or deregister
                                  that memory (a deregistration waits) until

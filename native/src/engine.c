@@ -1073,8 +1073,8 @@ static void op_free(axf_engine *e, op *o)
 
 /* Pushes the completion and frees an op: nothing refers to it any more but
  * spliced frames of it whose pages a peer may still read (op.mem, conn.c
- * spl_keep): then the op is over now, told at once (AXF_CQ_XFER_HELD, its
- * outcome), and its local regions stay held until the last of those goes
+ * spl_keep): then a failed op is over now, told at once (AXF_CQ_XFER_HELD,
+ * its outcome; a successful one waits, see below), and its local regions stay held until the last of those goes
  * (op_mem_unref: AXF_CQ_XFER_FREED). So a failure is prompt and the memory
  * safe: the caller may not reuse it, nor can it be deregistered, before
  * the second record. Without a slot for that record (the ring cannot grow)
@@ -1099,8 +1099,15 @@ static void op_finish_now(axf_engine *e, op *o)
         return;
     }
     /* No hold is added from here on: one comes only from a frame of it
-     * (a pin), and none is left. */
-    o->held = cq_reserve(e) == AXF_OK; /* the second record's slot */
+     * (a pin), and none is left.
+     * Only a failure is told early (rev32). A success with holds (a group
+     * rerouted off a dead connection whose peer has not read its pages) is
+     * told once they are read or dropped, as before spl28: a caller reuses
+     * a buffer as soon as its write succeeded (nobody awaits settled() after
+     * a success), and the peer, reading that connection's queue later,
+     * applied the reused buffer's bytes at the write's destination (native
+     * test rev32_held_ok). */
+    o->held = st != AXF_OK && cq_reserve(e) == AXF_OK; /* the second record's slot */
     o->fin_tag = tag;
     atomic_store(&o->nbytes, nbytes);
     o->fail_index = fail_index;
