@@ -166,6 +166,7 @@ import asyncio
 import base64
 import contextvars
 import email.utils
+import errno
 import fcntl
 import hashlib
 import html
@@ -173,6 +174,7 @@ import inspect
 import os
 import random
 import re
+import socket
 import sys
 import termios
 import time
@@ -1721,21 +1723,56 @@ class _Body(aiohttp.payload.Payload):
         await self.write_with_length(writer, None)
 
     async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        transport = writer.transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        if sock is not None and _peer_closed(sock):
+            # A pooled connection the server closed (its idle timeout) as
+            # we took it: its FIN is in, not yet seen by the loop (it is at
+            # the next select; this task runs first). Nothing of this
+            # request has left (its head waits for this first write), so
+            # its body is not consumed: refused here, aiohttp sends it
+            # again on a new connection, as it does a GET, instead of a
+            # PUT failing as "outcome unknown" (tests/test_rev33_idle_close.py).
+            raise ConnectionResetError(
+                errno.ECONNRESET, "the server closed the kept-alive connection")
         self._consumed = True
         view = self._view
         for at in range(0, len(view), _READ_BUFSIZE):
             await writer.write(view[at:at + _READ_BUFSIZE])
-        transport = writer.transport
-        if transport is None:
-            return
-        sock = transport.get_extra_info("socket")
-        if sock is None:
+        if transport is None or sock is None:
             return
         left = transport.get_write_buffer_size() + _unsent(sock.fileno())
         pause = 0.001
         moved = time.monotonic()
         while left > self._slack:
-            await asyncio.sleep(pause)
+            try:
+                await asyncio.sleep(pause)
+            except asyncio.CancelledError:
+                # aiohttp cancels a body's writer task as the answer ends
+                # (or the request is given up: then it closes the
+                # connection itself). The answer may well come while we
+                # sleep here: the server had the bytes, the queue drained
+                # between two polls. Raised, the cancel made aiohttp close
+                # a connection that is fine (write_bytes), a new one for
+                # each such request (tests/test_rev33_body.py). Where the
+                # server's kernel has acknowledged every byte (as it has
+                # once it answered the whole body), the write ends as it
+                # would have without this wait, but for the answer's read
+                # timeout, which aiohttp starts next: there is no answer to
+                # wait for any more, and a timer left running on a
+                # connection back in the pool would fail its next request.
+                # With bytes still queued (an early answer, a cancel) the
+                # connection is closed, as before.
+                if transport.get_write_buffer_size() + _unsent(sock.fileno()) > 0:
+                    raise
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                protocol = writer.protocol
+                if protocol is not None:
+                    # (the next request on it sets its own)
+                    protocol.read_timeout = None
+                return
             pause = min(pause * 2, 0.05)
             now = transport.get_write_buffer_size() + _unsent(sock.fileno())
             if now < left:
@@ -1745,6 +1782,19 @@ class _Body(aiohttp.payload.Payload):
                     f"the server took none of the body's last {now} bytes for "
                     f"{self._stall:g} s")
             left = now
+
+
+def _peer_closed(sock: Any) -> bool:
+    """Whether the peer of a connected TCP socket has closed or reset it
+    (Linux's TCP_INFO state: CLOSE_WAIT, CLOSE); False where that cannot be
+    asked."""
+    if sys.platform != "linux":
+        return False
+    try:
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    except (OSError, AttributeError):
+        return False
+    return state in (7, 8)  # TCP_CLOSE, TCP_CLOSE_WAIT
 
 
 def _unsent(fd: int) -> int:
