@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import operator
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +76,6 @@ _SETTLE_ONLY: Any = type("_SettleOnly", (), {"__slots__": (), "__repr__":
 _CQ_XFER = _cyx.CQ_XFER
 _CQ_XFER_HELD = _cyx.CQ_XFER_HELD
 _CQ_XFER_FREED = _cyx.CQ_XFER_FREED
-_E_OK = _cyx.OK
 _E_CANCELLED = _cyx.E_CANCELLED
 _E_CLOSED = _cyx.E_CLOSED
 _E_PEER_LOST = _cyx.E_PEER_LOST
@@ -717,34 +715,20 @@ class Submission:
             self.finish_failed(t, self.error(t, status, fail_index, "failed"))
 
     def _on_held(self, status: int, rid: int, nbytes: int, fail_index: int) -> None:
-        """CQ_XFER_HELD: the transfer is over (its outcome, told now: a
-        failure on time though a stopped peer holds its pages), its memory
-        still the engine's until CQ_XFER_FREED (busy, settled())."""
+        """CQ_XFER_HELD: the transfer failed (or was cancelled): told now,
+        on time, though a stopped peer may still hold pages of it; its
+        memory stays the engine's until CQ_XFER_FREED (busy, settled()). A
+        success is never held (engine.c op_finish_now: its one record waits
+        for its pages, rev32)."""
+        del nbytes
         t = self.inflight.pop(rid, None)
         if t is None:
             return
         self._held[rid] = t
-        if status != _E_OK:
-            if status == _E_CANCELLED and t._cancel_requested:
-                self.finish_failed(t, None)
-            else:
-                self.finish_failed(t, self.error(t, status, fail_index, "failed"))
-            return
-        # Succeeded (a group rerouted off a connection whose peer may still
-        # read its pages): as the compiled drain completes one.
-        peer = t.peer
-        if t._admitted:
-            self.release(t)
-        c = peer._counters
-        c.inflight -= 1
-        c.inflight_bytes -= t.nbytes
-        c.completed += 1
-        c.bytes += nbytes
-        self.completed += 1
-        self.bytes += nbytes
-        if not t.done():
-            path = t._path if t._path is not None else peer.path
-            t.set_result(TransferResult(nbytes, time.perf_counter() - t._t0, path, fail_index))
+        if status == _E_CANCELLED and t._cancel_requested:
+            self.finish_failed(t, None)
+        else:
+            self.finish_failed(t, self.error(t, status, fail_index, "failed"))
 
     def finish_failed(self, t: Transfer, exc: BaseException | None) -> None:
         """Counts t as failed and fails (exc) or cancels (None) its future."""
