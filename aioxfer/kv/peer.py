@@ -1102,11 +1102,17 @@ class PeerTier(Tier):
         known = self.members.get(name)
         if known is not None and not known.peer.lost:
             return None  # (vouched by what it published)
+        peer = await self._reach(sender, head)
+        return peer.name if peer.name == name else None
+
+    async def _reach(self, sender: str, head: dict[str, Any]) -> aioxfer.Peer:
+        """The agent at a placement's "from", joined as a member only when it
+        is the sender's store agent (its name proven by the token in the
+        handshake); another agent there is returned unjoined."""
         peer = await self.store.agent.connect(head["from"])
-        if peer.name != name:
-            return None
-        await self._add_member(peer)
-        return peer.name
+        if peer.name == _member_name(sender):
+            await self._add_member(peer)
+        return peer
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
@@ -1119,7 +1125,6 @@ class PeerTier(Tier):
         sender = self._pull_tasks[task]  # (set by _pull_from, which runs this)
         store = self.store
         host: HostTier | None = store._host
-        agent = store.agent
         bb = store.block_bytes
         entries = [(body[j:j + 32], int.from_bytes(body[j + 32:j + 40], "little"),
                     int.from_bytes(body[j + 40:j + 44], "little"),
@@ -1129,7 +1134,7 @@ class PeerTier(Tier):
         reached: str | None = None
         refused = False
         try:
-            peer = await agent.connect(head["from"])
+            peer = await self._reach(sender, head)
             if peer.name != _member_name(sender):
                 # Nothing read, nothing sent back: not even a member's ack
                 # (its "from" names another agent: broken or forged).
@@ -1138,7 +1143,6 @@ class PeerTier(Tier):
                     sender, head, f"the agent at its address is {peer.name!r}", len(entries))
                 return
             reached = peer.name
-            await self._add_member(peer)
             try:
                 src = peer.region(head["region"])
             except KeyError:
