@@ -385,7 +385,19 @@ static bool dev_open(const axf_verbs_table *t, struct ibv_device *d, vdev *v,
                      const verbs_settings *set, char *why, size_t why_len)
 {
     memset(v, 0, sizeof *v);
-    snprintf(v->name, sizeof v->name, "%s", t->get_device_name(d));
+    /* The provider's name, checked before it is kept: NULL or empty names no
+     * device, and one that does not fit v->name (the kernel's and rdma-core's
+     * limit, IBV_SYSFS_NAME_MAX with its NUL) is refused, not cut: a cut name
+     * matched an allow-list entry naming a different device (its prefix),
+     * missed the entry naming it in full, and read another device's sysfs. */
+    const char *name = t->get_device_name(d);
+    size_t name_len = name ? strnlen(name, sizeof v->name) : 0;
+    if (!name_len || name_len == sizeof v->name) {
+        snprintf(why, why_len, "%.40s%s: device name %s", name_len ? name : "(device)",
+                 name_len ? "..." : "", name_len ? "longer than 63 bytes" : "empty");
+        return false;
+    }
+    memcpy(v->name, name, name_len + 1);
     if (!device_allowed(set, v->name)) {
         snprintf(why, why_len, "%s: not in AIOXFER_VERBS_DEVICES", v->name);
         return false;

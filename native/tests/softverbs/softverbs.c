@@ -19,7 +19,9 @@
  * axf_softverbs_events_taken); a modify_qp to ERR or a reg_dmabuf_mr parked
  * until released (axf_softverbs_hold, _held, _release), to hold a race's
  * window open; axf_softverbs_qp_exists. Environment: AXF_SOFTVERBS_DEVICES
- * (default 2, 0..16).
+ * (default 2, 0..16); AXF_SOFTVERBS_NAME_SUFFIX, read at each
+ * get_device_name: appended to the names that call returns ("softverbs0" +
+ * suffix; NUL: the name given as "", for a provider's empty or too long name).
  *
  * Model, as close to a RoCE NIC with RC queue pairs as a test needs:
  * - Devices softverbs0..N-1, one port each, ACTIVE, link layer Ethernet, lid 0,
@@ -1415,7 +1417,16 @@ static void sv_free_device_list(struct ibv_device **list)
 
 static const char *sv_get_device_name(struct ibv_device *d)
 {
-    return d->name;
+    /* Names a conforming provider never returns (empty, longer than
+     * IBV_SYSFS_NAME_MAX): the name is then not in d->name, only here. */
+    static _Thread_local char shown[512];
+    const char *suffix = getenv("AXF_SOFTVERBS_NAME_SUFFIX");
+    if (!suffix)
+        return d->name;
+    if (strcmp(suffix, "NUL") == 0)
+        return "";
+    snprintf(shown, sizeof shown, "%s%s", d->name, suffix);
+    return shown;
 }
 
 static int sv_post_send(struct ibv_qp *, struct ibv_send_wr *, struct ibv_send_wr **);
