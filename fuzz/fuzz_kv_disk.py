@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import known_issues  # noqa: E402
+import _harness  # noqa: E402
 
 BB = 4096
 SLOTS = 4
@@ -272,23 +272,17 @@ def _decompress(data: bytes, zstd: bool) -> None:
         raise AssertionError("decompression wrote outside its destination")
 
 
+def _run(data: bytes) -> None:
+    if data[0] & 2:
+        _decompress(data[1:], bool(data[0] & 4))
+    else:
+        _segment(data[1:], data[0])
+
+
 def check(data: bytes) -> str | None:
-    """Runs one input. None: it held; a KNOWN name: a known issue (tolerated
-    only when the caller allows); raises on a new finding."""
-    load()
-    if not data:
-        return None
-    try:
-        if data[0] & 2:
-            _decompress(data[1:], bool(data[0] & 4))
-        else:
-            _segment(data[1:], data[0])
-    except Exception as exc:
-        known = known_issues.classify(exc)
-        if known is None:
-            raise
-        return known
-    return None
+    """Runs one input (fuzz/_harness.py guarded: None, a known issue's name,
+    or raises on a new finding)."""
+    return _harness.guarded(load, _run, data)
 
 
 def _input(seg: bytes, *, size: int = 255, mode: int = 0, tomb: bytes = b"") -> bytes:
@@ -335,13 +329,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    from instrument import fuzz
-
-    import aioxfer.log
-
-    aioxfer.log.configure(level="critical")  # a warning per input costs more than the input
-    load()
-    fuzz(check, _m.disk, _m.codec)
+    _harness.main(check, load, lambda: (_m.disk, _m.codec), quiet=True)
 
 
 if __name__ == "__main__":

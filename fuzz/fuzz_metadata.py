@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import known_issues  # noqa: E402
+import _harness  # noqa: E402
 
 _m: Any = None  # the aioxfer modules, once loaded (under atheris: instrumented)
 
@@ -103,23 +103,17 @@ def _members(meta: Any) -> None:
         raise AssertionError("region_names lost regions")
 
 
+def _run(data: bytes) -> None:
+    if data[0] % 2 == 0:
+        _msgpack(data[1:])
+    else:
+        _json(data[1:])
+
+
 def check(data: bytes) -> str | None:
-    """Runs one input. None: it held; a KNOWN name: a known issue (tolerated
-    only when the caller allows); raises on a new finding."""
-    load()
-    if not data:
-        return None
-    try:
-        if data[0] % 2 == 0:
-            _msgpack(data[1:])
-        else:
-            _json(data[1:])
-    except Exception as exc:
-        known = known_issues.classify(exc)
-        if known is None:
-            raise
-        return known
-    return None
+    """Runs one input (fuzz/_harness.py guarded: None, a known issue's name,
+    or raises on a new finding)."""
+    return _harness.guarded(load, _run, data)
 
 
 def seeds() -> dict[str, bytes]:
@@ -180,10 +174,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    from instrument import fuzz
-
-    load()
-    fuzz(check, _m.protocol, _m.metadata, _m.discovery, _m.errors)
+    _harness.main(check, load, lambda: (_m.protocol, _m.metadata, _m.discovery, _m.errors))
 
 
 if __name__ == "__main__":
