@@ -15,68 +15,18 @@
  * The target's sender is held mid-frame by the relay of nat24's test. */
 #include "harness.h"
 
-#include <pthread.h>
-#include <stdatomic.h>
-#include <sys/ioctl.h>
 
 #define REG (1u << 20)
 
 #define PEER_MS 5000u
 #define REVOKE_MS 10000u
 
-typedef struct relay {
-    int o_fd;          /* our end of the target's (o's) socket pair */
-    int p_fd;          /* our end of the initiator's (p's) socket pair */
-    atomic_bool hold;  /* o's bytes are not taken while set */
-    atomic_bool stop;
-    pthread_t t;
-} relay;
-
-/* Copies what is readable on from to to (blocking write); false at EOF or
- * an error (to's writing side is then shut). */
-static bool relay_copy(int from, int to)
-{
-    char buf[65536];
-    ssize_t n = read(from, buf, sizeof buf);
-    if (n <= 0) {
-        shutdown(to, SHUT_WR);
-        return false;
-    }
-    for (ssize_t off = 0; off < n;) {
-        ssize_t w = write(to, buf + off, (size_t)(n - off));
-        if (w <= 0) {
-            shutdown(from, SHUT_RD);
-            return false;
-        }
-        off += w;
-    }
-    return true;
-}
-
-static void *relay_main(void *arg)
-{
-    relay *r = arg;
-    bool o_open = true, p_open = true;
-    while (!atomic_load(&r->stop) && (o_open || p_open)) {
-        bool take_o = o_open && !atomic_load(&r->hold);
-        struct pollfd pf[2] = {{.fd = take_o ? r->o_fd : -1, .events = POLLIN},
-                               {.fd = p_open ? r->p_fd : -1, .events = POLLIN}};
-        if (poll(pf, 2, 10) <= 0)
-            continue;
-        if (pf[0].revents)
-            o_open = relay_copy(r->o_fd, r->p_fd);
-        if (pf[1].revents)
-            p_open = relay_copy(r->p_fd, r->o_fd);
-    }
-    return NULL;
-}
-
 typedef struct pair {
     tengine *o, *p;
     uint64_t p_ep;
     uint8_t *r, *x;
     uint64_t rid, rkey, xid, xkey;
-    relay rl;
+    t_relay rl;
 } pair;
 
 /* p dials o through the relay; o's region r imported by p. */
@@ -93,9 +43,8 @@ static int pair_open(pair *d)
     int a[2], b[2];
     CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, a), 0);
     CHECK_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, b), 0);
-    d->rl.o_fd = a[0];
-    d->rl.p_fd = b[1];
-    CHECK_EQ(pthread_create(&d->rl.t, NULL, relay_main, &d->rl), 0);
+    if (t_relay_start(&d->rl, a[0], b[1]))
+        return 1;
     CHECK_EQ(axf_endpoint_create(d->p->e, AXF_EP_TCP, 2, 0, -1, &d->p_ep), AXF_OK);
     CHECK_EQ(axf_endpoint_add_conn(d->p->e, d->p_ep, b[0]), AXF_OK);
     CHECK_EQ(axf_accept_conn(d->o->e, a[1], 31, -1), AXF_OK); /* no pidfd: a network peer */
@@ -121,10 +70,7 @@ static void pair_close(pair *d)
     atomic_store(&d->rl.hold, false);
     t_close(d->o);
     t_close(d->p);
-    atomic_store(&d->rl.stop, true);
-    pthread_join(d->rl.t, NULL);
-    close(d->rl.o_fd);
-    close(d->rl.p_fd);
+    t_relay_stop(&d->rl);
     free(d->r);
     free(d->x);
 }
@@ -139,7 +85,8 @@ static int read_held(pair *d, uint64_t req)
     uint64_t until = t_now_ms() + T_TIMEOUT_MS;
     int queued = 0;
     while (t_now_ms() < until) {
-        CHECK_EQ(ioctl(d->rl.o_fd, FIONREAD, &queued), 0);
+        queued = t_relay_queued(&d->rl);
+        CHECK(queued >= 0);
         if (queued >= 64 * 1024)
             break;
         usleep(1000);

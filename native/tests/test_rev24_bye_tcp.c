@@ -19,9 +19,6 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <pthread.h>
-#include <stdatomic.h>
-#include <sys/ioctl.h>
 
 #define REG (1u << 20)
 
@@ -44,73 +41,12 @@ static int tcp_pair(int *a, int *b)
     return 0;
 }
 
-typedef struct relay {
-    int o_fd;          /* our end of the target's (o's) connection */
-    int p_fd;          /* our end of the initiator's (p's) connection */
-    atomic_bool slow;  /* o's bytes taken 4 KiB per 4 ms (~1 MB/s) while set */
-    atomic_bool stop;
-    atomic_int o_err;  /* errno of a read or write of o's side (ECONNRESET: o's RST) */
-    atomic_ullong o_bytes; /* o's bytes passed on */
-    pthread_t t;
-} relay;
-
-/* Copies at most max bytes readable on from to to (blocking write); false
- * at EOF or an error (to's writing side is then shut); the read's error in
- * *err, the write's in *werr. */
-static bool relay_copy(int from, int to, size_t max, atomic_int *err, atomic_int *werr,
-                       atomic_ullong *bytes)
-{
-    char buf[65536];
-    ssize_t n = read(from, buf, max < sizeof buf ? max : sizeof buf);
-    if (n <= 0) {
-        if (n < 0 && err)
-            atomic_store(err, errno);
-        shutdown(to, SHUT_WR);
-        return false;
-    }
-    if (bytes)
-        atomic_fetch_add(bytes, (unsigned long long)n);
-    for (ssize_t off = 0; off < n;) {
-        ssize_t w = write(to, buf + off, (size_t)(n - off));
-        if (w <= 0) {
-            if (werr)
-                atomic_store(werr, errno);
-            shutdown(from, SHUT_RD);
-            return false;
-        }
-        off += w;
-    }
-    return true;
-}
-
-static void *relay_main(void *arg)
-{
-    relay *r = arg;
-    bool o_open = true, p_open = true;
-    uint64_t next_o = 0;
-    while (!atomic_load(&r->stop) && (o_open || p_open)) {
-        bool slow = atomic_load(&r->slow);
-        bool take_o = o_open && (!slow || t_now_ms() >= next_o);
-        struct pollfd pf[2] = {{.fd = take_o ? r->o_fd : -1, .events = POLLIN},
-                               {.fd = p_open ? r->p_fd : -1, .events = POLLIN}};
-        if (poll(pf, 2, slow ? 1 : 10) <= 0)
-            continue;
-        if (pf[0].revents) {
-            o_open = relay_copy(r->o_fd, r->p_fd, slow ? 4096 : 65536, &r->o_err, NULL, &r->o_bytes);
-            next_o = t_now_ms() + 4;
-        }
-        if (pf[1].revents)
-            p_open = relay_copy(r->p_fd, r->o_fd, 65536, NULL, &r->o_err, NULL);
-    }
-    return NULL;
-}
-
 typedef struct pair {
     tengine *o, *p;
     uint64_t p_ep;
     uint8_t *r, *x, *w, *s;
     uint64_t rid, rkey, xid, xkey, wid, wkey, sid, skey;
-    relay rl;
+    t_relay rl;
 } pair;
 
 /* p dials o through the relay over loopback TCP; o's region r imported by
@@ -127,9 +63,8 @@ static int pair_open(pair *d, int snd)
     if (tcp_pair(&o_relay, &o_sock) || tcp_pair(&p_sock, &p_relay))
         return 1;
     CHECK_EQ(setsockopt(o_sock, SOL_SOCKET, SO_SNDBUF, &snd, sizeof snd), 0);
-    d->rl.o_fd = o_relay;
-    d->rl.p_fd = p_relay;
-    CHECK_EQ(pthread_create(&d->rl.t, NULL, relay_main, &d->rl), 0);
+    if (t_relay_start(&d->rl, o_relay, p_relay))
+        return 1;
     CHECK_EQ(axf_endpoint_create(d->p->e, AXF_EP_TCP, 2, 0, -1, &d->p_ep), AXF_OK);
     CHECK_EQ(axf_endpoint_add_conn(d->p->e, d->p_ep, p_sock), AXF_OK);
     CHECK_EQ(axf_accept_conn(d->o->e, o_sock, 31, -1), AXF_OK); /* no pidfd: a network peer */
@@ -162,10 +97,7 @@ static void pair_close(pair *d)
     atomic_store(&d->rl.slow, false);
     t_close(d->o);
     t_close(d->p);
-    atomic_store(&d->rl.stop, true);
-    pthread_join(d->rl.t, NULL);
-    close(d->rl.o_fd);
-    close(d->rl.p_fd);
+    t_relay_stop(&d->rl);
     free(d->r);
     free(d->x);
     free(d->w);
