@@ -197,6 +197,9 @@ static int pair(bool tcp, int fds[2])
 /* Waits until region bytes [0, n) hold the peer's pattern. */
 static bool landed(const uint8_t *r, const uint8_t *want, size_t n)
 {
+    /* Watched while the receiver writes it: a target has no completion for
+     * a peer's WRITE to wait for. */
+    t_racy(r, n, "a peer's WRITE watched landing");
     uint64_t until = t_now_ms() + T_TIMEOUT_MS;
     while (t_now_ms() < until) {
         if (memcmp(r, want, n) == 0)

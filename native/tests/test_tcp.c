@@ -715,6 +715,7 @@ static int test_revoke_on_every_rail(void)
     pair p;
     if (pair_open(&p, &cfg, 3))
         return 1;
+    t_racy(p.bdst, REG, "four WRITEs of it in flight at once, over three rails");
     t_fill(p.asrc, REG, 40);
     axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = REG};
     for (uint64_t i = 0; i < 4; i++)
@@ -1622,6 +1623,9 @@ static int test_spinner_reads_read_replies(void)
         pair p;
         if (pair_open(&p, NULL, nconns))
             return 1;
+        /* vary() rewrites bdst after the READ that sent it completed: the
+         * sender's read of it came first, through the socket. */
+        t_racy(p.bdst, REG, "rewritten after the READ that sent it");
         bool helped = variant < 2;
         uint64_t id = 9500;
         for (int i = 0; i < (helped ? 2000 : 48) && (i < 24 || !helped ||

@@ -367,6 +367,7 @@ static int test_peer_lost(void)
         lost += c.status == AXF_E_PEER_LOST;
     }
     CHECK(lost > 0);
+    fprintf(stderr, "peer closed under 8 writes: %d done, %d lost\n", ok, lost);
     axf_completion c;
     CHECK_EQ(t_wait(p.a, AXF_CQ_PEER_LOST, p.ep, &c), 0);
     CHECK_EQ(c.status, AXF_E_PEER_LOST);
