@@ -59,6 +59,7 @@ from aioxfer import (
 )
 from aioxfer.auth import default_token, hmac_key
 from aioxfer.log import escape
+from aioxfer.names import check_name
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
 from aioxfer.progress import ALONE_LATENCIES, ALONE_MAX_US, POLL_SLICE_US, check_mode
@@ -1348,6 +1349,9 @@ class nixlAgent:
             raise TypeError(f"agent name must be str, not {type(name).__name__}")
         if not name:
             raise ValueError("agent name must not be empty")
+        # (aioxfer's rule for names, checked here rather than when the UCX
+        # backend makes the aioxfer agent: the name is in metadata before.)
+        check_name(name)
         self._name = name
         self._rt = runtime()
         self._config = config

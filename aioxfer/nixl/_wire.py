@@ -19,6 +19,7 @@ import msgspec
 from aioxfer.auth import hmac_key
 from aioxfer.errors import ProtocolError
 from aioxfer.metadata import check_address
+from aioxfer.names import name_problem
 
 __all__ = [
     "MD_MAGIC",
@@ -289,6 +290,12 @@ def decode_md(blob: bytes) -> AgentMD:
         raise NotMetadata(f"damaged aioxfer.nixl agent metadata: {exc}") from None
     if not md.name:
         raise ValueError("aioxfer.nixl agent metadata without an agent name")
+    # (The name a peer gives itself: held to aioxfer's rule for names, as
+    # its aioxfer agent's handshake is; it keys our remote-agent table and
+    # reaches logs and errors.)
+    why = name_problem(md.name)
+    if why is not None:
+        raise ValueError(f"damaged aioxfer.nixl agent metadata: {why}")
     if md.address:
         # (Dialled by loadRemoteMD: else a bad one raised the dialling code's
         # builtin ValueError or UnicodeError, not NIXL's invalid-parameter.)
