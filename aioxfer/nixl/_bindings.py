@@ -2147,16 +2147,33 @@ class nixlAgent:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"no metadata under {key} within {wait:g} s")
                     await asyncio.sleep(0.02)
-                await self._load(_wire.decode_md(md))
+                await self._load(self._fetched(name, _wire.decode_md(md), key))
 
             self._background("fetchRemoteMD", fetch_stored())
             return
 
         async def fetch() -> None:
             reply = await self._request(ip_addr, _port(port), _wire.Fetch(name=name, label=label))
-            await self._load(_wire.decode_md(reply.md))
+            await self._load(self._fetched(name, _wire.decode_md(reply.md),
+                                           f"metadata listener {_host_port(ip_addr, _port(port))}"))
 
         self._background("fetchRemoteMD", fetch())
+
+    def _fetched(self, name: str, md: _wire.AgentMD, where: str) -> _wire.AgentMD:
+        """``md`` when it is what fetching agent ``name`` asked for: metadata
+        of that agent, not ourselves. A proved reply only says a holder of
+        the token answered; any agent of that token (one misconfigured,
+        another listener on the port asked, a relay of one) could answer a
+        fetch of "A" with the metadata of "B", which would be loaded under
+        "B", its connection made, its ranges used, "A" never asked again.
+        Raises NIXL_ERR_MISMATCH (logged by the fetch, nothing loaded)."""
+        if md.name != name:
+            raise _error(-5, f"fetchRemoteMD: {where} answered a fetch of agent {name!r} with "
+                             f"the metadata of agent {md.name!r}: not loaded")
+        if md.name == self._name:
+            raise _error(-2, f"fetchRemoteMD: {where} answered with metadata of this very "
+                             f"agent ({md.name!r}): not loaded")
+        return md
 
     def invalidateLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
         if not ip_addr:
