@@ -1965,8 +1965,9 @@ class nixlAgent:
                     reply = _wire.Reply(ok=True)
                 elif isinstance(req, _wire.Fetch):
                     if req.name != self._name:
+                        # (The name asked for, cut: up to MAX_FRAME long.)
                         reply = _wire.Reply(ok=False, error=f"this is agent {self._name!r}, "
-                                                            f"not {req.name!r}")
+                                                            f"not {req.name[:300]!r}")
                     else:
                         reply = _wire.Reply(ok=True, md=self.getLocalMD())
                 else:
@@ -2086,7 +2087,13 @@ class nixlAgent:
         if failed is not None:
             raise failed[0](failed[1])
         if not reply.ok:
-            raise RuntimeError(f"{where}: {reply.error}")
+            # (The listener's text, cut: a Fetch's reply may be MAX_FRAME
+            # long, and its text became one log line, or an exception
+            # message, of up to 64 MiB. Its characters are escaped where it
+            # is logged, _log.)
+            more = len(reply.error) - _wire.MAX_ERROR_CHARS
+            cut = f" (and {more} more characters)" if more > 0 else ""
+            raise RuntimeError(f"{where}: {reply.error[:_wire.MAX_ERROR_CHARS]}{cut}")
         return reply
 
     def _background(self, what: str, coro: Any, level: str = "E") -> None:
