@@ -60,6 +60,7 @@ from aioxfer.localmeta import LocalMeta
 from aioxfer.log import get_logger
 from aioxfer.members import Members
 from aioxfer.metadata import PROTOCOL_VERSION, Accept, AgentMeta
+from aioxfer.names import check_name
 from aioxfer.notifications import Notifications
 from aioxfer.peer import Peer
 from aioxfer.peertable import PeerTable, notify_payload
@@ -192,8 +193,9 @@ class Agent:
         inline_bytes: int | None = None,
         _credentials_of: Agent | None = None,
     ) -> None:
-        if not isinstance(name, str) or not 0 < len(name) <= 256:
-            raise ValueError("agent name must be a string of 1..256 characters")
+        # (aioxfer.names: printable, 1..256 characters; peers' names are
+        # held to the same rule where they enter, in the handshake.)
+        check_name(name)
         if transports is None:
             transports = TRANSPORTS
         elif isinstance(transports, str):

@@ -20,7 +20,14 @@ hide a line; ordinary text, non-ASCII letters included, is written as it is.
 The json format is escaped by json itself (ASCII only). When the application
 configured structlog, its processors render aioxfer's events and are its
 to make safe (structlog's ConsoleRenderer writes strings as they are: add
-:func:`escape_values` before the renderer).
+:func:`escape_values` before the renderer, and :func:`format_exc_info` in
+place of structlog's).
+
+Exceptions (``exc_info``): a traceback keeps its lines (the frames are code
+locations, ours), but each exception's message and notes are written on one
+line, their line breaks escaped too (``\\x0a``): a message is text of any
+origin (a peer's refusal, a listener's error, a frame's bad value quoted by
+the decoder) and cannot be told from one of ours, so none ends a line.
 """
 
 from __future__ import annotations
@@ -28,11 +35,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
+from types import TracebackType
 from typing import Any
 
 import structlog
 
-__all__ = ["configure", "escape", "escape_values", "get_logger"]
+__all__ = ["configure", "escape", "escape_values", "format_exc_info", "get_logger"]
 
 _state: dict[str, Any] = {}
 
@@ -105,6 +114,62 @@ def escape_values(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[
     return event_dict
 
 
+def _exc_info(value: Any) -> tuple[type[BaseException], BaseException, TracebackType | None] | None:
+    """An ``exc_info`` value as structlog takes it (an exception, a
+    sys.exc_info() tuple, or true for the exception being handled), as a
+    tuple; None when it names no exception."""
+    if isinstance(value, BaseException):
+        return type(value), value, value.__traceback__
+    if (isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], BaseException)
+            and (value[2] is None or isinstance(value[2], TracebackType))):
+        return type(value[1]), value[1], value[2]
+    if value:
+        exc = sys.exception()
+        if exc is not None:
+            return type(exc), exc, exc.__traceback__
+    return None
+
+
+def _one_line_messages(te: traceback.TracebackException) -> None:
+    """Escapes the message and notes of ``te`` and of every exception chained
+    to it (cause, context, a group's members): each then renders on one line.
+    Frames are left alone. (TracebackException keeps the message it renders
+    in ``_str``, 3.11 to 3.14; a version without it keeps its text, which
+    escape_values still escapes but for its line breaks.)"""
+    seen: set[int] = set()
+    todo = [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        text = getattr(t, "_str", None)
+        if isinstance(text, str) and not text.isprintable():
+            t._str = escape(text)  # type: ignore[attr-defined]
+        msg = getattr(t, "msg", None)  # (a SyntaxError's message)
+        if isinstance(msg, str) and not msg.isprintable():
+            t.msg = escape(msg)
+        notes = getattr(t, "__notes__", None)
+        if isinstance(notes, list):
+            t.__notes__ = [escape(n) if isinstance(n, str) else n for n in notes]
+        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
+        todo += getattr(t, "exceptions", None) or []
+
+
+def format_exc_info(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """structlog's format_exc_info (``exc_info`` rendered into ``exception``,
+    as traceback.print_exception writes it) with every exception's message
+    and notes on one line: their line breaks and other unprintable
+    characters escaped, the traceback's own lines kept. For a console
+    renderer, before :func:`escape_values`."""
+    ei = _exc_info(event_dict.pop("exc_info", None))
+    if ei is not None:
+        te = traceback.TracebackException(*ei, compact=True)
+        _one_line_messages(te)
+        event_dict["exception"] = "".join(te.format()).removesuffix("\n")
+    return event_dict
+
+
 def _level(value: str | int | None) -> int:
     if value is None:
         value = os.environ.get("AIOXFER_LOG_LEVEL", "info")
@@ -129,8 +194,9 @@ def configure(*, level: str | int | None = None, json: bool | None = None) -> No
     if json:
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        # (Tracebacks rendered to text first, so that they are escaped too.)
-        processors += [structlog.processors.format_exc_info, escape_values,
+        # (Tracebacks rendered to text first, so that they are escaped too;
+        # their messages on one line: format_exc_info.)
+        processors += [format_exc_info, escape_values,
                        structlog.dev.ConsoleRenderer(colors=False)]
     _state["processors"] = processors
     _state["wrapper"] = structlog.make_filtering_bound_logger(_level(level))

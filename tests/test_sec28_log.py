@@ -1,12 +1,19 @@
 """Log injection: peer-supplied strings in aioxfer's own log lines.
 
-Real agents in a child process (its stderr is what is checked) whose names
-carry control characters, bidirectional overrides and line separators: the
-peer's name reaches the other agent's lines (peer.connected, peer.closed,
-conn.rejected's reason). structlog's ConsoleRenderer writes a string with
-no space, quote or line break as it is: an ESC, NUL, U+202E, U+2028 or
-NEL went out raw (a terminal's screen cleared, a line hidden or reversed,
-a log reader's line split). aioxfer.log escapes them now.
+Real agents in a child process (its stderr is what is checked), and a raw
+client speaking the handshake to one of them: a frame whose message type is
+a string with control characters, bidirectional overrides and line
+separators (before any authentication: the server's conn.rejected reason
+carries msgspec's text, which quotes that value as it is), and a Hello that
+proves the token under a name made of the same characters (the server
+logged it as the peer's name; since sec29 such a name is refused in the
+handshake, and the refusal names it). structlog's ConsoleRenderer writes a
+string with no space, quote or line break as it is: an ESC, NUL, U+202E,
+U+2028 or NEL went out raw (a terminal's screen cleared, a line hidden or
+reversed, a log reader's line split). aioxfer.log escapes them now.
+
+(Before sec29 the agents themselves had such names; aioxfer.names refuses
+them now, so the hostile text comes from a raw peer instead.)
 """
 
 from __future__ import annotations
@@ -25,19 +32,58 @@ from pathlib import Path
 _EVIL = r"x\x1b[2K\u202eevil\x00\u2028y\x7f\x85z\x0bE1206\x0cforged"
 
 _CHILD = r"""
-import asyncio, sys, aioxfer
+import asyncio, os, socket, sys, msgspec, aioxfer
+from aioxfer import auth, metadata, protocol
 EVIL = sys.argv[1].encode().decode("unicode_escape")
+TOKEN = "t" * 32
+
+def frame(obj):
+    body = msgspec.msgpack.encode(obj)
+    return len(body).to_bytes(4, "big") + body
+
+def raw(address, frames_of):
+    # A peer of our own making: reads the Challenge, sends what frames_of
+    # makes of its nonce, reads until the server closes (or 1 s: an
+    # accepted "data" connection waits for engine frames).
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        n = int.from_bytes(s.recv(4, socket.MSG_WAITALL), "big")
+        chal = protocol.decode_body(s.recv(n, socket.MSG_WAITALL))
+        s.sendall(frames_of(chal.nonce))
+        s.settimeout(1)
+        try:
+            while s.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+
+def hostile_hello(nonce_s):
+    nonce = os.urandom(protocol.NONCE_BYTES)
+    name = "H" + EVIL
+    proof = protocol.client_proof(auth.hmac_key(TOKEN.encode()), nonce_s, nonce, name)
+    return (frame({"type": "hello", "version": metadata.PROTOCOL_VERSION, "name": name,
+                   "incarnation": 7, "purpose": "data", "nonce": nonce,
+                   "byteorder": sys.byteorder})
+            + protocol.encode_frame(metadata.Proof(proof=proof)))
+
 async def main():
-    async with aioxfer.Agent("B" + EVIL, token="t" * 32, listen="127.0.0.1:0") as b:
-        async with aioxfer.Agent("A" + EVIL, token="t" * 32, listen="127.0.0.1:0") as a:
+    async with aioxfer.Agent("B-log", token=TOKEN, listen="127.0.0.1:0") as b:
+        async with aioxfer.Agent("A-log", token=TOKEN, listen="127.0.0.1:0") as a:
             peer = await a.connect(b.address)
             await peer.aclose()
-        # (A peer refused: B logs conn.rejected with C's name in its reason.)
-        async with aioxfer.Agent("C" + EVIL, token="u" * 32, listen="127.0.0.1:0") as c:
+        # (A peer refused: B logs conn.rejected.)
+        async with aioxfer.Agent("C-log", token="u" * 32, listen="127.0.0.1:0") as c:
             try:
                 await c.connect(b.address)
             except aioxfer.AccessDenied:
                 pass
+        loop = asyncio.get_running_loop()
+        # Unauthenticated: a frame of an unknown type named EVIL.
+        await loop.run_in_executor(None, raw, b.address,
+                                   lambda _n: frame({"type": "T" + EVIL}))
+        # A token holder whose Hello names itself with EVIL.
+        await loop.run_in_executor(None, raw, b.address, hostile_hello)
+        await asyncio.sleep(0.2)
 asyncio.run(main())
 """
 
@@ -57,7 +103,7 @@ def _raw_controls(text: str) -> list[str]:
     return sorted({repr(c) for c in text if c != "\n" and not c.isprintable()})
 
 
-def test_console_lines_escape_peer_names(tmp_path: Path) -> None:
+def test_console_lines_escape_peer_strings(tmp_path: Path) -> None:
     err = _run(tmp_path, "console")
     text = err.decode("utf-8")
     assert not _raw_controls(text), f"raw in the log: {_raw_controls(text)}"
@@ -65,22 +111,26 @@ def test_console_lines_escape_peer_names(tmp_path: Path) -> None:
     assert lines
     forged = [line for line in lines if not _STAMP.match(line)]
     assert not forged, forged
-    peer_lines = [line for line in lines if "peer.connected" in line or "peer.closed" in line]
-    assert peer_lines
-    # Readable: the name's printable parts as they are, the rest escaped.
-    assert all("evil" in line and "\\u202e" in line and "\\x1b" in line for line in peer_lines)
-    assert any("conn.rejected" in line and "Cx" in line for line in lines)
+    assert any("peer.connected" in line and "B-log" in line for line in lines)
+    # Readable: the hostile text's printable parts as they are, the rest
+    # escaped, in the line that refused its frame (and in whichever names
+    # or refuses the hostile Hello's peer).
+    evil = [line for line in lines if "Tx" in line]
+    assert evil and all("conn.rejected" in line for line in evil), evil
+    assert all("evil" in line and "\\u202e" in line and "\\x1b" in line for line in evil)
+    assert any("Hx" in line and "evil" in line for line in lines), lines
+    assert any("conn.rejected" in line and "C-log" in line for line in lines)
 
 
-def test_json_lines_escape_peer_names(tmp_path: Path) -> None:
+def test_json_lines_escape_peer_strings(tmp_path: Path) -> None:
     err = _run(tmp_path, "json")
     assert all(b < 0x80 and (b >= 0x20 or b == 0x0A) for b in err)  # json: ASCII only
-    names = set()
+    reasons = []
     for line in err.decode().splitlines():
         event = json.loads(line)
-        names.add(event.get("peer"))
+        reasons.append(str(event.get("reason", "")))
     evil = _EVIL.encode().decode("unicode_escape")
-    assert "A" + evil in names and "B" + evil in names  # (whole, once decoded)
+    assert any("T" + evil in r for r in reasons), reasons  # (whole, once decoded)
 
 
 def test_escape_values_keeps_text_readable() -> None:

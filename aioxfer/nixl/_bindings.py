@@ -59,6 +59,7 @@ from aioxfer import (
 )
 from aioxfer.auth import default_token, hmac_key
 from aioxfer.log import escape
+from aioxfer.names import check_name
 from aioxfer.nixl import _telemetry, _wire
 from aioxfer.nixl._runtime import runtime
 from aioxfer.progress import ALONE_LATENCIES, ALONE_MAX_US, POLL_SLICE_US, check_mode
@@ -1348,6 +1349,9 @@ class nixlAgent:
             raise TypeError(f"agent name must be str, not {type(name).__name__}")
         if not name:
             raise ValueError("agent name must not be empty")
+        # (aioxfer's rule for names, checked here rather than when the UCX
+        # backend makes the aioxfer agent: the name is in metadata before.)
+        check_name(name)
         self._name = name
         self._rt = runtime()
         self._config = config
@@ -1961,8 +1965,9 @@ class nixlAgent:
                     reply = _wire.Reply(ok=True)
                 elif isinstance(req, _wire.Fetch):
                     if req.name != self._name:
+                        # (The name asked for, cut: up to MAX_FRAME long.)
                         reply = _wire.Reply(ok=False, error=f"this is agent {self._name!r}, "
-                                                            f"not {req.name!r}")
+                                                            f"not {req.name[:300]!r}")
                     else:
                         reply = _wire.Reply(ok=True, md=self.getLocalMD())
                 else:
@@ -2082,7 +2087,13 @@ class nixlAgent:
         if failed is not None:
             raise failed[0](failed[1])
         if not reply.ok:
-            raise RuntimeError(f"{where}: {reply.error}")
+            # (The listener's text, cut: a Fetch's reply may be MAX_FRAME
+            # long, and its text became one log line, or an exception
+            # message, of up to 64 MiB. Its characters are escaped where it
+            # is logged, _log.)
+            more = len(reply.error) - _wire.MAX_ERROR_CHARS
+            cut = f" (and {more} more characters)" if more > 0 else ""
+            raise RuntimeError(f"{where}: {reply.error[:_wire.MAX_ERROR_CHARS]}{cut}")
         return reply
 
     def _background(self, what: str, coro: Any, level: str = "E") -> None:
@@ -2143,16 +2154,33 @@ class nixlAgent:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"no metadata under {key} within {wait:g} s")
                     await asyncio.sleep(0.02)
-                await self._load(_wire.decode_md(md))
+                await self._load(self._fetched(name, _wire.decode_md(md), key))
 
             self._background("fetchRemoteMD", fetch_stored())
             return
 
         async def fetch() -> None:
             reply = await self._request(ip_addr, _port(port), _wire.Fetch(name=name, label=label))
-            await self._load(_wire.decode_md(reply.md))
+            await self._load(self._fetched(name, _wire.decode_md(reply.md),
+                                           f"metadata listener {_host_port(ip_addr, _port(port))}"))
 
         self._background("fetchRemoteMD", fetch())
+
+    def _fetched(self, name: str, md: _wire.AgentMD, where: str) -> _wire.AgentMD:
+        """``md`` when it is what fetching agent ``name`` asked for: metadata
+        of that agent, not ourselves. A proved reply only says a holder of
+        the token answered; any agent of that token (one misconfigured,
+        another listener on the port asked, a relay of one) could answer a
+        fetch of "A" with the metadata of "B", which would be loaded under
+        "B", its connection made, its ranges used, "A" never asked again.
+        Raises NIXL_ERR_MISMATCH (logged by the fetch, nothing loaded)."""
+        if md.name != name:
+            raise _error(-5, f"fetchRemoteMD: {where} answered a fetch of agent {name!r} with "
+                             f"the metadata of agent {md.name!r}: not loaded")
+        if md.name == self._name:
+            raise _error(-2, f"fetchRemoteMD: {where} answered with metadata of this very "
+                             f"agent ({md.name!r}): not loaded")
+        return md
 
     def invalidateLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
         if not ip_addr:

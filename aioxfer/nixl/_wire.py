@@ -19,6 +19,7 @@ import msgspec
 from aioxfer.auth import hmac_key
 from aioxfer.errors import ProtocolError
 from aioxfer.metadata import check_address
+from aioxfer.names import MAX_NAME, name_problem
 
 __all__ = [
     "MD_MAGIC",
@@ -106,6 +107,9 @@ _V1_BODY_CTX = b"aioxfer-nixl-listen-body-v1\x00"
 # or an error text): a client reads no more of a reply announced longer. A
 # Fetch's reply carries the listener's metadata: up to MAX_FRAME.
 MAX_ACK = 64 << 10
+# The most of a listener's refusal text (Reply.error) a client keeps: it
+# becomes an exception's message and a log line.
+MAX_ERROR_CHARS = 1024
 # Listener connections served at once; more are closed at accept (each is
 # bounded in time by the listener's request timeout).
 MAX_LISTEN_CONNS = 64
@@ -289,6 +293,12 @@ def decode_md(blob: bytes) -> AgentMD:
         raise NotMetadata(f"damaged aioxfer.nixl agent metadata: {exc}") from None
     if not md.name:
         raise ValueError("aioxfer.nixl agent metadata without an agent name")
+    # (The name a peer gives itself: held to aioxfer's rule for names, as
+    # its aioxfer agent's handshake is; it keys our remote-agent table and
+    # reaches logs and errors.)
+    why = name_problem(md.name)
+    if why is not None:
+        raise ValueError(f"damaged aioxfer.nixl agent metadata: {why}")
     if md.address:
         # (Dialled by loadRemoteMD: else a bad one raised the dialling code's
         # builtin ValueError or UnicodeError, not NIXL's invalid-parameter.)
@@ -297,6 +307,11 @@ def decode_md(blob: bytes) -> AgentMD:
         except ValueError as exc:
             raise ValueError(f"damaged aioxfer.nixl agent metadata: address {exc}") from None
     for r in md.regions:
+        # (A region's name is an aioxfer region's, at most MAX_NAME: a longer
+        # one names none, and would be quoted whole in errors and logs.)
+        if len(r.name) > MAX_NAME:
+            raise ValueError(f"damaged aioxfer.nixl agent metadata: a region name of "
+                             f"{len(r.name)} characters (at most {MAX_NAME})")
         # (Values a peer controls: each must fit the uint64 tables they are
         # searched in, else numpy raises later, untyped.)
         if not (0 <= r.addr and 0 <= r.nbytes and r.addr + r.nbytes <= _U64_MAX
