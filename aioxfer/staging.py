@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import threading
 from collections.abc import Callable
@@ -81,11 +82,18 @@ class FileRegion:
 
 
 class PosixFile:
-    """A file read and written with pread/pwrite on worker threads."""
+    """A file read and written with pread/pwrite on worker threads.
+
+    ``close()`` refuses new calls at once; the descriptor itself is closed
+    when the last call begun before it ends: a pread/pwrite still waiting for
+    a worker thread would otherwise run on a number the next ``open`` reuses
+    (another file's bytes read or overwritten)."""
 
     def __init__(self, path: str | os.PathLike[str], *, size: int | None = None) -> None:
         self.path = os.fspath(path)
         self._fd = -1
+        self._users = 0  # calls begun and not ended: they hold the descriptor
+        self._closing = False
         if size is not None and not 0 <= size < 1 << 63:
             raise ValueError(f"size must be a non-negative file size, not {size}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -98,28 +106,50 @@ class PosixFile:
         self._fd = fd
 
     def _check(self) -> int:
-        if self._fd < 0:
+        if self._fd < 0 or self._closing:
             raise ClosedResourceError(f"file {self.path!r} is closed")
         return self._fd
 
-    async def write_from(self, src: Segment, offset: int) -> None:
+    async def _run(self, what: str, offset: int, body: Callable[[int, threading.Event], None],
+                   ) -> None:
+        """``body(fd, stop)`` on a worker thread, holding the descriptor open
+        until it ends; an OSError from it is a TransportError."""
         fd = self._check()
-        view = src.memoryview
         stop = threading.Event()
 
         def run() -> None:
+            try:
+                body(fd, stop)
+            except OSError as exc:
+                raise TransportError(
+                    f"{what} of file {self.path!r} at offset {offset} failed: {exc.strerror}"
+                ) from exc
+
+        self._users += 1
+        try:
+            await _on_thread(run, stop)
+        finally:
+            self._users -= 1
+            if self._closing and not self._users:
+                self._close_fd()
+
+    async def write_from(self, src: Segment, offset: int) -> None:
+        view = src.memoryview
+
+        def body(fd: int, stop: threading.Event) -> None:
             done = 0
             while done < len(view) and not stop.is_set():
-                done += os.pwrite(fd, view[done:], offset + done)
+                n = os.pwrite(fd, view[done:], offset + done)
+                if n == 0:  # no progress and no errno: never spin on it
+                    raise OSError(errno.EIO, "pwrite wrote nothing")
+                done += n
 
-        await _on_thread(run, stop)
+        await self._run("write", offset, body)
 
     async def read_into(self, dst: Segment, offset: int) -> None:
-        fd = self._check()
         view = dst.memoryview
-        stop = threading.Event()
 
-        def run() -> None:
+        def body(fd: int, stop: threading.Event) -> None:
             done = 0
             while done < len(view) and not stop.is_set():
                 n = os.preadv(fd, [view[done:]], offset + done)
@@ -130,11 +160,18 @@ class PosixFile:
                     )
                 done += n
 
-        await _on_thread(run, stop)
+        await self._run("read", offset, body)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
+        """Refuses new calls; the descriptor goes once no call uses it."""
+        if self._fd >= 0 and not self._closing:
+            self._closing = True
+            if not self._users:
+                self._close_fd()
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
             os.close(fd)
 
 
