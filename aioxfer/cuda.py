@@ -299,15 +299,19 @@ def _from_dlpack(obj: Any, kind: Literal["cuda", "host"]) -> GpuMemory:
         raise ValueError("__dlpack__ returned no tensor")
     t = _DLTensor.from_address(addr)
     shape = tuple(t.shape[i] for i in range(t.ndim))
-    itemsize = (t.dtype.bits * t.dtype.lanes + 7) // 8
+    # Bits, not bytes, per element: DLPack packs sub-byte types (float4_e2m1fn
+    # is 4 bits, float6_e3m2fn 6), so N of them take ceil(N * bits / 8) bytes.
+    # Rounding each element up to a byte registered up to twice the memory
+    # the tensor has, and peers could write past its allocation.
+    bits = t.dtype.bits * t.dtype.lanes
     count = math.prod(shape)
     if t.strides:  # NULL: C-contiguous (DLPack before 1.0 allows it)
-        strides = tuple(t.strides[i] * itemsize for i in range(t.ndim))
-        if not _c_contiguous(shape, strides, itemsize):
+        strides = tuple(t.strides[i] for i in range(t.ndim))  # in elements
+        if not _c_contiguous(shape, strides, 1):
             raise NotContiguous(
-                f"DLPack strides {strides} (bytes) are not C-contiguous for shape {shape}"
+                f"DLPack strides {strides} (elements) are not C-contiguous for shape {shape}"
             )
-    nbytes = count * itemsize
+    nbytes = (count * bits + 7) // 8
     ptr = (t.data or 0) + t.byte_offset
     del capsule
     if nbytes <= 0 or not ptr:
