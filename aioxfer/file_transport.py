@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import operator
 import os
 import stat
 from collections.abc import Sequence
@@ -91,8 +92,18 @@ def open_region_file(
     RegistrationError, having removed a file it created; a file that was there
     before is never removed."""
     where = os.fspath(path)
-    if size is not None and (not isinstance(size, int) or size <= 0):
-        raise RegistrationError(f"cannot register {where!r}: size must be a positive int or None")
+    if size is not None:
+        # An integer of any kind (numpy's too, as alloc takes), made a plain
+        # int: a bool was taken as a size (True: a 1-byte region whose nbytes
+        # was True), a numpy integer refused.
+        try:
+            size = None if isinstance(size, bool) else operator.index(size)
+        except TypeError:
+            size = None
+        if size is None or size <= 0:
+            raise RegistrationError(
+                f"cannot register {where!r}: size must be a positive int or None"
+            )
     if size is not None and size > OFF_MAX:
         # ftruncate would raise OverflowError (not an OSError) past off_t, and
         # the engine's preads/pwrites take off_t offsets
