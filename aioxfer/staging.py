@@ -243,8 +243,19 @@ class GpuFileStager:
         # until none is left: the bounce buffer goes only after the last.
         self._moves = 0
         self._idle: asyncio.Event | None = None
+        self._starting = asyncio.Lock()
 
     async def start(self) -> GpuFileStager:
+        # One start at a time: a second caller returned at once, while the
+        # first still connected, and its moves failed ("start() first").
+        async with self._starting:
+            return await self._start()
+
+    async def _start(self) -> GpuFileStager:
+        if self._closed:
+            # (A start after aclose() registered a bounce buffer that nothing
+            # would ever release: pinned until the agent closed.)
+            raise ClosedResourceError("GPU <-> file stager is closed")
         if self._bounce is not None:
             return self
         agent = self._agent

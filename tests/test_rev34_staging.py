@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -82,3 +84,74 @@ async def test_a_full_filesystem_is_a_typed_transport_error(
                 await within(pf.write_from(src[0 : 2 << 20], 0))
         finally:
             pf.close()
+
+
+STAGER_CHILD = r'''
+import asyncio
+import aioxfer
+from aioxfer import cuda
+from aioxfer.errors import ClosedResourceError
+from aioxfer.staging import GpuFileStager, PosixFile
+
+PAGE = 1 << 20
+
+
+async def main(path):
+    ok, why = cuda.status()
+    if not ok:
+        print("NOCUDA", why)
+        return
+    async with aioxfer.Agent("stager") as agent:
+        buf = cuda.DeviceBuffer(PAGE)
+        pf = PosixFile(path, size=PAGE)
+        try:
+            buf.upload(bytes(range(256)) * (PAGE // 256))
+            gpu = agent.register(buf, name="kv")
+            stager = GpuFileStager(agent, pf, slot_bytes=PAGE, slots=1)
+            first = asyncio.ensure_future(stager.start())
+            second = asyncio.ensure_future(stager.start())
+            await asyncio.wait_for(second, 10)
+            try:  # right after the second start() returned: ready
+                r = await asyncio.wait_for(stager.gpu_to_file(gpu[0:PAGE], 0), 10)
+                print("SECOND_READY", r.nbytes == PAGE)
+            except Exception as exc:
+                print("SECOND_READY", type(exc).__name__, exc)
+            await asyncio.wait_for(first, 10)
+            await stager.aclose()
+            before = sorted(r.name for r in agent.regions)
+            try:
+                await stager.start()
+                print("RESTART", "started")
+            except ClosedResourceError:
+                print("RESTART", "refused")
+            print("NO_LEAK", sorted(r.name for r in agent.regions) == before)
+            await agent.deregister(gpu)
+        finally:
+            pf.close()
+            buf.close()
+
+
+import sys
+asyncio.run(main(sys.argv[1]))
+'''
+
+
+def test_stager_start_is_ready_when_it_returns_and_refused_after_close(
+    tmp_path: Path, fakecuda: Path
+) -> None:
+    """GpuFileStager.start(): a second concurrent start() returned before the
+    first had connected (the moves after it failed: "start() first"); a
+    start() after aclose() registered a new bounce buffer that nothing
+    released (pinned until the agent closed). On the software CUDA driver,
+    in a fresh process."""
+    script = tmp_path / "child.py"
+    script.write_text(STAGER_CHILD)
+    env = dict(os.environ, AIOXFER_CUDA_DRIVER=str(fakecuda))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "f.bin")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert "NOCUDA" not in lines, out.stdout
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert lines.get("SECOND_READY") == "True", out.stdout
+    assert lines.get("RESTART") == "refused", out.stdout
+    assert lines.get("NO_LEAK") == "True", out.stdout
