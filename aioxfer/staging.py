@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import operator
 import os
 import threading
 from collections.abc import Callable
@@ -75,10 +76,17 @@ class FileRegion:
         self.region = region
 
     async def write_from(self, src: Segment, offset: int) -> None:
-        await _whole(self.region.agent.write(src, self.region[offset : offset + src.length]))
+        await _whole(self.region.agent.write(src, self._at(offset, src.length)))
 
     async def read_into(self, dst: Segment, offset: int) -> None:
-        await _whole(self.region.agent.read(dst, self.region[offset : offset + dst.length]))
+        await _whole(self.region.agent.read(dst, self._at(offset, dst.length)))
+
+    def _at(self, offset: int, length: int) -> Segment:
+        # A file offset, never a slice bound: region[-8192:-4096] is the
+        # region's end, so a negative offset moved the page there, silently.
+        if operator.index(offset) < 0:
+            raise ValueError(f"file offset must not be negative, not {offset}")
+        return self.region[offset : offset + length]
 
 
 class PosixFile:
@@ -115,6 +123,8 @@ class PosixFile:
         """``body(fd, stop)`` on a worker thread, holding the descriptor open
         until it ends; an OSError from it is a TransportError."""
         fd = self._check()
+        if operator.index(offset) < 0:  # as FileRegion: a caller's error, not I/O
+            raise ValueError(f"file offset must not be negative, not {offset}")
         stop = threading.Event()
 
         def run() -> None:

@@ -155,3 +155,29 @@ def test_stager_start_is_ready_when_it_returns_and_refused_after_close(
     assert lines.get("SECOND_READY") == "True", out.stdout
     assert lines.get("RESTART") == "refused", out.stdout
     assert lines.get("NO_LEAK") == "True", out.stdout
+
+
+@pytest.mark.parametrize("offset", [-8192, -4096])
+async def test_file_region_side_refuses_negative_offsets(
+    make_agent: Callable[..., Awaitable[Any]], tmp_path: Path, offset: int
+) -> None:
+    """FileRegion (the stager's file half over a file region) sliced the region
+    with the offset: -8192 wrote the page at the region's end, silently (a
+    PosixFile refuses it: pwrite's EINVAL)."""
+    from aioxfer.staging import FileRegion
+
+    agent = await make_agent("neg")
+    path = tmp_path / "r.bin"
+    side = FileRegion(agent.register_file(path, size=16 * KiB))
+    src = agent.register(bytearray(b"P" * (4 * KiB)))
+    with pytest.raises(ValueError, match="negative"):
+        await within(side.write_from(src[0 : 4 * KiB], offset))
+    with pytest.raises(ValueError, match="negative"):
+        await within(side.read_into(src[0 : 4 * KiB], offset))
+    assert path.read_bytes() == bytes(16 * KiB)
+    pf = PosixFile(path)
+    try:
+        with pytest.raises(ValueError, match="negative"):
+            await within(pf.write_from(src[0 : 4 * KiB], offset))
+    finally:
+        pf.close()
