@@ -249,6 +249,9 @@ def from_arrays(
         or remote._gone
         or peer._host is not peers
         or local.kind is not remote.kind
+        # GPU memory on both sides still needs a path that reaches it (tcp
+        # does not: posted, it failed later as an untyped "invalid argument")
+        or (local.kind != "host" and peer.path != local.kind and peer.path != "verbs")
     ):
         # Off the usual path: the same checks, and errors, as a segment pair's.
         check_pair(local[0 : local.nbytes], remote[0 : remote.nbytes], 0, owner=owner, peers=peers)

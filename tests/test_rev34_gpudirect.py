@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import within
 
+import aioxfer
 from aioxfer import cuda
 
 CUDA_OK, CUDA_WHY = cuda.status()
@@ -52,6 +53,33 @@ async def test_gpu_segment_lists_travel_over_verbs(make_agent: Any, verbs_provid
     finally:
         a.poll()
         b.poll()
+        await within(a.aclose())
+        await within(b.aclose())
+        buf_a.close()
+        buf_b.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_OK, reason=f"no CUDA driver/device ({CUDA_WHY})")
+async def test_gpu_offset_arrays_over_tcp_are_refused_at_the_call(make_agent: Any) -> None:
+    """descriptors.from_arrays checked memory kind against path only when the
+    two regions' kinds differed: GPU regions on both sides over tcp were
+    posted, and failed later as a bare XferError "invalid argument" (lists
+    and SegmentLists raise TransportError at the call, naming the path)."""
+    a = await make_agent("a")
+    b = await make_agent("b", transports=("tcp",))
+    buf_a, buf_b = cuda.DeviceBuffer(1 << 16), cuda.DeviceBuffer(1 << 16)
+    try:
+        a.register(buf_a, name="ga")
+        gb = b.register(buf_b, name="gb")
+        peer = await within(b.connect(a.address))
+        assert peer.path == "tcp"
+        offs = np.zeros(1, dtype=np.uint64)
+        with pytest.raises(aioxfer.TransportError, match="which path 'tcp'"):
+            b.post_arrays("write", gb, peer.region("ga"), offs, offs, 4096)
+        with pytest.raises(aioxfer.TransportError, match="which path 'tcp'"):
+            b.write(gb.segments(offs, [4096]), peer.region("ga").segments(offs, [4096]))
+    finally:
         await within(a.aclose())
         await within(b.aclose())
         buf_a.close()
