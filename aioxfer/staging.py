@@ -272,7 +272,7 @@ class GpuFileStager:
         if "cuda" not in agent.transports:
             raise TransportError(f"GPU <-> file staging needs CUDA: {host_of(agent).cuda_why}")
         name = f"aioxfer-staging-{id(self):x}"
-        self._bounce = agent.alloc(self._slot_bytes * self._nslots, name=name)
+        bounce = self._bounce = agent.alloc(self._slot_bytes * self._nslots, name=name)
         try:
             self._peer = await agent.connect(agent.address)
             if self._peer.path != "cuda":
@@ -283,7 +283,7 @@ class GpuFileStager:
             await self._peer.refresh()
             self._remote = self._peer.region(name)
         except BaseException:
-            agent.deregister(self._bounce)
+            agent.deregister(bounce)
             self._bounce = None
             raise
         for i in range(self._nslots):
@@ -307,9 +307,13 @@ class GpuFileStager:
             if self._idle is None:
                 self._idle = asyncio.Event()
             await self._idle.wait()
-        bounce, self._bounce = self._bounce, None
-        if bounce is not None and not self._agent.closed:
-            self._agent.deregister(bounce)
+        # A start() under way registered the bounce buffer and still
+        # connects: it ends first (released here at once, its error was an
+        # AttributeError from deregistering None when it failed after this).
+        async with self._starting:
+            bounce, self._bounce = self._bounce, None
+            if bounce is not None and not self._agent.closed:
+                self._agent.deregister(bounce)
 
     def _ready(self) -> tuple[Region, RemoteRegion]:
         if self._closed:

@@ -125,6 +125,21 @@ async def main(path):
             except ClosedResourceError:
                 print("RESTART", "refused")
             print("NO_LEAK", sorted(r.name for r in agent.regions) == before)
+            racing = GpuFileStager(agent, pf, slot_bytes=PAGE, slots=1)
+            starting = asyncio.ensure_future(racing.start())
+            await asyncio.sleep(0)  # its bounce buffer registered, connecting
+            closing = asyncio.ensure_future(racing.aclose())
+            outcomes = []
+            for fut in (starting, closing):
+                try:
+                    await asyncio.wait_for(fut, 10)
+                    outcomes.append("ok")
+                except ClosedResourceError:
+                    outcomes.append("closed")
+                except Exception as exc:
+                    outcomes.append(type(exc).__name__)
+            print("RACE", ",".join(outcomes))
+            print("RACE_NO_LEAK", sorted(r.name for r in agent.regions) == before)
             await agent.deregister(gpu)
         finally:
             pf.close()
@@ -142,8 +157,9 @@ def test_stager_start_is_ready_when_it_returns_and_refused_after_close(
     """GpuFileStager.start(): a second concurrent start() returned before the
     first had connected (the moves after it failed: "start() first"); a
     start() after aclose() registered a new bounce buffer that nothing
-    released (pinned until the agent closed). On the software CUDA driver,
-    in a fresh process."""
+    released (pinned until the agent closed); an aclose() while start()
+    connected made that start() fail with AttributeError. On the software
+    CUDA driver, in a fresh process."""
     script = tmp_path / "child.py"
     script.write_text(STAGER_CHILD)
     env = dict(os.environ, AIOXFER_CUDA_DRIVER=str(fakecuda))
@@ -155,6 +171,10 @@ def test_stager_start_is_ready_when_it_returns_and_refused_after_close(
     assert lines.get("SECOND_READY") == "True", out.stdout
     assert lines.get("RESTART") == "refused", out.stdout
     assert lines.get("NO_LEAK") == "True", out.stdout
+    # aclose() while start() connects: start raised AttributeError (it
+    # deregistered None: aclose had taken its bounce buffer)
+    assert lines.get("RACE") in ("ok,ok", "closed,ok"), out.stdout
+    assert lines.get("RACE_NO_LEAK") == "True", out.stdout
 
 
 @pytest.mark.parametrize("offset", [-8192, -4096])
