@@ -42,7 +42,7 @@ from aioxfer import _cyx
 from aioxfer.backends.base import BackendStatistics, LocalBackend, Op
 from aioxfer.backends.host import host_of
 from aioxfer.descriptors import coalesce
-from aioxfer.errors import RegistrationError, XferError
+from aioxfer.errors import RegistrationError, XferError, error_for_status
 from aioxfer.peer import Peer
 from aioxfer.region import Region, Segment, SegmentList, pair_descs
 
@@ -272,7 +272,16 @@ def file_peer(agent: Agent) -> Peer:
     peer = host.file_peer
     if peer is None:
         tag = host.new_tag(PATH)
-        ep = host.engine.endpoint_create(_cyx.EP_FILE, tag, 0)
+        try:
+            ep = host.engine.endpoint_create(_cyx.EP_FILE, tag, 0)
+        except _cyx.NativeError as exc:
+            # The first file transfer starts the transport's I/O threads; a
+            # process at its thread limit (RLIMIT_NPROC, a pids cgroup)
+            # cannot: a typed error, as every other refusal of a transfer
+            # (the bare NativeError escaped agent.write/read).
+            raise error_for_status(
+                exc.status, "cannot start the file transport (its I/O threads)"
+            ) from None
         peer = Peer(
             host.peers,
             name=PATH,
