@@ -203,6 +203,14 @@ class Memory:
             mem = _cuda.inspect(obj)
         except ValueError as exc:
             raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
+        except (TypeError, KeyError, RuntimeError, BufferError) as exc:
+            # What the object's own protocol raised: a torch tensor that
+            # requires grad refuses __cuda_array_interface__ / __dlpack__
+            # with RuntimeError, a malformed interface dict is a KeyError.
+            # A RegistrationError (it escaped bare), the cause kept.
+            raise RegistrationError(
+                f"cannot register {type(obj).__name__}: {type(exc).__name__}: {exc}"
+            ) from exc
         if mem is not None:
             return self._register_pointer(obj, mem, name)
         return self._register(obj, name)
