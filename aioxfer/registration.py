@@ -17,6 +17,7 @@ import contextlib
 import mmap
 import operator
 import os
+import re
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from typing import Any, Protocol
 
@@ -63,6 +64,22 @@ def _advise_huge(mm: mmap.mmap) -> None:
         return
     with contextlib.suppress(OSError):  # EINVAL: a kernel without THP
         mm.madvise(advice)
+
+
+# PEP 3118 struct fields are "<format>:<name>:"; a name may hold any letter.
+_FIELD_NAME = re.compile(r":[^:]*:")
+
+
+def _holds_objects(obj: Any) -> bool:
+    """Whether obj's buffer holds PyObject pointers (numpy object arrays and
+    structured dtypes with object fields, ctypes py_object arrays): memory
+    that peers must never read (addresses) or write (pointers followed)."""
+    try:
+        with memoryview(obj) as mv:
+            fmt = mv.format
+    except (TypeError, ValueError, BufferError):
+        return False  # the engine's own export says what is wrong
+    return "O" in _FIELD_NAME.sub("", fmt)
 
 
 class Pending(Protocol):
@@ -302,6 +319,12 @@ class Memory:
         self.check_open()
         if name is not None:
             self.check_name(name)
+        if _holds_objects(obj):
+            raise RegistrationError(
+                f"cannot register {type(obj).__name__}: its items are Python object "
+                f"references (format 'O'), not bytes: a peer reading it would see heap "
+                f"addresses, and one writing it would plant pointers this process follows"
+            )
         try:
             rid, key, addr, nbytes, access = self._engine.register(obj, memfd)
         except ValueError as exc:

@@ -52,3 +52,42 @@ async def test_register_refusals_of_the_objects_protocol_are_registration_errors
     with pytest.raises(aioxfer.RegistrationError, match=f"cannot register {type(obj).__name__}"):
         agent.register(obj)
     assert agent.regions == []
+
+
+def _object_buffers() -> list[Any]:
+    import ctypes
+
+    import numpy as np
+
+    return [
+        np.empty(16, dtype=object),
+        np.empty((4, 4), dtype=object)[::1],
+        np.zeros(4, dtype=[("n", "<i8"), ("obj", "O")]),
+        (ctypes.py_object * 4)(),
+        memoryview(np.empty(8, dtype=object)),
+    ]
+
+
+@pytest.mark.parametrize("obj", _object_buffers(),
+                         ids=["object", "object-2d", "object-field", "py_object", "view"])
+async def test_buffers_of_python_object_references_are_refused(
+    make_agent: Callable[..., Awaitable[Any]], obj: Any
+) -> None:
+    """An object array registered as writable host memory: a peer (or a file
+    read) writing it plants PyObject pointers the process then follows (a
+    crash, or worse); reading it leaks heap addresses."""
+    agent = await make_agent("objects")
+    with pytest.raises(aioxfer.RegistrationError, match="Python object references"):
+        agent.register(obj)
+    assert agent.regions == []
+
+
+async def test_plain_records_named_like_the_object_code_still_register(
+    make_agent: Callable[..., Awaitable[Any]]
+) -> None:
+    import numpy as np
+
+    agent = await make_agent("records")
+    rec = np.zeros(4, dtype=[("O", "<i4"), ("Ox", "<f8")])  # format T{<i:O:<d:Ox:}
+    assert agent.register(rec).nbytes == rec.nbytes
+    assert agent.register(bytearray(b"OOOO")).nbytes == 4
