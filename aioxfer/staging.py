@@ -33,7 +33,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 from aioxfer.backends.host import host_of
-from aioxfer.errors import ClosedResourceError, TransportError
+from aioxfer.errors import AccessDenied, ClosedResourceError, TransportError
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
@@ -158,6 +158,10 @@ class PosixFile:
 
     async def read_into(self, dst: Segment, offset: int) -> None:
         view = dst.memoryview
+        if view.readonly:  # as the engine refuses a READ into it (a BufferError escaped)
+            raise AccessDenied(
+                f"region {dst.region.name!r} is read-only: cannot read file {self.path!r} into it"
+            )
 
         def body(fd: int, stop: threading.Event) -> None:
             done = 0

@@ -201,3 +201,18 @@ async def test_file_region_side_refuses_negative_offsets(
             await within(pf.write_from(src[0 : 4 * KiB], offset))
     finally:
         pf.close()
+
+
+async def test_posix_read_into_read_only_memory_is_access_denied(
+    make_agent: Callable[..., Awaitable[Any]], tmp_path: Path
+) -> None:
+    """As agent.read into a read-only region (AccessDenied); a BufferError
+    from the worker thread escaped."""
+    agent = await make_agent("posix-ro")
+    ro = agent.register(bytes(4 * KiB))
+    pf = PosixFile(tmp_path / "ro.bin", size=4 * KiB)
+    try:
+        with pytest.raises(aioxfer.AccessDenied, match="read-only"):
+            await within(pf.read_into(ro[0 : 4 * KiB], 0))
+    finally:
+        pf.close()
