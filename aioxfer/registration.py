@@ -263,6 +263,8 @@ class Memory:
         region = self._new_region(name, rid, key, mem.nbytes, access, mem.ptr, obj)
         region.kind = mem.kind
         region._cuda = export
+        if isinstance(obj, _cuda.DeviceBuffer):
+            obj._regions.add(id(region))  # its close() frees after _release_memory
         self.regions[name] = region
         self._changed()
         return region
@@ -518,6 +520,8 @@ class Memory:
         self._held_back.clear()
 
     def _release_memory(self, region: Region) -> None:
+        if isinstance(region._obj, _cuda.DeviceBuffer):
+            region._obj._released(id(region))  # a close() deferred frees it now
         mm, fd = region._mmap, region._memfd
         region._mmap = None
         region._memfd = -1
