@@ -128,13 +128,17 @@ class DevicePointer:
 class DeviceBuffer:
     """GPU memory allocated through the driver (cuMemAlloc): for tools and tests
     that have no CUDA library. Register it like any CUDA array; ``close()``
-    frees it (after deregistering it and waiting for the region to be freed)."""
+    frees it (once its regions are released: see ``close``)."""
 
     def __init__(self, nbytes: int, device: int = 0) -> None:
         if nbytes <= 0:
             raise ValueError("a DeviceBuffer needs a positive size")
         self.nbytes = int(nbytes)
         self.device = int(device)
+        # Regions of it not yet released by their engine (ids, kept by
+        # aioxfer.registration): close() frees it only after the last.
+        self._regions: set[int] = set()
+        self._closing = False
         self.ptr = _cyx.cuda_alloc(self.device, self.nbytes)
 
     @property
@@ -142,7 +146,7 @@ class DeviceBuffer:
         return {
             "shape": (self.nbytes,),
             "typestr": "|u1",
-            "data": (self.ptr, False),
+            "data": (0 if self._closing else self.ptr, False),  # closed: nothing to register
             "version": 3,
             "strides": None,
             "stream": None,
@@ -169,15 +173,28 @@ class DeviceBuffer:
         return out.raw
 
     def _check(self, offset: int, n: int) -> None:
-        if self.ptr == 0:
+        if self.ptr == 0 or self._closing:
             raise ValueError("DeviceBuffer is closed")
         if offset < 0 or n < 0 or offset + n > self.nbytes:
             raise IndexError(f"[{offset}:+{n}] is out of bounds for {self.nbytes} bytes")
 
     def close(self) -> None:
-        if self.ptr:
+        """Frees the memory; while a region of it is not yet released by its
+        engine (deregistered and its release not awaited, or the agent not
+        closed yet), only once that happens: freed under the engine, a copy
+        still under way (or a peer's IPC mapping) would reach memory the
+        driver may have handed to someone else. Closed at once either way."""
+        self._closing = True
+        if self.ptr and not self._regions:
             ptr, self.ptr = self.ptr, 0
             _cyx.cuda_free(ptr)
+
+    def _released(self, region: int) -> None:
+        """aioxfer.registration: the engine released region ``region``
+        (an id) of this buffer."""
+        self._regions.discard(region)
+        if self._closing:
+            self.close()
 
     def __repr__(self) -> str:
         return f"<DeviceBuffer {self.nbytes} bytes on device {self.device} at {self.ptr:#x}>"
@@ -299,15 +316,19 @@ def _from_dlpack(obj: Any, kind: Literal["cuda", "host"]) -> GpuMemory:
         raise ValueError("__dlpack__ returned no tensor")
     t = _DLTensor.from_address(addr)
     shape = tuple(t.shape[i] for i in range(t.ndim))
-    itemsize = (t.dtype.bits * t.dtype.lanes + 7) // 8
+    # Bits, not bytes, per element: DLPack packs sub-byte types (float4_e2m1fn
+    # is 4 bits, float6_e3m2fn 6), so N of them take ceil(N * bits / 8) bytes.
+    # Rounding each element up to a byte registered up to twice the memory
+    # the tensor has, and peers could write past its allocation.
+    bits = t.dtype.bits * t.dtype.lanes
     count = math.prod(shape)
     if t.strides:  # NULL: C-contiguous (DLPack before 1.0 allows it)
-        strides = tuple(t.strides[i] * itemsize for i in range(t.ndim))
-        if not _c_contiguous(shape, strides, itemsize):
+        strides = tuple(t.strides[i] for i in range(t.ndim))  # in elements
+        if not _c_contiguous(shape, strides, 1):
             raise NotContiguous(
-                f"DLPack strides {strides} (bytes) are not C-contiguous for shape {shape}"
+                f"DLPack strides {strides} (elements) are not C-contiguous for shape {shape}"
             )
-    nbytes = count * itemsize
+    nbytes = (count * bits + 7) // 8
     ptr = (t.data or 0) + t.byte_offset
     del capsule
     if nbytes <= 0 or not ptr:

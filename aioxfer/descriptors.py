@@ -159,7 +159,9 @@ def from_vectors(
         raise ValueError(f"local segments are in a region of agent {lr._agent.name!r}")
     lr._check()
     for region, where in ((lr, "local"), (rr, "remote")):
-        if region.kind != "host" and rr.peer.path != region.kind:
+        # As check_pair: GPU memory on its own path, or over RDMA (GPUDirect;
+        # the engine refuses, per region, what the NIC cannot reach).
+        if region.kind != "host" and rr.peer.path not in (region.kind, "verbs"):
             raise TransportError(
                 f"{where} region {region.name!r} is {region.kind} memory, which path "
                 f"{rr.peer.path!r} to peer {rr.peer.name!r} cannot reach",
@@ -247,6 +249,9 @@ def from_arrays(
         or remote._gone
         or peer._host is not peers
         or local.kind is not remote.kind
+        # GPU memory on both sides still needs a path that reaches it (tcp
+        # does not: posted, it failed later as an untyped "invalid argument")
+        or (local.kind != "host" and peer.path != local.kind and peer.path != "verbs")
     ):
         # Off the usual path: the same checks, and errors, as a segment pair's.
         check_pair(local[0 : local.nbytes], remote[0 : remote.nbytes], 0, owner=owner, peers=peers)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import operator
 import os
 import stat
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ from aioxfer import _cyx
 from aioxfer.backends.base import BackendStatistics, LocalBackend, Op
 from aioxfer.backends.host import host_of
 from aioxfer.descriptors import coalesce
-from aioxfer.errors import RegistrationError, XferError
+from aioxfer.errors import RegistrationError, XferError, error_for_status
 from aioxfer.peer import Peer
 from aioxfer.region import Region, Segment, SegmentList, pair_descs
 
@@ -91,8 +92,18 @@ def open_region_file(
     RegistrationError, having removed a file it created; a file that was there
     before is never removed."""
     where = os.fspath(path)
-    if size is not None and (not isinstance(size, int) or size <= 0):
-        raise RegistrationError(f"cannot register {where!r}: size must be a positive int or None")
+    if size is not None:
+        # An integer of any kind (numpy's too, as alloc takes), made a plain
+        # int: a bool was taken as a size (True: a 1-byte region whose nbytes
+        # was True), a numpy integer refused.
+        try:
+            size = None if isinstance(size, bool) else operator.index(size)
+        except TypeError:
+            size = None
+        if size is None or size <= 0:
+            raise RegistrationError(
+                f"cannot register {where!r}: size must be a positive int or None"
+            )
     if size is not None and size > OFF_MAX:
         # ftruncate would raise OverflowError (not an OSError) past off_t, and
         # the engine's preads/pwrites take off_t offsets
@@ -261,7 +272,16 @@ def file_peer(agent: Agent) -> Peer:
     peer = host.file_peer
     if peer is None:
         tag = host.new_tag(PATH)
-        ep = host.engine.endpoint_create(_cyx.EP_FILE, tag, 0)
+        try:
+            ep = host.engine.endpoint_create(_cyx.EP_FILE, tag, 0)
+        except _cyx.NativeError as exc:
+            # The first file transfer starts the transport's I/O threads; a
+            # process at its thread limit (RLIMIT_NPROC, a pids cgroup)
+            # cannot: a typed error, as every other refusal of a transfer
+            # (the bare NativeError escaped agent.write/read).
+            raise error_for_status(
+                exc.status, "cannot start the file transport (its I/O threads)"
+            ) from None
         peer = Peer(
             host.peers,
             name=PATH,

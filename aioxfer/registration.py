@@ -17,6 +17,7 @@ import contextlib
 import mmap
 import operator
 import os
+import re
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from typing import Any, Protocol
 
@@ -63,6 +64,22 @@ def _advise_huge(mm: mmap.mmap) -> None:
         return
     with contextlib.suppress(OSError):  # EINVAL: a kernel without THP
         mm.madvise(advice)
+
+
+# PEP 3118 struct fields are "<format>:<name>:"; a name may hold any letter.
+_FIELD_NAME = re.compile(r":[^:]*:")
+
+
+def _holds_objects(obj: Any) -> bool:
+    """Whether obj's buffer holds PyObject pointers (numpy object arrays and
+    structured dtypes with object fields, ctypes py_object arrays): memory
+    that peers must never read (addresses) or write (pointers followed)."""
+    try:
+        with memoryview(obj) as mv:
+            fmt = mv.format
+    except Exception:  # whatever it raises: the engine's own export reports it, typed
+        return False
+    return "O" in _FIELD_NAME.sub("", fmt)
 
 
 class Pending(Protocol):
@@ -203,6 +220,14 @@ class Memory:
             mem = _cuda.inspect(obj)
         except ValueError as exc:
             raise RegistrationError(f"cannot register {type(obj).__name__}: {exc}") from None
+        except (TypeError, KeyError, RuntimeError, BufferError) as exc:
+            # What the object's own protocol raised: a torch tensor that
+            # requires grad refuses __cuda_array_interface__ / __dlpack__
+            # with RuntimeError, a malformed interface dict is a KeyError.
+            # A RegistrationError (it escaped bare), the cause kept.
+            raise RegistrationError(
+                f"cannot register {type(obj).__name__}: {type(exc).__name__}: {exc}"
+            ) from exc
         if mem is not None:
             return self._register_pointer(obj, mem, name)
         return self._register(obj, name)
@@ -238,6 +263,8 @@ class Memory:
         region = self._new_region(name, rid, key, mem.nbytes, access, mem.ptr, obj)
         region.kind = mem.kind
         region._cuda = export
+        if isinstance(obj, _cuda.DeviceBuffer):
+            obj._regions.add(id(region))  # its close() frees after _release_memory
         self.regions[name] = region
         self._changed()
         return region
@@ -294,6 +321,12 @@ class Memory:
         self.check_open()
         if name is not None:
             self.check_name(name)
+        if _holds_objects(obj):
+            raise RegistrationError(
+                f"cannot register {type(obj).__name__}: its items are Python object "
+                f"references (format 'O'), not bytes: a peer reading it would see heap "
+                f"addresses, and one writing it would plant pointers this process follows"
+            )
         try:
             rid, key, addr, nbytes, access = self._engine.register(obj, memfd)
         except ValueError as exc:
@@ -487,6 +520,8 @@ class Memory:
         self._held_back.clear()
 
     def _release_memory(self, region: Region) -> None:
+        if isinstance(region._obj, _cuda.DeviceBuffer):
+            region._obj._released(id(region))  # a close() deferred frees it now
         mm, fd = region._mmap, region._memfd
         region._mmap = None
         region._memfd = -1

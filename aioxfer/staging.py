@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import operator
 import os
 import threading
 from collections.abc import Callable
@@ -31,7 +33,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 from aioxfer.backends.host import host_of
-from aioxfer.errors import ClosedResourceError, TransportError
+from aioxfer.errors import AccessDenied, ClosedResourceError, TransportError
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
@@ -74,18 +76,32 @@ class FileRegion:
         self.region = region
 
     async def write_from(self, src: Segment, offset: int) -> None:
-        await _whole(self.region.agent.write(src, self.region[offset : offset + src.length]))
+        await _whole(self.region.agent.write(src, self._at(offset, src.length)))
 
     async def read_into(self, dst: Segment, offset: int) -> None:
-        await _whole(self.region.agent.read(dst, self.region[offset : offset + dst.length]))
+        await _whole(self.region.agent.read(dst, self._at(offset, dst.length)))
+
+    def _at(self, offset: int, length: int) -> Segment:
+        # A file offset, never a slice bound: region[-8192:-4096] is the
+        # region's end, so a negative offset moved the page there, silently.
+        if operator.index(offset) < 0:
+            raise ValueError(f"file offset must not be negative, not {offset}")
+        return self.region[offset : offset + length]
 
 
 class PosixFile:
-    """A file read and written with pread/pwrite on worker threads."""
+    """A file read and written with pread/pwrite on worker threads.
+
+    ``close()`` refuses new calls at once; the descriptor itself is closed
+    when the last call begun before it ends: a pread/pwrite still waiting for
+    a worker thread would otherwise run on a number the next ``open`` reuses
+    (another file's bytes read or overwritten)."""
 
     def __init__(self, path: str | os.PathLike[str], *, size: int | None = None) -> None:
         self.path = os.fspath(path)
         self._fd = -1
+        self._users = 0  # calls begun and not ended: they hold the descriptor
+        self._closing = False
         if size is not None and not 0 <= size < 1 << 63:
             raise ValueError(f"size must be a non-negative file size, not {size}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -98,28 +114,56 @@ class PosixFile:
         self._fd = fd
 
     def _check(self) -> int:
-        if self._fd < 0:
+        if self._fd < 0 or self._closing:
             raise ClosedResourceError(f"file {self.path!r} is closed")
         return self._fd
 
-    async def write_from(self, src: Segment, offset: int) -> None:
+    async def _run(self, what: str, offset: int, body: Callable[[int, threading.Event], None],
+                   ) -> None:
+        """``body(fd, stop)`` on a worker thread, holding the descriptor open
+        until it ends; an OSError from it is a TransportError."""
         fd = self._check()
-        view = src.memoryview
+        if operator.index(offset) < 0:  # as FileRegion: a caller's error, not I/O
+            raise ValueError(f"file offset must not be negative, not {offset}")
         stop = threading.Event()
 
         def run() -> None:
+            try:
+                body(fd, stop)
+            except OSError as exc:
+                raise TransportError(
+                    f"{what} of file {self.path!r} at offset {offset} failed: {exc.strerror}"
+                ) from exc
+
+        self._users += 1
+        try:
+            await _on_thread(run, stop)
+        finally:
+            self._users -= 1
+            if self._closing and not self._users:
+                self._close_fd()
+
+    async def write_from(self, src: Segment, offset: int) -> None:
+        view = src.memoryview
+
+        def body(fd: int, stop: threading.Event) -> None:
             done = 0
             while done < len(view) and not stop.is_set():
-                done += os.pwrite(fd, view[done:], offset + done)
+                n = os.pwrite(fd, view[done:], offset + done)
+                if n == 0:  # no progress and no errno: never spin on it
+                    raise OSError(errno.EIO, "pwrite wrote nothing")
+                done += n
 
-        await _on_thread(run, stop)
+        await self._run("write", offset, body)
 
     async def read_into(self, dst: Segment, offset: int) -> None:
-        fd = self._check()
         view = dst.memoryview
-        stop = threading.Event()
+        if view.readonly:  # as the engine refuses a READ into it (a BufferError escaped)
+            raise AccessDenied(
+                f"region {dst.region.name!r} is read-only: cannot read file {self.path!r} into it"
+            )
 
-        def run() -> None:
+        def body(fd: int, stop: threading.Event) -> None:
             done = 0
             while done < len(view) and not stop.is_set():
                 n = os.preadv(fd, [view[done:]], offset + done)
@@ -130,11 +174,18 @@ class PosixFile:
                     )
                 done += n
 
-        await _on_thread(run, stop)
+        await self._run("read", offset, body)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
+        """Refuses new calls; the descriptor goes once no call uses it."""
+        if self._fd >= 0 and not self._closing:
+            self._closing = True
+            if not self._users:
+                self._close_fd()
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
             os.close(fd)
 
 
@@ -206,15 +257,26 @@ class GpuFileStager:
         # until none is left: the bounce buffer goes only after the last.
         self._moves = 0
         self._idle: asyncio.Event | None = None
+        self._starting = asyncio.Lock()
 
     async def start(self) -> GpuFileStager:
+        # One start at a time: a second caller returned at once, while the
+        # first still connected, and its moves failed ("start() first").
+        async with self._starting:
+            return await self._start()
+
+    async def _start(self) -> GpuFileStager:
+        if self._closed:
+            # (A start after aclose() registered a bounce buffer that nothing
+            # would ever release: pinned until the agent closed.)
+            raise ClosedResourceError("GPU <-> file stager is closed")
         if self._bounce is not None:
             return self
         agent = self._agent
         if "cuda" not in agent.transports:
             raise TransportError(f"GPU <-> file staging needs CUDA: {host_of(agent).cuda_why}")
         name = f"aioxfer-staging-{id(self):x}"
-        self._bounce = agent.alloc(self._slot_bytes * self._nslots, name=name)
+        bounce = self._bounce = agent.alloc(self._slot_bytes * self._nslots, name=name)
         try:
             self._peer = await agent.connect(agent.address)
             if self._peer.path != "cuda":
@@ -225,7 +287,7 @@ class GpuFileStager:
             await self._peer.refresh()
             self._remote = self._peer.region(name)
         except BaseException:
-            agent.deregister(self._bounce)
+            agent.deregister(bounce)
             self._bounce = None
             raise
         for i in range(self._nslots):
@@ -249,9 +311,13 @@ class GpuFileStager:
             if self._idle is None:
                 self._idle = asyncio.Event()
             await self._idle.wait()
-        bounce, self._bounce = self._bounce, None
-        if bounce is not None and not self._agent.closed:
-            self._agent.deregister(bounce)
+        # A start() under way registered the bounce buffer and still
+        # connects: it ends first (released here at once, its error was an
+        # AttributeError from deregistering None when it failed after this).
+        async with self._starting:
+            bounce, self._bounce = self._bounce, None
+            if bounce is not None and not self._agent.closed:
+                self._agent.deregister(bounce)
 
     def _ready(self) -> tuple[Region, RemoteRegion]:
         if self._closed:

@@ -153,6 +153,27 @@ class BackendTransfer(Transfer):
             self._task.cancel()
         return asyncio.Future.cancel(self, msg)
 
+    @property
+    def busy(self) -> bool:
+        """Whether the backend's I/O may still touch this transfer's memory:
+        until its runner ended (after a ``cancel()`` too: a worker thread's
+        pread/pwrite cannot be interrupted). Transfer's contract; it was
+        always False here (the detached host's answer), so a caller that
+        cancelled and checked ``busy`` or awaited ``settled()`` reused memory
+        a backend thread still wrote or read."""
+        task = self._task
+        return task is not None and not task.done()
+
+    def settled(self) -> asyncio.Future[None]:
+        """A future that ends once ``busy`` is False (see Transfer.settled)."""
+        fut: asyncio.Future[None] = self.get_loop().create_future()
+        task = self._task
+        if task is None or task.done():
+            fut.set_result(None)
+        else:
+            task.add_done_callback(lambda _task: None if fut.done() else fut.set_result(None))
+        return fut
+
     async def stopped(self) -> None:
         """Waits until the transfer's I/O no longer touches its memory (at
         once when it never started; after a ``cancel()``, when the backend
