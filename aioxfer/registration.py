@@ -27,6 +27,7 @@ from aioxfer.errors import ClosedResourceError, RegistrationError
 from aioxfer.local import seal
 from aioxfer.log import get_logger
 from aioxfer.metadata import CudaExport
+from aioxfer.names import MAX_NAME
 from aioxfer.region import Region
 
 __all__ = ["Memory", "Pending"]
@@ -194,6 +195,13 @@ class Memory:
     def check_name(self, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise RegistrationError("a region name must be a non-empty string")
+        # A region's name travels in our metadata, whose decoder refuses a
+        # name over MAX_NAME: a longer one made every peer's connect fail
+        # (ProtocolError) and close wait for nothing. (Its characters are
+        # free: a peer's region names reach logs escaped, aioxfer.log.)
+        if len(name) > MAX_NAME:
+            raise RegistrationError(
+                f"a region name must be at most {MAX_NAME} characters, not {len(name)}")
         if name in self.regions:
             raise RegistrationError(
                 f"agent {self._agent!r} already has a region named {name!r}; "
