@@ -1091,7 +1091,8 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * deregistration waits for them) are released only then. Its outcome is
  * told at once (spl28: AXF_CQ_XFER_HELD, engine.c op_finish_now), the
  * release later (AXF_CQ_XFER_FREED); the connection's end reaches its
- * endpoint before it settles (thread_exit). Why no prompt release: an abortive close does not drop the pages (a reset socket's
+ * endpoint before it settles (thread_exit). Why no prompt release: an
+ * abortive close does not drop the pages (a reset socket's
  * receive queue stays readable: recv returns it before ECONNRESET, kernel
  * 6.18, and the reset unhashes the socket, so sock_diag stops seeing it),
  * nothing else of ours can take them back from a live peer, and with the

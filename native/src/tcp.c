@@ -12,7 +12,8 @@
  * goes as two halves on two connections (tcp_chunk). */
 #define SPLIT_MIN (1u << 20)
 #define WHOLE_MAX (1u << 20) /* tcp_chunk: lone WRITEs (tcp19) and READs (read22) whole */
-#define SOLO_MAX (4u << 20)  /* solo_conn: lone WRITEs of several chunks on one connection (tcp20) */
+#define SOLO_MAX (4u << 20)  /* solo_conn: lone WRITEs of several chunks on one connection
+                                (tcp20) */
 
 /* An endpoint's (endpoint->priv): chunks are striped over its live
  * connections by this schedule (slot -> connection index), weighted by each
