@@ -708,7 +708,8 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
  * here. So the window keeps its 256 KiB floor; 1 MiB, spliced with no
  * wake-up, 1.21x main's [1.06..1.33] 5/5 (p50 173 -> 148 us, voluntary
  * switches per request on the initiator 1.48 -> 0.16, CPU per GB 0.347 ->
- * 0.295).
+ * 0.295); rerun on a loaded stretch 1.08x [0.99..1.38] 5/6 (CPU per GB
+ * 0.307 -> 0.271).
  * tcp26's window ("1"): 64 KiB..1 MiB frames of requests up to 1 MiB (tcp26,
  * wheels against main 07d60a7's, 2 vCPUs shared with other builds).
  * benchmarks/peers/run.py --only nixl_tcp,aioxfer_tcp,before_tcp, two runs
