@@ -183,8 +183,11 @@ typedef struct conn_priv {
      * to be kept or released first, else they would find the connection
      * settled with nothing held and go at once, the peer not done with
      * their pages (rev18b's bug in a window of microseconds). c.mu; c.cv
-     * broadcast when it drops to 0. */
-    uint32_t spl_late;
+     * broadcast when it drops to 0 while spl_settle waits for it
+     * (spl_late_wait), and only then: c.cv is also the sending thread's, and
+     * a broadcast per spliced inline send woke that idle thread for nothing
+     * (spl29: ~1 voluntary switch per lone spliced WRITE). */
+    uint32_t spl_late, spl_late_wait;
     struct sockaddr_storage spl_me, spl_peer;
     /* A connection that may splice waits for room in slices (send_waits):
      * when its blocked send's wait began (ms; 0: it moved since). Whoever
@@ -1088,7 +1091,8 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * deregistration waits for them) are released only then. Its outcome is
  * told at once (spl28: AXF_CQ_XFER_HELD, engine.c op_finish_now), the
  * release later (AXF_CQ_XFER_FREED); the connection's end reaches its
- * endpoint before it settles (thread_exit). Why no prompt release: an abortive close does not drop the pages (a reset socket's
+ * endpoint before it settles (thread_exit). Why no prompt release: an
+ * abortive close does not drop the pages (a reset socket's
  * receive queue stays readable: recv returns it before ECONNRESET, kernel
  * 6.18, and the reset unhashes the socket, so sock_diag stops seeing it),
  * nothing else of ours can take them back from a live peer, and with the
@@ -1483,6 +1487,17 @@ static bool spl_pages_free(conn *c)
  * 1 ms up to 50 ms apart. Given up only at the engine's shutdown after a
  * second (logged: a peer that never reads nor closes cannot hold a
  * process's exit). */
+/* Waits (c->mu held) until no inline sender holds spliced items between
+ * its unlock and their release (spl_late). */
+static void spl_late_drain(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    p->spl_late_wait++;
+    while (p->spl_late)
+        pthread_cond_wait(&c->cv, &c->mu);
+    p->spl_late_wait--;
+}
+
 static void spl_settle(conn *c)
 {
     conn_priv *p = (conn_priv *)c;
@@ -1491,8 +1506,7 @@ static void spl_settle(conn *c)
     bool logged = false;
     for (;;) {
         pthread_mutex_lock(&c->mu);
-        while (p->spl_late) /* an inline sender's spliced items: kept, or released */
-            pthread_cond_wait(&c->cv, &c->mu);
+        spl_late_drain(c); /* an inline sender's spliced items: kept, or released */
         bool any = p->spl_holds != NULL;
         pthread_mutex_unlock(&c->mu);
         if (!any || spl_pages_free(c))
@@ -1518,8 +1532,7 @@ static void spl_settle(conn *c)
             wait_us *= 2;
     }
     pthread_mutex_lock(&c->mu);
-    while (p->spl_late) /* (a shutdown's give-up: still none released early) */
-        pthread_cond_wait(&c->cv, &c->mu);
+    spl_late_drain(c); /* (a shutdown's give-up: still none released early) */
     p->spl_settled = true;
     sq_item *held = p->spl_holds;
     p->spl_holds = NULL;
@@ -2006,7 +2019,7 @@ void conn_kick(conn *c)
     if (late) {
         pthread_mutex_lock(&c->mu);
         p->spl_late -= late;
-        if (!p->spl_late)
+        if (!p->spl_late && p->spl_late_wait) /* not the idle sending thread */
             pthread_cond_broadcast(&c->cv);
         pthread_mutex_unlock(&c->mu);
         conn_unref(c);
@@ -2099,6 +2112,8 @@ static void *tx_main(void *arg)
         }
         pthread_cond_timedwait(&c->cv, &c->mu, &ts);
         AXF_TR(TR_TX_WAKE, c->fd, 0, 0);
+        if (e->faults && e->faults->tx_woke) /* (test only: its wake-ups counted) */
+            e->faults->tx_woke(e->faults->arg);
     }
     /* An inline sender may still be in send_batch: it puts back or releases
      * its own items. */

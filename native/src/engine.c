@@ -118,7 +118,10 @@ int cq_reserve(axf_engine *e)
     return st;
 }
 
-void cq_unreserve(axf_engine *e) { atomic_fetch_add_explicit(&e->cq_free, 1, memory_order_relaxed); }
+void cq_unreserve(axf_engine *e)
+{
+    atomic_fetch_add_explicit(&e->cq_free, 1, memory_order_relaxed);
+}
 
 /* cq_mu not held: the record in a slot already promised or claimed, its
  * payload (malloc'd, or NULL) handed over to the ring. */
@@ -670,7 +673,8 @@ axf_engine *axf_engine_create(const axf_config *cfg)
     if (!e->cfg.chunk_bytes)
         e->cfg.chunk_bytes = 1u << 20;
     if (e->cfg.chunk_bytes > AXF_MAX_FRAME)
-        e->cfg.chunk_bytes = AXF_MAX_FRAME; /* a frame is a chunk at most: the target refuses larger */
+        e->cfg.chunk_bytes = AXF_MAX_FRAME; /* a frame is a chunk at most: the target refuses
+                                               larger */
     ka_configure(&e->cfg);
     if (!e->cfg.max_conns)
         e->cfg.max_conns = 256;
@@ -1074,11 +1078,12 @@ static void op_free(axf_engine *e, op *o)
 /* Pushes the completion and frees an op: nothing refers to it any more but
  * spliced frames of it whose pages a peer may still read (op.mem, conn.c
  * spl_keep): then a failed op is over now, told at once (AXF_CQ_XFER_HELD,
- * its outcome; a successful one waits, see below), and its local regions stay held until the last of those goes
- * (op_mem_unref: AXF_CQ_XFER_FREED). So a failure is prompt and the memory
- * safe: the caller may not reuse it, nor can it be deregistered, before
- * the second record. Without a slot for that record (the ring cannot grow)
- * the one record waits for the memory, as before spl28. */
+ * its outcome; a successful one waits, see below), and its local regions
+ * stay held until the last of those goes (op_mem_unref: AXF_CQ_XFER_FREED).
+ * So a failure is prompt and the memory safe: the caller may not reuse it,
+ * nor can it be deregistered, before the second record. Without a slot for
+ * that record (the ring cannot grow) the one record waits for the memory,
+ * as before spl28. */
 static void op_finish_now(axf_engine *e, op *o)
 {
     int st = atomic_load(&o->status);
@@ -1626,7 +1631,8 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
         st = AXF_E_INVALID;
     else if (same_host && pidfd < 0 && pid != getpid())
         st = AXF_E_ACCESS; /* another process, and the kernel did not vouch for it */
-    else if (pidfd >= 0 && (pidfd_pid(pidfd) == -1 || (pidfd_pid(pidfd) > 0 && pidfd_exited(pidfd))))
+    else if (pidfd >= 0 &&
+             (pidfd_pid(pidfd) == -1 || (pidfd_pid(pidfd) > 0 && pidfd_exited(pidfd))))
         st = AXF_E_PEER_LOST; /* gone already */
     else if (pidfd >= 0 && pidfd_pid(pidfd) != pid)
         st = AXF_E_ACCESS; /* the pidfd names another process (or none, or it was reaped) */
@@ -1891,7 +1897,8 @@ int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
 {
     int st = AXF_OK;
     if (pidfd >= 0 && pidfd_pid(pidfd) == -2)
-        st = AXF_E_INVALID; /* not a pidfd (one whose process is gone is fine: the watcher sees it) */
+        st = AXF_E_INVALID; /* not a pidfd (one whose process is gone is fine: the watcher
+                               sees it) */
     pthread_mutex_lock(&e->mu);
     /* Nor once the close began (bye_network): a peer accepted then would
      * not have heard the goodbye the others did, and would be served by an

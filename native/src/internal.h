@@ -545,6 +545,9 @@ typedef struct axf_faults {
      * sent, before it releases them (conn.c spl_late): where the
      * connection's threads may end. */
     void (*kick_release_gap)(void *arg);
+    /* Called on a connection's sending thread (conn.c tx_main) each time
+     * its wait ends, c->mu held: its wake-ups, counted (spl29). */
+    void (*tx_woke)(void *arg);
 } axf_faults;
 
 /* engine.c */

@@ -12,7 +12,8 @@
  * goes as two halves on two connections (tcp_chunk). */
 #define SPLIT_MIN (1u << 20)
 #define WHOLE_MAX (1u << 20) /* tcp_chunk: lone WRITEs (tcp19) and READs (read22) whole */
-#define SOLO_MAX (4u << 20)  /* solo_conn: lone WRITEs of several chunks on one connection (tcp20) */
+#define SOLO_MAX (4u << 20)  /* solo_conn: lone WRITEs of several chunks on one connection
+                                (tcp20) */
 
 /* An endpoint's (endpoint->priv): chunks are striped over its live
  * connections by this schedule (slot -> connection index), weighted by each
@@ -696,6 +697,19 @@ static bool tcp_submit(axf_engine *e, op *o, uint32_t flags) /* e->mu held; unlo
  * request: 1.9 voluntary switches per request, 0.02 copying); the peers
  * harness' 64 KiB row 0.56-0.98x in 3 rounds; 256 KiB 1.037x [1.00..1.27]
  * 3/5 (p50 36.8 against 40.9 us), 1 MiB 1.014x [0.94..1.15] 4/6.
+ * Re-measured by spl29 once that wake-up was found to be conn_kick's
+ * spl_late broadcast (c->cv, the sending thread's own; gone): the posting
+ * thread splices a lone frame itself with no other thread woken (0.04
+ * voluntary switches per request on each side), and still 64 KiB spliced
+ * is slower than copied: tcp24_lone.py, one wheel, splice "1" against the
+ * default, 6 rotated rounds, 0.894x [0.79..1.08] 1/6 (p50 31.7 against
+ * 26.7 us, CPU per GB 0.99 against 0.94; the build before the fix 0.934x
+ * 2/6): the pipe's syscalls and the pinning cost more than a 64 KiB copy
+ * here. So the window keeps its 256 KiB floor; 1 MiB, spliced with no
+ * wake-up, 1.21x main's [1.06..1.33] 5/5 (p50 173 -> 148 us, voluntary
+ * switches per request on the initiator 1.48 -> 0.16, CPU per GB 0.347 ->
+ * 0.295); rerun on a loaded stretch 1.08x [0.99..1.38] 5/6 (CPU per GB
+ * 0.307 -> 0.271).
  * tcp26's window ("1"): 64 KiB..1 MiB frames of requests up to 1 MiB (tcp26,
  * wheels against main 07d60a7's, 2 vCPUs shared with other builds).
  * benchmarks/peers/run.py --only nixl_tcp,aioxfer_tcp,before_tcp, two runs
