@@ -1,4 +1,6 @@
-"""kv29: an owner's refusals ("busy", past its pull limits) are told to its
+"""kv29: what placements an owner refuses, and what it tells their senders.
+
+An owner's refusals ("busy", past its pull limits) are told to its
 members whatever other senders' refusals do.
 
 A refusal's ack was bounded by one count for all senders (max_pulls): past
@@ -18,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from conftest import pattern, wait_until, within
+from test_kv27_put_from import listener
 
 from aioxfer import kv
 
@@ -40,7 +43,7 @@ async def test_a_members_refusal_is_told_while_others_hang(make_agent: MakeAgent
     places a block: refused, busy. Before: no ack (the one count for
     refusals was taken): W's placement ended "ack_timeout" and A was
     silent to W. Now W is told "busy" and tries again until its ack_wait
-    is over: "peer_busy", A not silent."""
+    is over, A not silent."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
@@ -66,8 +69,42 @@ async def test_a_members_refusal_is_told_while_others_hang(make_agent: MakeAgent
             keys = kv.chain(list(range(16)), block_tokens=16, namespace=b"kv29w")
             got = await within(tw._write(keys, [src], [0]))
             assert got == [False]
-            assert tw.counters.dropped_stores == {"peer_busy": 1}, tw.counters.dropped_stores
-            assert tw.busy_retries > 0 and not tw.members[a.name].silent
+            # (before: no busy_retries, A silent. "peer_busy"; or, the last
+            # retry's answer later than the slowest before it, as under
+            # load, "ack_timeout", but not silent, as for any try that
+            # waited)
+            assert tw.busy_retries > 0, tw.counters.dropped_stores
+            assert not tw.members[a.name].silent
+            assert set(tw.counters.dropped_stores) <= {"peer_busy", "ack_timeout"}
             assert ta.pulled == 0
     finally:
         silent.close()
+
+
+async def test_a_non_members_from_is_dialled_once_until_it_reaches_it(
+        make_agent: MakeAgent) -> None:
+    """C (no member, embedded) sends placements whose "from" is a port that
+    speaks no aioxfer. Each made A open a connection there and send a
+    Hello (before: three placements, three connections, to any ports C
+    chose). Now the first is dialled, reaches no agent of C's, and C's
+    next ones are refused undialled ("placement_unvouched") for
+    ack_timeout."""
+    a = await make_agent("kv29-a2")
+    c = await make_agent("kv29-c2")
+    ta = kv.PeerTier(group="kv29d")
+    async with kv.Store.open(a, block_bytes=BB, tiers=[kv.HostTier(8 * BB), ta]), \
+            listener() as (first, accepted1), listener() as (second, accepted2):
+        assert ta.ctl is not None
+        to_a = await within(c.connect(ta.ctl.address))
+        key = kv.chain(list(range(16)), block_tokens=16, namespace=b"kv29d")[0]
+        await within(to_a.notify(placement(1, first, key)))
+        await within(wait_until(lambda: accepted1 == [1], what="the first dial"))
+        await within(wait_until(
+            lambda: ta._extra()["pulls_in_flight"] == ta._extra()["pulls_answering"] == 0,
+            what="the first pull over"))
+        for req, frm in ((2, second), (3, first)):
+            await within(to_a.notify(placement(req, frm, key)))
+        await within(wait_until(lambda: ta.pulls_refused == 2, what="both refused undialled"))
+        assert ta.counters.dropped_stores == {"placement_unvouched": 2}
+        assert accepted1 == [1] and accepted2 == []
+        assert ta.pulled == 0
