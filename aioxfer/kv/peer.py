@@ -393,12 +393,17 @@ class PeerTier(Tier):
         # placement) and has no memory of its own: one tcp connection a
         # peer, and the store agent's transports but verbs and cuda (kv28:
         # the defaults gave it 4 connections a peer over tcp, each with its
-        # thread, both ways). Its copy workers stay 2: with one, 8
-        # concurrent overflow puts were ~25 % slower a round on one host
-        # (benchmarks/kv26_overflow.py, 5 pairs).
+        # thread, both ways). One copy worker (not the default 2): it
+        # never copies (no memory; a notification goes straight to its
+        # connection, engine.c axf_post's AXF_OP_NOTIFY branch, never
+        # through shm's workers), so the second was an idle thread. (kv26
+        # read ~25 % slower rounds with one over 5 pairs; kv29,
+        # benchmarks/kv26_overflow.py KV26_CTL_COPY_WORKERS=1 vs 2, 6
+        # interleaved pairs: medians 16.2 vs 15.6 ms, pair ratios 0.76-1.35,
+        # median 1.02: noise.)
         transports = tuple(t for t in agent.transports if t in ("shm", "tcp")) or ("tcp",)
         self.ctl = aioxfer.Agent(f"{agent.name}{_CTL}", listen=f"{host_part}:0",
-                                 transports=transports, tcp_connections=1,
+                                 transports=transports, tcp_connections=1, copy_workers=1,
                                  peer_timeout=agent._peer_timeout,
                                  keepalive=agent._keepalive,
                                  stall_timeout=agent._stall_timeout, limits=agent.limits,
