@@ -1063,10 +1063,12 @@ class PeerTier(Tier):
         published "ctl" is checked then. With discovery, a sender we have
         not joined must be one of etcd's members, at the address etcd holds
         for it. Embedded, a sender we never connected to (it joined us) has
-        no published address we know: its "from" is dialled as sent, and
-        the pull goes on only if the agent there is the sender's store agent
-        (its name, proven by the token in the handshake: _pull), which is
-        how a member that joined us introduces itself. The ack of a sender
+        no published address we know: its "from" is dialled as sent (within
+        _dial_barred's bounds: one address at a time, none for ack_timeout
+        after one that reached no agent of the sender's), and the pull goes
+        on only if the agent there is the sender's store agent (its name,
+        proven by the token in the handshake: _pull), which is how a member
+        that joined us introduces itself. The ack of a sender
         that is still no member goes only to the sender itself, found at
         "from" (a plain agent placing its own memory), nowhere else (rev28,
         kv28: it went to any "ctl" such a placement named, even after a
