@@ -31,7 +31,29 @@ import textwrap
 import time
 from typing import Any
 
-OWNER = textwrap.dedent('''
+# KV26_CTL_COPY_WORKERS=n (environment): the tier's control agent (its
+# name ends ".kvctl") is made with copy_workers=n, in both processes, by
+# wrapping the constructor the tier calls (kv29: what its copy workers do
+# to a round).
+CTL_WORKERS = textwrap.dedent('''
+    import os
+    import aioxfer, aioxfer.kv.peer as _kp
+    _n = os.environ.get("KV26_CTL_COPY_WORKERS")
+    if _n:
+        class _Mod:
+            """aioxfer, but its Agent given copy_workers for a control agent."""
+            def __getattr__(self, a):
+                return getattr(aioxfer, a)
+
+            @staticmethod
+            def Agent(name, **kw):
+                if name.endswith(".kvctl"):
+                    kw["copy_workers"] = int(_n)
+                return aioxfer.Agent(name, **kw)
+        _kp.aioxfer = _Mod()
+''')
+
+OWNER = CTL_WORKERS + textwrap.dedent('''
     import asyncio, sys
     import aioxfer
     from aioxfer import kv
@@ -51,6 +73,7 @@ OWNER = textwrap.dedent('''
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
+    exec(CTL_WORKERS, {})
     import aioxfer
     from aioxfer import kv
 
@@ -95,6 +118,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         dropped += sum(x.dropped for x in res)
                 why = dict(store.statistics().tiers["peer"].dropped_stores)
         return {"python": sys.executable, "round_ms": statistics.median(times) * 1e3,
+                "ctl_copy_workers": os.environ.get("KV26_CTL_COPY_WORKERS", "default"),
                 "rounds_ms": [round(t * 1e3, 2) for t in times], "stored": stored,
                 "dropped": dropped, "dropped_why": why}
     finally:

@@ -205,6 +205,10 @@ class _Slots:
             fut.set_result(self._grab(k))
 
 
+class _Barred(LookupError):
+    """A sender's "from" not dialled (PeerTier._dial_barred says why)."""
+
+
 class _Member:
     def __init__(self, name: str, peer: aioxfer.Peer, meta: dict[str, Any],
                  sends: int) -> None:
@@ -227,6 +231,10 @@ class _Member:
         # peer (its max_pulls_per_peer, published in its meta), so that our
         # own placements are never refused there for arriving together.
         self.sending = _Slots(sends)
+
+        # Set once it is no longer the member of its name (it left, or its
+        # next incarnation replaced it): ends a busy retry's pause (_place).
+        self.gone = asyncio.Event()
 
     @property
     def silent(self) -> bool:
@@ -323,7 +331,15 @@ class PeerTier(Tier):
         # connect while the sender sends more).
         self._answering: dict[str, int] = {}
         self._pull_tasks: dict[asyncio.Task[Any], str] = {}  # a pull reading -> its sender
-        self._acking = 0  # refusals being acknowledged
+        # Refusals being acknowledged: to a member, per member (its sender
+        # name); to a sender that is no member (each dials its "from"
+        # first: _introduce), all together under "" (see _refuse).
+        self._acking: dict[str, int] = {}
+        # Senders that are no member (embedded): the "from" being dialled for
+        # each, and how many placements wait on it; when a dial of theirs
+        # last reached no agent of theirs (see _dial_barred).
+        self._dialling: dict[str, tuple[str, int]] = {}
+        self._misdialled: dict[str, float] = {}
         self.pulls_refused = 0
         self.group = group
         self.replicas = replicas
@@ -341,6 +357,8 @@ class PeerTier(Tier):
         # (the member's control agent's name, request) -> the ack's future
         # (an ack is its bitmap and whether it says "busy": see _refuse)
         self._acks: dict[tuple[str, int], asyncio.Future[tuple[bytes, bool]]] = {}
+        # name -> the peer being joined under it and its join (see _add_member)
+        self._joining: dict[str, tuple[aioxfer.Peer, asyncio.Task[_Member | None]]] = {}
         self.busy_retries = 0  # placements sent again after a "busy" refusal
         self.pulled = 0  # blocks other members placed here
 
@@ -375,12 +393,17 @@ class PeerTier(Tier):
         # placement) and has no memory of its own: one tcp connection a
         # peer, and the store agent's transports but verbs and cuda (kv28:
         # the defaults gave it 4 connections a peer over tcp, each with its
-        # thread, both ways). Its copy workers stay 2: with one, 8
-        # concurrent overflow puts were ~25 % slower a round on one host
-        # (benchmarks/kv26_overflow.py, 5 pairs).
+        # thread, both ways). One copy worker (not the default 2): it
+        # never copies (no memory; a notification goes straight to its
+        # connection, engine.c axf_post's AXF_OP_NOTIFY branch, never
+        # through shm's workers), so the second was an idle thread. (kv26
+        # read ~25 % slower rounds with one over 5 pairs; kv29,
+        # benchmarks/kv26_overflow.py KV26_CTL_COPY_WORKERS=1 vs 2, 6
+        # interleaved pairs: medians 16.2 vs 15.6 ms, pair ratios 0.76-1.35,
+        # median 1.02: noise.)
         transports = tuple(t for t in agent.transports if t in ("shm", "tcp")) or ("tcp",)
         self.ctl = aioxfer.Agent(f"{agent.name}{_CTL}", listen=f"{host_part}:0",
-                                 transports=transports, tcp_connections=1,
+                                 transports=transports, tcp_connections=1, copy_workers=1,
                                  peer_timeout=agent._peer_timeout,
                                  keepalive=agent._keepalive,
                                  stall_timeout=agent._stall_timeout, limits=agent.limits,
@@ -457,9 +480,15 @@ class PeerTier(Tier):
     async def _follow(self) -> None:
         agent = self.store.agent
         async for ev in agent.membership():
+            known = self.members.get(ev.name)
+            # (by incarnation: kv29, the leaving of a restarted member's
+            # old incarnation removed its successor, and the successor's
+            # joining was skipped while the old one was still a member)
+            ours = known is not None and known.peer.incarnation == ev.incarnation
             if isinstance(ev, aioxfer.PeerLeft):
-                gone = self.members.pop(ev.name, None)
+                gone = self.members.pop(ev.name) if known is not None and ours else None
                 if gone is not None:
+                    gone.gone.set()
                     _log.info("kv.peer_left", tier=self.name, member=ev.name)
                     # Its placements end now (its acks will not come), not
                     # after ack_wait each.
@@ -468,7 +497,7 @@ class PeerTier(Tier):
                             fut.set_exception(PeerLost(f"member {ev.name!r} left"))
                     self.located = {k: v for k, v in self.located.items() if v[0] != ev.name}
                 continue
-            if ev.name == agent.name or ev.name in self.members:
+            if ev.name == agent.name or ours:
                 continue
             with contextlib.suppress(XferError, OSError, KeyError, ValueError):
                 await self._add_member(await agent.connect(ev.address))
@@ -493,6 +522,31 @@ class PeerTier(Tier):
         known = self.members.get(peer.name)
         if known is not None and known.peer is peer:
             return known
+        # Concurrent adds of one peer (a pull's _reach and _follow, two
+        # placements of a sender that is no member yet) share one join:
+        # each made its own _Member, and the second replaced the first,
+        # failing the placements sent to it meanwhile ("replaced", kv29).
+        # Shielded: one caller cancelled leaves the join to the others.
+        joining = self._joining.get(peer.name)
+        if joining is None or joining[0] is not peer:
+            task = asyncio.ensure_future(self._join_member(peer))
+            joining = (peer, task)
+            self._joining[peer.name] = joining
+            self._tasks.add(task)  # (cancelled and waited for by _aclose)
+            task.add_done_callback(lambda t: self._joined(peer.name, t))
+        return await asyncio.shield(joining[1])
+
+    def _joined(self, name: str, task: asyncio.Task[_Member | None]) -> None:
+        self._tasks.discard(task)
+        if self._joining.get(name, (None, None))[1] is task:
+            del self._joining[name]
+        if not task.cancelled():
+            task.exception()  # retrieved: every caller may have been cancelled
+
+    async def _join_member(self, peer: aioxfer.Peer) -> _Member | None:
+        """_add_member's one join of ``peer``: reads its meta, makes it the
+        member of its name."""
+        agent = self.store.agent
         pfx = f"kvpeer.{self.group}"
         try:
             meta_rr = peer.region(f"{pfx}.meta")
@@ -507,11 +561,14 @@ class PeerTier(Tier):
             await run_to_end(agent.read(self.stage[0:_META_BYTES], meta_rr[0:_META_BYTES]))
             raw = bytes(self.stage.memoryview[:_META_BYTES]).rstrip(b"\x00")
         member = self._member(peer, raw)
-        if member is None:
+        if member is None or peer.lost:
+            # (lost while read: a join of its next incarnation may already
+            # have made that the member, which this one must not replace)
             return None
         old = self.members.get(peer.name)
         self.members[peer.name] = member
         if old is not None:
+            old.gone.set()
             for fut in old.waiting.values():  # its acks will not come (restarted)
                 if not fut.done():
                     fut.set_exception(PeerLost(f"member {peer.name!r} was replaced"))
@@ -812,8 +869,7 @@ class PeerTier(Tier):
                      offsets: list[int], crcs: list[int]) -> tuple[list[int], str, int]:
         """One placement message to member ``name``: (the blocks it stored,
         why the others were not, how many were sent)."""
-        m = self.members.get(name)
-        if m is None or self.ctl is None:
+        if self.ctl is None:
             return [], "peer_left", len(idx)
         # ack_wait bounds the whole placement, its turn included (kv28: the
         # turn was waited for outside it, so a slow member that answers
@@ -821,40 +877,61 @@ class PeerTier(Tier):
         # ones n ack_waits, and the put or write-back with it).
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ack_wait
-        queued = not m.sending.ready(1)
-        # In turn with our other placements to it (see _Member.sending): one
-        # past its max_pulls_per_peer would be refused there (its blocks
-        # dropped) for no fault of either side.
-        try:
-            if queued:
-                async with asyncio.timeout_at(deadline):
-                    sending = await m.sending.take(1)
-            else:
-                sending = await m.sending.take(1)  # (served at once: no timer)
-        except TimeoutError:
-            # Not sent: its turn never came (the member answers, slowly, or
-            # a placement before it is finding it silent).
-            return [], "ack_timeout", len(idx)
-        try:
-            if self.members.get(name) is not m:  # it left or was replaced meanwhile
+        queued = False
+        pause = _BUSY_PAUSE
+        slowest = 0.0  # the slowest answer to a try (seconds)
+        while True:
+            # Each try goes to the member of that name as it is then (kv29:
+            # a busy retry went to the member the first try found, even
+            # after it left or was replaced by its next incarnation).
+            m = self.members.get(name)
+            if m is None:
                 return [], "peer_left", len(idx)
-            pause = _BUSY_PAUSE
-            while True:
+            queued = queued or not m.sending.ready(1)
+            # In turn with our other placements to it (see _Member.sending):
+            # one past its max_pulls_per_peer would be refused there (its
+            # blocks dropped) for no fault of either side.
+            try:
+                if queued:
+                    async with asyncio.timeout_at(deadline):
+                        sending = await m.sending.take(1)
+                else:
+                    sending = await m.sending.take(1)  # (served at once: no timer)
+            except TimeoutError:
+                # Not sent: its turn never came (the member answers, slowly,
+                # or a placement before it is finding it silent).
+                return [], "ack_timeout", len(idx)
+            try:
+                if self.members.get(name) is not m:  # it left or was replaced meanwhile
+                    if name in self.members and loop.time() < deadline:
+                        queued = True
+                        continue  # (its successor, in its turn)
+                    return [], "peer_left", len(idx)
+                sent = loop.time()
                 got = await self._place_to(m, name, idx, keys, regions, offsets, crcs,
                                            deadline, queued)
                 # Refused for the member's pull limits, not for its blocks
                 # (kv28: more writers than its max_pulls allows at once had
                 # placements refused and their blocks dropped): sent again,
-                # after a short random pause, until the deadline.
+                # after a short random pause, while the deadline leaves room
+                # for the pause and an answer as slow as the slowest so far
+                # (kv29: the last retry, sent with less, mostly ended
+                # "ack_timeout", its blocks maybe pulled after all). The
+                # turn is kept over the pause; a member that leaves or is
+                # replaced ends the pause (m.gone).
                 wait = pause * (0.5 + random.random())
-                if got[1] != "peer_busy" or loop.time() + wait >= deadline:
+                now = loop.time()
+                slowest = max(slowest, now - sent)
+                if got[1] != "peer_busy" or now + wait + slowest >= deadline:
                     return got
                 self.busy_retries += 1
-                await asyncio.sleep(wait)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await m.gone.wait()
                 pause = min(2 * pause, _BUSY_PAUSE_MAX)
                 queued = True  # (it has had part of its ack_wait)
-        finally:
-            m.sending.give_back(sending)
+            finally:
+                m.sending.give_back(sending)
 
     async def _place_to(self, m: _Member, name: str, idx: list[int], keys: list[bytes],
                         regions: list[Region], offsets: list[int], crcs: list[int],
@@ -986,10 +1063,12 @@ class PeerTier(Tier):
         published "ctl" is checked then. With discovery, a sender we have
         not joined must be one of etcd's members, at the address etcd holds
         for it. Embedded, a sender we never connected to (it joined us) has
-        no published address we know: its "from" is dialled as sent, and
-        the pull goes on only if the agent there is the sender's store agent
-        (its name, proven by the token in the handshake: _pull), which is
-        how a member that joined us introduces itself. The ack of a sender
+        no published address we know: its "from" is dialled as sent (within
+        _dial_barred's bounds: one address at a time, none for ack_timeout
+        after one that reached no agent of the sender's), and the pull goes
+        on only if the agent there is the sender's store agent (its name,
+        proven by the token in the handshake: _pull), which is how a member
+        that joined us introduces itself. The ack of a sender
         that is still no member goes only to the sender itself, found at
         "from" (a plain agent placing its own memory), nowhere else (rev28,
         kv28: it went to any "ctl" such a placement named, even after a
@@ -1014,6 +1093,29 @@ class PeerTier(Tier):
                 return "its address is not the one discovery holds"
         if ack and (reached != sender or head["ctl"] != head["from"]):
             return "its control address is not the member's"
+        if not ack and self.store.agent._cluster is None:
+            return self._dial_barred(sender, head["from"])
+        return None
+
+    def _dial_barred(self, sender: str, address: str) -> str | None:
+        """Why the "from" of ``sender`` (no member; embedded, so nothing
+        vouches for it) is not dialled now (None: it may be, once). Each such
+        placement made us open a connection and send a Hello wherever it
+        named, at the sender's rate (kv29, benchmarks/kv29_reflect.py: one
+        connection and 174 bytes to the address a placement of 142 bytes
+        names, the sender pacing each on the last): a token holder could
+        aim this agent at any host and port. Now one address of a sender's
+        is dialled at a time, and a sender whose address reached no agent
+        of its own waits ack_timeout before another is dialled for it (a
+        member that joins us reaches itself at the first try)."""
+        when = self._misdialled.get(sender)
+        if when is not None:
+            if asyncio.get_running_loop().time() - when < self.ack_timeout:
+                return "its last address reached no agent of its (lately)"
+            del self._misdialled[sender]
+        dialling = self._dialling.get(sender)
+        if dialling is not None and dialling[0] != address:
+            return "another address of its is being dialled"
         return None
 
     def _refuse_unvouched(self, sender: str, head: dict[str, Any], why: str, n: int) -> None:
@@ -1036,15 +1138,24 @@ class PeerTier(Tier):
 
     def _refuse(self, sender: str, head: dict[str, Any], n: int) -> None:
         """A placement past the limits: nothing pulled; its sender is told so
-        (while the refusals being told stay under max_pulls; past that the
-        sender's wait for the ack ends it), with "busy" in the ack: its
-        blocks were not looked at, so the sender may send them again (an
-        older sender reads it as any refusal: its blocks dropped)."""
+        with "busy" in the ack: its blocks were not looked at, so the sender
+        may send them again (an older sender reads it as any refusal: its
+        blocks dropped). Refusals being told are bounded at max_pulls from
+        each member, and at max_pulls from all senders that are no member
+        together (theirs dial the sender first, and can hang there for a
+        peer timeout); past that none is sent, and the sender's wait for the
+        ack ends it. (kv29: one bound for all: two refusals to non-members
+        hanging in their dials, or a burst of refusals from more writers
+        than max_pulls, left a member's refusal unanswered: its writer
+        waited out ack_wait and took this owner for silent, skipping it for
+        ack_timeout.)"""
         self.pulls_refused += 1
         self.counters.dropped("pull_refused", n)
-        if self._acking < self.max_pulls:
-            self._acking += 1
-            self._spawn(self._ack(sender, head, bytes(n), refusal=True))
+        known = self.members.get(_member_name(sender))
+        who = sender if known is not None and not known.peer.lost else ""
+        if self._acking.get(who, 0) < self.max_pulls:
+            _count(self._acking, who, 1)
+            self._spawn(self._ack(sender, head, bytes(n), refusal=who))
 
     async def _pull_from(self, sender: str, head: dict[str, Any], body: bytes) -> None:
         task = asyncio.current_task()
@@ -1057,20 +1168,21 @@ class PeerTier(Tier):
                 _count(self._pulling, sender, -1)
 
     async def _ack(self, sender: str, head: dict[str, Any], stored: bytes, *,
-                   refusal: bool = False, reached: str | None = None) -> None:
+                   refusal: str | None = None, reached: str | None = None) -> None:
         """Answers a placement at its "ctl", if that is an address we may
         dial (_unvouched, asked again now: ``reached`` is the agent the pull
         found at "from"); else nothing is sent (the sender's ack_wait ends
-        it there)."""
+        it there). ``refusal``: a refusal's ack, its key in _acking (see
+        _refuse)."""
         # A pull's ack: its reading is over, from now on it counts as answering.
         task = asyncio.current_task()
-        pulled = None if refusal or task is None else self._pull_tasks.pop(task, None)
+        pulled = None if refusal is not None or task is None else self._pull_tasks.pop(task, None)
         if pulled is not None:
             _count(self._pulling, pulled, -1)
             _count(self._answering, pulled, 1)
         try:
             with contextlib.suppress(XferError, OSError, LookupError, ValueError):
-                if refusal:
+                if refusal is not None:
                     reached = await self._introduce(sender, head)
                 if self.ctl is not None:
                     why = self._unvouched(sender, head, ack=True, reached=reached)
@@ -1080,13 +1192,13 @@ class PeerTier(Tier):
                         return
                     back = await self.ctl.connect(head["ctl"])
                     answer: dict[str, Any] = {"op": "ack", "req": head["req"]}
-                    if refusal:
+                    if refusal is not None:
                         answer["busy"] = True  # (see _refuse)
                     ack = json.dumps(answer).encode()
                     await back.notify(len(ack).to_bytes(2, "little") + ack + stored)
         finally:
-            if refusal:
-                self._acking -= 1
+            if refusal is not None:
+                _count(self._acking, refusal, -1)
             if pulled is not None:
                 _count(self._answering, pulled, -1)
 
@@ -1109,10 +1221,42 @@ class PeerTier(Tier):
         """The agent at a placement's "from", joined as a member only when it
         is the sender's store agent (its name proven by the token in the
         handshake); another agent there is returned unjoined."""
-        peer = await self.store.agent.connect(head["from"])
-        if peer.name == _member_name(sender):
+        name = _member_name(sender)
+        known = self.members.get(name)
+        if (known is not None and not known.peer.lost) or self.store.agent._cluster is not None:
+            peer = await self.store.agent.connect(head["from"])  # (vouched: _unvouched)
+        else:
+            peer = await self._dial_unvouched(sender, head["from"])
+        if peer.name == name:
             await self._add_member(peer)
         return peer
+
+    async def _dial_unvouched(self, sender: str, address: str) -> aioxfer.Peer:
+        """Connects to the "from" of a sender that is no member, within
+        _dial_barred's bounds (asked again here: placements that arrived
+        together passed it together); LookupError if barred."""
+        why = self._dial_barred(sender, address)
+        if why is not None:
+            raise _Barred(why)
+        n = self._dialling.get(sender, (address, 0))[1]
+        self._dialling[sender] = (address, n + 1)
+        reached = False
+        try:
+            peer = await self.store.agent.connect(address)
+            reached = peer.name == _member_name(sender)
+            return peer
+        finally:
+            n = self._dialling[sender][1] - 1
+            if n:
+                self._dialling[sender] = (address, n)
+            else:
+                del self._dialling[sender]
+            if not reached:
+                now = asyncio.get_running_loop().time()
+                if len(self._misdialled) >= 1024:  # (senders' names churn: the lapsed go)
+                    self._misdialled = {k: t for k, t in self._misdialled.items()
+                                        if now - t < self.ack_timeout}
+                self._misdialled[sender] = now
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
@@ -1134,7 +1278,12 @@ class PeerTier(Tier):
         reached: str | None = None
         refused = False
         try:
-            peer = await self._reach(sender, head)
+            try:
+                peer = await self._reach(sender, head)
+            except _Barred as exc:
+                refused = True
+                self._refuse_unvouched(sender, head, str(exc), len(entries))
+                return
             if peer.name != _member_name(sender):
                 # Nothing read, nothing sent back: not even a member's ack
                 # (its "from" names another agent: broken or forged).
