@@ -67,9 +67,11 @@ the key with our bytes means it landed; with other bytes, ObjectExists
 the resend replace another writer's object).
 
 A single PUT of ours is bounded as our other requests: ``connect_timeout``,
-``read_timeout`` for its answer once the store has taken its body (the
-kernel's send queue empty, not merely the last byte queued: up to a send
-buffer of 4 MiB may wait there; while it drains, ``read_timeout`` without
+``read_timeout`` for its answer once the store has taken its body (all
+but ``min_rate * read_timeout / 2`` of its bytes acknowledged by the
+store's kernel, not merely the last byte queued: up to a send buffer of
+4 MiB may wait in ours, and over https up to a MiB more in the TLS
+transport's buffers; while they drain, ``read_timeout`` without
 progress), ``read_timeout`` for each read, and the whole attempt
 ``connect_timeout + read_timeout + bytes / min_rate``: a body the store
 reads slowly but at ``min_rate`` or better is sent (a multipart upload's
@@ -1696,8 +1698,11 @@ class _Body(aiohttp.payload.Payload):
     tests/test_obj28_keepalive.py.)
 
     Its write ends once the kernel has handed all but ``slack`` bytes to
-    the server (the socket's send queue: _unsent; ``slack``: what min_rate
-    moves in half of read_timeout), not when the last one is queued:
+    the server (what the transports hold, the socket's send queue:
+    _unsent, and the bytes the server's kernel has acknowledged since the
+    request's start: over TLS a MiB of records may wait in a TCP transport
+    no other count sees, tests/test_obj29_https.py; ``slack``: what
+    min_rate moves in half of read_timeout), not when the last one is queued:
     aiohttp starts the answer's ``read_timeout`` when the write ends, and up
     to a send buffer (4 MiB here) was still queued then: a server reading
     those bytes at ``min_rate`` or better, but slower than 4 MiB per
@@ -1725,7 +1730,8 @@ class _Body(aiohttp.payload.Payload):
     async def write_with_length(self, writer: Any, content_length: int | None) -> None:
         transport = writer.transport
         sock = None if transport is None else transport.get_extra_info("socket")
-        if sock is not None and _peer_closed(sock):
+        info = None if sock is None else _tcp_info(sock)
+        if info is not None and info[0] in (7, 8):  # TCP_CLOSE, TCP_CLOSE_WAIT
             # A pooled connection the server closed (its idle timeout) as
             # we took it: its FIN is in, not yet seen by the loop (it is at
             # the next select; this task runs first). Nothing of this
@@ -1735,13 +1741,35 @@ class _Body(aiohttp.payload.Payload):
             # PUT failing as "outcome unknown" (tests/test_rev33_idle_close.py).
             raise ConnectionResetError(
                 errno.ECONNRESET, "the server closed the kept-alive connection")
+        # the bytes the server's kernel had acknowledged before this
+        # request's first (its head is buffered until the body's first write)
+        acked0 = _acked(info)
         self._consumed = True
         view = self._view
         for at in range(0, len(view), _READ_BUFSIZE):
             await writer.write(view[at:at + _READ_BUFSIZE])
         if transport is None or sock is None:
             return
-        left = transport.get_write_buffer_size() + _unsent(sock.fileno())
+        fd = sock.fileno()
+        n = len(view)
+
+        def queued() -> int:
+            """The bytes of this request not yet taken by the server's
+            kernel: what the transport holds, and the socket's send queue;
+            over TLS also what the transport's own does not count, the
+            records in the TCP transport beneath it (asyncio's and uvloop's
+            alike: up to a MiB once the kernel's send buffer is full,
+            tests/test_obj29_https.py), which the bytes the kernel saw
+            acknowledged since the request's start tell (its head and the
+            TLS records' overhead taken as the body's: some KiB)."""
+            left = int(transport.get_write_buffer_size()) + _unsent(fd)
+            if acked0 is not None:
+                acked = _acked(_tcp_info(sock))
+                if acked is not None:
+                    left = max(left, n - (acked - acked0))
+            return left
+
+        left = queued()
         pause = 0.001
         moved = time.monotonic()
         while left > self._slack:
@@ -1763,7 +1791,7 @@ class _Body(aiohttp.payload.Payload):
                 # connection back in the pool would fail its next request.
                 # With bytes still queued (an early answer, a cancel) the
                 # connection is closed, as before.
-                if transport.get_write_buffer_size() + _unsent(sock.fileno()) > 0:
+                if queued() > 0:
                     raise
                 task = asyncio.current_task()
                 if task is not None:
@@ -1774,7 +1802,7 @@ class _Body(aiohttp.payload.Payload):
                     protocol.read_timeout = None
                 return
             pause = min(pause * 2, 0.05)
-            now = transport.get_write_buffer_size() + _unsent(sock.fileno())
+            now = queued()
             if now < left:
                 moved = time.monotonic()
             elif time.monotonic() - moved > self._stall:
@@ -1784,17 +1812,29 @@ class _Body(aiohttp.payload.Payload):
             left = now
 
 
-def _peer_closed(sock: Any) -> bool:
-    """Whether the peer of a connected TCP socket has closed or reset it
-    (Linux's TCP_INFO state: CLOSE_WAIT, CLOSE); False where that cannot be
+def _tcp_info(sock: Any) -> bytes | None:
+    """A connected TCP socket's TCP_INFO (Linux), None where that cannot be
     asked."""
     if sys.platform != "linux":
-        return False
+        return None
     try:
-        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        got = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
     except (OSError, AttributeError):
-        return False
-    return state in (7, 8)  # TCP_CLOSE, TCP_CLOSE_WAIT
+        return None
+    return got if isinstance(got, bytes) else None
+
+
+# struct tcp_info: tcpi_bytes_acked, a u64 at this offset (Linux 4.1+)
+_BYTES_ACKED = 120
+_TCP_INFO_LEN = _BYTES_ACKED + 8
+
+
+def _acked(info: bytes | None) -> int | None:
+    """The bytes the peer acknowledged on this connection (TCP_INFO's
+    tcpi_bytes_acked), None where TCP_INFO has none (before Linux 4.1)."""
+    if info is None or len(info) < _TCP_INFO_LEN:
+        return None
+    return int.from_bytes(info[_BYTES_ACKED:_TCP_INFO_LEN], sys.byteorder)
 
 
 def _unsent(fd: int) -> int:
