@@ -2251,7 +2251,9 @@ void axf_engine_shutdown(axf_engine *e)
         pthread_mutex_unlock(&e->mu);
         return;
     }
-    e->shut = true;
+    /* Atomic: conn_mark_dead reads it without e->mu (a receiver killing its
+     * connection); a plain store beside an atomic load is a C11 data race. */
+    __atomic_store_n(&e->shut, true, __ATOMIC_RELAXED);
     for (endpoint *ep = e->eps; ep; ep = ep->next) {
         ep->closing = true;
         atomic_store(&ep->halt, true);
