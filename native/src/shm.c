@@ -591,8 +591,10 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
                     (void)pop_data(p->fd, m, 0,
                                    rr->len < (1u << POP_SHIFT) ? rr->len : 1u << POP_SHIFT, p,
                                    false);
-                else
+                else {
+                    (void)fault_window(m); /* the populator's stride, if not measured yet */
                     pop_range(p, 0, 1, false);
+                }
             }
             if (can && pop_queue(p)) {
                 f->map = m;
