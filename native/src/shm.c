@@ -516,7 +516,11 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * faults: by a read per fault-around window (touch_pages: ~0.7x the CPU
      * of MAP_POPULATE or MADV_POPULATE_READ, which were ~5 ms for a 64 MiB
      * pool, the most of connecting to it), from 2 x POP_PAR_SLICE on by
-     * several threads at once.
+     * several threads at once. Connect + first 4 KiB write to a 64 MiB pool
+     * (connect_phases, 3 runs of n=25 interleaved with the madvise build, 2
+     * shared vCPUs): 4.30/4.71/4.95 -> 3.14/3.99/3.48 ms, the import
+     * 2.86-3.34 -> 1.76-2.22 ms; the demo's throughput 0.998x (pair ratio
+     * median, n=27: the page tables it leaves are the same).
      * Above axf_shm_lazy_min (1 GiB, ~90 ms) it is not populated here but
      * behind: by the populator, and by each copy a granule before its first
      * copy (shm_populate), so no copy takes a fault per page. Lazily, bulk
