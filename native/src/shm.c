@@ -69,8 +69,7 @@ typedef struct shm_state {
 #define MADV_POPULATE_READ 22 /* Linux 5.14 */
 #endif
 #define POP_SHIFT 18                 /* populated lazily, 256 KiB at a time */
-#define POP_PAR_MIN (16u << 20)      /* populated at map time by several threads from here */
-#define POP_PAR_SLICE (16u << 20)    /* ... each at least this much */
+#define POP_PAR_SLICE (16u << 20)    /* populated at map time by threads, each this much */
 #define POP_PAR_MAX 8                /* ... at most this many */
 /* Mappings larger than this are populated lazily (tests lower it;
  * $AIOXFER_SHM_LAZY_MIN sets it, from axf_env_read's snapshot: see map_fd). */
@@ -109,20 +108,66 @@ typedef struct shm_pop {
     _Atomic uint64_t bits[];
 } shm_pop;
 
-/* Populates [m, m+len) by reading a byte of each page: the page faults
- * that maps them (with the kernel's fault-around) run under the mapping's
- * own lock, where MADV_POPULATE_READ holds the whole process's mmap_lock
- * for reading. The populator runs at a low priority and is often
- * preempted: inside madvise it held that lock meanwhile, and every mmap,
- * munmap or mprotect of any other thread (a thread's stack, malloc's
- * arenas, the loop's own allocations) waited for it to be scheduled again
- * (AIOXFER_SHM_LAZY_MIN=0, connect + first 4 KiB write to a 64 MiB pool:
- * 1-3 ms more in half of the samples, after the import returned). The
- * mapping is of a sealed memfd at least its length (map_fd): no SIGBUS. */
+/* The kernel's fault-around window for file mappings (fault_around_bytes,
+ * 64 KiB by default; debugfs, so not readable here): a read fault on a
+ * shared file mapping maps every page of its window that is in the page
+ * cache, not just the faulting one. 0: not measured yet; measured once, on
+ * the first pool populated whole (fault_window). */
+static _Atomic uint64_t fa_bytes;
+
+/* Measures the fault-around window on m, a fresh mapping of a file whose
+ * first 2 MiB are all data (no holes), 2 MiB-aligned: reads m[0], then asks
+ * /proc/self/pagemap how many of the pages after it are mapped now. Pages
+ * the window skipped (one locked by someone else) only make it smaller, so
+ * the touches it spaces never leave a page out. 4 KiB (a touch per page)
+ * where pagemap cannot be read. */
+static uint64_t fault_window(const uint8_t *m)
+{
+    uint64_t w = atomic_load_explicit(&fa_bytes, memory_order_relaxed);
+    if (w)
+        return w;
+    w = 4096;
+    (void)*(const volatile uint8_t *)m;
+    int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+    uint64_t ent[512];
+    if (fd >= 0) {
+        ssize_t r = pread(fd, ent, sizeof ent, (off_t)((uintptr_t)m / 4096 * sizeof ent[0]));
+        close(fd);
+        uint64_t n = 0;
+        while (r > 0 && n < (uint64_t)r / sizeof ent[0] && (ent[n] >> 63)) /* present */
+            n++;
+        while (w * 2 <= n * 4096)
+            w *= 2;
+    }
+    atomic_store_explicit(&fa_bytes, w, memory_order_relaxed);
+    return w;
+}
+
+/* Populates [m, m+len) by reading a byte of each fault-around window
+ * (fa_bytes, a page where not measured): each read fault maps the whole
+ * window (16 pages by default). Cheaper than madvise(MADV_POPULATE_READ) or
+ * MAP_POPULATE, which walk every page again (get_user_pages) after the same
+ * faults mapped it: C probe, a written 64 MiB memfd, 2 vCPUs (kernel 6.18),
+ * CPU medians of 41: MADV_POPULATE_READ 5.7 ms, MAP_POPULATE 6.0, a read per
+ * page 5.2, a read per 64 KiB 4.1; at 4 MiB 0.28 / 0.28 / 0.18 / 0.15 ms
+ * wall. And the page faults run under the mapping's own lock, where
+ * MADV_POPULATE_READ holds the whole process's mmap_lock for reading: the
+ * lazy populator runs at a low priority and is often preempted; inside
+ * madvise it held that lock meanwhile, and every mmap, munmap or mprotect
+ * of any other thread (a thread's stack, malloc's arenas, the loop's own
+ * allocations) waited for it to be scheduled again (AIOXFER_SHM_LAZY_MIN=0,
+ * connect + first 4 KiB write to a 64 MiB pool: 1-3 ms more in half of the
+ * samples, after the import returned). The windows are aligned in the
+ * address space, so a range starting inside one is read at its own start.
+ * The mapping is of a sealed memfd at least its length (map_fd): no SIGBUS. */
 static void touch_pages(const uint8_t *m, uint64_t len)
 {
-    for (uint64_t o = 0; o < len; o += 4096)
-        (void)*(const volatile uint8_t *)(m + o);
+    uint64_t w = atomic_load_explicit(&fa_bytes, memory_order_relaxed);
+    if (!w)
+        w = 4096;
+    uintptr_t a = (uintptr_t)m, end = a + len;
+    for (uintptr_t o = a & ~(uintptr_t)(w - 1); o < end; o += w)
+        (void)*(const volatile uint8_t *)(o < a ? a : o);
 }
 
 /* Populates the granules of [off, off+len) not populated yet, consecutive
@@ -350,23 +395,22 @@ typedef struct pop_slice {
     uint8_t *map;
     uint64_t off, len;
     int fd; /* >= 0: only the file's data */
-    int err;
 } pop_slice;
 
 static void *pop_slice_main(void *arg)
 {
     pop_slice *sl = arg;
     if (sl->fd >= 0)
-        sl->err = pop_data(sl->fd, sl->map, sl->off, sl->len, NULL, false) ? 0 : EINVAL;
+        (void)pop_data(sl->fd, sl->map, sl->off, sl->len, NULL, true);
     else
-        sl->err = madvise(sl->map + sl->off, sl->len, MADV_POPULATE_READ) == 0 ? 0 : errno;
+        touch_pages(sl->map + sl->off, sl->len);
     return NULL;
 }
 
 /* Populates [m, m+len) on several threads at once (one a core, up to
- * POP_PAR_MAX, at least POP_PAR_SLICE each; the caller takes a slice). false
- * when the kernel cannot (before 5.14). */
-static bool pop_parallel(uint8_t *m, uint64_t len, int fd)
+ * POP_PAR_MAX, at least POP_PAR_SLICE each; the caller takes a slice; below
+ * 2 x POP_PAR_SLICE, on this thread alone). */
+static void pop_parallel(uint8_t *m, uint64_t len, int fd)
 {
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     uint64_t n = len / POP_PAR_SLICE;
@@ -389,15 +433,12 @@ static bool pop_parallel(uint8_t *m, uint64_t len, int fd)
         if (sl[i].len)
             started[i] = pthread_create(&t[i], NULL, pop_slice_main, &sl[i]) == 0;
     pop_slice_main(&sl[0]);
-    bool ok = sl[0].err != EINVAL;
     for (uint64_t i = 1; i < n; i++) {
         if (started[i])
             pthread_join(t[i], NULL);
         else if (sl[i].len)
             pop_slice_main(&sl[i]);
-        ok &= sl[i].err != EINVAL;
     }
-    return ok;
 }
 
 /* mmap(NULL, len, prot, MAP_SHARED | flags, fd, 0) at an address that is a
@@ -472,8 +513,14 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
     int prot = PROT_READ | (rw ? PROT_WRITE : 0);
     int datafd = has_holes(memfd) ? memfd : -1; /* populate only its data */
     /* Populated now, as before, so that the first bulk writes take no page
-     * faults; but from POP_PAR_MIN on by several threads at once (MAP_POPULATE
-     * is one thread: ~5 ms for a 64 MiB pool, the most of connecting to it).
+     * faults: by a read per fault-around window (touch_pages: ~0.7x the CPU
+     * of MAP_POPULATE or MADV_POPULATE_READ, which were ~5 ms for a 64 MiB
+     * pool, the most of connecting to it), from 2 x POP_PAR_SLICE on by
+     * several threads at once. Connect + first 4 KiB write to a 64 MiB pool
+     * (connect_phases, 3 runs of n=25 interleaved with the madvise build, 2
+     * shared vCPUs): 4.30/4.71/4.95 -> 3.14/3.99/3.48 ms, the import
+     * 2.86-3.34 -> 1.76-2.22 ms; the demo's throughput 0.998x (pair ratio
+     * median, n=27: the page tables it leaves are the same).
      * Above axf_shm_lazy_min (1 GiB, ~90 ms) it is not populated here but
      * behind: by the populator, and by each copy a granule before its first
      * copy (shm_populate), so no copy takes a fault per page. Lazily, bulk
@@ -504,25 +551,22 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * Two populating threads gain little here anyway (64 MiB: 2.39 vs 2.86
      * ms, medians of 41, load average 3.5 on 2 vCPUs) and the fds come only
      * with the metadata, the handshake's last message: nothing is left to
-     * overlap with but ~0.3 ms of Python. A
-     * kernel without MADV_POPULATE_READ (before 5.14) uses MAP_POPULATE
-     * throughout. A file with holes (has_holes) has only its data
-     * populated, at any size (by one thread below POP_PAR_MIN), or, before
-     * 5.14, none of it (MAP_POPULATE would fill the holes).
+     * overlap with but ~0.3 ms of Python. A lazy mapping on a kernel
+     * without MADV_POPULATE_READ (before 5.14) is populated whole here by
+     * MAP_POPULATE, or, for a file with holes, not at all. A file with
+     * holes (has_holes) has only its data populated, at any size.
      * Mapped from the fd itself: never reopened by number through /proc. A
      * read-only fd, or one sealed against writing, fails here for a
      * writable region. */
-    if ((rr->len >= POP_PAR_MIN || datafd >= 0) && rr->len <= axf_shm_lazy_min) {
-        void *m = map_shared(rr->len, prot, 0, memfd);
+    if (rr->len <= axf_shm_lazy_min) {
+        uint8_t *m = map_shared(rr->len, prot, 0, memfd);
         if (m == MAP_FAILED)
             return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
-        if (pop_parallel(m, rr->len, datafd)) {
-            f->map = m;
-            return AXF_OK;
-        }
-        munmap(m, rr->len);
-        if (datafd >= 0) /* no MADV_POPULATE_READ: not MAP_POPULATE, which fills holes */
-            return map_plain(rr, memfd, prot, f);
+        if (datafd < 0 && rr->len >= (2u << 20)) /* aligned (map_shared), all data */
+            (void)fault_window(m);
+        pop_parallel(m, rr->len, datafd);
+        f->map = m;
+        return AXF_OK;
     }
     if (rr->len > axf_shm_lazy_min) {
         uint64_t ngran = ((rr->len - 1) >> POP_SHIFT) + 1;
@@ -551,8 +595,10 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
                     (void)pop_data(p->fd, m, 0,
                                    rr->len < (1u << POP_SHIFT) ? rr->len : 1u << POP_SHIFT, p,
                                    false);
-                else
+                else {
+                    (void)fault_window(m); /* the populator's stride, if not measured yet */
                     pop_range(p, 0, 1, false);
+                }
             }
             if (can && pop_queue(p)) {
                 f->map = m;
