@@ -1087,6 +1087,7 @@ class Agent:
                 or not n
                 or peer._host is not self._peers
                 or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
+                or lr.kind != "host"  # (on both sides: tcp does not reach it)
             ):
                 self._check_open()
                 self._check_pair(src, dst, 0)
@@ -1145,6 +1146,7 @@ class Agent:
                 or not n
                 or peer._host is not self._peers
                 or lr.kind is not rr.kind
+                or lr.kind != "host"  # GPU memory on both sides: does the path reach it?
             ):
                 self._check_open()
                 self._check_pair(dst, src, 0)
@@ -1245,6 +1247,7 @@ class Agent:
             or not n
             or rr.peer._host is not self._peers
             or lr.kind is not rr.kind  # GPU memory: is the path one that reaches it?
+            or lr.kind != "host"  # (on both sides: tcp does not reach it)
         ):
             self._check_pair(local, remote, 0)
         return rr.peer, (lr.rid, local.offset, rr.rid, rr.key, remote.offset, n), n

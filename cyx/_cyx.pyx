@@ -65,6 +65,8 @@ cdef enum:
     _GIL_KEPT_BYTES = 64 << 10
 
 
+import sys as _sys
+
 import numpy as _np
 
 

@@ -613,6 +613,9 @@ cdef extern from *:
     """
     bint axf_u64_exact(PyObject *o, uint64_t *out)
 
+# Region.kind of host memory (interned: "host" literals are; a kind that is
+# not this very object goes to the Python method, which compares by value).
+cdef object _KIND_HOST = _sys.intern("host")
 cdef object _OP_WRITE_OBJ = AXF_OP_WRITE
 cdef object _OP_READ_OBJ = AXF_OP_READ
 
@@ -723,7 +726,10 @@ cdef class Poster:
                 or axf_slot_ptr(<object>peer, self._h[_H_HOST]) != <PyObject *>self._peers
                 or axf_slot_ptr(<object>lr, self._l[_L_KIND])
                 != axf_slot_ptr(<object>rr, self._f[_F_KIND])
-                or axf_slot_ptr(<object>lr, self._l[_L_KIND]) == NULL):
+                or axf_slot_ptr(<object>lr, self._l[_L_KIND]) == NULL
+                # GPU memory (one kind on both sides): the Python method asks
+                # whether the peer's path reaches it (tcp does not)
+                or axf_slot_ptr(<object>lr, self._l[_L_KIND]) != <PyObject *>_KIND_HOST):
             return None
         # Both exact ints: compared as C integers (a rich comparison and a
         # truth test are ~250 instructions); one past 63 bits, or 0, goes to

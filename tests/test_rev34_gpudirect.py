@@ -79,6 +79,16 @@ async def test_gpu_offset_arrays_over_tcp_are_refused_at_the_call(make_agent: An
             b.post_arrays("write", gb, peer.region("ga"), offs, offs, 4096)
         with pytest.raises(aioxfer.TransportError, match="which path 'tcp'"):
             b.write(gb.segments(offs, [4096]), peer.region("ga").segments(offs, [4096]))
+        # One segment each (the lead, rev34's lead): the write/read fast paths
+        # (agent.write's inlined check, _descs_one, the compiled poster) passed
+        # GPU regions of one kind on both sides without asking whether the path
+        # reaches GPU memory, and the transfer failed later, untyped.
+        with pytest.raises(aioxfer.TransportError, match="which path 'tcp'"):
+            b.write(gb[0:4096], peer.region("ga")[0:4096])
+        with pytest.raises(aioxfer.TransportError, match="which path 'tcp'"):
+            b.read(gb[0:4096], peer.region("ga")[0:4096])
+        with pytest.raises(aioxfer.TransportError, match="which path 'tcp'"):
+            b.write(gb[0:4096], peer.region("ga")[0:4096], notify=b"x")
     finally:
         await within(a.aclose())
         await within(b.aclose())
