@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from aioxfer.names import check_name
+
 __all__ = [
     "PROTOCOL_VERSION",
     "Accept",
@@ -119,6 +121,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
+        # (A peer's name, held to our own names' rule where it enters:
+        # aioxfer.names. A decode raises ProtocolError.)
+        check_name(self.name)
 
 
 class Challenge(msgspec.Struct, tag="challenge", frozen=True):
@@ -160,6 +165,8 @@ class Accept(msgspec.Struct, tag="accept", frozen=True):
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
+        if self.name:  # (empty: a server that names nobody, as before)
+            check_name(self.name)
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
@@ -233,6 +240,7 @@ class AgentMeta(msgspec.Struct, tag="meta", frozen=True):
 
     def __post_init__(self) -> None:
         _check_u64(self.incarnation)
+        check_name(self.name)
         for a in ([self.address] if self.address else []) + self.rails:
             check_address(a)
 

@@ -66,6 +66,7 @@ from typing import NoReturn, TypeGuard
 import msgspec
 
 from aioxfer.errors import AccessDenied, ProtocolError, XferError
+from aioxfer.log import escape
 from aioxfer.metadata import (
     PROTOCOL_VERSION,
     Accept,
@@ -149,7 +150,9 @@ def decode_body(body: bytes | bytearray | memoryview) -> Frame:
     try:
         return _decoder.decode(body)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        raise ProtocolError(f"malformed frame: {exc}") from None
+        # (escaped: msgspec quotes a bad value, e.g. an unknown tag, raw, and
+        # a peer's control characters would reach our exceptions' text)
+        raise ProtocolError(f"malformed frame: {escape(str(exc))}") from None
     except RecursionError:  # msgpack nested deeper than the interpreter allows
         raise ProtocolError("malformed frame: nested too deeply") from None
 
