@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import known_issues  # noqa: E402
+import _harness  # noqa: E402
 
 TOKEN = b"fuzz-token"
 GRANT = b"g" * 16  # the server nonce of the one join grant the server side holds
@@ -278,19 +278,9 @@ def _run(data: bytes) -> None:
 
 
 def check(data: bytes) -> str | None:
-    """Runs one input. None: it held; a KNOWN name: a known issue (tolerated
-    only when the caller allows); raises on a new finding."""
-    load()
-    if not data:
-        return None
-    try:
-        _run(data)
-    except Exception as exc:
-        known = known_issues.classify(exc)
-        if known is None:
-            raise
-        return known
-    return None
+    """Runs one input (fuzz/_harness.py guarded: None, a known issue's name,
+    or raises on a new finding)."""
+    return _harness.guarded(load, _run, data)
 
 
 def seeds() -> dict[str, bytes]:
@@ -398,10 +388,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    from instrument import fuzz
-
-    load()
-    fuzz(check, _m.protocol, _m.metadata, _m.errors)
+    _harness.main(check, load, lambda: (_m.protocol, _m.metadata, _m.errors))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import known_issues  # noqa: E402
+import _harness  # noqa: E402
 
 BB = 64 << 10
 GROUP = "fz"
@@ -242,26 +242,20 @@ def _structured(data: bytes) -> None:
     _meta_then_head(json.dumps(meta).encode() + SEP + json.dumps(head).encode())
 
 
+def _run(data: bytes) -> None:
+    mode = data[0] % 3
+    if mode == 0:
+        _meta_then_head(data[1:])
+    elif mode == 1:
+        _notification(data[1:])
+    else:
+        _structured(data[1:])
+
+
 def check(data: bytes) -> str | None:
-    """Runs one input. None: it held; a KNOWN name: a known issue (tolerated
-    only when the caller allows); raises on a new finding."""
-    load()
-    if not data:
-        return None
-    try:
-        mode = data[0] % 3
-        if mode == 0:
-            _meta_then_head(data[1:])
-        elif mode == 1:
-            _notification(data[1:])
-        else:
-            _structured(data[1:])
-    except Exception as exc:
-        known = known_issues.classify(exc)
-        if known is None:
-            raise
-        return known
-    return None
+    """Runs one input (fuzz/_harness.py guarded: None, a known issue's name,
+    or raises on a new finding)."""
+    return _harness.guarded(load, _run, data)
 
 
 def seeds() -> dict[str, bytes]:
@@ -293,15 +287,9 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    from instrument import fuzz
-
-    import aioxfer.log
-
-    aioxfer.log.configure(level="critical")  # a warning per input costs more than the input
-    load()
     # The harness too: its structured mode's choices (the JSON types it
     # makes) count as coverage, so inputs of every shape stay in the corpus.
-    fuzz(check, _m.mod, sys.modules[__name__])
+    _harness.main(check, load, lambda: (_m.mod, sys.modules[__name__]), quiet=True)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import known_issues  # noqa: E402
+import _harness  # noqa: E402
 
 TOKEN = b"fuzz-token-nixl-wire"  # (16 bytes or more: no auth.short_token line)
 NONCE = b"N" * 16
@@ -666,19 +666,9 @@ def _run(data: bytes) -> None:
 
 
 def check(data: bytes) -> str | None:
-    """Runs one input. None: it held; a KNOWN name: a known issue (tolerated
-    only when the caller allows); raises on a new finding."""
-    load()
-    if not data:
-        return None
-    try:
-        _run(data)
-    except Exception as exc:
-        known = known_issues.classify(exc)
-        if known is None:
-            raise
-        return known
-    return None
+    """Runs one input (fuzz/_harness.py guarded: None, a known issue's name,
+    or raises on a new finding)."""
+    return _harness.guarded(load, _run, data)
 
 
 def seeds() -> dict[str, bytes]:
@@ -777,10 +767,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    from instrument import fuzz
-
-    load()
-    fuzz(check, _m.wire, _m.bindings, _m.api, _m.metadata)
+    _harness.main(check, load, lambda: (_m.wire, _m.bindings, _m.api, _m.metadata))
 
 
 if __name__ == "__main__":

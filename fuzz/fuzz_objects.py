@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import known_issues  # noqa: E402
+import _harness  # noqa: E402
 
 MiB = 1 << 20
 DATA = bytes(i % 251 for i in range(4096))  # an object's bytes, as the seeds answer them
@@ -153,20 +153,14 @@ def _run(op: int, answer: bytes) -> None:
         raise AssertionError(f"stat returned {got!r} on an answer of status {status}")
 
 
+def _one(data: bytes) -> None:
+    _run(data[0] % len(OPS), data[1:])
+
+
 def check(data: bytes) -> str | None:
-    """Runs one input. None: it held; a KNOWN name: a known issue (tolerated
-    only when the caller allows); raises on a new finding."""
-    load()
-    if not data:
-        return None
-    try:
-        _run(data[0] % len(OPS), data[1:])
-    except Exception as exc:
-        known = known_issues.classify(exc)
-        if known is None:
-            raise
-        return known
-    return None
+    """Runs one input (fuzz/_harness.py guarded: None, a known issue's name,
+    or raises on a new finding)."""
+    return _harness.guarded(load, _one, data)
 
 
 def _answer(status: str, headers: dict[str, str], body: bytes = b"") -> bytes:
@@ -219,13 +213,7 @@ def seeds() -> dict[str, bytes]:
 
 
 def main() -> None:
-    from instrument import fuzz
-
-    import aioxfer.log
-
-    aioxfer.log.configure(level="critical")  # a warning per input costs more than the input
-    load()
-    fuzz(check, _m.objects)
+    _harness.main(check, load, lambda: (_m.objects,), quiet=True)
 
 
 if __name__ == "__main__":
