@@ -2112,8 +2112,11 @@ static void *tx_main(void *arg)
         }
         pthread_cond_timedwait(&c->cv, &c->mu, &ts);
         AXF_TR(TR_TX_WAKE, c->fd, 0, 0);
-        if (e->faults && e->faults->tx_woke) /* (test only: its wake-ups counted) */
-            e->faults->tx_woke(e->faults->arg);
+        /* (test only: its wake-ups counted; atomic: set under e->mu, which
+         * this thread does not hold) */
+        const axf_faults *tf = __atomic_load_n(&e->faults, __ATOMIC_ACQUIRE);
+        if (tf && tf->tx_woke)
+            tf->tx_woke(tf->arg);
     }
     /* An inline sender may still be in send_batch: it puts back or releases
      * its own items. */

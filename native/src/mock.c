@@ -229,7 +229,8 @@ static void mock_destroy(axf_engine *e)
 void axf_mock_faults(axf_engine *e, const axf_faults *f)
 {
     pthread_mutex_lock(&e->mu);
-    e->faults = f;
+    /* (atomic: tx_main reads it without e->mu) */
+    __atomic_store_n(&e->faults, f, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&e->mu);
 }
 

@@ -93,7 +93,7 @@ static int test_round_trip(void)
     CHECK_EQ(ff_open(&f, "/tmp", 0, RW), 0);
     axf_desc w[5] = {
         fd_(f.srid, 0, &f, 4096 * 7, 4096),
-        fd_(f.srid, 100, &f, 1, 333),
+        fd_(f.srid, 8192 + 100, &f, 1, 333), /* apart from [0] */
         fd_(f.srid, 65536, &f, 2u << 20, (3u << 20) + 17), /* 4 chunks, the last short */
         fd_(f.srid, 5u << 20, &f, 6u << 20, 1u << 20),
         fd_(f.srid, FSIZE - 10, &f, FSIZE - 10, 10), /* the file's last bytes */

@@ -1951,7 +1951,10 @@ static int test_spinner_reads_read_pieces(void)
             if (by_spinner)
                 break;
         }
-        CHECK(by_spinner || fault != F_READ_PIECES);
+        /* (That the spinner, not the receiver, took one of 50 is a race it
+         * wins at full speed; under ThreadSanitizer, t_timeout_scale > 1,
+         * the instrumented spinner can lose all 50: only the data is checked) */
+        CHECK(by_spinner || fault != F_READ_PIECES || t_timeout_scale > 1);
         axf_stats s;
         axf_engine_stats(r.a->e, &s);
         CHECK_EQ(s.frames_rejected, 0);
