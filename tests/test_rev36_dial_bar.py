@@ -104,3 +104,21 @@ async def test_a_misdialled_address_stays_barred_under_other_names(
         assert accepted == [1]
         assert ta.counters.dropped_stores == {"placement_unvouched": 2}
         assert ta.pulled == 0
+
+
+async def test_the_bars_are_bounded_oldest_first(make_agent: MakeAgent) -> None:
+    """At most 1024 bars: past that the oldest goes (none has lapsed, with
+    ack_timeout 60 s), and a renewed bar is the newest."""
+    a = await make_agent("rev36-a3")
+    ta = kv.PeerTier(group="rev36f", ack_timeout=60.0)
+    async with kv.Store.open(a, block_bytes=BB, tiers=[kv.HostTier(8 * BB), ta]):
+        for i in range(1030):
+            ta._misdial("", f"127.0.0.1:{i}")
+        assert len(ta._misdialled) == 1024  # (0 to 5 went)
+        assert ta._dial_barred("x", "127.0.0.1:5") is None
+        ta._misdial("", "127.0.0.1:6")  # (renewed: now the newest)
+        ta._misdial("", "127.0.0.1:1030")
+        assert len(ta._misdialled) == 1024
+        assert ta._dial_barred("x", "127.0.0.1:7") is None  # (the oldest went)
+        for port in (6, 8, 1029, 1030):
+            assert ta._dial_barred("x", f"127.0.0.1:{port}") is not None

@@ -1260,13 +1260,14 @@ class PeerTier(Tier):
         the oldest (token holders' names and addresses churn)."""
         now = asyncio.get_running_loop().time()
         key = (sender, address)
-        self._misdialled.pop(key, None)  # (renewed: now the newest)
-        if len(self._misdialled) >= 1024:
-            self._misdialled = {k: t for k, t in self._misdialled.items()
-                                if now - t < self.ack_timeout}
-            while len(self._misdialled) >= 1024:
-                del self._misdialled[next(iter(self._misdialled))]
-        self._misdialled[key] = now
+        bars = self._misdialled
+        bars.pop(key, None)  # (renewed: now the newest; the dict stays oldest first)
+        while bars:
+            first = next(iter(bars))
+            if len(bars) < 1024 and now - bars[first] < self.ack_timeout:
+                break
+            del bars[first]
+        bars[key] = now
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
