@@ -335,11 +335,11 @@ class PeerTier(Tier):
         # name); to a sender that is no member (each dials its "from"
         # first: _introduce), all together under "" (see _refuse).
         self._acking: dict[str, int] = {}
-        # Senders that are no member (embedded): the "from" being dialled for
-        # each, and how many placements wait on it; when a dial of theirs
-        # last reached no agent of theirs (see _dial_barred).
-        self._dialling: dict[str, tuple[str, int]] = {}
-        self._misdialled: dict[str, float] = {}
+        # "from" addresses of senders that are no member (embedded) whose
+        # last dial reached no agent of the sender's: (sender, address), or
+        # ("", address) where it reached no agent at all -> when (see
+        # _dial_barred; oldest first).
+        self._misdialled: dict[tuple[str, str], float] = {}
         self.pulls_refused = 0
         self.group = group
         self.replicas = replicas
@@ -1064,8 +1064,8 @@ class PeerTier(Tier):
         not joined must be one of etcd's members, at the address etcd holds
         for it. Embedded, a sender we never connected to (it joined us) has
         no published address we know: its "from" is dialled as sent (within
-        _dial_barred's bounds: one address at a time, none for ack_timeout
-        after one that reached no agent of the sender's), and the pull goes
+        _dial_barred's bounds: an address not for ack_timeout after it
+        reached no agent of the sender's), and the pull goes
         on only if the agent there is the sender's store agent (its name,
         proven by the token in the handshake: _pull), which is how a member
         that joined us introduces itself. The ack of a sender
@@ -1099,23 +1099,30 @@ class PeerTier(Tier):
 
     def _dial_barred(self, sender: str, address: str) -> str | None:
         """Why the "from" of ``sender`` (no member; embedded, so nothing
-        vouches for it) is not dialled now (None: it may be, once). Each such
+        vouches for it) is not dialled now (None: it may be). Each such
         placement made us open a connection and send a Hello wherever it
         named, at the sender's rate (kv29, benchmarks/kv29_reflect.py: one
         connection and 174 bytes to the address a placement of 142 bytes
         names, the sender pacing each on the last): a token holder could
-        aim this agent at any host and port. Now one address of a sender's
-        is dialled at a time, and a sender whose address reached no agent
-        of its own waits ack_timeout before another is dialled for it (a
-        member that joins us reaches itself at the first try)."""
-        when = self._misdialled.get(sender)
-        if when is not None:
-            if asyncio.get_running_loop().time() - when < self.ack_timeout:
-                return "its last address reached no agent of its (lately)"
-            del self._misdialled[sender]
-        dialling = self._dialling.get(sender)
-        if dialling is not None and dialling[0] != address:
-            return "another address of its is being dialled"
+        aim this agent at any host and port. An address that reached no
+        agent is not dialled again for ack_timeout, whoever names it; one
+        that reached another agent than the sender's, not for that sender.
+        (rev36: kv29 barred the sender's name, every address of it, after
+        one such dial and while one was under way; embedded, names need not
+        be unique, so any token holder that claimed a writer's name and
+        named a dead port had the owner refuse the writer's own placements,
+        undialled, for ack_timeout, again and again. Names cost nothing, so
+        a bar by name never bounded a token holder anyway; this one bounds
+        what the dials can reach.)"""
+        now = asyncio.get_running_loop().time()
+        for key in (("", address), (sender, address)):
+            when = self._misdialled.get(key)
+            if when is None:
+                continue
+            if now - when < self.ack_timeout:
+                return ("its address reached no agent (lately)" if not key[0]
+                        else "its address reached another agent than its own (lately)")
+            del self._misdialled[key]
         return None
 
     def _refuse_unvouched(self, sender: str, head: dict[str, Any], why: str, n: int) -> None:
@@ -1238,25 +1245,29 @@ class PeerTier(Tier):
         why = self._dial_barred(sender, address)
         if why is not None:
             raise _Barred(why)
-        n = self._dialling.get(sender, (address, 0))[1]
-        self._dialling[sender] = (address, n + 1)
-        reached = False
         try:
             peer = await self.store.agent.connect(address)
-            reached = peer.name == _member_name(sender)
-            return peer
-        finally:
-            n = self._dialling[sender][1] - 1
-            if n:
-                self._dialling[sender] = (address, n)
-            else:
-                del self._dialling[sender]
-            if not reached:
-                now = asyncio.get_running_loop().time()
-                if len(self._misdialled) >= 1024:  # (senders' names churn: the lapsed go)
-                    self._misdialled = {k: t for k, t in self._misdialled.items()
-                                        if now - t < self.ack_timeout}
-                self._misdialled[sender] = now
+        except (XferError, OSError, ValueError):
+            self._misdial("", address)
+            raise
+        if peer.name != _member_name(sender):
+            self._misdial(sender, address)
+        return peer
+
+    def _misdial(self, sender: str, address: str) -> None:
+        """Bars ``address`` (for ``sender``; "": for all) for ack_timeout
+        (see _dial_barred). At most 1024 bars: the lapsed go first, then
+        the oldest (token holders' names and addresses churn)."""
+        now = asyncio.get_running_loop().time()
+        key = (sender, address)
+        bars = self._misdialled
+        bars.pop(key, None)  # (renewed: now the newest; the dict stays oldest first)
+        while bars:
+            first = next(iter(bars))
+            if len(bars) < 1024 and now - bars[first] < self.ack_timeout:
+                break
+            del bars[first]
+        bars[key] = now
 
     async def _pull(self, head: dict[str, Any], body: bytes) -> None:
         """A member places blocks here: read them from its memory into our
