@@ -102,8 +102,8 @@ async def test_a_non_members_from_is_dialled_once_until_it_reaches_it(
         await within(wait_until(
             lambda: ta._extra()["pulls_in_flight"] == ta._extra()["pulls_answering"] == 0,
             what="the first pull over"))
-        for req, frm in ((2, second), (3, first)):
-            await within(to_a.notify(placement(req, frm, key)))
+        for req in (2, 3):
+            await within(to_a.notify(placement(req, first, key)))
         await within(wait_until(lambda: ta.pulls_refused == 2, what="both refused undialled"))
         assert ta.counters.dropped_stores == {"placement_unvouched": 2}
         assert accepted1 == [1] and accepted2 == []
