@@ -134,10 +134,12 @@ static uint64_t fault_window(const uint8_t *m, uint64_t len)
         return w;
     w = 4096;
     (void)*(const volatile uint8_t *)m;
+    uint64_t want = len / 4096 < 512 ? len / 4096 : 512;
+    if (!want)
+        return w; /* less than a page: nothing to measure, nothing kept */
     int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
     uint64_t ent[512];
-    uint64_t want = len / 4096 < 512 ? len / 4096 : 512;
-    if (fd >= 0 && want) {
+    if (fd >= 0) {
         ssize_t r = pread(fd, ent, want * sizeof ent[0],
                           (off_t)((uintptr_t)m / 4096 * sizeof ent[0]));
         close(fd);
@@ -148,8 +150,6 @@ static uint64_t fault_window(const uint8_t *m, uint64_t len)
             w *= 2;
         if (n == want)
             return w; /* the window reaches past what was read: not kept */
-    } else if (fd >= 0) {
-        close(fd);
     }
     atomic_store_explicit(&fa_bytes, w, memory_order_relaxed);
     return w;
