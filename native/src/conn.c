@@ -483,6 +483,16 @@ void conn_room(conn *c)
  * while this connection's replies or undelivered notifications are at their
  * bound. Our liveness check is a receive timeout, so a paused receiver is
  * never declared silent; our sender keeps sending keepalives meanwhile. */
+/* The engine's test-only faults (axf_mock_faults sets them while the
+ * connections' threads run): read atomically, as the tests set them (the
+ * sending thread reads them at each wake-up, spl29: a plain read beside the
+ * test's store was a data race, ThreadSanitizer failing test_rails and
+ * test_spl29_kick_wake in .ci/run's TSan step). */
+static inline const axf_faults *faults_of(axf_engine *e)
+{
+    return __atomic_load_n(&e->faults, __ATOMIC_ACQUIRE);
+}
+
 static void tx_wake(conn *c);
 
 static void rx_wait_room(conn *c)
@@ -2013,8 +2023,9 @@ void conn_kick(conn *c)
         }
     }
     pthread_mutex_unlock(&c->mu);
-    if (late && c->e->faults && c->e->faults->kick_release_gap) /* (test only) */
-        c->e->faults->kick_release_gap(c->e->faults->arg);
+    const axf_faults *ft = late ? faults_of(c->e) : NULL;
+    if (ft && ft->kick_release_gap) /* (test only) */
+        ft->kick_release_gap(ft->arg);
     release_list(c->e, done);
     if (late) {
         pthread_mutex_lock(&c->mu);
@@ -2112,11 +2123,9 @@ static void *tx_main(void *arg)
         }
         pthread_cond_timedwait(&c->cv, &c->mu, &ts);
         AXF_TR(TR_TX_WAKE, c->fd, 0, 0);
-        /* (test only: its wake-ups counted; atomic: set under e->mu, which
-         * this thread does not hold) */
-        const axf_faults *tf = __atomic_load_n(&e->faults, __ATOMIC_ACQUIRE);
-        if (tf && tf->tx_woke)
-            tf->tx_woke(tf->arg);
+        const axf_faults *ft = faults_of(e);
+        if (ft && ft->tx_woke) /* (test only: its wake-ups counted) */
+            ft->tx_woke(ft->arg);
     }
     /* An inline sender may still be in send_batch: it puts back or releases
      * its own items. */
@@ -2998,7 +3007,8 @@ void conn_spread(axf_engine *e, endpoint *ep, conn_spread_left *left)
     for (struct spread_job *j = jobs, *next; j; j = next) {
         next = j->next;
         j->next = NULL;
-        if (e->faults && e->faults->spread_nomem) /* (test only) */
+        const axf_faults *ft = faults_of(e);
+        if (ft && ft->spread_nomem) /* (test only) */
             op_set_status(j->o, AXF_E_NOMEM, 0);
         else if (ep->xp->reroute(e, j->o, j->slot, j->list, j->n, j->from, j->to,
                                  AXF_MOVE_SPREAD)) {

@@ -111,33 +111,45 @@ typedef struct shm_pop {
 /* The kernel's fault-around window for file mappings (fault_around_bytes,
  * 64 KiB by default; debugfs, so not readable here): a read fault on a
  * shared file mapping maps every page of its window that is in the page
- * cache, not just the faulting one. 0: not measured yet; measured once, on
- * the first pool populated whole (fault_window). */
+ * cache, not just the faulting one. 0: not measured yet; kept from the
+ * first pool whose measure is conclusive (fault_window). */
 static _Atomic uint64_t fa_bytes;
 
-/* Measures the fault-around window on m, a fresh mapping of a file whose
- * first 2 MiB are all data (no holes), 2 MiB-aligned: reads m[0], then asks
- * /proc/self/pagemap how many of the pages after it are mapped now. Pages
- * the window skipped (one locked by someone else) only make it smaller, so
- * the touches it spaces never leave a page out. 4 KiB (a touch per page)
+/* Measures the fault-around window on m, a fresh mapping of len bytes of a
+ * file all data (no holes), 2 MiB-aligned when len is at least that: reads
+ * m[0], then asks /proc/self/pagemap how many of the pages after it (up to
+ * 2 MiB, never past len) are mapped now. Pages the window skipped (one
+ * locked by someone else) only make it smaller, so the touches it spaces
+ * never leave a page out. Where every page read is mapped, the window is
+ * at least those pages but not known (a mapping smaller than the window, or
+ * a huge page mapped whole): that many is returned for this mapping and
+ * nothing is kept. Past len, pagemap tells of the next mapping: a one-page
+ * pool below 2 MiB of mapped pages kept a 2 MiB window, and every pool
+ * after it was populated 64 KiB in 2 MiB (rev35). 4 KiB (a touch per page)
  * where pagemap cannot be read. */
-static uint64_t fault_window(const uint8_t *m)
+static uint64_t fault_window(const uint8_t *m, uint64_t len)
 {
     uint64_t w = atomic_load_explicit(&fa_bytes, memory_order_relaxed);
     if (w)
         return w;
     w = 4096;
     (void)*(const volatile uint8_t *)m;
+    uint64_t want = len / 4096 < 512 ? len / 4096 : 512;
+    if (!want)
+        return w; /* less than a page: nothing to measure, nothing kept */
     int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
     uint64_t ent[512];
     if (fd >= 0) {
-        ssize_t r = pread(fd, ent, sizeof ent, (off_t)((uintptr_t)m / 4096 * sizeof ent[0]));
+        ssize_t r = pread(fd, ent, want * sizeof ent[0],
+                          (off_t)((uintptr_t)m / 4096 * sizeof ent[0]));
         close(fd);
-        uint64_t n = 0;
-        while (r > 0 && n < (uint64_t)r / sizeof ent[0] && (ent[n] >> 63)) /* present */
+        uint64_t got = r > 0 ? (uint64_t)r / sizeof ent[0] : 0, n = 0;
+        while (n < got && (ent[n] >> 63)) /* present */
             n++;
         while (w * 2 <= n * 4096)
             w *= 2;
+        if (n == want)
+            return w; /* the window reaches past what was read: not kept */
     }
     atomic_store_explicit(&fa_bytes, w, memory_order_relaxed);
     return w;
@@ -160,14 +172,17 @@ static uint64_t fault_window(const uint8_t *m)
  * samples, after the import returned). The windows are aligned in the
  * address space, so a range starting inside one is read at its own start.
  * The mapping is of a sealed memfd at least its length (map_fd): no SIGBUS. */
-static void touch_pages(const uint8_t *m, uint64_t len)
+static void touch_window(const uint8_t *m, uint64_t len, uint64_t w)
 {
-    uint64_t w = atomic_load_explicit(&fa_bytes, memory_order_relaxed);
-    if (!w)
-        w = 4096;
     uintptr_t a = (uintptr_t)m, end = a + len;
     for (uintptr_t o = a & ~(uintptr_t)(w - 1); o < end; o += w)
         (void)*(const volatile uint8_t *)(o < a ? a : o);
+}
+
+static void touch_pages(const uint8_t *m, uint64_t len)
+{
+    uint64_t w = atomic_load_explicit(&fa_bytes, memory_order_relaxed);
+    touch_window(m, len, w ? w : 4096);
 }
 
 /* Populates the granules of [off, off+len) not populated yet, consecutive
@@ -395,6 +410,7 @@ typedef struct pop_slice {
     uint8_t *map;
     uint64_t off, len;
     int fd; /* >= 0: only the file's data */
+    uint64_t w; /* the reads' spacing (fault_window); 0: touch_pages' */
 } pop_slice;
 
 static void *pop_slice_main(void *arg)
@@ -402,6 +418,8 @@ static void *pop_slice_main(void *arg)
     pop_slice *sl = arg;
     if (sl->fd >= 0)
         (void)pop_data(sl->fd, sl->map, sl->off, sl->len, NULL, true);
+    else if (sl->w)
+        touch_window(sl->map + sl->off, sl->len, sl->w);
     else
         touch_pages(sl->map + sl->off, sl->len);
     return NULL;
@@ -410,7 +428,7 @@ static void *pop_slice_main(void *arg)
 /* Populates [m, m+len) on several threads at once (one a core, up to
  * POP_PAR_MAX, at least POP_PAR_SLICE each; the caller takes a slice; below
  * 2 x POP_PAR_SLICE, on this thread alone). */
-static void pop_parallel(uint8_t *m, uint64_t len, int fd)
+static void pop_parallel(uint8_t *m, uint64_t len, int fd, uint64_t w)
 {
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     uint64_t n = len / POP_PAR_SLICE;
@@ -426,7 +444,7 @@ static void pop_parallel(uint8_t *m, uint64_t len, int fd)
     uint64_t step = (len / n + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1), off = 0;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t l = off >= len ? 0 : len - off < step ? len - off : step;
-        sl[i] = (pop_slice){.map = m, .off = off, .len = l, .fd = fd};
+        sl[i] = (pop_slice){.map = m, .off = off, .len = l, .fd = fd, .w = w};
         off += l;
     }
     for (uint64_t i = 1; i < n; i++)
@@ -562,9 +580,10 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
         uint8_t *m = map_shared(rr->len, prot, 0, memfd);
         if (m == MAP_FAILED)
             return errno == EACCES || errno == EPERM ? AXF_E_ACCESS : AXF_E_TRANSPORT;
+        uint64_t w = 0;
         if (datafd < 0 && rr->len >= (2u << 20)) /* aligned (map_shared), all data */
-            (void)fault_window(m);
-        pop_parallel(m, rr->len, datafd);
+            w = fault_window(m, rr->len);
+        pop_parallel(m, rr->len, datafd, w);
         f->map = m;
         return AXF_OK;
     }
@@ -596,7 +615,7 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
                                    rr->len < (1u << POP_SHIFT) ? rr->len : 1u << POP_SHIFT, p,
                                    false);
                 else {
-                    (void)fault_window(m); /* the populator's stride, if not measured yet */
+                    (void)fault_window(m, rr->len); /* the populator's stride, if not yet */
                     pop_range(p, 0, 1, false);
                 }
             }
