@@ -108,8 +108,8 @@ async def landed(*transfers: Awaitable[Any]) -> list[Any]:
     20 interleaved pairs: one 64 MiB read 13.2 ms vs 14.6 ms waiting, eight
     of 8 MiB 11.6 vs 11.5 ms: the engine's cancel stops only what it has
     not sent), and a local backend's transfer (a BackendTransfer: object
-    stores) settles at once while its runner may still write the memory,
-    so it would have to be waited for as here anyway."""
+    stores) settles only when its runner ends, so waiting on it as here
+    costs the same."""
     fut = asyncio.gather(*transfers, return_exceptions=True)
     if await finish_uncancelled(fut):
         raise asyncio.CancelledError
