@@ -181,8 +181,9 @@ static void drop_note_arm(axf_engine *e)
     int none = DROP_NOTE_NONE;
     if (axf_now_ms() - atomic_load(&e->drop_note_ms) < DROP_NOTE_EVERY_MS)
         return;
-    if (e->faults && e->faults->drop_note_gap) /* (test only) */
-        e->faults->drop_note_gap(e->faults->arg);
+    const axf_faults *ft = __atomic_load_n(&e->faults, __ATOMIC_ACQUIRE); /* (test only) */
+    if (ft && ft->drop_note_gap)
+        ft->drop_note_gap(ft->arg);
     if (!atomic_compare_exchange_strong(&e->drop_note, &none, DROP_NOTE_ARMING))
         return;
     /* Again, the note ours: the look above may predate a note taken since
@@ -1756,8 +1757,9 @@ int axf_endpoint_add_rail_conn(axf_engine *e, uint64_t ep_id, int fd, uint32_t r
     /* Its threads start unlocked (their creation costs 0.06-0.7 ms, which
      * nobody else waits for on e->mu): it is usable meanwhile (conn_open). */
     int r = conn_launch(c);
-    if (e->faults && e->faults->spread_gap) /* (test only) */
-        e->faults->spread_gap(e->faults->arg);
+    const axf_faults *ft = __atomic_load_n(&e->faults, __ATOMIC_ACQUIRE); /* (test only) */
+    if (ft && ft->spread_gap)
+        ft->spread_gap(ft->arg);
     conn_spread_end(e, &left); /* (the connections woken, its sender started) */
     return r;
 }

@@ -518,8 +518,10 @@ struct axf_engine {
     unsigned long long refused_log_ms;
     atomic_ullong conns_refused, held_conns;
     /* Test-only faults (set by the native tests through mock.h's
-     * axf_mock_faults; NULL in every other engine): looked at on rare paths
-     * only (a connection joining), never per request. */
+     * axf_mock_faults; NULL in every other engine), while the engine's
+     * threads run: stored and loaded atomically (__atomic_*, conn.c
+     * faults_of). Looked at on rare paths, and once per sending-thread
+     * wake-up and per inline spliced send (spl29's counters). */
     const struct axf_faults *faults;
     /* The environment as it was at the engine's creation (axf_env_take):
      * what its transports read later (the file transport's start, verbs'
