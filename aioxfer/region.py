@@ -149,6 +149,8 @@ class Region:
         try:
             mv = memoryview(self._obj)
         except TypeError:
+            if not hasattr(self._obj, "__dlpack__"):
+                raise
             # Registered by pointer (a DLPack CPU tensor: no buffer export):
             # a view of the registered bytes that holds the tensor, so the
             # memory outlives every view made of it, as a buffer's does.

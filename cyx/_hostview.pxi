@@ -39,9 +39,6 @@ cdef class HostView:
         PyBuffer_FillInfo(view, self, <void *>self._addr, self._nbytes, self._readonly,
                           flags)
 
-    def __releasebuffer__(self, Py_buffer *view):
-        pass
-
     @property
     def owner(self):
         return self._owner
