@@ -219,6 +219,23 @@ class TransferResult:
     if sys.version_info < (3, 13):  # (a dataclass's own from 3.13)
         def __replace__(self, **changes: Any) -> TransferResult: ...
 
+# @cython.final: cannot be subclassed. A byte buffer over (addr, nbytes) of
+# host memory registered by pointer, holding ``owner`` (what owns that
+# memory) while it or any view of it lives: Region.memoryview's for a DLPack
+# CPU tensor.
+@final
+class HostView(Buffer):
+    def __new__(cls, owner: object, addr: int, nbytes: int, readonly: bool) -> Self: ...
+    if sys.version_info >= (3, 12):  # (the buffer slot's wrappers from 3.12)
+        def __buffer__(self, flags: int, /) -> memoryview: ...
+        def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+    @property
+    def owner(self) -> object: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def readonly(self) -> bool: ...
+
 # @cython.final: cannot be subclassed. A batch item of Agent.write/read's
 # usual case; reads as the tuple (ep, op, (lrid, loff, rrid, rkey, roff,
 # len), None, req_id). Made only by the Poster (__init__ raises TypeError).

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from aioxfer._cyx import HostView
 from aioxfer._cyx import pair_descs as _pair_descs
 from aioxfer.errors import ClosedResourceError
 
@@ -145,7 +146,17 @@ class Region:
         self._check()
         if self.kind != "host":
             raise TypeError(f"region {self.name!r} is {self.kind} memory: no host bytes to view")
-        mv = memoryview(self._obj)
+        try:
+            mv = memoryview(self._obj)
+        except TypeError:
+            if not hasattr(self._obj, "__dlpack__"):
+                raise
+            # Registered by pointer (a DLPack CPU tensor: no buffer export):
+            # a view of the registered bytes that holds the tensor, so the
+            # memory outlives every view made of it, as a buffer's does.
+            # Read-only as the registration is: never a way to write memory
+            # that peers may only read.
+            return memoryview(HostView(self._obj, self.addr, self.nbytes, not self.writable))
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
         return mv

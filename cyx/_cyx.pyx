@@ -237,6 +237,7 @@ cdef inline int _check(int status, what) except -1:
 # cimports and constants above).
 include "_verbs.pxi"
 include "_buffers.pxi"
+include "_hostview.pxi"
 include "_completions.pxi"
 include "_engine.pxi"
 include "_progress.pxi"
