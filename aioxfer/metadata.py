@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from aioxfer.names import check_name
+from aioxfer.names import MAX_NAME, check_name
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -47,7 +47,7 @@ PROTOCOL_VERSION = 5
 # a ProtocolError, never an OverflowError or a huge allocation later on).
 MAX_REGIONS = 1 << 20  # regions in one agent's metadata
 MAX_RAILS = 16  # listen addresses an agent may advertise (Agent(max_rails=) dials fewer)
-MAX_NAME = 256
+# MAX_NAME (256): aioxfer.names, the one rule for names
 MAX_ADDRESS = 300
 MAX_JOINS = 63  # connections that may join one Challenge (Hello.joins)
 

@@ -78,6 +78,7 @@ from aioxfer.metadata import (
     Purpose,
     Reject,
 )
+from aioxfer.names import MAX_NAME
 
 __all__ = [
     "MAX_FRAME",
@@ -114,7 +115,6 @@ MAX_HANDSHAKE_FRAME = 4096
 # ~700 k regions, and a configurable bound (Agent(max_meta_bytes=...)).
 MAX_META_FRAME = 64 << 20
 NONCE_BYTES = 16
-MAX_NAME = 256
 # Ends the metadata a "data" client asked for: sent only once the server's
 # engine holds the connection as the metadata was (nothing the metadata names
 # was deregistered meanwhile), so a region deregistered later is revoked on it.
