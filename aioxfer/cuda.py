@@ -9,7 +9,10 @@ What ``Agent.register`` accepts as GPU memory (region kind "cuda"):
 - objects with ``__cuda_array_interface__`` (versions 2 and 3: PyTorch and
   CuPy tensors, Numba arrays), C-contiguous;
 - DLPack producers (``__dlpack__`` / ``__dlpack_device__``) whose device is
-  CUDA (kDLCUDA); DLPack host tensors (kDLCPU, kDLCUDAHost) are host memory;
+  CUDA (kDLCUDA); DLPack host tensors (kDLCPU, kDLCUDAHost) are host memory
+  (through their buffer export where they have one, else by pointer). The
+  DLPack 1.0 protocol is asked first (``max_version=(1, 0)``), the legacy one
+  of producers that predate it;
 - ``DevicePointer(ptr, nbytes)``: a raw device pointer with its size, and an
   optional ``owner`` object that keeps the memory alive;
 - ``DeviceBuffer(nbytes)``: memory allocated here through the driver (for
@@ -17,6 +20,11 @@ What ``Agent.register`` accepts as GPU memory (region kind "cuda"):
 
 The driver is ``libcuda.so.1``; ``AIOXFER_CUDA_DRIVER`` names another library
 (the tests load native/tests/fakecuda.c, a software stand-in, through it).
+
+Read-only memory (a DLPack 1.0 export flagged READ_ONLY, a CUDA array
+interface whose ``data`` says read-only, ``DevicePointer(readonly=True)``)
+registers READ-only: peers may read it, never write it, and no READ of this
+agent lands in it.
 
 The registered object is held until the engine confirms nothing touches its
 memory any more. aioxfer copies on its own CUDA streams: memory your kernels
@@ -302,19 +310,75 @@ class _DLTensor(ctypes.Structure):
     ]
 
 
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    """dlpack.h (1.0) DLManagedTensorVersioned ("dltensor_versioned" capsules)."""
+
+    _fields_ = [
+        ("version", _DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+# DLManagedTensorVersioned.flags (dlpack.h 1.0)
+DLPACK_FLAG_READ_ONLY = 1 << 0
+DLPACK_FLAG_IS_COPIED = 1 << 1
+_DLPACK_MAX_VERSION = (1, 0)  # the newest layout parsed here
+
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
+
+def _dlpack_export(obj: Any) -> tuple[Any, _DLTensor, bool]:
+    """(capsule, its tensor, read-only) of obj's DLPack export.
+
+    The versioned protocol first (``max_version=(1, 0)``): only its
+    DLManagedTensorVersioned says whether the tensor is read-only (numpy 2
+    refuses a read-only array's export through the legacy protocol, which
+    cannot say so). A producer that predates it (``__dlpack__`` takes no
+    ``max_version``: TypeError) is asked the legacy way; a legacy capsule is
+    writable memory, as DLPack before 1.0 had no other kind."""
+    try:
+        capsule = obj.__dlpack__(max_version=_DLPACK_MAX_VERSION)
+    except TypeError:
+        capsule = obj.__dlpack__()
+    name = _capsule_name(capsule)
+    if name == b"dltensor_versioned":
+        addr = _capsule_pointer(capsule, name)
+        if not addr:
+            raise ValueError("__dlpack__ returned no tensor")
+        m = _DLManagedTensorVersioned.from_address(addr)
+        if m.version.major > _DLPACK_MAX_VERSION[0]:
+            # (the producer ignored max_version: a layout we cannot read)
+            raise ValueError(f"DLPack {m.version.major}.{m.version.minor} tensor: "
+                             f"version {_DLPACK_MAX_VERSION[0]} asked for")
+        if m.flags & DLPACK_FLAG_IS_COPIED:
+            # Memory of the capsule's own, freed with it when it is dropped
+            # below: registered, peers would reach freed memory.
+            raise ValueError("the DLPack export is a copy, not the object's own memory")
+        return capsule, m.dl_tensor, bool(m.flags & DLPACK_FLAG_READ_ONLY)
+    if name == b"dltensor":
+        addr = _capsule_pointer(capsule, name)
+        if not addr:
+            raise ValueError("__dlpack__ returned no tensor")
+        return capsule, _DLTensor.from_address(addr), False
+    raise ValueError(f"__dlpack__ returned a capsule named {name!r}, not a DLPack tensor")
 
 
 def _from_dlpack(obj: Any, kind: Literal["cuda", "host"]) -> GpuMemory:
     # The capsule is read and dropped unconsumed (its destructor calls the
     # producer's deleter); the registered object itself keeps the memory alive.
-    capsule = obj.__dlpack__()
-    addr = _capsule_pointer(capsule, b"dltensor")
-    if not addr:
-        raise ValueError("__dlpack__ returned no tensor")
-    t = _DLTensor.from_address(addr)
+    capsule, t, readonly = _dlpack_export(obj)
     shape = tuple(t.shape[i] for i in range(t.ndim))
     # Bits, not bytes, per element: DLPack packs sub-byte types (float4_e2m1fn
     # is 4 bits, float6_e3m2fn 6), so N of them take ceil(N * bits / 8) bytes.
@@ -330,7 +394,9 @@ def _from_dlpack(obj: Any, kind: Literal["cuda", "host"]) -> GpuMemory:
             )
     nbytes = (count * bits + 7) // 8
     ptr = (t.data or 0) + t.byte_offset
-    del capsule
+    del t, capsule
     if nbytes <= 0 or not ptr:
         raise ValueError("cannot register an empty DLPack tensor")
-    return GpuMemory(kind, ptr, nbytes, False)
+    # Read-only (DLPACK_FLAG_READ_ONLY): peers may READ it, never WRITE it,
+    # and no transfer of ours lands in it (the region's access says so).
+    return GpuMemory(kind, ptr, nbytes, readonly)
