@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -136,7 +137,10 @@ class DevicePointer:
 class DeviceBuffer:
     """GPU memory allocated through the driver (cuMemAlloc): for tools and tests
     that have no CUDA library. Register it like any CUDA array; ``close()``
-    frees it (once its regions are released: see ``close``)."""
+    frees it (once its regions are released: see ``close``). A region
+    registered by any other object that describes memory inside it (a
+    ``DevicePointer(buf.ptr + off, n)``, a tensor over it) counts as one of
+    its regions too."""
 
     def __init__(self, nbytes: int, device: int = 0) -> None:
         if nbytes <= 0:
@@ -148,6 +152,7 @@ class DeviceBuffer:
         self._regions: set[int] = set()
         self._closing = False
         self.ptr = _cyx.cuda_alloc(self.device, self.nbytes)
+        _LIVE_BUFFERS[self.ptr] = self
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -195,17 +200,34 @@ class DeviceBuffer:
         self._closing = True
         if self.ptr and not self._regions:
             ptr, self.ptr = self.ptr, 0
+            if _LIVE_BUFFERS.get(ptr) is self:
+                del _LIVE_BUFFERS[ptr]
             _cyx.cuda_free(ptr)
 
     def _released(self, region: int) -> None:
         """aioxfer.registration: the engine released region ``region``
-        (an id) of this buffer."""
+        (an id) of this buffer; a close() deferred until then frees it now.
+
+        Raises NativeError when that free fails (a driver poisoned by a
+        sticky error refuses every call): the memory is the driver's then,
+        and this buffer is closed either way."""
         self._regions.discard(region)
         if self._closing:
             self.close()
 
     def __repr__(self) -> str:
         return f"<DeviceBuffer {self.nbytes} bytes on device {self.device} at {self.ptr:#x}>"
+
+
+# Open DeviceBuffers by allocation base (weakly: a buffer dropped unclosed
+# is never freed, as before, and never found here again).
+_LIVE_BUFFERS: weakref.WeakValueDictionary[int, DeviceBuffer] = weakref.WeakValueDictionary()
+
+
+def buffer_at(base: int) -> DeviceBuffer | None:
+    """The open (not yet freed) DeviceBuffer whose allocation starts at
+    ``base`` (an allocation base, as ``_cyx.cuda_pointer`` reports it)."""
+    return _LIVE_BUFFERS.get(base)
 
 
 @dataclass(frozen=True)

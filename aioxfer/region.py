@@ -25,6 +25,7 @@ from aioxfer.errors import ClosedResourceError
 
 if TYPE_CHECKING:
     from aioxfer.agent import Agent
+    from aioxfer.cuda import DeviceBuffer
     from aioxfer.metadata import CudaExport
     from aioxfer.peer import Peer
 
@@ -86,6 +87,7 @@ class Region:
         "kind",
         "direct",
         "_cuda",
+        "_devbuf",
         "__weakref__",
     )
 
@@ -120,6 +122,10 @@ class Region:
         self.kind: RegionKind = kind  # "file": Agent.register_file (obj: the path)
         self.direct = False  # a file region opened with O_DIRECT
         self._cuda: CudaExport | None = None  # cuda: what same-host peers map it by
+        # cuda: the DeviceBuffer whose allocation it lies in (whatever object
+        # registered it), told once the engine released it: its close()
+        # frees the memory only after its last region's release.
+        self._devbuf: DeviceBuffer | None = None
 
     @property
     def closed(self) -> bool:

@@ -151,6 +151,7 @@ class Memory:
         "regions",
         "_freeing",
         "_held_back",
+        "_failed",
         "_settled",
     )
 
@@ -184,6 +185,9 @@ class Memory:
         # made before it, still waiting for a peer's scheduler, are over
         # (Submission.hold_region); also in _freeing.
         self._held_back: dict[int, Region] = {}
+        # Deregistered, the engine's deregistration refused (also in
+        # _freeing): their memory waits for the engine's release (_deregister_failed).
+        self._failed: set[int] = set()
         self._settled: asyncio.Event | None = None  # release_all: set on each freed region
 
     # ------------------------------------------------------------ names
@@ -246,14 +250,22 @@ class Memory:
             self.check_name(name)
         what = f"cannot register {type(obj).__name__} ({mem.kind} memory, {mem.nbytes} bytes)"
         export = None
+        devbuf = None
         if mem.kind == "cuda":
             ok, why = _cuda.status()
             if not ok:
                 raise RegistrationError(f"{what}: CUDA is not available: {why}")
             try:
-                _cyx.cuda_pointer(mem.ptr, mem.nbytes)
+                _, base, _ = _cyx.cuda_pointer(mem.ptr, mem.nbytes)
             except _cyx.NativeError as exc:
                 raise RegistrationError(f"{what}: {exc}") from None
+            # Memory of a DeviceBuffer, by whatever object it came (itself, a
+            # DevicePointer into it, a tensor over it): the buffer's close()
+            # must wait for this region's release too, or it frees memory
+            # the engine (a copy, a peer's IPC mapping) still reaches.
+            devbuf = _cuda.buffer_at(base)
+            if devbuf is not None and devbuf._closing:
+                raise RegistrationError(f"{what}: its DeviceBuffer is closed")
             try:
                 handle, offset, device = _cyx.cuda_export(mem.ptr)
                 export = CudaExport(handle=handle, offset=offset, device=device)
@@ -271,9 +283,16 @@ class Memory:
         region = self._new_region(name, rid, key, mem.nbytes, access, mem.ptr, obj)
         region.kind = mem.kind
         region._cuda = export
-        if isinstance(obj, _cuda.DeviceBuffer):
-            obj._regions.add(id(region))  # its close() frees after _release_memory
+        if devbuf is not None:
+            region._devbuf = devbuf
+            devbuf._regions.add(id(region))  # its close() frees after _release_memory
         self.regions[name] = region
+        if self._pin_cuda and mem.kind == "host":
+            # As _register's: page-locked now, on the engine's CUDA thread,
+            # not at its first GPU copy (which pins it otherwise: speed, not
+            # correctness; that copy would wait for the pinning, and until it
+            # is pinned none goes the caller's fast path).
+            self._engine.cuda_pin_region(rid)
         self._changed()
         return region
 
@@ -414,9 +433,7 @@ class Memory:
         try:
             self._engine.deregister(rid)
         except (ValueError, _cyx.NativeError) as exc:
-            self._freeing.pop(rid, None)
-            _resolve(released)
-            raise RegistrationError(f"cannot deregister region {region.name!r}: {exc}") from None
+            raise self._deregister_failed(region, exc) from None
         finally:
             self._changed()  # it is gone from our metadata either way
         if not self._started():
@@ -434,19 +451,45 @@ class Memory:
         try:
             self._engine.deregister(rid)
         except (ValueError, _cyx.NativeError) as exc:
-            self._freeing.pop(rid, None)
             _log.warning("region.deregister_failed", agent=self._agent, region=region.name,
                          error=str(exc))
-            if region._released is not None:
-                _resolve(region._released)
+            self._deregister_failed(region, exc)
+
+    def _deregister_failed(self, region: Region, exc: Exception) -> RegistrationError:
+        """The engine refused region's deregistration (out of memory, or a
+        region it does not know). Its memory is not given back now: the
+        engine may still hold it, and a copy or a peer still reach it. It
+        stays among the regions being freed: released at the engine's
+        CQ_REGION_FREED if one still comes, else by the agent's close
+        (release_all asks the engine again; its shutdown frees every region
+        before close() gives the memory back). Its deregister() awaitable
+        fails now with the error returned (raised by deregister() itself, or
+        logged): awaiting it ends, typed. (It completed as a success before,
+        and the region's memory was never given back: a DeviceBuffer of it
+        stayed allocated after its close(), for good.)"""
+        self._failed.add(region.rid)
+        err = RegistrationError(
+            f"cannot deregister region {region.name!r}: {exc}; its memory is released "
+            f"once the engine releases it (at the latest when the agent closes)"
+        )
+        released = region._released
+        if isinstance(released, asyncio.Future) and not released.done():
+            released.set_exception(err)
+            released.exception()  # told already (raised or logged): never logged again as lost
+        return err
 
     def freed(self, rid: int) -> None:
         """The engine's CQ_REGION_FREED: no peer can touch region rid any more."""
         region = self._freeing.pop(rid, None)
+        self._failed.discard(rid)
         if region is not None:
-            self._release_memory(region)
-            if region._released is not None:
-                _resolve(region._released)
+            err = self._release_memory(region)
+            released = region._released
+            if err is not None and isinstance(released, asyncio.Future) and not released.done():
+                released.set_exception(err)
+                released.exception()  # logged already; awaiting it still raises
+            elif released is not None:
+                _resolve(released)
         if self._settled is not None:
             self._settled.set()
 
@@ -466,6 +509,13 @@ class Memory:
         # posted, and the engine's count of its ops holds the region.
         for rid in list(self._held_back):
             self._deregister_held(rid)
+        # Refused by the engine before (out of memory): asked again, so that
+        # peers are told and waited for as for the others; refused again,
+        # the engine's shutdown frees it (and close() gives its memory back).
+        for rid in list(self._failed):
+            with contextlib.suppress(ValueError, _cyx.NativeError):
+                self._engine.deregister(rid)
+                self._failed.discard(rid)
         self._settled = asyncio.Event()
         try:
             async with asyncio.timeout(self._close_timeout):
@@ -523,13 +573,34 @@ class Memory:
             self._release_memory(region)
         self.regions.clear()
         for region in list(self._freeing.values()):
-            self._release_memory(region)
+            err = self._release_memory(region)
+            released = region._released
+            if err is not None and isinstance(released, asyncio.Future) and not released.done():
+                released.set_exception(err)
+                released.exception()  # logged already
         self._freeing.clear()
         self._held_back.clear()
+        self._failed.clear()
 
-    def _release_memory(self, region: Region) -> None:
-        if isinstance(region._obj, _cuda.DeviceBuffer):
-            region._obj._released(id(region))  # a close() deferred frees it now
+    def _release_memory(self, region: Region) -> RegistrationError | None:
+        """Gives region's memory back (the engine released it). Never
+        raises: where a DeviceBuffer's deferred free fails (a driver poisoned
+        by a sticky error), that is logged and returned, as the error its
+        deregister() awaitable ends with, after everything else went."""
+        err = None
+        devbuf, region._devbuf = region._devbuf, None
+        if devbuf is not None:
+            try:
+                devbuf._released(id(region))  # a close() deferred frees it now
+            except _cyx.NativeError as exc:
+                # Raised into the drain, it left the rest of this release
+                # undone and the awaitable unresolved for good.
+                _log.warning("region.device_free_failed", agent=self._agent,
+                             region=region.name, error=str(exc))
+                err = RegistrationError(
+                    f"region {region.name!r} was released, but freeing its DeviceBuffer "
+                    f"failed: {exc}"
+                )
         mm, fd = region._mmap, region._memfd
         region._mmap = None
         region._memfd = -1
@@ -544,3 +615,4 @@ class Memory:
                 os.close(fd)
             except OSError:
                 pass
+        return err
