@@ -92,6 +92,12 @@ class FileRegion:
 class PosixFile:
     """A file read and written with pread/pwrite on worker threads.
 
+    The file is opened read-write, created (mode 0600) where it is missing.
+    ``size``: the file is grown (sparse) to at least that many bytes; one
+    already longer is left as it is, never shrunk (as ``agent.register_file``
+    does: truncating it silently dropped the pages past ``size`` that other
+    users of the file had stored).
+
     ``close()`` refuses new calls at once; the descriptor itself is closed
     when the last call begun before it ends: a pread/pwrite still waiting for
     a worker thread would otherwise run on a number the next ``open`` reuses
@@ -106,8 +112,8 @@ class PosixFile:
             raise ValueError(f"size must be a non-negative file size, not {size}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            if size is not None:
-                os.ftruncate(fd, size)
+            if size is not None and size > os.fstat(fd).st_size:
+                os.ftruncate(fd, size)  # grows it (sparse); never shrinks what is there
         except BaseException:
             os.close(fd)  # never leaked by a failed constructor
             raise
