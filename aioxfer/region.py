@@ -326,6 +326,8 @@ class SegmentList:
     ``offsets`` and ``lengths`` are 1-D, equal-length, non-negative integer
     arrays (converted to uint64 once, here); every range must lie inside the region.
     Checked with whole-array operations: no per-descriptor Python work.
+    The arrays kept are the list's own, read-only: a uint64 array given is
+    copied, so changing it afterwards changes nothing here.
     """
 
     __slots__ = ("region", "offsets", "lengths", "nbytes")
@@ -392,8 +394,18 @@ def _u64(a: npt.ArrayLike, what: str) -> U64:
         raise ValueError(f"{what} must be 1-D, not of shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
-            return np.zeros(0, dtype=np.uint64)
+            empty = np.zeros(0, dtype=np.uint64)
+            empty.flags.writeable = False
+            return empty
         raise TypeError(f"{what} must be integers, not {arr.dtype}")
     if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
         raise ValueError(f"{what} must not be negative")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
+    out = np.ascontiguousarray(arr, dtype=np.uint64)
+    if out is a or out.base is not None:
+        # The caller's own memory (its uint64 array, a view of one, a
+        # buffer): copied, or a change made to it after the bounds were
+        # checked here would reach the engine unchecked by us (the engine
+        # refuses it, as AccessDenied at completion, not IndexError here).
+        out = out.copy()
+    out.flags.writeable = False  # nor changed through the SegmentList's own attributes
+    return out
