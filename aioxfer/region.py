@@ -36,6 +36,7 @@ __all__ = ["Region", "RemoteRegion", "RemoteSegment", "Segment", "SegmentList"]
 RegionKind = Literal["host", "file", "cuda"]
 
 U64 = npt.NDArray[np.uint64]
+_U64 = np.dtype(np.uint64)  # a uint64 array's dtype (compared by identity)
 
 
 def _bounds(key: object, nbytes: int, what: str) -> tuple[int, int]:
@@ -326,8 +327,8 @@ class SegmentList:
     ``offsets`` and ``lengths`` are 1-D, equal-length, non-negative integer
     arrays (converted to uint64 once, here); every range must lie inside the region.
     Checked with whole-array operations: no per-descriptor Python work.
-    The arrays kept are the list's own, read-only: a uint64 array given is
-    copied, so changing it afterwards changes nothing here.
+    The arrays kept are the list's own: a uint64 array given is copied, so
+    changing it afterwards changes nothing here.
     """
 
     __slots__ = ("region", "offsets", "lengths", "nbytes")
@@ -389,23 +390,25 @@ the four arrays instead of ~10 numpy calls per request."""
                        fkey, far_name)
 
 def _u64(a: npt.ArrayLike, what: str) -> U64:
+    """``a`` as a 1-D uint64 array of the SegmentList's own: a uint64 array
+    (or a view of one, or a buffer) is copied, or a change the caller made
+    to it after the bounds were checked here would reach the engine
+    unchecked by us (the engine refuses it, as AccessDenied at completion,
+    not IndexError here). Copying costs no more than the conversion calls
+    it replaces (~0.2 us for 16 offsets: reg31's A/B)."""
+    if type(a) is np.ndarray and a.dtype is _U64 and a.ndim == 1:
+        own: U64 = a.copy()  # (C-contiguous)
+        return own
     arr = np.asarray(a)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, not of shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
-            empty = np.zeros(0, dtype=np.uint64)
-            empty.flags.writeable = False
-            return empty
+            return np.zeros(0, dtype=np.uint64)
         raise TypeError(f"{what} must be integers, not {arr.dtype}")
     if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
         raise ValueError(f"{what} must not be negative")
     out = np.ascontiguousarray(arr, dtype=np.uint64)
     if out is a or out.base is not None:
-        # The caller's own memory (its uint64 array, a view of one, a
-        # buffer): copied, or a change made to it after the bounds were
-        # checked here would reach the engine unchecked by us (the engine
-        # refuses it, as AccessDenied at completion, not IndexError here).
-        out = out.copy()
-    out.flags.writeable = False  # nor changed through the SegmentList's own attributes
+        out = out.copy()  # still the caller's memory (a subclass, a buffer)
     return out
