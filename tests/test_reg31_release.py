@@ -203,12 +203,42 @@ async def pin():
         print("UNPINNED", pinned_count() - before)
 
 
+async def readonly_pin():
+    """A read-only mapping registered (READ access): pinned READ_ONLY, so the
+    GPU copies out of it run asynchronously."""
+    import mmap
+    lib = ctypes.CDLL(os.environ["AIOXFER_CUDA_DRIVER"], mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    async with aioxfer.Agent("a") as a:
+        gpu = cuda.DeviceBuffer(N)
+        g = a.register(gpu, name="g")
+        before = pinned_count()
+        ro = mmap.mmap(-1, N, prot=mmap.PROT_READ)
+        r = a.register(ro, name="ro")
+        print("WRITABLE", r.writable)
+        for _ in range(200):
+            if pinned_count() > before:
+                break
+            await asyncio.sleep(0.01)
+        print("PINNED", pinned_count() - before)
+        peer = await asyncio.wait_for(a.connect(a.address), 10)
+        sync0 = lib.fakecuda_sync_copies()
+        await asyncio.wait_for(a.write(r[0:N], peer.region("g")[0:N]), 10)
+        print("COPIED", gpu.download(0, 16) == bytes(16))
+        print("SYNC_COPIES", lib.fakecuda_sync_copies() - sync0)
+        await a.deregister(r)
+        await a.deregister(g)
+        print("UNPINNED", pinned_count() - before)
+        ro.close()
+        gpu.close()
+
+
 async def main():
     ok, why = cuda.status()
     if not ok:
         print("NOCUDA", why)
         return
-    await {"refused": refused, "pointer": pointer, "poisoned": poisoned, "pin": pin}[WHAT]()
+    await {"refused": refused, "pointer": pointer, "poisoned": poisoned, "pin": pin,
+           "readonly_pin": readonly_pin}[WHAT]()
     print("DONE")
 
 
@@ -263,3 +293,14 @@ def test_a_host_region_registered_by_pointer_is_pinned_ahead(
     lines = _child(tmp_path, fakecuda, "pin")
     assert lines == ["CUDA True", "PINNED_BUFFER 1", "KIND host", "PINNED 1", "UNPINNED 0",
                      "DONE"], lines
+
+
+def test_a_read_only_mapping_is_pinned_read_only(tmp_path: Path, fakecuda: Path) -> None:
+    """native/src/cuda.c pin_op / pin_ahead pinned every region of ours as
+    writable memory: the driver refuses that for a read-only mapping (a
+    PROT_READ mmap, registered READ-only), which stayed pageable, and every
+    GPU copy out of it ran synchronously in the driver. Now a region nobody
+    may write is pinned READ_ONLY where the writable pin is refused."""
+    lines = _child(tmp_path, fakecuda, "readonly_pin")
+    assert lines == ["WRITABLE False", "PINNED 1", "COPIED True", "SYNC_COPIES 0",
+                     "UNPINNED 0", "DONE"], lines

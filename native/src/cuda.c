@@ -666,25 +666,26 @@ static pin *pins;
 
 /* Page-locks [p, p+n) for owner, in ctx (current on the calling thread, one
  * of ours). Best effort: memory pinned already by someone else, or a
- * refusal (RLIMIT_MEMLOCK), leaves it pageable and copies split around it. */
-static void pin_range(const void *owner, void *p, uint64_t n, bool readonly, CUcontext ctx)
+ * refusal (RLIMIT_MEMLOCK), leaves it pageable and copies split around it.
+ * Returns whether it is pinned for owner now. */
+static bool pin_range(const void *owner, void *p, uint64_t n, bool readonly, CUcontext ctx)
 {
     if (!drv.MemHostRegister || !drv.MemHostUnregister || !p || !n)
-        return;
+        return false;
     pthread_mutex_lock(&drv_mu);
     for (pin *q = pins; q; q = q->next)
         if (q->owner == owner) {
             pthread_mutex_unlock(&drv_mu);
-            return;
+            return true;
         }
     pthread_mutex_unlock(&drv_mu);
     unsigned flags = CU_MEMHOSTREGISTER_PORTABLE | (readonly ? CU_MEMHOSTREGISTER_READ_ONLY : 0);
     if (cu_check(drv.MemHostRegister(p, n, flags)) != CUDA_SUCCESS)
-        return;
+        return false;
     pin *q = calloc(1, sizeof *q);
     if (!q) {
         drv.MemHostUnregister(p);
-        return;
+        return false;
     }
     q->lo = (uint64_t)(uintptr_t)p;
     q->hi = q->lo + n;
@@ -694,6 +695,21 @@ static void pin_range(const void *owner, void *p, uint64_t n, bool readonly, CUc
     q->next = pins;
     pins = q;
     pthread_mutex_unlock(&drv_mu);
+    return true;
+}
+
+/* Page-locks one of our host regions. Its mapping is usually writable (its
+ * access bits say what peers may do, not how it is mapped): pinned so. One
+ * no transfer may write (no ACCESS_WRITE: op_resolve refuses a READ into it,
+ * and peers' WRITEs are refused) may be a read-only mapping (a PROT_READ
+ * mmap, a read-only tensor's pages), which the driver pins only with
+ * CU_MEMHOSTREGISTER_READ_ONLY: asked that way when the first is refused, or
+ * it stayed pageable and every GPU copy of it ran synchronously. (Not first:
+ * a device without READ_ONLY_HOST_REGISTER_SUPPORTED refuses the flag.) */
+static void pin_region(region *r, CUcontext ctx)
+{
+    if (!pin_range(r, r->addr, r->len, false, ctx) && !(r->access & AXF_ACCESS_WRITE))
+        (void)pin_range(r, r->addr, r->len, true, ctx);
 }
 
 /* Unpins what was pinned for owner, on any thread (its context pushed). */
@@ -1093,16 +1109,14 @@ static void pin_op(const op *o, CUcontext ctx)
         if (r->kind != AXF_MEM_HOST || (pin_flags(r) & PIN_TRIED))
             continue;
         pin_flags_set(r, PIN_TRIED);
-        /* Our region's own mapping is writable (its access bits say what
-         * peers may do, not how it is mapped). */
-        pin_range(r, r->addr, r->len, false, ctx);
+        pin_region(r, ctx);
         pin_flags_set(r, PIN_DONE); /* cuda_unpin looks it up (nothing if refused) */
     }
     for (size_t i = 0; i < o->nrregs; i++) {
         rregion *rr = o->rregs[i];
         uint8_t *map = CU_RM(rr) ? NULL : shm_far_map(rr);
         if (map) /* mapped read-only when the peer grants no write */
-            pin_range(rr, map, rr->len, !(rr->access & AXF_ACCESS_WRITE), ctx);
+            (void)pin_range(rr, map, rr->len, !(rr->access & AXF_ACCESS_WRITE), ctx);
     }
 }
 
@@ -1289,7 +1303,7 @@ static void pin_ahead(struct axf_cuda *c, region *r, bool stopping)
     pthread_mutex_unlock(&drv_mu);
     if (!stopping && ctx && !(pin_flags(r) & PIN_TRIED) && drv.CtxSetCurrent(ctx) == CUDA_SUCCESS) {
         pin_flags_set(r, PIN_TRIED);
-        pin_range(r, r->addr, r->len, false, ctx);
+        pin_region(r, ctx);
         pin_flags_set(r, PIN_DONE);
     }
     region_unref(c->e, r);
