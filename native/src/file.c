@@ -628,7 +628,15 @@ static void file_stop(axf_engine *e)
     for (uint32_t k = 0; k < f->nthreads; k++)
         pthread_join(f->threads[k], NULL);
     f->nthreads = 0;
-    /* Jobs no thread took (none is left running): fail them here. */
+    /* Jobs no thread took (none is left running): fail them here. No post
+     * can queue one after this: axf_post checks e->shut under e->mu before
+     * it reaches file_submit, and posts come from the loop thread, which is
+     * in axf_engine_shutdown now (aioxfer.h's threading contract; _cyx's
+     * Engine.close refuses while a post is under way). A second thread that
+     * broke it would leave its op on its endpoint, completed AXF_E_CLOSED by
+     * shutdown's last sweep (only its fjob would leak); that same window lets
+     * the sweep free an op any transport's submit still reads: the engine's
+     * contract to keep, not this queue's. */
     fqueue *qs[2] = {&f->pool_q, &f->ring_q};
     for (int k = 0; k < 2; k++)
         for (;;) {
