@@ -229,3 +229,49 @@ async def test_late_requests_of_a_member_that_never_answers_are_bounded(
         assert sent >= 128
         assert len(member.late) <= 64, len(member.late)
         assert tier.counters.dropped_stores.get("ack_timeout", 0) >= 64
+
+
+async def test_a_member_whose_index_read_hangs_holds_up_no_other_members_probe(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    """A (a real process, over tcp) stops (SIGSTOP) while a get probes its
+    index: that read is not answered until the agent's peer timeout.
+    Before: the probes shared one stage under one lock, so a get of a key
+    that only B could hold waited behind it for the whole peer timeout.
+    Now each member's read has buckets of its own: the second get probes B
+    and ends (a miss) while the first still waits for A."""
+    script = tmp_path / "member.py"
+    script.write_text(MEMBER.replace('group="lost"', 'group="kv31p"'))
+    proc, address = await start_member(script, "kv31-pa", BB)
+    try:
+        agent = await make_agent("kv31-pw", peer_timeout=60.0, transports=("tcp",))
+        b = await make_agent("kv31-pb")
+        publish_meta(b, "kv31p")
+        tier = kv.PeerTier(group="kv31p", ack_wait=30.0, ack_timeout=30.0)
+        async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB),
+                                                                tier]) as store:
+            assert await within(tier.join(address))
+            assert await within(tier.join(b.address))
+            names = tier.member_names()
+            # a key whose owners (the readers probe replicas + 1) include A,
+            # and one whose owners are this store and B only
+            cands = [kv.chain([i] * 16, block_tokens=16, namespace=b"kv31p")[0]
+                     for i in range(200)]
+            on_a = next(k for k in cands if "kv31-pa" in kvpeer.owners(k, names, 2))
+            on_b = next(k for k in cands
+                        if set(kvpeer.owners(k, names, 2)) == {agent.name, b.name})
+            proc.send_signal(signal.SIGSTOP)
+            dst = agent.alloc(2 * BB)
+            stuck = asyncio.ensure_future(store.get([on_a], dst[0:BB]))
+            await asyncio.sleep(0.2)  # (its probe of A posted, unanswered)
+            assert not stuck.done()
+            res = await within(store.get([on_b], dst[BB:2 * BB]))
+            assert res.prefix == 0
+            assert not stuck.done()
+            proc.kill()  # (its read fails now: the get ends, a miss)
+            await proc.wait()
+            assert (await within(stuck, 30)).prefix == 0
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        await proc.wait()

@@ -76,10 +76,17 @@ _BUSY_PAUSE_MAX = 0.05
 # their own: see _follow); the events past them wait their turn in order.
 _FOLLOW_JOINS = 16
 # Meta reads at once, each into its own _META_BYTES of the join stage
-# (they shared the probes' stage under stage_lock: one member whose meta
-# read hung, stopped after connecting, held every later join and every
-# get's probe for the agent's stall bound).
+# (they shared the probes' stage under one lock: one member whose meta read
+# hung, stopped after connecting, held every later join and every get's
+# probe for the agent's stall bound).
 _JOIN_READS = 8
+# Index buckets the probes' stage holds (WAYS x IENTRY bytes each: 256 KiB),
+# handed out first come, first served to the members' bucket reads, of at
+# most _PROBE_KEYS buckets each. (One lock over a stage of 256: a member
+# whose bucket read hung, stopped, held every get's probe of every other
+# member for the agent's peer timeout.)
+_PROBE_BUCKETS = 1024
+_PROBE_KEYS = 256
 # Request numbers of a member's placements that went unanswered past their
 # ack_wait kept for a late ack (_Member.late): the newest this many.
 _LATE_MAX = 64
@@ -372,10 +379,8 @@ class PeerTier(Tier):
         self.ctl: aioxfer.Agent | None = None
         self.meta_region: Region | None = None
         self.index: PeerIndex | None = None
-        self.stage: Region | None = None
-        # One reader of the stage at a time (probes of two gets, a member's
-        # meta): each reads into it and parses it after its read lands.
-        self.stage_lock = asyncio.Lock()
+        self.stage: Region | None = None  # the probes' (_PROBE_BUCKETS)
+        self.probe_slots = _Slots(_PROBE_BUCKETS)
         self._tasks: set[asyncio.Task[Any]] = set()
         # (the member's control agent's name, request) -> the ack's future
         # (an ack is its bitmap and whether it says "busy": see _refuse)
@@ -411,7 +416,7 @@ class PeerTier(Tier):
         idx_region = agent.alloc(buckets * WAYS * IENTRY, name=f"{pfx}.index")
         self.index = PeerIndex(idx_region, buckets)
         host.publish(self.index)
-        self.stage = agent.alloc(max(_META_BYTES, 256 * WAYS * IENTRY))
+        self.stage = agent.alloc(_PROBE_BUCKETS * WAYS * IENTRY)
         self.join_stage = agent.alloc(_JOIN_READS * _META_BYTES)
         self.pull_stage = agent.alloc(self.pull_staging_blocks * store.block_bytes)
         host_part = agent.address.rsplit(":", 1)[0]
@@ -617,6 +622,12 @@ class PeerTier(Tier):
         address (the agent fences the old one as it connects), or killed
         or closed (its connections end); a stopped one is let go by the
         agent's peer_timeout, and its successor joins then."""
+        agent = self.store.agent
+        if peer.name == agent.name:  # (ours: this agent lives; _add_member let us pass)
+            _log.warning("kv.peer_name_taken", tier=self.name, member=peer.name,
+                         address=peer.address, incarnation=f"{peer.incarnation:#x}",
+                         reason="it is this store's own agent's name")
+            return True
         old = self.members.get(peer.name)
         if old is None or old.peer is peer or old.peer.lost:
             return False
@@ -769,7 +780,7 @@ class PeerTier(Tier):
 
     async def _probe(self, keys: list[bytes]) -> int:
         """Reads the owners' index buckets for the keys (one-sided, one batch
-        per member) and remembers where each block is."""
+        per member, the members at once) and remembers where each block is."""
         if not self.members:
             return 0
         names = self.member_names()
@@ -783,43 +794,56 @@ class PeerTier(Tier):
             for o in owners(k, names, self.replicas + 1):
                 if o != me and o in self.members:
                     want.setdefault(o, []).append(k)
-        assert self.stage is not None
-        bsz = WAYS * IENTRY
-        for name, ks in want.items():
-            m = self.members.get(name)
-            if m is None:
-                continue
-            ks = ks[: self.stage.nbytes // bsz]
-            offs = np.array([_bucket(k, m.buckets) * bsz for k in ks], dtype=np.uint64)
-            lens = np.full(len(ks), bsz, dtype=np.uint64)
-            async with self.stage_lock:
-                # Never cut short: a cancelled read could still land in the
-                # stage while the next probe reads it.
-                try:
-                    await run_to_end(self.store.agent.read(
-                        SegmentList(self.stage, np.arange(len(ks), dtype=np.uint64) * bsz, lens),
-                        SegmentList(m.index, offs, lens)))
-                except XferError:
-                    continue  # it left or failed: its blocks are misses
-                raw = self.stage.numpy()
-                hits = [parse_bucket(raw[j * bsz:(j + 1) * bsz], k) for j, k in enumerate(ks)]
-                del raw  # a view of the stage: not held over the next member's await
-            slots = m.pool.nbytes // self.store.block_bytes
-            for k, hit in zip(ks, hits, strict=True):
-                if hit is None:
-                    continue
-                if hit[0] >= slots:
-                    # An intact entry for a slot its pool does not have (a
-                    # broken member): a miss, not a read that fails its batch.
-                    self.counters.checksum_failures += 1
-                    continue
-                self.located[k] = (name, *hit)
+        reads = [self._probe_member(name, ks[:_PROBE_KEYS]) for name, ks in want.items()]
+        if len(reads) == 1:
+            await reads[0]
+        elif reads:
+            # (a cancel reaches each, and is raised once each read has ended)
+            await asyncio.gather(*reads)
         n = 0
         for k in keys:
             if self._locate(k) is None:
                 break
             n += 1
         return n
+
+    async def _probe_member(self, name: str, ks: list[bytes]) -> None:
+        """One member's buckets of ``ks``, read into stage buckets of this
+        read's own (see _PROBE_BUCKETS)."""
+        m = self.members.get(name)
+        if m is None:
+            return
+        stage = self.stage
+        assert stage is not None
+        bsz = WAYS * IENTRY
+        offs = np.array([_bucket(k, m.buckets) * bsz for k in ks], dtype=np.uint64)
+        lens = np.full(len(ks), bsz, dtype=np.uint64)
+        parts = await self.probe_slots.take(len(ks))
+        try:
+            # Never cut short: a cancelled read could still land in these
+            # buckets while the next probe reads them.
+            try:
+                await run_to_end(self.store.agent.read(
+                    SegmentList(stage, np.array(parts, dtype=np.uint64) * np.uint64(bsz), lens),
+                    SegmentList(m.index, offs, lens)))
+            except XferError:
+                return  # it left or failed: its blocks are misses
+            raw = stage.numpy()
+            hits = [parse_bucket(raw[p * bsz:(p + 1) * bsz], k) for p, k in zip(parts, ks,
+                                                                                 strict=True)]
+            del raw  # a view of the stage
+        finally:
+            self.probe_slots.give_back(parts)
+        slots = m.pool.nbytes // self.store.block_bytes
+        for k, hit in zip(ks, hits, strict=True):
+            if hit is None:
+                continue
+            if hit[0] >= slots:
+                # An intact entry for a slot its pool does not have (a
+                # broken member): a miss, not a read that fails its batch.
+                self.counters.checksum_failures += 1
+                continue
+            self.located[k] = (name, *hit)
 
     async def _read(self, locs: list[Any], regions: list[Region],
                     offsets: list[int]) -> list[XferError | None]:
