@@ -176,9 +176,10 @@ async def test_with_discovery_a_member_that_never_answers_holds_up_no_event(
     etcd = Etcd(etcd_server, prefix=f"/aioxfer-test/kv31-{uuid.uuid4().hex[:12]}", ttl=TTL)
     silent = socket.create_server(("127.0.0.1", 0), backlog=16)  # never accept()ed
     try:
+        ghost_inc = secrets.randbits(63)
         ghost = msgspec.json.encode(dict(
             type="meta", version=aioxfer.metadata.PROTOCOL_VERSION, name="kv31-ghost",
-            incarnation=secrets.randbits(63), host_id="elsewhere", pid=1,
+            incarnation=ghost_inc, host_id="elsewhere", pid=1,
             address=f"127.0.0.1:{silent.getsockname()[1]}", transports=["tcp"], regions=[]))
         host, port = etcd_server.rsplit(":", 1)
         async with aetcd.Client(host=host, port=int(port), timeout=10) as client:
@@ -198,6 +199,12 @@ async def test_with_discovery_a_member_that_never_answers_holds_up_no_event(
             await within(wait_until(lambda: b.name not in tier.members, seconds=10,
                                     what="b's leaving"), 20)
             assert "kv31-ghost" not in tier.members
+            # Its key deleted (it left): its join, still connecting, ends.
+            assert ("kv31-ghost", ghost_inc) in tier._follows
+            async with aetcd.Client(host=host, port=int(port), timeout=10) as client:
+                await client.delete(etcd.key("kv31-ghost").encode())
+            await within(wait_until(lambda: ("kv31-ghost", ghost_inc) not in tier._follows,
+                                    what="the ghost's join ended by its leaving"))
     finally:
         silent.close()
 

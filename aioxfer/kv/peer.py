@@ -672,9 +672,12 @@ class PeerTier(Tier):
         try:
             return await asyncio.shield(joining[1])
         except asyncio.CancelledError:
+            # The join ended by its peer's leaving (_unfollow), not a cancel
+            # of ours: no member. (The tier's close: cancelled, as before.)
             me = asyncio.current_task()
-            if joining[1].cancelled() and (me is None or not me.cancelling()):
-                return None  # the join was ended (its peer left, or the tier closes), not us
+            if (joining[1].cancelled() and not self._closing
+                    and (me is None or not me.cancelling())):
+                return None
             raise
 
     def _joined(self, name: str, task: asyncio.Task[_Member | None]) -> None:
