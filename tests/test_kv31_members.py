@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import signal
 import socket
@@ -277,6 +278,73 @@ async def test_a_member_whose_index_read_hangs_holds_up_no_other_members_probe(
             proc.kill()  # (its read fails now: the get ends, a miss)
             await proc.wait()
             assert (await within(stuck, 30)).prefix == 0
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        await proc.wait()
+
+
+async def test_a_sender_whose_memory_read_hangs_holds_up_no_other_senders_pull(
+        make_agent: MakeAgent, tmp_path: Path) -> None:
+    """O's host tier is full (of clean blocks C placed), so placements are
+    pulled through the pull staging. Member S (a real process, over tcp)
+    stops with a placement of its pulled from it: that read is not answered
+    until the agent's peer timeout. Before: the staging was one area under
+    one lock, so C's next placement waited behind it (its ack past C's
+    ack_wait: C took O for silent). Now C's pull has a part of its own and
+    is acknowledged, stored."""
+    script = tmp_path / "member.py"
+    script.write_text(MEMBER.replace('group="lost"', 'group="kv31q"'))
+    proc, address = await start_member(script, "kv31-qs", BB)
+    try:
+        o = await make_agent("kv31-qo", peer_timeout=60.0, transports=("tcp",))
+        c = await make_agent("kv31-qc")
+        csrc = c.alloc(3 * BB, name="csrc")
+        csrc.numpy()[:] = pattern(3 * BB, 33)
+        crcs = [ck.checksum(csrc.memoryview[i * BB:(i + 1) * BB]) for i in range(3)]
+        ks = keys(b"kv31q", 3)
+        tier = kv.PeerTier(group="kv31q", ack_wait=30.0, ack_timeout=30.0)
+        host = kv.HostTier(2 * BB, high_watermark=1.0, low_watermark=1.0)
+        async with kv.Store.open(o, block_bytes=BB, tiers=[host, tier]):
+            assert tier.ctl is not None
+            assert await within(tier.join(address))
+            s = tier.members["kv31-qs"]
+            to_o = await within(c.connect(tier.ctl.address))
+
+            async def place_from_c(req: int, blocks: list[int]) -> bytes:
+                head = json.dumps({"op": "put", "req": req, "from": c.address,
+                                   "ctl": c.address, "region": "csrc"}).encode()
+                body = b"".join(ks[i] + (i * BB).to_bytes(8, "little")
+                                + crcs[i].to_bytes(4, "little")
+                                + ck.ALGO.to_bytes(4, "little") for i in blocks)
+                await within(to_o.notify(len(head).to_bytes(2, "little") + head + body))
+                p = (await within(anext(aiter(c.notifications)))).payload
+                n = int.from_bytes(p[:2], "little")
+                assert json.loads(p[2:2 + n])["req"] == req
+                return bytes(p[2 + n:])
+
+            assert await place_from_c(1, [0, 1]) == b"\x01\x01"  # (the host tier is full now)
+            assert not host.free
+            proc.send_signal(signal.SIGSTOP)
+            # A placement of S's (sent by an agent of its control agent's
+            # name, as its own would be): O pulls it from S's pool, stopped.
+            async with aioxfer.Agent("kv31-qs.kvctl") as s_ctl:
+                to_o_s = await within(s_ctl.connect(tier.ctl.address))
+                head = json.dumps({"op": "put", "req": 2, "from": s.peer.address,
+                                   "ctl": s.meta["ctl"], "region": s.meta["pool"]}).encode()
+                body = (keys(b"kv31q-s")[0] + bytes(8) + (0).to_bytes(4, "little")
+                        + ck.ALGO.to_bytes(4, "little"))
+                await within(to_o_s.notify(len(head).to_bytes(2, "little") + head + body))
+                await within(wait_until(lambda: sum(tier._pulling.values()) == 1,
+                                        what="S's pull under way"))
+                await asyncio.sleep(0.2)  # (its read posted, unanswered)
+                assert await within(place_from_c(3, [2]), 10) == b"\x01"
+                assert ks[2] in host.index
+                proc.kill()  # (S's read fails now)
+                await proc.wait()
+                await within(wait_until(lambda: not tier._pulling and not tier._answering,
+                                        what="S's pull ended"), 30)
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGCONT)

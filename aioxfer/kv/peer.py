@@ -87,6 +87,12 @@ _JOIN_READS = 8
 # member for the agent's peer timeout.)
 _PROBE_BUCKETS = 1024
 _PROBE_KEYS = 256
+# Parts of the pull staging (each pull_staging_blocks blocks), one per
+# staged read at once. (One area under one lock: a sender stopped with its
+# blocks being read held every other sender's staged pull for the agent's
+# peer timeout; their ack_waits passed, and they took this owner for
+# silent, skipping it for ack_timeout.)
+_PULL_PARTS = 4
 # Request numbers of a member's placements that went unanswered past their
 # ack_wait kept for a late ack (_Member.late): the newest this many.
 _LATE_MAX = 64
@@ -303,6 +309,9 @@ class PeerTier(Tier):
     ``pull_staging_blocks``: blocks placed here while the host tier has no
     free slot are read into a staging area of this many blocks first and
     verified there; only the good ones make room (evict clean cold blocks).
+    The area is 4 such parts (4 staged reads at once, each in a part of its
+    own): a sender that stops while its blocks are read holds one part, not
+    every other sender's pulls.
 
     ``place_staging_blocks``: blocks of a caller's memory (a put that
     overflows the host tier) are copied into a tier-owned area of this many
@@ -345,7 +354,7 @@ class PeerTier(Tier):
         # Its blocks, handed to the puts' rounds first come, first served.
         self.place_slots = _Slots(self.place_staging_blocks)
         self.pull_stage: Region | None = None
-        self.pull_lock = asyncio.Lock()
+        self.pull_parts = _Slots(_PULL_PARTS)  # (see _PULL_PARTS)
         self.ack_wait = float(ack_wait)
         self.ack_timeout = float(ack_timeout)
         if max_pulls < 1 or max_pulls_per_peer < 1:
@@ -418,7 +427,7 @@ class PeerTier(Tier):
         host.publish(self.index)
         self.stage = agent.alloc(_PROBE_BUCKETS * WAYS * IENTRY)
         self.join_stage = agent.alloc(_JOIN_READS * _META_BYTES)
-        self.pull_stage = agent.alloc(self.pull_staging_blocks * store.block_bytes)
+        self.pull_stage = agent.alloc(_PULL_PARTS * self.pull_staging_blocks * store.block_bytes)
         host_part = agent.address.rsplit(":", 1)[0]
         # Its timeouts are the store agent's (it used the defaults whatever
         # those were: a member stopped was taken for lost after 5 s here
@@ -1545,17 +1554,20 @@ class PeerTier(Tier):
     async def _pull_staged(self, host: HostTier, src: RemoteRegion,
                            entries: list[tuple[bytes, int, int, int]], fresh: list[int],
                            stored: bytearray) -> None:
-        """Reads blocks into the pull staging, verifies them there, and only
-        then makes room for the good ones and copies them in."""
+        """Reads blocks (at most pull_staging_blocks) into a part of the pull
+        staging of this read's own, verifies them there, and only then makes
+        room for the good ones and copies them in."""
         store = self.store
         bb = store.block_bytes
         stage = self.pull_stage
         assert stage is not None and host.remote is not None
         n = len(fresh)
-        offs = np.arange(n, dtype=np.uint64) * np.uint64(bb)
         lens = np.full(n, bb, dtype=np.uint64)
-        async with self.pull_lock:
-            # Never cut short: the next pull refills the staging.
+        (part,) = await self.pull_parts.take(1)
+        try:
+            base = part * self.pull_staging_blocks  # (in blocks)
+            offs = (np.arange(n, dtype=np.uint64) + np.uint64(base)) * np.uint64(bb)
+            # Never cut short: the next pull refills the part.
             await run_to_end(store.agent.read(
                 SegmentList(stage, offs, lens),
                 SegmentList(src, np.array([entries[j][1] for j in fresh], dtype=np.uint64),
@@ -1564,15 +1576,15 @@ class PeerTier(Tier):
             for k, j in enumerate(fresh):
                 key, _off, crc, algo = entries[j]
                 if key not in host.index and ck.checksum_with(
-                        algo, stage.memoryview[k * bb:(k + 1) * bb]) == crc:
+                        algo, stage.memoryview[(base + k) * bb:(base + k + 1) * bb]) == crc:
                     good.append(k)
             slots = host._take(len(good))  # accepted: now room is made
             good = good[:len(slots)]
             if not good:
                 return
             t = store.agent.write(
-                SegmentList(stage, np.array(good, dtype=np.uint64) * np.uint64(bb),
-                            np.full(len(good), bb, dtype=np.uint64)),
+                SegmentList(stage, (np.array(good, dtype=np.uint64) + np.uint64(base))
+                            * np.uint64(bb), np.full(len(good), bb, dtype=np.uint64)),
                 SegmentList(host.remote, np.array(slots, dtype=np.uint64) * np.uint64(bb),
                             np.full(len(good), bb, dtype=np.uint64)))
             try:
@@ -1588,6 +1600,8 @@ class PeerTier(Tier):
                     self.pulled += 1
                 else:
                     host.give_back([s])
+        finally:
+            self.pull_parts.give_back([part])
 
     async def _remove(self, keys: list[bytes]) -> int:
         """Store.remove: forgets where the keys were found. The copies in
