@@ -1,8 +1,8 @@
-"""Gets served by PeerTier members: the probe of the owners' index buckets
-and the read of the blocks (kv31: probes of different members at once,
-each into stage buckets of its own, instead of one after another under one
-lock).
+"""PeerTier members under gets and under overflowing puts (kv31: probes of
+different members at once, each into stage buckets of its own, and staged
+pulls in parts of their own, instead of one after another under one lock).
 
+``get`` (default):
 A reader store whose host tier holds 2 blocks and two members, each a
 process of its own (three members in all, one replica: a reader probes the
 top two owners of each key other than itself, so most gets probe both
@@ -11,8 +11,14 @@ overflow to their owners); a round is one get of ``--blocks`` consecutive
 of them (host tier misses: a probe of the members, then the reads). Printed:
 the median get (ms), the blocks found, as one JSON line.
 
-    python benchmarks/kv31_probe.py                    # one run, this interpreter
-    python benchmarks/kv31_probe.py --compare /tmp/vA/bin/python /tmp/vB/bin/python \\
+``put``: the same reader and members, the members' host tiers of
+``--member-slots`` blocks (full after the first rounds: every pull goes
+through their pull staging). A round is ``--puts`` concurrent puts of
+``--blocks`` fresh keys each; printed: the median round (ms), as "get_ms".
+
+    python benchmarks/kv_probe.py                      # one run, this interpreter
+    python benchmarks/kv_probe.py put --member-slots 16
+    python benchmarks/kv_probe.py --compare /tmp/vA/bin/python /tmp/vB/bin/python \\
         --pairs 5                                      # A/B runs interleaved
 
 ``--compare`` runs this script under each interpreter in turn (A, B, then
@@ -63,7 +69,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         addresses = []
         for i in range(2):
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", MEMBER, str(bb), str(2 * args.keys + 64), f"kv31b-m{i}",
+                sys.executable, "-c", MEMBER, str(bb),
+                str(args.member_slots if args.what == "put" else 2 * args.keys + 64),
+                f"kv31b-m{i}",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd="/")
             procs.append(proc)
             assert proc.stdout is not None
@@ -81,6 +89,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     tier]) as store:
                 for address in addresses:
                     assert await tier.join(address)
+                if args.what == "put":
+                    return await puts(args, store, src, bb)
                 keys = kv.chain(np.arange(16 * args.keys), block_tokens=16, namespace=b"kv31b")
                 for i in range(0, args.keys, 64):
                     await store.put(keys[i:i + 64], src[i * bb:min(args.keys, i + 64) * bb])
@@ -109,10 +119,39 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     await proc.wait()
 
 
+async def puts(args: argparse.Namespace, store: Any, src: Any, bb: int) -> dict[str, Any]:
+    import numpy as np
+
+    from aioxfer import kv
+
+    times: list[float] = []
+    stored = dropped = seed = 0
+    per = args.blocks
+    for r in range(args.warmup + args.rounds):
+        ops = []
+        for p in range(args.puts):
+            seed += 1
+            keys = kv.chain(np.arange(16 * per) + seed * 10_000_000, block_tokens=16,
+                            namespace=b"kv31p")
+            off = (p * per) % max(1, args.keys - per + 1)
+            ops.append(store.put(keys, src[off * bb:(off + per) * bb]))
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*ops)
+        took = time.perf_counter() - t0
+        if r >= args.warmup:
+            times.append(took)
+            stored += sum(x.stored for x in res)
+            dropped += sum(x.dropped for x in res)
+    return {"python": sys.executable, "get_ms": statistics.median(times) * 1e3,
+            "found": stored, "of": stored + dropped,
+            "dropped_why": dict(store.statistics().tiers["peer"].dropped_stores)}
+
+
 def compare(args: argparse.Namespace) -> int:
     a_py, b_py = args.compare
     me = os.path.abspath(__file__)
-    own = ["--rounds", str(args.rounds), "--warmup", str(args.warmup), "--keys",
+    own = [args.what, "--member-slots", str(args.member_slots), "--puts", str(args.puts),
+           "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--keys",
            str(args.keys), "--blocks", str(args.blocks), "--block-kib", str(args.block_kib)]
     side: dict[str, list[float]] = {"A": [], "B": []}
     for pair in range(args.pairs):
@@ -135,7 +174,10 @@ def compare(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", nargs="?", default="get", choices=("get", "put"))
     ap.add_argument("--keys", type=int, default=256, help="blocks put (overflowing)")
+    ap.add_argument("--member-slots", type=int, default=16, help="put: members' host tiers")
+    ap.add_argument("--puts", type=int, default=8, help="put: concurrent puts per round")
     ap.add_argument("--blocks", type=int, default=16, help="blocks per get")
     ap.add_argument("--block-kib", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=200)
