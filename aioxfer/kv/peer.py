@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import random
@@ -48,6 +49,7 @@ from aioxfer.kv.disk import entry_check
 from aioxfer.kv.errors import BlockMissing, BlockUnavailable
 from aioxfer.kv.tier import Tier, landed
 from aioxfer.log import get_logger
+from aioxfer.names import name_problem
 from aioxfer.region import Region, RemoteRegion, SegmentList
 
 if TYPE_CHECKING:
@@ -70,6 +72,30 @@ _MAX_PER_MSG = 64  # (key, offset, crc) entries per control message (<= 4 KiB)
 # pause of 0.5-1.5 x this, doubled each time up to _BUSY_PAUSE_MAX (seconds).
 _BUSY_PAUSE = 0.002
 _BUSY_PAUSE_MAX = 0.05
+# Joins _follow runs at once (each a connect and a meta read, in tasks of
+# their own: see _follow); the events past them wait their turn in order.
+_FOLLOW_JOINS = 16
+# Meta reads at once, each into its own _META_BYTES of the join stage
+# (they shared the probes' stage under one lock: one member whose meta read
+# hung, stopped after connecting, held every later join and every get's
+# probe for the agent's stall bound).
+_JOIN_READS = 8
+# Index buckets the probes' stage holds (WAYS x IENTRY bytes each: 256 KiB),
+# handed out first come, first served to the members' bucket reads, of at
+# most _PROBE_KEYS buckets each. (One lock over a stage of 256: a member
+# whose bucket read hung, stopped, held every get's probe of every other
+# member for the agent's peer timeout.)
+_PROBE_BUCKETS = 1024
+_PROBE_KEYS = 256
+# Parts of the pull staging (each pull_staging_blocks blocks), one per
+# staged read at once. (One area under one lock: a sender stopped with its
+# blocks being read held every other sender's staged pull for the agent's
+# peer timeout; their ack_waits passed, and they took this owner for
+# silent, skipping it for ack_timeout.)
+_PULL_PARTS = 4
+# Request numbers of a member's placements that went unanswered past their
+# ack_wait kept for a late ack (_Member.late): the newest this many.
+_LATE_MAX = 64
 
 
 def _bucket(key: bytes, nb: int) -> int:
@@ -221,9 +247,11 @@ class _Member:
         self.ctl: aioxfer.Peer | None = None
         # Placements sent and not yet acknowledged: request -> its future.
         self.waiting: dict[int, asyncio.Future[tuple[bytes, bool]]] = {}
-        # Requests whose ack_wait passed unanswered; a late ack of one of
-        # them proves the member alive again.
-        self.late: set[int] = set()
+        # Requests whose ack_wait passed unanswered (the newest _LATE_MAX,
+        # oldest first); a late ack of one of them proves the member alive
+        # again. (A set that grew by one request per ack_timeout, for ever,
+        # for a member that never answers but stays connected.)
+        self.late: dict[int, None] = {}
         # When it last let a placement's ack_wait pass (None: it answers):
         # while set, no placement is sent to it (see PeerTier._place).
         self.silent_since: float | None = None
@@ -239,6 +267,14 @@ class _Member:
     @property
     def silent(self) -> bool:
         return self.silent_since is not None
+
+    def went_late(self, req: int) -> None:
+        """Placement ``req`` let its ack_wait pass: kept for a late ack, the
+        oldest let go past _LATE_MAX (its late ack then proves nothing; the
+        next try after ack_timeout finds the member answering)."""
+        self.late[req] = None
+        while len(self.late) > _LATE_MAX:
+            del self.late[next(iter(self.late))]
 
 
 class PeerTier(Tier):
@@ -273,6 +309,9 @@ class PeerTier(Tier):
     ``pull_staging_blocks``: blocks placed here while the host tier has no
     free slot are read into a staging area of this many blocks first and
     verified there; only the good ones make room (evict clean cold blocks).
+    The area is 4 such parts (4 staged reads at once, each in a part of its
+    own): a sender that stops while its blocks are read holds one part, not
+    every other sender's pulls.
 
     ``place_staging_blocks``: blocks of a caller's memory (a put that
     overflows the host tier) are copied into a tier-owned area of this many
@@ -315,7 +354,13 @@ class PeerTier(Tier):
         # Its blocks, handed to the puts' rounds first come, first served.
         self.place_slots = _Slots(self.place_staging_blocks)
         self.pull_stage: Region | None = None
-        self.pull_lock = asyncio.Lock()
+        self.pull_parts = _Slots(_PULL_PARTS)  # (see _PULL_PARTS)
+        # Room made for staged blocks and their copy in, one pull at a time
+        # (local: never waits on a sender). Concurrently, pulls took slots
+        # that the others could then not evict: a host tier of fewer slots
+        # than the parts hold refused ~10 % of the blocks placed
+        # (benchmarks/kv_probe.py put, members of 16 slots).
+        self.room_lock = asyncio.Lock()
         self.ack_wait = float(ack_wait)
         self.ack_timeout = float(ack_timeout)
         if max_pulls < 1 or max_pulls_per_peer < 1:
@@ -349,16 +394,25 @@ class PeerTier(Tier):
         self.ctl: aioxfer.Agent | None = None
         self.meta_region: Region | None = None
         self.index: PeerIndex | None = None
-        self.stage: Region | None = None
-        # One reader of the stage at a time (probes of two gets, a member's
-        # meta): each reads into it and parses it after its read lands.
-        self.stage_lock = asyncio.Lock()
+        self.stage: Region | None = None  # the probes' (_PROBE_BUCKETS)
+        self.probe_slots = _Slots(_PROBE_BUCKETS)
         self._tasks: set[asyncio.Task[Any]] = set()
         # (the member's control agent's name, request) -> the ack's future
         # (an ack is its bitmap and whether it says "busy": see _refuse)
         self._acks: dict[tuple[str, int], asyncio.Future[tuple[bytes, bool]]] = {}
         # name -> the peer being joined under it and its join (see _add_member)
         self._joining: dict[str, tuple[aioxfer.Peer, asyncio.Task[_Member | None]]] = {}
+        # _follow's joins: (name, incarnation) -> its join under way (at most
+        # _FOLLOW_JOINS), or its address while it waits for its turn.
+        self._follows: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._queued: dict[tuple[str, int], str] = {}
+        # name of a live member -> the last agent refused that name while
+        # that member lived (see _taken): joined once the member leaves.
+        self._claims: dict[str, aioxfer.Peer] = {}
+        # The meta reads' stage (_JOIN_READS x _META_BYTES) and its parts.
+        self.join_stage: Region | None = None
+        self.join_slots = _Slots(_JOIN_READS)
+        self._closing = False
         self.busy_retries = 0  # placements sent again after a "busy" refusal
         self.pulled = 0  # blocks other members placed here
 
@@ -377,8 +431,9 @@ class PeerTier(Tier):
         idx_region = agent.alloc(buckets * WAYS * IENTRY, name=f"{pfx}.index")
         self.index = PeerIndex(idx_region, buckets)
         host.publish(self.index)
-        self.stage = agent.alloc(max(_META_BYTES, 256 * WAYS * IENTRY))
-        self.pull_stage = agent.alloc(self.pull_staging_blocks * store.block_bytes)
+        self.stage = agent.alloc(_PROBE_BUCKETS * WAYS * IENTRY)
+        self.join_stage = agent.alloc(_JOIN_READS * _META_BYTES)
+        self.pull_stage = agent.alloc(_PULL_PARTS * self.pull_staging_blocks * store.block_bytes)
         host_part = agent.address.rsplit(":", 1)[0]
         # Its timeouts are the store agent's (it used the defaults whatever
         # those were: a member stopped was taken for lost after 5 s here
@@ -431,6 +486,8 @@ class PeerTier(Tier):
         host = self.store._host
         if host is not None:
             host.publish(None)  # no await: done whatever follows
+        self._closing = True  # (no queued join starts as the running ones end)
+        self._queued.clear()
         for t in list(self._tasks):
             t.cancel()
         for fut in self._acks.values():
@@ -461,7 +518,8 @@ class PeerTier(Tier):
         self.index = None
         failed, stopped = await _deregister_all(
             self.store.agent,
-            (self.meta_region, self.stage, self.pull_stage, self.place_stage, index_region),
+            (self.meta_region, self.stage, self.join_stage, self.pull_stage, self.place_stage,
+             index_region),
             "kv.peer_close_failed", tier=self.name)
         first = first or failed
         cancelled |= stopped
@@ -478,50 +536,142 @@ class PeerTier(Tier):
     # ------------------------------------------------------------ membership
 
     async def _follow(self) -> None:
+        """Follows the agent's membership: joins each new member, drops each
+        one that leaves. A join runs in a task of its own (at most
+        _FOLLOW_JOINS at once, the events past them queued in order), ended
+        when that incarnation leaves or the tier closes: the loop goes on
+        to the next event at once. (It awaited each join inline: the
+        connect to, or the meta read of, one member that accepts and never
+        answers held every later event, leaves included, for the agent's
+        peer timeout; with discovery, an etcd key naming such an address did
+        so at each event of its.)"""
         agent = self.store.agent
         async for ev in agent.membership():
+            key = (ev.name, ev.incarnation)
             known = self.members.get(ev.name)
             # (by incarnation: kv29, the leaving of a restarted member's
             # old incarnation removed its successor, and the successor's
             # joining was skipped while the old one was still a member)
             ours = known is not None and known.peer.incarnation == ev.incarnation
             if isinstance(ev, aioxfer.PeerLeft):
+                self._unfollow(key)
                 gone = self.members.pop(ev.name) if known is not None and ours else None
                 if gone is not None:
-                    gone.gone.set()
-                    _log.info("kv.peer_left", tier=self.name, member=ev.name)
-                    # Its placements end now (its acks will not come), not
-                    # after ack_wait each.
-                    for fut in gone.waiting.values():
-                        if not fut.done():
-                            fut.set_exception(PeerLost(f"member {ev.name!r} left"))
-                    self.located = {k: v for k, v in self.located.items() if v[0] != ev.name}
+                    self._left(gone, f"member {ev.name!r} left")
                 continue
-            if ev.name == agent.name or ours:
+            if ev.name == agent.name or ours or key in self._follows or key in self._queued:
                 continue
-            with contextlib.suppress(XferError, OSError, KeyError, ValueError):
-                await self._add_member(await agent.connect(ev.address))
+            self._queued[key] = ev.address
+            self._follow_next()
+
+    def _left(self, gone: _Member, why: str) -> None:
+        """``gone`` is no longer the member of its name (popped by the
+        caller): what waits for it ends now, and an agent refused its name
+        while it lived (_taken) is joined."""
+        gone.gone.set()
+        _log.info("kv.peer_left", tier=self.name, member=gone.name)
+        # Its placements end now (its acks will not come), not after
+        # ack_wait each.
+        for fut in gone.waiting.values():
+            if not fut.done():
+                fut.set_exception(PeerLost(why))
+        self.located = {k: v for k, v in self.located.items() if v[0] != gone.name}
+        claim = self._claims.pop(gone.name, None)
+        if claim is not None and not claim.lost and not self._closing:
+            # (the restart of a member at another address, found while its
+            # old incarnation still lived: it joins now, not at its next event)
+            self._queued.setdefault((claim.name, claim.incarnation), claim.address)
+            self._follow_next()
+
+    def _follow_next(self) -> None:
+        """Starts queued joins while fewer than _FOLLOW_JOINS run."""
+        while self._queued and len(self._follows) < _FOLLOW_JOINS and not self._closing:
+            key = next(iter(self._queued))
+            address = self._queued.pop(key)
+            task = asyncio.ensure_future(self._follow_join(address))
+            self._follows[key] = task
+            self._tasks.add(task)  # (cancelled and waited for by _aclose)
+            task.add_done_callback(functools.partial(self._followed, key))
+
+    def _followed(self, key: tuple[str, int], task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._follows.get(key) is task:
+            del self._follows[key]
+        if not task.cancelled():
+            task.exception()  # (retrieved; _follow_join lets none out but a bug)
+        self._follow_next()
+
+    def _unfollow(self, key: tuple[str, int]) -> None:
+        """Incarnation ``key`` left: its join, queued or under way, ends (a
+        connect or a meta read that hangs is not waited out)."""
+        self._queued.pop(key, None)
+        task = self._follows.get(key)
+        if task is not None:
+            task.cancel()
+        joining = self._joining.get(key[0])
+        if joining is not None and joining[0].incarnation == key[1]:
+            joining[1].cancel()  # (its callers get None: _add_member)
+
+    async def _follow_join(self, address: str) -> None:
+        agent = self.store.agent
+        with contextlib.suppress(XferError, OSError, KeyError, ValueError):
+            await self._add_member(await agent.connect(address))
 
     async def join(self, address: str) -> bool:
         """Adds the member at ``address`` (an agent with a store of this group);
-        False if the agent there has none."""
+        False if the agent there has none, or if its name is a live member's
+        (see _taken)."""
         return await self._add_member(await self.store.agent.connect(address)) is not None
+
+    def _taken(self, peer: aioxfer.Peer) -> bool:
+        """Whether ``peer``'s name is a live member's (another incarnation's):
+        then ``peer`` is no member (logged, remembered: it joins once that
+        member leaves). Embedded, names are not unique (the handshake proves
+        the token, not the name): an agent named after a member, elsewhere,
+        became that member (its placements to the first failed "replaced",
+        its blocks were looked for there), whenever the store's agent
+        connected to it (any connect: the application's, or a placement
+        naming it as "from"). A member's identity is now its incarnation
+        while it lives: first come, first served. A restarted member still
+        joins at once where its old incarnation is gone: at the same
+        address (the agent fences the old one as it connects), or killed
+        or closed (its connections end); a stopped one is let go by the
+        agent's peer_timeout, and its successor joins then."""
+        agent = self.store.agent
+        if peer.name == agent.name:  # (ours: this agent lives; _add_member let us pass)
+            _log.warning("kv.peer_name_taken", tier=self.name, member=peer.name,
+                         address=peer.address, incarnation=f"{peer.incarnation:#x}",
+                         reason="it is this store's own agent's name")
+            return True
+        old = self.members.get(peer.name)
+        if old is None or old.peer is peer or old.peer.lost:
+            return False
+        self._claims[peer.name] = peer
+        _log.warning("kv.peer_name_taken", tier=self.name, member=peer.name,
+                     address=peer.address, incarnation=f"{peer.incarnation:#x}",
+                     held_by=old.peer.address, held_incarnation=f"{old.peer.incarnation:#x}",
+                     reason="a live member has this name: not joined while it lives")
+        return True
 
     async def _add_member(self, peer: aioxfer.Peer) -> _Member | None:
         agent = self.store.agent
         if peer.name == agent.name and peer.incarnation == agent.incarnation:
             return None
-        if not peer.name.isprintable():
+        why = name_problem(peer.name)
+        if why is not None:
             # A member's name goes into log lines (kv.peer_joined, ...) as
             # it is: one with a newline or a terminal escape could forge or
-            # hide lines there (kv28). Agents are named by their
-            # applications: such a name is broken or hostile, no member.
-            _log.warning("kv.peer_name_refused", tier=self.name, member=repr(peer.name),
-                         reason="control characters")
+            # hide lines there (kv28). The agent's handshake refuses such
+            # names already (aioxfer.names, the one rule): this is the same
+            # rule again, for a Peer from anywhere.
+            _log.warning("kv.peer_name_refused", tier=self.name, member=repr(peer.name[:256]),
+                         reason=why)
             return None
         known = self.members.get(peer.name)
         if known is not None and known.peer is peer:
             return known
+        if self._taken(peer):
+            return None
         # Concurrent adds of one peer (a pull's _reach and _follow, two
         # placements of a sender that is no member yet) share one join:
         # each made its own _Member, and the second replaced the first,
@@ -534,7 +684,16 @@ class PeerTier(Tier):
             self._joining[peer.name] = joining
             self._tasks.add(task)  # (cancelled and waited for by _aclose)
             task.add_done_callback(lambda t: self._joined(peer.name, t))
-        return await asyncio.shield(joining[1])
+        try:
+            return await asyncio.shield(joining[1])
+        except asyncio.CancelledError:
+            # The join ended by its peer's leaving (_unfollow), not a cancel
+            # of ours: no member. (The tier's close: cancelled, as before.)
+            me = asyncio.current_task()
+            if (joining[1].cancelled() and not self._closing
+                    and (me is None or not me.cancelling())):
+                return None
+            raise
 
     def _joined(self, name: str, task: asyncio.Task[_Member | None]) -> None:
         self._tasks.discard(task)
@@ -546,7 +705,33 @@ class PeerTier(Tier):
     async def _join_member(self, peer: aioxfer.Peer) -> _Member | None:
         """_add_member's one join of ``peer``: reads its meta, makes it the
         member of its name."""
-        agent = self.store.agent
+        raw = await self._read_meta(peer)
+        if raw is None:
+            return None
+        member = self._member(peer, raw)
+        if member is None or peer.lost:
+            # (lost while read: a join of its next incarnation may already
+            # have made that the member, which this one must not replace)
+            return None
+        if self._taken(peer):  # (joined meanwhile)
+            return None
+        old = self.members.get(peer.name)
+        self.members[peer.name] = member
+        if self._claims.get(peer.name) is peer:
+            del self._claims[peer.name]
+        if old is not None:
+            # Lost, its leaving not taken by _follow yet (_taken): its acks
+            # will not come (restarted).
+            old.gone.set()
+            for fut in old.waiting.values():
+                if not fut.done():
+                    fut.set_exception(PeerLost(f"member {peer.name!r} was replaced"))
+        _log.info("kv.peer_joined", tier=self.name, member=peer.name)
+        return member
+
+    async def _read_meta(self, peer: aioxfer.Peer) -> bytes | None:
+        """``peer``'s published meta (None: it publishes none for our group),
+        read into a part of the join stage of its own (see _JOIN_READS)."""
         pfx = f"kvpeer.{self.group}"
         try:
             meta_rr = peer.region(f"{pfx}.meta")
@@ -556,24 +741,17 @@ class PeerTier(Tier):
                 meta_rr = peer.region(f"{pfx}.meta")
             except KeyError:
                 return None
-        assert self.stage is not None
-        async with self.stage_lock:
-            await run_to_end(agent.read(self.stage[0:_META_BYTES], meta_rr[0:_META_BYTES]))
-            raw = bytes(self.stage.memoryview[:_META_BYTES]).rstrip(b"\x00")
-        member = self._member(peer, raw)
-        if member is None or peer.lost:
-            # (lost while read: a join of its next incarnation may already
-            # have made that the member, which this one must not replace)
-            return None
-        old = self.members.get(peer.name)
-        self.members[peer.name] = member
-        if old is not None:
-            old.gone.set()
-            for fut in old.waiting.values():  # its acks will not come (restarted)
-                if not fut.done():
-                    fut.set_exception(PeerLost(f"member {peer.name!r} was replaced"))
-        _log.info("kv.peer_joined", tier=self.name, member=peer.name)
-        return member
+        stage = self.join_stage
+        assert stage is not None
+        slot = (await self.join_slots.take(1))[0]
+        try:
+            part = stage[slot * _META_BYTES:(slot + 1) * _META_BYTES]
+            # Never cut short: a cancelled read could still land in the part
+            # while the next join reads it.
+            await run_to_end(self.store.agent.read(part, meta_rr[0:_META_BYTES]))
+            return bytes(part.memoryview).rstrip(b"\x00")
+        finally:
+            self.join_slots.give_back([slot])
 
     def _member(self, peer: aioxfer.Peer, raw: bytes) -> _Member | None:
         """The member that ``raw`` (its published meta) describes, or None if
@@ -620,7 +798,7 @@ class PeerTier(Tier):
 
     async def _probe(self, keys: list[bytes]) -> int:
         """Reads the owners' index buckets for the keys (one-sided, one batch
-        per member) and remembers where each block is."""
+        per member, the members at once) and remembers where each block is."""
         if not self.members:
             return 0
         names = self.member_names()
@@ -634,43 +812,56 @@ class PeerTier(Tier):
             for o in owners(k, names, self.replicas + 1):
                 if o != me and o in self.members:
                     want.setdefault(o, []).append(k)
-        assert self.stage is not None
-        bsz = WAYS * IENTRY
-        for name, ks in want.items():
-            m = self.members.get(name)
-            if m is None:
-                continue
-            ks = ks[: self.stage.nbytes // bsz]
-            offs = np.array([_bucket(k, m.buckets) * bsz for k in ks], dtype=np.uint64)
-            lens = np.full(len(ks), bsz, dtype=np.uint64)
-            async with self.stage_lock:
-                # Never cut short: a cancelled read could still land in the
-                # stage while the next probe reads it.
-                try:
-                    await run_to_end(self.store.agent.read(
-                        SegmentList(self.stage, np.arange(len(ks), dtype=np.uint64) * bsz, lens),
-                        SegmentList(m.index, offs, lens)))
-                except XferError:
-                    continue  # it left or failed: its blocks are misses
-                raw = self.stage.numpy()
-                hits = [parse_bucket(raw[j * bsz:(j + 1) * bsz], k) for j, k in enumerate(ks)]
-                del raw  # a view of the stage: not held over the next member's await
-            slots = m.pool.nbytes // self.store.block_bytes
-            for k, hit in zip(ks, hits, strict=True):
-                if hit is None:
-                    continue
-                if hit[0] >= slots:
-                    # An intact entry for a slot its pool does not have (a
-                    # broken member): a miss, not a read that fails its batch.
-                    self.counters.checksum_failures += 1
-                    continue
-                self.located[k] = (name, *hit)
+        reads = [self._probe_member(name, ks[:_PROBE_KEYS]) for name, ks in want.items()]
+        if len(reads) == 1:
+            await reads[0]
+        elif reads:
+            # (a cancel reaches each, and is raised once each read has ended)
+            await asyncio.gather(*reads)
         n = 0
         for k in keys:
             if self._locate(k) is None:
                 break
             n += 1
         return n
+
+    async def _probe_member(self, name: str, ks: list[bytes]) -> None:
+        """One member's buckets of ``ks``, read into stage buckets of this
+        read's own (see _PROBE_BUCKETS)."""
+        m = self.members.get(name)
+        if m is None:
+            return
+        stage = self.stage
+        assert stage is not None
+        bsz = WAYS * IENTRY
+        offs = np.array([_bucket(k, m.buckets) * bsz for k in ks], dtype=np.uint64)
+        lens = np.full(len(ks), bsz, dtype=np.uint64)
+        parts = await self.probe_slots.take(len(ks))
+        try:
+            # Never cut short: a cancelled read could still land in these
+            # buckets while the next probe reads them.
+            try:
+                await run_to_end(self.store.agent.read(
+                    SegmentList(stage, np.array(parts, dtype=np.uint64) * np.uint64(bsz), lens),
+                    SegmentList(m.index, offs, lens)))
+            except XferError:
+                return  # it left or failed: its blocks are misses
+            raw = stage.numpy()
+            hits = [parse_bucket(raw[p * bsz:(p + 1) * bsz], k) for p, k in zip(parts, ks,
+                                                                                 strict=True)]
+            del raw  # a view of the stage
+        finally:
+            self.probe_slots.give_back(parts)
+        slots = m.pool.nbytes // self.store.block_bytes
+        for k, hit in zip(ks, hits, strict=True):
+            if hit is None:
+                continue
+            if hit[0] >= slots:
+                # An intact entry for a slot its pool does not have (a
+                # broken member): a miss, not a read that fails its batch.
+                self.counters.checksum_failures += 1
+                continue
+            self.located[k] = (name, *hit)
 
     async def _read(self, locs: list[Any], regions: list[Region],
                     offsets: list[int]) -> list[XferError | None]:
@@ -977,7 +1168,7 @@ class PeerTier(Tier):
             if m.silent_since is None and not queued:
                 m.silent_since = loop.time()
             if key is not None:
-                m.late.add(req)
+                m.went_late(req)
             return [], "ack_timeout", len(idx)
         except PeerLost:
             return [], "peer_lost", len(idx)
@@ -998,6 +1189,7 @@ class PeerTier(Tier):
             else:
                 fut.cancel()
         m.silent_since = None
+        m.late.clear()  # (it answers: what it left unanswered proves nothing more)
         if len(bitmap) != len(idx) or bitmap.strip(b"\x00\x01"):
             # Not an answer to what was sent (a broken or hostile member):
             # it claims nothing.
@@ -1072,11 +1264,13 @@ class PeerTier(Tier):
         that is still no member goes only to the sender itself, found at
         "from" (a plain agent placing its own memory), nowhere else (rev28,
         kv28: it went to any "ctl" such a placement named, even after a
-        failed pull or a refusal). Names with control characters are no
-        members' (kv28: they went raw into log lines)."""
+        failed pull or a refusal). A name that is no valid agent name
+        (aioxfer.names: the handshake refuses those already) is no member's
+        (kv28: names with control characters went raw into log lines)."""
         name = _member_name(sender)
-        if not sender.isprintable():
-            return "its name has control characters"
+        why = name_problem(sender)
+        if why is not None:
+            return why
         known = self.members.get(name)
         if known is not None and not known.peer.lost:
             if head["from"] not in {known.peer.address, known.meta.get("address")}:
@@ -1138,7 +1332,7 @@ class PeerTier(Tier):
         """An ack after its placement's ack_wait: the member is alive again."""
         for m in self.members.values():
             if m.ctl is not None and m.ctl.name == ctl_name and req in m.late:
-                m.late.discard(req)
+                m.late.clear()  # (it answers: the others' answers prove nothing more)
                 m.silent_since = None
                 _log.info("kv.peer_answers_again", tier=self.name, member=m.name)
                 return
@@ -1366,49 +1560,58 @@ class PeerTier(Tier):
     async def _pull_staged(self, host: HostTier, src: RemoteRegion,
                            entries: list[tuple[bytes, int, int, int]], fresh: list[int],
                            stored: bytearray) -> None:
-        """Reads blocks into the pull staging, verifies them there, and only
-        then makes room for the good ones and copies them in."""
+        """Reads blocks (at most pull_staging_blocks) into a part of the pull
+        staging of this read's own, verifies them there, and only then makes
+        room for the good ones and copies them in."""
         store = self.store
         bb = store.block_bytes
         stage = self.pull_stage
         assert stage is not None and host.remote is not None
         n = len(fresh)
-        offs = np.arange(n, dtype=np.uint64) * np.uint64(bb)
         lens = np.full(n, bb, dtype=np.uint64)
-        async with self.pull_lock:
-            # Never cut short: the next pull refills the staging.
+        (part,) = await self.pull_parts.take(1)
+        try:
+            base = part * self.pull_staging_blocks  # (in blocks)
+            offs = (np.arange(n, dtype=np.uint64) + np.uint64(base)) * np.uint64(bb)
+            # Never cut short: the next pull refills the part.
             await run_to_end(store.agent.read(
                 SegmentList(stage, offs, lens),
                 SegmentList(src, np.array([entries[j][1] for j in fresh], dtype=np.uint64),
                             lens)))
-            good = []
+            verified = []
             for k, j in enumerate(fresh):
                 key, _off, crc, algo = entries[j]
                 if key not in host.index and ck.checksum_with(
-                        algo, stage.memoryview[k * bb:(k + 1) * bb]) == crc:
-                    good.append(k)
-            slots = host._take(len(good))  # accepted: now room is made
-            good = good[:len(slots)]
-            if not good:
+                        algo, stage.memoryview[(base + k) * bb:(base + k + 1) * bb]) == crc:
+                    verified.append(k)
+            if not verified:
                 return
-            t = store.agent.write(
-                SegmentList(stage, np.array(good, dtype=np.uint64) * np.uint64(bb),
-                            np.full(len(good), bb, dtype=np.uint64)),
-                SegmentList(host.remote, np.array(slots, dtype=np.uint64) * np.uint64(bb),
-                            np.full(len(good), bb, dtype=np.uint64)))
-            try:
-                await run_to_end(t)
-            except BaseException:
-                host.give_back(slots)
-                raise
-            for k, s in zip(good, slots, strict=True):
-                key = entries[fresh[k]][0]
-                if key not in host.index:
-                    host.insert(key, s, dirty=False)
-                    stored[fresh[k]] = 1
-                    self.pulled += 1
-                else:
-                    host.give_back([s])
+            async with self.room_lock:
+                good = [k for k in verified if entries[fresh[k]][0] not in host.index]
+                slots = host._take(len(good))  # accepted: now room is made
+                good = good[:len(slots)]
+                if not good:
+                    return
+                t = store.agent.write(
+                    SegmentList(stage, (np.array(good, dtype=np.uint64) + np.uint64(base))
+                                * np.uint64(bb), np.full(len(good), bb, dtype=np.uint64)),
+                    SegmentList(host.remote, np.array(slots, dtype=np.uint64) * np.uint64(bb),
+                                np.full(len(good), bb, dtype=np.uint64)))
+                try:
+                    await run_to_end(t)
+                except BaseException:
+                    host.give_back(slots)
+                    raise
+                for k, s in zip(good, slots, strict=True):
+                    key = entries[fresh[k]][0]
+                    if key not in host.index:
+                        host.insert(key, s, dirty=False)
+                        stored[fresh[k]] = 1
+                        self.pulled += 1
+                    else:
+                        host.give_back([s])
+        finally:
+            self.pull_parts.give_back([part])
 
     async def _remove(self, keys: list[bytes]) -> int:
         """Store.remove: forgets where the keys were found. The copies in
