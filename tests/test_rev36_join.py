@@ -21,6 +21,17 @@ BB = 16 << 10
 MakeAgent = Callable[..., Awaitable[Any]]
 
 
+def gate_meta_reads(tier: Any, gate: asyncio.Lock) -> None:
+    """The tier's meta reads (kv31: a stage of their own) wait for ``gate``."""
+    read_meta = tier._read_meta
+
+    async def gated(peer: Any) -> bytes | None:
+        async with gate:
+            return await read_meta(peer)
+
+    tier._read_meta = gated
+
+
 async def test_a_cancelled_caller_leaves_the_join_to_the_others(make_agent: MakeAgent) -> None:
     w = await make_agent("rev36-jw")
     m = await make_agent("rev36-jm")
@@ -29,7 +40,7 @@ async def test_a_cancelled_caller_leaves_the_join_to_the_others(make_agent: Make
     async with kv.Store.open(w, block_bytes=BB, tiers=[kv.HostTier(8 * BB), tier]):
         gate = asyncio.Lock()
         await gate.acquire()  # (the meta read waits for the test's turn)
-        tier.stage_lock = gate
+        gate_meta_reads(tier, gate)
         peer = await within(w.connect(m.address))
         first = asyncio.ensure_future(tier._add_member(peer))
         second = asyncio.ensure_future(tier._add_member(peer))
@@ -51,7 +62,7 @@ async def test_a_close_ends_a_join_in_flight(make_agent: MakeAgent) -> None:
     gate = asyncio.Lock()
     async with kv.Store.open(w, block_bytes=BB, tiers=[kv.HostTier(8 * BB), tier]):
         await gate.acquire()  # (held past the close: the join never reads)
-        tier.stage_lock = gate
+        gate_meta_reads(tier, gate)
         peer = await within(w.connect(m.address))
         caller = asyncio.ensure_future(tier._add_member(peer))
         await within(wait_until(lambda: m.name in tier._joining, what="the join"))
