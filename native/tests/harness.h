@@ -57,13 +57,17 @@ static inline uint64_t t_now_ms(void)
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
-/* t_racy(mem, size, why): a test's own memory that it races on by design
- * (transfers in flight to the same bytes at once, a region watched for a
- * peer's WRITE with no completion to wait for, a buffer rewritten after a
- * completion that ThreadSanitizer cannot tie to the sender's read through
- * the kernel socket). Under ThreadSanitizer those bytes' races are not
- * reported; everything else (the engine's own state) still is. Elsewhere
- * nothing. */
+/* Which sanitizer the test is built with: T_ASAN, T_TSAN. gcc says it with
+ * __SANITIZE_ADDRESS__ / __SANITIZE_THREAD__, clang only through
+ * __has_feature: a check on the gcc macro alone runs a case clang's
+ * sanitizer breaks (test_limits' RSS bound under clang's ASan). */
+#if defined(__SANITIZE_ADDRESS__)
+#define T_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define T_ASAN 1
+#endif
+#endif
 #if defined(__SANITIZE_THREAD__)
 #define T_TSAN 1
 #elif defined(__has_feature)
@@ -71,6 +75,14 @@ static inline uint64_t t_now_ms(void)
 #define T_TSAN 1
 #endif
 #endif
+
+/* t_racy(mem, size, why): a test's own memory that it races on by design
+ * (transfers in flight to the same bytes at once, a region watched for a
+ * peer's WRITE with no completion to wait for, a buffer rewritten after a
+ * completion that ThreadSanitizer cannot tie to the sender's read through
+ * the kernel socket). Under ThreadSanitizer those bytes' races are not
+ * reported; everything else (the engine's own state) still is. Elsewhere
+ * nothing. */
 #ifdef T_TSAN
 void AnnotateBenignRaceSized(const char *file, int line, const volatile void *mem,
                              unsigned long size, const char *desc);
