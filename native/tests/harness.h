@@ -9,6 +9,7 @@
 #endif
 #include "aioxfer.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <poll.h>
@@ -90,6 +91,24 @@ void AnnotateBenignRaceSized(const char *file, int line, const volatile void *me
 #else
 #define t_racy(mem, size, why) ((void)(mem), (void)(size), (void)(why))
 #endif
+
+/* The definition a test's own interposer of name (pthread_create and the
+ * like, defined in the test program) forwards to: a sanitizer's interceptor
+ * where there is one, else the next one (libc's). dlsym(RTLD_NEXT) alone
+ * finds the interceptor only where the sanitizer's runtime is a library
+ * loaded after the program (gcc's libtsan.so); clang links it into the
+ * program itself, where the test's definition replaced it, so RTLD_NEXT
+ * went straight to libc: clang's ThreadSanitizer never saw the thread
+ * start, its first instrumented call crashed and the join failed TSan's
+ * CHECK in ConsumeThreadUserId (first seen in shm.c's calibration, the
+ * first thread test_tcp starts). */
+static inline void *t_next(const char *name)
+{
+    char icpt[128];
+    snprintf(icpt, sizeof icpt, "__interceptor_%s", name);
+    void *p = dlsym(RTLD_DEFAULT, icpt);
+    return p ? p : dlsym(RTLD_NEXT, name);
+}
 
 /* An engine plus the completions drained from it and not yet consumed. */
 #define T_BACKLOG 4096

@@ -2169,7 +2169,7 @@ int pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*fn)(void *)
 {
     static int (*real)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
     if (!real)
-        *(void **)&real = dlsym(RTLD_NEXT, "pthread_create");
+        *(void **)&real = t_next("pthread_create");
     if (atomic_load(&fail_left) > 0) {
         if (atomic_load(&fail_skip) > 0)
             atomic_fetch_sub(&fail_skip, 1);
