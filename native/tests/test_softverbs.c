@@ -233,6 +233,12 @@ static int peer_main(int sock, int dev)
     node n;
     if (node_open(&n, dev, SQ_DEPTH))
         return 1;
+    /* The initiator's WRITEs land here and its READs read here while this
+     * thread fills and checks the same bytes between commands: ordered only
+     * through the other process (its completion, then its next command on
+     * the socket), which ThreadSanitizer cannot follow. */
+    t_racy(n.buf, REG + GUARD, "peer memory, ordered through the initiator's process");
+    t_racy(n.ro, RO, "peer memory, ordered through the initiator's process");
     t_fill(n.buf + REG, GUARD, 99);
     t_fill(n.ro, RO, 98);
     info me, them;
@@ -926,6 +932,9 @@ static int test_threads(void)
     pair p;
     if (pair_open(&p))
         return 1;
+    /* The WRs' local ranges overlap (512 bytes every 16) and many are in
+     * flight at once: READs landing where WRITEs are gathered from. */
+    t_racy(p.n.buf, REG, "overlapping local ranges of WRs in flight at once");
     poller pl = {.n = &p.n, .want = 2000};
     pthread_t t;
     CHECK_EQ(pthread_create(&t, NULL, poll_thread, &pl), 0);
@@ -1454,6 +1463,15 @@ static int test_hostile_responder(void)
  * parent's objects are not the child's, as with real verbs) and works. */
 static int test_fork_after_open(void)
 {
+#ifdef T_TSAN
+    /* gcc 12's ThreadSanitizer keeps the parent's threads registered in the
+     * child (LLVM's runtime forgets them since ThreadRegistry::OnFork): the
+     * child's first thread reuses a parent thread's stack, so its pthread_t,
+     * and its join dies ("dup thread with used id"). The plain and ASan runs
+     * hold this case. */
+    printf("  skipped under ThreadSanitizer: a thread started in a forked child\n");
+    return 0;
+#endif
     node parent;
     if (node_open(&parent, 0, SQ_DEPTH))
         return 1;
