@@ -899,6 +899,8 @@ static int test_destroy_with_outstanding(void)
     pair p;
     if (pair_open(&p))
         return 1;
+    /* READs landing where WRITEs in flight at the same time gather from. */
+    t_racy(p.n.buf, 64 * 1024, "READs and WRITEs of one local range in flight at once");
     for (int i = 0; i < SQ_DEPTH; i++)
         CHECK_EQ(post_rdma(&p.n, i % 2 ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE, 0, 64 * 1024,
                            p.peer.addr, p.peer.rkey, IBV_SEND_SIGNALED, (uint64_t)i),
@@ -1463,12 +1465,12 @@ static int test_hostile_responder(void)
  * parent's objects are not the child's, as with real verbs) and works. */
 static int test_fork_after_open(void)
 {
-#ifdef T_TSAN
+#if defined(T_TSAN) && !defined(__clang__)
     /* gcc 12's ThreadSanitizer keeps the parent's threads registered in the
-     * child (LLVM's runtime forgets them since ThreadRegistry::OnFork): the
-     * child's first thread reuses a parent thread's stack, so its pthread_t,
-     * and its join dies ("dup thread with used id"). The plain and ASan runs
-     * hold this case. */
+     * child (clang 14's runtime forgets them: ThreadRegistry::OnFork; the
+     * case passes there): the child's first thread reuses a parent thread's
+     * stack, so its pthread_t, and its join dies ("dup thread with used
+     * id"). The plain and ASan runs, and clang's TSan, hold this case. */
     printf("  skipped under ThreadSanitizer: a thread started in a forked child\n");
     return 0;
 #endif
