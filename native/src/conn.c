@@ -535,6 +535,24 @@ void axf_notify_release(axf_engine *e, uint64_t tag, uint64_t n)
 
 static void *tx_main(void *arg);
 
+/* A connection's lock and condvars, one way for every kind of connection:
+ * c->cv on CLOCK_MONOTONIC, the clock of the sending thread's timed wait
+ * (tx_main, keepalive): on a wall-clock c->cv its deadline (boot time
+ * based) is long past, the wait ends at once and the thread spins. (The
+ * replay and detached connections never run a sending thread: their
+ * tx_owed stays false, so tx_wake only signals them. They get the same
+ * condvars so that one started there later cannot spin.) */
+static void conn_sync_init(conn *c)
+{
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_cond_init(&c->room_cv, NULL);
+}
+
 /* A connection's thread (its receiver or sender), detached: each ends by
  * itself (thread_exit). 0, or pthread_create's error. */
 static int conn_thread(conn *c, void *(*main)(void *))
@@ -3715,9 +3733,7 @@ int conn_replay(axf_engine *e, uint64_t tag, const uint8_t *buf, size_t len)
     c->fd = sv[1];
     c->pidfd = -1;
     c->replay = true;
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
-    pthread_cond_init(&c->room_cv, NULL);
+    conn_sync_init(c);
     atomic_init(&c->refs, 1); /* the registry's */
     pthread_mutex_lock(&e->mu);
     bool shut = e->shut;
@@ -3796,13 +3812,7 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     c->fd = fd;
     c->pidfd = -1;
     c->closed_slot = !ep;
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&c->cv, &ca);
-    pthread_condattr_destroy(&ca);
-    pthread_cond_init(&c->room_cv, NULL);
+    conn_sync_init(c);
 
     int fl = fcntl(fd, F_GETFL);
     if (fl >= 0)
@@ -3907,9 +3917,7 @@ conn *conn_detached(axf_engine *e, endpoint *ep, uint64_t tag)
     c->fd = -1;
     c->pidfd = -1;
     c->replay = true; /* nothing to wait for before "reading" */
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv, NULL);
-    pthread_cond_init(&c->room_cv, NULL);
+    conn_sync_init(c);
     ka_init(c);
     /* As one thread: conn_detached_close is its exit. */
     atomic_init(&c->threads, 1);

@@ -9,8 +9,11 @@
 #endif
 #include "aioxfer.h"
 
+#include <arpa/inet.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -57,13 +60,17 @@ static inline uint64_t t_now_ms(void)
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
-/* t_racy(mem, size, why): a test's own memory that it races on by design
- * (transfers in flight to the same bytes at once, a region watched for a
- * peer's WRITE with no completion to wait for, a buffer rewritten after a
- * completion that ThreadSanitizer cannot tie to the sender's read through
- * the kernel socket). Under ThreadSanitizer those bytes' races are not
- * reported; everything else (the engine's own state) still is. Elsewhere
- * nothing. */
+/* Which sanitizer the test is built with: T_ASAN, T_TSAN. gcc says it with
+ * __SANITIZE_ADDRESS__ / __SANITIZE_THREAD__, clang only through
+ * __has_feature: a check on the gcc macro alone runs a case clang's
+ * sanitizer breaks (test_limits' RSS bound under clang's ASan). */
+#if defined(__SANITIZE_ADDRESS__)
+#define T_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define T_ASAN 1
+#endif
+#endif
 #if defined(__SANITIZE_THREAD__)
 #define T_TSAN 1
 #elif defined(__has_feature)
@@ -71,6 +78,14 @@ static inline uint64_t t_now_ms(void)
 #define T_TSAN 1
 #endif
 #endif
+
+/* t_racy(mem, size, why): a test's own memory that it races on by design
+ * (transfers in flight to the same bytes at once, a region watched for a
+ * peer's WRITE with no completion to wait for, a buffer rewritten after a
+ * completion that ThreadSanitizer cannot tie to the sender's read through
+ * the kernel socket). Under ThreadSanitizer those bytes' races are not
+ * reported; everything else (the engine's own state) still is. Elsewhere
+ * nothing. */
 #ifdef T_TSAN
 void AnnotateBenignRaceSized(const char *file, int line, const volatile void *mem,
                              unsigned long size, const char *desc);
@@ -78,6 +93,24 @@ void AnnotateBenignRaceSized(const char *file, int line, const volatile void *me
 #else
 #define t_racy(mem, size, why) ((void)(mem), (void)(size), (void)(why))
 #endif
+
+/* The definition a test's own interposer of name (pthread_create and the
+ * like, defined in the test program) forwards to: a sanitizer's interceptor
+ * where there is one, else the next one (libc's). dlsym(RTLD_NEXT) alone
+ * finds the interceptor only where the sanitizer's runtime is a library
+ * loaded after the program (gcc's libtsan.so); clang links it into the
+ * program itself, where the test's definition replaced it, so RTLD_NEXT
+ * went straight to libc: clang's ThreadSanitizer never saw the thread
+ * start, its first instrumented call crashed and the join failed TSan's
+ * CHECK in ConsumeThreadUserId (first seen in shm.c's calibration, the
+ * first thread test_tcp starts). */
+static inline void *t_next(const char *name)
+{
+    char icpt[128];
+    snprintf(icpt, sizeof icpt, "__interceptor_%s", name);
+    void *p = dlsym(RTLD_DEFAULT, icpt);
+    return p ? p : dlsym(RTLD_NEXT, name);
+}
 
 /* An engine plus the completions drained from it and not yet consumed. */
 #define T_BACKLOG 4096
@@ -245,6 +278,79 @@ static inline int t_verbs_import(axf_engine *a, axf_engine *b, uint64_t ep, int 
     CHECK_EQ(axf_endpoint_import(a, ep, rid, key, len, access, 0, -1), AXF_OK);
     CHECK_EQ(axf_endpoint_import_verbs(a, ep, rid, addrs, rkeys, (size_t)n), AXF_OK);
     return 0;
+}
+
+/* Socket buffer sizes for t_tcp_pair_opts, each set before the connection is
+ * made (0: the kernel's). A receive buffer set after the handshake cannot
+ * widen the window scale agreed there: a peer that must hold a whole frame
+ * unread sets b_rcvbuf here (on the listener: the accepted socket inherits
+ * it), not on the connected socket. */
+typedef struct t_tcp_opts {
+    int a_sndbuf; /* the connecting end's */
+    int a_rcvbuf;
+    int b_rcvbuf; /* the accepted end's */
+} t_tcp_opts;
+
+/* A connected loopback TCP pair, both ends blocking and close-on-exec: *a
+ * the connecting end, *b the accepted one. The tests' raw peers: one end
+ * goes to an engine (axf_endpoint_add_conn, axf_accept_conn), the test
+ * speaks the wire protocol by hand on the other. 0, or 1 (reported). */
+static inline int t_tcp_pair_opts(int *a, int *b, const t_tcp_opts *o)
+{
+    static const t_tcp_opts none = {0};
+    if (!o)
+        o = &none;
+    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(l >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    if (o->b_rcvbuf)
+        (void)setsockopt(l, SOL_SOCKET, SO_RCVBUF, &o->b_rcvbuf, sizeof o->b_rcvbuf);
+    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
+    CHECK_EQ(listen(l, 1), 0);
+    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
+    *a = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(*a >= 0);
+    if (o->a_sndbuf)
+        (void)setsockopt(*a, SOL_SOCKET, SO_SNDBUF, &o->a_sndbuf, sizeof o->a_sndbuf);
+    if (o->a_rcvbuf)
+        (void)setsockopt(*a, SOL_SOCKET, SO_RCVBUF, &o->a_rcvbuf, sizeof o->a_rcvbuf);
+    CHECK_EQ(connect(*a, (struct sockaddr *)&sa, sizeof sa), 0);
+    *b = accept4(l, NULL, NULL, SOCK_CLOEXEC);
+    CHECK(*b >= 0);
+    close(l);
+    return 0;
+}
+
+static inline int t_tcp_pair(int *a, int *b)
+{
+    return t_tcp_pair_opts(a, b, NULL);
+}
+
+/* A raw peer of an initiator: a loopback TCP connection added to e's tcp
+ * endpoint ep, its other end in *peer, where the test reads the engine's
+ * frames and answers them by hand (the wire layout: internal.h). sndbuf,
+ * peer_rcvbuf: the engine's end's send buffer and the peer's receive buffer
+ * (0: the kernel's), set before the engine gets its end. With a pair of
+ * opts (NULL: none) for sizes that must be set before the handshake (see
+ * t_tcp_opts). 0, or 1 (reported). */
+static inline int t_raw_peer_opts(axf_engine *e, uint64_t ep, int sndbuf, int peer_rcvbuf,
+                                  const t_tcp_opts *o, int *peer)
+{
+    int x;
+    if (t_tcp_pair_opts(&x, peer, o))
+        return 1;
+    if (sndbuf)
+        CHECK_EQ(setsockopt(x, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf), 0);
+    if (peer_rcvbuf)
+        CHECK_EQ(setsockopt(*peer, SOL_SOCKET, SO_RCVBUF, &peer_rcvbuf, sizeof peer_rcvbuf), 0);
+    CHECK_EQ(axf_endpoint_add_conn(e, ep, x), AXF_OK);
+    return 0;
+}
+
+static inline int t_raw_peer(axf_engine *e, uint64_t ep, int sndbuf, int peer_rcvbuf, int *peer)
+{
+    return t_raw_peer_opts(e, ep, sndbuf, peer_rcvbuf, NULL, peer);
 }
 
 /* A relay between a target engine o and an initiator p (the goodbye tests,

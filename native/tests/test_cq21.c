@@ -11,12 +11,9 @@
 
 #include <stdatomic.h>
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) /* TSan's malloc too */
+/* The sanitizers' malloc (ASan's, TSan's too) cannot be interposed. */
+#if defined(T_ASAN) || defined(T_TSAN)
 #define CQ21_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define CQ21_ASAN 1
-#endif
 #endif
 
 /* The size malloc refuses (0: none). Under AddressSanitizer malloc is the

@@ -1261,7 +1261,7 @@ static _Thread_local bool counting;
 #define REAL(name, type)                                                                   \
     static type real_;                                                                     \
     if (!real_) {                                                                          \
-        void *p_ = dlsym(RTLD_NEXT, name);                                                 \
+        void *p_ = t_next(name);                                                           \
         memcpy(&real_, &p_, sizeof p_);                                                    \
     }
 

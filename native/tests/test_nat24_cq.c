@@ -12,12 +12,9 @@
 
 #include <stdatomic.h>
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) /* TSan's malloc too */
+/* The sanitizers' malloc (ASan's, TSan's too) cannot be interposed. */
+#if defined(T_ASAN) || defined(T_TSAN)
 #define NAT24_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define NAT24_ASAN 1
-#endif
 #endif
 
 #ifndef NAT24_ASAN

@@ -118,7 +118,7 @@ int main(int argc, char **argv)
         T_CASE(test_shm_settings),
         T_CASE(test_cuda_driver_path),
     };
-#if defined(__SANITIZE_THREAD__)
+#ifdef T_TSAN
     /* TSan refuses a thread on a stack given to it (pthread_attr_setstack). */
     fprintf(stderr, "skipped: no thread on a given stack under TSan\n");
     return 77;

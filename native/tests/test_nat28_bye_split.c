@@ -19,8 +19,6 @@
 
 #include "internal.h" /* wire layout, for the raw peer */
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <stdatomic.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -44,23 +42,6 @@ ssize_t send(int fd, const void *buf, size_t len, int flags)
         }
     }
     return syscall(SYS_sendto, fd, buf, len, flags, NULL, 0);
-}
-
-/* A loopback TCP pair: fds[0] the peer's, fds[1] the owner's. */
-static int tcp_pair(int fds[2])
-{
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t al = sizeof a;
-    if (l < 0 || bind(l, (struct sockaddr *)&a, sizeof a) || listen(l, 1) ||
-        getsockname(l, (struct sockaddr *)&a, &al))
-        return -1;
-    fds[0] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fds[0] < 0 || connect(fds[0], (struct sockaddr *)&a, sizeof a))
-        return -1;
-    fds[1] = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    close(l);
-    return fds[1] < 0 ? -1 : 0;
 }
 
 /* Everything the peer reads until EOF (or T_TIMEOUT_MS): its length. */
@@ -93,7 +74,7 @@ static int said_split(bool then_shutdown)
     uint64_t rid, rkey;
     CHECK_EQ(axf_region_register(o->e, r, sizeof r, AXF_ACCESS_READ, -1, &rid, &rkey), AXF_OK);
     int fds[2];
-    CHECK_EQ(tcp_pair(fds), 0);
+    CHECK_EQ(t_tcp_pair(&fds[0], &fds[1]), 0); /* the peer's, the owner's */
     CHECK_EQ(axf_accept_conn(o->e, fds[1], O_TAG, -1), AXF_OK);
     int fd = fds[0];
     /* One READ answered: the connection works, and the stream is between

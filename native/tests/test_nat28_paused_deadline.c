@@ -14,31 +14,11 @@
 
 #include "internal.h" /* wire layout, for the raw peer */
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 
 #define O_TAG 28
 #define RESP (64u * 1024)
 #define NREQ 128
-
-static int tcp_pair(int fds[2])
-{
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t al = sizeof a;
-    if (l < 0 || bind(l, (struct sockaddr *)&a, sizeof a) || listen(l, 1) ||
-        getsockname(l, (struct sockaddr *)&a, &al))
-        return -1;
-    fds[0] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int small = 64 * 1024;
-    setsockopt(fds[0], SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
-    if (fds[0] < 0 || connect(fds[0], (struct sockaddr *)&a, sizeof a))
-        return -1;
-    fds[1] = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    close(l);
-    return fds[1] < 0 ? -1 : 0;
-}
 
 static int test_trickle_reader_revocation_deadline(void)
 {
@@ -51,7 +31,8 @@ static int test_trickle_reader_revocation_deadline(void)
     CHECK_EQ(axf_region_register(o->e, r, sizeof r, rw, -1, &rid, &rkey), AXF_OK);
     CHECK_EQ(axf_region_register(o->e, s, sizeof s, AXF_ACCESS_READ, -1, &sid, &skey), AXF_OK);
     int fds[2];
-    CHECK_EQ(tcp_pair(fds), 0);
+    const t_tcp_opts small = {.a_rcvbuf = 64 * 1024}; /* the peer's: it reads at a trickle */
+    CHECK_EQ(t_tcp_pair_opts(&fds[0], &fds[1], &small), 0); /* the peer's, the owner's */
     CHECK_EQ(axf_accept_conn(o->e, fds[1], O_TAG, -1), AXF_OK);
     int fd = fds[0];
     static wire_hdr q[NREQ];

@@ -24,9 +24,7 @@
 
 #include "internal.h" /* wire layout, for the raw peer */
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 
@@ -178,20 +176,8 @@ static int pair(bool tcp, int fds[2])
 {
     if (!tcp)
         return socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds);
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t al = sizeof a;
-    if (l < 0 || bind(l, (struct sockaddr *)&a, sizeof a) || listen(l, 1) ||
-        getsockname(l, (struct sockaddr *)&a, &al))
-        return -1;
-    fds[0] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int small = 64 * 1024;
-    setsockopt(fds[0], SOL_SOCKET, SO_SNDBUF, &small, sizeof small);
-    if (fds[0] < 0 || connect(fds[0], (struct sockaddr *)&a, sizeof a))
-        return -1;
-    fds[1] = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    close(l);
-    return fds[1] < 0 ? -1 : 0;
+    const t_tcp_opts small = {.a_sndbuf = 64 * 1024};
+    return t_tcp_pair_opts(&fds[0], &fds[1], &small);
 }
 
 /* Waits until region bytes [0, n) hold the peer's pattern. */

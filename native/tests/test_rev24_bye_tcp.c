@@ -17,30 +17,9 @@
  * 50 ms. */
 #include "harness.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-
 #define REG (1u << 20)
 
 /* A connected loopback TCP pair: *a the connecting end, *b the accepted. */
-static int tcp_pair(int *a, int *b)
-{
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(l >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
-    CHECK_EQ(listen(l, 1), 0);
-    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
-    *a = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(*a >= 0);
-    CHECK_EQ(connect(*a, (struct sockaddr *)&sa, sizeof sa), 0);
-    *b = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    CHECK(*b >= 0);
-    close(l);
-    return 0;
-}
-
 typedef struct pair {
     tengine *o, *p;
     uint64_t p_ep;
@@ -60,7 +39,7 @@ static int pair_open(pair *d, int snd)
     d->p = t_engine(&pc);
     CHECK(d->o && d->p);
     int o_sock, o_relay, p_sock, p_relay;
-    if (tcp_pair(&o_relay, &o_sock) || tcp_pair(&p_sock, &p_relay))
+    if (t_tcp_pair(&o_relay, &o_sock) || t_tcp_pair(&p_sock, &p_relay))
         return 1;
     CHECK_EQ(setsockopt(o_sock, SOL_SOCKET, SO_SNDBUF, &snd, sizeof snd), 0);
     if (t_relay_start(&d->rl, o_relay, p_relay))

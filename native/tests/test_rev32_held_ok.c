@@ -18,36 +18,12 @@
 
 #include "internal.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #define A_TAG 32
 #define N (256u << 10)
-
-static int tcp_pair(int *a, int *b)
-{
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(l >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    /* Room for the whole frame in the peer's queue (sent, then unread):
-     * set before listen, so the accepted socket's window scale allows it. */
-    int big = 4 << 20;
-    (void)setsockopt(l, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
-    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
-    CHECK_EQ(listen(l, 1), 0);
-    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
-    *a = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(*a >= 0);
-    CHECK_EQ(connect(*a, (struct sockaddr *)&sa, sizeof sa), 0);
-    *b = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    CHECK(*b >= 0);
-    close(l);
-    return 0;
-}
 
 static uint8_t payload[N];
 
@@ -112,12 +88,12 @@ static int test_succeeded_write_waits_for_its_dead_connections_pages(void)
     CHECK(a);
     uint64_t ep;
     CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, A_TAG, 0, -1, &ep), AXF_OK);
-    int x[2], y[2];
-    for (int i = 0; i < 2; i++) {
-        if (tcp_pair(&x[i], &y[i]))
+    /* Room for the whole frame in the peer's queue (sent, then unread). */
+    const t_tcp_opts room = {.b_rcvbuf = 4 << 20};
+    int y[2];
+    for (int i = 0; i < 2; i++)
+        if (t_raw_peer_opts(a->e, ep, 0, 0, &room, &y[i]))
             return 1;
-        CHECK_EQ(axf_endpoint_add_conn(a->e, ep, x[i]), AXF_OK);
-    }
     uint8_t *src = malloc(N);
     CHECK(src);
     memset(src, 0x11, N);

@@ -14,8 +14,6 @@
 #include "internal.h"
 #include "mock.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -23,24 +21,6 @@
 #define A_TAG 35
 #define REG (2u << 20)
 #define ROUNDS 8
-
-static int tcp_pair(int *a, int *b)
-{
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(l >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
-    CHECK_EQ(listen(l, 1), 0);
-    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
-    *a = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(*a >= 0);
-    CHECK_EQ(connect(*a, (struct sockaddr *)&sa, sizeof sa), 0);
-    *b = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    CHECK(*b >= 0);
-    close(l);
-    return 0;
-}
 
 typedef struct counts {
     atomic_int woke;     /* the sending thread's waits ended */
@@ -95,18 +75,15 @@ static int lone_partial(uint64_t len, int sndbuf)
     CHECK(a);
     uint64_t ep;
     CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, A_TAG, 0, -1, &ep), AXF_OK);
-    int x, y;
-    if (tcp_pair(&x, &y))
-        return 1;
-    int small = 32 << 10; /* (sizes doubled by the kernel) */
-    CHECK_EQ(setsockopt(x, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf), 0);
-    CHECK_EQ(setsockopt(y, SOL_SOCKET, SO_RCVBUF, &small, sizeof small), 0);
     /* The hooks set before the connection's threads start, kept until the
      * engine's close: no store of them races with their reads. */
     counts n = {0};
     axf_faults f = {.tx_woke = on_woke, .kick_release_gap = on_release, .arg = &n};
     axf_mock_faults(a->e, &f);
-    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, x), AXF_OK);
+    int y;
+    int small = 32 << 10; /* (sizes doubled by the kernel) */
+    if (t_raw_peer(a->e, ep, sndbuf, small, &y))
+        return 1;
     uint8_t *src = calloc(1, REG);
     CHECK(src);
     t_fill(src, REG, 7);

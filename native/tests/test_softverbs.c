@@ -233,6 +233,12 @@ static int peer_main(int sock, int dev)
     node n;
     if (node_open(&n, dev, SQ_DEPTH))
         return 1;
+    /* The initiator's WRITEs land here and its READs read here while this
+     * thread fills and checks the same bytes between commands: ordered only
+     * through the other process (its completion, then its next command on
+     * the socket), which ThreadSanitizer cannot follow. */
+    t_racy(n.buf, REG + GUARD, "peer memory, ordered through the initiator's process");
+    t_racy(n.ro, RO, "peer memory, ordered through the initiator's process");
     t_fill(n.buf + REG, GUARD, 99);
     t_fill(n.ro, RO, 98);
     info me, them;
@@ -893,6 +899,8 @@ static int test_destroy_with_outstanding(void)
     pair p;
     if (pair_open(&p))
         return 1;
+    /* READs landing where WRITEs in flight at the same time gather from. */
+    t_racy(p.n.buf, 64 * 1024, "READs and WRITEs of one local range in flight at once");
     for (int i = 0; i < SQ_DEPTH; i++)
         CHECK_EQ(post_rdma(&p.n, i % 2 ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE, 0, 64 * 1024,
                            p.peer.addr, p.peer.rkey, IBV_SEND_SIGNALED, (uint64_t)i),
@@ -926,6 +934,9 @@ static int test_threads(void)
     pair p;
     if (pair_open(&p))
         return 1;
+    /* The WRs' local ranges overlap (512 bytes every 16) and many are in
+     * flight at once: READs landing where WRITEs are gathered from. */
+    t_racy(p.n.buf, REG, "overlapping local ranges of WRs in flight at once");
     poller pl = {.n = &p.n, .want = 2000};
     pthread_t t;
     CHECK_EQ(pthread_create(&t, NULL, poll_thread, &pl), 0);
@@ -1454,6 +1465,15 @@ static int test_hostile_responder(void)
  * parent's objects are not the child's, as with real verbs) and works. */
 static int test_fork_after_open(void)
 {
+#if defined(T_TSAN) && !defined(__clang__)
+    /* gcc 12's ThreadSanitizer keeps the parent's threads registered in the
+     * child (clang 14's runtime forgets them: ThreadRegistry::OnFork; the
+     * case passes there): the child's first thread reuses a parent thread's
+     * stack, so its pthread_t, and its join dies ("dup thread with used
+     * id"). The plain and ASan runs, and clang's TSan, hold this case. */
+    printf("  skipped under ThreadSanitizer: a thread started in a forked child\n");
+    return 0;
+#endif
     node parent;
     if (node_open(&parent, 0, SQ_DEPTH))
         return 1;

@@ -19,8 +19,6 @@
 #include "internal.h"
 #include "mock.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -28,24 +26,6 @@
 #define A_TAG 29
 #define REG (2u << 20)
 #define ROUNDS 64
-
-static int tcp_pair(int *a, int *b)
-{
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(l >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
-    CHECK_EQ(listen(l, 1), 0);
-    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
-    *a = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(*a >= 0);
-    CHECK_EQ(connect(*a, (struct sockaddr *)&sa, sizeof sa), 0);
-    *b = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    CHECK(*b >= 0);
-    close(l);
-    return 0;
-}
 
 typedef struct counts {
     atomic_int woke;     /* the sending thread's waits ended */
@@ -100,13 +80,10 @@ static int lone_writes(uint64_t len)
     CHECK(a);
     uint64_t ep;
     CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, A_TAG, 0, -1, &ep), AXF_OK);
-    int x, y;
-    if (tcp_pair(&x, &y))
-        return 1;
+    int y;
     int big = 4 << 20; /* room for the whole frame at once (conn.c spl_room) */
-    (void)setsockopt(x, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
-    (void)setsockopt(y, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
-    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, x), AXF_OK);
+    if (t_raw_peer(a->e, ep, big, big, &y))
+        return 1;
     uint8_t *src = calloc(1, REG);
     CHECK(src);
     t_fill(src, REG, 5);

@@ -13,10 +13,8 @@
 
 #include "internal.h"
 
-#include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -32,24 +30,6 @@ static bool splice_on(void)
 }
 
 /* A connected TCP loopback pair: *a the connecting end, *b the accepted. */
-static int tcp_pair(int *a, int *b)
-{
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(l >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
-    CHECK_EQ(listen(l, 1), 0);
-    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
-    *a = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(*a >= 0);
-    CHECK_EQ(connect(*a, (struct sockaddr *)&sa, sizeof sa), 0);
-    *b = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    CHECK(*b >= 0);
-    close(l);
-    return 0;
-}
-
 typedef struct pair {
     tengine *a, *b;
     uint64_t ep;
@@ -66,7 +46,7 @@ static int pair_open(pair *p, const axf_config *cfg, int nconns)
     CHECK_EQ(axf_endpoint_create(p->a->e, AXF_EP_TCP, A_TAG, 0, -1, &p->ep), AXF_OK);
     for (int i = 0; i < nconns; i++) {
         int x, y;
-        if (tcp_pair(&x, &y))
+        if (t_tcp_pair(&x, &y))
             return 1;
         CHECK_EQ(axf_endpoint_add_conn(p->a->e, p->ep, x), AXF_OK);
         CHECK_EQ(axf_accept_conn(p->b->e, y, B_TAG, -1), AXF_OK);
@@ -313,7 +293,7 @@ static int test_peer_closes_midstream(void)
     uint64_t ep;
     CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, A_TAG, 0, -1, &ep), AXF_OK);
     int x, y;
-    if (tcp_pair(&x, &y))
+    if (t_tcp_pair(&x, &y))
         return 1;
     int small = 64 << 10; /* the peer's receive queue fills soon */
     (void)setsockopt(y, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);

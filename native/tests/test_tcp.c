@@ -1983,24 +1983,6 @@ typedef struct big_target {
     uint8_t sink[65536];
 } big_target;
 
-static int tcp_loop_pair(int *a, int *b)
-{
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(l >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
-    CHECK_EQ(listen(l, 1), 0);
-    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
-    *a = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(*a >= 0);
-    CHECK_EQ(connect(*a, (struct sockaddr *)&sa, sizeof sa), 0);
-    *b = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    CHECK(*b >= 0);
-    close(l);
-    return 0;
-}
-
 static void *big_target_main(void *arg)
 {
     big_target *t = arg;
@@ -2095,7 +2077,7 @@ static int test_spinner_reads_loop_acks(void)
         CHECK(a);
         uint64_t ep, rid, key;
         int mine, theirs;
-        if (tcp_loop_pair(&mine, &theirs))
+        if (t_tcp_pair(&mine, &theirs))
             return 1;
         CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, 120 + k, 0, -1, &ep), AXF_OK);
         CHECK_EQ(axf_endpoint_add_conn(a->e, ep, mine), AXF_OK);
@@ -2169,7 +2151,7 @@ int pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*fn)(void *)
 {
     static int (*real)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
     if (!real)
-        *(void **)&real = dlsym(RTLD_NEXT, "pthread_create");
+        *(void **)&real = t_next("pthread_create");
     if (atomic_load(&fail_left) > 0) {
         if (atomic_load(&fail_skip) > 0)
             atomic_fetch_sub(&fail_skip, 1);

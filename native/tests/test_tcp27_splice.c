@@ -19,32 +19,12 @@
 #include "internal.h"
 #include "mock.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #define A_TAG 77
 #define REG (4u << 20)
-
-static int tcp_pair(int *a, int *b)
-{
-    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(l >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    CHECK_EQ(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
-    CHECK_EQ(listen(l, 1), 0);
-    CHECK_EQ(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
-    *a = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    CHECK(*a >= 0);
-    CHECK_EQ(connect(*a, (struct sockaddr *)&sa, sizeof sa), 0);
-    *b = accept4(l, NULL, NULL, SOCK_CLOEXEC);
-    CHECK(*b >= 0);
-    close(l);
-    return 0;
-}
 
 typedef struct gap {
     axf_engine *e;
@@ -86,13 +66,10 @@ static int test_kick_release_race(void)
     CHECK(a);
     uint64_t ep;
     CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, A_TAG, 0, -1, &ep), AXF_OK);
-    int x, y;
-    if (tcp_pair(&x, &y))
-        return 1;
+    int y;
     int big = 4 << 20; /* room for the whole frame at once (spl_room) */
-    (void)setsockopt(x, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
-    (void)setsockopt(y, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
-    CHECK_EQ(axf_endpoint_add_conn(a->e, ep, x), AXF_OK);
+    if (t_raw_peer(a->e, ep, big, big, &y))
+        return 1;
     uint8_t *src = calloc(1, REG);
     CHECK(src);
     t_fill(src, REG, 3);
@@ -191,18 +168,6 @@ static int send_ack(int fd, uint64_t id)
     return 0;
 }
 
-static int raw_conn(axf_engine *e, uint64_t ep, int *y)
-{
-    int x;
-    if (tcp_pair(&x, y))
-        return 1;
-    int small = 64 << 10; /* what is queued behind stays unsent */
-    (void)setsockopt(x, SOL_SOCKET, SO_SNDBUF, &small, sizeof small);
-    (void)setsockopt(*y, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
-    CHECK_EQ(axf_endpoint_add_conn(e, ep, x), AXF_OK);
-    return 0;
-}
-
 /* An op's group acknowledged on a connection while another of its groups
  * is still owed there keeps its spliced frames as holds (spl_keep). When a
  * joining connection's spread (conn_spread) then moves that other group off
@@ -226,7 +191,8 @@ static int test_spread_moves_last_group(void)
     uint64_t ep;
     CHECK_EQ(axf_endpoint_create(a->e, AXF_EP_TCP, A_TAG, 0, -1, &ep), AXF_OK);
     int ya, yb, yc;
-    if (raw_conn(a->e, ep, &ya) || raw_conn(a->e, ep, &yb))
+    int small = 64 << 10; /* what is queued behind stays unsent */
+    if (t_raw_peer(a->e, ep, small, small, &ya) || t_raw_peer(a->e, ep, small, small, &yb))
         return 1;
     enum { SRC = 16 << 20 };
     uint8_t *src = calloc(1, SRC);
@@ -265,7 +231,7 @@ static int test_spread_moves_last_group(void)
     axf_desc qd = {.lrid = rid, .loff = 0, .rrid = 1, .rkey = 2, .roff = 15 << 20, .len = 4096};
     CHECK_EQ(axf_post(a->e, ep, AXF_OP_WRITE, &qd, 1, NULL, 0, 3, 0), AXF_OK);
     int xc;
-    if (tcp_pair(&xc, &yc))
+    if (t_tcp_pair(&xc, &yc))
         return 1;
     CHECK_EQ(axf_endpoint_add_conn(a->e, ep, xc), AXF_OK); /* the spread */
     uint64_t got = o_id;
