@@ -1983,8 +1983,15 @@ class nixlAgent:
         except TimeoutError:
             self._listen_log(f"{who}: {stage} within {timeout:g} s, closed")
         except asyncio.IncompleteReadError as exc:
-            self._listen_log(f"{who}: closed after {len(exc.partial)} of {exc.expected} bytes "
-                             f"of a request")
+            command = _wire.nixl_command(exc.partial)
+            if command is not None:
+                # (NIXL's fetch, 21 bytes: it took our greeting for a length
+                # over its cap and hung up.)
+                self._listen_log(f"{who}: a real NIXL agent's request (NIXLCOMM:{command}), "
+                                 f"closed by it: {_wire.NIXL_NOT_US}")
+            else:
+                self._listen_log(f"{who}: closed after {len(exc.partial)} of {exc.expected} "
+                                 f"bytes of a request")
         except Exception as exc:  # one bad request: log it, keep serving
             if not conn.evicted:  # (then said already)
                 self._listen_log(f"{who}: request failed: {exc or type(exc).__name__}")
@@ -2063,7 +2070,12 @@ class nixlAgent:
                     body = await _read_proved_reply(conn, bound, where, token, nonce, req_mac)
                     ok = True
         except TimeoutError:
-            failed = TimeoutError, f"{where}: {stage} within {_CONNECT_TIMEOUT:g} s"
+            # (No greeting: what a real NIXL agent's listener answers, as its
+            # client speaks first. Told apart from a slow listener only by
+            # the time it took, so the error says both.)
+            why = (f" (not an aioxfer.nixl metadata listener? A real NIXL agent's never "
+                   f"greets: {_wire.NIXL_NOT_US})" if stage == "no nonce" else "")
+            failed = TimeoutError, f"{where}: {stage} within {_CONNECT_TIMEOUT:g} s{why}"
         except asyncio.IncompleteReadError as exc:
             failed = ConnectionError, (f"{where}: closed after {len(exc.partial)} of the "
                                        f"{exc.expected} bytes it owed ({stage})")
@@ -3760,6 +3772,10 @@ async def _read_authenticated(reader: _Reads, token: bytes, nonce: bytes,
             f"a client of listener wire version {version} (this agent speaks "
             f"{_wire.WIRE_VERSION}: use one aioxfer version on both sides); it stopped at the "
             f"greeting")
+    command = _wire.nixl_command(head)
+    if command is not None:
+        raise ValueError(f"a real NIXL agent's request (NIXLCOMM:{command}): "
+                         f"{_wire.NIXL_NOT_US}")
     length = bytes(head[:4])
     older = False
     if not hmac.compare_digest(head[4:], _wire.listen_len_mac(token, nonce, length)):
