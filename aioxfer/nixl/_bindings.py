@@ -532,6 +532,26 @@ def _strided_rows(descs: Any) -> tuple[npt.NDArray[np.uint64] | None, npt.NDArra
     return out, spans
 
 
+def _argument(value: Any, cls: type, what: str) -> None:
+    """TypeError unless ``value`` is a ``cls``: what NIXL's binding raises
+    (pybind11's "incompatible function arguments") for any other argument,
+    a list of tuples, an array, None, or the other kind of descriptor list.
+    Before, such arguments got through to fail as AttributeError or
+    ValueError, which no NIXL caller catches for this."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{what}(): incompatible function arguments: a "
+                        f"{cls.__name__} is needed, not {type(value).__name__}")
+
+
+def _unsigned_index(i: Any) -> int:
+    """A list's index as NIXL's binding converts it (an unsigned int): a
+    negative one, or no integer at all, is a TypeError there, not an
+    IndexError or ValueError."""
+    if isinstance(i, bool) or not isinstance(i, int | np.integer) or i < 0:
+        raise TypeError(f"incompatible index {i!r}: an unsigned integer is needed")
+    return int(i)
+
+
 class _DList:
     """Shared parts of the descriptor lists: a memory type and an (n, 3)
     uint64 array (addr, len, devId). No ``__len__``: a list is always truthy,
@@ -595,7 +615,7 @@ class nixlXferDList(_DList):
             self._a = np.zeros((int(init_size or 0), 3), dtype=np.uint64)
 
     def __getitem__(self, i: int) -> tuple[int, int, int]:
-        row = self._a[self._check_index(i)]
+        row = self._a[self._check_index(_unsigned_index(i))]
         return int(row[0]), int(row[1]), int(row[2])
 
     def __setitem__(self, i: int, desc: tuple[int, int, int]) -> None:
@@ -678,7 +698,7 @@ class nixlRegDList(_DList):
             self._metas = [b""] * n
 
     def __getitem__(self, i: int) -> tuple[int, int, int, bytes]:
-        i = self._check_index(i)
+        i = self._check_index(_unsigned_index(i))
         row = self._a[i]
         return int(row[0]), int(row[1]), int(row[2]), self._metas[i]
 
@@ -1664,6 +1684,7 @@ class nixlAgent:
         return int(NIXL_SUCCESS)
 
     def queryMem(self, descs: nixlRegDList, backend: int) -> list[dict[str, str] | None]:
+        _argument(descs, nixlRegDList, "queryMem")
         b = self._backends.get(int(backend))
         if b is None:
             raise _error(-4, f"queryMem: no backend handle {backend}")
@@ -1731,6 +1752,7 @@ class nixlAgent:
 
     def getLocalPartialMD(self, descs: nixlRegDList, inc_conn_info: bool = False,
                           backends: Any = ()) -> bytes:
+        _argument(descs, nixlRegDList, "getLocalPartialMD")
         return self._md(self._partial_regs(descs), bool(inc_conn_info), True)
 
     def loadRemoteMD(self, metadata: bytes) -> bytes:
@@ -1840,6 +1862,8 @@ class nixlAgent:
         return int(NIXL_SUCCESS)
 
     def checkRemoteMD(self, remote_agent: Any, descs: nixlXferDList | None = None) -> int:
+        if descs is not None:
+            _argument(descs, nixlXferDList, "checkRemoteMD")
         name = _name(remote_agent)
         rem = self._remotes.get(name)
         ok = rem is not None and rem.peer is not None and not rem.removed
