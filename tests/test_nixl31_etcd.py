@@ -178,3 +178,28 @@ def test_fetched_agent_dropped_when_it_invalidates(etcd_server: str, store: str,
     _until("t fetched again", lambda: i.check_remote_metadata(t.name))
     time.sleep(0.5)
     assert i.check_remote_metadata(t.name)
+
+
+def test_fetch_waits_past_metadata_that_is_not_ours(etcd_server: str, store: str,  # noqa: F811
+                                                    make: Any) -> None:
+    """A real NIXL agent's metadata under the key (the same keys now: one
+    that ran before under this name and left it) is waited past like a
+    missing key, until our agent of that name replaces it; before, the
+    fetch read it once, failed, and check_remote_metadata stayed False."""
+    import aetcd
+
+    u = uuid.uuid4().hex[:8]
+    t, i = make(f"t{u}"), make(f"i{u}")
+    key = f"{store}/{t.name}/metadata".encode()
+
+    async def put_foreign() -> None:
+        host, _, port = etcd_server.rpartition(":")
+        async with aetcd.Client(host=host, port=int(port)) as c:
+            await c.put(key, b"nixlSerDes|" + b"\0" * 64)
+
+    asyncio.run(put_foreign())
+    i.fetch_remote_metadata(t.name)
+    time.sleep(0.5)
+    assert not i.check_remote_metadata(t.name)
+    t.send_local_metadata()
+    _until("t fetched past the foreign value", lambda: i.check_remote_metadata(t.name))

@@ -2181,14 +2181,28 @@ class nixlAgent:
 
             async def fetch_stored() -> None:
                 # Polled, not watched: a key put before or after the call is
-                # found alike, within etcdWatchTimeout.
+                # found alike, within etcdWatchTimeout. A value that is not
+                # our metadata (a real NIXL agent's, under the same key: one
+                # running, or one gone that left it) is waited past too, as
+                # a missing one: our agent of that name may be about to
+                # replace it; at the timeout, the error says what was there.
                 deadline = time.monotonic() + wait
-                while (got := await store.get(key)) is None:
+                refused: Exception | None = None
+                while True:
+                    got = await store.get(key)
+                    if got is not None:
+                        try:
+                            decoded = _wire.decode_md(got[0])
+                            break
+                        except _wire.NotMetadata as exc:
+                            refused = exc
                     if time.monotonic() > deadline:
+                        if refused is not None:
+                            raise _wire.NotMetadata(f"{refused} (under {key}, for {wait:g} s)")
                         raise TimeoutError(f"no metadata under {key} within {wait:g} s")
                     await asyncio.sleep(0.02)
-                md, revision = got
-                await self._load(self._fetched(name, _wire.decode_md(md), key))
+                revision = got[1]
+                await self._load(self._fetched(name, decoded, key))
                 # As NIXL's: the agent's keys deleted after this read (it
                 # invalidated its metadata) drop it here.
                 store.watch_agent(name, revision, self._forget)
