@@ -532,6 +532,26 @@ def _strided_rows(descs: Any) -> tuple[npt.NDArray[np.uint64] | None, npt.NDArra
     return out, spans
 
 
+def _argument(value: Any, cls: type, what: str) -> None:
+    """TypeError unless ``value`` is a ``cls``: what NIXL's binding raises
+    (pybind11's "incompatible function arguments") for any other argument,
+    a list of tuples, an array, None, or the other kind of descriptor list.
+    Before, such arguments got through to fail as AttributeError or
+    ValueError, which no NIXL caller catches for this."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{what}(): incompatible function arguments: a "
+                        f"{cls.__name__} is needed, not {type(value).__name__}")
+
+
+def _unsigned_index(i: Any) -> int:
+    """A list's index as NIXL's binding converts it (an unsigned int): a
+    negative one, or no integer at all, is a TypeError there, not an
+    IndexError or ValueError."""
+    if isinstance(i, bool) or not isinstance(i, int | np.integer) or i < 0:
+        raise TypeError(f"incompatible index {i!r}: an unsigned integer is needed")
+    return int(i)
+
+
 class _DList:
     """Shared parts of the descriptor lists: a memory type and an (n, 3)
     uint64 array (addr, len, devId). No ``__len__``: a list is always truthy,
@@ -595,7 +615,7 @@ class nixlXferDList(_DList):
             self._a = np.zeros((int(init_size or 0), 3), dtype=np.uint64)
 
     def __getitem__(self, i: int) -> tuple[int, int, int]:
-        row = self._a[self._check_index(i)]
+        row = self._a[self._check_index(_unsigned_index(i))]
         return int(row[0]), int(row[1]), int(row[2])
 
     def __setitem__(self, i: int, desc: tuple[int, int, int]) -> None:
@@ -678,7 +698,7 @@ class nixlRegDList(_DList):
             self._metas = [b""] * n
 
     def __getitem__(self, i: int) -> tuple[int, int, int, bytes]:
-        i = self._check_index(i)
+        i = self._check_index(_unsigned_index(i))
         row = self._a[i]
         return int(row[0]), int(row[1]), int(row[2]), self._metas[i]
 
@@ -1412,7 +1432,7 @@ class nixlAgent:
         if endpoints is not None and not endpoints.strip():
             # As NIXL's agent does (set but empty is a configuration error).
             raise RuntimeError("Config parameter 'NIXL_ETCD_ENDPOINTS' needs non-empty value")
-        self._store = _CentralStore(endpoints) if endpoints else None
+        self._store = _CentralStore(endpoints, name) if endpoints else None
         self._closed = False
         if self._telemetry:
             self._tel = _telemetry.Telemetry(name, self._rt.loop, _log)
@@ -1664,6 +1684,7 @@ class nixlAgent:
         return int(NIXL_SUCCESS)
 
     def queryMem(self, descs: nixlRegDList, backend: int) -> list[dict[str, str] | None]:
+        _argument(descs, nixlRegDList, "queryMem")
         b = self._backends.get(int(backend))
         if b is None:
             raise _error(-4, f"queryMem: no backend handle {backend}")
@@ -1731,6 +1752,7 @@ class nixlAgent:
 
     def getLocalPartialMD(self, descs: nixlRegDList, inc_conn_info: bool = False,
                           backends: Any = ()) -> bytes:
+        _argument(descs, nixlRegDList, "getLocalPartialMD")
         return self._md(self._partial_regs(descs), bool(inc_conn_info), True)
 
     def loadRemoteMD(self, metadata: bytes) -> bytes:
@@ -1840,6 +1862,8 @@ class nixlAgent:
         return int(NIXL_SUCCESS)
 
     def checkRemoteMD(self, remote_agent: Any, descs: nixlXferDList | None = None) -> int:
+        if descs is not None:
+            _argument(descs, nixlXferDList, "checkRemoteMD")
         name = _name(remote_agent)
         rem = self._remotes.get(name)
         ok = rem is not None and rem.peer is not None and not rem.removed
@@ -1983,8 +2007,15 @@ class nixlAgent:
         except TimeoutError:
             self._listen_log(f"{who}: {stage} within {timeout:g} s, closed")
         except asyncio.IncompleteReadError as exc:
-            self._listen_log(f"{who}: closed after {len(exc.partial)} of {exc.expected} bytes "
-                             f"of a request")
+            command = _wire.nixl_command(exc.partial)
+            if command is not None:
+                # (NIXL's fetch, 21 bytes: it took our greeting for a length
+                # over its cap and hung up.)
+                self._listen_log(f"{who}: a real NIXL agent's request (NIXLCOMM:{command}), "
+                                 f"closed by it: {_wire.NIXL_NOT_US}")
+            else:
+                self._listen_log(f"{who}: closed after {len(exc.partial)} of {exc.expected} "
+                                 f"bytes of a request")
         except Exception as exc:  # one bad request: log it, keep serving
             if not conn.evicted:  # (then said already)
                 self._listen_log(f"{who}: request failed: {exc or type(exc).__name__}")
@@ -2063,7 +2094,12 @@ class nixlAgent:
                     body = await _read_proved_reply(conn, bound, where, token, nonce, req_mac)
                     ok = True
         except TimeoutError:
-            failed = TimeoutError, f"{where}: {stage} within {_CONNECT_TIMEOUT:g} s"
+            # (No greeting: what a real NIXL agent's listener answers, as its
+            # client speaks first. Told apart from a slow listener only by
+            # the time it took, so the error says both.)
+            why = (f" (not an aioxfer.nixl metadata listener? A real NIXL agent's never "
+                   f"greets: {_wire.NIXL_NOT_US})" if stage == "no nonce" else "")
+            failed = TimeoutError, f"{where}: {stage} within {_CONNECT_TIMEOUT:g} s{why}"
         except asyncio.IncompleteReadError as exc:
             failed = ConnectionError, (f"{where}: closed after {len(exc.partial)} of the "
                                        f"{exc.expected} bytes it owed ({stage})")
@@ -2113,14 +2149,11 @@ class nixlAgent:
                              f"(NIXL_ETCD_ENDPOINTS) configured")
         return self._store
 
-    def _key(self, name: str, label: str) -> str:
-        return f"{_ETCD_NAMESPACE}/{name}/{label or _FULL_LABEL}"
-
     def sendLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
         md = self.getLocalMD()
         if not ip_addr:
             store = self._store_or_raise("sendLocalMD")
-            self._background("sendLocalMD", store.put(self._key(self._name, ""), md))
+            self._background("sendLocalMD", store.publish("", md))
             return
         self._background("sendLocalMD",
                          self._request(ip_addr, _port(port), _wire.Push(md=md)))
@@ -2133,7 +2166,7 @@ class nixlAgent:
             store = self._store_or_raise("sendLocalPartialMD")
             if not label:
                 raise _error(-2, "sendLocalPartialMD: a label is needed for the central store")
-            self._background("sendLocalPartialMD", store.put(self._key(self._name, label), md))
+            self._background("sendLocalPartialMD", store.publish(label, md))
             return
         self._background("sendLocalPartialMD",
                          self._request(ip_addr, _port(port), _wire.Push(md=md)))
@@ -2143,18 +2176,36 @@ class nixlAgent:
         name = _name(remote_agent)
         if not ip_addr:
             store = self._store_or_raise("fetchRemoteMD")
-            key = self._key(name, label)
+            key = store.key(name, label)
             wait = self._config.etcdWatchTimeout / 1e6
 
             async def fetch_stored() -> None:
                 # Polled, not watched: a key put before or after the call is
-                # found alike, within etcdWatchTimeout.
+                # found alike, within etcdWatchTimeout. A value that is not
+                # our metadata (a real NIXL agent's, under the same key: one
+                # running, or one gone that left it) is waited past too, as
+                # a missing one: our agent of that name may be about to
+                # replace it; at the timeout, the error says what was there.
                 deadline = time.monotonic() + wait
-                while (md := await store.get(key)) is None:
+                refused: Exception | None = None
+                while True:
+                    got = await store.get(key)
+                    if got is not None:
+                        try:
+                            decoded = _wire.decode_md(got[0])
+                            break
+                        except _wire.NotMetadata as exc:
+                            refused = exc
                     if time.monotonic() > deadline:
+                        if refused is not None:
+                            raise _wire.NotMetadata(f"{refused} (under {key}, for {wait:g} s)")
                         raise TimeoutError(f"no metadata under {key} within {wait:g} s")
                     await asyncio.sleep(0.02)
-                await self._load(self._fetched(name, _wire.decode_md(md), key))
+                revision = got[1]
+                await self._load(self._fetched(name, decoded, key))
+                # As NIXL's: the agent's keys deleted after this read (it
+                # invalidated its metadata) drop it here.
+                store.watch_agent(name, revision, self._forget)
 
             self._background("fetchRemoteMD", fetch_stored())
             return
@@ -2185,8 +2236,7 @@ class nixlAgent:
     def invalidateLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
         if not ip_addr:
             store = self._store_or_raise("invalidateLocalMD")
-            self._background("invalidateLocalMD",
-                             store.delete_prefix(f"{_ETCD_NAMESPACE}/{self._name}/"))
+            self._background("invalidateLocalMD", store.invalidate())
             return
         # The peer may be gone already (it has what it needed): not an error.
         self._background("invalidateLocalMD",
@@ -3520,7 +3570,13 @@ class nixlAgent:
             pass
 
 
-_ETCD_NAMESPACE = os.environ.get("NIXL_ETCD_NAMESPACE", "/nixl/agents").rstrip("/")
+# NIXL's namespace when NIXL_ETCD_NAMESPACE is not set, its trailing "/"
+# included: NIXL puts a "/" between namespace, agent and label whatever the
+# namespace ends with, so its keys are "/nixl/agents//<agent>/<label>"
+# (observed, NIXL 1.5.1). Ours are the same keys, byte for byte: a real NIXL
+# agent's metadata fetched here is found, and refused as what it is, instead
+# of waited for until the watch timeout under a key NIXL never writes.
+_ETCD_DEFAULT_NAMESPACE = "/nixl/agents/"
 _FULL_LABEL = "metadata"
 
 
@@ -3528,18 +3584,52 @@ def _port(port: int) -> int:
     return int(port) if port else DEFAULT_COMM_PORT
 
 
+def _agents_own(prefix: bytes, key: bytes) -> bool:
+    """Whether ``key`` under the agent prefix ``prefix`` ("{ns}/{agent}/")
+    is certainly that agent's: its label has no "/". Agent "a"'s prefix is
+    also the start of every key of agent "a/b" ("{ns}/a/b/{label}"), whose
+    part past "a"'s prefix always holds a "/"; a label of "a"'s that holds
+    one cannot be told from those (_CentralStore.invalidate knows its own)."""
+    return key.startswith(prefix) and b"/" not in key[len(prefix):]
+
+
 class _CentralStore:
     """NIXL's central metadata store: etcd at NIXL_ETCD_ENDPOINTS (the first
     endpoint), keys ``{NIXL_ETCD_NAMESPACE}/{agent}/{label}`` ("metadata" for
-    the whole). Used from the loop thread only. Needs the aetcd package."""
+    the whole), as NIXL writes them, with its empty "announce" key
+    ``{NIXL_ETCD_NAMESPACE}/{agent}/``. The namespace is read when the agent
+    is made, as NIXL does. Used from the loop thread only. Needs the aetcd
+    package."""
 
-    def __init__(self, endpoints: str) -> None:
+    def __init__(self, endpoints: str, agent: str) -> None:
         first = endpoints.split(",")[0].strip()
         hostport = first.split("://", 1)[-1].rstrip("/")
         host, _, port = hostport.rpartition(":")
         self.host = host or "127.0.0.1"
         self.port = int(port or 2379)
+        self.namespace = os.environ.get("NIXL_ETCD_NAMESPACE", _ETCD_DEFAULT_NAMESPACE)
+        self._agent = agent
         self._client: Any = None
+        self._announced = False
+        # The keys this agent put whose label holds a "/" (see _agents_own):
+        # invalidate deletes them by name.
+        self._odd_keys: set[bytes] = set()
+        # Remote agent name -> the task watching its keys (watch_agent), and
+        # the revision its metadata was last read at.
+        self._watches: dict[str, asyncio.Task[None]] = {}
+        self._read_at: dict[str, int] = {}
+        # publish and invalidate one at a time, in the order called (each
+        # takes it first thing; asyncio.Lock serves waiters first come,
+        # first served): NIXL runs them in order on its one worker. Else an
+        # invalidate listing the keys before a later publish's put and
+        # deleting after it took the new metadata away.
+        self._order = asyncio.Lock()
+
+    def key(self, name: str, label: str) -> str:
+        return f"{self.namespace}/{name}/{label or _FULL_LABEL}"
+
+    def prefix(self, name: str) -> bytes:
+        return f"{self.namespace}/{name}/".encode()
 
     async def _get_client(self) -> Any:
         if self._client is None:
@@ -3551,17 +3641,89 @@ class _CentralStore:
             self._client = aetcd.Client(host=self.host, port=self.port, timeout=5.0)
         return self._client
 
-    async def put(self, key: str, value: bytes) -> None:
-        await (await self._get_client()).put(key.encode(), value)
+    async def publish(self, label: str, value: bytes) -> None:
+        """This agent's metadata under ``label``; the agent announced first
+        (its empty prefix key, as NIXL writes before its first publish)."""
+        async with self._order:
+            client = await self._get_client()
+            if not self._announced:
+                await client.put(self.prefix(self._agent), b"")
+                self._announced = True
+            key = self.key(self._agent, label).encode()
+            await client.put(key, value)
+            if not _agents_own(self.prefix(self._agent), key):
+                self._odd_keys.add(key)
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        """The value under ``key`` and the store's revision it was read at."""
         got = await (await self._get_client()).get(key.encode())
-        return None if got is None else bytes(got.value)
+        return None if got is None else (bytes(got.value), int(got.header.revision))
 
-    async def delete_prefix(self, prefix: str) -> None:
-        await (await self._get_client()).delete_prefix(prefix.encode())
+    async def invalidate(self) -> int:
+        """Deletes this agent's keys, no other agent's: not the whole prefix
+        (NIXL's rmdir of "{ns}/a/", which took agent "a/b"'s keys with it),
+        only what _agents_own says is ours, and the keys we put that it
+        cannot tell. Returns how many went."""
+        async with self._order:
+            client = await self._get_client()
+            prefix = self.prefix(self._agent)
+            listed = await client.get_prefix(prefix, keys_only=True)
+            mine = [bytes(kv.key) for kv in listed
+                    if _agents_own(prefix, bytes(kv.key)) or bytes(kv.key) in self._odd_keys]
+            for key in mine:
+                await client.delete(key)
+            self._odd_keys.clear()
+            self._announced = False
+            return len(mine)
+
+    def watch_agent(self, name: str, since: int, gone: Callable[[str], None]) -> None:
+        """Calls ``gone(name)`` (on the loop thread, once) when a key of agent
+        ``name``'s is deleted at a revision after ``since``: it invalidated its
+        metadata, as NIXL's fetching agent learns through its watch of the
+        agent's prefix. Deletions of other agents' keys under that prefix
+        (agent "a/b"'s under "a"'s) are not "a"'s, nor deletions before the
+        last read of its metadata (an invalidate, a new publish, a fetch of
+        it: the fetch's metadata stays). One watch per agent."""
+        self._read_at[name] = max(self._read_at.get(name, 0), since)
+        task = self._watches.get(name)
+        if task is not None and not task.done():
+            return
+        prefix = self.prefix(name)
+
+        async def watch() -> None:
+            from aetcd.rtypes import EventKind  # type: ignore[import-untyped]
+
+            client = await self._get_client()
+            events = await client.watch_prefix(prefix, start_revision=since + 1,
+                                               kind=EventKind.DELETE)
+            try:
+                async for ev in events:
+                    if (_agents_own(prefix, bytes(ev.kv.key))
+                            and int(ev.kv.mod_revision) > self._read_at.get(name, 0)):
+                        self._read_at.pop(name, None)
+                        gone(name)
+                        return
+            finally:
+                await events.cancel()
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._watches.get(name) is t:
+                del self._watches[name]
+            if not t.cancelled() and t.exception() is not None:
+                _log("W", f"central store: the watch of agent {name!r}'s metadata ended: "
+                          f"{t.exception()}")
+
+        task = asyncio.get_running_loop().create_task(watch())
+        task.add_done_callback(done)
+        self._watches[name] = task
 
     async def close(self) -> None:
+        watches = list(self._watches.values())
+        self._watches.clear()
+        for t in watches:
+            t.cancel()
+        if watches:
+            await asyncio.gather(*watches, return_exceptions=True)
         client, self._client = self._client, None
         if client is not None:
             await client.close()
@@ -3648,6 +3810,10 @@ async def _read_authenticated(reader: _Reads, token: bytes, nonce: bytes,
             f"a client of listener wire version {version} (this agent speaks "
             f"{_wire.WIRE_VERSION}: use one aioxfer version on both sides); it stopped at the "
             f"greeting")
+    command = _wire.nixl_command(head)
+    if command is not None:
+        raise ValueError(f"a real NIXL agent's request (NIXLCOMM:{command}): "
+                         f"{_wire.NIXL_NOT_US}")
     length = bytes(head[:4])
     older = False
     if not hmac.compare_digest(head[4:], _wire.listen_len_mac(token, nonce, length)):

@@ -151,6 +151,25 @@ def notice_version(head: bytes | bytearray) -> int | None:
     return int.from_bytes(head[len(NOTICE_MAGIC):len(NOTICE_MAGIC) + 2], "big")
 
 
+# Real NIXL's metadata listener protocol (its P2P metadata backend): each
+# message an 8-byte native-endian length, then "NIXLCOMM:" and a 4-letter
+# command (SEND: send me your metadata; LOAD<blob>; INVL<agent>). The two
+# protocols cannot talk (ours greets first, NIXL's client speaks first), so
+# each side only says clearly what it met.
+NIXL_COMM = b"NIXLCOMM:"
+NIXL_NOT_US = ("NIXL and aioxfer.nixl metadata listeners do not interoperate: exchange "
+               "metadata between aioxfer.nixl agents only")
+
+
+def nixl_command(data: bytes | bytearray) -> str | None:
+    """The command of real NIXL's listener message at the start of ``data``
+    ("SEND", "LOAD", "INVL"), None when ``data`` is not one."""
+    if bytes(data[8:8 + len(NIXL_COMM)]) != NIXL_COMM:
+        return None
+    start = 8 + len(NIXL_COMM)
+    return bytes(data[start:start + 4]).decode("ascii", "replace") or "?"
+
+
 def older_listener_notice(token: bytes, nonce: bytes) -> bytes:
     """A version-1 request (its MACs over ``nonce``, the greeting of a
     listener of version 1) whose message type names our version: such a
