@@ -159,7 +159,23 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   other (AWS S3: the last one wins), where a transient network blip should
   cost a resend, not a failed write. A conditional create (``objs.create(key)``)
   sent again that finds the key taken counts as written when the key holds
-  its bytes (the earlier attempt landed meanwhile).
+  its bytes (the earlier attempt landed meanwhile);
+- ``ca_bundle`` (None): a PEM file of CA certificates trusted for an https
+  endpoint, beside the system's roots, by every request (obstore's
+  ``root_certificate`` and our aiohttp session's context alike): a store
+  whose certificate a private CA signed (tests/test_obj31_tls.py). Before,
+  only SSL_CERT_FILE set before aiohttp's import reached our requests.
+  ``AWS_CA_BUNDLE`` is not read (boto reads it; CI images set it to the
+  system bundle, and a region would then not see a test's trust in
+  aiohttp's default context): pass ``ca_bundle=os.environ["AWS_CA_BUNDLE"]``;
+- ``ssl_context`` (None): an ``ssl.SSLContext`` used as is by our requests
+  (a private CA, client certificates, pinning; a context that verifies
+  nothing is the explicit opt-out, for tests). obstore's client cannot take
+  one, so every request is then ours (single PUTs of any size too), and the
+  credentials must be ones we sign with (keys or a ``credential_provider``;
+  else RegistrationError). Not with ``ca_bundle``.
+  A certificate that is not trusted fails the request at once
+  (TransportError naming it), not retried: no later attempt would trust it.
 """
 
 from __future__ import annotations
@@ -177,6 +193,7 @@ import os
 import random
 import re
 import socket
+import ssl
 import sys
 import termios
 import time
@@ -184,6 +201,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from urllib.parse import parse_qsl, urlsplit
 from xml.sax.saxutils import escape as xml_escape
@@ -423,6 +441,8 @@ class ObjectRegion(BackendRegion):
         min_rate: float = MIN_RATE,
         part_md5: bool = False,
         credential_provider: _Provided | None = None,
+        tls: ssl.SSLContext | None = None,
+        all_ours: bool = False,
     ) -> None:
         super().__init__(backend, name)
         self.url = url
@@ -468,6 +488,12 @@ class ObjectRegion(BackendRegion):
         # of 64 KiB at once went at 0.72-0.87x of obstore's through ours.
         # Larger ones are ours: their bound is min_rate, not read_timeout.
         self._obstore_put_max = int(min_rate * read_timeout)
+        if all_ours:
+            # ssl_context: obstore's client cannot take it; every PUT is ours
+            self._obstore_put_max = -1
+        # the TLS context of our requests (ca_bundle, ssl_context), None:
+        # aiohttp's default (the system's roots)
+        self._tls = tls
         self._session: aiohttp.ClientSession | None = None
         # One per connection of the session's pool, taken before a request's
         # clock starts (_pooled): a request waiting for one of our own
@@ -861,6 +887,7 @@ class ObjectRegion(BackendRegion):
             moves if moves is not None else 0 if body is None else len(body))
         attempts = _Attempts(self._retry, self.backend.note_retry)
         refusal = _Refusal()
+        untrusted: TransportError | None = None
         while True:
             failed: str
             creds = target.creds
@@ -894,6 +921,9 @@ class ObjectRegion(BackendRegion):
                         raise _Transient(f"HTTP {status} {code}")
                     _refuse_status(what, resp, code)
                     return await answer(what, resp, text, code, attempts.made)
+            except aiohttp.ClientConnectorCertificateError as exc:
+                untrusted = _untrusted(what, exc)
+                break
             except AccessDenied:
                 if not self._send_again_refused(refusal, generation):
                     raise
@@ -905,6 +935,8 @@ class ObjectRegion(BackendRegion):
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+        if untrusted is not None:
+            raise untrusted
         raise ProtocolError(f"{what}: {failed}")
 
     def _send_again_refused(self, refusal: _Refusal, generation: int,
@@ -1162,6 +1194,10 @@ class ObjectRegion(BackendRegion):
                     raise ObjectNotFound(f"{what}: no such bucket ({code or 'HTTP 404'})")
                 else:
                     raise XferError(f"{what}: {said}")
+        except aiohttp.ClientConnectorCertificateError as exc:
+            # never sent, and not worth another attempt
+            untrusted = _untrusted(what, exc)
+            failed = _PutFailed("refused", str(untrusted), untrusted)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # no connection was made: the request never left
             why = _describe(exc)
@@ -1307,6 +1343,7 @@ class ObjectRegion(BackendRegion):
         timeout = self._timeout_for(moves)
         attempts = _Attempts(self._retry, self.backend.note_retry)
         refusal = _Refusal()
+        untrusted: TransportError | None = None
         while True:
             # The error is raised outside the except clause: aiohttp's
             # exception (whose text may hold the URL) is then not even the
@@ -1332,6 +1369,9 @@ class ObjectRegion(BackendRegion):
                         code = _xml_code(body)
                     _refuse_status(what, resp, code)
                     return await answer(resp, code)
+            except aiohttp.ClientConnectorCertificateError as exc:
+                untrusted = _untrusted(what, exc)
+                break
             except AccessDenied:
                 # A URL signed up to _SIGN_TTL ago (credentials since
                 # rotated) is signed again, once, as are provided ones.
@@ -1346,6 +1386,8 @@ class ObjectRegion(BackendRegion):
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+        if untrusted is not None:
+            raise untrusted
         raise ProtocolError(f"{what}: {failed}")
 
     def _timeout_for(self, moves: int) -> aiohttp.ClientTimeout:
@@ -1377,7 +1419,8 @@ class ObjectRegion(BackendRegion):
                 # one: aclose closes it once the write is over.
                 self._check()
             connector = aiohttp.TCPConnector(
-                limit=self.backend.max_concurrency, enable_cleanup_closed=True
+                limit=self.backend.max_concurrency, enable_cleanup_closed=True,
+                ssl=True if self._tls is None else self._tls,
             )
             session = self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -1503,6 +1546,8 @@ _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 # object_store reports as kind Timeout): the request never left either.
 _CONNECT_STAGE = re.compile(r"legacy::Error\(\s*Connect\b")
 _HTTP_STATUS = re.compile(r"non-2xx status code: (\d{3})")
+# rustls refused the server's certificate (hyper's connect stage): final
+_BAD_CERT = re.compile(r"InvalidCertificate\(\s*(\w+)")
 # Answers after which the server is done with the request; 502 and 504 come
 # from a gateway that may have left the server still running it.
 _ANSWERED_RETRY = frozenset({408, 429, 500, 503})
@@ -1517,6 +1562,8 @@ def _put_outcome(exc: BaseException) -> Literal["unsent", "answered", "refused",
     there, or have stored the object: a cut connection, a timeout, a
     gateway's 502 / 504, anything not recognised)."""
     text = str(exc)
+    if _BAD_CERT.search(text):
+        return "refused"  # never sent, and no later attempt finds it trusted
     status = _HTTP_STATUS.search(text)
     if status is not None:
         code = int(status[1])
@@ -2155,6 +2202,16 @@ async def _typed(move: Awaitable[None], doing: str, seg: ObjectSegment) -> None:
     raise XferError(f"{doing} of object {seg.key!r} in {seg.region.url} failed: {failed}")
 
 
+def _untrusted(what: str, exc: BaseException | str) -> TransportError:
+    """The error of a request whose TLS handshake found the server's
+    certificate not trusted (or not for its host): final, not retried (no
+    later attempt finds it trusted)."""
+    return TransportError(
+        f"{what} failed: the server's certificate is not trusted "
+        f"({exc if isinstance(exc, str) else _describe(exc)}); a "
+        f"private CA is trusted through register_objects(..., ca_bundle=...) or AWS_CA_BUNDLE")
+
+
 def _obstore_error(exc: BaseException, doing: str, key: str, url: str) -> XferError:
     what = f"{doing} of object {key!r} in {url}"
     first = _describe(exc)
@@ -2166,6 +2223,9 @@ def _obstore_error(exc: BaseException, doing: str, key: str, url: str) -> XferEr
         return ObjectExists(f"{what}: the key exists (conditional create)")
     if isinstance(exc, obx.InvalidPathError):
         return XferError(f"{what}: invalid key ({first})")
+    cert = _BAD_CERT.search(str(exc))
+    if cert is not None:
+        return _untrusted(what, f"{first}: InvalidCertificate({cert[1]})")
     return TransportError(f"{what} failed: {first}")
 
 
@@ -2226,6 +2286,8 @@ class ObjectBackend(LocalBackend):
         min_rate: float = MIN_RATE,
         part_md5: bool = False,
         credential_provider: Callable[[], Any] | None = None,
+        ca_bundle: str | os.PathLike[str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> ObjectRegion:
         """See ``Agent.register_objects`` and this module's docstring (the
         options)."""
@@ -2267,6 +2329,7 @@ class ObjectBackend(LocalBackend):
         }
         if (endpoint or "").startswith("http://"):
             client["allow_http"] = True
+        tls = _tls(url, ca_bundle, ssl_context, client)
         # obstore's own retries (HEAD, DELETE, multipart uploads) bounded like
         # ours: its default retries a dead endpoint for three minutes. A
         # single PUT goes through a second client without them (_put_single).
@@ -2302,6 +2365,11 @@ class ObjectBackend(LocalBackend):
         secret = secret_access_key or os.environ.get("AWS_SECRET_ACCESS_KEY")
         if credential_provider is not None:
             key_id = secret = None  # the provider's, asked for per request
+        elif ssl_context is not None and not (key_id and secret):
+            raise RegistrationError(
+                f"cannot register {url!r}: ssl_context needs credentials that aioxfer signs "
+                f"with (access keys or a credential_provider): obstore's client, which "
+                f"cannot take the context, would send requests")
         objs = ObjectRegion(
             self,
             name,
@@ -2318,9 +2386,42 @@ class ObjectBackend(LocalBackend):
             float(min_rate),
             bool(part_md5),
             provided,
+            tls,
+            ssl_context is not None,
         )
         self._add_region(objs)
         return objs
+
+
+def _tls(url: str, ca_bundle: str | os.PathLike[str] | None,
+         ssl_context: ssl.SSLContext | None, client: dict[str, Any]) -> ssl.SSLContext | None:
+    """The TLS context of our requests (None: aiohttp's default, the
+    system's roots); a ``ca_bundle`` is also given to obstore's ``client``
+    options: its CAs trusted by both clients, beside the system's (obstore
+    adds them to its roots)."""
+    if ssl_context is not None:
+        if not isinstance(ssl_context, ssl.SSLContext):
+            raise RegistrationError(
+                f"cannot register {url!r}: ssl_context is an ssl.SSLContext, "
+                f"not {type(ssl_context).__name__}")
+        if ca_bundle is not None:
+            raise RegistrationError(
+                f"cannot register {url!r}: give either ca_bundle or ssl_context (a context "
+                f"loads its own CAs), not both")
+        return ssl_context
+    if ca_bundle is None:
+        return None
+    path = Path(ca_bundle)
+    try:
+        pem = path.read_bytes()
+        ctx = ssl.create_default_context()
+        ctx.load_verify_locations(cafile=str(path))
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise RegistrationError(
+            f"cannot register {url!r}: ca_bundle {str(path)!r} is not a readable PEM file of "
+            f"CA certificates ({_describe(exc)})") from None
+    client["root_certificate"] = pem
+    return ctx
 
 
 def register_objects(agent: Agent, url: str, **kwargs: Any) -> ObjectRegion:
