@@ -57,7 +57,10 @@ credentials AccessDenied, a conditional create of an existing key
 ObjectExists, an endpoint that is down or drops the connection TransportError
 once the bounded retries (``max_retries``, within ``retry_timeout`` seconds,
 exponential backoff with jitter) are spent. A PUT is sent again only once
-the attempt before it is known to be over (refused, or answered); a PUT
+the attempt before it is known to be over (refused, or answered, or reset
+by a server that had closed the connection before any byte of it came:
+its idle close racing the request's first write, sent again at once, once,
+tests/test_obj31_idle_race.py); a PUT
 whose outcome is unknown (its connection cut, a timeout) is checked with a
 HEAD and otherwise fails, never sent twice at once (ObjectRegion._put_single),
 unless ``resend_unknown_puts`` (below) says otherwise. A conditional
@@ -474,6 +477,9 @@ class ObjectRegion(BackendRegion):
         # alone lets a server that trickles a byte now and then (or reads
         # our body that slowly) hold a request for ever.
         self._base_total = connect_timeout + read_timeout
+        # how long a request cut without an answer waits for the server's
+        # reset of its bytes (a round trip: _Body.never_reached)
+        self._rtt_wait = min(1.0, connect_timeout)
         # how long a body's bytes queued in the kernel may go unread, and
         # how many may be left queued when its answer wait starts (_Body):
         # taken at min_rate within half of read_timeout
@@ -1077,6 +1083,7 @@ class ObjectRegion(BackendRegion):
         attempts = _Attempts(self._retry, self.backend.note_retry)
         refusal = _Refusal()
         unknown_before = False  # an earlier attempt's outcome is unknown
+        stale_resent = False
         while True:
             generation = 0
             creds = None if target is None else target.creds
@@ -1104,6 +1111,15 @@ class ObjectRegion(BackendRegion):
                 outcome, why, err = exc.outcome, exc.why, exc.err
             if outcome == "refused":
                 raise err
+            if outcome == "stale" and not stale_resent:
+                # None of it reached the server (_Body.never_reached): sent
+                # again at once, once per write, outside the retry budget
+                # (as aiohttp sends again a request refused unsent on a
+                # pooled connection found closed); a second one is retried
+                # within the budget, as a refused connection is.
+                stale_resent = True
+                self.backend.note_retry()
+                continue
             if outcome == "unknown":
                 found = await self._landed(key, digest, mode == "create")
                 if found:
@@ -1164,10 +1180,11 @@ class ObjectRegion(BackendRegion):
                                   payload_hash=sigv4.UNSIGNED_PAYLOAD)
         sent["Content-Length"] = str(n)
         failed: _PutFailed
+        stream = _Body(body, self._stall, self._slack)
+        cut: TransportError | None = None
         try:
             async with self._pooled(), self._http().request(
-                "PUT", yarl.URL(target.url, encoded=True), headers=sent,
-                data=_Body(body, self._stall, self._slack),
+                "PUT", yarl.URL(target.url, encoded=True), headers=sent, data=stream,
                 allow_redirects=False, timeout=self._timeout_for(n),
             ) as resp:
                 status = resp.status
@@ -1210,6 +1227,20 @@ class ObjectRegion(BackendRegion):
         except (aiohttp.ClientError, TimeoutError) as exc:
             why = _describe(exc)
             failed = _PutFailed("unknown", why, TransportError(f"{what} failed: {why}"))
+            cut = failed.err if isinstance(failed.err, TransportError) else None
+        finally:
+            if cut is None:
+                stream.release()
+        if cut is not None:
+            try:
+                if await stream.never_reached(self._rtt_wait):
+                    # the server closed the connection (its idle close) as
+                    # the request went out: none of it reached the server
+                    why = (f"{failed.why}: the server had closed the connection, none of "
+                           f"the request reached it")
+                    failed = _PutFailed("stale", why, TransportError(f"{what} failed: {why}"))
+            finally:
+                stream.release()
         raise failed
 
     async def _landed(self, key: str, digest: _Digest, create: bool = False) -> bool:
@@ -1767,6 +1798,51 @@ class _Body(aiohttp.payload.Payload):
         self._view = view
         self._stall = stall
         self._slack = slack
+        # (a second descriptor of the request's socket, the bytes its peer
+        # had acknowledged as the request started): never_reached
+        self._probe: socket.socket | None = None
+        self._acked0: int | None = None
+
+    def release(self) -> None:
+        """Lets go of the probe (a duplicate descriptor keeps the socket
+        open: its FIN waits for this close). Idempotent."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.close()
+
+    async def never_reached(self, wait: float) -> bool:
+        """After the request failed without an answer: whether it is proven
+        that no byte of it reached the server. So when the peer reset the
+        connection (TCP_CLOSE: its kernel refused our bytes, as a socket the
+        server closed does) having acknowledged none of the request's
+        bytes: a server's kernel acknowledges what it takes in, on every
+        segment it sends after (its FIN, a close_notify, an answer), so
+        a server that read any byte of the request would have acknowledged
+        it. That is the race of a server's idle close with our request's
+        first write, its FIN on the wire as the write went out
+        (tests/test_obj31_idle_race.py): the server's socket was closed
+        when our bytes came. The connection may still be half-closed
+        (its FIN seen: CLOSE_WAIT) with our bytes on their way: the reset
+        is waited for up to ``wait`` seconds. (Left out: a server that read
+        the request and then reset the connection within its delayed-ACK
+        time, SO_LINGER 0, without an answer; its handler's work would be
+        over then, the resend the next PUT of the key, not one beside it.)"""
+        probe = self._probe
+        if probe is None or self._acked0 is None:
+            return False
+        deadline = time.monotonic() + wait
+        pause = 0.001
+        while True:
+            info = _tcp_info(probe)
+            acked = _acked(info)
+            if info is None or acked is None or acked != self._acked0:
+                return False
+            if info[0] == 7:  # TCP_CLOSE: reset (or closed) with nothing acknowledged
+                return True
+            if info[0] != 8 or time.monotonic() >= deadline:  # not CLOSE_WAIT
+                return False
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         raise TypeError("a streamed request body is not decoded")
@@ -1791,6 +1867,14 @@ class _Body(aiohttp.payload.Payload):
         # the bytes the server's kernel had acknowledged before this
         # request's first (its head is buffered until the body's first write)
         acked0 = _acked(info)
+        self.release()  # (an earlier write's, on a connection aiohttp gave up)
+        if sock is not None and acked0 is not None and info is not None and info[0] == 1:
+            # (ESTABLISHED: a connection in use, pooled or new)
+            try:
+                self._probe = socket.socket(fileno=os.dup(sock.fileno()))
+                self._acked0 = acked0
+            except OSError:
+                self._probe = None
         out0 = int(getattr(writer, "output_size", 0))
         self._consumed = True
         view = self._view
@@ -2130,7 +2214,7 @@ class _PutFailed(Exception):
     ``outcome`` as _put_outcome sorts it, ``why`` its description (signed
     queries left out), ``err`` the error to raise if no attempt follows."""
 
-    def __init__(self, outcome: Literal["unsent", "answered", "refused", "unknown"],
+    def __init__(self, outcome: Literal["unsent", "answered", "refused", "unknown", "stale"],
                  why: str, err: XferError) -> None:
         super().__init__(why)
         self.outcome = outcome
