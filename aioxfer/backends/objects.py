@@ -261,6 +261,23 @@ _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 # percent-encoded but for alphanumerics and "-._~") leaves as they are
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9._/-]+")
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+# A single PUT of ours of at least this many bytes would be sent with
+# "Expect: 100-continue" (its body held until the server's 100): None, never.
+# Measured (benchmarks/object_bench.py --expect-continue, rclone serve s3 on
+# loopback, /dev/shm, off/on alternated in one process, medians of 8 rounds,
+# 2 vCPUs): 64 KiB 1378 -> 1544 us (1.12x; CPU 578 -> 691 us), 1 MiB 6654 ->
+# 6557 us (0.99x), 8 MiB 38.5 -> 38.4 ms (1.00x), 64 MiB 267 -> 266 ms
+# (0.99x): a successful PUT only pays a round trip (here 0.17 ms at 64 KiB,
+# lost in the noise above 1 MiB; a WAN's RTT per PUT elsewhere). What it
+# saves is on a refused PUT only: 64 MiB signed with a wrong secret (403)
+# failed in 2.51 -> 1.81 ms (0.72x), AccessDenied either way (the server
+# answers at once and closes, the body cut after the kernels' buffers: a few
+# MiB sent in vain, not 64). And a server or proxy that ignores Expect
+# stalls the PUT: aiohttp waits for the 100 with no fallback (curl sends the
+# body after 1 s) and no read timeout, until the server gives up (20 s
+# against tests/test_rev33_idle_close.py's server, sock_read 3 s). Off: it
+# pays at no size for PUTs that succeed, and risks a stall per PUT.
+_EXPECT_CONTINUE_MIN: int | None = None
 _T = TypeVar("_T")
 
 
@@ -1186,6 +1203,7 @@ class ObjectRegion(BackendRegion):
             async with self._pooled(), self._http().request(
                 "PUT", yarl.URL(target.url, encoded=True), headers=sent, data=stream,
                 allow_redirects=False, timeout=self._timeout_for(n),
+                expect100=_EXPECT_CONTINUE_MIN is not None and n >= _EXPECT_CONTINUE_MIN,
             ) as resp:
                 status = resp.status
                 if status == 200:
