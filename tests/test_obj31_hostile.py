@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import resource
 import socket
 import threading
@@ -189,3 +190,48 @@ async def test_endless_error_body_bounded(make_agent: MakeAgent, hostile: Any, n
         await within(agent.write(buf[:], objs["k"]), 60)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0  # KiB
     assert grown < 256 << 10, f"the client's peak memory grew by {grown >> 10} MiB"
+
+
+def truncated(conn: socket.socket, method: str, head: bytes) -> None:
+    """A GET's 200 promising 4096 bytes, 100 sent, the connection closed."""
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\nETag: \"x\"\r\n\r\n" + b"z" * 100)
+    conn.shutdown(socket.SHUT_RDWR)
+
+
+def loris(conn: socket.socket, method: str, head: bytes) -> None:
+    """An answer's head, a byte every 0.5 s (each read in time), for ever."""
+    for b in b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\nX-Pad: " + b"a" * 1000:
+        conn.sendall(bytes([b]))
+        threading.Event().wait(0.5)
+
+
+@pytest.mark.parametrize("server", [truncated, loris], ids=["truncated", "slow-loris"])
+async def test_get_truncated_or_trickled(make_agent: MakeAgent, hostile: Any,
+                                         server: Handler) -> None:
+    # A typed error within the request's bound (connect_timeout +
+    # read_timeout + bytes / min_rate: 2 + 3 + 0.06 s here), nothing hangs
+    srv = hostile(server)
+    agent = await make_agent("o")
+    objs = agent.register_objects("s3://b/t", **srv.kwargs())
+    buf = agent.alloc(4096)
+    with pytest.raises(TransportError):
+        await within(agent.read(buf[:], objs["k"][0:4096]), 30)
+    with pytest.raises(TransportError):
+        await within(agent.read(buf[:], objs["k"]), 30)
+
+
+async def test_cancelled_get_of_a_trickling_server(make_agent: MakeAgent,
+                                                  hostile: Any) -> None:
+    # A cancel is prompt (the read's destination let go at once), the
+    # connection closed; the agent's close then finds nothing in flight
+    srv = hostile(loris)
+    agent = await make_agent("o")
+    objs = agent.register_objects("s3://b/t", **srv.kwargs())
+    buf = agent.alloc(4096)
+    task = asyncio.ensure_future(agent.read(buf[:], objs["k"]))
+    await asyncio.sleep(1.0)
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await within(task, 2)
+    await within(objs.aclose(), 5)
