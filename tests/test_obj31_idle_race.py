@@ -24,10 +24,13 @@ the relay's idle close.
 
 from __future__ import annotations
 
+import gc
+import os
 import select
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -202,3 +205,61 @@ async def test_race_twice_fails_typed(make_agent: MakeAgent, s3: S3Server, relay
     assert holds[0] == 0
     assert relay.puts == 1  # k0's: neither attempt of k1 reached the server
     assert not s3.file(bucket, "t/k1").exists()
+
+
+async def test_multipart_part_racing_an_idle_close(make_agent: MakeAgent, s3: S3Server,
+                                                   relay: IdleRelay,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A part's request meets the same race (its connection pooled from the
+    # create's): sent again at once, outside the budget (max_retries=0)
+    bucket = s3.bucket("t")
+    agent = await make_agent("o")
+    objs = agent.register_objects(f"s3://{bucket}/t", **relay.kwargs(), max_retries=0,
+                                  part_size=5 * MiB)
+    n = 5 * MiB + 4096  # two parts
+    src = agent.alloc(n)
+    src.numpy()[:] = pattern(n, 34)
+    await within(agent.write(src[:], objs["k0"]), 30)
+    armed = hold_after_check(monkeypatch)
+    src.numpy()[:] = pattern(n, 35)
+    armed[0] = True
+    await within(agent.write(src[:], objs["k1"]), 60)
+    assert not armed[0], "the hold was not reached"
+    assert relay.idle_closes >= 1
+    assert s3.file(bucket, "t/k1").read_bytes() == bytes(src.numpy())
+
+
+def sockets_open() -> set[str]:
+    """This process's socket descriptors (as their inode names)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # (the listing's own)
+        if target.startswith("socket:"):
+            out.add(f"{fd}:{target}")
+    return out
+
+
+async def test_no_descriptor_left(make_agent: MakeAgent, s3: S3Server) -> None:
+    # The probe (a duplicate of each request's socket descriptor) is closed
+    # with its request, not left to the garbage collector (a ResourceWarning,
+    # and its connection held open until then); once the region is closed,
+    # no socket more than before
+    bucket = s3.bucket("t")
+    agent = await make_agent("o")
+    fds0 = sockets_open()
+    objs = agent.register_objects(f"s3://{bucket}/t", **s3.kwargs(), part_size=5 * MiB)
+    n = 6 * MiB
+    src = agent.alloc(n)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        for i in range(4):
+            await within(agent.write(src[:], objs[f"m{i}"]), 60)  # multipart: 2 parts
+            await within(agent.write(src[:2 * MiB], objs[f"s{i}"]), 60)  # a PUT of ours
+        await within(objs.aclose(), 30)
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [
+        str(w.message) for w in caught]
+    assert sockets_open() <= fds0, sockets_open() - fds0

@@ -915,6 +915,7 @@ class ObjectRegion(BackendRegion):
         attempts = _Attempts(self._retry, self.backend.note_retry)
         refusal = _Refusal()
         untrusted: TransportError | None = None
+        stale_resent = False
         while True:
             failed: str
             creds = target.creds
@@ -922,11 +923,12 @@ class ObjectRegion(BackendRegion):
             if creds is None:
                 assert self._creds is not None
                 creds, generation = await self._creds.get()
+            data: _Body | None = None
+            cut = False  # failed without an answer: maybe none of it reached the server
             try:
                 sent = sigv4.sign_headers(
                     method, url, creds, target.region, headers=headers,
                     payload_hash=payload_hash)
-                data: Any = None
                 if body is not None:
                     # Content-Length given and the body streamed: aiohttp
                     # sends it as is (not chunked), from the caller's memory
@@ -960,6 +962,22 @@ class ObjectRegion(BackendRegion):
                 break
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
+                cut = data is not None and not isinstance(exc, _Transient)
+            finally:
+                if data is not None and not cut:
+                    data.release()
+            if data is not None and cut:
+                try:
+                    unsent = await data.never_reached(self._rtt_wait)
+                finally:
+                    data.release()
+                if unsent and not stale_resent:
+                    # the server had closed the connection as it went out
+                    # (_Body.never_reached): sent again at once, once, as
+                    # a single PUT is (_put_single)
+                    stale_resent = True
+                    self.backend.note_retry()
+                    continue
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
         if untrusted is not None:
