@@ -57,7 +57,10 @@ credentials AccessDenied, a conditional create of an existing key
 ObjectExists, an endpoint that is down or drops the connection TransportError
 once the bounded retries (``max_retries``, within ``retry_timeout`` seconds,
 exponential backoff with jitter) are spent. A PUT is sent again only once
-the attempt before it is known to be over (refused, or answered); a PUT
+the attempt before it is known to be over (refused, or answered, or reset
+by a server that had closed the connection before any byte of it came:
+its idle close racing the request's first write, sent again at once, once,
+tests/test_obj31_idle_race.py); a PUT
 whose outcome is unknown (its connection cut, a timeout) is checked with a
 HEAD and otherwise fails, never sent twice at once (ObjectRegion._put_single),
 unless ``resend_unknown_puts`` (below) says otherwise. A conditional
@@ -159,7 +162,23 @@ Options of ``register_objects`` (beside the endpoint and credentials):
   other (AWS S3: the last one wins), where a transient network blip should
   cost a resend, not a failed write. A conditional create (``objs.create(key)``)
   sent again that finds the key taken counts as written when the key holds
-  its bytes (the earlier attempt landed meanwhile).
+  its bytes (the earlier attempt landed meanwhile);
+- ``ca_bundle`` (None): a PEM file of CA certificates trusted for an https
+  endpoint, beside the system's roots, by every request (obstore's
+  ``root_certificate`` and our aiohttp session's context alike): a store
+  whose certificate a private CA signed (tests/test_obj31_tls.py). Before,
+  only SSL_CERT_FILE set before aiohttp's import reached our requests.
+  ``AWS_CA_BUNDLE`` is not read (boto reads it; CI images set it to the
+  system bundle, and a region would then not see a test's trust in
+  aiohttp's default context): pass ``ca_bundle=os.environ["AWS_CA_BUNDLE"]``;
+- ``ssl_context`` (None): an ``ssl.SSLContext`` used as is by our requests
+  (a private CA, client certificates, pinning; a context that verifies
+  nothing is the explicit opt-out, for tests). obstore's client cannot take
+  one, so every request is then ours (single PUTs of any size too), and the
+  credentials must be ones we sign with (keys or a ``credential_provider``;
+  else RegistrationError). Not with ``ca_bundle``.
+  A certificate that is not trusted fails the request at once
+  (TransportError naming it), not retried: no later attempt would trust it.
 """
 
 from __future__ import annotations
@@ -177,6 +196,7 @@ import os
 import random
 import re
 import socket
+import ssl
 import sys
 import termios
 import time
@@ -184,6 +204,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from urllib.parse import parse_qsl, urlsplit
 from xml.sax.saxutils import escape as xml_escape
@@ -240,6 +261,23 @@ _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 # percent-encoded but for alphanumerics and "-._~") leaves as they are
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9._/-]+")
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+# A single PUT of ours of at least this many bytes would be sent with
+# "Expect: 100-continue" (its body held until the server's 100): None, never.
+# Measured (benchmarks/object_bench.py --expect-continue, rclone serve s3 on
+# loopback, /dev/shm, off/on alternated in one process, medians of 8 rounds,
+# 2 vCPUs): 64 KiB 1378 -> 1544 us (1.12x; CPU 578 -> 691 us), 1 MiB 6654 ->
+# 6557 us (0.99x), 8 MiB 38.5 -> 38.4 ms (1.00x), 64 MiB 267 -> 266 ms
+# (0.99x): a successful PUT only pays a round trip (here 0.17 ms at 64 KiB,
+# lost in the noise above 1 MiB; a WAN's RTT per PUT elsewhere). What it
+# saves is on a refused PUT only: 64 MiB signed with a wrong secret (403)
+# failed in 2.51 -> 1.81 ms (0.72x), AccessDenied either way (the server
+# answers at once and closes, the body cut after the kernels' buffers: a few
+# MiB sent in vain, not 64). And a server or proxy that ignores Expect
+# stalls the PUT: aiohttp waits for the 100 with no fallback (curl sends the
+# body after 1 s) and no read timeout, until the server gives up (20 s
+# against tests/test_rev33_idle_close.py's server, sock_read 3 s). Off: it
+# pays at no size for PUTs that succeed, and risks a stall per PUT.
+_EXPECT_CONTINUE_MIN: int | None = None
 _T = TypeVar("_T")
 
 
@@ -423,6 +461,8 @@ class ObjectRegion(BackendRegion):
         min_rate: float = MIN_RATE,
         part_md5: bool = False,
         credential_provider: _Provided | None = None,
+        tls: ssl.SSLContext | None = None,
+        all_ours: bool = False,
     ) -> None:
         super().__init__(backend, name)
         self.url = url
@@ -454,6 +494,9 @@ class ObjectRegion(BackendRegion):
         # alone lets a server that trickles a byte now and then (or reads
         # our body that slowly) hold a request for ever.
         self._base_total = connect_timeout + read_timeout
+        # how long a request cut without an answer waits for the server's
+        # reset of its bytes (a round trip: _Body.never_reached)
+        self._rtt_wait = min(1.0, connect_timeout)
         # how long a body's bytes queued in the kernel may go unread, and
         # how many may be left queued when its answer wait starts (_Body):
         # taken at min_rate within half of read_timeout
@@ -468,6 +511,12 @@ class ObjectRegion(BackendRegion):
         # of 64 KiB at once went at 0.72-0.87x of obstore's through ours.
         # Larger ones are ours: their bound is min_rate, not read_timeout.
         self._obstore_put_max = int(min_rate * read_timeout)
+        if all_ours:
+            # ssl_context: obstore's client cannot take it; every PUT is ours
+            self._obstore_put_max = -1
+        # the TLS context of our requests (ca_bundle, ssl_context), None:
+        # aiohttp's default (the system's roots)
+        self._tls = tls
         self._session: aiohttp.ClientSession | None = None
         # One per connection of the session's pool, taken before a request's
         # clock starts (_pooled): a request waiting for one of our own
@@ -571,6 +620,10 @@ class ObjectRegion(BackendRegion):
     async def _deleted(what: str, resp: aiohttp.ClientResponse, code: str) -> None:
         if resp.status == 404 and code == "NoSuchBucket":
             raise ObjectNotFound(f"{what}: no such bucket ({code})")
+        if resp.status not in (200, 202, 204, 404):
+            # (a 400, 405, 409, 501...: not deleted; was taken as done,
+            # tests/test_obj31_hostile.py)
+            raise _failed(what, resp, code)
         # 200, 204; a 404 of the key: gone, as asked
 
     async def aclose(self) -> None:
@@ -861,6 +914,8 @@ class ObjectRegion(BackendRegion):
             moves if moves is not None else 0 if body is None else len(body))
         attempts = _Attempts(self._retry, self.backend.note_retry)
         refusal = _Refusal()
+        untrusted: TransportError | None = None
+        stale_resent = False
         while True:
             failed: str
             creds = target.creds
@@ -868,11 +923,12 @@ class ObjectRegion(BackendRegion):
             if creds is None:
                 assert self._creds is not None
                 creds, generation = await self._creds.get()
+            data: _Body | None = None
+            cut = False  # failed without an answer: maybe none of it reached the server
             try:
                 sent = sigv4.sign_headers(
                     method, url, creds, target.region, headers=headers,
                     payload_hash=payload_hash)
-                data: Any = None
                 if body is not None:
                     # Content-Length given and the body streamed: aiohttp
                     # sends it as is (not chunked), from the caller's memory
@@ -894,6 +950,9 @@ class ObjectRegion(BackendRegion):
                         raise _Transient(f"HTTP {status} {code}")
                     _refuse_status(what, resp, code)
                     return await answer(what, resp, text, code, attempts.made)
+            except aiohttp.ClientConnectorCertificateError as exc:
+                untrusted = _untrusted(what, exc)
+                break
             except AccessDenied:
                 if not self._send_again_refused(refusal, generation):
                     raise
@@ -903,8 +962,26 @@ class ObjectRegion(BackendRegion):
                 break
             except (aiohttp.ClientError, TimeoutError, _Transient) as exc:
                 failed = _describe(exc)
+                cut = data is not None and not isinstance(exc, _Transient)
+            finally:
+                if data is not None and not cut:
+                    data.release()
+            if data is not None and cut:
+                try:
+                    unsent = await data.never_reached(self._rtt_wait)
+                finally:
+                    data.release()
+                if unsent and not stale_resent:
+                    # the server had closed the connection as it went out
+                    # (_Body.never_reached): sent again at once, once, as
+                    # a single PUT is (_put_single)
+                    stale_resent = True
+                    self.backend.note_retry()
+                    continue
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+        if untrusted is not None:
+            raise untrusted
         raise ProtocolError(f"{what}: {failed}")
 
     def _send_again_refused(self, refusal: _Refusal, generation: int,
@@ -1045,6 +1122,7 @@ class ObjectRegion(BackendRegion):
         attempts = _Attempts(self._retry, self.backend.note_retry)
         refusal = _Refusal()
         unknown_before = False  # an earlier attempt's outcome is unknown
+        stale_resent = False
         while True:
             generation = 0
             creds = None if target is None else target.creds
@@ -1072,6 +1150,15 @@ class ObjectRegion(BackendRegion):
                 outcome, why, err = exc.outcome, exc.why, exc.err
             if outcome == "refused":
                 raise err
+            if outcome == "stale" and not stale_resent:
+                # None of it reached the server (_Body.never_reached): sent
+                # again at once, once per write, outside the retry budget
+                # (as aiohttp sends again a request refused unsent on a
+                # pooled connection found closed); a second one is retried
+                # within the budget, as a refused connection is.
+                stale_resent = True
+                self.backend.note_retry()
+                continue
             if outcome == "unknown":
                 found = await self._landed(key, digest, mode == "create")
                 if found:
@@ -1132,11 +1219,13 @@ class ObjectRegion(BackendRegion):
                                   payload_hash=sigv4.UNSIGNED_PAYLOAD)
         sent["Content-Length"] = str(n)
         failed: _PutFailed
+        stream = _Body(body, self._stall, self._slack)
+        cut: TransportError | None = None
         try:
             async with self._pooled(), self._http().request(
-                "PUT", yarl.URL(target.url, encoded=True), headers=sent,
-                data=_Body(body, self._stall, self._slack),
+                "PUT", yarl.URL(target.url, encoded=True), headers=sent, data=stream,
                 allow_redirects=False, timeout=self._timeout_for(n),
+                expect100=_EXPECT_CONTINUE_MIN is not None and n >= _EXPECT_CONTINUE_MIN,
             ) as resp:
                 status = resp.status
                 if status == 200:
@@ -1162,6 +1251,10 @@ class ObjectRegion(BackendRegion):
                     raise ObjectNotFound(f"{what}: no such bucket ({code or 'HTTP 404'})")
                 else:
                     raise XferError(f"{what}: {said}")
+        except aiohttp.ClientConnectorCertificateError as exc:
+            # never sent, and not worth another attempt
+            untrusted = _untrusted(what, exc)
+            failed = _PutFailed("refused", str(untrusted), untrusted)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # no connection was made: the request never left
             why = _describe(exc)
@@ -1174,6 +1267,20 @@ class ObjectRegion(BackendRegion):
         except (aiohttp.ClientError, TimeoutError) as exc:
             why = _describe(exc)
             failed = _PutFailed("unknown", why, TransportError(f"{what} failed: {why}"))
+            cut = failed.err if isinstance(failed.err, TransportError) else None
+        finally:
+            if cut is None:
+                stream.release()
+        if cut is not None:
+            try:
+                if await stream.never_reached(self._rtt_wait):
+                    # the server closed the connection (its idle close) as
+                    # the request went out: none of it reached the server
+                    why = (f"{failed.why}: the server had closed the connection, none of "
+                           f"the request reached it")
+                    failed = _PutFailed("stale", why, TransportError(f"{what} failed: {why}"))
+            finally:
+                stream.release()
         raise failed
 
     async def _landed(self, key: str, digest: _Digest, create: bool = False) -> bool:
@@ -1307,6 +1414,7 @@ class ObjectRegion(BackendRegion):
         timeout = self._timeout_for(moves)
         attempts = _Attempts(self._retry, self.backend.note_retry)
         refusal = _Refusal()
+        untrusted: TransportError | None = None
         while True:
             # The error is raised outside the except clause: aiohttp's
             # exception (whose text may hold the URL) is then not even the
@@ -1332,6 +1440,9 @@ class ObjectRegion(BackendRegion):
                         code = _xml_code(body)
                     _refuse_status(what, resp, code)
                     return await answer(resp, code)
+            except aiohttp.ClientConnectorCertificateError as exc:
+                untrusted = _untrusted(what, exc)
+                break
             except AccessDenied:
                 # A URL signed up to _SIGN_TTL ago (credentials since
                 # rotated) is signed again, once, as are provided ones.
@@ -1346,6 +1457,8 @@ class ObjectRegion(BackendRegion):
                 failed = _describe(exc)
             if not await attempts.another():
                 raise TransportError(f"{what} failed after {attempts.made} attempts: {failed}")
+        if untrusted is not None:
+            raise untrusted
         raise ProtocolError(f"{what}: {failed}")
 
     def _timeout_for(self, moves: int) -> aiohttp.ClientTimeout:
@@ -1377,7 +1490,8 @@ class ObjectRegion(BackendRegion):
                 # one: aclose closes it once the write is over.
                 self._check()
             connector = aiohttp.TCPConnector(
-                limit=self.backend.max_concurrency, enable_cleanup_closed=True
+                limit=self.backend.max_concurrency, enable_cleanup_closed=True,
+                ssl=True if self._tls is None else self._tls,
             )
             session = self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -1503,6 +1617,8 @@ _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 # object_store reports as kind Timeout): the request never left either.
 _CONNECT_STAGE = re.compile(r"legacy::Error\(\s*Connect\b")
 _HTTP_STATUS = re.compile(r"non-2xx status code: (\d{3})")
+# rustls refused the server's certificate (hyper's connect stage): final
+_BAD_CERT = re.compile(r"InvalidCertificate\(\s*(\w+)")
 # Answers after which the server is done with the request; 502 and 504 come
 # from a gateway that may have left the server still running it.
 _ANSWERED_RETRY = frozenset({408, 429, 500, 503})
@@ -1517,6 +1633,8 @@ def _put_outcome(exc: BaseException) -> Literal["unsent", "answered", "refused",
     there, or have stored the object: a cut connection, a timeout, a
     gateway's 502 / 504, anything not recognised)."""
     text = str(exc)
+    if _BAD_CERT.search(text):
+        return "refused"  # never sent, and no later attempt finds it trusted
     status = _HTTP_STATUS.search(text)
     if status is not None:
         code = int(status[1])
@@ -1720,6 +1838,51 @@ class _Body(aiohttp.payload.Payload):
         self._view = view
         self._stall = stall
         self._slack = slack
+        # (a second descriptor of the request's socket, the bytes its peer
+        # had acknowledged as the request started): never_reached
+        self._probe: socket.socket | None = None
+        self._acked0: int | None = None
+
+    def release(self) -> None:
+        """Lets go of the probe (a duplicate descriptor keeps the socket
+        open: its FIN waits for this close). Idempotent."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.close()
+
+    async def never_reached(self, wait: float) -> bool:
+        """After the request failed without an answer: whether it is proven
+        that no byte of it reached the server. So when the peer reset the
+        connection (TCP_CLOSE: its kernel refused our bytes, as a socket the
+        server closed does) having acknowledged none of the request's
+        bytes: a server's kernel acknowledges what it takes in, on every
+        segment it sends after (its FIN, a close_notify, an answer), so
+        a server that read any byte of the request would have acknowledged
+        it. That is the race of a server's idle close with our request's
+        first write, its FIN on the wire as the write went out
+        (tests/test_obj31_idle_race.py): the server's socket was closed
+        when our bytes came. The connection may still be half-closed
+        (its FIN seen: CLOSE_WAIT) with our bytes on their way: the reset
+        is waited for up to ``wait`` seconds. (Left out: a server that read
+        the request and then reset the connection within its delayed-ACK
+        time, SO_LINGER 0, without an answer; its handler's work would be
+        over then, the resend the next PUT of the key, not one beside it.)"""
+        probe = self._probe
+        if probe is None or self._acked0 is None:
+            return False
+        deadline = time.monotonic() + wait
+        pause = 0.001
+        while True:
+            info = _tcp_info(probe)
+            acked = _acked(info)
+            if info is None or acked is None or acked != self._acked0:
+                return False
+            if info[0] == 7:  # TCP_CLOSE: reset (or closed) with nothing acknowledged
+                return True
+            if info[0] != 8 or time.monotonic() >= deadline:  # not CLOSE_WAIT
+                return False
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         raise TypeError("a streamed request body is not decoded")
@@ -1744,6 +1907,14 @@ class _Body(aiohttp.payload.Payload):
         # the bytes the server's kernel had acknowledged before this
         # request's first (its head is buffered until the body's first write)
         acked0 = _acked(info)
+        self.release()  # (an earlier write's, on a connection aiohttp gave up)
+        if sock is not None and acked0 is not None and info is not None and info[0] == 1:
+            # (ESTABLISHED: a connection in use, pooled or new)
+            try:
+                self._probe = socket.socket(fileno=os.dup(sock.fileno()))
+                self._acked0 = acked0
+            except OSError:
+                self._probe = None
         out0 = int(getattr(writer, "output_size", 0))
         self._consumed = True
         view = self._view
@@ -2083,7 +2254,7 @@ class _PutFailed(Exception):
     ``outcome`` as _put_outcome sorts it, ``why`` its description (signed
     queries left out), ``err`` the error to raise if no attempt follows."""
 
-    def __init__(self, outcome: Literal["unsent", "answered", "refused", "unknown"],
+    def __init__(self, outcome: Literal["unsent", "answered", "refused", "unknown", "stale"],
                  why: str, err: XferError) -> None:
         super().__init__(why)
         self.outcome = outcome
@@ -2101,8 +2272,20 @@ def _malformed(exc: aiohttp.ClientResponseError) -> str:
 
 
 def _xml_code(body: str) -> str:
+    """An S3 error body's <Code> ("" if none). It goes into error texts and
+    is compared with known codes: one that is not a code (S3's are short
+    words, letters, digits and dots: NoSuchKey, XAmzContentSHA256Mismatch),
+    such as a hostile or broken server's 60 KiB, or one with a newline and
+    terminal escapes (a forged log line), is named, not quoted
+    (tests/test_obj31_hostile.py)."""
     m = re.search(r"<Code>([^<]*)</Code>", body)
-    return m[1] if m else ""
+    if m is None:
+        return ""
+    code = m[1].strip()
+    return code if _S3_CODE.fullmatch(code) else f"(malformed error code of {len(code)} chars)"
+
+
+_S3_CODE = re.compile(r"[A-Za-z][A-Za-z0-9.]{0,99}")
 
 
 # A presigned URL is a bearer credential for its lifetime (_SIGN_TTL): its
@@ -2155,6 +2338,16 @@ async def _typed(move: Awaitable[None], doing: str, seg: ObjectSegment) -> None:
     raise XferError(f"{doing} of object {seg.key!r} in {seg.region.url} failed: {failed}")
 
 
+def _untrusted(what: str, exc: BaseException | str) -> TransportError:
+    """The error of a request whose TLS handshake found the server's
+    certificate not trusted (or not for its host): final, not retried (no
+    later attempt finds it trusted)."""
+    return TransportError(
+        f"{what} failed: the server's certificate is not trusted "
+        f"({exc if isinstance(exc, str) else _describe(exc)}); a "
+        f"private CA is trusted through register_objects(..., ca_bundle=...) or AWS_CA_BUNDLE")
+
+
 def _obstore_error(exc: BaseException, doing: str, key: str, url: str) -> XferError:
     what = f"{doing} of object {key!r} in {url}"
     first = _describe(exc)
@@ -2166,6 +2359,9 @@ def _obstore_error(exc: BaseException, doing: str, key: str, url: str) -> XferEr
         return ObjectExists(f"{what}: the key exists (conditional create)")
     if isinstance(exc, obx.InvalidPathError):
         return XferError(f"{what}: invalid key ({first})")
+    cert = _BAD_CERT.search(str(exc))
+    if cert is not None:
+        return _untrusted(what, f"{first}: InvalidCertificate({cert[1]})")
     return TransportError(f"{what} failed: {first}")
 
 
@@ -2226,6 +2422,8 @@ class ObjectBackend(LocalBackend):
         min_rate: float = MIN_RATE,
         part_md5: bool = False,
         credential_provider: Callable[[], Any] | None = None,
+        ca_bundle: str | os.PathLike[str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> ObjectRegion:
         """See ``Agent.register_objects`` and this module's docstring (the
         options)."""
@@ -2267,6 +2465,7 @@ class ObjectBackend(LocalBackend):
         }
         if (endpoint or "").startswith("http://"):
             client["allow_http"] = True
+        tls = _tls(url, ca_bundle, ssl_context, client)
         # obstore's own retries (HEAD, DELETE, multipart uploads) bounded like
         # ours: its default retries a dead endpoint for three minutes. A
         # single PUT goes through a second client without them (_put_single).
@@ -2302,6 +2501,11 @@ class ObjectBackend(LocalBackend):
         secret = secret_access_key or os.environ.get("AWS_SECRET_ACCESS_KEY")
         if credential_provider is not None:
             key_id = secret = None  # the provider's, asked for per request
+        elif ssl_context is not None and not (key_id and secret):
+            raise RegistrationError(
+                f"cannot register {url!r}: ssl_context needs credentials that aioxfer signs "
+                f"with (access keys or a credential_provider): obstore's client, which "
+                f"cannot take the context, would send requests")
         objs = ObjectRegion(
             self,
             name,
@@ -2318,9 +2522,42 @@ class ObjectBackend(LocalBackend):
             float(min_rate),
             bool(part_md5),
             provided,
+            tls,
+            ssl_context is not None,
         )
         self._add_region(objs)
         return objs
+
+
+def _tls(url: str, ca_bundle: str | os.PathLike[str] | None,
+         ssl_context: ssl.SSLContext | None, client: dict[str, Any]) -> ssl.SSLContext | None:
+    """The TLS context of our requests (None: aiohttp's default, the
+    system's roots); a ``ca_bundle`` is also given to obstore's ``client``
+    options: its CAs trusted by both clients, beside the system's (obstore
+    adds them to its roots)."""
+    if ssl_context is not None:
+        if not isinstance(ssl_context, ssl.SSLContext):
+            raise RegistrationError(
+                f"cannot register {url!r}: ssl_context is an ssl.SSLContext, "
+                f"not {type(ssl_context).__name__}")
+        if ca_bundle is not None:
+            raise RegistrationError(
+                f"cannot register {url!r}: give either ca_bundle or ssl_context (a context "
+                f"loads its own CAs), not both")
+        return ssl_context
+    if ca_bundle is None:
+        return None
+    path = Path(ca_bundle)
+    try:
+        pem = path.read_bytes()
+        ctx = ssl.create_default_context()
+        ctx.load_verify_locations(cafile=str(path))
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise RegistrationError(
+            f"cannot register {url!r}: ca_bundle {str(path)!r} is not a readable PEM file of "
+            f"CA certificates ({_describe(exc)})") from None
+    client["root_certificate"] = pem
+    return ctx
 
 
 def register_objects(agent: Agent, url: str, **kwargs: Any) -> ObjectRegion:
