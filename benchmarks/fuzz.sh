@@ -10,6 +10,7 @@
 #
 #   benchmarks/fuzz.sh [HARNESS...]   target_frames initiator_frames handshake
 #                                     metadata nixl_wire kv_peer kv_disk objects
+#                                     discovery
 #                                     (default: all, one after the other)
 #   RUNS=10000000      executions per harness
 #   MAX_TIME=0         seconds per harness (0: no limit)
@@ -40,7 +41,8 @@ MAX_TIME=${MAX_TIME:-0}
 MERGE=${MERGE:-0}
 OUT=${OUT:-build-fuzz}
 PY=${PYTHON:-python3}
-ALL=(target_frames initiator_frames handshake metadata nixl_wire kv_peer kv_disk objects)
+ALL=(target_frames initiator_frames handshake metadata nixl_wire kv_peer kv_disk objects
+     discovery)
 HARNESSES=("$@")
 [ ${#HARNESSES[@]} -eq 0 ] && HARNESSES=("${ALL[@]}")
 
@@ -49,7 +51,7 @@ native_needed=0
 for h in "${HARNESSES[@]}"; do
     case $h in
     target_frames | initiator_frames) native_needed=1 ;;
-    handshake | metadata | nixl_wire | kv_peer | kv_disk | objects) ;;
+    handshake | metadata | nixl_wire | kv_peer | kv_disk | objects | discovery) ;;
     *) echo "unknown harness: $h (one of: ${ALL[*]})" >&2; exit 2 ;;
     esac
 done

@@ -175,6 +175,12 @@ def objects_seeds() -> dict[str, bytes]:
     return seeds()
 
 
+def discovery_seeds() -> dict[str, bytes]:
+    from fuzz_discovery import seeds
+
+    return seeds()
+
+
 def reversion(corpus: Path) -> int:
     """Beside each input of ``corpus`` naming an older protocol version, a
     copy naming the current one (see the module doc); returns how many were
@@ -213,6 +219,7 @@ def main() -> None:
         ("kv_peer", kv_peer_seeds),
         ("kv_disk", kv_disk_seeds),
         ("objects", objects_seeds),
+        ("discovery", discovery_seeds),
     ]:
         d = out / harness
         d.mkdir(parents=True, exist_ok=True)
