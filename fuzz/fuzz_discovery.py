@@ -34,7 +34,8 @@ one would remove the other's member); our key never makes us a member of
 our own view, and a PUT there that is not our incarnation supersedes us;
 the membership() stream tells a consistent story (PeerJoined for a name
 not joined; PeerUpdated and PeerLeft only for the incarnation joined; what
-it ends with is the snapshot); every member's address either passes
+it ends with is the snapshot); a re-list of what etcd then holds (as _list
+reads it, into Members.reset) changes nothing; every member's address either passes
 cluster's _check_address or raises ProtocolError, and one that passes, and
 every rail, parses for dialling. Anything else raises out of check(),
 unless it is a known, reported issue (fuzz/known_issues.py) and
@@ -184,6 +185,7 @@ async def _run_async(data: bytes) -> None:
     session._mod_rev = 1 << 62
     agents = f"{PREFIX}/agents/".encode()
     model: dict[bytes, Any] = {}
+    values: dict[bytes, bytes] = {}  # what etcd holds now, key by key
     superseded = False
     for rev, (put, raw, value) in enumerate(_Events(data), start=2):
         kv = _KV(agents + raw, value, rev)
@@ -196,6 +198,10 @@ async def _run_async(data: bytes) -> None:
             model[raw] = _member_of(raw, value)
         else:
             model.pop(raw, None)
+        if put:
+            values[raw] = value
+        else:
+            values.pop(raw, None)
         want = {m.name: m for m in model.values() if m is not None}
         if members._members != want:
             raise AssertionError(
@@ -203,6 +209,18 @@ async def _run_async(data: bytes) -> None:
                 f"{sorted(members._members)}, the keys say {sorted(want)}")
         if (session._state == "superseded") != superseded:
             raise AssertionError(f"session {session._state!r}, superseded: {superseded}")
+    # A re-list (a watch restarted) of what etcd holds now, as _list reads
+    # it: nothing changes, since the watch already told all of it.
+    want = dict(members._members)
+    listed = {}
+    for raw, value in values.items():
+        m = session._decode(agents + raw, value)
+        if m is not None and m.name != SELF:
+            listed[m.name] = m
+    await members.reset(listed, 0.0)
+    if members._members != want:
+        raise AssertionError(f"a re-list changed the members: {sorted(want)} -> "
+                             f"{sorted(members._members)}")
     while stream._events:
         stream_events.append(stream._events.popleft())
     _story(stream_events, members)
