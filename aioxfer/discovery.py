@@ -550,8 +550,23 @@ class EtcdSession:
                 return members, revision
             start = res.kvs[-1].key + b"\0"
 
+    def _name(self, key: bytes) -> str | None:
+        """The agent name a key under the prefix is for; None when its bytes
+        are not UTF-8: no agent's key (a name is a str of printable
+        characters, so its key is its UTF-8). Decoded with "replace", b"a\xff"
+        and b"a\xfe" were both "a\ufffd": a value naming that at either key
+        was a member, and a DELETE of the other key removed it (fuzz31)."""
+        try:
+            return key[len(self._agents):].decode()
+        except UnicodeDecodeError:
+            return None
+
     def _decode(self, key: bytes, value: bytes) -> AgentMeta | None:
-        name = key[len(self._agents):].decode("utf-8", "replace")
+        name = self._name(key)
+        if name is None:
+            _log.warning("discovery.bad_value", key=key.decode("utf-8", "replace"),
+                         reason="the key is not UTF-8: no agent's name")
+            return None
         try:
             meta = _decode(value)
         except msgspec.ValidationError as exc:
@@ -879,7 +894,13 @@ class EtcdSession:
 
     async def _on_event(self, put: bool, kv: Any) -> None:
         key: bytes = kv.key
-        name = key[len(self._agents):].decode("utf-8", "replace")
+        name = self._name(key)
+        if name is None:
+            # (Never a member's key, so nothing to add or remove; a PUT is
+            # said, as any other bad value is.)
+            if put:
+                self._decode(key, kv.value)
+            return
         if put:
             meta = self._decode(key, kv.value)
             if key == self._key:

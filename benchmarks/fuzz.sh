@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing at scale (issue 9): libFuzzer harnesses for both
-# native frame parsers (target side, initiator side: native/fuzz/, built with
+# native frame parsers (target side, initiator side, and the initiator side
+# with lone requests awaited by a spinning thread: lone_frames; native/fuzz/, built with
 # Debian clang -fsanitize=fuzzer,address,undefined) and atheris harnesses for
 # the Python handshake and metadata decoder (fuzz/). Each runs until it has
 # executed RUNS inputs (default 10 M) or MAX_TIME seconds passed, whichever
@@ -8,8 +9,9 @@
 # executions per second, coverage (libFuzzer's cov = edges, ft = features),
 # corpus size and crashes.
 #
-#   benchmarks/fuzz.sh [HARNESS...]   target_frames initiator_frames handshake
+#   benchmarks/fuzz.sh [HARNESS...]   target_frames initiator_frames lone_frames handshake
 #                                     metadata nixl_wire kv_peer kv_disk objects
+#                                     discovery
 #                                     (default: all, one after the other)
 #   RUNS=10000000      executions per harness
 #   MAX_TIME=0         seconds per harness (0: no limit)
@@ -40,7 +42,8 @@ MAX_TIME=${MAX_TIME:-0}
 MERGE=${MERGE:-0}
 OUT=${OUT:-build-fuzz}
 PY=${PYTHON:-python3}
-ALL=(target_frames initiator_frames handshake metadata nixl_wire kv_peer kv_disk objects)
+ALL=(target_frames initiator_frames lone_frames handshake metadata nixl_wire kv_peer kv_disk objects
+     discovery)
 HARNESSES=("$@")
 [ ${#HARNESSES[@]} -eq 0 ] && HARNESSES=("${ALL[@]}")
 
@@ -48,8 +51,8 @@ mkdir -p "$OUT"
 native_needed=0
 for h in "${HARNESSES[@]}"; do
     case $h in
-    target_frames | initiator_frames) native_needed=1 ;;
-    handshake | metadata | nixl_wire | kv_peer | kv_disk | objects) ;;
+    target_frames | initiator_frames | lone_frames) native_needed=1 ;;
+    handshake | metadata | nixl_wire | kv_peer | kv_disk | objects | discovery) ;;
     *) echo "unknown harness: $h (one of: ${ALL[*]})" >&2; exit 2 ;;
     esac
 done
@@ -86,7 +89,7 @@ python_cov() {
 }
 PYCOV_ENV=(env)
 for h in "${HARNESSES[@]}"; do
-    if [ "$h" != target_frames ] && [ "$h" != initiator_frames ]; then
+    if [ "$h" != target_frames ] && [ "$h" != initiator_frames ] && [ "$h" != lone_frames ]; then
         python_cov || echo "note: no coverage-instrumented msgspec (see $OUT/pycov/build.log):" \
             "the Python harnesses are guided by Python coverage only"
         break
@@ -140,7 +143,7 @@ for h in "${HARNESSES[@]}"; do
     # engine threads each; the same harness without ASan stays flat at 30 MB
     # over 300 k inputs), so 10 M inputs need room.
     case $h in
-    target_frames | initiator_frames) cmd=("$OUT/fuzz_$h") rss=8192 ;;
+    target_frames | initiator_frames | lone_frames) cmd=("$OUT/fuzz_$h") rss=8192 ;;
     *) cmd=("${PYCOV_ENV[@]}" "$PY" "fuzz/fuzz_$h.py") rss=4096 ;;
     esac
     args=(-runs="$RUNS" -max_total_time="$MAX_TIME" -detect_leaks=0 -print_final_stats=1
@@ -172,6 +175,7 @@ for h in "${HARNESSES[@]}"; do
     case $h in
     target_frames) parser_cov "$h" "$corpus" rx_main rx_target target_region || true ;;
     initiator_frames) parser_cov "$h" "$corpus" rx_main rx_initiator initiator_conn_lost || true ;;
+    lone_frames) parser_cov "$h" "$corpus" rx_initiator help_read help_takes help_more || true ;;
     esac
     if [ "$MERGE" = add ] && [ $rc -eq 0 ]; then
         mkdir -p "fuzz/corpus/$h"

@@ -139,6 +139,39 @@ def initiator_seeds() -> dict[str, bytes]:
     }
 
 
+def lone_seeds() -> dict[str, bytes]:
+    """fuzz_lone_frames (fuzz_initiator_frames built with FZ_LONE): the plan,
+    then per request how many bytes of the stream follow its post, then the
+    stream. Requests go one at a time, each awaited by a spinning thread: a
+    receiver that read a reply parks, and the spinner reads the next READ
+    response (up to 16 KiB, its payload all there) or WRITE acknowledgement
+    (conn.c help_read)."""
+    data = bytes(i % 251 for i in range(2048))
+
+    def resp(op: int, off: int, n: int, **kw: int) -> bytes:
+        return hdr(FR_READ_RESP, op=op, flags=FL_LAST, rid=7, off=off, length=n, **kw) + data[:n]
+
+    def lens(*n: int) -> bytes:
+        return b"".join(struct.pack("<H", k) for k in n)
+
+    r = [resp(i, 0, 100) for i in range(1, 5)]
+    return {
+        "reads": _plan(*[(0, [(0, 0, 99)])] * 4) + lens(*map(len, r)) + b"".join(r),
+        "writes": _plan(*[(1, [(0, 0, 99)])] * 3) + lens(64, 64, 64)
+        + b"".join(hdr(FR_WRITE_ACK, op=i, length=100) for i in (1, 2, 3)),
+        "read-write-read": _plan((0, [(0, 0, 99)]), (1, [(0, 0, 99)]), (0, [(200, 10, 99)]))
+        + lens(164, 64, 164) + r[0] + hdr(FR_WRITE_ACK, op=2, length=100) + resp(3, 10, 100),
+        # the second response's payload split: the spinner takes the header
+        # and waits for the rest (help_more), which comes after the third post
+        "read-short": _plan(*[(0, [(0, 0, 499)])] * 3) + lens(564, 100, 0)
+        + resp(1, 0, 500) + resp(2, 0, 500) + resp(3, 0, 500),
+        # a response longer than asked, one of another op, one past the
+        # descriptor: the spinner leaves them to the receiver, which refuses
+        "read-hostile": _plan(*[(0, [(0, 0, 99)])] * 4) + lens(164, 164, 164, 164)
+        + r[0] + resp(2, 0, 101) + resp(9, 0, 100) + resp(4, 2000, 100),
+    }
+
+
 def handshake_seeds() -> dict[str, bytes]:
     from fuzz_handshake import seeds
 
@@ -175,6 +208,12 @@ def objects_seeds() -> dict[str, bytes]:
     return seeds()
 
 
+def discovery_seeds() -> dict[str, bytes]:
+    from fuzz_discovery import seeds
+
+    return seeds()
+
+
 def reversion(corpus: Path) -> int:
     """Beside each input of ``corpus`` naming an older protocol version, a
     copy naming the current one (see the module doc); returns how many were
@@ -207,12 +246,14 @@ def main() -> None:
     for harness, make in [
         ("target_frames", target_seeds),
         ("initiator_frames", initiator_seeds),
+        ("lone_frames", lone_seeds),
         ("handshake", handshake_seeds),
         ("metadata", metadata_seeds),
         ("nixl_wire", nixl_wire_seeds),
         ("kv_peer", kv_peer_seeds),
         ("kv_disk", kv_disk_seeds),
         ("objects", objects_seeds),
+        ("discovery", discovery_seeds),
     ]:
         d = out / harness
         d.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,18 @@
  * FZ_DEADLINE_MS (no hang, no lost op); ASan/UBSan clean.
  * A request never reports more bytes than it asked for (issue 9: the count
  * is ours, never the peer's; AXF_FUZZ_CHECK_NBYTES=0 leaves that out, for an
- * engine from before that fix). */
+ * engine from before that fix).
+ *
+ * Built with FZ_LONE (fuzz_lone_frames.c: a corpus of its own), the requests
+ * go one at a time, each awaited by this thread spinning in axf_wait, as a
+ * caller awaiting a lone READ does: the receiver that read one reply parks
+ * and the spinner reads the next (conn.c help_read, help_takes, help_more:
+ * a reply read by a thread other than the receiver, which the poll-driven
+ * mode never reaches). After the descriptors the plan has one little-endian
+ * u16 per request: how many bytes of the stream the fake target sends once
+ * that request is posted (the last one: all that is left). A request not
+ * done within FZ_LONE_MS after its bytes went is left in flight, and the
+ * next is posted anyway. */
 #include "fuzz_common.h"
 
 #define LREG 4096u
@@ -32,6 +43,7 @@
 #define RKEY 0x1234u
 #define MAX_OPS 4
 #define MAX_DESC 2
+#define FZ_LONE_MS 5
 
 typedef struct init_state {
     axf_engine *e;
@@ -89,6 +101,7 @@ typedef struct plan {
     size_t ndesc[MAX_OPS];
     axf_desc d[MAX_OPS][MAX_DESC];
     uint64_t want_bytes[MAX_OPS];
+    size_t chunk[MAX_OPS]; /* FZ_LONE: the stream's bytes sent after request i is posted */
 } plan;
 
 typedef struct wait_ctx {
@@ -156,7 +169,77 @@ static void read_plan(plan *pl, const uint8_t **p, size_t *n)
             pl->want_bytes[i] += len;
         }
     }
+#ifdef FZ_LONE
+    for (int i = 0; i < pl->nops; i++)
+        pl->chunk[i] = get_u16(p, n);
+#endif
 }
+
+#ifdef FZ_LONE
+/* Sends what fd takes of data[*off, end) without blocking and drops what the
+ * engine sent us meanwhile (our requests); true once all of it went, or the
+ * engine hung up (its right). */
+static bool lone_send(int fd, const uint8_t *data, size_t *off, size_t end)
+{
+    uint8_t sink[16384];
+    while (recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0)
+        ;
+    while (*off < end) {
+        ssize_t w = send(fd, data + *off, end - *off, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w > 0)
+            *off += (size_t)w;
+        else if (w < 0 && (errno == EAGAIN || errno == EINTR))
+            return false;
+        else
+            *off = end; /* hung up on us mid-stream */
+    }
+    return true;
+}
+
+/* Posts the requests one at a time; after each, sends its share of the
+ * stream while this thread spins in axf_wait (conn_help: it reads the
+ * replies of parked receivers), until that request is done or FZ_LONE_MS
+ * pass. Returns after the whole stream went. */
+static void lone_run(const plan *pl, wait_ctx *w, int fd, const uint8_t *data, size_t size)
+{
+    static const char note[] = "fuzz";
+    axf_completion q[64];
+    size_t off = 0;
+    uint64_t deadline = fz_now_ms() + FZ_DEADLINE_MS;
+    for (int i = 0; i < pl->nops; i++) {
+        bool with_note = pl->notify[i] || pl->opcode[i] == AXF_OP_NOTIFY;
+        int st = axf_post(S.e, w->ep, pl->opcode[i], pl->d[i], pl->ndesc[i],
+                          with_note ? note : NULL, with_note ? sizeof note : 0,
+                          (uint64_t)i + 1, 0);
+        if (st == AXF_E_PEER_LOST) { /* an earlier reply ended the endpoint: done */
+            w->done[i] = 1;
+            w->status[i] = st;
+        } else if (st != AXF_OK) {
+            FZ_FAIL("axf_post of request %d refused: %d", i + 1, st);
+        }
+        size_t end = i == pl->nops - 1 || pl->chunk[i] > size - off ? size : off + pl->chunk[i];
+        uint64_t until = 0;
+        while (!w->done[i] || off < end) {
+            if (fz_now_ms() >= deadline)
+                FZ_FAIL("engine did not take the stream within %d ms", FZ_DEADLINE_MS);
+            if (lone_send(fd, data, &off, end) && !until)
+                until = fz_now_ms() + FZ_LONE_MS;
+            if (until && fz_now_ms() >= until)
+                break; /* not answered (yet): the next request goes anyway */
+            if (axf_wait(S.e, 1000)) {
+                size_t n = axf_poll(S.e, q, 64);
+                for (size_t k = 0; k < n; k++) {
+                    if (fz_verbose())
+                        fprintf(stderr, "  lone: completion kind %u status %d id %llu\n",
+                                q[k].kind, q[k].status, (unsigned long long)q[k].id);
+                    on_completion(w, &q[k]);
+                    axf_completion_free(&q[k]);
+                }
+            }
+        }
+    }
+}
+#endif
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -186,6 +269,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (axf_endpoint_import(S.e, w.ep, RRID, RKEY, RREG, AXF_ACCESS_READ | AXF_ACCESS_WRITE, 0,
                             -1) != AXF_OK)
         FZ_FAIL("axf_endpoint_import failed");
+#ifdef FZ_LONE
+    lone_run(&pl, &w, sv[0], data, size);
+    fz_exchange(sv[0], NULL, 0, "initiator connection"); /* it hangs up */
+#else
     static const char note[] = "fuzz";
     for (int i = 0; i < pl.nops; i++) {
         bool with_note = pl.notify[i] || pl.opcode[i] == AXF_OP_NOTIFY;
@@ -197,6 +284,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     /* The fake target reads our requests (fz_exchange drains them) and
      * answers with the fuzzer's bytes, then hangs up. */
     fz_exchange(sv[0], data, size, "initiator connection");
+#endif
     close(sv[0]);
     if (pl.two_rails) { /* it took what was rerouted (drained here); now it goes too */
         fz_exchange(rail1[0], NULL, 0, "second rail");
