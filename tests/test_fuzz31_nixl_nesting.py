@@ -11,9 +11,9 @@ listener's reply of that shape escapes _request's ``except ValueError``
 (its background fetch ends with a RecursionError). The listener itself
 catches it (``except Exception``: logged, that connection closed).
 
-Strict xfails until _wire.py converts it (the diff is in fuzz31's report);
-the inputs are in fuzz/findings/nixl_wire/ and fuzz/known_issues.py names
-the issue ("nixl-deep-nesting") meanwhile.
+Fixed: _wire.py's decoders turn the RecursionError into a DecodeError
+(_wire._Decoder); the inputs are in fuzz/corpus/nixl_wire/ (deep-nesting-*),
+replayed by tests/test_fuzz_replay.py.
 """
 
 from __future__ import annotations
@@ -31,10 +31,6 @@ from aioxfer.nixl import _wire
 FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 DEEP = b"\x91" * 3000 + b"\xc0"  # [[[...[nil]...]]], 3000 levels
 
-FIXED_IN = "aioxfer/nixl/_wire.py: RecursionError of a decoder as its DecodeError (fuzz31)"
-
-
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason=FIXED_IN)
 @pytest.mark.parametrize("which", ["request", "reply"])
 def test_listener_decoders_say_decode_error(which: str) -> None:
     dec, tag = {"request": (_wire.request_decoder, b"push"),
@@ -44,27 +40,24 @@ def test_listener_decoders_say_decode_error(which: str) -> None:
         dec.decode(body)
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason=FIXED_IN)
 def test_decode_md_says_not_metadata() -> None:
     with pytest.raises(_wire.NotMetadata):
         _wire.decode_md(_wire.MD_MAGIC + b"\x81\xa3zzz" + DEEP)
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason=FIXED_IN)
 def test_add_remote_agent_of_deep_metadata(agents: Any) -> None:
     a = agents()
     with pytest.raises(nixl.nixlMismatchError):
         a.add_remote_agent(_wire.MD_MAGIC + b"\x81\xa3zzz" + DEEP)
 
 
-def test_findings_are_the_known_issue() -> None:
-    """The harness names each finding's input as the known issue (replayed
-    like fuzz/replay.py does); once fixed, the names go (and this fails)."""
+def test_findings_replay_clean() -> None:
+    """The harness takes each finding's input without a finding now."""
     if str(FUZZ) not in sys.path:
         sys.path.insert(0, str(FUZZ))
     import fuzz_nixl_wire
 
-    found = sorted((FUZZ / "findings" / "nixl_wire").iterdir())
+    found = sorted((FUZZ / "corpus" / "nixl_wire").glob("deep-nesting-*"))
     assert len(found) >= 3
     for p in found:
-        assert fuzz_nixl_wire.check(p.read_bytes()) == "nixl-deep-nesting", p.name
+        assert fuzz_nixl_wire.check(p.read_bytes()) is None, p.name

@@ -45,6 +45,7 @@ def _inputs(harness: str) -> list[tuple[str, bytes]]:
         "handshake": seeds.handshake_seeds,
         "metadata": seeds.metadata_seeds,
         "nixl_wire": seeds.nixl_wire_seeds,
+        "lone_frames": seeds.lone_seeds,
     }[harness]
     out = [(f"seed-{k}", v) for k, v in make().items()]
     d = CORPUS / harness
@@ -107,7 +108,7 @@ def _replay(binary: Path, paths: list[Path]) -> subprocess.CompletedProcess[str]
 
 @pytest.mark.parametrize(
     "harness",
-    ["target_frames", "initiator_frames"],
+    ["target_frames", "initiator_frames", "lone_frames"],
 )
 def test_native_corpus_replays(harness: str, replay_bins: Path, tmp_path: Path) -> None:
     inputs = _inputs(harness)

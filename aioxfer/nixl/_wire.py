@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -281,10 +281,32 @@ class Reply(msgspec.Struct, tag="reply", frozen=True):
 
 Request = Push | Fetch | Invalidate
 
-request_decoder = msgspec.msgpack.Decoder(Request)
-reply_decoder = msgspec.msgpack.Decoder(Reply)
+_T = TypeVar("_T")
+
+
+class _Decoder(Generic[_T]):
+    """A msgpack decoder for bytes from a peer: msgpack nested past the
+    interpreter's recursion limit (in a field the Struct does not have,
+    which msgspec skips recursively) is a DecodeError like any other
+    malformed input, never a RecursionError (fuzz31)."""
+
+    __slots__ = ("_decode",)
+
+    def __init__(self, type_: Any) -> None:  # (a union is no type[_T])
+        self._decode: Callable[[bytes | bytearray | memoryview], _T] = (
+            msgspec.msgpack.Decoder(type_).decode)
+
+    def decode(self, data: bytes | bytearray | memoryview) -> _T:
+        try:
+            return self._decode(data)
+        except RecursionError:
+            raise msgspec.DecodeError("msgpack nested too deeply") from None
+
+
+request_decoder: _Decoder[Request] = _Decoder(Request)
+reply_decoder: _Decoder[Reply] = _Decoder(Reply)
 encoder = msgspec.msgpack.Encoder()
-_md_decoder = msgspec.msgpack.Decoder(AgentMD)
+_md_decoder: _Decoder[AgentMD] = _Decoder(AgentMD)
 
 
 def encode_md(md: AgentMD) -> bytes:
