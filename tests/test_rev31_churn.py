@@ -35,7 +35,8 @@ MiB = 1 << 20
 
 # A peer process: an agent with a 16 MiB pool; prints its address, then
 # either idles or (argv[2] given: an address) writes with notifications to
-# that agent's "pool" in a loop.
+# that agent's "pool" in a loop (argv[3] given: 4 rounds of them, then it
+# closes its peer, prints "closed" and idles).
 _PEER = r"""
 import asyncio, sys
 import aioxfer
@@ -51,10 +52,13 @@ async def main():
         dst = peer.region("pool")
         print(a.address, flush=True)
         i = 0
-        while True:
+        while len(sys.argv) < 4 or i < 4:  # argv[3]: 4 rounds, then close that peer
             await asyncio.gather(*(a.write(src[k << 18:(k + 1) << 18], dst[k << 18:(k + 1) << 18],
                                            notify=b"n%d" % i) for k in range(8)))
             i += 1
+        await peer.aclose()
+        print("closed", flush=True)
+        await asyncio.sleep(3600)
 
 asyncio.run(main())
 """
@@ -263,3 +267,50 @@ async def test_aclose_racing_the_data_path(peers: Peers, mode: str, what: str) -
     finally:
         silent.close()
         await silent.wait_closed()
+
+
+@pytest.mark.parametrize("mode", ["auto", "tcp"])
+async def test_a_peer_connected_both_ways_killed_leaves_no_notification_ids(
+    make_agent: Any, peers: Peers, mode: str
+) -> None:
+    """We connect to it and it to us (prefill and decode do both), and it
+    notifies us. Its notification ids (kept per connection tag to drop
+    copies resent on another rail: up to NOTIFY_SEEN, ~1 MiB, per peer)
+    must go with its tag whichever reference goes last: our endpoint's,
+    when the peer is marked lost after its connections' close records.
+    They stayed for good then (rev31): a leak per peer that died."""
+    kw: dict[str, Any] = {"transports": ("tcp",)} if mode == "tcp" else {}
+    agent = await make_agent("both", peer_timeout=2.0, keepalive=0.5, **kw)
+    agent.alloc(16 * MiB, name="pool")
+    got = 0
+
+    async def receive() -> None:
+        nonlocal got
+        async for _ in agent.notifications:
+            got += 1
+
+    receiver = asyncio.ensure_future(receive())
+    try:
+        for _ in range(2):
+            # It writes to us with notifications, 4 rounds of 8, then closes its
+            # connections to us (their close records release their references
+            # to its tag); we connect to it meanwhile: our endpoint holds the last.
+            proc, address = await peers.start(mode, agent.address, "once")
+            peer = await within(agent.connect(address), 30)
+            assert proc.stdout is not None
+            assert await within(proc.stdout.readline(), 30) == b"closed\n"
+            async with asyncio.timeout(15):
+                while got < 32 or agent._tags._refs.get(peer._tag) != 1:
+                    await asyncio.sleep(0.01)
+            got = 0
+            assert agent._events._seen  # its ids, remembered while it lives
+            await peers.kill(proc)  # then our endpoint goes: the tag's last reference
+            async with asyncio.timeout(15):  # lost both ways, its tag released
+                while agent.peers or agent._tags.names:
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)  # (any record still on its way drained)
+            assert agent._events._seen == {}, {
+                t: len(ids) for t, (ids, _) in agent._events._seen.items()}
+    finally:
+        receiver.cancel()
+        await asyncio.gather(receiver, return_exceptions=True)
