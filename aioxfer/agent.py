@@ -900,12 +900,18 @@ class Agent:
         socket is not enough, a stopped process keeps its mappings; a tcp peer
         that does not acknowledge within ``limits.revoke_timeout`` is
         disconnected). Until then the region is quarantined: its buffer stays
-        pinned and, for alloc'd regions, mapped. Idempotent (the same awaitable)."""
+        pinned and, for alloc'd regions, mapped. Idempotent: every call waits
+        for the one release, each with a future of its own (as
+        ``Transfer.settled()``): cancelling one (a deadline on it) stops only
+        that wait, never the release nor another caller's wait of it."""
         if region._agent is not self:
             raise ValueError(
                 f"{region!r} belongs to agent {region._agent.name!r}, not {self.name!r}"
             )
-        return self._memory.deregister(region)
+        released = self._memory.deregister(region)
+        if isinstance(released, asyncio.Future) and not released.done():
+            return _own_wait(released)
+        return released  # over (or no loop runs: nothing can wait for it)
 
     @property
     def regions(self) -> list[Region]:
@@ -1374,6 +1380,39 @@ def _describe(t: Transfer) -> str:
     if t.peer.path == file_transport.PATH:
         return f"{t.op} of {t.nbytes} bytes {prep} a file region"
     return f"{t.op} of {t.nbytes} bytes {prep} peer {t.peer.name!r}"
+
+
+def _own_wait(shared: asyncio.Future[None]) -> asyncio.Future[None]:
+    """A future of its own that ends as ``shared`` (one region's release)
+    does: cancelling it stops only this wait. Handing out ``shared`` itself,
+    one caller's deadline cancelled the release's future for every caller:
+    another task awaiting it got CancelledError without being cancelled, and
+    every later deregister() of the region answered that cancelled future
+    (rev31). A release that fails (the region quarantined at close) fails
+    it alike, its error marked retrieved: the shared future, referenced for
+    good by the quarantine, never logged one, and this one may be ignored."""
+    mine: asyncio.Future[None] = shared.get_loop().create_future()
+
+    def over(_: asyncio.Future[None]) -> None:
+        if mine.done():
+            return  # (its waiter gave up, and mine's own callback ran late)
+        if shared.cancelled():
+            mine.cancel()
+            return
+        exc = shared.exception()
+        if exc is None:
+            mine.set_result(None)
+        else:
+            mine.set_exception(exc)
+            mine.exception()  # retrieved: ignoring deregister()'s answer is fine
+
+    def gave_up(_: asyncio.Future[None]) -> None:
+        if mine.cancelled():  # no callback left behind per abandoned wait
+            shared.remove_done_callback(over)
+
+    shared.add_done_callback(over)
+    mine.add_done_callback(gave_up)
+    return mine
 
 
 def _loop_running() -> bool:

@@ -137,6 +137,10 @@ class EngineEvents:
             known = self._peer_lost(id_, status, status != _E_CLOSED, fail_index == 1)
             if not known and id_ in self._connecting:
                 self._connecting[id_] = status
+            # Its endpoint's reference to its tag went (here, or when we
+            # closed or dropped it): the last one, when its connections to
+            # us closed first.
+            self._sweep()
         elif kind == _cyx.CQ_REGION_FREED:
             self._region_freed(id_)
         elif kind == _cyx.CQ_LOG:
@@ -156,11 +160,24 @@ class EngineEvents:
             if tag not in self._tag_names:  # the peer's last connection: forgotten
                 self._seen.pop(tag, None)
 
+    def _sweep(self) -> None:
+        """Forgets the notification ids of tags released (their peers gone).
+        A tag goes with its last reference, which is a connection's close
+        record (forgotten there) or the peer's endpoint: marked lost after
+        its connections to us closed, or closed, or dropped. Those ids stayed
+        for good then, up to NOTIFY_SEEN per peer that had notified us (rev31).
+        Swept at each peer lost and each new tag that notifies: O(peers that
+        notified us), on rare events."""
+        names = self._tag_names
+        for tag in [t for t in self._seen if t not in names]:
+            del self._seen[tag]
+
     def _first(self, tag: int, id_: int) -> bool:
         """Whether notification id_ of tag's peer is new (and remembers it)."""
         now = _monotonic()
         seen = self._seen.get(tag)
         if seen is None:
+            self._sweep()
             seen = self._seen[tag] = (set(), deque())
         ids, order = seen
         while order and (order[0][0] <= now or len(order) >= NOTIFY_SEEN):
