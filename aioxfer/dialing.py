@@ -42,10 +42,13 @@ class Dialer:
 
     ``agent``/``incarnation``: who we say we are in handshakes; ``token``: the
     shared secret (None: no authentication); ``peer_timeout``: the bound on one
-    exchange; ``max_meta_bytes``: the largest metadata a same-host peer may send.
+    exchange; ``max_meta_bytes``: the largest metadata a same-host peer may send;
+    ``spin``: whether our handshakes with a same-host peer poll for its frames
+    (spin_ns; an agent whose progress mode is "sleep" polls nothing).
     """
 
-    __slots__ = ("_agent", "_incarnation", "_token", "_peer_timeout", "_max_meta_bytes")
+    __slots__ = ("_agent", "_incarnation", "_token", "_peer_timeout", "_max_meta_bytes",
+                 "_spin")
 
     def __init__(
         self,
@@ -55,8 +58,10 @@ class Dialer:
         token: bytes | None,
         peer_timeout: float,
         max_meta_bytes: int,
+        spin: bool = True,
     ) -> None:
         self._agent = agent
+        self._spin = spin
         self._incarnation = incarnation
         self._token = token
         self._peer_timeout = peer_timeout
@@ -69,8 +74,8 @@ class Dialer:
     def spin_ns(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int:
         """How long our side of a handshake on sock polls for each of the
         peer's frames before it waits in the loop (protocol.handshake_spin_ns:
-        a peer on this host only), ns."""
-        return handshake_spin_ns(loop, sock)
+        a peer on this host only), ns; 0 without ``spin``."""
+        return handshake_spin_ns(loop, sock) if self._spin else 0
 
     async def dial_local(self, name: str) -> socket.socket:
         loop = asyncio.get_running_loop()
