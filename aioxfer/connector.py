@@ -626,15 +626,17 @@ class Connector:
                 if link.cred.uid != os.geteuid():
                     why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
                     return None
+                spin = self._dialer.spin_ns(loop, link.data)
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=cfg.incarnation,
-                    purpose="data", token=cfg.token, meta=True,
+                    purpose="data", token=cfg.token, meta=True, spin_ns=spin,
                 )
                 if not accept.meta or accept.host_id != cfg.host_id:
                     why = "it sends no metadata there, or is not on this host"
                     return None
                 link.pidfd = peer_pidfd(link.data, link.cred)
-                link.meta, link.fds = await self._dialer.receive_meta(link.data, local=True)
+                link.meta, link.fds = await self._dialer.receive_meta(link.data, local=True,
+                                                                      spin_ns=spin)
             meta = link.meta
             if (meta.name, meta.incarnation) != (accept.name, accept.incarnation):
                 why = "its metadata is not the agent that answered"
@@ -680,16 +682,19 @@ class Connector:
                     return None
                 # Its metadata and memfds come on this connection (Hello.meta),
                 # from a peer that does not send them there on another one.
+                spin = self._dialer.spin_ns(loop, link.data)
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=self._config.incarnation,
                     purpose="data", token=self._config.token, meta=True, join=join,
+                    spin_ns=spin,
                 )
                 if (accept.name, accept.incarnation) != (meta.name, meta.incarnation):
                     why = f"its unix socket is served by another agent ({accept.name!r})"
                     return None
                 link.pidfd = peer_pidfd(link.data, link.cred)
                 if accept.meta:
-                    link.meta, link.fds = await self._dialer.receive_meta(link.data, local=True)
+                    link.meta, link.fds = await self._dialer.receive_meta(link.data, local=True,
+                                                                          spin_ns=spin)
                 else:
                     link.meta, link.fds = await self._dialer.fetch_local_meta(
                         meta.local, link.cred.pid

@@ -28,6 +28,7 @@ from aioxfer.protocol import (
     client_handshake,
     client_join_now,
     fetch_meta,
+    handshake_spin_ns,
     recv_frame,
     recv_go,
 )
@@ -41,10 +42,13 @@ class Dialer:
 
     ``agent``/``incarnation``: who we say we are in handshakes; ``token``: the
     shared secret (None: no authentication); ``peer_timeout``: the bound on one
-    exchange; ``max_meta_bytes``: the largest metadata a same-host peer may send.
+    exchange; ``max_meta_bytes``: the largest metadata a same-host peer may send;
+    ``spin``: whether our handshakes with a same-host peer poll for its frames
+    (spin_ns; an agent whose progress mode is "sleep" polls nothing).
     """
 
-    __slots__ = ("_agent", "_incarnation", "_token", "_peer_timeout", "_max_meta_bytes")
+    __slots__ = ("_agent", "_incarnation", "_token", "_peer_timeout", "_max_meta_bytes",
+                 "_spin")
 
     def __init__(
         self,
@@ -54,8 +58,10 @@ class Dialer:
         token: bytes | None,
         peer_timeout: float,
         max_meta_bytes: int,
+        spin: bool = True,
     ) -> None:
         self._agent = agent
+        self._spin = spin
         self._incarnation = incarnation
         self._token = token
         self._peer_timeout = peer_timeout
@@ -64,6 +70,12 @@ class Dialer:
     @property
     def peer_timeout(self) -> float:
         return self._peer_timeout
+
+    def spin_ns(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int:
+        """How long our side of a handshake on sock polls for each of the
+        peer's frames before it waits in the loop (protocol.handshake_spin_ns:
+        a peer on this host only), ns; 0 without ``spin``."""
+        return handshake_spin_ns(loop, sock) if self._spin else 0
 
     async def dial_local(self, name: str) -> socket.socket:
         loop = asyncio.get_running_loop()
@@ -96,13 +108,14 @@ class Dialer:
             sock.close()
 
     async def receive_meta(
-        self, sock: socket.socket, *, local: bool
+        self, sock: socket.socket, *, local: bool, spin_ns: int = 0
     ) -> tuple[AgentMeta, list[int]]:
         """The metadata a "data" connection's Accept said follows (Hello.meta):
         the AgentMeta, on the unix socket (local) its memfds, and META_GO.
-        The memfds are closed if anything fails."""
+        The memfds are closed if anything fails. spin_ns: see spin_ns()."""
         loop = asyncio.get_running_loop()
-        msg = await recv_frame(loop, sock, self._max_meta_bytes if local else MAX_META_FRAME)
+        msg = await recv_frame(loop, sock, self._max_meta_bytes if local else MAX_META_FRAME,
+                               spin_ns=spin_ns)
         if not isinstance(msg, AgentMeta):
             raise ProtocolError(f"expected AgentMeta, got {type(msg).__name__}")
         fds: list[int] = []
@@ -114,7 +127,7 @@ class Dialer:
         elif any(m.memfd >= 0 for m in msg.regions):
             raise ProtocolError("metadata over tcp names memfds")
         try:
-            await recv_go(loop, sock)
+            await recv_go(loop, sock, spin_ns=spin_ns)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -257,6 +270,7 @@ class Dialer:
                     sock.close()
                 raise
             try:
+                spin = self.spin_ns(loop, sock)
                 accept = await client_handshake(
                     loop,
                     sock,
@@ -270,10 +284,11 @@ class Dialer:
                     on_challenge=on_challenge,
                     join=joined,
                     sent=hello,
+                    spin_ns=spin,
                 )
                 got = None
                 if meta and accept.meta:
-                    got = (await self.receive_meta(sock, local=False))[0]
+                    got = (await self.receive_meta(sock, local=False, spin_ns=spin))[0]
             except BaseException:
                 sock.close()
                 raise

@@ -23,6 +23,7 @@ PHASE_WRITES=n: n writes, the later ones timed too (I.write2...);
 PHASE_IDLE_MS=ms: an idle pause before each write (threads long started);
 PHASE_POOL_MIB=n: the target's region is n MiB, not 64 (a what-if: with a
 small one the shm row is the handshake without the pool's populate);
+PHASE_PROFILE=path: cProfile of the initiator's timed window, to path.<pid>.
 PHASE_GC_KEEP=1: no gc.collect() before the clock (see _initiator). The
 collector's passes show as steps (I.gc0, T.gc1, ... by generation).
 I.cpu_process / I.cpu_loop_thread: the initiator's CPU time (rusage) over
@@ -215,8 +216,15 @@ async def _initiator(transport: str, address: str) -> None:
         # PHASE_GC_KEEP=1: as before (no collection first).
         if not os.environ.get("PHASE_GC_KEEP"):
             gc.collect()
+        prof = None
+        if os.environ.get("PHASE_PROFILE"):  # cProfile of the timed window (appended stats)
+            import cProfile
+
+            prof = cProfile.Profile()
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         m0 = resource.getrusage(resource.RUSAGE_THREAD)
+        if prof is not None:
+            prof.enable()
         t0 = time.monotonic_ns()
         peer = await agent.connect(address)
         t1 = time.monotonic_ns()
@@ -228,6 +236,9 @@ async def _initiator(transport: str, address: str) -> None:
         tp = time.monotonic_ns()
         res = await xfer
         t2 = time.monotonic_ns()
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(os.environ["PHASE_PROFILE"] + f".{os.getpid()}")
         assert peer.path == transport, (peer.path, res.path)
         EVENTS.append(("I.connect", t0, t1))
         EVENTS.append(("I.write", t1, t2))
