@@ -153,6 +153,7 @@ class Memory:
         "_held_back",
         "_failed",
         "_settled",
+        "_shut",
     )
 
     def __init__(
@@ -189,6 +190,7 @@ class Memory:
         # _freeing): their memory waits for the engine's release (_deregister_failed).
         self._failed: set[int] = set()
         self._settled: asyncio.Event | None = None  # release_all: set on each freed region
+        self._shut = False  # close() ran: the engine shut down, every region given back
 
     # ------------------------------------------------------------ names
 
@@ -386,7 +388,15 @@ class Memory:
             del self.regions[region.name]
         released = region._released = _release_future()
         if self._closed():
-            _resolve(released)
+            if not self._shut and region.rid not in self._freeing:
+                # The agent closes, its engine not shut down yet (aclose()
+                # still awaits its backends, its tasks): the engine still has
+                # the region, and peers may reach it. Its memory is given
+                # back, and this resolved, by close(), as for every region
+                # (dropped here, it was never given back: rv31b).
+                self._freeing[region.rid] = region
+            else:
+                _resolve(released)
             return released
         self._freeing[region.rid] = region
         try:
@@ -568,6 +578,7 @@ class Memory:
     def close(self) -> None:
         """The engine has shut down (it freed every region): closes what is
         left and gives its memory back."""
+        self._shut = True
         for region in list(self.regions.values()):
             region._closed = True
             self._release_memory(region)
@@ -578,6 +589,10 @@ class Memory:
             if err is not None and isinstance(released, asyncio.Future) and not released.done():
                 released.set_exception(err)
                 released.exception()  # logged already
+            elif released is not None:
+                # The engine's shutdown freed it: no peer reaches it now,
+                # whether or not its CQ_REGION_FREED came before.
+                _resolve(released)
         self._freeing.clear()
         self._held_back.clear()
         self._failed.clear()
