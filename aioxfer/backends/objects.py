@@ -1839,9 +1839,11 @@ class _Body(aiohttp.payload.Payload):
         self._stall = stall
         self._slack = slack
         # (a second descriptor of the request's socket, the bytes its peer
-        # had acknowledged as the request started): never_reached
+        # had acknowledged and the segments it had sent as the request
+        # started): never_reached
         self._probe: socket.socket | None = None
         self._acked0: int | None = None
+        self._segs0: int | None = None
 
     def release(self) -> None:
         """Lets go of the probe (a duplicate descriptor keeps the socket
@@ -1863,12 +1865,19 @@ class _Body(aiohttp.payload.Payload):
         (tests/test_obj31_idle_race.py): the server's socket was closed
         when our bytes came. The connection may still be half-closed
         (its FIN seen: CLOSE_WAIT) with our bytes on their way: the reset
-        is waited for up to ``wait`` seconds. (Left out: a server that read
-        the request and then reset the connection within its delayed-ACK
-        time, SO_LINGER 0, without an answer; its handler's work would be
-        over then, the resend the next PUT of the key, not one beside it.)"""
+        is waited for up to ``wait`` seconds.
+        And only when a segment came before the reset (the server's FIN):
+        a reset alone, with none of the request acknowledged, is also what
+        a server (or a proxy) leaves that read the whole request, ran it
+        and then reset the connection (SO_LINGER 0) within its delayed ACK
+        (a small request on a kept-alive connection: the ACK waits for the
+        answer, and a reset's acknowledgement is not taken in). Resent, a
+        multipart complete found NoSuchUpload, a create ObjectExists, a PUT
+        ran twice (tests/test_rv31c_reset_after_read.py). A server's idle
+        close that meets our bytes unread in its kernel also resets alone:
+        that PUT's outcome stays unknown (the HEAD says)."""
         probe = self._probe
-        if probe is None or self._acked0 is None:
+        if probe is None or self._acked0 is None or self._segs0 is None:
             return False
         deadline = time.monotonic() + wait
         pause = 0.001
@@ -1878,7 +1887,10 @@ class _Body(aiohttp.payload.Payload):
             if info is None or acked is None or acked != self._acked0:
                 return False
             if info[0] == 7:  # TCP_CLOSE: reset (or closed) with nothing acknowledged
-                return True
+                # the reset and a segment before it (the FIN) came, none of
+                # them acknowledging any of the request
+                segs = _segs_in(info)
+                return segs is not None and (segs - self._segs0) % (1 << 32) >= 2
             if info[0] != 8 or time.monotonic() >= deadline:  # not CLOSE_WAIT
                 return False
             await asyncio.sleep(pause)
@@ -1908,11 +1920,14 @@ class _Body(aiohttp.payload.Payload):
         # request's first (its head is buffered until the body's first write)
         acked0 = _acked(info)
         self.release()  # (an earlier write's, on a connection aiohttp gave up)
-        if sock is not None and acked0 is not None and info is not None and info[0] == 1:
+        segs0 = _segs_in(info)
+        if (sock is not None and acked0 is not None and segs0 is not None
+                and info is not None and info[0] == 1):
             # (ESTABLISHED: a connection in use, pooled or new)
             try:
                 self._probe = socket.socket(fileno=os.dup(sock.fileno()))
                 self._acked0 = acked0
+                self._segs0 = segs0
             except OSError:
                 self._probe = None
         out0 = int(getattr(writer, "output_size", 0))
@@ -2035,17 +2050,27 @@ def _overhead(transport: Any, written: int, n: int) -> int:
 _TLS_RECORD = 1 << 14  # a TLS record's most plaintext
 
 
-# struct tcp_info: tcpi_bytes_acked, a u64 at this offset (Linux 4.1+)
+# struct tcp_info: tcpi_bytes_acked, a u64 at this offset (Linux 4.1+);
+# tcpi_segs_in, a u32 (Linux 4.2+: the segments received, resets too)
 _BYTES_ACKED = 120
-_TCP_INFO_LEN = _BYTES_ACKED + 8
+_SEGS_IN = 140
+_TCP_INFO_LEN = _SEGS_IN + 4
 
 
 def _acked(info: bytes | None) -> int | None:
     """The bytes the peer acknowledged on this connection (TCP_INFO's
     tcpi_bytes_acked), None where TCP_INFO has none (before Linux 4.1)."""
-    if info is None or len(info) < _TCP_INFO_LEN:
+    if info is None or len(info) < _BYTES_ACKED + 8:
         return None
-    return int.from_bytes(info[_BYTES_ACKED:_TCP_INFO_LEN], sys.byteorder)
+    return int.from_bytes(info[_BYTES_ACKED:_BYTES_ACKED + 8], sys.byteorder)
+
+
+def _segs_in(info: bytes | None) -> int | None:
+    """The segments the peer's side sent that this socket took in
+    (TCP_INFO's tcpi_segs_in, a u32 that wraps), None before Linux 4.2."""
+    if info is None or len(info) < _SEGS_IN + 4:
+        return None
+    return int.from_bytes(info[_SEGS_IN:_SEGS_IN + 4], sys.byteorder)
 
 
 def _unsent(fd: int) -> int:
