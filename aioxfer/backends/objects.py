@@ -2370,7 +2370,8 @@ def _untrusted(what: str, exc: BaseException | str) -> TransportError:
     return TransportError(
         f"{what} failed: the server's certificate is not trusted "
         f"({exc if isinstance(exc, str) else _describe(exc)}); a "
-        f"private CA is trusted through register_objects(..., ca_bundle=...) or AWS_CA_BUNDLE")
+        f"private CA is trusted through register_objects(..., ca_bundle=...) (AWS_CA_BUNDLE "
+        f"is not read: ca_bundle=os.environ['AWS_CA_BUNDLE'])")
 
 
 def _obstore_error(exc: BaseException, doing: str, key: str, url: str) -> XferError:
