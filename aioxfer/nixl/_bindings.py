@@ -3691,20 +3691,57 @@ class _CentralStore:
         prefix = self.prefix(name)
 
         async def watch() -> None:
+            from aetcd.exceptions import RevisionCompactedError  # type: ignore[import-untyped]
             from aetcd.rtypes import EventKind  # type: ignore[import-untyped]
 
-            client = await self._get_client()
-            events = await client.watch_prefix(prefix, start_revision=since + 1,
-                                               kind=EventKind.DELETE)
-            try:
-                async for ev in events:
-                    if (_agents_own(prefix, bytes(ev.kv.key))
-                            and int(ev.kv.mod_revision) > self._read_at.get(name, 0)):
-                        self._read_at.pop(name, None)
-                        gone(name)
-                        return
-            finally:
-                await events.cancel()
+            # The watch outlives a stream error (etcd restarted, a blip):
+            # watched again from the revision after the last one seen, so a
+            # deletion while it was down is still found; ended only by
+            # gone() or close. Before, the first error ended it for good and
+            # every later invalidation was missed.
+            seen = since
+            pause = 0.05
+            while True:
+                try:
+                    client = await self._get_client()
+                    events = await client.watch_prefix(prefix, start_revision=seen + 1,
+                                                       kind=EventKind.DELETE)
+                    try:
+                        async for ev in events:
+                            revision = int(ev.kv.mod_revision)
+                            if (_agents_own(prefix, bytes(ev.kv.key))
+                                    and revision > self._read_at.get(name, 0)):
+                                self._read_at.pop(name, None)
+                                gone(name)
+                                return
+                            seen = max(seen, revision)
+                            pause = 0.05
+                    finally:
+                        with contextlib.suppress(Exception):
+                            await events.cancel()
+                    raise ConnectionError("the watch stream ended")
+                except RevisionCompactedError as exc:
+                    # The history since ``seen`` is gone: whether the agent
+                    # invalidated in it is told by its keys now (none of its
+                    # own left: it did), then watched from there.
+                    _log("W", f"central store: the watch of agent {name!r}'s metadata "
+                              f"missed compacted revisions: {exc}")
+                    try:
+                        listed = await client.get_prefix(prefix, keys_only=True)
+                    except Exception:
+                        pass  # (compacted again when watched again: asked again)
+                    else:
+                        if not any(_agents_own(prefix, bytes(kv.key)) for kv in listed):
+                            self._read_at.pop(name, None)
+                            gone(name)
+                            return
+                        seen = max(seen, int(exc.compacted_revision) - 1)
+                except Exception as exc:
+                    _log_limited(("etcd watch", id(self), name), "W",
+                                 f"central store: the watch of agent {name!r}'s metadata "
+                                 f"broke ({exc or type(exc).__name__}), watching again")
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
 
         def done(t: asyncio.Task[None]) -> None:
             if self._watches.get(name) is t:
