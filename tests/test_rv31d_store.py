@@ -185,3 +185,19 @@ def test_close_ends_a_watch_retrying_while_etcd_is_down(etcd: _Etcd, make: Any) 
     assert not watches[0].done()
     i.close()  # (raises TimeoutError after _CONNECT_TIMEOUT when it hangs)
     assert watches[0].done() and not store._watches and store._client is None
+
+
+def test_fetch_after_close_leaves_no_watch(etcd: _Etcd, make: Any) -> None:
+    """A fetch from the store made after the agent's close (its background
+    task still runs) neither opens a new etcd client nor starts a watch that
+    nothing would ever end: on b30e0dd9 both were left for the life of the
+    process."""
+    u = uuid.uuid4().hex[:8]
+    t, i = make(f"t{u}"), make(f"i{u}")
+    t.send_local_metadata()
+    _until("t published", lambda: _keys(etcd, f"{os.environ['NIXL_ETCD_NAMESPACE']}/{t.name}/"))
+    i.close()
+    store = i.agent._store
+    i.fetch_remote_metadata(t.name)
+    time.sleep(1.0)
+    assert not store._watches and store._client is None

@@ -3610,6 +3610,7 @@ class _CentralStore:
         self.namespace = os.environ.get("NIXL_ETCD_NAMESPACE", _ETCD_DEFAULT_NAMESPACE)
         self._agent = agent
         self._client: Any = None
+        self._closed = False
         self._announced = False
         # The keys this agent put whose label holds a "/" (see _agents_own):
         # invalidate deletes them by name.
@@ -3632,6 +3633,10 @@ class _CentralStore:
         return f"{self.namespace}/{name}/".encode()
 
     async def _get_client(self) -> Any:
+        if self._closed:
+            # (A call of the agent's after its close: a client made now, or
+            # a watch started with it, would be left open for good.)
+            raise RuntimeError("the agent is closed")
         if self._client is None:
             try:
                 import aetcd  # type: ignore[import-untyped]
@@ -3684,6 +3689,8 @@ class _CentralStore:
         (agent "a/b"'s under "a"'s) are not "a"'s, nor deletions before the
         last read of its metadata (an invalidate, a new publish, a fetch of
         it: the fetch's metadata stays). One watch per agent."""
+        if self._closed:
+            return
         self._read_at[name] = max(self._read_at.get(name, 0), since)
         task = self._watches.get(name)
         if task is not None and not task.done():
@@ -3755,6 +3762,7 @@ class _CentralStore:
         self._watches[name] = task
 
     async def close(self) -> None:
+        self._closed = True
         watches = list(self._watches.values())
         self._watches.clear()
         for t in watches:
