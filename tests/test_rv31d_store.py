@@ -201,3 +201,22 @@ def test_fetch_after_close_leaves_no_watch(etcd: _Etcd, make: Any) -> None:
     i.fetch_remote_metadata(t.name)
     time.sleep(1.0)
     assert not store._watches and store._client is None
+
+
+def test_close_lets_publish_and_invalidate_finish_in_order(etcd: _Etcd, make: Any) -> None:
+    """send, invalidate, close at once: the store ends as the calls say (no
+    key of the closed agent left). On b30e0dd9 close cancelled the
+    invalidate waiting behind the publish: the publish's keys stayed."""
+    ns = os.environ["NIXL_ETCD_NAMESPACE"]
+    for _ in range(3):
+        t = make(f"t{uuid.uuid4().hex[:8]}")
+        t.send_local_metadata()
+        t.send_partial_agent_metadata(_REGS[t.name][1], True, ["UCX"], label="lab")
+        t.invalidate_local_metadata()
+        t.close()
+        assert not _keys(etcd, f"{ns}/{t.name}/")
+    # And a publish alone before close is made, as called.
+    t = make(f"t{uuid.uuid4().hex[:8]}")
+    t.send_local_metadata()
+    t.close()
+    assert _keys(etcd, f"{ns}/{t.name}/metadata")

@@ -1427,6 +1427,9 @@ class nixlAgent:
         # The listener's requests being served and sent (fetch, push,
         # invalidate): cancelled on close, with their sockets.
         self._bg: set[asyncio.Task[Any]] = set()
+        # The central store's publishes and invalidates not done yet: close
+        # lets them finish (see _close_at_exit).
+        self._store_writes: set[asyncio.Task[Any]] = set()
         self.listen_port = 0
         endpoints = os.environ.get("NIXL_ETCD_ENDPOINTS")
         if endpoints is not None and not endpoints.strip():
@@ -2132,7 +2135,8 @@ class nixlAgent:
             raise RuntimeError(f"{where}: {reply.error[:_wire.MAX_ERROR_CHARS]}{cut}")
         return reply
 
-    def _background(self, what: str, coro: Any, level: str = "E") -> None:
+    def _background(self, what: str, coro: Any, level: str = "E",
+                    store_write: bool = False) -> None:
         async def run() -> None:
             try:
                 await coro
@@ -2140,7 +2144,11 @@ class nixlAgent:
                 _log(level, f"{what} failed: {exc}")
 
         with self._rt.locked():
-            self._track(self._rt.spawn(run()))
+            task = self._rt.spawn(run())
+            self._track(task)
+            if store_write and task is not None:
+                self._store_writes.add(task)
+                task.add_done_callback(self._store_writes.discard)
 
     def _store_or_raise(self, what: str) -> _CentralStore:
         if self._store is None:
@@ -2153,7 +2161,7 @@ class nixlAgent:
         md = self.getLocalMD()
         if not ip_addr:
             store = self._store_or_raise("sendLocalMD")
-            self._background("sendLocalMD", store.publish("", md))
+            self._background("sendLocalMD", store.publish("", md), store_write=True)
             return
         self._background("sendLocalMD",
                          self._request(ip_addr, _port(port), _wire.Push(md=md)))
@@ -2166,7 +2174,8 @@ class nixlAgent:
             store = self._store_or_raise("sendLocalPartialMD")
             if not label:
                 raise _error(-2, "sendLocalPartialMD: a label is needed for the central store")
-            self._background("sendLocalPartialMD", store.publish(label, md))
+            self._background("sendLocalPartialMD", store.publish(label, md),
+                             store_write=True)
             return
         self._background("sendLocalPartialMD",
                          self._request(ip_addr, _port(port), _wire.Push(md=md)))
@@ -2236,7 +2245,7 @@ class nixlAgent:
     def invalidateLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
         if not ip_addr:
             store = self._store_or_raise("invalidateLocalMD")
-            self._background("invalidateLocalMD", store.invalidate())
+            self._background("invalidateLocalMD", store.invalidate(), store_write=True)
             return
         # The peer may be gone already (it has what it needed): not an error.
         self._background("invalidateLocalMD",
@@ -3530,6 +3539,15 @@ class nixlAgent:
         self._closed = True
         if self._server is not None:
             self._server.close()
+        writes = [t for t in self._store_writes if not t.done()]
+        if writes:
+            # Publishes and invalidates called before close are done first,
+            # in their order, not cancelled with the rest: the usual "invalidate,
+            # close" (or a publish, an invalidate, a close at once) otherwise
+            # left the metadata of a closed agent in the store, for every
+            # fetcher to find. Bounded: a store that does not answer (the
+            # client's own call timeout) does not hold the close up for long.
+            await asyncio.wait(writes, timeout=_STORE_DRAIN_TIMEOUT)
         pending = [t for t in self._bg if t is not asyncio.current_task()]
         for t in pending:
             t.cancel()
@@ -3577,6 +3595,9 @@ class nixlAgent:
 # agent's metadata fetched here is found, and refused as what it is, instead
 # of waited for until the watch timeout under a key NIXL never writes.
 _ETCD_DEFAULT_NAMESPACE = "/nixl/agents/"
+# How long close waits for the store's publishes and invalidates called
+# before it (the etcd client's own per-call timeout).
+_STORE_DRAIN_TIMEOUT = 5.0
 _FULL_LABEL = "metadata"
 
 
