@@ -1427,6 +1427,9 @@ class nixlAgent:
         # The listener's requests being served and sent (fetch, push,
         # invalidate): cancelled on close, with their sockets.
         self._bg: set[asyncio.Task[Any]] = set()
+        # The central store's publishes and invalidates not done yet: close
+        # lets them finish (see _close_at_exit).
+        self._store_writes: set[asyncio.Task[Any]] = set()
         self.listen_port = 0
         endpoints = os.environ.get("NIXL_ETCD_ENDPOINTS")
         if endpoints is not None and not endpoints.strip():
@@ -2132,7 +2135,8 @@ class nixlAgent:
             raise RuntimeError(f"{where}: {reply.error[:_wire.MAX_ERROR_CHARS]}{cut}")
         return reply
 
-    def _background(self, what: str, coro: Any, level: str = "E") -> None:
+    def _background(self, what: str, coro: Any, level: str = "E",
+                    store_write: bool = False) -> None:
         async def run() -> None:
             try:
                 await coro
@@ -2140,7 +2144,11 @@ class nixlAgent:
                 _log(level, f"{what} failed: {exc}")
 
         with self._rt.locked():
-            self._track(self._rt.spawn(run()))
+            task = self._rt.spawn(run())
+            self._track(task)
+            if store_write and task is not None:
+                self._store_writes.add(task)
+                task.add_done_callback(self._store_writes.discard)
 
     def _store_or_raise(self, what: str) -> _CentralStore:
         if self._store is None:
@@ -2153,7 +2161,7 @@ class nixlAgent:
         md = self.getLocalMD()
         if not ip_addr:
             store = self._store_or_raise("sendLocalMD")
-            self._background("sendLocalMD", store.publish("", md))
+            self._background("sendLocalMD", store.publish("", md), store_write=True)
             return
         self._background("sendLocalMD",
                          self._request(ip_addr, _port(port), _wire.Push(md=md)))
@@ -2166,7 +2174,8 @@ class nixlAgent:
             store = self._store_or_raise("sendLocalPartialMD")
             if not label:
                 raise _error(-2, "sendLocalPartialMD: a label is needed for the central store")
-            self._background("sendLocalPartialMD", store.publish(label, md))
+            self._background("sendLocalPartialMD", store.publish(label, md),
+                             store_write=True)
             return
         self._background("sendLocalPartialMD",
                          self._request(ip_addr, _port(port), _wire.Push(md=md)))
@@ -2236,7 +2245,7 @@ class nixlAgent:
     def invalidateLocalMD(self, ip_addr: str = "", port: int = 0) -> None:
         if not ip_addr:
             store = self._store_or_raise("invalidateLocalMD")
-            self._background("invalidateLocalMD", store.invalidate())
+            self._background("invalidateLocalMD", store.invalidate(), store_write=True)
             return
         # The peer may be gone already (it has what it needed): not an error.
         self._background("invalidateLocalMD",
@@ -3530,6 +3539,15 @@ class nixlAgent:
         self._closed = True
         if self._server is not None:
             self._server.close()
+        writes = [t for t in self._store_writes if not t.done()]
+        if writes:
+            # Publishes and invalidates called before close are done first,
+            # in their order, not cancelled with the rest: the usual "invalidate,
+            # close" (or a publish, an invalidate, a close at once) otherwise
+            # left the metadata of a closed agent in the store, for every
+            # fetcher to find. Bounded: a store that does not answer (the
+            # client's own call timeout) does not hold the close up for long.
+            await asyncio.wait(writes, timeout=_STORE_DRAIN_TIMEOUT)
         pending = [t for t in self._bg if t is not asyncio.current_task()]
         for t in pending:
             t.cancel()
@@ -3577,6 +3595,9 @@ class nixlAgent:
 # agent's metadata fetched here is found, and refused as what it is, instead
 # of waited for until the watch timeout under a key NIXL never writes.
 _ETCD_DEFAULT_NAMESPACE = "/nixl/agents/"
+# How long close waits for the store's publishes and invalidates called
+# before it (the etcd client's own per-call timeout).
+_STORE_DRAIN_TIMEOUT = 5.0
 _FULL_LABEL = "metadata"
 
 
@@ -3610,6 +3631,7 @@ class _CentralStore:
         self.namespace = os.environ.get("NIXL_ETCD_NAMESPACE", _ETCD_DEFAULT_NAMESPACE)
         self._agent = agent
         self._client: Any = None
+        self._closed = False
         self._announced = False
         # The keys this agent put whose label holds a "/" (see _agents_own):
         # invalidate deletes them by name.
@@ -3632,6 +3654,10 @@ class _CentralStore:
         return f"{self.namespace}/{name}/".encode()
 
     async def _get_client(self) -> Any:
+        if self._closed:
+            # (A call of the agent's after its close: a client made now, or
+            # a watch started with it, would be left open for good.)
+            raise RuntimeError("the agent is closed")
         if self._client is None:
             try:
                 import aetcd  # type: ignore[import-untyped]
@@ -3684,6 +3710,8 @@ class _CentralStore:
         (agent "a/b"'s under "a"'s) are not "a"'s, nor deletions before the
         last read of its metadata (an invalidate, a new publish, a fetch of
         it: the fetch's metadata stays). One watch per agent."""
+        if self._closed:
+            return
         self._read_at[name] = max(self._read_at.get(name, 0), since)
         task = self._watches.get(name)
         if task is not None and not task.done():
@@ -3691,20 +3719,57 @@ class _CentralStore:
         prefix = self.prefix(name)
 
         async def watch() -> None:
+            from aetcd.exceptions import RevisionCompactedError  # type: ignore[import-untyped]
             from aetcd.rtypes import EventKind  # type: ignore[import-untyped]
 
-            client = await self._get_client()
-            events = await client.watch_prefix(prefix, start_revision=since + 1,
-                                               kind=EventKind.DELETE)
-            try:
-                async for ev in events:
-                    if (_agents_own(prefix, bytes(ev.kv.key))
-                            and int(ev.kv.mod_revision) > self._read_at.get(name, 0)):
-                        self._read_at.pop(name, None)
-                        gone(name)
-                        return
-            finally:
-                await events.cancel()
+            # The watch outlives a stream error (etcd restarted, a blip):
+            # watched again from the revision after the last one seen, so a
+            # deletion while it was down is still found; ended only by
+            # gone() or close. Before, the first error ended it for good and
+            # every later invalidation was missed.
+            seen = since
+            pause = 0.05
+            while True:
+                try:
+                    client = await self._get_client()
+                    events = await client.watch_prefix(prefix, start_revision=seen + 1,
+                                                       kind=EventKind.DELETE)
+                    try:
+                        async for ev in events:
+                            revision = int(ev.kv.mod_revision)
+                            if (_agents_own(prefix, bytes(ev.kv.key))
+                                    and revision > self._read_at.get(name, 0)):
+                                self._read_at.pop(name, None)
+                                gone(name)
+                                return
+                            seen = max(seen, revision)
+                            pause = 0.05
+                    finally:
+                        with contextlib.suppress(Exception):
+                            await events.cancel()
+                    raise ConnectionError("the watch stream ended")
+                except RevisionCompactedError as exc:
+                    # The history since ``seen`` is gone: whether the agent
+                    # invalidated in it is told by its keys now (none of its
+                    # own left: it did), then watched from there.
+                    _log("W", f"central store: the watch of agent {name!r}'s metadata "
+                              f"missed compacted revisions: {exc}")
+                    try:
+                        listed = await client.get_prefix(prefix, keys_only=True)
+                    except Exception:
+                        pass  # (compacted again when watched again: asked again)
+                    else:
+                        if not any(_agents_own(prefix, bytes(kv.key)) for kv in listed):
+                            self._read_at.pop(name, None)
+                            gone(name)
+                            return
+                        seen = max(seen, int(exc.compacted_revision) - 1)
+                except Exception as exc:
+                    _log_limited(("etcd watch", id(self), name), "W",
+                                 f"central store: the watch of agent {name!r}'s metadata "
+                                 f"broke ({exc or type(exc).__name__}), watching again")
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
 
         def done(t: asyncio.Task[None]) -> None:
             if self._watches.get(name) is t:
@@ -3718,6 +3783,7 @@ class _CentralStore:
         self._watches[name] = task
 
     async def close(self) -> None:
+        self._closed = True
         watches = list(self._watches.values())
         self._watches.clear()
         for t in watches:
