@@ -1720,6 +1720,21 @@ static int test_device_memory(void)
     CHECK_EQ(expect_wc(&a, 1, IBV_WC_SUCCESS), 0);
     CHECK(same(b.buf, 1000, 9));
     /* inline from it: the posting thread faults (in a child, to watch it die) */
+#ifdef T_TSAN
+    /* Under ThreadSanitizer the forked child (of a threaded parent) dies of
+     * its alarm now and then, not of the fault: the runtime's own handling in
+     * a forked child (CI, gcc 12, 1 in a few runs; nat31 saw it with clang
+     * 14). The plain and ASan runs hold the fault. */
+    printf("  the faulting child skipped under ThreadSanitizer\n");
+    int dereg_t = V.dereg_mr(dm);
+    node_close(&a);
+    node_close(&b);
+    munmap(va, len);
+    munmap(view, 2 * len);
+    close(fd);
+    CHECK_EQ(dereg_t, 0);
+    return 0;
+#endif
     fflush(NULL);
     pid_t pid = fork();
     CHECK(pid >= 0);
