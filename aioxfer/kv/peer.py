@@ -82,9 +82,10 @@ _FOLLOW_JOINS = 16
 _JOIN_READS = 8
 # Index buckets the probes' stage holds (WAYS x IENTRY bytes each: 256 KiB),
 # handed out first come, first served to the members' bucket reads, of at
-# most _PROBE_KEYS buckets each. (One lock over a stage of 256: a member
-# whose bucket read hung, stopped, held every get's probe of every other
-# member for the agent's peer timeout.)
+# most _PROBE_KEYS buckets each, and a member's reads at most _PROBE_KEYS at
+# once (_Member.probing). (One lock over a stage of 256: a member whose
+# bucket read hung, stopped, held every get's probe of every other member
+# for the agent's peer timeout.)
 _PROBE_BUCKETS = 1024
 _PROBE_KEYS = 256
 # Parts of the pull staging (each pull_staging_blocks blocks), one per
@@ -255,6 +256,12 @@ class _Member:
         # When it last let a placement's ack_wait pass (None: it answers):
         # while set, no placement is sent to it (see PeerTier._place).
         self.silent_since: float | None = None
+        # Its share of the probes' stage: the buckets its reads may hold at
+        # once (see _PROBE_BUCKETS). Each get that probed a stopped member
+        # took up to _PROBE_KEYS more, held for the peer timeout: four such
+        # gets held them all, and every probe of every other member waited
+        # (rv31a). Past its share, its reads wait here, holding none.
+        self.probing = _Slots(_PROBE_KEYS)
         # Placements to it in flight at once: at most what it pulls from one
         # peer (its max_pulls_per_peer, published in its meta), so that our
         # own placements are never refused there for arriving together.
@@ -836,22 +843,27 @@ class PeerTier(Tier):
         bsz = WAYS * IENTRY
         offs = np.array([_bucket(k, m.buckets) * bsz for k in ks], dtype=np.uint64)
         lens = np.full(len(ks), bsz, dtype=np.uint64)
-        parts = await self.probe_slots.take(len(ks))
+        share = await m.probing.take(len(ks))  # (first: waiting here holds no bucket)
         try:
-            # Never cut short: a cancelled read could still land in these
-            # buckets while the next probe reads them.
+            parts = await self.probe_slots.take(len(ks))
             try:
-                await run_to_end(self.store.agent.read(
-                    SegmentList(stage, np.array(parts, dtype=np.uint64) * np.uint64(bsz), lens),
-                    SegmentList(m.index, offs, lens)))
-            except XferError:
-                return  # it left or failed: its blocks are misses
-            raw = stage.numpy()
-            hits = [parse_bucket(raw[p * bsz:(p + 1) * bsz], k) for p, k in zip(parts, ks,
-                                                                                 strict=True)]
-            del raw  # a view of the stage
+                # Never cut short: a cancelled read could still land in
+                # these buckets while the next probe reads them.
+                try:
+                    await run_to_end(self.store.agent.read(
+                        SegmentList(stage, np.array(parts, dtype=np.uint64) * np.uint64(bsz),
+                                    lens),
+                        SegmentList(m.index, offs, lens)))
+                except XferError:
+                    return  # it left or failed: its blocks are misses
+                raw = stage.numpy()
+                hits = [parse_bucket(raw[p * bsz:(p + 1) * bsz], k)
+                        for p, k in zip(parts, ks, strict=True)]
+                del raw  # a view of the stage
+            finally:
+                self.probe_slots.give_back(parts)
         finally:
-            self.probe_slots.give_back(parts)
+            m.probing.give_back(share)
         slots = m.pool.nbytes // self.store.block_bytes
         for k, hit in zip(ks, hits, strict=True):
             if hit is None:
