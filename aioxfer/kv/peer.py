@@ -35,7 +35,7 @@ import json
 import random
 import secrets
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -94,6 +94,10 @@ _PROBE_KEYS = 256
 # peer timeout; their ack_waits passed, and they took this owner for
 # silent, skipping it for ack_timeout.)
 _PULL_PARTS = 4
+# Parts one sender's staged reads hold at once (its pulls, up to
+# max_pulls_per_peer, each took a part of its own: a stopped sender with 4
+# placements in flight held them all, rv31a).
+_PULL_SHARE = 1
 # Request numbers of a member's placements that went unanswered past their
 # ack_wait kept for a late ack (_Member.late): the newest this many.
 _LATE_MAX = 64
@@ -317,8 +321,8 @@ class PeerTier(Tier):
     free slot are read into a staging area of this many blocks first and
     verified there; only the good ones make room (evict clean cold blocks).
     The area is 4 such parts (4 staged reads at once, each in a part of its
-    own): a sender that stops while its blocks are read holds one part, not
-    every other sender's pulls.
+    own, one sender's one at a time): a sender that stops while its blocks
+    are read holds one part, not every other sender's pulls.
 
     ``place_staging_blocks``: blocks of a caller's memory (a put that
     overflows the host tier) are copied into a tier-owned area of this many
@@ -368,6 +372,9 @@ class PeerTier(Tier):
         # than the parts hold refused ~10 % of the blocks placed
         # (benchmarks/kv_probe.py put, members of 16 slots).
         self.room_lock = asyncio.Lock()
+        # sender -> its share of the parts (_PULL_SHARE) and how many of its
+        # pulls hold or wait for it (dropped at none: senders churn)
+        self._pull_shares: dict[str, tuple[_Slots, list[int]]] = {}
         self.ack_wait = float(ack_wait)
         self.ack_timeout = float(ack_timeout)
         if max_pulls < 1 or max_pulls_per_peer < 1:
@@ -1531,8 +1538,9 @@ class PeerTier(Tier):
             if direct:
                 await self._pull_direct(host, src, entries, direct, slots, stored)
             for b in range(0, len(rest), self.pull_staging_blocks):
-                await self._pull_staged(host, src, entries,
-                                        rest[b:b + self.pull_staging_blocks], stored)
+                async with self._pull_share(sender):
+                    await self._pull_staged(host, src, entries,
+                                            rest[b:b + self.pull_staging_blocks], stored)
         except (XferError, OSError, LookupError, ValueError) as exc:  # (a bad address)
             _log.info("kv.peer_pull_failed", tier=self.name, error=repr(exc))
         finally:
@@ -1568,6 +1576,26 @@ class PeerTier(Tier):
                 self.pulled += 1
             else:
                 host.give_back([s])
+
+    @contextlib.asynccontextmanager
+    async def _pull_share(self, sender: str) -> AsyncIterator[None]:
+        """Held around a staged pull of ``sender``'s: at most _PULL_SHARE of
+        its staged reads take parts at once (the others wait here, holding
+        none), so a sender that stops leaves the other parts to the others."""
+        share = self._pull_shares.get(sender)
+        if share is None:
+            share = self._pull_shares[sender] = (_Slots(_PULL_SHARE), [0])
+        share[1][0] += 1
+        try:
+            mine = await share[0].take(1)
+            try:
+                yield
+            finally:
+                share[0].give_back(mine)
+        finally:
+            share[1][0] -= 1
+            if not share[1][0] and self._pull_shares.get(sender) is share:
+                del self._pull_shares[sender]
 
     async def _pull_staged(self, host: HostTier, src: RemoteRegion,
                            entries: list[tuple[bytes, int, int, int]], fresh: list[int],
