@@ -28,6 +28,13 @@ from aioxfer.kv import peer as kvpeer
 MakeAgent = Callable[..., Awaitable[Any]]
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP takes effect a while after
+    it is sent: a read answered meanwhile would pass the premise by)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
 async def test_a_stopped_members_reads_hold_at_most_its_share_of_the_buckets(
         make_agent: MakeAgent, tmp_path: Path) -> None:
     """A (a real process, over tcp) stops; four probes of 256+ keys each
@@ -55,13 +62,15 @@ async def test_a_stopped_members_reads_hold_at_most_its_share_of_the_buckets(
             gets = kvpeer._PROBE_BUCKETS // per
             assert len(on_a) >= gets * per
             proc.send_signal(signal.SIGSTOP)
+            await within(wait_until(lambda: stopped(proc.pid), what="stopped"))
             for i in range(gets):
                 stuck.append(asyncio.ensure_future(tier._probe(on_a[i * per:(i + 1) * per])))
             # (their reads of B, if any, end; those of A hang)
             await within(wait_until(lambda: len(tier.probe_slots.free) <= kvpeer._PROBE_BUCKETS
                                     - per, what="a read of A posted"))
             await asyncio.sleep(0.3)  # (the others' reads of B, if any, ended)
-            assert not any(t.done() for t in stuck)
+            assert not any(t.done() for t in stuck), [
+                t.exception() or t.result() for t in stuck if t.done()]
             # Before: every bucket was held by A's reads, and this waited
             # for the peer timeout (60 s).
             assert await within(tier._probe([on_b]), 10) == 0

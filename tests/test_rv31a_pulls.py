@@ -31,6 +31,13 @@ BB = 16 << 10
 MakeAgent = Callable[..., Awaitable[Any]]
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP takes effect a while after
+    it is sent: a read answered meanwhile would pass the premise by)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
 def keys(tag: bytes, n: int = 1) -> list[bytes]:
     return kv.chain(list(range(16 * n)), block_tokens=16, namespace=tag)
 
@@ -70,6 +77,7 @@ async def test_a_stopped_sender_with_pulls_in_flight_holds_up_no_other_sender(
             assert await place_from_c(1, [0, 1]) == b"\x01\x01"  # (the host tier is full now)
             assert not host.free
             proc.send_signal(signal.SIGSTOP)
+            await within(wait_until(lambda: stopped(proc.pid), what="stopped"))
             # S's placements, as many as this owner pulls from one sender at
             # once, each pulled from S's pool (stopped).
             n = tier.max_pulls_per_peer
