@@ -35,7 +35,7 @@ import json
 import random
 import secrets
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -82,9 +82,10 @@ _FOLLOW_JOINS = 16
 _JOIN_READS = 8
 # Index buckets the probes' stage holds (WAYS x IENTRY bytes each: 256 KiB),
 # handed out first come, first served to the members' bucket reads, of at
-# most _PROBE_KEYS buckets each. (One lock over a stage of 256: a member
-# whose bucket read hung, stopped, held every get's probe of every other
-# member for the agent's peer timeout.)
+# most _PROBE_KEYS buckets each, and a member's reads at most _PROBE_KEYS at
+# once (_Member.probing). (One lock over a stage of 256: a member whose
+# bucket read hung, stopped, held every get's probe of every other member
+# for the agent's peer timeout.)
 _PROBE_BUCKETS = 1024
 _PROBE_KEYS = 256
 # Parts of the pull staging (each pull_staging_blocks blocks), one per
@@ -93,6 +94,10 @@ _PROBE_KEYS = 256
 # peer timeout; their ack_waits passed, and they took this owner for
 # silent, skipping it for ack_timeout.)
 _PULL_PARTS = 4
+# Parts one sender's staged reads hold at once (its pulls, up to
+# max_pulls_per_peer, each took a part of its own: a stopped sender with 4
+# placements in flight held them all, rv31a).
+_PULL_SHARE = 1
 # Request numbers of a member's placements that went unanswered past their
 # ack_wait kept for a late ack (_Member.late): the newest this many.
 _LATE_MAX = 64
@@ -255,6 +260,12 @@ class _Member:
         # When it last let a placement's ack_wait pass (None: it answers):
         # while set, no placement is sent to it (see PeerTier._place).
         self.silent_since: float | None = None
+        # Its share of the probes' stage: the buckets its reads may hold at
+        # once (see _PROBE_BUCKETS). Each get that probed a stopped member
+        # took up to _PROBE_KEYS more, held for the peer timeout: four such
+        # gets held them all, and every probe of every other member waited
+        # (rv31a). Past its share, its reads wait here, holding none.
+        self.probing = _Slots(_PROBE_KEYS)
         # Placements to it in flight at once: at most what it pulls from one
         # peer (its max_pulls_per_peer, published in its meta), so that our
         # own placements are never refused there for arriving together.
@@ -310,8 +321,8 @@ class PeerTier(Tier):
     free slot are read into a staging area of this many blocks first and
     verified there; only the good ones make room (evict clean cold blocks).
     The area is 4 such parts (4 staged reads at once, each in a part of its
-    own): a sender that stops while its blocks are read holds one part, not
-    every other sender's pulls.
+    own, one sender's one at a time): a sender that stops while its blocks
+    are read holds one part, not every other sender's pulls.
 
     ``place_staging_blocks``: blocks of a caller's memory (a put that
     overflows the host tier) are copied into a tier-owned area of this many
@@ -361,6 +372,9 @@ class PeerTier(Tier):
         # than the parts hold refused ~10 % of the blocks placed
         # (benchmarks/kv_probe.py put, members of 16 slots).
         self.room_lock = asyncio.Lock()
+        # sender -> its share of the parts (_PULL_SHARE) and how many of its
+        # pulls hold or wait for it (dropped at none: senders churn)
+        self._pull_shares: dict[str, tuple[_Slots, list[int]]] = {}
         self.ack_wait = float(ack_wait)
         self.ack_timeout = float(ack_timeout)
         if max_pulls < 1 or max_pulls_per_peer < 1:
@@ -836,22 +850,27 @@ class PeerTier(Tier):
         bsz = WAYS * IENTRY
         offs = np.array([_bucket(k, m.buckets) * bsz for k in ks], dtype=np.uint64)
         lens = np.full(len(ks), bsz, dtype=np.uint64)
-        parts = await self.probe_slots.take(len(ks))
+        share = await m.probing.take(len(ks))  # (first: waiting here holds no bucket)
         try:
-            # Never cut short: a cancelled read could still land in these
-            # buckets while the next probe reads them.
+            parts = await self.probe_slots.take(len(ks))
             try:
-                await run_to_end(self.store.agent.read(
-                    SegmentList(stage, np.array(parts, dtype=np.uint64) * np.uint64(bsz), lens),
-                    SegmentList(m.index, offs, lens)))
-            except XferError:
-                return  # it left or failed: its blocks are misses
-            raw = stage.numpy()
-            hits = [parse_bucket(raw[p * bsz:(p + 1) * bsz], k) for p, k in zip(parts, ks,
-                                                                                 strict=True)]
-            del raw  # a view of the stage
+                # Never cut short: a cancelled read could still land in
+                # these buckets while the next probe reads them.
+                try:
+                    await run_to_end(self.store.agent.read(
+                        SegmentList(stage, np.array(parts, dtype=np.uint64) * np.uint64(bsz),
+                                    lens),
+                        SegmentList(m.index, offs, lens)))
+                except XferError:
+                    return  # it left or failed: its blocks are misses
+                raw = stage.numpy()
+                hits = [parse_bucket(raw[p * bsz:(p + 1) * bsz], k)
+                        for p, k in zip(parts, ks, strict=True)]
+                del raw  # a view of the stage
+            finally:
+                self.probe_slots.give_back(parts)
         finally:
-            self.probe_slots.give_back(parts)
+            m.probing.give_back(share)
         slots = m.pool.nbytes // self.store.block_bytes
         for k, hit in zip(ks, hits, strict=True):
             if hit is None:
@@ -1519,8 +1538,9 @@ class PeerTier(Tier):
             if direct:
                 await self._pull_direct(host, src, entries, direct, slots, stored)
             for b in range(0, len(rest), self.pull_staging_blocks):
-                await self._pull_staged(host, src, entries,
-                                        rest[b:b + self.pull_staging_blocks], stored)
+                async with self._pull_share(sender):
+                    await self._pull_staged(host, src, entries,
+                                            rest[b:b + self.pull_staging_blocks], stored)
         except (XferError, OSError, LookupError, ValueError) as exc:  # (a bad address)
             _log.info("kv.peer_pull_failed", tier=self.name, error=repr(exc))
         finally:
@@ -1556,6 +1576,26 @@ class PeerTier(Tier):
                 self.pulled += 1
             else:
                 host.give_back([s])
+
+    @contextlib.asynccontextmanager
+    async def _pull_share(self, sender: str) -> AsyncIterator[None]:
+        """Held around a staged pull of ``sender``'s: at most _PULL_SHARE of
+        its staged reads take parts at once (the others wait here, holding
+        none), so a sender that stops leaves the other parts to the others."""
+        share = self._pull_shares.get(sender)
+        if share is None:
+            share = self._pull_shares[sender] = (_Slots(_PULL_SHARE), [0])
+        share[1][0] += 1
+        try:
+            mine = await share[0].take(1)
+            try:
+                yield
+            finally:
+                share[0].give_back(mine)
+        finally:
+            share[1][0] -= 1
+            if not share[1][0] and self._pull_shares.get(sender) is share:
+                del self._pull_shares[sender]
 
     async def _pull_staged(self, host: HostTier, src: RemoteRegion,
                            entries: list[tuple[bytes, int, int, int]], fresh: list[int],
