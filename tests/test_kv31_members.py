@@ -32,6 +32,7 @@ from test_discovery import TTL, etcd_server  # noqa: F401 (the fixture)
 from test_kv17_peer import MEMBER, start_member
 from test_kv28_placement import placement
 from test_kv29_peer import publish_meta
+from test_rv31a_buckets import stopped
 
 import aioxfer
 from aioxfer import kv
@@ -143,8 +144,20 @@ async def test_a_member_whose_meta_read_hangs_holds_up_no_other_join(
         agent = await make_agent("kv31-f", peer_timeout=60.0, transports=("tcp",))
         tier = kv.PeerTier(group="kv31s", ack_wait=30.0, ack_timeout=30.0)
         async with kv.Store.open(agent, block_bytes=BB, tiers=[kv.HostTier(16 * BB), tier]):
+            # Its meta read is posted only once the process is stopped (the
+            # join may start inside connect's awaits, and SIGSTOP takes
+            # effect a while after it is sent: a read answered meanwhile
+            # passed the premise by, once under load).
+            read_meta = tier._read_meta
+
+            async def read_once_stopped(peer: Any) -> bytes | None:
+                if peer.name == "kv31-s":
+                    await wait_until(lambda: stopped(proc.pid), what="the member stopped")
+                return await read_meta(peer)
+
+            tier._read_meta = read_once_stopped
             await within(agent.connect(address))
-            proc.send_signal(signal.SIGSTOP)  # (before _follow reads its meta: no await)
+            proc.send_signal(signal.SIGSTOP)
             x = await make_agent("kv31-x")
             publish_meta(x, "kv31s")
             await within(agent.connect(x.address))
