@@ -75,6 +75,10 @@ class Peers:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _PEER, mode, *args,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            # (outside the checkout: "-c" puts the cwd first on sys.path, and
+            # a checkout's aioxfer has no compiled part where the package is
+            # installed, not editable: CI)
+            cwd="/",
         )
         self.procs.append(proc)
         assert proc.stdout is not None
