@@ -13,23 +13,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from conftest import wait_until, within
-from test_kv29_peer import publish_meta
+from test_kv29_peer import gate_meta_reads, publish_meta
 
 from aioxfer import kv
 
 BB = 16 << 10
 MakeAgent = Callable[..., Awaitable[Any]]
-
-
-def gate_meta_reads(tier: Any, gate: asyncio.Lock) -> None:
-    """The tier's meta reads (kv31: a stage of their own) wait for ``gate``."""
-    read_meta = tier._read_meta
-
-    async def gated(peer: Any) -> bytes | None:
-        async with gate:
-            return await read_meta(peer)
-
-    tier._read_meta = gated
 
 
 async def test_a_cancelled_caller_leaves_the_join_to_the_others(make_agent: MakeAgent) -> None:
