@@ -191,3 +191,37 @@ def test_pool_above_lazy_min_is_left_alone() -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", str(4 * MiB // 512)]
+
+
+@needs_collapse
+@pytest.mark.parametrize("tail", [MiB + 12 * 1024, 2 * MiB])
+def test_huge_head_small_tail_mapped_whole(tail: int) -> None:
+    """A pool whose first 2 MiB is a huge page and the rest small pages (a
+    tail below 2 MiB; a 2 MiB range written before the collapse, as where
+    THP fell back) is mapped whole at import: the populate's 2 MiB stride,
+    measured on the huge head, would leave all but one fault-around window
+    of each small range to the first writes' page faults."""
+    size = 2 * MiB + tail
+    fd = _memfd(size, "axf-shm32-mixed")
+    a = _cyx.Engine()
+    b = _cyx.Engine()
+    pool = None
+    try:
+        # (2 MiB of tail: only the head collapsed, the rest written after)
+        assert _cyx.shm_make_huge(fd, size if tail < 2 * MiB else 2 * MiB) is True
+        os.pwrite(fd, b"\x5a" * tail, 2 * MiB)  # small pages, all data
+        assert os.fstat(fd).st_blocks * 512 == size
+        pool = mmap.mmap(fd, size)
+        prid, pkey, paddr, plen, pacc = b.register(pool, memfd=fd)
+        ep = a.endpoint_create(_cyx.EP_SHM, 3, os.getpid())
+        a.endpoint_import(ep, prid, pkey, plen, pacc, paddr, fd)
+        imported = [m for m in _smaps("axf-shm32-mixed") if m.get("ShmemPmdMapped")]
+        assert len(imported) == 1
+        assert imported[0]["ShmemPmdMapped"] == 2 * MiB // 1024
+        assert imported[0]["Rss"] == size // 1024
+    finally:
+        close_engine(a)
+        close_engine(b)
+        if pool is not None:
+            pool.close()
+        os.close(fd)
