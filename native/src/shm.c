@@ -654,10 +654,17 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * the trade (2026-12-06, 2 shared cores, interleaved with main's wheel:
      * =0 made connect + first 4 KiB write to a 64 MiB pool 2.15 vs 4.99 ms,
      * n=30 each, and the Python demo's window 0.75x, 15 triples, medians).
-     * Two populating threads gain little here anyway (64 MiB: 2.39 vs 2.86
-     * ms, medians of 41, load average 3.5 on 2 vCPUs) and the fds come only
-     * with the metadata, the handshake's last message: nothing is left to
-     * overlap with but ~0.3 ms of Python. A lazy mapping on a kernel
+     * Two populating threads gain little at load (64 MiB: 2.39 vs 2.86
+     * ms, medians of 41, load average 3.5 on 2 vCPUs), 1.5x quiet (3.51 ->
+     * 2.30 ms wall, 3.52 -> 4.49 ms CPU; benchmarks/shm32_populate.c, 31
+     * rounds, 2026-12-07), and the fds come only with the metadata, the
+     * handshake's last message: nothing is left to overlap with but ~0.2 ms
+     * of Python (receive_meta -> the import), on a machine whose other core
+     * runs the peer's side then: at most ~0.1 ms to win by populating on a
+     * thread of its own from the fds' arrival, less the ~60 us to start it.
+     * What does cut it is the owner's pool in huge pages (2 MiB shmem
+     * folios: one PMD each, pop_huge; axf_shm_make_huge): the import of a
+     * 64 MiB pool 4.1 -> 0.18 ms (connect_phases, n=15). A lazy mapping on a kernel
      * without MADV_POPULATE_READ (before 5.14) is populated whole here by
      * MAP_POPULATE, or, for a file with holes, not at all. A file with
      * holes (has_holes) has only its data populated, at any size.
