@@ -556,7 +556,9 @@ static void *map_shared(uint64_t len, int prot, int flags, int fd)
  * below a whole 2 MiB stays small pages. Pools above axf_shm_lazy_min (1
  * GiB: peers populate those behind, not inside connect) are left alone:
  * collapsing commits the whole pool at once and costs about what its first
- * fill would (512 MiB: alloc 0.1 -> 414 ms, fill 454 -> 26 ms). Returns 1
+ * fill would, but varies more (512 MiB, fill 454-590 -> 25 ms, alloc 0.1 ->
+ * 51-1250 ms, the most where the kernel must find fresh 2 MiB pages: two
+ * owners at once, 3 runs; 64 MiB: alloc + fill 61 -> 9.8 ms). Returns 1
  * when every whole 2 MiB was collapsed, 0 when nothing changed,
  * AXF_E_INVALID for a file shorter than len or not a regular file. */
 static void shm_env_read(void);
