@@ -5,13 +5,16 @@ populates its mapping with one PMD entry per 2 MiB, not 512 PTEs (on its
 own thread: starting a second one cost more than the populate).
 
 What must hold: every whole 2 MiB of a fresh memfd becomes one huge page
-that a peer's import maps by PMD, whole; the
-file stays all zeros and takes a peer's writes; the tail below 2 MiB is
-left a hole; a memfd that already holds data, one under 2 MiB, or a pool
-above $AIOXFER_SHM_LAZY_MIN is left exactly as it was (nothing copied,
-nothing allocated); a file shorter than asked or not a regular file is
-refused. Checked from /proc/self/smaps (the importer's mapping) and
-fstat's block count.
+that a peer's import maps by PMD, whole; the file stays all zeros and
+takes a peer's writes; the tail below 2 MiB is left a hole; a memfd that
+already holds data, one under 2 MiB, or a pool above $AIOXFER_SHM_LAZY_MIN
+is left exactly as it was (nothing copied, nothing allocated); a file
+shorter than asked or not a regular file is refused. And a pool whose
+first 2 MiB is huge but whose other ranges are small pages (a tail, a THP
+fallback) is still mapped whole at import (shm.c pop_huge; before, the
+2 MiB stride measured on its head left those ranges to the first writes).
+Checked from /proc/self/smaps (the importer's mapping) and fstat's block
+count.
 """
 
 from __future__ import annotations
