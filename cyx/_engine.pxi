@@ -1137,3 +1137,30 @@ def _report_drain_error(exc):
         "message": "aioxfer: a completion callback raised while draining the engine's ring",
         "exception": exc,
     })
+
+
+# ------------------------------------------------------------------ pools
+
+cdef extern from *:
+    """
+    /* native/src/shm.c (declared here until aioxfer.h carries it) */
+    int axf_shm_make_huge(int memfd, uint64_t len);
+    """
+    int axf_shm_make_huge(int memfd, uint64_t len) nogil
+
+
+def shm_make_huge(int memfd, uint64_t nbytes):
+    """Collapses a fresh pool memfd (no data yet, nobody mapping it) into
+    shmem huge pages, 2 MiB each, whatever the host's shmem_enabled says
+    short of ``deny``: a same-host peer then populates its mapping of the
+    pool with one page-table entry per 2 MiB instead of 512 (shm.c
+    axf_shm_make_huge says what it costs). True when every whole 2 MiB is
+    one huge page; False when nothing changed (the kernel refused, the file
+    has data already, or it is under 2 MiB). ValueError for a file shorter
+    than nbytes or not a regular file."""
+    cdef int r
+    with nogil:
+        r = axf_shm_make_huge(memfd, nbytes)
+    if r < 0:
+        raise ValueError(f"cannot make fd {memfd} huge: {strerror(r)}")
+    return r == 1

@@ -459,6 +459,33 @@ static void pop_parallel(uint8_t *m, uint64_t len, int fd, uint64_t w)
     }
 }
 
+/* Populates m, a 2 MiB-aligned mapping of len bytes of a file all data
+ * whose first 2 MiB one read mapped whole (fault_window: a huge page of the
+ * file, mapped by one PMD), on this thread alone (a second one took ~60 us
+ * to start: the populate of 64 MiB of huge pages is ~80 us). A read a 2 MiB
+ * maps each further huge page whole; a range of small pages (a tail below
+ * 2 MiB, which no PMD maps, or a 2 MiB whose huge page the kernel could not
+ * allocate: THP falls back per range) would keep all but its first
+ * fault-around window unmapped, to the first writes' page faults (a 3 MiB +
+ * 12 KiB pool: 1 MiB of its tail). Told apart by whether the range's last
+ * page is mapped after its first read (pagemap, one entry): if not, a read
+ * per page or window (touch_pages). Without pagemap, every range so. */
+static void pop_huge(uint8_t *m, uint64_t len)
+{
+    const uint64_t huge = 2u << 20;
+    int pm = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+    for (uint64_t o = 0; o < len; o += huge) {
+        uint64_t n = len - o < huge ? len - o : huge, ent = 0;
+        (void)*(const volatile uint8_t *)(m + o);
+        off_t at = (off_t)((uintptr_t)(m + o + n - 4096) / 4096 * sizeof ent);
+        if (n < huge || pm < 0 || pread(pm, &ent, sizeof ent, at) != sizeof ent ||
+            !(ent >> 63))
+            touch_pages(m + o, n);
+    }
+    if (pm >= 0)
+        close(pm);
+}
+
 /* mmap(NULL, len, prot, MAP_SHARED | flags, fd, 0) at an address that is a
  * multiple of 2 MiB when len is at least that. A pool its owner allocated as
  * shmem transparent huge pages (registration.py _advise_huge, where the
@@ -499,6 +526,69 @@ static void *map_shared(uint64_t len, int prot, int flags, int fd)
     if (a + len < r + len + huge)
         munmap(a + len, (size_t)(r + len + huge - (a + len)));
     return m;
+}
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25 /* Linux 6.1 */
+#endif
+#define TMPFS_MAGIC_ 0x01021994 /* <linux/magic.h> TMPFS_MAGIC: shmem, memfds */
+
+/* The owner's half of a pool as huge pages (agent.alloc, before anyone maps
+ * or writes memfd): collapses each whole 2 MiB of a fresh memfd into one
+ * shmem transparent huge page. A same-host peer then populates its mapping
+ * of the pool with one PMD entry per 2 MiB (map_fd: ~50-80 us for 64 MiB)
+ * instead of 16384 page-table entries (2.3 ms wall and 4.5 ms CPU on two
+ * threads, 3.5 ms on one: benchmarks/shm32_populate.c, 2 vCPUs, Linux 6.18,
+ * quiet, medians of 31), the most of connecting to it. Unlike the advice
+ * (registration.py _advise_huge), MADV_COLLAPSE is honoured whatever the
+ * host's shmem_enabled says but "deny" (the kernel's transhuge.rst: "never
+ * ... MADV_COLLAPSE can still cause transparent huge pages to be obtained"),
+ * where the default "never" gives advised pools 4 KiB pages. It needs a page
+ * in each range (none: EINVAL): one read a 2 MiB allocates it (a read fault
+ * on shmem allocates a zeroed page), then the collapse allocates the huge
+ * page, zeroes it and swaps it in; the file is all zeros before and after.
+ * The cost: the whole pool is allocated now (2 MiB pages), not as its owner
+ * first touches it, and a sparse pool holds every page; the owner's first
+ * writes then allocate nothing (a 64 MiB fill 58 -> 3.5 ms). Only a memfd
+ * with no data (st_blocks 0: nothing to copy, no writer to race) on tmpfs;
+ * where the kernel refuses (before 6.1, "deny", no contiguous memory),
+ * the pages read are punched out again: the file is as it was. The tail
+ * below a whole 2 MiB stays small pages. Pools above axf_shm_lazy_min (1
+ * GiB: peers populate those behind, not inside connect) are left alone:
+ * collapsing commits the whole pool at once and costs about what its first
+ * fill would, but varies more (512 MiB, fill 454-590 -> 25 ms, alloc 0.1 ->
+ * 51-1250 ms, the most where the kernel must find fresh 2 MiB pages: two
+ * owners at once, 3 runs; 64 MiB: alloc + fill 61 -> 9.8 ms). Returns 1
+ * when every whole 2 MiB was collapsed, 0 when nothing changed,
+ * AXF_E_INVALID for a file shorter than len or not a regular file. */
+static void shm_env_read(void);
+int axf_shm_make_huge(int memfd, uint64_t len);
+int axf_shm_make_huge(int memfd, uint64_t len)
+{
+    const uint64_t huge = 2u << 20;
+    uint64_t hlen = len & ~(huge - 1);
+    struct stat st;
+    struct statfs sf;
+    if (fstat(memfd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 0 ||
+        (uint64_t)st.st_size < len)
+        return AXF_E_INVALID;
+    shm_env_read(); /* axf_shm_lazy_min */
+    if (!hlen || len > axf_shm_lazy_min || st.st_blocks != 0 || fstatfs(memfd, &sf) != 0 ||
+        (unsigned long)sf.f_type != TMPFS_MAGIC_)
+        return 0;
+    uint8_t *m = map_shared(hlen, PROT_READ, 0, memfd);
+    if (m == MAP_FAILED)
+        return 0;
+    int done = 0;
+    if (!((uintptr_t)m & (huge - 1))) { /* map_shared found no aligned room: nothing */
+        for (uint64_t o = 0; o < hlen; o += huge)
+            (void)*(const volatile uint8_t *)(m + o);
+        done = madvise(m, hlen, MADV_COLLAPSE) == 0;
+    }
+    munmap(m, hlen);
+    if (!done) /* some ranges may be huge, some a page: back to holes, as it came */
+        (void)fallocate(memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)hlen);
+    return done;
 }
 
 /* Maps the memfd behind rr into f, populating nothing (the copies fault). */
@@ -566,10 +656,17 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
      * the trade (2026-12-06, 2 shared cores, interleaved with main's wheel:
      * =0 made connect + first 4 KiB write to a 64 MiB pool 2.15 vs 4.99 ms,
      * n=30 each, and the Python demo's window 0.75x, 15 triples, medians).
-     * Two populating threads gain little here anyway (64 MiB: 2.39 vs 2.86
-     * ms, medians of 41, load average 3.5 on 2 vCPUs) and the fds come only
-     * with the metadata, the handshake's last message: nothing is left to
-     * overlap with but ~0.3 ms of Python. A lazy mapping on a kernel
+     * Two populating threads gain little at load (64 MiB: 2.39 vs 2.86
+     * ms, medians of 41, load average 3.5 on 2 vCPUs), 1.5x quiet (3.51 ->
+     * 2.30 ms wall, 3.52 -> 4.49 ms CPU; benchmarks/shm32_populate.c, 31
+     * rounds, 2026-12-07), and the fds come only with the metadata, the
+     * handshake's last message: nothing is left to overlap with but ~0.2 ms
+     * of Python (receive_meta -> the import), on a machine whose other core
+     * runs the peer's side then: at most ~0.1 ms to win by populating on a
+     * thread of its own from the fds' arrival, less the ~60 us to start it.
+     * What does cut it is the owner's pool in huge pages (2 MiB shmem
+     * folios: one PMD each, pop_huge; axf_shm_make_huge): the import of a
+     * 64 MiB pool 4.1 -> 0.18 ms (connect_phases, n=15). A lazy mapping on a kernel
      * without MADV_POPULATE_READ (before 5.14) is populated whole here by
      * MAP_POPULATE, or, for a file with holes, not at all. A file with
      * holes (has_holes) has only its data populated, at any size.
@@ -583,7 +680,10 @@ static int map_fd(const rregion *rr, int memfd, shm_far *f)
         uint64_t w = 0;
         if (datafd < 0 && rr->len >= (2u << 20)) /* aligned (map_shared), all data */
             w = fault_window(m, rr->len);
-        pop_parallel(m, rr->len, datafd, w);
+        if (w >= (2u << 20))
+            pop_huge(m, rr->len);
+        else
+            pop_parallel(m, rr->len, datafd, w);
         f->map = m;
         return AXF_OK;
     }
