@@ -161,6 +161,7 @@ cdef extern from "aioxfer.h" nogil:
         uint32_t poll_us
         uint32_t reserved
     void axf_calibrate(axf_calibration *out)
+    int axf_shm_make_huge(int memfd, uint64_t len) nogil
     void axf_env_read()
     uint64_t axf_engine_inline_bytes(axf_engine *e)
     uint32_t axf_engine_poll_us(axf_engine *e)

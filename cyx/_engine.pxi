@@ -1141,14 +1141,6 @@ def _report_drain_error(exc):
 
 # ------------------------------------------------------------------ pools
 
-cdef extern from *:
-    """
-    /* native/src/shm.c (declared here until aioxfer.h carries it) */
-    int axf_shm_make_huge(int memfd, uint64_t len);
-    """
-    int axf_shm_make_huge(int memfd, uint64_t len) nogil
-
-
 def shm_make_huge(int memfd, uint64_t nbytes):
     """Collapses a fresh pool memfd (no data yet, nobody mapping it) into
     shmem huge pages, 2 MiB each, whatever the host's shmem_enabled says

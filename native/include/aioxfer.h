@@ -381,6 +381,12 @@ typedef struct axf_calibration {
     uint32_t reserved;
 } axf_calibration;
 void axf_calibrate(axf_calibration *out);
+/* A pool's owner (agent.alloc), before anyone maps or writes it: collapses
+ * each whole 2 MiB of a fresh memfd into a shmem huge page, so that a
+ * same-host peer maps it by one PMD per 2 MiB (shm.c says what it costs).
+ * 1: every whole 2 MiB collapsed; 0: nothing changed; AXF_E_INVALID: not a
+ * regular file, or shorter than len. */
+int axf_shm_make_huge(int memfd, uint64_t len);
 /* Snapshots the environment variables the library reads (README's
  * AIOXFER_* settings), each call. Every engine created after it reads that
  * snapshot, never the environment: the per-engine settings as they were at

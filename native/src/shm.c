@@ -562,7 +562,6 @@ static void *map_shared(uint64_t len, int prot, int flags, int fd)
  * when every whole 2 MiB was collapsed, 0 when nothing changed,
  * AXF_E_INVALID for a file shorter than len or not a regular file. */
 static void shm_env_read(void);
-int axf_shm_make_huge(int memfd, uint64_t len);
 int axf_shm_make_huge(int memfd, uint64_t len)
 {
     const uint64_t huge = 2u << 20;
