@@ -1080,8 +1080,9 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * connection 0.74x and a READ's response 0.70x. The window (tcp.c
  * tcp_enable) is from the engine's own measurement.
  *
- * Why only to a same-uid peer over loopback (decided per connection, at
- * conn_open, from the kernel: conn_path). Until the peer reads them,
+ * Why only to a same-uid peer over loopback (decided per connection, from
+ * the kernel, before its first spliced byte: conn_path, spl_decide,
+ * spl_on). Until the peer reads them,
  * its socket's receive queue holds references to our pages. A hostile
  * receiver could acknowledge a WRITE without reading it; we complete it,
  * the caller reuses the buffer, and the peer then reads the new contents:
@@ -1328,7 +1329,7 @@ static bool peer_diag(const struct sockaddr_storage *mep, const struct sockaddr_
  * may not ptrace us then, nor process_vm_readv or /proc/pid/mem us), nor
  * under Yama's ptrace_scope 1 or more (only our declared tracer or, at 1,
  * an ancestor may: not a peer that accepted our connection; a missing file
- * is no Yama). Read per connection (at conn_open): prctl can change it.
+ * is no Yama). Read per connection (spl_decide): prctl can change it.
  * uid 0 across pid namespaces (containers of one pod sharing a network
  * namespace) is not told here: sock_diag names the socket's owner uid, not
  * its process, and finding the process (every /proc/PID/fd of the host)
