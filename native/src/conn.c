@@ -161,13 +161,16 @@ typedef struct conn_priv {
      * (tx_wake starts it). Only conn_open's connections have one to start. */
     atomic_bool tx_owed;
     /* The one-copy send (tcp18, initiator tcp connections only): spl_ok,
-     * the kernel said at conn_open that the peer's socket is our uid's
-     * over loopback (conn_path); its pipe (spl_fd), made on first use
+     * this connection splices (the kernel said that the peer's socket is
+     * our uid's over loopback: spl_v, decided off the connect's path;
+     * set by whoever holds c->sending, under c.mu, before its first
+     * spliced byte, never cleared); its pipe (spl_fd), made on first use
      * (spl_pipe; spl_nopipe: it could not be, this connection copies), and
      * spl_in, bytes of the head frame in that pipe and not yet in the
      * socket (not counted in its sent): they go first. The pipe's fields
      * belong to whoever holds c->sending. */
     bool spl_ok, spl_pipe, spl_nopipe;
+    atomic_int spl_v; /* SPL_V_*: the kernel's verdict on splicing (spl_decide) */
     int spl_fd[2];
     uint32_t spl_in;
     /* Spliced pages still owed (tcp26, "one-copy send": the release rule):
@@ -1077,8 +1080,9 @@ static int send_iov(conn *c, struct iovec *iov, int cnt, bool nowait, uint64_t *
  * connection 0.74x and a READ's response 0.70x. The window (tcp.c
  * tcp_enable) is from the engine's own measurement.
  *
- * Why only to a same-uid peer over loopback (decided per connection, at
- * conn_open, from the kernel: conn_path). Until the peer reads them,
+ * Why only to a same-uid peer over loopback (decided per connection, from
+ * the kernel, before its first spliced byte: conn_path, spl_decide,
+ * spl_on). Until the peer reads them,
  * its socket's receive queue holds references to our pages. A hostile
  * receiver could acknowledge a WRITE without reading it; we complete it,
  * the caller reuses the buffer, and the peer then reads the new contents:
@@ -1225,15 +1229,15 @@ static bool cc_paces(const char *name)
     return strncmp(name, "bbr", 3) == 0;
 }
 
+/* The one in use after a setsockopt that succeeded is the one named (the
+ * kernel finds it by that exact name, tcp_ca_find, or fails): its name is
+ * not read back (a system call per connection less, cxn32). */
 static bool loop_cc_set(axf_engine *e, int fd) /* fd's path local (conn_open) */
 {
-    if (!e->tcp_loop_cc[0] || setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, e->tcp_loop_cc,
-                                         (socklen_t)strlen(e->tcp_loop_cc)) != 0)
-        return false;
-    char used[32] = {0};
-    socklen_t ul = sizeof used - 1;
-    return getsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, used, &ul) == 0 && used[0] &&
-           !cc_paces(used);
+    return e->tcp_loop_cc[0] &&
+           setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, e->tcp_loop_cc,
+                      (socklen_t)strlen(e->tcp_loop_cc)) == 0 &&
+           !cc_paces(e->tcp_loop_cc);
 }
 
 /* The peer's socket of a TCP connection looked up by its exact tuple (ours
@@ -1325,7 +1329,7 @@ static bool peer_diag(const struct sockaddr_storage *mep, const struct sockaddr_
  * may not ptrace us then, nor process_vm_readv or /proc/pid/mem us), nor
  * under Yama's ptrace_scope 1 or more (only our declared tracer or, at 1,
  * an ancestor may: not a peer that accepted our connection; a missing file
- * is no Yama). Read per connection (at conn_open): prctl can change it.
+ * is no Yama). Read per connection (spl_decide): prctl can change it.
  * uid 0 across pid namespaces (containers of one pod sharing a network
  * namespace) is not told here: sock_diag names the socket's owner uid, not
  * its process, and finding the process (every /proc/PID/fd of the host)
@@ -1350,12 +1354,12 @@ static bool spl_peer_may_read(void)
  * own network namespace. Equal addresses alone do not say it: two network
  * namespaces (containers) behind NAT may each have the same address, and
  * then a real path, a veth or a NIC, got the loopback's shapes and reno.
- * spl_ok (the one-copy send, see above): local, and the peer's socket is
- * our euid's. At most one netlink round trip (tens of us) at connect. */
-static void conn_path(int fd, bool want_spl, bool *local, bool *spl_ok,
-                      struct sockaddr_storage *mep, struct sockaddr_storage *peerp)
+ * Local: true, and *mep, *peerp the tuple (the one-copy send asks about it:
+ * spl_decide, spl_settle). No lookup through loopback addresses, at most
+ * one netlink round trip (tens of us) otherwise. Whether a local peer may
+ * be spliced to is asked later, off the connect's path (spl_decide). */
+static bool conn_path(int fd, struct sockaddr_storage *mep, struct sockaddr_storage *peerp)
 {
-    *local = *spl_ok = false;
     struct sockaddr_storage me, peer;
     socklen_t ml = sizeof me, pl = sizeof peer;
     memset(&me, 0, sizeof me);
@@ -1363,24 +1367,74 @@ static void conn_path(int fd, bool want_spl, bool *local, bool *spl_ok,
     if (getsockname(fd, (struct sockaddr *)&me, &ml) != 0 ||
         getpeername(fd, (struct sockaddr *)&peer, &pl) != 0 || me.ss_family != peer.ss_family ||
         (me.ss_family != AF_INET && me.ss_family != AF_INET6))
+        return false;
+    uint32_t uid = 0;
+    if (!addr_loopback(&me, &peer) && !(addr_equal(&me, &peer) && peer_diag(&me, &peer, &uid)))
+        return false;
+    *mep = me;
+    *peerp = peer;
+    return true;
+}
+
+/* spl_v: the one-copy send's verdict on a connection. OFF: it copies (not
+ * an initiator's local TCP connection with the switch on, or the kernel
+ * said no); ASK: not asked yet; BUSY: being asked (spl_decide); YES: the
+ * kernel said yes, not turned on yet (spl_on); ON: spl_ok. */
+enum { SPL_V_OFF, SPL_V_ASK, SPL_V_BUSY, SPL_V_YES, SPL_V_ON };
+
+/* The kernel asked once whether c's peer may be spliced to (spl_v ASK ->
+ * YES or OFF): its socket's owner is our euid (sock_diag: the exact tuple)
+ * and spl_peer_may_read. By the connection's receiver as it starts, off
+ * the connect's path (cxn32: these ~10 system calls, about 20 us here, were
+ * inside endpoint_add_conn, on the caller's thread, per connection), or by
+ * its sender at its first frame to splice (spl_on), whichever comes first;
+ * the other finds it decided or, in the microseconds it is being asked,
+ * BUSY: that frame is copied. Either way before any byte is spliced, so
+ * the checks are as fresh as at conn_open's (a prctl in between counts). */
+static void spl_decide(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    int ask = SPL_V_ASK;
+    if (!atomic_compare_exchange_strong(&p->spl_v, &ask, SPL_V_BUSY))
         return;
     uint32_t uid = 0;
-    bool found = false;
-    if (addr_loopback(&me, &peer)) {
-        *local = true;
-    } else if (addr_equal(&me, &peer)) {
-        found = peer_diag(&me, &peer, &uid);
-        *local = found;
-        if (!found)
-            return;
-    } else {
-        return;
+    bool yes = peer_diag(&p->spl_me, &p->spl_peer, &uid) && uid == (uint32_t)geteuid() &&
+               spl_peer_may_read();
+    atomic_store(&p->spl_v, yes ? SPL_V_YES : SPL_V_OFF);
+}
+
+/* Whoever holds c->sending, before a frame it would splice: whether c
+ * splices (spl_ok). Turned on here once the kernel said yes (spl_decide),
+ * under c.mu before the first spliced byte, unless c died already (then it
+ * was shut both ways, conn_mark_dead, and nothing of it is ever spliced).
+ * From then on its death shuts only its reading, its blocked sends wait
+ * in slices and its end settles its holds (conn_mark_dead, send_waits,
+ * thread_exit), as when conn_open decided it; a connection that never
+ * sends a frame to splice never turns it on and ends as a copying one. */
+static bool spl_on(conn *c)
+{
+    conn_priv *p = (conn_priv *)c;
+    if (p->spl_ok)
+        return true;
+    int v = atomic_load(&p->spl_v);
+    if (v == SPL_V_ASK) {
+        spl_decide(c);
+        v = atomic_load(&p->spl_v);
     }
-    if (want_spl && !found)
-        found = peer_diag(&me, &peer, &uid);
-    *spl_ok = want_spl && found && uid == (uint32_t)geteuid() && spl_peer_may_read();
-    *mep = me; /* the spliced pages' settling asks about this tuple (spl_settle) */
-    *peerp = peer;
+    if (v != SPL_V_YES)
+        return false;
+    pthread_mutex_lock(&c->mu);
+    bool on = !c->dead;
+    if (on) {
+        p->spl_ok = true;
+        if (snd_armed_ms(c) > SPL_SNDTIMEO_MS) { /* sliced (send_waits): the sender's own */
+            struct timeval stv = {.tv_sec = 0, .tv_usec = SPL_SNDTIMEO_MS * 1000};
+            (void)setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &stv, sizeof stv);
+        }
+    }
+    atomic_store(&p->spl_v, on ? SPL_V_ON : SPL_V_OFF);
+    pthread_mutex_unlock(&c->mu);
+    return on;
 }
 
 /* The connection's pipe, made on first use: false when it cannot be. */
@@ -1935,9 +1989,10 @@ static int send_batch(conn *c, bool nowait, sq_item **done)
         int pay = 0, k = item_iov(it, iov + niov, TX_IOV - niov, &pay); /* fits: counted */
         /* The one-copy send (see "one-copy send" above): an initiator's
          * WRITE payload in the window, to a peer the kernel vouched for. */
-        bool sp = p->spl_ok && it->op && (it->h.type == FR_WRITE || it->h.type == FR_WRITEV) &&
+        bool sp = it->op && (it->h.type == FR_WRITE || it->h.type == FR_WRITEV) &&
                   !(it->h.flags & FL_ABORT) && it->plen >= e->splice_min &&
-                  it->plen <= e->splice_max && it->op->total <= e->splice_req_max;
+                  it->plen <= e->splice_max && it->op->total <= e->splice_req_max &&
+                  spl_on(c);
         for (int j = 0; j < k; j++)
             spl[niov + j] = sp && j >= pay;
         if (sp && it->spl_c != c) { /* the pin's rule changes (spl_keep): set before any
@@ -3147,9 +3202,24 @@ static bool rx_may_park(conn *c)
     return last && axf_now_us() < last + HELP_PARK_US;
 }
 
+/* Whether c owes a reply now (a request of its in flight). */
+static bool rx_owed(conn *c)
+{
+    pthread_mutex_lock(&c->mu);
+    bool owed = ((conn_priv *)c)->ex_head != NULL;
+    pthread_mutex_unlock(&c->mu);
+    return owed;
+}
+
 /* Parks the receiver (nobody reads the socket but a spinner: conn_help)
- * until it is handed back or HELP_PARK_US pass without a reply read for it. */
-static void rx_park(conn *c)
+ * until it is handed back or HELP_PARK_US pass without a reply read for it.
+ * first: its park as it starts (rx_loop): a request posted before it was
+ * parked may have had its spinner already, which left without handing
+ * anything back (conn_help_end found nobody parked): with no spinner now
+ * and a reply owed, it reads its socket itself at once. Otherwise a
+ * spinner is there (its end, which unparks, comes after this park: the
+ * seq_cst pair nhelp / cq_spinners) or comes with the next request. */
+static void rx_park(conn *c, bool first)
 {
     axf_engine *e = c->e;
     pthread_mutex_lock(&e->help_mu);
@@ -3162,6 +3232,10 @@ static void rx_park(conn *c)
     atomic_store(&e->nhelp, n + 1);
     atomic_store(&c->rx_hold, RX_PARKED);
     pthread_mutex_unlock(&e->help_mu);
+    if (first && !atomic_load(&e->cq_spinners) && rx_owed(c)) {
+        int parked = RX_PARKED; /* (nobody waits on it but this thread: no wake) */
+        (void)atomic_compare_exchange_strong(&c->rx_hold, &parked, RX_SELF);
+    }
     for (;;) {
         int st = atomic_load(&c->rx_hold);
         if (st == RX_SELF)
@@ -3572,7 +3646,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
     uint32_t lazy_ms = c->e->cfg.keepalive_ms / 2 < TX_LAZY_MS ? c->e->cfg.keepalive_ms / 2
                                                                  : TX_LAZY_MS;
     uint64_t tx_at = axf_now_us() + (uint64_t)lazy_ms * 1000u;
-    for (;;) {
+    for (bool first = true;; first = false) {
         if (!c->ep && rx_after_bye(c))
             return rx_drain(c, scratch, NULL, io);
         if (!c->replay)
@@ -3587,7 +3661,7 @@ static const char *rx_loop(conn *c, uint8_t *scratch, wire_hdr *h, bool *proto, 
         }
         if (!got && rx_may_park(c)) {
             AXF_TR(TR_PARK_B, c->fd, 0, 0);
-            rx_park(c);
+            rx_park(c, first);
             AXF_TR(TR_PARK_E, c->fd, 0, 0);
         }
         if (atomic_load(&p->tx_owed))
@@ -3669,6 +3743,26 @@ static void *rx_main(void *arg)
     bool proto = false;
     int io = 0;
     wire_hdr h = {0};
+    if (c->ep && ((conn_priv *)c)->tcp) {
+        /* Off the connect's path: the one-copy send's verdict (before its
+         * sender's first frame to splice, most likely). */
+        spl_decide(c);
+        /* Parked as it starts, as if a spinner had just read a reply for
+         * it (rx_may_park, for HELP_PARK_US): the first request's reply
+         * (a connect's first write, a few hundred us later) is read by the
+         * thread that spins for it (conn_help), not by this one woken out
+         * of its wait for the socket (cxn32: a thread wake-up on that
+         * reply's way, where later replies had none). A spinner that
+         * leaves without it hands the socket back (conn_help_end), as
+         * does a request owed while nobody spins (rx_park's first). As
+         * every park, only where the engine's owner spins for its replies
+         * (target_poll_us not "never": progress "adaptive" or "poll"); an
+         * owner that does not, yet left that setting, has a reply to a
+         * request posted in this first park wait for its end (HELP_PARK_US
+         * from this thread's start at most), as after any helped reply. */
+        if (e->cfg.target_poll_us != UINT32_MAX)
+            atomic_store(&c->help_us, axf_now_us());
+    }
     if (!reason)
         reason = rx_loop(c, scratch, &h, &proto, &io);
     free(scratch);
@@ -3825,18 +3919,13 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
              (domain == AF_INET || domain == AF_INET6);
     if (p->tcp)
         (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    /* Its path, once (conn_path): the loopback shapes, and the one-copy
-     * send's check for an initiator's TCP connection with the switch on. */
-    bool local = false, spl_ok = false;
-    if (p->tcp)
-        conn_path(fd, ep && e->splice_max, &local, &spl_ok, &p->spl_me, &p->spl_peer);
+    /* Its path, once (conn_path): the loopback shapes; the one-copy send,
+     * for an initiator's local TCP connection with the switch on, is asked
+     * about later (spl_decide). */
+    bool local = p->tcp && conn_path(fd, &p->spl_me, &p->spl_peer);
     c->loop_cc = local && loop_cc_set(e, fd);
-    p->spl_ok = spl_ok;
+    atomic_init(&p->spl_v, local && ep && e->splice_max ? SPL_V_ASK : SPL_V_OFF);
     ka_arm_socket(c);
-    if (spl_ok && snd_armed_ms(c) > SPL_SNDTIMEO_MS) { /* sliced (send_waits) */
-        struct timeval stv = {.tv_sec = 0, .tv_usec = SPL_SNDTIMEO_MS * 1000};
-        (void)setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &stv, sizeof stv);
-    }
 
     ka_init(c);
     atomic_init(&p->tx_owed, true); /* started on its first work (tx_wake) */

@@ -1592,22 +1592,29 @@ int axf_cancel(axf_engine *e, uint64_t req_id)
 
 /* The process a pidfd refers to, as the kernel says (/proc/self/fdinfo):
  * its pid, -1 once it exited and was reaped, 0 outside our pid namespace;
- * -2 when fd is not a pidfd. */
+ * -2 when fd is not a pidfd. Read once per call by its callers (cxn32:
+ * endpoint_create read it three times, accept_conn twice, one of them
+ * under e->mu), with open/read (stdio's fopen added an fstat and a buffer
+ * for a file of ~100 bytes). */
 static pid_t pidfd_pid(int pidfd)
 {
-    char path[64], line[128];
+    char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
-    FILE *f = fopen(path, "re");
-    if (!f)
+    int f = open(path, O_RDONLY | O_CLOEXEC);
+    if (f < 0)
         return -2;
-    pid_t pid = -2;
-    while (fgets(line, sizeof line, f))
-        if (strncmp(line, "Pid:", 4) == 0) {
-            pid = (pid_t)strtol(line + 4, NULL, 10);
-            break;
-        }
-    fclose(f);
-    return pid;
+    size_t len = 0;
+    ssize_t r;
+    while (len < sizeof buf - 1 &&
+           ((r = read(f, buf + len, sizeof buf - 1 - len)) > 0 || (r < 0 && errno == EINTR)))
+        len += r > 0 ? (size_t)r : 0;
+    close(f);
+    buf[len] = 0;
+    /* "Pid:" starts a line (after pos, flags, mnt_id, ino: well inside buf) */
+    for (const char *at = buf; (at = strstr(at, "Pid:")); at += 4)
+        if (at == buf || at[-1] == '\n')
+            return (pid_t)strtol(at + 4, NULL, 10);
+    return -2;
 }
 
 /* A pidfd that reports its process exited (readable). */
@@ -1622,6 +1629,7 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
                         uint64_t *ep_out)
 {
     int st = AXF_OK;
+    pid_t ppid = 0; /* the pidfd's process (pidfd_pid), once */
     const axf_transport *xp = axf_transport_for(kind);
     bool same_host = xp && (xp->caps & AXF_XP_CAP_SAME_HOST);
     if (!xp) /* a public kind whose transport is not built: unavailable */
@@ -1632,10 +1640,9 @@ int axf_endpoint_create(axf_engine *e, int kind, uint64_t tag, int32_t pid, int 
         st = AXF_E_INVALID;
     else if (same_host && pidfd < 0 && pid != getpid())
         st = AXF_E_ACCESS; /* another process, and the kernel did not vouch for it */
-    else if (pidfd >= 0 &&
-             (pidfd_pid(pidfd) == -1 || (pidfd_pid(pidfd) > 0 && pidfd_exited(pidfd))))
+    else if (pidfd >= 0 && ((ppid = pidfd_pid(pidfd)) == -1 || (ppid > 0 && pidfd_exited(pidfd))))
         st = AXF_E_PEER_LOST; /* gone already */
-    else if (pidfd >= 0 && pidfd_pid(pidfd) != pid)
+    else if (pidfd >= 0 && ppid != pid)
         st = AXF_E_ACCESS; /* the pidfd names another process (or none, or it was reaped) */
     endpoint *ep = st == AXF_OK ? calloc(1, sizeof *ep) : NULL;
     if (st == AXF_OK && !ep)
@@ -1898,7 +1905,8 @@ int axf_endpoint_close(axf_engine *e, uint64_t ep_id)
 int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
 {
     int st = AXF_OK;
-    if (pidfd >= 0 && pidfd_pid(pidfd) == -2)
+    pid_t ppid = pidfd >= 0 ? pidfd_pid(pidfd) : 0; /* once, and not under e->mu */
+    if (ppid == -2)
         st = AXF_E_INVALID; /* not a pidfd (one whose process is gone is fine: the watcher
                                sees it) */
     pthread_mutex_lock(&e->mu);
@@ -1919,7 +1927,7 @@ int axf_accept_conn(axf_engine *e, int fd, uint64_t tag, int pidfd)
     if (c && pidfd >= 0) { /* before its threads start: they read it under e->mu */
         (void)fcntl(pidfd, F_SETFD, FD_CLOEXEC);
         c->pidfd = pidfd;
-        c->peer_pid = pidfd_pid(pidfd);
+        c->peer_pid = ppid; /* (read above: a process reaped since is the watcher's) */
     } else if (pidfd >= 0) {
         close(pidfd);
     }
