@@ -25,7 +25,9 @@ DATA_OFF = 5 * MiB + 4096  # where the peer wrote its data, 1 MiB of it
 
 def sparse_peer_main(conn: Any, size: int) -> None:
     """An agent whose "pool" (agent.alloc, a sealed memfd) is `size` bytes of
-    which only [DATA_OFF, DATA_OFF + 1 MiB) and the last page were written."""
+    which only [DATA_OFF, DATA_OFF + 1 MiB) and the last page were written.
+    Small pages: agent.alloc's huge pages (AIOXFER_SHM_HUGE) leave no hole."""
+    os.environ["AIOXFER_SHM_HUGE"] = "0"
     import aioxfer
 
     async def serve() -> None:

@@ -37,7 +37,10 @@ pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="needs st
 
 def pools_main(conn: Any, pools: list[tuple[str, int, list[tuple[int, int]]]]) -> None:
     """One agent per (name, size, data ranges): a pool of `size` bytes
-    (agent.alloc, a sealed memfd) of which only the ranges were written."""
+    (agent.alloc, a sealed memfd) of which only the ranges were written,
+    in small pages: agent.alloc's huge pages (AIOXFER_SHM_HUGE) leave no hole
+    (tests/test_shm32_make_huge.py covers those)."""
+    os.environ["AIOXFER_SHM_HUGE"] = "0"
     import aioxfer
 
     async def serve() -> None:
