@@ -63,7 +63,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import NoReturn, TypeGuard
+from typing import NoReturn, TypeGuard, TypeVar
 
 import msgspec
 
@@ -129,6 +129,7 @@ _SERVER_CTX = b"aioxfer-server-v2\x00"
 _CLIENT_CTX = b"aioxfer-client-v2\x00"
 _JOIN_CTX = b"aioxfer-join-v2\x00"
 
+_T = TypeVar("_T")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
 
@@ -889,17 +890,21 @@ def server_answer_now(
     nonce: bytes,
     refuse: Callable[[], str | None] | None,
     spin_ns: int,
-) -> tuple[Hello, bytes] | None:
+    ahead: Callable[[Hello, bytes], _T],
+    polled: Callable[[Hello], bool] | None = None,
+) -> tuple[Hello, _T] | None:
     """Server side, at once (no await), right after server_greet_now sent
     our Challenge: the whole handshake of a connection whose Hello (and,
     with a token, Proof) are already in the socket, or come within spin_ns
     of polling it (a same-host client answers our Challenge in ~0.05-0.1
     ms; waiting for it in the loop costs the wake-up of an idle vCPU, and
     the serving task's start and steps ~0.15 ms more, cxs32). Returns the
-    Hello and our proved Accept as a frame (Accept.meta set when the Hello
-    asks for the metadata on a "data" connection): both frames were read,
-    exactly, and a "data" Hello's Challenge granted to its joins; the
-    caller sends the Accept (and what follows it). None, nothing read:
+    Hello and what ahead(hello, accept) made of it and of our proved Accept
+    as a frame (Accept.meta set when the Hello asks for the metadata on a
+    "data" connection): the caller's whole answer, made while the Proof is
+    on its way (nothing of it goes out unless the Proof passes). Both
+    frames were read, exactly, and a Hello's Challenge granted to its
+    joins; the caller sends the answer. None, nothing read:
     anything else (not whole in time, malformed, another version, a
     "verbs" or joining Hello, a wrong proof, refused): the caller runs
     server_handshake, which reads the same bytes and answers them.
@@ -909,15 +914,30 @@ def server_answer_now(
     nonce, incarnation, byte order), then the Proof's HMAC, then refuse().
     The polling (spin_ns > 0) stops as soon as the loop has other callbacks
     ready; the caller bounds spin_ns (a client that never answers makes us
-    poll spin_ns for nothing)."""
+    poll spin_ns for nothing). polled(hello) False: its client is not
+    polled for (e.g. an agent of this thread's, which cannot answer while
+    we poll)."""
     deadline = 0
     hello: Hello | None = None
+    made: tuple[bytes, _T] | None = None
     while True:
         got = _peek_handshake(sock, token, hello)
-        if got is None or isinstance(got, tuple):
-            break
-        if isinstance(got, Hello):
+        if got is None:
+            return None
+        if isinstance(got, tuple):
+            hello = got[0]
+        elif isinstance(got, Hello):
             hello = got
+        if hello is not None and made is None:  # (once, while its Proof comes)
+            if polled is not None and not polled(hello):
+                spin_ns = 0
+            made = (
+                client_proof(token, nonce, hello.nonce, hello.name) if token is not None
+                else b"",
+                ahead(hello, _answer(hello, token, accept, nonce)),
+            )
+        if isinstance(got, tuple):
+            break
         now = time.monotonic_ns()
         if not deadline:
             ready = getattr(loop, "_ready", None)
@@ -927,17 +947,15 @@ def server_answer_now(
         elif now >= deadline:
             return None
         os.sched_yield()
-    if got is None:
-        return None
     hello, proof, n = got
+    assert made is not None
+    want, answer = made
     if token is not None:
         try:
             frame = decode_body(proof)
         except ProtocolError:
             return None
-        if not isinstance(frame, Proof) or not hmac.compare_digest(
-            frame.proof, client_proof(token, nonce, hello.nonce, hello.name)
-        ):
+        if not isinstance(frame, Proof) or not hmac.compare_digest(frame.proof, want):
             return None  # (server_handshake rejects it, and logs it)
     if refuse is not None and refuse() is not None:
         return None  # (server_handshake sends the Reject)
@@ -946,12 +964,19 @@ def server_answer_now(
             raise ProtocolError("the handshake's frames shrank between their peek and read")
     except OSError as exc:
         raise ProtocolError(f"connection broken during its handshake: {exc}") from None
+    if token is not None:
+        _grant(hello, nonce, joins)
+    return hello, answer
+
+
+def _answer(hello: Hello, token: bytes | None, accept: Accept, nonce: bytes) -> bytes:
+    """Our Accept of hello as a frame (proved with a token), as
+    server_handshake sends it."""
     if hello.meta and hello.purpose == "data":
         accept = msgspec.structs.replace(accept, meta=True)  # the caller sends it
     if token is None:
-        return hello, encode_frame(accept)
-    _grant(hello, nonce, joins)
-    return hello, encode_frame(_proved(accept, token, hello.nonce, nonce))
+        return encode_frame(accept)
+    return encode_frame(_proved(accept, token, hello.nonce, nonce))
 
 
 async def client_handshake(

@@ -16,6 +16,7 @@ import contextlib
 import os
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,9 @@ _ACCEPT_BURST = 32
 # honest one's Proof comes within ~0.1 ms: ~500 polled handshakes a second.
 _SPIN_SHARE = 0.05
 _SPIN_BURST_NS = 4 * HANDSHAKE_SPIN_NS
+# This process's servers: a client agent of ours is never polled for (it
+# cannot answer while its own process's loop polls, when it shares it).
+_servers: weakref.WeakSet[Server] = weakref.WeakSet()
 
 
 class _Out:
@@ -121,6 +125,7 @@ class Server:
         "_spin_at",
         "joins",
         "closing",
+        "__weakref__",
     )
 
     def __init__(
@@ -159,6 +164,7 @@ class Server:
         self._spin = spin
         self._spin_debt = 0  # ns of polling owed (see _SPIN_SHARE)
         self._spin_at = 0
+        _servers.add(self)
         # The Challenges a client's other connections may join (one round
         # trip each instead of two: a tcp connect's other connections, a
         # same-host connect's unix socket): as many live as handshakes may run.
@@ -359,16 +365,25 @@ class Server:
         True: served here (handed to the engine, or closed and logged);
         (hello, what is still to send): the socket took part of the answer
         only, _serve sends the rest."""
-        spin = self._spin_ns(loop, sock)
+        spin = 0 if cred is not None and cred.pid == os.getpid() else self._spin_ns(loop, sock)
         if self._token is not None and not spin:
             return False  # (a remote client's Proof is a round trip away: not there yet)
         remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
+        local = cred is not None
+
+        def ahead(hello: Hello, accept: bytes) -> _Out:
+            return self._out(
+                local, accept,
+                meta=hello.meta if hello.purpose == "data" else not hello.accept_only,
+                go=hello.purpose == "data",
+            )
+
         t0 = time.monotonic_ns()
         try:
             got = server_answer_now(loop, sock, token=self._token, accept=self._accept,
                                     joins=self.joins, nonce=nonce, refuse=self._refusal,
-                                    spin_ns=spin)
-        except ProtocolError as exc:  # read, then broken
+                                    spin_ns=spin, ahead=ahead, polled=_not_ours)
+        except Exception as exc:  # (ProtocolError: read, then broken; our metadata's own)
             self._failed(exc, remote)
             sock.close()
             return True
@@ -377,15 +392,10 @@ class Server:
                 self._spin_debt += time.monotonic_ns() - t0
         if got is None:
             return False
-        hello, accept = got
+        hello, out = got
         pidfd = -1
         keep = False  # (the socket goes on to _serve)
         try:
-            out = self._out(
-                cred is not None, accept,
-                meta=hello.meta if hello.purpose == "data" else not hello.accept_only,
-                go=hello.purpose == "data",
-            )
             if not self._send_now(sock, out):
                 keep = True  # the rest in _serve (its timeout bounds the waits)
                 return hello, out
@@ -634,6 +644,11 @@ class Server:
                     self._engine.verbs_qp_destroy(handle)
             raise
         return handles
+
+
+def _not_ours(hello: Hello) -> bool:
+    """Whether hello is not from an agent of this process (see _servers)."""
+    return not any(s._accept.incarnation == hello.incarnation for s in _servers)
 
 
 async def writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

@@ -144,6 +144,10 @@ def _patch(prefix: str) -> None:
         # The target's side, finer (cxs32): the accept step, each frame.
         _wrap_sync(serving_.Server, "_greet_now", prefix + "greet_now")
         _wrap_sync(serving_.Server, "_hand_over", prefix + "hand_over")
+        if hasattr(serving_.Server, "_answer_now"):  # (cxs32's builds)
+            _wrap_sync(serving_.Server, "_answer_now", prefix + "answer_now")
+            _wrap_sync(serving_, "server_answer_now", prefix + "server_answer_now")
+            _wrap_sync(serving_.Server, "_send_now", prefix + "send_now")
         _wrap_async(protocol, "recv_frame", prefix + "recv_frame")
         _wrap_async(protocol, "send_frame", prefix + "send_frame")
         spin = protocol._spin_recv_into
