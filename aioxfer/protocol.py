@@ -924,13 +924,20 @@ def server_answer_now(
         got = _peek_handshake(sock, token, hello)
         if got is None:
             return None
-        if isinstance(got, tuple):
-            hello = got[0]
-        elif isinstance(got, Hello):
-            hello = got
-        if hello is not None and made is None:  # (once, while its Proof comes)
+        if hello is None and not isinstance(got, _Later):
+            hello = got[0] if isinstance(got, tuple) else got
             if polled is not None and not polled(hello):
                 spin_ns = 0
+        if not isinstance(got, tuple):
+            now = time.monotonic_ns()
+            if not deadline:
+                ready = getattr(loop, "_ready", None)
+                if not spin_ns or ready is None or ready:
+                    return None
+                deadline = now + spin_ns
+            elif now >= deadline:
+                return None
+        if hello is not None and made is None:  # (once: while its Proof comes, or now)
             made = (
                 client_proof(token, nonce, hello.nonce, hello.name) if token is not None
                 else b"",
@@ -938,14 +945,6 @@ def server_answer_now(
             )
         if isinstance(got, tuple):
             break
-        now = time.monotonic_ns()
-        if not deadline:
-            ready = getattr(loop, "_ready", None)
-            if not spin_ns or ready is None or ready:
-                return None
-            deadline = now + spin_ns
-        elif now >= deadline:
-            return None
         os.sched_yield()
     hello, proof, n = got
     assert made is not None
