@@ -148,6 +148,17 @@ def _patch(prefix: str) -> None:
             _wrap_sync(serving_.Server, "_answer_now", prefix + "answer_now")
             _wrap_sync(serving_, "server_answer_now", prefix + "server_answer_now")
             _wrap_sync(serving_.Server, "_send_now", prefix + "send_now")
+            _wrap_sync(serving_.Server, "_out", prefix + "out")
+            _wrap_sync(serving_.Server, "_spin_ns", prefix + "spin_ns")
+            peek = protocol._peek_handshake
+
+            def peek_w(*a: Any) -> Any:
+                t0 = time.monotonic_ns()
+                got = peek(*a)
+                _stamp(prefix + ("peek_whole" if isinstance(got, tuple) else "peek"), t0)
+                return got
+
+            protocol._peek_handshake = peek_w
         _wrap_async(protocol, "recv_frame", prefix + "recv_frame")
         _wrap_async(protocol, "send_frame", prefix + "send_frame")
         spin = protocol._spin_recv_into
