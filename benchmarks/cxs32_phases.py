@@ -194,6 +194,8 @@ def _patch(prefix: str) -> None:
 
     def sinit(self: Any, *a: Any, **k: Any) -> None:
         k["engine"] = _EngineProxy(k["engine"], prefix)
+        if sys.executable.endswith("-nospin"):  # what-if (cxs32): the target never polls
+            k["spin"] = False
         init(self, *a, **k)
 
     serving.Server.__init__ = sinit  # type: ignore[method-assign]
