@@ -39,6 +39,7 @@ from aioxfer.protocol import (
     ClosedSilently,
     HandshakeRejected,
     Joins,
+    challenge,
     encode_frame,
     handshake_spin_ns,
     recv_frame,
@@ -125,6 +126,7 @@ class Server:
         "_spin",
         "_spin_debt",
         "_spin_at",
+        "_challenge",
         "joins",
         "closing",
         "__weakref__",
@@ -166,6 +168,9 @@ class Server:
         self._spin = spin
         self._spin_debt = 0  # ns of polling owed (see _SPIN_SHARE)
         self._spin_at = 0
+        # The next connection's Challenge, made ahead (after an accepting
+        # step), so that it goes out first thing on the next accept.
+        self._challenge: tuple[bytes, bytes] | None = None
         _servers.add(self)
         # The Challenges a client's other connections may join (one round
         # trip each instead of two: a tcp connect's other connections, a
@@ -202,6 +207,8 @@ class Server:
                 try:
                     sock, addr = lsock.accept()
                 except (BlockingIOError, InterruptedError):
+                    if self._challenge is None:  # (the next one's, off its way)
+                        self._challenge = challenge(self._token)
                     return
                 except OSError as exc:
                     if self._closed():
@@ -515,9 +522,10 @@ class Server:
         connection is read (protocol.server_greet_now): the client has our
         nonce one round trip sooner than if we waited for its Hello. Its
         nonce; None: the socket broke, closed (and logged) here."""
+        made, self._challenge = self._challenge, None  # (each nonce once)
         try:
             sock.setblocking(False)
-            return server_greet_now(sock, token=self._token)
+            return server_greet_now(sock, token=self._token, made=made)
         except OSError as exc:  # (reset at once: as _serve says a broken one)
             _log.info("conn.failed", agent=self._agent, remote=fmt_sockaddr(addr),
                       reason=str(exc))

@@ -268,3 +268,23 @@ async def test_not_polled_for_an_agent_of_this_process(make_agent: Any,
     await within(a.connect(b.address))
     assert spy.served >= 1
     assert b._server._spin_debt < HANDSHAKE_SPIN_NS // 2
+
+
+async def test_each_connection_gets_its_own_nonce(make_agent: Any) -> None:
+    """The Challenge is made ahead (after an accepting step), its nonce
+    used for one connection only: every connection gets a fresh one."""
+    from aioxfer import protocol
+
+    b = await make_agent("b")
+    host, _, port = b.address.rpartition(":")
+    nonces = []
+    for _ in range(4):
+        reader, writer = await within(asyncio.open_connection(host, int(port)))
+        writer.write(protocol._hello(name="cxs32-n", incarnation=9, purpose="data",
+                                     token=b._token)[1])
+        n = int.from_bytes(await within(reader.readexactly(4)), "big")
+        ch = protocol.decode_body(await within(reader.readexactly(n)))
+        assert isinstance(ch, protocol.Challenge)
+        nonces.append(ch.nonce)
+        writer.close()
+    assert len(set(nonces)) == 4 and all(len(x) == protocol.NONCE_BYTES for x in nonces)
