@@ -182,8 +182,9 @@ def handshake_spin_ns(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> i
     -> 0.64 ms) for ~0.15 ms more of the loop thread's CPU; same host (shm)
     3.96 -> 3.80 ms (n=15; the handshake 0.54 -> 0.46 ms). Over a network
     the round trip is long beside a wake-up, so nothing is polled there;
-    the server side never polls (a client that never answers would make it
-    spin for nothing, once per connection)."""
+    the server polls only in its accepting step (server_answer_now), under
+    a budget (serving._SPIN_SHARE: a client that never answers makes it
+    poll for nothing, once per connection)."""
     if getattr(loop, "_ready", None) is None:
         return 0
     try:
