@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,14 +34,18 @@ from aioxfer.metadata import (
     VerbsQP,
 )
 from aioxfer.protocol import (
+    HANDSHAKE_SPIN_NS,
     META_GO,
     ClosedSilently,
     HandshakeRejected,
     Joins,
+    challenge,
     encode_frame,
+    handshake_spin_ns,
     recv_frame,
     send_frame,
     send_now,
+    server_answer_now,
     server_greet_now,
     server_handshake,
     server_join_now,
@@ -50,6 +56,39 @@ __all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple", "writable"]
 _log = get_logger("aioxfer")
 # Connections accepted in one step of the loop at most (the rest the next step).
 _ACCEPT_BURST = 32
+# The accepting step's polling for a same-host client's Proof (Server._answer_now)
+# is a leaky bucket: each poll's time is owed, the debt drains at _SPIN_SHARE
+# of a core, and nothing is polled while _SPIN_BURST_NS are owed. A local
+# client that never answers (or answers late on purpose) so costs us at most
+# _SPIN_BURST_NS at once, then _SPIN_SHARE of a core, whatever it does; an
+# honest one's Proof comes within ~0.1 ms: ~500 polled handshakes a second.
+_SPIN_SHARE = 0.05
+_SPIN_BURST_NS = 4 * HANDSHAKE_SPIN_NS
+# This process's servers: a client agent of ours is never polled for (it
+# cannot answer while its own process's loop polls, when it shares it).
+_servers: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+class _Out:
+    """What a handshake's answer still has to send (Server._send_now): the
+    bytes (Accept, metadata), then the memfds, then META_GO (go); meta/fds:
+    the snapshot the bytes were made of (None: no metadata); go_last:
+    META_GO is the bytes' last one instead; waited: a send had to wait (the
+    snapshot is checked against our regions again)."""
+
+    __slots__ = ("data", "meta", "fds", "i", "go", "go_last", "local", "waited")
+
+    def __init__(
+        self, data: bytes, meta: AgentMeta | None, fds: list[int], *, go: bool, local: bool
+    ) -> None:
+        self.data = memoryview(data)
+        self.meta = meta
+        self.fds = fds
+        self.i = 0  # the next memfd to send
+        self.go = go
+        self.go_last = False  # META_GO is data's last byte
+        self.local = local
+        self.waited = False
 
 
 class Server:
@@ -66,7 +105,8 @@ class Server:
     ``tag_for(name, incarnation)`` / ``tag_unref(tag)``: a reference to the
     tag of a peer's connections, and its release; ``tasks``: the agent's set
     of serving tasks (cancelled and awaited at close); ``closed()``: whether
-    the agent is closed.
+    the agent is closed; ``spin``: whether a same-host client's handshake
+    may be polled for in the accepting step (_answer_now).
     """
 
     __slots__ = (
@@ -83,8 +123,13 @@ class Server:
         "_tag_unref",
         "_tasks",
         "_closed",
+        "_spin",
+        "_spin_debt",
+        "_spin_at",
+        "_challenge",
         "joins",
         "closing",
+        "__weakref__",
     )
 
     def __init__(
@@ -103,6 +148,7 @@ class Server:
         tag_unref: Callable[[int], None],
         tasks: set[asyncio.Task[None]],
         closed: Callable[[], bool],
+        spin: bool = True,
     ) -> None:
         self._agent = agent
         self._engine = engine
@@ -117,6 +163,15 @@ class Server:
         self._tag_unref = tag_unref
         self._tasks = tasks
         self._closed = closed
+        # Whether the accepting step may poll a same-host client's socket
+        # for its Proof (_answer_now); the agent's progress mode "sleep": not.
+        self._spin = spin
+        self._spin_debt = 0  # ns of polling owed (see _SPIN_SHARE)
+        self._spin_at = 0
+        # The next connection's Challenge, made ahead (after an accepting
+        # step), so that it goes out first thing on the next accept.
+        self._challenge: tuple[bytes, bytes] | None = None
+        _servers.add(self)
         # The Challenges a client's other connections may join (one round
         # trip each instead of two: a tcp connect's other connections, a
         # same-host connect's unix socket): as many live as handshakes may run.
@@ -152,6 +207,8 @@ class Server:
                 try:
                     sock, addr = lsock.accept()
                 except (BlockingIOError, InterruptedError):
+                    if self._challenge is None:  # (the next one's, off its way)
+                        self._challenge = challenge(self._token)
                     return
                 except OSError as exc:
                     if self._closed():
@@ -188,7 +245,11 @@ class Server:
                 nonce = self._greet_now(sock, addr)
                 if nonce is None:  # broke before its handshake (logged, closed)
                     continue
-                task = loop.create_task(self._serve(loop, sock, addr, cred=cred, nonce=nonce))
+                answered = self._answer_now(loop, sock, addr, cred, nonce)
+                if answered is True:
+                    continue
+                task = loop.create_task(self._serve(loop, sock, addr, cred=cred, nonce=nonce,
+                                                    answered=answered or None))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -207,10 +268,13 @@ class Server:
         *,
         cred: PeerCred | None,
         nonce: bytes,
+        answered: tuple[Hello, _Out] | None = None,
     ) -> None:
         """One connection's handshake and what it asked for (nonce: of our
         Challenge, sent in the accepting step, _greet_now; cred: who
-        connected on the unix socket, our own user: _local_cred)."""
+        connected on the unix socket, our own user: _local_cred; answered:
+        the handshake was made in the accepting step, _answer_now, whose
+        sends are finished here)."""
         local = cred is not None
         remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
         pidfd = -1
@@ -218,16 +282,24 @@ class Server:
             # (a tcp connection's TCP_NODELAY is set already: _join_now saw
             # it first; one setsockopt per handshake was made twice)
             async with asyncio.timeout(self._peer_timeout):
-                hello = await server_handshake(
-                    loop,
-                    sock,
-                    token=self._token,
-                    accept=self._accept,
-                    joins=self.joins,
-                    nonce=nonce,
-                    refuse=self._refusal,
-                )
-                if hello.purpose == "meta":
+                if answered is not None:
+                    hello, out = answered
+                    await self._send_rest(loop, sock, out)
+                    if hello.purpose == "meta":
+                        return
+                else:
+                    hello = await server_handshake(
+                        loop,
+                        sock,
+                        token=self._token,
+                        accept=self._accept,
+                        joins=self.joins,
+                        nonce=nonce,
+                        refuse=self._refusal,
+                    )
+                if answered is not None:
+                    handles: list[int] = []
+                elif hello.purpose == "meta":
                     if hello.accept_only:
                         return
                     if local:
@@ -240,16 +312,18 @@ class Server:
                     else:
                         await send_frame(loop, sock, self._meta())
                     return
-                handles: list[int] = []
-                if hello.purpose == "verbs":
-                    if local:
-                        raise ProtocolError("verbs connections are not made on the unix socket")
-                    handles = await self._accept_verbs(loop, sock)
-                elif hello.meta:
-                    # Returns having sent META_GO; from there to the engine
-                    # taking the connection nothing awaits (no deregistration
-                    # can slip in between).
-                    await self._send_meta(loop, sock, local)
+                else:
+                    handles = []
+                    if hello.purpose == "verbs":
+                        if local:
+                            raise ProtocolError(
+                                "verbs connections are not made on the unix socket")
+                        handles = await self._accept_verbs(loop, sock)
+                    elif hello.meta:
+                        # Returns having sent META_GO; from there to the engine
+                        # taking the connection nothing awaits (no deregistration
+                        # can slip in between).
+                        await self._send_meta(loop, sock, local)
             if cred is not None:
                 # Held by the engine for this connection's life: a revocation
                 # it owes is settled by its ack or by its process's exit, never
@@ -258,27 +332,109 @@ class Server:
             # _hand_over owns pidfd, the engine the fd (and the queue pairs).
             owned, pidfd = pidfd, -1
             self._hand_over(sock, hello, remote, owned, handles)
-        except HandshakeRejected as exc:
-            _log.warning("conn.rejected", agent=self._agent, remote=remote, reason=str(exc))
-        except ProtocolError as exc:
-            _log.warning("conn.rejected", agent=self._agent, remote=remote, reason=str(exc))
-        except TimeoutError:
-            _log.warning(
-                "conn.rejected", agent=self._agent, remote=remote, reason="handshake timed out"
-            )
-        except OSError as exc:
-            _log.info("conn.failed", agent=self._agent, remote=remote, reason=str(exc))
-        except _cyx.NativeError as exc:
-            _log.warning("conn.failed", agent=self._agent, remote=remote, reason=str(exc))
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # hostile input must never end in an unretrieved task error
-            _log.warning("conn.rejected", agent=self._agent, remote=remote,
-                         reason=f"{type(exc).__name__}: {exc}")
+            self._failed(exc, remote)
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
             sock.close()  # (nothing if the engine took it: detached)
+
+    def _failed(self, exc: Exception, remote: str) -> None:
+        """A handshake (or what it asked for) that failed with exc, logged
+        as what it was: refused, malformed, timed out, broken."""
+        if isinstance(exc, (HandshakeRejected, ProtocolError)):
+            _log.warning("conn.rejected", agent=self._agent, remote=remote, reason=str(exc))
+        elif isinstance(exc, TimeoutError):
+            _log.warning(
+                "conn.rejected", agent=self._agent, remote=remote, reason="handshake timed out"
+            )
+        elif isinstance(exc, OSError):
+            _log.info("conn.failed", agent=self._agent, remote=remote, reason=str(exc))
+        elif isinstance(exc, _cyx.NativeError):
+            _log.warning("conn.failed", agent=self._agent, remote=remote, reason=str(exc))
+        else:
+            _log.warning("conn.rejected", agent=self._agent, remote=remote,
+                         reason=f"{type(exc).__name__}: {exc}")
+
+    def _answer_now(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        addr: Any,
+        cred: PeerCred | None,
+        nonce: bytes,
+    ) -> bool | tuple[Hello, _Out]:
+        """The whole handshake in the accepting step, right after our
+        Challenge (protocol.server_answer_now), when the client's Hello (and
+        Proof) are there, or, from a client on this host, come within a
+        bounded poll (_spin_ns): no task, no timer, no further step of the
+        loop on the connect's way (cxs32: the serving task's start and
+        steps cost ~0.15 ms after the accept, and a Proof awaited in the
+        loop the wake-up of an idle vCPU). False: nothing read, for _serve;
+        True: served here (handed to the engine, or closed and logged);
+        (hello, what is still to send): the socket took part of the answer
+        only, _serve sends the rest."""
+        spin = 0 if cred is not None and cred.pid == os.getpid() else self._spin_ns(loop, sock)
+        if self._token is not None and not spin:
+            return False  # (a remote client's Proof is a round trip away: not there yet)
+        remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
+        local = cred is not None
+
+        def ahead(hello: Hello, accept: bytes) -> _Out:
+            return self._out(
+                local, accept,
+                meta=hello.meta if hello.purpose == "data" else not hello.accept_only,
+                go=hello.purpose == "data",
+            )
+
+        t0 = time.monotonic_ns()
+        try:
+            got = server_answer_now(loop, sock, token=self._token, accept=self._accept,
+                                    joins=self.joins, nonce=nonce, refuse=self._refusal,
+                                    spin_ns=spin, ahead=ahead, polled=_not_ours)
+        except Exception as exc:  # (ProtocolError: read, then broken; our metadata's own)
+            self._failed(exc, remote)
+            sock.close()
+            return True
+        finally:
+            if spin:
+                self._spin_debt += time.monotonic_ns() - t0
+        if got is None:
+            return False
+        hello, out = got
+        pidfd = -1
+        keep = False  # (the socket goes on to _serve)
+        try:
+            if not self._send_now(sock, out):
+                keep = True  # the rest in _serve (its timeout bounds the waits)
+                return hello, out
+            if hello.purpose == "data":
+                if cred is not None:  # (see _serve)
+                    pidfd = peer_pidfd(sock, cred)
+                owned, pidfd = pidfd, -1
+                self._hand_over(sock, hello, remote, owned, [])
+        except Exception as exc:  # as _serve: never an error out of the accepting step
+            self._failed(exc, remote)
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+            if not keep:
+                sock.close()  # (nothing if the engine took it: detached)
+        return True
+
+    def _spin_ns(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int:
+        """How long _answer_now may poll sock for the client's frames, ns:
+        protocol.handshake_spin_ns (a client on this host, asyncio's own
+        loops), unless spin is off or the polling owed is at its bound
+        (_SPIN_SHARE)."""
+        if not self._spin:
+            return 0
+        now = time.monotonic_ns()
+        self._spin_debt = max(0, self._spin_debt - int((now - self._spin_at) * _SPIN_SHARE))
+        self._spin_at = now
+        if self._spin_debt >= _SPIN_BURST_NS:
+            return 0
+        return handshake_spin_ns(loop, sock)
 
     def _hand_over(
         self, sock: socket.socket, hello: Hello, remote: str, pidfd: int, handles: list[int]
@@ -366,9 +522,10 @@ class Server:
         connection is read (protocol.server_greet_now): the client has our
         nonce one round trip sooner than if we waited for its Hello. Its
         nonce; None: the socket broke, closed (and logged) here."""
+        made, self._challenge = self._challenge, None  # (each nonce once)
         try:
             sock.setblocking(False)
-            return server_greet_now(sock, token=self._token)
+            return server_greet_now(sock, token=self._token, made=made)
         except OSError as exc:  # (reset at once: as _serve says a broken one)
             _log.info("conn.failed", agent=self._agent, remote=fmt_sockaddr(addr),
                       reason=str(exc))
@@ -409,30 +566,57 @@ class Server:
         closed when it changed. Usually nothing waits: a snapshot, its sends
         and the hand-over to the engine happen in one step of the loop.
         go False (a "meta" connection): no META_GO, nothing handed over."""
-        meta, fds = self._local_meta() if local else (self._meta(), [])
-        frame = encode_frame(meta)
-        waited = False
-        sent = send_now(sock, frame)
-        if sent < len(frame):
-            await loop.sock_sendall(sock, memoryview(frame)[sent:])
-            waited = True
-        for i in range(0, len(fds), FDS_PER_MESSAGE):
-            while True:
-                if waited:
-                    self._check_current(meta, fds, local)
-                try:
-                    socket.send_fds(sock, [b"F"], fds[i : i + FDS_PER_MESSAGE])
-                    break
-                except (BlockingIOError, InterruptedError):
-                    await writable(loop, sock)
-                    waited = True
-        while go:
-            if waited:
-                self._check_current(meta, fds, local)
-            if send_now(sock, META_GO):
-                return
+        await self._send_rest(loop, sock, self._out(local, b"", meta=True, go=go))
+
+    def _out(self, local: bool, head: bytes, *, meta: bool, go: bool) -> _Out:
+        """head (our Accept, or nothing), then with meta our metadata as
+        served over tcp, or on the unix socket (local) with its memfds, and
+        with go META_GO: what _send_now sends."""
+        if not meta:
+            return _Out(head, None, [], go=False, local=local)
+        snap, fds = self._local_meta() if local else (self._meta(), [])
+        if go and not fds:
+            # META_GO in the same send (one syscall, one segment fewer); if
+            # the socket takes only part, _send_now takes it off the rest and
+            # sends it once the snapshot was checked again.
+            out = _Out(head + encode_frame(snap) + META_GO, snap, fds, go=False, local=local)
+            out.go_last = True
+            return out
+        return _Out(head + encode_frame(snap), snap, fds, go=go, local=local)
+
+    def _send_now(self, sock: socket.socket, out: _Out) -> bool:
+        """Sends what out still owes, as far as the socket takes it now
+        (see _send_meta for the checks once a send waited); True: all."""
+        if out.data:
+            out.data = out.data[send_now(sock, out.data) :]
+            if out.data:
+                if out.go_last:  # (META_GO not sent: sent once checked, below)
+                    out.data, out.go, out.go_last = out.data[:-1], True, False
+                return False
+        while out.i < len(out.fds):
+            if out.waited:
+                assert out.meta is not None
+                self._check_current(out.meta, out.fds, out.local)
+            try:
+                socket.send_fds(sock, [b"F"], out.fds[out.i : out.i + FDS_PER_MESSAGE])
+            except (BlockingIOError, InterruptedError):
+                return False
+            out.i += FDS_PER_MESSAGE
+        if out.go:
+            if out.waited:
+                assert out.meta is not None
+                self._check_current(out.meta, out.fds, out.local)
+            if not send_now(sock, META_GO):
+                return False
+            out.go = False
+        return True
+
+    async def _send_rest(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, out: _Out
+    ) -> None:
+        while not self._send_now(sock, out):
             await writable(loop, sock)
-            waited = True
+            out.waited = True
 
     def _check_current(self, meta: AgentMeta, fds: list[int], local: bool) -> None:
         """ProtocolError unless every region of meta is still ours, with the
@@ -479,6 +663,11 @@ class Server:
                     self._engine.verbs_qp_destroy(handle)
             raise
         return handles
+
+
+def _not_ours(hello: Hello) -> bool:
+    """Whether hello is not from an agent of this process (see _servers)."""
+    return not any(s._accept.incarnation == hello.incarnation for s in _servers)
 
 
 async def writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
