@@ -370,6 +370,8 @@ class Agent:
 
         # peers being connected: by address, and endpoint -> status if lost meanwhile
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
+        # each attempt's callers' futures (Agent.connect, _attempt)
+        self._connect_waiters: dict[asyncio.Task[Peer], list[asyncio.Future[Peer]]] = {}
         self._connecting_eps: dict[int, int] = {}
         # Tags: each accepted connection and each endpoint holds one reference
         # to its peer's until it is gone, so that churn leaves no tags behind.
@@ -994,13 +996,32 @@ class Agent:
             return peer
         task = self._connecting.get(address)
         if task is None:
+            # The attempt's first connection is dialled now, not in the task's
+            # first step a loop iteration later: the peer's loop wakes to
+            # accept it (~0.25 ms on an idle host) while our task starts and
+            # the handshake is prepared, instead of after (Connector.predial).
+            first = self._connector.predial(address)
+            waiters: list[asyncio.Future[Peer]] = []
             task = loop.create_task(
-                self._connector.connect(address), name=f"aioxfer-connect-{address}"
+                self._attempt(address, first, waiters), name=f"aioxfer-connect-{address}"
             )
             self._connecting[address] = task
-            task.add_done_callback(lambda t: self._connect_done(address, t))
+            self._connect_waiters[task] = waiters
+            task.add_done_callback(lambda t: self._connect_done(address, t, first))
+        # Each caller waits on a future of its own, resolved by the attempt
+        # itself as it ends (_attempt): a cancelled caller cancels only its
+        # own (as with asyncio.shield), and the callers resume one loop
+        # iteration after the attempt's end, not two (the task's done
+        # callbacks, then shield's outer future's).
+        mine = self._connect_waiters.get(task)
+        fut: asyncio.Future[Peer]
+        if mine is None or task.done():  # (ended, its callbacks not run yet)
+            fut = asyncio.shield(task)
+        else:
+            fut = loop.create_future()
+            mine.append(fut)
         try:
-            return await asyncio.shield(task)
+            return await fut
         except asyncio.CancelledError:
             if self._closed and task.cancelled():
                 raise ClosedResourceError(
@@ -1008,11 +1029,34 @@ class Agent:
                 ) from None
             raise
 
-    def _connect_done(self, address: str, task: asyncio.Task[Peer]) -> None:
+    async def _attempt(
+        self, address: str, first: socket.socket | None, waiters: list[asyncio.Future[Peer]]
+    ) -> Peer:
+        """One connect attempt (Connector.connect), shared by its callers:
+        each one's future (waiters) gets its outcome here, as it ends."""
+        try:
+            peer = await self._connector.connect(address, first)
+        except BaseException as exc:
+            _resolve(waiters, None, exc)
+            raise
+        _resolve(waiters, peer, None)
+        return peer
+
+    def _connect_done(
+        self, address: str, task: asyncio.Task[Peer], first: socket.socket | None
+    ) -> None:
         if self._connecting.get(address) is task:
             del self._connecting[address]
-        if not task.cancelled():
-            task.exception()  # retrieved: every awaiter may have been cancelled
+        waiters = self._connect_waiters.pop(task, [])
+        if first is not None:
+            # Not taken: the task was cancelled before its first step (the
+            # agent closed at once). (A no-op on a socket handed on.)
+            first.close()
+        if task.cancelled():
+            _resolve(waiters, None, asyncio.CancelledError())
+        else:
+            exc = task.exception()  # retrieved: every awaiter may have been cancelled
+            _resolve(waiters, None if exc is not None else task.result(), exc)
 
     @functools.cached_property
     def _connector(self) -> Connector:
@@ -1374,6 +1418,22 @@ class Agent:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _resolve(
+    waiters: list[asyncio.Future[Peer]], peer: Peer | None, exc: BaseException | None
+) -> None:
+    """A connect attempt's outcome, to each of its callers' futures still waiting."""
+    for f in waiters:
+        if f.done():  # (its caller was cancelled)
+            continue
+        if exc is None:
+            assert peer is not None
+            f.set_result(peer)
+        elif isinstance(exc, asyncio.CancelledError):
+            f.cancel()
+        else:
+            f.set_exception(exc)
 
 
 def _describe(t: Transfer) -> str:

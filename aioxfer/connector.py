@@ -131,6 +131,7 @@ class Connector:
         "_connecting",
         "_closed",
         "_unchecked",
+        "_predialed",
     )
 
     def __init__(
@@ -161,14 +162,46 @@ class Connector:
         # same-host peer and are still checking it (refresh): another
         # refresh whose snapshot names it checks it too before it returns.
         self._unchecked: dict[tuple[int, int, int], int] = {}
+        # address -> the unix socket predial connected, from connect to
+        # _open_direct (one attempt per address at a time: Agent.connect).
+        self._predialed: dict[str, socket.socket] = {}
 
     def _check_open(self) -> None:
         if self._closed():
             raise ClosedResourceError(f"agent {self._agent!r} is closed")
 
-    async def connect(self, address: str) -> Peer:
+    def predial(self, address: str) -> socket.socket | None:
+        """The first connection connect(address) takes, its connect started
+        now, without waiting (Agent.connect calls this before the attempt's
+        task first runs): the peer's unix socket named after address
+        (_open_direct) for an agent that tries it first, else a tcp one to an
+        IP literal (Dialer.dial_now). None where that is not known yet or did
+        not start (connect then dials as it would have: its errors are said
+        there). Nothing is sent on it and nothing is trusted of it before
+        connect checks it as it checks a connection it dialled itself."""
+        cfg = self._config
+        try:
+            if cfg.local:
+                if not cma_allowed():
+                    return None  # (the tcp probe first: its purpose is known later)
+                return self._dialer.dial_local_now(
+                    local_name_for(cfg.token, address, os.geteuid())
+                )
+            return self._dialer.dial_now(address)
+        except (ValueError, TypeError):
+            return None  # (not an address: connect raises it)
+
+    async def connect(self, address: str, first: socket.socket | None = None) -> Peer:
         """A new Peer for the agent at address (or the live one of the
-        incarnation found there), added to the table."""
+        incarnation found there), added to the table. first: from
+        predial(address), ours from here on (closed if not taken)."""
+        try:
+            return await self._connect(address, first)
+        finally:
+            if first is not None:
+                first.close()  # (a no-op once detached: handed to the engine)
+
+    async def _connect(self, address: str, first: socket.socket | None) -> Peer:
         host, port = parse_address(address)
         # One data connection first, which the peer's engine holds from the
         # metadata snapshot on: a region deregistered after the snapshot is
@@ -196,13 +229,19 @@ class Connector:
         # each, no Proof round: protocol.Joins): index 1 the unix socket's,
         # or else 2 the tcp data connection's, 3.. the tcp rails' others.
         probe = cfg.local
-        if probe and cma_allowed():
+        if probe and (first is not None or cma_allowed()):  # (predial asked cma_allowed)
             # A same-host peer also listens on a unix socket named after its
             # address (local.local_name_for): dialled first, it spares the tcp
             # probe (~1 ms: connect, handshake, then this same unix round).
             # Anything short of a vouched-for shm/cuda peer there (nobody,
             # another user, an impostor, a stall) falls back to the probe.
-            direct = await self._open_direct(address)
+            if first is not None:  # (handed on by address: _open_direct(address) stays)
+                self._predialed[address] = first
+            try:
+                direct = await self._open_direct(address)
+            finally:
+                self._predialed.pop(address, None)
+            first = None  # (taken, or closed by connect)
             if direct is not None:
                 try:
                     assert direct.meta is not None
@@ -231,6 +270,7 @@ class Connector:
                     joins=(early.joins if early is not None else 0)
                     + (later if cfg.token is not None else 0),
                     on_challenge=challenge.append,
+                    sock=first,
                 )
         except BaseException:
             if early is not None:
@@ -609,18 +649,22 @@ class Connector:
         checks it: our uid by the kernel, the token handshake, sealed memfds,
         the pidfd; and the metadata must list address among the peer's
         rails. None (a debug line) on anything else, within _DIRECT_TIMEOUT:
-        the caller then takes the tcp probe, which answers for itself."""
+        the caller then takes the tcp probe, which answers for itself.
+        That socket may be connected already (predial: connect hands it
+        over in _predialed): then it is ours."""
         cfg = self._config
         loop = asyncio.get_running_loop()
         link = _LocalLink()
+        link.data = self._predialed.pop(address, None)
         result: _LocalLink | None = None
         why = ""
         try:
-            name = local_name_for(cfg.token, address, os.geteuid())
-            try:
-                link.data = await self._dialer.dial_local(name)
-            except OSError:
-                return None  # nobody listens there: not a same-host agent (or an old one)
+            if link.data is None:
+                name = local_name_for(cfg.token, address, os.geteuid())
+                try:
+                    link.data = await self._dialer.dial_local(name)
+                except OSError:
+                    return None  # nobody listens there: not a same-host agent (or an old one)
             async with asyncio.timeout(min(self._dialer.peer_timeout, _DIRECT_TIMEOUT)):
                 link.cred = peer_cred(link.data)
                 if link.cred.uid != os.geteuid():

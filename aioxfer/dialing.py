@@ -88,6 +88,22 @@ class Dialer:
             raise
         return sock
 
+    def dial_local_now(self, name: str) -> socket.socket | None:
+        """dial_local(name) where it connects at once (a unix socket's connect
+        completes or fails inline, unless the listener's backlog is full),
+        without yielding: None where it did not (dial_local then waits or
+        says why)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(local_address(name))
+        except OSError:
+            err = -1
+        if err:
+            sock.close()
+            return None
+        return sock
+
     async def fetch_local_meta(self, name: str, pid: int) -> tuple[AgentMeta, list[int]]:
         """A same-host peer's metadata and its memfds (index i of the list is
         the fd a RegionMeta with memfd=i names), from its unix socket, checked
