@@ -46,7 +46,7 @@ from aioxfer.auth import default_token, hmac_key, key_if_derived, key_soon
 from aioxfer.backends import registry as _backends
 from aioxfer.backends.host import BackendHost
 from aioxfer.cluster import Cluster
-from aioxfer.connector import ConnectConfig, Connector, cma_allowed
+from aioxfer.connector import ConnectConfig, Connector, Predialed, cma_allowed
 from aioxfer.descriptors import Descs as _Descs
 from aioxfer.descriptors import coalesce as _coalesce
 from aioxfer.descriptors import cuda_path as _cuda_path
@@ -996,10 +996,11 @@ class Agent:
             return peer
         task = self._connecting.get(address)
         if task is None:
-            # The attempt's first connection is dialled now, not in the task's
-            # first step a loop iteration later: the peer's loop wakes to
-            # accept it (~0.25 ms on an idle host) while our task starts and
-            # the handshake is prepared, instead of after (Connector.predial).
+            # The attempt's first connection is dialled and its Hello sent
+            # now, not in the task's first step a loop iteration later: the
+            # peer's loop wakes to answer it (~0.25 ms on an idle host) while
+            # our task starts and the handshake is prepared, instead of after
+            # (Connector.predial).
             first = self._connector.predial(address)
             waiters: list[asyncio.Future[Peer]] = []
             task = loop.create_task(
@@ -1030,7 +1031,7 @@ class Agent:
             raise
 
     async def _attempt(
-        self, address: str, first: socket.socket | None, waiters: list[asyncio.Future[Peer]]
+        self, address: str, first: Predialed | None, waiters: list[asyncio.Future[Peer]]
     ) -> Peer:
         """One connect attempt (Connector.connect), shared by its callers:
         each one's future (waiters) gets its outcome here, as it ends."""
@@ -1043,7 +1044,7 @@ class Agent:
         return peer
 
     def _connect_done(
-        self, address: str, task: asyncio.Task[Peer], first: socket.socket | None
+        self, address: str, task: asyncio.Task[Peer], first: Predialed | None
     ) -> None:
         if self._connecting.get(address) is task:
             del self._connecting[address]

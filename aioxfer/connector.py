@@ -62,7 +62,7 @@ from aioxfer.scheduling import PeerScheduler
 from aioxfer.serving import qp_tuple
 from aioxfer.tags import Tags
 
-__all__ = ["ConnectConfig", "Connector", "cma_allowed"]
+__all__ = ["ConnectConfig", "Connector", "Predialed", "cma_allowed"]
 
 _log = get_logger("aioxfer")
 # How long after a connect returned its peer.connected line is rendered.
@@ -164,34 +164,59 @@ class Connector:
         self._unchecked: dict[tuple[int, int, int], int] = {}
         # address -> the unix socket predial connected, from connect to
         # _open_direct (one attempt per address at a time: Agent.connect).
-        self._predialed: dict[str, socket.socket] = {}
+        self._predialed: dict[str, Predialed] = {}
 
     def _check_open(self) -> None:
         if self._closed():
             raise ClosedResourceError(f"agent {self._agent!r} is closed")
 
-    def predial(self, address: str) -> socket.socket | None:
-        """The first connection connect(address) takes, its connect started
-        now, without waiting (Agent.connect calls this before the attempt's
-        task first runs): the peer's unix socket named after address
-        (_open_direct) for an agent that tries it first, else a tcp one to an
-        IP literal (Dialer.dial_now). None where that is not known yet or did
-        not start (connect then dials as it would have: its errors are said
-        there). Nothing is sent on it and nothing is trusted of it before
-        connect checks it as it checks a connection it dialled itself."""
+    def predial(self, address: str) -> Predialed | None:
+        """The first connection connect(address) takes, connected now and its
+        Hello sent, without yielding (Agent.connect calls this before the
+        attempt's task first runs): a peer's loop wakes only once a Hello is
+        in (TCP_DEFER_ACCEPT; its unix socket's accept is then ready with
+        it), so every step of ours before the Hello was on the way of the
+        whole connect. It is the peer's unix socket named after address
+        (_open_direct) for an agent that tries that first, its Hello sent
+        only once the kernel said it is served by our uid (as _open_direct
+        checks before its handshake); else a tcp one to an IP literal.
+        None where that is not known yet or did not connect at once (connect
+        then dials as it would have, and says why it failed). Nothing is
+        trusted of it before connect checked it as its own."""
         cfg = self._config
+        dialer = self._dialer
         try:
             if cfg.local:
                 if not cma_allowed():
                     return None  # (the tcp probe first: its purpose is known later)
-                return self._dialer.dial_local_now(
-                    local_name_for(cfg.token, address, os.geteuid())
-                )
-            return self._dialer.dial_now(address)
+                sock = dialer.dial_local_now(local_name_for(cfg.token, address, os.geteuid()))
+                if sock is None:
+                    return None
+                try:
+                    ours = peer_cred(sock).uid == os.geteuid()
+                except OSError:
+                    ours = False
+                return Predialed(sock, dialer.hello_now(sock, meta=True) if ours else None)
+            sock = dialer.dial_now(address)
         except (ValueError, TypeError):
             return None  # (not an address: connect raises it)
+        if sock is None:
+            return None
+        return Predialed(sock, dialer.hello_now(sock, meta=True, joins=self._data_joins()))
 
-    async def connect(self, address: str, first: socket.socket | None = None) -> Peer:
+    def _data_joins(self) -> int:
+        """How many joins the first tcp "data" connection of an agent without
+        a unix socket asks for (its first rail's other connections', then,
+        with rails, the others'): what its Hello says, sent by predial or by
+        the handshake."""
+        cfg = self._config
+        if cfg.token is None:
+            return 0
+        early = cfg.tcp_connections - 1 if "verbs" not in cfg.transports else 0
+        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
+        return max(early, 0) + later
+
+    async def connect(self, address: str, first: Predialed | None = None) -> Peer:
         """A new Peer for the agent at address (or the live one of the
         incarnation found there), added to the table. first: from
         predial(address), ours from here on (closed if not taken)."""
@@ -201,7 +226,7 @@ class Connector:
             if first is not None:
                 first.close()  # (a no-op once detached: handed to the engine)
 
-    async def _connect(self, address: str, first: socket.socket | None) -> Peer:
+    async def _connect(self, address: str, first: Predialed | None) -> Peer:
         host, port = parse_address(address)
         # One data connection first, which the peer's engine holds from the
         # metadata snapshot on: a region deregistered after the snapshot is
@@ -263,14 +288,16 @@ class Connector:
                     on_challenge=challenge.append,
                 )
             else:
+                # (_data_joins: (early.joins if early is not None else 0)
+                # + (later if cfg.token is not None else 0))
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address,
                     "data",
                     meta=True,
-                    joins=(early.joins if early is not None else 0)
-                    + (later if cfg.token is not None else 0),
+                    joins=self._data_joins(),
                     on_challenge=challenge.append,
-                    sock=first,
+                    sock=None if first is None else first.sock,
+                    hello=None if first is None else first.sent,
                 )
         except BaseException:
             if early is not None:
@@ -655,7 +682,10 @@ class Connector:
         cfg = self._config
         loop = asyncio.get_running_loop()
         link = _LocalLink()
-        link.data = self._predialed.pop(address, None)
+        first = self._predialed.pop(address, None)
+        sent: tuple[bytes, bytes] | None = None
+        if first is not None:
+            link.data, sent = first.sock, first.sent
         result: _LocalLink | None = None
         why = ""
         try:
@@ -673,7 +703,7 @@ class Connector:
                 spin = self._dialer.spin_ns(loop, link.data)
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=cfg.incarnation,
-                    purpose="data", token=cfg.token, meta=True, spin_ns=spin,
+                    purpose="data", token=cfg.token, meta=True, spin_ns=spin, sent=sent,
                 )
                 if not accept.meta or accept.host_id != cfg.host_id:
                     why = "it sends no metadata there, or is not on this host"
@@ -1238,6 +1268,20 @@ class _EarlyConns:
         for s in self._socks:  # dialled at once (detached: taken by the engine)
             if s is not None and s.fileno() >= 0:
                 s.close()
+
+
+class Predialed:
+    """A first connection Connector.predial opened: sock, and sent (what
+    Dialer.hello_now sent on it: None, nothing). Closed unless taken."""
+
+    __slots__ = ("sock", "sent")
+
+    def __init__(self, sock: socket.socket, sent: tuple[bytes, bytes] | None) -> None:
+        self.sock = sock
+        self.sent = sent
+
+    def close(self) -> None:
+        self.sock.close()  # (a no-op once detached or closed)
 
 
 class _LocalLink:
