@@ -148,6 +148,9 @@ def _patch(prefix: str) -> None:
                 _wrap_async(mod, f, prefix + f)
     for m in ("dial", "dial_local", "receive_meta", "fetch_meta", "fetch_local_meta"):
         _wrap_async(dialing.Dialer, m, prefix + m)
+    if hasattr(conn.Connector, "predial"):  # (builds since cxc32: dialled in Agent.connect)
+        _wrap_sync(conn.Connector, "predial", prefix + "predial")
+        _wrap_sync(dialing.Dialer, "hello_now", prefix + "hello_now")
     _wrap_async(conn.Connector, "_open_local", prefix + "open_local")
     _wrap_async(conn.Connector, "_open_direct", prefix + "open_direct")
     _wrap_async(conn.Connector, "connect", prefix + "Connector.connect")
