@@ -24,6 +24,9 @@ PHASE_IDLE_MS=ms: an idle pause before each write (threads long started);
 PHASE_POOL_MIB=n: the target's region is n MiB, not 64 (a what-if: with a
 small one the shm row is the handshake without the pool's populate);
 PHASE_PROFILE=path: cProfile of the initiator's timed window, to path.<pid>.
+I.predial / I.hello_now (builds since cxc32): the first connection dialled
+and its Hello sent by Agent.connect itself, before the attempt's task runs
+(I.Connector.connect then starts after them; I.dial is no longer a step).
 PHASE_GC_KEEP=1: no gc.collect() before the clock (see _initiator). The
 collector's passes show as steps (I.gc0, T.gc1, ... by generation).
 I.cpu_process / I.cpu_loop_thread: the initiator's CPU time (rusage) over
