@@ -190,19 +190,36 @@ class Connector:
                 if not cma_allowed():
                     return None  # (the tcp probe first: its purpose is known later)
                 sock = dialer.dial_local_now(local_name_for(cfg.token, address, os.geteuid()))
+                if sock is not None:
+                    try:
+                        ours = peer_cred(sock).uid == os.geteuid()
+                    except OSError:
+                        ours = False
+                    sent = dialer.hello_now(sock, meta=True) if ours else None
+                    return Predialed(sock, sent, local=True)
+                # Nobody listens there (not a same-host agent): the tcp probe
+                # (connect's "meta" connection) instead, its Hello sent now.
+                sock = dialer.dial_now(address)
                 if sock is None:
-                    return None
-                try:
-                    ours = peer_cred(sock).uid == os.geteuid()
-                except OSError:
-                    ours = False
-                return Predialed(sock, dialer.hello_now(sock, meta=True) if ours else None)
+                    return Predialed(None, None, local=True)  # (direct: nobody; probe: dial)
+                sent = dialer.hello_now(sock, purpose="meta", meta=False,
+                                        joins=self._probe_joins())
+                return Predialed(sock, sent, local=False)
             sock = dialer.dial_now(address)
         except (ValueError, TypeError):
             return None  # (not an address: connect raises it)
         if sock is None:
             return None
-        return Predialed(sock, dialer.hello_now(sock, meta=True, joins=self._data_joins()))
+        sent = dialer.hello_now(sock, meta=True, joins=self._data_joins())
+        return Predialed(sock, sent, local=False)
+
+    def _probe_joins(self) -> int:
+        """How many joins the tcp "meta" probe of an agent with a unix
+        socket asks for: the unix socket's, the tcp data connection's and
+        its rail's others, then, with rails, the others' (connect)."""
+        cfg = self._config
+        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
+        return 1 + cfg.tcp_connections + later
 
     def _data_joins(self) -> int:
         """How many joins the first tcp "data" connection of an agent without
@@ -254,7 +271,14 @@ class Connector:
         # each, no Proof round: protocol.Joins): index 1 the unix socket's,
         # or else 2 the tcp data connection's, 3.. the tcp rails' others.
         probe = cfg.local
-        if probe and (first is not None or cma_allowed()):  # (predial asked cma_allowed)
+        # predial found nobody on the peer's address-named unix socket
+        # (_open_direct would say just that: None): the probe's turn, on the
+        # tcp connection predial opened for it if any.
+        skip_direct = first is not None and (not first.local or first.sock is None)
+        if first is not None and first.sock is None:
+            first = None
+        if probe and not skip_direct and (first is not None or cma_allowed()):
+            # (predial asked cma_allowed)
             # A same-host peer also listens on a unix socket named after its
             # address (local.local_name_for): dialled first, it spares the tcp
             # probe (~1 ms: connect, handshake, then this same unix round).
@@ -280,12 +304,15 @@ class Connector:
         # peer may have other rails (max_rails > 1). Those a single-rail peer
         # leaves unused expire with the grant (the peer timeout), like the
         # probe's unix-socket index when it takes tcp.
-        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
+        # (_probe_joins, _data_joins)
         try:
             if probe:
+                # (_probe_joins: 1 + cfg.tcp_connections + later)
                 sock0, accept0, meta0 = await self._dialer.open_meta(
-                    address, "meta", meta=False, joins=1 + cfg.tcp_connections + later,
+                    address, "meta", meta=False, joins=self._probe_joins(),
                     on_challenge=challenge.append,
+                    sock=None if first is None else first.sock,
+                    hello=None if first is None else first.sent,
                 )
             else:
                 # (_data_joins: (early.joins if early is not None else 0)
@@ -686,6 +713,7 @@ class Connector:
         sent: tuple[bytes, bytes] | None = None
         if first is not None:
             link.data, sent = first.sock, first.sent
+            first.sock = None  # (the link's now)
         result: _LocalLink | None = None
         why = ""
         try:
@@ -1272,16 +1300,23 @@ class _EarlyConns:
 
 class Predialed:
     """A first connection Connector.predial opened: sock, and sent (what
-    Dialer.hello_now sent on it: None, nothing). Closed unless taken."""
+    Dialer.hello_now sent on it: None, nothing). local: sock is the peer's
+    address-named unix socket (None: nobody listens there); else a tcp
+    connection (the "meta" probe's for an agent with a unix socket, else
+    the "data" one's). Closed unless taken."""
 
-    __slots__ = ("sock", "sent")
+    __slots__ = ("sock", "sent", "local")
 
-    def __init__(self, sock: socket.socket, sent: tuple[bytes, bytes] | None) -> None:
+    def __init__(
+        self, sock: socket.socket | None, sent: tuple[bytes, bytes] | None, *, local: bool
+    ) -> None:
         self.sock = sock
         self.sent = sent
+        self.local = local
 
     def close(self) -> None:
-        self.sock.close()  # (a no-op once detached or closed)
+        if self.sock is not None:
+            self.sock.close()  # (a no-op once detached or closed)
 
 
 class _LocalLink:

@@ -215,19 +215,26 @@ class Dialer:
                                token=self._token, join=join)
 
     def hello_now(
-        self, sock: socket.socket, *, meta: bool, joins: int = 0
+        self,
+        sock: socket.socket,
+        *,
+        purpose: Literal["data", "meta"] = "data",
+        meta: bool,
+        joins: int = 0,
     ) -> tuple[bytes, bytes] | None:
-        """Our first "data" Hello on sock (connected by dial_now or
-        dial_local_now), sent now, in this step: (its nonce, what the socket
-        did not take yet), for open_meta's and client_handshake's ``sent``;
-        None, nothing sent, where it takes nothing (not connected yet:
-        client_handshake then sends it). meta/joins: as client_handshake's.
-        A Hello carries no secret (the handshake sends it at connect, before
-        the peer proved anything, as here)."""
+        """Our first Hello on sock (connected by dial_now or dial_local_now),
+        sent now, in this step: (its nonce, what the socket did not take
+        yet), for open_meta's and client_handshake's ``sent``; None, nothing
+        sent, where it takes nothing (not connected yet: client_handshake
+        then sends it). purpose "data" (meta/joins: as client_handshake's)
+        or "meta" (the accept_only probe, open_meta's). A Hello carries no
+        secret (the handshake sends it at connect, before the peer proved
+        anything, as here)."""
         if self._token is None:
             joins = 0  # (as client_handshake asks for none without a token)
-        nonce, frame = _hello(name=self._agent, incarnation=self._incarnation, purpose="data",
-                              token=self._token, meta=meta, joins=joins)
+        nonce, frame = _hello(name=self._agent, incarnation=self._incarnation, purpose=purpose,
+                              token=self._token, meta=meta and purpose == "data",
+                              accept_only=purpose == "meta", joins=joins)
         try:
             n = send_now(sock, frame)
         except OSError:

@@ -3,7 +3,8 @@ Agent.connect itself (cxc32, Connector.predial), before the attempt's task
 first runs: the peer wakes only once a Hello is in (TCP_DEFER_ACCEPT), so
 nothing of ours was to come before it.
 
-- The Hello is on the wire when connect first yields.
+- The Hello is on the wire when connect first yields (the tcp probe's, for
+  an agent with a unix socket where nobody listens on the address's name).
 - A connection predial opened is closed when the attempt never runs (the
   task cancelled before its first step), and the agent connects afterwards.
 - On a same-host peer's address-named unix socket the Hello goes only to a
@@ -53,6 +54,30 @@ async def test_hello_is_sent_before_connect_first_yields(make_agent) -> None:
             assert hello.name == init.name and hello.purpose == "data" and hello.meta
             assert hello.incarnation == init.incarnation
     # The listener never answers and is gone: the attempt fails as a dial would.
+    with pytest.raises(aioxfer.XferError):
+        await within(call)
+    assert not init._connecting
+
+
+async def test_probe_hello_is_sent_before_connect_first_yields(make_agent) -> None:
+    """An agent with a unix socket whose peer has none at the address's
+    name: predial sends the tcp probe's Hello at once instead."""
+    init = await make_agent("init")
+    await init.start()
+    if not connector.cma_allowed() or not init._connector._config.local:
+        pytest.skip("no same-host path here: no direct try, no probe")
+    lsock, address = _listener()
+    loop = asyncio.get_running_loop()
+    with lsock:
+        call = asyncio.ensure_future(init.connect(address))
+        await asyncio.sleep(0)
+        conn, _ = lsock.accept()
+        with conn:
+            conn.setblocking(False)
+            hello = await within(protocol.recv_frame(loop, conn, protocol.MAX_HANDSHAKE_FRAME))
+            assert isinstance(hello, Hello)
+            assert hello.purpose == "meta" and hello.accept_only and not hello.meta
+            assert hello.joins == init._connector._probe_joins()
     with pytest.raises(aioxfer.XferError):
         await within(call)
     assert not init._connecting
