@@ -163,7 +163,8 @@ class Connector:
         # refresh whose snapshot names it checks it too before it returns.
         self._unchecked: dict[tuple[int, int, int], int] = {}
         # address -> the unix socket predial connected, from connect to
-        # _open_direct (one attempt per address at a time: Agent.connect).
+        # _open_direct (one attempt per address at a time: Agent.connect;
+        # _open_direct(address) keeps its signature, which tests patch).
         self._predialed: dict[str, Predialed] = {}
 
     def _check_open(self) -> None:
@@ -187,9 +188,11 @@ class Connector:
         dialer = self._dialer
         try:
             if cfg.local:
-                if not cma_allowed():
-                    return None  # (the tcp probe first: its purpose is known later)
-                sock = dialer.dial_local_now(local_name_for(cfg.token, address, os.geteuid()))
+                sock = None
+                if cma_allowed():  # (else no direct try: the probe first)
+                    sock = dialer.dial_local_now(
+                        local_name_for(cfg.token, address, os.geteuid())
+                    )
                 if sock is not None:
                     try:
                         ours = peer_cred(sock).uid == os.geteuid()
@@ -197,8 +200,9 @@ class Connector:
                         ours = False
                     sent = dialer.hello_now(sock, meta=True) if ours else None
                     return Predialed(sock, sent, local=True)
-                # Nobody listens there (not a same-host agent): the tcp probe
-                # (connect's "meta" connection) instead, its Hello sent now.
+                # Nobody listens there (not a same-host agent), or no direct
+                # try: the tcp probe (connect's "meta" connection) instead,
+                # its Hello sent now.
                 sock = dialer.dial_now(address)
                 if sock is None:
                     return Predialed(None, None, local=True)  # (direct: nobody; probe: dial)
