@@ -59,13 +59,19 @@ async def test_hello_is_sent_before_connect_first_yields(make_agent) -> None:
     assert not init._connecting
 
 
-async def test_probe_hello_is_sent_before_connect_first_yields(make_agent) -> None:
+@pytest.mark.parametrize("cma", [True, False])
+async def test_probe_hello_is_sent_before_connect_first_yields(
+    make_agent, monkeypatch, cma: bool
+) -> None:
     """An agent with a unix socket whose peer has none at the address's
-    name: predial sends the tcp probe's Hello at once instead."""
+    name (or that may not reach a same-host peer's memory: no direct try):
+    predial sends the tcp probe's Hello at once instead."""
     init = await make_agent("init")
     await init.start()
-    if not connector.cma_allowed() or not init._connector._config.local:
-        pytest.skip("no same-host path here: no direct try, no probe")
+    if not init._connector._config.local or (cma and not connector.cma_allowed()):
+        pytest.skip("no same-host path here: no probe")
+    if not cma:
+        monkeypatch.setattr(connector, "cma_allowed", lambda: False)
     lsock, address = _listener()
     loop = asyncio.get_running_loop()
     with lsock:
