@@ -46,7 +46,7 @@ from aioxfer.auth import default_token, hmac_key, key_if_derived, key_soon
 from aioxfer.backends import registry as _backends
 from aioxfer.backends.host import BackendHost
 from aioxfer.cluster import Cluster
-from aioxfer.connector import ConnectConfig, Connector, cma_allowed
+from aioxfer.connector import ConnectConfig, Connector, Predialed, cma_allowed
 from aioxfer.descriptors import Descs as _Descs
 from aioxfer.descriptors import coalesce as _coalesce
 from aioxfer.descriptors import cuda_path as _cuda_path
@@ -370,6 +370,8 @@ class Agent:
 
         # peers being connected: by address, and endpoint -> status if lost meanwhile
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
+        # each attempt's callers (Agent.connect, _attempt)
+        self._attempts: dict[asyncio.Task[Peer], _Attempt] = {}
         self._connecting_eps: dict[int, int] = {}
         # Tags: each accepted connection and each endpoint holds one reference
         # to its peer's until it is gone, so that churn leaves no tags behind.
@@ -994,13 +996,30 @@ class Agent:
             return peer
         task = self._connecting.get(address)
         if task is None:
-            task = loop.create_task(
-                self._connector.connect(address), name=f"aioxfer-connect-{address}"
-            )
+            # The attempt's first connection is dialled and its Hello sent
+            # now, not in the task's first step a loop iteration later: the
+            # peer's loop wakes to answer it (~0.25 ms on an idle host) while
+            # our task starts and the handshake is prepared, instead of after
+            # (Connector.predial).
+            attempt = _Attempt(address, self._connector.predial(address))
+            task = loop.create_task(self._attempt(attempt), name=f"aioxfer-connect-{address}")
             self._connecting[address] = task
-            task.add_done_callback(lambda t: self._connect_done(address, t))
+            self._attempts[task] = attempt
+            task.add_done_callback(self._connect_done)
+        # Each caller waits on a future of its own, resolved by the attempt
+        # itself as it ends (_attempt): a cancelled caller cancels only its
+        # own (as with asyncio.shield), and the callers resume one loop
+        # iteration after the attempt's end, not two (the task's done
+        # callbacks, then shield's outer future's).
+        mine = self._attempts.get(task)
+        fut: asyncio.Future[Peer]
+        if mine is None or task.done():  # (ended, its callbacks not run yet)
+            fut = asyncio.shield(task)
+        else:
+            fut = loop.create_future()
+            mine.waiters.append(fut)
         try:
-            return await asyncio.shield(task)
+            return await fut
         except asyncio.CancelledError:
             if self._closed and task.cancelled():
                 raise ClosedResourceError(
@@ -1008,11 +1027,43 @@ class Agent:
                 ) from None
             raise
 
-    def _connect_done(self, address: str, task: asyncio.Task[Peer]) -> None:
-        if self._connecting.get(address) is task:
-            del self._connecting[address]
-        if not task.cancelled():
-            task.exception()  # retrieved: every awaiter may have been cancelled
+    async def _attempt(self, attempt: _Attempt) -> Peer:
+        """One connect attempt (Connector.connect), shared by its callers:
+        each one's future gets its outcome here, as it ends."""
+        try:
+            peer = await self._connector.connect(attempt.address, attempt.first)
+        except BaseException as exc:
+            attempt.resolve(None, exc)
+            raise  # (_connect_done: the rest)
+        # Done with here, not by _connect_done: a callback still ready when
+        # the callers resume would keep a first transfer's await from
+        # polling for its completion (progress.Poller.spin_alone).
+        task = asyncio.current_task()
+        assert task is not None
+        task.remove_done_callback(self._connect_done)
+        self._connect_ended(task)
+        attempt.resolve(peer, None)
+        return peer
+
+    def _connect_ended(self, task: asyncio.Task[Peer]) -> _Attempt | None:
+        attempt = self._attempts.pop(task, None)
+        if attempt is not None and self._connecting.get(attempt.address) is task:
+            del self._connecting[attempt.address]
+        return attempt
+
+    def _connect_done(self, task: asyncio.Task[Peer]) -> None:
+        """An attempt that failed, or was cancelled (maybe before its first
+        step: the agent closed at once)."""
+        attempt = self._connect_ended(task)
+        exc: BaseException | None
+        if task.cancelled():
+            exc = asyncio.CancelledError()
+        else:
+            exc = task.exception()  # retrieved: every awaiter may have been cancelled
+        if attempt is not None:
+            if attempt.first is not None:
+                attempt.first.close()  # (a no-op on one handed on)
+            attempt.resolve(None if exc is not None else task.result(), exc)
 
     @functools.cached_property
     def _connector(self) -> Connector:
@@ -1374,6 +1425,31 @@ class Agent:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+class _Attempt:
+    """One connect attempt (Agent.connect): the address, its first
+    connection (Connector.predial), its callers' futures."""
+
+    __slots__ = ("address", "first", "waiters")
+
+    def __init__(self, address: str, first: Predialed | None) -> None:
+        self.address = address
+        self.first = first
+        self.waiters: list[asyncio.Future[Peer]] = []
+
+    def resolve(self, peer: Peer | None, exc: BaseException | None) -> None:
+        """The outcome, to each caller still waiting."""
+        for f in self.waiters:
+            if f.done():  # (its caller was cancelled)
+                continue
+            if exc is None:
+                assert peer is not None
+                f.set_result(peer)
+            elif isinstance(exc, asyncio.CancelledError):
+                f.cancel()
+            else:
+                f.set_exception(exc)
 
 
 def _describe(t: Transfer) -> str:

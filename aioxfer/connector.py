@@ -62,7 +62,7 @@ from aioxfer.scheduling import PeerScheduler
 from aioxfer.serving import qp_tuple
 from aioxfer.tags import Tags
 
-__all__ = ["ConnectConfig", "Connector", "cma_allowed"]
+__all__ = ["ConnectConfig", "Connector", "Predialed", "cma_allowed"]
 
 _log = get_logger("aioxfer")
 # How long after a connect returned its peer.connected line is rendered.
@@ -131,6 +131,7 @@ class Connector:
         "_connecting",
         "_closed",
         "_unchecked",
+        "_predialed",
     )
 
     def __init__(
@@ -161,14 +162,92 @@ class Connector:
         # same-host peer and are still checking it (refresh): another
         # refresh whose snapshot names it checks it too before it returns.
         self._unchecked: dict[tuple[int, int, int], int] = {}
+        # address -> the unix socket predial connected, from connect to
+        # _open_direct (one attempt per address at a time: Agent.connect;
+        # _open_direct(address) keeps its signature, which tests patch).
+        self._predialed: dict[str, Predialed] = {}
 
     def _check_open(self) -> None:
         if self._closed():
             raise ClosedResourceError(f"agent {self._agent!r} is closed")
 
-    async def connect(self, address: str) -> Peer:
+    def predial(self, address: str) -> Predialed | None:
+        """The first connection connect(address) takes, connected now and its
+        Hello sent, without yielding (Agent.connect calls this before the
+        attempt's task first runs): a peer's loop wakes only once a Hello is
+        in (TCP_DEFER_ACCEPT; its unix socket's accept is then ready with
+        it), so every step of ours before the Hello was on the way of the
+        whole connect. It is the peer's unix socket named after address
+        (_open_direct) for an agent that tries that first, its Hello sent
+        only once the kernel said it is served by our uid (as _open_direct
+        checks before its handshake); else a tcp one to an IP literal.
+        None where that is not known yet or did not connect at once (connect
+        then dials as it would have, and says why it failed). Nothing is
+        trusted of it before connect checked it as its own."""
+        cfg = self._config
+        dialer = self._dialer
+        try:
+            if cfg.local:
+                sock = None
+                if cma_allowed():  # (else no direct try: the probe first)
+                    sock = dialer.dial_local_now(
+                        local_name_for(cfg.token, address, os.geteuid())
+                    )
+                if sock is not None:
+                    try:
+                        ours = peer_cred(sock).uid == os.geteuid()
+                    except OSError:
+                        ours = False
+                    sent = dialer.hello_now(sock, meta=True) if ours else None
+                    return Predialed(sock, sent, local=True)
+                # Nobody listens there (not a same-host agent), or no direct
+                # try: the tcp probe (connect's "meta" connection) instead,
+                # its Hello sent now.
+                sock = dialer.dial_now(address)
+                if sock is None:
+                    return Predialed(None, None, local=True)  # (direct: nobody; probe: dial)
+                sent = dialer.hello_now(sock, purpose="meta", meta=False,
+                                        joins=self._probe_joins())
+                return Predialed(sock, sent, local=False)
+            sock = dialer.dial_now(address)
+        except (ValueError, TypeError):
+            return None  # (not an address: connect raises it)
+        if sock is None:
+            return None
+        sent = dialer.hello_now(sock, meta=True, joins=self._data_joins())
+        return Predialed(sock, sent, local=False)
+
+    def _probe_joins(self) -> int:
+        """How many joins the tcp "meta" probe of an agent with a unix
+        socket asks for: the unix socket's, the tcp data connection's and
+        its rail's others, then, with rails, the others' (connect)."""
+        cfg = self._config
+        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
+        return 1 + cfg.tcp_connections + later
+
+    def _data_joins(self) -> int:
+        """How many joins the first tcp "data" connection of an agent without
+        a unix socket asks for (its first rail's other connections', then,
+        with rails, the others'): what its Hello says, sent by predial or by
+        the handshake."""
+        cfg = self._config
+        if cfg.token is None:
+            return 0
+        early = cfg.tcp_connections - 1 if "verbs" not in cfg.transports else 0
+        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
+        return max(early, 0) + later
+
+    async def connect(self, address: str, first: Predialed | None = None) -> Peer:
         """A new Peer for the agent at address (or the live one of the
-        incarnation found there), added to the table."""
+        incarnation found there), added to the table. first: from
+        predial(address), ours from here on (closed if not taken)."""
+        try:
+            return await self._connect(address, first)
+        finally:
+            if first is not None:
+                first.close()  # (a no-op once detached: handed to the engine)
+
+    async def _connect(self, address: str, first: Predialed | None) -> Peer:
         host, port = parse_address(address)
         # One data connection first, which the peer's engine holds from the
         # metadata snapshot on: a region deregistered after the snapshot is
@@ -196,13 +275,26 @@ class Connector:
         # each, no Proof round: protocol.Joins): index 1 the unix socket's,
         # or else 2 the tcp data connection's, 3.. the tcp rails' others.
         probe = cfg.local
-        if probe and cma_allowed():
+        # predial found nobody on the peer's address-named unix socket
+        # (_open_direct would say just that: None): the probe's turn, on the
+        # tcp connection predial opened for it if any.
+        skip_direct = first is not None and (not first.local or first.sock is None)
+        if first is not None and first.sock is None:
+            first = None
+        if probe and not skip_direct and (first is not None or cma_allowed()):
+            # (predial asked cma_allowed)
             # A same-host peer also listens on a unix socket named after its
             # address (local.local_name_for): dialled first, it spares the tcp
             # probe (~1 ms: connect, handshake, then this same unix round).
             # Anything short of a vouched-for shm/cuda peer there (nobody,
             # another user, an impostor, a stall) falls back to the probe.
-            direct = await self._open_direct(address)
+            if first is not None:  # (handed on by address: _open_direct(address) stays)
+                self._predialed[address] = first
+            try:
+                direct = await self._open_direct(address)
+            finally:
+                self._predialed.pop(address, None)
+            first = None  # (taken, or closed by connect)
             if direct is not None:
                 try:
                     assert direct.meta is not None
@@ -216,21 +308,27 @@ class Connector:
         # peer may have other rails (max_rails > 1). Those a single-rail peer
         # leaves unused expire with the grant (the peer timeout), like the
         # probe's unix-socket index when it takes tcp.
-        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
+        # (_probe_joins, _data_joins)
         try:
             if probe:
+                # (_probe_joins: 1 + cfg.tcp_connections + later)
                 sock0, accept0, meta0 = await self._dialer.open_meta(
-                    address, "meta", meta=False, joins=1 + cfg.tcp_connections + later,
+                    address, "meta", meta=False, joins=self._probe_joins(),
                     on_challenge=challenge.append,
+                    sock=None if first is None else first.sock,
+                    hello=None if first is None else first.sent,
                 )
             else:
+                # (_data_joins: (early.joins if early is not None else 0)
+                # + (later if cfg.token is not None else 0))
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address,
                     "data",
                     meta=True,
-                    joins=(early.joins if early is not None else 0)
-                    + (later if cfg.token is not None else 0),
+                    joins=self._data_joins(),
                     on_challenge=challenge.append,
+                    sock=None if first is None else first.sock,
+                    hello=None if first is None else first.sent,
                 )
         except BaseException:
             if early is not None:
@@ -609,18 +707,26 @@ class Connector:
         checks it: our uid by the kernel, the token handshake, sealed memfds,
         the pidfd; and the metadata must list address among the peer's
         rails. None (a debug line) on anything else, within _DIRECT_TIMEOUT:
-        the caller then takes the tcp probe, which answers for itself."""
+        the caller then takes the tcp probe, which answers for itself.
+        That socket may be connected already (predial: connect hands it
+        over in _predialed): then it is ours."""
         cfg = self._config
         loop = asyncio.get_running_loop()
         link = _LocalLink()
+        first = self._predialed.pop(address, None)
+        sent: tuple[bytes, bytes] | None = None
+        if first is not None:
+            link.data, sent = first.sock, first.sent
+            first.sock = None  # (the link's now)
         result: _LocalLink | None = None
         why = ""
         try:
-            name = local_name_for(cfg.token, address, os.geteuid())
-            try:
-                link.data = await self._dialer.dial_local(name)
-            except OSError:
-                return None  # nobody listens there: not a same-host agent (or an old one)
+            if link.data is None:
+                name = local_name_for(cfg.token, address, os.geteuid())
+                try:
+                    link.data = await self._dialer.dial_local(name)
+                except OSError:
+                    return None  # nobody listens there: not a same-host agent (or an old one)
             async with asyncio.timeout(min(self._dialer.peer_timeout, _DIRECT_TIMEOUT)):
                 link.cred = peer_cred(link.data)
                 if link.cred.uid != os.geteuid():
@@ -629,7 +735,7 @@ class Connector:
                 spin = self._dialer.spin_ns(loop, link.data)
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=cfg.incarnation,
-                    purpose="data", token=cfg.token, meta=True, spin_ns=spin,
+                    purpose="data", token=cfg.token, meta=True, spin_ns=spin, sent=sent,
                 )
                 if not accept.meta or accept.host_id != cfg.host_id:
                     why = "it sends no metadata there, or is not on this host"
@@ -1194,6 +1300,27 @@ class _EarlyConns:
         for s in self._socks:  # dialled at once (detached: taken by the engine)
             if s is not None and s.fileno() >= 0:
                 s.close()
+
+
+class Predialed:
+    """A first connection Connector.predial opened: sock, and sent (what
+    Dialer.hello_now sent on it: None, nothing). local: sock is the peer's
+    address-named unix socket (None: nobody listens there); else a tcp
+    connection (the "meta" probe's for an agent with a unix socket, else
+    the "data" one's). Closed unless taken."""
+
+    __slots__ = ("sock", "sent", "local")
+
+    def __init__(
+        self, sock: socket.socket | None, sent: tuple[bytes, bytes] | None, *, local: bool
+    ) -> None:
+        self.sock = sock
+        self.sent = sent
+        self.local = local
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()  # (a no-op once detached or closed)
 
 
 class _LocalLink:

@@ -25,12 +25,14 @@ from aioxfer.local import local_address, peer_cred, recv_fds
 from aioxfer.metadata import Accept, AgentMeta, Purpose
 from aioxfer.protocol import (
     MAX_META_FRAME,
+    _hello,
     client_handshake,
     client_join_now,
     fetch_meta,
     handshake_spin_ns,
     recv_frame,
     recv_go,
+    send_now,
 )
 from aioxfer.serving import nodelay, writable
 
@@ -86,6 +88,22 @@ class Dialer:
         except BaseException:
             sock.close()
             raise
+        return sock
+
+    def dial_local_now(self, name: str) -> socket.socket | None:
+        """dial_local(name) where it connects at once (a unix socket's connect
+        completes or fails inline, unless the listener's backlog is full),
+        without yielding: None where it did not (dial_local then waits or
+        says why)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(local_address(name))
+        except OSError:
+            err = -1
+        if err:
+            sock.close()
+            return None
         return sock
 
     async def fetch_local_meta(self, name: str, pid: int) -> tuple[AgentMeta, list[int]]:
@@ -196,6 +214,33 @@ class Dialer:
         return client_join_now(sock, name=self._agent, incarnation=self._incarnation,
                                token=self._token, join=join)
 
+    def hello_now(
+        self,
+        sock: socket.socket,
+        *,
+        purpose: Literal["data", "meta"] = "data",
+        meta: bool,
+        joins: int = 0,
+    ) -> tuple[bytes, bytes] | None:
+        """Our first Hello on sock (connected by dial_now or dial_local_now),
+        sent now, in this step: (its nonce, what the socket did not take
+        yet), for open_meta's and client_handshake's ``sent``; None, nothing
+        sent, where it takes nothing (not connected yet: client_handshake
+        then sends it). purpose "data" (meta/joins: as client_handshake's)
+        or "meta" (the accept_only probe, open_meta's). A Hello carries no
+        secret (the handshake sends it at connect, before the peer proved
+        anything, as here)."""
+        if self._token is None:
+            joins = 0  # (as client_handshake asks for none without a token)
+        nonce, frame = _hello(name=self._agent, incarnation=self._incarnation, purpose=purpose,
+                              token=self._token, meta=meta and purpose == "data",
+                              accept_only=purpose == "meta", joins=joins)
+        try:
+            n = send_now(sock, frame)
+        except OSError:
+            return None
+        return None if n == 0 else (nonce, frame[n:])
+
     @contextlib.asynccontextmanager
     async def control_errors(self, address: str, doing: str, what: str) -> AsyncIterator[None]:
         """Bounds a control-plane exchange by peer_timeout and names the peer in its errors."""
@@ -248,12 +293,14 @@ class Dialer:
         join: Callable[[], Awaitable[tuple[bytes, int] | None]] | None = None,
         sock: socket.socket | None = None,
         sent: Callable[[], tuple[bytes, bytes] | None] | None = None,
+        hello: tuple[bytes, bytes] | None = None,
     ) -> tuple[socket.socket, Accept, AgentMeta | None]:
         """open(), and with meta the peer's metadata on the same connection
         (None from a peer that does not send it there). Purpose "meta": only
         who answered (its Accept, Hello.accept_only); the peer's engine never
         holds the connection. joins/on_challenge: see client_handshake.
-        sock/sent: see open()."""
+        sock/sent: see open(); hello: what hello_now sent on sock (a first
+        Hello, asking for meta and joins as given here)."""
         loop = asyncio.get_running_loop()
         host, port = parse_address(address)
         async with self.control_errors(address, "connecting to", "connect to"):
@@ -262,7 +309,8 @@ class Dialer:
                 if sock is None:
                     sock = await self.dial(host, port)
                 joined = None if join is None else await join()
-                hello = None if sent is None or joined is None else sent()
+                if hello is None and sent is not None and joined is not None:
+                    hello = sent()
                 if early and hello is None:
                     await _connected(loop, sock)
             except BaseException:

@@ -24,6 +24,9 @@ PHASE_IDLE_MS=ms: an idle pause before each write (threads long started);
 PHASE_POOL_MIB=n: the target's region is n MiB, not 64 (a what-if: with a
 small one the shm row is the handshake without the pool's populate);
 PHASE_PROFILE=path: cProfile of the initiator's timed window, to path.<pid>.
+I.predial / I.hello_now (builds since cxc32): the first connection dialled
+and its Hello sent by Agent.connect itself, before the attempt's task runs
+(I.Connector.connect then starts after them; I.dial is no longer a step).
 PHASE_GC_KEEP=1: no gc.collect() before the clock (see _initiator). The
 collector's passes show as steps (I.gc0, T.gc1, ... by generation).
 I.cpu_process / I.cpu_loop_thread: the initiator's CPU time (rusage) over
@@ -148,6 +151,9 @@ def _patch(prefix: str) -> None:
                 _wrap_async(mod, f, prefix + f)
     for m in ("dial", "dial_local", "receive_meta", "fetch_meta", "fetch_local_meta"):
         _wrap_async(dialing.Dialer, m, prefix + m)
+    if hasattr(conn.Connector, "predial"):  # (builds since cxc32: dialled in Agent.connect)
+        _wrap_sync(conn.Connector, "predial", prefix + "predial")
+        _wrap_sync(dialing.Dialer, "hello_now", prefix + "hello_now")
     _wrap_async(conn.Connector, "_open_local", prefix + "open_local")
     _wrap_async(conn.Connector, "_open_direct", prefix + "open_direct")
     _wrap_async(conn.Connector, "connect", prefix + "Connector.connect")
