@@ -674,6 +674,7 @@ class Agent:
             tag_unref=self._tag_unref,
             tasks=self._serving,
             closed=lambda: self._closed,
+            spin=self.progress != "sleep",
         )
         self._server = server
         self._accept_tasks = [

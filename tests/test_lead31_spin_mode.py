@@ -14,6 +14,7 @@ async def test_handshake_polling_follows_the_progress_mode(mode: str, spins: boo
     async with aioxfer.Agent(f"lead31-{mode}", progress=mode) as a, \
             aioxfer.Agent(f"lead31-{mode}-t", progress=mode) as b:
         assert a._dialer._spin is spins
+        assert a._server._spin is spins
         src = a.register(bytearray(b"x" * 4096))
         dst = b.register(bytearray(4096))
         peer = await a.connect(b.address)  # and a connect still works either way
