@@ -16,7 +16,6 @@ memfd number since closed, maybe reused, would have been passed as its).
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import socket
 import struct
