@@ -212,6 +212,11 @@ class Connector:
             sock = dialer.dial_now(address)
         except (ValueError, TypeError):
             return None  # (not an address: connect raises it)
+        except OSError:
+            # A socket() that failed (EMFILE, ENFILE, ENOBUFS): connect
+            # dials again and says it as a connect's error (TransportError,
+            # Dialer.control_errors), not a bare OSError out of Agent.connect.
+            return None
         if sock is None:
             return None
         sent = dialer.hello_now(sock, meta=True, joins=self._data_joins())

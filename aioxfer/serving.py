@@ -406,7 +406,11 @@ class Server:
         keep = False  # (the socket goes on to _serve)
         try:
             if not self._send_now(sock, out):
-                keep = True  # the rest in _serve (its timeout bounds the waits)
+                # The rest in _serve (its timeout bounds the waits), a step
+                # or more after the snapshot: checked again before its
+                # memfds and META_GO, as after any send that waited.
+                out.waited = True
+                keep = True
                 return hello, out
             if hello.purpose == "data":
                 if cred is not None:  # (see _serve)
