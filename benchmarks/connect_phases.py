@@ -27,6 +27,8 @@ PHASE_PROFILE=path: cProfile of the initiator's timed window, to path.<pid>.
 I.predial / I.hello_now (builds since cxc32): the first connection dialled
 and its Hello sent by Agent.connect itself, before the attempt's task runs
 (I.Connector.connect then starts after them; I.dial is no longer a step).
+PHASE_TARGET_NOSPIN=1: the target never polls for a handshake's next frame
+(a what-if: cxs32's accepting-step answer without its poll).
 PHASE_GC_KEEP=1: no gc.collect() before the clock (see _initiator). The
 collector's passes show as steps (I.gc0, T.gc1, ... by generation).
 I.cpu_process / I.cpu_loop_thread: the initiator's CPU time (rusage) over
@@ -142,6 +144,40 @@ def _patch(prefix: str) -> None:
         _wrap_sync(members.Members, "emit", prefix + "members_emit")
         _wrap_sync(conn._LocalLink, "close", prefix + "local_close")
         _wrap_async(conn._EarlyConns, "close", prefix + "early_close")
+        import aioxfer.serving as serving_
+
+        # The target's side, finer (cxs32): the accept step, each frame.
+        _wrap_sync(serving_.Server, "_greet_now", prefix + "greet_now")
+        _wrap_sync(serving_.Server, "_hand_over", prefix + "hand_over")
+        if hasattr(serving_.Server, "_answer_now"):  # (cxs32's builds)
+            _wrap_sync(serving_.Server, "_answer_now", prefix + "answer_now")
+            _wrap_sync(serving_, "server_answer_now", prefix + "server_answer_now")
+            _wrap_sync(serving_.Server, "_send_now", prefix + "send_now")
+            _wrap_sync(serving_.Server, "_out", prefix + "out")
+            _wrap_sync(serving_.Server, "_spin_ns", prefix + "spin_ns")
+            peek = protocol._peek_handshake
+
+            def peek_w(*a: Any) -> Any:
+                t0 = time.monotonic_ns()
+                got = peek(*a)
+                _stamp(prefix + ("peek_whole" if isinstance(got, tuple) else "peek"), t0)
+                return got
+
+            protocol._peek_handshake = peek_w
+        _wrap_async(protocol, "recv_frame", prefix + "recv_frame")
+        _wrap_async(protocol, "send_frame", prefix + "send_frame")
+        spin = protocol._spin_recv_into
+
+        def spin_w(loop: Any, sock: Any, view: Any, bound_ns: int) -> int:
+            t0 = time.monotonic_ns()
+            ready = getattr(loop, "_ready", None)
+            busy = bool(ready)
+            k = spin(loop, sock, view, bound_ns)
+            _stamp(prefix + ("spin_skipped" if busy else "spin_got" if k >= 0 else "spin_none"),
+                   t0)
+            return k
+
+        protocol._spin_recv_into = spin_w
     import aioxfer.dialing as dialing
     import aioxfer.serving as serving
 
@@ -166,6 +202,8 @@ def _patch(prefix: str) -> None:
 
     def sinit(self: Any, *a: Any, **k: Any) -> None:
         k["engine"] = _EngineProxy(k["engine"], prefix)
+        if os.environ.get("PHASE_TARGET_NOSPIN"):  # what-if (cxs32): the target never polls
+            k["spin"] = False
         init(self, *a, **k)
 
     serving.Server.__init__ = sinit  # type: ignore[method-assign]
@@ -334,7 +372,7 @@ def main() -> None:
             p.wait(timeout=20)
     if args.dump:
         for py in pythons:
-            s = samples[py][len(samples[py]) // 2]
+            s = sorted(samples[py], key=lambda s: s["TOTAL"][0][1])[len(samples[py]) // 2]
             rows = sorted((a, d, n) for n, h in s.items() for a, d in h)
             print(f"-- one sample of {py}")
             for a, d, n in rows:
