@@ -186,11 +186,13 @@ def test_pool_above_lazy_min_is_left_alone() -> None:
     )
     env = dict(os.environ, AIOXFER_SHM_LAZY_MIN=str(4 * MiB - 1))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd="/",  # the installed aioxfer, not the checkout (CI: not editable)
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "0"]
     env["AIOXFER_SHM_LAZY_MIN"] = str(4 * MiB)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd="/",  # the installed aioxfer, not the checkout (CI: not editable)
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", str(4 * MiB // 512)]
