@@ -194,10 +194,13 @@ async def test_close_fails_a_queued_transfer_as_closed(make_agent: Any) -> None:
     ClosedResourceError, never posted during the close's wait for peers to
     release our memory (by then deregistered: it failed AccessDenied, as if
     the peer had refused it)."""
-    init, _dst, peer, _big, first = await _queued_pair(
-        make_agent, limits=aioxfer.Limits(revoke_timeout=1.0))
+    target = await make_agent("target", transports=("tcp",))
+    init = await make_agent("init", transports=("tcp",), peer_max_requests=1,
+                            limits=aioxfer.Limits(revoke_timeout=1.0))
+    target.alloc(64 * MiB, name="dst")
+    peer = await within(init.connect(target.address))
+    big = init.register(bytearray(32 * MiB))
     small = init.register(bytearray(4096))
-    queued = init.write(small[0:4096], peer.region("dst")[40 * MiB:40 * MiB + 4096])
     # The peer's connections after its first one join after connect returned
     # (Connector._join_rest): counted once they did.
     await wait_until(lambda: not any(t.get_name().startswith("aioxfer-join")
@@ -205,6 +208,14 @@ async def test_close_fails_a_queued_transfer_as_closed(make_agent: Any) -> None:
     conns = init.statistics().native_conns
     with await _silent_connection(init.address):
         await wait_until(lambda: init.statistics().native_conns == conns + 1, what="connected")
+        # Posted only now, right before the close: a 32 MiB write in flight
+        # and one queued behind it (posted before the joins' wait and the
+        # silent handshake, the 32 MiB write, ~13 ms here, and the queued one
+        # after it completed before the close in 4 of 5 runs once connect got
+        # faster, 2026-12-07: the test then checked nothing it meant to).
+        first = init.write(big[0:32 * MiB], peer.region("dst")[0:32 * MiB])
+        queued = init.write(small[0:4096], peer.region("dst")[40 * MiB:40 * MiB + 4096])
+        assert peer.statistics().queued == 1
         # The close waits up to revoke_timeout for the silent connection: the
         # 32 MiB write ahead of the queued one completes meanwhile.
         await within(init.aclose(), 10)
