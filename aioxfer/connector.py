@@ -226,9 +226,7 @@ class Connector:
         """How many joins the tcp "meta" probe of an agent with a unix
         socket asks for: the unix socket's, the tcp data connection's and
         its rail's others, then, with rails, the others' (connect)."""
-        cfg = self._config
-        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
-        return 1 + cfg.tcp_connections + later
+        return 1 + self._config.tcp_connections + self._later_joins()
 
     def _data_joins(self) -> int:
         """How many joins the first tcp "data" connection of an agent without
@@ -239,8 +237,13 @@ class Connector:
         if cfg.token is None:
             return 0
         early = cfg.tcp_connections - 1 if "verbs" not in cfg.transports else 0
-        later = MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
-        return max(early, 0) + later
+        return max(early, 0) + self._later_joins()
+
+    def _later_joins(self) -> int:
+        """The joins asked for the connections dialled once the metadata is
+        in (the peer's other tcp rails): only where it may have some."""
+        cfg = self._config
+        return MAX_CONNS - 1 if cfg.max_rails > 1 and "tcp" in cfg.transports else 0
 
     async def connect(self, address: str, first: Predialed | None = None) -> Peer:
         """A new Peer for the agent at address (or the live one of the
@@ -312,11 +315,10 @@ class Connector:
         # too: up to MAX_CONNS - 1 more indexes, asked for only where the
         # peer may have other rails (max_rails > 1). Those a single-rail peer
         # leaves unused expire with the grant (the peer timeout), like the
-        # probe's unix-socket index when it takes tcp.
-        # (_probe_joins, _data_joins)
+        # probe's unix-socket index when it takes tcp (_probe_joins,
+        # _data_joins, _later_joins).
         try:
             if probe:
-                # (_probe_joins: 1 + cfg.tcp_connections + later)
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address, "meta", meta=False, joins=self._probe_joins(),
                     on_challenge=challenge.append,
@@ -324,8 +326,6 @@ class Connector:
                     hello=None if first is None else first.sent,
                 )
             else:
-                # (_data_joins: (early.joins if early is not None else 0)
-                # + (later if cfg.token is not None else 0))
                 sock0, accept0, meta0 = await self._dialer.open_meta(
                     address,
                     "data",
