@@ -146,9 +146,10 @@ def _decode_main(cfg: DemoConfig, events: Any, stop: Any) -> None:
 # ------------------------------------------------------------------ prefill
 
 
-async def _prefill(cfg: DemoConfig, address: str, events: Any, stop: Any) -> None:
+async def _prefill(cfg: DemoConfig, addresses: Any, events: Any, stop: Any) -> None:
     import aioxfer
 
+    loop = asyncio.get_running_loop()
     async with aioxfer.Agent("prefill", listen=cfg.listen, transports=cfg.transports) as agent:
         src = agent.alloc(cfg.pool_bytes, name="kv-src")
         src_pages = src.numpy().reshape(cfg.requests, cfg.pages, cfg.page_size)
@@ -158,6 +159,14 @@ async def _prefill(cfg: DemoConfig, address: str, events: Any, stop: Any) -> Non
         if cfg.inject_corruption and cfg.pages > 1:
             slots = slots.copy()
             slots[0, [0, 1]] = slots[0, [1, 0]]  # two pages of request 0 swap places
+        # The decode side's address, once its pool is allocated and warm (its
+        # "address" event); None: the parent gave up before that.
+        try:
+            address = await loop.run_in_executor(None, addresses.get, True, cfg.timeout)
+        except queue.Empty:
+            raise TimeoutError("no decode address within the timeout") from None
+        if address is None:
+            return
         async with asyncio.timeout(cfg.timeout):
             peer = await agent.connect(address)
         remote = peer.region("kv")
@@ -196,9 +205,9 @@ async def _prefill(cfg: DemoConfig, address: str, events: Any, stop: Any) -> Non
         await asyncio.get_running_loop().run_in_executor(None, stop.wait, cfg.timeout)
 
 
-def _prefill_main(cfg: DemoConfig, address: str, events: Any, stop: Any) -> None:
+def _prefill_main(cfg: DemoConfig, addresses: Any, events: Any, stop: Any) -> None:
     try:
-        asyncio.run(_prefill(cfg, address, events, stop))
+        asyncio.run(_prefill(cfg, addresses, events, stop))
     except BaseException as exc:
         events.put(("error", "prefill", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
@@ -266,9 +275,19 @@ def run_demo(cfg: DemoConfig, out: Any = None) -> int:
         file=out,
         flush=True,
     )
+    addresses = ctx.Queue()
+    # Both sides start at once, as two serving instances would: the prefill
+    # process starts its interpreter and allocates and fills its own pool
+    # while the decode side allocates its pool (the two pools' allocations,
+    # 2 MiB pages each, ~0.1-2 s apiece where the host must back fresh
+    # memory: docs/shm-huge-pages.md), and connects once the decode side
+    # gives its address. Before, one after the other.
     decode = ctx.Process(target=_decode_main, args=(cfg, events, stop), name="decode")
+    prefill = ctx.Process(target=_prefill_main, args=(cfg, addresses, events, stop),
+                          name="prefill")
     decode.start()
-    procs = [decode]
+    prefill.start()
+    procs = [decode, prefill]
     bar = _Bar(cfg.requests, cfg.progress)
     path = "?"
     prefill_result: tuple[float, list[float]] | None = None
@@ -297,11 +316,7 @@ def run_demo(cfg: DemoConfig, out: Any = None) -> int:
                     continue
             kind = ev[0]
             if kind == "address":
-                prefill = ctx.Process(
-                    target=_prefill_main, args=(cfg, ev[1], events, stop), name="prefill"
-                )
-                prefill.start()
-                procs.append(prefill)
+                addresses.put(ev[1])
             elif kind == "path":
                 path = ev[1]
             elif kind == "sent":
@@ -321,6 +336,7 @@ def run_demo(cfg: DemoConfig, out: Any = None) -> int:
     finally:
         bar.close()
         stop.set()
+        addresses.put(None)  # a prefill side still waiting for an address: stop
         for p in procs:
             p.join(timeout=30)
         for p in procs:
