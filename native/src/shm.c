@@ -558,74 +558,20 @@ static void *map_shared(uint64_t len, int prot, int flags, int fd)
  * collapsing commits the whole pool at once and costs about what its first
  * fill would, but varies more (512 MiB, fill 454-590 -> 25 ms, alloc 0.1 ->
  * 51-1250 ms, the most where the kernel must find fresh 2 MiB pages: two
- * owners at once, 3 runs; 64 MiB: alloc + fill 61 -> 9.8 ms). Returns 1
- * when every whole 2 MiB was collapsed, 0 when nothing changed,
+ * owners at once, 3 runs; 64 MiB: alloc + fill 61 -> 9.8 ms). Where that
+ * time goes (alloc33, 2-vCPU Firecracker VM, Linux 6.18): ~98 % in the
+ * kernel zeroing each fresh 2 MiB page (perf: clear_page_erms under the
+ * page's allocation), no compaction (compact_stall +0), no fallback. It is
+ * ~0.2 ms a 2 MiB when the memory was freed lately, but 4-27 ms where the
+ * VM's host took it back (free page reporting, page_reporting_order on the
+ * kernel's command line; freed memory goes back within seconds): every
+ * first store then faults on the host. Anonymous THP pays the same there;
+ * 4 KiB pages come from warm fragments and do not. Neither splitting the
+ * collapse over threads (512 MiB cold: 3.1-6.9 s on one, 3.7-4.5 s on two,
+ * benchmarks/alloc33_collapse.c) nor a different order (fallocate or
+ * MADV_POPULATE_WRITE first: each page is allocated twice) made it cheaper.
+ * Returns 1 when every whole 2 MiB was collapsed, 0 when nothing changed,
  * AXF_E_INVALID for a file shorter than len or not a regular file. */
-/* A share of a pool's collapse (collapse_parallel): its 2 MiB ranges
- * [off, off+len) of the mapping, each given one page first (a read: MADV_COLLAPSE
- * wants a page in each range, EINVAL on none). */
-typedef struct huge_slice {
-    uint8_t *map;
-    uint64_t off, len;
-    bool ok;
-} huge_slice;
-
-static void *huge_slice_main(void *arg)
-{
-    huge_slice *sl = arg;
-    for (uint64_t o = sl->off; o < sl->off + sl->len; o += 2u << 20)
-        (void)*(const volatile uint8_t *)(sl->map + o);
-    sl->ok = !sl->len || madvise(sl->map + sl->off, sl->len, MADV_COLLAPSE) == 0;
-    return NULL;
-}
-
-#define HUGE_PAR_SLICE (32u << 20) /* collapsed by threads, each at least this much */
-#define HUGE_PAR_MAX 4             /* ... at most this many (the caller one of them) */
-
-/* Collapses the 2 MiB-aligned mapping m of hlen bytes (a multiple of 2 MiB)
- * on one thread a core (up to HUGE_PAR_MAX, at least HUGE_PAR_SLICE each; the
- * caller takes a share) and joins them: true if every range was collapsed.
- * The time is the kernel zeroing the fresh 2 MiB pages (clear_page_erms,
- * ~98 % of it by perf), ~0.2 ms per 2 MiB when the pages were freed lately,
- * but 4-15 ms on a VM whose host took back the guest's free memory (free
- * page reporting: 2 MiB pages come from the large free blocks it reports;
- * 4 KiB pages from warm fragments): every first store into such memory
- * faults on the host. Those faults run in parallel on the host's side: a
- * 512 MiB pool on 2 threads of a 2-vCPU Firecracker VM took 2.3-2.7 s
- * instead of 2.9-4.1 s, cold (benchmarks/alloc33_collapse.c); warm, 60 ms
- * either way (memory bandwidth). */
-static bool collapse_parallel(uint8_t *m, uint64_t hlen)
-{
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    uint64_t n = hlen / HUGE_PAR_SLICE;
-    if (cpus > 0 && n > (uint64_t)cpus)
-        n = (uint64_t)cpus;
-    if (n > HUGE_PAR_MAX)
-        n = HUGE_PAR_MAX;
-    if (n < 1)
-        n = 1;
-    const uint64_t huge = 2u << 20, ranges = hlen / huge;
-    huge_slice sl[HUGE_PAR_MAX];
-    pthread_t t[HUGE_PAR_MAX];
-    bool started[HUGE_PAR_MAX] = {0};
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t a = ranges * i / n, b = ranges * (i + 1) / n;
-        sl[i] = (huge_slice){.map = m, .off = a * huge, .len = (b - a) * huge};
-    }
-    for (uint64_t i = 1; i < n; i++)
-        started[i] = pthread_create(&t[i], NULL, huge_slice_main, &sl[i]) == 0;
-    huge_slice_main(&sl[0]);
-    bool ok = sl[0].ok;
-    for (uint64_t i = 1; i < n; i++) {
-        if (started[i])
-            pthread_join(t[i], NULL);
-        else
-            huge_slice_main(&sl[i]);
-        ok = ok && sl[i].ok;
-    }
-    return ok;
-}
-
 static void shm_env_read(void);
 int axf_shm_make_huge(int memfd, uint64_t len)
 {
@@ -644,8 +590,11 @@ int axf_shm_make_huge(int memfd, uint64_t len)
     if (m == MAP_FAILED)
         return 0;
     int done = 0;
-    if (!((uintptr_t)m & (huge - 1))) /* map_shared found no aligned room: nothing */
-        done = collapse_parallel(m, hlen);
+    if (!((uintptr_t)m & (huge - 1))) { /* map_shared found no aligned room: nothing */
+        for (uint64_t o = 0; o < hlen; o += huge)
+            (void)*(const volatile uint8_t *)(m + o);
+        done = madvise(m, hlen, MADV_COLLAPSE) == 0;
+    }
     munmap(m, hlen);
     if (!done) /* some ranges may be huge, some a page: back to holes, as it came */
         (void)fallocate(memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)hlen);
