@@ -157,15 +157,14 @@ void ka_send_failed(conn *c, int err)
 /* The ping interval of c. Its group's lead (the first connection to the
  * peer) pings every ping_ms: the peer link is pinged as configured. Its
  * other connections (a tcp peer's rails) ping every half of the peer's
- * timeout, once a ping of the peer told it and after their first ping (at
- * ping_ms: the peer hears each early, and learns our timeout; ka_configure's
- * bound: a keepalive
- * may be half the timeout): each is still heard within the peer's timeout,
- * and judged silent on its own, exactly as before, while an idle agent
- * wakes about half as often (issue 13: 4 connections to each of 10 peers,
- * both ways, pinged each second, cost 0.6 % of a core here). A hostile
- * peer's large timeout only makes us ping it less: it then declares us
- * silent itself. */
+ * timeout (ka_configure's bound: a keepalive may be half the timeout), once
+ * a ping of the peer told it and after their own first ping (at ping_ms: the
+ * peer hears each early, and learns our timeout). Each is still heard within
+ * the peer's timeout and judged silent on its own, exactly as before, while
+ * an idle agent wakes about half as often (issue 13: 4 connections to each
+ * of 10 peers, both ways, pinged each second, cost 0.6 % of a core here). A
+ * hostile peer's large timeout only makes us ping it less: it then declares
+ * us silent itself. */
 static uint64_t ka_interval(conn *c)
 {
     uint64_t ms = atomic_load(&c->ka.ping_ms);
