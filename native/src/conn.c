@@ -2175,6 +2175,7 @@ static void *tx_main(void *arg)
             int r = send_iov(c, &pv, 1, false, &sent);
             pthread_mutex_lock(&c->mu);
             c->sending = false;
+            c->ka.pinged = true;
             ka_restart(c);
             if (r) {
                 conn_mark_dead(c);
@@ -3928,6 +3929,7 @@ conn *conn_open(axf_engine *e, endpoint *ep, uint64_t tag, int fd, int *status)
     ka_arm_socket(c);
 
     ka_init(c);
+    c->ka.lead = ka_leads(e, ep, tag);
     atomic_init(&p->tx_owed, true); /* started on its first work (tx_wake) */
     atomic_init(&c->threads, 2);
     atomic_init(&c->refs, 2); /* the registry's, the threads' */

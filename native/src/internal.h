@@ -301,6 +301,13 @@ typedef struct conn {
         atomic_ullong last_rx_us;  /* last frame received (pings included) */
         atomic_uint ping_ms;       /* our ping interval here: keepalive_ms, or
                                       shorter for a peer with a shorter timeout */
+        atomic_uint peer_to_ms;    /* the peer's timeout, from its pings (0: not heard) */
+        /* Its group's (the connections to one peer: one endpoint, or one
+         * accepted tag) pinger at keepalive_ms; the others ping only as often
+         * as the peer's timeout needs (control.c ka_interval). Set by
+         * conn_open (e->mu) before its threads start, then read-only. */
+        bool lead;
+        bool pinged; /* c->mu: a ping of ours went out (the first goes at ping_ms) */
     } ka;
     int slot;                /* initiator: index in ep->conns */
     uint32_t rail;           /* initiator: the caller's rail number */
@@ -630,6 +637,9 @@ void rr_unmap(rregion *rr);
  * peer_timeout_ms, and a keepalive short enough for the timeout. */
 void ka_configure(axf_config *cfg);
 void ka_init(conn *c);       /* a new connection: heard from and making progress now */
+/* e->mu held, a connection of endpoint ep (NULL: accepted, from tag's peer)
+ * about to open: whether it leads its group's keepalive (no live one does). */
+bool ka_leads(axf_engine *e, const endpoint *ep, uint64_t tag);
 void ka_arm_socket(conn *c); /* its socket's receive (silence) and send (stall) timeouts */
 void ka_restart(conn *c);    /* c->mu: sent nothing that is progress (the sender starts, a ping) */
 void ka_sent(conn *c, uint64_t now_us); /* c->mu: frames went out at now_us: progress */
