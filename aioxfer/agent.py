@@ -534,8 +534,8 @@ class Agent:
         fresh = self._loop is None
         loop = self._start()
         # Made now: the first connect would otherwise make it (and Rails)
-        # before it dials.
-        self._connector  # noqa: B018 (a cached_property, made here)
+        # before it dials; and the Hellos its first dial sends (predial).
+        self._connector.prepare()
         if fresh and not self._closed:
             # The accept loops' first steps (arming their listeners) run now,
             # not in the step a first connect hops through to its task: they

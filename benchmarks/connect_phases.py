@@ -29,6 +29,12 @@ and its Hello sent by Agent.connect itself, before the attempt's task runs
 (I.Connector.connect then starts after them; I.dial is no longer a step).
 PHASE_TARGET_NOSPIN=1: the target never polls for a handshake's next frame
 (a what-if: cxs32's accepting-step answer without its poll).
+PHASE_WARM=n: n connects + first writes of other agents in the initiator's
+process before the timed one (closed first): its code warm, as run.py's
+samples after its first (a fresh process per sample is the cold case).
+M.<name> steps: a build with temporary probes (a list aioxfer.log.MARKS
+of (name, monotonic ns) appended to at points of the path) shows each as a
+step from the previous probe (or the clock's start) to it.
 PHASE_GC_KEEP=1: no gc.collect() before the clock (see _initiator). The
 collector's passes show as steps (I.gc0, T.gc1, ... by generation).
 I.cpu_process / I.cpu_loop_thread: the initiator's CPU time (rusage) over
@@ -240,9 +246,19 @@ async def _target(transport: str) -> None:
 
 async def _initiator(transport: str, address: str) -> None:
     import aioxfer
+    import aioxfer.log
 
     _patch("I.")
     _patch_select("I.")
+    for i in range(int(os.environ.get("PHASE_WARM", "0"))):
+        # As run.py's samples after its first: this process has connected
+        # before (another agent of it, closed), so its code, caches and
+        # imports are warm; the clock is on a fresh agent's first connect.
+        async with aioxfer.Agent(f"phase-warm-{i}", **_agent_kw(transport, True)) as warm:
+            wl = warm.alloc(64 << 20, name="buf")
+            wp = await warm.connect(address)
+            await warm.write(wl[0:4096], wp.region("buf")[0:4096])
+        EVENTS.clear()
     async with aioxfer.Agent("phase-init", **_agent_kw(transport, True)) as agent:
         cn = agent._connector
         cn._engine = _EngineProxy(agent._engine, "I.")  # type: ignore[assignment]
@@ -260,6 +276,9 @@ async def _initiator(transport: str, address: str) -> None:
         # PHASE_GC_KEEP=1: as before (no collection first).
         if not os.environ.get("PHASE_GC_KEEP"):
             gc.collect()
+        marks = getattr(aioxfer.log, "MARKS", None)
+        if marks is not None:
+            marks.clear()
         prof = None
         if os.environ.get("PHASE_PROFILE"):  # cProfile of the timed window (appended stats)
             import cProfile
@@ -308,6 +327,12 @@ async def _initiator(transport: str, address: str) -> None:
             await xfer
             EVENTS.append((f"I.write{i + 2}", t3, time.monotonic_ns()))
             EVENTS.append((f"I.write{i + 2}_post", t3, tp))
+        if marks:
+            prev = t0
+            for name, t in marks:
+                if t0 <= t <= t2:
+                    EVENTS.append(("M." + name, prev, t))
+                    prev = t
         print(json.dumps({"events": EVENTS}), flush=True)
 
 
