@@ -355,8 +355,6 @@ def join_proof(token: bytes, join: bytes, index: int, client_nonce: bytes, name:
     )
 
 
-
-
 class _Grant:
     __slots__ = ("expires", "name", "incarnation", "joins", "used")
 
