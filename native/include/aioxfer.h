@@ -67,7 +67,9 @@ const char *axf_strerror(int status);
 #define AXF_OP_NOTIFY 3 /* zero descriptors, payload only */
 
 /* Flags for axf_post. */
-#define AXF_POST_DEFER 1u /* queue only; axf_doorbell() releases the batch */
+/* AXF_POST_DEFER: queue only; sent at the latest by axf_doorbell() (the
+ * connection's sending thread may send it earlier, whenever it runs). */
+#define AXF_POST_DEFER 1u
 #define AXF_POST_POLL 2u  /* the caller polls right after this call: a completion
                              known at submit (small same-host copy) is queued
                              without signalling the eventfd (no wake-up, no

@@ -682,9 +682,16 @@ static int test_read_answered_short_or_long(void)
 
 static int test_cancel_before_send(void)
 {
+    /* The sending threads start lazily (~20 ms after the connection opens)
+     * and send whatever is queued, deferred or not: under TSan pair_open
+     * takes about that long, and a sender starting between the post and the
+     * cancel sent the frame (rv33). Both senders are started first, and no
+     * keepalive wakes them during the post and the cancel. */
+    axf_config cfg = {.keepalive_ms = 60000, .peer_timeout_ms = 120000};
     pair p;
-    if (pair_open(&p, NULL, 1))
+    if (pair_open(&p, &cfg, 1))
         return 1;
+    usleep(100 * 1000);
     t_fill(p.asrc, REG, 12);
     axf_desc d = {.lrid = p.arid, .rrid = p.brid, .rkey = p.bkey, .len = 4096};
     /* Deferred: queued, not yet released to the connection thread. */
