@@ -135,8 +135,10 @@ class Agent:
     agent the same token. ``insecure_no_auth=True`` turns authentication off
     (anyone who can reach the port gets the metadata and the memory).
     ``peer_timeout``: seconds of silence after which a peer is lost (its transfers
-    fail with PeerLost); ``keepalive``: idle ping interval. ``tcp_connections``:
-    connections per TCP peer and rail (large transfers are split across them).
+    fail with PeerLost); ``keepalive``: idle ping interval of a peer's first
+    connection (its other connections ping every half of the peer's timeout).
+    ``tcp_connections``: connections per TCP peer and rail (large transfers are
+    split across them).
     ``copy_workers``: engine threads doing same-host copies.
     ``peer_max_bytes`` / ``peer_max_requests``: per-peer limits on what is in
     the engine at once (None: unlimited). Over them, ``write``/``read`` still
