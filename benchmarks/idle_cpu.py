@@ -1,9 +1,11 @@
 """What an idle agent costs: one agent (the hub, in its own process) with 10
 connected peers, nothing in flight, for 10 s; its CPU time (user + system,
 every thread: engine threads, keepalives, the event loop) as a percentage of
-one core, per progress mode and transport. The hub dials every peer and every
-peer dials the hub (both directions live), and one transfer each way ran
-before the quiet period, so every path has been used.
+one core, per progress mode and transport, and its threads' wake-ups per
+second (the third field of /proc/<pid>/task/*/schedstat: times a thread was
+put on a CPU; on a VM each costs tens of microseconds). The hub dials every
+peer and every peer dials the hub (both directions live), and one transfer
+each way ran before the quiet period, so every path has been used.
 
     python benchmarks/idle_cpu.py [--seconds 10] [--peers 10] [--modes adaptive,sleep,poll]
                                   [--transports shm,tcp] [--json]
@@ -47,24 +49,29 @@ async def hub(mode: str, transport: str) -> None:
         await loop.run_in_executor(None, sys.stdin.readline)  # the quiet period, then "exit"
 
 
-def cpu_of(pid: int) -> float:
-    """CPU seconds of pid's threads now: the scheduler's nanosecond run time
-    (/proc/<pid>/task/*/schedstat) where the kernel keeps it, else utime +
-    stime in clock ticks (10 ms: coarse over a 10 s window). Threads do not
-    come or go while the agent is idle."""
+def cpu_of(pid: int) -> tuple[float, int]:
+    """CPU seconds of pid's threads now and their wake-ups (times run): the
+    scheduler's nanosecond run time and run count
+    (/proc/<pid>/task/*/schedstat) where the kernel keeps them, else utime +
+    stime in clock ticks (10 ms: coarse over a 10 s window) and -1. Threads
+    do not come or go while the agent is idle."""
     try:
-        total = 0
+        total = runs = 0
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        return total / 1e9
+                fields = f.read().split()
+            total += int(fields[0])
+            runs += int(fields[2])
+        return total / 1e9, runs
     except (OSError, ValueError, IndexError):
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / TICK
+        return (int(fields[11]) + int(fields[12])) / TICK, -1
 
 
-async def measure(mode: str, transport: str, npeers: int, seconds: float) -> float:
+async def measure(mode: str, transport: str, npeers: int,
+                  seconds: float) -> tuple[float, float]:
+    """(% of one core, wake-ups per second; -1 where not kept)."""
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--hub", mode, transport],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
     assert proc.stdin is not None and proc.stdout is not None
@@ -83,12 +90,13 @@ async def measure(mode: str, transport: str, npeers: int, seconds: float) -> flo
         line = await loop.run_in_executor(None, proc.stdout.readline)
         assert line.strip() == "ready", line
         await asyncio.sleep(1.0)  # connections settle
-        c0, t0 = cpu_of(proc.pid), time.monotonic()
+        (c0, r0), t0 = cpu_of(proc.pid), time.monotonic()
         await asyncio.sleep(seconds)
-        c1, t1 = cpu_of(proc.pid), time.monotonic()
+        (c1, r1), t1 = cpu_of(proc.pid), time.monotonic()
         proc.stdin.write("exit\n")
         proc.stdin.flush()
-        return 100.0 * (c1 - c0) / (t1 - t0)
+        wakes = (r1 - r0) / (t1 - t0) if r0 >= 0 and r1 >= 0 else -1.0
+        return 100.0 * (c1 - c0) / (t1 - t0), wakes
     finally:
         for a in agents:
             await a.aclose()
@@ -107,12 +115,13 @@ async def main(ns: argparse.Namespace) -> None:
     rows = []
     for transport in ns.transports.split(","):
         for mode in ns.modes.split(","):
-            pct = await measure(mode, transport, ns.peers, ns.seconds)
+            pct, wakes = await measure(mode, transport, ns.peers, ns.seconds)
             rows.append({"transport": transport, "mode": mode, "peers": ns.peers,
-                         "seconds": ns.seconds, "cpu_pct_of_one_core": round(pct, 3)})
+                         "seconds": ns.seconds, "cpu_pct_of_one_core": round(pct, 3),
+                         "wakeups_per_s": round(wakes, 1)})
             if not ns.json:
                 print(f"{transport:4} {mode:9} {ns.peers} peers, {ns.seconds:g} s idle: "
-                      f"{pct:.2f} % of one core", flush=True)
+                      f"{pct:.2f} % of one core, {wakes:.0f} wake-ups/s", flush=True)
     if ns.json:
         print(json.dumps(rows))
 
