@@ -1,5 +1,5 @@
 """What a pool costs its owner, warm and cold: agent.alloc(n) and its first
-fill, per build and size (shm32_alloc.py's samples, several sizes, and a
+fill, per build and size (several sizes, and a
 settling pause).
 
 Why a pause: on a VM with free page reporting (Firecracker here:
