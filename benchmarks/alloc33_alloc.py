@@ -1,6 +1,5 @@
 """What a pool costs its owner, warm and cold: agent.alloc(n) and its first
-fill, per build and size (several sizes, and a
-settling pause).
+fill, per build and size, after a settling pause.
 
 Why a pause: on a VM with free page reporting (Firecracker here:
 page_reporting_order on the kernel's command line) memory freed a few
