@@ -108,13 +108,15 @@ def answer(s, nonce, snonce):
             "go": go == protocol.META_GO}
 
 
-if mode == "good" or mode == "slow":
-    s = dial(4096 if mode == "slow" else 0)
+if mode in ("good", "slow", "gated"):
+    s = dial(0 if mode == "good" else 4096)
     nonce, snonce = hello(s)
     s.sendall(protocol.encode_frame(Proof(proof=protocol.client_proof(
         key, snonce, nonce, "cxs32-client"))))
     if mode == "slow":
         time.sleep(0.3)
+    elif mode == "gated":  # reads on only once the test says so (a line on stdin)
+        sys.stdin.readline()
     try:
         print(json.dumps(answer(s, nonce, snonce)))
     except EOFError as exc:
@@ -134,12 +136,20 @@ else:
 '''
 
 
-async def _client(mode: str, where: str, key: bytes) -> dict[str, Any]:
-    """Runs the client in its own process (cwd "/": the installed aioxfer)."""
+async def _client(mode: str, where: str, key: bytes,
+                  gate: asyncio.Future[None] | None = None) -> dict[str, Any]:
+    """Runs the client in its own process (cwd "/": the installed aioxfer).
+    Mode "gated": it reads the answer only once gate is done."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _CLIENT, mode, where, key.hex(),
+        stdin=subprocess.PIPE if gate is not None else None,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
     )
+    if gate is not None:
+        assert proc.stdin is not None
+        await gate
+        proc.stdin.write(b"read\n")
+        await proc.stdin.drain()
     out, err = await within(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
@@ -215,9 +225,13 @@ async def test_slow_reader_gets_the_rest_checked(make_agent: Any, monkeypatch: A
     keep = [b.register(bytearray(64), name=f"r{i}") for i in range(6000)]
     gone = b.register(bytearray(64), name="gone")
     where = _where(b, "unix")
-    task = asyncio.ensure_future(_client("slow", where, b._token))
+    # The client reads only once "gone" is deregistered (it slept 0.3 s: a
+    # loaded CI host deregistered later than that once, and META_GO went).
+    deregistered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(_client("gated", where, b._token, deregistered))
     await wait_until(lambda: spy.served == 1, what="the rest handed to a task")
     await within(b.deregister(gone))
+    deregistered.set_result(None)
     got = await task
     # The snapshot (naming "gone") went out whole, then the connection
     # closed: no META_GO.
