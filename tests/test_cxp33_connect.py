@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import structlog
 from conftest import within
+from test_cxc32_connect import _listener
 
 import aioxfer
 from aioxfer import connector, members, protocol
@@ -121,14 +122,6 @@ def test_ptrace_scope_of_this_host() -> None:
     assert connector._ptrace_scope() == want
     assert connector._ptrace_scope() == want
     assert aioxfer is not None and pytest is not None
-
-
-def _listener() -> tuple[socket.socket, str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(8)
-    sock.setblocking(False)
-    return sock, f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 async def _hello_sent(init: Any, lsock: socket.socket, address: str) -> Hello:
