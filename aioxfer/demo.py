@@ -202,7 +202,7 @@ async def _prefill(cfg: DemoConfig, addresses: Any, events: Any, stop: Any) -> N
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t_start
         events.put(("prefill-done", elapsed, latencies))
-        await asyncio.get_running_loop().run_in_executor(None, stop.wait, cfg.timeout)
+        await loop.run_in_executor(None, stop.wait, cfg.timeout)
 
 
 def _prefill_main(cfg: DemoConfig, addresses: Any, events: Any, stop: Any) -> None:
