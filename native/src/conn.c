@@ -1401,6 +1401,7 @@ static void spl_decide(conn *c)
     bool yes = peer_diag(&p->spl_me, &p->spl_peer, &uid) && uid == (uint32_t)geteuid() &&
                spl_peer_may_read();
     atomic_store(&p->spl_v, yes ? SPL_V_YES : SPL_V_OFF);
+    atomic_fetch_add(&c->e->splice_verdicts, 1);
 }
 
 /* Whoever holds c->sending, before a frame it would splice: whether c

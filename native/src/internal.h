@@ -516,6 +516,10 @@ struct axf_engine {
     char tcp_loop_cc[16];
     atomic_ullong spliced_frames, spliced_bytes, splice_fallbacks;
     atomic_int splice_pipes;
+    /* Connections whose one-copy verdict is in (conn.c spl_decide): a frame
+     * a sender meets while its verdict is being asked goes by copy, so a
+     * test that needs a splice waits for this first. */
+    atomic_ullong splice_verdicts;
     /* Refused accesses (conn.c refused_access): when the last was logged
      * (ms + 1; 0: never), and how many were counted quietly since. The
      * engine's, not a connection's: a peer may open max_conns of them. */

@@ -327,6 +327,19 @@ static inline int t_tcp_pair(int *a, int *b)
     return t_tcp_pair_opts(a, b, NULL);
 }
 
+/* Waits (up to 5 s) until an engine's counter reaches n, e.g. a test that
+ * needs its first frame spliced waits for e->splice_verdicts to count its
+ * connections (conn.c spl_decide, asked by each receiver as it starts: a
+ * frame sent while it is being asked goes by copy). 0, or 1 (reported). */
+static inline int t_wait_count(atomic_ullong *counter, uint64_t n)
+{
+    for (uint64_t t = t_now_ms(); atomic_load(counter) < n;) {
+        CHECK(t_now_ms() - t < 5000);
+        usleep(1000);
+    }
+    return 0;
+}
+
 /* A raw peer of an initiator: a loopback TCP connection added to e's tcp
  * endpoint ep, its other end in *peer, where the test reads the engine's
  * frames and answers them by hand (the wire layout: internal.h). sndbuf,

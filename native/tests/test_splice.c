@@ -51,6 +51,8 @@ static int pair_open(pair *p, const axf_config *cfg, int nconns)
         CHECK_EQ(axf_endpoint_add_conn(p->a->e, p->ep, x), AXF_OK);
         CHECK_EQ(axf_accept_conn(p->b->e, y, B_TAG, -1), AXF_OK);
     }
+    if (splice_on() && t_wait_count(&p->a->e->splice_verdicts, (uint64_t)nconns))
+        return 1; /* (a frame sent while it is asked goes by copy) */
     p->asrc = calloc(1, REG);
     p->bdst = calloc(1, REG);
     CHECK(p->asrc && p->bdst);
@@ -298,6 +300,8 @@ static int test_peer_closes_midstream(void)
     int small = 64 << 10; /* the peer's receive queue fills soon */
     (void)setsockopt(y, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
     CHECK_EQ(axf_endpoint_add_conn(a->e, ep, x), AXF_OK);
+    if (splice_on() && t_wait_count(&a->e->splice_verdicts, 1))
+        return 1;
     uint8_t *src = calloc(1, REG);
     CHECK(src);
     uint64_t rid, key;
