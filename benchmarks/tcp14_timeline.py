@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 import numpy as np
+from proc_cpu import cpu_of
 
 import aioxfer
 
@@ -50,12 +51,6 @@ EV = {n: i + 1 for i, n in enumerate(
     "POST SEND_B SEND_E TX_WAKE RX_HDR RX_DONE UNIT_B UNIT_E HELP PARK_B PARK_E RX_BLOCK "
     "STREAM_B STREAM_E WAIT_B WAIT_E CQ_PUSH SPIN_B SPIN_E SIG_B SIG_E".split())}
 NOWAIT = 1 << 62
-
-
-def cpu_of(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        st = f.read().rsplit(")", 1)[1].split()
-    return (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def target(a: argparse.Namespace) -> None:

@@ -32,17 +32,12 @@ import time
 from typing import Any
 
 import numpy as np
+from proc_cpu import cpu_of
 
 import aioxfer
 
 BUF = 64 << 20
 N, DESC = 256, 16 << 10
-
-
-def cpu_of(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        st = f.read().rsplit(")", 1)[1].split()
-    return (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def threads(pid: int) -> dict[int, tuple[float, int, int]]:

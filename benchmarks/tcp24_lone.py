@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any
 
+from proc_cpu import cpu_of
+
 
 def task_stats(pid: int) -> dict[int, tuple[float, int, int, str]]:
     """tid -> (CPU seconds, voluntary, involuntary switches, name)."""
@@ -68,12 +70,6 @@ def diff(a: dict[int, tuple[float, int, int, str]], b: dict[int, tuple[float, in
             rows.append((c1 - c0, f"{name}:{100 * (c1 - c0) / wall:.0f}%cpu "
                          f"{(v1 - v0) / n:.2f}v/{(i1 - i0) / n:.2f}i"))
     return vol / n, inv / n, [r for _, r in sorted(rows, reverse=True)]
-
-
-def cpu_of(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        st = f.read().rsplit(")", 1)[1].split()
-    return (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def target(a: argparse.Namespace) -> None:
