@@ -462,17 +462,34 @@ static void pop_parallel(uint8_t *m, uint64_t len, int fd, uint64_t w)
 /* Populates m, a 2 MiB-aligned mapping of len bytes of a file all data
  * whose first 2 MiB one read mapped whole (fault_window: a huge page of the
  * file, mapped by one PMD), on this thread alone (a second one took ~60 us
- * to start: the populate of 64 MiB of huge pages is ~80 us). A read a 2 MiB
- * maps each further huge page whole; a range of small pages (a tail below
- * 2 MiB, which no PMD maps, or a 2 MiB whose huge page the kernel could not
- * allocate: THP falls back per range) would keep all but its first
- * fault-around window unmapped, to the first writes' page faults (a 3 MiB +
- * 12 KiB pool: 1 MiB of its tail). Told apart by whether the range's last
- * page is mapped after its first read (pagemap, one entry): if not, a read
- * per page or window (touch_pages). Without pagemap, every range so. */
+ * to start). The rest by one madvise(MADV_POPULATE_READ) (nat34): it maps
+ * each further huge page by one PMD and every page of a range of small
+ * pages (a tail below 2 MiB, which no PMD maps, or a 2 MiB whose huge page
+ * the kernel could not allocate: THP falls back per range), in one call.
+ * Before, a read a 2 MiB and a pagemap read of the range's last page told
+ * the two apart (a small range then got a read per window): 32 faults and
+ * 33 pagemap reads for a 64 MiB pool. The madvise's page walk skips the
+ * rest of a huge page, so its cost is the faults': benchmarks/nat34_import.c
+ * (2 vCPUs, Linux 6.18, medians) map + populate 134 -> 65 us at 64 MiB (41
+ * rounds), 905 -> 381 us at 512 MiB (11 rounds), within ~10 us of
+ * MAP_POPULATE; connect_phases --transport shm, n=15 interleaved with main's
+ * wheel: the import 0.19 -> 0.12 ms (15 of 15 pairs), the total's pair
+ * ratio 0.88 (a fresh process) and 0.94 (PHASE_WARM=1). The file was all
+ * data (has_holes, the caller's check): the madvise maps the peer's pages
+ * and allocates none; a peer that punches holes after that check (its seals
+ * allow it) has them allocated as a read per window would have, every page
+ * rather than one a window: at most the pool's size, which it held when
+ * checked. Not for small-page pools (shmc29: the walk after the faults
+ * costs ~1.4x a read a window there), not in the lazy populator (it holds
+ * the mmap_lock while preempted). Where the kernel refuses it (before 5.14:
+ * EINVAL), as before: a read a 2 MiB, and a read a window where the range's
+ * last page stays unmapped (pagemap, one entry; without pagemap, every
+ * range so). */
 static void pop_huge(uint8_t *m, uint64_t len)
 {
     const uint64_t huge = 2u << 20;
+    if (len <= huge || madvise(m + huge, len - huge, MADV_POPULATE_READ) == 0)
+        return;
     int pm = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
     for (uint64_t o = 0; o < len; o += huge) {
         uint64_t n = len - o < huge ? len - o : huge, ent = 0;
