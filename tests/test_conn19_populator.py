@@ -179,13 +179,14 @@ async def test_large_sparse_pool_populated_without_madvise(tmp_path: Any) -> Non
 async def test_bad_lazy_min_is_ignored(tmp_path: Any) -> None:
     """A value that is not a plain number leaves the default (1 GiB): the
     32 MiB pool is populated whole by the time connect returns, as before
-    (since shmc29 by a read per fault-around window, no madvise: see
-    tests/test_shmc29_populate.py)."""
+    (small pages since shmc29 by a read per fault-around window, no madvise:
+    see tests/test_shmc29_populate.py; a pool of huge pages, agent.alloc's,
+    since nat34 by one MADV_POPULATE_READ over all but its first 2 MiB)."""
     size = 32 * MiB
     populated, rss, rss0, child = await _run_rss0(size, size, [0], "lots", tmp_path)
     try:
         assert rss0 == size and rss == size
-        assert populated == 0
+        assert populated in (0, size - 2 * MiB), populated
         await _check(child, [0])
     finally:
         await asyncio.get_running_loop().run_in_executor(None, child.close)
