@@ -49,6 +49,36 @@ incarnation for that many joins, each index once, within its peer timeout
 (:class:`Joins`), revoked when the first connection fails its Proof;
 anything else (replayed, forged, expired, another name, a wrong proof) gets
 its Challenge again and must prove the token over that fresh nonce.
+
+Early proofs (same host: the Proof round left out). A client connected to
+this host by the address it dialled (a unix socket, or tcp to 127.0.0.0/8
+or ::1) puts in its first Hello ``early_ts`` (its time.time_ns()) and
+``early_proof = HMAC(token, EARLY_CTX + every other field of the Hello +
+early_ts + the server's address)`` (early_proof; the address as both ends'
+sockets name it, sock_endpoint). A server that finds the client on this
+host from its own socket (its unix listener, whose peer the kernel names as
+our uid; a loopback peer address; never from what the client says) and
+finds that whole Hello waiting as it accepts takes the proof only when its
+MAC verifies, its timestamp is within EARLY_WINDOW_NS of its clock and not
+before the server started listening, and its nonce was never taken (a
+replay cache, EarlyProofs); then, after every check a Hello passes in
+server_handshake, and refuse()::
+
+    Hello{..., early_ts, early_proof}  ->
+                   <- Challenge{version, nonce_s, early=True}, Accept{..., proof}
+
+in one send (server_early_now), the Accept's proof over nonce_c and nonce_s
+as above: the client checks it before it uses anything, and sends no Proof.
+Anything else gets the ordinary Challenge (``early`` False) at accept and
+the client proves the token over it: an early proof is never refused, so
+an older client, a stale clock or a full cache cost only the Proof round.
+An older server ignores the Hello's early fields and never says ``early``.
+Why one host only (SECURITY.md, "Early proofs"): whoever can record a
+unix-socket or loopback Hello is root or this user and can read the token
+itself; a Hello that crossed a network could be recorded there and replayed
+at a server's loopback by a local user: other hosts never send or get early
+proofs, and the address binding makes one made for a network address no
+proof at a loopback one.
 """
 
 from __future__ import annotations
@@ -88,6 +118,9 @@ __all__ = [
     "NONCE_BYTES",
     "META_GO",
     "ClosedSilently",
+    "EARLY_CACHE",
+    "EARLY_WINDOW_NS",
+    "EarlyProofs",
     "FrameTooLarge",
     "HandshakeRejected",
     "Joins",
@@ -96,6 +129,7 @@ __all__ = [
     "client_join_now",
     "challenge",
     "client_proof",
+    "early_proof",
     "join_proof",
     "encode_frame",
     "recv_go",
@@ -106,6 +140,9 @@ __all__ = [
     "server_greet_now",
     "server_join_now",
     "server_answer_now",
+    "server_early_now",
+    "same_host",
+    "sock_endpoint",
     "server_proof",
 ]
 
@@ -128,6 +165,15 @@ META_GO = b"\x01"
 _SERVER_CTX = b"aioxfer-server-v2\x00"
 _CLIENT_CTX = b"aioxfer-client-v2\x00"
 _JOIN_CTX = b"aioxfer-join-v2\x00"
+_EARLY_CTX = b"aioxfer-early-v1\x00"
+# An early proof's timestamp (the client's time.time_ns()) is taken within
+# this of the server's clock, either way: one host, one clock, so only the
+# time between the client's Hello and the server's accept counts; past it
+# (a loaded host, a clock stepped meanwhile) the Proof round is all it costs.
+EARLY_WINDOW_NS = 5 * 10**9
+# Early nonces a server remembers (each until its timestamp + the window):
+# while that many are live no early proof is taken (the Proof round).
+EARLY_CACHE = 4096
 
 _T = TypeVar("_T")
 _encoder = msgspec.msgpack.Encoder()
@@ -355,6 +401,103 @@ def join_proof(token: bytes, join: bytes, index: int, client_nonce: bytes, name:
     )
 
 
+def sock_endpoint(addr: object) -> str | bytes:
+    """A socket address as both ends of a connection name it: the server's
+    getsockname() of the accepted socket, the client's getpeername() (a unix
+    socket's path or abstract name as it is; an IP's host:port, an
+    IPv4-mapped IPv6 host as the IPv4 one, no flow or scope)."""
+    if isinstance(addr, str | bytes):
+        return addr
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = str(addr[0]).partition("%")[0]
+        if host.startswith("::ffff:") and "." in host:
+            host = host[7:]
+        return f"{host}:{addr[1]}"
+    return repr(addr)
+
+
+def same_host(addr: object) -> bool:
+    """Whether the other end at addr (a getpeername() or accept() address)
+    is on this host by what the kernel routes: a unix socket's peer, or a
+    loopback IP (127.0.0.0/8, ::1, ::ffff:127.0.0.0/104, told by the
+    kernel's spelling, as handshake_spin_ns). Anything else, this host's own
+    non-loopback addresses included, is not."""
+    if isinstance(addr, str | bytes):
+        return True  # AF_UNIX (an unnamed client socket's address is "")
+    if not (isinstance(addr, tuple) and len(addr) >= 2 and isinstance(addr[0], str)):
+        return False
+    host = addr[0]
+    return host.startswith(_LOOPBACK_PREFIXES) or host == "::1"
+
+
+def early_proof(token: bytes, hello: Hello, here: str | bytes) -> bytes:
+    """Hello.early_proof: over every field of hello but itself (early_ts
+    included) and ``here``, the server's address (sock_endpoint): a Hello
+    made for one listener is no proof at another (a network address's
+    Hello none at a loopback one, a squatter's port none at ours)."""
+    body = _encoder.encode((
+        hello.version, hello.name, hello.incarnation, hello.purpose, hello.nonce,
+        hello.byteorder, hello.meta, hello.accept_only, hello.joins, hello.join,
+        hello.join_index, hello.join_proof, hello.early_ts, here,
+    ))
+    return hmac.digest(token, _EARLY_CTX + body, "sha256")
+
+
+class EarlyProofs:
+    """Server side: which early proofs are taken (see the module docstring).
+
+    One per listening agent, made as it starts listening (``start_ns``, its
+    time.time_ns()). A Hello's early proof is taken only when its timestamp
+    is not before ``start_ns`` (a Hello made for an earlier agent at this
+    address is no proof to this one), within ``window_ns`` of now either way,
+    its MAC verifies, and its nonce was never taken before: every taken nonce
+    is kept until its timestamp + the window, when the timestamp alone
+    refuses it. At most ``cap`` are kept: while that many are live no early
+    proof is taken (the Proof round, never a Reject). The caller decides that
+    the peer is on this host, from its socket."""
+
+    __slots__ = ("start_ns", "_window", "_cap", "_seen", "taken")
+
+    def __init__(
+        self, *, start_ns: int | None = None, window_ns: int = EARLY_WINDOW_NS,
+        cap: int = EARLY_CACHE,
+    ) -> None:
+        self.start_ns = time.time_ns() if start_ns is None else start_ns
+        self._window = window_ns
+        self._cap = max(1, cap)
+        self._seen: dict[bytes, int] = {}  # nonce -> until (ns, time.time_ns)
+        self.taken = 0  # early proofs taken (tests, statistics)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def take(self, hello: Hello, token: bytes, here: str | bytes) -> bool:
+        """Whether hello's early proof is taken (its nonce is then spent)."""
+        now = time.time_ns()
+        ts = hello.early_ts
+        if (
+            not hello.early_proof
+            or ts < self.start_ns
+            or abs(ts - now) > self._window
+            or len(hello.nonce) != NONCE_BYTES
+            or hello.join
+        ):
+            return False
+        if not hmac.compare_digest(hello.early_proof, early_proof(token, hello, here)):
+            return False
+        seen = self._seen
+        if hello.nonce in seen:
+            return False  # replayed (its timestamp still in the window)
+        if len(seen) >= self._cap:
+            for nonce in [n for n, until in seen.items() if until < now]:
+                del seen[nonce]
+            if len(seen) >= self._cap:
+                return False
+        seen[hello.nonce] = ts + self._window
+        self.taken += 1
+        return True
+
+
 class _Grant:
     __slots__ = ("expires", "name", "incarnation", "joins", "used")
 
@@ -455,9 +598,20 @@ def _hello(
     accept_only: bool = False,
     joins: int = 0,
     join: tuple[bytes, int] | None = None,
+    to: socket.socket | None = None,
 ) -> tuple[bytes, bytes]:
-    """A client's Hello (a fresh nonce) as a frame; returns (nonce, frame)."""
+    """A client's Hello (a fresh nonce) as a frame; returns (nonce, frame).
+    to: the connected socket it goes on: a first "data" Hello or accept_only
+    "meta" probe with a token to a server on this host by the address it
+    is connected to (_early_target) carries an early proof bound to that
+    address (see the module docstring)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
+    here = None
+    if (
+        to is not None and token is not None and join is None
+        and (purpose == "data" or (purpose == "meta" and accept_only))
+    ):
+        here = _early_target(to)
     hello = Hello(
         version=PROTOCOL_VERSION,
         name=name,
@@ -468,6 +622,7 @@ def _hello(
         meta=meta,
         accept_only=accept_only,
         joins=joins,
+        early_ts=time.time_ns() if here is not None else 0,
     )
     if join is not None:
         assert token is not None
@@ -475,7 +630,22 @@ def _hello(
             hello, join=join[0], join_index=join[1],
             join_proof=join_proof(token, join[0], join[1], nonce, name),
         )
+    elif here is not None:
+        assert token is not None
+        hello = msgspec.structs.replace(hello, early_proof=early_proof(token, hello, here))
     return nonce, encode_frame(hello)
+
+
+def _early_target(sock: socket.socket) -> str | bytes | None:
+    """The server's address for an early proof, when sock's peer is on this
+    host by the address we are connected to (same_host); else None (no
+    early proof: another host's clock, and a network that can record a
+    Hello to replay it, SECURITY.md)."""
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return None
+    return sock_endpoint(peer) if same_host(peer) else None
 
 
 def client_join_now(
@@ -540,7 +710,8 @@ async def _client_handshake(
         join = None
     if sent is None:
         nonce, frame = _hello(name=name, incarnation=incarnation, purpose=purpose, token=token,
-                              meta=meta, accept_only=accept_only, joins=joins, join=join)
+                              meta=meta, accept_only=accept_only, joins=joins, join=join,
+                              to=sock)
         # The Hello goes at once, not after the server's Challenge: a server
         # of an older version, which waits for it, answers with a Reject
         # naming the version instead of both sides waiting; and our Proof
@@ -562,9 +733,13 @@ async def _client_handshake(
     server_nonce = _check_challenge(first, token)
     msg: Frame | None = None
     if token is not None:
-        if join is not None:
-            # Joined: the Accept comes at once; not honoured: the Challenge
-            # again, and we prove the token as a first connection does.
+        if join is not None or (isinstance(first, Challenge) and first.early):
+            # Joined, or our early proof taken (the server says so in its
+            # Challenge, which an Accept follows): the Accept comes at once;
+            # a join not honoured: the Challenge again, and we prove the
+            # token as a first connection does. (Whatever the Challenge
+            # says, the Accept's proof below is checked before anything
+            # of it is used: a server without the token makes none.)
             msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, spin_ns=spin_ns)
             if isinstance(msg, Challenge):
                 if msg.nonce != server_nonce:
@@ -579,7 +754,7 @@ async def _client_handshake(
                 sock, encode_frame(Proof(proof=client_proof(token, server_nonce, nonce, name)))
             )
             msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, spin_ns=spin_ns)
-        else:
+        elif join is not None:
             joins = 0  # (joined: nothing of ours to join)
     else:
         msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, spin_ns=spin_ns)
@@ -979,6 +1154,78 @@ def server_answer_now(
     if token is not None:
         _grant(hello, nonce, joins)
     return hello, answer
+
+
+# How a Hello without an early proof encodes its "early_proof" (the empty
+# default): server_early_now leaves such a Hello alone without decoding it.
+_NO_EARLY = b"\xabearly_proof\xc4\x00"
+
+
+def server_early_now(
+    sock: socket.socket,
+    *,
+    token: bytes | None,
+    accept: Accept,
+    early: EarlyProofs,
+    joins: Joins | None,
+    refuse: Callable[[], str | None] | None,
+    ahead: Callable[[Hello, bytes], _T],
+) -> tuple[Hello, _T] | None:
+    """Server side, at once (no await), as a connection of a client on this
+    host (the caller decided, from the socket: see same_host) is accepted,
+    before our Challenge: a first "data" Hello or accept_only "meta" probe
+    already waiting whose early proof ``early`` takes. Returns it and what
+    ahead(hello, answer) made of our answer: our Challenge (``early``) and
+    the proved Accept (``meta=True`` when a "data" Hello asked for the
+    metadata: the caller sends it), as frames, for the caller to send. The
+    Hello was read (exactly its frame: the engine's bytes follow) and its
+    Challenge granted to its joins. None, nothing read or sent: anything
+    else (no token, a partial Hello, no early proof or one not taken, any
+    check of server_handshake's that fails, a refusal): the caller greets
+    it (server_greet_now) and serves it as any other. ProtocolError: taken,
+    but the connection broke (the caller closes it).
+
+    Every check server_handshake makes of a Hello (version, name, nonce,
+    incarnation, byte order) and refuse() come before the proof is taken,
+    and nothing of ours goes out before it is."""
+    if token is None:
+        return None
+    frame = _peeked(sock)
+    if not frame:
+        return None
+    n = _whole_frame(frame)
+    if not n or _NO_EARLY in frame[4 : 4 + n]:
+        return None
+    try:
+        hello = decode_body(memoryview(frame)[4 : 4 + n])
+    except ProtocolError:
+        return None
+    if not (
+        _hello_passes(hello)
+        and hello.early_proof
+        and not hello.join
+        and hello.byteorder == sys.byteorder
+        and (hello.purpose == "data" or (hello.purpose == "meta" and hello.accept_only))
+    ):
+        return None
+    if refuse is not None and refuse() is not None:
+        return None  # (server_handshake says why, in a Reject)
+    try:
+        here = sock_endpoint(sock.getsockname())
+    except OSError:
+        return None
+    if not early.take(hello, token, here):
+        return None
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    made = ahead(hello, encode_frame(Challenge(version=PROTOCOL_VERSION, nonce=nonce, early=True))
+                 + _answer(hello, token, accept, nonce))
+    try:
+        if sock.recv_into(bytearray(4 + n), 4 + n) != 4 + n:  # the peeked Hello, for good
+            raise ProtocolError("the early Hello shrank between its peek and its read")
+    except OSError as exc:
+        raise ProtocolError(f"connection broken while it was accepted: {exc}") from None
+    _grant(hello, nonce, joins)
+    return hello, made
 
 
 def _answer(hello: Hello, token: bytes | None, accept: Accept, nonce: bytes) -> bytes:

@@ -37,15 +37,18 @@ from aioxfer.protocol import (
     HANDSHAKE_SPIN_NS,
     META_GO,
     ClosedSilently,
+    EarlyProofs,
     HandshakeRejected,
     Joins,
     challenge,
     encode_frame,
     handshake_spin_ns,
     recv_frame,
+    same_host,
     send_frame,
     send_now,
     server_answer_now,
+    server_early_now,
     server_greet_now,
     server_handshake,
     server_join_now,
@@ -128,6 +131,7 @@ class Server:
         "_spin_at",
         "_challenge",
         "joins",
+        "early",
         "closing",
         "__weakref__",
     )
@@ -176,6 +180,9 @@ class Server:
         # trip each instead of two: a tcp connect's other connections, a
         # same-host connect's unix socket): as many live as handshakes may run.
         self.joins = Joins(ttl=peer_timeout, cap=max_handshakes)
+        # The early proofs of same-host clients taken (no Proof round:
+        # _early_now), from the time we start listening on.
+        self.early = EarlyProofs()
         # Set by the agent as its close begins (before its goodbye to the
         # network): from then on a handshake is refused with a Reject that
         # says so, instead of an Accept followed by a connection the closing
@@ -242,12 +249,20 @@ class Server:
                     continue
                 if not local and self._join_now(sock, addr):
                     continue
-                nonce = self._greet_now(sock, addr)
-                if nonce is None:  # broke before its handshake (logged, closed)
-                    continue
-                answered = self._answer_now(loop, sock, addr, cred, nonce)
+                answered: bool | tuple[Hello, _Out] = False
+                nonce = b""
+                if self._token is not None and (local or same_host(addr)):
+                    answered = self._early_now(sock, addr, cred)
                 if answered is True:
                     continue
+                if answered is False:
+                    got = self._greet_now(sock, addr)
+                    if got is None:  # broke before its handshake (logged, closed)
+                        continue
+                    nonce = got
+                    answered = self._answer_now(loop, sock, addr, cred, nonce)
+                    if answered is True:
+                        continue
                 task = loop.create_task(self._serve(loop, sock, addr, cred=cred, nonce=nonce,
                                                     answered=answered or None))
                 self._tasks.add(task)
@@ -378,20 +393,12 @@ class Server:
         if self._token is not None and not spin:
             return False  # (a remote client's Proof is a round trip away: not there yet)
         remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
-        local = cred is not None
-
-        def ahead(hello: Hello, accept: bytes) -> _Out:
-            return self._out(
-                local, accept,
-                meta=hello.meta if hello.purpose == "data" else not hello.accept_only,
-                go=hello.purpose == "data",
-            )
-
         t0 = time.monotonic_ns()
         try:
             got = server_answer_now(loop, sock, token=self._token, accept=self._accept,
                                     joins=self.joins, nonce=nonce, refuse=self._refusal,
-                                    spin_ns=spin, ahead=ahead, polled=_not_ours)
+                                    spin_ns=spin, ahead=self._ahead(cred is not None),
+                                    polled=_not_ours)
         except Exception as exc:  # (ProtocolError: read, then broken; our metadata's own)
             self._failed(exc, remote)
             sock.close()
@@ -401,7 +408,50 @@ class Server:
                 self._spin_debt += time.monotonic_ns() - t0
         if got is None:
             return False
-        hello, out = got
+        return self._finish_now(sock, got[0], got[1], remote, cred)
+
+    def _early_now(
+        self, sock: socket.socket, addr: Any, cred: PeerCred | None
+    ) -> bool | tuple[Hello, _Out]:
+        """A same-host client's (the caller decided, from the socket) Hello
+        with an early proof we take (protocol.server_early_now), answered at
+        once, in the accepting step: our Challenge, the proved Accept and
+        what it asked for in one send, no Proof round. As _answer_now's
+        (False: nothing read or sent, for _greet_now and _answer_now)."""
+        remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
+        try:
+            sock.setblocking(False)
+            got = server_early_now(sock, token=self._token, accept=self._accept,
+                                   early=self.early, joins=self.joins, refuse=self._refusal,
+                                   ahead=self._ahead(cred is not None))
+        except Exception as exc:  # (ProtocolError: read, then broken; our metadata's own)
+            self._failed(exc, remote)
+            sock.close()
+            return True
+        if got is None:
+            return False
+        return self._finish_now(sock, got[0], got[1], remote, cred)
+
+    def _ahead(self, local: bool) -> Callable[[Hello, bytes], _Out]:
+        """What a handshake answered in the accepting step sends: head (our
+        Accept, as frames) and what the Hello asked for (_out)."""
+
+        def ahead(hello: Hello, head: bytes) -> _Out:
+            return self._out(
+                local, head,
+                meta=hello.meta if hello.purpose == "data" else not hello.accept_only,
+                go=hello.purpose == "data",
+            )
+
+        return ahead
+
+    def _finish_now(
+        self, sock: socket.socket, hello: Hello, out: _Out, remote: str, cred: PeerCred | None
+    ) -> bool | tuple[Hello, _Out]:
+        """A handshake made in the accepting step (_answer_now, _early_now):
+        its answer sent as far as the socket takes it now and a "data"
+        connection handed to the engine (True: served, or closed and
+        logged); (hello, out): the rest is _serve's."""
         pidfd = -1
         keep = False  # (the socket goes on to _serve)
         try:
