@@ -112,6 +112,21 @@ def _at_once(sock: socket.socket, token: bytes | None, joins: Any) -> tuple[Any,
             raise AssertionError(f"not taken, yet {len(before) - len(after)} bytes read")
         if _takes(before, token, joins):
             raise AssertionError("a whole Hello it takes, with what follows it, not taken")
+    if token is not None:
+        # A same-host client's early proof (cxs33): random bytes carry none
+        # that verifies, so never taken and never a byte read; taken (a seed
+        # made with the key), exactly its Hello read.
+        early = p.EarlyProofs(start_ns=0, window_ns=1 << 62)
+        got = p.server_early_now(sock, token=token, accept=accept, early=early, joins=joins,
+                                 refuse=None, ahead=lambda h, b: b)
+        after = _waiting(sock)
+        if got is not None:
+            n = 4 + int.from_bytes(before[:4], "big")
+            if after != before[n:] or got[0] != p.decode_body(before[4:n]):
+                raise AssertionError("an early Hello taken, but not exactly its frame read")
+            return got[0], None
+        if after != before:
+            raise AssertionError(f"early: not taken, yet {len(before) - len(after)} bytes read")
     nonce = p.server_greet_now(sock, token=token)
     if _waiting(sock) != before:
         raise AssertionError("the Challenge went out, and bytes were read")
