@@ -33,6 +33,7 @@ from aioxfer.protocol import (
     recv_frame,
     recv_go,
     send_now,
+    with_early_frame,
 )
 from aioxfer.serving import nodelay, writable
 
@@ -232,10 +233,17 @@ class Dialer:
         then sends it). purpose "data" (meta/joins: as client_handshake's)
         or "meta" (the accept_only probe, open_meta's). A Hello carries no
         secret (the handshake sends it at connect, before the peer proved
-        anything, as here)."""
+        anything, as here). To a server on this host by the address sock is
+        connected to, with a token, it carries an early proof (no Proof
+        round: protocol.with_early_proof), a Hello made ahead too: stamped
+        and proved now, for this socket's address, its nonce kept."""
         key = self._hello_key(purpose, meta, joins)
         made = self._hellos.pop(key, None)
-        nonce, frame = self._make_hello(key) if made is None else made
+        if made is None:
+            nonce, frame = self._make_hello(key, sock)
+        else:
+            nonce, frame = made
+            frame = with_early_frame(frame, sock, self._token)
         try:
             n = send_now(sock, frame)
         except OSError:
@@ -261,10 +269,13 @@ class Dialer:
             joins = 0  # (as client_handshake asks for none without a token)
         return purpose, meta and purpose == "data", joins
 
-    def _make_hello(self, key: tuple[Literal["data", "meta"], bool, int]) -> tuple[bytes, bytes]:
+    def _make_hello(
+        self, key: tuple[Literal["data", "meta"], bool, int], to: socket.socket | None = None
+    ) -> tuple[bytes, bytes]:
         purpose, meta, joins = key
         return _hello(name=self._agent, incarnation=self._incarnation, purpose=purpose,
-                      token=self._token, meta=meta, accept_only=purpose == "meta", joins=joins)
+                      token=self._token, meta=meta, accept_only=purpose == "meta", joins=joins,
+                      to=to)
 
     @contextlib.asynccontextmanager
     async def control_errors(self, address: str, doing: str, what: str) -> AsyncIterator[None]:

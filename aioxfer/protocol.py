@@ -130,6 +130,8 @@ __all__ = [
     "challenge",
     "client_proof",
     "early_proof",
+    "with_early_frame",
+    "with_early_proof",
     "join_proof",
     "encode_frame",
     "recv_go",
@@ -435,12 +437,61 @@ def early_proof(token: bytes, hello: Hello, here: str | bytes) -> bytes:
     included) and ``here``, the server's address (sock_endpoint): a Hello
     made for one listener is no proof at another (a network address's
     Hello none at a loopback one, a squatter's port none at ours)."""
+    return _early_mac(token, hello, hello.early_ts, here)
+
+
+def _early_mac(token: bytes, hello: Hello, ts: int, here: str | bytes) -> bytes:
+    """early_proof of hello with its early_ts being ts (with_early_proof
+    makes both in one replace)."""
     body = _encoder.encode((
         hello.version, hello.name, hello.incarnation, hello.purpose, hello.nonce,
         hello.byteorder, hello.meta, hello.accept_only, hello.joins, hello.join,
-        hello.join_index, hello.join_proof, hello.early_ts, here,
+        hello.join_index, hello.join_proof, ts, here,
     ))
     return hmac.digest(token, _EARLY_CTX + body, "sha256")
+
+
+def with_early_proof(hello: Hello, sock: socket.socket, token: bytes | None) -> Hello:
+    """hello as it goes on sock (connected): with an early proof (early_ts
+    now) when it qualifies, as _hello(to=sock) decides: a token, a first
+    "data" Hello or accept_only "meta" probe (no join), to a server on
+    this host by the address sock is connected to (_early_target); else
+    hello as it is. Its nonce is kept: for a Hello made ahead of its
+    socket (dialing.Dialer.prepare_hello), stamped and proved as it is
+    sent (the server's address and clock are only known then)."""
+    here = None if token is None else _early_target(sock)
+    return hello if here is None or token is None else _stamped(hello, token, here)
+
+
+def _stamped(hello: Hello, token: bytes, here: str | bytes) -> Hello:
+    """hello with an early proof for the server at here, if its kind may
+    carry one (_early_kind, no join); else hello."""
+    if not _early_kind(hello.purpose, hello.accept_only) or hello.join:
+        return hello
+    ts = time.time_ns()
+    return msgspec.structs.replace(hello, early_ts=ts,
+                                   early_proof=_early_mac(token, hello, ts, here))
+
+
+def with_early_frame(frame: bytes, sock: socket.socket, token: bytes | None) -> bytes:
+    """with_early_proof of a Hello made ahead as a frame (encode_frame):
+    that frame itself where nothing is added (no token, or sock's peer not
+    on this host: looked at before the frame is decoded)."""
+    here = None if token is None else _early_target(sock)
+    if here is None or token is None:
+        return frame
+    hello = decode_body(memoryview(frame)[4:])
+    if not isinstance(hello, Hello):
+        raise TypeError(f"not a Hello: {type(hello).__name__}")
+    early = _stamped(hello, token, here)
+    return frame if early is hello else encode_frame(early)
+
+
+def _early_kind(purpose: str, accept_only: bool) -> bool:
+    """Whether a first Hello of this purpose may carry an early proof: a
+    "data" one, or an accept_only "meta" probe (never verbs, nor a
+    metadata fetch, which the server serves only after a Proof round)."""
+    return purpose == "data" or (purpose == "meta" and accept_only)
 
 
 class EarlyProofs:
@@ -606,12 +657,6 @@ def _hello(
     is connected to (_early_target) carries an early proof bound to that
     address (see the module docstring)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    here = None
-    if (
-        to is not None and token is not None and join is None
-        and (purpose == "data" or (purpose == "meta" and accept_only))
-    ):
-        here = _early_target(to)
     hello = Hello(
         version=PROTOCOL_VERSION,
         name=name,
@@ -622,7 +667,6 @@ def _hello(
         meta=meta,
         accept_only=accept_only,
         joins=joins,
-        early_ts=time.time_ns() if here is not None else 0,
     )
     if join is not None:
         assert token is not None
@@ -630,9 +674,8 @@ def _hello(
             hello, join=join[0], join_index=join[1],
             join_proof=join_proof(token, join[0], join[1], nonce, name),
         )
-    elif here is not None:
-        assert token is not None
-        hello = msgspec.structs.replace(hello, early_proof=early_proof(token, hello, here))
+    elif to is not None:
+        hello = with_early_proof(hello, to, token)
     return nonce, encode_frame(hello)
 
 
@@ -1205,7 +1248,7 @@ def server_early_now(
         and hello.early_proof
         and not hello.join
         and hello.byteorder == sys.byteorder
-        and (hello.purpose == "data" or (hello.purpose == "meta" and hello.accept_only))
+        and _early_kind(hello.purpose, hello.accept_only)
     ):
         return None
     if refuse is not None and refuse() is not None:
@@ -1368,6 +1411,14 @@ def _warm() -> None:
         Reject(reason="warm"),
     ):
         decode_body(memoryview(encode_frame(msg))[4:])
+    # (An early proof's own steps, as a same-host connect's hello_now
+    # makes them: the tuple's encode, the replace of two fields.)
+    hello = Hello(version=PROTOCOL_VERSION, name="warm", incarnation=0, purpose="data",
+                  nonce=nonce, byteorder=sys.byteorder)
+    ts = time.time_ns()
+    encode_frame(msgspec.structs.replace(
+        hello, early_ts=ts, early_proof=_early_mac(b"\0", hello, ts, sock_endpoint(("::1", 0)))
+    ))
 
 
 _warm()
