@@ -27,6 +27,9 @@ PHASE_PROFILE=path: cProfile of the initiator's timed window, to path.<pid>.
 I.predial / I.hello_now (builds since cxc32): the first connection dialled
 and its Hello sent by Agent.connect itself, before the attempt's task runs
 (I.Connector.connect then starts after them; I.dial is no longer a step).
+T.early_now (builds since ep33): the accepting step's try of a same-host
+Hello's early proof (taken: Challenge, proved Accept and metadata sent in
+that step, no Proof round; else nothing read, and the greeting follows).
 PHASE_TARGET_NOSPIN=1: the target never polls for a handshake's next frame
 (a what-if: cxs32's accepting-step answer without its poll).
 PHASE_WARM=n: n connects + first writes of other agents in the initiator's
@@ -203,6 +206,8 @@ def _patch(prefix: str) -> None:
     _wrap_sync(conn.Connector, "_apply_regions", prefix + "apply_regions")
     _wrap_async(serving.Server, "_send_meta", prefix + "send_meta")
     _wrap_sync(serving.Server, "_join_now", prefix + "join_now")  # the accepting step's part
+    if hasattr(serving.Server, "_early_now"):  # (builds since ep33: same-host early proofs)
+        _wrap_sync(serving.Server, "_early_now", prefix + "early_now")
     _wrap_async(serving.Server, "_serve", prefix + "serve")
     init = serving.Server.__init__
 
