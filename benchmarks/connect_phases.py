@@ -175,6 +175,31 @@ def _patch(prefix: str) -> None:
             protocol._peek_handshake = peek_w
         _wrap_async(protocol, "recv_frame", prefix + "recv_frame")
         _wrap_async(protocol, "send_frame", prefix + "send_frame")
+        import aioxfer.dialing as dialing_
+
+        # ep33's builds (early proofs), split: the target's early step (the
+        # Hello peeked, its proof taken, our answer made: Challenge + proved
+        # Accept + metadata; then _finish_now: sent, pidfd, the engine's
+        # accept), and the client's Hello made ahead stamped as it is sent
+        # (with_early_frame: the peer's address, the frame decoded, the
+        # proof, encoded again). Each where the build has it.
+        for mod, attr, step in (
+            (serving_, "server_early_now", "server_early_now"),
+            (protocol, "_peeked", "peeked"),
+            (protocol.EarlyProofs if hasattr(protocol, "EarlyProofs") else None, "take",
+             "early_take"),
+            (protocol, "_answer", "answer_accept"),
+            (serving_.Server, "_finish_now", "finish_now"),
+            (serving_, "peer_pidfd", "peer_pidfd"),
+            (dialing_, "with_early_frame", "with_early_frame"),
+            (dialing_, "with_early_hello", "with_early_hello"),
+            (protocol, "_early_target", "early_target"),
+            (protocol, "_stamped", "stamped"),
+            (protocol, "_early_mac", "early_mac"),
+            (dialing_, "send_now", "hello_send_now"),
+        ):
+            if mod is not None and hasattr(mod, attr):
+                _wrap_sync(mod, attr, prefix + step)
         spin = protocol._spin_recv_into
 
         def spin_w(loop: Any, sock: Any, view: Any, bound_ns: int) -> int:
