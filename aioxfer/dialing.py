@@ -22,18 +22,21 @@ from typing import Any, Literal
 from aioxfer.discovery import port_number
 from aioxfer.errors import AccessDenied, ProtocolError, TransportError, XferError
 from aioxfer.local import local_address, peer_cred, recv_fds
-from aioxfer.metadata import Accept, AgentMeta, Purpose
+from aioxfer.metadata import Accept, AgentMeta, Hello, Purpose
 from aioxfer.protocol import (
     MAX_META_FRAME,
     _hello,
+    _hello_msg,
     client_handshake,
     client_join_now,
+    encode_frame,
     fetch_meta,
     handshake_spin_ns,
     recv_frame,
     recv_go,
     send_now,
     with_early_frame,
+    with_early_hello,
 )
 from aioxfer.serving import nodelay, writable
 
@@ -51,7 +54,7 @@ class Dialer:
     """
 
     __slots__ = ("_agent", "_incarnation", "_token", "_peer_timeout", "_max_meta_bytes",
-                 "_spin", "_hellos")
+                 "_spin", "_hellos", "_hello_msgs")
 
     def __init__(
         self,
@@ -72,6 +75,9 @@ class Dialer:
         # hello_now's Hellos made ahead (prepare_hello), each sent once:
         # (purpose, meta, joins) -> (nonce, frame).
         self._hellos: dict[tuple[Literal["data", "meta"], bool, int], tuple[bytes, bytes]] = {}
+        # ... and each one's Hello as made (the same keys): hello_now stamps
+        # it with an early proof without decoding its frame (with_early_hello).
+        self._hello_msgs: dict[tuple[Literal["data", "meta"], bool, int], Hello] = {}
 
     @property
     def peer_timeout(self) -> float:
@@ -239,11 +245,13 @@ class Dialer:
         and proved now, for this socket's address, its nonce kept."""
         key = self._hello_key(purpose, meta, joins)
         made = self._hellos.pop(key, None)
+        msg = self._hello_msgs.pop(key, None)
         if made is None:
             nonce, frame = self._make_hello(key, sock)
         else:
             nonce, frame = made
-            frame = with_early_frame(frame, sock, self._token)
+            frame = (with_early_frame(frame, sock, self._token) if msg is None
+                     else with_early_hello(msg, frame, sock, self._token))
         try:
             n = send_now(sock, frame)
         except OSError:
@@ -260,7 +268,12 @@ class Dialer:
         peer answers nothing before that Hello. A Hello carries no secret."""
         key = self._hello_key(purpose, meta, joins)
         if key not in self._hellos:
-            self._hellos[key] = self._make_hello(key)
+            purpose, meta, joins = key
+            msg = _hello_msg(name=self._agent, incarnation=self._incarnation, purpose=purpose,
+                             token=self._token, meta=meta, accept_only=purpose == "meta",
+                             joins=joins)
+            self._hello_msgs[key] = msg
+            self._hellos[key] = msg.nonce, encode_frame(msg)
 
     def _hello_key(
         self, purpose: Literal["data", "meta"], meta: bool, joins: int

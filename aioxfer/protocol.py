@@ -131,6 +131,7 @@ __all__ = [
     "client_proof",
     "early_proof",
     "with_early_frame",
+    "with_early_hello",
     "with_early_proof",
     "join_proof",
     "encode_frame",
@@ -487,6 +488,20 @@ def with_early_frame(frame: bytes, sock: socket.socket, token: bytes | None) -> 
     return frame if early is hello else encode_frame(early)
 
 
+def with_early_hello(
+    hello: Hello, frame: bytes, sock: socket.socket, token: bytes | None
+) -> bytes:
+    """with_early_frame of a Hello made ahead whose struct was kept beside
+    its frame (frame: encode_frame(hello)): nothing decoded. The decode
+    was the larger part of with_early_frame's cost on a process's first
+    connect (its Hello's check_name, the struct made)."""
+    here = None if token is None else _early_target(sock)
+    if here is None or token is None:
+        return frame
+    early = _stamped(hello, token, here)
+    return frame if early is hello else encode_frame(early)
+
+
 def _early_kind(purpose: str, accept_only: bool) -> bool:
     """Whether a first Hello of this purpose may carry an early proof: a
     "data" one, or an accept_only "meta" probe (never verbs, nor a
@@ -656,6 +671,25 @@ def _hello(
     "meta" probe with a token to a server on this host by the address it
     is connected to (_early_target) carries an early proof bound to that
     address (see the module docstring)."""
+    hello = _hello_msg(name=name, incarnation=incarnation, purpose=purpose, token=token,
+                       meta=meta, accept_only=accept_only, joins=joins, join=join, to=to)
+    return hello.nonce, encode_frame(hello)
+
+
+def _hello_msg(
+    *,
+    name: str,
+    incarnation: int,
+    purpose: Purpose,
+    token: bytes | None,
+    meta: bool = False,
+    accept_only: bool = False,
+    joins: int = 0,
+    join: tuple[bytes, int] | None = None,
+    to: socket.socket | None = None,
+) -> Hello:
+    """_hello's Hello as a struct (a Hello made ahead keeps it beside its
+    frame: dialing.Dialer.prepare_hello, with_early_hello)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     hello = Hello(
         version=PROTOCOL_VERSION,
@@ -676,7 +710,7 @@ def _hello(
         )
     elif to is not None:
         hello = with_early_proof(hello, to, token)
-    return nonce, encode_frame(hello)
+    return hello
 
 
 def _early_target(sock: socket.socket) -> str | bytes | None:

@@ -37,16 +37,23 @@ def _prepared(agent: Any, key: Any = None) -> tuple[tuple[Any, ...], bytes, meta
         nonce, frame = agent._dialer._hellos[key]
     made = protocol.decode_body(memoryview(frame)[4:])
     assert isinstance(made, metadata.Hello) and made.nonce == nonce
+    # (its struct kept beside the frame, for hello_now to stamp undecoded)
+    assert agent._dialer._hello_msgs[key] == made
     return key, nonce, made
 
 
-async def test_a_prepared_hello_leaves_with_an_early_proof(make_agent: Any) -> None:
+@pytest.mark.parametrize("kept", [True, False])
+async def test_a_prepared_hello_leaves_with_an_early_proof(make_agent: Any, kept: bool) -> None:
     """Made at start() without one (no socket yet); sent to a loopback
     address, it carries an early proof for that address, stamped at send
-    time, and is otherwise the Hello made ahead (its nonce included)."""
+    time, and is otherwise the Hello made ahead (its nonce included).
+    Stamped from its struct kept beside the frame, or (kept False: none
+    kept) from the frame decoded."""
     init = await make_agent("init", transports=("tcp",), token=TOKEN)
     await init.start()
     _, nonce, made = _prepared(init)
+    if not kept:
+        init._dialer._hello_msgs.clear()
     assert not made.early_proof and made.early_ts == 0
     lsock, address = _listener()
     here = f"127.0.0.1:{lsock.getsockname()[1]}"
@@ -100,24 +107,32 @@ def _frame(**kw: Any) -> tuple[metadata.Hello, bytes]:
     return h, protocol.encode_frame(h)
 
 
-def test_with_early_frame_adds_a_proof_only_where_one_belongs() -> None:
+@pytest.mark.parametrize("kept", [False, True])
+def test_with_early_frame_adds_a_proof_only_where_one_belongs(kept: bool) -> None:
     """A same-host socket (a unix pair), a token, a first "data" Hello or
     accept_only probe: proved for the peer's address, nonce kept. No
     token, a socket not connected, a join, a verbs Hello or a metadata
-    fetch: the frame itself, unchanged."""
+    fetch: the frame itself, unchanged. kept: with_early_hello, the same
+    from the Hello's struct kept beside its frame (nothing decoded)."""
+
+    def stamp(h: metadata.Hello, frame: bytes, sock: socket.socket, key: bytes | None) -> bytes:
+        if kept:
+            return protocol.with_early_hello(h, frame, sock, key)
+        return protocol.with_early_frame(frame, sock, key)
+
     a, b = socket.socketpair()
     loose = socket.socket()
     with a, b, loose:
         here = protocol.sock_endpoint(a.getpeername())
         for kw in ({}, {"purpose": "meta", "accept_only": True}):
             h, frame = _frame(**kw)
-            got = protocol.decode_body(memoryview(protocol.with_early_frame(frame, a, KEY))[4:])
+            got = protocol.decode_body(memoryview(stamp(h, frame, a, KEY))[4:])
             assert isinstance(got, metadata.Hello) and got.nonce == h.nonce
             assert got.early_ts > 0 and got.early_proof == protocol.early_proof(KEY, got, here)
             assert msgspec.structs.replace(got, early_ts=0, early_proof=b"") == h
         h, frame = _frame()
-        assert protocol.with_early_frame(frame, a, None) is frame
-        assert protocol.with_early_frame(frame, loose, KEY) is frame
+        assert stamp(h, frame, a, None) is frame
+        assert stamp(h, frame, loose, KEY) is frame
         for kw in (
             {"join": b"\x01" * protocol.NONCE_BYTES, "join_index": 1,
              "join_proof": b"\x02" * protocol.NONCE_BYTES},
@@ -125,5 +140,5 @@ def test_with_early_frame_adds_a_proof_only_where_one_belongs() -> None:
             {"purpose": "meta"},
         ):
             h, frame = _frame(**kw)
-            assert protocol.with_early_frame(frame, a, KEY) is frame
+            assert stamp(h, frame, a, KEY) is frame
             assert protocol.with_early_proof(h, a, KEY) is h
