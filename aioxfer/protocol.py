@@ -492,9 +492,9 @@ def with_early_hello(
     hello: Hello, frame: bytes, sock: socket.socket, token: bytes | None
 ) -> bytes:
     """with_early_frame of a Hello made ahead whose struct was kept beside
-    its frame (frame: encode_frame(hello)): nothing decoded. The decode
-    was the larger part of with_early_frame's cost on a process's first
-    connect (its Hello's check_name, the struct made)."""
+    its frame (frame: encode_frame(hello)): nothing decoded (~0.01-0.02 ms
+    of the stamp's ~0.1 ms on a fresh process's first connect, ed33; most
+    of the rest is the HMAC's one-shot run cold, ~30-50 us vs ~5 warm)."""
     here = None if token is None else _early_target(sock)
     if here is None or token is None:
         return frame
