@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hmac
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -29,6 +30,7 @@ from aioxfer.protocol import (
     _hello_msg,
     client_handshake,
     client_join_now,
+    early_mac_head,
     encode_frame,
     fetch_meta,
     handshake_spin_ns,
@@ -76,8 +78,12 @@ class Dialer:
         # (purpose, meta, joins) -> (nonce, frame).
         self._hellos: dict[tuple[Literal["data", "meta"], bool, int], tuple[bytes, bytes]] = {}
         # ... and each one's Hello as made (the same keys): hello_now stamps
-        # it with an early proof without decoding its frame (with_early_hello).
-        self._hello_msgs: dict[tuple[Literal["data", "meta"], bool, int], Hello] = {}
+        # it with an early proof without decoding its frame (with_early_hello),
+        # from the proof's HMAC begun ahead over all of it but the time and
+        # the server's address (early_mac_head; None: it carries none).
+        self._hello_msgs: dict[
+            tuple[Literal["data", "meta"], bool, int], tuple[Hello, hmac.HMAC | None]
+        ] = {}
 
     @property
     def peer_timeout(self) -> float:
@@ -251,7 +257,7 @@ class Dialer:
         else:
             nonce, frame = made
             frame = (with_early_frame(frame, sock, self._token) if msg is None
-                     else with_early_hello(msg, frame, sock, self._token))
+                     else with_early_hello(msg[0], frame, sock, self._token, msg[1]))
         try:
             n = send_now(sock, frame)
         except OSError:
@@ -272,7 +278,7 @@ class Dialer:
             msg = _hello_msg(name=self._agent, incarnation=self._incarnation, purpose=purpose,
                              token=self._token, meta=meta, accept_only=purpose == "meta",
                              joins=joins)
-            self._hello_msgs[key] = msg
+            self._hello_msgs[key] = msg, early_mac_head(self._token, msg)
             self._hellos[key] = msg.nonce, encode_frame(msg)
 
     def _hello_key(
