@@ -43,6 +43,7 @@ from aioxfer.protocol import (
     challenge,
     encode_frame,
     handshake_spin_ns,
+    hello_waits_now,
     recv_frame,
     same_host,
     send_frame,
@@ -249,18 +250,20 @@ class Server:
                     continue
                 if not local and self._join_now(sock, addr):
                     continue
-                answered: bool | tuple[Hello, _Out] = False
+                answered: bool | tuple[Hello, _Out] | None = False
                 nonce = b""
                 if self._token is not None and (local or same_host(addr)):
-                    answered = self._early_now(sock, addr, cred)
+                    answered = self._early_now(loop, sock, addr, cred)
                 if answered is True:
                     continue
-                if answered is False:
+                if not answered:
                     got = self._greet_now(sock, addr)
                     if got is None:  # broke before its handshake (logged, closed)
                         continue
                     nonce = got
-                    answered = self._answer_now(loop, sock, addr, cred, nonce)
+                    # (None: its Hello was polled for in vain: not twice)
+                    answered = (False if answered is None
+                                else self._answer_now(loop, sock, addr, cred, nonce))
                     if answered is True:
                         continue
                 task = loop.create_task(self._serve(loop, sock, addr, cred=cred, nonce=nonce,
@@ -411,16 +414,35 @@ class Server:
         return self._finish_now(sock, got[0], got[1], remote, cred)
 
     def _early_now(
-        self, sock: socket.socket, addr: Any, cred: PeerCred | None
-    ) -> bool | tuple[Hello, _Out]:
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any,
+        cred: PeerCred | None,
+    ) -> bool | tuple[Hello, _Out] | None:
         """A same-host client's (the caller decided, from the socket) Hello
         with an early proof we take (protocol.server_early_now), answered at
         once, in the accepting step: our Challenge, the proved Accept and
         what it asked for in one send, no Proof round. As _answer_now's
-        (False: nothing read or sent, for _greet_now and _answer_now)."""
+        (False: nothing read or sent, for _greet_now and _answer_now; None:
+        the same, but nothing came while we polled: not polled again).
+
+        On the unix socket, whose accept is ready before the client's Hello
+        is sent, a client of another process is first polled for its Hello
+        (protocol.hello_waits_now, under _answer_now's budget: _spin_ns):
+        an early Hello that landed after our ordinary Challenge would cost
+        the Proof round. tcp's accept waits for the first bytes
+        (TCP_DEFER_ACCEPT), and a tcp connect's other connections may send
+        nothing for a while (their joins): not polled."""
         remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
         try:
             sock.setblocking(False)
+            if cred is not None and cred.pid != os.getpid():
+                spin = self._spin_ns(loop, sock)
+                t0 = time.monotonic_ns()
+                try:
+                    if not hello_waits_now(loop, sock, spin):
+                        return None if spin else False
+                finally:
+                    if spin:
+                        self._spin_debt += time.monotonic_ns() - t0
             got = server_early_now(sock, token=self._token, accept=self._accept,
                                    early=self.early, joins=self.joins, refuse=self._refusal,
                                    ahead=self._ahead(cred is not None))
