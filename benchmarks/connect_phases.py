@@ -196,6 +196,10 @@ def _patch(prefix: str) -> None:
             (protocol, "_early_target", "early_target"),
             (protocol, "_stamped", "stamped"),
             (protocol, "_early_mac", "early_mac"),
+            # ep34's: the proof finished from its HMAC begun ahead; the
+            # accepting step's poll for a unix client's Hello
+            (protocol, "_early_finish", "early_finish"),
+            (serving_, "hello_waits_now", "hello_waits_now"),
             (dialing_, "send_now", "hello_send_now"),
         ):
             if mod is not None and hasattr(mod, attr):
