@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hmac
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -26,11 +25,12 @@ from aioxfer.local import local_address, peer_cred, recv_fds
 from aioxfer.metadata import Accept, AgentMeta, Hello, Purpose
 from aioxfer.protocol import (
     MAX_META_FRAME,
+    EarlyAhead,
     _hello,
     _hello_msg,
     client_handshake,
     client_join_now,
-    early_mac_head,
+    early_ahead,
     encode_frame,
     fetch_meta,
     handshake_spin_ns,
@@ -79,10 +79,11 @@ class Dialer:
         self._hellos: dict[tuple[Literal["data", "meta"], bool, int], tuple[bytes, bytes]] = {}
         # ... and each one's Hello as made (the same keys): hello_now stamps
         # it with an early proof without decoding its frame (with_early_hello),
-        # from the proof's HMAC begun ahead over all of it but the time and
-        # the server's address (early_mac_head; None: it carries none).
+        # from its early proof begun ahead: the HMAC over all of it but the
+        # time and the server's address, the frame around both (early_ahead;
+        # None: it carries none).
         self._hello_msgs: dict[
-            tuple[Literal["data", "meta"], bool, int], tuple[Hello, hmac.HMAC | None]
+            tuple[Literal["data", "meta"], bool, int], tuple[Hello, EarlyAhead | None]
         ] = {}
 
     @property
@@ -278,7 +279,7 @@ class Dialer:
             msg = _hello_msg(name=self._agent, incarnation=self._incarnation, purpose=purpose,
                              token=self._token, meta=meta, accept_only=purpose == "meta",
                              joins=joins)
-            self._hello_msgs[key] = msg, early_mac_head(self._token, msg)
+            self._hello_msgs[key] = msg, early_ahead(self._token, msg)
             self._hellos[key] = msg.nonce, encode_frame(msg)
 
     def _hello_key(

@@ -38,10 +38,10 @@ def _prepared(agent: Any, key: Any = None) -> tuple[tuple[Any, ...], bytes, meta
     made = protocol.decode_body(memoryview(frame)[4:])
     assert isinstance(made, metadata.Hello) and made.nonce == nonce
     # (its struct kept beside the frame, for hello_now to stamp undecoded)
-    # and its early proof's HMAC begun over all of it but the time and the
-    # server's address: early_mac_head)
-    kept, mac = agent._dialer._hello_msgs[key]
-    assert kept == made and (mac is None) == (agent._dialer._token is None)
+    # and its early proof begun: the HMAC over all of it but the time and
+    # the server's address, the frame around both: early_ahead)
+    kept, ahead = agent._dialer._hello_msgs[key]
+    assert kept == made and (ahead is None) == (agent._dialer._token is None)
     return key, nonce, made
 
 
@@ -121,7 +121,7 @@ def test_with_early_frame_adds_a_proof_only_where_one_belongs(kept: bool) -> Non
     def stamp(h: metadata.Hello, frame: bytes, sock: socket.socket, key: bytes | None) -> bytes:
         if kept:
             return protocol.with_early_hello(h, frame, sock, key,
-                                             protocol.early_mac_head(key, h))
+                                             protocol.early_ahead(key, h))
         return protocol.with_early_frame(frame, sock, key)
 
     a, b = socket.socketpair()

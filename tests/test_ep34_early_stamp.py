@@ -3,7 +3,8 @@ the HMAC of its early proof begun over the context and every field but the
 time and the server's address (protocol.early_mac_head); finished at send
 time (copy, update, digest) it is byte for byte the one-shot the server
 verifies (protocol.early_proof), for every kind of Hello that carries one,
-and there is none for the kinds that may not."""
+and there is none for the kinds that may not. Its frame, filled in at send
+time (protocol.EarlyAhead.stamp), is byte for byte encode_frame's."""
 
 from __future__ import annotations
 
@@ -84,9 +85,37 @@ def test_a_stamp_from_the_proof_begun_ahead_is_taken() -> None:
         here = protocol.sock_endpoint(b.getsockname())
         h = _hello(meta=True)
         frame = protocol.with_early_hello(h, protocol.encode_frame(h), a, KEY,
-                                          protocol.early_mac_head(KEY, h))
+                                          protocol.early_ahead(KEY, h))
         sent = protocol.decode_body(memoryview(frame)[4:])
         assert isinstance(sent, metadata.Hello) and sent.early_proof
         early = protocol.EarlyProofs(start_ns=time.time_ns() - 10**9)
         assert early.take(sent, KEY, here)
         assert not early.take(sent, KEY, here)  # (replayed)
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"meta": True, "joins": 3}, {"purpose": "meta", "accept_only": True},
+    {"name": "\u00a8early_ts\u03c0", "incarnation": 1 << 63},
+    {"name": "\u00abearly_proof\u0104 ", "incarnation": 7},
+])
+def test_a_frame_filled_in_is_the_encoded_one(kw: dict[str, Any]) -> None:
+    """EarlyAhead.stamp: encode_frame of the Hello with that time and that
+    proof, byte for byte (names made of the keys' own bytes included), its
+    proof the one the server computes."""
+    h = _hello(**kw)
+    ahead = protocol.early_ahead(KEY, h)
+    assert ahead is not None
+    for here in ("127.0.0.1:9", "/tmp/x", b"\0abstract"):
+        before = time.time_ns()
+        frame = ahead.stamp(here)
+        got = protocol.decode_body(memoryview(frame)[4:])
+        assert isinstance(got, metadata.Hello)
+        assert before <= got.early_ts <= time.time_ns()
+        want = msgspec.structs.replace(h, early_ts=got.early_ts,
+                                       early_proof=protocol.early_proof(
+                                           KEY, msgspec.structs.replace(h, early_ts=got.early_ts),
+                                           here))
+        assert got == want
+        assert frame == protocol.encode_frame(want)
+    assert protocol.early_ahead(None, h) is None
+    assert protocol.early_ahead(KEY, _hello(purpose="verbs")) is None
