@@ -183,7 +183,7 @@ class Server:
         self.joins = Joins(ttl=peer_timeout, cap=max_handshakes)
         # The early proofs of same-host clients taken (no Proof round:
         # _early_now), from the time we start listening on.
-        self.early = EarlyProofs()
+        self.early = EarlyProofs(token=token)
         # Set by the agent as its close begins (before its goodbye to the
         # network): from then on a handshake is refused with a Reject that
         # says so, instead of an Accept followed by a connection the closing

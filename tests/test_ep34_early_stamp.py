@@ -119,3 +119,20 @@ def test_a_frame_filled_in_is_the_encoded_one(kw: dict[str, Any]) -> None:
         assert frame == protocol.encode_frame(want)
     assert protocol.early_ahead(None, h) is None
     assert protocol.early_ahead(KEY, _hello(purpose="verbs")) is None
+
+
+def test_the_servers_macs_begun_ahead_are_the_one_shots() -> None:
+    """EarlyProofs begins the early proof's and the Accept's HMACs with its
+    token once: each check and proof is the one-shot's, for that token and
+    for another one take() is given (begun again for it)."""
+    early = protocol.EarlyProofs(token=KEY)
+    other = auth.hmac_key(b"ep34-another-token")
+    for key in (KEY, other, KEY):
+        for kw in ({}, {"meta": True, "joins": 2}, {"purpose": "meta", "accept_only": True}):
+            h = msgspec.structs.replace(_hello(**kw), early_ts=time.time_ns())
+            for here in ("127.0.0.1:5", b"\0x", "/tmp/y"):
+                assert early.proof_of(h, key, here) == protocol.early_proof(key, h, here)
+        cn, sn = b"\x01" * protocol.NONCE_BYTES, b"\x02" * protocol.NONCE_BYTES
+        assert early.server_proof(key, cn, sn) == protocol.server_proof(key, cn, sn)
+        assert early.server_proof(key, sn, cn) != early.server_proof(key, cn, sn)
+    assert protocol.EarlyProofs().server_proof(KEY, cn, sn) == protocol.server_proof(KEY, cn, sn)
