@@ -391,6 +391,12 @@ def server_proof(token: bytes, client_nonce: bytes, server_nonce: bytes) -> byte
     return hmac.digest(token, _SERVER_CTX + client_nonce + server_nonce, "sha256")
 
 
+def server_proof_begun(token: bytes, client_nonce: bytes) -> hmac.HMAC:
+    """server_proof's HMAC over all but the server's nonce: updated with
+    it, its digest is server_proof(token, client_nonce, server_nonce)."""
+    return hmac.new(token, _SERVER_CTX + client_nonce, "sha256")
+
+
 def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes, name: str) -> bytes:
     return hmac.digest(token, _CLIENT_CTX + server_nonce + client_nonce + name.encode(),
                        "sha256")
@@ -919,6 +925,10 @@ async def _client_handshake(
         nonce, rest = sent
         if rest:
             await loop.sock_sendall(sock, rest)
+    # The HMAC of the Accept's proof we check, begun while the server works
+    # on our Hello (server_proof_begun): its setup (~0.02-0.04 ms with the
+    # caches cold) was on the connect's way after the Accept came.
+    accept_mac = None if token is None else server_proof_begun(token, nonce)
     try:
         first = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, versioned=True,
                                  spin_ns=spin_ns)
@@ -962,10 +972,10 @@ async def _client_handshake(
         raise _unexpected(msg, "Accept")
     # Before anything of the Accept (or the metadata and memfds after it) is
     # used: the server proves it knows the token, over our fresh nonce.
-    if token is not None and not hmac.compare_digest(
-        msg.proof, server_proof(token, nonce, server_nonce)
-    ):
-        raise AccessDenied("peer failed to prove it knows the token")
+    if accept_mac is not None:
+        accept_mac.update(server_nonce)
+        if not hmac.compare_digest(msg.proof, accept_mac.digest()):
+            raise AccessDenied("peer failed to prove it knows the token")
     if on_challenge is not None and joins:
         # Our other connections may join its Challenge now: their join
         # proofs go only to a server that proved the token.

@@ -136,3 +136,19 @@ def test_the_servers_macs_begun_ahead_are_the_one_shots() -> None:
         assert early.server_proof(key, cn, sn) == protocol.server_proof(key, cn, sn)
         assert early.server_proof(key, sn, cn) != early.server_proof(key, cn, sn)
     assert protocol.EarlyProofs().server_proof(KEY, cn, sn) == protocol.server_proof(KEY, cn, sn)
+
+
+def test_the_clients_accept_check_begun_ahead_is_server_proof() -> None:
+    """_client_handshake begins the Accept's HMAC before it waits for the
+    answer (server_proof_begun), finished with the server's nonce."""
+    import secrets
+
+    for _ in range(8):
+        cn, sn = secrets.token_bytes(protocol.NONCE_BYTES), secrets.token_bytes(
+            protocol.NONCE_BYTES)
+        mac = protocol.server_proof_begun(KEY, cn)
+        mac.update(sn)
+        assert mac.digest() == protocol.server_proof(KEY, cn, sn)
+        other = protocol.server_proof_begun(KEY, sn)
+        other.update(cn)
+        assert other.digest() != protocol.server_proof(KEY, cn, sn)
