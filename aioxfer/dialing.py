@@ -22,17 +22,23 @@ from typing import Any, Literal
 from aioxfer.discovery import port_number
 from aioxfer.errors import AccessDenied, ProtocolError, TransportError, XferError
 from aioxfer.local import local_address, peer_cred, recv_fds
-from aioxfer.metadata import Accept, AgentMeta, Purpose
+from aioxfer.metadata import Accept, AgentMeta, Hello, Purpose
 from aioxfer.protocol import (
     MAX_META_FRAME,
+    EarlyAhead,
     _hello,
+    _hello_msg,
     client_handshake,
     client_join_now,
+    early_ahead,
+    encode_frame,
     fetch_meta,
     handshake_spin_ns,
     recv_frame,
     recv_go,
     send_now,
+    with_early_frame,
+    with_early_hello,
 )
 from aioxfer.serving import nodelay, writable
 
@@ -50,7 +56,7 @@ class Dialer:
     """
 
     __slots__ = ("_agent", "_incarnation", "_token", "_peer_timeout", "_max_meta_bytes",
-                 "_spin", "_hellos")
+                 "_spin", "_hellos", "_hello_msgs")
 
     def __init__(
         self,
@@ -71,6 +77,14 @@ class Dialer:
         # hello_now's Hellos made ahead (prepare_hello), each sent once:
         # (purpose, meta, joins) -> (nonce, frame).
         self._hellos: dict[tuple[Literal["data", "meta"], bool, int], tuple[bytes, bytes]] = {}
+        # ... and each one's Hello as made (the same keys): hello_now stamps
+        # it with an early proof without decoding its frame (with_early_hello),
+        # from its early proof begun ahead: the HMAC over all of it but the
+        # time and the server's address, the frame around both (early_ahead;
+        # None: it carries none).
+        self._hello_msgs: dict[
+            tuple[Literal["data", "meta"], bool, int], tuple[Hello, EarlyAhead | None]
+        ] = {}
 
     @property
     def peer_timeout(self) -> float:
@@ -232,10 +246,19 @@ class Dialer:
         then sends it). purpose "data" (meta/joins: as client_handshake's)
         or "meta" (the accept_only probe, open_meta's). A Hello carries no
         secret (the handshake sends it at connect, before the peer proved
-        anything, as here)."""
+        anything, as here). To a server on this host by the address sock is
+        connected to, with a token, it carries an early proof (no Proof
+        round: protocol.with_early_proof), a Hello made ahead too: stamped
+        and proved now, for this socket's address, its nonce kept."""
         key = self._hello_key(purpose, meta, joins)
         made = self._hellos.pop(key, None)
-        nonce, frame = self._make_hello(key) if made is None else made
+        msg = self._hello_msgs.pop(key, None)
+        if made is None:
+            nonce, frame = self._make_hello(key, sock)
+        else:
+            nonce, frame = made
+            frame = (with_early_frame(frame, sock, self._token) if msg is None
+                     else with_early_hello(msg[0], frame, sock, self._token, msg[1]))
         try:
             n = send_now(sock, frame)
         except OSError:
@@ -252,7 +275,12 @@ class Dialer:
         peer answers nothing before that Hello. A Hello carries no secret."""
         key = self._hello_key(purpose, meta, joins)
         if key not in self._hellos:
-            self._hellos[key] = self._make_hello(key)
+            purpose, meta, joins = key
+            msg = _hello_msg(name=self._agent, incarnation=self._incarnation, purpose=purpose,
+                             token=self._token, meta=meta, accept_only=purpose == "meta",
+                             joins=joins)
+            self._hello_msgs[key] = msg, early_ahead(self._token, msg)
+            self._hellos[key] = msg.nonce, encode_frame(msg)
 
     def _hello_key(
         self, purpose: Literal["data", "meta"], meta: bool, joins: int
@@ -261,10 +289,13 @@ class Dialer:
             joins = 0  # (as client_handshake asks for none without a token)
         return purpose, meta and purpose == "data", joins
 
-    def _make_hello(self, key: tuple[Literal["data", "meta"], bool, int]) -> tuple[bytes, bytes]:
+    def _make_hello(
+        self, key: tuple[Literal["data", "meta"], bool, int], to: socket.socket | None = None
+    ) -> tuple[bytes, bytes]:
         purpose, meta, joins = key
         return _hello(name=self._agent, incarnation=self._incarnation, purpose=purpose,
-                      token=self._token, meta=meta, accept_only=purpose == "meta", joins=joins)
+                      token=self._token, meta=meta, accept_only=purpose == "meta", joins=joins,
+                      to=to)
 
     @contextlib.asynccontextmanager
     async def control_errors(self, address: str, doing: str, what: str) -> AsyncIterator[None]:

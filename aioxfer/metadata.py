@@ -118,9 +118,17 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     join: Nonce = b""
     join_index: Annotated[int, msgspec.Meta(ge=0, le=MAX_JOINS)] = 0
     join_proof: Nonce = b""
+    # Same host only (the unix socket, or tcp to a loopback address): the
+    # early proof, HMAC(key, early context + every field above + early_ts +
+    # the server's socket address), early_ts the client's time.time_ns(). A
+    # server that takes it sends its Challenge (``early``) and the proved
+    # Accept together: no Proof round (protocol.EarlyProofs). An older server
+    # ignores both fields.
+    early_ts: U64 = 0
+    early_proof: Nonce = b""
 
     def __post_init__(self) -> None:
-        _check_u64(self.incarnation)
+        _check_u64(self.incarnation, self.early_ts)
         # (A peer's name, held to our own names' rule where it enters:
         # aioxfer.names. A decode raises ProtocolError.)
         check_name(self.name)
@@ -137,6 +145,11 @@ class Challenge(msgspec.Struct, tag="challenge", frozen=True):
 
     version: I32
     nonce: Nonce
+    # The server took the Hello's early proof: the proved Accept follows in
+    # the same send, and the client sends no Proof (it checks the Accept's
+    # proof over both nonces as ever). Only ever set with that Accept
+    # behind it; an older server never sets it.
+    early: bool = False
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):

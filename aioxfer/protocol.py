@@ -49,6 +49,36 @@ incarnation for that many joins, each index once, within its peer timeout
 (:class:`Joins`), revoked when the first connection fails its Proof;
 anything else (replayed, forged, expired, another name, a wrong proof) gets
 its Challenge again and must prove the token over that fresh nonce.
+
+Early proofs (same host: the Proof round left out). A client connected to
+this host by the address it dialled (a unix socket, or tcp to 127.0.0.0/8
+or ::1) puts in its first Hello ``early_ts`` (its time.time_ns()) and
+``early_proof = HMAC(token, EARLY_CTX + every other field of the Hello +
+early_ts + the server's address)`` (early_proof; the address as both ends'
+sockets name it, sock_endpoint). A server that finds the client on this
+host from its own socket (its unix listener, whose peer the kernel names as
+our uid; a loopback peer address; never from what the client says) and
+finds that whole Hello waiting as it accepts takes the proof only when its
+MAC verifies, its timestamp is within EARLY_WINDOW_NS of its clock and not
+before the server started listening, and its nonce was never taken (a
+replay cache, EarlyProofs); then, after every check a Hello passes in
+server_handshake, and refuse()::
+
+    Hello{..., early_ts, early_proof}  ->
+                   <- Challenge{version, nonce_s, early=True}, Accept{..., proof}
+
+in one send (server_early_now), the Accept's proof over nonce_c and nonce_s
+as above: the client checks it before it uses anything, and sends no Proof.
+Anything else gets the ordinary Challenge (``early`` False) at accept and
+the client proves the token over it: an early proof is never refused, so
+an older client, a stale clock or a full cache cost only the Proof round.
+An older server ignores the Hello's early fields and never says ``early``.
+Why one host only (SECURITY.md, "Early proofs"): whoever can record a
+unix-socket or loopback Hello is root or this user and can read the token
+itself; a Hello that crossed a network could be recorded there and replayed
+at a server's loopback by a local user: other hosts never send or get early
+proofs, and the address binding makes one made for a network address no
+proof at a loopback one.
 """
 
 from __future__ import annotations
@@ -88,6 +118,9 @@ __all__ = [
     "NONCE_BYTES",
     "META_GO",
     "ClosedSilently",
+    "EARLY_CACHE",
+    "EARLY_WINDOW_NS",
+    "EarlyProofs",
     "FrameTooLarge",
     "HandshakeRejected",
     "Joins",
@@ -96,6 +129,10 @@ __all__ = [
     "client_join_now",
     "challenge",
     "client_proof",
+    "early_proof",
+    "with_early_frame",
+    "with_early_hello",
+    "with_early_proof",
     "join_proof",
     "encode_frame",
     "recv_go",
@@ -106,6 +143,9 @@ __all__ = [
     "server_greet_now",
     "server_join_now",
     "server_answer_now",
+    "server_early_now",
+    "same_host",
+    "sock_endpoint",
     "server_proof",
 ]
 
@@ -128,6 +168,15 @@ META_GO = b"\x01"
 _SERVER_CTX = b"aioxfer-server-v2\x00"
 _CLIENT_CTX = b"aioxfer-client-v2\x00"
 _JOIN_CTX = b"aioxfer-join-v2\x00"
+_EARLY_CTX = b"aioxfer-early-v1\x00"
+# An early proof's timestamp (the client's time.time_ns()) is taken within
+# this of the server's clock, either way: one host, one clock, so only the
+# time between the client's Hello and the server's accept counts; past it
+# (a loaded host, a clock stepped meanwhile) the Proof round is all it costs.
+EARLY_WINDOW_NS = 5 * 10**9
+# Early nonces a server remembers (each until its timestamp + the window):
+# while that many are live no early proof is taken (the Proof round).
+EARLY_CACHE = 4096
 
 _T = TypeVar("_T")
 _encoder = msgspec.msgpack.Encoder()
@@ -342,6 +391,12 @@ def server_proof(token: bytes, client_nonce: bytes, server_nonce: bytes) -> byte
     return hmac.digest(token, _SERVER_CTX + client_nonce + server_nonce, "sha256")
 
 
+def server_proof_begun(token: bytes, client_nonce: bytes) -> hmac.HMAC:
+    """server_proof's HMAC over all but the server's nonce: updated with
+    it, its digest is server_proof(token, client_nonce, server_nonce)."""
+    return hmac.new(token, _SERVER_CTX + client_nonce, "sha256")
+
+
 def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes, name: str) -> bytes:
     return hmac.digest(token, _CLIENT_CTX + server_nonce + client_nonce + name.encode(),
                        "sha256")
@@ -353,6 +408,287 @@ def join_proof(token: bytes, join: bytes, index: int, client_nonce: bytes, name:
     return hmac.digest(
         token, _JOIN_CTX + join + bytes((index,)) + client_nonce + name.encode(), "sha256"
     )
+
+
+def sock_endpoint(addr: object) -> str | bytes:
+    """A socket address as both ends of a connection name it: the server's
+    getsockname() of the accepted socket, the client's getpeername() (a unix
+    socket's path or abstract name as it is; an IP's host:port, an
+    IPv4-mapped IPv6 host as the IPv4 one, no flow or scope)."""
+    if isinstance(addr, str | bytes):
+        return addr
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = str(addr[0]).partition("%")[0]
+        if host.startswith("::ffff:") and "." in host:
+            host = host[7:]
+        return f"{host}:{addr[1]}"
+    return repr(addr)
+
+
+def same_host(addr: object) -> bool:
+    """Whether the other end at addr (a getpeername() or accept() address)
+    is on this host by what the kernel routes: a unix socket's peer, or a
+    loopback IP (127.0.0.0/8, ::1, ::ffff:127.0.0.0/104, told by the
+    kernel's spelling, as handshake_spin_ns). Anything else, this host's own
+    non-loopback addresses included, is not."""
+    if isinstance(addr, str | bytes):
+        return True  # AF_UNIX (an unnamed client socket's address is "")
+    if not (isinstance(addr, tuple) and len(addr) >= 2 and isinstance(addr[0], str)):
+        return False
+    host = addr[0]
+    return host.startswith(_LOOPBACK_PREFIXES) or host == "::1"
+
+
+def early_proof(token: bytes, hello: Hello, here: str | bytes) -> bytes:
+    """Hello.early_proof: over every field of hello but itself (early_ts
+    included) and ``here``, the server's address (sock_endpoint): a Hello
+    made for one listener is no proof at another (a network address's
+    Hello none at a loopback one, a squatter's port none at ours)."""
+    return _early_mac(token, hello, hello.early_ts, here)
+
+
+def _early_mac(token: bytes, hello: Hello, ts: int, here: str | bytes) -> bytes:
+    """early_proof of hello with its early_ts being ts (with_early_proof
+    makes both in one replace)."""
+    body = _encoder.encode((
+        hello.version, hello.name, hello.incarnation, hello.purpose, hello.nonce,
+        hello.byteorder, hello.meta, hello.accept_only, hello.joins, hello.join,
+        hello.join_index, hello.join_proof, ts, here,
+    ))
+    return hmac.digest(token, _EARLY_CTX + body, "sha256")
+
+
+def early_mac_head(token: bytes | None, hello: Hello) -> hmac.HMAC | None:
+    """The HMAC of hello's early proof begun ahead (a Hello made ahead,
+    dialing.Dialer.prepare_hello): over the context and every field of
+    _early_mac's body but the last two (early_ts, the server's address,
+    known only as it is sent: _early_finish). None where hello carries no
+    early proof (no token, a join, a kind that may not: _early_kind).
+
+    Why: the one-shot hmac.digest on a fresh process's first connect ran
+    ~30-45 us (OpenSSL's digest looked up, its key schedule, cold code),
+    ~5 us warm; the copy of a keyed HMAC, its update and digest ~8 us cold.
+    The body is the same bytes: msgpack writes a tuple as its array header
+    followed by each element's encoding, so the 14-tuple's encoding is a
+    14-element header, the first 12 fields' encodings, then those of the
+    last two (a test checks the MAC equals the one-shot's)."""
+    if token is None or hello.join or not _early_kind(hello.purpose, hello.accept_only):
+        return None
+    head = _encoder.encode((
+        hello.version, hello.name, hello.incarnation, hello.purpose, hello.nonce,
+        hello.byteorder, hello.meta, hello.accept_only, hello.joins, hello.join,
+        hello.join_index, hello.join_proof,
+    ))
+    # (a fixarray's header is 0x90 | n: both 12 and 14 are under 16)
+    return hmac.new(token, _EARLY_CTX + bytes((0x90 | 14,)) + head[1:], "sha256")
+
+
+# How a Hello's frame ends when it carries an early proof (its last two
+# fields: msgspec writes a struct's fields in their order): "early_ts", a
+# uint64 (0xcf: any time.time_ns() since 1970 + 4.3 s), "early_proof", 32 bytes.
+_EARLY_TS_KEY = b"\xa8early_ts\xcf"
+_EARLY_PROOF_KEY = b"\xabearly_proof\xc4\x20"
+
+
+class EarlyAhead:
+    """A Hello made ahead's early proof, as far as it goes before the
+    Hello is sent (dialing.Dialer.prepare_hello): the HMAC begun
+    (early_mac_head) and the Hello's frame around the two fields the send
+    fills in (head: up to the time; mid: between the time and the proof).
+    stamp() is then the frame as encode_frame writes the Hello with both
+    (no replace, no encode on the connect's way: ~15 us on a fresh
+    process, ep34)."""
+
+    __slots__ = ("mac", "head", "mid")
+
+    def __init__(self, mac: hmac.HMAC, head: bytes, mid: bytes) -> None:
+        self.mac = mac
+        self.head = head
+        self.mid = mid
+
+    def stamp(self, here: str | bytes) -> bytes:
+        """The Hello's frame with early_ts now and its early proof for the
+        server at here."""
+        ts = time.time_ns()
+        return self.head + ts.to_bytes(8, "big") + self.mid + _early_finish(self.mac, ts, here)
+
+
+def early_ahead(token: bytes | None, hello: Hello) -> EarlyAhead | None:
+    """hello's EarlyAhead; None where it carries no early proof
+    (early_mac_head) or its frame is not laid out as stamp() writes it."""
+    mac = early_mac_head(token, hello)
+    if mac is None:
+        return None
+    frame = encode_frame(msgspec.structs.replace(hello, early_ts=1 << 63,
+                                                 early_proof=bytes(32)))
+    tail = _EARLY_TS_KEY + (1 << 63).to_bytes(8, "big") + _EARLY_PROOF_KEY + bytes(32)
+    if not frame.endswith(tail):
+        return None  # (with_early_hello then replaces and encodes)
+    n = len(frame) - len(tail) + len(_EARLY_TS_KEY)
+    return EarlyAhead(mac, frame[:n], _EARLY_PROOF_KEY)
+
+
+def _early_finish(mac: hmac.HMAC, ts: int, here: str | bytes) -> bytes:
+    """The early proof of the Hello whose early_mac_head mac is, with its
+    early_ts being ts, for the server at here (_early_mac's value)."""
+    h = mac.copy()
+    h.update(_encoder.encode((ts, here))[1:])  # (their encodings, the 2-array's header off)
+    return h.digest()
+
+
+def with_early_proof(hello: Hello, sock: socket.socket, token: bytes | None) -> Hello:
+    """hello as it goes on sock (connected): with an early proof (early_ts
+    now) when it qualifies, as _hello(to=sock) decides: a token, a first
+    "data" Hello or accept_only "meta" probe (no join), to a server on
+    this host by the address sock is connected to (_early_target); else
+    hello as it is. Its nonce is kept: for a Hello made ahead of its
+    socket (dialing.Dialer.prepare_hello), stamped and proved as it is
+    sent (the server's address and clock are only known then)."""
+    here = None if token is None else _early_target(sock)
+    return hello if here is None or token is None else _stamped(hello, token, here)
+
+
+def _stamped(hello: Hello, token: bytes, here: str | bytes) -> Hello:
+    """hello with an early proof for the server at here, if its kind may
+    carry one (_early_kind, no join); else hello."""
+    if not _early_kind(hello.purpose, hello.accept_only) or hello.join:
+        return hello
+    ts = time.time_ns()
+    return msgspec.structs.replace(hello, early_ts=ts,
+                                   early_proof=_early_mac(token, hello, ts, here))
+
+
+def with_early_frame(frame: bytes, sock: socket.socket, token: bytes | None) -> bytes:
+    """with_early_proof of a Hello made ahead as a frame (encode_frame):
+    that frame itself where nothing is added (no token, or sock's peer not
+    on this host: looked at before the frame is decoded)."""
+    here = None if token is None else _early_target(sock)
+    if here is None or token is None:
+        return frame
+    hello = decode_body(memoryview(frame)[4:])
+    if not isinstance(hello, Hello):
+        raise TypeError(f"not a Hello: {type(hello).__name__}")
+    early = _stamped(hello, token, here)
+    return frame if early is hello else encode_frame(early)
+
+
+def with_early_hello(
+    hello: Hello, frame: bytes, sock: socket.socket, token: bytes | None,
+    ahead: EarlyAhead | None = None,
+) -> bytes:
+    """with_early_frame of a Hello made ahead whose struct was kept beside
+    its frame (frame: encode_frame(hello)): nothing decoded (~0.01-0.02 ms
+    of the stamp's ~0.1 ms on a fresh process's first connect, ed33).
+    ahead: its early_ahead(token, hello), made ahead too: the proof is then
+    that HMAC's copy finished (~8 us cold instead of a one-shot's ~30-45)
+    and the frame filled in, not encoded again."""
+    here = None if token is None else _early_target(sock)
+    if here is None or token is None:
+        return frame
+    if ahead is None:
+        early = _stamped(hello, token, here)
+        return frame if early is hello else encode_frame(early)
+    return ahead.stamp(here)
+
+
+def _early_kind(purpose: str, accept_only: bool) -> bool:
+    """Whether a first Hello of this purpose may carry an early proof: a
+    "data" one, or an accept_only "meta" probe (never verbs, nor a
+    metadata fetch, which the server serves only after a Proof round)."""
+    return purpose == "data" or (purpose == "meta" and accept_only)
+
+
+class EarlyProofs:
+    """Server side: which early proofs are taken (see the module docstring).
+
+    One per listening agent, made as it starts listening (``start_ns``, its
+    time.time_ns()). A Hello's early proof is taken only when its timestamp
+    is not before ``start_ns`` (a Hello made for an earlier agent at this
+    address is no proof to this one), within ``window_ns`` of now either way,
+    its MAC verifies, and its nonce was never taken before: every taken nonce
+    is kept until its timestamp + the window, when the timestamp alone
+    refuses it. At most ``cap`` are kept: while that many are live no early
+    proof is taken (the Proof round, never a Reject). The caller decides that
+    the peer is on this host, from its socket.
+
+    token: the listener's (its key, as the agent holds it): the HMACs of
+    the early proof and of the Accept's proof are begun with it here, once
+    (_macs), and each check or proof is a copy of one finished: on the
+    accepting step's way a one-shot hmac.digest ran ~0.05-0.06 ms in an
+    idle target (connect_phases, T.early_mac; its caches gone cold between
+    connects), a copy finished ~0.025 (a one-shot ~0.043 with the caches
+    evicted, ep34). The same MACs: a test checks them against the
+    one-shots."""
+
+    __slots__ = ("start_ns", "_window", "_cap", "_seen", "taken", "_macs")
+
+    def __init__(
+        self, *, start_ns: int | None = None, window_ns: int = EARLY_WINDOW_NS,
+        cap: int = EARLY_CACHE, token: bytes | None = None,
+    ) -> None:
+        self.start_ns = time.time_ns() if start_ns is None else start_ns
+        self._window = window_ns
+        self._cap = max(1, cap)
+        self._seen: dict[bytes, int] = {}  # nonce -> until (ns, time.time_ns)
+        self.taken = 0  # early proofs taken (tests, statistics)
+        # (token, the early proof's HMAC begun over its context, the
+        # Accept's over its context), for the token take() was last given
+        self._macs: tuple[bytes, hmac.HMAC, hmac.HMAC] | None = None
+        if token is not None:
+            self._macs_for(token)
+
+    def _macs_for(self, token: bytes) -> tuple[bytes, hmac.HMAC, hmac.HMAC]:
+        macs = self._macs
+        if macs is None or not hmac.compare_digest(macs[0], token):
+            macs = self._macs = (token, hmac.new(token, _EARLY_CTX, "sha256"),
+                                 hmac.new(token, _SERVER_CTX, "sha256"))
+        return macs
+
+    def proof_of(self, hello: Hello, token: bytes, here: str | bytes) -> bytes:
+        """early_proof(token, hello, here), from the HMAC begun ahead."""
+        h = self._macs_for(token)[1].copy()
+        h.update(_encoder.encode((
+            hello.version, hello.name, hello.incarnation, hello.purpose, hello.nonce,
+            hello.byteorder, hello.meta, hello.accept_only, hello.joins, hello.join,
+            hello.join_index, hello.join_proof, hello.early_ts, here,
+        )))
+        return h.digest()
+
+    def server_proof(self, token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+        """server_proof(token, client_nonce, server_nonce), from the HMAC
+        begun ahead (the proved Accept of an early Hello taken)."""
+        h = self._macs_for(token)[2].copy()
+        h.update(client_nonce + server_nonce)
+        return h.digest()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def take(self, hello: Hello, token: bytes, here: str | bytes) -> bool:
+        """Whether hello's early proof is taken (its nonce is then spent)."""
+        now = time.time_ns()
+        ts = hello.early_ts
+        if (
+            not hello.early_proof
+            or ts < self.start_ns
+            or abs(ts - now) > self._window
+            or len(hello.nonce) != NONCE_BYTES
+            or hello.join
+        ):
+            return False
+        if not hmac.compare_digest(hello.early_proof, self.proof_of(hello, token, here)):
+            return False
+        seen = self._seen
+        if hello.nonce in seen:
+            return False  # replayed (its timestamp still in the window)
+        if len(seen) >= self._cap:
+            for nonce in [n for n, until in seen.items() if until < now]:
+                del seen[nonce]
+            if len(seen) >= self._cap:
+                return False
+        seen[hello.nonce] = ts + self._window
+        self.taken += 1
+        return True
 
 
 class _Grant:
@@ -455,8 +791,32 @@ def _hello(
     accept_only: bool = False,
     joins: int = 0,
     join: tuple[bytes, int] | None = None,
+    to: socket.socket | None = None,
 ) -> tuple[bytes, bytes]:
-    """A client's Hello (a fresh nonce) as a frame; returns (nonce, frame)."""
+    """A client's Hello (a fresh nonce) as a frame; returns (nonce, frame).
+    to: the connected socket it goes on: a first "data" Hello or accept_only
+    "meta" probe with a token to a server on this host by the address it
+    is connected to (_early_target) carries an early proof bound to that
+    address (see the module docstring)."""
+    hello = _hello_msg(name=name, incarnation=incarnation, purpose=purpose, token=token,
+                       meta=meta, accept_only=accept_only, joins=joins, join=join, to=to)
+    return hello.nonce, encode_frame(hello)
+
+
+def _hello_msg(
+    *,
+    name: str,
+    incarnation: int,
+    purpose: Purpose,
+    token: bytes | None,
+    meta: bool = False,
+    accept_only: bool = False,
+    joins: int = 0,
+    join: tuple[bytes, int] | None = None,
+    to: socket.socket | None = None,
+) -> Hello:
+    """_hello's Hello as a struct (a Hello made ahead keeps it beside its
+    frame: dialing.Dialer.prepare_hello, with_early_hello)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     hello = Hello(
         version=PROTOCOL_VERSION,
@@ -475,7 +835,21 @@ def _hello(
             hello, join=join[0], join_index=join[1],
             join_proof=join_proof(token, join[0], join[1], nonce, name),
         )
-    return nonce, encode_frame(hello)
+    elif to is not None:
+        hello = with_early_proof(hello, to, token)
+    return hello
+
+
+def _early_target(sock: socket.socket) -> str | bytes | None:
+    """The server's address for an early proof, when sock's peer is on this
+    host by the address we are connected to (same_host); else None (no
+    early proof: another host's clock, and a network that can record a
+    Hello to replay it, SECURITY.md)."""
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return None
+    return sock_endpoint(peer) if same_host(peer) else None
 
 
 def client_join_now(
@@ -540,7 +914,8 @@ async def _client_handshake(
         join = None
     if sent is None:
         nonce, frame = _hello(name=name, incarnation=incarnation, purpose=purpose, token=token,
-                              meta=meta, accept_only=accept_only, joins=joins, join=join)
+                              meta=meta, accept_only=accept_only, joins=joins, join=join,
+                              to=sock)
         # The Hello goes at once, not after the server's Challenge: a server
         # of an older version, which waits for it, answers with a Reject
         # naming the version instead of both sides waiting; and our Proof
@@ -550,6 +925,10 @@ async def _client_handshake(
         nonce, rest = sent
         if rest:
             await loop.sock_sendall(sock, rest)
+    # The HMAC of the Accept's proof we check, begun while the server works
+    # on our Hello (server_proof_begun): its setup (~0.02-0.04 ms with the
+    # caches cold) was on the connect's way after the Accept came.
+    accept_mac = None if token is None else server_proof_begun(token, nonce)
     try:
         first = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, versioned=True,
                                  spin_ns=spin_ns)
@@ -562,9 +941,13 @@ async def _client_handshake(
     server_nonce = _check_challenge(first, token)
     msg: Frame | None = None
     if token is not None:
-        if join is not None:
-            # Joined: the Accept comes at once; not honoured: the Challenge
-            # again, and we prove the token as a first connection does.
+        if join is not None or (isinstance(first, Challenge) and first.early):
+            # Joined, or our early proof taken (the server says so in its
+            # Challenge, which an Accept follows): the Accept comes at once;
+            # a join not honoured: the Challenge again, and we prove the
+            # token as a first connection does. (Whatever the Challenge
+            # says, the Accept's proof below is checked before anything
+            # of it is used: a server without the token makes none.)
             msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, spin_ns=spin_ns)
             if isinstance(msg, Challenge):
                 if msg.nonce != server_nonce:
@@ -579,7 +962,7 @@ async def _client_handshake(
                 sock, encode_frame(Proof(proof=client_proof(token, server_nonce, nonce, name)))
             )
             msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, spin_ns=spin_ns)
-        else:
+        elif join is not None:
             joins = 0  # (joined: nothing of ours to join)
     else:
         msg = await recv_frame(loop, sock, MAX_HANDSHAKE_FRAME, spin_ns=spin_ns)
@@ -589,10 +972,10 @@ async def _client_handshake(
         raise _unexpected(msg, "Accept")
     # Before anything of the Accept (or the metadata and memfds after it) is
     # used: the server proves it knows the token, over our fresh nonce.
-    if token is not None and not hmac.compare_digest(
-        msg.proof, server_proof(token, nonce, server_nonce)
-    ):
-        raise AccessDenied("peer failed to prove it knows the token")
+    if accept_mac is not None:
+        accept_mac.update(server_nonce)
+        if not hmac.compare_digest(msg.proof, accept_mac.digest()):
+            raise AccessDenied("peer failed to prove it knows the token")
     if on_challenge is not None and joins:
         # Our other connections may join its Challenge now: their join
         # proofs go only to a server that proved the token.
@@ -739,6 +1122,36 @@ def _peeked(sock: socket.socket) -> bytes | None:
         return sock.recv(4 + MAX_HANDSHAKE_FRAME, socket.MSG_PEEK)
     except OSError:
         return None
+
+
+def hello_waits_now(loop: asyncio.AbstractEventLoop, sock: socket.socket, spin_ns: int) -> bool:
+    """Server side, at once (no await), as a same-host connection is
+    accepted and before our Challenge: whether a whole first frame waits
+    in the non-blocking sock (peeked, nothing read), or the peer closed,
+    polled for up to spin_ns (this thread's CPU yielded between polls); the
+    poll stops as soon as the loop has other callbacks ready. False: none
+    came in time (or the loop had other work: asyncio's own loops only).
+
+    Why: a unix socket's accept is ready at the client's connect, before
+    its Hello is sent (no TCP_DEFER_ACCEPT there), and an early Hello that
+    lands after the ordinary Challenge went out costs the Proof round
+    (ep33: 2 of 15 shm connects, 2.2-2.7 ms instead of ~1.8). The caller
+    bounds spin_ns (a client that never sends makes us poll for nothing,
+    once per connection: serving._SPIN_SHARE)."""
+    ready = getattr(loop, "_ready", None)
+    deadline = 0
+    while True:
+        got = _peeked(sock)
+        if got is not None and (not got or _whole_frame(got)):
+            return True
+        if ready is None or ready or spin_ns <= 0:
+            return False
+        now = time.monotonic_ns()
+        if not deadline:
+            deadline = now + spin_ns
+        elif now >= deadline:
+            return False
+        os.sched_yield()
 
 
 def _whole_frame(peeked: bytes) -> int:
@@ -981,13 +1394,92 @@ def server_answer_now(
     return hello, answer
 
 
-def _answer(hello: Hello, token: bytes | None, accept: Accept, nonce: bytes) -> bytes:
+# How a Hello without an early proof encodes its "early_proof" (the empty
+# default): server_early_now leaves such a Hello alone without decoding it.
+_NO_EARLY = b"\xabearly_proof\xc4\x00"
+
+
+def server_early_now(
+    sock: socket.socket,
+    *,
+    token: bytes | None,
+    accept: Accept,
+    early: EarlyProofs,
+    joins: Joins | None,
+    refuse: Callable[[], str | None] | None,
+    ahead: Callable[[Hello, bytes], _T],
+) -> tuple[Hello, _T] | None:
+    """Server side, at once (no await), as a connection of a client on this
+    host (the caller decided, from the socket: see same_host) is accepted,
+    before our Challenge: a first "data" Hello or accept_only "meta" probe
+    already waiting whose early proof ``early`` takes. Returns it and what
+    ahead(hello, answer) made of our answer: our Challenge (``early``) and
+    the proved Accept (``meta=True`` when a "data" Hello asked for the
+    metadata: the caller sends it), as frames, for the caller to send. The
+    Hello was read (exactly its frame: the engine's bytes follow) and its
+    Challenge granted to its joins. None, nothing read or sent: anything
+    else (no token, a partial Hello, no early proof or one not taken, any
+    check of server_handshake's that fails, a refusal): the caller greets
+    it (server_greet_now) and serves it as any other. ProtocolError: taken,
+    but the connection broke (the caller closes it).
+
+    Every check server_handshake makes of a Hello (version, name, nonce,
+    incarnation, byte order) and refuse() come before the proof is taken,
+    and nothing of ours goes out before it is."""
+    if token is None:
+        return None
+    frame = _peeked(sock)
+    if not frame:
+        return None
+    n = _whole_frame(frame)
+    if not n or _NO_EARLY in frame[4 : 4 + n]:
+        return None
+    try:
+        hello = decode_body(memoryview(frame)[4 : 4 + n])
+    except ProtocolError:
+        return None
+    if not (
+        _hello_passes(hello)
+        and hello.early_proof
+        and not hello.join
+        and hello.byteorder == sys.byteorder
+        and _early_kind(hello.purpose, hello.accept_only)
+    ):
+        return None
+    if refuse is not None and refuse() is not None:
+        return None  # (server_handshake says why, in a Reject)
+    try:
+        here = sock_endpoint(sock.getsockname())
+    except OSError:
+        return None
+    if not early.take(hello, token, here):
+        return None
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    made = ahead(hello, encode_frame(Challenge(version=PROTOCOL_VERSION, nonce=nonce, early=True))
+                 + _answer(hello, token, accept, nonce, early))
+    try:
+        if sock.recv_into(bytearray(4 + n), 4 + n) != 4 + n:  # the peeked Hello, for good
+            raise ProtocolError("the early Hello shrank between its peek and its read")
+    except OSError as exc:
+        raise ProtocolError(f"connection broken while it was accepted: {exc}") from None
+    _grant(hello, nonce, joins)
+    return hello, made
+
+
+def _answer(
+    hello: Hello, token: bytes | None, accept: Accept, nonce: bytes,
+    early: EarlyProofs | None = None,
+) -> bytes:
     """Our Accept of hello as a frame (proved with a token), as
-    server_handshake sends it."""
+    server_handshake sends it. early: its proof made from the HMAC begun
+    ahead there (EarlyProofs.server_proof: the same bytes)."""
     if hello.meta and hello.purpose == "data":
         accept = msgspec.structs.replace(accept, meta=True)  # the caller sends it
     if token is None:
         return encode_frame(accept)
+    if early is not None:
+        return encode_frame(msgspec.structs.replace(
+            accept, proof=early.server_proof(token, hello.nonce, nonce)))
     return encode_frame(_proved(accept, token, hello.nonce, nonce))
 
 
@@ -1121,6 +1613,14 @@ def _warm() -> None:
         Reject(reason="warm"),
     ):
         decode_body(memoryview(encode_frame(msg))[4:])
+    # (An early proof's own steps, as a same-host connect's hello_now
+    # makes them: the tuple's encode, the replace of two fields.)
+    hello = Hello(version=PROTOCOL_VERSION, name="warm", incarnation=0, purpose="data",
+                  nonce=nonce, byteorder=sys.byteorder)
+    ts = time.time_ns()
+    encode_frame(msgspec.structs.replace(
+        hello, early_ts=ts, early_proof=_early_mac(b"\0", hello, ts, sock_endpoint(("::1", 0)))
+    ))
 
 
 _warm()

@@ -37,15 +37,19 @@ from aioxfer.protocol import (
     HANDSHAKE_SPIN_NS,
     META_GO,
     ClosedSilently,
+    EarlyProofs,
     HandshakeRejected,
     Joins,
     challenge,
     encode_frame,
     handshake_spin_ns,
+    hello_waits_now,
     recv_frame,
+    same_host,
     send_frame,
     send_now,
     server_answer_now,
+    server_early_now,
     server_greet_now,
     server_handshake,
     server_join_now,
@@ -128,6 +132,7 @@ class Server:
         "_spin_at",
         "_challenge",
         "joins",
+        "early",
         "closing",
         "__weakref__",
     )
@@ -176,6 +181,9 @@ class Server:
         # trip each instead of two: a tcp connect's other connections, a
         # same-host connect's unix socket): as many live as handshakes may run.
         self.joins = Joins(ttl=peer_timeout, cap=max_handshakes)
+        # The early proofs of same-host clients taken (no Proof round:
+        # _early_now), from the time we start listening on.
+        self.early = EarlyProofs(token=token)
         # Set by the agent as its close begins (before its goodbye to the
         # network): from then on a handshake is refused with a Reject that
         # says so, instead of an Accept followed by a connection the closing
@@ -242,12 +250,22 @@ class Server:
                     continue
                 if not local and self._join_now(sock, addr):
                     continue
-                nonce = self._greet_now(sock, addr)
-                if nonce is None:  # broke before its handshake (logged, closed)
-                    continue
-                answered = self._answer_now(loop, sock, addr, cred, nonce)
+                answered: bool | tuple[Hello, _Out] | None = False
+                nonce = b""
+                if self._token is not None and (local or same_host(addr)):
+                    answered = self._early_now(loop, sock, addr, cred)
                 if answered is True:
                     continue
+                if not answered:
+                    got = self._greet_now(sock, addr)
+                    if got is None:  # broke before its handshake (logged, closed)
+                        continue
+                    nonce = got
+                    # (None: its Hello was polled for in vain: not twice)
+                    answered = (False if answered is None
+                                else self._answer_now(loop, sock, addr, cred, nonce))
+                    if answered is True:
+                        continue
                 task = loop.create_task(self._serve(loop, sock, addr, cred=cred, nonce=nonce,
                                                     answered=answered or None))
                 self._tasks.add(task)
@@ -378,20 +396,12 @@ class Server:
         if self._token is not None and not spin:
             return False  # (a remote client's Proof is a round trip away: not there yet)
         remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
-        local = cred is not None
-
-        def ahead(hello: Hello, accept: bytes) -> _Out:
-            return self._out(
-                local, accept,
-                meta=hello.meta if hello.purpose == "data" else not hello.accept_only,
-                go=hello.purpose == "data",
-            )
-
         t0 = time.monotonic_ns()
         try:
             got = server_answer_now(loop, sock, token=self._token, accept=self._accept,
                                     joins=self.joins, nonce=nonce, refuse=self._refusal,
-                                    spin_ns=spin, ahead=ahead, polled=_not_ours)
+                                    spin_ns=spin, ahead=self._ahead(cred is not None),
+                                    polled=_not_ours)
         except Exception as exc:  # (ProtocolError: read, then broken; our metadata's own)
             self._failed(exc, remote)
             sock.close()
@@ -401,7 +411,69 @@ class Server:
                 self._spin_debt += time.monotonic_ns() - t0
         if got is None:
             return False
-        hello, out = got
+        return self._finish_now(sock, got[0], got[1], remote, cred)
+
+    def _early_now(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any,
+        cred: PeerCred | None,
+    ) -> bool | tuple[Hello, _Out] | None:
+        """A same-host client's (the caller decided, from the socket) Hello
+        with an early proof we take (protocol.server_early_now), answered at
+        once, in the accepting step: our Challenge, the proved Accept and
+        what it asked for in one send, no Proof round. As _answer_now's
+        (False: nothing read or sent, for _greet_now and _answer_now; None:
+        the same, but nothing came while we polled: not polled again).
+
+        On the unix socket, whose accept is ready before the client's Hello
+        is sent, a client of another process is first polled for its Hello
+        (protocol.hello_waits_now, under _answer_now's budget: _spin_ns):
+        an early Hello that landed after our ordinary Challenge would cost
+        the Proof round. tcp's accept waits for the first bytes
+        (TCP_DEFER_ACCEPT), and a tcp connect's other connections may send
+        nothing for a while (their joins): not polled."""
+        remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
+        try:
+            sock.setblocking(False)
+            if cred is not None and cred.pid != os.getpid():
+                spin = self._spin_ns(loop, sock)
+                t0 = time.monotonic_ns()
+                try:
+                    if not hello_waits_now(loop, sock, spin):
+                        return None if spin else False
+                finally:
+                    if spin:
+                        self._spin_debt += time.monotonic_ns() - t0
+            got = server_early_now(sock, token=self._token, accept=self._accept,
+                                   early=self.early, joins=self.joins, refuse=self._refusal,
+                                   ahead=self._ahead(cred is not None))
+        except Exception as exc:  # (ProtocolError: read, then broken; our metadata's own)
+            self._failed(exc, remote)
+            sock.close()
+            return True
+        if got is None:
+            return False
+        return self._finish_now(sock, got[0], got[1], remote, cred)
+
+    def _ahead(self, local: bool) -> Callable[[Hello, bytes], _Out]:
+        """What a handshake answered in the accepting step sends: head (our
+        Accept, as frames) and what the Hello asked for (_out)."""
+
+        def ahead(hello: Hello, head: bytes) -> _Out:
+            return self._out(
+                local, head,
+                meta=hello.meta if hello.purpose == "data" else not hello.accept_only,
+                go=hello.purpose == "data",
+            )
+
+        return ahead
+
+    def _finish_now(
+        self, sock: socket.socket, hello: Hello, out: _Out, remote: str, cred: PeerCred | None
+    ) -> bool | tuple[Hello, _Out]:
+        """A handshake made in the accepting step (_answer_now, _early_now):
+        its answer sent as far as the socket takes it now and a "data"
+        connection handed to the engine (True: served, or closed and
+        logged); (hello, out): the rest is _serve's."""
         pidfd = -1
         keep = False  # (the socket goes on to _serve)
         try:

@@ -27,6 +27,9 @@ PHASE_PROFILE=path: cProfile of the initiator's timed window, to path.<pid>.
 I.predial / I.hello_now (builds since cxc32): the first connection dialled
 and its Hello sent by Agent.connect itself, before the attempt's task runs
 (I.Connector.connect then starts after them; I.dial is no longer a step).
+T.early_now (builds since ep33): the accepting step's try of a same-host
+Hello's early proof (taken: Challenge, proved Accept and metadata sent in
+that step, no Proof round; else nothing read, and the greeting follows).
 PHASE_TARGET_NOSPIN=1: the target never polls for a handshake's next frame
 (a what-if: cxs32's accepting-step answer without its poll).
 PHASE_WARM=n: n connects + first writes of other agents in the initiator's
@@ -172,6 +175,35 @@ def _patch(prefix: str) -> None:
             protocol._peek_handshake = peek_w
         _wrap_async(protocol, "recv_frame", prefix + "recv_frame")
         _wrap_async(protocol, "send_frame", prefix + "send_frame")
+        import aioxfer.dialing as dialing_
+
+        # ep33's builds (early proofs), split: the target's early step (the
+        # Hello peeked, its proof taken, our answer made: Challenge + proved
+        # Accept + metadata; then _finish_now: sent, pidfd, the engine's
+        # accept), and the client's Hello made ahead stamped as it is sent
+        # (with_early_frame: the peer's address, the frame decoded, the
+        # proof, encoded again). Each where the build has it.
+        for mod, attr, step in (
+            (serving_, "server_early_now", "server_early_now"),
+            (protocol, "_peeked", "peeked"),
+            (protocol.EarlyProofs if hasattr(protocol, "EarlyProofs") else None, "take",
+             "early_take"),
+            (protocol, "_answer", "answer_accept"),
+            (serving_.Server, "_finish_now", "finish_now"),
+            (serving_, "peer_pidfd", "peer_pidfd"),
+            (dialing_, "with_early_frame", "with_early_frame"),
+            (dialing_, "with_early_hello", "with_early_hello"),
+            (protocol, "_early_target", "early_target"),
+            (protocol, "_stamped", "stamped"),
+            (protocol, "_early_mac", "early_mac"),
+            # ep34's: the proof finished from its HMAC begun ahead; the
+            # accepting step's poll for a unix client's Hello
+            (protocol, "_early_finish", "early_finish"),
+            (serving_, "hello_waits_now", "hello_waits_now"),
+            (dialing_, "send_now", "hello_send_now"),
+        ):
+            if mod is not None and hasattr(mod, attr):
+                _wrap_sync(mod, attr, prefix + step)
         spin = protocol._spin_recv_into
 
         def spin_w(loop: Any, sock: Any, view: Any, bound_ns: int) -> int:
@@ -203,6 +235,8 @@ def _patch(prefix: str) -> None:
     _wrap_sync(conn.Connector, "_apply_regions", prefix + "apply_regions")
     _wrap_async(serving.Server, "_send_meta", prefix + "send_meta")
     _wrap_sync(serving.Server, "_join_now", prefix + "join_now")  # the accepting step's part
+    if hasattr(serving.Server, "_early_now"):  # (builds since ep33: same-host early proofs)
+        _wrap_sync(serving.Server, "_early_now", prefix + "early_now")
     _wrap_async(serving.Server, "_serve", prefix + "serve")
     init = serving.Server.__init__
 

@@ -22,12 +22,17 @@ stream the other side sends (then it hangs up):
          server_handshake, if the connection is not served already.
          server_join_now reads exactly the Hello's frame when it takes it
          (the rest stays in the socket, byte for byte, for the engine) and
-         nothing when it does not.
+         nothing when it does not. With the token, server_early_now
+         before the greeting (a same-host client's early proof, cxs33):
+         taken only for a Hello proved with the token for the
+         socketpair's address (""), exactly its frame read, answered by
+         a Challenge that says early; else nothing read.
 Contract: the handshake returns what it promises (a Hello that passed every
 check, an Accept, an AgentMeta) or raises an XferError (AccessDenied,
 ProtocolError); it never authenticates a peer that did not prove the token
 (with a token, no input can succeed, the nonces being random, except a join
-of the known grant whose proof is made with the token: a seed does that);
+of the known grant or an early Hello whose proof is made with the token:
+seeds do that);
 it never hangs once the peer hung up (5 s); a first frame (whole, in
 bounds) that names another protocol version (a Hello or Challenge of
 another version, or, protocol 5's lenient read, any msgpack map with an
@@ -84,6 +89,13 @@ def _joined_with_the_token(hello: Any) -> bool:
     )
 
 
+def _early_with_the_token(hello: Any) -> bool:
+    """Whether hello carries an early proof made with TOKEN for the server's
+    address here (a socketpair's: "", as sock_endpoint names it)."""
+    p = _m.protocol
+    return bool(hello.early_proof) and hello.early_proof == p.early_proof(TOKEN, hello, "")
+
+
 def _waiting(sock: socket.socket) -> bytes:
     try:
         return sock.recv(MAX_INPUT, socket.MSG_PEEK)
@@ -112,6 +124,27 @@ def _at_once(sock: socket.socket, token: bytes | None, joins: Any) -> tuple[Any,
             raise AssertionError(f"not taken, yet {len(before) - len(after)} bytes read")
         if _takes(before, token, joins):
             raise AssertionError("a whole Hello it takes, with what follows it, not taken")
+    if token is not None:
+        # A same-host client's early proof (cxs33): random bytes carry none
+        # that verifies, so never taken and never a byte read; taken (a seed
+        # made with the key), exactly its Hello read.
+        early = p.EarlyProofs(start_ns=0, window_ns=1 << 62)
+        got = p.server_early_now(sock, token=token, accept=accept, early=early, joins=joins,
+                                 refuse=None, ahead=lambda h, b: b)
+        after = _waiting(sock)
+        if got is not None:
+            n = 4 + int.from_bytes(before[:4], "big")
+            if after != before[n:] or got[0] != p.decode_body(before[4:n]):
+                raise AssertionError("an early Hello taken, but not exactly its frame read")
+            if not _early_with_the_token(got[0]):
+                raise AssertionError(f"an early Hello taken without the token: {got[0]!r}")
+            head = got[1]
+            ch = p.decode_body(head[4:4 + int.from_bytes(head[:4], "big")])
+            if not (isinstance(ch, _m.metadata.Challenge) and ch.early):
+                raise AssertionError(f"an early Hello taken, answered by {ch!r}")
+            return got[0], None
+        if after != before:
+            raise AssertionError(f"early: not taken, yet {len(before) - len(after)} bytes read")
     nonce = p.server_greet_now(sock, token=token)
     if _waiting(sock) != before:
         raise AssertionError("the Challenge went out, and bytes were read")
@@ -156,7 +189,10 @@ async def _server(sock: socket.socket, token: bytes | None, with_joins: bool,
             _loop, sock, token=token, accept=md.Accept(name="server", incarnation=1),
             joins=joins, nonce=nonce,
         )
-    if token is not None and not (joins is not None and _joined_with_the_token(hello)):
+    if token is not None and not (
+        (joins is not None and _joined_with_the_token(hello))
+        or (joined is not None and _early_with_the_token(hello))
+    ):
         raise AssertionError(f"a client without the token got in: {hello!r}")
     if not isinstance(hello, md.Hello):
         raise AssertionError(f"server_handshake returned {hello!r}")
@@ -384,6 +420,31 @@ def seeds() -> dict[str, bytes]:
         + encode_frame(Challenge(version=v, nonce=b"s" * 16)) * 2
         + encode_frame(Accept(name="server", incarnation=1, proof=b"p" * 32)),
     }
+    # Early proofs (same host: a socketpair, whose server address is ""):
+    # one made with the token, taken at once with engine bytes behind it;
+    # one for another address and one forged, neither taken (the ordinary
+    # Challenge); a client's Hello answered by an early Challenge whose
+    # Accept's proof is forged, and one not early (the Proof round).
+    import msgspec
+
+    from aioxfer.protocol import early_proof
+
+    def early(here: str, key: bytes = TOKEN, purpose: str = "data", **kw: Any) -> bytes:
+        h = Hello(version=v, name="peer", incarnation=7, purpose=purpose, nonce=b"e" * 16,
+                  early_ts=1, **kw)
+        return encode_frame(msgspec.structs.replace(h, early_proof=early_proof(key, h, here)))
+
+    out.update({
+        "server-early-at-once": bytes([2 | 64]) + early("") + b"engine bytes",
+        "server-early-probe": bytes([2 | 64]) + early("", purpose="meta", accept_only=True),
+        "server-early-with-joins": bytes([2 | 16 | 64]) + early("", joins=3),
+        "server-early-elsewhere": bytes([2 | 64]) + early("127.0.0.1:1")
+        + encode_frame(Proof(proof=b"p" * 32)),
+        "server-early-forged": bytes([2 | 64]) + early("", key=b"not-the-token"),
+        "client-early": bytes([1 | 2 | 1 << 2])
+        + encode_frame(Challenge(version=v, nonce=b"s" * 16, early=True))
+        + encode_frame(Accept(name="server", incarnation=1, proof=b"p" * 32)),
+    })
     return out
 
 
