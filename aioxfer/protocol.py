@@ -78,7 +78,9 @@ unix-socket or loopback Hello is root or this user and can read the token
 itself; a Hello that crossed a network could be recorded there and replayed
 at a server's loopback by a local user: other hosts never send or get early
 proofs, and the address binding makes one made for a network address no
-proof at a loopback one.
+proof at a loopback one; a tcp address's scope (boot id, network namespace:
+sock_endpoint) one made for one host's loopback none at another's (a
+loopback port forwarded to another host: its Hello crossed a network).
 """
 
 from __future__ import annotations
@@ -410,18 +412,52 @@ def join_proof(token: bytes, join: bytes, index: int, client_nonce: bytes, name:
     )
 
 
+def _net_scope() -> str:
+    """Which loopback this process's tcp reaches: the kernel's boot id and
+    our network namespace (its nsfs device and inode). Read once, at
+    import: a process that moves to another namespace afterwards only
+    makes early proofs no server takes (the Proof round)."""
+    boot = ns = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    try:
+        st = os.stat("/proc/self/ns/net")
+        ns = f"{st.st_dev}.{st.st_ino}"
+    except OSError:
+        pass
+    return f"{boot}/{ns}"
+
+
+# An IP endpoint's scope in sock_endpoint (see there).
+_NET_SCOPE = _net_scope()
+
+
 def sock_endpoint(addr: object) -> str | bytes:
     """A socket address as both ends of a connection name it: the server's
     getsockname() of the accepted socket, the client's getpeername() (a unix
     socket's path or abstract name as it is; an IP's host:port, an
-    IPv4-mapped IPv6 host as the IPv4 one, no flow or scope)."""
+    IPv4-mapped IPv6 host as the IPv4 one, no flow or scope, then "@" and
+    this host's boot id and network namespace, _NET_SCOPE).
+
+    Why the scope: "127.0.0.1:P" names a different listener on every host
+    (and in every namespace). A client that dials a loopback port which
+    forwards to another host (socat, a port-forward) makes an early proof
+    whose Hello crosses a network; recorded there, it would be a proof at
+    127.0.0.1:P of any host sharing the token, over the loopback tcp any
+    local user may dial (rv34). Both ends of a loopback connection share
+    boot and namespace, so this costs a true same-host client nothing. A
+    unix path needs none: it reaches no other host, and a unix listener
+    admits only our uid (also from another namespace sharing the path)."""
     if isinstance(addr, str | bytes):
         return addr
     if isinstance(addr, tuple) and len(addr) >= 2:
         host = str(addr[0]).partition("%")[0]
         if host.startswith("::ffff:") and "." in host:
             host = host[7:]
-        return f"{host}:{addr[1]}"
+        return f"{host}:{addr[1]}@{_NET_SCOPE}"
     return repr(addr)
 
 

@@ -556,4 +556,5 @@ def test_same_host_is_told_by_the_kernels_address_only() -> None:
     for addr in (("10.0.0.1", 1), ("::ffff:10.0.0.1", 1, 0, 0), ("fe80::1", 1, 0, 2),
                  ("1127.0.0.1", 1), None, 5):
         assert not protocol.same_host(addr), addr
-    assert protocol.sock_endpoint(("::ffff:127.0.0.1", 5, 0, 0)) == "127.0.0.1:5"
+    scope = protocol._NET_SCOPE
+    assert protocol.sock_endpoint(("::ffff:127.0.0.1", 5, 0, 0)) == f"127.0.0.1:5@{scope}"
