@@ -59,7 +59,7 @@ async def test_a_prepared_hello_leaves_with_an_early_proof(make_agent: Any, kept
         init._dialer._hello_msgs.clear()
     assert not made.early_proof and made.early_ts == 0
     lsock, address = _listener()
-    here = f"127.0.0.1:{lsock.getsockname()[1]}"
+    here = protocol.sock_endpoint(("127.0.0.1", lsock.getsockname()[1]))
     before = time.time_ns()
     sent = await _hello_sent(init, lsock, address)
     assert sent.nonce == nonce
