@@ -362,18 +362,23 @@ async def test_a_peer_on_another_host_never_gets_an_early_accept() -> None:
     reason = netns.unavailable()
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    # The children run from "/" with no PYTHONPATH: they import the installed
+    # aioxfer, never the checkout's sources (CI installs a wheel: the checkout
+    # has no compiled extension).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with netns.rails(1) as net:
         target = net.popen("a", [sys.executable, "-c", _NS_TARGET, TOKEN.decode(),
                                  f"{net.rail(1).addr_a}:0"],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                           cwd="/")
         assert target.stdin is not None and target.stdout is not None
         loop = asyncio.get_running_loop()
         line = await within(loop.run_in_executor(None, target.stdout.readline), 30)
         address = json.loads(line)["address"]
         proc = await within(loop.run_in_executor(None, lambda: subprocess.run(
             ["ip", "netns", "exec", net.ns("b"), sys.executable, "-c", _NS_CLIENT,
-             TOKEN.decode(), address], capture_output=True, text=True, timeout=30, env=env)), 40)
+             TOKEN.decode(), address], capture_output=True, text=True, timeout=30, env=env,
+            cwd="/")), 40)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out == {"client_would_send_early": False, "first": "Challenge", "early": False,

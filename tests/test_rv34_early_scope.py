@@ -73,11 +73,15 @@ async def test_a_loopback_hello_replayed_on_another_hosts_loopback_gets_no_accep
     reason = netns.unavailable()
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    # The children run from "/" with no PYTHONPATH: they import the installed
+    # aioxfer, never the checkout's sources (CI installs a wheel: the checkout
+    # has no compiled extension).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     loop = asyncio.get_running_loop()
     with netns.rails(1) as net:
         target = net.popen("a", [sys.executable, "-c", _TARGET, TOKEN.decode()],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                           cwd="/")
         assert target.stdin is not None and target.stdout is not None
         line = await within(loop.run_in_executor(None, target.stdout.readline), 30)
         address = json.loads(line)["address"]
@@ -101,7 +105,7 @@ async def test_a_loopback_hello_replayed_on_another_hosts_loopback_gets_no_accep
         # "Host" two: the recording replayed at its loopback, same port.
         proc = await within(loop.run_in_executor(None, lambda: subprocess.run(
             ["ip", "netns", "exec", net.ns("a"), sys.executable, "-c", _REPLAY, str(port),
-             recorded.hex()], capture_output=True, text=True, timeout=40, env=env)), 50)
+             recorded.hex()], capture_output=True, text=True, timeout=40, env=env, cwd="/")), 50)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         target.stdin.write("stats\n")
