@@ -12,6 +12,7 @@
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -325,6 +326,24 @@ static inline int t_tcp_pair_opts(int *a, int *b, const t_tcp_opts *o)
 static inline int t_tcp_pair(int *a, int *b)
 {
     return t_tcp_pair_opts(a, b, NULL);
+}
+
+/* How many of the npages 4 KiB pages from m are mapped (pagemap's present
+ * bit), or UINT64_MAX without pagemap. */
+static inline uint64_t t_present_pages(const uint8_t *m, uint64_t npages)
+{
+    int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return UINT64_MAX;
+    uint64_t n = 0, ent[512];
+    for (uint64_t i = 0; i < npages; i += 512) {
+        uint64_t k = npages - i < 512 ? npages - i : 512;
+        ssize_t r = pread(fd, ent, k * sizeof ent[0], (off_t)(((uintptr_t)m / 4096 + i) * 8));
+        for (uint64_t j = 0; r > 0 && j < (uint64_t)r / 8; j++)
+            n += ent[j] >> 63;
+    }
+    close(fd);
+    return n;
 }
 
 /* Waits (up to 5 s) until an engine's counter reaches n, e.g. a test that

@@ -41,23 +41,6 @@ int open(const char *path, int flags, ...)
 #define MIB (1ull << 20)
 #define PG 4096ull
 
-/* How many of the npages pages from m are mapped (pagemap's present bit). */
-static uint64_t present_pages(const uint8_t *m, uint64_t npages)
-{
-    int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return UINT64_MAX;
-    uint64_t n = 0, ent[512];
-    for (uint64_t i = 0; i < npages; i += 512) {
-        uint64_t k = npages - i < 512 ? npages - i : 512;
-        ssize_t r = pread(fd, ent, k * sizeof ent[0], (off_t)(((uintptr_t)m / PG + i) * 8));
-        for (uint64_t j = 0; r > 0 && j < (uint64_t)r / 8; j++)
-            n += ent[j] >> 63;
-    }
-    close(fd);
-    return n;
-}
-
 /* A sealed memfd of len bytes, its whole 2 MiB ranges collapsed into huge
  * pages but the one at small_at (if not UINT64_MAX: punched out again, so
  * that the writes below give it small pages), every byte written (no holes:
@@ -98,7 +81,7 @@ static int import_child(uint64_t len, uint64_t small_at, bool all_huge)
     CHECK_EQ(shm_map(NULL, &rr, fd), AXF_OK);
     int opens = atomic_load(&pagemap_opens);
     const uint8_t *m = *(uint8_t **)rr.xp[AXF_EP_SHM];
-    CHECK_EQ(present_pages(m, len / PG), len / PG);
+    CHECK_EQ(t_present_pages(m, len / PG), len / PG);
     CHECK_EQ(m[len - 1], 0x5a);
     if (all_huge)
         CHECK_EQ(opens, 1);

@@ -31,22 +31,6 @@ static int sealed_memfd(uint64_t len)
     return fd;
 }
 
-/* How many of the npages pages from m are mapped (pagemap's present bit). */
-static uint64_t present_pages(const uint8_t *m, uint64_t npages)
-{
-    int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return UINT64_MAX;
-    uint64_t n = 0, ent;
-    for (uint64_t i = 0; i < npages; i++)
-        if (pread(fd, &ent, sizeof ent, (off_t)(((uintptr_t)m / 4096 + i) * sizeof ent)) ==
-                (ssize_t)sizeof ent &&
-            (ent >> 63))
-            n++;
-    close(fd);
-    return n;
-}
-
 /* In a fresh process (the window not measured yet): a one-page pool mapped
  * lazily right below 2 MiB of present pages, the window measured on it; then
  * a 4 MiB pool mapped and populated at once must have every page mapped. */
@@ -71,7 +55,7 @@ static int child(void)
     }
     if (!placed)
         return 77; /* no such placement here: nothing measured */
-    CHECK_EQ(present_pages(r + pg, big / pg), big / pg);
+    CHECK_EQ(t_present_pages(r + pg, big / pg), big / pg);
 
     axf_shm_lazy_min = 0; /* the one page: mapped lazily, the window measured on it */
     rregion small = {.len = pg, .access = AXF_ACCESS_READ};
@@ -83,7 +67,7 @@ static int child(void)
     rregion rr = {.len = pool, .access = AXF_ACCESS_READ};
     CHECK_EQ(shm_map(NULL, &rr, pool_fd), AXF_OK);
     const uint8_t *m = *(uint8_t **)rr.xp[AXF_EP_SHM];
-    CHECK_EQ(present_pages(m, pool / pg), pool / pg);
+    CHECK_EQ(t_present_pages(m, pool / pg), pool / pg);
     shm_unmap(&rr);
     shm_unmap(&small);
     return 0;
