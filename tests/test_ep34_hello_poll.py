@@ -132,6 +132,20 @@ def _name(agent: Any) -> str:
     return name
 
 
+def _count_serves(monkeypatch: Any) -> list[int]:
+    """Counts the connections left to a serving task (Server._serve's
+    calls) from now on: the one-element list's value."""
+    served = [0]
+    serve = serving.Server._serve
+
+    async def counted(server: Any, *a: Any, **k: Any) -> None:
+        served[0] += 1
+        await serve(server, *a, **k)
+
+    monkeypatch.setattr(serving.Server, "_serve", counted)
+    return served
+
+
 async def test_a_hello_after_the_accept_is_answered_early(make_agent: Any,
                                                           monkeypatch: Any) -> None:
     """The Hello is sent only once the accepting step found none: polled
@@ -150,21 +164,13 @@ async def test_a_hello_after_the_accept_is_answered_early(make_agent: Any,
         return got
 
     monkeypatch.setattr(protocol, "_peeked", peek)
-    served = 0
-    serve = serving.Server._serve
-
-    async def counted(server: Any, *a: Any, **k: Any) -> None:
-        nonlocal served
-        served += 1
-        await serve(server, *a, **k)
-
-    monkeypatch.setattr(serving.Server, "_serve", counted)
+    served = _count_serves(monkeypatch)
     gate.append(_Gate(_name(b), b._token, "late"))
     got = await gate[0].result()
     assert gate[0].released  # (the Hello did land after the accept)
     assert got == {"proved": True, "early": True, "accept_proved": True, "meta": True}
     assert b._server.early.taken == 1
-    assert served == 0
+    assert served[0] == 0
 
 
 async def test_a_client_that_sends_nothing_is_polled_for_once(make_agent: Any,
@@ -183,17 +189,9 @@ async def test_a_client_that_sends_nothing_is_polled_for_once(make_agent: Any,
         return answer_now(*a, **k)
 
     monkeypatch.setattr(serving, "server_answer_now", polled)
-    served = 0
-    serve = serving.Server._serve
-
-    async def counted(server: Any, *a: Any, **k: Any) -> None:
-        nonlocal served
-        served += 1
-        await serve(server, *a, **k)
-
-    monkeypatch.setattr(serving.Server, "_serve", counted)
+    served = _count_serves(monkeypatch)
     client = _Gate(_name(b), b._token, "mute")
-    await wait_until(lambda: served == 1, what="the silent client left to a task")
+    await wait_until(lambda: served[0] == 1, what="the silent client left to a task")
     debt = b._server._spin_debt
     assert 0 < debt
     client.release()
