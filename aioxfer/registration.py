@@ -570,8 +570,12 @@ class Memory:
                 f"agent {self._agent!r} closed while {', '.join(peers)} could still touch "
                 f"region {region.name!r}: its memory stays pinned for the life of this process"
             ))
-            # (Nobody awaiting it logs nothing: the quarantine keeps the
-            # region, and its future, referenced for good.)
+            # Marked retrieved: nobody need await it, and the quarantine
+            # keeps it referenced only until the interpreter's exit clears
+            # _QUARANTINE, where an unretrieved exception was logged
+            # ("Future exception was never retrieved", once per region).
+            # A task awaiting it still gets the error.
+            released.exception()
 
     def _held(self) -> dict[int, list[int]]:
         """Deregistered regions some connection still holds: rid -> tags."""

@@ -31,12 +31,18 @@ import pytest
 from conftest import within
 from test_security import closed_by_peer, raw_connect, still_serves
 
+import aioxfer
 from aioxfer import AccessDenied, auth, metadata, protocol
 from aioxfer.local import local_address
 
 MiB = 1 << 20
 TOKEN = b"cxs33-early-token"
 KEY = auth.hmac_key(TOKEN)
+# A target whose raw unix clients (this process) got data connections: its
+# engine counts them as holders of its regions, settled only by their
+# process's exit (never by a closed socket alone), so its aclose() waits
+# close_timeout (10 s by default) for this very process and then gives up.
+RAW_PEERS = aioxfer.Limits(close_timeout=0.5)
 OLD_PYTHON = os.environ.get("AIOXFER_MAIN_PYTHON", "/tmp/vM33/bin/python")
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -154,7 +160,7 @@ CASES = ["stale", "future", "before-start", "wrong-mac", "wrong-key", "other-add
 async def test_early_proof_not_taken_falls_back_to_the_proof_round(
     make_agent, case: str, how: str
 ) -> None:
-    target = await make_agent("target", token=TOKEN)
+    target = await make_agent("target", token=TOKEN, limits=RAW_PEERS)
     target.alloc(MiB, name="dst")
     if case == "cache-full":
         target._server.early = protocol.EarlyProofs(cap=1)
@@ -197,7 +203,7 @@ async def test_a_replayed_early_hello_is_not_taken_nor_let_in(make_agent, how: s
     connections (within the window): the ordinary Challenge each time, and
     what a replayer without the key can send as a Proof (the recorded
     early proof itself, nothing) gets a Reject or nothing."""
-    target = await make_agent("target", token=TOKEN, peer_timeout=2.0)
+    target = await make_agent("target", token=TOKEN, peer_timeout=2.0, limits=RAW_PEERS)
     target.alloc(MiB, name="dst")
     sock = await connect_raw(target, how)
     with sock:
