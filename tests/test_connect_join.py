@@ -237,12 +237,17 @@ async def test_same_host_connect_joins_the_probe(make_agent, monkeypatch) -> Non
     Challenge (the kernel still checks who connects there): the probe path,
     taken where the address-named unix socket is not (Connector._open_direct;
     tests/test_conn12_direct.py covers the fallback with a real squatter)."""
-    from aioxfer import connector
+    from aioxfer import connector, dialing
 
     async def no_direct(self, address):
         return None
 
     monkeypatch.setattr(connector.Connector, "_open_direct", no_direct)
+    # Connector.predial dials that socket itself (its Hello answered, with
+    # the pool's memfds, before _open_direct runs): as absent for it too.
+    # Else its dropped connection held dst until this process's exit, and
+    # the target's aclose() waited its close_timeout (10 s) for it.
+    monkeypatch.setattr(dialing.Dialer, "dial_local_now", lambda self, name: None)
     target = await make_agent("target", token=TOKEN)
     dst = target.alloc(MiB, name="dst")
     init = await make_agent("init", token=TOKEN)
