@@ -36,14 +36,16 @@ from aioxfer.metadata import (
 from aioxfer.protocol import (
     HANDSHAKE_SPIN_NS,
     META_GO,
+    AcceptAhead,
     ClosedSilently,
     EarlyProofs,
     HandshakeRejected,
     Joins,
     challenge,
+    early_challenge,
     encode_frame,
     handshake_spin_ns,
-    hello_waits_now,
+    hello_peek_now,
     recv_frame,
     same_host,
     send_frame,
@@ -53,6 +55,7 @@ from aioxfer.protocol import (
     server_greet_now,
     server_handshake,
     server_join_now,
+    sock_endpoint,
 )
 
 __all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple", "writable"]
@@ -131,6 +134,8 @@ class Server:
         "_spin_debt",
         "_spin_at",
         "_challenge",
+        "_early_challenge",
+        "_accepts",
         "joins",
         "early",
         "closing",
@@ -176,6 +181,12 @@ class Server:
         # The next connection's Challenge, made ahead (after an accepting
         # step), so that it goes out first thing on the next accept.
         self._challenge: tuple[bytes, bytes] | None = None
+        # The same for an early answer (_early_now): its Challenge, with
+        # its own fresh nonce (each used once), and our proved Accept's
+        # frames up to the proof: made ahead, off the connect's way (the
+        # accepting step runs on a vCPU just woken, its code and caches cold).
+        self._early_challenge: tuple[bytes, bytes] | None = None
+        self._accepts = AcceptAhead(accept)
         _servers.add(self)
         # The Challenges a client's other connections may join (one round
         # trip each instead of two: a tcp connect's other connections, a
@@ -204,6 +215,12 @@ class Server:
         fd = lsock.fileno()
         stop: asyncio.Future[None] = loop.create_future()
         refused = 0
+        # The address an early proof is bound to (protocol.sock_endpoint of
+        # the accepted socket's getsockname()), where every connection this
+        # listener accepts has the same: the listener's own (a unix socket's
+        # path or name; an IP bound to one address), once here instead of a
+        # syscall and a format per connect. None: per connection (a wildcard).
+        here = _listener_endpoint(lsock)
 
         def resume() -> None:
             if not stop.done():
@@ -217,6 +234,8 @@ class Server:
                 except (BlockingIOError, InterruptedError):
                     if self._challenge is None:  # (the next one's, off its way)
                         self._challenge = challenge(self._token)
+                    if self._early_challenge is None and self._token is not None:
+                        self._early_challenge = early_challenge()
                     return
                 except OSError as exc:
                     if self._closed():
@@ -253,7 +272,7 @@ class Server:
                 answered: bool | tuple[Hello, _Out] | None = False
                 nonce = b""
                 if self._token is not None and (local or same_host(addr)):
-                    answered = self._early_now(loop, sock, addr, cred)
+                    answered = self._early_now(loop, sock, addr, cred, here)
                 if answered is True:
                     continue
                 if not answered:
@@ -415,7 +434,7 @@ class Server:
 
     def _early_now(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any,
-        cred: PeerCred | None,
+        cred: PeerCred | None, here: str | bytes | None = None,
     ) -> bool | tuple[Hello, _Out] | None:
         """A same-host client's (the caller decided, from the socket) Hello
         with an early proof we take (protocol.server_early_now), answered at
@@ -430,29 +449,41 @@ class Server:
         an early Hello that landed after our ordinary Challenge would cost
         the Proof round. tcp's accept waits for the first bytes
         (TCP_DEFER_ACCEPT), and a tcp connect's other connections may send
-        nothing for a while (their joins): not polled."""
-        remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
+        nothing for a while (their joins): not polled.
+
+        here: the listener's address where it is every accepted socket's
+        (accept_loop); None: server_early_now asks the socket."""
         try:
             sock.setblocking(False)
+            peeked = None
             if cred is not None and cred.pid != os.getpid():
-                spin = self._spin_ns(loop, sock)
+                spin = self._spin_ns(loop, sock, unix=True)
                 t0 = time.monotonic_ns()
                 try:
-                    if not hello_waits_now(loop, sock, spin):
+                    peeked = hello_peek_now(loop, sock, spin)
+                    if peeked is None:
                         return None if spin else False
                 finally:
                     if spin:
                         self._spin_debt += time.monotonic_ns() - t0
             got = server_early_now(sock, token=self._token, accept=self._accept,
                                    early=self.early, joins=self.joins, refuse=self._refusal,
-                                   ahead=self._ahead(cred is not None))
+                                   ahead=self._ahead(cred is not None), peeked=peeked,
+                                   here=here, made=self._take_early_challenge,
+                                   accepts=self._accepts)
         except Exception as exc:  # (ProtocolError: read, then broken; our metadata's own)
-            self._failed(exc, remote)
+            self._failed(exc, _remote(addr, cred))
             sock.close()
             return True
         if got is None:
             return False
-        return self._finish_now(sock, got[0], got[1], remote, cred)
+        return self._finish_now(sock, got[0], got[1], _remote(addr, cred), cred)
+
+    def _take_early_challenge(self) -> tuple[bytes, bytes]:
+        """An early answer's Challenge: the one made ahead, taken (each
+        nonce once), or a fresh one."""
+        made, self._early_challenge = self._early_challenge, None
+        return made if made is not None else early_challenge()
 
     def _ahead(self, local: bool) -> Callable[[Hello, bytes], _Out]:
         """What a handshake answered in the accepting step sends: head (our
@@ -498,11 +529,14 @@ class Server:
                 sock.close()  # (nothing if the engine took it: detached)
         return True
 
-    def _spin_ns(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int:
+    def _spin_ns(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, *, unix: bool = False
+    ) -> int:
         """How long _answer_now may poll sock for the client's frames, ns:
         protocol.handshake_spin_ns (a client on this host, asyncio's own
         loops), unless spin is off or the polling owed is at its bound
-        (_SPIN_SHARE)."""
+        (_SPIN_SHARE). unix: sock is the unix socket's (on this host: its
+        family not asked again)."""
         if not self._spin:
             return 0
         now = time.monotonic_ns()
@@ -510,6 +544,8 @@ class Server:
         self._spin_at = now
         if self._spin_debt >= _SPIN_BURST_NS:
             return 0
+        if unix:
+            return HANDSHAKE_SPIN_NS if getattr(loop, "_ready", None) is not None else 0
         return handshake_spin_ns(loop, sock)
 
     def _hand_over(
@@ -673,11 +709,19 @@ class Server:
             if out.waited:
                 assert out.meta is not None
                 self._check_current(out.meta, out.fds, out.local)
+            # The last memfds' message carries META_GO behind its byte
+            # when nothing waited (the snapshot made in this step, as below):
+            # one syscall fewer on the connect's way; the client reads the
+            # memfds' messages a byte at a time (local.recv_fds), then GO.
+            last = out.i + FDS_PER_MESSAGE >= len(out.fds)
+            data = b"F" + META_GO if last and out.go and not out.waited else b"F"
             try:
-                socket.send_fds(sock, [b"F"], out.fds[out.i : out.i + FDS_PER_MESSAGE])
+                n = socket.send_fds(sock, [data], out.fds[out.i : out.i + FDS_PER_MESSAGE])
             except (BlockingIOError, InterruptedError):
                 return False
             out.i += FDS_PER_MESSAGE
+            if n == 2:
+                out.go = False
         if out.go:
             if out.waited:
                 assert out.meta is not None
@@ -739,6 +783,31 @@ class Server:
                     self._engine.verbs_qp_destroy(handle)
             raise
         return handles
+
+
+def _remote(addr: Any, cred: PeerCred | None) -> str:
+    """Who is at the other end, for our logs."""
+    return fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _listener_endpoint(lsock: socket.socket) -> str | bytes | None:
+    """sock_endpoint(getsockname()) of every socket lsock accepts, where
+    that is lsock's own: a unix listener (an accepted unix socket is named
+    as its listener), an IP listener bound to one address (a connection's
+    local address is the one it was accepted on). None: a wildcard IP
+    listener (each connection's own, asked per connection), or unknown."""
+    try:
+        name = lsock.getsockname()
+    except OSError:
+        return None
+    if isinstance(name, tuple) and (len(name) < 2 or str(name[0]) in _WILDCARDS):
+        return None
+    if not isinstance(name, str | bytes | tuple):
+        return None
+    return sock_endpoint(name)
 
 
 def _not_ours(hello: Hello) -> bool:

@@ -200,6 +200,8 @@ def _patch(prefix: str) -> None:
             # accepting step's poll for a unix client's Hello
             (protocol, "_early_finish", "early_finish"),
             (serving_, "hello_waits_now", "hello_waits_now"),
+            # tgt35's: the same poll, its peeked bytes handed on
+            (serving_, "hello_peek_now", "hello_waits_now"),
             (dialing_, "send_now", "hello_send_now"),
         ):
             if mod is not None and hasattr(mod, attr):
