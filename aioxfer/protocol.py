@@ -133,6 +133,7 @@ __all__ = [
     "early_challenge",
     "AcceptAhead",
     "hello_peek_now",
+    "peek_now",
     "client_proof",
     "early_proof",
     "with_early_frame",
@@ -1203,6 +1204,10 @@ def _peeked(sock: socket.socket) -> bytes | None:
         return None
 
 
+# (_peeked, for the accepting step: serving.Server._join_now hands its peek on)
+peek_now = _peeked
+
+
 def hello_waits_now(loop: asyncio.AbstractEventLoop, sock: socket.socket, spin_ns: int) -> bool:
     """hello_peek_now(...) is not None."""
     return hello_peek_now(loop, sock, spin_ns) is not None
@@ -1274,7 +1279,8 @@ class ClosedSilently(ProtocolError):
 
 
 def server_join_now(
-    sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins
+    sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins,
+    peeked: bytes | None = None,
 ) -> Hello | None:
     """Server side, at once (no await), as the connection is accepted: a
     "data" connection whose whole Hello already waits in the socket
@@ -1287,10 +1293,11 @@ def server_join_now(
     Hello. ProtocolError: taken, but the connection broke (the caller
     closes it); ClosedSilently: it closed before a byte came. A join is
     checked by peeking; its bytes are read (exactly the frame: the engine's
-    bytes follow) only once it is taken."""
+    bytes follow) only once it is taken. peeked: the caller's peek of sock
+    (_peeked's, nothing read since; None: peeked here)."""
     if token is None:
         return None
-    frame = _peeked(sock)
+    frame = _peeked(sock) if peeked is None else peeked
     if frame is None:
         return None
     if not frame:

@@ -46,6 +46,7 @@ from aioxfer.protocol import (
     encode_frame,
     handshake_spin_ns,
     hello_peek_now,
+    peek_now,
     recv_frame,
     same_host,
     send_frame,
@@ -281,12 +282,16 @@ class Server:
                 if self.closing or self._closed():
                     self._refuse_now(sock, addr)
                     continue
-                if not local and self._join_now(sock, addr):
-                    continue
+                peeked = None
+                if not local:
+                    joined = self._join_now(sock, addr)
+                    if joined is True:
+                        continue
+                    peeked = joined or None
                 answered: bool | tuple[Hello, _Out] | None = False
                 nonce = b""
                 if self._token is not None and (local or same_host(addr)):
-                    answered = self._early_now(loop, sock, addr, cred, here)
+                    answered = self._early_now(loop, sock, addr, cred, here, peeked)
                 if answered is True:
                     continue
                 if not answered:
@@ -448,7 +453,7 @@ class Server:
 
     def _early_now(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any,
-        cred: PeerCred | None, here: str | bytes | None = None,
+        cred: PeerCred | None, here: str | bytes | None = None, peeked: bytes | None = None,
     ) -> bool | tuple[Hello, _Out] | None:
         """A same-host client's (the caller decided, from the socket) Hello
         with an early proof we take (protocol.server_early_now), answered at
@@ -466,10 +471,10 @@ class Server:
         nothing for a while (their joins): not polled.
 
         here: the listener's address where it is every accepted socket's
-        (accept_loop); None: server_early_now asks the socket."""
+        (accept_loop); None: server_early_now asks the socket. peeked: what
+        _join_now peeked of a tcp connection (nothing was read since)."""
         try:
             sock.setblocking(False)
-            peeked = None
             if cred is not None and cred.pid != os.getpid():
                 spin = self._spin_ns(loop, sock, unix=True)
                 t0 = time.monotonic_ns()
@@ -584,19 +589,22 @@ class Server:
             raise
         _log.debug("conn.accepted", agent=self._agent, peer=hello.name, remote=remote, tag=tag)
 
-    def _join_now(self, sock: socket.socket, addr: Any) -> bool:
+    def _join_now(self, sock: socket.socket, addr: Any) -> bool | bytes | None:
         """A tcp connection whose Hello joins a Challenge, served at once, in
         the accepting step (protocol.server_join_now: the Hello came with the
         connection, TCP_DEFER_ACCEPT, and needs one reply): no task, no
         timer, no further step of the loop, on the way of each of a connect's
-        other connections. False, nothing read: anything else, for _serve."""
+        other connections (True). Anything else, nothing read, for
+        _early_now or _serve: what was peeked (bytes, for _early_now: one
+        recv fewer on a connect's way), or False/None (nothing peeked)."""
         # TCP_NODELAY first, whatever follows: _serve, which serves it when
         # this does not, counts on it (nodelay never raises).
         nodelay(sock)
         try:
             sock.setblocking(False)
+            peeked = peek_now(sock) if self._token is not None else None
             hello = server_join_now(sock, token=self._token, accept=self._accept,
-                                    joins=self.joins)
+                                    joins=self.joins, peeked=peeked)
         except OSError:
             return False  # _serve meets it again, and says so
         except ClosedSilently:
@@ -611,7 +619,7 @@ class Server:
             sock.close()
             return True
         if hello is None:
-            return False
+            return peeked
         try:
             self._hand_over(sock, hello, fmt_sockaddr(addr), -1, [])
         except _cyx.NativeError as exc:
