@@ -130,6 +130,10 @@ __all__ = [
     "client_handshake",
     "client_join_now",
     "challenge",
+    "early_challenge",
+    "AcceptAhead",
+    "hello_peek_now",
+    "peek_now",
     "client_proof",
     "early_proof",
     "with_early_frame",
@@ -1135,6 +1139,46 @@ def challenge(token: bytes | None) -> tuple[bytes, bytes]:
     return nonce, encode_frame(Challenge(version=PROTOCOL_VERSION, nonce=nonce))
 
 
+def early_challenge() -> tuple[bytes, bytes]:
+    """An early answer's Challenge (``early``) with a fresh nonce, and its
+    frame: server_early_now's own, or one made ahead (serving.Server, after
+    an accepting step) and used for one connection only."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return nonce, encode_frame(Challenge(version=PROTOCOL_VERSION, nonce=nonce, early=True))
+
+
+# Where AcceptAhead's frames end: the proof, a 32-byte bin (msgspec writes a
+# struct's fields in their order, and Accept.proof is its last).
+_PROOF_TAIL = b"\xa5proof\xc4\x20"
+
+
+class AcceptAhead:
+    """A server's proved Accept as frames made ahead (one per listening
+    agent: its Accept is fixed), up to the proof, for meta False and True:
+    frame(meta, proof) is encode_frame of the Accept with both, without a
+    replace (whose __post_init__ checks the name again) or an encode on the
+    accepting step's way. Where the layout differs (a test checks it does
+    not), frame() replaces and encodes."""
+
+    __slots__ = ("accept", "_heads")
+
+    def __init__(self, accept: Accept) -> None:
+        self.accept = accept
+        mark = b"\xa5" * 32  # (any 32 bytes: the length prefix counts them)
+        heads: list[bytes | None] = []
+        for meta in (False, True):
+            frame = encode_frame(msgspec.structs.replace(accept, meta=meta, proof=mark))
+            ok = frame.endswith(_PROOF_TAIL + mark)
+            heads.append(frame[:-32] if ok else None)
+        self._heads = heads
+
+    def frame(self, meta: bool, proof: bytes) -> bytes:
+        head = self._heads[meta]
+        if head is None or len(proof) != 32:
+            return encode_frame(msgspec.structs.replace(self.accept, meta=meta, proof=proof))
+        return head + proof
+
+
 def server_greet_now(
     sock: socket.socket, *, token: bytes | None, made: tuple[bytes, bytes] | None = None
 ) -> bytes:
@@ -1160,13 +1204,25 @@ def _peeked(sock: socket.socket) -> bytes | None:
         return None
 
 
+# (_peeked, for the accepting step: serving.Server._join_now hands its peek on)
+peek_now = _peeked
+
+
 def hello_waits_now(loop: asyncio.AbstractEventLoop, sock: socket.socket, spin_ns: int) -> bool:
+    """hello_peek_now(...) is not None."""
+    return hello_peek_now(loop, sock, spin_ns) is not None
+
+
+def hello_peek_now(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, spin_ns: int
+) -> bytes | None:
     """Server side, at once (no await), as a same-host connection is
     accepted and before our Challenge: whether a whole first frame waits
-    in the non-blocking sock (peeked, nothing read), or the peer closed,
-    polled for up to spin_ns (this thread's CPU yielded between polls); the
-    poll stops as soon as the loop has other callbacks ready. False: none
-    came in time (or the loop had other work: asyncio's own loops only).
+    in the non-blocking sock (peeked, nothing read: what was peeked, for
+    server_early_now's ``peeked``), or the peer closed (b""), polled for up
+    to spin_ns (this thread's CPU yielded between polls); the poll stops as
+    soon as the loop has other callbacks ready. None: none came in time (or
+    the loop had other work: asyncio's own loops only).
 
     Why: a unix socket's accept is ready at the client's connect, before
     its Hello is sent (no TCP_DEFER_ACCEPT there), and an early Hello that
@@ -1179,14 +1235,14 @@ def hello_waits_now(loop: asyncio.AbstractEventLoop, sock: socket.socket, spin_n
     while True:
         got = _peeked(sock)
         if got is not None and (not got or _whole_frame(got)):
-            return True
+            return got
         if ready is None or ready or spin_ns <= 0:
-            return False
+            return None
         now = time.monotonic_ns()
         if not deadline:
             deadline = now + spin_ns
         elif now >= deadline:
-            return False
+            return None
         os.sched_yield()
 
 
@@ -1223,7 +1279,8 @@ class ClosedSilently(ProtocolError):
 
 
 def server_join_now(
-    sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins
+    sock: socket.socket, *, token: bytes | None, accept: Accept, joins: Joins,
+    peeked: bytes | None = None,
 ) -> Hello | None:
     """Server side, at once (no await), as the connection is accepted: a
     "data" connection whose whole Hello already waits in the socket
@@ -1236,10 +1293,11 @@ def server_join_now(
     Hello. ProtocolError: taken, but the connection broke (the caller
     closes it); ClosedSilently: it closed before a byte came. A join is
     checked by peeking; its bytes are read (exactly the frame: the engine's
-    bytes follow) only once it is taken."""
+    bytes follow) only once it is taken. peeked: the caller's peek of sock
+    (_peeked's, nothing read since; None: peeked here)."""
     if token is None:
         return None
-    frame = _peeked(sock)
+    frame = _peeked(sock) if peeked is None else peeked
     if frame is None:
         return None
     if not frame:
@@ -1444,6 +1502,10 @@ def server_early_now(
     joins: Joins | None,
     refuse: Callable[[], str | None] | None,
     ahead: Callable[[Hello, bytes], _T],
+    peeked: bytes | None = None,
+    here: str | bytes | None = None,
+    made: Callable[[], tuple[bytes, bytes]] = early_challenge,
+    accepts: AcceptAhead | None = None,
 ) -> tuple[Hello, _T] | None:
     """Server side, at once (no await), as a connection of a client on this
     host (the caller decided, from the socket: see same_host) is accepted,
@@ -1461,10 +1523,19 @@ def server_early_now(
 
     Every check server_handshake makes of a Hello (version, name, nonce,
     incarnation, byte order) and refuse() come before the proof is taken,
-    and nothing of ours goes out before it is."""
+    and nothing of ours goes out before it is.
+
+    Made ahead by the caller, each where it has it (the accepting step's
+    work from its wake-up to this answer's send is on the connect's way,
+    on a cold vCPU, tgt35): peeked, what hello_peek_now peeked (nothing was
+    read since: the same first bytes); here, the accepted socket's
+    sock_endpoint(getsockname()) (a listener's own address, where every
+    connection it accepts has it); made(), our Challenge's fresh nonce and
+    frame (early_challenge, called once per answer); accepts, our Accept's
+    frames up to the proof (AcceptAhead of ``accept``)."""
     if token is None:
         return None
-    frame = _peeked(sock)
+    frame = _peeked(sock) if peeked is None else peeked
     if not frame:
         return None
     n = _whole_frame(frame)
@@ -1484,22 +1555,27 @@ def server_early_now(
         return None
     if refuse is not None and refuse() is not None:
         return None  # (server_handshake says why, in a Reject)
-    try:
-        here = sock_endpoint(sock.getsockname())
-    except OSError:
-        return None
+    if here is None:
+        try:
+            here = sock_endpoint(sock.getsockname())
+        except OSError:
+            return None
     if not early.take(hello, token, here):
         return None
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    made = ahead(hello, encode_frame(Challenge(version=PROTOCOL_VERSION, nonce=nonce, early=True))
-                 + _answer(hello, token, accept, nonce, early))
+    nonce, challenge_frame = made()
+    if accepts is not None:
+        proved = accepts.frame(hello.meta and hello.purpose == "data",
+                               early.server_proof(token, hello.nonce, nonce))
+    else:
+        proved = _answer(hello, token, accept, nonce, early)
+    answer = ahead(hello, challenge_frame + proved)
     try:
         if sock.recv_into(bytearray(4 + n), 4 + n) != 4 + n:  # the peeked Hello, for good
             raise ProtocolError("the early Hello shrank between its peek and its read")
     except OSError as exc:
         raise ProtocolError(f"connection broken while it was accepted: {exc}") from None
     _grant(hello, nonce, joins)
-    return hello, made
+    return hello, answer
 
 
 def _answer(

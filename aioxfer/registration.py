@@ -134,7 +134,10 @@ class Memory:
     waits for peers to release our memory.
 
     ``regions`` (name -> Region) is the agent's table, shared with its
-    LocalBackendHost (file regions are listed in it too).
+    LocalBackendHost (file regions are listed in it too); ``generation``
+    changes whenever it does (a region listed, dropped, or its memory given
+    back): what was made of the table at one generation (our metadata, as
+    serving.Server keeps it) is what the table says as long as it is the same.
     """
 
     __slots__ = (
@@ -149,6 +152,7 @@ class Memory:
         "_tag_names",
         "_close_timeout",
         "regions",
+        "generation",
         "_freeing",
         "_held_back",
         "_failed",
@@ -181,6 +185,7 @@ class Memory:
         self._tag_names = tag_names
         self._close_timeout = close_timeout
         self.regions: dict[str, Region] = {}
+        self.generation = 0
         self._freeing: dict[int, Region] = {}  # deregistered, memory still ours to release
         # Deregistered, the engine's deregistration held back until transfers
         # made before it, still waiting for a peer's scheduler, are over
@@ -225,6 +230,7 @@ class Memory:
         """A region registered elsewhere (a file region): listed, released at
         close, never advertised."""
         self.regions[region.name] = region
+        self.generation += 1
 
     # ------------------------------------------------------------ registration
 
@@ -289,6 +295,7 @@ class Memory:
             region._devbuf = devbuf
             devbuf._regions.add(id(region))  # its close() frees after _release_memory
         self.regions[name] = region
+        self.generation += 1
         if self._pin_cuda and mem.kind == "host":
             # As _register's: page-locked now, on the engine's CUDA thread,
             # not at its first GPU copy (which pins it otherwise: speed, not
@@ -377,6 +384,7 @@ class Memory:
             name = self.default_name(rid)
         region = self._new_region(name, rid, key, nbytes, access, addr, obj, memfd, ino, mm)
         self.regions[name] = region
+        self.generation += 1
         if self._pin_cuda:
             # Page-locked now, on the engine's CUDA thread, so a GPU copy to or
             # from it is asynchronous and its first one pays no pinning.
@@ -393,6 +401,7 @@ class Memory:
         region._closed = True
         if self.regions.get(region.name) is region:
             del self.regions[region.name]
+        self.generation += 1
         released = region._released = _release_future()
         if self._closed():
             if not self._shut and region.rid not in self._freeing:
@@ -590,6 +599,7 @@ class Memory:
         """The engine has shut down (it freed every region): closes what is
         left and gives its memory back."""
         self._shut = True
+        self.generation += 1
         for region in list(self.regions.values()):
             region._closed = True
             self._release_memory(region)
@@ -630,6 +640,7 @@ class Memory:
         mm, fd = region._mmap, region._memfd
         region._mmap = None
         region._memfd = -1
+        self.generation += 1  # (its memfd's number may be reused from here)
         if mm is not None:
             try:
                 mm.close()

@@ -36,14 +36,17 @@ from aioxfer.metadata import (
 from aioxfer.protocol import (
     HANDSHAKE_SPIN_NS,
     META_GO,
+    AcceptAhead,
     ClosedSilently,
     EarlyProofs,
     HandshakeRejected,
     Joins,
     challenge,
+    early_challenge,
     encode_frame,
     handshake_spin_ns,
-    hello_waits_now,
+    hello_peek_now,
+    peek_now,
     recv_frame,
     same_host,
     send_frame,
@@ -53,6 +56,7 @@ from aioxfer.protocol import (
     server_greet_now,
     server_handshake,
     server_join_now,
+    sock_endpoint,
 )
 
 __all__ = ["Server", "fmt_sockaddr", "nodelay", "qp_tuple", "writable"]
@@ -110,7 +114,11 @@ class Server:
     tag of a peer's connections, and its release; ``tasks``: the agent's set
     of serving tasks (cancelled and awaited at close); ``closed()``: whether
     the agent is closed; ``spin``: whether a same-host client's handshake
-    may be polled for in the accepting step (_answer_now).
+    may be polled for in the accepting step (_answer_now);
+    ``meta_version()``: a value that changes whenever what ``meta()`` and
+    ``local_meta()`` return does (registration.Memory.generation, and
+    whatever else makes them: LocalMeta.meta_with): our metadata is then
+    made and encoded once per version, not per connect (None: per connect).
     """
 
     __slots__ = (
@@ -131,6 +139,10 @@ class Server:
         "_spin_debt",
         "_spin_at",
         "_challenge",
+        "_meta_version",
+        "_meta_made",
+        "_early_challenge",
+        "_accepts",
         "joins",
         "early",
         "closing",
@@ -154,6 +166,7 @@ class Server:
         tasks: set[asyncio.Task[None]],
         closed: Callable[[], bool],
         spin: bool = True,
+        meta_version: Callable[[], object] | None = None,
     ) -> None:
         self._agent = agent
         self._engine = engine
@@ -176,6 +189,19 @@ class Server:
         # The next connection's Challenge, made ahead (after an accepting
         # step), so that it goes out first thing on the next accept.
         self._challenge: tuple[bytes, bytes] | None = None
+        # The same for an early answer (_early_now): its Challenge, with
+        # its own fresh nonce (each used once), and our proved Accept's
+        # frames up to the proof: made ahead, off the connect's way (the
+        # accepting step runs on a vCPU just woken, its code and caches cold).
+        self._early_challenge: tuple[bytes, bytes] | None = None
+        self._accepts = AcceptAhead(accept)
+        # Our metadata as last made, over tcp and on the unix socket ([local]):
+        # (its key: meta_version() and our pid, as it was read before the
+        # metadata was made; the snapshot, its memfds, its frame). Made per
+        # connect, it was ~0.06-0.08 ms of the accepting step's answer on a
+        # cold vCPU (~15-40 us warm): a snapshot of every region, then encoded.
+        self._meta_version = meta_version
+        self._meta_made: list[tuple[object, AgentMeta, list[int], bytes] | None] = [None, None]
         _servers.add(self)
         # The Challenges a client's other connections may join (one round
         # trip each instead of two: a tcp connect's other connections, a
@@ -204,6 +230,12 @@ class Server:
         fd = lsock.fileno()
         stop: asyncio.Future[None] = loop.create_future()
         refused = 0
+        # The address an early proof is bound to (protocol.sock_endpoint of
+        # the accepted socket's getsockname()), where every connection this
+        # listener accepts has the same: the listener's own (a unix socket's
+        # path or name; an IP bound to one address), once here instead of a
+        # syscall and a format per connect. None: per connection (a wildcard).
+        here = _listener_endpoint(lsock)
 
         def resume() -> None:
             if not stop.done():
@@ -217,6 +249,8 @@ class Server:
                 except (BlockingIOError, InterruptedError):
                     if self._challenge is None:  # (the next one's, off its way)
                         self._challenge = challenge(self._token)
+                    if self._early_challenge is None and self._token is not None:
+                        self._early_challenge = early_challenge()
                     return
                 except OSError as exc:
                     if self._closed():
@@ -248,12 +282,16 @@ class Server:
                 if self.closing or self._closed():
                     self._refuse_now(sock, addr)
                     continue
-                if not local and self._join_now(sock, addr):
-                    continue
+                peeked = None
+                if not local:
+                    joined = self._join_now(sock, addr)
+                    if joined is True:
+                        continue
+                    peeked = joined or None
                 answered: bool | tuple[Hello, _Out] | None = False
                 nonce = b""
                 if self._token is not None and (local or same_host(addr)):
-                    answered = self._early_now(loop, sock, addr, cred)
+                    answered = self._early_now(loop, sock, addr, cred, here, peeked)
                 if answered is True:
                     continue
                 if not answered:
@@ -415,7 +453,7 @@ class Server:
 
     def _early_now(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any,
-        cred: PeerCred | None,
+        cred: PeerCred | None, here: str | bytes | None = None, peeked: bytes | None = None,
     ) -> bool | tuple[Hello, _Out] | None:
         """A same-host client's (the caller decided, from the socket) Hello
         with an early proof we take (protocol.server_early_now), answered at
@@ -430,29 +468,41 @@ class Server:
         an early Hello that landed after our ordinary Challenge would cost
         the Proof round. tcp's accept waits for the first bytes
         (TCP_DEFER_ACCEPT), and a tcp connect's other connections may send
-        nothing for a while (their joins): not polled."""
-        remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
+        nothing for a while (their joins): not polled.
+
+        here: the listener's address where it is every accepted socket's
+        (accept_loop); None: server_early_now asks the socket. peeked: what
+        _join_now peeked of a tcp connection (nothing was read since)."""
         try:
             sock.setblocking(False)
             if cred is not None and cred.pid != os.getpid():
-                spin = self._spin_ns(loop, sock)
+                spin = self._spin_ns(loop, sock, unix=True)
                 t0 = time.monotonic_ns()
                 try:
-                    if not hello_waits_now(loop, sock, spin):
+                    peeked = hello_peek_now(loop, sock, spin)
+                    if peeked is None:
                         return None if spin else False
                 finally:
                     if spin:
                         self._spin_debt += time.monotonic_ns() - t0
             got = server_early_now(sock, token=self._token, accept=self._accept,
                                    early=self.early, joins=self.joins, refuse=self._refusal,
-                                   ahead=self._ahead(cred is not None))
+                                   ahead=self._ahead(cred is not None), peeked=peeked,
+                                   here=here, made=self._take_early_challenge,
+                                   accepts=self._accepts)
         except Exception as exc:  # (ProtocolError: read, then broken; our metadata's own)
-            self._failed(exc, remote)
+            self._failed(exc, _remote(addr, cred))
             sock.close()
             return True
         if got is None:
             return False
-        return self._finish_now(sock, got[0], got[1], remote, cred)
+        return self._finish_now(sock, got[0], got[1], _remote(addr, cred), cred)
+
+    def _take_early_challenge(self) -> tuple[bytes, bytes]:
+        """An early answer's Challenge: the one made ahead, taken (each
+        nonce once), or a fresh one."""
+        made, self._early_challenge = self._early_challenge, None
+        return made if made is not None else early_challenge()
 
     def _ahead(self, local: bool) -> Callable[[Hello, bytes], _Out]:
         """What a handshake answered in the accepting step sends: head (our
@@ -498,11 +548,14 @@ class Server:
                 sock.close()  # (nothing if the engine took it: detached)
         return True
 
-    def _spin_ns(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int:
+    def _spin_ns(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, *, unix: bool = False
+    ) -> int:
         """How long _answer_now may poll sock for the client's frames, ns:
         protocol.handshake_spin_ns (a client on this host, asyncio's own
         loops), unless spin is off or the polling owed is at its bound
-        (_SPIN_SHARE)."""
+        (_SPIN_SHARE). unix: sock is the unix socket's (on this host: its
+        family not asked again)."""
         if not self._spin:
             return 0
         now = time.monotonic_ns()
@@ -510,6 +563,8 @@ class Server:
         self._spin_at = now
         if self._spin_debt >= _SPIN_BURST_NS:
             return 0
+        if unix:
+            return HANDSHAKE_SPIN_NS if getattr(loop, "_ready", None) is not None else 0
         return handshake_spin_ns(loop, sock)
 
     def _hand_over(
@@ -534,19 +589,22 @@ class Server:
             raise
         _log.debug("conn.accepted", agent=self._agent, peer=hello.name, remote=remote, tag=tag)
 
-    def _join_now(self, sock: socket.socket, addr: Any) -> bool:
+    def _join_now(self, sock: socket.socket, addr: Any) -> bool | bytes | None:
         """A tcp connection whose Hello joins a Challenge, served at once, in
         the accepting step (protocol.server_join_now: the Hello came with the
         connection, TCP_DEFER_ACCEPT, and needs one reply): no task, no
         timer, no further step of the loop, on the way of each of a connect's
-        other connections. False, nothing read: anything else, for _serve."""
+        other connections (True). Anything else, nothing read, for
+        _early_now or _serve: what was peeked (bytes, for _early_now: one
+        recv fewer on a connect's way), or False/None (nothing peeked)."""
         # TCP_NODELAY first, whatever follows: _serve, which serves it when
         # this does not, counts on it (nodelay never raises).
         nodelay(sock)
         try:
             sock.setblocking(False)
+            peeked = peek_now(sock) if self._token is not None else None
             hello = server_join_now(sock, token=self._token, accept=self._accept,
-                                    joins=self.joins)
+                                    joins=self.joins, peeked=peeked)
         except OSError:
             return False  # _serve meets it again, and says so
         except ClosedSilently:
@@ -561,7 +619,7 @@ class Server:
             sock.close()
             return True
         if hello is None:
-            return False
+            return peeked
         try:
             self._hand_over(sock, hello, fmt_sockaddr(addr), -1, [])
         except _cyx.NativeError as exc:
@@ -650,15 +708,35 @@ class Server:
         with go META_GO: what _send_now sends."""
         if not meta:
             return _Out(head, None, [], go=False, local=local)
-        snap, fds = self._local_meta() if local else (self._meta(), [])
+        snap, fds, frame = self._snapshot(local)
         if go and not fds:
             # META_GO in the same send (one syscall, one segment fewer); if
             # the socket takes only part, _send_now takes it off the rest and
             # sends it once the snapshot was checked again.
-            out = _Out(head + encode_frame(snap) + META_GO, snap, fds, go=False, local=local)
+            out = _Out(head + frame + META_GO, snap, fds, go=False, local=local)
             out.go_last = True
             return out
-        return _Out(head + encode_frame(snap), snap, fds, go=go, local=local)
+        return _Out(head + frame, snap, fds, go=go, local=local)
+
+    def _snapshot(self, local: bool) -> tuple[AgentMeta, list[int], bytes]:
+        """Our metadata as served over tcp, or on the unix socket (local)
+        with its memfds, and its frame: as made for the last connect while
+        meta_version() and our pid are what they were then (made before it
+        was read: a change meanwhile makes the next one anew), else made
+        now. Its memfds are then still the regions' (a memfd is closed only
+        once its region left the table, which changes the version)."""
+        version = self._meta_version
+        if version is None:
+            snap, fds = self._local_meta() if local else (self._meta(), [])
+            return snap, fds, encode_frame(snap)
+        key = (version(), os.getpid())
+        made = self._meta_made[local]
+        if made is not None and made[0] == key:
+            return made[1], made[2], made[3]
+        snap, fds = self._local_meta() if local else (self._meta(), [])
+        frame = encode_frame(snap)
+        self._meta_made[local] = (key, snap, fds, frame)
+        return snap, fds, frame
 
     def _send_now(self, sock: socket.socket, out: _Out) -> bool:
         """Sends what out still owes, as far as the socket takes it now
@@ -673,11 +751,19 @@ class Server:
             if out.waited:
                 assert out.meta is not None
                 self._check_current(out.meta, out.fds, out.local)
+            # The last memfds' message carries META_GO behind its byte
+            # when nothing waited (the snapshot made in this step, as below):
+            # one syscall fewer on the connect's way; the client reads the
+            # memfds' messages a byte at a time (local.recv_fds), then GO.
+            last = out.i + FDS_PER_MESSAGE >= len(out.fds)
+            data = b"F" + META_GO if last and out.go and not out.waited else b"F"
             try:
-                socket.send_fds(sock, [b"F"], out.fds[out.i : out.i + FDS_PER_MESSAGE])
+                n = socket.send_fds(sock, [data], out.fds[out.i : out.i + FDS_PER_MESSAGE])
             except (BlockingIOError, InterruptedError):
                 return False
             out.i += FDS_PER_MESSAGE
+            if n == 2:
+                out.go = False
         if out.go:
             if out.waited:
                 assert out.meta is not None
@@ -739,6 +825,31 @@ class Server:
                     self._engine.verbs_qp_destroy(handle)
             raise
         return handles
+
+
+def _remote(addr: Any, cred: PeerCred | None) -> str:
+    """Who is at the other end, for our logs."""
+    return fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _listener_endpoint(lsock: socket.socket) -> str | bytes | None:
+    """sock_endpoint(getsockname()) of every socket lsock accepts, where
+    that is lsock's own: a unix listener (an accepted unix socket is named
+    as its listener), an IP listener bound to one address (a connection's
+    local address is the one it was accepted on). None: a wildcard IP
+    listener (each connection's own, asked per connection), or unknown."""
+    try:
+        name = lsock.getsockname()
+    except OSError:
+        return None
+    if isinstance(name, tuple) and (len(name) < 2 or str(name[0]) in _WILDCARDS):
+        return None
+    if not isinstance(name, str | bytes | tuple):
+        return None
+    return sock_endpoint(name)
 
 
 def _not_ours(hello: Hello) -> bool:

@@ -37,7 +37,8 @@ process before the timed one (closed first): its code warm, as run.py's
 samples after its first (a fresh process per sample is the cold case).
 M.<name> steps: a build with temporary probes (a list aioxfer.log.MARKS
 of (name, monotonic ns) appended to at points of the path) shows each as a
-step from the previous probe (or the clock's start) to it.
+step from the previous probe (or the clock's start) to it; the target's
+probes as T.M.<name>, each an instant (its start; duration 0).
 PHASE_GC_KEEP=1: no gc.collect() before the clock (see _initiator). The
 collector's passes show as steps (I.gc0, T.gc1, ... by generation).
 I.cpu_process / I.cpu_loop_thread: the initiator's CPU time (rusage) over
@@ -200,6 +201,8 @@ def _patch(prefix: str) -> None:
             # accepting step's poll for a unix client's Hello
             (protocol, "_early_finish", "early_finish"),
             (serving_, "hello_waits_now", "hello_waits_now"),
+            # tgt35's: the same poll, its peeked bytes handed on
+            (serving_, "hello_peek_now", "hello_waits_now"),
             (dialing_, "send_now", "hello_send_now"),
         ):
             if mod is not None and hasattr(mod, attr):
@@ -262,6 +265,7 @@ def _agent_kw(transport: str, initiator: bool = False) -> dict[str, Any]:
 
 async def _target(transport: str) -> None:
     import aioxfer
+    import aioxfer.log
 
     _patch("T.")
     _patch_select("T.")
@@ -274,6 +278,10 @@ async def _target(transport: str) -> None:
             line = await loop.run_in_executor(None, sys.stdin.readline)
             if not line or line.strip() == "exit":
                 return
+            marks = getattr(aioxfer.log, "MARKS", None)
+            if marks:  # a probe build's marks in the target: each an instant, T.M.<name>
+                EVENTS.extend(("T.M." + name, t, t) for name, t in marks)
+                marks.clear()
             print(json.dumps({"events": EVENTS}), flush=True)
             EVENTS.clear()
 

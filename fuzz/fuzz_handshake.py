@@ -129,8 +129,11 @@ def _at_once(sock: socket.socket, token: bytes | None, joins: Any) -> tuple[Any,
         # that verifies, so never taken and never a byte read; taken (a seed
         # made with the key), exactly its Hello read.
         early = p.EarlyProofs(start_ns=0, window_ns=1 << 62)
+        # (as serving.Server calls it: its Accept's frames made ahead, and
+        # the Hello's peek handed on, as _join_now and hello_peek_now do)
         got = p.server_early_now(sock, token=token, accept=accept, early=early, joins=joins,
-                                 refuse=None, ahead=lambda h, b: b)
+                                 refuse=None, ahead=lambda h, b: b, peeked=p.peek_now(sock),
+                                 accepts=p.AcceptAhead(accept))
         after = _waiting(sock)
         if got is not None:
             n = 4 + int.from_bytes(before[:4], "big")
@@ -142,6 +145,11 @@ def _at_once(sock: socket.socket, token: bytes | None, joins: Any) -> tuple[Any,
             ch = p.decode_body(head[4:4 + int.from_bytes(head[:4], "big")])
             if not (isinstance(ch, _m.metadata.Challenge) and ch.early):
                 raise AssertionError(f"an early Hello taken, answered by {ch!r}")
+            rest = head[4 + int.from_bytes(head[:4], "big"):]
+            acc = p.decode_body(rest[4:4 + int.from_bytes(rest[:4], "big")])
+            if not (isinstance(acc, _m.metadata.Accept)
+                    and acc.proof == p.server_proof(token, got[0].nonce, ch.nonce)):
+                raise AssertionError(f"an early Hello taken, its Accept unproved: {acc!r}")
             return got[0], None
         if after != before:
             raise AssertionError(f"early: not taken, yet {len(before) - len(after)} bytes read")
