@@ -68,10 +68,12 @@ out = {}
 if mode == "mute":
     ch = frame(s)  # (greeted before we sent anything)
     out["greeted_first"] = isinstance(ch, Challenge) and not ch.early
-sys.stdin.readline()
+# Made before the gate: sent the moment it opens (the server polls ~1 ms
+# for it; a cold _hello made after the gate could outlast that under load).
 nonce, f = protocol._hello(name="ep34-client", incarnation=11, purpose="data", token=key,
                            meta=True, to=s)
 out["proved"] = bool(protocol.decode_body(memoryview(f)[4:]).early_proof)
+sys.stdin.readline()
 s.sendall(f)
 if mode == "late":
     ch = frame(s)
