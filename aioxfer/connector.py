@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import functools
+import hashlib
+import hmac
 import os
 import socket
 import sys
@@ -76,6 +77,8 @@ _DIRECT_TIMEOUT = 1.0
 # what of them is still queued when a connection joins is spread over it too
 # (the engine's conn_spread).
 _JOIN_DELAY = 0.001
+# local.local_name_for's HMAC context (Connector._local_name: the same name).
+_LOCAL_NAME_CTX = b"local-v1"
 # After a predial took a Hello made ahead, another is made this much later
 # (seconds): past the connect and its first write (~1.5-2.5 ms on a 2-vCPU
 # host), where a timer due would run in the step before the caller resumes.
@@ -136,6 +139,8 @@ class Connector:
         "_closed",
         "_unchecked",
         "_predialed",
+        "_name_mac",
+        "_name_uid",
     )
 
     def __init__(
@@ -170,6 +175,10 @@ class Connector:
         # _open_direct (one attempt per address at a time: Agent.connect;
         # _open_direct(address) keeps its signature, which tests patch).
         self._predialed: dict[str, Predialed] = {}
+        # local_name_for's HMAC keyed ahead (prepare), for _local_name; and
+        # the euid it was made for (a process that changed it makes another).
+        self._name_mac: hmac.HMAC | None = None
+        self._name_uid = -1
 
     def _check_open(self) -> None:
         if self._closed():
@@ -194,9 +203,7 @@ class Connector:
             if cfg.local:
                 sock = None
                 if cma_allowed():  # (else no direct try: the probe first)
-                    sock = dialer.dial_local_now(
-                        local_name_for(cfg.token, address, os.geteuid())
-                    )
+                    sock = dialer.dial_local_now(self._local_name(address))
                 if sock is not None:
                     try:
                         ours = peer_cred(sock).uid == os.geteuid()
@@ -238,10 +245,32 @@ class Connector:
         cfg = self._config
         dialer = self._dialer
         if cfg.local:
+            self._local_name_ahead()
             dialer.prepare_hello(meta=True)  # a same-host peer's unix socket's
             dialer.prepare_hello(purpose="meta", meta=False, joins=self._probe_joins())
         else:
             dialer.prepare_hello(meta=True, joins=self._data_joins())
+
+    def _local_name_ahead(self) -> None:
+        """The HMAC _local_name finishes per address, keyed now (prepare):
+        its key's two hash blocks and the object's setup were ~half of the
+        name's cost, on a connect's way before its Hello left."""
+        uid = os.geteuid()
+        if self._name_mac is None or self._name_uid != uid:
+            self._name_mac = hmac.new(self._config.token or b"", _LOCAL_NAME_CTX, hashlib.sha256)
+            self._name_uid = uid
+
+    def _local_name(self, address: str) -> str:
+        """local.local_name_for(token, address, our euid), from the HMAC
+        keyed ahead (_local_name_ahead; the same bytes:
+        tests/test_ini35_connect.py); where there is none, made now."""
+        uid = os.geteuid()
+        mac = self._name_mac
+        if mac is None or self._name_uid != uid:
+            return local_name_for(self._config.token, address, uid)
+        h = mac.copy()
+        h.update(address.encode())
+        return f"aioxfer-{uid}-{h.hexdigest()[:24]}"
 
     def _prepare_later(self) -> None:
         asyncio.get_running_loop().call_later(_PREPARE_DELAY, self.prepare)
@@ -701,17 +730,15 @@ class Connector:
         # task's end reaches it through two callbacks), and a ready callback
         # would keep that first transfer's await from polling for its
         # completion (progress.Poller.spin_alone).
-        asyncio.get_running_loop().call_later(_LOG_DELAY, functools.partial(
-            _log.info,
-            "peer.connected",
-            agent=self._agent,
-            peer=peer.name,
-            address=peer.address,
-            path=peer.path,
-            conns=conns,
-            rails=len(peer._rails),
-            regions=len(peer._regions),
-        ))
+        # Its arguments gathered then too (a partial of eight keywords made
+        # here was on the caller's way); the region count is the connect's.
+        asyncio.get_running_loop().call_later(
+            _LOG_DELAY, self._log_connected_now, peer, conns, len(peer._regions)
+        )
+
+    def _log_connected_now(self, peer: Peer, conns: int, regions: int) -> None:
+        _log.info("peer.connected", agent=self._agent, peer=peer.name, address=peer.address,
+                  path=peer.path, conns=conns, rails=len(peer._rails), regions=regions)
 
     def _local_path(self, local: _LocalLink) -> str | None:
         """The same-host path the peer behind local would get, or None."""
@@ -752,7 +779,7 @@ class Connector:
         why = ""
         try:
             if link.data is None:
-                name = local_name_for(cfg.token, address, os.geteuid())
+                name = self._local_name(address)
                 try:
                     link.data = await self._dialer.dial_local(name)
                 except OSError:
@@ -763,6 +790,12 @@ class Connector:
                     why = f"the kernel says it runs as uid {link.cred.uid}, not as this user"
                     return None
                 spin = self._dialer.spin_ns(loop, link.data)
+                # Taken while the peer answers (our Hello is out), not once
+                # its answer is in: a handle on the process the kernel named
+                # (checked ours above), trusted with nothing before the
+                # handshake and metadata below are checked (closed with the
+                # link otherwise).
+                link.pidfd = peer_pidfd(link.data, link.cred)
                 accept = await client_handshake(
                     loop, link.data, name=self._agent, incarnation=cfg.incarnation,
                     purpose="data", token=cfg.token, meta=True, spin_ns=spin, sent=sent,
@@ -770,7 +803,6 @@ class Connector:
                 if not accept.meta or accept.host_id != cfg.host_id:
                     why = "it sends no metadata there, or is not on this host"
                     return None
-                link.pidfd = peer_pidfd(link.data, link.cred)
                 link.meta, link.fds = await self._dialer.receive_meta(link.data, local=True,
                                                                       spin_ns=spin)
             meta = link.meta

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -112,9 +113,12 @@ class Dialer:
         completes or fails inline, unless the listener's backlog is full),
         without yielding: None where it did not (dial_local then waits or
         says why)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        # Non-blocking from socket() on (SOCK_NONBLOCK: no setblocking's
+        # ioctl before the Hello).
+        sock = socket.socket(
+            socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+        )
         try:
-            sock.setblocking(False)
             err = sock.connect_ex(local_address(name))
         except OSError:
             err = -1
@@ -205,14 +209,13 @@ class Dialer:
         now and not waited for (None: a name, or it failed at once): for
         open(sock=...), and to send its Hello in a later step without
         yielding (join_now)."""
-        host, port = parse_address(address)
-        infos = numeric_addrinfo(host, port)
-        if infos is None:
+        target = _numeric_target(address)
+        if target is None:
             return None
-        family, type_, proto, _, sockaddr = infos[0]
-        s = socket.socket(family, type_, proto)
+        family, sockaddr = target
+        # Non-blocking from socket() on (SOCK_NONBLOCK: no setblocking's ioctl).
+        s = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK, socket.IPPROTO_TCP)
         try:
-            s.setblocking(False)
             nodelay(s)
             err = s.connect_ex(sockaddr)
         except OSError:
@@ -427,6 +430,19 @@ async def _connected(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> No
             if exc.errno != errno.ENOTCONN:
                 raise
         await writable(loop, sock)
+
+
+@functools.lru_cache(maxsize=256)
+def _numeric_target(address: str) -> tuple[int, tuple[Any, ...]] | None:
+    """(family, sockaddr) of an IP literal's address (None: a name), as
+    dial_now connects to it: parsed once per address in a process (a pure
+    function of the string; ValueError/TypeError as parse_address, not
+    kept), not on every connect's way before its Hello."""
+    host, port = parse_address(address)
+    infos = numeric_addrinfo(host, port)
+    if infos is None:
+        return None
+    return infos[0][0], infos[0][4]
 
 
 def joining(nonce: bytes, index: int) -> Callable[[], Awaitable[tuple[bytes, int] | None]]:
