@@ -141,6 +141,7 @@ class Connector:
         "_predialed",
         "_name_mac",
         "_name_uid",
+        "joins_pending",
     )
 
     def __init__(
@@ -179,6 +180,9 @@ class Connector:
         # the euid it was made for (a process that changed it makes another).
         self._name_mac: hmac.HMAC | None = None
         self._name_uid = -1
+        # Peers whose joining task a timer makes (_start_joins) and has not
+        # made yet: joining too, for whoever waits for the joins to end.
+        self.joins_pending = 0
 
     def _check_open(self) -> None:
         if self._closed():
@@ -604,19 +608,40 @@ class Connector:
                                      tuple(sorted(peer._regions))))
         if joining:
             if early is not None:
-                early.kept = True  # closed by the task below, not by connect()
-            task = asyncio.get_running_loop().create_task(
-                self._join_rest(peer, first, early, joins),
-                name=f"aioxfer-join-{meta.name}",
+                early.kept = True  # closed by the task _start_joins makes, not by connect()
+            # Begun by a timer, not a task made now: a task's first step (and
+            # its making, tracking) ran in the step the caller resumes in,
+            # before it (tcp: the answer to the first write's end 45 us
+            # longer, median of 52 pairs, connect_phases), and the joins wait
+            # _JOIN_DELAY anyway (see _join_rest).
+            self.joins_pending += 1
+            asyncio.get_running_loop().call_later(
+                _JOIN_DELAY, self._start_joins, peer, first, early, joins
             )
-            # One of the agent's background tasks (cancelled and awaited at
-            # its close), cancelled when the peer is lost or closed
-            # (Rails.forget), not left waiting out the joins' timeouts with
-            # their sockets.
-            self._rails.track(peer, task)
         else:
             self._log_connected(peer, 1)
         return peer
+
+    def _start_joins(
+        self,
+        peer: Peer,
+        first: int,
+        early: _EarlyConns | None,
+        joins: tuple[bytes, int] | None,
+    ) -> None:
+        """_join_rest's task, made _JOIN_DELAY after connect returned: none
+        once the agent is closed or the peer lost meanwhile (early then holds
+        nothing: its connections are dialled from its arrivals on)."""
+        self.joins_pending -= 1
+        if self._closed() or peer._lost:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._join_rest(peer, first, early, joins), name=f"aioxfer-join-{peer.name}"
+        )
+        # One of the agent's background tasks (cancelled and awaited at its
+        # close), cancelled when the peer is lost or closed (Rails.forget),
+        # not left waiting out the joins' timeouts with their sockets.
+        self._rails.track(peer, task)
 
     async def _join_rest(
         self,
@@ -637,10 +662,11 @@ class Connector:
         at its post, and conn14's early bulk writes, left on the first one,
         made the tcp demo 0.84x."""
         ep, rails, per = peer._ep, peer._rails, peer._rail_conns
-        # Not before the caller's first requests had the two processes' CPUs:
-        # the peer answers each join and its engine starts the connection's
-        # threads, which on a 2-vCPU host landed in a first 4 KiB write's
-        # window (0.18 -> 0.40-0.53 ms: the whole gain gone; measured,
+        # Begun _JOIN_DELAY after connect returned (_start_joins), not before
+        # the caller's first requests had the two processes' CPUs: the peer
+        # answers each join and its engine starts the connection's threads,
+        # which on a 2-vCPU host landed in a first 4 KiB write's window
+        # (0.18 -> 0.40-0.53 ms: the whole gain gone; measured,
         # benchmarks/connect_phases.py). Their Hellos go out only now.
         took = 0
         dial: list[tuple[int, int]] = []
@@ -652,9 +678,6 @@ class Connector:
         failed: list[str] = []
         try:
             try:
-                # Inside the try: cancelled here (the peer closed, the agent
-                # closing), the early connections are closed all the same.
-                await asyncio.sleep(_JOIN_DELAY)
                 if early is not None:
                     # Each as soon as its handshake is done: the engine takes one
                     # (~0.05-0.15 ms) while the peer still answers the next.
