@@ -46,8 +46,9 @@ async def test_joining_task_with_a_silent_peer_is_bounded(make_agent, remote_age
     try:
         t0 = time.monotonic()
         await asyncio.sleep(0.05)
-        await wait_until(lambda: not any(t.get_name().startswith("aioxfer-join")
-                                         for t in init._probes), 30, what="join task ended")
+        await wait_until(lambda: not init._connector.joins_pending and not any(
+            t.get_name().startswith("aioxfer-join") for t in init._probes),
+            30, what="join task ended")
         print(f"silent peer: joining task lived {time.monotonic() - t0:.2f} s (peer_timeout 1)")
     finally:
         os.kill(ra.pid, signal.SIGCONT)
@@ -84,8 +85,8 @@ async def test_joins_never_answered_by_a_live_peer(make_agent, monkeypatch) -> N
                             rail_probe=30.0)
     peer = await within(init.connect(target.address))
     t0 = time.monotonic()
-    await wait_until(lambda: not any(t.get_name().startswith("aioxfer-join")
-                                     for t in init._probes), 30, what="join task ended")
+    await wait_until(lambda: not init._connector.joins_pending and not any(
+        t.get_name().startswith("aioxfer-join") for t in init._probes), 30, what="join task ended")
     took = time.monotonic() - t0
     print(f"live silent peer: joining task lived {took:.2f} s (peer_timeout 1, 3 joins); "
           f"lost={peer.lost} held={len(held)}")

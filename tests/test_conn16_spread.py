@@ -34,7 +34,10 @@ def _conn_bytes(agent: aioxfer.Agent, peer: aioxfer.Peer) -> list[int]:
 
 
 def _joining(agent: aioxfer.Agent) -> bool:
-    return any(t.get_name().startswith("aioxfer-join") for t in agent._probes)
+    # (its task made _JOIN_DELAY after connect returned: joins_pending till then)
+    return bool(agent._connector.joins_pending) or any(
+        t.get_name().startswith("aioxfer-join") for t in agent._probes
+    )
 
 
 async def _stopped_with_bulk_queued(make_agent, remote_agent, **kw):  # type: ignore[no-untyped-def]

@@ -203,8 +203,8 @@ async def test_close_fails_a_queued_transfer_as_closed(make_agent: Any) -> None:
     small = init.register(bytearray(4096))
     # The peer's connections after its first one join after connect returned
     # (Connector._join_rest): counted once they did.
-    await wait_until(lambda: not any(t.get_name().startswith("aioxfer-join")
-                                     for t in init._probes), what="the joins")
+    await wait_until(lambda: not init._connector.joins_pending and not any(
+        t.get_name().startswith("aioxfer-join") for t in init._probes), what="the joins")
     conns = init.statistics().native_conns
     with await _silent_connection(init.address):
         await wait_until(lambda: init.statistics().native_conns == conns + 1, what="connected")

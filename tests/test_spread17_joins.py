@@ -98,7 +98,9 @@ async def test_rail_redial_during_the_joins_does_not_overfill(make_agent, monkey
     assert not peer.lost
 
 
-async def test_join_failing_unexpectedly_is_logged_and_topped_up(make_agent, capsys) -> None:
+async def test_join_failing_unexpectedly_is_logged_and_topped_up(
+    make_agent, capsys, monkeypatch
+) -> None:
     """A join that fails with something other than the engine refusing (an
     error out of the dialer) ends the joining task without an exception left
     in it: it says so (conn.join_failed), the peer is still reported
@@ -116,8 +118,17 @@ async def test_join_failing_unexpectedly_is_logged_and_topped_up(make_agent, cap
         return await open_conn(address, **kw)
 
     rails._open_conn = broken_joins
+    tracked: list[asyncio.Task[None]] = []  # the joining task, made _JOIN_DELAY later
+    track = type(rails).track
+
+    def spy(self: Any, p: Any, t: asyncio.Task[None]) -> None:
+        tracked.append(t)
+        track(self, p, t)
+
+    monkeypatch.setattr(type(rails), "track", spy)
     peer = await within(init.connect(target.address))
-    join = _join_task(init)
+    await wait_until(lambda: bool(tracked), 10, what="the joining task made")
+    join = tracked[0]
     await within(asyncio.wait([join]))
     assert not join.cancelled()
     assert join.exception() is None, join.exception()
