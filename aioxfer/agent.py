@@ -677,6 +677,9 @@ class Agent:
             tasks=self._serving,
             closed=lambda: self._closed,
             spin=self.progress != "sleep",
+            # (what our metadata is made of: the region table, and the maker
+            # the tests swap to make a hostile peer)
+            meta_version=lambda: (self._memory.generation, self._localmeta.meta_with),
         )
         self._server = server
         self._accept_tasks = [
