@@ -141,6 +141,7 @@ class Server:
         "_challenge",
         "_meta_version",
         "_meta_made",
+        "_makers",
         "_early_challenge",
         "_accepts",
         "joins",
@@ -202,6 +203,13 @@ class Server:
         # cold vCPU (~15-40 us warm): a snapshot of every region, then encoded.
         self._meta_version = meta_version
         self._meta_made: list[tuple[object, AgentMeta, list[int], bytes] | None] = [None, None]
+        # The makers meta_version() speaks for: one put in their place (the
+        # tests' stale or hostile snapshots, served through _meta or
+        # _local_meta) is asked on every connect, and what it makes is never
+        # kept, nor served to a later one from the cache (rv35: a stale
+        # snapshot kept under the version's current value was served again,
+        # to the refresh's own check, tests/test_rev29_refresh).
+        self._makers = (meta, local_meta)
         _servers.add(self)
         # The Challenges a client's other connections may join (one round
         # trip each instead of two: a tcp connect's other connections, a
@@ -724,9 +732,12 @@ class Server:
         meta_version() and our pid are what they were then (made before it
         was read: a change meanwhile makes the next one anew), else made
         now. Its memfds are then still the regions' (a memfd is closed only
-        once its region left the table, which changes the version)."""
+        once its region left the table, which changes the version). Made
+        each time, and not kept, while _meta or _local_meta is not the maker
+        this Server was given (see _makers)."""
         version = self._meta_version
-        if version is None:
+        meta, local_meta = self._makers
+        if version is None or self._meta is not meta or self._local_meta is not local_meta:
             snap, fds = self._local_meta() if local else (self._meta(), [])
             return snap, fds, encode_frame(snap)
         key = (version(), os.getpid())
