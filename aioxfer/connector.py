@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import hashlib
 import hmac
 import os
 import socket
@@ -42,7 +41,15 @@ from aioxfer.errors import (
     XferError,
     error_class,
 )
-from aioxfer.local import PeerCred, check_sealed, local_name_for, peer_cred, peer_pidfd
+from aioxfer.local import (
+    PeerCred,
+    check_sealed,
+    local_name_for,
+    local_name_from,
+    local_name_mac,
+    peer_cred,
+    peer_pidfd,
+)
 from aioxfer.log import get_logger
 from aioxfer.members import Members
 from aioxfer.metadata import (
@@ -77,8 +84,6 @@ _DIRECT_TIMEOUT = 1.0
 # what of them is still queued when a connection joins is spread over it too
 # (the engine's conn_spread).
 _JOIN_DELAY = 0.001
-# local.local_name_for's HMAC context (Connector._local_name: the same name).
-_LOCAL_NAME_CTX = b"local-v1"
 # After a predial took a Hello made ahead, another is made this much later
 # (seconds): past the connect and its first write (~1.5-2.5 ms on a 2-vCPU
 # host), where a timer due would run in the step before the caller resumes.
@@ -261,20 +266,18 @@ class Connector:
         name's cost, on a connect's way before its Hello left."""
         uid = os.geteuid()
         if self._name_mac is None or self._name_uid != uid:
-            self._name_mac = hmac.new(self._config.token or b"", _LOCAL_NAME_CTX, hashlib.sha256)
+            self._name_mac = local_name_mac(self._config.token)
             self._name_uid = uid
 
     def _local_name(self, address: str) -> str:
         """local.local_name_for(token, address, our euid), from the HMAC
-        keyed ahead (_local_name_ahead; the same bytes:
-        tests/test_ini35_connect.py); where there is none, made now."""
+        keyed ahead (_local_name_ahead, local.local_name_from); where there
+        is none, made now."""
         uid = os.geteuid()
         mac = self._name_mac
         if mac is None or self._name_uid != uid:
             return local_name_for(self._config.token, address, uid)
-        h = mac.copy()
-        h.update(address.encode())
-        return f"aioxfer-{uid}-{h.hexdigest()[:24]}"
+        return local_name_from(mac, address, uid)
 
     def _prepare_later(self) -> None:
         asyncio.get_running_loop().call_later(_PREPARE_DELAY, self.prepare)

@@ -79,8 +79,22 @@ def local_name_for(token: bytes | None, address: str, uid: int) -> str:
     first by another process, which then only delays connects to the tcp
     path (the kernel's uid check and the handshake refuse any impostor:
     SECURITY.md)."""
-    digest = hmac.new(token or b"", b"local-v1" + address.encode(), hashlib.sha256)
-    return f"aioxfer-{uid}-{digest.hexdigest()[:24]}"
+    return local_name_from(local_name_mac(token), address, uid)
+
+
+def local_name_mac(token: bytes | None) -> hmac.HMAC:
+    """local_name_for's HMAC keyed and begun, before its address: made once
+    (Connector, at its agent's start) and copied per name, so that a
+    connect's name, on its way before the Hello, costs no keying."""
+    return hmac.new(token or b"", b"local-v1", hashlib.sha256)
+
+
+def local_name_from(mac: hmac.HMAC, address: str, uid: int) -> str:
+    """local_name_for(token, address, uid) from local_name_mac(token) (a
+    copy of it finished: mac itself is left as it was)."""
+    h = mac.copy()
+    h.update(address.encode())
+    return f"aioxfer-{uid}-{h.hexdigest()[:24]}"
 
 
 def listen_abstract(name: str) -> socket.socket:
