@@ -1208,11 +1208,6 @@ def _peeked(sock: socket.socket) -> bytes | None:
 peek_now = _peeked
 
 
-def hello_waits_now(loop: asyncio.AbstractEventLoop, sock: socket.socket, spin_ns: int) -> bool:
-    """hello_peek_now(...) is not None."""
-    return hello_peek_now(loop, sock, spin_ns) is not None
-
-
 def hello_peek_now(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, spin_ns: int
 ) -> bytes | None:

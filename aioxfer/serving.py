@@ -340,7 +340,7 @@ class Server:
         the handshake was made in the accepting step, _answer_now, whose
         sends are finished here)."""
         local = cred is not None
-        remote = fmt_sockaddr(addr) if cred is None else f"local pid {cred.pid} uid {cred.uid}"
+        remote = _remote(addr, cred)
         pidfd = -1
         try:
             # (a tcp connection's TCP_NODELAY is set already: _join_now saw
@@ -472,7 +472,7 @@ class Server:
 
         On the unix socket, whose accept is ready before the client's Hello
         is sent, a client of another process is first polled for its Hello
-        (protocol.hello_waits_now, under _answer_now's budget: _spin_ns):
+        (protocol.hello_peek_now, under _answer_now's budget: _spin_ns):
         an early Hello that landed after our ordinary Challenge would cost
         the Proof round. tcp's accept waits for the first bytes
         (TCP_DEFER_ACCEPT), and a tcp connect's other connections may send
@@ -737,16 +737,16 @@ class Server:
         this Server was given (see _makers)."""
         version = self._meta_version
         meta, local_meta = self._makers
-        if version is None or self._meta is not meta or self._local_meta is not local_meta:
-            snap, fds = self._local_meta() if local else (self._meta(), [])
-            return snap, fds, encode_frame(snap)
-        key = (version(), os.getpid())
-        made = self._meta_made[local]
-        if made is not None and made[0] == key:
-            return made[1], made[2], made[3]
+        key = None
+        if version is not None and self._meta is meta and self._local_meta is local_meta:
+            key = (version(), os.getpid())
+            made = self._meta_made[local]
+            if made is not None and made[0] == key:
+                return made[1], made[2], made[3]
         snap, fds = self._local_meta() if local else (self._meta(), [])
         frame = encode_frame(snap)
-        self._meta_made[local] = (key, snap, fds, frame)
+        if key is not None:
+            self._meta_made[local] = (key, snap, fds, frame)
         return snap, fds, frame
 
     def _send_now(self, sock: socket.socket, out: _Out) -> bool:

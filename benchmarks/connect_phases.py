@@ -198,10 +198,11 @@ def _patch(prefix: str) -> None:
             (protocol, "_stamped", "stamped"),
             (protocol, "_early_mac", "early_mac"),
             # ep34's: the proof finished from its HMAC begun ahead; the
-            # accepting step's poll for a unix client's Hello
+            # accepting step's poll for a unix client's Hello (ep34's
+            # hello_waits_now, since tgt35 hello_peek_now: its peek handed on;
+            # the step keeps its name)
             (protocol, "_early_finish", "early_finish"),
             (serving_, "hello_waits_now", "hello_waits_now"),
-            # tgt35's: the same poll, its peeked bytes handed on
             (serving_, "hello_peek_now", "hello_waits_now"),
             (dialing_, "send_now", "hello_send_now"),
         ):
