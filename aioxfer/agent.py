@@ -747,6 +747,8 @@ class Agent:
                 # quarantined), then the cancellation goes on.
                 cancelled = exc
         self._closed = self._sub.closed = True
+        if "_connector" in self.__dict__:  # (a cached_property: made by start or a connect)
+            self._connector.close()  # its timers off the loop
         tasks: list[asyncio.Task[Any]] = [
             task
             for task in (

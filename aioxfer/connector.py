@@ -26,6 +26,7 @@ import socket
 import sys
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aioxfer import _cyx
 from aioxfer import verbs as _verbs
@@ -146,6 +147,8 @@ class Connector:
         "_predialed",
         "_name_mac",
         "_name_uid",
+        "_prepare_at",
+        "_timers",
         "joins_pending",
     )
 
@@ -188,6 +191,38 @@ class Connector:
         # Peers whose joining task a timer makes (_start_joins) and has not
         # made yet: joining too, for whoever waits for the joins to end.
         self.joins_pending = 0
+        # Our timers not run yet (_later; prepare's: _prepare_at), which close
+        # takes off the loop: one of a closed agent left there is due in a
+        # later agent's connect, and a callback ready then keeps its
+        # handshake's reads from polling (protocol._spin_recv_into), as in
+        # every connect after the first of agents made one after another.
+        self._prepare_at: asyncio.TimerHandle | None = None
+        self._timers: dict[asyncio.TimerHandle, tuple[Callable[..., None], tuple[Any, ...]]] = {}
+
+    def close(self) -> None:
+        """The agent closed: our timers are taken off its loop. What they
+        would still have done is done now (a peer.connected line; a join
+        timer's count), not lost; prepare's Hellos are not made."""
+        if self._prepare_at is not None:
+            self._prepare_at.cancel()
+            self._prepare_at = None
+        timers, self._timers = self._timers, {}
+        for handle, (fn, args) in timers.items():
+            handle.cancel()
+            fn(*args)
+
+    def _later(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
+        """fn(*args) delay seconds from now, unless close runs it first."""
+        cell: list[asyncio.TimerHandle] = []
+        handle = asyncio.get_running_loop().call_later(delay, self._fire, cell, fn, args)
+        cell.append(handle)
+        self._timers[handle] = (fn, args)
+
+    def _fire(
+        self, cell: list[asyncio.TimerHandle], fn: Callable[..., None], args: tuple[Any, ...]
+    ) -> None:
+        self._timers.pop(cell[0], None)
+        fn(*args)
 
     def _check_open(self) -> None:
         if self._closed():
@@ -280,7 +315,15 @@ class Connector:
         return local_name_from(mac, address, uid)
 
     def _prepare_later(self) -> None:
-        asyncio.get_running_loop().call_later(_PREPARE_DELAY, self.prepare)
+        if self._prepare_at is not None:
+            self._prepare_at.cancel()  # (one is enough: made after the last predial)
+        self._prepare_at = asyncio.get_running_loop().call_later(
+            _PREPARE_DELAY, self._prepare_due
+        )
+
+    def _prepare_due(self) -> None:
+        self._prepare_at = None
+        self.prepare()
 
     def _probe_joins(self) -> int:
         """How many joins the tcp "meta" probe of an agent with a unix
@@ -618,9 +661,7 @@ class Connector:
             # longer, median of 52 pairs, connect_phases), and the joins wait
             # _JOIN_DELAY anyway (see _join_rest).
             self.joins_pending += 1
-            asyncio.get_running_loop().call_later(
-                _JOIN_DELAY, self._start_joins, peer, first, early, joins
-            )
+            self._later(_JOIN_DELAY, self._start_joins, peer, first, early, joins)
         else:
             self._log_connected(peer, 1)
         return peer
@@ -758,9 +799,7 @@ class Connector:
         # completion (progress.Poller.spin_alone).
         # Its arguments gathered then too (a partial of eight keywords made
         # here was on the caller's way); the region count is the connect's.
-        asyncio.get_running_loop().call_later(
-            _LOG_DELAY, self._log_connected_now, peer, conns, len(peer._regions)
-        )
+        self._later(_LOG_DELAY, self._log_connected_now, peer, conns, len(peer._regions))
 
     def _log_connected_now(self, peer: Peer, conns: int, regions: int) -> None:
         _log.info("peer.connected", agent=self._agent, peer=peer.name, address=peer.address,
