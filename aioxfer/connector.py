@@ -315,11 +315,10 @@ class Connector:
         return local_name_from(mac, address, uid)
 
     def _prepare_later(self) -> None:
-        if self._prepare_at is not None:
-            self._prepare_at.cancel()  # (one is enough: made after the last predial)
-        self._prepare_at = asyncio.get_running_loop().call_later(
-            _PREPARE_DELAY, self._prepare_due
-        )
+        if self._prepare_at is None:  # (one pending makes them for every predial before it)
+            self._prepare_at = asyncio.get_running_loop().call_later(
+                _PREPARE_DELAY, self._prepare_due
+            )
 
     def _prepare_due(self) -> None:
         self._prepare_at = None
@@ -1019,17 +1018,20 @@ class Connector:
                 continue
             memfd = -1
             if fds is not None and 0 <= m.memfd < len(fds):
-                why = check_sealed(fds[m.memfd], m.nbytes)
-                if why is None:
-                    memfd = fds[m.memfd]
-                else:  # never mapped: cross-memory attach reaches it without SIGBUS
-                    _log.warning("region.memfd_refused", agent=self._agent, peer=peer.name,
-                                 region=m.name, reason=why)
+                memfd = fds[m.memfd]
             try:
+                # The engine maps a memfd only sealed against resizing and at
+                # least the region's length (shm.c map_fd: the checks
+                # local.check_sealed makes, and more), before it maps it:
+                # never mapped otherwise, so no SIGBUS.
                 eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, memfd)
             except _cyx.NativeError:
                 if memfd < 0:
                     raise
+                why = check_sealed(memfd, m.nbytes)
+                if why is not None:  # (said as before: the engine's code names no reason)
+                    _log.warning("region.memfd_refused", agent=self._agent, peer=peer.name,
+                                 region=m.name, reason=why)
                 # Could not map it: cross-memory attach reaches it too.
                 eng.endpoint_import(ep, m.rid, m.key, m.nbytes, m.access, m.addr, -1)
                 memfd = -1

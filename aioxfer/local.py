@@ -43,6 +43,7 @@ __all__ = [
     "local_address",
     "peer_pidfd",
     "recv_fds",
+    "recv_fds_then",
     "seal",
     "send_fds",
 ]
@@ -196,12 +197,24 @@ async def send_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, fds: li
 
 async def recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> list[int]:
     """Exactly n fds sent by send_fds. On any error every fd received so far is closed."""
+    return (await recv_fds_then(loop, sock, n, 0))[0]
+
+
+async def recv_fds_then(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int, after: int
+) -> tuple[list[int], bytes]:
+    """Exactly n fds sent by send_fds, and up to after bytes of the stream
+    that follow the last one's message, as far as that one read got them
+    (b"" with n 0): a sender that appends the next bytes to that message
+    (serving: META_GO) spares the reader a read of its own for them. On any
+    error every fd received so far is closed."""
     got: list[int] = []
     try:
         while len(got) < n:
             want = min(FDS_PER_MESSAGE, n - len(got))
+            size = 1 + after if len(got) + want == n else 1
             try:
-                data, fds, flags, _ = socket.recv_fds(sock, 1, want)
+                data, fds, flags, _ = socket.recv_fds(sock, size, want)
             except BlockingIOError:
                 await _wait(loop, sock, write=False)
                 continue
@@ -210,7 +223,9 @@ async def recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int)
                 raise ProtocolError(f"connection closed after {len(got)} of {n} memfds")
             if flags & socket.MSG_CTRUNC or len(fds) != want:
                 raise ProtocolError(f"expected {want} memfds in a message, got {len(fds)}")
-        return got
+            if len(got) == n:
+                return got, data[1:]
+        return got, b""
     except BaseException:
         for fd in got:
             os.close(fd)
