@@ -294,6 +294,8 @@ class Server:
                 peeked = None
                 if not local:
                     joined = self._join_now(sock, addr)
+                    if joined is None and self._token is not None and same_host(addr):
+                        joined = self._join_polled(loop, sock, addr)
                     if joined is True:
                         continue
                     peeked = joined or None
@@ -597,6 +599,33 @@ class Server:
             self._tag_unref(tag)
             raise
         _log.debug("conn.accepted", agent=self._agent, peer=hello.name, remote=remote, tag=tag)
+
+    def _join_polled(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any
+    ) -> bool | bytes | None:
+        """_join_now once the Hello of a same-host tcp connection accepted
+        before it came is there, polled for as the unix socket's
+        (protocol.hello_peek_now, under the same budget: _spin_ns); None:
+        none came in time (the caller greets it, as before).
+
+        Why: a listener that accepts at the connect (no TCP_DEFER_ACCEPT,
+        as agent._listen may leave a loopback one) is woken by the client's
+        connect, ~0.2-0.3 ms before its Hello (the client makes and sends it
+        meanwhile): the wake-up of an idle vCPU, ~0.1-0.2 ms, is then off
+        the connect's way, where a deferred accept took it after the Hello
+        (tgt36). With TCP_DEFER_ACCEPT, a connection comes without its
+        Hello only from a client silent for ~1 s: polled once, budgeted."""
+        spin = self._spin_ns(loop, sock)
+        if not spin:
+            return None
+        t0 = time.monotonic_ns()
+        try:
+            got = hello_peek_now(loop, sock, spin)
+        except OSError:
+            return None  # (_serve meets it again, and says so)
+        finally:
+            self._spin_debt += time.monotonic_ns() - t0
+        return None if got is None else self._join_now(sock, addr)
 
     def _join_now(self, sock: socket.socket, addr: Any) -> bool | bytes | None:
         """A tcp connection whose Hello joins a Challenge, served at once, in
