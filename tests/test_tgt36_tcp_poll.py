@@ -95,7 +95,6 @@ async def test_a_hello_after_the_accept_is_answered_early(make_agent: Any,
     """A client (another thread) that connects, then sends its early Hello
     a little later: answered in the accepting step, its proof taken, when
     the Hello came while polled for (or before the accept: no poll)."""
-    import threading
     import time
 
     from aioxfer import metadata, protocol
