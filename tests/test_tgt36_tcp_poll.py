@@ -109,7 +109,7 @@ async def test_a_hello_after_the_accept_is_answered_early(make_agent: Any,
         taken = b._server.early.taken
         got: list[bytes] = []
 
-        def client() -> None:
+        def client(got: list[bytes] = got) -> None:
             with socket.create_connection((host, int(port))) as c:
                 time.sleep(0.0002)
                 _, frame = protocol._hello(name="tgt36-raw", incarnation=1, purpose="data",
