@@ -93,7 +93,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import NoReturn, TypeGuard, TypeVar
 
 import msgspec
@@ -262,15 +262,34 @@ def handshake_spin_ns(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> i
 _LOOPBACK_PREFIXES = ("127.", "::ffff:127.")
 
 
+def _others_ready(ready: Collection[asyncio.Handle]) -> bool:
+    """Whether asyncio's ready queue (loop._ready) holds a callback that
+    will run: a handle cancelled after it fell due stays there until the
+    loop pops and skips it (a timer of an agent closed meanwhile, tgt36:
+    seen on all 7 of a connect's handshake reads, each then waited for in
+    the loop: ~0.07 ms more on tcp's). A callback another thread adds
+    while we look (call_soon_threadsafe) counts as ready."""
+    if not ready:
+        return False
+    try:
+        for handle in ready:
+            if not handle.cancelled():
+                return True
+    except RuntimeError:  # (the deque changed under us: another thread added one)
+        return True
+    return False
+
+
 def _spin_recv_into(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview, bound_ns: int
 ) -> int:
     """Bytes read into view by polling the non-blocking sock for up to
     bound_ns, this thread's CPU yielded between polls (the peer may need
     it); -1: none came, or the loop has other callbacks ready (they run
-    first: the caller waits in the loop). 0: the peer closed."""
+    first: the caller waits in the loop; cancelled ones never run:
+    _others_ready). 0: the peer closed."""
     ready = getattr(loop, "_ready", None)
-    if ready is None or ready:
+    if ready is None or _others_ready(ready):
         return -1
     deadline = time.monotonic_ns() + bound_ns
     while True:
@@ -614,15 +633,18 @@ def with_early_frame(frame: bytes, sock: socket.socket, token: bytes | None) -> 
 
 def with_early_hello(
     hello: Hello, frame: bytes, sock: socket.socket, token: bytes | None,
-    ahead: EarlyAhead | None = None,
+    ahead: EarlyAhead | None = None, here: str | bytes | None = None,
 ) -> bytes:
     """with_early_frame of a Hello made ahead whose struct was kept beside
     its frame (frame: encode_frame(hello)): nothing decoded (~0.01-0.02 ms
     of the stamp's ~0.1 ms on a fresh process's first connect, ed33).
     ahead: its early_ahead(token, hello), made ahead too: the proof is then
     that HMAC's copy finished (~8 us cold instead of a one-shot's ~30-45)
-    and the frame filled in, not encoded again."""
-    here = None if token is None else _early_target(sock)
+    and the frame filled in, not encoded again. here: the server's address
+    as _early_target(sock) names it, known ahead (early_target_of the
+    address sock was connected to); None: sock is asked."""
+    if here is None and token is not None:
+        here = _early_target(sock)
     if here is None or token is None:
         return frame
     if ahead is None:
@@ -880,6 +902,21 @@ def _hello_msg(
     return hello
 
 
+def early_target_of(peer: object) -> str | bytes | None:
+    """_early_target of a socket connected to peer, known before it is
+    (made ahead by its dialer, per address): peer is the address given to
+    its connect as the kernel names it (getpeername's value: a numeric IP's
+    sockaddr as getaddrinfo gives it; a unix socket's name as its listener
+    bound it). The server's getsockname() decides: a name written another
+    way (a unix path relative here, absolute there) is no proof at the
+    server (the Proof round follows), never one for another server.
+
+    Why: getpeername, the loopback check and the format ran ~17-23 us on a
+    fresh process's first connect, on its way before the Hello leaves
+    (tgt36, ~5 us warm)."""
+    return sock_endpoint(peer) if same_host(peer) else None
+
+
 def _early_target(sock: socket.socket) -> str | bytes | None:
     """The server's address for an early proof, when sock's peer is on this
     host by the address we are connected to (same_host); else None (no
@@ -889,7 +926,7 @@ def _early_target(sock: socket.socket) -> str | bytes | None:
         peer = sock.getpeername()
     except OSError:
         return None
-    return sock_endpoint(peer) if same_host(peer) else None
+    return early_target_of(peer)
 
 
 def client_join_now(
@@ -1231,7 +1268,7 @@ def hello_peek_now(
         got = _peeked(sock)
         if got is not None and (not got or _whole_frame(got)):
             return got
-        if ready is None or ready or spin_ns <= 0:
+        if ready is None or spin_ns <= 0 or _others_ready(ready):
             return None
         now = time.monotonic_ns()
         if not deadline:
@@ -1447,7 +1484,7 @@ def server_answer_now(
             now = time.monotonic_ns()
             if not deadline:
                 ready = getattr(loop, "_ready", None)
-                if not spin_ns or ready is None or ready:
+                if not spin_ns or ready is None or _others_ready(ready):
                     return None
                 deadline = now + spin_ns
             elif now >= deadline:

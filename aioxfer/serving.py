@@ -244,6 +244,7 @@ class Server:
         # path or name; an IP bound to one address), once here instead of a
         # syscall and a format per connect. None: per connection (a wildcard).
         here = _listener_endpoint(lsock)
+        accept = _accepter(lsock)
 
         def resume() -> None:
             if not stop.done():
@@ -253,7 +254,7 @@ class Server:
             nonlocal refused
             for _ in range(_ACCEPT_BURST):
                 try:
-                    sock, addr = lsock.accept()
+                    sock, addr = accept()
                 except (BlockingIOError, InterruptedError):
                     if self._challenge is None:  # (the next one's, off its way)
                         self._challenge = challenge(self._token)
@@ -293,6 +294,8 @@ class Server:
                 peeked = None
                 if not local:
                     joined = self._join_now(sock, addr)
+                    if joined is None and self._token is not None and same_host(addr):
+                        joined = self._join_polled(loop, sock, addr)
                     if joined is True:
                         continue
                     peeked = joined or None
@@ -597,6 +600,33 @@ class Server:
             raise
         _log.debug("conn.accepted", agent=self._agent, peer=hello.name, remote=remote, tag=tag)
 
+    def _join_polled(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any
+    ) -> bool | bytes | None:
+        """_join_now once the Hello of a same-host tcp connection accepted
+        before it came is there, polled for as the unix socket's
+        (protocol.hello_peek_now, under the same budget: _spin_ns); None:
+        none came in time (the caller greets it, as before).
+
+        Why: a listener that accepts at the connect (no TCP_DEFER_ACCEPT,
+        as agent._listen may leave a loopback one) is woken by the client's
+        connect, ~0.2-0.3 ms before its Hello (the client makes and sends it
+        meanwhile): the wake-up of an idle vCPU, ~0.1-0.2 ms, is then off
+        the connect's way, where a deferred accept took it after the Hello
+        (tgt36). With TCP_DEFER_ACCEPT, a connection comes without its
+        Hello only from a client silent for ~1 s: polled once, budgeted."""
+        spin = self._spin_ns(loop, sock)
+        if not spin:
+            return None
+        t0 = time.monotonic_ns()
+        try:
+            got = hello_peek_now(loop, sock, spin)
+        except OSError:
+            return None  # (_serve meets it again, and says so)
+        finally:
+            self._spin_debt += time.monotonic_ns() - t0
+        return None if got is None else self._join_now(sock, addr)
+
     def _join_now(self, sock: socket.socket, addr: Any) -> bool | bytes | None:
         """A tcp connection whose Hello joins a Challenge, served at once, in
         the accepting step (protocol.server_join_now: the Hello came with the
@@ -844,6 +874,27 @@ def _remote(addr: Any, cred: PeerCred | None) -> str:
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _accepter(lsock: socket.socket) -> Callable[[], tuple[socket.socket, Any]]:
+    """lsock.accept for a non-blocking listener, with what it asks lsock
+    each time (its family, type and protocol, two of them converted to
+    enums) read once: the accept is the first step of a woken target's
+    way to its answer (~3-7 us of socket.accept's ~12-16 warm, more on a
+    cold vCPU, tgt36). The same socket as socket.accept's: a listener
+    without a timeout has nothing else for it to do (it copies a timeout
+    only where the listener has one: such a listener keeps socket.accept)."""
+    raw = getattr(lsock, "_accept", None)
+    if lsock.gettimeout() != 0.0 or raw is None or type(lsock) is not socket.socket:
+        return lsock.accept
+    family, kind, proto = lsock.family, lsock.type, lsock.proto
+    new = socket.socket
+
+    def accept() -> tuple[socket.socket, Any]:
+        fd, addr = raw()
+        return new(family, kind, proto, fileno=fd), addr
+
+    return accept
 
 
 def _listener_endpoint(lsock: socket.socket) -> str | bytes | None:

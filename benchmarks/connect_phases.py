@@ -39,6 +39,13 @@ M.<name> steps: a build with temporary probes (a list aioxfer.log.MARKS
 of (name, monotonic ns) appended to at points of the path) shows each as a
 step from the previous probe (or the clock's start) to it; the target's
 probes as T.M.<name>, each an instant (its start; duration 0).
+PHASE_BACK2BACK=n: run.py's connect samples' pattern (bench_aioxfer
+connect_samples): n agents of the initiator's process before the timed one,
+each its region filled, connect + first write, closed, one after another,
+and no gc.collect() before the clock; the steps of both processes kept from
+PHASE_BEFORE_MS (50 here, else 1) before it: what the target still did for
+the previous peers (its loss, close, timers, a collection) when the timed
+Hello came (T.* steps at negative starts).
 PHASE_GC_KEEP=1: no gc.collect() before the clock (see _initiator). The
 collector's passes show as steps (I.gc0, T.gc1, ... by generation).
 I.cpu_process / I.cpu_loop_thread: the initiator's CPU time (rusage) over
@@ -293,6 +300,17 @@ async def _initiator(transport: str, address: str) -> None:
 
     _patch("I.")
     _patch_select("I.")
+    b2b = int(os.environ.get("PHASE_BACK2BACK", "0"))
+    for i in range(b2b):
+        # run.py's pattern (bench_aioxfer.connect_samples): agents one after
+        # another in this process, each region filled, connect + 4 KiB
+        # write, closed; nothing collected in between (see the docstring).
+        async with aioxfer.Agent(f"phase-b2b-{i}", **_agent_kw(transport, True)) as prev:
+            pl = prev.alloc(64 << 20, name="buf")
+            pl.numpy().fill(2)
+            pp = await prev.connect(address)
+            await prev.write(pl[0:4096], pp.region("buf")[0:4096])
+        EVENTS.clear()
     for i in range(int(os.environ.get("PHASE_WARM", "0"))):
         # As run.py's samples after its first: this process has connected
         # before (another agent of it, closed), so its code, caches and
@@ -317,7 +335,7 @@ async def _initiator(transport: str, address: str) -> None:
         # (the gc0 step at 0.27 ms, in every sample). The connect and its
         # write allocate ~100 tracked objects net, far from a pass then.
         # PHASE_GC_KEEP=1: as before (no collection first).
-        if not os.environ.get("PHASE_GC_KEEP"):
+        if not os.environ.get("PHASE_GC_KEEP") and not b2b:
             gc.collect()
         marks = getattr(aioxfer.log, "MARKS", None)
         if marks is not None:
@@ -406,6 +424,11 @@ def main() -> None:
         assert p.stdout is not None
         targets.append((py, p, json.loads(p.stdout.readline())["address"]))
     samples: dict[str, list[dict[str, list[tuple[int, int]]]]] = {py: [] for py in pythons}
+    # Steps kept from this long before the clock (PHASE_BACK2BACK: the
+    # target's since the previous agent's write, what it still did then).
+    before_ns = int(float(os.environ.get("PHASE_BEFORE_MS",
+                                         "50" if os.environ.get("PHASE_BACK2BACK") else "1"))
+                    * 1e6)
     try:
         for i in range(args.n):
             order = targets if i % 2 == 0 else targets[::-1]
@@ -426,7 +449,7 @@ def main() -> None:
                 t0 = next(a for n, a, _ in ev if n == "TOTAL")
                 s: dict[str, list[tuple[int, int]]] = {}
                 for n, a, b in ev:
-                    if b >= t0 - 1_000_000:
+                    if b >= t0 - before_ns:
                         s.setdefault(n, []).append((a - t0, b - a))
                 samples[py].append(s)
     finally:
