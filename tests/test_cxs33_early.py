@@ -83,7 +83,19 @@ async def unix_connect(agent) -> socket.socket:
 
 
 async def connect_raw(agent, how: str) -> socket.socket:
-    return await (raw_connect(agent.address) if how == "tcp" else unix_connect(agent))
+    return await (tcp_connect_now(agent.address) if how == "tcp" else unix_connect(agent))
+
+
+async def tcp_connect_now(address: str) -> socket.socket:
+    """A tcp connection made without yielding to the loop, as an agent's
+    client makes it (Connector.predial: the Hello sent in the same step): a
+    loopback listener accepts at the connect (no TCP_DEFER_ACCEPT) and polls
+    for the Hello in its accepting step, which a client of this very loop
+    could not send meanwhile (raw_connect's await)."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.setblocking(False)
+    return sock
 
 
 async def early_taken(sock: socket.socket, h: metadata.Hello) -> metadata.Accept:
