@@ -70,12 +70,26 @@ async def test_sleep_mode_loopback_hello_after_connect_is_answered_early(
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_DEFER_ACCEPT"), reason="no TCP_DEFER_ACCEPT")
+async def test_a_loop_that_cannot_poll_defers_too(make_agent: Any) -> None:
+    """uvloop (no asyncio ready queue: nothing polled, whatever the
+    progress mode; AIOXFER_TEST_LOOPS=uvloop runs this on it): as "sleep"."""
+    if getattr(asyncio.get_running_loop(), "_ready", None) is not None:
+        pytest.skip("asyncio's own loop polls")
+    b = await make_agent("b", transports=("tcp",), token=TOKEN)
+    b.alloc(1 << 20, name="buf")
+    taken = b._server.early.taken
+    assert (await _late_hello(b, 0.05)).early
+    assert b._server.early.taken == taken + 1
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_DEFER_ACCEPT"), reason="no TCP_DEFER_ACCEPT")
 async def test_polling_loopback_listener_still_accepts_at_the_connect(make_agent: Any) -> None:
     """The polling agent's loopback listener is left without the deferred
     accept (tgt36's overlap): its option reads 0."""
     b = await make_agent("b", transports=("tcp",), token=TOKEN)
+    polls = getattr(asyncio.get_running_loop(), "_ready", None) is not None
     for lsock in b._lsocks:
-        assert lsock.getsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT) == 0
+        assert (lsock.getsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT) == 0) == polls
     s = await make_agent("s", transports=("tcp",), token=TOKEN, progress="sleep")
     for lsock in s._lsocks:
         assert lsock.getsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT) > 0
