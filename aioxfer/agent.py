@@ -682,6 +682,16 @@ class Agent:
             meta_version=lambda: (self._memory.generation, self._localmeta.meta_with),
         )
         self._server = server
+        if self.progress == "sleep" or getattr(loop, "_ready", None) is None:
+            # Nothing is polled for (no spin; a loop without asyncio's ready
+            # queue, e.g. uvloop: handshake_spin_ns 0): a loopback listener
+            # that accepted at the connect (_listen) greeted a client whose
+            # Hello was not in yet with an ordinary Challenge, its early
+            # proof then lost (a Proof round more) for no overlap gained.
+            # The kernel defers its accept until the Hello is in, as before
+            # de9d3c37 (rv36, tests/test_rv36_defer).
+            for lsock in self._lsocks:
+                _defer_accept(lsock)
         self._accept_tasks = [
             loop.create_task(server.accept_loop(loop, lsock), name=f"aioxfer-accept-{self.name}")
             for lsock in self._lsocks
@@ -1544,21 +1554,16 @@ def _listen(listen: str) -> tuple[socket.socket, str]:
         loopback = family in (socket.AF_INET, socket.AF_INET6) and (
             str(sockaddr[0]).startswith("127.") or sockaddr[0] == "::1"
         )
-        if hasattr(socket, "TCP_DEFER_ACCEPT") and not loopback:
-            # Every client speaks first (Hello): the kernel hands us a
-            # connection once its first bytes are in, so a connect wakes this
-            # process once (accept and Hello together), not twice. A client
-            # that never speaks is accepted after ~1 s anyway, then dropped
-            # at the handshake deadline as before. Not on a loopback
-            # listener: every client is on this host, and one accepted at its
-            # connect has the Hello polled for in the accepting step
-            # (serving.Server._join_polled), so the wake-up of an idle vCPU
-            # (~0.1-0.2 ms) overlaps the client's making and sending its
-            # Hello instead of following it (tgt36, run.py --connect-only:
-            # tcp connect + first write 0.67-0.93x of the deferred accept's,
-            # four runs, slots swapped).
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 1)
+        if not loopback:
+            # Not on a loopback listener: every client is on this host, and
+            # one accepted at its connect has the Hello polled for in the
+            # accepting step (serving.Server._join_polled), so the wake-up of
+            # an idle vCPU (~0.1-0.2 ms) overlaps the client's making and
+            # sending its Hello instead of following it (tgt36, run.py
+            # --connect-only: tcp connect + first write 0.67-0.93x of the
+            # deferred accept's, four runs, slots swapped). Where nothing
+            # is polled, the agent's start defers it after all (_start).
+            _defer_accept(sock)
         sock.listen(512)
         sock.setblocking(False)
     except BaseException:
@@ -1568,6 +1573,20 @@ def _listen(listen: str) -> tuple[socket.socket, str]:
     h = bound[0]
     address = f"[{h}]:{bound[1]}" if ":" in h else f"{h}:{bound[1]}"
     return sock, address
+
+
+def _defer_accept(sock: socket.socket) -> None:
+    """TCP_DEFER_ACCEPT on the listening sock, where the kernel has it.
+
+    Why: every client speaks first (Hello): the kernel hands us a connection
+    once its first bytes are in, so a connect wakes this process once
+    (accept and Hello together), not twice, and a same-host client's early
+    Hello is there when the accepting step answers (server_early_now: no
+    Proof round). A client that never speaks is accepted after ~1 s anyway,
+    then dropped at the handshake deadline as before."""
+    if hasattr(socket, "TCP_DEFER_ACCEPT"):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 1)
 
 
 _HOST_ID: str | None = None
