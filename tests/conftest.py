@@ -813,6 +813,23 @@ async def remote_agent() -> AsyncIterator[Callable[..., Awaitable[RemoteAgent]]]
             assert all(v == 0 for v in leaks.values()), f"remote agent leaks: {leaks}"
 
 
+
+def pipe_names() -> set[str]:
+    """Pipes open in this process, by their "pipe:[inode]" names: the one-copy
+    send makes one per connection on its first spliced frame. Compared as
+    sets, not counts: an earlier test's agent, freed meanwhile by the
+    collector, may close its own pipes during a write (tcp26's count read
+    32 -> 28 in CI)."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("pipe:"):
+            names.add(link)
+    return names
+
 def sigstop(pid: int) -> None:
     """SIGSTOP, and wait until every thread of pid is stopped (kill() returns
     before that; a thread on another core may still run for a moment)."""

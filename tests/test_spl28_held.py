@@ -21,26 +21,9 @@ import signal
 import time
 
 import pytest
-from conftest import digest, pattern, sigstop, within
+from conftest import digest, pattern, pipe_names, sigstop, within
 
 from aioxfer import XferError
-
-
-def pipes() -> set[str]:
-    """Pipes open in this process (their "pipe:[inode]" names): the one-copy
-    send makes one per connection on its first spliced frame. Compared as
-    sets, not counts: an earlier test's agent, freed meanwhile by the
-    collector, may close its own pipes during the write (tcp26's test saw
-    32 -> 28 in CI)."""
-    names = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("pipe:"):
-            names.add(link)
-    return names
 
 
 @pytest.mark.parametrize("end", ["resumed", "killed"])
@@ -54,9 +37,9 @@ async def test_failed_spliced_write_fails_at_once_memory_held(
     buf = bytearray(n)
     src = agent.register(buf)
     rr = peer.region("user")
-    before = pipes()
+    before = pipe_names()
     await within(agent.write(src[0:n], rr[n:2 * n]))  # warm: the pipe exists
-    assert pipes() - before, "the write did not go spliced by default: nothing is tested"
+    assert pipe_names() - before, "the write did not go spliced by default: nothing is tested"
     old = await ra.call("digest", "user", 0, n)
     posted = pattern(n, 28).tobytes()
     buf[:] = posted
